@@ -1,0 +1,75 @@
+// Head reshapes around the attention core: split projected rows into per-head tiles, merge
+// them back, broadcast a bias over rows, and average weights over heads.
+//
+// Row order of a (sequence, batch) tensor: row(n, t) = batch_first ? n * T + t : t * N + n.
+// Head-major tiles are (N*H, T, D): element ((n * H + h) * T + t) * D + d.
+// Every kernel is 1-D over its output elements and guards the tail, so any global size rounded
+// up to the work-group size is safe.
+
+// Splits projected rows into head tiles and appends the extra keys of add_bias_kv (row T) and
+// add_zero_attn (the last row).
+//   proj     (rows, ld) with the head columns starting at col0
+//   bias     in_proj_bias slice for these columns (has_bias)
+//   extra    bias_k or bias_v at extra_off (has_extra: row T is extra; rows after it are zero)
+//   out      (N*H, T_out, D)
+kernel void split_heads(global const float *proj, ulong proj_off, ulong ld, ulong col0,
+                        global const float *bias, ulong bias_off, uint has_bias,
+                        global const float *extra, ulong extra_off, uint has_extra,
+                        global float *out, ulong out_off, ulong n_batch, ulong n_heads,
+                        ulong seq, ulong seq_out, ulong head_dim, uint batch_first) {
+    ulong gid = get_global_id(0);
+    ulong total = n_batch * n_heads * seq_out * head_dim;
+    if (gid >= total) return;
+    ulong d = gid % head_dim;
+    ulong t = (gid / head_dim) % seq_out;
+    ulong bh = gid / (head_dim * seq_out);
+    ulong n = bh / n_heads;
+    ulong h = bh % n_heads;
+    ulong col = h * head_dim + d;
+    float v = 0.0f;
+    if (t < seq) {
+        ulong row = batch_first ? n * seq + t : t * n_batch + n;
+        v = proj[proj_off + row * ld + col0 + col];
+        if (has_bias) v += bias[bias_off + col];
+    } else if (t == seq && has_extra) {
+        v = extra[extra_off + col];
+    }
+    out[out_off + gid] = v;
+}
+
+// Merges head tiles (N*H, L, D) back into rows (rows, E) in the query's row order.
+kernel void merge_heads(global const float *heads, ulong heads_off, global float *out,
+                        ulong n_batch,
+                        ulong n_heads, ulong seq, ulong head_dim, uint batch_first) {
+    ulong gid = get_global_id(0);
+    ulong embed = n_heads * head_dim;
+    ulong total = n_batch * seq * embed;
+    if (gid >= total) return;
+    ulong col = gid % embed;
+    ulong row = gid / embed;
+    ulong n = batch_first ? row / seq : row % n_batch;
+    ulong t = batch_first ? row % seq : row / n_batch;
+    ulong h = col / head_dim;
+    ulong d = col % head_dim;
+    out[gid] = heads[heads_off + ((n * n_heads + h) * seq + t) * head_dim + d];
+}
+
+// out[r, c] = bias[c] (or 0 without bias) for rows x cols: the C operand of a GEMM with beta 1.
+kernel void fill_rows(global float *out, ulong out_off, global const float *bias, uint has_bias,
+                      ulong rows, ulong cols) {
+    ulong gid = get_global_id(0);
+    if (gid >= rows * cols) return;
+    out[out_off + gid] = has_bias ? bias[gid % cols] : 0.0f;
+}
+
+// out[n, i, j] = sum over h of w[n * H + h, i, j], divided by H (PyTorch sums, then divides).
+kernel void average_heads(global const float *w, global float *out, ulong out_off,
+                          ulong n_batch, ulong n_heads, ulong plane) {
+    ulong gid = get_global_id(0);
+    if (gid >= n_batch * plane) return;
+    ulong n = gid / plane;
+    ulong k = gid % plane;
+    float sum = 0.0f;
+    for (ulong h = 0; h < n_heads; ++h) sum += w[(n * n_heads + h) * plane + k];
+    out[out_off + gid] = sum / (float)n_heads;
+}

@@ -1,0 +1,128 @@
+// Mask application, numerically stable row-wise softmax and dropout, in place on the scores
+// (N*H, L, S') that the QK^T GEMM wrote (already scaled by 1/sqrt(head_dim)).
+//
+// Build options: -DWG=<work-group size, a power of two>.
+//
+// Masks cover the first S keys; the keys appended by add_bias_kv / add_zero_attn (j >= S) are
+// never masked, as PyTorch pads its masks with an allowed column. Mask kinds (host enum
+// clmha_mask_kind): 0 none, 1 bool "true = ignore", 2 bool "true = may attend", 3 float (added).
+// attn_mask layouts: 1 (L, S) shared, 2 (N*H, L, S) per head, 3 (N, L, S) per batch item.
+// A row whose every key is masked becomes zeros (PyTorch would give NaN).
+
+#ifndef WG
+#define WG 64
+#endif
+
+#define MASK_NONE 0
+#define MASK_BOOL_IGNORE 1
+#define MASK_BOOL_ATTEND 2
+#define MASK_FLOAT 3
+
+// Philox4x32-10, first output word (the same function as clmha__philox_word0 in src/internal.h).
+inline uint philox_word0(uint c0, uint c1, uint c2, uint c3, uint k0, uint k1) {
+    for (int round = 0; round < 10; ++round) {
+        uint hi0 = mul_hi(0xD2511F53u, c0);
+        uint lo0 = 0xD2511F53u * c0;
+        uint hi1 = mul_hi(0xCD9E8D57u, c2);
+        uint lo1 = 0xCD9E8D57u * c2;
+        uint n0 = hi1 ^ c1 ^ k0;
+        uint n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return c0;
+}
+
+// The additive value of mask `kind` at element idx of `mask`.
+inline float mask_value(global const uchar *mask, uint kind, ulong idx) {
+    if (kind == MASK_FLOAT) return ((global const float *)mask)[idx];
+    if (kind == MASK_BOOL_IGNORE) return mask[idx] ? -INFINITY : 0.0f;
+    if (kind == MASK_BOOL_ATTEND) return mask[idx] ? 0.0f : -INFINITY;
+    return 0.0f;
+}
+
+// One work-group per row (bh, i) of the scores.
+kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void masked_softmax(global float *scores, ulong n_rows, ulong tgt_len, ulong n_heads,
+                    ulong src_len, ulong src_len_padded,
+                    global const uchar *attn_mask, ulong attn_off, uint attn_kind,
+                    uint attn_layout,
+                    global const uchar *kpm, ulong kpm_off, uint kpm_kind,
+                    uint causal,
+                    uint dropout_on, uint dropout_threshold, float keep_scale,
+                    uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+    local float red[WG];
+    ulong row = get_group_id(0);
+    if (row >= n_rows) return;  // uniform over the work-group
+    uint lid = get_local_id(0);
+    ulong bh = row / tgt_len;
+    ulong i = row % tgt_len;
+    ulong n = bh / n_heads;
+    global float *x = scores + row * src_len_padded;
+
+    ulong attn_row = 0;
+    if (attn_layout == 1) attn_row = i * src_len;
+    else if (attn_layout == 2) attn_row = (bh * tgt_len + i) * src_len;
+    else if (attn_layout == 3) attn_row = (n * tgt_len + i) * src_len;
+    attn_row += attn_off;
+    ulong kpm_row = kpm_off + n * src_len;
+
+    // Pass 1: add the masks, write back, find the row maximum (NaN wins, so it propagates).
+    float m = -INFINITY;
+    for (ulong j = lid; j < src_len_padded; j += WG) {
+        float v = x[j];
+        if (j < src_len) {
+            v += mask_value(attn_mask, attn_kind, attn_row + j);
+            v += mask_value(kpm, kpm_kind, kpm_row + j);
+            if (causal && j > i) v = -INFINITY;
+        }
+        x[j] = v;
+        m = (v > m || isnan(v)) ? v : m;
+    }
+    red[lid] = m;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint s = WG / 2; s > 0; s >>= 1) {
+        if (lid < s) {
+            float o = red[lid + s];
+            red[lid] = (o > red[lid] || isnan(o)) ? o : red[lid];
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    m = red[0];
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    if (m == -INFINITY) {  // fully masked row
+        for (ulong j = lid; j < src_len_padded; j += WG) x[j] = 0.0f;
+        return;
+    }
+
+    // Pass 2: exponentials and their sum.
+    float sum = 0.0f;
+    for (ulong j = lid; j < src_len_padded; j += WG) {
+        float e = exp(x[j] - m);
+        x[j] = e;
+        sum += e;
+    }
+    red[lid] = sum;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint s = WG / 2; s > 0; s >>= 1) {
+        if (lid < s) red[lid] += red[lid + s];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    float inv = 1.0f / red[0];
+
+    // Pass 3: normalise, then dropout.
+    for (ulong j = lid; j < src_len_padded; j += WG) {
+        float p = x[j] * inv;
+        if (dropout_on) {
+            uint w = philox_word0((uint)j, (uint)i, (uint)bh, offset_lo, seed_lo,
+                                  seed_hi_xor_off_hi);
+            p = w >= dropout_threshold ? p * keep_scale : 0.0f;
+        }
+        x[j] = p;
+    }
+}

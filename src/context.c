@@ -1,0 +1,172 @@
+// Contexts: the OpenCL context, device and in-order queue clmha works on, its program cache and
+// its last error message.
+#include "internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static _Thread_local char create_error[CLMHA__ERROR_SIZE];
+
+const char *clmha_last_create_error(void) { return create_error; }
+
+clmha_status clmha__fail(const clmha_context *ctx, clmha_status status, const char *fmt, ...) {
+    char buf[CLMHA__ERROR_SIZE];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (!ctx) {
+        memcpy(create_error, buf, sizeof buf);
+        return status;
+    }
+    clmha_context *c = (clmha_context *)ctx;  // the message is mutable state of the context
+    pthread_mutex_lock(&c->lock);
+    memcpy(c->last_error, buf, sizeof buf);
+    pthread_mutex_unlock(&c->lock);
+    return status;
+}
+
+const char *clmha_context_last_error(const clmha_context *ctx) {
+    return ctx ? ctx->last_error : "ctx is NULL";
+}
+
+// Fills the fields common to both constructors once cl_ctx, device and queue are set.
+static clmha_status context_finish(clmha_context *c) {
+    cl_platform_id platform = NULL;
+    clGetDeviceInfo(c->device, CL_DEVICE_PLATFORM, sizeof platform, &platform, NULL);
+    clmha__device_describe(platform, c->device, 0, 0, &c->info);
+    snprintf(c->info.spec, sizeof c->info.spec, "-");
+    snprintf(c->device_name, sizeof c->device_name, "%s / %s", c->info.platform_name,
+             c->info.device_name);
+    c->max_work_group = 1;
+    clGetDeviceInfo(c->device, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof c->max_work_group,
+                    &c->max_work_group, NULL);
+    cl_int err;
+    c->dummy = clCreateBuffer(c->cl_ctx, CL_MEM_READ_WRITE, 16, NULL, &err);
+    if (err != CL_SUCCESS) return clmha__cl_fail(NULL, err, "clCreateBuffer(dummy)");
+    return CLMHA_SUCCESS;
+}
+
+static clmha_context *context_alloc(void) {
+    clmha_context *c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    c->refcount = 1;
+    pthread_mutex_init(&c->lock, NULL);
+    return c;
+}
+
+clmha_status clmha_context_create(clmha_context **out, const char *spec) {
+    if (!out) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "out is NULL");
+    *out = NULL;
+    clmha_device_info info;
+    char msg[CLMHA__ERROR_SIZE];
+    clmha_status st = clmha_device_select(spec, &info, msg, sizeof msg);
+    if (st) return clmha__fail(NULL, st, "%s", msg);
+
+    clmha_context *c = context_alloc();
+    if (!c) return clmha__fail(NULL, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    cl_int err;
+    cl_context_properties props[] = {CL_CONTEXT_PLATFORM, (cl_context_properties)info.platform,
+                                     0};
+    c->device = info.device;
+    c->cl_ctx = clCreateContext(props, 1, &info.device, NULL, NULL, &err);
+    if (err != CL_SUCCESS) {
+        st = clmha__cl_fail(NULL, err, "clCreateContext");
+        goto fail;
+    }
+    c->queue = clCreateCommandQueue(c->cl_ctx, info.device, CL_QUEUE_PROFILING_ENABLE, &err);
+    if (err != CL_SUCCESS) {
+        st = clmha__cl_fail(NULL, err, "clCreateCommandQueue");
+        goto fail;
+    }
+    if ((st = context_finish(c))) goto fail;
+    c->info.platform_index = info.platform_index;
+    c->info.device_index = info.device_index;
+    snprintf(c->info.spec, sizeof c->info.spec, "%s", info.spec);
+    *out = c;
+    return CLMHA_SUCCESS;
+fail:
+    clmha_context_release(c);
+    return st;
+}
+
+clmha_status clmha_context_create_from_env(clmha_context **out) {
+    return clmha_context_create(out, getenv("CLMHA_DEVICE"));
+}
+
+clmha_status clmha_context_create_from_cl(clmha_context **out, cl_context context,
+                                          cl_device_id device, cl_command_queue queue) {
+    if (!out) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "out is NULL");
+    *out = NULL;
+    if (!context || !device || !queue)
+        return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT,
+                           "context, device and queue must all be given (got %p, %p, %p)",
+                           (void *)context, (void *)device, (void *)queue);
+    cl_context qctx = NULL;
+    cl_device_id qdev = NULL;
+    cl_command_queue_properties qprops = 0;
+    cl_int err = clGetCommandQueueInfo(queue, CL_QUEUE_CONTEXT, sizeof qctx, &qctx, NULL);
+    if (err == CL_SUCCESS)
+        err = clGetCommandQueueInfo(queue, CL_QUEUE_DEVICE, sizeof qdev, &qdev, NULL);
+    if (err == CL_SUCCESS)
+        err = clGetCommandQueueInfo(queue, CL_QUEUE_PROPERTIES, sizeof qprops, &qprops, NULL);
+    if (err != CL_SUCCESS)
+        return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "queue is not a valid command queue (%s)",
+                           clmha__cl_error_name(err));
+    if (qctx != context)
+        return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT,
+                           "queue belongs to another cl_context than the one given");
+    if (qdev != device)
+        return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT,
+                           "queue belongs to another device than the one given");
+    if (qprops & CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE)
+        return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT,
+                           "queue is out-of-order: clmha (and CLBlast) need an in-order queue");
+
+    clmha_context *c = context_alloc();
+    if (!c) return clmha__fail(NULL, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    clRetainContext(context);
+    clRetainCommandQueue(queue);
+    c->cl_ctx = context;
+    c->device = device;
+    c->queue = queue;
+    clmha_status st = context_finish(c);
+    if (st) {
+        clmha_context_release(c);
+        return st;
+    }
+    *out = c;
+    return CLMHA_SUCCESS;
+}
+
+void clmha_context_retain(clmha_context *ctx) {
+    if (!ctx) return;
+    pthread_mutex_lock(&ctx->lock);
+    ++ctx->refcount;
+    pthread_mutex_unlock(&ctx->lock);
+}
+
+void clmha_context_release(clmha_context *ctx) {
+    if (!ctx) return;
+    pthread_mutex_lock(&ctx->lock);
+    int left = --ctx->refcount;
+    pthread_mutex_unlock(&ctx->lock);
+    if (left > 0) return;
+    if (ctx->queue) clFinish(ctx->queue);  // nothing of ours may still run on freed objects
+    clmha__programs_release(ctx);
+    if (ctx->dummy) clReleaseMemObject(ctx->dummy);
+    if (ctx->queue) clReleaseCommandQueue(ctx->queue);
+    if (ctx->cl_ctx) clReleaseContext(ctx->cl_ctx);
+    pthread_mutex_destroy(&ctx->lock);
+    free(ctx);
+}
+
+cl_context clmha_context_cl_context(const clmha_context *ctx) { return ctx ? ctx->cl_ctx : NULL; }
+cl_device_id clmha_context_cl_device(const clmha_context *ctx) { return ctx ? ctx->device : NULL; }
+cl_command_queue clmha_context_cl_queue(const clmha_context *ctx) {
+    return ctx ? ctx->queue : NULL;
+}
+const char *clmha_context_device_name(const clmha_context *ctx) {
+    return ctx ? ctx->device_name : "";
+}

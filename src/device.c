@@ -1,0 +1,156 @@
+// Device enumeration and selection by spec string.
+#include "internal.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_PLATFORMS 32
+#define MAX_DEVICES 64
+// Returned by the ICD loader when no platform is installed (cl_khr_icd).
+#ifndef CL_PLATFORM_NOT_FOUND_KHR
+#define CL_PLATFORM_NOT_FOUND_KHR -1001
+#endif
+
+static const char *no_device_hint =
+    "no OpenCL device found: install an OpenCL driver (on Debian/Ubuntu for the CPU: "
+    "apt-get install pocl-opencl-icd ocl-icd-libopencl1) and check it with `clinfo -l`";
+
+void clmha__device_describe(cl_platform_id platform, cl_device_id device,
+                            unsigned platform_index, unsigned device_index,
+                            clmha_device_info *info) {
+    memset(info, 0, sizeof *info);
+    info->platform_index = platform_index;
+    info->device_index = device_index;
+    info->platform = platform;
+    info->device = device;
+    clGetPlatformInfo(platform, CL_PLATFORM_NAME, sizeof info->platform_name - 1,
+                      info->platform_name, NULL);
+    clGetDeviceInfo(device, CL_DEVICE_NAME, sizeof info->device_name - 1, info->device_name,
+                    NULL);
+    clGetDeviceInfo(device, CL_DRIVER_VERSION, sizeof info->driver_version - 1,
+                    info->driver_version, NULL);
+    clGetDeviceInfo(device, CL_DEVICE_TYPE, sizeof info->type, &info->type, NULL);
+    clGetDeviceInfo(device, CL_DEVICE_MAX_COMPUTE_UNITS, sizeof info->compute_units,
+                    &info->compute_units, NULL);
+    clGetDeviceInfo(device, CL_DEVICE_GLOBAL_MEM_SIZE, sizeof info->global_mem_bytes,
+                    &info->global_mem_bytes, NULL);
+    clGetDeviceInfo(device, CL_DEVICE_LOCAL_MEM_SIZE, sizeof info->local_mem_bytes,
+                    &info->local_mem_bytes, NULL);
+    clGetDeviceInfo(device, CL_DEVICE_MAX_MEM_ALLOC_SIZE, sizeof info->max_alloc_bytes,
+                    &info->max_alloc_bytes, NULL);
+    size_t ext_size = 0;
+    if (clGetDeviceInfo(device, CL_DEVICE_EXTENSIONS, 0, NULL, &ext_size) == CL_SUCCESS &&
+        ext_size > 0) {
+        char *ext = malloc(ext_size + 1);
+        if (ext && clGetDeviceInfo(device, CL_DEVICE_EXTENSIONS, ext_size, ext, NULL) ==
+                       CL_SUCCESS) {
+            ext[ext_size] = 0;
+            info->fp16 = strstr(ext, "cl_khr_fp16") != NULL;
+            info->fp64 = strstr(ext, "cl_khr_fp64") != NULL;
+        }
+        free(ext);
+    }
+    cl_device_fp_config fp64 = 0;
+    if (clGetDeviceInfo(device, CL_DEVICE_DOUBLE_FP_CONFIG, sizeof fp64, &fp64, NULL) ==
+            CL_SUCCESS &&
+        fp64)
+        info->fp64 = true;
+    snprintf(info->spec, sizeof info->spec, "%u:%u", platform_index, device_index);
+}
+
+clmha_status clmha_devices_list(clmha_device_info *infos, size_t capacity, size_t *count) {
+    if (!count || (capacity && !infos)) return CLMHA_INVALID_ARGUMENT;
+    *count = 0;
+    cl_platform_id platforms[MAX_PLATFORMS];
+    cl_uint np = 0;
+    cl_int err = clGetPlatformIDs(MAX_PLATFORMS, platforms, &np);
+    if (err == CL_PLATFORM_NOT_FOUND_KHR || np == 0) return CLMHA_SUCCESS;
+    if (err != CL_SUCCESS) return CLMHA_OPENCL_ERROR;
+    if (np > MAX_PLATFORMS) np = MAX_PLATFORMS;
+    for (cl_uint p = 0; p < np; ++p) {
+        cl_device_id devices[MAX_DEVICES];
+        cl_uint nd = 0;
+        if (clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, MAX_DEVICES, devices, &nd) !=
+            CL_SUCCESS)
+            continue;  // a platform without devices
+        if (nd > MAX_DEVICES) nd = MAX_DEVICES;
+        for (cl_uint d = 0; d < nd; ++d) {
+            if (*count < capacity)
+                clmha__device_describe(platforms[p], devices[d], p, d, &infos[*count]);
+            ++*count;
+        }
+    }
+    return CLMHA_SUCCESS;
+}
+
+// Case-insensitive substring test.
+static bool contains_nocase(const char *hay, const char *needle) {
+    size_t n = strlen(needle);
+    for (; *hay; ++hay) {
+        size_t i = 0;
+        while (i < n && hay[i] &&
+               tolower((unsigned char)hay[i]) == tolower((unsigned char)needle[i]))
+            ++i;
+        if (i == n) return true;
+    }
+    return n == 0;
+}
+
+static bool equals_nocase(const char *a, const char *b) {
+    while (*a && *b && tolower((unsigned char)*a) == tolower((unsigned char)*b)) ++a, ++b;
+    return *a == 0 && *b == 0;
+}
+
+clmha_status clmha_device_select(const char *spec, clmha_device_info *out, char *message,
+                                 size_t message_size) {
+    if (!out) return clmha__msg(message, message_size, CLMHA_INVALID_ARGUMENT, "out is NULL");
+    size_t count = 0;
+    clmha_status st = clmha_devices_list(NULL, 0, &count);
+    if (st) return clmha__msg(message, message_size, st, "clGetPlatformIDs failed");
+    if (count == 0) return clmha__msg(message, message_size, CLMHA_DEVICE_NOT_FOUND, "%s",
+                                      no_device_hint);
+    clmha_device_info *all = calloc(count, sizeof *all);
+    if (!all) return clmha__msg(message, message_size, CLMHA_OUT_OF_MEMORY, "out of memory");
+    size_t got = 0;
+    clmha_devices_list(all, count, &got);
+    if (got < count) count = got;
+
+    long pick = -1;
+    unsigned pi, di;
+    char tail;
+    if (!spec || !*spec) {
+        for (size_t i = 0; i < count && pick < 0; ++i)
+            if (all[i].type & CL_DEVICE_TYPE_GPU) pick = (long)i;
+        if (pick < 0 && count > 0) pick = 0;
+    } else if (sscanf(spec, "%u:%u%c", &pi, &di, &tail) == 2) {
+        for (size_t i = 0; i < count && pick < 0; ++i)
+            if (all[i].platform_index == pi && all[i].device_index == di) pick = (long)i;
+    } else if (equals_nocase(spec, "gpu") || equals_nocase(spec, "cpu") ||
+               equals_nocase(spec, "accelerator")) {
+        cl_device_type want = equals_nocase(spec, "gpu")   ? CL_DEVICE_TYPE_GPU
+                              : equals_nocase(spec, "cpu") ? CL_DEVICE_TYPE_CPU
+                                                           : CL_DEVICE_TYPE_ACCELERATOR;
+        for (size_t i = 0; i < count && pick < 0; ++i)
+            if (all[i].type & want) pick = (long)i;
+    } else {
+        for (size_t i = 0; i < count && pick < 0; ++i)
+            if (contains_nocase(all[i].platform_name, spec) ||
+                contains_nocase(all[i].device_name, spec))
+                pick = (long)i;
+    }
+    if (pick < 0) {
+        int used = snprintf(message, message ? message_size : 0,
+                            "no OpenCL device matches \"%s\"; devices:", spec ? spec : "");
+        for (size_t i = 0; i < count && message && used >= 0 && (size_t)used < message_size;
+             ++i)
+            used += snprintf(message + used, message_size - (size_t)used, " [%s] %s / %s;",
+                             all[i].spec, all[i].platform_name, all[i].device_name);
+        free(all);
+        return CLMHA_DEVICE_NOT_FOUND;
+    }
+    *out = all[pick];
+    free(all);
+    return CLMHA_SUCCESS;
+}

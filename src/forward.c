@@ -1,0 +1,489 @@
+// The forward pass, in the order the data flows:
+//   validate → project (GEMM) → split heads (+ in_proj_bias, bias_k/bias_v, zero key)
+//   → scores = Q·Kᵀ/√D (strided batched GEMM) → masks + softmax + dropout (kernel)
+//   → A·V (strided batched GEMM) → merge heads → output projection (GEMM, bias)
+//   → attention weights (copy or head average).
+// Everything is enqueued on the context's in-order queue; nothing here waits on the host.
+#include "layer.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <clblast_c.h>
+
+// ---- validation ---------------------------------------------------------------------------------
+
+// Checks that @p buf is a buffer of this context holding @p count elements of @p elem bytes
+// after @p offset elements.
+static clmha_status check_buffer(clmha_context *ctx, const char *name, cl_mem buf, size_t offset,
+                                 size_t count, size_t elem) {
+    if (!buf) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s buffer is NULL", name);
+    size_t size = 0;
+    cl_context owner = NULL;
+    cl_int err = clGetMemObjectInfo(buf, CL_MEM_SIZE, sizeof size, &size, NULL);
+    if (err == CL_SUCCESS)
+        err = clGetMemObjectInfo(buf, CL_MEM_CONTEXT, sizeof owner, &owner, NULL);
+    if (err != CL_SUCCESS)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is not a valid cl_mem (%s)", name,
+                           clmha__cl_error_name(err));
+    if (owner != ctx->cl_ctx)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "%s buffer belongs to another cl_context", name);
+    if (offset > SIZE_MAX / elem - count || (offset + count) * elem > size)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "%s buffer holds %zu bytes, the call needs %zu elements of %zu bytes "
+                           "from element offset %zu",
+                           name, size, count, elem, offset);
+    return CLMHA_SUCCESS;
+}
+
+static size_t mask_elem(clmha_mask_kind kind) { return kind == CLMHA_MASK_FLOAT ? 4 : 1; }
+
+// Everything a forward call checks before it enqueues anything.
+static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
+                             bool on_device, clmha__dims *d) {
+    clmha_context *ctx = layer->ctx;
+    char msg[1024];
+    clmha_status st = clmha__dims_resolve(&layer->desc, args, d, msg, sizeof msg);
+    if (st) return clmha__fail(ctx, st, "%s", msg);
+    if (!on_device) {
+        if (!args->query.data) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "query.data is NULL");
+        if (!d->key_is_query && !args->key.data)
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "key.data is NULL");
+        if (!d->value_is_key && !args->value.data)
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "value.data is NULL");
+        if (d->kpm_kind && !args->key_padding_mask.tensor.data)
+            return clmha__fail(ctx, CLMHA_INVALID_MASK, "key_padding_mask.tensor.data is NULL");
+        if (d->attn_kind && !args->attn_mask.tensor.data)
+            return clmha__fail(ctx, CLMHA_INVALID_MASK, "attn_mask.tensor.data is NULL");
+        return CLMHA_SUCCESS;
+    }
+    if ((st = check_buffer(ctx, "query", args->query.buffer, args->query.offset, d->query_count,
+                           4)))
+        return st;
+    if (!d->key_is_query && (st = check_buffer(ctx, "key", args->key.buffer, args->key.offset,
+                                               d->key_count, 4)))
+        return st;
+    if (!d->value_is_key && (st = check_buffer(ctx, "value", args->value.buffer,
+                                               args->value.offset, d->value_count, 4)))
+        return st;
+    if (d->kpm_kind && (st = check_buffer(ctx, "key_padding_mask",
+                                          args->key_padding_mask.tensor.buffer,
+                                          args->key_padding_mask.tensor.offset, d->kpm_count,
+                                          mask_elem(d->kpm_kind))))
+        return st;
+    if (d->attn_kind &&
+        (st = check_buffer(ctx, "attn_mask", args->attn_mask.tensor.buffer,
+                           args->attn_mask.tensor.offset, d->attn_count, mask_elem(d->attn_kind))))
+        return st;
+    return CLMHA_SUCCESS;
+}
+
+// ---- enqueue helpers -----------------------------------------------------------------------------
+
+typedef struct arg {
+    size_t size;
+    const void *value;
+} arg;
+
+#define ARG(x) ((arg){sizeof(x), &(x)})
+
+// Sets the arguments of @p k and enqueues it over @p total work-items in groups of @p wg.
+static clmha_status launch(clmha_context *ctx, cl_kernel k, const char *name, size_t total,
+                           size_t wg, const arg *args, cl_uint nargs) {
+    for (cl_uint i = 0; i < nargs; ++i) {
+        cl_int err = clSetKernelArg(k, i, args[i].size, args[i].value);
+        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    }
+    size_t global = (total + wg - 1) / wg * wg;
+    cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 1, NULL, &global, &wg, 0, NULL, NULL);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    return CLMHA_SUCCESS;
+}
+
+// Work-group size for the element-wise kernels.
+static size_t elementwise_wg(const clmha_context *ctx) {
+    return ctx->max_work_group >= 64 ? 64 : ctx->max_work_group;
+}
+
+// Row-major C (m, n) = A (m, k) · W (n, k)ᵀ, the shape of every projection.
+static clmha_status gemm_nt(clmha_context *ctx, const char *what, size_t m, size_t n, size_t k,
+                            cl_mem a, size_t a_off, size_t lda, cl_mem w, size_t w_off,
+                            size_t ldw, float beta, cl_mem c, size_t c_off, size_t ldc) {
+    cl_command_queue q = ctx->queue;
+    int s = CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, m, n, k,
+                         1.0f, a, a_off, lda, w, w_off, ldw, beta, c, c_off, ldc, &q, NULL);
+    return s ? clmha__blas_fail(ctx, s, what) : CLMHA_SUCCESS;
+}
+
+// ---- the stages ------------------------------------------------------------------------------------
+
+// Region offsets (floats) inside the layer's scratch buffers for one call.
+typedef struct scratch {
+    size_t proj_q, proj_k, proj_v;  // in layer->proj
+    size_t ld_q, ld_k, ld_v;        // row pitch of each projection
+    size_t col_q, col_k, col_v;     // first column of each projection in its rows
+    size_t q, k, v, out;            // head tiles in layer->heads
+} scratch;
+
+// 1. Input projections: one GEMM for packed QKV (self-attention), one for K and V when they
+//    are the same tensor, else one each.
+static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
+                            scratch *s) {
+    clmha_context *ctx = l->ctx;
+    size_t e = l->e, kd = d->kdim, vd = d->vdim;
+    size_t rows_q = d->n * d->l, rows_kv = d->n * d->s;
+    size_t wk = e * e, wv = e * e + e * kd;  // offsets of W_k and W_v in w_in
+    cl_mem key = d->key_is_query ? a->query.buffer : a->key.buffer;
+    size_t key_off = d->key_is_query ? a->query.offset : a->key.offset;
+    cl_mem value = d->value_is_key ? key : a->value.buffer;
+    size_t value_off = d->value_is_key ? key_off : a->value.offset;
+    bool self = key == a->query.buffer && key_off == a->query.offset && rows_q == rows_kv &&
+                kd == e && vd == e;
+    bool kv_same = value == key && value_off == key_off && kd == vd;
+    clmha_status st;
+
+    if (self && kv_same) {  // (L*N, E) · in_proj_weightᵀ → (L*N, 3E)
+        *s = (scratch){0, 0, 0, 3 * e, 3 * e, 3 * e, 0, e, 2 * e, 0, 0, 0, 0};
+        st = gemm_nt(ctx, "CLBlastSgemm(packed QKV projection)", rows_q, 3 * e, e,
+                     a->query.buffer, a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0,
+                     3 * e);
+        return st;
+    }
+    *s = (scratch){0, rows_q * e, rows_q * e + rows_kv * e, e, e, e, 0, 0, 0, 0, 0, 0, 0};
+    if ((st = gemm_nt(ctx, "CLBlastSgemm(query projection)", rows_q, e, e, a->query.buffer,
+                      a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, s->proj_q, e)))
+        return st;
+    if (kv_same) {  // W_k and W_v are consecutive rows of w_in: one GEMM → (S*N, 2E)
+        s->ld_k = s->ld_v = 2 * e;
+        s->proj_v = s->proj_k;
+        s->col_v = e;
+        return gemm_nt(ctx, "CLBlastSgemm(key/value projection)", rows_kv, 2 * e, kd, key,
+                       key_off, kd, l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, 2 * e);
+    }
+    if ((st = gemm_nt(ctx, "CLBlastSgemm(key projection)", rows_kv, e, kd, key, key_off, kd,
+                      l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, e)))
+        return st;
+    return gemm_nt(ctx, "CLBlastSgemm(value projection)", rows_kv, e, vd, value, value_off, vd,
+                   l->w_in, wv, vd, 0.0f, l->proj, s->proj_v, e);
+}
+
+// 2. Split the projected rows into head tiles (N*H, T, D), adding in_proj_bias; key and value
+//    get bias_k/bias_v and a zero row appended when the layer has them.
+static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_off, size_t ld,
+                              size_t col, size_t bias_col, int which, size_t seq,
+                              size_t seq_out, size_t out_off) {
+    clmha_context *ctx = l->ctx;
+    cl_ulong a_proj_off = proj_off, a_ld = ld, a_col = col, a_bias_off = bias_col;
+    cl_uint has_bias = l->desc.bias;
+    cl_mem bias = l->desc.bias ? l->b_in : ctx->dummy;
+    cl_uint has_extra = which > 0 && l->desc.add_bias_kv;
+    cl_mem extra = has_extra ? l->bias_kv : ctx->dummy;
+    cl_ulong extra_off = which == 2 ? l->e : 0;  // bias_k, then bias_v
+    cl_ulong a_out_off = out_off, n = d->n, h = l->h, t = seq, t_out = seq_out, hd = l->d;
+    cl_uint bf = d->batch_first;
+    arg args[] = {ARG(l->proj),  ARG(a_proj_off), ARG(a_ld),      ARG(a_col),     ARG(bias),
+                  ARG(a_bias_off), ARG(has_bias), ARG(extra),     ARG(extra_off), ARG(has_extra),
+                  ARG(l->heads), ARG(a_out_off),  ARG(n),         ARG(h),         ARG(t),
+                  ARG(t_out),    ARG(hd),         ARG(bf)};
+    return launch(ctx, l->split_heads, "split_heads", d->n * l->h * seq_out * l->d,
+                  elementwise_wg(ctx), args, sizeof args / sizeof args[0]);
+}
+
+static clmha_status split(clmha_layer *l, const clmha__dims *d, scratch *s) {
+    size_t tile_q = d->n * l->h * d->l * l->d, tile_kv = d->n * l->h * d->s_padded * l->d;
+    s->q = 0;
+    s->k = clmha__align_tile(tile_q);
+    s->v = s->k + clmha__align_tile(tile_kv);
+    s->out = s->v + clmha__align_tile(tile_kv);
+    clmha_status st;
+    if ((st = split_one(l, d, s->proj_q, s->ld_q, s->col_q, 0, 0, d->l, d->l, s->q))) return st;
+    if ((st = split_one(l, d, s->proj_k, s->ld_k, s->col_k, l->e, 1, d->s, d->s_padded, s->k)))
+        return st;
+    return split_one(l, d, s->proj_v, s->ld_v, s->col_v, 2 * l->e, 2, d->s, d->s_padded, s->v);
+}
+
+// 3. Scores (N*H, L, S') = Q · Kᵀ / √D, one strided batched GEMM.
+static clmha_status scores(clmha_layer *l, const clmha__dims *d, const scratch *s) {
+    cl_command_queue q = l->ctx->queue;
+    size_t hd = l->d, sp = d->s_padded;
+    int st = CLBlastSgemmStridedBatched(
+        CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, d->l, sp, hd,
+        (float)(1.0 / sqrt((double)hd)), l->heads, s->q, hd, d->l * hd, l->heads, s->k, hd,
+        sp * hd, 0.0f, l->scores, 0, sp, d->l * sp, d->n * l->h, &q, NULL);
+    return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(QK^T)") : CLMHA_SUCCESS;
+}
+
+// 4. Masks, softmax and dropout in place on the scores, one work-group per row.
+static clmha_status softmax(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d) {
+    clmha_context *ctx = l->ctx;
+    cl_ulong rows = d->n * l->h * d->l, tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
+    cl_mem attn = d->attn_kind ? a->attn_mask.tensor.buffer : ctx->dummy;
+    cl_ulong attn_off = d->attn_kind ? a->attn_mask.tensor.offset : 0;
+    cl_uint attn_kind = d->attn_kind, attn_layout = d->attn_layout;
+    cl_mem kpm = d->kpm_kind ? a->key_padding_mask.tensor.buffer : ctx->dummy;
+    cl_ulong kpm_off = d->kpm_kind ? a->key_padding_mask.tensor.offset : 0;
+    cl_uint kpm_kind = d->kpm_kind, causal = a->is_causal;
+    float p = l->desc.dropout;
+    cl_uint dropout_on = a->training && p > 0.0f;
+    cl_uint threshold = clmha__dropout_threshold(p);
+    float keep_scale = dropout_on ? (float)(1.0 / (1.0 - (double)p)) : 1.0f;
+    cl_uint seed_lo = (cl_uint)a->rng.seed;
+    cl_uint seed_hi = (cl_uint)(a->rng.seed >> 32) ^ (cl_uint)(a->rng.offset >> 32);
+    cl_uint off_lo = (cl_uint)a->rng.offset;
+    arg args[] = {ARG(l->scores), ARG(rows),       ARG(tgt),        ARG(heads),
+                  ARG(src),       ARG(srcp),       ARG(attn),       ARG(attn_off),
+                  ARG(attn_kind), ARG(attn_layout), ARG(kpm),       ARG(kpm_off),
+                  ARG(kpm_kind),  ARG(causal),     ARG(dropout_on), ARG(threshold),
+                  ARG(keep_scale), ARG(seed_lo),   ARG(seed_hi),    ARG(off_lo)};
+    return launch(ctx, l->masked_softmax, "masked_softmax", rows * l->softmax_wg, l->softmax_wg,
+                  args, sizeof args / sizeof args[0]);
+}
+
+// 5. Attention output (N*H, L, D) = weights · V, one strided batched GEMM.
+static clmha_status attend(clmha_layer *l, const clmha__dims *d, const scratch *s) {
+    cl_command_queue q = l->ctx->queue;
+    size_t hd = l->d, sp = d->s_padded;
+    int st = CLBlastSgemmStridedBatched(CLBlastLayoutRowMajor, CLBlastTransposeNo,
+                                        CLBlastTransposeNo, d->l, hd, sp, 1.0f, l->scores, 0, sp,
+                                        d->l * sp, l->heads, s->v, hd, sp * hd, 0.0f, l->heads,
+                                        s->out, hd, d->l * hd, d->n * l->h, &q, NULL);
+    return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(AV)") : CLMHA_SUCCESS;
+}
+
+// The built-in attention core: stages 3 to 5.
+static clmha_status builtin_core(clmha_layer *l, const clmha_forward_args *a,
+                                 const clmha__dims *d, const scratch *s) {
+    clmha_status st;
+    if ((st = scores(l, d, s))) return st;
+    if ((st = softmax(l, a, d))) return st;
+    return attend(l, d, s);
+}
+
+// A user core: it gets sub-buffers of the head tiles and enqueues its own work.
+static clmha_status user_core(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
+                              const scratch *s) {
+    clmha_context *ctx = l->ctx;
+    size_t tile_q = d->n * l->h * d->l * l->d, tile_kv = d->n * l->h * d->s_padded * l->d;
+    size_t offs[4] = {s->q, s->k, s->v, s->out}, sizes[4] = {tile_q, tile_kv, tile_kv, tile_q};
+    cl_mem subs[4] = {NULL, NULL, NULL, NULL};
+    cl_event done = NULL;
+    clmha_status st = CLMHA_SUCCESS;
+    for (int i = 0; i < 4; ++i) {
+        cl_buffer_region r = {offs[i] * sizeof(float), sizes[i] * sizeof(float)};
+        cl_int err;
+        subs[i] = clCreateSubBuffer(l->heads, CL_MEM_READ_WRITE, CL_BUFFER_CREATE_TYPE_REGION, &r,
+                                    &err);
+        if (err != CL_SUCCESS) {
+            st = clmha__cl_fail(ctx, err,
+                                err == CL_MISALIGNED_SUB_BUFFER_OFFSET
+                                    ? "clCreateSubBuffer (head tiles not aligned for a user core)"
+                                    : "clCreateSubBuffer");
+            goto fail;
+        }
+    }
+    clmha_core_args ca = {
+        .queue = ctx->queue, .batch = d->n, .num_heads = l->h, .tgt_len = d->l,
+        .src_len = d->s, .src_len_padded = d->s_padded, .head_dim = l->d,
+        .scale = (float)(1.0 / sqrt((double)l->d)), .q = subs[0], .k = subs[1], .v = subs[2],
+        .out = subs[3], .weights = a->need_weights ? l->scores : NULL,
+        .key_padding_mask = &a->key_padding_mask, .attn_mask = &a->attn_mask,
+        .is_causal = a->is_causal, .training = a->training, .dropout = l->desc.dropout,
+        .rng = a->rng, .num_wait = 0, .wait_list = NULL, .event = &done};
+    st = l->core(&ca, l->core_data);
+    if (st) {
+        clmha__fail(ctx, CLMHA_CALLBACK_FAILED, "the user attention core returned %s",
+                    clmha_status_string(st));
+        st = CLMHA_CALLBACK_FAILED;
+    }
+fail:
+    if (done) clReleaseEvent(done);  // the in-order queue orders what follows after it
+    for (int i = 0; i < 4; ++i)
+        if (subs[i]) clReleaseMemObject(subs[i]);
+    return st;
+}
+
+// 6. Merge heads back into rows (L*N or N*L, E), into the free projection buffer.
+static clmha_status merge(clmha_layer *l, const clmha__dims *d, const scratch *s) {
+    clmha_context *ctx = l->ctx;
+    cl_ulong n = d->n, h = l->h, t = d->l, hd = l->d;
+    cl_uint bf = d->batch_first;
+    cl_ulong src_off = s->out;
+    arg args[] = {ARG(l->heads), ARG(src_off), ARG(l->proj), ARG(n),
+                  ARG(h),        ARG(t),       ARG(hd),      ARG(bf)};
+    return launch(ctx, l->merge_heads, "merge_heads", d->n * d->l * l->e, elementwise_wg(ctx),
+                  args, sizeof args / sizeof args[0]);
+}
+
+// 7. Output projection: out = merged · out_proj.weightᵀ + out_proj.bias.
+static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out,
+                                size_t out_off) {
+    clmha_context *ctx = l->ctx;
+    size_t rows = d->n * d->l, e = l->e;
+    if (l->desc.bias) {
+        cl_ulong off = out_off, r = rows, c = e;
+        cl_uint has_bias = 1;
+        arg args[] = {ARG(out), ARG(off), ARG(l->b_out), ARG(has_bias), ARG(r), ARG(c)};
+        clmha_status st = launch(ctx, l->fill_rows, "fill_rows", rows * e, elementwise_wg(ctx),
+                                 args, sizeof args / sizeof args[0]);
+        if (st) return st;
+    }
+    return gemm_nt(ctx, "CLBlastSgemm(output projection)", rows, e, e, l->proj, 0, e, l->w_out, 0,
+                   e, l->desc.bias ? 1.0f : 0.0f, out, out_off, e);
+}
+
+// 8. Attention weights: the per-head scores as they are, or their mean over heads.
+static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
+                                const clmha__dims *d, cl_mem w, size_t w_off) {
+    clmha_context *ctx = l->ctx;
+    if (a->per_head_weights) {
+        cl_int err = clEnqueueCopyBuffer(ctx->queue, l->scores, w, 0, w_off * sizeof(float),
+                                         d->scores_count * sizeof(float), 0, NULL, NULL);
+        return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(weights)") : CLMHA_SUCCESS;
+    }
+    cl_ulong off = w_off, n = d->n, h = l->h, plane = d->l * d->s_padded;
+    arg args[] = {ARG(l->scores), ARG(w), ARG(off), ARG(n), ARG(h), ARG(plane)};
+    return launch(ctx, l->average_heads, "average_heads", d->n * plane, elementwise_wg(ctx), args,
+                  sizeof args / sizeof args[0]);
+}
+
+// ---- public entry points -------------------------------------------------------------------------
+
+clmha_status clmha_layer_output_counts(clmha_layer *layer, const clmha_forward_args *args,
+                                       size_t *output_count, size_t *weights_count) {
+    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    clmha__dims d;
+    char msg[1024];
+    clmha_status st = clmha__dims_resolve(&layer->desc, args, &d, msg, sizeof msg);
+    if (st) return clmha__fail(layer->ctx, st, "%s", msg);
+    if (output_count) *output_count = d.output_count;
+    if (weights_count) *weights_count = d.weights_count;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *args,
+                                 cl_mem output, size_t output_offset, cl_mem weights,
+                                 size_t weights_offset, cl_uint num_wait,
+                                 const cl_event *wait_list, cl_event *event) {
+    if (event) *event = NULL;
+    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    clmha_context *ctx = layer->ctx;
+    if ((num_wait > 0) != (wait_list != NULL))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "num_wait (%u) and wait_list (%p) disagree", (unsigned)num_wait,
+                           (const void *)wait_list);
+    clmha__dims d;
+    clmha_status st = validate(layer, args, true, &d);
+    if (st) return st;
+    if ((st = check_buffer(ctx, "output", output, output_offset, d.output_count, 4))) return st;
+    if (args->need_weights &&
+        (st = check_buffer(ctx, "weights", weights, weights_offset, d.weights_count, 4)))
+        return st;
+    if ((st = clmha__layer_reserve(layer, &d))) return st;
+
+    // Nothing is enqueued before this point.
+    cl_int err;
+    if (num_wait > 0 &&
+        (err = clEnqueueBarrierWithWaitList(ctx->queue, num_wait, wait_list, NULL)) != CL_SUCCESS)
+        return clmha__cl_fail(ctx, err, "clEnqueueBarrierWithWaitList");
+    scratch s;
+    if ((st = project(layer, args, &d, &s))) return st;
+    if ((st = split(layer, &d, &s))) return st;
+    if ((st = layer->core ? user_core(layer, args, &d, &s) : builtin_core(layer, args, &d, &s)))
+        return st;
+    if ((st = merge(layer, &d, &s))) return st;
+    if ((st = out_project(layer, &d, output, output_offset))) return st;
+    if (args->need_weights && (st = weights_out(layer, args, &d, weights, weights_offset)))
+        return st;
+    if (event && (err = clEnqueueMarkerWithWaitList(ctx->queue, 0, NULL, event)) != CL_SUCCESS)
+        return clmha__cl_fail(ctx, err, "clEnqueueMarkerWithWaitList");
+    return CLMHA_SUCCESS;
+}
+
+// Uploads @p count elements of @p elem bytes into a new read-only buffer.
+static clmha_status upload(clmha_context *ctx, const char *name, const void *data, size_t count,
+                           size_t elem, cl_mem *out) {
+    cl_int err;
+    *out = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, count * elem,
+                          (void *)data, &err);  // COPY_HOST_PTR only reads
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_args *args,
+                                      float *output, size_t output_count, float *weights,
+                                      size_t weights_count) {
+    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    clmha_context *ctx = layer->ctx;
+    clmha__dims d;
+    clmha_status st = validate(layer, args, false, &d);
+    if (st) return st;
+    if (!output) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "output is NULL");
+    if (output_count != d.output_count)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "output holds %zu floats, the result has %zu (N %zu, L %zu, E %zu)",
+                           output_count, d.output_count, d.n, d.l, d.e);
+    if (args->need_weights && !weights)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "need_weights is set but weights is NULL");
+    if (args->need_weights && weights_count != d.weights_count)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "weights holds %zu floats, the result has %zu (N %zu, %sL %zu, S' %zu)",
+                           weights_count, d.weights_count, d.n,
+                           args->per_head_weights ? "H, " : "", d.l, d.s_padded);
+
+    clmha_forward_args dev = *args;
+    cl_mem bufs[7] = {NULL};  // query, key, value, kpm, attn, output, weights
+    cl_int err;
+    if ((st = upload(ctx, "query upload", args->query.data, d.query_count, 4, &bufs[0]))) goto fail;
+    dev.query.buffer = bufs[0], dev.query.offset = 0;
+    if (!d.key_is_query) {
+        if ((st = upload(ctx, "key upload", args->key.data, d.key_count, 4, &bufs[1]))) goto fail;
+        dev.key.buffer = bufs[1], dev.key.offset = 0;
+    }
+    if (!d.value_is_key) {
+        if ((st = upload(ctx, "value upload", args->value.data, d.value_count, 4, &bufs[2])))
+            goto fail;
+        dev.value.buffer = bufs[2], dev.value.offset = 0;
+    }
+    if (d.kpm_kind) {
+        if ((st = upload(ctx, "key_padding_mask upload", args->key_padding_mask.tensor.data,
+                         d.kpm_count, mask_elem(d.kpm_kind), &bufs[3])))
+            goto fail;
+        dev.key_padding_mask.tensor.buffer = bufs[3], dev.key_padding_mask.tensor.offset = 0;
+    }
+    if (d.attn_kind) {
+        if ((st = upload(ctx, "attn_mask upload", args->attn_mask.tensor.data, d.attn_count,
+                         mask_elem(d.attn_kind), &bufs[4])))
+            goto fail;
+        dev.attn_mask.tensor.buffer = bufs[4], dev.attn_mask.tensor.offset = 0;
+    }
+    bufs[5] = clCreateBuffer(ctx->cl_ctx, CL_MEM_WRITE_ONLY, d.output_count * 4, NULL, &err);
+    if (err != CL_SUCCESS) {
+        st = clmha__cl_fail(ctx, err, "clCreateBuffer(output)");
+        goto fail;
+    }
+    if (args->need_weights) {
+        bufs[6] = clCreateBuffer(ctx->cl_ctx, CL_MEM_WRITE_ONLY, d.weights_count * 4, NULL, &err);
+        if (err != CL_SUCCESS) {
+            st = clmha__cl_fail(ctx, err, "clCreateBuffer(weights)");
+            goto fail;
+        }
+    }
+    if ((st = clmha_layer_forward(layer, &dev, bufs[5], 0, bufs[6], 0, 0, NULL, NULL))) goto fail;
+    // Read into the caller's arrays only once the whole pass has run.
+    if ((err = clFinish(ctx->queue)) != CL_SUCCESS) {
+        st = clmha__cl_fail(ctx, err, "clFinish");
+        goto fail;
+    }
+    err = clEnqueueReadBuffer(ctx->queue, bufs[5], CL_TRUE, 0, d.output_count * 4, output, 0,
+                              NULL, NULL);
+    if (err == CL_SUCCESS && args->need_weights)
+        err = clEnqueueReadBuffer(ctx->queue, bufs[6], CL_TRUE, 0, d.weights_count * 4, weights,
+                                  0, NULL, NULL);
+    if (err != CL_SUCCESS) st = clmha__cl_fail(ctx, err, "clEnqueueReadBuffer(result)");
+fail:
+    for (int i = 0; i < 7; ++i)
+        if (bufs[i]) clReleaseMemObject(bufs[i]);
+    return st;
+}

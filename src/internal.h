@@ -1,0 +1,213 @@
+// Declarations shared between clmha's source files. Not installed.
+#ifndef CLMHA_INTERNAL_H
+#define CLMHA_INTERNAL_H
+
+#include "clmha.h"
+
+#include <stdarg.h>
+
+#if defined(__GNUC__) && !defined(_WIN32)
+#define CLMHA__HIDDEN __attribute__((visibility("hidden")))
+#define CLMHA__PRINTF(f, a) __attribute__((format(printf, f, a)))
+#else
+#define CLMHA__HIDDEN
+#define CLMHA__PRINTF(f, a)
+// ---- contexts, programs, layers ---------------------------------------------------------------
+
+#include <pthread.h>
+
+#define CLMHA__ERROR_SIZE 4096
+
+// A compiled program, cached per context by kernel family and build options.
+typedef struct clmha__program {
+    char *key;  // "family|options"
+    cl_program program;
+    struct clmha__program *next;
+} clmha__program;
+
+struct clmha_context {
+    int refcount;               // guarded by lock
+    pthread_mutex_t lock;
+    cl_context cl_ctx;
+    cl_device_id device;
+    cl_command_queue queue;
+    cl_mem dummy;               // 16 bytes bound to unused buffer arguments
+    clmha_device_info info;
+    char device_name[300];
+    size_t max_work_group;
+    clmha__program *programs;   // guarded by lock
+    char last_error[CLMHA__ERROR_SIZE];
+};
+
+// Records the last error of @p ctx and returns @p status.
+CLMHA__HIDDEN clmha_status clmha__fail(const clmha_context *ctx, clmha_status status,
+                                       const char *fmt, ...) CLMHA__PRINTF(3, 4);
+
+// Maps an OpenCL error code of @p call to a status and records the message.
+CLMHA__HIDDEN clmha_status clmha__cl_fail(const clmha_context *ctx, cl_int err,
+                                          const char *call);
+
+// Maps a CLBlast status of @p call to a status and records the message.
+CLMHA__HIDDEN clmha_status clmha__blas_fail(const clmha_context *ctx, int err, const char *call);
+
+// Name of an OpenCL error code ("CL_OUT_OF_RESOURCES").
+CLMHA__HIDDEN const char *clmha__cl_error_name(cl_int err);
+
+// Builds (or finds in the context's cache) the program of kernel family @p family
+// ("heads", "softmax") with build @p options. The context keeps the program.
+CLMHA__HIDDEN clmha_status clmha__program_get(clmha_context *ctx, const char *family,
+                                              const char *options, cl_program *out);
+
+// Frees every cached program of a context.
+CLMHA__HIDDEN void clmha__programs_release(clmha_context *ctx);
+
+// Fills a device info record for one device.
+CLMHA__HIDDEN void clmha__device_describe(cl_platform_id platform, cl_device_id device,
+                                          unsigned platform_index, unsigned device_index,
+                                          clmha_device_info *info);
+
+#endif
+
+// ---- sizes -----------------------------------------------------------------------------------
+
+// *out = a * b; false when the product overflows size_t.
+static inline bool clmha__mul(size_t a, size_t b, size_t *out) {
+    if (a != 0 && b > SIZE_MAX / a) return false;
+    *out = a * b;
+    return true;
+}
+
+// How attn_mask is laid out once its shape is checked.
+typedef enum clmha__attn_layout {
+    CLMHA__ATTN_NONE = 0,
+    CLMHA__ATTN_SHARED,    // (L, S): every batch item and head
+    CLMHA__ATTN_PER_HEAD,  // (N*H, L, S)
+    CLMHA__ATTN_PER_BATCH, // (N, L, S): shared by the heads of a batch item
+} clmha__attn_layout;
+
+// The sizes of one forward call, resolved from the layer and the arguments.
+typedef struct clmha__dims {
+    bool batched;        // false: unbatched 2-D inputs (N = 1)
+    bool batch_first;    // batched and the layer is batch_first
+    size_t n, l, s;      // batch, target length, source length
+    size_t e, kdim, vdim, h, d;
+    size_t s_padded;     // s + add_bias_kv + add_zero_attn
+    bool key_is_query;   // args->key.ndim == 0
+    bool value_is_key;   // args->value.ndim == 0
+    clmha__attn_layout attn_layout;
+    clmha_mask_kind attn_kind, kpm_kind;
+    size_t query_count, key_count, value_count;  // elements of each input
+    size_t attn_count, kpm_count;                // elements of each mask (0 if none)
+    size_t output_count, weights_count;          // elements of each output
+    size_t scores_count;                         // n * h * l * s_padded
+} clmha__dims;
+
+// Checks @p args against @p desc (already validated) and fills @p dims. On failure writes a
+// message naming the argument and the shapes to @p msg and returns the status.
+CLMHA__HIDDEN clmha_status clmha__dims_resolve(const clmha_layer_desc *desc,
+                                               const clmha_forward_args *args, clmha__dims *dims,
+                                               char *msg, size_t msg_size);
+
+// Checks a layer descriptor and fills kdim/vdim defaults into @p out.
+CLMHA__HIDDEN clmha_status clmha__desc_check(const clmha_layer_desc *desc, clmha_layer_desc *out,
+                                             char *msg, size_t msg_size);
+
+// ---- dropout randomness (same function as cl/softmax.cl) ------------------------------------
+
+// Philox4x32-10, first output word.
+static inline uint32_t clmha__philox_word0(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
+                                           uint32_t k0, uint32_t k1) {
+    for (int round = 0; round < 10; ++round) {
+        uint64_t p0 = (uint64_t)0xD2511F53u * c0;
+        uint64_t p1 = (uint64_t)0xCD9E8D57u * c2;
+        uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0;
+        uint32_t n1 = (uint32_t)p1;
+        uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+        uint32_t n3 = (uint32_t)p0;
+        c0 = n0; c1 = n1; c2 = n2; c3 = n3;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    return c0;
+}
+
+// The dropout threshold: weight dropped when word0 < threshold. p in [0, 1).
+static inline uint32_t clmha__dropout_threshold(float p) {
+    double t = (double)p * 4294967296.0;
+    return t >= 4294967295.0 ? 0xFFFFFFFFu : (uint32_t)t;
+}
+
+// true when attention weight (bh, i, j) is kept.
+static inline bool clmha__dropout_keep(clmha_dropout_rng rng, uint32_t threshold, size_t bh,
+                                       size_t i, size_t j) {
+    uint32_t w = clmha__philox_word0((uint32_t)j, (uint32_t)i, (uint32_t)bh, (uint32_t)rng.offset,
+                                     (uint32_t)rng.seed,
+                                     (uint32_t)(rng.seed >> 32) ^ (uint32_t)(rng.offset >> 32));
+    return w >= threshold;
+}
+
+// ---- messages ---------------------------------------------------------------------------------
+
+// snprintf into msg (if not NULL) and return status.
+CLMHA__HIDDEN clmha_status clmha__msg(char *msg, size_t size, clmha_status status,
+                                      const char *fmt, ...) CLMHA__PRINTF(4, 5);
+
+// "(a, b, c)" for a shape.
+CLMHA__HIDDEN const char *clmha__shape_str(char *buf, size_t size, size_t ndim,
+                                           const size_t *shape);
+
+// ---- contexts, programs, layers ---------------------------------------------------------------
+
+#include <pthread.h>
+
+#define CLMHA__ERROR_SIZE 4096
+
+// A compiled program, cached per context by kernel family and build options.
+typedef struct clmha__program {
+    char *key;  // "family|options"
+    cl_program program;
+    struct clmha__program *next;
+} clmha__program;
+
+struct clmha_context {
+    int refcount;               // guarded by lock
+    pthread_mutex_t lock;
+    cl_context cl_ctx;
+    cl_device_id device;
+    cl_command_queue queue;
+    cl_mem dummy;               // 16 bytes bound to unused buffer arguments
+    clmha_device_info info;
+    char device_name[300];
+    size_t max_work_group;
+    clmha__program *programs;   // guarded by lock
+    char last_error[CLMHA__ERROR_SIZE];
+};
+
+// Records the last error of @p ctx and returns @p status.
+CLMHA__HIDDEN clmha_status clmha__fail(const clmha_context *ctx, clmha_status status,
+                                       const char *fmt, ...) CLMHA__PRINTF(3, 4);
+
+// Maps an OpenCL error code of @p call to a status and records the message.
+CLMHA__HIDDEN clmha_status clmha__cl_fail(const clmha_context *ctx, cl_int err,
+                                          const char *call);
+
+// Maps a CLBlast status of @p call to a status and records the message.
+CLMHA__HIDDEN clmha_status clmha__blas_fail(const clmha_context *ctx, int err, const char *call);
+
+// Name of an OpenCL error code ("CL_OUT_OF_RESOURCES").
+CLMHA__HIDDEN const char *clmha__cl_error_name(cl_int err);
+
+// Builds (or finds in the context's cache) the program of kernel family @p family
+// ("heads", "softmax") with build @p options. The context keeps the program.
+CLMHA__HIDDEN clmha_status clmha__program_get(clmha_context *ctx, const char *family,
+                                              const char *options, cl_program *out);
+
+// Frees every cached program of a context.
+CLMHA__HIDDEN void clmha__programs_release(clmha_context *ctx);
+
+// Fills a device info record for one device.
+CLMHA__HIDDEN void clmha__device_describe(cl_platform_id platform, cl_device_id device,
+                                          unsigned platform_index, unsigned device_index,
+                                          clmha_device_info *info);
+
+#endif

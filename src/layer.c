@@ -1,0 +1,319 @@
+// Layers: configuration, parameters by PyTorch name, kernels and scratch space.
+#include "layer.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <clblast_c.h>
+
+// Where each named parameter lives.
+typedef struct param_slot {
+    cl_mem buffer;
+    size_t offset;  // floats
+    size_t count;   // floats
+    const char *shape;
+} param_slot;
+
+static bool find_param(const clmha_layer *l, const char *name, param_slot *slot, char *why,
+                       size_t why_size) {
+    size_t e = l->e, kd = l->desc.kdim, vd = l->desc.vdim;
+    bool same = kd == e && vd == e;
+    memset(slot, 0, sizeof *slot);
+    if (strcmp(name, "in_proj_weight") == 0) {
+        if (!same) {
+            snprintf(why, why_size,
+                     "in_proj_weight exists only when kdim == vdim == embed_dim (here kdim %zu, "
+                     "vdim %zu, embed_dim %zu): set q_proj_weight, k_proj_weight, v_proj_weight",
+                     kd, vd, e);
+            return false;
+        }
+        *slot = (param_slot){l->w_in, 0, 3 * e * e, "(3E, E)"};
+    } else if (strcmp(name, "q_proj_weight") == 0) {
+        *slot = (param_slot){l->w_in, 0, e * e, "(E, E)"};
+    } else if (strcmp(name, "k_proj_weight") == 0) {
+        *slot = (param_slot){l->w_in, e * e, e * kd, "(E, kdim)"};
+    } else if (strcmp(name, "v_proj_weight") == 0) {
+        *slot = (param_slot){l->w_in, e * e + e * kd, e * vd, "(E, vdim)"};
+    } else if (strcmp(name, "out_proj.weight") == 0 || strcmp(name, "out_proj_weight") == 0) {
+        *slot = (param_slot){l->w_out, 0, e * e, "(E, E)"};
+    } else if (strcmp(name, "in_proj_bias") == 0 || strcmp(name, "out_proj.bias") == 0 ||
+               strcmp(name, "out_proj_bias") == 0) {
+        if (!l->desc.bias) {
+            snprintf(why, why_size, "%s does not exist: the layer was created with bias = false",
+                     name);
+            return false;
+        }
+        *slot = name[0] == 'i' ? (param_slot){l->b_in, 0, 3 * e, "(3E)"}
+                               : (param_slot){l->b_out, 0, e, "(E)"};
+    } else if (strcmp(name, "bias_k") == 0 || strcmp(name, "bias_v") == 0) {
+        if (!l->desc.add_bias_kv) {
+            snprintf(why, why_size,
+                     "%s does not exist: the layer was created with add_bias_kv = false", name);
+            return false;
+        }
+        *slot = (param_slot){l->bias_kv, name[5] == 'k' ? 0 : e, e, "(1, 1, E)"};
+    } else {
+        snprintf(why, why_size,
+                 "unknown parameter \"%s\" (expected in_proj_weight, q_proj_weight, "
+                 "k_proj_weight, v_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias, "
+                 "bias_k or bias_v)",
+                 name);
+        return false;
+    }
+    return true;
+}
+
+size_t clmha_layer_parameter_count(const clmha_layer *layer, const char *name) {
+    param_slot slot;
+    char why[8];
+    if (!layer || !name || !find_param(layer, name, &slot, why, sizeof why)) return 0;
+    return slot.count;
+}
+
+// Shared by set and get: checks the name and the count, then copies.
+static clmha_status param_copy(clmha_layer *layer, const char *name, float *data, size_t count,
+                               bool write) {
+    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    clmha_context *ctx = layer->ctx;
+    if (!name || !data)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is NULL", name ? "data" : "name");
+    param_slot slot;
+    char why[512];
+    if (!find_param(layer, name, &slot, why, sizeof why))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s", why);
+    if (count != slot.count)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "%s has shape %s = %zu floats for this layer (E %zu, kdim %zu, vdim "
+                           "%zu), got %zu",
+                           name, slot.shape, slot.count, layer->e, layer->desc.kdim,
+                           layer->desc.vdim, count);
+    cl_int err = write ? clEnqueueWriteBuffer(ctx->queue, slot.buffer, CL_TRUE,
+                                              slot.offset * sizeof(float),
+                                              count * sizeof(float), data, 0, NULL, NULL)
+                       : clEnqueueReadBuffer(ctx->queue, slot.buffer, CL_TRUE,
+                                             slot.offset * sizeof(float), count * sizeof(float),
+                                             data, 0, NULL, NULL);
+    if (err != CL_SUCCESS)
+        return clmha__cl_fail(ctx, err, write ? "clEnqueueWriteBuffer" : "clEnqueueReadBuffer");
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_layer_set_parameter(clmha_layer *layer, const char *name, const float *data,
+                                       size_t count) {
+    return param_copy(layer, name, (float *)data, count, true);  // not written through
+}
+
+clmha_status clmha_layer_get_parameter(clmha_layer *layer, const char *name, float *data,
+                                       size_t count) {
+    return param_copy(layer, name, data, count, false);
+}
+
+// A zero-filled parameter buffer of @p count floats.
+static clmha_status param_buffer(clmha_context *ctx, size_t count, cl_mem *out) {
+    cl_int err;
+    *out = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateBuffer(parameters)");
+    float zero = 0.0f;
+    err = clEnqueueFillBuffer(ctx->queue, *out, &zero, sizeof zero, 0, count * sizeof(float), 0,
+                              NULL, NULL);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clEnqueueFillBuffer(parameters)");
+    return CLMHA_SUCCESS;
+}
+
+static clmha_status make_kernel(clmha_context *ctx, cl_program prog, const char *name,
+                                cl_kernel *out) {
+    cl_int err;
+    *out = clCreateKernel(prog, name, &err);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    return CLMHA_SUCCESS;
+}
+
+// Largest power of two <= min(cap, device limit).
+static size_t pow2_below(size_t cap, size_t limit) {
+    size_t w = 1;
+    while (w * 2 <= cap && w * 2 <= limit) w *= 2;
+    return w;
+}
+
+clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
+                                const clmha_layer_desc *desc) {
+    if (!out) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "out is NULL");
+    *out = NULL;
+    if (!ctx) return CLMHA_INVALID_ARGUMENT;
+    char msg[512];
+    clmha_layer_desc d;
+    clmha_status st = clmha__desc_check(desc, &d, msg, sizeof msg);
+    if (st) return clmha__fail(ctx, st, "%s", msg);
+
+    clmha_layer *l = calloc(1, sizeof *l);
+    if (!l) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    clmha_context_retain(ctx);
+    l->ctx = ctx;
+    l->desc = d;
+    l->e = d.embed_dim;
+    l->h = d.num_heads;
+    l->d = d.embed_dim / d.num_heads;
+
+    size_t e = l->e;
+    if ((st = param_buffer(ctx, e * (e + d.kdim + d.vdim), &l->w_in))) goto fail;
+    if ((st = param_buffer(ctx, e * e, &l->w_out))) goto fail;
+    if (d.bias) {
+        if ((st = param_buffer(ctx, 3 * e, &l->b_in))) goto fail;
+        if ((st = param_buffer(ctx, e, &l->b_out))) goto fail;
+    }
+    if (d.add_bias_kv && (st = param_buffer(ctx, 2 * e, &l->bias_kv))) goto fail;
+
+    // Kernels. The softmax work-group: a power of two, smaller on CPUs where a work-group is a
+    // loop on one core.
+    bool cpu = (ctx->info.type & CL_DEVICE_TYPE_CPU) != 0;
+    l->softmax_wg = pow2_below(cpu ? 16 : 256, ctx->max_work_group);
+    char options[64];
+    snprintf(options, sizeof options, "-DWG=%zu", l->softmax_wg);
+    cl_program heads, softmax;
+    if ((st = clmha__program_get(ctx, "heads", "", &heads))) goto fail;
+    if ((st = clmha__program_get(ctx, "softmax", options, &softmax))) goto fail;
+    if ((st = make_kernel(ctx, heads, "split_heads", &l->split_heads))) goto fail;
+    if ((st = make_kernel(ctx, heads, "merge_heads", &l->merge_heads))) goto fail;
+    if ((st = make_kernel(ctx, heads, "fill_rows", &l->fill_rows))) goto fail;
+    if ((st = make_kernel(ctx, heads, "average_heads", &l->average_heads))) goto fail;
+    if ((st = make_kernel(ctx, softmax, "masked_softmax", &l->masked_softmax))) goto fail;
+
+    cl_int err = clFinish(ctx->queue);  // the parameter fills
+    if (err != CL_SUCCESS) {
+        st = clmha__cl_fail(ctx, err, "clFinish");
+        goto fail;
+    }
+    *out = l;
+    return CLMHA_SUCCESS;
+fail:
+    clmha_layer_release(l);
+    return st;
+}
+
+static void release_mem(cl_mem *m) {
+    if (*m) clReleaseMemObject(*m);
+    *m = NULL;
+}
+
+static void release_kernel(cl_kernel *k) {
+    if (*k) clReleaseKernel(*k);
+    *k = NULL;
+}
+
+void clmha_layer_release(clmha_layer *layer) {
+    if (!layer) return;
+    release_mem(&layer->w_in);
+    release_mem(&layer->b_in);
+    release_mem(&layer->w_out);
+    release_mem(&layer->b_out);
+    release_mem(&layer->bias_kv);
+    release_mem(&layer->proj);
+    release_mem(&layer->heads);
+    release_mem(&layer->scores);
+    release_kernel(&layer->split_heads);
+    release_kernel(&layer->merge_heads);
+    release_kernel(&layer->fill_rows);
+    release_kernel(&layer->average_heads);
+    release_kernel(&layer->masked_softmax);
+    clmha_context_release(layer->ctx);
+    free(layer);
+}
+
+clmha_status clmha_layer_get_desc(const clmha_layer *layer, clmha_layer_desc *desc) {
+    if (!layer || !desc) return CLMHA_INVALID_ARGUMENT;
+    *desc = layer->desc;
+    return CLMHA_SUCCESS;
+}
+
+clmha_context *clmha_layer_context(const clmha_layer *layer) {
+    return layer ? layer->ctx : NULL;
+}
+
+clmha_status clmha_layer_set_attention(clmha_layer *layer, clmha_attention_fn fn,
+                                       void *user_data) {
+    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    layer->core = fn;
+    layer->core_data = fn ? user_data : NULL;
+    return CLMHA_SUCCESS;
+}
+
+size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
+    if (!layer) return 0;
+    return (layer->proj_cap + layer->heads_cap + layer->scores_cap) * sizeof(float);
+}
+
+// Replaces *buf by one of @p need floats when it holds fewer.
+static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t need,
+                         const char *what) {
+    if (need <= *cap && *buf) return CLMHA_SUCCESS;
+    if (need > SIZE_MAX / sizeof(float) ||
+        (cl_ulong)need * sizeof(float) > ctx->info.max_alloc_bytes)
+        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
+                           "%s scratch needs %zu bytes, more than this device's largest "
+                           "allocation (%llu bytes)",
+                           what, need * sizeof(float),
+                           (unsigned long long)ctx->info.max_alloc_bytes);
+    cl_int err;
+    cl_mem m = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, need * sizeof(float), NULL, &err);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, what);
+    release_mem(buf);  // freed by the driver once queued work that uses it has finished
+    *buf = m;
+    *cap = need;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d) {
+    clmha_context *ctx = layer->ctx;
+    size_t q = d->n * d->l * d->e, kv = d->n * d->s * d->e, kvp = d->n * d->s_padded * d->e;
+    size_t tiles = 2 * clmha__align_tile(q) + 2 * clmha__align_tile(kvp);
+    clmha_status st;
+    if ((st = grow(ctx, &layer->proj, &layer->proj_cap, q + 2 * kv, "projection"))) return st;
+    if ((st = grow(ctx, &layer->heads, &layer->heads_cap, tiles, "head tiles"))) return st;
+    return grow(ctx, &layer->scores, &layer->scores_cap, d->scores_count, "scores");
+}
+
+clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, size_t src_len,
+                              bool need_weights) {
+    (void)need_weights;  // the built-in core always materialises the weights
+    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    clmha_context *ctx = layer->ctx;
+    if (!batch || !tgt_len || !src_len)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "bake sizes must be positive (batch %zu, tgt_len %zu, src_len %zu)",
+                           batch, tgt_len, src_len);
+    clmha__dims d = {.n = batch, .l = tgt_len, .s = src_len, .e = layer->e, .h = layer->h,
+                     .d = layer->d};
+    d.s_padded = src_len + layer->desc.add_bias_kv + layer->desc.add_zero_attn;
+    size_t t;
+    if (!clmha__mul(batch * layer->h, tgt_len, &t) || !clmha__mul(t, d.s_padded, &t) ||
+        !clmha__mul(batch, tgt_len > src_len ? tgt_len : src_len, &d.output_count) ||
+        !clmha__mul(d.output_count, 3 * layer->e, &d.output_count))
+        return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "bake sizes overflow");
+    d.scores_count = t;
+    clmha_status st = clmha__layer_reserve(layer, &d);
+    if (st) return st;
+
+    // Run each GEMM once at these sizes so that CLBlast compiles its kernels now.
+    size_t e = layer->e, rows = batch * tgt_len, nh = batch * layer->h, sp = d.s_padded;
+    cl_command_queue q = ctx->queue;
+    int bs = CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, rows,
+                          e, e, 1.0f, layer->proj, 0, e, layer->w_in, 0, e, 0.0f, layer->heads,
+                          0, e, &q, NULL);
+    if (bs) return clmha__blas_fail(ctx, bs, "CLBlastSgemm(bake)");
+    bs = CLBlastSgemmStridedBatched(CLBlastLayoutRowMajor, CLBlastTransposeNo,
+                                    CLBlastTransposeYes, tgt_len, sp, layer->d, 1.0f,
+                                    layer->heads, 0, layer->d, tgt_len * layer->d, layer->heads,
+                                    0, layer->d, sp * layer->d, 0.0f, layer->scores, 0, sp,
+                                    tgt_len * sp, nh, &q, NULL);
+    if (bs) return clmha__blas_fail(ctx, bs, "CLBlastSgemmStridedBatched(bake)");
+    bs = CLBlastSgemmStridedBatched(CLBlastLayoutRowMajor, CLBlastTransposeNo,
+                                    CLBlastTransposeNo, tgt_len, layer->d, sp, 1.0f,
+                                    layer->scores, 0, sp, tgt_len * sp, layer->heads, 0,
+                                    layer->d, sp * layer->d, 0.0f, layer->heads, 0, layer->d,
+                                    tgt_len * layer->d, nh, &q, NULL);
+    if (bs) return clmha__blas_fail(ctx, bs, "CLBlastSgemmStridedBatched(bake)");
+    cl_int err = clFinish(q);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clFinish");
+    return CLMHA_SUCCESS;
+}

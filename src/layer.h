@@ -1,0 +1,42 @@
+// The layer object, shared by layer.c (creation, parameters, scratch) and forward.c.
+#ifndef CLMHA_LAYER_H
+#define CLMHA_LAYER_H
+
+#include "internal.h"
+
+struct clmha_layer {
+    clmha_context *ctx;
+    clmha_layer_desc desc;  // kdim and vdim filled in
+    size_t e, h, d;         // embed_dim, num_heads, head_dim
+
+    // Parameters, in PyTorch's layouts.
+    cl_mem w_in;     // q_proj (E, E), then k_proj (E, kdim), then v_proj (E, vdim); with
+                     // kdim == vdim == E this is in_proj_weight (3E, E)
+    cl_mem b_in;     // in_proj_bias (3E), or the context's dummy without bias
+    cl_mem w_out;    // out_proj.weight (E, E)
+    cl_mem b_out;    // out_proj.bias (E), or dummy
+    cl_mem bias_kv;  // bias_k (E) then bias_v (E), or dummy
+
+    // Kernels (per layer: setting arguments is not thread-safe).
+    cl_kernel split_heads, merge_heads, fill_rows, average_heads, masked_softmax;
+    size_t softmax_wg;
+
+    // Scratch, grown on demand (sizes in floats).
+    cl_mem proj;     // projected rows: query (L*N, E), key (S*N, E), value (S*N, E)
+    cl_mem heads;    // head tiles: q (N*H, L, D), k and v (N*H, S', D), attention out (N*H, L, D)
+    cl_mem scores;   // (N*H, L, S')
+    size_t proj_cap, heads_cap, scores_cap;
+
+    clmha_attention_fn core;
+    void *core_data;
+};
+
+// Head tiles start at multiples of 256 floats (1 KiB), so that a user attention core can get
+// them as sub-buffers on any device (CL_DEVICE_MEM_BASE_ADDR_ALIGN is at most 1024 bits in
+// practice).
+static inline size_t clmha__align_tile(size_t floats) { return (floats + 255) / 256 * 256; }
+
+// Grows the scratch buffers to fit @p dims. Allocates only when they are too small.
+CLMHA__HIDDEN clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *dims);
+
+#endif

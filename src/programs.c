@@ -1,0 +1,113 @@
+// Kernel programs: built from the sources embedded at build time (cl/*.cl), cached per context by
+// family and build options.
+#include "internal.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern const char clmha__cl_heads[];
+extern const size_t clmha__cl_heads_size;
+extern const char clmha__cl_softmax[];
+extern const size_t clmha__cl_softmax_size;
+
+static const char *family_source(const char *family, size_t *size) {
+    if (strcmp(family, "heads") == 0) {
+        *size = clmha__cl_heads_size;
+        return clmha__cl_heads;
+    }
+    if (strcmp(family, "softmax") == 0) {
+        *size = clmha__cl_softmax_size;
+        return clmha__cl_softmax;
+    }
+    return NULL;
+}
+
+// Builds one program; on a build failure the message carries the build log.
+static clmha_status build(clmha_context *ctx, const char *family, const char *options,
+                          cl_program *out) {
+    size_t size = 0;
+    const char *src = family_source(family, &size);
+    if (!src) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "unknown kernel family %s", family);
+    cl_int err;
+    cl_program prog = clCreateProgramWithSource(ctx->cl_ctx, 1, &src, &size, &err);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateProgramWithSource");
+    err = clBuildProgram(prog, 1, &ctx->device, options, NULL, NULL);
+    if (err != CL_SUCCESS) {
+        char log[CLMHA__ERROR_SIZE - 200] = "";
+        clGetProgramBuildInfo(prog, ctx->device, CL_PROGRAM_BUILD_LOG, sizeof log - 1, log, NULL);
+        clReleaseProgram(prog);
+        return clmha__fail(ctx, err == CL_BUILD_PROGRAM_FAILURE ? CLMHA_BUILD_FAILED
+                                                                : CLMHA_OPENCL_ERROR,
+                           "building cl/%s.cl with options \"%s\" failed (%s):\n%s", family,
+                           options, clmha__cl_error_name(err), log);
+    }
+    *out = prog;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__program_get(clmha_context *ctx, const char *family, const char *options,
+                                cl_program *out) {
+    size_t key_len = strlen(family) + strlen(options) + 2;
+    char *key = malloc(key_len);
+    if (!key) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    snprintf(key, key_len, "%s|%s", family, options);
+
+    // The lock is not held while building (the build may record an error, which takes the
+    // lock); two threads may build the same program at once, and the second to finish keeps
+    // the first one's.
+    pthread_mutex_lock(&ctx->lock);
+    for (clmha__program *p = ctx->programs; p; p = p->next) {
+        if (strcmp(p->key, key) == 0) {
+            *out = p->program;
+            pthread_mutex_unlock(&ctx->lock);
+            free(key);
+            return CLMHA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&ctx->lock);
+
+    cl_program prog = NULL;
+    clmha_status st = build(ctx, family, options, &prog);
+    if (st) {
+        free(key);
+        return st;
+    }
+    pthread_mutex_lock(&ctx->lock);
+    for (clmha__program *p = ctx->programs; p; p = p->next) {
+        if (strcmp(p->key, key) == 0) {
+            *out = p->program;
+            pthread_mutex_unlock(&ctx->lock);
+            clReleaseProgram(prog);
+            free(key);
+            return CLMHA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&ctx->lock);
+    clmha__program *entry = malloc(sizeof *entry);
+    if (!entry) {
+        clReleaseProgram(prog);
+        free(key);
+        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    }
+    entry->key = key;
+    entry->program = prog;
+    pthread_mutex_lock(&ctx->lock);
+    entry->next = ctx->programs;
+    ctx->programs = entry;
+    pthread_mutex_unlock(&ctx->lock);
+    *out = prog;
+    return CLMHA_SUCCESS;
+}
+
+void clmha__programs_release(clmha_context *ctx) {
+    clmha__program *p = ctx->programs;
+    while (p) {
+        clmha__program *next = p->next;
+        clReleaseProgram(p->program);
+        free(p->key);
+        free(p);
+        p = next;
+    }
+    ctx->programs = NULL;
+}

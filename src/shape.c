@@ -1,0 +1,252 @@
+// Shape checking of layer descriptors and forward arguments, shared by the OpenCL forward pass
+// and the CPU reference so that both accept and refuse exactly the same calls.
+#include "internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+clmha_status clmha__msg(char *msg, size_t size, clmha_status status, const char *fmt, ...) {
+    if (msg && size) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, size, fmt, ap);
+        va_end(ap);
+    }
+    return status;
+}
+
+const char *clmha__shape_str(char *buf, size_t size, size_t ndim, const size_t *shape) {
+    size_t used = (size_t)snprintf(buf, size, "(");
+    for (size_t i = 0; i < ndim && i < 4 && used < size; ++i)
+        used += (size_t)snprintf(buf + used, size - used, i ? ", %zu" : "%zu", shape[i]);
+    if (used < size) snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
+    return buf;
+}
+
+clmha_status clmha__desc_check(const clmha_layer_desc *desc, clmha_layer_desc *out, char *msg,
+                               size_t msg_size) {
+    if (!desc) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "desc is NULL");
+    if (desc->embed_dim == 0 || desc->num_heads == 0)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "embed_dim (%zu) and num_heads (%zu) must be positive", desc->embed_dim,
+                          desc->num_heads);
+    if (desc->embed_dim % desc->num_heads != 0)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "embed_dim (%zu) must be divisible by num_heads (%zu)", desc->embed_dim,
+                          desc->num_heads);
+    if (!(desc->dropout >= 0.0f && desc->dropout < 1.0f))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "dropout (%g) must be in [0, 1)", (double)desc->dropout);
+    *out = *desc;
+    if (out->kdim == 0) out->kdim = out->embed_dim;
+    if (out->vdim == 0) out->vdim = out->embed_dim;
+    // Parameter sizes must be representable: 3 * E * max(E, kdim, vdim) floats.
+    size_t widest = out->embed_dim;
+    if (out->kdim > widest) widest = out->kdim;
+    if (out->vdim > widest) widest = out->vdim;
+    size_t t;
+    if (!clmha__mul(out->embed_dim, widest, &t) || !clmha__mul(t, 3 * sizeof(float), &t) ||
+        out->embed_dim > SIZE_MAX / 16)
+        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
+                          "parameter sizes overflow (embed_dim %zu, kdim %zu, vdim %zu)",
+                          out->embed_dim, out->kdim, out->vdim);
+    return CLMHA_SUCCESS;
+}
+
+// Product of a tensor's shape, checked for overflow, with room for 4-byte elements.
+static bool tensor_count(const clmha_tensor *t, size_t *count) {
+    size_t c = 1;
+    for (size_t i = 0; i < t->ndim; ++i)
+        if (!clmha__mul(c, t->shape[i], &c)) return false;
+    if (c > SIZE_MAX / sizeof(double)) return false;
+    *count = c;
+    return true;
+}
+
+// Checks that an input tensor is (seq, batch, feat) in the layer's layout, or (seq, feat)
+// unbatched; returns seq and batch.
+static clmha_status input_dims(const char *name, const clmha_tensor *t, bool batched,
+                               bool batch_first, size_t feat, size_t *seq, size_t *batch,
+                               char *msg, size_t msg_size) {
+    char s[96];
+    size_t want_ndim = batched ? 3 : 2;
+    if (t->ndim != want_ndim)
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "%s must be %s, got %zu-D %s", name,
+                          batched ? (batch_first ? "3-D (N, L, E)" : "3-D (L, N, E)")
+                                  : "2-D (L, E) like the query",
+                          t->ndim, clmha__shape_str(s, sizeof s, t->ndim, t->shape));
+    if (batched) {
+        *seq = batch_first ? t->shape[1] : t->shape[0];
+        *batch = batch_first ? t->shape[0] : t->shape[1];
+    } else {
+        *seq = t->shape[0];
+        *batch = 1;
+    }
+    if (t->shape[t->ndim - 1] != feat)
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "%s %s has %zu features, the layer expects %zu", name,
+                          clmha__shape_str(s, sizeof s, t->ndim, t->shape),
+                          t->shape[t->ndim - 1], feat);
+    if (*seq == 0 || *batch == 0)
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH, "%s %s has a zero size", name,
+                          clmha__shape_str(s, sizeof s, t->ndim, t->shape));
+    return CLMHA_SUCCESS;
+}
+
+static bool shape_is(const clmha_tensor *t, size_t ndim, size_t a, size_t b, size_t c) {
+    size_t want[3] = {a, b, c};
+    if (t->ndim != ndim) return false;
+    for (size_t i = 0; i < ndim; ++i)
+        if (t->shape[i] != want[i]) return false;
+    return true;
+}
+
+static clmha_status check_mask_kind(const char *name, const clmha_mask *m, char *msg,
+                                    size_t msg_size) {
+    if (m->kind < CLMHA_MASK_NONE || m->kind > CLMHA_MASK_FLOAT)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK, "%s has an unknown kind (%d)", name,
+                          (int)m->kind);
+    if (m->kind == CLMHA_MASK_NONE && (m->tensor.ndim != 0 || m->per_batch))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                          "%s has a tensor but kind CLMHA_MASK_NONE: set its kind "
+                          "(BOOL_IGNORE, BOOL_ATTEND or FLOAT)",
+                          name);
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forward_args *args,
+                                 clmha__dims *d, char *msg, size_t msg_size) {
+    char s1[96], s2[96];
+    clmha_status st;
+    memset(d, 0, sizeof *d);
+    if (!args) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "args is NULL");
+
+    d->e = desc->embed_dim;
+    d->kdim = desc->kdim ? desc->kdim : desc->embed_dim;
+    d->vdim = desc->vdim ? desc->vdim : desc->embed_dim;
+    d->h = desc->num_heads;
+    d->d = d->e / d->h;
+
+    const clmha_tensor *q = &args->query;
+    if (q->ndim != 2 && q->ndim != 3)
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "query must be 3-D %s or 2-D (L, E) unbatched, got %zu-D %s",
+                          desc->batch_first ? "(N, L, E)" : "(L, N, E)", q->ndim,
+                          clmha__shape_str(s1, sizeof s1, q->ndim, q->shape));
+    d->batched = q->ndim == 3;
+    d->batch_first = d->batched && desc->batch_first;
+    d->key_is_query = args->key.ndim == 0;
+    d->value_is_key = args->value.ndim == 0;
+    if (d->key_is_query && !d->value_is_key)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "value is given but key is not: give both, or neither for "
+                          "self-attention");
+    const clmha_tensor *k = d->key_is_query ? q : &args->key;
+    const clmha_tensor *v = d->value_is_key ? k : &args->value;
+    if (d->key_is_query && (d->kdim != d->e || d->vdim != d->e))
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "self-attention needs kdim (%zu) and vdim (%zu) equal to embed_dim "
+                          "(%zu): pass key and value",
+                          d->kdim, d->vdim, d->e);
+    if (d->value_is_key && d->kdim != d->vdim)
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "value defaults to key, but kdim (%zu) != vdim (%zu): pass value",
+                          d->kdim, d->vdim);
+
+    size_t n_k, n_v, s_v;
+    if ((st = input_dims("query", q, d->batched, d->batch_first, d->e, &d->l, &d->n, msg,
+                         msg_size)))
+        return st;
+    if ((st = input_dims("key", k, d->batched, d->batch_first, d->kdim, &d->s, &n_k, msg,
+                         msg_size)))
+        return st;
+    if ((st = input_dims("value", v, d->batched, d->batch_first, d->vdim, &s_v, &n_v, msg,
+                         msg_size)))
+        return st;
+    if (n_k != d->n || n_v != d->n)
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "batch sizes differ: query %s, key %s, value %s",
+                          clmha__shape_str(s1, sizeof s1, q->ndim, q->shape),
+                          clmha__shape_str(s2, sizeof s2, k->ndim, k->shape),
+                          v == k ? "= key" : "(see shape)");
+    if (s_v != d->s)
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "key %s and value %s have different source lengths",
+                          clmha__shape_str(s1, sizeof s1, k->ndim, k->shape),
+                          clmha__shape_str(s2, sizeof s2, v->ndim, v->shape));
+    if (!tensor_count(q, &d->query_count) || !tensor_count(k, &d->key_count) ||
+        !tensor_count(v, &d->value_count))
+        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "input sizes overflow size_t");
+    d->s_padded = d->s + (desc->add_bias_kv ? 1 : 0) + (desc->add_zero_attn ? 1 : 0);
+
+    // key_padding_mask: (N, S) or (S).
+    const clmha_mask *kpm = &args->key_padding_mask;
+    if ((st = check_mask_kind("key_padding_mask", kpm, msg, msg_size))) return st;
+    d->kpm_kind = kpm->kind;
+    if (kpm->kind != CLMHA_MASK_NONE) {
+        bool ok = d->batched ? shape_is(&kpm->tensor, 2, d->n, d->s, 0)
+                             : shape_is(&kpm->tensor, 1, d->s, 0, 0);
+        if (!ok)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                              "key_padding_mask must be (%s%zu), got %zu-D %s",
+                              d->batched ? "N, " : "", d->s, kpm->tensor.ndim,
+                              clmha__shape_str(s1, sizeof s1, kpm->tensor.ndim,
+                                               kpm->tensor.shape));
+        if (kpm->per_batch)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                              "per_batch applies to attn_mask only, not key_padding_mask");
+        d->kpm_count = d->batched ? d->n * d->s : d->s;
+    }
+
+    // attn_mask: (L, S), (N*H, L, S), or per_batch (N, L, S).
+    const clmha_mask *am = &args->attn_mask;
+    if ((st = check_mask_kind("attn_mask", am, msg, msg_size))) return st;
+    d->attn_kind = am->kind;
+    if (am->kind != CLMHA_MASK_NONE) {
+        size_t nh;
+        if (!clmha__mul(d->n, d->h, &nh))
+            return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "N*H overflows");
+        const clmha_tensor *t = &am->tensor;
+        if (am->per_batch) {
+            if (!shape_is(t, 3, d->n, d->l, d->s) || !d->batched)
+                return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                                  "attn_mask with per_batch must be (N, L, S) = (%zu, %zu, %zu) "
+                                  "for batched inputs, got %zu-D %s",
+                                  d->n, d->l, d->s, t->ndim,
+                                  clmha__shape_str(s1, sizeof s1, t->ndim, t->shape));
+            d->attn_layout = CLMHA__ATTN_PER_BATCH;
+        } else if (shape_is(t, 2, d->l, d->s, 0)) {
+            d->attn_layout = CLMHA__ATTN_SHARED;
+        } else if (shape_is(t, 3, nh, d->l, d->s)) {
+            d->attn_layout = CLMHA__ATTN_PER_HEAD;
+        } else {
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                              "attn_mask must be (L, S) = (%zu, %zu) or (%s, L, S) = (%zu, %zu, "
+                              "%zu), got %zu-D %s",
+                              d->l, d->s, d->batched ? "N*num_heads" : "num_heads", nh, d->l,
+                              d->s, t->ndim, clmha__shape_str(s1, sizeof s1, t->ndim, t->shape));
+        }
+        if (!tensor_count(t, &d->attn_count))
+            return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "attn_mask size overflows");
+    }
+
+    if (args->training && desc->dropout > 0.0f && !(desc->dropout < 1.0f))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "dropout must be in [0, 1)");
+
+    // Outputs and scratch sizes.
+    size_t t;
+    if (!clmha__mul(d->n, d->l, &t) || !clmha__mul(t, d->e, &d->output_count) ||
+        !clmha__mul(d->n, d->h, &t) || !clmha__mul(t, d->l, &t) ||
+        !clmha__mul(t, d->s_padded, &d->scores_count) ||
+        d->scores_count > SIZE_MAX / sizeof(double) ||
+        d->output_count > SIZE_MAX / sizeof(double))
+        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
+                          "sizes overflow: N %zu, L %zu, S %zu, E %zu, H %zu", d->n, d->l, d->s,
+                          d->e, d->h);
+    if (args->need_weights)
+        d->weights_count = args->per_head_weights ? d->scores_count
+                                                  : d->n * d->l * d->s_padded;
+    return CLMHA_SUCCESS;
+}
