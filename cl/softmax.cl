@@ -57,7 +57,9 @@ void masked_softmax(global float *scores, ulong n_rows, ulong tgt_len, ulong n_h
                     uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
     local float red[WG];
     ulong row = get_group_id(0);
-    if (row >= n_rows) return;  // uniform over the work-group
+    // No early return anywhere in this kernel: every work-item must reach every barrier, and
+    // PoCL 3.1 miscompiles even work-group-uniform returns in kernels with barriers. The host
+    // launches exactly n_rows work-groups.
     uint lid = get_local_id(0);
     ulong bh = row / tgt_len;
     ulong i = row % tgt_len;
@@ -95,15 +97,12 @@ void masked_softmax(global float *scores, ulong n_rows, ulong tgt_len, ulong n_h
     m = red[0];
     barrier(CLK_LOCAL_MEM_FENCE);
 
-    if (m == -INFINITY) {  // fully masked row
-        for (ulong j = lid; j < src_len_padded; j += WG) x[j] = 0.0f;
-        return;
-    }
+    bool dead = m == -INFINITY;  // fully masked row: all zeros
 
     // Pass 2: exponentials and their sum.
     float sum = 0.0f;
     for (ulong j = lid; j < src_len_padded; j += WG) {
-        float e = exp(x[j] - m);
+        float e = dead ? 0.0f : exp(x[j] - m);
         x[j] = e;
         sum += e;
     }
@@ -113,7 +112,7 @@ void masked_softmax(global float *scores, ulong n_rows, ulong tgt_len, ulong n_h
         if (lid < s) red[lid] += red[lid + s];
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    float inv = 1.0f / red[0];
+    float inv = dead ? 0.0f : 1.0f / red[0];
 
     // Pass 3: normalise, then dropout.
     for (ulong j = lid; j < src_len_padded; j += WG) {
