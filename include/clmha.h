@@ -173,14 +173,16 @@ CLMHA_API clmha_status clmha_context_create_from_env(clmha_context **out);
 
 /// Wraps the caller's OpenCL objects. @p queue must belong to @p context and @p device and be
 /// in-order. All three are retained while the clmha context lives and released by
-/// clmha_context_release(); the caller keeps its own references.
+/// clmha_context_release(); the caller keeps its own references. Releasing the last reference
+/// also clears CLBlast's process-wide program cache (whose programs hold references to the
+/// cl_context), so the caller's reference counts return to where they were.
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, queue of another context or device,
 ///         out-of-order queue), ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_context_create_from_cl(clmha_context **out, cl_context context,
                                                     cl_device_id device, cl_command_queue queue);
 
-/// Message of the last failure at context creation in this thread (when no context exists to
-/// hold it). Never NULL.
+/// Message of the last failure in this thread that had no context to hold it: context creation,
+/// and calls given a NULL context or layer. Never NULL.
 CLMHA_API const char *clmha_last_create_error(void);
 
 /// Adds a reference. Layers hold one on their context.

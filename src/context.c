@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <clblast_c.h>
+
 static _Thread_local char create_error[CLMHA__ERROR_SIZE];
 
 const char *clmha_last_create_error(void) { return create_error; }
@@ -155,6 +157,10 @@ void clmha_context_release(clmha_context *ctx) {
     if (left > 0) return;
     if (ctx->queue) clFinish(ctx->queue);  // nothing of ours may still run on freed objects
     clmha__programs_release(ctx);
+    // CLBlast keeps compiled programs in a process-wide cache, and each holds a reference to
+    // the cl_context. Clearing it gives the caller's context back its reference count; other
+    // contexts only pay a rebuild (from the driver's binary cache where it has one).
+    CLBlastClearCache();
     if (ctx->dummy) clReleaseMemObject(ctx->dummy);
     if (ctx->queue) clReleaseCommandQueue(ctx->queue);
     if (ctx->cl_ctx) clReleaseContext(ctx->cl_ctx);

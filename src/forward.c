@@ -48,15 +48,8 @@ static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
     clmha_status st = clmha__dims_resolve(&layer->desc, args, d, msg, sizeof msg);
     if (st) return clmha__fail(ctx, st, "%s", msg);
     if (!on_device) {
-        if (!args->query.data) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "query.data is NULL");
-        if (!d->key_is_query && !args->key.data)
-            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "key.data is NULL");
-        if (!d->value_is_key && !args->value.data)
-            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "value.data is NULL");
-        if (d->kpm_kind && !args->key_padding_mask.tensor.data)
-            return clmha__fail(ctx, CLMHA_INVALID_MASK, "key_padding_mask.tensor.data is NULL");
-        if (d->attn_kind && !args->attn_mask.tensor.data)
-            return clmha__fail(ctx, CLMHA_INVALID_MASK, "attn_mask.tensor.data is NULL");
+        if ((st = clmha__check_host_data(d, args, msg, sizeof msg)))
+            return clmha__fail(ctx, st, "%s", msg);
         return CLMHA_SUCCESS;
     }
     if ((st = check_buffer(ctx, "query", args->query.buffer, args->query.offset, d->query_count,
@@ -352,7 +345,7 @@ static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
 
 clmha_status clmha_layer_output_counts(clmha_layer *layer, const clmha_forward_args *args,
                                        size_t *output_count, size_t *weights_count) {
-    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha__dims d;
     char msg[1024];
     clmha_status st = clmha__dims_resolve(&layer->desc, args, &d, msg, sizeof msg);
@@ -367,7 +360,7 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
                                  size_t weights_offset, cl_uint num_wait,
                                  const cl_event *wait_list, cl_event *event) {
     if (event) *event = NULL;
-    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     if ((num_wait > 0) != (wait_list != NULL))
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
@@ -414,7 +407,7 @@ static clmha_status upload(clmha_context *ctx, const char *name, const void *dat
 clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_args *args,
                                       float *output, size_t output_count, float *weights,
                                       size_t weights_count) {
-    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     clmha__dims d;
     clmha_status st = validate(layer, args, false, &d);
@@ -426,10 +419,11 @@ clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_ar
                            output_count, d.output_count, d.n, d.l, d.e);
     if (args->need_weights && !weights)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "need_weights is set but weights is NULL");
-    if (args->need_weights && weights_count != d.weights_count)
+    if (weights_count != d.weights_count)
         return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
-                           "weights holds %zu floats, the result has %zu (N %zu, %sL %zu, S' %zu)",
-                           weights_count, d.weights_count, d.n,
+                           "weights_count is %zu, the call returns %zu weights (need_weights %d, "
+                           "N %zu, %sL %zu, S' %zu)",
+                           weights_count, d.weights_count, (int)args->need_weights, d.n,
                            args->per_head_weights ? "H, " : "", d.l, d.s_padded);
 
     clmha_forward_args dev = *args;

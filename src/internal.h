@@ -108,6 +108,11 @@ CLMHA__HIDDEN clmha_status clmha__dims_resolve(const clmha_layer_desc *desc,
                                                const clmha_forward_args *args, clmha__dims *dims,
                                                char *msg, size_t msg_size);
 
+// Checks that every tensor the resolved call reads has a host data pointer.
+CLMHA__HIDDEN clmha_status clmha__check_host_data(const clmha__dims *dims,
+                                                  const clmha_forward_args *args, char *msg,
+                                                  size_t msg_size);
+
 // Checks a layer descriptor and fills kdim/vdim defaults into @p out.
 CLMHA__HIDDEN clmha_status clmha__desc_check(const clmha_layer_desc *desc, clmha_layer_desc *out,
                                              char *msg, size_t msg_size);

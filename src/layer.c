@@ -74,7 +74,7 @@ size_t clmha_layer_parameter_count(const clmha_layer *layer, const char *name) {
 // Shared by set and get: checks the name and the count, then copies.
 static clmha_status param_copy(clmha_layer *layer, const char *name, float *data, size_t count,
                                bool write) {
-    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     if (!name || !data)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is NULL", name ? "data" : "name");
@@ -110,7 +110,14 @@ clmha_status clmha_layer_get_parameter(clmha_layer *layer, const char *name, flo
 }
 
 // A zero-filled parameter buffer of @p count floats.
-static clmha_status param_buffer(clmha_context *ctx, size_t count, cl_mem *out) {
+static clmha_status param_buffer(clmha_context *ctx, size_t count, const char *what,
+                                 cl_mem *out) {
+    if ((cl_ulong)count * sizeof(float) > ctx->info.max_alloc_bytes)
+        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
+                           "%s need %llu bytes, more than this device's largest allocation "
+                           "(%llu bytes)",
+                           what, (unsigned long long)count * sizeof(float),
+                           (unsigned long long)ctx->info.max_alloc_bytes);
     cl_int err;
     *out = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateBuffer(parameters)");
@@ -140,7 +147,7 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
                                 const clmha_layer_desc *desc) {
     if (!out) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "out is NULL");
     *out = NULL;
-    if (!ctx) return CLMHA_INVALID_ARGUMENT;
+    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
     char msg[512];
     clmha_layer_desc d;
     clmha_status st = clmha__desc_check(desc, &d, msg, sizeof msg);
@@ -156,13 +163,17 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
     l->d = d.embed_dim / d.num_heads;
 
     size_t e = l->e;
-    if ((st = param_buffer(ctx, e * (e + d.kdim + d.vdim), &l->w_in))) goto fail;
-    if ((st = param_buffer(ctx, e * e, &l->w_out))) goto fail;
+    char what[160];
+    snprintf(what, sizeof what, "q/k/v_proj_weight (embed_dim %zu, kdim %zu, vdim %zu)", e,
+             d.kdim, d.vdim);
+    if ((st = param_buffer(ctx, e * (e + d.kdim + d.vdim), what, &l->w_in))) goto fail;
+    if ((st = param_buffer(ctx, e * e, "out_proj.weight", &l->w_out))) goto fail;
     if (d.bias) {
-        if ((st = param_buffer(ctx, 3 * e, &l->b_in))) goto fail;
-        if ((st = param_buffer(ctx, e, &l->b_out))) goto fail;
+        if ((st = param_buffer(ctx, 3 * e, "in_proj_bias", &l->b_in))) goto fail;
+        if ((st = param_buffer(ctx, e, "out_proj.bias", &l->b_out))) goto fail;
     }
-    if (d.add_bias_kv && (st = param_buffer(ctx, 2 * e, &l->bias_kv))) goto fail;
+    if (d.add_bias_kv && (st = param_buffer(ctx, 2 * e, "bias_k/bias_v", &l->bias_kv)))
+        goto fail;
 
     // Kernels. The softmax work-group: a power of two, smaller on CPUs where a work-group is a
     // loop on one core.
@@ -232,7 +243,7 @@ clmha_context *clmha_layer_context(const clmha_layer *layer) {
 
 clmha_status clmha_layer_set_attention(clmha_layer *layer, clmha_attention_fn fn,
                                        void *user_data) {
-    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     layer->core = fn;
     layer->core_data = fn ? user_data : NULL;
     return CLMHA_SUCCESS;
@@ -276,7 +287,7 @@ clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d) {
 clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, size_t src_len,
                               bool need_weights) {
     (void)need_weights;  // the built-in core always materialises the weights
-    if (!layer) return CLMHA_INVALID_ARGUMENT;
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     if (!batch || !tgt_len || !src_len)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,

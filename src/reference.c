@@ -139,19 +139,6 @@ static clmha_status check_params(const clmha_layer_desc *desc, const clmha_refer
     return CLMHA_SUCCESS;
 }
 
-static clmha_status check_data(const clmha__dims *d, const clmha_forward_args *args, char *msg,
-                               size_t msg_size) {
-    if (!args->query.data ||
-        (!d->key_is_query && !args->key.data) || (!d->value_is_key && !args->value.data))
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
-                          "query, key or value has a NULL data pointer");
-    if ((d->kpm_kind != CLMHA_MASK_NONE && !args->key_padding_mask.tensor.data) ||
-        (d->attn_kind != CLMHA_MASK_NONE && !args->attn_mask.tensor.data))
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
-                          "a mask has a NULL data pointer");
-    return CLMHA_SUCCESS;
-}
-
 // ---- the forward pass ------------------------------------------------------------------------
 
 clmha_status clmha_reference_forward(const clmha_layer_desc *desc_in,
@@ -172,7 +159,7 @@ clmha_status clmha_reference_forward(const clmha_layer_desc *desc_in,
     if ((st = clmha__desc_check(desc_in, &desc, message, message_size))) return st;
     if ((st = clmha__dims_resolve(&desc, args, &d, message, message_size))) return st;
     if ((st = check_params(&desc, params, message, message_size))) return st;
-    if ((st = check_data(&d, args, message, message_size))) return st;
+    if ((st = clmha__check_host_data(&d, args, message, message_size))) return st;
     if (!output)
         return clmha__msg(message, message_size, CLMHA_INVALID_ARGUMENT, "output is NULL");
     if (output_count != d.output_count)

@@ -71,12 +71,16 @@ static clmha_status input_dims(const char *name, const clmha_tensor *t, bool bat
                                char *msg, size_t msg_size) {
     char s[96];
     size_t want_ndim = batched ? 3 : 2;
+    // The dimension names of this tensor, in PyTorch's notation.
+    const char *seq_name = name[0] == 'q' ? "L" : "S";
+    const char *feat_name = name[0] == 'q' ? "E" : name[0] == 'k' ? "kdim" : "vdim";
     if (t->ndim != want_ndim)
         return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
-                          "%s must be %s, got %zu-D %s", name,
-                          batched ? (batch_first ? "3-D (N, L, E)" : "3-D (L, N, E)")
-                                  : "2-D (L, E) like the query",
-                          t->ndim, clmha__shape_str(s, sizeof s, t->ndim, t->shape));
+                          "%s must be %s-D (%s%s%s, %s)%s, got %zu-D %s", name,
+                          batched ? "3" : "2", batched && batch_first ? "N, " : "", seq_name,
+                          batched && !batch_first ? ", N" : "", feat_name,
+                          batched ? "" : " (unbatched, like the query)", t->ndim,
+                          clmha__shape_str(s, sizeof s, t->ndim, t->shape));
     if (batched) {
         *seq = batch_first ? t->shape[1] : t->shape[0];
         *batch = batch_first ? t->shape[0] : t->shape[1];
@@ -110,9 +114,9 @@ static clmha_status check_mask_kind(const char *name, const clmha_mask *m, char 
                           (int)m->kind);
     if (m->kind == CLMHA_MASK_NONE && (m->tensor.ndim != 0 || m->per_batch))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
-                          "%s has a tensor but kind CLMHA_MASK_NONE: set its kind "
+                          "%s has %s but kind CLMHA_MASK_NONE: set its kind "
                           "(BOOL_IGNORE, BOOL_ATTEND or FLOAT)",
-                          name);
+                          name, m->tensor.ndim ? "a tensor" : "per_batch set");
     return CLMHA_SUCCESS;
 }
 
@@ -165,20 +169,29 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
     if ((st = input_dims("value", v, d->batched, d->batch_first, d->vdim, &s_v, &n_v, msg,
                          msg_size)))
         return st;
-    if (n_k != d->n || n_v != d->n)
+    if (n_k != d->n || n_v != d->n) {
+        char s3[96];
         return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
-                          "batch sizes differ: query %s, key %s, value %s",
-                          clmha__shape_str(s1, sizeof s1, q->ndim, q->shape),
-                          clmha__shape_str(s2, sizeof s2, k->ndim, k->shape),
-                          v == k ? "= key" : "(see shape)");
+                          "batch sizes differ: query %s (N = %zu), key %s (N = %zu), value %s "
+                          "(N = %zu)",
+                          clmha__shape_str(s1, sizeof s1, q->ndim, q->shape), d->n,
+                          clmha__shape_str(s2, sizeof s2, k->ndim, k->shape), n_k,
+                          clmha__shape_str(s3, sizeof s3, v->ndim, v->shape), n_v);
+    }
     if (s_v != d->s)
         return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
                           "key %s and value %s have different source lengths",
                           clmha__shape_str(s1, sizeof s1, k->ndim, k->shape),
                           clmha__shape_str(s2, sizeof s2, v->ndim, v->shape));
-    if (!tensor_count(q, &d->query_count) || !tensor_count(k, &d->key_count) ||
-        !tensor_count(v, &d->value_count))
-        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "input sizes overflow size_t");
+    const clmha_tensor *inputs[3] = {q, k, v};
+    size_t *counts[3] = {&d->query_count, &d->key_count, &d->value_count};
+    const char *names[3] = {"query", "key", "value"};
+    for (int i = 0; i < 3; ++i)
+        if (!tensor_count(inputs[i], counts[i]))
+            return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
+                              "%s %s has more elements than memory can address", names[i],
+                              clmha__shape_str(s1, sizeof s1, inputs[i]->ndim,
+                                               inputs[i]->shape));
     d->s_padded = d->s + (desc->add_bias_kv ? 1 : 0) + (desc->add_zero_attn ? 1 : 0);
 
     // key_padding_mask: (N, S) or (S).
@@ -209,8 +222,12 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
         if (!clmha__mul(d->n, d->h, &nh))
             return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "N*H overflows");
         const clmha_tensor *t = &am->tensor;
-        if (am->per_batch) {
-            if (!shape_is(t, 3, d->n, d->l, d->s) || !d->batched)
+        if (am->per_batch && !d->batched) {
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                              "attn_mask per_batch needs batched (3-D) inputs; the query is "
+                              "unbatched 2-D, so give the mask as (L, S) or (num_heads, L, S)");
+        } else if (am->per_batch) {
+            if (!shape_is(t, 3, d->n, d->l, d->s))
                 return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
                                   "attn_mask with per_batch must be (N, L, S) = (%zu, %zu, %zu) "
                                   "for batched inputs, got %zu-D %s",
@@ -248,5 +265,18 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
     if (args->need_weights)
         d->weights_count = args->per_head_weights ? d->scores_count
                                                   : d->n * d->l * d->s_padded;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__check_host_data(const clmha__dims *d, const clmha_forward_args *args,
+                                    char *msg, size_t msg_size) {
+    const char *culprit = !args->query.data                              ? "query.data"
+                          : !d->key_is_query && !args->key.data          ? "key.data"
+                          : !d->value_is_key && !args->value.data        ? "value.data"
+                          : d->kpm_kind && !args->key_padding_mask.tensor.data
+                              ? "key_padding_mask.tensor.data"
+                          : d->attn_kind && !args->attn_mask.tensor.data ? "attn_mask.tensor.data"
+                                                                         : NULL;
+    if (culprit) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s is NULL", culprit);
     return CLMHA_SUCCESS;
 }
