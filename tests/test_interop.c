@@ -1,0 +1,291 @@
+#define _POSIX_C_SOURCE 200809L
+// Embedding: the caller's own cl_context, queue, buffers and event wait lists; reference counts;
+// a user-supplied attention core.
+#include <criterion/criterion.h>
+
+#include <clmha.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum { E = 16, H = 4, D = E / H, L = 5, N = 3, S = L };
+
+typedef struct app {
+    cl_context context;
+    cl_device_id device;
+    cl_command_queue queue;
+} app;
+
+// The application's own OpenCL objects, on the device CLMHA_DEVICE names.
+static bool app_open(app *a) {
+    clmha_device_info info;
+    char msg[512];
+    if (clmha_device_select(getenv("CLMHA_DEVICE"), &info, msg, sizeof msg) != CLMHA_SUCCESS)
+        return false;
+    cl_int err;
+    a->device = info.device;
+    a->context = clCreateContext(NULL, 1, &info.device, NULL, NULL, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    a->queue = clCreateCommandQueue(a->context, info.device, 0, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    return true;
+}
+
+static void app_close(app *a) {
+    clReleaseCommandQueue(a->queue);
+    clReleaseContext(a->context);
+}
+
+static cl_uint context_refs(cl_context c) {
+    cl_uint n = 0;
+    clGetContextInfo(c, CL_CONTEXT_REFERENCE_COUNT, sizeof n, &n, NULL);
+    return n;
+}
+
+static cl_uint queue_refs(cl_command_queue q) {
+    cl_uint n = 0;
+    clGetCommandQueueInfo(q, CL_QUEUE_REFERENCE_COUNT, sizeof n, &n, NULL);
+    return n;
+}
+
+static float frand(uint64_t *s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(*s >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+static float w_in[3 * E * E], b_in[3 * E], w_out[E * E], b_out[E], x[L * N * E];
+
+static void make_params(void) {
+    uint64_t s = 7;
+    for (size_t i = 0; i < 3 * E * E; ++i) w_in[i] = 0.4f * frand(&s);
+    for (size_t i = 0; i < 3 * E; ++i) b_in[i] = 0.1f * frand(&s);
+    for (size_t i = 0; i < E * E; ++i) w_out[i] = 0.4f * frand(&s);
+    for (size_t i = 0; i < E; ++i) b_out[i] = 0.1f * frand(&s);
+    for (size_t i = 0; i < L * N * E; ++i) x[i] = frand(&s);
+}
+
+static clmha_layer *make_layer(clmha_context *ctx) {
+    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer *layer = NULL;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    make_params();
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", b_out, E), 0);
+    return layer;
+}
+
+// The reference result for the layer above on x.
+static void reference(double *y, double *w) {
+    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_reference_params p = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+                                .out_proj_weight = w_out, .out_proj_bias = b_out};
+    clmha_forward_args args = {.query = {.ndim = 3, .shape = {L, N, E}, .data = x},
+                               .need_weights = true};
+    char msg[256];
+    cr_assert_eq(clmha_reference_forward(&desc, &p, &args, y, L * N * E, w, N * L * S, msg,
+                                         sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+}
+
+static void sleep_ms(long ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+Test(interop, caller_objects_wait_list_event_and_refcounts) {
+    app a;
+    if (!app_open(&a)) cr_skip_test("no OpenCL device");
+    cl_uint ctx_refs0 = context_refs(a.context), queue_refs0 = queue_refs(a.queue);
+
+    clmha_context *ctx = NULL;
+    cr_assert_eq(clmha_context_create_from_cl(&ctx, a.context, a.device, a.queue), CLMHA_SUCCESS,
+                 "%s", clmha_last_create_error());
+    cr_assert_eq(clmha_context_cl_context(ctx), a.context);
+    cr_assert_eq(clmha_context_cl_queue(ctx), a.queue);
+    clmha_layer *layer = make_layer(ctx);
+    cr_assert_eq(clmha_layer_bake(layer, N, L, S, true), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+
+    // The application's buffers. The query starts as zeros; its real values are written on a
+    // second queue once a user event opens, and the forward pass only waits for that write
+    // through its wait list. Were the wait list ignored, the pass would read zeros.
+    cl_int err;
+    cl_mem q = clCreateBuffer(a.context, CL_MEM_READ_WRITE, sizeof x, NULL, &err);
+    cl_mem out = clCreateBuffer(a.context, CL_MEM_READ_WRITE, sizeof(float) * L * N * E, NULL,
+                                &err);
+    cl_mem w = clCreateBuffer(a.context, CL_MEM_READ_WRITE, sizeof(float) * N * L * S, NULL, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    float zero = 0.0f;
+    clEnqueueFillBuffer(a.queue, q, &zero, sizeof zero, 0, sizeof x, 0, NULL, NULL);
+    clFinish(a.queue);
+    cl_command_queue side = clCreateCommandQueue(a.context, a.device, 0, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    cl_event gate = clCreateUserEvent(a.context, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    cl_event written = NULL;
+    cr_assert_eq(clEnqueueWriteBuffer(side, q, CL_FALSE, 0, sizeof x, x, 1, &gate, &written),
+                 CL_SUCCESS);
+    clFlush(side);
+
+    clmha_forward_args args = {.query = {.ndim = 3, .shape = {L, N, E}, .buffer = q},
+                               .need_weights = true};
+    cl_event done = (cl_event)0x1;
+    cr_assert_eq(clmha_layer_forward(layer, &args, out, 0, w, 0, 1, &written, &done),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_assert(done != NULL && done != (cl_event)0x1);
+    clFlush(a.queue);
+    sleep_ms(300);
+    cl_int status = 0;
+    clGetEventInfo(done, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof status, &status, NULL);
+    cr_assert_neq(status, CL_COMPLETE, "forward finished before its wait list was satisfied");
+
+    clSetUserEventStatus(gate, CL_COMPLETE);
+    cr_assert_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    cl_context ev_ctx = NULL;
+    clGetEventInfo(done, CL_EVENT_CONTEXT, sizeof ev_ctx, &ev_ctx, NULL);
+    cr_assert_eq(ev_ctx, a.context);
+    cl_uint ev_refs = 0;
+    clGetEventInfo(done, CL_EVENT_REFERENCE_COUNT, sizeof ev_refs, &ev_refs, NULL);
+    cr_assert_eq(ev_refs, 1, "the caller should hold the only reference to the event");
+
+    static float y[L * N * E], wt[N * L * S];
+    static double y_ref[L * N * E], w_ref[N * L * S];
+    clEnqueueReadBuffer(a.queue, out, CL_TRUE, 0, sizeof y, y, 0, NULL, NULL);
+    clEnqueueReadBuffer(a.queue, w, CL_TRUE, 0, sizeof wt, wt, 0, NULL, NULL);
+    reference(y_ref, w_ref);
+    double err_y = 0, err_w = 0;
+    for (size_t i = 0; i < L * N * E; ++i) err_y = fmax(err_y, fabs(y[i] - y_ref[i]));
+    for (size_t i = 0; i < N * L * S; ++i) err_w = fmax(err_w, fabs(wt[i] - w_ref[i]));
+    cr_assert_leq(err_y, 1e-4, "output error %g", err_y);
+    cr_assert_leq(err_w, 1e-4, "weights error %g", err_w);
+
+    clReleaseEvent(done);
+    clReleaseEvent(written);
+    clReleaseEvent(gate);
+    clReleaseCommandQueue(side);
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+    clReleaseMemObject(q);
+    clReleaseMemObject(out);
+    clReleaseMemObject(w);
+    cr_assert_eq(context_refs(a.context), ctx_refs0, "cl_context references %u, expected %u",
+                 context_refs(a.context), ctx_refs0);
+    cr_assert_eq(queue_refs(a.queue), queue_refs0, "queue references %u, expected %u",
+                 queue_refs(a.queue), queue_refs0);
+    app_close(&a);
+}
+
+// A user attention core that reads the head tiles to the host, computes plain softmax attention
+// there, and writes the result back (with the weights when asked).
+typedef struct core_log {
+    int calls;
+    size_t batch, heads, tgt, src, src_padded, head_dim;
+} core_log;
+
+static clmha_status host_core(const clmha_core_args *c, void *user) {
+    core_log *log = user;
+    log->calls++;
+    log->batch = c->batch, log->heads = c->num_heads, log->tgt = c->tgt_len;
+    log->src = c->src_len, log->src_padded = c->src_len_padded, log->head_dim = c->head_dim;
+    size_t bh = c->batch * c->num_heads, d = c->head_dim, l = c->tgt_len, s = c->src_len_padded;
+    float *q = malloc(bh * l * d * 4), *k = malloc(bh * s * d * 4), *v = malloc(bh * s * d * 4);
+    float *o = malloc(bh * l * d * 4), *p = malloc(bh * l * s * 4);
+    if (!q || !k || !v || !o || !p) return CLMHA_OUT_OF_MEMORY;
+    clEnqueueReadBuffer(c->queue, c->q, CL_TRUE, 0, bh * l * d * 4, q, c->num_wait, c->wait_list,
+                        NULL);
+    clEnqueueReadBuffer(c->queue, c->k, CL_TRUE, 0, bh * s * d * 4, k, 0, NULL, NULL);
+    clEnqueueReadBuffer(c->queue, c->v, CL_TRUE, 0, bh * s * d * 4, v, 0, NULL, NULL);
+    for (size_t b = 0; b < bh; ++b)
+        for (size_t i = 0; i < l; ++i) {
+            float *row = p + (b * l + i) * s, m = -INFINITY, sum = 0;
+            for (size_t j = 0; j < s; ++j) {
+                float dot = 0;
+                for (size_t t = 0; t < d; ++t) dot += q[(b * l + i) * d + t] * k[(b * s + j) * d + t];
+                row[j] = dot * c->scale;
+                m = fmaxf(m, row[j]);
+            }
+            for (size_t j = 0; j < s; ++j) sum += row[j] = expf(row[j] - m);
+            for (size_t j = 0; j < s; ++j) row[j] /= sum;
+            for (size_t t = 0; t < d; ++t) {
+                float acc = 0;
+                for (size_t j = 0; j < s; ++j) acc += row[j] * v[(b * s + j) * d + t];
+                o[(b * l + i) * d + t] = acc;
+            }
+        }
+    clEnqueueWriteBuffer(c->queue, c->out, CL_TRUE, 0, bh * l * d * 4, o, 0, NULL, NULL);
+    if (c->weights)
+        clEnqueueWriteBuffer(c->queue, c->weights, CL_TRUE, 0, bh * l * s * 4, p, 0, NULL, NULL);
+    free(q), free(k), free(v), free(o), free(p);
+    return clEnqueueMarkerWithWaitList(c->queue, 0, NULL, c->event) == CL_SUCCESS
+               ? CLMHA_SUCCESS
+               : CLMHA_OPENCL_ERROR;
+}
+
+static clmha_status failing_core(const clmha_core_args *c, void *user) {
+    (void)c, (void)user;
+    return CLMHA_UNSUPPORTED;
+}
+
+Test(interop, user_attention_core) {
+    clmha_context *ctx = NULL;
+    clmha_status st = clmha_context_create_from_env(&ctx);
+    if (st == CLMHA_DEVICE_NOT_FOUND) cr_skip_test("no OpenCL device");
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_last_create_error());
+    clmha_layer *layer = make_layer(ctx);
+    core_log log = {0};
+    cr_assert_eq(clmha_layer_set_attention(layer, host_core, &log), CLMHA_SUCCESS);
+    clmha_forward_args args = {.query = {.ndim = 3, .shape = {L, N, E}, .data = x},
+                               .need_weights = true};
+    static float y[L * N * E], w[N * L * S];
+    static double y_ref[L * N * E], w_ref[N * L * S];
+    cr_assert_eq(clmha_layer_forward_host(layer, &args, y, L * N * E, w, N * L * S),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_assert_eq(log.calls, 1);
+    cr_assert(log.batch == N && log.heads == H && log.tgt == L && log.src == S &&
+              log.src_padded == S && log.head_dim == D);
+    reference(y_ref, w_ref);
+    double err_y = 0, err_w = 0;
+    for (size_t i = 0; i < L * N * E; ++i) err_y = fmax(err_y, fabs(y[i] - y_ref[i]));
+    for (size_t i = 0; i < N * L * S; ++i) err_w = fmax(err_w, fabs(w[i] - w_ref[i]));
+    cr_assert_leq(err_y, 1e-4, "output error %g through the user core", err_y);
+    cr_assert_leq(err_w, 1e-4, "weights error %g through the user core", err_w);
+
+    // A failing core aborts the pass with CLMHA_CALLBACK_FAILED and leaves the output alone.
+    cr_assert_eq(clmha_layer_set_attention(layer, failing_core, NULL), CLMHA_SUCCESS);
+    for (size_t i = 0; i < L * N * E; ++i) y[i] = 12345.0f;
+    cr_assert_eq(clmha_layer_forward_host(layer, &args, y, L * N * E, w, N * L * S),
+                 CLMHA_CALLBACK_FAILED);
+    for (size_t i = 0; i < L * N * E; ++i) cr_assert_eq(y[i], 12345.0f);
+    cr_assert(strstr(clmha_context_last_error(ctx), "attention core") != NULL);
+
+    // NULL restores the built-in core.
+    cr_assert_eq(clmha_layer_set_attention(layer, NULL, NULL), CLMHA_SUCCESS);
+    cr_assert_eq(clmha_layer_forward_host(layer, &args, y, L * N * E, w, N * L * S),
+                 CLMHA_SUCCESS);
+    err_y = 0;
+    for (size_t i = 0; i < L * N * E; ++i) err_y = fmax(err_y, fabs(y[i] - y_ref[i]));
+    cr_assert_leq(err_y, 1e-4);
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+}
+
+Test(interop, queue_of_another_context_is_refused) {
+    app a, b;
+    if (!app_open(&a)) cr_skip_test("no OpenCL device");
+    app_open(&b);
+    cl_uint refs_a = context_refs(a.context), refs_q = queue_refs(b.queue);
+    clmha_context *ctx = (clmha_context *)0x1;
+    cr_assert_eq(clmha_context_create_from_cl(&ctx, a.context, a.device, b.queue),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_assert_null(ctx);
+    cr_assert(strstr(clmha_last_create_error(), "another cl_context") != NULL, "%s",
+              clmha_last_create_error());
+    cr_assert_eq(context_refs(a.context), refs_a);
+    cr_assert_eq(queue_refs(b.queue), refs_q);
+    app_close(&a);
+    app_close(&b);
+}

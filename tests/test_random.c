@@ -1,0 +1,690 @@
+// Randomised comparisons of the OpenCL forward pass (clmha_layer_forward_host) against the
+// double-precision CPU reference (clmha_reference_forward): random combinations of options,
+// odd shapes, every mask kind and layout, causal masking, fully masked rows and dropout.
+// Every case prints one line to stderr with the max abs error and the NMSE (normalised mean
+// squared error, sum (gpu - ref)^2 / sum ref^2) of the output and of the weights.
+#include <criterion/criterion.h>
+
+#include <clmha.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TOLERANCE 1e-4
+
+// ---- deterministic random numbers (splitmix64) -----------------------------------------------
+
+typedef struct prng {
+    uint64_t state;
+} prng;
+
+static uint64_t prng_next(prng *r) {
+    uint64_t z = (r->state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Uniform in [0, 1).
+static double prng_uniform(prng *r) { return (double)(prng_next(r) >> 11) * 0x1.0p-53; }
+
+// Uniform integer in [lo, hi].
+static size_t prng_range(prng *r, size_t lo, size_t hi) {
+    return lo + (size_t)(prng_next(r) % (uint64_t)(hi - lo + 1));
+}
+
+static bool prng_bool(prng *r) { return prng_next(r) >> 63; }
+
+// Standard normal (Box-Muller).
+static double prng_normal(prng *r) {
+    double u1 = 1.0 - prng_uniform(r);  // (0, 1]
+    double u2 = prng_uniform(r);
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+// ---- cases -----------------------------------------------------------------------------------
+
+typedef enum attn_layout { LAYOUT_SHARED, LAYOUT_PER_HEAD, LAYOUT_PER_BATCH } attn_layout;
+
+// One forward call: the layer, the shapes and the options.
+typedef struct rcase {
+    size_t e, h, kdim, vdim;  // kdim/vdim 0 = embed_dim
+    size_t n, l, s;           // n is ignored (1) when unbatched
+    bool bias, add_bias_kv, add_zero_attn, batch_first;
+    bool unbatched, self_attn, value_is_key;
+    clmha_mask_kind kpm, am;
+    attn_layout layout;
+    bool is_causal, need_weights, per_head, training;
+    float dropout;
+    uint64_t rng_seed, rng_offset;  // dropout randomness
+    double mask_p;                  // probability of a forbidden / -inf mask entry
+    bool mask_row;                  // attn_mask (shared, BOOL_IGNORE) forbids every key of row 1
+    bool mask_batch;                // key_padding_mask (BOOL_IGNORE) forbids every key of item 0
+    uint64_t data_seed;             // parameters, inputs and masks
+} rcase;
+
+// A case with everything the forward call and the reference need.
+typedef struct instance {
+    rcase c;
+    clmha_layer_desc desc;
+    clmha_reference_params params;
+    clmha_forward_args args;
+    size_t n, kdim, vdim, s_padded, output_count, weights_count;
+    float *w_in, *wq, *wk, *wv, *b_in, *wo, *bo, *bk, *bv;
+    float *query, *key, *value;
+    void *kpm, *am;
+} instance;
+
+static const char *kind_name(clmha_mask_kind k) {
+    static const char *names[] = {"none", "ignore", "attend", "float"};
+    return names[k];
+}
+
+static void describe(const rcase *c, char *buf, size_t size) {
+    static const char *layouts[] = {"L,S", "NH,L,S", "N,L,S"};
+    int used = snprintf(buf, size, "E%zu H%zu N%zu L%zu S%zu", c->e, c->h,
+                        c->unbatched ? (size_t)1 : c->n, c->l, c->self_attn ? c->l : c->s);
+#define APPEND(...)                                                                            \
+    if (used >= 0 && (size_t)used < size)                                                      \
+    used += snprintf(buf + used, size - (size_t)used, __VA_ARGS__)
+    if (c->kdim || c->vdim) APPEND(" kdim%zu vdim%zu", c->kdim, c->vdim);
+    if (!c->bias) APPEND(" nobias");
+    if (c->add_bias_kv) APPEND(" bias_kv");
+    if (c->add_zero_attn) APPEND(" zero_attn");
+    if (c->batch_first) APPEND(" batch_first");
+    if (c->unbatched) APPEND(" unbatched");
+    if (c->self_attn) APPEND(" self");
+    if (c->value_is_key) APPEND(" value=key");
+    if (c->kpm) APPEND(" kpm=%s", kind_name(c->kpm));
+    if (c->am) APPEND(" am=%s(%s)", kind_name(c->am), layouts[c->layout]);
+    if (c->is_causal) APPEND(" causal");
+    if (c->mask_row) APPEND(" masked_row");
+    if (c->mask_batch) APPEND(" masked_item");
+    if (c->need_weights) APPEND(c->per_head ? " w=per_head" : " w=avg");
+    if (c->dropout > 0) APPEND(" p=%.2g%s", (double)c->dropout, c->training ? " train" : " eval");
+#undef APPEND
+}
+
+static float *alloc_floats(size_t count) {
+    float *p = malloc((count ? count : 1) * sizeof *p);
+    cr_assert_not_null(p, "out of memory");
+    return p;
+}
+
+static float *uniform_floats(prng *r, size_t count, double bound) {
+    float *p = alloc_floats(count);
+    for (size_t i = 0; i < count; ++i) p[i] = (float)((2.0 * prng_uniform(r) - 1.0) * bound);
+    return p;
+}
+
+static float *normal_floats(prng *r, size_t count) {
+    float *p = alloc_floats(count);
+    for (size_t i = 0; i < count; ++i) p[i] = (float)prng_normal(r);
+    return p;
+}
+
+// A mask of @p count elements: boolean masks hold 0 or a random non-zero byte (non-zero means
+// forbidden for IGNORE, allowed for ATTEND; a fraction mask_p is forbidden); float masks hold
+// N(0, 1) values with a fraction mask_p of -inf.
+static void *make_mask(prng *r, clmha_mask_kind kind, size_t count, double mask_p) {
+    if (kind == CLMHA_MASK_FLOAT) {
+        float *m = alloc_floats(count);
+        for (size_t i = 0; i < count; ++i)
+            m[i] = prng_uniform(r) < mask_p ? -INFINITY : (float)prng_normal(r);
+        return m;
+    }
+    unsigned char *m = malloc(count ? count : 1);
+    cr_assert_not_null(m, "out of memory");
+    for (size_t i = 0; i < count; ++i) {
+        bool forbidden = prng_uniform(r) < mask_p;
+        unsigned char nonzero = (unsigned char)prng_range(r, 1, 255);
+        m[i] = (forbidden == (kind == CLMHA_MASK_BOOL_IGNORE)) ? nonzero : 0;
+    }
+    return m;
+}
+
+static clmha_tensor host_tensor(const void *data, size_t ndim, size_t a, size_t b, size_t c) {
+    clmha_tensor t = {.ndim = ndim, .shape = {a, b, c}, .data = data};
+    return t;
+}
+
+// An input (seq, batch, feat) in the case's layout.
+static clmha_tensor input_tensor(const instance *in, const float *data, size_t seq, size_t feat) {
+    if (in->c.unbatched) return host_tensor(data, 2, seq, feat, 0);
+    if (in->c.batch_first) return host_tensor(data, 3, in->n, seq, feat);
+    return host_tensor(data, 3, seq, in->n, feat);
+}
+
+static void instance_make(instance *in, const rcase *c) {
+    memset(in, 0, sizeof *in);
+    in->c = *c;
+    if (c->self_attn) in->c.s = c->l;
+    const rcase *k = &in->c;
+    prng r = {k->data_seed};
+    const size_t e = k->e, n = k->unbatched ? 1 : k->n, l = k->l, s = k->s;
+    in->n = n;
+    in->kdim = k->kdim ? k->kdim : e;
+    in->vdim = k->vdim ? k->vdim : e;
+    in->s_padded = s + k->add_bias_kv + k->add_zero_attn;
+
+    in->desc = (clmha_layer_desc){.embed_dim = e, .num_heads = k->h, .kdim = k->kdim,
+                                  .vdim = k->vdim, .bias = k->bias,
+                                  .add_bias_kv = k->add_bias_kv,
+                                  .add_zero_attn = k->add_zero_attn,
+                                  .batch_first = k->batch_first, .dropout = k->dropout};
+
+    // Parameters: weights ~ U(-1/sqrt(E), 1/sqrt(E)), bias_k / bias_v ~ N(0, 1).
+    const double bound = 1.0 / sqrt((double)e);
+    if (in->kdim == e && in->vdim == e) {
+        in->w_in = uniform_floats(&r, 3 * e * e, bound);
+        in->params.in_proj_weight = in->w_in;
+    } else {
+        in->wq = uniform_floats(&r, e * e, bound);
+        in->wk = uniform_floats(&r, e * in->kdim, bound);
+        in->wv = uniform_floats(&r, e * in->vdim, bound);
+        in->params.q_proj_weight = in->wq;
+        in->params.k_proj_weight = in->wk;
+        in->params.v_proj_weight = in->wv;
+    }
+    in->wo = uniform_floats(&r, e * e, bound);
+    in->params.out_proj_weight = in->wo;
+    if (k->bias) {
+        in->b_in = uniform_floats(&r, 3 * e, bound);
+        in->bo = uniform_floats(&r, e, bound);
+        in->params.in_proj_bias = in->b_in;
+        in->params.out_proj_bias = in->bo;
+    }
+    if (k->add_bias_kv) {
+        in->bk = normal_floats(&r, e);
+        in->bv = normal_floats(&r, e);
+        in->params.bias_k = in->bk;
+        in->params.bias_v = in->bv;
+    }
+
+    // Inputs ~ N(0, 1).
+    clmha_forward_args *a = &in->args;
+    in->query = normal_floats(&r, l * n * e);
+    a->query = input_tensor(in, in->query, l, e);
+    if (!k->self_attn) {
+        in->key = normal_floats(&r, s * n * in->kdim);
+        a->key = input_tensor(in, in->key, s, in->kdim);
+        if (!k->value_is_key) {
+            in->value = normal_floats(&r, s * n * in->vdim);
+            a->value = input_tensor(in, in->value, s, in->vdim);
+        }
+    }
+
+    // Masks.
+    if (k->kpm) {
+        in->kpm = make_mask(&r, k->kpm, n * s, k->mask_p);
+        if (k->mask_batch) memset(in->kpm, 1, s);  // item 0 (kind BOOL_IGNORE) fully masked
+        a->key_padding_mask.kind = k->kpm;
+        a->key_padding_mask.tensor =
+            k->unbatched ? host_tensor(in->kpm, 1, s, 0, 0) : host_tensor(in->kpm, 2, n, s, 0);
+    }
+    if (k->am) {
+        size_t heads = k->layout == LAYOUT_PER_HEAD    ? n * k->h
+                       : k->layout == LAYOUT_PER_BATCH ? n
+                                                       : 1;
+        in->am = make_mask(&r, k->am, heads * l * s, k->mask_p);
+        if (k->mask_row) memset((unsigned char *)in->am + s, 1, s);  // row 1 (BOOL_IGNORE)
+        a->attn_mask.kind = k->am;
+        a->attn_mask.per_batch = k->layout == LAYOUT_PER_BATCH;
+        a->attn_mask.tensor = k->layout == LAYOUT_SHARED ? host_tensor(in->am, 2, l, s, 0)
+                                                         : host_tensor(in->am, 3, heads, l, s);
+    }
+    a->is_causal = k->is_causal;
+    a->need_weights = k->need_weights;
+    a->per_head_weights = k->per_head;
+    a->training = k->training;
+    a->rng = (clmha_dropout_rng){k->rng_seed, k->rng_offset};
+
+    in->output_count = n * l * e;
+    in->weights_count = k->need_weights ? n * (k->per_head ? k->h : 1) * l * in->s_padded : 0;
+}
+
+static void instance_free(instance *in) {
+    float *arrays[] = {in->w_in, in->wq,  in->wk,    in->wv,  in->b_in, in->wo,
+                       in->bo,   in->bk,  in->bv,    in->query, in->key, in->value};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free(arrays[i]);
+    free(in->kpm);
+    free(in->am);
+}
+
+// ---- running -----------------------------------------------------------------------------------
+
+static clmha_context *open_context(void) {
+    clmha_context *ctx = NULL;
+    clmha_status st = clmha_context_create_from_env(&ctx);
+    if (st == CLMHA_DEVICE_NOT_FOUND)
+        cr_skip_test("no OpenCL device: %s", clmha_last_create_error());
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_context_create_from_env: %s",
+                 clmha_last_create_error());
+    return ctx;
+}
+
+static void set_param(clmha_layer *layer, const char *name, const float *data, size_t count) {
+    if (!data) return;
+    clmha_status st = clmha_layer_set_parameter(layer, name, data, count);
+    cr_assert_eq(st, CLMHA_SUCCESS, "set_parameter(%s): %s", name,
+                 clmha_context_last_error(clmha_layer_context(layer)));
+}
+
+static clmha_layer *make_layer(clmha_context *ctx, const instance *in) {
+    clmha_layer *layer = NULL;
+    clmha_status st = clmha_layer_create(&layer, ctx, &in->desc);
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_layer_create: %s", clmha_context_last_error(ctx));
+    const size_t e = in->c.e;
+    set_param(layer, "in_proj_weight", in->w_in, 3 * e * e);
+    set_param(layer, "q_proj_weight", in->wq, e * e);
+    set_param(layer, "k_proj_weight", in->wk, e * in->kdim);
+    set_param(layer, "v_proj_weight", in->wv, e * in->vdim);
+    set_param(layer, "in_proj_bias", in->b_in, 3 * e);
+    set_param(layer, "out_proj.weight", in->wo, e * e);
+    set_param(layer, "out_proj.bias", in->bo, e);
+    set_param(layer, "bias_k", in->bk, e);
+    set_param(layer, "bias_v", in->bv, e);
+    return layer;
+}
+
+// Runs the OpenCL forward pass of @p in into freshly allocated arrays.
+static void gpu_forward(clmha_layer *layer, const instance *in, float **out, float **weights) {
+    size_t oc = 0, wc = 0;
+    clmha_context *ctx = clmha_layer_context(layer);
+    clmha_status st = clmha_layer_output_counts(layer, &in->args, &oc, &wc);
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_layer_output_counts: %s",
+                 clmha_context_last_error(ctx));
+    cr_assert_eq(oc, in->output_count, "output count %zu, expected %zu", oc, in->output_count);
+    cr_assert_eq(wc, in->weights_count, "weights count %zu, expected %zu", wc, in->weights_count);
+    *out = alloc_floats(oc);
+    *weights = in->weights_count ? alloc_floats(wc) : NULL;
+    for (size_t i = 0; i < oc; ++i) (*out)[i] = NAN;  // anything not written shows up
+    for (size_t i = 0; i < wc; ++i) (*weights)[i] = NAN;
+    st = clmha_layer_forward_host(layer, &in->args, *out, oc, *weights, wc);
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_layer_forward_host: %s (%s)",
+                 clmha_context_last_error(ctx), clmha_status_string(st));
+}
+
+static void ref_forward(const instance *in, double **out, double **weights) {
+    char msg[256];
+    *out = malloc(in->output_count * sizeof **out);
+    *weights = malloc((in->weights_count ? in->weights_count : 1) * sizeof **weights);
+    cr_assert(*out && *weights, "out of memory");
+    clmha_status st =
+        clmha_reference_forward(&in->desc, &in->params, &in->args, *out, in->output_count,
+                                in->weights_count ? *weights : NULL, in->weights_count, msg,
+                                sizeof msg);
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_reference_forward: %s", msg);
+}
+
+typedef struct error_stats {
+    double max_abs, nmse;
+} error_stats;
+
+// Max abs error (infinite when the GPU value is not finite) and NMSE of @p got against @p want.
+static error_stats compare(const float *got, const double *want, size_t count) {
+    error_stats e = {0.0, 0.0};
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < count; ++i) {
+        double d = (double)got[i] - want[i];
+        if (!isfinite(d)) d = INFINITY;
+        if (fabs(d) > e.max_abs) e.max_abs = fabs(d);
+        num += d * d;
+        den += want[i] * want[i];
+    }
+    e.nmse = den > 0.0 ? num / den : num;
+    return e;
+}
+
+// Index of row (n, i) of the output in the query's layout.
+static size_t output_row(const instance *in, size_t n, size_t i) {
+    size_t row = in->c.batch_first && !in->c.unbatched ? n * in->c.l + i : i * in->n + n;
+    return row * in->c.e;
+}
+
+// Checks that output row (n, i) is out_proj.bias (or zero) and its weights are all zero.
+static void check_masked_row(const instance *in, const float *out, const float *weights,
+                             size_t n, size_t i) {
+    for (size_t f = 0; f < in->c.e; ++f) {
+        float want = in->bo ? in->bo[f] : 0.0f;
+        cr_assert_float_eq(out[output_row(in, n, i) + f], want, 1e-6,
+                           "masked row (%zu, %zu): output[%zu] = %g, out_proj.bias %g", n, i, f,
+                           (double)out[output_row(in, n, i) + f], (double)want);
+    }
+    if (!weights) return;
+    const size_t heads = in->c.per_head ? in->c.h : 1, sp = in->s_padded;
+    for (size_t h = 0; h < heads; ++h)
+        for (size_t j = 0; j < sp; ++j) {
+            float w = weights[((n * heads + h) * in->c.l + i) * sp + j];
+            cr_assert(w == 0.0f, "masked row (%zu, %zu): weight (head %zu, key %zu) = %g", n, i,
+                      h, j, (double)w);
+        }
+}
+
+// Runs one case on the device and on the reference, prints the errors and asserts them.
+static void check_case(clmha_context *ctx, const rcase *c) {
+    char name[256];
+    describe(c, name, sizeof name);
+    instance in;
+    instance_make(&in, c);
+    clmha_layer *layer = make_layer(ctx, &in);
+    float *out, *weights;
+    double *ref_out, *ref_weights;
+    gpu_forward(layer, &in, &out, &weights);
+    ref_forward(&in, &ref_out, &ref_weights);
+
+    error_stats eo = compare(out, ref_out, in.output_count);
+    error_stats ew = compare(weights, ref_weights, in.weights_count);
+    fprintf(stderr, "random: %-78s out max|err| %.2e nmse %.2e", name, eo.max_abs, eo.nmse);
+    if (in.weights_count)
+        fprintf(stderr, "  weights max|err| %.2e nmse %.2e", ew.max_abs, ew.nmse);
+    fputc('\n', stderr);
+    cr_expect(eo.max_abs <= TOLERANCE, "%s: output max abs error %g", name, eo.max_abs);
+    cr_expect(ew.max_abs <= TOLERANCE, "%s: weights max abs error %g", name, ew.max_abs);
+
+    if (c->mask_row)
+        for (size_t n = 0; n < in.n; ++n) check_masked_row(&in, out, weights, n, 1);
+    if (c->mask_batch)
+        for (size_t i = 0; i < c->l; ++i) check_masked_row(&in, out, weights, 0, i);
+
+    free(out);
+    free(weights);
+    free(ref_out);
+    free(ref_weights);
+    clmha_layer_release(layer);
+    instance_free(&in);
+}
+
+// A base case: E 8, 2 heads, N 2, L 3, S 5, bias, weights averaged.
+static rcase base_case(uint64_t data_seed) {
+    rcase c = {.e = 8, .h = 2, .n = 2, .l = 3, .s = 5, .bias = true, .need_weights = true,
+               .mask_p = 0.3, .rng_seed = 0x0123456789ABCDEFull, .rng_offset = 7,
+               .data_seed = data_seed};
+    return c;
+}
+
+// A random combination of every option, drawn from @p r.
+static rcase random_case(prng *r) {
+    rcase c = base_case(prng_next(r));
+    c.h = prng_range(r, 1, 4);
+    c.e = c.h * prng_range(r, 1, 6);
+    c.n = prng_range(r, 1, 4);
+    c.l = prng_range(r, 1, 7);
+    c.s = prng_range(r, 1, 7);
+    c.bias = prng_range(r, 0, 3) != 0;
+    c.add_bias_kv = prng_bool(r);
+    c.add_zero_attn = prng_bool(r);
+    c.batch_first = prng_bool(r);
+    c.unbatched = prng_range(r, 0, 4) == 0;
+    switch (prng_range(r, 0, 3)) {
+    case 0: c.self_attn = true; break;
+    case 1:
+        c.kdim = prng_range(r, 1, 9);
+        c.vdim = prng_bool(r) ? c.kdim : prng_range(r, 1, 9);
+        c.value_is_key = c.kdim == c.vdim && prng_bool(r);
+        break;
+    case 2: c.value_is_key = prng_bool(r); break;
+    default: break;
+    }
+    c.kpm = (clmha_mask_kind)prng_range(r, 0, 3);
+    c.am = (clmha_mask_kind)prng_range(r, 0, 3);
+    c.layout = (attn_layout)prng_range(r, 0, c.unbatched ? 1 : 2);
+    c.is_causal = prng_range(r, 0, 2) == 0;
+    c.need_weights = prng_range(r, 0, 3) != 0;
+    c.per_head = prng_bool(r);
+    if (prng_range(r, 0, 3) == 0) {
+        c.dropout = 0.25f;
+        c.training = prng_bool(r);
+        c.rng_seed = prng_next(r);
+        c.rng_offset = prng_next(r);
+    }
+    return c;
+}
+
+// ---- tests -------------------------------------------------------------------------------------
+
+Test(random, combinations, .timeout = 300) {
+    clmha_context *ctx = open_context();
+    static const uint64_t seeds[] = {1, 2, 3, 42, 2024, 0xC0FFEE};
+    for (size_t i = 0; i < sizeof seeds / sizeof seeds[0]; ++i) {
+        prng r = {seeds[i]};
+        for (int k = 0; k < 6; ++k) {
+            rcase c = random_case(&r);
+            check_case(ctx, &c);
+        }
+    }
+    clmha_context_release(ctx);
+}
+
+Test(random, odd_shapes, .timeout = 300) {
+    clmha_context *ctx = open_context();
+    rcase c;
+    // head_dim 1
+    c = base_case(11), c.e = 4, c.h = 4, c.per_head = true;
+    check_case(ctx, &c);
+    // E 60 with 5 heads (head_dim 12)
+    c = base_case(12), c.e = 60, c.h = 5, c.l = 7, c.s = 9;
+    check_case(ctx, &c);
+    // L 1, S 1, and both at once
+    c = base_case(13), c.l = 1, c.s = 6;
+    check_case(ctx, &c);
+    c = base_case(14), c.l = 6, c.s = 1, c.per_head = true;
+    check_case(ctx, &c);
+    c = base_case(15), c.l = 1, c.s = 1, c.n = 1;
+    check_case(ctx, &c);
+    // L != S both ways, with kdim / vdim
+    c = base_case(16), c.l = 9, c.s = 2, c.kdim = 3, c.vdim = 11;
+    check_case(ctx, &c);
+    c = base_case(17), c.l = 2, c.s = 13, c.kdim = 5, c.vdim = 5, c.value_is_key = true;
+    check_case(ctx, &c);
+    // self-attention, batch_first, unbatched, no bias, no weights
+    c = base_case(18), c.self_attn = true, c.batch_first = true, c.l = 5;
+    check_case(ctx, &c);
+    c = base_case(19), c.unbatched = true, c.batch_first = true, c.per_head = true;
+    check_case(ctx, &c);
+    c = base_case(20), c.bias = false, c.need_weights = false, c.add_bias_kv = true;
+    check_case(ctx, &c);
+    // a single head, a wide head
+    c = base_case(21), c.e = 24, c.h = 1, c.l = 5, c.s = 4;
+    check_case(ctx, &c);
+    c = base_case(22), c.e = 130, c.h = 2, c.l = 3, c.s = 3, c.n = 1;
+    check_case(ctx, &c);
+    clmha_context_release(ctx);
+}
+
+Test(random, long_sequences, .timeout = 300) {
+    clmha_context *ctx = open_context();
+    // Longer than any kernel tile: L = S = 300.
+    rcase c = base_case(31);
+    c.e = 32, c.h = 4, c.n = 1, c.l = 300, c.s = 300;
+    check_case(ctx, &c);
+    c = base_case(32);
+    c.e = 32, c.h = 4, c.n = 2, c.l = 300, c.s = 300, c.batch_first = true, c.per_head = true;
+    c.kpm = CLMHA_MASK_BOOL_IGNORE, c.mask_p = 0.1, c.add_zero_attn = true;
+    check_case(ctx, &c);
+    c = base_case(33);
+    c.e = 32, c.h = 4, c.n = 1, c.l = 257, c.s = 300, c.is_causal = true;
+    c.am = CLMHA_MASK_FLOAT, c.mask_p = 0.05;
+    check_case(ctx, &c);
+    clmha_context_release(ctx);
+}
+
+Test(random, many_batch_heads, .timeout = 300) {
+    clmha_context *ctx = open_context();
+    // N*H = 1200, more than one work-group dimension.
+    rcase c = base_case(41);
+    c.e = 16, c.h = 8, c.n = 150, c.l = 3, c.s = 5, c.per_head = true;
+    check_case(ctx, &c);
+    c = base_case(42);
+    c.e = 16, c.h = 8, c.n = 150, c.l = 3, c.s = 5, c.batch_first = true;
+    c.am = CLMHA_MASK_BOOL_IGNORE, c.layout = LAYOUT_PER_HEAD;
+    c.kpm = CLMHA_MASK_FLOAT, c.add_bias_kv = true;
+    check_case(ctx, &c);
+    c = base_case(43);
+    c.e = 16, c.h = 8, c.n = 150, c.l = 3, c.s = 5, c.training = true, c.dropout = 0.2f;
+    c.am = CLMHA_MASK_BOOL_ATTEND, c.layout = LAYOUT_PER_BATCH, c.per_head = true;
+    check_case(ctx, &c);
+    clmha_context_release(ctx);
+}
+
+Test(random, masks, .timeout = 300) {
+    clmha_context *ctx = open_context();
+    static const clmha_mask_kind kinds[] = {CLMHA_MASK_BOOL_IGNORE, CLMHA_MASK_BOOL_ATTEND,
+                                            CLMHA_MASK_FLOAT};
+    uint64_t seed = 100;
+    // key_padding_mask alone, batched and unbatched.
+    for (size_t k = 0; k < 3; ++k) {
+        rcase c = base_case(seed++);
+        c.kpm = kinds[k];
+        check_case(ctx, &c);
+        c = base_case(seed++);
+        c.kpm = kinds[k], c.unbatched = true, c.per_head = true;
+        check_case(ctx, &c);
+    }
+    // Every attn_mask kind and layout, with every key_padding_mask kind, and the appended keys
+    // (add_bias_kv / add_zero_attn) in turn.
+    for (size_t a = 0; a < 3; ++a)
+        for (int layout = LAYOUT_SHARED; layout <= LAYOUT_PER_BATCH; ++layout)
+            for (size_t k = 0; k < 4; ++k) {
+                rcase c = base_case(seed++);
+                c.am = kinds[a], c.layout = (attn_layout)layout;
+                c.kpm = k == 0 ? CLMHA_MASK_NONE : kinds[k - 1];
+                c.add_bias_kv = k & 1, c.add_zero_attn = (k >> 1) & 1;
+                c.per_head = (k + a) & 1, c.batch_first = layout == LAYOUT_PER_HEAD;
+                check_case(ctx, &c);
+            }
+    // Unbatched attn_mask: (L, S) and (H, L, S).
+    for (size_t a = 0; a < 3; ++a)
+        for (int layout = LAYOUT_SHARED; layout <= LAYOUT_PER_HEAD; ++layout) {
+            rcase c = base_case(seed++);
+            c.unbatched = true, c.am = kinds[a], c.layout = (attn_layout)layout;
+            c.kpm = kinds[(a + 1) % 3], c.add_zero_attn = true, c.per_head = true;
+            check_case(ctx, &c);
+        }
+    clmha_context_release(ctx);
+}
+
+Test(random, causal, .timeout = 300) {
+    clmha_context *ctx = open_context();
+    rcase c = base_case(200);
+    c.is_causal = true, c.l = 6, c.s = 3, c.per_head = true;  // L > S
+    check_case(ctx, &c);
+    c = base_case(201);
+    c.is_causal = true, c.l = 3, c.s = 7;  // L < S
+    check_case(ctx, &c);
+    c = base_case(202);
+    c.is_causal = true, c.self_attn = true, c.l = 8, c.batch_first = true;
+    check_case(ctx, &c);
+    c = base_case(203);
+    c.is_causal = true, c.l = 7, c.s = 4, c.add_bias_kv = true, c.add_zero_attn = true;
+    c.am = CLMHA_MASK_FLOAT, c.kpm = CLMHA_MASK_BOOL_ATTEND, c.per_head = true;
+    check_case(ctx, &c);
+    c = base_case(204);
+    c.is_causal = true, c.l = 4, c.s = 9, c.unbatched = true;
+    c.am = CLMHA_MASK_BOOL_IGNORE, c.layout = LAYOUT_PER_HEAD;
+    check_case(ctx, &c);
+    clmha_context_release(ctx);
+}
+
+Test(random, fully_masked_rows, .timeout = 300) {
+    clmha_context *ctx = open_context();
+    // attn_mask (L, S) forbids every key of row 1: output row 1 = out_proj.bias, weights 0.
+    rcase c = base_case(300);
+    c.am = CLMHA_MASK_BOOL_IGNORE, c.mask_p = 0.0, c.mask_row = true, c.per_head = true;
+    check_case(ctx, &c);
+    c.data_seed = 301, c.per_head = false, c.batch_first = true;
+    check_case(ctx, &c);
+    // key_padding_mask forbids every key of batch item 0.
+    c = base_case(302);
+    c.kpm = CLMHA_MASK_BOOL_IGNORE, c.mask_p = 0.2, c.mask_batch = true;
+    check_case(ctx, &c);
+    c = base_case(303);
+    c.kpm = CLMHA_MASK_BOOL_IGNORE, c.mask_p = 0.0, c.mask_batch = true, c.per_head = true;
+    c.am = CLMHA_MASK_FLOAT, c.is_causal = true;
+    check_case(ctx, &c);
+    // Heavy random masking (rows fully masked in some heads only).
+    c = base_case(304);
+    c.am = CLMHA_MASK_BOOL_ATTEND, c.layout = LAYOUT_PER_HEAD, c.mask_p = 0.8, c.per_head = true;
+    check_case(ctx, &c);
+    clmha_context_release(ctx);
+}
+
+// Fraction of exact zeros among @p count weights.
+static double zero_fraction(const float *w, size_t count) {
+    size_t zeros = 0;
+    for (size_t i = 0; i < count; ++i) zeros += w[i] == 0.0f;
+    return (double)zeros / (double)count;
+}
+
+Test(random, dropout, .timeout = 300) {
+    clmha_context *ctx = open_context();
+    // Equal to the reference with the same seed and offset.
+    rcase c = base_case(400);
+    c.training = true, c.dropout = 0.3f, c.per_head = true;
+    check_case(ctx, &c);
+    c = base_case(401);
+    c.training = true, c.dropout = 0.5f, c.add_bias_kv = true, c.add_zero_attn = true;
+    c.kpm = CLMHA_MASK_FLOAT, c.rng_seed = 0xFFFFFFFF00000001ull, c.rng_offset = 0x500000003ull;
+    check_case(ctx, &c);
+
+    // 64 x 64 weights per head, p = 0.3.
+    c = base_case(402);
+    c.e = 16, c.h = 2, c.n = 1, c.l = 64, c.s = 64, c.training = true, c.dropout = 0.3f;
+    c.per_head = true;
+    check_case(ctx, &c);
+
+    instance in;
+    instance_make(&in, &c);
+    clmha_layer *layer = make_layer(ctx, &in);
+    float *out1, *w1, *out2, *w2, *out3, *w3;
+    gpu_forward(layer, &in, &out1, &w1);
+    gpu_forward(layer, &in, &out2, &w2);
+    // Same seed and offset twice: bit-identical.
+    cr_expect(memcmp(out1, out2, in.output_count * sizeof *out1) == 0,
+              "same seed/offset: outputs differ");
+    cr_expect(memcmp(w1, w2, in.weights_count * sizeof *w1) == 0,
+              "same seed/offset: weights differ");
+    // Another offset: different.
+    in.args.rng.offset += 1;
+    gpu_forward(layer, &in, &out3, &w3);
+    cr_expect(memcmp(out1, out3, in.output_count * sizeof *out1) != 0,
+              "different offset: same output");
+    double f1 = zero_fraction(w1, in.weights_count), f3 = zero_fraction(w3, in.weights_count);
+    fprintf(stderr, "random: dropout p=0.3 on 2 heads x 64 x 64: zero fraction %.4f (offset 7), "
+                    "%.4f (offset 8)\n", f1, f3);
+    cr_expect(fabs(f1 - 0.3) <= 0.03, "zero fraction %g, expected 0.3 +- 0.03", f1);
+    cr_expect(fabs(f3 - 0.3) <= 0.03, "zero fraction %g, expected 0.3 +- 0.03", f3);
+    free(out1), free(w1), free(out2), free(w2), free(out3), free(w3);
+
+    // training = false with dropout > 0: the no-dropout result.
+    in.args.training = false;
+    float *out_eval, *w_eval, *out_plain, *w_plain;
+    gpu_forward(layer, &in, &out_eval, &w_eval);
+    instance plain;
+    rcase pc = c;
+    pc.dropout = 0.0f, pc.training = false;
+    instance_make(&plain, &pc);  // same data seed: same parameters and inputs
+    clmha_layer *plain_layer = make_layer(ctx, &plain);
+    gpu_forward(plain_layer, &plain, &out_plain, &w_plain);
+    double max_o = 0.0, max_w = 0.0;
+    for (size_t i = 0; i < in.output_count; ++i)
+        max_o = fmax(max_o, fabs((double)out_eval[i] - (double)out_plain[i]));
+    for (size_t i = 0; i < in.weights_count; ++i)
+        max_w = fmax(max_w, fabs((double)w_eval[i] - (double)w_plain[i]));
+    fprintf(stderr, "random: dropout p=0.3 eval vs p=0: out max|diff| %.2e, weights max|diff| "
+                    "%.2e, weights zero fraction %.4f\n",
+            max_o, max_w, zero_fraction(w_eval, in.weights_count));
+    cr_expect(max_o <= 1e-6 && max_w <= 1e-6, "eval mode with dropout differs from p = 0");
+    cr_expect(zero_fraction(w_eval, in.weights_count) == 0.0, "eval mode dropped weights");
+    free(out_eval), free(w_eval), free(out_plain), free(w_plain);
+    clmha_layer_release(plain_layer);
+    instance_free(&plain);
+    clmha_layer_release(layer);
+    instance_free(&in);
+
+    // And eval mode against the reference.
+    c.training = false, c.data_seed = 403;
+    check_case(ctx, &c);
+    clmha_context_release(ctx);
+}

@@ -1,0 +1,630 @@
+#!/usr/bin/env python3
+"""Generates the golden test cases of clmha with PyTorch.
+
+Every case draws its parameters and inputs in float32 (fixed seeds), then runs
+torch.nn.MultiheadAttention in float64 on exactly those values (module.eval()), and writes
+tests/golden/<case>.txt plus tests/golden/cases.inc (the list of case names, #included by
+tests/test_golden.c). Files of cases no longer generated are removed.
+
+Run with a Python that has PyTorch (tested with Debian's python3-torch 1.13):
+
+    /usr/bin/python3 tools/make_golden.py [--out tests/golden] [--check]
+
+--check regenerates in memory and exits non-zero when any file on disk differs.
+
+File format (text, whitespace separated, '#' starts a comment line):
+
+    case <name>
+    layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
+          add_zero_attn <0|1> batch_first <0|1> dropout <p>                (one line)
+    call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training 0
+         kpm <kind> attn <kind> attn_per_batch <0|1>                        (one line)
+    tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
+    <values, C order>
+    ...
+    end
+
+Mask kinds: none, bool_ignore (1 = may not attend, nn.MultiheadAttention's bool masks),
+bool_attend (1 = may attend, SDPA / continuiti polarity), float (added to the scaled scores).
+
+How the golden values are obtained from PyTorch 1.13 (which lacks some of clmha's features):
+- bool_attend masks are passed to PyTorch inverted.
+- attn_per_batch: the file's (N, L, S) mask is expanded with repeat_interleave(H, dim=0) to
+  (N*H, L, S) (continuiti's mask.unsqueeze(1).repeat(1, H, 1, 1)).
+- is_causal: the boolean mask triu(ones(L, S), 1) (True = masked) is combined with the case's
+  own attn_mask (logical or / masked_fill -inf); the file holds only the case's own attn_mask.
+- Masks combine as PyTorch 2.x does: each converted to an additive float mask (-inf where a
+  bool mask forbids) and summed. PyTorch 1.13 cannot combine a float key_padding_mask with an
+  attn_mask, so for such cases the generator builds the summed additive (N*H, L, S) float64
+  mask itself and passes only that (PyTorch then pads it for bias_k / the zero key). Wherever
+  PyTorch's own combination works, the generator also runs the pre-combined path and asserts
+  both agree, and it checks every case against an independent float64 implementation.
+- Fully masked rows: PyTorch gives NaN; clmha defines zero attention weights and a zero
+  attention result there (output row = out_proj.bias). Such NaN entries are replaced following
+  that rule (a comment line in the file says so).
+"""
+
+import argparse
+import copy
+import math
+import os
+import sys
+import zlib
+
+import numpy as np
+import torch
+
+torch.set_grad_enabled(True)  # keeps nn.MultiheadAttention off its native fast path
+
+KINDS = ("none", "bool_ignore", "bool_attend", "float")
+
+# ------------------------------------------------------------------------------------------
+# Cases
+# ------------------------------------------------------------------------------------------
+
+
+def C(name, **kw):
+    d = dict(
+        name=name, E=8, H=2, kdim=None, vdim=None, bias=True, add_bias_kv=False,
+        add_zero_attn=False, batch_first=False, dropout=0.0, L=5, S=None, N=2,
+        mode="self",  # self | cross | kv_same (key and value are one tensor, query differs)
+        need_weights=True, per_head=False, causal=False,
+        kpm="none", attn="none", attn_shape="2d",  # 2d | 3d | per_batch
+        special=None,  # full_kpm | full_attn_row | partial_head | full_float_row | full_kpm_appended
+    )
+    for k in kw:
+        if k not in d:
+            raise KeyError(k)
+    d.update(kw)
+    if d["S"] is None:
+        d["S"] = d["L"]
+    if d["mode"] == "self":
+        assert d["S"] == d["L"]
+    return d
+
+
+CASES = [
+    # basics
+    C("self_basic"),
+    C("self_per_head", per_head=True),
+    C("self_no_weights", need_weights=False),
+    C("self_batch_first", batch_first=True, N=3, L=4),
+    C("cross_batch_first", batch_first=True, mode="cross", L=3, S=5, kpm="bool_ignore"),
+    C("unbatched_weights", N=None, L=4),
+    C("unbatched_per_head", N=None, L=4, per_head=True),
+    C("unbatched_no_weights", N=None, L=4, need_weights=False),
+    C("cross_L3_S7", mode="cross", L=3, S=7),
+    C("cross_L7_S2", mode="cross", L=7, S=2, per_head=True),
+    C("kdim_vdim", E=12, H=3, kdim=5, vdim=7, mode="cross", L=4, S=6),
+    C("key_is_value", mode="kv_same", L=4, S=6),
+    C("kdim_eq_vdim_key_is_value", E=12, H=2, kdim=6, vdim=6, mode="kv_same", L=3, S=5),
+    C("no_bias", bias=False, mode="cross", L=4, S=5),
+    C("add_bias_kv", add_bias_kv=True),
+    C("add_zero_attn", add_zero_attn=True, per_head=True),
+    C("bias_kv_and_zero_attn", add_bias_kv=True, add_zero_attn=True, mode="cross", L=3, S=4),
+    # masks
+    C("kpm_bool", kpm="bool_ignore", mode="cross", L=4, S=6),
+    C("kpm_float", kpm="float", mode="cross", L=4, S=6),
+    C("kpm_attend", kpm="bool_attend", mode="cross", L=4, S=6, N=3),
+    C("attn2d_bool", attn="bool_ignore"),
+    C("attn2d_float", attn="float", mode="cross", L=4, S=6),
+    C("attn3d_bool", attn="bool_ignore", attn_shape="3d", per_head=True),
+    C("attn3d_float", attn="float", attn_shape="3d", mode="cross", L=4, S=6),
+    C("attn2d_attend", attn="bool_attend", mode="cross", L=5, S=7),
+    C("attn3d_attend", attn="bool_attend", attn_shape="3d", H=4, per_head=True),
+    C("per_batch_attend", attn="bool_attend", attn_shape="per_batch", N=3, L=4, S=6,
+      mode="cross", per_head=True),
+    C("per_batch_float", attn="float", attn_shape="per_batch", batch_first=True, L=4),
+    C("kpm_bool_attn_float", kpm="bool_ignore", attn="float", attn_shape="3d",
+      mode="cross", L=4, S=6),
+    C("kpm_float_attn_float", kpm="float", attn="float", mode="cross", L=4, S=6),
+    C("kpm_float_attn_bool", kpm="float", attn="bool_ignore", attn_shape="3d", per_head=True),
+    C("kpm_float_attn_attend_per_batch", kpm="float", attn="bool_attend",
+      attn_shape="per_batch", mode="cross", L=3, S=5),
+    # causal
+    C("causal_square", causal=True, L=6),
+    C("causal_L3_S7", causal=True, mode="cross", L=3, S=7, per_head=True),
+    C("causal_L7_S3", causal=True, mode="cross", L=7, S=3),
+    C("causal_attn_kpm", causal=True, attn="bool_ignore", kpm="bool_ignore", L=6),
+    C("causal_float_all", causal=True, attn="float", attn_shape="3d", kpm="float",
+      mode="cross", L=5, S=6, batch_first=True),
+    # masks with appended keys (bias_k/bias_v, zero attention)
+    C("bias_kv_masks", add_bias_kv=True, kpm="bool_ignore", attn="float", attn_shape="3d",
+      mode="cross", L=4, S=5, per_head=True),
+    C("zero_attn_masks", add_zero_attn=True, kpm="float", attn="bool_attend",
+      mode="cross", L=4, S=5),
+    C("appended_masks_causal", add_bias_kv=True, add_zero_attn=True, kpm="bool_attend",
+      attn="float", attn_shape="per_batch", causal=True, L=5),
+    C("bias_kv_per_batch_bool_kpm_float", add_bias_kv=True, attn="bool_ignore",
+      attn_shape="per_batch", kpm="float", mode="cross", L=3, S=6, per_head=True),
+    C("zero_attn_attn_float_kpm_bool", add_zero_attn=True, attn="float", kpm="bool_ignore",
+      causal=True, mode="cross", L=6, S=4),
+    # kdim/vdim and unbatched with masks
+    C("kdim_vdim_masks", E=12, H=3, kdim=5, vdim=7, mode="cross", L=4, S=6,
+      kpm="bool_ignore", attn="float", attn_shape="3d", per_head=True),
+    C("unbatched_masks", N=None, mode="cross", L=4, S=6, kpm="bool_ignore", attn="float",
+      attn_shape="3d", per_head=True),
+    C("unbatched_masks_float_kpm_causal", N=None, L=5, kpm="float", attn="bool_attend",
+      causal=True, add_zero_attn=True),
+    # sizes
+    C("head_dim_1", E=4, H=4, L=4, per_head=True),
+    C("e60_h5", E=60, H=5, kdim=4, vdim=6, mode="cross", L=3, S=4, N=2, kpm="bool_ignore"),
+    C("tgt_len_1", mode="cross", L=1, S=5, N=3),
+    C("src_len_1", mode="cross", L=4, S=1, per_head=True),
+    C("large_33", E=16, H=2, L=33, N=1, kpm="bool_ignore", causal=True),
+    C("large_cross_5_33", E=16, H=2, mode="cross", L=5, S=33, N=1, attn="float"),
+    # fully masked rows
+    C("full_kpm", kpm="bool_ignore", mode="cross", L=4, S=5, special="full_kpm"),
+    C("full_attn_row", attn="bool_ignore", per_head=True, special="full_attn_row"),
+    C("full_float_row", attn="float", kpm="float", mode="cross", L=4, S=5,
+      special="full_float_row"),
+    C("full_partial_head", attn="bool_ignore", attn_shape="3d", special="partial_head"),
+    C("full_kpm_zero_attn", kpm="bool_ignore", add_zero_attn=True, mode="cross", L=4, S=5,
+      per_head=True, special="full_kpm_appended"),
+    # dropout is inactive in eval
+    C("dropout_eval", dropout=0.5, L=4, attn="bool_ignore"),
+]
+
+
+# ------------------------------------------------------------------------------------------
+# Generation
+# ------------------------------------------------------------------------------------------
+
+def seed_of(name):
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def f32(a):
+    return np.asarray(a, dtype=np.float32)
+
+
+def make_module(c, gen):
+    E, H = c["E"], c["H"]
+    kdim = c["kdim"] if c["kdim"] is not None else E
+    vdim = c["vdim"] if c["vdim"] is not None else E
+    torch.manual_seed(seed_of(c["name"]))
+    m = torch.nn.MultiheadAttention(E, H, dropout=c["dropout"], bias=c["bias"],
+                                    add_bias_kv=c["add_bias_kv"],
+                                    add_zero_attn=c["add_zero_attn"], kdim=kdim, vdim=vdim,
+                                    batch_first=c["batch_first"])
+    with torch.no_grad():
+        for name in ("in_proj_bias", "bias_k", "bias_v"):
+            p = getattr(m, name)
+            if p is not None:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        if m.out_proj.bias is not None:
+            m.out_proj.bias.copy_(torch.randn(m.out_proj.bias.shape, generator=gen) * 0.1)
+    m.eval()
+    params = [(k, v.detach().float().numpy().copy()) for k, v in m.state_dict().items()]
+    return m, params, kdim, vdim
+
+
+def input_shape(c, seq, feat):
+    N = c["N"]
+    if N is None:
+        return (seq, feat)
+    return (N, seq, feat) if c["batch_first"] else (seq, N, feat)
+
+
+def draw_masks(c, rng):
+    """Returns (kpm_masked, attn_masked) in 'masked' terms before polarity: for bool kinds a
+    bool array (True = may not attend), for float an f32 array; None for none."""
+    N, H, L, S = c["N"], c["H"], c["L"], c["S"]
+    batched = N is not None
+    kpm = attn = None
+    if c["kpm"] != "none":
+        shape = (N, S) if batched else (S,)
+        if c["kpm"] == "float":
+            kpm = f32(rng.standard_normal(shape))
+            kpm[rng.random(shape) < 0.15] = -np.inf
+        else:
+            kpm = rng.random(shape) < 0.25
+    if c["attn"] != "none":
+        if c["attn_shape"] == "2d":
+            shape = (L, S)
+        elif c["attn_shape"] == "3d":
+            shape = (N * H, L, S) if batched else (H, L, S)
+        else:
+            assert batched
+            shape = (N, L, S)
+        if c["attn"] == "float":
+            attn = f32(rng.standard_normal(shape))
+            attn[rng.random(shape) < 0.15] = -np.inf
+        else:
+            attn = rng.random(shape) < 0.25
+    return kpm, attn
+
+
+def additive(c, kpm, attn):
+    """The summed additive float64 mask (NH, L, S) (NH = N*H, or H unbatched) from the masks in
+    'masked' terms, with the causal mask included. This is clmha's (PyTorch 2.x's) semantics."""
+    N, H, L, S = c["N"], c["H"], c["L"], c["S"]
+    Nb = 1 if N is None else N
+    tot = torch.zeros(Nb * H, L, S, dtype=torch.float64)
+    if attn is not None:
+        a = torch.from_numpy(np.asarray(attn))
+        if c["attn_shape"] == "per_batch":
+            a = a.repeat_interleave(H, dim=0)
+        if a.dtype == torch.bool:
+            a = torch.zeros(a.shape, dtype=torch.float64).masked_fill(a, -math.inf)
+        tot = tot + a.double()
+    if kpm is not None:
+        k = torch.from_numpy(np.asarray(kpm)).reshape(Nb, S)
+        if k.dtype == torch.bool:
+            k = torch.zeros(k.shape, dtype=torch.float64).masked_fill(k, -math.inf)
+        k = k.double().reshape(Nb, 1, 1, S).expand(Nb, H, 1, S).reshape(Nb * H, 1, S)
+        tot = tot + k
+    if c["causal"]:
+        tot = tot.masked_fill(torch.triu(torch.ones(L, S, dtype=torch.bool), 1), -math.inf)
+    return tot
+
+
+def has_full_row(c, kpm, attn):
+    if c["kpm"] == "none" and c["attn"] == "none" and not c["causal"]:
+        return False
+    tot = additive(c, kpm, attn)
+    return bool(torch.isneginf(tot).all(dim=-1).any())
+
+
+def apply_special(c, kpm, attn):
+    sp = c["special"]
+    if sp is None:
+        return
+    if sp in ("full_kpm", "full_kpm_appended"):
+        assert kpm is not None and c["N"] is not None
+        n = 1 if sp == "full_kpm" else 0
+        if kpm.dtype == np.bool_:
+            kpm[n, :] = True
+        else:
+            kpm[n, :] = -np.inf
+    elif sp == "full_attn_row":
+        assert attn is not None and attn.dtype == np.bool_ and attn.ndim == 2
+        attn[2, :] = True
+    elif sp == "full_float_row":
+        assert attn is not None and attn.dtype != np.bool_ and attn.ndim == 2
+        attn[0, :] = -np.inf
+    elif sp == "partial_head":
+        assert attn is not None and attn.dtype == np.bool_ and attn.ndim == 3
+        attn[0, 1, :] = True  # batch 0, head 0, query 1 only
+    else:
+        raise ValueError(sp)
+
+
+def to_file_mask(kind, m):
+    """Mask in 'masked' terms -> the array stored in the file for that kind."""
+    if m is None:
+        return None
+    if kind == "bool_ignore":
+        return m.astype(np.uint8)
+    if kind == "bool_attend":
+        return (~m).astype(np.uint8)
+    return f32(m)
+
+
+def own_mha(c, P, q, k, v, tot):
+    """Independent float64 implementation with clmha's semantics (fully masked rows -> zero
+    weights and a zero attention result). q, k, v: float64 in the file's layouts. tot: the
+    additive mask (NH, L, S). Returns (output, per-head weights (N, H, L, S'))."""
+    E, H = c["E"], c["H"]
+    D = E // H
+    batched = c["N"] is not None
+    if not batched:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+    elif c["batch_first"]:
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    L, N, _ = q.shape
+    S = k.shape[0]
+    if "in_proj_weight" in P:
+        Wq, Wk, Wv = P["in_proj_weight"].chunk(3)
+    else:
+        Wq, Wk, Wv = P["q_proj_weight"], P["k_proj_weight"], P["v_proj_weight"]
+    if "in_proj_bias" in P:
+        bq, bk, bv = P["in_proj_bias"].chunk(3)
+    else:
+        bq = bk = bv = torch.zeros(E, dtype=torch.float64)
+    Q = q @ Wq.T + bq
+    K = k @ Wk.T + bk
+    V = v @ Wv.T + bv
+    if "bias_k" in P:
+        K = torch.cat([K, P["bias_k"].reshape(1, 1, E).expand(1, N, E)])
+        V = torch.cat([V, P["bias_v"].reshape(1, 1, E).expand(1, N, E)])
+    Q = Q.reshape(L, N * H, D).transpose(0, 1)
+    K = K.reshape(K.shape[0], N * H, D).transpose(0, 1)
+    V = V.reshape(V.shape[0], N * H, D).transpose(0, 1)
+    if c["add_zero_attn"]:
+        K = torch.cat([K, torch.zeros(N * H, 1, D, dtype=torch.float64)], dim=1)
+        V = torch.cat([V, torch.zeros(N * H, 1, D, dtype=torch.float64)], dim=1)
+    Sp = K.shape[1]
+    mask = torch.zeros(N * H, L, Sp, dtype=torch.float64)
+    mask[:, :, :S] = tot
+    sc = (Q / math.sqrt(D)) @ K.transpose(1, 2) + mask
+    mx = sc.max(dim=-1, keepdim=True).values
+    full = torch.isneginf(mx)
+    ex = torch.exp(sc - torch.where(full, torch.zeros_like(mx), mx))
+    den = ex.sum(dim=-1, keepdim=True)
+    W = torch.where(full, torch.zeros_like(ex), ex / torch.where(full, torch.ones_like(den), den))
+    A = (W @ V).transpose(0, 1).reshape(L * N, E)
+    out = A @ P["out_proj.weight"].T
+    if "out_proj.bias" in P:
+        out = out + P["out_proj.bias"]
+    out = out.reshape(L, N, E)
+    W = W.reshape(N, H, L, Sp)
+    if not batched:
+        out = out.squeeze(1)
+    elif c["batch_first"]:
+        out = out.transpose(0, 1)
+    return out, W
+
+
+def run_torch(m64, q, k, v, kpm_t, attn_t, need_weights, average):
+    out, w = m64(q, k, v, key_padding_mask=kpm_t, attn_mask=attn_t,
+                 need_weights=need_weights, average_attn_weights=average)
+    return out.detach(), (None if w is None else w.detach())
+
+
+def same(a, b, tol=1e-12):
+    """Equal up to tol*(1+max|a|), NaN where the other is NaN."""
+    if (a is None) != (b is None):
+        return False
+    if a is None:
+        return True
+    if a.shape != b.shape:
+        return False
+    na, nb = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(na, nb):
+        return False
+    d = (a - b)[~na].abs()
+    scale = 1.0 + (a[~na].abs().max().item() if (~na).any() else 0.0)
+    return d.numel() == 0 or d.max().item() <= tol * scale
+
+
+def generate(c):
+    name = c["name"]
+    seed = seed_of(name)
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    E, H, L, S, N = c["E"], c["H"], c["L"], c["S"], c["N"]
+    batched = N is not None
+    m32, params, kdim, vdim = make_module(c, gen)
+    if c["mode"] == "self":
+        assert kdim == E and vdim == E
+
+    # inputs (float32)
+    query = f32(torch.randn(input_shape(c, L, E), generator=gen).numpy())
+    key = value = None
+    if c["mode"] == "cross":
+        key = f32(torch.randn(input_shape(c, S, kdim), generator=gen).numpy())
+        value = f32(torch.randn(input_shape(c, S, vdim), generator=gen).numpy())
+    elif c["mode"] == "kv_same":
+        assert kdim == vdim
+        key = f32(torch.randn(input_shape(c, S, kdim), generator=gen).numpy())
+
+    # masks, redrawn until no row is fully masked (the dedicated cases add theirs afterwards)
+    for _ in range(1000):
+        kpm, attn = draw_masks(c, rng)
+        if not has_full_row(c, kpm, attn):
+            break
+    else:
+        raise RuntimeError(f"{name}: could not draw masks without fully masked rows")
+    apply_special(c, kpm, attn)
+
+    # float64 module and tensors
+    m64 = copy.deepcopy(m32).double().eval()
+    q64 = torch.from_numpy(query).double()
+    if c["mode"] == "self":
+        k64 = v64 = q64
+    elif c["mode"] == "kv_same":
+        k64 = torch.from_numpy(key).double()
+        v64 = k64
+    else:
+        k64 = torch.from_numpy(key).double()
+        v64 = torch.from_numpy(value).double()
+
+    # PyTorch-polarity masks: bool True = may not attend
+    kpm_t = attn_t = None
+    if kpm is not None:
+        kpm_t = torch.from_numpy(kpm.copy())
+        if kpm_t.dtype != torch.bool:
+            kpm_t = kpm_t.double()
+    if attn is not None:
+        attn_t = torch.from_numpy(attn.copy())
+        if attn_t.dtype != torch.bool:
+            attn_t = attn_t.double()
+        if c["attn_shape"] == "per_batch":
+            attn_t = attn_t.repeat_interleave(H, dim=0)
+    if c["causal"]:
+        causal = torch.triu(torch.ones(L, S, dtype=torch.bool), 1)
+        if attn_t is None:
+            attn_t = causal
+        elif attn_t.dtype == torch.bool:
+            attn_t = attn_t | causal
+        else:
+            attn_t = attn_t.masked_fill(causal, -math.inf)
+    tot = additive(c, kpm, attn)
+    native_ok = not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None)
+
+    nw, avg = c["need_weights"], not c["per_head"]
+    comb = run_torch(m64, q64, k64, v64, None, tot if (kpm_t is not None or attn_t is not None)
+                     else None, nw, avg)
+    notes = []
+    if native_ok:
+        out, w = run_torch(m64, q64, k64, v64, kpm_t, attn_t, nw, avg)
+        if not (same(out, comb[0]) and same(w, comb[1])):
+            raise AssertionError(f"{name}: pre-combined mask path differs from PyTorch's own")
+        _, wph = run_torch(m64, q64, k64, v64, kpm_t, attn_t, True, False)
+        notes.append("golden computed by PyTorch with its own mask handling"
+                     " (checked equal to the pre-combined additive mask path)")
+    else:
+        out, w = comb
+        _, wph = run_torch(m64, q64, k64, v64, None, tot, True, False)
+        notes.append("golden computed by PyTorch with a pre-combined additive (N*H, L, S) float"
+                     " mask (PyTorch 1.13 cannot combine a float key_padding_mask with attn_mask)")
+
+    # independent implementation with clmha's semantics
+    P = {k2: torch.from_numpy(v2).double() for k2, v2 in params}
+    own_out, own_wph = own_mha(c, P, q64, k64, v64, tot)
+    if not batched:
+        wph = wph.unsqueeze(0)
+    if not same(wph, torch.where(torch.isnan(wph), wph, own_wph)):
+        raise AssertionError(f"{name}: own implementation disagrees with PyTorch (weights)")
+    nan_rows = torch.isnan(wph).any(dim=-1)  # (N, H, L)
+    if not torch.equal(nan_rows, torch.isnan(wph).all(dim=-1)):
+        raise AssertionError(f"{name}: partially NaN weight rows")
+    expect_full = c["special"] in ("full_kpm", "full_attn_row", "full_float_row",
+                                   "partial_head")
+    if bool(nan_rows.any()) != expect_full:
+        raise AssertionError(f"{name}: fully masked rows present={bool(nan_rows.any())}, "
+                             f"expected={expect_full}")
+    if c["special"] == "full_kpm_appended":
+        Sp = own_wph.shape[-1]
+        assert torch.equal(own_wph[0, :, :, Sp - 1], torch.ones(H, L, dtype=torch.float64))
+        notes.append("batch item 0 has every key masked; with add_zero_attn PyTorch gives all"
+                     " the weight to the appended zero key (no NaN)")
+
+    # map NaN rows to positions in the output
+    row_nan = nan_rows.any(dim=1)  # (N, L): some head fully masked
+    if batched:
+        out_rows = row_nan.transpose(0, 1) if not c["batch_first"] else row_nan  # as out[:2]
+    else:
+        out_rows = row_nan[0]
+    out_nan = torch.isnan(out).any(dim=-1)
+    if not torch.equal(out_nan, out_rows) or not torch.equal(torch.isnan(out).all(-1), out_nan):
+        raise AssertionError(f"{name}: NaN output rows do not match fully masked rows")
+    if not same(out, torch.where(torch.isnan(out), out, own_out)):
+        raise AssertionError(f"{name}: own implementation disagrees with PyTorch (output)")
+    if out_nan.any():
+        all_heads = nan_rows.all(dim=1)  # (N, L)
+        bias = P.get("out_proj.bias", torch.zeros(E, dtype=torch.float64))
+        for n in range(row_nan.shape[0]):
+            for i in range(L):
+                if bool(all_heads[n, i]):
+                    idx = (i, n) if batched and not c["batch_first"] else (n, i)
+                    row = own_out[idx] if batched else own_out[i]
+                    if not torch.equal(row, bias):
+                        raise AssertionError(f"{name}: fully masked row != out_proj.bias")
+        out = torch.where(torch.isnan(out), own_out, out)
+        if w is not None:
+            if avg:
+                own_w = own_wph.sum(dim=1) / H
+            else:
+                own_w = own_wph
+            if not batched:
+                own_w = own_w.squeeze(0)
+            w = torch.where(torch.isnan(w), own_w, w)
+        if bool(all_heads[row_nan].all()):
+            notes.append("PyTorch gives NaN for fully masked query rows; replaced by clmha's"
+                         " rule: zero attention weights, zero attention result, so the output"
+                         " row is out_proj.bias (0 without bias)")
+        else:
+            notes.append("PyTorch gives NaN for every head of a query row when one head's row"
+                         " is fully masked; replaced by clmha's rule: that head has zero"
+                         " weights and a zero attention result, the other heads are unchanged"
+                         " (values from an independent float64 implementation that matches"
+                         " PyTorch on every non-NaN entry)")
+    assert not torch.isnan(out).any()
+    assert w is None or not torch.isnan(w).any()
+
+    # expected shapes
+    Sp = S + int(c["add_bias_kv"]) + int(c["add_zero_attn"])
+    assert tuple(out.shape) == input_shape(c, L, E)
+    if nw:
+        if batched:
+            ws = (N, L, Sp) if avg else (N, H, L, Sp)
+        else:
+            ws = (L, Sp) if avg else (H, L, Sp)
+        assert tuple(w.shape) == ws, (w.shape, ws)
+
+    # file text
+    lines = [f"# clmha golden case, generated by tools/make_golden.py (PyTorch {torch.__version__})",
+             "# inputs and parameters drawn in float32; expected values computed in float64"]
+    lines += ["# " + t for t in notes]
+    lines.append(f"case {name}")
+    lines.append(f"layer embed_dim {E} num_heads {H} kdim {kdim} vdim {vdim} "
+                 f"bias {int(c['bias'])} add_bias_kv {int(c['add_bias_kv'])} "
+                 f"add_zero_attn {int(c['add_zero_attn'])} batch_first {int(c['batch_first'])} "
+                 f"dropout {c['dropout']:.9g}")
+    lines.append(f"call need_weights {int(nw)} per_head_weights {int(c['per_head'])} "
+                 f"is_causal {int(c['causal'])} training 0 kpm {c['kpm']} attn {c['attn']} "
+                 f"attn_per_batch {int(c['attn_shape'] == 'per_batch')}")
+    for pname, arr in params:
+        lines += tensor_text(pname, "f32", arr)
+    lines += tensor_text("query", "f32", query)
+    if key is not None:
+        lines += tensor_text("key", "f32", key)
+    if value is not None:
+        lines += tensor_text("value", "f32", value)
+    if kpm is not None:
+        fm = to_file_mask(c["kpm"], kpm)
+        lines += tensor_text("key_padding_mask", "u8" if fm.dtype == np.uint8 else "f32", fm)
+    if attn is not None:
+        fm = to_file_mask(c["attn"], attn)
+        lines += tensor_text("attn_mask", "u8" if fm.dtype == np.uint8 else "f32", fm)
+    lines += tensor_text("output", "f64", out.numpy())
+    if nw:
+        lines += tensor_text("weights", "f64", w.numpy())
+    lines.append("end")
+    return "\n".join(lines) + "\n"
+
+
+def fmt(dtype, x):
+    if dtype == "u8":
+        return "1" if x else "0"
+    if dtype == "f32":
+        return "%.9g" % float(np.float32(x))
+    return "%.17g" % float(x)
+
+
+def tensor_text(name, dtype, arr):
+    arr = np.asarray(arr)
+    if dtype == "f32":
+        assert arr.dtype == np.float32
+    shape = arr.shape if arr.ndim > 0 else (1,)
+    assert 1 <= len(shape) <= 4
+    out = [f"tensor {name} {dtype} {len(shape)} " + " ".join(str(d) for d in shape)]
+    flat = arr.reshape(-1)
+    per = 16 if dtype == "u8" else (8 if dtype == "f32" else 4)
+    row = shape[-1]
+    for start in range(0, flat.size, row):
+        seg = flat[start:start + row]
+        for j in range(0, seg.size, per):
+            out.append(" ".join(fmt(dtype, x) for x in seg[j:j + per]))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument("--out", default=os.path.join(here, "..", "tests", "golden"))
+    ap.add_argument("--check", action="store_true",
+                    help="compare with the files on disk instead of writing")
+    args = ap.parse_args()
+    out_dir = os.path.normpath(args.out)
+    names = [c["name"] for c in CASES]
+    assert len(set(names)) == len(names)
+    files = {f"{c['name']}.txt": generate(c) for c in CASES}
+    files["cases.inc"] = ("/* generated by tools/make_golden.py: the golden case names */\n" +
+                          "".join(f'"{n}",\n' for n in names))
+    if args.check:
+        bad = 0
+        for fn, text in files.items():
+            p = os.path.join(out_dir, fn)
+            if not os.path.exists(p) or open(p).read() != text:
+                print(f"differs: {p}", file=sys.stderr)
+                bad += 1
+        print(f"{len(files) - bad}/{len(files)} files identical")
+        return 1 if bad else 0
+    os.makedirs(out_dir, exist_ok=True)
+    for fn in os.listdir(out_dir):
+        if (fn.endswith(".txt") or fn == "cases.inc") and fn not in files:
+            os.remove(os.path.join(out_dir, fn))
+    total = 0
+    for fn, text in files.items():
+        with open(os.path.join(out_dir, fn), "w") as f:
+            f.write(text)
+        total += len(text)
+    print(f"wrote {len(CASES)} cases to {out_dir} ({total} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
