@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs everything clmha needs to build, test and run on Debian 12 (as root, or with sudo).
+set -euo pipefail
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends \
+  build-essential cmake pkg-config \
+  ocl-icd-opencl-dev opencl-c-headers pocl-opencl-icd clinfo \
+  libclblast-dev libcriterion-dev
