@@ -1,0 +1,47 @@
+// The public header compiles as C++ and every function it declares links. Built only when a C++
+// compiler is available; the list below must name every function of include/clmha.h (the test
+// "header_symbols" checks that).
+#include <clmha.h>
+
+#include <cstdio>
+
+int main() {
+    const void *symbols[] = {
+        reinterpret_cast<const void *>(&clmha_context_cl_context),
+        reinterpret_cast<const void *>(&clmha_context_cl_device),
+        reinterpret_cast<const void *>(&clmha_context_cl_queue),
+        reinterpret_cast<const void *>(&clmha_context_create),
+        reinterpret_cast<const void *>(&clmha_context_create_from_cl),
+        reinterpret_cast<const void *>(&clmha_context_create_from_env),
+        reinterpret_cast<const void *>(&clmha_context_device_name),
+        reinterpret_cast<const void *>(&clmha_context_last_error),
+        reinterpret_cast<const void *>(&clmha_context_release),
+        reinterpret_cast<const void *>(&clmha_context_retain),
+        reinterpret_cast<const void *>(&clmha_device_select),
+        reinterpret_cast<const void *>(&clmha_devices_list),
+        reinterpret_cast<const void *>(&clmha_last_create_error),
+        reinterpret_cast<const void *>(&clmha_layer_bake),
+        reinterpret_cast<const void *>(&clmha_layer_context),
+        reinterpret_cast<const void *>(&clmha_layer_create),
+        reinterpret_cast<const void *>(&clmha_layer_forward),
+        reinterpret_cast<const void *>(&clmha_layer_forward_host),
+        reinterpret_cast<const void *>(&clmha_layer_get_desc),
+        reinterpret_cast<const void *>(&clmha_layer_get_parameter),
+        reinterpret_cast<const void *>(&clmha_layer_output_counts),
+        reinterpret_cast<const void *>(&clmha_layer_parameter_count),
+        reinterpret_cast<const void *>(&clmha_layer_release),
+        reinterpret_cast<const void *>(&clmha_layer_scratch_bytes),
+        reinterpret_cast<const void *>(&clmha_layer_set_attention),
+        reinterpret_cast<const void *>(&clmha_layer_set_parameter),
+        reinterpret_cast<const void *>(&clmha_reference_forward),
+        reinterpret_cast<const void *>(&clmha_status_string),
+        reinterpret_cast<const void *>(&clmha_version),
+    };
+    for (const void *s : symbols)
+        if (!s) return 1;
+    std::printf("header_cxx: %zu public functions link from C++\n",
+                sizeof symbols / sizeof symbols[0]);
+    clmha_context_release(nullptr);
+    clmha_layer_release(nullptr);
+    return clmha_status_string(CLMHA_SUCCESS)[0] ? 0 : 1;
+}
