@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <clblast_c.h>
 
 // Where each named parameter lives.
 typedef struct param_slot {
@@ -286,45 +285,49 @@ clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d) {
 
 clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, size_t src_len,
                               bool need_weights) {
-    (void)need_weights;  // the built-in core always materialises the weights
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     if (!batch || !tgt_len || !src_len)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "bake sizes must be positive (batch %zu, tgt_len %zu, src_len %zu)",
                            batch, tgt_len, src_len);
-    clmha__dims d = {.n = batch, .l = tgt_len, .s = src_len, .e = layer->e, .h = layer->h,
-                     .d = layer->d};
-    d.s_padded = src_len + layer->desc.add_bias_kv + layer->desc.add_zero_attn;
-    size_t t;
-    if (!clmha__mul(batch * layer->h, tgt_len, &t) || !clmha__mul(t, d.s_padded, &t) ||
-        !clmha__mul(batch, tgt_len > src_len ? tgt_len : src_len, &d.output_count) ||
-        !clmha__mul(d.output_count, 3 * layer->e, &d.output_count))
-        return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "bake sizes overflow");
-    d.scores_count = t;
-    clmha_status st = clmha__layer_reserve(layer, &d);
+    // One forward pass on zeros at this shape sizes the scratch and makes CLBlast compile the
+    // GEMM kernels it picks for these sizes. Self-attention (the packed projection) when the
+    // shape allows it, else cross-attention.
+    size_t e = layer->e, kd = layer->desc.kdim, vd = layer->desc.vdim;
+    bool self = tgt_len == src_len && kd == e && vd == e;
+    clmha_forward_args args = {
+        .query = {.ndim = 3, .shape = {tgt_len, batch, e}},
+        .need_weights = need_weights};
+    if (!self) {
+        args.key = (clmha_tensor){.ndim = 3, .shape = {src_len, batch, kd}};
+        args.value = (clmha_tensor){.ndim = 3, .shape = {src_len, batch, vd}};
+    }
+    if (layer->desc.batch_first) {
+        clmha_tensor *t[3] = {&args.query, &args.key, &args.value};
+        for (int i = 0; i < 3; ++i) {
+            size_t seq = t[i]->shape[0];
+            t[i]->shape[0] = t[i]->shape[1];
+            t[i]->shape[1] = seq;
+        }
+    }
+    size_t out_count = 0, w_count = 0;
+    clmha_status st = clmha_layer_output_counts(layer, &args, &out_count, &w_count);
     if (st) return st;
-
-    // Run each GEMM once at these sizes so that CLBlast compiles its kernels now.
-    size_t e = layer->e, rows = batch * tgt_len, nh = batch * layer->h, sp = d.s_padded;
-    cl_command_queue q = ctx->queue;
-    int bs = CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, rows,
-                          e, e, 1.0f, layer->proj, 0, e, layer->w_in, 0, e, 0.0f, layer->heads,
-                          0, e, &q, NULL);
-    if (bs) return clmha__blas_fail(ctx, bs, "CLBlastSgemm(bake)");
-    bs = CLBlastSgemmStridedBatched(CLBlastLayoutRowMajor, CLBlastTransposeNo,
-                                    CLBlastTransposeYes, tgt_len, sp, layer->d, 1.0f,
-                                    layer->heads, 0, layer->d, tgt_len * layer->d, layer->heads,
-                                    0, layer->d, sp * layer->d, 0.0f, layer->scores, 0, sp,
-                                    tgt_len * sp, nh, &q, NULL);
-    if (bs) return clmha__blas_fail(ctx, bs, "CLBlastSgemmStridedBatched(bake)");
-    bs = CLBlastSgemmStridedBatched(CLBlastLayoutRowMajor, CLBlastTransposeNo,
-                                    CLBlastTransposeNo, tgt_len, layer->d, sp, 1.0f,
-                                    layer->scores, 0, sp, tgt_len * sp, layer->heads, 0,
-                                    layer->d, sp * layer->d, 0.0f, layer->heads, 0, layer->d,
-                                    tgt_len * layer->d, nh, &q, NULL);
-    if (bs) return clmha__blas_fail(ctx, bs, "CLBlastSgemmStridedBatched(bake)");
-    cl_int err = clFinish(q);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clFinish");
-    return CLMHA_SUCCESS;
+    size_t counts[5] = {out_count, self ? 0 : batch * src_len * kd,
+                        self ? 0 : batch * src_len * vd, out_count, w_count};
+    cl_mem bufs[5] = {NULL};  // query, key, value, output, weights
+    for (int i = 0; i < 5 && !st; ++i) {
+        if (!counts[i]) continue;
+        st = param_buffer(ctx, counts[i], "bake buffers", &bufs[i]);
+    }
+    args.query.buffer = bufs[0];
+    args.key.buffer = bufs[1];
+    args.value.buffer = bufs[2];
+    if (!st)
+        st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL);
+    cl_int err = clFinish(ctx->queue);
+    if (!st && err != CL_SUCCESS) st = clmha__cl_fail(ctx, err, "clFinish");
+    for (int i = 0; i < 5; ++i) release_mem(&bufs[i]);
+    return st;
 }
