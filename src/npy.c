@@ -1,0 +1,607 @@
+// NumPy .npy files (format versions 1.0, 2.0 and 3.0, see numpy.lib.format):
+//
+//   "\x93NUMPY" major minor  header-length (2 bytes LE for 1.0, 4 bytes LE for 2.0 / 3.0)
+//   header: a Python dict literal {'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }
+//           padded with spaces and ended by '\n'
+//   data:   the elements, C or Fortran order
+//
+// The header is parsed by hand: the grammar is tiny and fixed (three keys, in any order, with
+// string, boolean and tuple-of-integers values), so no Python-literal evaluator is needed. Every
+// size is checked before it is used; nothing here prints or exits.
+#define _POSIX_C_SOURCE 200809L
+
+#include "npy.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+_Static_assert(sizeof(float) == 4 && sizeof(double) == 8, "IEEE 754 float and double needed");
+
+#if defined(__GNUC__)
+#define NPY_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#else
+#define NPY_PRINTF(f, a)
+#endif
+
+static const unsigned char npy_magic[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
+
+// ---- messages and sizes ----------------------------------------------------------------------
+
+static clmha_status fail(char *msg, size_t msg_size, clmha_status status, const char *fmt, ...)
+    NPY_PRINTF(4, 5);
+
+static clmha_status fail(char *msg, size_t msg_size, clmha_status status, const char *fmt, ...) {
+    if (msg && msg_size) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, msg_size, fmt, ap);
+        va_end(ap);
+    }
+    return status;
+}
+
+// *out = a * b; false when the product overflows size_t.
+static bool mul_size(size_t a, size_t b, size_t *out) {
+    if (a != 0 && b > SIZE_MAX / a) return false;
+    *out = a * b;
+    return true;
+}
+
+static bool host_little_endian(void) {
+    const uint16_t one = 1;
+    unsigned char first;
+    memcpy(&first, &one, 1);
+    return first == 1;
+}
+
+static float load_f4(const unsigned char *p) {
+    uint32_t u = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                 (uint32_t)p[3] << 24;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static double load_f8(const unsigned char *p) {
+    uint64_t u = 0;
+    for (int i = 7; i >= 0; --i) u = u << 8 | p[i];
+    double d;
+    memcpy(&d, &u, sizeof d);
+    return d;
+}
+
+static void store_f4(unsigned char *p, float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    p[0] = (unsigned char)(u & 0xFF);
+    p[1] = (unsigned char)(u >> 8 & 0xFF);
+    p[2] = (unsigned char)(u >> 16 & 0xFF);
+    p[3] = (unsigned char)(u >> 24 & 0xFF);
+}
+
+// ---- header --------------------------------------------------------------------------------
+
+typedef struct header {
+    const char *descr;  // points into the header; not NUL-terminated
+    size_t descr_len;
+    bool fortran_order;
+    size_t ndim;
+    size_t shape[CLMHA__NPY_MAX_DIMS];
+} header;
+
+typedef struct parser {
+    const char *p, *end;
+    const char *name;
+    char *msg;
+    size_t msg_size;
+} parser;
+
+static void skip_ws(parser *ps) {
+    while (ps->p < ps->end && (*ps->p == ' ' || *ps->p == '\t' || *ps->p == '\n' ||
+                               *ps->p == '\r'))
+        ++ps->p;
+}
+
+static bool accept(parser *ps, char c) {
+    if (ps->p < ps->end && *ps->p == c) {
+        ++ps->p;
+        return true;
+    }
+    return false;
+}
+
+static bool peek(const parser *ps, char c) { return ps->p < ps->end && *ps->p == c; }
+
+static bool is_digit(char c) { return c >= '0' && c <= '9'; }
+
+static bool is_word_char(char c) {
+    return is_digit(c) || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+}
+
+// Accepts the Python keyword @p word (not followed by more identifier characters).
+static bool accept_word(parser *ps, const char *word) {
+    size_t n = strlen(word);
+    if ((size_t)(ps->end - ps->p) < n || memcmp(ps->p, word, n) != 0) return false;
+    if (ps->p + n < ps->end && is_word_char(ps->p[n])) return false;
+    ps->p += n;
+    return true;
+}
+
+// A Python string literal in single or double quotes, without escapes.
+static bool parse_string(parser *ps, const char **s, size_t *len) {
+    if (!peek(ps, '\'') && !peek(ps, '"')) return false;
+    char quote = *ps->p++;
+    const char *start = ps->p;
+    while (ps->p < ps->end && *ps->p != quote) {
+        if (*ps->p == '\\' || *ps->p == '\n') return false;
+        ++ps->p;
+    }
+    if (ps->p == ps->end) return false;
+    *s = start;
+    *len = (size_t)(ps->p - start);
+    ++ps->p;
+    return true;
+}
+
+static clmha_status malformed(const parser *ps, const char *what) {
+    return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE, "%s: malformed header: %s", ps->name,
+                what);
+}
+
+// A tuple of non-negative integers: (), (3,), (2, 3), (2, 3,). Python 2's long suffix (3L) is
+// accepted, as NumPy does for old files.
+static clmha_status parse_shape(parser *ps, header *h) {
+    if (!accept(ps, '(')) return malformed(ps, "'shape' is not a tuple");
+    h->ndim = 0;
+    skip_ws(ps);
+    if (accept(ps, ')')) return CLMHA_SUCCESS;
+    for (;;) {
+        skip_ws(ps);
+        if (peek(ps, '-'))
+            return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
+                        "%s: negative dimension in 'shape'", ps->name);
+        if (ps->p == ps->end || !is_digit(*ps->p))
+            return malformed(ps, "expected a dimension in 'shape'");
+        const char *start = ps->p;
+        size_t v = 0;
+        bool overflow = false;
+        while (ps->p < ps->end && is_digit(*ps->p)) {
+            size_t digit = (size_t)(*ps->p - '0');
+            if (v > (SIZE_MAX - digit) / 10) overflow = true;
+            else v = v * 10 + digit;
+            ++ps->p;
+        }
+        if (overflow)
+            return fail(ps->msg, ps->msg_size, CLMHA_SIZE_OVERFLOW,
+                        "%s: dimension %.*s in 'shape' is too large", ps->name,
+                        (int)(ps->p - start > 40 ? 40 : ps->p - start), start);
+        if (peek(ps, 'L') || peek(ps, 'l')) ++ps->p;
+        if (h->ndim == CLMHA__NPY_MAX_DIMS)
+            return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
+                        "%s: more than %d dimensions in 'shape'", ps->name, CLMHA__NPY_MAX_DIMS);
+        h->shape[h->ndim++] = v;
+        skip_ws(ps);
+        if (accept(ps, ')')) {
+            // (3) is an integer in Python, not a tuple
+            if (h->ndim == 1) return malformed(ps, "'shape' is not a tuple");
+            return CLMHA_SUCCESS;
+        }
+        if (!accept(ps, ',')) return malformed(ps, "expected ',' or ')' in 'shape'");
+        skip_ws(ps);
+        if (accept(ps, ')')) return CLMHA_SUCCESS;
+    }
+}
+
+enum { KEY_DESCR = 1, KEY_FORTRAN = 2, KEY_SHAPE = 4 };
+
+static clmha_status parse_header(parser *ps, header *h) {
+    clmha_status st;
+    unsigned seen = 0;
+    skip_ws(ps);
+    if (!accept(ps, '{')) return malformed(ps, "not a dict (no opening '{')");
+    for (;;) {
+        skip_ws(ps);
+        if (accept(ps, '}')) break;
+        const char *key;
+        size_t key_len;
+        if (!parse_string(ps, &key, &key_len)) return malformed(ps, "expected a quoted key");
+        unsigned which = 0;
+        if (key_len == 5 && memcmp(key, "descr", 5) == 0) which = KEY_DESCR;
+        else if (key_len == 13 && memcmp(key, "fortran_order", 13) == 0) which = KEY_FORTRAN;
+        else if (key_len == 5 && memcmp(key, "shape", 5) == 0) which = KEY_SHAPE;
+        else
+            return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
+                        "%s: malformed header: unexpected key '%.*s'", ps->name,
+                        (int)(key_len > 40 ? 40 : key_len), key);
+        if (seen & which)
+            return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
+                        "%s: malformed header: key '%.*s' appears twice", ps->name, (int)key_len,
+                        key);
+        seen |= which;
+        skip_ws(ps);
+        if (!accept(ps, ':')) return malformed(ps, "expected ':' after a key");
+        skip_ws(ps);
+        switch (which) {
+        case KEY_DESCR:
+            if (peek(ps, '['))
+                return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
+                            "%s: structured dtypes are not supported (float32, float64, bool or "
+                            "uint8 arrays only)",
+                            ps->name);
+            if (!parse_string(ps, &h->descr, &h->descr_len))
+                return malformed(ps, "'descr' is not a string");
+            break;
+        case KEY_FORTRAN:
+            if (accept_word(ps, "True")) h->fortran_order = true;
+            else if (accept_word(ps, "False")) h->fortran_order = false;
+            else return malformed(ps, "'fortran_order' is not True or False");
+            break;
+        default:
+            if ((st = parse_shape(ps, h))) return st;
+            break;
+        }
+        skip_ws(ps);
+        if (accept(ps, ',')) continue;
+        if (accept(ps, '}')) break;
+        return malformed(ps, "expected ',' or '}' after a value");
+    }
+    skip_ws(ps);
+    if (ps->p != ps->end) return malformed(ps, "unexpected text after the closing '}'");
+    if (!(seen & KEY_DESCR)) return malformed(ps, "missing key 'descr'");
+    if (!(seen & KEY_FORTRAN)) return malformed(ps, "missing key 'fortran_order'");
+    if (!(seen & KEY_SHAPE)) return malformed(ps, "missing key 'shape'");
+    return CLMHA_SUCCESS;
+}
+
+// Classifies the dtype string: sets *kind, *itemsize (1, 4 or 8) or refuses it.
+static clmha_status classify_dtype(const header *h, const char *name, clmha__npy_kind *kind,
+                                   size_t *itemsize, char *msg, size_t msg_size) {
+    const char *s = h->descr;
+    size_t n = h->descr_len;
+    int shown = (int)(n > 40 ? 40 : n);
+    char order = 0;
+    if (n > 0 && (s[0] == '<' || s[0] == '>' || s[0] == '=' || s[0] == '|')) {
+        order = s[0];
+        ++s;
+        --n;
+    }
+    if (n == 2 && (memcmp(s, "b1", 2) == 0 || memcmp(s, "u1", 2) == 0)) {
+        *kind = CLMHA__NPY_BOOL;  // one byte: the byte order does not matter
+        *itemsize = 1;
+        return CLMHA_SUCCESS;
+    }
+    if (n == 2 && (memcmp(s, "f4", 2) == 0 || memcmp(s, "f8", 2) == 0)) {
+        bool little = order == '<' || ((order == '=' || order == 0) && host_little_endian());
+        bool big = order == '>' || ((order == '=' || order == 0) && !host_little_endian());
+        if (little) {
+            *kind = CLMHA__NPY_FLOAT;
+            *itemsize = s[1] == '4' ? 4 : 8;
+            return CLMHA_SUCCESS;
+        }
+        if (big)
+            return fail(msg, msg_size, CLMHA_INVALID_FILE,
+                        "%s: dtype '%.*s' is big-endian; only little-endian ('<f4', '<f8') "
+                        "floats are supported",
+                        name, shown, h->descr);
+    }
+    if (n >= 1 && s[0] == 'O')
+        return fail(msg, msg_size, CLMHA_INVALID_FILE,
+                    "%s: dtype '%.*s': object arrays are not supported", name, shown, h->descr);
+    return fail(msg, msg_size, CLMHA_INVALID_FILE,
+                "%s: dtype '%.*s' is not supported (float32 '<f4', float64 '<f8', bool '|b1' or "
+                "uint8 '|u1' only)",
+                name, shown, h->descr);
+}
+
+// ---- parsing -------------------------------------------------------------------------------
+
+void clmha__npy_free(clmha__npy *a) {
+    if (!a) return;
+    free(a->f32);
+    free(a->u8);
+    memset(a, 0, sizeof *a);
+}
+
+clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, clmha__npy *out,
+                              char *msg, size_t msg_size) {
+    clmha_status st = CLMHA_SUCCESS;
+    clmha__npy a;
+    memset(&a, 0, sizeof a);
+    if (out) memset(out, 0, sizeof *out);
+    if (!name) name = "(npy data)";
+    if (!out || (!bytes && size > 0))
+        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s: out or bytes is NULL", name);
+    const unsigned char *b = bytes;
+
+    if (size == 0) {
+        st = fail(msg, msg_size, CLMHA_INVALID_FILE, "%s: empty file, not a .npy file", name);
+        goto fail;
+    }
+    if (memcmp(b, npy_magic, size < 6 ? size : 6) != 0) {
+        st = fail(msg, msg_size, CLMHA_INVALID_FILE,
+                  "%s: not a .npy file (it does not start with \"\\x93NUMPY\")", name);
+        goto fail;
+    }
+    if (size < 8) {
+        st = fail(msg, msg_size, CLMHA_INVALID_FILE, "%s: truncated header (%zu bytes)", name,
+                  size);
+        goto fail;
+    }
+    unsigned major = b[6], minor = b[7];
+    if (major < 1 || major > 3 || minor != 0) {
+        st = fail(msg, msg_size, CLMHA_INVALID_FILE,
+                  "%s: unsupported .npy format version %u.%u (1.0, 2.0 and 3.0 are supported)",
+                  name, major, minor);
+        goto fail;
+    }
+    size_t prefix = major == 1 ? 10 : 12;
+    if (size < prefix) {
+        st = fail(msg, msg_size, CLMHA_INVALID_FILE, "%s: truncated header (%zu bytes)", name,
+                  size);
+        goto fail;
+    }
+    size_t header_len = major == 1 ? (size_t)b[8] | (size_t)b[9] << 8
+                                   : (size_t)b[8] | (size_t)b[9] << 8 | (size_t)b[10] << 16 |
+                                         (size_t)b[11] << 24;
+    if (header_len > size - prefix) {
+        st = fail(msg, msg_size, CLMHA_INVALID_FILE,
+                  "%s: header length %zu runs past the end of the file (%zu bytes)", name,
+                  header_len, size);
+        goto fail;
+    }
+    const char *text = (const char *)b + prefix;
+    if (memchr(text, '\0', header_len)) {
+        st = fail(msg, msg_size, CLMHA_INVALID_FILE, "%s: malformed header: it contains a NUL byte",
+                  name);
+        goto fail;
+    }
+    header h;
+    memset(&h, 0, sizeof h);
+    parser ps = {.p = text, .end = text + header_len, .name = name, .msg = msg,
+                 .msg_size = msg_size};
+    if ((st = parse_header(&ps, &h))) goto fail;
+    size_t itemsize = 0;
+    if ((st = classify_dtype(&h, name, &a.kind, &itemsize, msg, msg_size))) goto fail;
+
+    size_t count = 1, data_bytes;
+    for (size_t i = 0; i < h.ndim; ++i)
+        if (!mul_size(count, h.shape[i], &count)) {
+            st = fail(msg, msg_size, CLMHA_SIZE_OVERFLOW,
+                      "%s: the number of elements of 'shape' overflows", name);
+            goto fail;
+        }
+    if (!mul_size(count, itemsize, &data_bytes)) {
+        st = fail(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the data size overflows", name);
+        goto fail;
+    }
+    size_t found = size - prefix - header_len;
+    if (found < data_bytes) {
+        st = fail(msg, msg_size, CLMHA_INVALID_FILE,
+                  "%s: truncated: expected %zu bytes of data, found %zu", name, data_bytes, found);
+        goto fail;
+    }
+    if (found > data_bytes) {
+        st = fail(msg, msg_size, CLMHA_INVALID_FILE,
+                  "%s: %zu trailing bytes after the %zu bytes of data", name, found - data_bytes,
+                  data_bytes);
+        goto fail;
+    }
+
+    // count * itemsize fits in the file, so count * sizeof(float) cannot overflow
+    size_t alloc = count ? count : 1;
+    if (a.kind == CLMHA__NPY_FLOAT) a.f32 = malloc(alloc * sizeof *a.f32);
+    else a.u8 = malloc(alloc);
+    if (!a.f32 && !a.u8) {
+        st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: cannot allocate %zu elements", name,
+                  count);
+        goto fail;
+    }
+
+    // Fortran order: walk the output in C order and follow the element in the file, whose
+    // strides are 1, shape[0], shape[0]*shape[1], ... (no overflow: their product is count).
+    const unsigned char *data = b + prefix + header_len;
+    bool transpose = h.fortran_order && h.ndim > 1 && count > 0;
+    size_t stride[CLMHA__NPY_MAX_DIMS], index[CLMHA__NPY_MAX_DIMS] = {0};
+    for (size_t k = 0; k < h.ndim; ++k) stride[k] = k == 0 ? 1 : stride[k - 1] * h.shape[k - 1];
+    size_t src = 0;
+    for (size_t o = 0; o < count; ++o) {
+        size_t at = transpose ? src : o;
+        if (itemsize == 4) a.f32[o] = load_f4(data + at * 4);
+        else if (itemsize == 8) a.f32[o] = (float)load_f8(data + at * 8);
+        else a.u8[o] = data[at];
+        if (!transpose) continue;
+        for (size_t k = h.ndim; k-- > 0;) {
+            if (++index[k] < h.shape[k]) {
+                src += stride[k];
+                break;
+            }
+            src -= (h.shape[k] - 1) * stride[k];
+            index[k] = 0;
+        }
+    }
+
+    memcpy(a.dtype, h.descr, h.descr_len);  // at most 3 characters once accepted
+    a.dtype[h.descr_len] = '\0';
+    a.ndim = h.ndim;
+    memcpy(a.shape, h.shape, sizeof a.shape);
+    a.count = count;
+    *out = a;
+    return CLMHA_SUCCESS;
+fail:
+    clmha__npy_free(&a);
+    return st;
+}
+
+// ---- reading -------------------------------------------------------------------------------
+
+clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_t msg_size) {
+    clmha_status st = CLMHA_SUCCESS;
+    FILE *f = NULL;
+    unsigned char *buf = NULL;
+    size_t size = 0, cap = 4096;
+    if (out) memset(out, 0, sizeof *out);
+    if (!path || !out)
+        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or out is NULL");
+
+    f = fopen(path, "rb");
+    if (!f) {
+        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot open '%s': %s", path, strerror(errno));
+        goto fail;
+    }
+    struct stat sb;
+    if (fstat(fileno(f), &sb) != 0) {
+        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path, strerror(errno));
+        goto fail;
+    }
+    if (S_ISDIR(sb.st_mode)) {
+        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path, strerror(EISDIR));
+        goto fail;
+    }
+    if (S_ISREG(sb.st_mode)) {
+        // one more byte than the file holds, so that one read reaches the end of the file
+        if (sb.st_size < 0 || (uintmax_t)sb.st_size >= SIZE_MAX) {
+            st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY, "'%s' is too large to read", path);
+            goto fail;
+        }
+        cap = (size_t)sb.st_size + 1;
+    }
+    for (;;) {
+        if (!buf || size == cap) {
+            size_t want = buf ? cap * 2 : cap;
+            if (buf && cap > SIZE_MAX / 2) {
+                st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY, "'%s' is too large to read", path);
+                goto fail;
+            }
+            unsigned char *grown = realloc(buf, want);
+            if (!grown) {
+                st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY,
+                          "cannot allocate %zu bytes to read '%s'", want, path);
+                goto fail;
+            }
+            buf = grown;
+            cap = want;
+        }
+        size_t n = fread(buf + size, 1, cap - size, f);
+        size += n;
+        if (size < cap) {
+            if (ferror(f)) {
+                st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path,
+                          strerror(errno));
+                goto fail;
+            }
+            if (feof(f)) break;
+        }
+    }
+    st = clmha__npy_parse(buf, size, path, out, msg, msg_size);
+fail:
+    free(buf);
+    if (f) fclose(f);
+    return st;
+}
+
+// ---- writing -------------------------------------------------------------------------------
+
+clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
+                                  const size_t *shape, char *msg, size_t msg_size) {
+    clmha_status st = CLMHA_SUCCESS;
+    char *tmp = NULL;
+    FILE *f = NULL;
+    int fd = -1;
+    if (!path || (ndim > 0 && !shape))
+        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or shape is NULL");
+    if (ndim > CLMHA__NPY_MAX_DIMS)
+        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                    "%s: %zu dimensions (at most %d can be written)", path, ndim,
+                    CLMHA__NPY_MAX_DIMS);
+    size_t count = 1, bytes;
+    for (size_t i = 0; i < ndim; ++i)
+        if (!mul_size(count, shape[i], &count))
+            return fail(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the shape's size overflows",
+                        path);
+    if (!mul_size(count, 4, &bytes))
+        return fail(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the data size overflows", path);
+    if (count > 0 && !data)
+        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s: data is NULL", path);
+
+    // Header: 10-byte prefix + dict + spaces + '\n', a multiple of 64 bytes in all. At most
+    // 8 dimensions of 20 digits: far below version 1.0's 65535-byte limit.
+    char head[512];
+    size_t used = (size_t)snprintf(head, sizeof head,
+                                   "{'descr': '<f4', 'fortran_order': False, 'shape': (");
+    for (size_t i = 0; i < ndim; ++i)
+        used += (size_t)snprintf(head + used, sizeof head - used, i ? ", %zu" : "%zu", shape[i]);
+    used += (size_t)snprintf(head + used, sizeof head - used, ndim == 1 ? ",), }" : "), }");
+    size_t total = (10 + used + 1 + 63) / 64 * 64;  // + 1 for the '\n'
+    size_t header_len = total - 10;
+    unsigned char prefix[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0,
+                                (unsigned char)(header_len & 0xFF),
+                                (unsigned char)(header_len >> 8)};
+    memset(head + used, ' ', header_len - 1 - used);
+    head[header_len - 1] = '\n';
+
+    size_t path_len = strlen(path);
+    tmp = malloc(path_len + sizeof ".tmp.XXXXXX");
+    if (!tmp) {
+        st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of memory", path);
+        goto fail;
+    }
+    memcpy(tmp, path, path_len);
+    memcpy(tmp + path_len, ".tmp.XXXXXX", sizeof ".tmp.XXXXXX");
+    fd = mkstemp(tmp);
+    if (fd < 0) {
+        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot create '%s': %s", tmp, strerror(errno));
+        free(tmp);
+        tmp = NULL;  // nothing to remove
+        goto fail;
+    }
+    // mkstemp makes the file 0600; give it the permissions of an ordinary output file.
+    if (fchmod(fd, S_IRUSR | S_IWUSR | S_IRGRP | S_IROTH) != 0) {
+        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
+        goto fail;
+    }
+    f = fdopen(fd, "wb");
+    if (!f) {
+        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
+        goto fail;
+    }
+    fd = -1;  // now owned by f
+    bool ok = fwrite(prefix, 1, sizeof prefix, f) == sizeof prefix &&
+              fwrite(head, 1, header_len, f) == header_len;
+    unsigned char chunk[4096];
+    for (size_t i = 0; ok && i < count;) {
+        size_t n = count - i < sizeof chunk / 4 ? count - i : sizeof chunk / 4;
+        for (size_t j = 0; j < n; ++j) store_f4(chunk + 4 * j, data[i + j]);
+        ok = fwrite(chunk, 4, n, f) == n;
+        i += n;
+    }
+    if (!ok || fflush(f) != 0) {
+        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
+        goto fail;
+    }
+    int closed = fclose(f);
+    f = NULL;
+    if (closed != 0) {
+        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
+        goto fail;
+    }
+    if (rename(tmp, path) != 0) {
+        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot rename '%s' to '%s': %s", tmp, path,
+                  strerror(errno));
+        goto fail;
+    }
+    free(tmp);
+    return CLMHA_SUCCESS;
+fail:
+    if (f) fclose(f);
+    if (fd >= 0) close(fd);
+    if (tmp) remove(tmp);
+    free(tmp);
+    return st;
+}

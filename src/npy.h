@@ -1,0 +1,43 @@
+// NumPy .npy files: reading float32/float64/bool/uint8 arrays and writing float32 arrays.
+// Used by the `clmha` program and the tests; not part of the library's public API.
+#ifndef CLMHA_NPY_H
+#define CLMHA_NPY_H
+
+#include <clmha.h>
+
+#define CLMHA__NPY_MAX_DIMS 8
+
+typedef enum clmha__npy_kind {
+    CLMHA__NPY_FLOAT = 0,  // '<f4' or '<f8' (converted to float)
+    CLMHA__NPY_BOOL,       // '|b1' or '|u1' (one byte per element, 0 or not)
+} clmha__npy_kind;
+
+typedef struct clmha__npy {
+    clmha__npy_kind kind;
+    char dtype[8];        // as in the file's header: "<f4", "<f8", "|b1", "|u1"
+    size_t ndim;
+    size_t shape[CLMHA__NPY_MAX_DIMS];
+    size_t count;         // product of shape (1 for 0-D)
+    float *f32;           // kind FLOAT: count floats (malloc'd)
+    unsigned char *u8;    // kind BOOL: count bytes (malloc'd)
+} clmha__npy;
+
+// Parses a whole .npy file held in memory (versions 1.0, 2.0, 3.0). Fortran-order arrays are
+// transposed to C order. Anything else (big-endian, other dtypes, object arrays, truncated data,
+// trailing bytes, sizes that overflow) is refused with CLMHA_INVALID_FILE and a message naming
+// @p name and the problem. On failure *out is zeroed and nothing is allocated.
+clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, clmha__npy *out,
+                              char *msg, size_t msg_size);
+
+// Reads and parses @p path (CLMHA_IO_ERROR when it cannot be read).
+clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_t msg_size);
+
+// Writes a float32 C-order array ('<f4', version 1.0). The file appears whole or not at all
+// (temporary file in the same folder, then rename).
+clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
+                                  const size_t *shape, char *msg, size_t msg_size);
+
+// Frees the arrays of @p a and zeroes it. Accepts NULL.
+void clmha__npy_free(clmha__npy *a);
+
+#endif
