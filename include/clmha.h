@@ -273,6 +273,30 @@ CLMHA_API clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t
 CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
 
 // ---------------------------------------------------------------------------------------------
+// Layer files (.safetensors with PyTorch's names)
+// ---------------------------------------------------------------------------------------------
+
+/// Creates a layer from a `.safetensors` file whose tensors are named and shaped as
+/// `nn.MultiheadAttention.state_dict()` gives them (`in_proj_weight` or
+/// `q_proj_weight`/`k_proj_weight`/`v_proj_weight`, `in_proj_bias`, `out_proj.weight`,
+/// `out_proj.bias`, `bias_k`, `bias_v`), F32, F16 or F64 (converted to float). The file's
+/// `__metadata__` gives `num_heads` (required), `batch_first`, `add_zero_attn` ("true"/"false",
+/// default false) and `dropout` (default 0); embed_dim, kdim, vdim, bias and add_bias_kv follow
+/// from the tensors present and their shapes.
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_IO_ERROR (cannot open or read),
+///         ::CLMHA_INVALID_FILE (malformed file, missing or inconsistent tensors or metadata; the
+///         message names the file and the culprit), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY,
+///         and the statuses of clmha_layer_create()
+CLMHA_API clmha_status clmha_layer_load(clmha_layer **out, clmha_context *ctx, const char *path);
+
+/// Writes the layer to @p path in the format clmha_layer_load() reads (F32 tensors, metadata
+/// with num_heads, batch_first, add_zero_attn and dropout). The file appears whole or not at all
+/// (written to a temporary file in the same folder, then renamed).
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_IO_ERROR, ::CLMHA_OUT_OF_MEMORY,
+///         ::CLMHA_OPENCL_ERROR
+CLMHA_API clmha_status clmha_layer_save(clmha_layer *layer, const char *path);
+
+// ---------------------------------------------------------------------------------------------
 // Forward pass
 // ---------------------------------------------------------------------------------------------
 

@@ -786,8 +786,9 @@ static const row rows[] = {
 
     // Other layer calls.
     {"bake: batch 0", MISC, INV, "batch", .misc = bake_zero},
-    {"bake: batch SIZE_MAX/2", MISC, OVERFLOW, "overflow", .misc = bake_overflow},
-    {"bake: batch 2^40 (more than the device holds)", MISC, CLMHA_OUT_OF_MEMORY, "scratch",
+    {"bake: batch SIZE_MAX/2", MISC, OVERFLOW, "query (", .misc = bake_overflow},
+    {"bake: batch 2^40 (more than the device holds)", MISC, CLMHA_OUT_OF_MEMORY,
+     "largest allocation",
      .misc = bake_too_large},
     {"output_counts: NULL args", MISC, INV, "args", .misc = output_counts_null_args},
     {"output_counts: query 1-D", MISC, SHAPE, "query", .misc = output_counts_query_1d},

@@ -8,4 +8,4 @@ $SUDO apt-get update -q
 $SUDO apt-get install -y -q --no-install-recommends \
   build-essential cmake pkg-config \
   ocl-icd-opencl-dev opencl-c-headers pocl-opencl-icd clinfo \
-  libclblast-dev libcriterion-dev
+  libclblast-dev libcriterion-dev libcjson-dev libpng-dev

@@ -1,0 +1,83 @@
+// Reading and checking .safetensors layer files, without OpenCL (so that it can be fuzzed).
+//
+// The format: an 8-byte little-endian header length N, then N bytes of JSON (an object, padded
+// with trailing spaces), then the data section. Each key of the object other than
+// "__metadata__" is a tensor: {"dtype": "F32", "shape": [3, 4], "data_offsets": [begin, end]},
+// offsets in bytes relative to the first byte after the header. "__metadata__" maps strings to
+// strings.
+#ifndef CLMHA_SAFETENSORS_H
+#define CLMHA_SAFETENSORS_H
+
+#include "internal.h"
+
+// Largest header accepted (bytes of JSON).
+#define CLMHA__ST_MAX_HEADER ((size_t)100 << 20)
+// Most dimensions a tensor may have.
+#define CLMHA__ST_MAX_DIMS 8
+
+typedef enum clmha__st_dtype {
+    CLMHA__ST_F16,  // IEEE binary16
+    CLMHA__ST_F32,
+    CLMHA__ST_F64,
+} clmha__st_dtype;
+
+// One tensor of a parsed file. Strings belong to the file; data points into the caller's bytes.
+typedef struct clmha__st_tensor {
+    const char *name;
+    clmha__st_dtype dtype;
+    size_t ndim;
+    size_t shape[CLMHA__ST_MAX_DIMS];
+    size_t count;               // product of shape (1 for a scalar)
+    const unsigned char *data;  // count * itemsize bytes, little-endian, any alignment
+} clmha__st_tensor;
+
+// One "__metadata__" entry.
+typedef struct clmha__st_meta {
+    const char *key;
+    const char *value;
+} clmha__st_meta;
+
+// A parsed file. Zero-initialised means empty; release with clmha__safetensors_free().
+typedef struct clmha__st_file {
+    struct cJSON *json;  // owns every string above
+    clmha__st_tensor *tensors;
+    size_t tensor_count;
+    clmha__st_meta *meta;
+    size_t meta_count;
+} clmha__st_file;
+
+// Parses and fully checks the file held in @p bytes (@p size bytes; read-only, must outlive
+// @p out). @p name (the path) starts every message. On failure writes a message to @p msg and
+// leaves @p out empty; returns CLMHA_SUCCESS, CLMHA_INVALID_ARGUMENT (NULL pointers),
+// CLMHA_INVALID_FILE, CLMHA_SIZE_OVERFLOW (shape products or dimensions too large) or
+// CLMHA_OUT_OF_MEMORY. Tensor names are unique; data lies inside the data section and has
+// exactly count * itemsize bytes.
+CLMHA__HIDDEN clmha_status clmha__safetensors_parse(const void *bytes, size_t size,
+                                                    const char *name, clmha__st_file *out,
+                                                    char *msg, size_t msg_size);
+
+// Frees what a successful parse allocated and empties @p file. Accepts NULL and empty files.
+CLMHA__HIDDEN void clmha__safetensors_free(clmha__st_file *file);
+
+// The tensor called @p name, or NULL.
+CLMHA__HIDDEN const clmha__st_tensor *clmha__safetensors_tensor(const clmha__st_file *file,
+                                                               const char *name);
+
+// The metadata value of @p key, or NULL.
+CLMHA__HIDDEN const char *clmha__safetensors_meta(const clmha__st_file *file, const char *key);
+
+// Converts the tensor's data to @p out (t->count floats): F16 (subnormals, infinities, NaN)
+// and F64 (out-of-range values become infinities) are rounded to float.
+CLMHA__HIDDEN void clmha__safetensors_to_float(const clmha__st_tensor *t, float *out);
+
+// Derives the layer of a parsed file (embed_dim from out_proj.weight, kdim/vdim, bias and
+// add_bias_kv from the tensors present, num_heads, batch_first, add_zero_attn and dropout from
+// the metadata) and checks that every tensor is a parameter of that layer with its PyTorch
+// shape. On success every tensor of @p file can be given to clmha_layer_set_parameter() of a
+// layer created from @p desc. Returns CLMHA_SUCCESS, CLMHA_INVALID_FILE or CLMHA_SIZE_OVERFLOW,
+// with a message that starts with @p name and names the tensor or metadata key.
+CLMHA__HIDDEN clmha_status clmha__safetensors_desc(const clmha__st_file *file, const char *name,
+                                                   clmha_layer_desc *desc, char *msg,
+                                                   size_t msg_size);
+
+#endif

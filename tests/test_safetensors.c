@@ -1,0 +1,833 @@
+#define _POSIX_C_SOURCE 200809L
+// Layer files: clmha_layer_save / clmha_layer_load round trips (bit for bit), F16 and F64
+// files, files written by PyTorch (tests/cli/*/layer.safetensors, see tools/export_mha.py), and
+// malformed files, each refused with its exact status and a message naming the file and the
+// culprit. Every file is built by the test in a temporary folder.
+//
+// Loading needs an OpenCL device (the layer lives on one): without one every test is skipped.
+// CLMHA_TEST_VERBOSE=1 prints the status and message of every malformed file.
+#include <criterion/criterion.h>
+
+#include <clmha.h>
+#include <dirent.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define BAD_LAYER ((clmha_layer *)(uintptr_t)1)
+
+// ---- helpers ----------------------------------------------------------------------------------
+
+typedef struct env {
+    clmha_context *ctx;
+    char dir[64];
+} env;
+
+static void env_open(env *e) {
+    memset(e, 0, sizeof *e);
+    clmha_status st = clmha_context_create_from_env(&e->ctx);
+    if (st == CLMHA_DEVICE_NOT_FOUND) cr_skip_test("no OpenCL device");
+    cr_assert_eq(st, CLMHA_SUCCESS, "context: %s", clmha_last_create_error());
+    snprintf(e->dir, sizeof e->dir, "/tmp/clmha-st-XXXXXX");
+    cr_assert_not_null(mkdtemp(e->dir));
+}
+
+// Number of entries of the folder (without . and ..); *first gets the first name.
+static int dir_entries(const char *dir, char *first, size_t first_size) {
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    int n = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+        if (n++ == 0 && first) snprintf(first, first_size, "%s", de->d_name);
+    }
+    closedir(d);
+    return n;
+}
+
+static void env_close(env *e) {
+    DIR *d = opendir(e->dir);
+    if (d) {
+        struct dirent *de;
+        char p[512];
+        while ((de = readdir(d))) {
+            if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+            snprintf(p, sizeof p, "%s/%s", e->dir, de->d_name);
+            if (remove(p) != 0) rmdir(p);
+        }
+        closedir(d);
+        rmdir(e->dir);
+    }
+    clmha_context_release(e->ctx);
+}
+
+static void path_in(const env *e, const char *name, char *out, size_t size) {
+    snprintf(out, size, "%s/%s", e->dir, name);
+}
+
+static void write_bytes(const char *path, const void *bytes, size_t n) {
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f, "cannot create %s", path);
+    cr_assert_eq(fwrite(bytes, 1, n, f), n);
+    cr_assert_eq(fclose(f), 0);
+}
+
+static void put_le64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; ++i) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+// Writes a safetensors file: header length, @p header padded with @p pad spaces, then
+// @p data_size bytes of @p data (zeros when NULL).
+static void write_st(const char *path, const char *header, size_t pad, const void *data,
+                     size_t data_size) {
+    size_t hn = strlen(header) + pad;
+    size_t total = 8 + hn + data_size;
+    unsigned char *buf = calloc(total, 1);
+    cr_assert_not_null(buf);
+    put_le64(buf, hn);
+    memcpy(buf + 8, header, strlen(header));
+    memset(buf + 8 + strlen(header), ' ', pad);
+    if (data) memcpy(buf + 8 + hn, data, data_size);
+    write_bytes(path, buf, total);
+    free(buf);
+}
+
+static uint32_t float_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static float bits_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static uint64_t rng_next(uint64_t *s) {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+// ---- round trips ------------------------------------------------------------------------------
+
+static const char *const param_names[] = {
+    "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
+    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v"};
+#define NUM_PARAMS (sizeof param_names / sizeof *param_names)
+
+// Fills every parameter of the layer with random floats and a few special bit patterns.
+static void randomise(clmha_layer *layer, uint64_t seed) {
+    static const uint32_t special[] = {0x80000000u /* -0 */, 0x00000001u /* smallest subnormal */,
+                                       0x7f7fffffu /* FLT_MAX */, 0xff800000u /* -inf */,
+                                       0x7fc12345u /* NaN with a payload */};
+    uint64_t s = seed * 2654435761u + 1;
+    for (size_t p = 0; p < NUM_PARAMS; ++p) {
+        if (p == 0 && clmha_layer_parameter_count(layer, "in_proj_weight")) continue;  // q/k/v
+        size_t n = clmha_layer_parameter_count(layer, param_names[p]);
+        if (!n) continue;
+        float *v = malloc(n * sizeof *v);
+        cr_assert_not_null(v);
+        for (size_t i = 0; i < n; ++i)
+            v[i] = (float)((double)(rng_next(&s) >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+        for (size_t i = 0; i < sizeof special / sizeof *special && i < n; ++i)
+            v[(i * 7) % n] = bits_float(special[i]);
+        cr_assert_eq(clmha_layer_set_parameter(layer, param_names[p], v, n), CLMHA_SUCCESS);
+        free(v);
+    }
+}
+
+// Every parameter of a and b equal bit for bit.
+static void expect_same_parameters(clmha_layer *a, clmha_layer *b, const char *what) {
+    for (size_t p = 0; p < NUM_PARAMS; ++p) {
+        size_t n = clmha_layer_parameter_count(a, param_names[p]);
+        cr_expect_eq(n, clmha_layer_parameter_count(b, param_names[p]), "%s: %s count", what,
+                     param_names[p]);
+        if (!n || n != clmha_layer_parameter_count(b, param_names[p])) continue;
+        float *x = malloc(n * sizeof *x), *y = malloc(n * sizeof *y);
+        cr_assert(x && y);
+        cr_assert_eq(clmha_layer_get_parameter(a, param_names[p], x, n), CLMHA_SUCCESS);
+        cr_assert_eq(clmha_layer_get_parameter(b, param_names[p], y, n), CLMHA_SUCCESS);
+        cr_expect_eq(memcmp(x, y, n * sizeof *x), 0, "%s: %s differs after the round trip",
+                     what, param_names[p]);
+        free(x);
+        free(y);
+    }
+}
+
+static void expect_same_desc(const clmha_layer_desc *a, const clmha_layer_desc *b,
+                             const char *what) {
+    cr_expect_eq(a->embed_dim, b->embed_dim, "%s: embed_dim", what);
+    cr_expect_eq(a->num_heads, b->num_heads, "%s: num_heads", what);
+    cr_expect_eq(a->kdim, b->kdim, "%s: kdim", what);
+    cr_expect_eq(a->vdim, b->vdim, "%s: vdim", what);
+    cr_expect_eq(a->bias, b->bias, "%s: bias", what);
+    cr_expect_eq(a->add_bias_kv, b->add_bias_kv, "%s: add_bias_kv", what);
+    cr_expect_eq(a->add_zero_attn, b->add_zero_attn, "%s: add_zero_attn", what);
+    cr_expect_eq(a->batch_first, b->batch_first, "%s: batch_first", what);
+    cr_expect_eq(float_bits(a->dropout), float_bits(b->dropout), "%s: dropout %.9g vs %.9g",
+                 what, (double)a->dropout, (double)b->dropout);
+}
+
+typedef struct rt_case {
+    const char *name;
+    clmha_layer_desc desc;
+} rt_case;
+
+static const rt_case rt_cases[] = {
+    {"packed", {.embed_dim = 8, .num_heads = 2, .bias = true}},
+    {"kdim_vdim", {.embed_dim = 12, .num_heads = 3, .kdim = 5, .vdim = 7, .bias = true}},
+    {"kdim_eq_vdim", {.embed_dim = 8, .num_heads = 4, .kdim = 6, .vdim = 6, .bias = true}},
+    {"no_bias", {.embed_dim = 8, .num_heads = 2}},
+    {"add_bias_kv", {.embed_dim = 8, .num_heads = 1, .bias = true, .add_bias_kv = true}},
+    {"add_zero_attn", {.embed_dim = 6, .num_heads = 3, .bias = true, .add_zero_attn = true}},
+    {"batch_first", {.embed_dim = 4, .num_heads = 2, .bias = true, .batch_first = true}},
+    {"dropout_0.1", {.embed_dim = 8, .num_heads = 2, .bias = true, .dropout = 0.1f}},
+    {"dropout_third", {.embed_dim = 8, .num_heads = 2, .dropout = 1.0f / 3.0f}},
+    {"dropout_tiny", {.embed_dim = 4, .num_heads = 1, .dropout = 1e-7f}},
+    {"everything",
+     {.embed_dim = 16, .num_heads = 4, .kdim = 3, .vdim = 9, .add_bias_kv = true,
+      .add_zero_attn = true, .batch_first = true, .dropout = 0.75f}},
+};
+
+// The file's header length and total size agree with the format.
+static void expect_well_formed(const char *path) {
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f);
+    unsigned char len[8];
+    cr_assert_eq(fread(len, 1, 8, f), 8);
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];
+    cr_expect_eq(n % 8, 0, "header length %llu is not a multiple of 8", (unsigned long long)n);
+    fclose(f);
+}
+
+Test(safetensors, round_trip) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "layer.safetensors", path, sizeof path);
+    for (size_t c = 0; c < sizeof rt_cases / sizeof *rt_cases; ++c) {
+        const rt_case *rc = &rt_cases[c];
+        clmha_layer *a = NULL, *b = BAD_LAYER;
+        cr_assert_eq(clmha_layer_create(&a, e.ctx, &rc->desc), CLMHA_SUCCESS, "%s: %s", rc->name,
+                     clmha_context_last_error(e.ctx));
+        randomise(a, c + 1);
+        // The second case onwards overwrites the file of the previous one.
+        cr_assert_eq(clmha_layer_save(a, path), CLMHA_SUCCESS, "%s: save: %s", rc->name,
+                     clmha_context_last_error(e.ctx));
+        char first[256] = "";
+        cr_expect_eq(dir_entries(e.dir, first, sizeof first), 1,
+                     "%s: the folder holds more than the saved file", rc->name);
+        cr_expect_str_eq(first, "layer.safetensors");
+        expect_well_formed(path);
+        cr_assert_eq(clmha_layer_load(&b, e.ctx, path), CLMHA_SUCCESS, "%s: load: %s", rc->name,
+                     clmha_context_last_error(e.ctx));
+        clmha_layer_desc da, db;
+        cr_assert_eq(clmha_layer_get_desc(a, &da), CLMHA_SUCCESS);
+        cr_assert_eq(clmha_layer_get_desc(b, &db), CLMHA_SUCCESS);
+        expect_same_desc(&da, &db, rc->name);
+        expect_same_parameters(a, b, rc->name);
+        clmha_layer_release(a);
+        clmha_layer_release(b);
+    }
+    env_close(&e);
+}
+
+// A saved file has the documented header, with PyTorch's names and F32 tensors.
+Test(safetensors, saved_header) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "h.safetensors", path, sizeof path);
+    clmha_layer *a = NULL;
+    clmha_layer_desc d = {.embed_dim = 4, .num_heads = 2, .kdim = 3, .vdim = 4, .bias = true,
+                          .dropout = 0.1f, .batch_first = true};
+    cr_assert_eq(clmha_layer_create(&a, e.ctx, &d), CLMHA_SUCCESS);
+    cr_assert_eq(clmha_layer_save(a, path), CLMHA_SUCCESS, "%s", clmha_context_last_error(e.ctx));
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f);
+    unsigned char len[8];
+    cr_assert_eq(fread(len, 1, 8, f), 8);
+    size_t n = len[0] | (size_t)len[1] << 8;
+    char *h = calloc(n + 1, 1);
+    cr_assert_eq(fread(h, 1, n, f), n);
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fclose(f);
+    // q (4,4) k (4,3) v (4,4) in_proj_bias (12) out (4,4) out bias (4): 16+12+16+12+16+4 floats
+    cr_expect_eq((size_t)size, 8 + n + 76 * 4);
+    const char *want[] = {
+        "\"num_heads\":\"2\"", "\"batch_first\":\"true\"", "\"add_zero_attn\":\"false\"",
+        "\"dropout\":\"0.100000001\"", "\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4]",
+        "\"k_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,3]", "\"v_proj_weight\"",
+        "\"in_proj_bias\":{\"dtype\":\"F32\",\"shape\":[12]", "\"out_proj.weight\"",
+        "\"out_proj.bias\":{\"dtype\":\"F32\",\"shape\":[4]"};
+    for (size_t i = 0; i < sizeof want / sizeof *want; ++i)
+        cr_expect(strstr(h, want[i]) != NULL, "header lacks %s: %s", want[i], h);
+    cr_expect(strstr(h, "in_proj_weight") == NULL, "kdim != E must not write in_proj_weight");
+    cr_expect(strstr(h, "bias_k") == NULL);
+    free(h);
+    clmha_layer_release(a);
+    env_close(&e);
+}
+
+Test(safetensors, save_errors) {
+    env e;
+    env_open(&e);
+    clmha_layer *a = NULL;
+    clmha_layer_desc d = {.embed_dim = 4, .num_heads = 2, .bias = true};
+    cr_assert_eq(clmha_layer_create(&a, e.ctx, &d), CLMHA_SUCCESS);
+    cr_expect_eq(clmha_layer_save(NULL, "/tmp/x"), CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_layer_save(a, NULL), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(e.ctx), "path") != NULL);
+    cr_expect_eq(clmha_layer_save(a, "/nonexistent-clmha-dir/x.safetensors"), CLMHA_IO_ERROR);
+    cr_expect(strstr(clmha_context_last_error(e.ctx), "/nonexistent-clmha-dir/x.safetensors"));
+    // The destination is a folder: the rename fails and the temporary file is removed.
+    char sub[256];
+    path_in(&e, "sub", sub, sizeof sub);
+    cr_assert_eq(mkdir(sub, 0700), 0);
+    char inner[300];
+    snprintf(inner, sizeof inner, "%s/keep", sub);
+    write_bytes(inner, "x", 1);  // a non-empty folder cannot be replaced by a file
+    cr_expect_eq(clmha_layer_save(a, sub), CLMHA_IO_ERROR);
+    cr_expect(strstr(clmha_context_last_error(e.ctx), sub), "%s",
+              clmha_context_last_error(e.ctx));
+    cr_expect_eq(dir_entries(e.dir, NULL, 0), 1, "a temporary file was left behind");
+    remove(inner);
+    // Replacing a file keeps its mode.
+    char path[256];
+    path_in(&e, "mode.safetensors", path, sizeof path);
+    write_bytes(path, "old", 3);
+    cr_assert_eq(chmod(path, 0640), 0);
+    cr_expect_eq(clmha_layer_save(a, path), CLMHA_SUCCESS);
+    struct stat sb;
+    cr_assert_eq(stat(path, &sb), 0);
+    cr_expect_eq(sb.st_mode & 0777, 0640);
+    cr_expect_gt(sb.st_size, 3);
+    clmha_layer_release(a);
+    env_close(&e);
+}
+
+// ---- F16, F64, and header variants ------------------------------------------------------------
+
+// E 4, 2 heads, no bias: in_proj_weight (12, 4) and out_proj.weight (4, 4), 64 values.
+#define META2 "\"__metadata__\":{\"num_heads\":\"2\"}"
+
+static const struct {
+    uint16_t half;
+    uint32_t bits;  // the float it is
+} halves[] = {
+    {0x0000, 0x00000000u}, {0x8000, 0x80000000u},  // +-0
+    {0x3c00, 0x3f800000u}, {0xc000, 0xc0000000u},  // 1, -2
+    {0x3800, 0x3f000000u}, {0x3555, 0x3eaaa000u},  // 0.5, 0.333251953125
+    {0x7bff, 0x477fe000u},                         // 65504, largest finite
+    {0x0001, 0x33800000u},                         // 2^-24, smallest subnormal
+    {0x03ff, 0x387fc000u},                         // largest subnormal 1023 * 2^-24
+    {0x8200, 0xb8000000u},                         // -2^-15, a negative subnormal
+    {0x0400, 0x38800000u},                         // 2^-14, smallest normal
+    {0x7c00, 0x7f800000u}, {0xfc00, 0xff800000u},  // +-inf
+    {0x7e00, 0x7fc00000u},                         // quiet NaN
+};
+#define NUM_HALVES (sizeof halves / sizeof *halves)
+
+static void load_ok(env *e, const char *path, clmha_layer **out) {
+    cr_assert_eq(clmha_layer_load(out, e->ctx, path), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(e->ctx));
+}
+
+Test(safetensors, f16_values) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "f16.safetensors", path, sizeof path);
+    unsigned char data[64 * 2];
+    for (size_t i = 0; i < 64; ++i) {
+        uint16_t h = halves[i % NUM_HALVES].half;
+        data[2 * i] = (unsigned char)h;
+        data[2 * i + 1] = (unsigned char)(h >> 8);
+    }
+    write_st(path,
+             "{" META2 ",\"in_proj_weight\":{\"dtype\":\"F16\",\"shape\":[12,4],\"data_offsets\":"
+             "[0,96]},\"out_proj.weight\":{\"dtype\":\"F16\",\"shape\":[4,4],\"data_offsets\":"
+             "[96,128]}}",
+             3, data, sizeof data);
+    clmha_layer *l = NULL;
+    load_ok(&e, path, &l);
+    float w[48], o[16];
+    cr_assert_eq(clmha_layer_get_parameter(l, "in_proj_weight", w, 48), CLMHA_SUCCESS);
+    cr_assert_eq(clmha_layer_get_parameter(l, "out_proj.weight", o, 16), CLMHA_SUCCESS);
+    for (size_t i = 0; i < 64; ++i) {
+        float got = i < 48 ? w[i] : o[i - 48];
+        uint32_t want = halves[i % NUM_HALVES].bits;
+        if (isnan(bits_float(want)))
+            cr_expect(isnan(got), "value %zu: half 0x%04x gave %g, expected NaN", i,
+                      halves[i % NUM_HALVES].half, (double)got);
+        else
+            cr_expect_eq(float_bits(got), want, "value %zu: half 0x%04x gave %a, expected %a", i,
+                         halves[i % NUM_HALVES].half, (double)got, (double)bits_float(want));
+    }
+    clmha_layer_release(l);
+    env_close(&e);
+}
+
+Test(safetensors, f64_values) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "f64.safetensors", path, sizeof path);
+    static const struct {
+        double d;
+        uint32_t bits;
+    } table[] = {
+        {0.1, 0x3dcccccdu},                    // rounded to nearest
+        {-1.5, 0xbfc00000u},
+        {1e300, 0x7f800000u},                  // beyond float: infinity
+        {-1e300, 0xff800000u},
+        {1e-50, 0x00000000u},                  // below float's subnormals: zero
+        {-1e-50, 0x80000000u},
+        {0x1.fffffep127, 0x7f7fffffu},         // FLT_MAX
+        {0x1.fffffefffffffp127, 0x7f7fffffu},  // just below FLT_MAX + half an ulp
+        {0x1.ffffffp127, 0x7f800000u},         // FLT_MAX + half an ulp rounds to infinity
+        {0x1p-149, 0x00000001u},               // smallest float subnormal
+        {1.0 / 3.0, 0x3eaaaaabu},
+    };
+    enum { T = sizeof table / sizeof *table };
+    unsigned char data[64 * 8];
+    for (size_t i = 0; i < 64; ++i) {
+        uint64_t u;
+        double d = i == 63 ? NAN : table[i % T].d;
+        memcpy(&u, &d, sizeof u);
+        put_le64(data + 8 * i, u);
+    }
+    // Tensors in another order than the data, and an extra metadata key.
+    write_st(path,
+             "{\"out_proj.weight\":{\"dtype\":\"F64\",\"shape\":[4,4],\"data_offsets\":[384,512]},"
+             "\"__metadata__\":{\"format\":\"pt\",\"num_heads\":\"4\"},"
+             "\"in_proj_weight\":{\"dtype\":\"F64\",\"shape\":[12,4],\"data_offsets\":[0,384]}}",
+             0, data, sizeof data);
+    clmha_layer *l = NULL;
+    load_ok(&e, path, &l);
+    clmha_layer_desc d;
+    clmha_layer_get_desc(l, &d);
+    cr_expect_eq(d.num_heads, 4);
+    cr_expect(!d.bias && !d.add_bias_kv && !d.batch_first && !d.add_zero_attn);
+    cr_expect_eq(d.dropout, 0.0f);
+    float w[48], o[16];
+    cr_assert_eq(clmha_layer_get_parameter(l, "in_proj_weight", w, 48), CLMHA_SUCCESS);
+    cr_assert_eq(clmha_layer_get_parameter(l, "out_proj.weight", o, 16), CLMHA_SUCCESS);
+    for (size_t i = 0; i < 63; ++i) {
+        float got = i < 48 ? w[i] : o[i - 48];
+        cr_expect_eq(float_bits(got), table[i % T].bits, "value %zu: %a gave %a", i,
+                     table[i % T].d, (double)got);
+    }
+    cr_expect(isnan(o[15]));
+    clmha_layer_release(l);
+    env_close(&e);
+}
+
+// q/k/v_proj_weight with kdim == vdim == E, metadata booleans, spaces, and mixed dtypes.
+Test(safetensors, separate_weights_and_options) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "qkv.safetensors", path, sizeof path);
+    float data[4 * 16 + 12 + 4 + 8];
+    for (size_t i = 0; i < sizeof data / sizeof *data; ++i) data[i] = (float)i * 0.25f - 3.0f;
+    write_st(path,
+             "  {\"__metadata__\" : {\"num_heads\":\"1\", \"batch_first\":\"true\", "
+             "\"add_zero_attn\":\"true\", \"dropout\":\"2.5e-1\"},\n"
+             "\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]},"
+             "\"k_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[64,128]},"
+             "\"v_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[128,192]},"
+             "\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[192,256]},"
+             "\"in_proj_bias\":{\"dtype\":\"F32\",\"shape\":[12],\"data_offsets\":[256,304]},"
+             "\"out_proj.bias\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[304,320]},"
+             "\"bias_k\":{\"dtype\":\"F32\",\"shape\":[1,1,4],\"data_offsets\":[320,336]},"
+             "\"bias_v\":{\"dtype\":\"F32\",\"shape\":[1,1,4],\"data_offsets\":[336,352]}}\r\n",
+             21, data, sizeof data);
+    clmha_layer *l = NULL;
+    load_ok(&e, path, &l);
+    clmha_layer_desc d;
+    clmha_layer_get_desc(l, &d);
+    cr_expect_eq(d.embed_dim, 4);
+    cr_expect_eq(d.kdim, 4);
+    cr_expect_eq(d.vdim, 4);
+    cr_expect(d.bias && d.add_bias_kv && d.batch_first && d.add_zero_attn);
+    cr_expect_eq(d.dropout, 0.25f);
+    float w[48];
+    cr_assert_eq(clmha_layer_get_parameter(l, "in_proj_weight", w, 48), CLMHA_SUCCESS);
+    cr_expect_eq(memcmp(w, data, sizeof w), 0, "q, k, v stacked = in_proj_weight");
+    float bv[4];
+    cr_assert_eq(clmha_layer_get_parameter(l, "bias_v", bv, 4), CLMHA_SUCCESS);
+    cr_expect_eq(memcmp(bv, data + 84, sizeof bv), 0);
+    clmha_layer_release(l);
+    env_close(&e);
+}
+
+// Layer files written by PyTorch (tools/make_cli_cases.py via tools/export_mha.py).
+Test(safetensors, pytorch_files) {
+    env e;
+    env_open(&e);
+    static const struct {
+        const char *dir;
+        size_t e, h, kdim, vdim;
+        bool bias, add_bias_kv, add_zero_attn, batch_first;
+        float dropout;
+    } files[] = {
+        {"self_attention", 8, 2, 8, 8, true, false, false, false, 0.0f},
+        {"kdim_vdim", 12, 3, 5, 7, true, false, false, false, 0.0f},
+        {"no_bias", 8, 2, 8, 8, false, false, false, false, 0.0f},
+        {"add_bias_kv", 8, 2, 8, 8, true, true, false, false, 0.0f},
+        {"add_zero_attn", 8, 2, 8, 8, true, false, true, false, 0.0f},
+        {"batch_first", 8, 2, 8, 8, true, false, false, true, 0.0f},
+        {"dropout_eval", 8, 2, 8, 8, true, false, false, false, 0.5f},
+        {"layer_f16", 8, 2, 8, 8, true, false, false, false, 0.0f},
+        {"layer_f64", 8, 4, 6, 8, true, true, false, false, 0.0f},
+    };
+    for (size_t i = 0; i < sizeof files / sizeof *files; ++i) {
+        char path[512];
+        snprintf(path, sizeof path, "%s/cli/%s/layer.safetensors", CLMHA_TEST_DATA_DIR,
+                 files[i].dir);
+        clmha_layer *l = NULL;
+        clmha_status st = clmha_layer_load(&l, e.ctx, path);
+        cr_expect_eq(st, CLMHA_SUCCESS, "%s: %s", files[i].dir, clmha_context_last_error(e.ctx));
+        if (st) continue;
+        clmha_layer_desc d;
+        clmha_layer_get_desc(l, &d);
+        cr_expect_eq(d.embed_dim, files[i].e, "%s", files[i].dir);
+        cr_expect_eq(d.num_heads, files[i].h, "%s", files[i].dir);
+        cr_expect_eq(d.kdim, files[i].kdim, "%s", files[i].dir);
+        cr_expect_eq(d.vdim, files[i].vdim, "%s", files[i].dir);
+        cr_expect_eq(d.bias, files[i].bias, "%s", files[i].dir);
+        cr_expect_eq(d.add_bias_kv, files[i].add_bias_kv, "%s", files[i].dir);
+        cr_expect_eq(d.add_zero_attn, files[i].add_zero_attn, "%s", files[i].dir);
+        cr_expect_eq(d.batch_first, files[i].batch_first, "%s", files[i].dir);
+        cr_expect_eq(d.dropout, files[i].dropout, "%s", files[i].dir);
+        clmha_layer_release(l);
+    }
+    env_close(&e);
+}
+
+// ---- malformed files --------------------------------------------------------------------------
+
+// Pieces of headers. The base layer: E 4, 2 heads, no bias; data 256 bytes.
+#define IPW(body) "\"in_proj_weight\":{" body "}"
+#define IPW_OK IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[0,192]")
+#define OPW_OK "\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[192,256]}"
+#define META(body) "\"__metadata__\":{" body "}"
+#define NH2 META("\"num_heads\":\"2\"")
+#define BASE(meta) "{" meta "," IPW_OK "," OPW_OK "}"
+#define IPB_OK "\"in_proj_bias\":{\"dtype\":\"F32\",\"shape\":[12],\"data_offsets\":[256,304]}"
+#define OPB_OK "\"out_proj.bias\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[256,272]}"
+#define BK_OK "\"bias_k\":{\"dtype\":\"F32\",\"shape\":[1,1,4],\"data_offsets\":[256,272]}"
+
+typedef enum raw_kind { HEADER, EMPTY, SHORT, LONG_LENGTH, NO_FILE, DIRECTORY } raw_kind;
+
+typedef struct bad_case {
+    const char *name;
+    raw_kind kind;
+    const char *header;  // HEADER: the JSON
+    size_t data_size;    // HEADER: bytes after the header (256 when 0)
+    clmha_status status;
+    const char *substring;  // the message must contain it (and the path)
+} bad_case;
+
+static const bad_case bad_cases[] = {
+    // the container
+    {"empty file", EMPTY, NULL, 0, CLMHA_INVALID_FILE, "empty"},
+    {"shorter than 8 bytes", SHORT, NULL, 0, CLMHA_INVALID_FILE, "too short"},
+    {"header length past the end", LONG_LENGTH, NULL, 0, CLMHA_INVALID_FILE,
+     "header length 4096 is larger than the rest of the file"},
+    {"header not JSON", HEADER, "{\"__metadata__\":{\"num_heads\":\"2\"", 0, CLMHA_INVALID_FILE,
+     "not valid JSON"},
+    {"header garbage", HEADER, "hello world", 0, CLMHA_INVALID_FILE, "not valid JSON"},
+    {"header only spaces", HEADER, "        ", 0, CLMHA_INVALID_FILE, "header is empty"},
+    {"header JSON array", HEADER, "[1, 2, 3]", 0, CLMHA_INVALID_FILE,
+     "a JSON array, not a JSON object"},
+    {"header JSON string", HEADER, "\"F32\"", 0, CLMHA_INVALID_FILE, "a JSON string, not"},
+    {"bytes after the JSON", HEADER, BASE(NH2) " x", 0, CLMHA_INVALID_FILE,
+     "other than whitespace after"},
+    {"control byte after the JSON", HEADER, BASE(NH2) "\t\n\x01", 0, CLMHA_INVALID_FILE,
+     "control byte 0x01"},
+    {"invalid UTF-8", HEADER, "{" NH2 ",\"x\xff\":{}}", 0, CLMHA_INVALID_FILE, "UTF-8"},
+    {"\\u0000 in a name", HEADER, "{" NH2 "," IPW_OK "," OPW_OK ",\"in_proj_weight\\u0000x\":{}}",
+     0, CLMHA_INVALID_FILE, "\\u0000"},
+    {"tensor not an object", HEADER, "{" NH2 "," IPW_OK ",\"out_proj.weight\":[4,4]}", 0,
+     CLMHA_INVALID_FILE, "tensor \"out_proj.weight\" is not a JSON object"},
+    {"no dtype", HEADER,
+     "{" NH2 "," IPW("\"shape\":[12,4],\"data_offsets\":[0,192]") "," OPW_OK "}", 0,
+     CLMHA_INVALID_FILE, "tensor \"in_proj_weight\" has no dtype"},
+    {"no shape", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"data_offsets\":[0,192]") "," OPW_OK "}", 0,
+     CLMHA_INVALID_FILE, "tensor \"in_proj_weight\" has no shape"},
+    {"no data_offsets", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "tensor \"in_proj_weight\" has no data_offsets"},
+    {"dtype not a string", HEADER,
+     "{" NH2 "," IPW("\"dtype\":32,\"shape\":[12,4],\"data_offsets\":[0,192]") "," OPW_OK "}", 0,
+     CLMHA_INVALID_FILE, "dtype of tensor \"in_proj_weight\" is not a string"},
+    {"dtype I32", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"I32\",\"shape\":[12,4],\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "tensor \"in_proj_weight\" has dtype \"I32\""},
+    {"dtype BF16", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"BF16\",\"shape\":[12,4],\"data_offsets\":[0,96]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "has dtype \"BF16\""},
+    {"dtype lower case", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"f32\",\"shape\":[12,4],\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "has dtype \"f32\""},
+    {"shape not an array", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":48,\"data_offsets\":[0,192]") "," OPW_OK "}", 0,
+     CLMHA_INVALID_FILE, "shape of tensor \"in_proj_weight\" is not a JSON array"},
+    {"negative dimension", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[-12,4],\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "dimension 0 of the shape of tensor \"in_proj_weight\""},
+    {"fractional dimension", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4.5],\"data_offsets\":[0,192]") "," OPW_OK
+     "}",
+     0, CLMHA_INVALID_FILE, "dimension 1 of the shape"},
+    {"string dimension", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[\"12\",4],\"data_offsets\":[0,192]") "," OPW_OK
+     "}",
+     0, CLMHA_INVALID_FILE, "not a non-negative integer"},
+    {"dimensions overflow", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[4294967296,4294967296,16],"
+                     "\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_SIZE_OVERFLOW, "shape (4294967296, 4294967296, 16) of tensor \"in_proj_weight\""},
+    {"bytes overflow", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F64\",\"shape\":[4294967296,536870912],"
+                     "\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_SIZE_OVERFLOW, "more bytes than size_t"},
+    {"dimension too large", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[1e300],\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_SIZE_OVERFLOW, "too large"},
+    {"data_offsets past the end", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[100,292]") "," OPW_OK
+     "}",
+     0, CLMHA_INVALID_FILE,
+     "data_offsets of tensor \"in_proj_weight\" point past the end of the data section (256 "
+     "bytes): end 292"},
+    {"data_offsets huge", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],"
+                     "\"data_offsets\":[18446744073709551615,192]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "point past the end"},
+    {"data_offsets begin > end", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[192,0]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "[192, 0] of tensor \"in_proj_weight\" have begin > end"},
+    {"data_offsets of 3", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[0,96,192]") "," OPW_OK
+     "}",
+     0, CLMHA_INVALID_FILE, "not an array [begin, end]"},
+    {"data_offsets negative", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[-1,192]") "," OPW_OK
+     "}",
+     0, CLMHA_INVALID_FILE, "not non-negative integers"},
+    {"shape disagrees with bytes", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,3],\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE,
+     "tensor \"in_proj_weight\" has shape (12, 3) of F32 = 144 bytes, but its data_offsets "
+     "[0, 192] span 192 bytes"},
+    {"duplicate tensor", HEADER, "{" NH2 "," IPW_OK "," OPW_OK "," IPW_OK "}", 0,
+     CLMHA_INVALID_FILE, "tensor \"in_proj_weight\" twice"},
+    {"metadata twice", HEADER, "{" NH2 "," NH2 "," IPW_OK "," OPW_OK "}", 0, CLMHA_INVALID_FILE,
+     "__metadata__ twice"},
+    {"metadata not an object", HEADER, BASE("\"__metadata__\":[\"num_heads\",\"2\"]"), 0,
+     CLMHA_INVALID_FILE, "__metadata__ is not a JSON object"},
+    {"metadata value not a string", HEADER, BASE(META("\"num_heads\":2")), 0, CLMHA_INVALID_FILE,
+     "__metadata__ entry \"num_heads\" is not a string"},
+    // the layer
+    {"missing num_heads", HEADER, BASE(META("\"format\":\"pt\"")), 0, CLMHA_INVALID_FILE,
+     "no num_heads"},
+    {"no metadata", HEADER, "{" IPW_OK "," OPW_OK "}", 0, CLMHA_INVALID_FILE, "no num_heads"},
+    {"num_heads eight", HEADER, BASE(META("\"num_heads\":\"eight\"")), 0, CLMHA_INVALID_FILE,
+     "num_heads is \"eight\""},
+    {"num_heads 8x", HEADER, BASE(META("\"num_heads\":\"8x\"")), 0, CLMHA_INVALID_FILE,
+     "num_heads is \"8x\""},
+    {"num_heads -8", HEADER, BASE(META("\"num_heads\":\"-8\"")), 0, CLMHA_INVALID_FILE,
+     "num_heads is \"-8\""},
+    {"num_heads empty", HEADER, BASE(META("\"num_heads\":\"\"")), 0, CLMHA_INVALID_FILE,
+     "num_heads is \"\""},
+    {"num_heads 0", HEADER, BASE(META("\"num_heads\":\"0\"")), 0, CLMHA_INVALID_FILE,
+     "num_heads is \"0\""},
+    {"num_heads space", HEADER, BASE(META("\"num_heads\":\" 2\"")), 0, CLMHA_INVALID_FILE,
+     "num_heads is \" 2\""},
+    {"num_heads huge", HEADER, BASE(META("\"num_heads\":\"99999999999999999999999\"")), 0,
+     CLMHA_INVALID_FILE, "num_heads"},
+    {"num_heads not dividing", HEADER, BASE(META("\"num_heads\":\"3\"")), 0, CLMHA_INVALID_FILE,
+     "num_heads 3 does not divide embed_dim 4"},
+    {"batch_first yes", HEADER, BASE(META("\"num_heads\":\"2\",\"batch_first\":\"yes\"")), 0,
+     CLMHA_INVALID_FILE, "batch_first is \"yes\""},
+    {"batch_first True", HEADER, BASE(META("\"num_heads\":\"2\",\"batch_first\":\"True\"")), 0,
+     CLMHA_INVALID_FILE, "batch_first is \"True\""},
+    {"add_zero_attn 1", HEADER, BASE(META("\"num_heads\":\"2\",\"add_zero_attn\":\"1\"")), 0,
+     CLMHA_INVALID_FILE, "add_zero_attn is \"1\""},
+    {"dropout 1.5", HEADER, BASE(META("\"num_heads\":\"2\",\"dropout\":\"1.5\"")), 0,
+     CLMHA_INVALID_FILE, "dropout is \"1.5\""},
+    {"dropout 1", HEADER, BASE(META("\"num_heads\":\"2\",\"dropout\":\"1.0\"")), 0,
+     CLMHA_INVALID_FILE, "dropout is \"1.0\""},
+    {"dropout 0.99999999999", HEADER,
+     BASE(META("\"num_heads\":\"2\",\"dropout\":\"0.99999999999\"")), 0, CLMHA_INVALID_FILE,
+     "dropout"},
+    {"dropout -0.1", HEADER, BASE(META("\"num_heads\":\"2\",\"dropout\":\"-0.1\"")), 0,
+     CLMHA_INVALID_FILE, "dropout is \"-0.1\""},
+    {"dropout nan", HEADER, BASE(META("\"num_heads\":\"2\",\"dropout\":\"nan\"")), 0,
+     CLMHA_INVALID_FILE, "dropout is \"nan\""},
+    {"dropout 0.1x", HEADER, BASE(META("\"num_heads\":\"2\",\"dropout\":\"0.1x\"")), 0,
+     CLMHA_INVALID_FILE, "dropout is \"0.1x\""},
+    {"unknown tensor", HEADER,
+     "{" NH2 "," IPW_OK "," OPW_OK
+     ",\"encoder.weight\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[256,272]}}",
+     272, CLMHA_INVALID_FILE, "unknown tensor \"encoder.weight\""},
+    {"no out_proj.weight", HEADER, "{" NH2 "," IPW_OK "}", 0, CLMHA_INVALID_FILE,
+     "no tensor \"out_proj.weight\""},
+    {"out_proj.weight not square", HEADER,
+     "{" NH2 "," IPW_OK
+     ",\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,3],\"data_offsets\":[192,240]}}",
+     0, CLMHA_INVALID_FILE,
+     "tensor \"out_proj.weight\" has shape (4, 3), expected (E, E) = (4, 4)"},
+    {"out_proj.weight 1-D", HEADER,
+     "{" NH2 "," IPW_OK
+     ",\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[16],\"data_offsets\":[192,256]}}",
+     0, CLMHA_INVALID_FILE, "tensor \"out_proj.weight\" has shape (16,)"},
+    {"out_proj.weight empty", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[0,0],\"data_offsets\":[0,0]")
+     ",\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[0,0],\"data_offsets\":[0,0]}}",
+     0, CLMHA_INVALID_FILE, "E > 0"},
+    {"in_proj_weight wrong shape", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[4,12],\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE,
+     "tensor \"in_proj_weight\" has shape (4, 12), expected (3E, E) = (12, 4)"},
+    {"no input projection", HEADER, "{" NH2 "," OPW_OK "}", 0, CLMHA_INVALID_FILE,
+     "neither in_proj_weight nor"},
+    {"in_proj_weight and q_proj_weight", HEADER,
+     "{" NH2 "," IPW_OK "," OPW_OK
+     ",\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]}}",
+     0, CLMHA_INVALID_FILE, "both in_proj_weight and q_proj_weight"},
+    {"k_proj_weight missing", HEADER,
+     "{" NH2 "," OPW_OK
+     ",\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]},"
+     "\"v_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[64,128]}}",
+     0, CLMHA_INVALID_FILE, "(no \"k_proj_weight\")"},
+    {"v_proj_weight wrong rows", HEADER,
+     "{" NH2 "," OPW_OK
+     ",\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]},"
+     "\"k_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,2],\"data_offsets\":[64,96]},"
+     "\"v_proj_weight\":{\"dtype\":\"F32\",\"shape\":[2,4],\"data_offsets\":[96,128]}}",
+     0, CLMHA_INVALID_FILE, "tensor \"v_proj_weight\" has shape (2, 4), expected (E, vdim)"},
+    {"k_proj_weight kdim 0", HEADER,
+     "{" NH2 "," OPW_OK
+     ",\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]},"
+     "\"k_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,0],\"data_offsets\":[64,64]},"
+     "\"v_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[64,128]}}",
+     0, CLMHA_INVALID_FILE, "kdim > 0"},
+    {"in_proj_bias alone", HEADER, "{" NH2 "," IPW_OK "," OPW_OK "," IPB_OK "}", 304,
+     CLMHA_INVALID_FILE, "has in_proj_bias but no out_proj.bias"},
+    {"out_proj.bias alone", HEADER, "{" NH2 "," IPW_OK "," OPW_OK "," OPB_OK "}", 272,
+     CLMHA_INVALID_FILE, "has out_proj.bias but no in_proj_bias"},
+    {"in_proj_bias wrong shape", HEADER,
+     "{" NH2 "," IPW_OK "," OPW_OK "," OPB_OK
+     ",\"in_proj_bias\":{\"dtype\":\"F32\",\"shape\":[4,3],\"data_offsets\":[256,304]}}",
+     304, CLMHA_INVALID_FILE, "tensor \"in_proj_bias\" has shape (4, 3), expected (3E) = (12,)"},
+    {"bias_k alone", HEADER, "{" NH2 "," IPW_OK "," OPW_OK "," BK_OK "}", 272, CLMHA_INVALID_FILE,
+     "has bias_k but no bias_v"},
+    {"bias_v wrong shape", HEADER,
+     "{" NH2 "," IPW_OK "," OPW_OK "," BK_OK
+     ",\"bias_v\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[272,288]}}",
+     288, CLMHA_INVALID_FILE, "tensor \"bias_v\" has shape (4,), expected (1, 1, E) = (1, 1, 4)"},
+    // the file system
+    {"nonexistent path", NO_FILE, NULL, 0, CLMHA_IO_ERROR, "cannot open"},
+    {"a folder", DIRECTORY, NULL, 0, CLMHA_IO_ERROR, "directory"},
+};
+
+Test(safetensors, malformed) {
+    env e;
+    env_open(&e);
+    char path[256];
+    for (size_t i = 0; i < sizeof bad_cases / sizeof *bad_cases; ++i) {
+        const bad_case *c = &bad_cases[i];
+        snprintf(path, sizeof path, "%s/bad%zu.safetensors", e.dir, i);
+        unsigned char raw[4096] = {0};
+        switch (c->kind) {
+        case HEADER:
+            write_st(path, c->header, (8 - strlen(c->header) % 8) % 8, NULL,
+                     c->data_size ? c->data_size : 256);
+            break;
+        case EMPTY:
+            write_bytes(path, raw, 0);
+            break;
+        case SHORT:
+            write_bytes(path, "\x10\0\0\0\0", 5);
+            break;
+        case LONG_LENGTH:
+            put_le64(raw, 4096);
+            memcpy(raw + 8, "{}", 2);
+            write_bytes(path, raw, 100);
+            break;
+        case NO_FILE:
+            break;
+        case DIRECTORY:
+            cr_assert_eq(mkdir(path, 0700), 0);
+            break;
+        }
+        clmha_layer *l = BAD_LAYER;
+        clmha_status st = clmha_layer_load(&l, e.ctx, path);
+        const char *msg = clmha_context_last_error(e.ctx);
+        if (getenv("CLMHA_TEST_VERBOSE"))
+            fprintf(stderr, "%-34s %s\n  %s\n", c->name, clmha_status_string(st), msg);
+        cr_expect_eq(st, c->status, "%s: status %d (%s), expected %d", c->name, (int)st, msg,
+                     (int)c->status);
+        cr_expect_null(l, "%s: *out not NULL after a failure", c->name);
+        cr_expect(strstr(msg, c->substring) != NULL, "%s: message \"%s\" lacks \"%s\"", c->name,
+                  msg, c->substring);
+        cr_expect(strstr(msg, path) != NULL, "%s: message \"%s\" does not name the file",
+                  c->name, msg);
+        if (st == CLMHA_SUCCESS) clmha_layer_release(l);
+        remove(path);
+        rmdir(path);
+    }
+    env_close(&e);
+}
+
+// A header length above the 100 MiB limit, in a (sparse) file long enough to hold it.
+Test(safetensors, header_too_large) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "huge.safetensors", path, sizeof path);
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f);
+    unsigned char len[8];
+    put_le64(len, ((uint64_t)100 << 20) + 8);
+    cr_assert_eq(fwrite(len, 1, 8, f), 8);
+    cr_assert_eq(fseek(f, (100L << 20) + 64, SEEK_SET), 0);
+    cr_assert_eq(fwrite("x", 1, 1, f), 1);
+    fclose(f);
+    clmha_layer *l = BAD_LAYER;
+    cr_expect_eq(clmha_layer_load(&l, e.ctx, path), CLMHA_INVALID_FILE);
+    cr_expect_null(l);
+    cr_expect(strstr(clmha_context_last_error(e.ctx), "exceeds the limit"), "%s",
+              clmha_context_last_error(e.ctx));
+    env_close(&e);
+}
+
+Test(safetensors, load_arguments) {
+    env e;
+    env_open(&e);
+    clmha_layer *l = BAD_LAYER;
+    cr_expect_eq(clmha_layer_load(NULL, e.ctx, "/tmp/x"), CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_layer_load(&l, NULL, "/tmp/x"), CLMHA_INVALID_ARGUMENT);
+    cr_expect_null(l);
+    cr_expect(strstr(clmha_last_create_error(), "ctx") != NULL);
+    l = BAD_LAYER;
+    cr_expect_eq(clmha_layer_load(&l, e.ctx, NULL), CLMHA_INVALID_ARGUMENT);
+    cr_expect_null(l);
+    cr_expect(strstr(clmha_context_last_error(e.ctx), "path") != NULL);
+    env_close(&e);
+}

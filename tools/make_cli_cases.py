@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""Generates the golden cases of the `clmha run` command with PyTorch.
+
+For every case it writes tests/cli/<case>/:
+
+    layer.safetensors       the layer, written by tools/export_mha.py (F32; F16 / F64 cases)
+    query.npy               float32 inputs; key.npy and value.npy only for cross-attention
+    key_padding_mask.npy    optional: bool (True = may not attend) or float32 (added)
+    attn_mask.npy           optional: bool or float32, (L, S) or (N*H, L, S) / (H, L, S)
+    args                    one line: the extra flags (--is-causal --need-weights ...), may be empty
+    expected_output.npy     float64
+    expected_weights.npy    float64, only with --need-weights
+
+and tests/cli/cases.inc, the list of case names (`"name",` lines) for tests/test_cli.c. Case
+folders no longer generated (those holding an `args` file) are removed.
+
+Expected values: nn.MultiheadAttention in float64 (eval mode, so dropout is inactive) on
+exactly the float32 inputs and on the parameters the layer file holds as clmha reads them: F16
+values converted exactly, F64 values rounded to float32 (clmha keeps float parameters), masks as
+PyTorch 1.13 takes them (float masks in float64). PyTorch 1.13 has no is_causal: the causal cases
+pass the boolean mask triu(ones(L, S), 1) (True = masked), or-ed into the case's own boolean
+attn_mask. Masks are drawn so that no query row is fully masked.
+
+Run with a Python that has PyTorch (tested with Debian's python3-torch 1.13):
+
+    /usr/bin/python3 tools/make_cli_cases.py [--out tests/cli] [--check]
+
+--check regenerates into a temporary folder and exits non-zero when any file differs.
+"""
+
+import argparse
+import copy
+import os
+import shutil
+import sys
+import tempfile
+import zlib
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import export_mha  # noqa: E402
+
+torch.set_grad_enabled(True)  # keeps nn.MultiheadAttention off its native fast path
+
+
+def C(name, **kw):
+    d = dict(name=name, E=8, H=2, kdim=None, vdim=None, bias=True, add_bias_kv=False,
+             add_zero_attn=False, batch_first=False, dropout=0.0, dtype="F32",
+             L=5, S=None, N=2, cross=False, kpm=None, attn=None, causal=False,
+             need_weights=True, per_head=False)
+    for k in kw:
+        if k not in d:
+            raise KeyError(k)
+    d.update(kw)
+    if d["S"] is None:
+        d["S"] = d["L"]
+    if not d["cross"]:
+        assert d["S"] == d["L"] and d["kdim"] is None and d["vdim"] is None
+    assert d["E"] <= 16 and d["L"] <= 7 and d["S"] <= 7 and (d["N"] or 1) <= 2
+    return d
+
+
+# kpm: None | "bool" | "float"; attn: None | "bool2d" | "float2d" | "bool3d" | "float3d"
+CASES = [
+    C("self_attention"),
+    C("cross_attention", cross=True, L=3, S=6),
+    C("kdim_vdim", E=12, H=3, kdim=5, vdim=7, cross=True, L=4, S=6),
+    C("no_bias", bias=False, cross=True, L=4, S=5, need_weights=False),
+    C("add_bias_kv", add_bias_kv=True),
+    C("add_zero_attn", add_zero_attn=True, cross=True, L=4, S=3, per_head=True),
+    C("batch_first", batch_first=True, cross=True, L=3, S=5),
+    C("kpm_bool", kpm="bool", cross=True, L=4, S=6),
+    C("kpm_float", kpm="float", cross=True, L=4, S=6),
+    C("attn_mask_bool_2d", attn="bool2d", L=6),
+    C("attn_mask_float_3d", attn="float3d", cross=True, L=4, S=5, per_head=True),
+    C("causal", causal=True, L=6),
+    C("causal_cross", causal=True, cross=True, L=4, S=7),
+    C("causal_kpm", causal=True, kpm="bool", L=6, batch_first=True),
+    C("unbatched_weights", N=None, L=5),
+    C("unbatched_masks", N=None, cross=True, L=4, S=6, kpm="bool", attn="float3d",
+      per_head=True),
+    C("per_head_weights", E=16, H=4, L=4, per_head=True),
+    C("dropout_eval", dropout=0.5),
+    C("layer_f16", dtype="F16", cross=True, L=3, S=4),
+    C("layer_f64", dtype="F64", H=4, kdim=6, vdim=8, add_bias_kv=True, cross=True, L=4, S=5),
+]
+
+
+def seed_of(name):
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def layout(c, seq, feat):
+    if c["N"] is None:
+        return (seq, feat)
+    return (c["N"], seq, feat) if c["batch_first"] else (seq, c["N"], feat)
+
+
+def make_layer(c, path):
+    """Writes the layer file; returns the float64 module holding what clmha reads from it."""
+    seed = seed_of(c["name"])
+    m = export_mha.random_module(c["E"], c["H"], c["kdim"], c["vdim"], c["bias"],
+                                 c["add_bias_kv"], c["add_zero_attn"], c["batch_first"],
+                                 c["dropout"], seed)
+    if c["dtype"] == "F64":  # parameters that float32 cannot hold exactly
+        m = m.double()
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3)
+    export_mha.export(m, path, dtype=c["dtype"])
+    tensors, _ = export_mha.read(path)
+    m64 = copy.deepcopy(m).double().eval()
+    state = {k: torch.from_numpy(v.astype(np.float32).astype(np.float64))
+             for k, v in tensors.items()}
+    m64.load_state_dict(state, strict=True)
+    return m64
+
+
+def draw_masks(c, rng):
+    """(kpm, attn, masked): the masks as stored (bool True = may not attend, or float32) and
+    the bool (N*H, L, S) of positions that the masks and causality forbid."""
+    N, H, L, S = c["N"], c["H"], c["L"], c["S"]
+    Nb = N or 1
+    kpm = attn = None
+    masked = np.zeros((Nb * H, L, S), dtype=bool)
+    if c["kpm"]:
+        shape = (N, S) if N else (S,)
+        if c["kpm"] == "bool":
+            kpm = rng.random(shape) < 0.3
+            km = kpm.reshape(Nb, 1, 1, S)
+        else:
+            kpm = rng.standard_normal(shape).astype(np.float32)
+            kpm[rng.random(shape) < 0.2] = -np.inf
+            km = np.isneginf(kpm).reshape(Nb, 1, 1, S)
+        masked |= np.broadcast_to(km, (Nb, H, L, S)).reshape(Nb * H, L, S)
+    if c["attn"]:
+        shape = (L, S) if c["attn"].endswith("2d") else ((Nb * H, L, S) if N else (H, L, S))
+        if c["attn"].startswith("bool"):
+            attn = rng.random(shape) < 0.3
+            masked |= attn
+        else:
+            attn = rng.standard_normal(shape).astype(np.float32)
+            attn[rng.random(shape) < 0.2] = -np.inf
+            masked |= np.isneginf(attn)
+    if c["causal"]:
+        masked |= np.triu(np.ones((L, S), dtype=bool), 1)
+    return kpm, attn, masked
+
+
+def generate(c, out_dir):
+    name = c["name"]
+    d = os.path.join(out_dir, name)
+    os.makedirs(d, exist_ok=True)
+    m64 = make_layer(c, os.path.join(d, "layer.safetensors"))
+    gen = torch.Generator().manual_seed(seed_of(name) + 2)
+    rng = np.random.default_rng(seed_of(name))
+    E, L, S = c["E"], c["L"], c["S"]
+    kdim, vdim = c["kdim"] or E, c["vdim"] or E
+
+    query = torch.randn(layout(c, L, E), generator=gen).numpy().astype(np.float32)
+    np.save(os.path.join(d, "query.npy"), query)
+    key = value = query
+    if c["cross"]:
+        key = torch.randn(layout(c, S, kdim), generator=gen).numpy().astype(np.float32)
+        value = torch.randn(layout(c, S, vdim), generator=gen).numpy().astype(np.float32)
+        np.save(os.path.join(d, "key.npy"), key)
+        np.save(os.path.join(d, "value.npy"), value)
+
+    for _ in range(1000):
+        kpm, attn, masked = draw_masks(c, rng)
+        if not masked.all(axis=-1).any():
+            break
+    else:
+        raise RuntimeError(f"{name}: could not draw masks without fully masked rows")
+    if kpm is not None:
+        np.save(os.path.join(d, "key_padding_mask.npy"), kpm)
+    if attn is not None:
+        np.save(os.path.join(d, "attn_mask.npy"), attn)
+
+    # PyTorch 1.13: float masks in the module's precision; causality as a boolean mask.
+    def t(a):
+        if a is None:
+            return None
+        x = torch.from_numpy(np.ascontiguousarray(a))
+        return x if x.dtype == torch.bool else x.double()
+
+    kpm_t, attn_t = t(kpm), t(attn)
+    if c["causal"]:
+        causal = torch.triu(torch.ones(L, S, dtype=torch.bool), 1)
+        if attn_t is None:
+            attn_t = causal
+        elif attn_t.dtype == torch.bool:
+            attn_t = attn_t | causal
+        else:
+            attn_t = attn_t.masked_fill(causal, float("-inf"))
+    assert not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None), \
+        "PyTorch 1.13 cannot combine a float key_padding_mask with attn_mask"
+    q64 = torch.from_numpy(query).double()
+    k64 = torch.from_numpy(key).double()
+    v64 = torch.from_numpy(value).double()
+    out, w = m64(q64, k64, v64, key_padding_mask=kpm_t, attn_mask=attn_t,
+                 need_weights=c["need_weights"], average_attn_weights=not c["per_head"])
+    out = out.detach().numpy()
+    assert out.shape == layout(c, L, E) and np.isfinite(out).all(), name
+    np.save(os.path.join(d, "expected_output.npy"), out.astype(np.float64))
+    if c["need_weights"]:
+        w = w.detach().numpy()
+        assert np.isfinite(w).all(), name
+        np.save(os.path.join(d, "expected_weights.npy"), w.astype(np.float64))
+
+    flags = []
+    if c["causal"]:
+        flags.append("--is-causal")
+    if c["need_weights"]:
+        flags.append("--need-weights")
+    if c["per_head"]:
+        flags.append("--per-head-weights")
+    with open(os.path.join(d, "args"), "w") as f:
+        f.write(" ".join(flags) + "\n")
+
+
+def write_all(out_dir):
+    names = [c["name"] for c in CASES]
+    assert len(set(names)) == len(names)
+    os.makedirs(out_dir, exist_ok=True)
+    for entry in os.listdir(out_dir):
+        p = os.path.join(out_dir, entry)
+        if entry not in names and os.path.isfile(os.path.join(p, "args")):
+            shutil.rmtree(p)
+    for c in CASES:
+        shutil.rmtree(os.path.join(out_dir, c["name"]), ignore_errors=True)
+        generate(c, out_dir)
+    with open(os.path.join(out_dir, "cases.inc"), "w") as f:
+        f.write("/* generated by tools/make_cli_cases.py: the `clmha run` case names */\n")
+        f.write("".join(f'"{n}",\n' for n in names))
+
+
+def tree(d):
+    files = {}
+    for root, _, fns in os.walk(d):
+        for fn in fns:
+            p = os.path.join(root, fn)
+            with open(p, "rb") as f:
+                files[os.path.relpath(p, d)] = f.read()
+    return files
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap.add_argument("--out", default=os.path.join(here, "..", "tests", "cli"))
+    ap.add_argument("--check", action="store_true",
+                    help="compare with the files on disk instead of writing")
+    a = ap.parse_args()
+    out_dir = os.path.normpath(a.out)
+    if a.check:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_all(tmp)
+            want, have = tree(tmp), tree(out_dir)
+        names = {c["name"] for c in CASES}
+        have = {k: v for k, v in have.items()
+                if k == "cases.inc" or k.split(os.sep)[0] in names}
+        bad = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        for k in bad:
+            print(f"differs: {os.path.join(out_dir, k)}", file=sys.stderr)
+        print(f"{len(want) - len(bad)}/{len(want)} files identical")
+        return 1 if bad else 0
+    write_all(out_dir)
+    size = sum(len(v) for v in tree(out_dir).values())
+    print(f"wrote {len(CASES)} cases to {out_dir} ({size} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
