@@ -138,13 +138,14 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
     clmha_status st;
 
     if (self && kv_same) {  // (L*N, E) · in_proj_weightᵀ → (L*N, 3E)
-        *s = (scratch){0, 0, 0, 3 * e, 3 * e, 3 * e, 0, e, 2 * e, 0, 0, 0, 0};
+        *s = (scratch){.ld_q = 3 * e, .ld_k = 3 * e, .ld_v = 3 * e, .col_k = e, .col_v = 2 * e};
         st = gemm_nt(ctx, "CLBlastSgemm(packed QKV projection)", rows_q, 3 * e, e,
                      a->query.buffer, a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0,
                      3 * e);
         return st;
     }
-    *s = (scratch){0, rows_q * e, rows_q * e + rows_kv * e, e, e, e, 0, 0, 0, 0, 0, 0, 0};
+    *s = (scratch){.proj_k = rows_q * e, .proj_v = rows_q * e + rows_kv * e,
+                   .ld_q = e, .ld_k = e, .ld_v = e};
     if ((st = gemm_nt(ctx, "CLBlastSgemm(query projection)", rows_q, e, e, a->query.buffer,
                       a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, s->proj_q, e)))
         return st;
