@@ -6,6 +6,10 @@
 // Every kernel is 1-D over its output elements and guards the tail, so any global size rounded
 // up to the work-group size is safe.
 
+#ifdef CLMHA_FORCE_BUILD_ERROR
+#error "build failure forced by the test hook clmha__test_set_extra_build_options"
+#endif
+
 // Splits projected rows into head tiles and appends the extra keys of add_bias_kv (row T) and
 // add_zero_attn (the last row).
 //   proj     (rows, ld) with the head columns starting at col0

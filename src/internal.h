@@ -58,6 +58,11 @@ CLMHA__HIDDEN const char *clmha__cl_error_name(cl_int err);
 CLMHA__HIDDEN clmha_status clmha__program_get(clmha_context *ctx, const char *family,
                                               const char *options, cl_program *out);
 
+// Test hook (reachable only by linking libclmha.a): appends @p options to every later program
+// build, e.g. "-DCLMHA_FORCE_BUILD_ERROR" to make cl/heads.cl fail to compile. NULL clears it.
+// The string must outlive its use.
+CLMHA__HIDDEN void clmha__test_set_extra_build_options(const char *options);
+
 // Frees every cached program of a context.
 CLMHA__HIDDEN void clmha__programs_release(clmha_context *ctx);
 
@@ -206,6 +211,11 @@ CLMHA__HIDDEN const char *clmha__cl_error_name(cl_int err);
 // ("heads", "softmax") with build @p options. The context keeps the program.
 CLMHA__HIDDEN clmha_status clmha__program_get(clmha_context *ctx, const char *family,
                                               const char *options, cl_program *out);
+
+// Test hook (reachable only by linking libclmha.a): appends @p options to every later program
+// build, e.g. "-DCLMHA_FORCE_BUILD_ERROR" to make cl/heads.cl fail to compile. NULL clears it.
+// The string must outlive its use.
+CLMHA__HIDDEN void clmha__test_set_extra_build_options(const char *options);
 
 // Frees every cached program of a context.
 CLMHA__HIDDEN void clmha__programs_release(clmha_context *ctx);

@@ -11,6 +11,11 @@ extern const size_t clmha__cl_heads_size;
 extern const char clmha__cl_softmax[];
 extern const size_t clmha__cl_softmax_size;
 
+// Test hook: extra build options appended to every program build (see internal.h).
+static _Atomic(const char *) extra_options = NULL;
+
+void clmha__test_set_extra_build_options(const char *options) { extra_options = options; }
+
 static const char *family_source(const char *family, size_t *size) {
     if (strcmp(family, "heads") == 0) {
         *size = clmha__cl_heads_size;
@@ -32,7 +37,11 @@ static clmha_status build(clmha_context *ctx, const char *family, const char *op
     cl_int err;
     cl_program prog = clCreateProgramWithSource(ctx->cl_ctx, 1, &src, &size, &err);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateProgramWithSource");
-    err = clBuildProgram(prog, 1, &ctx->device, options, NULL, NULL);
+    const char *extra = extra_options;
+    char all_options[512];
+    snprintf(all_options, sizeof all_options, "%s%s%s", options, extra ? " " : "",
+             extra ? extra : "");
+    err = clBuildProgram(prog, 1, &ctx->device, all_options, NULL, NULL);
     if (err != CL_SUCCESS) {
         char log[CLMHA__ERROR_SIZE - 200] = "";
         clGetProgramBuildInfo(prog, ctx->device, CL_PROGRAM_BUILD_LOG, sizeof log - 1, log, NULL);
@@ -40,7 +49,7 @@ static clmha_status build(clmha_context *ctx, const char *family, const char *op
         return clmha__fail(ctx, err == CL_BUILD_PROGRAM_FAILURE ? CLMHA_BUILD_FAILED
                                                                 : CLMHA_OPENCL_ERROR,
                            "building cl/%s.cl with options \"%s\" failed (%s):\n%s", family,
-                           options, clmha__cl_error_name(err), log);
+                           all_options, clmha__cl_error_name(err), log);
     }
     *out = prog;
     return CLMHA_SUCCESS;
