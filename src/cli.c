@@ -1,24 +1,272 @@
-// The `clmha` command-line program: `clmha devices`, `clmha demo`.
+// The `clmha` command-line program: `clmha devices`, `clmha run`, `clmha demo`.
+//
+// Exit status: 0 success; 1 a refused input (unreadable or malformed file, shape mismatch,
+// device or library failure); 2 a usage error (unknown command or option, missing value,
+// missing required option). Every error is one line on stderr that starts with
+// "clmha <command>: " and names the file or argument at fault.
+#define _POSIX_C_SOURCE 200809L
+
 #include <clmha.h>
 
+#include <ctype.h>
+#include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
+
+#include "heatmap.h"
+#include "npy.h"
 
 enum { EXIT_OK = 0, EXIT_REFUSED = 1, EXIT_USAGE = 2 };
 
-static const char *usage =
+// ---- help texts -------------------------------------------------------------------------------
+
+static const char *usage_main =
     "usage: clmha <command> [options]\n"
     "\n"
+    "Computes torch.nn.MultiheadAttention's forward pass on an OpenCL device.\n"
+    "\n"
     "commands:\n"
-    "  devices              list every OpenCL platform and device with its spec string\n"
-    "  demo [--device SPEC] run a random layer on a device and check it against the CPU\n"
-    "                       reference (SPEC: \"P:D\", gpu, cpu, accelerator or a name part;\n"
-    "                       default: $CLMHA_DEVICE, else the first GPU, else the first device)\n"
-    "  --version            print the version\n";
+    "  devices   list every OpenCL platform and device with the spec string that selects it\n"
+    "  run       run a layer file (.safetensors) on .npy inputs, write .npy outputs\n"
+    "  demo      run a random layer, check it against the CPU reference, time it\n"
+    "\n"
+    "options:\n"
+    "  --help, -h   print this help (clmha <command> --help: help on a command)\n"
+    "  --version    print the version\n"
+    "\n"
+    "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error),\n"
+    "2 usage error\n";
+
+static const char *usage_devices =
+    "usage: clmha devices\n"
+    "\n"
+    "Lists every OpenCL device of every platform: type, compute units, global and local\n"
+    "memory, largest allocation, fp16/fp64 support, driver version, and the spec string\n"
+    "(\"P:D\", in brackets) that selects it with --device or $CLMHA_DEVICE.\n"
+    "\n"
+    "options:\n"
+    "  --help, -h   print this help\n";
+
+static const char *usage_run =
+    "usage: clmha run --layer F.safetensors --query Q.npy [options]\n"
+    "\n"
+    "Runs torch.nn.MultiheadAttention's forward pass (eval mode: no dropout) with the layer\n"
+    "in F.safetensors (state_dict() names; metadata num_heads, batch_first, add_zero_attn)\n"
+    "on the arrays of .npy files. Shapes and masks are PyTorch's: query (L, N, E), or\n"
+    "(N, L, E) when the layer file says batch_first, or (L, E) unbatched.\n"
+    "\n"
+    "inputs:\n"
+    "  --layer F.safetensors     the layer (required)\n"
+    "  --query Q.npy             query, float32 or float64 (required)\n"
+    "  --key K.npy               key (S, N, kdim); default: the query (self-attention)\n"
+    "  --value V.npy             value (S, N, vdim); default: the key\n"
+    "  --key-padding-mask M.npy  (N, S), or (S) unbatched\n"
+    "  --attn-mask A.npy         (L, S), or (N*num_heads, L, S); unbatched (num_heads, L, S)\n"
+    "                            bool/uint8 masks: true (non-zero) = may NOT attend;\n"
+    "                            float masks are added to the scores (-inf forbids)\n"
+    "  --is-causal               forbid key j > query i (top-left aligned)\n"
+    "\n"
+    "outputs:\n"
+    "  --need-weights            also compute the attention weights\n"
+    "  --per-head-weights        weights per head (N, H, L, S') instead of averaged over\n"
+    "                            the heads (N, L, S') (average_attn_weights=False);\n"
+    "                            implies --need-weights\n"
+    "  --output O.npy            write the attention output, float32, shaped like the query\n"
+    "  --weights-output W.npy    write the weights, float32; implies --need-weights\n"
+    "                            (unbatched inputs drop N; S' = S + add_bias_kv + add_zero_attn)\n"
+    "  Files are written only after the forward pass succeeded, each whole or not at all.\n"
+    "  A query row whose every key is masked gets zero weights (PyTorch gives NaN there).\n"
+    "  Results not written to a file are summarised on stdout (shape, first values).\n"
+    "\n"
+    "device:\n"
+    "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"
+    "                            (see clmha devices); default: $CLMHA_DEVICE, else the first\n"
+    "                            GPU, else the first device\n"
+    "\n"
+    "  --help, -h                print this help\n"
+    "\n"
+    "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error),\n"
+    "2 usage error. Options take their value as --opt VALUE or --opt=VALUE.\n";
+
+static const char *usage_demo =
+    "usage: clmha demo [--device SPEC] [--heatmap OUT.png]\n"
+    "\n"
+    "Runs a random layer (embed_dim 64, 8 heads, L = S = 48, N = 2, padding mask) on a\n"
+    "device, checks it against the double-precision CPU reference (tolerance 1e-4) and\n"
+    "prints the device, the shapes, the max error and the time per forward.\n"
+    "\n"
+    "options:\n"
+    "  --device SPEC      \"P:D\", gpu, cpu, accelerator or part of a device name (see\n"
+    "                     clmha devices); default: $CLMHA_DEVICE, else the first GPU, else\n"
+    "                     the first device\n"
+    "  --heatmap OUT.png  also write the attention weights of the first batch item as a PNG:\n"
+    "                     one tile per head, the mean over the heads and a colour scale\n"
+    "  --help, -h         print this help\n"
+    "\n"
+    "exit status: 0 PASS, 1 FAIL or device error, 2 usage error\n";
+
+// ---- messages ---------------------------------------------------------------------------------
+
+// Prints "clmha <cmd>: <message>" as one line on stderr: control characters (from file names or
+// library messages) become spaces.
+static void report(const char *cmd, const char *fmt, ...) {
+    char line[3072];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    for (char *p = line; *p; ++p)
+        if (iscntrl((unsigned char)*p)) *p = ' ';
+    if (cmd)
+        fprintf(stderr, "clmha %s: %s\n", cmd, line);
+    else
+        fprintf(stderr, "clmha: %s\n", line);
+}
+
+static bool starts_with(const char *s, const char *prefix) {
+    return strncmp(s, prefix, strlen(prefix)) == 0;
+}
+
+// @p msg without a leading "<path>: " (the report names the path already).
+static const char *without_path(const char *msg, const char *path) {
+    size_t n = strlen(path);
+    return strncmp(msg, path, n) == 0 && msg[n] == ':' && msg[n + 1] == ' ' ? msg + n + 2 : msg;
+}
+
+// "(2, 3, 4)", "(5,)" or "()".
+static const char *shape_str(char *buf, size_t size, size_t ndim, const size_t *shape) {
+    size_t used = (size_t)snprintf(buf, size, "(");
+    for (size_t i = 0; i < ndim && used < size; ++i)
+        used += (size_t)snprintf(buf + used, size - used, i ? ", %zu" : "%zu", shape[i]);
+    if (used < size) snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
+    return buf;
+}
+
+// ---- option parsing ---------------------------------------------------------------------------
+
+typedef struct option_spec {
+    const char *name;    // "--layer"
+    const char **value;  // options with a value: where it goes
+    bool *flag;          // flags: where true goes
+    bool allow_empty;    // the value may be ""
+} option_spec;
+
+// Parses argv against @p opts. Returns EXIT_OK when parsed (*help set when --help or -h came),
+// or EXIT_USAGE after reporting a usage error.
+static int parse_options(const char *cmd, int argc, char **argv, const option_spec *opts,
+                         size_t num_opts, bool *help) {
+    *help = false;
+    for (int i = 0; i < argc; ++i) {
+        const char *arg = argv[i];
+        if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
+            *help = true;
+            return EXIT_OK;
+        }
+        if (!starts_with(arg, "--") || arg[2] == '\0') {
+            report(cmd, "unexpected argument '%s' (try 'clmha %s --help')", arg, cmd);
+            return EXIT_USAGE;
+        }
+        const char *eq = strchr(arg, '=');
+        size_t name_len = eq ? (size_t)(eq - arg) : strlen(arg);
+        const option_spec *o = NULL;
+        for (size_t k = 0; k < num_opts && !o; ++k)
+            if (strlen(opts[k].name) == name_len && strncmp(opts[k].name, arg, name_len) == 0)
+                o = &opts[k];
+        if (!o) {
+            report(cmd, "unknown option '%.*s' (try 'clmha %s --help')", (int)name_len, arg,
+                   cmd);
+            return EXIT_USAGE;
+        }
+        if (o->flag) {
+            if (eq) {
+                report(cmd, "%s takes no value (got '%s')", o->name, arg);
+                return EXIT_USAGE;
+            }
+            *o->flag = true;
+            continue;
+        }
+        const char *value = NULL;
+        if (eq) {
+            value = eq + 1;
+        } else if (i + 1 < argc && !starts_with(argv[i + 1], "--")) {
+            value = argv[++i];
+        } else {
+            if (i + 1 < argc)
+                report(cmd, "%s needs a value, got option '%s' (write %s=VALUE for a value that "
+                       "starts with --)", o->name, argv[i + 1], o->name);
+            else
+                report(cmd, "%s needs a value", o->name);
+            return EXIT_USAGE;
+        }
+        if (!value[0] && !o->allow_empty) {
+            report(cmd, "%s needs a non-empty value", o->name);
+            return EXIT_USAGE;
+        }
+        if (*o->value) {
+            report(cmd, "%s given twice ('%s' and '%s')", o->name, *o->value, value);
+            return EXIT_USAGE;
+        }
+        *o->value = value;
+    }
+    return EXIT_OK;
+}
+
+// Device spec: --device, else $CLMHA_DEVICE, else the default. Reports a failure.
+static clmha_context *open_context(const char *cmd, const char *device_opt) {
+    const char *env = getenv("CLMHA_DEVICE");
+    const char *spec = device_opt ? device_opt : env;
+    clmha_context *ctx = NULL;
+    if (clmha_context_create(&ctx, spec) != CLMHA_SUCCESS) {
+        if (device_opt)
+            report(cmd, "--device %s: %s", device_opt, clmha_last_create_error());
+        else if (env && env[0])
+            report(cmd, "$CLMHA_DEVICE=%s: %s", env, clmha_last_create_error());
+        else
+            report(cmd, "default device: %s", clmha_last_create_error());
+        return NULL;
+    }
+    return ctx;
+}
+
+// Refuses an output path early (before any work) when its folder does not exist or cannot be
+// written, or when the path names a folder. Reports and returns false.
+static bool output_path_ok(const char *cmd, const char *flag, const char *path) {
+    struct stat st;
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+        report(cmd, "%s %s: is a folder, not a file name", flag, path);
+        return false;
+    }
+    const char *slash = strrchr(path, '/');
+    size_t len = slash ? (size_t)(slash - path) : 1;
+    if (slash && len == 0) len = 1;  // "/name": the root folder
+    char *dir = malloc(len + 1);
+    if (!dir) {
+        report(cmd, "out of memory");
+        return false;
+    }
+    memcpy(dir, slash ? path : ".", len);
+    dir[len] = '\0';
+    bool ok = false;
+    if (stat(dir, &st) != 0)
+        report(cmd, "%s %s: the folder '%s' does not exist", flag, path, dir);
+    else if (!S_ISDIR(st.st_mode))
+        report(cmd, "%s %s: '%s' is not a folder", flag, path, dir);
+    else if (access(dir, W_OK | X_OK) != 0)
+        report(cmd, "%s %s: the folder '%s' is not writable", flag, path, dir);
+    else
+        ok = true;
+    free(dir);
+    return ok;
+}
+
+// ---- clmha devices ------------------------------------------------------------------------------
 
 static const char *type_name(cl_device_type t) {
     if (t & CL_DEVICE_TYPE_GPU) return "GPU";
@@ -27,19 +275,38 @@ static const char *type_name(cl_device_type t) {
     return "other";
 }
 
-static int cmd_devices(void) {
+static int cmd_devices(int argc, char **argv) {
+    bool help;
+    int rc = parse_options("devices", argc, argv, NULL, 0, &help);
+    if (rc != EXIT_OK) return rc;
+    if (help) {
+        fputs(usage_devices, stdout);
+        return EXIT_OK;
+    }
+    clmha_device_info *infos = NULL;
     size_t count = 0;
+    rc = EXIT_REFUSED;
     if (clmha_devices_list(NULL, 0, &count) != CLMHA_SUCCESS) {
-        fprintf(stderr, "clmha: could not list OpenCL platforms\n");
-        return EXIT_REFUSED;
+        report("devices", "could not list the OpenCL platforms: %s", clmha_last_create_error());
+        goto fail;
     }
     if (count == 0) {
         printf("no OpenCL device found (install a driver, e.g. pocl-opencl-icd)\n");
-        return EXIT_OK;
+        rc = EXIT_OK;
+        goto fail;
     }
-    clmha_device_info *infos = calloc(count, sizeof *infos);
-    if (!infos) return EXIT_REFUSED;
-    clmha_devices_list(infos, count, &count);
+    if (!(infos = calloc(count, sizeof *infos))) {
+        report("devices", "out of memory");
+        goto fail;
+    }
+    size_t again = 0;
+    if (clmha_devices_list(infos, count, &again) != CLMHA_SUCCESS) {
+        report("devices", "could not list the OpenCL devices: %s", clmha_last_create_error());
+        goto fail;
+    }
+    if (again < count) count = again;
+    printf("%zu OpenCL device%s; select one with --device SPEC or $CLMHA_DEVICE=SPEC:\n", count,
+           count == 1 ? "" : "s");
     for (size_t i = 0; i < count; ++i) {
         const clmha_device_info *d = &infos[i];
         printf("[%s] %s / %s\n", d->spec, d->platform_name, d->device_name);
@@ -51,9 +318,317 @@ static int cmd_devices(void) {
                (unsigned long long)(d->max_alloc_bytes >> 20), d->fp16 ? "yes" : "no",
                d->fp64 ? "yes" : "no", d->driver_version);
     }
+    rc = EXIT_OK;
+fail:
     free(infos);
-    return EXIT_OK;
+    return rc;
 }
+
+// ---- clmha run --------------------------------------------------------------------------------
+
+// One .npy input.
+typedef struct input_file {
+    const char *flag;  // "--query"
+    const char *path;  // NULL when not given
+    bool is_mask;      // bool/uint8 allowed
+    clmha__npy a;
+} input_file;
+
+enum { IN_QUERY, IN_KEY, IN_VALUE, IN_KPM, IN_ATTN, IN_COUNT };
+
+// Reads one input; reports and returns false when it is refused.
+static bool read_input(input_file *in) {
+    char msg[1024] = "";
+    char s[160];
+    if (clmha__npy_read(in->path, &in->a, msg, sizeof msg) != CLMHA_SUCCESS) {
+        report("run", "%s %s: %s", in->flag, in->path,
+               msg[0] ? without_path(msg, in->path) : "cannot read the file");
+        return false;
+    }
+    if (in->a.ndim == 0 || in->a.ndim > 4) {
+        report("run", "%s %s: a %zu-D array %s; %s takes 1 to 4 dimensions", in->flag, in->path,
+               in->a.ndim, shape_str(s, sizeof s, in->a.ndim, in->a.shape), in->flag);
+        return false;
+    }
+    if (!in->is_mask && in->a.kind != CLMHA__NPY_FLOAT) {
+        report("run", "%s %s: dtype '%s' is boolean; %s must be float32 or float64", in->flag,
+               in->path, in->a.dtype, in->flag);
+        return false;
+    }
+    return true;
+}
+
+static clmha_tensor tensor_of(const clmha__npy *a) {
+    clmha_tensor t = {.ndim = a->ndim};
+    for (size_t i = 0; i < a->ndim && i < 4; ++i) t.shape[i] = a->shape[i];
+    t.data = a->kind == CLMHA__NPY_FLOAT ? (const void *)a->f32 : (const void *)a->u8;
+    return t;
+}
+
+static clmha_mask mask_of(const input_file *in) {
+    clmha_mask m = {.kind = CLMHA_MASK_NONE};
+    if (!in->path) return m;
+    m.kind = in->a.kind == CLMHA__NPY_BOOL ? CLMHA_MASK_BOOL_IGNORE : CLMHA_MASK_FLOAT;
+    m.tensor = tensor_of(&in->a);
+    return m;
+}
+
+// The input a library message about query/key/value refers to (NULL: the layer as a whole).
+// Key defaults to the query and value to the key, so a message about an input that was not
+// given names the input it defaulted to.
+static const input_file *input_culprit(const char *msg, const input_file *in, bool batch_first) {
+    const input_file *q = &in[IN_QUERY];
+    const input_file *k = in[IN_KEY].path ? &in[IN_KEY] : q;
+    const input_file *v = in[IN_VALUE].path ? &in[IN_VALUE] : k;
+    if (starts_with(msg, "query")) return q;
+    if (starts_with(msg, "key ") && strstr(msg, " and value ")) return v;
+    if (starts_with(msg, "key ")) return k;
+    if (starts_with(msg, "value ")) return v;
+    if (starts_with(msg, "batch sizes differ")) {
+        size_t b = batch_first ? 0 : 1;
+        if (q->a.ndim == 3 && k->a.ndim == 3 && k->a.shape[b] != q->a.shape[b]) return k;
+        return v;
+    }
+    return NULL;
+}
+
+// "0.123457 -1.5 ... (48 values)".
+static void print_values(const char *label, const float *x, size_t count, size_t ndim,
+                         const size_t *shape, const char *note) {
+    char s[160];
+    printf("%-8s %s%s:", label, shape_str(s, sizeof s, ndim, shape), note);
+    size_t shown = count < 6 ? count : 6;
+    for (size_t i = 0; i < shown; ++i) printf(" %.6g", (double)x[i]);
+    if (shown < count) printf(" ...");
+    printf(" (%zu value%s)\n", count, count == 1 ? "" : "s");
+}
+
+// Writes the requested outputs: each file whole or not at all, and when two are requested both
+// or (as far as the file system allows) neither: both are written to temporary names next to
+// their targets first, then renamed.
+static bool write_outputs(const char *out_path, const float *y, size_t y_ndim,
+                          const size_t *y_shape, const char *w_path, const float *w,
+                          size_t w_ndim, const size_t *w_shape) {
+    char msg[1024] = "";
+    char *tmp_y = NULL, *tmp_w = NULL;
+    bool ok = false, y_written = false, w_written = false, y_renamed = false;
+    if (!out_path || !w_path) {  // one file (or none): written whole or not at all by itself
+        const char *path = out_path ? out_path : w_path;
+        if (path && clmha__npy_write_f32(path, out_path ? y : w, out_path ? y_ndim : w_ndim,
+                                         out_path ? y_shape : w_shape, msg, sizeof msg)) {
+            report("run", "%s %s: %s", out_path ? "--output" : "--weights-output", path, msg);
+            return false;
+        }
+        return true;
+    }
+    size_t ny = strlen(out_path) + 64, nw = strlen(w_path) + 64;
+    if (!(tmp_y = malloc(ny)) || !(tmp_w = malloc(nw))) {
+        report("run", "out of memory");
+        goto fail;
+    }
+    snprintf(tmp_y, ny, "%s.clmha-%ld.tmp", out_path, (long)getpid());
+    snprintf(tmp_w, nw, "%s.clmha-%ld.tmp", w_path, (long)getpid());
+    if (clmha__npy_write_f32(tmp_y, y, y_ndim, y_shape, msg, sizeof msg)) {
+        report("run", "--output %s: %s", out_path, msg);
+        goto fail;
+    }
+    y_written = true;
+    if (clmha__npy_write_f32(tmp_w, w, w_ndim, w_shape, msg, sizeof msg)) {
+        report("run", "--weights-output %s: %s (no output written)", w_path, msg);
+        goto fail;
+    }
+    w_written = true;
+    if (rename(tmp_y, out_path) != 0) {
+        report("run", "--output %s: cannot rename %s to it: %s (no output written)", out_path,
+               tmp_y, strerror(errno));
+        goto fail;
+    }
+    y_renamed = true;
+    if (rename(tmp_w, w_path) != 0) {
+        report("run", "--weights-output %s: cannot rename %s to it: %s (no output written)",
+               w_path, tmp_w, strerror(errno));
+        goto fail;
+    }
+    ok = true;
+fail:
+    if (!ok) {
+        if (y_renamed) remove(out_path);
+        else if (y_written) remove(tmp_y);
+        if (w_written) remove(tmp_w);
+    }
+    free(tmp_y);
+    free(tmp_w);
+    return ok;
+}
+
+static int cmd_run(int argc, char **argv) {
+    const char *layer_path = NULL, *output_path = NULL, *weights_path = NULL, *device = NULL;
+    input_file in[IN_COUNT] = {
+        [IN_QUERY] = {.flag = "--query"},
+        [IN_KEY] = {.flag = "--key"},
+        [IN_VALUE] = {.flag = "--value"},
+        [IN_KPM] = {.flag = "--key-padding-mask", .is_mask = true},
+        [IN_ATTN] = {.flag = "--attn-mask", .is_mask = true},
+    };
+    bool is_causal = false, need_weights = false, per_head = false, help = false;
+    const option_spec opts[] = {
+        {.name = "--layer", .value = &layer_path},
+        {.name = "--query", .value = &in[IN_QUERY].path},
+        {.name = "--key", .value = &in[IN_KEY].path},
+        {.name = "--value", .value = &in[IN_VALUE].path},
+        {.name = "--key-padding-mask", .value = &in[IN_KPM].path},
+        {.name = "--attn-mask", .value = &in[IN_ATTN].path},
+        {.name = "--is-causal", .flag = &is_causal},
+        {.name = "--need-weights", .flag = &need_weights},
+        {.name = "--per-head-weights", .flag = &per_head},
+        {.name = "--output", .value = &output_path},
+        {.name = "--weights-output", .value = &weights_path},
+        {.name = "--device", .value = &device, .allow_empty = true},
+    };
+    int rc = parse_options("run", argc, argv, opts, sizeof opts / sizeof opts[0], &help);
+    if (rc != EXIT_OK) return rc;
+    if (help) {
+        fputs(usage_run, stdout);
+        return EXIT_OK;
+    }
+    if (!layer_path || !in[IN_QUERY].path) {
+        report("run", "%s required (try 'clmha run --help')",
+               !layer_path && !in[IN_QUERY].path ? "--layer and --query are"
+               : !layer_path                     ? "--layer is"
+                                                 : "--query is");
+        return EXIT_USAGE;
+    }
+    if (output_path && weights_path && strcmp(output_path, weights_path) == 0) {
+        report("run", "--output and --weights-output name the same file '%s'", output_path);
+        return EXIT_USAGE;
+    }
+    if (weights_path || per_head) need_weights = true;
+
+    clmha_context *ctx = NULL;
+    clmha_layer *layer = NULL;
+    float *y = NULL, *w = NULL;
+    rc = EXIT_REFUSED;
+
+    // Files first: they are refused without touching a device.
+    if ((output_path && !output_path_ok("run", "--output", output_path)) ||
+        (weights_path && !output_path_ok("run", "--weights-output", weights_path)))
+        goto fail;
+    FILE *f = fopen(layer_path, "rb");
+    if (!f) {
+        report("run", "--layer %s: cannot open: %s", layer_path, strerror(errno));
+        goto fail;
+    }
+    fclose(f);
+    for (int i = 0; i < IN_COUNT; ++i)
+        if (in[i].path && !read_input(&in[i])) goto fail;
+
+    if (!(ctx = open_context("run", device))) goto fail;
+    if (clmha_layer_load(&layer, ctx, layer_path) != CLMHA_SUCCESS) {
+        report("run", "--layer %s: %s", layer_path,
+               without_path(clmha_context_last_error(ctx), layer_path));
+        goto fail;
+    }
+    clmha_layer_desc desc;
+    if (clmha_layer_get_desc(layer, &desc) != CLMHA_SUCCESS) {
+        report("run", "--layer %s: %s", layer_path, clmha_context_last_error(ctx));
+        goto fail;
+    }
+
+    // The arguments, checked one input at a time so that a refusal names its file.
+    clmha_forward_args args = {.query = tensor_of(&in[IN_QUERY].a)};
+    if (in[IN_KEY].path) args.key = tensor_of(&in[IN_KEY].a);
+    if (in[IN_VALUE].path) {
+        args.value = tensor_of(&in[IN_VALUE].a);
+        if (!in[IN_KEY].path) args.key = args.query;  // key defaults to the query
+    }
+    size_t y_count = 0, w_count = 0;
+    if (clmha_layer_output_counts(layer, &args, NULL, NULL) != CLMHA_SUCCESS) {
+        const char *msg = clmha_context_last_error(ctx);
+        const input_file *culprit = input_culprit(msg, in, desc.batch_first);
+        if (culprit)
+            report("run", "%s %s: %s", culprit->flag, culprit->path, msg);
+        else
+            report("run", "--layer %s: %s", layer_path, msg);
+        goto fail;
+    }
+    args.key_padding_mask = mask_of(&in[IN_KPM]);
+    if (clmha_layer_output_counts(layer, &args, NULL, NULL) != CLMHA_SUCCESS) {
+        report("run", "--key-padding-mask %s: %s", in[IN_KPM].path,
+               clmha_context_last_error(ctx));
+        goto fail;
+    }
+    args.attn_mask = mask_of(&in[IN_ATTN]);
+    args.is_causal = is_causal;
+    if (clmha_layer_output_counts(layer, &args, NULL, NULL) != CLMHA_SUCCESS) {
+        report("run", "%s%s: %s", in[IN_ATTN].path ? "--attn-mask " : "--is-causal",
+               in[IN_ATTN].path ? in[IN_ATTN].path : "", clmha_context_last_error(ctx));
+        goto fail;
+    }
+    args.need_weights = need_weights;
+    args.per_head_weights = per_head;
+    if (clmha_layer_output_counts(layer, &args, &y_count, &w_count) != CLMHA_SUCCESS) {
+        report("run", "%s", clmha_context_last_error(ctx));
+        goto fail;
+    }
+
+    // Output shapes: the output is shaped like the query (whose last size is E); the weights
+    // (N, [H,] L, S'), unbatched without N.
+    const clmha__npy *q = &in[IN_QUERY].a;
+    bool batched = q->ndim == 3;
+    size_t n = batched ? q->shape[desc.batch_first ? 0 : 1] : 1;
+    size_t l = batched ? q->shape[desc.batch_first ? 1 : 0] : q->shape[0];
+    size_t w_shape[4], w_ndim = 0;
+    if (need_weights) {
+        size_t rows = n * l * (per_head ? desc.num_heads : 1);
+        size_t s_padded = rows ? w_count / rows : 0;
+        if (batched) w_shape[w_ndim++] = n;
+        if (per_head) w_shape[w_ndim++] = desc.num_heads;
+        w_shape[w_ndim++] = l;
+        w_shape[w_ndim++] = s_padded;
+    }
+
+    if (!(y = malloc((y_count ? y_count : 1) * sizeof *y)) ||
+        (need_weights && !(w = malloc((w_count ? w_count : 1) * sizeof *w)))) {
+        report("run", "out of host memory for the outputs (%zu + %zu floats)", y_count, w_count);
+        goto fail;
+    }
+    clmha_status st = clmha_layer_forward_host(layer, &args, y, y_count, w, w_count);
+    if (st != CLMHA_SUCCESS) {
+        report("run", "forward pass failed on %s: %s: %s", clmha_context_device_name(ctx),
+               clmha_status_string(st), clmha_context_last_error(ctx));
+        goto fail;
+    }
+    if (!write_outputs(output_path, y, q->ndim, q->shape, weights_path, w, w_ndim, w_shape))
+        goto fail;
+
+    // A summary of what was not written to a file.
+    bool show_y = !output_path, show_w = need_weights && !weights_path;
+    if (show_y || show_w) {
+        char s[160];
+        printf("device:  %s\n", clmha_context_device_name(ctx));
+        printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s\n",
+               desc.embed_dim, desc.num_heads, desc.kdim, desc.vdim, desc.bias ? ", bias" : "",
+               desc.add_bias_kv ? ", add_bias_kv" : "",
+               desc.add_zero_attn ? ", add_zero_attn" : "",
+               desc.batch_first ? ", batch_first" : "");
+        printf("query:   %s%s\n", shape_str(s, sizeof s, q->ndim, q->shape),
+               batched ? (desc.batch_first ? " (N, L, E)" : " (L, N, E)") : " (L, E) unbatched");
+        if (show_y) print_values("output:", y, y_count, q->ndim, q->shape, "");
+        if (show_w)
+            print_values("weights:", w, w_count, w_ndim, w_shape,
+                         per_head ? " per head" : " averaged over the heads");
+    }
+    rc = EXIT_OK;
+fail:
+    free(y);
+    free(w);
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+    for (int i = 0; i < IN_COUNT; ++i) clmha__npy_free(&in[i].a);
+    return rc;
+}
+
+// ---- clmha demo -------------------------------------------------------------------------------
 
 // splitmix64-based uniform numbers in [-1, 1).
 static float uniform(uint64_t *state) {
@@ -76,22 +651,22 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 static int cmd_demo(int argc, char **argv) {
-    const char *spec = getenv("CLMHA_DEVICE");
-    for (int i = 0; i < argc; ++i) {
-        if (strcmp(argv[i], "--device") == 0 && i + 1 < argc) {
-            spec = argv[++i];
-        } else if (strcmp(argv[i], "--help") == 0) {
-            printf("usage: clmha demo [--device SPEC]\n");
-            return EXIT_OK;
-        } else {
-            fprintf(stderr, "clmha demo: unknown argument '%s' (try --help)\n", argv[i]);
-            return EXIT_USAGE;
-        }
+    const char *device = NULL, *heatmap = NULL;
+    bool help = false;
+    const option_spec opts[] = {
+        {.name = "--device", .value = &device, .allow_empty = true},
+        {.name = "--heatmap", .value = &heatmap},
+    };
+    int rc = parse_options("demo", argc, argv, opts, sizeof opts / sizeof opts[0], &help);
+    if (rc != EXIT_OK) return rc;
+    if (help) {
+        fputs(usage_demo, stdout);
+        return EXIT_OK;
     }
     enum { E = 64, H = 8, N = 2, L = 48, S = 48, RUNS = 10 };
     clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
     static float w_in[3 * E * E], b_in[3 * E], w_out[E * E], b_out[E], x[L * N * E], y[L * N * E];
-    static float w[N * L * S];
+    static float w[N * L * S], w_heads[N * H * L * S];
     static double y_ref[L * N * E], w_ref[N * L * S];
     static unsigned char kpm[N * S];
     uint64_t rng = 42;
@@ -112,14 +687,12 @@ static int cmd_demo(int argc, char **argv) {
     clmha_reference_params params = {.in_proj_weight = w_in, .in_proj_bias = b_in,
                                      .out_proj_weight = w_out, .out_proj_bias = b_out};
 
-    clmha_context *ctx = NULL;
+    if (heatmap && !output_path_ok("demo", "--heatmap", heatmap)) return EXIT_REFUSED;
     clmha_layer *layer = NULL;
-    int rc = EXIT_REFUSED;
-    clmha_status st = clmha_context_create(&ctx, spec);
-    if (st) {
-        fprintf(stderr, "clmha demo: %s\n", clmha_last_create_error());
-        return EXIT_REFUSED;
-    }
+    rc = EXIT_REFUSED;
+    clmha_status st = CLMHA_SUCCESS;
+    clmha_context *ctx = open_context("demo", device);
+    if (!ctx) goto done;
     printf("device:  %s\n", clmha_context_device_name(ctx));
     printf("layer:   embed_dim %d, num_heads %d, bias, self-attention\n", E, H);
     printf("input:   query (L, N, E) = (%d, %d, %d), key_padding_mask (N, S) = (%d, %d)\n", L, N,
@@ -137,11 +710,11 @@ static int cmd_demo(int argc, char **argv) {
         if (r > 0) times[r - 1] = now_ms() - t0;
     }
     qsort(times, RUNS, sizeof times[0], cmp_double);
-    char msg[512];
+    char msg[1024];
     st = clmha_reference_forward(&desc, &params, &args, y_ref, L * N * E, w_ref, N * L * S, msg,
                                  sizeof msg);
     if (st) {
-        fprintf(stderr, "clmha demo: reference failed: %s\n", msg);
+        report("demo", "reference failed: %s", msg);
         goto done;
     }
     double err_y = 0, err_w = 0;
@@ -154,29 +727,53 @@ static int cmd_demo(int argc, char **argv) {
            err_y, err_w);
     printf("time:    %.3f ms per forward (median of %d, host arrays in and out)\n",
            times[RUNS / 2], RUNS);
-    rc = err_y <= 1e-4 && err_w <= 1e-4 ? EXIT_OK : EXIT_REFUSED;
-    printf("result:  %s\n", rc == EXIT_OK ? "PASS" : "FAIL");
+    bool pass = err_y <= 1e-4 && err_w <= 1e-4;
+    if (heatmap) {
+        // One more forward for the per-head weights (N, H, L, S); the first batch item is the
+        // first H * L * S of them.
+        args.per_head_weights = true;
+        if ((st = clmha_layer_forward_host(layer, &args, y, L * N * E, w_heads, N * H * L * S)))
+            goto fail;
+        if (clmha__heatmap_write(heatmap, w_heads, H, L, S, msg, sizeof msg) != CLMHA_SUCCESS) {
+            report("demo", "--heatmap %s: %s", heatmap, msg);
+            goto done;
+        }
+        printf("heatmap: %s (attention weights of batch item 0, %d heads and their mean)\n",
+               heatmap, H);
+    }
+    printf("result:  %s\n", pass ? "PASS" : "FAIL");
+    rc = pass ? EXIT_OK : EXIT_REFUSED;
     goto done;
 fail:
-    fprintf(stderr, "clmha demo: %s: %s\n", clmha_status_string(st),
-            clmha_context_last_error(ctx));
+    report("demo", "%s: %s", clmha_status_string(st), clmha_context_last_error(ctx));
 done:
     clmha_layer_release(layer);
     clmha_context_release(ctx);
     return rc;
 }
 
+// ---- main -------------------------------------------------------------------------------------
+
 int main(int argc, char **argv) {
-    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
-        fputs(usage, argc < 2 ? stderr : stdout);
-        return argc < 2 ? EXIT_USAGE : EXIT_OK;
+    if (argc < 2) {
+        report(NULL, "no command given (devices, run, demo; try 'clmha --help')");
+        return EXIT_USAGE;
     }
-    if (strcmp(argv[1], "--version") == 0) {
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
+        fputs(usage_main, stdout);
+        return EXIT_OK;
+    }
+    if (strcmp(cmd, "--version") == 0) {
         printf("clmha %s\n", clmha_version());
         return EXIT_OK;
     }
-    if (strcmp(argv[1], "devices") == 0) return cmd_devices();
-    if (strcmp(argv[1], "demo") == 0) return cmd_demo(argc - 2, argv + 2);
-    fprintf(stderr, "clmha: unknown command '%s'\n%s", argv[1], usage);
+    if (strcmp(cmd, "devices") == 0) return cmd_devices(argc - 2, argv + 2);
+    if (strcmp(cmd, "run") == 0) return cmd_run(argc - 2, argv + 2);
+    if (strcmp(cmd, "demo") == 0) return cmd_demo(argc - 2, argv + 2);
+    if (starts_with(cmd, "-"))
+        report(NULL, "unknown option '%s' (try 'clmha --help')", cmd);
+    else
+        report(NULL, "unknown command '%s' (devices, run, demo; try 'clmha --help')", cmd);
     return EXIT_USAGE;
 }

@@ -145,8 +145,9 @@ clmha_status clmha_device_select(const char *spec, clmha_device_info *out, char 
                             "no OpenCL device matches \"%s\"; devices:", spec ? spec : "");
         for (size_t i = 0; i < count && message && used >= 0 && (size_t)used < message_size;
              ++i)
-            used += snprintf(message + used, message_size - (size_t)used, " [%s] %s / %s;",
-                             all[i].spec, all[i].platform_name, all[i].device_name);
+            used += snprintf(message + used, message_size - (size_t)used, "%s [%s] %s / %s",
+                             i ? "," : "", all[i].spec, all[i].platform_name,
+                             all[i].device_name);
         free(all);
         return CLMHA_DEVICE_NOT_FOUND;
     }

@@ -201,10 +201,17 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
     if (kpm->kind != CLMHA_MASK_NONE) {
         bool ok = d->batched ? shape_is(&kpm->tensor, 2, d->n, d->s, 0)
                              : shape_is(&kpm->tensor, 1, d->s, 0, 0);
+        if (!ok && d->batched)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                              "key_padding_mask must be (N, S) = (%zu, %zu), got %zu-D %s", d->n,
+                              d->s, kpm->tensor.ndim,
+                              clmha__shape_str(s1, sizeof s1, kpm->tensor.ndim,
+                                               kpm->tensor.shape));
         if (!ok)
             return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
-                              "key_padding_mask must be (%s%zu), got %zu-D %s",
-                              d->batched ? "N, " : "", d->s, kpm->tensor.ndim,
+                              "key_padding_mask must be (S) = (%zu,) for unbatched inputs, got "
+                              "%zu-D %s",
+                              d->s, kpm->tensor.ndim,
                               clmha__shape_str(s1, sizeof s1, kpm->tensor.ndim,
                                                kpm->tensor.shape));
         if (kpm->per_batch)

@@ -1,0 +1,772 @@
+// The `clmha` program (CLMHA_CLI_PATH), run as a separate process:
+//   - every case of tests/cli/cases.inc through `clmha run`, compared with PyTorch's results
+//     (max abs error <= 1e-4); one line per case goes to stderr:
+//       cli <case> out_maxabs=... w_maxabs=...
+//   - refused inputs exit 1 with one stderr line naming the file or argument and create no file;
+//   - usage errors exit 2; --help and --version exit 0;
+//   - `clmha devices` lists the spec strings; `clmha demo --heatmap` writes a PNG.
+// Tests that need an OpenCL device skip when `clmha devices` finds none.
+#define _POSIX_C_SOURCE 200809L
+
+#include <criterion/criterion.h>
+#include <criterion/parameterized.h>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "clmha.h"
+#include "npy.h"
+
+#ifndef CLMHA_CLI_PATH
+#error "CLMHA_CLI_PATH (the path of the built clmha program, a string) must be defined"
+#endif
+#ifndef CLMHA_TEST_DATA_DIR
+#error "CLMHA_TEST_DATA_DIR (the path of tests/, a string) must be defined"
+#endif
+
+#define CLI_TOL 1e-4
+#define CLI_MAX_ARGS 64
+#define CLI_MAX_NAME 128
+#define CLI_PATH_SIZE 1024
+
+// The case names, written by tools/make_cli_cases.py next to the case folders.
+static const char *const cli_case_names[] = {
+#include "cli/cases.inc"
+    NULL};
+#define CLI_NUM_CASES (sizeof cli_case_names / sizeof *cli_case_names - 1)
+
+// ---- running the program --------------------------------------------------------------------
+
+typedef struct cli_result {
+    int status;  // exit status; -1 when the program did not exit normally
+    int signal;  // the signal that ended it, or 0
+    char *out;   // stdout, NUL-terminated
+    char *err;   // stderr, NUL-terminated
+} cli_result;
+
+static char *slurp(const char *path, size_t *size) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap + 1);
+    size_t got;
+    while (buf && (got = fread(buf + len, 1, cap - len, f)) > 0) {
+        len += got;
+        if (len == cap) {
+            char *bigger = realloc(buf, 2 * cap + 1);
+            if (!bigger) {
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            buf = bigger;
+            cap *= 2;
+        }
+    }
+    fclose(f);
+    if (buf) buf[len] = '\0';
+    if (size) *size = len;
+    return buf;
+}
+
+// Runs the program with @p args (NULL-terminated, without argv[0]); stdout and stderr are
+// captured in temporary files outside every test folder.
+static cli_result cli_run_argv(const char *const *args) {
+    cli_result r = {.status = -1};
+    char out_path[] = "/tmp/clmha-cli-stdout-XXXXXX", err_path[] = "/tmp/clmha-cli-stderr-XXXXXX";
+    int out_fd = mkstemp(out_path);
+    int err_fd = mkstemp(err_path);
+    cr_assert(out_fd >= 0 && err_fd >= 0, "mkstemp failed");
+    const char *argv[CLI_MAX_ARGS + 2] = {CLMHA_CLI_PATH};
+    size_t argc = 1;
+    for (; args[argc - 1]; ++argc) {
+        cr_assert(argc <= CLI_MAX_ARGS, "too many arguments");
+        argv[argc] = args[argc - 1];
+    }
+    argv[argc] = NULL;
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    cr_assert(pid >= 0, "fork failed");
+    if (pid == 0) {
+        int null_fd = open("/dev/null", O_RDONLY);
+        if (null_fd >= 0) dup2(null_fd, 0);
+        dup2(out_fd, 1);
+        dup2(err_fd, 2);
+        alarm(600);  // a hung program ends with SIGALRM instead of hanging the suite
+        execv(CLMHA_CLI_PATH, (char *const *)argv);
+        _exit(127);
+    }
+    int ws = 0;
+    while (waitpid(pid, &ws, 0) < 0) {
+    }
+    close(out_fd);
+    close(err_fd);
+    if (WIFEXITED(ws)) r.status = WEXITSTATUS(ws);
+    if (WIFSIGNALED(ws)) r.signal = WTERMSIG(ws);
+    r.out = slurp(out_path, NULL);
+    r.err = slurp(err_path, NULL);
+    unlink(out_path);
+    unlink(err_path);
+    cr_assert(r.out && r.err, "could not read the captured output");
+    cr_assert_eq(r.signal, 0, "clmha crashed with signal %d; stderr: %s", r.signal, r.err);
+    return r;
+}
+
+#define cli_run(...) cli_run_argv((const char *const[]){__VA_ARGS__, NULL})
+
+static void cli_free(cli_result *r) {
+    free(r->out);
+    free(r->err);
+    r->out = r->err = NULL;
+}
+
+// The whole stderr is one line that starts with @p prefix and contains each of the NULL-ended
+// strings that follow.
+static void assert_one_line(const cli_result *r, const char *prefix, ...) {
+    const char *e = r->err;
+    size_t len = strlen(e);
+    cr_assert(len > 1 && e[len - 1] == '\n' && strchr(e, '\n') == e + len - 1,
+              "stderr is not exactly one line: [%s]", e);
+    cr_assert(strncmp(e, prefix, strlen(prefix)) == 0, "stderr does not start with '%s': %s",
+              prefix, e);
+    va_list ap;
+    va_start(ap, prefix);
+    for (const char *want; (want = va_arg(ap, const char *)) != NULL;)
+        cr_assert(strstr(e, want) != NULL, "stderr does not name '%s': %s", want, e);
+    va_end(ap);
+}
+
+static bool have_device(void) {
+    cli_result r = cli_run("devices");
+    bool yes = r.status == 0 && strstr(r.out, "no OpenCL device") == NULL;
+    cli_free(&r);
+    return yes;
+}
+
+#define SKIP_WITHOUT_DEVICE()                                                                  \
+    do {                                                                                       \
+        if (!have_device()) cr_skip_test("no OpenCL device");                                  \
+    } while (0)
+
+// ---- temporary folders and files ---------------------------------------------------------------
+
+typedef struct tmp_dir {
+    char path[64];
+} tmp_dir;
+
+static tmp_dir tmp_make(void) {
+    tmp_dir d;
+    snprintf(d.path, sizeof d.path, "/tmp/clmha-cli-XXXXXX");
+    cr_assert(mkdtemp(d.path) != NULL, "mkdtemp failed");
+    return d;
+}
+
+// "<dir>/<name>" in a rotating set of buffers (enough for one call's arguments).
+static const char *tmp_file(const tmp_dir *d, const char *name) {
+    static char bufs[16][CLI_PATH_SIZE];
+    static unsigned next;
+    char *b = bufs[next++ % 16];
+    snprintf(b, CLI_PATH_SIZE, "%s/%s", d->path, name);
+    return b;
+}
+
+// Number of entries of the folder (without . and ..); the names go to @p names.
+static size_t tmp_list(const tmp_dir *d, char *names, size_t names_size) {
+    DIR *dir = opendir(d->path);
+    cr_assert(dir != NULL, "cannot open %s", d->path);
+    size_t count = 0, used = 0;
+    if (names_size) names[0] = '\0';
+    for (struct dirent *e; (e = readdir(dir)) != NULL;) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        ++count;
+        if (used < names_size)
+            used += (size_t)snprintf(names + used, names_size - used, "%s ", e->d_name);
+    }
+    closedir(dir);
+    return count;
+}
+
+static bool file_exists(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
+// Removes the folder's files (one level: tests create no subfolders except "sub", removed too).
+static void tmp_remove(const tmp_dir *d) {
+    DIR *dir = opendir(d->path);
+    if (!dir) return;
+    for (struct dirent *e; (e = readdir(dir)) != NULL;) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        char p[CLI_PATH_SIZE];
+        snprintf(p, sizeof p, "%s/%s", d->path, e->d_name);
+        if (remove(p) != 0) rmdir(p);
+    }
+    closedir(dir);
+    rmdir(d->path);
+}
+
+static void write_bytes(const char *path, const void *bytes, size_t size) {
+    FILE *f = fopen(path, "wb");
+    cr_assert(f != NULL, "cannot create %s", path);
+    cr_assert_eq(fwrite(bytes, 1, size, f), size);
+    cr_assert_eq(fclose(f), 0);
+}
+
+// A .npy file of any dtype, version 1.0, C order.
+static void write_npy_raw(const char *path, const char *descr, size_t ndim, const size_t *shape,
+                          const void *data, size_t data_size) {
+    char header[256], dims[128] = "";
+    size_t used = 0;
+    for (size_t i = 0; i < ndim; ++i)
+        used += (size_t)snprintf(dims + used, sizeof dims - used, "%zu,%s", shape[i],
+                                 i + 1 < ndim ? " " : "");
+    if (ndim > 1) dims[used - 1] = '\0';  // (2, 3) but (5,)
+    int len = snprintf(header, sizeof header,
+                       "{'descr': '%s', 'fortran_order': False, 'shape': (%s), }", descr, dims);
+    size_t total = 10 + (size_t)len + 1;
+    size_t padded = (total + 63) / 64 * 64;
+    size_t header_len = padded - 10;
+    unsigned char *buf = calloc(1, padded + data_size);
+    cr_assert(buf != NULL);
+    memcpy(buf, "\x93NUMPY\x01\x00", 8);
+    buf[8] = (unsigned char)(header_len & 0xff);
+    buf[9] = (unsigned char)(header_len >> 8);
+    memset(buf + 10, ' ', header_len);
+    memcpy(buf + 10, header, (size_t)len);
+    buf[padded - 1] = '\n';
+    if (data_size) memcpy(buf + padded, data, data_size);
+    write_bytes(path, buf, padded + data_size);
+    free(buf);
+}
+
+// Deterministic values in [-1, 1).
+static float pseudo(uint32_t *state) {
+    *state = *state * 1664525u + 1013904223u;
+    return (float)((double)(*state >> 8) / 8388608.0 - 1.0);
+}
+
+static void write_f32(const char *path, size_t ndim, const size_t *shape) {
+    size_t count = 1;
+    for (size_t i = 0; i < ndim; ++i) count *= shape[i];
+    float *x = malloc((count ? count : 1) * sizeof *x);
+    cr_assert(x != NULL);
+    uint32_t state = (uint32_t)count * 7919u + 1u;
+    for (size_t i = 0; i < count; ++i) x[i] = pseudo(&state);
+    write_npy_raw(path, "<f4", ndim, shape, x, count * sizeof *x);
+    free(x);
+}
+
+#define write_f32_shape(path, ...)                                                             \
+    write_f32(path, sizeof((size_t[]){__VA_ARGS__}) / sizeof(size_t), (size_t[]){__VA_ARGS__})
+
+// A layer file written by hand: embed_dim 8, 2 heads, bias, sequence-first.
+static void write_layer(const char *path) {
+    enum { E = 8 };
+    const char *names[] = {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"};
+    const char *shapes[] = {"[24,8]", "[24]", "[8,8]", "[8]"};
+    size_t counts[] = {3 * E * E, 3 * E, E * E, E};
+    char header[1024];
+    size_t used = (size_t)snprintf(header, sizeof header,
+                                   "{\"__metadata__\":{\"num_heads\":\"2\"}");
+    size_t offset = 0, total = 0;
+    for (int i = 0; i < 4; ++i) total += counts[i];
+    for (int i = 0; i < 4; ++i) {
+        used += (size_t)snprintf(header + used, sizeof header - used,
+                                 ",\"%s\":{\"dtype\":\"F32\",\"shape\":%s,\"data_offsets\":[%zu,%zu]}",
+                                 names[i], shapes[i], offset, offset + counts[i] * 4);
+        offset += counts[i] * 4;
+    }
+    used += (size_t)snprintf(header + used, sizeof header - used, "}");
+    while (used % 8) header[used++] = ' ';
+    size_t size = 8 + used + total * 4;
+    unsigned char *buf = calloc(1, size);
+    cr_assert(buf != NULL);
+    for (int i = 0; i < 8; ++i) buf[i] = (unsigned char)((uint64_t)used >> (8 * i));
+    memcpy(buf + 8, header, used);
+    uint32_t state = 12345u;
+    for (size_t i = 0; i < total; ++i) {
+        float v = 0.35f * pseudo(&state);
+        memcpy(buf + 8 + used + 4 * i, &v, 4);
+    }
+    write_bytes(path, buf, size);
+    free(buf);
+}
+
+// A folder with layer.safetensors (E = 8, H = 2) and q.npy (L, N, E) = (3, 2, 8).
+static tmp_dir make_inputs(void) {
+    tmp_dir d = tmp_make();
+    write_layer(tmp_file(&d, "layer.safetensors"));
+    write_f32_shape(tmp_file(&d, "q.npy"), 3, 2, 8);
+    return d;
+}
+
+// Runs a refused command: exit 1, one line on stderr naming the option @p flag and the file
+// @p file, and no file besides the @p inputs ones in the folder.
+static void expect_refused(const tmp_dir *d, size_t inputs, const char *flag, const char *file,
+                           const char *const *args) {
+    cli_result r = cli_run_argv(args);
+    cr_assert_eq(r.status, 1, "exit status %d (want 1); stderr: %s", r.status, r.err);
+    assert_one_line(&r, "clmha run: ", flag, file, NULL);
+    char names[1024];
+    size_t count = tmp_list(d, names, sizeof names);
+    cr_assert_eq(count, inputs, "files left in %s: %s", d->path, names);
+    cr_log_info("refused as expected: %s", r.err);
+    cli_free(&r);
+}
+
+#define EXPECT_REFUSED(d, inputs, flag, file, ...)                                              \
+    expect_refused(d, inputs, flag, file, (const char *const[]){__VA_ARGS__, NULL})
+
+static void expect_usage(const char *prefix, const char *const *args) {
+    cli_result r = cli_run_argv(args);
+    cr_assert_eq(r.status, 2, "exit status %d (want 2); stderr: %s", r.status, r.err);
+    assert_one_line(&r, prefix, NULL);
+    cli_free(&r);
+}
+
+#define EXPECT_USAGE(prefix, ...) expect_usage(prefix, (const char *const[]){__VA_ARGS__, NULL})
+
+// ---- PyTorch cases ------------------------------------------------------------------------------
+
+struct cli_param {
+    char name[CLI_MAX_NAME];
+};
+
+static void cli_free_params(struct criterion_test_params *crp) {
+    cr_free(crp->params);
+}
+
+ParameterizedTestParameters(cli, cases) {
+    size_t n = CLI_NUM_CASES;
+    struct cli_param *params = n ? cr_malloc(n * sizeof *params) : NULL;
+    if (!params) return cr_make_param_array(struct cli_param, NULL, 0);
+    for (size_t i = 0; i < n; i++) {
+        memset(&params[i], 0, sizeof params[i]);
+        snprintf(params[i].name, sizeof params[i].name, "%s", cli_case_names[i]);
+    }
+    return cr_make_param_array(struct cli_param, params, n, cli_free_params);
+}
+
+Test(cli, cases_listed) {
+    cr_assert_gt(CLI_NUM_CASES, 0, "tests/cli/cases.inc lists no case");
+}
+
+// Max abs difference; a NaN or infinity on one side only counts as infinite.
+static double max_abs_diff(const clmha__npy *got, const clmha__npy *want, const char *what,
+                           const char *name) {
+    cr_assert_eq(got->ndim, want->ndim, "%s %s: got %zu-D, want %zu-D", name, what, got->ndim,
+                 want->ndim);
+    for (size_t i = 0; i < got->ndim; ++i)
+        cr_assert_eq(got->shape[i], want->shape[i], "%s %s: dimension %zu is %zu, want %zu",
+                     name, what, i, got->shape[i], want->shape[i]);
+    cr_assert_eq(got->kind, CLMHA__NPY_FLOAT);
+    cr_assert_str_eq(got->dtype, "<f4", "%s %s: dtype %s, want <f4", name, what, got->dtype);
+    double err = 0;
+    for (size_t i = 0; i < got->count; ++i) {
+        double g = got->f32[i], w = want->f32[i];
+        double e = isfinite(g) && isfinite(w) ? fabs(g - w) : (g == w ? 0.0 : INFINITY);
+        if (!(e <= err)) err = e;
+    }
+    return err;
+}
+
+static void read_npy(const char *path, clmha__npy *a) {
+    char msg[512];
+    cr_assert_eq(clmha__npy_read(path, a, msg, sizeof msg), CLMHA_SUCCESS, "%s: %s", path, msg);
+}
+
+ParameterizedTest(struct cli_param *param, cli, cases) {
+    const char *name = param->name;
+    SKIP_WITHOUT_DEVICE();
+    char dir[CLI_PATH_SIZE / 2];
+    snprintf(dir, sizeof dir, "%s/cli/%s", CLMHA_TEST_DATA_DIR, name);
+    tmp_dir out = tmp_make();
+
+    // The command line: the input files present, the extra flags of `args`, the outputs.
+    static char paths[8][CLI_PATH_SIZE];
+    const char *argv[CLI_MAX_ARGS + 1] = {"run"};
+    size_t argc = 1;
+    static const char *const inputs[][2] = {
+        {"--layer", "layer.safetensors"},
+        {"--query", "query.npy"},
+        {"--key", "key.npy"},
+        {"--value", "value.npy"},
+        {"--key-padding-mask", "key_padding_mask.npy"},
+        {"--attn-mask", "attn_mask.npy"},
+    };
+    for (size_t i = 0; i < sizeof inputs / sizeof inputs[0]; ++i) {
+        snprintf(paths[i], CLI_PATH_SIZE, "%s/%s", dir, inputs[i][1]);
+        if (i < 2) cr_assert(file_exists(paths[i]), "%s: %s is missing", name, paths[i]);
+        if (!file_exists(paths[i])) continue;
+        argv[argc++] = inputs[i][0];
+        argv[argc++] = paths[i];
+    }
+    char args_path[CLI_PATH_SIZE];
+    snprintf(args_path, sizeof args_path, "%s/args", dir);
+    char *extra = slurp(args_path, NULL);
+    if (extra)
+        for (char *tok = strtok(extra, " \t\r\n"); tok; tok = strtok(NULL, " \t\r\n")) {
+            cr_assert_lt(argc, CLI_MAX_ARGS - 4, "%s: too many arguments", name);
+            argv[argc++] = tok;
+        }
+    char want_w_path[CLI_PATH_SIZE];
+    snprintf(want_w_path, sizeof want_w_path, "%s/expected_weights.npy", dir);
+    bool weights = file_exists(want_w_path);
+    const char *out_path = tmp_file(&out, "out.npy"), *w_path = tmp_file(&out, "w.npy");
+    argv[argc++] = "--output";
+    argv[argc++] = out_path;
+    if (weights) {
+        argv[argc++] = "--weights-output";
+        argv[argc++] = w_path;
+    }
+    argv[argc] = NULL;
+
+    cli_result r = cli_run_argv(argv);
+    cr_assert_eq(r.status, 0, "%s: exit status %d; stderr: %s", name, r.status, r.err);
+
+    clmha__npy got = {0}, want = {0};
+    char want_path[CLI_PATH_SIZE];
+    snprintf(want_path, sizeof want_path, "%s/expected_output.npy", dir);
+    read_npy(out_path, &got);
+    read_npy(want_path, &want);
+    double out_err = max_abs_diff(&got, &want, "output", name);
+    clmha__npy_free(&got);
+    clmha__npy_free(&want);
+    double w_err = -1;
+    if (weights) {
+        read_npy(w_path, &got);
+        read_npy(want_w_path, &want);
+        w_err = max_abs_diff(&got, &want, "weights", name);
+        clmha__npy_free(&got);
+        clmha__npy_free(&want);
+    } else {
+        cr_assert(!file_exists(w_path));
+    }
+    if (weights)
+        fprintf(stderr, "cli %s out_maxabs=%.3e w_maxabs=%.3e\n", name, out_err, w_err);
+    else
+        fprintf(stderr, "cli %s out_maxabs=%.3e w_maxabs=-\n", name, out_err);
+    cr_expect_leq(out_err, CLI_TOL, "%s: output max abs error %.3e", name, out_err);
+    cr_expect_leq(w_err, CLI_TOL, "%s: weights max abs error %.3e", name, w_err);
+    cli_free(&r);
+    free(extra);
+    tmp_remove(&out);
+}
+
+// ---- refused inputs: exit 1, one line naming the culprit, no file ----------------------------
+
+Test(cli_refused, missing_layer_file) {
+    tmp_dir d = make_inputs();
+    const char *missing = tmp_file(&d, "absent.safetensors");
+    EXPECT_REFUSED(&d, 2, "--layer", "absent.safetensors", "run", "--layer", missing, "--query",
+                   tmp_file(&d, "q.npy"), "--output", tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
+}
+
+Test(cli_refused, missing_query_file) {
+    tmp_dir d = make_inputs();
+    EXPECT_REFUSED(&d, 2, "--query", "nothere.npy", "run", "--layer", tmp_file(&d, "layer.safetensors"),
+                   "--query", tmp_file(&d, "nothere.npy"), "--output", tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
+}
+
+Test(cli_refused, truncated_npy) {
+    tmp_dir d = make_inputs();
+    size_t size = 0;
+    char *bytes = slurp(tmp_file(&d, "q.npy"), &size);
+    cr_assert(bytes && size > 100);
+    write_bytes(tmp_file(&d, "short.npy"), bytes, size - 10);  // data cut short
+    write_bytes(tmp_file(&d, "header.npy"), bytes, 20);        // header cut short
+    free(bytes);
+    EXPECT_REFUSED(&d, 4, "--query", "short.npy", "run", "--layer", tmp_file(&d, "layer.safetensors"),
+                   "--query", tmp_file(&d, "short.npy"), "--output", tmp_file(&d, "o.npy"));
+    EXPECT_REFUSED(&d, 4, "--key", "header.npy", "run", "--layer",
+                   tmp_file(&d, "layer.safetensors"), "--query", tmp_file(&d, "q.npy"), "--key",
+                   tmp_file(&d, "header.npy"), "--output", tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
+}
+
+Test(cli_refused, int64_npy) {
+    tmp_dir d = make_inputs();
+    int64_t x[3 * 2 * 8] = {0};
+    write_npy_raw(tmp_file(&d, "i64.npy"), "<i8", 3, (size_t[]){3, 2, 8}, x, sizeof x);
+    EXPECT_REFUSED(&d, 3, "--query", "i64.npy", "run", "--layer",
+                   tmp_file(&d, "layer.safetensors"), "--query", tmp_file(&d, "i64.npy"), "--output", tmp_file(&d, "o.npy"));
+    EXPECT_REFUSED(&d, 3, "--attn-mask", "i64.npy", "run", "--layer", tmp_file(&d, "layer.safetensors"),
+                   "--query", tmp_file(&d, "q.npy"), "--attn-mask", tmp_file(&d, "i64.npy"),
+                   "--output", tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
+}
+
+Test(cli_refused, boolean_query_and_scalar) {
+    tmp_dir d = make_inputs();
+    unsigned char b[3 * 2 * 8] = {0};
+    float one = 1.0f;
+    write_npy_raw(tmp_file(&d, "b.npy"), "|b1", 3, (size_t[]){3, 2, 8}, b, sizeof b);
+    write_npy_raw(tmp_file(&d, "scalar.npy"), "<f4", 0, NULL, &one, sizeof one);
+    EXPECT_REFUSED(&d, 4, "--query", "b.npy", "run", "--layer", tmp_file(&d, "layer.safetensors"),
+                   "--query", tmp_file(&d, "b.npy"), "--output", tmp_file(&d, "o.npy"));
+    EXPECT_REFUSED(&d, 4, "--key", "scalar.npy", "run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                   tmp_file(&d, "q.npy"), "--key", tmp_file(&d, "scalar.npy"), "--output",
+                   tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
+}
+
+Test(cli_refused, corrupt_layer_file) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    write_bytes(tmp_file(&d, "bad.safetensors"), "\x07\xfe\x31", 3);
+    EXPECT_REFUSED(&d, 3, "--layer", "bad.safetensors", "run", "--layer", tmp_file(&d, "bad.safetensors"),
+                   "--query", tmp_file(&d, "q.npy"), "--output", tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
+}
+
+Test(cli_refused, query_wrong_features) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    write_f32_shape(tmp_file(&d, "q7.npy"), 3, 2, 7);
+    EXPECT_REFUSED(&d, 3, "--query", "q7.npy", "run", "--layer", tmp_file(&d, "layer.safetensors"),
+                   "--query", tmp_file(&d, "q7.npy"), "--output", tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
+}
+
+Test(cli_refused, mask_wrong_shape) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    unsigned char m[4 * 5] = {0};
+    write_npy_raw(tmp_file(&d, "am.npy"), "|b1", 2, (size_t[]){4, 5}, m, sizeof m);
+    write_npy_raw(tmp_file(&d, "kpm.npy"), "|b1", 2, (size_t[]){2, 4}, m, 8);
+    EXPECT_REFUSED(&d, 4, "--attn-mask", "am.npy", "run", "--layer", tmp_file(&d, "layer.safetensors"),
+                   "--query", tmp_file(&d, "q.npy"), "--attn-mask", tmp_file(&d, "am.npy"),
+                   "--output", tmp_file(&d, "o.npy"));
+    EXPECT_REFUSED(&d, 4, "--key-padding-mask", "kpm.npy", "run", "--layer",
+                   tmp_file(&d, "layer.safetensors"), "--query", tmp_file(&d, "q.npy"),
+                   "--key-padding-mask", tmp_file(&d, "kpm.npy"), "--output",
+                   tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
+}
+
+Test(cli_refused, key_value_batch_mismatch) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    write_f32_shape(tmp_file(&d, "k2.npy"), 5, 2, 8);
+    write_f32_shape(tmp_file(&d, "v3.npy"), 5, 3, 8);
+    write_f32_shape(tmp_file(&d, "k3.npy"), 5, 3, 8);
+    EXPECT_REFUSED(&d, 5, "--value", "v3.npy", "run", "--layer", tmp_file(&d, "layer.safetensors"),
+                   "--query", tmp_file(&d, "q.npy"), "--key", tmp_file(&d, "k2.npy"), "--value",
+                   tmp_file(&d, "v3.npy"), "--output", tmp_file(&d, "o.npy"));
+    EXPECT_REFUSED(&d, 5, "--key", "k3.npy", "run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                   tmp_file(&d, "q.npy"), "--key", tmp_file(&d, "k3.npy"), "--value",
+                   tmp_file(&d, "v3.npy"), "--output", tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
+}
+
+Test(cli_refused, weights_output_into_missing_folder) {
+    tmp_dir d = make_inputs();
+    const char *w = tmp_file(&d, "nofolder/w.npy");
+    EXPECT_REFUSED(&d, 2, "--weights-output", "nofolder/w.npy", "run", "--layer", tmp_file(&d, "layer.safetensors"),
+                   "--query", tmp_file(&d, "q.npy"), "--need-weights", "--output",
+                   tmp_file(&d, "o.npy"), "--weights-output", w);
+    cr_assert(!file_exists(tmp_file(&d, "o.npy")));
+    tmp_remove(&d);
+}
+
+Test(cli_refused, weights_output_is_a_folder) {
+    tmp_dir d = make_inputs();
+    cr_assert_eq(mkdir(tmp_file(&d, "sub"), 0700), 0);
+    EXPECT_REFUSED(&d, 3, "--weights-output", "sub", "run", "--layer",
+                   tmp_file(&d, "layer.safetensors"), "--query", tmp_file(&d, "q.npy"),
+                   "--output", tmp_file(&d, "o.npy"), "--weights-output", tmp_file(&d, "sub"));
+    tmp_remove(&d);
+}
+
+Test(cli_refused, output_into_missing_folder) {
+    tmp_dir d = make_inputs();
+    EXPECT_REFUSED(&d, 2, "--output", "nofolder/o.npy", "run", "--layer", tmp_file(&d, "layer.safetensors"),
+                   "--query", tmp_file(&d, "q.npy"), "--output", tmp_file(&d, "nofolder/o.npy"),
+                   "--weights-output", tmp_file(&d, "w.npy"));
+    tmp_remove(&d);
+}
+
+// ---- successful runs on hand-made inputs ----------------------------------------------------------
+
+Test(cli_run, writes_both_outputs_with_pytorch_shapes) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    unsigned char kpm[2 * 3] = {0, 0, 1, 0, 0, 0};
+    write_npy_raw(tmp_file(&d, "kpm.npy"), "|b1", 2, (size_t[]){2, 3}, kpm, sizeof kpm);
+    cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                           tmp_file(&d, "q.npy"), "--key-padding-mask", tmp_file(&d, "kpm.npy"),
+                           "--per-head-weights", "--output", tmp_file(&d, "o.npy"),
+                           "--weights-output", tmp_file(&d, "w.npy"));
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert_str_empty(r.err);
+    char names[512];
+    cr_assert_eq(tmp_list(&d, names, sizeof names), 5, "files: %s", names);
+    clmha__npy o = {0}, w = {0};
+    read_npy(tmp_file(&d, "o.npy"), &o);
+    read_npy(tmp_file(&d, "w.npy"), &w);
+    cr_assert_eq(o.ndim, 3);
+    cr_assert(o.shape[0] == 3 && o.shape[1] == 2 && o.shape[2] == 8);
+    cr_assert_eq(w.ndim, 4);  // (N, H, L, S)
+    cr_assert(w.shape[0] == 2 && w.shape[1] == 2 && w.shape[2] == 3 && w.shape[3] == 3);
+    for (size_t row = 0; row < 2 * 2 * 3; ++row) {
+        double sum = 0;
+        for (size_t j = 0; j < 3; ++j) sum += w.f32[row * 3 + j];
+        cr_assert_float_eq(sum, 1.0, 1e-5);
+        if (row < 2 * 3) cr_assert_eq(w.f32[row * 3 + 2], 0.0f);  // batch 0, key 2 padded
+    }
+    clmha__npy_free(&o);
+    clmha__npy_free(&w);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+
+Test(cli_run, summary_without_output) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    write_f32_shape(tmp_file(&d, "q2.npy"), 4, 8);  // unbatched
+    cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                           tmp_file(&d, "q2.npy"), "--is-causal", "--need-weights");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert(strstr(r.out, "(4, 8)") != NULL, "stdout: %s", r.out);  // output
+    cr_assert(strstr(r.out, "(4, 4)") != NULL, "stdout: %s", r.out);  // averaged weights
+    cr_assert_eq(tmp_list(&d, NULL, 0), 3);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+
+// ---- usage errors: exit 2 ---------------------------------------------------------------------
+
+Test(cli_usage, no_command) {
+    EXPECT_USAGE("clmha: ", NULL);
+}
+
+Test(cli_usage, unknown_command) {
+    EXPECT_USAGE("clmha: ", "frobnicate");
+    EXPECT_USAGE("clmha: ", "--frobnicate");
+}
+
+Test(cli_usage, unknown_option) {
+    EXPECT_USAGE("clmha run: ", "run", "--layer", "l.safetensors", "--query", "q.npy", "--bogus");
+    EXPECT_USAGE("clmha run: ", "run", "positional.npy");
+    EXPECT_USAGE("clmha demo: ", "demo", "--bogus");
+    EXPECT_USAGE("clmha devices: ", "devices", "--bogus");
+    EXPECT_USAGE("clmha run: ", "run", "--layer", "l.safetensors", "--query", "q.npy",
+                 "--need-weights=yes");
+}
+
+Test(cli_usage, run_without_layer_or_query) {
+    EXPECT_USAGE("clmha run: ", "run", "--query", "q.npy");
+    EXPECT_USAGE("clmha run: ", "run", "--layer", "l.safetensors");
+    EXPECT_USAGE("clmha run: ", "run");
+}
+
+Test(cli_usage, option_missing_value) {
+    EXPECT_USAGE("clmha run: ", "run", "--query", "q.npy", "--layer");
+    EXPECT_USAGE("clmha run: ", "run", "--layer", "--query", "q.npy");
+    EXPECT_USAGE("clmha run: ", "run", "--layer=", "--query", "q.npy");
+    EXPECT_USAGE("clmha demo: ", "demo", "--heatmap");
+    EXPECT_USAGE("clmha demo: ", "demo", "--device");
+}
+
+Test(cli_usage, option_given_twice) {
+    EXPECT_USAGE("clmha run: ", "run", "--layer", "a", "--layer", "b", "--query", "q.npy");
+}
+
+// ---- help, version, devices, demo ---------------------------------------------------------------
+
+static void expect_help(const char *const *args, const char *want) {
+    cli_result r = cli_run_argv(args);
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert_str_empty(r.err);
+    cr_assert(strstr(r.out, want) != NULL, "stdout lacks '%s': %s", want, r.out);
+    cli_free(&r);
+}
+
+#define EXPECT_HELP(want, ...) expect_help((const char *const[]){__VA_ARGS__, NULL}, want)
+
+Test(cli_help, every_command) {
+    EXPECT_HELP("usage: clmha <command>", "--help");
+    EXPECT_HELP("usage: clmha <command>", "-h");
+    EXPECT_HELP("usage: clmha run", "run", "--help");
+    EXPECT_HELP("--weights-output", "run", "--layer", "x", "--help");
+    EXPECT_HELP("usage: clmha demo", "demo", "--help");
+    EXPECT_HELP("usage: clmha devices", "devices", "--help");
+}
+
+Test(cli_help, version) {
+    char want[64];
+    snprintf(want, sizeof want, "clmha %s\n", clmha_version());
+    cli_result r = cli_run("--version");
+    cr_assert_eq(r.status, 0);
+    cr_assert_str_eq(r.out, want);
+    cli_free(&r);
+}
+
+Test(cli_devices, lists_every_spec) {
+    cli_result r = cli_run("devices");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    size_t count = 0;
+    cr_assert_eq(clmha_devices_list(NULL, 0, &count), CLMHA_SUCCESS);
+    if (count == 0) {
+        cr_assert(strstr(r.out, "no OpenCL device") != NULL, "stdout: %s", r.out);
+        cli_free(&r);
+        cr_skip_test("no OpenCL device");
+    }
+    clmha_device_info *all = calloc(count, sizeof *all);
+    cr_assert(all != NULL);
+    cr_assert_eq(clmha_devices_list(all, count, &count), CLMHA_SUCCESS);
+    for (size_t i = 0; i < count; ++i) {
+        char spec[48];
+        snprintf(spec, sizeof spec, "[%s]", all[i].spec);
+        cr_assert(strchr(all[i].spec, ':') != NULL, "spec %s", all[i].spec);
+        cr_assert(strstr(r.out, spec) != NULL, "stdout lacks %s: %s", spec, r.out);
+        cr_assert(strstr(r.out, all[i].device_name) != NULL);
+    }
+    cr_assert(strstr(r.out, "compute units") && strstr(r.out, "fp64") &&
+              strstr(r.out, "driver"));
+    free(all);
+    cli_free(&r);
+}
+
+Test(cli_demo, writes_heatmap_png) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = tmp_make();
+    const char *png = tmp_file(&d, "h.png");
+    cli_result r = cli_run("demo", "--heatmap", png);
+    cr_assert_eq(r.status, 0, "stdout: %s\nstderr: %s", r.out, r.err);
+    cr_assert(strstr(r.out, "PASS") != NULL, "stdout: %s", r.out);
+    size_t size = 0;
+    char *bytes = slurp(png, &size);
+    cr_assert(bytes != NULL, "%s was not written", png);
+    cr_assert_gt(size, 8);
+    cr_assert(memcmp(bytes, "\x89PNG\r\n\x1a\n", 8) == 0, "no PNG signature");
+    free(bytes);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+
+Test(cli_demo, heatmap_into_missing_folder) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = tmp_make();
+    cli_result r = cli_run("demo", "--heatmap", tmp_file(&d, "nofolder/h.png"));
+    cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha demo: ", "--heatmap", NULL);
+    cr_assert_eq(tmp_list(&d, NULL, 0), 0);
+    cli_free(&r);
+    tmp_remove(&d);
+}
