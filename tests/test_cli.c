@@ -770,3 +770,70 @@ Test(cli_demo, heatmap_into_missing_folder) {
     cli_free(&r);
     tmp_remove(&d);
 }
+
+// Writes a .safetensors file with header @p json (padded to 8 bytes) followed by @p data_size
+// bytes of data, or with the header length field set to @p claimed_len when non-zero.
+static void write_st(const char *path, const char *json, size_t data_size, uint64_t claimed_len) {
+    size_t len = strlen(json), padded = (len + 7) / 8 * 8;
+    size_t size = 8 + padded + data_size;
+    unsigned char *buf = calloc(1, size);
+    cr_assert(buf != NULL);
+    uint64_t field = claimed_len ? claimed_len : padded;
+    for (int i = 0; i < 8; ++i) buf[i] = (unsigned char)(field >> (8 * i));
+    memcpy(buf + 8, json, len);
+    memset(buf + 8 + len, ' ', padded - len);
+    write_bytes(path, buf, size);
+    free(buf);
+}
+
+// Malformed layer files are refused by `clmha run` with exit 1, one line naming --layer and the
+// file, and no output file.
+Test(cli_refused, malformed_layer_files) {
+    SKIP_WITHOUT_DEVICE();
+    // A valid layer E = 4, H = 2 needs in_proj_weight (12, 4) and out_proj.weight (4, 4): 64
+    // floats = 256 bytes. Each row breaks one thing.
+#define W "\"in_proj_weight\":{\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[0,192]}"
+#define O "\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[192,256]}"
+    static const struct {
+        const char *what, *json;
+        size_t data;
+        uint64_t claimed_len;
+    } rows[] = {
+        {"truncated data", "{\"__metadata__\":{\"num_heads\":\"2\"}," W "," O "}", 100, 0},
+        {"header length past the end", "{\"__metadata__\":{\"num_heads\":\"2\"}," W "," O "}",
+         256, 1u << 20},
+        {"header not JSON", "{\"__metadata__\":{\"num_heads\":\"2\"}," W "," O, 256, 0},
+        {"data offsets past the end",
+         "{\"__metadata__\":{\"num_heads\":\"2\"}," W ",\"out_proj.weight\":{\"dtype\":\"F32\","
+         "\"shape\":[4,4],\"data_offsets\":[192,9999]}}",
+         256, 0},
+        {"shape disagrees with bytes",
+         "{\"__metadata__\":{\"num_heads\":\"2\"}," W ",\"out_proj.weight\":{\"dtype\":\"F32\","
+         "\"shape\":[4,5],\"data_offsets\":[192,256]}}",
+         256, 0},
+        {"unsupported dtype",
+         "{\"__metadata__\":{\"num_heads\":\"2\"}," W ",\"out_proj.weight\":{\"dtype\":\"I32\","
+         "\"shape\":[4,4],\"data_offsets\":[192,256]}}",
+         256, 0},
+        {"missing num_heads", "{" W "," O "}", 256, 0},
+        {"non-numeric num_heads", "{\"__metadata__\":{\"num_heads\":\"two\"}," W "," O "}", 256, 0},
+        {"num_heads not dividing E", "{\"__metadata__\":{\"num_heads\":\"3\"}," W "," O "}", 256,
+         0},
+        {"dimensions overflow",
+         "{\"__metadata__\":{\"num_heads\":\"2\"}," W ",\"out_proj.weight\":{\"dtype\":\"F32\","
+         "\"shape\":[4294967296,4294967296],\"data_offsets\":[192,256]}}",
+         256, 0},
+    };
+#undef W
+#undef O
+    tmp_dir d = make_inputs();
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; ++i) {
+        cr_log_info("malformed layer file: %s", rows[i].what);
+        write_st(tmp_file(&d, "bad.safetensors"), rows[i].json, rows[i].data,
+                 rows[i].claimed_len);
+        EXPECT_REFUSED(&d, 3, "--layer", "bad.safetensors", "run", "--layer",
+                       tmp_file(&d, "bad.safetensors"), "--query", tmp_file(&d, "q.npy"),
+                       "--output", tmp_file(&d, "o.npy"));
+    }
+    tmp_remove(&d);
+}
