@@ -414,6 +414,41 @@ CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
                                                 size_t weights_count);
 
 // ---------------------------------------------------------------------------------------------
+// Profiling
+// ---------------------------------------------------------------------------------------------
+
+/// The stages of a forward pass, in the order they run.
+typedef enum clmha_stage {
+    CLMHA_STAGE_PROJECT = 0,  ///< input projections (GEMMs)
+    CLMHA_STAGE_SPLIT,        ///< head split, in_proj_bias, bias_k/bias_v, zero key
+    CLMHA_STAGE_SCORES,       ///< Q·Kᵀ (strided batched GEMM); a user core's whole time
+    CLMHA_STAGE_SOFTMAX,      ///< masks, softmax, dropout
+    CLMHA_STAGE_AV,           ///< weights · V (strided batched GEMM)
+    CLMHA_STAGE_MERGE,        ///< head merge
+    CLMHA_STAGE_OUT_PROJ,     ///< output projection (bias rows + GEMM)
+    CLMHA_STAGE_WEIGHTS,      ///< attention weights output (copy or head average)
+    CLMHA_STAGE_COUNT
+} clmha_stage;
+
+/// Turns per-stage timing on or off for later forward calls of @p layer. With it on, each
+/// forward call enqueues a marker after every stage (a few OpenCL events per call). The
+/// context's queue must have CL_QUEUE_PROFILING_ENABLE (contexts made by clmha do).
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_UNSUPPORTED (queue without
+///         profiling)
+CLMHA_API clmha_status clmha_layer_set_profiling(clmha_layer *layer, bool on);
+
+/// Waits for the last profiled forward call of @p layer and returns the device time of each
+/// stage in milliseconds (0 for stages that did not run). The stage time is the time between
+/// the end of the previous stage and the end of this one on the in-order queue.
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (profiling off, or no profiled call yet),
+///         ::CLMHA_OPENCL_ERROR
+CLMHA_API clmha_status clmha_layer_stage_times(clmha_layer *layer,
+                                               double ms[CLMHA_STAGE_COUNT]);
+
+/// A short name of @p stage ("project", "split", "scores", ...), or "?" .
+CLMHA_API const char *clmha_stage_name(clmha_stage stage);
+
+// ---------------------------------------------------------------------------------------------
 // CPU reference
 // ---------------------------------------------------------------------------------------------
 

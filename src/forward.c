@@ -250,9 +250,11 @@ static clmha_status attend(clmha_layer *l, const clmha__dims *d, const scratch *
 static clmha_status builtin_core(clmha_layer *l, const clmha_forward_args *a,
                                  const clmha__dims *d, const scratch *s) {
     clmha_status st;
-    if ((st = scores(l, d, s))) return st;
-    if ((st = softmax(l, a, d))) return st;
-    return attend(l, d, s);
+    if ((st = scores(l, d, s)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES))) return st;
+    if ((st = softmax(l, a, d)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SOFTMAX)))
+        return st;
+    if ((st = attend(l, d, s)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_AV))) return st;
+    return CLMHA_SUCCESS;
 }
 
 // A user core: it gets sub-buffers of the head tiles and enqueues its own work.
@@ -381,14 +383,30 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
     if (num_wait > 0 &&
         (err = clEnqueueBarrierWithWaitList(ctx->queue, num_wait, wait_list, NULL)) != CL_SUCCESS)
         return clmha__cl_fail(ctx, err, "clEnqueueBarrierWithWaitList");
+    // With profiling on, a marker ends each stage (slot 0 marks the start).
+    clmha__layer_marks_release(layer);
     scratch s;
-    if ((st = project(layer, args, &d, &s))) return st;
-    if ((st = split(layer, &d, &s))) return st;
-    if ((st = layer->core ? user_core(layer, args, &d, &s) : builtin_core(layer, args, &d, &s)))
+    if ((st = clmha__layer_mark(layer, 0))) return st;
+    if ((st = project(layer, args, &d, &s)) ||
+        (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
-    if ((st = merge(layer, &d, &s))) return st;
-    if ((st = out_project(layer, &d, output, output_offset))) return st;
-    if (args->need_weights && (st = weights_out(layer, args, &d, weights, weights_offset)))
+    if ((st = split(layer, &d, &s)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
+        return st;
+    if (layer->core) {
+        if ((st = user_core(layer, args, &d, &s)) ||
+            (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SCORES)))
+            return st;
+    } else if ((st = builtin_core(layer, args, &d, &s))) {
+        return st;
+    }
+    if ((st = merge(layer, &d, &s)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))
+        return st;
+    if ((st = out_project(layer, &d, output, output_offset)) ||
+        (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_OUT_PROJ)))
+        return st;
+    if (args->need_weights &&
+        ((st = weights_out(layer, args, &d, weights, weights_offset)) ||
+         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_WEIGHTS))))
         return st;
     if (event && (err = clEnqueueMarkerWithWaitList(ctx->queue, 0, NULL, event)) != CL_SUCCESS)
         return clmha__cl_fail(ctx, err, "clEnqueueMarkerWithWaitList");

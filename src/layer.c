@@ -213,6 +213,7 @@ static void release_kernel(cl_kernel *k) {
 
 void clmha_layer_release(clmha_layer *layer) {
     if (!layer) return;
+    clmha__layer_marks_release(layer);
     release_mem(&layer->w_in);
     release_mem(&layer->b_in);
     release_mem(&layer->w_out);
@@ -330,4 +331,63 @@ clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, 
     if (!st && err != CL_SUCCESS) st = clmha__cl_fail(ctx, err, "clFinish");
     for (int i = 0; i < 5; ++i) release_mem(&bufs[i]);
     return st;
+}
+
+// ---- profiling ----------------------------------------------------------------------------------
+
+void clmha__layer_marks_release(clmha_layer *layer) {
+    for (int i = 0; i <= CLMHA_STAGE_COUNT; ++i) {
+        if (layer->marks[i]) clReleaseEvent(layer->marks[i]);
+        layer->marks[i] = NULL;
+    }
+}
+
+clmha_status clmha__layer_mark(clmha_layer *layer, int slot) {
+    if (!layer->profiling) return CLMHA_SUCCESS;
+    if (layer->marks[slot]) clReleaseEvent(layer->marks[slot]);
+    layer->marks[slot] = NULL;
+    cl_int err = clEnqueueMarkerWithWaitList(layer->ctx->queue, 0, NULL, &layer->marks[slot]);
+    return err ? clmha__cl_fail(layer->ctx, err, "clEnqueueMarkerWithWaitList(profiling)")
+               : CLMHA_SUCCESS;
+}
+
+clmha_status clmha_layer_set_profiling(clmha_layer *layer, bool on) {
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    cl_command_queue_properties props = 0;
+    clGetCommandQueueInfo(layer->ctx->queue, CL_QUEUE_PROPERTIES, sizeof props, &props, NULL);
+    if (on && !(props & CL_QUEUE_PROFILING_ENABLE))
+        return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
+                           "profiling needs a queue created with CL_QUEUE_PROFILING_ENABLE");
+    clmha__layer_marks_release(layer);
+    layer->profiling = on;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_layer_stage_times(clmha_layer *layer, double ms[CLMHA_STAGE_COUNT]) {
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    if (!ms) return clmha__fail(layer->ctx, CLMHA_INVALID_ARGUMENT, "ms is NULL");
+    if (!layer->profiling || !layer->marks[0])
+        return clmha__fail(layer->ctx, CLMHA_INVALID_ARGUMENT,
+                           "no profiled forward call: call clmha_layer_set_profiling(layer, "
+                           "true) before the forward call");
+    cl_ulong prev = 0;
+    for (int i = 0; i <= CLMHA_STAGE_COUNT; ++i) {
+        if (i > 0) ms[i - 1] = 0.0;
+        cl_event m = layer->marks[i];
+        if (!m) continue;
+        cl_int err = clWaitForEvents(1, &m);
+        cl_ulong end = 0;
+        if (err == CL_SUCCESS)
+            err = clGetEventProfilingInfo(m, CL_PROFILING_COMMAND_END, sizeof end, &end, NULL);
+        if (err != CL_SUCCESS) return clmha__cl_fail(layer->ctx, err, "stage timing");
+        if (i > 0) ms[i - 1] = end > prev ? (double)(end - prev) / 1e6 : 0.0;
+        prev = end;
+    }
+    return CLMHA_SUCCESS;
+}
+
+const char *clmha_stage_name(clmha_stage stage) {
+    static const char *const names[CLMHA_STAGE_COUNT] = {
+        "project", "split", "scores", "softmax", "av", "merge", "out_proj", "weights"};
+    return stage >= 0 && stage < CLMHA_STAGE_COUNT ? names[stage] : "?";
 }

@@ -29,7 +29,18 @@ struct clmha_layer {
 
     clmha_attention_fn core;
     void *core_data;
+
+    // Profiling: marks[0] before the first stage, marks[1 + s] after stage s (NULL when the
+    // stage did not run in the last call).
+    bool profiling;
+    cl_event marks[CLMHA_STAGE_COUNT + 1];
 };
+
+// With profiling on, enqueues a marker recording the end of @p slot (0: start, 1 + stage).
+CLMHA__HIDDEN clmha_status clmha__layer_mark(clmha_layer *layer, int slot);
+
+// Releases the recorded markers.
+CLMHA__HIDDEN void clmha__layer_marks_release(clmha_layer *layer);
 
 // Head tiles start at multiples of 256 floats (1 KiB), so that a user attention core can get
 // them as sub-buffers on any device (CL_DEVICE_MEM_BASE_ADDR_ALIGN is at most 1024 bits in
