@@ -395,6 +395,8 @@ CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
 /// @p args; the result goes to @p output (element offset @p output_offset), shaped like the
 /// query with E features; the weights (when need_weights) to @p weights: (N, L, S') averaged,
 /// (N, H, L, S') per head, or (L, S') / (H, L, S') unbatched.
+/// With a bias, @p output must not be CL_MEM_WRITE_ONLY (the output projection accumulates onto
+/// the bias rows).
 /// The call never waits on the host: it waits for @p wait_list on the device and returns an
 /// event for the completion in @p event (may be NULL; the caller releases it).
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_SHAPE_MISMATCH,

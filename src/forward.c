@@ -373,6 +373,13 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
     clmha_status st = validate(layer, args, true, &d);
     if (st) return st;
     if ((st = check_buffer(ctx, "output", output, output_offset, d.output_count, 4))) return st;
+    cl_mem_flags out_flags = 0;
+    clGetMemObjectInfo(output, CL_MEM_FLAGS, sizeof out_flags, &out_flags, NULL);
+    if (layer->desc.bias && (out_flags & CL_MEM_WRITE_ONLY))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "output buffer is CL_MEM_WRITE_ONLY, but a layer with bias reads it "
+                           "back (the output projection adds to the bias rows): create it "
+                           "CL_MEM_READ_WRITE");
     if (args->need_weights &&
         (st = check_buffer(ctx, "weights", weights, weights_offset, d.weights_count, 4)))
         return st;
@@ -471,7 +478,8 @@ clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_ar
             goto fail;
         dev.attn_mask.tensor.buffer = bufs[4], dev.attn_mask.tensor.offset = 0;
     }
-    bufs[5] = clCreateBuffer(ctx->cl_ctx, CL_MEM_WRITE_ONLY, d.output_count * 4, NULL, &err);
+    // Read-write: with a bias, the output GEMM reads the bias rows back (beta = 1).
+    bufs[5] = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, d.output_count * 4, NULL, &err);
     if (err != CL_SUCCESS) {
         st = clmha__cl_fail(ctx, err, "clCreateBuffer(output)");
         goto fail;
