@@ -1,0 +1,385 @@
+// Small forward passes that reach every branch of the kernels clmha launches (cl/heads.cl,
+// cl/softmax.cl) and the CLBlast GEMMs it calls, meant to run under Oclgrind
+// (tools/oclgrind-check.sh), which checks every work-item's memory accesses. A plain C program,
+// not a Criterion test: Oclgrind intercepts the OpenCL calls of this one process.
+//
+// Each case runs clmha_layer_forward_host on the default OpenCL device (CLMHA_DEVICE selects
+// another) and compares the output and the attention weights with clmha_reference_forward; one
+// line per case, exit status 1 if any case fails or differs by more than 1e-4.
+//
+// What the cases reach (besides the shapes, masks and options themselves):
+//   split_heads    has_bias 0/1, has_extra 0/1 (row t == seq), zero key rows (t > seq),
+//                  batch_first 0/1
+//   merge_heads    batch_first 0/1
+//   fill_rows      bias layers (out_proj.bias); no-bias layers do not launch it
+//   average_heads  need_weights averaged (per-head weights are a buffer copy)
+//   masked_softmax every attn_mask kind x layout, key_padding_mask kinds, causal, padded keys
+//                  (j >= S), a fully masked row (dead), dropout, S' above and below the
+//                  work-group size (16 on CPU-type devices, Oclgrind included: S 37 and S 3)
+//
+// Usage: oclgrind_driver [-v] [--whole-writes] [--list] [case number...]
+//   -v              print the device name
+//   --whole-writes  only the cases whose parameter buffers are each written by one host write
+//                   covering the whole buffer (see below)
+//   --list          print the numbers of the selected cases, one a line, and run nothing
+//   numbers         only those cases (1-based)
+//
+// --whole-writes exists for Oclgrind 21.10's --uninitialized plugin, which loses track of a
+// buffer written by several partial host writes (clEnqueueWriteBuffer at an offset): each host
+// write re-creates the shadow state of the whole buffer, sized to that write, so the rest reads
+// as uninitialised (or as garbage). clmha writes q/k/v_proj_weight (kdim or vdim != embed_dim)
+// and bias_k/bias_v (add_bias_kv) as slices of one buffer, so those cases are false positives
+// there; they still run under every other check.
+#include <clmha.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TOLERANCE 1e-4
+
+// ---- deterministic random numbers (splitmix64) -----------------------------------------------
+
+static uint64_t rng_state;
+
+static uint64_t next_u64(void) {
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static double uniform01(void) { return (double)(next_u64() >> 11) * 0x1.0p-53; }
+
+static double normal01(void) {
+    double u1 = 1.0 - uniform01(), u2 = uniform01();
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+// ---- cases -----------------------------------------------------------------------------------
+
+enum { SHARED, PER_HEAD, PER_BATCH };  // attn_mask layouts: (L,S), (N*H,L,S), (N,L,S)
+
+typedef struct dcase {
+    const char *name;
+    size_t e, h, kdim, vdim;  // kdim/vdim 0: embed_dim
+    size_t n, l, s;           // n ignored when unbatched; s ignored for self-attention
+    bool nobias, bias_kv, zero_attn, batch_first, unbatched;
+    bool self_attn, value_is_key;
+    clmha_mask_kind kpm, am;
+    int layout;
+    bool causal, weights, per_head, train;
+    float dropout;
+    bool mask_row;    // attn_mask row 1 forbids every key (BOOL_IGNORE)
+    bool mask_item;   // key_padding_mask of item 0 forbids every key (BOOL_IGNORE)
+} dcase;
+
+#define I CLMHA_MASK_BOOL_IGNORE
+#define A CLMHA_MASK_BOOL_ATTEND
+#define F CLMHA_MASK_FLOAT
+
+static const dcase cases[] = {
+    // Self-attention: one packed QKV GEMM; S 3 < work-group; averaged weights.
+    {"self packed, seq-first, S3, w=avg", .e = 8, .h = 2, .n = 2, .l = 3, .self_attn = true,
+     .weights = true},
+    {"self packed, batch_first, causal L=S, w=per_head", .e = 8, .h = 2, .n = 2, .l = 4,
+     .self_attn = true, .batch_first = true, .causal = true, .weights = true, .per_head = true},
+    // Cross-attention, separate Q, K, V GEMMs.
+    {"cross L2 S37 (> work-group), kdim/vdim, nobias, w=per_head", .e = 8, .h = 2, .kdim = 5,
+     .vdim = 3, .n = 2, .l = 2, .s = 37, .nobias = true, .weights = true, .per_head = true},
+    {"cross key==value (one K/V GEMM), batch_first, kpm=ignore", .e = 8, .h = 2, .n = 2, .l = 3,
+     .s = 5, .value_is_key = true, .batch_first = true, .kpm = I, .weights = true},
+    {"cross kdim=vdim key==value, bias_kv, kpm=attend", .e = 8, .h = 2, .kdim = 6, .vdim = 6,
+     .n = 2, .l = 4, .s = 3, .value_is_key = true, .bias_kv = true, .kpm = A, .weights = true},
+    {"cross zero_attn, kpm=float, nobias", .e = 8, .h = 4, .n = 2, .l = 3, .s = 4,
+     .zero_attn = true, .nobias = true, .kpm = F, .weights = true, .per_head = true},
+    {"cross bias_kv + zero_attn, S37, batch_first, w=avg", .e = 8, .h = 2, .n = 1, .l = 2,
+     .s = 37, .bias_kv = true, .zero_attn = true, .batch_first = true, .weights = true},
+    // Every attn_mask kind x layout.
+    {"am=ignore (L,S)", .e = 8, .h = 2, .n = 2, .l = 3, .s = 5, .am = I, .layout = SHARED,
+     .weights = true},
+    {"am=ignore (N*H,L,S), kpm=float", .e = 8, .h = 2, .n = 2, .l = 3, .s = 5, .am = I,
+     .layout = PER_HEAD, .kpm = F, .weights = true, .per_head = true},
+    {"am=ignore (N,L,S) per_batch, batch_first", .e = 8, .h = 2, .n = 2, .l = 3, .s = 5, .am = I,
+     .layout = PER_BATCH, .batch_first = true, .weights = true},
+    {"am=attend (L,S), kpm=ignore, zero_attn", .e = 8, .h = 2, .n = 2, .l = 3, .s = 5, .am = A,
+     .layout = SHARED, .kpm = I, .zero_attn = true, .weights = true},
+    {"am=attend (N*H,L,S), bias_kv", .e = 8, .h = 2, .n = 2, .l = 3, .s = 5, .am = A,
+     .layout = PER_HEAD, .bias_kv = true, .weights = true},
+    {"am=attend (N,L,S) per_batch, kpm=attend", .e = 8, .h = 2, .n = 2, .l = 3, .s = 5, .am = A,
+     .layout = PER_BATCH, .kpm = A, .weights = true, .per_head = true},
+    {"am=float (L,S), causal L5>S3", .e = 8, .h = 2, .n = 2, .l = 5, .s = 3, .am = F,
+     .layout = SHARED, .causal = true, .weights = true},
+    {"am=float (N*H,L,S), kpm=ignore, no weights", .e = 8, .h = 2, .n = 2, .l = 3, .s = 5,
+     .am = F, .layout = PER_HEAD, .kpm = I},
+    {"am=float (N,L,S) per_batch, kpm=float, bias_kv+zero_attn", .e = 8, .h = 2, .n = 2, .l = 3,
+     .s = 5, .am = F, .layout = PER_BATCH, .kpm = F, .bias_kv = true, .zero_attn = true,
+     .weights = true},
+    // Causal L < S, fully masked rows and items.
+    {"causal L3<S7, kpm=attend", .e = 8, .h = 2, .n = 2, .l = 3, .s = 7, .causal = true,
+     .kpm = A, .weights = true, .per_head = true},
+    {"fully masked row 1 (am) and item 0 (kpm)", .e = 8, .h = 2, .n = 2, .l = 3, .s = 5,
+     .am = I, .layout = SHARED, .mask_row = true, .kpm = I, .mask_item = true, .weights = true},
+    // Unbatched inputs.
+    {"unbatched, am=float (H,L,S), kpm=ignore, zero_attn", .e = 8, .h = 2, .l = 3, .s = 4,
+     .unbatched = true, .am = F, .layout = PER_HEAD, .kpm = I, .zero_attn = true,
+     .weights = true, .per_head = true},
+    {"unbatched self, am=attend (L,S), batch_first layer", .e = 8, .h = 2, .l = 4,
+     .unbatched = true, .self_attn = true, .batch_first = true, .am = A, .layout = SHARED,
+     .weights = true},
+    // Dropout in training (and a layer with dropout in eval).
+    {"dropout 0.25 train, S37, w=avg", .e = 8, .h = 2, .n = 2, .l = 2, .s = 37, .dropout = 0.25f,
+     .train = true, .weights = true},
+    {"dropout 0.25 train, self, w=per_head", .e = 8, .h = 2, .n = 1, .l = 3, .self_attn = true,
+     .dropout = 0.25f, .train = true, .weights = true, .per_head = true},
+    {"dropout 0.25 eval", .e = 8, .h = 2, .n = 2, .l = 3, .s = 4, .dropout = 0.25f,
+     .weights = true},
+    // head_dim 1.
+    {"head_dim 1 (E4 H4), kpm=float, w=per_head", .e = 4, .h = 4, .n = 2, .l = 3, .s = 3,
+     .kpm = F, .weights = true, .per_head = true},
+    {"head_dim 1 (E4 H4) self, batch_first, w=avg", .e = 4, .h = 4, .n = 2, .l = 2,
+     .self_attn = true, .batch_first = true, .weights = true},
+};
+
+#undef I
+#undef A
+#undef F
+
+// ---- one case ----------------------------------------------------------------------------------
+
+static float *floats(size_t count, bool normal, double bound) {
+    float *p = malloc((count ? count : 1) * sizeof *p);
+    if (!p) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    for (size_t i = 0; i < count; ++i)
+        p[i] = (float)(normal ? normal01() : (2.0 * uniform01() - 1.0) * bound);
+    return p;
+}
+
+// Boolean masks: a fraction @p forbid_p of the keys forbidden; float masks: N(0,1) with that
+// fraction of -inf.
+static void *make_mask(clmha_mask_kind kind, size_t count, double forbid_p) {
+    if (kind == CLMHA_MASK_FLOAT) {
+        float *m = floats(count, true, 0);
+        for (size_t i = 0; i < count; ++i)
+            if (uniform01() < forbid_p) m[i] = -INFINITY;
+        return m;
+    }
+    unsigned char *m = malloc(count ? count : 1);
+    if (!m) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    for (size_t i = 0; i < count; ++i) {
+        bool forbidden = uniform01() < forbid_p;
+        unsigned char nonzero = (unsigned char)(1 + next_u64() % 255);
+        m[i] = (forbidden == (kind == CLMHA_MASK_BOOL_IGNORE)) ? nonzero : 0;
+    }
+    return m;
+}
+
+static clmha_tensor tensor(const void *data, size_t ndim, size_t a, size_t b, size_t c) {
+    return (clmha_tensor){.ndim = ndim, .shape = {a, b, c}, .data = data};
+}
+
+static clmha_tensor input(const dcase *c, size_t n, const float *data, size_t seq, size_t feat) {
+    if (c->unbatched) return tensor(data, 2, seq, feat, 0);
+    if (c->batch_first) return tensor(data, 3, n, seq, feat);
+    return tensor(data, 3, seq, n, feat);
+}
+
+static double max_abs_error(const float *got, const double *want, size_t count) {
+    double m = 0.0;
+    for (size_t i = 0; i < count; ++i) {
+        double d = fabs((double)got[i] - want[i]);
+        if (!(d <= m)) m = isnan(d) ? INFINITY : d;  // NaN counts as infinite
+    }
+    return m;
+}
+
+#define SET(name, ptr, count)                                                                  \
+    if ((ptr) && !st) st = clmha_layer_set_parameter(layer, name, ptr, count)
+
+// True when the layer of @p c gets a parameter buffer by several host writes at offsets:
+// q/k/v_proj_weight (kdim or vdim != embed_dim) and bias_k/bias_v (see the usage above).
+static bool partial_host_writes(const dcase *c) {
+    bool separate = (c->kdim && c->kdim != c->e) || (c->vdim && c->vdim != c->e);
+    return separate || c->bias_kv;
+}
+
+// Runs case @p c; returns true when it passes.
+static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
+    rng_state = 1000 + index;
+    const size_t e = c->e, n = c->unbatched ? 1 : c->n, l = c->l;
+    const size_t s = c->self_attn ? c->l : c->s;
+    const size_t kdim = c->kdim ? c->kdim : e, vdim = c->vdim ? c->vdim : e;
+    const size_t sp = s + c->bias_kv + c->zero_attn;
+    clmha_layer_desc desc = {.embed_dim = e, .num_heads = c->h, .kdim = c->kdim,
+                             .vdim = c->vdim, .bias = !c->nobias, .add_bias_kv = c->bias_kv,
+                             .add_zero_attn = c->zero_attn, .batch_first = c->batch_first,
+                             .dropout = c->dropout};
+
+    // Parameters.
+    const double bound = 1.0 / sqrt((double)e);
+    clmha_reference_params p = {0};
+    float *w_in = NULL, *wq = NULL, *wk = NULL, *wv = NULL, *b_in = NULL, *bo = NULL;
+    float *bk = NULL, *bv = NULL;
+    if (kdim == e && vdim == e) {
+        p.in_proj_weight = w_in = floats(3 * e * e, false, bound);
+    } else {
+        p.q_proj_weight = wq = floats(e * e, false, bound);
+        p.k_proj_weight = wk = floats(e * kdim, false, bound);
+        p.v_proj_weight = wv = floats(e * vdim, false, bound);
+    }
+    float *wo = floats(e * e, false, bound);
+    p.out_proj_weight = wo;
+    if (!c->nobias) {
+        p.in_proj_bias = b_in = floats(3 * e, false, bound);
+        p.out_proj_bias = bo = floats(e, false, bound);
+    }
+    if (c->bias_kv) {
+        p.bias_k = bk = floats(e, true, 0);
+        p.bias_v = bv = floats(e, true, 0);
+    }
+
+    // Inputs and masks.
+    clmha_forward_args args = {0};
+    float *query = floats(l * n * e, true, 0), *key = NULL, *value = NULL;
+    args.query = input(c, n, query, l, e);
+    if (!c->self_attn) {
+        key = floats(s * n * kdim, true, 0);
+        args.key = input(c, n, key, s, kdim);
+        if (!c->value_is_key) {
+            value = floats(s * n * vdim, true, 0);
+            args.value = input(c, n, value, s, vdim);
+        }
+    }
+    void *kpm = NULL, *am = NULL;
+    const double forbid_p = c->mask_row || c->mask_item ? 0.1 : 0.25;
+    if (c->kpm) {
+        kpm = make_mask(c->kpm, n * s, forbid_p);
+        if (c->mask_item) memset(kpm, 1, s);  // item 0 (BOOL_IGNORE): every key forbidden
+        args.key_padding_mask.kind = c->kpm;
+        args.key_padding_mask.tensor =
+            c->unbatched ? tensor(kpm, 1, s, 0, 0) : tensor(kpm, 2, n, s, 0);
+    }
+    if (c->am) {
+        size_t planes = c->layout == PER_HEAD ? n * c->h : c->layout == PER_BATCH ? n : 1;
+        am = make_mask(c->am, planes * l * s, forbid_p);
+        if (c->mask_row) memset((unsigned char *)am + s, 1, s);  // row 1 (BOOL_IGNORE)
+        args.attn_mask.kind = c->am;
+        args.attn_mask.per_batch = c->layout == PER_BATCH;
+        args.attn_mask.tensor =
+            c->layout == SHARED ? tensor(am, 2, l, s, 0) : tensor(am, 3, planes, l, s);
+    }
+    args.is_causal = c->causal;
+    args.need_weights = c->weights;
+    args.per_head_weights = c->per_head;
+    args.training = c->train;
+    args.rng = (clmha_dropout_rng){0x0123456789ABCDEFull + index, 7 + index};
+
+    const size_t oc = n * l * e, wc = c->weights ? n * (c->per_head ? c->h : 1) * l * sp : 0;
+    float *out = floats(oc, false, 0), *w = floats(wc, false, 0);
+    double *ref_out = malloc(oc * sizeof *ref_out), *ref_w = malloc((wc ? wc : 1) * sizeof *ref_w);
+    for (size_t i = 0; i < oc; ++i) out[i] = NAN;  // anything not written shows up
+    for (size_t i = 0; i < wc; ++i) w[i] = NAN;
+
+    // Device.
+    clmha_layer *layer = NULL;
+    char msg[512] = "";
+    clmha_status st = clmha_layer_create(&layer, ctx, &desc);
+    SET("in_proj_weight", w_in, 3 * e * e);
+    SET("q_proj_weight", wq, e * e);
+    SET("k_proj_weight", wk, e * kdim);
+    SET("v_proj_weight", wv, e * vdim);
+    SET("in_proj_bias", b_in, 3 * e);
+    SET("out_proj.weight", wo, e * e);
+    SET("out_proj.bias", bo, e);
+    SET("bias_k", bk, e);
+    SET("bias_v", bv, e);
+    if (!st) st = clmha_layer_forward_host(layer, &args, out, oc, c->weights ? w : NULL, wc);
+    if (st) snprintf(msg, sizeof msg, "device: %s", clmha_context_last_error(ctx));
+
+    // Reference.
+    if (!st && ref_out && ref_w) {
+        char rmsg[256] = "";
+        st = clmha_reference_forward(&desc, &p, &args, ref_out, oc, wc ? ref_w : NULL, wc, rmsg,
+                                     sizeof rmsg);
+        if (st) snprintf(msg, sizeof msg, "reference: %s", rmsg);
+    } else if (!st) {
+        st = CLMHA_OUT_OF_MEMORY;
+        snprintf(msg, sizeof msg, "out of memory");
+    }
+
+    bool ok = st == CLMHA_SUCCESS;
+    double eo = ok ? max_abs_error(out, ref_out, oc) : INFINITY;
+    double ew = ok ? max_abs_error(w, ref_w, wc) : INFINITY;
+    ok = ok && eo <= TOLERANCE && ew <= TOLERANCE;
+    if (st)
+        printf("case %2zu %-4s %-60s %s (%s)\n", index + 1, "FAIL", c->name, msg,
+               clmha_status_string(st));
+    else if (wc)
+        printf("case %2zu %-4s %-60s out %.1e weights %.1e\n", index + 1, ok ? "ok" : "FAIL",
+               c->name, eo, ew);
+    else
+        printf("case %2zu %-4s %-60s out %.1e\n", index + 1, ok ? "ok" : "FAIL", c->name, eo);
+    fflush(stdout);
+
+    clmha_layer_release(layer);
+    float *arrays[] = {w_in, wq, wk, wv, b_in, wo, bo, bk, bv, query, key, value, out, w};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free(arrays[i]);
+    free(kpm);
+    free(am);
+    free(ref_out);
+    free(ref_w);
+    return ok;
+}
+
+int main(int argc, char **argv) {
+    enum { COUNT = sizeof cases / sizeof cases[0] };
+    bool verbose = false, whole_writes = false, list = false;
+    bool wanted[COUNT], any_number = false;
+    memset(wanted, 0, sizeof wanted);
+    for (int i = 1; i < argc; ++i) {
+        char *end = NULL;
+        unsigned long k = strtoul(argv[i], &end, 10);
+        if (strcmp(argv[i], "-v") == 0) {
+            verbose = true;
+        } else if (strcmp(argv[i], "--whole-writes") == 0) {
+            whole_writes = true;
+        } else if (strcmp(argv[i], "--list") == 0) {
+            list = true;
+        } else if (end != argv[i] && *end == '\0' && k >= 1 && k <= COUNT) {
+            wanted[k - 1] = any_number = true;
+        } else {
+            fprintf(stderr, "usage: %s [-v] [--whole-writes] [--list] [case number (1-%d)...]\n",
+                    argv[0], (int)COUNT);
+            return 2;
+        }
+    }
+    for (size_t i = 0; i < COUNT; ++i)
+        wanted[i] = (wanted[i] || !any_number) && !(whole_writes && partial_host_writes(&cases[i]));
+    if (list) {
+        for (size_t i = 0; i < COUNT; ++i)
+            if (wanted[i]) printf("%zu\n", i + 1);
+        return 0;
+    }
+
+    clmha_context *ctx = NULL;
+    if (clmha_context_create_from_env(&ctx) != CLMHA_SUCCESS) {
+        fprintf(stderr, "oclgrind_driver: no OpenCL context: %s\n", clmha_last_create_error());
+        return 2;
+    }
+    if (verbose) printf("device: %s\n", clmha_context_device_name(ctx));
+    size_t ran = 0, failed = 0;
+    for (size_t i = 0; i < COUNT; ++i) {
+        if (!wanted[i]) continue;
+        ++ran;
+        if (!run_case(ctx, i, &cases[i])) ++failed;
+    }
+    clmha_context_release(ctx);
+    printf("cases: %zu, failed: %zu\n", ran, failed);
+    return failed ? 1 : 0;
+}
