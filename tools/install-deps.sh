@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything clmha needs to build, test and run on Debian 12 (as root, or with sudo).
+# oclgrind runs the kernels in a checking simulator; python3-torch/numpy make and check the golden
+# data and run the ctypes example against PyTorch.
 set -euo pipefail
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
@@ -8,4 +10,5 @@ $SUDO apt-get update -q
 $SUDO apt-get install -y -q --no-install-recommends \
   build-essential cmake pkg-config \
   ocl-icd-opencl-dev opencl-c-headers pocl-opencl-icd clinfo \
-  libclblast-dev libcriterion-dev libcjson-dev libpng-dev
+  libclblast-dev libcriterion-dev libcjson-dev libpng-dev \
+  oclgrind python3-numpy python3-torch
