@@ -269,6 +269,7 @@ static clmha_status user_core(clmha_layer *l, const clmha_forward_args *a, const
     for (int i = 0; i < 4; ++i) {
         cl_buffer_region r = {offs[i] * sizeof(float), sizes[i] * sizeof(float)};
         cl_int err;
+        clmha__count(ctx, 0, 1);
         subs[i] = clCreateSubBuffer(l->heads, CL_MEM_READ_WRITE, CL_BUFFER_CREATE_TYPE_REGION, &r,
                                     &err);
         if (err != CL_SUCCESS) {

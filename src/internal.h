@@ -37,7 +37,18 @@ struct clmha_context {
     size_t max_work_group;
     clmha__program *programs;   // guarded by lock
     char last_error[CLMHA__ERROR_SIZE];
+    // Counters for tests (libclmha.a): program builds and device buffer allocations made by
+    // clmha itself on this context (CLBlast's own are not counted). Guarded by lock.
+    size_t program_builds, buffer_allocations;
 };
+
+// Reads the counters above (test hook, reachable through libclmha.a).
+CLMHA__HIDDEN void clmha__context_counters(clmha_context *ctx, size_t *program_builds,
+                                           size_t *buffer_allocations);
+
+// Adds to the counters above.
+CLMHA__HIDDEN void clmha__count(clmha_context *ctx, size_t program_builds,
+                                size_t buffer_allocations);
 
 // Records the last error of @p ctx and returns @p status.
 CLMHA__HIDDEN clmha_status clmha__fail(const clmha_context *ctx, clmha_status status,
@@ -191,7 +202,18 @@ struct clmha_context {
     size_t max_work_group;
     clmha__program *programs;   // guarded by lock
     char last_error[CLMHA__ERROR_SIZE];
+    // Counters for tests (libclmha.a): program builds and device buffer allocations made by
+    // clmha itself on this context (CLBlast's own are not counted). Guarded by lock.
+    size_t program_builds, buffer_allocations;
 };
+
+// Reads the counters above (test hook, reachable through libclmha.a).
+CLMHA__HIDDEN void clmha__context_counters(clmha_context *ctx, size_t *program_builds,
+                                           size_t *buffer_allocations);
+
+// Adds to the counters above.
+CLMHA__HIDDEN void clmha__count(clmha_context *ctx, size_t program_builds,
+                                size_t buffer_allocations);
 
 // Records the last error of @p ctx and returns @p status.
 CLMHA__HIDDEN clmha_status clmha__fail(const clmha_context *ctx, clmha_status status,

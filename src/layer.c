@@ -118,6 +118,7 @@ static clmha_status param_buffer(clmha_context *ctx, size_t count, const char *w
                            what, (unsigned long long)count * sizeof(float),
                            (unsigned long long)ctx->info.max_alloc_bytes);
     cl_int err;
+    clmha__count(ctx, 0, 1);
     *out = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateBuffer(parameters)");
     float zero = 0.0f;
@@ -266,6 +267,7 @@ static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t ne
                            what, need * sizeof(float),
                            (unsigned long long)ctx->info.max_alloc_bytes);
     cl_int err;
+    clmha__count(ctx, 0, 1);
     cl_mem m = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, need * sizeof(float), NULL, &err);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, what);
     release_mem(buf);  // freed by the driver once queued work that uses it has finished

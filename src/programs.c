@@ -41,6 +41,7 @@ static clmha_status build(clmha_context *ctx, const char *family, const char *op
     char all_options[512];
     snprintf(all_options, sizeof all_options, "%s%s%s", options, extra ? " " : "",
              extra ? extra : "");
+    clmha__count(ctx, 1, 0);
     err = clBuildProgram(prog, 1, &ctx->device, all_options, NULL, NULL);
     if (err != CL_SUCCESS) {
         char log[CLMHA__ERROR_SIZE - 200] = "";
