@@ -35,16 +35,35 @@
 /// ## Conventions
 /// - Tensors are dense, row-major (C order) float32 arrays described by `ndim` and `shape`, with
 ///   PyTorch's shapes: query (L, N, E), or (N, L, E) with batch_first, or (L, E) unbatched.
-/// - Every function returns a ::clmha_status; ::CLMHA_SUCCESS is 0. On failure nothing was
-///   enqueued, no output was written and `*event` is NULL. clmha_context_last_error() gives a
-///   message that names the argument and shapes involved.
+///   N is the batch size, L the target and S the source length, E = embed_dim, H = num_heads,
+///   D = E / H the head dimension, and S' = S + add_bias_kv + add_zero_attn the number of keys
+///   the softmax sees.
+/// - Every function that can fail returns a ::clmha_status: ::CLMHA_SUCCESS (0) or a negative
+///   code. A constructor that fails sets `*out` to NULL. A failure also records a message that
+///   names the argument and shapes involved: in the context (clmha_context_last_error()), or,
+///   when the call has no context (context creation, a NULL context or layer), in a per-thread
+///   buffer (clmha_last_create_error()). clmha_device_select() and clmha_reference_forward()
+///   write it to a caller's buffer instead; clmha_devices_list() and clmha_layer_get_desc()
+///   record none.
+/// - A call that fails validation (arguments, shapes, masks, buffers) has enqueued nothing and
+///   written no output, and `*event` is NULL. When an OpenCL or CLBlast call fails while a
+///   forward pass is being enqueued, the function returns at once with `*event` NULL, but the
+///   commands enqueued before the failure stay on the queue and run: they write the layer's
+///   scratch and may write the caller's output and weights buffers, whose contents are then
+///   unspecified. The host-array functions write the caller's arrays only once the whole pass
+///   has finished on the device.
 /// - The library never prints, aborts or exits.
 ///
 /// ## Threading
-/// A context may be shared by several threads; its program cache and error message are protected
-/// by a lock (the error message is the last one of any thread). A layer must not be used by two
-/// threads at once: give each thread its own layer. Work on one context is enqueued on its single
-/// in-order queue, so threads sharing a context serialise on the device.
+/// A context may be shared by several threads: its reference count, program cache and error
+/// message are protected by a lock (the error message is the last one of any thread). A layer
+/// must not be used by two threads at once (its kernel arguments and scratch are per layer): give
+/// each thread its own layer. Work on one context is enqueued on its single in-order queue, so
+/// threads sharing a context serialise on the device, and a call that waits (layer creation and
+/// loading, parameter copies, the host-array forward pass, clmha_layer_bake(),
+/// clmha_layer_stage_times(), clmha_layer_save(), the last clmha_context_release()) also waits
+/// for the work other threads enqueued on that queue before it. clmha_reference_forward()
+/// touches no shared state.
 ///
 /// ## The one deliberate difference from PyTorch
 /// A query row whose every key is masked gives zero attention weights and a zero attention result
@@ -78,7 +97,8 @@ extern "C" {
 #define CLMHA_API __attribute__((visibility("default")))
 #endif
 
-/// X-macro table of every status: name, value, description.
+/// X-macro table of every status: `X(NAME, value, "description")`, NAME without the `CLMHA_`
+/// prefix. It generates ::clmha_status and the status texts.
 #define CLMHA_STATUS_MAP(X)                                                                    \
     X(SUCCESS, 0, "success")                                                                   \
     X(INVALID_ARGUMENT, -1, "invalid argument")                                                \
@@ -96,64 +116,132 @@ extern "C" {
     X(IO_ERROR, -13, "file could not be read or written")                                      \
     X(INVALID_FILE, -14, "file is malformed or of an unsupported kind")
 
-/// Status codes. Every public function that can fail returns one.
+/// Status codes, generated from ::CLMHA_STATUS_MAP: 0 for success, negative for failures. Every
+/// public function that can fail returns one; the functions list the codes they can return.
 typedef enum clmha_status {
 #define CLMHA__STATUS_ENUM(name, value, text) CLMHA_##name = value,
     CLMHA_STATUS_MAP(CLMHA__STATUS_ENUM)
 #undef CLMHA__STATUS_ENUM
 } clmha_status;
 
-/// A short, static, human description of @p status ("unknown status" for other values).
+/// @var CLMHA_SUCCESS
+/// 0: the call did what it was asked.
+/// @var CLMHA_INVALID_ARGUMENT
+/// -1: a required pointer is NULL; a value is out of range (descriptor, bake sizes); a parameter
+/// name is unknown or names a parameter the layer does not have; a cl_mem, queue or wait list
+/// does not fit the call (wrong context, too small, write-only output with bias, out-of-order
+/// queue); or the call comes in the wrong state (stage times without a profiled call).
+/// @var CLMHA_SHAPE_MISMATCH
+/// -2: an input's rank, feature count, batch size or source length does not match the layer or
+/// the other inputs, or a count (parameter floats, output or weights array) is not the one the
+/// call needs.
+/// @var CLMHA_INVALID_MASK
+/// -3: a mask has an unknown kind, a tensor or `per_batch` but kind ::CLMHA_MASK_NONE, a shape
+/// that fits none of its layouts, or `per_batch` where it does not apply.
+/// @var CLMHA_UNSUPPORTED
+/// -4: the device or queue cannot do it: at present only clmha_layer_set_profiling() on a queue
+/// without CL_QUEUE_PROFILING_ENABLE.
+/// @var CLMHA_DEVICE_NOT_FOUND
+/// -5: no OpenCL device is installed, or none matches the device spec.
+/// @var CLMHA_OUT_OF_MEMORY
+/// -6: a host allocation failed; a buffer would exceed the device's largest allocation
+/// (clmha_device_info::max_alloc_bytes); or OpenCL or CLBlast reported
+/// CL_MEM_OBJECT_ALLOCATION_FAILURE, CL_OUT_OF_RESOURCES, CL_OUT_OF_HOST_MEMORY or
+/// CL_INVALID_BUFFER_SIZE.
+/// @var CLMHA_BUILD_FAILED
+/// -7: an OpenCL program did not compile: one of clmha's kernels (the message holds the build
+/// log) or a GEMM kernel CLBlast compiles on first use.
+/// @var CLMHA_OPENCL_ERROR
+/// -8: any other failure of an OpenCL call; the message names the call and the CL error.
+/// @var CLMHA_BLAS_ERROR
+/// -9: any other failure of a CLBlast call; the message gives CLBlast's status.
+/// @var CLMHA_SIZE_OVERFLOW
+/// -10: a size product (tensor elements, parameter, scratch or file size) does not fit in size_t.
+/// @var CLMHA_NOT_READY
+/// -11: reserved; no function returns it at present (parameters start at zero, so a new layer
+/// can run at once).
+/// @var CLMHA_CALLBACK_FAILED
+/// -12: the user attention core (clmha_layer_set_attention()) returned a status other than
+/// ::CLMHA_SUCCESS; the message names that status.
+/// @var CLMHA_IO_ERROR
+/// -13: a file could not be opened, read, written or renamed; the message gives the reason.
+/// @var CLMHA_INVALID_FILE
+/// -14: a layer file is malformed, or its tensors or metadata are unknown, missing or
+/// inconsistent; the message names the file and the culprit.
+
+/// Text of a status, for messages.
+/// @param[in] status  any value
+/// @return "CLMHA_<NAME>: <description>" (e.g. "CLMHA_INVALID_MASK: mask has the wrong shape,
+///         kind or polarity"), or "unknown status" for a value that is not a ::clmha_status.
+///         A static string: never NULL, never to be freed.
 CLMHA_API const char *clmha_status_string(clmha_status status);
 
-/// The library version at run time, "MAJOR.MINOR.PATCH".
+/// The version of the library loaded at run time (compare with ::CLMHA_VERSION_STRING, the
+/// version of the headers compiled against).
+/// @return "MAJOR.MINOR.PATCH", a static string
 CLMHA_API const char *clmha_version(void);
 
-/// Opaque handles.
+/// A context: an OpenCL context, one device and one in-order command queue, with the compiled
+/// kernel programs and the last error message. Reference-counted and thread-safe. Made by
+/// clmha_context_create(), clmha_context_create_from_env() or clmha_context_create_from_cl();
+/// freed by the last clmha_context_release().
 typedef struct clmha_context clmha_context;
+/// One attention layer: its configuration, its parameters in device buffers, its kernels and
+/// its scratch buffers. Made by clmha_layer_create() or clmha_layer_load(), freed by
+/// clmha_layer_release(). Use it from one thread at a time.
 typedef struct clmha_layer clmha_layer;
 
 // ---------------------------------------------------------------------------------------------
 // Devices
 // ---------------------------------------------------------------------------------------------
 
-/// One OpenCL device as seen by clmha_devices_list().
+/// One OpenCL device as seen by clmha_devices_list(). Strings are NUL-terminated and truncated
+/// to fit. The OpenCL handles are not retained (platforms and root devices need no reference).
 typedef struct clmha_device_info {
     unsigned platform_index;    ///< index of the platform in clGetPlatformIDs order
     unsigned device_index;      ///< index of the device within its platform
-    cl_platform_id platform;
-    cl_device_id device;
+    cl_platform_id platform;    ///< the platform
+    cl_device_id device;        ///< the device
     cl_device_type type;        ///< CL_DEVICE_TYPE_GPU, _CPU, _ACCELERATOR, ...
-    char platform_name[128];
-    char device_name[128];
-    char driver_version[64];
-    cl_uint compute_units;
-    cl_ulong global_mem_bytes;
-    cl_ulong local_mem_bytes;
-    cl_ulong max_alloc_bytes;
+    char platform_name[128];    ///< CL_PLATFORM_NAME
+    char device_name[128];      ///< CL_DEVICE_NAME
+    char driver_version[64];    ///< CL_DRIVER_VERSION
+    cl_uint compute_units;      ///< CL_DEVICE_MAX_COMPUTE_UNITS
+    cl_ulong global_mem_bytes;  ///< CL_DEVICE_GLOBAL_MEM_SIZE
+    cl_ulong local_mem_bytes;   ///< CL_DEVICE_LOCAL_MEM_SIZE
+    cl_ulong max_alloc_bytes;   ///< CL_DEVICE_MAX_MEM_ALLOC_SIZE: the largest single buffer, which
+                                ///< bounds a layer's scores scratch of N·H·L·S' floats
     bool fp16;                  ///< cl_khr_fp16
     bool fp64;                  ///< cl_khr_fp64 (or double support reported)
     char spec[32];              ///< "P:D", the spec string that selects exactly this device
 } clmha_device_info;
 
-/// Lists every device of every platform.
+/// Lists every device of every platform (at most 32 platforms and 64 devices per platform; a
+/// platform whose devices cannot be queried is skipped). Records no error message.
 /// @param[out] infos     array of @p capacity entries to fill (may be NULL when capacity is 0)
 /// @param[in]  capacity  number of entries @p infos holds
-/// @param[out] count     total number of devices found (may exceed @p capacity)
-/// @return ::CLMHA_SUCCESS (also when no device exists: *count is 0), ::CLMHA_INVALID_ARGUMENT,
-///         ::CLMHA_OPENCL_ERROR
+/// @param[out] count     total number of devices found (may exceed @p capacity: only the first
+///                       @p capacity are described)
+/// @return ::CLMHA_SUCCESS (also when no device or no OpenCL platform exists: *count is 0),
+///         ::CLMHA_INVALID_ARGUMENT (@p count NULL, or @p infos NULL with a capacity),
+///         ::CLMHA_OPENCL_ERROR (clGetPlatformIDs failed)
 CLMHA_API clmha_status clmha_devices_list(clmha_device_info *infos, size_t capacity,
                                           size_t *count);
 
 /// Selects a device by @p spec:
 /// - NULL or "" : the first GPU, else the first device of any type;
 /// - "P:D"      : platform index P, device index D;
-/// - "gpu", "cpu", "accelerator" : the first device of that type;
+/// - "gpu", "cpu", "accelerator" : the first device of that type (case-insensitive);
 /// - anything else: the first device whose platform or device name contains @p spec
 ///   (case-insensitive).
-/// @return ::CLMHA_SUCCESS, ::CLMHA_DEVICE_NOT_FOUND (with a hint in @p message),
-///         ::CLMHA_INVALID_ARGUMENT, ::CLMHA_OPENCL_ERROR
-/// @param[out] message optional buffer for a human message on failure (may be NULL)
+/// @param[in]  spec          the device spec (may be NULL)
+/// @param[out] out           the selected device, written only on success
+/// @param[out] message       optional buffer for a human message on failure (may be NULL);
+///                           untouched on success
+/// @param[in]  message_size  size of @p message in bytes (ignored when @p message is NULL)
+/// @return ::CLMHA_SUCCESS, ::CLMHA_DEVICE_NOT_FOUND (no device at all, with an installation
+///         hint in @p message, or none matching, with the list of devices),
+///         ::CLMHA_INVALID_ARGUMENT (@p out NULL), ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_device_select(const char *spec, clmha_device_info *out,
                                            char *message, size_t message_size);
 
@@ -162,45 +250,84 @@ CLMHA_API clmha_status clmha_device_select(const char *spec, clmha_device_info *
 // ---------------------------------------------------------------------------------------------
 
 /// Creates a context on the device chosen by @p spec (see clmha_device_select()), with its own
-/// cl_context and in-order queue (profiling enabled).
-/// @param[out] out  the new context, or NULL on failure (see clmha_last_create_error())
-/// @return ::CLMHA_SUCCESS, ::CLMHA_DEVICE_NOT_FOUND, ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY
+/// cl_context and in-order queue (profiling enabled). The caller owns one reference.
+/// @param[out] out   the new context, or NULL on failure (the message is in
+///                   clmha_last_create_error())
+/// @param[in]  spec  device spec as for clmha_device_select(); NULL or "" for the default device
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p out NULL), ::CLMHA_DEVICE_NOT_FOUND,
+///         ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_context_create(clmha_context **out, const char *spec);
 
 /// Like clmha_context_create() with the spec taken from the environment variable CLMHA_DEVICE
 /// (unset or empty: the default device).
+/// @param[out] out  the new context, or NULL on failure (see clmha_last_create_error())
+/// @return the statuses of clmha_context_create()
 CLMHA_API clmha_status clmha_context_create_from_env(clmha_context **out);
 
 /// Wraps the caller's OpenCL objects. @p queue must belong to @p context and @p device and be
-/// in-order. All three are retained while the clmha context lives and released by
-/// clmha_context_release(); the caller keeps its own references. Releasing the last reference
-/// also clears CLBlast's process-wide program cache (whose programs hold references to the
+/// in-order; it need not have CL_QUEUE_PROFILING_ENABLE (without it clmha_layer_set_profiling()
+/// fails). The cl_context and the queue are retained while the clmha context lives and released
+/// by its last clmha_context_release(); the device is not retained (a root device needs no
+/// reference; a sub-device must outlive the clmha context). The caller keeps its own references,
+/// and its own work on the queue is ordered with clmha's. Releasing the last reference also
+/// clears CLBlast's process-wide program cache (whose programs hold references to the
 /// cl_context), so the caller's reference counts return to where they were.
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, queue of another context or device,
-///         out-of-order queue), ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY
+/// @param[out] out      the new context, or NULL on failure (see clmha_last_create_error())
+/// @param[in]  context  the caller's OpenCL context
+/// @param[in]  device   a device of @p context
+/// @param[in]  queue    an in-order command queue of @p context on @p device
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, invalid queue, queue of another
+///         context or device, out-of-order queue), ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_context_create_from_cl(clmha_context **out, cl_context context,
                                                     cl_device_id device, cl_command_queue queue);
 
 /// Message of the last failure in this thread that had no context to hold it: context creation,
-/// and calls given a NULL context or layer. Never NULL.
+/// and calls given a NULL context or layer.
+/// @return a NUL-terminated message, "" before the first such failure. Never NULL. It points to
+///         a per-thread buffer, valid for the life of the thread and overwritten by the thread's
+///         next such failure.
 CLMHA_API const char *clmha_last_create_error(void);
 
-/// Adds a reference. Layers hold one on their context.
+/// Adds a reference (thread-safe). Every layer also holds one on its context.
+/// @param[in] ctx  the context (NULL is ignored)
 CLMHA_API void clmha_context_retain(clmha_context *ctx);
 
-/// Drops a reference; the last one frees the context. Accepts NULL.
+/// Drops a reference (thread-safe). The last one waits for the context's queue to finish
+/// (clFinish), frees the context and its programs, releases its OpenCL objects, and clears
+/// CLBlast's process-wide program cache (other contexts then recompile their GEMM kernels on
+/// next use). A context therefore lives until its last layer is released.
+/// @param[in] ctx  the context (NULL is ignored)
 CLMHA_API void clmha_context_release(clmha_context *ctx);
 
-/// Human message describing the last failure of a call on this context (or a layer of it).
-/// The returned pointer stays valid until the next failing call. Never NULL.
+/// Human message describing the last failure of a call on this context (or a layer of it), from
+/// any thread.
+/// @param[in] ctx  the context (may be NULL)
+/// @return a NUL-terminated message, "" before the first failure, or a static "ctx is NULL".
+///         Never NULL. It points into the context (valid while the context lives) and is
+///         overwritten by the next failure on this context in any thread: copy it before
+///         another thread may fail on the same context.
 CLMHA_API const char *clmha_context_last_error(const clmha_context *ctx);
 
-/// The underlying OpenCL objects (not retained for the caller).
+/// The context's OpenCL context.
+/// @param[in] ctx  the context (may be NULL)
+/// @return the cl_context, or NULL when @p ctx is NULL. Not retained for the caller: retain it
+///         to keep it beyond the life of @p ctx.
 CLMHA_API cl_context clmha_context_cl_context(const clmha_context *ctx);
+/// The context's device.
+/// @param[in] ctx  the context (may be NULL)
+/// @return the cl_device_id, or NULL when @p ctx is NULL. Not retained for the caller.
 CLMHA_API cl_device_id clmha_context_cl_device(const clmha_context *ctx);
+/// The context's in-order command queue, on which clmha enqueues all its work. A caller may
+/// enqueue on it too, e.g. to order its own commands with clmha's without events.
+/// @param[in] ctx  the context (may be NULL)
+/// @return the cl_command_queue, or NULL when @p ctx is NULL. Not retained for the caller:
+///         retain it to keep it beyond the life of @p ctx.
 CLMHA_API cl_command_queue clmha_context_cl_queue(const clmha_context *ctx);
 
-/// Device description of the context ("platform / device").
+/// Device description of the context.
+/// @param[in] ctx  the context (may be NULL)
+/// @return "platform name / device name", owned by the context and valid while it lives, or ""
+///         when @p ctx is NULL. Never NULL.
 CLMHA_API const char *clmha_context_device_name(const clmha_context *ctx);
 
 // ---------------------------------------------------------------------------------------------
@@ -209,10 +336,11 @@ CLMHA_API const char *clmha_context_device_name(const clmha_context *ctx);
 
 /// Configuration of a layer; the fields and their meaning are those of
 /// `torch.nn.MultiheadAttention(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn,
-/// kdim, vdim, batch_first)`. Zero-initialise it, then set what you need.
+/// kdim, vdim, batch_first)`. Zero-initialise it, then set what you need (note that zero means
+/// bias = false, where PyTorch's default is true).
 typedef struct clmha_layer_desc {
-    size_t embed_dim;    ///< E, must be a multiple of num_heads
-    size_t num_heads;    ///< H
+    size_t embed_dim;    ///< E, positive and a multiple of num_heads
+    size_t num_heads;    ///< H, positive; the head dimension is D = E / H
     size_t kdim;         ///< features of key; 0 means embed_dim
     size_t vdim;         ///< features of value; 0 means embed_dim
     bool bias;           ///< in_proj_bias and out_proj.bias exist (PyTorch's default is true)
@@ -222,20 +350,33 @@ typedef struct clmha_layer_desc {
     float dropout;       ///< probability in [0, 1) of zeroing an attention weight in training
 } clmha_layer_desc;
 
-/// Creates a layer on @p ctx: validates the descriptor, builds the kernel programs and allocates
-/// the parameter buffers (zero-filled). The layer retains the context.
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_BUILD_FAILED, ::CLMHA_OUT_OF_MEMORY,
-///         ::CLMHA_OPENCL_ERROR
+/// Creates a layer on @p ctx: validates the descriptor, builds the kernel programs (cached per
+/// context, so only the first layer of a kind compiles) and allocates the parameter buffers
+/// (zero-filled; the call waits for the fill). The layer retains the context.
+/// @param[out] out   the new layer, or NULL on failure
+/// @param[in]  ctx   the context to create it on
+/// @param[in]  desc  the configuration; copied, with kdim and vdim of 0 replaced by embed_dim
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, E or H zero, E not divisible by H,
+///         dropout outside [0, 1)), ::CLMHA_SIZE_OVERFLOW (parameter sizes),
+///         ::CLMHA_BUILD_FAILED, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
                                           const clmha_layer_desc *desc);
 
-/// Frees the layer and drops its context reference. Accepts NULL.
+/// Frees the layer and drops its context reference. Forward passes still running keep their
+/// buffers until they finish; the call does not wait for them unless it drops the context's
+/// last reference (see clmha_context_release()).
+/// @param[in] layer  the layer (NULL is ignored)
 CLMHA_API void clmha_layer_release(clmha_layer *layer);
 
-/// The descriptor the layer was created with (kdim/vdim filled in).
+/// The descriptor the layer was created with. Records no message on failure.
+/// @param[in]  layer  the layer
+/// @param[out] desc   the descriptor, with kdim and vdim filled in
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p layer or @p desc NULL)
 CLMHA_API clmha_status clmha_layer_get_desc(const clmha_layer *layer, clmha_layer_desc *desc);
 
-/// The context the layer lives on (not retained for the caller).
+/// The context the layer lives on.
+/// @param[in] layer  the layer (may be NULL)
+/// @return the context, or NULL when @p layer is NULL. Not retained for the caller.
 CLMHA_API clmha_context *clmha_layer_context(const clmha_layer *layer);
 
 /// Copies one parameter from host memory, by its PyTorch name and with its PyTorch shape:
@@ -249,27 +390,60 @@ CLMHA_API clmha_context *clmha_layer_context(const clmha_layer *layer);
 /// | `out_proj.weight` | (E, E)       | always                                |
 /// | `out_proj.bias`   | (E)          | bias                                  |
 /// | `bias_k`, `bias_v`| (1, 1, E)    | add_bias_kv                           |
-/// Parameters start at zero. The copy is finished when the call returns.
-/// @param[in] count number of floats in @p data; must equal the product of the shape
+/// `out_proj_weight` and `out_proj_bias` are accepted as aliases. `q_proj_weight`,
+/// `k_proj_weight` and `v_proj_weight` are the row blocks of `in_proj_weight` when that exists
+/// (setting one changes it). Parameters start at zero.
+/// The copy is a blocking write on the context's queue: it runs after the work already queued
+/// (forward passes queued before it use the old values) and is finished when the call returns.
+/// @param[in] layer  the layer
+/// @param[in] name   the parameter's PyTorch name
+/// @param[in] data   @p count floats, row-major; read only during the call
+/// @param[in] count  number of floats in @p data; must equal the product of the shape
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (unknown name, parameter the layer does not
-///         have, NULL), ::CLMHA_SHAPE_MISMATCH (wrong count), ::CLMHA_OPENCL_ERROR
+///         have, NULL), ::CLMHA_SHAPE_MISMATCH (wrong count), ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_layer_set_parameter(clmha_layer *layer, const char *name,
                                                  const float *data, size_t count);
 
-/// Copies one parameter back to host memory (same names and shapes as above).
+/// Copies one parameter back to host memory (same names and shapes as
+/// clmha_layer_set_parameter()). A blocking read: it waits for the work already queued.
+/// @param[in]  layer  the layer
+/// @param[in]  name   the parameter's PyTorch name
+/// @param[out] data   room for @p count floats
+/// @param[in]  count  must equal the parameter's number of floats
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (unknown name, parameter the layer does not
+///         have, NULL), ::CLMHA_SHAPE_MISMATCH (wrong count), ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_layer_get_parameter(clmha_layer *layer, const char *name,
                                                  float *data, size_t count);
 
-/// Number of floats of parameter @p name for this layer (0 when the layer has no such parameter).
+/// Size of a parameter of this layer (see clmha_layer_set_parameter() for the names).
+/// @param[in] layer  the layer (may be NULL)
+/// @param[in] name   the parameter's PyTorch name (may be NULL)
+/// @return the number of floats of parameter @p name, or 0 when the layer has no such parameter
+///         or an argument is NULL
 CLMHA_API size_t clmha_layer_parameter_count(const clmha_layer *layer, const char *name);
 
 /// Sizes the layer's scratch buffers for inputs up to @p batch x @p tgt_len x @p src_len and
 /// warms up the GEMMs, so that later forward calls at or below these sizes allocate nothing and
 /// compile nothing. Optional: a forward call on larger inputs grows the scratch itself.
+/// It runs one forward pass on zeros (self-attention when @p tgt_len == @p src_len and
+/// kdim == vdim == E, else cross-attention; through the user core when one is set) and waits
+/// for it to finish.
+/// @param[in] layer         the layer
+/// @param[in] batch         N, positive
+/// @param[in] tgt_len       L, positive
+/// @param[in] src_len       S, positive
+/// @param[in] need_weights  whether the warm-up pass also produces (averaged) weights
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, a zero size),
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
+///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len,
                                         size_t src_len, bool need_weights);
 
-/// Bytes of device scratch the layer currently holds.
+/// Device scratch the layer currently holds (it grows on demand and never shrinks).
+/// @param[in] layer  the layer (may be NULL)
+/// @return the size in bytes, 0 for NULL
 CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
 
 // ---------------------------------------------------------------------------------------------
@@ -279,19 +453,26 @@ CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
 /// Creates a layer from a `.safetensors` file whose tensors are named and shaped as
 /// `nn.MultiheadAttention.state_dict()` gives them (`in_proj_weight` or
 /// `q_proj_weight`/`k_proj_weight`/`v_proj_weight`, `in_proj_bias`, `out_proj.weight`,
-/// `out_proj.bias`, `bias_k`, `bias_v`), F32, F16 or F64 (converted to float). The file's
-/// `__metadata__` gives `num_heads` (required), `batch_first`, `add_zero_attn` ("true"/"false",
-/// default false) and `dropout` (default 0); embed_dim, kdim, vdim, bias and add_bias_kv follow
-/// from the tensors present and their shapes.
+/// `out_proj.bias`, `bias_k`, `bias_v`; any other tensor is refused), F32, F16 or F64
+/// (converted to float). The file's `__metadata__` gives `num_heads` (required), `batch_first`,
+/// `add_zero_attn` ("true"/"false", default false) and `dropout` (default 0); embed_dim, kdim,
+/// vdim, bias and add_bias_kv follow from the tensors present and their shapes. The parameters
+/// are copied before the call returns.
+/// @param[out] out   the new layer, or NULL on failure
+/// @param[in]  ctx   the context to create it on
+/// @param[in]  path  the file's path
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_IO_ERROR (cannot open or read),
 ///         ::CLMHA_INVALID_FILE (malformed file, missing or inconsistent tensors or metadata; the
 ///         message names the file and the culprit), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY,
-///         and the statuses of clmha_layer_create()
+///         and the statuses of clmha_layer_create() and clmha_layer_set_parameter()
 CLMHA_API clmha_status clmha_layer_load(clmha_layer **out, clmha_context *ctx, const char *path);
 
 /// Writes the layer to @p path in the format clmha_layer_load() reads (F32 tensors, metadata
 /// with num_heads, batch_first, add_zero_attn and dropout). The file appears whole or not at all
-/// (written to a temporary file in the same folder, then renamed).
+/// (written to a temporary file in the same folder, then renamed; a file it replaces keeps its
+/// permissions). Reading the parameters waits for the work already queued.
+/// @param[in] layer  the layer
+/// @param[in] path   the file's path (not empty)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_IO_ERROR, ::CLMHA_OUT_OF_MEMORY,
 ///         ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_layer_save(clmha_layer *layer, const char *path);
@@ -300,7 +481,9 @@ CLMHA_API clmha_status clmha_layer_save(clmha_layer *layer, const char *path);
 // Forward pass
 // ---------------------------------------------------------------------------------------------
 
-/// How a mask's values are read. Boolean masks are one byte per element (0 or non-zero).
+/// How a mask's values are read. Boolean masks are one byte per element (0 or non-zero). Each
+/// mask becomes an additive term (0 or -inf for boolean masks); key_padding_mask, attn_mask and
+/// is_causal may be combined, and their terms add up.
 typedef enum clmha_mask_kind {
     CLMHA_MASK_NONE = 0,      ///< no mask
     CLMHA_MASK_BOOL_IGNORE,   ///< non-zero = may NOT attend (nn.MultiheadAttention's bool masks)
@@ -309,13 +492,15 @@ typedef enum clmha_mask_kind {
 } clmha_mask_kind;
 
 /// A dense row-major tensor. The device forward reads @ref buffer at element offset
-/// @ref offset; the host forward reads @ref data.
+/// @ref offset; the host forward and the CPU reference read @ref data.
 typedef struct clmha_tensor {
-    size_t ndim;          ///< number of dimensions (1 to 4)
-    size_t shape[4];      ///< sizes, outermost first, as PyTorch prints them
-    cl_mem buffer;        ///< device forward: the buffer holding the tensor
+    size_t ndim;          ///< number of dimensions: 2 or 3 for inputs, 1 to 3 for masks, 0 for
+                          ///< an absent key, value or mask
+    size_t shape[4];      ///< sizes, outermost first, as PyTorch prints them (the first ndim)
+    cl_mem buffer;        ///< device forward: the buffer holding the tensor, of the layer's
+                          ///< cl_context
     size_t offset;        ///< device forward: offset in elements (floats or bytes for bool masks)
-    const void *data;     ///< host forward: pointer to the first element
+    const void *data;     ///< host forward: pointer to the first element, read during the call
 } clmha_tensor;
 
 /// A mask: a kind and a tensor.
@@ -324,69 +509,128 @@ typedef struct clmha_tensor {
 /// attn_mask: (L, S) shared by every batch and head; (N*H, L, S) per batch and head; or, with
 /// @ref per_batch set, (N, L, S) shared by the heads of each batch item (continuiti's layout).
 /// Unbatched inputs take (L, S) or (H, L, S).
+/// Masks cover the first S keys; the keys appended by add_bias_kv and add_zero_attn are never
+/// masked.
 typedef struct clmha_mask {
-    clmha_mask_kind kind;
+    clmha_mask_kind kind; ///< how the values are read; ::CLMHA_MASK_NONE: no mask (tensor.ndim
+                          ///< must be 0 and per_batch false)
     bool per_batch;       ///< attn_mask only: 3-D mask is (N, L, S), repeated for every head
-    clmha_tensor tensor;
+    clmha_tensor tensor;  ///< the values: bytes for boolean kinds, floats for ::CLMHA_MASK_FLOAT
 } clmha_mask;
 
 /// Dropout randomness: weight (n, h, i, j) is dropped when the first word of
 /// Philox4x32-10(counter = {j, i, n*H + h, offset low 32 bits},
 ///               key = {seed low 32 bits, seed high 32 bits XOR offset high 32 bits})
-/// divided by 2^32 is below p. Same seed and offset: same result on every device.
+/// divided by 2^32 is below p; kept weights are scaled by 1/(1 - p). Same seed and offset:
+/// same result on every device and in clmha_reference_forward() (not the same as PyTorch's
+/// generator).
 typedef struct clmha_dropout_rng {
-    uint64_t seed;
-    uint64_t offset;
+    uint64_t seed;    ///< the Philox key
+    uint64_t offset;  ///< part of the counter: change it (e.g. add 1 per call) for a new pattern
 } clmha_dropout_rng;
 
 struct clmha_core_args;
 
-/// A user-supplied attention core (continuiti's `attention` argument). It receives the projected,
-/// head-split device buffers and must enqueue work that fills `out` (and `weights` when not NULL)
-/// on `queue`, waiting for `wait_list` and returning an event in `*event` (or enqueue nothing
-/// and return a marker). Return ::CLMHA_SUCCESS or another status to abort the forward pass.
+/// A user-supplied attention core (continuiti's `attention` argument), set with
+/// clmha_layer_set_attention(). It replaces the scores, masks/softmax/dropout and weights·V
+/// stages: it receives the projected, head-split device buffers and must enqueue work on
+/// `args->queue` that fills `out` (and `weights` when not NULL), applying the masks, is_causal
+/// and dropout itself if it wants them. It is called synchronously, once per forward call
+/// (including the one of clmha_layer_bake()), on the calling thread; it may block. It may
+/// store an event for its work in `*args->event` (clmha releases it; the in-order queue orders
+/// what follows anyway) or leave it NULL. @p args, the masks it points to and its sub-buffers are
+/// valid only during the call.
+/// @param[in] args       the buffers and sizes of this call
+/// @param[in] user_data  the pointer given to clmha_layer_set_attention()
+/// @return ::CLMHA_SUCCESS, or any other status to abort the forward pass, which then returns
+///         ::CLMHA_CALLBACK_FAILED (work the core already enqueued stays queued)
 typedef clmha_status (*clmha_attention_fn)(const struct clmha_core_args *args, void *user_data);
 
-/// Arguments of one forward call. Zero-initialise, then set what you need.
+/// Arguments of one forward call. Zero-initialise, then set what you need. Read only during the
+/// call.
 typedef struct clmha_forward_args {
     clmha_tensor query;            ///< (L, N, E), (N, L, E) with batch_first, or (L, E)
     clmha_tensor key;              ///< (S, N, kdim) likewise; ndim 0 = same as query
-    clmha_tensor value;            ///< (S, N, vdim) likewise; ndim 0 = same as key
-    clmha_mask key_padding_mask;   ///< optional
-    clmha_mask attn_mask;          ///< optional
-    bool is_causal;                ///< forbid key j > query i (top-left aligned), built on device
-    bool need_weights;             ///< also return attention weights
-    bool per_head_weights;         ///< weights per head (N, H, L, S); else averaged (N, L, S)
+                                   ///< (self-attention; needs kdim == vdim == E)
+    clmha_tensor value;            ///< (S, N, vdim) likewise; ndim 0 = same as key (needs
+                                   ///< kdim == vdim); must be 0 when key is
+    clmha_mask key_padding_mask;   ///< optional: (N, S), or (S) unbatched
+    clmha_mask attn_mask;          ///< optional: (L, S), (N*H, L, S), per_batch (N, L, S); see
+                                   ///< ::clmha_mask
+    bool is_causal;                ///< forbid key j > query i (top-left aligned), built on device;
+                                   ///< adds to attn_mask when both are given
+    bool need_weights;             ///< also return attention weights (PyTorch's default is true)
+    bool per_head_weights;         ///< weights per head (N, H, L, S'); else averaged (N, L, S')
+                                   ///< (PyTorch's average_attn_weights = not per_head_weights)
     bool training;                 ///< apply the layer's dropout (PyTorch's train())
     clmha_dropout_rng rng;         ///< used when training and dropout > 0
 } clmha_forward_args;
 
 /// What a user attention core receives. Layouts: q (N*H, L, D), k and v (N*H, S', D), out
 /// (N*H, L, D), weights (N*H, L, S'), row-major, element offset 0; S' = S + add_bias_kv +
-/// add_zero_attn. The masks are the caller's, unchanged (they cover the first S keys; the
-/// appended keys are never masked). `scale` = 1/sqrt(D).
+/// add_zero_attn. q, k, v and out are sub-buffers of the layer's scratch, released when the
+/// core returns; weights is the layer's scores buffer. The masks are the caller's, unchanged
+/// (they cover the first S keys; the appended keys are never masked). `scale` = 1/sqrt(D).
 typedef struct clmha_core_args {
-    cl_command_queue queue;
+    cl_command_queue queue;  ///< the context's in-order queue: enqueue the work here
+    /// @var batch
+    /// N, the batch size (1 for unbatched inputs).
+    /// @var num_heads
+    /// H, the number of heads.
+    /// @var tgt_len
+    /// L, the target (query) length.
+    /// @var src_len
+    /// S, the source length of the caller's key and value (the masks' last dimension).
+    /// @var src_len_padded
+    /// S' = S + add_bias_kv + add_zero_attn, the keys in k and v.
+    /// @var head_dim
+    /// D = E / H.
     size_t batch, num_heads, tgt_len, src_len, src_len_padded, head_dim;
-    float scale;
+    float scale;             ///< 1/sqrt(D), the factor of the scores q·kᵀ
+    /// @var q
+    /// Queries (N*H, L, D), in_proj_bias added.
+    /// @var k
+    /// Keys (N*H, S', D), in_proj_bias added, then bias_k and a zero row when the layer has them.
+    /// @var v
+    /// Values (N*H, S', D), like @ref k with bias_v.
+    /// @var out
+    /// Where the core writes the attention result (N*H, L, D), weights·V.
+    /// @var weights
+    /// Where the core writes the attention weights (N*H, L, S'), after masks, softmax and
+    /// dropout, when the call wants weights (clmha then copies or averages them); else NULL.
     cl_mem q, k, v, out, weights;
-    const clmha_mask *key_padding_mask;
-    const clmha_mask *attn_mask;
-    bool is_causal;
-    bool training;
-    float dropout;
-    clmha_dropout_rng rng;
-    cl_uint num_wait;
-    const cl_event *wait_list;
-    cl_event *event;
+    const clmha_mask *key_padding_mask;  ///< the caller's key_padding_mask; its tensor.buffer
+                                         ///< is on the device also for the host-array forward
+    const clmha_mask *attn_mask;         ///< the caller's attn_mask, likewise
+    bool is_causal;                      ///< the caller's is_causal
+    bool training;                       ///< the caller's training flag
+    float dropout;                       ///< the layer's dropout probability p
+    clmha_dropout_rng rng;               ///< the caller's dropout randomness
+    cl_uint num_wait;                    ///< number of events in wait_list (0 at present)
+    const cl_event *wait_list;           ///< events the work must wait for (NULL at present)
+    cl_event *event;                     ///< where the core may store an event for its work,
+                                         ///< which clmha releases; never NULL
 } clmha_core_args;
 
-/// Replaces the attention core of @p layer (NULL restores the built-in one).
+/// Replaces the attention core of @p layer (see ::clmha_attention_fn). Applies to later
+/// forward calls.
+/// @param[in] layer      the layer
+/// @param[in] fn         the core, or NULL to restore the built-in one
+/// @param[in] user_data  passed to @p fn on every call (ignored when @p fn is NULL); must stay
+///                       valid while @p fn is set
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p layer NULL)
 CLMHA_API clmha_status clmha_layer_set_attention(clmha_layer *layer, clmha_attention_fn fn,
                                                  void *user_data);
 
-/// Output sizes in floats for @p args: the attention output and the weights (0 without
-/// need_weights). Validates @p args like a forward call.
+/// Output sizes in floats for @p args. Validates the shapes and masks of @p args like a forward
+/// call, but neither buffers nor data pointers.
+/// @param[in]  layer          the layer
+/// @param[in]  args           the call's arguments
+/// @param[out] output_count   N·L·E (L·E unbatched): the attention output (may be NULL)
+/// @param[out] weights_count  0 without need_weights, else N·L·S' averaged or N·H·L·S' per head
+///                            (may be NULL)
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_SHAPE_MISMATCH,
+///         ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW
 CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
                                                  const clmha_forward_args *args,
                                                  size_t *output_count, size_t *weights_count);
@@ -398,9 +642,27 @@ CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
 /// With a bias, @p output must not be CL_MEM_WRITE_ONLY (the output projection accumulates onto
 /// the bias rows).
 /// The call never waits on the host: it waits for @p wait_list on the device and returns an
-/// event for the completion in @p event (may be NULL; the caller releases it).
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_SHAPE_MISMATCH,
-///         ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY,
+/// event for the completion in @p event (may be NULL; the caller releases it). The buffers must
+/// stay unchanged (inputs) and unread (outputs) until that event completes. It may allocate
+/// scratch (see clmha_layer_bake()).
+/// @param[in]  layer           the layer
+/// @param[in]  args            the inputs and options; the struct is read only during the call
+/// @param[out] output          buffer of the layer's cl_context holding at least
+///                             @p output_offset + output_count floats
+///                             (clmha_layer_output_counts())
+/// @param[in]  output_offset   element offset of the result in @p output
+/// @param[out] weights         buffer for the weights, like @p output; ignored (may be NULL)
+///                             without need_weights
+/// @param[in]  weights_offset  element offset of the weights in @p weights
+/// @param[in]  num_wait        number of events in @p wait_list
+/// @param[in]  wait_list       events the pass waits for on the device (NULL when @p num_wait
+///                             is 0)
+/// @param[out] event           optional: a new event that completes with the pass; NULL on
+///                             failure
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also for a buffer that is NULL, of
+///         another context, too small or write-only as above, and for @p num_wait and
+///         @p wait_list disagreeing), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *args,
                                            cl_mem output, size_t output_offset, cl_mem weights,
@@ -408,8 +670,21 @@ CLMHA_API clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forwa
                                            const cl_event *wait_list, cl_event *event);
 
 /// The host-array path: uploads the tensors given by the `data` fields of @p args, runs the
-/// forward pass, downloads and waits. @p output must hold @p output_count floats (see
-/// clmha_layer_output_counts()); @p weights likewise when need_weights, else may be NULL.
+/// forward pass, waits for the context's queue to finish (clFinish) and downloads the results.
+/// The arrays are written only once the whole pass has finished. Shapes as for
+/// clmha_layer_forward().
+/// @param[in]  layer          the layer
+/// @param[in]  args           the inputs and options (the `buffer` fields are ignored)
+/// @param[out] output         room for @p output_count floats
+/// @param[in]  output_count   must equal the output count of clmha_layer_output_counts()
+/// @param[out] weights        room for @p weights_count floats with need_weights, else ignored
+///                            (may be NULL)
+/// @param[in]  weights_count  must equal the weights count of clmha_layer_output_counts()
+///                            (0 without need_weights)
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also for a missing `data` pointer or
+///         array), ::CLMHA_SHAPE_MISMATCH (also for a wrong count), ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
+///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
                                                 const clmha_forward_args *args, float *output,
                                                 size_t output_count, float *weights,
@@ -429,25 +704,36 @@ typedef enum clmha_stage {
     CLMHA_STAGE_MERGE,        ///< head merge
     CLMHA_STAGE_OUT_PROJ,     ///< output projection (bias rows + GEMM)
     CLMHA_STAGE_WEIGHTS,      ///< attention weights output (copy or head average)
-    CLMHA_STAGE_COUNT
+    CLMHA_STAGE_COUNT         ///< number of stages (not a stage)
 } clmha_stage;
 
 /// Turns per-stage timing on or off for later forward calls of @p layer. With it on, each
 /// forward call enqueues a marker after every stage (a few OpenCL events per call). The
-/// context's queue must have CL_QUEUE_PROFILING_ENABLE (contexts made by clmha do).
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_UNSUPPORTED (queue without
-///         profiling)
+/// context's queue must have CL_QUEUE_PROFILING_ENABLE (contexts made by clmha do). Either way,
+/// the timings of earlier calls are dropped.
+/// @param[in] layer  the layer
+/// @param[in] on     true to turn timing on, false to turn it off
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p layer NULL), ::CLMHA_UNSUPPORTED
+///         (turning it on for a queue without profiling)
 CLMHA_API clmha_status clmha_layer_set_profiling(clmha_layer *layer, bool on);
 
-/// Waits for the last profiled forward call of @p layer and returns the device time of each
-/// stage in milliseconds (0 for stages that did not run). The stage time is the time between
-/// the end of the previous stage and the end of this one on the in-order queue.
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (profiling off, or no profiled call yet),
-///         ::CLMHA_OPENCL_ERROR
+/// Waits for the last forward call of @p layer made with profiling on (including the one of
+/// clmha_layer_bake()) and returns the device time of each stage in milliseconds (0 for stages
+/// that did not run: weights without need_weights, softmax and weights·V with a user core).
+/// The stage time is the time between the end of the previous stage and the end of this one on
+/// the in-order queue.
+/// @param[in]  layer  the layer
+/// @param[out] ms     ::CLMHA_STAGE_COUNT times, indexed by ::clmha_stage
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, profiling off, or no profiled call
+///         yet), ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY (waiting for or querying a marker
+///         failed)
 CLMHA_API clmha_status clmha_layer_stage_times(clmha_layer *layer,
                                                double ms[CLMHA_STAGE_COUNT]);
 
-/// A short name of @p stage ("project", "split", "scores", ...), or "?" .
+/// A short name of a stage.
+/// @param[in] stage  any value
+/// @return "project", "split", "scores", "softmax", "av", "merge", "out_proj" or "weights", or
+///         "?" for a value that is not a stage (including ::CLMHA_STAGE_COUNT). A static string.
 CLMHA_API const char *clmha_stage_name(clmha_stage stage);
 
 // ---------------------------------------------------------------------------------------------
@@ -455,20 +741,44 @@ CLMHA_API const char *clmha_stage_name(clmha_stage stage);
 // ---------------------------------------------------------------------------------------------
 
 /// Plain double-precision CPU implementation of the same forward pass, for checking results.
-/// Parameters are host arrays by PyTorch name (NULL where the layer has none): in_proj_weight
-/// (3E, E) or q/k/v_proj_weight; in_proj_bias; out_proj_weight; out_proj_bias; bias_k; bias_v.
+/// Parameters are host arrays by PyTorch name, row-major float32 (NULL where the layer has none;
+/// arrays for parameters the layer does not have are ignored).
 typedef struct clmha_reference_params {
-    const float *in_proj_weight;
+    const float *in_proj_weight;   ///< (3E, E); used when not NULL and kdim == vdim == E, else
+                                   ///< the three weights below are
+    /// @var q_proj_weight
+    /// (E, E), used when in_proj_weight is not.
+    /// @var k_proj_weight
+    /// (E, kdim), likewise.
+    /// @var v_proj_weight
+    /// (E, vdim), likewise.
     const float *q_proj_weight, *k_proj_weight, *v_proj_weight;
-    const float *in_proj_bias;
-    const float *out_proj_weight;
-    const float *out_proj_bias;
+    const float *in_proj_bias;     ///< (3E), required with bias
+    const float *out_proj_weight;  ///< (E, E), required
+    const float *out_proj_bias;    ///< (E), required with bias
+    /// @var bias_k
+    /// (1, 1, E), required with add_bias_kv.
+    /// @var bias_v
+    /// (1, 1, E), required with add_bias_kv.
     const float *bias_k, *bias_v;
 } clmha_reference_params;
 
 /// Computes the forward pass on the CPU in double precision, with the same semantics (the same
-/// Philox dropout, zeros for fully masked rows) as clmha_layer_forward_host(). Reads the `data`
-/// fields of @p args. Outputs are doubles.
+/// validation, the same Philox dropout, zeros for fully masked rows) as
+/// clmha_layer_forward_host(). Reads the `data` fields of @p args. Outputs are doubles, in the
+/// same shapes as clmha_layer_forward(). Needs no OpenCL device and no context; safe to call
+/// from any thread.
+/// @param[in]  desc           the layer configuration (checked as by clmha_layer_create())
+/// @param[in]  params         the parameters
+/// @param[in]  args           the inputs and options (the `buffer` fields are ignored)
+/// @param[out] output         room for @p output_count doubles
+/// @param[in]  output_count   N·L·E (L·E unbatched)
+/// @param[out] weights        room for @p weights_count doubles with need_weights, else ignored
+///                            (may be NULL)
+/// @param[in]  weights_count  0 without need_weights, else N·L·S' averaged or N·H·L·S' per head
+/// @param[out] message        optional buffer (may be NULL): "" on success, the reason on
+///                            failure
+/// @param[in]  message_size   size of @p message in bytes
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_reference_forward(const clmha_layer_desc *desc,
