@@ -266,9 +266,9 @@ CLMHA_API clmha_status clmha_context_create_from_env(clmha_context **out);
 
 /// Wraps the caller's OpenCL objects. @p queue must belong to @p context and @p device and be
 /// in-order; it need not have CL_QUEUE_PROFILING_ENABLE (without it clmha_layer_set_profiling()
-/// fails). The cl_context and the queue are retained while the clmha context lives and released
-/// by its last clmha_context_release(); the device is not retained (a root device needs no
-/// reference; a sub-device must outlive the clmha context). The caller keeps its own references,
+/// fails). The cl_context, the device and the queue are retained while the clmha context lives
+/// and released by its last clmha_context_release() (retaining a root device is a no-op; a
+/// sub-device is kept alive). The caller keeps its own references,
 /// and its own work on the queue is ordered with clmha's. Releasing the last reference also
 /// clears CLBlast's process-wide program cache (whose programs hold references to the
 /// cl_context), so the caller's reference counts return to where they were.

@@ -129,7 +129,9 @@ clmha_status clmha_context_create_from_cl(clmha_context **out, cl_context contex
     clmha_context *c = context_alloc();
     if (!c) return clmha__fail(NULL, CLMHA_OUT_OF_MEMORY, "out of host memory");
     clRetainContext(context);
+    clRetainDevice(device);  // a no-op for root devices; keeps a sub-device alive
     clRetainCommandQueue(queue);
+    c->owns_device_ref = true;
     c->cl_ctx = context;
     c->device = device;
     c->queue = queue;
@@ -163,6 +165,7 @@ void clmha_context_release(clmha_context *ctx) {
     CLBlastClearCache();
     if (ctx->dummy) clReleaseMemObject(ctx->dummy);
     if (ctx->queue) clReleaseCommandQueue(ctx->queue);
+    if (ctx->owns_device_ref) clReleaseDevice(ctx->device);
     if (ctx->cl_ctx) clReleaseContext(ctx->cl_ctx);
     pthread_mutex_destroy(&ctx->lock);
     free(ctx);

@@ -31,6 +31,7 @@ struct clmha_context {
     cl_context cl_ctx;
     cl_device_id device;
     cl_command_queue queue;
+    bool owns_device_ref;       // the device was retained (caller's objects)
     cl_mem dummy;               // 16 bytes bound to unused buffer arguments
     clmha_device_info info;
     char device_name[300];
@@ -196,6 +197,7 @@ struct clmha_context {
     cl_context cl_ctx;
     cl_device_id device;
     cl_command_queue queue;
+    bool owns_device_ref;       // the device was retained (caller's objects)
     cl_mem dummy;               // 16 bytes bound to unused buffer arguments
     clmha_device_info info;
     char device_name[300];
