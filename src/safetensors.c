@@ -388,7 +388,8 @@ clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char
         t->name = c->string;
         if ((st = parse_tensor(c, data, data_size, t, name, msg, msg_size))) goto fail;
     }
-    qsort(out->tensors, out->tensor_count, sizeof *out->tensors, compare_tensor_names);
+    if (out->tensor_count > 1)  // qsort needs a valid pointer even for no elements
+        qsort(out->tensors, out->tensor_count, sizeof *out->tensors, compare_tensor_names);
     for (size_t i = 1; i < out->tensor_count; ++i)
         if (strcmp(out->tensors[i - 1].name, out->tensors[i].name) == 0) {
             st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
