@@ -1,0 +1,10 @@
+// libFuzzer harness: see clmha_fuzz_npy() in fuzz_targets.h. Built by fuzz/CMakeLists.txt
+// (-DCLMHA_FUZZ=ON with clang), run by tools/fuzz.sh.
+#include "fuzz_targets.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    (void)clmha_fuzz_npy(data, size);
+    return 0;
+}
