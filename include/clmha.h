@@ -538,8 +538,8 @@ struct clmha_core_args;
 /// and dropout itself if it wants them. It is called synchronously, once per forward call
 /// (including the one of clmha_layer_bake()), on the calling thread; it may block. It may
 /// store an event for its work in `*args->event` (clmha releases it; the in-order queue orders
-/// what follows anyway) or leave it NULL. @p args, the masks it points to and its sub-buffers are
-/// valid only during the call.
+/// what follows anyway) or leave it NULL. @p args and the masks it points to are valid only
+/// during the call; its buffers belong to the layer (do not release them).
 /// @param[in] args       the buffers and sizes of this call
 /// @param[in] user_data  the pointer given to clmha_layer_set_attention()
 /// @return ::CLMHA_SUCCESS, or any other status to abort the forward pass, which then returns
@@ -568,8 +568,8 @@ typedef struct clmha_forward_args {
 
 /// What a user attention core receives. Layouts: q (N*H, L, D), k and v (N*H, S', D), out
 /// (N*H, L, D), weights (N*H, L, S'), row-major, element offset 0; S' = S + add_bias_kv +
-/// add_zero_attn. q, k, v and out are sub-buffers of the layer's scratch, released when the
-/// core returns; weights is the layer's scores buffer. The masks are the caller's, unchanged
+/// add_zero_attn. q, k, v and out are the layer's scratch buffers (they may be larger than the
+/// tiles); weights is the layer's scores buffer. The masks are the caller's, unchanged
 /// (they cover the first S keys; the appended keys are never masked). `scale` = 1/sqrt(D).
 typedef struct clmha_core_args {
     cl_command_queue queue;  ///< the context's in-order queue: enqueue the work here

@@ -117,7 +117,6 @@ typedef struct scratch {
     size_t proj_q, proj_k, proj_v;  // in layer->proj
     size_t ld_q, ld_k, ld_v;        // row pitch of each projection
     size_t col_q, col_k, col_v;     // first column of each projection in its rows
-    size_t q, k, v, out;            // head tiles in layer->heads
 } scratch;
 
 // 1. Input projections: one GEMM for packed QKV (self-attention), one for K and V when they
@@ -167,7 +166,7 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
 //    get bias_k/bias_v and a zero row appended when the layer has them.
 static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_off, size_t ld,
                               size_t col, size_t bias_col, int which, size_t seq,
-                              size_t seq_out, size_t out_off) {
+                              size_t seq_out) {
     clmha_context *ctx = l->ctx;
     cl_ulong a_proj_off = proj_off, a_ld = ld, a_col = col, a_bias_off = bias_col;
     cl_uint has_bias = l->desc.bias;
@@ -175,37 +174,37 @@ static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_
     cl_uint has_extra = which > 0 && l->desc.add_bias_kv;
     cl_mem extra = has_extra ? l->bias_kv : ctx->dummy;
     cl_ulong extra_off = which == 2 ? l->e : 0;  // bias_k, then bias_v
-    cl_ulong a_out_off = out_off, n = d->n, h = l->h, t = seq, t_out = seq_out, hd = l->d;
+    cl_ulong a_out_off = 0, n = d->n, h = l->h, t = seq, t_out = seq_out, hd = l->d;
+    cl_mem out = l->tiles[which];  // which: 0 query, 1 key, 2 value
     cl_uint bf = d->batch_first;
     arg args[] = {ARG(l->proj),  ARG(a_proj_off), ARG(a_ld),      ARG(a_col),     ARG(bias),
                   ARG(a_bias_off), ARG(has_bias), ARG(extra),     ARG(extra_off), ARG(has_extra),
-                  ARG(l->heads), ARG(a_out_off),  ARG(n),         ARG(h),         ARG(t),
+                  ARG(out),      ARG(a_out_off),  ARG(n),         ARG(h),         ARG(t),
                   ARG(t_out),    ARG(hd),         ARG(bf)};
     return launch(ctx, l->split_heads, "split_heads", d->n * l->h * seq_out * l->d,
                   elementwise_wg(ctx), args, sizeof args / sizeof args[0]);
 }
 
 static clmha_status split(clmha_layer *l, const clmha__dims *d, scratch *s) {
-    size_t tile_q = d->n * l->h * d->l * l->d, tile_kv = d->n * l->h * d->s_padded * l->d;
-    s->q = 0;
-    s->k = clmha__align_tile(tile_q);
-    s->v = s->k + clmha__align_tile(tile_kv);
-    s->out = s->v + clmha__align_tile(tile_kv);
     clmha_status st;
-    if ((st = split_one(l, d, s->proj_q, s->ld_q, s->col_q, 0, 0, d->l, d->l, s->q))) return st;
-    if ((st = split_one(l, d, s->proj_k, s->ld_k, s->col_k, l->e, 1, d->s, d->s_padded, s->k)))
+    if ((st = split_one(l, d, s->proj_q, s->ld_q, s->col_q, 0, CLMHA__TILE_Q, d->l, d->l)))
         return st;
-    return split_one(l, d, s->proj_v, s->ld_v, s->col_v, 2 * l->e, 2, d->s, d->s_padded, s->v);
+    if ((st = split_one(l, d, s->proj_k, s->ld_k, s->col_k, l->e, CLMHA__TILE_K, d->s,
+                        d->s_padded)))
+        return st;
+    return split_one(l, d, s->proj_v, s->ld_v, s->col_v, 2 * l->e, CLMHA__TILE_V, d->s,
+                     d->s_padded);
 }
 
 // 3. Scores (N*H, L, S') = Q · Kᵀ / √D, one strided batched GEMM.
-static clmha_status scores(clmha_layer *l, const clmha__dims *d, const scratch *s) {
+static clmha_status scores(clmha_layer *l, const clmha__dims *d) {
     cl_command_queue q = l->ctx->queue;
     size_t hd = l->d, sp = d->s_padded;
     int st = CLBlastSgemmStridedBatched(
         CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, d->l, sp, hd,
-        (float)(1.0 / sqrt((double)hd)), l->heads, s->q, hd, d->l * hd, l->heads, s->k, hd,
-        sp * hd, 0.0f, l->scores, 0, sp, d->l * sp, d->n * l->h, &q, NULL);
+        (float)(1.0 / sqrt((double)hd)), l->tiles[CLMHA__TILE_Q], 0, hd, d->l * hd,
+        l->tiles[CLMHA__TILE_K], 0, hd, sp * hd, 0.0f, l->scores, 0, sp, d->l * sp, d->n * l->h,
+        &q, NULL);
     return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(QK^T)") : CLMHA_SUCCESS;
 }
 
@@ -236,78 +235,56 @@ static clmha_status softmax(clmha_layer *l, const clmha_forward_args *a, const c
 }
 
 // 5. Attention output (N*H, L, D) = weights · V, one strided batched GEMM.
-static clmha_status attend(clmha_layer *l, const clmha__dims *d, const scratch *s) {
+static clmha_status attend(clmha_layer *l, const clmha__dims *d) {
     cl_command_queue q = l->ctx->queue;
     size_t hd = l->d, sp = d->s_padded;
-    int st = CLBlastSgemmStridedBatched(CLBlastLayoutRowMajor, CLBlastTransposeNo,
-                                        CLBlastTransposeNo, d->l, hd, sp, 1.0f, l->scores, 0, sp,
-                                        d->l * sp, l->heads, s->v, hd, sp * hd, 0.0f, l->heads,
-                                        s->out, hd, d->l * hd, d->n * l->h, &q, NULL);
+    int st = CLBlastSgemmStridedBatched(
+        CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeNo, d->l, hd, sp, 1.0f,
+        l->scores, 0, sp, d->l * sp, l->tiles[CLMHA__TILE_V], 0, hd, sp * hd, 0.0f,
+        l->tiles[CLMHA__TILE_OUT], 0, hd, d->l * hd, d->n * l->h, &q, NULL);
     return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(AV)") : CLMHA_SUCCESS;
 }
 
 // The built-in attention core: stages 3 to 5.
 static clmha_status builtin_core(clmha_layer *l, const clmha_forward_args *a,
-                                 const clmha__dims *d, const scratch *s) {
+                                 const clmha__dims *d) {
     clmha_status st;
-    if ((st = scores(l, d, s)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES))) return st;
+    if ((st = scores(l, d)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES))) return st;
     if ((st = softmax(l, a, d)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SOFTMAX)))
         return st;
-    if ((st = attend(l, d, s)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_AV))) return st;
+    if ((st = attend(l, d)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_AV))) return st;
     return CLMHA_SUCCESS;
 }
 
-// A user core: it gets sub-buffers of the head tiles and enqueues its own work.
-static clmha_status user_core(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
-                              const scratch *s) {
+// A user core: it gets the head tiles and enqueues its own work on the queue.
+static clmha_status user_core(clmha_layer *l, const clmha_forward_args *a,
+                              const clmha__dims *d) {
     clmha_context *ctx = l->ctx;
-    size_t tile_q = d->n * l->h * d->l * l->d, tile_kv = d->n * l->h * d->s_padded * l->d;
-    size_t offs[4] = {s->q, s->k, s->v, s->out}, sizes[4] = {tile_q, tile_kv, tile_kv, tile_q};
-    cl_mem subs[4] = {NULL, NULL, NULL, NULL};
     cl_event done = NULL;
-    clmha_status st = CLMHA_SUCCESS;
-    for (int i = 0; i < 4; ++i) {
-        cl_buffer_region r = {offs[i] * sizeof(float), sizes[i] * sizeof(float)};
-        cl_int err;
-        clmha__count(ctx, 0, 1);
-        subs[i] = clCreateSubBuffer(l->heads, CL_MEM_READ_WRITE, CL_BUFFER_CREATE_TYPE_REGION, &r,
-                                    &err);
-        if (err != CL_SUCCESS) {
-            st = clmha__cl_fail(ctx, err,
-                                err == CL_MISALIGNED_SUB_BUFFER_OFFSET
-                                    ? "clCreateSubBuffer (head tiles not aligned for a user core)"
-                                    : "clCreateSubBuffer");
-            goto fail;
-        }
-    }
     clmha_core_args ca = {
         .queue = ctx->queue, .batch = d->n, .num_heads = l->h, .tgt_len = d->l,
         .src_len = d->s, .src_len_padded = d->s_padded, .head_dim = l->d,
-        .scale = (float)(1.0 / sqrt((double)l->d)), .q = subs[0], .k = subs[1], .v = subs[2],
-        .out = subs[3], .weights = a->need_weights ? l->scores : NULL,
+        .scale = (float)(1.0 / sqrt((double)l->d)), .q = l->tiles[CLMHA__TILE_Q],
+        .k = l->tiles[CLMHA__TILE_K], .v = l->tiles[CLMHA__TILE_V],
+        .out = l->tiles[CLMHA__TILE_OUT], .weights = a->need_weights ? l->scores : NULL,
         .key_padding_mask = &a->key_padding_mask, .attn_mask = &a->attn_mask,
         .is_causal = a->is_causal, .training = a->training, .dropout = l->desc.dropout,
         .rng = a->rng, .num_wait = 0, .wait_list = NULL, .event = &done};
-    st = l->core(&ca, l->core_data);
-    if (st) {
-        clmha__fail(ctx, CLMHA_CALLBACK_FAILED, "the user attention core returned %s",
-                    clmha_status_string(st));
-        st = CLMHA_CALLBACK_FAILED;
-    }
-fail:
+    clmha_status st = l->core(&ca, l->core_data);
     if (done) clReleaseEvent(done);  // the in-order queue orders what follows after it
-    for (int i = 0; i < 4; ++i)
-        if (subs[i]) clReleaseMemObject(subs[i]);
-    return st;
+    if (st)
+        return clmha__fail(ctx, CLMHA_CALLBACK_FAILED, "the user attention core returned %s",
+                           clmha_status_string(st));
+    return CLMHA_SUCCESS;
 }
 
 // 6. Merge heads back into rows (L*N or N*L, E), into the free projection buffer.
-static clmha_status merge(clmha_layer *l, const clmha__dims *d, const scratch *s) {
+static clmha_status merge(clmha_layer *l, const clmha__dims *d) {
     clmha_context *ctx = l->ctx;
     cl_ulong n = d->n, h = l->h, t = d->l, hd = l->d;
     cl_uint bf = d->batch_first;
-    cl_ulong src_off = s->out;
-    arg args[] = {ARG(l->heads), ARG(src_off), ARG(l->proj), ARG(n),
+    cl_ulong src_off = 0;
+    arg args[] = {ARG(l->tiles[CLMHA__TILE_OUT]), ARG(src_off), ARG(l->proj), ARG(n),
                   ARG(h),        ARG(t),       ARG(hd),      ARG(bf)};
     return launch(ctx, l->merge_heads, "merge_heads", d->n * d->l * l->e, elementwise_wg(ctx),
                   args, sizeof args / sizeof args[0]);
@@ -401,13 +378,13 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
     if ((st = split(layer, &d, &s)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
         return st;
     if (layer->core) {
-        if ((st = user_core(layer, args, &d, &s)) ||
+        if ((st = user_core(layer, args, &d)) ||
             (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SCORES)))
             return st;
-    } else if ((st = builtin_core(layer, args, &d, &s))) {
+    } else if ((st = builtin_core(layer, args, &d))) {
         return st;
     }
-    if ((st = merge(layer, &d, &s)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))
+    if ((st = merge(layer, &d)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))
         return st;
     if ((st = out_project(layer, &d, output, output_offset)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_OUT_PROJ)))

@@ -221,7 +221,7 @@ void clmha_layer_release(clmha_layer *layer) {
     release_mem(&layer->b_out);
     release_mem(&layer->bias_kv);
     release_mem(&layer->proj);
-    release_mem(&layer->heads);
+    for (int i = 0; i < CLMHA__TILE_COUNT; ++i) release_mem(&layer->tiles[i]);
     release_mem(&layer->scores);
     release_kernel(&layer->split_heads);
     release_kernel(&layer->merge_heads);
@@ -252,7 +252,9 @@ clmha_status clmha_layer_set_attention(clmha_layer *layer, clmha_attention_fn fn
 
 size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
     if (!layer) return 0;
-    return (layer->proj_cap + layer->heads_cap + layer->scores_cap) * sizeof(float);
+    size_t floats = layer->proj_cap + layer->scores_cap;
+    for (int i = 0; i < CLMHA__TILE_COUNT; ++i) floats += layer->tile_caps[i];
+    return floats * sizeof(float);
 }
 
 // Replaces *buf by one of @p need floats when it holds fewer.
@@ -279,10 +281,14 @@ static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t ne
 clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d) {
     clmha_context *ctx = layer->ctx;
     size_t q = d->n * d->l * d->e, kv = d->n * d->s * d->e, kvp = d->n * d->s_padded * d->e;
-    size_t tiles = 2 * clmha__align_tile(q) + 2 * clmha__align_tile(kvp);
+    size_t tile_need[CLMHA__TILE_COUNT] = {q, kvp, kvp, q};
+    static const char *const tile_name[CLMHA__TILE_COUNT] = {
+        "query head tiles", "key head tiles", "value head tiles", "attention output tiles"};
     clmha_status st;
     if ((st = grow(ctx, &layer->proj, &layer->proj_cap, q + 2 * kv, "projection"))) return st;
-    if ((st = grow(ctx, &layer->heads, &layer->heads_cap, tiles, "head tiles"))) return st;
+    for (int i = 0; i < CLMHA__TILE_COUNT; ++i)
+        if ((st = grow(ctx, &layer->tiles[i], &layer->tile_caps[i], tile_need[i], tile_name[i])))
+            return st;
     return grow(ctx, &layer->scores, &layer->scores_cap, d->scores_count, "scores");
 }
 

@@ -4,6 +4,8 @@
 
 #include "internal.h"
 
+enum { CLMHA__TILE_Q, CLMHA__TILE_K, CLMHA__TILE_V, CLMHA__TILE_OUT, CLMHA__TILE_COUNT };
+
 struct clmha_layer {
     clmha_context *ctx;
     clmha_layer_desc desc;  // kdim and vdim filled in
@@ -23,9 +25,12 @@ struct clmha_layer {
 
     // Scratch, grown on demand (sizes in floats).
     cl_mem proj;     // projected rows: query (L*N, E), key (S*N, E), value (S*N, E)
-    cl_mem heads;    // head tiles: q (N*H, L, D), k and v (N*H, S', D), attention out (N*H, L, D)
+    // Head tiles, each its own buffer used at offset 0: q (N*H, L, D), k and v (N*H, S', D),
+    // attention out (N*H, L, D). (CLBlast 1.5.3's GemmStridedBatched ignores buffer offsets on
+    // one of its internal paths, so the batched GEMMs only ever see offset 0.)
+    cl_mem tiles[CLMHA__TILE_COUNT];
     cl_mem scores;   // (N*H, L, S')
-    size_t proj_cap, heads_cap, scores_cap;
+    size_t proj_cap, tile_caps[CLMHA__TILE_COUNT], scores_cap;
 
     clmha_attention_fn core;
     void *core_data;
@@ -41,11 +46,6 @@ CLMHA__HIDDEN clmha_status clmha__layer_mark(clmha_layer *layer, int slot);
 
 // Releases the recorded markers.
 CLMHA__HIDDEN void clmha__layer_marks_release(clmha_layer *layer);
-
-// Head tiles start at multiples of 256 floats (1 KiB), so that a user attention core can get
-// them as sub-buffers on any device (CL_DEVICE_MEM_BASE_ADDR_ALIGN is at most 1024 bits in
-// practice).
-static inline size_t clmha__align_tile(size_t floats) { return (floats + 255) / 256 * 256; }
 
 // Grows the scratch buffers to fit @p dims. Allocates only when they are too small.
 CLMHA__HIDDEN clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *dims);

@@ -507,6 +507,13 @@ Test(random, long_sequences, .timeout = 300) {
     c.e = 32, c.h = 4, c.n = 1, c.l = 257, c.s = 300, c.is_causal = true;
     c.am = CLMHA_MASK_FLOAT, c.mask_p = 0.05;
     check_case(ctx, &c);
+    // Regression: at E = 512, H = 1, L = S = 1216 CLBlast takes the indirect path of
+    // GemmStridedBatched for weights·V, which ignores buffer offsets; clmha's head tiles were
+    // sub-regions of one buffer and the output was wrong (max error 0.1). Each tile now has its
+    // own buffer at offset 0.
+    c = base_case(34);
+    c.e = 512, c.h = 1, c.n = 1, c.l = 1216, c.s = 1216;
+    check_case(ctx, &c);
     clmha_context_release(ctx);
 }
 
