@@ -232,12 +232,13 @@ clmha_status clmha_reference_forward(const clmha_layer_desc *desc_in,
                 }
         }
 
-    // 6. Softmax per row; a fully masked row (every score -inf) gives zeros, not NaN.
+    // 6. Softmax per row; a fully masked row (every score -inf) gives zeros, not NaN. A NaN
+    //    score makes the row NaN, as in PyTorch (and the device kernel).
     for (size_t row = 0; row < d.n * d.h * d.l; ++row) {
         double *r = attn + row * sp;
         double max = -INFINITY;
         for (size_t j = 0; j < sp; ++j)
-            if (r[j] > max) max = r[j];
+            if (r[j] > max || isnan(r[j])) max = r[j];
         if (max == -INFINITY) {
             for (size_t j = 0; j < sp; ++j) r[j] = 0.0;
             continue;

@@ -1,0 +1,206 @@
+#define _POSIX_C_SOURCE 200809L
+// Threads: several threads, each with its own layer, on one shared context; several contexts in
+// parallel threads. Every result must be bit-identical to a serial run of the same inputs.
+//
+// Criterion cannot start under ThreadSanitizer (its sandbox maps a shared arena at fixed
+// addresses that TSan reserves: Snaipe/Criterion#274). Compiled with -DCLMHA_TEST_STANDALONE,
+// this file is a plain program instead: the few Criterion macros it uses become simple checks
+// and main() runs the tests in order (exit status 0 pass, 1 fail, 77 skipped). The TSan build
+// (-DCLMHA_SANITIZE=thread) registers that program as the test `concurrency_standalone`.
+#ifdef CLMHA_TEST_STANDALONE
+#include <stdio.h>
+#include <stdlib.h>
+static int standalone_failures;
+#define SA_CHECK(fatal, cond, text)                                                            \
+    do {                                                                                       \
+        if (!(cond)) {                                                                         \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, text);           \
+            ++standalone_failures;                                                             \
+            if (fatal) exit(1);                                                                \
+        }                                                                                      \
+    } while (0)
+#define SA_FIRST(a, ...) (a)
+#define SA_EQ(a, b, ...) ((a) == (b))
+#define cr_assert(...) SA_CHECK(1, SA_FIRST(__VA_ARGS__, 0), #__VA_ARGS__)
+#define cr_expect(...) SA_CHECK(0, SA_FIRST(__VA_ARGS__, 0), #__VA_ARGS__)
+#define cr_assert_eq(...) SA_CHECK(1, SA_EQ(__VA_ARGS__, 0), #__VA_ARGS__)
+#define cr_assert_not_null(...) SA_CHECK(1, SA_FIRST(__VA_ARGS__, 0) != NULL, #__VA_ARGS__)
+#define cr_skip_test(...)                                                                      \
+    do {                                                                                       \
+        fprintf(stderr, "skipped: no OpenCL device\n");                                        \
+        exit(77);                                                                              \
+    } while (0)
+#define Test(suite, name, ...) static void suite##_##name(void)
+#else
+#include <criterion/criterion.h>
+#endif
+
+#include <clmha.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { E = 16, H = 4, L = 7, S = 9, N = 2, ITERS = 5, MAX_THREADS = 4 };
+enum { OUT = L * N * E, WTS = N * L * S };
+
+static float frand(uint64_t *s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(*s >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+// One thread's work: its layer's parameters and the inputs of each of its calls.
+typedef struct job {
+    int index;
+    float w_in[3 * E * E], b_in[3 * E], w_out[E * E], b_out[E];
+    float q[ITERS][L * N * E], k[ITERS][S * N * E], v[ITERS][S * N * E];
+    unsigned char kpm[ITERS][N * S];
+    float out[ITERS][OUT], wts[ITERS][WTS];  // results
+    clmha_context *ctx;                       // shared context, or NULL: create its own
+    pthread_barrier_t *start;
+    clmha_status status;
+    char error[512];
+} job;
+
+static void job_init(job *j, int index) {
+    memset(j, 0, sizeof *j);
+    j->index = index;
+    uint64_t s = 1000 + (uint64_t)index * 77;
+    for (size_t i = 0; i < 3 * E * E; ++i) j->w_in[i] = 0.4f * frand(&s);
+    for (size_t i = 0; i < 3 * E; ++i) j->b_in[i] = 0.1f * frand(&s);
+    for (size_t i = 0; i < E * E; ++i) j->w_out[i] = 0.4f * frand(&s);
+    for (size_t i = 0; i < E; ++i) j->b_out[i] = 0.1f * frand(&s);
+    for (int it = 0; it < ITERS; ++it) {
+        for (size_t i = 0; i < L * N * E; ++i) j->q[it][i] = frand(&s);
+        for (size_t i = 0; i < S * N * E; ++i) j->k[it][i] = frand(&s);
+        for (size_t i = 0; i < S * N * E; ++i) j->v[it][i] = frand(&s);
+        // Item n masks its last n + it % 3 keys (never all of them).
+        for (size_t n = 0; n < N; ++n)
+            for (size_t t = 0; t < S; ++t) j->kpm[it][n * S + t] = t + n + (size_t)(it % 3) >= S;
+    }
+}
+
+#define FAIL(j, st, ...)                                                                        \
+    do {                                                                                       \
+        (j)->status = (st);                                                                    \
+        snprintf((j)->error, sizeof (j)->error, __VA_ARGS__);                                  \
+        goto done;                                                                             \
+    } while (0)
+
+// Creates the layer (and the context when j->ctx is NULL), runs ITERS forward calls.
+static void *job_run(void *arg) {
+    job *j = arg;
+    clmha_context *ctx = j->ctx, *own = NULL;
+    clmha_layer *layer = NULL;
+    clmha_status st;
+    if (j->start) pthread_barrier_wait(j->start);
+    if (!ctx) {
+        if ((st = clmha_context_create_from_env(&own)))
+            FAIL(j, st, "context: %s", clmha_last_create_error());
+        ctx = own;
+    }
+    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    if ((st = clmha_layer_create(&layer, ctx, &desc)))
+        FAIL(j, st, "layer_create: %s", clmha_context_last_error(ctx));
+    if ((st = clmha_layer_set_parameter(layer, "in_proj_weight", j->w_in, 3 * E * E)) ||
+        (st = clmha_layer_set_parameter(layer, "in_proj_bias", j->b_in, 3 * E)) ||
+        (st = clmha_layer_set_parameter(layer, "out_proj.weight", j->w_out, E * E)) ||
+        (st = clmha_layer_set_parameter(layer, "out_proj.bias", j->b_out, E)))
+        FAIL(j, st, "set_parameter: %s", clmha_context_last_error(ctx));
+    for (int it = 0; it < ITERS; ++it) {
+        clmha_forward_args args = {
+            .query = {.ndim = 3, .shape = {L, N, E}, .data = j->q[it]},
+            .key = {.ndim = 3, .shape = {S, N, E}, .data = j->k[it]},
+            .value = {.ndim = 3, .shape = {S, N, E}, .data = j->v[it]},
+            .key_padding_mask = {.kind = CLMHA_MASK_BOOL_IGNORE,
+                                 .tensor = {.ndim = 2, .shape = {N, S}, .data = j->kpm[it]}},
+            .need_weights = true};
+        if ((st = clmha_layer_forward_host(layer, &args, j->out[it], OUT, j->wts[it], WTS)))
+            FAIL(j, st, "forward %d: %s", it, clmha_context_last_error(ctx));
+    }
+done:
+    clmha_layer_release(layer);
+    clmha_context_release(own);
+    return NULL;
+}
+
+// Serial results of jobs[0..count): one after the other, each on its own context.
+static job *serial_results(int count) {
+    job *serial = calloc((size_t)count, sizeof *serial);
+    cr_assert_not_null(serial);
+    for (int t = 0; t < count; ++t) {
+        job_init(&serial[t], t);
+        job_run(&serial[t]);
+        if (serial[t].status == CLMHA_DEVICE_NOT_FOUND)
+            cr_skip_test("no OpenCL device: %s", serial[t].error);
+        cr_assert_eq(serial[t].status, CLMHA_SUCCESS, "serial job %d: %s", t, serial[t].error);
+        for (int it = 0; it < ITERS; ++it)
+            for (size_t i = 0; i < OUT; ++i)
+                cr_assert(isfinite(serial[t].out[it][i]), "serial job %d call %d: non-finite", t,
+                          it);
+    }
+    return serial;
+}
+
+// Runs jobs[0..count) in parallel threads released together, then compares with @p serial.
+static void run_parallel(job *jobs, int count, const job *serial) {
+    pthread_t threads[MAX_THREADS];
+    pthread_barrier_t start;
+    cr_assert_eq(pthread_barrier_init(&start, NULL, (unsigned)count), 0);
+    for (int t = 0; t < count; ++t) {
+        jobs[t].start = &start;
+        cr_assert_eq(pthread_create(&threads[t], NULL, job_run, &jobs[t]), 0);
+    }
+    for (int t = 0; t < count; ++t) pthread_join(threads[t], NULL);
+    pthread_barrier_destroy(&start);
+    for (int t = 0; t < count; ++t) {
+        cr_assert_eq(jobs[t].status, CLMHA_SUCCESS, "thread %d: %s: %s", t,
+                     clmha_status_string(jobs[t].status), jobs[t].error);
+        for (int it = 0; it < ITERS; ++it) {
+            cr_expect(memcmp(jobs[t].out[it], serial[t].out[it], sizeof serial[t].out[it]) == 0,
+                      "thread %d call %d: output differs from the serial run", t, it);
+            cr_expect(memcmp(jobs[t].wts[it], serial[t].wts[it], sizeof serial[t].wts[it]) == 0,
+                      "thread %d call %d: weights differ from the serial run", t, it);
+        }
+    }
+}
+
+Test(concurrency, four_threads_one_shared_context, .timeout = 1200) {
+    enum { THREADS = 4 };
+    job *serial = serial_results(THREADS);
+    // A fresh context, so that the threads also build its kernel programs concurrently.
+    clmha_context *ctx = NULL;
+    cr_assert_eq(clmha_context_create_from_env(&ctx), CLMHA_SUCCESS, "%s",
+                 clmha_last_create_error());
+    job *jobs = calloc(THREADS, sizeof *jobs);
+    cr_assert_not_null(jobs);
+    for (int t = 0; t < THREADS; ++t) {
+        job_init(&jobs[t], t);
+        jobs[t].ctx = ctx;
+    }
+    run_parallel(jobs, THREADS, serial);
+    clmha_context_release(ctx);
+    free(jobs);
+    free(serial);
+}
+
+Test(concurrency, three_contexts_in_parallel_threads, .timeout = 1200) {
+    enum { THREADS = 3 };
+    job *serial = serial_results(THREADS);
+    job *jobs = calloc(THREADS, sizeof *jobs);
+    cr_assert_not_null(jobs);
+    for (int t = 0; t < THREADS; ++t) job_init(&jobs[t], t);  // ctx NULL: each creates its own
+    run_parallel(jobs, THREADS, serial);
+    free(jobs);
+    free(serial);
+}
+
+#ifdef CLMHA_TEST_STANDALONE
+int main(void) {
+    concurrency_four_threads_one_shared_context();
+    concurrency_three_contexts_in_parallel_threads();
+    printf("concurrency: %s\n", standalone_failures ? "FAIL" : "PASS");
+    return standalone_failures ? 1 : 0;
+}
+#endif

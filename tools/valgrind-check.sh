@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Runs Criterion test executables under valgrind's memcheck and fails on any memory error or
+# definite leak that the OpenCL driver suppressions (tests/valgrind.supp) do not cover.
+#
+# usage: tools/valgrind-check.sh [-B BUILD_DIR] [TEST[:FILTER] ...]
+#   BUILD_DIR  a configured and built tree (default: build); not a sanitizer build
+#   TEST       a test executable of BUILD_DIR/tests, optionally with a Criterion --filter
+#              pattern, e.g. test_faults:'faults/nan*'. Default: test_faults test_interop
+#              test_errors test_device test_concurrency (the whole suite under valgrind takes hours
+#              on PoCL).
+#
+# environment:
+#   POCL_CACHE_DIR         PoCL's kernel cache (default: BUILD_DIR/valgrind-pocl-cache). Under
+#                          valgrind PoCL sees a different CPU (valgrind's CPUID), so it keeps
+#                          its own cache: the first run compiles every kernel under valgrind and
+#                          takes 10-30 minutes, later runs a few minutes. Cache it in CI.
+#   CLMHA_VALGRIND_LOGS    folder for the per-process logs (default: BUILD_DIR/valgrind-logs)
+#   VALGRIND               the valgrind program (default: valgrind)
+#   VALGRIND_EXTRA         more valgrind options
+#
+# How: Criterion runs every test in a child process (re-executed), so valgrind follows children
+# (--trace-children=yes) but not the linker and compilers PoCL starts to build kernels. Criterion
+# ignores a worker's exit status once its test has passed, so valgrind's --error-exitcode alone
+# would miss errors found at a worker's exit (leaks): the script reads every process's log and
+# fails when any reports errors.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/.." && pwd)"
+build="$root/build"
+if [ "${1:-}" = "-B" ]; then
+  [ $# -ge 2 ] || { echo "usage: $0 [-B BUILD_DIR] [TEST[:FILTER] ...]" >&2; exit 2; }
+  build="$(cd "$2" && pwd)"
+  shift 2
+fi
+case "${1:-}" in -h|--help) sed -n '2,25p' "$0"; exit 0 ;; esac
+
+tests=("$@")
+if [ ${#tests[@]} -eq 0 ]; then
+  tests=(test_faults test_interop test_errors test_device test_concurrency)
+fi
+valgrind="${VALGRIND:-valgrind}"
+command -v "$valgrind" >/dev/null || { echo "valgrind-check: $valgrind not found" >&2; exit 2; }
+supp="$root/tests/valgrind.supp"
+logs="${CLMHA_VALGRIND_LOGS:-$build/valgrind-logs}"
+export POCL_CACHE_DIR="${POCL_CACHE_DIR:-$build/valgrind-pocl-cache}"
+mkdir -p "$POCL_CACHE_DIR"
+rm -rf "$logs"
+mkdir -p "$logs"
+
+# shellcheck disable=SC2206
+extra=(${VALGRIND_EXTRA:-})
+vg_opts=(
+  --tool=memcheck
+  --trace-children=yes
+  "--trace-children-skip=*/ld,*/ld.*,*/ld.lld*,*/clang*,*/collect2,*/cc1*,*/gcc*,*/cc"
+  --child-silent-after-fork=yes
+  --leak-check=full
+  --show-leak-kinds=definite
+  --errors-for-leak-kinds=definite
+  --error-exitcode=1
+  --num-callers=40
+  "--suppressions=$supp"
+  "${extra[@]}"
+)
+
+status=0
+printf '%-18s %-6s %6s %7s %14s %8s\n' test exit procs errors "definite(B)" seconds
+for spec in "${tests[@]}"; do
+  name="${spec%%:*}"
+  filter=""
+  [ "$name" != "$spec" ] && filter="${spec#*:}"
+  exe="$build/tests/$name"
+  if [ ! -x "$exe" ]; then
+    echo "valgrind-check: $exe not found (build the tests first)" >&2
+    status=1
+    continue
+  fi
+  dir="$logs/$name"
+  mkdir -p "$dir"
+  args=(--jobs 1 --verbose)
+  [ -n "$filter" ] && args+=(--filter "$filter")
+  start=$(date +%s)
+  set +e
+  (cd "$build/tests" && "$valgrind" "${vg_opts[@]}" "--log-file=$dir/vg.%p.log" "$exe" "${args[@]}") \
+    >"$dir/output.txt" 2>&1
+  code=$?
+  set -e
+  seconds=$(( $(date +%s) - start ))
+
+  procs=0
+  errors=0
+  definite=0
+  bad_logs=()
+  for log in "$dir"/vg.*.log; do
+    [ -s "$log" ] || continue
+    grep -q "Command:" "$log" || continue
+    procs=$((procs + 1))
+    n=$(sed -n 's/.*ERROR SUMMARY: \([0-9,]*\) errors.*/\1/p' "$log" | tr -d , | tail -1)
+    if [ -z "$n" ]; then
+      echo "valgrind-check: $log has no ERROR SUMMARY (process killed?)" >&2
+      bad_logs+=("$log")
+      continue
+    fi
+    d=$(sed -n 's/.*definitely lost: \([0-9,]*\) bytes.*/\1/p' "$log" | tr -d , | tail -1)
+    definite=$((definite + ${d:-0}))
+    if [ "$n" -gt 0 ]; then
+      errors=$((errors + n))
+      bad_logs+=("$log")
+    fi
+  done
+  printf '%-18s %-6s %6d %7d %14d %8d\n' "$name" "$code" "$procs" "$errors" "$definite" "$seconds"
+  if [ "$code" -ne 0 ] || [ ${#bad_logs[@]} -gt 0 ]; then
+    status=1
+    [ "$code" -ne 0 ] && { echo "--- $name exited with $code:"; tail -n 40 "$dir/output.txt"; }
+    for log in "${bad_logs[@]}"; do
+      echo "--- $log:"
+      # The error records only (not the heap and leak summaries).
+      awk '/^==[0-9]+== (Invalid|Conditional|Use of|Syscall|Mismatched|Source and|Argument|[0-9,]+ (\([0-9, a-z]+\) )?bytes in [0-9,]+ blocks are definitely)/ {p=1}
+           p && /^==[0-9]+== $/ {p=0; print ""}
+           p {print}' "$log" | head -n 200
+    done
+  fi
+done
+echo "logs: $logs  (PoCL cache: $POCL_CACHE_DIR)"
+if [ "$status" -eq 0 ]; then
+  echo "valgrind-check: PASS"
+else
+  echo "valgrind-check: FAIL"
+fi
+exit "$status"
