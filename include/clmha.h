@@ -331,6 +331,118 @@ CLMHA_API cl_command_queue clmha_context_cl_queue(const clmha_context *ctx);
 CLMHA_API const char *clmha_context_device_name(const clmha_context *ctx);
 
 // ---------------------------------------------------------------------------------------------
+// GEMM tuning
+// ---------------------------------------------------------------------------------------------
+
+/// Defined when this header declares the GEMM tuning API below.
+#define CLMHA_TUNE_API 1
+
+/// Progress of clmha_context_tune(): @p fraction of the budget used (0 to 1) and a one-line
+/// message such as "12/40 candidates, best 85.3 GFLOP/s (Xgemm)". Called on the calling thread.
+typedef void (*clmha_tune_progress_fn)(double fraction, const char *message, void *user_data);
+
+/// A layer shape to tune for: the GEMMs of one self-attention forward pass with batch N,
+/// length L, embed_dim E and H heads: the packed QKV projection (N·L, 3E, E), the output
+/// projection (N·L, E, E), Q·Kᵀ (N·H × (L, L, E/H)) and A·V (N·H × (L, E/H, L)).
+typedef struct clmha_tune_shape {
+    size_t batch;      ///< N
+    size_t tgt_len;    ///< L
+    size_t embed_dim;  ///< E
+    size_t num_heads;  ///< H (E must be a multiple of H)
+} clmha_tune_shape;
+
+/// Options of clmha_context_tune(). Zero-initialise, then set what you need.
+typedef struct clmha_tune_options {
+    double budget_seconds;           ///< wall-clock budget; 0 = 300. Each candidate parameter
+                                     ///< set costs a kernel build (about 6 s on PoCL); the final
+                                     ///< check may run up to two builds past the budget.
+    const clmha_tune_shape *shapes;  ///< layer shapes to tune for (at most 4); NULL: (8,128,512,8)
+    size_t num_shapes;               ///< number of @ref shapes
+    clmha_tune_progress_fn progress; ///< optional progress callback
+    void *user_data;                 ///< passed to @ref progress
+    bool no_store;                   ///< apply the result but do not write the tuning file
+} clmha_tune_options;
+
+/// What clmha_context_tune() found. GFLOP/s are medians of 5 timed calls, host clock around
+/// each call (so the indirect path's pad and transpose kernels count).
+typedef struct clmha_tune_report {
+    double default_gflops;              ///< sgemm 1024³ (row-major, B transposed), before tuning
+    double tuned_gflops;                ///< the same with the chosen parameters
+    double default_layer_gflops;        ///< first layer shape's QKV projection, before
+    double tuned_layer_gflops;          ///< the same, tuned
+    double default_forward_gemm_gflops; ///< all GEMMs of the layer shapes together, before
+    double tuned_forward_gemm_gflops;   ///< the same, tuned
+    size_t candidates;                  ///< parameter sets built and timed
+    size_t rejected;                    ///< of those, failed to build or run, or gave wrong results
+    double seconds;                     ///< length of the run
+    bool improved;                      ///< faster parameters were found and applied
+    bool stored;                        ///< and written to @ref path
+    char layer[64];                     ///< first layer shape, "N,L,E,H"
+    char parameters[640];               ///< the parameters in effect after the run, as
+                                        ///< "Xgemm: GEMMK=0 ...; XgemmDirect: ...; GemmRoutine: ..."
+    char path[1024];                    ///< the device's tuning file ("" when none can be named)
+    char message[512];                  ///< why nothing was applied or stored ("" otherwise)
+} clmha_tune_report;
+
+/// Tunes CLBlast's GEMM kernels for the device of @p ctx and the shapes clmha runs: searches the
+/// parameters of the indirect kernel (`Xgemm`), of the direct kernel (`XgemmDirect`) and the
+/// size where CLBlast switches between them (`GemmRoutine`'s XGEMM_MIN_INDIRECT_SIZE), timing
+/// sgemm 1024³ and the GEMMs of the layer shapes. Every candidate must match a double-precision
+/// CPU GEMM on the same random data (max |C - ref| / max |ref| <= 1e-4). The fastest set is
+/// applied (to every context on the device in this process: CLBlast keeps parameters per
+/// device) and, unless @p options says no_store, written to the device's tuning file, which
+/// later contexts load when they are created:
+/// `$CLMHA_TUNING_DIR/`, else `$XDG_CACHE_HOME/clmha/`, else `~/.cache/clmha/`, file
+/// `<platform>--<device>.json` where every run of characters other than A-Z a-z 0-9 . _ - in
+/// the platform and device names becomes one `_`. The file is written whole or not at all
+/// (temporary file, then rename) and names the platform, device and driver version: a
+/// context loads it only for that device and driver. Context creation loads the stored
+/// tuning of a device once per process (a missing, unreadable, corrupt or foreign file is
+/// ignored: see clmha_context_tuning_note()); `CLMHA_TUNING=off` in the environment skips it.
+///
+/// "Before" is what was in effect when the call started: a stored tuning if one was loaded
+/// (set `CLMHA_TUNING=off` before creating the context to compare with CLBlast's own
+/// parameters). When nothing faster is found nothing is stored and what was in effect is put
+/// back; for a device with no tuning of its own in CLBlast's database (such as PoCL) that is
+/// exact, for one with an entry CLBlast's generic parameters are put back instead.
+/// Do not run forward passes on the same device (from any context) while tuning: they would
+/// run with the candidates' parameters.
+/// @param[in]  options  may be NULL (300 s, shape (8, 128, 512, 8))
+/// @param[out] report   may be NULL
+/// @return ::CLMHA_SUCCESS (also when nothing faster was found: see report->improved),
+///         ::CLMHA_INVALID_ARGUMENT, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_BLAS_ERROR (the GEMMs fail with the current parameters)
+CLMHA_API clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_options *options,
+                                          clmha_tune_report *report);
+
+/// Writes the tuning in effect for the device of @p ctx as JSON (the tuning file's format):
+/// format, version, platform, device, driver, the parameters of each tuned kernel and what was
+/// measured. With @p json NULL and @p size 0 it only sets *needed (bytes, with the final NUL).
+/// @return ::CLMHA_SUCCESS, ::CLMHA_NOT_READY (no tuning applied on this device in this
+///         process), ::CLMHA_INVALID_ARGUMENT (NULL context; buffer smaller than *needed: nothing
+///         written), ::CLMHA_OUT_OF_MEMORY
+CLMHA_API clmha_status clmha_context_tuning_export(const clmha_context *ctx, char *json,
+                                                   size_t size, size_t *needed);
+
+/// Checks a tuning in the format clmha_context_tuning_export() writes and applies it to the
+/// device of @p ctx (every context on that device in this process). Kernels the JSON does not
+/// name keep their parameters. Nothing is written to disk.
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL), ::CLMHA_INVALID_FILE (not JSON, not
+///         a clmha tuning, unknown version or kernel, missing or invalid parameter, parameters
+///         that break CLBlast's constraints or the device's limits), ::CLMHA_UNSUPPORTED (a
+///         tuning for another platform, device or driver version), ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_context_tuning_import(clmha_context *ctx, const char *json);
+
+/// One line saying which GEMM tuning is in effect for the device of @p ctx and why: "stored
+/// tuning <path> applied", "no stored tuning (<path> not found; ...)", "stored tuning <path>
+/// ignored: <reason>", "imported tuning applied", "tuned in this process, stored in <path>".
+/// A stored file that cannot be used never makes context creation fail; this says why it was
+/// ignored. Truncated to @p size bytes.
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT
+CLMHA_API clmha_status clmha_context_tuning_note(const clmha_context *ctx, char *text,
+                                                 size_t size);
+
+// ---------------------------------------------------------------------------------------------
 // Layers
 // ---------------------------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ static const char *usage_main =
     "  run       run a layer file (.safetensors) on .npy inputs, write .npy outputs\n"
     "  demo      run a random layer, check it against the CPU reference, time it\n"
     "  bench     time the device-buffer forward pass: ms, GFLOP/s, scratch, time per stage\n"
+    "  tune      tune CLBlast's GEMMs for a device, store the result for later runs\n"
     "\n"
     "options:\n"
     "  --help, -h   print this help (clmha <command> --help: help on a command)\n"
@@ -1230,9 +1231,8 @@ done:
 
 // ---- main -------------------------------------------------------------------------------------
 
-// `clmha tune` (src/cli_tune.c) joins here: declare its entry point, e.g.
-//     int clmha__cli_tune(int argc, char **argv);   // argv after "tune", returns 0/1/2
-// add it to the table below and a line for it to usage_main.
+// `clmha tune` lives in src/cli_tune.c.
+int clmha__cli_tune(int argc, char **argv);
 
 // The subcommands: name and entry point (called with the arguments after the name).
 static const struct command {
@@ -1243,7 +1243,7 @@ static const struct command {
     {"run", cmd_run},
     {"demo", cmd_demo},
     {"bench", cmd_bench},
-    // {"tune", clmha__cli_tune},
+    {"tune", clmha__cli_tune},
 };
 enum { NUM_COMMANDS = sizeof commands / sizeof commands[0] };
 

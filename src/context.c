@@ -1,6 +1,7 @@
 // Contexts: the OpenCL context, device and in-order queue clmha works on, its program cache and
 // its last error message.
 #include "internal.h"
+#include "tuning.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,6 +48,7 @@ static clmha_status context_finish(clmha_context *c) {
     cl_int err;
     c->dummy = clCreateBuffer(c->cl_ctx, CL_MEM_READ_WRITE, 16, NULL, &err);
     if (err != CL_SUCCESS) return clmha__cl_fail(NULL, err, "clCreateBuffer(dummy)");
+    clmha__tuning_apply_stored(c);  // never fails: an unusable file is noted and ignored
     return CLMHA_SUCCESS;
 }
 

@@ -1,0 +1,245 @@
+// `clmha tune`: tunes CLBlast's GEMMs for a device and stores the result (clmha_context_tune()).
+//
+// Exit status as for the other commands: 0 success (also when nothing faster was found),
+// 1 a device or library failure, 2 a usage error.
+#define _POSIX_C_SOURCE 200809L
+
+#include <clmha.h>
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+int clmha__cli_tune(int argc, char **argv);
+
+enum { TUNE_OK = 0, TUNE_REFUSED = 1, TUNE_USAGE = 2, MAX_TUNE_SHAPES = 4 };
+
+static const char *usage_tune =
+    "usage: clmha tune [--device SPEC] [--budget SECONDS] [--shape N,L,E[,H]]... [--no-store]\n"
+    "\n"
+    "Tunes CLBlast's GEMM kernels for a device: searches the parameters of the indirect\n"
+    "(Xgemm) and direct (XgemmDirect) kernels and the size where CLBlast switches between\n"
+    "them, timing sgemm 1024^3 and the GEMMs of the layer shapes; every candidate is checked\n"
+    "against a CPU GEMM. Prints the gain and writes the device's tuning file, which every\n"
+    "later clmha context on the device loads: $CLMHA_TUNING_DIR, else $XDG_CACHE_HOME/clmha,\n"
+    "else ~/.cache/clmha. 'Default' is CLBlast's own parameters (a stored tuning is not\n"
+    "loaded first). Each candidate costs a kernel build (about 6 s on PoCL).\n"
+    "\n"
+    "options:\n"
+    "  --device SPEC      \"P:D\", gpu, cpu, accelerator or part of a device name (see\n"
+    "                     clmha devices); default: $CLMHA_DEVICE, else the first GPU, else\n"
+    "                     the first device\n"
+    "  --budget SECONDS   wall-clock budget (default 300; the final check may add a few\n"
+    "                     kernel builds)\n"
+    "  --shape N,L,E[,H]  a layer shape to tune for: batch, sequence length, embed_dim and\n"
+    "                     heads (default H 8); up to 4 times; default 8,128,512,8\n"
+    "  --no-store         apply and report, but do not write the tuning file\n"
+    "  --help, -h         print this help\n"
+    "\n"
+    "exit status: 0 success, 1 device or library failure, 2 usage error\n";
+
+static void tune_report(const char *fmt, ...) {
+    char line[3072];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    for (char *p = line; *p; ++p)
+        if (iscntrl((unsigned char)*p)) *p = ' ';
+    fprintf(stderr, "clmha tune: %s\n", line);
+}
+
+// "8,128,512" or "8,128,512,8".
+static bool parse_shape(const char *text, clmha_tune_shape *s) {
+    size_t v[4] = {0, 0, 0, 8};
+    int n = 0;
+    const char *p = text;
+    while (n < 4) {
+        if (!isdigit((unsigned char)*p)) return false;
+        errno = 0;
+        char *end;
+        unsigned long long x = strtoull(p, &end, 10);
+        if (errno || x == 0 || x > 1000000) return false;
+        v[n++] = (size_t)x;
+        if (*end == '\0') break;
+        if (*end != ',') return false;
+        p = end + 1;
+    }
+    if (n < 3 || *p == '\0') return false;
+    if (n == 4 && strchr(p, ',')) return false;
+    *s = (clmha_tune_shape){.batch = v[0], .tgt_len = v[1], .embed_dim = v[2], .num_heads = v[3]};
+    return true;
+}
+
+typedef struct bar_state {
+    bool tty;
+    char last[256];
+    bool open;  // a \r line is on the terminal
+} bar_state;
+
+static void on_progress(double fraction, const char *message, void *user_data) {
+    bar_state *b = user_data;
+    enum { WIDTH = 20 };
+    int full = (int)lround(fmin(1.0, fmax(0.0, fraction)) * WIDTH);
+    char bar[WIDTH + 1];
+    for (int i = 0; i < WIDTH; ++i) bar[i] = i < full ? '#' : '.';
+    bar[WIDTH] = '\0';
+    if (b->tty) {
+        fprintf(stderr, "\r\033[K[%s] %s", bar, message);
+        b->open = true;
+    } else if (strcmp(b->last, message) != 0) {  // logs: one line per change
+        fprintf(stderr, "[%s] %s\n", bar, message);
+    }
+    snprintf(b->last, sizeof b->last, "%s", message);
+    fflush(stderr);
+}
+
+static void print_gain(const char *what, double before, double after) {
+    if (before > 0)
+        printf("  %-36s default %7.1f GFLOP/s  tuned %7.1f GFLOP/s  (x%.2f)\n", what, before,
+               after, after / before);
+}
+
+int clmha__cli_tune(int argc, char **argv) {
+    const char *device = NULL, *budget_text = NULL;
+    bool device_given = false, no_store = false;
+    clmha_tune_shape shapes[MAX_TUNE_SHAPES];
+    size_t num_shapes = 0;
+    for (int i = 0; i < argc; ++i) {
+        const char *arg = argv[i];
+        if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
+            fputs(usage_tune, stdout);
+            return TUNE_OK;
+        }
+        if (strcmp(arg, "--no-store") == 0) {
+            no_store = true;
+            continue;
+        }
+        const char *names[] = {"--device", "--budget", "--shape"};
+        int which = -1;
+        const char *value = NULL;
+        for (int k = 0; k < 3 && which < 0; ++k) {
+            size_t len = strlen(names[k]);
+            if (strncmp(arg, names[k], len) == 0 && (arg[len] == '\0' || arg[len] == '=')) {
+                which = k;
+                if (arg[len] == '=')
+                    value = arg + len + 1;
+                else if (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0)
+                    value = argv[++i];
+            }
+        }
+        if (which < 0) {
+            if (strncmp(arg, "--", 2) == 0)
+                tune_report("unknown option '%s' (try 'clmha tune --help')", arg);
+            else
+                tune_report("unexpected argument '%s' (try 'clmha tune --help')", arg);
+            return TUNE_USAGE;
+        }
+        if (!value) {
+            tune_report("%s needs a value", names[which]);
+            return TUNE_USAGE;
+        }
+        if (which == 0) {
+            if (device_given) {
+                tune_report("--device given twice");
+                return TUNE_USAGE;
+            }
+            device = value, device_given = true;
+        } else if (which == 1) {
+            if (budget_text) {
+                tune_report("--budget given twice");
+                return TUNE_USAGE;
+            }
+            budget_text = value;
+        } else {
+            if (num_shapes == MAX_TUNE_SHAPES) {
+                tune_report("--shape given more than %d times", MAX_TUNE_SHAPES);
+                return TUNE_USAGE;
+            }
+            if (!parse_shape(value, &shapes[num_shapes]) ||
+                shapes[num_shapes].embed_dim % shapes[num_shapes].num_heads) {
+                tune_report("--shape %s: expected N,L,E or N,L,E,H (positive integers, E a "
+                            "multiple of H), e.g. 8,128,512,8",
+                            value);
+                return TUNE_USAGE;
+            }
+            ++num_shapes;
+        }
+    }
+    double budget = 300;
+    if (budget_text) {
+        char *end;
+        errno = 0;
+        budget = strtod(budget_text, &end);
+        if (errno || end == budget_text || *end || !(budget > 0) || budget > 86400) {
+            tune_report("--budget %s: expected seconds, more than 0 and at most 86400",
+                        budget_text);
+            return TUNE_USAGE;
+        }
+    }
+
+    // Compare with CLBlast's own parameters: do not load the stored tuning first.
+    setenv("CLMHA_TUNING", "off", 1);
+    const char *env = getenv("CLMHA_DEVICE");
+    const char *spec = device_given ? device : env;
+    clmha_context *ctx = NULL;
+    if (clmha_context_create(&ctx, spec) != CLMHA_SUCCESS) {
+        if (device_given)
+            tune_report("--device %s: %s", device, clmha_last_create_error());
+        else if (env && env[0])
+            tune_report("$CLMHA_DEVICE=%s: %s", env, clmha_last_create_error());
+        else
+            tune_report("default device: %s", clmha_last_create_error());
+        return TUNE_REFUSED;
+    }
+    printf("device:   %s\n", clmha_context_device_name(ctx));
+    printf("budget:   %.0f s, shapes:", budget);
+    if (!num_shapes) {
+        shapes[0] = (clmha_tune_shape){.batch = 8, .tgt_len = 128, .embed_dim = 512,
+                                       .num_heads = 8};
+        num_shapes = 1;
+    }
+    for (size_t i = 0; i < num_shapes; ++i)
+        printf(" (N %zu, L %zu, E %zu, H %zu)", shapes[i].batch, shapes[i].tgt_len,
+               shapes[i].embed_dim, shapes[i].num_heads);
+    printf("\n");
+    fflush(stdout);
+
+    bar_state bar = {.tty = isatty(STDERR_FILENO) != 0};
+    clmha_tune_options opts = {.budget_seconds = budget,
+                               .shapes = shapes,
+                               .num_shapes = num_shapes,
+                               .progress = on_progress,
+                               .user_data = &bar,
+                               .no_store = no_store};
+    clmha_tune_report rep;
+    clmha_status st = clmha_context_tune(ctx, &opts, &rep);
+    if (bar.open) fputc('\n', stderr);
+    if (st != CLMHA_SUCCESS) {
+        tune_report("%s: %s", clmha_status_string(st), clmha_context_last_error(ctx));
+        clmha_context_release(ctx);
+        return TUNE_REFUSED;
+    }
+    printf("result:   %s after %zu candidates (%zu rejected) in %.0f s\n",
+           rep.improved ? "faster parameters found" : "nothing faster found", rep.candidates,
+           rep.rejected, rep.seconds);
+    print_gain("sgemm 1024^3 (row-major, B^T)", rep.default_gflops, rep.tuned_gflops);
+    char what[96];
+    snprintf(what, sizeof what, "QKV projection of %s", rep.layer);
+    print_gain(what, rep.default_layer_gflops, rep.tuned_layer_gflops);
+    print_gain("all GEMMs of the layer shapes", rep.default_forward_gemm_gflops,
+               rep.tuned_forward_gemm_gflops);
+    if (rep.parameters[0]) printf("params:   %s\n", rep.parameters);
+    if (rep.stored)
+        printf("written:  %s\n", rep.path);
+    else if (rep.improved && no_store)
+        printf("written:  nothing (--no-store); the file would be %s\n", rep.path);
+    if (rep.message[0]) printf("note:     %s\n", rep.message);
+    clmha_context_release(ctx);
+    return TUNE_OK;
+}

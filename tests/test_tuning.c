@@ -1,0 +1,469 @@
+// GEMM tuning: tuning JSON import/export, refusals (another device, corrupt or invalid JSON),
+// the tuning folder ($CLMHA_TUNING_DIR), a stored tuning applied when a context is created
+// (with forward passes that still match the CPU reference), and unusable stored files that
+// must not break context creation. No real search runs here: clmha_context_tune() is only
+// given wrong arguments and a budget too small for any candidate.
+//
+// Criterion runs each test in its own process, which matters: CLBlast keeps overridden
+// parameters per device for the whole process, and a context loads the stored tuning of its
+// device once per process.
+#define _POSIX_C_SOURCE 200809L
+
+#include <criterion/criterion.h>
+
+#include <clmha.h>
+
+#ifndef CLMHA_TUNE_API  // clmha.h defines it with the tuning API; until then this file builds
+Test(tuning, api_not_in_clmha_h) { cr_skip_test("clmha.h does not declare the tuning API yet"); }
+#else
+#include <dirent.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+// The hand-picked CPU Xgemm set and a direct set, both valid for CLBlast, with work-groups of
+// 16 and 64 work-items.
+#define XGEMM_JSON                                                                         \
+    "\"Xgemm\": {\"GEMMK\": 0, \"KREG\": 1, \"KWG\": 16, \"KWI\": 2, \"MDIMA\": 4, "       \
+    "\"MDIMC\": 4, \"MWG\": 64, \"NDIMB\": 4, \"NDIMC\": 4, \"NWG\": 64, \"SA\": 0, "       \
+    "\"SB\": 0, \"STRM\": 0, \"STRN\": 0, \"VWM\": 8, \"VWN\": 8}"
+// (Direct kernels with larger tiles per work-item take minutes to build on PoCL.)
+#define DIRECT_JSON                                                                        \
+    "\"XgemmDirect\": {\"KWID\": 2, \"MDIMAD\": 8, \"MDIMCD\": 8, \"NDIMBD\": 8, "         \
+    "\"NDIMCD\": 8, \"PADA\": 1, \"PADB\": 1, \"VWMD\": 2, \"VWND\": 2, \"WGD\": 16}"
+
+typedef struct fixture {
+    char dir[64];              // a fresh tuning folder, $CLMHA_TUNING_DIR
+    clmha_device_info info;    // the device $CLMHA_DEVICE selects
+    char path[1024];           // its tuning file in dir
+} fixture;
+
+// "Portable Computing Language" -> "Portable_Computing_Language": every run of characters other
+// than A-Z a-z 0-9 . _ - becomes one '_' (the file name rule documented in clmha.h).
+static void sanitise(char *out, size_t size, const char *s) {
+    size_t n = 0;
+    bool sub = false;
+    for (; *s && n + 1 < size; ++s) {
+        char c = *s;
+        bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                  c == '.' || c == '_' || c == '-';
+        if (ok) out[n++] = c, sub = false;
+        else if (!sub) out[n++] = '_', sub = true;
+    }
+    out[n] = '\0';
+}
+
+// Sets up a tuning folder and finds the device; skips the test when there is none.
+static void setup(fixture *f) {
+    memset(f, 0, sizeof *f);
+    char msg[1024];
+    if (clmha_device_select(getenv("CLMHA_DEVICE"), &f->info, msg, sizeof msg) != CLMHA_SUCCESS)
+        cr_skip_test("no OpenCL device: %s", msg);
+    snprintf(f->dir, sizeof f->dir, "/tmp/clmha-tuning-XXXXXX");
+    cr_assert_not_null(mkdtemp(f->dir));
+    setenv("CLMHA_TUNING_DIR", f->dir, 1);
+    unsetenv("CLMHA_TUNING");
+    char platform[256], device[256];
+    sanitise(platform, sizeof platform, f->info.platform_name);
+    sanitise(device, sizeof device, f->info.device_name);
+    snprintf(f->path, sizeof f->path, "%s/%s--%s.json", f->dir, platform, device);
+}
+
+static void teardown(fixture *f) {
+    if (!f->dir[0]) return;
+    DIR *d = opendir(f->dir);
+    if (d) {
+        struct dirent *e;
+        char p[1400];
+        while ((e = readdir(d)))
+            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+                snprintf(p, sizeof p, "%s/%s", f->dir, e->d_name);
+                remove(p);
+            }
+        closedir(d);
+    }
+    rmdir(f->dir);
+}
+
+// A tuning JSON for (platform, device, driver) with @p kernels ("\"Xgemm\": {...}, ...").
+static char *tuning_json(const char *platform, const char *device, const char *driver,
+                         const char *kernels) {
+    size_t size = strlen(platform) + strlen(device) + strlen(driver) + strlen(kernels) + 256;
+    char *s = malloc(size);
+    cr_assert_not_null(s);
+    snprintf(s, size,
+             "{\"format\": \"clmha-gemm-tuning\", \"version\": 1, \"platform\": \"%s\", "
+             "\"device\": \"%s\", \"driver\": \"%s\", \"precision\": \"float32\", "
+             "\"kernels\": {%s}}",
+             platform, device, driver, kernels);
+    return s;
+}
+
+static char *own_json(const fixture *f, const char *kernels) {
+    return tuning_json(f->info.platform_name, f->info.device_name, f->info.driver_version,
+                       kernels);
+}
+
+static clmha_context *make_context(void) {
+    clmha_context *ctx = NULL;
+    clmha_status st = clmha_context_create_from_env(&ctx);
+    cr_assert_eq(st, CLMHA_SUCCESS, "context creation failed: %s", clmha_last_create_error());
+    return ctx;
+}
+
+static void write_file(const char *path, const char *text) {
+    FILE *fp = fopen(path, "wb");
+    cr_assert_not_null(fp, "cannot write %s", path);
+    fputs(text, fp);
+    fclose(fp);
+}
+
+static void note_of(clmha_context *ctx, char *note, size_t size) {
+    cr_assert_eq(clmha_context_tuning_note(ctx, note, size), CLMHA_SUCCESS);
+}
+
+// The whole export as a malloc'd string (NULL when none is applied).
+static char *export_text(clmha_context *ctx) {
+    size_t needed = 0;
+    clmha_status st = clmha_context_tuning_export(ctx, NULL, 0, &needed);
+    if (st == CLMHA_NOT_READY) return NULL;
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_assert_gt(needed, 1);
+    char *s = malloc(needed);
+    cr_assert_not_null(s);
+    cr_assert_eq(clmha_context_tuning_export(ctx, s, needed, NULL), CLMHA_SUCCESS);
+    cr_assert_eq(strlen(s) + 1, needed);
+    return s;
+}
+
+// The value of "name": N in @p json, after the first occurrence of @p kernel (-1 if absent).
+static long param(const char *json, const char *kernel, const char *name) {
+    const char *k = strstr(json, kernel);
+    if (!k) return -1;
+    char key[64];
+    snprintf(key, sizeof key, "\"%s\":", name);
+    const char *p = strstr(k, key);
+    return p ? strtol(p + strlen(key), NULL, 10) : -1;
+}
+
+// ---- import and export ---------------------------------------------------------------------
+
+Test(tuning, export_import_round_trip, .timeout = 300) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    cr_expect_null(export_text(ctx), "nothing is applied in a fresh process without a file");
+    cr_expect(strstr(clmha_context_last_error(ctx), "no tuning is applied") != NULL, "%s",
+              clmha_context_last_error(ctx));
+
+    char *json = own_json(&f, XGEMM_JSON ", " DIRECT_JSON
+                               ", \"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": 448}");
+    cr_assert_eq(clmha_context_tuning_import(ctx, json), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    char *out = export_text(ctx);
+    cr_assert_not_null(out);
+    cr_expect_eq(param(out, "\"Xgemm\"", "MWG"), 64);
+    cr_expect_eq(param(out, "\"Xgemm\"", "VWN"), 8);
+    cr_expect_eq(param(out, "\"XgemmDirect\"", "WGD"), 16);
+    cr_expect_eq(param(out, "\"GemmRoutine\"", "XGEMM_MIN_INDIRECT_SIZE"), 448);
+    cr_expect(strstr(out, f.info.device_name) != NULL);
+
+    // The export imports again (here and in another context) and exports the same text.
+    clmha_context *other = make_context();
+    cr_assert_eq(clmha_context_tuning_import(other, out), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(other));
+    char *again = export_text(other);
+    cr_expect_str_eq(again, out);
+
+    // A buffer one byte short is refused and left alone.
+    size_t needed = 0;
+    cr_assert_eq(clmha_context_tuning_export(ctx, NULL, 0, &needed), CLMHA_SUCCESS);
+    char *small = malloc(needed);
+    memset(small, 'x', needed);
+    cr_expect_eq(clmha_context_tuning_export(ctx, small, needed - 1, &needed),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(small[0], 'x');
+    cr_expect(strstr(clmha_context_last_error(ctx), "needs") != NULL);
+
+    // Importing only GemmRoutine keeps the other kernels.
+    char *partial = own_json(&f, "\"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": 0}");
+    cr_assert_eq(clmha_context_tuning_import(ctx, partial), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    char *merged = export_text(ctx);
+    cr_expect_eq(param(merged, "\"Xgemm\"", "MWG"), 64);
+    cr_expect_eq(param(merged, "\"GemmRoutine\"", "XGEMM_MIN_INDIRECT_SIZE"), 0);
+
+    char note[2048];
+    note_of(ctx, note, sizeof note);
+    cr_expect(strstr(note, "imported") != NULL, "%s", note);
+    free(json), free(out), free(again), free(small), free(partial), free(merged);
+    clmha_context_release(other);
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+Test(tuning, another_device_is_refused, .timeout = 300) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    char *other_device = tuning_json(f.info.platform_name, "Some Other Device 9000",
+                                     f.info.driver_version, XGEMM_JSON);
+    cr_expect_eq(clmha_context_tuning_import(ctx, other_device), CLMHA_UNSUPPORTED);
+    cr_expect(strstr(clmha_context_last_error(ctx), "Some Other Device 9000") != NULL, "%s",
+              clmha_context_last_error(ctx));
+    char *other_platform = tuning_json("Another Platform", f.info.device_name,
+                                       f.info.driver_version, XGEMM_JSON);
+    cr_expect_eq(clmha_context_tuning_import(ctx, other_platform), CLMHA_UNSUPPORTED);
+    char *other_driver = tuning_json(f.info.platform_name, f.info.device_name, "0.0-old",
+                                     XGEMM_JSON);
+    cr_expect_eq(clmha_context_tuning_import(ctx, other_driver), CLMHA_UNSUPPORTED);
+    cr_expect(strstr(clmha_context_last_error(ctx), "driver") != NULL, "%s",
+              clmha_context_last_error(ctx));
+    cr_expect_null(export_text(ctx), "a refused tuning is not applied");
+    free(other_device), free(other_platform), free(other_driver);
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+Test(tuning, corrupt_or_invalid_json_is_refused, .timeout = 300) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    struct {
+        const char *kernels;  // NULL: use `text` as the whole document
+        const char *text;
+        const char *says;     // part of the message
+    } cases[] = {
+        {NULL, "{\"format\": \"clmha-gemm-tuning\", \"version\": 1,", "not valid JSON"},
+        {NULL, "", "not valid JSON"},
+        {NULL, "[1, 2, 3]", "not a clmha tuning"},
+        {NULL, "{\"format\": \"something-else\"}", "not a clmha tuning"},
+        {NULL, "{\"format\": \"clmha-gemm-tuning\", \"version\": 2}", "version"},
+        {"\"Xgemm\": {\"GEMMK\": 0}", NULL, "lacks parameter"},
+        {"\"Xgemmm\": {}", NULL, "unknown kernel"},
+        {"\"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": -5}", NULL, "integer"},
+        {"\"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": 2.5}", NULL, "integer"},
+        {"\"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": \"64\"}", NULL, "integer"},
+        {"\"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": 64, \"EXTRA\": 1}", NULL, "unknown"},
+        {"", NULL, "names no kernel"},
+        // MWG 48 is not a multiple of MDIMC*VWM = 32.
+        {"\"Xgemm\": {\"GEMMK\": 0, \"KREG\": 1, \"KWG\": 16, \"KWI\": 2, \"MDIMA\": 4, "
+         "\"MDIMC\": 4, \"MWG\": 48, \"NDIMB\": 4, \"NDIMC\": 4, \"NWG\": 64, \"SA\": 0, "
+         "\"SB\": 0, \"STRM\": 0, \"STRN\": 0, \"VWM\": 8, \"VWN\": 8}",
+         NULL, "MWG"},
+        // VWMD 3 is not a vector width.
+        {"\"XgemmDirect\": {\"KWID\": 8, \"MDIMAD\": 4, \"MDIMCD\": 4, \"NDIMBD\": 4, "
+         "\"NDIMCD\": 4, \"PADA\": 0, \"PADB\": 0, \"VWMD\": 3, \"VWND\": 8, \"WGD\": 32}",
+         NULL, "VWMD"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        char *json = cases[i].kernels ? own_json(&f, cases[i].kernels) : NULL;
+        clmha_status st = clmha_context_tuning_import(ctx, json ? json : cases[i].text);
+        cr_expect_eq(st, CLMHA_INVALID_FILE, "case %zu: status %s", i, clmha_status_string(st));
+        cr_expect(strstr(clmha_context_last_error(ctx), cases[i].says) != NULL,
+                  "case %zu: message '%s' lacks '%s'", i, clmha_context_last_error(ctx),
+                  cases[i].says);
+        free(json);
+    }
+    cr_expect_eq(clmha_context_tuning_import(ctx, NULL), CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_context_tuning_import(NULL, "{}"), CLMHA_INVALID_ARGUMENT);
+    cr_expect_null(export_text(ctx), "nothing refused was applied");
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+// ---- stored tunings ----------------------------------------------------------------------------
+
+// A layer (E 64, 4 heads, bias), random parameters and input; forward on the device against the
+// double-precision reference: max abs error <= 1e-4 for output and weights.
+static void forward_matches_reference(clmha_context *ctx) {
+    enum { E = 64, H = 4, N = 3, L = 37 };
+    static float w_in[3 * E * E], b_in[3 * E], w_out[E * E], b_out[E], x[L * N * E];
+    static float y[L * N * E], w[N * L * L];
+    static double y_ref[L * N * E], w_ref[N * L * L];
+    uint64_t s = 7;
+    float *arrays[] = {w_in, b_in, w_out, b_out, x};
+    size_t counts[] = {3 * E * E, 3 * E, E * E, E, L * N * E};
+    for (size_t a = 0; a < 5; ++a)
+        for (size_t i = 0; i < counts[a]; ++i) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            arrays[a][i] = (float)((double)(s >> 40) / 16777216.0 - 0.5) * (a == 4 ? 2.0f : 0.25f);
+        }
+    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer *layer = NULL;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", b_out, E), 0);
+    clmha_forward_args args = {.query = {.ndim = 3, .shape = {L, N, E}, .data = x},
+                               .need_weights = true};
+    cr_assert_eq(clmha_layer_forward_host(layer, &args, y, L * N * E, w, N * L * L),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    clmha_reference_params params = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+                                     .out_proj_weight = w_out, .out_proj_bias = b_out};
+    char msg[512];
+    cr_assert_eq(clmha_reference_forward(&desc, &params, &args, y_ref, L * N * E, w_ref,
+                                         N * L * L, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    double err_y = 0, err_w = 0;
+    for (size_t i = 0; i < L * N * E; ++i) err_y = fmax(err_y, fabs(y[i] - y_ref[i]));
+    for (size_t i = 0; i < N * L * L; ++i) err_w = fmax(err_w, fabs(w[i] - w_ref[i]));
+    cr_expect_leq(err_y, 1e-4, "output error %g", err_y);
+    cr_expect_leq(err_w, 1e-4, "weights error %g", err_w);
+    clmha_layer_release(layer);
+}
+
+// A stored tuning in $CLMHA_TUNING_DIR is applied when the context is created, and forward
+// passes stay exact with it on both GEMM paths: XGEMM_MIN_INDIRECT_SIZE 50 sends the layer's
+// projections (m·n·k = 111·192·64 and 111·64·64, above 50³) through the tuned Xgemm with
+// padding, and the attention products (37·37·16 per head) through the tuned XgemmDirect.
+Test(tuning, stored_tuning_applied_at_context_creation, .timeout = 1200) {
+    fixture f;
+    setup(&f);
+    char *json = own_json(&f, XGEMM_JSON ", " DIRECT_JSON
+                               ", \"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": 50}");
+    write_file(f.path, json);
+    clmha_context *ctx = make_context();
+    char note[2048];
+    note_of(ctx, note, sizeof note);
+    cr_expect(strstr(note, "stored tuning") && strstr(note, "applied") &&
+                  strstr(note, f.dir),
+              "%s", note);
+    char *out = export_text(ctx);
+    cr_assert_not_null(out, "the stored tuning was not applied");
+    cr_expect_eq(param(out, "\"Xgemm\"", "MWG"), 64);
+    cr_expect_eq(param(out, "\"XgemmDirect\"", "WGD"), 16);
+    cr_expect_eq(param(out, "\"GemmRoutine\"", "XGEMM_MIN_INDIRECT_SIZE"), 50);
+    forward_matches_reference(ctx);
+    free(json), free(out);
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+Test(tuning, unusable_stored_files_do_not_break_context_creation, .timeout = 300) {
+    fixture f;
+    setup(&f);
+    char note[2048];
+    // A folder that does not exist.
+    setenv("CLMHA_TUNING_DIR", "/nonexistent/clmha/tuning/dir", 1);
+    clmha_context *ctx = make_context();
+    note_of(ctx, note, sizeof note);
+    cr_expect(strstr(note, "/nonexistent/clmha/tuning/dir/") && strstr(note, "not found"), "%s",
+              note);
+    cr_expect_null(export_text(ctx));
+    forward_matches_reference(ctx);
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+// The stored file is read once per device and process: each case runs in a child process.
+static void child_with_file(const fixture *f, const char *content, const char *tuning_env,
+                            const char *expect_note) {
+    fflush(NULL);
+    pid_t pid = fork();
+    cr_assert_neq(pid, -1);
+    if (pid == 0) {
+        if (content) write_file(f->path, content);
+        if (tuning_env) setenv("CLMHA_TUNING", tuning_env, 1);
+        clmha_context *ctx = NULL;
+        int rc = clmha_context_create_from_env(&ctx) == CLMHA_SUCCESS ? 0 : 1;
+        char note[2048] = "";
+        if (!rc) clmha_context_tuning_note(ctx, note, sizeof note);
+        if (!rc && !strstr(note, expect_note)) {
+            fprintf(stderr, "note '%s' lacks '%s'\n", note, expect_note);
+            rc = 2;
+        }
+        size_t needed;
+        if (!rc && clmha_context_tuning_export(ctx, NULL, 0, &needed) != CLMHA_NOT_READY) rc = 3;
+        clmha_context_release(ctx);
+        _exit(rc);
+    }
+    int status = 0;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "child for '%s' failed (exit %d: 1 creation failed, 2 wrong note, 3 applied)",
+              expect_note, WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+}
+
+Test(tuning, corrupt_or_foreign_stored_files_are_ignored, .timeout = 300) {
+    fixture f;
+    setup(&f);
+    child_with_file(&f, NULL, NULL, "not found");
+    child_with_file(&f, "{\"format\": \"clmha-gemm-tuning\", \"vers", NULL, "not valid JSON");
+    child_with_file(&f, "\x01\x02garbage", NULL, "ignored");
+    char *foreign = tuning_json(f.info.platform_name, "Some Other Device 9000",
+                                f.info.driver_version, XGEMM_JSON);
+    child_with_file(&f, foreign, NULL, "Some Other Device 9000");
+    char *bad = own_json(&f, "\"Xgemm\": {\"GEMMK\": 0}");
+    child_with_file(&f, bad, NULL, "lacks parameter");
+    char *good = own_json(&f, XGEMM_JSON);
+    child_with_file(&f, good, "off", "CLMHA_TUNING=off");  // not loaded at all
+    free(foreign), free(bad), free(good);
+    teardown(&f);
+}
+
+// ---- clmha_context_tune without a search -----------------------------------------------------------
+
+Test(tuning, tune_refuses_wrong_arguments, .timeout = 300) {
+    fixture f;
+    setup(&f);
+    clmha_tune_report rep;
+    cr_expect_eq(clmha_context_tune(NULL, NULL, &rep), CLMHA_INVALID_ARGUMENT);
+    clmha_context *ctx = make_context();
+    clmha_tune_options o = {.budget_seconds = -1};
+    cr_expect_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "budget_seconds") != NULL);
+    clmha_tune_shape shapes[5] = {{8, 128, 512, 8}};
+    o = (clmha_tune_options){.shapes = shapes, .num_shapes = 5};
+    cr_expect_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_INVALID_ARGUMENT);
+    shapes[0] = (clmha_tune_shape){8, 128, 500, 8};  // E not a multiple of H
+    o.num_shapes = 1;
+    cr_expect_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "multiple of H") != NULL);
+    o = (clmha_tune_options){.num_shapes = 1};  // shapes NULL
+    cr_expect_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_INVALID_ARGUMENT);
+    cr_expect_null(export_text(ctx));
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+static int progress_calls;
+static void count_progress(double fraction, const char *message, void *user_data) {
+    (void)user_data;
+    cr_expect(fraction >= 0 && fraction <= 1, "fraction %g", fraction);
+    cr_expect_not_null(message);
+    ++progress_calls;
+}
+
+// A budget too small for any candidate: the current parameters are timed and checked, nothing
+// changes, nothing is stored.
+Test(tuning, tune_with_no_time_for_a_candidate, .timeout = 600) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    clmha_tune_shape shape = {2, 16, 32, 4};
+    clmha_tune_options o = {.budget_seconds = 0.01, .shapes = &shape, .num_shapes = 1,
+                            .progress = count_progress};
+    clmha_tune_report rep;
+    cr_assert_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    cr_expect(!rep.improved && !rep.stored);
+    cr_expect_eq(rep.candidates, 0);
+    cr_expect_gt(rep.default_gflops, 0);
+    cr_expect_eq(rep.tuned_gflops, rep.default_gflops);
+    cr_expect_str_eq(rep.layer, "2,16,32,4");
+    cr_expect(strstr(rep.message, "budget") != NULL, "%s", rep.message);
+    cr_expect_gt(progress_calls, 0);
+    cr_expect_neq(access(f.path, F_OK), 0, "nothing may be stored");
+    cr_expect_null(export_text(ctx));
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+#endif  // CLMHA_TUNE_API
