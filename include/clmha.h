@@ -407,6 +407,7 @@ typedef struct clmha_tune_report {
 /// exact, for one with an entry CLBlast's generic parameters are put back instead.
 /// Do not run forward passes on the same device (from any context) while tuning: they would
 /// run with the candidates' parameters.
+/// @param[in]  ctx      the context whose device is tuned
 /// @param[in]  options  may be NULL (300 s, shape (8, 128, 512, 8))
 /// @param[out] report   may be NULL
 /// @return ::CLMHA_SUCCESS (also when nothing faster was found: see report->improved),
@@ -418,6 +419,10 @@ CLMHA_API clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_o
 /// Writes the tuning in effect for the device of @p ctx as JSON (the tuning file's format):
 /// format, version, platform, device, driver, the parameters of each tuned kernel and what was
 /// measured. With @p json NULL and @p size 0 it only sets *needed (bytes, with the final NUL).
+/// @param[in]  ctx     the context whose device's tuning is written
+/// @param[out] json    buffer of @p size bytes (may be NULL when @p size is 0)
+/// @param[in]  size    bytes @p json holds
+/// @param[out] needed  bytes the JSON needs, with the final NUL (may be NULL)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_NOT_READY (no tuning applied on this device in this
 ///         process), ::CLMHA_INVALID_ARGUMENT (NULL context; buffer smaller than *needed: nothing
 ///         written), ::CLMHA_OUT_OF_MEMORY
@@ -427,6 +432,8 @@ CLMHA_API clmha_status clmha_context_tuning_export(const clmha_context *ctx, cha
 /// Checks a tuning in the format clmha_context_tuning_export() writes and applies it to the
 /// device of @p ctx (every context on that device in this process). Kernels the JSON does not
 /// name keep their parameters. Nothing is written to disk.
+/// @param[in] ctx   the context whose device receives the tuning
+/// @param[in] json  a NUL-terminated tuning in the export format
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL), ::CLMHA_INVALID_FILE (not JSON, not
 ///         a clmha tuning, unknown version or kernel, missing or invalid parameter, parameters
 ///         that break CLBlast's constraints or the device's limits), ::CLMHA_UNSUPPORTED (a
@@ -438,6 +445,9 @@ CLMHA_API clmha_status clmha_context_tuning_import(clmha_context *ctx, const cha
 /// ignored: <reason>", "imported tuning applied", "tuned in this process, stored in <path>".
 /// A stored file that cannot be used never makes context creation fail; this says why it was
 /// ignored. Truncated to @p size bytes.
+/// @param[in]  ctx   the context to ask
+/// @param[out] text  buffer of @p size bytes for the line (NUL-terminated)
+/// @param[in]  size  bytes @p text holds
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT
 CLMHA_API clmha_status clmha_context_tuning_note(const clmha_context *ctx, char *text,
                                                  size_t size);
