@@ -303,9 +303,9 @@ CLMHA_API void clmha_context_release(clmha_context *ctx);
 /// any thread.
 /// @param[in] ctx  the context (may be NULL)
 /// @return a NUL-terminated message, "" before the first failure, or a static "ctx is NULL".
-///         Never NULL. It points into the context (valid while the context lives) and is
-///         overwritten by the next failure on this context in any thread: copy it before
-///         another thread may fail on the same context.
+///         Never NULL. The message is copied under the context's lock into a buffer of the
+///         calling thread, valid until this thread's next call of clmha_context_last_error();
+///         a failure in another thread never tears it.
 CLMHA_API const char *clmha_context_last_error(const clmha_context *ctx);
 
 /// The context's OpenCL context.

@@ -31,7 +31,15 @@ clmha_status clmha__fail(const clmha_context *ctx, clmha_status status, const ch
 }
 
 const char *clmha_context_last_error(const clmha_context *ctx) {
-    return ctx ? ctx->last_error : "ctx is NULL";
+    if (!ctx) return "ctx is NULL";
+    // Another thread may record an error at any time: hand out this thread's copy, taken under
+    // the lock, rather than the context's buffer.
+    static _Thread_local char copy[CLMHA__ERROR_SIZE];
+    clmha_context *c = (clmha_context *)ctx;
+    pthread_mutex_lock(&c->lock);
+    memcpy(copy, c->last_error, sizeof copy);
+    pthread_mutex_unlock(&c->lock);
+    return copy;
 }
 
 // Fills the fields common to both constructors once cl_ctx, device and queue are set.

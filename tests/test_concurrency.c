@@ -24,6 +24,7 @@ static int standalone_failures;
 #define cr_assert(...) SA_CHECK(1, SA_FIRST(__VA_ARGS__, 0), #__VA_ARGS__)
 #define cr_expect(...) SA_CHECK(0, SA_FIRST(__VA_ARGS__, 0), #__VA_ARGS__)
 #define cr_assert_eq(...) SA_CHECK(1, SA_EQ(__VA_ARGS__, 0), #__VA_ARGS__)
+#define cr_expect_eq(...) SA_CHECK(0, SA_EQ(__VA_ARGS__, 0), #__VA_ARGS__)
 #define cr_assert_not_null(...) SA_CHECK(1, SA_FIRST(__VA_ARGS__, 0) != NULL, #__VA_ARGS__)
 #define cr_skip_test(...)                                                                      \
     do {                                                                                       \
@@ -196,10 +197,75 @@ Test(concurrency, three_contexts_in_parallel_threads, .timeout = 1200) {
     free(serial);
 }
 
+// Failing calls from two threads on one context: each thread reads the context's message right
+// after its own failure. The message is the last one of any thread (clmha.h, Threading), so it
+// may be either thread's, but it must be one of them whole, never a mix of both (and, under
+// ThreadSanitizer, reading it must not race with the other thread recording its own).
+typedef struct failer {
+    clmha_layer *layer;
+    const char *name;      // the unknown parameter name this thread sets
+    const char *valid[2];  // the two complete messages
+    pthread_barrier_t *start;
+    int torn;
+    char seen[512];
+} failer;
+
+static void *failer_run(void *arg) {
+    failer *f = arg;
+    float x = 0.0f;
+    pthread_barrier_wait(f->start);
+    for (int i = 0; i < 2000; ++i) {
+        if (clmha_layer_set_parameter(f->layer, f->name, &x, 1) != CLMHA_INVALID_ARGUMENT) {
+            ++f->torn;
+            continue;
+        }
+        const char *m = clmha_context_last_error(clmha_layer_context(f->layer));
+        if (strcmp(m, f->valid[0]) != 0 && strcmp(m, f->valid[1]) != 0 && !f->torn++)
+            snprintf(f->seen, sizeof f->seen, "%s", m);
+    }
+    return NULL;
+}
+
+Test(concurrency, error_messages_from_two_threads_on_one_context, .timeout = 1200) {
+    clmha_context *ctx = NULL;
+    clmha_status st = clmha_context_create_from_env(&ctx);
+    if (st == CLMHA_DEVICE_NOT_FOUND) cr_skip_test("no OpenCL device");
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_last_create_error());
+    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    failer f[2] = {{.name = "no_such_parameter"}, {.name = "another_unknown_name_that_is_longer"}};
+    static char messages[2][1024];
+    float x = 0.0f;
+    for (int t = 0; t < 2; ++t) {
+        cr_assert_eq(clmha_layer_create(&f[t].layer, ctx, &desc), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(ctx));
+        cr_assert_eq(clmha_layer_set_parameter(f[t].layer, f[t].name, &x, 1),
+                     CLMHA_INVALID_ARGUMENT);
+        snprintf(messages[t], sizeof messages[t], "%s", clmha_context_last_error(ctx));
+    }
+    pthread_barrier_t start;
+    cr_assert_eq(pthread_barrier_init(&start, NULL, 2), 0);
+    pthread_t threads[2];
+    for (int t = 0; t < 2; ++t) {
+        f[t].valid[0] = messages[0];
+        f[t].valid[1] = messages[1];
+        f[t].start = &start;
+        cr_assert_eq(pthread_create(&threads[t], NULL, failer_run, &f[t]), 0);
+    }
+    for (int t = 0; t < 2; ++t) pthread_join(threads[t], NULL);
+    pthread_barrier_destroy(&start);
+    for (int t = 0; t < 2; ++t) {
+        cr_expect_eq(f[t].torn, 0, "thread %d read %d mixed messages, e.g. \"%s\"", t, f[t].torn,
+                     f[t].seen);
+        clmha_layer_release(f[t].layer);
+    }
+    clmha_context_release(ctx);
+}
+
 #ifdef CLMHA_TEST_STANDALONE
 int main(void) {
     concurrency_four_threads_one_shared_context();
     concurrency_three_contexts_in_parallel_threads();
+    concurrency_error_messages_from_two_threads_on_one_context();
     printf("concurrency: %s\n", standalone_failures ? "FAIL" : "PASS");
     return standalone_failures ? 1 : 0;
 }

@@ -11,9 +11,12 @@
 #
 # environment:
 #   POCL_CACHE_DIR         PoCL's kernel cache (default: BUILD_DIR/valgrind-pocl-cache). Under
-#                          valgrind PoCL sees a different CPU (valgrind's CPUID), so it keeps
-#                          its own cache: the first run compiles every kernel under valgrind and
-#                          takes 10-30 minutes, later runs a few minutes. Cache it in CI.
+#                          valgrind PoCL sees a different CPU (valgrind's CPUID), so it needs its
+#                          own cache, and compiling the kernels under memcheck is slow enough to
+#                          trip the tests' timeouts. So while the cache has no stamp file the
+#                          script first runs the tests under valgrind --tool=none (no checking)
+#                          to fill it. Keep the folder between CI runs to skip that step.
+#   CLMHA_VALGRIND_WARMUP  1: always run the warm-up pass, 0: never (default: when not stamped)
 #   CLMHA_VALGRIND_LOGS    folder for the per-process logs (default: BUILD_DIR/valgrind-logs)
 #   VALGRIND               the valgrind program (default: valgrind)
 #   VALGRIND_EXTRA         more valgrind options
@@ -33,7 +36,7 @@ if [ "${1:-}" = "-B" ]; then
   build="$(cd "$2" && pwd)"
   shift 2
 fi
-case "${1:-}" in -h|--help) sed -n '2,25p' "$0"; exit 0 ;; esac
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 
 tests=("$@")
 if [ ${#tests[@]} -eq 0 ]; then
@@ -63,6 +66,26 @@ vg_opts=(
   "--suppressions=$supp"
   "${extra[@]}"
 )
+
+# Warm-up: fill PoCL's kernel cache as seen under valgrind, without checking anything.
+stamp="$POCL_CACHE_DIR/.clmha-valgrind-warm"
+warmup="${CLMHA_VALGRIND_WARMUP:-}"
+[ -z "$warmup" ] && { [ -e "$stamp" ] && warmup=0 || warmup=1; }
+if [ "$warmup" = 1 ]; then
+  echo "valgrind-check: warming PoCL's kernel cache under valgrind --tool=none ($POCL_CACHE_DIR)"
+  start=$(date +%s)
+  for spec in "${tests[@]}"; do
+    name="${spec%%:*}"
+    [ -x "$build/tests/$name" ] || continue
+    args=(--jobs 1)
+    [ "$name" != "$spec" ] && args+=(--filter "${spec#*:}")
+    (cd "$build/tests" && "$valgrind" --tool=none -q --trace-children=yes \
+       "--trace-children-skip=*/ld,*/ld.*,*/ld.lld*,*/clang*,*/collect2,*/cc1*,*/gcc*,*/cc" \
+       "$build/tests/$name" "${args[@]}") >"$logs/warmup-$name.txt" 2>&1 || true
+  done
+  touch "$stamp"
+  echo "valgrind-check: warm-up took $(( $(date +%s) - start )) s"
+fi
 
 status=0
 printf '%-18s %-6s %6s %7s %14s %8s\n' test exit procs errors "definite(B)" seconds
