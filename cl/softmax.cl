@@ -2,6 +2,7 @@
 // (N*H, L, S') that the QK^T GEMM wrote (already scaled by 1/sqrt(head_dim)).
 //
 // Build options: -DWG=<work-group size, a power of two>.
+// Needs cl/common.cl in front (mask kinds, mask_value, philox_word0, max_nan).
 //
 // Masks cover the first S keys; the keys appended by add_bias_kv / add_zero_attn (j >= S) are
 // never masked, as PyTorch pads its masks with an allowed column. Mask kinds (host enum
@@ -12,38 +13,6 @@
 #ifndef WG
 #define WG 64
 #endif
-
-#define MASK_NONE 0
-#define MASK_BOOL_IGNORE 1
-#define MASK_BOOL_ATTEND 2
-#define MASK_FLOAT 3
-
-// Philox4x32-10, first output word (the same function as clmha__philox_word0 in src/internal.h).
-inline uint philox_word0(uint c0, uint c1, uint c2, uint c3, uint k0, uint k1) {
-    for (int round = 0; round < 10; ++round) {
-        uint hi0 = mul_hi(0xD2511F53u, c0);
-        uint lo0 = 0xD2511F53u * c0;
-        uint hi1 = mul_hi(0xCD9E8D57u, c2);
-        uint lo1 = 0xCD9E8D57u * c2;
-        uint n0 = hi1 ^ c1 ^ k0;
-        uint n2 = hi0 ^ c3 ^ k1;
-        c0 = n0;
-        c1 = lo1;
-        c2 = n2;
-        c3 = lo0;
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-    }
-    return c0;
-}
-
-// The additive value of mask `kind` at element idx of `mask`.
-inline float mask_value(global const uchar *mask, uint kind, ulong idx) {
-    if (kind == MASK_FLOAT) return ((global const float *)mask)[idx];
-    if (kind == MASK_BOOL_IGNORE) return mask[idx] ? -INFINITY : 0.0f;
-    if (kind == MASK_BOOL_ATTEND) return mask[idx] ? 0.0f : -INFINITY;
-    return 0.0f;
-}
 
 // One work-group per row (bh, i) of the scores.
 kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
@@ -83,14 +52,14 @@ void masked_softmax(global float *scores, ulong n_rows, ulong tgt_len, ulong n_h
             if (causal && j > i) v = -INFINITY;
         }
         x[j] = v;
-        m = (v > m || isnan(v)) ? v : m;
+        m = max_nan(m, v);
     }
     red[lid] = m;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint s = WG / 2; s > 0; s >>= 1) {
         if (lid < s) {
             float o = red[lid + s];
-            red[lid] = (o > red[lid] || isnan(o)) ? o : red[lid];
+            red[lid] = max_nan(red[lid], o);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }

@@ -548,7 +548,10 @@ CLMHA_API size_t clmha_layer_parameter_count(const clmha_layer *layer, const cha
 
 /// Sizes the layer's scratch buffers for inputs up to @p batch x @p tgt_len x @p src_len and
 /// warms up the GEMMs, so that later forward calls at or below these sizes allocate nothing and
-/// compile nothing. Optional: a forward call on larger inputs grows the scratch itself.
+/// compile nothing: with @p need_weights, calls with and without weights; without, calls
+/// without weights (through the fused core, unless the layer chose another with
+/// clmha_layer_set_impl(); the scores scratch of the unfused core is then not allocated).
+/// Optional: a forward call on larger inputs grows the scratch itself.
 /// It runs one forward pass on zeros (self-attention when @p tgt_len == @p src_len and
 /// kdim == vdim == E, else cross-attention; through the user core when one is set) and waits
 /// for it to finish.
@@ -556,7 +559,8 @@ CLMHA_API size_t clmha_layer_parameter_count(const clmha_layer *layer, const cha
 /// @param[in] batch         N, positive
 /// @param[in] tgt_len       L, positive
 /// @param[in] src_len       S, positive
-/// @param[in] need_weights  whether the warm-up pass also produces (averaged) weights
+/// @param[in] need_weights  whether later calls may ask for weights (the warm-up pass then
+///                          produces averaged weights through the unfused core)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, a zero size),
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
@@ -668,6 +672,34 @@ struct clmha_core_args;
 ///         ::CLMHA_CALLBACK_FAILED (work the core already enqueued stays queued)
 typedef clmha_status (*clmha_attention_fn)(const struct clmha_core_args *args, void *user_data);
 
+/// Which built-in attention core computes softmax(QKᵀ/√D + masks)·V.
+///
+/// The unfused core writes the scores of every (batch, head) to device memory (N·H·L·S' floats)
+/// and runs a GEMM, a softmax kernel and a second GEMM over them; it is the one that can return
+/// attention weights. The fused core streams tiles of keys through local memory with an online
+/// softmax and never stores the scores: its scratch is linear in the sequence lengths, it skips
+/// the key tiles that is_causal masks entirely, and it is faster on long sequences; it cannot
+/// return weights. Both apply every mask kind, is_causal and dropout the same way (dropout
+/// drops exactly the same weights in both for the same ::clmha_dropout_rng) and give zeros for
+/// a fully masked query row. A user core (clmha_layer_set_attention()) replaces both.
+typedef enum clmha_impl {
+    CLMHA_IMPL_AUTO = 0,  ///< fused when the call does not ask for weights, else unfused
+    CLMHA_IMPL_FUSED,     ///< the fused core (a call with need_weights is refused)
+    CLMHA_IMPL_UNFUSED,   ///< the unfused core
+} clmha_impl;
+
+/// Sets the attention core that forward calls of @p layer use when their
+/// clmha_forward_args::impl is ::CLMHA_IMPL_AUTO (the default: ::CLMHA_IMPL_AUTO).
+/// @param[in] layer  the layer
+/// @param[in] impl   ::CLMHA_IMPL_AUTO, ::CLMHA_IMPL_FUSED or ::CLMHA_IMPL_UNFUSED
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p layer NULL, @p impl not one of these)
+CLMHA_API clmha_status clmha_layer_set_impl(clmha_layer *layer, clmha_impl impl);
+
+/// The name of @p impl: "auto", "fused", "unfused"; "?" for other values. A static string.
+/// @param[in] impl  the value
+/// @return the name
+CLMHA_API const char *clmha_impl_name(clmha_impl impl);
+
 /// Arguments of one forward call. Zero-initialise, then set what you need. Read only during the
 /// call.
 typedef struct clmha_forward_args {
@@ -686,6 +718,8 @@ typedef struct clmha_forward_args {
                                    ///< (PyTorch's average_attn_weights = not per_head_weights)
     bool training;                 ///< apply the layer's dropout (PyTorch's train())
     clmha_dropout_rng rng;         ///< used when training and dropout > 0
+    clmha_impl impl;               ///< attention core for this call; ::CLMHA_IMPL_AUTO (0):
+                                   ///< the layer's choice (clmha_layer_set_impl())
 } clmha_forward_args;
 
 /// What a user attention core receives. Layouts: q (N*H, L, D), k and v (N*H, S', D), out
@@ -823,6 +857,7 @@ typedef enum clmha_stage {
     CLMHA_STAGE_SCORES,       ///< Q·Kᵀ (strided batched GEMM); a user core's whole time
     CLMHA_STAGE_SOFTMAX,      ///< masks, softmax, dropout
     CLMHA_STAGE_AV,           ///< weights · V (strided batched GEMM)
+    CLMHA_STAGE_FUSED,        ///< the fused attention core (instead of the three above)
     CLMHA_STAGE_MERGE,        ///< head merge
     CLMHA_STAGE_OUT_PROJ,     ///< output projection (bias rows + GEMM)
     CLMHA_STAGE_WEIGHTS,      ///< attention weights output (copy or head average)

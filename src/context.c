@@ -60,6 +60,20 @@ static clmha_status context_finish(clmha_context *c) {
     return CLMHA_SUCCESS;
 }
 
+void clmha__fused_tiles(const clmha_context *ctx, size_t hd, size_t *bq, size_t *bk) {
+    // Defaults measured on PoCL (CPU): 64 rows and 32 keys beat 16/32/128 rows and 16/64 keys
+    // at N=1, H=8, L=S=2048, D=64.
+    size_t rows = ctx->fused_bq ? ctx->fused_bq : 64, keys = ctx->fused_bk ? ctx->fused_bk : 32;
+    size_t q = 1;
+    while (q * 2 <= rows && q * 2 <= ctx->max_work_group) q *= 2;
+    cl_ulong local = ctx->info.local_mem_bytes;
+    // Leave room for what the compiler adds to local memory.
+    local = local > 1024 ? local - 1024 : 0;
+    while (keys > 0 && 2 * (cl_ulong)hd * keys * sizeof(float) > local) keys /= 2;
+    *bq = q;
+    *bk = keys;
+}
+
 static clmha_context *context_alloc(void) {
     clmha_context *c = calloc(1, sizeof *c);
     if (!c) return NULL;

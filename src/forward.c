@@ -3,6 +3,8 @@
 //   → scores = Q·Kᵀ/√D (strided batched GEMM) → masks + softmax + dropout (kernel)
 //   → A·V (strided batched GEMM) → merge heads → output projection (GEMM, bias)
 //   → attention weights (copy or head average).
+// The fused core (cl/fused.cl) replaces the three middle stages by one kernel when the call
+// does not need weights (clmha_impl).
 // Everything is enqueued on the context's in-order queue; nothing here waits on the host.
 #include "layer.h"
 
@@ -47,6 +49,17 @@ static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
     char msg[1024];
     clmha_status st = clmha__dims_resolve(&layer->desc, args, d, msg, sizeof msg);
     if (st) return clmha__fail(ctx, st, "%s", msg);
+    if (args->impl != CLMHA_IMPL_AUTO && args->impl != CLMHA_IMPL_FUSED &&
+        args->impl != CLMHA_IMPL_UNFUSED)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "impl %d is not CLMHA_IMPL_AUTO, _FUSED or _UNFUSED", (int)args->impl);
+    if (args->need_weights && !layer->core &&
+        (args->impl == CLMHA_IMPL_FUSED ||
+         (args->impl == CLMHA_IMPL_AUTO && layer->impl == CLMHA_IMPL_FUSED)))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "need_weights is set but the fused core (impl fused%s) does not "
+                           "return weights: use CLMHA_IMPL_AUTO or CLMHA_IMPL_UNFUSED",
+                           args->impl == CLMHA_IMPL_AUTO ? ", the layer's choice" : "");
     if (!on_device) {
         if ((st = clmha__check_host_data(d, args, msg, sizeof msg)))
             return clmha__fail(ctx, st, "%s", msg);
@@ -208,30 +221,53 @@ static clmha_status scores(clmha_layer *l, const clmha__dims *d) {
     return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(QK^T)") : CLMHA_SUCCESS;
 }
 
+// The mask and dropout arguments that masked_softmax and fused_attention share, in their order.
+typedef struct mask_args {
+    cl_mem attn;
+    cl_ulong attn_off;
+    cl_uint attn_kind, attn_layout;
+    cl_mem kpm;
+    cl_ulong kpm_off;
+    cl_uint kpm_kind, causal, dropout_on, threshold;
+    float keep_scale;
+    cl_uint seed_lo, seed_hi, off_lo;
+} mask_args;
+
+static mask_args masks_of(const clmha_layer *l, const clmha_forward_args *a,
+                          const clmha__dims *d) {
+    float p = l->desc.dropout;
+    bool dropout_on = a->training && p > 0.0f;
+    return (mask_args){
+        .attn = d->attn_kind ? a->attn_mask.tensor.buffer : l->ctx->dummy,
+        .attn_off = d->attn_kind ? a->attn_mask.tensor.offset : 0,
+        .attn_kind = d->attn_kind,
+        .attn_layout = d->attn_layout,
+        .kpm = d->kpm_kind ? a->key_padding_mask.tensor.buffer : l->ctx->dummy,
+        .kpm_off = d->kpm_kind ? a->key_padding_mask.tensor.offset : 0,
+        .kpm_kind = d->kpm_kind,
+        .causal = a->is_causal,
+        .dropout_on = dropout_on,
+        .threshold = clmha__dropout_threshold(p),
+        .keep_scale = dropout_on ? (float)(1.0 / (1.0 - (double)p)) : 1.0f,
+        .seed_lo = (cl_uint)a->rng.seed,
+        .seed_hi = (cl_uint)(a->rng.seed >> 32) ^ (cl_uint)(a->rng.offset >> 32),
+        .off_lo = (cl_uint)a->rng.offset};
+}
+
+#define MASK_ARGS(m)                                                                          \
+    ARG((m).attn), ARG((m).attn_off), ARG((m).attn_kind), ARG((m).attn_layout), ARG((m).kpm), \
+        ARG((m).kpm_off), ARG((m).kpm_kind), ARG((m).causal), ARG((m).dropout_on),            \
+        ARG((m).threshold), ARG((m).keep_scale), ARG((m).seed_lo), ARG((m).seed_hi),          \
+        ARG((m).off_lo)
+
 // 4. Masks, softmax and dropout in place on the scores, one work-group per row.
 static clmha_status softmax(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d) {
-    clmha_context *ctx = l->ctx;
     cl_ulong rows = d->n * l->h * d->l, tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
-    cl_mem attn = d->attn_kind ? a->attn_mask.tensor.buffer : ctx->dummy;
-    cl_ulong attn_off = d->attn_kind ? a->attn_mask.tensor.offset : 0;
-    cl_uint attn_kind = d->attn_kind, attn_layout = d->attn_layout;
-    cl_mem kpm = d->kpm_kind ? a->key_padding_mask.tensor.buffer : ctx->dummy;
-    cl_ulong kpm_off = d->kpm_kind ? a->key_padding_mask.tensor.offset : 0;
-    cl_uint kpm_kind = d->kpm_kind, causal = a->is_causal;
-    float p = l->desc.dropout;
-    cl_uint dropout_on = a->training && p > 0.0f;
-    cl_uint threshold = clmha__dropout_threshold(p);
-    float keep_scale = dropout_on ? (float)(1.0 / (1.0 - (double)p)) : 1.0f;
-    cl_uint seed_lo = (cl_uint)a->rng.seed;
-    cl_uint seed_hi = (cl_uint)(a->rng.seed >> 32) ^ (cl_uint)(a->rng.offset >> 32);
-    cl_uint off_lo = (cl_uint)a->rng.offset;
-    arg args[] = {ARG(l->scores), ARG(rows),       ARG(tgt),        ARG(heads),
-                  ARG(src),       ARG(srcp),       ARG(attn),       ARG(attn_off),
-                  ARG(attn_kind), ARG(attn_layout), ARG(kpm),       ARG(kpm_off),
-                  ARG(kpm_kind),  ARG(causal),     ARG(dropout_on), ARG(threshold),
-                  ARG(keep_scale), ARG(seed_lo),   ARG(seed_hi),    ARG(off_lo)};
-    return launch(ctx, l->masked_softmax, "masked_softmax", rows * l->softmax_wg, l->softmax_wg,
-                  args, sizeof args / sizeof args[0]);
+    mask_args m = masks_of(l, a, d);
+    arg args[] = {ARG(l->scores), ARG(rows), ARG(tgt), ARG(heads), ARG(src), ARG(srcp),
+                  MASK_ARGS(m)};
+    return launch(l->ctx, l->masked_softmax, "masked_softmax", rows * l->softmax_wg,
+                  l->softmax_wg, args, sizeof args / sizeof args[0]);
 }
 
 // 5. Attention output (N*H, L, D) = weights · V, one strided batched GEMM.
@@ -254,6 +290,30 @@ static clmha_status builtin_core(clmha_layer *l, const clmha_forward_args *a,
         return st;
     if ((st = attend(l, d)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_AV))) return st;
     return CLMHA_SUCCESS;
+}
+
+// 3-5 fused: scores, masks, softmax, dropout and weights·V in one kernel that streams tiles
+// of keys through local memory (cl/fused.cl); the scores are never stored. One work-group per
+// (tile of fused_bq query rows, batch·head).
+static clmha_status fused_core(clmha_layer *l, const clmha_forward_args *a,
+                               const clmha__dims *d) {
+    clmha_context *ctx = l->ctx;
+    cl_ulong tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
+    float scale = (float)(1.0 / sqrt((double)l->d));
+    mask_args m = masks_of(l, a, d);
+    arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(l->tiles[CLMHA__TILE_K]),
+                  ARG(l->tiles[CLMHA__TILE_V]), ARG(l->tiles[CLMHA__TILE_OUT]),
+                  ARG(tgt), ARG(heads), ARG(src), ARG(srcp), ARG(scale), MASK_ARGS(m)};
+    for (cl_uint i = 0; i < sizeof args / sizeof args[0]; ++i) {
+        cl_int err = clSetKernelArg(l->fused, i, args[i].size, args[i].value);
+        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");
+    }
+    size_t bq = l->fused_bq;
+    size_t global[2] = {(d->l + bq - 1) / bq * bq, d->n * l->h}, local[2] = {bq, 1};
+    cl_int err = clEnqueueNDRangeKernel(ctx->queue, l->fused, 2, NULL, global, local, 0, NULL,
+                                        NULL);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");
+    return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
 }
 
 // A user core: it gets the head tiles and enqueues its own work on the queue.
@@ -361,7 +421,12 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
     if (args->need_weights &&
         (st = check_buffer(ctx, "weights", weights, weights_offset, d.weights_count, 4)))
         return st;
-    if ((st = clmha__layer_reserve(layer, &d))) return st;
+    // The core: the user's, else fused or unfused (see clmha_impl).
+    clmha_impl impl = args->impl ? args->impl : layer->impl;
+    bool fused = !layer->core && (impl == CLMHA_IMPL_FUSED ||
+                                  (impl == CLMHA_IMPL_AUTO && !args->need_weights));
+    if (fused && (st = clmha__layer_fused(layer))) return st;
+    if ((st = clmha__layer_reserve(layer, &d, !fused))) return st;
 
     // Nothing is enqueued before this point.
     cl_int err;
@@ -381,7 +446,7 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
         if ((st = user_core(layer, args, &d)) ||
             (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SCORES)))
             return st;
-    } else if ((st = builtin_core(layer, args, &d))) {
+    } else if ((st = fused ? fused_core(layer, args, &d) : builtin_core(layer, args, &d))) {
         return st;
     }
     if ((st = merge(layer, &d)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))

@@ -131,6 +131,9 @@ struct clmha_context {
     clmha_device_info info;
     char device_name[300];
     size_t max_work_group;
+    // Preferred tiles of the fused attention kernel (query rows per work-group, keys per tile);
+    // a stored tuning may set them, 0 means the built-in default.
+    size_t fused_bq, fused_bk;
     clmha__program *programs;   // guarded by lock
     char last_error[CLMHA__ERROR_SIZE];
     // Counters for tests (libclmha.a): program builds and device buffer allocations made by
@@ -161,7 +164,7 @@ CLMHA__HIDDEN clmha_status clmha__blas_fail(const clmha_context *ctx, int err, c
 CLMHA__HIDDEN const char *clmha__cl_error_name(cl_int err);
 
 // Builds (or finds in the context's cache) the program of kernel family @p family
-// ("heads", "softmax") with build @p options. The context keeps the program.
+// ("heads", "softmax", "fused") with build @p options. The context keeps the program.
 CLMHA__HIDDEN clmha_status clmha__program_get(clmha_context *ctx, const char *family,
                                               const char *options, cl_program *out);
 
@@ -169,6 +172,13 @@ CLMHA__HIDDEN clmha_status clmha__program_get(clmha_context *ctx, const char *fa
 // build, e.g. "-DCLMHA_FORCE_BUILD_ERROR" to make cl/heads.cl fail to compile. NULL clears it.
 // The string must outlive its use.
 CLMHA__HIDDEN void clmha__test_set_extra_build_options(const char *options);
+
+// Tile sizes of the fused attention kernel for head dim @p hd on the device of @p ctx: @p bq
+// query rows per work-group (a power of two within the work-group limit) and @p bk keys per
+// tile (halved until the 2·hd·bk floats of the tile fit in local memory; 0 when not even one
+// key fits).
+CLMHA__HIDDEN void clmha__fused_tiles(const clmha_context *ctx, size_t hd, size_t *bq,
+                                      size_t *bk);
 
 // Frees every cached program of a context.
 CLMHA__HIDDEN void clmha__programs_release(clmha_context *ctx);

@@ -228,6 +228,7 @@ void clmha_layer_release(clmha_layer *layer) {
     release_kernel(&layer->fill_rows);
     release_kernel(&layer->average_heads);
     release_kernel(&layer->masked_softmax);
+    release_kernel(&layer->fused);
     clmha_context_release(layer->ctx);
     free(layer);
 }
@@ -247,6 +248,46 @@ clmha_status clmha_layer_set_attention(clmha_layer *layer, clmha_attention_fn fn
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     layer->core = fn;
     layer->core_data = fn ? user_data : NULL;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_layer_set_impl(clmha_layer *layer, clmha_impl impl) {
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    if (impl != CLMHA_IMPL_AUTO && impl != CLMHA_IMPL_FUSED && impl != CLMHA_IMPL_UNFUSED)
+        return clmha__fail(layer->ctx, CLMHA_INVALID_ARGUMENT,
+                           "impl %d is not CLMHA_IMPL_AUTO, _FUSED or _UNFUSED", (int)impl);
+    layer->impl = impl;
+    return CLMHA_SUCCESS;
+}
+
+const char *clmha_impl_name(clmha_impl impl) {
+    switch (impl) {
+    case CLMHA_IMPL_AUTO: return "auto";
+    case CLMHA_IMPL_FUSED: return "fused";
+    case CLMHA_IMPL_UNFUSED: return "unfused";
+    }
+    return "?";
+}
+
+clmha_status clmha__layer_fused(clmha_layer *l) {
+    if (l->fused) return CLMHA_SUCCESS;
+    clmha_context *ctx = l->ctx;
+    size_t bq = 0, bk = 0;
+    clmha__fused_tiles(ctx, l->d, &bq, &bk);
+    if (!bk)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "the fused core needs 2 * head_dim * 4 = %zu bytes of local memory "
+                           "for one key; the device has %llu (use CLMHA_IMPL_UNFUSED)",
+                           2 * l->d * sizeof(float),
+                           (unsigned long long)ctx->info.local_mem_bytes);
+    char options[96];
+    snprintf(options, sizeof options, "-DHD=%zu -DBQ=%zu -DBK=%zu", l->d, bq, bk);
+    cl_program prog;
+    clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
+    if (st) return st;
+    if ((st = make_kernel(ctx, prog, "fused_attention", &l->fused))) return st;
+    l->fused_bq = bq;
+    l->fused_bk = bk;
     return CLMHA_SUCCESS;
 }
 
@@ -278,7 +319,7 @@ static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t ne
     return CLMHA_SUCCESS;
 }
 
-clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d) {
+clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool scores) {
     clmha_context *ctx = layer->ctx;
     size_t q = d->n * d->l * d->e, kv = d->n * d->s * d->e, kvp = d->n * d->s_padded * d->e;
     size_t tile_need[CLMHA__TILE_COUNT] = {q, kvp, kvp, q};
@@ -289,6 +330,7 @@ clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d) {
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i)
         if ((st = grow(ctx, &layer->tiles[i], &layer->tile_caps[i], tile_need[i], tile_name[i])))
             return st;
+    if (!scores) return CLMHA_SUCCESS;
     return grow(ctx, &layer->scores, &layer->scores_cap, d->scores_count, "scores");
 }
 
@@ -335,6 +377,11 @@ clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, 
     args.value.buffer = bufs[2];
     if (!st)
         st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL);
+    // The pass with weights ran the unfused core: build the fused one too, for the calls
+    // without weights (a device whose local memory cannot hold its tile keeps the unfused).
+    if (!st && need_weights && !layer->core && layer->impl != CLMHA_IMPL_UNFUSED &&
+        (st = clmha__layer_fused(layer)) == CLMHA_UNSUPPORTED)
+        st = CLMHA_SUCCESS;
     cl_int err = clFinish(ctx->queue);
     if (!st && err != CL_SUCCESS) st = clmha__cl_fail(ctx, err, "clFinish");
     for (int i = 0; i < 5; ++i) release_mem(&bufs[i]);
@@ -396,6 +443,6 @@ clmha_status clmha_layer_stage_times(clmha_layer *layer, double ms[CLMHA_STAGE_C
 
 const char *clmha_stage_name(clmha_stage stage) {
     static const char *const names[CLMHA_STAGE_COUNT] = {
-        "project", "split", "scores", "softmax", "av", "merge", "out_proj", "weights"};
+        "project", "split", "scores", "softmax", "av", "fused", "merge", "out_proj", "weights"};
     return stage >= 0 && stage < CLMHA_STAGE_COUNT ? names[stage] : "?";
 }

@@ -35,6 +35,10 @@ struct clmha_layer {
     clmha_attention_fn core;
     void *core_data;
 
+    clmha_impl impl;            // the core for calls whose impl is CLMHA_IMPL_AUTO
+    cl_kernel fused;            // the fused core, built on first use (clmha__layer_fused())
+    size_t fused_bq, fused_bk;  // its tiles: query rows per work-group, keys per tile
+
     // Profiling: marks[0] before the first stage, marks[1 + s] after stage s (NULL when the
     // stage did not run in the last call).
     bool profiling;
@@ -47,7 +51,12 @@ CLMHA__HIDDEN clmha_status clmha__layer_mark(clmha_layer *layer, int slot);
 // Releases the recorded markers.
 CLMHA__HIDDEN void clmha__layer_marks_release(clmha_layer *layer);
 
-// Grows the scratch buffers to fit @p dims. Allocates only when they are too small.
-CLMHA__HIDDEN clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *dims);
+// Builds the fused attention kernel of @p layer on first use and picks its tile sizes.
+CLMHA__HIDDEN clmha_status clmha__layer_fused(clmha_layer *layer);
+
+// Grows the scratch buffers to fit @p dims, with room for the scores when @p scores (the
+// unfused core). Allocates only when they are too small.
+CLMHA__HIDDEN clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *dims,
+                                                bool scores);
 
 #endif

@@ -10,32 +10,45 @@ extern const char clmha__cl_heads[];
 extern const size_t clmha__cl_heads_size;
 extern const char clmha__cl_softmax[];
 extern const size_t clmha__cl_softmax_size;
+extern const char clmha__cl_fused[];
+extern const size_t clmha__cl_fused_size;
+extern const char clmha__cl_common[];
+extern const size_t clmha__cl_common_size;
 
 // Test hook: extra build options appended to every program build (see internal.h).
 static _Atomic(const char *) extra_options = NULL;
 
 void clmha__test_set_extra_build_options(const char *options) { extra_options = options; }
 
-static const char *family_source(const char *family, size_t *size) {
+// The sources of a kernel family: cl/common.cl in front of the attention kernels. Returns the
+// number of strings (0 for an unknown family).
+static cl_uint family_sources(const char *family, const char *src[2], size_t size[2]) {
     if (strcmp(family, "heads") == 0) {
-        *size = clmha__cl_heads_size;
-        return clmha__cl_heads;
+        src[0] = clmha__cl_heads, size[0] = clmha__cl_heads_size;
+        return 1;
     }
+    src[0] = clmha__cl_common, size[0] = clmha__cl_common_size;
     if (strcmp(family, "softmax") == 0) {
-        *size = clmha__cl_softmax_size;
-        return clmha__cl_softmax;
+        src[1] = clmha__cl_softmax, size[1] = clmha__cl_softmax_size;
+        return 2;
     }
-    return NULL;
+    if (strcmp(family, "fused") == 0) {
+        src[1] = clmha__cl_fused, size[1] = clmha__cl_fused_size;
+        return 2;
+    }
+    return 0;
 }
 
 // Builds one program; on a build failure the message carries the build log.
 static clmha_status build(clmha_context *ctx, const char *family, const char *options,
                           cl_program *out) {
-    size_t size = 0;
-    const char *src = family_source(family, &size);
-    if (!src) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "unknown kernel family %s", family);
+    const char *src[2];
+    size_t size[2];
+    cl_uint count = family_sources(family, src, size);
+    if (!count)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "unknown kernel family %s", family);
     cl_int err;
-    cl_program prog = clCreateProgramWithSource(ctx->cl_ctx, 1, &src, &size, &err);
+    cl_program prog = clCreateProgramWithSource(ctx->cl_ctx, count, src, size, &err);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateProgramWithSource");
     const char *extra = extra_options;
     char all_options[512];

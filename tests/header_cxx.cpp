@@ -38,6 +38,8 @@ int main() {
         reinterpret_cast<const void *>(&clmha_layer_save),
         reinterpret_cast<const void *>(&clmha_layer_scratch_bytes),
         reinterpret_cast<const void *>(&clmha_layer_set_attention),
+        reinterpret_cast<const void *>(&clmha_layer_set_impl),
+        reinterpret_cast<const void *>(&clmha_impl_name),
         reinterpret_cast<const void *>(&clmha_layer_set_parameter),
         reinterpret_cast<const void *>(&clmha_layer_set_profiling),
         reinterpret_cast<const void *>(&clmha_layer_stage_times),

@@ -217,7 +217,7 @@ Test(faults, bake_beyond_max_alloc_is_out_of_memory, .timeout = 600) {
     // other scratch stay far below it.
     size_t len = (size_t)ceil(sqrt((double)limit / (4.0 * H))) + 1;
     cr_assert_gt((double)H * len * len * 4.0, (double)limit);
-    clmha_status st = clmha_layer_bake(layer, 1, len, len, false);
+    clmha_status st = clmha_layer_bake(layer, 1, len, len, true);
     const char *msg = clmha_context_last_error(w.ctx);
     cr_assert_eq(st, CLMHA_OUT_OF_MEMORY, "bake L = S = %zu: %s (%s)", len,
                  clmha_status_string(st), msg);
@@ -249,7 +249,8 @@ Test(faults, forward_scratch_beyond_max_alloc_is_out_of_memory, .timeout = 600) 
     float *y = malloc(len * E * sizeof *y);
     cr_assert(x && y);
     // Host path, self-attention (L = S = len, N = 1).
-    clmha_forward_args args = {.query = {.ndim = 3, .shape = {len, 1, E}, .data = x}};
+    clmha_forward_args args = {.query = {.ndim = 3, .shape = {len, 1, E}, .data = x},
+                               .impl = CLMHA_IMPL_UNFUSED};
     clmha_status st = clmha_layer_forward_host(layer, &args, y, len * E, NULL, 0);
     const char *msg = clmha_context_last_error(w.ctx);
     cr_assert_eq(st, CLMHA_OUT_OF_MEMORY, "forward_host L = %zu: %s (%s)", len,

@@ -2,9 +2,11 @@
 // float64) is checked against
 //   (a) clmha_reference_forward(), the double-precision CPU reference: error <= 1e-9 (1 + max|y|);
 //   (b) clmha_layer_forward_host() on the device of CLMHA_DEVICE: error <= 1e-4 (skipped when no
-//       OpenCL device exists).
+//       OpenCL device exists);
+//   (c) the same call without weights through each built-in core, fused and unfused: output
+//       error <= 1e-4.
 // One line per case goes to stderr:
-//   golden <case> out_maxabs=... w_maxabs=... ref_maxabs=...
+//   golden <case> out_maxabs=... w_maxabs=... ref_maxabs=... fused=... unfused=...
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 
@@ -256,8 +258,26 @@ ParameterizedTest(struct golden_param *param, golden, cases, .timeout = 120) {
 
     double out_err = max_err_f(out, want_out->f64, n_out);
     double w_err = want_w ? max_err_f(w, want_w->f64, n_w) : 0.0;
-    fprintf(stderr, "golden %s out_maxabs=%.3e w_maxabs=%.3e ref_maxabs=%.3e\n", gc.name,
-            out_err, w_err, ref_maxabs);
+
+    // (c) both built-in cores, without weights.
+    double core_err[2];
+    static const clmha_impl cores[2] = {CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};
+    for (int c = 0; c < 2; c++) {
+        clmha_forward_args a = args;
+        a.need_weights = false, a.per_head_weights = false, a.impl = cores[c];
+        for (size_t i = 0; i < n_out; i++) out[i] = NAN;
+        st = clmha_layer_forward_host(layer, &a, out, n_out, NULL, 0);
+        cr_assert_eq(st, CLMHA_SUCCESS, "%s: clmha_layer_forward_host (impl %s): %s: %s",
+                     gc.name, clmha_impl_name(cores[c]), clmha_status_string(st),
+                     clmha_context_last_error(ctx));
+        core_err[c] = max_err_f(out, want_out->f64, n_out);
+    }
+    fprintf(stderr,
+            "golden %s out_maxabs=%.3e w_maxabs=%.3e ref_maxabs=%.3e fused=%.3e unfused=%.3e\n",
+            gc.name, out_err, w_err, ref_maxabs, core_err[0], core_err[1]);
+    for (int c = 0; c < 2; c++)
+        cr_expect_leq(core_err[c], DEVICE_TOL, "%s: %s output error %.3e > %.0e", gc.name,
+                      clmha_impl_name(cores[c]), core_err[c], DEVICE_TOL);
 
     cr_expect_leq(ref_err, REF_TOL, "%s: reference error %.3e > %.0e (1 + max|y|)", gc.name,
                   ref_err, REF_TOL);

@@ -362,6 +362,19 @@ static void check_masked_row(const instance *in, const float *out, const float *
         }
 }
 
+// Runs @p in without weights through the built-in core @p impl into a fresh array.
+static float *core_forward(clmha_layer *layer, const instance *in, clmha_impl impl) {
+    clmha_forward_args a = in->args;
+    a.need_weights = false, a.per_head_weights = false, a.impl = impl;
+    float *out = alloc_floats(in->output_count);
+    for (size_t i = 0; i < in->output_count; ++i) out[i] = NAN;
+    clmha_status st = clmha_layer_forward_host(layer, &a, out, in->output_count, NULL, 0);
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_layer_forward_host (impl %s): %s (%s)",
+                 clmha_impl_name(impl), clmha_context_last_error(clmha_layer_context(layer)),
+                 clmha_status_string(st));
+    return out;
+}
+
 // Runs one case on the device and on the reference, prints the errors and asserts them.
 static void check_case(clmha_context *ctx, const rcase *c) {
     char name[256];
@@ -387,6 +400,29 @@ static void check_case(clmha_context *ctx, const rcase *c) {
         for (size_t n = 0; n < in.n; ++n) check_masked_row(&in, out, weights, n, 1);
     if (c->mask_batch)
         for (size_t i = 0; i < c->l; ++i) check_masked_row(&in, out, weights, 0, i);
+
+    // The same call without weights through each built-in core: both match the reference
+    // (so dropout drops the same weights in both) and each other.
+    float *fused = core_forward(layer, &in, CLMHA_IMPL_FUSED);
+    float *unfused = core_forward(layer, &in, CLMHA_IMPL_UNFUSED);
+    error_stats ef = compare(fused, ref_out, in.output_count);
+    error_stats eu = compare(unfused, ref_out, in.output_count);
+    double fu = 0.0;
+    for (size_t i = 0; i < in.output_count; ++i) {
+        double d = fabs((double)fused[i] - (double)unfused[i]);
+        fu = isnan(d) ? INFINITY : fmax(fu, d);
+    }
+    fprintf(stderr, "random: %-78s fused max|err| %.2e unfused %.2e fused-unfused %.2e\n", name,
+            ef.max_abs, eu.max_abs, fu);
+    cr_expect(ef.max_abs <= TOLERANCE, "%s: fused output max abs error %g", name, ef.max_abs);
+    cr_expect(eu.max_abs <= TOLERANCE, "%s: unfused output max abs error %g", name, eu.max_abs);
+    cr_expect(fu <= TOLERANCE, "%s: fused and unfused differ by %g", name, fu);
+    if (c->mask_row)
+        for (size_t n = 0; n < in.n; ++n) check_masked_row(&in, fused, NULL, n, 1);
+    if (c->mask_batch)
+        for (size_t i = 0; i < c->l; ++i) check_masked_row(&in, fused, NULL, 0, i);
+    free(fused);
+    free(unfused);
 
     free(out);
     free(weights);
@@ -693,5 +729,35 @@ Test(random, dropout, .timeout = 300) {
     // And eval mode against the reference.
     c.training = false, c.data_seed = 403;
     check_case(ctx, &c);
+    clmha_context_release(ctx);
+}
+
+// The fused core's tile edges: lengths around its tiles (64 query rows, 32 keys by default),
+// L = 1, L != S, head dims that are not a multiple of any vector width, causal with L != S
+// (whole key tiles skipped), masks, appended keys and dropout.
+Test(random, fused_tile_edges, .timeout = 300) {
+    clmha_context *ctx = open_context();
+    static const size_t lens[][2] = {{1, 1},   {1, 70},  {31, 33}, {64, 32}, {65, 31},
+                                     {33, 97}, {130, 7}, {97, 129}};
+    static const size_t dims[][2] = {{1, 1}, {3, 1}, {13, 1}, {16, 2}, {21, 3}, {128, 2}};
+    uint64_t seed = 500;
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; ++li)
+        for (size_t di = 0; di < sizeof dims / sizeof dims[0]; ++di) {
+            rcase c = base_case(seed++);
+            c.l = lens[li][0], c.s = lens[li][1];
+            c.e = dims[di][0] * dims[di][1], c.h = dims[di][1];
+            c.n = 1 + seed % 2, c.need_weights = false;
+            switch (seed % 5) {
+            case 0: c.is_causal = true; break;
+            case 1: c.is_causal = true, c.kpm = CLMHA_MASK_BOOL_IGNORE; break;
+            case 2: c.am = CLMHA_MASK_FLOAT, c.layout = LAYOUT_PER_HEAD; break;
+            case 3: c.add_bias_kv = true, c.add_zero_attn = true, c.is_causal = true; break;
+            default:
+                c.am = CLMHA_MASK_BOOL_ATTEND, c.mask_p = 0.5, c.training = true;
+                c.dropout = 0.2f;
+                break;
+            }
+            check_case(ctx, &c);
+        }
     clmha_context_release(ctx);
 }

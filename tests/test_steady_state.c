@@ -206,7 +206,7 @@ Test(steady_state, separate_projections, .timeout = 600) {
     clmha_context *ctx = open_ctx();
     clmha_layer *layer = make_layer(ctx, true);
     buffers b = make_buffers(ctx);
-    cr_assert_eq(clmha_layer_bake(layer, N_BAKE, L_BAKE, S_BAKE, false), CLMHA_SUCCESS, "%s",
+    cr_assert_eq(clmha_layer_bake(layer, N_BAKE, L_BAKE, S_BAKE, true), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
     size_t builds0, allocs0, builds, allocs;
     counters(ctx, &builds0, &allocs0);
