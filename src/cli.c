@@ -91,6 +91,9 @@ static const char *usage_run =
     "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"
     "                            (see clmha devices); default: $CLMHA_DEVICE, else the first\n"
     "                            GPU, else the first device\n"
+    "  --impl auto|fused|unfused the attention core: fused streams key tiles and never\n"
+    "                            stores the scores, but cannot give weights; auto (default)\n"
+    "                            is fused without weights, else unfused\n"
     "\n"
     "  --help, -h                print this help\n"
     "\n"
@@ -117,13 +120,13 @@ static const char *usage_demo =
 static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
     "                   [--need-weights] [--batch-first] [--layer F.safetensors]\n"
-    "                   [--repeat R] [--device SPEC] [--json]\n"
+    "                   [--impl auto|fused|unfused] [--repeat R] [--device SPEC] [--json]\n"
     "\n"
     "Times the forward pass on device buffers (clmha_layer_forward): a warm-up\n"
     "(clmha_layer_bake at the shape: sizes the scratch, compiles the kernels), then R timed\n"
     "runs, each waited for with clFinish. Reports the median time per forward, GFLOP/s, the\n"
     "layer's device scratch in bytes and, from one more run with profiling on, the time of\n"
-    "each stage (project, split, scores, softmax, av, merge, out_proj, weights).\n"
+    "each stage (project, split, scores, softmax, av, fused, merge, out_proj, weights).\n"
     "Self-attention (key = value = query: one packed QKV projection) when L == S and the\n"
     "layer's kdim == vdim == E; else cross-attention with key = value, one (S, N, kdim)\n"
     "tensor (separate key and value tensors when kdim != vdim). Inputs are random.\n"
@@ -143,13 +146,16 @@ static const char *usage_bench =
     "                       (--embed, --heads and --batch-first, when given, must agree)\n"
     "\n"
     "run:\n"
+    "  --impl I             attention core: auto (default: fused without --need-weights,\n"
+    "                       else unfused), fused or unfused\n"
     "  --repeat R           timed runs per shape (default 10)\n"
     "  --device SPEC        \"P:D\", gpu, cpu, accelerator or part of a device name (see\n"
     "                       clmha devices); default: $CLMHA_DEVICE, else the first GPU, else\n"
     "                       the first device\n"
     "  --json               one JSON object per shape and line: device, layer, batch, tgt_len,\n"
     "                       src_len, embed_dim, num_heads, kdim, vdim, batch_first,\n"
-    "                       need_weights, attention (\"self\"/\"cross\"), repeat, ms (median),\n"
+    "                       need_weights, impl (the core used), attention (\"self\"/\"cross\"),\n"
+    "                       repeat, ms (median),\n"
     "                       ms_min, ms_max, flops, gflops, scratch_bytes, stages {name: ms}\n"
     "  --help, -h           print this help\n"
     "\n"
@@ -284,6 +290,19 @@ static clmha_context *open_context(const char *cmd, const char *device_opt) {
         return NULL;
     }
     return ctx;
+}
+
+// Parses --impl: auto, fused or unfused. Reports a bad value.
+static bool parse_impl(const char *cmd, const char *text, clmha_impl *impl) {
+    static const clmha_impl all[] = {CLMHA_IMPL_AUTO, CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) {
+        if (strcmp(text, clmha_impl_name(all[i])) == 0) {
+            *impl = all[i];
+            return true;
+        }
+    }
+    report(cmd, "--impl '%s': expected auto, fused or unfused", text);
+    return false;
 }
 
 // Refuses an output path early (before any work) when its folder does not exist or cannot be
@@ -522,6 +541,7 @@ static int cmd_run(int argc, char **argv) {
         [IN_ATTN] = {.flag = "--attn-mask", .is_mask = true},
     };
     bool is_causal = false, need_weights = false, per_head = false, help = false;
+    const char *impl_opt = NULL;
     const option_spec opts[] = {
         {.name = "--layer", .value = &layer_path},
         {.name = "--query", .value = &in[IN_QUERY].path},
@@ -530,6 +550,7 @@ static int cmd_run(int argc, char **argv) {
         {.name = "--key-padding-mask", .value = &in[IN_KPM].path},
         {.name = "--attn-mask", .value = &in[IN_ATTN].path},
         {.name = "--is-causal", .flag = &is_causal},
+        {.name = "--impl", .value = &impl_opt},
         {.name = "--need-weights", .flag = &need_weights},
         {.name = "--per-head-weights", .flag = &per_head},
         {.name = "--output", .value = &output_path},
@@ -554,6 +575,13 @@ static int cmd_run(int argc, char **argv) {
         return EXIT_USAGE;
     }
     if (weights_path || per_head) need_weights = true;
+    clmha_impl impl = CLMHA_IMPL_AUTO;
+    if (impl_opt && !parse_impl("run", impl_opt, &impl)) return EXIT_USAGE;
+    if (impl == CLMHA_IMPL_FUSED && need_weights) {
+        report("run", "--impl fused cannot give weights: drop --need-weights, "
+               "--per-head-weights and --weights-output, or use --impl unfused");
+        return EXIT_USAGE;
+    }
 
     clmha_context *ctx = NULL;
     clmha_layer *layer = NULL;
@@ -617,6 +645,7 @@ static int cmd_run(int argc, char **argv) {
     }
     args.need_weights = need_weights;
     args.per_head_weights = per_head;
+    args.impl = impl;
     if (clmha_layer_output_counts(layer, &args, &y_count, &w_count) != CLMHA_SUCCESS) {
         report("run", "%s", clmha_context_last_error(ctx));
         goto fail;
@@ -888,6 +917,7 @@ typedef struct bench_config {
     clmha_layer_desc desc;    // random layer, or the file's (kdim/vdim filled in)
     const float *w_in, *b_in, *w_out, *b_out;  // random parameters
     bool need_weights, json;
+    clmha_impl impl;          // as given; the core used is in bench_result
     size_t repeat;
 } bench_config;
 
@@ -895,6 +925,7 @@ typedef struct bench_config {
 typedef struct bench_result {
     size_t n, l, s, s_padded;
     bool self;
+    clmha_impl impl;  // the core that ran: fused or unfused
     double ms, ms_min, ms_max, flops;
     size_t scratch_bytes;
     double stage_ms[CLMHA_STAGE_COUNT];
@@ -966,6 +997,10 @@ static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, si
         }
     }
     if (!(layer = bench_layer(ctx, cfg))) goto done;
+    clmha_layer_set_impl(layer, cfg->impl);
+    res->impl = cfg->impl != CLMHA_IMPL_AUTO ? cfg->impl
+                : cfg->need_weights         ? CLMHA_IMPL_UNFUSED
+                                            : CLMHA_IMPL_FUSED;
     size_t out_count = 0, w_count = 0;
     if (clmha_layer_output_counts(layer, &args, &out_count, &w_count) != CLMHA_SUCCESS) {
         report("bench", "%s: %s", where, clmha_context_last_error(ctx));
@@ -1075,12 +1110,13 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
             printf("null");
         printf(", \"batch\": %zu, \"tgt_len\": %zu, \"src_len\": %zu, \"embed_dim\": %zu, "
                "\"num_heads\": %zu, \"kdim\": %zu, \"vdim\": %zu, \"batch_first\": %s, "
-               "\"need_weights\": %s, \"attention\": \"%s\", \"repeat\": %zu, \"ms\": %.6g, "
+               "\"need_weights\": %s, \"impl\": \"%s\", \"attention\": \"%s\", "
+               "\"repeat\": %zu, \"ms\": %.6g, "
                "\"ms_min\": %.6g, \"ms_max\": %.6g, \"flops\": %.0f, \"gflops\": %.6g, "
                "\"scratch_bytes\": %zu, \"stages\": {",
                res->n, res->l, res->s, d->embed_dim, d->num_heads, d->kdim, d->vdim,
                d->batch_first ? "true" : "false", cfg->need_weights ? "true" : "false",
-               res->self ? "self" : "cross", cfg->repeat, res->ms, res->ms_min, res->ms_max,
+               clmha_impl_name(res->impl), res->self ? "self" : "cross", cfg->repeat, res->ms, res->ms_min, res->ms_max,
                res->flops, res->flops / res->ms / 1e6, res->scratch_bytes);
         for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
             printf("%s\"%s\": %.6g", i ? ", " : "", clmha_stage_name((clmha_stage)i),
@@ -1091,11 +1127,11 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
     }
     double total = 0;
     for (int i = 0; i < CLMHA_STAGE_COUNT; ++i) total += res->stage_ms[i];
-    printf("shape:   N %zu, L %zu, S %zu (%s-attention%s), need_weights %s\n", res->n, res->l,
-           res->s, res->self ? "self" : "cross",
+    printf("shape:   N %zu, L %zu, S %zu (%s-attention%s), need_weights %s, %s core\n",
+           res->n, res->l, res->s, res->self ? "self" : "cross",
            res->self ? ", packed QKV projection"
            : d->kdim == d->vdim ? ", key = value" : ", separate key and value",
-           cfg->need_weights ? "on" : "off");
+           cfg->need_weights ? "on" : "off", clmha_impl_name(res->impl));
     printf("time:    %.3f ms per forward (median of %zu; min %.3f, max %.3f)\n", res->ms,
            cfg->repeat, res->ms_min, res->ms_max);
     printf("speed:   %.2f GFLOP/s (%.4g GFLOP per forward)\n", res->flops / res->ms / 1e6,
@@ -1111,9 +1147,11 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
 
 static int cmd_bench(int argc, char **argv) {
     const char *batch_opt = NULL, *tgt_opt = NULL, *src_opt = NULL, *embed_opt = NULL,
-               *heads_opt = NULL, *repeat_opt = NULL, *layer_path = NULL, *device = NULL;
+               *heads_opt = NULL, *repeat_opt = NULL, *layer_path = NULL, *device = NULL,
+               *impl_opt = NULL;
     bool need_weights = false, batch_first = false, json = false, help = false;
     const option_spec opts[] = {
+        {.name = "--impl", .value = &impl_opt},
         {.name = "--batch", .value = &batch_opt},
         {.name = "--tgt-len", .value = &tgt_opt},
         {.name = "--src-len", .value = &src_opt},
@@ -1149,9 +1187,16 @@ static int cmd_bench(int argc, char **argv) {
         report("bench", "--embed %zu is not a multiple of --heads %zu", e, h);
         return EXIT_USAGE;
     }
+    clmha_impl impl = CLMHA_IMPL_AUTO;
+    if (impl_opt && !parse_impl("bench", impl_opt, &impl)) return EXIT_USAGE;
+    if (impl == CLMHA_IMPL_FUSED && need_weights) {
+        report("bench", "--impl fused cannot give weights: drop --need-weights or use "
+               "--impl unfused");
+        return EXIT_USAGE;
+    }
 
     bench_config cfg = {.layer_path = layer_path, .need_weights = need_weights, .json = json,
-                        .repeat = repeat};
+                        .impl = impl, .repeat = repeat};
     cfg.desc = (clmha_layer_desc){.embed_dim = e, .num_heads = h, .kdim = e, .vdim = e,
                                   .bias = true, .batch_first = batch_first};
     float *params = NULL;

@@ -462,6 +462,31 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
     cr_expect_leq(out_err, CLI_TOL, "%s: output max abs error %.3e", name, out_err);
     cr_expect_leq(w_err, CLI_TOL, "%s: weights max abs error %.3e", name, w_err);
     cli_free(&r);
+
+    // The other attention core, without weights: --impl unfused where the run above took the
+    // fused core (no weights), --impl fused where it took the unfused one.
+    size_t at = 0;
+    for (size_t i = 0; i < argc - (weights ? 4 : 2); ++i)
+        if (strcmp(argv[i], "--need-weights") != 0 && strcmp(argv[i], "--per-head-weights") != 0)
+            argv[at++] = argv[i];
+    const char *other = weights ? "fused" : "unfused";
+    argv[at++] = "--impl";
+    argv[at++] = other;
+    argv[at++] = "--output";
+    argv[at++] = out_path;
+    argv[at] = NULL;
+    r = cli_run_argv(argv);
+    cr_assert_eq(r.status, 0, "%s --impl %s: exit status %d; stderr: %s", name, other, r.status,
+                 r.err);
+    read_npy(out_path, &got);
+    read_npy(want_path, &want);
+    double other_err = max_abs_diff(&got, &want, "output", name);
+    clmha__npy_free(&got);
+    clmha__npy_free(&want);
+    fprintf(stderr, "cli %s --impl %s out_maxabs=%.3e\n", name, other, other_err);
+    cr_expect_leq(other_err, CLI_TOL, "%s --impl %s: output max abs error %.3e", name, other,
+                  other_err);
+    cli_free(&r);
     free(extra);
     tmp_remove(&out);
 }
@@ -681,6 +706,19 @@ Test(cli_usage, option_missing_value) {
     EXPECT_USAGE("clmha run: ", "run", "--layer=", "--query", "q.npy");
     EXPECT_USAGE("clmha demo: ", "demo", "--heatmap");
     EXPECT_USAGE("clmha demo: ", "demo", "--device");
+}
+
+Test(cli_usage, impl) {
+    EXPECT_USAGE("clmha run: --impl 'flash'", "run", "--layer", "l.safetensors", "--query",
+                 "q.npy", "--impl", "flash");
+    EXPECT_USAGE("clmha run: --impl fused cannot give weights", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--impl", "fused", "--need-weights");
+    EXPECT_USAGE("clmha run: --impl fused cannot give weights", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--impl=fused", "--weights-output",
+                 "w.npy");
+    EXPECT_USAGE("clmha bench: --impl 'Fused'", "bench", "--impl", "Fused");
+    EXPECT_USAGE("clmha bench: --impl fused cannot give weights", "bench", "--impl", "fused",
+                 "--need-weights");
 }
 
 Test(cli_usage, option_given_twice) {

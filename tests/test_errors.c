@@ -377,6 +377,11 @@ static void per_head_count_averaged(call *c) {
 }
 static void weights_count_without_need(call *c) { c->weights_count = 5; }
 static void query_null_data(call *c) { c->args.query.data = NULL; }
+static void impl_7(call *c) { c->args.impl = (clmha_impl)7; }
+static void fused_with_weights(call *c) {
+    want_weights(c, false);
+    c->args.impl = CLMHA_IMPL_FUSED;
+}
 static void key_null_data(call *c) {
     cross(c);
     c->args.key.data = NULL;
@@ -556,6 +561,27 @@ static bool layer_null_ctx(env *e, outcome *o) {
     EXPECT(e, l == NULL, "%s: *out is %p, not NULL", o->what, (void *)l);
     return true;
 }
+static bool set_impl_null(env *e, outcome *o) {
+    (void)e;
+    o->status = clmha_layer_set_impl(NULL, CLMHA_IMPL_FUSED);
+    return true;
+}
+static bool set_impl_bad(env *e, outcome *o) {
+    o->status = clmha_layer_set_impl(layer(e, L_DEFAULT), (clmha_impl)-1);
+    ctx_message(e, o);
+    return true;
+}
+// A layer set to the fused core, called with need_weights: refused, nothing written.
+static bool weights_on_fused_layer(env *e, outcome *o) {
+    clmha_layer *l = layer(e, L_DEFAULT);
+    EXPECT(e, clmha_layer_set_impl(l, CLMHA_IMPL_FUSED) == CLMHA_SUCCESS, "set_impl fused");
+    call c = valid_call();
+    want_weights(&c, false);
+    mark(e);
+    run_host(e, L_DEFAULT, &c, o);
+    clmha_layer_set_impl(l, CLMHA_IMPL_AUTO);
+    return true;
+}
 static bool bake_zero(env *e, outcome *o) {
     o->status = clmha_layer_bake(layer(e, L_DEFAULT), 0, L, S, false);
     ctx_message(e, o);
@@ -706,6 +732,9 @@ static const row rows[] = {
      .wrong = per_head_count_averaged},
     {"forward: weights_count 5 without need_weights", REF, SHAPE, "weights_count",
      .wrong = weights_count_without_need},
+    {"forward: impl 7", HOST | DEVICE, INV, "impl 7", .wrong = impl_7},
+    {"forward: impl fused with need_weights", HOST | DEVICE, INV, "fused",
+     .wrong = fused_with_weights},
 
     // Forward: query, key and value shapes.
     {"forward: query 0-D", ALL, SHAPE, "query", .wrong = query_0d},
@@ -785,6 +814,10 @@ static const row rows[] = {
      .wrong = wait_list_without_count},
 
     // Other layer calls.
+    {"layer_set_impl: NULL layer", MISC_NO_DEVICE, INV, NULL, .misc = set_impl_null},
+    {"layer_set_impl: impl -1", MISC, INV, "impl -1", .misc = set_impl_bad},
+    {"forward: need_weights on a layer set to the fused core", MISC, INV, "fused",
+     .misc = weights_on_fused_layer},
     {"bake: batch 0", MISC, INV, "batch", .misc = bake_zero},
     {"bake: batch SIZE_MAX/2", MISC, OVERFLOW, "query (", .misc = bake_overflow},
     {"bake: batch 2^40 (more than the device holds)", MISC, CLMHA_OUT_OF_MEMORY,
