@@ -1,5 +1,5 @@
 // Small forward passes that reach every branch of the kernels clmha launches (cl/heads.cl,
-// cl/softmax.cl) and the CLBlast GEMMs it calls, meant to run under Oclgrind
+// cl/softmax.cl, cl/fused.cl) and the CLBlast GEMMs it calls, meant to run under Oclgrind
 // (tools/oclgrind-check.sh), which checks every work-item's memory accesses. A plain C program,
 // not a Criterion test: Oclgrind intercepts the OpenCL calls of this one process.
 //
@@ -16,6 +16,10 @@
 //   masked_softmax every attn_mask kind x layout, key_padding_mask kinds, causal, padded keys
 //                  (j >= S), a fully masked row (dead), dropout, S' above and below the
 //                  work-group size (16 on CPU-type devices, Oclgrind included: S 37 and S 3)
+//   fused_attention  (the "fused" cases, default tiles of 64 query rows and 32 keys) several
+//                  query and key tiles with partial last tiles, causal with a key tile skipped
+//                  (L = S = 100), every mask kind and layout, appended keys, fully masked rows,
+//                  dropout, head_dim 1 and 3
 //
 // Usage: oclgrind_driver [-v] [--whole-writes] [--list] [case number...]
 //   -v              print the device name
@@ -72,6 +76,7 @@ typedef struct dcase {
     float dropout;
     bool mask_row;    // attn_mask row 1 forbids every key (BOOL_IGNORE)
     bool mask_item;   // key_padding_mask of item 0 forbids every key (BOOL_IGNORE)
+    bool fused;       // through the fused core (no weights)
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -139,6 +144,24 @@ static const dcase cases[] = {
      .kpm = F, .weights = true, .per_head = true},
     {"head_dim 1 (E4 H4) self, batch_first, w=avg", .e = 4, .h = 4, .n = 2, .l = 2,
      .self_attn = true, .batch_first = true, .weights = true},
+    // The fused core.
+    {"fused: self causal L=S=100 (2 query tiles, 4 key tiles, one skipped)", .e = 8, .h = 2,
+     .n = 1, .l = 100, .self_attn = true, .causal = true, .fused = true},
+    {"fused: L3 S37, kpm=ignore, am=float (N*H,L,S), bias_kv+zero_attn", .e = 8, .h = 2, .n = 2,
+     .l = 3, .s = 37, .kpm = I, .am = F, .layout = PER_HEAD, .bias_kv = true, .zero_attn = true,
+     .fused = true},
+    {"fused: am=attend (N,L,S) per_batch, kpm=float, batch_first", .e = 8, .h = 2, .n = 2,
+     .l = 70, .s = 5, .am = A, .layout = PER_BATCH, .kpm = F, .batch_first = true,
+     .fused = true},
+    {"fused: fully masked row 1 (am) and item 0 (kpm), causal L5>S3", .e = 8, .h = 2, .n = 2,
+     .l = 5, .s = 3, .am = I, .layout = SHARED, .mask_row = true, .kpm = I, .mask_item = true,
+     .causal = true, .fused = true},
+    {"fused: dropout 0.25 train, S37", .e = 8, .h = 2, .n = 2, .l = 2, .s = 37,
+     .dropout = 0.25f, .train = true, .fused = true},
+    {"fused: head_dim 1 (E4 H4) unbatched, am=ignore (L,S)", .e = 4, .h = 4, .l = 3, .s = 4,
+     .unbatched = true, .am = I, .layout = SHARED, .fused = true},
+    {"fused: head_dim 3 (E6 H2), am=float (L,S), zero_attn", .e = 6, .h = 2, .n = 2, .l = 33,
+     .s = 65, .am = F, .layout = SHARED, .zero_attn = true, .fused = true},
 };
 
 #undef I
@@ -276,6 +299,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     }
     args.is_causal = c->causal;
     args.need_weights = c->weights;
+    args.impl = c->fused ? CLMHA_IMPL_FUSED : CLMHA_IMPL_UNFUSED;
     args.per_head_weights = c->per_head;
     args.training = c->train;
     args.rng = (clmha_dropout_rng){0x0123456789ABCDEFull + index, 7 + index};
