@@ -1,11 +1,12 @@
 // Fused attention core: out = softmax(mask(Q*K^T*scale)) * V for every (batch, head), without
 // storing the scores. Online softmax over tiles of keys (FlashAttention's recurrence): each
-// work-item owns one query row, keeps its running maximum, running sum and a D-wide
-// accumulator in private memory, and the work-group shares each tile of keys and values through
-// local memory.
+// work-item owns RPW query rows, keeps their running maxima, running sums and HD-wide
+// accumulators in private memory, and the work-group shares each tile of keys and values through
+// local memory. With RPW = 2 every key and value read from local memory serves two rows.
 //
-// Build options: -DHD=<head dim> -DBQ=<query rows per work-group = work-group size>
-//                -DBK=<keys per tile>. Local memory: 2*HD*BK floats.
+// Build options: -DHD=<head dim> -DBQ=<work-group size> -DRPW=<query rows per work-item>
+//                -DBK=<keys per tile>. A work-group covers BQ*RPW query rows: row r of
+//                work-item lid is first + r*BQ + lid. Local memory: 2*HD*BK floats.
 // Needs cl/common.cl in front (mask kinds, mask_value, philox_word0, max_nan).
 //
 // Layouts as the unfused path: q (N*H, L, HD), k and v (N*H, S', HD), out (N*H, L, HD); the
@@ -13,7 +14,7 @@
 // masked. A query row whose every key is masked gives zeros, as in the unfused path. Dropout
 // drops weight (bh, i, j) exactly where masked_softmax does (same Philox counter and key).
 //
-// NDRange: (ceil(L / BQ) * BQ, N*H) in groups of (BQ, 1). No early return and no divergent
+// NDRange: (ceil(L / (BQ*RPW)) * BQ, N*H) in groups of (BQ, 1). No early return and no divergent
 // barrier: work-items past the last row compute on a clamped row and store nothing.
 
 #ifndef HD
@@ -21,6 +22,9 @@
 #endif
 #ifndef BQ
 #define BQ 32
+#endif
+#ifndef RPW
+#define RPW 1
 #endif
 #ifndef BK
 #define BK 64
@@ -63,27 +67,33 @@ void fused_attention(global const float *q, global const float *k, global const 
     uint lid = get_local_id(0);
     ulong bh = get_group_id(1);
     ulong n = bh / n_heads;
-    ulong first = get_group_id(0) * BQ;
-    ulong last = min(first + BQ, tgt_len) - 1;  // the group's last real row
-    ulong i = first + lid;
-    bool real = i < tgt_len;
-    ulong row = real ? i : last;
-
-    ulong attn_row = 0;
-    if (attn_layout == 1) attn_row = row * src_len;
-    else if (attn_layout == 2) attn_row = (bh * tgt_len + row) * src_len;
-    else if (attn_layout == 3) attn_row = (n * tgt_len + row) * src_len;
-    attn_row += attn_off;
+    ulong first = get_group_id(0) * (BQ * RPW);
+    ulong last = min(first + BQ * RPW, tgt_len) - 1;  // the group's last real row
+    // Rows past the end compute on a clamped row and store nothing.
+    ulong rows[RPW], attn_row[RPW];
+    for (uint r = 0; r < RPW; ++r) {
+        ulong i = first + r * BQ + lid;
+        rows[r] = i < tgt_len ? i : last;
+        ulong ar = 0;
+        if (attn_layout == 1) ar = rows[r] * src_len;
+        else if (attn_layout == 2) ar = (bh * tgt_len + rows[r]) * src_len;
+        else if (attn_layout == 3) ar = (n * tgt_len + rows[r]) * src_len;
+        attn_row[r] = ar + attn_off;
+    }
     ulong kpm_row = kpm_off + n * src_len;
 
-    float qr[HD], acc[HD];
-    global const float *qp = q + (bh * tgt_len + row) * HD;
-    for (uint d = 0; d < HD; ++d) {
-        qr[d] = qp[d] * scale;
-        acc[d] = 0.0f;
+    // Per row: the scaled query, the accumulator of p*v, the running maximum (NaN once a NaN
+    // score appears) and the running sum of exp(score - maximum).
+    float qr[RPW][HD], acc[RPW][HD], m[RPW], sum[RPW];
+    for (uint r = 0; r < RPW; ++r) {
+        global const float *qp = q + (bh * tgt_len + rows[r]) * HD;
+        for (uint d = 0; d < HD; ++d) {
+            qr[r][d] = qp[d] * scale;
+            acc[r][d] = 0.0f;
+        }
+        m[r] = -INFINITY;
+        sum[r] = 0.0f;
     }
-    float m = -INFINITY;  // running maximum (NaN once a NaN score appears)
-    float sum = 0.0f;     // running sum of exp(score - m)
 
     global const float *kb = k + bh * src_len_padded * HD;
     global const float *vb = v + bh * src_len_padded * HD;
@@ -102,57 +112,64 @@ void fused_attention(global const float *q, global const float *k, global const 
             }
             barrier(CLK_LOCAL_MEM_FENCE);
 
-            float s[BK];
-            for (uint jj = 0; jj < BK; ++jj) s[jj] = 0.0f;
+            float s[RPW][BK];
+            for (uint r = 0; r < RPW; ++r)
+                for (uint jj = 0; jj < BK; ++jj) s[r][jj] = 0.0f;
             for (uint d = 0; d < HD; ++d) {
-                float qd = qr[d];
-                for (uint jj = 0; jj < BK; ++jj) s[jj] = fma(qd, kt[d][jj], s[jj]);
-            }
-
-            float tile_max = -INFINITY;
-            for (uint jj = 0; jj < BK; ++jj) {
-                ulong j = j0 + jj;
-                float x = s[jj];
-                if (j >= src_len_padded) {
-                    x = -INFINITY;
-                } else if (j < src_len) {
-                    x += mask_value(attn_mask, attn_kind, attn_row + j);
-                    x += mask_value(kpm, kpm_kind, kpm_row + j);
-                    if (causal && j > row) x = -INFINITY;
+                for (uint jj = 0; jj < BK; ++jj) {
+                    float kv = kt[d][jj];
+                    for (uint r = 0; r < RPW; ++r) s[r][jj] = fma(qr[r][d], kv, s[r][jj]);
                 }
-                s[jj] = x;
-                tile_max = max_nan(tile_max, x);
             }
-
-            float m_new = max_nan(m, tile_max);
-            // While every key so far is masked (m_new = -inf) nothing is accumulated.
-            bool none = m_new == -INFINITY;
-            float base = none ? 0.0f : m_new;
-            float corr = exp_nonpos(m - base);  // 0 on the first live tile (m = -inf)
-            sum *= corr;
-            for (uint d = 0; d < HD; ++d) acc[d] *= corr;
-            for (uint jj = 0; jj < BK; ++jj) {
-                float p = exp_nonpos(s[jj] - base);
-                sum += p;
-                if (dropout_on) {
-                    uint w = philox_word0((uint)(j0 + jj), (uint)row, (uint)bh, offset_lo,
-                                          seed_lo, seed_hi_xor_off_hi);
-                    p = w >= dropout_threshold ? p * keep_scale : 0.0f;
+            for (uint r = 0; r < RPW; ++r) {
+                float tile_max = -INFINITY;
+                for (uint jj = 0; jj < BK; ++jj) {
+                    ulong j = j0 + jj;
+                    float x = s[r][jj];
+                    if (j >= src_len_padded) {
+                        x = -INFINITY;
+                    } else if (j < src_len) {
+                        x += mask_value(attn_mask, attn_kind, attn_row[r] + j);
+                        x += mask_value(kpm, kpm_kind, kpm_row + j);
+                        if (causal && j > rows[r]) x = -INFINITY;
+                    }
+                    s[r][jj] = x;
+                    tile_max = max_nan(tile_max, x);
                 }
-                s[jj] = p;
+                float m_new = max_nan(m[r], tile_max);
+                // While every key so far is masked (m_new = -inf) nothing is accumulated.
+                bool none = m_new == -INFINITY;
+                float base = none ? 0.0f : m_new;
+                float corr = exp_nonpos(m[r] - base);  // 0 on the first live tile
+                sum[r] *= corr;
+                for (uint d = 0; d < HD; ++d) acc[r][d] *= corr;
+                for (uint jj = 0; jj < BK; ++jj) {
+                    float p = exp_nonpos(s[r][jj] - base);
+                    sum[r] += p;
+                    if (dropout_on) {
+                        uint w = philox_word0((uint)(j0 + jj), (uint)rows[r], (uint)bh, offset_lo,
+                                              seed_lo, seed_hi_xor_off_hi);
+                        p = w >= dropout_threshold ? p * keep_scale : 0.0f;
+                    }
+                    s[r][jj] = p;
+                }
+                m[r] = m_new;
             }
             for (uint jj = 0; jj < BK; ++jj) {
-                float p = s[jj];
-                for (uint d = 0; d < HD; ++d) acc[d] = fma(p, vt[jj][d], acc[d]);
+                for (uint d = 0; d < HD; ++d) {
+                    float vv = vt[jj][d];
+                    for (uint r = 0; r < RPW; ++r) acc[r][d] = fma(s[r][jj], vv, acc[r][d]);
+                }
             }
-            m = m_new;
         }
     }
-
     // A fully masked row (m = -inf) has sum 0 and gives zeros; NaN propagates.
-    float inv = m == -INFINITY ? 0.0f : 1.0f / sum;
-    if (real) {
-        global float *op = out + (bh * tgt_len + i) * HD;
-        for (uint d = 0; d < HD; ++d) op[d] = acc[d] * inv;
+    for (uint r = 0; r < RPW; ++r) {
+        ulong i = first + r * BQ + lid;
+        float inv = m[r] == -INFINITY ? 0.0f : 1.0f / sum[r];
+        if (i < tgt_len) {
+            global float *op = out + (bh * tgt_len + i) * HD;
+            for (uint d = 0; d < HD; ++d) op[d] = acc[r][d] * inv;
+        }
     }
 }

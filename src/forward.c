@@ -294,7 +294,7 @@ static clmha_status builtin_core(clmha_layer *l, const clmha_forward_args *a,
 
 // 3-5 fused: scores, masks, softmax, dropout and weights·V in one kernel that streams tiles
 // of keys through local memory (cl/fused.cl); the scores are never stored. One work-group per
-// (tile of fused_bq query rows, batch·head).
+// (tile of bq·rpw query rows, batch·head).
 static clmha_status fused_core(clmha_layer *l, const clmha_forward_args *a,
                                const clmha__dims *d) {
     clmha_context *ctx = l->ctx;
@@ -308,8 +308,8 @@ static clmha_status fused_core(clmha_layer *l, const clmha_forward_args *a,
         cl_int err = clSetKernelArg(l->fused, i, args[i].size, args[i].value);
         if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");
     }
-    size_t bq = l->fused_bq;
-    size_t global[2] = {(d->l + bq - 1) / bq * bq, d->n * l->h}, local[2] = {bq, 1};
+    size_t bq = l->tiles_fused.bq, rows = bq * l->tiles_fused.rpw;
+    size_t global[2] = {(d->l + rows - 1) / rows * bq, d->n * l->h}, local[2] = {bq, 1};
     cl_int err = clEnqueueNDRangeKernel(ctx->queue, l->fused, 2, NULL, global, local, 0, NULL,
                                         NULL);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");

@@ -131,9 +131,9 @@ struct clmha_context {
     clmha_device_info info;
     char device_name[300];
     size_t max_work_group;
-    // Preferred tiles of the fused attention kernel (query rows per work-group, keys per tile);
-    // a stored tuning may set them, 0 means the built-in default.
-    size_t fused_bq, fused_bk;
+    // Preferred tiles of the fused attention kernel (work-group size, keys per tile, query rows
+    // per work-item); a stored tuning may set them, 0 means the built-in default.
+    size_t fused_bq, fused_bk, fused_rpw;
     clmha__program *programs;   // guarded by lock
     char last_error[CLMHA__ERROR_SIZE];
     // Counters for tests (libclmha.a): program builds and device buffer allocations made by
@@ -173,12 +173,17 @@ CLMHA__HIDDEN clmha_status clmha__program_get(clmha_context *ctx, const char *fa
 // The string must outlive its use.
 CLMHA__HIDDEN void clmha__test_set_extra_build_options(const char *options);
 
-// Tile sizes of the fused attention kernel for head dim @p hd on the device of @p ctx: @p bq
-// query rows per work-group (a power of two within the work-group limit) and @p bk keys per
-// tile (halved until the 2·hd·bk floats of the tile fit in local memory; 0 when not even one
-// key fits).
-CLMHA__HIDDEN void clmha__fused_tiles(const clmha_context *ctx, size_t hd, size_t *bq,
-                                      size_t *bk);
+// The fused attention kernel's tiles.
+typedef struct clmha__fused_tiles {
+    size_t bq;   // work-group size (a power of two within the device's limit)
+    size_t bk;   // keys per tile (0: not even one key fits in local memory)
+    size_t rpw;  // query rows per work-item (1 or 2); a work-group covers bq * rpw rows
+} clmha__fused_tiles;
+
+// Tiles of the fused attention kernel for head dim @p hd on the device of @p ctx: the context's
+// preferred ones (a stored tuning) or the defaults, with bk halved until the 2·hd·bk floats of
+// a tile fit in local memory.
+CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd);
 
 // Frees every cached program of a context.
 CLMHA__HIDDEN void clmha__programs_release(clmha_context *ctx);

@@ -272,22 +272,21 @@ const char *clmha_impl_name(clmha_impl impl) {
 clmha_status clmha__layer_fused(clmha_layer *l) {
     if (l->fused) return CLMHA_SUCCESS;
     clmha_context *ctx = l->ctx;
-    size_t bq = 0, bk = 0;
-    clmha__fused_tiles(ctx, l->d, &bq, &bk);
-    if (!bk)
+    clmha__fused_tiles t = clmha__fused_tiles_for(ctx, l->d);
+    if (!t.bk)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "the fused core needs 2 * head_dim * 4 = %zu bytes of local memory "
                            "for one key; the device has %llu (use CLMHA_IMPL_UNFUSED)",
                            2 * l->d * sizeof(float),
                            (unsigned long long)ctx->info.local_mem_bytes);
     char options[96];
-    snprintf(options, sizeof options, "-DHD=%zu -DBQ=%zu -DBK=%zu", l->d, bq, bk);
+    snprintf(options, sizeof options, "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu", l->d, t.bq, t.bk,
+             t.rpw);
     cl_program prog;
     clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
     if (st) return st;
     if ((st = make_kernel(ctx, prog, "fused_attention", &l->fused))) return st;
-    l->fused_bq = bq;
-    l->fused_bk = bk;
+    l->tiles_fused = t;
     return CLMHA_SUCCESS;
 }
 

@@ -37,7 +37,7 @@ struct clmha_layer {
 
     clmha_impl impl;            // the core for calls whose impl is CLMHA_IMPL_AUTO
     cl_kernel fused;            // the fused core, built on first use (clmha__layer_fused())
-    size_t fused_bq, fused_bk;  // its tiles: query rows per work-group, keys per tile
+    clmha__fused_tiles tiles_fused;  // its tiles
 
     // Profiling: marks[0] before the first stage, marks[1 + s] after stage s (NULL when the
     // stage did not run in the last call).
