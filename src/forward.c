@@ -326,10 +326,11 @@ static clmha_status attend(clmha_layer *l, const clmha__dims *d, chunk c) {
 }
 
 // 8 for one chunk of the scores (stage 8 then has nothing left to do): per-head weights are
-// copied to their rows; averaged ones are summed over the heads of the chunk into the rows of
-// their batch item, divided by H with the item's last head (the chunks of an item come in head
-// order; clmha__scores_chunks() never splits a batch item's heads across a chunk boundary
-// partway through a group).
+// copied to their rows; averaged ones are summed over the heads of the chunk, added to the
+// running sums in layer->head_sums, and written to the rows of their batch item, divided by H,
+// with the item's last head (the chunks of a block of rows come in head order, and a chunk of
+// whole planes holds whole batch items or a divisor of H of one item's heads:
+// clmha__scores_chunks()). The caller's buffer is only written, never read.
 static clmha_status chunk_weights(clmha_layer *l, const clmha_forward_args *a,
                                   const clmha__dims *d, chunk c, cl_mem w, size_t w_off) {
     clmha_context *ctx = l->ctx;
@@ -351,7 +352,8 @@ static clmha_status chunk_weights(clmha_layer *l, const clmha_forward_args *a,
              heads = group, part = (c.rows >= plane_rows ? plane_rows : c.rows) * sp;
     cl_uint first = head == 0, last = head + group == h;
     float divisor = (float)h;
-    arg args[] = {ARG(l->scores), ARG(w),     ARG(off),  ARG(groups),  ARG(heads),
+    cl_mem sums = first && last ? ctx->dummy : l->head_sums;
+    arg args[] = {ARG(l->scores), ARG(sums),  ARG(w),    ARG(off),    ARG(groups), ARG(heads),
                   ARG(part),      ARG(first), ARG(last), ARG(divisor)};
     return launch(ctx, l->accumulate_heads, "accumulate_heads", groups * part,
                   elementwise_wg(ctx), args, sizeof args / sizeof args[0]);
@@ -377,14 +379,21 @@ static clmha_status builtin_core(clmha_layer *l, const clmha_forward_args *a,
         return CLMHA_SUCCESS;
     }
     size_t total = d->n * l->h * d->l;
-    for (size_t r = 0; r < total;) {
-        chunk c = {r, plan.rows};
-        if (!plan.whole && plan.rows > d->l - r % d->l) c.rows = d->l - r % d->l;
-        if (c.rows > total - r) c.rows = total - r;
+    for (size_t k = 0; k < plan.count; ++k) {
+        chunk c;
+        if (plan.whole) {  // planes in order
+            c.first = k * plan.rows;
+            c.rows = total - c.first < plan.rows ? total - c.first : plan.rows;
+        } else {  // k = ((item * blocks) + block) * H + head
+            size_t blocks = (d->l + plan.rows - 1) / plan.rows, head = k % l->h;
+            size_t block = k / l->h % blocks, item = k / l->h / blocks;
+            size_t i = block * plan.rows;
+            c.first = ((item * l->h + head) * d->l + i);
+            c.rows = d->l - i < plan.rows ? d->l - i : plan.rows;
+        }
         if ((st = scores(l, d, c)) || (st = softmax(l, a, d, c))) return st;
         if (a->need_weights && (st = chunk_weights(l, a, d, c, w, w_off))) return st;
         if ((st = attend(l, d, c))) return st;
-        r += c.rows;
     }
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES);
 }
@@ -526,7 +535,9 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
     bool fused = !layer->core && (impl == CLMHA_IMPL_FUSED ||
                                   (impl == CLMHA_IMPL_AUTO && !args->need_weights));
     if (fused && (st = clmha__layer_fused(layer))) return st;
-    if ((st = clmha__layer_reserve(layer, &d, !fused))) return st;
+    if ((st = clmha__layer_reserve(layer, &d, !fused,
+                                   !fused && args->need_weights && !args->per_head_weights)))
+        return st;
 
     // Nothing is enqueued before this point.
     cl_int err;

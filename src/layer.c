@@ -224,6 +224,7 @@ void clmha_layer_release(clmha_layer *layer) {
     release_mem(&layer->proj);
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) release_mem(&layer->tiles[i]);
     release_mem(&layer->scores);
+    release_mem(&layer->head_sums);
     release_kernel(&layer->split_heads);
     release_kernel(&layer->merge_heads);
     release_kernel(&layer->fill_rows);
@@ -295,7 +296,7 @@ clmha_status clmha__layer_fused(clmha_layer *l) {
 
 size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
     if (!layer) return 0;
-    size_t floats = layer->proj_cap + layer->scores_cap;
+    size_t floats = layer->proj_cap + layer->scores_cap + layer->head_sums_cap;
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) floats += layer->tile_caps[i];
     return floats * sizeof(float);
 }
@@ -345,17 +346,19 @@ bool clmha__scores_chunks(const clmha_layer *layer, const clmha__dims *d,
         else
             while (h % g) --g;
         *chunks = (clmha__chunks){.rows = g * d->l, .whole = true,
-                                  .count = (planes + g - 1) / g};
+                                  .count = (planes + g - 1) / g, .sums = g < h ? plane : 0};
         return true;
     }
     size_t rows = budget / sp;
     if (!rows) return false;
     *chunks = (clmha__chunks){.rows = rows, .whole = false,
-                              .count = planes * ((d->l + rows - 1) / rows)};
+                              .count = planes * ((d->l + rows - 1) / rows),
+                              .sums = h > 1 ? rows * sp : 0};
     return true;
 }
 
-clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool scores) {
+clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool scores,
+                                  bool head_sums) {
     clmha_context *ctx = layer->ctx;
     size_t q = d->n * d->l * d->e, kv = d->n * d->s * d->e, kvp = d->n * d->s_padded * d->e;
     size_t tile_need[CLMHA__TILE_COUNT] = {q, kvp, kvp, q};
@@ -376,7 +379,10 @@ clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool
                            "this device's largest allocation (%llu bytes)",
                            d->s_padded, d->s_padded * sizeof(float),
                            (unsigned long long)clmha__max_alloc(ctx));
-    return grow(ctx, &layer->scores, &layer->scores_cap, c.rows * d->s_padded, "scores");
+    if ((st = grow(ctx, &layer->scores, &layer->scores_cap, c.rows * d->s_padded, "scores")))
+        return st;
+    if (!head_sums || !c.sums) return CLMHA_SUCCESS;
+    return grow(ctx, &layer->head_sums, &layer->head_sums_cap, c.sums, "head sums");
 }
 
 clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, size_t src_len,

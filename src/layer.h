@@ -31,7 +31,8 @@ struct clmha_layer {
     // one of its internal paths, so the batched GEMMs only ever see offset 0.)
     cl_mem tiles[CLMHA__TILE_COUNT];
     cl_mem scores;   // (N*H, L, S'), or one chunk of its rows (clmha__scores_chunks())
-    size_t proj_cap, tile_caps[CLMHA__TILE_COUNT], scores_cap;
+    cl_mem head_sums;  // chunks: running head sums of averaged weights (clmha__chunks::sums)
+    size_t proj_cap, tile_caps[CLMHA__TILE_COUNT], scores_cap, head_sums_cap;
 
     clmha_attention_fn core;
     void *core_data;
@@ -62,11 +63,15 @@ CLMHA__HIDDEN clmha_status clmha__layer_fused(clmha_layer *layer);
 // indirect GEMM makes); else chunks of whole planes (`whole`: `rows` is a multiple of L and the
 // planes per chunk divide H or are a multiple of it, so that no chunk straddles batch items
 // partly), the last one possibly shorter; else, when one plane does not fit, chunks of rows of
-// one plane (the last of each plane possibly shorter).
+// one plane (the last of each plane possibly shorter), taken block of rows by block of rows with
+// the heads of a batch item in turn: (item, rows, head), so that averaged weights can be summed
+// over the heads of one block before the next.
 typedef struct clmha__chunks {
     size_t rows;   // score rows per chunk
     bool whole;    // chunks are whole planes
     size_t count;  // number of chunks
+    size_t sums;   // floats of running head sums that averaged weights need (0: each chunk
+                   // holds whole batch items)
 } clmha__chunks;
 
 // Plans the chunks of the unfused core for @p dims; false when not even one row of S' scores
@@ -76,8 +81,9 @@ CLMHA__HIDDEN bool clmha__scores_chunks(const clmha_layer *layer, const clmha__d
 
 // Grows the scratch buffers to fit @p dims, with room for the scores when @p scores (the
 // unfused core: one chunk of them, clmha__scores_chunks(), or all of them for a user core,
-// which returns weights through them). Allocates only when they are too small.
+// which returns weights through them) and for the running head sums of chunked averaged weights
+// when @p head_sums. Allocates only when they are too small.
 CLMHA__HIDDEN clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *dims,
-                                                bool scores);
+                                                bool scores, bool head_sums);
 
 #endif

@@ -329,6 +329,10 @@ static void check_plan(clmha_layer *layer, const instance *in, size_t limit) {
     cr_assert_eq(layer->scores_cap, c.rows * sp, "scores scratch %zu floats, one chunk is %zu",
                  layer->scores_cap, c.rows * sp);
     cr_expect_leq(layer->scores_cap * sizeof(float), limit / 2);
+    cr_expect_leq(layer->head_sums_cap * sizeof(float), limit / 2);
+    if (!in->c.per_head && c.sums)
+        cr_expect_eq(layer->head_sums_cap, c.sums, "head sums scratch %zu floats, expected %zu",
+                     layer->head_sums_cap, c.sums);
     cr_expect_leq(layer->proj_cap * sizeof(float), limit);
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i)
         cr_expect_leq(layer->tile_caps[i] * sizeof(float), limit, "tile %d", i);
@@ -473,8 +477,9 @@ Test(chunking, planner_keeps_batch_items_whole, .fini = clear_hook, .timeout = 6
     clmha_context_release(ctx);
 }
 
-// The device path: the weights land at the caller's offset, nothing before or after the result
-// is touched, and the event is returned.
+// The device path: the weights land at the caller's offset in a CL_MEM_WRITE_ONLY buffer (the
+// chunked head average never reads it), nothing before or after the result is touched, and the
+// event is returned.
 Test(chunking, device_buffers_at_offsets, .fini = clear_hook, .timeout = 600) {
     clmha_context *ctx = open_context();
     cl_context cl = clmha_context_cl_context(ctx);
@@ -500,7 +505,8 @@ Test(chunking, device_buffers_at_offsets, .fini = clear_hook, .timeout = 600) {
         cl_mem bufs[5];
         for (int i = 0; i < 5; ++i) {
             cl_int err;
-            bufs[i] = clCreateBuffer(cl, CL_MEM_READ_WRITE, counts[i] * sizeof(float), NULL, &err);
+            cl_mem_flags flags = i == 1 ? CL_MEM_WRITE_ONLY : CL_MEM_READ_WRITE;
+            bufs[i] = clCreateBuffer(cl, flags, counts[i] * sizeof(float), NULL, &err);
             cr_assert_eq(err, CL_SUCCESS);
             if (data[i])
                 err = clEnqueueWriteBuffer(queue, bufs[i], CL_TRUE, 0, counts[i] * sizeof(float),
