@@ -241,7 +241,8 @@ Test(faults, bake_beyond_max_alloc_is_out_of_memory, .fini = clear_max_alloc, .t
     cr_assert_eq(st, CLMHA_SUCCESS, "bake with chunked scores: %s (%s)", clmha_status_string(st),
                  clmha_context_last_error(w.ctx));
     cr_expect_leq(clmha_layer_scratch_bytes(layer), 5 * proj_bytes,
-                  "scratch %zu bytes: projection, 4 head tiles and one chunk of scores",
+                  "scratch %zu bytes: projection, 4 head tiles, one chunk of scores and its "
+                  "head sums",
                   clmha_layer_scratch_bytes(layer));
 
     // The layer still works after the refusal, under the same limit.
