@@ -77,3 +77,24 @@ kernel void average_heads(global const float *w, global float *out, ulong out_of
     for (ulong h = 0; h < n_heads; ++h) sum += w[(n * n_heads + h) * plane + k];
     out[out_off + gid] = sum / (float)n_heads;
 }
+
+// The head average of weights that arrive in chunks (the unfused core when the scores exceed
+// the largest allocation): w holds n_groups groups of n_heads consecutive heads, each `part`
+// elements (whole planes, or rows of one plane). Their sum is added to the running sum in
+// `sums` (a scratch buffer, used only when n_groups is 1), unless `first` (the chunk starts a
+// batch item's heads); when `last` (the chunk ends them) the total divided by `divisor` (H)
+// goes to out[g, k], which is never read (the caller's buffer may be write-only). Called with
+// first and last it equals average_heads.
+kernel void accumulate_heads(global const float *w, global float *sums, global float *out,
+                             ulong out_off, ulong n_groups, ulong n_heads, ulong part,
+                             uint first, uint last, float divisor) {
+    ulong gid = get_global_id(0);
+    if (gid >= n_groups * part) return;
+    ulong g = gid / part;
+    ulong k = gid % part;
+    float sum = 0.0f;
+    for (ulong h = 0; h < n_heads; ++h) sum += w[(g * n_heads + h) * part + k];
+    float total = first ? sum : sums[gid] + sum;
+    if (last) out[out_off + gid] = total / divisor;
+    else sums[gid] = total;
+}

@@ -9,14 +9,20 @@
 // clmha_mask_kind): 0 none, 1 bool "true = ignore", 2 bool "true = may attend", 3 float (added).
 // attn_mask layouts: 1 (L, S) shared, 2 (N*H, L, S) per head, 3 (N, L, S) per batch item.
 // A row whose every key is masked becomes zeros (PyTorch would give NaN).
+//
+// The scores may be a chunk: n_rows consecutive rows of the (N*H*L, S') scores starting at row
+// row_off (the unfused core works in chunks when the scores exceed the largest allocation);
+// `scores` holds the chunk from its first row, and the masks, causal and dropout see the global
+// row (bh, i).
 
 #ifndef WG
 #define WG 64
 #endif
 
-// One work-group per row (bh, i) of the scores.
+// One work-group per row (bh, i) of the scores (of the chunk).
 kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void masked_softmax(global float *scores, ulong n_rows, ulong tgt_len, ulong n_heads,
+void masked_softmax(global float *scores, ulong n_rows, ulong row_off, ulong tgt_len,
+                    ulong n_heads,
                     ulong src_len, ulong src_len_padded,
                     global const uchar *attn_mask, ulong attn_off, uint attn_kind,
                     uint attn_layout,
@@ -25,15 +31,16 @@ void masked_softmax(global float *scores, ulong n_rows, ulong tgt_len, ulong n_h
                     uint dropout_on, uint dropout_threshold, float keep_scale,
                     uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
     local float red[WG];
-    ulong row = get_group_id(0);
+    ulong local_row = get_group_id(0);
     // No early return anywhere in this kernel: every work-item must reach every barrier, and
     // PoCL 3.1 miscompiles even work-group-uniform returns in kernels with barriers. The host
     // launches exactly n_rows work-groups.
     uint lid = get_local_id(0);
+    ulong row = row_off + local_row;
     ulong bh = row / tgt_len;
     ulong i = row % tgt_len;
     ulong n = bh / n_heads;
-    global float *x = scores + row * src_len_padded;
+    global float *x = scores + local_row * src_len_padded;
 
     ulong attn_row = 0;
     if (attn_layout == 1) attn_row = i * src_len;

@@ -145,7 +145,9 @@ typedef enum clmha_status {
 /// -5: no OpenCL device is installed, or none matches the device spec.
 /// @var CLMHA_OUT_OF_MEMORY
 /// -6: a host allocation failed; a buffer would exceed the device's largest allocation
-/// (clmha_device_info::max_alloc_bytes); or OpenCL or CLBlast reported
+/// (clmha_device_info::max_alloc_bytes): parameters, or scratch that cannot be split (the
+/// projected inputs, the head tiles; never the scores of the unfused core, which it works
+/// through in chunks, see ::clmha_impl); or OpenCL or CLBlast reported
 /// CL_MEM_OBJECT_ALLOCATION_FAILURE, CL_OUT_OF_RESOURCES, CL_OUT_OF_HOST_MEMORY or
 /// CL_INVALID_BUFFER_SIZE.
 /// @var CLMHA_BUILD_FAILED
@@ -676,7 +678,14 @@ typedef clmha_status (*clmha_attention_fn)(const struct clmha_core_args *args, v
 ///
 /// The unfused core writes the scores of every (batch, head) to device memory (N·H·L·S' floats)
 /// and runs a GEMM, a softmax kernel and a second GEMM over them; it is the one that can return
-/// attention weights. The fused core streams tiles of keys through local memory with an online
+/// attention weights. When the scores exceed half the device's largest allocation
+/// (clmha_device_info::max_alloc_bytes; the other half leaves room for CLBlast's padded
+/// copies), it works through them in chunks that fit: groups of whole (batch, head) planes, or
+/// groups of query rows of one plane when a plane alone is too large. The results are the same
+/// (weights included, written chunk by chunk; averaged weights may differ in the last bits, as
+/// the head sum is then done in parts); its scores scratch is one chunk; it runs more, smaller
+/// GEMMs; and with profiling its three stages and the weights output are timed together as
+/// ::CLMHA_STAGE_SCORES. The fused core streams tiles of keys through local memory with an online
 /// softmax and never stores the scores: its scratch is linear in the sequence lengths, it skips
 /// the key tiles that is_causal masks entirely, and it is faster on long sequences; it cannot
 /// return weights. Both apply every mask kind, is_causal and dropout the same way (dropout
@@ -854,7 +863,9 @@ CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
 typedef enum clmha_stage {
     CLMHA_STAGE_PROJECT = 0,  ///< input projections (GEMMs)
     CLMHA_STAGE_SPLIT,        ///< head split, in_proj_bias, bias_k/bias_v, zero key
-    CLMHA_STAGE_SCORES,       ///< Q·Kᵀ (strided batched GEMM); a user core's whole time
+    CLMHA_STAGE_SCORES,       ///< Q·Kᵀ (strided batched GEMM); a user core's whole time; the
+                              ///< whole unfused core, weights output included, when it works
+                              ///< in chunks (::clmha_impl)
     CLMHA_STAGE_SOFTMAX,      ///< masks, softmax, dropout
     CLMHA_STAGE_AV,           ///< weights · V (strided batched GEMM)
     CLMHA_STAGE_FUSED,        ///< the fused attention core (instead of the three above)

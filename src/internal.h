@@ -173,6 +173,15 @@ CLMHA__HIDDEN clmha_status clmha__program_get(clmha_context *ctx, const char *fa
 // The string must outlive its use.
 CLMHA__HIDDEN void clmha__test_set_extra_build_options(const char *options);
 
+// The largest buffer clmha allocates as scratch on the device of @p ctx, in bytes: the device's
+// CL_DEVICE_MAX_MEM_ALLOC_SIZE, or the test hook's lower limit when one is set.
+CLMHA__HIDDEN cl_ulong clmha__max_alloc(const clmha_context *ctx);
+
+// Test hook (reachable only by linking libclmha.a): makes clmha__max_alloc() report at most
+// @p bytes, so that scratch limits and the chunking of the unfused core show on small shapes.
+// 0 restores the device's limit. Not thread-safe: set it while no forward call runs.
+CLMHA__HIDDEN void clmha__test_set_max_alloc(size_t bytes);
+
 // The fused attention kernel's tiles.
 typedef struct clmha__fused_tiles {
     size_t bq;   // work-group size (a power of two within the device's limit)

@@ -188,6 +188,7 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
     if ((st = make_kernel(ctx, heads, "merge_heads", &l->merge_heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "fill_rows", &l->fill_rows))) goto fail;
     if ((st = make_kernel(ctx, heads, "average_heads", &l->average_heads))) goto fail;
+    if ((st = make_kernel(ctx, heads, "accumulate_heads", &l->accumulate_heads))) goto fail;
     if ((st = make_kernel(ctx, softmax, "masked_softmax", &l->masked_softmax))) goto fail;
 
     cl_int err = clFinish(ctx->queue);  // the parameter fills
@@ -223,10 +224,12 @@ void clmha_layer_release(clmha_layer *layer) {
     release_mem(&layer->proj);
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) release_mem(&layer->tiles[i]);
     release_mem(&layer->scores);
+    release_mem(&layer->head_sums);
     release_kernel(&layer->split_heads);
     release_kernel(&layer->merge_heads);
     release_kernel(&layer->fill_rows);
     release_kernel(&layer->average_heads);
+    release_kernel(&layer->accumulate_heads);
     release_kernel(&layer->masked_softmax);
     release_kernel(&layer->fused);
     clmha_context_release(layer->ctx);
@@ -292,22 +295,31 @@ clmha_status clmha__layer_fused(clmha_layer *l) {
 
 size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
     if (!layer) return 0;
-    size_t floats = layer->proj_cap + layer->scores_cap;
+    size_t floats = layer->proj_cap + layer->scores_cap + layer->head_sums_cap;
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) floats += layer->tile_caps[i];
     return floats * sizeof(float);
+}
+
+// A lower limit set by tests, 0 for none (clmha__test_set_max_alloc()).
+static size_t test_max_alloc;
+
+void clmha__test_set_max_alloc(size_t bytes) { test_max_alloc = bytes; }
+
+cl_ulong clmha__max_alloc(const clmha_context *ctx) {
+    cl_ulong device = ctx->info.max_alloc_bytes;
+    return test_max_alloc && test_max_alloc < device ? (cl_ulong)test_max_alloc : device;
 }
 
 // Replaces *buf by one of @p need floats when it holds fewer.
 static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t need,
                          const char *what) {
     if (need <= *cap && *buf) return CLMHA_SUCCESS;
-    if (need > SIZE_MAX / sizeof(float) ||
-        (cl_ulong)need * sizeof(float) > ctx->info.max_alloc_bytes)
+    cl_ulong limit = clmha__max_alloc(ctx);
+    if (need > SIZE_MAX / sizeof(float) || (cl_ulong)need * sizeof(float) > limit)
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
                            "%s scratch needs %zu bytes, more than this device's largest "
                            "allocation (%llu bytes)",
-                           what, need * sizeof(float),
-                           (unsigned long long)ctx->info.max_alloc_bytes);
+                           what, need * sizeof(float), (unsigned long long)limit);
     cl_int err;
     clmha__count(ctx, 0, 1);
     cl_mem m = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, need * sizeof(float), NULL, &err);
@@ -318,7 +330,34 @@ static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t ne
     return CLMHA_SUCCESS;
 }
 
-clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool scores) {
+bool clmha__scores_chunks(const clmha_layer *layer, const clmha__dims *d,
+                          clmha__chunks *chunks) {
+    size_t budget = (size_t)(clmha__max_alloc(layer->ctx) / 2 / sizeof(float));  // floats
+    size_t h = layer->h, planes = d->n * h, sp = d->s_padded, total = planes * d->l;
+    if (d->scores_count <= budget) {
+        *chunks = (clmha__chunks){.rows = total, .whole = true, .count = 1};
+        return true;
+    }
+    size_t plane = d->l * sp;  // <= scores_count: no overflow
+    if (plane <= budget) {
+        size_t g = budget / plane;  // planes per chunk: a multiple of H, or a divisor of it
+        if (g >= h) g -= g % h;
+        else
+            while (h % g) --g;
+        *chunks = (clmha__chunks){.rows = g * d->l, .whole = true,
+                                  .count = (planes + g - 1) / g, .sums = g < h ? plane : 0};
+        return true;
+    }
+    size_t rows = budget / sp;
+    if (!rows) return false;
+    *chunks = (clmha__chunks){.rows = rows, .whole = false,
+                              .count = planes * ((d->l + rows - 1) / rows),
+                              .sums = h > 1 ? rows * sp : 0};
+    return true;
+}
+
+clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool scores,
+                                  bool head_sums) {
     clmha_context *ctx = layer->ctx;
     size_t q = d->n * d->l * d->e, kv = d->n * d->s * d->e, kvp = d->n * d->s_padded * d->e;
     size_t tile_need[CLMHA__TILE_COUNT] = {q, kvp, kvp, q};
@@ -330,7 +369,19 @@ clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool
         if ((st = grow(ctx, &layer->tiles[i], &layer->tile_caps[i], tile_need[i], tile_name[i])))
             return st;
     if (!scores) return CLMHA_SUCCESS;
-    return grow(ctx, &layer->scores, &layer->scores_cap, d->scores_count, "scores");
+    if (layer->core)  // a user core gets all the scores, to return the weights in them
+        return grow(ctx, &layer->scores, &layer->scores_cap, d->scores_count, "scores");
+    clmha__chunks c;
+    if (!clmha__scores_chunks(layer, d, &c))
+        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
+                           "scores scratch: one row of %zu keys needs %zu bytes, more than half "
+                           "this device's largest allocation (%llu bytes)",
+                           d->s_padded, d->s_padded * sizeof(float),
+                           (unsigned long long)clmha__max_alloc(ctx));
+    if ((st = grow(ctx, &layer->scores, &layer->scores_cap, c.rows * d->s_padded, "scores")))
+        return st;
+    if (!head_sums || !c.sums) return CLMHA_SUCCESS;
+    return grow(ctx, &layer->head_sums, &layer->head_sums_cap, c.sums, "head sums");
 }
 
 clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, size_t src_len,

@@ -20,7 +20,8 @@ struct clmha_layer {
     cl_mem bias_kv;  // bias_k (E) then bias_v (E), or dummy
 
     // Kernels (per layer: setting arguments is not thread-safe).
-    cl_kernel split_heads, merge_heads, fill_rows, average_heads, masked_softmax;
+    cl_kernel split_heads, merge_heads, fill_rows, average_heads, accumulate_heads,
+        masked_softmax;
     size_t softmax_wg;
 
     // Scratch, grown on demand (sizes in floats).
@@ -29,8 +30,9 @@ struct clmha_layer {
     // attention out (N*H, L, D). (CLBlast 1.5.3's GemmStridedBatched ignores buffer offsets on
     // one of its internal paths, so the batched GEMMs only ever see offset 0.)
     cl_mem tiles[CLMHA__TILE_COUNT];
-    cl_mem scores;   // (N*H, L, S')
-    size_t proj_cap, tile_caps[CLMHA__TILE_COUNT], scores_cap;
+    cl_mem scores;   // (N*H, L, S'), or one chunk of its rows (clmha__scores_chunks())
+    cl_mem head_sums;  // chunks: running head sums of averaged weights (clmha__chunks::sums)
+    size_t proj_cap, tile_caps[CLMHA__TILE_COUNT], scores_cap, head_sums_cap;
 
     clmha_attention_fn core;
     void *core_data;
@@ -54,9 +56,34 @@ CLMHA__HIDDEN void clmha__layer_marks_release(clmha_layer *layer);
 // Builds the fused attention kernel of @p layer on first use and picks its tile sizes.
 CLMHA__HIDDEN clmha_status clmha__layer_fused(clmha_layer *layer);
 
+// How the unfused core walks the scores, N*H*L rows of S' floats (row r is query r % L of plane
+// r / L, plane = batch·head): in chunks of at most `rows` consecutive rows, so that the scores
+// buffer holds one chunk. One chunk of every row when the scores fit in half the largest
+// allocation (clmha__max_alloc(); the other half leaves room for the padded copies CLBlast's
+// indirect GEMM makes); else chunks of whole planes (`whole`: `rows` is a multiple of L and the
+// planes per chunk divide H or are a multiple of it, so that no chunk straddles batch items
+// partly), the last one possibly shorter; else, when one plane does not fit, chunks of rows of
+// one plane (the last of each plane possibly shorter), taken block of rows by block of rows with
+// the heads of a batch item in turn: (item, rows, head), so that averaged weights can be summed
+// over the heads of one block before the next.
+typedef struct clmha__chunks {
+    size_t rows;   // score rows per chunk
+    bool whole;    // chunks are whole planes
+    size_t count;  // number of chunks
+    size_t sums;   // floats of running head sums that averaged weights need (0: each chunk
+                   // holds whole batch items)
+} clmha__chunks;
+
+// Plans the chunks of the unfused core for @p dims; false when not even one row of S' scores
+// fits (the key tiles would not fit either).
+CLMHA__HIDDEN bool clmha__scores_chunks(const clmha_layer *layer, const clmha__dims *dims,
+                                        clmha__chunks *chunks);
+
 // Grows the scratch buffers to fit @p dims, with room for the scores when @p scores (the
-// unfused core). Allocates only when they are too small.
+// unfused core: one chunk of them, clmha__scores_chunks(), or all of them for a user core,
+// which returns weights through them) and for the running head sums of chunked averaged weights
+// when @p head_sums. Allocates only when they are too small.
 CLMHA__HIDDEN clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *dims,
-                                                bool scores);
+                                                bool scores, bool head_sums);
 
 #endif

@@ -3,7 +3,8 @@
 // machine without any OpenCL platform, and NaN/Inf in the inputs and masks.
 //
 // Links libclmha.a (not libclmha.so): the build failure is forced through the internal test hook
-// clmha__test_set_extra_build_options, which only the static library exposes.
+// clmha__test_set_extra_build_options, and the largest allocation lowered through
+// clmha__test_set_max_alloc, which only the static library exposes.
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -207,24 +208,44 @@ static void wrapped_close(wrapped *w) {
     clReleaseContext(w->context);
 }
 
-Test(faults, bake_beyond_max_alloc_is_out_of_memory, .timeout = 600) {
+static void clear_max_alloc(void) { clmha__test_set_max_alloc(0); }
+
+// Scores beyond the largest allocation no longer fail (the unfused core works in chunks), but
+// the projection of the inputs cannot be chunked. The test hook lowers the limit so that a small
+// shape shows both: self-attention over len positions (N = 1) projects into 3 * len * E floats,
+// while its scores (H * len^2 floats) are far above the limit.
+enum { LEN = 64 };
+static const size_t proj_bytes = 3 * LEN * E * sizeof(float);
+
+Test(faults, bake_beyond_max_alloc_is_out_of_memory, .fini = clear_max_alloc, .timeout = 600) {
     wrapped w;
     wrapped_open(&w);
-    cl_ulong limit = max_alloc(w.ctx);
     small m;
     clmha_layer *layer = small_layer(w.ctx, &m, true);
-    // Scores are (N*H, L, S) floats: pick L = S with H * L^2 * 4 > the limit; the inputs and the
-    // other scratch stay far below it.
-    size_t len = (size_t)ceil(sqrt((double)limit / (4.0 * H))) + 1;
-    cr_assert_gt((double)H * len * len * 4.0, (double)limit);
-    clmha_status st = clmha_layer_bake(layer, 1, len, len, true);
+    cr_assert_gt((size_t)H * LEN * LEN * sizeof(float), 2 * proj_bytes);
+    size_t before = clmha_layer_scratch_bytes(layer);
+    clmha__test_set_max_alloc(proj_bytes - sizeof(float));
+    clmha_status st = clmha_layer_bake(layer, 1, LEN, LEN, true);
     const char *msg = clmha_context_last_error(w.ctx);
-    cr_assert_eq(st, CLMHA_OUT_OF_MEMORY, "bake L = S = %zu: %s (%s)", len,
+    cr_assert_eq(st, CLMHA_OUT_OF_MEMORY, "bake L = S = %d: %s (%s)", LEN,
                  clmha_status_string(st), msg);
-    cr_expect(strstr(msg, "scores") != NULL, "the message should name the scores: %s", msg);
+    cr_expect(strstr(msg, "projection") != NULL, "the message should name the projection: %s",
+              msg);
     cr_expect(strstr(msg, "largest allocation") != NULL, "message: %s", msg);
+    cr_expect_eq(clmha_layer_scratch_bytes(layer), before, "nothing should have been allocated");
 
-    // The layer still works after the refusal.
+    // With room for the projection, the scores alone do not stop the bake: they come in chunks
+    // of at most half the limit.
+    clmha__test_set_max_alloc(2 * proj_bytes);
+    st = clmha_layer_bake(layer, 1, LEN, LEN, true);
+    cr_assert_eq(st, CLMHA_SUCCESS, "bake with chunked scores: %s (%s)", clmha_status_string(st),
+                 clmha_context_last_error(w.ctx));
+    cr_expect_leq(clmha_layer_scratch_bytes(layer), 5 * proj_bytes,
+                  "scratch %zu bytes: projection, 4 head tiles, one chunk of scores and its "
+                  "head sums",
+                  clmha_layer_scratch_bytes(layer));
+
+    // The layer still works after the refusal, under the same limit.
     inputs in;
     make_inputs(&in, 5);
     clmha_forward_args args = cross_args(&in, false);
@@ -237,47 +258,56 @@ Test(faults, bake_beyond_max_alloc_is_out_of_memory, .timeout = 600) {
     wrapped_close(&w);
 }
 
-Test(faults, forward_scratch_beyond_max_alloc_is_out_of_memory, .timeout = 600) {
+Test(faults, forward_scratch_beyond_max_alloc_is_out_of_memory, .fini = clear_max_alloc,
+     .timeout = 600) {
     wrapped w;
     wrapped_open(&w);
-    cl_ulong limit = max_alloc(w.ctx);
     small m;
     clmha_layer *layer = small_layer(w.ctx, &m, true);
-    size_t len = (size_t)ceil(sqrt((double)limit / (4.0 * H))) + 1;
     size_t before = clmha_layer_scratch_bytes(layer);
-    float *x = calloc(len * E, sizeof *x);
-    float *y = malloc(len * E * sizeof *y);
+    clmha__test_set_max_alloc(proj_bytes - sizeof(float));
+    float *x = calloc(LEN * E, sizeof *x);
+    float *y = malloc(LEN * E * sizeof *y);
     cr_assert(x && y);
-    // Host path, self-attention (L = S = len, N = 1).
-    clmha_forward_args args = {.query = {.ndim = 3, .shape = {len, 1, E}, .data = x},
+    for (size_t i = 0; i < LEN * E; ++i) y[i] = 7.0f;
+    // Host path, self-attention (L = S = LEN, N = 1).
+    clmha_forward_args args = {.query = {.ndim = 3, .shape = {LEN, 1, E}, .data = x},
                                .impl = CLMHA_IMPL_UNFUSED};
-    clmha_status st = clmha_layer_forward_host(layer, &args, y, len * E, NULL, 0);
+    clmha_status st = clmha_layer_forward_host(layer, &args, y, LEN * E, NULL, 0);
     const char *msg = clmha_context_last_error(w.ctx);
-    cr_assert_eq(st, CLMHA_OUT_OF_MEMORY, "forward_host L = %zu: %s (%s)", len,
+    cr_assert_eq(st, CLMHA_OUT_OF_MEMORY, "forward_host L = %d: %s (%s)", LEN,
                  clmha_status_string(st), msg);
-    cr_expect(strstr(msg, "scores") != NULL, "the message should name the scores: %s", msg);
+    cr_expect(strstr(msg, "projection") != NULL, "the message should name the projection: %s",
+              msg);
+    for (size_t i = 0; i < LEN * E; ++i) cr_assert_eq(y[i], 7.0f, "output %zu was written", i);
 
-    // Device path: the caller's buffers, nothing enqueued, no event.
+    // Device path: the caller's buffers, nothing enqueued or written, no event.
     cl_int err;
-    cl_mem q = clCreateBuffer(w.context, CL_MEM_READ_WRITE, len * E * sizeof(float), NULL, &err);
+    cl_mem q = clCreateBuffer(w.context, CL_MEM_READ_WRITE, LEN * E * sizeof(float), NULL, &err);
     cr_assert_eq(err, CL_SUCCESS);
-    cl_mem out = clCreateBuffer(w.context, CL_MEM_READ_WRITE, len * E * sizeof(float), NULL, &err);
+    cl_mem out = clCreateBuffer(w.context, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
+                                LEN * E * sizeof(float), y, &err);
     cr_assert_eq(err, CL_SUCCESS);
-    args.query = (clmha_tensor){.ndim = 3, .shape = {len, 1, E}, .buffer = q};
+    args.query = (clmha_tensor){.ndim = 3, .shape = {LEN, 1, E}, .buffer = q};
     cl_event ev = (cl_event)0x1;
     st = clmha_layer_forward(layer, &args, out, 0, NULL, 0, 0, NULL, &ev);
     msg = clmha_context_last_error(w.ctx);
-    cr_assert_eq(st, CLMHA_OUT_OF_MEMORY, "forward L = %zu: %s (%s)", len,
+    cr_assert_eq(st, CLMHA_OUT_OF_MEMORY, "forward L = %d: %s (%s)", LEN,
                  clmha_status_string(st), msg);
-    cr_expect(strstr(msg, "scores") != NULL, "message: %s", msg);
+    cr_expect(strstr(msg, "projection") != NULL, "message: %s", msg);
+    cr_expect(strstr(msg, "largest allocation") != NULL, "message: %s", msg);
     cr_expect_null(ev, "*event must be NULL on failure");
-    cr_expect_geq(clmha_layer_scratch_bytes(layer), before);
+    cr_expect_eq(clmha_layer_scratch_bytes(layer), before, "nothing should have been allocated");
+    cr_assert_eq(clEnqueueReadBuffer(w.queue, out, CL_TRUE, 0, LEN * E * sizeof(float), y, 0,
+                                     NULL, NULL),
+                 CL_SUCCESS);
+    for (size_t i = 0; i < LEN * E; ++i) cr_assert_eq(y[i], 7.0f, "output %zu was written", i);
     clReleaseMemObject(q);
     clReleaseMemObject(out);
     free(x);
     free(y);
 
-    // Still usable at a normal size.
+    // Still usable at a normal size, under the same limit.
     inputs in;
     make_inputs(&in, 6);
     clmha_forward_args small_args = cross_args(&in, false);
