@@ -16,6 +16,8 @@
 //   masked_softmax every attn_mask kind x layout, key_padding_mask kinds, causal, padded keys
 //                  (j >= S), a fully masked row (dead), dropout, S' above and below the
 //                  work-group size (16 on CPU-type devices, Oclgrind included: S 37 and S 3)
+//   accumulate_heads  averaged weights of a chunked unfused core (the "chunked" cases lower the
+//                  largest allocation through a test hook, so the driver links libclmha.a)
 //   fused_attention  (the "fused" cases, default tiles of 64 query rows and 32 keys) several
 //                  query and key tiles with partial last tiles, causal with a key tile skipped
 //                  (L = S = 100), every mask kind and layout, appended keys, fully masked rows,
@@ -41,6 +43,9 @@
 #include <string.h>
 
 #define TOLERANCE 1e-4
+
+// Test hook of libclmha.a (src/internal.h): the largest scratch allocation, 0 = the device's.
+void clmha__test_set_max_alloc(size_t bytes);
 
 // ---- deterministic random numbers (splitmix64) -----------------------------------------------
 
@@ -77,6 +82,7 @@ typedef struct dcase {
     bool mask_row;    // attn_mask row 1 forbids every key (BOOL_IGNORE)
     bool mask_item;   // key_padding_mask of item 0 forbids every key (BOOL_IGNORE)
     bool fused;       // through the fused core (no weights)
+    size_t max_alloc; // > 0: the unfused core works in chunks (test hook, bytes)
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -162,6 +168,14 @@ static const dcase cases[] = {
      .unbatched = true, .am = I, .layout = SHARED, .fused = true},
     {"fused: head_dim 3 (E6 H2), am=float (L,S), zero_attn", .e = 6, .h = 2, .n = 2, .l = 33,
      .s = 65, .am = F, .layout = SHARED, .zero_attn = true, .fused = true},
+    // The unfused core in chunks: groups of heads, then rows of one head.
+    {"chunked: 2 of 4 heads, am=float (N*H,L,S), w=avg", .e = 8, .h = 4, .n = 2, .l = 16,
+     .s = 16, .am = F, .layout = PER_HEAD, .weights = true, .max_alloc = 4096},
+    {"chunked: rows of a head, causal, kpm=ignore, w=avg", .e = 4, .h = 2, .n = 1, .l = 40,
+     .self_attn = true, .causal = true, .kpm = I, .weights = true, .max_alloc = 4096},
+    {"chunked: rows of a head, dropout train, w=per_head", .e = 4, .h = 2, .n = 1, .l = 40,
+     .s = 37, .dropout = 0.25f, .train = true, .weights = true, .per_head = true,
+     .max_alloc = 4096},
 };
 
 #undef I
@@ -298,6 +312,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
             c->layout == SHARED ? tensor(am, 2, l, s, 0) : tensor(am, 3, planes, l, s);
     }
     args.is_causal = c->causal;
+    clmha__test_set_max_alloc(c->max_alloc);
     args.need_weights = c->weights;
     args.impl = c->fused ? CLMHA_IMPL_FUSED : CLMHA_IMPL_UNFUSED;
     args.per_head_weights = c->per_head;
@@ -352,6 +367,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     fflush(stdout);
 
     clmha_layer_release(layer);
+    clmha__test_set_max_alloc(0);
     float *arrays[] = {w_in, wq, wk, wv, b_in, wo, bo, bk, bv, query, key, value, out, w};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free(arrays[i]);
     free(kpm);

@@ -119,18 +119,9 @@ run() {
     done
     shift
     : >"$tmp/$name.log"
-    oclgrind "${opts[@]}" --inst-counts --max-errors "$max_errors" --log "$tmp/$name.log" \
+    oclgrind "${opts[@]}" --max-errors "$max_errors" --log "$tmp/$name.log" \
         "$driver" "$@" >"$tmp/$name.out" 2>"$tmp/$name.err"
     local rc=$? n
-    # Oclgrind 21.10 itself crashes now and then (seen once in ~16 runs of one case under
-    # --uninitialized: "double free or corruption", no message logged). A crash with an empty
-    # log is retried once on a single simulator thread, and said so.
-    if [ "$rc" -ge 128 ] && [ ! -s "$tmp/$name.log" ]; then
-        echo "---- $name: Oclgrind crashed (exit status $rc: $(head -n 1 "$tmp/$name.err")); once more with OCLGRIND_NUM_THREADS=1"
-        OCLGRIND_NUM_THREADS=1 oclgrind "${opts[@]}" --inst-counts --max-errors "$max_errors" \
-            --log "$tmp/$name.log" "$driver" "$@" >"$tmp/$name.out" 2>"$tmp/$name.err"
-        rc=$?
-    fi
     grep -E '^(device:|case )' "$tmp/$name.out"
     n=$(count_messages "$tmp/$name.log")
     errors=$((errors + n))
@@ -147,16 +138,19 @@ run() {
 }
 
 echo "== pass 1: memory checks, data races, API checks; every case; optimised kernels"
-run all --check-api --data-races --uniform-writes -- -v
+run all --check-api --data-races --uniform-writes --inst-counts -- -v
 
 echo "== pass 2: uninitialised values (plus pass 1 checks); -cl-opt-disable; one process a case"
+# Without --inst-counts: Oclgrind 21.10 aborts ("double free or corruption") when it is combined
+# with --uninitialized on the fused case with two query tiles (case 26), every time, while either
+# plugin alone runs clean (also under valgrind). Pass 1 already names every kernel invocation.
 uninit_cases=$("$driver" --whole-writes --list) || exit 2
 for k in $uninit_cases; do
     run "uninit-$k" --check-api --data-races --uninitialized --build-options -cl-opt-disable \
         -- "$k"
 done
 
-# Kernels seen: every invocation is named by --inst-counts. (For these small shapes CLBlast
+# Kernels seen: every invocation of pass 1 is named by --inst-counts. (For these small shapes CLBlast
 # picks its direct GEMM kernels, XgemmDirect*; its indirect Xgemm path is not reached.)
 cat "$tmp"/*.out | sed -n "s/^Instructions executed for kernel '\(.*\)':.*/\1/p" |
     sort | uniq -c | awk '{ printf "%s x%s\n", $2, $1 }' >"$tmp/kernels"
@@ -176,7 +170,7 @@ cases_all=$(sed -n 's/^cases: \([0-9]*\).*/\1/p' "$tmp/all.out")
 cases_uninit=$(echo "$uninit_cases" | wc -w)
 end=$(date +%s.%N)
 echo "== summary"
-echo "kernels seen (invocations, both passes): $(tr '\n' ' ' <"$tmp/kernels")"
+echo "kernels seen (invocations, pass 1): $(tr '\n' ' ' <"$tmp/kernels")"
 echo "cases: ${cases_all:-0} (pass 1), $cases_uninit (pass 2, uninitialised values)"
 if [ "$capped" -eq 1 ]; then
     echo "errors: at least $errors (Oclgrind stops reporting after $max_errors a process)"
