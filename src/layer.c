@@ -283,8 +283,8 @@ clmha_status clmha__layer_fused(clmha_layer *l) {
                            2 * l->d * sizeof(float),
                            (unsigned long long)ctx->info.local_mem_bytes);
     char options[96];
-    snprintf(options, sizeof options, "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu", l->d, t.bq, t.bk,
-             t.rpw);
+    snprintf(options, sizeof options, "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu", l->d,
+             t.bq, t.bk, t.rpw, t.vw);
     cl_program prog;
     clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
     if (st) return st;
