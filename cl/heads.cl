@@ -3,15 +3,17 @@
 //
 // Row order of a (sequence, batch) tensor: row(n, t) = batch_first ? n * T + t : t * N + n.
 // Head-major tiles are (N*H, T, D): element ((n * H + h) * T + t) * D + d.
-// Every kernel is 1-D over its output elements and guards the tail, so any global size rounded
-// up to the work-group size is safe.
+// Every kernel is 1-D (over output rows or elements) and guards the tail, so any global size
+// rounded up to the work-group size is safe.
 
 #ifdef CLMHA_FORCE_BUILD_ERROR
 #error "build failure forced by the test hook clmha__test_set_extra_build_options"
 #endif
 
 // Splits projected rows into head tiles and appends the extra keys of add_bias_kv (row T) and
-// add_zero_attn (the last row).
+// add_zero_attn (the last row). One work-item per tile row (bh, t): it copies head_dim
+// contiguous floats, so the index arithmetic (64-bit divisions) runs once per row, not once per
+// element.
 //   proj     (rows, ld) with the head columns starting at col0
 //   bias     in_proj_bias slice for these columns (has_bias)
 //   extra    bias_k or bias_v at extra_off (has_extra: row T is extra; rows after it are zero)
@@ -22,40 +24,44 @@ kernel void split_heads(global const float *proj, ulong proj_off, ulong ld, ulon
                         global float *out, ulong out_off, ulong n_batch, ulong n_heads,
                         ulong seq, ulong seq_out, ulong head_dim, uint batch_first) {
     ulong gid = get_global_id(0);
-    ulong total = n_batch * n_heads * seq_out * head_dim;
-    if (gid >= total) return;
-    ulong d = gid % head_dim;
-    ulong t = (gid / head_dim) % seq_out;
-    ulong bh = gid / (head_dim * seq_out);
+    if (gid >= n_batch * n_heads * seq_out) return;
+    ulong t = gid % seq_out;
+    ulong bh = gid / seq_out;
     ulong n = bh / n_heads;
     ulong h = bh % n_heads;
-    ulong col = h * head_dim + d;
-    float v = 0.0f;
+    ulong col = h * head_dim;
+    global float *dst = out + out_off + gid * head_dim;
     if (t < seq) {
         ulong row = batch_first ? n * seq + t : t * n_batch + n;
-        v = proj[proj_off + row * ld + col0 + col];
-        if (has_bias) v += bias[bias_off + col];
+        global const float *src = proj + proj_off + row * ld + col0 + col;
+        if (has_bias) {
+            global const float *b = bias + bias_off + col;
+            for (ulong d = 0; d < head_dim; ++d) dst[d] = src[d] + b[d];
+        } else {
+            for (ulong d = 0; d < head_dim; ++d) dst[d] = src[d];
+        }
     } else if (t == seq && has_extra) {
-        v = extra[extra_off + col];
+        global const float *e = extra + extra_off + col;
+        for (ulong d = 0; d < head_dim; ++d) dst[d] = e[d];
+    } else {
+        for (ulong d = 0; d < head_dim; ++d) dst[d] = 0.0f;
     }
-    out[out_off + gid] = v;
 }
 
-// Merges head tiles (N*H, L, D) back into rows (rows, E) in the query's row order.
+// Merges head tiles (N*H, L, D) back into rows (rows, E) in the query's row order. One
+// work-item per (row, head): head_dim contiguous floats.
 kernel void merge_heads(global const float *heads, ulong heads_off, global float *out,
                         ulong n_batch,
                         ulong n_heads, ulong seq, ulong head_dim, uint batch_first) {
     ulong gid = get_global_id(0);
-    ulong embed = n_heads * head_dim;
-    ulong total = n_batch * seq * embed;
-    if (gid >= total) return;
-    ulong col = gid % embed;
-    ulong row = gid / embed;
+    if (gid >= n_batch * seq * n_heads) return;
+    ulong h = gid % n_heads;
+    ulong row = gid / n_heads;
     ulong n = batch_first ? row / seq : row % n_batch;
     ulong t = batch_first ? row % seq : row / n_batch;
-    ulong h = col / head_dim;
-    ulong d = col % head_dim;
-    out[gid] = heads[heads_off + ((n * n_heads + h) * seq + t) * head_dim + d];
+    global const float *src = heads + heads_off + ((n * n_heads + h) * seq + t) * head_dim;
+    global float *dst = out + gid * head_dim;
+    for (ulong d = 0; d < head_dim; ++d) dst[d] = src[d];
 }
 
 // out[r, c] = bias[c] (or 0 without bias) for rows x cols: the C operand of a GEMM with beta 1.

@@ -194,8 +194,8 @@ static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_
                   ARG(a_bias_off), ARG(has_bias), ARG(extra),     ARG(extra_off), ARG(has_extra),
                   ARG(out),      ARG(a_out_off),  ARG(n),         ARG(h),         ARG(t),
                   ARG(t_out),    ARG(hd),         ARG(bf)};
-    return launch(ctx, l->split_heads, "split_heads", d->n * l->h * seq_out * l->d,
-                  elementwise_wg(ctx), args, sizeof args / sizeof args[0]);
+    return launch(ctx, l->split_heads, "split_heads", d->n * l->h * seq_out, elementwise_wg(ctx),
+                  args, sizeof args / sizeof args[0]);
 }
 
 static clmha_status split(clmha_layer *l, const clmha__dims *d, scratch *s) {
@@ -452,7 +452,7 @@ static clmha_status merge(clmha_layer *l, const clmha__dims *d) {
     cl_ulong src_off = 0;
     arg args[] = {ARG(l->tiles[CLMHA__TILE_OUT]), ARG(src_off), ARG(l->proj), ARG(n),
                   ARG(h),        ARG(t),       ARG(hd),      ARG(bf)};
-    return launch(ctx, l->merge_heads, "merge_heads", d->n * d->l * l->e, elementwise_wg(ctx),
+    return launch(ctx, l->merge_heads, "merge_heads", d->n * d->l * l->h, elementwise_wg(ctx),
                   args, sizeof args / sizeof args[0]);
 }
 
