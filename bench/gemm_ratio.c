@@ -7,11 +7,12 @@
 //   --reps R        timed rounds (default 15); each round runs every configuration once, in an
 //                   order that rotates from round to round
 //   --threads T     OpenBLAS threads (default: the device's compute units)
-//   --layouts L     comma-separated, of cm-nn, cm-nt, rm-nn, rm-nt (default cm-nt,rm-nt):
-//                   column- or row-major, B not transposed or transposed (A never is). With
-//                   GEMMK 0, CLBlast's indirect Xgemm wants col-major A and C and B transposed,
-//                   so cm-nt runs no pad/transpose kernels at 1024³; rm-nt (what clmha's
-//                   projections call) transposes A, B and C.
+//   --layouts L     comma-separated, of cm-nn, cm-nt, cm-tn, rm-nn, rm-nt (default
+//                   cm-nt,rm-nt): column- or row-major, op(A) op(B) with N plain, T transposed.
+//                   With GEMMK 0, CLBlast's indirect Xgemm wants col-major A and C and B
+//                   transposed, so cm-nt runs no pad/transpose kernels at 1024³; rm-nt (what
+//                   clmha's projections call, x·Wᵀ) transposes A, B and C; cm-tn (the same
+//                   product computed as Cᵀ = W·xᵀ in column-major) transposes A and B only.
 //   --xgemm PARAMS  an extra CLBlast configuration: the 16 Xgemm values in CLBlast's order
 //                   (GEMMK KREG KWG KWI MDIMA MDIMC MWG NDIMB NDIMC NWG SA SB STRM STRN VWM VWN),
 //                   separated by commas or spaces, or as NAME=VALUE pairs; the indirect path is
@@ -75,14 +76,15 @@ typedef struct layout {
     const char *name;
     CLBlastLayout blast;
     int cblas;
-    bool tb;
+    bool ta, tb;
 } layout;
 
 static const layout layouts_known[] = {
-    {"cm-nn", CLBlastLayoutColMajor, CBLAS_COL_MAJOR, false},
-    {"cm-nt", CLBlastLayoutColMajor, CBLAS_COL_MAJOR, true},
-    {"rm-nn", CLBlastLayoutRowMajor, CBLAS_ROW_MAJOR, false},
-    {"rm-nt", CLBlastLayoutRowMajor, CBLAS_ROW_MAJOR, true},
+    {"cm-nn", CLBlastLayoutColMajor, CBLAS_COL_MAJOR, false, false},
+    {"cm-nt", CLBlastLayoutColMajor, CBLAS_COL_MAJOR, false, true},
+    {"cm-tn", CLBlastLayoutColMajor, CBLAS_COL_MAJOR, true, false},
+    {"rm-nn", CLBlastLayoutRowMajor, CBLAS_ROW_MAJOR, false, false},
+    {"rm-nt", CLBlastLayoutRowMajor, CBLAS_ROW_MAJOR, false, true},
 };
 
 static double now_s(void) {
@@ -172,10 +174,10 @@ static bool run_one(problem *p, const layout *l, cfg_kind kind, double *seconds)
     int n = (int)p->s;
     double t0 = now_s();
     if (kind == CFG_OPENBLAS) {
-        p->sgemm(l->cblas, CBLAS_NO_TRANS, l->tb ? CBLAS_TRANS : CBLAS_NO_TRANS, n, n, n, 1.0f,
+        p->sgemm(l->cblas, l->ta ? CBLAS_TRANS : CBLAS_NO_TRANS, l->tb ? CBLAS_TRANS : CBLAS_NO_TRANS, n, n, n, 1.0f,
                  p->ha, n, p->hb, n, 0.0f, p->hc, n);
     } else {
-        int st = CLBlastSgemm(l->blast, CLBlastTransposeNo,
+        int st = CLBlastSgemm(l->blast, l->ta ? CLBlastTransposeYes : CLBlastTransposeNo,
                               l->tb ? CLBlastTransposeYes : CLBlastTransposeNo, p->s, p->s, p->s,
                               1.0f, p->a, 0, p->s, p->b, 0, p->s, 0.0f, p->c, 0, p->s, &p->queue,
                               NULL);
@@ -282,18 +284,18 @@ int main(int argc, char **argv) {
         fprintf(stderr, "gemm_ratio: --size must be 16 to 8192, --reps 1 to %d\n", MAX_REPS);
         return 1;
     }
-    const layout *lays[4];
+    const layout *lays[5];
     size_t nlays = 0;
     {
         char buf[128];
         snprintf(buf, sizeof buf, "%s", layout_list);
-        for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok && nlays < 4;
+        for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok && nlays < 5;
              tok = strtok_r(NULL, ",", &save)) {
             const layout *found = NULL;
-            for (size_t i = 0; i < 4; ++i)
+            for (size_t i = 0; i < 5; ++i)
                 if (strcmp(tok, layouts_known[i].name) == 0) found = &layouts_known[i];
             if (!found) {
-                fprintf(stderr, "gemm_ratio: unknown layout \"%s\" (cm-nn, cm-nt, rm-nn, rm-nt)\n",
+                fprintf(stderr, "gemm_ratio: unknown layout \"%s\" (cm-nn, cm-nt, cm-tn, rm-nn, rm-nt)\n",
                         tok);
                 return 1;
             }
@@ -392,6 +394,7 @@ int main(int argc, char **argv) {
 
     double flop = 2.0 * (double)size * (double)size * (double)size;
     bool wrong = false;
+    double tuned_ratio[5] = {0}, tuned_gflops[5] = {0};
     printf("sgemm %zu^3, %zu rounds, configurations timed in turns (order rotates each round)\n",
            size, reps);
     for (size_t li = 0; li < nlays; ++li) {
@@ -416,9 +419,9 @@ int main(int argc, char **argv) {
                 if (!select_config(ctx, dev, c, tuned_json) || !run_one(&p, l, c->kind, &c->t[r]))
                     goto done;
             }
-        printf("\n%s (%s-major, B %stransposed)         median   fastest  slowest GFLOP/s\n",
-               l->name, l->blast == CLBlastLayoutColMajor ? "column" : "row",
-               l->tb ? "" : "not ");
+        printf("\n%s (%s-major, C = %s·%s)%*s median  fastest  slowest GFLOP/s\n", l->name,
+               l->blast == CLBlastLayoutColMajor ? "column" : "row", l->ta ? "Aᵀ" : "A",
+               l->tb ? "Bᵀ" : "B", 12 - (l->ta ? 2 : 0) - (l->tb ? 2 : 0), "");
         double ob = 0;
         const config *blas_cfg = &cfg[ncfg - 1];
         for (size_t c = 0; c < ncfg; ++c) {
@@ -434,9 +437,25 @@ int main(int argc, char **argv) {
             if (cfg[c].kind == CFG_OPENBLAS) continue;
             double ratios[MAX_REPS];
             for (size_t r = 0; r < reps; ++r) ratios[r] = blas_cfg->t[r] / cfg[c].t[r];
+            double ratio = flop / median(cfg[c].t, reps) / 1e9 / ob;
             printf("  ratio %s/openblas: %.3f (medians), %.3f (median of per-round ratios)\n",
-                   cfg[c].name, flop / median(cfg[c].t, reps) / 1e9 / ob, median(ratios, reps));
+                   cfg[c].name, ratio, median(ratios, reps));
+            if (cfg[c].kind == CFG_TUNED) {
+                tuned_ratio[li] = ratio;
+                tuned_gflops[li] = flop / median(cfg[c].t, reps) / 1e9;
+            }
         }
+    }
+    // The layout where tuned CLBlast is fastest, and the ratio there and on every layout.
+    if (tuned_json) {
+        size_t best = 0;
+        for (size_t li = 1; li < nlays; ++li)
+            if (tuned_gflops[li] > tuned_gflops[best]) best = li;
+        printf("\nsummary: tuned/openblas at %zu^3 = %.2f on %s (fastest layout for tuned CLBlast)",
+               size, tuned_ratio[best], lays[best]->name);
+        for (size_t li = 0; li < nlays; ++li)
+            if (li != best) printf(", %.2f on %s", tuned_ratio[li], lays[li]->name);
+        printf("\n");
     }
     // Leave the stored tuning in effect.
     if (tuned_json) clmha_context_tuning_import(ctx, tuned_json);

@@ -823,6 +823,10 @@ clmha_status clmha_context_tuning_note(const clmha_context *ctx, char *text, siz
 //   C. Both paths timed on the shapes of the other phase; XGEMM_MIN_INDIRECT_SIZE is the split
 //      of m·n·k that minimises the summed time; the final set is applied, checked on every shape
 //      and timed again.
+// On a machine shared with other work, timings taken a minute apart differ by 2× and more, so
+// within A and B every candidate is timed again in turns with the best so far (both programs
+// are built by then: switching costs nothing) and judged on those turns, and the three leaders
+// are timed in turns before a phase picks its winner.
 // Every candidate must pass a correctness check against a double-precision CPU GEMM on the same
 // random data (odd-sized GEMMs that exercise padding, plus samples of each timed product):
 // max |C - ref| / max |ref| <= 1e-4.
@@ -1453,8 +1457,16 @@ static bool search(tuner *T, bool direct, clmha__tuning base, size_t min_indirec
         result r;
         try_candidate(T, &t, direct, have ? best->total : 0, phase, &r);
         // A candidate that ran is timed again in turns with the best so far and judged on those
-        // turns: its times become the best's times scaled by the ratios seen in turns.
-        if (have && r.ok && isfinite(r.total)) {
+        // turns: its times become the best's times scaled by the ratios seen in turns. One cut
+        // short as more than 2.5× slower gets its turns too (other work on the machine may have
+        // slowed it), unless its first shape alone took more than 5× the best's.
+        bool close = false;
+        for (size_t i = 0; i < T->nshapes && have && r.ok; ++i)
+            if (r.times[i] > 0) {
+                close = isfinite(r.total) || r.times[i] <= 5 * best->times[i];
+                break;
+            }
+        if (close) {
             double t0 = now_s(), tbest[MAX_SHAPES], tx[MAX_SHAPES];
             clmha__tuning tb = base;
             if (direct)
