@@ -56,21 +56,24 @@ const clmha__tuning clmha__tuning_clblast_generic = {
 };
 
 // CPU sets that seed the Xgemm search, most promising first: what the searches found on a
-// 2-core Zen 4 with PoCL 3.1 (skylake-avx512 target) and their closest rivals. Measured there
-// with bench/gemm_ratio (sgemm 1024³, column-major, B transposed, OpenBLAS 0.3.21 on 2 threads
-// alongside at ~190 GFLOP/s; CLBlast's generic set ~23):
-//   0. 16×16 floats per work-item (VWM 8, VWN 4), 4×4 work-items, KWG 8, STRM: ~135 GFLOP/s
-//      (0.71 of OpenBLAS; row-major with B transposed, pad/transpose kernels included: 0.62).
-//   1. the earlier hand-picked set (KWG 16, VWN 8, no STRM): ~134.
-//   2. set 0 on 128×128 tiles (8×8 work-items): about set 0's speed.
-//   3. set 0 with KWG 16.
-// Measured worse there, and left to the walk and the random draws: VWM 16 (~6× slower), GEMMK 1
-// with KREG 4 (~2.5× slower), 32×8 or 8×32 floats per work-item, KWI 8.
+// 2-core Zen 4 with PoCL 3.1 (skylake-avx512 target) and their closest rivals, measured there
+// with bench/gemm_ratio (sgemm 1024³, CLBlast and OpenBLAS 0.3.21 on 2 threads timed in turns).
+// All have 16×16 floats per work-item in float8 × float4 steps (VWM 8, VWN 4) and no local
+// memory; they differ in the work-group's shape and the K loop:
+//   0. 2×8 work-items, KWG 32, STRM (found by a 300 s search): ~0.75 of OpenBLAS column-major
+//      with B transposed (no pad/transpose kernels), ~0.65 row-major with B transposed.
+//   1. 4×4 work-items, KWG 8, STRM (found by a 600 s search): ~0.71 and ~0.62 on a quiet
+//      machine (~135 and ~118 GFLOP/s against ~190; CLBlast's generic set: ~23).
+//   2. the earlier hand-picked set (4×4, KWG 16, VWN 8, no STRM): about set 1's speed.
+//   3. set 1 on 128×128 tiles (8×8 work-items).
+// Measured slower there, left to the walk and the random draws: VWM 16 (~6× slower), GEMMK 1
+// (KREG 4: 10-50 % slower even where it needs no transposes), VWN 1, 32×8 or 8×32 floats per
+// work-item, 8×16, KWI 8.
 static const size_t xgemm_seeds[][CLMHA__XGEMM_PARAMS] = {
+    {0, 1, 32, 2, 2, 2, 32, 8, 8, 128, 0, 0, 1, 0, 8, 4},
     {0, 1, 8, 2, 4, 4, 64, 4, 4, 64, 0, 0, 1, 0, 8, 4},
     {0, 1, 16, 2, 4, 4, 64, 4, 4, 64, 0, 0, 0, 0, 8, 8},
     {0, 1, 8, 2, 8, 8, 128, 8, 8, 128, 0, 0, 1, 0, 8, 4},
-    {0, 1, 16, 2, 4, 4, 64, 4, 4, 64, 0, 0, 1, 0, 8, 4},
 };
 #define XGEMM_SEEDS (sizeof xgemm_seeds / sizeof xgemm_seeds[0])
 
@@ -1459,11 +1462,11 @@ static bool search(tuner *T, bool direct, clmha__tuning base, size_t min_indirec
         // A candidate that ran is timed again in turns with the best so far and judged on those
         // turns: its times become the best's times scaled by the ratios seen in turns. One cut
         // short as more than 2.5× slower gets its turns too (other work on the machine may have
-        // slowed it), unless its first shape alone took more than 5× the best's.
+        // slowed it), unless its first shape alone took more than 10× the best's.
         bool close = false;
         for (size_t i = 0; i < T->nshapes && have && r.ok; ++i)
             if (r.times[i] > 0) {
-                close = isfinite(r.total) || r.times[i] <= 5 * best->times[i];
+                close = isfinite(r.total) || r.times[i] <= 10 * best->times[i];
                 break;
             }
         if (close) {
