@@ -219,7 +219,7 @@ static void *open_openblas(const char *path) {
                            "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
                            "libopenblas.so.0"};
     for (size_t i = 0; i < sizeof tries / sizeof tries[0]; ++i) {
-        if (!tries[i]) continue;
+        if (!tries[i] || (path && i > 0)) continue;  // a path given is the only one tried
         void *h = dlopen(tries[i], RTLD_NOW | RTLD_LOCAL);
         if (h && dlsym(h, "cblas_sgemm") && dlsym(h, "openblas_set_num_threads")) {
             printf("OpenBLAS: %s", tries[i]);
