@@ -174,8 +174,9 @@ static bool run_one(problem *p, const layout *l, cfg_kind kind, double *seconds)
     int n = (int)p->s;
     double t0 = now_s();
     if (kind == CFG_OPENBLAS) {
-        p->sgemm(l->cblas, l->ta ? CBLAS_TRANS : CBLAS_NO_TRANS, l->tb ? CBLAS_TRANS : CBLAS_NO_TRANS, n, n, n, 1.0f,
-                 p->ha, n, p->hb, n, 0.0f, p->hc, n);
+        p->sgemm(l->cblas, l->ta ? CBLAS_TRANS : CBLAS_NO_TRANS,
+                 l->tb ? CBLAS_TRANS : CBLAS_NO_TRANS, n, n, n, 1.0f, p->ha, n, p->hb, n, 0.0f,
+                 p->hc, n);
     } else {
         int st = CLBlastSgemm(l->blast, l->ta ? CLBlastTransposeYes : CLBlastTransposeNo,
                               l->tb ? CLBlastTransposeYes : CLBlastTransposeNo, p->s, p->s, p->s,
@@ -240,10 +241,8 @@ int main(int argc, char **argv) {
     int threads = 0;
     const char *layout_list = "cm-nt,rm-nt", *openblas_path = NULL;
     bool with_default = true;
-    config *cfg = calloc(MAX_CONFIGS, sizeof *cfg);
     size_t ncfg = 0, nextra = 0;
-    if (!cfg) return 1;
-    config extra[8];
+    static config extra[8];
     for (int i = 1; i < argc; ++i) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--no-default") == 0) {
@@ -295,8 +294,8 @@ int main(int argc, char **argv) {
             for (size_t i = 0; i < 5; ++i)
                 if (strcmp(tok, layouts_known[i].name) == 0) found = &layouts_known[i];
             if (!found) {
-                fprintf(stderr, "gemm_ratio: unknown layout \"%s\" (cm-nn, cm-nt, cm-tn, rm-nn, rm-nt)\n",
-                        tok);
+                fprintf(stderr, "gemm_ratio: unknown layout \"%s\" (cm-nn, cm-nt, cm-tn, rm-nn, "
+                                "rm-nt)\n", tok);
                 return 1;
             }
             lays[nlays++] = found;
@@ -311,8 +310,11 @@ int main(int argc, char **argv) {
     }
 
     clmha_context *ctx = NULL;
-    if (clmha_context_create_from_env(&ctx)) {
-        fprintf(stderr, "gemm_ratio: %s\n", clmha_last_create_error());
+    config *cfg = calloc(MAX_CONFIGS, sizeof *cfg);
+    if (!cfg || clmha_context_create_from_env(&ctx)) {
+        fprintf(stderr, "gemm_ratio: %s\n", cfg ? clmha_last_create_error() : "out of memory");
+        free(cfg);
+        dlclose(blas);
         return 1;
     }
     cl_device_id dev;
