@@ -2,7 +2,7 @@
 // (and optionally extra Xgemm parameter sets), and OpenBLAS, timed in turns in one process.
 //
 // usage: gemm_ratio [--size S] [--reps R] [--threads T] [--layouts L,...] [--openblas PATH]
-//                   [--xgemm PARAMS]... [--no-default]
+//                   [--xgemm PARAMS [--transpose P]]... [--no-default]
 //   --size S        m = n = k = S (default 1024)
 //   --reps R        timed rounds (default 15); each round runs every configuration once, in an
 //                   order that rotates from round to round
@@ -17,6 +17,10 @@
 //                   (GEMMK KREG KWG KWI MDIMA MDIMC MWG NDIMB NDIMC NWG SA SB STRM STRN VWM VWN),
 //                   separated by commas or spaces, or as NAME=VALUE pairs; the indirect path is
 //                   forced (XGEMM_MIN_INDIRECT_SIZE=0). Up to 8.
+//   --transpose P   CLBlast's "Transpose" kernel (TRA_DIM TRA_PAD TRA_SHUFFLE TRA_WPT) for the
+//                   last --xgemm configuration; every other configuration gets CLBlast's
+//                   generic 8 0 1 4. At 1024³ it runs for the layouts that transpose (rm-nt:
+//                   A, B and C; cm-tn: A and B).
 //   --no-default    skip CLBlast's generic parameters
 // The device is $CLMHA_DEVICE's (see clmha_context_create_from_env()); the stored tuning is the
 // one context creation applies ($CLMHA_TUNING_DIR, else ~/.cache/clmha).
@@ -62,13 +66,17 @@ static const size_t generic_xgemm[XGEMM_PARAMS] = {0, 1, 32, 2, 8, 8, 32, 16,
                                                    16, 32, 1, 1, 0, 0, 4, 2};
 static const size_t generic_direct[10] = {2, 8, 8, 8, 8, 1, 1, 1, 1, 16};
 static const size_t generic_min_indirect = 896;
+static const char *const transpose_names[4] = {"TRA_DIM", "TRA_PAD", "TRA_SHUFFLE", "TRA_WPT"};
+static const size_t generic_transpose[4] = {8, 0, 1, 4};
 
 typedef enum { CFG_DEFAULT, CFG_TUNED, CFG_XGEMM, CFG_OPENBLAS } cfg_kind;
 
 typedef struct config {
     cfg_kind kind;
-    char name[32];
+    char name[40];
     size_t xgemm[XGEMM_PARAMS];  // CFG_XGEMM
+    bool has_transpose;          // CFG_XGEMM: transpose[] replaces the generic Transpose set
+    size_t transpose[4];
     double t[MAX_REPS];          // seconds per round, per layout (refilled for each layout)
 } config;
 
@@ -147,6 +155,10 @@ static bool override(cl_device_id dev, const char *kernel, size_t n, const char 
 static bool select_config(clmha_context *ctx, cl_device_id dev, const config *c,
                           const char *tuned_json) {
     size_t zero = 0;
+    if (c->kind != CFG_OPENBLAS &&
+        !override(dev, "Transpose", 4, transpose_names,
+                  c->has_transpose ? c->transpose : generic_transpose))
+        return false;
     switch (c->kind) {
     case CFG_DEFAULT:
         return override(dev, "Xgemm", XGEMM_PARAMS, xgemm_names, generic_xgemm) &&
@@ -233,7 +245,7 @@ static void *open_openblas(const char *path) {
 
 static void usage(void) {
     fprintf(stderr, "usage: gemm_ratio [--size S] [--reps R] [--threads T] [--layouts L,...] "
-                    "[--openblas PATH] [--xgemm PARAMS]... [--no-default]\n");
+                    "[--openblas PATH] [--xgemm PARAMS [--transpose P]]... [--no-default]\n");
 }
 
 int main(int argc, char **argv) {
@@ -264,6 +276,18 @@ int main(int argc, char **argv) {
             layout_list = v;
         } else if (strcmp(a, "--openblas") == 0) {
             openblas_path = v;
+        } else if (strcmp(a, "--transpose") == 0 && nextra > 0) {
+            config *c = &extra[nextra - 1];
+            unsigned long t[4];
+            if (sscanf(v, "%lu %lu %lu %lu", &t[0], &t[1], &t[2], &t[3]) != 4) {
+                fprintf(stderr, "gemm_ratio: --transpose needs TRA_DIM TRA_PAD TRA_SHUFFLE "
+                                "TRA_WPT (got \"%s\")\n", v);
+                return 1;
+            }
+            for (int k = 0; k < 4; ++k) c->transpose[k] = t[k];
+            c->has_transpose = true;
+            snprintf(c->name, sizeof c->name, "xgemm#%zu+tra %lu/%lu/%lu/%lu", nextra, t[0],
+                     t[1], t[2], t[3]);
         } else if (strcmp(a, "--xgemm") == 0 && nextra < 8) {
             config *c = &extra[nextra];
             memset(c, 0, sizeof *c);
