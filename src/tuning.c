@@ -60,10 +60,11 @@ const clmha__tuning clmha__tuning_clblast_generic = {
 // with bench/gemm_ratio (sgemm 1024³, CLBlast and OpenBLAS 0.3.21 on 2 threads timed in turns).
 // All have 16×16 floats per work-item in float8 × float4 steps (VWM 8, VWN 4) and no local
 // memory; they differ in the work-group's shape and the K loop:
-//   0. 2×8 work-items, KWG 32, STRM (found by a 300 s search): ~0.75 of OpenBLAS column-major
-//      with B transposed (no pad/transpose kernels), ~0.65 row-major with B transposed.
-//   1. 4×4 work-items, KWG 8, STRM (found by a 600 s search): ~0.71 and ~0.62 on a quiet
-//      machine (~135 and ~118 GFLOP/s against ~190; CLBlast's generic set: ~23).
+//   0. 2×8 work-items, KWG 32, STRM (found by a 300 s search): on a quiet machine ~154 GFLOP/s
+//      column-major with B transposed (no pad/transpose kernels) against OpenBLAS's ~194 (0.79),
+//      ~130 row-major with B transposed (0.67); CLBlast's generic set: ~27 (0.14). A later
+//      300 s search on a busy machine chose 4×16 work-items, KWG 32, no STRM: the same speed.
+//   1. 4×4 work-items, KWG 8, STRM (found by a 600 s search): ~0.74 and ~0.64.
 //   2. the earlier hand-picked set (4×4, KWG 16, VWN 8, no STRM): about set 1's speed.
 //   3. set 1 on 128×128 tiles (8×8 work-items).
 // Measured slower there, left to the walk and the random draws: VWM 16 (~6× slower), GEMMK 1
