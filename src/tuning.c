@@ -55,10 +55,28 @@ const clmha__tuning clmha__tuning_clblast_generic = {
     .min_indirect = 896,
 };
 
-// The hand-picked CPU set that seeds the search (about 80 GFLOP/s at 1024³ on a 2-core Zen 4
-// with PoCL 3.1, against ~18 with the generic set).
-static const size_t xgemm_seed[CLMHA__XGEMM_PARAMS] = {0, 1, 16, 2, 4, 4, 64, 4,
-                                                      4, 64, 0, 0, 0, 0, 8, 8};
+// CPU sets that seed the Xgemm search, most promising first: what the searches found on a
+// 2-core Zen 4 with PoCL 3.1 (skylake-avx512 target) and their closest rivals, measured there
+// with bench/gemm_ratio (sgemm 1024³, CLBlast and OpenBLAS 0.3.21 on 2 threads timed in turns).
+// All have 16×16 floats per work-item in float8 × float4 steps (VWM 8, VWN 4) and no local
+// memory; they differ in the work-group's shape and the K loop:
+//   0. 2×8 work-items, KWG 32, STRM (found by a 300 s search): on a quiet machine ~154 GFLOP/s
+//      column-major with B transposed (no pad/transpose kernels) against OpenBLAS's ~194 (0.79),
+//      ~130 row-major with B transposed (0.67); CLBlast's generic set: ~27 (0.14). A later
+//      300 s search on a busy machine chose 4×16 work-items, KWG 32, no STRM: the same speed.
+//   1. 4×4 work-items, KWG 8, STRM (found by a 600 s search): ~0.74 and ~0.64.
+//   2. the earlier hand-picked set (4×4, KWG 16, VWN 8, no STRM): about set 1's speed.
+//   3. set 1 on 128×128 tiles (8×8 work-items).
+// Measured slower there, left to the walk and the random draws: VWM 16 (~6× slower), GEMMK 1
+// (KREG 4: 10-50 % slower even where it needs no transposes), VWN 1, 32×8 or 8×32 floats per
+// work-item, 8×16, KWI 8.
+static const size_t xgemm_seeds[][CLMHA__XGEMM_PARAMS] = {
+    {0, 1, 32, 2, 2, 2, 32, 8, 8, 128, 0, 0, 1, 0, 8, 4},
+    {0, 1, 8, 2, 4, 4, 64, 4, 4, 64, 0, 0, 1, 0, 8, 4},
+    {0, 1, 16, 2, 4, 4, 64, 4, 4, 64, 0, 0, 0, 0, 8, 8},
+    {0, 1, 8, 2, 8, 8, 128, 8, 8, 128, 0, 0, 1, 0, 8, 4},
+};
+#define XGEMM_SEEDS (sizeof xgemm_seeds / sizeof xgemm_seeds[0])
 
 // ---- checks and formatting -------------------------------------------------------------------
 
@@ -801,14 +819,18 @@ clmha_status clmha_context_tuning_note(const clmha_context *ctx, char *text, siz
 // spends it as follows:
 //   0. "before": the GEMM shapes timed with the parameters in effect (nothing overridden yet).
 //   A. Xgemm (indirect path forced: XGEMM_MIN_INDIRECT_SIZE = 0), timed on the plain sgemm
-//      shapes (1024³ and each layer's projections): the seed, its neighbours, then a greedy
-//      walk from the best found (first improvement, single-parameter steps, CPU-friendly order),
-//      then prior-weighted random samples. Sgemm program only.
+//      shapes (1024³ and each layer's projections): the seeds, then a greedy walk from the best
+//      found (first improvement, single-parameter steps, CPU-friendly order), then
+//      prior-weighted random samples. Sgemm program only.
 //   B. XgemmDirect (direct path forced), timed on the strided batched shapes (QKᵀ and A·V of
 //      each layer). Strided batched program only.
 //   C. Both paths timed on the shapes of the other phase; XGEMM_MIN_INDIRECT_SIZE is the split
 //      of m·n·k that minimises the summed time; the final set is applied, checked on every shape
 //      and timed again.
+// On a machine shared with other work, timings taken a minute apart differ by 2× and more, so
+// within A and B every candidate is timed again in turns with the best so far (both programs
+// are built by then: switching costs nothing) and judged on those turns, and the three leaders
+// are timed in turns before a phase picks its winner.
 // Every candidate must pass a correctness check against a double-precision CPU GEMM on the same
 // random data (odd-sized GEMMs that exercise padding, plus samples of each timed product):
 // max |C - ref| / max |ref| <= 1e-4.
@@ -1339,6 +1361,40 @@ static double expected_cost(const tuner *T, bool direct) {
     return direct ? (cpu ? 8 : 3) * xgemm : xgemm;
 }
 
+static void trace_turns(const tuner *T, const char *phase, const double *tbest,
+                        const double *tx) {
+#ifdef CLMHA_TUNE_TRACE
+    fprintf(stderr, "[tune %6.1fs] %s in turns, best | candidate:", elapsed(T), phase);
+    for (size_t i = 0; i < T->nshapes; ++i)
+        if (tbest[i] > 0 && tx[i] > 0)
+            fprintf(stderr, " %.1f | %.1f", flops(&T->shapes[i]) / tbest[i] / 1e9,
+                    flops(&T->shapes[i]) / tx[i] / 1e9);
+    fprintf(stderr, " GFLOP/s\n");
+#else
+    (void)T, (void)phase, (void)tbest, (void)tx;
+#endif
+}
+
+// Times @p a and @p b in turns (ROUNDS_IN_TURNS rounds of 2 runs each, their programs already
+// built) on the shapes of one kind; ta[i] and tb[i] get each shape's fastest time (0 for shapes
+// of the other kind). On a machine shared with other work, timings taken a minute apart are not
+// comparable; timings taken in turns are. False on a failure (T->msg says why).
+#define ROUNDS_IN_TURNS 3
+static bool time_in_turns(tuner *T, const clmha__tuning *a, const clmha__tuning *b,
+                          bool batched, double *ta, double *tb) {
+    for (size_t i = 0; i < T->nshapes; ++i) ta[i] = tb[i] = 0;
+    for (int round = 0; round < ROUNDS_IN_TURNS; ++round)
+        for (int which = 0; which < 2; ++which) {
+            double times[MAX_SHAPES], total, *keep = which ? tb : ta;
+            if (override_all(T->ctx, which ? b : a) != CLMHA_SUCCESS ||
+                !time_kind(T, batched, 2, 0, times, &total))
+                return false;
+            for (size_t i = 0; i < T->nshapes; ++i)
+                if (times[i] > 0 && (keep[i] <= 0 || times[i] < keep[i])) keep[i] = times[i];
+        }
+    return true;
+}
+
 // Search over one kernel (Xgemm or XgemmDirect) until @p deadline (seconds since start):
 // the seeds, then a walk from the best (single steps, in prior order; an improvement of 2 %
 // or more moves the centre), then prior-weighted random samples (an improvement starts a new
@@ -1404,6 +1460,37 @@ static bool search(tuner *T, bool direct, clmha__tuning base, size_t min_indirec
             xc_params(&x, t.xgemm);
         result r;
         try_candidate(T, &t, direct, have ? best->total : 0, phase, &r);
+        // A candidate that ran is timed again in turns with the best so far and judged on those
+        // turns: its times become the best's times scaled by the ratios seen in turns. One cut
+        // short as more than 2.5× slower gets its turns too (other work on the machine may have
+        // slowed it), unless its first shape alone took more than 10× the best's.
+        bool close = false;
+        for (size_t i = 0; i < T->nshapes && have && r.ok; ++i)
+            if (r.times[i] > 0) {
+                close = isfinite(r.total) || r.times[i] <= 10 * best->times[i];
+                break;
+            }
+        if (close) {
+            double t0 = now_s(), tbest[MAX_SHAPES], tx[MAX_SHAPES];
+            clmha__tuning tb = base;
+            if (direct)
+                dc_params(best_cand, tb.direct);
+            else
+                xc_params(best_cand, tb.xgemm);
+            if (time_in_turns(T, &tb, &t, direct, tbest, tx)) {
+                r.total = 0;
+                for (size_t i = 0; i < T->nshapes; ++i) {
+                    if (tx[i] > 0 && tbest[i] > 0) r.times[i] = best->times[i] * tx[i] / tbest[i];
+                    r.total += r.times[i];
+                }
+                trace_turns(T, phase, tbest, tx);
+            } else {
+                r.ok = false;
+                ++T->rejected;
+            }
+            r.cost += now_s() - t0;
+            T->cost_sum += now_s() - t0;
+        }
         T->phase_cost[direct] += r.cost;
         ++T->phase_tried[direct];
         if (r.ok && isfinite(r.total)) {  // keep the TOP fastest, fastest first
@@ -1431,12 +1518,14 @@ static bool search(tuner *T, bool direct, clmha__tuning base, size_t min_indirec
     free(seen);
     free(nb);
     // Timings on a busy machine are noisy: the leaders are timed again, in turns (their programs
-    // are in CLBlast's cache: no build), and each keeps its fastest total.
-    // Two more rounds when they fit before the deadline (plus a little), else one.
+    // are in CLBlast's cache: no build), and are judged on these turns alone (fastest of each).
+    // Three rounds when they fit before the deadline (plus a little), else two.
     double again = 0;
-    for (size_t i = 0; i < ntop; ++i) again += 5 * top_r[i].total;
-    int rounds = elapsed(T) + 2 * again <= deadline(T) + 10 ? 2 : 1;
+    for (size_t i = 0; i < ntop; ++i) again += 3 * top_r[i].total;
+    int rounds = elapsed(T) + 3 * again <= deadline(T) + 10 ? 3 : 2;
     if (ntop >= 2) {
+        double fresh[TOP][MAX_SHAPES];
+        bool timed[TOP] = {false};
         for (int round = 0; round < rounds; ++round)
             for (size_t i = 0; i < ntop; ++i) {
                 clmha__tuning t = base;
@@ -1446,13 +1535,24 @@ static bool search(tuner *T, bool direct, clmha__tuning base, size_t min_indirec
                     xc_params(&top[i], t.xgemm);
                 double times[MAX_SHAPES], total;
                 if (override_all(T->ctx, &t) != CLMHA_SUCCESS ||
-                    !time_kind(T, direct, 5, 0, times, &total))
+                    !time_kind(T, direct, 3, 0, times, &total))
                     continue;
                 for (size_t k = 0; k < T->nshapes; ++k)
-                    if (times[k] > 0 && times[k] < top_r[i].times[k]) top_r[i].times[k] = times[k];
-                top_r[i].total = 0;
-                for (size_t k = 0; k < T->nshapes; ++k) top_r[i].total += top_r[i].times[k];
+                    if (!timed[i] || (times[k] > 0 && times[k] < fresh[i][k]))
+                        fresh[i][k] = times[k];
+                timed[i] = true;
             }
+        for (size_t i = 0; i < ntop; ++i) {
+            if (!timed[i]) {
+                top_r[i].total = INFINITY;
+                continue;
+            }
+            top_r[i].total = 0;
+            for (size_t k = 0; k < T->nshapes; ++k) {
+                top_r[i].times[k] = fresh[i][k];
+                top_r[i].total += fresh[i][k];
+            }
+        }
         size_t win = 0;
         for (size_t i = 1; i < ntop; ++i)
             if (top_r[i].total < top_r[win].total) win = i;
@@ -1774,11 +1874,13 @@ clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_options *op
     for (size_t i = 0; i < T->nshapes; ++i) any_batched |= T->shapes[i].batch != 0;
 
     // A. Xgemm, leaving time for what follows (deadline_xgemm).
-    cand xseeds[2];
+    // The set in effect (a stored tuning) first, then the CPU seeds.
+    cand xseeds[XGEMM_SEEDS + 1];
     size_t nxseeds = 0;
-    if (xc_from_params(xgemm_seed, &xseeds[nxseeds])) ++nxseeds;
     if (before_known && before.has_xgemm && xc_from_params(before.xgemm, &xseeds[nxseeds]))
         ++nxseeds;
+    for (size_t i = 0; i < XGEMM_SEEDS; ++i)
+        if (xc_from_params(xgemm_seeds[i], &xseeds[nxseeds])) ++nxseeds;
     cand best_x = {{0}}, best_d = {{0}};
     result res_x, res_d;
     // Every kernel not searched keeps `fallback` (what was in effect, as far as it is known).

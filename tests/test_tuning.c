@@ -346,6 +346,30 @@ Test(tuning, stored_tuning_applied_at_context_creation, .timeout = 1200) {
     teardown(&f);
 }
 
+// The set the tuner tries first on a CPU (its first seed: 2×8 work-items of 16×16 floats, KWG 32,
+// STRM 1, VWM 8, VWN 4) keeps forward passes exact with every GEMM on the indirect path
+// (XGEMM_MIN_INDIRECT_SIZE 0): the projections and the batched attention products, all padded
+// to its 32×128 tiles.
+Test(tuning, first_cpu_seed_keeps_forward_exact, .timeout = 1200) {
+    fixture f;
+    setup(&f);
+    char *json = own_json(&f, "\"Xgemm\": {\"GEMMK\": 0, \"KREG\": 1, \"KWG\": 32, \"KWI\": 2, "
+                              "\"MDIMA\": 2, \"MDIMC\": 2, \"MWG\": 32, \"NDIMB\": 8, "
+                              "\"NDIMC\": 8, \"NWG\": 128, \"SA\": 0, \"SB\": 0, \"STRM\": 1, "
+                              "\"STRN\": 0, \"VWM\": 8, \"VWN\": 4}, "
+                              "\"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": 0}");
+    write_file(f.path, json);
+    clmha_context *ctx = make_context();
+    char *out = export_text(ctx);
+    cr_assert_not_null(out, "the stored tuning was not applied");
+    cr_expect_eq(param(out, "\"Xgemm\"", "STRM"), 1);
+    cr_expect_eq(param(out, "\"GemmRoutine\"", "XGEMM_MIN_INDIRECT_SIZE"), 0);
+    forward_matches_reference(ctx);
+    free(json), free(out);
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
 Test(tuning, unusable_stored_files_do_not_break_context_creation, .timeout = 300) {
     fixture f;
     setup(&f);
