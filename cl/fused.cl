@@ -32,20 +32,35 @@
 #ifndef VW
 #define VW 1
 #endif
-// VT: floatVW; LOADV/STOREV: VW floats at element i of a private or local array.
+// VT: floatVW, VTI: intVW; LOADV/STOREV: VW floats at element i of a private or local array;
+// LANE0: the first lane.
 #if VW == 1
 #define VT float
+#define VTI int
+#define CONVERT_VTI(x) ((int)(x))
+#define AS_VT(x) as_float(x)
 #define LOADV(i, p) ((p)[(i)])
 #define STOREV(v, i, p) ((p)[(i)] = (v))
+#define LANE0(v) (v)
 #else
 #define VT_(n) float##n
 #define VT__(n) VT_(n)
 #define VT VT__(VW)
+#define VTI_(n) int##n
+#define VTI__(n) VTI_(n)
+#define VTI VTI__(VW)
+#define CONVERT_(n) convert_int##n
+#define CONVERT__(n) CONVERT_(n)
+#define CONVERT_VTI(x) CONVERT__(VW)(x)
+#define AS_VT_(n) as_float##n
+#define AS_VT__(n) AS_VT_(n)
+#define AS_VT(x) AS_VT__(VW)(x)
 #define VLOAD_(n) vload##n
 #define VLOAD__(n) VLOAD_(n)
 #define VSTORE_(n) vstore##n
 #define VSTORE__(n) VSTORE_(n)
 #define LOADV(i, p) VLOAD__(VW)(0, (p) + (i))
+#define LANE0(v) ((v).s0)
 #define STOREV(v, i, p) VSTORE__(VW)((v), 0, (p) + (i))
 #endif
 #ifndef BK
@@ -53,25 +68,41 @@
 #endif
 
 // exp(x) for x <= 0 (the only arguments here: scores minus a running maximum), in plain
-// arithmetic so that compilers vectorise the loops around it: exp(x) = 2^n * e^r with
-// n = round(x / ln 2), |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (truncation
-// error below 1e-8 relative, under float rounding).
+// arithmetic on VW lanes: exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by
+// its degree-7 Taylor polynomial (truncation error below 1e-8 relative, under float rounding).
 // -inf and anything below -87 give 0; NaN stays NaN.
-inline float exp_nonpos(float x) {
-    float n = rint(x * 1.44269504088896341f);
-    float r = fma(n, -0.693145751953125f, x);
-    r = fma(n, -1.428606765330187045e-06f, r);
-    float p = 1.0f / 5040.0f;
-    p = fma(p, r, 1.0f / 720.0f);
-    p = fma(p, r, 1.0f / 120.0f);
-    p = fma(p, r, 1.0f / 24.0f);
-    p = fma(p, r, 1.0f / 6.0f);
-    p = fma(p, r, 0.5f);
-    p = fma(p, r, 1.0f);
-    p = fma(p, r, 1.0f);
-    int e = (int)fmax(n, -126.0f) + 127;
-    float y = p * as_float(e << 23);
-    return x < -87.0f ? 0.0f : y;
+inline VT exp_nonpos(VT x) {
+    VT n = rint(x * 1.44269504088896341f);
+    VT r = fma(n, (VT)(-0.693145751953125f), x);
+    r = fma(n, (VT)(-1.428606765330187045e-06f), r);
+    VT p = (VT)(1.0f / 5040.0f);
+    p = fma(p, r, (VT)(1.0f / 720.0f));
+    p = fma(p, r, (VT)(1.0f / 120.0f));
+    p = fma(p, r, (VT)(1.0f / 24.0f));
+    p = fma(p, r, (VT)(1.0f / 6.0f));
+    p = fma(p, r, (VT)(0.5f));
+    p = fma(p, r, (VT)(1.0f));
+    p = fma(p, r, (VT)(1.0f));
+    VTI e = CONVERT_VTI(fmax(n, (VT)(-126.0f))) + 127;
+    VT y = p * AS_VT(e << 23);
+    return select(y, (VT)(0.0f), x < -87.0f);
+}
+
+// The largest of the VW lanes of v and m, where NaN wins.
+inline float lanes_max_nan(VT v, float m) {
+    float lane[VW];
+    STOREV(v, 0, lane);
+    for (uint i = 0; i < VW; ++i) m = max_nan(m, lane[i]);
+    return m;
+}
+
+// The sum of the VW lanes of v.
+inline float lanes_sum(VT v) {
+    float lane[VW];
+    STOREV(v, 0, lane);
+    float sum = 0.0f;
+    for (uint i = 0; i < VW; ++i) sum += lane[i];
+    return sum;
 }
 
 kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
@@ -145,36 +176,49 @@ void fused_attention(global const float *q, global const float *k, global const 
                 for (uint r = 0; r < RPW; ++r) STOREV(acc_s[r], c, s[r]);
             }
             for (uint r = 0; r < RPW; ++r) {
-                float tile_max = -INFINITY;
-                for (uint jj = 0; jj < BK; ++jj) {
-                    ulong j = j0 + jj;
-                    float x = s[r][jj];
-                    if (j >= src_len_padded) {
-                        x = -INFINITY;
-                    } else if (j < src_len) {
-                        x += mask_value(attn_mask, attn_kind, attn_row[r] + j);
-                        x += mask_value(kpm, kpm_kind, kpm_row + j);
-                        if (causal && j > rows[r]) x = -INFINITY;
+                // Masks: only where this row has any (a tile inside the real keys, without masks
+                // and below the causal diagonal needs none).
+                bool plain = !attn_kind && !kpm_kind && j0 + BK <= src_len_padded &&
+                             (!causal || j0 + BK <= rows[r] + 1);
+                if (!plain) {
+                    for (uint jj = 0; jj < BK; ++jj) {
+                        ulong j = j0 + jj;
+                        float x = s[r][jj];
+                        if (j >= src_len_padded) {
+                            x = -INFINITY;
+                        } else if (j < src_len) {
+                            x += mask_value(attn_mask, attn_kind, attn_row[r] + j);
+                            x += mask_value(kpm, kpm_kind, kpm_row + j);
+                            if (causal && j > rows[r]) x = -INFINITY;
+                        }
+                        s[r][jj] = x;
                     }
-                    s[r][jj] = x;
-                    tile_max = max_nan(tile_max, x);
                 }
-                float m_new = max_nan(m[r], tile_max);
+                VT mv = (VT)(-INFINITY);
+                for (uint c = 0; c < BK; c += VW) {
+                    VT x = LOADV(c, s[r]);
+                    mv = select(mv, x, (x > mv) | isnan(x));
+                }
+                float m_new = lanes_max_nan(mv, m[r]);
                 // While every key so far is masked (m_new = -inf) nothing is accumulated.
                 bool none = m_new == -INFINITY;
                 float base = none ? 0.0f : m_new;
-                float corr = exp_nonpos(m[r] - base);  // 0 on the first live tile
+                float corr = LANE0(exp_nonpos((VT)(m[r] - base)));  // 0 on the first live tile
                 sum[r] *= corr;
                 for (uint d = 0; d < HD; ++d) acc[r][d] *= corr;
-                for (uint jj = 0; jj < BK; ++jj) {
-                    float p = exp_nonpos(s[r][jj] - base);
-                    sum[r] += p;
-                    if (dropout_on) {
+                VT sv = (VT)(0.0f);
+                for (uint c = 0; c < BK; c += VW) {
+                    VT p = exp_nonpos(LOADV(c, s[r]) - base);
+                    sv += p;
+                    STOREV(p, c, s[r]);
+                }
+                sum[r] += lanes_sum(sv);
+                if (dropout_on) {
+                    for (uint jj = 0; jj < BK; ++jj) {
                         uint w = philox_word0((uint)(j0 + jj), (uint)rows[r], (uint)bh, offset_lo,
                                               seed_lo, seed_hi_xor_off_hi);
-                        p = w >= dropout_threshold ? p * keep_scale : 0.0f;
+                        s[r][jj] = w >= dropout_threshold ? s[r][jj] * keep_scale : 0.0f;
                     }
-                    s[r][jj] = p;
                 }
                 m[r] = m_new;
             }
