@@ -374,6 +374,9 @@ typedef struct clmha_tune_report {
     double tuned_layer_gflops;          ///< the same, tuned
     double default_forward_gemm_gflops; ///< all GEMMs of the layer shapes together, before
     double tuned_forward_gemm_gflops;   ///< the same, tuned
+    double default_fused_gflops;        ///< fused attention stage on the first layer shape
+                                        ///< (4·N·L²·E FLOPs), default tiles (0: not timed)
+    double tuned_fused_gflops;          ///< the same with the chosen tiles
     size_t candidates;                  ///< parameter sets built and timed
     size_t rejected;                    ///< of those, failed to build or run, or gave wrong results
     double seconds;                     ///< length of the run
@@ -407,6 +410,12 @@ typedef struct clmha_tune_report {
 /// parameters). When nothing faster is found nothing is stored and what was in effect is put
 /// back; for a device with no tuning of its own in CLBlast's database (such as PoCL) that is
 /// exact, for one with an entry CLBlast's generic parameters are put back instead.
+/// Last (with at least min(60 s, a fifth of the budget) kept for it), it tunes the tiles of the
+/// fused attention kernel on the first layer shape (work-group size, keys per tile, query rows
+/// per work-item, vector width; every candidate's forward output must match
+/// clmha_reference_forward() within 1e-4 (1 + max |y|)); tiles faster than the defaults by 3%
+/// or more are stored with the GEMM parameters ("FusedAttention" in the file) and used by the
+/// layers whose fused kernel is built afterwards.
 /// Do not run forward passes on the same device (from any context) while tuning: they would
 /// run with the candidates' parameters.
 /// @param[in]  ctx      the context whose device is tuned

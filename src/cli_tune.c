@@ -234,6 +234,9 @@ int clmha__cli_tune(int argc, char **argv) {
     print_gain(what, rep.default_layer_gflops, rep.tuned_layer_gflops);
     print_gain("all GEMMs of the layer shapes", rep.default_forward_gemm_gflops,
                rep.tuned_forward_gemm_gflops);
+    if (rep.default_fused_gflops > 0)
+        print_gain("fused attention (first layer shape)", rep.default_fused_gflops,
+                   rep.tuned_fused_gflops);
     if (rep.parameters[0]) printf("params:   %s\n", rep.parameters);
     if (rep.stored)
         printf("written:  %s\n", rep.path);

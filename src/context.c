@@ -65,8 +65,10 @@ clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
     // per tile beat 16/32/128 and 16/64 keys; two rows per work-item gain another ~20% there.
     // GPUs get one row per work-item (fewer registers).
     bool cpu = (ctx->info.type & CL_DEVICE_TYPE_CPU) != 0;
-    size_t rows = ctx->fused_bq ? ctx->fused_bq : 64, keys = ctx->fused_bk ? ctx->fused_bk : 32;
-    size_t rpw = ctx->fused_rpw ? ctx->fused_rpw : cpu ? 2 : 1;
+    size_t pref_tiles[CLMHA__FUSED_PARAMS] = {0};  // BQ, BK, RPW, VW of a stored tuning
+    clmha__tuning_fused(ctx->device, pref_tiles);
+    size_t rows = pref_tiles[0] ? pref_tiles[0] : 64, keys = pref_tiles[1] ? pref_tiles[1] : 32;
+    size_t rpw = pref_tiles[2] ? pref_tiles[2] : cpu ? 2 : 1;
     clmha__fused_tiles t = {.bq = 1, .bk = keys, .rpw = rpw};
     while (t.bq * 2 <= rows && t.bq * 2 <= ctx->max_work_group) t.bq *= 2;
     cl_ulong local = ctx->info.local_mem_bytes;
@@ -78,7 +80,7 @@ clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
     cl_uint pref = 1;
     clGetDeviceInfo(ctx->device, CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT, sizeof pref, &pref,
                     NULL);
-    size_t want = ctx->fused_vw ? ctx->fused_vw : pref;
+    size_t want = pref_tiles[3] ? pref_tiles[3] : pref;
     t.vw = 16;
     while (t.vw > 1 && (t.vw > want || hd % t.vw || (t.bk && t.bk % t.vw))) t.vw /= 2;
     return t;

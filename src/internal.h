@@ -131,9 +131,6 @@ struct clmha_context {
     clmha_device_info info;
     char device_name[300];
     size_t max_work_group;
-    // Preferred tiles of the fused attention kernel (work-group size, keys per tile, query rows
-    // per work-item); a stored tuning may set them, 0 means the built-in default.
-    size_t fused_bq, fused_bk, fused_rpw, fused_vw;
     clmha__program *programs;   // guarded by lock
     char last_error[CLMHA__ERROR_SIZE];
     // Counters for tests (libclmha.a): program builds and device buffer allocations made by

@@ -272,10 +272,9 @@ const char *clmha_impl_name(clmha_impl impl) {
     return "?";
 }
 
-clmha_status clmha__layer_fused(clmha_layer *l) {
-    if (l->fused) return CLMHA_SUCCESS;
+// Builds the fused kernel with tiles @p t.
+static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
     clmha_context *ctx = l->ctx;
-    clmha__fused_tiles t = clmha__fused_tiles_for(ctx, l->d);
     if (!t.bk)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "the fused core needs 2 * head_dim * 4 = %zu bytes of local memory "
@@ -291,6 +290,23 @@ clmha_status clmha__layer_fused(clmha_layer *l) {
     if ((st = make_kernel(ctx, prog, "fused_attention", &l->fused))) return st;
     l->tiles_fused = t;
     return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__layer_fused(clmha_layer *l) {
+    if (l->fused) return CLMHA_SUCCESS;
+    return build_fused(l, clmha__fused_tiles_for(l->ctx, l->d));
+}
+
+clmha_status clmha__layer_set_fused_tiles(clmha_layer *l, const clmha__fused_tiles *t,
+                                          clmha__fused_tiles *used) {
+    clmha__fused_tiles u = *t;
+    cl_ulong local = l->ctx->info.local_mem_bytes;
+    local = local > 1024 ? local - 1024 : 0;
+    while (u.bk > 0 && 2 * (cl_ulong)l->d * u.bk * sizeof(float) > local) u.bk /= 2;
+    while (u.vw > 1 && (l->d % u.vw || (u.bk && u.bk % u.vw))) u.vw /= 2;
+    release_kernel(&l->fused);
+    if (used) *used = u;
+    return build_fused(l, u);
 }
 
 size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {

@@ -56,6 +56,13 @@ CLMHA__HIDDEN void clmha__layer_marks_release(clmha_layer *layer);
 // Builds the fused attention kernel of @p layer on first use and picks its tile sizes.
 CLMHA__HIDDEN clmha_status clmha__layer_fused(clmha_layer *layer);
 
+// Rebuilds the fused attention kernel of @p layer with tiles @p t (the tuner's candidates):
+// bk is halved until the tile fits in local memory and vw until it divides head_dim and bk.
+// @p used receives the tiles built (may be NULL).
+CLMHA__HIDDEN clmha_status clmha__layer_set_fused_tiles(clmha_layer *layer,
+                                                        const clmha__fused_tiles *t,
+                                                        clmha__fused_tiles *used);
+
 // How the unfused core walks the scores, N*H*L rows of S' floats (row r is query r % L of plane
 // r / L, plane = batch·head): in chunks of at most `rows` consecutive rows, so that the scores
 // buffer holds one chunk. One chunk of every row when the scores fit in half the largest

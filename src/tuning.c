@@ -19,6 +19,8 @@
 
 #include "tuning.h"
 
+#include "layer.h"
+
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -40,6 +42,8 @@
 const char *const clmha__xgemm_names[CLMHA__XGEMM_PARAMS] = {
     "GEMMK", "KREG", "KWG",  "KWI", "MDIMA", "MDIMC", "MWG",  "NDIMB",
     "NDIMC", "NWG",  "SA",   "SB",  "STRM",  "STRN",  "VWM",  "VWN"};
+const char *const clmha__fused_names[CLMHA__FUSED_PARAMS] = {"BQ", "BK", "RPW", "VW"};
+
 const char *const clmha__direct_names[CLMHA__DIRECT_PARAMS] = {
     "KWID", "MDIMAD", "MDIMCD", "NDIMBD", "NDIMCD", "PADA", "PADB", "VWMD", "VWND", "WGD"};
 
@@ -167,14 +171,34 @@ static bool check_direct(const size_t *p, size_t local_mem, size_t max_wg, char 
     return true;
 }
 
+// The fused kernel's tiles: BQ a power of two within the work-group limit, BK a power of two
+// up to 256, RPW 1 to 4, VW 1, 2, 4, 8 or 16 dividing BK. (Whether a tile fits in local memory
+// and VW divides head_dim depend on the layer; clmha__fused_tiles_for() adjusts those.)
+static bool check_fused(const size_t *p, size_t max_wg, char *msg, size_t msg_size) {
+    size_t bq = p[0], bk = p[1], rpw = p[2], vw = p[3];
+    const char *why = !bq || (bq & (bq - 1)) || bq > max_wg ? "BQ must be a power of two within "
+                                                              "the device's work-group limit"
+                      : !bk || (bk & (bk - 1)) || bk > 256 ? "BK must be a power of two up to 256"
+                      : !rpw || rpw > 4                    ? "RPW must be 1 to 4"
+                      : !vw || vw > 16 || (vw & (vw - 1)) || bk % vw
+                          ? "VW must be 1, 2, 4, 8 or 16 and divide BK"
+                          : NULL;
+    if (why)
+        clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                   "FusedAttention BQ=%zu BK=%zu RPW=%zu VW=%zu: %s (work-group limit %zu)", bq,
+                   bk, rpw, vw, why, max_wg);
+    return !why;
+}
+
 bool clmha__tuning_check(const clmha__tuning *t, size_t local_mem, size_t max_wg, char *msg,
                          size_t msg_size) {
-    if (!t->has_xgemm && !t->has_direct && !t->has_routine) {
+    if (!t->has_xgemm && !t->has_direct && !t->has_routine && !t->has_fused) {
         clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "the tuning names no kernel");
         return false;
     }
     if (t->has_xgemm && !check_xgemm(t->xgemm, local_mem, max_wg, msg, msg_size)) return false;
     if (t->has_direct && !check_direct(t->direct, local_mem, max_wg, msg, msg_size)) return false;
+    if (t->has_fused && !check_fused(t->fused, max_wg, msg, msg_size)) return false;
     if (t->has_routine && t->min_indirect > (size_t)PARAM_MAX) {
         clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                    "GemmRoutine XGEMM_MIN_INDIRECT_SIZE %zu is above %.0f", t->min_indirect,
@@ -210,8 +234,13 @@ void clmha__tuning_format(const clmha__tuning *t, char *buf, size_t size) {
             used = append(buf, size, used, " %s=%zu", clmha__direct_names[i], t->direct[i]);
     }
     if (t->has_routine)
-        append(buf, size, used, "%sGemmRoutine: XGEMM_MIN_INDIRECT_SIZE=%zu", used ? "; " : "",
-               t->min_indirect);
+        used = append(buf, size, used, "%sGemmRoutine: XGEMM_MIN_INDIRECT_SIZE=%zu",
+                      used ? "; " : "", t->min_indirect);
+    if (t->has_fused) {
+        used = append(buf, size, used, "%sFusedAttention:", used ? "; " : "");
+        for (int i = 0; i < CLMHA__FUSED_PARAMS; ++i)
+            used = append(buf, size, used, " %s=%zu", clmha__fused_names[i], t->fused[i]);
+    }
 }
 
 // ---- the per-device registry -------------------------------------------------------------------
@@ -267,6 +296,13 @@ static bool current_tuning(cl_device_id device, clmha__tuning *t, clmha__tuning_
     }
     pthread_mutex_unlock(&registry_lock);
     return applied;
+}
+
+bool clmha__tuning_fused(cl_device_id device, size_t fused[CLMHA__FUSED_PARAMS]) {
+    clmha__tuning t;
+    if (!current_tuning(device, &t, NULL) || !t.has_fused) return false;
+    memcpy(fused, t.fused, sizeof t.fused);
+    return true;
 }
 
 // ---- applying ----------------------------------------------------------------------------------
@@ -326,6 +362,8 @@ clmha_status clmha__tuning_apply(clmha_context *ctx, const clmha__tuning *t,
         if (t->has_xgemm) memcpy(merged.xgemm, t->xgemm, sizeof merged.xgemm);
         if (t->has_direct) memcpy(merged.direct, t->direct, sizeof merged.direct);
         if (t->has_routine) merged.min_indirect = t->min_indirect;
+        if (t->has_fused) memcpy(merged.fused, t->fused, sizeof merged.fused);
+        merged.has_fused |= t->has_fused;
         merged.has_xgemm |= t->has_xgemm;
         merged.has_direct |= t->has_direct;
         merged.has_routine |= t->has_routine;
@@ -550,6 +588,9 @@ char *clmha__tuning_to_json(const clmha_context *ctx, const clmha__tuning *t,
                         t->direct);
     if (ok && t->has_routine)
         ok = add_params(kernels, "GemmRoutine", 1, routine_names, &t->min_indirect);
+    if (ok && t->has_fused)
+        ok = add_params(kernels, "FusedAttention", CLMHA__FUSED_PARAMS, clmha__fused_names,
+                        t->fused);
     if (ok && meta && (meta->tuned_gflops > 0 || meta->date[0])) {
         cJSON *m = cJSON_AddObjectToObject(root, "measured");
         // Rounded to 0.1 GFLOP/s: the file stays readable.
@@ -691,9 +732,14 @@ clmha_status clmha__tuning_from_json(const clmha_context *ctx, const char *json,
             st = parse_params(k, "GemmRoutine", 1, routine_names, &t->min_indirect, msg,
                               msg_size);
             t->has_routine = true;
+        } else if (strcmp(name, "FusedAttention") == 0) {
+            st = parse_params(k, "FusedAttention", CLMHA__FUSED_PARAMS, clmha__fused_names,
+                              t->fused, msg, msg_size);
+            t->has_fused = true;
         } else {
             st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                            "unknown kernel \"%.40s\" (known: Xgemm, XgemmDirect, GemmRoutine)",
+                            "unknown kernel \"%.40s\" (known: Xgemm, XgemmDirect, GemmRoutine, "
+                            "FusedAttention)",
                             name);
         }
     }
@@ -1756,6 +1802,144 @@ static clmha_status check_options(clmha_context *ctx, const clmha_tune_options *
     return CLMHA_SUCCESS;
 }
 
+// ---- fused attention tiles ------------------------------------------------------------------------
+
+// What the fused-tile phase measured.
+typedef struct fused_result {
+    bool searched;                // the phase ran and its default passed the check
+    bool improved;                // a candidate beat the default
+    size_t best[CLMHA__FUSED_PARAMS];
+    double default_ms, best_ms;   // medians of the fused stage (one profiled forward each)
+    double flops;                 // 4·N·L·S·E of the shape
+    size_t tried, rejected;
+} fused_result;
+
+// Times the fused stage of @p layer on the prepared call: one warm-up (builds, checks the
+// output against @p ref within 1e-4·(1 + max|ref|)), then @p reps profiled forwards.
+static bool fused_time(clmha_layer *layer, const clmha_forward_args *args, cl_mem out,
+                       float *host_out, const double *ref, size_t count, double scale, int reps,
+                       double *ms) {
+    clmha_context *ctx = layer->ctx;
+    if (clmha_layer_forward(layer, args, out, 0, NULL, 0, 0, NULL, NULL) ||
+        clEnqueueReadBuffer(ctx->queue, out, CL_TRUE, 0, count * sizeof(float), host_out, 0,
+                            NULL, NULL) != CL_SUCCESS)
+        return false;
+    for (size_t i = 0; i < count; ++i) {
+        double e = fabs((double)host_out[i] - ref[i]);
+        if (!(e <= 1e-4 * scale)) return false;  // NaN fails too
+    }
+    double t[9];
+    if (reps > 9) reps = 9;
+    for (int r = 0; r < reps; ++r) {
+        double stages[CLMHA_STAGE_COUNT];
+        if (clmha_layer_forward(layer, args, out, 0, NULL, 0, 0, NULL, NULL) ||
+            clmha_layer_stage_times(layer, stages))
+            return false;
+        t[r] = stages[CLMHA_STAGE_FUSED];
+    }
+    qsort(t, (size_t)reps, sizeof t[0], cmp_double);
+    *ms = t[reps / 2];
+    return true;
+}
+
+// D. The fused attention kernel's tiles on the first layer shape (self-attention, random
+// parameters and inputs): every candidate must reproduce the double-precision reference's
+// output; the fastest fused stage wins. Work-group sizes 32 to 128 (within the device limit),
+// keys per tile 16 to 64, one or two rows per work-item, the device's preferred vector width or
+// scalar.
+static void tune_fused(tuner *T, const clmha_tune_shape *shape, double deadline,
+                       fused_result *res) {
+    clmha_context *ctx = T->ctx;
+    memset(res, 0, sizeof *res);
+    size_t n = shape->batch, l = shape->tgt_len, e = shape->embed_dim, h = shape->num_heads;
+    res->flops = 4.0 * (double)n * (double)l * (double)l * (double)e;
+    size_t count = n * l * e, nparam = 4 * e * e + 4 * e;
+    clmha_layer_desc desc = {.embed_dim = e, .num_heads = h, .bias = true};
+    clmha_layer *layer = NULL;
+    float *params = malloc(nparam * sizeof *params), *x = malloc(count * sizeof *x);
+    float *y = malloc(count * sizeof *y);
+    double *ref = malloc(count * sizeof *ref);
+    cl_mem qbuf = NULL, obuf = NULL;
+    if (!params || !x || !y || !ref || clmha_layer_create(&layer, ctx, &desc)) goto done;
+    double bound = 1.0 / sqrt((double)e);
+    for (size_t i = 0; i < nparam; ++i) params[i] = (float)(bound * rand_unit(&T->rng));
+    for (size_t i = 0; i < count; ++i) x[i] = rand_unit(&T->rng);
+    const float *w_in = params, *w_out = params + 3 * e * e, *b_in = params + 4 * e * e,
+                *b_out = params + 4 * e * e + 3 * e;
+    if (clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * e * e) ||
+        clmha_layer_set_parameter(layer, "out_proj.weight", w_out, e * e) ||
+        clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * e) ||
+        clmha_layer_set_parameter(layer, "out_proj.bias", b_out, e))
+        goto done;
+    clmha_forward_args args = {.query = {.ndim = 3, .shape = {l, n, e}, .data = x},
+                               .impl = CLMHA_IMPL_FUSED};
+    clmha_reference_params rp = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+                                 .out_proj_weight = w_out, .out_proj_bias = b_out};
+    char msg[256];
+    if (clmha_reference_forward(&desc, &rp, &args, ref, count, NULL, 0, msg, sizeof msg))
+        goto done;
+    double scale = 1.0;
+    for (size_t i = 0; i < count; ++i) scale = fmax(scale, 1.0 + fabs(ref[i]));
+    cl_int err;
+    qbuf = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                          count * sizeof(float), x, &err);
+    if (err == CL_SUCCESS)
+        obuf = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
+    if (err != CL_SUCCESS) goto done;
+    args.query.buffer = qbuf;
+    if (clmha_layer_set_profiling(layer, true)) goto done;
+
+    // The default tiles first: the yardstick.
+    clmha__fused_tiles def = clmha__fused_tiles_for(ctx, layer->d), used;
+    if (clmha__layer_set_fused_tiles(layer, &def, &used) ||
+        !fused_time(layer, &args, obuf, y, ref, count, scale, 5, &res->default_ms))
+        goto done;
+    res->searched = true;
+    res->best_ms = res->default_ms;
+    res->best[0] = used.bq, res->best[1] = used.bk, res->best[2] = used.rpw, res->best[3] = used.vw;
+    cl_uint pref = 1;
+    clGetDeviceInfo(ctx->device, CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT, sizeof pref, &pref,
+                    NULL);
+    static const size_t bqs[] = {64, 32, 128}, bks[] = {32, 64, 16}, rpws[] = {2, 1};
+    size_t vws[2] = {pref > 16 ? 16 : pref ? pref : 1, 1};
+    for (size_t a = 0; a < 3; ++a)
+        for (size_t b = 0; b < 3; ++b)
+            for (size_t c = 0; c < 2; ++c)
+                for (size_t v = 0; v < (vws[0] > 1 ? 2 : 1); ++v) {
+                    if (now_s() > deadline) goto done;
+                    clmha__fused_tiles cand = {.bq = bqs[a], .bk = bks[b], .rpw = rpws[c],
+                                               .vw = vws[v]};
+                    if (cand.bq > ctx->max_work_group) continue;
+                    double ms;
+                    if (clmha__layer_set_fused_tiles(layer, &cand, &used)) {
+                        ++res->tried, ++res->rejected;
+                        continue;
+                    }
+                    if (used.bq == def.bq && used.bk == def.bk && used.rpw == def.rpw &&
+                        used.vw == def.vw)
+                        continue;  // the default, timed above
+                    ++res->tried;
+                    if (!fused_time(layer, &args, obuf, y, ref, count, scale, 3, &ms)) {
+                        ++res->rejected;
+                        continue;
+                    }
+                    // A lead must hold in a second, longer timing.
+                    if (ms < res->best_ms &&
+                        fused_time(layer, &args, obuf, y, ref, count, scale, 5, &ms) &&
+                        ms < 0.97 * res->best_ms) {
+                        res->best_ms = ms;
+                        res->best[0] = used.bq, res->best[1] = used.bk;
+                        res->best[2] = used.rpw, res->best[3] = used.vw;
+                        res->improved = true;
+                    }
+                }
+done:
+    if (qbuf) clReleaseMemObject(qbuf);
+    if (obuf) clReleaseMemObject(obuf);
+    clmha_layer_release(layer);
+    free(params), free(x), free(y), free(ref);
+}
+
 static void fill_report(const tuner *T, clmha_tune_report *rep) {
     const gshape *g = &T->shapes[0], *proj = &T->shapes[1];
     rep->default_gflops = g->before > 0 ? flops(g) / g->before / 1e9 : 0;
@@ -1788,7 +1972,10 @@ clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_options *op
     T->ctx = ctx;
     T->opts = options;
     T->start = now_s();
-    T->budget = options && options->budget_seconds > 0 ? options->budget_seconds : 300;
+    double budget = options && options->budget_seconds > 0 ? options->budget_seconds : 300;
+    // The GEMM phases get the budget but what the fused tiles take at the end (phase D).
+    double fused_reserve = fmin(60.0, 0.2 * budget);
+    T->budget = budget - fused_reserve;
     T->rng = 0x9E3779B97F4A7C15ull;
 
     // The tuning in effect before: the registry's, else CLBlast's generic parameters (what a
@@ -2016,6 +2203,53 @@ clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_options *op
                 set_note(ctx->device, "tuned in this process, stored in %s", rep.path);
             }
             free(text);
+        }
+    }
+
+    // D. The fused attention kernel's tiles, with what is left of the whole budget.
+    if (!st) {
+        if (options && options->progress)
+            options->progress(fmin(1.0, elapsed(T) / budget), "timing fused attention tiles",
+                              options->user_data);
+        fused_result fr;
+        tune_fused(T, &layers[0], T->start + budget, &fr);
+        T->tried += fr.tried;
+        T->rejected += fr.rejected;
+        if (fr.searched) {
+            rep.default_fused_gflops = fr.flops / fr.default_ms / 1e6;
+            rep.tuned_fused_gflops = fr.flops / fr.best_ms / 1e6;
+        }
+        if (fr.improved) {
+            clmha__tuning ft = {.has_fused = true}, now;
+            memcpy(ft.fused, fr.best, sizeof ft.fused);
+            clmha__tuning_meta meta = {0};
+            current_tuning(ctx->device, &now, &meta);  // keeps the GEMM figures of the file
+            if (!meta.date[0]) utc_now(meta.date, sizeof meta.date);
+            st = clmha__tuning_apply(ctx, &ft, &meta, "tuned in this process (not stored)");
+            char msg[1024];
+            if (!st && current_tuning(ctx->device, &now, &meta)) {
+                rep.improved = true;
+                clmha__tuning_format(&now, rep.parameters, sizeof rep.parameters);
+                if (clmha__tuning_path(ctx, rep.path, sizeof rep.path, msg, sizeof msg)) {
+                    rep.path[0] = '\0';
+                    snprintf(rep.message, sizeof rep.message,
+                             "tuning applied but not stored: %.440s", msg);
+                } else if (!(options && options->no_store)) {
+                    char *text = clmha__tuning_to_json(ctx, &now, &meta);
+                    if (!text) {
+                        st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+                    } else if (clmha__tuning_write_file(rep.path, text, msg, sizeof msg)) {
+                        rep.stored = false;
+                        snprintf(rep.message, sizeof rep.message,
+                                 "tuning applied but not stored: %.440s", msg);
+                    } else {
+                        rep.stored = true;
+                        rep.message[0] = '\0';
+                        set_note(ctx->device, "tuned in this process, stored in %s", rep.path);
+                    }
+                    free(text);
+                }
+            }
         }
     }
     fill_report(T, &rep);

@@ -14,15 +14,20 @@
 #define CLMHA__XGEMM_PARAMS 16
 // Parameters of "XgemmDirect".
 #define CLMHA__DIRECT_PARAMS 10
+// Tiles of clmha's own fused attention kernel ("FusedAttention" in a tuning file): BQ, BK, RPW,
+// VW (see clmha__fused_tiles).
+#define CLMHA__FUSED_PARAMS 4
 
-// A GEMM tuning: parameter values of the three CLBlast kernels clmha's GEMMs depend on.
-// Kernels whose has_ flag is false are left as they are (CLBlast's database, or an earlier
-// override). Copy/Pad/Transpose/Padtranspose (the indirect path's helpers) are never touched.
+// A tuning: parameter values of the three CLBlast kernels clmha's GEMMs depend on, and the tiles
+// of the fused attention kernel. Kernels whose has_ flag is false are left as they are
+// (CLBlast's database, or an earlier override; the fused kernel's defaults).
+// Copy/Pad/Transpose/Padtranspose (the indirect path's helpers) are never touched.
 typedef struct clmha__tuning {
-    bool has_xgemm, has_direct, has_routine;
+    bool has_xgemm, has_direct, has_routine, has_fused;
     size_t xgemm[CLMHA__XGEMM_PARAMS];    // in the order of clmha__xgemm_names
     size_t direct[CLMHA__DIRECT_PARAMS];  // in the order of clmha__direct_names
     size_t min_indirect;                  // "GemmRoutine": XGEMM_MIN_INDIRECT_SIZE
+    size_t fused[CLMHA__FUSED_PARAMS];    // "FusedAttention", in the order of clmha__fused_names
 } clmha__tuning;
 
 // What a tuning run measured (0 where unknown), kept with a tuning and written to its file.
@@ -39,6 +44,10 @@ typedef struct clmha__tuning_meta {
 
 CLMHA__HIDDEN extern const char *const clmha__xgemm_names[CLMHA__XGEMM_PARAMS];
 CLMHA__HIDDEN extern const char *const clmha__direct_names[CLMHA__DIRECT_PARAMS];
+CLMHA__HIDDEN extern const char *const clmha__fused_names[CLMHA__FUSED_PARAMS];
+
+// The fused kernel's tiles of the tuning in effect for @p device (false when it has none).
+CLMHA__HIDDEN bool clmha__tuning_fused(cl_device_id device, size_t fused[CLMHA__FUSED_PARAMS]);
 
 // CLBlast 1.5.3's generic single-precision parameters (the database's "default" device, which a
 // device without an entry of its own, such as PoCL, gets).

@@ -21,7 +21,10 @@
 //   fused_attention  (the "fused" cases, default tiles of 64 query rows and 32 keys) several
 //                  query and key tiles with partial last tiles, causal with a key tile skipped
 //                  (L = S = 100), every mask kind and layout, appended keys, fully masked rows,
-//                  dropout, head_dim 1 and 3
+//                  dropout, head_dim 1 and 3; and, through an imported tuning ("tiles": it
+//                  stays in effect for the later fused cases of the same process), 8- and
+//                  4-wide vectors with one and two rows per work-item (Oclgrind prefers
+//                  scalars, which the default tiles then use)
 //
 // Usage: oclgrind_driver [-v] [--whole-writes] [--list] [case number...]
 //   -v              print the device name
@@ -83,6 +86,7 @@ typedef struct dcase {
     bool mask_item;   // key_padding_mask of item 0 forbids every key (BOOL_IGNORE)
     bool fused;       // through the fused core (no weights)
     size_t max_alloc; // > 0: the unfused core works in chunks (test hook, bytes)
+    const char *tiles;  // fused tiles "BQ BK RPW VW" imported as a tuning (NULL: the defaults)
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -168,6 +172,13 @@ static const dcase cases[] = {
      .unbatched = true, .am = I, .layout = SHARED, .fused = true},
     {"fused: head_dim 3 (E6 H2), am=float (L,S), zero_attn", .e = 6, .h = 2, .n = 2, .l = 33,
      .s = 65, .am = F, .layout = SHARED, .zero_attn = true, .fused = true},
+    // Other tiles (a stored tuning's): 8-wide vectors, one row per work-item; 4-wide, two.
+    {"fused tiles 16/16/1/8: head_dim 8, causal L=S=40, kpm=float", .e = 16, .h = 2, .n = 2,
+     .l = 40, .self_attn = true, .causal = true, .kpm = F, .fused = true,
+     .tiles = "16 16 1 8"},
+    {"fused tiles 8/8/2/4: head_dim 4, am=ignore (N*H,L,S), dropout", .e = 8, .h = 2, .n = 1,
+     .l = 19, .s = 21, .am = I, .layout = PER_HEAD, .dropout = 0.25f, .train = true,
+     .fused = true, .tiles = "8 8 2 4"},
     // The unfused core in chunks: groups of heads, then rows of one head.
     {"chunked: 2 of 4 heads, am=float (N*H,L,S), w=avg", .e = 8, .h = 4, .n = 2, .l = 16,
      .s = 16, .am = F, .layout = PER_HEAD, .weights = true, .max_alloc = 4096},
@@ -244,6 +255,30 @@ static double max_abs_error(const float *got, const double *want, size_t count) 
 static bool partial_host_writes(const dcase *c) {
     bool separate = (c->kdim && c->kdim != c->e) || (c->vdim && c->vdim != c->e);
     return separate || c->bias_kv;
+}
+
+// Imports fused tiles "BQ BK RPW VW" as the device's tuning (a layer built afterwards uses
+// them). Returns false with a message when the import fails.
+static bool import_tiles(clmha_context *ctx, const char *tiles, char *msg, size_t size) {
+    unsigned bq, bk, rpw, vw;
+    if (sscanf(tiles, "%u %u %u %u", &bq, &bk, &rpw, &vw) != 4) {
+        snprintf(msg, size, "bad tiles \"%s\"", tiles);
+        return false;
+    }
+    clmha_device_info info;
+    if (clmha_device_select(getenv("CLMHA_DEVICE"), &info, msg, size) != CLMHA_SUCCESS)
+        return false;
+    char json[2048];
+    snprintf(json, sizeof json,
+             "{\"format\": \"clmha-gemm-tuning\", \"version\": 1, \"platform\": \"%s\", "
+             "\"device\": \"%s\", \"driver\": \"%s\", \"kernels\": {\"FusedAttention\": "
+             "{\"BQ\": %u, \"BK\": %u, \"RPW\": %u, \"VW\": %u}}}",
+             info.platform_name, info.device_name, info.driver_version, bq, bk, rpw, vw);
+    if (clmha_context_tuning_import(ctx, json) != CLMHA_SUCCESS) {
+        snprintf(msg, size, "tuning import: %s", clmha_context_last_error(ctx));
+        return false;
+    }
+    return true;
 }
 
 // Runs case @p c; returns true when it passes.
@@ -328,7 +363,9 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     // Device.
     clmha_layer *layer = NULL;
     char msg[512] = "";
-    clmha_status st = clmha_layer_create(&layer, ctx, &desc);
+    clmha_status st = CLMHA_SUCCESS;
+    if (c->tiles && !import_tiles(ctx, c->tiles, msg, sizeof msg)) st = CLMHA_INVALID_ARGUMENT;
+    if (!st) st = clmha_layer_create(&layer, ctx, &desc);
     SET("in_proj_weight", w_in, 3 * e * e);
     SET("q_proj_weight", wq, e * e);
     SET("k_proj_weight", wk, e * kdim);

@@ -250,6 +250,11 @@ Test(tuning, corrupt_or_invalid_json_is_refused, .timeout = 300) {
         {"\"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": \"64\"}", NULL, "integer"},
         {"\"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": 64, \"EXTRA\": 1}", NULL, "unknown"},
         {"", NULL, "names no kernel"},
+        {"\"FusedAttention\": {\"BQ\": 48, \"BK\": 32, \"RPW\": 1, \"VW\": 1}", NULL, "BQ"},
+        {"\"FusedAttention\": {\"BQ\": 64, \"BK\": 32, \"RPW\": 1, \"VW\": 64}", NULL, "VW"},
+        {"\"FusedAttention\": {\"BQ\": 64, \"BK\": 8, \"RPW\": 1, \"VW\": 16}", NULL, "VW"},
+        {"\"FusedAttention\": {\"BQ\": 64, \"BK\": 32, \"RPW\": 9, \"VW\": 1}", NULL, "RPW"},
+        {"\"FusedAttention\": {\"BQ\": 64, \"BK\": 32, \"RPW\": 1}", NULL, "lacks parameter"},
         // MWG 48 is not a multiple of MDIMC*VWM = 32.
         {"\"Xgemm\": {\"GEMMK\": 0, \"KREG\": 1, \"KWG\": 16, \"KWI\": 2, \"MDIMA\": 4, "
          "\"MDIMC\": 4, \"MWG\": 48, \"NDIMB\": 4, \"NDIMC\": 4, \"NWG\": 64, \"SA\": 0, "
@@ -491,3 +496,94 @@ Test(tuning, tune_with_no_time_for_a_candidate, .timeout = 600) {
 }
 
 #endif  // CLMHA_TUNE_API
+
+// ---- fused attention tiles -------------------------------------------------------------------
+
+// Max |fused - reference| of a self-attention layer (E 24, H 3, N 2, L 45) on @p ctx.
+static double fused_error(clmha_context *ctx) {
+    enum { E = 24, H = 3, N = 2, L = 45, COUNT = N * L * E };
+    static float w[4 * E * E + 4 * E], x[COUNT], y[COUNT];
+    static double ref[COUNT];
+    uint64_t r = 99;
+    for (size_t i = 0; i < sizeof w / sizeof w[0]; ++i) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        w[i] = (float)((double)(r >> 40) / (double)(1ull << 24) - 0.5) * 0.4f;
+    }
+    for (size_t i = 0; i < COUNT; ++i) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        x[i] = (float)((double)(r >> 40) / (double)(1ull << 24) - 0.5);
+    }
+    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer *layer = NULL;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
+    const float *w_in = w, *w_out = w + 3 * E * E, *b_in = w + 4 * E * E,
+                *b_out = w + 4 * E * E + 3 * E;
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", b_out, E), 0);
+    clmha_forward_args a = {.query = {.ndim = 3, .shape = {L, N, E}, .data = x},
+                            .is_causal = true, .impl = CLMHA_IMPL_FUSED};
+    cr_assert_eq(clmha_layer_forward_host(layer, &a, y, COUNT, NULL, 0), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    clmha_reference_params rp = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+                                 .out_proj_weight = w_out, .out_proj_bias = b_out};
+    char msg[256];
+    cr_assert_eq(clmha_reference_forward(&desc, &rp, &a, ref, COUNT, NULL, 0, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    double err = 0;
+    for (size_t i = 0; i < COUNT; ++i) err = fmax(err, fabs((double)y[i] - ref[i]));
+    clmha_layer_release(layer);
+    return err;
+}
+
+// Imported fused tiles reach the export, and layers built afterwards use them and stay exact
+// (work-groups of 16, 8 keys per tile, one row per work-item, scalar; then 32/16/2 with
+// 8-wide vectors, which head_dim 8 allows).
+Test(tuning, imported_fused_tiles_are_used, .timeout = 300) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    double err0 = fused_error(ctx);
+    static const char *const tiles[] = {
+        "\"FusedAttention\": {\"BQ\": 16, \"BK\": 8, \"RPW\": 1, \"VW\": 1}",
+        "\"FusedAttention\": {\"BQ\": 32, \"BK\": 16, \"RPW\": 2, \"VW\": 8}",
+    };
+    for (size_t i = 0; i < 2; ++i) {
+        char *json = own_json(&f, tiles[i]);
+        cr_assert_eq(clmha_context_tuning_import(ctx, json), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(ctx));
+        free(json);
+        char *out = export_text(ctx);
+        cr_assert_not_null(out);
+        cr_expect_eq(param(out, "FusedAttention", "BQ"), i ? 32 : 16, "%s", out);
+        cr_expect_eq(param(out, "FusedAttention", "RPW"), i ? 2 : 1, "%s", out);
+        free(out);
+        double err = fused_error(ctx);
+        fprintf(stderr, "tuning: fused tiles %zu: max error %.2e (default tiles %.2e)\n", i, err,
+                err0);
+        cr_expect_leq(err, 1e-5, "fused tiles %zu: error %g", i, err);
+    }
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+// A tuning run times the fused kernel's default tiles and reports it.
+Test(tuning, tune_reports_the_fused_stage, .timeout = 900) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    clmha_tune_shape shape = {.batch = 1, .tgt_len = 64, .embed_dim = 32, .num_heads = 2};
+    clmha_tune_options o = {.budget_seconds = 20, .shapes = &shape, .num_shapes = 1,
+                            .no_store = true};
+    clmha_tune_report rep;
+    cr_assert_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    fprintf(stderr, "tuning: fused stage default %.2f GFLOP/s, tuned %.2f, %zu candidates\n",
+            rep.default_fused_gflops, rep.tuned_fused_gflops, rep.candidates);
+    cr_expect_gt(rep.default_fused_gflops, 0.0);
+    cr_expect_geq(rep.tuned_fused_gflops, rep.default_fused_gflops);
+    cr_expect(fused_error(ctx) <= 1e-5);
+    clmha_context_release(ctx);
+    teardown(&f);
+}
