@@ -14,6 +14,8 @@ typedef struct param_slot {
     const char *shape;
 } param_slot;
 
+// Finds parameter @p name of @p l; on failure writes why to @p why (which may be NULL when
+// @p why_size is 0).
 static bool find_param(const clmha_layer *l, const char *name, param_slot *slot, char *why,
                        size_t why_size) {
     size_t e = l->e, kd = l->desc.kdim, vd = l->desc.vdim;
@@ -65,8 +67,7 @@ static bool find_param(const clmha_layer *l, const char *name, param_slot *slot,
 
 size_t clmha_layer_parameter_count(const clmha_layer *layer, const char *name) {
     param_slot slot;
-    char why[8];
-    if (!layer || !name || !find_param(layer, name, &slot, why, sizeof why)) return 0;
+    if (!layer || !name || !find_param(layer, name, &slot, NULL, 0)) return 0;  // no message
     return slot.count;
 }
 
