@@ -572,7 +572,8 @@ CLMHA_API size_t clmha_layer_parameter_count(const clmha_layer *layer, const cha
 /// @param[in] src_len       S, positive
 /// @param[in] need_weights  whether later calls may ask for weights (the warm-up pass then
 ///                          produces averaged weights through the unfused core)
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, a zero size),
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, a zero size, @p need_weights on
+///         a layer set to ::CLMHA_IMPL_FUSED),
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len,
