@@ -292,17 +292,27 @@ static clmha_context *open_context(const char *cmd, const char *device_opt) {
     return ctx;
 }
 
-// Parses --impl: auto, fused or unfused. Reports a bad value.
-static bool parse_impl(const char *cmd, const char *text, clmha_impl *impl) {
+// Parses --impl (auto, fused or unfused; NULL: auto) for a call that wants weights or not;
+// @p weight_flags names the options that ask for weights. Reports a bad value, and fused with
+// weights.
+static bool parse_impl(const char *cmd, const char *text, bool need_weights,
+                       const char *weight_flags, clmha_impl *impl) {
     static const clmha_impl all[] = {CLMHA_IMPL_AUTO, CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) {
-        if (strcmp(text, clmha_impl_name(all[i])) == 0) {
-            *impl = all[i];
-            return true;
-        }
+    *impl = CLMHA_IMPL_AUTO;
+    if (!text) return true;
+    size_t i = 0;
+    while (i < sizeof all / sizeof all[0] && strcmp(text, clmha_impl_name(all[i])) != 0) ++i;
+    if (i == sizeof all / sizeof all[0]) {
+        report(cmd, "--impl '%s': expected auto, fused or unfused", text);
+        return false;
     }
-    report(cmd, "--impl '%s': expected auto, fused or unfused", text);
-    return false;
+    *impl = all[i];
+    if (*impl == CLMHA_IMPL_FUSED && need_weights) {
+        report(cmd, "--impl fused cannot give weights: drop %s, or use --impl unfused",
+               weight_flags);
+        return false;
+    }
+    return true;
 }
 
 // Refuses an output path early (before any work) when its folder does not exist or cannot be
@@ -575,13 +585,10 @@ static int cmd_run(int argc, char **argv) {
         return EXIT_USAGE;
     }
     if (weights_path || per_head) need_weights = true;
-    clmha_impl impl = CLMHA_IMPL_AUTO;
-    if (impl_opt && !parse_impl("run", impl_opt, &impl)) return EXIT_USAGE;
-    if (impl == CLMHA_IMPL_FUSED && need_weights) {
-        report("run", "--impl fused cannot give weights: drop --need-weights, "
-               "--per-head-weights and --weights-output, or use --impl unfused");
+    clmha_impl impl;
+    if (!parse_impl("run", impl_opt, need_weights,
+                    "--need-weights, --per-head-weights and --weights-output", &impl))
         return EXIT_USAGE;
-    }
 
     clmha_context *ctx = NULL;
     clmha_layer *layer = NULL;
@@ -1187,13 +1194,9 @@ static int cmd_bench(int argc, char **argv) {
         report("bench", "--embed %zu is not a multiple of --heads %zu", e, h);
         return EXIT_USAGE;
     }
-    clmha_impl impl = CLMHA_IMPL_AUTO;
-    if (impl_opt && !parse_impl("bench", impl_opt, &impl)) return EXIT_USAGE;
-    if (impl == CLMHA_IMPL_FUSED && need_weights) {
-        report("bench", "--impl fused cannot give weights: drop --need-weights or use "
-               "--impl unfused");
+    clmha_impl impl;
+    if (!parse_impl("bench", impl_opt, need_weights, "--need-weights", &impl))
         return EXIT_USAGE;
-    }
 
     bench_config cfg = {.layer_path = layer_path, .need_weights = need_weights, .json = json,
                         .impl = impl, .repeat = repeat};

@@ -15,45 +15,12 @@
 #include <string.h>
 
 #include "layer.h"
+#include "random_data.h"
 
 #define TOLERANCE 1e-4
 // Chunked against unchunked: the same kernels on the same numbers, only the GEMM calls (plain
 // per plane or batched) and the order of the head sums differ.
 #define SAME_TOLERANCE 1e-5
-
-// ---- deterministic random numbers (splitmix64) -----------------------------------------------
-
-static uint64_t next(uint64_t *s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-static double uniform(uint64_t *s) { return (double)(next(s) >> 11) * 0x1.0p-53; }
-
-static double normal(uint64_t *s) {
-    double u1 = 1.0 - uniform(s), u2 = uniform(s);
-    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-}
-
-static float *floats(size_t count) {
-    float *p = malloc((count ? count : 1) * sizeof *p);
-    cr_assert_not_null(p, "out of memory");
-    return p;
-}
-
-static float *uniform_floats(uint64_t *s, size_t count, double bound) {
-    float *p = floats(count);
-    for (size_t i = 0; i < count; ++i) p[i] = (float)((2.0 * uniform(s) - 1.0) * bound);
-    return p;
-}
-
-static float *normal_floats(uint64_t *s, size_t count) {
-    float *p = floats(count);
-    for (size_t i = 0; i < count; ++i) p[i] = (float)normal(s);
-    return p;
-}
 
 // ---- cases ------------------------------------------------------------------------------------
 
@@ -187,18 +154,18 @@ static clmha_tensor input(const instance *in, const float *data, size_t seq) {
 
 // Boolean masks hold 0 or a non-zero byte with a fraction 0.2 forbidden; float masks N(0, 1)
 // with a fraction 0.2 of -inf.
-static void *mask(uint64_t *s, clmha_mask_kind kind, size_t count) {
+static void *mask(prng *s, clmha_mask_kind kind, size_t count) {
     if (kind == CLMHA_MASK_FLOAT) {
-        float *m = floats(count);
+        float *m = alloc_floats(count);
         for (size_t i = 0; i < count; ++i)
-            m[i] = uniform(s) < 0.2 ? -INFINITY : (float)normal(s);
+            m[i] = prng_uniform(s) < 0.2 ? -INFINITY : (float)prng_normal(s);
         return m;
     }
     unsigned char *m = malloc(count);
     cr_assert_not_null(m);
     for (size_t i = 0; i < count; ++i) {
-        bool forbidden = uniform(s) < 0.2;
-        m[i] = forbidden == (kind == CLMHA_MASK_BOOL_IGNORE) ? (unsigned char)(1 + next(s) % 255)
+        bool forbidden = prng_uniform(s) < 0.2;
+        m[i] = forbidden == (kind == CLMHA_MASK_BOOL_IGNORE) ? (unsigned char)(1 + prng_next(s) % 255)
                                                              : 0;
     }
     return m;
@@ -207,7 +174,7 @@ static void *mask(uint64_t *s, clmha_mask_kind kind, size_t count) {
 static void instance_make(instance *in, const tcase *c) {
     memset(in, 0, sizeof *in);
     in->c = *c;
-    uint64_t s = c->seed;
+    prng rs = {c->seed}, *s = &rs;
     size_t e = c->e, n = c->unbatched ? 1 : c->n, l = c->l, src = c->s;
     in->n = n;
     in->sp = src + c->bias_kv + c->zero_attn;
@@ -215,35 +182,35 @@ static void instance_make(instance *in, const tcase *c) {
                                   .add_bias_kv = c->bias_kv, .add_zero_attn = c->zero_attn,
                                   .batch_first = c->batch_first, .dropout = c->dropout};
     double bound = 1.0 / sqrt((double)e);
-    in->w_in = uniform_floats(&s, 3 * e * e, bound);
-    in->b_in = uniform_floats(&s, 3 * e, bound);
-    in->w_out = uniform_floats(&s, e * e, bound);
-    in->b_out = uniform_floats(&s, e, bound);
+    in->w_in = uniform_floats(s, 3 * e * e, bound);
+    in->b_in = uniform_floats(s, 3 * e, bound);
+    in->w_out = uniform_floats(s, e * e, bound);
+    in->b_out = uniform_floats(s, e, bound);
     in->params = (clmha_reference_params){.in_proj_weight = in->w_in, .in_proj_bias = in->b_in,
                                           .out_proj_weight = in->w_out,
                                           .out_proj_bias = in->b_out};
     if (c->bias_kv) {
-        in->bk = normal_floats(&s, e);
-        in->bv = normal_floats(&s, e);
+        in->bk = normal_floats(s, e);
+        in->bv = normal_floats(s, e);
         in->params.bias_k = in->bk;
         in->params.bias_v = in->bv;
     }
-    in->q = normal_floats(&s, l * n * e);
-    in->k = normal_floats(&s, src * n * e);
-    in->v = normal_floats(&s, src * n * e);
+    in->q = normal_floats(s, l * n * e);
+    in->k = normal_floats(s, src * n * e);
+    in->v = normal_floats(s, src * n * e);
     clmha_forward_args *a = &in->args;
     a->query = input(in, in->q, l);
     a->key = input(in, in->k, src);
     a->value = input(in, in->v, src);
     if (c->kpm) {
-        in->kpm = mask(&s, c->kpm, n * src);
+        in->kpm = mask(s, c->kpm, n * src);
         a->key_padding_mask = (clmha_mask){
             .kind = c->kpm,
             .tensor = c->unbatched ? tensor(in->kpm, 1, src, 0, 0) : tensor(in->kpm, 2, n, src, 0)};
     }
     if (c->am) {
         size_t planes = c->lay == PER_HEAD ? n * c->h : c->lay == PER_BATCH ? n : 1;
-        in->am = mask(&s, c->am, planes * l * src);
+        in->am = mask(s, c->am, planes * l * src);
         a->attn_mask = (clmha_mask){.kind = c->am,
                                     .per_batch = c->lay == PER_BATCH,
                                     .tensor = c->lay == SHARED ? tensor(in->am, 2, l, src, 0)
@@ -378,8 +345,8 @@ static errors check_case(clmha_context *ctx, const tcase *c, double *worst_same)
     describe(c, name, sizeof name);
     clmha_layer *layer = make_layer(ctx, &in);
     size_t limit = limit_for(&in);
-    float *out = floats(in.out_count), *w = floats(in.w_count);
-    float *out_u = floats(in.out_count), *w_u = floats(in.w_count);
+    float *out = alloc_floats(in.out_count), *w = alloc_floats(in.w_count);
+    float *out_u = alloc_floats(in.out_count), *w_u = alloc_floats(in.w_count);
     double *ref_out = malloc(in.out_count * sizeof *ref_out);
     double *ref_w = malloc(in.w_count * sizeof *ref_w);
     cr_assert(ref_out && ref_w);
@@ -490,7 +457,7 @@ Test(chunking, device_buffers_at_offsets, .fini = clear_hook, .timeout = 600) {
         instance in;
         instance_make(&in, &c);
         clmha_layer *layer = make_layer(ctx, &in);
-        float *want = floats(in.out_count), *want_w = floats(in.w_count);
+        float *want = alloc_floats(in.out_count), *want_w = alloc_floats(in.w_count);
         forward(layer, &in, want, want_w);  // unchunked, host path
 
         clmha_layer_release(layer);
@@ -533,7 +500,7 @@ Test(chunking, device_buffers_at_offsets, .fini = clear_hook, .timeout = 600) {
         cr_assert_eq(clWaitForEvents(1, &ev), CL_SUCCESS);
         clReleaseEvent(ev);
         check_plan(layer, &in, limit);
-        float *got = floats(counts[0]), *got_w = floats(counts[1]);
+        float *got = alloc_floats(counts[0]), *got_w = alloc_floats(counts[1]);
         cr_assert_eq(clEnqueueReadBuffer(queue, bufs[0], CL_TRUE, 0, counts[0] * sizeof(float),
                                          got, 0, NULL, NULL),
                      CL_SUCCESS);

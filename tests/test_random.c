@@ -11,37 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "random_data.h"
+
 #define TOLERANCE 1e-4
-
-// ---- deterministic random numbers (splitmix64) -----------------------------------------------
-
-typedef struct prng {
-    uint64_t state;
-} prng;
-
-static uint64_t prng_next(prng *r) {
-    uint64_t z = (r->state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-// Uniform in [0, 1).
-static double prng_uniform(prng *r) { return (double)(prng_next(r) >> 11) * 0x1.0p-53; }
-
-// Uniform integer in [lo, hi].
-static size_t prng_range(prng *r, size_t lo, size_t hi) {
-    return lo + (size_t)(prng_next(r) % (uint64_t)(hi - lo + 1));
-}
-
-static bool prng_bool(prng *r) { return prng_next(r) >> 63; }
-
-// Standard normal (Box-Muller).
-static double prng_normal(prng *r) {
-    double u1 = 1.0 - prng_uniform(r);  // (0, 1]
-    double u2 = prng_uniform(r);
-    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
-}
 
 // ---- cases -----------------------------------------------------------------------------------
 
@@ -104,24 +76,6 @@ static void describe(const rcase *c, char *buf, size_t size) {
     if (c->need_weights) APPEND(c->per_head ? " w=per_head" : " w=avg");
     if (c->dropout > 0) APPEND(" p=%.2g%s", (double)c->dropout, c->training ? " train" : " eval");
 #undef APPEND
-}
-
-static float *alloc_floats(size_t count) {
-    float *p = malloc((count ? count : 1) * sizeof *p);
-    cr_assert_not_null(p, "out of memory");
-    return p;
-}
-
-static float *uniform_floats(prng *r, size_t count, double bound) {
-    float *p = alloc_floats(count);
-    for (size_t i = 0; i < count; ++i) p[i] = (float)((2.0 * prng_uniform(r) - 1.0) * bound);
-    return p;
-}
-
-static float *normal_floats(prng *r, size_t count) {
-    float *p = alloc_floats(count);
-    for (size_t i = 0; i < count; ++i) p[i] = (float)prng_normal(r);
-    return p;
 }
 
 // A mask of @p count elements: boolean masks hold 0 or a random non-zero byte (non-zero means
