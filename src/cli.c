@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "heatmap.h"
 #include "npy.h"
 
@@ -172,19 +173,24 @@ static const char *usage_bench =
 // ---- messages ---------------------------------------------------------------------------------
 
 // Prints "clmha <cmd>: <message>" as one line on stderr: control characters (from file names or
-// library messages) become spaces.
-static void report(const char *cmd, const char *fmt, ...) {
+// library messages) become spaces. (Also used by src/cli_tune.c.)
+void clmha__cli_vreport(const char *cmd, const char *fmt, va_list ap) {
     char line[3072];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(line, sizeof line, fmt, ap);
-    va_end(ap);
     for (char *p = line; *p; ++p)
         if (iscntrl((unsigned char)*p)) *p = ' ';
     if (cmd)
         fprintf(stderr, "clmha %s: %s\n", cmd, line);
     else
         fprintf(stderr, "clmha: %s\n", line);
+}
+
+static void report(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void report(const char *cmd, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    clmha__cli_vreport(cmd, fmt, ap);
+    va_end(ap);
 }
 
 static bool starts_with(const char *s, const char *prefix) {
@@ -1280,7 +1286,6 @@ done:
 // ---- main -------------------------------------------------------------------------------------
 
 // `clmha tune` lives in src/cli_tune.c.
-int clmha__cli_tune(int argc, char **argv);
 
 // The subcommands: name and entry point (called with the arguments after the name).
 static const struct command {

@@ -15,7 +15,8 @@
 #include <string.h>
 #include <unistd.h>
 
-int clmha__cli_tune(int argc, char **argv);
+#include "cli.h"
+
 
 enum { TUNE_OK = 0, TUNE_REFUSED = 1, TUNE_USAGE = 2, MAX_TUNE_SHAPES = 4 };
 
@@ -43,15 +44,12 @@ static const char *usage_tune =
     "\n"
     "exit status: 0 success, 1 device or library failure, 2 usage error\n";
 
+static void tune_report(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void tune_report(const char *fmt, ...) {
-    char line[3072];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(line, sizeof line, fmt, ap);
+    clmha__cli_vreport("tune", fmt, ap);
     va_end(ap);
-    for (char *p = line; *p; ++p)
-        if (iscntrl((unsigned char)*p)) *p = ' ';
-    fprintf(stderr, "clmha tune: %s\n", line);
 }
 
 // "8,128,512" or "8,128,512,8".

@@ -71,19 +71,24 @@ clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
     size_t rpw = pref_tiles[2] ? pref_tiles[2] : cpu ? 2 : 1;
     clmha__fused_tiles t = {.bq = 1, .bk = keys, .rpw = rpw};
     while (t.bq * 2 <= rows && t.bq * 2 <= ctx->max_work_group) t.bq *= 2;
-    cl_ulong local = ctx->info.local_mem_bytes;
-    // Leave room for what the compiler adds to local memory.
-    local = local > 1024 ? local - 1024 : 0;
-    while (t.bk > 0 && 2 * (cl_ulong)hd * t.bk * sizeof(float) > local) t.bk /= 2;
     // Float vectors as wide as the device prefers (PoCL on AVX-512: 16, about 1.2x faster than
-    // scalar loops at the shape above), narrowed until they divide hd and bk.
+    // scalar loops at the shape above).
     cl_uint pref = 1;
     clGetDeviceInfo(ctx->device, CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT, sizeof pref, &pref,
                     NULL);
-    size_t want = pref_tiles[3] ? pref_tiles[3] : pref;
-    t.vw = 16;
-    while (t.vw > 1 && (t.vw > want || hd % t.vw || (t.bk && t.bk % t.vw))) t.vw /= 2;
+    t.vw = pref_tiles[3] ? pref_tiles[3] : pref;
+    clmha__fused_tiles_fit(ctx, hd, &t);
     return t;
+}
+
+void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd, clmha__fused_tiles *t) {
+    cl_ulong local = ctx->info.local_mem_bytes;
+    // Leave room for what the compiler adds to local memory.
+    local = local > 1024 ? local - 1024 : 0;
+    while (t->bk > 0 && 2 * (cl_ulong)hd * t->bk * sizeof(float) > local) t->bk /= 2;
+    size_t want = t->vw;
+    t->vw = 16;
+    while (t->vw > 1 && (t->vw > want || hd % t->vw || (t->bk && t->bk % t->vw))) t->vw /= 2;
 }
 
 static clmha_context *context_alloc(void) {

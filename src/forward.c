@@ -42,6 +42,11 @@ static clmha_status check_buffer(clmha_context *ctx, const char *name, cl_mem bu
 
 static size_t mask_elem(clmha_mask_kind kind) { return kind == CLMHA_MASK_FLOAT ? 4 : 1; }
 
+// The core a call asks for: its own impl, else the layer's (either may be CLMHA_IMPL_AUTO).
+static clmha_impl impl_of(const clmha_layer *layer, const clmha_forward_args *args) {
+    return args->impl != CLMHA_IMPL_AUTO ? args->impl : layer->impl;
+}
+
 // Everything a forward call checks before it enqueues anything.
 static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
                              bool on_device, clmha__dims *d) {
@@ -53,9 +58,7 @@ static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
         args->impl != CLMHA_IMPL_UNFUSED)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "impl %d is not CLMHA_IMPL_AUTO, _FUSED or _UNFUSED", (int)args->impl);
-    if (args->need_weights && !layer->core &&
-        (args->impl == CLMHA_IMPL_FUSED ||
-         (args->impl == CLMHA_IMPL_AUTO && layer->impl == CLMHA_IMPL_FUSED)))
+    if (args->need_weights && !layer->core && impl_of(layer, args) == CLMHA_IMPL_FUSED)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "need_weights is set but the fused core (impl fused%s) does not "
                            "return weights: use CLMHA_IMPL_AUTO or CLMHA_IMPL_UNFUSED",
@@ -533,7 +536,7 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
         (st = check_buffer(ctx, "weights", weights, weights_offset, d.weights_count, 4)))
         return st;
     // The core: the user's, else fused or unfused (see clmha_impl).
-    clmha_impl impl = args->impl ? args->impl : layer->impl;
+    clmha_impl impl = impl_of(layer, args);
     bool fused = !layer->core && (impl == CLMHA_IMPL_FUSED ||
                                   (impl == CLMHA_IMPL_AUTO && !args->need_weights));
     if (fused && (st = clmha__layer_fused(layer))) return st;

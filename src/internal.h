@@ -193,6 +193,12 @@ typedef struct clmha__fused_tiles {
 // width (16 at most) that divides hd and bk.
 CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd);
 
+// Makes tiles @p t usable for head dim @p hd on the device of @p ctx: halves bk until the
+// 2·hd·bk floats of a tile fit in local memory, and narrows vw (a power of two up to 16, at
+// most the given vw) until it divides hd and bk.
+CLMHA__HIDDEN void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd,
+                                          clmha__fused_tiles *t);
+
 // Frees every cached program of a context.
 CLMHA__HIDDEN void clmha__programs_release(clmha_context *ctx);
 

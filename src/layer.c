@@ -301,10 +301,7 @@ clmha_status clmha__layer_fused(clmha_layer *l) {
 clmha_status clmha__layer_set_fused_tiles(clmha_layer *l, const clmha__fused_tiles *t,
                                           clmha__fused_tiles *used) {
     clmha__fused_tiles u = *t;
-    cl_ulong local = l->ctx->info.local_mem_bytes;
-    local = local > 1024 ? local - 1024 : 0;
-    while (u.bk > 0 && 2 * (cl_ulong)l->d * u.bk * sizeof(float) > local) u.bk /= 2;
-    while (u.vw > 1 && (l->d % u.vw || (u.bk && u.bk % u.vw))) u.vw /= 2;
+    clmha__fused_tiles_fit(l->ctx, l->d, &u);
     release_kernel(&l->fused);
     if (used) *used = u;
     return build_fused(l, u);
