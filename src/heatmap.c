@@ -4,6 +4,8 @@
 
 #include "heatmap.h"
 
+#include "file_write.h"
+
 #include <errno.h>
 #include <math.h>
 #include <png.h>
@@ -342,15 +344,27 @@ static void scale_labels(double top, char *lo, char *hi, size_t size) {
 
 // ---- writing -------------------------------------------------------------------------------
 
+// Writes image @p user (an image) to @p f as an RGB PNG.
+static bool write_png(FILE *f, void *user, char *why, size_t why_size) {
+    const image *im = user;
+    png_image png;
+    memset(&png, 0, sizeof png);
+    png.version = PNG_IMAGE_VERSION;
+    png.width = (png_uint_32)im->w;
+    png.height = (png_uint_32)im->h;
+    png.format = PNG_FORMAT_RGB;
+    bool ok = png_image_write_to_stdio(&png, f, 0, im->px, 0, NULL) != 0;
+    if (!ok) snprintf(why, why_size, "%s", png.message);
+    png_image_free(&png);
+    return ok;
+}
+
 clmha_status clmha__heatmap_write(const char *path, const float *weights, size_t heads,
                                   size_t tgt_len, size_t src_len, char *msg, size_t msg_size) {
     clmha_status st;
     image im = {NULL, 0, 0};
     float *grid = NULL;
     double *mean = NULL;
-    char *tmp = NULL;
-    FILE *f = NULL;
-    int fd = -1;
     if (!path || !weights)
         return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "heatmap: path or weights is NULL");
     clmha__heatmap_layout l;
@@ -410,63 +424,8 @@ clmha_status clmha__heatmap_write(const char *path, const float *weights, size_t
     draw_text(&im, label_x, l.bar_y + l.bar_h - 7 * s, s, lo, ink);
 
     // All or nothing: a temporary file next to the target, renamed over it when complete.
-    size_t path_len = strlen(path);
-    tmp = malloc(path_len + sizeof ".tmp.XXXXXX");
-    if (!tmp) {
-        st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY, "heatmap: out of memory for '%s'", path);
-        goto fail;
-    }
-    memcpy(tmp, path, path_len);
-    memcpy(tmp + path_len, ".tmp.XXXXXX", sizeof ".tmp.XXXXXX");
-    fd = mkstemp(tmp);
-    if (fd < 0) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot create '%s': %s", tmp, strerror(errno));
-        free(tmp);
-        tmp = NULL;  // nothing to remove
-        goto fail;
-    }
-    // mkstemp makes the file 0600; give it the permissions of an ordinary output file.
-    if (fchmod(fd, S_IRUSR | S_IWUSR | S_IRGRP | S_IROTH) != 0 || !(f = fdopen(fd, "wb"))) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
-        goto fail;
-    }
-    fd = -1;  // now owned by f
-    png_image png;
-    memset(&png, 0, sizeof png);
-    png.version = PNG_IMAGE_VERSION;
-    png.width = (png_uint_32)im.w;
-    png.height = (png_uint_32)im.h;
-    png.format = PNG_FORMAT_RGB;
-    int written = png_image_write_to_stdio(&png, f, 0, im.px, 0, NULL);
-    if (!written) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, png.message);
-        png_image_free(&png);
-        goto fail;
-    }
-    png_image_free(&png);
-    if (fflush(f) != 0) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
-        goto fail;
-    }
-    int closed = fclose(f);
-    f = NULL;
-    if (closed != 0) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
-        goto fail;
-    }
-    if (rename(tmp, path) != 0) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot rename '%s' to '%s': %s", tmp, path,
-                  strerror(errno));
-        goto fail;
-    }
-    free(tmp);
-    tmp = NULL;
-    st = CLMHA_SUCCESS;
+    st = clmha__file_write_whole(path, write_png, &im, msg, msg_size);
 fail:
-    if (f) fclose(f);
-    if (fd >= 0) close(fd);
-    if (tmp) remove(tmp);
-    free(tmp);
     free(im.px);
     free(grid);
     free(mean);

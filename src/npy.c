@@ -12,6 +12,8 @@
 
 #include "npy.h"
 
+#include "file_write.h"
+
 #include <errno.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -508,12 +510,32 @@ fail:
 
 // ---- writing -------------------------------------------------------------------------------
 
+// What clmha__npy_write_f32 writes: the prefix, the header and the floats, little-endian.
+typedef struct npy_out {
+    const unsigned char *prefix;  // 10 bytes
+    const char *head;
+    size_t header_len;
+    const float *data;
+    size_t count;
+} npy_out;
+
+static bool write_npy(FILE *f, void *user, char *why, size_t why_size) {
+    (void)why, (void)why_size;  // errno says why
+    const npy_out *o = user;
+    bool ok = fwrite(o->prefix, 1, 10, f) == 10 &&
+              fwrite(o->head, 1, o->header_len, f) == o->header_len;
+    unsigned char chunk[4096];
+    for (size_t i = 0; ok && i < o->count;) {
+        size_t n = o->count - i < sizeof chunk / 4 ? o->count - i : sizeof chunk / 4;
+        for (size_t j = 0; j < n; ++j) store_f4(chunk + 4 * j, o->data[i + j]);
+        ok = fwrite(chunk, 4, n, f) == n;
+        i += n;
+    }
+    return ok;
+}
+
 clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
                                   const size_t *shape, char *msg, size_t msg_size) {
-    clmha_status st = CLMHA_SUCCESS;
-    char *tmp = NULL;
-    FILE *f = NULL;
-    int fd = -1;
     if (!path || (ndim > 0 && !shape))
         return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or shape is NULL");
     if (ndim > CLMHA__NPY_MAX_DIMS)
@@ -546,62 +568,7 @@ clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t nd
     memset(head + used, ' ', header_len - 1 - used);
     head[header_len - 1] = '\n';
 
-    size_t path_len = strlen(path);
-    tmp = malloc(path_len + sizeof ".tmp.XXXXXX");
-    if (!tmp) {
-        st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of memory", path);
-        goto fail;
-    }
-    memcpy(tmp, path, path_len);
-    memcpy(tmp + path_len, ".tmp.XXXXXX", sizeof ".tmp.XXXXXX");
-    fd = mkstemp(tmp);
-    if (fd < 0) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot create '%s': %s", tmp, strerror(errno));
-        free(tmp);
-        tmp = NULL;  // nothing to remove
-        goto fail;
-    }
-    // mkstemp makes the file 0600; give it the permissions of an ordinary output file.
-    if (fchmod(fd, S_IRUSR | S_IWUSR | S_IRGRP | S_IROTH) != 0) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
-        goto fail;
-    }
-    f = fdopen(fd, "wb");
-    if (!f) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
-        goto fail;
-    }
-    fd = -1;  // now owned by f
-    bool ok = fwrite(prefix, 1, sizeof prefix, f) == sizeof prefix &&
-              fwrite(head, 1, header_len, f) == header_len;
-    unsigned char chunk[4096];
-    for (size_t i = 0; ok && i < count;) {
-        size_t n = count - i < sizeof chunk / 4 ? count - i : sizeof chunk / 4;
-        for (size_t j = 0; j < n; ++j) store_f4(chunk + 4 * j, data[i + j]);
-        ok = fwrite(chunk, 4, n, f) == n;
-        i += n;
-    }
-    if (!ok || fflush(f) != 0) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
-        goto fail;
-    }
-    int closed = fclose(f);
-    f = NULL;
-    if (closed != 0) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", tmp, strerror(errno));
-        goto fail;
-    }
-    if (rename(tmp, path) != 0) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot rename '%s' to '%s': %s", tmp, path,
-                  strerror(errno));
-        goto fail;
-    }
-    free(tmp);
-    return CLMHA_SUCCESS;
-fail:
-    if (f) fclose(f);
-    if (fd >= 0) close(fd);
-    if (tmp) remove(tmp);
-    free(tmp);
-    return st;
+    npy_out o = {.prefix = prefix, .head = head, .header_len = header_len, .data = data,
+                 .count = count};
+    return clmha__file_write_whole(path, write_npy, &o, msg, msg_size);
 }

@@ -7,6 +7,8 @@
 
 #include "safetensors.h"
 
+#include "file_write.h"
+
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <float.h>
@@ -899,6 +901,26 @@ typedef struct save_entry {
     size_t count;
 } save_entry;
 
+// What clmha_layer_save writes: the header's length (8 bytes, little-endian), the header and
+// the tensors' floats (already little-endian).
+typedef struct safetensors_out {
+    const char *header;
+    size_t header_len;
+    const float *data;
+    size_t count;
+} safetensors_out;
+
+static bool write_safetensors(FILE *f, void *user, char *why, size_t why_size) {
+    (void)why, (void)why_size;  // errno says why
+    const safetensors_out *o = user;
+    unsigned char len_bytes[8];
+    for (int i = 0; i < 8; ++i)
+        len_bytes[i] = (unsigned char)((uint64_t)o->header_len >> (8 * i));
+    return fwrite(len_bytes, 1, 8, f) == 8 &&
+           fwrite(o->header, 1, o->header_len, f) == o->header_len &&
+           fwrite(o->data, sizeof *o->data, o->count, f) == o->count;
+}
+
 clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = clmha_layer_context(layer);
@@ -907,11 +929,6 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
 
     clmha_status st = CLMHA_SUCCESS;
     float *data = NULL;
-    char *tmp = NULL;
-    FILE *f = NULL;
-    int fd = -1;
-    bool created = false;
-    char why[256];
 
     clmha_layer_desc d;
     clmha_layer_get_desc(layer, &d);
@@ -985,61 +1002,12 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
         }
     }
 
-    // A temporary file next to the destination.
-    const char *slash = strrchr(path, '/');
-    size_t dir_len = slash ? (size_t)(slash - path) + 1 : 0;
-    static const char tmp_name[] = ".clmha-save-XXXXXX";
-    tmp = malloc(dir_len + sizeof tmp_name);
-    if (!tmp) {
-        st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", path);
-        goto fail;
-    }
-    memcpy(tmp, path, dir_len);
-    memcpy(tmp + dir_len, tmp_name, sizeof tmp_name);
-    fd = mkstemp(tmp);
-    if (fd < 0) {
-        errno_text(errno, why, sizeof why);
-        st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot write %s: cannot create a temporary file "
-                         "in its folder: %s", path, why);
-        goto fail;
-    }
-    created = true;
-    // mkstemp gives 0600; keep the mode of a file being replaced, else rw-r--r--.
-    struct stat sb;
-    mode_t mode = stat(path, &sb) == 0 ? (sb.st_mode & 07777) : 0644;
-    fchmod(fd, mode);
-    f = fdopen(fd, "wb");
-    if (!f) {
-        errno_text(errno, why, sizeof why);
-        st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot write %s: %s", path, why);
-        goto fail;
-    }
-    fd = -1;  // now owned by f
-    unsigned char len_bytes[8];
-    for (int i = 0; i < 8; ++i) len_bytes[i] = (unsigned char)((uint64_t)used >> (8 * i));
-    bool written = fwrite(len_bytes, 1, 8, f) == 8 && fwrite(header, 1, used, f) == used &&
-                   fwrite(data, sizeof *data, total, f) == total && fflush(f) == 0 &&
-                   fsync(fileno(f)) == 0;
-    int werr = errno;
-    int closed = fclose(f);
-    f = NULL;
-    if (!written || closed != 0) {
-        errno_text(written ? errno : werr, why, sizeof why);
-        st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot write %s: %s", path, why);
-        goto fail;
-    }
-    if (rename(tmp, path) != 0) {
-        errno_text(errno, why, sizeof why);
-        st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot write %s: renaming the temporary file "
-                         "%s failed: %s", path, tmp, why);
-        goto fail;
-    }
-    created = false;
+    // All or nothing: a temporary file next to the destination, renamed over it.
+    safetensors_out o = {.header = header, .header_len = used, .data = data, .count = total};
+    char msg[CLMHA__ERROR_SIZE - 64];
+    if ((st = clmha__file_write_whole(path, write_safetensors, &o, msg, sizeof msg)))
+        st = clmha__fail(ctx, st, "%s", msg);
 fail:
-    if (f) fclose(f);
-    if (fd >= 0) close(fd);
-    if (created) unlink(tmp);
-    free(tmp);
     free(data);
     return st;
 }

@@ -19,6 +19,8 @@
 
 #include "tuning.h"
 
+#include "file_write.h"
+
 #include "layer.h"
 
 #include <cjson/cJSON.h>
@@ -461,6 +463,13 @@ static clmha_status make_dirs(const char *dir, char *msg, size_t msg_size) {
     return CLMHA_SUCCESS;
 }
 
+// Writes the NUL-terminated @p user.
+static bool write_text(FILE *f, void *user, char *why, size_t why_size) {
+    (void)why, (void)why_size;  // errno says why
+    size_t len = strlen(user);
+    return fwrite(user, 1, len, f) == len;
+}
+
 clmha_status clmha__tuning_write_file(const char *path, const char *text, char *msg,
                                       size_t msg_size) {
     char dir[4096];
@@ -473,38 +482,7 @@ clmha_status clmha__tuning_write_file(const char *path, const char *text, char *
         clmha_status st = make_dirs(dir, msg, msg_size);
         if (st) return st;
     }
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s.XXXXXX", path);
-    int fd = mkstemp(tmp);
-    if (fd < 0)
-        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot create a temporary file for %s: %s",
-                          path, strerror(errno));
-    size_t len = strlen(text), done = 0;
-    while (done < len) {
-        ssize_t w = write(fd, text + done, len - done);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) {
-            int e = errno;
-            close(fd);
-            unlink(tmp);
-            return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot write %s: %s", tmp,
-                              strerror(e));
-        }
-        done += (size_t)w;
-    }
-    fchmod(fd, 0644);
-    if (fsync(fd) != 0 || close(fd) != 0) {
-        int e = errno;
-        unlink(tmp);
-        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot write %s: %s", tmp, strerror(e));
-    }
-    if (rename(tmp, path) != 0) {
-        int e = errno;
-        unlink(tmp);
-        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot rename %s to %s: %s", tmp, path,
-                          strerror(e));
-    }
-    return CLMHA_SUCCESS;
+    return clmha__file_write_whole(path, write_text, (void *)text, msg, msg_size);
 }
 
 // Reads a whole file (at most TUNING_FILE_MAX bytes) as a NUL-terminated string.

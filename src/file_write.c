@@ -1,0 +1,61 @@
+// Writing a file whole or not at all (see file_write.h).
+#define _POSIX_C_SOURCE 200809L
+
+#include "file_write.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, void *user,
+                                     char *msg, size_t msg_size) {
+    static const char suffix[] = ".tmp.XXXXXX";
+    if (!msg) msg_size = 0;
+    size_t path_len = strlen(path);
+    char *tmp = malloc(path_len + sizeof suffix);
+    if (!tmp) {
+        snprintf(msg, msg_size, "cannot write '%s': out of memory", path);
+        return CLMHA_OUT_OF_MEMORY;
+    }
+    memcpy(tmp, path, path_len);
+    memcpy(tmp + path_len, suffix, sizeof suffix);
+    int fd = mkstemp(tmp);
+    if (fd < 0) {
+        snprintf(msg, msg_size, "cannot create '%s': %s", tmp, strerror(errno));
+        free(tmp);
+        return CLMHA_IO_ERROR;
+    }
+    // mkstemp makes the file 0600: take the mode of the file it replaces, else rw-r--r--.
+    struct stat sb;
+    mode_t mode = stat(path, &sb) == 0 && S_ISREG(sb.st_mode)
+                      ? (sb.st_mode & 07777)
+                      : (S_IRUSR | S_IWUSR | S_IRGRP | S_IROTH);
+    char why[256] = "";
+    FILE *f = fchmod(fd, mode) == 0 ? fdopen(fd, "wb") : NULL;
+    bool ok = f != NULL;
+    if (!ok) {
+        snprintf(why, sizeof why, "%s", strerror(errno));
+        close(fd);
+    } else {
+        errno = 0;
+        ok = fill(f, user, why, sizeof why) && fflush(f) == 0 && fsync(fileno(f)) == 0;
+        if (!ok && !why[0]) snprintf(why, sizeof why, "%s", strerror(errno ? errno : EIO));
+        if (fclose(f) != 0 && ok) {
+            ok = false;
+            snprintf(why, sizeof why, "%s", strerror(errno));
+        }
+    }
+    clmha_status st = CLMHA_SUCCESS;
+    if (!ok) {
+        snprintf(msg, msg_size, "cannot write '%s': %s", tmp, why);
+        st = CLMHA_IO_ERROR;
+    } else if (rename(tmp, path) != 0) {
+        snprintf(msg, msg_size, "cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
+        st = CLMHA_IO_ERROR;
+    }
+    if (st) remove(tmp);
+    free(tmp);
+    return st;
+}
