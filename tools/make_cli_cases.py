@@ -25,7 +25,9 @@ Run with a Python that has PyTorch (tested with Debian's python3-torch 1.13):
 
     /usr/bin/python3 tools/make_cli_cases.py [--out tests/cli] [--check]
 
---check regenerates into a temporary folder and exits non-zero when any file differs.
+--check regenerates into a temporary folder and exits non-zero when any file differs: the float64
+expected outputs within the tolerance of tools/golden_compare.py (PyTorch's float64 digits vary
+between CPU models), every other file byte for byte.
 """
 
 import argparse
@@ -41,6 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import export_mha  # noqa: E402
+import golden_compare  # noqa: E402
 
 torch.set_grad_enabled(True)  # keeps nn.MultiheadAttention off its native fast path
 
@@ -98,8 +101,10 @@ def layout(c, seq, feat):
     return (c["N"], seq, feat) if c["batch_first"] else (seq, c["N"], feat)
 
 
-def make_layer(c, path):
-    """Writes the layer file; returns the float64 module holding what clmha reads from it."""
+def make_layer(c, path, given_dir=None):
+    """Writes the layer file; returns the float64 module holding what clmha reads from it.
+    With given_dir (--check), the committed layer file there replaces the drawn one once it is
+    shown to be the same draw (golden_compare.check_draw, tensor by tensor)."""
     seed = seed_of(c["name"])
     m = export_mha.random_module(c["E"], c["H"], c["kdim"], c["vdim"], c["bias"],
                                  c["add_bias_kv"], c["add_zero_attn"], c["batch_first"],
@@ -111,12 +116,29 @@ def make_layer(c, path):
             for p in m.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3)
     export_mha.export(m, path, dtype=c["dtype"])
+    if given_dir is not None:
+        committed = os.path.join(given_dir, os.path.basename(path))
+        with open(committed, "rb") as f:
+            blob = f.read()
+        if header_of(blob) != header_of(open(path, "rb").read()):
+            raise golden_compare.NotThisDraw("layer.safetensors: header differs from the draw")
+        drawn, _ = export_mha.read(path)
+        have, _ = export_mha.read(committed)
+        for k, v in drawn.items():
+            golden_compare.check_draw(f"layer.safetensors {k}", have[k], v)
+        with open(path, "wb") as f:
+            f.write(blob)
     tensors, _ = export_mha.read(path)
     m64 = copy.deepcopy(m).double().eval()
     state = {k: torch.from_numpy(v.astype(np.float32).astype(np.float64))
              for k, v in tensors.items()}
     m64.load_state_dict(state, strict=True)
     return m64
+
+
+def header_of(blob):
+    """The length word and JSON header of a safetensors file."""
+    return blob[:8 + int.from_bytes(blob[:8], "little")]
 
 
 def draw_masks(c, rng):
@@ -150,22 +172,37 @@ def draw_masks(c, rng):
     return kpm, attn, masked
 
 
-def generate(c, out_dir):
+def generate(c, out_dir, given_root=None):
+    """Writes case c into out_dir/<name>. With given_root (--check), the float32 inputs are the
+    committed ones under given_root/<name>, after checking that they are this case's draw, so
+    that the float64 expectations are recomputed on exactly the committed inputs."""
     name = c["name"]
     d = os.path.join(out_dir, name)
     os.makedirs(d, exist_ok=True)
-    m64 = make_layer(c, os.path.join(d, "layer.safetensors"))
+    given = None if given_root is None else os.path.join(given_root, name)
+    m64 = make_layer(c, os.path.join(d, "layer.safetensors"), given)
+
+    def take(fn, drawn):
+        if given is None:
+            return drawn
+        p = os.path.join(given, fn)
+        if not os.path.isfile(p):
+            raise golden_compare.NotThisDraw(f"{fn}: missing")
+        return golden_compare.check_draw(fn, np.load(p, allow_pickle=False), drawn)
+
     gen = torch.Generator().manual_seed(seed_of(name) + 2)
     rng = np.random.default_rng(seed_of(name))
     E, L, S = c["E"], c["L"], c["S"]
     kdim, vdim = c["kdim"] or E, c["vdim"] or E
 
     query = torch.randn(layout(c, L, E), generator=gen).numpy().astype(np.float32)
+    query = take("query.npy", query)
     np.save(os.path.join(d, "query.npy"), query)
     key = value = query
     if c["cross"]:
         key = torch.randn(layout(c, S, kdim), generator=gen).numpy().astype(np.float32)
         value = torch.randn(layout(c, S, vdim), generator=gen).numpy().astype(np.float32)
+        key, value = take("key.npy", key), take("value.npy", value)
         np.save(os.path.join(d, "key.npy"), key)
         np.save(os.path.join(d, "value.npy"), value)
 
@@ -222,7 +259,7 @@ def generate(c, out_dir):
         f.write(" ".join(flags) + "\n")
 
 
-def write_all(out_dir):
+def write_all(out_dir, given_root=None):
     names = [c["name"] for c in CASES]
     assert len(set(names)) == len(names)
     os.makedirs(out_dir, exist_ok=True)
@@ -230,12 +267,17 @@ def write_all(out_dir):
         p = os.path.join(out_dir, entry)
         if entry not in names and os.path.isfile(os.path.join(p, "args")):
             shutil.rmtree(p)
+    not_drawn = []
     for c in CASES:
         shutil.rmtree(os.path.join(out_dir, c["name"]), ignore_errors=True)
-        generate(c, out_dir)
+        try:
+            generate(c, out_dir, given_root)
+        except golden_compare.NotThisDraw as e:
+            not_drawn.append(f"{os.path.join(given_root, c['name'])}: {e}")
     with open(os.path.join(out_dir, "cases.inc"), "w") as f:
         f.write("/* generated by tools/make_cli_cases.py: the `clmha run` case names */\n")
         f.write("".join(f'"{n}",\n' for n in names))
+    return not_drawn
 
 
 def tree(d):
@@ -258,16 +300,30 @@ def main():
     out_dir = os.path.normpath(a.out)
     if a.check:
         with tempfile.TemporaryDirectory() as tmp:
-            write_all(tmp)
+            not_drawn = write_all(tmp, out_dir)
             want, have = tree(tmp), tree(out_dir)
         names = {c["name"] for c in CASES}
         have = {k: v for k, v in have.items()
                 if k == "cases.inc" or k.split(os.sep)[0] in names}
-        bad = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
-        for k in bad:
-            print(f"differs: {os.path.join(out_dir, k)}", file=sys.stderr)
-        print(f"{len(want) - len(bad)}/{len(want)} files identical")
-        return 1 if bad else 0
+        for why in not_drawn:
+            print(f"differs: {why}", file=sys.stderr)
+        failed = {why.split(": ")[0] for why in not_drawn}
+        want = {k: v for k, v in want.items()
+                if os.path.join(out_dir, k.split(os.sep)[0]) not in failed}
+        have = {k: v for k, v in have.items()
+                if os.path.join(out_dir, k.split(os.sep)[0]) not in failed}
+        bad = 0
+        for k in sorted(set(want) | set(have)):
+            why = golden_compare.file_differs(k, have.get(k), want.get(k))
+            if why:
+                print(f"differs: {os.path.join(out_dir, k)}: {why}", file=sys.stderr)
+                bad += 1
+        if not_drawn:
+            print(f"{len(not_drawn)} case(s) not this script's draw")
+        print(f"{len(want) - bad}/{len(want)} files of the other cases match: float32 inputs this script's draw "
+              f"({golden_compare.F32_TOLERANCE}), float64 results recomputed on them "
+              f"({golden_compare.TOLERANCE}), all else identical")
+        return 1 if bad or not_drawn else 0
     write_all(out_dir)
     size = sum(len(v) for v in tree(out_dir).values())
     print(f"wrote {len(CASES)} cases to {out_dir} ({size} bytes)")

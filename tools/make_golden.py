@@ -10,7 +10,9 @@ Run with a Python that has PyTorch (tested with Debian's python3-torch 1.13):
 
     /usr/bin/python3 tools/make_golden.py [--out tests/golden] [--check]
 
---check regenerates in memory and exits non-zero when any file on disk differs.
+--check regenerates in memory and exits non-zero when any file on disk differs: float64 results
+within the tolerance of tools/golden_compare.py (PyTorch's float64 digits vary between CPU
+models), everything else identically.
 
 File format (text, whitespace separated, '#' starts a comment line):
 
@@ -53,6 +55,9 @@ import zlib
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import golden_compare  # noqa: E402
 
 torch.set_grad_enabled(True)  # keeps nn.MultiheadAttention off its native fast path
 
@@ -178,7 +183,7 @@ def f32(a):
     return np.asarray(a, dtype=np.float32)
 
 
-def make_module(c, gen):
+def make_module(c, gen, given=None):
     E, H = c["E"], c["H"]
     kdim = c["kdim"] if c["kdim"] is not None else E
     vdim = c["vdim"] if c["vdim"] is not None else E
@@ -195,6 +200,9 @@ def make_module(c, gen):
         if m.out_proj.bias is not None:
             m.out_proj.bias.copy_(torch.randn(m.out_proj.bias.shape, generator=gen) * 0.1)
     m.eval()
+    if given is not None:  # --check: the committed parameters, if they are this draw
+        m.load_state_dict({k: torch.from_numpy(given.take(k, v.detach().float().numpy()))
+                           for k, v in m.state_dict().items()}, strict=True)
     params = [(k, v.detach().float().numpy().copy()) for k, v in m.state_dict().items()]
     return m, params, kdim, vdim
 
@@ -378,26 +386,37 @@ def same(a, b, tol=1e-12):
     return d.numel() == 0 or d.max().item() <= tol * scale
 
 
-def generate(c):
+def generate(c, given=None):
+    """The text of case c's golden file. With given (a golden_compare.GivenInputs of the
+    committed file), the float32 inputs are the committed ones, after checking that they are
+    this case's draw up to float32 rounding, so that the float64 results are recomputed on
+    exactly the committed inputs."""
     name = c["name"]
     seed = seed_of(name)
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     E, H, L, S, N = c["E"], c["H"], c["L"], c["S"], c["N"]
     batched = N is not None
-    m32, params, kdim, vdim = make_module(c, gen)
+    m32, params, kdim, vdim = make_module(c, gen, given)
     if c["mode"] == "self":
         assert kdim == E and vdim == E
 
+    def draw(shape):
+        return f32(torch.randn(shape, generator=gen).numpy())
+
     # inputs (float32)
-    query = f32(torch.randn(input_shape(c, L, E), generator=gen).numpy())
+    query = draw(input_shape(c, L, E))
     key = value = None
     if c["mode"] == "cross":
-        key = f32(torch.randn(input_shape(c, S, kdim), generator=gen).numpy())
-        value = f32(torch.randn(input_shape(c, S, vdim), generator=gen).numpy())
+        key = draw(input_shape(c, S, kdim))
+        value = draw(input_shape(c, S, vdim))
     elif c["mode"] == "kv_same":
         assert kdim == vdim
-        key = f32(torch.randn(input_shape(c, S, kdim), generator=gen).numpy())
+        key = draw(input_shape(c, S, kdim))
+    if given is not None:
+        query = given.take("query", query)
+        key = None if key is None else given.take("key", key)
+        value = None if value is None else given.take("value", value)
 
     # masks, redrawn until no row is fully masked (the dedicated cases add theirs afterwards)
     for _ in range(1000):
@@ -591,6 +610,34 @@ def tensor_text(name, dtype, arr):
     return out
 
 
+def check(out_dir, cases_inc):
+    """Recomputes every case on its committed float32 inputs and compares (golden_compare)."""
+    bad = 0
+    want = {"cases.inc": cases_inc}
+    for c in CASES:
+        want[f"{c['name']}.txt"] = c
+    for fn, c in want.items():
+        p = os.path.join(out_dir, fn)
+        if not os.path.exists(p):
+            why = "missing"
+        elif fn == "cases.inc":
+            why = None if open(p).read() == c else "differs"
+        else:
+            have = open(p).read()
+            try:
+                why = golden_compare.golden_text_differs(
+                    have, generate(c, golden_compare.GivenInputs(have)))
+            except golden_compare.NotThisDraw as e:
+                why = str(e)
+        if why:
+            print(f"differs: {p}: {why}", file=sys.stderr)
+            bad += 1
+    print(f"{len(want) - bad}/{len(want)} files match: float32 inputs this script's draw "
+          f"({golden_compare.F32_TOLERANCE}), float64 results recomputed on them "
+          f"({golden_compare.TOLERANCE}), all else identical")
+    return 1 if bad else 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     here = os.path.dirname(os.path.abspath(__file__))
@@ -601,18 +648,12 @@ def main():
     out_dir = os.path.normpath(args.out)
     names = [c["name"] for c in CASES]
     assert len(set(names)) == len(names)
-    files = {f"{c['name']}.txt": generate(c) for c in CASES}
-    files["cases.inc"] = ("/* generated by tools/make_golden.py: the golden case names */\n" +
-                          "".join(f'"{n}",\n' for n in names))
+    cases_inc = ("/* generated by tools/make_golden.py: the golden case names */\n" +
+                 "".join(f'"{n}",\n' for n in names))
     if args.check:
-        bad = 0
-        for fn, text in files.items():
-            p = os.path.join(out_dir, fn)
-            if not os.path.exists(p) or open(p).read() != text:
-                print(f"differs: {p}", file=sys.stderr)
-                bad += 1
-        print(f"{len(files) - bad}/{len(files)} files identical")
-        return 1 if bad else 0
+        return check(out_dir, cases_inc)
+    files = {f"{c['name']}.txt": generate(c) for c in CASES}
+    files["cases.inc"] = cases_inc
     os.makedirs(out_dir, exist_ok=True)
     for fn in os.listdir(out_dir):
         if (fn.endswith(".txt") or fn == "cases.inc") and fn not in files:
