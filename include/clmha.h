@@ -701,8 +701,14 @@ typedef clmha_status (*clmha_attention_fn)(const struct clmha_core_args *args, v
 /// return weights. Both apply every mask kind, is_causal and dropout the same way (dropout
 /// drops exactly the same weights in both for the same ::clmha_dropout_rng) and give zeros for
 /// a fully masked query row. A user core (clmha_layer_set_attention()) replaces both.
+///
+/// The fused kernel is built with the largest tiles that the built kernel allows
+/// (CL_KERNEL_WORK_GROUP_SIZE, CL_KERNEL_LOCAL_MEM_SIZE). Where it cannot be built at all
+/// (local memory too small for one key), ::CLMHA_IMPL_AUTO runs the unfused core and
+/// ::CLMHA_IMPL_FUSED returns ::CLMHA_UNSUPPORTED.
 typedef enum clmha_impl {
-    CLMHA_IMPL_AUTO = 0,  ///< fused when the call does not ask for weights, else unfused
+    CLMHA_IMPL_AUTO = 0,  ///< fused when the call does not ask for weights and the device can
+                          ///< run it, else unfused
     CLMHA_IMPL_FUSED,     ///< the fused core (a call with need_weights is refused)
     CLMHA_IMPL_UNFUSED,   ///< the unfused core
 } clmha_impl;

@@ -179,6 +179,20 @@ CLMHA__HIDDEN cl_ulong clmha__max_alloc(const clmha_context *ctx);
 // 0 restores the device's limit. Not thread-safe: set it while no forward call runs.
 CLMHA__HIDDEN void clmha__test_set_max_alloc(size_t bytes);
 
+// Test hook: lowers the work-group limit every kernel reports (CL_KERNEL_WORK_GROUP_SIZE) to
+// @p work_group and the device's local memory to @p local_mem bytes (0: no change), so that the
+// refitting of launches and the fallback to the unfused core show on any device.
+CLMHA__HIDDEN void clmha__test_set_kernel_limits(size_t work_group, size_t local_mem);
+
+// The device's local memory in bytes (lowered by clmha__test_set_kernel_limits()).
+CLMHA__HIDDEN cl_ulong clmha__local_mem(const clmha_context *ctx);
+
+// What the built kernel @p k allows on the device of @p ctx: the largest work-group
+// (CL_KERNEL_WORK_GROUP_SIZE, at most the device's, lowered by the test hook above) and the
+// local memory it uses (CL_KERNEL_LOCAL_MEM_SIZE; @p local_mem may be NULL).
+CLMHA__HIDDEN clmha_status clmha__kernel_limits(const clmha_context *ctx, cl_kernel k,
+                                                size_t *work_group, cl_ulong *local_mem);
+
 // The fused attention kernel's tiles.
 typedef struct clmha__fused_tiles {
     size_t bq;   // work-group size (a power of two within the device's limit)

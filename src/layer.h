@@ -22,7 +22,8 @@ struct clmha_layer {
     // Kernels (per layer: setting arguments is not thread-safe).
     cl_kernel split_heads, merge_heads, fill_rows, average_heads, accumulate_heads,
         masked_softmax;
-    size_t softmax_wg;
+    size_t softmax_wg;  // masked_softmax's work-group (its -DWG), within the kernel's limit
+    size_t heads_wg;    // work-group of the cl/heads.cl kernels, within each one's limit
 
     // Scratch, grown on demand (sizes in floats).
     cl_mem proj;     // projected rows: query (L*N, E), key (S*N, E), value (S*N, E)
@@ -40,6 +41,8 @@ struct clmha_layer {
     clmha_impl impl;            // the core for calls whose impl is CLMHA_IMPL_AUTO
     cl_kernel fused;            // the fused core, built on first use (clmha__layer_fused())
     clmha__fused_tiles tiles_fused;  // its tiles
+    clmha_status fused_failed;  // why the fused core cannot be built here (then not retried)
+    bool ran_fused;             // the last forward call ran the fused core (for tests)
 
     // Profiling: marks[0] before the first stage, marks[1 + s] after stage s (NULL when the
     // stage did not run in the last call).

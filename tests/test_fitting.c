@@ -1,0 +1,167 @@
+// Launches fitted to what each built kernel allows, and the fallbacks to the unfused core:
+// - with the kernels' work-group limit (CL_KERNEL_WORK_GROUP_SIZE) lowered by a test hook, the
+//   fused kernel is rebuilt with fewer work-items per group, masked_softmax and the cl/heads.cl
+//   kernels launch within the limit, and both cores still match the double-precision reference;
+// - with the local memory lowered, the fused kernel's key tile shrinks and the kernel's own
+//   local memory (CL_KERNEL_LOCAL_MEM_SIZE) stays within it;
+// - when the fused kernel cannot be built (local memory too small for one key),
+//   CLMHA_IMPL_AUTO runs the unfused core, CLMHA_IMPL_FUSED reports CLMHA_UNSUPPORTED, and a
+//   layer baked with weights still runs its calls without weights.
+//
+// Links libclmha.a (not libclmha.so): the hooks and the layer's fields are internal.
+#include <criterion/criterion.h>
+
+#include <clmha.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "layer.h"
+#include "random_data.h"
+
+#define TOLERANCE 1e-4
+
+enum { E = 64, H = 2, N = 2, L = 37, S = 70 };  // head_dim 32; S spans several key tiles
+
+typedef struct fixture {
+    clmha_context *ctx;
+    clmha_layer *layer;
+    clmha_layer_desc desc;
+    float *w_in, *b_in, *w_out, *b_out, *x, *kv, *y;
+    unsigned char *pad;
+    clmha_reference_params params;
+    clmha_forward_args args;
+    double *ref;
+} fixture;
+
+static fixture fx;
+
+// Context, layer with random parameters, a cross-attention call (L queries, S keys) with a
+// key padding mask and is_causal, and its reference output. The hooks must be set before.
+static void setup_case(void) {
+    clmha_status st = clmha_context_create_from_env(&fx.ctx);
+    if (st == CLMHA_DEVICE_NOT_FOUND)
+        cr_skip_test("no OpenCL device: %s", clmha_last_create_error());
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_last_create_error());
+    fx.desc = (clmha_layer_desc){.embed_dim = E, .num_heads = H, .bias = true};
+    st = clmha_layer_create(&fx.layer, fx.ctx, &fx.desc);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(fx.ctx));
+    prng r = {2024};
+    double bound = 1.0 / sqrt((double)E);
+    fx.w_in = uniform_floats(&r, 3 * E * E, 1.7 * bound);
+    fx.b_in = uniform_floats(&r, 3 * E, 0.1);
+    fx.w_out = uniform_floats(&r, E * E, bound);
+    fx.b_out = uniform_floats(&r, E, 0.1);
+    fx.x = normal_floats(&r, L * N * E);
+    fx.kv = normal_floats(&r, S * N * E);
+    fx.y = alloc_floats(L * N * E);
+    fx.pad = calloc(N * S, 1);
+    cr_assert_not_null(fx.pad);
+    for (size_t j = S - 5; j < S; ++j) fx.pad[1 * S + j] = 1;  // item 1: last 5 keys padding
+    cr_assert_eq(clmha_layer_set_parameter(fx.layer, "in_proj_weight", fx.w_in, 3 * E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(fx.layer, "in_proj_bias", fx.b_in, 3 * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(fx.layer, "out_proj.weight", fx.w_out, E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(fx.layer, "out_proj.bias", fx.b_out, E), 0);
+    fx.params = (clmha_reference_params){.in_proj_weight = fx.w_in, .in_proj_bias = fx.b_in,
+                                         .out_proj_weight = fx.w_out, .out_proj_bias = fx.b_out};
+    fx.args = (clmha_forward_args){
+        .query = {.ndim = 3, .shape = {L, N, E}, .data = fx.x},
+        .key = {.ndim = 3, .shape = {S, N, E}, .data = fx.kv},
+        .key_padding_mask = {.kind = CLMHA_MASK_BOOL_IGNORE,
+                             .tensor = {.ndim = 2, .shape = {N, S}, .data = fx.pad}},
+        .is_causal = true};
+    fx.ref = malloc(L * N * E * sizeof *fx.ref);
+    cr_assert_not_null(fx.ref);
+    char msg[256];
+    st = clmha_reference_forward(&fx.desc, &fx.params, &fx.args, fx.ref, L * N * E, NULL, 0, msg,
+                                 sizeof msg);
+    cr_assert_eq(st, CLMHA_SUCCESS, "reference: %s", msg);
+}
+
+static void teardown_case(void) {
+    clmha__test_set_kernel_limits(0, 0);
+    clmha_layer_release(fx.layer);
+    clmha_context_release(fx.ctx);
+    free(fx.w_in), free(fx.b_in), free(fx.w_out), free(fx.b_out), free(fx.x), free(fx.kv);
+    free(fx.y), free(fx.pad), free(fx.ref);
+}
+
+// Runs the call with @p impl and checks the output against the reference.
+static void run_and_check(clmha_impl impl, const char *what) {
+    fx.args.impl = impl;
+    for (size_t i = 0; i < L * N * E; ++i) fx.y[i] = NAN;
+    clmha_status st = clmha_layer_forward_host(fx.layer, &fx.args, fx.y, L * N * E, NULL, 0);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s: %s", what, clmha_context_last_error(fx.ctx));
+    double err = 0.0;
+    for (size_t i = 0; i < L * N * E; ++i) {
+        double d = fabs((double)fx.y[i] - fx.ref[i]);
+        if (!(d <= err)) err = d;  // NaN wins
+    }
+    cr_assert(err <= TOLERANCE, "%s: max |output - reference| = %g > %g", what, err, TOLERANCE);
+}
+
+static size_t kernel_wg(cl_kernel k) {
+    size_t wg = 0;
+    cr_assert_eq(clGetKernelWorkGroupInfo(k, clmha_context_cl_device(fx.ctx),
+                                          CL_KERNEL_WORK_GROUP_SIZE, sizeof wg, &wg, NULL),
+                 CL_SUCCESS);
+    return wg;
+}
+
+static void wg_limit_case(size_t limit) {
+    clmha__test_set_kernel_limits(limit, 0);
+    setup_case();
+    cr_assert_leq(fx.layer->softmax_wg, limit);
+    cr_assert_leq(fx.layer->heads_wg, limit);
+    run_and_check(CLMHA_IMPL_FUSED, "fused");
+    cr_assert(fx.layer->ran_fused);
+    cr_assert_leq(fx.layer->tiles_fused.bq, limit, "fused work-group %zu > limit %zu",
+                  fx.layer->tiles_fused.bq, limit);
+    cr_assert_leq(fx.layer->tiles_fused.bq, kernel_wg(fx.layer->fused));
+    run_and_check(CLMHA_IMPL_UNFUSED, "unfused");
+    cr_assert(!fx.layer->ran_fused);
+    teardown_case();
+}
+
+Test(fitting, fused_kernel_rebuilt_within_small_work_group_limit) { wg_limit_case(8); }
+Test(fitting, work_group_limit_of_one) { wg_limit_case(1); }
+Test(fitting, work_group_limit_not_a_power_of_two) { wg_limit_case(24); }
+
+Test(fitting, key_tile_shrinks_with_local_memory) {
+    // Room for two keys of head_dim 32 (2 * 32 * 4 bytes each) after the 1024 bytes kept free.
+    size_t local = 1024 + 2 * 2 * 32 * sizeof(float);
+    clmha__test_set_kernel_limits(0, local);
+    setup_case();
+    run_and_check(CLMHA_IMPL_FUSED, "fused");
+    cr_assert(fx.layer->ran_fused);
+    cr_assert_leq(fx.layer->tiles_fused.bk, 2, "bk %zu", fx.layer->tiles_fused.bk);
+    cl_ulong used = 0;
+    cr_assert_eq(clGetKernelWorkGroupInfo(fx.layer->fused, clmha_context_cl_device(fx.ctx),
+                                          CL_KERNEL_LOCAL_MEM_SIZE, sizeof used, &used, NULL),
+                 CL_SUCCESS);
+    cr_assert_leq(used, local, "the fused kernel uses %llu bytes of local memory, limit %zu",
+                  (unsigned long long)used, local);
+    teardown_case();
+}
+
+Test(fitting, auto_falls_back_when_fused_cannot_be_built) {
+    clmha__test_set_kernel_limits(0, 64);  // not even one key of head_dim 32
+    setup_case();
+    run_and_check(CLMHA_IMPL_AUTO, "auto");
+    cr_assert(!fx.layer->ran_fused);
+    fx.args.impl = CLMHA_IMPL_FUSED;
+    clmha_status st = clmha_layer_forward_host(fx.layer, &fx.args, fx.y, L * N * E, NULL, 0);
+    cr_assert_eq(st, CLMHA_UNSUPPORTED, "explicit fused: %s (%s)", clmha_status_string(st),
+                 clmha_context_last_error(fx.ctx));
+    run_and_check(CLMHA_IMPL_AUTO, "auto again");  // the failure is remembered, not fatal
+    teardown_case();
+}
+
+Test(fitting, layer_baked_with_weights_runs_without_weights_when_fused_cannot_be_built) {
+    clmha__test_set_kernel_limits(0, 64);
+    setup_case();
+    clmha_status st = clmha_layer_bake(fx.layer, N, L, S, true);
+    cr_assert_eq(st, CLMHA_SUCCESS, "bake: %s", clmha_context_last_error(fx.ctx));
+    run_and_check(CLMHA_IMPL_AUTO, "auto after bake");
+    cr_assert(!fx.layer->ran_fused);
+    teardown_case();
+}
