@@ -50,6 +50,7 @@ static clmha_status context_finish(clmha_context *c) {
     snprintf(c->info.spec, sizeof c->info.spec, "-");
     snprintf(c->device_name, sizeof c->device_name, "%s / %s", c->info.platform_name,
              c->info.device_name);
+    c->quirks = clmha__device_quirks(&c->info);
     c->max_work_group = 1;
     clGetDeviceInfo(c->device, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof c->max_work_group,
                     &c->max_work_group, NULL);
@@ -116,7 +117,7 @@ void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd, clmha__fused_ti
     // Leave room for what the compiler adds to local memory.
     local = local > 1024 ? local - 1024 : 0;
     while (t->bk > 0 && 2 * (cl_ulong)hd * t->bk * sizeof(float) > local) t->bk /= 2;
-    size_t want = t->vw;
+    size_t want = ctx->quirks.no_vload ? 1 : t->vw;  // Clover aborts on vloadN
     t->vw = 16;
     while (t->vw > 1 && (t->vw > want || hd % t->vw || (t->bk && t->bk % t->vw))) t->vw /= 2;
 }

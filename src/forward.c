@@ -540,6 +540,10 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
         if (impl == CLMHA_IMPL_FUSED) return st;
         fused = false;
     }
+    // A driver whose loops end early (clmha__quirks::loop_limit) would give a wrong answer from
+    // the fused core past its loop budget: the unfused core computes the same result.
+    if (fused && !clmha__fused_loops_fit(layer, &d, args->training && layer->desc.dropout > 0.0f))
+        fused = false;
     layer->ran_fused = fused;
     if ((st = clmha__layer_reserve(layer, &d, !fused,
                                    !fused && args->need_weights && !args->per_head_weights)))

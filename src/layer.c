@@ -1,6 +1,7 @@
 // Layers: configuration, parameters by PyTorch name, kernels and scratch space.
 #include "layer.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -349,6 +350,36 @@ clmha_status clmha__layer_fused(clmha_layer *l) {
     // A device that cannot build or hold the kernel will not later; an out-of-memory may pass.
     if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) l->fused_failed = st;
     return st;
+}
+
+static size_t test_loop_limit;
+
+void clmha__test_set_loop_limit(size_t limit) { test_loop_limit = limit; }
+
+// The loop iterations a loop of @p n iterations whose body runs loops of @p body iterations
+// costs gallivm's limiter: n + 1 checks of the condition (measured: clover's count matches
+// this within a few percent) plus the body's.
+static double loop_cost(double n, double body) { return n + 1 + n * body; }
+
+bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dropout) {
+    size_t limit = test_loop_limit ? test_loop_limit : l->ctx->quirks.loop_limit;
+    if (!limit) return true;
+    // Every loop of cl/fused.cl for one work-item, as if the compiler kept them all (clover
+    // does; rusticl unrolls some, and its count is lower).
+    const clmha__fused_tiles *t = &l->tiles_fused;
+    double hd = (double)l->d, bq = (double)t->bq, bk = (double)t->bk, rpw = (double)t->rpw,
+           vw = (double)t->vw;
+    double rows = loop_cost(rpw, 0);
+    double load = loop_cost(ceil(bk * hd / bq), 0);
+    double scores = loop_cost(bk / vw, rows + loop_cost(hd, rows) + rows);
+    double row = loop_cost(bk, 0) + 2 * loop_cost(bk / vw, 0) + 2 * loop_cost(vw, 0) +
+                 loop_cost(hd, 0) + (dropout ? loop_cost(bk, loop_cost(10, 0)) : 0);  // Philox
+    double av = loop_cost(hd / vw, rows + loop_cost(bk, rows) + rows);
+    double per_tile = load + scores + loop_cost(rpw, row) + av;
+    double tiles = ceil((double)d->s_padded / bk);
+    double total = loop_cost(tiles, per_tile) + rows + 2 * loop_cost(rpw, loop_cost(hd, 0));
+    // Half the limit: room for loops a compiler adds.
+    return total <= (double)limit / 2;
 }
 
 clmha_status clmha__layer_set_fused_tiles(clmha_layer *l, const clmha__fused_tiles *t,

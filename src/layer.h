@@ -59,6 +59,16 @@ CLMHA__HIDDEN void clmha__layer_marks_release(clmha_layer *layer);
 // Builds the fused attention kernel of @p layer on first use and picks its tile sizes.
 CLMHA__HIDDEN clmha_status clmha__layer_fused(clmha_layer *layer);
 
+// Whether the fused kernel, as built, stays within the device's loop limit
+// (clmha__quirks::loop_limit) on the call of @p dims: a conservative count of the loop
+// iterations one work-item runs, every loop counted as if the compiler kept it, must stay below
+// half the limit. Always true on devices without that limit.
+CLMHA__HIDDEN bool clmha__fused_loops_fit(const clmha_layer *layer, const clmha__dims *dims,
+                                          bool dropout);
+
+// Test hook: pretends that the device has the loop limit @p limit (0: the device's own).
+CLMHA__HIDDEN void clmha__test_set_loop_limit(size_t limit);
+
 // Rebuilds the fused attention kernel of @p layer with tiles @p t (the tuner's candidates):
 // bk is halved until the tile fits in local memory and vw until it divides head_dim and bk.
 // @p used receives the tiles built (may be NULL).

@@ -6,14 +6,20 @@
 //   local memory (CL_KERNEL_LOCAL_MEM_SIZE) stays within it;
 // - when the fused kernel cannot be built (local memory too small for one key),
 //   CLMHA_IMPL_AUTO runs the unfused core, CLMHA_IMPL_FUSED reports CLMHA_UNSUPPORTED, and a
-//   layer baked with weights still runs its calls without weights.
+//   layer baked with weights still runs its calls without weights;
+// - on a driver whose loops end early (Mesa llvmpipe, pretended here through a hook), calls
+//   past the fused kernel's loop budget run the unfused core, also with CLMHA_IMPL_FUSED;
+// - on Clover, whose compiler aborts on vloadN, the fused kernel is built with VW 1, and
+//   clmha_device_note() names both bugs.
 //
 // Links libclmha.a (not libclmha.so): the hooks and the layer's fields are internal.
 #include <criterion/criterion.h>
 
 #include <clmha.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "layer.h"
 #include "random_data.h"
@@ -79,6 +85,7 @@ static void setup_case(void) {
 
 static void teardown_case(void) {
     clmha__test_set_kernel_limits(0, 0);
+    clmha__test_set_loop_limit(0);
     clmha_layer_release(fx.layer);
     clmha_context_release(fx.ctx);
     free(fx.w_in), free(fx.b_in), free(fx.w_out), free(fx.b_out), free(fx.x), free(fx.kv);
@@ -164,4 +171,52 @@ Test(fitting, layer_baked_with_weights_runs_without_weights_when_fused_cannot_be
     run_and_check(CLMHA_IMPL_AUTO, "auto after bake");
     cr_assert(!fx.layer->ran_fused);
     teardown_case();
+}
+
+Test(fitting, loop_limit_sends_long_calls_to_the_unfused_core) {
+    clmha__test_set_loop_limit(2);  // no fused call fits
+    setup_case();
+    run_and_check(CLMHA_IMPL_FUSED, "fused past the loop limit");
+    cr_assert(!fx.layer->ran_fused, "the fused core ran past the loop limit");
+    run_and_check(CLMHA_IMPL_AUTO, "auto past the loop limit");
+    cr_assert(!fx.layer->ran_fused);
+    clmha__test_set_loop_limit((size_t)1 << 40);  // every call fits
+    run_and_check(CLMHA_IMPL_FUSED, "fused within the loop limit");
+    cr_assert(fx.layer->ran_fused);
+    teardown_case();
+}
+
+Test(fitting, loop_budget_grows_with_the_keys) {
+    clmha__test_set_loop_limit(65535);  // llvmpipe's
+    setup_case();
+    run_and_check(CLMHA_IMPL_FUSED, "fused");  // builds the kernel
+    clmha__dims d = {.s_padded = 1};
+    cr_assert(clmha__fused_loops_fit(fx.layer, &d, false), "one key must fit");
+    d.s_padded = (size_t)1 << 20;
+    cr_assert(!clmha__fused_loops_fit(fx.layer, &d, false), "2^20 keys cannot fit");
+    teardown_case();
+}
+
+Test(fitting, clover_gets_a_fused_kernel_without_vectors) {
+    setup_case();
+    fx.ctx->quirks.no_vload = true;  // as on platform "Clover" (set before the first fused call)
+    run_and_check(CLMHA_IMPL_FUSED, "fused without vloadN");
+    cr_assert(fx.layer->ran_fused);
+    cr_assert_eq(fx.layer->tiles_fused.vw, 1, "vw %zu", fx.layer->tiles_fused.vw);
+    teardown_case();
+}
+
+Test(fitting, device_notes_name_the_known_driver_bugs) {
+    clmha_device_info info = {0};
+    snprintf(info.platform_name, sizeof info.platform_name, "rusticl");
+    snprintf(info.device_name, sizeof info.device_name, "llvmpipe (LLVM 15.0.6, 256 bits)");
+    cr_assert_not_null(strstr(clmha_device_note(&info), "65535"));
+    cr_assert_null(strstr(clmha_device_note(&info), "vloadN"));
+    snprintf(info.platform_name, sizeof info.platform_name, "Clover");
+    cr_assert_not_null(strstr(clmha_device_note(&info), "65535"));
+    cr_assert_not_null(strstr(clmha_device_note(&info), "vloadN"));
+    snprintf(info.platform_name, sizeof info.platform_name, "Portable Computing Language");
+    snprintf(info.device_name, sizeof info.device_name, "pthread-skylake-avx512");
+    cr_assert_str_eq(clmha_device_note(&info), "");
+    cr_assert_str_eq(clmha_device_note(NULL), "");
 }
