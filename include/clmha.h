@@ -230,6 +230,16 @@ typedef struct clmha_device_info {
 CLMHA_API clmha_status clmha_devices_list(clmha_device_info *infos, size_t capacity,
                                           size_t *count);
 
+/// What clmha does differently on this device because of a known driver bug, in one line, or ""
+/// when nothing. Mesa's llvmpipe (rusticl and clover) ends every loop of a kernel once a
+/// work-item has run 65535 loop iterations in total: there the fused core is used only for calls
+/// whose loop count stays well under that limit, the others run the unfused core (also with
+/// ::CLMHA_IMPL_FUSED). Clover's compiler aborts the process on vloadN: the fused kernel is built
+/// without vectors there. Records no error message.
+/// @param[in] info  a device description from clmha_devices_list() (NULL gives "")
+/// @return a static string
+CLMHA_API const char *clmha_device_note(const clmha_device_info *info);
+
 /// Selects a device by @p spec:
 /// - NULL or "" : the first GPU, else the first device of any type;
 /// - "P:D"      : platform index P, device index D;
@@ -701,8 +711,16 @@ typedef clmha_status (*clmha_attention_fn)(const struct clmha_core_args *args, v
 /// return weights. Both apply every mask kind, is_causal and dropout the same way (dropout
 /// drops exactly the same weights in both for the same ::clmha_dropout_rng) and give zeros for
 /// a fully masked query row. A user core (clmha_layer_set_attention()) replaces both.
+///
+/// The fused kernel is built with the largest tiles that the built kernel allows
+/// (CL_KERNEL_WORK_GROUP_SIZE, CL_KERNEL_LOCAL_MEM_SIZE). Where it cannot be built at all
+/// (local memory too small for one key), ::CLMHA_IMPL_AUTO runs the unfused core and
+/// ::CLMHA_IMPL_FUSED returns ::CLMHA_UNSUPPORTED. On a driver with a known bug that would make
+/// the fused core wrong on a call (clmha_device_note(): Mesa's llvmpipe ends loops after 65535
+/// iterations), that call runs the unfused core, also with ::CLMHA_IMPL_FUSED.
 typedef enum clmha_impl {
-    CLMHA_IMPL_AUTO = 0,  ///< fused when the call does not ask for weights, else unfused
+    CLMHA_IMPL_AUTO = 0,  ///< fused when the call does not ask for weights and the device can
+                          ///< run it, else unfused
     CLMHA_IMPL_FUSED,     ///< the fused core (a call with need_weights is refused)
     CLMHA_IMPL_UNFUSED,   ///< the unfused core
 } clmha_impl;

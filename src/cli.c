@@ -403,6 +403,8 @@ static int cmd_devices(int argc, char **argv) {
                (unsigned long long)(d->local_mem_bytes >> 10),
                (unsigned long long)(d->max_alloc_bytes >> 20), d->fp16 ? "yes" : "no",
                d->fp64 ? "yes" : "no", d->driver_version);
+        const char *note = clmha_device_note(d);
+        if (*note) printf("      note: %s\n", note);
     }
     rc = EXIT_OK;
 fail:

@@ -50,6 +50,7 @@ static clmha_status context_finish(clmha_context *c) {
     snprintf(c->info.spec, sizeof c->info.spec, "-");
     snprintf(c->device_name, sizeof c->device_name, "%s / %s", c->info.platform_name,
              c->info.device_name);
+    c->quirks = clmha__device_quirks(&c->info);
     c->max_work_group = 1;
     clGetDeviceInfo(c->device, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof c->max_work_group,
                     &c->max_work_group, NULL);
@@ -81,12 +82,42 @@ clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
     return t;
 }
 
+// Lower limits set by tests, 0 for none (clmha__test_set_kernel_limits()).
+static size_t test_kernel_wg, test_local_mem;
+
+void clmha__test_set_kernel_limits(size_t work_group, size_t local_mem) {
+    test_kernel_wg = work_group;
+    test_local_mem = local_mem;
+}
+
+cl_ulong clmha__local_mem(const clmha_context *ctx) {
+    cl_ulong device = ctx->info.local_mem_bytes;
+    return test_local_mem && test_local_mem < device ? (cl_ulong)test_local_mem : device;
+}
+
+clmha_status clmha__kernel_limits(const clmha_context *ctx, cl_kernel k, size_t *work_group,
+                                  cl_ulong *local_mem) {
+    size_t wg = 0;
+    cl_ulong lm = 0;
+    cl_int err = clGetKernelWorkGroupInfo(k, ctx->device, CL_KERNEL_WORK_GROUP_SIZE, sizeof wg,
+                                          &wg, NULL);
+    if (err == CL_SUCCESS)
+        err = clGetKernelWorkGroupInfo(k, ctx->device, CL_KERNEL_LOCAL_MEM_SIZE, sizeof lm, &lm,
+                                       NULL);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clGetKernelWorkGroupInfo");
+    if (wg > ctx->max_work_group) wg = ctx->max_work_group;
+    if (test_kernel_wg && test_kernel_wg < wg) wg = test_kernel_wg;
+    *work_group = wg ? wg : 1;
+    if (local_mem) *local_mem = lm;
+    return CLMHA_SUCCESS;
+}
+
 void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd, clmha__fused_tiles *t) {
-    cl_ulong local = ctx->info.local_mem_bytes;
+    cl_ulong local = clmha__local_mem(ctx);
     // Leave room for what the compiler adds to local memory.
     local = local > 1024 ? local - 1024 : 0;
     while (t->bk > 0 && 2 * (cl_ulong)hd * t->bk * sizeof(float) > local) t->bk /= 2;
-    size_t want = t->vw;
+    size_t want = ctx->quirks.no_vload ? 1 : t->vw;  // Clover aborts on vloadN
     t->vw = 16;
     while (t->vw > 1 && (t->vw > want || hd % t->vw || (t->bk && t->bk % t->vw))) t->vw /= 2;
 }

@@ -155,3 +155,25 @@ clmha_status clmha_device_select(const char *spec, clmha_device_info *out, char 
     free(all);
     return CLMHA_SUCCESS;
 }
+
+clmha__quirks clmha__device_quirks(const clmha_device_info *info) {
+    clmha__quirks q = {0};
+    // Mesa's llvmpipe, under rusticl or clover: gallivm shares one limiter of 65535 iterations
+    // between every loop of a shader invocation (LP_MAX_TGSI_LOOP_ITERATIONS), seen on 22.3.6.
+    if (strncmp(info->device_name, "llvmpipe", 8) == 0) q.loop_limit = 65535;
+    if (strcmp(info->platform_name, "Clover") == 0) q.no_vload = true;
+    return q;
+}
+
+const char *clmha_device_note(const clmha_device_info *info) {
+    if (!info) return "";
+    clmha__quirks q = clmha__device_quirks(info);
+    if (q.loop_limit && q.no_vload)
+        return "driver bugs: loops end after 65535 iterations (fused core only on short key "
+               "ranges, else unfused), vloadN aborts (fused core without vectors)";
+    if (q.loop_limit)
+        return "driver bug: loops end after 65535 iterations (fused core only on short key "
+               "ranges, else unfused)";
+    if (q.no_vload) return "driver bug: vloadN aborts (fused core without vectors)";
+    return "";
+}

@@ -111,11 +111,6 @@ static clmha_status launch(clmha_context *ctx, cl_kernel k, const char *name, si
     return CLMHA_SUCCESS;
 }
 
-// Work-group size for the element-wise kernels.
-static size_t elementwise_wg(const clmha_context *ctx) {
-    return ctx->max_work_group >= 64 ? 64 : ctx->max_work_group;
-}
-
 // Row-major C (m, n) = A (m, k) · W (n, k)ᵀ, the shape of every projection. Called as the
 // same product in column-major terms, Cᵀ (n, m) = W · Aᵀ with W transposed: CLBlast then
 // transposes one operand instead of three (~5% faster at 1024³ with a PoCL tuning).
@@ -199,7 +194,7 @@ static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_
                   ARG(a_bias_off), ARG(has_bias), ARG(extra),     ARG(extra_off), ARG(has_extra),
                   ARG(out),      ARG(a_out_off),  ARG(n),         ARG(h),         ARG(t),
                   ARG(t_out),    ARG(hd),         ARG(bf)};
-    return launch(ctx, l->split_heads, "split_heads", d->n * l->h * seq_out, elementwise_wg(ctx),
+    return launch(ctx, l->split_heads, "split_heads", d->n * l->h * seq_out, l->heads_wg,
                   args, sizeof args / sizeof args[0]);
 }
 
@@ -361,7 +356,7 @@ static clmha_status chunk_weights(clmha_layer *l, const clmha_forward_args *a,
     arg args[] = {ARG(l->scores), ARG(sums),  ARG(w),    ARG(off),    ARG(groups), ARG(heads),
                   ARG(part),      ARG(first), ARG(last), ARG(divisor)};
     return launch(ctx, l->accumulate_heads, "accumulate_heads", groups * part,
-                  elementwise_wg(ctx), args, sizeof args / sizeof args[0]);
+                  l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
 // The built-in attention core: stages 3 to 5 over all the scores at once, or chunk by chunk
@@ -457,7 +452,7 @@ static clmha_status merge(clmha_layer *l, const clmha__dims *d) {
     cl_ulong src_off = 0;
     arg args[] = {ARG(l->tiles[CLMHA__TILE_OUT]), ARG(src_off), ARG(l->proj), ARG(n),
                   ARG(h),        ARG(t),       ARG(hd),      ARG(bf)};
-    return launch(ctx, l->merge_heads, "merge_heads", d->n * d->l * l->h, elementwise_wg(ctx),
+    return launch(ctx, l->merge_heads, "merge_heads", d->n * d->l * l->h, l->heads_wg,
                   args, sizeof args / sizeof args[0]);
 }
 
@@ -470,7 +465,7 @@ static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out
         cl_ulong off = out_off, r = rows, c = e;
         cl_uint has_bias = 1;
         arg args[] = {ARG(out), ARG(off), ARG(l->b_out), ARG(has_bias), ARG(r), ARG(c)};
-        clmha_status st = launch(ctx, l->fill_rows, "fill_rows", rows * e, elementwise_wg(ctx),
+        clmha_status st = launch(ctx, l->fill_rows, "fill_rows", rows * e, l->heads_wg,
                                  args, sizeof args / sizeof args[0]);
         if (st) return st;
     }
@@ -492,7 +487,7 @@ static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
     }
     cl_ulong off = w_off, n = d->n, h = l->h, plane = d->l * d->s_padded;
     arg args[] = {ARG(l->scores), ARG(w), ARG(off), ARG(n), ARG(h), ARG(plane)};
-    return launch(ctx, l->average_heads, "average_heads", d->n * plane, elementwise_wg(ctx), args,
+    return launch(ctx, l->average_heads, "average_heads", d->n * plane, l->heads_wg, args,
                   sizeof args / sizeof args[0]);
 }
 
@@ -539,7 +534,17 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
     clmha_impl impl = impl_of(layer, args);
     bool fused = !layer->core && (impl == CLMHA_IMPL_FUSED ||
                                   (impl == CLMHA_IMPL_AUTO && !args->need_weights));
-    if (fused && (st = clmha__layer_fused(layer))) return st;
+    if (fused && (st = clmha__layer_fused(layer))) {
+        // CLMHA_IMPL_AUTO: a device that cannot build or launch the fused kernel gets the
+        // unfused core; an explicit CLMHA_IMPL_FUSED gets the error.
+        if (impl == CLMHA_IMPL_FUSED) return st;
+        fused = false;
+    }
+    // A driver whose loops end early (clmha__quirks::loop_limit) would give a wrong answer from
+    // the fused core past its loop budget: the unfused core computes the same result.
+    if (fused && !clmha__fused_loops_fit(layer, &d, args->training && layer->desc.dropout > 0.0f))
+        fused = false;
+    layer->ran_fused = fused;
     if ((st = clmha__layer_reserve(layer, &d, !fused,
                                    !fused && args->need_weights && !args->per_head_weights)))
         return st;

@@ -120,6 +120,19 @@ typedef struct clmha__program {
     struct clmha__program *next;
 } clmha__program;
 
+// Known driver bugs clmha works around (docs/design.md, "Driver quirks").
+typedef struct clmha__quirks {
+    // Mesa llvmpipe (gallivm): every loop of a kernel ends once a work-item has run this many
+    // loop iterations in total, over all its loops (0: no such limit). See
+    // tools/driver-bugs/llvmpipe-loop-limit.
+    size_t loop_limit;
+    // Clover: its compiler aborts the process on vloadN, so the fused kernel is built with VW 1.
+    bool no_vload;
+} clmha__quirks;
+
+// The quirks of the device @p info describes.
+CLMHA__HIDDEN clmha__quirks clmha__device_quirks(const clmha_device_info *info);
+
 struct clmha_context {
     int refcount;               // guarded by lock
     pthread_mutex_t lock;
@@ -131,6 +144,7 @@ struct clmha_context {
     clmha_device_info info;
     char device_name[300];
     size_t max_work_group;
+    clmha__quirks quirks;       // known driver bugs of the device (clmha__device_quirks())
     clmha__program *programs;   // guarded by lock
     char last_error[CLMHA__ERROR_SIZE];
     // Counters for tests (libclmha.a): program builds and device buffer allocations made by
@@ -179,6 +193,20 @@ CLMHA__HIDDEN cl_ulong clmha__max_alloc(const clmha_context *ctx);
 // 0 restores the device's limit. Not thread-safe: set it while no forward call runs.
 CLMHA__HIDDEN void clmha__test_set_max_alloc(size_t bytes);
 
+// Test hook: lowers the work-group limit every kernel reports (CL_KERNEL_WORK_GROUP_SIZE) to
+// @p work_group and the device's local memory to @p local_mem bytes (0: no change), so that the
+// refitting of launches and the fallback to the unfused core show on any device.
+CLMHA__HIDDEN void clmha__test_set_kernel_limits(size_t work_group, size_t local_mem);
+
+// The device's local memory in bytes (lowered by clmha__test_set_kernel_limits()).
+CLMHA__HIDDEN cl_ulong clmha__local_mem(const clmha_context *ctx);
+
+// What the built kernel @p k allows on the device of @p ctx: the largest work-group
+// (CL_KERNEL_WORK_GROUP_SIZE, at most the device's, lowered by the test hook above) and the
+// local memory it uses (CL_KERNEL_LOCAL_MEM_SIZE; @p local_mem may be NULL).
+CLMHA__HIDDEN clmha_status clmha__kernel_limits(const clmha_context *ctx, cl_kernel k,
+                                                size_t *work_group, cl_ulong *local_mem);
+
 // The fused attention kernel's tiles.
 typedef struct clmha__fused_tiles {
     size_t bq;   // work-group size (a power of two within the device's limit)
@@ -195,7 +223,7 @@ CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx
 
 // Makes tiles @p t usable for head dim @p hd on the device of @p ctx: halves bk until the
 // 2·hd·bk floats of a tile fit in local memory, and narrows vw (a power of two up to 16, at
-// most the given vw) until it divides hd and bk.
+// most the given vw; 1 where vloadN is unsafe, clmha__quirks) until it divides hd and bk.
 CLMHA__HIDDEN void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd,
                                           clmha__fused_tiles *t);
 

@@ -1,6 +1,7 @@
 // Layers: configuration, parameters by PyTorch name, kernels and scratch space.
 #include "layer.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -129,6 +130,8 @@ static clmha_status param_buffer(clmha_context *ctx, size_t count, const char *w
     return CLMHA_SUCCESS;
 }
 
+static void release_kernel(cl_kernel *k);
+
 static clmha_status make_kernel(clmha_context *ctx, cl_program prog, const char *name,
                                 cl_kernel *out) {
     cl_int err;
@@ -177,20 +180,39 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
         goto fail;
 
     // Kernels. The softmax work-group: a power of two, smaller on CPUs where a work-group is a
-    // loop on one core.
+    // loop on one core, and within what the built kernel allows (CL_KERNEL_WORK_GROUP_SIZE,
+    // which a driver may set below the device's limit): rebuilt smaller until it fits.
     bool cpu = (ctx->info.type & CL_DEVICE_TYPE_CPU) != 0;
-    l->softmax_wg = pow2_below(cpu ? 16 : 256, ctx->max_work_group);
-    char options[64];
-    snprintf(options, sizeof options, "-DWG=%zu", l->softmax_wg);
     cl_program heads, softmax;
     if ((st = clmha__program_get(ctx, "heads", "", &heads))) goto fail;
-    if ((st = clmha__program_get(ctx, "softmax", options, &softmax))) goto fail;
     if ((st = make_kernel(ctx, heads, "split_heads", &l->split_heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "merge_heads", &l->merge_heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "fill_rows", &l->fill_rows))) goto fail;
     if ((st = make_kernel(ctx, heads, "average_heads", &l->average_heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "accumulate_heads", &l->accumulate_heads))) goto fail;
-    if ((st = make_kernel(ctx, softmax, "masked_softmax", &l->masked_softmax))) goto fail;
+    // The element-wise kernels: groups of up to 64, within the smallest of their limits.
+    l->heads_wg = 64;
+    cl_kernel elementwise[] = {l->split_heads, l->merge_heads, l->fill_rows, l->average_heads,
+                               l->accumulate_heads};
+    for (size_t i = 0; i < sizeof elementwise / sizeof elementwise[0]; ++i) {
+        size_t wg;
+        if ((st = clmha__kernel_limits(ctx, elementwise[i], &wg, NULL))) goto fail;
+        if (wg < l->heads_wg) l->heads_wg = wg;
+    }
+    for (size_t want = pow2_below(cpu ? 16 : 256, ctx->max_work_group);;) {
+        char options[64];
+        snprintf(options, sizeof options, "-DWG=%zu", want);
+        if ((st = clmha__program_get(ctx, "softmax", options, &softmax))) goto fail;
+        if ((st = make_kernel(ctx, softmax, "masked_softmax", &l->masked_softmax))) goto fail;
+        size_t wg;
+        if ((st = clmha__kernel_limits(ctx, l->masked_softmax, &wg, NULL))) goto fail;
+        if (want <= wg || want == 1) {
+            l->softmax_wg = want;
+            break;
+        }
+        release_kernel(&l->masked_softmax);
+        want = pow2_below(want / 2, wg);
+    }
 
     cl_int err = clFinish(ctx->queue);  // the parameter fills
     if (err != CL_SUCCESS) {
@@ -273,29 +295,91 @@ const char *clmha_impl_name(clmha_impl impl) {
     return "?";
 }
 
-// Builds the fused kernel with tiles @p t.
+// Builds the fused kernel with tiles @p t, then asks the kernel what it allows: while its
+// work-group limit (CL_KERNEL_WORK_GROUP_SIZE) is below bq, or the local memory it uses
+// (CL_KERNEL_LOCAL_MEM_SIZE) exceeds the device's, rebuilds with half the work-items (bq) or,
+// once bq is 1 or the work-items fit, half the keys per tile (bk). Drivers may report a
+// smaller limit for a kernel than for the device (rusticl: 32 for this kernel at bq 64), and a
+// launch past it is undefined.
 static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
     clmha_context *ctx = l->ctx;
-    if (!t.bk)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "the fused core needs 2 * head_dim * 4 = %zu bytes of local memory "
-                           "for one key; the device has %llu (use CLMHA_IMPL_UNFUSED)",
-                           2 * l->d * sizeof(float),
-                           (unsigned long long)ctx->info.local_mem_bytes);
-    char options[96];
-    snprintf(options, sizeof options, "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu", l->d,
-             t.bq, t.bk, t.rpw, t.vw);
-    cl_program prog;
-    clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
-    if (st) return st;
-    if ((st = make_kernel(ctx, prog, "fused_attention", &l->fused))) return st;
-    l->tiles_fused = t;
-    return CLMHA_SUCCESS;
+    for (;;) {
+        if (!t.bk || !t.bq)
+            return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                               "the fused core needs 2 * head_dim * 4 = %zu bytes of local "
+                               "memory for one key and a work-group of one work-item; the "
+                               "device has %llu bytes (use CLMHA_IMPL_UNFUSED)",
+                               2 * l->d * sizeof(float),
+                               (unsigned long long)clmha__local_mem(ctx));
+        char options[96];
+        snprintf(options, sizeof options, "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu", l->d,
+                 t.bq, t.bk, t.rpw, t.vw);
+        cl_program prog;
+        cl_kernel k = NULL;
+        clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
+        if (st || (st = make_kernel(ctx, prog, "fused_attention", &k))) return st;
+        size_t wg;
+        cl_ulong local;
+        if ((st = clmha__kernel_limits(ctx, k, &wg, &local))) {
+            clReleaseKernel(k);
+            return st;
+        }
+        if (t.bq <= wg && local <= clmha__local_mem(ctx)) {
+            l->fused = k;
+            l->tiles_fused = t;
+            return CLMHA_SUCCESS;
+        }
+        clReleaseKernel(k);
+        if (t.bq > wg) {
+            while (t.bq > wg) t.bq /= 2;
+        } else {
+            t.bk /= 2;
+            while (t.vw > 1 && t.bk % t.vw) t.vw /= 2;
+        }
+    }
 }
 
 clmha_status clmha__layer_fused(clmha_layer *l) {
     if (l->fused) return CLMHA_SUCCESS;
-    return build_fused(l, clmha__fused_tiles_for(l->ctx, l->d));
+    if (l->fused_failed)
+        return clmha__fail(l->ctx, l->fused_failed,
+                           "the fused core could not be built for this layer (head_dim %zu) on "
+                           "this device: %s (use CLMHA_IMPL_UNFUSED)",
+                           l->d, clmha_status_string(l->fused_failed));
+    clmha_status st = build_fused(l, clmha__fused_tiles_for(l->ctx, l->d));
+    // A device that cannot build or hold the kernel will not later; an out-of-memory may pass.
+    if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) l->fused_failed = st;
+    return st;
+}
+
+static size_t test_loop_limit;
+
+void clmha__test_set_loop_limit(size_t limit) { test_loop_limit = limit; }
+
+// The loop iterations a loop of @p n iterations whose body runs loops of @p body iterations
+// costs gallivm's limiter: n + 1 checks of the condition (measured: clover's count matches
+// this within a few percent) plus the body's.
+static double loop_cost(double n, double body) { return n + 1 + n * body; }
+
+bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dropout) {
+    size_t limit = test_loop_limit ? test_loop_limit : l->ctx->quirks.loop_limit;
+    if (!limit) return true;
+    // Every loop of cl/fused.cl for one work-item, as if the compiler kept them all (clover
+    // does; rusticl unrolls some, and its count is lower).
+    const clmha__fused_tiles *t = &l->tiles_fused;
+    double hd = (double)l->d, bq = (double)t->bq, bk = (double)t->bk, rpw = (double)t->rpw,
+           vw = (double)t->vw;
+    double rows = loop_cost(rpw, 0);
+    double load = loop_cost(ceil(bk * hd / bq), 0);
+    double scores = loop_cost(bk / vw, rows + loop_cost(hd, rows) + rows);
+    double row = loop_cost(bk, 0) + 2 * loop_cost(bk / vw, 0) + 2 * loop_cost(vw, 0) +
+                 loop_cost(hd, 0) + (dropout ? loop_cost(bk, loop_cost(10, 0)) : 0);  // Philox
+    double av = loop_cost(hd / vw, rows + loop_cost(bk, rows) + rows);
+    double per_tile = load + scores + loop_cost(rpw, row) + av;
+    double tiles = ceil((double)d->s_padded / bk);
+    double total = loop_cost(tiles, per_tile) + rows + 2 * loop_cost(rpw, loop_cost(hd, 0));
+    // Half the limit: room for loops a compiler adds.
+    return total <= (double)limit / 2;
 }
 
 clmha_status clmha__layer_set_fused_tiles(clmha_layer *l, const clmha__fused_tiles *t,
@@ -303,8 +387,10 @@ clmha_status clmha__layer_set_fused_tiles(clmha_layer *l, const clmha__fused_til
     clmha__fused_tiles u = *t;
     clmha__fused_tiles_fit(l->ctx, l->d, &u);
     release_kernel(&l->fused);
-    if (used) *used = u;
-    return build_fused(l, u);
+    l->fused_failed = CLMHA_SUCCESS;
+    clmha_status st = build_fused(l, u);
+    if (used) *used = st ? u : l->tiles_fused;
+    return st;
 }
 
 size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
@@ -442,10 +528,13 @@ clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, 
     if (!st)
         st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL);
     // The pass with weights ran the unfused core: build the fused one too, for the calls
-    // without weights (a device whose local memory cannot hold its tile keeps the unfused).
-    if (!st && need_weights && !layer->core && layer->impl != CLMHA_IMPL_UNFUSED &&
-        (st = clmha__layer_fused(layer)) == CLMHA_UNSUPPORTED)
-        st = CLMHA_SUCCESS;
+    // without weights. (Only a layer on CLMHA_IMPL_AUTO gets here: bake with weights is refused
+    // on a fused layer.) Where it cannot be built, those calls run the unfused core, which this
+    // pass has prepared.
+    if (!st && need_weights && !layer->core && layer->impl == CLMHA_IMPL_AUTO) {
+        clmha_status fst = clmha__layer_fused(layer);
+        if (fst && !layer->fused_failed) st = fst;
+    }
     cl_int err = clFinish(ctx->queue);
     if (!st && err != CL_SUCCESS) st = clmha__cl_fail(ctx, err, "clFinish");
     for (int i = 0; i < 5; ++i) release_mem(&bufs[i]);

@@ -22,7 +22,8 @@ struct clmha_layer {
     // Kernels (per layer: setting arguments is not thread-safe).
     cl_kernel split_heads, merge_heads, fill_rows, average_heads, accumulate_heads,
         masked_softmax;
-    size_t softmax_wg;
+    size_t softmax_wg;  // masked_softmax's work-group (its -DWG), within the kernel's limit
+    size_t heads_wg;    // work-group of the cl/heads.cl kernels, within each one's limit
 
     // Scratch, grown on demand (sizes in floats).
     cl_mem proj;     // projected rows: query (L*N, E), key (S*N, E), value (S*N, E)
@@ -40,6 +41,8 @@ struct clmha_layer {
     clmha_impl impl;            // the core for calls whose impl is CLMHA_IMPL_AUTO
     cl_kernel fused;            // the fused core, built on first use (clmha__layer_fused())
     clmha__fused_tiles tiles_fused;  // its tiles
+    clmha_status fused_failed;  // why the fused core cannot be built here (then not retried)
+    bool ran_fused;             // the last forward call ran the fused core (for tests)
 
     // Profiling: marks[0] before the first stage, marks[1 + s] after stage s (NULL when the
     // stage did not run in the last call).
@@ -55,6 +58,16 @@ CLMHA__HIDDEN void clmha__layer_marks_release(clmha_layer *layer);
 
 // Builds the fused attention kernel of @p layer on first use and picks its tile sizes.
 CLMHA__HIDDEN clmha_status clmha__layer_fused(clmha_layer *layer);
+
+// Whether the fused kernel, as built, stays within the device's loop limit
+// (clmha__quirks::loop_limit) on the call of @p dims: a conservative count of the loop
+// iterations one work-item runs, every loop counted as if the compiler kept it, must stay below
+// half the limit. Always true on devices without that limit.
+CLMHA__HIDDEN bool clmha__fused_loops_fit(const clmha_layer *layer, const clmha__dims *dims,
+                                          bool dropout);
+
+// Test hook: pretends that the device has the loop limit @p limit (0: the device's own).
+CLMHA__HIDDEN void clmha__test_set_loop_limit(size_t limit);
 
 // Rebuilds the fused attention kernel of @p layer with tiles @p t (the tuner's candidates):
 // bk is halved until the tile fits in local memory and vw until it divides head_dim and bk.

@@ -23,6 +23,7 @@ int main() {
         reinterpret_cast<const void *>(&clmha_context_tuning_note),
         reinterpret_cast<const void *>(&clmha_device_select),
         reinterpret_cast<const void *>(&clmha_devices_list),
+        reinterpret_cast<const void *>(&clmha_device_note),
         reinterpret_cast<const void *>(&clmha_last_create_error),
         reinterpret_cast<const void *>(&clmha_layer_bake),
         reinterpret_cast<const void *>(&clmha_layer_context),
