@@ -53,6 +53,7 @@ static clmha_status context_finish(clmha_context *c) {
     c->max_work_group = 1;
     clGetDeviceInfo(c->device, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof c->max_work_group,
                     &c->max_work_group, NULL);
+    c->cls = clmha__device_class_of(c->device, c->info.type, c->info.platform_name);
     cl_int err;
     c->dummy = clCreateBuffer(c->cl_ctx, CL_MEM_READ_WRITE, 16, NULL, &err);
     if (err != CL_SUCCESS) return clmha__cl_fail(NULL, err, "clCreateBuffer(dummy)");
@@ -60,28 +61,33 @@ static clmha_status context_finish(clmha_context *c) {
     return CLMHA_SUCCESS;
 }
 
+size_t clmha__fused_default_vw(const clmha_context *ctx) {
+    if (ctx->cls->vw) return ctx->cls->vw;
+    // The native width, not the preferred one: Intel's oneAPI CPU runtime prefers 1 but is
+    // native 16 (5.5x faster with 16); PoCL on AVX-512 reports 16 for both.
+    cl_uint native = 1;
+    clGetDeviceInfo(ctx->device, CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT, sizeof native, &native,
+                    NULL);
+    return native ? native : 1;
+}
+
 clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
-    // Defaults measured on PoCL (CPU, N=1, H=8, L=S=2048, D=64): work-groups of 64 with 32 keys
-    // per tile beat 16/32/128 and 16/64 keys; two rows per work-item gain another ~20% there.
-    // GPUs get one row per work-item (fewer registers).
-    bool cpu = (ctx->info.type & CL_DEVICE_TYPE_CPU) != 0;
+    // The device class's defaults (src/device_class.c), unless a stored tuning has its own.
+    const clmha__device_class *cls = ctx->cls;
     size_t pref_tiles[CLMHA__FUSED_PARAMS] = {0};  // BQ, BK, RPW, VW of a stored tuning
     clmha__tuning_fused(ctx->device, pref_tiles);
-    size_t rows = pref_tiles[0] ? pref_tiles[0] : 64, keys = pref_tiles[1] ? pref_tiles[1] : 32;
-    size_t rpw = pref_tiles[2] ? pref_tiles[2] : cpu ? 2 : 1;
-    clmha__fused_tiles t = {.bq = 1, .bk = keys, .rpw = rpw};
-    while (t.bq * 2 <= rows && t.bq * 2 <= ctx->max_work_group) t.bq *= 2;
-    // Float vectors as wide as the device prefers (PoCL on AVX-512: 16, about 1.2x faster than
-    // scalar loops at the shape above).
-    cl_uint pref = 1;
-    clGetDeviceInfo(ctx->device, CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT, sizeof pref, &pref,
-                    NULL);
-    t.vw = pref_tiles[3] ? pref_tiles[3] : pref;
+    clmha__fused_tiles t = {.bq = pref_tiles[0] ? pref_tiles[0] : cls->bq,
+                            .bk = pref_tiles[1] ? pref_tiles[1] : cls->bk,
+                            .rpw = pref_tiles[2] ? pref_tiles[2] : cls->rpw,
+                            .vw = pref_tiles[3] ? pref_tiles[3] : clmha__fused_default_vw(ctx)};
     clmha__fused_tiles_fit(ctx, hd, &t);
     return t;
 }
 
 void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd, clmha__fused_tiles *t) {
+    size_t bq = 1;
+    while (bq * 2 <= t->bq && bq * 2 <= ctx->max_work_group) bq *= 2;
+    t->bq = bq;
     cl_ulong local = ctx->info.local_mem_bytes;
     // Leave room for what the compiler adds to local memory.
     local = local > 1024 ? local - 1024 : 0;

@@ -107,6 +107,43 @@ CLMHA__HIDDEN clmha_status clmha__msg(char *msg, size_t size, clmha_status statu
 CLMHA__HIDDEN const char *clmha__shape_str(char *buf, size_t size, size_t ndim,
                                            const size_t *shape);
 
+// ---- device classes (src/device_class.c) -------------------------------------------------------
+
+// The defaults of clmha's own kernels for one class of devices: one row of the table in
+// src/device_class.c.
+typedef struct clmha__device_class {
+    const char *name;        // "cpu-pocl", "gpu-nvidia", ...
+    cl_device_type type;     // the row matches devices of this type (0: any)
+    cl_uint vendor_id;       // ... with this CL_DEVICE_VENDOR_ID (0: any)
+    const char *platform;    // ... on a platform whose name contains this (NULL: any)
+    size_t bq, bk, rpw;      // fused tiles: work-group size, keys per tile, rows per work-item
+    size_t vw;               // fused vector width; 0: CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT
+    size_t private_floats;   // cap on the fused kernel's per-work-item arrays, in floats
+    bool coalesced;          // GPU mapping: split/merge one work-item per float, the fused
+                             // kernel's query rows in (padded) local memory, loaded and stored
+                             // by adjacent work-items on adjacent floats
+    size_t softmax_wg;       // cap on masked_softmax's work-group size
+} clmha__device_class;
+
+// The table row of a device: the first that matches its type, vendor id and platform name (or
+// the row forced by clmha__test_force_device_class()).
+CLMHA__HIDDEN const clmha__device_class *clmha__device_class_match(cl_device_type type,
+                                                                   cl_uint vendor_id,
+                                                                   const char *platform_name);
+
+// clmha__device_class_match() for @p device (reads its CL_DEVICE_VENDOR_ID).
+CLMHA__HIDDEN const clmha__device_class *clmha__device_class_of(cl_device_id device,
+                                                                cl_device_type type,
+                                                                const char *platform_name);
+
+// The table row called @p name, or NULL.
+CLMHA__HIDDEN const clmha__device_class *clmha__device_class_named(const char *name);
+
+// Test hook (reachable only by linking libclmha.a): contexts created afterwards take table row
+// @p name whatever their device ("gpu" runs the GPU mapping on PoCL); NULL restores detection.
+// False (and no change) for an unknown name. Not thread-safe against context creation.
+CLMHA__HIDDEN bool clmha__test_force_device_class(const char *name);
+
 // ---- contexts, programs, layers ---------------------------------------------------------------
 
 #include <pthread.h>
@@ -131,6 +168,7 @@ struct clmha_context {
     clmha_device_info info;
     char device_name[300];
     size_t max_work_group;
+    const clmha__device_class *cls;  // the device's row of the class table
     clmha__program *programs;   // guarded by lock
     char last_error[CLMHA__ERROR_SIZE];
     // Counters for tests (libclmha.a): program builds and device buffer allocations made by
@@ -188,14 +226,18 @@ typedef struct clmha__fused_tiles {
 } clmha__fused_tiles;
 
 // Tiles of the fused attention kernel for head dim @p hd on the device of @p ctx: the context's
-// preferred ones (a stored tuning) or the defaults, with bk halved until the 2·hd·bk floats of
-// a tile fit in local memory, and the widest vector width up to the device's preferred float
-// width (16 at most) that divides hd and bk.
+// preferred ones (a stored tuning) or its device class's defaults, fitted by
+// clmha__fused_tiles_fit().
 CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd);
 
-// Makes tiles @p t usable for head dim @p hd on the device of @p ctx: halves bk until the
-// 2·hd·bk floats of a tile fit in local memory, and narrows vw (a power of two up to 16, at
-// most the given vw) until it divides hd and bk.
+// The fused kernel's default vector width on the device of @p ctx: the class table's, or
+// (CPUs) the device's native float width.
+CLMHA__HIDDEN size_t clmha__fused_default_vw(const clmha_context *ctx);
+
+// Makes tiles @p t usable for head dim @p hd on the device of @p ctx: bq the largest power of
+// two within it and the work-group limit, bk halved until the 2·hd·bk floats of a tile fit in
+// local memory, and vw narrowed (a power of two up to 16, at most the given vw) until it
+// divides hd and bk.
 CLMHA__HIDDEN void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd,
                                           clmha__fused_tiles *t);
 

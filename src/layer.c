@@ -176,14 +176,16 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
     if (d.add_bias_kv && (st = param_buffer(ctx, 2 * e, "bias_k/bias_v", &l->bias_kv)))
         goto fail;
 
-    // Kernels. The softmax work-group: a power of two, smaller on CPUs where a work-group is a
-    // loop on one core.
-    bool cpu = (ctx->info.type & CL_DEVICE_TYPE_CPU) != 0;
-    l->softmax_wg = pow2_below(cpu ? 16 : 256, ctx->max_work_group);
+    // Kernels. The softmax work-group: a power of two, its cap from the device class (smaller
+    // on CPUs, where a work-group is a loop on one core). Split and merge heads: the class's
+    // mapping (one work-item per tile row, or per float on GPUs).
+    l->softmax_wg = pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);
     char options[64];
     snprintf(options, sizeof options, "-DWG=%zu", l->softmax_wg);
     cl_program heads, softmax;
-    if ((st = clmha__program_get(ctx, "heads", "", &heads))) goto fail;
+    if ((st = clmha__program_get(ctx, "heads", ctx->cls->coalesced ? "-DHEADS_COALESCED=1" : "",
+                                 &heads)))
+        goto fail;
     if ((st = clmha__program_get(ctx, "softmax", options, &softmax))) goto fail;
     if ((st = make_kernel(ctx, heads, "split_heads", &l->split_heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "merge_heads", &l->merge_heads))) goto fail;
