@@ -85,13 +85,41 @@ clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
 }
 
 void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd, clmha__fused_tiles *t) {
-    size_t bq = 1;
-    while (bq * 2 <= t->bq && bq * 2 <= ctx->max_work_group) bq *= 2;
-    t->bq = bq;
-    cl_ulong local = ctx->info.local_mem_bytes;
+    clmha__fused_tiles_fit_limits(ctx->cls, ctx->info.local_mem_bytes, ctx->max_work_group, hd,
+                                  t);
+}
+
+void clmha__fused_tiles_fit_limits(const clmha__device_class *cls, cl_ulong local_mem,
+                                   size_t max_wg, size_t hd, clmha__fused_tiles *t) {
     // Leave room for what the compiler adds to local memory.
-    local = local > 1024 ? local - 1024 : 0;
-    while (t->bk > 0 && 2 * (cl_ulong)hd * t->bk * sizeof(float) > local) t->bk /= 2;
+    cl_ulong local = local_mem > 1024 ? (local_mem - 1024) / sizeof(float) : 0;  // floats
+    size_t bq = 1;
+    while (bq * 2 <= t->bq && bq * 2 <= max_wg) bq *= 2;
+    t->bq = bq;
+    if (!t->rpw) t->rpw = 1;
+    t->q_local = cls->coalesced;
+    t->acc_local = false;
+    // Private arrays within the class's budget, so that they stay in registers: one row per
+    // work-item, then fewer keys per tile (down to 8), then the query rows in local memory,
+    // then the accumulators too.
+    while (clmha__fused_private_floats(t, hd) > cls->private_floats) {
+        if (t->rpw > 1) --t->rpw;
+        else if (t->bk > 8) t->bk /= 2;
+        else if (!t->q_local) t->q_local = true;
+        else if (!t->acc_local) t->acc_local = true;
+        else if (t->bk > 1) t->bk /= 2;
+        else break;
+    }
+    // Local memory: fewer keys per tile (down to 8), then smaller work-groups where query rows
+    // live in local memory (down to 32), then anything that helps; bk 0 when nothing fits.
+    while (t->bk > 0 && clmha__fused_local_floats(t, hd) > local) {
+        bool rows_local = t->q_local || t->acc_local;
+        if (t->bk > 8) t->bk /= 2;
+        else if (rows_local && t->bq > 32) t->bq /= 2;
+        else if (t->bk > 1) t->bk /= 2;
+        else if (rows_local && t->bq > 1) t->bq /= 2;
+        else t->bk = 0;
+    }
     size_t want = t->vw;
     t->vw = 16;
     while (t->vw > 1 && (t->vw > want || hd % t->vw || (t->bk && t->bk % t->vw))) t->vw /= 2;

@@ -223,7 +223,24 @@ typedef struct clmha__fused_tiles {
     size_t bk;   // keys per tile (0: not even one key fits in local memory)
     size_t rpw;  // query rows per work-item (1 or 2); a work-group covers bq * rpw rows
     size_t vw;   // vector width of the inner products: 1, 2, 4, 8 or 16, dividing bk and hd
+    bool q_local;    // query rows in local memory (coalesced loads and stores), not private
+    bool acc_local;  // accumulators in local memory too (the private budget is too small)
 } clmha__fused_tiles;
+
+// The fused kernel's private floats per work-item for tiles @p t and head dim @p hd: per row,
+// the tile's scores (bk) plus the scaled query and the accumulator where they are private.
+static inline size_t clmha__fused_private_floats(const clmha__fused_tiles *t, size_t hd) {
+    return t->rpw * (t->bk + (t->q_local ? 0 : hd) + (t->acc_local ? 0 : hd));
+}
+
+// The fused kernel's local memory in floats (cl/fused.cl): the key tile hd x bk (row stride
+// bk|1 with q_local), the value tile bk x hd, and the query rows and accumulators
+// bq*rpw x (hd|1) each where they are local.
+static inline size_t clmha__fused_local_floats(const clmha__fused_tiles *t, size_t hd) {
+    size_t rows = t->bq * t->rpw * (hd | 1);
+    return hd * (t->q_local ? t->bk | 1 : t->bk) + t->bk * hd + (t->q_local ? rows : 0) +
+           (t->acc_local ? rows : 0);
+}
 
 // Tiles of the fused attention kernel for head dim @p hd on the device of @p ctx: the context's
 // preferred ones (a stored tuning) or its device class's defaults, fitted by
@@ -234,12 +251,22 @@ CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx
 // (CPUs) the device's native float width.
 CLMHA__HIDDEN size_t clmha__fused_default_vw(const clmha_context *ctx);
 
-// Makes tiles @p t usable for head dim @p hd on the device of @p ctx: bq the largest power of
-// two within it and the work-group limit, bk halved until the 2·hd·bk floats of a tile fit in
-// local memory, and vw narrowed (a power of two up to 16, at most the given vw) until it
-// divides hd and bk.
+// Makes tiles @p t usable for head dim @p hd on the device of @p ctx:
+// clmha__fused_tiles_fit_limits() with its class, local memory and work-group limit.
 CLMHA__HIDDEN void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd,
                                           clmha__fused_tiles *t);
+
+// Makes tiles @p t usable for head dim @p hd under class @p cls with @p local_mem bytes of
+// local memory and work-groups of at most @p max_wg: bq the largest power of two within both;
+// q_local from the class; then, while the private arrays exceed the class's budget
+// (clmha__fused_private_floats()), one row per work-item, bk halved down to 8, the query rows
+// and then the accumulators moved to local memory; then, while the local memory
+// (clmha__fused_local_floats()) exceeds the device's less 1 KiB, bk halved down to 8, bq down to
+// 32, then either further (bk 0: nothing fits); last, vw narrowed (a power of two up to 16, at
+// most the given vw) until it divides hd and bk.
+CLMHA__HIDDEN void clmha__fused_tiles_fit_limits(const clmha__device_class *cls,
+                                                 cl_ulong local_mem, size_t max_wg, size_t hd,
+                                                 clmha__fused_tiles *t);
 
 // Frees every cached program of a context.
 CLMHA__HIDDEN void clmha__programs_release(clmha_context *ctx);

@@ -278,15 +278,19 @@ const char *clmha_impl_name(clmha_impl impl) {
 // Builds the fused kernel with tiles @p t.
 static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
     clmha_context *ctx = l->ctx;
-    if (!t.bk)
+    if (!t.bk) {
+        clmha__fused_tiles one = t;
+        one.bk = 1;
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "the fused core needs 2 * head_dim * 4 = %zu bytes of local memory "
-                           "for one key; the device has %llu (use CLMHA_IMPL_UNFUSED)",
-                           2 * l->d * sizeof(float),
+                           "the fused core needs %zu bytes of local memory for one key at "
+                           "head_dim %zu; the device has %llu (use CLMHA_IMPL_UNFUSED)",
+                           clmha__fused_local_floats(&one, l->d) * sizeof(float), l->d,
                            (unsigned long long)ctx->info.local_mem_bytes);
-    char options[96];
-    snprintf(options, sizeof options, "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu", l->d,
-             t.bq, t.bk, t.rpw, t.vw);
+    }
+    char options[128];
+    snprintf(options, sizeof options,
+             "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu -DQ_LOCAL=%d -DACC_LOCAL=%d", l->d,
+             t.bq, t.bk, t.rpw, t.vw, (int)t.q_local, (int)t.acc_local);
     cl_program prog;
     clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
     if (st) return st;
