@@ -3,7 +3,8 @@
 
 #include <string.h>
 
-// First matching row wins; the last rows catch every CPU, every GPU and anything else.
+// First matching row wins; the last rows catch every CPU, every GPU and anything else. Columns:
+// clmha__device_class (src/internal.h); VW 0 = the device's native float width.
 //
 // CPU rows were measured on PoCL (AVX-512, N=1, H=8, L=S=2048, D=64): work-groups of 64 with
 // 32 keys per tile beat 16/32/128 and 16/64 keys, two rows per work-item gained ~20%, and
@@ -21,19 +22,24 @@
 // registers an NVIDIA thread may hold (and of the 256 VGPRs of an AMD lane) leave room for
 // indices and temporaries at a useful occupancy; an Intel GPU thread compiled SIMD16 has 128
 // registers of 8 floats shared by 16 lanes, 64 floats a lane.
+#define CPU CL_DEVICE_TYPE_CPU
+#define GPU CL_DEVICE_TYPE_GPU
+#define POCL "Portable Computing Language"
 static const clmha__device_class classes[] = {
-    // name           type                 vendor  platform            BQ  BK RPW VW priv  coal  smx
-    {"cpu-pocl", CL_DEVICE_TYPE_CPU, 0, "Portable Computing Language", 64, 32, 2, 0, 2048, false,
-     16},
-    {"cpu-intel", CL_DEVICE_TYPE_CPU, 0, "Intel", 64, 32, 2, 0, 2048, false, 16},
-    {"cpu", CL_DEVICE_TYPE_CPU, 0, NULL, 64, 32, 2, 0, 2048, false, 16},
-    {"gpu-nvidia", CL_DEVICE_TYPE_GPU, 0x10DE, NULL, 64, 32, 1, 1, 128, true, 256},
-    {"gpu-amd", CL_DEVICE_TYPE_GPU, 0x1002, NULL, 64, 32, 1, 1, 128, true, 256},
-    {"gpu-intel", CL_DEVICE_TYPE_GPU, 0x8086, NULL, 64, 32, 1, 1, 64, true, 256},
-    {"gpu", CL_DEVICE_TYPE_GPU, 0, NULL, 64, 32, 1, 1, 128, true, 256},
-    // Accelerators and anything else: GPU-like mapping, the device's native width.
-    {"other", 0, 0, NULL, 64, 32, 1, 0, 128, true, 256},
+    // name        type vendor  platform BQ  BK  RPW VW private coalesced softmax_wg
+    {"cpu-pocl",   CPU, 0,      POCL,    64, 32, 2,  0, 2048,   false,    16},
+    {"cpu-intel",  CPU, 0,      "Intel", 64, 32, 2,  0, 2048,   false,    16},
+    {"cpu",        CPU, 0,      NULL,    64, 32, 2,  0, 2048,   false,    16},
+    {"gpu-nvidia", GPU, 0x10DE, NULL,    64, 32, 1,  1, 128,    true,     256},
+    {"gpu-amd",    GPU, 0x1002, NULL,    64, 32, 1,  1, 128,    true,     256},
+    {"gpu-intel",  GPU, 0x8086, NULL,    64, 32, 1,  1, 64,     true,     256},
+    {"gpu",        GPU, 0,      NULL,    64, 32, 1,  1, 128,    true,     256},
+    // Accelerators and anything else: the GPU mappings, the device's native width.
+    {"other",      0,   0,      NULL,    64, 32, 1,  0, 128,    true,     256},
 };
+#undef CPU
+#undef GPU
+#undef POCL
 
 enum { CLASS_COUNT = sizeof classes / sizeof classes[0] };
 
