@@ -1,15 +1,45 @@
 // Fused attention core: out = softmax(mask(Q*K^T*scale)) * V for every (batch, head), without
 // storing the scores. Online softmax over tiles of keys (FlashAttention's recurrence): each
 // work-item owns RPW query rows, keeps their running maxima, running sums and HD-wide
-// accumulators in private memory, and the work-group shares each tile of keys and values through
-// local memory. With RPW = 2 every key and value read from local memory serves two rows. The
-// two products (scores = q*K^T over the tile, acc += p*V) run on VW-wide vectors (floatVW), so
-// that their accumulators stay in registers across the inner loop.
+// accumulators, and the work-group shares each tile of keys and values through local memory.
+// With RPW = 2 every key and value read from local memory serves two rows. The two products
+// (scores = q*K^T over the tile, acc += p*V) run on VW-wide vectors (floatVW), so that their
+// accumulators stay in registers across the inner loop.
 //
 // Build options: -DHD=<head dim> -DBQ=<work-group size> -DRPW=<query rows per work-item>
 //                -DBK=<keys per tile> -DVW=<vector width: 1, 2, 4, 8 or 16, dividing HD and
-//                BK>. A work-group covers BQ*RPW query rows: row r of work-item lid is
-//                first + r*BQ + lid. Local memory: 2*HD*BK floats.
+//                BK> -DQ_LOCAL=<0|1> -DACC_LOCAL=<0|1>. A work-group covers BQ*RPW query rows:
+//                row r of work-item lid is first + r*BQ + lid.
+//
+// Where the per-row state lives (chosen on the host per device class, src/device_class.c, and
+// by clmha__fused_tiles_fit(), which keeps the private arrays within the class's budget):
+//   - Q_LOCAL 0 (CPUs): the scaled query rows are private, read by each work-item from its own
+//     rows (contiguous for one work-item: what a CPU core wants), and the output is stored the
+//     same way;
+//   - Q_LOCAL 1 (GPUs): the group's query rows are loaded into local memory by adjacent
+//     work-items at adjacent addresses (coalesced), and the output goes back through local
+//     memory the same way; the scores loop runs dimension by dimension, so a query float is
+//     read once per tile and dimension;
+//   - ACC_LOCAL 1 (head dims too large for the private budget): the accumulators live in local
+//     memory too (each work-item touches only its own rows but in the final store).
+// Private floats per work-item: RPW * (BK + HD * (2 - Q_LOCAL - ACC_LOCAL)) (the tile's scores,
+// the query rows, the accumulators) plus a few scalars per row. Local memory, in floats:
+// HD * KS + BK * HD + (Q_LOCAL + ACC_LOCAL) * BQ * RPW * (HD|1) (clmha__fused_local_floats()),
+// KS the key tile's row stride below.
+//
+// Bank conflicts: local memory is interleaved over 32 (or 64) banks of 4 bytes, and the lanes of
+// a warp conflict when they touch different addresses in one bank, i.e. addresses a multiple of
+// 32 floats apart. Two access patterns here would do that without padding:
+//   - the key tile is stored transposed, kt[d][jj], by adjacent work-items on adjacent d (so
+//     that the global reads of a key row coalesce): with a row stride of BK (a power of two, 16
+//     or 32 or more) a warp's 32 stores would all fall in one bank; the stride BK|1 is odd, so
+//     32 consecutive d hit 32 different banks. (The scores loop reads kt[d][c..] at the same
+//     address in every work-item: a broadcast, free either way.) Padded with Q_LOCAL only.
+//   - the query rows and accumulators in local memory are read by work-item lid at row
+//     r*BQ + lid, dimension d: with a row stride of HD (often a multiple of 32) every lane would
+//     hit the same bank; the stride HD|1 is odd.
+// The value tile vt[jj][d] needs no padding: it is stored with adjacent work-items on adjacent d
+// and read as a broadcast.
 // Needs cl/common.cl in front (mask kinds, mask_value, philox_word0, max_nan).
 //
 // Layouts as the unfused path: q (N*H, L, HD), k and v (N*H, S', HD), out (N*H, L, HD); the
@@ -66,6 +96,21 @@
 #ifndef BK
 #define BK 64
 #endif
+#ifndef Q_LOCAL
+#define Q_LOCAL 0
+#endif
+#ifndef ACC_LOCAL
+#define ACC_LOCAL 0
+#endif
+// Padded row strides (odd: see the bank conflicts above): the key tile's where the query rows
+// are local (GPU classes; CPUs have no banks, and their VW-wide reads of kt stay aligned), and
+// that of the query rows and accumulators in local memory.
+#if Q_LOCAL
+#define KS (BK | 1)
+#else
+#define KS BK
+#endif
+#define RS (HD | 1)
 
 // exp(x) for x <= 0 (the only arguments here: scores minus a running maximum), in plain
 // arithmetic on VW lanes: exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by
@@ -114,8 +159,14 @@ void fused_attention(global const float *q, global const float *k, global const 
                      global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal,
                      uint dropout_on, uint dropout_threshold, float keep_scale,
                      uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
-    local float kt[HD][BK];  // the tile's keys, transposed
-    local float vt[BK][HD];  // the tile's values
+    local float kt[HD * KS];  // the tile's keys, transposed: kt[d * KS + jj]
+    local float vt[BK * HD];  // the tile's values: vt[jj * HD + d]
+#if Q_LOCAL
+    local float qs[BQ * RPW * RS];  // the group's scaled query rows, then its output rows
+#endif
+#if ACC_LOCAL
+    local float accl[BQ * RPW * RS];  // the accumulators of the group's rows
+#endif
 
     uint lid = get_local_id(0);
     ulong bh = get_group_id(1);
@@ -137,13 +188,33 @@ void fused_attention(global const float *q, global const float *k, global const 
 
     // Per row: the scaled query, the accumulator of p*v, the running maximum (NaN once a NaN
     // score appears) and the running sum of exp(score - maximum).
-    float qr[RPW][HD], acc[RPW][HD], m[RPW], sum[RPW];
+    float m[RPW], sum[RPW];
+#if Q_LOCAL
+    // The group's rows are consecutive in q: adjacent work-items load adjacent floats. (The
+    // first key tile's barrier comes before any work-item reads them.)
+    global const float *qb = q + bh * tgt_len * HD;
+    for (uint t = lid; t < BQ * RPW * HD; t += BQ) {
+        uint rr = t / HD, d = t % HD;
+        ulong i = min(first + rr, last);
+        qs[rr * RS + d] = qb[i * HD + d] * scale;
+    }
+#define QROW(r) (qs + ((r) * BQ + lid) * RS)
+#else
+    float qr[RPW][HD];
     for (uint r = 0; r < RPW; ++r) {
         global const float *qp = q + (bh * tgt_len + rows[r]) * HD;
-        for (uint d = 0; d < HD; ++d) {
-            qr[r][d] = qp[d] * scale;
-            acc[r][d] = 0.0f;
-        }
+        for (uint d = 0; d < HD; ++d) qr[r][d] = qp[d] * scale;
+    }
+#define QROW(r) (qr[r])
+#endif
+#if ACC_LOCAL
+#define ACCROW(r) (accl + ((r) * BQ + lid) * RS)
+#else
+    float acc[RPW][HD];
+#define ACCROW(r) (acc[r])
+#endif
+    for (uint r = 0; r < RPW; ++r) {
+        for (uint d = 0; d < HD; ++d) ACCROW(r)[d] = 0.0f;
         m[r] = -INFINITY;
         sum[r] = 0.0f;
     }
@@ -160,21 +231,37 @@ void fused_attention(global const float *q, global const float *k, global const 
                 uint jj = t / HD, d = t % HD;
                 ulong j = j0 + jj;
                 bool in = j < src_len_padded;
-                kt[d][jj] = in ? kb[j * HD + d] : 0.0f;
-                vt[jj][d] = in ? vb[j * HD + d] : 0.0f;
+                kt[d * KS + jj] = in ? kb[j * HD + d] : 0.0f;
+                vt[jj * HD + d] = in ? vb[j * HD + d] : 0.0f;
             }
             barrier(CLK_LOCAL_MEM_FENCE);
 
             float s[RPW][BK];  // the tile's scores, then its probabilities
+#if Q_LOCAL
+            // Dimension by dimension: each query float is read from local memory once per tile,
+            // and the BK scores of a row accumulate in registers.
+            for (uint r = 0; r < RPW; ++r)
+                for (uint jj = 0; jj < BK; ++jj) s[r][jj] = 0.0f;
+            for (uint d = 0; d < HD; ++d) {
+                float qd[RPW];
+                for (uint r = 0; r < RPW; ++r) qd[r] = QROW(r)[d];
+                for (uint c = 0; c < BK; c += VW) {
+                    VT kv = LOADV(c, kt + d * KS);
+                    for (uint r = 0; r < RPW; ++r)
+                        STOREV(fma((VT)(qd[r]), kv, LOADV(c, s[r])), c, s[r]);
+                }
+            }
+#else
             for (uint c = 0; c < BK; c += VW) {  // VW keys at a time
                 VT acc_s[RPW];
                 for (uint r = 0; r < RPW; ++r) acc_s[r] = (VT)(0.0f);
                 for (uint d = 0; d < HD; ++d) {
-                    VT kv = LOADV(c, kt[d]);
+                    VT kv = LOADV(c, kt + d * KS);
                     for (uint r = 0; r < RPW; ++r) acc_s[r] = fma((VT)(qr[r][d]), kv, acc_s[r]);
                 }
                 for (uint r = 0; r < RPW; ++r) STOREV(acc_s[r], c, s[r]);
             }
+#endif
             for (uint r = 0; r < RPW; ++r) {
                 // Masks: only where this row has any (a tile inside the real keys, without masks
                 // and below the causal diagonal needs none).
@@ -205,7 +292,7 @@ void fused_attention(global const float *q, global const float *k, global const 
                 float base = none ? 0.0f : m_new;
                 float corr = LANE0(exp_nonpos((VT)(m[r] - base)));  // 0 on the first live tile
                 sum[r] *= corr;
-                for (uint d = 0; d < HD; ++d) acc[r][d] *= corr;
+                for (uint d = 0; d < HD; ++d) ACCROW(r)[d] *= corr;
                 VT sv = (VT)(0.0f);
                 for (uint c = 0; c < BK; c += VW) {
                     VT p = exp_nonpos(LOADV(c, s[r]) - base);
@@ -224,16 +311,36 @@ void fused_attention(global const float *q, global const float *k, global const 
             }
             for (uint c = 0; c < HD; c += VW) {  // VW dimensions at a time
                 VT a[RPW];
-                for (uint r = 0; r < RPW; ++r) a[r] = LOADV(c, acc[r]);
+                for (uint r = 0; r < RPW; ++r) a[r] = LOADV(c, ACCROW(r));
                 for (uint jj = 0; jj < BK; ++jj) {
-                    VT vv = LOADV(c, vt[jj]);
+                    VT vv = LOADV(c, vt + jj * HD);
                     for (uint r = 0; r < RPW; ++r) a[r] = fma((VT)(s[r][jj]), vv, a[r]);
                 }
-                for (uint r = 0; r < RPW; ++r) STOREV(a[r], c, acc[r]);
+                for (uint r = 0; r < RPW; ++r) STOREV(a[r], c, ACCROW(r));
             }
         }
     }
     // A fully masked row (m = -inf) has sum 0 and gives zeros; NaN propagates.
+#if Q_LOCAL || ACC_LOCAL
+    // Each work-item writes its own output rows into local memory (the accumulators in place,
+    // or its own query rows, which only it reads), then the group stores the rows it covers
+    // with adjacent work-items on adjacent floats.
+#if ACC_LOCAL
+#define OUTROW(r) ACCROW(r)
+    local float *stage = accl;
+#else
+#define OUTROW(r) QROW(r)
+    local float *stage = qs;
+#endif
+    for (uint r = 0; r < RPW; ++r) {
+        float inv = m[r] == -INFINITY ? 0.0f : 1.0f / sum[r];
+        for (uint d = 0; d < HD; ++d) OUTROW(r)[d] = ACCROW(r)[d] * inv;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    uint nrows = (uint)(last - first + 1);
+    global float *ob = out + (bh * tgt_len + first) * HD;
+    for (uint t = lid; t < nrows * HD; t += BQ) ob[t] = stage[t / HD * RS + t % HD];
+#else
     for (uint r = 0; r < RPW; ++r) {
         ulong i = first + r * BQ + lid;
         float inv = m[r] == -INFINITY ? 0.0f : 1.0f / sum[r];
@@ -242,4 +349,5 @@ void fused_attention(global const float *q, global const float *k, global const 
             for (uint d = 0; d < HD; ++d) op[d] = acc[r][d] * inv;
         }
     }
+#endif
 }

@@ -3,17 +3,28 @@
 //
 // Row order of a (sequence, batch) tensor: row(n, t) = batch_first ? n * T + t : t * N + n.
 // Head-major tiles are (N*H, T, D): element ((n * H + h) * T + t) * D + d.
-// Every kernel is 1-D (over output rows or elements) and guards the tail, so any global size
-// rounded up to the work-group size is safe.
+// Every kernel guards the tail, so any global size rounded up to the work-group size is safe.
+// All are 1-D (over output rows or elements) but split/merge in their coalesced mapping (3-D).
 
 #ifdef CLMHA_FORCE_BUILD_ERROR
 #error "build failure forced by the test hook clmha__test_set_extra_build_options"
 #endif
 
+// Split and merge have two mappings onto work-items, chosen at build time by the device class
+// (src/device_class.c), with the same arguments:
+//   - default (CPUs): 1-D, one work-item per tile row (bh, t), which copies head_dim contiguous
+//     floats, so the index arithmetic (64-bit divisions) runs once per row, not once per float,
+//     and PoCL vectorises the copy;
+//   - HEADS_COALESCED (GPUs): 3-D (d, t, bh) = (float of the row, sequence position, batch*head),
+//     one work-item per float, so adjacent work-items read and write adjacent addresses (a
+//     work-group covers whole rows of head_dim floats, several rows when head_dim is short).
+//     Guards d < head_dim and t < seq_out; bh covers N*H exactly.
+#ifndef HEADS_COALESCED
+#define HEADS_COALESCED 0
+#endif
+
 // Splits projected rows into head tiles and appends the extra keys of add_bias_kv (row T) and
-// add_zero_attn (the last row). One work-item per tile row (bh, t): it copies head_dim
-// contiguous floats, so the index arithmetic (64-bit divisions) runs once per row, not once per
-// element.
+// add_zero_attn (the last row).
 //   proj     (rows, ld) with the head columns starting at col0
 //   bias     in_proj_bias slice for these columns (has_bias)
 //   extra    bias_k or bias_v at extra_off (has_extra: row T is extra; rows after it are zero)
@@ -23,6 +34,21 @@ kernel void split_heads(global const float *proj, ulong proj_off, ulong ld, ulon
                         global const float *extra, ulong extra_off, uint has_extra,
                         global float *out, ulong out_off, ulong n_batch, ulong n_heads,
                         ulong seq, ulong seq_out, ulong head_dim, uint batch_first) {
+#if HEADS_COALESCED
+    ulong d = get_global_id(0), t = get_global_id(1), bh = get_global_id(2);
+    if (d >= head_dim || t >= seq_out) return;
+    ulong n = bh / n_heads;
+    ulong col = (bh - n * n_heads) * head_dim + d;
+    float x = 0.0f;
+    if (t < seq) {
+        ulong row = batch_first ? n * seq + t : t * n_batch + n;
+        x = proj[proj_off + row * ld + col0 + col];
+        if (has_bias) x += bias[bias_off + col];
+    } else if (t == seq && has_extra) {
+        x = extra[extra_off + col];
+    }
+    out[out_off + (bh * seq_out + t) * head_dim + d] = x;
+#else
     ulong gid = get_global_id(0);
     if (gid >= n_batch * n_heads * seq_out) return;
     ulong t = gid % seq_out;
@@ -46,13 +72,22 @@ kernel void split_heads(global const float *proj, ulong proj_off, ulong ld, ulon
     } else {
         for (ulong d = 0; d < head_dim; ++d) dst[d] = 0.0f;
     }
+#endif
 }
 
-// Merges head tiles (N*H, L, D) back into rows (rows, E) in the query's row order. One
-// work-item per (row, head): head_dim contiguous floats.
+// Merges head tiles (N*H, L, D) back into rows (rows, E) in the query's row order: default, one
+// work-item per (row, head) copying head_dim contiguous floats; coalesced, one per float.
 kernel void merge_heads(global const float *heads, ulong heads_off, global float *out,
                         ulong n_batch,
                         ulong n_heads, ulong seq, ulong head_dim, uint batch_first) {
+#if HEADS_COALESCED
+    ulong d = get_global_id(0), t = get_global_id(1), bh = get_global_id(2);
+    if (d >= head_dim || t >= seq) return;
+    ulong n = bh / n_heads;
+    ulong h = bh - n * n_heads;
+    ulong row = batch_first ? n * seq + t : t * n_batch + n;
+    out[(row * n_heads + h) * head_dim + d] = heads[heads_off + (bh * seq + t) * head_dim + d];
+#else
     ulong gid = get_global_id(0);
     if (gid >= n_batch * seq * n_heads) return;
     ulong h = gid % n_heads;
@@ -62,6 +97,7 @@ kernel void merge_heads(global const float *heads, ulong heads_off, global float
     global const float *src = heads + heads_off + ((n * n_heads + h) * seq + t) * head_dim;
     global float *dst = out + gid * head_dim;
     for (ulong d = 0; d < head_dim; ++d) dst[d] = src[d];
+#endif
 }
 
 // out[r, c] = bias[c] (or 0 without bias) for rows x cols: the C operand of a GEMM with beta 1.

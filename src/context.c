@@ -54,6 +54,7 @@ static clmha_status context_finish(clmha_context *c) {
     c->max_work_group = 1;
     clGetDeviceInfo(c->device, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof c->max_work_group,
                     &c->max_work_group, NULL);
+    c->cls = clmha__device_class_of(c->device, c->info.type, c->info.platform_name);
     cl_int err;
     c->dummy = clCreateBuffer(c->cl_ctx, CL_MEM_READ_WRITE, 16, NULL, &err);
     if (err != CL_SUCCESS) return clmha__cl_fail(NULL, err, "clCreateBuffer(dummy)");
@@ -61,23 +62,25 @@ static clmha_status context_finish(clmha_context *c) {
     return CLMHA_SUCCESS;
 }
 
+size_t clmha__fused_default_vw(const clmha_context *ctx) {
+    if (ctx->cls->vw) return ctx->cls->vw;
+    // The native width, not the preferred one: Intel's oneAPI CPU runtime prefers 1 but is
+    // native 16 (5.5x faster with 16); PoCL on AVX-512 reports 16 for both.
+    cl_uint native = 1;
+    clGetDeviceInfo(ctx->device, CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT, sizeof native, &native,
+                    NULL);
+    return native ? native : 1;
+}
+
 clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
-    // Defaults measured on PoCL (CPU, N=1, H=8, L=S=2048, D=64): work-groups of 64 with 32 keys
-    // per tile beat 16/32/128 and 16/64 keys; two rows per work-item gain another ~20% there.
-    // GPUs get one row per work-item (fewer registers).
-    bool cpu = (ctx->info.type & CL_DEVICE_TYPE_CPU) != 0;
+    // The device class's defaults (src/device_class.c), unless a stored tuning has its own.
+    const clmha__device_class *cls = ctx->cls;
     size_t pref_tiles[CLMHA__FUSED_PARAMS] = {0};  // BQ, BK, RPW, VW of a stored tuning
     clmha__tuning_fused(ctx->device, pref_tiles);
-    size_t rows = pref_tiles[0] ? pref_tiles[0] : 64, keys = pref_tiles[1] ? pref_tiles[1] : 32;
-    size_t rpw = pref_tiles[2] ? pref_tiles[2] : cpu ? 2 : 1;
-    clmha__fused_tiles t = {.bq = 1, .bk = keys, .rpw = rpw};
-    while (t.bq * 2 <= rows && t.bq * 2 <= ctx->max_work_group) t.bq *= 2;
-    // Float vectors as wide as the device prefers (PoCL on AVX-512: 16, about 1.2x faster than
-    // scalar loops at the shape above).
-    cl_uint pref = 1;
-    clGetDeviceInfo(ctx->device, CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT, sizeof pref, &pref,
-                    NULL);
-    t.vw = pref_tiles[3] ? pref_tiles[3] : pref;
+    clmha__fused_tiles t = {.bq = pref_tiles[0] ? pref_tiles[0] : cls->bq,
+                            .bk = pref_tiles[1] ? pref_tiles[1] : cls->bk,
+                            .rpw = pref_tiles[2] ? pref_tiles[2] : cls->rpw,
+                            .vw = pref_tiles[3] ? pref_tiles[3] : clmha__fused_default_vw(ctx)};
     clmha__fused_tiles_fit(ctx, hd, &t);
     return t;
 }
@@ -113,11 +116,42 @@ clmha_status clmha__kernel_limits(const clmha_context *ctx, cl_kernel k, size_t 
 }
 
 void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd, clmha__fused_tiles *t) {
-    cl_ulong local = clmha__local_mem(ctx);
+    clmha__fused_tiles_fit_limits(ctx->cls, clmha__local_mem(ctx), ctx->max_work_group, hd, t);
+    if (ctx->quirks.no_vload) t->vw = 1;  // Clover aborts on vloadN (tools/driver-bugs)
+}
+
+void clmha__fused_tiles_fit_limits(const clmha__device_class *cls, cl_ulong local_mem,
+                                   size_t max_wg, size_t hd, clmha__fused_tiles *t) {
     // Leave room for what the compiler adds to local memory.
-    local = local > 1024 ? local - 1024 : 0;
-    while (t->bk > 0 && 2 * (cl_ulong)hd * t->bk * sizeof(float) > local) t->bk /= 2;
-    size_t want = ctx->quirks.no_vload ? 1 : t->vw;  // Clover aborts on vloadN
+    cl_ulong local = local_mem > 1024 ? (local_mem - 1024) / sizeof(float) : 0;  // floats
+    size_t bq = 1;
+    while (bq * 2 <= t->bq && bq * 2 <= max_wg) bq *= 2;
+    t->bq = bq;
+    if (!t->rpw) t->rpw = 1;
+    t->q_local = cls->coalesced;
+    t->acc_local = false;
+    // Private arrays within the class's budget, so that they stay in registers: one row per
+    // work-item, then fewer keys per tile (down to 8), then the query rows in local memory,
+    // then the accumulators too.
+    while (clmha__fused_private_floats(t, hd) > cls->private_floats) {
+        if (t->rpw > 1) --t->rpw;
+        else if (t->bk > 8) t->bk /= 2;
+        else if (!t->q_local) t->q_local = true;
+        else if (!t->acc_local) t->acc_local = true;
+        else if (t->bk > 1) t->bk /= 2;
+        else break;
+    }
+    // Local memory: fewer keys per tile (down to 8), then smaller work-groups where query rows
+    // live in local memory (down to 32), then anything that helps; bk 0 when nothing fits.
+    while (t->bk > 0 && clmha__fused_local_floats(t, hd) > local) {
+        bool rows_local = t->q_local || t->acc_local;
+        if (t->bk > 8) t->bk /= 2;
+        else if (rows_local && t->bq > 32) t->bq /= 2;
+        else if (t->bk > 1) t->bk /= 2;
+        else if (rows_local && t->bq > 1) t->bq /= 2;
+        else t->bk = 0;
+    }
+    size_t want = t->vw;
     t->vw = 16;
     while (t->vw > 1 && (t->vw > want || hd % t->vw || (t->bk && t->bk % t->vw))) t->vw /= 2;
 }

@@ -111,6 +111,32 @@ static clmha_status launch(clmha_context *ctx, cl_kernel k, const char *name, si
     return CLMHA_SUCCESS;
 }
 
+// Enqueues split_heads or merge_heads (@p k) over tiles of @p planes (batch·head) x @p seq rows
+// of head_dim floats, in the mapping its program was built with (cl/heads.cl, chosen by the
+// device class): 1-D, one work-item per row, in groups of @p wg; or coalesced, 3-D (d, t, bh),
+// one work-item per float, in groups of up to 256 (within the kernels' CL_KERNEL_WORK_GROUP_SIZE)
+// whose first dimension spans a row (head_dim rounded up to a power of two, at most the group)
+// and second several rows.
+static clmha_status launch_heads(clmha_layer *l, cl_kernel k, const char *name, size_t planes,
+                                 size_t seq, size_t wg, const arg *args, cl_uint nargs) {
+    clmha_context *ctx = l->ctx;
+    if (!ctx->cls->coalesced) return launch(ctx, k, name, planes * seq, wg, args, nargs);
+    for (cl_uint i = 0; i < nargs; ++i) {
+        cl_int err = clSetKernelArg(k, i, args[i].size, args[i].value);
+        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    }
+    size_t group = 1;
+    while (group * 2 <= 256 && group * 2 <= l->heads_limit) group *= 2;
+    size_t l0 = 1;
+    while (l0 < l->d && l0 * 2 <= group) l0 *= 2;
+    size_t local[3] = {l0, group / l0, 1};
+    size_t global[3] = {(l->d + l0 - 1) / l0 * l0, (seq + local[1] - 1) / local[1] * local[1],
+                        planes};
+    cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 3, NULL, global, local, 0, NULL, NULL);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    return CLMHA_SUCCESS;
+}
+
 // Row-major C (m, n) = A (m, k) · W (n, k)ᵀ, the shape of every projection. Called as the
 // same product in column-major terms, Cᵀ (n, m) = W · Aᵀ with W transposed: CLBlast then
 // transposes one operand instead of three (~5% faster at 1024³ with a PoCL tuning).
@@ -194,8 +220,8 @@ static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_
                   ARG(a_bias_off), ARG(has_bias), ARG(extra),     ARG(extra_off), ARG(has_extra),
                   ARG(out),      ARG(a_out_off),  ARG(n),         ARG(h),         ARG(t),
                   ARG(t_out),    ARG(hd),         ARG(bf)};
-    return launch(ctx, l->split_heads, "split_heads", d->n * l->h * seq_out, l->heads_wg,
-                  args, sizeof args / sizeof args[0]);
+    return launch_heads(l, l->split_heads, "split_heads", d->n * l->h, seq_out,
+                        l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
 static clmha_status split(clmha_layer *l, const clmha__dims *d, scratch *s) {
@@ -446,14 +472,13 @@ static clmha_status user_core(clmha_layer *l, const clmha_forward_args *a,
 
 // 6. Merge heads back into rows (L*N or N*L, E), into the free projection buffer.
 static clmha_status merge(clmha_layer *l, const clmha__dims *d) {
-    clmha_context *ctx = l->ctx;
     cl_ulong n = d->n, h = l->h, t = d->l, hd = l->d;
     cl_uint bf = d->batch_first;
     cl_ulong src_off = 0;
     arg args[] = {ARG(l->tiles[CLMHA__TILE_OUT]), ARG(src_off), ARG(l->proj), ARG(n),
                   ARG(h),        ARG(t),       ARG(hd),      ARG(bf)};
-    return launch(ctx, l->merge_heads, "merge_heads", d->n * d->l * l->h, l->heads_wg,
-                  args, sizeof args / sizeof args[0]);
+    return launch_heads(l, l->merge_heads, "merge_heads", d->n * l->h, d->l, l->heads_wg,
+                        args, sizeof args / sizeof args[0]);
 }
 
 // 7. Output projection: out = merged · out_proj.weightᵀ + out_proj.bias.

@@ -107,6 +107,43 @@ CLMHA__HIDDEN clmha_status clmha__msg(char *msg, size_t size, clmha_status statu
 CLMHA__HIDDEN const char *clmha__shape_str(char *buf, size_t size, size_t ndim,
                                            const size_t *shape);
 
+// ---- device classes (src/device_class.c) -------------------------------------------------------
+
+// The defaults of clmha's own kernels for one class of devices: one row of the table in
+// src/device_class.c.
+typedef struct clmha__device_class {
+    const char *name;        // "cpu-pocl", "gpu-nvidia", ...
+    cl_device_type type;     // the row matches devices of this type (0: any)
+    cl_uint vendor_id;       // ... with this CL_DEVICE_VENDOR_ID (0: any)
+    const char *platform;    // ... on a platform whose name contains this (NULL: any)
+    size_t bq, bk, rpw;      // fused tiles: work-group size, keys per tile, rows per work-item
+    size_t vw;               // fused vector width; 0: CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT
+    size_t private_floats;   // cap on the fused kernel's per-work-item arrays, in floats
+    bool coalesced;          // GPU mapping: split/merge one work-item per float, the fused
+                             // kernel's query rows in (padded) local memory, loaded and stored
+                             // by adjacent work-items on adjacent floats
+    size_t softmax_wg;       // cap on masked_softmax's work-group size
+} clmha__device_class;
+
+// The table row of a device: the first that matches its type, vendor id and platform name (or
+// the row forced by clmha__test_force_device_class()).
+CLMHA__HIDDEN const clmha__device_class *clmha__device_class_match(cl_device_type type,
+                                                                   cl_uint vendor_id,
+                                                                   const char *platform_name);
+
+// clmha__device_class_match() for @p device (reads its CL_DEVICE_VENDOR_ID).
+CLMHA__HIDDEN const clmha__device_class *clmha__device_class_of(cl_device_id device,
+                                                                cl_device_type type,
+                                                                const char *platform_name);
+
+// The table row called @p name, or NULL.
+CLMHA__HIDDEN const clmha__device_class *clmha__device_class_named(const char *name);
+
+// Test hook (reachable only by linking libclmha.a): contexts created afterwards take table row
+// @p name whatever their device ("gpu" runs the GPU mapping on PoCL); NULL restores detection.
+// False (and no change) for an unknown name. Not thread-safe against context creation.
+CLMHA__HIDDEN bool clmha__test_force_device_class(const char *name);
+
 // ---- contexts, programs, layers ---------------------------------------------------------------
 
 #include <pthread.h>
@@ -145,6 +182,7 @@ struct clmha_context {
     char device_name[300];
     size_t max_work_group;
     clmha__quirks quirks;       // known driver bugs of the device (clmha__device_quirks())
+    const clmha__device_class *cls;  // the device's row of the class table
     clmha__program *programs;   // guarded by lock
     char last_error[CLMHA__ERROR_SIZE];
     // Counters for tests (libclmha.a): program builds and device buffer allocations made by
@@ -213,19 +251,51 @@ typedef struct clmha__fused_tiles {
     size_t bk;   // keys per tile (0: not even one key fits in local memory)
     size_t rpw;  // query rows per work-item (1 or 2); a work-group covers bq * rpw rows
     size_t vw;   // vector width of the inner products: 1, 2, 4, 8 or 16, dividing bk and hd
+    bool q_local;    // query rows in local memory (coalesced loads and stores), not private
+    bool acc_local;  // accumulators in local memory too (the private budget is too small)
 } clmha__fused_tiles;
 
+// The fused kernel's private floats per work-item for tiles @p t and head dim @p hd: per row,
+// the tile's scores (bk) plus the scaled query and the accumulator where they are private.
+static inline size_t clmha__fused_private_floats(const clmha__fused_tiles *t, size_t hd) {
+    return t->rpw * (t->bk + (t->q_local ? 0 : hd) + (t->acc_local ? 0 : hd));
+}
+
+// The fused kernel's local memory in floats (cl/fused.cl): the key tile hd x bk (row stride
+// bk|1 with q_local), the value tile bk x hd, and the query rows and accumulators
+// bq*rpw x (hd|1) each where they are local.
+static inline size_t clmha__fused_local_floats(const clmha__fused_tiles *t, size_t hd) {
+    size_t rows = t->bq * t->rpw * (hd | 1);
+    return hd * (t->q_local ? t->bk | 1 : t->bk) + t->bk * hd + (t->q_local ? rows : 0) +
+           (t->acc_local ? rows : 0);
+}
+
 // Tiles of the fused attention kernel for head dim @p hd on the device of @p ctx: the context's
-// preferred ones (a stored tuning) or the defaults, with bk halved until the 2·hd·bk floats of
-// a tile fit in local memory, and the widest vector width up to the device's preferred float
-// width (16 at most) that divides hd and bk.
+// preferred ones (a stored tuning) or its device class's defaults, fitted by
+// clmha__fused_tiles_fit().
 CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd);
 
-// Makes tiles @p t usable for head dim @p hd on the device of @p ctx: halves bk until the
-// 2·hd·bk floats of a tile fit in local memory, and narrows vw (a power of two up to 16, at
-// most the given vw; 1 where vloadN is unsafe, clmha__quirks) until it divides hd and bk.
+// The fused kernel's default vector width on the device of @p ctx: the class table's, or
+// (CPUs) the device's native float width.
+CLMHA__HIDDEN size_t clmha__fused_default_vw(const clmha_context *ctx);
+
+// Makes tiles @p t usable for head dim @p hd on the device of @p ctx:
+// clmha__fused_tiles_fit_limits() with its class, local memory and work-group limit; vw 1
+// where vloadN is unsafe (clmha__quirks).
 CLMHA__HIDDEN void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd,
                                           clmha__fused_tiles *t);
+
+// Makes tiles @p t usable for head dim @p hd under class @p cls with @p local_mem bytes of
+// local memory and work-groups of at most @p max_wg: bq the largest power of two within both;
+// q_local from the class; then, while the private arrays exceed the class's budget
+// (clmha__fused_private_floats()), one row per work-item, bk halved down to 8, the query rows
+// and then the accumulators moved to local memory; then, while the local memory
+// (clmha__fused_local_floats()) exceeds the device's less 1 KiB, bk halved down to 8, bq down to
+// 32, then either further (bk 0: nothing fits); last, vw narrowed (a power of two up to 16, at
+// most the given vw) until it divides hd and bk.
+CLMHA__HIDDEN void clmha__fused_tiles_fit_limits(const clmha__device_class *cls,
+                                                 cl_ulong local_mem, size_t max_wg, size_t hd,
+                                                 clmha__fused_tiles *t);
 
 // Frees every cached program of a context.
 CLMHA__HIDDEN void clmha__programs_release(clmha_context *ctx);

@@ -179,27 +179,32 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
     if (d.add_bias_kv && (st = param_buffer(ctx, 2 * e, "bias_k/bias_v", &l->bias_kv)))
         goto fail;
 
-    // Kernels. The softmax work-group: a power of two, smaller on CPUs where a work-group is a
-    // loop on one core, and within what the built kernel allows (CL_KERNEL_WORK_GROUP_SIZE,
-    // which a driver may set below the device's limit): rebuilt smaller until it fits.
-    bool cpu = (ctx->info.type & CL_DEVICE_TYPE_CPU) != 0;
+    // Kernels. Split and merge heads: the device class's mapping (one work-item per tile row,
+    // or per float on GPUs). The softmax work-group: a power of two, its cap from the device
+    // class (smaller on CPUs, where a work-group is a loop on one core), and within what the
+    // built kernel allows (CL_KERNEL_WORK_GROUP_SIZE, which a driver may set below the
+    // device's limit): rebuilt smaller until it fits.
     cl_program heads, softmax;
-    if ((st = clmha__program_get(ctx, "heads", "", &heads))) goto fail;
+    if ((st = clmha__program_get(ctx, "heads", ctx->cls->coalesced ? "-DHEADS_COALESCED=1" : "",
+                                 &heads)))
+        goto fail;
     if ((st = make_kernel(ctx, heads, "split_heads", &l->split_heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "merge_heads", &l->merge_heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "fill_rows", &l->fill_rows))) goto fail;
     if ((st = make_kernel(ctx, heads, "average_heads", &l->average_heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "accumulate_heads", &l->accumulate_heads))) goto fail;
-    // The element-wise kernels: groups of up to 64, within the smallest of their limits.
-    l->heads_wg = 64;
+    // The element-wise kernels: groups of up to 64 (the coalesced split/merge: up to 256),
+    // within the smallest of their limits.
+    l->heads_limit = ctx->max_work_group;
     cl_kernel elementwise[] = {l->split_heads, l->merge_heads, l->fill_rows, l->average_heads,
                                l->accumulate_heads};
     for (size_t i = 0; i < sizeof elementwise / sizeof elementwise[0]; ++i) {
         size_t wg;
         if ((st = clmha__kernel_limits(ctx, elementwise[i], &wg, NULL))) goto fail;
-        if (wg < l->heads_wg) l->heads_wg = wg;
+        if (wg < l->heads_limit) l->heads_limit = wg;
     }
-    for (size_t want = pow2_below(cpu ? 16 : 256, ctx->max_work_group);;) {
+    l->heads_wg = l->heads_limit < 64 ? l->heads_limit : 64;
+    for (size_t want = pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
         char options[64];
         snprintf(options, sizeof options, "-DWG=%zu", want);
         if ((st = clmha__program_get(ctx, "softmax", options, &softmax))) goto fail;
@@ -304,16 +309,20 @@ const char *clmha_impl_name(clmha_impl impl) {
 static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
     clmha_context *ctx = l->ctx;
     for (;;) {
-        if (!t.bk || !t.bq)
+        if (!t.bk || !t.bq) {
+            clmha__fused_tiles one = t;
+            one.bk = one.bq = 1;
             return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                               "the fused core needs 2 * head_dim * 4 = %zu bytes of local "
-                               "memory for one key and a work-group of one work-item; the "
-                               "device has %llu bytes (use CLMHA_IMPL_UNFUSED)",
-                               2 * l->d * sizeof(float),
+                               "the fused core needs %zu bytes of local memory for one key at "
+                               "head_dim %zu and a work-group of one work-item; the device has "
+                               "%llu (use CLMHA_IMPL_UNFUSED)",
+                               clmha__fused_local_floats(&one, l->d) * sizeof(float), l->d,
                                (unsigned long long)clmha__local_mem(ctx));
-        char options[96];
-        snprintf(options, sizeof options, "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu", l->d,
-                 t.bq, t.bk, t.rpw, t.vw);
+        }
+        char options[128];
+        snprintf(options, sizeof options,
+                 "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu -DQ_LOCAL=%d -DACC_LOCAL=%d",
+                 l->d, t.bq, t.bk, t.rpw, t.vw, (int)t.q_local, (int)t.acc_local);
         cl_program prog;
         cl_kernel k = NULL;
         clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
@@ -371,13 +380,20 @@ bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dro
            vw = (double)t->vw;
     double rows = loop_cost(rpw, 0);
     double load = loop_cost(ceil(bk * hd / bq), 0);
-    double scores = loop_cost(bk / vw, rows + loop_cost(hd, rows) + rows);
+    // The scores: VW keys at a time over head_dim, or (query rows in local memory, Q_LOCAL)
+    // head_dim outermost over VW keys at a time.
+    double scores = t->q_local
+                        ? loop_cost(rpw, loop_cost(bk, 0)) +
+                              loop_cost(hd, rows + loop_cost(bk / vw, rows))
+                        : loop_cost(bk / vw, rows + loop_cost(hd, rows) + rows);
     double row = loop_cost(bk, 0) + 2 * loop_cost(bk / vw, 0) + 2 * loop_cost(vw, 0) +
                  loop_cost(hd, 0) + (dropout ? loop_cost(bk, loop_cost(10, 0)) : 0);  // Philox
     double av = loop_cost(hd / vw, rows + loop_cost(bk, rows) + rows);
     double per_tile = load + scores + loop_cost(rpw, row) + av;
     double tiles = ceil((double)d->s_padded / bk);
     double total = loop_cost(tiles, per_tile) + rows + 2 * loop_cost(rpw, loop_cost(hd, 0));
+    if (t->q_local || t->acc_local)  // loading the query rows, storing the output rows
+        total += 2 * loop_cost(ceil(rpw * hd), 0);
     // Half the limit: room for loops a compiler adds.
     return total <= (double)limit / 2;
 }

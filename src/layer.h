@@ -24,6 +24,7 @@ struct clmha_layer {
         masked_softmax;
     size_t softmax_wg;  // masked_softmax's work-group (its -DWG), within the kernel's limit
     size_t heads_wg;    // work-group of the cl/heads.cl kernels, within each one's limit
+    size_t heads_limit;  // the smallest CL_KERNEL_WORK_GROUP_SIZE of the cl/heads.cl kernels
 
     // Scratch, grown on demand (sizes in floats).
     cl_mem proj;     // projected rows: query (L*N, E), key (S*N, E), value (S*N, E)

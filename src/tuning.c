@@ -1823,8 +1823,8 @@ static bool fused_time(clmha_layer *layer, const clmha_forward_args *args, cl_me
 // D. The fused attention kernel's tiles on the first layer shape (self-attention, random
 // parameters and inputs): every candidate must reproduce the double-precision reference's
 // output; the fastest fused stage wins. Work-group sizes 32 to 128 (within the device limit),
-// keys per tile 16 to 64, one or two rows per work-item, the device's preferred vector width or
-// scalar.
+// keys per tile 16 to 64, one or two rows per work-item, the device class's default vector
+// width (CPUs: the native float width) or scalar.
 static void tune_fused(tuner *T, const clmha_tune_shape *shape, double deadline,
                        fused_result *res) {
     clmha_context *ctx = T->ctx;
@@ -1875,11 +1875,9 @@ static void tune_fused(tuner *T, const clmha_tune_shape *shape, double deadline,
     res->searched = true;
     res->best_ms = res->default_ms;
     res->best[0] = used.bq, res->best[1] = used.bk, res->best[2] = used.rpw, res->best[3] = used.vw;
-    cl_uint pref = 1;
-    clGetDeviceInfo(ctx->device, CL_DEVICE_PREFERRED_VECTOR_WIDTH_FLOAT, sizeof pref, &pref,
-                    NULL);
+    size_t vw = clmha__fused_default_vw(ctx);
     static const size_t bqs[] = {64, 32, 128}, bks[] = {32, 64, 16}, rpws[] = {2, 1};
-    size_t vws[2] = {pref > 16 ? 16 : pref ? pref : 1, 1};
+    size_t vws[2] = {vw > 16 ? 16 : vw, 1};
     for (size_t a = 0; a < 3; ++a)
         for (size_t b = 0; b < 3; ++b)
             for (size_t c = 0; c < 2; ++c)

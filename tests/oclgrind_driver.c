@@ -21,16 +21,21 @@
 //   fused_attention  (the "fused" cases, default tiles of 64 query rows and 32 keys) several
 //                  query and key tiles with partial last tiles, causal with a key tile skipped
 //                  (L = S = 100), every mask kind and layout, appended keys, fully masked rows,
-//                  dropout, head_dim 1 and 3; and, through an imported tuning ("tiles": it
-//                  stays in effect for the later fused cases of the same process), 8- and
-//                  4-wide vectors with one and two rows per work-item (Oclgrind prefers
+//                  dropout, head_dim 1, 3, 64 and 128 (with --class gpu: accumulators
+//                  private at 64, in local memory at 128); and, through an imported tuning
+//                  ("tiles": it stays in effect for the later fused cases of the same process),
+//                  8- and 4-wide vectors with one and two rows per work-item (Oclgrind prefers
 //                  scalars, which the default tiles then use)
 //
-// Usage: oclgrind_driver [-v] [--whole-writes] [--list] [case number...]
+// Usage: oclgrind_driver [-v] [--whole-writes] [--list] [--class NAME] [case number...]
 //   -v              print the device name
 //   --whole-writes  only the cases whose parameter buffers are each written by one host write
 //                   covering the whole buffer (see below)
 //   --list          print the numbers of the selected cases, one a line, and run nothing
+//   --class NAME    contexts take row NAME of the device class table (src/device_class.c)
+//                   whatever the device: "gpu" runs the GPU mappings (coalesced split/merge,
+//                   the fused kernel's query rows and accumulators in local memory); the cases
+//                   marked forced_class_only run only then
 //   numbers         only those cases (1-based)
 //
 // --whole-writes exists for Oclgrind 21.10's --uninitialized plugin, which loses track of a
@@ -47,8 +52,10 @@
 
 #define TOLERANCE 1e-4
 
-// Test hook of libclmha.a (src/internal.h): the largest scratch allocation, 0 = the device's.
+// Test hooks of libclmha.a (src/internal.h): the largest scratch allocation, 0 = the device's;
+// the device class table row every context takes (src/device_class.c).
 void clmha__test_set_max_alloc(size_t bytes);
+bool clmha__test_force_device_class(const char *name);
 
 // ---- deterministic random numbers (splitmix64) -----------------------------------------------
 
@@ -87,6 +94,7 @@ typedef struct dcase {
     bool fused;       // through the fused core (no weights)
     size_t max_alloc; // > 0: the unfused core works in chunks (test hook, bytes)
     const char *tiles;  // fused tiles "BQ BK RPW VW" imported as a tuning (NULL: the defaults)
+    bool forced_class_only;  // only with --class (costly under Oclgrind, new only there)
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -172,6 +180,15 @@ static const dcase cases[] = {
      .unbatched = true, .am = I, .layout = SHARED, .fused = true},
     {"fused: head_dim 3 (E6 H2), am=float (L,S), zero_attn", .e = 6, .h = 2, .n = 2, .l = 33,
      .s = 65, .am = F, .layout = SHARED, .zero_attn = true, .fused = true},
+    // Head dims where the private budget of the GPU classes decides (--class gpu: 64 keeps
+    // the accumulators private, 128 moves them to local memory; CPU classes keep both private).
+    // (Short sequences: Oclgrind pays mostly for the E x E projections here, about two minutes
+    // for E 128 in pass 2, so that case runs only with --class.)
+    {"fused: head_dim 64 (E64 H1), self L4, causal, kpm=ignore", .e = 64, .h = 1, .n = 1,
+     .l = 4, .self_attn = true, .causal = true, .kpm = I, .fused = true},
+    {"fused: head_dim 128 (E128 H1), self L2, am=float (L,S), dropout", .e = 128, .h = 1,
+     .n = 1, .l = 2, .self_attn = true, .am = F, .layout = SHARED, .dropout = 0.25f,
+     .train = true, .fused = true, .forced_class_only = true},
     // Other tiles (a stored tuning's): 8-wide vectors, one row per work-item; 4-wide, two.
     {"fused tiles 16/16/1/8: head_dim 8, causal L=S=40, kpm=float", .e = 16, .h = 2, .n = 2,
      .l = 40, .self_attn = true, .causal = true, .kpm = F, .fused = true,
@@ -417,6 +434,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
 int main(int argc, char **argv) {
     enum { COUNT = sizeof cases / sizeof cases[0] };
     bool verbose = false, whole_writes = false, list = false;
+    const char *cls = NULL;
     bool wanted[COUNT], any_number = false;
     memset(wanted, 0, sizeof wanted);
     for (int i = 1; i < argc; ++i) {
@@ -428,16 +446,26 @@ int main(int argc, char **argv) {
             whole_writes = true;
         } else if (strcmp(argv[i], "--list") == 0) {
             list = true;
+        } else if (strcmp(argv[i], "--class") == 0 && i + 1 < argc) {
+            cls = argv[++i];
+            if (!clmha__test_force_device_class(cls)) {
+                fprintf(stderr, "oclgrind_driver: no device class \"%s\"\n", cls);
+                return 2;
+            }
         } else if (end != argv[i] && *end == '\0' && k >= 1 && k <= COUNT) {
             wanted[k - 1] = any_number = true;
         } else {
-            fprintf(stderr, "usage: %s [-v] [--whole-writes] [--list] [case number (1-%d)...]\n",
+            fprintf(stderr,
+                    "usage: %s [-v] [--whole-writes] [--list] [--class NAME] "
+                    "[case number (1-%d)...]\n",
                     argv[0], (int)COUNT);
             return 2;
         }
     }
     for (size_t i = 0; i < COUNT; ++i)
-        wanted[i] = (wanted[i] || !any_number) && !(whole_writes && partial_host_writes(&cases[i]));
+        wanted[i] = (wanted[i] || !any_number) &&
+                    !(whole_writes && partial_host_writes(&cases[i])) &&
+                    !(cases[i].forced_class_only && !cls);
     if (list) {
         for (size_t i = 0; i < COUNT; ++i)
             if (wanted[i]) printf("%zu\n", i + 1);
@@ -449,7 +477,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "oclgrind_driver: no OpenCL context: %s\n", clmha_last_create_error());
         return 2;
     }
-    if (verbose) printf("device: %s\n", clmha_context_device_name(ctx));
+    if (verbose)
+        printf("device: %s, class %s%s\n", clmha_context_device_name(ctx),
+               cls ? cls : "detected", cls ? " (forced)" : "");
     size_t ran = 0, failed = 0;
     for (size_t i = 0; i < COUNT; ++i) {
         if (!wanted[i]) continue;

@@ -5,10 +5,23 @@
 #
 # Usage: tools/oclgrind-check.sh [DRIVER]      (default: build/oclgrind_driver)
 # Builds nothing: build the driver first (cmake --build build --target oclgrind_driver).
-# Needs `oclgrind` (Debian/Ubuntu package oclgrind, tested with 21.10) and perl. About 40 s on
-# 2 cores. OCLGRIND_CHECK_MAX_ERRORS (default 20): messages Oclgrind reports per process.
+# Needs `oclgrind` (Debian/Ubuntu package oclgrind, tested with 21.10) and perl. The two
+# configurations took 17 min on a shared 2-core machine (9 min of CPU), mostly pass 2. OCLGRIND_CHECK_MAX_ERRORS (default 20): messages
+# Oclgrind reports per process.
 # Anything Oclgrind logs, a driver exit status other than 0 (a wrong result) or output on the
 # driver's stderr fails the check.
+#
+# Two configurations, each checked by the two passes below:
+#   cpu  Oclgrind's own device as clmha detects it (a CPU-type device: the "cpu" row of the
+#        device class table, src/device_class.c): split/merge one work-item per tile row, the
+#        fused kernel's query rows and accumulators private, Oclgrind's limits (work-groups of
+#        1024, 32 KiB of local memory);
+#   gpu  a GPU-like device: Oclgrind limited to work-groups of 256 and 48 KiB of local memory
+#        (--max-wgsize, --local-mem-size), and the driver forcing the "gpu" row (--class gpu):
+#        split/merge coalesced (3-D, one work-item per float), the fused kernel's query rows in
+#        padded local memory with coalesced loads and stores, its accumulators in local memory
+#        where the private budget (128 floats) is too small (head_dim 128), masked_softmax over
+#        256 work-items.
 #
 # Two passes:
 #
@@ -137,21 +150,34 @@ run() {
     fi
 }
 
-echo "== pass 1: memory checks, data races, API checks; every case; optimised kernels"
-run all --check-api --data-races --uniform-writes --inst-counts -- -v
+# The configurations: name, Oclgrind's device limits, the driver's class option.
+gpu_limits=(--max-wgsize 256 --local-mem-size 49152)
+for config in cpu gpu; do
+    if [ "$config" = cpu ]; then
+        limits=() class=()
+    else
+        limits=("${gpu_limits[@]}") class=(--class gpu)
+    fi
+    uninit_cases=$("$driver" --whole-writes --list "${class[@]}") || exit 2
+    echo "== $config, pass 1: memory checks, data races, API checks; every case; optimised kernels"
+    run "$config-all" "${limits[@]}" --check-api --data-races --uniform-writes --inst-counts \
+        -- -v "${class[@]}"
 
-echo "== pass 2: uninitialised values (plus pass 1 checks); -cl-opt-disable; one process a case"
-# Without --inst-counts: Oclgrind 21.10 aborts ("double free or corruption") when it is combined
-# with --uninitialized on the fused case with two query tiles (case 26), every time, while either
-# plugin alone runs clean (also under valgrind). Pass 1 already names every kernel invocation.
-uninit_cases=$("$driver" --whole-writes --list) || exit 2
-for k in $uninit_cases; do
-    run "uninit-$k" --check-api --data-races --uninitialized --build-options -cl-opt-disable \
-        -- "$k"
+    echo "== $config, pass 2: uninitialised values (plus pass 1 checks); -cl-opt-disable; one" \
+        "process a case"
+    # Without --inst-counts: Oclgrind 21.10 aborts ("double free or corruption") when it is
+    # combined with --uninitialized on the fused case with two query tiles (case 26), every
+    # time, while either plugin alone runs clean (also under valgrind). Pass 1 already names
+    # every kernel invocation.
+    for k in $uninit_cases; do
+        run "$config-uninit-$k" "${limits[@]}" --check-api --data-races --uninitialized \
+            --build-options -cl-opt-disable -- "${class[@]}" "$k"
+    done
 done
 
-# Kernels seen: every invocation of pass 1 is named by --inst-counts. (For these small shapes CLBlast
-# picks its direct GEMM kernels, XgemmDirect*; its indirect Xgemm path is not reached.)
+# Kernels seen: every invocation of pass 1 (both configurations) is named by --inst-counts. (For
+# these small shapes CLBlast picks its direct GEMM kernels, XgemmDirect*; its indirect Xgemm path
+# is not reached.)
 cat "$tmp"/*.out | sed -n "s/^Instructions executed for kernel '\(.*\)':.*/\1/p" |
     sort | uniq -c | awk '{ printf "%s x%s\n", $2, $1 }' >"$tmp/kernels"
 missing=""
@@ -166,12 +192,14 @@ if [ -n "$missing" ]; then
     echo "---- kernels of cl/*.cl that never ran:$missing (add a case to tests/oclgrind_driver.c)"
 fi
 
-cases_all=$(sed -n 's/^cases: \([0-9]*\).*/\1/p' "$tmp/all.out")
-cases_uninit=$(echo "$uninit_cases" | wc -w)
+cases_all=$(sed -n 's/^cases: \([0-9]*\).*/\1/p' "$tmp/cpu-all.out" "$tmp/gpu-all.out" |
+    paste -sd/)
+cases_uninit=$(ls "$tmp" | grep -c '^cpu-uninit-.*\.out$')/$(ls "$tmp" | grep -c '^gpu-uninit-.*\.out$')
 end=$(date +%s.%N)
 echo "== summary"
 echo "kernels seen (invocations, pass 1): $(tr '\n' ' ' <"$tmp/kernels")"
-echo "cases: ${cases_all:-0} (pass 1), $cases_uninit (pass 2, uninitialised values)"
+echo "cases (cpu/gpu configuration): ${cases_all:-0} (pass 1), $cases_uninit (pass 2," \
+    "uninitialised values)"
 if [ "$capped" -eq 1 ]; then
     echo "errors: at least $errors (Oclgrind stops reporting after $max_errors a process)"
 else
