@@ -27,8 +27,8 @@
 #             The runtime has no on-disk program cache (none of its documented CL_CONFIG_*
 #             settings is one), so every process compiles its kernels again.
 #   rusticl   RUSTICL_ENABLE=llvmpipe (rusticl exposes no device without it).
-#   clover    LP_CL=1 (llvmpipe offers clover no device without it; the pipe driver is built
-#             into libMesaOpenCL, so nothing else is needed).
+#   clover    GALLIUM_PIPE_SEARCH_DIR to the unpacked pipe drivers (pipe_swrast.so), and LP_CL=1:
+#             without either, clover lists its platform with no device.
 # CLMHA_DRIVER is set to DRIVER; OCL_ICD_FILENAMES and CLMHA_DEVICE are cleared (one driver,
 # one platform: the default device is the driver's).
 set -euo pipefail
@@ -158,7 +158,9 @@ lane_env() {
     case $drv in
     intel) export LD_PRELOAD="$d/venv/lib/libtbb.so.12${LD_PRELOAD:+:$LD_PRELOAD}" ;;
     rusticl) export RUSTICL_ENABLE="${RUSTICL_ENABLE:-llvmpipe}" ;;
-    clover) export LP_CL=1 ;;
+    clover)
+        export LP_CL=1
+        export GALLIUM_PIPE_SEARCH_DIR="$ROOT/mesa/root/usr/lib/x86_64-linux-gnu/gallium-pipe" ;;
     esac
 }
 
@@ -186,7 +188,8 @@ if [ $# -eq 0 ]; then
 fi
 case $1 in
 --env)
-    for v in OCL_ICD_VENDORS CLMHA_DRIVER LD_PRELOAD RUSTICL_ENABLE LP_CL; do
+    for v in OCL_ICD_VENDORS CLMHA_DRIVER LD_PRELOAD RUSTICL_ENABLE LP_CL \
+             GALLIUM_PIPE_SEARCH_DIR; do
         [ -n "${!v:-}" ] && printf 'export %s=%q\n' "$v" "${!v}"
     done
     echo "unset OCL_ICD_FILENAMES CLMHA_DEVICE"
