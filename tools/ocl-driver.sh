@@ -106,7 +106,8 @@ setup_intel() {
 setup_pocl_pypi() {
     local d=$1 lib
     make_venv "$d" "pocl-binary-distribution${POCL_PYPI_VERSION:+==$POCL_PYPI_VERSION}"
-    lib=$(find "$d/venv" -name 'libpocl.so*' -type f | sort | head -n1)
+    # The wheel's library carries a hash in its name (libpocl-<hash>.so, beside pyopencl).
+    lib=$(find "$d/venv" -name 'libpocl*.so*' -type f | sort | head -n1)
     [ -n "$lib" ] || die "libpocl.so not found in the pocl-binary-distribution wheel"
     write_icd "$d" pocl "$lib"
 }
