@@ -63,11 +63,11 @@ apt_install() {
     done
     [ ${#missing[@]} -eq 0 ] && return 0
     log "apt-get install ${missing[*]}"
-    DEBIAN_FRONTEND=noninteractive as_root apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends \
-        "${missing[@]}" >&2 ||
-        { as_root apt-get update -q >&2 &&
-          DEBIAN_FRONTEND=noninteractive as_root apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends \
-              "${missing[@]}" >&2; }
+    # Waits for another apt run's lock; updates the package lists once if the install fails.
+    local apt=(env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600)
+    as_root "${apt[@]}" install -y -q --no-install-recommends "${missing[@]}" >&2 ||
+        { as_root "${apt[@]}" update -q >&2 &&
+          as_root "${apt[@]}" install -y -q --no-install-recommends "${missing[@]}" >&2; }
 }
 
 # The .icd file: one line, the library's absolute path.
