@@ -3,6 +3,7 @@
 #include "internal.h"
 #include "tuning.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -57,6 +58,7 @@ static clmha_status context_finish(clmha_context *c) {
     c->cls = clmha__device_class_of(c->device, c->info.type, c->info.platform_name);
     cl_int err;
     c->dummy = clCreateBuffer(c->cl_ctx, CL_MEM_READ_WRITE, 16, NULL, &err);
+    clmha__held_new(CLMHA__HELD_MEM, c->dummy);
     if (err != CL_SUCCESS) return clmha__cl_fail(NULL, err, "clCreateBuffer(dummy)");
     clmha__tuning_apply_stored(c);  // never fails: an unusable file is noted and ignored
     return CLMHA_SUCCESS;
@@ -179,11 +181,13 @@ clmha_status clmha_context_create(clmha_context **out, const char *spec) {
                                      0};
     c->device = info.device;
     c->cl_ctx = clCreateContext(props, 1, &info.device, NULL, NULL, &err);
+    clmha__held_new(CLMHA__HELD_CONTEXT, c->cl_ctx);
     if (err != CL_SUCCESS) {
         st = clmha__cl_fail(NULL, err, "clCreateContext");
         goto fail;
     }
     c->queue = clCreateCommandQueue(c->cl_ctx, info.device, CL_QUEUE_PROFILING_ENABLE, &err);
+    clmha__held_new(CLMHA__HELD_QUEUE, c->queue);
     if (err != CL_SUCCESS) {
         st = clmha__cl_fail(NULL, err, "clCreateCommandQueue");
         goto fail;
@@ -237,6 +241,9 @@ clmha_status clmha_context_create_from_cl(clmha_context **out, cl_context contex
     clRetainContext(context);
     clRetainDevice(device);  // a no-op for root devices; keeps a sub-device alive
     clRetainCommandQueue(queue);
+    clmha__held_add(CLMHA__HELD_CONTEXT, 1);
+    clmha__held_add(CLMHA__HELD_DEVICE, 1);
+    clmha__held_add(CLMHA__HELD_QUEUE, 1);
     c->owns_device_ref = true;
     c->cl_ctx = context;
     c->device = device;
@@ -269,10 +276,19 @@ void clmha_context_release(clmha_context *ctx) {
     // the cl_context. Clearing it gives the caller's context back its reference count; other
     // contexts only pay a rebuild (from the driver's binary cache where it has one).
     CLBlastClearCache();
-    if (ctx->dummy) clReleaseMemObject(ctx->dummy);
-    if (ctx->queue) clReleaseCommandQueue(ctx->queue);
-    if (ctx->owns_device_ref) clReleaseDevice(ctx->device);
-    if (ctx->cl_ctx) clReleaseContext(ctx->cl_ctx);
+    clmha__release_mem(ctx->dummy);
+    if (ctx->queue) {
+        clReleaseCommandQueue(ctx->queue);
+        clmha__held_add(CLMHA__HELD_QUEUE, -1);
+    }
+    if (ctx->owns_device_ref) {
+        clReleaseDevice(ctx->device);
+        clmha__held_add(CLMHA__HELD_DEVICE, -1);
+    }
+    if (ctx->cl_ctx) {
+        clReleaseContext(ctx->cl_ctx);
+        clmha__held_add(CLMHA__HELD_CONTEXT, -1);
+    }
     pthread_mutex_destroy(&ctx->lock);
     free(ctx);
 }
@@ -284,6 +300,14 @@ cl_command_queue clmha_context_cl_queue(const clmha_context *ctx) {
 }
 const char *clmha_context_device_name(const clmha_context *ctx) {
     return ctx ? ctx->device_name : "";
+}
+
+static _Atomic long held[CLMHA__HELD_KINDS];
+
+void clmha__held_add(clmha__held_kind kind, long delta) { atomic_fetch_add(&held[kind], delta); }
+
+void clmha__test_held(long counts[CLMHA__HELD_KINDS]) {
+    for (int k = 0; k < CLMHA__HELD_KINDS; ++k) counts[k] = atomic_load(&held[k]);
 }
 
 void clmha__count(clmha_context *ctx, size_t program_builds, size_t buffer_allocations) {

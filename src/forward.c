@@ -616,6 +616,7 @@ static clmha_status upload(clmha_context *ctx, const char *name, const void *dat
     cl_int err;
     *out = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, count * elem,
                           (void *)data, &err);  // COPY_HOST_PTR only reads
+    clmha__held_new(CLMHA__HELD_MEM, *out);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
     return CLMHA_SUCCESS;
 }
@@ -670,12 +671,14 @@ clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_ar
     }
     // Read-write: with a bias, the output GEMM reads the bias rows back (beta = 1).
     bufs[5] = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, d.output_count * 4, NULL, &err);
+    clmha__held_new(CLMHA__HELD_MEM, bufs[5]);
     if (err != CL_SUCCESS) {
         st = clmha__cl_fail(ctx, err, "clCreateBuffer(output)");
         goto fail;
     }
     if (args->need_weights) {
         bufs[6] = clCreateBuffer(ctx->cl_ctx, CL_MEM_WRITE_ONLY, d.weights_count * 4, NULL, &err);
+        clmha__held_new(CLMHA__HELD_MEM, bufs[6]);
         if (err != CL_SUCCESS) {
             st = clmha__cl_fail(ctx, err, "clCreateBuffer(weights)");
             goto fail;
@@ -694,7 +697,6 @@ clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_ar
                                   0, NULL, NULL);
     if (err != CL_SUCCESS) st = clmha__cl_fail(ctx, err, "clEnqueueReadBuffer(result)");
 fail:
-    for (int i = 0; i < 7; ++i)
-        if (bufs[i]) clReleaseMemObject(bufs[i]);
+    for (int i = 0; i < 7; ++i) clmha__release_mem(bufs[i]);
     return st;
 }

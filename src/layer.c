@@ -122,6 +122,7 @@ static clmha_status param_buffer(clmha_context *ctx, size_t count, const char *w
     cl_int err;
     clmha__count(ctx, 0, 1);
     *out = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
+    clmha__held_new(CLMHA__HELD_MEM, *out);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateBuffer(parameters)");
     float zero = 0.0f;
     err = clEnqueueFillBuffer(ctx->queue, *out, &zero, sizeof zero, 0, count * sizeof(float), 0,
@@ -136,6 +137,7 @@ static clmha_status make_kernel(clmha_context *ctx, cl_program prog, const char 
                                 cl_kernel *out) {
     cl_int err;
     *out = clCreateKernel(prog, name, &err);
+    clmha__held_new(CLMHA__HELD_KERNEL, *out);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
     return CLMHA_SUCCESS;
 }
@@ -232,12 +234,12 @@ fail:
 }
 
 static void release_mem(cl_mem *m) {
-    if (*m) clReleaseMemObject(*m);
+    clmha__release_mem(*m);
     *m = NULL;
 }
 
 static void release_kernel(cl_kernel *k) {
-    if (*k) clReleaseKernel(*k);
+    clmha__release_kernel(*k);
     *k = NULL;
 }
 
@@ -330,7 +332,7 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
         size_t wg;
         cl_ulong local;
         if ((st = clmha__kernel_limits(ctx, k, &wg, &local))) {
-            clReleaseKernel(k);
+            clmha__release_kernel(k);
             return st;
         }
         if (t.bq <= wg && local <= clmha__local_mem(ctx)) {
@@ -338,7 +340,7 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
             l->tiles_fused = t;
             return CLMHA_SUCCESS;
         }
-        clReleaseKernel(k);
+        clmha__release_kernel(k);
         if (t.bq > wg) {
             while (t.bq > wg) t.bq /= 2;
         } else {
@@ -439,6 +441,7 @@ static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t ne
     cl_int err;
     clmha__count(ctx, 0, 1);
     cl_mem m = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, need * sizeof(float), NULL, &err);
+    clmha__held_new(CLMHA__HELD_MEM, m);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, what);
     release_mem(buf);  // freed by the driver once queued work that uses it has finished
     *buf = m;

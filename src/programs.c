@@ -49,6 +49,7 @@ static clmha_status build(clmha_context *ctx, const char *family, const char *op
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "unknown kernel family %s", family);
     cl_int err;
     cl_program prog = clCreateProgramWithSource(ctx->cl_ctx, count, src, size, &err);
+    clmha__held_new(CLMHA__HELD_PROGRAM, prog);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateProgramWithSource");
     const char *extra = extra_options;
     char all_options[512];
@@ -59,7 +60,7 @@ static clmha_status build(clmha_context *ctx, const char *family, const char *op
     if (err != CL_SUCCESS) {
         char log[CLMHA__ERROR_SIZE - 200] = "";
         clGetProgramBuildInfo(prog, ctx->device, CL_PROGRAM_BUILD_LOG, sizeof log - 1, log, NULL);
-        clReleaseProgram(prog);
+        clmha__release_program(prog);
         return clmha__fail(ctx, err == CL_BUILD_PROGRAM_FAILURE ? CLMHA_BUILD_FAILED
                                                                 : CLMHA_OPENCL_ERROR,
                            "building cl/%s.cl with options \"%s\" failed (%s):\n%s", family,
@@ -101,7 +102,7 @@ clmha_status clmha__program_get(clmha_context *ctx, const char *family, const ch
         if (strcmp(p->key, key) == 0) {
             *out = p->program;
             pthread_mutex_unlock(&ctx->lock);
-            clReleaseProgram(prog);
+            clmha__release_program(prog);
             free(key);
             return CLMHA_SUCCESS;
         }
@@ -109,7 +110,7 @@ clmha_status clmha__program_get(clmha_context *ctx, const char *family, const ch
     pthread_mutex_unlock(&ctx->lock);
     clmha__program *entry = malloc(sizeof *entry);
     if (!entry) {
-        clReleaseProgram(prog);
+        clmha__release_program(prog);
         free(key);
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     }
@@ -127,7 +128,7 @@ void clmha__programs_release(clmha_context *ctx) {
     clmha__program *p = ctx->programs;
     while (p) {
         clmha__program *next = p->next;
-        clReleaseProgram(p->program);
+        clmha__release_program(p->program);
         free(p->key);
         free(p);
         p = next;

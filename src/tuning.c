@@ -920,9 +920,9 @@ static size_t b_count(const gshape *s) { return s->n * s->k * (s->batch ? s->bat
 static size_t c_count(const gshape *s) { return s->m * s->n * (s->batch ? s->batch : 1); }
 
 static void shape_free(gshape *s) {
-    if (s->a) clReleaseMemObject(s->a);
-    if (s->b) clReleaseMemObject(s->b);
-    if (s->c) clReleaseMemObject(s->c);
+    clmha__release_mem(s->a);
+    clmha__release_mem(s->b);
+    clmha__release_mem(s->c);
     free(s->ha);
     free(s->hb);
     s->a = s->b = s->c = NULL;
@@ -940,11 +940,16 @@ static clmha_status shape_alloc(tuner *T, gshape *s) {
     cl_int err;
     s->a = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
                           na * sizeof(float), s->ha, &err);
-    if (err == CL_SUCCESS)
+    clmha__held_new(CLMHA__HELD_MEM, s->a);
+    if (err == CL_SUCCESS) {
         s->b = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
                               nb * sizeof(float), s->hb, &err);
-    if (err == CL_SUCCESS)
+        clmha__held_new(CLMHA__HELD_MEM, s->b);
+    }
+    if (err == CL_SUCCESS) {
         s->c = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, nc * sizeof(float), NULL, &err);
+        clmha__held_new(CLMHA__HELD_MEM, s->c);
+    }
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateBuffer(tuning matrices)");
     return CLMHA_SUCCESS;
 }
@@ -1861,8 +1866,11 @@ static void tune_fused(tuner *T, const clmha_tune_shape *shape, double deadline,
     cl_int err;
     qbuf = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
                           count * sizeof(float), x, &err);
-    if (err == CL_SUCCESS)
+    clmha__held_new(CLMHA__HELD_MEM, qbuf);
+    if (err == CL_SUCCESS) {
         obuf = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
+        clmha__held_new(CLMHA__HELD_MEM, obuf);
+    }
     if (err != CL_SUCCESS) goto done;
     args.query.buffer = qbuf;
     if (clmha_layer_set_profiling(layer, true)) goto done;
@@ -1910,8 +1918,8 @@ static void tune_fused(tuner *T, const clmha_tune_shape *shape, double deadline,
                     }
                 }
 done:
-    if (qbuf) clReleaseMemObject(qbuf);
-    if (obuf) clReleaseMemObject(obuf);
+    clmha__release_mem(qbuf);
+    clmha__release_mem(obuf);
     clmha_layer_release(layer);
     free(params), free(x), free(y), free(ref);
 }

@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "clmha.h"
+#include "case_stride.h"
 #include "npy.h"
 
 #ifndef CLMHA_CLI_PATH
@@ -350,12 +351,15 @@ static void cli_free_params(struct criterion_test_params *crp) {
 }
 
 ParameterizedTestParameters(cli, cases) {
-    size_t n = CLI_NUM_CASES;
-    struct cli_param *params = n ? cr_malloc(n * sizeof *params) : NULL;
+    case_stride stride = case_stride_get("cli", CLI_NUM_CASES);
+    struct cli_param *params = CLI_NUM_CASES ? cr_malloc(CLI_NUM_CASES * sizeof *params) : NULL;
     if (!params) return cr_make_param_array(struct cli_param, NULL, 0);
-    for (size_t i = 0; i < n; i++) {
-        memset(&params[i], 0, sizeof params[i]);
-        snprintf(params[i].name, sizeof params[i].name, "%s", cli_case_names[i]);
+    size_t n = 0;
+    for (size_t i = 0; i < CLI_NUM_CASES; i++) {
+        if (!case_stride_keeps(stride, i)) continue;
+        memset(&params[n], 0, sizeof params[n]);
+        snprintf(params[n].name, sizeof params[n].name, "%s", cli_case_names[i]);
+        ++n;
     }
     return cr_make_param_array(struct cli_param, params, n, cli_free_params);
 }

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "clmha.h"
+#include "case_stride.h"
 #include "golden.h"
 
 #ifndef CLMHA_GOLDEN_DIR
@@ -41,14 +42,17 @@ static void golden_free_params(struct criterion_test_params *crp) {
 }
 
 ParameterizedTestParameters(golden, cases) {
+    case_stride stride = case_stride_get("golden", GOLDEN_NUM_CASES);
     struct golden_param *params = cr_malloc(GOLDEN_NUM_CASES * sizeof *params);
     if (!params) return cr_make_param_array(struct golden_param, NULL, 0);
+    size_t n = 0;
     for (size_t i = 0; i < GOLDEN_NUM_CASES; i++) {
-        memset(&params[i], 0, sizeof params[i]);
-        snprintf(params[i].name, sizeof params[i].name, "%s", golden_case_names[i]);
+        if (!case_stride_keeps(stride, i)) continue;
+        memset(&params[n], 0, sizeof params[n]);
+        snprintf(params[n].name, sizeof params[n].name, "%s", golden_case_names[i]);
+        ++n;
     }
-    return cr_make_param_array(struct golden_param, params, GOLDEN_NUM_CASES,
-                               golden_free_params);
+    return cr_make_param_array(struct golden_param, params, n, golden_free_params);
 }
 
 // ---- helpers ---------------------------------------------------------------------------------
