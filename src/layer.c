@@ -304,10 +304,12 @@ const char *clmha_impl_name(clmha_impl impl) {
 
 // Builds the fused kernel with tiles @p t, then asks the kernel what it allows: while its
 // work-group limit (CL_KERNEL_WORK_GROUP_SIZE) is below bq, or the local memory it uses
-// (CL_KERNEL_LOCAL_MEM_SIZE) exceeds the device's, rebuilds with half the work-items (bq) or,
-// once bq is 1 or the work-items fit, half the keys per tile (bk). Drivers may report a
-// smaller limit for a kernel than for the device (rusticl: 32 for this kernel at bq 64), and a
-// launch past it is undefined.
+// (CL_KERNEL_LOCAL_MEM_SIZE) exceeds the device's, rebuilds with half the work-items (bq); or
+// with half the keys per tile (bk), down to 8 while rows live in local memory (q_local,
+// acc_local), then half the work-items, whose rows that local memory holds. Drivers may report
+// a smaller limit for a kernel than for the device (rusticl: 32 for this kernel at bq 64), and
+// more local memory than the tiles need (rusticl: twice PoCL's count for the same kernel); a
+// launch past either is undefined.
 static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
     clmha_context *ctx = l->ctx;
     for (;;) {
@@ -343,9 +345,11 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
         clmha__release_kernel(k);
         if (t.bq > wg) {
             while (t.bq > wg) t.bq /= 2;
-        } else {
+        } else if (t.bk > 8 || t.bq == 1 || !(t.q_local || t.acc_local)) {
             t.bk /= 2;
             while (t.vw > 1 && t.bk % t.vw) t.vw /= 2;
+        } else {
+            t.bq /= 2;  // the query rows or accumulators in local memory scale with bq
         }
     }
 }
