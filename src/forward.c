@@ -98,13 +98,21 @@ typedef struct arg {
 
 #define ARG(x) ((arg){sizeof(x), &(x)})
 
-// Sets the arguments of @p k and enqueues it over @p total work-items in groups of @p wg.
-static clmha_status launch(clmha_context *ctx, cl_kernel k, const char *name, size_t total,
-                           size_t wg, const arg *args, cl_uint nargs) {
+// Sets the arguments of @p k.
+static clmha_status set_args(clmha_context *ctx, cl_kernel k, const char *name, const arg *args,
+                             cl_uint nargs) {
     for (cl_uint i = 0; i < nargs; ++i) {
         cl_int err = clSetKernelArg(k, i, args[i].size, args[i].value);
         if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
     }
+    return CLMHA_SUCCESS;
+}
+
+// Sets the arguments of @p k and enqueues it over @p total work-items in groups of @p wg.
+static clmha_status launch(clmha_context *ctx, cl_kernel k, const char *name, size_t total,
+                           size_t wg, const arg *args, cl_uint nargs) {
+    clmha_status st = set_args(ctx, k, name, args, nargs);
+    if (st) return st;
     size_t global = (total + wg - 1) / wg * wg;
     cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 1, NULL, &global, &wg, 0, NULL, NULL);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
@@ -121,10 +129,8 @@ static clmha_status launch_heads(clmha_layer *l, cl_kernel k, const char *name, 
                                  size_t seq, size_t wg, const arg *args, cl_uint nargs) {
     clmha_context *ctx = l->ctx;
     if (!ctx->cls->coalesced) return launch(ctx, k, name, planes * seq, wg, args, nargs);
-    for (cl_uint i = 0; i < nargs; ++i) {
-        cl_int err = clSetKernelArg(k, i, args[i].size, args[i].value);
-        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
-    }
+    clmha_status st = set_args(ctx, k, name, args, nargs);
+    if (st) return st;
     size_t group = 1;
     while (group * 2 <= 256 && group * 2 <= l->heads_limit) group *= 2;
     size_t l0 = 1;
