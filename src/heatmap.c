@@ -4,7 +4,7 @@
 
 #include "heatmap.h"
 
-#include "file_write.h"
+#include "base/file_write.h"
 
 #include <errno.h>
 #include <math.h>

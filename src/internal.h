@@ -6,22 +6,11 @@
 
 #include <stdarg.h>
 
-#if defined(__GNUC__) && !defined(_WIN32)
-#define CLMHA__HIDDEN __attribute__((visibility("hidden")))
-#define CLMHA__PRINTF(f, a) __attribute__((format(printf, f, a)))
-#else
-#define CLMHA__HIDDEN
-#define CLMHA__PRINTF(f, a)
-#endif
+#include "base/checked.h"
+#include "base/defs.h"
+#include "base/message.h"
 
 // ---- sizes -----------------------------------------------------------------------------------
-
-// *out = a * b; false when the product overflows size_t.
-static inline bool clmha__mul(size_t a, size_t b, size_t *out) {
-    if (a != 0 && b > SIZE_MAX / a) return false;
-    *out = a * b;
-    return true;
-}
 
 // How attn_mask is laid out once its shape is checked.
 typedef enum clmha__attn_layout {
@@ -96,16 +85,6 @@ static inline bool clmha__dropout_keep(clmha_dropout_rng rng, uint32_t threshold
                                      (uint32_t)(rng.seed >> 32) ^ (uint32_t)(rng.offset >> 32));
     return w >= threshold;
 }
-
-// ---- messages ---------------------------------------------------------------------------------
-
-// snprintf into msg (if not NULL) and return status.
-CLMHA__HIDDEN clmha_status clmha__msg(char *msg, size_t size, clmha_status status,
-                                      const char *fmt, ...) CLMHA__PRINTF(4, 5);
-
-// "(a, b, c)" for a shape.
-CLMHA__HIDDEN const char *clmha__shape_str(char *buf, size_t size, size_t ndim,
-                                           const size_t *shape);
 
 // ---- device classes (src/device_class.c) -------------------------------------------------------
 

@@ -12,7 +12,7 @@
 
 #include "npy.h"
 
-#include "file_write.h"
+#include "base/file_write.h"
 
 #include <errno.h>
 #include <stdarg.h>

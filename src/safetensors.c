@@ -7,7 +7,7 @@
 
 #include "safetensors.h"
 
-#include "file_write.h"
+#include "base/file_write.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>

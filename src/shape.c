@@ -6,24 +6,6 @@
 #include <stdio.h>
 #include <string.h>
 
-clmha_status clmha__msg(char *msg, size_t size, clmha_status status, const char *fmt, ...) {
-    if (msg && size) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, size, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
-
-const char *clmha__shape_str(char *buf, size_t size, size_t ndim, const size_t *shape) {
-    size_t used = (size_t)snprintf(buf, size, "(");
-    for (size_t i = 0; i < ndim && i < 4 && used < size; ++i)
-        used += (size_t)snprintf(buf + used, size - used, i ? ", %zu" : "%zu", shape[i]);
-    if (used < size) snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
-    return buf;
-}
-
 clmha_status clmha__desc_check(const clmha_layer_desc *desc, clmha_layer_desc *out, char *msg,
                                size_t msg_size) {
     if (!desc) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "desc is NULL");

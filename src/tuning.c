@@ -19,7 +19,7 @@
 
 #include "tuning.h"
 
-#include "file_write.h"
+#include "base/file_write.h"
 
 #include "layer.h"
 

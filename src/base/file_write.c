@@ -1,7 +1,7 @@
 // Writing a file whole or not at all (see file_write.h).
 #define _POSIX_C_SOURCE 200809L
 
-#include "file_write.h"
+#include "base/file_write.h"
 
 #include <errno.h>
 #include <stdlib.h>
