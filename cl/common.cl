@@ -1,5 +1,5 @@
-// Helpers shared by the attention kernels (softmax.cl, fused.cl); the library builds this file
-// in front of them.
+// Helpers shared by the attention cores' kernels (cores/unfused.cl, cores/fused.cl); the
+// library builds this file in front of them.
 //
 // Mask kinds (host enum clmha_mask_kind): 0 none, 1 bool "true = ignore", 2 bool "true = may
 // attend", 3 float (added). attn_mask layouts: 1 (L, S) shared, 2 (N*H, L, S) per head,
@@ -10,7 +10,7 @@
 #define MASK_BOOL_ATTEND 2
 #define MASK_FLOAT 3
 
-// Philox4x32-10, first output word (the same function as clmha__philox_word0 in src/internal.h).
+// Philox4x32-10, first output word (the same function as clmha__philox_word0 in src/base/philox.h).
 inline uint philox_word0(uint c0, uint c1, uint c2, uint c3, uint k0, uint k1) {
     for (int round = 0; round < 10; ++round) {
         uint hi0 = mul_hi(0xD2511F53u, c0);

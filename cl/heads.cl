@@ -11,7 +11,7 @@
 #endif
 
 // Split and merge have two mappings onto work-items, chosen at build time by the device class
-// (src/device_class.c), with the same arguments:
+// (src/device/device_class.c), with the same arguments:
 //   - default (CPUs): 1-D, one work-item per tile row (bh, t), which copies head_dim contiguous
 //     floats, so the index arithmetic (64-bit divisions) runs once per row, not once per float,
 //     and PoCL vectorises the copy;

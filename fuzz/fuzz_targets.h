@@ -17,9 +17,9 @@
 #ifndef CLMHA_FUZZ_TARGETS_H
 #define CLMHA_FUZZ_TARGETS_H
 
-#include "internal.h"
+#include "formats/safetensors.h"
+#include "layer/shape.h"
 #include "npy.h"
-#include "safetensors.h"
 
 #include <float.h>
 #include <math.h>

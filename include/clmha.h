@@ -40,8 +40,8 @@
 ///   the softmax sees.
 /// - Every function that can fail returns a ::clmha_status: ::CLMHA_SUCCESS (0) or a negative
 ///   code. A constructor that fails sets `*out` to NULL. A failure also records a message that
-///   names the argument and shapes involved: in the context (clmha_context_last_error()), or,
-///   when the call has no context (context creation, a NULL context or layer), in a per-thread
+///   names the argument and shapes involved: for the calling thread and the context
+///   (clmha_context_last_error()), or, when the call has no context (context creation, a NULL context or layer), in a per-thread
 ///   buffer (clmha_last_create_error()). clmha_device_select() and clmha_reference_forward()
 ///   write it to a caller's buffer instead; clmha_devices_list() and clmha_layer_get_desc()
 ///   record none.
@@ -55,8 +55,9 @@
 /// - The library never prints, aborts or exits.
 ///
 /// ## Threading
-/// A context may be shared by several threads: its reference count, program cache and error
-/// message are protected by a lock (the error message is the last one of any thread). A layer
+/// A context may be shared by several threads: its reference count and program cache are
+/// protected by locks, and its error messages are kept per thread (each thread reads the message
+/// of its own last failure on the context, never another thread's). A layer
 /// must not be used by two threads at once (its kernel arguments and scratch are per layer): give
 /// each thread its own layer. Work on one context is enqueued on its single in-order queue, so
 /// threads sharing a context serialise on the device, and a call that waits (layer creation and
@@ -184,7 +185,7 @@ CLMHA_API const char *clmha_status_string(clmha_status status);
 CLMHA_API const char *clmha_version(void);
 
 /// A context: an OpenCL context, one device and one in-order command queue, with the compiled
-/// kernel programs and the last error message. Reference-counted and thread-safe. Made by
+/// kernel programs and, per thread, the last error message. Reference-counted and thread-safe. Made by
 /// clmha_context_create(), clmha_context_create_from_env() or clmha_context_create_from_cl();
 /// freed by the last clmha_context_release().
 typedef struct clmha_context clmha_context;
@@ -311,13 +312,14 @@ CLMHA_API void clmha_context_retain(clmha_context *ctx);
 /// @param[in] ctx  the context (NULL is ignored)
 CLMHA_API void clmha_context_release(clmha_context *ctx);
 
-/// Human message describing the last failure of a call on this context (or a layer of it), from
-/// any thread.
+/// Human message describing the calling thread's last failure of a call on this context (or a
+/// layer of it). Failures in other threads neither show nor change it. A thread keeps the
+/// messages of the last eight contexts on which it had a failure; the message of a context
+/// beyond those reads as "".
 /// @param[in] ctx  the context (may be NULL)
-/// @return a NUL-terminated message, "" before the first failure, or a static "ctx is NULL".
-///         Never NULL. The message is copied under the context's lock into a buffer of the
-///         calling thread, valid until this thread's next call of clmha_context_last_error();
-///         a failure in another thread never tears it.
+/// @return a NUL-terminated message, "" before the calling thread's first failure on @p ctx,
+///         or a static "ctx is NULL". Never NULL. It is copied into a buffer of the calling
+///         thread, valid until this thread's next call of clmha_context_last_error().
 CLMHA_API const char *clmha_context_last_error(const clmha_context *ctx);
 
 /// The context's OpenCL context.

@@ -20,12 +20,17 @@
 #include "tuning.h"
 
 #include "base/file_write.h"
-
-#include "layer.h"
+#include "base/message.h"
+#include "context/context.h"
+#include "cores/fused.h"
+#include "device/held.h"
+#include "errors/errors.h"
+#include "layer/layer.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdarg.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -780,10 +785,11 @@ void clmha__tuning_apply_stored(clmha_context *ctx) {
     char source[sizeof path + 64];
     snprintf(source, sizeof source, "stored tuning %s applied", path);
     char saved[CLMHA__ERROR_SIZE];
-    memcpy(saved, ctx->last_error, sizeof saved);
+    snprintf(saved, sizeof saved, "%s", clmha_context_last_error(ctx));
     if (clmha__tuning_apply(ctx, &t, &meta, source)) {
-        set_note(ctx->device, "stored tuning %s ignored: %s", path, ctx->last_error);
-        memcpy(ctx->last_error, saved, sizeof saved);  // context creation did not fail
+        set_note(ctx->device, "stored tuning %s ignored: %s", path,
+                 clmha_context_last_error(ctx));
+        clmha__error_restore(&ctx->errors, saved);  // context creation did not fail
     }
 }
 

@@ -8,7 +8,12 @@
 #ifndef CLMHA_TUNING_H
 #define CLMHA_TUNING_H
 
-#include "internal.h"
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "clmha.h"
+
+#include "base/defs.h"
 
 // Parameters of CLBlast 1.5.3's "Xgemm" (indirect GEMM) kernel, in CLBlast's database order.
 #define CLMHA__XGEMM_PARAMS 16

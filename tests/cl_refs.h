@@ -1,6 +1,6 @@
 // Reference counts of the caller's OpenCL objects, checked in a way that means something on every
 // driver. Header-only (static functions); needs Criterion and libclmha.a (the held-object hook in
-// src/internal.h).
+// src/device/held.h).
 //
 // Drivers differ in what CL_*_REFERENCE_COUNT reports (tools/driver-probes/refcounts.c shows it):
 // - PoCL: exact, and every cl_mem, command queue, cl_program and cl_kernel holds its context, so
@@ -26,7 +26,7 @@
 #include <stdio.h>
 #include <time.h>
 
-#include "internal.h"
+#include "device/held.h"
 
 typedef enum ref_kind { REF_CONTEXT, REF_QUEUE, REF_EVENT } ref_kind;
 

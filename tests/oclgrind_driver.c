@@ -1,7 +1,7 @@
 // Small forward passes that reach every branch of the kernels clmha launches (cl/heads.cl,
-// cl/softmax.cl, cl/fused.cl) and the CLBlast GEMMs it calls, meant to run under Oclgrind
-// (tools/oclgrind-check.sh), which checks every work-item's memory accesses. A plain C program,
-// not a Criterion test: Oclgrind intercepts the OpenCL calls of this one process.
+// cl/cores/unfused.cl, cl/cores/fused.cl) and the CLBlast GEMMs it calls, meant to run under
+// Oclgrind (tools/oclgrind-check.sh), which checks every work-item's memory accesses. A plain C
+// program, not a Criterion test: Oclgrind intercepts the OpenCL calls of this one process.
 //
 // Each case runs clmha_layer_forward_host on the default OpenCL device (CLMHA_DEVICE selects
 // another) and compares the output and the attention weights with clmha_reference_forward; one
@@ -32,7 +32,7 @@
 //   --whole-writes  only the cases whose parameter buffers are each written by one host write
 //                   covering the whole buffer (see below)
 //   --list          print the numbers of the selected cases, one a line, and run nothing
-//   --class NAME    contexts take row NAME of the device class table (src/device_class.c)
+//   --class NAME    contexts take row NAME of the device class table (src/device/device_class.c)
 //                   whatever the device: "gpu" runs the GPU mappings (coalesced split/merge,
 //                   the fused kernel's query rows and accumulators in local memory); the cases
 //                   marked forced_class_only run only then
@@ -52,8 +52,8 @@
 
 #define TOLERANCE 1e-4
 
-// Test hooks of libclmha.a (src/internal.h): the largest scratch allocation, 0 = the device's;
-// the device class table row every context takes (src/device_class.c).
+// Test hooks of libclmha.a (src/context/context.h): the largest scratch allocation, 0 = the
+// device's; (src/device/device_class.h) the device class table row every context takes.
 void clmha__test_set_max_alloc(size_t bytes);
 bool clmha__test_force_device_class(const char *name);
 

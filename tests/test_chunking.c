@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "layer.h"
+#include "layer/layer.h"
 #include "random_data.h"
 
 #define TOLERANCE 1e-4

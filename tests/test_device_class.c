@@ -1,4 +1,4 @@
-// The device class table (src/device_class.c) and what it selects: the row each kind of device
+// The device class table (src/device/) and what it selects: the row each kind of device
 // gets, the fused tiles fitted within every class's private budget and a GPU-like local memory,
 // the native vector width on CPUs, and both kernel mappings run on PoCL: the CPU one (detected)
 // and the GPU ones (forced through the test hook clmha__test_force_device_class), each against
@@ -13,7 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "layer.h"
+#include "cores/fused.h"
+#include "device/device_class.h"
+#include "layer/layer.h"
 #include "random_data.h"
 
 #define TOLERANCE 1e-4

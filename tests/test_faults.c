@@ -19,7 +19,8 @@
 #include <unistd.h>
 
 #include "cl_refs.h"
-#include "internal.h"
+#include "context/context.h"
+#include "context/programs.h"
 
 extern char **environ;
 

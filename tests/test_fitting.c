@@ -21,7 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "layer.h"
+#include "cores/fused.h"
+#include "layer/layer.h"
 #include "random_data.h"
 
 #define TOLERANCE 1e-4

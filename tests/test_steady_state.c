@@ -3,7 +3,7 @@
 // forward call at that shape or any smaller one builds no program and allocates no buffer in
 // clmha, and it never waits on the host.
 //
-// Links libclmha.a (target clmha_static) for the internal counters of src/internal.h:
+// Links libclmha.a (target clmha_static) for the internal counters of src/context/context.h:
 // clmha__context_counters() counts clmha's own clBuildProgram and clCreateBuffer /
 // clCreateSubBuffer calls on a context. What it does not see: CLBlast may compile kernels and
 // allocate temporary buffers inside its own GEMM calls (e.g. padded copies of the matrices on
@@ -20,7 +20,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "internal.h"
+#include "context/context.h"
 
 enum { E = 32, H = 4, KD = 24, VD = 40 };
 enum { N_BAKE = 3, L_BAKE = 12, S_BAKE = 12 };  // the baked shape

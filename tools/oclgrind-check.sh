@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs every OpenCL kernel clmha launches (cl/*.cl, and the CLBlast GEMMs it calls) under
-# Oclgrind, the OpenCL device simulator, on the small cases of tests/oclgrind_driver.c, and fails
+# Runs every OpenCL kernel clmha launches (cl/*.cl, cl/cores/*.cl, and the CLBlast GEMMs it
+# calls) under Oclgrind, the OpenCL device simulator, on the small cases of tests/oclgrind_driver.c, and fails
 # when Oclgrind reports anything or a case gives a wrong result.
 #
 # Usage: tools/oclgrind-check.sh [DRIVER]      (default: build/oclgrind_driver)
@@ -13,8 +13,8 @@
 #
 # Two configurations, each checked by the two passes below:
 #   cpu  Oclgrind's own device as clmha detects it (a CPU-type device: the "cpu" row of the
-#        device class table, src/device_class.c): split/merge one work-item per tile row, the
-#        fused kernel's query rows and accumulators private, Oclgrind's limits (work-groups of
+#        device class table, src/device/device_class.c): split/merge one work-item per tile
+#        row, the fused kernel's query rows and accumulators private, Oclgrind's limits (work-groups of
 #        1024, 32 KiB of local memory);
 #   gpu  a GPU-like device: Oclgrind limited to work-groups of 256 and 48 KiB of local memory
 #        (--max-wgsize, --local-mem-size), and the driver forcing the "gpu" row (--class gpu):
@@ -48,8 +48,8 @@
 #        add_bias_kv) would give false reports, so this pass runs only the driver's
 #        --whole-writes cases. Those layers still run under every check of pass 1.
 #
-# The script also checks that every kernel defined in cl/*.cl ran at least once (Oclgrind's
-# --inst-counts names each kernel invocation). Exit status: 0 when clean, 1 on any report, wrong
+# The script also checks that every kernel defined in cl/*.cl and cl/cores/*.cl ran at least
+# once (Oclgrind's --inst-counts names each kernel invocation). Exit status: 0 when clean, 1 on any report, wrong
 # result or kernel not reached, 2 on a usage or setup problem.
 set -u
 
@@ -89,7 +89,7 @@ count_messages() {
 
 # One line per kind of message in an Oclgrind log, with its count: the message (addresses
 # elided), the kernel, and the source lines it points at (line numbers of input.cl are those of
-# the program source: cl/*.cl for clmha's kernels).
+# the program source: cl/*.cl, cl/cores/*.cl for clmha's kernels).
 digest() {
     awk 'function flush() {
              if (hdr != "") {
@@ -184,12 +184,13 @@ missing=""
 # shellcheck disable=SC2016  # a perl program: $1 is perl's
 kernel_names='s{//[^\n]*}{}g; s{/\*.*?\*/}{}gs;
               while (/\b(?:__)?kernel\b[^;{]*?\bvoid\s+(\w+)\s*\(/g) { print "$1\n" }'
-for k in $(perl -0777 -ne "$kernel_names" "$cl_dir"/*.cl); do
+for k in $(perl -0777 -ne "$kernel_names" "$cl_dir"/*.cl "$cl_dir"/cores/*.cl); do
     grep -q "^$k x" "$tmp/kernels" || missing="$missing $k"
 done
 if [ -n "$missing" ]; then
     status=1
-    echo "---- kernels of cl/*.cl that never ran:$missing (add a case to tests/oclgrind_driver.c)"
+    echo "---- kernels of cl/*.cl, cl/cores/*.cl that never ran:$missing" \
+        "(add a case to tests/oclgrind_driver.c)"
 fi
 
 cases_all=$(sed -n 's/^cases: \([0-9]*\).*/\1/p' "$tmp/cpu-all.out" "$tmp/gpu-all.out" |

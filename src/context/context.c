@@ -1,46 +1,23 @@
-// Contexts: the OpenCL context, device and in-order queue clmha works on, its program cache and
-// its last error message.
-#include "internal.h"
+// Contexts: the OpenCL context, device and in-order queue clmha works on, what it knows of the
+// device, its program cache and its counters.
+#include "context/context.h"
+
+#include "device/held.h"
 #include "tuning.h"
 
-#include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <clblast_c.h>
 
-static _Thread_local char create_error[CLMHA__ERROR_SIZE];
-
-const char *clmha_last_create_error(void) { return create_error; }
-
-clmha_status clmha__fail(const clmha_context *ctx, clmha_status status, const char *fmt, ...) {
-    char buf[CLMHA__ERROR_SIZE];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    if (!ctx) {
-        memcpy(create_error, buf, sizeof buf);
-        return status;
-    }
-    clmha_context *c = (clmha_context *)ctx;  // the message is mutable state of the context
-    pthread_mutex_lock(&c->lock);
-    memcpy(c->last_error, buf, sizeof buf);
-    pthread_mutex_unlock(&c->lock);
-    return status;
-}
+_Static_assert(offsetof(struct clmha_context, errors) == 0,
+               "clmha__fail() reads a context's error slot at its start");
 
 const char *clmha_context_last_error(const clmha_context *ctx) {
     if (!ctx) return "ctx is NULL";
-    // Another thread may record an error at any time: hand out this thread's copy, taken under
-    // the lock, rather than the context's buffer.
-    static _Thread_local char copy[CLMHA__ERROR_SIZE];
-    clmha_context *c = (clmha_context *)ctx;
-    pthread_mutex_lock(&c->lock);
-    memcpy(copy, c->last_error, sizeof copy);
-    pthread_mutex_unlock(&c->lock);
-    return copy;
+    return clmha__error_last(&ctx->errors);
 }
 
 // Fills the fields common to both constructors once cl_ctx, device and queue are set.
@@ -62,29 +39,6 @@ static clmha_status context_finish(clmha_context *c) {
     if (err != CL_SUCCESS) return clmha__cl_fail(NULL, err, "clCreateBuffer(dummy)");
     clmha__tuning_apply_stored(c);  // never fails: an unusable file is noted and ignored
     return CLMHA_SUCCESS;
-}
-
-size_t clmha__fused_default_vw(const clmha_context *ctx) {
-    if (ctx->cls->vw) return ctx->cls->vw;
-    // The native width, not the preferred one: Intel's oneAPI CPU runtime prefers 1 but is
-    // native 16 (5.5x faster with 16); PoCL on AVX-512 reports 16 for both.
-    cl_uint native = 1;
-    clGetDeviceInfo(ctx->device, CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT, sizeof native, &native,
-                    NULL);
-    return native ? native : 1;
-}
-
-clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
-    // The device class's defaults (src/device_class.c), unless a stored tuning has its own.
-    const clmha__device_class *cls = ctx->cls;
-    size_t pref_tiles[CLMHA__FUSED_PARAMS] = {0};  // BQ, BK, RPW, VW of a stored tuning
-    clmha__tuning_fused(ctx->device, pref_tiles);
-    clmha__fused_tiles t = {.bq = pref_tiles[0] ? pref_tiles[0] : cls->bq,
-                            .bk = pref_tiles[1] ? pref_tiles[1] : cls->bk,
-                            .rpw = pref_tiles[2] ? pref_tiles[2] : cls->rpw,
-                            .vw = pref_tiles[3] ? pref_tiles[3] : clmha__fused_default_vw(ctx)};
-    clmha__fused_tiles_fit(ctx, hd, &t);
-    return t;
 }
 
 // Lower limits set by tests, 0 for none (clmha__test_set_kernel_limits()).
@@ -117,50 +71,25 @@ clmha_status clmha__kernel_limits(const clmha_context *ctx, cl_kernel k, size_t 
     return CLMHA_SUCCESS;
 }
 
-void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd, clmha__fused_tiles *t) {
-    clmha__fused_tiles_fit_limits(ctx->cls, clmha__local_mem(ctx), ctx->max_work_group, hd, t);
-    if (ctx->quirks.no_vload) t->vw = 1;  // Clover aborts on vloadN (tools/driver-bugs)
-}
+// A lower limit set by tests, 0 for none (clmha__test_set_max_alloc()).
+static size_t test_max_alloc;
 
-void clmha__fused_tiles_fit_limits(const clmha__device_class *cls, cl_ulong local_mem,
-                                   size_t max_wg, size_t hd, clmha__fused_tiles *t) {
-    // Leave room for what the compiler adds to local memory.
-    cl_ulong local = local_mem > 1024 ? (local_mem - 1024) / sizeof(float) : 0;  // floats
-    size_t bq = 1;
-    while (bq * 2 <= t->bq && bq * 2 <= max_wg) bq *= 2;
-    t->bq = bq;
-    if (!t->rpw) t->rpw = 1;
-    t->q_local = cls->coalesced;
-    t->acc_local = false;
-    // Private arrays within the class's budget, so that they stay in registers: one row per
-    // work-item, then fewer keys per tile (down to 8), then the query rows in local memory,
-    // then the accumulators too.
-    while (clmha__fused_private_floats(t, hd) > cls->private_floats) {
-        if (t->rpw > 1) --t->rpw;
-        else if (t->bk > 8) t->bk /= 2;
-        else if (!t->q_local) t->q_local = true;
-        else if (!t->acc_local) t->acc_local = true;
-        else if (t->bk > 1) t->bk /= 2;
-        else break;
-    }
-    // Local memory: fewer keys per tile (down to 8), then smaller work-groups where query rows
-    // live in local memory (down to 32), then anything that helps; bk 0 when nothing fits.
-    while (t->bk > 0 && clmha__fused_local_floats(t, hd) > local) {
-        bool rows_local = t->q_local || t->acc_local;
-        if (t->bk > 8) t->bk /= 2;
-        else if (rows_local && t->bq > 32) t->bq /= 2;
-        else if (t->bk > 1) t->bk /= 2;
-        else if (rows_local && t->bq > 1) t->bq /= 2;
-        else t->bk = 0;
-    }
-    size_t want = t->vw;
-    t->vw = 16;
-    while (t->vw > 1 && (t->vw > want || hd % t->vw || (t->bk && t->bk % t->vw))) t->vw /= 2;
+void clmha__test_set_max_alloc(size_t bytes) { test_max_alloc = bytes; }
+
+cl_ulong clmha__max_alloc(const clmha_context *ctx) {
+    cl_ulong device = ctx->info.max_alloc_bytes;
+    return test_max_alloc && test_max_alloc < device ? (cl_ulong)test_max_alloc : device;
 }
 
 static clmha_context *context_alloc(void) {
     clmha_context *c = calloc(1, sizeof *c);
     if (!c) return NULL;
+    c->programs = clmha__programs_create();
+    if (!c->programs) {
+        free(c);
+        return NULL;
+    }
+    clmha__error_slot_init(&c->errors);
     c->refcount = 1;
     pthread_mutex_init(&c->lock, NULL);
     return c;
@@ -271,7 +200,7 @@ void clmha_context_release(clmha_context *ctx) {
     pthread_mutex_unlock(&ctx->lock);
     if (left > 0) return;
     if (ctx->queue) clFinish(ctx->queue);  // nothing of ours may still run on freed objects
-    clmha__programs_release(ctx);
+    clmha__programs_release(ctx->programs);
     // CLBlast keeps compiled programs in a process-wide cache, and each holds a reference to
     // the cl_context. Clearing it gives the caller's context back its reference count; other
     // contexts only pay a rebuild (from the driver's binary cache where it has one).
@@ -290,6 +219,7 @@ void clmha_context_release(clmha_context *ctx) {
         clmha__held_add(CLMHA__HELD_CONTEXT, -1);
     }
     pthread_mutex_destroy(&ctx->lock);
+    clmha__error_slot_forget(&ctx->errors);
     free(ctx);
 }
 
@@ -300,14 +230,6 @@ cl_command_queue clmha_context_cl_queue(const clmha_context *ctx) {
 }
 const char *clmha_context_device_name(const clmha_context *ctx) {
     return ctx ? ctx->device_name : "";
-}
-
-static _Atomic long held[CLMHA__HELD_KINDS];
-
-void clmha__held_add(clmha__held_kind kind, long delta) { atomic_fetch_add(&held[kind], delta); }
-
-void clmha__test_held(long counts[CLMHA__HELD_KINDS]) {
-    for (int k = 0; k < CLMHA__HELD_KINDS; ++k) counts[k] = atomic_load(&held[k]);
 }
 
 void clmha__count(clmha_context *ctx, size_t program_builds, size_t buffer_allocations) {

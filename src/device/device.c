@@ -1,5 +1,7 @@
 // Device enumeration and selection by spec string.
-#include "internal.h"
+#include "device/device.h"
+
+#include "base/message.h"
 
 #include <ctype.h>
 #include <stdio.h>

@@ -1,7 +1,87 @@
-// Status codes, their strings and the mapping of OpenCL and CLBlast failures.
-#include "internal.h"
+// Status codes, their strings, the mapping of OpenCL and CLBlast failures, and the detailed
+// messages, kept per thread and per context (errors.h).
+#include "errors/errors.h"
 
+#include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
+#include <string.h>
+
+// ---- messages -----------------------------------------------------------------------------------
+
+// The calling thread's messages: one for calls without a context, and one per context for the
+// last few contexts that failed in this thread (a context that fails after RECORDS others have
+// failed since takes the place of the one whose message is oldest).
+enum { RECORDS = 8 };
+
+typedef struct record {
+    uint64_t id;    // the owner's clmha__error_slot id; 0: free
+    uint64_t when;  // the thread's count of recorded messages when this one was recorded
+    char message[CLMHA__ERROR_SIZE];
+} record;
+
+static _Thread_local char create_error[CLMHA__ERROR_SIZE];
+static _Thread_local record records[RECORDS];
+static _Thread_local uint64_t recorded;
+
+static _Atomic uint64_t next_id = 1;
+
+void clmha__error_slot_init(clmha__error_slot *slot) { slot->id = atomic_fetch_add(&next_id, 1); }
+
+static record *find(uint64_t id) {
+    for (int i = 0; i < RECORDS; ++i)
+        if (records[i].id == id) return &records[i];
+    return NULL;
+}
+
+void clmha__error_slot_forget(const clmha__error_slot *slot) {
+    record *r = find(slot->id);
+    if (r) r->id = 0;
+}
+
+const char *clmha__error_last(const clmha__error_slot *slot) {
+    static _Thread_local char copy[CLMHA__ERROR_SIZE];
+    const record *r = find(slot->id);
+    snprintf(copy, sizeof copy, "%s", r ? r->message : "");
+    return copy;
+}
+
+const char *clmha_last_create_error(void) { return create_error; }
+
+// Records @p message as the calling thread's for owner @p id.
+static void keep(uint64_t id, const char *message) {
+    record *r = find(id);
+    if (!r) {  // a free record, else the oldest
+        r = &records[0];
+        for (int i = 1; i < RECORDS && r->id; ++i)
+            if (!records[i].id || records[i].when < r->when) r = &records[i];
+        r->id = id;
+    }
+    r->when = ++recorded;
+    snprintf(r->message, sizeof r->message, "%s", message);
+}
+
+clmha_status clmha__fail(const clmha_context *ctx, clmha_status status, const char *fmt, ...) {
+    char buf[CLMHA__ERROR_SIZE];  // formatted first: an argument may be this thread's message
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (!ctx) {
+        memcpy(create_error, buf, sizeof buf);
+        return status;
+    }
+    // The context starts with its slot (src/context/context.h).
+    keep(((const clmha__error_slot *)(const void *)ctx)->id, buf);
+    return status;
+}
+
+void clmha__error_restore(const clmha__error_slot *slot, const char *message) {
+    if (message[0]) keep(slot->id, message);
+    else clmha__error_slot_forget(slot);
+}
+
+// ---- status codes -------------------------------------------------------------------------------
 
 const char *clmha_status_string(clmha_status status) {
     switch (status) {

@@ -5,13 +5,18 @@
 // parameters. clmha_layer_save() writes F32 tensors to a temporary file and renames it.
 #define _POSIX_C_SOURCE 200809L
 
-#include "safetensors.h"
+#include "formats/safetensors.h"
 
+#include "base/checked.h"
 #include "base/file_write.h"
+#include "base/message.h"
+#include "errors/errors.h"
+#include "layer/shape.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <float.h>
+#include <stdarg.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

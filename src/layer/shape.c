@@ -1,6 +1,9 @@
 // Shape checking of layer descriptors and forward arguments, shared by the OpenCL forward pass
 // and the CPU reference so that both accept and refuse exactly the same calls.
-#include "internal.h"
+#include "layer/shape.h"
+
+#include "base/checked.h"
+#include "base/message.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -3,16 +3,24 @@
 //   → scores = Q·Kᵀ/√D (strided batched GEMM) → masks + softmax + dropout (kernel)
 //   → A·V (strided batched GEMM) → merge heads → output projection (GEMM, bias)
 //   → attention weights (copy or head average).
-// The fused core (cl/fused.cl) replaces the three middle stages by one kernel when the call
-// does not need weights (clmha_impl).
+// The three middle stages (scores, softmax, A·V) are the attention core's (src/cores/): the
+// unfused one does them as written, the fused one (cl/cores/fused.cl) in one kernel when the
+// call does not need weights (clmha_impl), or the caller's own (clmha_layer_set_attention()).
 // Everything is enqueued on the context's in-order queue; nothing here waits on the host.
-#include "layer.h"
+#include "cores/core.h"
+#include "cores/kernel_args.h"
+#include "device/held.h"
+#include "layer/layer.h"
+#include "layer/shape.h"
 
-#include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
 #include <clblast_c.h>
+
+typedef clmha__arg arg;
+#define ARG CLMHA__ARG
 
 // ---- validation ---------------------------------------------------------------------------------
 
@@ -42,11 +50,6 @@ static clmha_status check_buffer(clmha_context *ctx, const char *name, cl_mem bu
 
 static size_t mask_elem(clmha_mask_kind kind) { return kind == CLMHA_MASK_FLOAT ? 4 : 1; }
 
-// The core a call asks for: its own impl, else the layer's (either may be CLMHA_IMPL_AUTO).
-static clmha_impl impl_of(const clmha_layer *layer, const clmha_forward_args *args) {
-    return args->impl != CLMHA_IMPL_AUTO ? args->impl : layer->impl;
-}
-
 // Everything a forward call checks before it enqueues anything.
 static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
                              bool on_device, clmha__dims *d) {
@@ -58,7 +61,7 @@ static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
         args->impl != CLMHA_IMPL_UNFUSED)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "impl %d is not CLMHA_IMPL_AUTO, _FUSED or _UNFUSED", (int)args->impl);
-    if (args->need_weights && !layer->core && impl_of(layer, args) == CLMHA_IMPL_FUSED)
+    if (args->need_weights && !layer->core && clmha__impl_of(layer, args) == CLMHA_IMPL_FUSED)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "need_weights is set but the fused core (impl fused%s) does not "
                            "return weights: use CLMHA_IMPL_AUTO or CLMHA_IMPL_UNFUSED",
@@ -91,34 +94,6 @@ static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
 
 // ---- enqueue helpers -----------------------------------------------------------------------------
 
-typedef struct arg {
-    size_t size;
-    const void *value;
-} arg;
-
-#define ARG(x) ((arg){sizeof(x), &(x)})
-
-// Sets the arguments of @p k.
-static clmha_status set_args(clmha_context *ctx, cl_kernel k, const char *name, const arg *args,
-                             cl_uint nargs) {
-    for (cl_uint i = 0; i < nargs; ++i) {
-        cl_int err = clSetKernelArg(k, i, args[i].size, args[i].value);
-        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
-    }
-    return CLMHA_SUCCESS;
-}
-
-// Sets the arguments of @p k and enqueues it over @p total work-items in groups of @p wg.
-static clmha_status launch(clmha_context *ctx, cl_kernel k, const char *name, size_t total,
-                           size_t wg, const arg *args, cl_uint nargs) {
-    clmha_status st = set_args(ctx, k, name, args, nargs);
-    if (st) return st;
-    size_t global = (total + wg - 1) / wg * wg;
-    cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 1, NULL, &global, &wg, 0, NULL, NULL);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
-    return CLMHA_SUCCESS;
-}
-
 // Enqueues split_heads or merge_heads (@p k) over tiles of @p planes (batch·head) x @p seq rows
 // of head_dim floats, in the mapping its program was built with (cl/heads.cl, chosen by the
 // device class): 1-D, one work-item per row, in groups of @p wg; or coalesced, 3-D (d, t, bh),
@@ -128,8 +103,8 @@ static clmha_status launch(clmha_context *ctx, cl_kernel k, const char *name, si
 static clmha_status launch_heads(clmha_layer *l, cl_kernel k, const char *name, size_t planes,
                                  size_t seq, size_t wg, const arg *args, cl_uint nargs) {
     clmha_context *ctx = l->ctx;
-    if (!ctx->cls->coalesced) return launch(ctx, k, name, planes * seq, wg, args, nargs);
-    clmha_status st = set_args(ctx, k, name, args, nargs);
+    if (!ctx->cls->coalesced) return clmha__launch(ctx, k, name, planes * seq, wg, args, nargs);
+    clmha_status st = clmha__set_args(ctx, k, name, args, nargs);
     if (st) return st;
     size_t group = 1;
     while (group * 2 <= 256 && group * 2 <= l->heads_limit) group *= 2;
@@ -241,241 +216,6 @@ static clmha_status split(clmha_layer *l, const clmha__dims *d, scratch *s) {
                      d->s_padded);
 }
 
-// A chunk of the scores: rows [first, first + rows) of (N*H*L, S'), held by layer->scores from
-// its start (clmha__scores_chunks()).
-typedef struct chunk {
-    size_t first, rows;
-} chunk;
-
-static bool chunk_is_all(const clmha_layer *l, const clmha__dims *d, chunk c) {
-    return c.first == 0 && c.rows == d->n * l->h * d->l;
-}
-
-// 3. Scores = Q · Kᵀ / √D for the rows of @p c: all of them (N*H, L, S') in one strided batched
-//    GEMM; a chunk in one plain GEMM per plane it touches (CLBlast 1.5.3's batched GEMM ignores
-//    buffer offsets, its plain GEMM honours them).
-static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c) {
-    cl_command_queue q = l->ctx->queue;
-    size_t hd = l->d, sp = d->s_padded;
-    float scale = (float)(1.0 / sqrt((double)hd));
-    if (chunk_is_all(l, d, c)) {
-        int st = CLBlastSgemmStridedBatched(
-            CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, d->l, sp, hd, scale,
-            l->tiles[CLMHA__TILE_Q], 0, hd, d->l * hd, l->tiles[CLMHA__TILE_K], 0, hd, sp * hd,
-            0.0f, l->scores, 0, sp, d->l * sp, d->n * l->h, &q, NULL);
-        return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(QK^T)")
-                  : CLMHA_SUCCESS;
-    }
-    for (size_t r = c.first, end = c.first + c.rows; r < end;) {
-        size_t plane = r / d->l, rows = d->l - r % d->l;  // the rest of this plane
-        if (rows > end - r) rows = end - r;
-        // Query row r of the (N*H*L, D) tile; keys of the plane; the chunk's row r - first.
-        int st = CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes,
-                              rows, sp, hd, scale, l->tiles[CLMHA__TILE_Q], r * hd, hd,
-                              l->tiles[CLMHA__TILE_K], plane * sp * hd, hd, 0.0f, l->scores,
-                              (r - c.first) * sp, sp, &q, NULL);
-        if (st) return clmha__blas_fail(l->ctx, st, "CLBlastSgemm(QK^T chunk)");
-        r += rows;
-    }
-    return CLMHA_SUCCESS;
-}
-
-// The mask and dropout arguments that masked_softmax and fused_attention share, in their order.
-typedef struct mask_args {
-    cl_mem attn;
-    cl_ulong attn_off;
-    cl_uint attn_kind, attn_layout;
-    cl_mem kpm;
-    cl_ulong kpm_off;
-    cl_uint kpm_kind, causal, dropout_on, threshold;
-    float keep_scale;
-    cl_uint seed_lo, seed_hi, off_lo;
-} mask_args;
-
-static mask_args masks_of(const clmha_layer *l, const clmha_forward_args *a,
-                          const clmha__dims *d) {
-    float p = l->desc.dropout;
-    bool dropout_on = a->training && p > 0.0f;
-    return (mask_args){
-        .attn = d->attn_kind ? a->attn_mask.tensor.buffer : l->ctx->dummy,
-        .attn_off = d->attn_kind ? a->attn_mask.tensor.offset : 0,
-        .attn_kind = d->attn_kind,
-        .attn_layout = d->attn_layout,
-        .kpm = d->kpm_kind ? a->key_padding_mask.tensor.buffer : l->ctx->dummy,
-        .kpm_off = d->kpm_kind ? a->key_padding_mask.tensor.offset : 0,
-        .kpm_kind = d->kpm_kind,
-        .causal = a->is_causal,
-        .dropout_on = dropout_on,
-        .threshold = clmha__dropout_threshold(p),
-        .keep_scale = dropout_on ? (float)(1.0 / (1.0 - (double)p)) : 1.0f,
-        .seed_lo = (cl_uint)a->rng.seed,
-        .seed_hi = (cl_uint)(a->rng.seed >> 32) ^ (cl_uint)(a->rng.offset >> 32),
-        .off_lo = (cl_uint)a->rng.offset};
-}
-
-#define MASK_ARGS(m)                                                                          \
-    ARG((m).attn), ARG((m).attn_off), ARG((m).attn_kind), ARG((m).attn_layout), ARG((m).kpm), \
-        ARG((m).kpm_off), ARG((m).kpm_kind), ARG((m).causal), ARG((m).dropout_on),            \
-        ARG((m).threshold), ARG((m).keep_scale), ARG((m).seed_lo), ARG((m).seed_hi),          \
-        ARG((m).off_lo)
-
-// 4. Masks, softmax and dropout in place on the scores of @p c, one work-group per row.
-static clmha_status softmax(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
-                            chunk c) {
-    cl_ulong rows = c.rows, first = c.first, tgt = d->l, heads = l->h, src = d->s,
-             srcp = d->s_padded;
-    mask_args m = masks_of(l, a, d);
-    arg args[] = {ARG(l->scores), ARG(rows), ARG(first), ARG(tgt), ARG(heads), ARG(src),
-                  ARG(srcp), MASK_ARGS(m)};
-    return launch(l->ctx, l->masked_softmax, "masked_softmax", rows * l->softmax_wg,
-                  l->softmax_wg, args, sizeof args / sizeof args[0]);
-}
-
-// 5. Attention output (N*H, L, D) = weights · V for the rows of @p c: all of them in one
-//    strided batched GEMM, a chunk in one plain GEMM per plane it touches.
-static clmha_status attend(clmha_layer *l, const clmha__dims *d, chunk c) {
-    cl_command_queue q = l->ctx->queue;
-    size_t hd = l->d, sp = d->s_padded;
-    if (chunk_is_all(l, d, c)) {
-        int st = CLBlastSgemmStridedBatched(
-            CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeNo, d->l, hd, sp, 1.0f,
-            l->scores, 0, sp, d->l * sp, l->tiles[CLMHA__TILE_V], 0, hd, sp * hd, 0.0f,
-            l->tiles[CLMHA__TILE_OUT], 0, hd, d->l * hd, d->n * l->h, &q, NULL);
-        return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(AV)")
-                  : CLMHA_SUCCESS;
-    }
-    for (size_t r = c.first, end = c.first + c.rows; r < end;) {
-        size_t plane = r / d->l, rows = d->l - r % d->l;
-        if (rows > end - r) rows = end - r;
-        int st = CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeNo,
-                              rows, hd, sp, 1.0f, l->scores, (r - c.first) * sp, sp,
-                              l->tiles[CLMHA__TILE_V], plane * sp * hd, hd, 0.0f,
-                              l->tiles[CLMHA__TILE_OUT], r * hd, hd, &q, NULL);
-        if (st) return clmha__blas_fail(l->ctx, st, "CLBlastSgemm(AV chunk)");
-        r += rows;
-    }
-    return CLMHA_SUCCESS;
-}
-
-// 8 for one chunk of the scores (stage 8 then has nothing left to do): per-head weights are
-// copied to their rows; averaged ones are summed over the heads of the chunk, added to the
-// running sums in layer->head_sums, and written to the rows of their batch item, divided by H,
-// with the item's last head (the chunks of a block of rows come in head order, and a chunk of
-// whole planes holds whole batch items or a divisor of H of one item's heads:
-// clmha__scores_chunks()). The caller's buffer is only written, never read.
-static clmha_status chunk_weights(clmha_layer *l, const clmha_forward_args *a,
-                                  const clmha__dims *d, chunk c, cl_mem w, size_t w_off) {
-    clmha_context *ctx = l->ctx;
-    size_t sp = d->s_padded, h = l->h, plane_rows = d->l;
-    if (a->per_head_weights) {
-        cl_int err = clEnqueueCopyBuffer(ctx->queue, l->scores, w, 0,
-                                         (w_off + c.first * sp) * sizeof(float),
-                                         c.rows * sp * sizeof(float), 0, NULL, NULL);
-        return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(weights chunk)")
-                   : CLMHA_SUCCESS;
-    }
-    size_t plane = c.first / plane_rows, i = c.first % plane_rows, item = plane / h,
-           head = plane % h;
-    // Whole planes: groups of H heads (whole batch items), or fewer heads of one item. Rows of
-    // one plane: one head.
-    size_t planes = c.rows >= plane_rows ? c.rows / plane_rows : 1;
-    size_t group = planes >= h ? h : planes;
-    cl_ulong off = w_off + (item * plane_rows + i) * sp, groups = planes / group,
-             heads = group, part = (c.rows >= plane_rows ? plane_rows : c.rows) * sp;
-    cl_uint first = head == 0, last = head + group == h;
-    float divisor = (float)h;
-    cl_mem sums = first && last ? ctx->dummy : l->head_sums;
-    arg args[] = {ARG(l->scores), ARG(sums),  ARG(w),    ARG(off),    ARG(groups), ARG(heads),
-                  ARG(part),      ARG(first), ARG(last), ARG(divisor)};
-    return launch(ctx, l->accumulate_heads, "accumulate_heads", groups * part,
-                  l->heads_wg, args, sizeof args / sizeof args[0]);
-}
-
-// The built-in attention core: stages 3 to 5 over all the scores at once, or chunk by chunk
-// when they do not fit in one buffer (clmha__scores_chunks()). Chunk by chunk, the weights are
-// written as each chunk is done, and the profiling marks see the three stages as one (scores).
-static clmha_status builtin_core(clmha_layer *l, const clmha_forward_args *a,
-                                 const clmha__dims *d, cl_mem w, size_t w_off) {
-    clmha_status st;
-    clmha__chunks plan;
-    if (!clmha__scores_chunks(l, d, &plan))  // clmha__layer_reserve() refused it already
-        return clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "scores: one row does not fit");
-    if (plan.count == 1) {
-        chunk all = {0, d->n * l->h * d->l};
-        if ((st = scores(l, d, all)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES)))
-            return st;
-        if ((st = softmax(l, a, d, all)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SOFTMAX)))
-            return st;
-        if ((st = attend(l, d, all)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_AV)))
-            return st;
-        return CLMHA_SUCCESS;
-    }
-    size_t total = d->n * l->h * d->l;
-    for (size_t k = 0; k < plan.count; ++k) {
-        chunk c;
-        if (plan.whole) {  // planes in order
-            c.first = k * plan.rows;
-            c.rows = total - c.first < plan.rows ? total - c.first : plan.rows;
-        } else {  // k = ((item * blocks) + block) * H + head
-            size_t blocks = (d->l + plan.rows - 1) / plan.rows, head = k % l->h;
-            size_t block = k / l->h % blocks, item = k / l->h / blocks;
-            size_t i = block * plan.rows;
-            c.first = ((item * l->h + head) * d->l + i);
-            c.rows = d->l - i < plan.rows ? d->l - i : plan.rows;
-        }
-        if ((st = scores(l, d, c)) || (st = softmax(l, a, d, c))) return st;
-        if (a->need_weights && (st = chunk_weights(l, a, d, c, w, w_off))) return st;
-        if ((st = attend(l, d, c))) return st;
-    }
-    return clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES);
-}
-
-// 3-5 fused: scores, masks, softmax, dropout and weights·V in one kernel that streams tiles
-// of keys through local memory (cl/fused.cl); the scores are never stored. One work-group per
-// (tile of bq·rpw query rows, batch·head).
-static clmha_status fused_core(clmha_layer *l, const clmha_forward_args *a,
-                               const clmha__dims *d) {
-    clmha_context *ctx = l->ctx;
-    cl_ulong tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
-    float scale = (float)(1.0 / sqrt((double)l->d));
-    mask_args m = masks_of(l, a, d);
-    arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(l->tiles[CLMHA__TILE_K]),
-                  ARG(l->tiles[CLMHA__TILE_V]), ARG(l->tiles[CLMHA__TILE_OUT]),
-                  ARG(tgt), ARG(heads), ARG(src), ARG(srcp), ARG(scale), MASK_ARGS(m)};
-    for (cl_uint i = 0; i < sizeof args / sizeof args[0]; ++i) {
-        cl_int err = clSetKernelArg(l->fused, i, args[i].size, args[i].value);
-        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");
-    }
-    size_t bq = l->tiles_fused.bq, rows = bq * l->tiles_fused.rpw;
-    size_t global[2] = {(d->l + rows - 1) / rows * bq, d->n * l->h}, local[2] = {bq, 1};
-    cl_int err = clEnqueueNDRangeKernel(ctx->queue, l->fused, 2, NULL, global, local, 0, NULL,
-                                        NULL);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");
-    return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
-}
-
-// A user core: it gets the head tiles and enqueues its own work on the queue.
-static clmha_status user_core(clmha_layer *l, const clmha_forward_args *a,
-                              const clmha__dims *d) {
-    clmha_context *ctx = l->ctx;
-    cl_event done = NULL;
-    clmha_core_args ca = {
-        .queue = ctx->queue, .batch = d->n, .num_heads = l->h, .tgt_len = d->l,
-        .src_len = d->s, .src_len_padded = d->s_padded, .head_dim = l->d,
-        .scale = (float)(1.0 / sqrt((double)l->d)), .q = l->tiles[CLMHA__TILE_Q],
-        .k = l->tiles[CLMHA__TILE_K], .v = l->tiles[CLMHA__TILE_V],
-        .out = l->tiles[CLMHA__TILE_OUT], .weights = a->need_weights ? l->scores : NULL,
-        .key_padding_mask = &a->key_padding_mask, .attn_mask = &a->attn_mask,
-        .is_causal = a->is_causal, .training = a->training, .dropout = l->desc.dropout,
-        .rng = a->rng, .num_wait = 0, .wait_list = NULL, .event = &done};
-    clmha_status st = l->core(&ca, l->core_data);
-    if (done) clReleaseEvent(done);  // the in-order queue orders what follows after it
-    if (st)
-        return clmha__fail(ctx, CLMHA_CALLBACK_FAILED, "the user attention core returned %s",
-                           clmha_status_string(st));
-    return CLMHA_SUCCESS;
-}
-
 // 6. Merge heads back into rows (L*N or N*L, E), into the free projection buffer.
 static clmha_status merge(clmha_layer *l, const clmha__dims *d) {
     cl_ulong n = d->n, h = l->h, t = d->l, hd = l->d;
@@ -496,8 +236,8 @@ static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out
         cl_ulong off = out_off, r = rows, c = e;
         cl_uint has_bias = 1;
         arg args[] = {ARG(out), ARG(off), ARG(l->b_out), ARG(has_bias), ARG(r), ARG(c)};
-        clmha_status st = launch(ctx, l->fill_rows, "fill_rows", rows * e, l->heads_wg,
-                                 args, sizeof args / sizeof args[0]);
+        clmha_status st = clmha__launch(ctx, l->fill_rows, "fill_rows", rows * e,
+                                        l->heads_wg, args, sizeof args / sizeof args[0]);
         if (st) return st;
     }
     return gemm_nt(ctx, "CLBlastSgemm(output projection)", rows, e, e, l->proj, 0, e, l->w_out, 0,
@@ -505,7 +245,7 @@ static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out
 }
 
 // 8. Attention weights: the per-head scores as they are, or their mean over heads. (Already
-//    written when the built-in core worked in chunks.)
+//    written when the unfused core worked in chunks.)
 static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
                                 const clmha__dims *d, cl_mem w, size_t w_off) {
     clmha_context *ctx = l->ctx;
@@ -518,8 +258,8 @@ static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
     }
     cl_ulong off = w_off, n = d->n, h = l->h, plane = d->l * d->s_padded;
     arg args[] = {ARG(l->scores), ARG(w), ARG(off), ARG(n), ARG(h), ARG(plane)};
-    return launch(ctx, l->average_heads, "average_heads", d->n * plane, l->heads_wg, args,
-                  sizeof args / sizeof args[0]);
+    return clmha__launch(ctx, l->average_heads, "average_heads", d->n * plane, l->heads_wg,
+                         args, sizeof args / sizeof args[0]);
 }
 
 // ---- public entry points -------------------------------------------------------------------------
@@ -561,23 +301,15 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
     if (args->need_weights &&
         (st = check_buffer(ctx, "weights", weights, weights_offset, d.weights_count, 4)))
         return st;
-    // The core: the user's, else fused or unfused (see clmha_impl).
-    clmha_impl impl = impl_of(layer, args);
-    bool fused = !layer->core && (impl == CLMHA_IMPL_FUSED ||
-                                  (impl == CLMHA_IMPL_AUTO && !args->need_weights));
-    if (fused && (st = clmha__layer_fused(layer))) {
-        // CLMHA_IMPL_AUTO: a device that cannot build or launch the fused kernel gets the
-        // unfused core; an explicit CLMHA_IMPL_FUSED gets the error.
-        if (impl == CLMHA_IMPL_FUSED) return st;
-        fused = false;
-    }
-    // A driver whose loops end early (clmha__quirks::loop_limit) would give a wrong answer from
-    // the fused core past its loop budget: the unfused core computes the same result.
-    if (fused && !clmha__fused_loops_fit(layer, &d, args->training && layer->desc.dropout > 0.0f))
-        fused = false;
-    layer->ran_fused = fused;
-    if ((st = clmha__layer_reserve(layer, &d, !fused,
-                                   !fused && args->need_weights && !args->per_head_weights)))
+    // The core: the user's, else fused or unfused (see clmha_impl and src/cores/core.c).
+    clmha__core_call call = {.args = args, .dims = &d, .weights = weights,
+                             .weights_offset = weights_offset};
+    const clmha__core *core;
+    if ((st = clmha__core_select(layer, &call, &core))) return st;
+    layer->ran_fused = core == &clmha__core_fused;
+    if ((st = clmha__layer_reserve(layer, &d, core->uses_scores,
+                                   core->uses_scores && args->need_weights &&
+                                       !args->per_head_weights)))
         return st;
 
     // Nothing is enqueued before this point.
@@ -594,14 +326,7 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
         return st;
     if ((st = split(layer, &d, &s)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
         return st;
-    if (layer->core) {
-        if ((st = user_core(layer, args, &d)) ||
-            (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SCORES)))
-            return st;
-    } else if ((st = fused ? fused_core(layer, args, &d)
-                           : builtin_core(layer, args, &d, weights, weights_offset))) {
-        return st;
-    }
+    if ((st = core->run(layer, &call))) return st;
     if ((st = merge(layer, &d)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))
         return st;
     if ((st = out_project(layer, &d, output, output_offset)) ||

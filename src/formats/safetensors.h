@@ -5,10 +5,14 @@
 // "__metadata__" is a tensor: {"dtype": "F32", "shape": [3, 4], "data_offsets": [begin, end]},
 // offsets in bytes relative to the first byte after the header. "__metadata__" maps strings to
 // strings.
-#ifndef CLMHA_SAFETENSORS_H
-#define CLMHA_SAFETENSORS_H
+#ifndef CLMHA_FORMATS_SAFETENSORS_H
+#define CLMHA_FORMATS_SAFETENSORS_H
 
-#include "internal.h"
+#include <stddef.h>
+
+#include "clmha.h"
+
+#include "base/defs.h"
 
 // Largest header accepted (bytes of JSON).
 #define CLMHA__ST_MAX_HEADER ((size_t)100 << 20)

@@ -1,11 +1,12 @@
-// Layers: configuration, parameters by PyTorch name, kernels and scratch space.
-#include "layer.h"
+// Layers: configuration, parameters by PyTorch name, kernels, scratch space and profiling marks.
+#include "layer/layer.h"
 
-#include <math.h>
+#include "device/held.h"
+
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
 
 // Where each named parameter lives.
 typedef struct param_slot {
@@ -110,9 +111,8 @@ clmha_status clmha_layer_get_parameter(clmha_layer *layer, const char *name, flo
     return param_copy(layer, name, data, count, false);
 }
 
-// A zero-filled parameter buffer of @p count floats.
-static clmha_status param_buffer(clmha_context *ctx, size_t count, const char *what,
-                                 cl_mem *out) {
+clmha_status clmha__zero_buffer(clmha_context *ctx, size_t count, const char *what,
+                                cl_mem *out) {
     if ((cl_ulong)count * sizeof(float) > ctx->info.max_alloc_bytes)
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
                            "%s need %llu bytes, more than this device's largest allocation "
@@ -172,13 +172,13 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
     char what[160];
     snprintf(what, sizeof what, "q/k/v_proj_weight (embed_dim %zu, kdim %zu, vdim %zu)", e,
              d.kdim, d.vdim);
-    if ((st = param_buffer(ctx, e * (e + d.kdim + d.vdim), what, &l->w_in))) goto fail;
-    if ((st = param_buffer(ctx, e * e, "out_proj.weight", &l->w_out))) goto fail;
+    if ((st = clmha__zero_buffer(ctx, e * (e + d.kdim + d.vdim), what, &l->w_in))) goto fail;
+    if ((st = clmha__zero_buffer(ctx, e * e, "out_proj.weight", &l->w_out))) goto fail;
     if (d.bias) {
-        if ((st = param_buffer(ctx, 3 * e, "in_proj_bias", &l->b_in))) goto fail;
-        if ((st = param_buffer(ctx, e, "out_proj.bias", &l->b_out))) goto fail;
+        if ((st = clmha__zero_buffer(ctx, 3 * e, "in_proj_bias", &l->b_in))) goto fail;
+        if ((st = clmha__zero_buffer(ctx, e, "out_proj.bias", &l->b_out))) goto fail;
     }
-    if (d.add_bias_kv && (st = param_buffer(ctx, 2 * e, "bias_k/bias_v", &l->bias_kv)))
+    if (d.add_bias_kv && (st = clmha__zero_buffer(ctx, 2 * e, "bias_k/bias_v", &l->bias_kv)))
         goto fail;
 
     // Kernels. Split and merge heads: the device class's mapping (one work-item per tile row,
@@ -209,7 +209,7 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
     for (size_t want = pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
         char options[64];
         snprintf(options, sizeof options, "-DWG=%zu", want);
-        if ((st = clmha__program_get(ctx, "softmax", options, &softmax))) goto fail;
+        if ((st = clmha__program_get(ctx, "unfused", options, &softmax))) goto fail;
         if ((st = make_kernel(ctx, softmax, "masked_softmax", &l->masked_softmax))) goto fail;
         size_t wg;
         if ((st = clmha__kernel_limits(ctx, l->masked_softmax, &wg, NULL))) goto fail;
@@ -302,134 +302,11 @@ const char *clmha_impl_name(clmha_impl impl) {
     return "?";
 }
 
-// Builds the fused kernel with tiles @p t, then asks the kernel what it allows: while its
-// work-group limit (CL_KERNEL_WORK_GROUP_SIZE) is below bq, or the local memory it uses
-// (CL_KERNEL_LOCAL_MEM_SIZE) exceeds the device's, rebuilds with half the work-items (bq); or
-// with half the keys per tile (bk), down to 8 while rows live in local memory (q_local,
-// acc_local), then half the work-items, whose rows that local memory holds. Drivers may report
-// a smaller limit for a kernel than for the device (rusticl: 32 for this kernel at bq 64), and
-// more local memory than the tiles need (rusticl: twice PoCL's count for the same kernel); a
-// launch past either is undefined.
-static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
-    clmha_context *ctx = l->ctx;
-    for (;;) {
-        if (!t.bk || !t.bq) {
-            clmha__fused_tiles one = t;
-            one.bk = one.bq = 1;
-            return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                               "the fused core needs %zu bytes of local memory for one key at "
-                               "head_dim %zu and a work-group of one work-item; the device has "
-                               "%llu (use CLMHA_IMPL_UNFUSED)",
-                               clmha__fused_local_floats(&one, l->d) * sizeof(float), l->d,
-                               (unsigned long long)clmha__local_mem(ctx));
-        }
-        char options[128];
-        snprintf(options, sizeof options,
-                 "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu -DQ_LOCAL=%d -DACC_LOCAL=%d",
-                 l->d, t.bq, t.bk, t.rpw, t.vw, (int)t.q_local, (int)t.acc_local);
-        cl_program prog;
-        cl_kernel k = NULL;
-        clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
-        if (st || (st = make_kernel(ctx, prog, "fused_attention", &k))) return st;
-        size_t wg;
-        cl_ulong local;
-        if ((st = clmha__kernel_limits(ctx, k, &wg, &local))) {
-            clmha__release_kernel(k);
-            return st;
-        }
-        if (t.bq <= wg && local <= clmha__local_mem(ctx)) {
-            l->fused = k;
-            l->tiles_fused = t;
-            return CLMHA_SUCCESS;
-        }
-        clmha__release_kernel(k);
-        if (t.bq > wg) {
-            while (t.bq > wg) t.bq /= 2;
-        } else if (t.bk > 8 || t.bq == 1 || !(t.q_local || t.acc_local)) {
-            t.bk /= 2;
-            while (t.vw > 1 && t.bk % t.vw) t.vw /= 2;
-        } else {
-            t.bq /= 2;  // the query rows or accumulators in local memory scale with bq
-        }
-    }
-}
-
-clmha_status clmha__layer_fused(clmha_layer *l) {
-    if (l->fused) return CLMHA_SUCCESS;
-    if (l->fused_failed)
-        return clmha__fail(l->ctx, l->fused_failed,
-                           "the fused core could not be built for this layer (head_dim %zu) on "
-                           "this device: %s (use CLMHA_IMPL_UNFUSED)",
-                           l->d, clmha_status_string(l->fused_failed));
-    clmha_status st = build_fused(l, clmha__fused_tiles_for(l->ctx, l->d));
-    // A device that cannot build or hold the kernel will not later; an out-of-memory may pass.
-    if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) l->fused_failed = st;
-    return st;
-}
-
-static size_t test_loop_limit;
-
-void clmha__test_set_loop_limit(size_t limit) { test_loop_limit = limit; }
-
-// The loop iterations a loop of @p n iterations whose body runs loops of @p body iterations
-// costs gallivm's limiter: n + 1 checks of the condition (measured: clover's count matches
-// this within a few percent) plus the body's.
-static double loop_cost(double n, double body) { return n + 1 + n * body; }
-
-bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dropout) {
-    size_t limit = test_loop_limit ? test_loop_limit : l->ctx->quirks.loop_limit;
-    if (!limit) return true;
-    // Every loop of cl/fused.cl for one work-item, as if the compiler kept them all (clover
-    // does; rusticl unrolls some, and its count is lower).
-    const clmha__fused_tiles *t = &l->tiles_fused;
-    double hd = (double)l->d, bq = (double)t->bq, bk = (double)t->bk, rpw = (double)t->rpw,
-           vw = (double)t->vw;
-    double rows = loop_cost(rpw, 0);
-    double load = loop_cost(ceil(bk * hd / bq), 0);
-    // The scores: VW keys at a time over head_dim, or (query rows in local memory, Q_LOCAL)
-    // head_dim outermost over VW keys at a time.
-    double scores = t->q_local
-                        ? loop_cost(rpw, loop_cost(bk, 0)) +
-                              loop_cost(hd, rows + loop_cost(bk / vw, rows))
-                        : loop_cost(bk / vw, rows + loop_cost(hd, rows) + rows);
-    double row = loop_cost(bk, 0) + 2 * loop_cost(bk / vw, 0) + 2 * loop_cost(vw, 0) +
-                 loop_cost(hd, 0) + (dropout ? loop_cost(bk, loop_cost(10, 0)) : 0);  // Philox
-    double av = loop_cost(hd / vw, rows + loop_cost(bk, rows) + rows);
-    double per_tile = load + scores + loop_cost(rpw, row) + av;
-    double tiles = ceil((double)d->s_padded / bk);
-    double total = loop_cost(tiles, per_tile) + rows + 2 * loop_cost(rpw, loop_cost(hd, 0));
-    if (t->q_local || t->acc_local)  // loading the query rows, storing the output rows
-        total += 2 * loop_cost(ceil(rpw * hd), 0);
-    // Half the limit: room for loops a compiler adds.
-    return total <= (double)limit / 2;
-}
-
-clmha_status clmha__layer_set_fused_tiles(clmha_layer *l, const clmha__fused_tiles *t,
-                                          clmha__fused_tiles *used) {
-    clmha__fused_tiles u = *t;
-    clmha__fused_tiles_fit(l->ctx, l->d, &u);
-    release_kernel(&l->fused);
-    l->fused_failed = CLMHA_SUCCESS;
-    clmha_status st = build_fused(l, u);
-    if (used) *used = st ? u : l->tiles_fused;
-    return st;
-}
-
 size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
     if (!layer) return 0;
     size_t floats = layer->proj_cap + layer->scores_cap + layer->head_sums_cap;
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) floats += layer->tile_caps[i];
     return floats * sizeof(float);
-}
-
-// A lower limit set by tests, 0 for none (clmha__test_set_max_alloc()).
-static size_t test_max_alloc;
-
-void clmha__test_set_max_alloc(size_t bytes) { test_max_alloc = bytes; }
-
-cl_ulong clmha__max_alloc(const clmha_context *ctx) {
-    cl_ulong device = ctx->info.max_alloc_bytes;
-    return test_max_alloc && test_max_alloc < device ? (cl_ulong)test_max_alloc : device;
 }
 
 // Replaces *buf by one of @p need floats when it holds fewer.
@@ -507,64 +384,7 @@ clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool
     return grow(ctx, &layer->head_sums, &layer->head_sums_cap, c.sums, "head sums");
 }
 
-clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, size_t src_len,
-                              bool need_weights) {
-    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
-    clmha_context *ctx = layer->ctx;
-    if (!batch || !tgt_len || !src_len)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "bake sizes must be positive (batch %zu, tgt_len %zu, src_len %zu)",
-                           batch, tgt_len, src_len);
-    // One forward pass on zeros at this shape sizes the scratch and makes CLBlast compile the
-    // GEMM kernels it picks for these sizes. Self-attention (the packed projection) when the
-    // shape allows it, else cross-attention.
-    size_t e = layer->e, kd = layer->desc.kdim, vd = layer->desc.vdim;
-    bool self = tgt_len == src_len && kd == e && vd == e;
-    clmha_forward_args args = {
-        .query = {.ndim = 3, .shape = {tgt_len, batch, e}},
-        .need_weights = need_weights};
-    if (!self) {
-        args.key = (clmha_tensor){.ndim = 3, .shape = {src_len, batch, kd}};
-        args.value = (clmha_tensor){.ndim = 3, .shape = {src_len, batch, vd}};
-    }
-    if (layer->desc.batch_first) {
-        clmha_tensor *t[3] = {&args.query, &args.key, &args.value};
-        for (int i = 0; i < 3; ++i) {
-            size_t seq = t[i]->shape[0];
-            t[i]->shape[0] = t[i]->shape[1];
-            t[i]->shape[1] = seq;
-        }
-    }
-    size_t out_count = 0, w_count = 0;
-    clmha_status st = clmha_layer_output_counts(layer, &args, &out_count, &w_count);
-    if (st) return st;
-    size_t counts[5] = {out_count, self ? 0 : batch * src_len * kd,
-                        self ? 0 : batch * src_len * vd, out_count, w_count};
-    cl_mem bufs[5] = {NULL};  // query, key, value, output, weights
-    for (int i = 0; i < 5 && !st; ++i) {
-        if (!counts[i]) continue;
-        st = param_buffer(ctx, counts[i], "bake buffers", &bufs[i]);
-    }
-    args.query.buffer = bufs[0];
-    args.key.buffer = bufs[1];
-    args.value.buffer = bufs[2];
-    if (!st)
-        st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL);
-    // The pass with weights ran the unfused core: build the fused one too, for the calls
-    // without weights. (Only a layer on CLMHA_IMPL_AUTO gets here: bake with weights is refused
-    // on a fused layer.) Where it cannot be built, those calls run the unfused core, which this
-    // pass has prepared.
-    if (!st && need_weights && !layer->core && layer->impl == CLMHA_IMPL_AUTO) {
-        clmha_status fst = clmha__layer_fused(layer);
-        if (fst && !layer->fused_failed) st = fst;
-    }
-    cl_int err = clFinish(ctx->queue);
-    if (!st && err != CL_SUCCESS) st = clmha__cl_fail(ctx, err, "clFinish");
-    for (int i = 0; i < 5; ++i) release_mem(&bufs[i]);
-    return st;
-}
-
-// ---- profiling ----------------------------------------------------------------------------------
+// ---- profiling marks (the public calls are in src/forward/profiling.c) --------------------------
 
 void clmha__layer_marks_release(clmha_layer *layer) {
     for (int i = 0; i <= CLMHA_STAGE_COUNT; ++i) {
@@ -580,45 +400,4 @@ clmha_status clmha__layer_mark(clmha_layer *layer, int slot) {
     cl_int err = clEnqueueMarkerWithWaitList(layer->ctx->queue, 0, NULL, &layer->marks[slot]);
     return err ? clmha__cl_fail(layer->ctx, err, "clEnqueueMarkerWithWaitList(profiling)")
                : CLMHA_SUCCESS;
-}
-
-clmha_status clmha_layer_set_profiling(clmha_layer *layer, bool on) {
-    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
-    cl_command_queue_properties props = 0;
-    clGetCommandQueueInfo(layer->ctx->queue, CL_QUEUE_PROPERTIES, sizeof props, &props, NULL);
-    if (on && !(props & CL_QUEUE_PROFILING_ENABLE))
-        return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
-                           "profiling needs a queue created with CL_QUEUE_PROFILING_ENABLE");
-    clmha__layer_marks_release(layer);
-    layer->profiling = on;
-    return CLMHA_SUCCESS;
-}
-
-clmha_status clmha_layer_stage_times(clmha_layer *layer, double ms[CLMHA_STAGE_COUNT]) {
-    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
-    if (!ms) return clmha__fail(layer->ctx, CLMHA_INVALID_ARGUMENT, "ms is NULL");
-    if (!layer->profiling || !layer->marks[0])
-        return clmha__fail(layer->ctx, CLMHA_INVALID_ARGUMENT,
-                           "no profiled forward call: call clmha_layer_set_profiling(layer, "
-                           "true) before the forward call");
-    cl_ulong prev = 0;
-    for (int i = 0; i <= CLMHA_STAGE_COUNT; ++i) {
-        if (i > 0) ms[i - 1] = 0.0;
-        cl_event m = layer->marks[i];
-        if (!m) continue;
-        cl_int err = clWaitForEvents(1, &m);
-        cl_ulong end = 0;
-        if (err == CL_SUCCESS)
-            err = clGetEventProfilingInfo(m, CL_PROFILING_COMMAND_END, sizeof end, &end, NULL);
-        if (err != CL_SUCCESS) return clmha__cl_fail(layer->ctx, err, "stage timing");
-        if (i > 0) ms[i - 1] = end > prev ? (double)(end - prev) / 1e6 : 0.0;
-        prev = end;
-    }
-    return CLMHA_SUCCESS;
-}
-
-const char *clmha_stage_name(clmha_stage stage) {
-    static const char *const names[CLMHA_STAGE_COUNT] = {
-        "project", "split", "scores", "softmax", "av", "fused", "merge", "out_proj", "weights"};
-    return stage >= 0 && stage < CLMHA_STAGE_COUNT ? names[stage] : "?";
 }

@@ -1,3 +1,5 @@
+// The unfused attention core's kernel (host side: src/cores/unfused.c).
+//
 // Mask application, numerically stable row-wise softmax and dropout, in place on the scores
 // (N*H, L, S') that the QK^T GEMM wrote (already scaled by 1/sqrt(head_dim)).
 //

@@ -1,3 +1,5 @@
+// The fused attention core's kernel (host side: src/cores/fused.c).
+//
 // Fused attention core: out = softmax(mask(Q*K^T*scale)) * V for every (batch, head), without
 // storing the scores. Online softmax over tiles of keys (FlashAttention's recurrence): each
 // work-item owns RPW query rows, keeps their running maxima, running sums and HD-wide
@@ -11,8 +13,8 @@
 //                BK> -DQ_LOCAL=<0|1> -DACC_LOCAL=<0|1>. A work-group covers BQ*RPW query rows:
 //                row r of work-item lid is first + r*BQ + lid.
 //
-// Where the per-row state lives (chosen on the host per device class, src/device_class.c, and
-// by clmha__fused_tiles_fit(), which keeps the private arrays within the class's budget):
+// Where the per-row state lives (chosen on the host per device class, src/device/device_class.c,
+// and by clmha__fused_tiles_fit(), which keeps the private arrays within the class's budget):
 //   - Q_LOCAL 0 (CPUs): the scaled query rows are private, read by each work-item from its own
 //     rows (contiguous for one work-item: what a CPU core wants), and the output is stored the
 //     same way;

@@ -6,9 +6,12 @@
 //   -> scores q.k^T / sqrt(D) -> masks -> softmax -> dropout -> weights . V
 //   -> merge heads -> output projection
 //
-// Shapes are checked by the same code as the OpenCL path (shape.c), so both accept and refuse
-// exactly the same calls.
-#include "internal.h"
+// Shapes are checked by the same code as the OpenCL path (src/layer/shape.c), so both accept
+// and refuse exactly the same calls.
+#include "base/checked.h"
+#include "base/message.h"
+#include "base/philox.h"
+#include "layer/shape.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -1,8 +1,27 @@
-// The layer object, shared by layer.c (creation, parameters, scratch) and forward.c.
-#ifndef CLMHA_LAYER_H
-#define CLMHA_LAYER_H
+// The layer object: configuration, parameters, kernels, scratch buffers and profiling marks
+// (layer.c), read by the attention cores (src/cores/) and the forward pass (src/forward/).
+#ifndef CLMHA_LAYER_LAYER_H
+#define CLMHA_LAYER_LAYER_H
 
-#include "internal.h"
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "clmha.h"
+
+#include "base/defs.h"
+#include "context/context.h"
+#include "layer/shape.h"
+
+// The fused attention kernel's tiles (src/cores/fused.h has what works on them). Defined here
+// because a layer keeps the tiles its fused kernel was built with.
+typedef struct clmha__fused_tiles {
+    size_t bq;   // work-group size (a power of two within the device's limit)
+    size_t bk;   // keys per tile (0: not even one key fits in local memory)
+    size_t rpw;  // query rows per work-item (1 or 2); a work-group covers bq * rpw rows
+    size_t vw;   // vector width of the inner products: 1, 2, 4, 8 or 16, dividing bk and hd
+    bool q_local;    // query rows in local memory (coalesced loads and stores), not private
+    bool acc_local;  // accumulators in local memory too (the private budget is too small)
+} clmha__fused_tiles;
 
 enum { CLMHA__TILE_Q, CLMHA__TILE_K, CLMHA__TILE_V, CLMHA__TILE_OUT, CLMHA__TILE_COUNT };
 
@@ -40,10 +59,12 @@ struct clmha_layer {
     void *core_data;
 
     clmha_impl impl;            // the core for calls whose impl is CLMHA_IMPL_AUTO
-    cl_kernel fused;            // the fused core, built on first use (clmha__layer_fused())
+    bool ran_fused;             // the last forward call ran the fused core (for tests)
+
+    // The fused core's state (src/cores/fused.c), released with the layer.
+    cl_kernel fused;            // its kernel, built on first use (clmha__layer_fused())
     clmha__fused_tiles tiles_fused;  // its tiles
     clmha_status fused_failed;  // why the fused core cannot be built here (then not retried)
-    bool ran_fused;             // the last forward call ran the fused core (for tests)
 
     // Profiling: marks[0] before the first stage, marks[1 + s] after stage s (NULL when the
     // stage did not run in the last call).
@@ -57,25 +78,10 @@ CLMHA__HIDDEN clmha_status clmha__layer_mark(clmha_layer *layer, int slot);
 // Releases the recorded markers.
 CLMHA__HIDDEN void clmha__layer_marks_release(clmha_layer *layer);
 
-// Builds the fused attention kernel of @p layer on first use and picks its tile sizes.
-CLMHA__HIDDEN clmha_status clmha__layer_fused(clmha_layer *layer);
-
-// Whether the fused kernel, as built, stays within the device's loop limit
-// (clmha__quirks::loop_limit) on the call of @p dims: a conservative count of the loop
-// iterations one work-item runs, every loop counted as if the compiler kept it, must stay below
-// half the limit. Always true on devices without that limit.
-CLMHA__HIDDEN bool clmha__fused_loops_fit(const clmha_layer *layer, const clmha__dims *dims,
-                                          bool dropout);
-
-// Test hook: pretends that the device has the loop limit @p limit (0: the device's own).
-CLMHA__HIDDEN void clmha__test_set_loop_limit(size_t limit);
-
-// Rebuilds the fused attention kernel of @p layer with tiles @p t (the tuner's candidates):
-// bk is halved until the tile fits in local memory and vw until it divides head_dim and bk.
-// @p used receives the tiles built (may be NULL).
-CLMHA__HIDDEN clmha_status clmha__layer_set_fused_tiles(clmha_layer *layer,
-                                                        const clmha__fused_tiles *t,
-                                                        clmha__fused_tiles *used);
+// A new zero-filled buffer of @p count floats on the device of @p ctx (@p what names it in the
+// message when it does not fit in one allocation or cannot be made).
+CLMHA__HIDDEN clmha_status clmha__zero_buffer(clmha_context *ctx, size_t count, const char *what,
+                                              cl_mem *out);
 
 // How the unfused core walks the scores, N*H*L rows of S' floats (row r is query r % L of plane
 // r / L, plane = batch·head): in chunks of at most `rows` consecutive rows, so that the scores

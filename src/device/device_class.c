@@ -1,10 +1,10 @@
 // Device classes: the per-device-class defaults of clmha's own kernels, in one table.
-#include "internal.h"
+#include "device/device_class.h"
 
 #include <string.h>
 
 // First matching row wins; the last rows catch every CPU, every GPU and anything else. Columns:
-// clmha__device_class (src/internal.h); VW 0 = the device's native float width.
+// clmha__device_class (device_class.h); VW 0 = the device's native float width.
 //
 // CPU rows were measured on PoCL (AVX-512, N=1, H=8, L=S=2048, D=64): work-groups of 64 with
 // 32 keys per tile beat 16/32/128 and 16/64 keys, two rows per work-item gained ~20%, and
@@ -43,7 +43,7 @@ static const clmha__device_class classes[] = {
 
 enum { CLASS_COUNT = sizeof classes / sizeof classes[0] };
 
-// Test hook: the row every lookup returns (NULL: detect). See internal.h.
+// Test hook: the row every lookup returns (NULL: detect). See device_class.h.
 static _Atomic(const clmha__device_class *) forced = NULL;
 
 bool clmha__test_force_device_class(const char *name) {

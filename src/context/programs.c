@@ -1,0 +1,171 @@
+// Kernel programs: built from the sources embedded at build time (cl/*.cl, cl/cores/*.cl),
+// cached per context by family and build options (programs.h).
+#include "context/programs.h"
+
+#include "context/context.h"
+#include "device/held.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern const char clmha__cl_heads[];
+extern const size_t clmha__cl_heads_size;
+extern const char clmha__cl_unfused[];
+extern const size_t clmha__cl_unfused_size;
+extern const char clmha__cl_fused[];
+extern const size_t clmha__cl_fused_size;
+extern const char clmha__cl_common[];
+extern const size_t clmha__cl_common_size;
+
+// A compiled program, cached by kernel family and build options.
+typedef struct program {
+    char *key;  // "family|options"
+    cl_program program;
+    struct program *next;
+} program;
+
+struct clmha__programs {
+    pthread_mutex_t lock;  // guards list
+    program *list;
+};
+
+clmha__programs *clmha__programs_create(void) {
+    clmha__programs *cache = calloc(1, sizeof *cache);
+    if (cache) pthread_mutex_init(&cache->lock, NULL);
+    return cache;
+}
+
+void clmha__programs_release(clmha__programs *cache) {
+    if (!cache) return;
+    program *p = cache->list;
+    while (p) {
+        program *next = p->next;
+        clmha__release_program(p->program);
+        free(p->key);
+        free(p);
+        p = next;
+    }
+    pthread_mutex_destroy(&cache->lock);
+    free(cache);
+}
+
+// Looks @p key up in @p cache.
+static cl_program find(clmha__programs *cache, const char *key) {
+    cl_program found = NULL;
+    pthread_mutex_lock(&cache->lock);
+    for (program *p = cache->list; p && !found; p = p->next)
+        if (strcmp(p->key, key) == 0) found = p->program;
+    pthread_mutex_unlock(&cache->lock);
+    return found;
+}
+
+// Test hook: extra build options appended to every program build (see programs.h).
+static _Atomic(const char *) extra_options = NULL;
+
+void clmha__test_set_extra_build_options(const char *options) { extra_options = options; }
+
+// The sources of a kernel family: cl/common.cl in front of the attention cores' kernels; @p path
+// receives the file of the family's own kernels. Returns the number of strings (0 for an
+// unknown family).
+static cl_uint family_sources(const char *family, const char *src[2], size_t size[2],
+                              const char **path) {
+    if (strcmp(family, "heads") == 0) {
+        src[0] = clmha__cl_heads, size[0] = clmha__cl_heads_size;
+        *path = "cl/heads.cl";
+        return 1;
+    }
+    src[0] = clmha__cl_common, size[0] = clmha__cl_common_size;
+    if (strcmp(family, "unfused") == 0) {
+        src[1] = clmha__cl_unfused, size[1] = clmha__cl_unfused_size;
+        *path = "cl/cores/unfused.cl";
+        return 2;
+    }
+    if (strcmp(family, "fused") == 0) {
+        src[1] = clmha__cl_fused, size[1] = clmha__cl_fused_size;
+        *path = "cl/cores/fused.cl";
+        return 2;
+    }
+    return 0;
+}
+
+// Builds one program; on a build failure the message carries the build log.
+static clmha_status build(clmha_context *ctx, const char *family, const char *options,
+                          cl_program *out) {
+    const char *src[2];
+    size_t size[2];
+    const char *path = NULL;
+    cl_uint count = family_sources(family, src, size, &path);
+    if (!count)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "unknown kernel family %s", family);
+    cl_int err;
+    cl_program prog = clCreateProgramWithSource(ctx->cl_ctx, count, src, size, &err);
+    clmha__held_new(CLMHA__HELD_PROGRAM, prog);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateProgramWithSource");
+    const char *extra = extra_options;
+    char all_options[512];
+    snprintf(all_options, sizeof all_options, "%s%s%s", options, extra ? " " : "",
+             extra ? extra : "");
+    clmha__count(ctx, 1, 0);
+    err = clBuildProgram(prog, 1, &ctx->device, all_options, NULL, NULL);
+    if (err != CL_SUCCESS) {
+        char log[CLMHA__ERROR_SIZE - 200] = "";
+        clGetProgramBuildInfo(prog, ctx->device, CL_PROGRAM_BUILD_LOG, sizeof log - 1, log, NULL);
+        clmha__release_program(prog);
+        return clmha__fail(ctx, err == CL_BUILD_PROGRAM_FAILURE ? CLMHA_BUILD_FAILED
+                                                                : CLMHA_OPENCL_ERROR,
+                           "building %s with options \"%s\" failed (%s):\n%s", path,
+                           all_options, clmha__cl_error_name(err), log);
+    }
+    *out = prog;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__program_get(clmha_context *ctx, const char *family, const char *options,
+                                cl_program *out) {
+    clmha__programs *cache = ctx->programs;
+    size_t key_len = strlen(family) + strlen(options) + 2;
+    char *key = malloc(key_len);
+    if (!key) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    snprintf(key, key_len, "%s|%s", family, options);
+
+    // The lock is not held while building: two threads may build the same program at once,
+    // and the second to finish keeps the first one's.
+    cl_program found = find(cache, key);
+    if (found) {
+        *out = found;
+        free(key);
+        return CLMHA_SUCCESS;
+    }
+    cl_program prog = NULL;
+    clmha_status st = build(ctx, family, options, &prog);
+    if (st) {
+        free(key);
+        return st;
+    }
+    program *entry = malloc(sizeof *entry);
+    if (!entry) {
+        clmha__release_program(prog);
+        free(key);
+        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    }
+    entry->key = key;
+    entry->program = prog;
+    pthread_mutex_lock(&cache->lock);
+    for (program *p = cache->list; p; p = p->next) {
+        if (strcmp(p->key, key) == 0) {  // another thread built it meanwhile
+            *out = p->program;
+            pthread_mutex_unlock(&cache->lock);
+            clmha__release_program(prog);
+            free(key);
+            free(entry);
+            return CLMHA_SUCCESS;
+        }
+    }
+    entry->next = cache->list;
+    cache->list = entry;
+    pthread_mutex_unlock(&cache->lock);
+    *out = prog;
+    return CLMHA_SUCCESS;
+}

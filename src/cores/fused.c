@@ -1,0 +1,256 @@
+// The fused attention core: scores, masks, softmax, dropout and weights·V in one kernel
+// (cl/cores/fused.cl) that streams tiles of keys through local memory and never stores the
+// scores. Everything of it is here: its tiles (the device class's defaults or a stored
+// tuning, fitted to the device), the build that refits them to what the built kernel allows,
+// the loop budget of drivers that end long loops, the rebuild the tuner asks for, and the
+// launch. It returns no weights: calls that ask for them run the unfused core.
+#include "cores/fused.h"
+
+#include "cores/core.h"
+#include "cores/kernel_args.h"
+#include "device/held.h"
+#include "tuning.h"
+
+#include <math.h>
+#include <stdio.h>
+
+typedef clmha__arg arg;
+#define ARG CLMHA__ARG
+#define MASK_ARGS CLMHA__MASK_ARGS
+
+// ---- tiles --------------------------------------------------------------------------------------
+
+size_t clmha__fused_default_vw(const clmha_context *ctx) {
+    if (ctx->cls->vw) return ctx->cls->vw;
+    // The native width, not the preferred one: Intel's oneAPI CPU runtime prefers 1 but is
+    // native 16 (5.5x faster with 16); PoCL on AVX-512 reports 16 for both.
+    cl_uint native = 1;
+    clGetDeviceInfo(ctx->device, CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT, sizeof native, &native,
+                    NULL);
+    return native ? native : 1;
+}
+
+clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
+    // The device class's defaults (src/device/device_class.c), unless a stored tuning has its own.
+    const clmha__device_class *cls = ctx->cls;
+    size_t pref_tiles[CLMHA__FUSED_PARAMS] = {0};  // BQ, BK, RPW, VW of a stored tuning
+    clmha__tuning_fused(ctx->device, pref_tiles);
+    clmha__fused_tiles t = {.bq = pref_tiles[0] ? pref_tiles[0] : cls->bq,
+                            .bk = pref_tiles[1] ? pref_tiles[1] : cls->bk,
+                            .rpw = pref_tiles[2] ? pref_tiles[2] : cls->rpw,
+                            .vw = pref_tiles[3] ? pref_tiles[3] : clmha__fused_default_vw(ctx)};
+    clmha__fused_tiles_fit(ctx, hd, &t);
+    return t;
+}
+
+void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd, clmha__fused_tiles *t) {
+    clmha__fused_tiles_fit_limits(ctx->cls, clmha__local_mem(ctx), ctx->max_work_group, hd, t);
+    if (ctx->quirks.no_vload) t->vw = 1;  // Clover aborts on vloadN (tools/driver-bugs)
+}
+
+void clmha__fused_tiles_fit_limits(const clmha__device_class *cls, cl_ulong local_mem,
+                                   size_t max_wg, size_t hd, clmha__fused_tiles *t) {
+    // Leave room for what the compiler adds to local memory.
+    cl_ulong local = local_mem > 1024 ? (local_mem - 1024) / sizeof(float) : 0;  // floats
+    size_t bq = 1;
+    while (bq * 2 <= t->bq && bq * 2 <= max_wg) bq *= 2;
+    t->bq = bq;
+    if (!t->rpw) t->rpw = 1;
+    t->q_local = cls->coalesced;
+    t->acc_local = false;
+    // Private arrays within the class's budget, so that they stay in registers: one row per
+    // work-item, then fewer keys per tile (down to 8), then the query rows in local memory,
+    // then the accumulators too.
+    while (clmha__fused_private_floats(t, hd) > cls->private_floats) {
+        if (t->rpw > 1) --t->rpw;
+        else if (t->bk > 8) t->bk /= 2;
+        else if (!t->q_local) t->q_local = true;
+        else if (!t->acc_local) t->acc_local = true;
+        else if (t->bk > 1) t->bk /= 2;
+        else break;
+    }
+    // Local memory: fewer keys per tile (down to 8), then smaller work-groups where query rows
+    // live in local memory (down to 32), then anything that helps; bk 0 when nothing fits.
+    while (t->bk > 0 && clmha__fused_local_floats(t, hd) > local) {
+        bool rows_local = t->q_local || t->acc_local;
+        if (t->bk > 8) t->bk /= 2;
+        else if (rows_local && t->bq > 32) t->bq /= 2;
+        else if (t->bk > 1) t->bk /= 2;
+        else if (rows_local && t->bq > 1) t->bq /= 2;
+        else t->bk = 0;
+    }
+    size_t want = t->vw;
+    t->vw = 16;
+    while (t->vw > 1 && (t->vw > want || hd % t->vw || (t->bk && t->bk % t->vw))) t->vw /= 2;
+}
+
+// ---- build --------------------------------------------------------------------------------------
+
+static clmha_status make_kernel(clmha_context *ctx, cl_program prog, cl_kernel *out) {
+    cl_int err;
+    *out = clCreateKernel(prog, "fused_attention", &err);
+    clmha__held_new(CLMHA__HELD_KERNEL, *out);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");
+    return CLMHA_SUCCESS;
+}
+
+// Builds the fused kernel with tiles @p t, then asks the kernel what it allows: while its
+// work-group limit (CL_KERNEL_WORK_GROUP_SIZE) is below bq, or the local memory it uses
+// (CL_KERNEL_LOCAL_MEM_SIZE) exceeds the device's, rebuilds with half the work-items (bq); or
+// with half the keys per tile (bk), down to 8 while rows live in local memory (q_local,
+// acc_local), then half the work-items, whose rows that local memory holds. Drivers may report
+// a smaller limit for a kernel than for the device (rusticl: 32 for this kernel at bq 64), and
+// more local memory than the tiles need (rusticl: twice PoCL's count for the same kernel); a
+// launch past either is undefined.
+static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
+    clmha_context *ctx = l->ctx;
+    for (;;) {
+        if (!t.bk || !t.bq) {
+            clmha__fused_tiles one = t;
+            one.bk = one.bq = 1;
+            return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                               "the fused core needs %zu bytes of local memory for one key at "
+                               "head_dim %zu and a work-group of one work-item; the device has "
+                               "%llu (use CLMHA_IMPL_UNFUSED)",
+                               clmha__fused_local_floats(&one, l->d) * sizeof(float), l->d,
+                               (unsigned long long)clmha__local_mem(ctx));
+        }
+        char options[128];
+        snprintf(options, sizeof options,
+                 "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu -DQ_LOCAL=%d -DACC_LOCAL=%d",
+                 l->d, t.bq, t.bk, t.rpw, t.vw, (int)t.q_local, (int)t.acc_local);
+        cl_program prog;
+        cl_kernel k = NULL;
+        clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
+        if (st || (st = make_kernel(ctx, prog, &k))) return st;
+        size_t wg;
+        cl_ulong local;
+        if ((st = clmha__kernel_limits(ctx, k, &wg, &local))) {
+            clmha__release_kernel(k);
+            return st;
+        }
+        if (t.bq <= wg && local <= clmha__local_mem(ctx)) {
+            l->fused = k;
+            l->tiles_fused = t;
+            return CLMHA_SUCCESS;
+        }
+        clmha__release_kernel(k);
+        if (t.bq > wg) {
+            while (t.bq > wg) t.bq /= 2;
+        } else if (t.bk > 8 || t.bq == 1 || !(t.q_local || t.acc_local)) {
+            t.bk /= 2;
+            while (t.vw > 1 && t.bk % t.vw) t.vw /= 2;
+        } else {
+            t.bq /= 2;  // the query rows or accumulators in local memory scale with bq
+        }
+    }
+}
+
+clmha_status clmha__layer_fused(clmha_layer *l) {
+    if (l->fused) return CLMHA_SUCCESS;
+    if (l->fused_failed)
+        return clmha__fail(l->ctx, l->fused_failed,
+                           "the fused core could not be built for this layer (head_dim %zu) on "
+                           "this device: %s (use CLMHA_IMPL_UNFUSED)",
+                           l->d, clmha_status_string(l->fused_failed));
+    clmha_status st = build_fused(l, clmha__fused_tiles_for(l->ctx, l->d));
+    // A device that cannot build or hold the kernel will not later; an out-of-memory may pass.
+    if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) l->fused_failed = st;
+    return st;
+}
+
+static size_t test_loop_limit;
+
+void clmha__test_set_loop_limit(size_t limit) { test_loop_limit = limit; }
+
+// The loop iterations a loop of @p n iterations whose body runs loops of @p body iterations
+// costs gallivm's limiter: n + 1 checks of the condition (measured: clover's count matches
+// this within a few percent) plus the body's.
+static double loop_cost(double n, double body) { return n + 1 + n * body; }
+
+bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dropout) {
+    size_t limit = test_loop_limit ? test_loop_limit : l->ctx->quirks.loop_limit;
+    if (!limit) return true;
+    // Every loop of cl/cores/fused.cl for one work-item, as if the compiler kept them all (clover
+    // does; rusticl unrolls some, and its count is lower).
+    const clmha__fused_tiles *t = &l->tiles_fused;
+    double hd = (double)l->d, bq = (double)t->bq, bk = (double)t->bk, rpw = (double)t->rpw,
+           vw = (double)t->vw;
+    double rows = loop_cost(rpw, 0);
+    double load = loop_cost(ceil(bk * hd / bq), 0);
+    // The scores: VW keys at a time over head_dim, or (query rows in local memory, Q_LOCAL)
+    // head_dim outermost over VW keys at a time.
+    double scores = t->q_local
+                        ? loop_cost(rpw, loop_cost(bk, 0)) +
+                              loop_cost(hd, rows + loop_cost(bk / vw, rows))
+                        : loop_cost(bk / vw, rows + loop_cost(hd, rows) + rows);
+    double row = loop_cost(bk, 0) + 2 * loop_cost(bk / vw, 0) + 2 * loop_cost(vw, 0) +
+                 loop_cost(hd, 0) + (dropout ? loop_cost(bk, loop_cost(10, 0)) : 0);  // Philox
+    double av = loop_cost(hd / vw, rows + loop_cost(bk, rows) + rows);
+    double per_tile = load + scores + loop_cost(rpw, row) + av;
+    double tiles = ceil((double)d->s_padded / bk);
+    double total = loop_cost(tiles, per_tile) + rows + 2 * loop_cost(rpw, loop_cost(hd, 0));
+    if (t->q_local || t->acc_local)  // loading the query rows, storing the output rows
+        total += 2 * loop_cost(ceil(rpw * hd), 0);
+    // Half the limit: room for loops a compiler adds.
+    return total <= (double)limit / 2;
+}
+
+clmha_status clmha__layer_set_fused_tiles(clmha_layer *l, const clmha__fused_tiles *t,
+                                          clmha__fused_tiles *used) {
+    clmha__fused_tiles u = *t;
+    clmha__fused_tiles_fit(l->ctx, l->d, &u);
+    clmha__release_kernel(l->fused);
+    l->fused = NULL;
+    l->fused_failed = CLMHA_SUCCESS;
+    clmha_status st = build_fused(l, u);
+    if (used) *used = st ? u : l->tiles_fused;
+    return st;
+}
+
+// ---- the core -----------------------------------------------------------------------------------
+
+// The fused core runs a call without a user core that asks for it (CLMHA_IMPL_FUSED) or leaves
+// the choice (CLMHA_IMPL_AUTO) and needs no weights, once its kernel is built. CLMHA_IMPL_AUTO:
+// a device that cannot build or launch the fused kernel gets the unfused core; an explicit
+// CLMHA_IMPL_FUSED gets the error. A driver whose loops end early (clmha__quirks::loop_limit)
+// would give a wrong answer from the fused core past its loop budget: the unfused core
+// computes the same result.
+static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool *yes) {
+    const clmha_forward_args *a = call->args;
+    clmha_impl impl = clmha__impl_of(l, a);
+    *yes = false;
+    if (l->core || !(impl == CLMHA_IMPL_FUSED || (impl == CLMHA_IMPL_AUTO && !a->need_weights)))
+        return CLMHA_SUCCESS;
+    clmha_status st = clmha__layer_fused(l);
+    if (st) return impl == CLMHA_IMPL_FUSED ? st : CLMHA_SUCCESS;
+    *yes = clmha__fused_loops_fit(l, call->dims, a->training && l->desc.dropout > 0.0f);
+    return CLMHA_SUCCESS;
+}
+
+// 3-5 fused: scores, masks, softmax, dropout and weights·V in one kernel that streams tiles
+// of keys through local memory (cl/cores/fused.cl); the scores are never stored. One work-group per
+// (tile of bq·rpw query rows, batch·head).
+static clmha_status run(clmha_layer *l, const clmha__core_call *call) {
+    const clmha_forward_args *a = call->args;
+    const clmha__dims *d = call->dims;
+    clmha_context *ctx = l->ctx;
+    cl_ulong tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
+    float scale = (float)(1.0 / sqrt((double)l->d));
+    clmha__mask_args m = clmha__masks_of(l, a, d);
+    arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(l->tiles[CLMHA__TILE_K]),
+                  ARG(l->tiles[CLMHA__TILE_V]), ARG(l->tiles[CLMHA__TILE_OUT]),
+                  ARG(tgt), ARG(heads), ARG(src), ARG(srcp), ARG(scale), MASK_ARGS(m)};
+    clmha_status st = clmha__set_args(ctx, l->fused, "fused_attention", args,
+                                      sizeof args / sizeof args[0]);
+    if (st) return st;
+    size_t bq = l->tiles_fused.bq, rows = bq * l->tiles_fused.rpw;
+    size_t global[2] = {(d->l + rows - 1) / rows * bq, d->n * l->h}, local[2] = {bq, 1};
+    cl_int err = clEnqueueNDRangeKernel(ctx->queue, l->fused, 2, NULL, global, local, 0, NULL,
+                                        NULL);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");
+    return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
+}
+
+const clmha__core clmha__core_fused = {
+    .name = "fused", .supports = supports, .uses_scores = false, .run = run};

@@ -1,0 +1,80 @@
+// The fused attention core (src/cores/fused.c, kernel cl/cores/fused.cl): what the tuner, the
+// bake step and the tests use of it besides the core interface (core.h). Its tiles,
+// clmha__fused_tiles, are defined in src/layer/layer.h, which keeps them per layer.
+#ifndef CLMHA_CORES_FUSED_H
+#define CLMHA_CORES_FUSED_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "clmha.h"
+
+#include "base/defs.h"
+#include "context/context.h"
+#include "device/device_class.h"
+#include "layer/layer.h"
+#include "layer/shape.h"
+
+// The fused kernel's private floats per work-item for tiles @p t and head dim @p hd: per row,
+// the tile's scores (bk) plus the scaled query and the accumulator where they are private.
+static inline size_t clmha__fused_private_floats(const clmha__fused_tiles *t, size_t hd) {
+    return t->rpw * (t->bk + (t->q_local ? 0 : hd) + (t->acc_local ? 0 : hd));
+}
+
+// The fused kernel's local memory in floats (cl/cores/fused.cl): the key tile hd x bk (row
+// stride bk|1 with q_local), the value tile bk x hd, and the query rows and accumulators
+// bq*rpw x (hd|1) each where they are local.
+static inline size_t clmha__fused_local_floats(const clmha__fused_tiles *t, size_t hd) {
+    size_t rows = t->bq * t->rpw * (hd | 1);
+    return hd * (t->q_local ? t->bk | 1 : t->bk) + t->bk * hd + (t->q_local ? rows : 0) +
+           (t->acc_local ? rows : 0);
+}
+
+// Tiles of the fused attention kernel for head dim @p hd on the device of @p ctx: the context's
+// preferred ones (a stored tuning) or its device class's defaults, fitted by
+// clmha__fused_tiles_fit().
+CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd);
+
+// The fused kernel's default vector width on the device of @p ctx: the class table's, or
+// (CPUs) the device's native float width.
+CLMHA__HIDDEN size_t clmha__fused_default_vw(const clmha_context *ctx);
+
+// Makes tiles @p t usable for head dim @p hd on the device of @p ctx:
+// clmha__fused_tiles_fit_limits() with its class, local memory and work-group limit; vw 1
+// where vloadN is unsafe (clmha__quirks).
+CLMHA__HIDDEN void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd,
+                                          clmha__fused_tiles *t);
+
+// Makes tiles @p t usable for head dim @p hd under class @p cls with @p local_mem bytes of
+// local memory and work-groups of at most @p max_wg: bq the largest power of two within both;
+// q_local from the class; then, while the private arrays exceed the class's budget
+// (clmha__fused_private_floats()), one row per work-item, bk halved down to 8, the query rows
+// and then the accumulators moved to local memory; then, while the local memory
+// (clmha__fused_local_floats()) exceeds the device's less 1 KiB, bk halved down to 8, bq down to
+// 32, then either further (bk 0: nothing fits); last, vw narrowed (a power of two up to 16, at
+// most the given vw) until it divides hd and bk.
+CLMHA__HIDDEN void clmha__fused_tiles_fit_limits(const clmha__device_class *cls,
+                                                 cl_ulong local_mem, size_t max_wg, size_t hd,
+                                                 clmha__fused_tiles *t);
+
+// Builds the fused attention kernel of @p layer on first use and picks its tile sizes.
+CLMHA__HIDDEN clmha_status clmha__layer_fused(clmha_layer *layer);
+
+// Whether the fused kernel, as built, stays within the device's loop limit
+// (clmha__quirks::loop_limit) on the call of @p dims: a conservative count of the loop
+// iterations one work-item runs, every loop counted as if the compiler kept it, must stay below
+// half the limit. Always true on devices without that limit.
+CLMHA__HIDDEN bool clmha__fused_loops_fit(const clmha_layer *layer, const clmha__dims *dims,
+                                          bool dropout);
+
+// Test hook: pretends that the device has the loop limit @p limit (0: the device's own).
+CLMHA__HIDDEN void clmha__test_set_loop_limit(size_t limit);
+
+// Rebuilds the fused attention kernel of @p layer with tiles @p t (the tuner's candidates):
+// bk is halved until the tile fits in local memory and vw until it divides head_dim and bk.
+// @p used receives the tiles built (may be NULL).
+CLMHA__HIDDEN clmha_status clmha__layer_set_fused_tiles(clmha_layer *layer,
+                                                        const clmha__fused_tiles *t,
+                                                        clmha__fused_tiles *used);
+
+#endif

@@ -1,0 +1,45 @@
+// Kernel arguments and launches shared by the attention cores and the forward pass
+// (kernel_args.h).
+#include "cores/kernel_args.h"
+
+#include "base/philox.h"
+
+clmha_status clmha__set_args(clmha_context *ctx, cl_kernel k, const char *name,
+                             const clmha__arg *args, cl_uint nargs) {
+    for (cl_uint i = 0; i < nargs; ++i) {
+        cl_int err = clSetKernelArg(k, i, args[i].size, args[i].value);
+        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    }
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__launch(clmha_context *ctx, cl_kernel k, const char *name, size_t total,
+                           size_t wg, const clmha__arg *args, cl_uint nargs) {
+    clmha_status st = clmha__set_args(ctx, k, name, args, nargs);
+    if (st) return st;
+    size_t global = (total + wg - 1) / wg * wg;
+    cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 1, NULL, &global, &wg, 0, NULL, NULL);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    return CLMHA_SUCCESS;
+}
+
+clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args *a,
+                                 const clmha__dims *d) {
+    float p = l->desc.dropout;
+    bool dropout_on = a->training && p > 0.0f;
+    return (clmha__mask_args){
+        .attn = d->attn_kind ? a->attn_mask.tensor.buffer : l->ctx->dummy,
+        .attn_off = d->attn_kind ? a->attn_mask.tensor.offset : 0,
+        .attn_kind = d->attn_kind,
+        .attn_layout = d->attn_layout,
+        .kpm = d->kpm_kind ? a->key_padding_mask.tensor.buffer : l->ctx->dummy,
+        .kpm_off = d->kpm_kind ? a->key_padding_mask.tensor.offset : 0,
+        .kpm_kind = d->kpm_kind,
+        .causal = a->is_causal,
+        .dropout_on = dropout_on,
+        .threshold = clmha__dropout_threshold(p),
+        .keep_scale = dropout_on ? (float)(1.0 / (1.0 - (double)p)) : 1.0f,
+        .seed_lo = (cl_uint)a->rng.seed,
+        .seed_hi = (cl_uint)(a->rng.seed >> 32) ^ (cl_uint)(a->rng.offset >> 32),
+        .off_lo = (cl_uint)a->rng.offset};
+}

@@ -1,0 +1,53 @@
+// Kernel arguments and launches shared by the attention cores and the forward pass: argument
+// lists, 1-D launches, and the mask and dropout arguments that cl/cores/unfused.cl's
+// masked_softmax and cl/cores/fused.cl's fused_attention take in the same order.
+#ifndef CLMHA_CORES_KERNEL_ARGS_H
+#define CLMHA_CORES_KERNEL_ARGS_H
+
+#include "clmha.h"
+
+#include "base/defs.h"
+#include "layer/layer.h"
+
+// One kernel argument: its size and a pointer to its value.
+typedef struct clmha__arg {
+    size_t size;
+    const void *value;
+} clmha__arg;
+
+#define CLMHA__ARG(x) ((clmha__arg){sizeof(x), &(x)})
+
+// Sets the arguments of @p k (@p name names the kernel in the message).
+CLMHA__HIDDEN clmha_status clmha__set_args(clmha_context *ctx, cl_kernel k, const char *name,
+                                           const clmha__arg *args, cl_uint nargs);
+
+// Sets the arguments of @p k and enqueues it over @p total work-items in groups of @p wg.
+CLMHA__HIDDEN clmha_status clmha__launch(clmha_context *ctx, cl_kernel k, const char *name,
+                                         size_t total, size_t wg, const clmha__arg *args,
+                                         cl_uint nargs);
+
+// The mask and dropout arguments of masked_softmax and fused_attention, in their order.
+typedef struct clmha__mask_args {
+    cl_mem attn;
+    cl_ulong attn_off;
+    cl_uint attn_kind, attn_layout;
+    cl_mem kpm;
+    cl_ulong kpm_off;
+    cl_uint kpm_kind, causal, dropout_on, threshold;
+    float keep_scale;
+    cl_uint seed_lo, seed_hi, off_lo;
+} clmha__mask_args;
+
+// The mask and dropout arguments of the call @p a, resolved as @p d, on @p l.
+CLMHA__HIDDEN clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args *a,
+                                               const clmha__dims *d);
+
+// The fields of a clmha__mask_args as kernel arguments, in order.
+#define CLMHA__MASK_ARGS(m)                                                                   \
+    CLMHA__ARG((m).attn), CLMHA__ARG((m).attn_off), CLMHA__ARG((m).attn_kind),                \
+        CLMHA__ARG((m).attn_layout), CLMHA__ARG((m).kpm), CLMHA__ARG((m).kpm_off),            \
+        CLMHA__ARG((m).kpm_kind), CLMHA__ARG((m).causal), CLMHA__ARG((m).dropout_on),         \
+        CLMHA__ARG((m).threshold), CLMHA__ARG((m).keep_scale), CLMHA__ARG((m).seed_lo),       \
+        CLMHA__ARG((m).seed_hi), CLMHA__ARG((m).off_lo)
+
+#endif

@@ -1,0 +1,177 @@
+// The unfused attention core: scores = Q·Kᵀ/√D (CLBlast GEMM), masks + softmax + dropout
+// (masked_softmax, cl/cores/unfused.cl), then weights·V (CLBlast GEMM); over all the scores at
+// once, or chunk by chunk when they do not fit in one buffer (clmha__scores_chunks()). The only
+// built-in core that returns attention weights, and the one every call can fall back on.
+#include "cores/core.h"
+
+#include "cores/kernel_args.h"
+
+#include <math.h>
+
+#include <clblast_c.h>
+
+typedef clmha__arg arg;
+#define ARG CLMHA__ARG
+#define MASK_ARGS CLMHA__MASK_ARGS
+
+// A chunk of the scores: rows [first, first + rows) of (N*H*L, S'), held by layer->scores from
+// its start (clmha__scores_chunks()).
+typedef struct chunk {
+    size_t first, rows;
+} chunk;
+
+static bool chunk_is_all(const clmha_layer *l, const clmha__dims *d, chunk c) {
+    return c.first == 0 && c.rows == d->n * l->h * d->l;
+}
+
+// 3. Scores = Q · Kᵀ / √D for the rows of @p c: all of them (N*H, L, S') in one strided batched
+//    GEMM; a chunk in one plain GEMM per plane it touches (CLBlast 1.5.3's batched GEMM ignores
+//    buffer offsets, its plain GEMM honours them).
+static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c) {
+    cl_command_queue q = l->ctx->queue;
+    size_t hd = l->d, sp = d->s_padded;
+    float scale = (float)(1.0 / sqrt((double)hd));
+    if (chunk_is_all(l, d, c)) {
+        int st = CLBlastSgemmStridedBatched(
+            CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, d->l, sp, hd, scale,
+            l->tiles[CLMHA__TILE_Q], 0, hd, d->l * hd, l->tiles[CLMHA__TILE_K], 0, hd, sp * hd,
+            0.0f, l->scores, 0, sp, d->l * sp, d->n * l->h, &q, NULL);
+        return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(QK^T)")
+                  : CLMHA_SUCCESS;
+    }
+    for (size_t r = c.first, end = c.first + c.rows; r < end;) {
+        size_t plane = r / d->l, rows = d->l - r % d->l;  // the rest of this plane
+        if (rows > end - r) rows = end - r;
+        // Query row r of the (N*H*L, D) tile; keys of the plane; the chunk's row r - first.
+        int st = CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes,
+                              rows, sp, hd, scale, l->tiles[CLMHA__TILE_Q], r * hd, hd,
+                              l->tiles[CLMHA__TILE_K], plane * sp * hd, hd, 0.0f, l->scores,
+                              (r - c.first) * sp, sp, &q, NULL);
+        if (st) return clmha__blas_fail(l->ctx, st, "CLBlastSgemm(QK^T chunk)");
+        r += rows;
+    }
+    return CLMHA_SUCCESS;
+}
+
+// 4. Masks, softmax and dropout in place on the scores of @p c, one work-group per row.
+static clmha_status softmax(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
+                            chunk c) {
+    cl_ulong rows = c.rows, first = c.first, tgt = d->l, heads = l->h, src = d->s,
+             srcp = d->s_padded;
+    clmha__mask_args m = clmha__masks_of(l, a, d);
+    arg args[] = {ARG(l->scores), ARG(rows), ARG(first), ARG(tgt), ARG(heads), ARG(src),
+                  ARG(srcp), MASK_ARGS(m)};
+    return clmha__launch(l->ctx, l->masked_softmax, "masked_softmax", rows * l->softmax_wg,
+                         l->softmax_wg, args, sizeof args / sizeof args[0]);
+}
+
+// 5. Attention output (N*H, L, D) = weights · V for the rows of @p c: all of them in one
+//    strided batched GEMM, a chunk in one plain GEMM per plane it touches.
+static clmha_status attend(clmha_layer *l, const clmha__dims *d, chunk c) {
+    cl_command_queue q = l->ctx->queue;
+    size_t hd = l->d, sp = d->s_padded;
+    if (chunk_is_all(l, d, c)) {
+        int st = CLBlastSgemmStridedBatched(
+            CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeNo, d->l, hd, sp, 1.0f,
+            l->scores, 0, sp, d->l * sp, l->tiles[CLMHA__TILE_V], 0, hd, sp * hd, 0.0f,
+            l->tiles[CLMHA__TILE_OUT], 0, hd, d->l * hd, d->n * l->h, &q, NULL);
+        return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(AV)")
+                  : CLMHA_SUCCESS;
+    }
+    for (size_t r = c.first, end = c.first + c.rows; r < end;) {
+        size_t plane = r / d->l, rows = d->l - r % d->l;
+        if (rows > end - r) rows = end - r;
+        int st = CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeNo,
+                              rows, hd, sp, 1.0f, l->scores, (r - c.first) * sp, sp,
+                              l->tiles[CLMHA__TILE_V], plane * sp * hd, hd, 0.0f,
+                              l->tiles[CLMHA__TILE_OUT], r * hd, hd, &q, NULL);
+        if (st) return clmha__blas_fail(l->ctx, st, "CLBlastSgemm(AV chunk)");
+        r += rows;
+    }
+    return CLMHA_SUCCESS;
+}
+
+// 8 for one chunk of the scores (stage 8 then has nothing left to do): per-head weights are
+// copied to their rows; averaged ones are summed over the heads of the chunk, added to the
+// running sums in layer->head_sums, and written to the rows of their batch item, divided by H,
+// with the item's last head (the chunks of a block of rows come in head order, and a chunk of
+// whole planes holds whole batch items or a divisor of H of one item's heads:
+// clmha__scores_chunks()). The caller's buffer is only written, never read.
+static clmha_status chunk_weights(clmha_layer *l, const clmha_forward_args *a,
+                                  const clmha__dims *d, chunk c, cl_mem w, size_t w_off) {
+    clmha_context *ctx = l->ctx;
+    size_t sp = d->s_padded, h = l->h, plane_rows = d->l;
+    if (a->per_head_weights) {
+        cl_int err = clEnqueueCopyBuffer(ctx->queue, l->scores, w, 0,
+                                         (w_off + c.first * sp) * sizeof(float),
+                                         c.rows * sp * sizeof(float), 0, NULL, NULL);
+        return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(weights chunk)")
+                   : CLMHA_SUCCESS;
+    }
+    size_t plane = c.first / plane_rows, i = c.first % plane_rows, item = plane / h,
+           head = plane % h;
+    // Whole planes: groups of H heads (whole batch items), or fewer heads of one item. Rows of
+    // one plane: one head.
+    size_t planes = c.rows >= plane_rows ? c.rows / plane_rows : 1;
+    size_t group = planes >= h ? h : planes;
+    cl_ulong off = w_off + (item * plane_rows + i) * sp, groups = planes / group,
+             heads = group, part = (c.rows >= plane_rows ? plane_rows : c.rows) * sp;
+    cl_uint first = head == 0, last = head + group == h;
+    float divisor = (float)h;
+    cl_mem sums = first && last ? ctx->dummy : l->head_sums;
+    arg args[] = {ARG(l->scores), ARG(sums),  ARG(w),    ARG(off),    ARG(groups), ARG(heads),
+                  ARG(part),      ARG(first), ARG(last), ARG(divisor)};
+    return clmha__launch(ctx, l->accumulate_heads, "accumulate_heads", groups * part,
+                         l->heads_wg, args, sizeof args / sizeof args[0]);
+}
+
+// The unfused core: stages 3 to 5 over all the scores at once, or chunk by chunk
+// when they do not fit in one buffer (clmha__scores_chunks()). Chunk by chunk, the weights are
+// written as each chunk is done, and the profiling marks see the three stages as one (scores).
+static clmha_status run(clmha_layer *l, const clmha__core_call *call) {
+    const clmha_forward_args *a = call->args;
+    const clmha__dims *d = call->dims;
+    cl_mem w = call->weights;
+    size_t w_off = call->weights_offset;
+    clmha_status st;
+    clmha__chunks plan;
+    if (!clmha__scores_chunks(l, d, &plan))  // clmha__layer_reserve() refused it already
+        return clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "scores: one row does not fit");
+    if (plan.count == 1) {
+        chunk all = {0, d->n * l->h * d->l};
+        if ((st = scores(l, d, all)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES)))
+            return st;
+        if ((st = softmax(l, a, d, all)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SOFTMAX)))
+            return st;
+        if ((st = attend(l, d, all)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_AV)))
+            return st;
+        return CLMHA_SUCCESS;
+    }
+    size_t total = d->n * l->h * d->l;
+    for (size_t k = 0; k < plan.count; ++k) {
+        chunk c;
+        if (plan.whole) {  // planes in order
+            c.first = k * plan.rows;
+            c.rows = total - c.first < plan.rows ? total - c.first : plan.rows;
+        } else {  // k = ((item * blocks) + block) * H + head
+            size_t blocks = (d->l + plan.rows - 1) / plan.rows, head = k % l->h;
+            size_t block = k / l->h % blocks, item = k / l->h / blocks;
+            size_t i = block * plan.rows;
+            c.first = ((item * l->h + head) * d->l + i);
+            c.rows = d->l - i < plan.rows ? d->l - i : plan.rows;
+        }
+        if ((st = scores(l, d, c)) || (st = softmax(l, a, d, c))) return st;
+        if (a->need_weights && (st = chunk_weights(l, a, d, c, w, w_off))) return st;
+        if ((st = attend(l, d, c))) return st;
+    }
+    return clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES);
+}
+
+static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool *yes) {
+    (void)l, (void)call;
+    *yes = true;
+    return CLMHA_SUCCESS;
+}
+
+const clmha__core clmha__core_unfused = {
+    .name = "unfused", .supports = supports, .uses_scores = true, .run = run};

@@ -1,0 +1,37 @@
+// The user's attention core (clmha_layer_set_attention()): an adapter from the core interface
+// to clmha_attention_fn. It gets the head tiles and enqueues its own work on the queue; with
+// weights asked for, it writes them into the layer's scores buffer (all of them: no chunks).
+#include "cores/core.h"
+
+#include <math.h>
+
+static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool *yes) {
+    (void)call;
+    *yes = l->core != NULL;
+    return CLMHA_SUCCESS;
+}
+
+static clmha_status run(clmha_layer *l, const clmha__core_call *call) {
+    const clmha_forward_args *a = call->args;
+    const clmha__dims *d = call->dims;
+    clmha_context *ctx = l->ctx;
+    cl_event done = NULL;
+    clmha_core_args ca = {
+        .queue = ctx->queue, .batch = d->n, .num_heads = l->h, .tgt_len = d->l,
+        .src_len = d->s, .src_len_padded = d->s_padded, .head_dim = l->d,
+        .scale = (float)(1.0 / sqrt((double)l->d)), .q = l->tiles[CLMHA__TILE_Q],
+        .k = l->tiles[CLMHA__TILE_K], .v = l->tiles[CLMHA__TILE_V],
+        .out = l->tiles[CLMHA__TILE_OUT], .weights = a->need_weights ? l->scores : NULL,
+        .key_padding_mask = &a->key_padding_mask, .attn_mask = &a->attn_mask,
+        .is_causal = a->is_causal, .training = a->training, .dropout = l->desc.dropout,
+        .rng = a->rng, .num_wait = 0, .wait_list = NULL, .event = &done};
+    clmha_status st = l->core(&ca, l->core_data);
+    if (done) clReleaseEvent(done);  // the in-order queue orders what follows after it
+    if (st)
+        return clmha__fail(ctx, CLMHA_CALLBACK_FAILED, "the user attention core returned %s",
+                           clmha_status_string(st));
+    return clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES);
+}
+
+const clmha__core clmha__core_user = {
+    .name = "user", .supports = supports, .uses_scores = true, .run = run};
