@@ -261,11 +261,65 @@ Test(concurrency, error_messages_from_two_threads_on_one_context, .timeout = 120
     clmha_context_release(ctx);
 }
 
+// Messages are per thread (clmha.h): a thread that failed on a context reads its own message
+// after another thread failed on the same context since, and a thread that never failed there
+// reads "".
+typedef struct own_failer {
+    clmha_layer *layer;
+    const char *name;  // the unknown parameter name this thread sets
+    pthread_barrier_t *step;
+    char seen[512];
+} own_failer;
+
+static void *own_failer_run(void *arg) {
+    own_failer *f = arg;
+    float x = 0.0f;
+    if (f->name) clmha_layer_set_parameter(f->layer, f->name, &x, 1);
+    pthread_barrier_wait(f->step);  // both have failed (or not)
+    pthread_barrier_wait(f->step);  // the other thread failed once more meanwhile
+    const clmha_context *ctx = clmha_layer_context(f->layer);
+    snprintf(f->seen, sizeof f->seen, "%s", clmha_context_last_error(ctx));
+    return NULL;
+}
+
+Test(concurrency, error_messages_are_the_calling_threads, .timeout = 600) {
+    clmha_context *ctx = NULL;
+    clmha_status st = clmha_context_create_from_env(&ctx);
+    if (st == CLMHA_DEVICE_NOT_FOUND) cr_skip_test("no OpenCL device");
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_last_create_error());
+    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer *layer = NULL;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    pthread_barrier_t step;
+    cr_assert_eq(pthread_barrier_init(&step, NULL, 3), 0);
+    own_failer f[2] = {{.layer = layer, .name = "first_threads_name", .step = &step},
+                       {.layer = layer, .name = NULL, .step = &step}};
+    pthread_t threads[2];
+    for (int t = 0; t < 2; ++t)
+        cr_assert_eq(pthread_create(&threads[t], NULL, own_failer_run, &f[t]), 0);
+    pthread_barrier_wait(&step);
+    float x = 0.0f;
+    cr_expect_eq(clmha_layer_set_parameter(layer, "main_threads_name", &x, 1),
+                 CLMHA_INVALID_ARGUMENT);
+    pthread_barrier_wait(&step);
+    for (int t = 0; t < 2; ++t) pthread_join(threads[t], NULL);
+    pthread_barrier_destroy(&step);
+    cr_expect(strstr(f[0].seen, "first_threads_name") != NULL, "thread 0 read \"%s\"",
+              f[0].seen);
+    cr_expect(f[1].seen[0] == '\0', "thread 1 never failed but read \"%s\"", f[1].seen);
+    cr_expect(strstr(clmha_context_last_error(ctx), "main_threads_name") != NULL, "%s",
+              clmha_context_last_error(ctx));
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+}
+
 #ifdef CLMHA_TEST_STANDALONE
 int main(void) {
     concurrency_four_threads_one_shared_context();
     concurrency_three_contexts_in_parallel_threads();
     concurrency_error_messages_from_two_threads_on_one_context();
+    concurrency_error_messages_are_the_calling_threads();
     printf("concurrency: %s\n", standalone_failures ? "FAIL" : "PASS");
     return standalone_failures ? 1 : 0;
 }

@@ -29,6 +29,7 @@ static _Atomic uint64_t next_id = 1;
 void clmha__error_slot_init(clmha__error_slot *slot) { slot->id = atomic_fetch_add(&next_id, 1); }
 
 static record *find(uint64_t id) {
+    if (!id) return NULL;  // not a slot's id: the id of free records
     for (int i = 0; i < RECORDS; ++i)
         if (records[i].id == id) return &records[i];
     return NULL;
