@@ -22,6 +22,7 @@ typedef struct clmha__core_call {
     const clmha__dims *dims;
     cl_mem weights;         // the caller's weights buffer (when args->need_weights)
     size_t weights_offset;  // in floats
+    bool weights_written;   // set by the core when it wrote the weights there itself
 } clmha__core_call;
 
 typedef struct clmha__core {
@@ -33,8 +34,9 @@ typedef struct clmha__core {
     // The core reads and writes layer->scores (clmha__layer_reserve()'s `scores`).
     bool uses_scores;
     // Enqueues the core's work on the context's queue, marking its profiling stages
-    // (clmha__layer_mark()).
-    clmha_status (*run)(clmha_layer *layer, const clmha__core_call *call);
+    // (clmha__layer_mark()). Weights asked for go to layer->scores, (N*H, L, S'), for the
+    // forward pass to return, or straight to call->weights (then call->weights_written).
+    clmha_status (*run)(clmha_layer *layer, clmha__core_call *call);
 } clmha__core;
 
 // The cores (src/cores/user.c, fused.c, unfused.c).

@@ -231,7 +231,7 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool 
 // 3-5 fused: scores, masks, softmax, dropout and weights·V in one kernel that streams tiles
 // of keys through local memory (cl/cores/fused.cl); the scores are never stored. One work-group per
 // (tile of bq·rpw query rows, batch·head).
-static clmha_status run(clmha_layer *l, const clmha__core_call *call) {
+static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha_forward_args *a = call->args;
     const clmha__dims *d = call->dims;
     clmha_context *ctx = l->ctx;

@@ -128,7 +128,7 @@ static clmha_status chunk_weights(clmha_layer *l, const clmha_forward_args *a,
 // The unfused core: stages 3 to 5 over all the scores at once, or chunk by chunk
 // when they do not fit in one buffer (clmha__scores_chunks()). Chunk by chunk, the weights are
 // written as each chunk is done, and the profiling marks see the three stages as one (scores).
-static clmha_status run(clmha_layer *l, const clmha__core_call *call) {
+static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha_forward_args *a = call->args;
     const clmha__dims *d = call->dims;
     cl_mem w = call->weights;
@@ -164,6 +164,7 @@ static clmha_status run(clmha_layer *l, const clmha__core_call *call) {
         if (a->need_weights && (st = chunk_weights(l, a, d, c, w, w_off))) return st;
         if ((st = attend(l, d, c))) return st;
     }
+    call->weights_written = a->need_weights;
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES);
 }
 

@@ -11,7 +11,7 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool 
     return CLMHA_SUCCESS;
 }
 
-static clmha_status run(clmha_layer *l, const clmha__core_call *call) {
+static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha_forward_args *a = call->args;
     const clmha__dims *d = call->dims;
     clmha_context *ctx = l->ctx;

@@ -244,13 +244,11 @@ static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out
                    e, l->desc.bias ? 1.0f : 0.0f, out, out_off, e);
 }
 
-// 8. Attention weights: the per-head scores as they are, or their mean over heads. (Already
-//    written when the unfused core worked in chunks.)
+// 8. Attention weights: the per-head scores as they are, or their mean over heads. (Not when
+//    the core wrote them itself: the unfused core working in chunks.)
 static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
                                 const clmha__dims *d, cl_mem w, size_t w_off) {
     clmha_context *ctx = l->ctx;
-    clmha__chunks plan;
-    if (!l->core && clmha__scores_chunks(l, d, &plan) && plan.count > 1) return CLMHA_SUCCESS;
     if (a->per_head_weights) {
         cl_int err = clEnqueueCopyBuffer(ctx->queue, l->scores, w, 0, w_off * sizeof(float),
                                          d->scores_count * sizeof(float), 0, NULL, NULL);
@@ -333,7 +331,7 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_OUT_PROJ)))
         return st;
     if (args->need_weights &&
-        ((st = weights_out(layer, args, &d, weights, weights_offset)) ||
+        ((!call.weights_written && (st = weights_out(layer, args, &d, weights, weights_offset))) ||
          (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_WEIGHTS))))
         return st;
     if (event && (err = clEnqueueMarkerWithWaitList(ctx->queue, 0, NULL, event)) != CL_SUCCESS)
