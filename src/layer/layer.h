@@ -38,7 +38,8 @@ struct clmha_layer {
     cl_mem b_out;    // out_proj.bias (E), or dummy
     cl_mem bias_kv;  // bias_k (E) then bias_v (E), or dummy
 
-    // Kernels (per layer: setting arguments is not thread-safe).
+    // Kernels (per layer: setting arguments is not thread-safe). masked_softmax is the unfused
+    // core's (cl/cores/unfused.cl), built with the layer: every call can fall back on that core.
     cl_kernel split_heads, merge_heads, fill_rows, average_heads, accumulate_heads,
         masked_softmax;
     size_t softmax_wg;  // masked_softmax's work-group (its -DWG), within the kernel's limit
@@ -55,7 +56,7 @@ struct clmha_layer {
     cl_mem head_sums;  // chunks: running head sums of averaged weights (clmha__chunks::sums)
     size_t proj_cap, tile_caps[CLMHA__TILE_COUNT], scores_cap, head_sums_cap;
 
-    clmha_attention_fn core;
+    clmha_attention_fn core;    // the user's core (src/cores/user.c), or NULL
     void *core_data;
 
     clmha_impl impl;            // the core for calls whose impl is CLMHA_IMPL_AUTO
