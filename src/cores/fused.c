@@ -31,7 +31,8 @@ size_t clmha__fused_default_vw(const clmha_context *ctx) {
 }
 
 clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
-    // The device class's defaults (src/device/device_class.c), unless a stored tuning has its own.
+    // The device class's defaults (src/device/device_class.c), unless a stored tuning has its
+    // own.
     const clmha__device_class *cls = ctx->cls;
     size_t pref_tiles[CLMHA__FUSED_PARAMS] = {0};  // BQ, BK, RPW, VW of a stored tuning
     clmha__tuning_fused(ctx->device, pref_tiles);
@@ -210,8 +211,9 @@ clmha_status clmha__layer_set_fused_tiles(clmha_layer *l, const clmha__fused_til
 
 // ---- the core -----------------------------------------------------------------------------------
 
-// The fused core runs a call without a user core that asks for it (CLMHA_IMPL_FUSED) or leaves
-// the choice (CLMHA_IMPL_AUTO) and needs no weights, once its kernel is built. CLMHA_IMPL_AUTO:
+// The fused core runs a call when the layer has no user core and the call asks for it
+// (CLMHA_IMPL_FUSED) or leaves the choice (CLMHA_IMPL_AUTO) without asking for weights, once its
+// kernel is built. CLMHA_IMPL_AUTO:
 // a device that cannot build or launch the fused kernel gets the unfused core; an explicit
 // CLMHA_IMPL_FUSED gets the error. A driver whose loops end early (clmha__quirks::loop_limit)
 // would give a wrong answer from the fused core past its loop budget: the unfused core
@@ -229,8 +231,8 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool 
 }
 
 // 3-5 fused: scores, masks, softmax, dropout and weights·V in one kernel that streams tiles
-// of keys through local memory (cl/cores/fused.cl); the scores are never stored. One work-group per
-// (tile of bq·rpw query rows, batch·head).
+// of keys through local memory (cl/cores/fused.cl); the scores are never stored. One work-group
+// per (tile of bq·rpw query rows, batch·head).
 static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha_forward_args *a = call->args;
     const clmha__dims *d = call->dims;

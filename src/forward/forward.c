@@ -92,7 +92,7 @@ static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
     return CLMHA_SUCCESS;
 }
 
-// ---- enqueue helpers -----------------------------------------------------------------------------
+// ---- enqueue helpers ----------------------------------------------------------------------------
 
 // Enqueues split_heads or merge_heads (@p k) over tiles of @p planes (batch·head) x @p seq rows
 // of head_dim floats, in the mapping its program was built with (cl/heads.cl, chosen by the
@@ -130,7 +130,7 @@ static clmha_status gemm_nt(clmha_context *ctx, const char *what, size_t m, size
     return s ? clmha__blas_fail(ctx, s, what) : CLMHA_SUCCESS;
 }
 
-// ---- the stages ------------------------------------------------------------------------------------
+// ---- the stages ---------------------------------------------------------------------------------
 
 // Region offsets (floats) inside the layer's scratch buffers for one call.
 typedef struct scratch {
@@ -260,7 +260,7 @@ static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
                          args, sizeof args / sizeof args[0]);
 }
 
-// ---- public entry points -------------------------------------------------------------------------
+// ---- public entry points ------------------------------------------------------------------------
 
 clmha_status clmha_layer_output_counts(clmha_layer *layer, const clmha_forward_args *args,
                                        size_t *output_count, size_t *weights_count) {
