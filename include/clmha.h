@@ -351,6 +351,11 @@ CLMHA_API const char *clmha_context_device_name(const clmha_context *ctx);
 
 /// Progress of clmha_context_tune(): @p fraction of the budget used (0 to 1) and a one-line
 /// message such as "12/40 candidates, best 85.3 GFLOP/s (Xgemm)". Called on the calling thread.
+/// When clmha_tune_options::trace is set it also receives trace lines, with @p fraction -1 (the
+/// bar does not move): each candidate's parameters and GFLOP/s or why it was rejected, the
+/// timings in turns, the leaders timed again, the chosen XGEMM_MIN_INDIRECT_SIZE and the final
+/// check, such as "[tune   42.0s] Xgemm Xgemm: GEMMK=0 ...: 61.2 80.4 GFLOP/s (6.1 s)". Their
+/// wording is for people and may change. Without trace, @p fraction is always 0 to 1.
 typedef void (*clmha_tune_progress_fn)(double fraction, const char *message, void *user_data);
 
 /// A layer shape to tune for: the GEMMs of one self-attention forward pass with batch N,
@@ -373,6 +378,9 @@ typedef struct clmha_tune_options {
     clmha_tune_progress_fn progress; ///< optional progress callback
     void *user_data;                 ///< passed to @ref progress
     bool no_store;                   ///< apply the result but do not write the tuning file
+    bool trace;                      ///< also send trace lines to @ref progress (fraction -1);
+                                     ///< the library itself never prints. Added after 0.1.0:
+                                     ///< zero-initialise the whole struct.
 } clmha_tune_options;
 
 /// What clmha_context_tune() found. GFLOP/s are medians of 5 timed calls, host clock around

@@ -495,6 +495,38 @@ Test(tuning, tune_with_no_time_for_a_candidate, .timeout = 600) {
     teardown(&f);
 }
 
+static int trace_lines, progress_lines;
+static void count_trace(double fraction, const char *message, void *user_data) {
+    (void)user_data;
+    cr_expect_not_null(message);
+    if (fraction == -1) {
+        cr_expect(strncmp(message, "[tune ", 6) == 0, "trace line '%s'", message);
+        ++trace_lines;
+    } else {
+        cr_expect(fraction >= 0 && fraction <= 1, "fraction %g", fraction);
+        ++progress_lines;
+    }
+}
+
+// With trace set the callback also gets trace lines (fraction -1): the timings before, the
+// split, the final check; the library prints nothing itself.
+Test(tuning, tune_trace_lines_go_to_the_callback, .timeout = 600) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    clmha_tune_shape shape = {2, 16, 32, 4};
+    clmha_tune_options o = {.budget_seconds = 0.01, .shapes = &shape, .num_shapes = 1,
+                            .progress = count_trace, .trace = true};
+    clmha_tune_report rep;
+    cr_assert_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    cr_expect_gt(trace_lines, 0);
+    cr_expect_gt(progress_lines, 0);
+    cr_expect(!rep.improved && !rep.stored);
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
 #endif  // CLMHA_TUNE_API
 
 // ---- fused attention tiles -------------------------------------------------------------------
