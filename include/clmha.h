@@ -418,10 +418,13 @@ typedef struct clmha_tune_report {
 /// `$CLMHA_TUNING_DIR/`, else `$XDG_CACHE_HOME/clmha/`, else `~/.cache/clmha/`, file
 /// `<platform>--<device>.json` where every run of characters other than A-Z a-z 0-9 . _ - in
 /// the platform and device names becomes one `_`. The file is written whole or not at all
-/// (temporary file, then rename) and names the platform, device and driver version: a
-/// context loads it only for that device and driver. Context creation loads the stored
-/// tuning of a device once per process (a missing, unreadable, corrupt or foreign file is
-/// ignored: see clmha_context_tuning_note()); `CLMHA_TUNING=off` in the environment skips it.
+/// (temporary file, then rename) and names the platform, device and driver version and the
+/// CLBlast version clmha was built with: a context loads it only for that device and driver,
+/// and its CLBlast parameters only with that CLBlast version (a file without the CLBlast
+/// version, written by an older clmha, counts as another version: tune again). Context creation loads the stored
+/// tuning of a device once per process (a missing, unreadable, corrupt or foreign file, or one
+/// for another CLBlast version, is ignored: see clmha_context_tuning_note());
+/// `CLMHA_TUNING=off` in the environment skips it.
 ///
 /// "Before" is what was in effect when the call started: a stored tuning if one was loaded
 /// (set `CLMHA_TUNING=off` before creating the context to compare with CLBlast's own
@@ -446,8 +449,9 @@ CLMHA_API clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_o
                                           clmha_tune_report *report);
 
 /// Writes the tuning in effect for the device of @p ctx as JSON (the tuning file's format):
-/// format, version, platform, device, driver, the parameters of each tuned kernel and what was
-/// measured. With @p json NULL and @p size 0 it only sets *needed (bytes, with the final NUL).
+/// format, version, platform, device, driver, CLBlast version ("clblast", e.g. "1.5.3"), the
+/// parameters of each tuned kernel and what was measured. With @p json NULL and @p size 0 it
+/// only sets *needed (bytes, with the final NUL).
 /// @param[in]  ctx     the context whose device's tuning is written
 /// @param[out] json    buffer of @p size bytes (may be NULL when @p size is 0)
 /// @param[in]  size    bytes @p json holds
@@ -466,7 +470,9 @@ CLMHA_API clmha_status clmha_context_tuning_export(const clmha_context *ctx, cha
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL), ::CLMHA_INVALID_FILE (not JSON, not
 ///         a clmha tuning, unknown version or kernel, missing or invalid parameter, parameters
 ///         that break CLBlast's constraints or the device's limits), ::CLMHA_UNSUPPORTED (a
-///         tuning for another platform, device or driver version), ::CLMHA_BLAS_ERROR
+///         tuning for another platform, device or driver version; or one with CLBlast kernels
+///         whose "clblast" version is not the one clmha was built with, or is missing),
+///         ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_context_tuning_import(clmha_context *ctx, const char *json);
 
 /// One line saying which GEMM tuning is in effect for the device of @p ctx and why: "stored

@@ -26,7 +26,7 @@
 
 // The CLBlast version clmha was compiled against, "1.5.3", from CLBlast's headers (CLBlast has
 // no run-time version query, and Debian's CLBlast CMake package sets no CLBlast_VERSION). A
-// tuning file records it.
+// tuning file records it; one from another version is not used for CLBlast's kernels.
 #define CLMHA__STR2(x) #x
 #define CLMHA__STR(x) CLMHA__STR2(x)
 #define CLMHA__CLBLAST_VERSION                                                                  \

@@ -437,6 +437,16 @@ static void meta_string(const cJSON *m, const char *name, char *out, size_t size
     if (cJSON_IsString(v) && v->valuestring) snprintf(out, size, "%s", v->valuestring);
 }
 
+// True when @p kernels names one of CLBlast's kernels (the tuning depends on its version).
+static bool names_clblast_kernel(const cJSON *kernels) {
+    for (const cJSON *k = kernels->child; k; k = k->next)
+        if (k->string &&
+            (strcmp(k->string, "Xgemm") == 0 || strcmp(k->string, "XgemmDirect") == 0 ||
+             strcmp(k->string, "GemmRoutine") == 0))
+            return true;
+    return false;
+}
+
 static const char *string_field(const cJSON *root, const char *name) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, name);
     return cJSON_IsString(v) ? v->valuestring : NULL;
@@ -460,6 +470,7 @@ clmha_status clmha__tuning_from_json(const clmha_context *ctx, const char *json,
     const char *device = string_field(root, "device");
     const char *driver = string_field(root, "driver");
     const char *precision = string_field(root, "precision");
+    const char *clblast = string_field(root, "clblast");
     const cJSON *kernels = cJSON_GetObjectItemCaseSensitive(root, "kernels");
     if (!cJSON_IsObject(root) || !format || strcmp(format, TUNING_FORMAT) != 0) {
         st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
@@ -488,6 +499,20 @@ clmha_status clmha__tuning_from_json(const clmha_context *ctx, const char *json,
                         "the tuning is for driver version \"%.60s\", the device has \"%s\" "
                         "(tune again: clmha tune)",
                         driver, ctx->info.driver_version);
+    } else if (names_clblast_kernel(kernels) &&
+               (!clblast || strcmp(clblast, CLMHA__CLBLAST_VERSION) != 0)) {
+        // CLBlast's parameters (names, constraints, what its kernels do with them) belong to a
+        // CLBlast version. A file without "clblast" was written by a clmha older than the field.
+        if (clblast)
+            st = clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                            "the tuning is for CLBlast %.40s, this clmha uses CLBlast "
+                            CLMHA__CLBLAST_VERSION " (tune again: clmha tune)",
+                            clblast);
+        else
+            st = clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                            "the tuning does not say which CLBlast version it is for (an older "
+                            "clmha wrote it), this clmha uses CLBlast " CLMHA__CLBLAST_VERSION
+                            " (tune again: clmha tune)");
     }
     for (const cJSON *k = st ? NULL : kernels->child; k && !st; k = k->next) {
         const char *name = k->string ? k->string : "";

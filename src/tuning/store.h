@@ -52,7 +52,7 @@ CLMHA__HIDDEN clmha_status clmha__tuning_apply(clmha_context *ctx, const clmha__
 
 // Called once by context creation: loads the stored tuning of the device (once per device and
 // process), checks it and applies it. Never fails: a missing, unreadable, corrupt or foreign
-// file is ignored and a note says why
+// file (another device, driver or CLBlast version) is ignored and a note says why
 // (clmha_context_tuning_note()). $CLMHA_TUNING=off skips it.
 CLMHA__HIDDEN void clmha__tuning_apply_stored(clmha_context *ctx);
 
@@ -70,7 +70,9 @@ CLMHA__HIDDEN char *clmha__tuning_to_json(const clmha_context *ctx, const clmha_
                                           const clmha__tuning_meta *meta);
 
 // Parses and checks JSON text: the format, the device (platform, device name and driver must
-// be those of @p ctx: CLMHA_UNSUPPORTED otherwise), every parameter (CLMHA_INVALID_FILE).
+// be those of @p ctx: CLMHA_UNSUPPORTED otherwise), the CLBlast version when the tuning names a
+// CLBlast kernel (it must be CLMHA__CLBLAST_VERSION; a tuning without one, written by an older
+// clmha, counts as another version: CLMHA_UNSUPPORTED), every parameter (CLMHA_INVALID_FILE).
 CLMHA__HIDDEN clmha_status clmha__tuning_from_json(const clmha_context *ctx, const char *json,
                                                    clmha__tuning *t, clmha__tuning_meta *meta,
                                                    char *msg, size_t msg_size);
