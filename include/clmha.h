@@ -353,6 +353,11 @@ CLMHA_API const char *clmha_context_device_name(const clmha_context *ctx);
 
 /// Progress of clmha_context_tune(): @p fraction of the budget used (0 to 1) and a one-line
 /// message such as "12/40 candidates, best 85.3 GFLOP/s (Xgemm)". Called on the calling thread.
+/// When clmha_tune_options::trace is set it also receives trace lines, with @p fraction -1 (the
+/// bar does not move): each candidate's parameters and GFLOP/s or why it was rejected, the
+/// timings in turns, the leaders timed again, the chosen XGEMM_MIN_INDIRECT_SIZE and the final
+/// check, such as "[tune   42.0s] Xgemm Xgemm: GEMMK=0 ...: 61.2 80.4 GFLOP/s (6.1 s)". Their
+/// wording is for people and may change. Without trace, @p fraction is always 0 to 1.
 typedef void (*clmha_tune_progress_fn)(double fraction, const char *message, void *user_data);
 
 /// A layer shape to tune for: the GEMMs of one self-attention forward pass with batch N,
@@ -375,6 +380,9 @@ typedef struct clmha_tune_options {
     clmha_tune_progress_fn progress; ///< optional progress callback
     void *user_data;                 ///< passed to @ref progress
     bool no_store;                   ///< apply the result but do not write the tuning file
+    bool trace;                      ///< also send trace lines to @ref progress (fraction -1);
+                                     ///< the library itself never prints. Added after 0.1.0:
+                                     ///< zero-initialise the whole struct.
 } clmha_tune_options;
 
 /// What clmha_context_tune() found. GFLOP/s are medians of 5 timed calls, host clock around
@@ -412,10 +420,13 @@ typedef struct clmha_tune_report {
 /// `$CLMHA_TUNING_DIR/`, else `$XDG_CACHE_HOME/clmha/`, else `~/.cache/clmha/`, file
 /// `<platform>--<device>.json` where every run of characters other than A-Z a-z 0-9 . _ - in
 /// the platform and device names becomes one `_`. The file is written whole or not at all
-/// (temporary file, then rename) and names the platform, device and driver version: a
-/// context loads it only for that device and driver. Context creation loads the stored
-/// tuning of a device once per process (a missing, unreadable, corrupt or foreign file is
-/// ignored: see clmha_context_tuning_note()); `CLMHA_TUNING=off` in the environment skips it.
+/// (temporary file, then rename) and names the platform, device and driver version and the
+/// CLBlast version clmha was built with: a context loads it only for that device and driver,
+/// and its CLBlast parameters only with that CLBlast version (a file without the CLBlast
+/// version, written by an older clmha, counts as another version: tune again). Context creation loads the stored
+/// tuning of a device once per process (a missing, unreadable, corrupt or foreign file, or one
+/// for another CLBlast version, is ignored: see clmha_context_tuning_note());
+/// `CLMHA_TUNING=off` in the environment skips it.
 ///
 /// "Before" is what was in effect when the call started: a stored tuning if one was loaded
 /// (set `CLMHA_TUNING=off` before creating the context to compare with CLBlast's own
@@ -440,8 +451,9 @@ CLMHA_API clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_o
                                           clmha_tune_report *report);
 
 /// Writes the tuning in effect for the device of @p ctx as JSON (the tuning file's format):
-/// format, version, platform, device, driver, the parameters of each tuned kernel and what was
-/// measured. With @p json NULL and @p size 0 it only sets *needed (bytes, with the final NUL).
+/// format, version, platform, device, driver, CLBlast version ("clblast", e.g. "1.5.3"), the
+/// parameters of each tuned kernel and what was measured. With @p json NULL and @p size 0 it
+/// only sets *needed (bytes, with the final NUL).
 /// @param[in]  ctx     the context whose device's tuning is written
 /// @param[out] json    buffer of @p size bytes (may be NULL when @p size is 0)
 /// @param[in]  size    bytes @p json holds
@@ -460,7 +472,9 @@ CLMHA_API clmha_status clmha_context_tuning_export(const clmha_context *ctx, cha
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL), ::CLMHA_INVALID_FILE (not JSON, not
 ///         a clmha tuning, unknown version or kernel, missing or invalid parameter, parameters
 ///         that break CLBlast's constraints or the device's limits), ::CLMHA_UNSUPPORTED (a
-///         tuning for another platform, device or driver version), ::CLMHA_BLAS_ERROR
+///         tuning for another platform, device or driver version; or one with CLBlast kernels
+///         whose "clblast" version is not the one clmha was built with, or is missing),
+///         ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_context_tuning_import(clmha_context *ctx, const char *json);
 
 /// One line saying which GEMM tuning is in effect for the device of @p ctx and why: "stored

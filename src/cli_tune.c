@@ -22,6 +22,7 @@ enum { TUNE_OK = 0, TUNE_REFUSED = 1, TUNE_USAGE = 2, MAX_TUNE_SHAPES = 4 };
 
 static const char *usage_tune =
     "usage: clmha tune [--device SPEC] [--budget SECONDS] [--shape N,L,E[,H]]... [--no-store]\n"
+    "                  [--trace]\n"
     "\n"
     "Tunes CLBlast's GEMM kernels for a device: searches the parameters of the indirect\n"
     "(Xgemm) and direct (XgemmDirect) kernels and the size where CLBlast switches between\n"
@@ -40,6 +41,9 @@ static const char *usage_tune =
     "  --shape N,L,E[,H]  a layer shape to tune for: batch, sequence length, embed_dim and\n"
     "                     heads (default H 8); up to 4 times; default 8,128,512,8\n"
     "  --no-store         apply and report, but do not write the tuning file\n"
+    "  --trace            print a line per candidate (its parameters and GFLOP/s or why it\n"
+    "                     was rejected), the timings in turns, the split and the final check\n"
+    "                     to stderr\n"
     "  --help, -h         print this help\n"
     "\n"
     "exit status: 0 success, 1 device or library failure, 2 usage error\n";
@@ -82,6 +86,13 @@ typedef struct bar_state {
 
 static void on_progress(double fraction, const char *message, void *user_data) {
     bar_state *b = user_data;
+    if (fraction < 0) {  // a trace line (--trace): a line of its own, the bar stays
+        if (b->open) fputc('\n', stderr);
+        b->open = false;
+        fprintf(stderr, "%s\n", message);
+        fflush(stderr);
+        return;
+    }
     enum { WIDTH = 20 };
     int full = (int)lround(fmin(1.0, fmax(0.0, fraction)) * WIDTH);
     char bar[WIDTH + 1];
@@ -105,7 +116,7 @@ static void print_gain(const char *what, double before, double after) {
 
 int clmha__cli_tune(int argc, char **argv) {
     const char *device = NULL, *budget_text = NULL;
-    bool device_given = false, no_store = false;
+    bool device_given = false, no_store = false, trace = false;
     clmha_tune_shape shapes[MAX_TUNE_SHAPES];
     size_t num_shapes = 0;
     for (int i = 0; i < argc; ++i) {
@@ -116,6 +127,10 @@ int clmha__cli_tune(int argc, char **argv) {
         }
         if (strcmp(arg, "--no-store") == 0) {
             no_store = true;
+            continue;
+        }
+        if (strcmp(arg, "--trace") == 0) {
+            trace = true;
             continue;
         }
         const char *names[] = {"--device", "--budget", "--shape"};
@@ -214,7 +229,8 @@ int clmha__cli_tune(int argc, char **argv) {
                                .num_shapes = num_shapes,
                                .progress = on_progress,
                                .user_data = &bar,
-                               .no_store = no_store};
+                               .no_store = no_store,
+                               .trace = trace};
     clmha_tune_report rep;
     clmha_status st = clmha_context_tune(ctx, &opts, &rep);
     if (bar.open) fputc('\n', stderr);

@@ -25,6 +25,13 @@ Test(tuning, api_not_in_clmha_h) { cr_skip_test("clmha.h does not declare the tu
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <clblast_c.h>  // the CLBlast version clmha is built with: a tuning file records it
+
+#define STR2(x) #x
+#define STR(x) STR2(x)
+#define CLBLAST_VERSION_TEXT \
+    STR(CLBLAST_VERSION_MAJOR) "." STR(CLBLAST_VERSION_MINOR) "." STR(CLBLAST_VERSION_PATCH)
+
 // The hand-picked CPU Xgemm set and a direct set, both valid for CLBlast, with work-groups of
 // 16 and 64 work-items.
 #define XGEMM_JSON                                                                         \
@@ -89,18 +96,28 @@ static void teardown(fixture *f) {
     rmdir(f->dir);
 }
 
-// A tuning JSON for (platform, device, driver) with @p kernels ("\"Xgemm\": {...}, ...").
-static char *tuning_json(const char *platform, const char *device, const char *driver,
-                         const char *kernels) {
-    size_t size = strlen(platform) + strlen(device) + strlen(driver) + strlen(kernels) + 256;
+// A tuning JSON for (platform, device, driver, CLBlast version) with @p kernels
+// ("\"Xgemm\": {...}, ..."); @p clblast NULL leaves the "clblast" field out (as clmha wrote
+// files before it recorded the version).
+static char *tuning_json_for(const char *platform, const char *device, const char *driver,
+                             const char *clblast, const char *kernels) {
+    size_t size = strlen(platform) + strlen(device) + strlen(driver) + strlen(kernels) + 320;
     char *s = malloc(size);
     cr_assert_not_null(s);
+    char clblast_field[96] = "";
+    if (clblast) snprintf(clblast_field, sizeof clblast_field, "\"clblast\": \"%s\", ", clblast);
     snprintf(s, size,
              "{\"format\": \"clmha-gemm-tuning\", \"version\": 1, \"platform\": \"%s\", "
-             "\"device\": \"%s\", \"driver\": \"%s\", \"precision\": \"float32\", "
+             "\"device\": \"%s\", \"driver\": \"%s\", %s\"precision\": \"float32\", "
              "\"kernels\": {%s}}",
-             platform, device, driver, kernels);
+             platform, device, driver, clblast_field, kernels);
     return s;
+}
+
+// The same for the CLBlast version clmha is built with.
+static char *tuning_json(const char *platform, const char *device, const char *driver,
+                         const char *kernels) {
+    return tuning_json_for(platform, device, driver, CLBLAST_VERSION_TEXT, kernels);
 }
 
 static char *own_json(const fixture *f, const char *kernels) {
@@ -225,6 +242,44 @@ Test(tuning, another_device_is_refused, .timeout = 300) {
               clmha_context_last_error(ctx));
     cr_expect_null(export_text(ctx), "a refused tuning is not applied");
     free(other_device), free(other_platform), free(other_driver);
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+// CLBlast's parameters belong to a CLBlast version: a tuning with CLBlast kernels from another
+// version, or without the version (written by an older clmha), is refused; clmha's own fused
+// tiles do not depend on it.
+Test(tuning, another_clblast_version_is_refused, .timeout = 300) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    const clmha_device_info *i = &f.info;
+    char *other = tuning_json_for(i->platform_name, i->device_name, i->driver_version, "1.4.0",
+                                  XGEMM_JSON);
+    cr_expect_eq(clmha_context_tuning_import(ctx, other), CLMHA_UNSUPPORTED);
+    cr_expect(strstr(clmha_context_last_error(ctx), "CLBlast 1.4.0") &&
+                  strstr(clmha_context_last_error(ctx), "CLBlast " CLBLAST_VERSION_TEXT) &&
+                  strstr(clmha_context_last_error(ctx), "clmha tune"),
+              "%s", clmha_context_last_error(ctx));
+    char *unversioned = tuning_json_for(i->platform_name, i->device_name, i->driver_version, NULL,
+                                        "\"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": 64}");
+    cr_expect_eq(clmha_context_tuning_import(ctx, unversioned), CLMHA_UNSUPPORTED);
+    cr_expect(strstr(clmha_context_last_error(ctx), "does not say which CLBlast version") &&
+                  strstr(clmha_context_last_error(ctx), "clmha tune"),
+              "%s", clmha_context_last_error(ctx));
+    cr_expect_null(export_text(ctx), "a refused tuning is not applied");
+    char *fused_only = tuning_json_for(i->platform_name, i->device_name, i->driver_version, NULL,
+                                       "\"FusedAttention\": {\"BQ\": 32, \"BK\": 32, "
+                                       "\"RPW\": 1, \"VW\": 1}");
+    cr_expect_eq(clmha_context_tuning_import(ctx, fused_only), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    char *out = export_text(ctx);
+    cr_assert_not_null(out);
+    const char *field = strstr(out, "\"clblast\":"), *want = "\"" CLBLAST_VERSION_TEXT "\"";
+    const char *value = field ? field + 10 + strspn(field + 10, " \t") : "";
+    cr_expect(strncmp(value, want, strlen(want)) == 0,
+              "the export records the CLBlast version: %s", out);
+    free(other), free(unversioned), free(fused_only), free(out);
     clmha_context_release(ctx);
     teardown(&f);
 }
@@ -433,7 +488,14 @@ Test(tuning, corrupt_or_foreign_stored_files_are_ignored, .timeout = 300) {
     child_with_file(&f, bad, NULL, "lacks parameter");
     char *good = own_json(&f, XGEMM_JSON);
     child_with_file(&f, good, "off", "CLMHA_TUNING=off");  // not loaded at all
-    free(foreign), free(bad), free(good);
+    const clmha_device_info *i = &f.info;
+    char *old_clblast = tuning_json_for(i->platform_name, i->device_name, i->driver_version,
+                                        "1.4.0", XGEMM_JSON);
+    child_with_file(&f, old_clblast, NULL, "the tuning is for CLBlast 1.4.0");
+    char *unversioned = tuning_json_for(i->platform_name, i->device_name, i->driver_version,
+                                        NULL, XGEMM_JSON);
+    child_with_file(&f, unversioned, NULL, "does not say which CLBlast version");
+    free(foreign), free(bad), free(good), free(old_clblast), free(unversioned);
     teardown(&f);
 }
 
@@ -491,6 +553,38 @@ Test(tuning, tune_with_no_time_for_a_candidate, .timeout = 600) {
     cr_expect_gt(progress_calls, 0);
     cr_expect_neq(access(f.path, F_OK), 0, "nothing may be stored");
     cr_expect_null(export_text(ctx));
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+static int trace_lines, progress_lines;
+static void count_trace(double fraction, const char *message, void *user_data) {
+    (void)user_data;
+    cr_expect_not_null(message);
+    if (fraction == -1) {
+        cr_expect(strncmp(message, "[tune ", 6) == 0, "trace line '%s'", message);
+        ++trace_lines;
+    } else {
+        cr_expect(fraction >= 0 && fraction <= 1, "fraction %g", fraction);
+        ++progress_lines;
+    }
+}
+
+// With trace set the callback also gets trace lines (fraction -1): the timings before, the
+// split, the final check; the library prints nothing itself.
+Test(tuning, tune_trace_lines_go_to_the_callback, .timeout = 600) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    clmha_tune_shape shape = {2, 16, 32, 4};
+    clmha_tune_options o = {.budget_seconds = 0.01, .shapes = &shape, .num_shapes = 1,
+                            .progress = count_trace, .trace = true};
+    clmha_tune_report rep;
+    cr_assert_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    cr_expect_gt(trace_lines, 0);
+    cr_expect_gt(progress_lines, 0);
+    cr_expect(!rep.improved && !rep.stored);
     clmha_context_release(ctx);
     teardown(&f);
 }

@@ -21,16 +21,14 @@ LAYERS = [
     (1, "base", ["base/"]),
     (2, "errors", ["errors/"]),
     (3, "device", ["device/"]),
-    (4, "tuning", ["tuning/", "tuning.h"]),  # the tuning store
+    (4, "tuning", ["tuning/"]),  # the tuning store
     (5, "context", ["context/"]),
     (6, "layer", ["layer/"]),
     (7, "cores", ["cores/"]),
     (8, "forward", ["forward/"]),
     (9, "formats", ["formats/"]),
     (9, "reference", ["reference/"]),
-    # The search of clmha_context_tune(). src/tuning.c holds the store and the search until it
-    # is split into src/tuning/ and src/tuner/, so it sits here, on top, for now.
-    (10, "tuner", ["tuner/", "tuning.c"]),
+    (10, "tuner", ["tuner/"]),  # the search of clmha_context_tune()
 ]
 
 # The program (clmha), not the library: outside the layer check.

@@ -3,7 +3,6 @@
 #include "context/context.h"
 
 #include "device/held.h"
-#include "tuning.h"
 
 #include <stddef.h>
 #include <stdio.h>
@@ -37,7 +36,8 @@ static clmha_status context_finish(clmha_context *c) {
     c->dummy = clCreateBuffer(c->cl_ctx, CL_MEM_READ_WRITE, 16, NULL, &err);
     clmha__held_new(CLMHA__HELD_MEM, c->dummy);
     if (err != CL_SUCCESS) return clmha__cl_fail(NULL, err, "clCreateBuffer(dummy)");
-    clmha__tuning_apply_stored(c);  // never fails: an unusable file is noted and ignored
+    clmha__tuning_target tg = clmha__context_tuning_target(c);
+    clmha__tuning_apply_stored(&tg);  // never fails: an unusable file is noted and ignored
     return CLMHA_SUCCESS;
 }
 

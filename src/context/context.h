@@ -14,6 +14,7 @@
 #include "device/device.h"
 #include "device/device_class.h"
 #include "errors/errors.h"
+#include "tuning/store.h"
 
 struct clmha_context {
     clmha__error_slot errors;   // first: what clmha__fail() reads of a context (errors.h)
@@ -34,6 +35,12 @@ struct clmha_context {
     // clmha itself on this context (CLBlast's own are not counted). Guarded by lock.
     size_t program_builds, buffer_allocations;
 };
+
+// The context as the tuning store sees it (src/tuning/store.h).
+static inline clmha__tuning_target clmha__context_tuning_target(const clmha_context *ctx) {
+    clmha__tuning_target t = {ctx, ctx->device, &ctx->info, ctx->max_work_group};
+    return t;
+}
 
 // Reads the counters above (test hook, reachable through libclmha.a).
 CLMHA__HIDDEN void clmha__context_counters(clmha_context *ctx, size_t *program_builds,

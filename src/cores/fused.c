@@ -9,7 +9,7 @@
 #include "cores/core.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
-#include "tuning.h"
+#include "tuning/store.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -1,0 +1,144 @@
+// The fused-tile search (see fused_search.h).
+#define _POSIX_C_SOURCE 200809L
+
+#include "tuner/fused_search.h"
+
+#include "cores/fused.h"
+#include "layer/layer.h"
+#include "tuner/gemm_search.h"  // now_s, rand_unit
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+// Times the fused stage of @p layer on the prepared call: one warm-up (builds, checks the
+// output against @p ref within 1e-4·(1 + max|ref|)), then @p reps profiled forwards.
+static bool fused_time(clmha_layer *layer, const clmha_forward_args *args, cl_mem out,
+                       float *host_out, const double *ref, size_t count, double scale, int reps,
+                       double *ms) {
+    clmha_context *ctx = layer->ctx;
+    if (clmha_layer_forward(layer, args, out, 0, NULL, 0, 0, NULL, NULL) ||
+        clEnqueueReadBuffer(ctx->queue, out, CL_TRUE, 0, count * sizeof(float), host_out, 0,
+                            NULL, NULL) != CL_SUCCESS)
+        return false;
+    for (size_t i = 0; i < count; ++i) {
+        double e = fabs((double)host_out[i] - ref[i]);
+        if (!(e <= 1e-4 * scale)) return false;  // NaN fails too
+    }
+    double t[9];
+    if (reps > 9) reps = 9;
+    for (int r = 0; r < reps; ++r) {
+        double stages[CLMHA_STAGE_COUNT];
+        if (clmha_layer_forward(layer, args, out, 0, NULL, 0, 0, NULL, NULL) ||
+            clmha_layer_stage_times(layer, stages))
+            return false;
+        t[r] = stages[CLMHA_STAGE_FUSED];
+    }
+    qsort(t, (size_t)reps, sizeof t[0], cmp_double);
+    *ms = t[reps / 2];
+    return true;
+}
+
+// D. The fused attention kernel's tiles on the first layer shape (self-attention, random
+// parameters and inputs): every candidate must reproduce the double-precision reference's
+// output; the fastest fused stage wins. Work-group sizes 32 to 128 (within the device limit),
+// keys per tile 16 to 64, one or two rows per work-item, the device class's default vector
+// width (CPUs: the native float width) or scalar.
+void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
+                       double deadline, clmha__fused_result *res) {
+    memset(res, 0, sizeof *res);
+    size_t n = shape->batch, l = shape->tgt_len, e = shape->embed_dim, h = shape->num_heads;
+    res->flops = 4.0 * (double)n * (double)l * (double)l * (double)e;
+    size_t count = n * l * e, nparam = 4 * e * e + 4 * e;
+    clmha_layer_desc desc = {.embed_dim = e, .num_heads = h, .bias = true};
+    clmha_layer *layer = NULL;
+    float *params = malloc(nparam * sizeof *params), *x = malloc(count * sizeof *x);
+    float *y = malloc(count * sizeof *y);
+    double *ref = malloc(count * sizeof *ref);
+    cl_mem qbuf = NULL, obuf = NULL;
+    if (!params || !x || !y || !ref || clmha_layer_create(&layer, ctx, &desc)) goto done;
+    double bound = 1.0 / sqrt((double)e);
+    for (size_t i = 0; i < nparam; ++i) params[i] = (float)(bound * rand_unit(rng));
+    for (size_t i = 0; i < count; ++i) x[i] = rand_unit(rng);
+    const float *w_in = params, *w_out = params + 3 * e * e, *b_in = params + 4 * e * e,
+                *b_out = params + 4 * e * e + 3 * e;
+    if (clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * e * e) ||
+        clmha_layer_set_parameter(layer, "out_proj.weight", w_out, e * e) ||
+        clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * e) ||
+        clmha_layer_set_parameter(layer, "out_proj.bias", b_out, e))
+        goto done;
+    clmha_forward_args args = {.query = {.ndim = 3, .shape = {l, n, e}, .data = x},
+                               .impl = CLMHA_IMPL_FUSED};
+    clmha_reference_params rp = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+                                 .out_proj_weight = w_out, .out_proj_bias = b_out};
+    char msg[256];
+    if (clmha_reference_forward(&desc, &rp, &args, ref, count, NULL, 0, msg, sizeof msg))
+        goto done;
+    double scale = 1.0;
+    for (size_t i = 0; i < count; ++i) scale = fmax(scale, 1.0 + fabs(ref[i]));
+    cl_int err;
+    qbuf = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                          count * sizeof(float), x, &err);
+    clmha__held_new(CLMHA__HELD_MEM, qbuf);
+    if (err == CL_SUCCESS) {
+        obuf = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
+        clmha__held_new(CLMHA__HELD_MEM, obuf);
+    }
+    if (err != CL_SUCCESS) goto done;
+    args.query.buffer = qbuf;
+    if (clmha_layer_set_profiling(layer, true)) goto done;
+
+    // The default tiles first: the yardstick.
+    clmha__fused_tiles def = clmha__fused_tiles_for(ctx, layer->d), used;
+    if (clmha__layer_set_fused_tiles(layer, &def, &used) ||
+        !fused_time(layer, &args, obuf, y, ref, count, scale, 5, &res->default_ms))
+        goto done;
+    res->searched = true;
+    res->best_ms = res->default_ms;
+    res->best[0] = used.bq, res->best[1] = used.bk, res->best[2] = used.rpw, res->best[3] = used.vw;
+    size_t vw = clmha__fused_default_vw(ctx);
+    static const size_t bqs[] = {64, 32, 128}, bks[] = {32, 64, 16}, rpws[] = {2, 1};
+    size_t vws[2] = {vw > 16 ? 16 : vw, 1};
+    for (size_t a = 0; a < 3; ++a)
+        for (size_t b = 0; b < 3; ++b)
+            for (size_t c = 0; c < 2; ++c)
+                for (size_t v = 0; v < (vws[0] > 1 ? 2 : 1); ++v) {
+                    if (now_s() > deadline) goto done;
+                    clmha__fused_tiles cand = {.bq = bqs[a], .bk = bks[b], .rpw = rpws[c],
+                                               .vw = vws[v]};
+                    if (cand.bq > ctx->max_work_group) continue;
+                    double ms;
+                    if (clmha__layer_set_fused_tiles(layer, &cand, &used)) {
+                        ++res->tried, ++res->rejected;
+                        continue;
+                    }
+                    if (used.bq == def.bq && used.bk == def.bk && used.rpw == def.rpw &&
+                        used.vw == def.vw)
+                        continue;  // the default, timed above
+                    ++res->tried;
+                    if (!fused_time(layer, &args, obuf, y, ref, count, scale, 3, &ms)) {
+                        ++res->rejected;
+                        continue;
+                    }
+                    // A lead must hold in a second, longer timing.
+                    if (ms < res->best_ms &&
+                        fused_time(layer, &args, obuf, y, ref, count, scale, 5, &ms) &&
+                        ms < 0.97 * res->best_ms) {
+                        res->best_ms = ms;
+                        res->best[0] = used.bq, res->best[1] = used.bk;
+                        res->best[2] = used.rpw, res->best[3] = used.vw;
+                        res->improved = true;
+                    }
+                }
+done:
+    clmha__release_mem(qbuf);
+    clmha__release_mem(obuf);
+    clmha_layer_release(layer);
+    free(params), free(x), free(y), free(ref);
+}
+

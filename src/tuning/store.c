@@ -1,0 +1,613 @@
+// The tuning store (see store.h): the per-device registry, applying a tuning through
+// CLBlastOverrideParameters, the tuning folder and files, JSON, and the stored tuning applied
+// at context creation.
+//
+// What CLBlast 1.5.3 does with overrides (src/api_common.cpp, src/routine.cpp):
+// - CLBlastOverrideParameters(device, kernel, precision, ...) replaces the database entry of
+//   (platform, device, precision, kernel) in a process-wide cache. Every parameter of the kernel
+//   must be given (else CLBlastMissingOverrideParameter). CLBlastClearCache() clears compiled
+//   programs only: overrides survive the release of clmha contexts.
+// - Sgemm and SgemmStridedBatched read seven database entries: Copy, Pad, Transpose,
+//   Padtranspose (helpers of the indirect path), Xgemm, XgemmDirect and GemmRoutine. Each can be
+//   overridden alone: overriding Xgemm does not require GemmRoutine; the helpers keep their own
+//   parameters and need nothing (they pad and transpose to whatever MWG/NWG/KWG Xgemm asks).
+// - GemmRoutine's XGEMM_MIN_INDIRECT_SIZE picks the path per call: direct when m·n·k (per batch
+//   item) < size³, else indirect. 0 forces indirect; a huge value forces direct.
+// - A program is cached under a key made of every parameter value of the seven kernels, so any
+//   change compiles a new program (several seconds on PoCL) at the next call of each routine
+//   (Sgemm and SgemmStridedBatched are two programs).
+#define _POSIX_C_SOURCE 200809L
+
+#include "tuning/store.h"
+
+#include "base/file_write.h"
+#include "base/message.h"
+#include "device/held.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <clblast_c.h>
+
+#define TUNING_FORMAT "clmha-gemm-tuning"
+#define TUNING_VERSION 1
+#define TUNING_FILE_MAX (1u << 20)  // a tuning file is a few hundred bytes
+
+// ---- the per-device registry -------------------------------------------------------------------
+
+#define MAX_DEVICES 32
+
+typedef struct device_state {
+    cl_device_id device;
+    bool stored_considered;  // apply_stored ran for this device in this process
+    bool applied;            // `tuning` is in effect (CLBlast's database is overridden)
+    clmha__tuning tuning;
+    clmha__tuning_meta meta;
+    char note[1024];
+} device_state;
+
+static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static device_state registry[MAX_DEVICES];
+static size_t registry_count;
+
+// The state of @p device, created when new (NULL when the registry is full). Lock held.
+static device_state *state_of(cl_device_id device) {
+    for (size_t i = 0; i < registry_count; ++i)
+        if (registry[i].device == device) return &registry[i];
+    if (registry_count == MAX_DEVICES) return NULL;
+    device_state *s = &registry[registry_count++];
+    memset(s, 0, sizeof *s);
+    s->device = device;
+    snprintf(s->note, sizeof s->note, "no tuning applied: CLBlast's own parameters");
+    return s;
+}
+
+void clmha__tuning_set_note(cl_device_id device, const char *fmt, ...) {
+    pthread_mutex_lock(&registry_lock);
+    device_state *s = state_of(device);
+    if (s) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(s->note, sizeof s->note, fmt, ap);
+        va_end(ap);
+    }
+    pthread_mutex_unlock(&registry_lock);
+}
+
+bool clmha__tuning_current(cl_device_id device, clmha__tuning *t, clmha__tuning_meta *meta) {
+    pthread_mutex_lock(&registry_lock);
+    device_state *s = state_of(device);
+    bool applied = s && s->applied;
+    if (applied) {
+        *t = s->tuning;
+        if (meta) *meta = s->meta;
+    }
+    pthread_mutex_unlock(&registry_lock);
+    return applied;
+}
+
+void clmha__tuning_get_note(cl_device_id device, char *text, size_t size) {
+    pthread_mutex_lock(&registry_lock);
+    device_state *s = state_of(device);
+    snprintf(text, size, "%s", s ? s->note : "no tuning applied");
+    pthread_mutex_unlock(&registry_lock);
+}
+
+bool clmha__tuning_fused(cl_device_id device, size_t fused[CLMHA__FUSED_PARAMS]) {
+    clmha__tuning t;
+    if (!clmha__tuning_current(device, &t, NULL) || !t.has_fused) return false;
+    memcpy(fused, t.fused, sizeof t.fused);
+    return true;
+}
+
+// ---- applying ----------------------------------------------------------------------------------
+
+static const char *blast_status_text(int st) {
+    switch (st) {
+    case CLBlastInvalidOverrideKernel: return "invalid kernel name";
+    case CLBlastMissingOverrideParameter: return "missing parameter";
+    case CLBlastDatabaseError: return "no database entry";
+    default: return "see clblast_c.h";
+    }
+}
+
+// Overrides one kernel; no registry update.
+static clmha_status override(const clmha__tuning_target *tg, const char *kernel, size_t count,
+                             const char *const *names, const size_t *values) {
+    int st = CLBlastOverrideParameters(tg->device, kernel, CLBlastPrecisionSingle, count,
+                                       (const char **)names, values);
+    if (st != CLBlastSuccess)
+        return clmha__fail(tg->owner, CLMHA_BLAS_ERROR,
+                           "CLBlastOverrideParameters(%s) failed: CLBlast status %d (%s)", kernel,
+                           st, blast_status_text(st));
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__tuning_override(const clmha__tuning_target *tg, const clmha__tuning *t) {
+    clmha_status st = CLMHA_SUCCESS;
+    if (t->has_xgemm &&
+        (st = override(tg, "Xgemm", CLMHA__XGEMM_PARAMS, clmha__xgemm_names, t->xgemm)))
+        return st;
+    if (t->has_direct &&
+        (st = override(tg, "XgemmDirect", CLMHA__DIRECT_PARAMS, clmha__direct_names, t->direct)))
+        return st;
+    if (t->has_routine &&
+        (st = override(tg, "GemmRoutine", 1, clmha__routine_names, &t->min_indirect)))
+        return st;
+    return CLMHA_SUCCESS;
+}
+
+size_t clmha__tuning_local_mem(const clmha__tuning_target *tg) {
+    return tg->info->local_mem_bytes ? (size_t)tg->info->local_mem_bytes : 16384;
+}
+
+clmha_status clmha__tuning_apply(const clmha__tuning_target *tg, const clmha__tuning *t,
+                                 const clmha__tuning_meta *meta, const char *source) {
+    char msg[512];
+    if (!clmha__tuning_check(t, clmha__tuning_local_mem(tg), tg->max_work_group, msg, sizeof msg))
+        return clmha__fail(tg->owner, CLMHA_INVALID_FILE, "%s", msg);
+    clmha_status st = clmha__tuning_override(tg, t);
+    pthread_mutex_lock(&registry_lock);
+    device_state *s = state_of(tg->device);
+    if (s && st == CLMHA_SUCCESS) {
+        // Kernels the new tuning leaves alone keep what was in effect.
+        clmha__tuning merged = s->applied ? s->tuning : (clmha__tuning){0};
+        if (t->has_xgemm) memcpy(merged.xgemm, t->xgemm, sizeof merged.xgemm);
+        if (t->has_direct) memcpy(merged.direct, t->direct, sizeof merged.direct);
+        if (t->has_routine) merged.min_indirect = t->min_indirect;
+        if (t->has_fused) memcpy(merged.fused, t->fused, sizeof merged.fused);
+        merged.has_fused |= t->has_fused;
+        merged.has_xgemm |= t->has_xgemm;
+        merged.has_direct |= t->has_direct;
+        merged.has_routine |= t->has_routine;
+        s->tuning = merged;
+        s->applied = true;
+        s->meta = meta ? *meta : (clmha__tuning_meta){0};
+        s->stored_considered = true;  // an explicit tuning wins over the stored file
+        snprintf(s->note, sizeof s->note, "%s", source);
+    }
+    pthread_mutex_unlock(&registry_lock);
+    return st;
+}
+
+// ---- files -----------------------------------------------------------------------------------
+
+clmha_status clmha__tuning_dir(char *dir, size_t size, char *msg, size_t msg_size) {
+    const char *env = getenv("CLMHA_TUNING_DIR");
+    int n;
+    if (env && env[0]) {
+        n = snprintf(dir, size, "%s", env);
+    } else {
+        const char *xdg = getenv("XDG_CACHE_HOME");
+        const char *home = getenv("HOME");
+        if (xdg && xdg[0] == '/')  // the XDG spec ignores relative paths
+            n = snprintf(dir, size, "%s/clmha", xdg);
+        else if (home && home[0])
+            n = snprintf(dir, size, "%s/.cache/clmha", home);
+        else
+            return clmha__msg(msg, msg_size, CLMHA_IO_ERROR,
+                              "no folder for tuning files: set $CLMHA_TUNING_DIR (or "
+                              "$XDG_CACHE_HOME or $HOME)");
+    }
+    if (n < 0 || (size_t)n >= size)
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "the tuning folder's path is too long");
+    while (n > 1 && dir[n - 1] == '/') dir[--n] = '\0';
+    return CLMHA_SUCCESS;
+}
+
+// Appends @p s to @p out keeping [A-Za-z0-9._-], other runs of bytes become one '_'.
+static size_t sanitise(char *out, size_t size, size_t used, const char *s, size_t max_len) {
+    size_t start = used;
+    bool last_sub = false;
+    for (; *s && used + 1 < size && used - start < max_len; ++s) {
+        unsigned char c = (unsigned char)*s;
+        bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                  c == '.' || c == '-' || c == '_';
+        if (ok) {
+            out[used++] = (char)c;
+            last_sub = false;
+        } else if (!last_sub) {
+            out[used++] = '_';
+            last_sub = true;
+        }
+    }
+    if (used == start && used + 1 < size) out[used++] = '_';
+    out[used] = '\0';
+    return used;
+}
+
+clmha_status clmha__tuning_path(const clmha__tuning_target *tg, char *path, size_t size, char *msg,
+                                size_t msg_size) {
+    char dir[4096];
+    clmha_status st = clmha__tuning_dir(dir, sizeof dir, msg, msg_size);
+    if (st) return st;
+    char name[256];
+    size_t used = sanitise(name, sizeof name, 0, tg->info->platform_name, 80);
+    used = clmha__tuning_append(name, sizeof name, used, "--");
+    sanitise(name, sizeof name, used, tg->info->device_name, 120);
+    int n = snprintf(path, size, "%s/%s.json", dir, name);
+    if (n < 0 || (size_t)n >= size)
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "the tuning file's path is too long");
+    return CLMHA_SUCCESS;
+}
+
+// mkdir -p
+static clmha_status make_dirs(const char *dir, char *msg, size_t msg_size) {
+    char buf[4096];
+    int n = snprintf(buf, sizeof buf, "%s", dir);
+    if (n < 0 || (size_t)n >= sizeof buf)
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "folder path too long");
+    for (char *p = buf + 1;; ++p) {
+        if (*p == '/' || *p == '\0') {
+            char saved = *p;
+            *p = '\0';
+            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+                return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot create folder %s: %s",
+                                  buf, strerror(errno));
+            *p = saved;
+            if (!saved) break;
+        }
+    }
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "%s is not a folder", dir);
+    return CLMHA_SUCCESS;
+}
+
+// Writes the NUL-terminated @p user.
+static bool write_text(FILE *f, void *user, char *why, size_t why_size) {
+    (void)why, (void)why_size;  // errno says why
+    size_t len = strlen(user);
+    return fwrite(user, 1, len, f) == len;
+}
+
+clmha_status clmha__tuning_write_file(const char *path, const char *text, char *msg,
+                                      size_t msg_size) {
+    char dir[4096];
+    int n = snprintf(dir, sizeof dir, "%s", path);
+    if (n < 0 || (size_t)n >= sizeof dir)
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "path too long");
+    char *slash = strrchr(dir, '/');
+    if (slash && slash != dir) {
+        *slash = '\0';
+        clmha_status st = make_dirs(dir, msg, msg_size);
+        if (st) return st;
+    }
+    return clmha__file_write_whole(path, write_text, (void *)text, msg, msg_size);
+}
+
+// Reads a whole file (at most TUNING_FILE_MAX bytes) as a NUL-terminated string.
+static clmha_status read_text(const char *path, char **out, bool *missing, char *msg,
+                              size_t msg_size) {
+    *out = NULL;
+    *missing = false;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        *missing = errno == ENOENT;
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot open %s: %s", path,
+                          strerror(errno));
+    }
+    char *buf = malloc(TUNING_FILE_MAX + 1);
+    if (!buf) {
+        fclose(f);
+        return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    }
+    size_t n = fread(buf, 1, TUNING_FILE_MAX + 1, f);
+    bool err = ferror(f);
+    fclose(f);
+    if (err) {
+        free(buf);
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot read %s", path);
+    }
+    if (n > TUNING_FILE_MAX) {
+        free(buf);
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s is larger than %u bytes", path,
+                          TUNING_FILE_MAX);
+    }
+    buf[n] = '\0';
+    if (strlen(buf) != n) {
+        free(buf);
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s holds a NUL byte", path);
+    }
+    *out = buf;
+    return CLMHA_SUCCESS;
+}
+
+// ---- JSON --------------------------------------------------------------------------------------
+
+void clmha__tuning_utc_now(char *buf, size_t size) {
+    time_t now = time(NULL);
+    struct tm tm;
+    if (gmtime_r(&now, &tm))
+        strftime(buf, size, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    else
+        snprintf(buf, size, "unknown");
+}
+
+static bool add_params(cJSON *kernels, const char *kernel, size_t count,
+                       const char *const *names, const size_t *values) {
+    cJSON *o = cJSON_AddObjectToObject(kernels, kernel);
+    if (!o) return false;
+    for (size_t i = 0; i < count; ++i)
+        if (!cJSON_AddNumberToObject(o, names[i], (double)values[i])) return false;
+    return true;
+}
+
+char *clmha__tuning_to_json(const clmha__tuning_target *tg, const clmha__tuning *t,
+                            const clmha__tuning_meta *meta) {
+    cJSON *root = cJSON_CreateObject();
+    if (!root) return NULL;
+    cJSON *kernels = NULL;
+    bool ok = cJSON_AddStringToObject(root, "format", TUNING_FORMAT) &&
+              cJSON_AddNumberToObject(root, "version", TUNING_VERSION) &&
+              cJSON_AddStringToObject(root, "platform", tg->info->platform_name) &&
+              cJSON_AddStringToObject(root, "device", tg->info->device_name) &&
+              cJSON_AddStringToObject(root, "driver", tg->info->driver_version) &&
+              cJSON_AddStringToObject(root, "clblast", CLMHA__CLBLAST_VERSION) &&
+              cJSON_AddStringToObject(root, "precision", "float32") &&
+              (kernels = cJSON_AddObjectToObject(root, "kernels"));
+    if (ok && t->has_xgemm)
+        ok = add_params(kernels, "Xgemm", CLMHA__XGEMM_PARAMS, clmha__xgemm_names, t->xgemm);
+    if (ok && t->has_direct)
+        ok = add_params(kernels, "XgemmDirect", CLMHA__DIRECT_PARAMS, clmha__direct_names,
+                        t->direct);
+    if (ok && t->has_routine)
+        ok = add_params(kernels, "GemmRoutine", 1, clmha__routine_names, &t->min_indirect);
+    if (ok && t->has_fused)
+        ok = add_params(kernels, "FusedAttention", CLMHA__FUSED_PARAMS, clmha__fused_names,
+                        t->fused);
+    if (ok && meta && (meta->tuned_gflops > 0 || meta->date[0])) {
+        cJSON *m = cJSON_AddObjectToObject(root, "measured");
+        // Rounded to 0.1 GFLOP/s: the file stays readable.
+        ok = m && cJSON_AddNumberToObject(m, "sgemm_1024_default_gflops",
+                                          round(meta->default_gflops * 10) / 10) &&
+             cJSON_AddNumberToObject(m, "sgemm_1024_tuned_gflops",
+                                     round(meta->tuned_gflops * 10) / 10) &&
+             cJSON_AddStringToObject(m, "layer", meta->layer) &&
+             cJSON_AddNumberToObject(m, "layer_projection_default_gflops",
+                                     round(meta->default_layer_gflops * 10) / 10) &&
+             cJSON_AddNumberToObject(m, "layer_projection_tuned_gflops",
+                                     round(meta->tuned_layer_gflops * 10) / 10) &&
+             cJSON_AddNumberToObject(m, "candidates", (double)meta->candidates) &&
+             cJSON_AddNumberToObject(m, "seconds", round(meta->seconds)) &&
+             cJSON_AddStringToObject(m, "date", meta->date);
+    }
+    char *text = ok ? cJSON_Print(root) : NULL;
+    cJSON_Delete(root);
+    if (!text) return NULL;
+    // cJSON's allocator is malloc unless the application changed it: copy to be sure the
+    // caller can free() it.
+    size_t len = strlen(text);
+    char *copy = malloc(len + 2);
+    if (copy) {
+        memcpy(copy, text, len);
+        copy[len] = '\n';
+        copy[len + 1] = '\0';
+    }
+    cJSON_free(text);
+    return copy;
+}
+
+static clmha_status parse_params(const cJSON *obj, const char *kernel, size_t count,
+                                 const char *const *names, size_t *values, char *msg,
+                                 size_t msg_size) {
+    if (!cJSON_IsObject(obj))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "kernels.%s is not an object",
+                          kernel);
+    for (const cJSON *item = obj->child; item; item = item->next) {
+        bool known = false;
+        for (size_t i = 0; i < count && !known; ++i)
+            known = item->string && strcmp(item->string, names[i]) == 0;
+        if (!known)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "kernels.%s has an unknown parameter \"%.40s\"", kernel,
+                              item->string ? item->string : "");
+    }
+    for (size_t i = 0; i < count; ++i) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, names[i]);
+        if (!v)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "kernels.%s lacks parameter %s (CLBlast needs all of them)", kernel,
+                              names[i]);
+        double d = cJSON_IsNumber(v) ? v->valuedouble : -1;
+        if (!cJSON_IsNumber(v) || !(d >= 0 && d <= CLMHA__TUNING_PARAM_MAX) || d != floor(d))
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "kernels.%s.%s must be an integer from 0 to %.0f", kernel, names[i],
+                              CLMHA__TUNING_PARAM_MAX);
+        values[i] = (size_t)d;
+    }
+    return CLMHA_SUCCESS;
+}
+
+static double meta_number(const cJSON *m, const char *name) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(m, name);
+    return cJSON_IsNumber(v) && isfinite(v->valuedouble) && v->valuedouble >= 0 ? v->valuedouble
+                                                                                : 0;
+}
+
+static void meta_string(const cJSON *m, const char *name, char *out, size_t size) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(m, name);
+    if (cJSON_IsString(v) && v->valuestring) snprintf(out, size, "%s", v->valuestring);
+}
+
+// True when @p kernels names one of CLBlast's kernels (the tuning depends on its version).
+static bool names_clblast_kernel(const cJSON *kernels) {
+    for (const cJSON *k = kernels->child; k; k = k->next)
+        if (k->string &&
+            (strcmp(k->string, "Xgemm") == 0 || strcmp(k->string, "XgemmDirect") == 0 ||
+             strcmp(k->string, "GemmRoutine") == 0))
+            return true;
+    return false;
+}
+
+static const char *string_field(const cJSON *root, const char *name) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, name);
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+clmha_status clmha__tuning_from_json(const clmha__tuning_target *tg, const char *json,
+                                     clmha__tuning *t, clmha__tuning_meta *meta, char *msg,
+                                     size_t msg_size) {
+    memset(t, 0, sizeof *t);
+    if (meta) memset(meta, 0, sizeof *meta);
+    if (strlen(json) > TUNING_FILE_MAX)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "the tuning is larger than %u bytes",
+                          TUNING_FILE_MAX);
+    cJSON *root = cJSON_Parse(json);
+    if (!root)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "the tuning is not valid JSON");
+    clmha_status st = CLMHA_SUCCESS;
+    const char *format = string_field(root, "format");
+    const cJSON *version = cJSON_GetObjectItemCaseSensitive(root, "version");
+    const char *platform = string_field(root, "platform");
+    const char *device = string_field(root, "device");
+    const char *driver = string_field(root, "driver");
+    const char *precision = string_field(root, "precision");
+    const char *clblast = string_field(root, "clblast");
+    const cJSON *kernels = cJSON_GetObjectItemCaseSensitive(root, "kernels");
+    if (!cJSON_IsObject(root) || !format || strcmp(format, TUNING_FORMAT) != 0) {
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "not a clmha tuning (\"format\" must be \"" TUNING_FORMAT "\")");
+    } else if (!cJSON_IsNumber(version) || version->valuedouble != TUNING_VERSION) {
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "unsupported tuning version (this clmha reads version %d)",
+                        TUNING_VERSION);
+    } else if (!platform || !device || !driver) {
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "the tuning lacks \"platform\", \"device\" or \"driver\"");
+    } else if (precision && strcmp(precision, "float32") != 0) {
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "the tuning is for precision \"%.20s\", clmha needs \"float32\"",
+                        precision);
+    } else if (!cJSON_IsObject(kernels)) {
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "the tuning lacks a \"kernels\" object");
+    } else if (strcmp(platform, tg->info->platform_name) != 0 ||
+               strcmp(device, tg->info->device_name) != 0) {
+        st = clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                        "the tuning is for device \"%.100s\" of platform \"%.100s\", not for this "
+                        "context's \"%s\" of \"%s\"",
+                        device, platform, tg->info->device_name, tg->info->platform_name);
+    } else if (strcmp(driver, tg->info->driver_version) != 0) {
+        st = clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                        "the tuning is for driver version \"%.60s\", the device has \"%s\" "
+                        "(tune again: clmha tune)",
+                        driver, tg->info->driver_version);
+    } else if (names_clblast_kernel(kernels) &&
+               (!clblast || strcmp(clblast, CLMHA__CLBLAST_VERSION) != 0)) {
+        // CLBlast's parameters (names, constraints, what its kernels do with them) belong to a
+        // CLBlast version. A file without "clblast" was written by a clmha older than the field.
+        if (clblast)
+            st = clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                            "the tuning is for CLBlast %.40s, this clmha uses CLBlast "
+                            CLMHA__CLBLAST_VERSION " (tune again: clmha tune)",
+                            clblast);
+        else
+            st = clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                            "the tuning does not say which CLBlast version it is for (an older "
+                            "clmha wrote it), this clmha uses CLBlast " CLMHA__CLBLAST_VERSION
+                            " (tune again: clmha tune)");
+    }
+    for (const cJSON *k = st ? NULL : kernels->child; k && !st; k = k->next) {
+        const char *name = k->string ? k->string : "";
+        if (strcmp(name, "Xgemm") == 0) {
+            st = parse_params(k, "Xgemm", CLMHA__XGEMM_PARAMS, clmha__xgemm_names, t->xgemm, msg,
+                              msg_size);
+            t->has_xgemm = true;
+        } else if (strcmp(name, "XgemmDirect") == 0) {
+            st = parse_params(k, "XgemmDirect", CLMHA__DIRECT_PARAMS, clmha__direct_names,
+                              t->direct, msg, msg_size);
+            t->has_direct = true;
+        } else if (strcmp(name, "GemmRoutine") == 0) {
+            st = parse_params(k, "GemmRoutine", 1, clmha__routine_names, &t->min_indirect, msg,
+                              msg_size);
+            t->has_routine = true;
+        } else if (strcmp(name, "FusedAttention") == 0) {
+            st = parse_params(k, "FusedAttention", CLMHA__FUSED_PARAMS, clmha__fused_names,
+                              t->fused, msg, msg_size);
+            t->has_fused = true;
+        } else {
+            st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                            "unknown kernel \"%.40s\" (known: Xgemm, XgemmDirect, GemmRoutine, "
+                            "FusedAttention)",
+                            name);
+        }
+    }
+    if (!st && !clmha__tuning_check(t, clmha__tuning_local_mem(tg), tg->max_work_group, msg,
+                                    msg_size))
+        st = CLMHA_INVALID_FILE;
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(root, "measured");
+    if (!st && meta && cJSON_IsObject(m)) {
+        meta->default_gflops = meta_number(m, "sgemm_1024_default_gflops");
+        meta->tuned_gflops = meta_number(m, "sgemm_1024_tuned_gflops");
+        meta->default_layer_gflops = meta_number(m, "layer_projection_default_gflops");
+        meta->tuned_layer_gflops = meta_number(m, "layer_projection_tuned_gflops");
+        meta->candidates = (size_t)meta_number(m, "candidates");
+        meta->seconds = meta_number(m, "seconds");
+        meta_string(m, "layer", meta->layer, sizeof meta->layer);
+        meta_string(m, "date", meta->date, sizeof meta->date);
+    }
+    cJSON_Delete(root);
+    if (st) memset(t, 0, sizeof *t);
+    return st;
+}
+
+// ---- the stored tuning, at context creation -------------------------------------------------
+
+void clmha__tuning_apply_stored(const clmha__tuning_target *tg) {
+    pthread_mutex_lock(&registry_lock);
+    device_state *s = state_of(tg->device);
+    bool skip = !s || s->stored_considered;
+    if (s) s->stored_considered = true;
+    pthread_mutex_unlock(&registry_lock);
+    if (skip) return;  // once per device and process; an explicit tuning is kept
+
+    const char *env = getenv("CLMHA_TUNING");
+    if (env && (strcmp(env, "off") == 0 || strcmp(env, "0") == 0)) {
+        clmha__tuning_set_note(tg->device, "stored tuning not loaded ($CLMHA_TUNING=%s)", env);
+        return;
+    }
+    char path[4400], msg[1024];
+    if (clmha__tuning_path(tg, path, sizeof path, msg, sizeof msg)) {
+        clmha__tuning_set_note(tg->device, "no stored tuning: %s", msg);
+        return;
+    }
+    char *text = NULL;
+    bool missing = false;
+    if (read_text(path, &text, &missing, msg, sizeof msg)) {
+        if (missing)
+            clmha__tuning_set_note(tg->device,
+                                   "no stored tuning (%s not found; create it with clmha tune)",
+                                   path);
+        else
+            clmha__tuning_set_note(tg->device, "stored tuning ignored: %s", msg);
+        return;
+    }
+    clmha__tuning t;
+    clmha__tuning_meta meta;
+    clmha_status st = clmha__tuning_from_json(tg, text, &t, &meta, msg, sizeof msg);
+    free(text);
+    if (st) {
+        clmha__tuning_set_note(tg->device, "stored tuning %s ignored: %s", path, msg);
+        return;
+    }
+    char source[sizeof path + 64];
+    snprintf(source, sizeof source, "stored tuning %s applied", path);
+    char saved[CLMHA__ERROR_SIZE];
+    snprintf(saved, sizeof saved, "%s", clmha_context_last_error(tg->owner));
+    if (clmha__tuning_apply(tg, &t, &meta, source)) {
+        clmha__tuning_set_note(tg->device, "stored tuning %s ignored: %s", path,
+                               clmha_context_last_error(tg->owner));
+        // context creation did not fail: put back the message the thread had
+        clmha__error_restore((const clmha__error_slot *)(const void *)tg->owner, saved);
+    }
+}
