@@ -18,7 +18,7 @@
 #define CLMHA_FUZZ_TARGETS_H
 
 #include "internal.h"
-#include "npy.h"
+#include "cli/npy.h"
 #include "safetensors.h"
 
 #include <float.h>

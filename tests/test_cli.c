@@ -28,7 +28,7 @@
 
 #include "clmha.h"
 #include "case_stride.h"
-#include "npy.h"
+#include "cli/npy.h"
 
 #ifndef CLMHA_CLI_PATH
 #error "CLMHA_CLI_PATH (the path of the built clmha program, a string) must be defined"

@@ -5,7 +5,7 @@
 
 #include <criterion/criterion.h>
 
-#include "heatmap.h"
+#include "cli/heatmap.h"
 
 #include <dirent.h>
 #include <math.h>

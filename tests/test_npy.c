@@ -6,7 +6,7 @@
 
 #include <criterion/criterion.h>
 
-#include "npy.h"
+#include "cli/npy.h"
 
 #include <dirent.h>
 #include <math.h>
