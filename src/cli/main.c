@@ -33,8 +33,11 @@ static const struct command {
     const char *name;
     int (*run)(int argc, char **argv);
 } commands[] = {
-    {"devices", clmha__cli_devices}, {"run", clmha__cli_run},   {"demo", clmha__cli_demo},
-    {"bench", clmha__cli_bench},     {"tune", clmha__cli_tune},
+    {"devices", clmha__cli_devices},
+    {"run", clmha__cli_run},
+    {"demo", clmha__cli_demo},
+    {"bench", clmha__cli_bench},
+    {"tune", clmha__cli_tune},
 };
 enum { NUM_COMMANDS = sizeof commands / sizeof commands[0] };
 
