@@ -1,6 +1,6 @@
-// libFuzzer harness: see clmha_fuzz_forward_args() in fuzz_targets.h. Built by fuzz/CMakeLists.txt
+// libFuzzer harness: see clmha_fuzz_forward_args() in targets.h. Built by fuzz/CMakeLists.txt
 // (-DCLMHA_FUZZ=ON with clang), run by tools/fuzz.sh.
-#include "fuzz_targets.h"
+#include "targets.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "layer/layer.h"
-#include "random_data.h"
+#include "support.h"
 
 #define TOLERANCE 1e-4
 // Chunked against unchunked: the same kernels on the same numbers, only the GEMM calls (plain
@@ -238,14 +238,6 @@ static void instance_free(instance *in) {
 
 static void clear_hook(void) { clmha__test_set_max_alloc(0); }
 
-static clmha_context *open_context(void) {
-    clmha_context *ctx = NULL;
-    clmha_status st = clmha_context_create_from_env(&ctx);
-    if (st == CLMHA_DEVICE_NOT_FOUND) cr_skip_test("no OpenCL device: %s", clmha_last_create_error());
-    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_last_create_error());
-    return ctx;
-}
-
 static void set(clmha_layer *layer, const char *name, const float *data, size_t count) {
     if (!data) return;
     cr_assert_eq(clmha_layer_set_parameter(layer, name, data, count), CLMHA_SUCCESS, "%s: %s",
@@ -309,24 +301,6 @@ typedef struct errors {
     double out, weights;
 } errors;
 
-static double max_diff_ref(const float *got, const double *want, size_t count) {
-    double m = 0.0;
-    for (size_t i = 0; i < count; ++i) {
-        double d = fabs((double)got[i] - want[i]);
-        m = isnan(d) ? INFINITY : fmax(m, d);
-    }
-    return m;
-}
-
-static double max_diff(const float *a, const float *b, size_t count) {
-    double m = 0.0;
-    for (size_t i = 0; i < count; ++i) {
-        double d = fabs((double)a[i] - (double)b[i]);
-        m = isnan(d) ? INFINITY : fmax(m, d);
-    }
-    return m;
-}
-
 static void forward(clmha_layer *layer, const instance *in, float *out, float *w) {
     for (size_t i = 0; i < in->out_count; ++i) out[i] = NAN;
     for (size_t i = 0; i < in->w_count; ++i) w[i] = NAN;
@@ -361,8 +335,8 @@ static errors check_case(clmha_context *ctx, const tcase *c, double *worst_same)
     cr_assert_eq(clmha_reference_forward(&in.desc, &in.params, &in.args, ref_out, in.out_count,
                                          ref_w, in.w_count, msg, sizeof msg),
                  CLMHA_SUCCESS, "%s", msg);
-    errors e = {max_diff_ref(out, ref_out, in.out_count), max_diff_ref(w, ref_w, in.w_count)};
-    double same = fmax(max_diff(out, out_u, in.out_count), max_diff(w, w_u, in.w_count));
+    errors e = {max_abs_err(out, ref_out, in.out_count), max_abs_err(w, ref_w, in.w_count)};
+    double same = fmax(max_abs_diff(out, out_u, in.out_count), max_abs_diff(w, w_u, in.w_count));
     fprintf(stderr, "chunking: %-72s out %.2e weights %.2e chunked-unchunked %.2e\n", name,
             e.out, e.weights, same);
     cr_expect_leq(e.out, TOLERANCE, "%s: output max abs error %g", name, e.out);
@@ -381,7 +355,7 @@ static errors check_case(clmha_context *ctx, const tcase *c, double *worst_same)
 }
 
 static void run_kind(kind k) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     errors worst = {0.0, 0.0};
     double same = 0.0;
     int cases = 0;
@@ -412,7 +386,7 @@ Test(chunking, many_rows_chunks_of_a_head, .fini = clear_hook, .timeout = 600) {
 // The planner on its own: planes per chunk drop to a divisor of H, or to a multiple of it; a
 // row that does not fit is refused.
 Test(chunking, planner_keeps_batch_items_whole, .fini = clear_hook, .timeout = 600) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     clmha_layer_desc desc = {.embed_dim = 6, .num_heads = 3};
     clmha_layer *layer = NULL;
     cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
@@ -448,7 +422,7 @@ Test(chunking, planner_keeps_batch_items_whole, .fini = clear_hook, .timeout = 6
 // chunked head average never reads it), nothing before or after the result is touched, and the
 // event is returned.
 Test(chunking, device_buffers_at_offsets, .fini = clear_hook, .timeout = 600) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     cl_context cl = clmha_context_cl_context(ctx);
     cl_command_queue queue = clmha_context_cl_queue(ctx);
     for (int per_head = 0; per_head < 2; ++per_head) {
@@ -513,8 +487,8 @@ Test(chunking, device_buffers_at_offsets, .fini = clear_hook, .timeout = 600) {
             cr_expect_eq(got_w[i], sentinel, "weights[%zu] before the offset written", i);
             cr_expect_eq(got_w[PAD + in.w_count + i], sentinel, "weights after the end written");
         }
-        double dout = max_diff(got + PAD, want, in.out_count);
-        double dw = max_diff(got_w + PAD, want_w, in.w_count);
+        double dout = max_abs_diff(got + PAD, want, in.out_count);
+        double dw = max_abs_diff(got_w + PAD, want_w, in.w_count);
         fprintf(stderr, "chunking: device path (%s weights) vs host unchunked: out %.2e "
                 "weights %.2e\n", per_head ? "per-head" : "averaged", dout, dw);
         cr_expect_leq(dout, SAME_TOLERANCE);

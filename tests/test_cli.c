@@ -11,7 +11,6 @@
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <math.h>
 #include <signal.h>
@@ -27,8 +26,8 @@
 #include <unistd.h>
 
 #include "clmha.h"
-#include "case_stride.h"
-#include "npy.h"
+#include "cli/npy.h"
+#include "support.h"
 
 #ifndef CLMHA_CLI_PATH
 #error "CLMHA_CLI_PATH (the path of the built clmha program, a string) must be defined"
@@ -56,31 +55,6 @@ typedef struct cli_result {
     char *out;   // stdout, NUL-terminated
     char *err;   // stderr, NUL-terminated
 } cli_result;
-
-static char *slurp(const char *path, size_t *size) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 4096, len = 0;
-    char *buf = malloc(cap + 1);
-    size_t got;
-    while (buf && (got = fread(buf + len, 1, cap - len, f)) > 0) {
-        len += got;
-        if (len == cap) {
-            char *bigger = realloc(buf, 2 * cap + 1);
-            if (!bigger) {
-                free(buf);
-                buf = NULL;
-                break;
-            }
-            buf = bigger;
-            cap *= 2;
-        }
-    }
-    fclose(f);
-    if (buf) buf[len] = '\0';
-    if (size) *size = len;
-    return buf;
-}
 
 // Runs the program with @p args (NULL-terminated, without argv[0]); stdout and stderr are
 // captured in temporary files outside every test folder.
@@ -117,8 +91,8 @@ static cli_result cli_run_argv(const char *const *args) {
     close(err_fd);
     if (WIFEXITED(ws)) r.status = WEXITSTATUS(ws);
     if (WIFSIGNALED(ws)) r.signal = WTERMSIG(ws);
-    r.out = slurp(out_path, NULL);
-    r.err = slurp(err_path, NULL);
+    r.out = read_file(out_path, NULL);
+    r.err = read_file(err_path, NULL);
     unlink(out_path);
     unlink(err_path);
     cr_assert(r.out && r.err, "could not read the captured output");
@@ -170,8 +144,7 @@ typedef struct tmp_dir {
 
 static tmp_dir tmp_make(void) {
     tmp_dir d;
-    snprintf(d.path, sizeof d.path, "/tmp/clmha-cli-XXXXXX");
-    cr_assert(mkdtemp(d.path) != NULL, "mkdtemp failed");
+    tmpdir_make(d.path, sizeof d.path, "clmha-cli");
     return d;
 }
 
@@ -186,18 +159,7 @@ static const char *tmp_file(const tmp_dir *d, const char *name) {
 
 // Number of entries of the folder (without . and ..); the names go to @p names.
 static size_t tmp_list(const tmp_dir *d, char *names, size_t names_size) {
-    DIR *dir = opendir(d->path);
-    cr_assert(dir != NULL, "cannot open %s", d->path);
-    size_t count = 0, used = 0;
-    if (names_size) names[0] = '\0';
-    for (struct dirent *e; (e = readdir(dir)) != NULL;) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        ++count;
-        if (used < names_size)
-            used += (size_t)snprintf(names + used, names_size - used, "%s ", e->d_name);
-    }
-    closedir(dir);
-    return count;
+    return tmpdir_list(d->path, names, names_size);
 }
 
 static bool file_exists(const char *path) {
@@ -205,26 +167,8 @@ static bool file_exists(const char *path) {
     return stat(path, &st) == 0;
 }
 
-// Removes the folder's files (one level: tests create no subfolders except "sub", removed too).
-static void tmp_remove(const tmp_dir *d) {
-    DIR *dir = opendir(d->path);
-    if (!dir) return;
-    for (struct dirent *e; (e = readdir(dir)) != NULL;) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        char p[CLI_PATH_SIZE];
-        snprintf(p, sizeof p, "%s/%s", d->path, e->d_name);
-        if (remove(p) != 0) rmdir(p);
-    }
-    closedir(dir);
-    rmdir(d->path);
-}
-
-static void write_bytes(const char *path, const void *bytes, size_t size) {
-    FILE *f = fopen(path, "wb");
-    cr_assert(f != NULL, "cannot create %s", path);
-    cr_assert_eq(fwrite(bytes, 1, size, f), size);
-    cr_assert_eq(fclose(f), 0);
-}
+// Removes the folder with its files (and the empty subfolder "sub" some tests make).
+static void tmp_remove(const tmp_dir *d) { tmpdir_remove(d->path); }
 
 // A .npy file of any dtype, version 1.0, C order.
 static void write_npy_raw(const char *path, const char *descr, size_t ndim, const size_t *shape,
@@ -346,10 +290,6 @@ struct cli_param {
     char name[CLI_MAX_NAME];
 };
 
-static void cli_free_params(struct criterion_test_params *crp) {
-    cr_free(crp->params);
-}
-
 ParameterizedTestParameters(cli, cases) {
     case_stride stride = case_stride_get("cli", CLI_NUM_CASES);
     struct cli_param *params = CLI_NUM_CASES ? cr_malloc(CLI_NUM_CASES * sizeof *params) : NULL;
@@ -361,7 +301,7 @@ ParameterizedTestParameters(cli, cases) {
         snprintf(params[n].name, sizeof params[n].name, "%s", cli_case_names[i]);
         ++n;
     }
-    return cr_make_param_array(struct cli_param, params, n, cli_free_params);
+    return cr_make_param_array(struct cli_param, params, n, case_params_free);
 }
 
 Test(cli, cases_listed) {
@@ -369,8 +309,8 @@ Test(cli, cases_listed) {
 }
 
 // Max abs difference; a NaN or infinity on one side only counts as infinite.
-static double max_abs_diff(const clmha__npy *got, const clmha__npy *want, const char *what,
-                           const char *name) {
+static double npy_max_abs_diff(const clmha__npy *got, const clmha__npy *want, const char *what,
+                               const char *name) {
     cr_assert_eq(got->ndim, want->ndim, "%s %s: got %zu-D, want %zu-D", name, what, got->ndim,
                  want->ndim);
     for (size_t i = 0; i < got->ndim; ++i)
@@ -420,7 +360,7 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
     }
     char args_path[CLI_PATH_SIZE];
     snprintf(args_path, sizeof args_path, "%s/args", dir);
-    char *extra = slurp(args_path, NULL);
+    char *extra = read_file(args_path, NULL);
     if (extra)
         for (char *tok = strtok(extra, " \t\r\n"); tok; tok = strtok(NULL, " \t\r\n")) {
             cr_assert_lt(argc, CLI_MAX_ARGS - 4, "%s: too many arguments", name);
@@ -446,14 +386,14 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
     snprintf(want_path, sizeof want_path, "%s/expected_output.npy", dir);
     read_npy(out_path, &got);
     read_npy(want_path, &want);
-    double out_err = max_abs_diff(&got, &want, "output", name);
+    double out_err = npy_max_abs_diff(&got, &want, "output", name);
     clmha__npy_free(&got);
     clmha__npy_free(&want);
     double w_err = -1;
     if (weights) {
         read_npy(w_path, &got);
         read_npy(want_w_path, &want);
-        w_err = max_abs_diff(&got, &want, "weights", name);
+        w_err = npy_max_abs_diff(&got, &want, "weights", name);
         clmha__npy_free(&got);
         clmha__npy_free(&want);
     } else {
@@ -484,7 +424,7 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
                  r.err);
     read_npy(out_path, &got);
     read_npy(want_path, &want);
-    double other_err = max_abs_diff(&got, &want, "output", name);
+    double other_err = npy_max_abs_diff(&got, &want, "output", name);
     clmha__npy_free(&got);
     clmha__npy_free(&want);
     fprintf(stderr, "cli %s --impl %s out_maxabs=%.3e\n", name, other, other_err);
@@ -515,7 +455,7 @@ Test(cli_refused, missing_query_file) {
 Test(cli_refused, truncated_npy) {
     tmp_dir d = make_inputs();
     size_t size = 0;
-    char *bytes = slurp(tmp_file(&d, "q.npy"), &size);
+    char *bytes = read_file(tmp_file(&d, "q.npy"), &size);
     cr_assert(bytes && size > 100);
     write_bytes(tmp_file(&d, "short.npy"), bytes, size - 10);  // data cut short
     write_bytes(tmp_file(&d, "header.npy"), bytes, 20);        // header cut short
@@ -793,7 +733,7 @@ Test(cli_demo, writes_heatmap_png) {
     cr_assert_eq(r.status, 0, "stdout: %s\nstderr: %s", r.out, r.err);
     cr_assert(strstr(r.out, "PASS") != NULL, "stdout: %s", r.out);
     size_t size = 0;
-    char *bytes = slurp(png, &size);
+    char *bytes = read_file(png, &size);
     cr_assert(bytes != NULL, "%s was not written", png);
     cr_assert_gt(size, 8);
     cr_assert(memcmp(bytes, "\x89PNG\r\n\x1a\n", 8) == 0, "no PNG signature");

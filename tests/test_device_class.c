@@ -16,7 +16,7 @@
 #include "cores/fused.h"
 #include "device/device_class.h"
 #include "layer/layer.h"
-#include "random_data.h"
+#include "support.h"
 
 #define TOLERANCE 1e-4
 
@@ -208,15 +208,6 @@ static clmha_tensor seq_tensor(const mcase *c, const float *data, size_t n, size
     return (clmha_tensor){.ndim = 3, .shape = {t, n, f}, .data = data};
 }
 
-static double max_err(const float *got, const double *want, size_t count) {
-    double m = 0.0;
-    for (size_t i = 0; i < count; ++i) {
-        double d = fabs((double)got[i] - want[i]);
-        if (!(d <= m)) m = isnan(d) ? INFINITY : d;
-    }
-    return m;
-}
-
 // Runs every case on a context created under class @p cls (NULL: detected) through both cores
 // and compares with the reference; @p want_coalesced: the mapping the class must select.
 static void run_mapping(const char *cls, bool want_coalesced) {
@@ -292,7 +283,7 @@ static void run_mapping(const char *cls, bool want_coalesced) {
         for (size_t i = 0; i < oc; ++i) out[i] = NAN;
         cr_assert_eq(clmha_layer_forward_host(layer, &args, out, oc, w, wc), CLMHA_SUCCESS,
                      "%s", clmha_context_last_error(ctx));
-        double eo = max_err(out, ref, oc), ew = max_err(w, ref_w, wc);
+        double eo = max_abs_err(out, ref, oc), ew = max_abs_err(w, ref_w, wc);
         cr_expect_leq(eo, TOLERANCE, "%s, %s, unfused: output error %g", ctx->cls->name,
                       c->name, eo);
         cr_expect_leq(ew, TOLERANCE, "%s, %s, unfused: weights error %g", ctx->cls->name,
@@ -303,7 +294,7 @@ static void run_mapping(const char *cls, bool want_coalesced) {
         for (size_t i = 0; i < oc; ++i) out[i] = NAN;
         cr_assert_eq(clmha_layer_forward_host(layer, &args, out, oc, NULL, 0), CLMHA_SUCCESS,
                      "%s", clmha_context_last_error(ctx));
-        eo = max_err(out, ref, oc);
+        eo = max_abs_err(out, ref, oc);
         cr_expect_leq(eo, TOLERANCE, "%s, %s, fused: output error %g", ctx->cls->name, c->name,
                       eo);
         const clmha__fused_tiles *t = &layer->tiles_fused;

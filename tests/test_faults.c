@@ -18,22 +18,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cl_refs.h"
 #include "context/context.h"
 #include "context/programs.h"
+#include "support_internal.h"
 
 extern char **environ;
 
 // ---- helpers ---------------------------------------------------------------------------------
-
-static clmha_context *open_ctx(void) {
-    clmha_context *ctx = NULL;
-    clmha_status st = clmha_context_create_from_env(&ctx);
-    if (st == CLMHA_DEVICE_NOT_FOUND) cr_skip_test("no OpenCL device: %s", clmha_last_create_error());
-    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_context_create_from_env: %s",
-                 clmha_last_create_error());
-    return ctx;
-}
 
 static cl_ulong max_alloc(clmha_context *ctx) {
     cl_ulong bytes = 0;
@@ -42,11 +33,6 @@ static cl_ulong max_alloc(clmha_context *ctx) {
                  CL_SUCCESS);
     cr_assert_gt(bytes, 0);
     return bytes;
-}
-
-static float frand(uint64_t *s) {
-    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(*s >> 11) / 9007199254740992.0 * 2.0 - 1.0);
 }
 
 // A small layer (E 8, 2 heads, bias) with random parameters, and its reference parameters.
@@ -170,7 +156,7 @@ static void check_rows(const result *r, bool (*expect_nan)(size_t l, size_t n), 
 // ---- (a) allocations beyond CL_DEVICE_MAX_MEM_ALLOC_SIZE --------------------------------------
 
 // The application's own cl_context (so that its reference count shows any cl_mem, cl_program or
-// cl_kernel clmha leaves behind, where the driver's counts move: tests/cl_refs.h) and a clmha
+// cl_kernel clmha leaves behind, where the driver's counts move: tests/support.h) and a clmha
 // context on it.
 typedef struct wrapped {
     cl_context context;
@@ -351,7 +337,7 @@ static void clear_hook(void) { clmha__test_set_extra_build_options(NULL); }
 
 Test(faults, build_failure_carries_the_build_log, .fini = clear_hook, .timeout = 600) {
     // A new context: its program cache is empty, so layer creation must build cl/heads.cl.
-    clmha_context *ctx = open_ctx();
+    clmha_context *ctx = context_or_skip();
     clmha__test_set_extra_build_options("-DCLMHA_FORCE_BUILD_ERROR");
     clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
     clmha_layer *layer = (clmha_layer *)0x1;
@@ -434,14 +420,14 @@ static int run_child(char *const argv[], char **env, char *out, size_t out_size)
 }
 
 Test(faults, no_platform_cli_says_install_pocl, .timeout = 600) {
-    char dir[] = "/tmp/clmha-no-vendors-XXXXXX";
-    cr_assert_not_null(mkdtemp(dir));
+    char dir[64];
+    tmpdir_make(dir, sizeof dir, "clmha-no-vendors");
     char **env = child_env(dir, NULL);
     char *argv[] = {CLMHA_CLI_PATH, "demo", NULL};
     static char out[16384];
     int code = run_child(argv, env, out, sizeof out);
     free(env);
-    rmdir(dir);
+    tmpdir_remove(dir);
     cr_expect_eq(code, 1, "clmha demo without a platform exited with %d:\n%s", code, out);
     cr_expect(strstr(out, "pocl-opencl-icd") != NULL,
               "the message should name the package to install:\n%s", out);
@@ -474,14 +460,14 @@ Test(faults, no_platform_context_create_is_device_not_found, .timeout = 600) {
     ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
     if (len <= 0) cr_skip_test("no /proc/self/exe");
     self[len] = 0;
-    char dir[] = "/tmp/clmha-no-vendors-XXXXXX";
-    cr_assert_not_null(mkdtemp(dir));
+    char dir[64];
+    tmpdir_make(dir, sizeof dir, "clmha-no-vendors");
     char **env = child_env(dir, CHILD_VAR "=1");
     char *argv[] = {self, NULL};
     static char out[16384];
     int code = run_child(argv, env, out, sizeof out);
     free(env);
-    rmdir(dir);
+    tmpdir_remove(dir);
     cr_expect_eq(code, 0, "clmha_context_create without a platform (exit %d):\n%s", code, out);
 }
 
@@ -492,7 +478,7 @@ static bool nan_item_1(size_t l, size_t n) { return (void)l, n == 1; }
 static bool nan_row_l1(size_t l, size_t n) { return (void)n, l == 1; }
 
 Test(faults, nan_in_one_query_row_gives_that_row_nan, .timeout = 600) {
-    clmha_context *ctx = open_ctx();
+    clmha_context *ctx = context_or_skip();
     small m;
     clmha_layer *layer = small_layer(ctx, &m, true);
     inputs in;
@@ -507,7 +493,7 @@ Test(faults, nan_in_one_query_row_gives_that_row_nan, .timeout = 600) {
 }
 
 Test(faults, nan_in_a_key_gives_its_batch_item_nan, .timeout = 600) {
-    clmha_context *ctx = open_ctx();
+    clmha_context *ctx = context_or_skip();
     small m;
     clmha_layer *layer = small_layer(ctx, &m, true);
     inputs in;
@@ -525,7 +511,7 @@ Test(faults, nan_in_a_key_gives_its_batch_item_nan, .timeout = 600) {
 // row 1 NaN in every batch item (softmax of a row holding +inf is inf - inf = NaN); the other rows
 // are unaffected.
 Test(faults, inf_or_nan_in_float_attn_mask_gives_that_row_nan, .timeout = 600) {
-    clmha_context *ctx = open_ctx();
+    clmha_context *ctx = context_or_skip();
     small m;
     clmha_layer *layer = small_layer(ctx, &m, true);
     const float bad[2] = {INFINITY, NAN};
@@ -545,7 +531,7 @@ Test(faults, inf_or_nan_in_float_attn_mask_gives_that_row_nan, .timeout = 600) {
 // Every key forbidden (-inf everywhere): the documented difference from PyTorch (which gives
 // NaN): zero weights, zero attention, so every output row is out_proj.bias.
 Test(faults, minus_inf_everywhere_gives_the_documented_zeros, .timeout = 600) {
-    clmha_context *ctx = open_ctx();
+    clmha_context *ctx = context_or_skip();
     small m;
     clmha_layer *layer = small_layer(ctx, &m, true);
     inputs in;
@@ -571,7 +557,7 @@ Test(faults, minus_inf_everywhere_gives_the_documented_zeros, .timeout = 600) {
 // NaN left in the scratch by one call, or in the caller's output buffer, must not reach the next
 // result (a GEMM with beta = 0 must not read C: 0 * NaN is NaN).
 Test(faults, nan_does_not_survive_into_later_calls, .timeout = 600) {
-    clmha_context *ctx = open_ctx();
+    clmha_context *ctx = context_or_skip();
     small m;
     clmha_layer *layer = small_layer(ctx, &m, false);  // no bias: the output GEMM has beta = 0
     inputs in;

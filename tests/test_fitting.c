@@ -23,7 +23,7 @@
 
 #include "cores/fused.h"
 #include "layer/layer.h"
-#include "random_data.h"
+#include "support.h"
 
 #define TOLERANCE 1e-4
 
@@ -48,12 +48,9 @@ static fixture fx;
 // Context, layer with random parameters, a cross-attention call (L queries, S keys) with a
 // key padding mask and is_causal, and its reference output. The hooks must be set before.
 static void setup_case(void) {
-    clmha_status st = clmha_context_create_from_env(&fx.ctx);
-    if (st == CLMHA_DEVICE_NOT_FOUND)
-        cr_skip_test("no OpenCL device: %s", clmha_last_create_error());
-    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_last_create_error());
+    fx.ctx = context_or_skip();
     fx.desc = (clmha_layer_desc){.embed_dim = E, .num_heads = H, .bias = true};
-    st = clmha_layer_create(&fx.layer, fx.ctx, &fx.desc);
+    clmha_status st = clmha_layer_create(&fx.layer, fx.ctx, &fx.desc);
     cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(fx.ctx));
     prng r = {2024};
     double bound = 1.0 / sqrt((double)E);
@@ -103,11 +100,7 @@ static void run_and_check(clmha_impl impl, const char *what) {
     for (size_t i = 0; i < L * N * E; ++i) fx.y[i] = NAN;
     clmha_status st = clmha_layer_forward_host(fx.layer, &fx.args, fx.y, L * N * E, NULL, 0);
     cr_assert_eq(st, CLMHA_SUCCESS, "%s: %s", what, clmha_context_last_error(fx.ctx));
-    double err = 0.0;
-    for (size_t i = 0; i < L * N * E; ++i) {
-        double d = fabs((double)fx.y[i] - fx.ref[i]);
-        if (!(d <= err)) err = d;  // NaN wins
-    }
+    double err = max_abs_err(fx.y, fx.ref, L * N * E);  // NaN counts as +inf
     cr_assert(err <= TOLERANCE, "%s: max |output - reference| = %g > %g", what, err, TOLERANCE);
 }
 

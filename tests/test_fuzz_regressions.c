@@ -1,15 +1,17 @@
 // Replays the fuzzers' seed corpora (fuzz/corpus/<harness>/) and every reproducer they found
 // (tests/fuzz_regressions/<harness>/) through the same targets as the libFuzzer harnesses
-// (fuzz/fuzz_targets.h): each input must return without a crash or a failed invariant. Seeds
-// named valid_* must also succeed (the parse, or the shape resolution of the forward call), and
-// seeds named invalid_* must be refused.
+// (fuzz/targets.h, fuzz/target_*.c): each input must return without a crash or a failed
+// invariant. Seeds named valid_* must also succeed (the parse, or the shape resolution of the
+// forward call), and seeds named invalid_* must be refused.
 //
-// Needs the library's internals: link libclmha.a (clmha_static), src/npy.c and fuzz/ on the
-// include path.
+// Links the targets built for the tests (clmha_test_fuzz_targets: the fuzz/target_*.c files on
+// libclmha.a and clmha_support, without the fuzzers' instrumentation).
 #define _POSIX_C_SOURCE 200809L
 
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
+
+#include <clmha.h>
 
 #include <dirent.h>
 #include <errno.h>
@@ -17,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fuzz_targets.h"
+#include "targets.h"
 
 #ifndef CLMHA_TEST_DATA_DIR
 #error "CLMHA_TEST_DATA_DIR (absolute path of tests/) must be defined"

@@ -16,8 +16,8 @@
 #include <string.h>
 
 #include "clmha.h"
-#include "case_stride.h"
 #include "golden.h"
+#include "support.h"
 
 #ifndef CLMHA_GOLDEN_DIR
 #error "CLMHA_GOLDEN_DIR (the path of tests/golden, a string) must be defined"
@@ -37,10 +37,6 @@ struct golden_param {
     char name[GOLDEN_MAX_NAME];
 };
 
-static void golden_free_params(struct criterion_test_params *crp) {
-    cr_free(crp->params);
-}
-
 ParameterizedTestParameters(golden, cases) {
     case_stride stride = case_stride_get("golden", GOLDEN_NUM_CASES);
     struct golden_param *params = cr_malloc(GOLDEN_NUM_CASES * sizeof *params);
@@ -52,7 +48,7 @@ ParameterizedTestParameters(golden, cases) {
         snprintf(params[n].name, sizeof params[n].name, "%s", golden_case_names[i]);
         ++n;
     }
-    return cr_make_param_array(struct golden_param, params, n, golden_free_params);
+    return cr_make_param_array(struct golden_param, params, n, case_params_free);
 }
 
 // ---- helpers ---------------------------------------------------------------------------------
@@ -106,16 +102,6 @@ static double max_err_d(const double *got, const double *want, size_t n) {
     double m = 0.0;
     for (size_t i = 0; i < n; i++) {
         double d = fabs(got[i] - want[i]);
-        if (isnan(d)) d = INFINITY;
-        if (d > m) m = d;
-    }
-    return m;
-}
-
-static double max_err_f(const float *got, const double *want, size_t n) {
-    double m = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)got[i] - want[i]);
         if (isnan(d)) d = INFINITY;
         if (d > m) m = d;
     }
@@ -260,8 +246,8 @@ ParameterizedTest(struct golden_param *param, golden, cases, .timeout = 120) {
     cr_assert_eq(st, CLMHA_SUCCESS, "%s: clmha_layer_forward_host: %s: %s", gc.name,
                  clmha_status_string(st), clmha_context_last_error(ctx));
 
-    double out_err = max_err_f(out, want_out->f64, n_out);
-    double w_err = want_w ? max_err_f(w, want_w->f64, n_w) : 0.0;
+    double out_err = max_abs_err(out, want_out->f64, n_out);
+    double w_err = want_w ? max_abs_err(w, want_w->f64, n_w) : 0.0;
 
     // (c) both built-in cores, without weights.
     double core_err[2];
@@ -274,7 +260,7 @@ ParameterizedTest(struct golden_param *param, golden, cases, .timeout = 120) {
         cr_assert_eq(st, CLMHA_SUCCESS, "%s: clmha_layer_forward_host (impl %s): %s: %s",
                      gc.name, clmha_impl_name(cores[c]), clmha_status_string(st),
                      clmha_context_last_error(ctx));
-        core_err[c] = max_err_f(out, want_out->f64, n_out);
+        core_err[c] = max_abs_err(out, want_out->f64, n_out);
     }
     fprintf(stderr,
             "golden %s out_maxabs=%.3e w_maxabs=%.3e ref_maxabs=%.3e fused=%.3e unfused=%.3e\n",

@@ -5,9 +5,9 @@
 
 #include <criterion/criterion.h>
 
-#include "heatmap.h"
+#include "cli/heatmap.h"
+#include "support.h"
 
-#include <dirent.h>
 #include <math.h>
 #include <png.h>
 #include <stdio.h>
@@ -64,36 +64,6 @@ static void assert_cell(const rgb_image *im, const clmha__heatmap_layout *l, siz
     char what[64];
     snprintf(what, sizeof what, "tile %zu cell (%zu, %zu)", t, r, c);
     assert_pixel(im, x, y, rgb, what);
-}
-
-static void make_tmpdir(char *dir, size_t size) {
-    snprintf(dir, size, "/tmp/clmha_test_heatmap_XXXXXX");
-    cr_assert_not_null(mkdtemp(dir));
-}
-
-static size_t dir_count(const char *dir) {
-    DIR *d = opendir(dir);
-    cr_assert_not_null(d);
-    size_t n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)))
-        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0) ++n;
-    closedir(d);
-    return n;
-}
-
-static void rm_tmpdir(const char *dir) {
-    DIR *d = opendir(dir);
-    if (!d) return;
-    struct dirent *e;
-    char path[512];
-    while ((e = readdir(d))) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        if (remove(path) != 0) rmdir(path);
-    }
-    closedir(d);
-    rmdir(dir);
 }
 
 // ---- colormap ------------------------------------------------------------------------------
@@ -172,11 +142,11 @@ Test(heatmap, layout_of_two_heads) {
 
 Test(heatmap, pixels_match_the_weights) {
     char dir[64], path[128], msg[MSG_SIZE] = "";
-    make_tmpdir(dir, sizeof dir);
+    tmpdir_make(dir, sizeof dir, "clmha-heatmap");
     snprintf(path, sizeof path, "%s/w.png", dir);
     cr_assert_eq(clmha__heatmap_write(path, weights, H, L, S, msg, sizeof msg), CLMHA_SUCCESS,
                  "%s", msg);
-    cr_assert_eq(dir_count(dir), 1, "a temporary file was left behind");
+    cr_assert_eq(tmpdir_count(dir), 1, "a temporary file was left behind");
     struct stat sb;
     cr_assert_eq(stat(path, &sb), 0);
     cr_assert_eq(sb.st_mode & 0777, 0644);
@@ -223,14 +193,14 @@ Test(heatmap, pixels_match_the_weights) {
     assert_pixel(&im, 0, 0, white, "background");
     assert_pixel(&im, im.w - 1, im.h - 1, white, "background");
     free(im.px);
-    rm_tmpdir(dir);
+    tmpdir_remove(dir);
 }
 
 // The scale runs to the largest weight: a head whose largest weight is 0.2 still reaches the top
 // colour. NaN cells are grey. One head: no mean tile.
 Test(heatmap, scale_to_the_largest_weight_and_nan) {
     char dir[64], path[128], msg[MSG_SIZE] = "";
-    make_tmpdir(dir, sizeof dir);
+    tmpdir_make(dir, sizeof dir, "clmha-heatmap");
     snprintf(path, sizeof path, "%s/s.png", dir);
     const float w[2 * 2] = {0.2f, 0.1f, 0.0f, NAN};
     cr_assert_eq(clmha__heatmap_write(path, w, 1, 2, 2, msg, sizeof msg), CLMHA_SUCCESS, "%s",
@@ -246,7 +216,7 @@ Test(heatmap, scale_to_the_largest_weight_and_nan) {
     assert_cell(&im, &l, 0, 1, 0, 0.0);
     assert_cell(&im, &l, 0, 1, 1, NAN);
     free(im.px);
-    rm_tmpdir(dir);
+    tmpdir_remove(dir);
 }
 
 // Long sequences are averaged down to at most 192 cells a side.
@@ -257,7 +227,7 @@ Test(heatmap, long_sequences_are_averaged) {
     for (size_t i = 0; i < LL / 2; ++i)
         for (size_t j = 0; j < SS; ++j) w[i * SS + j] = 0.01f;  // top half: 0.01
     char dir[64], path[128], msg[MSG_SIZE] = "";
-    make_tmpdir(dir, sizeof dir);
+    tmpdir_make(dir, sizeof dir, "clmha-heatmap");
     snprintf(path, sizeof path, "%s/long.png", dir);
     cr_assert_eq(clmha__heatmap_write(path, w, 1, LL, SS, msg, sizeof msg), CLMHA_SUCCESS, "%s",
                  msg);
@@ -275,7 +245,7 @@ Test(heatmap, long_sequences_are_averaged) {
     assert_cell(&im, &l, 0, 191, 0, 0.0);
     free(im.px);
     free(w);
-    rm_tmpdir(dir);
+    tmpdir_remove(dir);
 }
 
 Test(heatmap, many_heads_stay_bounded) {
@@ -296,25 +266,25 @@ Test(heatmap, many_heads_stay_bounded) {
 
 Test(heatmap, missing_folder_is_io_error_and_leaves_nothing) {
     char dir[64], path[160], msg[MSG_SIZE] = "";
-    make_tmpdir(dir, sizeof dir);
+    tmpdir_make(dir, sizeof dir, "clmha-heatmap");
     snprintf(path, sizeof path, "%s/no/such/folder/w.png", dir);
     cr_assert_eq(clmha__heatmap_write(path, weights, H, L, S, msg, sizeof msg), CLMHA_IO_ERROR);
     cr_assert(strstr(msg, "no/such/folder/w.png"), "%s", msg);
     cr_assert(strstr(msg, "No such file or directory"), "%s", msg);
     cr_assert_eq(access(path, F_OK), -1);
-    cr_assert_eq(dir_count(dir), 0);
-    rm_tmpdir(dir);
+    cr_assert_eq(tmpdir_count(dir), 0);
+    tmpdir_remove(dir);
 }
 
 Test(heatmap, failed_rename_removes_the_temporary_file) {
     char dir[64], path[128], msg[MSG_SIZE] = "";
-    make_tmpdir(dir, sizeof dir);
+    tmpdir_make(dir, sizeof dir, "clmha-heatmap");
     snprintf(path, sizeof path, "%s/w.png", dir);
     cr_assert_eq(mkdir(path, 0755), 0);  // the target is a folder
     cr_assert_eq(clmha__heatmap_write(path, weights, H, L, S, msg, sizeof msg), CLMHA_IO_ERROR);
     cr_assert(strstr(msg, "w.png"), "%s", msg);
-    cr_assert_eq(dir_count(dir), 1, "the temporary file was left behind");
-    rm_tmpdir(dir);
+    cr_assert_eq(tmpdir_count(dir), 1, "the temporary file was left behind");
+    tmpdir_remove(dir);
 }
 
 Test(heatmap, bad_arguments) {

@@ -1,7 +1,7 @@
 #define _POSIX_C_SOURCE 200809L
 // Embedding: the caller's own cl_context, queue, buffers and event wait lists; reference counts;
 // a user-supplied attention core. Links libclmha.a for clmha's counts of the OpenCL objects it
-// holds (tests/cl_refs.h).
+// holds (tests/support.h).
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -10,7 +10,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "cl_refs.h"
+#include "support_internal.h"
 
 enum { E = 16, H = 4, D = E / H, L = 5, N = 3, S = L };
 
@@ -38,11 +38,6 @@ static bool app_open(app *a) {
 static void app_close(app *a) {
     clReleaseCommandQueue(a->queue);
     clReleaseContext(a->context);
-}
-
-static float frand(uint64_t *s) {
-    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(*s >> 11) / 9007199254740992.0 * 2.0 - 1.0);
 }
 
 static float w_in[3 * E * E], b_in[3 * E], w_out[E * E], b_out[E], x[L * N * E];
@@ -90,7 +85,7 @@ static void sleep_ms(long ms) {
 Test(interop, caller_objects_wait_list_event_and_refcounts) {
     app a;
     if (!app_open(&a)) cr_skip_test("no OpenCL device");
-    // Reference counts: the driver's where they move (tests/cl_refs.h), clmha's own always.
+    // Reference counts: the driver's where they move (tests/support.h), clmha's own always.
     bool ctx_move = refs_move(REF_CONTEXT, a.context), queue_move = refs_move(REF_QUEUE, a.queue);
     if (ctx_move) context_refs_show_objects(a.context);  // notes when it does not
     cl_uint ctx_refs0 = refs_of(REF_CONTEXT, a.context), queue_refs0 = refs_of(REF_QUEUE, a.queue);
@@ -165,9 +160,7 @@ Test(interop, caller_objects_wait_list_event_and_refcounts) {
     clEnqueueReadBuffer(a.queue, out, CL_TRUE, 0, sizeof y, y, 0, NULL, NULL);
     clEnqueueReadBuffer(a.queue, w, CL_TRUE, 0, sizeof wt, wt, 0, NULL, NULL);
     reference(y_ref, w_ref);
-    double err_y = 0, err_w = 0;
-    for (size_t i = 0; i < L * N * E; ++i) err_y = fmax(err_y, fabs(y[i] - y_ref[i]));
-    for (size_t i = 0; i < N * L * S; ++i) err_w = fmax(err_w, fabs(wt[i] - w_ref[i]));
+    double err_y = max_abs_err(y, y_ref, L * N * E), err_w = max_abs_err(wt, w_ref, N * L * S);
     cr_assert_leq(err_y, 1e-4, "output error %g", err_y);
     cr_assert_leq(err_w, 1e-4, "weights error %g", err_w);
 
@@ -240,10 +233,7 @@ static clmha_status failing_core(const clmha_core_args *c, void *user) {
 }
 
 Test(interop, user_attention_core) {
-    clmha_context *ctx = NULL;
-    clmha_status st = clmha_context_create_from_env(&ctx);
-    if (st == CLMHA_DEVICE_NOT_FOUND) cr_skip_test("no OpenCL device");
-    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_last_create_error());
+    clmha_context *ctx = context_or_skip();
     clmha_layer *layer = make_layer(ctx);
     core_log log = {0};
     cr_assert_eq(clmha_layer_set_attention(layer, host_core, &log), CLMHA_SUCCESS);
@@ -257,9 +247,7 @@ Test(interop, user_attention_core) {
     cr_assert(log.batch == N && log.heads == H && log.tgt == L && log.src == S &&
               log.src_padded == S && log.head_dim == D);
     reference(y_ref, w_ref);
-    double err_y = 0, err_w = 0;
-    for (size_t i = 0; i < L * N * E; ++i) err_y = fmax(err_y, fabs(y[i] - y_ref[i]));
-    for (size_t i = 0; i < N * L * S; ++i) err_w = fmax(err_w, fabs(w[i] - w_ref[i]));
+    double err_y = max_abs_err(y, y_ref, L * N * E), err_w = max_abs_err(w, w_ref, N * L * S);
     cr_assert_leq(err_y, 1e-4, "output error %g through the user core", err_y);
     cr_assert_leq(err_w, 1e-4, "weights error %g through the user core", err_w);
 
@@ -275,8 +263,7 @@ Test(interop, user_attention_core) {
     cr_assert_eq(clmha_layer_set_attention(layer, NULL, NULL), CLMHA_SUCCESS);
     cr_assert_eq(clmha_layer_forward_host(layer, &args, y, L * N * E, w, N * L * S),
                  CLMHA_SUCCESS);
-    err_y = 0;
-    for (size_t i = 0; i < L * N * E; ++i) err_y = fmax(err_y, fabs(y[i] - y_ref[i]));
+    err_y = max_abs_err(y, y_ref, L * N * E);
     cr_assert_leq(err_y, 1e-4);
     clmha_layer_release(layer);
     clmha_context_release(ctx);

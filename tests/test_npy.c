@@ -6,9 +6,9 @@
 
 #include <criterion/criterion.h>
 
-#include "npy.h"
+#include "cli/npy.h"
+#include "support.h"
 
-#include <dirent.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -104,53 +104,16 @@ static void assert_shape(const clmha__npy *a, size_t ndim, const size_t *shape) 
 }
 
 static unsigned char *slurp(const char *path, size_t *size) {
-    FILE *f = fopen(path, "rb");
-    cr_assert_not_null(f, "cannot open %s", path);
-    unsigned char *buf = malloc(1 << 16);
-    cr_assert_not_null(buf);
-    *size = fread(buf, 1, 1 << 16, f);
-    fclose(f);
+    unsigned char *buf = (unsigned char *)read_file(path, size);
+    cr_assert_not_null(buf, "cannot read %s", path);
     return buf;
-}
-
-// A fresh folder under /tmp, removed (with its files) by rm_tmpdir.
-static void make_tmpdir(char *dir, size_t size) {
-    snprintf(dir, size, "/tmp/clmha_test_npy_XXXXXX");
-    cr_assert_not_null(mkdtemp(dir));
-}
-
-// Names of the entries of @p dir, separated by '|', sorted by readdir order (tests use at most
-// one or two entries, so order does not matter to them).
-static size_t dir_count(const char *dir) {
-    DIR *d = opendir(dir);
-    cr_assert_not_null(d);
-    size_t n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)))
-        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0) ++n;
-    closedir(d);
-    return n;
-}
-
-static void rm_tmpdir(const char *dir) {
-    DIR *d = opendir(dir);
-    if (!d) return;
-    struct dirent *e;
-    char path[512];
-    while ((e = readdir(d))) {
-        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        if (remove(path) != 0) rmdir(path);
-    }
-    closedir(d);
-    rmdir(dir);
 }
 
 // ---- write, then read back -----------------------------------------------------------------
 
 static void round_trip(size_t ndim, const size_t *shape) {
     char dir[64], path[128], msg[MSG_SIZE] = "";
-    make_tmpdir(dir, sizeof dir);
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
     snprintf(path, sizeof path, "%s/a.npy", dir);
     size_t count = 1;
     for (size_t i = 0; i < ndim; ++i) count *= shape[i];
@@ -164,7 +127,7 @@ static void round_trip(size_t ndim, const size_t *shape) {
     }
     cr_assert_eq(clmha__npy_write_f32(path, data, ndim, shape, msg, sizeof msg), CLMHA_SUCCESS,
                  "%s", msg);
-    cr_assert_eq(dir_count(dir), 1, "a temporary file was left behind");
+    cr_assert_eq(tmpdir_count(dir), 1, "a temporary file was left behind");
 
     size_t size;
     unsigned char *bytes = slurp(path, &size);
@@ -185,7 +148,7 @@ static void round_trip(size_t ndim, const size_t *shape) {
     clmha__npy_free(&a);
     assert_zeroed(&a);
     free(data);
-    rm_tmpdir(dir);
+    tmpdir_remove(dir);
 }
 
 Test(npy_write, round_trip_0d) { round_trip(0, NULL); }
@@ -212,7 +175,7 @@ Test(npy_write, round_trip_empty_and_8d) {
 // The writer's bytes are exactly NumPy's (np.save of the same array).
 Test(npy_write, same_bytes_as_numpy) {
     char dir[64], path[128], msg[MSG_SIZE] = "";
-    make_tmpdir(dir, sizeof dir);
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
     snprintf(path, sizeof path, "%s/b.npy", dir);
     float v[24];
     for (int i = 0; i < 24; ++i) v[i] = (float)i;
@@ -233,12 +196,12 @@ Test(npy_write, same_bytes_as_numpy) {
     cr_assert(memcmp(mine, theirs, n1) == 0);
     free(mine);
     free(theirs);
-    rm_tmpdir(dir);
+    tmpdir_remove(dir);
 }
 
 Test(npy_write, overwrites_whole_file) {
     char dir[64], path[128], msg[MSG_SIZE] = "";
-    make_tmpdir(dir, sizeof dir);
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
     snprintf(path, sizeof path, "%s/c.npy", dir);
     float big[100] = {0}, small[2] = {7.0f, 8.0f};
     const size_t s100[] = {100}, s2[] = {2};
@@ -252,35 +215,35 @@ Test(npy_write, overwrites_whole_file) {
     struct stat sb;
     cr_assert_eq(stat(path, &sb), 0);
     cr_assert_eq(sb.st_mode & 0777, 0644);
-    cr_assert_eq(dir_count(dir), 1);
-    rm_tmpdir(dir);
+    cr_assert_eq(tmpdir_count(dir), 1);
+    tmpdir_remove(dir);
 }
 
 Test(npy_write, missing_folder_is_io_error_and_leaves_nothing) {
     char dir[64], path[160], msg[MSG_SIZE] = "";
-    make_tmpdir(dir, sizeof dir);
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
     snprintf(path, sizeof path, "%s/no/such/folder/d.npy", dir);
     float x = 1.0f;
     const size_t s1[] = {1};
     cr_assert_eq(clmha__npy_write_f32(path, &x, 1, s1, msg, sizeof msg), CLMHA_IO_ERROR);
     cr_assert(strstr(msg, "no/such/folder/d.npy"), "%s", msg);
     cr_assert(strstr(msg, "No such file or directory"), "%s", msg);
-    cr_assert_eq(dir_count(dir), 0);
-    rm_tmpdir(dir);
+    cr_assert_eq(tmpdir_count(dir), 0);
+    tmpdir_remove(dir);
 }
 
 // The rename fails (the target is a folder): the temporary file is removed.
 Test(npy_write, failed_rename_removes_the_temporary_file) {
     char dir[64], path[128], msg[MSG_SIZE] = "";
-    make_tmpdir(dir, sizeof dir);
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
     snprintf(path, sizeof path, "%s/e.npy", dir);
     cr_assert_eq(mkdir(path, 0755), 0);
     float x = 1.0f;
     const size_t s1[] = {1};
     cr_assert_eq(clmha__npy_write_f32(path, &x, 1, s1, msg, sizeof msg), CLMHA_IO_ERROR);
     cr_assert(strstr(msg, "e.npy"), "%s", msg);
-    cr_assert_eq(dir_count(dir), 1, "the temporary file was left behind");
-    rm_tmpdir(dir);
+    cr_assert_eq(tmpdir_count(dir), 1, "the temporary file was left behind");
+    tmpdir_remove(dir);
 }
 
 Test(npy_write, bad_arguments) {
@@ -427,7 +390,7 @@ Test(npy_read, folder) {
 
 Test(npy_read, malformed_file_names_its_path) {
     char dir[64], path[128];
-    make_tmpdir(dir, sizeof dir);
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
     snprintf(path, sizeof path, "%s/short.npy", dir);
     unsigned char buf[256];
     size_t size =
@@ -437,7 +400,7 @@ Test(npy_read, malformed_file_names_its_path) {
     cr_assert_eq(fwrite(buf, 1, size, f), size);
     fclose(f);
     expect_file_refused(path, "truncated: expected 12 bytes of data, found 8");
-    rm_tmpdir(dir);
+    tmpdir_remove(dir);
 }
 
 Test(npy_read, bad_arguments) {

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "random_data.h"
+#include "support.h"
 
 #define TOLERANCE 1e-4
 
@@ -208,16 +208,6 @@ static void instance_free(instance *in) {
 
 // ---- running -----------------------------------------------------------------------------------
 
-static clmha_context *open_context(void) {
-    clmha_context *ctx = NULL;
-    clmha_status st = clmha_context_create_from_env(&ctx);
-    if (st == CLMHA_DEVICE_NOT_FOUND)
-        cr_skip_test("no OpenCL device: %s", clmha_last_create_error());
-    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_context_create_from_env: %s",
-                 clmha_last_create_error());
-    return ctx;
-}
-
 static void set_param(clmha_layer *layer, const char *name, const float *data, size_t count) {
     if (!data) return;
     clmha_status st = clmha_layer_set_parameter(layer, name, data, count);
@@ -272,25 +262,6 @@ static void ref_forward(const instance *in, double **out, double **weights) {
     cr_assert_eq(st, CLMHA_SUCCESS, "clmha_reference_forward: %s", msg);
 }
 
-typedef struct error_stats {
-    double max_abs, nmse;
-} error_stats;
-
-// Max abs error (infinite when the GPU value is not finite) and NMSE of @p got against @p want.
-static error_stats compare(const float *got, const double *want, size_t count) {
-    error_stats e = {0.0, 0.0};
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < count; ++i) {
-        double d = (double)got[i] - want[i];
-        if (!isfinite(d)) d = INFINITY;
-        if (fabs(d) > e.max_abs) e.max_abs = fabs(d);
-        num += d * d;
-        den += want[i] * want[i];
-    }
-    e.nmse = den > 0.0 ? num / den : num;
-    return e;
-}
-
 // Index of row (n, i) of the output in the query's layout.
 static size_t output_row(const instance *in, size_t n, size_t i) {
     size_t row = in->c.batch_first && !in->c.unbatched ? n * in->c.l + i : i * in->n + n;
@@ -341,8 +312,8 @@ static void check_case(clmha_context *ctx, const rcase *c) {
     gpu_forward(layer, &in, &out, &weights);
     ref_forward(&in, &ref_out, &ref_weights);
 
-    error_stats eo = compare(out, ref_out, in.output_count);
-    error_stats ew = compare(weights, ref_weights, in.weights_count);
+    error_stats eo = error_stats_of(out, ref_out, in.output_count);
+    error_stats ew = error_stats_of(weights, ref_weights, in.weights_count);
     fprintf(stderr, "random: %-78s out max|err| %.2e nmse %.2e", name, eo.max_abs, eo.nmse);
     if (in.weights_count)
         fprintf(stderr, "  weights max|err| %.2e nmse %.2e", ew.max_abs, ew.nmse);
@@ -359,13 +330,9 @@ static void check_case(clmha_context *ctx, const rcase *c) {
     // (so dropout drops the same weights in both) and each other.
     float *fused = core_forward(layer, &in, CLMHA_IMPL_FUSED);
     float *unfused = core_forward(layer, &in, CLMHA_IMPL_UNFUSED);
-    error_stats ef = compare(fused, ref_out, in.output_count);
-    error_stats eu = compare(unfused, ref_out, in.output_count);
-    double fu = 0.0;
-    for (size_t i = 0; i < in.output_count; ++i) {
-        double d = fabs((double)fused[i] - (double)unfused[i]);
-        fu = isnan(d) ? INFINITY : fmax(fu, d);
-    }
+    error_stats ef = error_stats_of(fused, ref_out, in.output_count);
+    error_stats eu = error_stats_of(unfused, ref_out, in.output_count);
+    double fu = max_abs_diff(fused, unfused, in.output_count);
     fprintf(stderr, "random: %-78s fused max|err| %.2e unfused %.2e fused-unfused %.2e\n", name,
             ef.max_abs, eu.max_abs, fu);
     cr_expect(ef.max_abs <= TOLERANCE, "%s: fused output max abs error %g", name, ef.max_abs);
@@ -435,7 +402,7 @@ static rcase random_case(prng *r) {
 // ---- tests -------------------------------------------------------------------------------------
 
 Test(random, combinations, .timeout = 300) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     static const uint64_t seeds[] = {1, 2, 3, 42, 2024, 0xC0FFEE};
     for (size_t i = 0; i < sizeof seeds / sizeof seeds[0]; ++i) {
         prng r = {seeds[i]};
@@ -448,7 +415,7 @@ Test(random, combinations, .timeout = 300) {
 }
 
 Test(random, odd_shapes, .timeout = 300) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     rcase c;
     // head_dim 1
     c = base_case(11), c.e = 4, c.h = 4, c.per_head = true;
@@ -484,7 +451,7 @@ Test(random, odd_shapes, .timeout = 300) {
 }
 
 Test(random, long_sequences, .timeout = 300) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     // Longer than any kernel tile: L = S = 300.
     rcase c = base_case(31);
     c.e = 32, c.h = 4, c.n = 1, c.l = 300, c.s = 300;
@@ -508,7 +475,7 @@ Test(random, long_sequences, .timeout = 300) {
 }
 
 Test(random, many_batch_heads, .timeout = 300) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     // N*H = 1200, more than one work-group dimension.
     rcase c = base_case(41);
     c.e = 16, c.h = 8, c.n = 150, c.l = 3, c.s = 5, c.per_head = true;
@@ -526,7 +493,7 @@ Test(random, many_batch_heads, .timeout = 300) {
 }
 
 Test(random, masks, .timeout = 300) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     static const clmha_mask_kind kinds[] = {CLMHA_MASK_BOOL_IGNORE, CLMHA_MASK_BOOL_ATTEND,
                                             CLMHA_MASK_FLOAT};
     uint64_t seed = 100;
@@ -563,7 +530,7 @@ Test(random, masks, .timeout = 300) {
 }
 
 Test(random, causal, .timeout = 300) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     rcase c = base_case(200);
     c.is_causal = true, c.l = 6, c.s = 3, c.per_head = true;  // L > S
     check_case(ctx, &c);
@@ -585,7 +552,7 @@ Test(random, causal, .timeout = 300) {
 }
 
 Test(random, fully_masked_rows, .timeout = 300) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     // attn_mask (L, S) forbids every key of row 1: output row 1 = out_proj.bias, weights 0.
     rcase c = base_case(300);
     c.am = CLMHA_MASK_BOOL_IGNORE, c.mask_p = 0.0, c.mask_row = true, c.per_head = true;
@@ -615,7 +582,7 @@ static double zero_fraction(const float *w, size_t count) {
 }
 
 Test(random, dropout, .timeout = 300) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     // Equal to the reference with the same seed and offset.
     rcase c = base_case(400);
     c.training = true, c.dropout = 0.3f, c.per_head = true;
@@ -664,11 +631,8 @@ Test(random, dropout, .timeout = 300) {
     instance_make(&plain, &pc);  // same data seed: same parameters and inputs
     clmha_layer *plain_layer = make_layer(ctx, &plain);
     gpu_forward(plain_layer, &plain, &out_plain, &w_plain);
-    double max_o = 0.0, max_w = 0.0;
-    for (size_t i = 0; i < in.output_count; ++i)
-        max_o = fmax(max_o, fabs((double)out_eval[i] - (double)out_plain[i]));
-    for (size_t i = 0; i < in.weights_count; ++i)
-        max_w = fmax(max_w, fabs((double)w_eval[i] - (double)w_plain[i]));
+    double max_o = max_abs_diff(out_eval, out_plain, in.output_count);
+    double max_w = max_abs_diff(w_eval, w_plain, in.weights_count);
     fprintf(stderr, "random: dropout p=0.3 eval vs p=0: out max|diff| %.2e, weights max|diff| "
                     "%.2e, weights zero fraction %.4f\n",
             max_o, max_w, zero_fraction(w_eval, in.weights_count));
@@ -690,7 +654,7 @@ Test(random, dropout, .timeout = 300) {
 // L = 1, L != S, head dims that are not a multiple of any vector width, causal with L != S
 // (whole key tiles skipped), masks, appended keys and dropout.
 Test(random, fused_tile_edges, .timeout = 300) {
-    clmha_context *ctx = open_context();
+    clmha_context *ctx = context_or_skip();
     static const size_t lens[][2] = {{1, 1},   {1, 70},  {31, 33}, {64, 32}, {65, 31},
                                      {33, 97}, {130, 7}, {97, 129}};
     static const size_t dims[][2] = {{1, 1}, {3, 1}, {13, 1}, {16, 2}, {21, 3}, {128, 2}};

@@ -9,7 +9,6 @@
 #include <criterion/criterion.h>
 
 #include <clmha.h>
-#include <dirent.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -17,6 +16,8 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "support.h"
 
 #define BAD_LAYER ((clmha_layer *)(uintptr_t)1)
 
@@ -29,52 +30,17 @@ typedef struct env {
 
 static void env_open(env *e) {
     memset(e, 0, sizeof *e);
-    clmha_status st = clmha_context_create_from_env(&e->ctx);
-    if (st == CLMHA_DEVICE_NOT_FOUND) cr_skip_test("no OpenCL device");
-    cr_assert_eq(st, CLMHA_SUCCESS, "context: %s", clmha_last_create_error());
-    snprintf(e->dir, sizeof e->dir, "/tmp/clmha-st-XXXXXX");
-    cr_assert_not_null(mkdtemp(e->dir));
-}
-
-// Number of entries of the folder (without . and ..); *first gets the first name.
-static int dir_entries(const char *dir, char *first, size_t first_size) {
-    DIR *d = opendir(dir);
-    if (!d) return -1;
-    int n = 0;
-    struct dirent *de;
-    while ((de = readdir(d))) {
-        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-        if (n++ == 0 && first) snprintf(first, first_size, "%s", de->d_name);
-    }
-    closedir(d);
-    return n;
+    e->ctx = context_or_skip();
+    tmpdir_make(e->dir, sizeof e->dir, "clmha-st");
 }
 
 static void env_close(env *e) {
-    DIR *d = opendir(e->dir);
-    if (d) {
-        struct dirent *de;
-        char p[512];
-        while ((de = readdir(d))) {
-            if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-            snprintf(p, sizeof p, "%s/%s", e->dir, de->d_name);
-            if (remove(p) != 0) rmdir(p);
-        }
-        closedir(d);
-        rmdir(e->dir);
-    }
+    tmpdir_remove(e->dir);
     clmha_context_release(e->ctx);
 }
 
 static void path_in(const env *e, const char *name, char *out, size_t size) {
     snprintf(out, size, "%s/%s", e->dir, name);
-}
-
-static void write_bytes(const char *path, const void *bytes, size_t n) {
-    FILE *f = fopen(path, "wb");
-    cr_assert_not_null(f, "cannot create %s", path);
-    cr_assert_eq(fwrite(bytes, 1, n, f), n);
-    cr_assert_eq(fclose(f), 0);
 }
 
 static void put_le64(unsigned char *p, uint64_t v) {
@@ -224,7 +190,7 @@ Test(safetensors, round_trip) {
         cr_assert_eq(clmha_layer_save(a, path), CLMHA_SUCCESS, "%s: save: %s", rc->name,
                      clmha_context_last_error(e.ctx));
         char first[256] = "";
-        cr_expect_eq(dir_entries(e.dir, first, sizeof first), 1,
+        cr_expect_eq(tmpdir_list(e.dir, first, sizeof first), 1,
                      "%s: the folder holds more than the saved file", rc->name);
         cr_expect_str_eq(first, "layer.safetensors");
         expect_well_formed(path);
@@ -300,7 +266,7 @@ Test(safetensors, save_errors) {
     cr_expect_eq(clmha_layer_save(a, sub), CLMHA_IO_ERROR);
     cr_expect(strstr(clmha_context_last_error(e.ctx), sub), "%s",
               clmha_context_last_error(e.ctx));
-    cr_expect_eq(dir_entries(e.dir, NULL, 0), 1, "a temporary file was left behind");
+    cr_expect_eq(tmpdir_count(e.dir), 1, "a temporary file was left behind");
     remove(inner);
     // Replacing a file keeps its mode.
     char path[256];

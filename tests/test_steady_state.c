@@ -21,31 +21,17 @@
 #include <time.h>
 
 #include "context/context.h"
+#include "support.h"
 
 enum { E = 32, H = 4, KD = 24, VD = 40 };
 enum { N_BAKE = 3, L_BAKE = 12, S_BAKE = 12 };  // the baked shape
 enum { N_BIG = 3, L_BIG = 24, S_BIG = 24 };     // larger: the scratch has to grow
 enum { MAX_FLOATS = N_BIG * H * L_BIG * S_BIG };  // the largest buffer: per-head weights
 
-static float frand(uint64_t *s) {
-    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(*s >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
-
 static double now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
-// A context on $CLMHA_DEVICE (the test is skipped without a device).
-static clmha_context *open_ctx(void) {
-    clmha_context *ctx = NULL;
-    clmha_status st = clmha_context_create_from_env(&ctx);
-    if (st == CLMHA_DEVICE_NOT_FOUND)
-        cr_skip_test("no OpenCL device: %s", clmha_last_create_error());
-    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_last_create_error());
-    return ctx;
 }
 
 // A layer with random parameters: packed in_proj_weight (kdim = vdim = E), or separate
@@ -150,7 +136,7 @@ static void counters(clmha_context *ctx, size_t *builds, size_t *allocs) {
 }
 
 Test(steady_state, no_allocation_or_build_at_or_below_the_baked_shape, .timeout = 600) {
-    clmha_context *ctx = open_ctx();
+    clmha_context *ctx = context_or_skip();
     size_t builds0, allocs0, builds, allocs;
     counters(ctx, &builds0, &allocs0);
     clmha_layer *layer = make_layer(ctx, false);
@@ -203,7 +189,7 @@ Test(steady_state, no_allocation_or_build_at_or_below_the_baked_shape, .timeout 
 
 // The same with separate q/k/v projection weights (kdim, vdim != E): cross-attention only.
 Test(steady_state, separate_projections, .timeout = 600) {
-    clmha_context *ctx = open_ctx();
+    clmha_context *ctx = context_or_skip();
     clmha_layer *layer = make_layer(ctx, true);
     buffers b = make_buffers(ctx);
     cr_assert_eq(clmha_layer_bake(layer, N_BAKE, L_BAKE, S_BAKE, true), CLMHA_SUCCESS, "%s",
@@ -258,7 +244,7 @@ static cl_int event_status(cl_event e) {
 }
 
 Test(steady_state, forward_enqueues_without_waiting_on_the_host, .timeout = 600) {
-    clmha_context *ctx = open_ctx();
+    clmha_context *ctx = context_or_skip();
     clmha_layer *layer = make_layer(ctx, false);
     buffers b = make_buffers(ctx);
     cr_assert_eq(clmha_layer_bake(layer, N_BAKE, L_BAKE, S_BAKE, true), CLMHA_SUCCESS, "%s",
@@ -312,9 +298,7 @@ Test(steady_state, forward_enqueues_without_waiting_on_the_host, .timeout = 600)
     cr_assert_eq(clWaitForEvents(1, &done), CL_SUCCESS);
     clEnqueueReadBuffer(queue, b.out, CL_TRUE, 0, sizeof y1, y1, 0, NULL, NULL);
     clEnqueueReadBuffer(queue, b.w, CL_TRUE, 0, sizeof w1, w1, 0, NULL, NULL);
-    double dy = 0, dw = 0;
-    for (size_t i = 0; i < OUT; ++i) dy = fmax(dy, fabs((double)y1[i] - y0[i]));
-    for (size_t i = 0; i < W; ++i) dw = fmax(dw, fabs((double)w1[i] - w0[i]));
+    double dy = max_abs_diff(y1, y0, OUT), dw = max_abs_diff(w1, w0, W);
     cr_expect_leq(dy, 1e-6, "output differs by %g after the gate", dy);
     cr_expect_leq(dw, 1e-6, "weights differ by %g after the gate", dw);
     counters(ctx, &builds, &allocs);

@@ -13,10 +13,11 @@
 
 #include <clmha.h>
 
+#include "support.h"
+
 #ifndef CLMHA_TUNE_API  // clmha.h defines it with the tuning API; until then this file builds
 Test(tuning, api_not_in_clmha_h) { cr_skip_test("clmha.h does not declare the tuning API yet"); }
 #else
-#include <dirent.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -70,8 +71,7 @@ static void setup(fixture *f) {
     char msg[1024];
     if (clmha_device_select(getenv("CLMHA_DEVICE"), &f->info, msg, sizeof msg) != CLMHA_SUCCESS)
         cr_skip_test("no OpenCL device: %s", msg);
-    snprintf(f->dir, sizeof f->dir, "/tmp/clmha-tuning-XXXXXX");
-    cr_assert_not_null(mkdtemp(f->dir));
+    tmpdir_make(f->dir, sizeof f->dir, "clmha-tuning");
     setenv("CLMHA_TUNING_DIR", f->dir, 1);
     unsetenv("CLMHA_TUNING");
     char platform[256], device[256];
@@ -81,19 +81,7 @@ static void setup(fixture *f) {
 }
 
 static void teardown(fixture *f) {
-    if (!f->dir[0]) return;
-    DIR *d = opendir(f->dir);
-    if (d) {
-        struct dirent *e;
-        char p[1400];
-        while ((e = readdir(d)))
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-                snprintf(p, sizeof p, "%s/%s", f->dir, e->d_name);
-                remove(p);
-            }
-        closedir(d);
-    }
-    rmdir(f->dir);
+    if (f->dir[0]) tmpdir_remove(f->dir);
 }
 
 // A tuning JSON for (platform, device, driver, CLBlast version) with @p kernels
@@ -371,9 +359,7 @@ static void forward_matches_reference(clmha_context *ctx) {
     cr_assert_eq(clmha_reference_forward(&desc, &params, &args, y_ref, L * N * E, w_ref,
                                          N * L * L, msg, sizeof msg),
                  CLMHA_SUCCESS, "%s", msg);
-    double err_y = 0, err_w = 0;
-    for (size_t i = 0; i < L * N * E; ++i) err_y = fmax(err_y, fabs(y[i] - y_ref[i]));
-    for (size_t i = 0; i < N * L * L; ++i) err_w = fmax(err_w, fabs(w[i] - w_ref[i]));
+    double err_y = max_abs_err(y, y_ref, L * N * E), err_w = max_abs_err(w, w_ref, N * L * L);
     cr_expect_leq(err_y, 1e-4, "output error %g", err_y);
     cr_expect_leq(err_w, 1e-4, "weights error %g", err_w);
     clmha_layer_release(layer);
@@ -625,8 +611,7 @@ static double fused_error(clmha_context *ctx) {
     char msg[256];
     cr_assert_eq(clmha_reference_forward(&desc, &rp, &a, ref, COUNT, NULL, 0, msg, sizeof msg),
                  CLMHA_SUCCESS, "%s", msg);
-    double err = 0;
-    for (size_t i = 0; i < COUNT; ++i) err = fmax(err, fabs((double)y[i] - ref[i]));
+    double err = max_abs_err(y, ref, COUNT);
     clmha_layer_release(layer);
     return err;
 }

@@ -1,6 +1,6 @@
 // Writing a file whole or not at all: shared by the .npy and PNG writers of the clmha program
-// and by the library's layer files and tuning files. (Compiled into the library and, like
-// src/npy.c, into the program and the tests.)
+// and by the library's layer files and tuning files. (Compiled into the library and, with
+// src/cli/npy.c, into clmha_support for the program and the tests.)
 #ifndef CLMHA_FILE_WRITE_H
 #define CLMHA_FILE_WRITE_H
 

@@ -5,11 +5,11 @@
 #include "heatmap.h"
 
 #include "base/file_write.h"
+#include "base/message.h"
 
 #include <errno.h>
 #include <math.h>
 #include <png.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -17,12 +17,6 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#if defined(__GNUC__)
-#define HEATMAP_PRINTF(f, a) __attribute__((format(printf, f, a)))
-#else
-#define HEATMAP_PRINTF(f, a)
-#endif
 
 enum {
     TILE_TARGET = 192,     // largest tile side, pixels
@@ -35,19 +29,6 @@ enum {
     LABEL_CHARS = 8,       // room kept for the colour bar labels ("1.8e+308")
 };
 #define MAX_PIXELS ((size_t)32 << 20)
-
-static clmha_status fail(char *msg, size_t msg_size, clmha_status status, const char *fmt, ...)
-    HEATMAP_PRINTF(4, 5);
-
-static clmha_status fail(char *msg, size_t msg_size, clmha_status status, const char *fmt, ...) {
-    if (msg && msg_size) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, msg_size, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
 
 // ---- font ----------------------------------------------------------------------------------
 
@@ -171,18 +152,18 @@ static size_t title_lines(char lines[TITLE_LINES][TITLE_CHARS], size_t wrap, siz
 
 clmha_status clmha__heatmap_plan(size_t heads, size_t tgt_len, size_t src_len,
                                  clmha__heatmap_layout *out, char *msg, size_t msg_size) {
-    if (!out) return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "heatmap: layout is NULL");
+    if (!out) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "heatmap: layout is NULL");
     memset(out, 0, sizeof *out);
     if (heads == 0 || tgt_len == 0 || src_len == 0)
-        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT,
-                    "heatmap: heads (%zu), tgt_len (%zu) and src_len (%zu) must be positive",
-                    heads, tgt_len, src_len);
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "heatmap: heads (%zu), tgt_len (%zu) and src_len (%zu) must be positive",
+                          heads, tgt_len, src_len);
     if (tgt_len > SIZE_MAX / src_len || heads > SIZE_MAX / (tgt_len * src_len))
-        return fail(msg, msg_size, CLMHA_SIZE_OVERFLOW,
-                    "heatmap: %zu x %zu x %zu weights overflow", heads, tgt_len, src_len);
+        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
+                          "heatmap: %zu x %zu x %zu weights overflow", heads, tgt_len, src_len);
     if (heads > MAX_HEADS)
-        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT,
-                    "heatmap: %zu heads are too many to draw in one image", heads);
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "heatmap: %zu heads are too many to draw in one image", heads);
     clmha__heatmap_layout l;
     memset(&l, 0, sizeof l);
     l.tiles = heads > 1 ? heads + 1 : 1;
@@ -228,9 +209,9 @@ clmha_status clmha__heatmap_plan(size_t heads, size_t tgt_len, size_t src_len,
     l.height = (grid_bottom > bar_bottom ? grid_bottom : bar_bottom) + margin;
 
     if (l.width > MAX_SIDE || l.height > MAX_SIDE || l.width * l.height > MAX_PIXELS)
-        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT,
-                    "heatmap: %zu heads are too many to draw in one image (%zu x %zu pixels)",
-                    heads, l.width, l.height);
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "heatmap: %zu heads are too many to draw in one image (%zu x %zu pixels)",
+                          heads, l.width, l.height);
     *out = l;
     return CLMHA_SUCCESS;
 }
@@ -366,7 +347,8 @@ clmha_status clmha__heatmap_write(const char *path, const float *weights, size_t
     float *grid = NULL;
     double *mean = NULL;
     if (!path || !weights)
-        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "heatmap: path or weights is NULL");
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "heatmap: path or weights is NULL");
     clmha__heatmap_layout l;
     if ((st = clmha__heatmap_plan(heads, tgt_len, src_len, &l, msg, msg_size))) return st;
 
@@ -378,8 +360,8 @@ clmha_status clmha__heatmap_write(const char *path, const float *weights, size_t
     grid = malloc(cells * sizeof *grid);
     mean = calloc(cells, sizeof *mean);
     if (!im.px || !grid || !mean) {
-        st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY,
-                  "heatmap: cannot allocate a %zu x %zu image for '%s'", im.w, im.h, path);
+        st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY,
+                        "heatmap: cannot allocate a %zu x %zu image for '%s'", im.w, im.h, path);
         goto fail;
     }
     memset(im.px, 255, im.w * im.h * 3);

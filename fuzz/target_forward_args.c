@@ -1,25 +1,7 @@
-// The bodies of clmha's fuzz targets, shared by the libFuzzer harnesses (fuzz/fuzz_*.c) and the
-// regression test that replays the seed corpora and every crash reproducer
-// (tests/test_fuzz_regressions.c).
-//
-// Each target takes arbitrary bytes, must return for any input (no crash, no leak, no undefined
-// behaviour under ASan and UBSan), checks the invariants its entry points promise and calls
-// __builtin_trap() when one does not hold. It returns the status of the entry point it fuzzes, so
-// that the test can also require known-valid seeds to succeed:
-//
-//   clmha_fuzz_safetensors: clmha__safetensors_parse()'s status (then desc + to_float run too)
-//   clmha_fuzz_npy:         clmha__npy_parse()'s status
-//   clmha_fuzz_forward_args: clmha__desc_check()'s status when it fails, else
-//                            clmha__dims_resolve()'s (then the CPU reference runs on small calls)
-//
-// Needs src/ on the include path, the library's internals (libclmha.a, or the sources) and
-// src/npy.c.
-#ifndef CLMHA_FUZZ_TARGETS_H
-#define CLMHA_FUZZ_TARGETS_H
+// Fuzz target: the forward call's arguments: shape checks and the CPU reference (see targets.h).
+#include "targets.h"
 
-#include "formats/safetensors.h"
 #include "layer/shape.h"
-#include "npy.h"
 
 #include <float.h>
 #include <math.h>
@@ -29,198 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-// An invariant of the code under test: print it and stop with SIGILL (libFuzzer and Criterion
-// both report that as a crash).
-#define CLMHA_FUZZ_CHECK(cond)                                                                \
-    do {                                                                                      \
-        if (!(cond)) {                                                                        \
-            fprintf(stderr, "%s:%d: fuzz invariant failed: %s\n", __FILE__, __LINE__, #cond); \
-            __builtin_trap();                                                                 \
-        }                                                                                     \
-    } while (0)
-
-// true when the product of @p n sizes overflows size_t; else *out is the product.
-static inline bool clmha_fuzz_prod_overflows(const size_t *v, size_t n, size_t *out) {
-    size_t p = 1;
-    for (size_t i = 0; i < n; ++i)
-        if (__builtin_mul_overflow(p, v[i], &p)) return true;
-    *out = p;
-    return false;
-}
-
-// ---- .safetensors ----------------------------------------------------------------------------
-
-// Independent IEEE binary16 -> float conversion (via ldexp) to check the library's.
-static inline float clmha_fuzz_half(uint16_t h) {
-    int sign = h >> 15, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-    float v;
-    if (exp == 0x1F) v = mant ? NAN : INFINITY;
-    else if (exp == 0) v = (float)ldexp((double)mant, -24);
-    else v = (float)ldexp((double)(mant | 0x400), exp - 25);
-    return sign ? -v : v;
-}
-
-static inline int clmha_fuzz_safetensors(const uint8_t *data, size_t size) {
-    static const char *const name = "fuzz.safetensors";
-    char msg[512] = "";
-    clmha__st_file f;
-    clmha_status st = clmha__safetensors_parse(data, size, name, &f, msg, sizeof msg);
-    if (st != CLMHA_SUCCESS) {
-        CLMHA_FUZZ_CHECK(st == CLMHA_INVALID_FILE || st == CLMHA_SIZE_OVERFLOW ||
-                         st == CLMHA_OUT_OF_MEMORY);
-        CLMHA_FUZZ_CHECK(msg[0] != '\0' && strncmp(msg, name, strlen(name)) == 0);
-        CLMHA_FUZZ_CHECK(!f.json && !f.tensors && !f.tensor_count && !f.meta && !f.meta_count);
-        clmha__safetensors_free(&f);  // harmless on an empty file
-        return st;
-    }
-    CLMHA_FUZZ_CHECK(f.json != NULL);
-    CLMHA_FUZZ_CHECK(size >= 8);
-
-    // Every tensor: a known dtype, count = product of the shape, data inside the input and
-    // exactly count * itemsize bytes before its end; names sorted and unique.
-    for (size_t i = 0; i < f.tensor_count; ++i) {
-        const clmha__st_tensor *t = &f.tensors[i];
-        CLMHA_FUZZ_CHECK(t->name != NULL);
-        CLMHA_FUZZ_CHECK(t->dtype == CLMHA__ST_F16 || t->dtype == CLMHA__ST_F32 ||
-                         t->dtype == CLMHA__ST_F64);
-        CLMHA_FUZZ_CHECK(t->ndim <= CLMHA__ST_MAX_DIMS);
-        size_t count = 0;
-        bool zero = false;
-        for (size_t k = 0; k < t->ndim; ++k) zero = zero || t->shape[k] == 0;
-        if (zero) count = 0;
-        else CLMHA_FUZZ_CHECK(!clmha_fuzz_prod_overflows(t->shape, t->ndim, &count));
-        CLMHA_FUZZ_CHECK(t->count == count);
-        size_t item = t->dtype == CLMHA__ST_F16 ? 2 : t->dtype == CLMHA__ST_F32 ? 4 : 8, bytes;
-        CLMHA_FUZZ_CHECK(!__builtin_mul_overflow(count, item, &bytes));
-        CLMHA_FUZZ_CHECK(t->data >= data && t->data <= data + size);
-        CLMHA_FUZZ_CHECK(bytes <= (size_t)(data + size - t->data));
-        if (i) CLMHA_FUZZ_CHECK(strcmp(f.tensors[i - 1].name, t->name) < 0);
-        CLMHA_FUZZ_CHECK(clmha__safetensors_tensor(&f, t->name) == t);
-    }
-    for (size_t i = 0; i < f.meta_count; ++i) {
-        CLMHA_FUZZ_CHECK(f.meta[i].key && f.meta[i].value);
-        if (i) CLMHA_FUZZ_CHECK(strcmp(f.meta[i - 1].key, f.meta[i].key) < 0);
-        CLMHA_FUZZ_CHECK(clmha__safetensors_meta(&f, f.meta[i].key) == f.meta[i].value);
-    }
-
-    // The layer the file describes: on success every tensor has its PyTorch shape.
-    clmha_layer_desc desc;
-    char dmsg[512] = "";
-    clmha_status dst = clmha__safetensors_desc(&f, name, &desc, dmsg, sizeof dmsg);
-    if (dst != CLMHA_SUCCESS) {
-        CLMHA_FUZZ_CHECK(dst == CLMHA_INVALID_FILE || dst == CLMHA_SIZE_OVERFLOW);
-        CLMHA_FUZZ_CHECK(strncmp(dmsg, name, strlen(name)) == 0);
-    } else {
-        clmha_layer_desc checked;
-        CLMHA_FUZZ_CHECK(clmha__desc_check(&desc, &checked, NULL, 0) == CLMHA_SUCCESS);
-        CLMHA_FUZZ_CHECK(checked.kdim == desc.kdim && checked.vdim == desc.vdim);
-        const size_t e = desc.embed_dim;
-        CLMHA_FUZZ_CHECK(desc.bias == (clmha__safetensors_tensor(&f, "in_proj_bias") != NULL));
-        CLMHA_FUZZ_CHECK(desc.add_bias_kv == (clmha__safetensors_tensor(&f, "bias_k") != NULL));
-        for (size_t i = 0; i < f.tensor_count; ++i) {
-            const clmha__st_tensor *t = &f.tensors[i];
-            size_t want[3] = {0, 0, 0}, nd = 0;
-            if (!strcmp(t->name, "in_proj_weight"))
-                nd = 2, want[0] = 3 * e, want[1] = e;
-            else if (!strcmp(t->name, "q_proj_weight") || !strcmp(t->name, "out_proj.weight"))
-                nd = 2, want[0] = e, want[1] = e;
-            else if (!strcmp(t->name, "k_proj_weight"))
-                nd = 2, want[0] = e, want[1] = desc.kdim;
-            else if (!strcmp(t->name, "v_proj_weight"))
-                nd = 2, want[0] = e, want[1] = desc.vdim;
-            else if (!strcmp(t->name, "in_proj_bias"))
-                nd = 1, want[0] = 3 * e;
-            else if (!strcmp(t->name, "out_proj.bias"))
-                nd = 1, want[0] = e;
-            else if (!strcmp(t->name, "bias_k") || !strcmp(t->name, "bias_v"))
-                nd = 3, want[0] = 1, want[1] = 1, want[2] = e;
-            CLMHA_FUZZ_CHECK(nd != 0);  // only known names pass
-            CLMHA_FUZZ_CHECK(t->ndim == nd);
-            for (size_t k = 0; k < nd; ++k) CLMHA_FUZZ_CHECK(t->shape[k] == want[k]);
-        }
-        if (clmha__safetensors_tensor(&f, "in_proj_weight"))
-            CLMHA_FUZZ_CHECK(desc.kdim == e && desc.vdim == e);
-    }
-
-    // Conversion of every tensor (whatever desc said) into a buffer of exactly count floats.
-    for (size_t i = 0; i < f.tensor_count; ++i) {
-        const clmha__st_tensor *t = &f.tensors[i];
-        if (t->count > ((size_t)1 << 22)) continue;
-        float *out = malloc((t->count ? t->count : 1) * sizeof *out);
-        if (!out) continue;
-        clmha__safetensors_to_float(t, out);
-        for (size_t k = 0; k < t->count; ++k) {
-            const unsigned char *p = t->data;
-            if (t->dtype == CLMHA__ST_F32) {
-                uint32_t want = (uint32_t)p[4 * k] | (uint32_t)p[4 * k + 1] << 8 |
-                                (uint32_t)p[4 * k + 2] << 16 | (uint32_t)p[4 * k + 3] << 24, got;
-                memcpy(&got, &out[k], sizeof got);
-                CLMHA_FUZZ_CHECK(got == want);
-            } else if (t->dtype == CLMHA__ST_F16) {
-                float want = clmha_fuzz_half((uint16_t)(p[2 * k] | p[2 * k + 1] << 8));
-                CLMHA_FUZZ_CHECK(isnan(want) ? isnan(out[k]) : out[k] == want);
-                CLMHA_FUZZ_CHECK(!!signbit(want) == !!signbit(out[k]));
-            } else {
-                uint64_t bits = 0;
-                for (int b = 7; b >= 0; --b) bits = bits << 8 | p[8 * k + (size_t)b];
-                double d;
-                memcpy(&d, &bits, sizeof d);
-                CLMHA_FUZZ_CHECK(!!isnan(d) == !!isnan(out[k]));
-                if (!isnan(d)) {
-                    CLMHA_FUZZ_CHECK(!!signbit(d) == !!signbit(out[k]));
-                    if (fabs(d) <= FLT_MAX) CLMHA_FUZZ_CHECK(isfinite(out[k]));
-                    if (isfinite(out[k]))
-                        CLMHA_FUZZ_CHECK(fabs((double)out[k] - d) <= 0x1p-24 * fabs(d) + 0x1p-149);
-                }
-            }
-        }
-        free(out);
-    }
-    clmha__safetensors_free(&f);
-    CLMHA_FUZZ_CHECK(!f.json && !f.tensors && !f.tensor_count && !f.meta && !f.meta_count);
-    return CLMHA_SUCCESS;
-}
-
-// ---- .npy ------------------------------------------------------------------------------------
-
-static inline int clmha_fuzz_npy(const uint8_t *data, size_t size) {
-    static const char *const name = "fuzz.npy";
-    char msg[512] = "";
-    clmha__npy a;
-    clmha_status st = clmha__npy_parse(data, size, name, &a, msg, sizeof msg);
-    if (st != CLMHA_SUCCESS) {
-        CLMHA_FUZZ_CHECK(st == CLMHA_INVALID_FILE || st == CLMHA_SIZE_OVERFLOW ||
-                         st == CLMHA_OUT_OF_MEMORY);
-        CLMHA_FUZZ_CHECK(strncmp(msg, name, strlen(name)) == 0);
-        CLMHA_FUZZ_CHECK(!a.f32 && !a.u8 && a.count == 0 && a.ndim == 0);
-        return st;
-    }
-    CLMHA_FUZZ_CHECK(a.ndim <= CLMHA__NPY_MAX_DIMS);
-    size_t count = 0;
-    bool zero = false;
-    for (size_t k = 0; k < a.ndim; ++k) zero = zero || a.shape[k] == 0;
-    if (!zero) CLMHA_FUZZ_CHECK(!clmha_fuzz_prod_overflows(a.shape, a.ndim, &count));
-    CLMHA_FUZZ_CHECK(a.count == count);
-    CLMHA_FUZZ_CHECK(strlen(a.dtype) >= 2 && strlen(a.dtype) <= 3);
-    // The data section is in the input: count * itemsize <= size.
-    CLMHA_FUZZ_CHECK(a.count <= size);
-    if (a.kind == CLMHA__NPY_FLOAT) {
-        CLMHA_FUZZ_CHECK(a.f32 && !a.u8);
-        CLMHA_FUZZ_CHECK(a.count * 4 <= size);
-        volatile float sink = 0.0f;  // reads every element: ASan checks the allocation size
-        for (size_t i = 0; i < a.count; ++i) sink += a.f32[i];
-        (void)sink;
-    } else {
-        CLMHA_FUZZ_CHECK(a.kind == CLMHA__NPY_BOOL);
-        CLMHA_FUZZ_CHECK(a.u8 && !a.f32);
-        volatile unsigned sink = 0;
-        for (size_t i = 0; i < a.count; ++i) sink += a.u8[i];
-        (void)sink;
-    }
-    clmha__npy_free(&a);
-    CLMHA_FUZZ_CHECK(!a.f32 && !a.u8 && a.count == 0);
-    return CLMHA_SUCCESS;
-}
+#include "check.h"
 
 // ---- forward arguments -----------------------------------------------------------------------
 //
@@ -249,13 +40,13 @@ typedef struct clmha_fuzz_reader {
     size_t n;
 } clmha_fuzz_reader;
 
-static inline uint8_t clmha_fuzz_u8(clmha_fuzz_reader *r) {
+static uint8_t clmha_fuzz_u8(clmha_fuzz_reader *r) {
     if (!r->n) return 0;
     --r->n;
     return *r->p++;
 }
 
-static inline uint64_t clmha_fuzz_u64(clmha_fuzz_reader *r, int bytes) {
+static uint64_t clmha_fuzz_u64(clmha_fuzz_reader *r, int bytes) {
     uint64_t v = 0;
     for (int i = 0; i < bytes; ++i) v |= (uint64_t)clmha_fuzz_u8(r) << (8 * i);
     return v;
@@ -263,7 +54,7 @@ static inline uint64_t clmha_fuzz_u64(clmha_fuzz_reader *r, int bytes) {
 
 // One size: 0x00-0x7F: 0-7 (low 3 bits); 0x80-0x9F: 0-31; 0xA0-0xBF: 2 more bytes (LE);
 // 0xC0-0xDF: a value near an overflow boundary; 0xE0-0xFF: 8 more bytes (LE).
-static inline size_t clmha_fuzz_size(clmha_fuzz_reader *r) {
+static size_t clmha_fuzz_size(clmha_fuzz_reader *r) {
     static const size_t special[32] = {
         SIZE_MAX,          SIZE_MAX - 1,           SIZE_MAX / 2,        SIZE_MAX / 2 + 1,
         SIZE_MAX / 3,      SIZE_MAX / 3 + 1,       SIZE_MAX / 4,        SIZE_MAX / 4 + 1,
@@ -282,14 +73,14 @@ static inline size_t clmha_fuzz_size(clmha_fuzz_reader *r) {
 }
 
 // A number of dimensions: 0xF8-0xFF give out-of-range values, else 0-4.
-static inline size_t clmha_fuzz_ndim(clmha_fuzz_reader *r) {
+static size_t clmha_fuzz_ndim(clmha_fuzz_reader *r) {
     static const size_t special[8] = {5, 6, 8, 16, 255, SIZE_MAX / 2, SIZE_MAX - 1, SIZE_MAX};
     uint8_t b = clmha_fuzz_u8(r);
     return b >= 0xF8 ? special[b & 7] : b % 5;
 }
 
 // A mask kind: 0xF8-0xFF give values outside the enum, else 0-3.
-static inline clmha_mask_kind clmha_fuzz_kind(clmha_fuzz_reader *r) {
+static clmha_mask_kind clmha_fuzz_kind(clmha_fuzz_reader *r) {
     static const unsigned special[8] = {4, 5, 16, 255, 0x7FFFFFFFu, 0x80000000u, 0xFFFFFFFEu,
                                         0xFFFFFFFFu};
     uint8_t b = clmha_fuzz_u8(r);
@@ -309,7 +100,7 @@ enum { CLMHA_FUZZ_Q, CLMHA_FUZZ_K, CLMHA_FUZZ_V, CLMHA_FUZZ_KPM, CLMHA_FUZZ_ATTN
 // dimension (next byte % 4) set to a size; 2 an arbitrary ndim and 4 sizes; 3 absent (ndim 0).
 // For attn_mask, bits 2-3 pick the coherent layout: (L, S), (N*H, L, S) or (H, L, S)
 // unbatched, (N, L, S), (H, L, S).
-static inline void clmha_fuzz_tensor_spec(clmha_fuzz_reader *r, const clmha_fuzz_plan *p,
+static void clmha_fuzz_tensor_spec(clmha_fuzz_reader *r, const clmha_fuzz_plan *p,
                                           int which, clmha_tensor *t) {
     uint8_t spec = clmha_fuzz_u8(r);
     memset(t, 0, sizeof *t);
@@ -363,7 +154,7 @@ static inline void clmha_fuzz_tensor_spec(clmha_fuzz_reader *r, const clmha_fuzz
 }
 
 // Deterministic fill values (splitmix64).
-static inline uint64_t clmha_fuzz_next(uint64_t *state) {
+static uint64_t clmha_fuzz_next(uint64_t *state) {
     uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -371,7 +162,7 @@ static inline uint64_t clmha_fuzz_next(uint64_t *state) {
 }
 
 // @p count floats uniform in [-scale, scale], in a buffer of exactly that size (NULL when 0).
-static inline float *clmha_fuzz_floats(uint64_t *state, size_t count, float scale) {
+static float *clmha_fuzz_floats(uint64_t *state, size_t count, float scale) {
     if (!count) return NULL;
     float *v = malloc(count * sizeof *v);
     if (!v) return NULL;
@@ -381,7 +172,7 @@ static inline float *clmha_fuzz_floats(uint64_t *state, size_t count, float scal
 }
 
 // Mask data of @p count elements for @p kind, in a buffer of exactly that size.
-static inline void *clmha_fuzz_mask_data(uint64_t *state, clmha_mask_kind kind, size_t count) {
+static void *clmha_fuzz_mask_data(uint64_t *state, clmha_mask_kind kind, size_t count) {
     if (!count) return NULL;
     if (kind == CLMHA_MASK_FLOAT) {
         static const float values[8] = {0.0f, 0.0f, 0.0f, -1.0f, 0.5f, 3.0f, -1e30f, -INFINITY};
@@ -397,7 +188,7 @@ static inline void *clmha_fuzz_mask_data(uint64_t *state, clmha_mask_kind kind, 
 }
 
 // Checks what clmha__dims_resolve() promises about a call it accepted.
-static inline void clmha_fuzz_check_dims(const clmha_layer_desc *desc,
+static void clmha_fuzz_check_dims(const clmha_layer_desc *desc,
                                          const clmha_forward_args *args, const clmha__dims *d) {
     size_t t;
     CLMHA_FUZZ_CHECK(d->n >= 1 && d->l >= 1 && d->s >= 1);
@@ -497,7 +288,7 @@ static inline void clmha_fuzz_check_dims(const clmha_layer_desc *desc,
 // Runs the CPU reference on a small accepted call with data of exactly the sizes the shapes
 // need, correct or with one change that it must refuse (see the layout above), and checks the
 // status and, for a correct call, the result.
-static inline void clmha_fuzz_reference(const clmha_layer_desc *desc, clmha_forward_args args,
+static void clmha_fuzz_reference(const clmha_layer_desc *desc, clmha_forward_args args,
                                         const clmha__dims *d, unsigned variant, uint64_t seed) {
     const size_t e = d->e;
     // Cost bound (elements and multiply-adds), computed without overflow.
@@ -646,7 +437,7 @@ done:
     free(weights);
 }
 
-static inline int clmha_fuzz_forward_args(const uint8_t *data, size_t size) {
+int clmha_fuzz_forward_args(const uint8_t *data, size_t size) {
     static const float dropouts[16] = {0.0f, 0.0f, 0.1f, 0.5f, 0.999f, 0.99999994f, 1.0f, -0.0f,
                                        -0.1f, 1e-30f, 1.5f, INFINITY, -INFINITY, NAN, 1e-45f,
                                        0.25f};
@@ -744,5 +535,3 @@ static inline int clmha_fuzz_forward_args(const uint8_t *data, size_t size) {
     clmha_fuzz_reference(&desc, args, &d, variant, seed);
     return CLMHA_SUCCESS;
 }
-
-#endif

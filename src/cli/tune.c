@@ -4,21 +4,16 @@
 // 1 a device or library failure, 2 a usage error.
 #define _POSIX_C_SOURCE 200809L
 
-#include <clmha.h>
+#include "cli.h"
 
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <unistd.h>
 
-#include "cli.h"
-
-
-enum { TUNE_OK = 0, TUNE_REFUSED = 1, TUNE_USAGE = 2, MAX_TUNE_SHAPES = 4 };
+enum { MAX_TUNE_SHAPES = 4 };
 
 static const char *usage_tune =
     "usage: clmha tune [--device SPEC] [--budget SECONDS] [--shape N,L,E[,H]]... [--no-store]\n"
@@ -47,14 +42,6 @@ static const char *usage_tune =
     "  --help, -h         print this help\n"
     "\n"
     "exit status: 0 success, 1 device or library failure, 2 usage error\n";
-
-static void tune_report(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void tune_report(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    clmha__cli_vreport("tune", fmt, ap);
-    va_end(ap);
-}
 
 // "8,128,512" or "8,128,512,8".
 static bool parse_shape(const char *text, clmha_tune_shape *s) {
@@ -123,7 +110,7 @@ int clmha__cli_tune(int argc, char **argv) {
         const char *arg = argv[i];
         if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
             fputs(usage_tune, stdout);
-            return TUNE_OK;
+            return EXIT_OK;
         }
         if (strcmp(arg, "--no-store") == 0) {
             no_store = true;
@@ -148,38 +135,40 @@ int clmha__cli_tune(int argc, char **argv) {
         }
         if (which < 0) {
             if (strncmp(arg, "--", 2) == 0)
-                tune_report("unknown option '%s' (try 'clmha tune --help')", arg);
+                clmha__cli_report("tune", "unknown option '%s' (try 'clmha tune --help')", arg);
             else
-                tune_report("unexpected argument '%s' (try 'clmha tune --help')", arg);
-            return TUNE_USAGE;
+                clmha__cli_report("tune", "unexpected argument '%s' (try 'clmha tune --help')",
+                                  arg);
+            return EXIT_USAGE;
         }
         if (!value) {
-            tune_report("%s needs a value", names[which]);
-            return TUNE_USAGE;
+            clmha__cli_report("tune", "%s needs a value", names[which]);
+            return EXIT_USAGE;
         }
         if (which == 0) {
             if (device_given) {
-                tune_report("--device given twice");
-                return TUNE_USAGE;
+                clmha__cli_report("tune", "--device given twice");
+                return EXIT_USAGE;
             }
             device = value, device_given = true;
         } else if (which == 1) {
             if (budget_text) {
-                tune_report("--budget given twice");
-                return TUNE_USAGE;
+                clmha__cli_report("tune", "--budget given twice");
+                return EXIT_USAGE;
             }
             budget_text = value;
         } else {
             if (num_shapes == MAX_TUNE_SHAPES) {
-                tune_report("--shape given more than %d times", MAX_TUNE_SHAPES);
-                return TUNE_USAGE;
+                clmha__cli_report("tune", "--shape given more than %d times", MAX_TUNE_SHAPES);
+                return EXIT_USAGE;
             }
             if (!parse_shape(value, &shapes[num_shapes]) ||
                 shapes[num_shapes].embed_dim % shapes[num_shapes].num_heads) {
-                tune_report("--shape %s: expected N,L,E or N,L,E,H (positive integers, E a "
-                            "multiple of H), e.g. 8,128,512,8",
-                            value);
-                return TUNE_USAGE;
+                clmha__cli_report("tune",
+                                  "--shape %s: expected N,L,E or N,L,E,H (positive integers, E a "
+                                  "multiple of H), e.g. 8,128,512,8",
+                                  value);
+                return EXIT_USAGE;
             }
             ++num_shapes;
         }
@@ -190,26 +179,17 @@ int clmha__cli_tune(int argc, char **argv) {
         errno = 0;
         budget = strtod(budget_text, &end);
         if (errno || end == budget_text || *end || !(budget > 0) || budget > 86400) {
-            tune_report("--budget %s: expected seconds, more than 0 and at most 86400",
-                        budget_text);
-            return TUNE_USAGE;
+            clmha__cli_report("tune",
+                              "--budget %s: expected seconds, more than 0 and at most 86400",
+                              budget_text);
+            return EXIT_USAGE;
         }
     }
 
     // Compare with CLBlast's own parameters: do not load the stored tuning first.
     setenv("CLMHA_TUNING", "off", 1);
-    const char *env = getenv("CLMHA_DEVICE");
-    const char *spec = device_given ? device : env;
-    clmha_context *ctx = NULL;
-    if (clmha_context_create(&ctx, spec) != CLMHA_SUCCESS) {
-        if (device_given)
-            tune_report("--device %s: %s", device, clmha_last_create_error());
-        else if (env && env[0])
-            tune_report("$CLMHA_DEVICE=%s: %s", env, clmha_last_create_error());
-        else
-            tune_report("default device: %s", clmha_last_create_error());
-        return TUNE_REFUSED;
-    }
+    clmha_context *ctx = clmha__cli_open_context("tune", device);
+    if (!ctx) return EXIT_REFUSED;
     printf("device:   %s\n", clmha_context_device_name(ctx));
     printf("budget:   %.0f s, shapes:", budget);
     if (!num_shapes) {
@@ -235,9 +215,9 @@ int clmha__cli_tune(int argc, char **argv) {
     clmha_status st = clmha_context_tune(ctx, &opts, &rep);
     if (bar.open) fputc('\n', stderr);
     if (st != CLMHA_SUCCESS) {
-        tune_report("%s: %s", clmha_status_string(st), clmha_context_last_error(ctx));
+        clmha__cli_report("tune", "%s: %s", clmha_status_string(st), clmha_context_last_error(ctx));
         clmha_context_release(ctx);
-        return TUNE_REFUSED;
+        return EXIT_REFUSED;
     }
     printf("result:   %s after %zu candidates (%zu rejected) in %.0f s\n",
            rep.improved ? "faster parameters found" : "nothing faster found", rep.candidates,
@@ -258,5 +238,5 @@ int clmha__cli_tune(int argc, char **argv) {
         printf("written:  nothing (--no-store); the file would be %s\n", rep.path);
     if (rep.message[0]) printf("note:     %s\n", rep.message);
     clmha_context_release(ctx);
-    return TUNE_OK;
+    return EXIT_OK;
 }

@@ -12,10 +12,11 @@
 
 #include "npy.h"
 
+#include "base/checked.h"
 #include "base/file_write.h"
+#include "base/message.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -26,35 +27,9 @@
 
 _Static_assert(sizeof(float) == 4 && sizeof(double) == 8, "IEEE 754 float and double needed");
 
-#if defined(__GNUC__)
-#define NPY_PRINTF(f, a) __attribute__((format(printf, f, a)))
-#else
-#define NPY_PRINTF(f, a)
-#endif
-
 static const unsigned char npy_magic[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
 
 // ---- messages and sizes ----------------------------------------------------------------------
-
-static clmha_status fail(char *msg, size_t msg_size, clmha_status status, const char *fmt, ...)
-    NPY_PRINTF(4, 5);
-
-static clmha_status fail(char *msg, size_t msg_size, clmha_status status, const char *fmt, ...) {
-    if (msg && msg_size) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(msg, msg_size, fmt, ap);
-        va_end(ap);
-    }
-    return status;
-}
-
-// *out = a * b; false when the product overflows size_t.
-static bool mul_size(size_t a, size_t b, size_t *out) {
-    if (a != 0 && b > SIZE_MAX / a) return false;
-    *out = a * b;
-    return true;
-}
 
 static bool host_little_endian(void) {
     const uint16_t one = 1;
@@ -153,8 +128,8 @@ static bool parse_string(parser *ps, const char **s, size_t *len) {
 }
 
 static clmha_status malformed(const parser *ps, const char *what) {
-    return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE, "%s: malformed header: %s", ps->name,
-                what);
+    return clmha__msg(ps->msg, ps->msg_size, CLMHA_INVALID_FILE, "%s: malformed header: %s",
+                      ps->name, what);
 }
 
 // A tuple of non-negative integers: (), (3,), (2, 3), (2, 3,). Python 2's long suffix (3L) is
@@ -167,8 +142,8 @@ static clmha_status parse_shape(parser *ps, header *h) {
     for (;;) {
         skip_ws(ps);
         if (peek(ps, '-'))
-            return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
-                        "%s: negative dimension in 'shape'", ps->name);
+            return clmha__msg(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
+                              "%s: negative dimension in 'shape'", ps->name);
         if (ps->p == ps->end || !is_digit(*ps->p))
             return malformed(ps, "expected a dimension in 'shape'");
         const char *start = ps->p;
@@ -181,13 +156,14 @@ static clmha_status parse_shape(parser *ps, header *h) {
             ++ps->p;
         }
         if (overflow)
-            return fail(ps->msg, ps->msg_size, CLMHA_SIZE_OVERFLOW,
-                        "%s: dimension %.*s in 'shape' is too large", ps->name,
-                        (int)(ps->p - start > 40 ? 40 : ps->p - start), start);
+            return clmha__msg(ps->msg, ps->msg_size, CLMHA_SIZE_OVERFLOW,
+                              "%s: dimension %.*s in 'shape' is too large", ps->name,
+                              (int)(ps->p - start > 40 ? 40 : ps->p - start), start);
         if (peek(ps, 'L') || peek(ps, 'l')) ++ps->p;
         if (h->ndim == CLMHA__NPY_MAX_DIMS)
-            return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
-                        "%s: more than %d dimensions in 'shape'", ps->name, CLMHA__NPY_MAX_DIMS);
+            return clmha__msg(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
+                              "%s: more than %d dimensions in 'shape'", ps->name,
+                              CLMHA__NPY_MAX_DIMS);
         h->shape[h->ndim++] = v;
         skip_ws(ps);
         if (accept(ps, ')')) {
@@ -219,13 +195,13 @@ static clmha_status parse_header(parser *ps, header *h) {
         else if (key_len == 13 && memcmp(key, "fortran_order", 13) == 0) which = KEY_FORTRAN;
         else if (key_len == 5 && memcmp(key, "shape", 5) == 0) which = KEY_SHAPE;
         else
-            return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
-                        "%s: malformed header: unexpected key '%.*s'", ps->name,
-                        (int)(key_len > 40 ? 40 : key_len), key);
+            return clmha__msg(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
+                              "%s: malformed header: unexpected key '%.*s'", ps->name,
+                              (int)(key_len > 40 ? 40 : key_len), key);
         if (seen & which)
-            return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
-                        "%s: malformed header: key '%.*s' appears twice", ps->name, (int)key_len,
-                        key);
+            return clmha__msg(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
+                              "%s: malformed header: key '%.*s' appears twice", ps->name,
+                              (int)key_len, key);
         seen |= which;
         skip_ws(ps);
         if (!accept(ps, ':')) return malformed(ps, "expected ':' after a key");
@@ -233,10 +209,11 @@ static clmha_status parse_header(parser *ps, header *h) {
         switch (which) {
         case KEY_DESCR:
             if (peek(ps, '['))
-                return fail(ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
-                            "%s: structured dtypes are not supported (float32, float64, bool or "
-                            "uint8 arrays only)",
-                            ps->name);
+                return clmha__msg(
+                    ps->msg, ps->msg_size, CLMHA_INVALID_FILE,
+                    "%s: structured dtypes are not supported (float32, float64, bool or "
+                    "uint8 arrays only)",
+                    ps->name);
             if (!parse_string(ps, &h->descr, &h->descr_len))
                 return malformed(ps, "'descr' is not a string");
             break;
@@ -288,18 +265,20 @@ static clmha_status classify_dtype(const header *h, const char *name, clmha__npy
             return CLMHA_SUCCESS;
         }
         if (big)
-            return fail(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: dtype '%.*s' is big-endian; only little-endian ('<f4', '<f8') "
-                        "floats are supported",
-                        name, shown, h->descr);
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: dtype '%.*s' is big-endian; only little-endian ('<f4', '<f8') "
+                              "floats are supported",
+                              name, shown, h->descr);
     }
     if (n >= 1 && s[0] == 'O')
-        return fail(msg, msg_size, CLMHA_INVALID_FILE,
-                    "%s: dtype '%.*s': object arrays are not supported", name, shown, h->descr);
-    return fail(msg, msg_size, CLMHA_INVALID_FILE,
-                "%s: dtype '%.*s' is not supported (float32 '<f4', float64 '<f8', bool '|b1' or "
-                "uint8 '|u1' only)",
-                name, shown, h->descr);
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: dtype '%.*s': object arrays are not supported", name, shown,
+                          h->descr);
+    return clmha__msg(
+        msg, msg_size, CLMHA_INVALID_FILE,
+        "%s: dtype '%.*s' is not supported (float32 '<f4', float64 '<f8', bool '|b1' or "
+        "uint8 '|u1' only)",
+        name, shown, h->descr);
 }
 
 // ---- parsing -------------------------------------------------------------------------------
@@ -319,49 +298,50 @@ clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, 
     if (out) memset(out, 0, sizeof *out);
     if (!name) name = "(npy data)";
     if (!out || (!bytes && size > 0))
-        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s: out or bytes is NULL", name);
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s: out or bytes is NULL", name);
     const unsigned char *b = bytes;
 
     if (size == 0) {
-        st = fail(msg, msg_size, CLMHA_INVALID_FILE, "%s: empty file, not a .npy file", name);
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s: empty file, not a .npy file", name);
         goto fail;
     }
     if (memcmp(b, npy_magic, size < 6 ? size : 6) != 0) {
-        st = fail(msg, msg_size, CLMHA_INVALID_FILE,
-                  "%s: not a .npy file (it does not start with \"\\x93NUMPY\")", name);
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "%s: not a .npy file (it does not start with \"\\x93NUMPY\")", name);
         goto fail;
     }
     if (size < 8) {
-        st = fail(msg, msg_size, CLMHA_INVALID_FILE, "%s: truncated header (%zu bytes)", name,
-                  size);
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s: truncated header (%zu bytes)", name,
+                        size);
         goto fail;
     }
     unsigned major = b[6], minor = b[7];
     if (major < 1 || major > 3 || minor != 0) {
-        st = fail(msg, msg_size, CLMHA_INVALID_FILE,
-                  "%s: unsupported .npy format version %u.%u (1.0, 2.0 and 3.0 are supported)",
-                  name, major, minor);
+        st =
+            clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                       "%s: unsupported .npy format version %u.%u (1.0, 2.0 and 3.0 are supported)",
+                       name, major, minor);
         goto fail;
     }
     size_t prefix = major == 1 ? 10 : 12;
     if (size < prefix) {
-        st = fail(msg, msg_size, CLMHA_INVALID_FILE, "%s: truncated header (%zu bytes)", name,
-                  size);
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s: truncated header (%zu bytes)", name,
+                        size);
         goto fail;
     }
     size_t header_len = major == 1 ? (size_t)b[8] | (size_t)b[9] << 8
                                    : (size_t)b[8] | (size_t)b[9] << 8 | (size_t)b[10] << 16 |
                                          (size_t)b[11] << 24;
     if (header_len > size - prefix) {
-        st = fail(msg, msg_size, CLMHA_INVALID_FILE,
-                  "%s: header length %zu runs past the end of the file (%zu bytes)", name,
-                  header_len, size);
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "%s: header length %zu runs past the end of the file (%zu bytes)", name,
+                        header_len, size);
         goto fail;
     }
     const char *text = (const char *)b + prefix;
     if (memchr(text, '\0', header_len)) {
-        st = fail(msg, msg_size, CLMHA_INVALID_FILE, "%s: malformed header: it contains a NUL byte",
-                  name);
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "%s: malformed header: it contains a NUL byte", name);
         goto fail;
     }
     header h;
@@ -374,25 +354,26 @@ clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, 
 
     size_t count = 1, data_bytes;
     for (size_t i = 0; i < h.ndim; ++i)
-        if (!mul_size(count, h.shape[i], &count)) {
-            st = fail(msg, msg_size, CLMHA_SIZE_OVERFLOW,
-                      "%s: the number of elements of 'shape' overflows", name);
+        if (!clmha__mul(count, h.shape[i], &count)) {
+            st = clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
+                            "%s: the number of elements of 'shape' overflows", name);
             goto fail;
         }
-    if (!mul_size(count, itemsize, &data_bytes)) {
-        st = fail(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the data size overflows", name);
+    if (!clmha__mul(count, itemsize, &data_bytes)) {
+        st = clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the data size overflows", name);
         goto fail;
     }
     size_t found = size - prefix - header_len;
     if (found < data_bytes) {
-        st = fail(msg, msg_size, CLMHA_INVALID_FILE,
-                  "%s: truncated: expected %zu bytes of data, found %zu", name, data_bytes, found);
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "%s: truncated: expected %zu bytes of data, found %zu", name, data_bytes,
+                        found);
         goto fail;
     }
     if (found > data_bytes) {
-        st = fail(msg, msg_size, CLMHA_INVALID_FILE,
-                  "%s: %zu trailing bytes after the %zu bytes of data", name, found - data_bytes,
-                  data_bytes);
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "%s: %zu trailing bytes after the %zu bytes of data", name,
+                        found - data_bytes, data_bytes);
         goto fail;
     }
 
@@ -401,8 +382,8 @@ clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, 
     if (a.kind == CLMHA__NPY_FLOAT) a.f32 = malloc(alloc * sizeof *a.f32);
     else a.u8 = malloc(alloc);
     if (!a.f32 && !a.u8) {
-        st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: cannot allocate %zu elements", name,
-                  count);
+        st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: cannot allocate %zu elements",
+                        name, count);
         goto fail;
     }
 
@@ -450,26 +431,29 @@ clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_
     size_t size = 0, cap = 4096;
     if (out) memset(out, 0, sizeof *out);
     if (!path || !out)
-        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or out is NULL");
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or out is NULL");
 
     f = fopen(path, "rb");
     if (!f) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot open '%s': %s", path, strerror(errno));
+        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot open '%s': %s", path,
+                        strerror(errno));
         goto fail;
     }
     struct stat sb;
     if (fstat(fileno(f), &sb) != 0) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path, strerror(errno));
+        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path,
+                        strerror(errno));
         goto fail;
     }
     if (S_ISDIR(sb.st_mode)) {
-        st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path, strerror(EISDIR));
+        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path,
+                        strerror(EISDIR));
         goto fail;
     }
     if (S_ISREG(sb.st_mode)) {
         // one more byte than the file holds, so that one read reaches the end of the file
         if (sb.st_size < 0 || (uintmax_t)sb.st_size >= SIZE_MAX) {
-            st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY, "'%s' is too large to read", path);
+            st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "'%s' is too large to read", path);
             goto fail;
         }
         cap = (size_t)sb.st_size + 1;
@@ -478,13 +462,14 @@ clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_
         if (!buf || size == cap) {
             size_t want = buf ? cap * 2 : cap;
             if (buf && cap > SIZE_MAX / 2) {
-                st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY, "'%s' is too large to read", path);
+                st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "'%s' is too large to read",
+                                path);
                 goto fail;
             }
             unsigned char *grown = realloc(buf, want);
             if (!grown) {
-                st = fail(msg, msg_size, CLMHA_OUT_OF_MEMORY,
-                          "cannot allocate %zu bytes to read '%s'", want, path);
+                st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY,
+                                "cannot allocate %zu bytes to read '%s'", want, path);
                 goto fail;
             }
             buf = grown;
@@ -494,8 +479,8 @@ clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_
         size += n;
         if (size < cap) {
             if (ferror(f)) {
-                st = fail(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path,
-                          strerror(errno));
+                st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path,
+                                strerror(errno));
                 goto fail;
             }
             if (feof(f)) break;
@@ -537,20 +522,20 @@ static bool write_npy(FILE *f, void *user, char *why, size_t why_size) {
 clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
                                   const size_t *shape, char *msg, size_t msg_size) {
     if (!path || (ndim > 0 && !shape))
-        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or shape is NULL");
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or shape is NULL");
     if (ndim > CLMHA__NPY_MAX_DIMS)
-        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT,
-                    "%s: %zu dimensions (at most %d can be written)", path, ndim,
-                    CLMHA__NPY_MAX_DIMS);
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "%s: %zu dimensions (at most %d can be written)", path, ndim,
+                          CLMHA__NPY_MAX_DIMS);
     size_t count = 1, bytes;
     for (size_t i = 0; i < ndim; ++i)
-        if (!mul_size(count, shape[i], &count))
-            return fail(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the shape's size overflows",
-                        path);
-    if (!mul_size(count, 4, &bytes))
-        return fail(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the data size overflows", path);
+        if (!clmha__mul(count, shape[i], &count))
+            return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the shape's size overflows",
+                              path);
+    if (!clmha__mul(count, 4, &bytes))
+        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the data size overflows", path);
     if (count > 0 && !data)
-        return fail(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s: data is NULL", path);
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s: data is NULL", path);
 
     // Header: 10-byte prefix + dict + spaces + '\n', a multiple of 64 bytes in all. At most
     // 8 dimensions of 20 digits: far below version 1.0's 65535-byte limit.

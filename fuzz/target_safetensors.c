@@ -1,0 +1,148 @@
+// Fuzz target: .safetensors files, clmha__safetensors_parse() and the layer built from them (see targets.h).
+#include "targets.h"
+
+#include "formats/safetensors.h"
+#include "layer/shape.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+
+// ---- .safetensors ----------------------------------------------------------------------------
+
+// Independent IEEE binary16 -> float conversion (via ldexp) to check the library's.
+static float clmha_fuzz_half(uint16_t h) {
+    int sign = h >> 15, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    float v;
+    if (exp == 0x1F) v = mant ? NAN : INFINITY;
+    else if (exp == 0) v = (float)ldexp((double)mant, -24);
+    else v = (float)ldexp((double)(mant | 0x400), exp - 25);
+    return sign ? -v : v;
+}
+
+int clmha_fuzz_safetensors(const uint8_t *data, size_t size) {
+    static const char *const name = "fuzz.safetensors";
+    char msg[512] = "";
+    clmha__st_file f;
+    clmha_status st = clmha__safetensors_parse(data, size, name, &f, msg, sizeof msg);
+    if (st != CLMHA_SUCCESS) {
+        CLMHA_FUZZ_CHECK(st == CLMHA_INVALID_FILE || st == CLMHA_SIZE_OVERFLOW ||
+                         st == CLMHA_OUT_OF_MEMORY);
+        CLMHA_FUZZ_CHECK(msg[0] != '\0' && strncmp(msg, name, strlen(name)) == 0);
+        CLMHA_FUZZ_CHECK(!f.json && !f.tensors && !f.tensor_count && !f.meta && !f.meta_count);
+        clmha__safetensors_free(&f);  // harmless on an empty file
+        return st;
+    }
+    CLMHA_FUZZ_CHECK(f.json != NULL);
+    CLMHA_FUZZ_CHECK(size >= 8);
+
+    // Every tensor: a known dtype, count = product of the shape, data inside the input and
+    // exactly count * itemsize bytes before its end; names sorted and unique.
+    for (size_t i = 0; i < f.tensor_count; ++i) {
+        const clmha__st_tensor *t = &f.tensors[i];
+        CLMHA_FUZZ_CHECK(t->name != NULL);
+        CLMHA_FUZZ_CHECK(t->dtype == CLMHA__ST_F16 || t->dtype == CLMHA__ST_F32 ||
+                         t->dtype == CLMHA__ST_F64);
+        CLMHA_FUZZ_CHECK(t->ndim <= CLMHA__ST_MAX_DIMS);
+        size_t count = 0;
+        bool zero = false;
+        for (size_t k = 0; k < t->ndim; ++k) zero = zero || t->shape[k] == 0;
+        if (zero) count = 0;
+        else CLMHA_FUZZ_CHECK(!clmha_fuzz_prod_overflows(t->shape, t->ndim, &count));
+        CLMHA_FUZZ_CHECK(t->count == count);
+        size_t item = t->dtype == CLMHA__ST_F16 ? 2 : t->dtype == CLMHA__ST_F32 ? 4 : 8, bytes;
+        CLMHA_FUZZ_CHECK(!__builtin_mul_overflow(count, item, &bytes));
+        CLMHA_FUZZ_CHECK(t->data >= data && t->data <= data + size);
+        CLMHA_FUZZ_CHECK(bytes <= (size_t)(data + size - t->data));
+        if (i) CLMHA_FUZZ_CHECK(strcmp(f.tensors[i - 1].name, t->name) < 0);
+        CLMHA_FUZZ_CHECK(clmha__safetensors_tensor(&f, t->name) == t);
+    }
+    for (size_t i = 0; i < f.meta_count; ++i) {
+        CLMHA_FUZZ_CHECK(f.meta[i].key && f.meta[i].value);
+        if (i) CLMHA_FUZZ_CHECK(strcmp(f.meta[i - 1].key, f.meta[i].key) < 0);
+        CLMHA_FUZZ_CHECK(clmha__safetensors_meta(&f, f.meta[i].key) == f.meta[i].value);
+    }
+
+    // The layer the file describes: on success every tensor has its PyTorch shape.
+    clmha_layer_desc desc;
+    char dmsg[512] = "";
+    clmha_status dst = clmha__safetensors_desc(&f, name, &desc, dmsg, sizeof dmsg);
+    if (dst != CLMHA_SUCCESS) {
+        CLMHA_FUZZ_CHECK(dst == CLMHA_INVALID_FILE || dst == CLMHA_SIZE_OVERFLOW);
+        CLMHA_FUZZ_CHECK(strncmp(dmsg, name, strlen(name)) == 0);
+    } else {
+        clmha_layer_desc checked;
+        CLMHA_FUZZ_CHECK(clmha__desc_check(&desc, &checked, NULL, 0) == CLMHA_SUCCESS);
+        CLMHA_FUZZ_CHECK(checked.kdim == desc.kdim && checked.vdim == desc.vdim);
+        const size_t e = desc.embed_dim;
+        CLMHA_FUZZ_CHECK(desc.bias == (clmha__safetensors_tensor(&f, "in_proj_bias") != NULL));
+        CLMHA_FUZZ_CHECK(desc.add_bias_kv == (clmha__safetensors_tensor(&f, "bias_k") != NULL));
+        for (size_t i = 0; i < f.tensor_count; ++i) {
+            const clmha__st_tensor *t = &f.tensors[i];
+            size_t want[3] = {0, 0, 0}, nd = 0;
+            if (!strcmp(t->name, "in_proj_weight"))
+                nd = 2, want[0] = 3 * e, want[1] = e;
+            else if (!strcmp(t->name, "q_proj_weight") || !strcmp(t->name, "out_proj.weight"))
+                nd = 2, want[0] = e, want[1] = e;
+            else if (!strcmp(t->name, "k_proj_weight"))
+                nd = 2, want[0] = e, want[1] = desc.kdim;
+            else if (!strcmp(t->name, "v_proj_weight"))
+                nd = 2, want[0] = e, want[1] = desc.vdim;
+            else if (!strcmp(t->name, "in_proj_bias"))
+                nd = 1, want[0] = 3 * e;
+            else if (!strcmp(t->name, "out_proj.bias"))
+                nd = 1, want[0] = e;
+            else if (!strcmp(t->name, "bias_k") || !strcmp(t->name, "bias_v"))
+                nd = 3, want[0] = 1, want[1] = 1, want[2] = e;
+            CLMHA_FUZZ_CHECK(nd != 0);  // only known names pass
+            CLMHA_FUZZ_CHECK(t->ndim == nd);
+            for (size_t k = 0; k < nd; ++k) CLMHA_FUZZ_CHECK(t->shape[k] == want[k]);
+        }
+        if (clmha__safetensors_tensor(&f, "in_proj_weight"))
+            CLMHA_FUZZ_CHECK(desc.kdim == e && desc.vdim == e);
+    }
+
+    // Conversion of every tensor (whatever desc said) into a buffer of exactly count floats.
+    for (size_t i = 0; i < f.tensor_count; ++i) {
+        const clmha__st_tensor *t = &f.tensors[i];
+        if (t->count > ((size_t)1 << 22)) continue;
+        float *out = malloc((t->count ? t->count : 1) * sizeof *out);
+        if (!out) continue;
+        clmha__safetensors_to_float(t, out);
+        for (size_t k = 0; k < t->count; ++k) {
+            const unsigned char *p = t->data;
+            if (t->dtype == CLMHA__ST_F32) {
+                uint32_t want = (uint32_t)p[4 * k] | (uint32_t)p[4 * k + 1] << 8 |
+                                (uint32_t)p[4 * k + 2] << 16 | (uint32_t)p[4 * k + 3] << 24, got;
+                memcpy(&got, &out[k], sizeof got);
+                CLMHA_FUZZ_CHECK(got == want);
+            } else if (t->dtype == CLMHA__ST_F16) {
+                float want = clmha_fuzz_half((uint16_t)(p[2 * k] | p[2 * k + 1] << 8));
+                CLMHA_FUZZ_CHECK(isnan(want) ? isnan(out[k]) : out[k] == want);
+                CLMHA_FUZZ_CHECK(!!signbit(want) == !!signbit(out[k]));
+            } else {
+                uint64_t bits = 0;
+                for (int b = 7; b >= 0; --b) bits = bits << 8 | p[8 * k + (size_t)b];
+                double d;
+                memcpy(&d, &bits, sizeof d);
+                CLMHA_FUZZ_CHECK(!!isnan(d) == !!isnan(out[k]));
+                if (!isnan(d)) {
+                    CLMHA_FUZZ_CHECK(!!signbit(d) == !!signbit(out[k]));
+                    if (fabs(d) <= FLT_MAX) CLMHA_FUZZ_CHECK(isfinite(out[k]));
+                    if (isfinite(out[k]))
+                        CLMHA_FUZZ_CHECK(fabs((double)out[k] - d) <= 0x1p-24 * fabs(d) + 0x1p-149);
+                }
+            }
+        }
+        free(out);
+    }
+    clmha__safetensors_free(&f);
+    CLMHA_FUZZ_CHECK(!f.json && !f.tensors && !f.tensor_count && !f.meta && !f.meta_count);
+    return CLMHA_SUCCESS;
+}

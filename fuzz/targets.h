@@ -1,0 +1,29 @@
+// clmha's fuzz targets, shared by the libFuzzer harnesses (fuzz/fuzz_*.c) and the regression
+// test that replays the seed corpora and every crash reproducer (tests/test_fuzz_regressions.c).
+// One file each: fuzz/target_safetensors.c, target_npy.c, target_forward_args.c, compiled into
+// a static library (clmha_fuzz_targets in fuzz/CMakeLists.txt, instrumented; and
+// clmha_test_fuzz_targets in tests/CMakeLists.txt, for the test).
+//
+// Each target takes arbitrary bytes, must return for any input (no crash, no leak, no undefined
+// behaviour under ASan and UBSan), checks the invariants its entry points promise and calls
+// __builtin_trap() when one does not hold. It returns the status of the entry point it fuzzes, so
+// that the test can also require known-valid seeds to succeed.
+//
+// The targets need the library's internals (libclmha.a, or the sources) and src/cli/npy.c.
+#ifndef CLMHA_FUZZ_TARGETS_H
+#define CLMHA_FUZZ_TARGETS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+// clmha__safetensors_parse()'s status (then desc + to_float run too).
+int clmha_fuzz_safetensors(const uint8_t *data, size_t size);
+
+// clmha__npy_parse()'s status.
+int clmha_fuzz_npy(const uint8_t *data, size_t size);
+
+// clmha__desc_check()'s status when it fails, else clmha__dims_resolve()'s (then the CPU
+// reference runs on small calls).
+int clmha_fuzz_forward_args(const uint8_t *data, size_t size);
+
+#endif

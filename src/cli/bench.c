@@ -1,0 +1,493 @@
+// `clmha bench`: times the device-buffer forward pass per shape: ms, GFLOP/s, scratch, stages.
+#define _POSIX_C_SOURCE 200809L
+
+#include "cli.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "base/checked.h"
+
+static const char *usage_bench =
+    "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
+    "                   [--need-weights] [--batch-first] [--layer F.safetensors]\n"
+    "                   [--impl auto|fused|unfused] [--repeat R] [--device SPEC] [--json]\n"
+    "\n"
+    "Times the forward pass on device buffers (clmha_layer_forward): a warm-up\n"
+    "(clmha_layer_bake at the shape: sizes the scratch, compiles the kernels), then R timed\n"
+    "runs, each waited for with clFinish. Reports the median time per forward, GFLOP/s, the\n"
+    "layer's device scratch in bytes and, from one more run with profiling on, the time of\n"
+    "each stage (project, split, scores, softmax, av, fused, merge, out_proj, weights).\n"
+    "Self-attention (key = value = query: one packed QKV projection) when L == S and the\n"
+    "layer's kdim == vdim == E; else cross-attention with key = value, one (S, N, kdim)\n"
+    "tensor (separate key and value tensors when kdim != vdim). Inputs are random.\n"
+    "\n"
+    "shape (N, L and S take comma-separated lists, e.g. --tgt-len 128,256,512: every\n"
+    "combination is timed, one result per shape):\n"
+    "  --batch N            batch size (default 8)\n"
+    "  --tgt-len L          target (query) length (default 128)\n"
+    "  --src-len S          source (key/value) length (default: L, self-attention)\n"
+    "  --embed E            embed_dim of the random layer (default 512)\n"
+    "  --heads H            num_heads of the random layer (default 8; must divide E)\n"
+    "  --need-weights       also compute the attention weights (N, L, S), averaged over heads\n"
+    "  --batch-first        inputs (N, L, E) instead of (L, N, E)\n"
+    "  --layer F.safetensors  time this layer file (e.g. from tools/export_mha.py) instead\n"
+    "                       of a random one (weights uniform in +-1/sqrt(E), bias); its\n"
+    "                       embed_dim, num_heads, kdim, vdim and batch_first are used\n"
+    "                       (--embed, --heads and --batch-first, when given, must agree)\n"
+    "\n"
+    "run:\n"
+    "  --impl I             attention core: auto (default: fused without --need-weights,\n"
+    "                       else unfused), fused or unfused\n"
+    "  --repeat R           timed runs per shape (default 10)\n"
+    "  --device SPEC        \"P:D\", gpu, cpu, accelerator or part of a device name (see\n"
+    "                       clmha devices); default: $CLMHA_DEVICE, else the first GPU, else\n"
+    "                       the first device\n"
+    "  --json               one JSON object per shape and line: device, layer, batch, tgt_len,\n"
+    "                       src_len, embed_dim, num_heads, kdim, vdim, batch_first,\n"
+    "                       need_weights, impl (the core used), attention (\"self\"/\"cross\"),\n"
+    "                       repeat, ms (median),\n"
+    "                       ms_min, ms_max, flops, gflops, scratch_bytes, stages {name: ms}\n"
+    "  --help, -h           print this help\n"
+    "\n"
+    "FLOPs counted (the GEMMs; masks, softmax and head split/merge are not counted):\n"
+    "  2*N*E*(L*E + S*kdim + S*vdim + L*E)   Q, K, V and output projections\n"
+    "  + 4*N*L*S'*E                          Q*K^T and weights*V (S' = S + add_bias_kv\n"
+    "                                        + add_zero_attn)\n"
+    "  = 2*N*E^2*(2L + 2S) + 4*N*L*S*E for kdim = vdim = E, and 8*N*L*E^2 + 4*N*L^2*E\n"
+    "  for self-attention (L = S). GFLOP/s = FLOPs / median time.\n"
+    "\n"
+    "exit status: 0 success, 1 refused input (bad layer file, device error, shape too large\n"
+    "for the device), 2 usage error\n";
+
+enum { BENCH_MAX_LIST = 64 };
+#define BENCH_MAX_SIZE ((size_t)1 << 24)  // largest N, L, S, E or H accepted
+#define BENCH_MAX_REPEAT ((size_t)100000)
+
+// Parses @p text, a comma-separated list of at most @p max_count positive integers no larger
+// than @p max_value, into @p out. Reports and returns EXIT_USAGE when it is not one.
+static int parse_sizes(const char *flag, const char *text, size_t max_count, size_t max_value,
+                       size_t *out, size_t *count) {
+    *count = 0;
+    const char *p = text;
+    for (;;) {
+        char *end = NULL;
+        errno = 0;
+        unsigned long long v = isdigit((unsigned char)*p) ? strtoull(p, &end, 10) : 0;
+        if (!end || errno || v == 0 || v > max_value || (*end != '\0' && *end != ',')) {
+            clmha__cli_report("bench", "%s '%s': expected %s from 1 to %zu", flag, text,
+                              max_count > 1 ? "comma-separated whole numbers" : "a whole number",
+                              max_value);
+            return EXIT_USAGE;
+        }
+        if (*count == max_count) {
+            clmha__cli_report("bench", "%s '%s': more than %zu value%s", flag, text, max_count,
+                              max_count == 1 ? "" : "s");
+            return EXIT_USAGE;
+        }
+        out[(*count)++] = (size_t)v;
+        if (*end == '\0') return EXIT_OK;
+        p = end + 1;
+    }
+}
+
+// Writes @p count random floats in [-1, 1) to @p buf, a chunk at a time.
+static cl_int fill_random(cl_command_queue queue, cl_mem buf, size_t count, uint64_t *rng) {
+    enum { CHUNK = 1 << 20 };
+    float *host = malloc((count < CHUNK ? count : CHUNK) * sizeof *host);
+    if (!host) return CL_OUT_OF_HOST_MEMORY;
+    cl_int err = CL_SUCCESS;
+    for (size_t done = 0; done < count && err == CL_SUCCESS;) {
+        size_t n = count - done < CHUNK ? count - done : CHUNK;
+        for (size_t i = 0; i < n; ++i) host[i] = clmha__cli_uniform(rng);
+        err = clEnqueueWriteBuffer(queue, buf, CL_TRUE, done * sizeof *host, n * sizeof *host,
+                                   host, 0, NULL, NULL);
+        done += n;
+    }
+    free(host);
+    return err;
+}
+
+// Prints @p s as a JSON string.
+static void json_string(const char *s) {
+    putchar('"');
+    for (const unsigned char *p = (const unsigned char *)s; *p; ++p) {
+        if (*p == '"' || *p == '\\')
+            printf("\\%c", *p);
+        else if (*p < 0x20)
+            printf("\\u%04x", *p);
+        else
+            putchar(*p);
+    }
+    putchar('"');
+}
+
+// What every shape of one `clmha bench` call shares.
+typedef struct bench_config {
+    const char *layer_path;   // NULL: a random layer of desc
+    clmha_layer_desc desc;    // random layer, or the file's (kdim/vdim filled in)
+    const float *w_in, *b_in, *w_out, *b_out;  // random parameters
+    bool need_weights, json;
+    clmha_impl impl;          // as given; the core used is in bench_result
+    size_t repeat;
+} bench_config;
+
+// The result of one shape.
+typedef struct bench_result {
+    size_t n, l, s, s_padded;
+    bool self;
+    clmha_impl impl;  // the core that ran: fused or unfused
+    double ms, ms_min, ms_max, flops;
+    size_t scratch_bytes;
+    double stage_ms[CLMHA_STAGE_COUNT];
+} bench_result;
+
+// A fresh layer for one shape (so that its scratch is that shape's own). Reports a failure.
+static clmha_layer *bench_layer(clmha_context *ctx, const bench_config *cfg) {
+    clmha_layer *layer = NULL;
+    if (cfg->layer_path) {
+        if (clmha_layer_load(&layer, ctx, cfg->layer_path) != CLMHA_SUCCESS) {
+            clmha__cli_report(
+                "bench", "--layer %s: %s", cfg->layer_path,
+                clmha__cli_without_path(clmha_context_last_error(ctx), cfg->layer_path));
+            return NULL;
+        }
+        return layer;
+    }
+    size_t e = cfg->desc.embed_dim;
+    clmha_status st;
+    if ((st = clmha_layer_create(&layer, ctx, &cfg->desc)) ||
+        (st = clmha_layer_set_parameter(layer, "in_proj_weight", cfg->w_in, 3 * e * e)) ||
+        (st = clmha_layer_set_parameter(layer, "in_proj_bias", cfg->b_in, 3 * e)) ||
+        (st = clmha_layer_set_parameter(layer, "out_proj.weight", cfg->w_out, e * e)) ||
+        (st = clmha_layer_set_parameter(layer, "out_proj.bias", cfg->b_out, e))) {
+        clmha__cli_report("bench", "random layer (embed_dim %zu, num_heads %zu): %s: %s", e,
+                          cfg->desc.num_heads, clmha_status_string(st),
+                          clmha_context_last_error(ctx));
+        clmha_layer_release(layer);
+        return NULL;
+    }
+    return layer;
+}
+
+// Times one shape: warm-up, cfg->repeat timed runs, one profiled run. Returns EXIT_OK or
+// EXIT_REFUSED after reporting.
+static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l, size_t s,
+                       double *times, bench_result *res) {
+    const clmha_layer_desc *d = &cfg->desc;
+    size_t e = d->embed_dim, kd = d->kdim, vd = d->vdim;
+    bool self = l == s && kd == e && vd == e;
+    bool kv_same = kd == vd;  // cross-attention: key = value, one tensor
+    *res = (bench_result){.n = n, .l = l, .s = s, .self = self};
+    cl_command_queue queue = clmha_context_cl_queue(ctx);
+    cl_mem bufs[5] = {NULL};  // query, key, value, output, weights
+    clmha_layer *layer = NULL;
+    int rc = EXIT_REFUSED;
+    cl_int err = CL_SUCCESS;
+    const char *what = NULL;
+    char where[160];
+    snprintf(where, sizeof where, "N %zu, L %zu, S %zu", n, l, s);
+
+    size_t counts[5] = {0};
+    if (!clmha__mul3(n, l, e, &counts[0]) || !clmha__mul3(n, s, kd, &counts[1]) ||
+        !clmha__mul3(n, s, vd, &counts[2]) || !clmha__mul3(n, l, s, &counts[4]) ||
+        counts[0] > SIZE_MAX / 4 || counts[1] > SIZE_MAX / 4 || counts[2] > SIZE_MAX / 4) {
+        clmha__cli_report("bench", "%s, E %zu: the tensor sizes overflow", where, e);
+        return EXIT_REFUSED;
+    }
+    clmha_forward_args args = {.need_weights = cfg->need_weights};
+    args.query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}};
+    if (!self) {
+        args.key = (clmha_tensor){.ndim = 3, .shape = {s, n, kd}};
+        if (!kv_same) args.value = (clmha_tensor){.ndim = 3, .shape = {s, n, vd}};
+    }
+    if (d->batch_first) {
+        clmha_tensor *t[3] = {&args.query, &args.key, &args.value};
+        for (int i = 0; i < 3; ++i) {
+            size_t seq = t[i]->shape[0];
+            t[i]->shape[0] = t[i]->shape[1];
+            t[i]->shape[1] = seq;
+        }
+    }
+    if (!(layer = bench_layer(ctx, cfg))) goto done;
+    clmha_layer_set_impl(layer, cfg->impl);
+    res->impl = cfg->impl != CLMHA_IMPL_AUTO ? cfg->impl
+                : cfg->need_weights         ? CLMHA_IMPL_UNFUSED
+                                            : CLMHA_IMPL_FUSED;
+    size_t out_count = 0, w_count = 0;
+    if (clmha_layer_output_counts(layer, &args, &out_count, &w_count) != CLMHA_SUCCESS) {
+        clmha__cli_report("bench", "%s: %s", where, clmha_context_last_error(ctx));
+        goto done;
+    }
+    res->s_padded = s + d->add_bias_kv + d->add_zero_attn;
+    counts[3] = out_count;
+    counts[4] = w_count;
+    if (self) counts[1] = 0;
+    if (self || kv_same) counts[2] = 0;
+
+    // The buffers, with random inputs and a zeroed output.
+    cl_context cl = clmha_context_cl_context(ctx);
+    cl_ulong max_alloc = 0;
+    clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_MAX_MEM_ALLOC_SIZE, sizeof max_alloc,
+                    &max_alloc, NULL);
+    static const char *names[5] = {"query", "key", "value", "output", "weights"};
+    uint64_t rng = 7;
+    for (int i = 0; i < 5; ++i) {
+        if (!counts[i]) continue;
+        what = names[i];
+        if (max_alloc && (cl_ulong)counts[i] * sizeof(float) > max_alloc) {
+            clmha__cli_report("bench",
+                              "%s: the %s buffer needs %zu bytes, more than the largest allocation "
+                              "of %s (%llu bytes)",
+                              where, names[i], counts[i] * sizeof(float),
+                              clmha_context_device_name(ctx), (unsigned long long)max_alloc);
+            goto done;
+        }
+        bufs[i] = clCreateBuffer(cl, CL_MEM_READ_WRITE, counts[i] * sizeof(float), NULL, &err);
+        if (err != CL_SUCCESS) goto cl_fail;
+        if (i < 3) {
+            err = fill_random(queue, bufs[i], counts[i], &rng);
+        } else {
+            float zero = 0.0f;
+            err = clEnqueueFillBuffer(queue, bufs[i], &zero, sizeof zero, 0,
+                                      counts[i] * sizeof(float), 0, NULL, NULL);
+        }
+        if (err != CL_SUCCESS) goto cl_fail;
+    }
+    what = "clFinish";
+    if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
+    args.query.buffer = bufs[0];
+    if (!self) args.key.buffer = bufs[1];
+    if (!self && !kv_same) args.value.buffer = bufs[2];
+
+    // Warm-up: bake sizes the scratch and runs the forward once at this shape, which compiles
+    // the kernels. Bake runs cross-attention with separate key and value tensors, so the
+    // cross-attention path with key = value runs once more here.
+    clmha_status st = clmha_layer_bake(layer, n, l, s, cfg->need_weights);
+    if (!st && !self)
+        st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL);
+    if (!st && clFinish(queue) != CL_SUCCESS) st = CLMHA_OPENCL_ERROR;
+    if (st) goto forward_fail;
+
+    for (size_t r = 0; r < cfg->repeat; ++r) {
+        double t0 = clmha__cli_now_ms();
+        if ((st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL)))
+            goto forward_fail;
+        what = "clFinish";
+        if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
+        times[r] = clmha__cli_now_ms() - t0;
+    }
+    qsort(times, cfg->repeat, sizeof *times, clmha__cli_cmp_double);
+    size_t r = cfg->repeat;
+    res->ms = r % 2 ? times[r / 2] : 0.5 * (times[r / 2 - 1] + times[r / 2]);
+    res->ms_min = times[0];
+    res->ms_max = times[r - 1];
+
+    // One more run with a marker after every stage.
+    if ((st = clmha_layer_set_profiling(layer, true)) ||
+        (st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL)) ||
+        (st = clmha_layer_stage_times(layer, res->stage_ms)) ||
+        (st = clmha_layer_set_profiling(layer, false)))
+        goto forward_fail;
+    what = "clFinish";
+    if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
+
+    res->scratch_bytes = clmha_layer_scratch_bytes(layer);
+    double dn = (double)n, dl = (double)l, ds = (double)s, de = (double)e;
+    res->flops = 2.0 * dn * de * (dl * de + ds * (double)kd + ds * (double)vd + dl * de) +
+                 4.0 * dn * dl * (double)res->s_padded * de;
+    rc = EXIT_OK;
+    goto done;
+forward_fail:
+    clmha__cli_report("bench", "forward pass failed on %s at %s: %s: %s",
+                      clmha_context_device_name(ctx), where, clmha_status_string(st),
+                      clmha_context_last_error(ctx));
+    goto done;
+cl_fail:
+    clmha__cli_report("bench", "%s: %s%s failed on %s: OpenCL error %d", where, what,
+                      strcmp(what, "clFinish") ? " buffer" : "", clmha_context_device_name(ctx),
+                      (int)err);
+done:
+    for (int i = 0; i < 5; ++i)
+        if (bufs[i]) clReleaseMemObject(bufs[i]);
+    clmha_layer_release(layer);
+    return rc;
+}
+
+static void bench_print(const clmha_context *ctx, const bench_config *cfg,
+                        const bench_result *res) {
+    const clmha_layer_desc *d = &cfg->desc;
+    if (cfg->json) {
+        printf("{\"device\": ");
+        json_string(clmha_context_device_name(ctx));
+        printf(", \"layer\": ");
+        if (cfg->layer_path)
+            json_string(cfg->layer_path);
+        else
+            printf("null");
+        printf(", \"batch\": %zu, \"tgt_len\": %zu, \"src_len\": %zu, \"embed_dim\": %zu, "
+               "\"num_heads\": %zu, \"kdim\": %zu, \"vdim\": %zu, \"batch_first\": %s, "
+               "\"need_weights\": %s, \"impl\": \"%s\", \"attention\": \"%s\", "
+               "\"repeat\": %zu, \"ms\": %.6g, "
+               "\"ms_min\": %.6g, \"ms_max\": %.6g, \"flops\": %.0f, \"gflops\": %.6g, "
+               "\"scratch_bytes\": %zu, \"stages\": {",
+               res->n, res->l, res->s, d->embed_dim, d->num_heads, d->kdim, d->vdim,
+               d->batch_first ? "true" : "false", cfg->need_weights ? "true" : "false",
+               clmha_impl_name(res->impl), res->self ? "self" : "cross", cfg->repeat, res->ms,
+               res->ms_min, res->ms_max, res->flops, res->flops / res->ms / 1e6, res->scratch_bytes);
+        for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
+            printf("%s\"%s\": %.6g", i ? ", " : "", clmha_stage_name((clmha_stage)i),
+                   res->stage_ms[i]);
+        printf("}}\n");
+        fflush(stdout);
+        return;
+    }
+    double total = 0;
+    for (int i = 0; i < CLMHA_STAGE_COUNT; ++i) total += res->stage_ms[i];
+    printf("shape:   N %zu, L %zu, S %zu (%s-attention%s), need_weights %s, %s core\n",
+           res->n, res->l, res->s, res->self ? "self" : "cross",
+           res->self ? ", packed QKV projection"
+           : d->kdim == d->vdim ? ", key = value" : ", separate key and value",
+           cfg->need_weights ? "on" : "off", clmha_impl_name(res->impl));
+    printf("time:    %.3f ms per forward (median of %zu; min %.3f, max %.3f)\n", res->ms,
+           cfg->repeat, res->ms_min, res->ms_max);
+    printf("speed:   %.2f GFLOP/s (%.4g GFLOP per forward)\n", res->flops / res->ms / 1e6,
+           res->flops / 1e9);
+    printf("scratch: %zu bytes (%.1f MiB)\n", res->scratch_bytes,
+           (double)res->scratch_bytes / (1024.0 * 1024.0));
+    printf("stages:  (one profiled run, %.3f ms)\n", total);
+    for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
+        printf("  %-9s %10.3f ms %5.1f%%\n", clmha_stage_name((clmha_stage)i), res->stage_ms[i],
+               total > 0 ? 100.0 * res->stage_ms[i] / total : 0.0);
+    fflush(stdout);
+}
+
+int clmha__cli_bench(int argc, char **argv) {
+    const char *batch_opt = NULL, *tgt_opt = NULL, *src_opt = NULL, *embed_opt = NULL,
+               *heads_opt = NULL, *repeat_opt = NULL, *layer_path = NULL, *device = NULL,
+               *impl_opt = NULL;
+    bool need_weights = false, batch_first = false, json = false;
+    const clmha__cli_option opts[] = {
+        {.name = "--impl", .value = &impl_opt},
+        {.name = "--batch", .value = &batch_opt},
+        {.name = "--tgt-len", .value = &tgt_opt},
+        {.name = "--src-len", .value = &src_opt},
+        {.name = "--embed", .value = &embed_opt},
+        {.name = "--heads", .value = &heads_opt},
+        {.name = "--need-weights", .flag = &need_weights},
+        {.name = "--batch-first", .flag = &batch_first},
+        {.name = "--layer", .value = &layer_path},
+        {.name = "--repeat", .value = &repeat_opt},
+        {.name = "--device", .value = &device, .allow_empty = true},
+        {.name = "--json", .flag = &json},
+    };
+    int rc;
+    if (!clmha__cli_parse_options("bench", argc, argv, opts, sizeof opts / sizeof opts[0],
+                                  usage_bench, &rc))
+        return rc;
+    size_t batches[BENCH_MAX_LIST] = {8}, tgts[BENCH_MAX_LIST] = {128}, srcs[BENCH_MAX_LIST];
+    size_t nb = 1, nt = 1, ns = 0, e = 512, h = 8, repeat = 10, one = 0;
+    if ((batch_opt && (rc = parse_sizes("--batch", batch_opt, BENCH_MAX_LIST, BENCH_MAX_SIZE,
+                                        batches, &nb))) ||
+        (tgt_opt && (rc = parse_sizes("--tgt-len", tgt_opt, BENCH_MAX_LIST, BENCH_MAX_SIZE,
+                                      tgts, &nt))) ||
+        (src_opt && (rc = parse_sizes("--src-len", src_opt, BENCH_MAX_LIST, BENCH_MAX_SIZE,
+                                      srcs, &ns))) ||
+        (embed_opt && (rc = parse_sizes("--embed", embed_opt, 1, BENCH_MAX_SIZE, &e, &one))) ||
+        (heads_opt && (rc = parse_sizes("--heads", heads_opt, 1, BENCH_MAX_SIZE, &h, &one))) ||
+        (repeat_opt &&
+         (rc = parse_sizes("--repeat", repeat_opt, 1, BENCH_MAX_REPEAT, &repeat, &one))))
+        return rc;
+    if (!layer_path && e % h != 0) {
+        clmha__cli_report("bench", "--embed %zu is not a multiple of --heads %zu", e, h);
+        return EXIT_USAGE;
+    }
+    clmha_impl impl;
+    if (!clmha__cli_parse_impl("bench", impl_opt, need_weights, "--need-weights", &impl))
+        return EXIT_USAGE;
+
+    bench_config cfg = {.layer_path = layer_path, .need_weights = need_weights, .json = json,
+                        .impl = impl, .repeat = repeat};
+    cfg.desc = (clmha_layer_desc){.embed_dim = e, .num_heads = h, .kdim = e, .vdim = e,
+                                  .bias = true, .batch_first = batch_first};
+    float *params = NULL;
+    double *times = NULL;
+    clmha_context *ctx = NULL;
+    clmha_layer *layer = NULL;
+    rc = EXIT_REFUSED;
+    if (layer_path) {
+        FILE *f = fopen(layer_path, "rb");
+        if (!f) {
+            clmha__cli_report("bench", "--layer %s: cannot open: %s", layer_path, strerror(errno));
+            goto done;
+        }
+        fclose(f);
+    }
+    if (!(times = malloc(repeat * sizeof *times))) {
+        clmha__cli_report("bench", "out of host memory");
+        goto done;
+    }
+    if (!(ctx = clmha__cli_open_context("bench", device))) goto done;
+    if (layer_path) {  // the file's configuration
+        if (!(layer = bench_layer(ctx, &cfg))) goto done;
+        clmha_layer_get_desc(layer, &cfg.desc);
+        clmha_layer_release(layer);
+        layer = NULL;
+        const clmha_layer_desc *d = &cfg.desc;
+        if ((embed_opt && d->embed_dim != e) || (heads_opt && d->num_heads != h) ||
+            (batch_first && !d->batch_first)) {
+            clmha__cli_report("bench",
+                              "--layer %s has embed_dim %zu, num_heads %zu, batch_first %s: "
+                              "it disagrees with %s",
+                              layer_path, d->embed_dim, d->num_heads,
+                              d->batch_first ? "true" : "false",
+                              embed_opt && d->embed_dim != e   ? "--embed"
+                              : heads_opt && d->num_heads != h ? "--heads"
+                                                               : "--batch-first");
+            goto done;
+        }
+    } else {  // random parameters, PyTorch-like scale
+        if (e > BENCH_MAX_SIZE / 4 / e ||
+            !(params = malloc((4 * e * e + 4 * e) * sizeof *params))) {
+            clmha__cli_report("bench", "--embed %zu: out of host memory for the parameters", e);
+            goto done;
+        }
+        cfg.w_in = params;
+        cfg.w_out = params + 3 * e * e;
+        cfg.b_in = params + 4 * e * e;
+        cfg.b_out = params + 4 * e * e + 3 * e;
+        uint64_t rng = 42;
+        float a = 1.0f / sqrtf((float)e);
+        for (size_t i = 0; i < 4 * e * e; ++i) params[i] = a * clmha__cli_uniform(&rng);
+        for (size_t i = 4 * e * e; i < 4 * e * e + 4 * e; ++i)
+            params[i] = 0.1f * clmha__cli_uniform(&rng);
+    }
+    if (!json) {
+        const clmha_layer_desc *d = &cfg.desc;
+        printf("device:  %s\n", clmha_context_device_name(ctx));
+        printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s (%s)\n",
+               d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
+               d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
+               d->batch_first ? ", batch_first" : "", layer_path ? layer_path : "random");
+        fflush(stdout);
+    }
+    for (size_t ib = 0; ib < nb; ++ib)
+        for (size_t it = 0; it < nt; ++it)
+            for (size_t is = 0; is < (ns ? ns : 1); ++is) {
+                bench_result res;
+                size_t s = ns ? srcs[is] : tgts[it];
+                if (bench_shape(ctx, &cfg, batches[ib], tgts[it], s, times, &res) != EXIT_OK)
+                    goto done;
+                bench_print(ctx, &cfg, &res);
+            }
+    rc = EXIT_OK;
+done:
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+    free(params);
+    free(times);
+    return rc;
+}

@@ -1,0 +1,85 @@
+// What the files of the `clmha` program share: the commands (one file each: devices.c, run.c,
+// demo.c, bench.c, tune.c; main.c picks one) and their common code in common.c (messages,
+// option parsing, opening the device, output paths, random numbers and time).
+#ifndef CLMHA_CLI_H
+#define CLMHA_CLI_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <clmha.h>
+
+#include "base/defs.h"
+
+// Exit status of every command.
+enum { EXIT_OK = 0, EXIT_REFUSED = 1, EXIT_USAGE = 2 };
+
+// ---- the commands: called with the arguments after the command's name; return the exit status
+
+int clmha__cli_devices(int argc, char **argv);
+int clmha__cli_run(int argc, char **argv);
+int clmha__cli_demo(int argc, char **argv);
+int clmha__cli_bench(int argc, char **argv);
+int clmha__cli_tune(int argc, char **argv);
+
+// ---- messages
+
+// Prints "clmha <cmd>: <message>" (or "clmha: <message>" for a NULL @p cmd) as one line on
+// stderr; control characters in the message (from file names or library messages) become
+// spaces.
+void clmha__cli_vreport(const char *cmd, const char *fmt, va_list ap);
+void clmha__cli_report(const char *cmd, const char *fmt, ...) CLMHA__PRINTF(2, 3);
+
+// @p msg without a leading "<path>: " (the report names the path already).
+const char *clmha__cli_without_path(const char *msg, const char *path);
+
+static inline bool clmha__cli_starts_with(const char *s, const char *prefix) {
+    return strncmp(s, prefix, strlen(prefix)) == 0;
+}
+
+// ---- options
+
+typedef struct clmha__cli_option {
+    const char *name;    // "--layer"
+    const char **value;  // options with a value: where it goes
+    bool *flag;          // flags: where true goes
+    bool allow_empty;    // the value may be ""
+} clmha__cli_option;
+
+// Parses argv against @p opts. Returns true when the command goes on. Returns false when it
+// stops here, with *exit_status EXIT_OK after printing @p usage for --help or -h, or EXIT_USAGE
+// after reporting a usage error.
+bool clmha__cli_parse_options(const char *cmd, int argc, char **argv,
+                              const clmha__cli_option *opts, size_t num_opts, const char *usage,
+                              int *exit_status);
+
+// Parses --impl (auto, fused or unfused; NULL: auto) for a call that wants weights or not;
+// @p weight_flags names the options that ask for weights. Reports a bad value, and fused with
+// weights.
+bool clmha__cli_parse_impl(const char *cmd, const char *text, bool need_weights,
+                           const char *weight_flags, clmha_impl *impl);
+
+// ---- device and files
+
+// Device spec: @p device_opt (--device), else $CLMHA_DEVICE, else the default. Reports a
+// failure and returns NULL.
+clmha_context *clmha__cli_open_context(const char *cmd, const char *device_opt);
+
+// Refuses an output path early (before any work) when its folder does not exist or cannot be
+// written, or when the path names a folder. Reports and returns false.
+bool clmha__cli_output_path_ok(const char *cmd, const char *flag, const char *path);
+
+// ---- random numbers and time
+
+// splitmix64-based uniform numbers in [-1, 1).
+float clmha__cli_uniform(uint64_t *state);
+
+// A monotonic clock in milliseconds.
+double clmha__cli_now_ms(void);
+
+// qsort comparison of doubles, ascending.
+int clmha__cli_cmp_double(const void *a, const void *b);
+
+#endif

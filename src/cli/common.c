@@ -1,0 +1,198 @@
+// What the commands of the `clmha` program share: messages on stderr, option parsing, opening
+// the device, output paths, random numbers and time (see cli.h).
+#define _POSIX_C_SOURCE 200809L
+
+#include "cli.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+// ---- messages ---------------------------------------------------------------------------------
+
+// Prints "clmha <cmd>: <message>" as one line on stderr: control characters (from file names or
+// library messages) become spaces. 
+void clmha__cli_vreport(const char *cmd, const char *fmt, va_list ap) {
+    char line[3072];
+    vsnprintf(line, sizeof line, fmt, ap);
+    for (char *p = line; *p; ++p)
+        if (iscntrl((unsigned char)*p)) *p = ' ';
+    if (cmd)
+        fprintf(stderr, "clmha %s: %s\n", cmd, line);
+    else
+        fprintf(stderr, "clmha: %s\n", line);
+}
+
+void clmha__cli_report(const char *cmd, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    clmha__cli_vreport(cmd, fmt, ap);
+    va_end(ap);
+}
+
+// @p msg without a leading "<path>: " (the report names the path already).
+const char *clmha__cli_without_path(const char *msg, const char *path) {
+    size_t n = strlen(path);
+    return strncmp(msg, path, n) == 0 && msg[n] == ':' && msg[n + 1] == ' ' ? msg + n + 2 : msg;
+}
+
+// ---- option parsing ---------------------------------------------------------------------------
+
+bool clmha__cli_parse_options(const char *cmd, int argc, char **argv,
+                              const clmha__cli_option *opts, size_t num_opts, const char *usage,
+                              int *exit_status) {
+    *exit_status = EXIT_USAGE;
+    for (int i = 0; i < argc; ++i) {
+        const char *arg = argv[i];
+        if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
+            fputs(usage, stdout);
+            *exit_status = EXIT_OK;
+            return false;
+        }
+        if (!clmha__cli_starts_with(arg, "--") || arg[2] == '\0') {
+            clmha__cli_report(cmd, "unexpected argument '%s' (try 'clmha %s --help')", arg, cmd);
+            return false;
+        }
+        const char *eq = strchr(arg, '=');
+        size_t name_len = eq ? (size_t)(eq - arg) : strlen(arg);
+        const clmha__cli_option *o = NULL;
+        for (size_t k = 0; k < num_opts && !o; ++k)
+            if (strlen(opts[k].name) == name_len && strncmp(opts[k].name, arg, name_len) == 0)
+                o = &opts[k];
+        if (!o) {
+            clmha__cli_report(cmd, "unknown option '%.*s' (try 'clmha %s --help')", (int)name_len,
+                              arg, cmd);
+            return false;
+        }
+        if (o->flag) {
+            if (eq) {
+                clmha__cli_report(cmd, "%s takes no value (got '%s')", o->name, arg);
+                return false;
+            }
+            *o->flag = true;
+            continue;
+        }
+        const char *value = NULL;
+        if (eq) {
+            value = eq + 1;
+        } else if (i + 1 < argc && !clmha__cli_starts_with(argv[i + 1], "--")) {
+            value = argv[++i];
+        } else {
+            if (i + 1 < argc)
+                clmha__cli_report(
+                    cmd,
+                    "%s needs a value, got option '%s' (write %s=VALUE for a value that "
+                    "starts with --)",
+                    o->name, argv[i + 1], o->name);
+            else
+                clmha__cli_report(cmd, "%s needs a value", o->name);
+            return false;
+        }
+        if (!value[0] && !o->allow_empty) {
+            clmha__cli_report(cmd, "%s needs a non-empty value", o->name);
+            return false;
+        }
+        if (*o->value) {
+            clmha__cli_report(cmd, "%s given twice ('%s' and '%s')", o->name, *o->value, value);
+            return false;
+        }
+        *o->value = value;
+    }
+    return true;
+}
+
+// Device spec: --device, else $CLMHA_DEVICE, else the default. Reports a failure.
+clmha_context *clmha__cli_open_context(const char *cmd, const char *device_opt) {
+    const char *env = getenv("CLMHA_DEVICE");
+    const char *spec = device_opt ? device_opt : env;
+    clmha_context *ctx = NULL;
+    if (clmha_context_create(&ctx, spec) != CLMHA_SUCCESS) {
+        if (device_opt)
+            clmha__cli_report(cmd, "--device %s: %s", device_opt, clmha_last_create_error());
+        else if (env && env[0])
+            clmha__cli_report(cmd, "$CLMHA_DEVICE=%s: %s", env, clmha_last_create_error());
+        else
+            clmha__cli_report(cmd, "default device: %s", clmha_last_create_error());
+        return NULL;
+    }
+    return ctx;
+}
+
+// Parses --impl (auto, fused or unfused; NULL: auto) for a call that wants weights or not;
+// @p weight_flags names the options that ask for weights. Reports a bad value, and fused with
+// weights.
+bool clmha__cli_parse_impl(const char *cmd, const char *text, bool need_weights,
+                           const char *weight_flags, clmha_impl *impl) {
+    static const clmha_impl all[] = {CLMHA_IMPL_AUTO, CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};
+    *impl = CLMHA_IMPL_AUTO;
+    if (!text) return true;
+    size_t i = 0;
+    while (i < sizeof all / sizeof all[0] && strcmp(text, clmha_impl_name(all[i])) != 0) ++i;
+    if (i == sizeof all / sizeof all[0]) {
+        clmha__cli_report(cmd, "--impl '%s': expected auto, fused or unfused", text);
+        return false;
+    }
+    *impl = all[i];
+    if (*impl == CLMHA_IMPL_FUSED && need_weights) {
+        clmha__cli_report(cmd, "--impl fused cannot give weights: drop %s, or use --impl unfused",
+                          weight_flags);
+        return false;
+    }
+    return true;
+}
+
+// Refuses an output path early (before any work) when its folder does not exist or cannot be
+// written, or when the path names a folder. Reports and returns false.
+bool clmha__cli_output_path_ok(const char *cmd, const char *flag, const char *path) {
+    struct stat st;
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+        clmha__cli_report(cmd, "%s %s: is a folder, not a file name", flag, path);
+        return false;
+    }
+    const char *slash = strrchr(path, '/');
+    size_t len = slash ? (size_t)(slash - path) : 1;
+    if (slash && len == 0) len = 1;  // "/name": the root folder
+    char *dir = malloc(len + 1);
+    if (!dir) {
+        clmha__cli_report(cmd, "out of memory");
+        return false;
+    }
+    memcpy(dir, slash ? path : ".", len);
+    dir[len] = '\0';
+    bool ok = false;
+    if (stat(dir, &st) != 0)
+        clmha__cli_report(cmd, "%s %s: the folder '%s' does not exist", flag, path, dir);
+    else if (!S_ISDIR(st.st_mode))
+        clmha__cli_report(cmd, "%s %s: '%s' is not a folder", flag, path, dir);
+    else if (access(dir, W_OK | X_OK) != 0)
+        clmha__cli_report(cmd, "%s %s: the folder '%s' is not writable", flag, path, dir);
+    else
+        ok = true;
+    free(dir);
+    return ok;
+}
+
+// ---- random numbers and time ------------------------------------------------------------------
+
+float clmha__cli_uniform(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)((double)(z >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+double clmha__cli_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+int clmha__cli_cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}

@@ -1,0 +1,69 @@
+// The `clmha` program: `clmha devices`, `clmha run`, `clmha demo`, `clmha bench`, `clmha tune`.
+// This file picks the command; each command is a file of its own in src/cli/ (see cli.h).
+//
+// Exit status: 0 success; 1 a refused input (unreadable or malformed file, shape mismatch,
+// device or library failure); 2 a usage error (unknown command or option, missing value,
+// missing required option). Every error is one line on stderr that starts with
+// "clmha <command>: " and names the file or argument at fault.
+#include "cli.h"
+
+#include <stdio.h>
+
+static const char *usage_main =
+    "usage: clmha <command> [options]\n"
+    "\n"
+    "Computes torch.nn.MultiheadAttention's forward pass on an OpenCL device.\n"
+    "\n"
+    "commands:\n"
+    "  devices   list every OpenCL platform and device with the spec string that selects it\n"
+    "  run       run a layer file (.safetensors) on .npy inputs, write .npy outputs\n"
+    "  demo      run a random layer, check it against the CPU reference, time it\n"
+    "  bench     time the device-buffer forward pass: ms, GFLOP/s, scratch, time per stage\n"
+    "  tune      tune CLBlast's GEMMs for a device, store the result for later runs\n"
+    "\n"
+    "options:\n"
+    "  --help, -h   print this help (clmha <command> --help: help on a command)\n"
+    "  --version    print the version\n"
+    "\n"
+    "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error),\n"
+    "2 usage error\n";
+
+// The subcommands: name and entry point (called with the arguments after the name).
+static const struct command {
+    const char *name;
+    int (*run)(int argc, char **argv);
+} commands[] = {
+    {"devices", clmha__cli_devices},
+    {"run", clmha__cli_run},
+    {"demo", clmha__cli_demo},
+    {"bench", clmha__cli_bench},
+    {"tune", clmha__cli_tune},
+};
+enum { NUM_COMMANDS = sizeof commands / sizeof commands[0] };
+
+int main(int argc, char **argv) {
+    char names[256] = "";  // "devices, run, demo, bench"
+    for (size_t i = 0; i < NUM_COMMANDS; ++i)
+        snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? ", " : "",
+                 commands[i].name);
+    if (argc < 2) {
+        clmha__cli_report(NULL, "no command given (%s; try 'clmha --help')", names);
+        return EXIT_USAGE;
+    }
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
+        fputs(usage_main, stdout);
+        return EXIT_OK;
+    }
+    if (strcmp(cmd, "--version") == 0) {
+        printf("clmha %s\n", clmha_version());
+        return EXIT_OK;
+    }
+    for (size_t i = 0; i < NUM_COMMANDS; ++i)
+        if (strcmp(cmd, commands[i].name) == 0) return commands[i].run(argc - 2, argv + 2);
+    if (clmha__cli_starts_with(cmd, "-"))
+        clmha__cli_report(NULL, "unknown option '%s' (try 'clmha --help')", cmd);
+    else
+        clmha__cli_report(NULL, "unknown command '%s' (%s; try 'clmha --help')", cmd, names);
+    return EXIT_USAGE;
+}

@@ -1,0 +1,368 @@
+// `clmha run`: a layer file (.safetensors) on .npy inputs, .npy outputs.
+#define _POSIX_C_SOURCE 200809L
+
+#include "cli.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "base/message.h"
+#include "npy.h"
+
+static const char *usage_run =
+    "usage: clmha run --layer F.safetensors --query Q.npy [options]\n"
+    "\n"
+    "Runs torch.nn.MultiheadAttention's forward pass (eval mode: no dropout) with the layer\n"
+    "in F.safetensors (state_dict() names; metadata num_heads, batch_first, add_zero_attn)\n"
+    "on the arrays of .npy files. Shapes and masks are PyTorch's: query (L, N, E), or\n"
+    "(N, L, E) when the layer file says batch_first, or (L, E) unbatched.\n"
+    "\n"
+    "inputs:\n"
+    "  --layer F.safetensors     the layer (required)\n"
+    "  --query Q.npy             query, float32 or float64 (required)\n"
+    "  --key K.npy               key (S, N, kdim); default: the query (self-attention)\n"
+    "  --value V.npy             value (S, N, vdim); default: the key\n"
+    "  --key-padding-mask M.npy  (N, S), or (S) unbatched\n"
+    "  --attn-mask A.npy         (L, S), or (N*num_heads, L, S); unbatched (num_heads, L, S)\n"
+    "                            bool/uint8 masks: true (non-zero) = may NOT attend;\n"
+    "                            float masks are added to the scores (-inf forbids)\n"
+    "  --is-causal               forbid key j > query i (top-left aligned)\n"
+    "\n"
+    "outputs:\n"
+    "  --need-weights            also compute the attention weights\n"
+    "  --per-head-weights        weights per head (N, H, L, S') instead of averaged over\n"
+    "                            the heads (N, L, S') (average_attn_weights=False);\n"
+    "                            implies --need-weights\n"
+    "  --output O.npy            write the attention output, float32, shaped like the query\n"
+    "  --weights-output W.npy    write the weights, float32; implies --need-weights\n"
+    "                            (unbatched inputs drop N; S' = S + add_bias_kv + add_zero_attn)\n"
+    "  Files are written only after the forward pass succeeded, each whole or not at all.\n"
+    "  A query row whose every key is masked gets zero weights (PyTorch gives NaN there).\n"
+    "  Results not written to a file are summarised on stdout (shape, first values).\n"
+    "\n"
+    "device:\n"
+    "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"
+    "                            (see clmha devices); default: $CLMHA_DEVICE, else the first\n"
+    "                            GPU, else the first device\n"
+    "  --impl auto|fused|unfused the attention core: fused streams key tiles and never\n"
+    "                            stores the scores, but cannot give weights; auto (default)\n"
+    "                            is fused without weights, else unfused\n"
+    "\n"
+    "  --help, -h                print this help\n"
+    "\n"
+    "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error),\n"
+    "2 usage error. Options take their value as --opt VALUE or --opt=VALUE.\n";
+
+// One .npy input.
+typedef struct input_file {
+    const char *flag;  // "--query"
+    const char *path;  // NULL when not given
+    bool is_mask;      // bool/uint8 allowed
+    clmha__npy a;
+} input_file;
+
+enum { IN_QUERY, IN_KEY, IN_VALUE, IN_KPM, IN_ATTN, IN_COUNT };
+
+// Reads one input; reports and returns false when it is refused.
+static bool read_input(input_file *in) {
+    char msg[1024] = "";
+    if (clmha__npy_read(in->path, &in->a, msg, sizeof msg) != CLMHA_SUCCESS) {
+        clmha__cli_report("run", "%s %s: %s", in->flag, in->path,
+                          msg[0] ? clmha__cli_without_path(msg, in->path) : "cannot read the file");
+        return false;
+    }
+    if (in->a.ndim == 0 || in->a.ndim > 4) {
+        // (No shape beyond "()": clmha__shape_str shows at most 4 sizes.)
+        clmha__cli_report("run", "%s %s: a %zu-D array%s; %s takes 1 to 4 dimensions", in->flag,
+                          in->path, in->a.ndim, in->a.ndim == 0 ? " ()" : "", in->flag);
+        return false;
+    }
+    if (!in->is_mask && in->a.kind != CLMHA__NPY_FLOAT) {
+        clmha__cli_report("run", "%s %s: dtype '%s' is boolean; %s must be float32 or float64",
+                          in->flag, in->path, in->a.dtype, in->flag);
+        return false;
+    }
+    return true;
+}
+
+static clmha_tensor tensor_of(const clmha__npy *a) {
+    clmha_tensor t = {.ndim = a->ndim};
+    for (size_t i = 0; i < a->ndim && i < 4; ++i) t.shape[i] = a->shape[i];
+    t.data = a->kind == CLMHA__NPY_FLOAT ? (const void *)a->f32 : (const void *)a->u8;
+    return t;
+}
+
+static clmha_mask mask_of(const input_file *in) {
+    clmha_mask m = {.kind = CLMHA_MASK_NONE};
+    if (!in->path) return m;
+    m.kind = in->a.kind == CLMHA__NPY_BOOL ? CLMHA_MASK_BOOL_IGNORE : CLMHA_MASK_FLOAT;
+    m.tensor = tensor_of(&in->a);
+    return m;
+}
+
+// The input a library message about query/key/value refers to (NULL: the layer as a whole).
+// Key defaults to the query and value to the key, so a message about an input that was not
+// given names the input it defaulted to.
+static const input_file *input_culprit(const char *msg, const input_file *in, bool batch_first) {
+    const input_file *q = &in[IN_QUERY];
+    const input_file *k = in[IN_KEY].path ? &in[IN_KEY] : q;
+    const input_file *v = in[IN_VALUE].path ? &in[IN_VALUE] : k;
+    if (clmha__cli_starts_with(msg, "query")) return q;
+    if (clmha__cli_starts_with(msg, "key ") && strstr(msg, " and value ")) return v;
+    if (clmha__cli_starts_with(msg, "key ")) return k;
+    if (clmha__cli_starts_with(msg, "value ")) return v;
+    if (clmha__cli_starts_with(msg, "batch sizes differ")) {
+        size_t b = batch_first ? 0 : 1;
+        if (q->a.ndim == 3 && k->a.ndim == 3 && k->a.shape[b] != q->a.shape[b]) return k;
+        return v;
+    }
+    return NULL;
+}
+
+// "0.123457 -1.5 ... (48 values)".
+static void print_values(const char *label, const float *x, size_t count, size_t ndim,
+                         const size_t *shape, const char *note) {
+    char s[160];
+    printf("%-8s %s%s:", label, clmha__shape_str(s, sizeof s, ndim, shape), note);
+    size_t shown = count < 6 ? count : 6;
+    for (size_t i = 0; i < shown; ++i) printf(" %.6g", (double)x[i]);
+    if (shown < count) printf(" ...");
+    printf(" (%zu value%s)\n", count, count == 1 ? "" : "s");
+}
+
+// Writes the requested outputs: each file whole or not at all, and when two are requested both
+// or (as far as the file system allows) neither: both are written to temporary names next to
+// their targets first, then renamed.
+static bool write_outputs(const char *out_path, const float *y, size_t y_ndim,
+                          const size_t *y_shape, const char *w_path, const float *w,
+                          size_t w_ndim, const size_t *w_shape) {
+    char msg[1024] = "";
+    char *tmp_y = NULL, *tmp_w = NULL;
+    bool ok = false, y_written = false, w_written = false, y_renamed = false;
+    if (!out_path || !w_path) {  // one file (or none): written whole or not at all by itself
+        const char *path = out_path ? out_path : w_path;
+        if (path && clmha__npy_write_f32(path, out_path ? y : w, out_path ? y_ndim : w_ndim,
+                                         out_path ? y_shape : w_shape, msg, sizeof msg)) {
+            clmha__cli_report("run", "%s %s: %s", out_path ? "--output" : "--weights-output", path,
+                              msg);
+            return false;
+        }
+        return true;
+    }
+    size_t ny = strlen(out_path) + 64, nw = strlen(w_path) + 64;
+    if (!(tmp_y = malloc(ny)) || !(tmp_w = malloc(nw))) {
+        clmha__cli_report("run", "out of memory");
+        goto fail;
+    }
+    snprintf(tmp_y, ny, "%s.clmha-%ld.tmp", out_path, (long)getpid());
+    snprintf(tmp_w, nw, "%s.clmha-%ld.tmp", w_path, (long)getpid());
+    if (clmha__npy_write_f32(tmp_y, y, y_ndim, y_shape, msg, sizeof msg)) {
+        clmha__cli_report("run", "--output %s: %s", out_path, msg);
+        goto fail;
+    }
+    y_written = true;
+    if (clmha__npy_write_f32(tmp_w, w, w_ndim, w_shape, msg, sizeof msg)) {
+        clmha__cli_report("run", "--weights-output %s: %s (no output written)", w_path, msg);
+        goto fail;
+    }
+    w_written = true;
+    if (rename(tmp_y, out_path) != 0) {
+        clmha__cli_report("run", "--output %s: cannot rename %s to it: %s (no output written)",
+                          out_path, tmp_y, strerror(errno));
+        goto fail;
+    }
+    y_renamed = true;
+    if (rename(tmp_w, w_path) != 0) {
+        clmha__cli_report("run",
+                          "--weights-output %s: cannot rename %s to it: %s (no output written)",
+                          w_path, tmp_w, strerror(errno));
+        goto fail;
+    }
+    ok = true;
+fail:
+    if (!ok) {
+        if (y_renamed) remove(out_path);
+        else if (y_written) remove(tmp_y);
+        if (w_written) remove(tmp_w);
+    }
+    free(tmp_y);
+    free(tmp_w);
+    return ok;
+}
+
+int clmha__cli_run(int argc, char **argv) {
+    const char *layer_path = NULL, *output_path = NULL, *weights_path = NULL, *device = NULL;
+    input_file in[IN_COUNT] = {
+        [IN_QUERY] = {.flag = "--query"},
+        [IN_KEY] = {.flag = "--key"},
+        [IN_VALUE] = {.flag = "--value"},
+        [IN_KPM] = {.flag = "--key-padding-mask", .is_mask = true},
+        [IN_ATTN] = {.flag = "--attn-mask", .is_mask = true},
+    };
+    bool is_causal = false, need_weights = false, per_head = false;
+    const char *impl_opt = NULL;
+    const clmha__cli_option opts[] = {
+        {.name = "--layer", .value = &layer_path},
+        {.name = "--query", .value = &in[IN_QUERY].path},
+        {.name = "--key", .value = &in[IN_KEY].path},
+        {.name = "--value", .value = &in[IN_VALUE].path},
+        {.name = "--key-padding-mask", .value = &in[IN_KPM].path},
+        {.name = "--attn-mask", .value = &in[IN_ATTN].path},
+        {.name = "--is-causal", .flag = &is_causal},
+        {.name = "--impl", .value = &impl_opt},
+        {.name = "--need-weights", .flag = &need_weights},
+        {.name = "--per-head-weights", .flag = &per_head},
+        {.name = "--output", .value = &output_path},
+        {.name = "--weights-output", .value = &weights_path},
+        {.name = "--device", .value = &device, .allow_empty = true},
+    };
+    int rc;
+    if (!clmha__cli_parse_options("run", argc, argv, opts, sizeof opts / sizeof opts[0], usage_run,
+                                  &rc))
+        return rc;
+    if (!layer_path || !in[IN_QUERY].path) {
+        clmha__cli_report("run", "%s required (try 'clmha run --help')",
+                          !layer_path && !in[IN_QUERY].path ? "--layer and --query are"
+                          : !layer_path                     ? "--layer is"
+                                                            : "--query is");
+        return EXIT_USAGE;
+    }
+    if (output_path && weights_path && strcmp(output_path, weights_path) == 0) {
+        clmha__cli_report("run", "--output and --weights-output name the same file '%s'",
+                          output_path);
+        return EXIT_USAGE;
+    }
+    if (weights_path || per_head) need_weights = true;
+    clmha_impl impl;
+    if (!clmha__cli_parse_impl("run", impl_opt, need_weights,
+                               "--need-weights, --per-head-weights and --weights-output", &impl))
+        return EXIT_USAGE;
+
+    clmha_context *ctx = NULL;
+    clmha_layer *layer = NULL;
+    float *y = NULL, *w = NULL;
+    rc = EXIT_REFUSED;
+
+    // Files first: they are refused without touching a device.
+    if ((output_path && !clmha__cli_output_path_ok("run", "--output", output_path)) ||
+        (weights_path && !clmha__cli_output_path_ok("run", "--weights-output", weights_path)))
+        goto fail;
+    FILE *f = fopen(layer_path, "rb");
+    if (!f) {
+        clmha__cli_report("run", "--layer %s: cannot open: %s", layer_path, strerror(errno));
+        goto fail;
+    }
+    fclose(f);
+    for (int i = 0; i < IN_COUNT; ++i)
+        if (in[i].path && !read_input(&in[i])) goto fail;
+
+    if (!(ctx = clmha__cli_open_context("run", device))) goto fail;
+    if (clmha_layer_load(&layer, ctx, layer_path) != CLMHA_SUCCESS) {
+        clmha__cli_report("run", "--layer %s: %s", layer_path,
+                          clmha__cli_without_path(clmha_context_last_error(ctx), layer_path));
+        goto fail;
+    }
+    clmha_layer_desc desc;
+    if (clmha_layer_get_desc(layer, &desc) != CLMHA_SUCCESS) {
+        clmha__cli_report("run", "--layer %s: %s", layer_path, clmha_context_last_error(ctx));
+        goto fail;
+    }
+
+    // The arguments, checked one input at a time so that a refusal names its file.
+    clmha_forward_args args = {.query = tensor_of(&in[IN_QUERY].a)};
+    if (in[IN_KEY].path) args.key = tensor_of(&in[IN_KEY].a);
+    if (in[IN_VALUE].path) {
+        args.value = tensor_of(&in[IN_VALUE].a);
+        if (!in[IN_KEY].path) args.key = args.query;  // key defaults to the query
+    }
+    size_t y_count = 0, w_count = 0;
+    if (clmha_layer_output_counts(layer, &args, NULL, NULL) != CLMHA_SUCCESS) {
+        const char *msg = clmha_context_last_error(ctx);
+        const input_file *culprit = input_culprit(msg, in, desc.batch_first);
+        if (culprit)
+            clmha__cli_report("run", "%s %s: %s", culprit->flag, culprit->path, msg);
+        else
+            clmha__cli_report("run", "--layer %s: %s", layer_path, msg);
+        goto fail;
+    }
+    args.key_padding_mask = mask_of(&in[IN_KPM]);
+    if (clmha_layer_output_counts(layer, &args, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("run", "--key-padding-mask %s: %s", in[IN_KPM].path,
+                          clmha_context_last_error(ctx));
+        goto fail;
+    }
+    args.attn_mask = mask_of(&in[IN_ATTN]);
+    args.is_causal = is_causal;
+    if (clmha_layer_output_counts(layer, &args, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("run", "%s%s: %s", in[IN_ATTN].path ? "--attn-mask " : "--is-causal",
+                          in[IN_ATTN].path ? in[IN_ATTN].path : "", clmha_context_last_error(ctx));
+        goto fail;
+    }
+    args.need_weights = need_weights;
+    args.per_head_weights = per_head;
+    args.impl = impl;
+    if (clmha_layer_output_counts(layer, &args, &y_count, &w_count) != CLMHA_SUCCESS) {
+        clmha__cli_report("run", "%s", clmha_context_last_error(ctx));
+        goto fail;
+    }
+
+    // Output shapes: the output is shaped like the query (whose last size is E); the weights
+    // (N, [H,] L, S'), unbatched without N.
+    const clmha__npy *q = &in[IN_QUERY].a;
+    bool batched = q->ndim == 3;
+    size_t n = batched ? q->shape[desc.batch_first ? 0 : 1] : 1;
+    size_t l = batched ? q->shape[desc.batch_first ? 1 : 0] : q->shape[0];
+    size_t w_shape[4], w_ndim = 0;
+    if (need_weights) {
+        size_t rows = n * l * (per_head ? desc.num_heads : 1);
+        size_t s_padded = rows ? w_count / rows : 0;
+        if (batched) w_shape[w_ndim++] = n;
+        if (per_head) w_shape[w_ndim++] = desc.num_heads;
+        w_shape[w_ndim++] = l;
+        w_shape[w_ndim++] = s_padded;
+    }
+
+    if (!(y = malloc((y_count ? y_count : 1) * sizeof *y)) ||
+        (need_weights && !(w = malloc((w_count ? w_count : 1) * sizeof *w)))) {
+        clmha__cli_report("run", "out of host memory for the outputs (%zu + %zu floats)", y_count,
+                          w_count);
+        goto fail;
+    }
+    clmha_status st = clmha_layer_forward_host(layer, &args, y, y_count, w, w_count);
+    if (st != CLMHA_SUCCESS) {
+        clmha__cli_report("run", "forward pass failed on %s: %s: %s",
+                          clmha_context_device_name(ctx), clmha_status_string(st),
+                          clmha_context_last_error(ctx));
+        goto fail;
+    }
+    if (!write_outputs(output_path, y, q->ndim, q->shape, weights_path, w, w_ndim, w_shape))
+        goto fail;
+
+    // A summary of what was not written to a file.
+    bool show_y = !output_path, show_w = need_weights && !weights_path;
+    if (show_y || show_w) {
+        char s[160];
+        printf("device:  %s\n", clmha_context_device_name(ctx));
+        printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s\n",
+               desc.embed_dim, desc.num_heads, desc.kdim, desc.vdim, desc.bias ? ", bias" : "",
+               desc.add_bias_kv ? ", add_bias_kv" : "",
+               desc.add_zero_attn ? ", add_zero_attn" : "",
+               desc.batch_first ? ", batch_first" : "");
+        printf("query:   %s%s\n", clmha__shape_str(s, sizeof s, q->ndim, q->shape),
+               batched ? (desc.batch_first ? " (N, L, E)" : " (L, N, E)") : " (L, E) unbatched");
+        if (show_y) print_values("output:", y, y_count, q->ndim, q->shape, "");
+        if (show_w)
+            print_values("weights:", w, w_count, w_ndim, w_shape,
+                         per_head ? " per head" : " averaged over the heads");
+    }
+    rc = EXIT_OK;
+fail:
+    free(y);
+    free(w);
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+    for (int i = 0; i < IN_COUNT; ++i) clmha__npy_free(&in[i].a);
+    return rc;
+}
