@@ -613,6 +613,17 @@ CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
 /// `add_zero_attn` ("true"/"false", default false) and `dropout` (default 0); embed_dim, kdim,
 /// vdim, bias and add_bias_kv follow from the tensors present and their shapes. The parameters
 /// are copied before the call returns.
+///
+/// The file must be well formed as the safetensors format requires: the tensors' data_offsets,
+/// sorted, cover the data section exactly (from byte 0, without overlap or hole, up to the end
+/// of the file), no JSON object of the header has a key twice (tensor names, `__metadata__`
+/// keys, the keys of a tensor entry), and shapes and offsets are JSON integers (read exactly,
+/// also above 2^53). `dropout` is checked on its decimal value, then on the float the layer
+/// keeps (a value below 1 that rounds to 1.0f is refused as such).
+/// Limits, so that a hostile file costs little: the header (the JSON text, padding included)
+/// is at most 256 KiB, refused from its length before it is read (a layer's header is under
+/// 2 KiB: at most 9 tensor entries and a few metadata strings; the rest is room for free-form
+/// metadata), and it has at most 9 tensor entries (one per parameter name above).
 /// @param[out] out   the new layer, or NULL on failure
 /// @param[in]  ctx   the context to create it on
 /// @param[in]  path  the file's path
