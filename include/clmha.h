@@ -243,7 +243,12 @@ CLMHA_API const char *clmha_device_note(const clmha_device_info *info);
 
 /// Selects a device by @p spec:
 /// - NULL or "" : the first GPU, else the first device of any type;
-/// - "P:D"      : platform index P, device index D;
+/// - "P:D"      : platform index P, device index D (as `clmha devices` and
+///   clmha_device_info::spec give them). A spec with a colon and only digits, signs or spaces
+///   before it is read as such a pair and must be exactly two unsigned decimal numbers (leading
+///   zeros allowed, no sign, space or other character) of at most UINT_MAX each: anything else
+///   ("-1:0", "4294967296:0", "0:", ":0", "0:0x", "0:0:0") is refused with
+///   ::CLMHA_INVALID_ARGUMENT before any device is looked at;
 /// - "gpu", "cpu", "accelerator" : the first device of that type (case-insensitive);
 /// - anything else: the first device whose platform or device name contains @p spec
 ///   (case-insensitive).
@@ -254,7 +259,9 @@ CLMHA_API const char *clmha_device_note(const clmha_device_info *info);
 /// @param[in]  message_size  size of @p message in bytes (ignored when @p message is NULL)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_DEVICE_NOT_FOUND (no device at all, with an installation
 ///         hint in @p message, or none matching, with the list of devices),
-///         ::CLMHA_INVALID_ARGUMENT (@p out NULL), ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY
+///         ::CLMHA_INVALID_ARGUMENT (@p out NULL, or a malformed "P:D" spec: the message
+///         quotes it and says which index is wrong), ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_device_select(const char *spec, clmha_device_info *out,
                                            char *message, size_t message_size);
 
@@ -267,8 +274,8 @@ CLMHA_API clmha_status clmha_device_select(const char *spec, clmha_device_info *
 /// @param[out] out   the new context, or NULL on failure (the message is in
 ///                   clmha_last_create_error())
 /// @param[in]  spec  device spec as for clmha_device_select(); NULL or "" for the default device
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p out NULL), ::CLMHA_DEVICE_NOT_FOUND,
-///         ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p out NULL, a malformed "P:D" spec),
+///         ::CLMHA_DEVICE_NOT_FOUND, ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_context_create(clmha_context **out, const char *spec);
 
 /// Like clmha_context_create() with the spec taken from the environment variable CLMHA_DEVICE
@@ -622,6 +629,17 @@ CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
 /// `add_zero_attn` ("true"/"false", default false) and `dropout` (default 0); embed_dim, kdim,
 /// vdim, bias and add_bias_kv follow from the tensors present and their shapes. The parameters
 /// are copied before the call returns.
+///
+/// The file must be well formed as the safetensors format requires: the tensors' data_offsets,
+/// sorted, cover the data section exactly (from byte 0, without overlap or hole, up to the end
+/// of the file), no JSON object of the header has a key twice (tensor names, `__metadata__`
+/// keys, the keys of a tensor entry), and shapes and offsets are JSON integers (read exactly,
+/// also above 2^53). `dropout` is checked on its decimal value, then on the float the layer
+/// keeps (a value below 1 that rounds to 1.0f is refused as such).
+/// Limits, so that a hostile file costs little: the header (the JSON text, padding included)
+/// is at most 256 KiB, refused from its length before it is read (a layer's header is under
+/// 2 KiB: at most 9 tensor entries and a few metadata strings; the rest is room for free-form
+/// metadata), and it has at most 9 tensor entries (one per parameter name above).
 /// @param[out] out   the new layer, or NULL on failure
 /// @param[in]  ctx   the context to create it on
 /// @param[in]  path  the file's path

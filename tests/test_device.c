@@ -120,6 +120,78 @@ Test(device, context_from_env_follows_clmha_device) {
     free(all);
 }
 
+// A spec that starts like "P:D" (digits, signs or spaces, then a colon) is an index pair and
+// must be exactly two decimal numbers that fit an unsigned int: anything else is refused with
+// CLMHA_INVALID_ARGUMENT and a message naming the spec, before any device is looked at (so
+// these hold without a device too). It used to be read by sscanf("%u:%u"), which wraps
+// 4294967296 and -4294967296 to 0 and so picked device 0:0.
+Test(device, malformed_index_specs_are_refused) {
+    static const struct {
+        const char *spec;
+        const char *why;
+    } bad[] = {
+        {"4294967296:0", "platform index 4294967296 is larger than 4294967295"},
+        {"0:4294967296", "device index 4294967296 is larger than 4294967295"},
+        {"-4294967296:0", "platform index is not a decimal number"},
+        {"-1:0", "platform index is not a decimal number"},
+        {"0:-1", "device index is not a decimal number"},
+        {"+0:0", "platform index is not a decimal number"},
+        {"18446744073709551617:0", "is larger than 4294967295"},
+        {"99999999999999999999999999:0", "is larger than 4294967295"},
+        {"0:0x", "device index is not a decimal number"},
+        {"0:0 ", "device index is not a decimal number"},
+        {" 0:0", "platform index is not a decimal number"},
+        {"0 :0", "platform index is not a decimal number"},
+        {"0:0:0", "device index is not a decimal number"},
+        {"0:", "device index is empty"},
+        {":0", "platform index is empty"},
+        {":", "platform index is empty"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; ++i) {
+        clmha_device_info got;
+        memset(&got, 0x5a, sizeof got);
+        char msg[512] = "";
+        clmha_status st = clmha_device_select(bad[i].spec, &got, msg, sizeof msg);
+        cr_expect_eq(st, CLMHA_INVALID_ARGUMENT, "\"%s\": status %d (%s)", bad[i].spec, (int)st,
+                     msg);
+        char quoted[64];
+        snprintf(quoted, sizeof quoted, "\"%s\"", bad[i].spec);
+        cr_expect(strstr(msg, quoted) != NULL, "\"%s\": message \"%s\" does not name it",
+                  bad[i].spec, msg);
+        cr_expect(strstr(msg, bad[i].why) != NULL, "\"%s\": message \"%s\" lacks \"%s\"",
+                  bad[i].spec, msg, bad[i].why);
+        cr_expect_eq(((unsigned char *)&got)[0], 0x5a, "\"%s\": out written", bad[i].spec);
+        // The same through a context.
+        clmha_context *ctx = (clmha_context *)&got;
+        cr_expect_eq(clmha_context_create(&ctx, bad[i].spec), CLMHA_INVALID_ARGUMENT, "\"%s\"",
+                     bad[i].spec);
+        cr_expect_null(ctx);
+        cr_expect(strstr(clmha_last_create_error(), quoted) != NULL, "\"%s\": %s", bad[i].spec,
+                  clmha_last_create_error());
+    }
+}
+
+// Well-formed index pairs still select, leading zeros included; a pair that fits but names no
+// device is "not found", with the list of devices.
+Test(device, index_specs_in_range) {
+    size_t count;
+    clmha_device_info *all = list_all(&count);
+    if (!count) cr_skip_test("no OpenCL device");
+    char spec[64];
+    snprintf(spec, sizeof spec, "00%u:0%u", all[0].platform_index, all[0].device_index);
+    clmha_device_info got;
+    char msg[512];
+    cr_expect_eq(clmha_device_select(spec, &got, msg, sizeof msg), CLMHA_SUCCESS, "%s", msg);
+    cr_expect_eq(got.device, all[0].device);
+    cr_expect_eq(clmha_device_select("4294967295:0", &got, msg, sizeof msg),
+                 CLMHA_DEVICE_NOT_FOUND, "%s", msg);
+    cr_expect(strstr(msg, "4294967295:0") != NULL, "%s", msg);
+    // Names that are not index pairs keep matching by substring.
+    cr_expect_eq(clmha_device_select("no-such:device", &got, msg, sizeof msg),
+                 CLMHA_DEVICE_NOT_FOUND, "%s", msg);
+    free(all);
+}
+
 Test(device, version) {
     char want[32];
     snprintf(want, sizeof want, "%d.%d.%d", CLMHA_VERSION_MAJOR, CLMHA_VERSION_MINOR,

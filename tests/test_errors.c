@@ -478,6 +478,13 @@ static bool create_unknown_name(env *e, outcome *o) {
     return create_spec(e, o, "no-such-device-xyz");
 }
 static bool create_unknown_index(env *e, outcome *o) { return create_spec(e, o, "99:0"); }
+// Index pairs that sscanf("%u:%u") used to wrap to 0:0.
+static bool create_wrapped_index(env *e, outcome *o) {
+    return create_spec(e, o, "4294967296:0");
+}
+static bool create_negative_index(env *e, outcome *o) {
+    return create_spec(e, o, "-4294967296:0");
+}
 
 static bool from_cl_null_out(env *e, outcome *o) {
     o->status = clmha_context_create_from_cl(NULL, NULL, NULL, NULL);
@@ -667,6 +674,10 @@ static const row rows[] = {
      "no-such-device-xyz", .misc = create_unknown_name},
     {"context_create: spec 99:0", MISC, CLMHA_DEVICE_NOT_FOUND, "99:0",
      .misc = create_unknown_index},
+    {"context_create: spec 4294967296:0", MISC_NO_DEVICE, INV, "\"4294967296:0\"",
+     .misc = create_wrapped_index},
+    {"context_create: spec -4294967296:0", MISC_NO_DEVICE, INV, "\"-4294967296:0\"",
+     .misc = create_negative_index},
     {"context_create_from_cl: NULL out", MISC_NO_DEVICE, INV, "out", .misc = from_cl_null_out},
     {"context_create_from_cl: NULL context, device, queue", MISC_NO_DEVICE, INV, "context",
      .misc = from_cl_nulls},

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "support.h"
@@ -487,7 +488,9 @@ Test(safetensors, pytorch_files) {
 // Pieces of headers. The base layer: E 4, 2 heads, no bias; data 256 bytes.
 #define IPW(body) "\"in_proj_weight\":{" body "}"
 #define IPW_OK IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[0,192]")
-#define OPW_OK "\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[192,256]}"
+#define OPW_AT(range) \
+    "\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":" range "}"
+#define OPW_OK OPW_AT("[192,256]")
 #define META(body) "\"__metadata__\":{" body "}"
 #define NH2 META("\"num_heads\":\"2\"")
 #define BASE(meta) "{" meta "," IPW_OK "," OPW_OK "}"
@@ -495,13 +498,15 @@ Test(safetensors, pytorch_files) {
 #define OPB_OK "\"out_proj.bias\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[256,272]}"
 #define BK_OK "\"bias_k\":{\"dtype\":\"F32\",\"shape\":[1,1,4],\"data_offsets\":[256,272]}"
 
+#define NO_DATA SIZE_MAX
+
 typedef enum raw_kind { HEADER, EMPTY, SHORT, LONG_LENGTH, NO_FILE, DIRECTORY } raw_kind;
 
 typedef struct bad_case {
     const char *name;
     raw_kind kind;
     const char *header;  // HEADER: the JSON
-    size_t data_size;    // HEADER: bytes after the header (256 when 0)
+    size_t data_size;    // HEADER: bytes after the header (256 when 0, none when NO_DATA)
     clmha_status status;
     const char *substring;  // the message must contain it (and the path)
 } bad_case;
@@ -571,9 +576,9 @@ static const bad_case bad_cases[] = {
      "{" NH2 "," IPW("\"dtype\":\"F64\",\"shape\":[4294967296,536870912],"
                      "\"data_offsets\":[0,192]") "," OPW_OK "}",
      0, CLMHA_SIZE_OVERFLOW, "more bytes than size_t"},
-    {"dimension too large", HEADER,
+    {"dimension 1e300", HEADER,
      "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[1e300],\"data_offsets\":[0,192]") "," OPW_OK "}",
-     0, CLMHA_SIZE_OVERFLOW, "too large"},
+     0, CLMHA_INVALID_FILE, "is 1e300, not a non-negative integer"},
     {"data_offsets past the end", HEADER,
      "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[100,292]") "," OPW_OK
      "}",
@@ -651,12 +656,12 @@ static const bad_case bad_cases[] = {
      "{" NH2 "," IPW_OK "," OPW_OK
      ",\"encoder.weight\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[256,272]}}",
      272, CLMHA_INVALID_FILE, "unknown tensor \"encoder.weight\""},
-    {"no out_proj.weight", HEADER, "{" NH2 "," IPW_OK "}", 0, CLMHA_INVALID_FILE,
+    {"no out_proj.weight", HEADER, "{" NH2 "," IPW_OK "}", 192, CLMHA_INVALID_FILE,
      "no tensor \"out_proj.weight\""},
     {"out_proj.weight not square", HEADER,
      "{" NH2 "," IPW_OK
      ",\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,3],\"data_offsets\":[192,240]}}",
-     0, CLMHA_INVALID_FILE,
+     240, CLMHA_INVALID_FILE,
      "tensor \"out_proj.weight\" has shape (4, 3), expected (E, E) = (4, 4)"},
     {"out_proj.weight 1-D", HEADER,
      "{" NH2 "," IPW_OK
@@ -665,48 +670,158 @@ static const bad_case bad_cases[] = {
     {"out_proj.weight empty", HEADER,
      "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[0,0],\"data_offsets\":[0,0]")
      ",\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[0,0],\"data_offsets\":[0,0]}}",
-     0, CLMHA_INVALID_FILE, "E > 0"},
+     NO_DATA, CLMHA_INVALID_FILE, "E > 0"},
     {"in_proj_weight wrong shape", HEADER,
      "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[4,12],\"data_offsets\":[0,192]") "," OPW_OK "}",
      0, CLMHA_INVALID_FILE,
      "tensor \"in_proj_weight\" has shape (4, 12), expected (3E, E) = (12, 4)"},
-    {"no input projection", HEADER, "{" NH2 "," OPW_OK "}", 0, CLMHA_INVALID_FILE,
+    {"no input projection", HEADER, "{" NH2 "," OPW_AT("[0,64]") "}", 64, CLMHA_INVALID_FILE,
      "neither in_proj_weight nor"},
     {"in_proj_weight and q_proj_weight", HEADER,
      "{" NH2 "," IPW_OK "," OPW_OK
-     ",\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]}}",
-     0, CLMHA_INVALID_FILE, "both in_proj_weight and q_proj_weight"},
+     ",\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[256,320]}}",
+     320, CLMHA_INVALID_FILE, "both in_proj_weight and q_proj_weight"},
     {"k_proj_weight missing", HEADER,
-     "{" NH2 "," OPW_OK
+     "{" NH2 "," OPW_AT("[128,192]")
      ",\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]},"
      "\"v_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[64,128]}}",
-     0, CLMHA_INVALID_FILE, "(no \"k_proj_weight\")"},
+     192, CLMHA_INVALID_FILE, "(no \"k_proj_weight\")"},
     {"v_proj_weight wrong rows", HEADER,
-     "{" NH2 "," OPW_OK
+     "{" NH2 "," OPW_AT("[128,192]")
      ",\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]},"
      "\"k_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,2],\"data_offsets\":[64,96]},"
      "\"v_proj_weight\":{\"dtype\":\"F32\",\"shape\":[2,4],\"data_offsets\":[96,128]}}",
-     0, CLMHA_INVALID_FILE, "tensor \"v_proj_weight\" has shape (2, 4), expected (E, vdim)"},
+     192, CLMHA_INVALID_FILE, "tensor \"v_proj_weight\" has shape (2, 4), expected (E, vdim)"},
     {"k_proj_weight kdim 0", HEADER,
-     "{" NH2 "," OPW_OK
+     "{" NH2 "," OPW_AT("[128,192]")
      ",\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]},"
      "\"k_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,0],\"data_offsets\":[64,64]},"
      "\"v_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[64,128]}}",
-     0, CLMHA_INVALID_FILE, "kdim > 0"},
+     192, CLMHA_INVALID_FILE, "kdim > 0"},
     {"in_proj_bias alone", HEADER, "{" NH2 "," IPW_OK "," OPW_OK "," IPB_OK "}", 304,
      CLMHA_INVALID_FILE, "has in_proj_bias but no out_proj.bias"},
     {"out_proj.bias alone", HEADER, "{" NH2 "," IPW_OK "," OPW_OK "," OPB_OK "}", 272,
      CLMHA_INVALID_FILE, "has out_proj.bias but no in_proj_bias"},
     {"in_proj_bias wrong shape", HEADER,
      "{" NH2 "," IPW_OK "," OPW_OK "," OPB_OK
-     ",\"in_proj_bias\":{\"dtype\":\"F32\",\"shape\":[4,3],\"data_offsets\":[256,304]}}",
-     304, CLMHA_INVALID_FILE, "tensor \"in_proj_bias\" has shape (4, 3), expected (3E) = (12,)"},
+     ",\"in_proj_bias\":{\"dtype\":\"F32\",\"shape\":[4,3],\"data_offsets\":[272,320]}}",
+     320, CLMHA_INVALID_FILE, "tensor \"in_proj_bias\" has shape (4, 3), expected (3E) = (12,)"},
     {"bias_k alone", HEADER, "{" NH2 "," IPW_OK "," OPW_OK "," BK_OK "}", 272, CLMHA_INVALID_FILE,
      "has bias_k but no bias_v"},
     {"bias_v wrong shape", HEADER,
      "{" NH2 "," IPW_OK "," OPW_OK "," BK_OK
      ",\"bias_v\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[272,288]}}",
      288, CLMHA_INVALID_FILE, "tensor \"bias_v\" has shape (4,), expected (1, 1, E) = (1, 1, 4)"},
+    // the data section: the tensors' byte ranges, sorted, must cover it exactly (the format's
+    // rule, as the reference implementation checks it)
+    {"overlapping data_offsets", HEADER,
+     "{" NH2 "," IPW_OK
+     ",\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[128,192]}}",
+     192, CLMHA_INVALID_FILE,
+     "tensor \"out_proj.weight\" (data_offsets [128, 192]) overlaps tensor \"in_proj_weight\" "
+     "(data_offsets [0, 192])"},
+    {"same data_offsets twice", HEADER,
+     "{" NH2 "," IPW_OK
+     ",\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]}}",
+     192, CLMHA_INVALID_FILE, "overlaps tensor"},
+    {"hole between tensors", HEADER,
+     "{" NH2 "," IPW_OK
+     ",\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[200,264]}}",
+     264, CLMHA_INVALID_FILE,
+     "bytes [192, 200) of the data section belong to no tensor (a hole between tensor "
+     "\"in_proj_weight\" (data_offsets [0, 192]) and tensor \"out_proj.weight\" (data_offsets "
+     "[200, 264]))"},
+    {"hole at the start", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[8,200]")
+     ",\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[200,264]}}",
+     264, CLMHA_INVALID_FILE,
+     "bytes [0, 8) of the data section belong to no tensor (before tensor \"in_proj_weight\" "
+     "(data_offsets [8, 200]))"},
+    {"trailing bytes", HEADER, BASE(NH2), 264, CLMHA_INVALID_FILE,
+     "bytes [256, 264) of the data section belong to no tensor (after tensor "
+     "\"out_proj.weight\" (data_offsets [192, 256]), the last)"},
+    {"data but no tensor", HEADER, "{" NH2 "}", 16, CLMHA_INVALID_FILE,
+     "bytes [0, 16) of the data section belong to no tensor (the header has no tensor)"},
+    {"zero-size tensor inside another", HEADER,
+     "{" NH2 "," IPW_OK "," OPW_OK
+     ",\"bias_k\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[100,100]}}",
+     0, CLMHA_INVALID_FILE,
+     "tensor \"bias_k\" (data_offsets [100, 100]) overlaps tensor \"in_proj_weight\""},
+    // duplicate keys (cJSON keeps them all; the first would win silently)
+    {"dtype twice", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"dtype\":\"F16\","
+                     "\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "tensor \"in_proj_weight\" has the key \"dtype\" twice"},
+    {"shape twice", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"shape\":[4,12],"
+                     "\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "tensor \"in_proj_weight\" has the key \"shape\" twice"},
+    {"data_offsets twice", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[0,192],"
+                     "\"data_offsets\":[64,256]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "tensor \"in_proj_weight\" has the key \"data_offsets\" twice"},
+    {"dtype twice, once escaped", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"dt\\u0079pe\":\"F16\","
+                     "\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "tensor \"in_proj_weight\" has the key \"dtype\" twice"},
+    {"tensor twice, once escaped", HEADER,
+     "{" NH2 "," IPW_OK "," OPW_OK
+     ",\"in_proj\\u005fweight\":{\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[0,192]}}",
+     0, CLMHA_INVALID_FILE, "tensor \"in_proj_weight\" twice"},
+    {"metadata key twice", HEADER, BASE(META("\"num_heads\":\"2\",\"num_heads\":\"4\"")), 0,
+     CLMHA_INVALID_FILE, "__metadata__ has the key \"num_heads\" twice"},
+    {"metadata key twice, once escaped", HEADER,
+     BASE(META("\"num_heads\":\"2\",\"num\\u005fheads\":\"4\"")), 0, CLMHA_INVALID_FILE,
+     "__metadata__ has the key \"num_heads\" twice"},
+    // sizes read exactly from the JSON text, not through a double
+    {"dimension 2^53 + 1", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[9007199254740993],"
+                     "\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE,
+     "tensor \"in_proj_weight\" has shape (9007199254740993,) of F32 = 36028797018963972 bytes"},
+    {"dimension 2^64", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[18446744073709551616],"
+                     "\"data_offsets\":[0,192]") "," OPW_OK "}",
+     0, CLMHA_SIZE_OVERFLOW,
+     "dimension 0 of the shape of tensor \"in_proj_weight\" is too large (18446744073709551616)"},
+    {"dimension 12.0", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12.0,4],\"data_offsets\":[0,192]") ","
+     OPW_OK "}",
+     0, CLMHA_INVALID_FILE,
+     "dimension 0 of the shape of tensor \"in_proj_weight\" is 12.0, not a non-negative integer"},
+    {"dimension 1.2e1", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[1.2e1,4],\"data_offsets\":[0,192]") ","
+     OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "is 1.2e1, not a non-negative integer"},
+    {"dimension 012", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[012,4],\"data_offsets\":[0,192]") ","
+     OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "is 012, not a non-negative integer"},
+    {"data_offsets end 2^53 + 1", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],"
+                     "\"data_offsets\":[0,9007199254740993]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "point past the end of the data section (256 bytes): end "
+                            "9007199254740993"},
+    {"data_offsets 192.0", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"F32\",\"shape\":[12,4],\"data_offsets\":[0,192.0]") ","
+     OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "are not non-negative integers"},
+    // dropout: checked on its exact decimal value, then on the float the layer keeps
+    {"dropout 0.99999999999 rounds to 1", HEADER,
+     BASE(META("\"num_heads\":\"2\",\"dropout\":\"0.99999999999\"")), 0, CLMHA_INVALID_FILE,
+     "dropout is \"0.99999999999\", which is below 1 but rounds to 1 as a float"},
+    {"dropout twenty nines rounds to 1", HEADER,
+     BASE(META("\"num_heads\":\"2\",\"dropout\":\"0.99999999999999999999\"")), 0,
+     CLMHA_INVALID_FILE, "which is below 1 but rounds to 1 as a float"},
+    {"dropout 9.9999999999e-1 rounds to 1", HEADER,
+     BASE(META("\"num_heads\":\"2\",\"dropout\":\"9.9999999999e-1\"")), 0,
+     CLMHA_INVALID_FILE, "which is below 1 but rounds to 1 as a float"},
+    {"dropout 1.0000000000000000001", HEADER,
+     BASE(META("\"num_heads\":\"2\",\"dropout\":\"1.0000000000000000001\"")), 0,
+     CLMHA_INVALID_FILE,
+     "dropout is \"1.0000000000000000001\", expected a decimal number in [0, 1)"},
+    {"dropout 0.1e1", HEADER, BASE(META("\"num_heads\":\"2\",\"dropout\":\"0.1e1\"")), 0,
+     CLMHA_INVALID_FILE, "dropout is \"0.1e1\", expected a decimal number in [0, 1)"},
     // the file system
     {"nonexistent path", NO_FILE, NULL, 0, CLMHA_IO_ERROR, "cannot open"},
     {"a folder", DIRECTORY, NULL, 0, CLMHA_IO_ERROR, "directory"},
@@ -723,7 +838,7 @@ Test(safetensors, malformed) {
         switch (c->kind) {
         case HEADER:
             write_st(path, c->header, (8 - strlen(c->header) % 8) % 8, NULL,
-                     c->data_size ? c->data_size : 256);
+                     c->data_size == NO_DATA ? 0 : c->data_size ? c->data_size : 256);
             break;
         case EMPTY:
             write_bytes(path, raw, 0);
@@ -780,6 +895,110 @@ Test(safetensors, header_too_large) {
     cr_expect_null(l);
     cr_expect(strstr(clmha_context_last_error(e.ctx), "exceeds the limit"), "%s",
               clmha_context_last_error(e.ctx));
+    env_close(&e);
+}
+
+// Seconds since an arbitrary start.
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+// Writes a file whose header holds @p entries tensor entries of 4 bytes each (names t0, t1, ...,
+// laid end to end, so that the file is well formed as far as the format goes) and the base
+// layer's metadata; returns the header's length.
+static size_t write_many_tensors(const char *path, size_t entries) {
+    size_t cap = 64 + entries * 80, used = 0;
+    char *h = malloc(cap);
+    cr_assert_not_null(h);
+    used += (size_t)snprintf(h, cap, "{\"__metadata__\":{\"num_heads\":\"2\"}");
+    for (size_t i = 0; i < entries; ++i)
+        used += (size_t)snprintf(h + used, cap - used,
+                                 ",\"t%zu\":{\"dtype\":\"F32\",\"shape\":[1],"
+                                 "\"data_offsets\":[%zu,%zu]}",
+                                 i, 4 * i, 4 * i + 4);
+    used += (size_t)snprintf(h + used, cap - used, "}");
+    cr_assert_lt(used, cap);
+    write_st(path, h, (8 - used % 8) % 8, NULL, 4 * entries);
+    free(h);
+    return used + (8 - used % 8) % 8;
+}
+
+// A layer's header is small (at most 9 tensors and a few metadata strings): a huge header is
+// refused from its length alone, before it is read or parsed, so quickly and whatever its
+// size; a header under the limit with more tensor entries than a layer has is refused before
+// the entries are looked at one by one.
+Test(safetensors, huge_headers_refused_quickly) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "many.safetensors", path, sizeof path);
+    struct {
+        size_t entries;
+        const char *substring;
+    } cases[] = {
+        {700000, "exceeds the limit of 262144 bytes"},  // 41 MB of header
+        {5000, "exceeds the limit of 262144 bytes"},    // just over the limit
+        {10, "the header has 10 tensor entries; a layer file has at most 9"},
+        {1000, "the header has 1000 tensor entries; a layer file has at most 9"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
+        size_t header = write_many_tensors(path, cases[i].entries);
+        clmha_layer *l = BAD_LAYER;
+        double t0 = now_s();
+        clmha_status st = clmha_layer_load(&l, e.ctx, path);
+        double dt = now_s() - t0;
+        const char *msg = clmha_context_last_error(e.ctx);
+        cr_log_info("%zu entries, %zu-byte header: %.3f s, %s", cases[i].entries, header, dt,
+                    msg);
+        cr_expect_eq(st, CLMHA_INVALID_FILE, "%zu entries: %d (%s)", cases[i].entries, (int)st,
+                     msg);
+        cr_expect_null(l);
+        cr_expect(strstr(msg, cases[i].substring) != NULL, "%zu entries: \"%s\" lacks \"%s\"",
+                  cases[i].entries, msg, cases[i].substring);
+        cr_expect(strstr(msg, path) != NULL, "%s", msg);
+        cr_expect_lt(dt, 0.5, "%zu entries: refused after %.3f s", cases[i].entries, dt);
+        if (st == CLMHA_SUCCESS) clmha_layer_release(l);
+    }
+    env_close(&e);
+}
+
+// The limit leaves room for free-form metadata: 200 KiB of it still loads.
+Test(safetensors, large_metadata_under_the_limit_loads) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "meta.safetensors", path, sizeof path);
+    size_t big = 200 << 10;
+    char *h = malloc(big + 1024);
+    cr_assert_not_null(h);
+    int n = snprintf(h, 1024, "{\"__metadata__\":{\"num_heads\":\"2\",\"note\":\"");
+    memset(h + n, 'x', big);
+    snprintf(h + n + big, 1024, "\"}," IPW_OK "," OPW_OK "}");
+    write_st(path, h, (8 - strlen(h) % 8) % 8, NULL, 256);
+    free(h);
+    clmha_layer *l = NULL;
+    cr_expect_eq(clmha_layer_load(&l, e.ctx, path), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(e.ctx));
+    clmha_layer_release(l);
+    env_close(&e);
+}
+
+// A dropout just below 1 that a float still holds loads with that float.
+Test(safetensors, dropout_just_below_one) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "dropout.safetensors", path, sizeof path);
+    write_st(path, BASE(META("\"num_heads\":\"2\",\"dropout\":\"0.99999994\"")), 0, NULL, 256);
+    clmha_layer *l = NULL;
+    cr_assert_eq(clmha_layer_load(&l, e.ctx, path), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(e.ctx));
+    clmha_layer_desc d;
+    clmha_layer_get_desc(l, &d);
+    cr_expect_eq(float_bits(d.dropout), float_bits(0.99999994f), "%.9g", (double)d.dropout);
+    clmha_layer_release(l);
     env_close(&e);
 }
 

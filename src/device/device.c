@@ -4,6 +4,7 @@
 #include "base/message.h"
 
 #include <ctype.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,9 +106,63 @@ static bool equals_nocase(const char *a, const char *b) {
     return *a == 0 && *b == 0;
 }
 
+// Whether @p spec is meant as "P:D": a colon, and only digits, signs or spaces before it (no
+// device or platform name looks like that, while "-1:0" or " 0:0" are index pairs mistyped).
+static bool looks_like_index_pair(const char *spec) {
+    const char *colon = strchr(spec, ':');
+    if (!colon) return false;
+    for (const char *p = spec; p < colon; ++p)
+        if (!isdigit((unsigned char)*p) && *p != '-' && *p != '+' && !isspace((unsigned char)*p))
+            return false;
+    return true;
+}
+
+// Reads one index of "P:D" from @p s up to @p end: decimal digits only (no sign, no space),
+// at most UINT_MAX. On failure writes why to @p why.
+static bool parse_index(const char *s, const char *end, const char *what, unsigned *out,
+                        char *why, size_t why_size) {
+    if (s == end) {
+        snprintf(why, why_size, "its %s index is empty", what);
+        return false;
+    }
+    unsigned long long v = 0;
+    bool big = false;
+    for (const char *p = s; p < end; ++p) {
+        if (*p < '0' || *p > '9') {
+            snprintf(why, why_size, "its %s index is not a decimal number (\"%.*s\")", what,
+                     (int)(end - s > 32 ? 32 : end - s), s);
+            return false;
+        }
+        if (v > UINT_MAX) big = true;  // keep scanning for stray characters
+        else v = v * 10 + (unsigned)(*p - '0');
+    }
+    if (big || v > UINT_MAX) {
+        snprintf(why, why_size, "its %s index %.*s is larger than %u", what,
+                 (int)(end - s > 32 ? 32 : end - s), s, UINT_MAX);
+        return false;
+    }
+    *out = (unsigned)v;
+    return true;
+}
+
 clmha_status clmha_device_select(const char *spec, clmha_device_info *out, char *message,
                                  size_t message_size) {
     if (!out) return clmha__msg(message, message_size, CLMHA_INVALID_ARGUMENT, "out is NULL");
+    // An index pair is checked before any device is looked at: a malformed one is an error
+    // of the caller's, whatever the devices.
+    bool by_index = spec && looks_like_index_pair(spec);
+    unsigned pi = 0, di = 0;
+    if (by_index) {
+        const char *colon = strchr(spec, ':');
+        char why[128];
+        if (!parse_index(spec, colon, "platform", &pi, why, sizeof why) ||
+            !parse_index(colon + 1, colon + 1 + strlen(colon + 1), "device", &di, why,
+                         sizeof why))
+            return clmha__msg(message, message_size, CLMHA_INVALID_ARGUMENT,
+                              "device spec \"%.64s\": %s; expected \"P:D\", a platform and a "
+                              "device index as decimal numbers (see clmha devices)",
+                              spec, why);
+    }
     size_t count = 0;
     clmha_status st = clmha_devices_list(NULL, 0, &count);
     if (st) return clmha__msg(message, message_size, st, "clGetPlatformIDs failed");
@@ -120,13 +175,11 @@ clmha_status clmha_device_select(const char *spec, clmha_device_info *out, char 
     if (got < count) count = got;
 
     long pick = -1;
-    unsigned pi, di;
-    char tail;
     if (!spec || !*spec) {
         for (size_t i = 0; i < count && pick < 0; ++i)
             if (all[i].type & CL_DEVICE_TYPE_GPU) pick = (long)i;
         if (pick < 0 && count > 0) pick = 0;
-    } else if (sscanf(spec, "%u:%u%c", &pi, &di, &tail) == 2) {
+    } else if (by_index) {
         for (size_t i = 0; i < count && pick < 0; ++i)
             if (all[i].platform_index == pi && all[i].device_index == di) pick = (long)i;
     } else if (equals_nocase(spec, "gpu") || equals_nocase(spec, "cpu") ||

@@ -26,8 +26,6 @@
 
 // Longest quoted user string (tensor name, dtype, metadata value) put in a message.
 #define QUOTE_MAX 64
-// Largest integer a JSON number is trusted to hold exactly (cJSON keeps numbers as doubles).
-#define EXACT_MAX 9007199254740992.0  // 2^53
 
 // ---- parsing ------------------------------------------------------------------------------
 
@@ -102,17 +100,78 @@ static clmha_status header_text_check(const unsigned char *h, size_t n, const ch
     return CLMHA_SUCCESS;
 }
 
-// Reads a JSON number that must be a non-negative integer. Returns 0 when it is one, 1 when it
-// is not a non-negative integer, 2 when it is too large to be read exactly or to fit size_t.
-static int json_size(const cJSON *item, size_t *out) {
-    if (!cJSON_IsNumber(item)) return 1;
-    double v = item->valuedouble;
-    if (!(v >= 0.0)) return 1;  // negative or NaN
-    double limit = (double)SIZE_MAX < EXACT_MAX ? (double)SIZE_MAX : EXACT_MAX;
-    if (v > limit) return 2;
-    uint64_t u = (uint64_t)v;
-    if ((double)u != v) return 1;  // has a fraction
-    *out = (size_t)u;
+// ---- exact integers ------------------------------------------------------------------------
+//
+// cJSON keeps a number only as a double, so 2^53 + 1 would read as 2^53 and 12.0 as 12. Sizes
+// and offsets are read again from their text: parse() lists where each number of the header
+// starts, in document order, and stores in each number's valueint (unused by this file
+// otherwise) its index in that list.
+
+#define NUMBER_CHARS "0123456789+-.eE"  // what cJSON takes into a number
+
+typedef struct number_text {
+    const char **at;  // start of each number of the header, in document order
+    size_t count;
+    const char *end;  // end of the header text
+} number_text;
+
+// Lists the numbers of the JSON text @p h (n bytes, valid JSON as cJSON reads it) into @p at
+// (NULL to count them); returns how many there are.
+static size_t scan_numbers(const char *h, size_t n, const char **at) {
+    size_t count = 0;
+    bool in_string = false;
+    for (size_t i = 0; i < n; ++i) {
+        char c = h[i];
+        if (in_string) {
+            if (c == '\\') ++i;  // the escaped character (\uXXXX: plain hex digits follow)
+            else if (c == '"') in_string = false;
+        } else if (c == '"') {
+            in_string = true;
+        } else if (c == '-' || (c >= '0' && c <= '9')) {
+            if (at) at[count] = h + i;
+            ++count;
+            while (i + 1 < n && h[i + 1] && strchr(NUMBER_CHARS, h[i + 1])) ++i;
+        }
+    }
+    return count;
+}
+
+// Numbers the number nodes of @p node and its siblings, depth first (document order).
+static void index_numbers(cJSON *node, size_t *next) {
+    for (; node; node = node->next) {
+        if (cJSON_IsNumber(node)) node->valueint = (int)(*next)++;
+        if (node->child) index_numbers(node->child, next);
+    }
+}
+
+// The text of the number @p item (NULL when it is not a number), its length in *len.
+static const char *number_of(const cJSON *item, const number_text *nums, size_t *len) {
+    *len = 0;
+    if (!cJSON_IsNumber(item) || item->valueint < 0 || (size_t)item->valueint >= nums->count)
+        return NULL;
+    const char *p = nums->at[item->valueint];
+    while (p + *len < nums->end && p[*len] && strchr(NUMBER_CHARS, p[*len])) ++*len;
+    return p;
+}
+
+// Reads a JSON number that must be a non-negative integer, exactly, from its text: digits
+// only, no sign, fraction or exponent, no leading zero (as JSON writes integers). Returns 0
+// when it is one, 1 when it is not, 2 when it is larger than SIZE_MAX. *text and *len get the
+// number's text (NULL when @p item is not a number).
+static int json_size(const cJSON *item, const number_text *nums, size_t *out, const char **text,
+                     size_t *len) {
+    const char *p = *text = number_of(item, nums, len);
+    if (!p || *len == 0 || (p[0] == '0' && *len > 1)) return 1;
+    size_t v = 0;
+    bool big = false;
+    for (size_t i = 0; i < *len; ++i) {
+        if (p[i] < '0' || p[i] > '9') return 1;
+        size_t d = (size_t)(p[i] - '0');
+        if (v > (SIZE_MAX - d) / 10) big = true;
+        else v = v * 10 + d;
+    }
+    if (big) return 2;
+    *out = v;
     return 0;
 }
 
@@ -125,15 +184,48 @@ static const char *shape_text(char *buf, size_t size, size_t ndim, const size_t 
     return buf;
 }
 
+static int compare_strings(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+// A key that the object @p obj holds twice (cJSON keeps both, and lookups find the first), or
+// NULL. *oom is set when the scratch list cannot be allocated.
+static const char *duplicate_key(const cJSON *obj, bool *oom) {
+    *oom = false;
+    size_t n = 0;
+    for (const cJSON *c = obj->child; c; c = c->next) ++n;
+    if (n < 2) return NULL;
+    const char **keys = malloc(n * sizeof *keys);
+    if (!keys) {
+        *oom = true;
+        return NULL;
+    }
+    n = 0;
+    for (const cJSON *c = obj->child; c; c = c->next) keys[n++] = c->string ? c->string : "";
+    qsort(keys, n, sizeof *keys, compare_strings);
+    const char *dup = NULL;
+    for (size_t i = 1; i < n && !dup; ++i)
+        if (strcmp(keys[i - 1], keys[i]) == 0) dup = keys[i];
+    free(keys);
+    return dup;
+}
+
 // Fills @p t from the JSON object @p obj describing tensor @p t->name.
 static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, size_t data_size,
-                                 clmha__st_tensor *t, const char *name, char *msg,
-                                 size_t msg_size) {
+                                 const number_text *nums, clmha__st_tensor *t, const char *name,
+                                 char *msg, size_t msg_size) {
     const char *tn = t->name;
     char sbuf[256];
     if (!cJSON_IsObject(obj))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                           "%s: tensor \"%.*s\" is not a JSON object", name, QUOTE_MAX, tn);
+    bool oom;
+    const char *dup = duplicate_key(obj, &oom);
+    if (oom) return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", name);
+    if (dup)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: tensor \"%.*s\" has the key \"%.*s\" twice", name, QUOTE_MAX, tn,
+                          QUOTE_MAX, dup);
 
     // dtype
     const cJSON *dtype = cJSON_GetObjectItemCaseSensitive(obj, "dtype");
@@ -174,8 +266,15 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
             return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                               "%s: tensor \"%.*s\" has more than %d dimensions", name,
                               QUOTE_MAX, tn, CLMHA__ST_MAX_DIMS);
-        size_t v = 0;
-        int r = json_size(dim, &v);
+        size_t v = 0, len;
+        const char *text;
+        int r = json_size(dim, nums, &v, &text, &len);
+        if (r == 1 && text)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: dimension %zu of the shape of tensor \"%.*s\" is %.*s, not a "
+                              "non-negative integer",
+                              name, ndim, QUOTE_MAX, tn, (int)(len < QUOTE_MAX ? len : QUOTE_MAX),
+                              text);
         if (r == 1)
             return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                               "%s: dimension %zu of the shape of tensor \"%.*s\" is not a "
@@ -184,8 +283,9 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
         if (r == 2)
             return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
                               "%s: dimension %zu of the shape of tensor \"%.*s\" is too large "
-                              "(%g)",
-                              name, ndim, QUOTE_MAX, tn, dim->valuedouble);
+                              "(%.*s)",
+                              name, ndim, QUOTE_MAX, tn, (int)(len < QUOTE_MAX ? len : QUOTE_MAX),
+                              text);
         t->shape[ndim++] = v;
         if (!clmha__mul(count, v, &count)) overflow = true;
     }
@@ -213,7 +313,9 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
     size_t off[2] = {0, 0};
     const cJSON *o = offsets->child;
     for (int i = 0; i < 2; ++i, o = o->next) {
-        int r = json_size(o, &off[i]);
+        const char *text;
+        size_t len;
+        int r = json_size(o, nums, &off[i], &text, &len);
         if (r == 1)
             return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                               "%s: the data_offsets of tensor \"%.*s\" are not non-negative "
@@ -222,9 +324,9 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
         if (r == 2 || off[i] > data_size)
             return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                               "%s: the data_offsets of tensor \"%.*s\" point past the end of "
-                              "the data section (%zu bytes): %s %.0f",
+                              "the data section (%zu bytes): %s %.*s",
                               name, QUOTE_MAX, tn, data_size, i ? "end" : "begin",
-                              o->valuedouble);
+                              (int)(len < QUOTE_MAX ? len : QUOTE_MAX), text);
     }
     if (off[0] > off[1])
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
@@ -237,6 +339,8 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
                           name, QUOTE_MAX, tn, shape_text(sbuf, sizeof sbuf, ndim, t->shape),
                           dtype_name(t->dtype), nbytes, off[0], off[1], off[1] - off[0]);
     t->data = data + off[0];
+    t->begin = off[0];
+    t->end = off[1];
     return CLMHA_SUCCESS;
 }
 
@@ -279,6 +383,77 @@ static clmha_status parse_metadata(const cJSON *obj, clmha__st_file *out, const 
     return CLMHA_SUCCESS;
 }
 
+// The message for a header length over CLMHA__ST_MAX_HEADER.
+static clmha_status header_too_long(uint64_t n, const char *name, char *msg, size_t msg_size) {
+    return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                      "%s: the header length %llu exceeds the limit of %zu bytes for a layer "
+                      "file (a layer's header holds at most %d tensors and a few metadata "
+                      "strings); refused without reading it",
+                      name, (unsigned long long)n, CLMHA__ST_MAX_HEADER, CLMHA__ST_MAX_TENSORS);
+}
+
+// "tensor "x" (data_offsets [b, e])" into @p buf.
+static const char *range_text(char *buf, size_t size, const clmha__st_tensor *t) {
+    snprintf(buf, size, "tensor \"%.*s\" (data_offsets [%zu, %zu])", QUOTE_MAX, t->name, t->begin,
+             t->end);
+    return buf;
+}
+
+static int compare_ranges(const void *a, const void *b) {
+    const clmha__st_tensor *x = *(const clmha__st_tensor *const *)a;
+    const clmha__st_tensor *y = *(const clmha__st_tensor *const *)b;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    if (x->end != y->end) return x->end < y->end ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+// The format's rule on the data section (the reference implementation's validate()): the
+// tensors' byte ranges, sorted by (begin, end), follow one another from byte 0 without overlap
+// or hole, and the last ends at the end of the data section.
+static clmha_status check_coverage(const clmha__st_file *f, size_t data_size, const char *name,
+                                   char *msg, size_t msg_size) {
+    const clmha__st_tensor *sorted[CLMHA__ST_MAX_TENSORS];
+    size_t n = f->tensor_count;
+    for (size_t i = 0; i < n; ++i) sorted[i] = &f->tensors[i];
+    if (n > 1) qsort(sorted, n, sizeof *sorted, compare_ranges);
+    char a[160], b[160];
+    size_t at = 0;  // end of the bytes covered so far
+    for (size_t i = 0; i < n; ++i) {
+        const clmha__st_tensor *t = sorted[i];
+        if (t->begin < at)  // i > 0: at is 0 before the first
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: %s overlaps %s; the tensors' data must follow one another "
+                              "without overlap",
+                              name, range_text(a, sizeof a, t),
+                              range_text(b, sizeof b, sorted[i - 1]));
+        if (t->begin > at) {
+            if (i == 0)
+                return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                                  "%s: bytes [0, %zu) of the data section belong to no tensor "
+                                  "(before %s)",
+                                  name, t->begin, range_text(a, sizeof a, t));
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: bytes [%zu, %zu) of the data section belong to no tensor (a "
+                              "hole between %s and %s)",
+                              name, at, t->begin, range_text(a, sizeof a, sorted[i - 1]),
+                              range_text(b, sizeof b, t));
+        }
+        at = t->end;
+    }
+    if (at < data_size) {
+        if (n == 0)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: bytes [0, %zu) of the data section belong to no tensor (the "
+                              "header has no tensor)",
+                              name, data_size);
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: bytes [%zu, %zu) of the data section belong to no tensor (after "
+                          "%s, the last)",
+                          name, at, data_size, range_text(a, sizeof a, sorted[n - 1]));
+    }
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char *name,
                                       clmha__st_file *out, char *msg, size_t msg_size) {
     if (!out) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "out is NULL");
@@ -287,6 +462,7 @@ clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char
     if (!bytes && size)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s: bytes is NULL", name);
     clmha_status st = CLMHA_SUCCESS;
+    number_text nums = {0};
     const unsigned char *b = bytes;
     if (size == 0) {
         st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
@@ -303,17 +479,15 @@ clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char
         goto fail;
     }
     uint64_t n64 = read_le64(b);
+    if (n64 > CLMHA__ST_MAX_HEADER) {
+        st = header_too_long(n64, name, msg, msg_size);
+        goto fail;
+    }
     if (n64 > size - 8) {
         st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                         "%s: the header length %llu is larger than the rest of the file (%zu "
                         "bytes); not a safetensors file?",
                         name, (unsigned long long)n64, size - 8);
-        goto fail;
-    }
-    if (n64 > CLMHA__ST_MAX_HEADER) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: the header length %llu exceeds the limit of %zu bytes", name,
-                        (unsigned long long)n64, CLMHA__ST_MAX_HEADER);
         goto fail;
     }
     size_t n = (size_t)n64;
@@ -351,6 +525,22 @@ clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char
         goto fail;
     }
     const cJSON *root = out->json;
+    // Where each number's text starts (see json_size()).
+    nums.end = (const char *)header + used;
+    nums.count = scan_numbers((const char *)header, used, NULL);
+    if (nums.count && !(nums.at = malloc(nums.count * sizeof *nums.at))) {
+        st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", name);
+        goto fail;
+    }
+    scan_numbers((const char *)header, used, nums.at);
+    size_t numbered = 0;
+    index_numbers(out->json, &numbered);
+    if (numbered != nums.count) {  // cannot happen: both read the same valid JSON
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "%s: the header's numbers cannot be read (%zu found, %zu parsed)", name,
+                        nums.count, numbered);
+        goto fail;
+    }
     if (!cJSON_IsObject(root)) {
         const char *kind = cJSON_IsArray(root)    ? "a JSON array"
                            : cJSON_IsString(root) ? "a JSON string"
@@ -381,6 +571,14 @@ clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char
             ++count;
         }
     }
+    if (count > CLMHA__ST_MAX_TENSORS) {
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "%s: the header has %zu tensor entries; a layer file has at most %d "
+                        "(in_proj_weight or q_proj_weight, k_proj_weight and v_proj_weight, "
+                        "in_proj_bias, out_proj.weight, out_proj.bias, bias_k, bias_v)",
+                        name, count, CLMHA__ST_MAX_TENSORS);
+        goto fail;
+    }
     if (metadata && (st = parse_metadata(metadata, out, name, msg, msg_size))) goto fail;
     if (count) {
         out->tensors = calloc(count, sizeof *out->tensors);
@@ -393,7 +591,7 @@ clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char
         if (c == metadata) continue;
         clmha__st_tensor *t = &out->tensors[out->tensor_count++];
         t->name = c->string;
-        if ((st = parse_tensor(c, data, data_size, t, name, msg, msg_size))) goto fail;
+        if ((st = parse_tensor(c, data, data_size, &nums, t, name, msg, msg_size))) goto fail;
     }
     if (out->tensor_count > 1)  // qsort needs a valid pointer even for no elements
         qsort(out->tensors, out->tensor_count, sizeof *out->tensors, compare_tensor_names);
@@ -404,8 +602,11 @@ clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char
                             out->tensors[i].name);
             goto fail;
         }
+    if ((st = check_coverage(out, data_size, name, msg, msg_size))) goto fail;
+    free(nums.at);
     return CLMHA_SUCCESS;
 fail:
+    free(nums.at);
     clmha__safetensors_free(out);
     return st;
 }
@@ -543,6 +744,33 @@ static bool parse_decimal(const char *s, double *out) {
         *out = v / pow(10.0, (double)-exp10);
     }
     return true;
+}
+
+// Whether the decimal @p s (as parse_decimal() accepts it) is below 1, decided on its digits
+// and exponent, exactly: the double parse_decimal() gives may round a value below 1 up to 1.
+static bool decimal_below_one(const char *s) {
+    long point = -1, first = -1, digits = 0;  // position of the point, of the first digit > 0
+    for (; (*s >= '0' && *s <= '9') || *s == '.'; ++s) {
+        if (*s == '.') {
+            point = digits;
+        } else {
+            if (first < 0 && *s != '0') first = digits;
+            ++digits;
+        }
+    }
+    if (first < 0) return true;  // zero
+    if (point < 0) point = digits;
+    long exp10 = 0;
+    if (*s == 'e' || *s == 'E') {
+        ++s;
+        bool neg = *s == '-';
+        if (*s == '-' || *s == '+') ++s;
+        for (; *s >= '0' && *s <= '9'; ++s)
+            if (exp10 < 100000000) exp10 = exp10 * 10 + (*s - '0');
+        if (neg) exp10 = -exp10;
+    }
+    // The first non-zero digit has the weight 10^(point - first - 1 + exp10).
+    return point - first - 1 + exp10 < 0;
 }
 
 // "true" / "false" / absent (false).
@@ -700,14 +928,21 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
     float dropout = 0.0f;
     const char *dp = clmha__safetensors_meta(f, "dropout");
     if (dp) {
+        // The range is checked on the decimal itself; the float the layer keeps may still
+        // round up to 1, which is said as such.
         double v = 0.0;
-        bool ok = parse_decimal(dp, &v);
-        dropout = ok && v < 1.0 ? (float)v : 1.0f;
-        if (!ok || !(dropout >= 0.0f && dropout < 1.0f))
+        if (!parse_decimal(dp, &v) || !decimal_below_one(dp))
             return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                               "%s: __metadata__ dropout is \"%.*s\", expected a decimal number in "
                               "[0, 1) such as \"0.1\"",
                               name, QUOTE_MAX, dp);
+        dropout = v < 1.0 ? (float)v : 1.0f;
+        if (!(dropout < 1.0f))
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: __metadata__ dropout is \"%.*s\", which is below 1 but rounds "
+                              "to 1 as a float (a layer keeps dropout as a float; the largest "
+                              "below 1 is %.9g)",
+                              name, QUOTE_MAX, dp, (double)nextafterf(1.0f, 0.0f));
     }
 
     clmha_layer_desc d = {.embed_dim = e,
@@ -757,6 +992,16 @@ static clmha_status read_file(const clmha_context *ctx, const char *path, unsign
         st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot read %s: it is a directory", path);
         goto fail;
     }
+    // The header's length first: a header longer than a layer's can be is refused before the
+    // file is read or a buffer sized for it.
+    unsigned char head[8];
+    size_t size = fread(head, 1, sizeof head, f);
+    if (size == sizeof head && read_le64(head) > CLMHA__ST_MAX_HEADER) {
+        char msg[CLMHA__ERROR_SIZE];
+        st = clmha__fail(ctx, header_too_long(read_le64(head), path, msg, sizeof msg), "%s",
+                         msg);
+        goto fail;
+    }
     // Regular files: their size, plus one byte to see the end. Others: grown as they come.
     size_t cap = 4096;
     if (S_ISREG(sb.st_mode) && sb.st_size >= 0) {
@@ -767,13 +1012,14 @@ static clmha_status read_file(const clmha_context *ctx, const char *path, unsign
         }
         cap = (size_t)sb.st_size + 1;
     }
-    size_t size = 0;
+    if (cap < sizeof head) cap = sizeof head;
     buf = malloc(cap);
     if (!buf) {
         st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory (%zu bytes)", path,
                          cap);
         goto fail;
     }
+    memcpy(buf, head, size);
     for (;;) {
         size += fread(buf + size, 1, cap - size, f);
         if (size < cap) break;  // end of file or error

@@ -14,8 +14,17 @@
 
 #include "base/defs.h"
 
-// Largest header accepted (bytes of JSON).
-#define CLMHA__ST_MAX_HEADER ((size_t)100 << 20)
+// Largest header accepted (bytes of JSON, padding included): 256 KiB. A layer's header is
+// small: at most 9 tensor entries of under 100 bytes each and a few metadata strings, under
+// 2 KiB as clmha_layer_save() and PyTorch write it. The limit leaves over 250 KiB for
+// free-form metadata, and bounds what parsing costs (cJSON takes up to about 30 times the
+// text: a few MiB at worst, in milliseconds). A longer header is refused from its length
+// alone, before it is read (clmha_layer_load) or parsed.
+#define CLMHA__ST_MAX_HEADER ((size_t)256 << 10)
+// Most tensor entries a layer file holds: one per parameter name of nn.MultiheadAttention
+// (in_proj_weight, q/k/v_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias, bias_k,
+// bias_v). More are refused before any entry is read.
+#define CLMHA__ST_MAX_TENSORS 9
 // Most dimensions a tensor may have.
 #define CLMHA__ST_MAX_DIMS 8
 
@@ -33,6 +42,7 @@ typedef struct clmha__st_tensor {
     size_t shape[CLMHA__ST_MAX_DIMS];
     size_t count;               // product of shape (1 for a scalar)
     const unsigned char *data;  // count * itemsize bytes, little-endian, any alignment
+    size_t begin, end;          // data_offsets: data is the data section's bytes [begin, end)
 } clmha__st_tensor;
 
 // One "__metadata__" entry.
@@ -54,8 +64,12 @@ typedef struct clmha__st_file {
 // @p out). @p name (the path) starts every message. On failure writes a message to @p msg and
 // leaves @p out empty; returns CLMHA_SUCCESS, CLMHA_INVALID_ARGUMENT (NULL pointers),
 // CLMHA_INVALID_FILE, CLMHA_SIZE_OVERFLOW (shape products or dimensions too large) or
-// CLMHA_OUT_OF_MEMORY. Tensor names are unique; data lies inside the data section and has
-// exactly count * itemsize bytes.
+// CLMHA_OUT_OF_MEMORY. Checks what the format requires (as the reference implementation does):
+// a header of at most CLMHA__ST_MAX_HEADER bytes, at most CLMHA__ST_MAX_TENSORS tensors, no key
+// twice in any object (tensor names, metadata keys, the keys of a tensor entry), sizes and
+// offsets that are JSON integers (read exactly from the text, not through a double), and
+// tensors whose byte ranges, sorted, cover the data section exactly: from 0, without overlap or
+// hole, up to its last byte. Data has exactly count * itemsize bytes.
 CLMHA__HIDDEN clmha_status clmha__safetensors_parse(const void *bytes, size_t size,
                                                     const char *name, clmha__st_file *out,
                                                     char *msg, size_t msg_size);
