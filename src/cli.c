@@ -369,32 +369,24 @@ static int cmd_devices(int argc, char **argv) {
         fputs(usage_devices, stdout);
         return EXIT_OK;
     }
-    clmha_device_info *infos = NULL;
     size_t count = 0;
-    rc = EXIT_REFUSED;
-    if (clmha_devices_list(NULL, 0, &count) != CLMHA_SUCCESS) {
+    if (clmha_device_count(&count) != CLMHA_SUCCESS) {
         report("devices", "could not list the OpenCL platforms: %s", clmha_last_create_error());
-        goto fail;
+        return EXIT_REFUSED;
     }
     if (count == 0) {
         printf("no OpenCL device found (install a driver, e.g. pocl-opencl-icd)\n");
-        rc = EXIT_OK;
-        goto fail;
+        return EXIT_OK;
     }
-    if (!(infos = calloc(count, sizeof *infos))) {
-        report("devices", "out of memory");
-        goto fail;
-    }
-    size_t again = 0;
-    if (clmha_devices_list(infos, count, &again) != CLMHA_SUCCESS) {
-        report("devices", "could not list the OpenCL devices: %s", clmha_last_create_error());
-        goto fail;
-    }
-    if (again < count) count = again;
     printf("%zu OpenCL device%s; select one with --device SPEC or $CLMHA_DEVICE=SPEC:\n", count,
            count == 1 ? "" : "s");
     for (size_t i = 0; i < count; ++i) {
-        const clmha_device_info *d = &infos[i];
+        clmha_device_info info = {.struct_size = sizeof info};
+        if (clmha_device_describe(i, &info) != CLMHA_SUCCESS) {
+            report("devices", "could not describe device %zu: %s", i, clmha_last_create_error());
+            return EXIT_REFUSED;
+        }
+        const clmha_device_info *d = &info;
         printf("[%s] %s / %s\n", d->spec, d->platform_name, d->device_name);
         printf("      type %s, %u compute units, global %llu MiB, local %llu KiB, max alloc %llu "
                "MiB, fp16 %s, fp64 %s, driver %s\n",
@@ -406,10 +398,7 @@ static int cmd_devices(int argc, char **argv) {
         const char *note = clmha_device_note(d);
         if (*note) printf("      note: %s\n", note);
     }
-    rc = EXIT_OK;
-fail:
-    free(infos);
-    return rc;
+    return EXIT_OK;
 }
 
 // ---- clmha run --------------------------------------------------------------------------------
@@ -622,14 +611,14 @@ static int cmd_run(int argc, char **argv) {
                without_path(clmha_context_last_error(ctx), layer_path));
         goto fail;
     }
-    clmha_layer_desc desc;
+    clmha_layer_desc desc = {.struct_size = sizeof desc};
     if (clmha_layer_get_desc(layer, &desc) != CLMHA_SUCCESS) {
         report("run", "--layer %s: %s", layer_path, clmha_context_last_error(ctx));
         goto fail;
     }
 
     // The arguments, checked one input at a time so that a refusal names its file.
-    clmha_forward_args args = {.query = tensor_of(&in[IN_QUERY].a)};
+    clmha_forward_args args = {.struct_size = sizeof args, .query = tensor_of(&in[IN_QUERY].a)};
     if (in[IN_KEY].path) args.key = tensor_of(&in[IN_KEY].a);
     if (in[IN_VALUE].path) {
         args.value = tensor_of(&in[IN_VALUE].a);
@@ -759,7 +748,8 @@ static int cmd_demo(int argc, char **argv) {
         return EXIT_OK;
     }
     enum { E = 64, H = 8, N = 2, L = 48, S = 48, RUNS = 10 };
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = E, .num_heads = H,
+                             .bias = true};
     static float w_in[3 * E * E], b_in[3 * E], w_out[E * E], b_out[E], x[L * N * E], y[L * N * E];
     static float w[N * L * S], w_heads[N * H * L * S];
     static double y_ref[L * N * E], w_ref[N * L * S];
@@ -775,11 +765,13 @@ static int cmd_demo(int argc, char **argv) {
         for (size_t j = 0; j < S; ++j) kpm[n * S + j] = n == 1 && j >= 40;
 
     clmha_forward_args args = {
+        .struct_size = sizeof args,
         .query = {.ndim = 3, .shape = {L, N, E}, .data = x},
         .key_padding_mask = {.kind = CLMHA_MASK_BOOL_IGNORE,
                              .tensor = {.ndim = 2, .shape = {N, S}, .data = kpm}},
         .need_weights = true};
-    clmha_reference_params params = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+    clmha_reference_params params = {.struct_size = sizeof params,
+                                     .in_proj_weight = w_in, .in_proj_bias = b_in,
                                      .out_proj_weight = w_out, .out_proj_bias = b_out};
 
     if (heatmap && !output_path_ok("demo", "--heatmap", heatmap)) return EXIT_REFUSED;
@@ -997,7 +989,7 @@ static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, si
         report("bench", "%s, E %zu: the tensor sizes overflow", where, e);
         return EXIT_REFUSED;
     }
-    clmha_forward_args args = {.need_weights = cfg->need_weights};
+    clmha_forward_args args = {.struct_size = sizeof args, .need_weights = cfg->need_weights};
     args.query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}};
     if (!self) {
         args.key = (clmha_tensor){.ndim = 3, .shape = {s, n, kd}};
@@ -1208,7 +1200,8 @@ static int cmd_bench(int argc, char **argv) {
 
     bench_config cfg = {.layer_path = layer_path, .need_weights = need_weights, .json = json,
                         .impl = impl, .repeat = repeat};
-    cfg.desc = (clmha_layer_desc){.embed_dim = e, .num_heads = h, .kdim = e, .vdim = e,
+    cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
+                                  .embed_dim = e, .num_heads = h, .kdim = e, .vdim = e,
                                   .bias = true, .batch_first = batch_first};
     float *params = NULL;
     double *times = NULL;

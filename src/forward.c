@@ -8,6 +8,8 @@
 // Everything is enqueued on the context's in-order queue; nothing here waits on the host.
 #include "layer.h"
 
+#include "base/struct_in.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -460,6 +462,7 @@ static clmha_status user_core(clmha_layer *l, const clmha_forward_args *a,
     clmha_context *ctx = l->ctx;
     cl_event done = NULL;
     clmha_core_args ca = {
+        .struct_size = sizeof ca,
         .queue = ctx->queue, .batch = d->n, .num_heads = l->h, .tgt_len = d->l,
         .src_len = d->s, .src_len_padded = d->s_padded, .head_dim = l->d,
         .scale = (float)(1.0 / sqrt((double)l->d)), .q = l->tiles[CLMHA__TILE_Q],
@@ -524,12 +527,26 @@ static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
 
 // ---- public entry points -------------------------------------------------------------------------
 
+// Reads the caller's args into @p in, this library's layout (base/struct_in.h, docs/abi.md), and
+// points *args at it.
+static clmha_status args_in(clmha_context *ctx, clmha_forward_args *in,
+                            const clmha_forward_args **args) {
+    char msg[512];
+    clmha_status st = CLMHA__STRUCT_IN(clmha_forward_args, in, *args, "args", msg, sizeof msg);
+    if (st) return clmha__fail(ctx, st, "%s", msg);
+    *args = in;
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha_layer_output_counts(clmha_layer *layer, const clmha_forward_args *args,
                                        size_t *output_count, size_t *weights_count) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    clmha_forward_args in;
+    clmha_status st = args_in(layer->ctx, &in, &args);
+    if (st) return st;
     clmha__dims d;
     char msg[1024];
-    clmha_status st = clmha__dims_resolve(&layer->desc, args, &d, msg, sizeof msg);
+    st = clmha__dims_resolve(&layer->desc, args, &d, msg, sizeof msg);
     if (st) return clmha__fail(layer->ctx, st, "%s", msg);
     if (output_count) *output_count = d.output_count;
     if (weights_count) *weights_count = d.weights_count;
@@ -543,12 +560,15 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
     if (event) *event = NULL;
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
+    clmha_forward_args in;
+    clmha_status st = args_in(ctx, &in, &args);
+    if (st) return st;
     if ((num_wait > 0) != (wait_list != NULL))
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "num_wait (%u) and wait_list (%p) disagree", (unsigned)num_wait,
                            (const void *)wait_list);
     clmha__dims d;
-    clmha_status st = validate(layer, args, true, &d);
+    st = validate(layer, args, true, &d);
     if (st) return st;
     if ((st = check_buffer(ctx, "output", output, output_offset, d.output_count, 4))) return st;
     cl_mem_flags out_flags = 0;
@@ -632,8 +652,11 @@ clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_ar
                                       size_t weights_count) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
+    clmha_forward_args in;
+    clmha_status st = args_in(ctx, &in, &args);
+    if (st) return st;
     clmha__dims d;
-    clmha_status st = validate(layer, args, false, &d);
+    st = validate(layer, args, false, &d);
     if (st) return st;
     if (!output) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "output is NULL");
     if (output_count != d.output_count)

@@ -20,6 +20,7 @@
 #include "tuning.h"
 
 #include "base/file_write.h"
+#include "base/struct_in.h"
 
 #include "layer.h"
 
@@ -1837,7 +1838,8 @@ static void tune_fused(tuner *T, const clmha_tune_shape *shape, double deadline,
     size_t n = shape->batch, l = shape->tgt_len, e = shape->embed_dim, h = shape->num_heads;
     res->flops = 4.0 * (double)n * (double)l * (double)l * (double)e;
     size_t count = n * l * e, nparam = 4 * e * e + 4 * e;
-    clmha_layer_desc desc = {.embed_dim = e, .num_heads = h, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = e, .num_heads = h,
+                             .bias = true};
     clmha_layer *layer = NULL;
     float *params = malloc(nparam * sizeof *params), *x = malloc(count * sizeof *x);
     float *y = malloc(count * sizeof *y);
@@ -1854,9 +1856,11 @@ static void tune_fused(tuner *T, const clmha_tune_shape *shape, double deadline,
         clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * e) ||
         clmha_layer_set_parameter(layer, "out_proj.bias", b_out, e))
         goto done;
-    clmha_forward_args args = {.query = {.ndim = 3, .shape = {l, n, e}, .data = x},
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {l, n, e}, .data = x},
                                .impl = CLMHA_IMPL_FUSED};
-    clmha_reference_params rp = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+    clmha_reference_params rp = {.struct_size = sizeof rp,
+                                 .in_proj_weight = w_in, .in_proj_bias = b_in,
                                  .out_proj_weight = w_out, .out_proj_bias = b_out};
     char msg[256];
     if (clmha_reference_forward(&desc, &rp, &args, ref, count, NULL, 0, msg, sizeof msg))
@@ -1947,7 +1951,16 @@ static void fill_report(const tuner *T, clmha_tune_report *rep) {
 clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_options *options,
                                 clmha_tune_report *report) {
     if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
-    clmha_status st = check_options(ctx, options);
+    clmha_tune_options opts_in;  // the caller's options in this library's layout (docs/abi.md)
+    char why[512];
+    clmha_status st = options ? CLMHA__STRUCT_IN(clmha_tune_options, &opts_in, options,
+                                                 "options", why, sizeof why)
+                              : CLMHA_SUCCESS;
+    if (!st && report)
+        st = CLMHA__STRUCT_OUT_CHECK(clmha_tune_report, report, "report", why, sizeof why);
+    if (st) return clmha__fail(ctx, st, "%s", why);
+    if (options) options = &opts_in;
+    st = check_options(ctx, options);
     if (st) return st;
     clmha_tune_report rep;
     memset(&rep, 0, sizeof rep);
@@ -2248,6 +2261,6 @@ done:
     for (size_t i = 0; i < T->nchecks; ++i) shape_free(&T->checks[i]);
     if (st && T->overridden) override_all(ctx, &fallback);  // failed half-way: undo
     free(T);
-    if (report) *report = rep;
+    if (report) clmha__struct_out(report, &rep, sizeof rep);  // no byte past its struct_size
     return st;
 }
