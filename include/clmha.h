@@ -98,10 +98,23 @@
 extern "C" {
 #endif
 
-#if defined(_WIN32)
+/// Marks the public functions. On Windows: `__declspec(dllexport)` while building the DLL
+/// (CLMHA_BUILDING_SHARED, set by clmha's CMake for the shared library's objects),
+/// `__declspec(dllimport)` for its users, nothing with CLMHA_STATIC (defined for users of the
+/// static library by clmha::clmha_static and `pkg-config --static`; define it yourself
+/// otherwise). Elsewhere: default visibility (the library is built with hidden visibility).
+#if defined(_WIN32) || defined(__CYGWIN__)
+#if defined(CLMHA_STATIC)
 #define CLMHA_API
+#elif defined(CLMHA_BUILDING_SHARED)
+#define CLMHA_API __declspec(dllexport)
 #else
+#define CLMHA_API __declspec(dllimport)
+#endif
+#elif defined(__GNUC__) || defined(__clang__)
 #define CLMHA_API __attribute__((visibility("default")))
+#else
+#define CLMHA_API
 #endif
 
 /// An initialiser for a sized struct: every field zero and `struct_size = sizeof(type)`.

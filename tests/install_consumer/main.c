@@ -4,6 +4,12 @@
 // Exit status: 0 pass, 1 failure, 77 no OpenCL device (skip).
 #include <clmha.h>
 
+// Users of the static library get CLMHA_STATIC from clmha::clmha_static and from
+// `pkg-config --static --cflags clmha`; users of the shared one do not (docs/abi.md).
+#if defined(CLMHA_EXPECT_STATIC) != defined(CLMHA_STATIC)
+#error "CLMHA_STATIC is not defined exactly for the static library's users"
+#endif
+
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
