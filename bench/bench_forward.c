@@ -42,7 +42,8 @@ int main(int argc, char **argv) {
         free(times);
         return 1;
     }
-    clmha_layer_desc desc = {.embed_dim = e, .num_heads = h, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = e, .num_heads = h, .bias = true};
     if (clmha_layer_create(&layer, ctx, &desc) || clmha_layer_bake(layer, n, l, s, need_weights))
         goto fail;
     cl_context cl = clmha_context_cl_context(ctx);
@@ -56,7 +57,8 @@ int main(int argc, char **argv) {
     cl_command_queue queue = clmha_context_cl_queue(ctx);
     clEnqueueFillBuffer(queue, q, &zero, 4, 0, n * l * e * 4, 0, NULL, NULL);
     clEnqueueFillBuffer(queue, kv, &zero, 4, 0, n * s * e * 4, 0, NULL, NULL);
-    clmha_forward_args args = {.query = {.ndim = 3, .shape = {l, n, e}, .buffer = q},
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {l, n, e}, .buffer = q},
                                .need_weights = need_weights};
     args.key = (clmha_tensor){.ndim = 3, .shape = {s, n, e}, .buffer = kv};  // value = key
     for (size_t r = 0; r <= reps; ++r) {

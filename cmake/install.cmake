@@ -2,7 +2,8 @@
 # CMakeLists.txt, after the targets clmha, clmha_static and clmha_cli are defined:
 #
 #   <prefix>/bin/clmha                                   the program (RPATH to the library)
-#   <prefix>/<libdir>/libclmha.so.<version>, .so.<major>, .so, libclmha.a
+#   <prefix>/<libdir>/libclmha.so.<version>, .so.<soversion>, .so, libclmha.a
+#                                  (soversion: MAJOR.MINOR before 1.0, then MAJOR; docs/abi.md)
 #   <prefix>/include/clmha.h, clmha_version.h
 #   <prefix>/<libdir>/cmake/clmha/clmhaConfig.cmake      find_package(clmha): clmha::clmha (shared),
 #                                  clmhaConfigVersion.cmake  clmha::clmha_static, clmha::clmha_cli
@@ -82,10 +83,16 @@ configure_package_config_file(
   "${PROJECT_SOURCE_DIR}/cmake/clmhaConfig.cmake.in"
   "${PROJECT_BINARY_DIR}/cmake/clmhaConfig.cmake"
   INSTALL_DESTINATION "${CLMHA_INSTALL_CMAKEDIR}")
+# As the soname (docs/abi.md): before 1.0 only the same MAJOR.MINOR is compatible.
+if(PROJECT_VERSION_MAJOR EQUAL 0)
+  set(_clmha_compat SameMinorVersion)
+else()
+  set(_clmha_compat SameMajorVersion)
+endif()
 write_basic_package_version_file(
   "${PROJECT_BINARY_DIR}/cmake/clmhaConfigVersion.cmake"
   VERSION "${PROJECT_VERSION}"
-  COMPATIBILITY SameMajorVersion)
+  COMPATIBILITY ${_clmha_compat})
 install(FILES
   "${PROJECT_BINARY_DIR}/cmake/clmhaConfig.cmake"
   "${PROJECT_BINARY_DIR}/cmake/clmhaConfigVersion.cmake"
@@ -151,3 +158,4 @@ unset(_clmha_lib)
 unset(_clmha_rel)
 unset(_clmha_rpath)
 unset(_clmha_dir)
+unset(_clmha_compat)

@@ -12,7 +12,9 @@ Exit status: 0 pass, 1 failure, 2 usage, 77 skipped (no NumPy or PyTorch in this
 OpenCL device). Debian's /usr/bin/python3 with python3-torch and python3-numpy has both.
 
 The ctypes structures below repeat the layout of include/clmha.h field by field; keep them in
-step with the header (the sizes are checked on 64-bit platforms).
+step with the header (the sizes are checked on 64-bit platforms). Each struct starts with
+struct_size, set to the Structure's own size (docs/abi.md): a library newer than these
+definitions then reads only the fields they have and takes the others as zero.
 """
 
 import ctypes
@@ -55,6 +57,7 @@ CLMHA_MASK_FLOAT = 3        # float32, added to the scores
 class LayerDesc(ctypes.Structure):
     """clmha_layer_desc"""
     _fields_ = [
+        ("struct_size", c_size_t),  # ctypes.sizeof(LayerDesc): see sized()
         ("embed_dim", c_size_t),
         ("num_heads", c_size_t),
         ("kdim", c_size_t),
@@ -95,6 +98,7 @@ class DropoutRng(ctypes.Structure):
 class ForwardArgs(ctypes.Structure):
     """clmha_forward_args"""
     _fields_ = [
+        ("struct_size", c_size_t),  # ctypes.sizeof(ForwardArgs): see sized()
         ("query", Tensor),
         ("key", Tensor),
         ("value", Tensor),
@@ -105,13 +109,20 @@ class ForwardArgs(ctypes.Structure):
         ("per_head_weights", c_bool),
         ("training", c_bool),
         ("rng", DropoutRng),
+        ("impl", ctypes.c_int),  # enum clmha_impl; 0 = CLMHA_IMPL_AUTO
     ]
 
 
+def sized(struct_type, **fields):
+    """A zeroed struct_type with struct_size set (CLMHA_STRUCT_INIT in C) and @p fields."""
+    return struct_type(struct_size=ctypes.sizeof(struct_type), **fields)
+
+
 if ctypes.sizeof(ctypes.c_void_p) == 8:  # LP64 / LLP64 sizes, as the C compiler lays them out
-    for struct, size in ((LayerDesc, 40), (Tensor, 64), (Mask, 72), (ForwardArgs, 360)):
+    for struct, size in ((LayerDesc, 48), (Tensor, 64), (Mask, 72), (ForwardArgs, 376)):
         assert ctypes.sizeof(struct) == size, f"{struct.__doc__}: {ctypes.sizeof(struct)} bytes"
-    assert ForwardArgs.rng.offset == 344 and Mask.tensor.offset == 8
+    assert ForwardArgs.rng.offset == 352 and ForwardArgs.impl.offset == 368
+    assert Mask.tensor.offset == 8
 
 
 def load_library(path):
@@ -194,7 +205,7 @@ def main():
         mha = torch.nn.MultiheadAttention(E, H, batch_first=True).eval()
 
         # The same layer in clmha, parameters copied by their state_dict names.
-        desc = LayerDesc(embed_dim=E, num_heads=H, bias=True, batch_first=True)
+        desc = sized(LayerDesc, embed_dim=E, num_heads=H, bias=True, batch_first=True)
         check(lib.clmha_layer_create(ctypes.byref(layer), ctx, ctypes.byref(desc)),
               "clmha_layer_create")
         params = {}  # kept alive until the copies are done (they are when the call returns)
@@ -212,7 +223,7 @@ def main():
         kpm[1, -2:] = True
         kpm[2, -1] = True
 
-        args = ForwardArgs()
+        args = sized(ForwardArgs)
         args.query = tensor(query)
         args.key_padding_mask = Mask(kind=CLMHA_MASK_BOOL_IGNORE, tensor=tensor(kpm))
         args.need_weights = True  # averaged over heads, PyTorch's default

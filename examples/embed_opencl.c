@@ -73,7 +73,7 @@ int main(void) {
     cl_int err;
 
     // ---- the application's OpenCL setup (clmha_device_select only honours $CLMHA_DEVICE) ----
-    clmha_device_info dev;
+    clmha_device_info dev = {.struct_size = sizeof dev};
     char message[512];
     clmha_status st = clmha_device_select(getenv("CLMHA_DEVICE"), &dev, message, sizeof message);
     if (st == CLMHA_DEVICE_NOT_FOUND) {
@@ -113,7 +113,8 @@ int main(void) {
         fprintf(stderr, "clmha_context_create_from_cl: %s\n", clmha_last_create_error());
         goto done;
     }
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
     static float w_in[3 * E * E], b_in[3 * E], w_out[E * E], b_out[E];
     unsigned seed = 7;
     for (size_t i = 0; i < 3 * E * E; ++i) w_in[i] = next_value(&seed);
@@ -134,7 +135,7 @@ int main(void) {
     CL_CHECK(enqueue_fill(queue, fill, query, (cl_uint)q_count, 0.1f, 0.0f, 1.0f, &ready[0]));
     CL_CHECK(enqueue_fill(queue, fill, key, (cl_uint)kv_count, 0.037f, 0.5f, 1.5f, &ready[1]));
 
-    clmha_forward_args args = {
+    clmha_forward_args args = {.struct_size = sizeof args,
         .query = {.ndim = 3, .shape = {L, N, E}, .buffer = query},
         .key = {.ndim = 3, .shape = {S, N, E}, .buffer = key},  // value: ndim 0, same as key
         .need_weights = true};
@@ -157,7 +158,8 @@ int main(void) {
     clmha_forward_args host_args = args;
     host_args.query.data = q_host;
     host_args.key.data = k_host;
-    clmha_reference_params params = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+    clmha_reference_params params = {.struct_size = sizeof params,
+                                     .in_proj_weight = w_in, .in_proj_bias = b_in,
                                      .out_proj_weight = w_out, .out_proj_bias = b_out};
     if ((st = clmha_reference_forward(&desc, &params, &host_args, y_ref, out_count, w_ref,
                                       w_count, message, sizeof message))) {

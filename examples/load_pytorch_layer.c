@@ -85,7 +85,7 @@ int main(int argc, char **argv) {
         clmha_context_release(ctx);
         return 1;
     }
-    clmha_layer_desc desc;
+    clmha_layer_desc desc = {.struct_size = sizeof desc};
     clmha_layer_get_desc(layer, &desc);
     printf("device: %s\n", clmha_context_device_name(ctx));
     printf("layer:  %s: embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu, bias %d, "
@@ -96,7 +96,7 @@ int main(int argc, char **argv) {
     // Inputs: self-attention when the layer and the lengths allow it, else key and value.
     unsigned long long state = 2024;
     bool self = desc.kdim == desc.embed_dim && desc.vdim == desc.embed_dim && src == tgt;
-    clmha_forward_args args = {.need_weights = true};
+    clmha_forward_args args = {.struct_size = sizeof args, .need_weights = true};
     args.query = random_input(&desc, tgt, batch, desc.embed_dim, &state);
     if (!self) {
         args.key = random_input(&desc, src, batch, desc.kdim, &state);
@@ -158,7 +158,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "reading parameters: %s\n", clmha_context_last_error(ctx));
         goto done;
     }
-    clmha_reference_params params = {
+    clmha_reference_params params = {.struct_size = sizeof params,
         .in_proj_weight = p[0], .q_proj_weight = p[1], .k_proj_weight = p[2],
         .v_proj_weight = p[3], .in_proj_bias = p[4], .out_proj_weight = p[5],
         .out_proj_bias = p[6], .bias_k = p[7], .bias_v = p[8]};

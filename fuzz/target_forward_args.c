@@ -307,7 +307,7 @@ static void clmha_fuzz_reference(const clmha_layer_desc *desc, clmha_forward_arg
     if (d->scores_count * d->d > ((size_t)1 << 18)) return;
 
     uint64_t state = seed;
-    clmha_reference_params params = {0};
+    clmha_reference_params params = {.struct_size = sizeof params};
     const bool packed = e == d->kdim && e == d->vdim && (variant & 8) == 0;
     float *w_in = NULL, *w_q = NULL, *w_k = NULL, *w_v = NULL, *b_in = NULL, *w_out = NULL,
           *b_out = NULL, *b_k = NULL, *b_v = NULL;
@@ -335,7 +335,8 @@ static void clmha_fuzz_reference(const clmha_layer_desc *desc, clmha_forward_arg
         b_v = clmha_fuzz_floats(&state, e, 0.5f);
         if (!b_k || !b_v) goto done;
     }
-    params = (clmha_reference_params){.in_proj_weight = w_in, .q_proj_weight = w_q,
+    params = (clmha_reference_params){.struct_size = sizeof(clmha_reference_params),
+                                      .in_proj_weight = w_in, .q_proj_weight = w_q,
                                       .k_proj_weight = w_k, .v_proj_weight = w_v,
                                       .in_proj_bias = b_in, .out_proj_weight = w_out,
                                       .out_proj_bias = b_out, .bias_k = b_k, .bias_v = b_v};
@@ -442,7 +443,7 @@ int clmha_fuzz_forward_args(const uint8_t *data, size_t size) {
                                        -0.1f, 1e-30f, 1.5f, INFINITY, -INFINITY, NAN, 1e-45f,
                                        0.25f};
     clmha_fuzz_reader r = {data, size};
-    clmha_layer_desc desc = {0};
+    clmha_layer_desc desc = {.struct_size = sizeof desc};
     desc.embed_dim = clmha_fuzz_size(&r);
     desc.num_heads = clmha_fuzz_size(&r);
     desc.kdim = clmha_fuzz_size(&r);
@@ -470,6 +471,7 @@ int clmha_fuzz_forward_args(const uint8_t *data, size_t size) {
 
     clmha_forward_args args;
     memset(&args, 0, sizeof args);
+    args.struct_size = sizeof args;
     clmha_fuzz_tensor_spec(&r, &plan, CLMHA_FUZZ_Q, &args.query);
     clmha_fuzz_tensor_spec(&r, &plan, CLMHA_FUZZ_K, &args.key);
     clmha_fuzz_tensor_spec(&r, &plan, CLMHA_FUZZ_V, &args.value);

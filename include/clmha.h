@@ -19,11 +19,12 @@
 ///     float w_in[3 * 8 * 8] = {0}, w_out[8 * 8] = {0}, x[4 * 1 * 8] = {0}, y[4 * 1 * 8];
 ///     // ... fill the weights and the input ...
 ///     if (clmha_context_create(&ctx, NULL) != CLMHA_SUCCESS) return 1;   // default device
-///     clmha_layer_desc desc = {.embed_dim = 8, .num_heads = 2};
+///     clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = 8, .num_heads = 2};
 ///     clmha_status st = clmha_layer_create(&layer, ctx, &desc);
 ///     if (!st) st = clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * 8 * 8);
 ///     if (!st) st = clmha_layer_set_parameter(layer, "out_proj.weight", w_out, 8 * 8);
-///     clmha_forward_args args = {.query = {.ndim = 3, .shape = {4, 1, 8}, .data = x}};
+///     clmha_forward_args args = {.struct_size = sizeof args,
+///                                .query = {.ndim = 3, .shape = {4, 1, 8}, .data = x}};
 ///     if (!st) st = clmha_layer_forward_host(layer, &args, y, 4 * 1 * 8, NULL, 0);
 ///     if (st) fprintf(stderr, "%s\n", clmha_context_last_error(ctx));
 ///     clmha_layer_release(layer);
@@ -43,8 +44,14 @@
 ///   names the argument and shapes involved: for the calling thread and the context
 ///   (clmha_context_last_error()), or, when the call has no context (context creation, a NULL context or layer), in a per-thread
 ///   buffer (clmha_last_create_error()). clmha_device_select() and clmha_reference_forward()
-///   write it to a caller's buffer instead; clmha_devices_list() and clmha_layer_get_desc()
-///   record none.
+///   write it to a caller's buffer instead; clmha_device_note() records none.
+/// - Structs that cross the API start with `size_t struct_size` (see ::CLMHA_STRUCT_INIT and
+///   docs/abi.md): the caller zero-initialises the struct and sets struct_size to its sizeof,
+///   both for structs it fills (clmha_layer_desc, clmha_forward_args, clmha_reference_params,
+///   clmha_tune_options) and for structs the library fills (clmha_device_info,
+///   clmha_tune_report, and clmha_layer_desc for clmha_layer_get_desc()). The library reads
+///   and writes only the bytes struct_size covers, so a program built against an older header
+///   keeps working with a newer library.
 /// - A call that fails validation (arguments, shapes, masks, buffers) has enqueued nothing and
 ///   written no output, and `*event` is NULL. When an OpenCL or CLBlast call fails while a
 ///   forward pass is being enqueued, the function returns at once with `*event` NULL, but the
@@ -92,10 +99,49 @@
 extern "C" {
 #endif
 
-#if defined(_WIN32)
+/// Marks the public functions. On Windows: `__declspec(dllexport)` while building the DLL
+/// (CLMHA_BUILDING_SHARED, set by clmha's CMake for the shared library's objects),
+/// `__declspec(dllimport)` for its users, nothing with CLMHA_STATIC (defined for users of the
+/// static library by clmha::clmha_static and `pkg-config --static`; define it yourself
+/// otherwise). Elsewhere: default visibility (the library is built with hidden visibility).
+#if defined(_WIN32) || defined(__CYGWIN__)
+#if defined(CLMHA_STATIC)
 #define CLMHA_API
+#elif defined(CLMHA_BUILDING_SHARED)
+#define CLMHA_API __declspec(dllexport)
 #else
+#define CLMHA_API __declspec(dllimport)
+#endif
+#elif defined(__GNUC__) || defined(__clang__)
 #define CLMHA_API __attribute__((visibility("default")))
+#else
+#define CLMHA_API
+#endif
+
+/// An initialiser for a sized struct: every field zero and `struct_size = sizeof(type)`.
+/// @code
+/// clmha_layer_desc desc = CLMHA_STRUCT_INIT(clmha_layer_desc);
+/// desc.embed_dim = 8;
+/// desc.num_heads = 2;
+/// // In C, designated initialisers do the same: set struct_size with the other fields.
+/// clmha_forward_args args = {.struct_size = sizeof args, .need_weights = true};
+/// @endcode
+/// Works in C (as an initialiser; `(type)CLMHA_STRUCT_INIT(type)` is a compound literal) and in
+/// C++ (an expression of type @p type).
+/// The rules (docs/abi.md): struct_size 0, or below the size of the struct's required fields,
+/// is refused with ::CLMHA_INVALID_ARGUMENT; a smaller, older struct is read as far as it goes
+/// and the newer fields count as zero; a larger struct (a caller built against a newer header)
+/// is accepted when the bytes this library does not know are all zero, else refused with
+/// ::CLMHA_UNSUPPORTED. For structs the library fills, it writes no byte past struct_size.
+#ifdef __cplusplus
+#define CLMHA_STRUCT_INIT(type) \
+    ([] {                          \
+        type clmha_init_ = type(); \
+        clmha_init_.struct_size = sizeof(type); \
+        return clmha_init_;        \
+    }())
+#else
+#define CLMHA_STRUCT_INIT(type) {.struct_size = sizeof(type)}
 #endif
 
 /// X-macro table of every status: `X(NAME, value, "description")`, NAME without the `CLMHA_`
@@ -140,8 +186,11 @@ typedef enum clmha_status {
 /// -3: a mask has an unknown kind, a tensor or `per_batch` but kind ::CLMHA_MASK_NONE, a shape
 /// that fits none of its layouts, or `per_batch` where it does not apply.
 /// @var CLMHA_UNSUPPORTED
-/// -4: the device or queue cannot do it: at present only clmha_layer_set_profiling() on a queue
-/// without CL_QUEUE_PROFILING_ENABLE.
+/// -4: the device, queue or tuning cannot do it (e.g. clmha_layer_set_profiling() on a queue
+/// without CL_QUEUE_PROFILING_ENABLE, ::CLMHA_IMPL_FUSED where the fused kernel cannot be
+/// built), or a
+/// struct's struct_size is larger than this library's struct and sets a byte past it: the
+/// caller was built against a newer clmha and uses a field this one does not have.
 /// @var CLMHA_DEVICE_NOT_FOUND
 /// -5: no OpenCL device is installed, or none matches the device spec.
 /// @var CLMHA_OUT_OF_MEMORY
@@ -198,9 +247,17 @@ typedef struct clmha_layer clmha_layer;
 // Devices
 // ---------------------------------------------------------------------------------------------
 
-/// One OpenCL device as seen by clmha_devices_list(). Strings are NUL-terminated and truncated
-/// to fit. The OpenCL handles are not retained (platforms and root devices need no reference).
+/// One OpenCL device, as clmha_device_describe() and clmha_device_select() fill it. Strings are
+/// NUL-terminated and truncated to fit. The OpenCL handles are not retained (platforms and root
+/// devices need no reference). The library fills it: set struct_size first, and at most
+/// struct_size bytes are written (the smallest accepted struct_size covers the fields up to
+/// @ref device):
+/// @code
+/// clmha_device_info info = CLMHA_STRUCT_INIT(clmha_device_info);
+/// if (clmha_device_describe(0, &info) == CLMHA_SUCCESS) puts(info.device_name);
+/// @endcode
 typedef struct clmha_device_info {
+    size_t struct_size;         ///< set by the caller: sizeof(clmha_device_info)
     unsigned platform_index;    ///< index of the platform in clGetPlatformIDs order
     unsigned device_index;      ///< index of the device within its platform
     cl_platform_id platform;    ///< the platform
@@ -219,17 +276,24 @@ typedef struct clmha_device_info {
     char spec[32];              ///< "P:D", the spec string that selects exactly this device
 } clmha_device_info;
 
-/// Lists every device of every platform (at most 32 platforms and 64 devices per platform; a
-/// platform whose devices cannot be queried is skipped). Records no error message.
-/// @param[out] infos     array of @p capacity entries to fill (may be NULL when capacity is 0)
-/// @param[in]  capacity  number of entries @p infos holds
-/// @param[out] count     total number of devices found (may exceed @p capacity: only the first
-///                       @p capacity are described)
+/// Counts the devices of every platform (at most 32 platforms and 64 devices per platform; a
+/// platform whose devices cannot be queried is skipped). Devices are numbered from 0 in
+/// platform order, then device order, for clmha_device_describe(). On failure the message is
+/// in clmha_last_create_error().
+/// @param[out] count  the number of devices
 /// @return ::CLMHA_SUCCESS (also when no device or no OpenCL platform exists: *count is 0),
-///         ::CLMHA_INVALID_ARGUMENT (@p count NULL, or @p infos NULL with a capacity),
-///         ::CLMHA_OPENCL_ERROR (clGetPlatformIDs failed)
-CLMHA_API clmha_status clmha_devices_list(clmha_device_info *infos, size_t capacity,
-                                          size_t *count);
+///         ::CLMHA_INVALID_ARGUMENT (@p count NULL), ::CLMHA_OPENCL_ERROR (clGetPlatformIDs
+///         failed)
+CLMHA_API clmha_status clmha_device_count(size_t *count);
+
+/// Describes device number @p index (0 to the count of clmha_device_count() - 1). On failure
+/// nothing is written to @p info and the message is in clmha_last_create_error().
+/// @param[in]     index  the device's number
+/// @param[in,out] info   struct_size set by the caller (CLMHA_STRUCT_INIT(clmha_device_info));
+///                       the description, at most struct_size bytes of it
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p info NULL, struct_size 0 or too small,
+///         @p index not below the device count), ::CLMHA_OPENCL_ERROR (clGetPlatformIDs failed)
+CLMHA_API clmha_status clmha_device_describe(size_t index, clmha_device_info *info);
 
 /// What clmha does differently on this device because of a known driver bug, in one line, or ""
 /// when nothing. Mesa's llvmpipe (rusticl and clover) ends every loop of a kernel once a
@@ -237,7 +301,8 @@ CLMHA_API clmha_status clmha_devices_list(clmha_device_info *infos, size_t capac
 /// whose loop count stays well under that limit, the others run the unfused core (also with
 /// ::CLMHA_IMPL_FUSED). Clover's compiler aborts the process on vloadN: the fused kernel is built
 /// without vectors there. Records no error message.
-/// @param[in] info  a device description from clmha_devices_list() (NULL gives "")
+/// @param[in] info  a device description from clmha_device_describe() or clmha_device_select()
+///                  (NULL, or a struct_size that clmha_device_describe() refuses, gives "")
 /// @return a static string
 CLMHA_API const char *clmha_device_note(const clmha_device_info *info);
 
@@ -253,14 +318,16 @@ CLMHA_API const char *clmha_device_note(const clmha_device_info *info);
 /// - anything else: the first device whose platform or device name contains @p spec
 ///   (case-insensitive).
 /// @param[in]  spec          the device spec (may be NULL)
-/// @param[out] out           the selected device, written only on success
+/// @param[in,out] out        struct_size set by the caller (CLMHA_STRUCT_INIT(clmha_device_info));
+///                           the selected device, at most struct_size bytes, written only on
+///                           success
 /// @param[out] message       optional buffer for a human message on failure (may be NULL);
 ///                           untouched on success
 /// @param[in]  message_size  size of @p message in bytes (ignored when @p message is NULL)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_DEVICE_NOT_FOUND (no device at all, with an installation
 ///         hint in @p message, or none matching, with the list of devices),
-///         ::CLMHA_INVALID_ARGUMENT (@p out NULL, or a malformed "P:D" spec: the message
-///         quotes it and says which index is wrong), ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_INVALID_ARGUMENT (@p out NULL, its struct_size 0 or too small, or a malformed
+///         "P:D" spec: the message quotes it and says which index is wrong), ::CLMHA_OPENCL_ERROR,
 ///         ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_device_select(const char *spec, clmha_device_info *out,
                                            char *message, size_t message_size);
@@ -355,9 +422,6 @@ CLMHA_API const char *clmha_context_device_name(const clmha_context *ctx);
 // GEMM tuning
 // ---------------------------------------------------------------------------------------------
 
-/// Defined when this header declares the GEMM tuning API below.
-#define CLMHA_TUNE_API 1
-
 /// Progress of clmha_context_tune(): @p fraction of the budget used (0 to 1) and a one-line
 /// message such as "12/40 candidates, best 85.3 GFLOP/s (Xgemm)". Called on the calling thread.
 /// When clmha_tune_options::trace is set it also receives trace lines, with @p fraction -1 (the
@@ -370,6 +434,9 @@ typedef void (*clmha_tune_progress_fn)(double fraction, const char *message, voi
 /// A layer shape to tune for: the GEMMs of one self-attention forward pass with batch N,
 /// length L, embed_dim E and H heads: the packed QKV projection (N·L, 3E, E), the output
 /// projection (N·L, E, E), Q·Kᵀ (N·H × (L, L, E/H)) and A·V (N·H × (L, E/H, L)).
+/// It has no struct_size: it is read as an array (clmha_tune_options::shapes), whose element
+/// stride is the caller's sizeof, so its layout is frozen (a new layout would be a new type,
+/// clmha_tune_shape_v2, with a new field of clmha_tune_options pointing to it).
 typedef struct clmha_tune_shape {
     size_t batch;      ///< N
     size_t tgt_len;    ///< L
@@ -377,8 +444,14 @@ typedef struct clmha_tune_shape {
     size_t num_heads;  ///< H (E must be a multiple of H)
 } clmha_tune_shape;
 
-/// Options of clmha_context_tune(). Zero-initialise, then set what you need.
+/// Options of clmha_context_tune(). Zero-initialise with struct_size set, then set what you
+/// need (every field is optional):
+/// @code
+/// clmha_tune_options opts = CLMHA_STRUCT_INIT(clmha_tune_options);
+/// opts.budget_seconds = 60;
+/// @endcode
 typedef struct clmha_tune_options {
+    size_t struct_size;              ///< sizeof(clmha_tune_options) (see ::CLMHA_STRUCT_INIT)
     double budget_seconds;           ///< wall-clock budget; 0 = 300. Each candidate parameter
                                      ///< set costs a kernel build (about 6 s on PoCL); the final
                                      ///< check may run up to two builds past the budget.
@@ -393,8 +466,15 @@ typedef struct clmha_tune_options {
 } clmha_tune_options;
 
 /// What clmha_context_tune() found. GFLOP/s are medians of 5 timed calls, host clock around
-/// each call (so the indirect path's pad and transpose kernels count).
+/// each call (so the indirect path's pad and transpose kernels count). The library fills it:
+/// the caller sets struct_size (at least up to @ref default_gflops) and at most struct_size
+/// bytes are written:
+/// @code
+/// clmha_tune_report rep = CLMHA_STRUCT_INIT(clmha_tune_report);
+/// clmha_status st = clmha_context_tune(ctx, NULL, &rep);
+/// @endcode
 typedef struct clmha_tune_report {
+    size_t struct_size;                 ///< set by the caller: sizeof(clmha_tune_report)
     double default_gflops;              ///< sgemm 1024³ (row-major, B transposed), before tuning
     double tuned_gflops;                ///< the same with the chosen parameters
     double default_layer_gflops;        ///< first layer shape's QKV projection, before
@@ -449,10 +529,14 @@ typedef struct clmha_tune_report {
 /// Do not run forward passes on the same device (from any context) while tuning: they would
 /// run with the candidates' parameters.
 /// @param[in]  ctx      the context whose device is tuned
-/// @param[in]  options  may be NULL (300 s, shape (8, 128, 512, 8))
-/// @param[out] report   may be NULL
+/// @param[in]     options  may be NULL (300 s, shape (8, 128, 512, 8)); else its struct_size
+///                         must be set
+/// @param[in,out] report   may be NULL; else its struct_size must be set, and it receives at
+///                         most struct_size bytes of the report
 /// @return ::CLMHA_SUCCESS (also when nothing faster was found: see report->improved),
-///         ::CLMHA_INVALID_ARGUMENT, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_INVALID_ARGUMENT (also a struct_size of 0 or too small),
+///         ::CLMHA_UNSUPPORTED (@p options from a newer header, using a newer field),
+///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR,
 ///         ::CLMHA_BLAS_ERROR (the GEMMs fail with the current parameters)
 CLMHA_API clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_options *options,
                                           clmha_tune_report *report);
@@ -502,9 +586,15 @@ CLMHA_API clmha_status clmha_context_tuning_note(const clmha_context *ctx, char 
 
 /// Configuration of a layer; the fields and their meaning are those of
 /// `torch.nn.MultiheadAttention(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn,
-/// kdim, vdim, batch_first)`. Zero-initialise it, then set what you need (note that zero means
-/// bias = false, where PyTorch's default is true).
+/// kdim, vdim, batch_first)`. Zero-initialise it with struct_size set, then set what you need
+/// (note that zero means bias = false, where PyTorch's default is true). embed_dim and
+/// num_heads are required: struct_size must cover them.
+/// @code
+/// clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = 512, .num_heads = 8,
+///                          .bias = true};
+/// @endcode
 typedef struct clmha_layer_desc {
+    size_t struct_size;  ///< sizeof(clmha_layer_desc) (see ::CLMHA_STRUCT_INIT)
     size_t embed_dim;    ///< E, positive and a multiple of num_heads
     size_t num_heads;    ///< H, positive; the head dimension is D = E / H
     size_t kdim;         ///< features of key; 0 means embed_dim
@@ -522,8 +612,9 @@ typedef struct clmha_layer_desc {
 /// @param[out] out   the new layer, or NULL on failure
 /// @param[in]  ctx   the context to create it on
 /// @param[in]  desc  the configuration; copied, with kdim and vdim of 0 replaced by embed_dim
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, E or H zero, E not divisible by H,
-///         dropout outside [0, 1)), ::CLMHA_SIZE_OVERFLOW (parameter sizes),
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, struct_size 0 or too small, E or H
+///         zero, E not divisible by H, dropout outside [0, 1)), ::CLMHA_UNSUPPORTED (a struct
+///         from a newer header using a newer field), ::CLMHA_SIZE_OVERFLOW (parameter sizes),
 ///         ::CLMHA_BUILD_FAILED, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
                                           const clmha_layer_desc *desc);
@@ -534,10 +625,13 @@ CLMHA_API clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
 /// @param[in] layer  the layer (NULL is ignored)
 CLMHA_API void clmha_layer_release(clmha_layer *layer);
 
-/// The descriptor the layer was created with. Records no message on failure.
-/// @param[in]  layer  the layer
-/// @param[out] desc   the descriptor, with kdim and vdim filled in
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p layer or @p desc NULL)
+/// The descriptor the layer was created with.
+/// @param[in]     layer  the layer
+/// @param[in,out] desc   struct_size set by the caller; receives the descriptor (at most
+///                       struct_size bytes; struct_size keeps its value), with kdim and vdim
+///                       filled in
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p layer or @p desc NULL, struct_size 0
+///         or too small; the message is in the layer's context when @p layer is not NULL)
 CLMHA_API clmha_status clmha_layer_get_desc(const clmha_layer *layer, clmha_layer_desc *desc);
 
 /// The context the layer lives on.
@@ -771,9 +865,16 @@ CLMHA_API clmha_status clmha_layer_set_impl(clmha_layer *layer, clmha_impl impl)
 /// @return the name
 CLMHA_API const char *clmha_impl_name(clmha_impl impl);
 
-/// Arguments of one forward call. Zero-initialise, then set what you need. Read only during the
-/// call.
+/// Arguments of one forward call. Zero-initialise with struct_size set, then set what you
+/// need; query is required (struct_size must cover it). Read only during the call.
+/// @code
+/// clmha_forward_args args = {.struct_size = sizeof args,
+///                            .query = {.ndim = 3, .shape = {L, N, E}, .data = x}};
+/// @endcode
+/// The embedded structs (::clmha_tensor, ::clmha_mask, ::clmha_dropout_rng) have no size of
+/// their own: their layout is frozen.
 typedef struct clmha_forward_args {
+    size_t struct_size;            ///< sizeof(clmha_forward_args) (see ::CLMHA_STRUCT_INIT)
     clmha_tensor query;            ///< (L, N, E), (N, L, E) with batch_first, or (L, E)
     clmha_tensor key;              ///< (S, N, kdim) likewise; ndim 0 = same as query
                                    ///< (self-attention; needs kdim == vdim == E)
@@ -798,7 +899,12 @@ typedef struct clmha_forward_args {
 /// add_zero_attn. q, k, v and out are the layer's scratch buffers (they may be larger than the
 /// tiles); weights is the layer's scores buffer. The masks are the caller's, unchanged
 /// (they cover the first S keys; the appended keys are never masked). `scale` = 1/sqrt(D).
+/// The library sets struct_size to its sizeof(clmha_core_args); fields are only ever appended,
+/// so a core built against a newer header checks struct_size before it reads a field that
+/// this header does not have, e.g.
+/// `args->struct_size >= offsetof(clmha_core_args, event) + sizeof args->event`.
 typedef struct clmha_core_args {
+    size_t struct_size;      ///< set by the library: sizeof(clmha_core_args) in its build
     cl_command_queue queue;  ///< the context's in-order queue: enqueue the work here
     /// @var batch
     /// N, the batch size (1 for unbatched inputs).
@@ -856,8 +962,9 @@ CLMHA_API clmha_status clmha_layer_set_attention(clmha_layer *layer, clmha_atten
 /// @param[out] output_count   N·L·E (L·E unbatched): the attention output (may be NULL)
 /// @param[out] weights_count  0 without need_weights, else N·L·S' averaged or N·H·L·S' per head
 ///                            (may be NULL)
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_SHAPE_MISMATCH,
-///         ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also args->struct_size 0 or too small),
+///         ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field),
+///         ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW
 CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
                                                  const clmha_forward_args *args,
                                                  size_t *output_count, size_t *weights_count);
@@ -887,8 +994,10 @@ CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
 /// @param[out] event           optional: a new event that completes with the pass; NULL on
 ///                             failure
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also for a buffer that is NULL, of
-///         another context, too small or write-only as above, and for @p num_wait and
-///         @p wait_list disagreeing), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         another context, too small or write-only as above, for @p num_wait and
+///         @p wait_list disagreeing, and for args->struct_size 0 or too small),
+///         ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field),
+///         ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *args,
@@ -909,7 +1018,9 @@ CLMHA_API clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forwa
 /// @param[in]  weights_count  must equal the weights count of clmha_layer_output_counts()
 ///                            (0 without need_weights)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also for a missing `data` pointer or
-///         array), ::CLMHA_SHAPE_MISMATCH (also for a wrong count), ::CLMHA_INVALID_MASK,
+///         array, and for args->struct_size 0 or too small), ::CLMHA_UNSUPPORTED (@p args from
+///         a newer header, using a newer field), ::CLMHA_SHAPE_MISMATCH (also for a wrong
+///         count), ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
@@ -972,8 +1083,14 @@ CLMHA_API const char *clmha_stage_name(clmha_stage stage);
 
 /// Plain double-precision CPU implementation of the same forward pass, for checking results.
 /// Parameters are host arrays by PyTorch name, row-major float32 (NULL where the layer has none;
-/// arrays for parameters the layer does not have are ignored).
+/// arrays for parameters the layer does not have are ignored). Zero-initialise with
+/// struct_size set; struct_size must cover out_proj_weight.
+/// @code
+/// clmha_reference_params params = {.struct_size = sizeof params, .in_proj_weight = w_in,
+///                                  .out_proj_weight = w_out};
+/// @endcode
 typedef struct clmha_reference_params {
+    size_t struct_size;            ///< sizeof(clmha_reference_params) (see ::CLMHA_STRUCT_INIT)
     const float *in_proj_weight;   ///< (3E, E); used when not NULL and kdim == vdim == E, else
                                    ///< the three weights below are
     /// @var q_proj_weight
@@ -1009,7 +1126,9 @@ typedef struct clmha_reference_params {
 /// @param[out] message        optional buffer (may be NULL): "" on success, the reason on
 ///                            failure
 /// @param[in]  message_size   size of @p message in bytes
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also a struct_size of 0 or too small in
+///         @p desc, @p params or @p args), ::CLMHA_UNSUPPORTED (one of them from a newer header,
+///         using a newer field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_reference_forward(const clmha_layer_desc *desc,
                                                const clmha_reference_params *params,

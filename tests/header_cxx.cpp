@@ -22,7 +22,8 @@ int main() {
         reinterpret_cast<const void *>(&clmha_context_tuning_import),
         reinterpret_cast<const void *>(&clmha_context_tuning_note),
         reinterpret_cast<const void *>(&clmha_device_select),
-        reinterpret_cast<const void *>(&clmha_devices_list),
+        reinterpret_cast<const void *>(&clmha_device_count),
+        reinterpret_cast<const void *>(&clmha_device_describe),
         reinterpret_cast<const void *>(&clmha_device_note),
         reinterpret_cast<const void *>(&clmha_last_create_error),
         reinterpret_cast<const void *>(&clmha_layer_bake),
@@ -53,6 +54,12 @@ int main() {
         if (!s) return 1;
     std::printf("header_cxx: %zu public functions link from C++\n",
                 sizeof symbols / sizeof symbols[0]);
+    // CLMHA_STRUCT_INIT works in C++ too: zeroes and the size.
+    clmha_layer_desc desc = CLMHA_STRUCT_INIT(clmha_layer_desc);
+    clmha_forward_args args = CLMHA_STRUCT_INIT(clmha_forward_args);
+    if (desc.struct_size != sizeof desc || desc.embed_dim != 0 || args.struct_size != sizeof args ||
+        args.query.ndim != 0)
+        return 1;
     clmha_context_release(nullptr);
     clmha_layer_release(nullptr);
     return clmha_status_string(CLMHA_SUCCESS)[0] ? 0 : 1;

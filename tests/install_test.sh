@@ -57,6 +57,21 @@ for f in "$libdir/libclmha.a" "$prefix/include/clmha.h" "$prefix/include/clmha_v
 done
 version=$(sed -n 's/^#define CLMHA_VERSION_STRING "\(.*\)"$/\1/p' "$prefix/include/clmha_version.h")
 [ -n "$version" ] || fail "no CLMHA_VERSION_STRING in the installed clmha_version.h"
+major=${version%%.*}
+minor=${version#*.}
+minor=${minor%%.*}
+
+step "soname (docs/abi.md: MAJOR.MINOR before 1.0, then MAJOR)"
+if [ "$major" -eq 0 ]; then soversion=$major.$minor; else soversion=$major; fi
+want_soname=libclmha.so.$soversion
+[ -e "$libdir/$want_soname" ] || fail "$libdir/$want_soname was not installed"
+if command -v readelf >/dev/null 2>&1; then
+    soname=$(readelf -d "$shared_lib" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
+    [ "$soname" = "$want_soname" ] || fail "SONAME is '$soname', expected '$want_soname'"
+    echo "SONAME $soname"
+else
+    echo "no readelf: only the file $want_soname was checked"
+fi
 
 step "installed program"
 # Found through its RPATH ($ORIGIN/../lib...), without LD_LIBRARY_PATH.
@@ -80,13 +95,23 @@ if ldd "$work/cmake-build/consumer_static" | grep -q libclmha; then
 fi
 
 step "CMake consumer: an incompatible major version is refused"
-major=${version%%.*}
 if cmake -S "$src/tests/install_consumer" -B "$work/cmake-build-major" \
     -DCMAKE_PREFIX_PATH="$prefix" -DCLMHA_REQUEST_VERSION="$((major + 1)).0" \
     -DCMAKE_C_COMPILER="$cc" >"$work/major.log" 2>&1; then
     fail "find_package(clmha $((major + 1)).0) accepted version $version"
 fi
 echo "refused, as it should be"
+if [ "$major" -eq 0 ] && [ "$minor" -gt 0 ]; then
+    # Before 1.0 a minor release may break the ABI: a program asking for 0.(minor-1) must not
+    # get this library (SameMajorVersion would accept it, SameMinorVersion does not).
+    step "CMake consumer: before 1.0 an older minor version is refused too"
+    if cmake -S "$src/tests/install_consumer" -B "$work/cmake-build-minor" \
+        -DCMAKE_PREFIX_PATH="$prefix" -DCLMHA_REQUEST_VERSION="0.$((minor - 1))" \
+        -DCMAKE_C_COMPILER="$cc" >"$work/minor.log" 2>&1; then
+        fail "find_package(clmha 0.$((minor - 1))) accepted version $version"
+    fi
+    echo "refused, as it should be"
+fi
 
 step "pkg-config consumer"
 export PKG_CONFIG_PATH="$libdir/pkgconfig"
@@ -106,9 +131,11 @@ static_libs=$(pkg-config --static --libs clmha)
 echo "libs:   $static_libs"
 # -lclmha would pick libclmha.so; name the archive instead, keeping the other flags.
 static_libs=$(printf '%s\n' "$static_libs" | sed "s|-lclmha\b|$libdir/libclmha.a|")
+static_cflags=$(pkg-config --static --cflags clmha)  # with Cflags.private: -DCLMHA_STATIC
+echo "cflags: $static_cflags"
 # shellcheck disable=SC2086
-"$cc" -std=c11 "$src/tests/install_consumer/main.c" -o "$work/pc_static" $cflags $static_libs \
-    -lm
+"$cc" -std=c11 "$src/tests/install_consumer/main.c" -o "$work/pc_static" $static_cflags \
+    -DCLMHA_EXPECT_STATIC $static_libs -lm
 if ldd "$work/pc_static" | grep -q libclmha; then
     fail "pc_static is linked to libclmha.so"
 fi

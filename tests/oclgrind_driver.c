@@ -282,7 +282,7 @@ static bool import_tiles(clmha_context *ctx, const char *tiles, char *msg, size_
         snprintf(msg, size, "bad tiles \"%s\"", tiles);
         return false;
     }
-    clmha_device_info info;
+    clmha_device_info info = {.struct_size = sizeof info};
     if (clmha_device_select(getenv("CLMHA_DEVICE"), &info, msg, size) != CLMHA_SUCCESS)
         return false;
     char json[2048];
@@ -305,14 +305,15 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     const size_t s = c->self_attn ? c->l : c->s;
     const size_t kdim = c->kdim ? c->kdim : e, vdim = c->vdim ? c->vdim : e;
     const size_t sp = s + c->bias_kv + c->zero_attn;
-    clmha_layer_desc desc = {.embed_dim = e, .num_heads = c->h, .kdim = c->kdim,
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = e, .num_heads = c->h, .kdim = c->kdim,
                              .vdim = c->vdim, .bias = !c->nobias, .add_bias_kv = c->bias_kv,
                              .add_zero_attn = c->zero_attn, .batch_first = c->batch_first,
                              .dropout = c->dropout};
 
     // Parameters.
     const double bound = 1.0 / sqrt((double)e);
-    clmha_reference_params p = {0};
+    clmha_reference_params p = {.struct_size = sizeof p};
     float *w_in = NULL, *wq = NULL, *wk = NULL, *wv = NULL, *b_in = NULL, *bo = NULL;
     float *bk = NULL, *bv = NULL;
     if (kdim == e && vdim == e) {
@@ -334,7 +335,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     }
 
     // Inputs and masks.
-    clmha_forward_args args = {0};
+    clmha_forward_args args = {.struct_size = sizeof args};
     float *query = floats(l * n * e, true, 0), *key = NULL, *value = NULL;
     args.query = input(c, n, query, l, e);
     if (!c->self_attn) {

@@ -178,7 +178,8 @@ static void instance_make(instance *in, const tcase *c) {
     size_t e = c->e, n = c->unbatched ? 1 : c->n, l = c->l, src = c->s;
     in->n = n;
     in->sp = src + c->bias_kv + c->zero_attn;
-    in->desc = (clmha_layer_desc){.embed_dim = e, .num_heads = c->h, .bias = true,
+    in->desc = (clmha_layer_desc){.struct_size = sizeof(clmha_layer_desc),
+                                  .embed_dim = e, .num_heads = c->h, .bias = true,
                                   .add_bias_kv = c->bias_kv, .add_zero_attn = c->zero_attn,
                                   .batch_first = c->batch_first, .dropout = c->dropout};
     double bound = 1.0 / sqrt((double)e);
@@ -186,7 +187,8 @@ static void instance_make(instance *in, const tcase *c) {
     in->b_in = uniform_floats(s, 3 * e, bound);
     in->w_out = uniform_floats(s, e * e, bound);
     in->b_out = uniform_floats(s, e, bound);
-    in->params = (clmha_reference_params){.in_proj_weight = in->w_in, .in_proj_bias = in->b_in,
+    in->params = (clmha_reference_params){.struct_size = sizeof(clmha_reference_params),
+                                          .in_proj_weight = in->w_in, .in_proj_bias = in->b_in,
                                           .out_proj_weight = in->w_out,
                                           .out_proj_bias = in->b_out};
     if (c->bias_kv) {
@@ -199,6 +201,7 @@ static void instance_make(instance *in, const tcase *c) {
     in->k = normal_floats(s, src * n * e);
     in->v = normal_floats(s, src * n * e);
     clmha_forward_args *a = &in->args;
+    a->struct_size = sizeof *a;
     a->query = input(in, in->q, l);
     a->key = input(in, in->k, src);
     a->value = input(in, in->v, src);
@@ -387,7 +390,7 @@ Test(chunking, many_rows_chunks_of_a_head, .fini = clear_hook, .timeout = 600) {
 // row that does not fit is refused.
 Test(chunking, planner_keeps_batch_items_whole, .fini = clear_hook, .timeout = 600) {
     clmha_context *ctx = context_or_skip();
-    clmha_layer_desc desc = {.embed_dim = 6, .num_heads = 3};
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = 6, .num_heads = 3};
     clmha_layer *layer = NULL;
     cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
     clmha__dims d = {.n = 4, .l = 10, .s = 20, .s_padded = 20, .e = 6, .h = 3, .d = 2};

@@ -101,7 +101,8 @@ static void *job_run(void *arg) {
             FAIL(j, st, "context: %s", clmha_last_create_error());
         ctx = own;
     }
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
     if ((st = clmha_layer_create(&layer, ctx, &desc)))
         FAIL(j, st, "layer_create: %s", clmha_context_last_error(ctx));
     if ((st = clmha_layer_set_parameter(layer, "in_proj_weight", j->w_in, 3 * E * E)) ||
@@ -110,7 +111,7 @@ static void *job_run(void *arg) {
         (st = clmha_layer_set_parameter(layer, "out_proj.bias", j->b_out, E)))
         FAIL(j, st, "set_parameter: %s", clmha_context_last_error(ctx));
     for (int it = 0; it < ITERS; ++it) {
-        clmha_forward_args args = {
+        clmha_forward_args args = {.struct_size = sizeof args,
             .query = {.ndim = 3, .shape = {L, N, E}, .data = j->q[it]},
             .key = {.ndim = 3, .shape = {S, N, E}, .data = j->k[it]},
             .value = {.ndim = 3, .shape = {S, N, E}, .data = j->v[it]},
@@ -231,7 +232,8 @@ Test(concurrency, error_messages_from_two_threads_on_one_context, .timeout = 120
     clmha_status st = clmha_context_create_from_env(&ctx);
     if (st == CLMHA_DEVICE_NOT_FOUND) cr_skip_test("no OpenCL device");
     cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_last_create_error());
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
     failer f[2] = {{.name = "no_such_parameter"}, {.name = "another_unknown_name_that_is_longer"}};
     static char messages[2][1024];
     float x = 0.0f;
@@ -287,7 +289,8 @@ Test(concurrency, error_messages_are_the_calling_threads, .timeout = 600) {
     clmha_status st = clmha_context_create_from_env(&ctx);
     if (st == CLMHA_DEVICE_NOT_FOUND) cr_skip_test("no OpenCL device");
     cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_last_create_error());
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = E, .num_heads = H,
+                             .bias = true};
     clmha_layer *layer = NULL;
     cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));

@@ -9,12 +9,15 @@
 #include <string.h>
 
 static clmha_device_info *list_all(size_t *count) {
-    cr_assert_eq(clmha_devices_list(NULL, 0, count), CLMHA_SUCCESS);
+    cr_assert_eq(clmha_device_count(count), CLMHA_SUCCESS);
     if (*count == 0) return NULL;
     clmha_device_info *all = calloc(*count, sizeof *all);
-    size_t again = 0;
-    cr_assert_eq(clmha_devices_list(all, *count, &again), CLMHA_SUCCESS);
-    cr_assert_eq(again, *count);
+    cr_assert_not_null(all);
+    for (size_t i = 0; i < *count; ++i) {
+        all[i].struct_size = sizeof all[i];
+        cr_assert_eq(clmha_device_describe(i, &all[i]), CLMHA_SUCCESS, "%s",
+                     clmha_last_create_error());
+    }
     return all;
 }
 
@@ -23,7 +26,7 @@ Test(device, every_listed_device_is_selected_by_its_spec) {
     clmha_device_info *all = list_all(&count);
     if (!count) cr_skip_test("no OpenCL device");
     for (size_t i = 0; i < count; ++i) {
-        clmha_device_info got;
+        clmha_device_info got = {.struct_size = sizeof got};
         char msg[256];
         cr_assert_eq(clmha_device_select(all[i].spec, &got, msg, sizeof msg), CLMHA_SUCCESS,
                      "%s", msg);
@@ -43,7 +46,7 @@ Test(device, default_is_first_gpu_else_first_device) {
     cl_device_id want = all[0].device;
     for (size_t i = count; i-- > 0;)
         if (all[i].type & CL_DEVICE_TYPE_GPU) want = all[i].device;
-    clmha_device_info got;
+    clmha_device_info got = {.struct_size = sizeof got};
     cr_assert_eq(clmha_device_select(NULL, &got, NULL, 0), CLMHA_SUCCESS);
     cr_assert_eq(got.device, want);
     cr_assert_eq(clmha_device_select("", &got, NULL, 0), CLMHA_SUCCESS);
@@ -71,7 +74,7 @@ Test(device, type_names_and_name_substrings) {
         long first = -1;
         for (size_t i = 0; i < count && first < 0; ++i)
             if (all[i].type & bits[t]) first = (long)i;
-        clmha_device_info got;
+        clmha_device_info got = {.struct_size = sizeof got};
         char msg[512];
         clmha_status st = clmha_device_select(types[t], &got, msg, sizeof msg);
         if (first < 0) {
@@ -91,7 +94,7 @@ Test(device, type_names_and_name_substrings) {
         if (contains_nocase(all[i].platform_name, part) || contains_nocase(all[i].device_name, part))
             want = (long)i;
     cr_assert_geq(want, 0);
-    clmha_device_info got;
+    clmha_device_info got = {.struct_size = sizeof got};
     cr_assert_eq(clmha_device_select(part, &got, NULL, 0), CLMHA_SUCCESS, "%s", part);
     cr_assert_eq(got.device, all[want].device, "\"%s\" picked %s", part, got.device_name);
     free(all);
@@ -150,6 +153,7 @@ Test(device, malformed_index_specs_are_refused) {
     for (size_t i = 0; i < sizeof bad / sizeof *bad; ++i) {
         clmha_device_info got;
         memset(&got, 0x5a, sizeof got);
+        got.struct_size = sizeof got;
         char msg[512] = "";
         clmha_status st = clmha_device_select(bad[i].spec, &got, msg, sizeof msg);
         cr_expect_eq(st, CLMHA_INVALID_ARGUMENT, "\"%s\": status %d (%s)", bad[i].spec, (int)st,
@@ -160,7 +164,8 @@ Test(device, malformed_index_specs_are_refused) {
                   bad[i].spec, msg);
         cr_expect(strstr(msg, bad[i].why) != NULL, "\"%s\": message \"%s\" lacks \"%s\"",
                   bad[i].spec, msg, bad[i].why);
-        cr_expect_eq(((unsigned char *)&got)[0], 0x5a, "\"%s\": out written", bad[i].spec);
+        cr_expect_eq(((unsigned char *)&got)[sizeof got.struct_size], 0x5a, "\"%s\": out written",
+                     bad[i].spec);
         // The same through a context.
         clmha_context *ctx = (clmha_context *)&got;
         cr_expect_eq(clmha_context_create(&ctx, bad[i].spec), CLMHA_INVALID_ARGUMENT, "\"%s\"",
@@ -179,7 +184,7 @@ Test(device, index_specs_in_range) {
     if (!count) cr_skip_test("no OpenCL device");
     char spec[64];
     snprintf(spec, sizeof spec, "00%u:0%u", all[0].platform_index, all[0].device_index);
-    clmha_device_info got;
+    clmha_device_info got = {.struct_size = sizeof got};
     char msg[512];
     cr_expect_eq(clmha_device_select(spec, &got, msg, sizeof msg), CLMHA_SUCCESS, "%s", msg);
     cr_expect_eq(got.device, all[0].device);

@@ -224,7 +224,8 @@ static void run_mapping(const char *cls, bool want_coalesced) {
         prng r = {0xC1A55ull + ci};
         size_t e = c->e, n = c->unbatched ? 1 : c->n, l = c->l, s = c->self_attn ? l : c->s;
         size_t sp = s + c->bias_kv + c->zero_attn;
-        clmha_layer_desc desc = {.embed_dim = e, .num_heads = c->h, .bias = true,
+        clmha_layer_desc desc = {.struct_size = sizeof desc,
+                                 .embed_dim = e, .num_heads = c->h, .bias = true,
                                  .add_bias_kv = c->bias_kv, .add_zero_attn = c->zero_attn,
                                  .batch_first = c->batch_first, .dropout = c->train ? 0.2f : 0};
         double bound = 1.0 / sqrt((double)e);
@@ -234,7 +235,8 @@ static void run_mapping(const char *cls, bool want_coalesced) {
         float *bk = normal_floats(&r, e), *bv = normal_floats(&r, e);
         float *q = normal_floats(&r, l * n * e);
         float *kv = c->self_attn ? NULL : normal_floats(&r, s * n * e);
-        clmha_forward_args args = {.query = seq_tensor(c, q, n, l, e), .is_causal = c->causal,
+        clmha_forward_args args = {.struct_size = sizeof args,
+                                   .query = seq_tensor(c, q, n, l, e), .is_causal = c->causal,
                                    .training = c->train, .rng = {0xABCDEF + ci, 3}};
         if (!c->self_attn) args.key = seq_tensor(c, kv, n, s, e);  // value = key
         void *kpm = NULL, *am = NULL;
@@ -253,7 +255,8 @@ static void run_mapping(const char *cls, bool want_coalesced) {
                 c->am_per_head ? (clmha_tensor){.ndim = 3, .shape = {planes, l, s}, .data = am}
                                : (clmha_tensor){.ndim = 2, .shape = {l, s}, .data = am};
         }
-        clmha_reference_params p = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+        clmha_reference_params p = {.struct_size = sizeof p,
+                                    .in_proj_weight = w_in, .in_proj_bias = b_in,
                                     .out_proj_weight = w_out, .out_proj_bias = b_out,
                                     .bias_k = c->bias_kv ? bk : NULL,
                                     .bias_v = c->bias_kv ? bv : NULL};

@@ -53,10 +53,13 @@ typedef enum which_layer {
 } which_layer;
 
 static const clmha_layer_desc layer_descs[L_COUNT] = {
-    [L_DEFAULT] = {.embed_dim = E, .num_heads = H, .bias = true},
-    [L_NO_BIAS] = {.embed_dim = E, .num_heads = H, .bias = false},
-    [L_KDIM] = {.embed_dim = E, .num_heads = H, .kdim = 4, .vdim = 4, .bias = true},
-    [L_KDIM_VDIM] = {.embed_dim = E, .num_heads = H, .kdim = 4, .vdim = 6, .bias = true},
+#define DESC_SIZE .struct_size = sizeof(clmha_layer_desc)
+    [L_DEFAULT] = {DESC_SIZE, .embed_dim = E, .num_heads = H, .bias = true},
+    [L_NO_BIAS] = {DESC_SIZE, .embed_dim = E, .num_heads = H, .bias = false},
+    [L_KDIM] = {DESC_SIZE, .embed_dim = E, .num_heads = H, .kdim = 4, .vdim = 4, .bias = true},
+    [L_KDIM_VDIM] = {DESC_SIZE, .embed_dim = E, .num_heads = H, .kdim = 4, .vdim = 6,
+                     .bias = true},
+#undef DESC_SIZE
 };
 
 // ---- one test's state --------------------------------------------------------------------------
@@ -142,7 +145,7 @@ static clmha_tensor tensor(size_t ndim, size_t a, size_t b, size_t c, const void
 }
 
 static call valid_call(void) {
-    call c = {.output_count = L * N * E};
+    call c = {.args = {.struct_size = sizeof c.args}, .output_count = L * N * E};
     c.args.query = tensor(3, L, N, E, q_data);
     return c;
 }
@@ -233,7 +236,8 @@ static void run_reference(env *e, const clmha_layer_desc *desc, const call *c, o
     static double out[CAP], weights[CAP];
     for (size_t i = 0; i < CAP; ++i) out[i] = weights[i] = SENTINEL;
     // Every parameter given: only the descriptor and the arguments can be wrong.
-    clmha_reference_params p = {zeros, zeros, zeros, zeros, zeros, zeros, zeros, zeros, zeros};
+    clmha_reference_params p = {.struct_size = sizeof p, zeros, zeros, zeros, zeros, zeros,
+                                zeros, zeros, zeros, zeros};
     snprintf(o->msg, sizeof o->msg, "%s", MARKER);
     o->status = clmha_reference_forward(desc, &p, c->null_args ? NULL : &c->args,
                                         c->null_output ? NULL : out, c->output_count,
@@ -545,15 +549,14 @@ static bool select_null_out(env *e, outcome *o) {
     o->status = clmha_device_select(NULL, NULL, o->msg, sizeof o->msg);
     return true;
 }
-static bool list_null_count(env *e, outcome *o) {
+static bool count_null_count(env *e, outcome *o) {
     (void)e;
-    o->status = clmha_devices_list(NULL, 0, NULL);
+    o->status = clmha_device_count(NULL);
     return true;
 }
-static bool list_null_infos(env *e, outcome *o) {
+static bool describe_null_info(env *e, outcome *o) {
     (void)e;
-    size_t count = 0;
-    o->status = clmha_devices_list(NULL, 4, &count);
+    o->status = clmha_device_describe(0, NULL);
     return true;
 }
 
@@ -620,7 +623,7 @@ static bool output_counts_query_1d(env *e, outcome *o) {
 }
 static bool get_desc_null(env *e, outcome *o) {
     (void)e;
-    clmha_layer_desc d;
+    clmha_layer_desc d = {.struct_size = sizeof d};
     o->status = clmha_layer_get_desc(NULL, &d);
     return true;
 }
@@ -687,8 +690,8 @@ static const row rows[] = {
     {"context_create_from_cl: out-of-order queue", MISC, INV, "out-of-order",
      .misc = from_cl_out_of_order},
     {"device_select: NULL out", MISC_NO_DEVICE, INV, "out", .misc = select_null_out},
-    {"devices_list: NULL count", MISC_NO_DEVICE, INV, NULL, .misc = list_null_count},
-    {"devices_list: capacity 4, NULL infos", MISC_NO_DEVICE, INV, NULL, .misc = list_null_infos},
+    {"device_count: NULL count", MISC_NO_DEVICE, INV, NULL, .misc = count_null_count},
+    {"device_describe: NULL info", MISC_NO_DEVICE, INV, NULL, .misc = describe_null_info},
 
     // Layer creation (and the same descriptors given to the CPU reference).
     {"layer_create: NULL out", MISC, INV, "out", .misc = layer_null_out},

@@ -50,8 +50,10 @@ static clmha_layer *small_layer(clmha_context *ctx, small *m, bool bias) {
     for (size_t i = 0; i < 3 * E; ++i) m->b_in[i] = bias ? 0.1f * frand(&s) : 0.0f;
     for (size_t i = 0; i < E * E; ++i) m->w_out[i] = 0.5f * frand(&s);
     for (size_t i = 0; i < E; ++i) m->b_out[i] = bias ? 0.1f * frand(&s) : 0.0f;
-    m->desc = (clmha_layer_desc){.embed_dim = E, .num_heads = H, .bias = bias};
-    m->ref = (clmha_reference_params){.in_proj_weight = m->w_in,
+    m->desc = (clmha_layer_desc){.struct_size = sizeof(clmha_layer_desc),
+                                 .embed_dim = E, .num_heads = H, .bias = bias};
+    m->ref = (clmha_reference_params){.struct_size = sizeof(clmha_reference_params),
+                                      .in_proj_weight = m->w_in,
                                       .in_proj_bias = bias ? m->b_in : NULL,
                                       .out_proj_weight = m->w_out,
                                       .out_proj_bias = bias ? m->b_out : NULL};
@@ -80,7 +82,8 @@ static void make_inputs(inputs *in, uint64_t seed) {
 }
 
 static clmha_forward_args cross_args(const inputs *in, bool with_attn) {
-    clmha_forward_args a = {.query = {.ndim = 3, .shape = {L, N, E}, .data = in->q},
+    clmha_forward_args a = {.struct_size = sizeof a,
+                            .query = {.ndim = 3, .shape = {L, N, E}, .data = in->q},
                             .key = {.ndim = 3, .shape = {S, N, E}, .data = in->k},
                             .need_weights = true};
     if (with_attn)
@@ -167,7 +170,7 @@ typedef struct wrapped {
 } wrapped;
 
 static void wrapped_open(wrapped *w) {
-    clmha_device_info info;
+    clmha_device_info info = {.struct_size = sizeof info};
     char msg[512];
     if (clmha_device_select(getenv("CLMHA_DEVICE"), &info, msg, sizeof msg) != CLMHA_SUCCESS)
         cr_skip_test("no OpenCL device: %s", msg);
@@ -265,7 +268,8 @@ Test(faults, forward_scratch_beyond_max_alloc_is_out_of_memory, .fini = clear_ma
     cr_assert(x && y);
     for (size_t i = 0; i < LEN * E; ++i) y[i] = 7.0f;
     // Host path, self-attention (L = S = LEN, N = 1).
-    clmha_forward_args args = {.query = {.ndim = 3, .shape = {LEN, 1, E}, .data = x},
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {LEN, 1, E}, .data = x},
                                .impl = CLMHA_IMPL_UNFUSED};
     clmha_status st = clmha_layer_forward_host(layer, &args, y, LEN * E, NULL, 0);
     const char *msg = clmha_context_last_error(w.ctx);
@@ -319,7 +323,8 @@ Test(faults, parameters_beyond_max_alloc_are_out_of_memory, .timeout = 600) {
     cl_ulong limit = max_alloc(w.ctx);
     // in_proj_weight is (3E, E) floats.
     size_t e = (size_t)ceil(sqrt((double)limit / 12.0)) + 1;
-    clmha_layer_desc desc = {.embed_dim = e, .num_heads = 1, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = e, .num_heads = 1, .bias = true};
     clmha_layer *layer = (clmha_layer *)0x1;
     clmha_status st = clmha_layer_create(&layer, w.ctx, &desc);
     const char *msg = clmha_context_last_error(w.ctx);
@@ -339,7 +344,8 @@ Test(faults, build_failure_carries_the_build_log, .fini = clear_hook, .timeout =
     // A new context: its program cache is empty, so layer creation must build cl/heads.cl.
     clmha_context *ctx = context_or_skip();
     clmha__test_set_extra_build_options("-DCLMHA_FORCE_BUILD_ERROR");
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
     clmha_layer *layer = (clmha_layer *)0x1;
     clmha_status st = clmha_layer_create(&layer, ctx, &desc);
     const char *msg = clmha_context_last_error(ctx);
@@ -443,8 +449,8 @@ __attribute__((constructor)) static void no_platform_child(void) {
     clmha_context *ctx = (clmha_context *)0x1;
     clmha_status st = clmha_context_create(&ctx, NULL);
     size_t count = 99;
-    clmha_status list = clmha_devices_list(NULL, 0, &count);
-    printf("status %d (%s)\nmessage: %s\nctx %p\ndevices_list %d count %zu\n", (int)st,
+    clmha_status list = clmha_device_count(&count);
+    printf("status %d (%s)\nmessage: %s\nctx %p\ndevice_count %d count %zu\n", (int)st,
            clmha_status_string(st), clmha_last_create_error(), (void *)ctx, (int)list, count);
     fflush(stdout);
     clmha_context_release(ctx == (clmha_context *)0x1 ? NULL : ctx);
@@ -585,7 +591,8 @@ Test(faults, nan_does_not_survive_into_later_calls, .timeout = 600) {
     float nan = NAN;
     clEnqueueFillBuffer(queue, out, &nan, sizeof nan, 0, sizeof r.y, 0, NULL, NULL);
     clEnqueueFillBuffer(queue, w, &nan, sizeof nan, 0, sizeof r.w, 0, NULL, NULL);
-    clmha_forward_args dev = {.query = {.ndim = 3, .shape = {L, N, E}, .buffer = q},
+    clmha_forward_args dev = {.struct_size = sizeof dev,
+                              .query = {.ndim = 3, .shape = {L, N, E}, .buffer = q},
                               .key = {.ndim = 3, .shape = {S, N, E}, .buffer = k},
                               .need_weights = true};
     cr_assert_eq(clmha_layer_forward(layer, &dev, out, 0, w, 0, 0, NULL, NULL), CLMHA_SUCCESS,

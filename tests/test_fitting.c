@@ -49,7 +49,8 @@ static fixture fx;
 // key padding mask and is_causal, and its reference output. The hooks must be set before.
 static void setup_case(void) {
     fx.ctx = context_or_skip();
-    fx.desc = (clmha_layer_desc){.embed_dim = E, .num_heads = H, .bias = true};
+    fx.desc = (clmha_layer_desc){.struct_size = sizeof(clmha_layer_desc),
+                                 .embed_dim = E, .num_heads = H, .bias = true};
     clmha_status st = clmha_layer_create(&fx.layer, fx.ctx, &fx.desc);
     cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(fx.ctx));
     prng r = {2024};
@@ -69,9 +70,10 @@ static void setup_case(void) {
     cr_assert_eq(clmha_layer_set_parameter(fx.layer, "in_proj_bias", fx.b_in, 3 * E), 0);
     cr_assert_eq(clmha_layer_set_parameter(fx.layer, "out_proj.weight", fx.w_out, E * E), 0);
     cr_assert_eq(clmha_layer_set_parameter(fx.layer, "out_proj.bias", fx.b_out, E), 0);
-    fx.params = (clmha_reference_params){.in_proj_weight = fx.w_in, .in_proj_bias = fx.b_in,
+    fx.params = (clmha_reference_params){.struct_size = sizeof(clmha_reference_params),
+                                         .in_proj_weight = fx.w_in, .in_proj_bias = fx.b_in,
                                          .out_proj_weight = fx.w_out, .out_proj_bias = fx.b_out};
-    fx.args = (clmha_forward_args){
+    fx.args = (clmha_forward_args){.struct_size = sizeof(clmha_forward_args),
         .query = {.ndim = 3, .shape = {L, N, E}, .data = fx.x},
         .key = {.ndim = 3, .shape = {S, N, E}, .data = fx.kv},
         .key_padding_mask = {.kind = CLMHA_MASK_BOOL_IGNORE,
@@ -205,7 +207,7 @@ Test(fitting, clover_gets_a_fused_kernel_without_vectors) {
 }
 
 Test(fitting, device_notes_name_the_known_driver_bugs) {
-    clmha_device_info info = {0};
+    clmha_device_info info = {.struct_size = sizeof info};
     snprintf(info.platform_name, sizeof info.platform_name, "rusticl");
     snprintf(info.device_name, sizeof info.device_name, "llvmpipe (LLVM 15.0.6, 256 bits)");
     cr_assert_not_null(strstr(clmha_device_note(&info), "65535"));

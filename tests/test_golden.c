@@ -133,6 +133,7 @@ ParameterizedTest(struct golden_param *param, golden, cases, .timeout = 120) {
     // Layer and call, exactly as the file describes them.
     clmha_layer_desc desc;
     memset(&desc, 0, sizeof desc);
+    desc.struct_size = sizeof desc;
     desc.embed_dim = gc.embed_dim;
     desc.num_heads = gc.num_heads;
     desc.kdim = gc.kdim;
@@ -145,6 +146,7 @@ ParameterizedTest(struct golden_param *param, golden, cases, .timeout = 120) {
 
     clmha_forward_args args;
     memset(&args, 0, sizeof args);
+    args.struct_size = sizeof args;
     args.query = host_tensor(golden_find(&gc, "query"));
     args.key = host_tensor(golden_find(&gc, "key"));      // absent: same as query
     args.value = host_tensor(golden_find(&gc, "value"));  // absent: same as key
@@ -168,6 +170,7 @@ ParameterizedTest(struct golden_param *param, golden, cases, .timeout = 120) {
     // (a) the double-precision CPU reference against PyTorch.
     clmha_reference_params rp;
     memset(&rp, 0, sizeof rp);
+    rp.struct_size = sizeof rp;
     rp.in_proj_weight = param_data(&gc, "in_proj_weight");
     rp.q_proj_weight = param_data(&gc, "q_proj_weight");
     rp.k_proj_weight = param_data(&gc, "k_proj_weight");

@@ -22,7 +22,7 @@ typedef struct app {
 
 // The application's own OpenCL objects, on the device CLMHA_DEVICE names.
 static bool app_open(app *a) {
-    clmha_device_info info;
+    clmha_device_info info = {.struct_size = sizeof info};
     char msg[512];
     if (clmha_device_select(getenv("CLMHA_DEVICE"), &info, msg, sizeof msg) != CLMHA_SUCCESS)
         return false;
@@ -52,7 +52,8 @@ static void make_params(void) {
 }
 
 static clmha_layer *make_layer(clmha_context *ctx) {
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
     clmha_layer *layer = NULL;
     cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
@@ -66,10 +67,13 @@ static clmha_layer *make_layer(clmha_context *ctx) {
 
 // The reference result for the layer above on x.
 static void reference(double *y, double *w) {
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
-    clmha_reference_params p = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
+    clmha_reference_params p = {.struct_size = sizeof p,
+                                .in_proj_weight = w_in, .in_proj_bias = b_in,
                                 .out_proj_weight = w_out, .out_proj_bias = b_out};
-    clmha_forward_args args = {.query = {.ndim = 3, .shape = {L, N, E}, .data = x},
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {L, N, E}, .data = x},
                                .need_weights = true};
     char msg[256];
     cr_assert_eq(clmha_reference_forward(&desc, &p, &args, y, L * N * E, w, N * L * S, msg,
@@ -132,7 +136,8 @@ Test(interop, caller_objects_wait_list_event_and_refcounts) {
                  CL_SUCCESS);
     clFlush(side);
 
-    clmha_forward_args args = {.query = {.ndim = 3, .shape = {L, N, E}, .buffer = q},
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {L, N, E}, .buffer = q},
                                .need_weights = true};
     cl_event done = (cl_event)0x1;
     cr_assert_eq(clmha_layer_forward(layer, &args, out, 0, w, 0, 1, &written, &done),
@@ -237,7 +242,8 @@ Test(interop, user_attention_core) {
     clmha_layer *layer = make_layer(ctx);
     core_log log = {0};
     cr_assert_eq(clmha_layer_set_attention(layer, host_core, &log), CLMHA_SUCCESS);
-    clmha_forward_args args = {.query = {.ndim = 3, .shape = {L, N, E}, .data = x},
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {L, N, E}, .data = x},
                                .need_weights = true};
     static float y[L * N * E], w[N * L * S];
     static double y_ref[L * N * E], w_ref[N * L * S];

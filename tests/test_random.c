@@ -122,13 +122,15 @@ static void instance_make(instance *in, const rcase *c) {
     in->vdim = k->vdim ? k->vdim : e;
     in->s_padded = s + k->add_bias_kv + k->add_zero_attn;
 
-    in->desc = (clmha_layer_desc){.embed_dim = e, .num_heads = k->h, .kdim = k->kdim,
+    in->desc = (clmha_layer_desc){.struct_size = sizeof(clmha_layer_desc),
+                                  .embed_dim = e, .num_heads = k->h, .kdim = k->kdim,
                                   .vdim = k->vdim, .bias = k->bias,
                                   .add_bias_kv = k->add_bias_kv,
                                   .add_zero_attn = k->add_zero_attn,
                                   .batch_first = k->batch_first, .dropout = k->dropout};
 
     // Parameters: weights ~ U(-1/sqrt(E), 1/sqrt(E)), bias_k / bias_v ~ N(0, 1).
+    in->params.struct_size = sizeof in->params;
     const double bound = 1.0 / sqrt((double)e);
     if (in->kdim == e && in->vdim == e) {
         in->w_in = uniform_floats(&r, 3 * e * e, bound);
@@ -158,6 +160,7 @@ static void instance_make(instance *in, const rcase *c) {
 
     // Inputs ~ N(0, 1).
     clmha_forward_args *a = &in->args;
+    a->struct_size = sizeof *a;
     in->query = normal_floats(&r, l * n * e);
     a->query = input_tensor(in, in->query, l, e);
     if (!k->self_attn) {

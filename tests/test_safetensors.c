@@ -149,19 +149,23 @@ typedef struct rt_case {
 } rt_case;
 
 static const rt_case rt_cases[] = {
-    {"packed", {.embed_dim = 8, .num_heads = 2, .bias = true}},
-    {"kdim_vdim", {.embed_dim = 12, .num_heads = 3, .kdim = 5, .vdim = 7, .bias = true}},
-    {"kdim_eq_vdim", {.embed_dim = 8, .num_heads = 4, .kdim = 6, .vdim = 6, .bias = true}},
-    {"no_bias", {.embed_dim = 8, .num_heads = 2}},
-    {"add_bias_kv", {.embed_dim = 8, .num_heads = 1, .bias = true, .add_bias_kv = true}},
-    {"add_zero_attn", {.embed_dim = 6, .num_heads = 3, .bias = true, .add_zero_attn = true}},
-    {"batch_first", {.embed_dim = 4, .num_heads = 2, .bias = true, .batch_first = true}},
-    {"dropout_0.1", {.embed_dim = 8, .num_heads = 2, .bias = true, .dropout = 0.1f}},
-    {"dropout_third", {.embed_dim = 8, .num_heads = 2, .dropout = 1.0f / 3.0f}},
-    {"dropout_tiny", {.embed_dim = 4, .num_heads = 1, .dropout = 1e-7f}},
+#define DESC_SIZE .struct_size = sizeof(clmha_layer_desc)
+    {"packed", {DESC_SIZE, .embed_dim = 8, .num_heads = 2, .bias = true}},
+    {"kdim_vdim", {DESC_SIZE, .embed_dim = 12, .num_heads = 3, .kdim = 5, .vdim = 7, .bias = true}},
+    {"kdim_eq_vdim",
+     {DESC_SIZE, .embed_dim = 8, .num_heads = 4, .kdim = 6, .vdim = 6, .bias = true}},
+    {"no_bias", {DESC_SIZE, .embed_dim = 8, .num_heads = 2}},
+    {"add_bias_kv", {DESC_SIZE, .embed_dim = 8, .num_heads = 1, .bias = true, .add_bias_kv = true}},
+    {"add_zero_attn",
+     {DESC_SIZE, .embed_dim = 6, .num_heads = 3, .bias = true, .add_zero_attn = true}},
+    {"batch_first", {DESC_SIZE, .embed_dim = 4, .num_heads = 2, .bias = true, .batch_first = true}},
+    {"dropout_0.1", {DESC_SIZE, .embed_dim = 8, .num_heads = 2, .bias = true, .dropout = 0.1f}},
+    {"dropout_third", {DESC_SIZE, .embed_dim = 8, .num_heads = 2, .dropout = 1.0f / 3.0f}},
+    {"dropout_tiny", {DESC_SIZE, .embed_dim = 4, .num_heads = 1, .dropout = 1e-7f}},
     {"everything",
-     {.embed_dim = 16, .num_heads = 4, .kdim = 3, .vdim = 9, .add_bias_kv = true,
+     {DESC_SIZE, .embed_dim = 16, .num_heads = 4, .kdim = 3, .vdim = 9, .add_bias_kv = true,
       .add_zero_attn = true, .batch_first = true, .dropout = 0.75f}},
+#undef DESC_SIZE
 };
 
 // The file's header length and total size agree with the format.
@@ -197,7 +201,7 @@ Test(safetensors, round_trip) {
         expect_well_formed(path);
         cr_assert_eq(clmha_layer_load(&b, e.ctx, path), CLMHA_SUCCESS, "%s: load: %s", rc->name,
                      clmha_context_last_error(e.ctx));
-        clmha_layer_desc da, db;
+        clmha_layer_desc da = {.struct_size = sizeof da}, db = {.struct_size = sizeof db};
         cr_assert_eq(clmha_layer_get_desc(a, &da), CLMHA_SUCCESS);
         cr_assert_eq(clmha_layer_get_desc(b, &db), CLMHA_SUCCESS);
         expect_same_desc(&da, &db, rc->name);
@@ -215,7 +219,8 @@ Test(safetensors, saved_header) {
     char path[256];
     path_in(&e, "h.safetensors", path, sizeof path);
     clmha_layer *a = NULL;
-    clmha_layer_desc d = {.embed_dim = 4, .num_heads = 2, .kdim = 3, .vdim = 4, .bias = true,
+    clmha_layer_desc d = {.struct_size = sizeof d,
+                          .embed_dim = 4, .num_heads = 2, .kdim = 3, .vdim = 4, .bias = true,
                           .dropout = 0.1f, .batch_first = true};
     cr_assert_eq(clmha_layer_create(&a, e.ctx, &d), CLMHA_SUCCESS);
     cr_assert_eq(clmha_layer_save(a, path), CLMHA_SUCCESS, "%s", clmha_context_last_error(e.ctx));
@@ -250,7 +255,7 @@ Test(safetensors, save_errors) {
     env e;
     env_open(&e);
     clmha_layer *a = NULL;
-    clmha_layer_desc d = {.embed_dim = 4, .num_heads = 2, .bias = true};
+    clmha_layer_desc d = {.struct_size = sizeof d, .embed_dim = 4, .num_heads = 2, .bias = true};
     cr_assert_eq(clmha_layer_create(&a, e.ctx, &d), CLMHA_SUCCESS);
     cr_expect_eq(clmha_layer_save(NULL, "/tmp/x"), CLMHA_INVALID_ARGUMENT);
     cr_expect_eq(clmha_layer_save(a, NULL), CLMHA_INVALID_ARGUMENT);
@@ -382,7 +387,7 @@ Test(safetensors, f64_values) {
              0, data, sizeof data);
     clmha_layer *l = NULL;
     load_ok(&e, path, &l);
-    clmha_layer_desc d;
+    clmha_layer_desc d = {.struct_size = sizeof d};
     clmha_layer_get_desc(l, &d);
     cr_expect_eq(d.num_heads, 4);
     cr_expect(!d.bias && !d.add_bias_kv && !d.batch_first && !d.add_zero_attn);
@@ -422,7 +427,7 @@ Test(safetensors, separate_weights_and_options) {
              21, data, sizeof data);
     clmha_layer *l = NULL;
     load_ok(&e, path, &l);
-    clmha_layer_desc d;
+    clmha_layer_desc d = {.struct_size = sizeof d};
     clmha_layer_get_desc(l, &d);
     cr_expect_eq(d.embed_dim, 4);
     cr_expect_eq(d.kdim, 4);
@@ -467,7 +472,7 @@ Test(safetensors, pytorch_files) {
         clmha_status st = clmha_layer_load(&l, e.ctx, path);
         cr_expect_eq(st, CLMHA_SUCCESS, "%s: %s", files[i].dir, clmha_context_last_error(e.ctx));
         if (st) continue;
-        clmha_layer_desc d;
+        clmha_layer_desc d = {.struct_size = sizeof d};
         clmha_layer_get_desc(l, &d);
         cr_expect_eq(d.embed_dim, files[i].e, "%s", files[i].dir);
         cr_expect_eq(d.num_heads, files[i].h, "%s", files[i].dir);
@@ -995,8 +1000,8 @@ Test(safetensors, dropout_just_below_one) {
     clmha_layer *l = NULL;
     cr_assert_eq(clmha_layer_load(&l, e.ctx, path), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(e.ctx));
-    clmha_layer_desc d;
-    clmha_layer_get_desc(l, &d);
+    clmha_layer_desc d = {.struct_size = sizeof d};
+    cr_assert_eq(clmha_layer_get_desc(l, &d), CLMHA_SUCCESS);
     cr_expect_eq(float_bits(d.dropout), float_bits(0.99999994f), "%.9g", (double)d.dropout);
     clmha_layer_release(l);
     env_close(&e);

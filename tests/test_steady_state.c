@@ -37,7 +37,8 @@ static double now_ms(void) {
 // A layer with random parameters: packed in_proj_weight (kdim = vdim = E), or separate
 // q/k/v_proj_weight with kdim KD and vdim VD.
 static clmha_layer *make_layer(clmha_context *ctx, bool separate) {
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true,
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true,
                              .kdim = separate ? KD : 0, .vdim = separate ? VD : 0};
     clmha_layer *layer = NULL;
     cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS, "%s",
@@ -104,7 +105,8 @@ typedef struct call {
 } call;
 
 static clmha_forward_args args_of(const call *c, const buffers *b, size_t kdim, size_t vdim) {
-    clmha_forward_args a = {.query = {.ndim = 3, .shape = {c->l, c->n, E}, .buffer = b->q},
+    clmha_forward_args a = {.struct_size = sizeof a,
+                            .query = {.ndim = 3, .shape = {c->l, c->n, E}, .buffer = b->q},
                             .need_weights = c->need_weights || c->per_head,
                             .per_head_weights = c->per_head, .is_causal = c->causal};
     if (c->kind >= 1)

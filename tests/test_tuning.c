@@ -14,10 +14,6 @@
 #include <clmha.h>
 
 #include "support.h"
-
-#ifndef CLMHA_TUNE_API  // clmha.h defines it with the tuning API; until then this file builds
-Test(tuning, api_not_in_clmha_h) { cr_skip_test("clmha.h does not declare the tuning API yet"); }
-#else
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -68,6 +64,7 @@ static void sanitise(char *out, size_t size, const char *s) {
 // Sets up a tuning folder and finds the device; skips the test when there is none.
 static void setup(fixture *f) {
     memset(f, 0, sizeof *f);
+    f->info.struct_size = sizeof f->info;
     char msg[1024];
     if (clmha_device_select(getenv("CLMHA_DEVICE"), &f->info, msg, sizeof msg) != CLMHA_SUCCESS)
         cr_skip_test("no OpenCL device: %s", msg);
@@ -341,7 +338,8 @@ static void forward_matches_reference(clmha_context *ctx) {
             s = s * 6364136223846793005ull + 1442695040888963407ull;
             arrays[a][i] = (float)((double)(s >> 40) / 16777216.0 - 0.5) * (a == 4 ? 2.0f : 0.25f);
         }
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
     clmha_layer *layer = NULL;
     cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
@@ -349,11 +347,13 @@ static void forward_matches_reference(clmha_context *ctx) {
     cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * E), 0);
     cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E), 0);
     cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", b_out, E), 0);
-    clmha_forward_args args = {.query = {.ndim = 3, .shape = {L, N, E}, .data = x},
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {L, N, E}, .data = x},
                                .need_weights = true};
     cr_assert_eq(clmha_layer_forward_host(layer, &args, y, L * N * E, w, N * L * L),
                  CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
-    clmha_reference_params params = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+    clmha_reference_params params = {.struct_size = sizeof params,
+                                     .in_proj_weight = w_in, .in_proj_bias = b_in,
                                      .out_proj_weight = w_out, .out_proj_bias = b_out};
     char msg[512];
     cr_assert_eq(clmha_reference_forward(&desc, &params, &args, y_ref, L * N * E, w_ref,
@@ -490,20 +490,22 @@ Test(tuning, corrupt_or_foreign_stored_files_are_ignored, .timeout = 300) {
 Test(tuning, tune_refuses_wrong_arguments, .timeout = 300) {
     fixture f;
     setup(&f);
-    clmha_tune_report rep;
+    clmha_tune_report rep = {.struct_size = sizeof rep};
     cr_expect_eq(clmha_context_tune(NULL, NULL, &rep), CLMHA_INVALID_ARGUMENT);
     clmha_context *ctx = make_context();
-    clmha_tune_options o = {.budget_seconds = -1};
+    clmha_tune_options o = {.struct_size = sizeof o, .budget_seconds = -1};
     cr_expect_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_INVALID_ARGUMENT);
     cr_expect(strstr(clmha_context_last_error(ctx), "budget_seconds") != NULL);
     clmha_tune_shape shapes[5] = {{8, 128, 512, 8}};
-    o = (clmha_tune_options){.shapes = shapes, .num_shapes = 5};
+    o = (clmha_tune_options){.struct_size = sizeof(clmha_tune_options),
+                             .shapes = shapes, .num_shapes = 5};
     cr_expect_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_INVALID_ARGUMENT);
     shapes[0] = (clmha_tune_shape){8, 128, 500, 8};  // E not a multiple of H
     o.num_shapes = 1;
     cr_expect_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_INVALID_ARGUMENT);
     cr_expect(strstr(clmha_context_last_error(ctx), "multiple of H") != NULL);
-    o = (clmha_tune_options){.num_shapes = 1};  // shapes NULL
+    o = (clmha_tune_options){.struct_size = sizeof(clmha_tune_options),
+                             .num_shapes = 1};  // shapes NULL
     cr_expect_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_INVALID_ARGUMENT);
     cr_expect_null(export_text(ctx));
     clmha_context_release(ctx);
@@ -525,9 +527,10 @@ Test(tuning, tune_with_no_time_for_a_candidate, .timeout = 600) {
     setup(&f);
     clmha_context *ctx = make_context();
     clmha_tune_shape shape = {2, 16, 32, 4};
-    clmha_tune_options o = {.budget_seconds = 0.01, .shapes = &shape, .num_shapes = 1,
+    clmha_tune_options o = {.struct_size = sizeof o,
+                            .budget_seconds = 0.01, .shapes = &shape, .num_shapes = 1,
                             .progress = count_progress};
-    clmha_tune_report rep;
+    clmha_tune_report rep = {.struct_size = sizeof rep};
     cr_assert_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
     cr_expect(!rep.improved && !rep.stored);
@@ -563,9 +566,9 @@ Test(tuning, tune_trace_lines_go_to_the_callback, .timeout = 600) {
     setup(&f);
     clmha_context *ctx = make_context();
     clmha_tune_shape shape = {2, 16, 32, 4};
-    clmha_tune_options o = {.budget_seconds = 0.01, .shapes = &shape, .num_shapes = 1,
+    clmha_tune_options o = {.struct_size = sizeof o, .budget_seconds = 0.01, .shapes = &shape, .num_shapes = 1,
                             .progress = count_trace, .trace = true};
-    clmha_tune_report rep;
+    clmha_tune_report rep = {.struct_size = sizeof rep};
     cr_assert_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
     cr_expect_gt(trace_lines, 0);
@@ -575,7 +578,6 @@ Test(tuning, tune_trace_lines_go_to_the_callback, .timeout = 600) {
     teardown(&f);
 }
 
-#endif  // CLMHA_TUNE_API
 
 // ---- fused attention tiles -------------------------------------------------------------------
 
@@ -593,7 +595,8 @@ static double fused_error(clmha_context *ctx) {
         r = r * 6364136223846793005ull + 1442695040888963407ull;
         x[i] = (float)((double)(r >> 40) / (double)(1ull << 24) - 0.5);
     }
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
     clmha_layer *layer = NULL;
     cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
     const float *w_in = w, *w_out = w + 3 * E * E, *b_in = w + 4 * E * E,
@@ -602,11 +605,13 @@ static double fused_error(clmha_context *ctx) {
     cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E), 0);
     cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * E), 0);
     cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", b_out, E), 0);
-    clmha_forward_args a = {.query = {.ndim = 3, .shape = {L, N, E}, .data = x},
+    clmha_forward_args a = {.struct_size = sizeof a,
+                            .query = {.ndim = 3, .shape = {L, N, E}, .data = x},
                             .is_causal = true, .impl = CLMHA_IMPL_FUSED};
     cr_assert_eq(clmha_layer_forward_host(layer, &a, y, COUNT, NULL, 0), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
-    clmha_reference_params rp = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+    clmha_reference_params rp = {.struct_size = sizeof rp,
+                                 .in_proj_weight = w_in, .in_proj_bias = b_in,
                                  .out_proj_weight = w_out, .out_proj_bias = b_out};
     char msg[256];
     cr_assert_eq(clmha_reference_forward(&desc, &rp, &a, ref, COUNT, NULL, 0, msg, sizeof msg),
@@ -653,9 +658,10 @@ Test(tuning, tune_reports_the_fused_stage, .timeout = 900) {
     setup(&f);
     clmha_context *ctx = make_context();
     clmha_tune_shape shape = {.batch = 1, .tgt_len = 64, .embed_dim = 32, .num_heads = 2};
-    clmha_tune_options o = {.budget_seconds = 20, .shapes = &shape, .num_shapes = 1,
+    clmha_tune_options o = {.struct_size = sizeof o,
+                            .budget_seconds = 20, .shapes = &shape, .num_shapes = 1,
                             .no_store = true};
-    clmha_tune_report rep;
+    clmha_tune_report rep = {.struct_size = sizeof rep};
     cr_assert_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
     fprintf(stderr, "tuning: fused stage default %.2f GFLOP/s, tuned %.2f, %zu candidates\n",

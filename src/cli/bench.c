@@ -198,7 +198,7 @@ static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, si
         clmha__cli_report("bench", "%s, E %zu: the tensor sizes overflow", where, e);
         return EXIT_REFUSED;
     }
-    clmha_forward_args args = {.need_weights = cfg->need_weights};
+    clmha_forward_args args = {.struct_size = sizeof args, .need_weights = cfg->need_weights};
     args.query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}};
     if (!self) {
         args.key = (clmha_tensor){.ndim = 3, .shape = {s, n, kd}};
@@ -411,7 +411,8 @@ int clmha__cli_bench(int argc, char **argv) {
 
     bench_config cfg = {.layer_path = layer_path, .need_weights = need_weights, .json = json,
                         .impl = impl, .repeat = repeat};
-    cfg.desc = (clmha_layer_desc){.embed_dim = e, .num_heads = h, .kdim = e, .vdim = e,
+    cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
+                                  .embed_dim = e, .num_heads = h, .kdim = e, .vdim = e,
                                   .bias = true, .batch_first = batch_first};
     float *params = NULL;
     double *times = NULL;

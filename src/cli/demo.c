@@ -37,7 +37,8 @@ int clmha__cli_demo(int argc, char **argv) {
                                   usage_demo, &rc))
         return rc;
     enum { E = 64, H = 8, N = 2, L = 48, S = 48, RUNS = 10 };
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = E, .num_heads = H,
+                             .bias = true};
     static float w_in[3 * E * E], b_in[3 * E], w_out[E * E], b_out[E], x[L * N * E], y[L * N * E];
     static float w[N * L * S], w_heads[N * H * L * S];
     static double y_ref[L * N * E], w_ref[N * L * S];
@@ -53,11 +54,13 @@ int clmha__cli_demo(int argc, char **argv) {
         for (size_t j = 0; j < S; ++j) kpm[n * S + j] = n == 1 && j >= 40;
 
     clmha_forward_args args = {
+        .struct_size = sizeof args,
         .query = {.ndim = 3, .shape = {L, N, E}, .data = x},
         .key_padding_mask = {.kind = CLMHA_MASK_BOOL_IGNORE,
                              .tensor = {.ndim = 2, .shape = {N, S}, .data = kpm}},
         .need_weights = true};
-    clmha_reference_params params = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+    clmha_reference_params params = {.struct_size = sizeof params,
+                                     .in_proj_weight = w_in, .in_proj_bias = b_in,
                                      .out_proj_weight = w_out, .out_proj_bias = b_out};
 
     if (heatmap && !clmha__cli_output_path_ok("demo", "--heatmap", heatmap)) return EXIT_REFUSED;

@@ -26,34 +26,26 @@ static const char *type_name(cl_device_type t) {
 int clmha__cli_devices(int argc, char **argv) {
     int rc;
     if (!clmha__cli_parse_options("devices", argc, argv, NULL, 0, usage_devices, &rc)) return rc;
-    clmha_device_info *infos = NULL;
     size_t count = 0;
-    rc = EXIT_REFUSED;
-    if (clmha_devices_list(NULL, 0, &count) != CLMHA_SUCCESS) {
+    if (clmha_device_count(&count) != CLMHA_SUCCESS) {
         clmha__cli_report("devices", "could not list the OpenCL platforms: %s",
                           clmha_last_create_error());
-        goto fail;
+        return EXIT_REFUSED;
     }
     if (count == 0) {
         printf("no OpenCL device found (install a driver, e.g. pocl-opencl-icd)\n");
-        rc = EXIT_OK;
-        goto fail;
+        return EXIT_OK;
     }
-    if (!(infos = calloc(count, sizeof *infos))) {
-        clmha__cli_report("devices", "out of memory");
-        goto fail;
-    }
-    size_t again = 0;
-    if (clmha_devices_list(infos, count, &again) != CLMHA_SUCCESS) {
-        clmha__cli_report("devices", "could not list the OpenCL devices: %s",
-                          clmha_last_create_error());
-        goto fail;
-    }
-    if (again < count) count = again;
     printf("%zu OpenCL device%s; select one with --device SPEC or $CLMHA_DEVICE=SPEC:\n", count,
            count == 1 ? "" : "s");
     for (size_t i = 0; i < count; ++i) {
-        const clmha_device_info *d = &infos[i];
+        clmha_device_info info = {.struct_size = sizeof info};
+        if (clmha_device_describe(i, &info) != CLMHA_SUCCESS) {
+            clmha__cli_report("devices", "could not describe device %zu: %s", i,
+                              clmha_last_create_error());
+            return EXIT_REFUSED;
+        }
+        const clmha_device_info *d = &info;
         printf("[%s] %s / %s\n", d->spec, d->platform_name, d->device_name);
         printf("      type %s, %u compute units, global %llu MiB, local %llu KiB, max alloc %llu "
                "MiB, fp16 %s, fp64 %s, driver %s\n",
@@ -65,8 +57,5 @@ int clmha__cli_devices(int argc, char **argv) {
         const char *note = clmha_device_note(d);
         if (*note) printf("      note: %s\n", note);
     }
-    rc = EXIT_OK;
-fail:
-    free(infos);
-    return rc;
+    return EXIT_OK;
 }

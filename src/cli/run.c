@@ -264,14 +264,14 @@ int clmha__cli_run(int argc, char **argv) {
                           clmha__cli_without_path(clmha_context_last_error(ctx), layer_path));
         goto fail;
     }
-    clmha_layer_desc desc;
+    clmha_layer_desc desc = {.struct_size = sizeof desc};
     if (clmha_layer_get_desc(layer, &desc) != CLMHA_SUCCESS) {
         clmha__cli_report("run", "--layer %s: %s", layer_path, clmha_context_last_error(ctx));
         goto fail;
     }
 
     // The arguments, checked one input at a time so that a refusal names its file.
-    clmha_forward_args args = {.query = tensor_of(&in[IN_QUERY].a)};
+    clmha_forward_args args = {.struct_size = sizeof args, .query = tensor_of(&in[IN_QUERY].a)};
     if (in[IN_KEY].path) args.key = tensor_of(&in[IN_KEY].a);
     if (in[IN_VALUE].path) {
         args.value = tensor_of(&in[IN_VALUE].a);

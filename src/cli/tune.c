@@ -204,14 +204,15 @@ int clmha__cli_tune(int argc, char **argv) {
     fflush(stdout);
 
     bar_state bar = {.tty = isatty(STDERR_FILENO) != 0};
-    clmha_tune_options opts = {.budget_seconds = budget,
+    clmha_tune_options opts = {.struct_size = sizeof opts,
+                               .budget_seconds = budget,
                                .shapes = shapes,
                                .num_shapes = num_shapes,
                                .progress = on_progress,
                                .user_data = &bar,
                                .no_store = no_store,
                                .trace = trace};
-    clmha_tune_report rep;
+    clmha_tune_report rep = {.struct_size = sizeof rep};
     clmha_status st = clmha_context_tune(ctx, &opts, &rep);
     if (bar.open) fputc('\n', stderr);
     if (st != CLMHA_SUCCESS) {

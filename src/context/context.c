@@ -98,7 +98,7 @@ static clmha_context *context_alloc(void) {
 clmha_status clmha_context_create(clmha_context **out, const char *spec) {
     if (!out) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "out is NULL");
     *out = NULL;
-    clmha_device_info info;
+    clmha_device_info info = {.struct_size = sizeof info};
     char msg[CLMHA__ERROR_SIZE];
     clmha_status st = clmha_device_select(spec, &info, msg, sizeof msg);
     if (st) return clmha__fail(NULL, st, "%s", msg);

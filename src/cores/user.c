@@ -17,6 +17,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     clmha_context *ctx = l->ctx;
     cl_event done = NULL;
     clmha_core_args ca = {
+        .struct_size = sizeof ca,
         .queue = ctx->queue, .batch = d->n, .num_heads = l->h, .tgt_len = d->l,
         .src_len = d->s, .src_len_padded = d->s_padded, .head_dim = l->d,
         .scale = (float)(1.0 / sqrt((double)l->d)), .q = l->tiles[CLMHA__TILE_Q],

@@ -2,6 +2,8 @@
 #include "device/device.h"
 
 #include "base/message.h"
+#include "base/struct_in.h"
+#include "errors/errors.h"
 
 #include <ctype.h>
 #include <limits.h>
@@ -24,6 +26,7 @@ void clmha__device_describe(cl_platform_id platform, cl_device_id device,
                             unsigned platform_index, unsigned device_index,
                             clmha_device_info *info) {
     memset(info, 0, sizeof *info);
+    info->struct_size = sizeof *info;
     info->platform_index = platform_index;
     info->device_index = device_index;
     info->platform = platform;
@@ -63,8 +66,10 @@ void clmha__device_describe(cl_platform_id platform, cl_device_id device,
     snprintf(info->spec, sizeof info->spec, "%u:%u", platform_index, device_index);
 }
 
-clmha_status clmha_devices_list(clmha_device_info *infos, size_t capacity, size_t *count) {
-    if (!count || (capacity && !infos)) return CLMHA_INVALID_ARGUMENT;
+// Counts every device of every platform into *count and describes devices first to
+// first + capacity - 1 into @p infos.
+static clmha_status devices_list(clmha_device_info *infos, size_t first, size_t capacity,
+                                 size_t *count) {
     *count = 0;
     cl_platform_id platforms[MAX_PLATFORMS];
     cl_uint np = 0;
@@ -80,11 +85,32 @@ clmha_status clmha_devices_list(clmha_device_info *infos, size_t capacity, size_
             continue;  // a platform without devices
         if (nd > MAX_DEVICES) nd = MAX_DEVICES;
         for (cl_uint d = 0; d < nd; ++d) {
-            if (*count < capacity)
-                clmha__device_describe(platforms[p], devices[d], p, d, &infos[*count]);
+            if (*count >= first && *count - first < capacity)
+                clmha__device_describe(platforms[p], devices[d], p, d, &infos[*count - first]);
             ++*count;
         }
     }
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_device_count(size_t *count) {
+    if (!count) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "count is NULL");
+    clmha_status st = devices_list(NULL, 0, 0, count);
+    return st ? clmha__fail(NULL, st, "clGetPlatformIDs failed") : CLMHA_SUCCESS;
+}
+
+clmha_status clmha_device_describe(size_t index, clmha_device_info *info) {
+    char msg[256];
+    clmha_status st = CLMHA__STRUCT_OUT_CHECK(clmha_device_info, info, "info", msg, sizeof msg);
+    if (st) return clmha__fail(NULL, st, "%s", msg);
+    clmha_device_info found;  // this library's layout; the caller gets struct_size bytes of it
+    size_t count = 0;
+    if ((st = devices_list(&found, index, 1, &count)))
+        return clmha__fail(NULL, st, "clGetPlatformIDs failed");
+    if (index >= count)
+        return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT,
+                           "index %zu: there are %zu devices (clmha_device_count())", index, count);
+    clmha__struct_out(info, &found, sizeof found);
     return CLMHA_SUCCESS;
 }
 
@@ -147,7 +173,9 @@ static bool parse_index(const char *s, const char *end, const char *what, unsign
 
 clmha_status clmha_device_select(const char *spec, clmha_device_info *out, char *message,
                                  size_t message_size) {
-    if (!out) return clmha__msg(message, message_size, CLMHA_INVALID_ARGUMENT, "out is NULL");
+    clmha_status st = CLMHA__STRUCT_OUT_CHECK(clmha_device_info, out, "out", message,
+                                              message_size);
+    if (st) return st;
     // An index pair is checked before any device is looked at: a malformed one is an error
     // of the caller's, whatever the devices.
     bool by_index = spec && looks_like_index_pair(spec);
@@ -164,14 +192,14 @@ clmha_status clmha_device_select(const char *spec, clmha_device_info *out, char 
                               spec, why);
     }
     size_t count = 0;
-    clmha_status st = clmha_devices_list(NULL, 0, &count);
+    st = devices_list(NULL, 0, 0, &count);
     if (st) return clmha__msg(message, message_size, st, "clGetPlatformIDs failed");
     if (count == 0) return clmha__msg(message, message_size, CLMHA_DEVICE_NOT_FOUND, "%s",
                                       no_device_hint);
     clmha_device_info *all = calloc(count, sizeof *all);
     if (!all) return clmha__msg(message, message_size, CLMHA_OUT_OF_MEMORY, "out of memory");
     size_t got = 0;
-    clmha_devices_list(all, count, &got);
+    devices_list(all, 0, count, &got);
     if (got < count) count = got;
 
     long pick = -1;
@@ -206,7 +234,7 @@ clmha_status clmha_device_select(const char *spec, clmha_device_info *out, char 
         free(all);
         return CLMHA_DEVICE_NOT_FOUND;
     }
-    *out = all[pick];
+    clmha__struct_out(out, &all[pick], sizeof all[pick]);  // no byte past out->struct_size
     free(all);
     return CLMHA_SUCCESS;
 }
@@ -221,8 +249,9 @@ clmha__quirks clmha__device_quirks(const clmha_device_info *info) {
 }
 
 const char *clmha_device_note(const clmha_device_info *info) {
-    if (!info) return "";
-    clmha__quirks q = clmha__device_quirks(info);
+    clmha_device_info in;  // the caller's info in this library's layout (docs/abi.md)
+    if (CLMHA__STRUCT_IN(clmha_device_info, &in, info, "info", NULL, 0)) return "";
+    clmha__quirks q = clmha__device_quirks(&in);
     if (q.loop_limit && q.no_vload)
         return "driver bugs: loops end after 65535 iterations (fused core only on short key "
                "ranges, else unfused), vloadN aborts (fused core without vectors)";

@@ -1,5 +1,5 @@
-// Devices: enumeration, selection by spec string (clmha_devices_list, clmha_device_select),
-// their description and the driver bugs clmha works around.
+// Devices: enumeration and selection by spec string (clmha_device_count, clmha_device_describe,
+// clmha_device_select), their description and the driver bugs clmha works around.
 #ifndef CLMHA_DEVICE_DEVICE_H
 #define CLMHA_DEVICE_DEVICE_H
 

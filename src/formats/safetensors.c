@@ -945,7 +945,8 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
                               name, QUOTE_MAX, dp, (double)nextafterf(1.0f, 0.0f));
     }
 
-    clmha_layer_desc d = {.embed_dim = e,
+    clmha_layer_desc d = {.struct_size = sizeof d,
+                          .embed_dim = e,
                           .num_heads = heads,
                           .kdim = kdim,
                           .vdim = vdim,
@@ -1181,7 +1182,7 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
     clmha_status st = CLMHA_SUCCESS;
     float *data = NULL;
 
-    clmha_layer_desc d;
+    clmha_layer_desc d = {.struct_size = sizeof d};
     clmha_layer_get_desc(layer, &d);
     size_t e = d.embed_dim;
     save_entry list[8];

@@ -18,6 +18,7 @@ clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, 
     size_t e = layer->e, kd = layer->desc.kdim, vd = layer->desc.vdim;
     bool self = tgt_len == src_len && kd == e && vd == e;
     clmha_forward_args args = {
+        .struct_size = sizeof args,
         .query = {.ndim = 3, .shape = {tgt_len, batch, e}},
         .need_weights = need_weights};
     if (!self) {

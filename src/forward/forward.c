@@ -7,6 +7,7 @@
 // unfused one does them as written, the fused one (cl/cores/fused.cl) in one kernel when the
 // call does not need weights (clmha_impl), or the caller's own (clmha_layer_set_attention()).
 // Everything is enqueued on the context's in-order queue; nothing here waits on the host.
+#include "base/struct_in.h"
 #include "cores/core.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
@@ -262,12 +263,26 @@ static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
 
 // ---- public entry points ------------------------------------------------------------------------
 
+// Reads the caller's args into @p in, this library's layout (base/struct_in.h, docs/abi.md), and
+// points *args at it.
+static clmha_status args_in(clmha_context *ctx, clmha_forward_args *in,
+                            const clmha_forward_args **args) {
+    char msg[512];
+    clmha_status st = CLMHA__STRUCT_IN(clmha_forward_args, in, *args, "args", msg, sizeof msg);
+    if (st) return clmha__fail(ctx, st, "%s", msg);
+    *args = in;
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha_layer_output_counts(clmha_layer *layer, const clmha_forward_args *args,
                                        size_t *output_count, size_t *weights_count) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    clmha_forward_args in;
+    clmha_status st = args_in(layer->ctx, &in, &args);
+    if (st) return st;
     clmha__dims d;
     char msg[1024];
-    clmha_status st = clmha__dims_resolve(&layer->desc, args, &d, msg, sizeof msg);
+    st = clmha__dims_resolve(&layer->desc, args, &d, msg, sizeof msg);
     if (st) return clmha__fail(layer->ctx, st, "%s", msg);
     if (output_count) *output_count = d.output_count;
     if (weights_count) *weights_count = d.weights_count;
@@ -281,12 +296,15 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
     if (event) *event = NULL;
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
+    clmha_forward_args in;
+    clmha_status st = args_in(ctx, &in, &args);
+    if (st) return st;
     if ((num_wait > 0) != (wait_list != NULL))
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "num_wait (%u) and wait_list (%p) disagree", (unsigned)num_wait,
                            (const void *)wait_list);
     clmha__dims d;
-    clmha_status st = validate(layer, args, true, &d);
+    st = validate(layer, args, true, &d);
     if (st) return st;
     if ((st = check_buffer(ctx, "output", output, output_offset, d.output_count, 4))) return st;
     cl_mem_flags out_flags = 0;
@@ -355,8 +373,11 @@ clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_ar
                                       size_t weights_count) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
+    clmha_forward_args in;
+    clmha_status st = args_in(ctx, &in, &args);
+    if (st) return st;
     clmha__dims d;
-    clmha_status st = validate(layer, args, false, &d);
+    st = validate(layer, args, false, &d);
     if (st) return st;
     if (!output) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "output is NULL");
     if (output_count != d.output_count)

@@ -1,6 +1,7 @@
 // Layers: configuration, parameters by PyTorch name, kernels, scratch space and profiling marks.
 #include "layer/layer.h"
 
+#include "base/struct_in.h"
 #include "device/held.h"
 
 #include <stdint.h>
@@ -155,8 +156,9 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
     *out = NULL;
     if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
     char msg[512];
-    clmha_layer_desc d;
-    clmha_status st = clmha__desc_check(desc, &d, msg, sizeof msg);
+    clmha_layer_desc d, in;  // in: the caller's desc in this library's layout (docs/abi.md)
+    clmha_status st = CLMHA__STRUCT_IN(clmha_layer_desc, &in, desc, "desc", msg, sizeof msg);
+    if (!st) st = clmha__desc_check(&in, &d, msg, sizeof msg);
     if (st) return clmha__fail(ctx, st, "%s", msg);
 
     clmha_layer *l = calloc(1, sizeof *l);
@@ -268,7 +270,10 @@ void clmha_layer_release(clmha_layer *layer) {
 
 clmha_status clmha_layer_get_desc(const clmha_layer *layer, clmha_layer_desc *desc) {
     if (!layer || !desc) return CLMHA_INVALID_ARGUMENT;
-    *desc = layer->desc;
+    char msg[256];
+    clmha_status st = CLMHA__STRUCT_OUT_CHECK(clmha_layer_desc, desc, "desc", msg, sizeof msg);
+    if (st) return clmha__fail(layer->ctx, st, "%s", msg);
+    clmha__struct_out(desc, &layer->desc, sizeof layer->desc);
     return CLMHA_SUCCESS;
 }
 

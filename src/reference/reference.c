@@ -13,6 +13,8 @@
 #include "base/philox.h"
 #include "layer/shape.h"
 
+#include "base/struct_in.h"
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -158,9 +160,23 @@ clmha_status clmha_reference_forward(const clmha_layer_desc *desc_in,
     double *ctx_heads = NULL, *ctx = NULL;            // weights . V, (N*H, L, D) and (N, L, E)
     if (message && message_size) message[0] = '\0';
 
-    // 1. Validate.
-    if ((st = clmha__desc_check(desc_in, &desc, message, message_size))) return st;
+    // 1. Validate. The caller's structs are read in this library's layout (docs/abi.md).
+    clmha_layer_desc desc_copy;
+    clmha_forward_args args_copy;
+    clmha_reference_params params_copy;
+    if ((st = CLMHA__STRUCT_IN(clmha_layer_desc, &desc_copy, desc_in, "desc", message,
+                               message_size)))
+        return st;
+    if ((st = clmha__desc_check(&desc_copy, &desc, message, message_size))) return st;
+    if ((st = CLMHA__STRUCT_IN(clmha_forward_args, &args_copy, args, "args", message,
+                               message_size)))
+        return st;
+    args = &args_copy;
     if ((st = clmha__dims_resolve(&desc, args, &d, message, message_size))) return st;
+    if ((st = CLMHA__STRUCT_IN(clmha_reference_params, &params_copy, params, "params", message,
+                               message_size)))
+        return st;
+    params = &params_copy;
     if ((st = check_params(&desc, params, message, message_size))) return st;
     if ((st = clmha__check_host_data(&d, args, message, message_size))) return st;
     if (!output)

@@ -55,7 +55,8 @@ void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape
     size_t n = shape->batch, l = shape->tgt_len, e = shape->embed_dim, h = shape->num_heads;
     res->flops = 4.0 * (double)n * (double)l * (double)l * (double)e;
     size_t count = n * l * e, nparam = 4 * e * e + 4 * e;
-    clmha_layer_desc desc = {.embed_dim = e, .num_heads = h, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = e, .num_heads = h,
+                             .bias = true};
     clmha_layer *layer = NULL;
     float *params = malloc(nparam * sizeof *params), *x = malloc(count * sizeof *x);
     float *y = malloc(count * sizeof *y);
@@ -72,9 +73,11 @@ void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape
         clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * e) ||
         clmha_layer_set_parameter(layer, "out_proj.bias", b_out, e))
         goto done;
-    clmha_forward_args args = {.query = {.ndim = 3, .shape = {l, n, e}, .data = x},
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {l, n, e}, .data = x},
                                .impl = CLMHA_IMPL_FUSED};
-    clmha_reference_params rp = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+    clmha_reference_params rp = {.struct_size = sizeof rp,
+                                 .in_proj_weight = w_in, .in_proj_bias = b_in,
                                  .out_proj_weight = w_out, .out_proj_bias = b_out};
     char msg[256];
     if (clmha_reference_forward(&desc, &rp, &args, ref, count, NULL, 0, msg, sizeof msg))

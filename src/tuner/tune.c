@@ -4,6 +4,7 @@
 // stores those too, and fills the report.
 #define _POSIX_C_SOURCE 200809L
 
+#include "base/struct_in.h"
 #include "tuner/fused_search.h"
 #include "tuner/gemm_search.h"
 
@@ -249,7 +250,16 @@ static tuner *new_tuner(clmha_context *ctx, const clmha_tune_options *options, d
 clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_options *options,
                                 clmha_tune_report *report) {
     if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
-    clmha_status st = check_options(ctx, options);
+    clmha_tune_options opts_in;  // the caller's options in this library's layout (docs/abi.md)
+    char why[512];
+    clmha_status st = options ? CLMHA__STRUCT_IN(clmha_tune_options, &opts_in, options,
+                                                 "options", why, sizeof why)
+                              : CLMHA_SUCCESS;
+    if (!st && report)
+        st = CLMHA__STRUCT_OUT_CHECK(clmha_tune_report, report, "report", why, sizeof why);
+    if (st) return clmha__fail(ctx, st, "%s", why);
+    if (options) options = &opts_in;
+    st = check_options(ctx, options);
     if (st) return st;
     clmha_tune_report rep;
     memset(&rep, 0, sizeof rep);
@@ -282,6 +292,6 @@ done:
     for (size_t i = 0; i < T->nchecks; ++i) clmha__tuner_shape_free(&T->checks[i]);
     if (st && T->overridden) clmha__tuning_override(&T->tg, &start.fallback);  // failed: undo
     free(T);
-    if (report) *report = rep;
+    if (report) clmha__struct_out(report, &rep, sizeof rep);  // no byte past its struct_size
     return st;
 }

@@ -4,6 +4,12 @@
 // Exit status: 0 pass, 1 failure, 77 no OpenCL device (skip).
 #include <clmha.h>
 
+// Users of the static library get CLMHA_STATIC from clmha::clmha_static and from
+// `pkg-config --static --cflags clmha`; users of the shared one do not (docs/abi.md).
+#if defined(CLMHA_EXPECT_STATIC) != defined(CLMHA_STATIC)
+#error "CLMHA_STATIC is not defined exactly for the static library's users"
+#endif
+
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -40,7 +46,8 @@ int main(void) {
         fprintf(stderr, "context: %s\n", clmha_last_create_error());
         return 1;
     }
-    clmha_layer_desc desc = {.embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
     clmha_layer *layer = NULL;
     st = clmha_layer_create(&layer, ctx, &desc);
     if (!st) st = clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * E * E);
@@ -48,7 +55,7 @@ int main(void) {
     if (!st) st = clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E);
     if (!st) st = clmha_layer_set_parameter(layer, "out_proj.bias", b_out, E);
 
-    clmha_forward_args args = {
+    clmha_forward_args args = {.struct_size = sizeof args,
         .query = {.ndim = 3, .shape = {L, N, E}, .data = x},
         .key_padding_mask = {.kind = CLMHA_MASK_BOOL_IGNORE,
                              .tensor = {.ndim = 2, .shape = {N, L}, .data = pad}},
@@ -62,7 +69,8 @@ int main(void) {
         clmha_context_release(ctx);
         return 1;
     }
-    clmha_reference_params params = {.in_proj_weight = w_in, .in_proj_bias = b_in,
+    clmha_reference_params params = {.struct_size = sizeof params,
+                                     .in_proj_weight = w_in, .in_proj_bias = b_in,
                                      .out_proj_weight = w_out, .out_proj_bias = b_out};
     char message[512];
     st = clmha_reference_forward(&desc, &params, &args, y_ref, L * N * E, w_ref, N * L * L,
