@@ -10,15 +10,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-extern const char clmha__cl_heads[];
-extern const size_t clmha__cl_heads_size;
-extern const char clmha__cl_unfused[];
-extern const size_t clmha__cl_unfused_size;
-extern const char clmha__cl_fused[];
-extern const size_t clmha__cl_fused_size;
-extern const char clmha__cl_common[];
-extern const size_t clmha__cl_common_size;
-
 // A compiled program, cached by kernel family and build options.
 typedef struct program {
     char *key;  // "family|options"
@@ -66,28 +57,25 @@ static _Atomic(const char *) extra_options = NULL;
 
 void clmha__test_set_extra_build_options(const char *options) { extra_options = options; }
 
-// The sources of a kernel family: cl/common.cl in front of the attention cores' kernels; @p path
-// receives the file of the family's own kernels. Returns the number of strings (0 for an
+// The embedded file named @p name (clmha__cl_sources), or NULL.
+static const clmha__cl_source *embedded(const char *name) {
+    for (size_t i = 0; i < clmha__cl_sources_count; ++i)
+        if (strcmp(clmha__cl_sources[i].name, name) == 0) return &clmha__cl_sources[i];
+    return NULL;
+}
+
+// The sources of a kernel family: its file, with cl/common.cl in front of an attention core's
+// (cl/cores/); @p path receives the family's file. Returns the number of strings (0 for an
 // unknown family).
 static cl_uint family_sources(const char *family, const char *src[2], size_t size[2],
                               const char **path) {
-    if (strcmp(family, "heads") == 0) {
-        src[0] = clmha__cl_heads, size[0] = clmha__cl_heads_size;
-        *path = "cl/heads.cl";
-        return 1;
-    }
-    src[0] = clmha__cl_common, size[0] = clmha__cl_common_size;
-    if (strcmp(family, "unfused") == 0) {
-        src[1] = clmha__cl_unfused, size[1] = clmha__cl_unfused_size;
-        *path = "cl/cores/unfused.cl";
-        return 2;
-    }
-    if (strcmp(family, "fused") == 0) {
-        src[1] = clmha__cl_fused, size[1] = clmha__cl_fused_size;
-        *path = "cl/cores/fused.cl";
-        return 2;
-    }
-    return 0;
+    const clmha__cl_source *own = embedded(family), *common = embedded("common");
+    if (!own || !common) return 0;
+    cl_uint n = 0;
+    if (strncmp(own->path, "cl/cores/", 9) == 0) src[n] = common->text, size[n++] = common->size;
+    src[n] = own->text, size[n++] = own->size;
+    *path = own->path;
+    return n;
 }
 
 // Builds one program; on a build failure the message carries the build log.

@@ -4,9 +4,23 @@
 #ifndef CLMHA_CONTEXT_PROGRAMS_H
 #define CLMHA_CONTEXT_PROGRAMS_H
 
+#include <stddef.h>
+
 #include "clmha.h"
 
 #include "base/defs.h"
+
+// One embedded kernel file: the table clmha__cl_sources, generated at build time from
+// CMakeLists.txt's CLMHA_CL_SOURCES by cmake/embed_cl.cmake (cl_sources.c in the build tree).
+typedef struct clmha__cl_source {
+    const char *name;  // the file name without .cl: the kernel family ("heads", "fused")
+    const char *path;  // "cl/heads.cl", "cl/cores/fused.cl" (in build failure messages)
+    const char *text;  // NUL-terminated
+    size_t size;       // without the NUL
+} clmha__cl_source;
+
+CLMHA__HIDDEN extern const clmha__cl_source clmha__cl_sources[];
+CLMHA__HIDDEN extern const size_t clmha__cl_sources_count;
 
 typedef struct clmha__programs clmha__programs;
 
@@ -17,8 +31,9 @@ CLMHA__HIDDEN clmha__programs *clmha__programs_create(void);
 CLMHA__HIDDEN void clmha__programs_release(clmha__programs *cache);
 
 // Builds (or finds in the context's cache) the program of kernel family @p family with build
-// @p options. Families: "heads" (cl/heads.cl), "unfused" (cl/common.cl + cl/cores/unfused.cl),
-// "fused" (cl/common.cl + cl/cores/fused.cl). The context keeps the program.
+// @p options. A family is the name of an embedded file (clmha__cl_sources): "heads"
+// (cl/heads.cl), and each attention core's, "unfused", "fused", ... (cl/cores/NAME.cl), built
+// with cl/common.cl in front. The context keeps the program.
 CLMHA__HIDDEN clmha_status clmha__program_get(clmha_context *ctx, const char *family,
                                               const char *options, cl_program *out);
 
