@@ -300,7 +300,8 @@ static void run_mapping(const char *cls, bool want_coalesced) {
         eo = max_abs_err(out, ref, oc);
         cr_expect_leq(eo, TOLERANCE, "%s, %s, fused: output error %g", ctx->cls->name, c->name,
                       eo);
-        const clmha__fused_tiles *t = &layer->tiles_fused;
+        clmha__fused_tiles tiles = clmha__fused_tiles_of(layer);
+        const clmha__fused_tiles *t = &tiles;
         cr_expect_leq(clmha__fused_private_floats(t, layer->d), ctx->cls->private_floats,
                       "%s, %s", ctx->cls->name, c->name);
         cr_expect(t->q_local || !want_coalesced, "%s, %s: query rows local", ctx->cls->name,

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "cores/fused.h"
+#include "cores/unfused.h"
 #include "layer/layer.h"
 #include "support.h"
 
@@ -117,15 +118,15 @@ static size_t kernel_wg(cl_kernel k) {
 static void wg_limit_case(size_t limit) {
     clmha__test_set_kernel_limits(limit, 0);
     setup_case();
-    cr_assert_leq(fx.layer->softmax_wg, limit);
+    cr_assert_leq(clmha__unfused_softmax_wg(fx.layer), limit);
     cr_assert_leq(fx.layer->heads_wg, limit);
     run_and_check(CLMHA_IMPL_FUSED, "fused");
-    cr_assert(fx.layer->ran_fused);
-    cr_assert_leq(fx.layer->tiles_fused.bq, limit, "fused work-group %zu > limit %zu",
-                  fx.layer->tiles_fused.bq, limit);
-    cr_assert_leq(fx.layer->tiles_fused.bq, kernel_wg(fx.layer->fused));
+    cr_assert(clmha__fused_ran(fx.layer));
+    clmha__fused_tiles t = clmha__fused_tiles_of(fx.layer);
+    cr_assert_leq(t.bq, limit, "fused work-group %zu > limit %zu", t.bq, limit);
+    cr_assert_leq(t.bq, kernel_wg(clmha__fused_kernel(fx.layer)));
     run_and_check(CLMHA_IMPL_UNFUSED, "unfused");
-    cr_assert(!fx.layer->ran_fused);
+    cr_assert(!clmha__fused_ran(fx.layer));
     teardown_case();
 }
 
@@ -139,10 +140,12 @@ Test(fitting, key_tile_shrinks_with_local_memory) {
     clmha__test_set_kernel_limits(0, local);
     setup_case();
     run_and_check(CLMHA_IMPL_FUSED, "fused");
-    cr_assert(fx.layer->ran_fused);
-    cr_assert_leq(fx.layer->tiles_fused.bk, 2, "bk %zu", fx.layer->tiles_fused.bk);
+    cr_assert(clmha__fused_ran(fx.layer));
+    size_t bk = clmha__fused_tiles_of(fx.layer).bk;
+    cr_assert_leq(bk, 2, "bk %zu", bk);
     cl_ulong used = 0;
-    cr_assert_eq(clGetKernelWorkGroupInfo(fx.layer->fused, clmha_context_cl_device(fx.ctx),
+    cr_assert_eq(clGetKernelWorkGroupInfo(clmha__fused_kernel(fx.layer),
+                                          clmha_context_cl_device(fx.ctx),
                                           CL_KERNEL_LOCAL_MEM_SIZE, sizeof used, &used, NULL),
                  CL_SUCCESS);
     cr_assert_leq(used, local, "the fused kernel uses %llu bytes of local memory, limit %zu",
@@ -154,7 +157,7 @@ Test(fitting, auto_falls_back_when_fused_cannot_be_built) {
     clmha__test_set_kernel_limits(0, 64);  // not even one key of head_dim 32
     setup_case();
     run_and_check(CLMHA_IMPL_AUTO, "auto");
-    cr_assert(!fx.layer->ran_fused);
+    cr_assert(!clmha__fused_ran(fx.layer));
     fx.args.impl = CLMHA_IMPL_FUSED;
     clmha_status st = clmha_layer_forward_host(fx.layer, &fx.args, fx.y, L * N * E, NULL, 0);
     cr_assert_eq(st, CLMHA_UNSUPPORTED, "explicit fused: %s (%s)", clmha_status_string(st),
@@ -169,7 +172,7 @@ Test(fitting, layer_baked_with_weights_runs_without_weights_when_fused_cannot_be
     clmha_status st = clmha_layer_bake(fx.layer, N, L, S, true);
     cr_assert_eq(st, CLMHA_SUCCESS, "bake: %s", clmha_context_last_error(fx.ctx));
     run_and_check(CLMHA_IMPL_AUTO, "auto after bake");
-    cr_assert(!fx.layer->ran_fused);
+    cr_assert(!clmha__fused_ran(fx.layer));
     teardown_case();
 }
 
@@ -177,12 +180,12 @@ Test(fitting, loop_limit_sends_long_calls_to_the_unfused_core) {
     clmha__test_set_loop_limit(2);  // no fused call fits
     setup_case();
     run_and_check(CLMHA_IMPL_FUSED, "fused past the loop limit");
-    cr_assert(!fx.layer->ran_fused, "the fused core ran past the loop limit");
+    cr_assert(!clmha__fused_ran(fx.layer), "the fused core ran past the loop limit");
     run_and_check(CLMHA_IMPL_AUTO, "auto past the loop limit");
-    cr_assert(!fx.layer->ran_fused);
+    cr_assert(!clmha__fused_ran(fx.layer));
     clmha__test_set_loop_limit((size_t)1 << 40);  // every call fits
     run_and_check(CLMHA_IMPL_FUSED, "fused within the loop limit");
-    cr_assert(fx.layer->ran_fused);
+    cr_assert(clmha__fused_ran(fx.layer));
     teardown_case();
 }
 
@@ -201,8 +204,9 @@ Test(fitting, clover_gets_a_fused_kernel_without_vectors) {
     setup_case();
     fx.ctx->quirks.no_vload = true;  // as on platform "Clover" (set before the first fused call)
     run_and_check(CLMHA_IMPL_FUSED, "fused without vloadN");
-    cr_assert(fx.layer->ran_fused);
-    cr_assert_eq(fx.layer->tiles_fused.vw, 1, "vw %zu", fx.layer->tiles_fused.vw);
+    cr_assert(clmha__fused_ran(fx.layer));
+    size_t vw = clmha__fused_tiles_of(fx.layer).vw;
+    cr_assert_eq(vw, 1, "vw %zu", vw);
     teardown_case();
 }
 

@@ -1,4 +1,5 @@
-// The dispatch of attention cores (core.h): one table, in the order the cores are tried.
+// The dispatch of attention cores (core.h): one table, in the order the cores are tried; row i
+// keeps its per-layer state in slot i of clmha_layer::core_state.
 #include "cores/core.h"
 
 static const clmha__core *const cores[] = {
@@ -7,9 +8,34 @@ static const clmha__core *const cores[] = {
     &clmha__core_unfused,  // everything else, and wherever the fused core cannot run
 };
 
+enum { CORE_COUNT = sizeof cores / sizeof cores[0] };
+_Static_assert(CORE_COUNT <= CLMHA__CORE_SLOTS, "raise CLMHA__CORE_SLOTS (src/layer/layer.h)");
+
+void *clmha__core_state(const clmha_layer *layer, const clmha__core *core) {
+    for (size_t i = 0; i < CORE_COUNT; ++i)
+        if (cores[i] == core) return layer->core_state[i];
+    return NULL;
+}
+
+clmha_status clmha__cores_create(clmha_layer *layer) {
+    for (size_t i = 0; i < CORE_COUNT; ++i) {
+        if (!cores[i]->create) continue;
+        clmha_status st = cores[i]->create(layer, &layer->core_state[i]);
+        if (st) return st;
+    }
+    return CLMHA_SUCCESS;
+}
+
+void clmha__cores_release(clmha_layer *layer) {
+    for (size_t i = 0; i < CORE_COUNT; ++i) {
+        if (cores[i]->release) cores[i]->release(layer->core_state[i]);
+        layer->core_state[i] = NULL;
+    }
+}
+
 clmha_status clmha__core_select(clmha_layer *layer, const clmha__core_call *call,
                                 const clmha__core **out) {
-    for (size_t i = 0; i < sizeof cores / sizeof cores[0]; ++i) {
+    for (size_t i = 0; i < CORE_COUNT; ++i) {
         bool yes = false;
         clmha_status st = cores[i]->supports(layer, call, &yes);
         if (st) return st;

@@ -1,9 +1,18 @@
 // Attention cores: the middle of the forward pass, from the head tiles Q, K, V (and the masks)
 // to the attention output tiles (and, for the cores that have them, the weights). Every core
 // implements this one interface; the forward pass asks the dispatch (clmha__core_select()) for
-// the core of a call. Adding a core (split-K decode, backward) takes one host file in
-// src/cores/, its kernels in cl/cores/ (a program family in src/context/programs.c) and a row
-// of the table in src/cores/core.c.
+// the core of a call.
+//
+// Adding a core (split-K decode, backward) takes:
+//   - src/cores/NAME.c: a `const clmha__core clmha__core_NAME` (declared below) and everything
+//     of the core, its per-layer state included (create/release; clmha__core_state());
+//   - cl/cores/NAME.cl: its kernels; the core builds them as program family "NAME"
+//     (clmha__program_get() finds every embedded cl/ file by name, with cl/common.cl in front
+//     of those in cl/cores/: no entry in src/context/programs.c);
+//   - a row of the dispatch table in src/cores/core.c (and its declaration below);
+//   - the two file names in CMakeLists.txt (CLMHA_SOURCES, CLMHA_CL_SOURCES).
+// A core that others use beyond this interface (the tuner, tests) adds its own header
+// (fused.h, unfused.h).
 #ifndef CLMHA_CORES_CORE_H
 #define CLMHA_CORES_CORE_H
 
@@ -27,8 +36,15 @@ typedef struct clmha__core_call {
 
 typedef struct clmha__core {
     const char *name;
+    // Optional (NULL: the core keeps no state). Called by clmha_layer_create() on a new layer
+    // (parameters and cl/heads.cl kernels made): makes the core's per-layer state, stored in
+    // *state as soon as it exists (clmha__core_state() finds it later), and builds what the core
+    // builds up front. On failure the layer is released, release() included.
+    clmha_status (*create)(clmha_layer *layer, void **state);
+    // Optional: frees @p state (NULL or what create() left, also after a failed create()).
+    void (*release)(void *state);
     // Whether the core runs @p call on @p layer (*yes), building what it needs on first use
-    // (kernels, kept in the layer). A status other than CLMHA_SUCCESS fails the forward call
+    // (kernels, kept in its state). A status other than CLMHA_SUCCESS fails the forward call
     // before anything is enqueued.
     clmha_status (*supports)(clmha_layer *layer, const clmha__core_call *call, bool *yes);
     // The core reads and writes layer->scores (clmha__layer_reserve()'s `scores`).
@@ -43,6 +59,15 @@ typedef struct clmha__core {
 CLMHA__HIDDEN extern const clmha__core clmha__core_user;
 CLMHA__HIDDEN extern const clmha__core clmha__core_fused;
 CLMHA__HIDDEN extern const clmha__core clmha__core_unfused;
+
+// The state of @p core (a row of the dispatch table) in @p layer: what its create() made, or NULL.
+CLMHA__HIDDEN void *clmha__core_state(const clmha_layer *layer, const clmha__core *core);
+
+// Runs every core's create() on @p layer, in table order; stops at the first failure.
+CLMHA__HIDDEN clmha_status clmha__cores_create(clmha_layer *layer);
+
+// Runs every core's release() on its state in @p layer and clears the slots.
+CLMHA__HIDDEN void clmha__cores_release(clmha_layer *layer);
 
 // The core that runs @p call: the first row of the dispatch table that supports it (the user's
 // core, else the fused core when the call and the device allow it, else the unfused core).

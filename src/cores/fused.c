@@ -3,7 +3,8 @@
 // scores. Everything of it is here: its tiles (the device class's defaults or a stored
 // tuning, fitted to the device), the build that refits them to what the built kernel allows,
 // the loop budget of drivers that end long loops, the rebuild the tuner asks for, and the
-// launch. It returns no weights: calls that ask for them run the unfused core.
+// launch, and its per-layer state. It returns no weights: calls that ask for them run the
+// unfused core.
 #include "cores/fused.h"
 
 #include "cores/core.h"
@@ -13,10 +14,46 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
 #define MASK_ARGS CLMHA__MASK_ARGS
+
+// ---- state --------------------------------------------------------------------------------------
+
+// The core's state in a layer: made with the layer, the kernel built on first use.
+typedef struct state {
+    cl_kernel kernel;          // built on first use (clmha__layer_fused())
+    clmha__fused_tiles tiles;  // what it was built with
+    clmha_status failed;       // why it cannot be built here (then not retried)
+} state;
+
+static state *state_of(const clmha_layer *l) { return clmha__core_state(l, &clmha__core_fused); }
+
+static clmha_status create(clmha_layer *l, void **out) {
+    *out = calloc(1, sizeof(state));
+    return *out ? CLMHA_SUCCESS : clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+}
+
+static void release(void *p) {
+    state *s = p;
+    if (!s) return;
+    clmha__release_kernel(s->kernel);
+    free(s);
+}
+
+cl_kernel clmha__fused_kernel(const clmha_layer *layer) { return state_of(layer)->kernel; }
+
+clmha__fused_tiles clmha__fused_tiles_of(const clmha_layer *layer) {
+    return state_of(layer)->tiles;
+}
+
+clmha_status clmha__fused_failed(const clmha_layer *layer) { return state_of(layer)->failed; }
+
+bool clmha__fused_ran(const clmha_layer *layer) {
+    return layer->last_core == &clmha__core_fused;
+}
 
 // ---- tiles --------------------------------------------------------------------------------------
 
@@ -87,14 +124,6 @@ void clmha__fused_tiles_fit_limits(const clmha__device_class *cls, cl_ulong loca
 
 // ---- build --------------------------------------------------------------------------------------
 
-static clmha_status make_kernel(clmha_context *ctx, cl_program prog, cl_kernel *out) {
-    cl_int err;
-    *out = clCreateKernel(prog, "fused_attention", &err);
-    clmha__held_new(CLMHA__HELD_KERNEL, *out);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");
-    return CLMHA_SUCCESS;
-}
-
 // Builds the fused kernel with tiles @p t, then asks the kernel what it allows: while its
 // work-group limit (CL_KERNEL_WORK_GROUP_SIZE) is below bq, or the local memory it uses
 // (CL_KERNEL_LOCAL_MEM_SIZE) exceeds the device's, rebuilds with half the work-items (bq); or
@@ -123,7 +152,7 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
         cl_program prog;
         cl_kernel k = NULL;
         clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
-        if (st || (st = make_kernel(ctx, prog, &k))) return st;
+        if (st || (st = clmha__kernel_make(ctx, prog, "fused_attention", &k))) return st;
         size_t wg;
         cl_ulong local;
         if ((st = clmha__kernel_limits(ctx, k, &wg, &local))) {
@@ -131,8 +160,9 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
             return st;
         }
         if (t.bq <= wg && local <= clmha__local_mem(ctx)) {
-            l->fused = k;
-            l->tiles_fused = t;
+            state *s = state_of(l);
+            s->kernel = k;
+            s->tiles = t;
             return CLMHA_SUCCESS;
         }
         clmha__release_kernel(k);
@@ -148,15 +178,16 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
 }
 
 clmha_status clmha__layer_fused(clmha_layer *l) {
-    if (l->fused) return CLMHA_SUCCESS;
-    if (l->fused_failed)
-        return clmha__fail(l->ctx, l->fused_failed,
+    state *s = state_of(l);
+    if (s->kernel) return CLMHA_SUCCESS;
+    if (s->failed)
+        return clmha__fail(l->ctx, s->failed,
                            "the fused core could not be built for this layer (head_dim %zu) on "
                            "this device: %s (use CLMHA_IMPL_UNFUSED)",
-                           l->d, clmha_status_string(l->fused_failed));
+                           l->d, clmha_status_string(s->failed));
     clmha_status st = build_fused(l, clmha__fused_tiles_for(l->ctx, l->d));
     // A device that cannot build or hold the kernel will not later; an out-of-memory may pass.
-    if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) l->fused_failed = st;
+    if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) s->failed = st;
     return st;
 }
 
@@ -174,7 +205,7 @@ bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dro
     if (!limit) return true;
     // Every loop of cl/cores/fused.cl for one work-item, as if the compiler kept them all (clover
     // does; rusticl unrolls some, and its count is lower).
-    const clmha__fused_tiles *t = &l->tiles_fused;
+    const clmha__fused_tiles *t = &state_of(l)->tiles;
     double hd = (double)l->d, bq = (double)t->bq, bk = (double)t->bk, rpw = (double)t->rpw,
            vw = (double)t->vw;
     double rows = loop_cost(rpw, 0);
@@ -199,13 +230,14 @@ bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dro
 
 clmha_status clmha__layer_set_fused_tiles(clmha_layer *l, const clmha__fused_tiles *t,
                                           clmha__fused_tiles *used) {
+    state *s = state_of(l);
     clmha__fused_tiles u = *t;
     clmha__fused_tiles_fit(l->ctx, l->d, &u);
-    clmha__release_kernel(l->fused);
-    l->fused = NULL;
-    l->fused_failed = CLMHA_SUCCESS;
+    clmha__release_kernel(s->kernel);
+    s->kernel = NULL;
+    s->failed = CLMHA_SUCCESS;
     clmha_status st = build_fused(l, u);
-    if (used) *used = st ? u : l->tiles_fused;
+    if (used) *used = st ? u : s->tiles;
     return st;
 }
 
@@ -243,16 +275,21 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(l->tiles[CLMHA__TILE_K]),
                   ARG(l->tiles[CLMHA__TILE_V]), ARG(l->tiles[CLMHA__TILE_OUT]),
                   ARG(tgt), ARG(heads), ARG(src), ARG(srcp), ARG(scale), MASK_ARGS(m)};
-    clmha_status st = clmha__set_args(ctx, l->fused, "fused_attention", args,
+    const state *s = state_of(l);
+    clmha_status st = clmha__set_args(ctx, s->kernel, "fused_attention", args,
                                       sizeof args / sizeof args[0]);
     if (st) return st;
-    size_t bq = l->tiles_fused.bq, rows = bq * l->tiles_fused.rpw;
+    size_t bq = s->tiles.bq, rows = bq * s->tiles.rpw;
     size_t global[2] = {(d->l + rows - 1) / rows * bq, d->n * l->h}, local[2] = {bq, 1};
-    cl_int err = clEnqueueNDRangeKernel(ctx->queue, l->fused, 2, NULL, global, local, 0, NULL,
+    cl_int err = clEnqueueNDRangeKernel(ctx->queue, s->kernel, 2, NULL, global, local, 0, NULL,
                                         NULL);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
 }
 
-const clmha__core clmha__core_fused = {
-    .name = "fused", .supports = supports, .uses_scores = false, .run = run};
+const clmha__core clmha__core_fused = {.name = "fused",
+                                       .create = create,
+                                       .release = release,
+                                       .supports = supports,
+                                       .uses_scores = false,
+                                       .run = run};

@@ -1,6 +1,6 @@
 // The fused attention core (src/cores/fused.c, kernel cl/cores/fused.cl): what the tuner, the
-// bake step and the tests use of it besides the core interface (core.h). Its tiles,
-// clmha__fused_tiles, are defined in src/layer/layer.h, which keeps them per layer.
+// bake step and the tests use of it besides the core interface (core.h). Its per-layer state
+// (kernel, tiles, build failure) is private to fused.c; these functions read it.
 #ifndef CLMHA_CORES_FUSED_H
 #define CLMHA_CORES_FUSED_H
 
@@ -14,6 +14,16 @@
 #include "device/device_class.h"
 #include "layer/layer.h"
 #include "layer/shape.h"
+
+// The fused attention kernel's tiles.
+typedef struct clmha__fused_tiles {
+    size_t bq;   // work-group size (a power of two within the device's limit)
+    size_t bk;   // keys per tile (0: not even one key fits in local memory)
+    size_t rpw;  // query rows per work-item (1 or 2); a work-group covers bq * rpw rows
+    size_t vw;   // vector width of the inner products: 1, 2, 4, 8 or 16, dividing bk and hd
+    bool q_local;    // query rows in local memory (coalesced loads and stores), not private
+    bool acc_local;  // accumulators in local memory too (the private budget is too small)
+} clmha__fused_tiles;
 
 // The fused kernel's private floats per work-item for tiles @p t and head dim @p hd: per row,
 // the tile's scores (bk) plus the scaled query and the accumulator where they are private.
@@ -59,6 +69,19 @@ CLMHA__HIDDEN void clmha__fused_tiles_fit_limits(const clmha__device_class *cls,
 
 // Builds the fused attention kernel of @p layer on first use and picks its tile sizes.
 CLMHA__HIDDEN clmha_status clmha__layer_fused(clmha_layer *layer);
+
+// The fused kernel of @p layer, or NULL when not built (yet).
+CLMHA__HIDDEN cl_kernel clmha__fused_kernel(const clmha_layer *layer);
+
+// The tiles @p layer's fused kernel was built with (zero when not built).
+CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_of(const clmha_layer *layer);
+
+// Why the fused kernel cannot be built for @p layer (CLMHA_UNSUPPORTED, CLMHA_BUILD_FAILED: not
+// retried), or CLMHA_SUCCESS.
+CLMHA__HIDDEN clmha_status clmha__fused_failed(const clmha_layer *layer);
+
+// Whether the last forward call of @p layer ran the fused core (for the tests).
+CLMHA__HIDDEN bool clmha__fused_ran(const clmha_layer *layer);
 
 // Whether the fused kernel, as built, stays within the device's loop limit
 // (clmha__quirks::loop_limit) on the call of @p dims: a conservative count of the loop

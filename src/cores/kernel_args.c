@@ -3,6 +3,16 @@
 #include "cores/kernel_args.h"
 
 #include "base/philox.h"
+#include "device/held.h"
+
+clmha_status clmha__kernel_make(clmha_context *ctx, cl_program prog, const char *name,
+                                cl_kernel *out) {
+    cl_int err;
+    *out = clCreateKernel(prog, name, &err);
+    clmha__held_new(CLMHA__HELD_KERNEL, *out);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    return CLMHA_SUCCESS;
+}
 
 clmha_status clmha__set_args(clmha_context *ctx, cl_kernel k, const char *name,
                              const clmha__arg *args, cl_uint nargs) {

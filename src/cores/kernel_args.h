@@ -1,5 +1,5 @@
-// Kernel arguments and launches shared by the attention cores and the forward pass: argument
-// lists, 1-D launches, and the mask and dropout arguments that cl/cores/unfused.cl's
+// Kernel arguments and launches shared by the attention cores and the forward pass: kernel
+// creation, argument lists, 1-D launches, and the mask and dropout arguments that cl/cores/unfused.cl's
 // masked_softmax and cl/cores/fused.cl's fused_attention take in the same order.
 #ifndef CLMHA_CORES_KERNEL_ARGS_H
 #define CLMHA_CORES_KERNEL_ARGS_H
@@ -8,6 +8,10 @@
 
 #include "base/defs.h"
 #include "layer/layer.h"
+
+// Creates kernel @p name of @p prog in *out (NULL on failure; counted by clmha__held_new()).
+CLMHA__HIDDEN clmha_status clmha__kernel_make(clmha_context *ctx, cl_program prog,
+                                              const char *name, cl_kernel *out);
 
 // One kernel argument: its size and a pointer to its value.
 typedef struct clmha__arg {

@@ -1,18 +1,80 @@
 // The unfused attention core: scores = Q·Kᵀ/√D (CLBlast GEMM), masks + softmax + dropout
 // (masked_softmax, cl/cores/unfused.cl), then weights·V (CLBlast GEMM); over all the scores at
 // once, or chunk by chunk when they do not fit in one buffer (clmha__scores_chunks()). The only
-// built-in core that returns attention weights, and the one every call can fall back on.
-#include "cores/core.h"
+// built-in core that returns attention weights, and the one every call can fall back on: its
+// kernel is built with the layer.
+#include "cores/unfused.h"
 
+#include "cores/core.h"
 #include "cores/kernel_args.h"
+#include "device/held.h"
 
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include <clblast_c.h>
 
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
 #define MASK_ARGS CLMHA__MASK_ARGS
+
+// The core's state in a layer.
+typedef struct state {
+    cl_kernel masked_softmax;
+    size_t softmax_wg;  // masked_softmax's work-group (its -DWG), within the kernel's limit
+} state;
+
+static state *state_of(const clmha_layer *l) {
+    return clmha__core_state(l, &clmha__core_unfused);
+}
+
+size_t clmha__unfused_softmax_wg(const clmha_layer *layer) {
+    return state_of(layer)->softmax_wg;
+}
+
+// Largest power of two <= min(cap, device limit).
+static size_t pow2_below(size_t cap, size_t limit) {
+    size_t w = 1;
+    while (w * 2 <= cap && w * 2 <= limit) w *= 2;
+    return w;
+}
+
+static void release(void *p) {
+    state *s = p;
+    if (!s) return;
+    clmha__release_kernel(s->masked_softmax);
+    free(s);
+}
+
+// Builds masked_softmax with the layer (every call can fall back on this core). Its
+// work-group: a power of two, its cap from the device class (smaller on CPUs, where a
+// work-group is a loop on one core), and within what the built kernel allows
+// (CL_KERNEL_WORK_GROUP_SIZE, which a driver may set below the device's limit): rebuilt smaller
+// until it fits.
+static clmha_status create(clmha_layer *l, void **out) {
+    clmha_context *ctx = l->ctx;
+    state *s = calloc(1, sizeof *s);
+    if (!s) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    *out = s;
+    for (size_t want = pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
+        char options[64];
+        snprintf(options, sizeof options, "-DWG=%zu", want);
+        cl_program prog;
+        size_t wg;
+        clmha_status st = clmha__program_get(ctx, "unfused", options, &prog);
+        if (st || (st = clmha__kernel_make(ctx, prog, "masked_softmax", &s->masked_softmax)) ||
+            (st = clmha__kernel_limits(ctx, s->masked_softmax, &wg, NULL)))
+            return st;
+        if (want <= wg || want == 1) {
+            s->softmax_wg = want;
+            return CLMHA_SUCCESS;
+        }
+        clmha__release_kernel(s->masked_softmax);
+        s->masked_softmax = NULL;
+        want = pow2_below(want / 2, wg);
+    }
+}
 
 // A chunk of the scores: rows [first, first + rows) of (N*H*L, S'), held by layer->scores from
 // its start (clmha__scores_chunks()).
@@ -61,8 +123,9 @@ static clmha_status softmax(clmha_layer *l, const clmha_forward_args *a, const c
     clmha__mask_args m = clmha__masks_of(l, a, d);
     arg args[] = {ARG(l->scores), ARG(rows), ARG(first), ARG(tgt), ARG(heads), ARG(src),
                   ARG(srcp), MASK_ARGS(m)};
-    return clmha__launch(l->ctx, l->masked_softmax, "masked_softmax", rows * l->softmax_wg,
-                         l->softmax_wg, args, sizeof args / sizeof args[0]);
+    const state *s = state_of(l);
+    return clmha__launch(l->ctx, s->masked_softmax, "masked_softmax", rows * s->softmax_wg,
+                         s->softmax_wg, args, sizeof args / sizeof args[0]);
 }
 
 // 5. Attention output (N*H, L, D) = weights · V for the rows of @p c: all of them in one
@@ -174,5 +237,9 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool 
     return CLMHA_SUCCESS;
 }
 
-const clmha__core clmha__core_unfused = {
-    .name = "unfused", .supports = supports, .uses_scores = true, .run = run};
+const clmha__core clmha__core_unfused = {.name = "unfused",
+                                         .create = create,
+                                         .release = release,
+                                         .supports = supports,
+                                         .uses_scores = true,
+                                         .run = run};

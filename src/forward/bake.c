@@ -54,7 +54,7 @@ clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, 
     // pass has prepared.
     if (!st && need_weights && !layer->core && layer->impl == CLMHA_IMPL_AUTO) {
         clmha_status fst = clmha__layer_fused(layer);
-        if (fst && !layer->fused_failed) st = fst;
+        if (fst && !clmha__fused_failed(layer)) st = fst;
     }
     cl_int err = clFinish(ctx->queue);
     if (!st && err != CL_SUCCESS) st = clmha__cl_fail(ctx, err, "clFinish");

@@ -322,7 +322,7 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
                              .weights_offset = weights_offset};
     const clmha__core *core;
     if ((st = clmha__core_select(layer, &call, &core))) return st;
-    layer->ran_fused = core == &clmha__core_fused;
+    layer->last_core = core;
     if ((st = clmha__layer_reserve(layer, &d, core->uses_scores,
                                    core->uses_scores && args->need_weights &&
                                        !args->per_head_weights)))

@@ -1,4 +1,6 @@
-// Layers: configuration, parameters by PyTorch name, kernels, scratch space and profiling marks.
+// Layers: configuration, parameters by PyTorch name, the kernels of cl/heads.cl, scratch space and
+// profiling marks. (clmha_layer_create() and clmha_layer_release(), which add the cores' state,
+// are in src/forward/layer_api.c.)
 #include "layer/layer.h"
 
 #include "base/struct_in.h"
@@ -132,8 +134,6 @@ clmha_status clmha__zero_buffer(clmha_context *ctx, size_t count, const char *wh
     return CLMHA_SUCCESS;
 }
 
-static void release_kernel(cl_kernel *k);
-
 static clmha_status make_kernel(clmha_context *ctx, cl_program prog, const char *name,
                                 cl_kernel *out) {
     cl_int err;
@@ -143,15 +143,8 @@ static clmha_status make_kernel(clmha_context *ctx, cl_program prog, const char 
     return CLMHA_SUCCESS;
 }
 
-// Largest power of two <= min(cap, device limit).
-static size_t pow2_below(size_t cap, size_t limit) {
-    size_t w = 1;
-    while (w * 2 <= cap && w * 2 <= limit) w *= 2;
-    return w;
-}
-
-clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
-                                const clmha_layer_desc *desc) {
+clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
+                              const clmha_layer_desc *desc) {
     if (!out) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "out is NULL");
     *out = NULL;
     if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
@@ -184,11 +177,8 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
         goto fail;
 
     // Kernels. Split and merge heads: the device class's mapping (one work-item per tile row,
-    // or per float on GPUs). The softmax work-group: a power of two, its cap from the device
-    // class (smaller on CPUs, where a work-group is a loop on one core), and within what the
-    // built kernel allows (CL_KERNEL_WORK_GROUP_SIZE, which a driver may set below the
-    // device's limit): rebuilt smaller until it fits.
-    cl_program heads, softmax;
+    // or per float on GPUs).
+    cl_program heads;
     if ((st = clmha__program_get(ctx, "heads", ctx->cls->coalesced ? "-DHEADS_COALESCED=1" : "",
                                  &heads)))
         goto fail;
@@ -208,20 +198,6 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
         if (wg < l->heads_limit) l->heads_limit = wg;
     }
     l->heads_wg = l->heads_limit < 64 ? l->heads_limit : 64;
-    for (size_t want = pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
-        char options[64];
-        snprintf(options, sizeof options, "-DWG=%zu", want);
-        if ((st = clmha__program_get(ctx, "unfused", options, &softmax))) goto fail;
-        if ((st = make_kernel(ctx, softmax, "masked_softmax", &l->masked_softmax))) goto fail;
-        size_t wg;
-        if ((st = clmha__kernel_limits(ctx, l->masked_softmax, &wg, NULL))) goto fail;
-        if (want <= wg || want == 1) {
-            l->softmax_wg = want;
-            break;
-        }
-        release_kernel(&l->masked_softmax);
-        want = pow2_below(want / 2, wg);
-    }
 
     cl_int err = clFinish(ctx->queue);  // the parameter fills
     if (err != CL_SUCCESS) {
@@ -231,7 +207,7 @@ clmha_status clmha_layer_create(clmha_layer **out, clmha_context *ctx,
     *out = l;
     return CLMHA_SUCCESS;
 fail:
-    clmha_layer_release(l);
+    clmha__layer_free(l);
     return st;
 }
 
@@ -245,7 +221,7 @@ static void release_kernel(cl_kernel *k) {
     *k = NULL;
 }
 
-void clmha_layer_release(clmha_layer *layer) {
+void clmha__layer_free(clmha_layer *layer) {
     if (!layer) return;
     clmha__layer_marks_release(layer);
     release_mem(&layer->w_in);
@@ -262,8 +238,6 @@ void clmha_layer_release(clmha_layer *layer) {
     release_kernel(&layer->fill_rows);
     release_kernel(&layer->average_heads);
     release_kernel(&layer->accumulate_heads);
-    release_kernel(&layer->masked_softmax);
-    release_kernel(&layer->fused);
     clmha_context_release(layer->ctx);
     free(layer);
 }

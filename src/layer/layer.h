@@ -1,5 +1,8 @@
 // The layer object: configuration, parameters, kernels, scratch buffers and profiling marks
-// (layer.c), read by the attention cores (src/cores/) and the forward pass (src/forward/).
+// (layer.c), read by the attention cores (src/cores/) and the forward pass (src/forward/). The
+// cores keep their own state in it, opaque here (core_state); the public clmha_layer_create()
+// and clmha_layer_release(), which make and free that state too, are above the cores
+// (src/forward/layer_api.c).
 #ifndef CLMHA_LAYER_LAYER_H
 #define CLMHA_LAYER_LAYER_H
 
@@ -12,16 +15,9 @@
 #include "context/context.h"
 #include "layer/shape.h"
 
-// The fused attention kernel's tiles (src/cores/fused.h has what works on them). Defined here
-// because a layer keeps the tiles its fused kernel was built with.
-typedef struct clmha__fused_tiles {
-    size_t bq;   // work-group size (a power of two within the device's limit)
-    size_t bk;   // keys per tile (0: not even one key fits in local memory)
-    size_t rpw;  // query rows per work-item (1 or 2); a work-group covers bq * rpw rows
-    size_t vw;   // vector width of the inner products: 1, 2, 4, 8 or 16, dividing bk and hd
-    bool q_local;    // query rows in local memory (coalesced loads and stores), not private
-    bool acc_local;  // accumulators in local memory too (the private budget is too small)
-} clmha__fused_tiles;
+// Slots of per-core state in a layer: at least the rows of the dispatch table (src/cores/core.c
+// checks it).
+#define CLMHA__CORE_SLOTS 8
 
 enum { CLMHA__TILE_Q, CLMHA__TILE_K, CLMHA__TILE_V, CLMHA__TILE_OUT, CLMHA__TILE_COUNT };
 
@@ -38,11 +34,9 @@ struct clmha_layer {
     cl_mem b_out;    // out_proj.bias (E), or dummy
     cl_mem bias_kv;  // bias_k (E) then bias_v (E), or dummy
 
-    // Kernels (per layer: setting arguments is not thread-safe). masked_softmax is the unfused
-    // core's (cl/cores/unfused.cl), built with the layer: every call can fall back on that core.
-    cl_kernel split_heads, merge_heads, fill_rows, average_heads, accumulate_heads,
-        masked_softmax;
-    size_t softmax_wg;  // masked_softmax's work-group (its -DWG), within the kernel's limit
+    // Kernels of cl/heads.cl (per layer: setting arguments is not thread-safe). The cores'
+    // kernels are in their state (core_state).
+    cl_kernel split_heads, merge_heads, fill_rows, average_heads, accumulate_heads;
     size_t heads_wg;    // work-group of the cl/heads.cl kernels, within each one's limit
     size_t heads_limit;  // the smallest CL_KERNEL_WORK_GROUP_SIZE of the cl/heads.cl kernels
 
@@ -60,18 +54,28 @@ struct clmha_layer {
     void *core_data;
 
     clmha_impl impl;            // the core for calls whose impl is CLMHA_IMPL_AUTO
-    bool ran_fused;             // the last forward call ran the fused core (for tests)
 
-    // The fused core's state (src/cores/fused.c), released with the layer.
-    cl_kernel fused;            // its kernel, built on first use (clmha__layer_fused())
-    clmha__fused_tiles tiles_fused;  // its tiles
-    clmha_status fused_failed;  // why the fused core cannot be built here (then not retried)
+    // The attention cores' state (src/cores/): slot i belongs to row i of the dispatch table
+    // (clmha__core_state()), made by the core's create hook when the layer is created and freed
+    // by its release hook when it is released; opaque here.
+    void *core_state[CLMHA__CORE_SLOTS];
+    const void *last_core;      // the core (const clmha__core *) the last forward call chose
 
     // Profiling: marks[0] before the first stage, marks[1 + s] after stage s (NULL when the
     // stage did not run in the last call).
     bool profiling;
     cl_event marks[CLMHA_STAGE_COUNT + 1];
 };
+
+// Makes a layer of @p desc on @p ctx: its parameters (zero) and the kernels of cl/heads.cl, no
+// core state (clmha_layer_create() adds it). Checks @p out, @p ctx and @p desc as
+// clmha_layer_create() documents; on failure *out is NULL.
+CLMHA__HIDDEN clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
+                                            const clmha_layer_desc *desc);
+
+// Frees what clmha__layer_new() made (the cores' state must be gone) and releases the context.
+// NULL is ignored.
+CLMHA__HIDDEN void clmha__layer_free(clmha_layer *layer);
 
 // With profiling on, enqueues a marker recording the end of @p slot (0: start, 1 + stage).
 CLMHA__HIDDEN clmha_status clmha__layer_mark(clmha_layer *layer, int slot);
