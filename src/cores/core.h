@@ -4,12 +4,12 @@
 // the core of a call.
 //
 // Adding a core (split-K decode, backward) takes:
-//   - src/cores/NAME.c: a `const clmha__core clmha__core_NAME` (declared below) and everything
-//     of the core, its per-layer state included (create/release; clmha__core_state());
+//   - src/cores/NAME.c: a `const clmha__core clmha__core_NAME` and everything of the core, its
+//     per-layer state included (create/release; clmha__core_state(layer, &clmha__core_NAME));
 //   - cl/cores/NAME.cl: its kernels; the core builds them as program family "NAME"
 //     (clmha__program_get() finds every embedded cl/ file by name, with cl/common.cl in front
 //     of those in cl/cores/: no entry in src/context/programs.c);
-//   - a row of the dispatch table in src/cores/core.c (and its declaration below);
+//   - in src/cores/core.c, its declaration and its row in the dispatch table;
 //   - the two file names in CMakeLists.txt (CLMHA_SOURCES, CLMHA_CL_SOURCES).
 // A core that others use beyond this interface (the tuner, tests) adds its own header
 // (fused.h, unfused.h).
@@ -54,11 +54,6 @@ typedef struct clmha__core {
     // forward pass to return, or straight to call->weights (then call->weights_written).
     clmha_status (*run)(clmha_layer *layer, clmha__core_call *call);
 } clmha__core;
-
-// The cores (src/cores/user.c, fused.c, unfused.c).
-CLMHA__HIDDEN extern const clmha__core clmha__core_user;
-CLMHA__HIDDEN extern const clmha__core clmha__core_fused;
-CLMHA__HIDDEN extern const clmha__core clmha__core_unfused;
 
 // The state of @p core (a row of the dispatch table) in @p layer: what its create() made, or NULL.
 CLMHA__HIDDEN void *clmha__core_state(const clmha_layer *layer, const clmha__core *core);

@@ -22,6 +22,8 @@ typedef clmha__arg arg;
 
 // ---- state --------------------------------------------------------------------------------------
 
+CLMHA__HIDDEN extern const clmha__core clmha__core_fused;  // this core, at the end of this file
+
 // The core's state in a layer: made with the layer, the kernel built on first use.
 typedef struct state {
     cl_kernel kernel;          // built on first use (clmha__layer_fused())
@@ -29,7 +31,9 @@ typedef struct state {
     clmha_status failed;       // why it cannot be built here (then not retried)
 } state;
 
-static state *state_of(const clmha_layer *l) { return clmha__core_state(l, &clmha__core_fused); }
+static state *state_of(const clmha_layer *l) {
+    return clmha__core_state(l, &clmha__core_fused);
+}
 
 static clmha_status create(clmha_layer *l, void **out) {
     *out = calloc(1, sizeof(state));

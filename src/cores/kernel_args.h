@@ -1,6 +1,7 @@
 // Kernel arguments and launches shared by the attention cores and the forward pass: kernel
-// creation, argument lists, 1-D launches, and the mask and dropout arguments that cl/cores/unfused.cl's
-// masked_softmax and cl/cores/fused.cl's fused_attention take in the same order.
+// creation, argument lists, 1-D launches, and the mask and dropout arguments that
+// cl/cores/unfused.cl's masked_softmax and cl/cores/fused.cl's fused_attention take in the same
+// order.
 #ifndef CLMHA_CORES_KERNEL_ARGS_H
 #define CLMHA_CORES_KERNEL_ARGS_H
 

@@ -19,6 +19,8 @@ typedef clmha__arg arg;
 #define ARG CLMHA__ARG
 #define MASK_ARGS CLMHA__MASK_ARGS
 
+CLMHA__HIDDEN extern const clmha__core clmha__core_unfused;  // this core, at the end of this file
+
 // The core's state in a layer.
 typedef struct state {
     cl_kernel masked_softmax;

@@ -5,6 +5,8 @@
 
 #include <math.h>
 
+CLMHA__HIDDEN extern const clmha__core clmha__core_user;  // this core, at the end of this file
+
 static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool *yes) {
     (void)call;
     *yes = l->core != NULL;
