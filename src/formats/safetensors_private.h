@@ -1,0 +1,33 @@
+// What the files of src/formats/ share about .safetensors files and no other module uses:
+// safetensors_header.c (parsing and checking the header), safetensors_layer.c (the layer a
+// parsed file describes) and safetensors_io.c (clmha_layer_load, clmha_layer_save).
+#ifndef CLMHA_FORMATS_SAFETENSORS_PRIVATE_H
+#define CLMHA_FORMATS_SAFETENSORS_PRIVATE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "clmha.h"
+
+#include "base/defs.h"
+
+// Longest quoted user string (tensor name, dtype, metadata value) put in a message.
+#define CLMHA__ST_QUOTE_MAX 64
+
+// The 8 bytes at @p p as a little-endian integer (the header length, an F64 value).
+static inline uint64_t clmha__st_le64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+    return v;
+}
+
+// "(2, 3)" for a shape of any rank up to CLMHA__ST_MAX_DIMS.
+CLMHA__HIDDEN const char *clmha__st_shape_text(char *buf, size_t size, size_t ndim,
+                                               const size_t *shape);
+
+// The message for a header length @p n over CLMHA__ST_MAX_HEADER, for the file @p name;
+// returns CLMHA_INVALID_FILE.
+CLMHA__HIDDEN clmha_status clmha__st_header_too_long(uint64_t n, const char *name, char *msg,
+                                                     size_t msg_size);
+
+#endif
