@@ -135,6 +135,11 @@ static const char *number_of(const cJSON *item, const number_text *nums, size_t 
     return p;
 }
 
+// The precision (%.*s) that quotes at most CLMHA__ST_QUOTE_MAX of a number's @p len characters.
+static int quote_len(size_t len) {
+    return (int)(len < CLMHA__ST_QUOTE_MAX ? len : CLMHA__ST_QUOTE_MAX);
+}
+
 // Reads a JSON number that must be a non-negative integer, exactly, from its text: digits
 // only, no sign, fraction or exponent, no leading zero (as JSON writes integers). Returns 0
 // when it is one, 1 when it is not, 2 when it is larger than SIZE_MAX. *text and *len get the
@@ -142,10 +147,15 @@ static const char *number_of(const cJSON *item, const number_text *nums, size_t 
 static int json_size(const cJSON *item, const number_text *nums, size_t *out, const char **text,
                      size_t *len) {
     const char *p = *text = number_of(item, nums, len);
-    if (!p || *len == 0 || (p[0] == '0' && *len > 1)) return 1;
+    if (!p || (*len > 1 && p[0] == '0')) return 1;
+    return clmha__st_digits(p, *len, out);
+}
+
+int clmha__st_digits(const char *p, size_t len, size_t *out) {
+    if (len == 0) return 1;
     size_t v = 0;
     bool big = false;
-    for (size_t i = 0; i < *len; ++i) {
+    for (size_t i = 0; i < len; ++i) {
         if (p[i] < '0' || p[i] > '9') return 1;
         size_t d = (size_t)(p[i] - '0');
         if (v > (SIZE_MAX - d) / 10) big = true;
@@ -254,8 +264,7 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
             return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                               "%s: dimension %zu of the shape of tensor \"%.*s\" is %.*s, not a "
                               "non-negative integer",
-                              name, ndim, CLMHA__ST_QUOTE_MAX, tn,
-                              (int)(len < CLMHA__ST_QUOTE_MAX ? len : CLMHA__ST_QUOTE_MAX), text);
+                              name, ndim, CLMHA__ST_QUOTE_MAX, tn, quote_len(len), text);
         if (r == 1)
             return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                               "%s: dimension %zu of the shape of tensor \"%.*s\" is not a "
@@ -265,8 +274,7 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
             return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
                               "%s: dimension %zu of the shape of tensor \"%.*s\" is too large "
                               "(%.*s)",
-                              name, ndim, CLMHA__ST_QUOTE_MAX, tn,
-                              (int)(len < CLMHA__ST_QUOTE_MAX ? len : CLMHA__ST_QUOTE_MAX), text);
+                              name, ndim, CLMHA__ST_QUOTE_MAX, tn, quote_len(len), text);
         t->shape[ndim++] = v;
         if (!clmha__mul(count, v, &count)) overflow = true;
     }
@@ -308,7 +316,7 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
                               "%s: the data_offsets of tensor \"%.*s\" point past the end of "
                               "the data section (%zu bytes): %s %.*s",
                               name, CLMHA__ST_QUOTE_MAX, tn, data_size, i ? "end" : "begin",
-                              (int)(len < CLMHA__ST_QUOTE_MAX ? len : CLMHA__ST_QUOTE_MAX), text);
+                              quote_len(len), text);
     }
     if (off[0] > off[1])
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,

@@ -68,14 +68,7 @@ static const char *const known_names[] = {
 // A positive decimal integer, digits only.
 static bool parse_count(const char *s, size_t *out) {
     size_t v = 0;
-    if (!*s) return false;
-    for (; *s; ++s) {
-        if (*s < '0' || *s > '9') return false;
-        size_t d = (size_t)(*s - '0');
-        if (v > (SIZE_MAX - d) / 10) return false;
-        v = v * 10 + d;
-    }
-    if (v == 0) return false;
+    if (clmha__st_digits(s, strlen(s), &v) != 0 || v == 0) return false;
     *out = v;
     return true;
 }
@@ -184,6 +177,20 @@ static clmha_status expect_shape(const clmha__st_tensor *t, size_t ndim, const s
                       clmha__st_shape_text(exp, sizeof exp, ndim, want));
 }
 
+// The tensors @p a and @p b (*ta, *tb; NULL when absent), which a layer has both of (when its
+// option @p option is True) or neither.
+static clmha_status expect_pair(const clmha__st_file *f, const char *a, const char *b,
+                                const char *option, const clmha__st_tensor **ta,
+                                const clmha__st_tensor **tb, const char *name, char *msg,
+                                size_t msg_size) {
+    *ta = clmha__safetensors_tensor(f, a);
+    *tb = clmha__safetensors_tensor(f, b);
+    if (!*ta == !*tb) return CLMHA_SUCCESS;
+    return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                      "%s: the file has %s but no %s; a layer has both (%s = True) or neither",
+                      name, *ta ? a : b, *ta ? b : a, option);
+}
+
 clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
                                      clmha_layer_desc *desc, char *msg, size_t msg_size) {
     if (!f || !desc) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "NULL argument");
@@ -264,23 +271,14 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
     }
 
     // Biases come in pairs.
-    const clmha__st_tensor *ib = clmha__safetensors_tensor(f, "in_proj_bias");
-    const clmha__st_tensor *ob = clmha__safetensors_tensor(f, "out_proj.bias");
-    if (!ib != !ob)
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: the file has %s but no %s; a layer has both (bias = True) or "
-                          "neither",
-                          name, ib ? "in_proj_bias" : "out_proj.bias",
-                          ib ? "out_proj.bias" : "in_proj_bias");
+    const clmha__st_tensor *ib, *ob, *bk, *bv;
+    if ((st = expect_pair(f, "in_proj_bias", "out_proj.bias", "bias", &ib, &ob, name, msg,
+                          msg_size)))
+        return st;
     if ((st = expect_shape(ib, 1, (size_t[]){three_e}, "(3E)", name, msg, msg_size))) return st;
     if ((st = expect_shape(ob, 1, (size_t[]){e}, "(E)", name, msg, msg_size))) return st;
-    const clmha__st_tensor *bk = clmha__safetensors_tensor(f, "bias_k");
-    const clmha__st_tensor *bv = clmha__safetensors_tensor(f, "bias_v");
-    if (!bk != !bv)
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: the file has %s but no %s; a layer has both (add_bias_kv = True) "
-                          "or neither",
-                          name, bk ? "bias_k" : "bias_v", bk ? "bias_v" : "bias_k");
+    if ((st = expect_pair(f, "bias_k", "bias_v", "add_bias_kv", &bk, &bv, name, msg, msg_size)))
+        return st;
     size_t want_kv[3] = {1, 1, e};
     if ((st = expect_shape(bk, 3, want_kv, "(1, 1, E)", name, msg, msg_size))) return st;
     if ((st = expect_shape(bv, 3, want_kv, "(1, 1, E)", name, msg, msg_size))) return st;

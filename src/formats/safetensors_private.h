@@ -21,6 +21,11 @@ static inline uint64_t clmha__st_le64(const unsigned char *p) {
     return v;
 }
 
+// Reads the @p len characters at @p p as a decimal integer: digits only (no sign, no space).
+// Returns 0 and sets *out when they are one, 1 when they are not (or len is 0), 2 when it is
+// larger than SIZE_MAX (*out untouched then).
+CLMHA__HIDDEN int clmha__st_digits(const char *p, size_t len, size_t *out);
+
 // "(2, 3)" for a shape of any rank up to CLMHA__ST_MAX_DIMS.
 CLMHA__HIDDEN const char *clmha__st_shape_text(char *buf, size_t size, size_t ndim,
                                                const size_t *shape);
