@@ -166,14 +166,6 @@ int clmha__st_digits(const char *p, size_t len, size_t *out) {
     return 0;
 }
 
-const char *clmha__st_shape_text(char *buf, size_t size, size_t ndim, const size_t *shape) {
-    size_t used = (size_t)snprintf(buf, size, "(");
-    for (size_t i = 0; i < ndim && used < size; ++i)
-        used += (size_t)snprintf(buf + used, size - used, i ? ", %zu" : "%zu", shape[i]);
-    if (used < size) snprintf(buf + used, size - used, ndim == 1 ? ",)" : ")");
-    return buf;
-}
-
 static int compare_strings(const void *a, const void *b) {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }

@@ -10,6 +10,8 @@
 #include "clmha.h"
 
 #include "base/defs.h"
+#include "base/message.h"
+#include "formats/safetensors.h"
 
 // Longest quoted user string (tensor name, dtype, metadata value) put in a message.
 #define CLMHA__ST_QUOTE_MAX 64
@@ -27,8 +29,10 @@ static inline uint64_t clmha__st_le64(const unsigned char *p) {
 CLMHA__HIDDEN int clmha__st_digits(const char *p, size_t len, size_t *out);
 
 // "(2, 3)" for a shape of any rank up to CLMHA__ST_MAX_DIMS.
-CLMHA__HIDDEN const char *clmha__st_shape_text(char *buf, size_t size, size_t ndim,
-                                               const size_t *shape);
+static inline const char *clmha__st_shape_text(char *buf, size_t size, size_t ndim,
+                                               const size_t *shape) {
+    return clmha__shape_str_most(buf, size, ndim, shape, CLMHA__ST_MAX_DIMS);
+}
 
 // The message for a header length @p n over CLMHA__ST_MAX_HEADER, for the file @p name;
 // returns CLMHA_INVALID_FILE.
