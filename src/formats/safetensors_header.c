@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-// ---- parsing ------------------------------------------------------------------------------
+// ---- dtypes, the header's text ------------------------------------------------------------
 
 static size_t dtype_size(clmha__st_dtype dtype) {
     return dtype == CLMHA__ST_F16 ? 2 : dtype == CLMHA__ST_F32 ? 4 : 8;

@@ -19,7 +19,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-// ---- files --------------------------------------------------------------------------------
+// ---- loading ------------------------------------------------------------------------------
 
 static void errno_text(int err, char *buf, size_t size) {
     if (strerror_r(err, buf, size) != 0) snprintf(buf, size, "error %d", err);

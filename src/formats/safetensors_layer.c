@@ -14,7 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
-// ---- conversion ---------------------------------------------------------------------------
+// ---- tensor data as floats ----------------------------------------------------------------
 
 static float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31;
@@ -59,7 +59,7 @@ void clmha__safetensors_to_float(const clmha__st_tensor *t, float *out) {
     }
 }
 
-// ---- the layer a file describes -----------------------------------------------------------
+// ---- the descriptor -----------------------------------------------------------------------
 
 static const char *const known_names[] = {
     "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
