@@ -17,4 +17,8 @@ CLMHA__HIDDEN clmha_status clmha__msg(char *msg, size_t size, clmha_status statu
 CLMHA__HIDDEN const char *clmha__shape_str(char *buf, size_t size, size_t ndim,
                                            const size_t *shape);
 
+// The same, with at most @p most dimensions shown.
+CLMHA__HIDDEN const char *clmha__shape_str_most(char *buf, size_t size, size_t ndim,
+                                                const size_t *shape, size_t most);
+
 #endif

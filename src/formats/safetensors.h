@@ -1,4 +1,7 @@
-// Reading and checking .safetensors layer files, without OpenCL (so that it can be fuzzed).
+// Reading and checking .safetensors layer files, without OpenCL (so that it can be fuzzed):
+// safetensors_header.c parses and checks a file (clmha__safetensors_parse, _free, the lookups),
+// safetensors_layer.c derives its layer (clmha__safetensors_desc, _to_float). clmha_layer_load()
+// and clmha_layer_save() (include/clmha.h) are in safetensors_io.c.
 //
 // The format: an 8-byte little-endian header length N, then N bytes of JSON (an object, padded
 // with trailing spaces), then the data section. Each key of the object other than

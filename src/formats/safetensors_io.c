@@ -1,0 +1,320 @@
+// Layer files through a context: clmha_layer_load() reads a .safetensors file, checks it
+// (clmha__safetensors_parse(), clmha__safetensors_desc()), creates the layer and sets its
+// parameters; clmha_layer_save() writes the layer's parameters as F32 tensors, all or nothing (a
+// temporary file renamed over the destination).
+#define _POSIX_C_SOURCE 200809L
+
+#include "formats/safetensors.h"
+
+#include "base/checked.h"
+#include "base/file_write.h"
+#include "errors/errors.h"
+#include "formats/safetensors_private.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+// ---- loading ------------------------------------------------------------------------------
+
+static void errno_text(int err, char *buf, size_t size) {
+    if (strerror_r(err, buf, size) != 0) snprintf(buf, size, "error %d", err);
+}
+
+// Reads the whole file at @p path into a malloc'd buffer.
+static clmha_status read_file(const clmha_context *ctx, const char *path, unsigned char **out,
+                              size_t *out_size) {
+    char why[256];
+    clmha_status st = CLMHA_SUCCESS;
+    unsigned char *buf = NULL;
+    *out = NULL;
+    *out_size = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        errno_text(errno, why, sizeof why);
+        return clmha__fail(ctx, CLMHA_IO_ERROR, "cannot open %s: %s", path, why);
+    }
+    struct stat sb;
+    if (fstat(fileno(f), &sb) != 0) {
+        errno_text(errno, why, sizeof why);
+        st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot read %s: %s", path, why);
+        goto fail;
+    }
+    if (S_ISDIR(sb.st_mode)) {
+        st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot read %s: it is a directory", path);
+        goto fail;
+    }
+    // The header's length first: a header longer than a layer's can be is refused before the
+    // file is read or a buffer sized for it.
+    unsigned char head[8];
+    size_t size = fread(head, 1, sizeof head, f);
+    if (size == sizeof head && clmha__st_le64(head) > CLMHA__ST_MAX_HEADER) {
+        char msg[CLMHA__ERROR_SIZE];
+        st = clmha__fail(
+            ctx, clmha__st_header_too_long(clmha__st_le64(head), path, msg, sizeof msg), "%s", msg);
+        goto fail;
+    }
+    // Regular files: their size, plus one byte to see the end. Others: grown as they come.
+    size_t cap = 4096;
+    if (S_ISREG(sb.st_mode) && sb.st_size >= 0) {
+        if ((uintmax_t)sb.st_size >= SIZE_MAX) {
+            st = clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "%s is too large to read (%jd bytes)",
+                             path, (intmax_t)sb.st_size);
+            goto fail;
+        }
+        cap = (size_t)sb.st_size + 1;
+    }
+    if (cap < sizeof head) cap = sizeof head;
+    buf = malloc(cap);
+    if (!buf) {
+        st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory (%zu bytes)", path,
+                         cap);
+        goto fail;
+    }
+    memcpy(buf, head, size);
+    for (;;) {
+        size += fread(buf + size, 1, cap - size, f);
+        if (size < cap) break;  // end of file or error
+        if (cap > SIZE_MAX / 2) {
+            st = clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "%s is too large to read", path);
+            goto fail;
+        }
+        unsigned char *grown = realloc(buf, cap * 2);
+        if (!grown) {
+            st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory (%zu bytes)",
+                             path, cap * 2);
+            goto fail;
+        }
+        buf = grown;
+        cap *= 2;
+    }
+    if (ferror(f)) {
+        errno_text(errno, why, sizeof why);
+        st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot read %s: %s", path, why);
+        goto fail;
+    }
+    fclose(f);
+    *out = buf;
+    *out_size = size;
+    return CLMHA_SUCCESS;
+fail:
+    free(buf);
+    fclose(f);
+    return st;
+}
+
+// Re-records the context's last message prefixed with the path.
+static clmha_status fail_with_path(clmha_context *ctx, clmha_status st, const char *path) {
+    char prev[CLMHA__ERROR_SIZE];
+    snprintf(prev, sizeof prev, "%s", clmha_context_last_error(ctx));
+    return clmha__fail(ctx, st, "%s: %s", path, prev);
+}
+
+clmha_status clmha_layer_load(clmha_layer **out, clmha_context *ctx, const char *path) {
+    if (!out) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "out is NULL");
+    *out = NULL;
+    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
+    if (!path) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "path is NULL");
+
+    unsigned char *bytes = NULL;
+    size_t size = 0;
+    clmha__st_file file = {0};
+    clmha_layer *layer = NULL;
+    float *values = NULL;
+    clmha_layer_desc desc;
+    char msg[CLMHA__ERROR_SIZE];
+    clmha_status st = read_file(ctx, path, &bytes, &size);
+    if (st) goto fail;
+    if ((st = clmha__safetensors_parse(bytes, size, path, &file, msg, sizeof msg)) ||
+        (st = clmha__safetensors_desc(&file, path, &desc, msg, sizeof msg))) {
+        st = clmha__fail(ctx, st, "%s", msg);
+        goto fail;
+    }
+
+    size_t most = 1;
+    for (size_t i = 0; i < file.tensor_count; ++i)
+        if (file.tensors[i].count > most) most = file.tensors[i].count;
+    size_t bytes_needed = 0;  // fits: the desc check bounds every parameter's size
+    if (!clmha__mul(most, sizeof *values, &bytes_needed)) {
+        st = clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "%s: a tensor is too large", path);
+        goto fail;
+    }
+    values = malloc(bytes_needed);
+    if (!values) {
+        st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", path);
+        goto fail;
+    }
+    if ((st = clmha_layer_create(&layer, ctx, &desc))) {
+        st = fail_with_path(ctx, st, path);
+        goto fail;
+    }
+    for (size_t i = 0; i < file.tensor_count; ++i) {
+        const clmha__st_tensor *t = &file.tensors[i];
+        clmha__safetensors_to_float(t, values);
+        if ((st = clmha_layer_set_parameter(layer, t->name, values, t->count))) {
+            st = fail_with_path(ctx, st, path);
+            goto fail;
+        }
+    }
+    *out = layer;
+    layer = NULL;
+fail:
+    clmha_layer_release(layer);
+    free(values);
+    clmha__safetensors_free(&file);
+    free(bytes);
+    return st;
+}
+
+// ---- saving -------------------------------------------------------------------------------
+
+// Appends to a fixed buffer; false when it does not fit.
+static bool append(char *buf, size_t size, size_t *used, const char *fmt, ...)
+    CLMHA__PRINTF(4, 5);
+static bool append(char *buf, size_t size, size_t *used, const char *fmt, ...) {
+    if (*used >= size) return false;
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf + *used, size - *used, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= size - *used) return false;
+    *used += (size_t)n;
+    return true;
+}
+
+// %.9g of a float with '.' as the decimal point whatever the C locale.
+static void float_text(float v, char *buf, size_t size) {
+    char raw[64];
+    snprintf(raw, sizeof raw, "%.9g", (double)v);
+    size_t o = 0;
+    bool in_point = false;
+    for (const char *p = raw; *p && o + 1 < size; ++p) {
+        bool plain = (*p >= '0' && *p <= '9') || *p == 'e' || *p == '-' || *p == '+';
+        if (plain) buf[o++] = *p;
+        else if (!in_point) buf[o++] = '.';
+        in_point = !plain;
+    }
+    buf[o] = '\0';
+}
+
+typedef struct save_entry {
+    const char *name;
+    size_t ndim;
+    size_t shape[3];
+    size_t count;
+} save_entry;
+
+// What clmha_layer_save writes: the header's length (8 bytes, little-endian), the header and
+// the tensors' floats (already little-endian).
+typedef struct safetensors_out {
+    const char *header;
+    size_t header_len;
+    const float *data;
+    size_t count;
+} safetensors_out;
+
+static bool write_safetensors(FILE *f, void *user, char *why, size_t why_size) {
+    (void)why, (void)why_size;  // errno says why
+    const safetensors_out *o = user;
+    unsigned char len_bytes[8];
+    for (int i = 0; i < 8; ++i)
+        len_bytes[i] = (unsigned char)((uint64_t)o->header_len >> (8 * i));
+    return fwrite(len_bytes, 1, 8, f) == 8 &&
+           fwrite(o->header, 1, o->header_len, f) == o->header_len &&
+           fwrite(o->data, sizeof *o->data, o->count, f) == o->count;
+}
+
+clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    clmha_context *ctx = clmha_layer_context(layer);
+    if (!path) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "path is NULL");
+    if (!*path) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "path is empty");
+
+    clmha_status st = CLMHA_SUCCESS;
+    float *data = NULL;
+
+    clmha_layer_desc d = {.struct_size = sizeof d};
+    clmha_layer_get_desc(layer, &d);
+    size_t e = d.embed_dim;
+    save_entry list[8];
+    size_t n = 0;
+    if (d.kdim == e && d.vdim == e) {
+        list[n++] = (save_entry){"in_proj_weight", 2, {3 * e, e}, 0};
+    } else {
+        list[n++] = (save_entry){"q_proj_weight", 2, {e, e}, 0};
+        list[n++] = (save_entry){"k_proj_weight", 2, {e, d.kdim}, 0};
+        list[n++] = (save_entry){"v_proj_weight", 2, {e, d.vdim}, 0};
+    }
+    if (d.bias) list[n++] = (save_entry){"in_proj_bias", 1, {3 * e}, 0};
+    list[n++] = (save_entry){"out_proj.weight", 2, {e, e}, 0};
+    if (d.bias) list[n++] = (save_entry){"out_proj.bias", 1, {e}, 0};
+    if (d.add_bias_kv) {
+        list[n++] = (save_entry){"bias_k", 3, {1, 1, e}, 0};
+        list[n++] = (save_entry){"bias_v", 3, {1, 1, e}, 0};
+    }
+    // The layer exists, so its parameters fit in memory: these sums do not overflow.
+    size_t total = 0;
+    for (size_t i = 0; i < n; ++i) {
+        list[i].count = clmha_layer_parameter_count(layer, list[i].name);
+        total += list[i].count;
+    }
+
+    // Header.
+    char header[2048], dropout[64];
+    size_t used = 0, offset = 0;
+    float_text(d.dropout, dropout, sizeof dropout);
+    bool ok = append(header, sizeof header, &used,
+                     "{\"__metadata__\":{\"format\":\"pt\",\"num_heads\":\"%zu\","
+                     "\"batch_first\":\"%s\",\"add_zero_attn\":\"%s\",\"dropout\":\"%s\"}",
+                     d.num_heads, d.batch_first ? "true" : "false",
+                     d.add_zero_attn ? "true" : "false", dropout);
+    for (size_t i = 0; i < n && ok; ++i) {
+        const save_entry *s = &list[i];
+        ok = append(header, sizeof header, &used, ",\"%s\":{\"dtype\":\"F32\",\"shape\":[",
+                    s->name);
+        for (size_t k = 0; k < s->ndim && ok; ++k)
+            ok = append(header, sizeof header, &used, k ? ",%zu" : "%zu", s->shape[k]);
+        ok = ok && append(header, sizeof header, &used, "],\"data_offsets\":[%zu,%zu]}", offset,
+                          offset + s->count * sizeof(float));
+        offset += s->count * sizeof(float);
+    }
+    ok = ok && append(header, sizeof header, &used, "}");
+    while (ok && used % 8 != 0) ok = append(header, sizeof header, &used, " ");
+    if (!ok) {  // cannot happen: the names are fixed and the numbers short
+        st = clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s: header too long", path);
+        goto fail;
+    }
+
+    // Data, as little-endian float32.
+    data = malloc((total ? total : 1) * sizeof *data);
+    if (!data) {
+        st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", path);
+        goto fail;
+    }
+    for (size_t i = 0, at = 0; i < n; at += list[i].count, ++i)
+        if ((st = clmha_layer_get_parameter(layer, list[i].name, data + at, list[i].count))) {
+            st = fail_with_path(ctx, st, path);
+            goto fail;
+        }
+    const uint32_t one = 1;
+    if (*(const unsigned char *)&one != 1) {  // big-endian host: swap every float
+        unsigned char *p = (unsigned char *)data;
+        for (size_t i = 0; i < total; ++i, p += 4) {
+            unsigned char t0 = p[0], t1 = p[1];
+            p[0] = p[3], p[1] = p[2], p[2] = t1, p[3] = t0;
+        }
+    }
+
+    // All or nothing: a temporary file next to the destination, renamed over it.
+    safetensors_out o = {.header = header, .header_len = used, .data = data, .count = total};
+    char msg[CLMHA__ERROR_SIZE - 64];
+    if ((st = clmha__file_write_whole(path, write_safetensors, &o, msg, sizeof msg)))
+        st = clmha__fail(ctx, st, "%s", msg);
+fail:
+    free(data);
+    return st;
+}
