@@ -158,7 +158,7 @@ extern "C" {
     X(OPENCL_ERROR, -8, "an OpenCL call failed")                                               \
     X(BLAS_ERROR, -9, "a CLBlast call failed")                                                 \
     X(SIZE_OVERFLOW, -10, "tensor sizes overflow")                                             \
-    X(NOT_READY, -11, "layer parameter missing")                                               \
+    X(NOT_READY, -11, "nothing to return yet")                                                 \
     X(CALLBACK_FAILED, -12, "the user-supplied attention core failed")                         \
     X(IO_ERROR, -13, "file could not be read or written")                                      \
     X(INVALID_FILE, -14, "file is malformed or of an unsupported kind")
@@ -210,8 +210,9 @@ typedef enum clmha_status {
 /// @var CLMHA_SIZE_OVERFLOW
 /// -10: a size product (tensor elements, parameter, scratch or file size) does not fit in size_t.
 /// @var CLMHA_NOT_READY
-/// -11: reserved; no function returns it at present (parameters start at zero, so a new layer
-/// can run at once).
+/// -11: there is nothing to return yet: clmha_context_tuning_export() when no tuning is applied
+/// on the device in this process (CLBlast's own parameters are in use). No other function returns
+/// it (a new layer's parameters start at zero, so it can run at once).
 /// @var CLMHA_CALLBACK_FAILED
 /// -12: the user attention core (clmha_layer_set_attention()) returned a status other than
 /// ::CLMHA_SUCCESS; the message names that status.
