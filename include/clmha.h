@@ -186,11 +186,14 @@ typedef enum clmha_status {
 /// -3: a mask has an unknown kind, a tensor or `per_batch` but kind ::CLMHA_MASK_NONE, a shape
 /// that fits none of its layouts, or `per_batch` where it does not apply.
 /// @var CLMHA_UNSUPPORTED
-/// -4: the device, queue or tuning cannot do it (e.g. clmha_layer_set_profiling() on a queue
-/// without CL_QUEUE_PROFILING_ENABLE, ::CLMHA_IMPL_FUSED where the fused kernel cannot be
-/// built), or a
-/// struct's struct_size is larger than this library's struct and sets a byte past it: the
-/// caller was built against a newer clmha and uses a field this one does not have.
+/// -4: the device, queue or tuning cannot do it: clmha_layer_set_profiling() on a queue
+/// without CL_QUEUE_PROFILING_ENABLE; ::CLMHA_IMPL_FUSED where the fused kernel cannot be
+/// built (clmha_layer_forward(), clmha_layer_forward_host(), clmha_layer_bake());
+/// clmha_context_tuning_import() of a tuning for another device, driver or CLBlast version.
+/// Or a struct's struct_size is larger than this library's struct and sets a byte past it: the
+/// caller was built against a newer clmha and uses a field this one does not have
+/// (clmha_layer_create(), clmha_layer_output_counts(), clmha_layer_forward(),
+/// clmha_layer_forward_host(), clmha_context_tune(), clmha_reference_forward()).
 /// @var CLMHA_DEVICE_NOT_FOUND
 /// -5: no OpenCL device is installed, or none matches the device spec.
 /// @var CLMHA_OUT_OF_MEMORY
@@ -701,7 +704,8 @@ CLMHA_API size_t clmha_layer_parameter_count(const clmha_layer *layer, const cha
 /// @param[in] need_weights  whether later calls may ask for weights (the warm-up pass then
 ///                          produces averaged weights through the unfused core)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, a zero size, @p need_weights on
-///         a layer set to ::CLMHA_IMPL_FUSED),
+///         a layer set to ::CLMHA_IMPL_FUSED), ::CLMHA_UNSUPPORTED (a layer set to
+///         ::CLMHA_IMPL_FUSED where the fused core cannot be built, see ::clmha_impl),
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len,
@@ -997,7 +1001,8 @@ CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also for a buffer that is NULL, of
 ///         another context, too small or write-only as above, for @p num_wait and
 ///         @p wait_list disagreeing, and for args->struct_size 0 or too small),
-///         ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field),
+///         ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field;
+///         ::CLMHA_IMPL_FUSED where the fused core cannot be built, see ::clmha_impl),
 ///         ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
@@ -1020,8 +1025,8 @@ CLMHA_API clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forwa
 ///                            (0 without need_weights)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also for a missing `data` pointer or
 ///         array, and for args->struct_size 0 or too small), ::CLMHA_UNSUPPORTED (@p args from
-///         a newer header, using a newer field), ::CLMHA_SHAPE_MISMATCH (also for a wrong
-///         count), ::CLMHA_INVALID_MASK,
+///         a newer header, using a newer field; ::CLMHA_IMPL_FUSED where the fused core cannot
+///         be built), ::CLMHA_SHAPE_MISMATCH (also for a wrong count), ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
