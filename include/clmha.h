@@ -1079,7 +1079,8 @@ CLMHA_API clmha_status clmha_layer_stage_times(clmha_layer *layer,
 
 /// A short name of a stage.
 /// @param[in] stage  any value
-/// @return "project", "split", "scores", "softmax", "av", "merge", "out_proj" or "weights", or
+/// @return "project", "split", "scores", "softmax", "av", "fused", "merge", "out_proj" or
+///         "weights" (in ::clmha_stage order), or
 ///         "?" for a value that is not a stage (including ::CLMHA_STAGE_COUNT). A static string.
 CLMHA_API const char *clmha_stage_name(clmha_stage stage);
 
