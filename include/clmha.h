@@ -360,9 +360,10 @@ CLMHA_API clmha_status clmha_context_create_from_env(clmha_context **out);
 /// fails). The cl_context, the device and the queue are retained while the clmha context lives
 /// and released by its last clmha_context_release() (retaining a root device is a no-op; a
 /// sub-device is kept alive). The caller keeps its own references,
-/// and its own work on the queue is ordered with clmha's. Releasing the last reference also
-/// clears CLBlast's process-wide program cache (whose programs hold references to the
-/// cl_context), so the caller's reference counts return to where they were.
+/// and its own work on the queue is ordered with clmha's. CLBlast's process-wide program cache
+/// holds references to the cl_context too; it is cleared when the last clmha context of the
+/// process is released, so the caller's reference counts return to where they were once no
+/// clmha context is left (see clmha_context_release()).
 /// @param[out] out      the new context, or NULL on failure (see clmha_last_create_error())
 /// @param[in]  context  the caller's OpenCL context
 /// @param[in]  device   a device of @p context
@@ -384,9 +385,12 @@ CLMHA_API const char *clmha_last_create_error(void);
 CLMHA_API void clmha_context_retain(clmha_context *ctx);
 
 /// Drops a reference (thread-safe). The last one waits for the context's queue to finish
-/// (clFinish), frees the context and its programs, releases its OpenCL objects, and clears
-/// CLBlast's process-wide program cache (other contexts then recompile their GEMM kernels on
-/// next use). A context therefore lives until its last layer is released.
+/// (clFinish), frees the context and its programs and releases its OpenCL objects. When it was
+/// the last clmha context alive in the process, it also clears CLBlast's process-wide program
+/// cache (CLBlastClearCache(): the compiled GEMM programs, which hold references to their
+/// cl_context); while other clmha contexts live, the cache is left alone, so they keep their
+/// compiled GEMM kernels. A failed context creation clears nothing process-wide. A context
+/// therefore lives until its last layer is released.
 /// @param[in] ctx  the context (NULL is ignored)
 CLMHA_API void clmha_context_release(clmha_context *ctx);
 
