@@ -366,6 +366,28 @@ Test(faults, build_failure_carries_the_build_log, .fini = clear_hook, .timeout =
     clmha_context_release(ctx);
 }
 
+// Options past any fixed buffer are passed whole (they were cut at 512 bytes, while the cache
+// key held them whole): the failing define at their end must reach the compiler.
+Test(faults, long_build_options_are_not_cut, .fini = clear_hook, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    static char extra[2048];
+    size_t used = 0;
+    for (int i = 0; used < 1200; ++i)
+        used += (size_t)snprintf(extra + used, sizeof extra - used, "-DCLMHA_PAD_%03d=1 ", i);
+    snprintf(extra + used, sizeof extra - used, "-DCLMHA_FORCE_BUILD_ERROR");
+    clmha__test_set_extra_build_options(extra);
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer *layer = NULL;
+    clmha_status st = clmha_layer_create(&layer, ctx, &desc);
+    const char *msg = clmha_context_last_error(ctx);
+    cr_expect_eq(st, CLMHA_BUILD_FAILED, "%zu bytes of options: %s: %s", strlen(extra),
+                 clmha_status_string(st), msg);
+    cr_expect(strstr(msg, "forced by the test hook") != NULL, "%s", msg);
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+}
+
 // ---- (c) no OpenCL platform at all --------------------------------------------------------------
 
 // A copy of the environment with OCL_ICD_VENDORS = @p vendors (an empty folder, so the ICD loader
