@@ -573,7 +573,8 @@ CLMHA_API clmha_status clmha_context_tuning_export(const clmha_context *ctx, cha
 ///         that break CLBlast's constraints or the device's limits), ::CLMHA_UNSUPPORTED (a
 ///         tuning for another platform, device or driver version; or one with CLBlast kernels
 ///         whose "clblast" version is not the one clmha was built with, or is missing),
-///         ::CLMHA_BLAS_ERROR
+///         ::CLMHA_BLAS_ERROR, ::CLMHA_OUT_OF_MEMORY (the tuning could not be recorded: nothing
+///         applied)
 CLMHA_API clmha_status clmha_context_tuning_import(clmha_context *ctx, const char *json);
 
 /// One line saying which GEMM tuning is in effect for the device of @p ctx and why: "stored

@@ -18,6 +18,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <clblast_c.h>
+
 #include "context/context.h"
 #include "context/programs.h"
 #include "support_internal.h"
@@ -385,6 +387,36 @@ Test(faults, long_build_options_are_not_cut, .fini = clear_hook, .timeout = 600)
                  clmha_status_string(st), msg);
     cr_expect(strstr(msg, "forced by the test hook") != NULL, "%s", msg);
     clmha_layer_release(layer);
+    clmha_context_release(ctx);
+}
+
+// A device the tuning registry cannot take (as when it cannot grow) is said so in the note,
+// and an import is refused rather than applied where export and the note cannot see it.
+static void clear_registry_limit(void) { clmha__test_set_tuning_registry_limit(SIZE_MAX); }
+
+Test(faults, tuning_registry_that_cannot_record_says_so, .fini = clear_registry_limit,
+     .timeout = 600) {
+    clmha__test_set_tuning_registry_limit(0);
+    clmha_context *ctx = context_or_skip();
+    char note[1024] = "";
+    cr_assert_eq(clmha_context_tuning_note(ctx, note, sizeof note), CLMHA_SUCCESS);
+    cr_expect(strstr(note, "could not record") != NULL, "note: %s", note);
+    clmha_device_info info = {.struct_size = sizeof info};
+    char msg[512];
+    cr_assert_eq(clmha_device_select(getenv("CLMHA_DEVICE"), &info, msg, sizeof msg), 0);
+    char json[4096];
+    snprintf(json, sizeof json,
+             "{\"format\": \"clmha-gemm-tuning\", \"version\": 1, \"platform\": \"%s\", "
+             "\"device\": \"%s\", \"driver\": \"%s\", \"clblast\": \"%d.%d.%d\", "
+             "\"precision\": \"float32\", "
+             "\"kernels\": {\"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": 448}}}",
+             info.platform_name, info.device_name, info.driver_version, CLBLAST_VERSION_MAJOR,
+             CLBLAST_VERSION_MINOR, CLBLAST_VERSION_PATCH);
+    clmha_status st = clmha_context_tuning_import(ctx, json);
+    cr_expect_eq(st, CLMHA_OUT_OF_MEMORY, "import: %s: %s", clmha_status_string(st),
+                 clmha_context_last_error(ctx));
+    size_t needed = 0;
+    cr_expect_eq(clmha_context_tuning_export(ctx, NULL, 0, &needed), CLMHA_NOT_READY);
     clmha_context_release(ctx);
 }
 
