@@ -420,6 +420,23 @@ Test(faults, tuning_registry_that_cannot_record_says_so, .fini = clear_registry_
     clmha_context_release(ctx);
 }
 
+// CLBlast's statuses are named in messages, their number kept (no forced CLBlast failure is
+// at hand, so the naming function itself is checked, and one message through it).
+Test(faults, clblast_statuses_have_names) {
+    const char *text = NULL;
+    cr_expect_str_eq(clmha__blas_status_name(-2046, &text), "CLBlastInvalidLocalMemUsage");
+    cr_expect_str_eq(text, "not enough local memory");
+    cr_expect_str_eq(clmha__blas_status_name(-2041, NULL), "CLBlastDatabaseError");
+    cr_expect_str_eq(clmha__blas_status_name(-1017, NULL), "CLBlastInvalidDimension");
+    cr_expect_str_eq(clmha__blas_status_name(-1007, NULL), "CLBlastInsufficientMemoryY");
+    cr_expect_str_eq(clmha__blas_status_name(-2039, NULL), "CLBlastUnexpectedError");
+    cr_expect_str_eq(clmha__blas_status_name(-3000, &text), "CLBlast status ?");
+    cr_expect_eq(clmha__blas_fail(NULL, -2050, "CLBlastSgemm"), CLMHA_BLAS_ERROR);
+    const char *msg = clmha_last_create_error();
+    cr_expect(strstr(msg, "-2050") != NULL && strstr(msg, "CLBlastInsufficientMemoryTemp"),
+              "%s", msg);
+}
+
 // ---- (c) no OpenCL platform at all --------------------------------------------------------------
 
 // A copy of the environment with OCL_ICD_VENDORS = @p vendors (an empty folder, so the ICD loader

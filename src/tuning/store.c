@@ -132,15 +132,6 @@ bool clmha__tuning_fused(cl_device_id device, size_t fused[CLMHA__FUSED_PARAMS])
 
 // ---- applying ----------------------------------------------------------------------------------
 
-static const char *blast_status_text(int st) {
-    switch (st) {
-    case CLBlastInvalidOverrideKernel: return "invalid kernel name";
-    case CLBlastMissingOverrideParameter: return "missing parameter";
-    case CLBlastDatabaseError: return "no database entry";
-    default: return "see clblast_c.h";
-    }
-}
-
 // Overrides one kernel; no registry update.
 static clmha_status override(const clmha__tuning_target *tg, const char *kernel, size_t count,
                              const char *const *names, const size_t *values) {
@@ -149,7 +140,7 @@ static clmha_status override(const clmha__tuning_target *tg, const char *kernel,
     if (st != CLBlastSuccess)
         return clmha__fail(tg->owner, CLMHA_BLAS_ERROR,
                            "CLBlastOverrideParameters(%s) failed: CLBlast status %d (%s)", kernel,
-                           st, blast_status_text(st));
+                           st, clmha__blas_status_name(st, NULL));
     return CLMHA_SUCCESS;
 }
 
