@@ -38,7 +38,12 @@ endforeach()
 # clmha::clmha_static the static one, clmha::clmha_cli the program.
 set_target_properties(clmha PROPERTIES EXPORT_NAME clmha)
 set_target_properties(clmha_static PROPERTIES EXPORT_NAME clmha_static)
-set_target_properties(clmha_cli PROPERTIES EXPORT_NAME clmha_cli)
+if(TARGET clmha_cli)  # CLMHA_BUILD_CLI
+  set_target_properties(clmha_cli PROPERTIES EXPORT_NAME clmha_cli)
+  set(_clmha_install_targets clmha clmha_static clmha_cli)
+else()
+  set(_clmha_install_targets clmha clmha_static)
+endif()
 
 # The installed program finds the installed shared library next to it, wherever the prefix is.
 if(IS_ABSOLUTE "${CMAKE_INSTALL_LIBDIR}" OR IS_ABSOLUTE "${CMAKE_INSTALL_BINDIR}")
@@ -52,7 +57,9 @@ else()
     set(_clmha_rpath "$ORIGIN/${_clmha_rel}")
   endif()
 endif()
-set_target_properties(clmha_cli PROPERTIES INSTALL_RPATH "${_clmha_rpath}")
+if(TARGET clmha_cli)
+  set_target_properties(clmha_cli PROPERTIES INSTALL_RPATH "${_clmha_rpath}")
+endif()
 
 # clmha_objects (the OBJECT library both libraries are linked from) is not installed or exported:
 # the libraries take its objects through $<TARGET_OBJECTS:clmha_objects>, which is not a link
@@ -61,7 +68,7 @@ set_target_properties(clmha_cli PROPERTIES INSTALL_RPATH "${_clmha_rpath}")
 
 # ---- targets, headers, CMake package -----------------------------------------------------------
 
-install(TARGETS clmha clmha_static clmha_cli
+install(TARGETS ${_clmha_install_targets}
   EXPORT clmhaTargets
   RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}" COMPONENT runtime
   LIBRARY DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT runtime

@@ -158,7 +158,7 @@ extern "C" {
     X(OPENCL_ERROR, -8, "an OpenCL call failed")                                               \
     X(BLAS_ERROR, -9, "a CLBlast call failed")                                                 \
     X(SIZE_OVERFLOW, -10, "tensor sizes overflow")                                             \
-    X(NOT_READY, -11, "layer parameter missing")                                               \
+    X(NOT_READY, -11, "nothing to return yet")                                                 \
     X(CALLBACK_FAILED, -12, "the user-supplied attention core failed")                         \
     X(IO_ERROR, -13, "file could not be read or written")                                      \
     X(INVALID_FILE, -14, "file is malformed or of an unsupported kind")
@@ -186,11 +186,14 @@ typedef enum clmha_status {
 /// -3: a mask has an unknown kind, a tensor or `per_batch` but kind ::CLMHA_MASK_NONE, a shape
 /// that fits none of its layouts, or `per_batch` where it does not apply.
 /// @var CLMHA_UNSUPPORTED
-/// -4: the device, queue or tuning cannot do it (e.g. clmha_layer_set_profiling() on a queue
-/// without CL_QUEUE_PROFILING_ENABLE, ::CLMHA_IMPL_FUSED where the fused kernel cannot be
-/// built), or a
-/// struct's struct_size is larger than this library's struct and sets a byte past it: the
-/// caller was built against a newer clmha and uses a field this one does not have.
+/// -4: the device, queue or tuning cannot do it: clmha_layer_set_profiling() on a queue
+/// without CL_QUEUE_PROFILING_ENABLE; ::CLMHA_IMPL_FUSED where the fused kernel cannot be
+/// built (clmha_layer_forward(), clmha_layer_forward_host(), clmha_layer_bake());
+/// clmha_context_tuning_import() of a tuning for another device, driver or CLBlast version.
+/// Or a struct's struct_size is larger than this library's struct and sets a byte past it: the
+/// caller was built against a newer clmha and uses a field this one does not have
+/// (clmha_layer_create(), clmha_layer_output_counts(), clmha_layer_forward(),
+/// clmha_layer_forward_host(), clmha_context_tune(), clmha_reference_forward()).
 /// @var CLMHA_DEVICE_NOT_FOUND
 /// -5: no OpenCL device is installed, or none matches the device spec.
 /// @var CLMHA_OUT_OF_MEMORY
@@ -210,8 +213,9 @@ typedef enum clmha_status {
 /// @var CLMHA_SIZE_OVERFLOW
 /// -10: a size product (tensor elements, parameter, scratch or file size) does not fit in size_t.
 /// @var CLMHA_NOT_READY
-/// -11: reserved; no function returns it at present (parameters start at zero, so a new layer
-/// can run at once).
+/// -11: there is nothing to return yet: clmha_context_tuning_export() when no tuning is applied
+/// on the device in this process (CLBlast's own parameters are in use). No other function returns
+/// it (a new layer's parameters start at zero, so it can run at once).
 /// @var CLMHA_CALLBACK_FAILED
 /// -12: the user attention core (clmha_layer_set_attention()) returned a status other than
 /// ::CLMHA_SUCCESS; the message names that status.
@@ -356,9 +360,10 @@ CLMHA_API clmha_status clmha_context_create_from_env(clmha_context **out);
 /// fails). The cl_context, the device and the queue are retained while the clmha context lives
 /// and released by its last clmha_context_release() (retaining a root device is a no-op; a
 /// sub-device is kept alive). The caller keeps its own references,
-/// and its own work on the queue is ordered with clmha's. Releasing the last reference also
-/// clears CLBlast's process-wide program cache (whose programs hold references to the
-/// cl_context), so the caller's reference counts return to where they were.
+/// and its own work on the queue is ordered with clmha's. CLBlast's process-wide program cache
+/// holds references to the cl_context too; it is cleared when the last clmha context of the
+/// process is released, so the caller's reference counts return to where they were once no
+/// clmha context is left (see clmha_context_release()).
 /// @param[out] out      the new context, or NULL on failure (see clmha_last_create_error())
 /// @param[in]  context  the caller's OpenCL context
 /// @param[in]  device   a device of @p context
@@ -380,9 +385,12 @@ CLMHA_API const char *clmha_last_create_error(void);
 CLMHA_API void clmha_context_retain(clmha_context *ctx);
 
 /// Drops a reference (thread-safe). The last one waits for the context's queue to finish
-/// (clFinish), frees the context and its programs, releases its OpenCL objects, and clears
-/// CLBlast's process-wide program cache (other contexts then recompile their GEMM kernels on
-/// next use). A context therefore lives until its last layer is released.
+/// (clFinish), frees the context and its programs and releases its OpenCL objects. When it was
+/// the last clmha context alive in the process, it also clears CLBlast's process-wide program
+/// cache (CLBlastClearCache(): the compiled GEMM programs, which hold references to their
+/// cl_context); while other clmha contexts live, the cache is left alone, so they keep their
+/// compiled GEMM kernels. A failed context creation clears nothing process-wide. A context
+/// therefore lives until its last layer is released.
 /// @param[in] ctx  the context (NULL is ignored)
 CLMHA_API void clmha_context_release(clmha_context *ctx);
 
@@ -565,7 +573,8 @@ CLMHA_API clmha_status clmha_context_tuning_export(const clmha_context *ctx, cha
 ///         that break CLBlast's constraints or the device's limits), ::CLMHA_UNSUPPORTED (a
 ///         tuning for another platform, device or driver version; or one with CLBlast kernels
 ///         whose "clblast" version is not the one clmha was built with, or is missing),
-///         ::CLMHA_BLAS_ERROR
+///         ::CLMHA_BLAS_ERROR, ::CLMHA_OUT_OF_MEMORY (the tuning could not be recorded: nothing
+///         applied)
 CLMHA_API clmha_status clmha_context_tuning_import(clmha_context *ctx, const char *json);
 
 /// One line saying which GEMM tuning is in effect for the device of @p ctx and why: "stored
@@ -700,7 +709,8 @@ CLMHA_API size_t clmha_layer_parameter_count(const clmha_layer *layer, const cha
 /// @param[in] need_weights  whether later calls may ask for weights (the warm-up pass then
 ///                          produces averaged weights through the unfused core)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, a zero size, @p need_weights on
-///         a layer set to ::CLMHA_IMPL_FUSED),
+///         a layer set to ::CLMHA_IMPL_FUSED), ::CLMHA_UNSUPPORTED (a layer set to
+///         ::CLMHA_IMPL_FUSED where the fused core cannot be built, see ::clmha_impl),
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len,
@@ -996,7 +1006,8 @@ CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also for a buffer that is NULL, of
 ///         another context, too small or write-only as above, for @p num_wait and
 ///         @p wait_list disagreeing, and for args->struct_size 0 or too small),
-///         ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field),
+///         ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field;
+///         ::CLMHA_IMPL_FUSED where the fused core cannot be built, see ::clmha_impl),
 ///         ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
@@ -1019,8 +1030,8 @@ CLMHA_API clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forwa
 ///                            (0 without need_weights)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also for a missing `data` pointer or
 ///         array, and for args->struct_size 0 or too small), ::CLMHA_UNSUPPORTED (@p args from
-///         a newer header, using a newer field), ::CLMHA_SHAPE_MISMATCH (also for a wrong
-///         count), ::CLMHA_INVALID_MASK,
+///         a newer header, using a newer field; ::CLMHA_IMPL_FUSED where the fused core cannot
+///         be built), ::CLMHA_SHAPE_MISMATCH (also for a wrong count), ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
@@ -1073,7 +1084,8 @@ CLMHA_API clmha_status clmha_layer_stage_times(clmha_layer *layer,
 
 /// A short name of a stage.
 /// @param[in] stage  any value
-/// @return "project", "split", "scores", "softmax", "av", "merge", "out_proj" or "weights", or
+/// @return "project", "split", "scores", "softmax", "av", "fused", "merge", "out_proj" or
+///         "weights" (in ::clmha_stage order), or
 ///         "?" for a value that is not a stage (including ::CLMHA_STAGE_COUNT). A static string.
 CLMHA_API const char *clmha_stage_name(clmha_stage stage);
 

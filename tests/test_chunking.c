@@ -154,8 +154,8 @@ static clmha_tensor input(const instance *in, const float *data, size_t seq) {
 
 // Boolean masks hold 0 or a non-zero byte with a fraction 0.2 forbidden; float masks N(0, 1)
 // with a fraction 0.2 of -inf.
-static void *mask(prng *s, clmha_mask_kind kind, size_t count) {
-    if (kind == CLMHA_MASK_FLOAT) {
+static void *mask(prng *s, clmha_mask_kind mk, size_t count) {
+    if (mk == CLMHA_MASK_FLOAT) {
         float *m = alloc_floats(count);
         for (size_t i = 0; i < count; ++i)
             m[i] = prng_uniform(s) < 0.2 ? -INFINITY : (float)prng_normal(s);
@@ -165,8 +165,8 @@ static void *mask(prng *s, clmha_mask_kind kind, size_t count) {
     cr_assert_not_null(m);
     for (size_t i = 0; i < count; ++i) {
         bool forbidden = prng_uniform(s) < 0.2;
-        m[i] = forbidden == (kind == CLMHA_MASK_BOOL_IGNORE) ? (unsigned char)(1 + prng_next(s) % 255)
-                                                             : 0;
+        m[i] = forbidden == (mk == CLMHA_MASK_BOOL_IGNORE) ? (unsigned char)(1 + prng_next(s) % 255)
+                                                           : 0;
     }
     return m;
 }

@@ -970,6 +970,14 @@ Test(errors, status_strings) {
     cr_expect_str_eq(clmha_status_string((clmha_status)-1000), "unknown status");
 }
 
+// CLMHA_NOT_READY is what clmha_context_tuning_export() returns with no tuning applied: its text
+// must not speak of layer parameters (issue 12).
+Test(errors, not_ready_text_is_general) {
+    const char *s = clmha_status_string(CLMHA_NOT_READY);
+    cr_expect(strstr(s, "nothing to return yet") != NULL, "\"%s\"", s);
+    cr_expect(strstr(s, "layer parameter") == NULL, "\"%s\"", s);
+}
+
 Test(errors, null_handles) {
     clmha_layer_release(NULL);
     clmha_context_release(NULL);

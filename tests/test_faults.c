@@ -18,6 +18,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <clblast_c.h>
+
 #include "context/context.h"
 #include "context/programs.h"
 #include "support_internal.h"
@@ -364,6 +366,75 @@ Test(faults, build_failure_carries_the_build_log, .fini = clear_hook, .timeout =
     cr_assert_eq(st, CLMHA_SUCCESS, "after clearing the hook: %s", clmha_context_last_error(ctx));
     clmha_layer_release(layer);
     clmha_context_release(ctx);
+}
+
+// Options past any fixed buffer are passed whole (they were cut at 512 bytes, while the cache
+// key held them whole): the failing define at their end must reach the compiler.
+Test(faults, long_build_options_are_not_cut, .fini = clear_hook, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    static char extra[2048];
+    size_t used = 0;
+    for (int i = 0; used < 1200; ++i)
+        used += (size_t)snprintf(extra + used, sizeof extra - used, "-DCLMHA_PAD_%03d=1 ", i);
+    snprintf(extra + used, sizeof extra - used, "-DCLMHA_FORCE_BUILD_ERROR");
+    clmha__test_set_extra_build_options(extra);
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer *layer = NULL;
+    clmha_status st = clmha_layer_create(&layer, ctx, &desc);
+    const char *msg = clmha_context_last_error(ctx);
+    cr_expect_eq(st, CLMHA_BUILD_FAILED, "%zu bytes of options: %s: %s", strlen(extra),
+                 clmha_status_string(st), msg);
+    cr_expect(strstr(msg, "forced by the test hook") != NULL, "%s", msg);
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+}
+
+// A device the tuning registry cannot take (as when it cannot grow) is said so in the note,
+// and an import is refused rather than applied where export and the note cannot see it.
+static void clear_registry_limit(void) { clmha__test_set_tuning_registry_limit(SIZE_MAX); }
+
+Test(faults, tuning_registry_that_cannot_record_says_so, .fini = clear_registry_limit,
+     .timeout = 600) {
+    clmha__test_set_tuning_registry_limit(0);
+    clmha_context *ctx = context_or_skip();
+    char note[1024] = "";
+    cr_assert_eq(clmha_context_tuning_note(ctx, note, sizeof note), CLMHA_SUCCESS);
+    cr_expect(strstr(note, "could not record") != NULL, "note: %s", note);
+    clmha_device_info info = {.struct_size = sizeof info};
+    char msg[512];
+    cr_assert_eq(clmha_device_select(getenv("CLMHA_DEVICE"), &info, msg, sizeof msg), 0);
+    char json[4096];
+    snprintf(json, sizeof json,
+             "{\"format\": \"clmha-gemm-tuning\", \"version\": 1, \"platform\": \"%s\", "
+             "\"device\": \"%s\", \"driver\": \"%s\", \"clblast\": \"%d.%d.%d\", "
+             "\"precision\": \"float32\", "
+             "\"kernels\": {\"GemmRoutine\": {\"XGEMM_MIN_INDIRECT_SIZE\": 448}}}",
+             info.platform_name, info.device_name, info.driver_version, CLBLAST_VERSION_MAJOR,
+             CLBLAST_VERSION_MINOR, CLBLAST_VERSION_PATCH);
+    clmha_status st = clmha_context_tuning_import(ctx, json);
+    cr_expect_eq(st, CLMHA_OUT_OF_MEMORY, "import: %s: %s", clmha_status_string(st),
+                 clmha_context_last_error(ctx));
+    size_t needed = 0;
+    cr_expect_eq(clmha_context_tuning_export(ctx, NULL, 0, &needed), CLMHA_NOT_READY);
+    clmha_context_release(ctx);
+}
+
+// CLBlast's statuses are named in messages, their number kept (no forced CLBlast failure is
+// at hand, so the naming function itself is checked, and one message through it).
+Test(faults, clblast_statuses_have_names) {
+    const char *text = NULL;
+    cr_expect_str_eq(clmha__blas_status_name(-2046, &text), "CLBlastInvalidLocalMemUsage");
+    cr_expect_str_eq(text, "not enough local memory");
+    cr_expect_str_eq(clmha__blas_status_name(-2041, NULL), "CLBlastDatabaseError");
+    cr_expect_str_eq(clmha__blas_status_name(-1017, NULL), "CLBlastInvalidDimension");
+    cr_expect_str_eq(clmha__blas_status_name(-1007, NULL), "CLBlastInsufficientMemoryY");
+    cr_expect_str_eq(clmha__blas_status_name(-2039, NULL), "CLBlastUnexpectedError");
+    cr_expect_str_eq(clmha__blas_status_name(-3000, &text), "CLBlast status ?");
+    cr_expect_eq(clmha__blas_fail(NULL, -2050, "CLBlastSgemm"), CLMHA_BLAS_ERROR);
+    const char *msg = clmha_last_create_error();
+    cr_expect(strstr(msg, "-2050") != NULL && strstr(msg, "CLBlastInsufficientMemoryTemp"),
+              "%s", msg);
 }
 
 // ---- (c) no OpenCL platform at all --------------------------------------------------------------

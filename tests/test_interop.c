@@ -293,3 +293,48 @@ Test(interop, queue_of_another_context_is_refused) {
     app_close(&a);
     app_close(&b);
 }
+
+// Releasing one clmha context, or failing to create one, leaves CLBlast's process-wide program
+// cache alone while another context lives: its GEMM programs hold references to the caller's
+// cl_context, so that context's reference count shows whether the cache was cleared.
+Test(interop, other_contexts_keep_clblast_programs) {
+    app a;
+    if (!app_open(&a)) cr_skip_test("no OpenCL device");
+    bool ctx_move = refs_move(REF_CONTEXT, a.context);
+    clmha_context *ctx = NULL;
+    cr_assert_eq(clmha_context_create_from_cl(&ctx, a.context, a.device, a.queue), CLMHA_SUCCESS,
+                 "%s", clmha_last_create_error());
+    clmha_layer *layer = make_layer(ctx);
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {L, N, E}, .data = x},
+                               .need_weights = true};
+    static float y[L * N * E], w[N * L * S];
+    static double y_ref[L * N * E], w_ref[N * L * S];
+    cr_assert_eq(clmha_layer_forward_host(layer, &args, y, L * N * E, w, N * L * S),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cl_uint refs = refs_of(REF_CONTEXT, a.context);  // with CLBlast's GEMM programs
+
+    clmha_context *other = NULL;
+    cr_assert_eq(clmha_context_create_from_env(&other), CLMHA_SUCCESS, "%s",
+                 clmha_last_create_error());
+    clmha_context_release(other);
+    clmha_context *bad = (clmha_context *)0x1;
+    cr_assert_neq(clmha_context_create(&bad, "no-such-device-spec"), CLMHA_SUCCESS);
+    cr_assert_null(bad);
+    if (ctx_move)
+        cr_expect_eq(refs_of(REF_CONTEXT, a.context), refs,
+                     "releasing another clmha context cleared CLBlast's program cache: the "
+                     "caller's cl_context went from %u to %u references",
+                     refs, refs_of(REF_CONTEXT, a.context));
+    else
+        cr_log_warn("the driver's reference counts do not move: the cache is not observed");
+
+    // The first context still works.
+    cr_assert_eq(clmha_layer_forward_host(layer, &args, y, L * N * E, w, N * L * S),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    reference(y_ref, w_ref);
+    cr_expect_leq(max_abs_err(y, y_ref, L * N * E), 1e-4);
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+    app_close(&a);
+}

@@ -81,6 +81,10 @@ cl_ulong clmha__max_alloc(const clmha_context *ctx) {
     return test_max_alloc && test_max_alloc < device ? (cl_ulong)test_max_alloc : device;
 }
 
+// clmha contexts alive in the process (allocated, not yet freed), for CLBlastClearCache().
+static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
+static size_t live_contexts;
+
 static clmha_context *context_alloc(void) {
     clmha_context *c = calloc(1, sizeof *c);
     if (!c) return NULL;
@@ -89,6 +93,9 @@ static clmha_context *context_alloc(void) {
         free(c);
         return NULL;
     }
+    pthread_mutex_lock(&live_lock);
+    ++live_contexts;
+    pthread_mutex_unlock(&live_lock);
     clmha__error_slot_init(&c->errors);
     c->refcount = 1;
     pthread_mutex_init(&c->lock, NULL);
@@ -202,9 +209,13 @@ void clmha_context_release(clmha_context *ctx) {
     if (ctx->queue) clFinish(ctx->queue);  // nothing of ours may still run on freed objects
     clmha__programs_release(ctx->programs);
     // CLBlast keeps compiled programs in a process-wide cache, and each holds a reference to
-    // the cl_context. Clearing it gives the caller's context back its reference count; other
-    // contexts only pay a rebuild (from the driver's binary cache where it has one).
-    CLBlastClearCache();
+    // the cl_context. Clearing it gives the caller's context back its reference count, but it
+    // also drops the programs of every other context: so it is cleared only when this was the
+    // last clmha context alive (also after a failed creation, which frees its context here).
+    pthread_mutex_lock(&live_lock);
+    bool last = --live_contexts == 0;
+    pthread_mutex_unlock(&live_lock);
+    if (last) CLBlastClearCache();
     clmha__release_mem(ctx->dummy);
     if (ctx->queue) {
         clReleaseCommandQueue(ctx->queue);

@@ -91,23 +91,31 @@ static clmha_status build(clmha_context *ctx, const char *family, const char *op
     cl_program prog = clCreateProgramWithSource(ctx->cl_ctx, count, src, size, &err);
     clmha__held_new(CLMHA__HELD_PROGRAM, prog);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateProgramWithSource");
+    // The options are sized to fit, never cut: the cache key holds them whole.
     const char *extra = extra_options;
-    char all_options[512];
-    snprintf(all_options, sizeof all_options, "%s%s%s", options, extra ? " " : "",
-             extra ? extra : "");
+    size_t all_size = strlen(options) + (extra ? 1 + strlen(extra) : 0) + 1;
+    char *all_options = malloc(all_size);
+    if (!all_options) {
+        clmha__release_program(prog);
+        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    }
+    snprintf(all_options, all_size, "%s%s%s", options, extra ? " " : "", extra ? extra : "");
     clmha__count(ctx, 1, 0);
     err = clBuildProgram(prog, 1, &ctx->device, all_options, NULL, NULL);
+    clmha_status st = CLMHA_SUCCESS;
     if (err != CL_SUCCESS) {
         char log[CLMHA__ERROR_SIZE - 200] = "";
         clGetProgramBuildInfo(prog, ctx->device, CL_PROGRAM_BUILD_LOG, sizeof log - 1, log, NULL);
         clmha__release_program(prog);
-        return clmha__fail(ctx, err == CL_BUILD_PROGRAM_FAILURE ? CLMHA_BUILD_FAILED
-                                                                : CLMHA_OPENCL_ERROR,
-                           "building %s with options \"%s\" failed (%s):\n%s", path,
-                           all_options, clmha__cl_error_name(err), log);
+        st = clmha__fail(ctx, err == CL_BUILD_PROGRAM_FAILURE ? CLMHA_BUILD_FAILED
+                                                              : CLMHA_OPENCL_ERROR,
+                         "building %s with options \"%s\" failed (%s):\n%s", path, all_options,
+                         clmha__cl_error_name(err), log);
+    } else {
+        *out = prog;
     }
-    *out = prog;
-    return CLMHA_SUCCESS;
+    free(all_options);
+    return st;
 }
 
 clmha_status clmha__program_get(clmha_context *ctx, const char *family, const char *options,

@@ -143,6 +143,52 @@ clmha_status clmha__cl_fail(const clmha_context *ctx, cl_int err, const char *ca
     return clmha__fail(ctx, st, "%s failed: %s (%d)", call, clmha__cl_error_name(err), (int)err);
 }
 
+// CLBlast's own statuses (CLBlastStatusCode in clblast_c.h, CLBlast 1.5), by name and meaning.
+static const struct {
+    int code;
+    const char *name, *text;
+} blas_statuses[] = {
+    {-1024, "CLBlastNotImplemented", "not implemented"},
+    {-1022, "CLBlastInvalidMatrixA", "matrix A is not a valid buffer"},
+    {-1021, "CLBlastInvalidMatrixB", "matrix B is not a valid buffer"},
+    {-1020, "CLBlastInvalidMatrixC", "matrix C is not a valid buffer"},
+    {-1019, "CLBlastInvalidVectorX", "vector X is not a valid buffer"},
+    {-1018, "CLBlastInvalidVectorY", "vector Y is not a valid buffer"},
+    {-1017, "CLBlastInvalidDimension", "invalid dimension"},
+    {-1016, "CLBlastInvalidLeadDimA", "leading dimension of A too small"},
+    {-1015, "CLBlastInvalidLeadDimB", "leading dimension of B too small"},
+    {-1014, "CLBlastInvalidLeadDimC", "leading dimension of C too small"},
+    {-1013, "CLBlastInvalidIncrementX", "increment of X is zero"},
+    {-1012, "CLBlastInvalidIncrementY", "increment of Y is zero"},
+    {-1011, "CLBlastInsufficientMemoryA", "buffer of A too small"},
+    {-1010, "CLBlastInsufficientMemoryB", "buffer of B too small"},
+    {-1009, "CLBlastInsufficientMemoryC", "buffer of C too small"},
+    {-1008, "CLBlastInsufficientMemoryX", "buffer of X too small"},
+    {-1007, "CLBlastInsufficientMemoryY", "buffer of Y too small"},
+    {-2050, "CLBlastInsufficientMemoryTemp", "temporary buffer too small"},
+    {-2049, "CLBlastInvalidBatchCount", "batch count not positive"},
+    {-2048, "CLBlastInvalidOverrideKernel", "invalid kernel name to override"},
+    {-2047, "CLBlastMissingOverrideParameter", "missing override parameter"},
+    {-2046, "CLBlastInvalidLocalMemUsage", "not enough local memory"},
+    {-2045, "CLBlastNoHalfPrecision", "no half precision on the device"},
+    {-2044, "CLBlastNoDoublePrecision", "no double precision on the device"},
+    {-2043, "CLBlastInvalidVectorScalar", "scalar is not a valid buffer"},
+    {-2042, "CLBlastInsufficientMemoryScalar", "buffer of the scalar too small"},
+    {-2041, "CLBlastDatabaseError", "no tuning database entry"},
+    {-2040, "CLBlastUnknownError", "unknown error"},
+    {-2039, "CLBlastUnexpectedError", "unexpected error"},
+};
+
+const char *clmha__blas_status_name(int err, const char **text) {
+    for (size_t i = 0; i < sizeof blas_statuses / sizeof blas_statuses[0]; ++i)
+        if (blas_statuses[i].code == err) {
+            if (text) *text = blas_statuses[i].text;
+            return blas_statuses[i].name;
+        }
+    if (text) *text = "not a CLBlast status";
+    return "CLBlast status ?";
+}
+
 clmha_status clmha__blas_fail(const clmha_context *ctx, int err, const char *call) {
     // CLBlast's codes above -1000 are OpenCL codes.
     if (err > -1000) {
@@ -151,12 +197,8 @@ clmha_status clmha__blas_fail(const clmha_context *ctx, int err, const char *cal
                            "%s failed: CLBlast status %d (%s)", call, err,
                            clmha__cl_error_name(err));
     }
-    const char *what = err == -2050 ? "temporary buffer too small"
-                     : err == -2046 ? "not enough local memory"
-                     : err == -2041 ? "no tuning database entry"
-                     : err <= -1007 && err >= -1011 ? "buffer too small"
-                     : err == -1017 ? "invalid dimension"
-                                    : "see clblast_c.h";
-    return clmha__fail(ctx, CLMHA_BLAS_ERROR, "%s failed: CLBlast status %d (%s)", call, err,
-                       what);
+    const char *text;
+    const char *name = clmha__blas_status_name(err, &text);
+    return clmha__fail(ctx, CLMHA_BLAS_ERROR, "%s failed: CLBlast status %d (%s: %s)", call, err,
+                       name, text);
 }

@@ -47,6 +47,11 @@ CLMHA__HIDDEN clmha_status clmha__fail(const clmha_context *ctx, clmha_status st
 CLMHA__HIDDEN clmha_status clmha__cl_fail(const clmha_context *ctx, cl_int err,
                                           const char *call);
 
+// The name of CLBlast's own status @p err (-2046: "CLBlastInvalidLocalMemUsage"), and in
+// *@p text (may be NULL) what it means; "CLBlast status ?" for a code CLBlast does not define
+// below -1000 (codes above -1000 are OpenCL's: clmha__cl_error_name()).
+CLMHA__HIDDEN const char *clmha__blas_status_name(int err, const char **text);
+
 // Maps a CLBlast status of @p call to a status and records the message.
 CLMHA__HIDDEN clmha_status clmha__blas_fail(const clmha_context *ctx, int err, const char *call);
 

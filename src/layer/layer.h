@@ -29,10 +29,12 @@ struct clmha_layer {
     // Parameters, in PyTorch's layouts.
     cl_mem w_in;     // q_proj (E, E), then k_proj (E, kdim), then v_proj (E, vdim); with
                      // kdim == vdim == E this is in_proj_weight (3E, E)
-    cl_mem b_in;     // in_proj_bias (3E), or the context's dummy without bias
+    // An absent bias stays NULL: the kernels that take one get the context's dummy instead
+    // (forward.c), or are not run.
+    cl_mem b_in;     // in_proj_bias (3E), NULL without bias
     cl_mem w_out;    // out_proj.weight (E, E)
-    cl_mem b_out;    // out_proj.bias (E), or dummy
-    cl_mem bias_kv;  // bias_k (E) then bias_v (E), or dummy
+    cl_mem b_out;    // out_proj.bias (E), NULL without bias
+    cl_mem bias_kv;  // bias_k (E) then bias_v (E), NULL without add_bias_kv
 
     // Kernels of cl/heads.cl (per layer: setting arguments is not thread-safe). The cores'
     // kernels are in their state (core_state).

@@ -112,11 +112,11 @@ void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape
             for (size_t c = 0; c < 2; ++c)
                 for (size_t v = 0; v < (vws[0] > 1 ? 2 : 1); ++v) {
                     if (now_s() > deadline) goto done;
-                    clmha__fused_tiles cand = {.bq = bqs[a], .bk = bks[b], .rpw = rpws[c],
-                                               .vw = vws[v]};
-                    if (cand.bq > ctx->max_work_group) continue;
+                    clmha__fused_tiles tiles = {.bq = bqs[a], .bk = bks[b], .rpw = rpws[c],
+                                                .vw = vws[v]};
+                    if (tiles.bq > ctx->max_work_group) continue;
                     double ms;
-                    if (clmha__layer_set_fused_tiles(layer, &cand, &used)) {
+                    if (clmha__layer_set_fused_tiles(layer, &tiles, &used)) {
                         ++res->tried, ++res->rejected;
                         continue;
                     }

@@ -30,6 +30,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,8 +46,6 @@
 
 // ---- the per-device registry -------------------------------------------------------------------
 
-#define MAX_DEVICES 32
-
 typedef struct device_state {
     cl_device_id device;
     bool stored_considered;  // apply_stored ran for this device in this process
@@ -56,15 +55,36 @@ typedef struct device_state {
     char note[1024];
 } device_state;
 
+// One entry per device seen in the process, grown on demand (CLBlast's overrides are
+// process-wide too); never shrunk.
 static pthread_mutex_t registry_lock = PTHREAD_MUTEX_INITIALIZER;
-static device_state registry[MAX_DEVICES];
-static size_t registry_count;
+static device_state *registry;
+static size_t registry_count, registry_capacity;
+static size_t test_registry_limit = SIZE_MAX;  // clmha__test_set_tuning_registry_limit()
 
-// The state of @p device, created when new (NULL when the registry is full). Lock held.
+void clmha__test_set_tuning_registry_limit(size_t devices) {
+    pthread_mutex_lock(&registry_lock);
+    test_registry_limit = devices;
+    pthread_mutex_unlock(&registry_lock);
+}
+
+// What the note says of a device the registry could not take.
+#define NOT_RECORDED \
+    "no tuning applied: clmha could not record this device's tuning (out of host memory)"
+
+// The state of @p device, created when new (NULL when it cannot grow: out of host memory).
+// Lock held.
 static device_state *state_of(cl_device_id device) {
     for (size_t i = 0; i < registry_count; ++i)
         if (registry[i].device == device) return &registry[i];
-    if (registry_count == MAX_DEVICES) return NULL;
+    if (registry_count >= test_registry_limit) return NULL;
+    if (registry_count == registry_capacity) {
+        size_t cap = registry_capacity ? 2 * registry_capacity : 8;
+        device_state *grown = realloc(registry, cap * sizeof *grown);
+        if (!grown) return NULL;
+        registry = grown;
+        registry_capacity = cap;
+    }
     device_state *s = &registry[registry_count++];
     memset(s, 0, sizeof *s);
     s->device = device;
@@ -99,7 +119,7 @@ bool clmha__tuning_current(cl_device_id device, clmha__tuning *t, clmha__tuning_
 void clmha__tuning_get_note(cl_device_id device, char *text, size_t size) {
     pthread_mutex_lock(&registry_lock);
     device_state *s = state_of(device);
-    snprintf(text, size, "%s", s ? s->note : "no tuning applied");
+    snprintf(text, size, "%s", s ? s->note : NOT_RECORDED);
     pthread_mutex_unlock(&registry_lock);
 }
 
@@ -112,15 +132,6 @@ bool clmha__tuning_fused(cl_device_id device, size_t fused[CLMHA__FUSED_PARAMS])
 
 // ---- applying ----------------------------------------------------------------------------------
 
-static const char *blast_status_text(int st) {
-    switch (st) {
-    case CLBlastInvalidOverrideKernel: return "invalid kernel name";
-    case CLBlastMissingOverrideParameter: return "missing parameter";
-    case CLBlastDatabaseError: return "no database entry";
-    default: return "see clblast_c.h";
-    }
-}
-
 // Overrides one kernel; no registry update.
 static clmha_status override(const clmha__tuning_target *tg, const char *kernel, size_t count,
                              const char *const *names, const size_t *values) {
@@ -129,7 +140,7 @@ static clmha_status override(const clmha__tuning_target *tg, const char *kernel,
     if (st != CLBlastSuccess)
         return clmha__fail(tg->owner, CLMHA_BLAS_ERROR,
                            "CLBlastOverrideParameters(%s) failed: CLBlast status %d (%s)", kernel,
-                           st, blast_status_text(st));
+                           st, clmha__blas_status_name(st, NULL));
     return CLMHA_SUCCESS;
 }
 
@@ -156,6 +167,15 @@ clmha_status clmha__tuning_apply(const clmha__tuning_target *tg, const clmha__tu
     char msg[512];
     if (!clmha__tuning_check(t, clmha__tuning_local_mem(tg), tg->max_work_group, msg, sizeof msg))
         return clmha__fail(tg->owner, CLMHA_INVALID_FILE, "%s", msg);
+    // A device the registry cannot take gets no override: export and the note would not
+    // know of it.
+    pthread_mutex_lock(&registry_lock);
+    bool recorded = state_of(tg->device) != NULL;
+    pthread_mutex_unlock(&registry_lock);
+    if (!recorded)
+        return clmha__fail(tg->owner, CLMHA_OUT_OF_MEMORY,
+                           "the tuning was not applied: clmha could not record it for this "
+                           "device (out of host memory)");
     clmha_status st = clmha__tuning_override(tg, t);
     pthread_mutex_lock(&registry_lock);
     device_state *s = state_of(tg->device);

@@ -63,6 +63,10 @@ CLMHA__HIDDEN clmha_status clmha__tuning_apply(const clmha__tuning_target *tg, c
                                                const clmha__tuning_meta *meta,
                                                const char *source);
 
+// Test hook: the registry takes at most @p devices devices (SIZE_MAX: no limit, the default),
+// as if it could not grow past them.
+CLMHA__HIDDEN void clmha__test_set_tuning_registry_limit(size_t devices);
+
 // Called once by context creation: loads the stored tuning of the device (once per device and
 // process), checks it and applies it. Never fails: a missing, unreadable, corrupt or foreign
 // file (another device, driver or CLBlast version) is ignored and a note says why
