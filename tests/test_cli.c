@@ -56,6 +56,10 @@ typedef struct cli_result {
     char *err;   // stderr, NUL-terminated
 } cli_result;
 
+// How the next runs start (tests that change them put them back): a hung program is ended by
+// SIGALRM after cli_alarm_s seconds.
+static unsigned cli_alarm_s = 600;
+
 // Runs the program with @p args (NULL-terminated, without argv[0]); stdout and stderr are
 // captured in temporary files outside every test folder.
 static cli_result cli_run_argv(const char *const *args) {
@@ -80,7 +84,7 @@ static cli_result cli_run_argv(const char *const *args) {
         if (null_fd >= 0) dup2(null_fd, 0);
         dup2(out_fd, 1);
         dup2(err_fd, 2);
-        alarm(600);  // a hung program ends with SIGALRM instead of hanging the suite
+        alarm(cli_alarm_s);  // a hung program ends with SIGALRM instead of hanging the suite
         execv(CLMHA_CLI_PATH, (char *const *)argv);
         _exit(127);
     }
@@ -822,3 +826,101 @@ Test(cli_refused, malformed_layer_files) {
     }
     tmp_remove(&d);
 }
+
+// ---- files: what is read, what is replaced, what a failure leaves ------------------------------
+
+// The bytes of @p path (NULL when it cannot be read), with its size in *size.
+static char *slurp(const char *path, size_t *size) { return read_file(path, size); }
+
+// @p path holds exactly @p want (@p want_size bytes).
+static void assert_same_bytes(const char *path, const char *want, size_t want_size) {
+    size_t size = 0;
+    char *got = slurp(path, &size);
+    cr_assert(got != NULL, "%s is gone", path);
+    cr_assert(size == want_size && memcmp(got, want, size) == 0, "%s was changed", path);
+    free(got);
+}
+
+// A FIFO without a writer, /dev/zero and /dev/null as inputs: refused at once (exit 1, a line
+// naming the option and what the file is), instead of hanging or reading without end.
+Test(cli_files, special_files_as_inputs_are_refused_at_once) {
+    tmp_dir d = make_inputs();
+    const char *fifo = tmp_file(&d, "fifo");
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    const char *layer = tmp_file(&d, "layer.safetensors"), *q = tmp_file(&d, "q.npy");
+    const char *const cases[][8] = {
+        {"run", "--layer", fifo, "--query", q},
+        {"run", "--layer", layer, "--query", fifo},
+        {"run", "--layer", layer, "--query", q, "--key", fifo},
+        {"run", "--layer", layer, "--query", q, "--attn-mask", fifo},
+        {"run", "--layer", layer, "--query", "/dev/zero"},
+        {"run", "--layer", layer, "--query", "/dev/null"},
+        {"bench", "--layer", fifo},
+    };
+    const char *const want[] = {"FIFO", "FIFO", "FIFO", "FIFO", "character device",
+                                "character device", "FIFO"};
+    unsigned saved = cli_alarm_s;
+    cli_alarm_s = 20;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        cli_result r = cli_run_argv(cases[i]);
+        cr_expect_eq(r.status, 1, "case %zu: exit status %d; stderr: %s", i, r.status, r.err);
+        cr_expect(strstr(r.err, want[i]) != NULL, "case %zu: stderr: %s", i, r.err);
+        cli_free(&r);
+    }
+    cli_alarm_s = saved;
+    cr_assert_eq(tmp_list(&d, NULL, 0), 3);
+    tmp_remove(&d);
+}
+
+// Outputs that exist but are no regular file (a FIFO, a symbolic link to /dev/null, to the
+// program's stdout, to a regular file) are refused before any work and left as they are.
+Test(cli_files, special_files_as_outputs_are_left_alone) {
+    tmp_dir d = make_inputs();
+    const char *fifo = tmp_file(&d, "fifo");
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    cr_assert_eq(symlink("/dev/null", tmp_file(&d, "to-null")), 0);
+    cr_assert_eq(symlink("/proc/self/fd/1", tmp_file(&d, "to-stdout")), 0);
+    write_bytes(tmp_file(&d, "file"), "x", 1);
+    cr_assert_eq(symlink("file", tmp_file(&d, "to-file")), 0);
+    const char *names[] = {"fifo", "to-null", "to-stdout", "to-file"};
+    const char *layer = tmp_file(&d, "layer.safetensors"), *q = tmp_file(&d, "q.npy");
+    unsigned saved = cli_alarm_s;
+    cli_alarm_s = 60;
+    for (size_t i = 0; i < 4; ++i)
+        for (int weights = 0; weights < 2; ++weights) {
+            const char *out = tmp_file(&d, names[i]);
+            cli_result r = weights ? cli_run("run", "--layer", layer, "--query", q,
+                                             "--weights-output", out)
+                                   : cli_run("run", "--layer", layer, "--query", q, "--output",
+                                             out);
+            cr_expect_eq(r.status, 1, "%s: exit status %d; stderr: %s", names[i], r.status,
+                         r.err);
+            cr_expect(strstr(r.err, i == 0 ? "FIFO" : "symbolic link") != NULL, "stderr: %s",
+                      r.err);
+            cr_expect(strstr(r.out, "output:") == NULL, "the forward pass ran: %s", r.out);
+            struct stat st;
+            cr_assert_eq(lstat(out, &st), 0, "%s is gone", names[i]);
+            cr_expect(i == 0 ? S_ISFIFO(st.st_mode) : S_ISLNK(st.st_mode), "%s was replaced",
+                      names[i]);
+            cli_free(&r);
+        }
+    cli_alarm_s = saved;
+    assert_same_bytes(tmp_file(&d, "file"), "x", 1);
+    cr_assert_eq(tmp_list(&d, NULL, 0), 7);
+    tmp_remove(&d);
+}
+
+// `demo --heatmap` onto a FIFO: refused before any work, the FIFO left as it is.
+Test(cli_files, heatmap_onto_a_fifo_is_refused) {
+    tmp_dir d = tmp_make();
+    const char *fifo = tmp_file(&d, "h.png");
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    cli_result r = cli_run("demo", "--heatmap", fifo);
+    cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha demo: ", "--heatmap", "FIFO", NULL);
+    struct stat st;
+    cr_assert(lstat(fifo, &st) == 0 && S_ISFIFO(st.st_mode));
+    cli_free(&r);
+    tmp_remove(&d);
+}
+

@@ -9,10 +9,36 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "base/message.h"
+
+static const char *kind_of(mode_t mode) {
+    if (S_ISDIR(mode)) return "a folder";
+    if (S_ISLNK(mode)) return "a symbolic link";
+    if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    if (S_ISSOCK(mode)) return "a socket";
+    return "not a regular file";
+}
+
+clmha_status clmha__file_check_target(const char *path, char *msg, size_t msg_size) {
+    struct stat sb;
+    if (lstat(path, &sb) != 0) {
+        if (errno == ENOENT) return CLMHA_SUCCESS;
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "%s: %s", path, strerror(errno));
+    }
+    if (S_ISREG(sb.st_mode)) return CLMHA_SUCCESS;
+    return clmha__msg(msg, msg_size, CLMHA_IO_ERROR,
+                      "%s: is %s; only a regular file is replaced (left as it is)", path,
+                      kind_of(sb.st_mode));
+}
+
 clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, void *user,
                                      char *msg, size_t msg_size) {
     static const char suffix[] = ".tmp.XXXXXX";
     if (!msg) msg_size = 0;
+    clmha_status st = clmha__file_check_target(path, msg, msg_size);
+    if (st) return st;
     size_t path_len = strlen(path);
     char *tmp = malloc(path_len + sizeof suffix);
     if (!tmp) {
@@ -29,7 +55,7 @@ clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, 
     }
     // mkstemp makes the file 0600: take the mode of the file it replaces, else rw-r--r--.
     struct stat sb;
-    mode_t mode = stat(path, &sb) == 0 && S_ISREG(sb.st_mode)
+    mode_t mode = lstat(path, &sb) == 0 && S_ISREG(sb.st_mode)
                       ? (sb.st_mode & 07777)
                       : (S_IRUSR | S_IWUSR | S_IRGRP | S_IROTH);
     char why[256] = "";
@@ -47,7 +73,6 @@ clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, 
             snprintf(why, sizeof why, "%s", strerror(errno));
         }
     }
-    clmha_status st = CLMHA_SUCCESS;
     if (!ok) {
         snprintf(msg, msg_size, "cannot write '%s': %s", tmp, why);
         st = CLMHA_IO_ERROR;

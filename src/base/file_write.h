@@ -1,6 +1,11 @@
 // Writing a file whole or not at all: shared by the .npy and PNG writers of the clmha program
 // and by the library's layer files and tuning files. (Compiled into the library and, with
 // src/cli/npy.c, into clmha_support for the program and the tests.)
+//
+// What is replaced: only a regular file, or nothing (the path does not exist yet). An existing
+// folder, FIFO, socket, device (/dev/null) or symbolic link at the path is refused and left as
+// it is: a symbolic link is not followed, since a rename would replace the link, not the file
+// it names (and a link to /proc/self/fd/1 or a device names no file at all).
 #ifndef CLMHA_FILE_WRITE_H
 #define CLMHA_FILE_WRITE_H
 
@@ -14,9 +19,14 @@
 // writes why to @p why (which starts empty).
 typedef bool (*clmha__file_writer)(FILE *f, void *user, char *why, size_t why_size);
 
+// Checks that @p path may be written: it does not exist, or it is a regular file (see above).
+// On refusal @p msg reads "<path>: <reason>". Returns CLMHA_SUCCESS or CLMHA_IO_ERROR.
+clmha_status clmha__file_check_target(const char *path, char *msg, size_t msg_size);
+
 // Writes @p path through @p fill into a temporary file in the same folder ("<path>.tmp.XXXXXX"),
 // flushes and syncs it, gives it the mode of the file it replaces (else rw-r--r--) and renames it
-// over @p path. On failure nothing is left behind, and @p msg names the file and the reason.
+// over @p path; only a regular file is replaced (clmha__file_check_target). On failure nothing
+// is left behind, any file at @p path is as it was, and @p msg names the file and the reason.
 // Returns CLMHA_SUCCESS, CLMHA_IO_ERROR or CLMHA_OUT_OF_MEMORY.
 clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, void *user,
                                      char *msg, size_t msg_size);

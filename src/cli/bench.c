@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "base/checked.h"
+#include "base/file_read.h"
 
 static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
@@ -420,9 +421,13 @@ int clmha__cli_bench(int argc, char **argv) {
     clmha_layer *layer = NULL;
     rc = EXIT_REFUSED;
     if (layer_path) {
-        FILE *f = fopen(layer_path, "rb");
-        if (!f) {
-            clmha__cli_report("bench", "--layer %s: cannot open: %s", layer_path, strerror(errno));
+        // A regular file only: opening a FIFO or a device must not block (base/file_read.h).
+        FILE *f = NULL;
+        size_t layer_size;
+        char msg[1024];
+        if (clmha__file_open_regular(layer_path, &f, &layer_size, NULL, msg, sizeof msg)) {
+            clmha__cli_report("bench", "--layer %s: %s", layer_path,
+                              clmha__cli_without_path(msg, layer_path));
             goto done;
         }
         fclose(f);

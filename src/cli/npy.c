@@ -13,6 +13,7 @@
 #include "npy.h"
 
 #include "base/checked.h"
+#include "base/file_read.h"
 #include "base/file_write.h"
 #include "base/message.h"
 
@@ -424,72 +425,21 @@ fail:
 
 // ---- reading -------------------------------------------------------------------------------
 
+// The largest .npy file read: far above any array the program can hand to a device, far below
+// what a mistaken input (a disk image, a core dump) would take.
+#define NPY_FILE_MAX ((size_t)1 << 40)
+
 clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_t msg_size) {
-    clmha_status st = CLMHA_SUCCESS;
-    FILE *f = NULL;
-    unsigned char *buf = NULL;
-    size_t size = 0, cap = 4096;
     if (out) memset(out, 0, sizeof *out);
     if (!path || !out)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or out is NULL");
-
-    f = fopen(path, "rb");
-    if (!f) {
-        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot open '%s': %s", path,
-                        strerror(errno));
-        goto fail;
-    }
-    struct stat sb;
-    if (fstat(fileno(f), &sb) != 0) {
-        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path,
-                        strerror(errno));
-        goto fail;
-    }
-    if (S_ISDIR(sb.st_mode)) {
-        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path,
-                        strerror(EISDIR));
-        goto fail;
-    }
-    if (S_ISREG(sb.st_mode)) {
-        // one more byte than the file holds, so that one read reaches the end of the file
-        if (sb.st_size < 0 || (uintmax_t)sb.st_size >= SIZE_MAX) {
-            st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "'%s' is too large to read", path);
-            goto fail;
-        }
-        cap = (size_t)sb.st_size + 1;
-    }
-    for (;;) {
-        if (!buf || size == cap) {
-            size_t want = buf ? cap * 2 : cap;
-            if (buf && cap > SIZE_MAX / 2) {
-                st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "'%s' is too large to read",
-                                path);
-                goto fail;
-            }
-            unsigned char *grown = realloc(buf, want);
-            if (!grown) {
-                st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY,
-                                "cannot allocate %zu bytes to read '%s'", want, path);
-                goto fail;
-            }
-            buf = grown;
-            cap = want;
-        }
-        size_t n = fread(buf + size, 1, cap - size, f);
-        size += n;
-        if (size < cap) {
-            if (ferror(f)) {
-                st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path,
-                                strerror(errno));
-                goto fail;
-            }
-            if (feof(f)) break;
-        }
-    }
-    st = clmha__npy_parse(buf, size, path, out, msg, msg_size);
-fail:
+    // Regular files only: a FIFO or a device (/dev/zero) is refused instead of blocking or
+    // growing a buffer without bound.
+    unsigned char *buf = NULL;
+    size_t size = 0;
+    clmha_status st = clmha__file_read_whole(path, NPY_FILE_MAX, &buf, &size, NULL, msg, msg_size);
+    if (st == CLMHA_SUCCESS) st = clmha__npy_parse(buf, size, path, out, msg, msg_size);
     free(buf);
-    if (f) fclose(f);
     return st;
 }
 

@@ -29,7 +29,8 @@ typedef struct clmha__npy {
 clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, clmha__npy *out,
                               char *msg, size_t msg_size);
 
-// Reads and parses @p path (CLMHA_IO_ERROR when it cannot be read).
+// Reads and parses @p path (CLMHA_IO_ERROR when it cannot be read or is not a regular file:
+// a FIFO, a device or a folder is refused at once, without blocking).
 clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_t msg_size);
 
 // Writes a float32 C-order array ('<f4', version 1.0). The file appears whole or not at all

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "base/file_read.h"
 #include "base/message.h"
 #include "npy.h"
 
@@ -249,9 +250,13 @@ int clmha__cli_run(int argc, char **argv) {
     if ((output_path && !clmha__cli_output_path_ok("run", "--output", output_path)) ||
         (weights_path && !clmha__cli_output_path_ok("run", "--weights-output", weights_path)))
         goto fail;
-    FILE *f = fopen(layer_path, "rb");
-    if (!f) {
-        clmha__cli_report("run", "--layer %s: cannot open: %s", layer_path, strerror(errno));
+    // A regular file only: opening a FIFO or a device must not block (base/file_read.h).
+    FILE *f = NULL;
+    size_t layer_size;
+    char msg[1024];
+    if (clmha__file_open_regular(layer_path, &f, &layer_size, NULL, msg, sizeof msg)) {
+        clmha__cli_report("run", "--layer %s: %s", layer_path,
+                          clmha__cli_without_path(msg, layer_path));
         goto fail;
     }
     fclose(f);
