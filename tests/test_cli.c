@@ -32,6 +32,9 @@
 #ifndef CLMHA_CLI_PATH
 #error "CLMHA_CLI_PATH (the path of the built clmha program, a string) must be defined"
 #endif
+#ifndef CLMHA_FAIL_RENAME_LIB
+#error "CLMHA_FAIL_RENAME_LIB (the path of the built tests/cli_fail_rename.c, a string) must be defined"
+#endif
 #ifndef CLMHA_TEST_DATA_DIR
 #error "CLMHA_TEST_DATA_DIR (the path of tests/, a string) must be defined"
 #endif
@@ -57,8 +60,10 @@ typedef struct cli_result {
 } cli_result;
 
 // How the next runs start (tests that change them put them back): a hung program is ended by
-// SIGALRM after cli_alarm_s seconds.
+// SIGALRM after cli_alarm_s seconds; cli_fail_rename (when set) is preloaded with tests/cli_fail_rename.c
+// so that a rename onto a path ending so fails.
 static unsigned cli_alarm_s = 600;
+static const char *cli_fail_rename;
 
 // Runs the program with @p args (NULL-terminated, without argv[0]); stdout and stderr are
 // captured in temporary files outside every test folder.
@@ -84,6 +89,15 @@ static cli_result cli_run_argv(const char *const *args) {
         if (null_fd >= 0) dup2(null_fd, 0);
         dup2(out_fd, 1);
         dup2(err_fd, 2);
+        if (cli_fail_rename) {
+            setenv("LD_PRELOAD", CLMHA_FAIL_RENAME_LIB, 1);
+            setenv("CLMHA_TEST_FAIL_RENAME", cli_fail_rename, 1);
+            char asan[1024];  // ASan wants to come first; the preloaded library comes first
+            const char *old = getenv("ASAN_OPTIONS");
+            snprintf(asan, sizeof asan, "%s%sverify_asan_link_order=0", old ? old : "",
+                     old && old[0] ? ":" : "");
+            setenv("ASAN_OPTIONS", asan, 1);
+        }
         alarm(cli_alarm_s);  // a hung program ends with SIGALRM instead of hanging the suite
         execv(CLMHA_CLI_PATH, (char *const *)argv);
         _exit(127);
@@ -839,6 +853,85 @@ static void assert_same_bytes(const char *path, const char *want, size_t want_si
     cr_assert(got != NULL, "%s is gone", path);
     cr_assert(size == want_size && memcmp(got, want, size) == 0, "%s was changed", path);
     free(got);
+}
+
+// `clmha run` with a preloaded rename() that fails onto w.npy: the first output (o.npy, which
+// existed) was renamed already when the second rename fails; the failed run must put o.npy back
+// as it was and leave no new file.
+Test(cli_files, failed_second_rename_keeps_the_old_output) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    const char *o = tmp_file(&d, "o.npy");
+    write_bytes(o, "old output", 10);
+    cli_fail_rename = "/w.npy";
+    cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                           tmp_file(&d, "q.npy"), "--output", o, "--weights-output",
+                           tmp_file(&d, "w.npy"));
+    cli_fail_rename = NULL;
+    cr_assert_eq(r.status, 1, "exit status %d; stderr: %s", r.status, r.err);
+    assert_one_line(&r, "clmha run: ", "--weights-output", "w.npy", NULL);
+    assert_same_bytes(o, "old output", 10);
+    char names[1024];
+    cr_assert_eq(tmp_list(&d, names, sizeof names), 3, "files: %s", names);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+
+// The same, with --output naming a new file: it must not be left behind.
+Test(cli_files, failed_second_rename_leaves_no_new_file) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    const char *w = tmp_file(&d, "w.npy");
+    write_bytes(w, "old weights", 11);
+    cli_fail_rename = "/w.npy";
+    cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                           tmp_file(&d, "q.npy"), "--output", tmp_file(&d, "o.npy"),
+                           "--weights-output", w);
+    cli_fail_rename = NULL;
+    cr_assert_eq(r.status, 1, "exit status %d; stderr: %s", r.status, r.err);
+    assert_same_bytes(w, "old weights", 11);
+    cr_assert(!file_exists(tmp_file(&d, "o.npy")), "o.npy was left behind");
+    char names[1024];
+    cr_assert_eq(tmp_list(&d, names, sizeof names), 3, "files: %s", names);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+
+// One file spelled twice ("o.npy" and "./o.npy"), an output that names an input, an output
+// hard-linked to an input: refused before any work (exit 2), every file as it was.
+Test(cli_files, outputs_that_are_the_same_file_or_an_input) {
+    tmp_dir d = make_inputs();
+    const char *o = tmp_file(&d, "o.npy"), *q = tmp_file(&d, "q.npy");
+    write_bytes(o, "old output", 10);
+    size_t q_size = 0;
+    char *q_bytes = slurp(q, &q_size);
+    cr_assert(q_bytes != NULL);
+    char o2[CLI_PATH_SIZE], q2[CLI_PATH_SIZE];
+    snprintf(o2, sizeof o2, "%s/./o.npy", d.path);
+    snprintf(q2, sizeof q2, "%s/../%s/q.npy", d.path, strrchr(d.path, '/') + 1);
+    cr_assert_eq(link(q, tmp_file(&d, "q-link.npy")), 0);
+    const char *layer = tmp_file(&d, "layer.safetensors");
+    const char *const cases[][8] = {
+        {"--output", o, "--weights-output", o2},
+        {"--output", q2},
+        {"--output", o, "--weights-output", q},
+        {"--output", tmp_file(&d, "q-link.npy")},
+        {"--weights-output", layer},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        const char *args[16] = {"run", "--layer", layer, "--query", q};
+        size_t n = 5;
+        for (size_t k = 0; k < 8 && cases[i][k]; ++k) args[n++] = cases[i][k];
+        cli_result r = cli_run_argv(args);
+        cr_expect_eq(r.status, 2, "case %zu: exit status %d; stderr: %s", i, r.status, r.err);
+        assert_one_line(&r, "clmha run: ", "--", NULL);
+        cli_free(&r);
+        assert_same_bytes(o, "old output", 10);
+        assert_same_bytes(q, q_bytes, q_size);
+        cr_assert_eq(tmp_list(&d, NULL, 0), 4, "case %zu left a file", i);
+    }
+    free(q_bytes);
+    tmp_remove(&d);
 }
 
 // A FIFO without a writer, /dev/zero and /dev/null as inputs: refused at once (exit 1, a line

@@ -33,25 +33,24 @@ clmha_status clmha__file_check_target(const char *path, char *msg, size_t msg_si
                       kind_of(sb.st_mode));
 }
 
-clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, void *user,
-                                     char *msg, size_t msg_size) {
+clmha_status clmha__file_write_temp(const char *path, clmha__file_writer fill, void *user,
+                                    char **tmp_out, char *msg, size_t msg_size) {
     static const char suffix[] = ".tmp.XXXXXX";
+    *tmp_out = NULL;
     if (!msg) msg_size = 0;
     clmha_status st = clmha__file_check_target(path, msg, msg_size);
     if (st) return st;
     size_t path_len = strlen(path);
     char *tmp = malloc(path_len + sizeof suffix);
-    if (!tmp) {
-        snprintf(msg, msg_size, "cannot write '%s': out of memory", path);
-        return CLMHA_OUT_OF_MEMORY;
-    }
+    if (!tmp) return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of memory", path);
     memcpy(tmp, path, path_len);
     memcpy(tmp + path_len, suffix, sizeof suffix);
     int fd = mkstemp(tmp);
     if (fd < 0) {
-        snprintf(msg, msg_size, "cannot create '%s': %s", tmp, strerror(errno));
+        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "%s: cannot create the temporary file %s: %s",
+                        path, tmp, strerror(errno));
         free(tmp);
-        return CLMHA_IO_ERROR;
+        return st;
     }
     // mkstemp makes the file 0600: take the mode of the file it replaces, else rw-r--r--.
     struct stat sb;
@@ -74,13 +73,26 @@ clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, 
         }
     }
     if (!ok) {
-        snprintf(msg, msg_size, "cannot write '%s': %s", tmp, why);
-        st = CLMHA_IO_ERROR;
-    } else if (rename(tmp, path) != 0) {
-        snprintf(msg, msg_size, "cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
-        st = CLMHA_IO_ERROR;
+        remove(tmp);
+        free(tmp);
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", path, why);
     }
-    if (st) remove(tmp);
+    *tmp_out = tmp;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, void *user,
+                                     char *msg, size_t msg_size) {
+    char *tmp = NULL;
+    clmha_status st = clmha__file_write_temp(path, fill, user, &tmp, msg, msg_size);
+    if (st) return st;
+    // (A special file could have appeared at the path since the check: rename replaces only
+    // the directory entry, never writes into it.)
+    if (rename(tmp, path) != 0) {
+        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot rename '%s' to '%s': %s", tmp,
+                        path, strerror(errno));
+        remove(tmp);
+    }
     free(tmp);
     return st;
 }

@@ -23,11 +23,16 @@ typedef bool (*clmha__file_writer)(FILE *f, void *user, char *why, size_t why_si
 // On refusal @p msg reads "<path>: <reason>". Returns CLMHA_SUCCESS or CLMHA_IO_ERROR.
 clmha_status clmha__file_check_target(const char *path, char *msg, size_t msg_size);
 
-// Writes @p path through @p fill into a temporary file in the same folder ("<path>.tmp.XXXXXX"),
-// flushes and syncs it, gives it the mode of the file it replaces (else rw-r--r--) and renames it
-// over @p path; only a regular file is replaced (clmha__file_check_target). On failure nothing
-// is left behind, any file at @p path is as it was, and @p msg names the file and the reason.
-// Returns CLMHA_SUCCESS, CLMHA_IO_ERROR or CLMHA_OUT_OF_MEMORY.
+// Writes a temporary file through @p fill next to @p path ("<path>.tmp.XXXXXX"), flushes and syncs it and gives it the mode of the file
+// it will replace (else rw-r--r--). *tmp gets its malloc'd name (the caller renames it over
+// @p path, or removes it, and frees the name). Checks @p path first (clmha__file_check_target).
+// On failure nothing is left behind and *tmp is NULL.
+clmha_status clmha__file_write_temp(const char *path, clmha__file_writer fill, void *user,
+                                    char **tmp, char *msg, size_t msg_size);
+
+// Writes @p path whole through @p fill: clmha__file_write_temp, then rename over @p path. On
+// failure nothing is left behind, any file at @p path is as it was, and @p msg names the file
+// and the reason. Returns CLMHA_SUCCESS, CLMHA_IO_ERROR or CLMHA_OUT_OF_MEMORY.
 clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, void *user,
                                      char *msg, size_t msg_size);
 

@@ -469,8 +469,10 @@ static bool write_npy(FILE *f, void *user, char *why, size_t why_size) {
     return ok;
 }
 
-clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
-                                  const size_t *shape, char *msg, size_t msg_size) {
+// Writes the array to @p path whole (@p tmp NULL) or to a temporary file next to it whose
+// name goes to *tmp (see clmha__file_write_temp).
+static clmha_status write_f32(const char *path, const float *data, size_t ndim,
+                              const size_t *shape, char **tmp, char *msg, size_t msg_size) {
     if (!path || (ndim > 0 && !shape))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or shape is NULL");
     if (ndim > CLMHA__NPY_MAX_DIMS)
@@ -505,5 +507,18 @@ clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t nd
 
     npy_out o = {.prefix = prefix, .head = head, .header_len = header_len, .data = data,
                  .count = count};
-    return clmha__file_write_whole(path, write_npy, &o, msg, msg_size);
+    return tmp ? clmha__file_write_temp(path, write_npy, &o, tmp, msg, msg_size)
+               : clmha__file_write_whole(path, write_npy, &o, msg, msg_size);
+}
+
+clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
+                                  const size_t *shape, char *msg, size_t msg_size) {
+    return write_f32(path, data, ndim, shape, NULL, msg, msg_size);
+}
+
+clmha_status clmha__npy_write_f32_temp(const char *path, const float *data, size_t ndim,
+                                       const size_t *shape, char **tmp, char *msg,
+                                       size_t msg_size) {
+    *tmp = NULL;
+    return write_f32(path, data, ndim, shape, tmp, msg, msg_size);
 }

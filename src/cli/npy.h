@@ -38,6 +38,12 @@ clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_
 clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
                                   const size_t *shape, char *msg, size_t msg_size);
 
+// Like clmha__npy_write_f32, but writes a temporary file in @p path's folder and leaves the
+// renaming to the caller: *tmp gets its malloc'd name (NULL on failure, when nothing is left).
+clmha_status clmha__npy_write_f32_temp(const char *path, const float *data, size_t ndim,
+                                       const size_t *shape, char **tmp, char *msg,
+                                       size_t msg_size);
+
 // Frees the arrays of @p a and zeroes it. Accepts NULL.
 void clmha__npy_free(clmha__npy *a);
 
