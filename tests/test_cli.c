@@ -1017,3 +1017,55 @@ Test(cli_files, heatmap_onto_a_fifo_is_refused) {
     tmp_remove(&d);
 }
 
+// A legal 255-byte file name is written (the temporary file has a short name of its own); a
+// 256-byte one is refused before the forward pass.
+Test(cli_files, longest_file_name) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    char name[258];
+    memset(name, 'a', 255);
+    memcpy(name + 251, ".npy", 5);
+    cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                           tmp_file(&d, "q.npy"), "--output", tmp_file(&d, name));
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert(file_exists(tmp_file(&d, name)));
+    cli_free(&r);
+    memset(name, 'b', 256);
+    memcpy(name + 252, ".npy", 5);
+    r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                tmp_file(&d, "q.npy"), "--output", tmp_file(&d, name), "--device", "no-such-device");
+    cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha run: ", "--output", "File name too long", NULL);
+    cli_free(&r);
+    cr_assert_eq(tmp_list(&d, NULL, 0), 3);
+    tmp_remove(&d);
+}
+
+// ---- honest limits -------------------------------------------------------------------------------
+
+// bench --embed 4096 needs 256 MiB of parameters: not "out of host memory". Its parameters are
+// made before the device opens, so a missing device is what is reported; a size that cannot be
+// allocated is reported with its size.
+Test(cli_bench, embed_limit_is_honest) {
+    cli_result r = cli_run("bench", "--embed", "4096", "--device", "no-such-device");
+    cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha bench: ", "--device", NULL);
+    cr_assert(strstr(r.err, "memory") == NULL, "stderr: %s", r.err);
+    cli_free(&r);
+    r = cli_run("bench", "--embed", "16777216", "--device", "no-such-device");
+    cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha bench: ", "--embed 16777216", "cannot allocate",
+                    "1125899973951488 floats", NULL);
+    cli_free(&r);
+}
+
+// --embed 2056 (above the old false limit of 4*E^2 <= 2^24 floats, E <= 2048) runs.
+Test(cli_bench, embed_above_2048_runs) {
+    SKIP_WITHOUT_DEVICE();
+    cli_result r = cli_run("bench", "--embed", "2056", "--heads", "8", "--batch", "1",
+                           "--tgt-len", "1", "--repeat", "1", "--json");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert(strstr(r.out, "\"embed_dim\": 2056") != NULL, "stdout: %s", r.out);
+    cli_free(&r);
+}
+

@@ -273,6 +273,26 @@ Test(npy_write, special_files_are_not_replaced, .timeout = 20) {
     tmpdir_remove(dir);
 }
 
+// A 255-byte file name (the longest most file systems allow) is written: the temporary file's
+// name is short, not the target's name plus a suffix.
+Test(npy_write, longest_file_name) {
+    char dir[64], path[512], msg[MSG_SIZE] = "";
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
+    int n = snprintf(path, sizeof path, "%s/", dir);
+    memset(path + n, 'a', 251);
+    memcpy(path + n + 251, ".npy", 5);
+    float x = 2.0f;
+    const size_t s1[] = {1};
+    cr_assert_eq(clmha__npy_write_f32(path, &x, 1, s1, msg, sizeof msg), CLMHA_SUCCESS, "%s",
+                 msg);
+    clmha__npy a;
+    read_ok(path, &a);
+    cr_assert_eq(a.f32[0], 2.0f);
+    clmha__npy_free(&a);
+    cr_assert_eq(tmpdir_count(dir), 1);
+    tmpdir_remove(dir);
+}
+
 Test(npy_write, bad_arguments) {
     char msg[MSG_SIZE] = "";
     float x = 0.0f;

@@ -35,16 +35,17 @@ clmha_status clmha__file_check_target(const char *path, char *msg, size_t msg_si
 
 clmha_status clmha__file_write_temp(const char *path, clmha__file_writer fill, void *user,
                                     char **tmp_out, char *msg, size_t msg_size) {
-    static const char suffix[] = ".tmp.XXXXXX";
+    static const char name[] = ".clmha-XXXXXX";
     *tmp_out = NULL;
     if (!msg) msg_size = 0;
     clmha_status st = clmha__file_check_target(path, msg, msg_size);
     if (st) return st;
-    size_t path_len = strlen(path);
-    char *tmp = malloc(path_len + sizeof suffix);
+    const char *slash = strrchr(path, '/');
+    size_t dir_len = slash ? (size_t)(slash - path) + 1 : 0;  // with the '/'
+    char *tmp = malloc(dir_len + sizeof name);
     if (!tmp) return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of memory", path);
-    memcpy(tmp, path, path_len);
-    memcpy(tmp + path_len, suffix, sizeof suffix);
+    memcpy(tmp, path, dir_len);
+    memcpy(tmp + dir_len, name, sizeof name);
     int fd = mkstemp(tmp);
     if (fd < 0) {
         st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "%s: cannot create the temporary file %s: %s",

@@ -23,7 +23,8 @@ typedef bool (*clmha__file_writer)(FILE *f, void *user, char *why, size_t why_si
 // On refusal @p msg reads "<path>: <reason>". Returns CLMHA_SUCCESS or CLMHA_IO_ERROR.
 clmha_status clmha__file_check_target(const char *path, char *msg, size_t msg_size);
 
-// Writes a temporary file through @p fill next to @p path ("<path>.tmp.XXXXXX"), flushes and syncs it and gives it the mode of the file
+// Writes a temporary file through @p fill in @p path's folder (".clmha-XXXXXX": short, so that
+// any legal file name can be written), flushes and syncs it and gives it the mode of the file
 // it will replace (else rw-r--r--). *tmp gets its malloc'd name (the caller renames it over
 // @p path, or removes it, and frees the name). Checks @p path first (clmha__file_check_target).
 // On failure nothing is left behind and *tmp is NULL.
