@@ -60,9 +60,11 @@ typedef struct cli_result {
 } cli_result;
 
 // How the next runs start (tests that change them put them back): a hung program is ended by
-// SIGALRM after cli_alarm_s seconds; cli_fail_rename (when set) is preloaded with tests/cli_fail_rename.c
+// SIGALRM after cli_alarm_s seconds; stdout goes to cli_stdout_to (e.g. "/dev/full") instead of
+// being captured when set; cli_fail_rename (when set) is preloaded with tests/cli_fail_rename.c
 // so that a rename onto a path ending so fails.
 static unsigned cli_alarm_s = 600;
+static const char *cli_stdout_to;
 static const char *cli_fail_rename;
 
 // Runs the program with @p args (NULL-terminated, without argv[0]); stdout and stderr are
@@ -87,7 +89,8 @@ static cli_result cli_run_argv(const char *const *args) {
     if (pid == 0) {
         int null_fd = open("/dev/null", O_RDONLY);
         if (null_fd >= 0) dup2(null_fd, 0);
-        dup2(out_fd, 1);
+        int to_fd = cli_stdout_to ? open(cli_stdout_to, O_WRONLY) : -1;
+        dup2(to_fd >= 0 ? to_fd : out_fd, 1);
         dup2(err_fd, 2);
         if (cli_fail_rename) {
             setenv("LD_PRELOAD", CLMHA_FAIL_RENAME_LIB, 1);
@@ -1038,6 +1041,42 @@ Test(cli_files, longest_file_name) {
     assert_one_line(&r, "clmha run: ", "--output", "File name too long", NULL);
     cli_free(&r);
     cr_assert_eq(tmp_list(&d, NULL, 0), 3);
+    tmp_remove(&d);
+}
+
+// ---- stdout that cannot be written ---------------------------------------------------------------
+
+// With stdout on a full disk (/dev/full), a command whose result goes to stdout fails (exit 1)
+// with a message on stderr instead of exiting 0.
+static void expect_stdout_failure(const char *const *args) {
+    cli_stdout_to = "/dev/full";
+    cli_result r = cli_run_argv(args);
+    cli_stdout_to = NULL;
+    cr_expect_eq(r.status, 1, "clmha %s %s: exit status %d; stderr: %s", args[0],
+                 args[1] ? args[1] : "", r.status, r.err);
+    cr_expect(strstr(r.err, "stdout") != NULL, "clmha %s: stderr: %s", args[0], r.err);
+    cli_free(&r);
+}
+
+#define EXPECT_STDOUT_FAILURE(...) expect_stdout_failure((const char *const[]){__VA_ARGS__, NULL})
+
+Test(cli_stdout, full_disk_without_device) {
+    EXPECT_STDOUT_FAILURE("--help");
+    EXPECT_STDOUT_FAILURE("--version");
+    EXPECT_STDOUT_FAILURE("run", "--help");
+    EXPECT_STDOUT_FAILURE("bench", "--help");
+    EXPECT_STDOUT_FAILURE("devices");
+}
+
+Test(cli_stdout, full_disk_with_device) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    EXPECT_STDOUT_FAILURE("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                          tmp_file(&d, "q.npy"));
+    EXPECT_STDOUT_FAILURE("bench", "--json", "--embed", "8", "--heads", "2", "--batch", "1",
+                          "--tgt-len", "2", "--repeat", "1");
+    EXPECT_STDOUT_FAILURE("demo");
+    cr_assert_eq(tmp_list(&d, NULL, 0), 2);
     tmp_remove(&d);
 }
 
