@@ -1108,3 +1108,37 @@ Test(cli_bench, embed_above_2048_runs) {
     cli_free(&r);
 }
 
+// ---- NaN and Inf ---------------------------------------------------------------------------------
+
+// NaN in the query, float64 values beyond float32's range: exit 0 (as PyTorch) with one warning
+// line naming the input; finite inputs give no warning.
+Test(cli_nonfinite, warning_names_the_input) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    float x[3 * 2 * 8];
+    uint32_t state = 5;
+    for (size_t i = 0; i < 48; ++i) x[i] = pseudo(&state);
+    x[5] = NAN;
+    write_npy_raw(tmp_file(&d, "qnan.npy"), "<f4", 3, (size_t[]){3, 2, 8}, x, sizeof x);
+    double big[3 * 2 * 8];
+    for (size_t i = 0; i < 48; ++i) big[i] = 0.5;
+    big[7] = 1e300;
+    write_npy_raw(tmp_file(&d, "qbig.npy"), "<f8", 3, (size_t[]){3, 2, 8}, big, sizeof big);
+    const char *layer = tmp_file(&d, "layer.safetensors");
+    cli_result r = cli_run("run", "--layer", layer, "--query", tmp_file(&d, "qnan.npy"),
+                           "--output", tmp_file(&d, "o.npy"));
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha run: warning: ", "NaN", "--query", "qnan.npy", NULL);
+    cli_free(&r);
+    r = cli_run("run", "--layer", layer, "--query", tmp_file(&d, "qbig.npy"));
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha run: warning: ", "--query", "qbig.npy", "float64",
+                    "beyond float32", NULL);
+    cli_free(&r);
+    r = cli_run("run", "--layer", layer, "--query", tmp_file(&d, "q.npy"));
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert_str_empty(r.err);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+

@@ -18,6 +18,7 @@
 #include "base/message.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -398,7 +399,11 @@ clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, 
     for (size_t o = 0; o < count; ++o) {
         size_t at = transpose ? src : o;
         if (itemsize == 4) a.f32[o] = load_f4(data + at * 4);
-        else if (itemsize == 8) a.f32[o] = (float)load_f8(data + at * 8);
+        else if (itemsize == 8) {
+            double d = load_f8(data + at * 8);
+            a.f32[o] = (float)d;
+            if (isinf(a.f32[o]) && !isinf(d)) ++a.overflowed;
+        }
         else a.u8[o] = data[at];
         if (!transpose) continue;
         for (size_t k = h.ndim; k-- > 0;) {

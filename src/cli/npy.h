@@ -18,6 +18,7 @@ typedef struct clmha__npy {
     size_t ndim;
     size_t shape[CLMHA__NPY_MAX_DIMS];
     size_t count;         // product of shape (1 for 0-D)
+    size_t overflowed;    // '<f8': finite values beyond float32's range, converted to +-inf
     float *f32;           // kind FLOAT: count floats (malloc'd)
     unsigned char *u8;    // kind BOOL: count bytes (malloc'd)
 } clmha__npy;

@@ -4,6 +4,7 @@
 #include "cli.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -133,6 +134,47 @@ static void print_values(const char *label, const float *x, size_t count, size_t
     for (size_t i = 0; i < shown; ++i) printf(" %.6g", (double)x[i]);
     if (shown < count) printf(" ...");
     printf(" (%zu value%s)\n", count, count == 1 ? "" : "s");
+}
+
+static size_t count_nonfinite(const float *x, size_t count, bool skip_minus_inf) {
+    size_t n = 0;
+    for (size_t i = 0; i < count; ++i)
+        n += !isfinite(x[i]) && !(skip_minus_inf && isinf(x[i]) && x[i] < 0);
+    return n;
+}
+
+// NaN in, NaN out (as in PyTorch, and no scan on the device): when the results hold NaN or Inf,
+// one warning line on stderr says so and names the inputs that explain it (NaN/Inf values,
+// float64 values beyond float32's range that became inf; -inf in a float mask only forbids).
+// The exit status stays 0.
+static void warn_nonfinite(const float *y, size_t y_count, const float *w, size_t w_count,
+                           const input_file *in) {
+    size_t bad = count_nonfinite(y, y_count, false) + (w ? count_nonfinite(w, w_count, false) : 0);
+    if (!bad) return;
+    char why[2048] = "";
+    size_t used = 0;
+    for (int i = 0; i < IN_COUNT; ++i) {
+        const clmha__npy *a = &in[i].a;
+        if (!in[i].path || a->kind != CLMHA__NPY_FLOAT) continue;
+        size_t n = count_nonfinite(a->f32, a->count, in[i].is_mask);
+        if (!n || used >= sizeof why) continue;
+        int k = snprintf(why + used, sizeof why - used, "%s%s %s holds %zu NaN/Inf value%s",
+                         used ? "; " : "", in[i].flag, in[i].path, n, n == 1 ? "" : "s");
+        if (k > 0) used += (size_t)k;
+        if (a->overflowed && used < sizeof why) {
+            k = snprintf(why + used, sizeof why - used,
+                         " (%zu float64 value%s beyond float32's range, read as inf)",
+                         a->overflowed, a->overflowed == 1 ? "" : "s");
+            if (k > 0) used += (size_t)k;
+        }
+    }
+    clmha__cli_report("run",
+                      "warning: the results hold %zu NaN/Inf value%s of %zu (%s); NaN/Inf in "
+                      "gives NaN/Inf out, as in PyTorch",
+                      bad, bad == 1 ? "" : "s", y_count + (w ? w_count : 0),
+                      used ? why
+                           : "no input holds NaN/Inf: the layer's parameters may, or values "
+                             "overflowed float32");
 }
 
 // Renames the temporary files over the outputs, all or none: an output that exists is kept as a
@@ -427,6 +469,7 @@ int clmha__cli_run(int argc, char **argv) {
     }
     if (!write_outputs(output_path, y, q->ndim, q->shape, weights_path, w, w_ndim, w_shape))
         goto fail;
+    warn_nonfinite(y, y_count, w, w_count, in);
 
     // A summary of what was not written to a file.
     bool show_y = !output_path, show_w = need_weights && !weights_path;
