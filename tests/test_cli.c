@@ -4,7 +4,12 @@
 //       cli <case> out_maxabs=... w_maxabs=...
 //   - refused inputs exit 1 with one stderr line naming the file or argument and create no file;
 //   - usage errors exit 2; --help and --version exit 0;
-//   - `clmha devices` lists the spec strings; `clmha demo --heatmap` writes a PNG.
+//   - `clmha devices` lists the spec strings; `clmha demo --heatmap` writes a PNG;
+//   - files: special files are neither read (no hang) nor replaced, a failed run (a rename made
+//     to fail by tests/cli_fail_rename.c) leaves every file as it was, outputs that are the same
+//     file or an input are refused, 255-byte names are written;
+//   - a stdout that cannot be written (/dev/full) fails the command; honest bench limits; a
+//     warning for NaN/Inf results.
 // Tests that need an OpenCL device skip when `clmha devices` finds none.
 #define _POSIX_C_SOURCE 200809L
 

@@ -42,7 +42,12 @@ static const char *usage_run =
     "  --output O.npy            write the attention output, float32, shaped like the query\n"
     "  --weights-output W.npy    write the weights, float32; implies --need-weights\n"
     "                            (unbatched inputs drop N; S' = S + add_bias_kv + add_zero_attn)\n"
-    "  Files are written only after the forward pass succeeded, each whole or not at all.\n"
+    "  Files are written only after the forward pass succeeded, each whole or not at all;\n"
+    "  a failed run leaves every file as it was. An output may be a new file or an existing\n"
+    "  regular file (not a folder, FIFO, device or symbolic link), and neither an input nor\n"
+    "  the other output. Inputs must be regular files.\n"
+    "  NaN/Inf in the results (from NaN/Inf inputs or parameters, as in PyTorch) give a\n"
+    "  warning on stderr naming the inputs that hold them; the exit status stays 0.\n"
     "  A query row whose every key is masked gets zero weights (PyTorch gives NaN there).\n"
     "  Results not written to a file are summarised on stdout (shape, first values).\n"
     "\n"
@@ -56,8 +61,8 @@ static const char *usage_run =
     "\n"
     "  --help, -h                print this help\n"
     "\n"
-    "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error),\n"
-    "2 usage error. Options take their value as --opt VALUE or --opt=VALUE.\n";
+    "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error) or\n"
+    "stdout not written, 2 usage error. Options take their value as --opt VALUE or --opt=VALUE.\n";
 
 // One .npy input.
 typedef struct input_file {
