@@ -4,7 +4,12 @@
 //       cli <case> out_maxabs=... w_maxabs=...
 //   - refused inputs exit 1 with one stderr line naming the file or argument and create no file;
 //   - usage errors exit 2; --help and --version exit 0;
-//   - `clmha devices` lists the spec strings; `clmha demo --heatmap` writes a PNG.
+//   - `clmha devices` lists the spec strings; `clmha demo --heatmap` writes a PNG;
+//   - files: special files are neither read (no hang) nor replaced, a failed run (a rename made
+//     to fail by tests/cli_fail_rename.c) leaves every file as it was, outputs that are the same
+//     file or an input are refused, 255-byte names are written;
+//   - a stdout that cannot be written (/dev/full) fails the command; honest bench limits; a
+//     warning for NaN/Inf results.
 // Tests that need an OpenCL device skip when `clmha devices` finds none.
 #define _POSIX_C_SOURCE 200809L
 
@@ -32,6 +37,9 @@
 #ifndef CLMHA_CLI_PATH
 #error "CLMHA_CLI_PATH (the path of the built clmha program, a string) must be defined"
 #endif
+#ifndef CLMHA_FAIL_RENAME_LIB
+#error "CLMHA_FAIL_RENAME_LIB (the path of the built tests/cli_fail_rename.c, a string) must be defined"
+#endif
 #ifndef CLMHA_TEST_DATA_DIR
 #error "CLMHA_TEST_DATA_DIR (the path of tests/, a string) must be defined"
 #endif
@@ -56,6 +64,14 @@ typedef struct cli_result {
     char *err;   // stderr, NUL-terminated
 } cli_result;
 
+// How the next runs start (tests that change them put them back): a hung program is ended by
+// SIGALRM after cli_alarm_s seconds; stdout goes to cli_stdout_to (e.g. "/dev/full") instead of
+// being captured when set; cli_fail_rename (when set) is preloaded with tests/cli_fail_rename.c
+// so that a rename onto a path ending so fails.
+static unsigned cli_alarm_s = 600;
+static const char *cli_stdout_to;
+static const char *cli_fail_rename;
+
 // Runs the program with @p args (NULL-terminated, without argv[0]); stdout and stderr are
 // captured in temporary files outside every test folder.
 static cli_result cli_run_argv(const char *const *args) {
@@ -78,9 +94,19 @@ static cli_result cli_run_argv(const char *const *args) {
     if (pid == 0) {
         int null_fd = open("/dev/null", O_RDONLY);
         if (null_fd >= 0) dup2(null_fd, 0);
-        dup2(out_fd, 1);
+        int to_fd = cli_stdout_to ? open(cli_stdout_to, O_WRONLY) : -1;
+        dup2(to_fd >= 0 ? to_fd : out_fd, 1);
         dup2(err_fd, 2);
-        alarm(600);  // a hung program ends with SIGALRM instead of hanging the suite
+        if (cli_fail_rename) {
+            setenv("LD_PRELOAD", CLMHA_FAIL_RENAME_LIB, 1);
+            setenv("CLMHA_TEST_FAIL_RENAME", cli_fail_rename, 1);
+            char asan[1024];  // ASan wants to come first; the preloaded library comes first
+            const char *old = getenv("ASAN_OPTIONS");
+            snprintf(asan, sizeof asan, "%s%sverify_asan_link_order=0", old ? old : "",
+                     old && old[0] ? ":" : "");
+            setenv("ASAN_OPTIONS", asan, 1);
+        }
+        alarm(cli_alarm_s);  // a hung program ends with SIGALRM instead of hanging the suite
         execv(CLMHA_CLI_PATH, (char *const *)argv);
         _exit(127);
     }
@@ -822,3 +848,302 @@ Test(cli_refused, malformed_layer_files) {
     }
     tmp_remove(&d);
 }
+
+// ---- files: what is read, what is replaced, what a failure leaves ------------------------------
+
+// The bytes of @p path (NULL when it cannot be read), with its size in *size.
+static char *slurp(const char *path, size_t *size) { return read_file(path, size); }
+
+// @p path holds exactly @p want (@p want_size bytes).
+static void assert_same_bytes(const char *path, const char *want, size_t want_size) {
+    size_t size = 0;
+    char *got = slurp(path, &size);
+    cr_assert(got != NULL, "%s is gone", path);
+    cr_assert(size == want_size && memcmp(got, want, size) == 0, "%s was changed", path);
+    free(got);
+}
+
+// `clmha run` with a preloaded rename() that fails onto w.npy: the first output (o.npy, which
+// existed) was renamed already when the second rename fails; the failed run must put o.npy back
+// as it was and leave no new file.
+Test(cli_files, failed_second_rename_keeps_the_old_output) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    const char *o = tmp_file(&d, "o.npy");
+    write_bytes(o, "old output", 10);
+    cli_fail_rename = "/w.npy";
+    cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                           tmp_file(&d, "q.npy"), "--output", o, "--weights-output",
+                           tmp_file(&d, "w.npy"));
+    cli_fail_rename = NULL;
+    cr_assert_eq(r.status, 1, "exit status %d; stderr: %s", r.status, r.err);
+    assert_one_line(&r, "clmha run: ", "--weights-output", "w.npy", NULL);
+    assert_same_bytes(o, "old output", 10);
+    char names[1024];
+    cr_assert_eq(tmp_list(&d, names, sizeof names), 3, "files: %s", names);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+
+// The same, with --output naming a new file: it must not be left behind.
+Test(cli_files, failed_second_rename_leaves_no_new_file) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    const char *w = tmp_file(&d, "w.npy");
+    write_bytes(w, "old weights", 11);
+    cli_fail_rename = "/w.npy";
+    cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                           tmp_file(&d, "q.npy"), "--output", tmp_file(&d, "o.npy"),
+                           "--weights-output", w);
+    cli_fail_rename = NULL;
+    cr_assert_eq(r.status, 1, "exit status %d; stderr: %s", r.status, r.err);
+    assert_same_bytes(w, "old weights", 11);
+    cr_assert(!file_exists(tmp_file(&d, "o.npy")), "o.npy was left behind");
+    char names[1024];
+    cr_assert_eq(tmp_list(&d, names, sizeof names), 3, "files: %s", names);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+
+// One file spelled twice ("o.npy" and "./o.npy"), an output that names an input, an output
+// hard-linked to an input: refused before any work (exit 2), every file as it was.
+Test(cli_files, outputs_that_are_the_same_file_or_an_input) {
+    tmp_dir d = make_inputs();
+    const char *o = tmp_file(&d, "o.npy"), *q = tmp_file(&d, "q.npy");
+    write_bytes(o, "old output", 10);
+    size_t q_size = 0;
+    char *q_bytes = slurp(q, &q_size);
+    cr_assert(q_bytes != NULL);
+    char o2[CLI_PATH_SIZE], q2[CLI_PATH_SIZE];
+    snprintf(o2, sizeof o2, "%s/./o.npy", d.path);
+    snprintf(q2, sizeof q2, "%s/../%s/q.npy", d.path, strrchr(d.path, '/') + 1);
+    cr_assert_eq(link(q, tmp_file(&d, "q-link.npy")), 0);
+    const char *layer = tmp_file(&d, "layer.safetensors");
+    const char *const cases[][8] = {
+        {"--output", o, "--weights-output", o2},
+        {"--output", q2},
+        {"--output", o, "--weights-output", q},
+        {"--output", tmp_file(&d, "q-link.npy")},
+        {"--weights-output", layer},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        const char *args[16] = {"run", "--layer", layer, "--query", q};
+        size_t n = 5;
+        for (size_t k = 0; k < 8 && cases[i][k]; ++k) args[n++] = cases[i][k];
+        cli_result r = cli_run_argv(args);
+        cr_expect_eq(r.status, 2, "case %zu: exit status %d; stderr: %s", i, r.status, r.err);
+        assert_one_line(&r, "clmha run: ", "--", NULL);
+        cli_free(&r);
+        assert_same_bytes(o, "old output", 10);
+        assert_same_bytes(q, q_bytes, q_size);
+        cr_assert_eq(tmp_list(&d, NULL, 0), 4, "case %zu left a file", i);
+    }
+    free(q_bytes);
+    tmp_remove(&d);
+}
+
+// A FIFO without a writer, /dev/zero and /dev/null as inputs: refused at once (exit 1, a line
+// naming the option and what the file is), instead of hanging or reading without end.
+Test(cli_files, special_files_as_inputs_are_refused_at_once) {
+    tmp_dir d = make_inputs();
+    const char *fifo = tmp_file(&d, "fifo");
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    const char *layer = tmp_file(&d, "layer.safetensors"), *q = tmp_file(&d, "q.npy");
+    const char *const cases[][8] = {
+        {"run", "--layer", fifo, "--query", q},
+        {"run", "--layer", layer, "--query", fifo},
+        {"run", "--layer", layer, "--query", q, "--key", fifo},
+        {"run", "--layer", layer, "--query", q, "--attn-mask", fifo},
+        {"run", "--layer", layer, "--query", "/dev/zero"},
+        {"run", "--layer", layer, "--query", "/dev/null"},
+        {"bench", "--layer", fifo},
+    };
+    const char *const want[] = {"FIFO", "FIFO", "FIFO", "FIFO", "character device",
+                                "character device", "FIFO"};
+    unsigned saved = cli_alarm_s;
+    cli_alarm_s = 20;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        cli_result r = cli_run_argv(cases[i]);
+        cr_expect_eq(r.status, 1, "case %zu: exit status %d; stderr: %s", i, r.status, r.err);
+        cr_expect(strstr(r.err, want[i]) != NULL, "case %zu: stderr: %s", i, r.err);
+        cli_free(&r);
+    }
+    cli_alarm_s = saved;
+    cr_assert_eq(tmp_list(&d, NULL, 0), 3);
+    tmp_remove(&d);
+}
+
+// Outputs that exist but are no regular file (a FIFO, a symbolic link to /dev/null, to the
+// program's stdout, to a regular file) are refused before any work and left as they are.
+Test(cli_files, special_files_as_outputs_are_left_alone) {
+    tmp_dir d = make_inputs();
+    const char *fifo = tmp_file(&d, "fifo");
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    cr_assert_eq(symlink("/dev/null", tmp_file(&d, "to-null")), 0);
+    cr_assert_eq(symlink("/proc/self/fd/1", tmp_file(&d, "to-stdout")), 0);
+    write_bytes(tmp_file(&d, "file"), "x", 1);
+    cr_assert_eq(symlink("file", tmp_file(&d, "to-file")), 0);
+    const char *names[] = {"fifo", "to-null", "to-stdout", "to-file"};
+    const char *layer = tmp_file(&d, "layer.safetensors"), *q = tmp_file(&d, "q.npy");
+    unsigned saved = cli_alarm_s;
+    cli_alarm_s = 60;
+    for (size_t i = 0; i < 4; ++i)
+        for (int weights = 0; weights < 2; ++weights) {
+            const char *out = tmp_file(&d, names[i]);
+            cli_result r = weights ? cli_run("run", "--layer", layer, "--query", q,
+                                             "--weights-output", out)
+                                   : cli_run("run", "--layer", layer, "--query", q, "--output",
+                                             out);
+            cr_expect_eq(r.status, 1, "%s: exit status %d; stderr: %s", names[i], r.status,
+                         r.err);
+            cr_expect(strstr(r.err, i == 0 ? "FIFO" : "symbolic link") != NULL, "stderr: %s",
+                      r.err);
+            cr_expect(strstr(r.out, "output:") == NULL, "the forward pass ran: %s", r.out);
+            struct stat st;
+            cr_assert_eq(lstat(out, &st), 0, "%s is gone", names[i]);
+            cr_expect(i == 0 ? S_ISFIFO(st.st_mode) : S_ISLNK(st.st_mode), "%s was replaced",
+                      names[i]);
+            cli_free(&r);
+        }
+    cli_alarm_s = saved;
+    assert_same_bytes(tmp_file(&d, "file"), "x", 1);
+    cr_assert_eq(tmp_list(&d, NULL, 0), 7);
+    tmp_remove(&d);
+}
+
+// `demo --heatmap` onto a FIFO: refused before any work, the FIFO left as it is.
+Test(cli_files, heatmap_onto_a_fifo_is_refused) {
+    tmp_dir d = tmp_make();
+    const char *fifo = tmp_file(&d, "h.png");
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    cli_result r = cli_run("demo", "--heatmap", fifo);
+    cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha demo: ", "--heatmap", "FIFO", NULL);
+    struct stat st;
+    cr_assert(lstat(fifo, &st) == 0 && S_ISFIFO(st.st_mode));
+    cli_free(&r);
+    tmp_remove(&d);
+}
+
+// A legal 255-byte file name is written (the temporary file has a short name of its own); a
+// 256-byte one is refused before the forward pass.
+Test(cli_files, longest_file_name) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    char name[258];
+    memset(name, 'a', 255);
+    memcpy(name + 251, ".npy", 5);
+    cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                           tmp_file(&d, "q.npy"), "--output", tmp_file(&d, name));
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert(file_exists(tmp_file(&d, name)));
+    cli_free(&r);
+    memset(name, 'b', 256);
+    memcpy(name + 252, ".npy", 5);
+    r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                tmp_file(&d, "q.npy"), "--output", tmp_file(&d, name), "--device", "no-such-device");
+    cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha run: ", "--output", "File name too long", NULL);
+    cli_free(&r);
+    cr_assert_eq(tmp_list(&d, NULL, 0), 3);
+    tmp_remove(&d);
+}
+
+// ---- stdout that cannot be written ---------------------------------------------------------------
+
+// With stdout on a full disk (/dev/full), a command whose result goes to stdout fails (exit 1)
+// with a message on stderr instead of exiting 0.
+static void expect_stdout_failure(const char *const *args) {
+    cli_stdout_to = "/dev/full";
+    cli_result r = cli_run_argv(args);
+    cli_stdout_to = NULL;
+    cr_expect_eq(r.status, 1, "clmha %s %s: exit status %d; stderr: %s", args[0],
+                 args[1] ? args[1] : "", r.status, r.err);
+    cr_expect(strstr(r.err, "stdout") != NULL, "clmha %s: stderr: %s", args[0], r.err);
+    cli_free(&r);
+}
+
+#define EXPECT_STDOUT_FAILURE(...) expect_stdout_failure((const char *const[]){__VA_ARGS__, NULL})
+
+Test(cli_stdout, full_disk_without_device) {
+    EXPECT_STDOUT_FAILURE("--help");
+    EXPECT_STDOUT_FAILURE("--version");
+    EXPECT_STDOUT_FAILURE("run", "--help");
+    EXPECT_STDOUT_FAILURE("bench", "--help");
+    EXPECT_STDOUT_FAILURE("devices");
+}
+
+Test(cli_stdout, full_disk_with_device) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    EXPECT_STDOUT_FAILURE("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                          tmp_file(&d, "q.npy"));
+    EXPECT_STDOUT_FAILURE("bench", "--json", "--embed", "8", "--heads", "2", "--batch", "1",
+                          "--tgt-len", "2", "--repeat", "1");
+    EXPECT_STDOUT_FAILURE("demo");
+    cr_assert_eq(tmp_list(&d, NULL, 0), 2);
+    tmp_remove(&d);
+}
+
+// ---- honest limits -------------------------------------------------------------------------------
+
+// bench --embed 4096 needs 256 MiB of parameters: not "out of host memory". Its parameters are
+// made before the device opens, so a missing device is what is reported; a size that cannot be
+// allocated is reported with its size.
+Test(cli_bench, embed_limit_is_honest) {
+    cli_result r = cli_run("bench", "--embed", "4096", "--device", "no-such-device");
+    cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha bench: ", "--device", NULL);
+    cr_assert(strstr(r.err, "memory") == NULL, "stderr: %s", r.err);
+    cli_free(&r);
+    r = cli_run("bench", "--embed", "16777216", "--device", "no-such-device");
+    cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha bench: ", "--embed 16777216", "cannot allocate",
+                    "1125899973951488 floats", NULL);
+    cli_free(&r);
+}
+
+// --embed 2056 (above the old false limit of 4*E^2 <= 2^24 floats, E <= 2048) runs.
+Test(cli_bench, embed_above_2048_runs) {
+    SKIP_WITHOUT_DEVICE();
+    cli_result r = cli_run("bench", "--embed", "2056", "--heads", "8", "--batch", "1",
+                           "--tgt-len", "1", "--repeat", "1", "--json");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert(strstr(r.out, "\"embed_dim\": 2056") != NULL, "stdout: %s", r.out);
+    cli_free(&r);
+}
+
+// ---- NaN and Inf ---------------------------------------------------------------------------------
+
+// NaN in the query, float64 values beyond float32's range: exit 0 (as PyTorch) with one warning
+// line naming the input; finite inputs give no warning.
+Test(cli_nonfinite, warning_names_the_input) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    float x[3 * 2 * 8];
+    uint32_t state = 5;
+    for (size_t i = 0; i < 48; ++i) x[i] = pseudo(&state);
+    x[5] = NAN;
+    write_npy_raw(tmp_file(&d, "qnan.npy"), "<f4", 3, (size_t[]){3, 2, 8}, x, sizeof x);
+    double big[3 * 2 * 8];
+    for (size_t i = 0; i < 48; ++i) big[i] = 0.5;
+    big[7] = 1e300;
+    write_npy_raw(tmp_file(&d, "qbig.npy"), "<f8", 3, (size_t[]){3, 2, 8}, big, sizeof big);
+    const char *layer = tmp_file(&d, "layer.safetensors");
+    cli_result r = cli_run("run", "--layer", layer, "--query", tmp_file(&d, "qnan.npy"),
+                           "--output", tmp_file(&d, "o.npy"));
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha run: warning: ", "NaN", "--query", "qnan.npy", NULL);
+    cli_free(&r);
+    r = cli_run("run", "--layer", layer, "--query", tmp_file(&d, "qbig.npy"));
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha run: warning: ", "--query", "qbig.npy", "float64",
+                    "beyond float32", NULL);
+    cli_free(&r);
+    r = cli_run("run", "--layer", layer, "--query", tmp_file(&d, "q.npy"));
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert_str_empty(r.err);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+

@@ -246,6 +246,53 @@ Test(npy_write, failed_rename_removes_the_temporary_file) {
     tmpdir_remove(dir);
 }
 
+// An existing FIFO or symbolic link (to /dev/null, to that FIFO) at the path is refused and
+// left as it is; nothing else is created.
+Test(npy_write, special_files_are_not_replaced, .timeout = 20) {
+    char dir[64], path[128], msg[MSG_SIZE] = "";
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
+    const char *names[] = {"fifo", "to-null", "to-fifo"};
+    snprintf(path, sizeof path, "%s/fifo", dir);
+    cr_assert_eq(mkfifo(path, 0600), 0);
+    snprintf(path, sizeof path, "%s/to-null", dir);
+    cr_assert_eq(symlink("/dev/null", path), 0);
+    snprintf(path, sizeof path, "%s/to-fifo", dir);
+    cr_assert_eq(symlink("fifo", path), 0);
+    float x = 1.0f;
+    const size_t s1[] = {1};
+    for (int i = 0; i < 3; ++i) {
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        cr_expect_eq(clmha__npy_write_f32(path, &x, 1, s1, msg, sizeof msg), CLMHA_IO_ERROR,
+                     "%s", path);
+        cr_expect(strstr(msg, i ? "symbolic link" : "FIFO"), "%s", msg);
+        struct stat sb;
+        cr_assert_eq(lstat(path, &sb), 0);
+        cr_expect(i ? S_ISLNK(sb.st_mode) : S_ISFIFO(sb.st_mode), "%s was replaced", path);
+    }
+    cr_assert_eq(tmpdir_count(dir), 3);
+    tmpdir_remove(dir);
+}
+
+// A 255-byte file name (the longest most file systems allow) is written: the temporary file's
+// name is short, not the target's name plus a suffix.
+Test(npy_write, longest_file_name) {
+    char dir[64], path[512], msg[MSG_SIZE] = "";
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
+    int n = snprintf(path, sizeof path, "%s/", dir);
+    memset(path + n, 'a', 251);
+    memcpy(path + n + 251, ".npy", 5);
+    float x = 2.0f;
+    const size_t s1[] = {1};
+    cr_assert_eq(clmha__npy_write_f32(path, &x, 1, s1, msg, sizeof msg), CLMHA_SUCCESS, "%s",
+                 msg);
+    clmha__npy a;
+    read_ok(path, &a);
+    cr_assert_eq(a.f32[0], 2.0f);
+    clmha__npy_free(&a);
+    cr_assert_eq(tmpdir_count(dir), 1);
+    tmpdir_remove(dir);
+}
+
 Test(npy_write, bad_arguments) {
     char msg[MSG_SIZE] = "";
     float x = 0.0f;
@@ -386,6 +433,26 @@ Test(npy_read, folder) {
     cr_assert_eq(clmha__npy_read(CLMHA_TEST_DATA_DIR, &a, msg, sizeof msg), CLMHA_IO_ERROR);
     cr_assert(strstr(msg, "Is a directory"), "%s", msg);
     assert_zeroed(&a);
+}
+
+// Only a regular file is read: a FIFO without a writer, /dev/zero and /dev/null are refused at
+// once (not a hang, not a buffer growing without bound, not an "empty file").
+Test(npy_read, special_files_refused_at_once, .timeout = 20) {
+    char dir[64], fifo[128], msg[MSG_SIZE] = "";
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
+    snprintf(fifo, sizeof fifo, "%s/fifo.npy", dir);
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    const char *paths[] = {fifo, "/dev/zero", "/dev/null"};
+    const char *kinds[] = {"FIFO", "character device", "character device"};
+    for (int i = 0; i < 3; ++i) {
+        clmha__npy a;
+        memset(&a, 0xA5, sizeof a);
+        cr_expect_eq(clmha__npy_read(paths[i], &a, msg, sizeof msg), CLMHA_IO_ERROR, "%s: %s",
+                     paths[i], msg);
+        cr_expect(strstr(msg, paths[i]) && strstr(msg, kinds[i]), "%s", msg);
+        assert_zeroed(&a);
+    }
+    tmpdir_remove(dir);
 }
 
 Test(npy_read, malformed_file_names_its_path) {

@@ -288,6 +288,38 @@ Test(safetensors, save_errors) {
     env_close(&e);
 }
 
+// clmha_layer_save through the shared writer: an existing FIFO or symbolic link at the path is
+// refused and left as it is (never opened: no hang); a 255-byte file name is written.
+Test(safetensors, save_special_targets_and_long_names, .timeout = 60) {
+    env e;
+    env_open(&e);
+    clmha_layer *a = NULL;
+    clmha_layer_desc d = {.struct_size = sizeof d, .embed_dim = 4, .num_heads = 2, .bias = true};
+    cr_assert_eq(clmha_layer_create(&a, e.ctx, &d), CLMHA_SUCCESS);
+    char fifo[256], link_path[256];
+    path_in(&e, "fifo.safetensors", fifo, sizeof fifo);
+    path_in(&e, "null.safetensors", link_path, sizeof link_path);
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    cr_assert_eq(symlink("/dev/null", link_path), 0);
+    const char *paths[] = {fifo, link_path};
+    for (int i = 0; i < 2; ++i) {
+        cr_expect_eq(clmha_layer_save(a, paths[i]), CLMHA_IO_ERROR, "%s", paths[i]);
+        const char *msg = clmha_context_last_error(e.ctx);
+        cr_expect(strstr(msg, paths[i]) && strstr(msg, i ? "symbolic link" : "FIFO"), "%s", msg);
+        struct stat sb;
+        cr_assert_eq(lstat(paths[i], &sb), 0);
+        cr_expect(i ? S_ISLNK(sb.st_mode) : S_ISFIFO(sb.st_mode), "%s was replaced", paths[i]);
+    }
+    cr_expect_eq(tmpdir_count(e.dir), 2, "a temporary file was left behind");
+    char name[256], path[512];
+    memset(name, 'l', 243);
+    memcpy(name + 243, ".safetensors", 13);  // 255 bytes
+    path_in(&e, name, path, sizeof path);
+    cr_expect_eq(clmha_layer_save(a, path), CLMHA_SUCCESS, "%s", clmha_context_last_error(e.ctx));
+    clmha_layer_release(a);
+    env_close(&e);
+}
+
 // ---- F16, F64, and header variants ------------------------------------------------------------
 
 // E 4, 2 heads, no bias: in_proj_weight (12, 4) and out_proj.weight (4, 4), 64 values.

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -482,6 +483,37 @@ Test(tuning, corrupt_or_foreign_stored_files_are_ignored, .timeout = 300) {
                                         NULL, XGEMM_JSON);
     child_with_file(&f, unversioned, NULL, "does not say which CLBlast version");
     free(foreign), free(bad), free(good), free(old_clblast), free(unversioned);
+    teardown(&f);
+}
+
+// A FIFO (no writer) at the stored tuning's path is ignored as unusable at once: creating a
+// context must not block on it. (In a child with an alarm, so that a hang fails the test.)
+Test(tuning, fifo_at_the_stored_path_is_ignored, .timeout = 120) {
+    fixture f;
+    setup(&f);
+    cr_assert_eq(mkfifo(f.path, 0600), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    cr_assert_neq(pid, -1);
+    if (pid == 0) {
+        alarm(60);
+        clmha_context *ctx = NULL;
+        int rc = clmha_context_create_from_env(&ctx) == CLMHA_SUCCESS ? 0 : 1;
+        char note[2048] = "";
+        if (!rc) clmha_context_tuning_note(ctx, note, sizeof note);
+        if (!rc && !(strstr(note, "ignored") && strstr(note, "FIFO"))) {
+            fprintf(stderr, "note: %s\n", note);
+            rc = 2;
+        }
+        clmha_context_release(ctx);
+        _exit(rc);
+    }
+    int status = 0;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "child: %s %d (1 creation failed, 2 wrong note; SIGALRM: it hung)",
+              WIFEXITED(status) ? "exit" : "signal",
+              WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
     teardown(&f);
 }
 

@@ -9,27 +9,53 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, void *user,
-                                     char *msg, size_t msg_size) {
-    static const char suffix[] = ".tmp.XXXXXX";
-    if (!msg) msg_size = 0;
-    size_t path_len = strlen(path);
-    char *tmp = malloc(path_len + sizeof suffix);
-    if (!tmp) {
-        snprintf(msg, msg_size, "cannot write '%s': out of memory", path);
-        return CLMHA_OUT_OF_MEMORY;
+#include "base/message.h"
+
+static const char *kind_of(mode_t mode) {
+    if (S_ISDIR(mode)) return "a folder";
+    if (S_ISLNK(mode)) return "a symbolic link";
+    if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    if (S_ISSOCK(mode)) return "a socket";
+    return "not a regular file";
+}
+
+clmha_status clmha__file_check_target(const char *path, char *msg, size_t msg_size) {
+    struct stat sb;
+    if (lstat(path, &sb) != 0) {
+        if (errno == ENOENT) return CLMHA_SUCCESS;
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "%s: %s", path, strerror(errno));
     }
-    memcpy(tmp, path, path_len);
-    memcpy(tmp + path_len, suffix, sizeof suffix);
+    if (S_ISREG(sb.st_mode)) return CLMHA_SUCCESS;
+    return clmha__msg(msg, msg_size, CLMHA_IO_ERROR,
+                      "%s: is %s; only a regular file is replaced (left as it is)", path,
+                      kind_of(sb.st_mode));
+}
+
+clmha_status clmha__file_write_temp(const char *path, clmha__file_writer fill, void *user,
+                                    char **tmp_out, char *msg, size_t msg_size) {
+    static const char name[] = ".clmha-XXXXXX";
+    *tmp_out = NULL;
+    if (!msg) msg_size = 0;
+    clmha_status st = clmha__file_check_target(path, msg, msg_size);
+    if (st) return st;
+    const char *slash = strrchr(path, '/');
+    size_t dir_len = slash ? (size_t)(slash - path) + 1 : 0;  // with the '/'
+    char *tmp = malloc(dir_len + sizeof name);
+    if (!tmp) return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of memory", path);
+    memcpy(tmp, path, dir_len);
+    memcpy(tmp + dir_len, name, sizeof name);
     int fd = mkstemp(tmp);
     if (fd < 0) {
-        snprintf(msg, msg_size, "cannot create '%s': %s", tmp, strerror(errno));
+        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "%s: cannot create the temporary file %s: %s",
+                        path, tmp, strerror(errno));
         free(tmp);
-        return CLMHA_IO_ERROR;
+        return st;
     }
     // mkstemp makes the file 0600: take the mode of the file it replaces, else rw-r--r--.
     struct stat sb;
-    mode_t mode = stat(path, &sb) == 0 && S_ISREG(sb.st_mode)
+    mode_t mode = lstat(path, &sb) == 0 && S_ISREG(sb.st_mode)
                       ? (sb.st_mode & 07777)
                       : (S_IRUSR | S_IWUSR | S_IRGRP | S_IROTH);
     char why[256] = "";
@@ -47,15 +73,27 @@ clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, 
             snprintf(why, sizeof why, "%s", strerror(errno));
         }
     }
-    clmha_status st = CLMHA_SUCCESS;
     if (!ok) {
-        snprintf(msg, msg_size, "cannot write '%s': %s", tmp, why);
-        st = CLMHA_IO_ERROR;
-    } else if (rename(tmp, path) != 0) {
-        snprintf(msg, msg_size, "cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
-        st = CLMHA_IO_ERROR;
+        remove(tmp);
+        free(tmp);
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot write '%s': %s", path, why);
     }
-    if (st) remove(tmp);
+    *tmp_out = tmp;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__file_write_whole(const char *path, clmha__file_writer fill, void *user,
+                                     char *msg, size_t msg_size) {
+    char *tmp = NULL;
+    clmha_status st = clmha__file_write_temp(path, fill, user, &tmp, msg, msg_size);
+    if (st) return st;
+    // (A special file could have appeared at the path since the check: rename replaces only
+    // the directory entry, never writes into it.)
+    if (rename(tmp, path) != 0) {
+        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot rename '%s' to '%s': %s", tmp,
+                        path, strerror(errno));
+        remove(tmp);
+    }
     free(tmp);
     return st;
 }

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 
 #include "base/checked.h"
+#include "base/file_read.h"
 
 static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
@@ -420,9 +421,13 @@ int clmha__cli_bench(int argc, char **argv) {
     clmha_layer *layer = NULL;
     rc = EXIT_REFUSED;
     if (layer_path) {
-        FILE *f = fopen(layer_path, "rb");
-        if (!f) {
-            clmha__cli_report("bench", "--layer %s: cannot open: %s", layer_path, strerror(errno));
+        // A regular file only: opening a FIFO or a device must not block (base/file_read.h).
+        FILE *f = NULL;
+        size_t layer_size;
+        char msg[1024];
+        if (clmha__file_open_regular(layer_path, &f, &layer_size, NULL, msg, sizeof msg)) {
+            clmha__cli_report("bench", "--layer %s: %s", layer_path,
+                              clmha__cli_without_path(msg, layer_path));
             goto done;
         }
         fclose(f);
@@ -430,6 +435,28 @@ int clmha__cli_bench(int argc, char **argv) {
     if (!(times = malloc(repeat * sizeof *times))) {
         clmha__cli_report("bench", "out of host memory");
         goto done;
+    }
+    if (!layer_path) {  // random parameters, PyTorch-like scale, made before the device opens
+        // 4 E^2 + 4 E floats: in_proj_weight (3E, E), out_proj.weight (E, E) and the biases.
+        size_t count = 0, bytes = 0;
+        bool fits = clmha__mul(e, e, &count) && clmha__mul(count, 4, &count) &&
+                    count <= SIZE_MAX - 4 * e && clmha__mul(count += 4 * e, sizeof *params, &bytes);
+        if (!fits || !(params = malloc(bytes))) {
+            clmha__cli_report("bench",
+                              "--embed %zu: cannot allocate %zu floats (%.3g GB) of host memory "
+                              "for the random layer's parameters (4*E^2 + 4*E)",
+                              e, count, ((double)e * e * 4 + 4.0 * e) * 4 / 1e9);
+            goto done;
+        }
+        cfg.w_in = params;
+        cfg.w_out = params + 3 * e * e;
+        cfg.b_in = params + 4 * e * e;
+        cfg.b_out = params + 4 * e * e + 3 * e;
+        uint64_t rng = 42;
+        float a = 1.0f / sqrtf((float)e);
+        for (size_t i = 0; i < 4 * e * e; ++i) params[i] = a * clmha__cli_uniform(&rng);
+        for (size_t i = 4 * e * e; i < 4 * e * e + 4 * e; ++i)
+            params[i] = 0.1f * clmha__cli_uniform(&rng);
     }
     if (!(ctx = clmha__cli_open_context("bench", device))) goto done;
     if (layer_path) {  // the file's configuration
@@ -450,21 +477,6 @@ int clmha__cli_bench(int argc, char **argv) {
                                                                : "--batch-first");
             goto done;
         }
-    } else {  // random parameters, PyTorch-like scale
-        if (e > BENCH_MAX_SIZE / 4 / e ||
-            !(params = malloc((4 * e * e + 4 * e) * sizeof *params))) {
-            clmha__cli_report("bench", "--embed %zu: out of host memory for the parameters", e);
-            goto done;
-        }
-        cfg.w_in = params;
-        cfg.w_out = params + 3 * e * e;
-        cfg.b_in = params + 4 * e * e;
-        cfg.b_out = params + 4 * e * e + 3 * e;
-        uint64_t rng = 42;
-        float a = 1.0f / sqrtf((float)e);
-        for (size_t i = 0; i < 4 * e * e; ++i) params[i] = a * clmha__cli_uniform(&rng);
-        for (size_t i = 4 * e * e; i < 4 * e * e + 4 * e; ++i)
-            params[i] = 0.1f * clmha__cli_uniform(&rng);
     }
     if (!json) {
         const clmha_layer_desc *d = &cfg.desc;

@@ -68,7 +68,9 @@ bool clmha__cli_parse_impl(const char *cmd, const char *text, bool need_weights,
 clmha_context *clmha__cli_open_context(const char *cmd, const char *device_opt);
 
 // Refuses an output path early (before any work) when its folder does not exist or cannot be
-// written, or when the path names a folder. Reports and returns false.
+// written, when the path is too long, or when something other than a regular file is there
+// (a folder, a FIFO, a device, a symbolic link: see base/file_write.h). Reports and returns
+// false.
 bool clmha__cli_output_path_ok(const char *cmd, const char *flag, const char *path);
 
 // ---- random numbers and time

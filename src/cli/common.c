@@ -12,6 +12,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/file_write.h"
+
 // ---- messages ---------------------------------------------------------------------------------
 
 // Prints "clmha <cmd>: <message>" as one line on stderr: control characters (from file names or
@@ -145,12 +147,13 @@ bool clmha__cli_parse_impl(const char *cmd, const char *text, bool need_weights,
     return true;
 }
 
-// Refuses an output path early (before any work) when its folder does not exist or cannot be
-// written, or when the path names a folder. Reports and returns false.
+// Refuses an output path early (before any work): see cli.h.
 bool clmha__cli_output_path_ok(const char *cmd, const char *flag, const char *path) {
     struct stat st;
-    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
-        clmha__cli_report(cmd, "%s %s: is a folder, not a file name", flag, path);
+    char msg[1024];
+    // (Also refuses a name too long for the file system, before any work.)
+    if (clmha__file_check_target(path, msg, sizeof msg) != CLMHA_SUCCESS) {
+        clmha__cli_report(cmd, "%s %s: %s", flag, path, clmha__cli_without_path(msg, path));
         return false;
     }
     const char *slash = strrchr(path, '/');

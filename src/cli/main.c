@@ -2,11 +2,12 @@
 // This file picks the command; each command is a file of its own in src/cli/ (see cli.h).
 //
 // Exit status: 0 success; 1 a refused input (unreadable or malformed file, shape mismatch,
-// device or library failure); 2 a usage error (unknown command or option, missing value,
-// missing required option). Every error is one line on stderr that starts with
+// device or library failure) or stdout that could not be written; 2 a usage error (unknown
+// command or option, missing value, missing required option). Every error is one line on stderr that starts with
 // "clmha <command>: " and names the file or argument at fault.
 #include "cli.h"
 
+#include <errno.h>
 #include <stdio.h>
 
 static const char *usage_main =
@@ -25,8 +26,8 @@ static const char *usage_main =
     "  --help, -h   print this help (clmha <command> --help: help on a command)\n"
     "  --version    print the version\n"
     "\n"
-    "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error),\n"
-    "2 usage error\n";
+    "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error) or\n"
+    "stdout could not be written, 2 usage error\n";
 
 // The subcommands: name and entry point (called with the arguments after the name).
 static const struct command {
@@ -41,7 +42,24 @@ static const struct command {
 };
 enum { NUM_COMMANDS = sizeof commands / sizeof commands[0] };
 
-int main(int argc, char **argv) {
+// Flushes and closes stdout: what a command printed there (a summary, a listing, --help) is its
+// result, so a write that failed (stdout on a full disk, a closed file) turns a success into
+// exit status 1, with a message on stderr.
+static int finish(int rc) {
+    errno = 0;
+    bool failed = fflush(stdout) != 0 || ferror(stdout);
+    int err = errno;
+    if (fclose(stdout) != 0 && !failed) failed = true, err = errno;
+    if (!failed) return rc;
+    clmha__cli_report(NULL, "cannot write to stdout: %s", err ? strerror(err) : "write error");
+    return rc == EXIT_OK ? EXIT_REFUSED : rc;
+}
+
+static int run_command(int argc, char **argv);
+
+int main(int argc, char **argv) { return finish(run_command(argc, argv)); }
+
+static int run_command(int argc, char **argv) {
     char names[256] = "";  // "devices, run, demo, bench"
     for (size_t i = 0; i < NUM_COMMANDS; ++i)
         snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? ", " : "",

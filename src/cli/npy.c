@@ -13,10 +13,12 @@
 #include "npy.h"
 
 #include "base/checked.h"
+#include "base/file_read.h"
 #include "base/file_write.h"
 #include "base/message.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -397,7 +399,11 @@ clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, 
     for (size_t o = 0; o < count; ++o) {
         size_t at = transpose ? src : o;
         if (itemsize == 4) a.f32[o] = load_f4(data + at * 4);
-        else if (itemsize == 8) a.f32[o] = (float)load_f8(data + at * 8);
+        else if (itemsize == 8) {
+            double d = load_f8(data + at * 8);
+            a.f32[o] = (float)d;
+            if (isinf(a.f32[o]) && !isinf(d)) ++a.overflowed;
+        }
         else a.u8[o] = data[at];
         if (!transpose) continue;
         for (size_t k = h.ndim; k-- > 0;) {
@@ -424,72 +430,21 @@ fail:
 
 // ---- reading -------------------------------------------------------------------------------
 
+// The largest .npy file read: far above any array the program can hand to a device, far below
+// what a mistaken input (a disk image, a core dump) would take.
+#define NPY_FILE_MAX ((size_t)1 << 40)
+
 clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_t msg_size) {
-    clmha_status st = CLMHA_SUCCESS;
-    FILE *f = NULL;
-    unsigned char *buf = NULL;
-    size_t size = 0, cap = 4096;
     if (out) memset(out, 0, sizeof *out);
     if (!path || !out)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or out is NULL");
-
-    f = fopen(path, "rb");
-    if (!f) {
-        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot open '%s': %s", path,
-                        strerror(errno));
-        goto fail;
-    }
-    struct stat sb;
-    if (fstat(fileno(f), &sb) != 0) {
-        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path,
-                        strerror(errno));
-        goto fail;
-    }
-    if (S_ISDIR(sb.st_mode)) {
-        st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path,
-                        strerror(EISDIR));
-        goto fail;
-    }
-    if (S_ISREG(sb.st_mode)) {
-        // one more byte than the file holds, so that one read reaches the end of the file
-        if (sb.st_size < 0 || (uintmax_t)sb.st_size >= SIZE_MAX) {
-            st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "'%s' is too large to read", path);
-            goto fail;
-        }
-        cap = (size_t)sb.st_size + 1;
-    }
-    for (;;) {
-        if (!buf || size == cap) {
-            size_t want = buf ? cap * 2 : cap;
-            if (buf && cap > SIZE_MAX / 2) {
-                st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "'%s' is too large to read",
-                                path);
-                goto fail;
-            }
-            unsigned char *grown = realloc(buf, want);
-            if (!grown) {
-                st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY,
-                                "cannot allocate %zu bytes to read '%s'", want, path);
-                goto fail;
-            }
-            buf = grown;
-            cap = want;
-        }
-        size_t n = fread(buf + size, 1, cap - size, f);
-        size += n;
-        if (size < cap) {
-            if (ferror(f)) {
-                st = clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot read '%s': %s", path,
-                                strerror(errno));
-                goto fail;
-            }
-            if (feof(f)) break;
-        }
-    }
-    st = clmha__npy_parse(buf, size, path, out, msg, msg_size);
-fail:
+    // Regular files only: a FIFO or a device (/dev/zero) is refused instead of blocking or
+    // growing a buffer without bound.
+    unsigned char *buf = NULL;
+    size_t size = 0;
+    clmha_status st = clmha__file_read_whole(path, NPY_FILE_MAX, &buf, &size, NULL, msg, msg_size);
+    if (st == CLMHA_SUCCESS) st = clmha__npy_parse(buf, size, path, out, msg, msg_size);
     free(buf);
-    if (f) fclose(f);
     return st;
 }
 
@@ -519,8 +474,10 @@ static bool write_npy(FILE *f, void *user, char *why, size_t why_size) {
     return ok;
 }
 
-clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
-                                  const size_t *shape, char *msg, size_t msg_size) {
+// Writes the array to @p path whole (@p tmp NULL) or to a temporary file next to it whose
+// name goes to *tmp (see clmha__file_write_temp).
+static clmha_status write_f32(const char *path, const float *data, size_t ndim,
+                              const size_t *shape, char **tmp, char *msg, size_t msg_size) {
     if (!path || (ndim > 0 && !shape))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or shape is NULL");
     if (ndim > CLMHA__NPY_MAX_DIMS)
@@ -555,5 +512,18 @@ clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t nd
 
     npy_out o = {.prefix = prefix, .head = head, .header_len = header_len, .data = data,
                  .count = count};
-    return clmha__file_write_whole(path, write_npy, &o, msg, msg_size);
+    return tmp ? clmha__file_write_temp(path, write_npy, &o, tmp, msg, msg_size)
+               : clmha__file_write_whole(path, write_npy, &o, msg, msg_size);
+}
+
+clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
+                                  const size_t *shape, char *msg, size_t msg_size) {
+    return write_f32(path, data, ndim, shape, NULL, msg, msg_size);
+}
+
+clmha_status clmha__npy_write_f32_temp(const char *path, const float *data, size_t ndim,
+                                       const size_t *shape, char **tmp, char *msg,
+                                       size_t msg_size) {
+    *tmp = NULL;
+    return write_f32(path, data, ndim, shape, tmp, msg, msg_size);
 }

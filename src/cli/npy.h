@@ -18,6 +18,7 @@ typedef struct clmha__npy {
     size_t ndim;
     size_t shape[CLMHA__NPY_MAX_DIMS];
     size_t count;         // product of shape (1 for 0-D)
+    size_t overflowed;    // '<f8': finite values beyond float32's range, converted to +-inf
     float *f32;           // kind FLOAT: count floats (malloc'd)
     unsigned char *u8;    // kind BOOL: count bytes (malloc'd)
 } clmha__npy;
@@ -29,13 +30,20 @@ typedef struct clmha__npy {
 clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, clmha__npy *out,
                               char *msg, size_t msg_size);
 
-// Reads and parses @p path (CLMHA_IO_ERROR when it cannot be read).
+// Reads and parses @p path (CLMHA_IO_ERROR when it cannot be read or is not a regular file:
+// a FIFO, a device or a folder is refused at once, without blocking).
 clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_t msg_size);
 
 // Writes a float32 C-order array ('<f4', version 1.0). The file appears whole or not at all
 // (temporary file in the same folder, then rename).
 clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
                                   const size_t *shape, char *msg, size_t msg_size);
+
+// Like clmha__npy_write_f32, but writes a temporary file in @p path's folder and leaves the
+// renaming to the caller: *tmp gets its malloc'd name (NULL on failure, when nothing is left).
+clmha_status clmha__npy_write_f32_temp(const char *path, const float *data, size_t ndim,
+                                       const size_t *shape, char **tmp, char *msg,
+                                       size_t msg_size);
 
 // Frees the arrays of @p a and zeroes it. Accepts NULL.
 void clmha__npy_free(clmha__npy *a);

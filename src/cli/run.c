@@ -4,10 +4,14 @@
 #include "cli.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/types.h>
 #include <unistd.h>
 
+#include "base/file_read.h"
 #include "base/message.h"
 #include "npy.h"
 
@@ -38,7 +42,12 @@ static const char *usage_run =
     "  --output O.npy            write the attention output, float32, shaped like the query\n"
     "  --weights-output W.npy    write the weights, float32; implies --need-weights\n"
     "                            (unbatched inputs drop N; S' = S + add_bias_kv + add_zero_attn)\n"
-    "  Files are written only after the forward pass succeeded, each whole or not at all.\n"
+    "  Files are written only after the forward pass succeeded, each whole or not at all;\n"
+    "  a failed run leaves every file as it was. An output may be a new file or an existing\n"
+    "  regular file (not a folder, FIFO, device or symbolic link), and neither an input nor\n"
+    "  the other output. Inputs must be regular files.\n"
+    "  NaN/Inf in the results (from NaN/Inf inputs or parameters, as in PyTorch) give a\n"
+    "  warning on stderr naming the inputs that hold them; the exit status stays 0.\n"
     "  A query row whose every key is masked gets zero weights (PyTorch gives NaN there).\n"
     "  Results not written to a file are summarised on stdout (shape, first values).\n"
     "\n"
@@ -52,8 +61,8 @@ static const char *usage_run =
     "\n"
     "  --help, -h                print this help\n"
     "\n"
-    "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error),\n"
-    "2 usage error. Options take their value as --opt VALUE or --opt=VALUE.\n";
+    "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error) or\n"
+    "stdout not written, 2 usage error. Options take their value as --opt VALUE or --opt=VALUE.\n";
 
 // One .npy input.
 typedef struct input_file {
@@ -132,64 +141,190 @@ static void print_values(const char *label, const float *x, size_t count, size_t
     printf(" (%zu value%s)\n", count, count == 1 ? "" : "s");
 }
 
+static size_t count_nonfinite(const float *x, size_t count, bool skip_minus_inf) {
+    size_t n = 0;
+    for (size_t i = 0; i < count; ++i)
+        n += !isfinite(x[i]) && !(skip_minus_inf && isinf(x[i]) && x[i] < 0);
+    return n;
+}
+
+// NaN in, NaN out (as in PyTorch, and no scan on the device): when the results hold NaN or Inf,
+// one warning line on stderr says so and names the inputs that explain it (NaN/Inf values,
+// float64 values beyond float32's range that became inf; -inf in a float mask only forbids).
+// The exit status stays 0.
+static void warn_nonfinite(const float *y, size_t y_count, const float *w, size_t w_count,
+                           const input_file *in) {
+    size_t bad = count_nonfinite(y, y_count, false) + (w ? count_nonfinite(w, w_count, false) : 0);
+    if (!bad) return;
+    char why[2048] = "";
+    size_t used = 0;
+    for (int i = 0; i < IN_COUNT; ++i) {
+        const clmha__npy *a = &in[i].a;
+        if (!in[i].path || a->kind != CLMHA__NPY_FLOAT) continue;
+        size_t n = count_nonfinite(a->f32, a->count, in[i].is_mask);
+        if (!n || used >= sizeof why) continue;
+        int k = snprintf(why + used, sizeof why - used, "%s%s %s holds %zu NaN/Inf value%s",
+                         used ? "; " : "", in[i].flag, in[i].path, n, n == 1 ? "" : "s");
+        if (k > 0) used += (size_t)k;
+        if (a->overflowed && used < sizeof why) {
+            k = snprintf(why + used, sizeof why - used,
+                         " (%zu float64 value%s beyond float32's range, read as inf)",
+                         a->overflowed, a->overflowed == 1 ? "" : "s");
+            if (k > 0) used += (size_t)k;
+        }
+    }
+    clmha__cli_report("run",
+                      "warning: the results hold %zu NaN/Inf value%s of %zu (%s); NaN/Inf in "
+                      "gives NaN/Inf out, as in PyTorch",
+                      bad, bad == 1 ? "" : "s", y_count + (w ? w_count : 0),
+                      used ? why
+                           : "no input holds NaN/Inf: the layer's parameters may, or values "
+                             "overflowed float32");
+}
+
+// Renames the temporary files over the outputs, all or none: an output that exists is kept as a
+// hard link (a backup) until every rename succeeded, and put back when a later rename fails.
+// Returns the index of the output that failed (errno set), or -1 when all were renamed.
+static int commit_outputs(char *const *tmp, const char *const *path, size_t count) {
+    char *backup[2] = {NULL, NULL};
+    size_t renamed = 0;
+    int failed = -1, err = 0;
+    for (size_t i = 0; i < count && failed < 0; ++i) {
+        struct stat sb;
+        if (lstat(path[i], &sb) != 0) continue;  // a new file: removed if a later rename fails
+        size_t n = strlen(tmp[i]);
+        if (!(backup[i] = malloc(n + 2))) {
+            failed = (int)i, err = ENOMEM;
+            break;
+        }
+        memcpy(backup[i], tmp[i], n);
+        memcpy(backup[i] + n, "b", 2);  // next to our own (unique) temporary file
+        if (link(path[i], backup[i]) != 0) {
+            failed = (int)i, err = errno;
+            free(backup[i]);
+            backup[i] = NULL;
+        }
+    }
+    while (failed < 0 && renamed < count) {
+        if (rename(tmp[renamed], path[renamed]) != 0) failed = (int)renamed, err = errno;
+        else ++renamed;
+    }
+    for (size_t i = 0; i < count; ++i) {
+        if (failed >= 0 && i < renamed) {  // put back what was there before
+            if (backup[i]) rename(backup[i], path[i]);
+            else remove(path[i]);
+        } else if (backup[i]) {
+            remove(backup[i]);
+        }
+        free(backup[i]);
+    }
+    errno = err;
+    return failed;
+}
+
 // Writes the requested outputs: each file whole or not at all, and when two are requested both
-// or (as far as the file system allows) neither: both are written to temporary names next to
-// their targets first, then renamed.
+// or neither: both are written to temporary files next to their targets first, then renamed
+// (commit_outputs). On failure every file that existed is as it was and no new file is left.
 static bool write_outputs(const char *out_path, const float *y, size_t y_ndim,
                           const size_t *y_shape, const char *w_path, const float *w,
                           size_t w_ndim, const size_t *w_shape) {
+    const char *flag[2], *path[2];
+    char *tmp[2] = {NULL, NULL};
+    size_t count = 0;
+    if (out_path) flag[count] = "--output", path[count++] = out_path;
+    if (w_path) flag[count] = "--weights-output", path[count++] = w_path;
     char msg[1024] = "";
-    char *tmp_y = NULL, *tmp_w = NULL;
-    bool ok = false, y_written = false, w_written = false, y_renamed = false;
-    if (!out_path || !w_path) {  // one file (or none): written whole or not at all by itself
-        const char *path = out_path ? out_path : w_path;
-        if (path && clmha__npy_write_f32(path, out_path ? y : w, out_path ? y_ndim : w_ndim,
-                                         out_path ? y_shape : w_shape, msg, sizeof msg)) {
-            clmha__cli_report("run", "%s %s: %s", out_path ? "--output" : "--weights-output", path,
-                              msg);
-            return false;
+    bool ok = true;
+    for (size_t i = 0; i < count && ok; ++i) {
+        bool is_y = path[i] == out_path;
+        if (clmha__npy_write_f32_temp(path[i], is_y ? y : w, is_y ? y_ndim : w_ndim,
+                                      is_y ? y_shape : w_shape, &tmp[i], msg, sizeof msg)) {
+            clmha__cli_report("run", "%s %s: %s (no output written)", flag[i], path[i],
+                              clmha__cli_without_path(msg, path[i]));
+            ok = false;
         }
+    }
+    int failed = ok ? commit_outputs(tmp, path, count) : -1;
+    if (failed >= 0) {
+        clmha__cli_report("run", "%s %s: cannot rename %s to it: %s (no output written; every "
+                          "file is as it was)",
+                          flag[failed], path[failed], tmp[failed], strerror(errno));
+        ok = false;
+    }
+    for (size_t i = 0; i < count; ++i) {
+        if (!ok && tmp[i]) remove(tmp[i]);
+        free(tmp[i]);
+    }
+    return ok;
+}
+
+// The identity of a file: its device and inode (following symbolic links), else, for a path
+// that does not exist yet, its folder's device and inode and its last component.
+typedef struct file_id {
+    bool exists;
+    dev_t dev;
+    ino_t ino;
+    const char *base;
+} file_id;
+
+static bool file_id_of(const char *path, file_id *id) {
+    struct stat sb;
+    memset(id, 0, sizeof *id);
+    if (stat(path, &sb) == 0) {
+        id->exists = true;
+        id->dev = sb.st_dev;
+        id->ino = sb.st_ino;
         return true;
     }
-    size_t ny = strlen(out_path) + 64, nw = strlen(w_path) + 64;
-    if (!(tmp_y = malloc(ny)) || !(tmp_w = malloc(nw))) {
-        clmha__cli_report("run", "out of memory");
-        goto fail;
-    }
-    snprintf(tmp_y, ny, "%s.clmha-%ld.tmp", out_path, (long)getpid());
-    snprintf(tmp_w, nw, "%s.clmha-%ld.tmp", w_path, (long)getpid());
-    if (clmha__npy_write_f32(tmp_y, y, y_ndim, y_shape, msg, sizeof msg)) {
-        clmha__cli_report("run", "--output %s: %s", out_path, msg);
-        goto fail;
-    }
-    y_written = true;
-    if (clmha__npy_write_f32(tmp_w, w, w_ndim, w_shape, msg, sizeof msg)) {
-        clmha__cli_report("run", "--weights-output %s: %s (no output written)", w_path, msg);
-        goto fail;
-    }
-    w_written = true;
-    if (rename(tmp_y, out_path) != 0) {
-        clmha__cli_report("run", "--output %s: cannot rename %s to it: %s (no output written)",
-                          out_path, tmp_y, strerror(errno));
-        goto fail;
-    }
-    y_renamed = true;
-    if (rename(tmp_w, w_path) != 0) {
-        clmha__cli_report("run",
-                          "--weights-output %s: cannot rename %s to it: %s (no output written)",
-                          w_path, tmp_w, strerror(errno));
-        goto fail;
-    }
-    ok = true;
-fail:
-    if (!ok) {
-        if (y_renamed) remove(out_path);
-        else if (y_written) remove(tmp_y);
-        if (w_written) remove(tmp_w);
-    }
-    free(tmp_y);
-    free(tmp_w);
+    const char *slash = strrchr(path, '/');
+    id->base = slash ? slash + 1 : path;
+    size_t len = slash ? (size_t)(slash - path) : 1;
+    if (slash && len == 0) len = 1;
+    char *dir = malloc(len + 1);
+    if (!dir) return false;
+    memcpy(dir, slash ? path : ".", len);
+    dir[len] = '\0';
+    bool ok = stat(dir, &sb) == 0;
+    free(dir);
+    id->dev = sb.st_dev;
+    id->ino = sb.st_ino;
     return ok;
+}
+
+static bool same_file(const file_id *a, const file_id *b) {
+    if (a->exists != b->exists || a->dev != b->dev || a->ino != b->ino) return false;
+    return a->exists || strcmp(a->base, b->base) == 0;
+}
+
+// Refuses outputs that are the same file however spelled ("o.npy" and "./o.npy", hard links)
+// and outputs that name an input (layer, query, key, value, mask): writing them would lose the
+// input or one of the outputs. Reports and returns false.
+static bool outputs_distinct(const char *out_path, const char *w_path, const char *layer_path,
+                             const input_file *in) {
+    const char *flag[2], *path[2];
+    file_id id[2];
+    size_t count = 0;
+    if (out_path) flag[count] = "--output", path[count++] = out_path;
+    if (w_path) flag[count] = "--weights-output", path[count++] = w_path;
+    for (size_t i = 0; i < count; ++i)
+        if (!file_id_of(path[i], &id[i])) return true;  // refused later, with a better message
+    if (count == 2 && same_file(&id[0], &id[1])) {
+        clmha__cli_report("run", "--output %s and --weights-output %s name the same file",
+                          out_path, w_path);
+        return false;
+    }
+    for (size_t i = 0; i < count; ++i) {
+        if (!id[i].exists) continue;  // a new file is no input
+        for (int k = -1; k < IN_COUNT; ++k) {
+            const char *in_path = k < 0 ? layer_path : in[k].path;
+            file_id other;
+            if (!in_path || !file_id_of(in_path, &other) || !same_file(&id[i], &other)) continue;
+            clmha__cli_report("run", "%s %s names the input %s %s; it would be overwritten",
+                              flag[i], path[i], k < 0 ? "--layer" : in[k].flag, in_path);
+            return false;
+        }
+    }
+    return true;
 }
 
 int clmha__cli_run(int argc, char **argv) {
@@ -229,11 +364,7 @@ int clmha__cli_run(int argc, char **argv) {
                                                             : "--query is");
         return EXIT_USAGE;
     }
-    if (output_path && weights_path && strcmp(output_path, weights_path) == 0) {
-        clmha__cli_report("run", "--output and --weights-output name the same file '%s'",
-                          output_path);
-        return EXIT_USAGE;
-    }
+    if (!outputs_distinct(output_path, weights_path, layer_path, in)) return EXIT_USAGE;
     if (weights_path || per_head) need_weights = true;
     clmha_impl impl;
     if (!clmha__cli_parse_impl("run", impl_opt, need_weights,
@@ -249,9 +380,13 @@ int clmha__cli_run(int argc, char **argv) {
     if ((output_path && !clmha__cli_output_path_ok("run", "--output", output_path)) ||
         (weights_path && !clmha__cli_output_path_ok("run", "--weights-output", weights_path)))
         goto fail;
-    FILE *f = fopen(layer_path, "rb");
-    if (!f) {
-        clmha__cli_report("run", "--layer %s: cannot open: %s", layer_path, strerror(errno));
+    // A regular file only: opening a FIFO or a device must not block (base/file_read.h).
+    FILE *f = NULL;
+    size_t layer_size;
+    char msg[1024];
+    if (clmha__file_open_regular(layer_path, &f, &layer_size, NULL, msg, sizeof msg)) {
+        clmha__cli_report("run", "--layer %s: %s", layer_path,
+                          clmha__cli_without_path(msg, layer_path));
         goto fail;
     }
     fclose(f);
@@ -339,6 +474,7 @@ int clmha__cli_run(int argc, char **argv) {
     }
     if (!write_outputs(output_path, y, q->ndim, q->shape, weights_path, w, w_ndim, w_shape))
         goto fail;
+    warn_nonfinite(y, y_count, w, w_count, in);
 
     // A summary of what was not written to a file.
     bool show_y = !output_path, show_w = need_weights && !weights_path;

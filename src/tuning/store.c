@@ -20,6 +20,7 @@
 
 #include "tuning/store.h"
 
+#include "base/file_read.h"
 #include "base/file_write.h"
 #include "base/message.h"
 #include "device/held.h"
@@ -306,40 +307,24 @@ clmha_status clmha__tuning_write_file(const char *path, const char *text, char *
     return clmha__file_write_whole(path, write_text, (void *)text, msg, msg_size);
 }
 
-// Reads a whole file (at most TUNING_FILE_MAX bytes) as a NUL-terminated string.
+// Reads a whole file (at most TUNING_FILE_MAX bytes) as a NUL-terminated string. Only a regular
+// file is read: a FIFO or a device at the path is refused at once (the tuning is then ignored
+// as unusable) instead of blocking every run.
 static clmha_status read_text(const char *path, char **out, bool *missing, char *msg,
                               size_t msg_size) {
     *out = NULL;
-    *missing = false;
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        *missing = errno == ENOENT;
-        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot open %s: %s", path,
-                          strerror(errno));
-    }
-    char *buf = malloc(TUNING_FILE_MAX + 1);
-    if (!buf) {
-        fclose(f);
-        return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "out of host memory");
-    }
-    size_t n = fread(buf, 1, TUNING_FILE_MAX + 1, f);
-    bool err = ferror(f);
-    fclose(f);
-    if (err) {
-        free(buf);
-        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR, "cannot read %s", path);
-    }
-    if (n > TUNING_FILE_MAX) {
-        free(buf);
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s is larger than %u bytes", path,
-                          TUNING_FILE_MAX);
-    }
-    buf[n] = '\0';
-    if (strlen(buf) != n) {
+    unsigned char *buf = NULL;
+    size_t n = 0;
+    int absent = 0;
+    clmha_status st =
+        clmha__file_read_whole(path, TUNING_FILE_MAX, &buf, &n, &absent, msg, msg_size);
+    *missing = absent != 0;
+    if (st) return st;
+    if (strlen((const char *)buf) != n) {
         free(buf);
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s holds a NUL byte", path);
     }
-    *out = buf;
+    *out = (char *)buf;
     return CLMHA_SUCCESS;
 }
 
