@@ -320,6 +320,29 @@ Test(safetensors, save_special_targets_and_long_names, .timeout = 60) {
     env_close(&e);
 }
 
+// A layer file that is not a regular file is refused at once: a FIFO with no writer (which
+// would block the open or the read), /dev/zero (which never ends), a folder.
+Test(safetensors, load_special_files_refused_at_once, .timeout = 60) {
+    env e;
+    env_open(&e);
+    char fifo[256];
+    path_in(&e, "fifo.safetensors", fifo, sizeof fifo);
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    const char *paths[] = {fifo, "/dev/zero", e.dir};
+    const char *kinds[] = {"FIFO", "character device", "folder"};
+    for (int i = 0; i < 3; ++i) {
+        clmha_layer *l = (clmha_layer *)&e;
+        clmha_status st = clmha_layer_load(&l, e.ctx, paths[i]);
+        const char *msg = clmha_context_last_error(e.ctx);
+        cr_expect_neq(st, CLMHA_SUCCESS, "%s loaded", paths[i]);
+        cr_expect_null(l, "%s: out not set to NULL", paths[i]);
+        cr_expect(strstr(msg, paths[i]) != NULL, "%s: message \"%s\"", paths[i], msg);
+        cr_expect(strstr(msg, kinds[i]) != NULL || strstr(msg, "directory") != NULL,
+                  "%s: message \"%s\" lacks \"%s\"", paths[i], msg, kinds[i]);
+    }
+    env_close(&e);
+}
+
 // ---- F16, F64, and header variants ------------------------------------------------------------
 
 // E 4, 2 heads, no bias: in_proj_weight (12, 4) and out_proj.weight (4, 4), 64 values.

@@ -414,12 +414,12 @@ int clmha__cli_run(int argc, char **argv) {
     }
     size_t y_count = 0, w_count = 0;
     if (clmha_layer_output_counts(layer, &args, NULL, NULL) != CLMHA_SUCCESS) {
-        const char *msg = clmha_context_last_error(ctx);
-        const input_file *culprit = input_culprit(msg, in, desc.batch_first);
+        const char *why = clmha_context_last_error(ctx);
+        const input_file *culprit = input_culprit(why, in, desc.batch_first);
         if (culprit)
-            clmha__cli_report("run", "%s %s: %s", culprit->flag, culprit->path, msg);
+            clmha__cli_report("run", "%s %s: %s", culprit->flag, culprit->path, why);
         else
-            clmha__cli_report("run", "--layer %s: %s", layer_path, msg);
+            clmha__cli_report("run", "--layer %s: %s", layer_path, why);
         goto fail;
     }
     args.key_padding_mask = mask_of(&in[IN_KPM]);

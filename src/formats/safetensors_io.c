@@ -7,6 +7,7 @@
 #include "formats/safetensors.h"
 
 #include "base/checked.h"
+#include "base/file_read.h"
 #include "base/file_write.h"
 #include "errors/errors.h"
 #include "formats/safetensors_private.h"
@@ -33,19 +34,16 @@ static clmha_status read_file(const clmha_context *ctx, const char *path, unsign
     unsigned char *buf = NULL;
     *out = NULL;
     *out_size = 0;
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        errno_text(errno, why, sizeof why);
-        return clmha__fail(ctx, CLMHA_IO_ERROR, "cannot open %s: %s", path, why);
-    }
+    // Only a regular file: a FIFO would block, a device never end (src/base/file_read.h).
+    FILE *f = NULL;
+    size_t file_size = 0;
+    char open_msg[CLMHA__ERROR_SIZE];
+    st = clmha__file_open_regular(path, &f, &file_size, NULL, open_msg, sizeof open_msg);
+    if (st) return clmha__fail(ctx, st, "%s", open_msg);
     struct stat sb;
     if (fstat(fileno(f), &sb) != 0) {
         errno_text(errno, why, sizeof why);
         st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot read %s: %s", path, why);
-        goto fail;
-    }
-    if (S_ISDIR(sb.st_mode)) {
-        st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot read %s: it is a directory", path);
         goto fail;
     }
     // The header's length first: a header longer than a layer's can be is refused before the
