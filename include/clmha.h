@@ -71,7 +71,10 @@
 /// loading, parameter copies, the host-array forward pass, clmha_layer_bake(),
 /// clmha_layer_stage_times(), clmha_layer_save(), the last clmha_context_release()) also waits
 /// for the work other threads enqueued on that queue before it. clmha_reference_forward()
-/// touches no shared state.
+/// touches no shared state. Threads may make their first calls at the same moment, on one
+/// context or on several: clmha lists devices one thread at a time (drivers initialise on the
+/// process's first listing) and runs CLBlast calls one at a time until one has succeeded
+/// (CLBlast fills process-wide tables on its first call without a lock).
 ///
 /// ## The one deliberate difference from PyTorch
 /// A query row whose every key is masked gives zero attention weights and a zero attention result

@@ -10,6 +10,7 @@
 #include "base/struct_in.h"
 #include "cores/core.h"
 #include "cores/kernel_args.h"
+#include "device/blas.h"
 #include "device/held.h"
 #include "layer/layer.h"
 #include "layer/shape.h"
@@ -126,8 +127,10 @@ static clmha_status gemm_nt(clmha_context *ctx, const char *what, size_t m, size
                             cl_mem a, size_t a_off, size_t lda, cl_mem w, size_t w_off,
                             size_t ldw, float beta, cl_mem c, size_t c_off, size_t ldc) {
     cl_command_queue q = ctx->queue;
-    int s = CLBlastSgemm(CLBlastLayoutColMajor, CLBlastTransposeYes, CLBlastTransposeNo, n, m, k,
-                         1.0f, w, w_off, ldw, a, a_off, lda, beta, c, c_off, ldc, &q, NULL);
+    int s;
+    CLMHA__BLAS(s, CLBlastSgemm(CLBlastLayoutColMajor, CLBlastTransposeYes, CLBlastTransposeNo, n,
+                                m, k, 1.0f, w, w_off, ldw, a, a_off, lda, beta, c, c_off, ldc, &q,
+                                NULL));
     return s ? clmha__blas_fail(ctx, s, what) : CLMHA_SUCCESS;
 }
 
