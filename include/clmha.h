@@ -992,17 +992,29 @@ CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
 ///                             without need_weights
 /// @param[in]  weights_offset  element offset of the weights in @p weights
 /// @param[in]  num_wait        number of events in @p wait_list
-/// @param[in]  wait_list       events the pass waits for on the device (NULL when @p num_wait
-///                             is 0)
+/// @param[in]  wait_list       events of the layer's cl_context that the pass waits for on the
+///                             device (NULL when @p num_wait is 0). An event that has already
+///                             failed (negative CL_EVENT_COMMAND_EXECUTION_STATUS) is refused:
+///                             the call returns ::CLMHA_OPENCL_ERROR and enqueues nothing (a
+///                             command waiting for a failed event never runs, and would hold up
+///                             every later command on the in-order queue). An event that fails
+///                             after the call: the pass does not run and its @p event reports a
+///                             negative status; PoCL 3.1 also fails every command enqueued on
+///                             the queue after it (and aborted the process in
+///                             pocl_update_event_failed() when the failing event was a user
+///                             event that a clmha pass waited for). Check your events before
+///                             passing them.
 /// @param[out] event           optional: a new event that completes with the pass; NULL on
 ///                             failure
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also for a buffer that is NULL, of
 ///         another context, too small or write-only as above, for @p num_wait and
-///         @p wait_list disagreeing, and for args->struct_size 0 or too small),
+///         @p wait_list disagreeing, for an invalid event or one of another context in
+///         @p wait_list, and for args->struct_size 0 or too small),
 ///         ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field),
 ///         ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
-///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
+///         ::CLMHA_OPENCL_ERROR (also for a failed event in @p wait_list), ::CLMHA_BLAS_ERROR,
+///         ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *args,
                                            cl_mem output, size_t output_offset, cl_mem weights,
                                            size_t weights_offset, cl_uint num_wait,

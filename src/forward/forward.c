@@ -50,6 +50,37 @@ static clmha_status check_buffer(clmha_context *ctx, const char *name, cl_mem bu
     return CLMHA_SUCCESS;
 }
 
+// Checks that the wait list holds events of this context, none of which has failed: a command
+// waiting for a failed event never runs (the driver aborts it or leaves it queued), so the pass
+// would never complete and, on an in-order queue, nor would anything enqueued after it.
+static clmha_status check_wait_list(clmha_context *ctx, cl_uint num_wait,
+                                    const cl_event *wait_list) {
+    for (cl_uint i = 0; i < num_wait; ++i) {
+        cl_context owner = NULL;
+        cl_int status = CL_COMPLETE;
+        cl_int err = wait_list[i] ? clGetEventInfo(wait_list[i], CL_EVENT_CONTEXT, sizeof owner,
+                                                   &owner, NULL)
+                                  : CL_INVALID_EVENT;
+        if (err == CL_SUCCESS)
+            err = clGetEventInfo(wait_list[i], CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof status,
+                                 &status, NULL);
+        if (err != CL_SUCCESS)
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                               "wait_list[%u] is not a valid event (%s)", (unsigned)i,
+                               clmha__cl_error_name(err));
+        if (owner != ctx->cl_ctx)
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                               "wait_list[%u] belongs to another cl_context", (unsigned)i);
+        if (status < 0)
+            return clmha__fail(ctx, CLMHA_OPENCL_ERROR,
+                               "wait_list[%u] has failed (execution status %d, %s): "
+                               "CL_EXEC_STATUS_ERROR_FOR_EVENTS_IN_WAIT_LIST; nothing was "
+                               "enqueued",
+                               (unsigned)i, (int)status, clmha__cl_error_name(status));
+    }
+    return CLMHA_SUCCESS;
+}
+
 static size_t mask_elem(clmha_mask_kind kind) { return kind == CLMHA_MASK_FLOAT ? 4 : 1; }
 
 // Everything a forward call checks before it enqueues anything.
@@ -306,6 +337,7 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "num_wait (%u) and wait_list (%p) disagree", (unsigned)num_wait,
                            (const void *)wait_list);
+    if ((st = check_wait_list(ctx, num_wait, wait_list))) return st;
     clmha__dims d;
     st = validate(layer, args, true, &d);
     if (st) return st;
