@@ -976,8 +976,12 @@ CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
 /// @p args; the result goes to @p output (element offset @p output_offset), shaped like the
 /// query with E features; the weights (when need_weights) to @p weights: (N, L, S') averaged,
 /// (N, H, L, S') per head, or (L, S') / (H, L, S') unbatched.
-/// With a bias, @p output must not be CL_MEM_WRITE_ONLY (the output projection accumulates onto
-/// the bias rows).
+/// Every tensor argument must be a buffer (CL_MEM_OBJECT_BUFFER, not an image). With a bias,
+/// @p output must not be CL_MEM_WRITE_ONLY (the output projection accumulates onto the bias
+/// rows); @p output and @p weights must not be CL_MEM_READ_ONLY. As in PyTorch (an `out=`
+/// tensor must not alias an input), the bytes of @p output and @p weights must not overlap each
+/// other or those of any input or mask (sub-buffers count as parts of their parent buffer);
+/// inputs may share bytes.
 /// The call never waits on the host: it waits for @p wait_list on the device and returns an
 /// event for the completion in @p event (may be NULL; the caller releases it). The buffers must
 /// stay unchanged (inputs) and unread (outputs) until that event completes. It may allocate
@@ -1007,7 +1011,8 @@ CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
 /// @param[out] event           optional: a new event that completes with the pass; NULL on
 ///                             failure
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also for a buffer that is NULL, of
-///         another context, too small or write-only as above, for @p num_wait and
+///         another context, too small, an image, write-only or read-only or overlapping as
+///         above, for @p num_wait and
 ///         @p wait_list disagreeing, for an invalid event or one of another context in
 ///         @p wait_list, and for args->struct_size 0 or too small),
 ///         ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field),
@@ -1074,14 +1079,15 @@ typedef enum clmha_stage {
 CLMHA_API clmha_status clmha_layer_set_profiling(clmha_layer *layer, bool on);
 
 /// Waits for the last forward call of @p layer made with profiling on (including the one of
-/// clmha_layer_bake()) and returns the device time of each stage in milliseconds (0 for stages
+/// clmha_layer_bake()), when it succeeded, and returns the device time of each stage in milliseconds (0 for stages
 /// that did not run: weights without need_weights, softmax and weights·V with a user core).
 /// The stage time is the time between the end of the previous stage and the end of this one on
 /// the in-order queue.
 /// @param[in]  layer  the layer
 /// @param[out] ms     ::CLMHA_STAGE_COUNT times, indexed by ::clmha_stage
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, profiling off, or no profiled call
-///         yet), ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY (waiting for or querying a marker
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, profiling off, no profiled call
+///         yet, or the last forward call failed: a failed call drops the times of the calls
+///         before it), ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY (waiting for or querying a marker
 ///         failed)
 CLMHA_API clmha_status clmha_layer_stage_times(clmha_layer *layer,
                                                double ms[CLMHA_STAGE_COUNT]);
