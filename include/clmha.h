@@ -79,6 +79,17 @@
 /// ## The one deliberate difference from PyTorch
 /// A query row whose every key is masked gives zero attention weights and a zero attention result
 /// (so the layer output of that row is `out_proj.bias`). PyTorch gives NaN there.
+///
+/// ## NaN and infinity
+/// As in PyTorch, non-finite values are data, not errors: NaN or ±infinity in the inputs, the
+/// parameters or a float mask flow through the arithmetic as IEEE 754 says, the output and
+/// weight elements they reach become NaN or ±infinity, and the call returns ::CLMHA_SUCCESS. The
+/// library never scans tensors for them (that would cost a pass over every input on every
+/// call); a caller that must refuse them checks before the call. In a float mask, `-inf` is the
+/// normal way to forbid a key (a row whose keys are all `-inf` is fully masked: see above);
+/// `+inf` or NaN in a mask makes its whole row NaN. Values given to the library are floats:
+/// converting wider data (float64 files) is the caller's job, and a finite value beyond float
+/// range then becomes ±infinity, as `torch.Tensor.float()` makes it.
 #ifndef CLMHA_H
 #define CLMHA_H
 
