@@ -1138,3 +1138,48 @@ Test(errors, stage_times_after_a_failed_profiled_call) {
               clmha_context_last_error(c.ctx));
     dev_call_close(&c);
 }
+
+// ---- what is not an error ----------------------------------------------------------------------
+
+// NaN and infinity are data (clmha.h, "NaN and infinity"): they pass through to the outputs
+// they reach and the call succeeds; -inf in a float mask forbids a key, +inf or NaN there makes
+// the row NaN.
+Test(errors, non_finite_values_are_data_not_errors) {
+    clmha_context *ctx = NULL;
+    if (clmha_context_create_from_env(&ctx) != CLMHA_SUCCESS) cr_skip_test("no OpenCL device");
+    clmha_layer *layer = NULL;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &layer_descs[L_DEFAULT]), CLMHA_SUCCESS);
+    static float w_in[3 * E * E], w_out[E * E], q[L * N * E], out[L * N * E], mask[N * S];
+    for (size_t i = 0; i < 3 * E * E; ++i) w_in[i] = 0.01f * (float)(i % 7);
+    for (size_t i = 0; i < E * E; ++i) w_out[i] = 0.02f * (float)(i % 5);
+    for (size_t i = 0; i < L * N * E; ++i) q[i] = 0.1f * (float)(i % 3);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E), 0);
+    clmha_forward_args args = {
+        .struct_size = sizeof args,
+        .query = {.ndim = 3, .shape = {L, N, E}, .data = q},
+        .key_padding_mask = {.kind = CLMHA_MASK_FLOAT,
+                             .tensor = {.ndim = 2, .shape = {N, S}, .data = mask}}};
+    struct {
+        const char *what;
+        float mask_value;  // of key 1 of every item
+        bool nan_query;
+        size_t want_nans;
+    } cases[] = {{"-inf in a float mask", -INFINITY, false, 0},
+                 {"+inf in a float mask", INFINITY, false, L * N * E},
+                 {"NaN in a float mask", NAN, false, L * N * E},
+                 // Self-attention: query element 0 is item 0's key too; item 1 stays finite.
+                 {"NaN in the query", 0.0f, true, L * E}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
+        for (size_t i = 0; i < N * S; ++i) mask[i] = i % S == 1 ? cases[c].mask_value : 0.0f;
+        q[0] = cases[c].nan_query ? NAN : 0.0f;
+        clmha_status st = clmha_layer_forward_host(layer, &args, out, L * N * E, NULL, 0);
+        cr_expect_eq(st, CLMHA_SUCCESS, "%s: %s", cases[c].what, clmha_context_last_error(ctx));
+        size_t nans = 0;
+        for (size_t i = 0; i < L * N * E; ++i) nans += isnan(out[i]) != 0;
+        cr_expect_eq(nans, cases[c].want_nans, "%s: %zu NaN outputs, expected %zu",
+                     cases[c].what, nans, cases[c].want_nans);
+    }
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+}
