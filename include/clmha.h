@@ -71,11 +71,25 @@
 /// loading, parameter copies, the host-array forward pass, clmha_layer_bake(),
 /// clmha_layer_stage_times(), clmha_layer_save(), the last clmha_context_release()) also waits
 /// for the work other threads enqueued on that queue before it. clmha_reference_forward()
-/// touches no shared state.
+/// touches no shared state. Threads may make their first calls at the same moment, on one
+/// context or on several: clmha lists devices one thread at a time (drivers initialise on the
+/// process's first listing) and runs CLBlast calls one at a time until one has succeeded
+/// (CLBlast fills process-wide tables on its first call without a lock).
 ///
 /// ## The one deliberate difference from PyTorch
 /// A query row whose every key is masked gives zero attention weights and a zero attention result
 /// (so the layer output of that row is `out_proj.bias`). PyTorch gives NaN there.
+///
+/// ## NaN and infinity
+/// As in PyTorch, non-finite values are data, not errors: NaN or ±infinity in the inputs, the
+/// parameters or a float mask flow through the arithmetic as IEEE 754 says, the output and
+/// weight elements they reach become NaN or ±infinity, and the call returns ::CLMHA_SUCCESS. The
+/// library never scans tensors for them (that would cost a pass over every input on every
+/// call); a caller that must refuse them checks before the call. In a float mask, `-inf` is the
+/// normal way to forbid a key (a row whose keys are all `-inf` is fully masked: see above);
+/// `+inf` or NaN in a mask makes its whole row NaN. Values given to the library are floats:
+/// converting wider data (float64 files) is the caller's job, and a finite value beyond float
+/// range then becomes ±infinity, as `torch.Tensor.float()` makes it.
 #ifndef CLMHA_H
 #define CLMHA_H
 
@@ -983,8 +997,12 @@ CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
 /// @p args; the result goes to @p output (element offset @p output_offset), shaped like the
 /// query with E features; the weights (when need_weights) to @p weights: (N, L, S') averaged,
 /// (N, H, L, S') per head, or (L, S') / (H, L, S') unbatched.
-/// With a bias, @p output must not be CL_MEM_WRITE_ONLY (the output projection accumulates onto
-/// the bias rows).
+/// Every tensor argument must be a buffer (CL_MEM_OBJECT_BUFFER, not an image). With a bias,
+/// @p output must not be CL_MEM_WRITE_ONLY (the output projection accumulates onto the bias
+/// rows); @p output and @p weights must not be CL_MEM_READ_ONLY. As in PyTorch (an `out=`
+/// tensor must not alias an input), the bytes of @p output and @p weights must not overlap each
+/// other or those of any input or mask (sub-buffers count as parts of their parent buffer);
+/// inputs may share bytes.
 /// The call never waits on the host: it waits for @p wait_list on the device and returns an
 /// event for the completion in @p event (may be NULL; the caller releases it). The buffers must
 /// stay unchanged (inputs) and unread (outputs) until that event completes. It may allocate
@@ -999,18 +1017,30 @@ CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
 ///                             without need_weights
 /// @param[in]  weights_offset  element offset of the weights in @p weights
 /// @param[in]  num_wait        number of events in @p wait_list
-/// @param[in]  wait_list       events the pass waits for on the device (NULL when @p num_wait
-///                             is 0)
+/// @param[in]  wait_list       events of the layer's cl_context that the pass waits for on the
+///                             device (NULL when @p num_wait is 0). An event that has already
+///                             failed (negative CL_EVENT_COMMAND_EXECUTION_STATUS) is refused:
+///                             the call returns ::CLMHA_OPENCL_ERROR and enqueues nothing (a
+///                             command waiting for a failed event never runs, and would hold up
+///                             every later command on the in-order queue). An event that fails
+///                             after the call: the pass does not run and its @p event reports a
+///                             negative status; PoCL 3.1 also fails every command enqueued on
+///                             the queue after it (and aborted the process in
+///                             pocl_update_event_failed() when the failing event was a user
+///                             event that a clmha pass waited for). Check your events before
+///                             passing them.
 /// @param[out] event           optional: a new event that completes with the pass; NULL on
 ///                             failure
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also for a buffer that is NULL, of
-///         another context, too small or write-only as above, for @p num_wait and
-///         @p wait_list disagreeing, and for args->struct_size 0 or too small),
+///         another context, too small, an image, write-only or read-only or overlapping as
+///         above, for @p num_wait and @p wait_list disagreeing, for an invalid event or one of
+///         another context in @p wait_list, and for args->struct_size 0 or too small),
 ///         ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field;
 ///         ::CLMHA_IMPL_FUSED where the fused core cannot be built, see ::clmha_impl),
 ///         ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
-///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR, ::CLMHA_CALLBACK_FAILED
+///         ::CLMHA_OPENCL_ERROR (also for a failed event in @p wait_list), ::CLMHA_BLAS_ERROR,
+///         ::CLMHA_CALLBACK_FAILED
 CLMHA_API clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *args,
                                            cl_mem output, size_t output_offset, cl_mem weights,
                                            size_t weights_offset, cl_uint num_wait,
@@ -1070,14 +1100,15 @@ typedef enum clmha_stage {
 CLMHA_API clmha_status clmha_layer_set_profiling(clmha_layer *layer, bool on);
 
 /// Waits for the last forward call of @p layer made with profiling on (including the one of
-/// clmha_layer_bake()) and returns the device time of each stage in milliseconds (0 for stages
+/// clmha_layer_bake()), when it succeeded, and returns the device time of each stage in milliseconds (0 for stages
 /// that did not run: weights without need_weights, softmax and weights·V with a user core).
 /// The stage time is the time between the end of the previous stage and the end of this one on
 /// the in-order queue.
 /// @param[in]  layer  the layer
 /// @param[out] ms     ::CLMHA_STAGE_COUNT times, indexed by ::clmha_stage
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, profiling off, or no profiled call
-///         yet), ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY (waiting for or querying a marker
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, profiling off, no profiled call
+///         yet, or the last forward call failed: a failed call drops the times of the calls
+///         before it), ::CLMHA_OPENCL_ERROR, ::CLMHA_OUT_OF_MEMORY (waiting for or querying a marker
 ///         failed)
 CLMHA_API clmha_status clmha_layer_stage_times(clmha_layer *layer,
                                                double ms[CLMHA_STAGE_COUNT]);

@@ -42,6 +42,8 @@ static int standalone_failures;
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 enum { E = 16, H = 4, L = 7, S = 9, N = 2, ITERS = 5, MAX_THREADS = 4 };
 enum { OUT = L * N * E, WTS = N * L * S };
@@ -198,6 +200,135 @@ Test(concurrency, three_contexts_in_parallel_threads, .timeout = 1200) {
     free(serial);
 }
 
+// First forward calls at the same instant. CLBlast fills a process-wide table on its first use
+// without a lock (src/device/blas.h); clmha runs CLBlast calls one at a time until one has
+// succeeded. "First" is per process, so each round forks a child that has not touched OpenCL:
+// its threads create their layers (on one shared context, or each on its own), wait at a
+// barrier, then all make their first forward call at once. A round fails when the child
+// crashes (SEGV, or a sanitizer report: abort_on_error=1), or a call fails or returns a
+// non-finite output. The parent never touches OpenCL (so this test runs first in the
+// standalone program). Rounds per mode: CLMHA_TEST_FIRST_CALL_ROUNDS, default 10 (4 under a
+// sanitizer). Before clmha guarded these (release build, PoCL 3.1, 20 rounds each): one shared
+// context 1 round failed (CLBlast: std::bad_alloc in its first GEMM), own contexts 17 crashed;
+// under ASan (10 rounds each) 9 and 9 crashed: heap-use-after-free in clblast::Database's
+// constructor, SEGV in strlen under PoCL's concurrent first device listing.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define FIRST_CALL_ROUNDS 4
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define FIRST_CALL_ROUNDS 4
+#endif
+#endif
+#ifndef FIRST_CALL_ROUNDS
+#define FIRST_CALL_ROUNDS 10
+#endif
+
+typedef struct first_caller {
+    job *j;
+    clmha_context *shared;  // or NULL: the thread creates its own context
+    pthread_barrier_t *start;
+    int failed;  // 0, or the step that failed
+} first_caller;
+
+static void *first_call_run(void *arg) {
+    first_caller *f = arg;
+    job *j = f->j;
+    clmha_context *ctx = f->shared, *own = NULL;
+    clmha_layer *layer = NULL;
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
+    if (!ctx && clmha_context_create_from_env(&own) != CLMHA_SUCCESS) f->failed = 1;
+    if (!ctx) ctx = own;
+    if (!f->failed && (clmha_layer_create(&layer, ctx, &desc) ||
+                       clmha_layer_set_parameter(layer, "in_proj_weight", j->w_in, 3 * E * E) ||
+                       clmha_layer_set_parameter(layer, "out_proj.weight", j->w_out, E * E)))
+        f->failed = 2;
+    pthread_barrier_wait(f->start);  // every thread waits here, even one that failed
+    clmha_forward_args args = {.struct_size = sizeof args,
+        .query = {.ndim = 3, .shape = {L, N, E}, .data = j->q[0]},
+        .key = {.ndim = 3, .shape = {S, N, E}, .data = j->k[0]},
+        .value = {.ndim = 3, .shape = {S, N, E}, .data = j->v[0]},
+        .need_weights = true};
+    if (!f->failed &&
+        clmha_layer_forward_host(layer, &args, j->out[0], OUT, j->wts[0], WTS) != CLMHA_SUCCESS) {
+        fprintf(stderr, "first forward call: %s\n", clmha_context_last_error(ctx));
+        f->failed = 3;
+    }
+    for (size_t i = 0; !f->failed && i < OUT; ++i)
+        if (!isfinite(j->out[0][i])) f->failed = 4;
+    clmha_layer_release(layer);
+    clmha_context_release(own);
+    return NULL;
+}
+
+// One round, in the child: exit status 0 pass, 1 a call failed, 77 no device.
+static int first_calls_child(bool shared) {
+    enum { THREADS = 4 };
+    clmha_context *ctx = NULL;
+    if (shared) {
+        clmha_status st = clmha_context_create_from_env(&ctx);
+        if (st == CLMHA_DEVICE_NOT_FOUND) return 77;
+        if (st) return 1;
+    }
+    job *jobs = calloc(THREADS, sizeof *jobs);
+    if (!jobs) return 1;
+    first_caller f[THREADS];
+    pthread_t threads[THREADS];
+    pthread_barrier_t start;
+    pthread_barrier_init(&start, NULL, THREADS);
+    for (int t = 0; t < THREADS; ++t) {
+        job_init(&jobs[t], t);
+        f[t] = (first_caller){.j = &jobs[t], .shared = ctx, .start = &start};
+        if (pthread_create(&threads[t], NULL, first_call_run, &f[t])) return 1;
+    }
+    int failed = 0;
+    for (int t = 0; t < THREADS; ++t) {
+        pthread_join(threads[t], NULL);
+        if (f[t].failed && !failed) failed = f[t].failed;
+    }
+    pthread_barrier_destroy(&start);
+    free(jobs);
+    clmha_context_release(ctx);
+    if (failed == 1 && !shared) return 77;  // no context: no device (a shared one said so above)
+    return failed ? 1 : 0;
+}
+
+static void first_calls_rounds(bool shared) {
+    int rounds = FIRST_CALL_ROUNDS;
+    const char *env = getenv("CLMHA_TEST_FIRST_CALL_ROUNDS");
+    if (env && atoi(env) > 0) rounds = atoi(env);
+    int crashed = 0, failed = 0, skipped = 0;
+    for (int r = 0; r < rounds; ++r) {
+        fflush(NULL);
+        pid_t pid = fork();
+        cr_assert(pid >= 0, "fork failed");
+        if (pid == 0) _exit(first_calls_child(shared));
+        int status = 0;
+        cr_assert_eq(waitpid(pid, &status, 0), pid);
+        if (WIFEXITED(status) && WEXITSTATUS(status) == 77) ++skipped;
+        else if (WIFEXITED(status) && WEXITSTATUS(status) != 0) ++failed;
+        else if (!WIFEXITED(status)) {
+            ++crashed;
+            fprintf(stderr, "round %d: the child died of signal %d\n", r,
+                    WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+        }
+    }
+    if (skipped == rounds) cr_skip_test("no OpenCL device");
+    fprintf(stderr, "first calls (%s): %d rounds, %d crashed, %d failed\n",
+            shared ? "one shared context" : "own contexts", rounds, crashed, failed);
+    cr_expect_eq(crashed + failed, 0,
+                 "first forward calls at once (%s): %d of %d rounds crashed, %d failed",
+                 shared ? "one shared context" : "own contexts", crashed, rounds, failed);
+}
+
+Test(concurrency, first_calls_at_once_on_one_shared_context, .timeout = 1200) {
+    first_calls_rounds(true);
+}
+
+Test(concurrency, first_calls_at_once_on_own_contexts, .timeout = 1200) {
+    first_calls_rounds(false);
+}
+
 // Failing calls from two threads on one context: each thread reads the context's message right
 // after its own failure. The message is the last one of any thread (clmha.h, Threading), so it
 // may be either thread's, but it must be one of them whole, never a mix of both (and, under
@@ -319,6 +450,9 @@ Test(concurrency, error_messages_are_the_calling_threads, .timeout = 600) {
 
 #ifdef CLMHA_TEST_STANDALONE
 int main(void) {
+    // First: these fork children that must be the first in their process to touch OpenCL.
+    concurrency_first_calls_at_once_on_one_shared_context();
+    concurrency_first_calls_at_once_on_own_contexts();
     concurrency_four_threads_one_shared_context();
     concurrency_three_contexts_in_parallel_threads();
     concurrency_error_messages_from_two_threads_on_one_context();

@@ -992,3 +992,202 @@ Test(errors, null_handles) {
     cr_expect_eq(clmha_layer_scratch_bytes(NULL), 0);
     cr_expect_eq(clmha_layer_parameter_count(NULL, "in_proj_weight"), 0);
 }
+
+// ---- buffers the device forward pass must refuse --------------------------------------------
+
+// A context, a layer (E 8, 2 heads, bias, parameters all zero but out_proj.weight) and buffers
+// for a valid self-attention call (L 3, N 2) with weights.
+typedef struct dev_call {
+    clmha_context *ctx;
+    clmha_layer *layer;
+    cl_context cl;
+    cl_mem q, out, wts;
+    clmha_forward_args args;
+} dev_call;
+
+static bool dev_call_open(dev_call *c) {
+    memset(c, 0, sizeof *c);
+    if (clmha_context_create_from_env(&c->ctx) != CLMHA_SUCCESS) return false;
+    c->cl = clmha_context_cl_context(c->ctx);
+    cr_assert_eq(clmha_layer_create(&c->layer, c->ctx, &layer_descs[L_DEFAULT]), CLMHA_SUCCESS);
+    cl_int err;
+    c->q = clCreateBuffer(c->cl, CL_MEM_READ_WRITE, L * N * E * 4, NULL, &err);
+    c->out = clCreateBuffer(c->cl, CL_MEM_READ_WRITE, L * N * E * 4, NULL, &err);
+    c->wts = clCreateBuffer(c->cl, CL_MEM_READ_WRITE, N * L * S * 4, NULL, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    c->args = (clmha_forward_args){.struct_size = sizeof c->args,
+                                   .query = {.ndim = 3, .shape = {L, N, E}, .buffer = c->q},
+                                   .need_weights = true};
+    return true;
+}
+
+static void dev_call_close(dev_call *c) {
+    clmha_layer_release(c->layer);
+    clmha_context_release(c->ctx);
+    clReleaseMemObject(c->q);
+    clReleaseMemObject(c->out);
+    clReleaseMemObject(c->wts);
+}
+
+// Calls the device forward pass, expects @p want and a message containing @p msg_has.
+static void expect_forward(dev_call *c, const char *what, cl_mem out, size_t out_off, cl_mem wts,
+                           size_t wts_off, clmha_status want, const char *msg_has) {
+    cl_event ev = BAD_PTR(struct _cl_event);
+    clmha_status st = clmha_layer_forward(c->layer, &c->args, out, out_off, wts, wts_off, 0, NULL,
+                                          &ev);
+    cr_expect_eq(st, want, "%s: returned %s, expected %s (%s)", what, clmha_status_string(st),
+                 clmha_status_string(want), clmha_context_last_error(c->ctx));
+    if (want) {
+        cr_expect_null(ev, "%s: *event not NULL", what);
+        cr_expect(strstr(clmha_context_last_error(c->ctx), msg_has) != NULL,
+                  "%s: message \"%s\" does not contain \"%s\"", what,
+                  clmha_context_last_error(c->ctx), msg_has);
+    } else if (ev) {
+        clWaitForEvents(1, &ev);
+        clReleaseEvent(ev);
+    }
+}
+
+Test(errors, image_as_query_is_refused) {
+    dev_call c;
+    if (!dev_call_open(&c)) cr_skip_test("no OpenCL device");
+    cl_bool images = CL_FALSE;
+    clGetDeviceInfo(clmha_context_cl_device(c.ctx), CL_DEVICE_IMAGE_SUPPORT, sizeof images,
+                    &images, NULL);
+    if (!images) {
+        dev_call_close(&c);
+        cr_skip_test("the device has no image support");
+    }
+    cl_image_format format = {CL_RGBA, CL_FLOAT};
+    cl_int err;
+    // 16 x 4 RGBA float texels: 1 KiB, more than the query's 192 bytes.
+    cl_image_desc desc = {.image_type = CL_MEM_OBJECT_IMAGE2D, .image_width = 16,
+                          .image_height = 4};
+    cl_mem image = clCreateImage(c.cl, CL_MEM_READ_WRITE, &format, &desc, NULL, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    c.args.query.buffer = image;
+    expect_forward(&c, "image query", c.out, 0, c.wts, 0, CLMHA_INVALID_ARGUMENT,
+                   "query is not a buffer");
+    c.args.query.buffer = c.q;
+    expect_forward(&c, "image output", image, 0, c.wts, 0, CLMHA_INVALID_ARGUMENT,
+                   "output is not a buffer");
+    clReleaseMemObject(image);
+    dev_call_close(&c);
+}
+
+Test(errors, read_only_outputs_are_refused) {
+    dev_call c;
+    if (!dev_call_open(&c)) cr_skip_test("no OpenCL device");
+    cl_int err;
+    cl_mem ro = clCreateBuffer(c.cl, CL_MEM_READ_ONLY, 4096, NULL, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    expect_forward(&c, "read-only output", ro, 0, c.wts, 0, CLMHA_INVALID_ARGUMENT,
+                   "output buffer is CL_MEM_READ_ONLY");
+    expect_forward(&c, "read-only weights", c.out, 0, ro, 0, CLMHA_INVALID_ARGUMENT,
+                   "weights buffer is CL_MEM_READ_ONLY");
+    expect_forward(&c, "read-write outputs", c.out, 0, c.wts, 0, CLMHA_SUCCESS, "");
+    clReleaseMemObject(ro);
+    dev_call_close(&c);
+}
+
+Test(errors, overlapping_outputs_and_inputs_are_refused) {
+    dev_call c;
+    if (!dev_call_open(&c)) cr_skip_test("no OpenCL device");
+    enum { OUTN = L * N * E, WN = N * L * S };  // 48 and 18 floats
+    cl_int err;
+    cl_mem one = clCreateBuffer(c.cl, CL_MEM_READ_WRITE, 4 * 256, NULL, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    expect_forward(&c, "weights inside the output", one, 0, one, 10, CLMHA_INVALID_ARGUMENT,
+                   "output (bytes 0 to 192) overlaps weights");
+    expect_forward(&c, "output overlapping the end of the weights", one, WN - 1, one, 0,
+                   CLMHA_INVALID_ARGUMENT, "overlaps weights");
+    expect_forward(&c, "output and weights side by side", one, 0, one, OUTN, CLMHA_SUCCESS, "");
+    expect_forward(&c, "output over the query", c.q, 0, c.wts, 0, CLMHA_INVALID_ARGUMENT,
+                   "output (bytes 0 to 192) overlaps query");
+    expect_forward(&c, "weights over the query", c.out, 0, c.q, 30, CLMHA_INVALID_ARGUMENT,
+                   "weights (bytes 120 to 192) overlaps query");
+    // A sub-buffer aliases its parent.
+    cl_buffer_region region = {0, 4 * 128};
+    cl_mem sub = clCreateSubBuffer(one, CL_MEM_READ_WRITE, CL_BUFFER_CREATE_TYPE_REGION, &region,
+                                   &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    expect_forward(&c, "output in a sub-buffer over the weights", sub, 0, one, 20,
+                   CLMHA_INVALID_ARGUMENT, "overlaps weights");
+    clReleaseMemObject(sub);
+    clReleaseMemObject(one);
+    dev_call_close(&c);
+}
+
+Test(errors, stage_times_after_a_failed_profiled_call) {
+    dev_call c;
+    if (!dev_call_open(&c)) cr_skip_test("no OpenCL device");
+    cr_assert_eq(clmha_layer_set_profiling(c.layer, true), CLMHA_SUCCESS);
+    double ms[CLMHA_STAGE_COUNT];
+    // The first profiled call fails: no times, and the message says why.
+    expect_forward(&c, "first profiled call, no output", NULL, 0, c.wts, 0,
+                   CLMHA_INVALID_ARGUMENT, "output buffer is NULL");
+    cr_expect_eq(clmha_layer_stage_times(c.layer, ms), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(c.ctx), "the last forward call failed") != NULL,
+              "%s", clmha_context_last_error(c.ctx));
+    // A call that succeeds has times; a failed call after it drops them.
+    expect_forward(&c, "profiled call", c.out, 0, c.wts, 0, CLMHA_SUCCESS, "");
+    cr_expect_eq(clmha_layer_stage_times(c.layer, ms), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(c.ctx));
+    expect_forward(&c, "failed call after it", NULL, 0, c.wts, 0, CLMHA_INVALID_ARGUMENT,
+                   "output buffer is NULL");
+    cr_expect_eq(clmha_layer_stage_times(c.layer, ms), CLMHA_INVALID_ARGUMENT,
+                 "stage times of an earlier call after a failed one");
+    cr_expect(strstr(clmha_context_last_error(c.ctx), "the last forward call failed") != NULL,
+              "%s", clmha_context_last_error(c.ctx));
+    // Profiling off: the message says so.
+    cr_assert_eq(clmha_layer_set_profiling(c.layer, false), CLMHA_SUCCESS);
+    cr_expect_eq(clmha_layer_stage_times(c.layer, ms), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(c.ctx), "profiling is off") != NULL, "%s",
+              clmha_context_last_error(c.ctx));
+    dev_call_close(&c);
+}
+
+// ---- what is not an error ----------------------------------------------------------------------
+
+// NaN and infinity are data (clmha.h, "NaN and infinity"): they pass through to the outputs
+// they reach and the call succeeds; -inf in a float mask forbids a key, +inf or NaN there makes
+// the row NaN.
+Test(errors, non_finite_values_are_data_not_errors) {
+    clmha_context *ctx = NULL;
+    if (clmha_context_create_from_env(&ctx) != CLMHA_SUCCESS) cr_skip_test("no OpenCL device");
+    clmha_layer *layer = NULL;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &layer_descs[L_DEFAULT]), CLMHA_SUCCESS);
+    static float w_in[3 * E * E], w_out[E * E], q[L * N * E], out[L * N * E], mask[N * S];
+    for (size_t i = 0; i < 3 * E * E; ++i) w_in[i] = 0.01f * (float)(i % 7);
+    for (size_t i = 0; i < E * E; ++i) w_out[i] = 0.02f * (float)(i % 5);
+    for (size_t i = 0; i < L * N * E; ++i) q[i] = 0.1f * (float)(i % 3);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E), 0);
+    clmha_forward_args args = {
+        .struct_size = sizeof args,
+        .query = {.ndim = 3, .shape = {L, N, E}, .data = q},
+        .key_padding_mask = {.kind = CLMHA_MASK_FLOAT,
+                             .tensor = {.ndim = 2, .shape = {N, S}, .data = mask}}};
+    struct {
+        const char *what;
+        float mask_value;  // of key 1 of every item
+        bool nan_query;
+        size_t want_nans;
+    } cases[] = {{"-inf in a float mask", -INFINITY, false, 0},
+                 {"+inf in a float mask", INFINITY, false, L * N * E},
+                 {"NaN in a float mask", NAN, false, L * N * E},
+                 // Self-attention: query element 0 is item 0's key too; item 1 stays finite.
+                 {"NaN in the query", 0.0f, true, L * E}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; ++c) {
+        for (size_t i = 0; i < N * S; ++i) mask[i] = i % S == 1 ? cases[c].mask_value : 0.0f;
+        q[0] = cases[c].nan_query ? NAN : 0.0f;
+        clmha_status st = clmha_layer_forward_host(layer, &args, out, L * N * E, NULL, 0);
+        cr_expect_eq(st, CLMHA_SUCCESS, "%s: %s", cases[c].what, clmha_context_last_error(ctx));
+        size_t nans = 0;
+        for (size_t i = 0; i < L * N * E; ++i) nans += isnan(out[i]) != 0;
+        cr_expect_eq(nans, cases[c].want_nans, "%s: %zu NaN outputs, expected %zu",
+                     cases[c].what, nans, cases[c].want_nans);
+    }
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+}

@@ -6,6 +6,7 @@
 
 #include <clmha.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -338,3 +339,66 @@ Test(interop, other_contexts_keep_clblast_programs) {
     clmha_context_release(ctx);
     app_close(&a);
 }
+
+// Waits up to @p ms for @p ev to leave CL_QUEUED/CL_SUBMITTED/CL_RUNNING; returns its status
+// then (still positive when it did not).
+static cl_int status_within(cl_event ev, long ms) {
+    cl_int status = CL_QUEUED;
+    for (long t = 0; t <= ms; t += 20) {
+        clGetEventInfo(ev, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof status, &status, NULL);
+        if (status <= CL_COMPLETE) break;
+        sleep_ms(20);
+    }
+    return status;
+}
+
+// A wait list holding an event that has already failed is refused, nothing is enqueued, and the
+// queue keeps working: a command waiting for a failed event never runs on PoCL, so the pass (and
+// every later command on the in-order queue) would never complete.
+Test(interop, failed_event_in_wait_list_is_refused, .timeout = 120) {
+    app a;
+    if (!app_open(&a)) cr_skip_test("no OpenCL device");
+    clmha_context *ctx = NULL;
+    cr_assert_eq(clmha_context_create_from_cl(&ctx, a.context, a.device, a.queue), CLMHA_SUCCESS,
+                 "%s", clmha_last_create_error());
+    clmha_layer *layer = make_layer(ctx);
+    cl_int err;
+    cl_mem q = clCreateBuffer(a.context, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof x, x,
+                              &err);
+    cl_mem out = clCreateBuffer(a.context, CL_MEM_READ_WRITE, sizeof(float) * L * N * E, NULL,
+                                &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    cl_event failed = clCreateUserEvent(a.context, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    cr_assert_eq(clSetUserEventStatus(failed, -1), CL_SUCCESS);
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {L, N, E}, .buffer = q}};
+    cl_event done = (cl_event)0x1;
+    cl_event wait[2] = {NULL, failed};
+    cr_assert_eq(clEnqueueMarkerWithWaitList(a.queue, 0, NULL, &wait[0]), CL_SUCCESS);
+    clmha_status st = clmha_layer_forward(layer, &args, out, 0, NULL, 0, 2, wait, &done);
+    cr_expect_eq(st, CLMHA_OPENCL_ERROR, "a failed event in the wait list: %s",
+                 clmha_status_string(st));
+    cr_expect_null(done);
+    cr_expect(strstr(clmha_context_last_error(ctx), "wait_list[1] has failed") != NULL, "%s",
+              clmha_context_last_error(ctx));
+    if (st == CLMHA_SUCCESS && done) clReleaseEvent(done);
+    // The queue still works: a later call completes.
+    cl_event later = NULL;
+    cr_assert_eq(clmha_layer_forward(layer, &args, out, 0, NULL, 0, 0, NULL, &later),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    clFlush(a.queue);
+    cl_int later_status = status_within(later, 10000);
+    cr_assert_eq(later_status, CL_COMPLETE,
+                 "the call after the refused one did not complete within 10 s (status %d): the "
+                 "queue is stuck behind the failed event", later_status);
+    clReleaseEvent(later);
+    clReleaseEvent(wait[0]);
+    clReleaseEvent(failed);
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+    clReleaseMemObject(q);
+    clReleaseMemObject(out);
+    app_close(&a);
+}
+

@@ -7,6 +7,7 @@
 
 #include "cores/core.h"
 #include "cores/kernel_args.h"
+#include "device/blas.h"
 #include "device/held.h"
 
 #include <math.h>
@@ -96,10 +97,11 @@ static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c) {
     size_t hd = l->d, sp = d->s_padded;
     float scale = (float)(1.0 / sqrt((double)hd));
     if (chunk_is_all(l, d, c)) {
-        int st = CLBlastSgemmStridedBatched(
+        int st;
+        CLMHA__BLAS(st, CLBlastSgemmStridedBatched(
             CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, d->l, sp, hd, scale,
             l->tiles[CLMHA__TILE_Q], 0, hd, d->l * hd, l->tiles[CLMHA__TILE_K], 0, hd, sp * hd,
-            0.0f, l->scores, 0, sp, d->l * sp, d->n * l->h, &q, NULL);
+            0.0f, l->scores, 0, sp, d->l * sp, d->n * l->h, &q, NULL));
         return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(QK^T)")
                   : CLMHA_SUCCESS;
     }
@@ -107,10 +109,12 @@ static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c) {
         size_t plane = r / d->l, rows = d->l - r % d->l;  // the rest of this plane
         if (rows > end - r) rows = end - r;
         // Query row r of the (N*H*L, D) tile; keys of the plane; the chunk's row r - first.
-        int st = CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes,
-                              rows, sp, hd, scale, l->tiles[CLMHA__TILE_Q], r * hd, hd,
-                              l->tiles[CLMHA__TILE_K], plane * sp * hd, hd, 0.0f, l->scores,
-                              (r - c.first) * sp, sp, &q, NULL);
+        int st;
+        CLMHA__BLAS(st, CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo,
+                                     CLBlastTransposeYes, rows, sp, hd, scale,
+                                     l->tiles[CLMHA__TILE_Q], r * hd, hd, l->tiles[CLMHA__TILE_K],
+                                     plane * sp * hd, hd, 0.0f, l->scores, (r - c.first) * sp,
+                                     sp, &q, NULL));
         if (st) return clmha__blas_fail(l->ctx, st, "CLBlastSgemm(QK^T chunk)");
         r += rows;
     }
@@ -136,20 +140,23 @@ static clmha_status attend(clmha_layer *l, const clmha__dims *d, chunk c) {
     cl_command_queue q = l->ctx->queue;
     size_t hd = l->d, sp = d->s_padded;
     if (chunk_is_all(l, d, c)) {
-        int st = CLBlastSgemmStridedBatched(
+        int st;
+        CLMHA__BLAS(st, CLBlastSgemmStridedBatched(
             CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeNo, d->l, hd, sp, 1.0f,
             l->scores, 0, sp, d->l * sp, l->tiles[CLMHA__TILE_V], 0, hd, sp * hd, 0.0f,
-            l->tiles[CLMHA__TILE_OUT], 0, hd, d->l * hd, d->n * l->h, &q, NULL);
+            l->tiles[CLMHA__TILE_OUT], 0, hd, d->l * hd, d->n * l->h, &q, NULL));
         return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(AV)")
                   : CLMHA_SUCCESS;
     }
     for (size_t r = c.first, end = c.first + c.rows; r < end;) {
         size_t plane = r / d->l, rows = d->l - r % d->l;
         if (rows > end - r) rows = end - r;
-        int st = CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeNo,
-                              rows, hd, sp, 1.0f, l->scores, (r - c.first) * sp, sp,
-                              l->tiles[CLMHA__TILE_V], plane * sp * hd, hd, 0.0f,
-                              l->tiles[CLMHA__TILE_OUT], r * hd, hd, &q, NULL);
+        int st;
+        CLMHA__BLAS(st, CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo,
+                                     CLBlastTransposeNo, rows, hd, sp, 1.0f, l->scores,
+                                     (r - c.first) * sp, sp, l->tiles[CLMHA__TILE_V],
+                                     plane * sp * hd, hd, 0.0f, l->tiles[CLMHA__TILE_OUT],
+                                     r * hd, hd, &q, NULL));
         if (st) return clmha__blas_fail(l->ctx, st, "CLBlastSgemm(AV chunk)");
         r += rows;
     }

@@ -7,6 +7,7 @@
 
 #include <ctype.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -68,8 +69,8 @@ void clmha__device_describe(cl_platform_id platform, cl_device_id device,
 
 // Counts every device of every platform into *count and describes devices first to
 // first + capacity - 1 into @p infos.
-static clmha_status devices_list(clmha_device_info *infos, size_t first, size_t capacity,
-                                 size_t *count) {
+static clmha_status devices_list_unlocked(clmha_device_info *infos, size_t first,
+                                          size_t capacity, size_t *count) {
     *count = 0;
     cl_platform_id platforms[MAX_PLATFORMS];
     cl_uint np = 0;
@@ -91,6 +92,20 @@ static clmha_status devices_list(clmha_device_info *infos, size_t first, size_t 
         }
     }
     return CLMHA_SUCCESS;
+}
+
+// devices_list_unlocked() one thread at a time, process-wide. A driver initialises its platform
+// and devices on the process's first clGetPlatformIDs, and PoCL 3.1 does not make other threads'
+// calls wait for that: a thread calling clGetPlatformIDs meanwhile finds no platform, one
+// querying a device meanwhile crashes (clGetDeviceInfo, SEGV in 1 of 2 processes whose threads
+// created their first contexts at once: tests/test_concurrency.c, first_calls_*).
+static clmha_status devices_list(clmha_device_info *infos, size_t first, size_t capacity,
+                                 size_t *count) {
+    static pthread_mutex_t enumeration = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&enumeration);
+    clmha_status st = devices_list_unlocked(infos, first, capacity, count);
+    pthread_mutex_unlock(&enumeration);
+    return st;
 }
 
 clmha_status clmha_device_count(size_t *count) {

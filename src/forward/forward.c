@@ -10,6 +10,7 @@
 #include "base/struct_in.h"
 #include "cores/core.h"
 #include "cores/kernel_args.h"
+#include "device/blas.h"
 #include "device/held.h"
 #include "layer/layer.h"
 #include "layer/shape.h"
@@ -41,6 +42,12 @@ static clmha_status check_buffer(clmha_context *ctx, const char *name, cl_mem bu
     if (owner != ctx->cl_ctx)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "%s buffer belongs to another cl_context", name);
+    cl_mem_object_type type = CL_MEM_OBJECT_BUFFER;
+    clGetMemObjectInfo(buf, CL_MEM_TYPE, sizeof type, &type, NULL);
+    if (type != CL_MEM_OBJECT_BUFFER)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "%s is not a buffer (cl_mem_object_type 0x%x: an image or pipe)", name,
+                           (unsigned)type);
     if (offset > SIZE_MAX / elem - count || (offset + count) * elem > size)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "%s buffer holds %zu bytes, the call needs %zu elements of %zu bytes "
@@ -50,6 +57,101 @@ static clmha_status check_buffer(clmha_context *ctx, const char *name, cl_mem bu
 }
 
 static size_t mask_elem(clmha_mask_kind kind) { return kind == CLMHA_MASK_FLOAT ? 4 : 1; }
+
+// Checks that output buffer @p buf may be written by kernels (not CL_MEM_READ_ONLY).
+static clmha_status check_writable(clmha_context *ctx, const char *name, cl_mem buf) {
+    cl_mem_flags flags = 0;
+    clGetMemObjectInfo(buf, CL_MEM_FLAGS, sizeof flags, &flags, NULL);
+    if (flags & CL_MEM_READ_ONLY)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "%s buffer is CL_MEM_READ_ONLY: the forward pass writes it", name);
+    return CLMHA_SUCCESS;
+}
+
+// The bytes [begin, end) of a tensor argument in the buffer that holds them (a sub-buffer's
+// parent: its sub-buffers alias it).
+typedef struct span {
+    const char *name;
+    cl_mem root;
+    size_t begin, end;
+} span;
+
+static span span_of(const char *name, cl_mem buf, size_t offset, size_t count, size_t elem) {
+    cl_mem parent = NULL;
+    size_t origin = 0;
+    clGetMemObjectInfo(buf, CL_MEM_ASSOCIATED_MEMOBJECT, sizeof parent, &parent, NULL);
+    if (parent) clGetMemObjectInfo(buf, CL_MEM_OFFSET, sizeof origin, &origin, NULL);
+    return (span){name, parent ? parent : buf, origin + offset * elem,
+                  origin + (offset + count) * elem};
+}
+
+// Outputs must not overlap each other or an input (as in PyTorch, where an out= tensor must not
+// alias an input): the pass writes parts of them while it still reads others. Sizes were
+// checked (check_buffer()), so the byte ranges do not overflow.
+static clmha_status check_aliasing(clmha_context *ctx, const clmha_forward_args *a,
+                                   const clmha__dims *d, cl_mem output, size_t output_offset,
+                                   cl_mem weights, size_t weights_offset) {
+    span all[7];
+    int n = 0, outputs;
+    all[n++] = span_of("output", output, output_offset, d->output_count, 4);
+    if (a->need_weights) all[n++] = span_of("weights", weights, weights_offset,
+                                            d->weights_count, 4);
+    outputs = n;
+    all[n++] = span_of("query", a->query.buffer, a->query.offset, d->query_count, 4);
+    if (!d->key_is_query)
+        all[n++] = span_of("key", a->key.buffer, a->key.offset, d->key_count, 4);
+    if (!d->value_is_key)
+        all[n++] = span_of("value", a->value.buffer, a->value.offset, d->value_count, 4);
+    if (d->kpm_kind)
+        all[n++] = span_of("key_padding_mask", a->key_padding_mask.tensor.buffer,
+                           a->key_padding_mask.tensor.offset, d->kpm_count,
+                           mask_elem(d->kpm_kind));
+    if (d->attn_kind)
+        all[n++] = span_of("attn_mask", a->attn_mask.tensor.buffer, a->attn_mask.tensor.offset,
+                           d->attn_count, mask_elem(d->attn_kind));
+    for (int i = 0; i < outputs; ++i)
+        for (int j = i + 1; j < n; ++j)
+            if (all[i].root == all[j].root && all[i].begin < all[j].end &&
+                all[j].begin < all[i].end)
+                return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                                   "%s (bytes %zu to %zu) overlaps %s (bytes %zu to %zu) in the "
+                                   "same buffer: an output must not alias another output or an "
+                                   "input",
+                                   all[i].name, all[i].begin, all[i].end, all[j].name,
+                                   all[j].begin, all[j].end);
+    return CLMHA_SUCCESS;
+}
+
+// Checks that the wait list holds events of this context, none of which has failed: a command
+// waiting for a failed event never runs (the driver aborts it or leaves it queued), so the pass
+// would never complete and, on an in-order queue, nor would anything enqueued after it.
+static clmha_status check_wait_list(clmha_context *ctx, cl_uint num_wait,
+                                    const cl_event *wait_list) {
+    for (cl_uint i = 0; i < num_wait; ++i) {
+        cl_context owner = NULL;
+        cl_int status = CL_COMPLETE;
+        cl_int err = wait_list[i] ? clGetEventInfo(wait_list[i], CL_EVENT_CONTEXT, sizeof owner,
+                                                   &owner, NULL)
+                                  : CL_INVALID_EVENT;
+        if (err == CL_SUCCESS)
+            err = clGetEventInfo(wait_list[i], CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof status,
+                                 &status, NULL);
+        if (err != CL_SUCCESS)
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                               "wait_list[%u] is not a valid event (%s)", (unsigned)i,
+                               clmha__cl_error_name(err));
+        if (owner != ctx->cl_ctx)
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                               "wait_list[%u] belongs to another cl_context", (unsigned)i);
+        if (status < 0)
+            return clmha__fail(ctx, CLMHA_OPENCL_ERROR,
+                               "wait_list[%u] has failed (execution status %d, %s): "
+                               "CL_EXEC_STATUS_ERROR_FOR_EVENTS_IN_WAIT_LIST; nothing was "
+                               "enqueued",
+                               (unsigned)i, (int)status, clmha__cl_error_name(status));
+    }
+    return CLMHA_SUCCESS;
+}
 
 // Everything a forward call checks before it enqueues anything.
 static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
@@ -126,8 +228,10 @@ static clmha_status gemm_nt(clmha_context *ctx, const char *what, size_t m, size
                             cl_mem a, size_t a_off, size_t lda, cl_mem w, size_t w_off,
                             size_t ldw, float beta, cl_mem c, size_t c_off, size_t ldc) {
     cl_command_queue q = ctx->queue;
-    int s = CLBlastSgemm(CLBlastLayoutColMajor, CLBlastTransposeYes, CLBlastTransposeNo, n, m, k,
-                         1.0f, w, w_off, ldw, a, a_off, lda, beta, c, c_off, ldc, &q, NULL);
+    int s;
+    CLMHA__BLAS(s, CLBlastSgemm(CLBlastLayoutColMajor, CLBlastTransposeYes, CLBlastTransposeNo, n,
+                                m, k, 1.0f, w, w_off, ldw, a, a_off, lda, beta, c, c_off, ldc, &q,
+                                NULL));
     return s ? clmha__blas_fail(ctx, s, what) : CLMHA_SUCCESS;
 }
 
@@ -289,10 +393,9 @@ clmha_status clmha_layer_output_counts(clmha_layer *layer, const clmha_forward_a
     return CLMHA_SUCCESS;
 }
 
-clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *args,
-                                 cl_mem output, size_t output_offset, cl_mem weights,
-                                 size_t weights_offset, cl_uint num_wait,
-                                 const cl_event *wait_list, cl_event *event) {
+static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, cl_mem output,
+                            size_t output_offset, cl_mem weights, size_t weights_offset,
+                            cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
     if (event) *event = NULL;
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
@@ -303,6 +406,7 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "num_wait (%u) and wait_list (%p) disagree", (unsigned)num_wait,
                            (const void *)wait_list);
+    if ((st = check_wait_list(ctx, num_wait, wait_list))) return st;
     clmha__dims d;
     st = validate(layer, args, true, &d);
     if (st) return st;
@@ -316,6 +420,10 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
                            "CL_MEM_READ_WRITE");
     if (args->need_weights &&
         (st = check_buffer(ctx, "weights", weights, weights_offset, d.weights_count, 4)))
+        return st;
+    if ((st = check_writable(ctx, "output", output)) ||
+        (args->need_weights && (st = check_writable(ctx, "weights", weights))) ||
+        (st = check_aliasing(ctx, args, &d, output, output_offset, weights, weights_offset)))
         return st;
     // The core: the user's, else fused or unfused (see clmha_impl and src/cores/core.c).
     clmha__core_call call = {.args = args, .dims = &d, .weights = weights,
@@ -357,6 +465,21 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
     return CLMHA_SUCCESS;
 }
 
+// Stage times are those of the last forward call, so a failed call drops the earlier call's
+// (clmha_layer_stage_times() then says that the last call failed).
+static clmha_status times_dropped_on_failure(clmha_layer *layer, clmha_status st) {
+    if (st && layer) clmha__layer_marks_release(layer);
+    return st;
+}
+
+clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *args,
+                                 cl_mem output, size_t output_offset, cl_mem weights,
+                                 size_t weights_offset, cl_uint num_wait,
+                                 const cl_event *wait_list, cl_event *event) {
+    return times_dropped_on_failure(layer, forward(layer, args, output, output_offset, weights,
+                                                   weights_offset, num_wait, wait_list, event));
+}
+
 // Uploads @p count elements of @p elem bytes into a new read-only buffer.
 static clmha_status upload(clmha_context *ctx, const char *name, const void *data, size_t count,
                            size_t elem, cl_mem *out) {
@@ -368,9 +491,9 @@ static clmha_status upload(clmha_context *ctx, const char *name, const void *dat
     return CLMHA_SUCCESS;
 }
 
-clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_args *args,
-                                      float *output, size_t output_count, float *weights,
-                                      size_t weights_count) {
+static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *args,
+                                 float *output, size_t output_count, float *weights,
+                                 size_t weights_count) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     clmha_forward_args in;
@@ -449,4 +572,11 @@ clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_ar
 fail:
     for (int i = 0; i < 7; ++i) clmha__release_mem(bufs[i]);
     return st;
+}
+
+clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_args *args,
+                                      float *output, size_t output_count, float *weights,
+                                      size_t weights_count) {
+    return times_dropped_on_failure(layer, forward_host(layer, args, output, output_count,
+                                                        weights, weights_count));
 }

@@ -18,10 +18,14 @@ clmha_status clmha_layer_set_profiling(clmha_layer *layer, bool on) {
 clmha_status clmha_layer_stage_times(clmha_layer *layer, double ms[CLMHA_STAGE_COUNT]) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     if (!ms) return clmha__fail(layer->ctx, CLMHA_INVALID_ARGUMENT, "ms is NULL");
-    if (!layer->profiling || !layer->marks[0])
+    if (!layer->profiling)
         return clmha__fail(layer->ctx, CLMHA_INVALID_ARGUMENT,
-                           "no profiled forward call: call clmha_layer_set_profiling(layer, "
-                           "true) before the forward call");
+                           "profiling is off: call clmha_layer_set_profiling(layer, true) before "
+                           "the forward call");
+    if (!layer->marks[0])
+        return clmha__fail(layer->ctx, CLMHA_INVALID_ARGUMENT,
+                           "no stage times: the last forward call failed, or no forward call "
+                           "was made since clmha_layer_set_profiling(layer, true)");
     cl_ulong prev = 0;
     for (int i = 0; i <= CLMHA_STAGE_COUNT; ++i) {
         if (i > 0) ms[i - 1] = 0.0;

@@ -5,6 +5,8 @@
 
 #include "tuner/gemm_search.h"
 
+#include "device/blas.h"
+
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -59,13 +61,14 @@ static int shape_run(clmha_context *ctx, const gshape *s) {
     CLBlastTranspose tb = s->tb ? CLBlastTransposeYes : CLBlastTransposeNo;
     int st;
     if (!s->batch)
-        st = CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, tb, s->m, s->n, s->k, 1.0f,
-                          s->a, 0, s->k, s->b, 0, ldb, 0.0f, s->c, 0, s->n, &q, NULL);
+        CLMHA__BLAS(st, CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo, tb, s->m, s->n,
+                                     s->k, 1.0f, s->a, 0, s->k, s->b, 0, ldb, 0.0f, s->c, 0,
+                                     s->n, &q, NULL));
     else
-        st = CLBlastSgemmStridedBatched(CLBlastLayoutRowMajor, CLBlastTransposeNo, tb, s->m,
-                                        s->n, s->k, 1.0f, s->a, 0, s->k, s->m * s->k, s->b, 0,
-                                        ldb, s->n * s->k, 0.0f, s->c, 0, s->n, s->m * s->n,
-                                        s->batch, &q, NULL);
+        CLMHA__BLAS(st, CLBlastSgemmStridedBatched(
+                            CLBlastLayoutRowMajor, CLBlastTransposeNo, tb, s->m, s->n, s->k,
+                            1.0f, s->a, 0, s->k, s->m * s->k, s->b, 0, ldb, s->n * s->k, 0.0f,
+                            s->c, 0, s->n, s->m * s->n, s->batch, &q, NULL));
     cl_int err = clFinish(q);
     return st != CLBlastSuccess ? st : err;
 }

@@ -23,6 +23,7 @@
 #include "base/file_read.h"
 #include "base/file_write.h"
 #include "base/message.h"
+#include "device/blas.h"
 #include "device/held.h"
 
 #include <cjson/cJSON.h>
@@ -136,8 +137,9 @@ bool clmha__tuning_fused(cl_device_id device, size_t fused[CLMHA__FUSED_PARAMS])
 // Overrides one kernel; no registry update.
 static clmha_status override(const clmha__tuning_target *tg, const char *kernel, size_t count,
                              const char *const *names, const size_t *values) {
-    int st = CLBlastOverrideParameters(tg->device, kernel, CLBlastPrecisionSingle, count,
-                                       (const char **)names, values);
+    int st;
+    CLMHA__BLAS(st, CLBlastOverrideParameters(tg->device, kernel, CLBlastPrecisionSingle, count,
+                                              (const char **)names, values));
     if (st != CLBlastSuccess)
         return clmha__fail(tg->owner, CLMHA_BLAS_ERROR,
                            "CLBlastOverrideParameters(%s) failed: CLBlast status %d (%s)", kernel,
