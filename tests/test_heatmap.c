@@ -1,4 +1,4 @@
-// Attention heatmaps (src/heatmap.c): the PNG is read back with libpng and checked against the
+// Attention heatmaps (src/cli/heatmap.c): the PNG is read back with libpng and checked against the
 // layout (image size, cell positions, colours of known weights, the colour bar); bad paths and
 // arguments are refused without leaving files behind.
 #define _POSIX_C_SOURCE 200809L

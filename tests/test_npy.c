@@ -1,4 +1,4 @@
-// The .npy reader and writer (src/npy.c): files written by clmha__npy_write_f32 and read back,
+// The .npy reader and writer (src/cli/npy.c): files written by clmha__npy_write_f32 and read back,
 // reference files written by NumPy (tests/npy/, made by tools/make_npy_fixtures.py; arange-based
 // values, so no NumPy is needed here), and malformed files built in memory. Every refusal is
 // checked for its exact status, a message substring, and a zeroed output.
