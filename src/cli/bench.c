@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "base/checked.h"
 #include "base/file_read.h"
@@ -441,11 +442,16 @@ int clmha__cli_bench(int argc, char **argv) {
         size_t count = 0, bytes = 0;
         bool fits = clmha__mul(e, e, &count) && clmha__mul(count, 4, &count) &&
                     count <= SIZE_MAX - 4 * e && clmha__mul(count += 4 * e, sizeof *params, &bytes);
-        if (!fits || !(params = malloc(bytes))) {
+        // More than the machine's memory is refused without asking malloc (which may overcommit,
+        // or abort under a sanitizer, rather than fail).
+        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        double ram = pages > 0 && page > 0 ? (double)pages * (double)page : 0;
+        if (!fits || (ram > 0 && (double)bytes > ram) || !(params = malloc(bytes))) {
             clmha__cli_report("bench",
                               "--embed %zu: cannot allocate %zu floats (%.3g GB) of host memory "
-                              "for the random layer's parameters (4*E^2 + 4*E)",
-                              e, count, ((double)e * e * 4 + 4.0 * e) * 4 / 1e9);
+                              "for the random layer's parameters (4*E^2 + 4*E; this machine has "
+                              "%.3g GB)",
+                              e, count, ((double)e * e * 4 + 4.0 * e) * 4 / 1e9, ram / 1e9);
             goto done;
         }
         cfg.w_in = params;
