@@ -20,6 +20,7 @@
 #   CLMHA_VALGRIND_LOGS    folder for the per-process logs (default: BUILD_DIR/valgrind-logs)
 #   VALGRIND               the valgrind program (default: valgrind)
 #   VALGRIND_EXTRA         more valgrind options
+#   CLMHA_TEST_FIRST_CALL_ROUNDS  rounds of test_concurrency's first-call test (default here: 1)
 #
 # How: Criterion runs every test in a child process (re-executed), so valgrind follows children
 # (--trace-children=yes) but not the linker and compilers PoCL starts to build kernels. Criterion
@@ -47,6 +48,10 @@ command -v "$valgrind" >/dev/null || { echo "valgrind-check: $valgrind not found
 supp="$root/tests/valgrind.supp"
 logs="${CLMHA_VALGRIND_LOGS:-$build/valgrind-logs}"
 export POCL_CACHE_DIR="${POCL_CACHE_DIR:-$build/valgrind-pocl-cache}"
+# test_concurrency's first-call stress test forks a fresh process per round: under memcheck one
+# round per mode looks for memory errors; the race itself is hunted by the release, ASan and TSan
+# runs with more rounds.
+export CLMHA_TEST_FIRST_CALL_ROUNDS="${CLMHA_TEST_FIRST_CALL_ROUNDS:-1}"
 mkdir -p "$POCL_CACHE_DIR"
 rm -rf "$logs"
 mkdir -p "$logs"
