@@ -18,7 +18,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 // ---- loading ------------------------------------------------------------------------------
 
@@ -40,12 +39,6 @@ static clmha_status read_file(const clmha_context *ctx, const char *path, unsign
     char open_msg[CLMHA__ERROR_SIZE];
     st = clmha__file_open_regular(path, &f, &file_size, NULL, open_msg, sizeof open_msg);
     if (st) return clmha__fail(ctx, st, "%s", open_msg);
-    struct stat sb;
-    if (fstat(fileno(f), &sb) != 0) {
-        errno_text(errno, why, sizeof why);
-        st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot read %s: %s", path, why);
-        goto fail;
-    }
     // The header's length first: a header longer than a layer's can be is refused before the
     // file is read or a buffer sized for it.
     unsigned char head[8];
@@ -56,43 +49,22 @@ static clmha_status read_file(const clmha_context *ctx, const char *path, unsign
             ctx, clmha__st_header_too_long(clmha__st_le64(head), path, msg, sizeof msg), "%s", msg);
         goto fail;
     }
-    // Regular files: their size, plus one byte to see the end. Others: grown as they come.
-    size_t cap = 4096;
-    if (S_ISREG(sb.st_mode) && sb.st_size >= 0) {
-        if ((uintmax_t)sb.st_size >= SIZE_MAX) {
-            st = clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "%s is too large to read (%jd bytes)",
-                             path, (intmax_t)sb.st_size);
-            goto fail;
-        }
-        cap = (size_t)sb.st_size + 1;
-    }
-    if (cap < sizeof head) cap = sizeof head;
-    buf = malloc(cap);
-    if (!buf) {
+    // The rest, up to the size fstat gave, plus one byte to see a file that grew meanwhile.
+    size_t cap = (file_size < sizeof head ? sizeof head : file_size) + 1;
+    if (!(buf = malloc(cap))) {
         st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory (%zu bytes)", path,
                          cap);
         goto fail;
     }
     memcpy(buf, head, size);
-    for (;;) {
-        size += fread(buf + size, 1, cap - size, f);
-        if (size < cap) break;  // end of file or error
-        if (cap > SIZE_MAX / 2) {
-            st = clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "%s is too large to read", path);
-            goto fail;
-        }
-        unsigned char *grown = realloc(buf, cap * 2);
-        if (!grown) {
-            st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory (%zu bytes)",
-                             path, cap * 2);
-            goto fail;
-        }
-        buf = grown;
-        cap *= 2;
-    }
+    if (size == sizeof head) size += fread(buf + size, 1, cap - size, f);
     if (ferror(f)) {
         errno_text(errno, why, sizeof why);
         st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot read %s: %s", path, why);
+        goto fail;
+    }
+    if (size > file_size) {
+        st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot read %s: it grew while being read", path);
         goto fail;
     }
     fclose(f);
