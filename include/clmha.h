@@ -260,6 +260,8 @@ typedef struct clmha_context clmha_context;
 /// its scratch buffers. Made by clmha_layer_create() or clmha_layer_load(), freed by
 /// clmha_layer_release(). Use it from one thread at a time.
 typedef struct clmha_layer clmha_layer;
+/// What one forward call keeps for its backward pass (see ::clmha_saved and the Training section).
+typedef struct clmha_saved clmha_saved;
 
 // ---------------------------------------------------------------------------------------------
 // Devices
@@ -916,6 +918,9 @@ typedef struct clmha_forward_args {
     clmha_dropout_rng rng;         ///< used when training and dropout > 0
     clmha_impl impl;               ///< attention core for this call; ::CLMHA_IMPL_AUTO (0):
                                    ///< the layer's choice (clmha_layer_set_impl())
+    struct clmha_saved *save;      ///< optional: keep what clmha_layer_backward() needs in this
+                                   ///< object (see ::clmha_saved); NULL: nothing is kept. Added
+                                   ///< after 0.1.0: zero-initialise the whole struct.
 } clmha_forward_args;
 
 /// What a user attention core receives. Layouts: q (N*H, L, D), k and v (N*H, S', D), out
@@ -1070,6 +1075,163 @@ CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
                                                 size_t weights_count);
 
 // ---------------------------------------------------------------------------------------------
+// Training: the backward pass
+// ---------------------------------------------------------------------------------------------
+
+/// @struct clmha_saved
+/// What one forward call keeps for its backward pass, owned by the caller. A forward call with
+/// clmha_forward_args::save set fills it (growing its device buffers when needed): the projected
+/// head tiles Q (N·H, L, D), K and V (N·H, S', D), the attention result before the head merge
+/// (N·H, L, D) and, when the fused core ran, the log-sum-exp of every score row (N·H·L floats).
+/// Its memory is linear in the sequence lengths (clmha_saved_bytes()); the attention weights
+/// are never kept: the backward pass recomputes them. Each forward call that is to be
+/// differentiated needs its own object (gradient accumulation, several layers, pipelined
+/// micro-batches: several forwards may be in flight before their backwards); a later forward
+/// call with the same object replaces what it held. An object belongs to the layer it was made
+/// for and must not be used by two threads at once.
+/// Dropout masks are never stored: the backward pass replays them from the forward call's
+/// ::clmha_dropout_rng.
+
+/// Makes an empty saved-state object for forward calls of @p layer.
+/// @param[out] out    the new object, or NULL on failure
+/// @param[in]  layer  the layer whose forward calls will fill it
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL), ::CLMHA_OUT_OF_MEMORY
+CLMHA_API clmha_status clmha_saved_create(clmha_saved **out, clmha_layer *layer);
+
+/// Frees a saved-state object. Work already enqueued that uses it keeps its buffers until it
+/// finishes. Release it before its layer.
+/// @param[in] saved  the object (NULL is ignored)
+CLMHA_API void clmha_saved_release(clmha_saved *saved);
+
+/// Device memory a saved-state object holds.
+/// @param[in] saved  the object (may be NULL)
+/// @return bytes, 0 for NULL or an object no forward call has filled
+CLMHA_API size_t clmha_saved_bytes(const clmha_saved *saved);
+
+/// Where one gradient goes. A gradient is produced when its destination is given: @ref buffer
+/// for clmha_layer_backward(), @ref data for clmha_layer_backward_host() (the other field is
+/// ignored). Gradients are float32 in the shape of what they differentiate. The layout is frozen
+/// (no struct_size of its own).
+typedef struct clmha_grad {
+    cl_mem buffer;    ///< device call: the buffer, of the layer's cl_context
+    size_t offset;    ///< device call: element offset in @ref buffer
+    float *data;      ///< host call: the array
+    bool accumulate;  ///< add the gradient to what the destination holds (PyTorch's
+                      ///< `.grad +=`) instead of overwriting it
+} clmha_grad;
+
+/// Arguments of one backward call. Zero-initialise with struct_size set; forward, saved and
+/// grad_output are required. The gradients asked for are those whose ::clmha_grad has a
+/// destination.
+/// @code
+/// clmha_backward_args b = {.struct_size = sizeof b, .forward = &fwd_args, .saved = saved,
+///                          .grad_output = {.ndim = 3, .shape = {L, N, E}, .data = dy},
+///                          .query = {.data = dx},
+///                          .out_proj_weight = {.data = dw_out, .accumulate = true}};
+/// @endcode
+///
+/// Inputs. @ref forward must be the arguments of the forward call that filled @ref saved (the same
+/// shapes, options, masks and ::clmha_dropout_rng), with the same input and mask contents (the
+/// weight gradients need the inputs; the masks and dropout are applied again); the layer's
+/// parameters must not have changed in between. @ref grad_output has the output's shape;
+/// @ref grad_weights, optional, the shape of the weights that forward call returned (it needs
+/// need_weights there) and counts as their gradient.
+///
+/// Outputs.
+/// - query, key, value: the inputs' gradients, in their shapes. When key was not given
+///   (key.ndim 0: self-attention) the gradient of query is the whole gradient of that one tensor
+///   (its uses as query, key and value summed) and key and value must have no destination; when
+///   only value was not given, the gradient of key includes its use as value. Tensors given
+///   separately get separate gradients even when they share memory.
+/// - The parameters, by PyTorch name (clmha_layer_set_parameter()): in_proj_weight (3E, E) when
+///   the layer has it, and/or its row blocks q_proj_weight, k_proj_weight, v_proj_weight (not a
+///   block and in_proj_weight together); in_proj_bias, out_proj_weight (`out_proj.weight`),
+///   out_proj_bias, bias_k, bias_v (1, 1, E) where the layer has them.
+/// - attn_mask, key_padding_mask: the gradient of a float mask, in its own shape (the sum over
+///   the dimensions it is broadcast along). Only for ::CLMHA_MASK_FLOAT masks. It is 0 where the
+///   mask is -inf and on fully masked rows.
+///
+/// Gradients on fully masked query rows are zero (their output is out_proj.bias), never NaN.
+typedef struct clmha_backward_args {
+    size_t struct_size;                   ///< sizeof(clmha_backward_args)
+    const clmha_forward_args *forward;    ///< the forward call's arguments (see above)
+    clmha_saved *saved;                   ///< what that forward call saved
+    clmha_tensor grad_output;             ///< gradient of the output, in the output's shape
+    clmha_tensor grad_weights;            ///< optional (ndim 0: none): gradient of the weights
+    clmha_grad query, key, value;         ///< the inputs' gradients
+    clmha_grad in_proj_weight;            ///< (3E, E)
+    /// @var q_proj_weight
+    /// (E, E). @var k_proj_weight
+    /// (E, kdim). @var v_proj_weight
+    /// (E, vdim).
+    clmha_grad q_proj_weight, k_proj_weight, v_proj_weight;
+    clmha_grad in_proj_bias;              ///< (3E)
+    clmha_grad out_proj_weight;           ///< `out_proj.weight` (E, E)
+    clmha_grad out_proj_bias;             ///< `out_proj.bias` (E)
+    /// @var bias_k
+    /// (1, 1, E). @var bias_v
+    /// (1, 1, E).
+    clmha_grad bias_k, bias_v;
+    clmha_grad attn_mask;                 ///< float attn_mask's gradient, its shape
+    clmha_grad key_padding_mask;          ///< float key_padding_mask's gradient, its shape
+    clmha_impl impl;                      ///< backward core; ::CLMHA_IMPL_AUTO: see below
+} clmha_backward_args;
+
+/// Enqueues the backward pass of one forward call on device buffers: computes the gradients
+/// that @p args asks for from the gradient of the output.
+///
+/// Cores, like the forward pass. The fused backward (FlashAttention-2's algorithm) recomputes
+/// the attention probabilities tile by tile from Q, K and the saved log-sum-exp, never storing
+/// the L·S' scores: its scratch is linear in the sequence lengths, and it skips the key tiles
+/// that is_causal masks. It needs a forward call that ran the fused core, and it returns
+/// neither mask gradients nor takes a weights gradient. The unfused backward recomputes the
+/// probabilities into N·H·L·S' scratch (twice that: probabilities and their gradients) and runs
+/// batched GEMMs over them; it does everything, and refuses calls whose scores exceed half the
+/// device's largest allocation (::CLMHA_OUT_OF_MEMORY). ::CLMHA_IMPL_AUTO: fused when the forward
+/// call ran the fused core and the call asks for no mask gradient and gives no weights
+/// gradient, else unfused.
+///
+/// Deterministic: the same call on the same device gives bit-identical gradients every run
+/// (every sum is done in a fixed order; no atomics).
+///
+/// Destinations must not overlap each other, the inputs, the masks or grad_output (sub-buffers
+/// count as parts of their parent); they must not be CL_MEM_READ_ONLY, and not
+/// CL_MEM_WRITE_ONLY when they accumulate. The call never waits on the host: it waits for
+/// @p wait_list on the device (failed events are refused as in clmha_layer_forward()) and
+/// returns an event for its completion. It uses the layer's scratch (the layer must not run
+/// another call meanwhile from another thread) and reads @p args->saved, which must not be
+/// refilled before the event completes.
+/// @param[in]  layer      the layer of the forward call
+/// @param[in]  args       the arguments; read only during the call
+/// @param[in]  num_wait   number of events in @p wait_list
+/// @param[in]  wait_list  events the pass waits for on the device (NULL when @p num_wait is 0)
+/// @param[out] event      optional: a new event that completes with the pass; NULL on failure
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL or missing arguments, saved state
+///         of another layer or never filled, a gradient the layer or call does not have, a
+///         mask gradient of a boolean mask, grad_weights without need_weights in the forward
+///         call, buffers and wait lists as for clmha_layer_forward(), struct_size 0 or too
+///         small), ::CLMHA_SHAPE_MISMATCH (grad_output or grad_weights shapes; forward
+///         arguments of another shape than the saved call), ::CLMHA_INVALID_MASK,
+///         ::CLMHA_UNSUPPORTED (::CLMHA_IMPL_FUSED for a call it cannot do; a user attention
+///         core; @p args from a newer header using a newer field), ::CLMHA_SIZE_OVERFLOW,
+///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args *args,
+                                            cl_uint num_wait, const cl_event *wait_list,
+                                            cl_event *event);
+
+/// The host-array backward pass: uploads args->forward's `data` tensors and grad_output (and
+/// grad_weights), runs clmha_layer_backward(), waits for it and writes every gradient asked for
+/// into its ::clmha_grad::data array (adding to it with accumulate). The arrays are written only
+/// once the whole pass has finished. The forward call must have been a
+/// clmha_layer_forward_host() (or clmha_layer_forward()) call with the same arguments.
+/// @param[in] layer  the layer
+/// @param[in] args   the arguments (the `buffer` fields are ignored)
+/// @return the statuses of clmha_layer_backward()
+CLMHA_API clmha_status clmha_layer_backward_host(clmha_layer *layer,
+                                                 const clmha_backward_args *args);
+
+// ---------------------------------------------------------------------------------------------
 // Profiling
 // ---------------------------------------------------------------------------------------------
 
@@ -1179,6 +1341,58 @@ CLMHA_API clmha_status clmha_reference_forward(const clmha_layer_desc *desc,
                                                size_t output_count, double *weights,
                                                size_t weights_count, char *message,
                                                size_t message_size);
+
+/// Gradients computed by clmha_reference_backward(), in double precision, by PyTorch name and
+/// in the same shapes as ::clmha_backward_args (NULL: not wanted). Always written, never
+/// accumulated. Zero-initialise with struct_size set.
+typedef struct clmha_reference_grads {
+    size_t struct_size;  ///< sizeof(clmha_reference_grads)
+    /// @var query
+    /// the query's gradient (in self-attention, the whole input's). @var key
+    /// key (includes value's use when value was not given). @var value
+    /// value.
+    double *query, *key, *value;
+    /// @var in_proj_weight
+    /// (3E, E). @var q_proj_weight
+    /// (E, E). @var k_proj_weight
+    /// (E, kdim). @var v_proj_weight
+    /// (E, vdim).
+    double *in_proj_weight, *q_proj_weight, *k_proj_weight, *v_proj_weight;
+    double *in_proj_bias;     ///< (3E)
+    double *out_proj_weight;  ///< (E, E)
+    double *out_proj_bias;    ///< (E)
+    /// @var bias_k
+    /// (1, 1, E). @var bias_v
+    /// (1, 1, E).
+    double *bias_k, *bias_v;
+    /// @var attn_mask
+    /// float attn_mask's gradient. @var key_padding_mask
+    /// float key_padding_mask's gradient.
+    double *attn_mask, *key_padding_mask;
+} clmha_reference_grads;
+
+/// The backward pass of clmha_reference_forward() on the CPU in double precision: the gradients
+/// of every input and parameter given the gradient of the output (and optionally of the
+/// weights, for a call with need_weights), with the semantics of clmha_layer_backward()
+/// (dropout replayed from args->rng, zero gradients on fully masked rows). Needs no device.
+/// @param[in]  desc          the layer configuration
+/// @param[in]  params        the parameters
+/// @param[in]  args          the forward call's inputs and options (`data` fields)
+/// @param[in]  grad_output   the output's gradient, the output's shape
+/// @param[in]  grad_weights  the weights' gradient, the weights' shape, or NULL
+/// @param[in,out] grads      struct_size set; the destinations (NULL: not wanted)
+/// @param[out] message       optional buffer: "" on success, the reason on failure
+/// @param[in]  message_size  size of @p message
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_UNSUPPORTED,
+///         ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW,
+///         ::CLMHA_OUT_OF_MEMORY
+CLMHA_API clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
+                                                const clmha_reference_params *params,
+                                                const clmha_forward_args *args,
+                                                const float *grad_output,
+                                                const float *grad_weights,
+                                                const clmha_reference_grads *grads,
+                                                char *message, size_t message_size);
 
 #ifdef __cplusplus
 }

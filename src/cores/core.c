@@ -49,3 +49,32 @@ clmha_status clmha__core_select(clmha_layer *layer, const clmha__core_call *call
     }
     return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED, "no attention core supports this call");
 }
+
+clmha_status clmha__backward_select(clmha_layer *layer, const clmha__backward_call *call,
+                                    clmha_impl impl, const clmha__core **out) {
+    *out = NULL;
+    if (layer->core)
+        return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
+                           "the layer has a user attention core (clmha_layer_set_attention()), "
+                           "which has no backward pass");
+    const clmha__core *want = impl == CLMHA_IMPL_FUSED     ? &clmha__core_fused
+                              : impl == CLMHA_IMPL_UNFUSED ? &clmha__core_unfused
+                                                           : NULL;
+    for (size_t i = 0; i < CORE_COUNT; ++i) {
+        if (!cores[i]->backward || (want && cores[i] != want)) continue;
+        bool yes = false;
+        const char *why = NULL;
+        clmha_status st = cores[i]->backward_supports(layer, call, &yes, &why);
+        if (st) return st;
+        if (yes) {
+            *out = cores[i];
+            return CLMHA_SUCCESS;
+        }
+        if (want)
+            return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
+                               "the %s backward core cannot run this call: %s", cores[i]->name,
+                               why ? why : "unsupported");
+    }
+    return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED, "no attention core has a backward pass "
+                                                      "for this call");
+}

@@ -32,7 +32,43 @@ typedef struct clmha__core_call {
     cl_mem weights;         // the caller's weights buffer (when args->need_weights)
     size_t weights_offset;  // in floats
     bool weights_written;   // set by the core when it wrote the weights there itself
+    // When not NULL (a forward call that saves for its backward): N*H*L floats where a core
+    // that can writes each score row's log-sum-exp (see clmha__backward_call::lse), setting
+    // lse_written.
+    cl_mem lse;
+    bool lse_written;
 } clmha__core_call;
+
+// One backward call of a core: what the forward call saved, the gradient of the attention
+// result, and where the gradients of the head tiles go (src/backward/backward.c does the rest:
+// output projection, head merge/split, input projections).
+typedef struct clmha__backward_call {
+    const clmha_forward_args *args;  // the forward call's arguments, device buffers: masks,
+                                     // is_causal, training, rng
+    const clmha__dims *dims;
+    // Saved by the forward call: q (N*H, L, D), k and v (N*H, S', D) as the core saw them
+    // (in_proj_bias added, bias_k/bias_v and the zero row appended), o (N*H, L, D) the attention
+    // result (weights · V); lse (N*H*L floats, natural log of the row's sum of exp(score),
+    // scores scaled and masked, -INFINITY on a fully masked row) when the fused core ran, else
+    // NULL.
+    cl_mem q, k, v, o, lse;
+    cl_mem d_o;  // the gradient of o (N*H, L, D)
+    // Optional (NULL): the caller's gradient of the returned weights, in the forward's weights
+    // layout: (N, H, L, S') with per_head_weights, else (N, L, S') (the mean over heads).
+    cl_mem grad_weights;
+    size_t grad_weights_offset;  // floats
+    // Where the core writes (overwrites) the gradients of the tiles: dq (N*H, L, D), dk and dv
+    // (N*H, S', D), the appended rows included (the bias_k/bias_v row's gradient; the zero
+    // row's is written too and ignored).
+    cl_mem dq, dk, dv;
+    // Optional (NULL): a float mask's gradient, in the mask's own layout (attn_mask: shared
+    // (L, S), per head (N*H, L, S) or per batch (N, L, S), dims->attn_layout; key_padding_mask
+    // (N, S)): the gradient of the scores summed over the dimensions the mask is broadcast
+    // along, added to what is there when *_accumulate.
+    cl_mem grad_attn_mask, grad_kpm;
+    size_t grad_attn_offset, grad_kpm_offset;  // floats
+    bool grad_attn_accumulate, grad_kpm_accumulate;
+} clmha__backward_call;
 
 typedef struct clmha__core {
     const char *name;
@@ -53,10 +89,25 @@ typedef struct clmha__core {
     // (clmha__layer_mark()). Weights asked for go to layer->scores, (N*H, L, S'), for the
     // forward pass to return, or straight to call->weights (then call->weights_written).
     clmha_status (*run)(clmha_layer *layer, clmha__core_call *call);
+    // Optional (NULL: the core has no backward pass). Whether it runs backward call @p call
+    // (*yes; false with a reason in @p why, for CLMHA_IMPL_FUSED's message), building what it
+    // needs on first use.
+    clmha_status (*backward_supports)(clmha_layer *layer, const clmha__backward_call *call,
+                                      bool *yes, const char **why);
+    // Enqueues the backward pass of the core on the context's queue: fills call->dq, dk, dv
+    // and the mask gradients asked for. Its scratch is its own (kept in its state) or the
+    // layer's scores buffer (clmha__layer_reserve()).
+    clmha_status (*backward)(clmha_layer *layer, clmha__backward_call *call);
 } clmha__core;
 
 // The state of @p core (a row of the dispatch table) in @p layer: what its create() made, or NULL.
 CLMHA__HIDDEN void *clmha__core_state(const clmha_layer *layer, const clmha__core *core);
+
+// The core that runs backward call @p call with @p impl (CLMHA_IMPL_AUTO: the fused core when it
+// supports the call, else the unfused one); fails with a message when none does.
+CLMHA__HIDDEN clmha_status clmha__backward_select(clmha_layer *layer,
+                                                  const clmha__backward_call *call,
+                                                  clmha_impl impl, const clmha__core **out);
 
 // Runs every core's create() on @p layer, in table order; stops at the first failure.
 CLMHA__HIDDEN clmha_status clmha__cores_create(clmha_layer *layer);
