@@ -12,6 +12,7 @@
 #include "cores/kernel_args.h"
 #include "device/blas.h"
 #include "device/held.h"
+#include "forward/enqueue.h"
 #include "layer/layer.h"
 #include "layer/shape.h"
 
@@ -26,131 +27,31 @@ typedef clmha__arg arg;
 
 // ---- validation ---------------------------------------------------------------------------------
 
-// Checks that @p buf is a buffer of this context holding @p count elements of @p elem bytes
-// after @p offset elements.
-static clmha_status check_buffer(clmha_context *ctx, const char *name, cl_mem buf, size_t offset,
-                                 size_t count, size_t elem) {
-    if (!buf) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s buffer is NULL", name);
-    size_t size = 0;
-    cl_context owner = NULL;
-    cl_int err = clGetMemObjectInfo(buf, CL_MEM_SIZE, sizeof size, &size, NULL);
-    if (err == CL_SUCCESS)
-        err = clGetMemObjectInfo(buf, CL_MEM_CONTEXT, sizeof owner, &owner, NULL);
-    if (err != CL_SUCCESS)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is not a valid cl_mem (%s)", name,
-                           clmha__cl_error_name(err));
-    if (owner != ctx->cl_ctx)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "%s buffer belongs to another cl_context", name);
-    cl_mem_object_type type = CL_MEM_OBJECT_BUFFER;
-    clGetMemObjectInfo(buf, CL_MEM_TYPE, sizeof type, &type, NULL);
-    if (type != CL_MEM_OBJECT_BUFFER)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "%s is not a buffer (cl_mem_object_type 0x%x: an image or pipe)", name,
-                           (unsigned)type);
-    if (offset > SIZE_MAX / elem - count || (offset + count) * elem > size)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "%s buffer holds %zu bytes, the call needs %zu elements of %zu bytes "
-                           "from element offset %zu",
-                           name, size, count, elem, offset);
-    return CLMHA_SUCCESS;
-}
-
-static size_t mask_elem(clmha_mask_kind kind) { return kind == CLMHA_MASK_FLOAT ? 4 : 1; }
-
-// Checks that output buffer @p buf may be written by kernels (not CL_MEM_READ_ONLY).
-static clmha_status check_writable(clmha_context *ctx, const char *name, cl_mem buf) {
-    cl_mem_flags flags = 0;
-    clGetMemObjectInfo(buf, CL_MEM_FLAGS, sizeof flags, &flags, NULL);
-    if (flags & CL_MEM_READ_ONLY)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "%s buffer is CL_MEM_READ_ONLY: the forward pass writes it", name);
-    return CLMHA_SUCCESS;
-}
-
-// The bytes [begin, end) of a tensor argument in the buffer that holds them (a sub-buffer's
-// parent: its sub-buffers alias it).
-typedef struct span {
-    const char *name;
-    cl_mem root;
-    size_t begin, end;
-} span;
-
-static span span_of(const char *name, cl_mem buf, size_t offset, size_t count, size_t elem) {
-    cl_mem parent = NULL;
-    size_t origin = 0;
-    clGetMemObjectInfo(buf, CL_MEM_ASSOCIATED_MEMOBJECT, sizeof parent, &parent, NULL);
-    if (parent) clGetMemObjectInfo(buf, CL_MEM_OFFSET, sizeof origin, &origin, NULL);
-    return (span){name, parent ? parent : buf, origin + offset * elem,
-                  origin + (offset + count) * elem};
-}
-
 // Outputs must not overlap each other or an input (as in PyTorch, where an out= tensor must not
 // alias an input): the pass writes parts of them while it still reads others. Sizes were
-// checked (check_buffer()), so the byte ranges do not overflow.
+// checked (clmha__check_buffer()), so the byte ranges do not overflow.
 static clmha_status check_aliasing(clmha_context *ctx, const clmha_forward_args *a,
                                    const clmha__dims *d, cl_mem output, size_t output_offset,
                                    cl_mem weights, size_t weights_offset) {
-    span all[7];
-    int n = 0, outputs;
-    all[n++] = span_of("output", output, output_offset, d->output_count, 4);
-    if (a->need_weights) all[n++] = span_of("weights", weights, weights_offset,
+    clmha__span all[7];
+    size_t n = 0, outputs;
+    all[n++] = clmha__span_of("output", output, output_offset, d->output_count, 4);
+    if (a->need_weights) all[n++] = clmha__span_of("weights", weights, weights_offset,
                                             d->weights_count, 4);
     outputs = n;
-    all[n++] = span_of("query", a->query.buffer, a->query.offset, d->query_count, 4);
+    all[n++] = clmha__span_of("query", a->query.buffer, a->query.offset, d->query_count, 4);
     if (!d->key_is_query)
-        all[n++] = span_of("key", a->key.buffer, a->key.offset, d->key_count, 4);
+        all[n++] = clmha__span_of("key", a->key.buffer, a->key.offset, d->key_count, 4);
     if (!d->value_is_key)
-        all[n++] = span_of("value", a->value.buffer, a->value.offset, d->value_count, 4);
+        all[n++] = clmha__span_of("value", a->value.buffer, a->value.offset, d->value_count, 4);
     if (d->kpm_kind)
-        all[n++] = span_of("key_padding_mask", a->key_padding_mask.tensor.buffer,
+        all[n++] = clmha__span_of("key_padding_mask", a->key_padding_mask.tensor.buffer,
                            a->key_padding_mask.tensor.offset, d->kpm_count,
-                           mask_elem(d->kpm_kind));
+                           clmha__mask_elem(d->kpm_kind));
     if (d->attn_kind)
-        all[n++] = span_of("attn_mask", a->attn_mask.tensor.buffer, a->attn_mask.tensor.offset,
-                           d->attn_count, mask_elem(d->attn_kind));
-    for (int i = 0; i < outputs; ++i)
-        for (int j = i + 1; j < n; ++j)
-            if (all[i].root == all[j].root && all[i].begin < all[j].end &&
-                all[j].begin < all[i].end)
-                return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                                   "%s (bytes %zu to %zu) overlaps %s (bytes %zu to %zu) in the "
-                                   "same buffer: an output must not alias another output or an "
-                                   "input",
-                                   all[i].name, all[i].begin, all[i].end, all[j].name,
-                                   all[j].begin, all[j].end);
-    return CLMHA_SUCCESS;
-}
-
-// Checks that the wait list holds events of this context, none of which has failed: a command
-// waiting for a failed event never runs (the driver aborts it or leaves it queued), so the pass
-// would never complete and, on an in-order queue, nor would anything enqueued after it.
-static clmha_status check_wait_list(clmha_context *ctx, cl_uint num_wait,
-                                    const cl_event *wait_list) {
-    for (cl_uint i = 0; i < num_wait; ++i) {
-        cl_context owner = NULL;
-        cl_int status = CL_COMPLETE;
-        cl_int err = wait_list[i] ? clGetEventInfo(wait_list[i], CL_EVENT_CONTEXT, sizeof owner,
-                                                   &owner, NULL)
-                                  : CL_INVALID_EVENT;
-        if (err == CL_SUCCESS)
-            err = clGetEventInfo(wait_list[i], CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof status,
-                                 &status, NULL);
-        if (err != CL_SUCCESS)
-            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                               "wait_list[%u] is not a valid event (%s)", (unsigned)i,
-                               clmha__cl_error_name(err));
-        if (owner != ctx->cl_ctx)
-            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                               "wait_list[%u] belongs to another cl_context", (unsigned)i);
-        if (status < 0)
-            return clmha__fail(ctx, CLMHA_OPENCL_ERROR,
-                               "wait_list[%u] has failed (execution status %d, %s): "
-                               "CL_EXEC_STATUS_ERROR_FOR_EVENTS_IN_WAIT_LIST; nothing was "
-                               "enqueued",
-                               (unsigned)i, (int)status, clmha__cl_error_name(status));
-    }
-    return CLMHA_SUCCESS;
+        all[n++] = clmha__span_of("attn_mask", a->attn_mask.tensor.buffer, a->attn_mask.tensor.offset,
+                           d->attn_count, clmha__mask_elem(d->attn_kind));
+    return clmha__check_overlaps(ctx, all, n, outputs);
 }
 
 // Everything a forward call checks before it enqueues anything.
@@ -174,66 +75,28 @@ static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
             return clmha__fail(ctx, st, "%s", msg);
         return CLMHA_SUCCESS;
     }
-    if ((st = check_buffer(ctx, "query", args->query.buffer, args->query.offset, d->query_count,
+    if ((st = clmha__check_buffer(ctx, "query", args->query.buffer, args->query.offset, d->query_count,
                            4)))
         return st;
-    if (!d->key_is_query && (st = check_buffer(ctx, "key", args->key.buffer, args->key.offset,
+    if (!d->key_is_query && (st = clmha__check_buffer(ctx, "key", args->key.buffer, args->key.offset,
                                                d->key_count, 4)))
         return st;
-    if (!d->value_is_key && (st = check_buffer(ctx, "value", args->value.buffer,
+    if (!d->value_is_key && (st = clmha__check_buffer(ctx, "value", args->value.buffer,
                                                args->value.offset, d->value_count, 4)))
         return st;
-    if (d->kpm_kind && (st = check_buffer(ctx, "key_padding_mask",
+    if (d->kpm_kind && (st = clmha__check_buffer(ctx, "key_padding_mask",
                                           args->key_padding_mask.tensor.buffer,
                                           args->key_padding_mask.tensor.offset, d->kpm_count,
-                                          mask_elem(d->kpm_kind))))
+                                          clmha__mask_elem(d->kpm_kind))))
         return st;
     if (d->attn_kind &&
-        (st = check_buffer(ctx, "attn_mask", args->attn_mask.tensor.buffer,
-                           args->attn_mask.tensor.offset, d->attn_count, mask_elem(d->attn_kind))))
+        (st = clmha__check_buffer(ctx, "attn_mask", args->attn_mask.tensor.buffer,
+                           args->attn_mask.tensor.offset, d->attn_count, clmha__mask_elem(d->attn_kind))))
         return st;
     return CLMHA_SUCCESS;
 }
 
 // ---- enqueue helpers ----------------------------------------------------------------------------
-
-// Enqueues split_heads or merge_heads (@p k) over tiles of @p planes (batch·head) x @p seq rows
-// of head_dim floats, in the mapping its program was built with (cl/heads.cl, chosen by the
-// device class): 1-D, one work-item per row, in groups of @p wg; or coalesced, 3-D (d, t, bh),
-// one work-item per float, in groups of up to 256 (within the kernels' CL_KERNEL_WORK_GROUP_SIZE)
-// whose first dimension spans a row (head_dim rounded up to a power of two, at most the group)
-// and second several rows.
-static clmha_status launch_heads(clmha_layer *l, cl_kernel k, const char *name, size_t planes,
-                                 size_t seq, size_t wg, const arg *args, cl_uint nargs) {
-    clmha_context *ctx = l->ctx;
-    if (!ctx->cls->coalesced) return clmha__launch(ctx, k, name, planes * seq, wg, args, nargs);
-    clmha_status st = clmha__set_args(ctx, k, name, args, nargs);
-    if (st) return st;
-    size_t group = 1;
-    while (group * 2 <= 256 && group * 2 <= l->heads_limit) group *= 2;
-    size_t l0 = 1;
-    while (l0 < l->d && l0 * 2 <= group) l0 *= 2;
-    size_t local[3] = {l0, group / l0, 1};
-    size_t global[3] = {(l->d + l0 - 1) / l0 * l0, (seq + local[1] - 1) / local[1] * local[1],
-                        planes};
-    cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 3, NULL, global, local, 0, NULL, NULL);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
-    return CLMHA_SUCCESS;
-}
-
-// Row-major C (m, n) = A (m, k) · W (n, k)ᵀ, the shape of every projection. Called as the
-// same product in column-major terms, Cᵀ (n, m) = W · Aᵀ with W transposed: CLBlast then
-// transposes one operand instead of three (~5% faster at 1024³ with a PoCL tuning).
-static clmha_status gemm_nt(clmha_context *ctx, const char *what, size_t m, size_t n, size_t k,
-                            cl_mem a, size_t a_off, size_t lda, cl_mem w, size_t w_off,
-                            size_t ldw, float beta, cl_mem c, size_t c_off, size_t ldc) {
-    cl_command_queue q = ctx->queue;
-    int s;
-    CLMHA__BLAS(s, CLBlastSgemm(CLBlastLayoutColMajor, CLBlastTransposeYes, CLBlastTransposeNo, n,
-                                m, k, 1.0f, w, w_off, ldw, a, a_off, lda, beta, c, c_off, ldc, &q,
-                                NULL));
-    return s ? clmha__blas_fail(ctx, s, what) : CLMHA_SUCCESS;
-}
 
 // ---- the stages ---------------------------------------------------------------------------------
 
@@ -263,27 +126,27 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
 
     if (self && kv_same) {  // (L*N, E) · in_proj_weightᵀ → (L*N, 3E)
         *s = (scratch){.ld_q = 3 * e, .ld_k = 3 * e, .ld_v = 3 * e, .col_k = e, .col_v = 2 * e};
-        st = gemm_nt(ctx, "CLBlastSgemm(packed QKV projection)", rows_q, 3 * e, e,
+        st = clmha__gemm_nt(ctx, "CLBlastSgemm(packed QKV projection)", rows_q, 3 * e, e,
                      a->query.buffer, a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0,
                      3 * e);
         return st;
     }
     *s = (scratch){.proj_k = rows_q * e, .proj_v = rows_q * e + rows_kv * e,
                    .ld_q = e, .ld_k = e, .ld_v = e};
-    if ((st = gemm_nt(ctx, "CLBlastSgemm(query projection)", rows_q, e, e, a->query.buffer,
+    if ((st = clmha__gemm_nt(ctx, "CLBlastSgemm(query projection)", rows_q, e, e, a->query.buffer,
                       a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, s->proj_q, e)))
         return st;
     if (kv_same) {  // W_k and W_v are consecutive rows of w_in: one GEMM → (S*N, 2E)
         s->ld_k = s->ld_v = 2 * e;
         s->proj_v = s->proj_k;
         s->col_v = e;
-        return gemm_nt(ctx, "CLBlastSgemm(key/value projection)", rows_kv, 2 * e, kd, key,
+        return clmha__gemm_nt(ctx, "CLBlastSgemm(key/value projection)", rows_kv, 2 * e, kd, key,
                        key_off, kd, l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, 2 * e);
     }
-    if ((st = gemm_nt(ctx, "CLBlastSgemm(key projection)", rows_kv, e, kd, key, key_off, kd,
+    if ((st = clmha__gemm_nt(ctx, "CLBlastSgemm(key projection)", rows_kv, e, kd, key, key_off, kd,
                       l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, e)))
         return st;
-    return gemm_nt(ctx, "CLBlastSgemm(value projection)", rows_kv, e, vd, value, value_off, vd,
+    return clmha__gemm_nt(ctx, "CLBlastSgemm(value projection)", rows_kv, e, vd, value, value_off, vd,
                    l->w_in, wv, vd, 0.0f, l->proj, s->proj_v, e);
 }
 
@@ -306,7 +169,7 @@ static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_
                   ARG(a_bias_off), ARG(has_bias), ARG(extra),     ARG(extra_off), ARG(has_extra),
                   ARG(out),      ARG(a_out_off),  ARG(n),         ARG(h),         ARG(t),
                   ARG(t_out),    ARG(hd),         ARG(bf)};
-    return launch_heads(l, l->split_heads, "split_heads", d->n * l->h, seq_out,
+    return clmha__launch_heads(l, l->split_heads, "split_heads", d->n * l->h, seq_out,
                         l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
@@ -328,7 +191,7 @@ static clmha_status merge(clmha_layer *l, const clmha__dims *d) {
     cl_ulong src_off = 0;
     arg args[] = {ARG(l->tiles[CLMHA__TILE_OUT]), ARG(src_off), ARG(l->proj), ARG(n),
                   ARG(h),        ARG(t),       ARG(hd),      ARG(bf)};
-    return launch_heads(l, l->merge_heads, "merge_heads", d->n * l->h, d->l, l->heads_wg,
+    return clmha__launch_heads(l, l->merge_heads, "merge_heads", d->n * l->h, d->l, l->heads_wg,
                         args, sizeof args / sizeof args[0]);
 }
 
@@ -345,7 +208,7 @@ static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out
                                         l->heads_wg, args, sizeof args / sizeof args[0]);
         if (st) return st;
     }
-    return gemm_nt(ctx, "CLBlastSgemm(output projection)", rows, e, e, l->proj, 0, e, l->w_out, 0,
+    return clmha__gemm_nt(ctx, "CLBlastSgemm(output projection)", rows, e, e, l->proj, 0, e, l->w_out, 0,
                    e, l->desc.bias ? 1.0f : 0.0f, out, out_off, e);
 }
 
@@ -406,11 +269,11 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "num_wait (%u) and wait_list (%p) disagree", (unsigned)num_wait,
                            (const void *)wait_list);
-    if ((st = check_wait_list(ctx, num_wait, wait_list))) return st;
+    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
     clmha__dims d;
     st = validate(layer, args, true, &d);
     if (st) return st;
-    if ((st = check_buffer(ctx, "output", output, output_offset, d.output_count, 4))) return st;
+    if ((st = clmha__check_buffer(ctx, "output", output, output_offset, d.output_count, 4))) return st;
     cl_mem_flags out_flags = 0;
     clGetMemObjectInfo(output, CL_MEM_FLAGS, sizeof out_flags, &out_flags, NULL);
     if (layer->desc.bias && (out_flags & CL_MEM_WRITE_ONLY))
@@ -419,10 +282,10 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
                            "back (the output projection adds to the bias rows): create it "
                            "CL_MEM_READ_WRITE");
     if (args->need_weights &&
-        (st = check_buffer(ctx, "weights", weights, weights_offset, d.weights_count, 4)))
+        (st = clmha__check_buffer(ctx, "weights", weights, weights_offset, d.weights_count, 4)))
         return st;
-    if ((st = check_writable(ctx, "output", output)) ||
-        (args->need_weights && (st = check_writable(ctx, "weights", weights))) ||
+    if ((st = clmha__check_writable(ctx, "output", output)) ||
+        (args->need_weights && (st = clmha__check_writable(ctx, "weights", weights))) ||
         (st = check_aliasing(ctx, args, &d, output, output_offset, weights, weights_offset)))
         return st;
     // The core: the user's, else fused or unfused (see clmha_impl and src/cores/core.c).
@@ -480,17 +343,6 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
                                                    weights_offset, num_wait, wait_list, event));
 }
 
-// Uploads @p count elements of @p elem bytes into a new read-only buffer.
-static clmha_status upload(clmha_context *ctx, const char *name, const void *data, size_t count,
-                           size_t elem, cl_mem *out) {
-    cl_int err;
-    *out = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, count * elem,
-                          (void *)data, &err);  // COPY_HOST_PTR only reads
-    clmha__held_new(CLMHA__HELD_MEM, *out);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
-    return CLMHA_SUCCESS;
-}
-
 static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *args,
                                  float *output, size_t output_count, float *weights,
                                  size_t weights_count) {
@@ -519,26 +371,26 @@ static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *a
     clmha_forward_args dev = *args;
     cl_mem bufs[7] = {NULL};  // query, key, value, kpm, attn, output, weights
     cl_int err;
-    if ((st = upload(ctx, "query upload", args->query.data, d.query_count, 4, &bufs[0]))) goto fail;
+    if ((st = clmha__upload(ctx, "query upload", args->query.data, d.query_count, 4, &bufs[0]))) goto fail;
     dev.query.buffer = bufs[0], dev.query.offset = 0;
     if (!d.key_is_query) {
-        if ((st = upload(ctx, "key upload", args->key.data, d.key_count, 4, &bufs[1]))) goto fail;
+        if ((st = clmha__upload(ctx, "key upload", args->key.data, d.key_count, 4, &bufs[1]))) goto fail;
         dev.key.buffer = bufs[1], dev.key.offset = 0;
     }
     if (!d.value_is_key) {
-        if ((st = upload(ctx, "value upload", args->value.data, d.value_count, 4, &bufs[2])))
+        if ((st = clmha__upload(ctx, "value upload", args->value.data, d.value_count, 4, &bufs[2])))
             goto fail;
         dev.value.buffer = bufs[2], dev.value.offset = 0;
     }
     if (d.kpm_kind) {
-        if ((st = upload(ctx, "key_padding_mask upload", args->key_padding_mask.tensor.data,
-                         d.kpm_count, mask_elem(d.kpm_kind), &bufs[3])))
+        if ((st = clmha__upload(ctx, "key_padding_mask upload", args->key_padding_mask.tensor.data,
+                         d.kpm_count, clmha__mask_elem(d.kpm_kind), &bufs[3])))
             goto fail;
         dev.key_padding_mask.tensor.buffer = bufs[3], dev.key_padding_mask.tensor.offset = 0;
     }
     if (d.attn_kind) {
-        if ((st = upload(ctx, "attn_mask upload", args->attn_mask.tensor.data, d.attn_count,
-                         mask_elem(d.attn_kind), &bufs[4])))
+        if ((st = clmha__upload(ctx, "attn_mask upload", args->attn_mask.tensor.data, d.attn_count,
+                         clmha__mask_elem(d.attn_kind), &bufs[4])))
             goto fail;
         dev.attn_mask.tensor.buffer = bufs[4], dev.attn_mask.tensor.offset = 0;
     }
