@@ -13,6 +13,7 @@
 #include "device/blas.h"
 #include "device/held.h"
 #include "forward/enqueue.h"
+#include "forward/saved.h"
 #include "layer/layer.h"
 #include "layer/shape.h"
 
@@ -49,7 +50,8 @@ static clmha_status check_aliasing(clmha_context *ctx, const clmha_forward_args 
                            a->key_padding_mask.tensor.offset, d->kpm_count,
                            clmha__mask_elem(d->kpm_kind));
     if (d->attn_kind)
-        all[n++] = clmha__span_of("attn_mask", a->attn_mask.tensor.buffer, a->attn_mask.tensor.offset,
+        all[n++] =
+            clmha__span_of("attn_mask", a->attn_mask.tensor.buffer, a->attn_mask.tensor.offset,
                            d->attn_count, clmha__mask_elem(d->attn_kind));
     return clmha__check_overlaps(ctx, all, n, outputs);
 }
@@ -75,11 +77,11 @@ static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
             return clmha__fail(ctx, st, "%s", msg);
         return CLMHA_SUCCESS;
     }
-    if ((st = clmha__check_buffer(ctx, "query", args->query.buffer, args->query.offset, d->query_count,
-                           4)))
+    if ((st = clmha__check_buffer(ctx, "query", args->query.buffer, args->query.offset,
+                                  d->query_count, 4)))
         return st;
-    if (!d->key_is_query && (st = clmha__check_buffer(ctx, "key", args->key.buffer, args->key.offset,
-                                               d->key_count, 4)))
+    if (!d->key_is_query &&
+        (st = clmha__check_buffer(ctx, "key", args->key.buffer, args->key.offset, d->key_count, 4)))
         return st;
     if (!d->value_is_key && (st = clmha__check_buffer(ctx, "value", args->value.buffer,
                                                args->value.offset, d->value_count, 4)))
@@ -89,9 +91,9 @@ static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
                                           args->key_padding_mask.tensor.offset, d->kpm_count,
                                           clmha__mask_elem(d->kpm_kind))))
         return st;
-    if (d->attn_kind &&
-        (st = clmha__check_buffer(ctx, "attn_mask", args->attn_mask.tensor.buffer,
-                           args->attn_mask.tensor.offset, d->attn_count, clmha__mask_elem(d->attn_kind))))
+    if (d->attn_kind && (st = clmha__check_buffer(ctx, "attn_mask", args->attn_mask.tensor.buffer,
+                                                  args->attn_mask.tensor.offset, d->attn_count,
+                                                  clmha__mask_elem(d->attn_kind))))
         return st;
     return CLMHA_SUCCESS;
 }
@@ -146,8 +148,8 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
     if ((st = clmha__gemm_nt(ctx, "CLBlastSgemm(key projection)", rows_kv, e, kd, key, key_off, kd,
                       l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, e)))
         return st;
-    return clmha__gemm_nt(ctx, "CLBlastSgemm(value projection)", rows_kv, e, vd, value, value_off, vd,
-                   l->w_in, wv, vd, 0.0f, l->proj, s->proj_v, e);
+    return clmha__gemm_nt(ctx, "CLBlastSgemm(value projection)", rows_kv, e, vd, value, value_off,
+                          vd, l->w_in, wv, vd, 0.0f, l->proj, s->proj_v, e);
 }
 
 // 2. Split the projected rows into head tiles (N*H, T, D), adding in_proj_bias; key and value
@@ -208,8 +210,8 @@ static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out
                                         l->heads_wg, args, sizeof args / sizeof args[0]);
         if (st) return st;
     }
-    return clmha__gemm_nt(ctx, "CLBlastSgemm(output projection)", rows, e, e, l->proj, 0, e, l->w_out, 0,
-                   e, l->desc.bias ? 1.0f : 0.0f, out, out_off, e);
+    return clmha__gemm_nt(ctx, "CLBlastSgemm(output projection)", rows, e, e, l->proj, 0, e,
+                          l->w_out, 0, e, l->desc.bias ? 1.0f : 0.0f, out, out_off, e);
 }
 
 // 8. Attention weights: the per-head scores as they are, or their mean over heads. (Not when
@@ -256,6 +258,43 @@ clmha_status clmha_layer_output_counts(clmha_layer *layer, const clmha_forward_a
     return CLMHA_SUCCESS;
 }
 
+// Enqueues the stages of a validated call: waits for @p wait_list, then project → split → the
+// core → merge → output projection → weights; the completion event in @p event.
+static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *args,
+                                 const clmha__dims *d, const clmha__core *core,
+                                 clmha__core_call *call, cl_mem output, size_t output_offset,
+                                 cl_mem weights, size_t weights_offset, cl_uint num_wait,
+                                 const cl_event *wait_list, cl_event *event) {
+    clmha_context *ctx = layer->ctx;
+    clmha_status st;
+    cl_int err;
+    if (num_wait > 0 &&
+        (err = clEnqueueBarrierWithWaitList(ctx->queue, num_wait, wait_list, NULL)) != CL_SUCCESS)
+        return clmha__cl_fail(ctx, err, "clEnqueueBarrierWithWaitList");
+    // With profiling on, a marker ends each stage (slot 0 marks the start).
+    clmha__layer_marks_release(layer);
+    scratch s;
+    if ((st = clmha__layer_mark(layer, 0))) return st;
+    if ((st = project(layer, args, d, &s)) ||
+        (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
+        return st;
+    if ((st = split(layer, d, &s)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
+        return st;
+    if ((st = core->run(layer, call))) return st;
+    if ((st = merge(layer, d)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))
+        return st;
+    if ((st = out_project(layer, d, output, output_offset)) ||
+        (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_OUT_PROJ)))
+        return st;
+    if (args->need_weights &&
+        ((!call->weights_written && (st = weights_out(layer, args, d, weights, weights_offset))) ||
+         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_WEIGHTS))))
+        return st;
+    if (event && (err = clEnqueueMarkerWithWaitList(ctx->queue, 0, NULL, event)) != CL_SUCCESS)
+        return clmha__cl_fail(ctx, err, "clEnqueueMarkerWithWaitList");
+    return CLMHA_SUCCESS;
+}
+
 static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, cl_mem output,
                             size_t output_offset, cl_mem weights, size_t weights_offset,
                             cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
@@ -273,7 +312,8 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
     clmha__dims d;
     st = validate(layer, args, true, &d);
     if (st) return st;
-    if ((st = clmha__check_buffer(ctx, "output", output, output_offset, d.output_count, 4))) return st;
+    if ((st = clmha__check_buffer(ctx, "output", output, output_offset, d.output_count, 4)))
+        return st;
     cl_mem_flags out_flags = 0;
     clGetMemObjectInfo(output, CL_MEM_FLAGS, sizeof out_flags, &out_flags, NULL);
     if (layer->desc.bias && (out_flags & CL_MEM_WRITE_ONLY))
@@ -299,33 +339,21 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
                                        !args->per_head_weights)))
         return st;
 
-    // Nothing is enqueued before this point.
-    cl_int err;
-    if (num_wait > 0 &&
-        (err = clEnqueueBarrierWithWaitList(ctx->queue, num_wait, wait_list, NULL)) != CL_SUCCESS)
-        return clmha__cl_fail(ctx, err, "clEnqueueBarrierWithWaitList");
-    // With profiling on, a marker ends each stage (slot 0 marks the start).
-    clmha__layer_marks_release(layer);
-    scratch s;
-    if ((st = clmha__layer_mark(layer, 0))) return st;
-    if ((st = project(layer, args, &d, &s)) ||
-        (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
-        return st;
-    if ((st = split(layer, &d, &s)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
-        return st;
-    if ((st = core->run(layer, &call))) return st;
-    if ((st = merge(layer, &d)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))
-        return st;
-    if ((st = out_project(layer, &d, output, output_offset)) ||
-        (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_OUT_PROJ)))
-        return st;
-    if (args->need_weights &&
-        ((!call.weights_written && (st = weights_out(layer, args, &d, weights, weights_offset))) ||
-         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_WEIGHTS))))
-        return st;
-    if (event && (err = clEnqueueMarkerWithWaitList(ctx->queue, 0, NULL, event)) != CL_SUCCESS)
-        return clmha__cl_fail(ctx, err, "clEnqueueMarkerWithWaitList");
-    return CLMHA_SUCCESS;
+    clmha_saved *saved = args->save;
+    if (saved && (st = clmha__saved_prepare(saved, layer, &d))) return st;
+    // Nothing is enqueued before this point. A call that saves runs its head tiles in the
+    // saved object's buffers (and the fused core writes the log-sum-exp there).
+    if (saved) {
+        clmha__saved_swap(saved, layer);
+        call.lse = saved->lse;
+    }
+    st = enqueue_pass(layer, args, &d, core, &call, output, output_offset, weights,
+                      weights_offset, num_wait, wait_list, event);
+    if (saved) {
+        clmha__saved_swap(saved, layer);
+        if (!st) clmha__saved_filled(saved, args, &d, core, call.lse_written);
+    }
+    return st;
 }
 
 // Stage times are those of the last forward call, so a failed call drops the earlier call's
@@ -371,10 +399,12 @@ static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *a
     clmha_forward_args dev = *args;
     cl_mem bufs[7] = {NULL};  // query, key, value, kpm, attn, output, weights
     cl_int err;
-    if ((st = clmha__upload(ctx, "query upload", args->query.data, d.query_count, 4, &bufs[0]))) goto fail;
+    if ((st = clmha__upload(ctx, "query upload", args->query.data, d.query_count, 4, &bufs[0])))
+        goto fail;
     dev.query.buffer = bufs[0], dev.query.offset = 0;
     if (!d.key_is_query) {
-        if ((st = clmha__upload(ctx, "key upload", args->key.data, d.key_count, 4, &bufs[1]))) goto fail;
+        if ((st = clmha__upload(ctx, "key upload", args->key.data, d.key_count, 4, &bufs[1])))
+            goto fail;
         dev.key.buffer = bufs[1], dev.key.offset = 0;
     }
     if (!d.value_is_key) {

@@ -90,6 +90,13 @@ CLMHA__HIDDEN void clmha__layer_marks_release(clmha_layer *layer);
 CLMHA__HIDDEN clmha_status clmha__zero_buffer(clmha_context *ctx, size_t count, const char *what,
                                               cl_mem *out);
 
+// Makes *buf hold at least @p need floats (*cap, in floats, says what it holds): a new
+// read-write buffer when it is too small (the old one is released; queued work that uses it
+// keeps it), refused with CLMHA_OUT_OF_MEMORY beyond the device's largest allocation. @p what
+// names it in messages.
+CLMHA__HIDDEN clmha_status clmha__grow_buffer(clmha_context *ctx, cl_mem *buf, size_t *cap,
+                                              size_t need, const char *what);
+
 // How the unfused core walks the scores, N*H*L rows of S' floats (row r is query r % L of plane
 // r / L, plane = batch·head): in chunks of at most `rows` consecutive rows, so that the scores
 // buffer holds one chunk. One chunk of every row when the scores fit in half the largest
