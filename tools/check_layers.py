@@ -26,7 +26,7 @@ LAYERS = [
     (6, "layer", ["layer/"]),
     (7, "cores", ["cores/"]),
     (8, "forward", ["forward/"]),
-    (8, "backward", ["backward/"]),  # training: the backward pass and the saved state
+    (9, "backward", ["backward/"]),  # training: the backward pass (the saved state is forward/)
     (9, "formats", ["formats/"]),
     (9, "reference", ["reference/"]),
     (10, "tuner", ["tuner/"]),  # the search of clmha_context_tune()

@@ -13,6 +13,7 @@
 #include "device/blas.h"
 #include "device/held.h"
 #include "forward/enqueue.h"
+#include "forward/forward.h"
 #include "forward/saved.h"
 #include "layer/layer.h"
 #include "layer/shape.h"
@@ -56,8 +57,8 @@ static clmha_status check_aliasing(clmha_context *ctx, const clmha_forward_args 
     return clmha__check_overlaps(ctx, all, n, outputs);
 }
 
-// Everything a forward call checks before it enqueues anything.
-static clmha_status validate(clmha_layer *layer, const clmha_forward_args *args,
+// Everything a forward call checks before it enqueues anything (forward.h).
+clmha_status clmha__forward_validate(clmha_layer *layer, const clmha_forward_args *args,
                              bool on_device, clmha__dims *d) {
     clmha_context *ctx = layer->ctx;
     char msg[1024];
@@ -310,7 +311,7 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
                            (const void *)wait_list);
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
     clmha__dims d;
-    st = validate(layer, args, true, &d);
+    st = clmha__forward_validate(layer, args, true, &d);
     if (st) return st;
     if ((st = clmha__check_buffer(ctx, "output", output, output_offset, d.output_count, 4)))
         return st;
@@ -380,7 +381,7 @@ static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *a
     clmha_status st = args_in(ctx, &in, &args);
     if (st) return st;
     clmha__dims d;
-    st = validate(layer, args, false, &d);
+    st = clmha__forward_validate(layer, args, false, &d);
     if (st) return st;
     if (!output) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "output is NULL");
     if (output_count != d.output_count)

@@ -224,6 +224,7 @@ static void release_kernel(cl_kernel *k) {
 void clmha__layer_free(clmha_layer *layer) {
     if (!layer) return;
     clmha__layer_marks_release(layer);
+    if (layer->backward_release) layer->backward_release(layer->backward);
     release_mem(&layer->w_in);
     release_mem(&layer->b_in);
     release_mem(&layer->w_out);

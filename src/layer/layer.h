@@ -63,6 +63,11 @@ struct clmha_layer {
     void *core_state[CLMHA__CORE_SLOTS];
     const void *last_core;      // the core (const clmha__core *) the last forward call chose
 
+    // The backward pass's kernels and scratch (src/backward/), made on its first call; opaque
+    // here, freed by backward_release when the layer is freed.
+    void *backward;
+    void (*backward_release)(void *backward);
+
     // Profiling: marks[0] before the first stage, marks[1 + s] after stage s (NULL when the
     // stage did not run in the last call).
     bool profiling;

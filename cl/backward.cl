@@ -1,0 +1,47 @@
+// Reshapes and reductions of the backward pass (host side: src/backward/backward.c), around
+// the attention cores' backward kernels (cl/cores/*_backward.cl).
+//
+// Row order of a (sequence, batch) tensor: row(n, t) = batch_first ? n * T + t : t * N + n.
+// Head-major tiles are (N*H, T_pad, D). One work-item per output element; every sum runs in a
+// fixed order (no atomics), so results are the same on every run.
+
+// Merges the first `seq` rows of each plane of head tiles (N*H, seq_pad, D) into rows (rows, ld)
+// from column col0: out[row(n, t), col0 + h*D + d] = tiles[n*H + h, t, d].
+kernel void merge_rows(global const float *tiles, ulong seq, ulong seq_pad, global float *out,
+                       ulong ld, ulong col0, ulong n_batch, ulong n_heads, ulong head_dim,
+                       uint batch_first) {
+    ulong e = n_heads * head_dim;
+    ulong gid = get_global_id(0);
+    if (gid >= n_batch * seq * e) return;
+    ulong row = gid / e, c = gid % e;
+    ulong n = batch_first ? row / seq : row % n_batch;
+    ulong t = batch_first ? row % seq : row / n_batch;
+    ulong h = c / head_dim, d = c % head_dim;
+    out[row * ld + col0 + c] = tiles[((n * n_heads + h) * seq_pad + t) * head_dim + d];
+}
+
+// out[c] = (accumulate ? out[c] : 0) + sum over r of x[x_off + r*ld + c], for c < cols: the
+// gradient of a bias added to every row.
+kernel void column_sums(global const float *x, ulong x_off, ulong rows, ulong ld, ulong cols,
+                        global float *out, ulong out_off, uint accumulate) {
+    ulong c = get_global_id(0);
+    if (c >= cols) return;
+    float sum = 0.0f;
+    for (ulong r = 0; r < rows; ++r) sum += x[x_off + r * ld + c];
+    out[out_off + c] = accumulate ? out[out_off + c] + sum : sum;
+}
+
+// The gradient of bias_k or bias_v, (1, 1, E): row `row` (= S) of every plane of the key or
+// value tiles' gradient (N*H, seq_pad, D), summed over the batch:
+// out[h*D + d] (+)= sum over n of tiles[n*H + h, row, d].
+kernel void appended_row_sums(global const float *tiles, ulong seq_pad, ulong row,
+                              ulong n_batch, ulong n_heads, ulong head_dim, global float *out,
+                              ulong out_off, uint accumulate) {
+    ulong c = get_global_id(0);
+    if (c >= n_heads * head_dim) return;
+    ulong h = c / head_dim, d = c % head_dim;
+    float sum = 0.0f;
+    for (ulong n = 0; n < n_batch; ++n)
+        sum += tiles[((n * n_heads + h) * seq_pad + row) * head_dim + d];
+    out[out_off + c] = accumulate ? out[out_off + c] + sum : sum;
+}

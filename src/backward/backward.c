@@ -1,0 +1,563 @@
+// The backward pass of the layer (clmha_layer_backward()), in the order the gradients flow,
+// the reverse of the forward pass:
+//   validate → M = merge(O) (the saved attention result) → out_proj.weight: dYᵀ·M,
+//   out_proj.bias: Σ dY, dM = dY·W_o → dO = split(dM)
+//   → the attention core's backward (src/cores/): dQ, dK', dV' tiles and the mask gradients
+//   → bias_k / bias_v: the appended row of dK' / dV', summed over the batch
+//   → merge dQ, dK, dV into rows → in_proj_bias: column sums; W_q, W_k, W_v: dPᵀ·x;
+//     the inputs: dP·W (summed into one gradient when key or value was not given).
+// Everything is enqueued on the context's in-order queue; nothing here waits on the host.
+// The host-array form is in backward_host.c.
+#include "backward/backward.h"
+
+#include "base/struct_in.h"
+#include "context/programs.h"
+#include "cores/core.h"
+#include "cores/kernel_args.h"
+#include "device/blas.h"
+#include "device/held.h"
+#include "forward/enqueue.h"
+#include "forward/forward.h"
+#include "forward/saved.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <clblast_c.h>
+
+typedef clmha__arg arg;
+#define ARG CLMHA__ARG
+
+// ---- the per-layer state: kernels of cl/backward.cl and scratch ---------------------------------
+
+enum { S_ROWS_Q, S_ROWS_K, S_ROWS_V, S_DO, S_DQ, S_DK, S_DV, S_COUNT };
+
+typedef struct state {
+    cl_kernel merge_rows, column_sums, appended_row_sums;
+    cl_mem buf[S_COUNT];
+    size_t cap[S_COUNT];
+} state;
+
+static void state_release(void *p) {
+    state *s = p;
+    if (!s) return;
+    clmha__release_kernel(s->merge_rows);
+    clmha__release_kernel(s->column_sums);
+    clmha__release_kernel(s->appended_row_sums);
+    for (int i = 0; i < S_COUNT; ++i) clmha__release_mem(s->buf[i]);
+    free(s);
+}
+
+// The layer's backward state, made (kernels built) on the first call.
+static clmha_status state_get(clmha_layer *l, state **out) {
+    if (l->backward) {
+        *out = l->backward;
+        return CLMHA_SUCCESS;
+    }
+    state *s = calloc(1, sizeof *s);
+    if (!s) return clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    cl_program prog;
+    clmha_status st = clmha__program_get(l->ctx, "backward", "", &prog);
+    if (!st) st = clmha__kernel_make(l->ctx, prog, "merge_rows", &s->merge_rows);
+    if (!st) st = clmha__kernel_make(l->ctx, prog, "column_sums", &s->column_sums);
+    if (!st) st = clmha__kernel_make(l->ctx, prog, "appended_row_sums", &s->appended_row_sums);
+    if (st) {
+        state_release(s);
+        return st;
+    }
+    l->backward = s;
+    l->backward_release = state_release;
+    *out = s;
+    return CLMHA_SUCCESS;
+}
+
+// Grows the scratch for sizes @p d: rows (N·L|S, E) and head tiles (N·H, L|S', D).
+static clmha_status state_reserve(clmha_layer *l, state *s, const clmha__dims *d) {
+    size_t q = d->n * d->l * d->e, kv = d->n * d->s * d->e, kvp = d->n * d->s_padded * d->e;
+    const size_t need[S_COUNT] = {q, kv, kv, q, q, kvp, kvp};
+    static const char *const name[S_COUNT] = {
+        "backward query rows", "backward key rows", "backward value rows",
+        "backward output-gradient tiles", "backward query-gradient tiles",
+        "backward key-gradient tiles", "backward value-gradient tiles"};
+    for (int i = 0; i < S_COUNT; ++i) {
+        clmha_status st = clmha__grow_buffer(l->ctx, &s->buf[i], &s->cap[i], need[i], name[i]);
+        if (st) return st;
+    }
+    return CLMHA_SUCCESS;
+}
+
+// ---- the call's gradients ------------------------------------------------------------------------
+
+// The gradients a call can ask for, in clmha_backward_args order.
+enum {
+    G_QUERY, G_KEY, G_VALUE, G_IN_W, G_Q_W, G_K_W, G_V_W, G_IN_B, G_OUT_W, G_OUT_B, G_BIAS_K,
+    G_BIAS_V, G_ATTN, G_KPM, G_COUNT
+};
+
+static const char *const grad_name[G_COUNT] = {
+    "query", "key", "value", "in_proj_weight", "q_proj_weight", "k_proj_weight",
+    "v_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v",
+    "attn_mask", "key_padding_mask"};
+
+const char *clmha__backward_grad_name(int g) {
+    return g >= 0 && g < G_COUNT ? grad_name[g] : "?";
+}
+
+const clmha_grad *clmha__backward_grad(const clmha_backward_args *a, int g) {
+    const clmha_grad *const all[G_COUNT] = {
+        &a->query, &a->key, &a->value, &a->in_proj_weight, &a->q_proj_weight, &a->k_proj_weight,
+        &a->v_proj_weight, &a->in_proj_bias, &a->out_proj_weight, &a->out_proj_bias,
+        &a->bias_k, &a->bias_v, &a->attn_mask, &a->key_padding_mask};
+    return g >= 0 && g < G_COUNT ? all[g] : NULL;
+}
+
+int clmha__backward_grad_count(void) { return G_COUNT; }
+
+// Floats of gradient @p g for sizes @p d (0: the layer or call has no such gradient), and why
+// not in *why.
+static size_t grad_floats(const clmha_layer *l, const clmha__dims *d, int g, const char **why) {
+    size_t e = l->e;
+    bool packed = d->kdim == e && d->vdim == e;
+    *why = NULL;
+    switch (g) {
+    case G_QUERY: return d->query_count;
+    case G_KEY:
+        *why = "key was not given (self-attention): the query's gradient holds all of it";
+        return d->key_is_query ? 0 : d->key_count;
+    case G_VALUE:
+        *why = "value was not given: its gradient is part of key's (or query's)";
+        return d->value_is_key ? 0 : d->value_count;
+    case G_IN_W:
+        *why = "the layer has no in_proj_weight (kdim or vdim differs from embed_dim): ask for "
+               "q_proj_weight, k_proj_weight and v_proj_weight";
+        return packed ? 3 * e * e : 0;
+    case G_Q_W: return e * e;
+    case G_K_W: return e * d->kdim;
+    case G_V_W: return e * d->vdim;
+    case G_IN_B: *why = "the layer has no bias"; return l->desc.bias ? 3 * e : 0;
+    case G_OUT_W: return e * e;
+    case G_OUT_B: *why = "the layer has no bias"; return l->desc.bias ? e : 0;
+    case G_BIAS_K:
+    case G_BIAS_V: *why = "the layer has no add_bias_kv"; return l->desc.add_bias_kv ? e : 0;
+    case G_ATTN:
+        *why = "attn_mask is not a float mask (CLMHA_MASK_FLOAT): a boolean mask has no gradient";
+        return d->attn_kind == CLMHA_MASK_FLOAT ? d->attn_count : 0;
+    case G_KPM:
+        *why = "key_padding_mask is not a float mask (CLMHA_MASK_FLOAT): a boolean mask has no "
+               "gradient";
+        return d->kpm_kind == CLMHA_MASK_FLOAT ? d->kpm_count : 0;
+    default: return 0;
+    }
+}
+
+size_t clmha__backward_grad_floats(const clmha_layer *l, const clmha__dims *d, int g) {
+    const char *why;
+    return grad_floats(l, d, g, &why);
+}
+
+static bool wanted(const clmha_grad *g, bool on_device) {
+    return on_device ? g->buffer != NULL : g->data != NULL;
+}
+
+// ---- validation ----------------------------------------------------------------------------------
+
+// Checks a tensor's shape against the expected one.
+static clmha_status check_shape(clmha_context *ctx, const char *name, const clmha_tensor *t,
+                                size_t ndim, const size_t *shape) {
+    bool ok = t->ndim == ndim;
+    for (size_t i = 0; ok && i < ndim; ++i) ok = t->shape[i] == shape[i];
+    if (ok) return CLMHA_SUCCESS;
+    char want[96] = "", got[96] = "";
+    for (size_t i = 0; i < ndim; ++i)
+        snprintf(want + strlen(want), sizeof want - strlen(want), "%s%zu", i ? ", " : "",
+                 shape[i]);
+    for (size_t i = 0; i < t->ndim && i < 4; ++i)
+        snprintf(got + strlen(got), sizeof got - strlen(got), "%s%zu", i ? ", " : "",
+                 t->shape[i]);
+    return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH, "%s is (%s), the call needs (%s)", name, got,
+                       want);
+}
+
+// The forward arguments must be those of the saved call: same sizes and options.
+static clmha_status check_same_call(clmha_context *ctx, const clmha_saved *sv,
+                                    const clmha_forward_args *f, const clmha__dims *d) {
+    const clmha__dims *s = &sv->dims;
+    if (d->n != s->n || d->l != s->l || d->s != s->s || d->batched != s->batched ||
+        d->key_is_query != s->key_is_query || d->value_is_key != s->value_is_key ||
+        d->attn_layout != s->attn_layout || d->attn_kind != s->attn_kind ||
+        d->kpm_kind != s->kpm_kind)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "args->forward is not the call args->saved holds: it saved N %zu, "
+                           "L %zu, S %zu%s%s with its masks; args->forward has N %zu, L %zu, "
+                           "S %zu%s%s",
+                           s->n, s->l, s->s, s->key_is_query ? ", no key" : "",
+                           s->value_is_key ? ", no value" : "", d->n, d->l, d->s,
+                           d->key_is_query ? ", no key" : "", d->value_is_key ? ", no value" : "");
+    const char *diff = f->is_causal != sv->is_causal           ? "is_causal"
+                       : f->need_weights != sv->need_weights   ? "need_weights"
+                       : f->per_head_weights != sv->per_head_weights ? "per_head_weights"
+                       : f->training != sv->training           ? "training"
+                       : (f->training && (f->rng.seed != sv->rng.seed ||
+                                          f->rng.offset != sv->rng.offset))
+                           ? "rng"
+                           : NULL;
+    if (diff)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "args->forward differs from the saved call in %s: pass the forward "
+                           "call's own arguments",
+                           diff);
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__backward_resolve(clmha_layer *l, const clmha_backward_args *a,
+                                     clmha_forward_args *fwd, clmha__dims *d, bool on_device) {
+    clmha_context *ctx = l->ctx;
+    if (!a->forward) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->forward is NULL");
+    char msg[512];
+    clmha_status st = CLMHA__STRUCT_IN(clmha_forward_args, fwd, a->forward, "args->forward", msg,
+                                       sizeof msg);
+    if (st) return clmha__fail(ctx, st, "%s", msg);
+    clmha_saved *sv = a->saved;
+    if (!sv) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->saved is NULL");
+    if (sv->layer != l)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->saved belongs to another layer");
+    if (!sv->filled)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "args->saved holds no forward call: pass it as args.save to a "
+                           "forward call first (a failed call leaves it empty)");
+    if ((st = clmha__forward_validate(l, fwd, on_device, d))) return st;
+    if ((st = check_same_call(ctx, sv, fwd, d))) return st;
+    // grad_output: the output's shape, which is the query's.
+    if ((st = check_shape(ctx, "grad_output", &a->grad_output, fwd->query.ndim,
+                          fwd->query.shape)))
+        return st;
+    if (a->grad_weights.ndim) {
+        if (!fwd->need_weights)
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                               "grad_weights is given but the forward call returned no weights "
+                               "(need_weights off)");
+        size_t shape[4], n = 0;
+        if (d->batched) shape[n++] = d->n;
+        if (fwd->per_head_weights) shape[n++] = d->h;
+        shape[n++] = d->l;
+        shape[n++] = d->s_padded;
+        if ((st = check_shape(ctx, "grad_weights", &a->grad_weights, n, shape))) return st;
+    }
+    for (int g = 0; g < G_COUNT; ++g) {
+        const clmha_grad *gr = clmha__backward_grad(a, g);
+        if (!wanted(gr, on_device)) continue;
+        const char *why;
+        if (!grad_floats(l, d, g, &why))
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "a gradient of %s is asked for, but "
+                               "%s", grad_name[g], why);
+    }
+    if (wanted(&a->in_proj_weight, on_device) &&
+        (wanted(&a->q_proj_weight, on_device) || wanted(&a->k_proj_weight, on_device) ||
+         wanted(&a->v_proj_weight, on_device)))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "in_proj_weight's gradient and that of one of its blocks "
+                           "(q/k/v_proj_weight) are both asked for: ask for one or the other");
+    if (a->impl != CLMHA_IMPL_AUTO && a->impl != CLMHA_IMPL_FUSED &&
+        a->impl != CLMHA_IMPL_UNFUSED)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "impl %d is not CLMHA_IMPL_AUTO, _FUSED or _UNFUSED", (int)a->impl);
+    if (!on_device) {
+        if (!a->grad_output.data)
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "grad_output.data is NULL");
+        if (a->grad_weights.ndim && !a->grad_weights.data)
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "grad_weights.data is NULL");
+    }
+    return CLMHA_SUCCESS;
+}
+
+// The device buffers of a call: sizes, flags and overlaps.
+static clmha_status check_buffers(clmha_layer *l, const clmha_backward_args *a,
+                                  const clmha_forward_args *f, const clmha__dims *d) {
+    clmha_context *ctx = l->ctx;
+    clmha_status st;
+    if ((st = clmha__check_buffer(ctx, "grad_output", a->grad_output.buffer,
+                                  a->grad_output.offset, d->output_count, 4)))
+        return st;
+    size_t wcount = d->weights_count;
+    if (a->grad_weights.ndim &&
+        (st = clmha__check_buffer(ctx, "grad_weights", a->grad_weights.buffer,
+                                  a->grad_weights.offset, wcount, 4)))
+        return st;
+    clmha__span all[G_COUNT + 7];
+    size_t n = 0;
+    for (int g = 0; g < G_COUNT; ++g) {
+        const clmha_grad *gr = clmha__backward_grad(a, g);
+        if (!gr->buffer) continue;
+        const char *why;
+        size_t count = grad_floats(l, d, g, &why);
+        if ((st = clmha__check_buffer(ctx, grad_name[g], gr->buffer, gr->offset, count, 4)) ||
+            (st = clmha__check_writable(ctx, grad_name[g], gr->buffer)))
+            return st;
+        cl_mem_flags flags = 0;
+        clGetMemObjectInfo(gr->buffer, CL_MEM_FLAGS, sizeof flags, &flags, NULL);
+        if (gr->accumulate && (flags & CL_MEM_WRITE_ONLY))
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                               "%s's gradient accumulates but its buffer is CL_MEM_WRITE_ONLY",
+                               grad_name[g]);
+        all[n++] = clmha__span_of(grad_name[g], gr->buffer, gr->offset, count, 4);
+    }
+    size_t outputs = n;
+    all[n++] = clmha__span_of("grad_output", a->grad_output.buffer, a->grad_output.offset,
+                              d->output_count, 4);
+    if (a->grad_weights.ndim)
+        all[n++] = clmha__span_of("grad_weights", a->grad_weights.buffer,
+                                  a->grad_weights.offset, wcount, 4);
+    all[n++] = clmha__span_of("query", f->query.buffer, f->query.offset, d->query_count, 4);
+    if (!d->key_is_query)
+        all[n++] = clmha__span_of("key", f->key.buffer, f->key.offset, d->key_count, 4);
+    if (!d->value_is_key)
+        all[n++] = clmha__span_of("value", f->value.buffer, f->value.offset, d->value_count, 4);
+    if (d->kpm_kind)
+        all[n++] = clmha__span_of("key_padding_mask", f->key_padding_mask.tensor.buffer,
+                                  f->key_padding_mask.tensor.offset, d->kpm_count,
+                                  clmha__mask_elem(d->kpm_kind));
+    if (d->attn_kind)
+        all[n++] = clmha__span_of("attn_mask", f->attn_mask.tensor.buffer,
+                                  f->attn_mask.tensor.offset, d->attn_count,
+                                  clmha__mask_elem(d->attn_kind));
+    return clmha__check_overlaps(ctx, all, n, outputs);
+}
+
+// ---- the stages ----------------------------------------------------------------------------------
+
+// Row-major C (m, n) = alpha·op(A)·op(B) + beta·C.
+static clmha_status gemm(clmha_context *ctx, const char *what, bool ta, bool tb, size_t m,
+                         size_t n, size_t k, cl_mem a, size_t a_off, size_t lda, cl_mem b,
+                         size_t b_off, size_t ldb, float beta, cl_mem c, size_t c_off,
+                         size_t ldc) {
+    cl_command_queue q = ctx->queue;
+    int s;
+    CLMHA__BLAS(s, CLBlastSgemm(CLBlastLayoutRowMajor,
+                                ta ? CLBlastTransposeYes : CLBlastTransposeNo,
+                                tb ? CLBlastTransposeYes : CLBlastTransposeNo, m, n, k, 1.0f, a,
+                                a_off, lda, b, b_off, ldb, beta, c, c_off, ldc, &q, NULL));
+    return s ? clmha__blas_fail(ctx, s, what) : CLMHA_SUCCESS;
+}
+
+// One call's working set.
+typedef struct pass {
+    clmha_layer *l;
+    state *s;
+    const clmha_backward_args *a;
+    const clmha_forward_args *f;
+    const clmha__dims *d;
+    const clmha_saved *sv;
+    bool written[G_COUNT];  // this call has written the destination once (later parts add)
+} pass;
+
+// beta for the next product into gradient @p g: 1 when it accumulates or was written already.
+static float beta_of(pass *p, int g) {
+    float beta = clmha__backward_grad(p->a, g)->accumulate || p->written[g] ? 1.0f : 0.0f;
+    p->written[g] = true;
+    return beta;
+}
+
+static clmha_status merge_rows(pass *p, cl_mem tiles, size_t seq, size_t seq_pad, cl_mem out) {
+    const clmha__dims *d = p->d;
+    cl_ulong a_seq = seq, a_pad = seq_pad, ld = d->e, col0 = 0, n = d->n, h = d->h, hd = d->d;
+    cl_uint bf = d->batch_first;
+    arg args[] = {ARG(tiles), ARG(a_seq), ARG(a_pad), ARG(out), ARG(ld), ARG(col0),
+                  ARG(n),     ARG(h),     ARG(hd),    ARG(bf)};
+    return clmha__launch(p->l->ctx, p->s->merge_rows, "merge_rows", d->n * seq * d->e,
+                         p->l->heads_wg, args, sizeof args / sizeof args[0]);
+}
+
+static clmha_status column_sums(pass *p, cl_mem x, size_t x_off, size_t rows, int g,
+                                size_t out_part) {
+    const clmha_grad *gr = clmha__backward_grad(p->a, g);
+    cl_ulong a_off = x_off, r = rows, ld = p->d->e, cols = p->d->e,
+             o = gr->offset + out_part * p->d->e;
+    cl_uint acc = gr->accumulate;
+    arg args[] = {ARG(x), ARG(a_off), ARG(r), ARG(ld), ARG(cols), ARG(gr->buffer), ARG(o),
+                  ARG(acc)};
+    return clmha__launch(p->l->ctx, p->s->column_sums, "column_sums", p->d->e, p->l->heads_wg,
+                         args, sizeof args / sizeof args[0]);
+}
+
+static clmha_status appended_row(pass *p, cl_mem tiles, int g) {
+    const clmha_grad *gr = clmha__backward_grad(p->a, g);
+    const clmha__dims *d = p->d;
+    cl_ulong pad = d->s_padded, row = d->s, n = d->n, h = d->h, hd = d->d, o = gr->offset;
+    cl_uint acc = gr->accumulate;
+    arg args[] = {ARG(tiles), ARG(pad), ARG(row), ARG(n), ARG(h), ARG(hd), ARG(gr->buffer),
+                  ARG(o), ARG(acc)};
+    return clmha__launch(p->l->ctx, p->s->appended_row_sums, "appended_row_sums", d->e,
+                         p->l->heads_wg, args, sizeof args / sizeof args[0]);
+}
+
+// 1. The output projection: out_proj.weight and .bias, and dM = dY·W_o split into dO tiles.
+static clmha_status out_projection(pass *p) {
+    clmha_layer *l = p->l;
+    clmha_context *ctx = l->ctx;
+    const clmha__dims *d = p->d;
+    size_t rows = d->n * d->l, e = d->e;
+    cl_mem dy = p->a->grad_output.buffer, m = p->s->buf[S_ROWS_Q];
+    size_t dy_off = p->a->grad_output.offset;
+    clmha_status st;
+    const clmha_grad *gw = &p->a->out_proj_weight, *gb = &p->a->out_proj_bias;
+    if (gw->buffer) {  // dW_o (E, E) = dYᵀ · M, M the merged attention result
+        if ((st = merge_rows(p, p->sv->tiles[CLMHA__TILE_OUT], d->l, d->l, m)) ||
+            (st = gemm(ctx, "CLBlastSgemm(out_proj.weight gradient)", true, false, e, e, rows,
+                       dy, dy_off, e, m, 0, e, beta_of(p, G_OUT_W), gw->buffer, gw->offset, e)))
+            return st;
+    }
+    if (gb->buffer && (st = column_sums(p, dy, dy_off, rows, G_OUT_B, 0))) return st;
+    if ((st = gemm(ctx, "CLBlastSgemm(attention result gradient)", false, false, rows, e, e, dy,
+                   dy_off, e, l->w_out, 0, e, 0.0f, m, 0, e)))
+        return st;
+    cl_ulong zero = 0, ld = e, n = d->n, h = d->h, t = d->l, hd = d->d;
+    cl_uint no = 0, bf = d->batch_first;
+    cl_mem dummy = ctx->dummy, out = p->s->buf[S_DO];
+    arg args[] = {ARG(m),     ARG(zero), ARG(ld),  ARG(zero), ARG(dummy), ARG(zero),
+                  ARG(no),    ARG(dummy), ARG(zero), ARG(no),  ARG(out),   ARG(zero),
+                  ARG(n),     ARG(h),    ARG(t),   ARG(t),    ARG(hd),    ARG(bf)};
+    return clmha__launch_heads(l, l->split_heads, "split_heads", d->n * d->h, d->l, l->heads_wg,
+                               args, sizeof args / sizeof args[0]);
+}
+
+// 2. The attention core's backward.
+static clmha_status core_backward(pass *p, const clmha__core *core, clmha__backward_call *call) {
+    (void)p;
+    return core->backward(p->l, call);
+}
+
+// 3. The input projections: in_proj_bias, the weights, the inputs.
+static clmha_status in_projections(pass *p) {
+    clmha_layer *l = p->l;
+    clmha_context *ctx = l->ctx;
+    const clmha__dims *d = p->d;
+    const clmha_backward_args *a = p->a;
+    const clmha_forward_args *f = p->f;
+    state *s = p->s;
+    size_t e = d->e, kd = d->kdim, vd = d->vdim, rq = d->n * d->l, rkv = d->n * d->s;
+    clmha_status st;
+    if (a->bias_k.buffer && (st = appended_row(p, s->buf[S_DK], G_BIAS_K))) return st;
+    if (a->bias_v.buffer && (st = appended_row(p, s->buf[S_DV], G_BIAS_V))) return st;
+    cl_mem dq = s->buf[S_ROWS_Q], dk = s->buf[S_ROWS_K], dv = s->buf[S_ROWS_V];
+    if ((st = merge_rows(p, s->buf[S_DQ], d->l, d->l, dq)) ||
+        (st = merge_rows(p, s->buf[S_DK], d->s, d->s_padded, dk)) ||
+        (st = merge_rows(p, s->buf[S_DV], d->s, d->s_padded, dv)))
+        return st;
+    if (a->in_proj_bias.buffer &&
+        ((st = column_sums(p, dq, 0, rq, G_IN_B, 0)) ||
+         (st = column_sums(p, dk, 0, rkv, G_IN_B, 1)) ||
+         (st = column_sums(p, dv, 0, rkv, G_IN_B, 2))))
+        return st;
+    // The inputs as the forward read them.
+    cl_mem xq = f->query.buffer, xk = d->key_is_query ? xq : f->key.buffer;
+    size_t xq_off = f->query.offset, xk_off = d->key_is_query ? xq_off : f->key.offset;
+    cl_mem xv = d->value_is_key ? xk : f->value.buffer;
+    size_t xv_off = d->value_is_key ? xk_off : f->value.offset;
+    // Weight blocks: dW (E, feat) = dPᵀ (E, rows) · x (rows, feat), into in_proj_weight's rows or
+    // the separate block.
+    struct {
+        int g;
+        cl_mem dp, x;
+        size_t x_off, rows, feat, block;
+    } w[3] = {{G_Q_W, dq, xq, xq_off, rq, e, 0},
+              {G_K_W, dk, xk, xk_off, rkv, kd, 1},
+              {G_V_W, dv, xv, xv_off, rkv, vd, 2}};
+    static const char *const wname[3] = {"CLBlastSgemm(q_proj_weight gradient)",
+                                         "CLBlastSgemm(k_proj_weight gradient)",
+                                         "CLBlastSgemm(v_proj_weight gradient)"};
+    for (int i = 0; i < 3; ++i) {
+        bool packed = a->in_proj_weight.buffer != NULL;
+        int g = packed ? G_IN_W : w[i].g;
+        const clmha_grad *gr = clmha__backward_grad(a, g);
+        if (!gr->buffer) continue;
+        size_t off = gr->offset + (packed ? w[i].block * e * e : 0);
+        float beta = gr->accumulate ? 1.0f : 0.0f;
+        if ((st = gemm(ctx, wname[i], true, false, e, w[i].feat, w[i].rows, w[i].dp, 0, e,
+                       w[i].x, w[i].x_off, w[i].feat, beta, gr->buffer, off, w[i].feat)))
+            return st;
+    }
+    // The inputs: dx (rows, feat) = dP (rows, E) · W (E, feat); key's and value's parts go to
+    // the tensor they came from.
+    int target[3] = {G_QUERY, d->key_is_query ? G_QUERY : G_KEY, 0};
+    target[2] = d->value_is_key ? target[1] : G_VALUE;
+    size_t w_off[3] = {0, e * e, e * e + e * kd};
+    static const char *const xname[3] = {"CLBlastSgemm(query gradient)",
+                                         "CLBlastSgemm(key gradient)",
+                                         "CLBlastSgemm(value gradient)"};
+    for (int i = 0; i < 3; ++i) {
+        const clmha_grad *gr = clmha__backward_grad(a, target[i]);
+        if (!gr->buffer) continue;
+        if ((st = gemm(ctx, xname[i], false, false, w[i].rows, w[i].feat, e, w[i].dp, 0, e,
+                       l->w_in, w_off[i], w[i].feat, beta_of(p, target[i]), gr->buffer,
+                       gr->offset, w[i].feat)))
+            return st;
+    }
+    return CLMHA_SUCCESS;
+}
+
+// ---- the public entry point ----------------------------------------------------------------------
+
+static clmha_status args_in(clmha_context *ctx, clmha_backward_args *in,
+                            const clmha_backward_args **args) {
+    char msg[512];
+    clmha_status st = CLMHA__STRUCT_IN(clmha_backward_args, in, *args, "args", msg, sizeof msg);
+    if (st) return clmha__fail(ctx, st, "%s", msg);
+    *args = in;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args *args,
+                                  cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
+    if (event) *event = NULL;
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    clmha_context *ctx = layer->ctx;
+    clmha_backward_args in;
+    clmha_status st = args_in(ctx, &in, &args);
+    if (st) return st;
+    if ((num_wait > 0) != (wait_list != NULL))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "num_wait (%u) and wait_list (%p) disagree", (unsigned)num_wait,
+                           (const void *)wait_list);
+    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
+    clmha_forward_args f;
+    clmha__dims d;
+    if ((st = clmha__backward_resolve(layer, args, &f, &d, true)) ||
+        (st = check_buffers(layer, args, &f, &d)))
+        return st;
+
+    state *s = NULL;
+    if ((st = state_get(layer, &s))) return st;
+    const clmha_saved *sv = args->saved;
+    clmha__backward_call call = {
+        .args = &f, .dims = &d, .q = sv->tiles[CLMHA__TILE_Q], .k = sv->tiles[CLMHA__TILE_K],
+        .v = sv->tiles[CLMHA__TILE_V], .o = sv->tiles[CLMHA__TILE_OUT],
+        .lse = sv->has_lse ? sv->lse : NULL, .grad_weights = args->grad_weights.buffer,
+        .grad_weights_offset = args->grad_weights.offset, .grad_attn_mask = args->attn_mask.buffer,
+        .grad_attn_offset = args->attn_mask.offset,
+        .grad_attn_accumulate = args->attn_mask.accumulate,
+        .grad_kpm = args->key_padding_mask.buffer, .grad_kpm_offset = args->key_padding_mask.offset,
+        .grad_kpm_accumulate = args->key_padding_mask.accumulate};
+    if (!args->grad_weights.ndim) call.grad_weights = NULL;
+    clmha_impl impl = args->impl != CLMHA_IMPL_AUTO ? args->impl : layer->impl;
+    const clmha__core *core;
+    if ((st = clmha__backward_select(layer, &call, impl, &core))) return st;
+    if ((st = state_reserve(layer, s, &d))) return st;
+    call.d_o = s->buf[S_DO];
+    call.dq = s->buf[S_DQ];
+    call.dk = s->buf[S_DK];
+    call.dv = s->buf[S_DV];
+
+    // Nothing is enqueued before this point.
+    cl_int err;
+    if (num_wait > 0 &&
+        (err = clEnqueueBarrierWithWaitList(ctx->queue, num_wait, wait_list, NULL)) != CL_SUCCESS)
+        return clmha__cl_fail(ctx, err, "clEnqueueBarrierWithWaitList");
+    pass p = {.l = layer, .s = s, .a = args, .f = &f, .d = &d, .sv = sv};
+    if ((st = out_projection(&p)) || (st = core_backward(&p, core, &call)) ||
+        (st = in_projections(&p)))
+        return st;
+    if (event && (err = clEnqueueMarkerWithWaitList(ctx->queue, 0, NULL, event)) != CL_SUCCESS)
+        return clmha__cl_fail(ctx, err, "clEnqueueMarkerWithWaitList");
+    return CLMHA_SUCCESS;
+}
