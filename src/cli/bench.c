@@ -1,7 +1,8 @@
-// `clmha bench`: times the device-buffer forward pass per shape: ms, GFLOP/s, scratch, stages.
+// `clmha bench`: times the device-buffer forward pass per shape: ms, GFLOP/s, scratch, stages;
+// with --backward, the training step (bench_backward.c). Options, help and the forward here.
 #define _POSIX_C_SOURCE 200809L
 
-#include "cli.h"
+#include "bench.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -16,7 +17,8 @@
 static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
     "                   [--need-weights] [--batch-first] [--layer F.safetensors]\n"
-    "                   [--impl auto|fused|unfused] [--repeat R] [--device SPEC] [--json]\n"
+    "                   [--impl auto|fused|unfused] [--backward] [--repeat R] [--device SPEC]\n"
+"                   [--json]\n"
     "\n"
     "Times the forward pass on device buffers (clmha_layer_forward): a warm-up\n"
     "(clmha_layer_bake at the shape: sizes the scratch, compiles the kernels), then R timed\n"
@@ -44,6 +46,7 @@ static const char *usage_bench =
     "run:\n"
     "  --impl I             attention core: auto (default: fused without --need-weights,\n"
     "                       else unfused), fused or unfused\n"
+    "  --backward           time the training step instead: see \"--backward\" below\n"
     "  --repeat R           timed runs per shape (default 10)\n"
     "  --device SPEC        \"P:D\", gpu, cpu, accelerator or part of a device name (see\n"
     "                       clmha devices); default: $CLMHA_DEVICE, else the first GPU, else\n"
@@ -61,7 +64,38 @@ static const char *usage_bench =
     "                                        + add_zero_attn)\n"
     "  = 2*N*E^2*(2L + 2S) + 4*N*L*S*E for kdim = vdim = E, and 8*N*L*E^2 + 4*N*L^2*E\n"
     "  for self-attention (L = S). GFLOP/s = FLOPs / median time.\n"
-    "\n"
+    "\n";
+
+// The help's second part (C11 compilers need not take string literals past 4095 characters).
+static const char *usage_bench_backward =
+    "--backward: times the forward call with args.save followed by clmha_layer_backward(),\n"
+    "on device buffers (no host copies), for the gradients of the inputs (query; key and\n"
+    "value in cross-attention) and of every parameter the layer has, written (not\n"
+    "accumulated), from a random grad_output; the weights, with --need-weights, get no\n"
+    "gradient. --impl picks the core of both passes (auto: as the forward's). Warm-up: the\n"
+    "kernels compile on a throwaway layer at a small shape, then the measured layer runs one\n"
+    "forward and one backward at the shape. Then R turns of: step (forward + backward),\n"
+    "forward alone, backward alone, each waited for with clFinish; medians of each.\n"
+    "  FLOPs (P and A: the projection and the attention terms of the forward's count above):\n"
+    "  forward = P + A; backward = 2*P + 2.5*A (input and weight gradients of every\n"
+    "  projection; 5 attention products against the forward's 2, as FlashAttention counts:\n"
+    "  Q*K^T again, dV, dP, dQ, dK); step = 3*P + 3.5*A. For self-attention P = 8*N*L*E^2\n"
+    "  and A = 4*N*L^2*E.\n"
+    "  Memory: the layer's scratch (clmha_layer_scratch_bytes()), the saved state\n"
+    "  (clmha_saved_bytes()) and the backward's own scratch, which the library does not\n"
+    "  report: estimated as the growth of the process's resident memory over the measured\n"
+    "  layer's first backward call (meaningful on a CPU driver whose device memory is host\n"
+    "  memory, as PoCL's; the forward's first call is measured the same way, to compare with\n"
+    "  scratch + saved); and the process's peak resident memory (getrusage).\n"
+    "  --json adds: backward (true), forward_ms, forward_ms_min, forward_ms_max,\n"
+    "  forward_flops, forward_gflops, backward_ms, backward_ms_min, backward_ms_max,\n"
+    "  backward_flops, backward_gflops, projection_flops (P), attention_flops (A),\n"
+    "  flop_convention, saved_bytes, backward_rss_growth_bytes, training_scratch_bytes\n"
+    "  (scratch + saved + backward_rss_growth), forward_rss_growth_bytes, peak_rss_bytes\n"
+    "  (null: unknown); ms, ms_min, ms_max, flops and gflops are the step's; no stages.\n"
+    "\n";
+
+static const char *usage_bench_tail =
     "exit status: 0 success, 1 refused input (bad layer file, device error, shape too large\n"
     "for the device), 2 usage error\n";
 
@@ -96,8 +130,8 @@ static int parse_sizes(const char *flag, const char *text, size_t max_count, siz
     }
 }
 
-// Writes @p count random floats in [-1, 1) to @p buf, a chunk at a time.
-static cl_int fill_random(cl_command_queue queue, cl_mem buf, size_t count, uint64_t *rng) {
+cl_int clmha__bench_fill_random(cl_command_queue queue, cl_mem buf, size_t count,
+                                uint64_t *rng) {
     enum { CHUNK = 1 << 20 };
     float *host = malloc((count < CHUNK ? count : CHUNK) * sizeof *host);
     if (!host) return CL_OUT_OF_HOST_MEMORY;
@@ -113,8 +147,7 @@ static cl_int fill_random(cl_command_queue queue, cl_mem buf, size_t count, uint
     return err;
 }
 
-// Prints @p s as a JSON string.
-static void json_string(const char *s) {
+void clmha__bench_json_string(const char *s) {
     putchar('"');
     for (const unsigned char *p = (const unsigned char *)s; *p; ++p) {
         if (*p == '"' || *p == '\\')
@@ -127,15 +160,20 @@ static void json_string(const char *s) {
     putchar('"');
 }
 
-// What every shape of one `clmha bench` call shares.
-typedef struct bench_config {
-    const char *layer_path;   // NULL: a random layer of desc
-    clmha_layer_desc desc;    // random layer, or the file's (kdim/vdim filled in)
-    const float *w_in, *b_in, *w_out, *b_out;  // random parameters
-    bool need_weights, json;
-    clmha_impl impl;          // as given; the core used is in bench_result
-    size_t repeat;
-} bench_config;
+double clmha__bench_median(double *times, size_t count, double *min, double *max) {
+    qsort(times, count, sizeof *times, clmha__cli_cmp_double);
+    *min = times[0];
+    *max = times[count - 1];
+    return count % 2 ? times[count / 2] : 0.5 * (times[count / 2 - 1] + times[count / 2]);
+}
+
+void clmha__bench_forward_flops(const clmha_layer_desc *d, size_t n, size_t l, size_t s,
+                                double *projections, double *attention) {
+    double dn = (double)n, dl = (double)l, ds = (double)s, de = (double)d->embed_dim;
+    double s_padded = ds + d->add_bias_kv + d->add_zero_attn;
+    *projections = 2.0 * dn * de * (dl * de + ds * (double)d->kdim + ds * (double)d->vdim + dl * de);
+    *attention = 4.0 * dn * dl * s_padded * de;
+}
 
 // The result of one shape.
 typedef struct bench_result {
@@ -147,8 +185,7 @@ typedef struct bench_result {
     double stage_ms[CLMHA_STAGE_COUNT];
 } bench_result;
 
-// A fresh layer for one shape (so that its scratch is that shape's own). Reports a failure.
-static clmha_layer *bench_layer(clmha_context *ctx, const bench_config *cfg) {
+clmha_layer *clmha__bench_layer(clmha_context *ctx, const bench_config *cfg) {
     clmha_layer *layer = NULL;
     if (cfg->layer_path) {
         if (clmha_layer_load(&layer, ctx, cfg->layer_path) != CLMHA_SUCCESS) {
@@ -175,69 +212,57 @@ static clmha_layer *bench_layer(clmha_context *ctx, const bench_config *cfg) {
     return layer;
 }
 
-// Times one shape: warm-up, cfg->repeat timed runs, one profiled run. Returns EXIT_OK or
-// EXIT_REFUSED after reporting.
-static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l, size_t s,
-                       double *times, bench_result *res) {
+int clmha__bench_io_make(clmha_context *ctx, const bench_config *cfg, clmha_layer *layer,
+                         size_t n, size_t l, size_t s, bench_io *io) {
     const clmha_layer_desc *d = &cfg->desc;
     size_t e = d->embed_dim, kd = d->kdim, vd = d->vdim;
-    bool self = l == s && kd == e && vd == e;
-    bool kv_same = kd == vd;  // cross-attention: key = value, one tensor
-    *res = (bench_result){.n = n, .l = l, .s = s, .self = self};
-    cl_command_queue queue = clmha_context_cl_queue(ctx);
-    cl_mem bufs[5] = {NULL};  // query, key, value, output, weights
-    clmha_layer *layer = NULL;
-    int rc = EXIT_REFUSED;
-    cl_int err = CL_SUCCESS;
-    const char *what = NULL;
-    char where[160];
-    snprintf(where, sizeof where, "N %zu, L %zu, S %zu", n, l, s);
-
-    size_t counts[5] = {0};
+    *io = (bench_io){.n = n, .l = l, .s = s, .self = l == s && kd == e && vd == e,
+                     .kv_same = kd == vd};
+    snprintf(io->where, sizeof io->where, "N %zu, L %zu, S %zu", n, l, s);
+    const char *where = io->where;
+    size_t *counts = io->counts;
     if (!clmha__mul3(n, l, e, &counts[0]) || !clmha__mul3(n, s, kd, &counts[1]) ||
         !clmha__mul3(n, s, vd, &counts[2]) || !clmha__mul3(n, l, s, &counts[4]) ||
         counts[0] > SIZE_MAX / 4 || counts[1] > SIZE_MAX / 4 || counts[2] > SIZE_MAX / 4) {
         clmha__cli_report("bench", "%s, E %zu: the tensor sizes overflow", where, e);
         return EXIT_REFUSED;
     }
-    clmha_forward_args args = {.struct_size = sizeof args, .need_weights = cfg->need_weights};
-    args.query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}};
-    if (!self) {
-        args.key = (clmha_tensor){.ndim = 3, .shape = {s, n, kd}};
-        if (!kv_same) args.value = (clmha_tensor){.ndim = 3, .shape = {s, n, vd}};
+    clmha_forward_args *args = &io->args;
+    *args = (clmha_forward_args){.struct_size = sizeof *args, .need_weights = cfg->need_weights};
+    args->query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}};
+    if (!io->self) {
+        args->key = (clmha_tensor){.ndim = 3, .shape = {s, n, kd}};
+        if (!io->kv_same) args->value = (clmha_tensor){.ndim = 3, .shape = {s, n, vd}};
     }
     if (d->batch_first) {
-        clmha_tensor *t[3] = {&args.query, &args.key, &args.value};
+        clmha_tensor *t[3] = {&args->query, &args->key, &args->value};
         for (int i = 0; i < 3; ++i) {
             size_t seq = t[i]->shape[0];
             t[i]->shape[0] = t[i]->shape[1];
             t[i]->shape[1] = seq;
         }
     }
-    if (!(layer = bench_layer(ctx, cfg))) goto done;
-    clmha_layer_set_impl(layer, cfg->impl);
-    res->impl = cfg->impl != CLMHA_IMPL_AUTO ? cfg->impl
-                : cfg->need_weights         ? CLMHA_IMPL_UNFUSED
-                                            : CLMHA_IMPL_FUSED;
     size_t out_count = 0, w_count = 0;
-    if (clmha_layer_output_counts(layer, &args, &out_count, &w_count) != CLMHA_SUCCESS) {
+    if (clmha_layer_output_counts(layer, args, &out_count, &w_count) != CLMHA_SUCCESS) {
         clmha__cli_report("bench", "%s: %s", where, clmha_context_last_error(ctx));
-        goto done;
+        return EXIT_REFUSED;
     }
-    res->s_padded = s + d->add_bias_kv + d->add_zero_attn;
     counts[3] = out_count;
     counts[4] = w_count;
-    if (self) counts[1] = 0;
-    if (self || kv_same) counts[2] = 0;
+    if (io->self) counts[1] = 0;
+    if (io->self || io->kv_same) counts[2] = 0;
 
     // The buffers, with random inputs and a zeroed output.
+    cl_command_queue queue = clmha_context_cl_queue(ctx);
     cl_context cl = clmha_context_cl_context(ctx);
     cl_ulong max_alloc = 0;
     clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_MAX_MEM_ALLOC_SIZE, sizeof max_alloc,
                     &max_alloc, NULL);
-    static const char *names[5] = {"query", "key", "value", "output", "weights"};
+    static const char *names[BENCH_BUFS] = {"query", "key", "value", "output", "weights"};
     uint64_t rng = 7;
-    for (int i = 0; i < 5; ++i) {
+    cl_int err = CL_SUCCESS;
+    const char *what = NULL;
+    for (int i = 0; i < BENCH_BUFS; ++i) {
         if (!counts[i]) continue;
         what = names[i];
         if (max_alloc && (cl_ulong)counts[i] * sizeof(float) > max_alloc) {
@@ -246,61 +271,92 @@ static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, si
                               "of %s (%llu bytes)",
                               where, names[i], counts[i] * sizeof(float),
                               clmha_context_device_name(ctx), (unsigned long long)max_alloc);
-            goto done;
+            return EXIT_REFUSED;
         }
-        bufs[i] = clCreateBuffer(cl, CL_MEM_READ_WRITE, counts[i] * sizeof(float), NULL, &err);
+        io->bufs[i] = clCreateBuffer(cl, CL_MEM_READ_WRITE, counts[i] * sizeof(float), NULL, &err);
         if (err != CL_SUCCESS) goto cl_fail;
         if (i < 3) {
-            err = fill_random(queue, bufs[i], counts[i], &rng);
+            err = clmha__bench_fill_random(queue, io->bufs[i], counts[i], &rng);
         } else {
             float zero = 0.0f;
-            err = clEnqueueFillBuffer(queue, bufs[i], &zero, sizeof zero, 0,
+            err = clEnqueueFillBuffer(queue, io->bufs[i], &zero, sizeof zero, 0,
                                       counts[i] * sizeof(float), 0, NULL, NULL);
         }
         if (err != CL_SUCCESS) goto cl_fail;
     }
     what = "clFinish";
     if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
-    args.query.buffer = bufs[0];
-    if (!self) args.key.buffer = bufs[1];
-    if (!self && !kv_same) args.value.buffer = bufs[2];
+    args->query.buffer = io->bufs[BENCH_QUERY];
+    if (!io->self) args->key.buffer = io->bufs[BENCH_KEY];
+    if (!io->self && !io->kv_same) args->value.buffer = io->bufs[BENCH_VALUE];
+    return EXIT_OK;
+cl_fail:
+    clmha__cli_report("bench", "%s: %s%s failed on %s: OpenCL error %d", where, what,
+                      strcmp(what, "clFinish") ? " buffer" : "", clmha_context_device_name(ctx),
+                      (int)err);
+    return EXIT_REFUSED;
+}
+
+void clmha__bench_io_free(bench_io *io) {
+    for (int i = 0; i < BENCH_BUFS; ++i)
+        if (io->bufs[i]) clReleaseMemObject(io->bufs[i]);
+    memset(io->bufs, 0, sizeof io->bufs);
+}
+
+// Times one shape: warm-up, cfg->repeat timed runs, one profiled run. Returns EXIT_OK or
+// EXIT_REFUSED after reporting.
+static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l, size_t s,
+                       double *times, bench_result *res) {
+    const clmha_layer_desc *d = &cfg->desc;
+    *res = (bench_result){.n = n, .l = l, .s = s, .self = l == s && d->kdim == d->embed_dim &&
+                                                          d->vdim == d->embed_dim};
+    cl_command_queue queue = clmha_context_cl_queue(ctx);
+    bench_io io = {0};
+    clmha_layer *layer = NULL;
+    int rc = EXIT_REFUSED;
+    cl_int err = CL_SUCCESS;
+    const char *where = io.where;
+    snprintf(io.where, sizeof io.where, "N %zu, L %zu, S %zu", n, l, s);
+
+    if (!(layer = clmha__bench_layer(ctx, cfg))) goto done;
+    clmha_layer_set_impl(layer, cfg->impl);
+    res->impl = cfg->impl != CLMHA_IMPL_AUTO ? cfg->impl
+                : cfg->need_weights         ? CLMHA_IMPL_UNFUSED
+                                            : CLMHA_IMPL_FUSED;
+    res->s_padded = s + d->add_bias_kv + d->add_zero_attn;
+    if (clmha__bench_io_make(ctx, cfg, layer, n, l, s, &io) != EXIT_OK) goto done;
+    const clmha_forward_args *args = &io.args;
+    cl_mem out = io.bufs[BENCH_OUTPUT], weights = io.bufs[BENCH_WEIGHTS];
 
     // Warm-up: bake sizes the scratch and runs the forward once at this shape, which compiles
     // the kernels. Bake runs cross-attention with separate key and value tensors, so the
     // cross-attention path with key = value runs once more here.
     clmha_status st = clmha_layer_bake(layer, n, l, s, cfg->need_weights);
-    if (!st && !self)
-        st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL);
+    if (!st && !io.self) st = clmha_layer_forward(layer, args, out, 0, weights, 0, 0, NULL, NULL);
     if (!st && clFinish(queue) != CL_SUCCESS) st = CLMHA_OPENCL_ERROR;
     if (st) goto forward_fail;
 
     for (size_t r = 0; r < cfg->repeat; ++r) {
         double t0 = clmha__cli_now_ms();
-        if ((st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL)))
+        if ((st = clmha_layer_forward(layer, args, out, 0, weights, 0, 0, NULL, NULL)))
             goto forward_fail;
-        what = "clFinish";
         if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
         times[r] = clmha__cli_now_ms() - t0;
     }
-    qsort(times, cfg->repeat, sizeof *times, clmha__cli_cmp_double);
-    size_t r = cfg->repeat;
-    res->ms = r % 2 ? times[r / 2] : 0.5 * (times[r / 2 - 1] + times[r / 2]);
-    res->ms_min = times[0];
-    res->ms_max = times[r - 1];
+    res->ms = clmha__bench_median(times, cfg->repeat, &res->ms_min, &res->ms_max);
 
     // One more run with a marker after every stage.
     if ((st = clmha_layer_set_profiling(layer, true)) ||
-        (st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL)) ||
+        (st = clmha_layer_forward(layer, args, out, 0, weights, 0, 0, NULL, NULL)) ||
         (st = clmha_layer_stage_times(layer, res->stage_ms)) ||
         (st = clmha_layer_set_profiling(layer, false)))
         goto forward_fail;
-    what = "clFinish";
     if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
 
     res->scratch_bytes = clmha_layer_scratch_bytes(layer);
-    double dn = (double)n, dl = (double)l, ds = (double)s, de = (double)e;
-    res->flops = 2.0 * dn * de * (dl * de + ds * (double)kd + ds * (double)vd + dl * de) +
-                 4.0 * dn * dl * (double)res->s_padded * de;
+    double projections, attention;
+    clmha__bench_forward_flops(d, n, l, s, &projections, &attention);
+    res->flops = projections + attention;
     rc = EXIT_OK;
     goto done;
 forward_fail:
@@ -309,12 +365,10 @@ forward_fail:
                       clmha_context_last_error(ctx));
     goto done;
 cl_fail:
-    clmha__cli_report("bench", "%s: %s%s failed on %s: OpenCL error %d", where, what,
-                      strcmp(what, "clFinish") ? " buffer" : "", clmha_context_device_name(ctx),
-                      (int)err);
+    clmha__cli_report("bench", "%s: clFinish failed on %s: OpenCL error %d", where,
+                      clmha_context_device_name(ctx), (int)err);
 done:
-    for (int i = 0; i < 5; ++i)
-        if (bufs[i]) clReleaseMemObject(bufs[i]);
+    clmha__bench_io_free(&io);
     clmha_layer_release(layer);
     return rc;
 }
@@ -324,10 +378,10 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
     const clmha_layer_desc *d = &cfg->desc;
     if (cfg->json) {
         printf("{\"device\": ");
-        json_string(clmha_context_device_name(ctx));
+        clmha__bench_json_string(clmha_context_device_name(ctx));
         printf(", \"layer\": ");
         if (cfg->layer_path)
-            json_string(cfg->layer_path);
+            clmha__bench_json_string(cfg->layer_path);
         else
             printf("null");
         printf(", \"batch\": %zu, \"tgt_len\": %zu, \"src_len\": %zu, \"embed_dim\": %zu, "
@@ -371,7 +425,7 @@ int clmha__cli_bench(int argc, char **argv) {
     const char *batch_opt = NULL, *tgt_opt = NULL, *src_opt = NULL, *embed_opt = NULL,
                *heads_opt = NULL, *repeat_opt = NULL, *layer_path = NULL, *device = NULL,
                *impl_opt = NULL;
-    bool need_weights = false, batch_first = false, json = false;
+    bool need_weights = false, batch_first = false, json = false, backward = false;
     const clmha__cli_option opts[] = {
         {.name = "--impl", .value = &impl_opt},
         {.name = "--batch", .value = &batch_opt},
@@ -385,10 +439,13 @@ int clmha__cli_bench(int argc, char **argv) {
         {.name = "--repeat", .value = &repeat_opt},
         {.name = "--device", .value = &device, .allow_empty = true},
         {.name = "--json", .flag = &json},
+        {.name = "--backward", .flag = &backward},
     };
+    char usage[8192];
+    snprintf(usage, sizeof usage, "%s%s%s", usage_bench, usage_bench_backward, usage_bench_tail);
     int rc;
     if (!clmha__cli_parse_options("bench", argc, argv, opts, sizeof opts / sizeof opts[0],
-                                  usage_bench, &rc))
+                                  usage, &rc))
         return rc;
     size_t batches[BENCH_MAX_LIST] = {8}, tgts[BENCH_MAX_LIST] = {128}, srcs[BENCH_MAX_LIST];
     size_t nb = 1, nt = 1, ns = 0, e = 512, h = 8, repeat = 10, one = 0;
@@ -466,7 +523,7 @@ int clmha__cli_bench(int argc, char **argv) {
     }
     if (!(ctx = clmha__cli_open_context("bench", device))) goto done;
     if (layer_path) {  // the file's configuration
-        if (!(layer = bench_layer(ctx, &cfg))) goto done;
+        if (!(layer = clmha__bench_layer(ctx, &cfg))) goto done;
         clmha_layer_get_desc(layer, &cfg.desc);
         clmha_layer_release(layer);
         layer = NULL;
@@ -498,6 +555,12 @@ int clmha__cli_bench(int argc, char **argv) {
             for (size_t is = 0; is < (ns ? ns : 1); ++is) {
                 bench_result res;
                 size_t s = ns ? srcs[is] : tgts[it];
+                if (backward) {
+                    if (clmha__bench_backward_shape(ctx, &cfg, batches[ib], tgts[it], s,
+                                                    times) != EXIT_OK)
+                        goto done;
+                    continue;
+                }
                 if (bench_shape(ctx, &cfg, batches[ib], tgts[it], s, times, &res) != EXIT_OK)
                     goto done;
                 bench_print(ctx, &cfg, &res);

@@ -20,6 +20,7 @@ static const char *usage_main =
     "  run       run a layer file (.safetensors) on .npy inputs, write .npy outputs\n"
     "  demo      run a random layer, check it against the CPU reference, time it\n"
     "  bench     time the device-buffer forward pass: ms, GFLOP/s, scratch, time per stage\n"
+    "            (--backward: the training step, forward with save + backward)\n"
     "  tune      tune CLBlast's GEMMs for a device, store the result for later runs\n"
     "\n"
     "options:\n"

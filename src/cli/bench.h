@@ -1,0 +1,60 @@
+// What the two files of `clmha bench` share: bench.c (options, the forward benchmark) and
+// bench_backward.c (--backward: forward with save + backward). Internal to the program.
+#ifndef CLMHA_CLI_BENCH_H
+#define CLMHA_CLI_BENCH_H
+
+#include "cli.h"
+
+// What every shape of one `clmha bench` call shares.
+typedef struct bench_config {
+    const char *layer_path;   // NULL: a random layer of desc
+    clmha_layer_desc desc;    // random layer, or the file's (kdim/vdim filled in)
+    const float *w_in, *b_in, *w_out, *b_out;  // random parameters
+    bool need_weights, json;
+    clmha_impl impl;          // as given; the core used is in the result
+    size_t repeat;
+} bench_config;
+
+// The inputs and outputs of one shape, on the device.
+enum { BENCH_QUERY, BENCH_KEY, BENCH_VALUE, BENCH_OUTPUT, BENCH_WEIGHTS, BENCH_BUFS };
+typedef struct bench_io {
+    size_t n, l, s;
+    bool self;     // self-attention: key = value = query, one packed QKV projection
+    bool kv_same;  // cross-attention with key = value, one tensor
+    clmha_forward_args args;     // the forward call's arguments, buffers set
+    cl_mem bufs[BENCH_BUFS];     // NULL where the call has none
+    size_t counts[BENCH_BUFS];   // floats of each buffer (0: none)
+    char where[160];             // "N 8, L 128, S 128", for messages
+} bench_io;
+
+// A fresh layer for one shape (so that its scratch is that shape's own). Reports a failure.
+clmha_layer *clmha__bench_layer(clmha_context *ctx, const bench_config *cfg);
+
+// Sets up @p io for shape (n, l, s) of @p layer: the forward arguments and the buffers, random
+// inputs in [-1, 1), zeroed outputs, all written when it returns (clFinish). Returns EXIT_OK,
+// or EXIT_REFUSED after reporting; either way clmha__bench_io_free() frees what it made.
+int clmha__bench_io_make(clmha_context *ctx, const bench_config *cfg, clmha_layer *layer,
+                         size_t n, size_t l, size_t s, bench_io *io);
+void clmha__bench_io_free(bench_io *io);
+
+// Writes @p count random floats in [-1, 1) to @p buf, a chunk at a time.
+cl_int clmha__bench_fill_random(cl_command_queue queue, cl_mem buf, size_t count,
+                                uint64_t *rng);
+
+// Prints @p s as a JSON string.
+void clmha__bench_json_string(const char *s);
+
+// Sorts @p times (@p count > 0 of them) and returns their median; *min and *max get the ends.
+double clmha__bench_median(double *times, size_t count, double *min, double *max);
+
+// FLOPs of one forward pass, as `clmha bench` counts them: the projections' GEMMs in
+// *projections and the attention's (Q·Kᵀ and weights·V) in *attention.
+void clmha__bench_forward_flops(const clmha_layer_desc *d, size_t n, size_t l, size_t s,
+                                double *projections, double *attention);
+
+// --backward: times forward (with save) + backward at one shape and prints the result.
+// @p times has room for cfg->repeat values. Returns EXIT_OK or EXIT_REFUSED after reporting.
+int clmha__bench_backward_shape(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l,
+                                size_t s, double *times);
+
+#endif

@@ -1,0 +1,413 @@
+// `clmha bench --backward`: times one training step per shape on device buffers: the forward
+// call with args.save, then clmha_layer_backward() for the gradients of the inputs and of every
+// parameter; also each alone. Reports ms, GFLOP/s (FLOP convention in bench.c's help) and the
+// memory a step holds: the layer's scratch, the saved state and, since the library has no
+// query for it, the backward's own scratch estimated from the process's resident memory (the
+// device memory of a CPU driver such as PoCL is host memory).
+#define _POSIX_C_SOURCE 200809L
+
+#include "bench.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+// The gradients the benchmark asks for: every input and every parameter the layer has.
+enum {
+    G_QUERY, G_KEY, G_VALUE, G_IN_W, G_Q_W, G_K_W, G_V_W, G_IN_B, G_OUT_W, G_OUT_B, G_BIAS_K,
+    G_BIAS_V, G_COUNT
+};
+
+static const char *const grad_name[G_COUNT] = {
+    "query", "key", "value", "in_proj_weight", "q_proj_weight", "k_proj_weight",
+    "v_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v"};
+
+static clmha_grad *grad_slot(clmha_backward_args *b, int g) {
+    clmha_grad *const all[G_COUNT] = {
+        &b->query, &b->key, &b->value, &b->in_proj_weight, &b->q_proj_weight,
+        &b->k_proj_weight, &b->v_proj_weight, &b->in_proj_bias, &b->out_proj_weight,
+        &b->out_proj_bias, &b->bias_k, &b->bias_v};
+    return all[g];
+}
+
+// Floats of gradient @p g for @p io's call (0: the call or layer has none).
+static size_t grad_floats(const clmha_layer_desc *d, const bench_io *io, int g) {
+    size_t e = d->embed_dim;
+    bool packed = d->kdim == e && d->vdim == e;
+    switch (g) {
+    case G_QUERY: return io->counts[BENCH_QUERY];
+    case G_KEY: return io->self ? 0 : io->counts[BENCH_KEY];
+    case G_VALUE: return io->self || io->kv_same ? 0 : io->counts[BENCH_VALUE];
+    case G_IN_W: return packed ? 3 * e * e : 0;
+    case G_Q_W: return packed ? 0 : e * e;
+    case G_K_W: return packed ? 0 : e * d->kdim;
+    case G_V_W: return packed ? 0 : e * d->vdim;
+    case G_IN_B: return d->bias ? 3 * e : 0;
+    case G_OUT_W: return e * e;
+    case G_OUT_B: return d->bias ? e : 0;
+    case G_BIAS_K:
+    case G_BIAS_V: return d->add_bias_kv ? e : 0;
+    default: return 0;
+    }
+}
+
+// Resident memory of this process now, in bytes (Linux: /proc/self/statm); -1 when unknown.
+static long long rss_now(void) {
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (!f) return -1;
+    long long size = 0, resident = -1;
+    if (fscanf(f, "%lld %lld", &size, &resident) != 2) resident = -1;
+    fclose(f);
+    long page = sysconf(_SC_PAGESIZE);
+    return resident >= 0 && page > 0 ? resident * page : -1;
+}
+
+// The process's peak resident memory so far, in bytes (getrusage: KiB on Linux); -1 unknown.
+static long long rss_peak(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return -1;
+    return (long long)ru.ru_maxrss * 1024;
+}
+
+// What one shape measured.
+typedef struct result {
+    clmha_impl impl;
+    double step_ms, step_min, step_max;  // forward (with save) + backward
+    double fwd_ms, fwd_min, fwd_max;     // forward with save alone
+    double bwd_ms, bwd_min, bwd_max;     // backward alone
+    double proj_flops, attn_flops;       // of the forward (clmha__bench_forward_flops())
+    size_t scratch_bytes, saved_bytes;
+    long long fwd_growth, bwd_growth, peak_rss;  // bytes; -1 unknown
+} result;
+
+// One training step's objects: a layer, its saved state, the forward arguments (in @p io) and
+// the backward's (gradient buffers, grad_output).
+typedef struct step {
+    clmha_layer *layer;
+    clmha_saved *saved;
+    clmha_forward_args fwd;
+    clmha_backward_args bwd;
+} step;
+
+static void step_free(step *st) {
+    clmha_saved_release(st->saved);
+    clmha_layer_release(st->layer);
+    *st = (step){0};
+}
+
+// A layer and saved state for @p io, with the backward's arguments pointing at @p grads and
+// @p grad_output. Reports a failure.
+static int step_make(clmha_context *ctx, const bench_config *cfg, const bench_io *io,
+                     cl_mem grad_output, cl_mem *grads, step *st) {
+    *st = (step){0};
+    if (!(st->layer = clmha__bench_layer(ctx, cfg))) return EXIT_REFUSED;
+    clmha_layer_set_impl(st->layer, cfg->impl);
+    clmha_status s = clmha_saved_create(&st->saved, st->layer);
+    if (s) {
+        clmha__cli_report("bench", "clmha_saved_create: %s: %s", clmha_status_string(s),
+                          clmha_context_last_error(ctx));
+        step_free(st);
+        return EXIT_REFUSED;
+    }
+    st->fwd = io->args;
+    st->fwd.save = st->saved;
+    st->bwd = (clmha_backward_args){.struct_size = sizeof st->bwd, .forward = &st->fwd,
+                                    .saved = st->saved, .grad_output = io->args.query,
+                                    .impl = cfg->impl};
+    st->bwd.grad_output.buffer = grad_output;
+    st->bwd.grad_output.offset = 0;
+    for (int g = 0; g < G_COUNT; ++g)
+        if (grads[g]) *grad_slot(&st->bwd, g) = (clmha_grad){.buffer = grads[g]};
+    return EXIT_OK;
+}
+
+static clmha_status run_forward(const step *st, const bench_io *io) {
+    return clmha_layer_forward(st->layer, &st->fwd, io->bufs[BENCH_OUTPUT], 0,
+                               io->bufs[BENCH_WEIGHTS], 0, 0, NULL, NULL);
+}
+
+static clmha_status run_backward(const step *st) {
+    return clmha_layer_backward(st->layer, &st->bwd, 0, NULL, NULL);
+}
+
+// Waits for the queue; reports a failure.
+static bool finish(clmha_context *ctx, const char *where) {
+    cl_int err = clFinish(clmha_context_cl_queue(ctx));
+    if (err == CL_SUCCESS) return true;
+    clmha__cli_report("bench", "%s: clFinish failed on %s: OpenCL error %d", where,
+                      clmha_context_device_name(ctx), (int)err);
+    return false;
+}
+
+// Reports a failed call.
+static void call_failed(clmha_context *ctx, const char *where, const char *what,
+                        clmha_status s) {
+    clmha__cli_report("bench", "%s failed on %s at %s: %s: %s", what,
+                      clmha_context_device_name(ctx), where, clmha_status_string(s),
+                      clmha_context_last_error(ctx));
+}
+
+// Compiles the kernels of a step on a throwaway layer at a small shape (N, L and S capped at
+// 64), so that the measured layer's first calls at the real shape grow the resident memory by
+// their buffers only, not by the compilers' memory.
+static int precompile(clmha_context *ctx, const bench_config *cfg, const bench_io *real) {
+    bench_io io = {0};
+    step st = {0};
+    cl_mem grads[G_COUNT] = {NULL}, dy = NULL;
+    size_t n = real->n < 8 ? real->n : 8, l = real->l < 64 ? real->l : 64;
+    size_t s = real->self ? l : real->s < 64 ? real->s : 64;
+    const clmha_layer_desc *d = &cfg->desc;
+    if (!real->self && s == l && d->kdim == d->embed_dim && d->vdim == d->embed_dim)
+        s = l == 1 ? 2 : l - 1;  // stays cross-attention
+    int rc = EXIT_REFUSED;
+    cl_int err = CL_SUCCESS;
+    clmha_layer *probe = clmha__bench_layer(ctx, cfg);
+    if (!probe) return EXIT_REFUSED;
+    rc = clmha__bench_io_make(ctx, cfg, probe, n, l, s, &io);
+    clmha_layer_release(probe);
+    if (rc != EXIT_OK) goto done;
+    rc = EXIT_REFUSED;
+    cl_context cl = clmha_context_cl_context(ctx);
+    for (int g = 0; g < G_COUNT; ++g) {
+        size_t count = grad_floats(&cfg->desc, &io, g);
+        if (count && !(grads[g] = clCreateBuffer(cl, CL_MEM_READ_WRITE, count * 4, NULL, &err)))
+            break;
+    }
+    if (err == CL_SUCCESS)
+        dy = clCreateBuffer(cl, CL_MEM_READ_WRITE, io.counts[BENCH_QUERY] * 4, NULL, &err);
+    if (err != CL_SUCCESS) {
+        clmha__cli_report("bench", "warm-up buffers failed on %s: OpenCL error %d",
+                          clmha_context_device_name(ctx), (int)err);
+        goto done;
+    }
+    uint64_t rng = 11;
+    if ((err = clmha__bench_fill_random(clmha_context_cl_queue(ctx), dy, io.counts[BENCH_QUERY],
+                                        &rng)) != CL_SUCCESS) {
+        clmha__cli_report("bench", "warm-up buffers failed on %s: OpenCL error %d",
+                          clmha_context_device_name(ctx), (int)err);
+        goto done;
+    }
+    if (step_make(ctx, cfg, &io, dy, grads, &st) != EXIT_OK) goto done;
+    clmha_status s1 = run_forward(&st, &io);
+    if (s1) {
+        call_failed(ctx, io.where, "warm-up forward pass (with save)", s1);
+        goto done;
+    }
+    if ((s1 = run_backward(&st))) {
+        call_failed(ctx, io.where, "warm-up backward pass", s1);
+        goto done;
+    }
+    if (finish(ctx, io.where)) rc = EXIT_OK;
+done:
+    step_free(&st);
+    for (int g = 0; g < G_COUNT; ++g)
+        if (grads[g]) clReleaseMemObject(grads[g]);
+    if (dy) clReleaseMemObject(dy);
+    clmha__bench_io_free(&io);
+    return rc;
+}
+
+static void print_result(const clmha_context *ctx, const bench_config *cfg, const bench_io *io,
+                         const result *r) {
+    const clmha_layer_desc *d = &cfg->desc;
+    double fwd = r->proj_flops + r->attn_flops, bwd = 2.0 * r->proj_flops + 2.5 * r->attn_flops;
+    double total = fwd + bwd;
+    long long training = (long long)(r->scratch_bytes + r->saved_bytes) +
+                         (r->bwd_growth > 0 ? r->bwd_growth : 0);
+    if (cfg->json) {
+        printf("{\"device\": ");
+        clmha__bench_json_string(clmha_context_device_name(ctx));
+        printf(", \"layer\": ");
+        if (cfg->layer_path)
+            clmha__bench_json_string(cfg->layer_path);
+        else
+            printf("null");
+        printf(", \"batch\": %zu, \"tgt_len\": %zu, \"src_len\": %zu, \"embed_dim\": %zu, "
+               "\"num_heads\": %zu, \"kdim\": %zu, \"vdim\": %zu, \"batch_first\": %s, "
+               "\"need_weights\": %s, \"impl\": \"%s\", \"attention\": \"%s\", "
+               "\"repeat\": %zu, \"backward\": true, ",
+               io->n, io->l, io->s, d->embed_dim, d->num_heads, d->kdim, d->vdim,
+               d->batch_first ? "true" : "false", cfg->need_weights ? "true" : "false",
+               clmha_impl_name(r->impl), io->self ? "self" : "cross", cfg->repeat);
+        printf("\"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"flops\": %.0f, "
+               "\"gflops\": %.6g, ",
+               r->step_ms, r->step_min, r->step_max, total, total / r->step_ms / 1e6);
+        printf("\"forward_ms\": %.6g, \"forward_ms_min\": %.6g, \"forward_ms_max\": %.6g, "
+               "\"forward_flops\": %.0f, \"forward_gflops\": %.6g, ",
+               r->fwd_ms, r->fwd_min, r->fwd_max, fwd, fwd / r->fwd_ms / 1e6);
+        printf("\"backward_ms\": %.6g, \"backward_ms_min\": %.6g, \"backward_ms_max\": %.6g, "
+               "\"backward_flops\": %.0f, \"backward_gflops\": %.6g, ",
+               r->bwd_ms, r->bwd_min, r->bwd_max, bwd, bwd / r->bwd_ms / 1e6);
+        printf("\"projection_flops\": %.0f, \"attention_flops\": %.0f, "
+               "\"flop_convention\": \"forward = P + A; backward = 2 P + 2.5 A; ms and flops: "
+               "forward + backward = 3 P + 3.5 A (P: projection GEMMs, A: Q K^T and weights V "
+               "of the forward)\", ",
+               r->proj_flops, r->attn_flops);
+        printf("\"scratch_bytes\": %zu, \"saved_bytes\": %zu, ", r->scratch_bytes,
+               r->saved_bytes);
+        if (r->bwd_growth >= 0)
+            printf("\"backward_rss_growth_bytes\": %lld, \"training_scratch_bytes\": %lld, ",
+                   r->bwd_growth, training);
+        else
+            printf("\"backward_rss_growth_bytes\": null, \"training_scratch_bytes\": null, ");
+        if (r->fwd_growth >= 0)
+            printf("\"forward_rss_growth_bytes\": %lld, ", r->fwd_growth);
+        else
+            printf("\"forward_rss_growth_bytes\": null, ");
+        if (r->peak_rss >= 0)
+            printf("\"peak_rss_bytes\": %lld}\n", r->peak_rss);
+        else
+            printf("\"peak_rss_bytes\": null}\n");
+        fflush(stdout);
+        return;
+    }
+    const double mib = 1024.0 * 1024.0;
+    printf("shape:    N %zu, L %zu, S %zu (%s-attention%s), need_weights %s, %s core "
+           "(forward and backward)\n",
+           io->n, io->l, io->s, io->self ? "self" : "cross",
+           io->self ? ", packed QKV projection"
+           : io->kv_same ? ", key = value" : ", separate key and value",
+           cfg->need_weights ? "on" : "off", clmha_impl_name(r->impl));
+    printf("step:     %.3f ms forward + backward (median of %zu; min %.3f, max %.3f), "
+           "%.2f GFLOP/s (%.4g GFLOP)\n",
+           r->step_ms, cfg->repeat, r->step_min, r->step_max, total / r->step_ms / 1e6,
+           total / 1e9);
+    printf("forward:  %.3f ms with save (min %.3f, max %.3f), %.2f GFLOP/s (%.4g GFLOP)\n",
+           r->fwd_ms, r->fwd_min, r->fwd_max, fwd / r->fwd_ms / 1e6, fwd / 1e9);
+    printf("backward: %.3f ms (min %.3f, max %.3f), %.2f GFLOP/s (%.4g GFLOP)\n", r->bwd_ms,
+           r->bwd_min, r->bwd_max, bwd / r->bwd_ms / 1e6, bwd / 1e9);
+    printf("memory:   layer scratch %.1f MiB + saved %.1f MiB", r->scratch_bytes / mib,
+           r->saved_bytes / mib);
+    if (r->bwd_growth >= 0)
+        printf(" + backward ~%.1f MiB (resident memory its first call added) = %.1f MiB\n",
+               r->bwd_growth / mib, training / mib);
+    else
+        printf(" (the backward's own scratch is unknown here)\n");
+    if (r->fwd_growth >= 0)
+        printf("          the forward's first call added %.1f MiB of resident memory "
+               "(scratch + saved: %.1f MiB)\n",
+               r->fwd_growth / mib, (r->scratch_bytes + r->saved_bytes) / mib);
+    if (r->peak_rss >= 0)
+        printf("          peak resident memory of the process: %.1f MiB\n", r->peak_rss / mib);
+    fflush(stdout);
+}
+
+int clmha__bench_backward_shape(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l,
+                                size_t s, double *times) {
+    const clmha_layer_desc *d = &cfg->desc;
+    bench_io io = {0};
+    step st = {0};
+    cl_mem grads[G_COUNT] = {NULL}, dy = NULL;
+    double *fwd_times = NULL, *bwd_times = NULL;
+    int rc = EXIT_REFUSED;
+    cl_int err = CL_SUCCESS;
+    result r = {.impl = cfg->impl != CLMHA_IMPL_AUTO ? cfg->impl
+                        : cfg->need_weights         ? CLMHA_IMPL_UNFUSED
+                                                    : CLMHA_IMPL_FUSED};
+    const char *where = io.where;
+    snprintf(io.where, sizeof io.where, "N %zu, L %zu, S %zu", n, l, s);
+    if (!(fwd_times = malloc(2 * cfg->repeat * sizeof *fwd_times))) {
+        clmha__cli_report("bench", "out of host memory");
+        goto done;
+    }
+    bwd_times = fwd_times + cfg->repeat;
+
+    // The inputs (io, through a probe layer: the measured layer comes after the warm-up), the
+    // output's gradient (random) and a buffer per gradient (zeroed, so that it is resident).
+    clmha_layer *probe = clmha__bench_layer(ctx, cfg);
+    if (!probe) goto done;
+    rc = clmha__bench_io_make(ctx, cfg, probe, n, l, s, &io);
+    clmha_layer_release(probe);
+    if (rc != EXIT_OK) goto done;
+    rc = EXIT_REFUSED;
+    cl_context cl = clmha_context_cl_context(ctx);
+    cl_command_queue queue = clmha_context_cl_queue(ctx);
+    const char *what = "grad_output";
+    size_t dy_count = io.counts[BENCH_QUERY];
+    dy = clCreateBuffer(cl, CL_MEM_READ_WRITE, dy_count * sizeof(float), NULL, &err);
+    uint64_t rng = 13;
+    if (err == CL_SUCCESS) err = clmha__bench_fill_random(queue, dy, dy_count, &rng);
+    for (int g = 0; g < G_COUNT && err == CL_SUCCESS; ++g) {
+        size_t count = grad_floats(d, &io, g);
+        if (!count) continue;
+        what = grad_name[g];
+        grads[g] = clCreateBuffer(cl, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
+        float zero = 0.0f;
+        if (err == CL_SUCCESS)
+            err = clEnqueueFillBuffer(queue, grads[g], &zero, sizeof zero, 0,
+                                      count * sizeof(float), 0, NULL, NULL);
+    }
+    if (err != CL_SUCCESS) {
+        clmha__cli_report("bench", "%s: the %s gradient buffer failed on %s: OpenCL error %d",
+                          where, what, clmha_context_device_name(ctx), (int)err);
+        goto done;
+    }
+    if (!finish(ctx, where)) goto done;
+
+    // Warm-up: the kernels compile on a throwaway layer at a small shape; then the measured
+    // layer's first forward and backward at this shape, with the resident memory before and
+    // after each (what they allocated: scratch, saved state, the backward's own scratch).
+    if (precompile(ctx, cfg, &io) != EXIT_OK) goto done;
+    if (step_make(ctx, cfg, &io, dy, grads, &st) != EXIT_OK) goto done;
+    long long rss0 = rss_now();
+    clmha_status sc = run_forward(&st, &io);
+    if (sc) {
+        call_failed(ctx, where, "forward pass (with save)", sc);
+        goto done;
+    }
+    if (!finish(ctx, where)) goto done;
+    long long rss1 = rss_now();
+    if ((sc = run_backward(&st))) {
+        call_failed(ctx, where, "backward pass", sc);
+        goto done;
+    }
+    if (!finish(ctx, where)) goto done;
+    long long rss2 = rss_now();
+    r.fwd_growth = rss0 >= 0 && rss1 >= 0 ? rss1 - rss0 : -1;
+    r.bwd_growth = rss1 >= 0 && rss2 >= 0 ? rss2 - rss1 : -1;
+
+    // The timed runs, in turns (step, forward, backward) so that a busy machine slows all
+    // three alike; the backward alone differentiates the forward alone just before it.
+    for (size_t i = 0; i < cfg->repeat; ++i) {
+        double t0 = clmha__cli_now_ms();
+        if ((sc = run_forward(&st, &io)) || (sc = run_backward(&st))) {
+            call_failed(ctx, where, "training step", sc);
+            goto done;
+        }
+        if (!finish(ctx, where)) goto done;
+        double t1 = clmha__cli_now_ms();
+        if ((sc = run_forward(&st, &io))) {
+            call_failed(ctx, where, "forward pass (with save)", sc);
+            goto done;
+        }
+        if (!finish(ctx, where)) goto done;
+        double t2 = clmha__cli_now_ms();
+        if ((sc = run_backward(&st))) {
+            call_failed(ctx, where, "backward pass", sc);
+            goto done;
+        }
+        if (!finish(ctx, where)) goto done;
+        double t3 = clmha__cli_now_ms();
+        times[i] = t1 - t0;
+        fwd_times[i] = t2 - t1;
+        bwd_times[i] = t3 - t2;
+    }
+    r.step_ms = clmha__bench_median(times, cfg->repeat, &r.step_min, &r.step_max);
+    r.fwd_ms = clmha__bench_median(fwd_times, cfg->repeat, &r.fwd_min, &r.fwd_max);
+    r.bwd_ms = clmha__bench_median(bwd_times, cfg->repeat, &r.bwd_min, &r.bwd_max);
+    r.scratch_bytes = clmha_layer_scratch_bytes(st.layer);
+    r.saved_bytes = clmha_saved_bytes(st.saved);
+    r.peak_rss = rss_peak();
+    clmha__bench_forward_flops(d, n, l, s, &r.proj_flops, &r.attn_flops);
+    print_result(ctx, cfg, &io, &r);
+    rc = EXIT_OK;
+done:
+    step_free(&st);
+    for (int g = 0; g < G_COUNT; ++g)
+        if (grads[g]) clReleaseMemObject(grads[g]);
+    if (dy) clReleaseMemObject(dy);
+    clmha__bench_io_free(&io);
+    free(fwd_times);
+    return rc;
+}
