@@ -1113,6 +1113,60 @@ Test(cli_bench, embed_above_2048_runs) {
     cli_free(&r);
 }
 
+// The number after "key": in one JSON line (NAN when the key is not there).
+static double json_number(const char *line, const char *key) {
+    char pattern[64];
+    snprintf(pattern, sizeof pattern, "\"%s\": ", key);
+    const char *p = strstr(line, pattern);
+    if (!p) return NAN;
+    char *end;
+    double v = strtod(p + strlen(pattern), &end);
+    return end == p + strlen(pattern) ? NAN : v;  // null
+}
+
+// bench --backward: one JSON line per shape (self- and cross-attention) with the step's, the
+// forward's and the backward's times; the FLOPs follow the convention of the help (forward
+// P + A, backward 2 P + 2.5 A) and the memory fields add up.
+Test(cli_bench, backward_json) {
+    SKIP_WITHOUT_DEVICE();
+    cli_result r = cli_run("bench", "--backward", "--json", "--embed", "16", "--heads", "2",
+                           "--batch", "2", "--tgt-len", "5", "--src-len", "5,7", "--repeat", "2");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    const char *line = r.out;
+    for (int i = 0; i < 2; ++i) {
+        const char *end = strchr(line, '\n');
+        cr_assert(end != NULL, "stdout: %s", r.out);
+        char one[4096];
+        size_t len = (size_t)(end - line);
+        if (len > sizeof one - 1) len = sizeof one - 1;
+        memcpy(one, line, len);
+        one[len] = '\0';
+        cr_expect(strstr(one, "\"backward\": true") != NULL, "%s", one);
+        const char *kind = i ? "\"attention\": \"cross\"" : "\"attention\": \"self\"";
+        cr_expect(strstr(one, kind) != NULL, "%s", one);
+        double p = json_number(one, "projection_flops"), a = json_number(one, "attention_flops");
+        double s = i ? 7 : 5;
+        cr_expect_eq(p, 2.0 * 2 * 16 * (5 * 16 + s * 16 + s * 16 + 5 * 16), "%s", one);
+        cr_expect_eq(a, 4.0 * 2 * 5 * s * 16, "%s", one);
+        cr_expect_eq(json_number(one, "forward_flops"), p + a, "%s", one);
+        cr_expect_eq(json_number(one, "backward_flops"), 2 * p + 2.5 * a, "%s", one);
+        cr_expect_eq(json_number(one, "flops"), 3 * p + 3.5 * a, "%s", one);
+        const char *positive[] = {"ms", "forward_ms", "backward_ms", "gflops", "scratch_bytes",
+                                  "saved_bytes"};
+        for (size_t k = 0; k < sizeof positive / sizeof positive[0]; ++k)
+            cr_expect_gt(json_number(one, positive[k]), 0.0, "%s: %s", positive[k], one);
+        double growth = json_number(one, "backward_rss_growth_bytes");
+        if (!isnan(growth))
+            cr_expect_eq(json_number(one, "training_scratch_bytes"),
+                         json_number(one, "scratch_bytes") + json_number(one, "saved_bytes") +
+                             (growth > 0 ? growth : 0),
+                         "%s", one);
+        line = end + 1;
+    }
+    cr_expect_eq(*line, '\0', "stdout: %s", r.out);
+    cli_free(&r);
+}
+
 // ---- NaN and Inf ---------------------------------------------------------------------------------
 
 // NaN in the query, float64 values beyond float32's range: exit 0 (as PyTorch) with one warning

@@ -91,8 +91,11 @@ static const char *usage_bench_backward =
     "  forward_flops, forward_gflops, backward_ms, backward_ms_min, backward_ms_max,\n"
     "  backward_flops, backward_gflops, projection_flops (P), attention_flops (A),\n"
     "  flop_convention, saved_bytes, backward_rss_growth_bytes, training_scratch_bytes\n"
-    "  (scratch + saved + backward_rss_growth), forward_rss_growth_bytes, peak_rss_bytes\n"
-    "  (null: unknown); ms, ms_min, ms_max, flops and gflops are the step's; no stages.\n"
+    "  (scratch + saved + backward_rss_growth), forward_rss_growth_bytes,\n"
+    "  step_rss_growth_bytes (forward's + backward's: what the step really touched; the\n"
+    "  layer scratch that a call with save does not use is allocated but not resident on\n"
+    "  PoCL), peak_rss_bytes (null: unknown). ms, ms_min, ms_max, flops and gflops are the\n"
+    "  step's; there are no stages.\n"
     "\n";
 
 static const char *usage_bench_tail =
@@ -171,7 +174,8 @@ void clmha__bench_forward_flops(const clmha_layer_desc *d, size_t n, size_t l, s
                                 double *projections, double *attention) {
     double dn = (double)n, dl = (double)l, ds = (double)s, de = (double)d->embed_dim;
     double s_padded = ds + d->add_bias_kv + d->add_zero_attn;
-    *projections = 2.0 * dn * de * (dl * de + ds * (double)d->kdim + ds * (double)d->vdim + dl * de);
+    *projections =
+        2.0 * dn * de * (dl * de + ds * (double)d->kdim + ds * (double)d->vdim + dl * de);
     *attention = 4.0 * dn * dl * s_padded * de;
 }
 

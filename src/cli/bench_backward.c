@@ -251,10 +251,11 @@ static void print_result(const clmha_context *ctx, const bench_config *cfg, cons
                    r->bwd_growth, training);
         else
             printf("\"backward_rss_growth_bytes\": null, \"training_scratch_bytes\": null, ");
-        if (r->fwd_growth >= 0)
-            printf("\"forward_rss_growth_bytes\": %lld, ", r->fwd_growth);
+        if (r->fwd_growth >= 0 && r->bwd_growth >= 0)
+            printf("\"forward_rss_growth_bytes\": %lld, \"step_rss_growth_bytes\": %lld, ",
+                   r->fwd_growth, r->fwd_growth + r->bwd_growth);
         else
-            printf("\"forward_rss_growth_bytes\": null, ");
+            printf("\"forward_rss_growth_bytes\": null, \"step_rss_growth_bytes\": null, ");
         if (r->peak_rss >= 0)
             printf("\"peak_rss_bytes\": %lld}\n", r->peak_rss);
         else
@@ -277,17 +278,17 @@ static void print_result(const clmha_context *ctx, const bench_config *cfg, cons
            r->fwd_ms, r->fwd_min, r->fwd_max, fwd / r->fwd_ms / 1e6, fwd / 1e9);
     printf("backward: %.3f ms (min %.3f, max %.3f), %.2f GFLOP/s (%.4g GFLOP)\n", r->bwd_ms,
            r->bwd_min, r->bwd_max, bwd / r->bwd_ms / 1e6, bwd / 1e9);
-    printf("memory:   layer scratch %.1f MiB + saved %.1f MiB", r->scratch_bytes / mib,
+    printf("memory:   scratch %.1f MiB (layer) + %.1f MiB (saved)", r->scratch_bytes / mib,
            r->saved_bytes / mib);
     if (r->bwd_growth >= 0)
-        printf(" + backward ~%.1f MiB (resident memory its first call added) = %.1f MiB\n",
-               r->bwd_growth / mib, training / mib);
+        printf(" + ~%.1f MiB (backward, estimated) = %.1f MiB\n", r->bwd_growth / mib,
+               training / mib);
     else
-        printf(" (the backward's own scratch is unknown here)\n");
-    if (r->fwd_growth >= 0)
-        printf("          the forward's first call added %.1f MiB of resident memory "
-               "(scratch + saved: %.1f MiB)\n",
-               r->fwd_growth / mib, (r->scratch_bytes + r->saved_bytes) / mib);
+        printf(" + the backward's own (unknown here)\n");
+    if (r->fwd_growth >= 0 && r->bwd_growth >= 0)
+        printf("          resident memory added by the first step: %.1f MiB (forward %.1f, "
+               "backward %.1f)\n",
+               (r->fwd_growth + r->bwd_growth) / mib, r->fwd_growth / mib, r->bwd_growth / mib);
     if (r->peak_rss >= 0)
         printf("          peak resident memory of the process: %.1f MiB\n", r->peak_rss / mib);
     fflush(stdout);
