@@ -47,7 +47,8 @@ static const char *usage_bench =
     "  --impl I             attention core: auto (default: fused without --need-weights,\n"
     "                       else unfused), fused or unfused\n"
     "  --backward           time the training step instead: see \"--backward\" below\n"
-    "  --repeat R           timed runs per shape (default 10)\n"
+    "  --repeat R           timed runs per shape (default 10; with --backward, 0: no timed\n"
+    "                       runs, the times are the measured layer's first step's)\n"
     "  --device SPEC        \"P:D\", gpu, cpu, accelerator or part of a device name (see\n"
     "                       clmha devices); default: $CLMHA_DEVICE, else the first GPU, else\n"
     "                       the first device\n"
@@ -461,9 +462,10 @@ int clmha__cli_bench(int argc, char **argv) {
                                       srcs, &ns))) ||
         (embed_opt && (rc = parse_sizes("--embed", embed_opt, 1, BENCH_MAX_SIZE, &e, &one))) ||
         (heads_opt && (rc = parse_sizes("--heads", heads_opt, 1, BENCH_MAX_SIZE, &h, &one))) ||
-        (repeat_opt &&
+        (repeat_opt && !(backward && strcmp(repeat_opt, "0") == 0) &&
          (rc = parse_sizes("--repeat", repeat_opt, 1, BENCH_MAX_REPEAT, &repeat, &one))))
         return rc;
+    if (repeat_opt && backward && strcmp(repeat_opt, "0") == 0) repeat = 0;
     if (!layer_path && e % h != 0) {
         clmha__cli_report("bench", "--embed %zu is not a multiple of --heads %zu", e, h);
         return EXIT_USAGE;
@@ -494,7 +496,7 @@ int clmha__cli_bench(int argc, char **argv) {
         }
         fclose(f);
     }
-    if (!(times = malloc(repeat * sizeof *times))) {
+    if (!(times = malloc((repeat ? repeat : 1) * sizeof *times))) {
         clmha__cli_report("bench", "out of host memory");
         goto done;
     }

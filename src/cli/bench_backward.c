@@ -270,10 +270,15 @@ static void print_result(const clmha_context *ctx, const bench_config *cfg, cons
            io->self ? ", packed QKV projection"
            : io->kv_same ? ", key = value" : ", separate key and value",
            cfg->need_weights ? "on" : "off", clmha_impl_name(r->impl));
-    printf("step:     %.3f ms forward + backward (median of %zu; min %.3f, max %.3f), "
-           "%.2f GFLOP/s (%.4g GFLOP)\n",
-           r->step_ms, cfg->repeat, r->step_min, r->step_max, total / r->step_ms / 1e6,
-           total / 1e9);
+    if (cfg->repeat)
+        printf("step:     %.3f ms forward + backward (median of %zu; min %.3f, max %.3f), "
+               "%.2f GFLOP/s (%.4g GFLOP)\n",
+               r->step_ms, cfg->repeat, r->step_min, r->step_max, total / r->step_ms / 1e6,
+               total / 1e9);
+    else
+        printf("step:     %.3f ms forward + backward (the first step, --repeat 0), "
+               "%.2f GFLOP/s (%.4g GFLOP)\n",
+               r->step_ms, total / r->step_ms / 1e6, total / 1e9);
     printf("forward:  %.3f ms with save (min %.3f, max %.3f), %.2f GFLOP/s (%.4g GFLOP)\n",
            r->fwd_ms, r->fwd_min, r->fwd_max, fwd / r->fwd_ms / 1e6, fwd / 1e9);
     printf("backward: %.3f ms (min %.3f, max %.3f), %.2f GFLOP/s (%.4g GFLOP)\n", r->bwd_ms,
@@ -308,11 +313,12 @@ int clmha__bench_backward_shape(clmha_context *ctx, const bench_config *cfg, siz
                                                     : CLMHA_IMPL_FUSED};
     const char *where = io.where;
     snprintf(io.where, sizeof io.where, "N %zu, L %zu, S %zu", n, l, s);
-    if (!(fwd_times = malloc(2 * cfg->repeat * sizeof *fwd_times))) {
+    size_t room = cfg->repeat ? cfg->repeat : 1;
+    if (!(fwd_times = malloc(2 * room * sizeof *fwd_times))) {
         clmha__cli_report("bench", "out of host memory");
         goto done;
     }
-    bwd_times = fwd_times + cfg->repeat;
+    bwd_times = fwd_times + room;
 
     // The inputs (io, through a probe layer: the measured layer comes after the warm-up), the
     // output's gradient (random) and a buffer per gradient (zeroed, so that it is resident).
@@ -352,18 +358,21 @@ int clmha__bench_backward_shape(clmha_context *ctx, const bench_config *cfg, siz
     if (precompile(ctx, cfg, &io) != EXIT_OK) goto done;
     if (step_make(ctx, cfg, &io, dy, grads, &st) != EXIT_OK) goto done;
     long long rss0 = rss_now();
+    double t0 = clmha__cli_now_ms();
     clmha_status sc = run_forward(&st, &io);
     if (sc) {
         call_failed(ctx, where, "forward pass (with save)", sc);
         goto done;
     }
     if (!finish(ctx, where)) goto done;
+    double t1 = clmha__cli_now_ms();
     long long rss1 = rss_now();
     if ((sc = run_backward(&st))) {
         call_failed(ctx, where, "backward pass", sc);
         goto done;
     }
     if (!finish(ctx, where)) goto done;
+    double t2 = clmha__cli_now_ms();
     long long rss2 = rss_now();
     r.fwd_growth = rss0 >= 0 && rss1 >= 0 ? rss1 - rss0 : -1;
     r.bwd_growth = rss1 >= 0 && rss2 >= 0 ? rss2 - rss1 : -1;
@@ -371,19 +380,19 @@ int clmha__bench_backward_shape(clmha_context *ctx, const bench_config *cfg, siz
     // The timed runs, in turns (step, forward, backward) so that a busy machine slows all
     // three alike; the backward alone differentiates the forward alone just before it.
     for (size_t i = 0; i < cfg->repeat; ++i) {
-        double t0 = clmha__cli_now_ms();
+        t0 = clmha__cli_now_ms();
         if ((sc = run_forward(&st, &io)) || (sc = run_backward(&st))) {
             call_failed(ctx, where, "training step", sc);
             goto done;
         }
         if (!finish(ctx, where)) goto done;
-        double t1 = clmha__cli_now_ms();
+        t1 = clmha__cli_now_ms();
         if ((sc = run_forward(&st, &io))) {
             call_failed(ctx, where, "forward pass (with save)", sc);
             goto done;
         }
         if (!finish(ctx, where)) goto done;
-        double t2 = clmha__cli_now_ms();
+        t2 = clmha__cli_now_ms();
         if ((sc = run_backward(&st))) {
             call_failed(ctx, where, "backward pass", sc);
             goto done;
@@ -394,9 +403,16 @@ int clmha__bench_backward_shape(clmha_context *ctx, const bench_config *cfg, siz
         fwd_times[i] = t2 - t1;
         bwd_times[i] = t3 - t2;
     }
-    r.step_ms = clmha__bench_median(times, cfg->repeat, &r.step_min, &r.step_max);
-    r.fwd_ms = clmha__bench_median(fwd_times, cfg->repeat, &r.fwd_min, &r.fwd_max);
-    r.bwd_ms = clmha__bench_median(bwd_times, cfg->repeat, &r.bwd_min, &r.bwd_max);
+    size_t count = cfg->repeat;
+    if (!count) {  // --repeat 0: the first step's times (compiled kernels, new buffers)
+        times[0] = t2 - t0;
+        fwd_times[0] = t1 - t0;
+        bwd_times[0] = t2 - t1;
+        count = 1;
+    }
+    r.step_ms = clmha__bench_median(times, count, &r.step_min, &r.step_max);
+    r.fwd_ms = clmha__bench_median(fwd_times, count, &r.fwd_min, &r.fwd_max);
+    r.bwd_ms = clmha__bench_median(bwd_times, count, &r.bwd_min, &r.bwd_max);
     r.scratch_bytes = clmha_layer_scratch_bytes(st.layer);
     r.saved_bytes = clmha_saved_bytes(st.saved);
     r.peak_rss = rss_peak();
