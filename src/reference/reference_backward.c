@@ -166,10 +166,7 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     clmha__ref_call call;
     clmha_reference_grads g;
     clmha_status st;
-    double *q_in = NULL, *k_in = NULL, *v_in = NULL;  // projections (N, L|S, E)
-    double *q = NULL, *k = NULL, *v = NULL;           // heads (N*H, L|S', D)
-    double *probs = NULL, *dropped = NULL;            // P and Pd (N*H, L, S')
-    double *ctx_heads = NULL, *ctx = NULL;            // O (N*H, L, D) and M (N, L, E)
+    clmha__ref_forward f;  // the forward quantities: P, Pd, O, M, ...
     double *dy = NULL, *dctx = NULL, *dctx_heads = NULL;  // dY and dM (N, L, E), dO
     double *dprobs = NULL;                            // dPd, then dP, then dS (N*H, L, S')
     double *dq = NULL, *dk = NULL, *dv = NULL;        // head gradients (N*H, L|S', D)
@@ -185,19 +182,13 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
         return st;
     const clmha__dims d = call.d;
     const size_t e = d.e, sp = d.s_padded, nh = d.n * d.h;
-    size_t q_count = d.output_count, k_count, kp_count;
-    if ((st = clmha__ref_key_counts(&d, &k_count, &kp_count, message, message_size))) return st;
+    const size_t q_count = d.output_count, kp_count = d.n * sp * e, k_count = d.n * d.s * e;
 
-    q_in = malloc(q_count * sizeof *q_in);
-    k_in = malloc(k_count * sizeof *k_in);
-    v_in = malloc(k_count * sizeof *v_in);
-    q = malloc(q_count * sizeof *q);
-    k = malloc(kp_count * sizeof *k);
-    v = malloc(kp_count * sizeof *v);
-    probs = malloc(d.scores_count * sizeof *probs);
-    dropped = malloc(d.scores_count * sizeof *dropped);
-    ctx_heads = malloc(q_count * sizeof *ctx_heads);
-    ctx = malloc(q_count * sizeof *ctx);
+    // 2. The forward pass again, up to the merged attention result M (its sizes are checked
+    //    for overflow there).
+    if ((st = clmha__ref_forward_run(&call, true, &f, message, message_size))) return st;
+    const double *probs = f.probs, *dropped = f.weights, *k = f.k, *q = f.q, *v = f.v,
+                 *ctx = f.ctx;
     dy = malloc(q_count * sizeof *dy);
     dctx = malloc(q_count * sizeof *dctx);
     dctx_heads = malloc(q_count * sizeof *dctx_heads);
@@ -208,20 +199,12 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     dq_in = malloc(q_count * sizeof *dq_in);
     dk_in = malloc(k_count * sizeof *dk_in);
     dv_in = malloc(k_count * sizeof *dv_in);
-    if (!q_in || !k_in || !v_in || !q || !k || !v || !probs || !dropped || !ctx_heads || !ctx ||
-        !dy || !dctx || !dctx_heads || !dprobs || !dq || !dk || !dv || !dq_in || !dk_in ||
+    if (!dy || !dctx || !dctx_heads || !dprobs || !dq || !dk || !dv || !dq_in || !dk_in ||
         !dv_in) {
         st = clmha__msg(message, message_size, CLMHA_OUT_OF_MEMORY,
                         "out of host memory for the reference scratch");
         goto fail;
     }
-
-    // 2. The forward pass again, up to the merged attention result M.
-    clmha__ref_attention_probs(&call, q_in, k_in, v_in, q, k, v, probs);
-    memcpy(dropped, probs, d.scores_count * sizeof *dropped);
-    clmha__ref_dropout(&call, dropped);
-    clmha__ref_weights_v(&d, dropped, v, ctx_heads);
-    clmha__ref_merge_heads(&d, ctx_heads, d.l, d.l, ctx);
 
     // 3. Output projection: dbo = sum of dY rows, dWo = dY^T M, dM = dY Wo.
     for (size_t n = 0; n < d.n; ++n)
@@ -231,10 +214,10 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
                     (double)grad_output[clmha__ref_input_index(&d, d.l, e, i, n, o)];
     const float *w_out = call.params.out_proj_weight;
     for (size_t r = 0; r < d.n * d.l; ++r)
-        for (size_t f = 0; f < e; ++f) {
+        for (size_t c = 0; c < e; ++c) {
             double acc = 0.0;
-            for (size_t o = 0; o < e; ++o) acc += dy[r * e + o] * (double)w_out[o * e + f];
-            dctx[r * e + f] = acc;
+            for (size_t o = 0; o < e; ++o) acc += dy[r * e + o] * (double)w_out[o * e + c];
+            dctx[r * e + c] = acc;
         }
     if (g.out_proj_bias)
         for (size_t o = 0; o < e; ++o) {
@@ -244,10 +227,10 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
         }
     if (g.out_proj_weight)
         for (size_t o = 0; o < e; ++o)
-            for (size_t f = 0; f < e; ++f) {
+            for (size_t c = 0; c < e; ++c) {
                 double acc = 0.0;
-                for (size_t r = 0; r < d.n * d.l; ++r) acc += dy[r * e + o] * ctx[r * e + f];
-                g.out_proj_weight[o * e + f] = acc;
+                for (size_t r = 0; r < d.n * d.l; ++r) acc += dy[r * e + o] * ctx[r * e + c];
+                g.out_proj_weight[o * e + c] = acc;
             }
 
     // 4. Merge heads backwards: dO = split(dM).
@@ -339,16 +322,7 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     st = CLMHA_SUCCESS;
 
 fail:
-    free(q_in);
-    free(k_in);
-    free(v_in);
-    free(q);
-    free(k);
-    free(v);
-    free(probs);
-    free(dropped);
-    free(ctx_heads);
-    free(ctx);
+    clmha__ref_forward_free(&f);
     free(dy);
     free(dctx);
     free(dctx_heads);

@@ -9,6 +9,8 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 // ---- validation ------------------------------------------------------------------------------
 
@@ -55,8 +57,10 @@ clmha_status clmha__ref_validate(const clmha_layer_desc *desc,
     return clmha__check_host_data(&call->d, &call->args, msg, msg_size);
 }
 
-clmha_status clmha__ref_key_counts(const clmha__dims *d, size_t *k_count, size_t *kp_count,
-                                   char *msg, size_t msg_size) {
+// Element counts of the key-side scratch: k_count = N*S*E (projections), kp_count = N*S'*E
+// (heads).
+static clmha_status key_counts(const clmha__dims *d, size_t *k_count, size_t *kp_count,
+                               char *msg, size_t msg_size) {
     if (!clmha__mul(d->n, d->s, k_count) || !clmha__mul(*k_count, d->e, k_count) ||
         !clmha__mul(d->n, d->s_padded, kp_count) || !clmha__mul(*kp_count, d->e, kp_count) ||
         *kp_count > SIZE_MAX / sizeof(double))
@@ -172,8 +176,9 @@ double clmha__ref_mask_sum(const clmha__dims *d, const clmha_forward_args *args,
 
 // ---- attention -------------------------------------------------------------------------------
 
-void clmha__ref_attention_probs(const clmha__ref_call *call, double *q_in, double *k_in,
-                                double *v_in, double *q, double *k, double *v, double *probs) {
+// Steps 2 to 6: projections, heads, scores, masks and softmax into probs (N*H, L, S').
+static void attention_probs(const clmha__ref_call *call, double *q_in, double *k_in, double *v_in,
+                            double *q, double *k, double *v, double *probs) {
     const clmha__dims *d = &call->d;
     const size_t sp = d->s_padded;
     clmha__ref_operands ops;
@@ -243,7 +248,8 @@ void clmha__ref_dropout(const clmha__ref_call *call, double *x) {
             }
 }
 
-void clmha__ref_weights_v(const clmha__dims *d, const double *w, const double *v, double *out) {
+// Step 8: out (N*H, L, D) = w (N*H, L, S') . v (N*H, S', D).
+static void weights_v(const clmha__dims *d, const double *w, const double *v, double *out) {
     const size_t sp = d->s_padded;
     for (size_t bh = 0; bh < d->n * d->h; ++bh)
         for (size_t i = 0; i < d->l; ++i)
@@ -253,4 +259,58 @@ void clmha__ref_weights_v(const clmha__dims *d, const double *w, const double *v
                     acc += w[(bh * d->l + i) * sp + j] * v[(bh * sp + j) * d->d + c];
                 out[(bh * d->l + i) * d->d + c] = acc;
             }
+}
+
+// ---- the forward pass up to the merged result ------------------------------------------------
+
+clmha_status clmha__ref_forward_run(const clmha__ref_call *call, bool keep_probs,
+                                    clmha__ref_forward *f, char *msg, size_t msg_size) {
+    const clmha__dims *d = &call->d;
+    clmha_status st;
+    memset(f, 0, sizeof *f);
+    // Scratch sizes: projections (N, L|S|S', E), scores (N*H, L, S'), context (N, L, E).
+    size_t q_count = d->output_count, k_count = 0, kp_count = 0;
+    if ((st = key_counts(d, &k_count, &kp_count, msg, msg_size))) return st;
+    f->q_in = malloc(q_count * sizeof *f->q_in);
+    f->k_in = malloc(k_count * sizeof *f->k_in);
+    f->v_in = malloc(k_count * sizeof *f->v_in);
+    f->q = malloc(q_count * sizeof *f->q);
+    f->k = malloc(kp_count * sizeof *f->k);
+    f->v = malloc(kp_count * sizeof *f->v);
+    f->weights = malloc(d->scores_count * sizeof *f->weights);
+    f->probs = keep_probs ? malloc(d->scores_count * sizeof *f->probs) : NULL;
+    f->ctx_heads = malloc(q_count * sizeof *f->ctx_heads);
+    f->ctx = malloc(q_count * sizeof *f->ctx);
+    if (!f->q_in || !f->k_in || !f->v_in || !f->q || !f->k || !f->v || !f->weights ||
+        (keep_probs && !f->probs) || !f->ctx_heads || !f->ctx) {
+        clmha__ref_forward_free(f);
+        return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY,
+                          "out of host memory for the reference scratch");
+    }
+
+    // 2.-6. Projections, heads, scores, masks, softmax; 7. dropout (training only): keep with
+    // probability 1-p and scale by 1/(1-p).
+    double *p = keep_probs ? f->probs : f->weights;
+    attention_probs(call, f->q_in, f->k_in, f->v_in, f->q, f->k, f->v, p);
+    if (keep_probs) memcpy(f->weights, f->probs, d->scores_count * sizeof *f->weights);
+    clmha__ref_dropout(call, f->weights);
+
+    // 8. weights . V -> (N*H, L, D); 9. merge heads -> (N, L, E).
+    weights_v(d, f->weights, f->v, f->ctx_heads);
+    clmha__ref_merge_heads(d, f->ctx_heads, d->l, d->l, f->ctx);
+    return CLMHA_SUCCESS;
+}
+
+void clmha__ref_forward_free(clmha__ref_forward *f) {
+    free(f->q_in);
+    free(f->k_in);
+    free(f->v_in);
+    free(f->q);
+    free(f->k);
+    free(f->v);
+    free(f->probs);
+    free(f->weights);
+    free(f->ctx_heads);
+    free(f->ctx);
+    memset(f, 0, sizeof *f);
 }

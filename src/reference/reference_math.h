@@ -38,11 +38,6 @@ CLMHA__HIDDEN clmha_status clmha__ref_validate(const clmha_layer_desc *desc,
                                                clmha__ref_call *call, char *msg,
                                                size_t msg_size);
 
-// Element counts of the key-side scratch: k_count = N*S*E (projections), kp_count = N*S'*E
-// (heads); CLMHA_SIZE_OVERFLOW when they, or kp_count doubles, overflow size_t.
-CLMHA__HIDDEN clmha_status clmha__ref_key_counts(const clmha__dims *d, size_t *k_count,
-                                                 size_t *kp_count, char *msg, size_t msg_size);
-
 // The projections' operands of a validated call.
 CLMHA__HIDDEN void clmha__ref_operands_of(const clmha__ref_call *call, clmha__ref_operands *ops);
 
@@ -70,20 +65,30 @@ CLMHA__HIDDEN void clmha__ref_merge_heads(const clmha__dims *d, const double *x,
 CLMHA__HIDDEN double clmha__ref_mask_sum(const clmha__dims *d, const clmha_forward_args *args,
                                          size_t n, size_t h, size_t i, size_t j);
 
-// Steps 2 to 6 of the forward pass: projections q_in (N, L, E), k_in and v_in (N, S, E); heads
-// q (N*H, L, D), k and v (N*H, S', D); and attention probabilities probs (N*H, L, S'): softmax
-// of the masked scaled scores, zero on fully masked rows, before dropout.
-CLMHA__HIDDEN void clmha__ref_attention_probs(const clmha__ref_call *call, double *q_in,
-                                              double *k_in, double *v_in, double *q, double *k,
-                                              double *v, double *probs);
+// The forward pass up to the merged attention result, steps 2 to 9: projections q_in (N, L, E),
+// k_in and v_in (N, S, E); heads q (N*H, L, D), k and v (N*H, S', D); the attention weights
+// (N*H, L, S') after masks, softmax and dropout, and, when asked for, the probabilities before
+// dropout (probs, else NULL); the attention result ctx_heads (N*H, L, D) and merged ctx
+// (N, L, E). Fully masked rows have zero probabilities.
+typedef struct clmha__ref_forward {
+    double *q_in, *k_in, *v_in;
+    double *q, *k, *v;
+    double *probs, *weights;
+    double *ctx_heads, *ctx;
+} clmha__ref_forward;
 
-// Step 7: dropout on x (N*H, L, S') in place when the call trains with dropout > 0: an element
+// Allocates and computes @p f for a validated call (@p keep_probs: also keep probs).
+// CLMHA_SIZE_OVERFLOW or CLMHA_OUT_OF_MEMORY with a message; @p f is then already freed.
+CLMHA__HIDDEN clmha_status clmha__ref_forward_run(const clmha__ref_call *call, bool keep_probs,
+                                                  clmha__ref_forward *f, char *msg,
+                                                  size_t msg_size);
+
+// Frees what clmha__ref_forward_run() allocated and zeroes @p f.
+CLMHA__HIDDEN void clmha__ref_forward_free(clmha__ref_forward *f);
+
+// Dropout on x (N*H, L, S') in place when the call trains with dropout > 0: an element
 // is kept and scaled by 1/(1-p), or set to 0, by the call's Philox draw. Applied to a gradient
 // of the dropped weights, it gives the gradient of the weights before dropout.
 CLMHA__HIDDEN void clmha__ref_dropout(const clmha__ref_call *call, double *x);
-
-// Step 8: out (N*H, L, D) = w (N*H, L, S') . v (N*H, S', D).
-CLMHA__HIDDEN void clmha__ref_weights_v(const clmha__dims *d, const double *w, const double *v,
-                                        double *out);
 
 #endif
