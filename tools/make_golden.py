@@ -26,6 +26,15 @@ File format (text, whitespace separated, '#' starts a comment line):
     ...
     end
 
+Tensors: the parameters by state_dict name, query (key, value when the case has them separately),
+the masks (u8 or f32), then the float64 results output and weights (with need_weights), then the
+backward pass: grad_output (f32, the output's shape) and grad_weights (f32, with need_weights),
+drawn after everything else so that adding them changed no other value, and the float64
+gradients of loss = sum(grad_output * output) + sum(grad_weights * weights):
+grad.query (the whole tensor's in self-attention), grad.key, grad.value (when given
+separately), grad.<state_dict name> of every parameter, grad.attn_mask / grad.key_padding_mask
+of float masks (in the file's mask shape).
+
 Mask kinds: none, bool_ignore (1 = may not attend, nn.MultiheadAttention's bool masks),
 bool_attend (1 = may attend, SDPA / continuiti polarity), float (added to the scaled scores).
 
@@ -44,6 +53,12 @@ How the golden values are obtained from PyTorch 1.13 (which lacks some of clmha'
 - Fully masked rows: PyTorch gives NaN; clmha defines zero attention weights and a zero
   attention result there (output row = out_proj.bias). Such NaN entries are replaced following
   that rule (a comment line in the file says so).
+- Gradients: PyTorch autograd in float64 (module .double(), inputs and float masks as leaves;
+  the float masks' expansion and combination are torch ops on the file's tensors, so their
+  gradients are w.r.t. those). The independent implementation is differentiable too, with zero
+  gradients on fully masked rows; every case without such a row asserts that its gradients
+  equal autograd's to 1e-12 (each mask path PyTorch can take), and the cases with one take their
+  gradients from it (PyTorch's are NaN there).
 """
 
 import argparse
