@@ -288,9 +288,8 @@ size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
     return floats * sizeof(float);
 }
 
-// Replaces *buf by one of @p need floats when it holds fewer.
-static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t need,
-                         const char *what) {
+clmha_status clmha__scratch_grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t need,
+                                 const char *what) {
     if (need <= *cap && *buf) return CLMHA_SUCCESS;
     cl_ulong limit = clmha__max_alloc(ctx);
     if (need > SIZE_MAX / sizeof(float) || (cl_ulong)need * sizeof(float) > limit)
@@ -343,13 +342,17 @@ clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool
     static const char *const tile_name[CLMHA__TILE_COUNT] = {
         "query head tiles", "key head tiles", "value head tiles", "attention output tiles"};
     clmha_status st;
-    if ((st = grow(ctx, &layer->proj, &layer->proj_cap, q + 2 * kv, "projection"))) return st;
+    if ((st = clmha__scratch_grow(ctx, &layer->proj, &layer->proj_cap, q + 2 * kv,
+                                  "projection")))
+        return st;
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i)
-        if ((st = grow(ctx, &layer->tiles[i], &layer->tile_caps[i], tile_need[i], tile_name[i])))
+        if ((st = clmha__scratch_grow(ctx, &layer->tiles[i], &layer->tile_caps[i],
+                                      tile_need[i], tile_name[i])))
             return st;
     if (!scores) return CLMHA_SUCCESS;
     if (layer->core)  // a user core gets all the scores, to return the weights in them
-        return grow(ctx, &layer->scores, &layer->scores_cap, d->scores_count, "scores");
+        return clmha__scratch_grow(ctx, &layer->scores, &layer->scores_cap, d->scores_count,
+                                   "scores");
     clmha__chunks c;
     if (!clmha__scores_chunks(layer, d, &c))
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
@@ -357,10 +360,12 @@ clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool
                            "this device's largest allocation (%llu bytes)",
                            d->s_padded, d->s_padded * sizeof(float),
                            (unsigned long long)clmha__max_alloc(ctx));
-    if ((st = grow(ctx, &layer->scores, &layer->scores_cap, c.rows * d->s_padded, "scores")))
+    if ((st = clmha__scratch_grow(ctx, &layer->scores, &layer->scores_cap,
+                                  c.rows * d->s_padded, "scores")))
         return st;
     if (!head_sums || !c.sums) return CLMHA_SUCCESS;
-    return grow(ctx, &layer->head_sums, &layer->head_sums_cap, c.sums, "head sums");
+    return clmha__scratch_grow(ctx, &layer->head_sums, &layer->head_sums_cap, c.sums,
+                               "head sums");
 }
 
 // ---- profiling marks (the public calls are in src/forward/profiling.c) --------------------------

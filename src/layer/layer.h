@@ -90,6 +90,13 @@ CLMHA__HIDDEN void clmha__layer_marks_release(clmha_layer *layer);
 CLMHA__HIDDEN clmha_status clmha__zero_buffer(clmha_context *ctx, size_t count, const char *what,
                                               cl_mem *out);
 
+// Replaces *buf by a new buffer of @p need floats when it holds fewer (*cap, updated), or is
+// NULL; the old one is released (the driver frees it once queued work that uses it has
+// finished). Fails when @p need exceeds the device's largest allocation (@p what names the
+// scratch in the message). The layer's scratch grows this way, and so does the cores' own.
+CLMHA__HIDDEN clmha_status clmha__scratch_grow(clmha_context *ctx, cl_mem *buf, size_t *cap,
+                                               size_t need, const char *what);
+
 // How the unfused core walks the scores, N*H*L rows of S' floats (row r is query r % L of plane
 // r / L, plane = batch·head): in chunks of at most `rows` consecutive rows, so that the scores
 // buffer holds one chunk. One chunk of every row when the scores fit in half the largest
