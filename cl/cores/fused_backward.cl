@@ -23,7 +23,8 @@
 // a row i >= the tile's first key when every key of its tile is a real one (j < S); dq skips the
 // key tiles past its last row the same way, as the forward does.
 //
-// Build options: -DHD=<head dim> -DB=<work-group size = rows per tile>. Local memory per
+// Build options: -DHD=<head dim> -DB=<work-group size = rows per tile> -DVW=<vector width: 1,
+// 2, 4, 8 or 16, dividing HD>. Local memory per
 // work-group: 2 * B * HD + 2 * B floats (dkdv), 2 * B * HD floats (dq); private: 4 * HD
 // (dkdv) and 3 * HD (dq) floats per work-item.
 // Needs cl/common.cl in front (mask kinds, mask_value, philox_word0).
@@ -37,6 +38,37 @@
 #endif
 #ifndef B
 #define B 32
+#endif
+#ifndef VW
+#define VW 1
+#endif
+// The inner products and row updates run on VW-wide vectors (VW divides HD): VT is floatVW,
+// LOADV/STOREV read and write VW floats at element i of a private or local row. (A CPU driver
+// maps them to its SIMD registers; scalar loops over HD it would only vectorise across
+// work-items.)
+#if VW == 1
+#define VT float
+#define LOADV(i, p) ((p)[(i)])
+#define STOREV(v, i, p) ((p)[(i)] = (v))
+inline float lanes_sum(float v) { return v; }
+#else
+#define VT_(n) float##n
+#define VT__(n) VT_(n)
+#define VT VT__(VW)
+#define VLOAD_(n) vload##n
+#define VLOAD__(n) VLOAD_(n)
+#define VSTORE_(n) vstore##n
+#define VSTORE__(n) VSTORE_(n)
+#define LOADV(i, p) VLOAD__(VW)(0, (p) + (i))
+#define STOREV(v, i, p) VSTORE__(VW)((v), 0, (p) + (i))
+// The sum of the VW lanes of v, in lane order.
+inline float lanes_sum(VT v) {
+    float lane[VW];
+    STOREV(v, 0, lane);
+    float sum = 0.0f;
+    for (uint i = 0; i < VW; ++i) sum += lane[i];
+    return sum;
+}
 #endif
 
 // The additive masks and is_causal of score (bh, i, j), j < src_len; attn_row is the start of
@@ -133,12 +165,12 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
             ulong i = i0 + ii;
             local const float *qi = qs + ii * HD;
             local const float *doi = dos + ii * HD;
-            float s = 0.0f, dpd = 0.0f;
-            for (uint d = 0; d < HD; ++d) {
-                s = fma(qi[d], kr[d], s);
-                dpd = fma(doi[d], vr[d], dpd);
+            VT sv = (VT)(0.0f), dv_ = (VT)(0.0f);
+            for (uint d = 0; d < HD; d += VW) {
+                sv = fma(LOADV(d, qi), LOADV(d, kr), sv);
+                dv_ = fma(LOADV(d, doi), LOADV(d, vr), dv_);
             }
-            s *= scale;
+            float s = lanes_sum(sv) * scale, dpd = lanes_sum(dv_);
             if (jc < src_len)
                 s += masks_of(attn_mask, attn_kind,
                               attn_row_of(attn_layout, attn_off, bh, n, i, tgt_len, src_len),
@@ -155,9 +187,9 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
                 dp = dpd * f;
             }
             float dsv = p * (dp - ds[ii]);
-            for (uint d = 0; d < HD; ++d) {
-                dvr[d] = fma(pd, doi[d], dvr[d]);
-                dkr[d] = fma(dsv, qi[d], dkr[d]);
+            for (uint d = 0; d < HD; d += VW) {
+                STOREV(fma((VT)(pd), LOADV(d, doi), LOADV(d, dvr)), d, dvr);
+                STOREV(fma((VT)(dsv), LOADV(d, qi), LOADV(d, dkr)), d, dkr);
             }
         }
     }
@@ -226,12 +258,12 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
                 ulong j = j0 + jj;
                 local const float *kj = ks + jj * HD;
                 local const float *vj = vs + jj * HD;
-                float s = 0.0f, dpd = 0.0f;
-                for (uint d = 0; d < HD; ++d) {
-                    s = fma(qr[d], kj[d], s);
-                    dpd = fma(dor[d], vj[d], dpd);
+                VT sv = (VT)(0.0f), dv_ = (VT)(0.0f);
+                for (uint d = 0; d < HD; d += VW) {
+                    sv = fma(LOADV(d, qr), LOADV(d, kj), sv);
+                    dv_ = fma(LOADV(d, dor), LOADV(d, vj), dv_);
                 }
-                s *= scale;
+                float s = lanes_sum(sv) * scale, dpd = lanes_sum(dv_);
                 if (j < src_len)
                     s += masks_of(attn_mask, attn_kind, attn_row, kpm, kpm_kind, kpm_row, causal,
                                   ic, j);
@@ -243,7 +275,8 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
                     dp = w >= dropout_threshold ? dpd * keep_scale : 0.0f;
                 }
                 float dsv = p * (dp - drow_i);
-                for (uint d = 0; d < HD; ++d) dqr[d] = fma(dsv, kj[d], dqr[d]);
+                for (uint d = 0; d < HD; d += VW)
+                    STOREV(fma((VT)(dsv), LOADV(d, kj), LOADV(d, dqr)), d, dqr);
             }
         }
     }

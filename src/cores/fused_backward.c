@@ -20,6 +20,7 @@ typedef clmha__arg arg;
 struct clmha__fused_backward {
     cl_kernel drow, dkdv, dq;
     size_t b;              // work-group size = rows per tile (the kernels' -DB)
+    size_t vw;             // vector width of the inner products (-DVW)
     clmha_status failed;   // why the kernels cannot be built here (then not retried)
     cl_mem drow_buf;       // Drow, N*H*L floats, grown on demand
     size_t drow_cap;
@@ -76,9 +77,14 @@ static size_t tile_for(const clmha_context *ctx, size_t max_wg, size_t hd) {
 static clmha_status build(clmha_layer *l, clmha__fused_backward *fb) {
     clmha_context *ctx = l->ctx;
     size_t b = tile_for(ctx, ctx->max_work_group, l->d);
+    // The forward's vector width (the class's, or a CPU's native one), narrowed to divide HD;
+    // 1 where vloadN is unsafe.
+    size_t want = clmha__fused_default_vw(ctx), vw = 16;
+    while (vw > 1 && (vw > want || l->d % vw)) vw /= 2;
+    if (ctx->quirks.no_vload) vw = 1;
     while (b) {
-        char options[64];
-        snprintf(options, sizeof options, "-DHD=%zu -DB=%zu", l->d, b);
+        char options[80];
+        snprintf(options, sizeof options, "-DHD=%zu -DB=%zu -DVW=%zu", l->d, b, vw);
         cl_program prog;
         clmha_status st = clmha__program_get(ctx, "fused_backward", options, &prog);
         if (st || (st = clmha__kernel_make(ctx, prog, "fused_backward_drow", &fb->drow)) ||
@@ -102,6 +108,7 @@ static clmha_status build(clmha_layer *l, clmha__fused_backward *fb) {
         }
         if (wg_min >= b && fits) {
             fb->b = b;
+            fb->vw = vw;
             return CLMHA_SUCCESS;
         }
         release_kernels(fb);
@@ -143,7 +150,7 @@ static double loop_cost(double n, double body) { return n + 1 + n * body; }
 // (clmha__fused_loop_limit(); always on devices without one). Counted as if the compiler kept
 // every loop: dkdv walks ceil(L / B) query tiles, dq ceil(S' / B) key tiles, each tile a
 // staging loop of HD iterations and B rows of two HD-long loops (and Philox's ten rounds with
-// dropout).
+// dropout). The HD-long loops count HD iterations, though they run HD / VW (conservative).
 static bool loops_fit(const clmha_layer *l, const clmha__fused_backward *fb,
                       const clmha__dims *d, bool dropout) {
     size_t limit = clmha__fused_loop_limit(l);
