@@ -1,6 +1,7 @@
 // The fused attention core (src/cores/fused.c, kernel cl/cores/fused.cl): what the tuner, the
 // bake step and the tests use of it besides the core interface (core.h). Its per-layer state
-// (kernel, tiles, build failure) is private to fused.c; these functions read it.
+// (kernel, tiles, build failure, the backward pass's state) is private to fused.c; these
+// functions read it. Its backward pass is src/cores/fused_backward.c (end of this file).
 #ifndef CLMHA_CORES_FUSED_H
 #define CLMHA_CORES_FUSED_H
 
