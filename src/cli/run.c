@@ -268,7 +268,7 @@ static bool grad_shape_ok(const input_file *in, const char *what, size_t ndim,
     for (size_t i = 0; same && i < ndim; ++i) same = in->a.shape[i] == shape[i];
     if (same) return true;
     char got[160], want[160];
-    clmha__cli_report("run", "%s %s: shape %s, but the %s is %s", in->flag, in->path,
+    clmha__cli_report("run", "%s %s: shape %s, but the %s %s", in->flag, in->path,
                       clmha__shape_str(got, sizeof got, in->a.ndim, in->a.shape), what,
                       clmha__shape_str(want, sizeof want, ndim, shape));
     return false;
@@ -440,9 +440,10 @@ int clmha__cli_run(int argc, char **argv) {
 
     // Gradients: the gradient inputs' shapes, then the files, checked like the outputs.
     if (grads_dir) {
-        if (!grad_shape_ok(&in[IN_GRAD_OUT], "output", q->ndim, q->shape) ||
+        if (!grad_shape_ok(&in[IN_GRAD_OUT], "output is", q->ndim, q->shape) ||
             (in[IN_GRAD_W].path &&
-             !grad_shape_ok(&in[IN_GRAD_W], per_head ? "weights (per head)" : "weights",
+             !grad_shape_ok(&in[IN_GRAD_W],
+                            per_head ? "weights (per head) are" : "weights (averaged) are",
                             w_ndim, w_shape)))
             goto fail;
         if (!clmha__cli_grads_plan(grads_dir, layer, &args, in[IN_KEY].path != NULL,
