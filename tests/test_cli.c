@@ -378,7 +378,7 @@ static double compare_grads(const char *case_dir, const char *grads_dir, const c
     *count = 0;
     for (struct dirent *e; (e = readdir(d)) != NULL;) {
         if (e->d_name[0] == '.') continue;
-        char want_path[CLI_PATH_SIZE], got_path[CLI_PATH_SIZE];
+        char want_path[CLI_PATH_SIZE + 256], got_path[CLI_PATH_SIZE + 256];
         snprintf(want_path, sizeof want_path, "%s/%s", want_dir, e->d_name);
         snprintf(got_path, sizeof got_path, "%s/%s", grads_dir, e->d_name);
         cr_assert(file_exists(got_path), "%s: %s was not written", what, e->d_name);
@@ -1315,7 +1315,7 @@ Test(cli_grads, files_all_or_none) {
     write_f32_shape(g, 3, 2, 8);
     cr_assert_eq(mkdir(tmp_file(&d, "sub"), 0700), 0);
     char grads_dir[CLI_PATH_SIZE];
-    snprintf(grads_dir, sizeof grads_dir, "%s", tmp_file(&d, "sub"));
+    snprintf(grads_dir, sizeof grads_dir, "%s/sub", d.path);
     const char *layer = tmp_file(&d, "layer.safetensors"), *q = tmp_file(&d, "q.npy");
     write_bytes(o, "old output", 10);
     cli_fail_rename = "/out_proj.bias.npy";
@@ -1341,7 +1341,7 @@ Test(cli_grads, files_all_or_none) {
                 {"out_proj.bias.npy", 1, {8}}};
     cr_assert_eq(tmpdir_list(grads_dir, names, sizeof names), 5, "files: %s", names);
     for (size_t i = 0; i < sizeof want / sizeof want[0]; ++i) {
-        char path[CLI_PATH_SIZE];
+        char path[CLI_PATH_SIZE + 64];
         snprintf(path, sizeof path, "%s/%s", grads_dir, want[i].name);
         clmha__npy a = {0};
         read_npy(path, &a);
