@@ -1227,7 +1227,10 @@ CLMHA_API clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_back
 /// clmha_layer_forward_host() (or clmha_layer_forward()) call with the same arguments.
 /// @param[in] layer  the layer
 /// @param[in] args   the arguments (the `buffer` fields are ignored)
-/// @return the statuses of clmha_layer_backward()
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also a missing `data` pointer),
+///         ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK, ::CLMHA_UNSUPPORTED,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
+///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_layer_backward_host(clmha_layer *layer,
                                                  const clmha_backward_args *args);
 

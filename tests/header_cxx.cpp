@@ -31,6 +31,11 @@ int main() {
         reinterpret_cast<const void *>(&clmha_layer_create),
         reinterpret_cast<const void *>(&clmha_layer_forward),
         reinterpret_cast<const void *>(&clmha_layer_forward_host),
+        reinterpret_cast<const void *>(&clmha_saved_create),
+        reinterpret_cast<const void *>(&clmha_saved_release),
+        reinterpret_cast<const void *>(&clmha_saved_bytes),
+        reinterpret_cast<const void *>(&clmha_layer_backward),
+        reinterpret_cast<const void *>(&clmha_layer_backward_host),
         reinterpret_cast<const void *>(&clmha_layer_get_desc),
         reinterpret_cast<const void *>(&clmha_layer_get_parameter),
         reinterpret_cast<const void *>(&clmha_layer_load),
@@ -47,6 +52,7 @@ int main() {
         reinterpret_cast<const void *>(&clmha_layer_stage_times),
         reinterpret_cast<const void *>(&clmha_stage_name),
         reinterpret_cast<const void *>(&clmha_reference_forward),
+        reinterpret_cast<const void *>(&clmha_reference_backward),
         reinterpret_cast<const void *>(&clmha_status_string),
         reinterpret_cast<const void *>(&clmha_version),
     };
@@ -57,8 +63,11 @@ int main() {
     // CLMHA_STRUCT_INIT works in C++ too: zeroes and the size.
     clmha_layer_desc desc = CLMHA_STRUCT_INIT(clmha_layer_desc);
     clmha_forward_args args = CLMHA_STRUCT_INIT(clmha_forward_args);
+    clmha_backward_args bargs = CLMHA_STRUCT_INIT(clmha_backward_args);
+    clmha_reference_grads rgrads = CLMHA_STRUCT_INIT(clmha_reference_grads);
     if (desc.struct_size != sizeof desc || desc.embed_dim != 0 || args.struct_size != sizeof args ||
-        args.query.ndim != 0)
+        args.query.ndim != 0 || bargs.struct_size != sizeof bargs || bargs.saved != nullptr ||
+        rgrads.struct_size != sizeof rgrads || rgrads.query != nullptr)
         return 1;
     clmha_context_release(nullptr);
     clmha_layer_release(nullptr);

@@ -1,5 +1,5 @@
-// Small forward passes that reach every branch of the kernels clmha launches (cl/heads.cl,
-// cl/cores/unfused.cl, cl/cores/fused.cl) and the CLBlast GEMMs it calls, meant to run under
+// Small forward (and backward) passes that reach every branch of the kernels clmha launches
+// (cl/heads.cl, cl/backward.cl, cl/cores/*.cl) and the CLBlast GEMMs it calls, meant to run under
 // Oclgrind (tools/oclgrind-check.sh), which checks every work-item's memory accesses. A plain C
 // program, not a Criterion test: Oclgrind intercepts the OpenCL calls of this one process.
 //
@@ -26,6 +26,11 @@
 //                  ("tiles": it stays in effect for the later fused cases of the same process),
 //                  8- and 4-wide vectors with one and two rows per work-item (Oclgrind prefers
 //                  scalars, which the default tiles then use)
+//   the backward   (the "backward" cases: forward with args.save, then every gradient through
+//                  the same core, compared with clmha_reference_backward) merge_rows,
+//                  column_sums, appended_row_sums, and each core's backward kernels: weights
+//                  gradients, float mask gradients of every layout, dropout replay, causal
+//                  tile skipping, fully masked rows, head_dim 1 and 64
 //
 // Usage: oclgrind_driver [-v] [--whole-writes] [--list] [--class NAME] [case number...]
 //   -v              print the device name
@@ -95,6 +100,7 @@ typedef struct dcase {
     size_t max_alloc; // > 0: the unfused core works in chunks (test hook, bytes)
     const char *tiles;  // fused tiles "BQ BK RPW VW" imported as a tuning (NULL: the defaults)
     bool forced_class_only;  // only with --class (costly under Oclgrind, new only there)
+    bool backward;           // then the backward pass through the same core, every gradient
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -196,6 +202,26 @@ static const dcase cases[] = {
     {"fused tiles 8/8/2/4: head_dim 4, am=ignore (N*H,L,S), dropout", .e = 8, .h = 2, .n = 1,
      .l = 19, .s = 21, .am = I, .layout = PER_HEAD, .dropout = 0.25f, .train = true,
      .fused = true, .tiles = "8 8 2 4"},
+    // The backward pass (cl/backward.cl, the cores' backward kernels): every gradient.
+    {"backward unfused: cross bias_kv+zero_attn, am=float (N*H,L,S), kpm=float, w=per_head",
+     .e = 8, .h = 2, .n = 2, .l = 3, .s = 5, .bias_kv = true, .zero_attn = true, .am = F,
+     .layout = PER_HEAD, .kpm = F, .weights = true, .per_head = true, .backward = true},
+    {"backward unfused: self batch_first, am=float (L,S), causal, dropout, w=avg", .e = 8,
+     .h = 2, .n = 2, .l = 4, .self_attn = true, .batch_first = true, .am = F, .layout = SHARED,
+     .causal = true, .dropout = 0.25f, .train = true, .weights = true, .backward = true},
+    {"backward unfused: kdim/vdim, am=float (N,L,S) per_batch, fully masked item 0", .e = 8,
+     .h = 2, .kdim = 5, .vdim = 3, .n = 2, .l = 3, .s = 6, .am = F, .layout = PER_BATCH,
+     .kpm = I, .mask_item = true, .weights = true, .backward = true},
+    {"backward fused: self causal L=S=100", .e = 8, .h = 2, .n = 1, .l = 100, .self_attn = true,
+     .causal = true, .fused = true, .backward = true},
+    {"backward fused: L3 S37, kpm=ignore, am=float, bias_kv+zero_attn, dropout", .e = 8, .h = 2,
+     .n = 2, .l = 3, .s = 37, .kpm = I, .am = F, .layout = PER_HEAD, .bias_kv = true,
+     .zero_attn = true, .dropout = 0.25f, .train = true, .fused = true, .backward = true},
+    {"backward fused: unbatched, fully masked row 1, head_dim 1 (E4 H4)", .e = 4, .h = 4,
+     .l = 3, .s = 4, .unbatched = true, .am = I, .layout = SHARED, .mask_row = true,
+     .fused = true, .backward = true},
+    {"backward fused: head_dim 64 (E64 H1), self L5, causal", .e = 64, .h = 1, .n = 1, .l = 5,
+     .self_attn = true, .causal = true, .fused = true, .backward = true},
     // The unfused core in chunks: groups of heads, then rows of one head.
     {"chunked: 2 of 4 heads, am=float (N*H,L,S), w=avg", .e = 8, .h = 4, .n = 2, .l = 16,
      .s = 16, .am = F, .layout = PER_HEAD, .weights = true, .max_alloc = 4096},
@@ -298,6 +324,79 @@ static bool import_tiles(clmha_context *ctx, const char *tiles, char *msg, size_
     return true;
 }
 
+// The gradients a backward case asks for, in clmha_backward_args order (see gradients()).
+enum { G_QUERY, G_KEY, G_VALUE, G_IN_W, G_Q_W, G_K_W, G_V_W, G_IN_B, G_OUT_W, G_OUT_B,
+       G_BIAS_K, G_BIAS_V, G_ATTN, G_KPM, G_COUNT };
+
+// Runs the backward pass of the forward call @p args just made with @p saved on the device and
+// on the reference, every gradient the case has; the largest error goes to *err (INFINITY when
+// a call fails, with the message in @p msg).
+static clmha_status run_backward(clmha_layer *layer, clmha_saved *saved, const dcase *c,
+                                 const clmha_layer_desc *desc, const clmha_reference_params *p,
+                                 const clmha_forward_args *args, size_t oc, size_t wc,
+                                 double *err, char *msg, size_t msg_size) {
+    const size_t e = c->e, n = c->unbatched ? 1 : c->n, l = c->l;
+    const size_t s = c->self_attn ? c->l : c->s;
+    const size_t kdim = c->kdim ? c->kdim : e, vdim = c->vdim ? c->vdim : e;
+    const bool packed = kdim == e && vdim == e, masks = !c->fused;
+    const size_t planes = c->layout == PER_HEAD ? n * c->h : c->layout == PER_BATCH ? n : 1;
+    size_t count[G_COUNT] = {
+        n * l * e, c->self_attn ? 0 : n * s * kdim,
+        c->self_attn || c->value_is_key ? 0 : n * s * vdim, packed ? 3 * e * e : 0,
+        packed ? 0 : e * e, packed ? 0 : e * kdim, packed ? 0 : e * vdim, c->nobias ? 0 : 3 * e,
+        e * e, c->nobias ? 0 : e, c->bias_kv ? e : 0, c->bias_kv ? e : 0,
+        masks && c->am == CLMHA_MASK_FLOAT ? planes * l * s : 0,
+        masks && c->kpm == CLMHA_MASK_FLOAT ? n * s : 0};
+    float *gy = floats(oc, true, 0), *gw = wc ? floats(wc, true, 0) : NULL;
+    clmha_backward_args b = {.struct_size = sizeof b, .forward = args, .saved = saved,
+                             .grad_output = args->query, .impl = args->impl};
+    b.grad_output.data = gy;
+    if (wc) {
+        b.grad_weights = (clmha_tensor){.data = gw};
+        clmha_tensor *t = &b.grad_weights;
+        if (!c->unbatched) t->shape[t->ndim++] = n;
+        if (c->per_head) t->shape[t->ndim++] = c->h;
+        t->shape[t->ndim++] = l;
+        t->shape[t->ndim++] = s + c->bias_kv + c->zero_attn;
+    }
+    clmha_reference_grads r = {.struct_size = sizeof r};
+    clmha_grad *dst[G_COUNT] = {&b.query, &b.key, &b.value, &b.in_proj_weight, &b.q_proj_weight,
+                                &b.k_proj_weight, &b.v_proj_weight, &b.in_proj_bias,
+                                &b.out_proj_weight, &b.out_proj_bias, &b.bias_k, &b.bias_v,
+                                &b.attn_mask, &b.key_padding_mask};
+    double **ref[G_COUNT] = {&r.query, &r.key, &r.value, &r.in_proj_weight, &r.q_proj_weight,
+                             &r.k_proj_weight, &r.v_proj_weight, &r.in_proj_bias,
+                             &r.out_proj_weight, &r.out_proj_bias, &r.bias_k, &r.bias_v,
+                             &r.attn_mask, &r.key_padding_mask};
+    for (int g = 0; g < G_COUNT; ++g) {
+        if (!count[g]) continue;
+        dst[g]->data = floats(count[g], false, 0);
+        for (size_t i = 0; i < count[g]; ++i) dst[g]->data[i] = NAN;
+        *ref[g] = malloc(count[g] * sizeof(double));
+    }
+    clmha_status st = clmha_layer_backward_host(layer, &b);
+    if (st) {
+        snprintf(msg, msg_size, "backward: %s",
+                 clmha_context_last_error(clmha_layer_context(layer)));
+    } else {
+        st = clmha_reference_backward(desc, p, args, gy, gw, &r, msg, msg_size);
+    }
+    *err = st ? INFINITY : 0;
+    for (int g = 0; g < G_COUNT; ++g) {
+        if (!count[g]) continue;
+        if (!st) {
+            double scale = 0;
+            for (size_t i = 0; i < count[g]; ++i) scale = fmax(scale, fabs((*ref[g])[i]));
+            *err = fmax(*err, max_abs_error(dst[g]->data, *ref[g], count[g]) / (1 + scale));
+        }
+        free(dst[g]->data);
+        free(*ref[g]);
+    }
+    free(gy);
+    free(gw);
+    return st;
+}
+
 // Runs case @p c; returns true when it passes.
 static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     rng_state = 1000 + index;
@@ -393,6 +492,9 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     SET("out_proj.bias", bo, e);
     SET("bias_k", bk, e);
     SET("bias_v", bv, e);
+    clmha_saved *saved = NULL;
+    if (!st && c->backward) st = clmha_saved_create(&saved, layer);
+    args.save = saved;
     if (!st) st = clmha_layer_forward_host(layer, &args, out, oc, c->weights ? w : NULL, wc);
     if (st) snprintf(msg, sizeof msg, "device: %s", clmha_context_last_error(ctx));
 
@@ -407,13 +509,19 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
         snprintf(msg, sizeof msg, "out of memory");
     }
 
+    double eb = 0;
+    if (!st && c->backward)
+        st = run_backward(layer, saved, c, &desc, &p, &args, oc, wc, &eb, msg, sizeof msg);
     bool ok = st == CLMHA_SUCCESS;
     double eo = ok ? max_abs_error(out, ref_out, oc) : INFINITY;
     double ew = ok ? max_abs_error(w, ref_w, wc) : INFINITY;
-    ok = ok && eo <= TOLERANCE && ew <= TOLERANCE;
+    ok = ok && eo <= TOLERANCE && ew <= TOLERANCE && eb <= TOLERANCE;
     if (st)
         printf("case %2zu %-4s %-60s %s (%s)\n", index + 1, "FAIL", c->name, msg,
                clmha_status_string(st));
+    else if (c->backward)
+        printf("case %2zu %-4s %-60s out %.1e grads %.1e\n", index + 1, ok ? "ok" : "FAIL",
+               c->name, eo, eb);
     else if (wc)
         printf("case %2zu %-4s %-60s out %.1e weights %.1e\n", index + 1, ok ? "ok" : "FAIL",
                c->name, eo, ew);
@@ -421,6 +529,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
         printf("case %2zu %-4s %-60s out %.1e\n", index + 1, ok ? "ok" : "FAIL", c->name, eo);
     fflush(stdout);
 
+    clmha_saved_release(saved);
     clmha_layer_release(layer);
     clmha__test_set_max_alloc(0);
     float *arrays[] = {w_in, wq, wk, wv, b_in, wo, bo, bk, bv, query, key, value, out, w};

@@ -155,6 +155,18 @@ double max_abs_err(const float *got, const double *want, size_t count) {
     return m;
 }
 
+double max_abs_err_d(const double *got, const double *want, size_t count) {
+    double m = 0.0;
+    for (size_t i = 0; i < count; ++i) m = fmax(m, abs_or_inf(got[i] - want[i]));
+    return m;
+}
+
+double max_abs_of(const double *x, size_t count) {
+    double m = 0.0;
+    for (size_t i = 0; i < count; ++i) m = fmax(m, fabs(x[i]));
+    return m;
+}
+
 double max_abs_diff(const float *a, const float *b, size_t count) {
     double m = 0.0;
     for (size_t i = 0; i < count; ++i) m = fmax(m, abs_or_inf((double)a[i] - (double)b[i]));

@@ -80,6 +80,12 @@ float frand(uint64_t *state);
 // Largest |got[i] - want[i]|; a NaN or infinite difference counts as +inf.
 double max_abs_err(const float *got, const double *want, size_t count);
 
+// max_abs_err for double results.
+double max_abs_err_d(const double *got, const double *want, size_t count);
+
+// Largest |x[i]| (NaN is ignored).
+double max_abs_of(const double *x, size_t count);
+
 // Largest |a[i] - b[i]| of two float arrays; a NaN or infinite difference counts as +inf.
 double max_abs_diff(const float *a, const float *b, size_t count);
 

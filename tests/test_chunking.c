@@ -505,3 +505,62 @@ Test(chunking, device_buffers_at_offsets, .fini = clear_hook, .timeout = 600) {
     }
     clmha_context_release(ctx);
 }
+
+// The backward pass when the scores do not fit in one buffer: the unfused backward has no
+// chunks, so a call only it could run is refused with CLMHA_OUT_OF_MEMORY (nothing written);
+// the fused backward, whose memory is linear, runs the same shapes and matches the reference.
+Test(chunking, backward_beyond_the_scores_limit, .fini = clear_hook, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    enum { E = 8, H = 2, N = 1, L = 40 };
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = E, .num_heads = H,
+                             .bias = true};
+    clmha_layer *layer;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
+    prng r = {77};
+    float *w_in = uniform_floats(&r, 3 * E * E, 0.35), *w_out = uniform_floats(&r, E * E, 0.35);
+    float *b_in = uniform_floats(&r, 3 * E, 0.35), *b_out = uniform_floats(&r, E, 0.35);
+    float *x = normal_floats(&r, L * N * E), *gy = normal_floats(&r, L * N * E);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", b_out, E), 0);
+    // N*H*L*S = 3200 floats of scores; a limit of 4096 bytes holds one plane's rows at most.
+    clmha__test_set_max_alloc(4096);
+    clmha_saved *saved;
+    cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
+    float y[L * N * E], dx[L * N * E], dw[3 * E * E];
+    clmha_forward_args f = {.struct_size = sizeof f,
+                            .query = {.ndim = 3, .shape = {L, N, E}, .data = x},
+                            .is_causal = true, .impl = CLMHA_IMPL_UNFUSED, .save = saved};
+    cr_assert_eq(clmha_layer_forward_host(layer, &f, y, L * N * E, NULL, 0), CLMHA_SUCCESS,
+                 "%s", clmha_context_last_error(ctx));
+    for (size_t i = 0; i < L * N * E; ++i) dx[i] = 7.0f;
+    clmha_backward_args b = {.struct_size = sizeof b, .forward = &f, .saved = saved,
+                             .grad_output = {.ndim = 3, .shape = {L, N, E}, .data = gy},
+                             .query = {.data = dx}, .in_proj_weight = {.data = dw}};
+    cr_assert_eq(clmha_layer_backward_host(layer, &b), CLMHA_OUT_OF_MEMORY, "%s",
+                 clmha_context_last_error(ctx));
+    cr_assert(strstr(clmha_context_last_error(ctx), "largest allocation"), "%s",
+              clmha_context_last_error(ctx));
+    cr_assert_eq(dx[0], 7.0f, "a refused backward wrote its destination");
+    // The fused forward saves the log-sum-exp: the fused backward runs in linear memory.
+    f.impl = CLMHA_IMPL_AUTO;
+    cr_assert_eq(clmha_layer_forward_host(layer, &f, y, L * N * E, NULL, 0), CLMHA_SUCCESS);
+    cr_assert_eq(clmha_layer_backward_host(layer, &b), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    double ref_dx[L * N * E], ref_dw[3 * E * E];
+    clmha_reference_params p = {.struct_size = sizeof p, .in_proj_weight = w_in,
+                                .in_proj_bias = b_in, .out_proj_weight = w_out,
+                                .out_proj_bias = b_out};
+    clmha_reference_grads rg = {.struct_size = sizeof rg, .query = ref_dx,
+                                .in_proj_weight = ref_dw};
+    char msg[256];
+    cr_assert_eq(clmha_reference_backward(&desc, &p, &f, gy, NULL, &rg, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    cr_expect_leq(max_abs_err(dx, ref_dx, L * N * E), TOLERANCE);
+    cr_expect_leq(max_abs_err(dw, ref_dw, 3 * E * E), TOLERANCE);
+    clmha_saved_release(saved);
+    clmha_layer_release(layer);
+    free(w_in), free(w_out), free(b_in), free(b_out), free(x), free(gy);
+    clmha_context_release(ctx);
+}

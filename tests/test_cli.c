@@ -2,6 +2,10 @@
 //   - every case of tests/cli/cases.inc through `clmha run`, compared with PyTorch's results
 //     (max abs error <= 1e-4); one line per case goes to stderr:
 //       cli <case> out_maxabs=... w_maxabs=...
+//     the gradient cases (grad_output.npy) also through --grad-output/--grads-dir, every
+//     gradient file against PyTorch's float64 autograd (max abs error <= 1e-4 * (1 + max|torch|)),
+//     through both attention cores:
+//       cli <case> grads=<files> grad_maxnorm=...
 //   - refused inputs exit 1 with one stderr line naming the file or argument and create no file;
 //   - usage errors exit 2; --help and --version exit 0;
 //   - `clmha devices` lists the spec strings; `clmha demo --heatmap` writes a PNG;
@@ -16,6 +20,7 @@
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <math.h>
 #include <signal.h>
@@ -45,6 +50,8 @@
 #endif
 
 #define CLI_TOL 1e-4
+// Gradients: max |clmha - torch| <= CLI_GRAD_TOL * (1 + max |torch|), per file.
+#define CLI_GRAD_TOL 1e-4
 #define CLI_MAX_ARGS 64
 #define CLI_MAX_NAME 128
 #define CLI_PATH_SIZE 1024
@@ -358,6 +365,44 @@ static void read_npy(const char *path, clmha__npy *a) {
     cr_assert_eq(clmha__npy_read(path, a, msg, sizeof msg), CLMHA_SUCCESS, "%s: %s", path, msg);
 }
 
+// The gradient files of a case (expected_grads/*.npy) against those `clmha run --grads-dir`
+// wrote to @p grads_dir: the same names, and max |clmha - torch| <= CLI_GRAD_TOL * (1 +
+// max|torch|) for each. Returns the worst normalised error; *count gets the number of files.
+static double compare_grads(const char *case_dir, const char *grads_dir, const char *what,
+                            size_t *count) {
+    char want_dir[CLI_PATH_SIZE], names[2048];
+    snprintf(want_dir, sizeof want_dir, "%s/expected_grads", case_dir);
+    DIR *d = opendir(want_dir);
+    cr_assert_not_null(d, "%s: cannot open %s", what, want_dir);
+    double worst = 0;
+    *count = 0;
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        if (e->d_name[0] == '.') continue;
+        char want_path[CLI_PATH_SIZE + 256], got_path[CLI_PATH_SIZE + 256];
+        snprintf(want_path, sizeof want_path, "%s/%s", want_dir, e->d_name);
+        snprintf(got_path, sizeof got_path, "%s/%s", grads_dir, e->d_name);
+        cr_assert(file_exists(got_path), "%s: %s was not written", what, e->d_name);
+        clmha__npy got = {0}, want = {0};
+        read_npy(got_path, &got);
+        read_npy(want_path, &want);
+        double err = npy_max_abs_diff(&got, &want, e->d_name, what), scale = 0;
+        for (size_t i = 0; i < want.count; ++i)
+            if (fabs(want.f32[i]) > scale) scale = fabs(want.f32[i]);
+        double norm = err / (1 + scale);
+        cr_expect_leq(norm, CLI_GRAD_TOL, "%s: %s: max abs error %.3e, max|torch| %.3g", what,
+                      e->d_name, err, scale);
+        if (!(norm <= worst)) worst = norm;
+        clmha__npy_free(&got);
+        clmha__npy_free(&want);
+        ++*count;
+    }
+    closedir(d);
+    size_t written = tmpdir_list(grads_dir, names, sizeof names);
+    cr_assert_eq(written, *count, "%s: %zu gradient files written, want %zu: %s", what, written,
+                 *count, names);
+    return worst;
+}
+
 ParameterizedTest(struct cli_param *param, cli, cases) {
     const char *name = param->name;
     SKIP_WITHOUT_DEVICE();
@@ -376,6 +421,8 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
         {"--value", "value.npy"},
         {"--key-padding-mask", "key_padding_mask.npy"},
         {"--attn-mask", "attn_mask.npy"},
+        {"--grad-output", "grad_output.npy"},
+        {"--grad-weights", "grad_weights.npy"},
     };
     for (size_t i = 0; i < sizeof inputs / sizeof inputs[0]; ++i) {
         snprintf(paths[i], CLI_PATH_SIZE, "%s/%s", dir, inputs[i][1]);
@@ -396,6 +443,14 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
     snprintf(want_w_path, sizeof want_w_path, "%s/expected_weights.npy", dir);
     bool weights = file_exists(want_w_path);
     const char *out_path = tmp_file(&out, "out.npy"), *w_path = tmp_file(&out, "w.npy");
+    char grads_dir[CLI_PATH_SIZE];
+    snprintf(grads_dir, sizeof grads_dir, "%s/grads", out.path);
+    bool grads = file_exists(paths[6]), grad_weights = file_exists(paths[7]);
+    if (grads) {
+        cr_assert_eq(mkdir(grads_dir, 0700), 0);
+        argv[argc++] = "--grads-dir";
+        argv[argc++] = grads_dir;
+    }
     argv[argc++] = "--output";
     argv[argc++] = out_path;
     if (weights) {
@@ -432,13 +487,27 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
     cr_expect_leq(out_err, CLI_TOL, "%s: output max abs error %.3e", name, out_err);
     cr_expect_leq(w_err, CLI_TOL, "%s: weights max abs error %.3e", name, w_err);
     cli_free(&r);
+    if (grads) {
+        size_t files = 0;
+        double g_err = compare_grads(dir, grads_dir, name, &files);
+        fprintf(stderr, "cli %s grads=%zu grad_maxnorm=%.3e\n", name, files, g_err);
+        tmpdir_remove(grads_dir);
+        cr_assert_eq(mkdir(grads_dir, 0700), 0);
+    }
 
     // The other attention core, without weights: --impl unfused where the run above took the
-    // fused core (no weights), --impl fused where it took the unfused one.
+    // fused core (no weights), --impl fused where it took the unfused one. The gradients too,
+    // unless the case gives the weights a gradient (which needs them).
     size_t at = 0;
-    for (size_t i = 0; i < argc - (weights ? 4 : 2); ++i)
-        if (strcmp(argv[i], "--need-weights") != 0 && strcmp(argv[i], "--per-head-weights") != 0)
+    for (size_t i = 0; i < argc - (weights ? 4 : 2); ++i) {
+        bool grad_opt = strcmp(argv[i], "--grad-weights") == 0 ||
+                        (grad_weights && (strcmp(argv[i], "--grad-output") == 0 ||
+                                          strcmp(argv[i], "--grads-dir") == 0));
+        if (grad_opt) ++i;  // and its value
+        else if (strcmp(argv[i], "--need-weights") != 0 &&
+                 strcmp(argv[i], "--per-head-weights") != 0)
             argv[at++] = argv[i];
+    }
     const char *other = weights ? "fused" : "unfused";
     argv[at++] = "--impl";
     argv[at++] = other;
@@ -457,6 +526,14 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
     cr_expect_leq(other_err, CLI_TOL, "%s --impl %s: output max abs error %.3e", name, other,
                   other_err);
     cli_free(&r);
+    if (grads && !grad_weights) {
+        char what[CLI_MAX_NAME + 32];
+        snprintf(what, sizeof what, "%s --impl %s", name, other);
+        size_t files = 0;
+        double g_err = compare_grads(dir, grads_dir, what, &files);
+        fprintf(stderr, "cli %s grads=%zu grad_maxnorm=%.3e\n", what, files, g_err);
+    }
+    if (grads) tmpdir_remove(grads_dir);
     free(extra);
     tmp_remove(&out);
 }
@@ -1201,3 +1278,165 @@ Test(cli_nonfinite, warning_names_the_input) {
     tmp_remove(&d);
 }
 
+
+// ---- gradients: refusals, all-or-none files, dropout replay ------------------------------------
+
+// --grads-dir that is a regular file or does not exist: exit 1 before any work, one line naming
+// --grads-dir, nothing written (not even --output).
+Test(cli_grads, grads_dir_not_a_folder) {
+    tmp_dir d = make_inputs();
+    write_f32_shape(tmp_file(&d, "g.npy"), 3, 2, 8);
+    write_bytes(tmp_file(&d, "file"), "x", 1);
+    const char *layer = tmp_file(&d, "layer.safetensors"), *q = tmp_file(&d, "q.npy");
+    EXPECT_REFUSED(&d, 4, "--grads-dir", "file", "run", "--layer", layer, "--query", q,
+                   "--grad-output", tmp_file(&d, "g.npy"), "--grads-dir", tmp_file(&d, "file"),
+                   "--output", tmp_file(&d, "o.npy"));
+    EXPECT_REFUSED(&d, 4, "--grads-dir", "absent", "run", "--layer", layer, "--query", q,
+                   "--grad-output", tmp_file(&d, "g.npy"), "--grads-dir",
+                   tmp_file(&d, "absent"), "--output", tmp_file(&d, "o.npy"));
+    assert_same_bytes(tmp_file(&d, "file"), "x", 1);
+    tmp_remove(&d);
+}
+
+// Options that do not go together: usage errors (exit 2), one line naming them.
+Test(cli_grads, option_combinations_are_usage_errors) {
+    tmp_dir d = make_inputs();
+    write_f32_shape(tmp_file(&d, "g.npy"), 3, 2, 8);
+    write_f32_shape(tmp_file(&d, "gw.npy"), 2, 3, 3);
+    const char *layer = tmp_file(&d, "layer.safetensors"), *q = tmp_file(&d, "q.npy");
+    const char *g = tmp_file(&d, "g.npy"), *gw = tmp_file(&d, "gw.npy");
+    EXPECT_USAGE("clmha run: --grad-weights needs --need-weights", "run", "--layer", layer,
+                 "--query", q, "--grad-output", g, "--grad-weights", gw, "--grads-dir", d.path);
+    EXPECT_USAGE("clmha run: --grad-output needs --grads-dir", "run", "--layer", layer,
+                 "--query", q, "--grad-output", g);
+    EXPECT_USAGE("clmha run: --grads-dir needs --grad-output", "run", "--layer", layer,
+                 "--query", q, "--grads-dir", d.path);
+    EXPECT_USAGE("clmha run: --grad-weights needs --grad-output", "run", "--layer", layer,
+                 "--query", q, "--need-weights", "--grad-weights", gw);
+    EXPECT_USAGE("clmha run: --seed and --offset need --training", "run", "--layer", layer,
+                 "--query", q, "--seed", "3");
+    EXPECT_USAGE("clmha run: --offset '-1'", "run", "--layer", layer, "--query", q,
+                 "--training", "--offset=-1");
+    cr_assert_eq(tmp_list(&d, NULL, 0), 4);
+    tmp_remove(&d);
+}
+
+// A gradient of the wrong shape: exit 1 naming the file and both shapes, nothing written.
+Test(cli_grads, gradient_of_the_wrong_shape) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    write_f32_shape(tmp_file(&d, "g.npy"), 3, 2, 8);
+    write_f32_shape(tmp_file(&d, "g_bad.npy"), 3, 8, 2);
+    write_f32_shape(tmp_file(&d, "gw_bad.npy"), 2, 3, 4);
+    const char *layer = tmp_file(&d, "layer.safetensors"), *q = tmp_file(&d, "q.npy");
+    EXPECT_REFUSED(&d, 5, "--grad-output", "(3, 8, 2)", "run", "--layer", layer, "--query", q,
+                   "--grad-output", tmp_file(&d, "g_bad.npy"), "--grads-dir", d.path,
+                   "--output", tmp_file(&d, "o.npy"));
+    EXPECT_REFUSED(&d, 5, "--grad-weights", "(2, 3, 3)", "run", "--layer", layer, "--query", q,
+                   "--need-weights", "--grad-output", tmp_file(&d, "g.npy"), "--grad-weights",
+                   tmp_file(&d, "gw_bad.npy"), "--grads-dir", d.path);
+    tmp_remove(&d);
+}
+
+// A gradient file that would overwrite an input (the query read from DIR/query.npy): refused
+// before the forward pass (exit 2), every file as it was.
+Test(cli_grads, gradient_file_naming_an_input) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    write_f32_shape(tmp_file(&d, "query.npy"), 3, 2, 8);
+    write_f32_shape(tmp_file(&d, "g.npy"), 3, 2, 8);
+    size_t size = 0;
+    char *before = slurp(tmp_file(&d, "query.npy"), &size);
+    cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                           tmp_file(&d, "query.npy"), "--grad-output", tmp_file(&d, "g.npy"),
+                           "--grads-dir", d.path);
+    cr_assert_eq(r.status, 2, "exit status %d; stderr: %s", r.status, r.err);
+    assert_one_line(&r, "clmha run: ", "--grads-dir", "query.npy", "names the input --query",
+                    NULL);
+    assert_same_bytes(tmp_file(&d, "query.npy"), before, size);
+    cr_assert_eq(tmp_list(&d, NULL, 0), 4);
+    free(before);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+
+// The files a self-attention layer with bias gets, in PyTorch's shapes; a rename that fails on
+// the last gradient file leaves the old --output as it was and no gradient file behind.
+Test(cli_grads, files_all_or_none) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    const char *g = tmp_file(&d, "g.npy"), *o = tmp_file(&d, "o.npy");
+    write_f32_shape(g, 3, 2, 8);
+    cr_assert_eq(mkdir(tmp_file(&d, "sub"), 0700), 0);
+    char grads_dir[CLI_PATH_SIZE];
+    snprintf(grads_dir, sizeof grads_dir, "%s/sub", d.path);
+    const char *layer = tmp_file(&d, "layer.safetensors"), *q = tmp_file(&d, "q.npy");
+    write_bytes(o, "old output", 10);
+    cli_fail_rename = "/out_proj.bias.npy";
+    cli_result r = cli_run("run", "--layer", layer, "--query", q, "--grad-output", g,
+                           "--grads-dir", grads_dir, "--output", o);
+    cli_fail_rename = NULL;
+    cr_assert_eq(r.status, 1, "exit status %d; stderr: %s", r.status, r.err);
+    assert_one_line(&r, "clmha run: ", "--grads-dir", "out_proj.bias.npy", "as it was", NULL);
+    cli_free(&r);
+    assert_same_bytes(o, "old output", 10);
+    char names[1024];
+    cr_assert_eq(tmpdir_list(grads_dir, names, sizeof names), 0, "left behind: %s", names);
+
+    r = cli_run("run", "--layer", layer, "--query", q, "--grad-output", g, "--grads-dir",
+                grads_dir, "--output", o);
+    cr_assert_eq(r.status, 0, "exit status %d; stderr: %s", r.status, r.err);
+    cli_free(&r);
+    static const struct {
+        const char *name;
+        size_t ndim, shape[3];
+    } want[] = {{"query.npy", 3, {3, 2, 8}},    {"in_proj_weight.npy", 2, {24, 8}},
+                {"in_proj_bias.npy", 1, {24}},  {"out_proj.weight.npy", 2, {8, 8}},
+                {"out_proj.bias.npy", 1, {8}}};
+    cr_assert_eq(tmpdir_list(grads_dir, names, sizeof names), 5, "files: %s", names);
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; ++i) {
+        char path[CLI_PATH_SIZE + 64];
+        snprintf(path, sizeof path, "%s/%s", grads_dir, want[i].name);
+        clmha__npy a = {0};
+        read_npy(path, &a);
+        cr_expect_eq(a.ndim, want[i].ndim, "%s", want[i].name);
+        for (size_t k = 0; k < a.ndim && k < 3; ++k)
+            cr_expect_eq(a.shape[k], want[i].shape[k], "%s", want[i].name);
+        clmha__npy_free(&a);
+    }
+    tmpdir_remove(grads_dir);
+    tmp_remove(&d);
+}
+
+// --training with the layer's dropout (tests/cli/dropout_eval: p = 0.5): the same seed gives the
+// same output and gradients, byte for byte; another seed another output.
+Test(cli_grads, training_dropout_is_replayed) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = tmp_make();
+    char layer[CLI_PATH_SIZE], q[CLI_PATH_SIZE];
+    snprintf(layer, sizeof layer, "%s/cli/dropout_eval/layer.safetensors", CLMHA_TEST_DATA_DIR);
+    snprintf(q, sizeof q, "%s/cli/dropout_eval/query.npy", CLMHA_TEST_DATA_DIR);
+    clmha__npy qa = {0};
+    read_npy(q, &qa);
+    write_f32(tmp_file(&d, "g.npy"), qa.ndim, qa.shape);
+    clmha__npy_free(&qa);
+    const char *seeds[] = {"7", "7", "8"};
+    char *out[3], *grad[3];
+    size_t out_size[3], grad_size[3];
+    for (int i = 0; i < 3; ++i) {
+        cli_result r = cli_run("run", "--layer", layer, "--query", q, "--training", "--seed",
+                               seeds[i], "--offset", "2", "--grad-output", tmp_file(&d, "g.npy"),
+                               "--grads-dir", d.path, "--output", tmp_file(&d, "o.npy"));
+        cr_assert_eq(r.status, 0, "exit status %d; stderr: %s", r.status, r.err);
+        cli_free(&r);
+        out[i] = slurp(tmp_file(&d, "o.npy"), &out_size[i]);
+        grad[i] = slurp(tmp_file(&d, "in_proj_weight.npy"), &grad_size[i]);
+        cr_assert(out[i] && grad[i]);
+    }
+    cr_expect(out_size[0] == out_size[1] && memcmp(out[0], out[1], out_size[0]) == 0);
+    cr_expect(grad_size[0] == grad_size[1] && memcmp(grad[0], grad[1], grad_size[0]) == 0);
+    cr_expect(out_size[0] == out_size[2] && memcmp(out[0], out[2], out_size[0]) != 0,
+              "another seed gave the same output");
+    for (int i = 0; i < 3; ++i) free(out[i]), free(grad[i]);
+    tmp_remove(&d);
+}

@@ -17,96 +17,15 @@
 
 #include "clmha.h"
 #include "golden.h"
+#include "golden_call.h"
 #include "support.h"
-
-#ifndef CLMHA_GOLDEN_DIR
-#error "CLMHA_GOLDEN_DIR (the path of tests/golden, a string) must be defined"
-#endif
-
-// The case names, written by tools/make_golden.py next to the case files.
-static const char *const golden_case_names[] = {
-#include "golden/cases.inc"
-};
-#define GOLDEN_NUM_CASES (sizeof golden_case_names / sizeof *golden_case_names)
 
 #define REF_TOL 1e-9
 #define DEVICE_TOL 1e-4
 
-// The parameter holds the name itself (no pointer), so it is valid in the test's worker process.
-struct golden_param {
-    char name[GOLDEN_MAX_NAME];
-};
-
-ParameterizedTestParameters(golden, cases) {
-    case_stride stride = case_stride_get("golden", GOLDEN_NUM_CASES);
-    struct golden_param *params = cr_malloc(GOLDEN_NUM_CASES * sizeof *params);
-    if (!params) return cr_make_param_array(struct golden_param, NULL, 0);
-    size_t n = 0;
-    for (size_t i = 0; i < GOLDEN_NUM_CASES; i++) {
-        if (!case_stride_keeps(stride, i)) continue;
-        memset(&params[n], 0, sizeof params[n]);
-        snprintf(params[n].name, sizeof params[n].name, "%s", golden_case_names[i]);
-        ++n;
-    }
-    return cr_make_param_array(struct golden_param, params, n, case_params_free);
-}
+ParameterizedTestParameters(golden, cases) { return golden_params("golden"); }
 
 // ---- helpers ---------------------------------------------------------------------------------
-
-static const char *const golden_param_names[] = {
-    "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v",
-};
-#define GOLDEN_NUM_PARAM_NAMES (sizeof golden_param_names / sizeof *golden_param_names)
-
-static const float *param_data(const golden_case *gc, const char *name) {
-    const golden_tensor *t = golden_find(gc, name);
-    if (!t) return NULL;
-    cr_assert_eq(t->dtype, GOLDEN_F32, "%s: parameter %s is not f32", gc->name, name);
-    return t->f32;
-}
-
-static clmha_tensor host_tensor(const golden_tensor *t) {
-    clmha_tensor ct;
-    memset(&ct, 0, sizeof ct);
-    if (!t) return ct;  // ndim 0: absent
-    ct.ndim = t->ndim;
-    for (size_t d = 0; d < t->ndim; d++) ct.shape[d] = t->shape[d];
-    switch (t->dtype) {
-    case GOLDEN_F32: ct.data = t->f32; break;
-    case GOLDEN_U8: ct.data = t->u8; break;
-    case GOLDEN_F64: ct.data = t->f64; break;
-    }
-    return ct;
-}
-
-static clmha_mask_kind mask_kind(golden_mask_kind k) {
-    switch (k) {
-    case GOLDEN_MASK_NONE: return CLMHA_MASK_NONE;
-    case GOLDEN_MASK_BOOL_IGNORE: return CLMHA_MASK_BOOL_IGNORE;
-    case GOLDEN_MASK_BOOL_ATTEND: return CLMHA_MASK_BOOL_ATTEND;
-    case GOLDEN_MASK_FLOAT: return CLMHA_MASK_FLOAT;
-    }
-    return CLMHA_MASK_NONE;
-}
-
-static double max_abs(const double *x, size_t n) {
-    double m = 0.0;
-    for (size_t i = 0; i < n; i++)
-        if (fabs(x[i]) > m) m = fabs(x[i]);
-    return m;
-}
-
-// Largest |got - want|; NaN or infinite differences count as +inf.
-static double max_err_d(const double *got, const double *want, size_t n) {
-    double m = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs(got[i] - want[i]);
-        if (isnan(d)) d = INFINITY;
-        if (d > m) m = d;
-    }
-    return m;
-}
 
 static size_t first_nan_d(const double *x, size_t n) {
     for (size_t i = 0; i < n; i++)
@@ -123,64 +42,24 @@ static size_t first_nan_f(const float *x, size_t n) {
 // ---- the test --------------------------------------------------------------------------------
 
 ParameterizedTest(struct golden_param *param, golden, cases, .timeout = 120) {
-    char path[1024];
-    snprintf(path, sizeof path, "%s/%s.txt", CLMHA_GOLDEN_DIR, param->name);
     golden_case gc;
-    const char *err = golden_load(path, &gc);
-    cr_assert_null(err, "%s", err ? err : "");
-    cr_assert_str_eq(gc.name, param->name, "%s: file names case '%s'", path, gc.name);
+    golden_load_case(param->name, &gc);
 
     // Layer and call, exactly as the file describes them.
-    clmha_layer_desc desc;
-    memset(&desc, 0, sizeof desc);
-    desc.struct_size = sizeof desc;
-    desc.embed_dim = gc.embed_dim;
-    desc.num_heads = gc.num_heads;
-    desc.kdim = gc.kdim;
-    desc.vdim = gc.vdim;
-    desc.bias = gc.bias;
-    desc.add_bias_kv = gc.add_bias_kv;
-    desc.add_zero_attn = gc.add_zero_attn;
-    desc.batch_first = gc.batch_first;
-    desc.dropout = (float)gc.dropout;
-
-    clmha_forward_args args;
-    memset(&args, 0, sizeof args);
-    args.struct_size = sizeof args;
-    args.query = host_tensor(golden_find(&gc, "query"));
-    args.key = host_tensor(golden_find(&gc, "key"));      // absent: same as query
-    args.value = host_tensor(golden_find(&gc, "value"));  // absent: same as key
-    args.key_padding_mask.kind = mask_kind(gc.kpm);
-    args.key_padding_mask.tensor = host_tensor(golden_find(&gc, "key_padding_mask"));
-    args.attn_mask.kind = mask_kind(gc.attn);
-    args.attn_mask.per_batch = gc.attn_per_batch;
-    args.attn_mask.tensor = host_tensor(golden_find(&gc, "attn_mask"));
-    args.is_causal = gc.is_causal;
-    args.need_weights = gc.need_weights;
-    args.per_head_weights = gc.per_head_weights;
-    args.training = gc.training;
+    golden_call call;
+    golden_call_of(&gc, &call);
+    const clmha_layer_desc desc = call.desc;
+    const clmha_forward_args args = call.args;
 
     const golden_tensor *want_out = golden_find(&gc, "output");
     const golden_tensor *want_w = golden_find(&gc, "weights");  // present iff need_weights
     size_t n_out = want_out->count;
     size_t n_w = want_w ? want_w->count : 0;
-    double out_scale = 1.0 + max_abs(want_out->f64, n_out);
-    double w_scale = want_w ? 1.0 + max_abs(want_w->f64, n_w) : 1.0;
+    double out_scale = 1.0 + max_abs_of(want_out->f64, n_out);
+    double w_scale = want_w ? 1.0 + max_abs_of(want_w->f64, n_w) : 1.0;
 
     // (a) the double-precision CPU reference against PyTorch.
-    clmha_reference_params rp;
-    memset(&rp, 0, sizeof rp);
-    rp.struct_size = sizeof rp;
-    rp.in_proj_weight = param_data(&gc, "in_proj_weight");
-    rp.q_proj_weight = param_data(&gc, "q_proj_weight");
-    rp.k_proj_weight = param_data(&gc, "k_proj_weight");
-    rp.v_proj_weight = param_data(&gc, "v_proj_weight");
-    rp.in_proj_bias = param_data(&gc, "in_proj_bias");
-    rp.out_proj_weight = param_data(&gc, "out_proj.weight");
-    rp.out_proj_bias = param_data(&gc, "out_proj.bias");
-    rp.bias_k = param_data(&gc, "bias_k");
-    rp.bias_v = param_data(&gc, "bias_v");
-
+    const clmha_reference_params rp = call.params;
     double *ref_out = calloc(n_out, sizeof *ref_out);
     double *ref_w = n_w ? calloc(n_w, sizeof *ref_w) : NULL;
     cr_assert(ref_out && (!n_w || ref_w), "out of memory");
@@ -193,14 +72,14 @@ ParameterizedTest(struct golden_param *param, golden, cases, .timeout = 120) {
     cr_assert_eq(at, n_out, "%s: reference output[%zu] is NaN", gc.name, at);
     at = first_nan_d(ref_w, n_w);
     cr_assert_eq(at, n_w, "%s: reference weights[%zu] is NaN", gc.name, at);
-    double ref_err = max_err_d(ref_out, want_out->f64, n_out) / out_scale;
+    double ref_err = max_abs_err_d(ref_out, want_out->f64, n_out) / out_scale;
     if (want_w) {
-        double e = max_err_d(ref_w, want_w->f64, n_w) / w_scale;
+        double e = max_abs_err_d(ref_w, want_w->f64, n_w) / w_scale;
         if (e > ref_err) ref_err = e;
     }
-    double ref_maxabs = max_err_d(ref_out, want_out->f64, n_out);
+    double ref_maxabs = max_abs_err_d(ref_out, want_out->f64, n_out);
     if (want_w) {
-        double e = max_err_d(ref_w, want_w->f64, n_w);
+        double e = max_abs_err_d(ref_w, want_w->f64, n_w);
         if (e > ref_maxabs) ref_maxabs = e;
     }
     free(ref_out);
@@ -220,18 +99,7 @@ ParameterizedTest(struct golden_param *param, golden, cases, .timeout = 120) {
     cr_assert_eq(st, CLMHA_SUCCESS, "%s: clmha_context_create_from_env: %s: %s", gc.name,
                  clmha_status_string(st), clmha_last_create_error());
 
-    clmha_layer *layer = NULL;
-    st = clmha_layer_create(&layer, ctx, &desc);
-    cr_assert_eq(st, CLMHA_SUCCESS, "%s: clmha_layer_create: %s: %s", gc.name,
-                 clmha_status_string(st), clmha_context_last_error(ctx));
-    for (size_t i = 0; i < GOLDEN_NUM_PARAM_NAMES; i++) {
-        const golden_tensor *t = golden_find(&gc, golden_param_names[i]);
-        if (!t) continue;
-        st = clmha_layer_set_parameter(layer, golden_param_names[i], t->f32, t->count);
-        cr_assert_eq(st, CLMHA_SUCCESS, "%s: clmha_layer_set_parameter(%s): %s: %s", gc.name,
-                     golden_param_names[i], clmha_status_string(st),
-                     clmha_context_last_error(ctx));
-    }
+    clmha_layer *layer = golden_layer_create(ctx, &gc, &desc);
 
     size_t c_out = 0, c_w = 0;
     st = clmha_layer_output_counts(layer, &args, &c_out, &c_w);

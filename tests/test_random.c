@@ -11,229 +11,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "random_case.h"
 #include "support.h"
 
 #define TOLERANCE 1e-4
 
 // ---- cases -----------------------------------------------------------------------------------
 
-typedef enum attn_layout { LAYOUT_SHARED, LAYOUT_PER_HEAD, LAYOUT_PER_BATCH } attn_layout;
-
-// One forward call: the layer, the shapes and the options.
-typedef struct rcase {
-    size_t e, h, kdim, vdim;  // kdim/vdim 0 = embed_dim
-    size_t n, l, s;           // n is ignored (1) when unbatched
-    bool bias, add_bias_kv, add_zero_attn, batch_first;
-    bool unbatched, self_attn, value_is_key;
-    clmha_mask_kind kpm, am;
-    attn_layout layout;
-    bool is_causal, need_weights, per_head, training;
-    float dropout;
-    uint64_t rng_seed, rng_offset;  // dropout randomness
-    double mask_p;                  // probability of a forbidden / -inf mask entry
-    bool mask_row;                  // attn_mask (shared, BOOL_IGNORE) forbids every key of row 1
-    bool mask_batch;                // key_padding_mask (BOOL_IGNORE) forbids every key of item 0
-    uint64_t data_seed;             // parameters, inputs and masks
-} rcase;
-
-// A case with everything the forward call and the reference need.
-typedef struct instance {
-    rcase c;
-    clmha_layer_desc desc;
-    clmha_reference_params params;
-    clmha_forward_args args;
-    size_t n, kdim, vdim, s_padded, output_count, weights_count;
-    float *w_in, *wq, *wk, *wv, *b_in, *wo, *bo, *bk, *bv;
-    float *query, *key, *value;
-    void *kpm, *am;
-} instance;
-
-static const char *kind_name(clmha_mask_kind k) {
-    static const char *names[] = {"none", "ignore", "attend", "float"};
-    return names[k];
-}
-
-static void describe(const rcase *c, char *buf, size_t size) {
-    static const char *layouts[] = {"L,S", "NH,L,S", "N,L,S"};
-    int used = snprintf(buf, size, "E%zu H%zu N%zu L%zu S%zu", c->e, c->h,
-                        c->unbatched ? (size_t)1 : c->n, c->l, c->self_attn ? c->l : c->s);
-#define APPEND(...)                                                                            \
-    if (used >= 0 && (size_t)used < size)                                                      \
-    used += snprintf(buf + used, size - (size_t)used, __VA_ARGS__)
-    if (c->kdim || c->vdim) APPEND(" kdim%zu vdim%zu", c->kdim, c->vdim);
-    if (!c->bias) APPEND(" nobias");
-    if (c->add_bias_kv) APPEND(" bias_kv");
-    if (c->add_zero_attn) APPEND(" zero_attn");
-    if (c->batch_first) APPEND(" batch_first");
-    if (c->unbatched) APPEND(" unbatched");
-    if (c->self_attn) APPEND(" self");
-    if (c->value_is_key) APPEND(" value=key");
-    if (c->kpm) APPEND(" kpm=%s", kind_name(c->kpm));
-    if (c->am) APPEND(" am=%s(%s)", kind_name(c->am), layouts[c->layout]);
-    if (c->is_causal) APPEND(" causal");
-    if (c->mask_row) APPEND(" masked_row");
-    if (c->mask_batch) APPEND(" masked_item");
-    if (c->need_weights) APPEND(c->per_head ? " w=per_head" : " w=avg");
-    if (c->dropout > 0) APPEND(" p=%.2g%s", (double)c->dropout, c->training ? " train" : " eval");
-#undef APPEND
-}
-
-// A mask of @p count elements: boolean masks hold 0 or a random non-zero byte (non-zero means
-// forbidden for IGNORE, allowed for ATTEND; a fraction mask_p is forbidden); float masks hold
-// N(0, 1) values with a fraction mask_p of -inf.
-static void *make_mask(prng *r, clmha_mask_kind kind, size_t count, double mask_p) {
-    if (kind == CLMHA_MASK_FLOAT) {
-        float *m = alloc_floats(count);
-        for (size_t i = 0; i < count; ++i)
-            m[i] = prng_uniform(r) < mask_p ? -INFINITY : (float)prng_normal(r);
-        return m;
-    }
-    unsigned char *m = malloc(count ? count : 1);
-    cr_assert_not_null(m, "out of memory");
-    for (size_t i = 0; i < count; ++i) {
-        bool forbidden = prng_uniform(r) < mask_p;
-        unsigned char nonzero = (unsigned char)prng_range(r, 1, 255);
-        m[i] = (forbidden == (kind == CLMHA_MASK_BOOL_IGNORE)) ? nonzero : 0;
-    }
-    return m;
-}
-
-static clmha_tensor host_tensor(const void *data, size_t ndim, size_t a, size_t b, size_t c) {
-    clmha_tensor t = {.ndim = ndim, .shape = {a, b, c}, .data = data};
-    return t;
-}
-
-// An input (seq, batch, feat) in the case's layout.
-static clmha_tensor input_tensor(const instance *in, const float *data, size_t seq, size_t feat) {
-    if (in->c.unbatched) return host_tensor(data, 2, seq, feat, 0);
-    if (in->c.batch_first) return host_tensor(data, 3, in->n, seq, feat);
-    return host_tensor(data, 3, seq, in->n, feat);
-}
-
-static void instance_make(instance *in, const rcase *c) {
-    memset(in, 0, sizeof *in);
-    in->c = *c;
-    if (c->self_attn) in->c.s = c->l;
-    const rcase *k = &in->c;
-    prng r = {k->data_seed};
-    const size_t e = k->e, n = k->unbatched ? 1 : k->n, l = k->l, s = k->s;
-    in->n = n;
-    in->kdim = k->kdim ? k->kdim : e;
-    in->vdim = k->vdim ? k->vdim : e;
-    in->s_padded = s + k->add_bias_kv + k->add_zero_attn;
-
-    in->desc = (clmha_layer_desc){.struct_size = sizeof(clmha_layer_desc),
-                                  .embed_dim = e, .num_heads = k->h, .kdim = k->kdim,
-                                  .vdim = k->vdim, .bias = k->bias,
-                                  .add_bias_kv = k->add_bias_kv,
-                                  .add_zero_attn = k->add_zero_attn,
-                                  .batch_first = k->batch_first, .dropout = k->dropout};
-
-    // Parameters: weights ~ U(-1/sqrt(E), 1/sqrt(E)), bias_k / bias_v ~ N(0, 1).
-    in->params.struct_size = sizeof in->params;
-    const double bound = 1.0 / sqrt((double)e);
-    if (in->kdim == e && in->vdim == e) {
-        in->w_in = uniform_floats(&r, 3 * e * e, bound);
-        in->params.in_proj_weight = in->w_in;
-    } else {
-        in->wq = uniform_floats(&r, e * e, bound);
-        in->wk = uniform_floats(&r, e * in->kdim, bound);
-        in->wv = uniform_floats(&r, e * in->vdim, bound);
-        in->params.q_proj_weight = in->wq;
-        in->params.k_proj_weight = in->wk;
-        in->params.v_proj_weight = in->wv;
-    }
-    in->wo = uniform_floats(&r, e * e, bound);
-    in->params.out_proj_weight = in->wo;
-    if (k->bias) {
-        in->b_in = uniform_floats(&r, 3 * e, bound);
-        in->bo = uniform_floats(&r, e, bound);
-        in->params.in_proj_bias = in->b_in;
-        in->params.out_proj_bias = in->bo;
-    }
-    if (k->add_bias_kv) {
-        in->bk = normal_floats(&r, e);
-        in->bv = normal_floats(&r, e);
-        in->params.bias_k = in->bk;
-        in->params.bias_v = in->bv;
-    }
-
-    // Inputs ~ N(0, 1).
-    clmha_forward_args *a = &in->args;
-    a->struct_size = sizeof *a;
-    in->query = normal_floats(&r, l * n * e);
-    a->query = input_tensor(in, in->query, l, e);
-    if (!k->self_attn) {
-        in->key = normal_floats(&r, s * n * in->kdim);
-        a->key = input_tensor(in, in->key, s, in->kdim);
-        if (!k->value_is_key) {
-            in->value = normal_floats(&r, s * n * in->vdim);
-            a->value = input_tensor(in, in->value, s, in->vdim);
-        }
-    }
-
-    // Masks.
-    if (k->kpm) {
-        in->kpm = make_mask(&r, k->kpm, n * s, k->mask_p);
-        if (k->mask_batch) memset(in->kpm, 1, s);  // item 0 (kind BOOL_IGNORE) fully masked
-        a->key_padding_mask.kind = k->kpm;
-        a->key_padding_mask.tensor =
-            k->unbatched ? host_tensor(in->kpm, 1, s, 0, 0) : host_tensor(in->kpm, 2, n, s, 0);
-    }
-    if (k->am) {
-        size_t heads = k->layout == LAYOUT_PER_HEAD    ? n * k->h
-                       : k->layout == LAYOUT_PER_BATCH ? n
-                                                       : 1;
-        in->am = make_mask(&r, k->am, heads * l * s, k->mask_p);
-        if (k->mask_row) memset((unsigned char *)in->am + s, 1, s);  // row 1 (BOOL_IGNORE)
-        a->attn_mask.kind = k->am;
-        a->attn_mask.per_batch = k->layout == LAYOUT_PER_BATCH;
-        a->attn_mask.tensor = k->layout == LAYOUT_SHARED ? host_tensor(in->am, 2, l, s, 0)
-                                                         : host_tensor(in->am, 3, heads, l, s);
-    }
-    a->is_causal = k->is_causal;
-    a->need_weights = k->need_weights;
-    a->per_head_weights = k->per_head;
-    a->training = k->training;
-    a->rng = (clmha_dropout_rng){k->rng_seed, k->rng_offset};
-
-    in->output_count = n * l * e;
-    in->weights_count = k->need_weights ? n * (k->per_head ? k->h : 1) * l * in->s_padded : 0;
-}
-
-static void instance_free(instance *in) {
-    float *arrays[] = {in->w_in, in->wq,  in->wk,    in->wv,  in->b_in, in->wo,
-                       in->bo,   in->bk,  in->bv,    in->query, in->key, in->value};
-    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free(arrays[i]);
-    free(in->kpm);
-    free(in->am);
-}
+// The cases: tests/random_case.h.
 
 // ---- running -----------------------------------------------------------------------------------
-
-static void set_param(clmha_layer *layer, const char *name, const float *data, size_t count) {
-    if (!data) return;
-    clmha_status st = clmha_layer_set_parameter(layer, name, data, count);
-    cr_assert_eq(st, CLMHA_SUCCESS, "set_parameter(%s): %s", name,
-                 clmha_context_last_error(clmha_layer_context(layer)));
-}
-
-static clmha_layer *make_layer(clmha_context *ctx, const instance *in) {
-    clmha_layer *layer = NULL;
-    clmha_status st = clmha_layer_create(&layer, ctx, &in->desc);
-    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_layer_create: %s", clmha_context_last_error(ctx));
-    const size_t e = in->c.e;
-    set_param(layer, "in_proj_weight", in->w_in, 3 * e * e);
-    set_param(layer, "q_proj_weight", in->wq, e * e);
-    set_param(layer, "k_proj_weight", in->wk, e * in->kdim);
-    set_param(layer, "v_proj_weight", in->wv, e * in->vdim);
-    set_param(layer, "in_proj_bias", in->b_in, 3 * e);
-    set_param(layer, "out_proj.weight", in->wo, e * e);
-    set_param(layer, "out_proj.bias", in->bo, e);
-    set_param(layer, "bias_k", in->bk, e);
-    set_param(layer, "bias_v", in->bv, e);
-    return layer;
-}
 
 // Runs the OpenCL forward pass of @p in into freshly allocated arrays.
 static void gpu_forward(clmha_layer *layer, const instance *in, float **out, float **weights) {
@@ -306,10 +93,10 @@ static float *core_forward(clmha_layer *layer, const instance *in, clmha_impl im
 // Runs one case on the device and on the reference, prints the errors and asserts them.
 static void check_case(clmha_context *ctx, const rcase *c) {
     char name[256];
-    describe(c, name, sizeof name);
+    rcase_describe(c, name, sizeof name);
     instance in;
     instance_make(&in, c);
-    clmha_layer *layer = make_layer(ctx, &in);
+    clmha_layer *layer = instance_layer(ctx, &in);
     float *out, *weights;
     double *ref_out, *ref_weights;
     gpu_forward(layer, &in, &out, &weights);
@@ -356,52 +143,6 @@ static void check_case(clmha_context *ctx, const rcase *c) {
     instance_free(&in);
 }
 
-// A base case: E 8, 2 heads, N 2, L 3, S 5, bias, weights averaged.
-static rcase base_case(uint64_t data_seed) {
-    rcase c = {.e = 8, .h = 2, .n = 2, .l = 3, .s = 5, .bias = true, .need_weights = true,
-               .mask_p = 0.3, .rng_seed = 0x0123456789ABCDEFull, .rng_offset = 7,
-               .data_seed = data_seed};
-    return c;
-}
-
-// A random combination of every option, drawn from @p r.
-static rcase random_case(prng *r) {
-    rcase c = base_case(prng_next(r));
-    c.h = prng_range(r, 1, 4);
-    c.e = c.h * prng_range(r, 1, 6);
-    c.n = prng_range(r, 1, 4);
-    c.l = prng_range(r, 1, 7);
-    c.s = prng_range(r, 1, 7);
-    c.bias = prng_range(r, 0, 3) != 0;
-    c.add_bias_kv = prng_bool(r);
-    c.add_zero_attn = prng_bool(r);
-    c.batch_first = prng_bool(r);
-    c.unbatched = prng_range(r, 0, 4) == 0;
-    switch (prng_range(r, 0, 3)) {
-    case 0: c.self_attn = true; break;
-    case 1:
-        c.kdim = prng_range(r, 1, 9);
-        c.vdim = prng_bool(r) ? c.kdim : prng_range(r, 1, 9);
-        c.value_is_key = c.kdim == c.vdim && prng_bool(r);
-        break;
-    case 2: c.value_is_key = prng_bool(r); break;
-    default: break;
-    }
-    c.kpm = (clmha_mask_kind)prng_range(r, 0, 3);
-    c.am = (clmha_mask_kind)prng_range(r, 0, 3);
-    c.layout = (attn_layout)prng_range(r, 0, c.unbatched ? 1 : 2);
-    c.is_causal = prng_range(r, 0, 2) == 0;
-    c.need_weights = prng_range(r, 0, 3) != 0;
-    c.per_head = prng_bool(r);
-    if (prng_range(r, 0, 3) == 0) {
-        c.dropout = 0.25f;
-        c.training = prng_bool(r);
-        c.rng_seed = prng_next(r);
-        c.rng_offset = prng_next(r);
-    }
-    return c;
-}
-
 // ---- tests -------------------------------------------------------------------------------------
 
 Test(random, combinations, .timeout = 300) {
@@ -410,7 +151,7 @@ Test(random, combinations, .timeout = 300) {
     for (size_t i = 0; i < sizeof seeds / sizeof seeds[0]; ++i) {
         prng r = {seeds[i]};
         for (int k = 0; k < 6; ++k) {
-            rcase c = random_case(&r);
+            rcase c = rcase_random(&r);
             check_case(ctx, &c);
         }
     }
@@ -421,34 +162,34 @@ Test(random, odd_shapes, .timeout = 300) {
     clmha_context *ctx = context_or_skip();
     rcase c;
     // head_dim 1
-    c = base_case(11), c.e = 4, c.h = 4, c.per_head = true;
+    c = rcase_base(11), c.e = 4, c.h = 4, c.per_head = true;
     check_case(ctx, &c);
     // E 60 with 5 heads (head_dim 12)
-    c = base_case(12), c.e = 60, c.h = 5, c.l = 7, c.s = 9;
+    c = rcase_base(12), c.e = 60, c.h = 5, c.l = 7, c.s = 9;
     check_case(ctx, &c);
     // L 1, S 1, and both at once
-    c = base_case(13), c.l = 1, c.s = 6;
+    c = rcase_base(13), c.l = 1, c.s = 6;
     check_case(ctx, &c);
-    c = base_case(14), c.l = 6, c.s = 1, c.per_head = true;
+    c = rcase_base(14), c.l = 6, c.s = 1, c.per_head = true;
     check_case(ctx, &c);
-    c = base_case(15), c.l = 1, c.s = 1, c.n = 1;
+    c = rcase_base(15), c.l = 1, c.s = 1, c.n = 1;
     check_case(ctx, &c);
     // L != S both ways, with kdim / vdim
-    c = base_case(16), c.l = 9, c.s = 2, c.kdim = 3, c.vdim = 11;
+    c = rcase_base(16), c.l = 9, c.s = 2, c.kdim = 3, c.vdim = 11;
     check_case(ctx, &c);
-    c = base_case(17), c.l = 2, c.s = 13, c.kdim = 5, c.vdim = 5, c.value_is_key = true;
+    c = rcase_base(17), c.l = 2, c.s = 13, c.kdim = 5, c.vdim = 5, c.value_is_key = true;
     check_case(ctx, &c);
     // self-attention, batch_first, unbatched, no bias, no weights
-    c = base_case(18), c.self_attn = true, c.batch_first = true, c.l = 5;
+    c = rcase_base(18), c.self_attn = true, c.batch_first = true, c.l = 5;
     check_case(ctx, &c);
-    c = base_case(19), c.unbatched = true, c.batch_first = true, c.per_head = true;
+    c = rcase_base(19), c.unbatched = true, c.batch_first = true, c.per_head = true;
     check_case(ctx, &c);
-    c = base_case(20), c.bias = false, c.need_weights = false, c.add_bias_kv = true;
+    c = rcase_base(20), c.bias = false, c.need_weights = false, c.add_bias_kv = true;
     check_case(ctx, &c);
     // a single head, a wide head
-    c = base_case(21), c.e = 24, c.h = 1, c.l = 5, c.s = 4;
+    c = rcase_base(21), c.e = 24, c.h = 1, c.l = 5, c.s = 4;
     check_case(ctx, &c);
-    c = base_case(22), c.e = 130, c.h = 2, c.l = 3, c.s = 3, c.n = 1;
+    c = rcase_base(22), c.e = 130, c.h = 2, c.l = 3, c.s = 3, c.n = 1;
     check_case(ctx, &c);
     clmha_context_release(ctx);
 }
@@ -456,14 +197,14 @@ Test(random, odd_shapes, .timeout = 300) {
 Test(random, long_sequences, .timeout = 300) {
     clmha_context *ctx = context_or_skip();
     // Longer than any kernel tile: L = S = 300.
-    rcase c = base_case(31);
+    rcase c = rcase_base(31);
     c.e = 32, c.h = 4, c.n = 1, c.l = 300, c.s = 300;
     check_case(ctx, &c);
-    c = base_case(32);
+    c = rcase_base(32);
     c.e = 32, c.h = 4, c.n = 2, c.l = 300, c.s = 300, c.batch_first = true, c.per_head = true;
     c.kpm = CLMHA_MASK_BOOL_IGNORE, c.mask_p = 0.1, c.add_zero_attn = true;
     check_case(ctx, &c);
-    c = base_case(33);
+    c = rcase_base(33);
     c.e = 32, c.h = 4, c.n = 1, c.l = 257, c.s = 300, c.is_causal = true;
     c.am = CLMHA_MASK_FLOAT, c.mask_p = 0.05;
     check_case(ctx, &c);
@@ -471,7 +212,7 @@ Test(random, long_sequences, .timeout = 300) {
     // GemmStridedBatched for weights·V, which ignores buffer offsets; clmha's head tiles were
     // sub-regions of one buffer and the output was wrong (max error 0.1). Each tile now has its
     // own buffer at offset 0.
-    c = base_case(34);
+    c = rcase_base(34);
     c.e = 512, c.h = 1, c.n = 1, c.l = 1216, c.s = 1216;
     check_case(ctx, &c);
     clmha_context_release(ctx);
@@ -480,15 +221,15 @@ Test(random, long_sequences, .timeout = 300) {
 Test(random, many_batch_heads, .timeout = 300) {
     clmha_context *ctx = context_or_skip();
     // N*H = 1200, more than one work-group dimension.
-    rcase c = base_case(41);
+    rcase c = rcase_base(41);
     c.e = 16, c.h = 8, c.n = 150, c.l = 3, c.s = 5, c.per_head = true;
     check_case(ctx, &c);
-    c = base_case(42);
+    c = rcase_base(42);
     c.e = 16, c.h = 8, c.n = 150, c.l = 3, c.s = 5, c.batch_first = true;
     c.am = CLMHA_MASK_BOOL_IGNORE, c.layout = LAYOUT_PER_HEAD;
     c.kpm = CLMHA_MASK_FLOAT, c.add_bias_kv = true;
     check_case(ctx, &c);
-    c = base_case(43);
+    c = rcase_base(43);
     c.e = 16, c.h = 8, c.n = 150, c.l = 3, c.s = 5, c.training = true, c.dropout = 0.2f;
     c.am = CLMHA_MASK_BOOL_ATTEND, c.layout = LAYOUT_PER_BATCH, c.per_head = true;
     check_case(ctx, &c);
@@ -502,10 +243,10 @@ Test(random, masks, .timeout = 300) {
     uint64_t seed = 100;
     // key_padding_mask alone, batched and unbatched.
     for (size_t k = 0; k < 3; ++k) {
-        rcase c = base_case(seed++);
+        rcase c = rcase_base(seed++);
         c.kpm = kinds[k];
         check_case(ctx, &c);
-        c = base_case(seed++);
+        c = rcase_base(seed++);
         c.kpm = kinds[k], c.unbatched = true, c.per_head = true;
         check_case(ctx, &c);
     }
@@ -514,7 +255,7 @@ Test(random, masks, .timeout = 300) {
     for (size_t a = 0; a < 3; ++a)
         for (int layout = LAYOUT_SHARED; layout <= LAYOUT_PER_BATCH; ++layout)
             for (size_t k = 0; k < 4; ++k) {
-                rcase c = base_case(seed++);
+                rcase c = rcase_base(seed++);
                 c.am = kinds[a], c.layout = (attn_layout)layout;
                 c.kpm = k == 0 ? CLMHA_MASK_NONE : kinds[k - 1];
                 c.add_bias_kv = k & 1, c.add_zero_attn = (k >> 1) & 1;
@@ -524,7 +265,7 @@ Test(random, masks, .timeout = 300) {
     // Unbatched attn_mask: (L, S) and (H, L, S).
     for (size_t a = 0; a < 3; ++a)
         for (int layout = LAYOUT_SHARED; layout <= LAYOUT_PER_HEAD; ++layout) {
-            rcase c = base_case(seed++);
+            rcase c = rcase_base(seed++);
             c.unbatched = true, c.am = kinds[a], c.layout = (attn_layout)layout;
             c.kpm = kinds[(a + 1) % 3], c.add_zero_attn = true, c.per_head = true;
             check_case(ctx, &c);
@@ -534,20 +275,20 @@ Test(random, masks, .timeout = 300) {
 
 Test(random, causal, .timeout = 300) {
     clmha_context *ctx = context_or_skip();
-    rcase c = base_case(200);
+    rcase c = rcase_base(200);
     c.is_causal = true, c.l = 6, c.s = 3, c.per_head = true;  // L > S
     check_case(ctx, &c);
-    c = base_case(201);
+    c = rcase_base(201);
     c.is_causal = true, c.l = 3, c.s = 7;  // L < S
     check_case(ctx, &c);
-    c = base_case(202);
+    c = rcase_base(202);
     c.is_causal = true, c.self_attn = true, c.l = 8, c.batch_first = true;
     check_case(ctx, &c);
-    c = base_case(203);
+    c = rcase_base(203);
     c.is_causal = true, c.l = 7, c.s = 4, c.add_bias_kv = true, c.add_zero_attn = true;
     c.am = CLMHA_MASK_FLOAT, c.kpm = CLMHA_MASK_BOOL_ATTEND, c.per_head = true;
     check_case(ctx, &c);
-    c = base_case(204);
+    c = rcase_base(204);
     c.is_causal = true, c.l = 4, c.s = 9, c.unbatched = true;
     c.am = CLMHA_MASK_BOOL_IGNORE, c.layout = LAYOUT_PER_HEAD;
     check_case(ctx, &c);
@@ -557,21 +298,21 @@ Test(random, causal, .timeout = 300) {
 Test(random, fully_masked_rows, .timeout = 300) {
     clmha_context *ctx = context_or_skip();
     // attn_mask (L, S) forbids every key of row 1: output row 1 = out_proj.bias, weights 0.
-    rcase c = base_case(300);
+    rcase c = rcase_base(300);
     c.am = CLMHA_MASK_BOOL_IGNORE, c.mask_p = 0.0, c.mask_row = true, c.per_head = true;
     check_case(ctx, &c);
     c.data_seed = 301, c.per_head = false, c.batch_first = true;
     check_case(ctx, &c);
     // key_padding_mask forbids every key of batch item 0.
-    c = base_case(302);
+    c = rcase_base(302);
     c.kpm = CLMHA_MASK_BOOL_IGNORE, c.mask_p = 0.2, c.mask_batch = true;
     check_case(ctx, &c);
-    c = base_case(303);
+    c = rcase_base(303);
     c.kpm = CLMHA_MASK_BOOL_IGNORE, c.mask_p = 0.0, c.mask_batch = true, c.per_head = true;
     c.am = CLMHA_MASK_FLOAT, c.is_causal = true;
     check_case(ctx, &c);
     // Heavy random masking (rows fully masked in some heads only).
-    c = base_case(304);
+    c = rcase_base(304);
     c.am = CLMHA_MASK_BOOL_ATTEND, c.layout = LAYOUT_PER_HEAD, c.mask_p = 0.8, c.per_head = true;
     check_case(ctx, &c);
     clmha_context_release(ctx);
@@ -587,23 +328,23 @@ static double zero_fraction(const float *w, size_t count) {
 Test(random, dropout, .timeout = 300) {
     clmha_context *ctx = context_or_skip();
     // Equal to the reference with the same seed and offset.
-    rcase c = base_case(400);
+    rcase c = rcase_base(400);
     c.training = true, c.dropout = 0.3f, c.per_head = true;
     check_case(ctx, &c);
-    c = base_case(401);
+    c = rcase_base(401);
     c.training = true, c.dropout = 0.5f, c.add_bias_kv = true, c.add_zero_attn = true;
     c.kpm = CLMHA_MASK_FLOAT, c.rng_seed = 0xFFFFFFFF00000001ull, c.rng_offset = 0x500000003ull;
     check_case(ctx, &c);
 
     // 64 x 64 weights per head, p = 0.3.
-    c = base_case(402);
+    c = rcase_base(402);
     c.e = 16, c.h = 2, c.n = 1, c.l = 64, c.s = 64, c.training = true, c.dropout = 0.3f;
     c.per_head = true;
     check_case(ctx, &c);
 
     instance in;
     instance_make(&in, &c);
-    clmha_layer *layer = make_layer(ctx, &in);
+    clmha_layer *layer = instance_layer(ctx, &in);
     float *out1, *w1, *out2, *w2, *out3, *w3;
     gpu_forward(layer, &in, &out1, &w1);
     gpu_forward(layer, &in, &out2, &w2);
@@ -632,7 +373,7 @@ Test(random, dropout, .timeout = 300) {
     rcase pc = c;
     pc.dropout = 0.0f, pc.training = false;
     instance_make(&plain, &pc);  // same data seed: same parameters and inputs
-    clmha_layer *plain_layer = make_layer(ctx, &plain);
+    clmha_layer *plain_layer = instance_layer(ctx, &plain);
     gpu_forward(plain_layer, &plain, &out_plain, &w_plain);
     double max_o = max_abs_diff(out_eval, out_plain, in.output_count);
     double max_w = max_abs_diff(w_eval, w_plain, in.weights_count);
@@ -664,7 +405,7 @@ Test(random, fused_tile_edges, .timeout = 300) {
     uint64_t seed = 500;
     for (size_t li = 0; li < sizeof lens / sizeof lens[0]; ++li)
         for (size_t di = 0; di < sizeof dims / sizeof dims[0]; ++di) {
-            rcase c = base_case(seed++);
+            rcase c = rcase_base(seed++);
             c.l = lens[li][0], c.s = lens[li][1];
             c.e = dims[di][0] * dims[di][1], c.h = dims[di][1];
             c.n = 1 + seed % 2, c.need_weights = false;

@@ -10,6 +10,11 @@ For every case it writes tests/cli/<case>/:
     args                    one line: the extra flags (--is-causal --need-weights ...), may be empty
     expected_output.npy     float64
     expected_weights.npy    float64, only with --need-weights
+    grad_output.npy         gradient cases: float32, the output's gradient (--grad-output)
+    grad_weights.npy        gradient cases with weights: float32, their gradient (--grad-weights)
+    expected_grads/         gradient cases: float64, one <name>.npy per gradient that
+                            `clmha run --grads-dir` writes (query, key, value as given, the
+                            parameters by state_dict name, float masks)
 
 and tests/cli/cases.inc, the list of case names (`"name",` lines) for tests/test_cli.c. Case
 folders no longer generated (those holding an `args` file) are removed.
@@ -19,7 +24,14 @@ exactly the float32 inputs and on the parameters the layer file holds as clmha r
 values converted exactly, F64 values rounded to float32 (clmha keeps float parameters), masks as
 PyTorch 1.13 takes them (float masks in float64). PyTorch 1.13 has no is_causal: the causal cases
 pass the boolean mask triu(ones(L, S), 1) (True = masked), or-ed into the case's own boolean
-attn_mask. Masks are drawn so that no query row is fully masked.
+attn_mask. Masks are drawn so that no query row is fully masked. PyTorch 1.13 cannot take a
+float key_padding_mask together with a float attn_mask: such cases pass it the sum of the two as
+one (N*H, L, S) float attn_mask (the additive semantics clmha implements), built by autograd
+operations so that both masks get their gradients.
+
+Expected gradients: torch.autograd on the same float64 module, from the float32 grad_output
+(and grad_weights) drawn for the case; the query's gradient in self-attention is the whole
+gradient of the one tensor passed as query, key and value, as in PyTorch.
 
 Run with a Python that has PyTorch (tested with Debian's python3-torch 1.13):
 
@@ -52,15 +64,20 @@ def C(name, **kw):
     d = dict(name=name, E=8, H=2, kdim=None, vdim=None, bias=True, add_bias_kv=False,
              add_zero_attn=False, batch_first=False, dropout=0.0, dtype="F32",
              L=5, S=None, N=2, cross=False, kpm=None, attn=None, causal=False,
-             need_weights=True, per_head=False)
+             need_weights=True, per_head=False, grads=False, given=None)
     for k in kw:
         if k not in d:
             raise KeyError(k)
     d.update(kw)
     if d["S"] is None:
         d["S"] = d["L"]
-    if not d["cross"]:
-        assert d["S"] == d["L"] and d["kdim"] is None and d["vdim"] is None
+    if d["given"] is None:
+        d["given"] = "qkv" if d["cross"] else "q"
+    assert d["given"] in ("q", "qk", "qv", "qkv")
+    if d["given"] != "qkv":  # key or value is the query's tensor
+        assert d["S"] == d["L"] and d["kdim"] is None
+    if d["given"] in ("q", "qv"):
+        assert d["vdim"] is None
     assert d["E"] <= 16 and d["L"] <= 7 and d["S"] <= 7 and (d["N"] or 1) <= 2
     return d
 
@@ -88,6 +105,18 @@ CASES = [
     C("dropout_eval", dropout=0.5),
     C("layer_f16", dtype="F16", cross=True, L=3, S=4),
     C("layer_f64", dtype="F64", H=4, kdim=6, vdim=8, add_bias_kv=True, cross=True, L=4, S=5),
+    # Gradient cases (`clmha run --grad-output --grads-dir`).
+    C("grad_self", grads=True, need_weights=False),
+    C("grad_kdim_vdim", grads=True, E=12, H=3, kdim=5, vdim=7, cross=True, L=4, S=6,
+      need_weights=False),
+    C("grad_float_masks_bias_kv", grads=True, add_bias_kv=True, cross=True, L=4, S=6,
+      kpm="float", attn="float2d", need_weights=False),
+    C("grad_batch_first", grads=True, batch_first=True, cross=True, L=3, S=5, attn="float3d",
+      need_weights=False),
+    C("grad_unbatched", grads=True, N=None, L=5, attn="float3d", need_weights=False),
+    C("grad_weights_per_head", grads=True, cross=True, L=4, S=5, per_head=True),
+    C("grad_key_only", grads=True, given="qk", causal=True, L=5, need_weights=False),
+    C("grad_value_only", grads=True, given="qv", L=4, need_weights=False),
 ]
 
 
@@ -199,11 +228,14 @@ def generate(c, out_dir, given_root=None):
     query = take("query.npy", query)
     np.save(os.path.join(d, "query.npy"), query)
     key = value = query
-    if c["cross"]:
+    if "k" in c["given"]:
         key = torch.randn(layout(c, S, kdim), generator=gen).numpy().astype(np.float32)
-        value = torch.randn(layout(c, S, vdim), generator=gen).numpy().astype(np.float32)
-        key, value = take("key.npy", key), take("value.npy", value)
+        key = take("key.npy", key)
         np.save(os.path.join(d, "key.npy"), key)
+    value = key
+    if "v" in c["given"]:
+        value = torch.randn(layout(c, S, vdim), generator=gen).numpy().astype(np.float32)
+        value = take("value.npy", value)
         np.save(os.path.join(d, "value.npy"), value)
 
     for _ in range(1000):
@@ -225,28 +257,74 @@ def generate(c, out_dir, given_root=None):
         return x if x.dtype == torch.bool else x.double()
 
     kpm_t, attn_t = t(kpm), t(attn)
+    if c["grads"]:
+        for x in (kpm_t, attn_t):
+            if x is not None and x.dtype != torch.bool:
+                x.requires_grad_(True)
+    attn_in = attn_t
     if c["causal"]:
         causal = torch.triu(torch.ones(L, S, dtype=torch.bool), 1)
-        if attn_t is None:
-            attn_t = causal
-        elif attn_t.dtype == torch.bool:
-            attn_t = attn_t | causal
+        if attn_in is None:
+            attn_in = causal
+        elif attn_in.dtype == torch.bool:
+            attn_in = attn_in | causal
         else:
-            attn_t = attn_t.masked_fill(causal, float("-inf"))
-    assert not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None), \
-        "PyTorch 1.13 cannot combine a float key_padding_mask with attn_mask"
-    q64 = torch.from_numpy(query).double()
-    k64 = torch.from_numpy(key).double()
-    v64 = torch.from_numpy(value).double()
-    out, w = m64(q64, k64, v64, key_padding_mask=kpm_t, attn_mask=attn_t,
-                 need_weights=c["need_weights"], average_attn_weights=not c["per_head"])
-    out = out.detach().numpy()
+            attn_in = attn_in.masked_fill(causal, float("-inf"))
+    kpm_in = kpm_t
+    if kpm_t is not None and kpm_t.dtype != torch.bool and attn_in is not None:
+        # One additive (N*H, L, S) mask: attn_mask + key_padding_mask (see the docstring).
+        assert attn_in.dtype != torch.bool, "float key_padding_mask with a boolean attn_mask"
+        Nb, H = c["N"] or 1, c["H"]
+        a3 = attn_in if attn_in.dim() == 3 else attn_in.unsqueeze(0).expand(Nb * H, L, S)
+        k3 = kpm_t.reshape(Nb, 1, 1, S).expand(Nb, H, L, S).reshape(Nb * H, L, S)
+        attn_in, kpm_in = a3 + k3, None
+        if c["N"] is None:
+            attn_in = attn_in.reshape(H, L, S)
+    q64 = torch.from_numpy(query).double().requires_grad_(c["grads"])
+    k64, v64 = q64, q64
+    if "k" in c["given"]:
+        k64 = torch.from_numpy(key).double().requires_grad_(c["grads"])
+    v64 = k64
+    if "v" in c["given"]:
+        v64 = torch.from_numpy(value).double().requires_grad_(c["grads"])
+    out_t, w_t = m64(q64, k64, v64, key_padding_mask=kpm_in, attn_mask=attn_in,
+                     need_weights=c["need_weights"], average_attn_weights=not c["per_head"])
+    out = out_t.detach().numpy()
     assert out.shape == layout(c, L, E) and np.isfinite(out).all(), name
     np.save(os.path.join(d, "expected_output.npy"), out.astype(np.float64))
     if c["need_weights"]:
-        w = w.detach().numpy()
+        w = w_t.detach().numpy()
         assert np.isfinite(w).all(), name
         np.save(os.path.join(d, "expected_weights.npy"), w.astype(np.float64))
+
+    if c["grads"]:
+        gy = torch.randn(out.shape, generator=gen).numpy().astype(np.float32)
+        gy = take("grad_output.npy", gy)
+        np.save(os.path.join(d, "grad_output.npy"), gy)
+        outs, grads = [out_t], [torch.from_numpy(gy).double()]
+        if c["need_weights"]:
+            gw = torch.randn(w_t.shape, generator=gen).numpy().astype(np.float32)
+            gw = take("grad_weights.npy", gw)
+            np.save(os.path.join(d, "grad_weights.npy"), gw)
+            outs.append(w_t)
+            grads.append(torch.from_numpy(gw).double())
+        torch.autograd.backward(outs, grads)
+        g = {"query": q64.grad}
+        if "k" in c["given"]:
+            g["key"] = k64.grad
+        if "v" in c["given"]:
+            g["value"] = v64.grad
+        for pname, p in m64.named_parameters():
+            g[pname] = p.grad
+        if attn_t is not None and attn_t.dtype != torch.bool:
+            g["attn_mask"] = attn_t.grad
+        if kpm_t is not None and kpm_t.dtype != torch.bool:
+            g["key_padding_mask"] = kpm_t.grad
+        os.makedirs(os.path.join(d, "expected_grads"), exist_ok=True)
+        for gname, gv in g.items():
+            gv = gv.detach().numpy().astype(np.float64)
+            assert np.isfinite(gv).all(), f"{name}: {gname}"
+            np.save(os.path.join(d, "expected_grads", gname + ".npy"), gv)
 
     flags = []
     if c["causal"]:

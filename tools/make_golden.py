@@ -26,6 +26,15 @@ File format (text, whitespace separated, '#' starts a comment line):
     ...
     end
 
+Tensors: the parameters by state_dict name, query (key, value when the case has them separately),
+the masks (u8 or f32), then the float64 results output and weights (with need_weights), then the
+backward pass: grad_output (f32, the output's shape) and grad_weights (f32, with need_weights),
+drawn after everything else so that adding them changed no other value, and the float64
+gradients of loss = sum(grad_output * output) + sum(grad_weights * weights):
+grad.query (the whole tensor's in self-attention), grad.key, grad.value (when given
+separately), grad.<state_dict name> of every parameter, grad.attn_mask / grad.key_padding_mask
+of float masks (in the file's mask shape).
+
 Mask kinds: none, bool_ignore (1 = may not attend, nn.MultiheadAttention's bool masks),
 bool_attend (1 = may attend, SDPA / continuiti polarity), float (added to the scaled scores).
 
@@ -44,6 +53,12 @@ How the golden values are obtained from PyTorch 1.13 (which lacks some of clmha'
 - Fully masked rows: PyTorch gives NaN; clmha defines zero attention weights and a zero
   attention result there (output row = out_proj.bias). Such NaN entries are replaced following
   that rule (a comment line in the file says so).
+- Gradients: PyTorch autograd in float64 (module .double(), inputs and float masks as leaves;
+  the float masks' expansion and combination are torch ops on the file's tensors, so their
+  gradients are w.r.t. those). The independent implementation is differentiable too, with zero
+  gradients on fully masked rows; every case without such a row asserts that its gradients
+  equal autograd's to 1e-12 (each mask path PyTorch can take), and the cases with one take their
+  gradients from it (PyTorch's are NaN there).
 """
 
 import argparse
@@ -151,6 +166,17 @@ CASES = [
       attn_shape="3d", per_head=True),
     C("unbatched_masks_float_kpm_causal", N=None, L=5, kpm="float", attn="bool_attend",
       causal=True, add_zero_attn=True),
+    # float masks (with their gradients) with the other options
+    C("kdim_vdim_float_masks", E=12, H=3, kdim=5, vdim=7, mode="cross", L=3, S=4, kpm="float",
+      attn="float", per_head=True),
+    C("appended_float_masks_batch_first", add_bias_kv=True, add_zero_attn=True, kpm="float",
+      attn="float", attn_shape="per_batch", batch_first=True, mode="cross", L=3, S=4,
+      per_head=True),
+    C("unbatched_float_masks_kv_same", N=None, mode="kv_same", L=3, S=5, kpm="float",
+      attn="float"),
+    C("causal_L2_S5_float_kpm", causal=True, mode="cross", L=2, S=5, kpm="float",
+      per_head=True),
+    C("no_bias_self_float_attn3d", bias=False, attn="float", attn_shape="3d", L=4),
     # sizes
     C("head_dim_1", E=4, H=4, L=4, per_head=True),
     C("e60_h5", E=60, H=5, kdim=4, vdim=6, mode="cross", L=3, S=4, N=2, kpm="bool_ignore"),
@@ -243,21 +269,28 @@ def draw_masks(c, rng):
     return kpm, attn
 
 
+def as_tensor(m):
+    """A mask as a tensor: tensors as they are (a float64 leaf keeps its gradient), arrays
+    converted."""
+    return m if torch.is_tensor(m) else torch.from_numpy(np.asarray(m))
+
+
 def additive(c, kpm, attn):
     """The summed additive float64 mask (NH, L, S) (NH = N*H, or H unbatched) from the masks in
-    'masked' terms, with the causal mask included. This is clmha's (PyTorch 2.x's) semantics."""
+    'masked' terms (arrays or tensors), with the causal mask included. This is clmha's (PyTorch
+    2.x's) semantics. Differentiable in float masks given as float64 tensors."""
     N, H, L, S = c["N"], c["H"], c["L"], c["S"]
     Nb = 1 if N is None else N
     tot = torch.zeros(Nb * H, L, S, dtype=torch.float64)
     if attn is not None:
-        a = torch.from_numpy(np.asarray(attn))
+        a = as_tensor(attn)
         if c["attn_shape"] == "per_batch":
             a = a.repeat_interleave(H, dim=0)
         if a.dtype == torch.bool:
             a = torch.zeros(a.shape, dtype=torch.float64).masked_fill(a, -math.inf)
         tot = tot + a.double()
     if kpm is not None:
-        k = torch.from_numpy(np.asarray(kpm)).reshape(Nb, S)
+        k = as_tensor(kpm).reshape(Nb, S)
         if k.dtype == torch.bool:
             k = torch.zeros(k.shape, dtype=torch.float64).masked_fill(k, -math.inf)
         k = k.double().reshape(Nb, 1, 1, S).expand(Nb, H, 1, S).reshape(Nb * H, 1, S)
@@ -312,7 +345,8 @@ def to_file_mask(kind, m):
 def own_mha(c, P, q, k, v, tot):
     """Independent float64 implementation with clmha's semantics (fully masked rows -> zero
     weights and a zero attention result). q, k, v: float64 in the file's layouts. tot: the
-    additive mask (NH, L, S). Returns (output, per-head weights (N, H, L, S'))."""
+    additive mask (NH, L, S). Returns (output, per-head weights (N, H, L, S')). Differentiable
+    (torch ops only), with zero gradients on fully masked rows where PyTorch's are NaN."""
     E, H = c["E"], c["H"]
     D = E // H
     batched = c["N"] is not None
@@ -343,10 +377,11 @@ def own_mha(c, P, q, k, v, tot):
         K = torch.cat([K, torch.zeros(N * H, 1, D, dtype=torch.float64)], dim=1)
         V = torch.cat([V, torch.zeros(N * H, 1, D, dtype=torch.float64)], dim=1)
     Sp = K.shape[1]
-    mask = torch.zeros(N * H, L, Sp, dtype=torch.float64)
-    mask[:, :, :S] = tot
+    mask = torch.cat([tot, torch.zeros(N * H, L, Sp - S, dtype=torch.float64)], dim=-1)
     sc = (Q / math.sqrt(D)) @ K.transpose(1, 2) + mask
-    mx = sc.max(dim=-1, keepdim=True).values
+    # The softmax is shift-invariant: the row maximum carries no gradient. Every torch.where
+    # below selects finite values on both sides, so their gradients are never 0 * inf = NaN.
+    mx = sc.max(dim=-1, keepdim=True).values.detach()
     full = torch.isneginf(mx)
     ex = torch.exp(sc - torch.where(full, torch.zeros_like(mx), mx))
     den = ex.sum(dim=-1, keepdim=True)
@@ -364,10 +399,124 @@ def own_mha(c, P, q, k, v, tot):
     return out, W
 
 
+def pytorch_masks(c, kpm, attn):
+    """The masks handed to PyTorch 1.13's own mask handling (bool True = may not attend), from
+    the masks in 'masked' terms as tensors: float masks in float64 (differentiable when they
+    are leaves), the per_batch attn_mask expanded to (N*H, L, S), the causal mask merged into
+    attn_mask."""
+    L, S, H = c["L"], c["S"], c["H"]
+    kpm_t = attn_t = None
+    if kpm is not None:
+        kpm_t = kpm if kpm.dtype == torch.bool else kpm.double()
+    if attn is not None:
+        attn_t = attn if attn.dtype == torch.bool else attn.double()
+        if c["attn_shape"] == "per_batch":
+            attn_t = attn_t.repeat_interleave(H, dim=0)
+    if c["causal"]:
+        causal = torch.triu(torch.ones(L, S, dtype=torch.bool), 1)
+        if attn_t is None:
+            attn_t = causal
+        elif attn_t.dtype == torch.bool:
+            attn_t = attn_t | causal
+        else:
+            attn_t = attn_t.masked_fill(causal, -math.inf)
+    return kpm_t, attn_t
+
+
 def run_torch(m64, q, k, v, kpm_t, attn_t, need_weights, average):
     out, w = m64(q, k, v, key_padding_mask=kpm_t, attn_mask=attn_t,
                  need_weights=need_weights, average_attn_weights=average)
     return out.detach(), (None if w is None else w.detach())
+
+
+# ------------------------------------------------------------------------------------------
+# Gradients
+# ------------------------------------------------------------------------------------------
+
+def grad_leaves(c, params, query, key, value, kpm, attn):
+    """float64 leaves that require gradients: the parameters (by state_dict name), the inputs
+    (key and value alias query or key as the case's mode says) and the float masks."""
+    P = {k: torch.from_numpy(v).double().requires_grad_() for k, v in params}
+    q = torch.from_numpy(query).double().requires_grad_()
+    if c["mode"] == "self":
+        k = v = q
+    elif c["mode"] == "kv_same":
+        k = v = torch.from_numpy(key).double().requires_grad_()
+    else:
+        k = torch.from_numpy(key).double().requires_grad_()
+        v = torch.from_numpy(value).double().requires_grad_()
+    masks = {}
+    for name, m in (("key_padding_mask", kpm), ("attn_mask", attn)):
+        if m is None:
+            masks[name] = None
+        elif m.dtype == np.bool_:
+            masks[name] = torch.from_numpy(m.copy())
+        else:
+            masks[name] = torch.from_numpy(m.copy()).double().requires_grad_()
+    return P, q, k, v, masks
+
+
+def collect_grads(c, P, q, k, v, masks):
+    """The gradients by file tensor name (grad.<name>), in file order; a tensor nothing flowed
+    into gets zeros."""
+    def g(t):
+        return (torch.zeros_like(t) if t.grad is None else t.grad).detach().numpy().copy()
+
+    out = [("grad.query", g(q))]
+    if c["mode"] != "self":
+        out.append(("grad.key", g(k)))
+    if c["mode"] == "cross":
+        out.append(("grad.value", g(v)))
+    out += [(f"grad.{name}", g(t)) for name, t in P.items()]
+    for name in ("attn_mask", "key_padding_mask"):
+        t = masks[name]
+        if t is not None and t.dtype != torch.bool:
+            out.append((f"grad.{name}", g(t)))
+    return out
+
+
+def loss_of(out, w, grad_output, grad_weights):
+    loss = (out * torch.from_numpy(grad_output).double()).sum()
+    if grad_weights is not None:
+        loss = loss + (w * torch.from_numpy(grad_weights).double()).sum()
+    return loss
+
+
+def torch_grads(c, m32, params, query, key, value, kpm, attn, grad_output, grad_weights,
+                native):
+    """Gradients by nn.MultiheadAttention's autograd in float64, through PyTorch's own mask
+    handling (native) or the pre-combined additive mask; the float masks' gradients are taken
+    w.r.t. the file's mask tensors (the expansion and combination are torch ops)."""
+    m = copy.deepcopy(m32).double().eval()
+    P, q, k, v, masks = grad_leaves(c, params, query, key, value, kpm, attn)
+    with torch.no_grad():
+        for name, t in m.named_parameters():
+            t.copy_(P[name])
+    if native:
+        kpm_t, attn_t = pytorch_masks(c, masks["key_padding_mask"], masks["attn_mask"])
+    else:
+        kpm_t = None
+        attn_t = additive(c, masks["key_padding_mask"], masks["attn_mask"])
+    out, w = m(q, k, v, key_padding_mask=kpm_t, attn_mask=attn_t,
+               need_weights=c["need_weights"], average_attn_weights=not c["per_head"])
+    loss_of(out, w, grad_output, grad_weights).backward()
+    for name, t in m.named_parameters():  # the module's parameters stand for the leaves
+        P[name].grad = t.grad
+    return collect_grads(c, P, q, k, v, masks)
+
+
+def own_grads(c, params, query, key, value, kpm, attn, grad_output, grad_weights):
+    """Gradients of own_mha (clmha's rule on fully masked rows: zero weights, zero gradients)."""
+    P, q, k, v, masks = grad_leaves(c, params, query, key, value, kpm, attn)
+    tot = additive(c, masks["key_padding_mask"], masks["attn_mask"])
+    out, wph = own_mha(c, P, q, k, v, tot)
+    w = None
+    if c["need_weights"]:
+        w = wph if c["per_head"] else wph.sum(dim=1) / c["H"]
+        if c["N"] is None:
+            w = w.squeeze(0)
+    loss_of(out, w, grad_output, grad_weights).backward()
+    return collect_grads(c, P, q, k, v, masks)
 
 
 def same(a, b, tol=1e-12):
@@ -439,26 +588,8 @@ def generate(c, given=None):
         k64 = torch.from_numpy(key).double()
         v64 = torch.from_numpy(value).double()
 
-    # PyTorch-polarity masks: bool True = may not attend
-    kpm_t = attn_t = None
-    if kpm is not None:
-        kpm_t = torch.from_numpy(kpm.copy())
-        if kpm_t.dtype != torch.bool:
-            kpm_t = kpm_t.double()
-    if attn is not None:
-        attn_t = torch.from_numpy(attn.copy())
-        if attn_t.dtype != torch.bool:
-            attn_t = attn_t.double()
-        if c["attn_shape"] == "per_batch":
-            attn_t = attn_t.repeat_interleave(H, dim=0)
-    if c["causal"]:
-        causal = torch.triu(torch.ones(L, S, dtype=torch.bool), 1)
-        if attn_t is None:
-            attn_t = causal
-        elif attn_t.dtype == torch.bool:
-            attn_t = attn_t | causal
-        else:
-            attn_t = attn_t.masked_fill(causal, -math.inf)
+    kpm_t, attn_t = pytorch_masks(c, None if kpm is None else torch.from_numpy(kpm.copy()),
+                                  None if attn is None else torch.from_numpy(attn.copy()))
     tot = additive(c, kpm, attn)
     native_ok = not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None)
 
@@ -553,6 +684,33 @@ def generate(c, given=None):
             ws = (L, Sp) if avg else (H, L, Sp)
         assert tuple(w.shape) == ws, (w.shape, ws)
 
+    # gradients: grad_output and grad_weights drawn last, so that every tensor above keeps the
+    # value it had before gradients were added to the files
+    grad_output = draw(tuple(out.shape))
+    grad_weights = draw(tuple(w.shape)) if nw else None
+    if given is not None:
+        grad_output = given.take("grad_output", grad_output)
+        if nw:
+            grad_weights = given.take("grad_weights", grad_weights)
+    gargs = (params, query, key, value, kpm, attn, grad_output, grad_weights)
+    grads = own_grads(c, *gargs)
+    if bool(nan_rows.any()):
+        notes.append("gradients: PyTorch's are NaN on fully masked rows; these follow clmha's"
+                     " rule (zero there) from the independent float64 implementation's autograd")
+    else:
+        chosen = None  # the path the forward golden took: PyTorch's own masks when it can
+        for native in ([True, False] if native_ok else [False]):
+            tg = torch_grads(c, m32, *gargs, native)
+            for (n1, a), (n2, b) in zip(tg, grads):
+                assert n1 == n2, (n1, n2)
+                if not same(torch.from_numpy(a), torch.from_numpy(b)):
+                    raise AssertionError(f"{name}: own implementation's {n1} differs from"
+                                         f" PyTorch autograd's (native masks {native})")
+            chosen = chosen or tg
+        grads = chosen
+        notes.append("gradients: PyTorch autograd in float64 (checked equal to the independent"
+                     " implementation's autograd)")
+
     # file text
     lines = [f"# clmha golden case, generated by tools/make_golden.py (PyTorch {torch.__version__})",
              "# inputs and parameters drawn in float32; expected values computed in float64"]
@@ -581,6 +739,11 @@ def generate(c, given=None):
     lines += tensor_text("output", "f64", out.numpy())
     if nw:
         lines += tensor_text("weights", "f64", w.numpy())
+    lines += tensor_text("grad_output", "f32", grad_output)
+    if nw:
+        lines += tensor_text("grad_weights", "f32", grad_weights)
+    for gname, garr in grads:
+        lines += tensor_text(gname, "f64", garr)
     lines.append("end")
     return "\n".join(lines) + "\n"
 

@@ -49,6 +49,9 @@
 // masked. A query row whose every key is masked gives zeros, as in the unfused path. Dropout
 // drops weight (bh, i, j) exactly where masked_softmax does (same Philox counter and key).
 //
+// With lse_on, lse (N*H*L floats) receives each row's log-sum-exp for the backward pass
+// (cl/cores/fused_backward.cl); -INFINITY on a fully masked row.
+//
 // NDRange: (ceil(L / (BQ*RPW)) * BQ, N*H) in groups of (BQ, 1). No early return and no divergent
 // barrier: work-items past the last row compute on a clamped row and store nothing.
 
@@ -160,7 +163,8 @@ void fused_attention(global const float *q, global const float *k, global const 
                      uint attn_layout,
                      global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal,
                      uint dropout_on, uint dropout_threshold, float keep_scale,
-                     uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+                     uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo,
+                     global float *lse, uint lse_on) {
     local float kt[HD * KS];  // the tile's keys, transposed: kt[d * KS + jj]
     local float vt[BK * HD];  // the tile's values: vt[jj * HD + d]
 #if Q_LOCAL
@@ -352,4 +356,14 @@ void fused_attention(global const float *q, global const float *k, global const 
         }
     }
 #endif
+    // For the backward pass (lse_on): each row's log-sum-exp of its scaled, masked scores,
+    // m + log(sum), from which it recomputes the probabilities as exp(score - lse). Dropout
+    // leaves the normaliser alone, so the value is taken before it (sum never saw it).
+    if (lse_on) {
+        for (uint r = 0; r < RPW; ++r) {
+            ulong i = first + r * BQ + lid;
+            if (i < tgt_len)
+                lse[bh * tgt_len + i] = m[r] == -INFINITY ? -INFINITY : m[r] + log(sum[r]);
+        }
+    }
 }

@@ -541,7 +541,20 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
     if (!args->grad_weights.ndim) call.grad_weights = NULL;
     clmha_impl impl = args->impl != CLMHA_IMPL_AUTO ? args->impl : layer->impl;
     const clmha__core *core;
-    if ((st = clmha__backward_select(layer, &call, impl, &core))) return st;
+    if ((st = clmha__backward_select(layer, &call, impl, &core))) {
+        // The unfused backward has no chunks: say so when that is why no core could run.
+        clmha__chunks c;
+        if (st == CLMHA_UNSUPPORTED && !layer->core && impl != CLMHA_IMPL_FUSED &&
+            (!clmha__scores_chunks(layer, &d, &c) || c.count != 1))
+            return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
+                               "the unfused backward needs the scores (N*H*L*S' = %zu floats) "
+                               "in one buffer, more than half this device's largest allocation "
+                               "(%llu bytes), and the fused backward cannot run this call (it "
+                               "needs a forward call that ran the fused core, no weights "
+                               "gradient and no mask gradient)",
+                               d.scores_count, (unsigned long long)clmha__max_alloc(ctx));
+        return st;
+    }
     if ((st = state_reserve(layer, s, &d))) return st;
     call.d_o = s->buf[S_DO];
     call.dq = s->buf[S_DQ];

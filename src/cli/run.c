@@ -3,6 +3,7 @@
 
 #include "cli.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -13,15 +14,19 @@
 
 #include "base/file_read.h"
 #include "base/message.h"
+#include "grads.h"
 #include "npy.h"
+#include "outputs.h"
 
-static const char *usage_run =
+// The help text, in parts (ISO C compilers need support string literals of 4095 bytes only).
+static const char *const usage_run[] = {
     "usage: clmha run --layer F.safetensors --query Q.npy [options]\n"
     "\n"
-    "Runs torch.nn.MultiheadAttention's forward pass (eval mode: no dropout) with the layer\n"
-    "in F.safetensors (state_dict() names; metadata num_heads, batch_first, add_zero_attn)\n"
-    "on the arrays of .npy files. Shapes and masks are PyTorch's: query (L, N, E), or\n"
-    "(N, L, E) when the layer file says batch_first, or (L, E) unbatched.\n"
+    "Runs torch.nn.MultiheadAttention's forward pass (eval mode unless --training) with the\n"
+    "layer in F.safetensors (state_dict() names; metadata num_heads, batch_first,\n"
+    "add_zero_attn, dropout) on the arrays of .npy files, and optionally its backward pass.\n"
+    "Shapes and masks are PyTorch's: query (L, N, E), or (N, L, E) when the layer file says\n"
+    "batch_first, or (L, E) unbatched.\n"
     "\n"
     "inputs:\n"
     "  --layer F.safetensors     the layer (required)\n"
@@ -33,6 +38,10 @@ static const char *usage_run =
     "                            bool/uint8 masks: true (non-zero) = may NOT attend;\n"
     "                            float masks are added to the scores (-inf forbids)\n"
     "  --is-causal               forbid key j > query i (top-left aligned)\n"
+    "  --training                apply the layer's dropout (PyTorch's train()), drawn from\n"
+    "                            clmha's Philox stream (not PyTorch's generator)\n"
+    "  --seed S, --offset O      the dropout stream's key and offset (default 0); need\n"
+    "                            --training\n"
     "\n"
     "outputs:\n"
     "  --need-weights            also compute the attention weights\n"
@@ -42,10 +51,29 @@ static const char *usage_run =
     "  --output O.npy            write the attention output, float32, shaped like the query\n"
     "  --weights-output W.npy    write the weights, float32; implies --need-weights\n"
     "                            (unbatched inputs drop N; S' = S + add_bias_kv + add_zero_attn)\n"
-    "  Files are written only after the forward pass succeeded, each whole or not at all;\n"
-    "  a failed run leaves every file as it was. An output may be a new file or an existing\n"
-    "  regular file (not a folder, FIFO, device or symbolic link), and neither an input nor\n"
-    "  the other output. Inputs must be regular files.\n"
+    "\n",
+    "gradients (the backward pass, after the forward pass with the same inputs and dropout):\n"
+    "  --grad-output G.npy       the gradient of the output, in the output's shape\n"
+    "  --grad-weights GW.npy     optional: the gradient of the weights, in their shape;\n"
+    "                            needs --need-weights (or --per-head-weights)\n"
+    "  --grads-dir DIR           an existing folder (it is not created) that receives the\n"
+    "                            gradients, float32, in PyTorch's shapes, as <name>.npy:\n"
+    "                            query; key and value when given as files of their own (in\n"
+    "                            self-attention query.npy holds the whole gradient of the\n"
+    "                            query; with --key alone key.npy includes its use as value);\n"
+    "                            one file per parameter the layer has, by state_dict name\n"
+    "                            (in_proj_weight, or q_proj_weight, k_proj_weight and\n"
+    "                            v_proj_weight; in_proj_bias, out_proj.weight, out_proj.bias,\n"
+    "                            bias_k, bias_v (1, 1, E)); attn_mask and key_padding_mask\n"
+    "                            for float masks (boolean masks have no gradient). Other files\n"
+    "                            in DIR are left alone. --grad-output and --grads-dir go\n"
+    "                            together. Fully masked query rows get zero gradients.\n"
+    "\n"
+    "  Files are written only after the forward (and backward) pass succeeded, each whole or\n"
+    "  not at all, and all of them or none (outputs and gradients alike): a failed run\n"
+    "  leaves every file as it was. An output may be a new file or an existing regular file\n"
+    "  (not a folder, FIFO, device or symbolic link), and neither an input nor another\n"
+    "  output. Inputs must be regular files.\n"
     "  NaN/Inf in the results (from NaN/Inf inputs or parameters, as in PyTorch) give a\n"
     "  warning on stderr naming the inputs that hold them; the exit status stays 0.\n"
     "  A query row whose every key is masked gets zero weights (PyTorch gives NaN there).\n"
@@ -57,12 +85,14 @@ static const char *usage_run =
     "                            GPU, else the first device\n"
     "  --impl auto|fused|unfused the attention core: fused streams key tiles and never\n"
     "                            stores the scores, but cannot give weights; auto (default)\n"
-    "                            is fused without weights, else unfused\n"
+    "                            is fused without weights, else unfused. The backward pass\n"
+    "                            uses the same core, except that a float mask's gradient\n"
+    "                            needs the unfused one\n"
     "\n"
     "  --help, -h                print this help\n"
     "\n"
     "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error) or\n"
-    "stdout not written, 2 usage error. Options take their value as --opt VALUE or --opt=VALUE.\n";
+    "stdout not written, 2 usage error. Options take their value as --opt VALUE or --opt=VALUE.\n"};
 
 // One .npy input.
 typedef struct input_file {
@@ -72,7 +102,7 @@ typedef struct input_file {
     clmha__npy a;
 } input_file;
 
-enum { IN_QUERY, IN_KEY, IN_VALUE, IN_KPM, IN_ATTN, IN_COUNT };
+enum { IN_QUERY, IN_KEY, IN_VALUE, IN_KPM, IN_ATTN, IN_GRAD_OUT, IN_GRAD_W, IN_COUNT };
 
 // Reads one input; reports and returns false when it is refused.
 static bool read_input(input_file *in) {
@@ -182,161 +212,81 @@ static void warn_nonfinite(const float *y, size_t y_count, const float *w, size_
                              "overflowed float32");
 }
 
-// Renames the temporary files over the outputs, all or none: an output that exists is kept as a
-// hard link (a backup) until every rename succeeded, and put back when a later rename fails.
-// Returns the index of the output that failed (errno set), or -1 when all were renamed.
-static int commit_outputs(char *const *tmp, const char *const *path, size_t count) {
-    char *backup[2] = {NULL, NULL};
-    size_t renamed = 0;
-    int failed = -1, err = 0;
-    for (size_t i = 0; i < count && failed < 0; ++i) {
-        struct stat sb;
-        if (lstat(path[i], &sb) != 0) continue;  // a new file: removed if a later rename fails
-        size_t n = strlen(tmp[i]);
-        if (!(backup[i] = malloc(n + 2))) {
-            failed = (int)i, err = ENOMEM;
-            break;
-        }
-        memcpy(backup[i], tmp[i], n);
-        memcpy(backup[i] + n, "b", 2);  // next to our own (unique) temporary file
-        if (link(path[i], backup[i]) != 0) {
-            failed = (int)i, err = errno;
-            free(backup[i]);
-            backup[i] = NULL;
-        }
-    }
-    while (failed < 0 && renamed < count) {
-        if (rename(tmp[renamed], path[renamed]) != 0) failed = (int)renamed, err = errno;
-        else ++renamed;
-    }
-    for (size_t i = 0; i < count; ++i) {
-        if (failed >= 0 && i < renamed) {  // put back what was there before
-            if (backup[i]) rename(backup[i], path[i]);
-            else remove(path[i]);
-        } else if (backup[i]) {
-            remove(backup[i]);
-        }
-        free(backup[i]);
-    }
-    errno = err;
-    return failed;
-}
 
-// Writes the requested outputs: each file whole or not at all, and when two are requested both
-// or neither: both are written to temporary files next to their targets first, then renamed
-// (commit_outputs). On failure every file that existed is as it was and no new file is left.
-static bool write_outputs(const char *out_path, const float *y, size_t y_ndim,
-                          const size_t *y_shape, const char *w_path, const float *w,
-                          size_t w_ndim, const size_t *w_shape) {
-    const char *flag[2], *path[2];
-    char *tmp[2] = {NULL, NULL};
-    size_t count = 0;
-    if (out_path) flag[count] = "--output", path[count++] = out_path;
-    if (w_path) flag[count] = "--weights-output", path[count++] = w_path;
-    char msg[1024] = "";
-    bool ok = true;
-    for (size_t i = 0; i < count && ok; ++i) {
-        bool is_y = path[i] == out_path;
-        if (clmha__npy_write_f32_temp(path[i], is_y ? y : w, is_y ? y_ndim : w_ndim,
-                                      is_y ? y_shape : w_shape, &tmp[i], msg, sizeof msg)) {
-            clmha__cli_report("run", "%s %s: %s (no output written)", flag[i], path[i],
-                              clmha__cli_without_path(msg, path[i]));
-            ok = false;
-        }
-    }
-    int failed = ok ? commit_outputs(tmp, path, count) : -1;
-    if (failed >= 0) {
-        clmha__cli_report("run", "%s %s: cannot rename %s to it: %s (no output written; every "
-                          "file is as it was)",
-                          flag[failed], path[failed], tmp[failed], strerror(errno));
-        ok = false;
-    }
-    for (size_t i = 0; i < count; ++i) {
-        if (!ok && tmp[i]) remove(tmp[i]);
-        free(tmp[i]);
-    }
-    return ok;
-}
-
-// The identity of a file: its device and inode (following symbolic links), else, for a path
-// that does not exist yet, its folder's device and inode and its last component.
-typedef struct file_id {
-    bool exists;
-    dev_t dev;
-    ino_t ino;
-    const char *base;
-} file_id;
-
-static bool file_id_of(const char *path, file_id *id) {
-    struct stat sb;
-    memset(id, 0, sizeof *id);
-    if (stat(path, &sb) == 0) {
-        id->exists = true;
-        id->dev = sb.st_dev;
-        id->ino = sb.st_ino;
-        return true;
-    }
-    const char *slash = strrchr(path, '/');
-    id->base = slash ? slash + 1 : path;
-    size_t len = slash ? (size_t)(slash - path) : 1;
-    if (slash && len == 0) len = 1;
-    char *dir = malloc(len + 1);
-    if (!dir) return false;
-    memcpy(dir, slash ? path : ".", len);
-    dir[len] = '\0';
-    bool ok = stat(dir, &sb) == 0;
-    free(dir);
-    id->dev = sb.st_dev;
-    id->ino = sb.st_ino;
-    return ok;
-}
-
-static bool same_file(const file_id *a, const file_id *b) {
-    if (a->exists != b->exists || a->dev != b->dev || a->ino != b->ino) return false;
-    return a->exists || strcmp(a->base, b->base) == 0;
-}
-
-// Refuses outputs that are the same file however spelled ("o.npy" and "./o.npy", hard links)
-// and outputs that name an input (layer, query, key, value, mask): writing them would lose the
-// input or one of the outputs. Reports and returns false.
-static bool outputs_distinct(const char *out_path, const char *w_path, const char *layer_path,
-                             const input_file *in) {
-    const char *flag[2], *path[2];
-    file_id id[2];
-    size_t count = 0;
-    if (out_path) flag[count] = "--output", path[count++] = out_path;
-    if (w_path) flag[count] = "--weights-output", path[count++] = w_path;
-    for (size_t i = 0; i < count; ++i)
-        if (!file_id_of(path[i], &id[i])) return true;  // refused later, with a better message
-    if (count == 2 && same_file(&id[0], &id[1])) {
-        clmha__cli_report("run", "--output %s and --weights-output %s name the same file",
-                          out_path, w_path);
+// --seed / --offset: a decimal integer in [0, 2^64).
+static bool parse_u64(const char *flag, const char *text, uint64_t *v) {
+    *v = 0;
+    if (!text) return true;
+    char *end = NULL;
+    errno = 0;
+    unsigned long long x = isdigit((unsigned char)text[0]) ? strtoull(text, &end, 10) : 0;
+    if (!end || *end || errno) {
+        clmha__cli_report("run", "%s '%s': expected an integer in [0, 2^64)", flag, text);
         return false;
     }
-    for (size_t i = 0; i < count; ++i) {
-        if (!id[i].exists) continue;  // a new file is no input
-        for (int k = -1; k < IN_COUNT; ++k) {
-            const char *in_path = k < 0 ? layer_path : in[k].path;
-            file_id other;
-            if (!in_path || !file_id_of(in_path, &other) || !same_file(&id[i], &other)) continue;
-            clmha__cli_report("run", "%s %s names the input %s %s; it would be overwritten",
-                              flag[i], path[i], k < 0 ? "--layer" : in[k].flag, in_path);
-            return false;
-        }
-    }
+    *v = (uint64_t)x;
     return true;
+}
+
+// The gradient options together: --grad-output and --grads-dir go together, --grad-weights
+// needs them and weights, --seed and --offset need --training. Reports a usage error.
+static bool grad_options_ok(const char *grad_out, const char *grad_w, const char *dir,
+                            bool need_weights, bool training, const char *seed,
+                            const char *offset) {
+    const char *why = NULL;
+    if (grad_out && !dir) why = "--grad-output needs --grads-dir (where the gradients go)";
+    else if (dir && !grad_out) why = "--grads-dir needs --grad-output (the output's gradient)";
+    else if (grad_w && !grad_out) why = "--grad-weights needs --grad-output and --grads-dir";
+    else if (grad_w && !need_weights)
+        why = "--grad-weights needs --need-weights (or --per-head-weights, --weights-output): "
+              "the weights it is the gradient of";
+    else if ((seed || offset) && !training) why = "--seed and --offset need --training";
+    if (why) clmha__cli_report("run", "%s", why);
+    return !why;
+}
+
+// --grads-dir must be an existing, writable folder (it is not created).
+static bool grads_dir_ok(const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        clmha__cli_report("run", "--grads-dir %s: %s (the folder is not created: make it first)",
+                          dir, strerror(errno));
+    else if (!S_ISDIR(st.st_mode))
+        clmha__cli_report("run", "--grads-dir %s: not a folder", dir);
+    else if (access(dir, W_OK | X_OK) != 0)
+        clmha__cli_report("run", "--grads-dir %s: the folder is not writable", dir);
+    else
+        return true;
+    return false;
+}
+
+// A gradient input (--grad-output, --grad-weights) must have the shape of what it is the
+// gradient of. Reports and returns false.
+static bool grad_shape_ok(const input_file *in, const char *what, size_t ndim,
+                          const size_t *shape) {
+    bool same = in->a.ndim == ndim;
+    for (size_t i = 0; same && i < ndim; ++i) same = in->a.shape[i] == shape[i];
+    if (same) return true;
+    char got[160], want[160];
+    clmha__cli_report("run", "%s %s: shape %s, but the %s %s", in->flag, in->path,
+                      clmha__shape_str(got, sizeof got, in->a.ndim, in->a.shape), what,
+                      clmha__shape_str(want, sizeof want, ndim, shape));
+    return false;
 }
 
 int clmha__cli_run(int argc, char **argv) {
     const char *layer_path = NULL, *output_path = NULL, *weights_path = NULL, *device = NULL;
+    const char *grads_dir = NULL, *seed_opt = NULL, *offset_opt = NULL;
     input_file in[IN_COUNT] = {
         [IN_QUERY] = {.flag = "--query"},
         [IN_KEY] = {.flag = "--key"},
         [IN_VALUE] = {.flag = "--value"},
         [IN_KPM] = {.flag = "--key-padding-mask", .is_mask = true},
         [IN_ATTN] = {.flag = "--attn-mask", .is_mask = true},
+        [IN_GRAD_OUT] = {.flag = "--grad-output"},
+        [IN_GRAD_W] = {.flag = "--grad-weights"},
     };
-    bool is_causal = false, need_weights = false, per_head = false;
+    bool is_causal = false, need_weights = false, per_head = false, training = false;
     const char *impl_opt = NULL;
     const clmha__cli_option opts[] = {
         {.name = "--layer", .value = &layer_path},
@@ -351,10 +301,19 @@ int clmha__cli_run(int argc, char **argv) {
         {.name = "--per-head-weights", .flag = &per_head},
         {.name = "--output", .value = &output_path},
         {.name = "--weights-output", .value = &weights_path},
+        {.name = "--training", .flag = &training},
+        {.name = "--seed", .value = &seed_opt},
+        {.name = "--offset", .value = &offset_opt},
+        {.name = "--grad-output", .value = &in[IN_GRAD_OUT].path},
+        {.name = "--grad-weights", .value = &in[IN_GRAD_W].path},
+        {.name = "--grads-dir", .value = &grads_dir},
         {.name = "--device", .value = &device, .allow_empty = true},
     };
+    char usage[8192] = "";
+    for (size_t i = 0; i < sizeof usage_run / sizeof usage_run[0]; ++i)
+        strncat(usage, usage_run[i], sizeof usage - strlen(usage) - 1);
     int rc;
-    if (!clmha__cli_parse_options("run", argc, argv, opts, sizeof opts / sizeof opts[0], usage_run,
+    if (!clmha__cli_parse_options("run", argc, argv, opts, sizeof opts / sizeof opts[0], usage,
                                   &rc))
         return rc;
     if (!layer_path || !in[IN_QUERY].path) {
@@ -364,21 +323,39 @@ int clmha__cli_run(int argc, char **argv) {
                                                             : "--query is");
         return EXIT_USAGE;
     }
-    if (!outputs_distinct(output_path, weights_path, layer_path, in)) return EXIT_USAGE;
+    // The outputs and inputs named so far (the gradient files join once the layer is known).
+    clmha__cli_in named_in[IN_COUNT + 1] = {{"--layer", layer_path}};
+    for (int i = 0; i < IN_COUNT; ++i) named_in[i + 1] = (clmha__cli_in){in[i].flag, in[i].path};
+    clmha__cli_out outs[2 + CLMHA__CLI_MAX_GRADS];
+    size_t num_outs = 0;
+    if (output_path) outs[num_outs++] = (clmha__cli_out){.flag = "--output", .path = output_path};
+    if (weights_path)
+        outs[num_outs++] = (clmha__cli_out){.flag = "--weights-output", .path = weights_path};
+    if (!clmha__cli_outputs_distinct("run", outs, num_outs, named_in, IN_COUNT + 1))
+        return EXIT_USAGE;
     if (weights_path || per_head) need_weights = true;
     clmha_impl impl;
     if (!clmha__cli_parse_impl("run", impl_opt, need_weights,
                                "--need-weights, --per-head-weights and --weights-output", &impl))
         return EXIT_USAGE;
+    clmha_dropout_rng rng = {0};
+    if (!grad_options_ok(in[IN_GRAD_OUT].path, in[IN_GRAD_W].path, grads_dir, need_weights,
+                         training, seed_opt, offset_opt) ||
+        !parse_u64("--seed", seed_opt, &rng.seed) ||
+        !parse_u64("--offset", offset_opt, &rng.offset))
+        return EXIT_USAGE;
 
     clmha_context *ctx = NULL;
     clmha_layer *layer = NULL;
+    clmha_saved *saved = NULL;
+    clmha__cli_grads grads = {0};
     float *y = NULL, *w = NULL;
     rc = EXIT_REFUSED;
 
     // Files first: they are refused without touching a device.
     if ((output_path && !clmha__cli_output_path_ok("run", "--output", output_path)) ||
-        (weights_path && !clmha__cli_output_path_ok("run", "--weights-output", weights_path)))
+        (weights_path && !clmha__cli_output_path_ok("run", "--weights-output", weights_path)) ||
+        (grads_dir && !grads_dir_ok(grads_dir)))
         goto fail;
     // A regular file only: opening a FIFO or a device must not block (base/file_read.h).
     FILE *f = NULL;
@@ -438,6 +415,8 @@ int clmha__cli_run(int argc, char **argv) {
     args.need_weights = need_weights;
     args.per_head_weights = per_head;
     args.impl = impl;
+    args.training = training;
+    args.rng = rng;
     if (clmha_layer_output_counts(layer, &args, &y_count, &w_count) != CLMHA_SUCCESS) {
         clmha__cli_report("run", "%s", clmha_context_last_error(ctx));
         goto fail;
@@ -459,6 +438,31 @@ int clmha__cli_run(int argc, char **argv) {
         w_shape[w_ndim++] = s_padded;
     }
 
+    // Gradients: the gradient inputs' shapes, then the files, checked like the outputs.
+    if (grads_dir) {
+        if (!grad_shape_ok(&in[IN_GRAD_OUT], "output is", q->ndim, q->shape) ||
+            (in[IN_GRAD_W].path &&
+             !grad_shape_ok(&in[IN_GRAD_W],
+                            per_head ? "weights (per head) are" : "weights (averaged) are",
+                            w_ndim, w_shape)))
+            goto fail;
+        if (!clmha__cli_grads_plan(grads_dir, layer, &args, in[IN_KEY].path != NULL,
+                                   in[IN_VALUE].path != NULL, &grads))
+            goto fail;
+        for (size_t i = 0; i < grads.count; ++i)
+            if (!clmha__cli_output_path_ok("run", "--grads-dir", grads.file[i].path)) goto fail;
+        size_t all = num_outs + clmha__cli_grads_outputs(&grads, outs + num_outs);
+        if (!clmha__cli_outputs_distinct("run", outs, all, named_in, IN_COUNT + 1)) {
+            rc = EXIT_USAGE;
+            goto fail;
+        }
+        if (clmha_saved_create(&saved, layer) != CLMHA_SUCCESS) {
+            clmha__cli_report("run", "%s", clmha_context_last_error(ctx));
+            goto fail;
+        }
+        args.save = saved;
+    }
+
     if (!(y = malloc((y_count ? y_count : 1) * sizeof *y)) ||
         (need_weights && !(w = malloc((w_count ? w_count : 1) * sizeof *w)))) {
         clmha__cli_report("run", "out of host memory for the outputs (%zu + %zu floats)", y_count,
@@ -472,8 +476,32 @@ int clmha__cli_run(int argc, char **argv) {
                           clmha_context_last_error(ctx));
         goto fail;
     }
-    if (!write_outputs(output_path, y, q->ndim, q->shape, weights_path, w, w_ndim, w_shape))
-        goto fail;
+    if (grads_dir) {
+        // The fused backward gives no mask gradients: with a float mask it runs unfused.
+        bool float_mask = args.attn_mask.kind == CLMHA_MASK_FLOAT ||
+                          args.key_padding_mask.kind == CLMHA_MASK_FLOAT;
+        clmha_tensor gw = {0};
+        if (in[IN_GRAD_W].path) gw = tensor_of(&in[IN_GRAD_W].a);
+        if (!clmha__cli_grads_compute(layer, &args, saved, tensor_of(&in[IN_GRAD_OUT].a), gw,
+                                      impl == CLMHA_IMPL_FUSED && float_mask ? CLMHA_IMPL_AUTO
+                                                                             : impl,
+                                      &grads))
+            goto fail;
+    }
+
+    // Every file at once, all or none.
+    num_outs = 0;
+    if (output_path)
+        outs[num_outs++] = (clmha__cli_out){.flag = "--output", .path = output_path, .data = y,
+                                            .ndim = q->ndim};
+    if (output_path) memcpy(outs[0].shape, q->shape, q->ndim * sizeof *q->shape);
+    if (weights_path) {
+        outs[num_outs] = (clmha__cli_out){.flag = "--weights-output", .path = weights_path,
+                                          .data = w, .ndim = w_ndim};
+        memcpy(outs[num_outs++].shape, w_shape, w_ndim * sizeof *w_shape);
+    }
+    num_outs += clmha__cli_grads_outputs(&grads, outs + num_outs);
+    if (!clmha__cli_write_outputs("run", outs, num_outs)) goto fail;
     warn_nonfinite(y, y_count, w, w_count, in);
 
     // A summary of what was not written to a file.
@@ -497,6 +525,8 @@ int clmha__cli_run(int argc, char **argv) {
 fail:
     free(y);
     free(w);
+    clmha__cli_grads_free(&grads);
+    clmha_saved_release(saved);
     clmha_layer_release(layer);
     clmha_context_release(ctx);
     for (int i = 0; i < IN_COUNT; ++i) clmha__npy_free(&in[i].a);

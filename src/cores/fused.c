@@ -29,6 +29,7 @@ typedef struct state {
     cl_kernel kernel;          // built on first use (clmha__layer_fused())
     clmha__fused_tiles tiles;  // what it was built with
     clmha_status failed;       // why it cannot be built here (then not retried)
+    clmha__fused_backward *backward;  // the backward pass's (fused_backward.c), on first use
 } state;
 
 static state *state_of(const clmha_layer *l) {
@@ -44,10 +45,15 @@ static void release(void *p) {
     state *s = p;
     if (!s) return;
     clmha__release_kernel(s->kernel);
+    clmha__fused_backward_release(s->backward);
     free(s);
 }
 
 cl_kernel clmha__fused_kernel(const clmha_layer *layer) { return state_of(layer)->kernel; }
+
+clmha__fused_backward **clmha__fused_backward_slot(const clmha_layer *layer) {
+    return &state_of(layer)->backward;
+}
 
 clmha__fused_tiles clmha__fused_tiles_of(const clmha_layer *layer) {
     return state_of(layer)->tiles;
@@ -199,13 +205,17 @@ static size_t test_loop_limit;
 
 void clmha__test_set_loop_limit(size_t limit) { test_loop_limit = limit; }
 
+size_t clmha__fused_loop_limit(const clmha_layer *l) {
+    return test_loop_limit ? test_loop_limit : l->ctx->quirks.loop_limit;
+}
+
 // The loop iterations a loop of @p n iterations whose body runs loops of @p body iterations
 // costs gallivm's limiter: n + 1 checks of the condition (measured: clover's count matches
 // this within a few percent) plus the body's.
 static double loop_cost(double n, double body) { return n + 1 + n * body; }
 
 bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dropout) {
-    size_t limit = test_loop_limit ? test_loop_limit : l->ctx->quirks.loop_limit;
+    size_t limit = clmha__fused_loop_limit(l);
     if (!limit) return true;
     // Every loop of cl/cores/fused.cl for one work-item, as if the compiler kept them all (clover
     // does; rusticl unrolls some, and its count is lower).
@@ -225,7 +235,9 @@ bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dro
     double av = loop_cost(hd / vw, rows + loop_cost(bk, rows) + rows);
     double per_tile = load + scores + loop_cost(rpw, row) + av;
     double tiles = ceil((double)d->s_padded / bk);
-    double total = loop_cost(tiles, per_tile) + rows + 2 * loop_cost(rpw, loop_cost(hd, 0));
+    // + the log-sum-exp rows (written only for a backward pass, counted always).
+    double total = loop_cost(tiles, per_tile) + rows + 2 * loop_cost(rpw, loop_cost(hd, 0)) +
+                   loop_cost(rpw, 0);
     if (t->q_local || t->acc_local)  // loading the query rows, storing the output rows
         total += 2 * loop_cost(ceil(rpw * hd), 0);
     // Half the limit: room for loops a compiler adds.
@@ -276,9 +288,13 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_ulong tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
     float scale = (float)(1.0 / sqrt((double)l->d));
     clmha__mask_args m = clmha__masks_of(l, a, d);
+    // The log-sum-exp rows for the backward pass, only when asked for (a flag: no cost else).
+    cl_mem lse = call->lse ? call->lse : ctx->dummy;
+    cl_uint lse_on = call->lse != NULL;
     arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(l->tiles[CLMHA__TILE_K]),
                   ARG(l->tiles[CLMHA__TILE_V]), ARG(l->tiles[CLMHA__TILE_OUT]),
-                  ARG(tgt), ARG(heads), ARG(src), ARG(srcp), ARG(scale), MASK_ARGS(m)};
+                  ARG(tgt), ARG(heads), ARG(src), ARG(srcp), ARG(scale), MASK_ARGS(m),
+                  ARG(lse), ARG(lse_on)};
     const state *s = state_of(l);
     clmha_status st = clmha__set_args(ctx, s->kernel, "fused_attention", args,
                                       sizeof args / sizeof args[0]);
@@ -288,6 +304,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_int err = clEnqueueNDRangeKernel(ctx->queue, s->kernel, 2, NULL, global, local, 0, NULL,
                                         NULL);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");
+    call->lse_written = lse_on;
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
 }
 
@@ -296,4 +313,6 @@ const clmha__core clmha__core_fused = {.name = "fused",
                                        .release = release,
                                        .supports = supports,
                                        .uses_scores = false,
-                                       .run = run};
+                                       .run = run,
+                                       .backward_supports = clmha__fused_backward_supports,
+                                       .backward = clmha__fused_backward_run};

@@ -1,6 +1,7 @@
 // The fused attention core (src/cores/fused.c, kernel cl/cores/fused.cl): what the tuner, the
 // bake step and the tests use of it besides the core interface (core.h). Its per-layer state
-// (kernel, tiles, build failure) is private to fused.c; these functions read it.
+// (kernel, tiles, build failure, the backward pass's state) is private to fused.c; these
+// functions read it. Its backward pass is src/cores/fused_backward.c (end of this file).
 #ifndef CLMHA_CORES_FUSED_H
 #define CLMHA_CORES_FUSED_H
 
@@ -93,11 +94,44 @@ CLMHA__HIDDEN bool clmha__fused_loops_fit(const clmha_layer *layer, const clmha_
 // Test hook: pretends that the device has the loop limit @p limit (0: the device's own).
 CLMHA__HIDDEN void clmha__test_set_loop_limit(size_t limit);
 
+// The loop limit the fused kernels (forward and backward) keep to: the test hook's, else the
+// device's (0: none).
+CLMHA__HIDDEN size_t clmha__fused_loop_limit(const clmha_layer *layer);
+
 // Rebuilds the fused attention kernel of @p layer with tiles @p t (the tuner's candidates):
 // bk is halved until the tile fits in local memory and vw until it divides head_dim and bk.
 // @p used receives the tiles built (may be NULL).
 CLMHA__HIDDEN clmha_status clmha__layer_set_fused_tiles(clmha_layer *layer,
                                                         const clmha__fused_tiles *t,
                                                         clmha__fused_tiles *used);
+
+// ---- backward (src/cores/fused_backward.c, kernels cl/cores/fused_backward.cl) ------------------
+
+struct clmha__backward_call;
+
+// The fused backward pass's per-layer state (its kernels, tile and scratch), kept in the fused
+// core's state and freed with it.
+typedef struct clmha__fused_backward clmha__fused_backward;
+
+// Where the fused core's state keeps @p layer's backward state (NULL until first used).
+CLMHA__HIDDEN clmha__fused_backward **clmha__fused_backward_slot(const clmha_layer *layer);
+
+// The fused core's backward_supports hook: yes when the forward call saved the log-sum-exp
+// rows (it ran the fused core), the call gives no weights gradient and asks for no mask
+// gradient, and the backward kernels build on the device and stay within its loop limit.
+CLMHA__HIDDEN clmha_status clmha__fused_backward_supports(clmha_layer *layer,
+                                                          const struct clmha__backward_call *call,
+                                                          bool *yes, const char **why);
+
+// The fused core's backward hook: Drow, then dk and dv, then dq (three kernels).
+CLMHA__HIDDEN clmha_status clmha__fused_backward_run(clmha_layer *layer,
+                                                     struct clmha__backward_call *call);
+
+// Frees @p b (NULL is ignored).
+CLMHA__HIDDEN void clmha__fused_backward_release(clmha__fused_backward *b);
+
+// The work-group size (= rows per tile) the fused backward kernels of @p layer were built with
+// (0: not built).
+CLMHA__HIDDEN size_t clmha__fused_backward_tile(const clmha_layer *layer);
 
 #endif

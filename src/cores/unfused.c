@@ -26,6 +26,7 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_unfused;  // this core, at th
 typedef struct state {
     cl_kernel masked_softmax;
     size_t softmax_wg;  // masked_softmax's work-group (its -DWG), within the kernel's limit
+    clmha__unfused_backward *backward;  // the backward pass's (unfused_backward.c), on first use
 } state;
 
 static state *state_of(const clmha_layer *l) {
@@ -34,6 +35,10 @@ static state *state_of(const clmha_layer *l) {
 
 size_t clmha__unfused_softmax_wg(const clmha_layer *layer) {
     return state_of(layer)->softmax_wg;
+}
+
+clmha__unfused_backward **clmha__unfused_backward_slot(const clmha_layer *layer) {
+    return &state_of(layer)->backward;
 }
 
 // Largest power of two <= min(cap, device limit).
@@ -47,6 +52,7 @@ static void release(void *p) {
     state *s = p;
     if (!s) return;
     clmha__release_kernel(s->masked_softmax);
+    clmha__unfused_backward_release(s->backward);
     free(s);
 }
 
@@ -89,10 +95,11 @@ static bool chunk_is_all(const clmha_layer *l, const clmha__dims *d, chunk c) {
     return c.first == 0 && c.rows == d->n * l->h * d->l;
 }
 
-// 3. Scores = Q · Kᵀ / √D for the rows of @p c: all of them (N*H, L, S') in one strided batched
-//    GEMM; a chunk in one plain GEMM per plane it touches (CLBlast 1.5.3's batched GEMM ignores
-//    buffer offsets, its plain GEMM honours them).
-static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c) {
+// 3. Scores = Q · Kᵀ / √D (Q in @p qt, K in @p kt) for the rows of @p c: all of them
+//    (N*H, L, S') in one strided batched GEMM; a chunk in one plain GEMM per plane it touches
+//    (CLBlast 1.5.3's batched GEMM ignores buffer offsets, its plain GEMM honours them).
+static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c, cl_mem qt,
+                           cl_mem kt) {
     cl_command_queue q = l->ctx->queue;
     size_t hd = l->d, sp = d->s_padded;
     float scale = (float)(1.0 / sqrt((double)hd));
@@ -100,8 +107,8 @@ static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c) {
         int st;
         CLMHA__BLAS(st, CLBlastSgemmStridedBatched(
             CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, d->l, sp, hd, scale,
-            l->tiles[CLMHA__TILE_Q], 0, hd, d->l * hd, l->tiles[CLMHA__TILE_K], 0, hd, sp * hd,
-            0.0f, l->scores, 0, sp, d->l * sp, d->n * l->h, &q, NULL));
+            qt, 0, hd, d->l * hd, kt, 0, hd, sp * hd, 0.0f, l->scores, 0, sp, d->l * sp,
+            d->n * l->h, &q, NULL));
         return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(QK^T)")
                   : CLMHA_SUCCESS;
     }
@@ -111,22 +118,23 @@ static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c) {
         // Query row r of the (N*H*L, D) tile; keys of the plane; the chunk's row r - first.
         int st;
         CLMHA__BLAS(st, CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo,
-                                     CLBlastTransposeYes, rows, sp, hd, scale,
-                                     l->tiles[CLMHA__TILE_Q], r * hd, hd, l->tiles[CLMHA__TILE_K],
-                                     plane * sp * hd, hd, 0.0f, l->scores, (r - c.first) * sp,
-                                     sp, &q, NULL));
+                                     CLBlastTransposeYes, rows, sp, hd, scale, qt, r * hd, hd,
+                                     kt, plane * sp * hd, hd, 0.0f, l->scores,
+                                     (r - c.first) * sp, sp, &q, NULL));
         if (st) return clmha__blas_fail(l->ctx, st, "CLBlastSgemm(QK^T chunk)");
         r += rows;
     }
     return CLMHA_SUCCESS;
 }
 
-// 4. Masks, softmax and dropout in place on the scores of @p c, one work-group per row.
+// 4. Masks, softmax and dropout (unless @p no_dropout: the backward pass's probabilities) in
+//    place on the scores of @p c, one work-group per row.
 static clmha_status softmax(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
-                            chunk c) {
+                            chunk c, bool no_dropout) {
     cl_ulong rows = c.rows, first = c.first, tgt = d->l, heads = l->h, src = d->s,
              srcp = d->s_padded;
     clmha__mask_args m = clmha__masks_of(l, a, d);
+    if (no_dropout) m.dropout_on = 0;
     arg args[] = {ARG(l->scores), ARG(rows), ARG(first), ARG(tgt), ARG(heads), ARG(src),
                   ARG(srcp), MASK_ARGS(m)};
     const state *s = state_of(l);
@@ -211,9 +219,11 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         return clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "scores: one row does not fit");
     if (plan.count == 1) {
         chunk all = {0, d->n * l->h * d->l};
-        if ((st = scores(l, d, all)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES)))
+        if ((st = scores(l, d, all, l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K])) ||
+            (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES)))
             return st;
-        if ((st = softmax(l, a, d, all)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SOFTMAX)))
+        if ((st = softmax(l, a, d, all, false)) ||
+            (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SOFTMAX)))
             return st;
         if ((st = attend(l, d, all)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_AV)))
             return st;
@@ -232,12 +242,21 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
             c.first = ((item * l->h + head) * d->l + i);
             c.rows = d->l - i < plan.rows ? d->l - i : plan.rows;
         }
-        if ((st = scores(l, d, c)) || (st = softmax(l, a, d, c))) return st;
+        if ((st = scores(l, d, c, l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K])) ||
+            (st = softmax(l, a, d, c, false)))
+            return st;
         if (a->need_weights && (st = chunk_weights(l, a, d, c, w, w_off))) return st;
         if ((st = attend(l, d, c))) return st;
     }
     call->weights_written = a->need_weights;
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES);
+}
+
+clmha_status clmha__unfused_probabilities(clmha_layer *l, const clmha_forward_args *a,
+                                          const clmha__dims *d, cl_mem q, cl_mem k) {
+    chunk all = {0, d->n * l->h * d->l};
+    clmha_status st = scores(l, d, all, q, k);
+    return st ? st : softmax(l, a, d, all, true);
 }
 
 static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool *yes) {
@@ -251,4 +270,6 @@ const clmha__core clmha__core_unfused = {.name = "unfused",
                                          .release = release,
                                          .supports = supports,
                                          .uses_scores = true,
-                                         .run = run};
+                                         .run = run,
+                                         .backward_supports = clmha__unfused_backward_supports,
+                                         .backward = clmha__unfused_backward_run};

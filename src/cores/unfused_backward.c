@@ -1,0 +1,187 @@
+// The unfused core's backward pass (kernels cl/cores/unfused_backward.cl): the probabilities
+// P are recomputed into layer->scores with the forward's own GEMM and masked_softmax (dropout
+// off), dPd = dO·V'ᵀ goes to a second scores-sized buffer (its own, grown on demand), and
+// softmax_backward turns the pair into Pd (dropout replayed) and dS in place; then three
+// batched GEMMs give dV' = Pdᵀ·dO, dQ = scale·dS·K', dK' = scale·dSᵀ·Q, and mask_grad sums dS
+// into the float masks' gradients. Twice N*H*L*S' floats of scratch: it runs only when the
+// scores fit in one chunk (clmha__scores_chunks()), and every batched GEMM sees offset-0
+// buffers (CLBlast 1.5.3's GemmStridedBatched ignores buffer offsets on one of its paths).
+#include "cores/unfused.h"
+
+#include "cores/core.h"
+#include "cores/kernel_args.h"
+#include "device/blas.h"
+#include "device/held.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <clblast_c.h>
+
+typedef clmha__arg arg;
+#define ARG CLMHA__ARG
+
+struct clmha__unfused_backward {
+    cl_kernel softmax_backward, mask_grad;
+    size_t wg;            // softmax_backward's work-group (its -DWG), within the kernel's limit
+    size_t mask_wg;       // mask_grad's work-group, within its limit
+    cl_mem grad_scores;   // dPd, then dS: (N*H, L, S'), grown on demand
+    size_t grad_scores_cap;
+};
+
+void clmha__unfused_backward_release(clmha__unfused_backward *ub) {
+    if (!ub) return;
+    clmha__release_kernel(ub->softmax_backward);
+    clmha__release_kernel(ub->mask_grad);
+    clmha__release_mem(ub->grad_scores);
+    free(ub);
+}
+
+// Largest power of two <= min(cap, limit).
+static size_t pow2_below(size_t cap, size_t limit) {
+    size_t w = 1;
+    while (w * 2 <= cap && w * 2 <= limit) w *= 2;
+    return w;
+}
+
+// Builds the kernels on first use; softmax_backward's work-group as masked_softmax's (the
+// device class's cap, rebuilt smaller while the built kernel allows less).
+static clmha_status ensure(clmha_layer *l, clmha__unfused_backward **out) {
+    clmha_context *ctx = l->ctx;
+    clmha__unfused_backward **slot = clmha__unfused_backward_slot(l);
+    if (!*slot && !(*slot = calloc(1, sizeof **slot)))
+        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    clmha__unfused_backward *ub = *out = *slot;
+    if (ub->softmax_backward) return CLMHA_SUCCESS;
+    for (size_t want = pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
+        char options[64];
+        snprintf(options, sizeof options, "-DWG=%zu", want);
+        cl_program prog;
+        size_t wg = 1, mask_wg = 1;
+        clmha_status st = clmha__program_get(ctx, "unfused_backward", options, &prog);
+        if (!st && !(st = clmha__kernel_make(ctx, prog, "softmax_backward",
+                                             &ub->softmax_backward)) &&
+            !(st = clmha__kernel_make(ctx, prog, "mask_grad", &ub->mask_grad)) &&
+            !(st = clmha__kernel_limits(ctx, ub->softmax_backward, &wg, NULL)) &&
+            !(st = clmha__kernel_limits(ctx, ub->mask_grad, &mask_wg, NULL)) &&
+            (want <= wg || want == 1)) {
+            ub->wg = want;
+            ub->mask_wg = pow2_below(64, mask_wg);
+            return CLMHA_SUCCESS;
+        }
+        clmha__release_kernel(ub->softmax_backward);
+        clmha__release_kernel(ub->mask_grad);
+        ub->softmax_backward = ub->mask_grad = NULL;
+        if (st) return st;
+        want = pow2_below(want / 2, wg);
+    }
+}
+
+clmha_status clmha__unfused_backward_supports(clmha_layer *l, const clmha__backward_call *call,
+                                              bool *yes, const char **why) {
+    *yes = false;
+    *why = NULL;
+    clmha__chunks plan;
+    if (!clmha__scores_chunks(l, call->dims, &plan) || plan.count != 1) {
+        *why = "the scores (N·H·L·S' floats) exceed half the device's largest allocation: use "
+               "the fused backward";
+        return CLMHA_SUCCESS;
+    }
+    clmha__unfused_backward *ub;
+    clmha_status st = ensure(l, &ub);
+    if (st) return st;
+    *yes = true;
+    return CLMHA_SUCCESS;
+}
+
+// One strided batched GEMM over the N*H planes, row-major: C = alpha · op(A) · op(B), every
+// buffer at offset 0 (see the top of this file).
+static clmha_status gemm(clmha_layer *l, const char *what, bool trans_a, bool trans_b, size_t m,
+                         size_t n, size_t k, float alpha, cl_mem a, size_t lda, size_t stride_a,
+                         cl_mem b, size_t ldb, size_t stride_b, cl_mem c, size_t ldc,
+                         size_t stride_c, size_t batches) {
+    cl_command_queue q = l->ctx->queue;
+    int st;
+    CLMHA__BLAS(st, CLBlastSgemmStridedBatched(
+                        CLBlastLayoutRowMajor, trans_a ? CLBlastTransposeYes : CLBlastTransposeNo,
+                        trans_b ? CLBlastTransposeYes : CLBlastTransposeNo, m, n, k, alpha, a, 0,
+                        lda, stride_a, b, 0, ldb, stride_b, 0.0f, c, 0, ldc, stride_c, batches,
+                        &q, NULL));
+    return st ? clmha__blas_fail(l->ctx, st, what) : CLMHA_SUCCESS;
+}
+
+// The gradient of one float mask, @p count elements at @p off of @p out in layout @p mode
+// (cl/cores/unfused_backward.cl's MG_*), from dS in @p ds.
+static clmha_status mask_grad(clmha_layer *l, const clmha__unfused_backward *ub,
+                              const clmha__dims *d, cl_mem ds, cl_mem out, size_t off,
+                              size_t count, cl_uint mode, bool accumulate) {
+    cl_ulong out_off = off, n_el = count, tgt = d->l, heads = l->h, planes = d->n * l->h,
+             src = d->s, srcp = d->s_padded;
+    cl_uint acc = accumulate;
+    arg args[] = {ARG(ds),  ARG(out),   ARG(out_off), ARG(n_el), ARG(mode), ARG(acc),
+                  ARG(tgt), ARG(heads), ARG(planes),  ARG(src),  ARG(srcp)};
+    return clmha__launch(l->ctx, ub->mask_grad, "mask_grad", count, ub->mask_wg, args,
+                         sizeof args / sizeof args[0]);
+}
+
+clmha_status clmha__unfused_backward_run(clmha_layer *l, clmha__backward_call *call) {
+    clmha_context *ctx = l->ctx;
+    const clmha_forward_args *a = call->args;
+    const clmha__dims *d = call->dims;
+    clmha__unfused_backward *ub;
+    clmha_status st;
+    if ((st = ensure(l, &ub)) || (st = clmha__layer_reserve(l, d, true, false)) ||
+        (st = clmha__grow_buffer(ctx, &ub->grad_scores, &ub->grad_scores_cap, d->scores_count,
+                                  "unfused backward score gradients")))
+        return st;
+    size_t hd = l->d, sp = d->s_padded, tl = d->l, planes = d->n * l->h;
+    float scale = (float)(1.0 / sqrt((double)hd));
+    cl_mem p = l->scores, g = ub->grad_scores;
+
+    // P, then dPd = dO · V'ᵀ.
+    if ((st = clmha__unfused_probabilities(l, a, d, call->q, call->k)) ||
+        (st = gemm(l, "CLBlastSgemmStridedBatched(dO V^T)", false, true, tl, sp, hd, 1.0f,
+                   call->d_o, hd, tl * hd, call->v, hd, sp * hd, g, sp, tl * sp, planes)))
+        return st;
+
+    // Pd into p, dS into g.
+    clmha__mask_args m = clmha__masks_of(l, a, d);
+    cl_uint gw_mode = call->grad_weights ? (a->per_head_weights ? 1 : 2) : 0;
+    cl_mem gw = call->grad_weights ? call->grad_weights : ctx->dummy;
+    cl_ulong gw_off = call->grad_weights ? call->grad_weights_offset : 0, tgt = tl,
+             heads = l->h, srcp = sp;
+    float inv_heads = (float)(1.0 / (double)l->h);
+    arg sb_args[] = {ARG(p),          ARG(g),           ARG(gw),           ARG(gw_off),
+                     ARG(gw_mode),    ARG(inv_heads),   ARG(tgt),          ARG(heads),
+                     ARG(srcp),       ARG(m.dropout_on), ARG(m.threshold), ARG(m.keep_scale),
+                     ARG(m.seed_lo),  ARG(m.seed_hi),   ARG(m.off_lo)};
+    size_t rows = planes * tl;
+    if ((st = clmha__launch(ctx, ub->softmax_backward, "softmax_backward", rows * ub->wg, ub->wg,
+                            sb_args, sizeof sb_args / sizeof sb_args[0])))
+        return st;
+
+    // dV' = Pdᵀ · dO, dQ = scale · dS · K', dK' = scale · dSᵀ · Q.
+    if ((st = gemm(l, "CLBlastSgemmStridedBatched(Pd^T dO)", true, false, sp, hd, tl, 1.0f, p,
+                   sp, tl * sp, call->d_o, hd, tl * hd, call->dv, hd, sp * hd, planes)) ||
+        (st = gemm(l, "CLBlastSgemmStridedBatched(dS K)", false, false, tl, hd, sp, scale, g,
+                   sp, tl * sp, call->k, hd, sp * hd, call->dq, hd, tl * hd, planes)) ||
+        (st = gemm(l, "CLBlastSgemmStridedBatched(dS^T Q)", true, false, sp, hd, tl, scale, g,
+                   sp, tl * sp, call->q, hd, tl * hd, call->dk, hd, sp * hd, planes)))
+        return st;
+
+    // The masks' gradients: dS summed over what each mask is broadcast along.
+    if (call->grad_attn_mask) {
+        size_t count = d->attn_layout == CLMHA__ATTN_SHARED      ? tl * d->s
+                       : d->attn_layout == CLMHA__ATTN_PER_BATCH ? d->n * tl * d->s
+                                                                 : planes * tl * d->s;
+        if ((st = mask_grad(l, ub, d, g, call->grad_attn_mask, call->grad_attn_offset, count,
+                            (cl_uint)d->attn_layout, call->grad_attn_accumulate)))
+            return st;
+    }
+    if (call->grad_kpm &&
+        (st = mask_grad(l, ub, d, g, call->grad_kpm, call->grad_kpm_offset, d->n * d->s, 4,
+                        call->grad_kpm_accumulate)))
+        return st;
+    return CLMHA_SUCCESS;
+}

@@ -1,0 +1,337 @@
+// CPU reference of the backward pass in double precision: the gradients of every input,
+// parameter and float mask of clmha_reference_forward(), given the gradient of the output (and
+// of the returned weights). The forward quantities are recomputed with the forward pass's own
+// steps (reference_math.c); then the chain rule runs the data flow backwards:
+//
+//   output projection -> merge heads -> weights . V -> dropout -> softmax -> scores
+//   -> split heads (bias_k / bias_v; the zero key's gradient is dropped) -> input projections
+//
+// Notation: P the probabilities (N*H, L, S'), Pd = P after dropout, O = Pd . V' the attention
+// result, M its merged form (N, L, E), Y = M Wo^T + bo. A fully masked row has P = 0, so its
+// score gradient P (dP - sum P dP) is 0 as well, never NaN.
+#include "base/message.h"
+#include "base/struct_in.h"
+#include "reference/reference_math.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+// ---- validation ------------------------------------------------------------------------------
+
+// A gradient asked for (@p dest non-NULL) that the call has no tensor for.
+static clmha_status refuse(char *msg, size_t msg_size, const char *name, const char *why) {
+    return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "grads->%s is given but %s", name,
+                      why);
+}
+
+static clmha_status check_mask_grad(const double *dest, clmha_mask_kind kind, const char *name,
+                                    char *msg, size_t msg_size) {
+    if (!dest) return CLMHA_SUCCESS;
+    if (kind == CLMHA_MASK_NONE) return refuse(msg, msg_size, name, "the call has no such mask");
+    if (kind != CLMHA_MASK_FLOAT)
+        return refuse(msg, msg_size, name,
+                      "the mask is boolean: only a float mask (CLMHA_MASK_FLOAT) has a gradient");
+    return CLMHA_SUCCESS;
+}
+
+static clmha_status check_grads(const clmha__ref_call *call, const clmha_reference_grads *g,
+                                const float *grad_output, const float *grad_weights, char *msg,
+                                size_t msg_size) {
+    const clmha__dims *d = &call->d;
+    clmha_status st;
+    if (!grad_output)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "grad_output is NULL");
+    if (grad_weights && !call->args.need_weights)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "grad_weights is given but the forward call has no need_weights");
+    if (d->key_is_query && g->key)
+        return refuse(msg, msg_size, "key",
+                      "key was not given (self-attention): its gradient is in grads->query");
+    if (d->value_is_key && g->value)
+        return refuse(msg, msg_size, "value",
+                      d->key_is_query
+                          ? "value was not given (self-attention): its gradient is in "
+                            "grads->query"
+                          : "value was not given (key is value): its gradient is in grads->key");
+    if (g->in_proj_weight && !(d->kdim == d->e && d->vdim == d->e))
+        return refuse(msg, msg_size, "in_proj_weight",
+                      "the layer has kdim or vdim != embed_dim: ask for q_proj_weight, "
+                      "k_proj_weight and v_proj_weight");
+    if (g->in_proj_weight && (g->q_proj_weight || g->k_proj_weight || g->v_proj_weight))
+        return refuse(msg, msg_size, "in_proj_weight",
+                      "so is a row block of it (q_proj_weight, k_proj_weight or v_proj_weight)");
+    if (!call->desc.bias && g->in_proj_bias)
+        return refuse(msg, msg_size, "in_proj_bias", "the layer has no bias");
+    if (!call->desc.bias && g->out_proj_bias)
+        return refuse(msg, msg_size, "out_proj_bias", "the layer has no bias");
+    if (!call->desc.add_bias_kv && g->bias_k)
+        return refuse(msg, msg_size, "bias_k", "the layer has no add_bias_kv");
+    if (!call->desc.add_bias_kv && g->bias_v)
+        return refuse(msg, msg_size, "bias_v", "the layer has no add_bias_kv");
+    if ((st = check_mask_grad(g->attn_mask, d->attn_kind, "attn_mask", msg, msg_size))) return st;
+    return check_mask_grad(g->key_padding_mask, d->kpm_kind, "key_padding_mask", msg, msg_size);
+}
+
+// ---- backward steps --------------------------------------------------------------------------
+
+// Gradients of a projection out (N, seq, E) = x W^T + b from dout (N, seq, E): dW (E, feat) and
+// db (E) when not NULL are written; dx (the input's layout, see clmha__ref_input_index) is
+// written, or added to with @p add_dx, when not NULL.
+static void project_backward(const clmha__dims *d, const double *dout, const float *x,
+                             size_t seq, size_t feat, const float *w, double *dw, double *db,
+                             double *dx, bool add_dx) {
+    const size_t e = d->e;
+    if (db)
+        for (size_t o = 0; o < e; ++o) {
+            double acc = 0.0;
+            for (size_t r = 0; r < d->n * seq; ++r) acc += dout[r * e + o];
+            db[o] = acc;
+        }
+    if (dw)
+        for (size_t o = 0; o < e; ++o)
+            for (size_t f = 0; f < feat; ++f) {
+                double acc = 0.0;
+                for (size_t n = 0; n < d->n; ++n)
+                    for (size_t i = 0; i < seq; ++i)
+                        acc += dout[(n * seq + i) * e + o] *
+                               (double)x[clmha__ref_input_index(d, seq, feat, i, n, f)];
+                dw[o * feat + f] = acc;
+            }
+    if (dx)
+        for (size_t n = 0; n < d->n; ++n)
+            for (size_t i = 0; i < seq; ++i)
+                for (size_t f = 0; f < feat; ++f) {
+                    double acc = 0.0;
+                    for (size_t o = 0; o < e; ++o)
+                        acc += dout[(n * seq + i) * e + o] * (double)w[o * feat + f];
+                    double *at = &dx[clmha__ref_input_index(d, seq, feat, i, n, f)];
+                    *at = add_dx ? *at + acc : acc;
+                }
+}
+
+// The gradient of an appended bias row (bias_k or bias_v, (1, 1, E)): row S of the heads'
+// gradient dheads (N*H, S', D), summed over the batch.
+static void appended_bias_grad(const clmha__dims *d, const double *dheads, double *out) {
+    const size_t sp = d->s_padded;
+    for (size_t h = 0; h < d->h; ++h)
+        for (size_t c = 0; c < d->d; ++c) {
+            double acc = 0.0;
+            for (size_t n = 0; n < d->n; ++n)
+                acc += dheads[((n * d->h + h) * sp + d->s) * d->d + c];
+            out[h * d->d + c] = acc;
+        }
+}
+
+// The gradients of the float masks: the score gradient ds (N*H, L, S') of the first S keys,
+// summed over the dimensions each mask is broadcast along.
+static void mask_grads(const clmha__dims *d, const double *ds, double *d_attn, double *d_kpm) {
+    const size_t sp = d->s_padded;
+    if (d_attn) {
+        size_t count = d->attn_layout == CLMHA__ATTN_SHARED ? d->l * d->s : d->attn_count;
+        memset(d_attn, 0, count * sizeof *d_attn);
+        for (size_t n = 0; n < d->n; ++n)
+            for (size_t h = 0; h < d->h; ++h)
+                for (size_t i = 0; i < d->l; ++i)
+                    for (size_t j = 0; j < d->s; ++j) {
+                        size_t at;
+                        if (d->attn_layout == CLMHA__ATTN_SHARED)
+                            at = i * d->s + j;
+                        else if (d->attn_layout == CLMHA__ATTN_PER_HEAD)
+                            at = ((n * d->h + h) * d->l + i) * d->s + j;
+                        else
+                            at = (n * d->l + i) * d->s + j;
+                        d_attn[at] += ds[((n * d->h + h) * d->l + i) * sp + j];
+                    }
+    }
+    if (d_kpm)
+        for (size_t n = 0; n < d->n; ++n)
+            for (size_t j = 0; j < d->s; ++j) {
+                double acc = 0.0;
+                for (size_t h = 0; h < d->h; ++h)
+                    for (size_t i = 0; i < d->l; ++i)
+                        acc += ds[((n * d->h + h) * d->l + i) * sp + j];
+                d_kpm[n * d->s + j] = acc;
+            }
+}
+
+// ---- the backward pass -----------------------------------------------------------------------
+
+clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
+                                      const clmha_reference_params *params,
+                                      const clmha_forward_args *args,
+                                      const float *grad_output, const float *grad_weights,
+                                      const clmha_reference_grads *grads_in, char *message,
+                                      size_t message_size) {
+    clmha__ref_call call;
+    clmha_reference_grads g;
+    clmha_status st;
+    clmha__ref_forward f;  // the forward quantities: P, Pd, O, M, ...
+    double *dy = NULL, *dctx = NULL, *dctx_heads = NULL;  // dY and dM (N, L, E), dO
+    double *dprobs = NULL;                            // dPd, then dP, then dS (N*H, L, S')
+    double *dq = NULL, *dk = NULL, *dv = NULL;        // head gradients (N*H, L|S', D)
+    double *dq_in = NULL, *dk_in = NULL, *dv_in = NULL;  // projection gradients (N, L|S, E)
+    if (message && message_size) message[0] = '\0';
+
+    // 1. Validate: the forward call as clmha_reference_forward() does, then the gradients.
+    if ((st = clmha__ref_validate(desc, params, args, &call, message, message_size))) return st;
+    if ((st = CLMHA__STRUCT_IN(clmha_reference_grads, &g, grads_in, "grads", message,
+                               message_size)))
+        return st;
+    if ((st = check_grads(&call, &g, grad_output, grad_weights, message, message_size)))
+        return st;
+    const clmha__dims d = call.d;
+    const size_t e = d.e, sp = d.s_padded, nh = d.n * d.h;
+    const size_t q_count = d.output_count, kp_count = d.n * sp * e, k_count = d.n * d.s * e;
+
+    // 2. The forward pass again, up to the merged attention result M (its sizes are checked
+    //    for overflow there).
+    if ((st = clmha__ref_forward_run(&call, true, &f, message, message_size))) return st;
+    const double *probs = f.probs, *dropped = f.weights, *k = f.k, *q = f.q, *v = f.v,
+                 *ctx = f.ctx;
+    dy = malloc(q_count * sizeof *dy);
+    dctx = malloc(q_count * sizeof *dctx);
+    dctx_heads = malloc(q_count * sizeof *dctx_heads);
+    dprobs = malloc(d.scores_count * sizeof *dprobs);
+    dq = malloc(q_count * sizeof *dq);
+    dk = malloc(kp_count * sizeof *dk);
+    dv = malloc(kp_count * sizeof *dv);
+    dq_in = malloc(q_count * sizeof *dq_in);
+    dk_in = malloc(k_count * sizeof *dk_in);
+    dv_in = malloc(k_count * sizeof *dv_in);
+    if (!dy || !dctx || !dctx_heads || !dprobs || !dq || !dk || !dv || !dq_in || !dk_in ||
+        !dv_in) {
+        st = clmha__msg(message, message_size, CLMHA_OUT_OF_MEMORY,
+                        "out of host memory for the reference scratch");
+        goto fail;
+    }
+
+    // 3. Output projection: dbo = sum of dY rows, dWo = dY^T M, dM = dY Wo.
+    for (size_t n = 0; n < d.n; ++n)
+        for (size_t i = 0; i < d.l; ++i)
+            for (size_t o = 0; o < e; ++o)
+                dy[(n * d.l + i) * e + o] =
+                    (double)grad_output[clmha__ref_input_index(&d, d.l, e, i, n, o)];
+    const float *w_out = call.params.out_proj_weight;
+    for (size_t r = 0; r < d.n * d.l; ++r)
+        for (size_t c = 0; c < e; ++c) {
+            double acc = 0.0;
+            for (size_t o = 0; o < e; ++o) acc += dy[r * e + o] * (double)w_out[o * e + c];
+            dctx[r * e + c] = acc;
+        }
+    if (g.out_proj_bias)
+        for (size_t o = 0; o < e; ++o) {
+            double acc = 0.0;
+            for (size_t r = 0; r < d.n * d.l; ++r) acc += dy[r * e + o];
+            g.out_proj_bias[o] = acc;
+        }
+    if (g.out_proj_weight)
+        for (size_t o = 0; o < e; ++o)
+            for (size_t c = 0; c < e; ++c) {
+                double acc = 0.0;
+                for (size_t r = 0; r < d.n * d.l; ++r) acc += dy[r * e + o] * ctx[r * e + c];
+                g.out_proj_weight[o * e + c] = acc;
+            }
+
+    // 4. Merge heads backwards: dO = split(dM).
+    clmha__ref_split_heads(&d, dctx, d.l, NULL, d.l, dctx_heads);
+
+    // 5. O = Pd V': dPd = dO V'^T (+ the weights' gradient, per head, or its average's share
+    //    1/H in every head), dV' = Pd^T dO.
+    for (size_t bh = 0; bh < nh; ++bh)
+        for (size_t i = 0; i < d.l; ++i)
+            for (size_t j = 0; j < sp; ++j) {
+                double acc = 0.0;
+                for (size_t c = 0; c < d.d; ++c)
+                    acc += dctx_heads[(bh * d.l + i) * d.d + c] * v[(bh * sp + j) * d.d + c];
+                if (grad_weights) {
+                    if (call.args.per_head_weights)
+                        acc += (double)grad_weights[(bh * d.l + i) * sp + j];
+                    else
+                        acc += (double)grad_weights[((bh / d.h) * d.l + i) * sp + j] /
+                               (double)d.h;
+                }
+                dprobs[(bh * d.l + i) * sp + j] = acc;
+            }
+    for (size_t bh = 0; bh < nh; ++bh)
+        for (size_t j = 0; j < sp; ++j)
+            for (size_t c = 0; c < d.d; ++c) {
+                double acc = 0.0;
+                for (size_t i = 0; i < d.l; ++i)
+                    acc += dropped[(bh * d.l + i) * sp + j] * dctx_heads[(bh * d.l + i) * d.d + c];
+                dv[(bh * sp + j) * d.d + c] = acc;
+            }
+
+    // 6. Dropout: the same keep mask and scale turn dPd into dP.
+    clmha__ref_dropout(&call, dprobs);
+
+    // 7. Softmax: dS = P (dP - sum_j P_j dP_j), row by row; 0 wherever P is (masked keys and
+    //    fully masked rows), so the masks' gradients are 0 there too.
+    for (size_t row = 0; row < nh * d.l; ++row) {
+        const double *p = probs + row * sp;
+        double *r = dprobs + row * sp;
+        double dot = 0.0;
+        for (size_t j = 0; j < sp; ++j) dot += p[j] * r[j];
+        for (size_t j = 0; j < sp; ++j) r[j] = p[j] * (r[j] - dot);
+    }
+
+    // 8. Scores S = scale Q K'^T + masks: dQ = scale dS K', dK' = scale dS^T Q.
+    const double scale = 1.0 / sqrt((double)d.d);
+    for (size_t bh = 0; bh < nh; ++bh) {
+        for (size_t i = 0; i < d.l; ++i)
+            for (size_t c = 0; c < d.d; ++c) {
+                double acc = 0.0;
+                for (size_t j = 0; j < sp; ++j)
+                    acc += dprobs[(bh * d.l + i) * sp + j] * k[(bh * sp + j) * d.d + c];
+                dq[(bh * d.l + i) * d.d + c] = acc * scale;
+            }
+        for (size_t j = 0; j < sp; ++j)
+            for (size_t c = 0; c < d.d; ++c) {
+                double acc = 0.0;
+                for (size_t i = 0; i < d.l; ++i)
+                    acc += dprobs[(bh * d.l + i) * sp + j] * q[(bh * d.l + i) * d.d + c];
+                dk[(bh * sp + j) * d.d + c] = acc * scale;
+            }
+    }
+    mask_grads(&d, dprobs, g.attn_mask, g.key_padding_mask);
+
+    // 9. Split heads backwards: the first L / S rows merge into the projections' gradients;
+    //    row S is bias_k's / bias_v's (with add_bias_kv); the zero key's row is dropped.
+    clmha__ref_merge_heads(&d, dq, d.l, d.l, dq_in);
+    clmha__ref_merge_heads(&d, dk, sp, d.s, dk_in);
+    clmha__ref_merge_heads(&d, dv, sp, d.s, dv_in);
+    if (g.bias_k) appended_bias_grad(&d, dk, g.bias_k);
+    if (g.bias_v) appended_bias_grad(&d, dv, g.bias_v);
+
+    // 10. Input projections. The weight and bias blocks go to the packed gradients or to the
+    //     blocks asked for; an input used several times (self-attention, key is value) gets
+    //     the sum of its uses.
+    clmha__ref_operands ops;
+    clmha__ref_operands_of(&call, &ops);
+    const double *dproj[3] = {dq_in, dk_in, dv_in};
+    double *dw_block[3] = {g.q_proj_weight, g.k_proj_weight, g.v_proj_weight};
+    double *dx_of[3] = {g.query, d.key_is_query ? g.query : g.key,
+                        d.value_is_key ? (d.key_is_query ? g.query : g.key) : g.value};
+    for (size_t t = 0; t < 3; ++t) {
+        double *dw = g.in_proj_weight ? g.in_proj_weight + t * e * e : dw_block[t];
+        double *db = g.in_proj_bias ? g.in_proj_bias + t * e : NULL;
+        bool add = (t == 1 && d.key_is_query) || (t == 2 && d.value_is_key);
+        project_backward(&d, dproj[t], ops.x[t], ops.seq[t], ops.feat[t], ops.w[t], dw, db,
+                         dx_of[t], add);
+    }
+    st = CLMHA_SUCCESS;
+
+fail:
+    clmha__ref_forward_free(&f);
+    free(dy);
+    free(dctx);
+    free(dctx_heads);
+    free(dprobs);
+    free(dq);
+    free(dk);
+    free(dv);
+    free(dq_in);
+    free(dk_in);
+    free(dv_in);
+    return st;
+}

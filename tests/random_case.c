@@ -1,0 +1,239 @@
+// Random cases of a whole layer call (random_case.h).
+#include "random_case.h"
+
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *kind_name(clmha_mask_kind k) {
+    static const char *names[] = {"none", "ignore", "attend", "float"};
+    return names[k];
+}
+
+void rcase_describe(const rcase *c, char *buf, size_t size) {
+    static const char *layouts[] = {"L,S", "NH,L,S", "N,L,S"};
+    int used = snprintf(buf, size, "E%zu H%zu N%zu L%zu S%zu", c->e, c->h,
+                        c->unbatched ? (size_t)1 : c->n, c->l, c->self_attn ? c->l : c->s);
+#define APPEND(...)                                                                            \
+    if (used >= 0 && (size_t)used < size)                                                      \
+    used += snprintf(buf + used, size - (size_t)used, __VA_ARGS__)
+    if (c->kdim || c->vdim) APPEND(" kdim%zu vdim%zu", c->kdim, c->vdim);
+    if (!c->bias) APPEND(" nobias");
+    if (c->add_bias_kv) APPEND(" bias_kv");
+    if (c->add_zero_attn) APPEND(" zero_attn");
+    if (c->batch_first) APPEND(" batch_first");
+    if (c->unbatched) APPEND(" unbatched");
+    if (c->self_attn) APPEND(" self");
+    if (c->value_is_key) APPEND(" value=key");
+    if (c->kpm) APPEND(" kpm=%s", kind_name(c->kpm));
+    if (c->am) APPEND(" am=%s(%s)", kind_name(c->am), layouts[c->layout]);
+    if (c->is_causal) APPEND(" causal");
+    if (c->mask_row) APPEND(" masked_row");
+    if (c->mask_batch) APPEND(" masked_item");
+    if (c->need_weights) APPEND(c->per_head ? " w=per_head" : " w=avg");
+    if (c->dropout > 0) APPEND(" p=%.2g%s", (double)c->dropout, c->training ? " train" : " eval");
+#undef APPEND
+}
+
+// A mask of @p count elements: boolean masks hold 0 or a random non-zero byte (non-zero means
+// forbidden for IGNORE, allowed for ATTEND; a fraction mask_p is forbidden); float masks hold
+// N(0, 1) values with a fraction mask_p of -inf.
+static void *make_mask(prng *r, clmha_mask_kind kind, size_t count, double mask_p) {
+    if (kind == CLMHA_MASK_FLOAT) {
+        float *m = alloc_floats(count);
+        for (size_t i = 0; i < count; ++i)
+            m[i] = prng_uniform(r) < mask_p ? -INFINITY : (float)prng_normal(r);
+        return m;
+    }
+    unsigned char *m = malloc(count ? count : 1);
+    cr_assert_not_null(m, "out of memory");
+    for (size_t i = 0; i < count; ++i) {
+        bool forbidden = prng_uniform(r) < mask_p;
+        unsigned char nonzero = (unsigned char)prng_range(r, 1, 255);
+        m[i] = (forbidden == (kind == CLMHA_MASK_BOOL_IGNORE)) ? nonzero : 0;
+    }
+    return m;
+}
+
+static clmha_tensor host_tensor(const void *data, size_t ndim, size_t a, size_t b, size_t c) {
+    clmha_tensor t = {.ndim = ndim, .shape = {a, b, c}, .data = data};
+    return t;
+}
+
+// An input (seq, batch, feat) in the case's layout.
+static clmha_tensor input_tensor(const instance *in, const float *data, size_t seq, size_t feat) {
+    if (in->c.unbatched) return host_tensor(data, 2, seq, feat, 0);
+    if (in->c.batch_first) return host_tensor(data, 3, in->n, seq, feat);
+    return host_tensor(data, 3, seq, in->n, feat);
+}
+
+void instance_make(instance *in, const rcase *c) {
+    memset(in, 0, sizeof *in);
+    in->c = *c;
+    if (c->self_attn) in->c.s = c->l;
+    const rcase *k = &in->c;
+    prng r = {k->data_seed};
+    const size_t e = k->e, n = k->unbatched ? 1 : k->n, l = k->l, s = k->s;
+    in->n = n;
+    in->kdim = k->kdim ? k->kdim : e;
+    in->vdim = k->vdim ? k->vdim : e;
+    in->s_padded = s + k->add_bias_kv + k->add_zero_attn;
+
+    in->desc = (clmha_layer_desc){.struct_size = sizeof(clmha_layer_desc),
+                                  .embed_dim = e, .num_heads = k->h, .kdim = k->kdim,
+                                  .vdim = k->vdim, .bias = k->bias,
+                                  .add_bias_kv = k->add_bias_kv,
+                                  .add_zero_attn = k->add_zero_attn,
+                                  .batch_first = k->batch_first, .dropout = k->dropout};
+
+    // Parameters: weights ~ U(-1/sqrt(E), 1/sqrt(E)), bias_k / bias_v ~ N(0, 1).
+    in->params.struct_size = sizeof in->params;
+    const double bound = 1.0 / sqrt((double)e);
+    if (in->kdim == e && in->vdim == e) {
+        in->w_in = uniform_floats(&r, 3 * e * e, bound);
+        in->params.in_proj_weight = in->w_in;
+    } else {
+        in->wq = uniform_floats(&r, e * e, bound);
+        in->wk = uniform_floats(&r, e * in->kdim, bound);
+        in->wv = uniform_floats(&r, e * in->vdim, bound);
+        in->params.q_proj_weight = in->wq;
+        in->params.k_proj_weight = in->wk;
+        in->params.v_proj_weight = in->wv;
+    }
+    in->wo = uniform_floats(&r, e * e, bound);
+    in->params.out_proj_weight = in->wo;
+    if (k->bias) {
+        in->b_in = uniform_floats(&r, 3 * e, bound);
+        in->bo = uniform_floats(&r, e, bound);
+        in->params.in_proj_bias = in->b_in;
+        in->params.out_proj_bias = in->bo;
+    }
+    if (k->add_bias_kv) {
+        in->bk = normal_floats(&r, e);
+        in->bv = normal_floats(&r, e);
+        in->params.bias_k = in->bk;
+        in->params.bias_v = in->bv;
+    }
+
+    // Inputs ~ N(0, 1).
+    clmha_forward_args *a = &in->args;
+    a->struct_size = sizeof *a;
+    in->query = normal_floats(&r, l * n * e);
+    a->query = input_tensor(in, in->query, l, e);
+    if (!k->self_attn) {
+        in->key = normal_floats(&r, s * n * in->kdim);
+        a->key = input_tensor(in, in->key, s, in->kdim);
+        if (!k->value_is_key) {
+            in->value = normal_floats(&r, s * n * in->vdim);
+            a->value = input_tensor(in, in->value, s, in->vdim);
+        }
+    }
+
+    // Masks.
+    if (k->kpm) {
+        in->kpm = make_mask(&r, k->kpm, n * s, k->mask_p);
+        if (k->mask_batch) memset(in->kpm, 1, s);  // item 0 (kind BOOL_IGNORE) fully masked
+        a->key_padding_mask.kind = k->kpm;
+        a->key_padding_mask.tensor =
+            k->unbatched ? host_tensor(in->kpm, 1, s, 0, 0) : host_tensor(in->kpm, 2, n, s, 0);
+    }
+    if (k->am) {
+        size_t heads = k->layout == LAYOUT_PER_HEAD    ? n * k->h
+                       : k->layout == LAYOUT_PER_BATCH ? n
+                                                       : 1;
+        in->am = make_mask(&r, k->am, heads * l * s, k->mask_p);
+        if (k->mask_row) memset((unsigned char *)in->am + s, 1, s);  // row 1 (BOOL_IGNORE)
+        a->attn_mask.kind = k->am;
+        a->attn_mask.per_batch = k->layout == LAYOUT_PER_BATCH;
+        a->attn_mask.tensor = k->layout == LAYOUT_SHARED ? host_tensor(in->am, 2, l, s, 0)
+                                                         : host_tensor(in->am, 3, heads, l, s);
+    }
+    a->is_causal = k->is_causal;
+    a->need_weights = k->need_weights;
+    a->per_head_weights = k->per_head;
+    a->training = k->training;
+    a->rng = (clmha_dropout_rng){k->rng_seed, k->rng_offset};
+
+    in->output_count = n * l * e;
+    in->weights_count = k->need_weights ? n * (k->per_head ? k->h : 1) * l * in->s_padded : 0;
+}
+
+void instance_free(instance *in) {
+    float *arrays[] = {in->w_in, in->wq,  in->wk,    in->wv,  in->b_in, in->wo,
+                       in->bo,   in->bk,  in->bv,    in->query, in->key, in->value};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free(arrays[i]);
+    free(in->kpm);
+    free(in->am);
+}
+
+static void set_param(clmha_layer *layer, const char *name, const float *data, size_t count) {
+    if (!data) return;
+    clmha_status st = clmha_layer_set_parameter(layer, name, data, count);
+    cr_assert_eq(st, CLMHA_SUCCESS, "set_parameter(%s): %s", name,
+                 clmha_context_last_error(clmha_layer_context(layer)));
+}
+
+clmha_layer *instance_layer(clmha_context *ctx, const instance *in) {
+    clmha_layer *layer = NULL;
+    clmha_status st = clmha_layer_create(&layer, ctx, &in->desc);
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_layer_create: %s", clmha_context_last_error(ctx));
+    const size_t e = in->c.e;
+    set_param(layer, "in_proj_weight", in->w_in, 3 * e * e);
+    set_param(layer, "q_proj_weight", in->wq, e * e);
+    set_param(layer, "k_proj_weight", in->wk, e * in->kdim);
+    set_param(layer, "v_proj_weight", in->wv, e * in->vdim);
+    set_param(layer, "in_proj_bias", in->b_in, 3 * e);
+    set_param(layer, "out_proj.weight", in->wo, e * e);
+    set_param(layer, "out_proj.bias", in->bo, e);
+    set_param(layer, "bias_k", in->bk, e);
+    set_param(layer, "bias_v", in->bv, e);
+    return layer;
+}
+
+rcase rcase_base(uint64_t data_seed) {
+    rcase c = {.e = 8, .h = 2, .n = 2, .l = 3, .s = 5, .bias = true, .need_weights = true,
+               .mask_p = 0.3, .rng_seed = 0x0123456789ABCDEFull, .rng_offset = 7,
+               .data_seed = data_seed};
+    return c;
+}
+
+rcase rcase_random(prng *r) {
+    rcase c = rcase_base(prng_next(r));
+    c.h = prng_range(r, 1, 4);
+    c.e = c.h * prng_range(r, 1, 6);
+    c.n = prng_range(r, 1, 4);
+    c.l = prng_range(r, 1, 7);
+    c.s = prng_range(r, 1, 7);
+    c.bias = prng_range(r, 0, 3) != 0;
+    c.add_bias_kv = prng_bool(r);
+    c.add_zero_attn = prng_bool(r);
+    c.batch_first = prng_bool(r);
+    c.unbatched = prng_range(r, 0, 4) == 0;
+    switch (prng_range(r, 0, 3)) {
+    case 0: c.self_attn = true; break;
+    case 1:
+        c.kdim = prng_range(r, 1, 9);
+        c.vdim = prng_bool(r) ? c.kdim : prng_range(r, 1, 9);
+        c.value_is_key = c.kdim == c.vdim && prng_bool(r);
+        break;
+    case 2: c.value_is_key = prng_bool(r); break;
+    default: break;
+    }
+    c.kpm = (clmha_mask_kind)prng_range(r, 0, 3);
+    c.am = (clmha_mask_kind)prng_range(r, 0, 3);
+    c.layout = (attn_layout)prng_range(r, 0, c.unbatched ? 1 : 2);
+    c.is_causal = prng_range(r, 0, 2) == 0;
+    c.need_weights = prng_range(r, 0, 3) != 0;
+    c.per_head = prng_bool(r);
+    if (prng_range(r, 0, 3) == 0) {
+        c.dropout = 0.25f;
+        c.training = prng_bool(r);
+        c.rng_seed = prng_next(r);
+        c.rng_offset = prng_next(r);
+    }
+    return c;
+}
+

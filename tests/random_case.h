@@ -1,0 +1,61 @@
+// Random cases of a whole layer call (shared by test_random.c and test_backward_random.c): a
+// layer configuration, shapes and options drawn from a seed, made into the parameters, inputs
+// and masks that clmha_layer_forward_host() and the CPU reference take.
+#ifndef CLMHA_TESTS_RANDOM_CASE_H
+#define CLMHA_TESTS_RANDOM_CASE_H
+
+#include <clmha.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "support.h"
+
+typedef enum attn_layout { LAYOUT_SHARED, LAYOUT_PER_HEAD, LAYOUT_PER_BATCH } attn_layout;
+
+// One forward call: the layer, the shapes and the options.
+typedef struct rcase {
+    size_t e, h, kdim, vdim;  // kdim/vdim 0 = embed_dim
+    size_t n, l, s;           // n is ignored (1) when unbatched
+    bool bias, add_bias_kv, add_zero_attn, batch_first;
+    bool unbatched, self_attn, value_is_key;
+    clmha_mask_kind kpm, am;
+    attn_layout layout;
+    bool is_causal, need_weights, per_head, training;
+    float dropout;
+    uint64_t rng_seed, rng_offset;  // dropout randomness
+    double mask_p;                  // probability of a forbidden / -inf mask entry
+    bool mask_row;                  // attn_mask (shared, BOOL_IGNORE) forbids every key of row 1
+    bool mask_batch;                // key_padding_mask (BOOL_IGNORE) forbids every key of item 0
+    uint64_t data_seed;             // parameters, inputs and masks
+} rcase;
+
+// A case with everything the forward call and the reference need.
+typedef struct instance {
+    rcase c;
+    clmha_layer_desc desc;
+    clmha_reference_params params;
+    clmha_forward_args args;
+    size_t n, kdim, vdim, s_padded, output_count, weights_count;
+    float *w_in, *wq, *wk, *wv, *b_in, *wo, *bo, *bk, *bv;
+    float *query, *key, *value;
+    void *kpm, *am;
+} instance;
+
+// One line naming the case's options, for messages.
+void rcase_describe(const rcase *c, char *buf, size_t size);
+
+// Draws @p c's parameters, inputs and masks into @p in (free with instance_free()).
+void instance_make(instance *in, const rcase *c);
+void instance_free(instance *in);
+
+// A layer on @p ctx with @p in's configuration and parameters (fails the test on error).
+clmha_layer *instance_layer(clmha_context *ctx, const instance *in);
+
+// A base case: E 8, 2 heads, N 2, L 3, S 5, bias, weights averaged.
+rcase rcase_base(uint64_t data_seed);
+
+// A random combination of every option, drawn from @p r.
+rcase rcase_random(prng *r);
+
+#endif

@@ -1,0 +1,368 @@
+// Randomised comparisons of the OpenCL backward pass (clmha_layer_forward_host() with args.save,
+// then clmha_layer_backward_host()) against the double-precision CPU reference
+// (clmha_reference_backward()): random combinations of every option, shapes across the fused
+// kernels' tile edges, masks with their gradients, fully masked rows, dropout; through both
+// backward cores. Also: accumulation adds to what the destination holds, and the same call gives
+// bit-identical gradients every time.
+// Every case prints one line per core to stderr with the largest relative error over its
+// gradients.
+#include <criterion/criterion.h>
+
+#include <clmha.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "random_case.h"
+#include "support.h"
+
+// max |device - reference| <= TOLERANCE * (1 + max |reference|), per gradient.
+#define TOLERANCE 1e-4
+
+// ---- the gradients of a case ---------------------------------------------------------------------
+
+enum {
+    G_QUERY, G_KEY, G_VALUE, G_IN_W, G_Q_W, G_K_W, G_V_W, G_IN_B, G_OUT_W, G_OUT_B, G_BIAS_K,
+    G_BIAS_V, G_ATTN, G_KPM, G_COUNT
+};
+static const char *const gname[G_COUNT] = {
+    "query", "key", "value", "in_proj_weight", "q_proj_weight", "k_proj_weight",
+    "v_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v",
+    "attn_mask", "key_padding_mask"};
+
+static clmha_grad *bgrad(clmha_backward_args *b, int g) {
+    clmha_grad *all[G_COUNT] = {&b->query, &b->key, &b->value, &b->in_proj_weight,
+                                &b->q_proj_weight, &b->k_proj_weight, &b->v_proj_weight,
+                                &b->in_proj_bias, &b->out_proj_weight, &b->out_proj_bias,
+                                &b->bias_k, &b->bias_v, &b->attn_mask, &b->key_padding_mask};
+    return all[g];
+}
+
+static double **rgrad(clmha_reference_grads *r, int g) {
+    double **all[G_COUNT] = {&r->query, &r->key, &r->value, &r->in_proj_weight,
+                             &r->q_proj_weight, &r->k_proj_weight, &r->v_proj_weight,
+                             &r->in_proj_bias, &r->out_proj_weight, &r->out_proj_bias,
+                             &r->bias_k, &r->bias_v, &r->attn_mask, &r->key_padding_mask};
+    return all[g];
+}
+
+// Floats of gradient @p g of @p in (0: the case has none); mask gradients only with @p masks.
+static size_t gcount(const instance *in, int g, bool masks) {
+    const rcase *c = &in->c;
+    size_t e = c->e, n = in->n, l = c->l, s = in->c.s;
+    bool packed = in->kdim == e && in->vdim == e;
+    switch (g) {
+    case G_QUERY: return n * l * e;
+    case G_KEY: return c->self_attn ? 0 : n * s * in->kdim;
+    case G_VALUE: return c->self_attn || c->value_is_key ? 0 : n * s * in->vdim;
+    case G_IN_W: return packed ? 3 * e * e : 0;
+    case G_Q_W: return packed ? 0 : e * e;
+    case G_K_W: return packed ? 0 : e * in->kdim;
+    case G_V_W: return packed ? 0 : e * in->vdim;
+    case G_IN_B: return c->bias ? 3 * e : 0;
+    case G_OUT_W: return e * e;
+    case G_OUT_B: return c->bias ? e : 0;
+    case G_BIAS_K:
+    case G_BIAS_V: return c->add_bias_kv ? e : 0;
+    case G_ATTN:
+        if (!masks || c->am != CLMHA_MASK_FLOAT) return 0;
+        return (c->layout == LAYOUT_PER_HEAD ? n * c->h : c->layout == LAYOUT_PER_BATCH ? n : 1) *
+               l * s;
+    case G_KPM: return masks && c->kpm == CLMHA_MASK_FLOAT ? n * s : 0;
+    default: return 0;
+    }
+}
+
+typedef struct dev_grads {
+    float *g[G_COUNT];
+} dev_grads;
+
+typedef struct ref_grads {
+    double *g[G_COUNT];
+} ref_grads;
+
+static void dev_grads_free(dev_grads *d) {
+    for (int g = 0; g < G_COUNT; ++g) free(d->g[g]);
+}
+
+static void ref_grads_free(ref_grads *r) {
+    for (int g = 0; g < G_COUNT; ++g) free(r->g[g]);
+}
+
+// The forward arguments of @p in for @p impl: without weights for the fused core.
+static clmha_forward_args forward_args(const instance *in, clmha_impl impl) {
+    clmha_forward_args a = in->args;
+    a.impl = impl;
+    if (impl == CLMHA_IMPL_FUSED) a.need_weights = false, a.per_head_weights = false;
+    return a;
+}
+
+static clmha_tensor shaped_like(const clmha_tensor *t, const void *data) {
+    clmha_tensor r = *t;
+    r.data = data;
+    return r;
+}
+
+// The weights' tensor shape of @p a on @p in.
+static clmha_tensor weights_tensor(const instance *in, const clmha_forward_args *a,
+                                   const void *data) {
+    clmha_tensor t = {.data = data};
+    if (!in->c.unbatched) t.shape[t.ndim++] = in->n;
+    if (a->per_head_weights) t.shape[t.ndim++] = in->c.h;
+    t.shape[t.ndim++] = in->c.l;
+    t.shape[t.ndim++] = in->s_padded;
+    return t;
+}
+
+// Random gradients of the output and (with need_weights) of the weights.
+typedef struct upstream {
+    float *gy, *gw;
+} upstream;
+
+static upstream upstream_make(const instance *in, uint64_t seed) {
+    prng r = {seed};
+    upstream u = {normal_floats(&r, in->output_count), NULL};
+    size_t wc = in->c.need_weights ? in->n * in->c.h * in->c.l * in->s_padded : 0;
+    if (wc) u.gw = normal_floats(&r, wc);
+    return u;
+}
+
+// The reference gradients of @p a (masks' gradients with @p masks).
+static ref_grads reference(const instance *in, const clmha_forward_args *a, const upstream *u,
+                           bool masks) {
+    ref_grads r = {{NULL}};
+    clmha_reference_grads rg = {.struct_size = sizeof rg};
+    for (int g = 0; g < G_COUNT; ++g) {
+        size_t n = gcount(in, g, masks);
+        if (!n) continue;
+        r.g[g] = malloc(n * sizeof(double));
+        cr_assert_not_null(r.g[g]);
+        *rgrad(&rg, g) = r.g[g];
+    }
+    char msg[512];
+    clmha_status st = clmha_reference_backward(&in->desc, &in->params, a, u->gy,
+                                               a->need_weights ? u->gw : NULL, &rg, msg,
+                                               sizeof msg);
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_reference_backward: %s", msg);
+    return r;
+}
+
+// Forward with save, then backward, on the device; gradients into fresh arrays (NaN-filled
+// first, so that anything not written shows up), or added to @p init with accumulate.
+static dev_grads device(clmha_layer *layer, clmha_saved *saved, const instance *in,
+                        const clmha_forward_args *fa, const upstream *u, bool masks,
+                        clmha_impl impl, float init) {
+    clmha_context *ctx = clmha_layer_context(layer);
+    clmha_forward_args a = *fa;
+    a.save = saved;
+    float *out = alloc_floats(in->output_count);
+    size_t wc = a.need_weights ? in->n * (a.per_head_weights ? in->c.h : 1) * in->c.l *
+                                     in->s_padded
+                               : 0;
+    float *w = wc ? alloc_floats(wc) : NULL;
+    clmha_status st = clmha_layer_forward_host(layer, &a, out, in->output_count, w, wc);
+    cr_assert_eq(st, CLMHA_SUCCESS, "forward: %s", clmha_context_last_error(ctx));
+    clmha_backward_args b = {.struct_size = sizeof b, .forward = &a, .saved = saved,
+                             .grad_output = shaped_like(&a.query, u->gy), .impl = impl};
+    if (a.need_weights) b.grad_weights = weights_tensor(in, &a, u->gw);
+    dev_grads d = {{NULL}};
+    for (int g = 0; g < G_COUNT; ++g) {
+        size_t n = gcount(in, g, masks);
+        if (!n) continue;
+        d.g[g] = alloc_floats(n);
+        for (size_t i = 0; i < n; ++i) d.g[g][i] = isnan(init) ? NAN : init;
+        *bgrad(&b, g) = (clmha_grad){.data = d.g[g], .accumulate = !isnan(init)};
+    }
+    st = clmha_layer_backward_host(layer, &b);
+    cr_assert_eq(st, CLMHA_SUCCESS, "backward (impl %s): %s (%s)", clmha_impl_name(impl),
+                 clmha_context_last_error(ctx), clmha_status_string(st));
+    free(out);
+    free(w);
+    return d;
+}
+
+// The largest error of @p d against @p r over every gradient, relative as TOLERANCE says;
+// fails the test when one is beyond it.
+static double compare(const instance *in, const dev_grads *d, const ref_grads *r, bool masks,
+                      float init, const char *what) {
+    double worst = 0;
+    for (int g = 0; g < G_COUNT; ++g) {
+        size_t n = gcount(in, g, masks);
+        if (!n) continue;
+        double scale = 0, err = 0;
+        for (size_t i = 0; i < n; ++i) {
+            double want = r->g[g][i] + (isnan(init) ? 0.0 : (double)init);
+            scale = fmax(scale, fabs(want));
+            double e = fabs((double)d->g[g][i] - want);
+            err = isnan(e) ? INFINITY : fmax(err, e);
+        }
+        double rel = err / (1 + scale);
+        worst = fmax(worst, rel);
+        cr_expect(rel <= TOLERANCE, "%s: gradient of %s: max |err| %.3g (scale %.3g)", what,
+                  gname[g], err, scale);
+    }
+    return worst;
+}
+
+// Runs @p c through both backward cores against the reference.
+static void check_case(clmha_context *ctx, const rcase *c) {
+    char name[256];
+    rcase_describe(c, name, sizeof name);
+    instance in;
+    instance_make(&in, c);
+    clmha_layer *layer = instance_layer(ctx, &in);
+    clmha_saved *saved;
+    cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
+    upstream u = upstream_make(&in, c->data_seed ^ 0x5EED);
+
+    // Unfused: everything, weights gradient and mask gradients included.
+    clmha_forward_args au = forward_args(&in, CLMHA_IMPL_UNFUSED);
+    ref_grads ru = reference(&in, &au, &u, true);
+    dev_grads du = device(layer, saved, &in, &au, &u, true, CLMHA_IMPL_UNFUSED, NAN);
+    double eu = compare(&in, &du, &ru, true, NAN, name);
+    // Fused: without weights, without mask gradients.
+    clmha_forward_args af = forward_args(&in, CLMHA_IMPL_FUSED);
+    ref_grads rf = reference(&in, &af, &u, false);
+    dev_grads df = device(layer, saved, &in, &af, &u, false, CLMHA_IMPL_FUSED, NAN);
+    double ef = compare(&in, &df, &rf, false, NAN, name);
+    fprintf(stderr, "backward random: %-78s unfused %.2e fused %.2e\n", name, eu, ef);
+
+    dev_grads_free(&du), dev_grads_free(&df);
+    ref_grads_free(&ru), ref_grads_free(&rf);
+    free(u.gy), free(u.gw);
+    clmha_saved_release(saved);
+    clmha_layer_release(layer);
+    instance_free(&in);
+}
+
+// ---- tests ---------------------------------------------------------------------------------------
+
+Test(backward_random, combinations, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    static const uint64_t seeds[] = {11, 12, 13, 77, 4242};
+    for (size_t i = 0; i < sizeof seeds / sizeof seeds[0]; ++i) {
+        prng r = {seeds[i]};
+        for (int k = 0; k < 5; ++k) {
+            rcase c = rcase_random(&r);
+            check_case(ctx, &c);
+        }
+    }
+    clmha_context_release(ctx);
+}
+
+// Shapes across the fused kernels' tiles (1, one less, equal, one more than powers of two),
+// causal with L != S, and head dims from 1 to 128.
+Test(backward_random, tile_edges, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    static const size_t lens[][2] = {{1, 1},   {1, 70},  {31, 33}, {32, 32}, {33, 65},
+                                     {64, 63}, {65, 31}, {97, 129}};
+    static const size_t dims[][2] = {{8, 8}, {16, 2}, {64, 1}, {128, 1}, {12, 3}};
+    for (size_t i = 0; i < sizeof lens / sizeof lens[0]; ++i) {
+        rcase c = rcase_base(100 + i);
+        c.e = dims[i % 5][0], c.h = dims[i % 5][1];
+        c.n = 1 + i % 2, c.l = lens[i][0], c.s = lens[i][1];
+        c.need_weights = i % 3 == 0;
+        c.is_causal = i % 2 == 1;
+        c.kpm = i % 4 == 2 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE;
+        c.mask_p = 0.1;
+        check_case(ctx, &c);
+    }
+    clmha_context_release(ctx);
+}
+
+// Every mask kind and layout with float masks' gradients, fully masked rows and items.
+Test(backward_random, masks, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    for (int k = 0; k < 12; ++k) {
+        rcase c = rcase_base(200 + (uint64_t)k);
+        c.kpm = (clmha_mask_kind)(k % 4);
+        c.am = (clmha_mask_kind)((k / 4 + k) % 4);
+        c.layout = (attn_layout)(k % 3);
+        c.add_bias_kv = k % 2;
+        c.add_zero_attn = k % 3 == 0;
+        c.is_causal = k % 5 == 0;
+        c.per_head = k % 2 == 0;
+        if (k == 5) c.am = CLMHA_MASK_BOOL_IGNORE, c.layout = LAYOUT_SHARED, c.mask_row = true;
+        if (k == 6) c.kpm = CLMHA_MASK_BOOL_IGNORE, c.mask_batch = true;
+        check_case(ctx, &c);
+    }
+    clmha_context_release(ctx);
+}
+
+// Dropout is replayed from the forward call's rng, in both cores.
+Test(backward_random, dropout, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    for (int k = 0; k < 4; ++k) {
+        rcase c = rcase_base(300 + (uint64_t)k);
+        c.dropout = k == 3 ? 0.75f : 0.3f;
+        c.training = true;
+        c.l = 9, c.s = 40;
+        c.rng_seed = 0xABCDEF0123ull + (uint64_t)k, c.rng_offset = (uint64_t)k * 1000;
+        c.is_causal = k == 1;
+        c.add_bias_kv = k == 2;
+        c.need_weights = k != 1;
+        check_case(ctx, &c);
+    }
+    clmha_context_release(ctx);
+}
+
+// Accumulation: the gradient is added to what the destination holds.
+Test(backward_random, accumulate, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    rcase c = rcase_base(400);
+    c.add_bias_kv = true;
+    c.kpm = CLMHA_MASK_FLOAT;
+    instance in;
+    instance_make(&in, &c);
+    clmha_layer *layer = instance_layer(ctx, &in);
+    clmha_saved *saved;
+    cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
+    upstream u = upstream_make(&in, 99);
+    for (int impl = CLMHA_IMPL_FUSED; impl <= CLMHA_IMPL_UNFUSED; ++impl) {
+        bool masks = impl == CLMHA_IMPL_UNFUSED;
+        clmha_forward_args a = forward_args(&in, (clmha_impl)impl);
+        ref_grads r = reference(&in, &a, &u, masks);
+        dev_grads d = device(layer, saved, &in, &a, &u, masks, (clmha_impl)impl, 0.5f);
+        compare(&in, &d, &r, masks, 0.5f, "accumulate");
+        dev_grads_free(&d);
+        ref_grads_free(&r);
+    }
+    free(u.gy), free(u.gw);
+    clmha_saved_release(saved);
+    clmha_layer_release(layer);
+    instance_free(&in);
+    clmha_context_release(ctx);
+}
+
+// The same call twice gives the same bits, in both cores.
+Test(backward_random, deterministic, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    rcase c = rcase_base(500);
+    c.l = 70, c.s = 70, c.e = 64, c.h = 2, c.is_causal = true, c.need_weights = false;
+    c.dropout = 0.2f, c.training = true;
+    instance in;
+    instance_make(&in, &c);
+    clmha_layer *layer = instance_layer(ctx, &in);
+    clmha_saved *saved;
+    cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
+    upstream u = upstream_make(&in, 5);
+    for (int impl = CLMHA_IMPL_FUSED; impl <= CLMHA_IMPL_UNFUSED; ++impl) {
+        clmha_forward_args a = forward_args(&in, (clmha_impl)impl);
+        dev_grads d1 = device(layer, saved, &in, &a, &u, false, (clmha_impl)impl, NAN);
+        dev_grads d2 = device(layer, saved, &in, &a, &u, false, (clmha_impl)impl, NAN);
+        for (int g = 0; g < G_COUNT; ++g) {
+            size_t n = gcount(&in, g, false);
+            if (n)
+                cr_expect(memcmp(d1.g[g], d2.g[g], n * sizeof(float)) == 0,
+                          "impl %s: gradient of %s differs between two runs",
+                          clmha_impl_name((clmha_impl)impl), gname[g]);
+        }
+        dev_grads_free(&d1), dev_grads_free(&d2);
+    }
+    free(u.gy), free(u.gw);
+    clmha_saved_release(saved);
+    clmha_layer_release(layer);
+    instance_free(&in);
+    clmha_context_release(ctx);
+}
