@@ -3,16 +3,16 @@
 
 Run from the repository root with Debian's Python after building clmha:
 
-    /usr/bin/python3 bench/backward_peers.py [--clmha build/clmha] [--shapes NxL ...]
-        [--rounds 3] [--repeat 5] [--torch2-python PATH | --no-torch2]
+    /usr/bin/python3 bench/backward_peers.py [--clmha build/clmha] [--impl fused[,unfused]]
+        [--shapes NxL ...] [--rounds 3] [--repeat 5] [--torch2-python PATH | --no-torch2]
         [--memory-length 16384 | --no-memory] [--memory-limit-gib 10] [--json FILE]
 
 Peers, every one in its own process, run in turns (clmha, PyTorch 1.13, PyTorch 2, then again)
 so that a busy machine slows them alike; each process times R steps after a warm-up step and
 reports their median; the table gives the median over the rounds:
-  clmha        `clmha bench --backward --json --batch-first` (device buffers; forward with
-               args.save, then clmha_layer_backward() for the gradients of the query and of every
-               parameter; a random layer and grad_output);
+  clmha        `clmha bench --backward --json --batch-first --impl I` (device buffers; forward
+               with args.save, then clmha_layer_backward() for the gradients of the query and of
+               every parameter; a random layer and grad_output), once per core of --impl;
   torch 1.13   Debian's python3-torch (/usr/bin/python3): nn.MultiheadAttention(E, H,
                batch_first=True) in train mode (dropout 0), x = randn(N, L, E) with
                requires_grad, out, _ = mha(x, x, x, need_weights=False), then
@@ -34,7 +34,8 @@ FLOPs (the same for every peer, as `clmha bench --backward` counts them): P = th
 projection GEMMs = 8*N*L*E^2 and A = its attention products (Q K^T, weights V) = 4*N*L^2*E
 (self-attention, S = L); forward = P + A, backward = 2*P + 2.5*A (FlashAttention's convention:
 the backward's 5 attention products against the forward's 2), step = 3*P + 3.5*A.
-GFLOP/s = FLOPs / median time. Ratios are clmha's time / the peer's (above 1: clmha slower).
+GFLOP/s = FLOPs / median time. Ratios are clmha's time / the peer's (above 1: clmha slower),
+one column per clmha core.
 
 Memory (--memory-length, default 16384, N 1): one step of each peer in a fresh process (clmha:
 `clmha bench --backward --repeat 0`, its first step, which also gives the step's time); its peak
@@ -159,8 +160,9 @@ def parse_args(argv):
     ap.add_argument("--clmha", default=os.path.join(ROOT, "build", "clmha"),
                     help="the built clmha program (default: build/clmha)")
     ap.add_argument("--device", help="clmha --device SPEC")
-    ap.add_argument("--impl", choices=["auto", "fused", "unfused"], default="auto",
-                    help="clmha's attention core, forward and backward (default auto: fused)")
+    ap.add_argument("--impl", default="fused",
+                    help="clmha's attention core, forward and backward: fused, unfused, or "
+                    "both (fused,unfused: each is a peer of its own); default fused")
     ap.add_argument("--shapes", nargs="+", metavar="NxL", help="timed shapes")
     ap.add_argument("--embed", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -193,6 +195,9 @@ def parse_args(argv):
         ap.error("--rounds, --repeat and --threads must be at least 1")
     if a.embed % a.heads:
         ap.error(f"--embed {a.embed} is not a multiple of --heads {a.heads}")
+    a.impls = list(dict.fromkeys(a.impl.split(",")))
+    if not a.impls or any(i not in ("fused", "unfused") for i in a.impls):
+        ap.error(f"--impl {a.impl}: expected fused, unfused or fused,unfused")
     a.shape_list = DEFAULT_SHAPES
     if a.shapes:
         try:
@@ -235,7 +240,7 @@ class Peers:
         if self.openblas:
             old = self.torch1_env.get("LD_LIBRARY_PATH")
             self.torch1_env["LD_LIBRARY_PATH"] = self.openblas + (":" + old if old else "")
-        self.names = ["clmha", "torch1"]
+        self.names = ["clmha:" + i for i in a.impls] + ["torch1"]
         self.torch2_note = None
         if a.no_torch2:
             self.torch2_note = "left out (--no-torch2)"
@@ -246,11 +251,11 @@ class Peers:
         else:
             self.names.append("torch2")
 
-    def clmha_cmd(self, n, l, repeat):
+    def clmha_cmd(self, name, n, l, repeat):
         a = self.a
         cmd = [a.clmha, "bench", "--backward", "--json", "--batch-first", "--batch", str(n),
                "--tgt-len", str(l), "--embed", str(a.embed), "--heads", str(a.heads),
-               "--repeat", str(repeat), "--impl", a.impl]
+               "--repeat", str(repeat), "--impl", name.split(":")[1]]
         if a.device is not None:
             cmd += ["--device", a.device]
         return cmd, self.clmha_env
@@ -292,8 +297,8 @@ def measure_times(peers, n, l):
     turns = {name: [] for name in peers.names}
     for r in range(a.rounds):
         for name in peers.names:
-            if name == "clmha":
-                cmd, env = peers.clmha_cmd(n, l, a.repeat)
+            if name.startswith("clmha"):
+                cmd, env = peers.clmha_cmd(name, n, l, a.repeat)
             else:
                 cmd, env = peers.torch_cmd(name, "time", n, l, a.repeat)
             res, tail, rc, _ = run_child(cmd, env)
@@ -301,7 +306,7 @@ def measure_times(peers, n, l):
                 raise SystemExit(f"backward_peers.py: {name} failed at N {n}, L {l} (exit "
                                  f"{rc}): {tail}")
             turns[name].append(res)
-            print(f"  round {r + 1}: {name:6s} {res['ms']:9.2f} ms (forward "
+            print(f"  round {r + 1}: {name:13s} {res['ms']:9.2f} ms (forward "
                   f"{res['forward_ms']:.2f}, backward {res['backward_ms']:.2f})", flush=True)
     summary = {}
     for name, rs in turns.items():
@@ -315,8 +320,8 @@ def measure_memory(peers, l):
     a = peers.a
     out = {}
     for name in peers.names:
-        if name == "clmha":
-            cmd, env = peers.clmha_cmd(1, l, 0)  # --repeat 0: one step, memory only
+        if name.startswith("clmha"):
+            cmd, env = peers.clmha_cmd(name, 1, l, 0)  # --repeat 0: one step, memory only
             res, tail, rc, peak = run_child(cmd, env)
         else:
             cmd, env = peers.torch_cmd(name, "memory", 1, l, 1)
@@ -326,7 +331,7 @@ def measure_memory(peers, l):
             entry["error"] = (f"killed by signal {-rc}" if rc < 0 else f"exit {rc}") + \
                 (f": {tail}" if tail else "")
         out[name] = entry
-        print(f"  {name:6s} peak resident {peak / MIB:9.1f} MiB"
+        print(f"  {name:13s} peak resident {peak / MIB:9.1f} MiB"
               + (f"  ({entry['error']})" if "error" in entry else "")
               + (f"  (failed in the {res['failed_in']}: {res['error'][:160]})"
                  if res and res.get("ok") is False else ""), flush=True)
@@ -334,8 +339,8 @@ def measure_memory(peers, l):
 
 
 def label(name, info):
-    if name == "clmha":
-        return "clmha"
+    if name.startswith("clmha"):
+        return "clmha, " + name.split(":")[1]
     return f"PyTorch {info.get('torch', '?')}" if info else name
 
 
@@ -344,19 +349,21 @@ def print_tables(peers, timing, memory, a):
     print(f"\n## Forward + backward, E {e}, H {a.heads}, self-attention, batch_first "
           f"(medians of {a.rounds} rounds x {a.repeat} steps)\n")
     names = peers.names
-    head = "| shape | peer | step ms | forward ms | backward ms | step GFLOP/s | clmha / peer |"
+    ours = [x for x in names if x.startswith("clmha")]
+    head = ("| shape | peer | step ms | forward ms | backward ms | step GFLOP/s | "
+            + " | ".join(f"{label(x, None)} / peer" for x in ours) + " |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for (n, l), per in timing:
         p, at = flops(n, l, e)
         total = 3 * p + 3.5 * at
-        ours = per["clmha"]["ms"]
         for name in names:
             m = per[name]
             info = m["turns"][0]
-            ratio = "" if name == "clmha" else f"{ours / m['ms']:.2f}"
+            ratios = " | ".join(f"{per[x]['ms'] / m['ms']:.2f}" if x != name else ""
+                                for x in ours)
             print(f"| N {n}, L {l} | {label(name, info)} | {m['ms']:.1f} | {m['forward_ms']:.1f} "
-                  f"| {m['backward_ms']:.1f} | {total / m['ms'] / 1e6:.1f} | {ratio} |")
+                  f"| {m['backward_ms']:.1f} | {total / m['ms'] / 1e6:.1f} | {ratios} |")
     if memory:
         l = a.memory_length
         print(f"\n## Memory of one step, N 1, L = S {l}, E {e}, H {a.heads}\n")
@@ -365,13 +372,13 @@ def print_tables(peers, timing, memory, a):
         for name in names:
             m = memory[name]
             res = m["result"] or {}
-            if name == "clmha" and "training_scratch_bytes" in res:
+            if name.startswith("clmha") and "training_scratch_bytes" in res:
                 tr = res["training_scratch_bytes"]
                 note = (f"step scratch {tr / MIB:.0f} MiB = layer scratch "
                         f"{res['scratch_bytes'] / MIB:.0f} + saved {res['saved_bytes'] / MIB:.0f}"
                         f" + backward ~{res['backward_rss_growth_bytes'] / MIB:.0f} MiB "
                         f"({'< 1 GiB' if tr < GIB else 'NOT < 1 GiB'}); first step {res['ms'] / 1e3:.1f} s")
-            elif name != "clmha" and res.get("ok"):
+            elif not name.startswith("clmha") and res.get("ok"):
                 note = (f"after setup {res['rss_setup'] / MIB:.0f} MiB; forward + backward "
                         f"added {(m['peak_rss'] - res['rss_setup']) / MIB:.0f} MiB")
             elif res.get("ok") is False:
@@ -404,7 +411,7 @@ def main(argv=None):
         timing.append(((n, l), measure_times(peers, n, l)))
     for (n, l), per in timing:
         for name in peers.names:
-            if name != "clmha":
+            if not name.startswith("clmha"):
                 t = per[name]["turns"][0]
                 print(f"{name} N {n} L {l}: PyTorch {t['torch']}, BLAS_INFO={t['blas_info']}, "
                       f"loaded: {', '.join(t['blas'])}")
@@ -417,7 +424,7 @@ def main(argv=None):
         with open(a.json, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(),
                        "threads": a.threads, "embed_dim": a.embed, "num_heads": a.heads,
-                       "rounds": a.rounds, "repeat": a.repeat, "impl": a.impl,
+                       "rounds": a.rounds, "repeat": a.repeat, "impls": a.impls,
                        "openblas_dir": peers.openblas, "torch2_note": peers.torch2_note,
                        "timing": [{"batch": n, "tgt_len": l, "peers": per}
                                   for (n, l), per in timing],

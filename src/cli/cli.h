@@ -1,6 +1,7 @@
 // What the files of the `clmha` program share: the commands (one file each: devices.c, run.c,
-// demo.c, bench.c, tune.c; main.c picks one) and their common code in common.c (messages,
-// option parsing, opening the device, output paths, random numbers and time).
+// demo.c, bench.c (with bench_backward.c), tune.c; main.c picks one) and their common code in
+// common.c (messages, option parsing, opening the device, output paths, random numbers and
+// time).
 #ifndef CLMHA_CLI_H
 #define CLMHA_CLI_H
 
