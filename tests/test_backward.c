@@ -11,7 +11,6 @@
 // OpenCL device.
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
-#include <criterion/parameterized.h>
 
 #include <math.h>
 #include <stdlib.h>
@@ -29,7 +28,7 @@ static bool has_float_mask(const golden_case *gc) {
     return gc->kpm == GOLDEN_MASK_FLOAT || gc->attn == GOLDEN_MASK_FLOAT;
 }
 
-static void run_case(const char *name, clmha_impl impl) {
+static void run_case(clmha_context *ctx, const char *name, clmha_impl impl) {
     golden_case gc;
     golden_load_case(name, &gc);
     golden_call call;
@@ -69,7 +68,6 @@ static void run_case(const char *name, clmha_impl impl) {
                      clmha_status_string(st), msg);
     }
 
-    clmha_context *ctx = context_or_skip();
     clmha_layer *layer = golden_layer_create(ctx, &gc, &call.desc);
     clmha_saved *saved = NULL;
     clmha_status st = clmha_saved_create(&saved, layer);
@@ -125,18 +123,19 @@ static void run_case(const char *name, clmha_impl impl) {
     free(w);
     clmha_saved_release(saved);
     clmha_layer_release(layer);
-    clmha_context_release(ctx);
     golden_free(&gc);
 }
 
-ParameterizedTestParameters(backward_device, unfused) { return golden_params("backward_device"); }
-
-ParameterizedTest(struct golden_param *param, backward_device, unfused, .timeout = 300) {
-    run_case(param->name, CLMHA_IMPL_UNFUSED);
+// Every case (CLMHA_TEST_CASE_STRIDE selects a subset) on one context: a process per case would
+// spend most of its time creating the context and loading the GEMM kernels.
+static void run_all(clmha_impl impl) {
+    clmha_context *ctx = context_or_skip();
+    case_stride stride = case_stride_get("backward_device", golden_num_cases);
+    for (size_t i = 0; i < golden_num_cases; i++)
+        if (case_stride_keeps(stride, i)) run_case(ctx, golden_case_names[i], impl);
+    clmha_context_release(ctx);
 }
 
-ParameterizedTestParameters(backward_device, fused) { return golden_params("backward_device"); }
+Test(backward_device, unfused, .timeout = 600) { run_all(CLMHA_IMPL_UNFUSED); }
 
-ParameterizedTest(struct golden_param *param, backward_device, fused, .timeout = 300) {
-    run_case(param->name, CLMHA_IMPL_FUSED);
-}
+Test(backward_device, fused, .timeout = 600) { run_all(CLMHA_IMPL_FUSED); }

@@ -333,6 +333,14 @@ static case_result run_case(const bcase *c, unsigned cores) {
     bool yes = false;
     cr_assert_eq(clmha__core_fused.supports(layer, &call, &yes), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(fx.ctx));
+    if (!yes && clmha__fused_loop_limit(layer)) {
+        // A driver whose loops end early (Mesa's llvmpipe): the fused forward does not run
+        // this case, and this test needs its O and lse. The layer-level tests cover the
+        // backward there (test_backward, test_backward_random).
+        fprintf(stderr, "%-28s skipped: the fused core does not run it on this driver (loop "
+                "limit %zu)\n", c->name, clmha__fused_loop_limit(layer));
+        goto release;
+    }
     cr_assert(yes, "the fused forward core must run %s", c->name);
     cr_assert_eq(clmha__core_fused.run(layer, &call), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(fx.ctx));
@@ -413,6 +421,7 @@ static case_result run_case(const bcase *c, unsigned cores) {
         if (b.kpm_g) clReleaseMemObject(b.kpm_g);
     }
     free(got);
+release:;
     cl_mem all[] = {b.q, b.k, b.v, b.o, b.lse, b.d_o, b.gw, b.attn, b.kpm, b.dq, b.dk, b.dv,
                     b.dummy};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i)

@@ -541,7 +541,7 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
     if (!args->grad_weights.ndim) call.grad_weights = NULL;
     clmha_impl impl = args->impl != CLMHA_IMPL_AUTO ? args->impl : layer->impl;
     const clmha__core *core;
-    if ((st = clmha__backward_select(layer, &call, impl, &core))) {
+    if ((st = clmha__backward_select(layer, &call, impl, sv->fused_fell_back, &core))) {
         // The unfused backward has no chunks: say so when that is why no core could run.
         clmha__chunks c;
         if (st == CLMHA_UNSUPPORTED && !layer->core && impl != CLMHA_IMPL_FUSED &&

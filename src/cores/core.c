@@ -1,6 +1,7 @@
 // The dispatch of attention cores (core.h): one table, in the order the cores are tried; row i
 // keeps its per-layer state in slot i of clmha_layer::core_state.
 #include "cores/core.h"
+#include "cores/fused.h"
 
 // The cores, each defined in its own file (src/cores/NAME.c), which declares it too.
 CLMHA__HIDDEN extern const clmha__core clmha__core_user, clmha__core_fused, clmha__core_unfused;
@@ -50,31 +51,45 @@ clmha_status clmha__core_select(clmha_layer *layer, const clmha__core_call *call
     return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED, "no attention core supports this call");
 }
 
+// Asks @p core whether it runs @p call: *yes, and why not in *why.
+static clmha_status backward_asks(clmha_layer *layer, const clmha__core *core,
+                                  const clmha__backward_call *call, bool *yes, const char **why) {
+    *yes = false;
+    *why = NULL;
+    return core->backward ? core->backward_supports(layer, call, yes, why) : CLMHA_SUCCESS;
+}
+
 clmha_status clmha__backward_select(clmha_layer *layer, const clmha__backward_call *call,
-                                    clmha_impl impl, const clmha__core **out) {
+                                    clmha_impl impl, bool fused_fell_back,
+                                    const clmha__core **out) {
     *out = NULL;
     if (layer->core)
         return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
                            "the layer has a user attention core (clmha_layer_set_attention()), "
                            "which has no backward pass");
-    const clmha__core *want = impl == CLMHA_IMPL_FUSED     ? &clmha__core_fused
-                              : impl == CLMHA_IMPL_UNFUSED ? &clmha__core_unfused
-                                                           : NULL;
-    for (size_t i = 0; i < CORE_COUNT; ++i) {
-        if (!cores[i]->backward || (want && cores[i] != want)) continue;
-        bool yes = false;
-        const char *why = NULL;
-        clmha_status st = cores[i]->backward_supports(layer, call, &yes, &why);
-        if (st) return st;
+    bool yes;
+    const char *why;
+    clmha_status st;
+    if (impl != CLMHA_IMPL_UNFUSED) {
+        if ((st = backward_asks(layer, &clmha__core_fused, call, &yes, &why))) return st;
         if (yes) {
-            *out = cores[i];
+            *out = &clmha__core_fused;
             return CLMHA_SUCCESS;
         }
-        if (want)
+        // CLMHA_IMPL_FUSED gets the reason, unless a driver bug keeps the fused core from this
+        // call (its forward ran the unfused core for it, or the backward's loops would pass the
+        // loop limit): then it runs the unfused one, as the forward does.
+        if (impl == CLMHA_IMPL_FUSED && !fused_fell_back && why != clmha__fused_backward_loop_why)
             return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
-                               "the %s backward core cannot run this call: %s", cores[i]->name,
+                               "the fused backward core cannot run this call: %s",
                                why ? why : "unsupported");
     }
-    return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED, "no attention core has a backward pass "
-                                                      "for this call");
+    if ((st = backward_asks(layer, &clmha__core_unfused, call, &yes, &why))) return st;
+    if (yes) {
+        *out = &clmha__core_unfused;
+        return CLMHA_SUCCESS;
+    }
+    return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
+                       "the unfused backward core cannot run this call: %s",
+                       why ? why : "unsupported");
 }

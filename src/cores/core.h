@@ -104,10 +104,14 @@ typedef struct clmha__core {
 CLMHA__HIDDEN void *clmha__core_state(const clmha_layer *layer, const clmha__core *core);
 
 // The core that runs backward call @p call with @p impl (CLMHA_IMPL_AUTO: the fused core when it
-// supports the call, else the unfused one); fails with a message when none does.
+// supports the call, else the unfused one); fails with a message when none does. With
+// CLMHA_IMPL_FUSED, a call that a driver bug keeps from the fused core runs the unfused one:
+// @p fused_fell_back (its forward asked for the fused core and ran the unfused one), or the fused
+// backward's own loop limit (clmha__fused_backward_loop_why).
 CLMHA__HIDDEN clmha_status clmha__backward_select(clmha_layer *layer,
                                                   const clmha__backward_call *call,
-                                                  clmha_impl impl, const clmha__core **out);
+                                                  clmha_impl impl, bool fused_fell_back,
+                                                  const clmha__core **out);
 
 // Runs every core's create() on @p layer, in table order; stops at the first failure.
 CLMHA__HIDDEN clmha_status clmha__cores_create(clmha_layer *layer);

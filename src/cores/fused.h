@@ -98,6 +98,11 @@ CLMHA__HIDDEN void clmha__test_set_loop_limit(size_t limit);
 // device's (0: none).
 CLMHA__HIDDEN size_t clmha__fused_loop_limit(const clmha_layer *layer);
 
+// The reason the fused backward gives (backward_supports' *why, this very pointer) when its loops
+// would pass the driver's loop limit (clmha__fused_loop_limit()): a driver bug, not the call's
+// fault, so CLMHA_IMPL_FUSED then runs the unfused backward, as the forward does.
+CLMHA__HIDDEN extern const char clmha__fused_backward_loop_why[];
+
 // Rebuilds the fused attention kernel of @p layer with tiles @p t (the tuner's candidates):
 // bk is halved until the tile fits in local memory and vw until it divides head_dim and bk.
 // @p used receives the tiles built (may be NULL).

@@ -166,6 +166,9 @@ static bool loops_fit(const clmha_layer *l, const clmha__fused_backward *fb,
 
 // ---- the hooks ----------------------------------------------------------------------------------
 
+const char clmha__fused_backward_loop_why[] =
+    "its loops would exceed the device's loop limit at these sequence lengths";
+
 clmha_status clmha__fused_backward_supports(clmha_layer *l, const clmha__backward_call *call,
                                             bool *yes, const char **why) {
     *yes = false;
@@ -191,7 +194,7 @@ clmha_status clmha__fused_backward_supports(clmha_layer *l, const clmha__backwar
     if (st) return st;
     const clmha_forward_args *a = call->args;
     if (!loops_fit(l, fb, call->dims, a->training && l->desc.dropout > 0.0f)) {
-        *why = "its loops would exceed the device's loop limit at these sequence lengths";
+        *why = clmha__fused_backward_loop_why;
         return CLMHA_SUCCESS;
     }
     *yes = true;

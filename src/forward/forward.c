@@ -352,7 +352,10 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
                       weights_offset, num_wait, wait_list, event);
     if (saved) {
         clmha__saved_swap(saved, layer);
-        if (!st) clmha__saved_filled(saved, args, &d, core, call.lse_written);
+        // The fused core always writes the log-sum-exp it is asked for: a call that asked for
+        // it and has none ran the unfused core because of a driver bug (clmha_impl).
+        bool fell_back = clmha__impl_of(layer, args) == CLMHA_IMPL_FUSED && !call.lse_written;
+        if (!st) clmha__saved_filled(saved, args, &d, core, call.lse_written, fell_back);
     }
     return st;
 }

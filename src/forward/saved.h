@@ -29,6 +29,8 @@ struct clmha_saved {
     const void *core;      // the core (const clmha__core *) that ran it
     // The options of that call that its backward must repeat.
     bool is_causal, need_weights, per_head_weights, training;
+    // The call asked for the fused core but a driver bug ran the unfused one (clmha_impl).
+    bool fused_fell_back;
     clmha_dropout_rng rng;
 };
 
@@ -41,8 +43,9 @@ CLMHA__HIDDEN clmha_status clmha__saved_prepare(clmha_saved *saved, clmha_layer 
 CLMHA__HIDDEN void clmha__saved_swap(clmha_saved *saved, clmha_layer *layer);
 
 // Records that the forward call @p args (sizes @p dims, core @p core, log-sum-exp written when
-// @p has_lse) has been enqueued with @p saved.
+// @p has_lse; @p fused_fell_back as clmha_saved says) has been enqueued with @p saved.
 CLMHA__HIDDEN void clmha__saved_filled(clmha_saved *saved, const clmha_forward_args *args,
-                                       const clmha__dims *dims, const void *core, bool has_lse);
+                                       const clmha__dims *dims, const void *core, bool has_lse,
+                                       bool fused_fell_back);
 
 #endif
