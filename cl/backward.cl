@@ -6,10 +6,11 @@
 // fixed order (no atomics), so results are the same on every run.
 
 // Merges the first `seq` rows of each plane of head tiles (N*H, seq_pad, D) into rows (rows, ld)
-// from column col0: out[row(n, t), col0 + h*D + d] = tiles[n*H + h, t, d].
+// from column col0, at element out_off of out: out[row(n, t), col0 + h*D + d] =
+// tiles[n*H + h, t, d].
 kernel void merge_rows(global const float *tiles, ulong seq, ulong seq_pad, global float *out,
-                       ulong ld, ulong col0, ulong n_batch, ulong n_heads, ulong head_dim,
-                       uint batch_first) {
+                       ulong out_off, ulong ld, ulong col0, ulong n_batch, ulong n_heads,
+                       ulong head_dim, uint batch_first) {
     ulong e = n_heads * head_dim;
     ulong gid = get_global_id(0);
     if (gid >= n_batch * seq * e) return;
@@ -17,7 +18,7 @@ kernel void merge_rows(global const float *tiles, ulong seq, ulong seq_pad, glob
     ulong n = batch_first ? row / seq : row % n_batch;
     ulong t = batch_first ? row % seq : row / n_batch;
     ulong h = c / head_dim, d = c % head_dim;
-    out[row * ld + col0 + c] = tiles[((n * n_heads + h) * seq_pad + t) * head_dim + d];
+    out[out_off + row * ld + col0 + c] = tiles[((n * n_heads + h) * seq_pad + t) * head_dim + d];
 }
 
 // out[c] = (accumulate ? out[c] : 0) + sum over r of x[x_off + r*ld + c], for c < cols: the

@@ -29,14 +29,14 @@
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
 
-// ---- the per-layer state: kernels of cl/backward.cl and scratch ---------------------------------
+// ---- the per-layer state: the kernels of cl/backward.cl ------------------------------------------
 
-enum { S_ROWS_Q, S_ROWS_K, S_ROWS_V, S_DO, S_DQ, S_DK, S_DV, S_COUNT };
-
+// The backward pass keeps no scratch of its own: it works in the layer's (clmha__layer_reserve()),
+// idle while it runs and exactly the sizes it needs: the projection buffer holds the rows of
+// dM, then dQ (N*L, E), dK and dV (N*S, E); the head tiles hold dO and dQ (N*H, L, D), dK' and
+// dV' (N*H, S', D). (The forward's tiles of a call that saved are in its clmha_saved.)
 typedef struct state {
     cl_kernel merge_rows, column_sums, appended_row_sums;
-    cl_mem buf[S_COUNT];
-    size_t cap[S_COUNT];
 } state;
 
 static void state_release(void *p) {
@@ -45,7 +45,6 @@ static void state_release(void *p) {
     clmha__release_kernel(s->merge_rows);
     clmha__release_kernel(s->column_sums);
     clmha__release_kernel(s->appended_row_sums);
-    for (int i = 0; i < S_COUNT; ++i) clmha__release_mem(s->buf[i]);
     free(s);
 }
 
@@ -69,21 +68,6 @@ static clmha_status state_get(clmha_layer *l, state **out) {
     l->backward = s;
     l->backward_release = state_release;
     *out = s;
-    return CLMHA_SUCCESS;
-}
-
-// Grows the scratch for sizes @p d: rows (N·L|S, E) and head tiles (N·H, L|S', D).
-static clmha_status state_reserve(clmha_layer *l, state *s, const clmha__dims *d) {
-    size_t q = d->n * d->l * d->e, kv = d->n * d->s * d->e, kvp = d->n * d->s_padded * d->e;
-    const size_t need[S_COUNT] = {q, kv, kv, q, q, kvp, kvp};
-    static const char *const name[S_COUNT] = {
-        "backward query rows", "backward key rows", "backward value rows",
-        "backward output-gradient tiles", "backward query-gradient tiles",
-        "backward key-gradient tiles", "backward value-gradient tiles"};
-    for (int i = 0; i < S_COUNT; ++i) {
-        clmha_status st = clmha__grow_buffer(l->ctx, &s->buf[i], &s->cap[i], need[i], name[i]);
-        if (st) return st;
-    }
     return CLMHA_SUCCESS;
 }
 
@@ -344,6 +328,8 @@ static clmha_status gemm(clmha_context *ctx, const char *what, bool ta, bool tb,
 typedef struct pass {
     clmha_layer *l;
     state *s;
+    cl_mem rows;                   // the layer's projection buffer: rows of dM / dQ, dK, dV
+    size_t rq_off, rk_off, rv_off;  // where those rows start in it (floats)
     const clmha_backward_args *a;
     const clmha_forward_args *f;
     const clmha__dims *d;
@@ -358,12 +344,15 @@ static float beta_of(pass *p, int g) {
     return beta;
 }
 
-static clmha_status merge_rows(pass *p, cl_mem tiles, size_t seq, size_t seq_pad, cl_mem out) {
+// Merges the first @p seq rows of each plane of @p tiles into rows of p->rows from @p out_off.
+static clmha_status merge_rows(pass *p, cl_mem tiles, size_t seq, size_t seq_pad,
+                               size_t out_off) {
     const clmha__dims *d = p->d;
-    cl_ulong a_seq = seq, a_pad = seq_pad, ld = d->e, col0 = 0, n = d->n, h = d->h, hd = d->d;
+    cl_ulong a_seq = seq, a_pad = seq_pad, off = out_off, ld = d->e, col0 = 0, n = d->n,
+             h = d->h, hd = d->d;
     cl_uint bf = d->batch_first;
-    arg args[] = {ARG(tiles), ARG(a_seq), ARG(a_pad), ARG(out), ARG(ld), ARG(col0),
-                  ARG(n),     ARG(h),     ARG(hd),    ARG(bf)};
+    arg args[] = {ARG(tiles), ARG(a_seq), ARG(a_pad), ARG(p->rows), ARG(off), ARG(ld),
+                  ARG(col0),  ARG(n),     ARG(h),     ARG(hd),      ARG(bf)};
     return clmha__launch(p->l->ctx, p->s->merge_rows, "merge_rows", d->n * seq * d->e,
                          p->l->heads_wg, args, sizeof args / sizeof args[0]);
 }
@@ -397,26 +386,27 @@ static clmha_status out_projection(pass *p) {
     clmha_context *ctx = l->ctx;
     const clmha__dims *d = p->d;
     size_t rows = d->n * d->l, e = d->e;
-    cl_mem dy = p->a->grad_output.buffer, m = p->s->buf[S_ROWS_Q];
-    size_t dy_off = p->a->grad_output.offset;
+    cl_mem dy = p->a->grad_output.buffer, m = p->rows;
+    size_t dy_off = p->a->grad_output.offset, m_off = p->rq_off;
     clmha_status st;
     const clmha_grad *gw = &p->a->out_proj_weight, *gb = &p->a->out_proj_bias;
     if (gw->buffer) {  // dW_o (E, E) = dYᵀ · M, M the merged attention result
-        if ((st = merge_rows(p, p->sv->tiles[CLMHA__TILE_OUT], d->l, d->l, m)) ||
+        if ((st = merge_rows(p, p->sv->tiles[CLMHA__TILE_OUT], d->l, d->l, m_off)) ||
             (st = gemm(ctx, "CLBlastSgemm(out_proj.weight gradient)", true, false, e, e, rows,
-                       dy, dy_off, e, m, 0, e, beta_of(p, G_OUT_W), gw->buffer, gw->offset, e)))
+                       dy, dy_off, e, m, m_off, e, beta_of(p, G_OUT_W), gw->buffer, gw->offset,
+                       e)))
             return st;
     }
     if (gb->buffer && (st = column_sums(p, dy, dy_off, rows, G_OUT_B, 0))) return st;
     if ((st = gemm(ctx, "CLBlastSgemm(attention result gradient)", false, false, rows, e, e, dy,
-                   dy_off, e, l->w_out, 0, e, 0.0f, m, 0, e)))
+                   dy_off, e, l->w_out, 0, e, 0.0f, m, m_off, e)))
         return st;
-    cl_ulong zero = 0, ld = e, n = d->n, h = d->h, t = d->l, hd = d->d;
+    cl_ulong zero = 0, a_off = m_off, ld = e, n = d->n, h = d->h, t = d->l, hd = d->d;
     cl_uint no = 0, bf = d->batch_first;
-    cl_mem dummy = ctx->dummy, out = p->s->buf[S_DO];
-    arg args[] = {ARG(m),     ARG(zero), ARG(ld),  ARG(zero), ARG(dummy), ARG(zero),
+    cl_mem dummy = ctx->dummy, out = l->tiles[CLMHA__TILE_OUT];
+    arg args[] = {ARG(m),     ARG(a_off), ARG(ld),  ARG(zero), ARG(dummy), ARG(zero),
                   ARG(no),    ARG(dummy), ARG(zero), ARG(no),  ARG(out),   ARG(zero),
-                  ARG(n),     ARG(h),    ARG(t),   ARG(t),    ARG(hd),    ARG(bf)};
+                  ARG(n),     ARG(h),     ARG(t),   ARG(t),    ARG(hd),    ARG(bf)};
     return clmha__launch_heads(l, l->split_heads, "split_heads", d->n * d->h, d->l, l->heads_wg,
                                args, sizeof args / sizeof args[0]);
 }
@@ -434,20 +424,19 @@ static clmha_status in_projections(pass *p) {
     const clmha__dims *d = p->d;
     const clmha_backward_args *a = p->a;
     const clmha_forward_args *f = p->f;
-    state *s = p->s;
     size_t e = d->e, kd = d->kdim, vd = d->vdim, rq = d->n * d->l, rkv = d->n * d->s;
     clmha_status st;
-    if (a->bias_k.buffer && (st = appended_row(p, s->buf[S_DK], G_BIAS_K))) return st;
-    if (a->bias_v.buffer && (st = appended_row(p, s->buf[S_DV], G_BIAS_V))) return st;
-    cl_mem dq = s->buf[S_ROWS_Q], dk = s->buf[S_ROWS_K], dv = s->buf[S_ROWS_V];
-    if ((st = merge_rows(p, s->buf[S_DQ], d->l, d->l, dq)) ||
-        (st = merge_rows(p, s->buf[S_DK], d->s, d->s_padded, dk)) ||
-        (st = merge_rows(p, s->buf[S_DV], d->s, d->s_padded, dv)))
+    cl_mem *t = l->tiles;
+    if (a->bias_k.buffer && (st = appended_row(p, t[CLMHA__TILE_K], G_BIAS_K))) return st;
+    if (a->bias_v.buffer && (st = appended_row(p, t[CLMHA__TILE_V], G_BIAS_V))) return st;
+    if ((st = merge_rows(p, t[CLMHA__TILE_Q], d->l, d->l, p->rq_off)) ||
+        (st = merge_rows(p, t[CLMHA__TILE_K], d->s, d->s_padded, p->rk_off)) ||
+        (st = merge_rows(p, t[CLMHA__TILE_V], d->s, d->s_padded, p->rv_off)))
         return st;
     if (a->in_proj_bias.buffer &&
-        ((st = column_sums(p, dq, 0, rq, G_IN_B, 0)) ||
-         (st = column_sums(p, dk, 0, rkv, G_IN_B, 1)) ||
-         (st = column_sums(p, dv, 0, rkv, G_IN_B, 2))))
+        ((st = column_sums(p, p->rows, p->rq_off, rq, G_IN_B, 0)) ||
+         (st = column_sums(p, p->rows, p->rk_off, rkv, G_IN_B, 1)) ||
+         (st = column_sums(p, p->rows, p->rv_off, rkv, G_IN_B, 2))))
         return st;
     // The inputs as the forward read them.
     cl_mem xq = f->query.buffer, xk = d->key_is_query ? xq : f->key.buffer;
@@ -458,11 +447,12 @@ static clmha_status in_projections(pass *p) {
     // the separate block.
     struct {
         int g;
-        cl_mem dp, x;
+        size_t dp_off;
+        cl_mem x;
         size_t x_off, rows, feat, block;
-    } w[3] = {{G_Q_W, dq, xq, xq_off, rq, e, 0},
-              {G_K_W, dk, xk, xk_off, rkv, kd, 1},
-              {G_V_W, dv, xv, xv_off, rkv, vd, 2}};
+    } w[3] = {{G_Q_W, p->rq_off, xq, xq_off, rq, e, 0},
+              {G_K_W, p->rk_off, xk, xk_off, rkv, kd, 1},
+              {G_V_W, p->rv_off, xv, xv_off, rkv, vd, 2}};
     static const char *const wname[3] = {"CLBlastSgemm(q_proj_weight gradient)",
                                          "CLBlastSgemm(k_proj_weight gradient)",
                                          "CLBlastSgemm(v_proj_weight gradient)"};
@@ -473,8 +463,9 @@ static clmha_status in_projections(pass *p) {
         if (!gr->buffer) continue;
         size_t off = gr->offset + (packed ? w[i].block * e * e : 0);
         float beta = gr->accumulate ? 1.0f : 0.0f;
-        if ((st = gemm(ctx, wname[i], true, false, e, w[i].feat, w[i].rows, w[i].dp, 0, e,
-                       w[i].x, w[i].x_off, w[i].feat, beta, gr->buffer, off, w[i].feat)))
+        if ((st = gemm(ctx, wname[i], true, false, e, w[i].feat, w[i].rows, p->rows,
+                       w[i].dp_off, e, w[i].x, w[i].x_off, w[i].feat, beta, gr->buffer, off,
+                       w[i].feat)))
             return st;
     }
     // The inputs: dx (rows, feat) = dP (rows, E) · W (E, feat); key's and value's parts go to
@@ -488,9 +479,9 @@ static clmha_status in_projections(pass *p) {
     for (int i = 0; i < 3; ++i) {
         const clmha_grad *gr = clmha__backward_grad(a, target[i]);
         if (!gr->buffer) continue;
-        if ((st = gemm(ctx, xname[i], false, false, w[i].rows, w[i].feat, e, w[i].dp, 0, e,
-                       l->w_in, w_off[i], w[i].feat, beta_of(p, target[i]), gr->buffer,
-                       gr->offset, w[i].feat)))
+        if ((st = gemm(ctx, xname[i], false, false, w[i].rows, w[i].feat, e, p->rows,
+                       w[i].dp_off, e, l->w_in, w_off[i], w[i].feat, beta_of(p, target[i]),
+                       gr->buffer, gr->offset, w[i].feat)))
             return st;
     }
     return CLMHA_SUCCESS;
@@ -555,18 +546,22 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
                                d.scores_count, (unsigned long long)clmha__max_alloc(ctx));
         return st;
     }
-    if ((st = state_reserve(layer, s, &d))) return st;
-    call.d_o = s->buf[S_DO];
-    call.dq = s->buf[S_DQ];
-    call.dk = s->buf[S_DK];
-    call.dv = s->buf[S_DV];
+    // The layer's scratch, sized for this call before the core sees it (a core that reserves
+    // the scores, clmha__layer_reserve(), then grows nothing else).
+    if ((st = clmha__layer_reserve(layer, &d, false, false))) return st;
+    call.d_o = layer->tiles[CLMHA__TILE_OUT];
+    call.dq = layer->tiles[CLMHA__TILE_Q];
+    call.dk = layer->tiles[CLMHA__TILE_K];
+    call.dv = layer->tiles[CLMHA__TILE_V];
 
     // Nothing is enqueued before this point.
     cl_int err;
     if (num_wait > 0 &&
         (err = clEnqueueBarrierWithWaitList(ctx->queue, num_wait, wait_list, NULL)) != CL_SUCCESS)
         return clmha__cl_fail(ctx, err, "clEnqueueBarrierWithWaitList");
-    pass p = {.l = layer, .s = s, .a = args, .f = &f, .d = &d, .sv = sv};
+    size_t rq = d.n * d.l * d.e, rkv = d.n * d.s * d.e;
+    pass p = {.l = layer, .s = s, .rows = layer->proj, .rq_off = 0, .rk_off = rq,
+              .rv_off = rq + rkv, .a = args, .f = &f, .d = &d, .sv = sv};
     if ((st = out_projection(&p)) || (st = core_backward(&p, core, &call)) ||
         (st = in_projections(&p)))
         return st;
