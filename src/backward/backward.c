@@ -506,10 +506,6 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
     clmha_backward_args in;
     clmha_status st = args_in(ctx, &in, &args);
     if (st) return st;
-    if ((num_wait > 0) != (wait_list != NULL))
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "num_wait (%u) and wait_list (%p) disagree", (unsigned)num_wait,
-                           (const void *)wait_list);
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
     clmha_forward_args f;
     clmha__dims d;
@@ -555,17 +551,12 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
     call.dv = layer->tiles[CLMHA__TILE_V];
 
     // Nothing is enqueued before this point.
-    cl_int err;
-    if (num_wait > 0 &&
-        (err = clEnqueueBarrierWithWaitList(ctx->queue, num_wait, wait_list, NULL)) != CL_SUCCESS)
-        return clmha__cl_fail(ctx, err, "clEnqueueBarrierWithWaitList");
+    if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list))) return st;
     size_t rq = d.n * d.l * d.e, rkv = d.n * d.s * d.e;
     pass p = {.l = layer, .s = s, .rows = layer->proj, .rq_off = 0, .rk_off = rq,
               .rv_off = rq + rkv, .a = args, .f = &f, .d = &d, .sv = sv};
     if ((st = out_projection(&p)) || (st = core_backward(&p, core, &call)) ||
         (st = in_projections(&p)))
         return st;
-    if (event && (err = clEnqueueMarkerWithWaitList(ctx->queue, 0, NULL, event)) != CL_SUCCESS)
-        return clmha__cl_fail(ctx, err, "clEnqueueMarkerWithWaitList");
-    return CLMHA_SUCCESS;
+    return clmha__enqueue_event(ctx, event);
 }

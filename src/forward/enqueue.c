@@ -72,6 +72,10 @@ clmha__span clmha__span_of(const char *name, cl_mem buf, size_t offset, size_t c
 // would never complete and, on an in-order queue, nor would anything enqueued after it.
 clmha_status clmha__check_wait_list(clmha_context *ctx, cl_uint num_wait,
                                     const cl_event *wait_list) {
+    if ((num_wait > 0) != (wait_list != NULL))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "num_wait (%u) and wait_list (%p) disagree", (unsigned)num_wait,
+                           (const void *)wait_list);
     for (cl_uint i = 0; i < num_wait; ++i) {
         cl_context owner = NULL;
         cl_int status = CL_COMPLETE;
@@ -164,4 +168,15 @@ clmha_status clmha__check_overlaps(clmha_context *ctx, const clmha__span *all, s
                                    all[i].name, all[i].begin, all[i].end, all[j].name,
                                    all[j].begin, all[j].end);
     return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__enqueue_wait(clmha_context *ctx, cl_uint num_wait, const cl_event *wait_list) {
+    cl_int err = num_wait ? clEnqueueBarrierWithWaitList(ctx->queue, num_wait, wait_list, NULL)
+                          : CL_SUCCESS;
+    return err ? clmha__cl_fail(ctx, err, "clEnqueueBarrierWithWaitList") : CLMHA_SUCCESS;
+}
+
+clmha_status clmha__enqueue_event(clmha_context *ctx, cl_event *event) {
+    cl_int err = event ? clEnqueueMarkerWithWaitList(ctx->queue, 0, NULL, event) : CL_SUCCESS;
+    return err ? clmha__cl_fail(ctx, err, "clEnqueueMarkerWithWaitList") : CLMHA_SUCCESS;
 }

@@ -24,9 +24,17 @@ CLMHA__HIDDEN size_t clmha__mask_elem(clmha_mask_kind kind);
 CLMHA__HIDDEN clmha_status clmha__check_writable(clmha_context *ctx, const char *name,
                                                  cl_mem buf);
 
-// Checks that the wait list holds valid events of this context, none of which has failed.
+// Checks that @p num_wait and @p wait_list agree and that the list holds valid events of this
+// context, none of which has failed.
 CLMHA__HIDDEN clmha_status clmha__check_wait_list(clmha_context *ctx, cl_uint num_wait,
                                                   const cl_event *wait_list);
+
+// Makes the work enqueued next wait for @p wait_list (a barrier; nothing when it is empty).
+CLMHA__HIDDEN clmha_status clmha__enqueue_wait(clmha_context *ctx, cl_uint num_wait,
+                                               const cl_event *wait_list);
+
+// Stores in *event (when not NULL) a new event that completes with the work enqueued so far.
+CLMHA__HIDDEN clmha_status clmha__enqueue_event(clmha_context *ctx, cl_event *event);
 
 // The bytes [begin, end) of a tensor argument in the buffer that holds them (a sub-buffer's
 // parent: its sub-buffers alias it).

@@ -268,10 +268,7 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
                                  const cl_event *wait_list, cl_event *event) {
     clmha_context *ctx = layer->ctx;
     clmha_status st;
-    cl_int err;
-    if (num_wait > 0 &&
-        (err = clEnqueueBarrierWithWaitList(ctx->queue, num_wait, wait_list, NULL)) != CL_SUCCESS)
-        return clmha__cl_fail(ctx, err, "clEnqueueBarrierWithWaitList");
+    if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list))) return st;
     // With profiling on, a marker ends each stage (slot 0 marks the start).
     clmha__layer_marks_release(layer);
     scratch s;
@@ -291,9 +288,7 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
         ((!call->weights_written && (st = weights_out(layer, args, d, weights, weights_offset))) ||
          (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_WEIGHTS))))
         return st;
-    if (event && (err = clEnqueueMarkerWithWaitList(ctx->queue, 0, NULL, event)) != CL_SUCCESS)
-        return clmha__cl_fail(ctx, err, "clEnqueueMarkerWithWaitList");
-    return CLMHA_SUCCESS;
+    return clmha__enqueue_event(ctx, event);
 }
 
 static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, cl_mem output,
@@ -305,10 +300,6 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
     clmha_forward_args in;
     clmha_status st = args_in(ctx, &in, &args);
     if (st) return st;
-    if ((num_wait > 0) != (wait_list != NULL))
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "num_wait (%u) and wait_list (%p) disagree", (unsigned)num_wait,
-                           (const void *)wait_list);
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
     clmha__dims d;
     st = clmha__forward_validate(layer, args, true, &d);
