@@ -151,8 +151,8 @@ static clmha_status build_tiles(clmha_context *ctx, clmha__fused_backward *fb, s
     return CLMHA_SUCCESS;
 }
 
-// Builds the three kernels: with rows private where the class keeps rows private (CPUs) and
-// they fit, else (or when that build does not fit the kernels' limits) one row per work-item
+// Builds the three kernels: with rows private where the class keeps rows private (CPUs), the
+// device has no loop limit and they fit, else (or when that build does not fit the kernels' limits) one row per work-item
 // with the largest tile that fits. While a built kernel's work-group limit is below the tile's,
 // or its local memory exceeds the device's, rebuilds with a smaller work-group (the limit) or a
 // smaller tile.
@@ -162,7 +162,10 @@ static clmha_status build(clmha_layer *l, clmha__fused_backward *fb) {
     clmha_status st;
     bool fits;
     size_t wg_min;
-    if (!ctx->cls->coalesced) {
+    // A driver with a loop limit (llvmpipe) counts every iteration of the R-row loops, which
+    // its compiler may keep: the rows-private kernels would pass loops_fit() at lengths the
+    // one-row kernels cover (rusticl, vw 1: L=150 at head_dim 16), so it keeps one row.
+    if (!ctx->cls->coalesced && !ctx->quirks.loop_limit) {
         tiles t = tiles_rows_private(ctx, max_wg, l->d, vw);
         while (t.bt) {
             if ((st = build_tiles(ctx, fb, l->d, &t, &fits, &wg_min))) return st;
