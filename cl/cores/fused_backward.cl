@@ -16,6 +16,11 @@
 //   - fused_backward_dq: one work-group per (plane, tile of B query rows), one query row per
 //     work-item; it loops over the key tiles (k, v staged in local memory) and accumulates its dq
 //     row in private memory, stored once.
+// Two mappings of dkdv and dq, chosen on the host per device class: with -DROWS_PRIVATE=1
+// (CPUs) each work-item owns R rows and the other side's tiles of BT rows are staged twice
+// (rows and transposed) so that all products run VW rows or dimensions wide in registers (see
+// that section); without it (GPUs, and what builds everywhere) one row per work-item, tiles of
+// B rows, products summed across the VW lanes.
 // Each gradient element is thus a sum in one fixed order by one work-item: the result is the
 // same on every run (no atomics).
 //
@@ -23,10 +28,12 @@
 // a row i >= the tile's first key when every key of its tile is a real one (j < S); dq skips the
 // key tiles past its last row the same way, as the forward does.
 //
-// Build options: -DHD=<head dim> -DB=<work-group size = rows per tile> -DVW=<vector width: 1,
-// 2, 4, 8 or 16, dividing HD>. Local memory per
-// work-group: 2 * B * HD + 2 * B floats (dkdv), 2 * B * HD floats (dq); private: 4 * HD
-// (dkdv) and 3 * HD (dq) floats per work-item.
+// Build options: -DHD=<head dim> -DB=<work-group size> -DVW=<vector width: 1, 2, 4, 8 or 16,
+// dividing HD (and BT)>, and -DROWS_PRIVATE=<0|1>. Without ROWS_PRIVATE a tile has B rows;
+// local memory per work-group: 2 * B * HD + 2 * B floats (dkdv), 2 * B * HD floats (dq);
+// private: 4 * HD (dkdv) and 3 * HD (dq) floats per work-item. With ROWS_PRIVATE: -DR=<rows
+// per work-item> -DBT=<rows per staged tile>; local memory 4 * BT * HD + 2 * BT floats (dkdv),
+// 3 * BT * HD (dq); private R * (4 * HD + 3 * BT) (dkdv), R * (3 * HD + 2 * BT + 2) (dq).
 // Needs cl/common.cl in front (mask kinds, mask_value, philox_word0).
 //
 // Layouts: q, o, dO, dq (N*H, L, HD); k, v, dk, dv (N*H, S', HD); lse, drow (N*H*L). Masks as
@@ -42,12 +49,24 @@
 #ifndef VW
 #define VW 1
 #endif
+#ifndef ROWS_PRIVATE
+#define ROWS_PRIVATE 0
+#endif
+#ifndef R
+#define R 2
+#endif
+#ifndef BT
+#define BT 16
+#endif
 // The inner products and row updates run on VW-wide vectors (VW divides HD): VT is floatVW,
 // LOADV/STOREV read and write VW floats at element i of a private or local row. (A CPU driver
 // maps them to its SIMD registers; scalar loops over HD it would only vectorise across
 // work-items.)
 #if VW == 1
 #define VT float
+#define VTI int
+#define CONVERT_VTI(x) ((int)(x))
+#define AS_VT(x) as_float(x)
 #define LOADV(i, p) ((p)[(i)])
 #define STOREV(v, i, p) ((p)[(i)] = (v))
 inline float lanes_sum(float v) { return v; }
@@ -55,6 +74,15 @@ inline float lanes_sum(float v) { return v; }
 #define VT_(n) float##n
 #define VT__(n) VT_(n)
 #define VT VT__(VW)
+#define VTI_(n) int##n
+#define VTI__(n) VTI_(n)
+#define VTI VTI__(VW)
+#define CONVERT_(n) convert_int##n
+#define CONVERT__(n) CONVERT_(n)
+#define CONVERT_VTI(x) CONVERT__(VW)(x)
+#define AS_VT_(n) as_float##n
+#define AS_VT__(n) AS_VT_(n)
+#define AS_VT(x) AS_VT__(VW)(x)
 #define VLOAD_(n) vload##n
 #define VLOAD__(n) VLOAD_(n)
 #define VSTORE_(n) vstore##n
@@ -70,6 +98,28 @@ inline float lanes_sum(VT v) {
     return sum;
 }
 #endif
+
+// exp(x) on VW lanes, for x <= 0 and slightly above (scores minus their row's log-sum-exp,
+// which rounding may leave a little positive): the polynomial of the forward kernel's
+// exp_nonpos (cl/cores/fused.cl), so that the recomputed probabilities follow the forward's.
+// x = n ln2 + r with n = rint(x / ln2) (ln2 split in two for an exact product), e^r by its
+// Taylor polynomial of degree 7 (Horner), times 2^n built in the exponent bits; x < -87 and
+// -inf give 0, NaN stays NaN.
+inline VT exp_nonpos(VT x) {
+    VT n = rint(x * 1.44269504088896341f);
+    VT r = fma(n, (VT)(-0.693145751953125f), x);
+    r = fma(n, (VT)(-1.428606765330187045e-06f), r);
+    VT p = (VT)(1.0f / 5040.0f);
+    p = fma(p, r, (VT)(1.0f / 720.0f));
+    p = fma(p, r, (VT)(1.0f / 120.0f));
+    p = fma(p, r, (VT)(1.0f / 24.0f));
+    p = fma(p, r, (VT)(1.0f / 6.0f));
+    p = fma(p, r, (VT)(0.5f));
+    p = fma(p, r, (VT)(1.0f));
+    p = fma(p, r, (VT)(1.0f));
+    VTI e = CONVERT_VTI(fmax(n, (VT)(-126.0f))) + 127;
+    return select(p * AS_VT(e << 23), (VT)(0.0f), x < -87.0f);
+}
 
 // The additive masks and is_causal of score (bh, i, j), j < src_len; attn_row is the start of
 // row i of attn_mask for plane bh (already offset), kpm_row that of the batch item.
@@ -104,6 +154,302 @@ kernel void fused_backward_drow(global const float *d_o, global const float *o,
         drow[r] = s;
     }
 }
+
+#if ROWS_PRIVATE
+// ---- rows in private memory (CPU classes) -------------------------------------------------------
+// Each work-item owns R rows (row r of work-item lid: first + r * B + lid) and keeps them, and
+// their gradient accumulators, in private arrays; a work-group covers B * R rows. The other side
+// comes through local memory in tiles of BT rows, both row by row (for the gradient updates,
+// VW dimensions at a time) and transposed (for the scores, VW rows of the tile at a time), so
+// that every product accumulates in VW-wide registers without summing across lanes, and every
+// vector read from local memory serves the R rows. Per tile and row the probabilities,
+// dropout and dS are a few vector passes over BT values; the masks add a scalar pass only
+// where the row has any on that tile (none without masks, below the causal diagonal, past S).
+
+// The probabilities of one row's tile of scores, in place: s = exp(s - l), 0 where l = -inf
+// (a fully masked query row); l is the row's log-sum-exp (dq) or the tile's (dkdv, per lane).
+inline VT probs_of(VT s, VT l) {
+    return select(exp_nonpos(s - l), (VT)(0.0f), l == (VT)(-INFINITY));
+}
+
+// NDRange: (ceil(S' / (B * R)) * B, N*H) in groups of (B, 1).
+kernel __attribute__((reqd_work_group_size(B, 1, 1)))
+void fused_backward_dkdv(global const float *q, global const float *k, global const float *v,
+                         global const float *d_o, global const float *lse,
+                         global const float *drow, global float *dk, global float *dv,
+                         ulong tgt_len, ulong n_heads, ulong src_len, ulong src_len_padded,
+                         float scale,
+                         global const uchar *attn_mask, ulong attn_off, uint attn_kind,
+                         uint attn_layout,
+                         global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal,
+                         uint dropout_on, uint dropout_threshold, float keep_scale,
+                         uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+    local float qt[HD * BT];   // the query tile, scaled and transposed: qt[d * BT + ii]
+    local float dot_t[HD * BT];  // its dO rows, transposed
+    local float qs[BT * HD];   // the query tile's rows (unscaled): qs[ii * HD + d]
+    local float dos[BT * HD];  // its dO rows
+    local float ls[BT];        // their log-sum-exp (-inf: no probability, also past the end)
+    local float ds[BT];        // their Drow
+
+    uint lid = get_local_id(0);
+    ulong bh = get_group_id(1);
+    ulong n = bh / n_heads;
+    ulong first = get_group_id(0) * (ulong)(B * R);
+    ulong last = min(first + B * R, src_len_padded) - 1;  // the group's last real key
+    ulong kpm_row = kpm_off + n * src_len;
+
+    // The work-item's key rows (past the end: the group's last, computed and not stored), their
+    // k and v, and the dk and dv accumulators.
+    ulong jr[R];
+    float kr[R][HD], vr[R][HD], dkr[R][HD], dvr[R][HD];
+    for (uint r = 0; r < R; ++r) {
+        jr[r] = min(first + r * B + lid, last);
+        global const float *kp = k + (bh * src_len_padded + jr[r]) * HD;
+        global const float *vp = v + (bh * src_len_padded + jr[r]) * HD;
+        for (uint d = 0; d < HD; ++d) {
+            kr[r][d] = kp[d];
+            vr[r][d] = vp[d];
+            dkr[r][d] = 0.0f;
+            dvr[r][d] = 0.0f;
+        }
+    }
+    float s[R][BT];   // scores, then probabilities, then dS
+    float pd[R][BT];  // the probabilities after dropout
+    float dp[R][BT];  // dO.v, then after dropout
+
+    // With is_causal and a group of real keys only, the query tiles whose rows all come before
+    // the group's first key see only masked scores (P = 0): start at the tile holding row first.
+    ulong i_begin = causal && last < src_len ? first / BT * BT : 0;
+    global const float *qb = q + bh * tgt_len * HD;
+    global const float *dob = d_o + bh * tgt_len * HD;
+    for (ulong i0 = i_begin; i0 < tgt_len; i0 += BT) {
+        barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
+        uint rows = (uint)min((ulong)BT, tgt_len - i0);  // the tile's real rows
+        for (uint t = lid; t < BT * HD; t += B) {
+            uint ii = t / HD, d = t % HD;
+            bool in = ii < rows;
+            float x = in ? qb[i0 * HD + t] : 0.0f, y = in ? dob[i0 * HD + t] : 0.0f;
+            qs[t] = x;
+            dos[t] = y;
+            qt[d * BT + ii] = x * scale;
+            dot_t[d * BT + ii] = y;
+        }
+        for (uint t = lid; t < BT; t += B) {
+            bool in = t < rows;
+            ls[t] = in ? lse[bh * tgt_len + i0 + t] : -INFINITY;
+            ds[t] = in ? drow[bh * tgt_len + i0 + t] : 0.0f;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        // Scores and dO.v of the R key rows against VW query rows at a time.
+        for (uint c = 0; c < BT; c += VW) {
+            VT as[R], ap[R];
+            for (uint r = 0; r < R; ++r) as[r] = ap[r] = (VT)(0.0f);
+            for (uint d = 0; d < HD; ++d) {
+                VT qv = LOADV(c, qt + d * BT), ov = LOADV(c, dot_t + d * BT);
+                for (uint r = 0; r < R; ++r) {
+                    as[r] = fma((VT)(kr[r][d]), qv, as[r]);
+                    ap[r] = fma((VT)(vr[r][d]), ov, ap[r]);
+                }
+            }
+            for (uint r = 0; r < R; ++r) {
+                STOREV(as[r], c, s[r]);
+                STOREV(ap[r], c, dp[r]);
+            }
+        }
+        for (uint r = 0; r < R; ++r) {
+            ulong j = jr[r];
+            // Masks: only for a real key (j < S) with masks, or with is_causal above the
+            // diagonal of some row of the tile. Rows past the end keep their score (l = -inf).
+            if (j < src_len && (attn_kind || kpm_kind || (causal && j > i0))) {
+                float kx = mask_value(kpm, kpm_kind, kpm_row + j);
+                for (uint ii = 0; ii < rows; ++ii) {
+                    ulong i = i0 + ii;
+                    ulong ar = attn_row_of(attn_layout, attn_off, bh, n, i, tgt_len, src_len);
+                    float x = s[r][ii] + mask_value(attn_mask, attn_kind, ar + j) + kx;
+                    s[r][ii] = causal && j > i ? -INFINITY : x;
+                }
+            }
+            for (uint c = 0; c < BT; c += VW) {
+                VT p = probs_of(LOADV(c, s[r]), LOADV(c, ls));
+                STOREV(p, c, s[r]);
+                STOREV(p, c, pd[r]);
+            }
+            if (dropout_on) {
+                for (uint ii = 0; ii < BT; ++ii) {
+                    uint w = philox_word0((uint)j, (uint)(i0 + ii), (uint)bh, offset_lo, seed_lo,
+                                          seed_hi_xor_off_hi);
+                    float f = w >= dropout_threshold ? keep_scale : 0.0f;
+                    pd[r][ii] *= f;
+                    dp[r][ii] *= f;
+                }
+            }
+            for (uint c = 0; c < BT; c += VW)  // dS = P * (dP - Drow)
+                STOREV(LOADV(c, s[r]) * (LOADV(c, dp[r]) - LOADV(c, ds)), c, s[r]);
+        }
+        // dv += Pd^T dO, dk += dS^T q over the tile's rows in order, VW dimensions at a time.
+        for (uint c = 0; c < HD; c += VW) {
+            VT ak[R], av[R];
+            for (uint r = 0; r < R; ++r) {
+                ak[r] = LOADV(c, dkr[r]);
+                av[r] = LOADV(c, dvr[r]);
+            }
+            for (uint ii = 0; ii < BT; ++ii) {
+                VT qv = LOADV(c, qs + ii * HD), ov = LOADV(c, dos + ii * HD);
+                for (uint r = 0; r < R; ++r) {
+                    ak[r] = fma((VT)(s[r][ii]), qv, ak[r]);
+                    av[r] = fma((VT)(pd[r][ii]), ov, av[r]);
+                }
+            }
+            for (uint r = 0; r < R; ++r) {
+                STOREV(ak[r], c, dkr[r]);
+                STOREV(av[r], c, dvr[r]);
+            }
+        }
+    }
+    for (uint r = 0; r < R; ++r) {
+        ulong j = first + r * B + lid;
+        if (j < src_len_padded) {
+            global float *dkp = dk + (bh * src_len_padded + j) * HD;
+            global float *dvp = dv + (bh * src_len_padded + j) * HD;
+            for (uint d = 0; d < HD; ++d) {
+                dkp[d] = dkr[r][d] * scale;
+                dvp[d] = dvr[r][d];
+            }
+        }
+    }
+}
+
+// NDRange: (ceil(L / (B * R)) * B, N*H) in groups of (B, 1).
+kernel __attribute__((reqd_work_group_size(B, 1, 1)))
+void fused_backward_dq(global const float *q, global const float *k, global const float *v,
+                       global const float *d_o, global const float *lse,
+                       global const float *drow, global float *dq,
+                       ulong tgt_len, ulong n_heads, ulong src_len, ulong src_len_padded,
+                       float scale,
+                       global const uchar *attn_mask, ulong attn_off, uint attn_kind,
+                       uint attn_layout,
+                       global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal,
+                       uint dropout_on, uint dropout_threshold, float keep_scale,
+                       uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+    local float kt[HD * BT];  // the key tile, transposed: kt[d * BT + jj]
+    local float vt[HD * BT];  // the value tile, transposed
+    local float ks[BT * HD];  // the key tile's rows: ks[jj * HD + d]
+
+    uint lid = get_local_id(0);
+    ulong bh = get_group_id(1);
+    ulong n = bh / n_heads;
+    ulong first = get_group_id(0) * (ulong)(B * R);
+    ulong last = min(first + B * R, tgt_len) - 1;  // the group's last real row
+    ulong kpm_row = kpm_off + n * src_len;
+
+    // The work-item's query rows (past the end: the group's last), scaled as the forward
+    // scaled them, their dO rows, lse, Drow and attn_mask rows, and the dq accumulators.
+    ulong ir[R], attn_row[R];
+    float qr[R][HD], dor[R][HD], dqr[R][HD], l[R], dr[R];
+    for (uint r = 0; r < R; ++r) {
+        ir[r] = min(first + r * B + lid, last);
+        attn_row[r] = attn_row_of(attn_layout, attn_off, bh, n, ir[r], tgt_len, src_len);
+        global const float *qp = q + (bh * tgt_len + ir[r]) * HD;
+        global const float *dop = d_o + (bh * tgt_len + ir[r]) * HD;
+        for (uint d = 0; d < HD; ++d) {
+            qr[r][d] = qp[d] * scale;
+            dor[r][d] = dop[d];
+            dqr[r][d] = 0.0f;
+        }
+        l[r] = lse[bh * tgt_len + ir[r]];
+        dr[r] = drow[bh * tgt_len + ir[r]];
+    }
+    float s[R][BT];   // scores, then probabilities, then dS
+    float dp[R][BT];  // dO.v, then after dropout
+
+    global const float *kb = k + bh * src_len_padded * HD;
+    global const float *vb = v + bh * src_len_padded * HD;
+    for (ulong j0 = 0; j0 < src_len_padded; j0 += BT) {
+        // With is_causal, a tile of masked keys only (all j > last, none appended) is skipped;
+        // the condition is the same for the whole group, so the barriers stay uniform.
+        if (causal && j0 > last && j0 + BT <= src_len) continue;
+        barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
+        uint keys = (uint)min((ulong)BT, src_len_padded - j0);  // the tile's real keys
+        for (uint t = lid; t < BT * HD; t += B) {
+            uint jj = t / HD, d = t % HD;
+            bool in = jj < keys;
+            float x = in ? kb[j0 * HD + t] : 0.0f;
+            ks[t] = x;
+            kt[d * BT + jj] = x;
+            vt[d * BT + jj] = in ? vb[j0 * HD + t] : 0.0f;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        // Scores and dO.v of the R query rows against VW keys at a time.
+        for (uint c = 0; c < BT; c += VW) {
+            VT as[R], ap[R];
+            for (uint r = 0; r < R; ++r) as[r] = ap[r] = (VT)(0.0f);
+            for (uint d = 0; d < HD; ++d) {
+                VT kv = LOADV(c, kt + d * BT), vv = LOADV(c, vt + d * BT);
+                for (uint r = 0; r < R; ++r) {
+                    as[r] = fma((VT)(qr[r][d]), kv, as[r]);
+                    ap[r] = fma((VT)(dor[r][d]), vv, ap[r]);
+                }
+            }
+            for (uint r = 0; r < R; ++r) {
+                STOREV(as[r], c, s[r]);
+                STOREV(ap[r], c, dp[r]);
+            }
+        }
+        for (uint r = 0; r < R; ++r) {
+            ulong i = ir[r];
+            // Masks: only where this row has any on the tile (keys past the end, masks, keys
+            // above the causal diagonal).
+            bool plain = !attn_kind && !kpm_kind && keys == BT && (!causal || j0 + BT <= i + 1);
+            if (!plain) {
+                for (uint jj = 0; jj < BT; ++jj) {
+                    ulong j = j0 + jj;
+                    float x = s[r][jj];
+                    if (jj >= keys) {
+                        x = -INFINITY;
+                    } else if (j < src_len) {
+                        x += mask_value(attn_mask, attn_kind, attn_row[r] + j);
+                        x += mask_value(kpm, kpm_kind, kpm_row + j);
+                        if (causal && j > i) x = -INFINITY;
+                    }
+                    s[r][jj] = x;
+                }
+            }
+            for (uint c = 0; c < BT; c += VW)
+                STOREV(probs_of(LOADV(c, s[r]), (VT)(l[r])), c, s[r]);
+            if (dropout_on) {
+                for (uint jj = 0; jj < BT; ++jj) {
+                    uint w = philox_word0((uint)(j0 + jj), (uint)i, (uint)bh, offset_lo, seed_lo,
+                                          seed_hi_xor_off_hi);
+                    dp[r][jj] = w >= dropout_threshold ? dp[r][jj] * keep_scale : 0.0f;
+                }
+            }
+            for (uint c = 0; c < BT; c += VW)  // dS = P * (dP - Drow)
+                STOREV(LOADV(c, s[r]) * (LOADV(c, dp[r]) - (VT)(dr[r])), c, s[r]);
+        }
+        // dq += dS k over the tile's keys in order, VW dimensions at a time.
+        for (uint c = 0; c < HD; c += VW) {
+            VT a[R];
+            for (uint r = 0; r < R; ++r) a[r] = LOADV(c, dqr[r]);
+            for (uint jj = 0; jj < BT; ++jj) {
+                VT kv = LOADV(c, ks + jj * HD);
+                for (uint r = 0; r < R; ++r) a[r] = fma((VT)(s[r][jj]), kv, a[r]);
+            }
+            for (uint r = 0; r < R; ++r) STOREV(a[r], c, dqr[r]);
+        }
+    }
+    for (uint r = 0; r < R; ++r) {
+        ulong i = first + r * B + lid;
+        if (i < tgt_len) {
+            global float *dqp = dq + (bh * tgt_len + i) * HD;
+            for (uint d = 0; d < HD; ++d) dqp[d] = dqr[r][d] * scale;
+        }
+    }
+}
+
+#else
+// ---- one row per work-item (GPU classes and other devices) --------------------------------------
 
 // NDRange: (ceil(S' / B) * B, N*H) in groups of (B, 1).
 kernel __attribute__((reqd_work_group_size(B, 1, 1)))
@@ -285,3 +631,4 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
         for (uint d = 0; d < HD; ++d) dqp[d] = dqr[d] * scale;
     }
 }
+#endif

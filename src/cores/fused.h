@@ -135,8 +135,8 @@ CLMHA__HIDDEN clmha_status clmha__fused_backward_run(clmha_layer *layer,
 // Frees @p b (NULL is ignored).
 CLMHA__HIDDEN void clmha__fused_backward_release(clmha__fused_backward *b);
 
-// The work-group size (= rows per tile) the fused backward kernels of @p layer were built with
-// (0: not built).
+// The rows one work-group of the fused backward kernels of @p layer covers (work-group size
+// times rows per work-item; 0: not built).
 CLMHA__HIDDEN size_t clmha__fused_backward_tile(const clmha_layer *layer);
 
 #endif

@@ -17,10 +17,18 @@ typedef clmha__arg arg;
 #define ARG CLMHA__ARG
 #define MASK_ARGS CLMHA__MASK_ARGS
 
+// The kernels' mapping and tiles (their build options).
+typedef struct tiles {
+    bool rows_private;  // R rows per work-item in private memory, tiles of BT (-DROWS_PRIVATE)
+    size_t b;           // work-group size (-DB); without rows_private also the rows per tile
+    size_t r;           // rows per work-item (-DR; 1 without rows_private)
+    size_t bt;          // rows per staged tile with rows_private (-DBT)
+    size_t vw;          // vector width of the inner products (-DVW)
+} tiles;
+
 struct clmha__fused_backward {
     cl_kernel drow, dkdv, dq;
-    size_t b;              // work-group size = rows per tile (the kernels' -DB)
-    size_t vw;             // vector width of the inner products (-DVW)
+    tiles t;               // what they were built with
     clmha_status failed;   // why the kernels cannot be built here (then not retried)
     cl_mem drow_buf;       // Drow, N*H*L floats, grown on demand
     size_t drow_cap;
@@ -42,16 +50,22 @@ void clmha__fused_backward_release(clmha__fused_backward *fb) {
 
 size_t clmha__fused_backward_tile(const clmha_layer *layer) {
     const clmha__fused_backward *fb = *clmha__fused_backward_slot(layer);
-    return fb && fb->dkdv ? fb->b : 0;
+    return fb && fb->dkdv ? fb->t.b * fb->t.r : 0;
 }
 
 // ---- tile and build -----------------------------------------------------------------------------
 
-// Local memory of the larger kernel (dkdv: the query tile's q and dO rows, their lse and Drow)
-// in floats.
-static size_t local_floats(size_t b, size_t hd) { return 2 * b * hd + 2 * b; }
+// Local memory of the larger kernel (dkdv) in floats. One row per work-item: the query tile's q
+// and dO rows, their lse and Drow. Rows private: those rows twice (as rows and transposed).
+static size_t local_floats(const tiles *t, size_t hd) {
+    return t->rows_private ? 4 * t->bt * hd + 2 * t->bt : 2 * t->b * hd + 2 * t->b;
+}
 
-// Local memory the tile may use, in bytes: the device's less 1 KiB (room for what the compiler
+// Private floats per work-item of the larger kernel (dkdv) with rows private: per row its k, v,
+// dk and dv rows and the tile's scores, probabilities after dropout and dO.v.
+static size_t private_floats(const tiles *t, size_t hd) { return t->r * (4 * hd + 3 * t->bt); }
+
+// Local memory the tiles may use, in bytes: the device's less 1 KiB (room for what the compiler
 // adds), and at most 32 KiB, so that a GPU keeps a few work-groups resident per compute unit.
 static cl_ulong local_budget(const clmha_context *ctx) {
     cl_ulong dev = clmha__local_mem(ctx);
@@ -59,66 +73,120 @@ static cl_ulong local_budget(const clmha_context *ctx) {
     return budget < 32768 ? budget : 32768;
 }
 
-// The largest power of two up to 64 within @p max_wg whose tile fits in the budget; 0 when not
-// even one row does. (64 rows: each key row of dkdv then reads a query tile of 64 rows per
-// barrier pair, and more buys little once the tile is past the cache line.)
-static size_t tile_for(const clmha_context *ctx, size_t max_wg, size_t hd) {
+// The largest power of two up to @p cap within @p max_wg.
+static size_t pow2_within(size_t cap, size_t max_wg) {
     size_t b = 1;
-    while (b * 2 <= 64 && b * 2 <= max_wg) b *= 2;
-    cl_ulong budget = local_budget(ctx);
-    while (b > 1 && local_floats(b, hd) * sizeof(float) > budget) b /= 2;
-    return local_floats(b, hd) * sizeof(float) <= budget ? b : 0;
+    while (b * 2 <= cap && b * 2 <= max_wg) b *= 2;
+    return b;
 }
 
-// Builds the three kernels with the largest tile that fits, then asks each built kernel what it
-// allows: while a work-group limit (CL_KERNEL_WORK_GROUP_SIZE, which drivers may set below the
-// device's) is below the tile, or the local memory used exceeds the device's, rebuilds with a
-// smaller tile.
-static clmha_status build(clmha_layer *l, clmha__fused_backward *fb) {
-    clmha_context *ctx = l->ctx;
-    size_t b = tile_for(ctx, ctx->max_work_group, l->d);
-    // The forward's vector width (the class's, or a CPU's native one), narrowed to divide HD;
-    // 1 where vloadN is unsafe.
+// One row per work-item: the largest power of two up to 64 within @p max_wg whose tile fits in
+// the budget; b 0 when not even one row does. (64 rows: each key row of dkdv then reads a query
+// tile of 64 rows per barrier pair, and more buys little once the tile is past the cache line.)
+static tiles tiles_one_row(const clmha_context *ctx, size_t max_wg, size_t hd, size_t vw) {
+    tiles t = {.b = pow2_within(64, max_wg), .r = 1, .vw = vw};
+    cl_ulong budget = local_budget(ctx);
+    while (t.b > 1 && local_floats(&t, hd) * sizeof(float) > budget) t.b /= 2;
+    if (local_floats(&t, hd) * sizeof(float) > budget) t.b = 0;
+    return t;
+}
+
+// Rows private (classes without the coalesced GPU mapping: CPUs): work-groups of up to 16
+// work-items with 4 rows each, tiles of 16 rows; then fewer rows per work-item while the
+// private arrays pass the class's budget, and smaller tiles while the local memory passes the
+// device's (bt 0: not even one row fits); vw narrowed to divide bt. Measured on PoCL (AVX-512,
+// 2 cores, N=1 H=8 L=S=1024 D=64, best of 5 on a shared machine): 16x4 rows 136 ms, 8x4 143,
+// 16x2 184, 32x2 232; tiles of 8 rows were ~2x slower than 16, and 32 (33 KiB of local memory
+// at HD 64) no faster.
+static tiles tiles_rows_private(const clmha_context *ctx, size_t max_wg, size_t hd, size_t vw) {
+    tiles t = {.rows_private = true, .b = pow2_within(16, max_wg), .r = 4, .bt = 16, .vw = vw};
+    while (t.r > 1 && private_floats(&t, hd) > ctx->cls->private_floats) --t.r;
+    cl_ulong budget = local_budget(ctx);
+    while (t.bt > 0 && local_floats(&t, hd) * sizeof(float) > budget) t.bt /= 2;
+    while (t.vw > 1 && t.bt % t.vw) t.vw /= 2;
+    return t;
+}
+
+// The vector width: the forward's (the class's, or a CPU's native one), narrowed to divide HD;
+// 1 where vloadN is unsafe.
+static size_t vw_for(const clmha_context *ctx, size_t hd) {
     size_t want = clmha__fused_default_vw(ctx), vw = 16;
-    while (vw > 1 && (vw > want || l->d % vw)) vw /= 2;
-    if (ctx->quirks.no_vload) vw = 1;
-    while (b) {
-        char options[80];
-        snprintf(options, sizeof options, "-DHD=%zu -DB=%zu -DVW=%zu", l->d, b, vw);
-        cl_program prog;
-        clmha_status st = clmha__program_get(ctx, "fused_backward", options, &prog);
-        if (st || (st = clmha__kernel_make(ctx, prog, "fused_backward_drow", &fb->drow)) ||
-            (st = clmha__kernel_make(ctx, prog, "fused_backward_dkdv", &fb->dkdv)) ||
-            (st = clmha__kernel_make(ctx, prog, "fused_backward_dq", &fb->dq))) {
+    while (vw > 1 && (vw > want || hd % vw)) vw /= 2;
+    return ctx->quirks.no_vload ? 1 : vw;
+}
+
+// Builds the three kernels with tiles @p t and checks what each built kernel allows: *fits
+// false (and no kernels) when a work-group limit (CL_KERNEL_WORK_GROUP_SIZE, which drivers may
+// set below the device's) is below the work-group size, *wg_min receiving the smallest limit, or
+// when the local memory used exceeds the device's.
+static clmha_status build_tiles(clmha_context *ctx, clmha__fused_backward *fb, size_t hd,
+                                const tiles *t, bool *fits, size_t *wg_min) {
+    char options[128];
+    snprintf(options, sizeof options, "-DHD=%zu -DB=%zu -DVW=%zu -DROWS_PRIVATE=%d -DR=%zu -DBT=%zu",
+             hd, t->b, t->vw, (int)t->rows_private, t->r, t->bt ? t->bt : 1);
+    cl_program prog;
+    clmha_status st = clmha__program_get(ctx, "fused_backward", options, &prog);
+    if (st || (st = clmha__kernel_make(ctx, prog, "fused_backward_drow", &fb->drow)) ||
+        (st = clmha__kernel_make(ctx, prog, "fused_backward_dkdv", &fb->dkdv)) ||
+        (st = clmha__kernel_make(ctx, prog, "fused_backward_dq", &fb->dq))) {
+        release_kernels(fb);
+        return st;
+    }
+    *wg_min = t->b;
+    *fits = true;
+    cl_kernel ks[] = {fb->drow, fb->dkdv, fb->dq};
+    for (size_t i = 0; i < sizeof ks / sizeof ks[0]; ++i) {
+        size_t wg;
+        cl_ulong local;
+        if ((st = clmha__kernel_limits(ctx, ks[i], &wg, &local))) {
             release_kernels(fb);
             return st;
         }
-        size_t wg_min = b;
-        bool fits = true;
-        cl_kernel ks[] = {fb->drow, fb->dkdv, fb->dq};
-        for (size_t i = 0; i < sizeof ks / sizeof ks[0]; ++i) {
-            size_t wg;
-            cl_ulong local;
-            if ((st = clmha__kernel_limits(ctx, ks[i], &wg, &local))) {
-                release_kernels(fb);
-                return st;
-            }
-            if (wg < wg_min) wg_min = wg;
-            if (local > clmha__local_mem(ctx)) fits = false;
-        }
-        if (wg_min >= b && fits) {
-            fb->b = b;
-            fb->vw = vw;
-            return CLMHA_SUCCESS;
-        }
-        release_kernels(fb);
-        size_t next = wg_min < b ? tile_for(ctx, wg_min, l->d) : b / 2;
-        b = next < b ? next : b / 2;
+        if (wg < *wg_min) *wg_min = wg;
+        if (local > clmha__local_mem(ctx)) *fits = false;
     }
+    if (*wg_min < t->b) *fits = false;
+    if (*fits) fb->t = *t;
+    else release_kernels(fb);
+    return CLMHA_SUCCESS;
+}
+
+// Builds the three kernels: with rows private where the class keeps rows private (CPUs), the
+// device has no loop limit and they fit, else (or when that build does not fit the kernels' limits) one row per work-item
+// with the largest tile that fits. While a built kernel's work-group limit is below the tile's,
+// or its local memory exceeds the device's, rebuilds with a smaller work-group (the limit) or a
+// smaller tile.
+static clmha_status build(clmha_layer *l, clmha__fused_backward *fb) {
+    clmha_context *ctx = l->ctx;
+    size_t vw = vw_for(ctx, l->d), max_wg = ctx->max_work_group;
+    clmha_status st;
+    bool fits;
+    size_t wg_min;
+    // A driver with a loop limit (llvmpipe) counts every iteration of the R-row loops, which
+    // its compiler may keep: the rows-private kernels would pass loops_fit() at lengths the
+    // one-row kernels cover (rusticl, vw 1: L=150 at head_dim 16), so it keeps one row.
+    if (!ctx->cls->coalesced && !ctx->quirks.loop_limit) {
+        tiles t = tiles_rows_private(ctx, max_wg, l->d, vw);
+        while (t.bt) {
+            if ((st = build_tiles(ctx, fb, l->d, &t, &fits, &wg_min))) return st;
+            if (fits) return CLMHA_SUCCESS;
+            if (wg_min < t.b) t.b = pow2_within(t.b, wg_min);
+            else t.bt /= 2;
+            while (t.vw > 1 && t.bt % t.vw) t.vw /= 2;
+        }
+    }
+    tiles t = tiles_one_row(ctx, max_wg, l->d, vw);
+    while (t.b) {
+        if ((st = build_tiles(ctx, fb, l->d, &t, &fits, &wg_min))) return st;
+        if (fits) return CLMHA_SUCCESS;
+        size_t next = wg_min < t.b ? tiles_one_row(ctx, wg_min, l->d, vw).b : t.b / 2;
+        t.b = next < t.b ? next : t.b / 2;
+    }
+    tiles one = {.b = 1, .r = 1};
     return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                        "the fused backward kernels need %zu bytes of local memory for one row "
                        "per tile at head_dim %zu; the device has %llu",
-                       local_floats(1, l->d) * sizeof(float), l->d,
+                       local_floats(&one, l->d) * sizeof(float), l->d,
                        (unsigned long long)clmha__local_mem(ctx));
 }
 
@@ -148,18 +216,37 @@ static double loop_cost(double n, double body) { return n + 1 + n * body; }
 
 // Whether every backward kernel's work-item stays below half the device's loop limit
 // (clmha__fused_loop_limit(); always on devices without one). Counted as if the compiler kept
-// every loop: dkdv walks ceil(L / B) query tiles, dq ceil(S' / B) key tiles, each tile a
-// staging loop of HD iterations and B rows of two HD-long loops (and Philox's ten rounds with
-// dropout). The HD-long loops count HD iterations, though they run HD / VW (conservative).
+// every loop. One row per work-item: dkdv walks ceil(L / B) query tiles, dq ceil(S' / B) key
+// tiles, each tile a staging loop of HD iterations and B rows of two HD-long loops (and
+// Philox's ten rounds with dropout); the HD-long loops count HD iterations, though they run
+// HD / VW (conservative). Rows private: ceil(L / BT) or ceil(S' / BT) tiles, each a staging
+// loop of ceil(BT * HD / B) iterations, the products (BT / VW times HD times R, then HD / VW
+// times BT times R), and per row the masks (BT, with an attn_mask row lookup), the
+// probabilities, dropout (BT times ten rounds) and dS.
 static bool loops_fit(const clmha_layer *l, const clmha__fused_backward *fb,
                       const clmha__dims *d, bool dropout) {
     size_t limit = clmha__fused_loop_limit(l);
     if (!limit) return true;
-    double hd = (double)l->d, b = (double)fb->b;
-    double row = 2 * loop_cost(hd, 0) + (dropout ? loop_cost(10, 0) : 0);
-    double tile = loop_cost(hd, 0) + loop_cost(b, row);
-    double dkdv = 2 * loop_cost(hd, 0) + loop_cost(ceil((double)d->l / b), tile);
-    double dq = 2 * loop_cost(hd, 0) + loop_cost(ceil((double)d->s_padded / b), tile);
+    const tiles *t = &fb->t;
+    double hd = (double)l->d, b = (double)t->b, r = (double)t->r, vw = (double)t->vw;
+    double rows_l = (double)d->l, rows_s = (double)d->s_padded;
+    double dkdv, dq;
+    if (t->rows_private) {
+        double bt = (double)t->bt, rl = loop_cost(r, 0);
+        double philox = dropout ? loop_cost(bt, loop_cost(10, 0)) : 0;
+        double row = loop_cost(bt, 0) + 3 * loop_cost(bt / vw, 0) + philox;
+        double tile = loop_cost(ceil(bt * hd / b), 0) + loop_cost(bt, 0) +
+                      loop_cost(bt / vw, rl + loop_cost(hd, rl) + rl) + loop_cost(r, row) +
+                      loop_cost(hd / vw, rl + loop_cost(bt, rl) + rl);
+        double ends = 2 * loop_cost(r, loop_cost(hd, 0));  // loading and storing the rows
+        dkdv = ends + loop_cost(ceil(rows_l / bt), tile);
+        dq = ends + loop_cost(ceil(rows_s / bt), tile);
+    } else {
+        double row = 2 * loop_cost(hd, 0) + (dropout ? loop_cost(10, 0) : 0);
+        double tile = loop_cost(hd, 0) + loop_cost(b, row);
+        dkdv = 2 * loop_cost(hd, 0) + loop_cost(ceil(rows_l / b), tile);
+        dq = 2 * loop_cost(hd, 0) + loop_cost(ceil(rows_s / b), tile);
+    }
     double worst = dkdv > dq ? dkdv : dq;
     return worst <= (double)limit / 2;
 }
@@ -185,7 +272,7 @@ clmha_status clmha__fused_backward_supports(clmha_layer *l, const clmha__backwar
         *why = "it computes no mask gradient";
         return CLMHA_SUCCESS;
     }
-    clmha__fused_backward *fb;
+    clmha__fused_backward *fb = NULL;
     clmha_status st = ensure(l, &fb);
     if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) {
         *why = "its kernels cannot be built for this head_dim on this device";
@@ -201,12 +288,14 @@ clmha_status clmha__fused_backward_supports(clmha_layer *l, const clmha__backwar
     return CLMHA_SUCCESS;
 }
 
-// Enqueues one 2-D kernel over (ceil(rows / b) * b, planes) in groups of (b, 1).
+// Enqueues one 2-D kernel over (ceil(rows / (b * r)) * b, planes) in groups of (b, 1): each
+// work-item covers r rows.
 static clmha_status launch_2d(clmha_context *ctx, cl_kernel k, const char *name, size_t rows,
-                              size_t planes, size_t b, const arg *args, cl_uint nargs) {
+                              size_t planes, const tiles *t, const arg *args, cl_uint nargs) {
     clmha_status st = clmha__set_args(ctx, k, name, args, nargs);
     if (st) return st;
-    size_t global[2] = {(rows + b - 1) / b * b, planes}, local[2] = {b, 1};
+    size_t b = t->b, per_group = b * t->r;
+    size_t global[2] = {(rows + per_group - 1) / per_group * b, planes}, local[2] = {b, 1};
     cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 2, NULL, global, local, 0, NULL, NULL);
     return err != CL_SUCCESS ? clmha__cl_fail(ctx, err, name) : CLMHA_SUCCESS;
 }
@@ -217,7 +306,7 @@ static clmha_status launch_2d(clmha_context *ctx, cl_kernel k, const char *name,
 clmha_status clmha__fused_backward_run(clmha_layer *l, clmha__backward_call *call) {
     clmha_context *ctx = l->ctx;
     const clmha__dims *d = call->dims;
-    clmha__fused_backward *fb;
+    clmha__fused_backward *fb = NULL;
     clmha_status st = ensure(l, &fb);
     if (st) return st;
     size_t planes = d->n * l->h;
@@ -226,7 +315,7 @@ clmha_status clmha__fused_backward_run(clmha_layer *l, clmha__backward_call *cal
                                   "fused backward Drow")))
         return st;
     arg drow_args[] = {ARG(call->d_o), ARG(call->o), ARG(fb->drow_buf), ARG(rows)};
-    if ((st = clmha__launch(ctx, fb->drow, "fused_backward_drow", rows, fb->b, drow_args,
+    if ((st = clmha__launch(ctx, fb->drow, "fused_backward_drow", rows, fb->t.b, drow_args,
                             sizeof drow_args / sizeof drow_args[0])))
         return st;
 
@@ -237,13 +326,13 @@ clmha_status clmha__fused_backward_run(clmha_layer *l, clmha__backward_call *cal
                        ARG(call->lse), ARG(fb->drow_buf), ARG(call->dk), ARG(call->dv),
                        ARG(tgt),       ARG(heads),     ARG(src),       ARG(srcp),
                        ARG(scale),     MASK_ARGS(m)};
-    if ((st = launch_2d(ctx, fb->dkdv, "fused_backward_dkdv", d->s_padded, planes, fb->b,
+    if ((st = launch_2d(ctx, fb->dkdv, "fused_backward_dkdv", d->s_padded, planes, &fb->t,
                         dkdv_args, sizeof dkdv_args / sizeof dkdv_args[0])))
         return st;
     arg dq_args[] = {ARG(call->q),   ARG(call->k),      ARG(call->v),  ARG(call->d_o),
                      ARG(call->lse), ARG(fb->drow_buf), ARG(call->dq), ARG(tgt),
                      ARG(heads),     ARG(src),          ARG(srcp),     ARG(scale),
                      MASK_ARGS(m)};
-    return launch_2d(ctx, fb->dq, "fused_backward_dq", d->l, planes, fb->b, dq_args,
+    return launch_2d(ctx, fb->dq, "fused_backward_dq", d->l, planes, &fb->t, dq_args,
                      sizeof dq_args / sizeof dq_args[0]);
 }
