@@ -732,7 +732,10 @@ CLMHA_API size_t clmha_layer_parameter_count(const clmha_layer *layer, const cha
 CLMHA_API clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len,
                                         size_t src_len, bool need_weights);
 
-/// Device scratch the layer currently holds (it grows on demand and never shrinks).
+/// Device scratch the layer currently holds (it grows on demand and never shrinks): that of its
+/// forward calls and of its backward calls (which work in the same buffers, plus the backward
+/// core's own: the fused core's row sums, the unfused core's score gradients). The saved state
+/// of forward calls is not the layer's: see clmha_saved_bytes().
 /// @param[in] layer  the layer (may be NULL)
 /// @return the size in bytes, 0 for NULL
 CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);

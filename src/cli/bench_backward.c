@@ -1,9 +1,9 @@
 // `clmha bench --backward`: times one training step per shape on device buffers: the forward
 // call with args.save, then clmha_layer_backward() for the gradients of the inputs and of every
 // parameter; also each alone. Reports ms, GFLOP/s (FLOP convention in bench.c's help) and the
-// memory a step holds: the layer's scratch, the saved state and, since the library has no
-// query for it, the backward's own scratch estimated from the process's resident memory (the
-// device memory of a CPU driver such as PoCL is host memory).
+// memory a step holds: the layer's scratch (the backward's included) and the saved state, next
+// to the growth of the process's resident memory (the device memory of a CPU driver such as
+// PoCL is host memory).
 #define _POSIX_C_SOURCE 200809L
 
 #include "bench.h"
@@ -213,8 +213,7 @@ static void print_result(const clmha_context *ctx, const bench_config *cfg, cons
     const clmha_layer_desc *d = &cfg->desc;
     double fwd = r->proj_flops + r->attn_flops, bwd = 2.0 * r->proj_flops + 2.5 * r->attn_flops;
     double total = fwd + bwd;
-    long long training = (long long)(r->scratch_bytes + r->saved_bytes) +
-                         (r->bwd_growth > 0 ? r->bwd_growth : 0);
+    long long training = (long long)(r->scratch_bytes + r->saved_bytes);
     if (cfg->json) {
         printf("{\"device\": ");
         clmha__bench_json_string(clmha_context_device_name(ctx));
@@ -244,13 +243,12 @@ static void print_result(const clmha_context *ctx, const bench_config *cfg, cons
                "forward + backward = 3 P + 3.5 A (P: projection GEMMs, A: Q K^T and weights V "
                "of the forward)\", ",
                r->proj_flops, r->attn_flops);
-        printf("\"scratch_bytes\": %zu, \"saved_bytes\": %zu, ", r->scratch_bytes,
-               r->saved_bytes);
+        printf("\"scratch_bytes\": %zu, \"saved_bytes\": %zu, \"training_scratch_bytes\": %lld, ",
+               r->scratch_bytes, r->saved_bytes, training);
         if (r->bwd_growth >= 0)
-            printf("\"backward_rss_growth_bytes\": %lld, \"training_scratch_bytes\": %lld, ",
-                   r->bwd_growth, training);
+            printf("\"backward_rss_growth_bytes\": %lld, ", r->bwd_growth);
         else
-            printf("\"backward_rss_growth_bytes\": null, \"training_scratch_bytes\": null, ");
+            printf("\"backward_rss_growth_bytes\": null, ");
         if (r->fwd_growth >= 0 && r->bwd_growth >= 0)
             printf("\"forward_rss_growth_bytes\": %lld, \"step_rss_growth_bytes\": %lld, ",
                    r->fwd_growth, r->fwd_growth + r->bwd_growth);
@@ -283,13 +281,9 @@ static void print_result(const clmha_context *ctx, const bench_config *cfg, cons
            r->fwd_ms, r->fwd_min, r->fwd_max, fwd / r->fwd_ms / 1e6, fwd / 1e9);
     printf("backward: %.3f ms (min %.3f, max %.3f), %.2f GFLOP/s (%.4g GFLOP)\n", r->bwd_ms,
            r->bwd_min, r->bwd_max, bwd / r->bwd_ms / 1e6, bwd / 1e9);
-    printf("memory:   scratch %.1f MiB (layer) + %.1f MiB (saved)", r->scratch_bytes / mib,
-           r->saved_bytes / mib);
-    if (r->bwd_growth >= 0)
-        printf(" + ~%.1f MiB (backward, estimated) = %.1f MiB\n", r->bwd_growth / mib,
-               training / mib);
-    else
-        printf(" + the backward's own (unknown here)\n");
+    printf("memory:   scratch %.1f MiB (layer, forward and backward) + %.1f MiB (saved) = "
+           "%.1f MiB\n",
+           r->scratch_bytes / mib, r->saved_bytes / mib, training / mib);
     if (r->fwd_growth >= 0 && r->bwd_growth >= 0)
         printf("          resident memory added by the first step: %.1f MiB (forward %.1f, "
                "backward %.1f)\n",

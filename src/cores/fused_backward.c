@@ -311,8 +311,8 @@ clmha_status clmha__fused_backward_run(clmha_layer *l, clmha__backward_call *cal
     if (st) return st;
     size_t planes = d->n * l->h;
     cl_ulong rows = planes * d->l;
-    if ((st = clmha__grow_buffer(ctx, &fb->drow_buf, &fb->drow_cap, rows ? rows : 1,
-                                  "fused backward Drow")))
+    if ((st = clmha__layer_grow_core_scratch(l, &fb->drow_buf, &fb->drow_cap, rows ? rows : 1,
+                                             "fused backward Drow")))
         return st;
     arg drow_args[] = {ARG(call->d_o), ARG(call->o), ARG(fb->drow_buf), ARG(rows)};
     if ((st = clmha__launch(ctx, fb->drow, "fused_backward_drow", rows, fb->t.b, drow_args,

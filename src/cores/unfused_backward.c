@@ -132,8 +132,9 @@ clmha_status clmha__unfused_backward_run(clmha_layer *l, clmha__backward_call *c
     clmha__unfused_backward *ub;
     clmha_status st;
     if ((st = ensure(l, &ub)) || (st = clmha__layer_reserve(l, d, true, false)) ||
-        (st = clmha__grow_buffer(ctx, &ub->grad_scores, &ub->grad_scores_cap, d->scores_count,
-                                  "unfused backward score gradients")))
+        (st = clmha__layer_grow_core_scratch(l, &ub->grad_scores, &ub->grad_scores_cap,
+                                             d->scores_count,
+                                             "unfused backward score gradients")))
         return st;
     size_t hd = l->d, sp = d->s_padded, tl = d->l, planes = d->n * l->h;
     float scale = (float)(1.0 / sqrt((double)hd));

@@ -284,7 +284,8 @@ const char *clmha_impl_name(clmha_impl impl) {
 
 size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
     if (!layer) return 0;
-    size_t floats = layer->proj_cap + layer->scores_cap + layer->head_sums_cap;
+    size_t floats = layer->proj_cap + layer->scores_cap + layer->head_sums_cap +
+                    layer->cores_scratch_cap;
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) floats += layer->tile_caps[i];
     return floats * sizeof(float);
 }
@@ -308,6 +309,14 @@ clmha_status clmha__grow_buffer(clmha_context *ctx, cl_mem *buf, size_t *cap, si
     *buf = m;
     *cap = need;
     return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__layer_grow_core_scratch(clmha_layer *layer, cl_mem *buf, size_t *cap,
+                                            size_t need, const char *what) {
+    size_t before = *cap;
+    clmha_status st = clmha__grow_buffer(layer->ctx, buf, cap, need, what);
+    layer->cores_scratch_cap += *cap - before;
+    return st;
 }
 
 bool clmha__scores_chunks(const clmha_layer *layer, const clmha__dims *d,

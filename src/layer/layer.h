@@ -51,6 +51,8 @@ struct clmha_layer {
     cl_mem scores;   // (N*H, L, S'), or one chunk of its rows (clmha__scores_chunks())
     cl_mem head_sums;  // chunks: running head sums of averaged weights (clmha__chunks::sums)
     size_t proj_cap, tile_caps[CLMHA__TILE_COUNT], scores_cap, head_sums_cap;
+    size_t cores_scratch_cap;  // floats of the scratch the cores keep in their state
+                               // (clmha__layer_grow_core_scratch())
 
     clmha_attention_fn core;    // the user's core (src/cores/user.c), or NULL
     void *core_data;
@@ -101,6 +103,12 @@ CLMHA__HIDDEN clmha_status clmha__zero_buffer(clmha_context *ctx, size_t count, 
 // names it in messages.
 CLMHA__HIDDEN clmha_status clmha__grow_buffer(clmha_context *ctx, cl_mem *buf, size_t *cap,
                                               size_t need, const char *what);
+
+// clmha__grow_buffer() for a buffer a core keeps in its state, counted in the layer's scratch
+// (clmha_layer_scratch_bytes()).
+CLMHA__HIDDEN clmha_status clmha__layer_grow_core_scratch(clmha_layer *layer, cl_mem *buf,
+                                                          size_t *cap, size_t need,
+                                                          const char *what);
 
 // How the unfused core walks the scores, N*H*L rows of S' floats (row r is query r % L of plane
 // r / L, plane = batch·head): in chunks of at most `rows` consecutive rows, so that the scores
