@@ -1161,20 +1161,18 @@ typedef struct clmha_backward_args {
     clmha_saved *saved;                   ///< what that forward call saved
     clmha_tensor grad_output;             ///< gradient of the output, in the output's shape
     clmha_tensor grad_weights;            ///< optional (ndim 0: none): gradient of the weights
-    clmha_grad query, key, value;         ///< the inputs' gradients
+    clmha_grad query;                     ///< the query's gradient, the query's shape
+    clmha_grad key;                       ///< the key's gradient (see above)
+    clmha_grad value;                     ///< the value's gradient
     clmha_grad in_proj_weight;            ///< (3E, E)
-    /// @var q_proj_weight
-    /// (E, E). @var k_proj_weight
-    /// (E, kdim). @var v_proj_weight
-    /// (E, vdim).
-    clmha_grad q_proj_weight, k_proj_weight, v_proj_weight;
+    clmha_grad q_proj_weight;             ///< (E, E)
+    clmha_grad k_proj_weight;             ///< (E, kdim)
+    clmha_grad v_proj_weight;             ///< (E, vdim)
     clmha_grad in_proj_bias;              ///< (3E)
     clmha_grad out_proj_weight;           ///< `out_proj.weight` (E, E)
     clmha_grad out_proj_bias;             ///< `out_proj.bias` (E)
-    /// @var bias_k
-    /// (1, 1, E). @var bias_v
-    /// (1, 1, E).
-    clmha_grad bias_k, bias_v;
+    clmha_grad bias_k;                    ///< (1, 1, E)
+    clmha_grad bias_v;                    ///< (1, 1, E)
     clmha_grad attn_mask;                 ///< float attn_mask's gradient, its shape
     clmha_grad key_padding_mask;          ///< float key_padding_mask's gradient, its shape
     clmha_impl impl;                      ///< backward core; ::CLMHA_IMPL_AUTO: see below
@@ -1352,29 +1350,21 @@ CLMHA_API clmha_status clmha_reference_forward(const clmha_layer_desc *desc,
 /// in the same shapes as ::clmha_backward_args (NULL: not wanted). Always written, never
 /// accumulated. Zero-initialise with struct_size set.
 typedef struct clmha_reference_grads {
-    size_t struct_size;  ///< sizeof(clmha_reference_grads)
-    /// @var query
-    /// the query's gradient (in self-attention, the whole input's). @var key
-    /// key (includes value's use when value was not given). @var value
-    /// value.
-    double *query, *key, *value;
-    /// @var in_proj_weight
-    /// (3E, E). @var q_proj_weight
-    /// (E, E). @var k_proj_weight
-    /// (E, kdim). @var v_proj_weight
-    /// (E, vdim).
-    double *in_proj_weight, *q_proj_weight, *k_proj_weight, *v_proj_weight;
-    double *in_proj_bias;     ///< (3E)
-    double *out_proj_weight;  ///< (E, E)
-    double *out_proj_bias;    ///< (E)
-    /// @var bias_k
-    /// (1, 1, E). @var bias_v
-    /// (1, 1, E).
-    double *bias_k, *bias_v;
-    /// @var attn_mask
-    /// float attn_mask's gradient. @var key_padding_mask
-    /// float key_padding_mask's gradient.
-    double *attn_mask, *key_padding_mask;
+    size_t struct_size;         ///< sizeof(clmha_reference_grads)
+    double *query;              ///< the query's gradient (self-attention: the whole input's)
+    double *key;                ///< the key's (with value's use when value was not given)
+    double *value;              ///< the value's
+    double *in_proj_weight;     ///< (3E, E)
+    double *q_proj_weight;      ///< (E, E)
+    double *k_proj_weight;      ///< (E, kdim)
+    double *v_proj_weight;      ///< (E, vdim)
+    double *in_proj_bias;       ///< (3E)
+    double *out_proj_weight;    ///< (E, E)
+    double *out_proj_bias;      ///< (E)
+    double *bias_k;             ///< (1, 1, E)
+    double *bias_v;             ///< (1, 1, E)
+    double *attn_mask;          ///< a float attn_mask's gradient, its shape
+    double *key_padding_mask;   ///< a float key_padding_mask's gradient, its shape
 } clmha_reference_grads;
 
 /// The backward pass of clmha_reference_forward() on the CPU in double precision: the gradients
