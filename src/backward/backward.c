@@ -411,13 +411,8 @@ static clmha_status out_projection(pass *p) {
                                args, sizeof args / sizeof args[0]);
 }
 
-// 2. The attention core's backward.
-static clmha_status core_backward(pass *p, const clmha__core *core, clmha__backward_call *call) {
-    (void)p;
-    return core->backward(p->l, call);
-}
-
-// 3. The input projections: in_proj_bias, the weights, the inputs.
+// 3. The input projections, after the core's backward (2, core->backward()): in_proj_bias, the
+// weights, the inputs.
 static clmha_status in_projections(pass *p) {
     clmha_layer *l = p->l;
     clmha_context *ctx = l->ctx;
@@ -555,7 +550,7 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
     size_t rq = d.n * d.l * d.e, rkv = d.n * d.s * d.e;
     pass p = {.l = layer, .s = s, .rows = layer->proj, .rq_off = 0, .rk_off = rq,
               .rv_off = rq + rkv, .a = args, .f = &f, .d = &d, .sv = sv};
-    if ((st = out_projection(&p)) || (st = core_backward(&p, core, &call)) ||
+    if ((st = out_projection(&p)) || (st = core->backward(layer, &call)) ||
         (st = in_projections(&p)))
         return st;
     return clmha__enqueue_event(ctx, event);
