@@ -172,6 +172,29 @@ inline VT probs_of(VT s, VT l) {
     return select(exp_nonpos(s - l), (VT)(0.0f), l == (VT)(-INFINITY));
 }
 
+// The two products of a tile, for the R private rows a (scaled queries or keys) and b (dO or
+// value rows) against the other side's tile, transposed in local memory (at, bt: [d * BT + c]):
+// s[r][c] = a[r] . at[., c] and dp[r][c] = b[r] . bt[., c], VW columns at a time, so that each
+// vector read from local memory serves the R rows.
+inline void tile_products(float a[R][HD], float b[R][HD], local const float *at,
+                          local const float *bt, float s[R][BT], float dp[R][BT]) {
+    for (uint c = 0; c < BT; c += VW) {
+        VT as[R], ap[R];
+        for (uint r = 0; r < R; ++r) as[r] = ap[r] = (VT)(0.0f);
+        for (uint d = 0; d < HD; ++d) {
+            VT av = LOADV(c, at + d * BT), bv = LOADV(c, bt + d * BT);
+            for (uint r = 0; r < R; ++r) {
+                as[r] = fma((VT)(a[r][d]), av, as[r]);
+                ap[r] = fma((VT)(b[r][d]), bv, ap[r]);
+            }
+        }
+        for (uint r = 0; r < R; ++r) {
+            STOREV(as[r], c, s[r]);
+            STOREV(ap[r], c, dp[r]);
+        }
+    }
+}
+
 // NDRange: (ceil(S' / (B * R)) * B, N*H) in groups of (B, 1).
 kernel __attribute__((reqd_work_group_size(B, 1, 1)))
 void fused_backward_dkdv(global const float *q, global const float *k, global const float *v,
@@ -241,22 +264,8 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 
-        // Scores and dO.v of the R key rows against VW query rows at a time.
-        for (uint c = 0; c < BT; c += VW) {
-            VT as[R], ap[R];
-            for (uint r = 0; r < R; ++r) as[r] = ap[r] = (VT)(0.0f);
-            for (uint d = 0; d < HD; ++d) {
-                VT qv = LOADV(c, qt + d * BT), ov = LOADV(c, dot_t + d * BT);
-                for (uint r = 0; r < R; ++r) {
-                    as[r] = fma((VT)(kr[r][d]), qv, as[r]);
-                    ap[r] = fma((VT)(vr[r][d]), ov, ap[r]);
-                }
-            }
-            for (uint r = 0; r < R; ++r) {
-                STOREV(as[r], c, s[r]);
-                STOREV(ap[r], c, dp[r]);
-            }
-        }
+        // Scores and dO.v of the R key rows against the query tile.
+        tile_products(kr, vr, qt, dot_t, s, dp);
         for (uint r = 0; r < R; ++r) {
             ulong j = jr[r];
             // Masks: only for a real key (j < S) with masks, or with is_causal above the
@@ -381,22 +390,8 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 
-        // Scores and dO.v of the R query rows against VW keys at a time.
-        for (uint c = 0; c < BT; c += VW) {
-            VT as[R], ap[R];
-            for (uint r = 0; r < R; ++r) as[r] = ap[r] = (VT)(0.0f);
-            for (uint d = 0; d < HD; ++d) {
-                VT kv = LOADV(c, kt + d * BT), vv = LOADV(c, vt + d * BT);
-                for (uint r = 0; r < R; ++r) {
-                    as[r] = fma((VT)(qr[r][d]), kv, as[r]);
-                    ap[r] = fma((VT)(dor[r][d]), vv, ap[r]);
-                }
-            }
-            for (uint r = 0; r < R; ++r) {
-                STOREV(as[r], c, s[r]);
-                STOREV(ap[r], c, dp[r]);
-            }
-        }
+        // Scores and dO.v of the R query rows against the key tile.
+        tile_products(qr, dor, kt, vt, s, dp);
         for (uint r = 0; r < R; ++r) {
             ulong i = ir[r];
             // Masks: only where this row has any on the tile (keys past the end, masks, keys
