@@ -151,6 +151,24 @@ cl_int clmha__bench_fill_random(cl_command_queue queue, cl_mem buf, size_t count
     return err;
 }
 
+void clmha__bench_json_head(const clmha_context *ctx, const bench_config *cfg, size_t n,
+                            size_t l, size_t s, clmha_impl impl, bool self) {
+    const clmha_layer_desc *d = &cfg->desc;
+    printf("{\"device\": ");
+    clmha__bench_json_string(clmha_context_device_name(ctx));
+    printf(", \"layer\": ");
+    if (cfg->layer_path)
+        clmha__bench_json_string(cfg->layer_path);
+    else
+        printf("null");
+    printf(", \"batch\": %zu, \"tgt_len\": %zu, \"src_len\": %zu, \"embed_dim\": %zu, "
+           "\"num_heads\": %zu, \"kdim\": %zu, \"vdim\": %zu, \"batch_first\": %s, "
+           "\"need_weights\": %s, \"impl\": \"%s\", \"attention\": \"%s\", \"repeat\": %zu, ",
+           n, l, s, d->embed_dim, d->num_heads, d->kdim, d->vdim,
+           d->batch_first ? "true" : "false", cfg->need_weights ? "true" : "false",
+           clmha_impl_name(impl), self ? "self" : "cross", cfg->repeat);
+}
+
 void clmha__bench_json_string(const char *s) {
     putchar('"');
     for (const unsigned char *p = (const unsigned char *)s; *p; ++p) {
@@ -382,23 +400,11 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
                         const bench_result *res) {
     const clmha_layer_desc *d = &cfg->desc;
     if (cfg->json) {
-        printf("{\"device\": ");
-        clmha__bench_json_string(clmha_context_device_name(ctx));
-        printf(", \"layer\": ");
-        if (cfg->layer_path)
-            clmha__bench_json_string(cfg->layer_path);
-        else
-            printf("null");
-        printf(", \"batch\": %zu, \"tgt_len\": %zu, \"src_len\": %zu, \"embed_dim\": %zu, "
-               "\"num_heads\": %zu, \"kdim\": %zu, \"vdim\": %zu, \"batch_first\": %s, "
-               "\"need_weights\": %s, \"impl\": \"%s\", \"attention\": \"%s\", "
-               "\"repeat\": %zu, \"ms\": %.6g, "
-               "\"ms_min\": %.6g, \"ms_max\": %.6g, \"flops\": %.0f, \"gflops\": %.6g, "
-               "\"scratch_bytes\": %zu, \"stages\": {",
-               res->n, res->l, res->s, d->embed_dim, d->num_heads, d->kdim, d->vdim,
-               d->batch_first ? "true" : "false", cfg->need_weights ? "true" : "false",
-               clmha_impl_name(res->impl), res->self ? "self" : "cross", cfg->repeat, res->ms,
-               res->ms_min, res->ms_max, res->flops, res->flops / res->ms / 1e6, res->scratch_bytes);
+        clmha__bench_json_head(ctx, cfg, res->n, res->l, res->s, res->impl, res->self);
+        printf("\"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"flops\": %.0f, "
+               "\"gflops\": %.6g, \"scratch_bytes\": %zu, \"stages\": {",
+               res->ms, res->ms_min, res->ms_max, res->flops, res->flops / res->ms / 1e6,
+               res->scratch_bytes);
         for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
             printf("%s\"%s\": %.6g", i ? ", " : "", clmha_stage_name((clmha_stage)i),
                    res->stage_ms[i]);

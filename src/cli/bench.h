@@ -44,6 +44,13 @@ cl_int clmha__bench_fill_random(cl_command_queue queue, cl_mem buf, size_t count
 // Prints @p s as a JSON string.
 void clmha__bench_json_string(const char *s);
 
+// Prints the start of a shape's JSON line, the fields every bench line has: `{"device": ...,
+// "layer", "batch" (N), "tgt_len", "src_len", "embed_dim", "num_heads", "kdim", "vdim",
+// "batch_first", "need_weights", "impl", "attention" ("self" or "cross"), "repeat": R, ` (the
+// caller goes on with its own fields).
+void clmha__bench_json_head(const clmha_context *ctx, const bench_config *cfg, size_t n,
+                            size_t l, size_t s, clmha_impl impl, bool self);
+
 // Sorts @p times (@p count > 0 of them) and returns their median; *min and *max get the ends.
 double clmha__bench_median(double *times, size_t count, double *min, double *max);
 

@@ -210,25 +210,12 @@ done:
 
 static void print_result(const clmha_context *ctx, const bench_config *cfg, const bench_io *io,
                          const result *r) {
-    const clmha_layer_desc *d = &cfg->desc;
     double fwd = r->proj_flops + r->attn_flops, bwd = 2.0 * r->proj_flops + 2.5 * r->attn_flops;
     double total = fwd + bwd;
     long long training = (long long)(r->scratch_bytes + r->saved_bytes);
     if (cfg->json) {
-        printf("{\"device\": ");
-        clmha__bench_json_string(clmha_context_device_name(ctx));
-        printf(", \"layer\": ");
-        if (cfg->layer_path)
-            clmha__bench_json_string(cfg->layer_path);
-        else
-            printf("null");
-        printf(", \"batch\": %zu, \"tgt_len\": %zu, \"src_len\": %zu, \"embed_dim\": %zu, "
-               "\"num_heads\": %zu, \"kdim\": %zu, \"vdim\": %zu, \"batch_first\": %s, "
-               "\"need_weights\": %s, \"impl\": \"%s\", \"attention\": \"%s\", "
-               "\"repeat\": %zu, \"backward\": true, ",
-               io->n, io->l, io->s, d->embed_dim, d->num_heads, d->kdim, d->vdim,
-               d->batch_first ? "true" : "false", cfg->need_weights ? "true" : "false",
-               clmha_impl_name(r->impl), io->self ? "self" : "cross", cfg->repeat);
+        clmha__bench_json_head(ctx, cfg, io->n, io->l, io->s, r->impl, io->self);
+        printf("\"backward\": true, ");
         printf("\"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"flops\": %.0f, "
                "\"gflops\": %.6g, ",
                r->step_ms, r->step_min, r->step_max, total, total / r->step_ms / 1e6);
