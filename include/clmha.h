@@ -320,7 +320,9 @@ CLMHA_API clmha_status clmha_device_describe(size_t index, clmha_device_info *in
 /// work-item has run 65535 loop iterations in total: there the fused core is used only for calls
 /// whose loop count stays well under that limit, the others run the unfused core (also with
 /// ::CLMHA_IMPL_FUSED). Clover's compiler aborts the process on vloadN: the fused kernel is built
-/// without vectors there. Records no error message.
+/// without vectors there. PoCL gives a native kernel listing several buffers their memory at the
+/// wrong places: the host-BLAS GEMMs (::clmha_gemm) take each buffer's memory in a native kernel
+/// of its own there. Records no error message.
 /// @param[in] info  a device description from clmha_device_describe() or clmha_device_select()
 ///                  (NULL, or a struct_size that clmha_device_describe() refuses, gives "")
 /// @return a static string
@@ -604,6 +606,54 @@ CLMHA_API clmha_status clmha_context_tuning_import(clmha_context *ctx, const cha
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT
 CLMHA_API clmha_status clmha_context_tuning_note(const clmha_context *ctx, char *text,
                                                  size_t size);
+
+/// Where a context's matrix products (the projections, the unfused core's batched products and
+/// the backward's products) run.
+///
+/// On CPU devices an optimised CPU BLAS is several times faster than GEMM kernels compiled by
+/// the OpenCL driver (PoCL on a 2-core AVX-512 Xeon, sgemm 1024³: oneDNN ~270 GFLOP/s, CLBlast
+/// ~16 with its own parameters, ~63 tuned). The host path enqueues each product as a native
+/// kernel (clEnqueueNativeKernel) that calls the host BLAS on the buffers' memory: it keeps the
+/// queue order, the wait lists and events, and the device-buffer API; nothing waits on the
+/// host. The host BLAS is loaded at run time (no link dependency): oneDNN (libdnnl.so.3 or .2),
+/// else OpenBLAS (libopenblas.so.0), BLIS (libblis.so.4 or .3) or MKL (libmkl_rt), the first
+/// found; the environment variable CLMHA_HOST_BLAS names another file, or "none".
+/// Results agree with CLBlast's to float rounding (the summation order differs).
+typedef enum clmha_gemm {
+    /// The host path on a CPU device whose driver runs native kernels when a host BLAS loads,
+    /// else CLBlast. The default; the environment variable CLMHA_GEMM (auto, clblast or host)
+    /// sets a context's choice at creation.
+    CLMHA_GEMM_AUTO = 0,
+    CLMHA_GEMM_CLBLAST = 1,  ///< CLBlast's OpenCL kernels (every device)
+    CLMHA_GEMM_HOST = 2,     ///< the host BLAS through native kernels (CPU devices only)
+} clmha_gemm;
+
+/// Chooses where the GEMMs of @p ctx run from now on. Call it before enqueuing work on the
+/// context (not while another thread enqueues on it); work already enqueued is not affected.
+/// @param[in] ctx   the context
+/// @param[in] gemm  the path (::clmha_gemm)
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p ctx NULL, @p gemm not a
+///         ::clmha_gemm), ::CLMHA_UNSUPPORTED (::CLMHA_GEMM_HOST on a device that is not a
+///         CPU, whose driver runs no native kernels, or with no host BLAS: the context then
+///         uses CLBlast; the message says why)
+CLMHA_API clmha_status clmha_context_set_gemm(clmha_context *ctx, clmha_gemm gemm);
+
+/// The path the GEMMs of @p ctx take now: ::CLMHA_GEMM_HOST or ::CLMHA_GEMM_CLBLAST
+/// (::CLMHA_GEMM_CLBLAST for NULL).
+/// @param[in] ctx  the context
+/// @return the path
+CLMHA_API clmha_gemm clmha_context_gemm(const clmha_context *ctx);
+
+/// One line saying where the GEMMs of @p ctx run and why: "host BLAS oneDNN 2.6.3
+/// (libdnnl.so.2) through native kernels", "CLBlast (no host BLAS: not a CPU device)",
+/// "CLBlast (asked for)". A host BLAS that runs slower than it could (OpenBLAS that took the
+/// CPU for an older one) adds what to do. Truncated to @p size bytes.
+/// @param[in]  ctx   the context to ask
+/// @param[out] text  buffer of @p size bytes for the line (NUL-terminated)
+/// @param[in]  size  bytes @p text holds
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT
+CLMHA_API clmha_status clmha_context_gemm_note(const clmha_context *ctx, char *text,
+                                               size_t size);
 
 // ---------------------------------------------------------------------------------------------
 // Layers

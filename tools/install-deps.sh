@@ -11,4 +11,5 @@ $SUDO apt-get install -y -q --no-install-recommends \
   build-essential cmake pkg-config \
   ocl-icd-opencl-dev opencl-c-headers pocl-opencl-icd clinfo \
   libclblast-dev libcriterion-dev libcjson-dev libpng-dev \
-  oclgrind valgrind python3-numpy python3-torch doxygen
+  oclgrind valgrind python3-numpy python3-torch doxygen \
+  libdnnl2

@@ -11,10 +11,10 @@
 #include "backward/backward.h"
 
 #include "base/struct_in.h"
+#include "context/gemm.h"
 #include "context/programs.h"
 #include "cores/core.h"
 #include "cores/kernel_args.h"
-#include "device/blas.h"
 #include "device/held.h"
 #include "forward/enqueue.h"
 #include "forward/forward.h"
@@ -24,7 +24,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <clblast_c.h>
 
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
@@ -315,13 +314,10 @@ static clmha_status gemm(clmha_context *ctx, const char *what, bool ta, bool tb,
                          size_t n, size_t k, cl_mem a, size_t a_off, size_t lda, cl_mem b,
                          size_t b_off, size_t ldb, float beta, cl_mem c, size_t c_off,
                          size_t ldc) {
-    cl_command_queue q = ctx->queue;
-    int s;
-    CLMHA__BLAS(s, CLBlastSgemm(CLBlastLayoutRowMajor,
-                                ta ? CLBlastTransposeYes : CLBlastTransposeNo,
-                                tb ? CLBlastTransposeYes : CLBlastTransposeNo, m, n, k, 1.0f, a,
-                                a_off, lda, b, b_off, ldb, beta, c, c_off, ldc, &q, NULL));
-    return s ? clmha__blas_fail(ctx, s, what) : CLMHA_SUCCESS;
+    clmha__gemm_op op = {.ta = ta, .tb = tb, .m = m, .n = n, .k = k, .alpha = 1.0f,
+                         .beta = beta, .a = a, .a_off = a_off, .lda = lda,
+                         .b = b, .b_off = b_off, .ldb = ldb, .c = c, .c_off = c_off, .ldc = ldc};
+    return clmha__gemm(ctx, what, &op);
 }
 
 // One call's working set.
@@ -392,13 +388,13 @@ static clmha_status out_projection(pass *p) {
     const clmha_grad *gw = &p->a->out_proj_weight, *gb = &p->a->out_proj_bias;
     if (gw->buffer) {  // dW_o (E, E) = dYᵀ · M, M the merged attention result
         if ((st = merge_rows(p, p->sv->tiles[CLMHA__TILE_OUT], d->l, d->l, m_off)) ||
-            (st = gemm(ctx, "CLBlastSgemm(out_proj.weight gradient)", true, false, e, e, rows,
+            (st = gemm(ctx, "out_proj.weight gradient", true, false, e, e, rows,
                        dy, dy_off, e, m, m_off, e, beta_of(p, G_OUT_W), gw->buffer, gw->offset,
                        e)))
             return st;
     }
     if (gb->buffer && (st = column_sums(p, dy, dy_off, rows, G_OUT_B, 0))) return st;
-    if ((st = gemm(ctx, "CLBlastSgemm(attention result gradient)", false, false, rows, e, e, dy,
+    if ((st = gemm(ctx, "attention result gradient", false, false, rows, e, e, dy,
                    dy_off, e, l->w_out, 0, e, 0.0f, m, m_off, e)))
         return st;
     cl_ulong zero = 0, a_off = m_off, ld = e, n = d->n, h = d->h, t = d->l, hd = d->d;
@@ -448,9 +444,9 @@ static clmha_status in_projections(pass *p) {
     } w[3] = {{G_Q_W, p->rq_off, xq, xq_off, rq, e, 0},
               {G_K_W, p->rk_off, xk, xk_off, rkv, kd, 1},
               {G_V_W, p->rv_off, xv, xv_off, rkv, vd, 2}};
-    static const char *const wname[3] = {"CLBlastSgemm(q_proj_weight gradient)",
-                                         "CLBlastSgemm(k_proj_weight gradient)",
-                                         "CLBlastSgemm(v_proj_weight gradient)"};
+    static const char *const wname[3] = {"q_proj_weight gradient",
+                                         "k_proj_weight gradient",
+                                         "v_proj_weight gradient"};
     for (int i = 0; i < 3; ++i) {
         bool packed = a->in_proj_weight.buffer != NULL;
         int g = packed ? G_IN_W : w[i].g;
@@ -468,9 +464,9 @@ static clmha_status in_projections(pass *p) {
     int target[3] = {G_QUERY, d->key_is_query ? G_QUERY : G_KEY, 0};
     target[2] = d->value_is_key ? target[1] : G_VALUE;
     size_t w_off[3] = {0, e * e, e * e + e * kd};
-    static const char *const xname[3] = {"CLBlastSgemm(query gradient)",
-                                         "CLBlastSgemm(key gradient)",
-                                         "CLBlastSgemm(value gradient)"};
+    static const char *const xname[3] = {"query gradient",
+                                         "key gradient",
+                                         "value gradient"};
     for (int i = 0; i < 3; ++i) {
         const clmha_grad *gr = clmha__backward_grad(a, target[i]);
         if (!gr->buffer) continue;

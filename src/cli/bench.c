@@ -52,7 +52,8 @@ static const char *usage_bench =
     "  --device SPEC        \"P:D\", gpu, cpu, accelerator or part of a device name (see\n"
     "                       clmha devices); default: $CLMHA_DEVICE, else the first GPU, else\n"
     "                       the first device\n"
-    "  --json               one JSON object per shape and line: device, layer, batch, tgt_len,\n"
+    "  --json               one JSON object per shape and line: device, gemm (where the\n"
+    "                       GEMMs run: clmha_context_gemm_note()), layer, batch, tgt_len,\n"
     "                       src_len, embed_dim, num_heads, kdim, vdim, batch_first,\n"
     "                       need_weights, impl (the core used), attention (\"self\"/\"cross\"),\n"
     "                       repeat, ms (median),\n"
@@ -65,6 +66,8 @@ static const char *usage_bench =
     "                                        + add_zero_attn)\n"
     "  = 2*N*E^2*(2L + 2S) + 4*N*L*S*E for kdim = vdim = E, and 8*N*L*E^2 + 4*N*L^2*E\n"
     "  for self-attention (L = S). GFLOP/s = FLOPs / median time.\n"
+    "The GEMMs run in the host BLAS on CPU devices with native kernels, else in CLBlast\n"
+    "(the 'gemm:' line); CLMHA_GEMM=clblast|host|auto chooses.\n"
     "\n";
 
 // The help's second part (C11 compilers need not take string literals past 4095 characters).
@@ -156,6 +159,10 @@ void clmha__bench_json_head(const clmha_context *ctx, const bench_config *cfg, s
     const clmha_layer_desc *d = &cfg->desc;
     printf("{\"device\": ");
     clmha__bench_json_string(clmha_context_device_name(ctx));
+    char gemm[640];
+    clmha_context_gemm_note(ctx, gemm, sizeof gemm);
+    printf(", \"gemm\": ");
+    clmha__bench_json_string(gemm);
     printf(", \"layer\": ");
     if (cfg->layer_path)
         clmha__bench_json_string(cfg->layer_path);
@@ -556,6 +563,9 @@ int clmha__cli_bench(int argc, char **argv) {
     if (!json) {
         const clmha_layer_desc *d = &cfg.desc;
         printf("device:  %s\n", clmha_context_device_name(ctx));
+        char gemm[640];
+        clmha_context_gemm_note(ctx, gemm, sizeof gemm);
+        printf("gemm:    %s\n", gemm);
         printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s (%s)\n",
                d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
                d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",

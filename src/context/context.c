@@ -2,6 +2,7 @@
 // device, its program cache and its counters.
 #include "context/context.h"
 
+#include "context/gemm.h"
 #include "device/held.h"
 
 #include <stddef.h>
@@ -38,6 +39,7 @@ static clmha_status context_finish(clmha_context *c) {
     if (err != CL_SUCCESS) return clmha__cl_fail(NULL, err, "clCreateBuffer(dummy)");
     clmha__tuning_target tg = clmha__context_tuning_target(c);
     clmha__tuning_apply_stored(&tg);  // never fails: an unusable file is noted and ignored
+    clmha__gemm_init(c);              // never fails: CLBlast when the host path is impossible
     return CLMHA_SUCCESS;
 }
 

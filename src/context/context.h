@@ -13,6 +13,7 @@
 #include "context/programs.h"
 #include "device/device.h"
 #include "device/device_class.h"
+#include "device/host_blas.h"
 #include "errors/errors.h"
 #include "tuning/store.h"
 
@@ -31,6 +32,13 @@ struct clmha_context {
     clmha__quirks quirks;       // known driver bugs of the device (clmha__device_quirks())
     const clmha__device_class *cls;  // the device's row of the class table
     clmha__programs *programs;  // the program cache (its own lock)
+    // GEMMs (context/gemm.c): the host BLAS they run in, or NULL for CLBlast; the path asked
+    // for; the line clmha_context_gemm_note() returns. Set at creation and by
+    // clmha_context_set_gemm().
+    const clmha__host_blas *host_blas;
+    clmha_gemm gemm_asked;
+    bool native_maps_ok;        // the driver maps native-kernel buffers right (gemm.c's probe)
+    char gemm_note[640];
     // Counters for tests (libclmha.a): program builds and device buffer allocations made by
     // clmha itself on this context (CLBlast's own are not counted). Guarded by lock.
     size_t program_builds, buffer_allocations;

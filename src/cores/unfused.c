@@ -5,16 +5,15 @@
 // kernel is built with the layer.
 #include "cores/unfused.h"
 
+#include "context/gemm.h"
 #include "cores/core.h"
 #include "cores/kernel_args.h"
-#include "device/blas.h"
 #include "device/held.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#include <clblast_c.h>
 
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
@@ -100,28 +99,25 @@ static bool chunk_is_all(const clmha_layer *l, const clmha__dims *d, chunk c) {
 //    (CLBlast 1.5.3's batched GEMM ignores buffer offsets, its plain GEMM honours them).
 static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c, cl_mem qt,
                            cl_mem kt) {
-    cl_command_queue q = l->ctx->queue;
     size_t hd = l->d, sp = d->s_padded;
     float scale = (float)(1.0 / sqrt((double)hd));
-    if (chunk_is_all(l, d, c)) {
-        int st;
-        CLMHA__BLAS(st, CLBlastSgemmStridedBatched(
-            CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeYes, d->l, sp, hd, scale,
-            qt, 0, hd, d->l * hd, kt, 0, hd, sp * hd, 0.0f, l->scores, 0, sp, d->l * sp,
-            d->n * l->h, &q, NULL));
-        return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(QK^T)")
-                  : CLMHA_SUCCESS;
-    }
+    clmha__gemm_op op = {.tb = true, .m = d->l, .n = sp, .k = hd, .alpha = scale,
+                         .a = qt, .lda = hd, .a_stride = d->l * hd,
+                         .b = kt, .ldb = hd, .b_stride = sp * hd,
+                         .c = l->scores, .ldc = sp, .c_stride = d->l * sp,
+                         .batch = d->n * l->h};
+    if (chunk_is_all(l, d, c)) return clmha__gemm(l->ctx, "QK^T", &op);
     for (size_t r = c.first, end = c.first + c.rows; r < end;) {
         size_t plane = r / d->l, rows = d->l - r % d->l;  // the rest of this plane
         if (rows > end - r) rows = end - r;
         // Query row r of the (N*H*L, D) tile; keys of the plane; the chunk's row r - first.
-        int st;
-        CLMHA__BLAS(st, CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo,
-                                     CLBlastTransposeYes, rows, sp, hd, scale, qt, r * hd, hd,
-                                     kt, plane * sp * hd, hd, 0.0f, l->scores,
-                                     (r - c.first) * sp, sp, &q, NULL));
-        if (st) return clmha__blas_fail(l->ctx, st, "CLBlastSgemm(QK^T chunk)");
+        op.m = rows;
+        op.a_off = r * hd;
+        op.b_off = plane * sp * hd;
+        op.c_off = (r - c.first) * sp;
+        op.batch = 1;
+        clmha_status st = clmha__gemm(l->ctx, "QK^T chunk", &op);
+        if (st) return st;
         r += rows;
     }
     return CLMHA_SUCCESS;
@@ -145,27 +141,23 @@ static clmha_status softmax(clmha_layer *l, const clmha_forward_args *a, const c
 // 5. Attention output (N*H, L, D) = weights · V for the rows of @p c: all of them in one
 //    strided batched GEMM, a chunk in one plain GEMM per plane it touches.
 static clmha_status attend(clmha_layer *l, const clmha__dims *d, chunk c) {
-    cl_command_queue q = l->ctx->queue;
     size_t hd = l->d, sp = d->s_padded;
-    if (chunk_is_all(l, d, c)) {
-        int st;
-        CLMHA__BLAS(st, CLBlastSgemmStridedBatched(
-            CLBlastLayoutRowMajor, CLBlastTransposeNo, CLBlastTransposeNo, d->l, hd, sp, 1.0f,
-            l->scores, 0, sp, d->l * sp, l->tiles[CLMHA__TILE_V], 0, hd, sp * hd, 0.0f,
-            l->tiles[CLMHA__TILE_OUT], 0, hd, d->l * hd, d->n * l->h, &q, NULL));
-        return st ? clmha__blas_fail(l->ctx, st, "CLBlastSgemmStridedBatched(AV)")
-                  : CLMHA_SUCCESS;
-    }
+    clmha__gemm_op op = {.m = d->l, .n = hd, .k = sp, .alpha = 1.0f,
+                         .a = l->scores, .lda = sp, .a_stride = d->l * sp,
+                         .b = l->tiles[CLMHA__TILE_V], .ldb = hd, .b_stride = sp * hd,
+                         .c = l->tiles[CLMHA__TILE_OUT], .ldc = hd, .c_stride = d->l * hd,
+                         .batch = d->n * l->h};
+    if (chunk_is_all(l, d, c)) return clmha__gemm(l->ctx, "AV", &op);
     for (size_t r = c.first, end = c.first + c.rows; r < end;) {
         size_t plane = r / d->l, rows = d->l - r % d->l;
         if (rows > end - r) rows = end - r;
-        int st;
-        CLMHA__BLAS(st, CLBlastSgemm(CLBlastLayoutRowMajor, CLBlastTransposeNo,
-                                     CLBlastTransposeNo, rows, hd, sp, 1.0f, l->scores,
-                                     (r - c.first) * sp, sp, l->tiles[CLMHA__TILE_V],
-                                     plane * sp * hd, hd, 0.0f, l->tiles[CLMHA__TILE_OUT],
-                                     r * hd, hd, &q, NULL));
-        if (st) return clmha__blas_fail(l->ctx, st, "CLBlastSgemm(AV chunk)");
+        op.m = rows;
+        op.a_off = (r - c.first) * sp;
+        op.b_off = plane * sp * hd;
+        op.c_off = r * hd;
+        op.batch = 1;
+        clmha_status st = clmha__gemm(l->ctx, "AV chunk", &op);
+        if (st) return st;
         r += rows;
     }
     return CLMHA_SUCCESS;

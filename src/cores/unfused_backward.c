@@ -8,16 +8,15 @@
 // buffers (CLBlast 1.5.3's GemmStridedBatched ignores buffer offsets on one of its paths).
 #include "cores/unfused.h"
 
+#include "context/gemm.h"
 #include "cores/core.h"
 #include "cores/kernel_args.h"
-#include "device/blas.h"
 #include "device/held.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
-#include <clblast_c.h>
 
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
@@ -101,14 +100,11 @@ static clmha_status gemm(clmha_layer *l, const char *what, bool trans_a, bool tr
                          size_t n, size_t k, float alpha, cl_mem a, size_t lda, size_t stride_a,
                          cl_mem b, size_t ldb, size_t stride_b, cl_mem c, size_t ldc,
                          size_t stride_c, size_t batches) {
-    cl_command_queue q = l->ctx->queue;
-    int st;
-    CLMHA__BLAS(st, CLBlastSgemmStridedBatched(
-                        CLBlastLayoutRowMajor, trans_a ? CLBlastTransposeYes : CLBlastTransposeNo,
-                        trans_b ? CLBlastTransposeYes : CLBlastTransposeNo, m, n, k, alpha, a, 0,
-                        lda, stride_a, b, 0, ldb, stride_b, 0.0f, c, 0, ldc, stride_c, batches,
-                        &q, NULL));
-    return st ? clmha__blas_fail(l->ctx, st, what) : CLMHA_SUCCESS;
+    clmha__gemm_op op = {.ta = trans_a, .tb = trans_b, .m = m, .n = n, .k = k, .alpha = alpha,
+                         .a = a, .lda = lda, .a_stride = stride_a,
+                         .b = b, .ldb = ldb, .b_stride = stride_b,
+                         .c = c, .ldc = ldc, .c_stride = stride_c, .batch = batches};
+    return clmha__gemm(l->ctx, what, &op);
 }
 
 // The gradient of one float mask, @p count elements at @p off of @p out in layout @p mode
@@ -142,7 +138,7 @@ clmha_status clmha__unfused_backward_run(clmha_layer *l, clmha__backward_call *c
 
     // P, then dPd = dO · V'ᵀ.
     if ((st = clmha__unfused_probabilities(l, a, d, call->q, call->k)) ||
-        (st = gemm(l, "CLBlastSgemmStridedBatched(dO V^T)", false, true, tl, sp, hd, 1.0f,
+        (st = gemm(l, "dO V^T", false, true, tl, sp, hd, 1.0f,
                    call->d_o, hd, tl * hd, call->v, hd, sp * hd, g, sp, tl * sp, planes)))
         return st;
 
@@ -163,11 +159,11 @@ clmha_status clmha__unfused_backward_run(clmha_layer *l, clmha__backward_call *c
         return st;
 
     // dV' = Pdᵀ · dO, dQ = scale · dS · K', dK' = scale · dSᵀ · Q.
-    if ((st = gemm(l, "CLBlastSgemmStridedBatched(Pd^T dO)", true, false, sp, hd, tl, 1.0f, p,
+    if ((st = gemm(l, "Pd^T dO", true, false, sp, hd, tl, 1.0f, p,
                    sp, tl * sp, call->d_o, hd, tl * hd, call->dv, hd, sp * hd, planes)) ||
-        (st = gemm(l, "CLBlastSgemmStridedBatched(dS K)", false, false, tl, hd, sp, scale, g,
+        (st = gemm(l, "dS K", false, false, tl, hd, sp, scale, g,
                    sp, tl * sp, call->k, hd, sp * hd, call->dq, hd, tl * hd, planes)) ||
-        (st = gemm(l, "CLBlastSgemmStridedBatched(dS^T Q)", true, false, sp, hd, tl, scale, g,
+        (st = gemm(l, "dS^T Q", true, false, sp, hd, tl, scale, g,
                    sp, tl * sp, call->q, hd, tl * hd, call->dk, hd, sp * hd, planes)))
         return st;
 

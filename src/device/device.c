@@ -260,6 +260,12 @@ clmha__quirks clmha__device_quirks(const clmha_device_info *info) {
     // between every loop of a shader invocation (LP_MAX_TGSI_LOOP_ITERATIONS), seen on 22.3.6.
     if (strncmp(info->device_name, "llvmpipe", 8) == 0) q.loop_limit = 65535;
     if (strcmp(info->platform_name, "Clover") == 0) q.no_vload = true;
+    // PoCL (seen on 3.1): native kernels get their buffers sorted by object id and a
+    // sub-buffer's parent. The host GEMMs probe for it on every driver (context/gemm.c); this
+    // is what clmha_device_note() says.
+    if (strcmp(info->platform_name, "Portable Computing Language") == 0 &&
+        (info->type & CL_DEVICE_TYPE_CPU))
+        q.native_buffers = true;
     return q;
 }
 
@@ -274,5 +280,8 @@ const char *clmha_device_note(const clmha_device_info *info) {
         return "driver bug: loops end after 65535 iterations (fused core only on short key "
                "ranges, else unfused)";
     if (q.no_vload) return "driver bug: vloadN aborts (fused core without vectors)";
+    if (q.native_buffers)
+        return "driver bug: native kernels get several buffers in the wrong places and a "
+               "sub-buffer's parent (the host-BLAS GEMMs take each buffer's memory alone)";
     return "";
 }

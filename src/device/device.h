@@ -18,6 +18,10 @@ typedef struct clmha__quirks {
     size_t loop_limit;
     // Clover: its compiler aborts the process on vloadN, so the fused kernel is built with VW 1.
     bool no_vload;
+    // PoCL: a native kernel listing several buffers gets their memory at the wrong places, and a
+    // sub-buffer's parent's memory. See tools/driver-bugs/pocl-native-kernel-buffers; the host
+    // GEMMs detect it with a probe (context/gemm.c), this only names it.
+    bool native_buffers;
 } clmha__quirks;
 
 // The quirks of the device @p info describes.

@@ -1,12 +1,11 @@
 // Checks and enqueue helpers shared by the forward and backward passes (enqueue.h).
 #include "forward/enqueue.h"
 
-#include "device/blas.h"
+#include "context/gemm.h"
 #include "device/held.h"
 
 #include <stdint.h>
 
-#include <clblast_c.h>
 
 typedef clmha__arg arg;
 
@@ -134,12 +133,10 @@ clmha_status clmha__launch_heads(clmha_layer *l, cl_kernel k, const char *name, 
 clmha_status clmha__gemm_nt(clmha_context *ctx, const char *what, size_t m, size_t n, size_t k,
                             cl_mem a, size_t a_off, size_t lda, cl_mem w, size_t w_off,
                             size_t ldw, float beta, cl_mem c, size_t c_off, size_t ldc) {
-    cl_command_queue q = ctx->queue;
-    int s;
-    CLMHA__BLAS(s, CLBlastSgemm(CLBlastLayoutColMajor, CLBlastTransposeYes, CLBlastTransposeNo, n,
-                                m, k, 1.0f, w, w_off, ldw, a, a_off, lda, beta, c, c_off, ldc, &q,
-                                NULL));
-    return s ? clmha__blas_fail(ctx, s, what) : CLMHA_SUCCESS;
+    clmha__gemm_op op = {.tb = true, .m = m, .n = n, .k = k, .alpha = 1.0f, .beta = beta,
+                         .a = a, .a_off = a_off, .lda = lda, .b = w, .b_off = w_off, .ldb = ldw,
+                         .c = c, .c_off = c_off, .ldc = ldc};
+    return clmha__gemm(ctx, what, &op);
 }
 
 

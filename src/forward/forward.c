@@ -129,27 +129,27 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
 
     if (self && kv_same) {  // (L*N, E) · in_proj_weightᵀ → (L*N, 3E)
         *s = (scratch){.ld_q = 3 * e, .ld_k = 3 * e, .ld_v = 3 * e, .col_k = e, .col_v = 2 * e};
-        st = clmha__gemm_nt(ctx, "CLBlastSgemm(packed QKV projection)", rows_q, 3 * e, e,
+        st = clmha__gemm_nt(ctx, "packed QKV projection", rows_q, 3 * e, e,
                      a->query.buffer, a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0,
                      3 * e);
         return st;
     }
     *s = (scratch){.proj_k = rows_q * e, .proj_v = rows_q * e + rows_kv * e,
                    .ld_q = e, .ld_k = e, .ld_v = e};
-    if ((st = clmha__gemm_nt(ctx, "CLBlastSgemm(query projection)", rows_q, e, e, a->query.buffer,
+    if ((st = clmha__gemm_nt(ctx, "query projection", rows_q, e, e, a->query.buffer,
                       a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, s->proj_q, e)))
         return st;
     if (kv_same) {  // W_k and W_v are consecutive rows of w_in: one GEMM → (S*N, 2E)
         s->ld_k = s->ld_v = 2 * e;
         s->proj_v = s->proj_k;
         s->col_v = e;
-        return clmha__gemm_nt(ctx, "CLBlastSgemm(key/value projection)", rows_kv, 2 * e, kd, key,
+        return clmha__gemm_nt(ctx, "key/value projection", rows_kv, 2 * e, kd, key,
                        key_off, kd, l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, 2 * e);
     }
-    if ((st = clmha__gemm_nt(ctx, "CLBlastSgemm(key projection)", rows_kv, e, kd, key, key_off, kd,
+    if ((st = clmha__gemm_nt(ctx, "key projection", rows_kv, e, kd, key, key_off, kd,
                       l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, e)))
         return st;
-    return clmha__gemm_nt(ctx, "CLBlastSgemm(value projection)", rows_kv, e, vd, value, value_off,
+    return clmha__gemm_nt(ctx, "value projection", rows_kv, e, vd, value, value_off,
                           vd, l->w_in, wv, vd, 0.0f, l->proj, s->proj_v, e);
 }
 
@@ -211,7 +211,7 @@ static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out
                                         l->heads_wg, args, sizeof args / sizeof args[0]);
         if (st) return st;
     }
-    return clmha__gemm_nt(ctx, "CLBlastSgemm(output projection)", rows, e, e, l->proj, 0, e,
+    return clmha__gemm_nt(ctx, "output projection", rows, e, e, l->proj, 0, e,
                           l->w_out, 0, e, l->desc.bias ? 1.0f : 0.0f, out, out_off, e);
 }
 

@@ -1,0 +1,288 @@
+// The GEMMs of a context (context/gemm.h): CLBlast or the host BLAS through native kernels, and
+// the public calls that choose and describe the path.
+#include "context/gemm.h"
+
+#include "context/context.h"
+#include "device/blas.h"
+#include "device/host_blas.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <clblast_c.h>
+
+// ---- CLBlast ---------------------------------------------------------------------------------
+
+// The row-major product in CLBlast's column-major terms, Cᵀ (n, m) = op(B)ᵀ·op(A)ᵀ: a
+// row-major matrix is its transpose in column-major order, so the operands swap and keep their
+// transpose flags. (For the projections, A·Wᵀ, CLBlast then transposes one operand instead of
+// three: ~5% faster at 1024³ with a PoCL tuning.)
+static clmha_status gemm_clblast(clmha_context *ctx, const char *what, const clmha__gemm_op *o) {
+    cl_command_queue q = ctx->queue;
+    CLBlastTranspose ta = o->ta ? CLBlastTransposeYes : CLBlastTransposeNo;
+    CLBlastTranspose tb = o->tb ? CLBlastTransposeYes : CLBlastTransposeNo;
+    if (o->batch > 1 && (o->a_off || o->b_off || o->c_off)) {
+        // CLBlast 1.5.3's GemmStridedBatched ignores buffer offsets on one of its paths: one
+        // plain GEMM per item instead.
+        clmha__gemm_op one = *o;
+        one.batch = 1;
+        for (size_t i = 0; i < o->batch; ++i) {
+            one.a_off = o->a_off + i * o->a_stride;
+            one.b_off = o->b_off + i * o->b_stride;
+            one.c_off = o->c_off + i * o->c_stride;
+            clmha_status st = gemm_clblast(ctx, what, &one);
+            if (st) return st;
+        }
+        return CLMHA_SUCCESS;
+    }
+    int s;
+    if (o->batch <= 1)
+        CLMHA__BLAS(s, CLBlastSgemm(CLBlastLayoutColMajor, tb, ta, o->n, o->m, o->k, o->alpha,
+                                    o->b, o->b_off, o->ldb, o->a, o->a_off, o->lda, o->beta,
+                                    o->c, o->c_off, o->ldc, &q, NULL));
+    else
+        CLMHA__BLAS(s, CLBlastSgemmStridedBatched(
+                           CLBlastLayoutColMajor, tb, ta, o->n, o->m, o->k, o->alpha, o->b,
+                           o->b_off, o->ldb, o->b_stride, o->a, o->a_off, o->lda, o->a_stride,
+                           o->beta, o->c, o->c_off, o->ldc, o->c_stride, o->batch, &q, NULL));
+    if (!s) return CLMHA_SUCCESS;
+    char call[200];
+    snprintf(call, sizeof call, "CLBlastSgemm%s(%s)", o->batch > 1 ? "StridedBatched" : "",
+             what);
+    return clmha__blas_fail(ctx, s, call);
+}
+
+// ---- the host BLAS -----------------------------------------------------------------------------
+//
+// A native kernel receives the memory of the buffers in its mem_list at the places
+// args_mem_loc names. PoCL 3.1 gets that mapping wrong for more than one buffer: it sorts the
+// list by its internal object ids and drops duplicates, but fills the places in the caller's
+// order, so the operands' pointers come permuted; and it replaces a sub-buffer by its parent,
+// whose memory starts at the parent's origin (tools/driver-bugs/pocl-native-kernel-buffers).
+// So every operand is passed as its root buffer plus its origin, and on a driver that fails
+// the mapping probe below (clmha__gemm_init()) each root's pointer is taken by a native kernel
+// of its own (one buffer: nothing to permute) into a small block the product's kernel reads
+// and frees. The product's kernel still lists every operand, so the driver orders it after the
+// commands that write them and keeps them alive until it has run. The roots' memory does not
+// move between those commands on a CPU device (one device; its buffers are host memory).
+
+// The pointers taken by capture kernels for one product, freed by its run_host().
+typedef struct host_ptrs {
+    void *p[3];
+} host_ptrs;
+
+typedef struct capture_call {
+    void *mem;    // cl_mem when enqueued, its memory when run
+    void **dst;   // where to store it
+} capture_call;
+
+static void CL_CALLBACK run_capture(void *p) {
+    const capture_call *c = p;
+    *c->dst = c->mem;
+}
+
+// The arguments of one product's native kernel. The OpenCL runtime copies this block and, in
+// its copy, replaces the cl_mem handles in mem[] by the buffers' memory before run_host().
+typedef struct host_call {
+    void *mem[3];          // the distinct root buffers of A, B, C (count of them used)
+    int from[3];           // which root holds operand A, B, C
+    size_t origin[3];      // the operands' sub-buffer origins in their root, in floats
+    host_ptrs *captured;   // NULL: mem[] holds the memory; else the roots' captured memory
+    const clmha__host_blas *blas;
+    clmha__gemm_op op;     // its cl_mem fields are not used here
+} host_call;
+
+static void CL_CALLBACK run_host(void *p) {
+    const host_call *h = p;
+    const clmha__gemm_op *o = &h->op;
+    void *const *mem = h->captured ? h->captured->p : h->mem;
+    const float *a = (const float *)mem[h->from[0]] + h->origin[0] + o->a_off;
+    const float *b = (const float *)mem[h->from[1]] + h->origin[1] + o->b_off;
+    float *c = (float *)mem[h->from[2]] + h->origin[2] + o->c_off;
+    size_t batch = o->batch ? o->batch : 1;
+    for (size_t i = 0; i < batch; ++i)
+        h->blas->sgemm(h->blas->impl, o->ta, o->tb, o->m, o->n, o->k, o->alpha,
+                       a + i * o->a_stride, o->lda, b + i * o->b_stride, o->ldb, o->beta,
+                       c + i * o->c_stride, o->ldc);
+    free(h->captured);
+}
+
+// The root buffer of @p m and the origin of @p m in it, in floats; false when the origin is
+// not a whole number of floats (or the driver does not say).
+static bool root_of(cl_mem m, cl_mem *root, size_t *origin) {
+    cl_mem parent = NULL;
+    size_t bytes = 0;
+    if (clGetMemObjectInfo(m, CL_MEM_ASSOCIATED_MEMOBJECT, sizeof parent, &parent, NULL) !=
+        CL_SUCCESS)
+        return false;
+    if (parent && clGetMemObjectInfo(m, CL_MEM_OFFSET, sizeof bytes, &bytes, NULL) != CL_SUCCESS)
+        return false;
+    *root = parent ? parent : m;
+    *origin = bytes / sizeof(float);
+    return bytes % sizeof(float) == 0;
+}
+
+static clmha_status native_fail(clmha_context *ctx, cl_int err, const char *what) {
+    char call[200];
+    snprintf(call, sizeof call, "clEnqueueNativeKernel(%s, host BLAS)", what);
+    return clmha__cl_fail(ctx, err, call);
+}
+
+// Enqueues @p o as native kernels; *@p done false (nothing enqueued) when an operand cannot be
+// passed (a sub-buffer at an origin that is not a whole number of floats).
+static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha__gemm_op *o,
+                              bool *done) {
+    host_call h = {.blas = ctx->host_blas, .op = *o};
+    cl_mem ops[3] = {o->a, o->b, o->c};
+    cl_uint count = 0;
+    *done = false;
+    for (int i = 0; i < 3; ++i) {
+        cl_mem root;
+        if (!root_of(ops[i], &root, &h.origin[i])) return CLMHA_SUCCESS;
+        int j = 0;
+        while (j < (int)count && (cl_mem)h.mem[j] != root) ++j;
+        if (j == (int)count) h.mem[count++] = root;
+        h.from[i] = j;
+    }
+    *done = true;
+    cl_int err = CL_SUCCESS;
+    cl_uint captures = 0;
+    if (!ctx->native_maps_ok && count > 1) {
+        h.captured = calloc(1, sizeof *h.captured);
+        if (!h.captured) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+        for (; captures < count && err == CL_SUCCESS; ++captures) {
+            capture_call c = {h.mem[captures], &h.captured->p[captures]};
+            const void *where = &c.mem;
+            err = clEnqueueNativeKernel(ctx->queue, run_capture, &c, sizeof c, 1,
+                                        (const cl_mem *)&c.mem, &where, 0, NULL, NULL);
+        }
+    }
+    if (err == CL_SUCCESS) {
+        const void *where[3] = {&h.mem[0], &h.mem[1], &h.mem[2]};
+        err = clEnqueueNativeKernel(ctx->queue, run_host, &h, sizeof h, count,
+                                    (const cl_mem *)h.mem, where, 0, NULL, NULL);
+        if (err == CL_SUCCESS) return CLMHA_SUCCESS;  // run_host frees h.captured
+    }
+    // A capture kernel may be queued and write into h.captured: let it run before the free.
+    if (captures) clFinish(ctx->queue);
+    free(h.captured);
+    return native_fail(ctx, err, what);
+}
+
+clmha_status clmha__gemm(clmha_context *ctx, const char *what, const clmha__gemm_op *o) {
+    const clmha__host_blas *hb = ctx->host_blas;
+    if (hb && o->m <= hb->max_dim && o->n <= hb->max_dim && o->k <= hb->max_dim &&
+        o->lda <= hb->max_dim && o->ldb <= hb->max_dim && o->ldc <= hb->max_dim) {
+        bool done;
+        clmha_status st = gemm_host(ctx, what, o, &done);
+        if (st || done) return st;
+    }
+    return gemm_clblast(ctx, what, o);
+}
+
+// The mapping probe: two buffers listed against their creation order; the kernel writes a
+// different mark into the buffer at each place, and the driver maps native-kernel buffers right
+// when each mark lands in the buffer listed at its place.
+typedef struct probe_call {
+    void *mem[2];
+} probe_call;
+
+static void CL_CALLBACK run_probe(void *p) {
+    const probe_call *c = p;
+    ((int *)c->mem[0])[1] = 0xAAAA;
+    ((int *)c->mem[1])[1] = 0xBBBB;
+}
+
+static bool native_maps_ok(clmha_context *ctx) {
+    cl_int err;
+    int mark1[2] = {0x5151, 0}, mark2[2] = {0x7272, 0};
+    cl_mem b1 = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
+                               sizeof mark1, mark1, &err);
+    cl_mem b2 = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
+                               sizeof mark2, mark2, &err);
+    bool ok = false;
+    if (b1 && b2) {
+        probe_call c = {{b2, b1}};
+        const void *where[2] = {&c.mem[0], &c.mem[1]};
+        int got1[2] = {0, 0}, got2[2] = {0, 0};
+        if (clEnqueueNativeKernel(ctx->queue, run_probe, &c, sizeof c, 2, (const cl_mem *)c.mem,
+                                  where, 0, NULL, NULL) == CL_SUCCESS &&
+            clEnqueueReadBuffer(ctx->queue, b1, CL_TRUE, 0, sizeof got1, got1, 0, NULL, NULL) ==
+                CL_SUCCESS &&
+            clEnqueueReadBuffer(ctx->queue, b2, CL_TRUE, 0, sizeof got2, got2, 0, NULL, NULL) ==
+                CL_SUCCESS)
+            ok = got2[0] == 0x7272 && got2[1] == 0xAAAA && got1[0] == 0x5151 &&
+                 got1[1] == 0xBBBB;
+    }
+    if (b1) clReleaseMemObject(b1);
+    if (b2) clReleaseMemObject(b2);
+    return ok;
+}
+
+// ---- choosing the path -------------------------------------------------------------------------
+
+// Why the device cannot take the host path, or NULL when it can.
+static const char *host_unfit(const clmha_context *ctx) {
+    if (!(ctx->info.type & CL_DEVICE_TYPE_CPU)) return "not a CPU device";
+    cl_device_exec_capabilities caps = 0;
+    if (clGetDeviceInfo(ctx->device, CL_DEVICE_EXECUTION_CAPABILITIES, sizeof caps, &caps,
+                        NULL) != CL_SUCCESS ||
+        !(caps & CL_EXEC_NATIVE_KERNEL))
+        return "the driver runs no native kernels";
+    return NULL;
+}
+
+// Sets the path for @p want and writes the note; CLMHA_UNSUPPORTED (CLBlast kept) when the host
+// path was asked for and is impossible.
+static clmha_status choose(clmha_context *ctx, clmha_gemm want) {
+    const char *why = NULL;
+    const clmha__host_blas *hb = NULL;
+    if (want != CLMHA_GEMM_CLBLAST) {
+        why = host_unfit(ctx);
+        if (!why) hb = clmha__host_blas_get(&why);
+    }
+    ctx->gemm_asked = want;
+    ctx->host_blas = hb;
+    if (hb) ctx->native_maps_ok = native_maps_ok(ctx);
+    if (hb)
+        snprintf(ctx->gemm_note, sizeof ctx->gemm_note,
+                 "host BLAS %s%s%.100s (%s) through native kernels%s%.240s", hb->name,
+                 hb->detail[0] ? " " : "", hb->detail, hb->file, hb->warning[0] ? "; " : "",
+                 hb->warning);
+    else if (want == CLMHA_GEMM_CLBLAST)
+        snprintf(ctx->gemm_note, sizeof ctx->gemm_note, "CLBlast (asked for)");
+    else
+        snprintf(ctx->gemm_note, sizeof ctx->gemm_note, "CLBlast (no host BLAS: %s)", why);
+    return want == CLMHA_GEMM_HOST && !hb ? CLMHA_UNSUPPORTED : CLMHA_SUCCESS;
+}
+
+void clmha__gemm_init(clmha_context *ctx) {
+    const char *env = getenv("CLMHA_GEMM");
+    clmha_gemm want = CLMHA_GEMM_AUTO;
+    if (env && strcmp(env, "clblast") == 0) want = CLMHA_GEMM_CLBLAST;
+    if (env && strcmp(env, "host") == 0) want = CLMHA_GEMM_HOST;
+    choose(ctx, want);
+}
+
+clmha_status clmha_context_set_gemm(clmha_context *ctx, clmha_gemm gemm) {
+    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
+    if (gemm != CLMHA_GEMM_AUTO && gemm != CLMHA_GEMM_CLBLAST && gemm != CLMHA_GEMM_HOST)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "gemm %d is not a clmha_gemm", (int)gemm);
+    if (choose(ctx, gemm))
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED, "no host GEMMs on this device: %s",
+                           ctx->gemm_note);
+    return CLMHA_SUCCESS;
+}
+
+clmha_gemm clmha_context_gemm(const clmha_context *ctx) {
+    return ctx && ctx->host_blas ? CLMHA_GEMM_HOST : CLMHA_GEMM_CLBLAST;
+}
+
+clmha_status clmha_context_gemm_note(const clmha_context *ctx, char *text, size_t size) {
+    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
+    if (!text || !size)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "text is NULL or size is 0");
+    snprintf(text, size, "%s", ctx->gemm_note);
+    return CLMHA_SUCCESS;
+}

@@ -1,0 +1,42 @@
+// The GEMMs of a context: every matrix product of the forward pass, the cores and the backward
+// goes through clmha__gemm(), which enqueues it on the context's queue either as CLBlast's
+// OpenCL kernels or, on CPU devices that run native kernels, as a call into the host BLAS
+// (src/device/host_blas.h) through clEnqueueNativeKernel: in queue order, after the commands
+// before it and before those after it, on the device buffers themselves, with no host
+// synchronisation. The choice is per context (clmha_context_set_gemm(), CLMHA_GEMM).
+#ifndef CLMHA_CONTEXT_GEMM_H
+#define CLMHA_CONTEXT_GEMM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "clmha.h"
+
+#include "base/defs.h"
+
+// Row-major C (m, n) = alpha·op(A) (m, k)·op(B) (k, n) + beta·C, op(X) = Xᵀ when its flag is
+// set, @p batch times (0 counts as 1) with the operands @p *_stride floats further each time
+// (a stride of 0 reuses the operand). Offsets and leading dimensions in floats.
+typedef struct clmha__gemm_op {
+    bool ta, tb;
+    size_t m, n, k;
+    float alpha, beta;
+    cl_mem a;
+    size_t a_off, lda, a_stride;
+    cl_mem b;
+    size_t b_off, ldb, b_stride;
+    cl_mem c;
+    size_t c_off, ldc, c_stride;
+    size_t batch;
+} clmha__gemm_op;
+
+// Enqueues @p op on the context's queue; @p what names it in an error message.
+CLMHA__HIDDEN clmha_status clmha__gemm(clmha_context *ctx, const char *what,
+                                       const clmha__gemm_op *op);
+
+// Decides the context's GEMM path at creation: from CLMHA_GEMM (auto, clblast or host; unset
+// means auto), the device and the host BLAS. Never fails: an impossible "host" is noted and
+// CLBlast used.
+CLMHA__HIDDEN void clmha__gemm_init(clmha_context *ctx);
+
+#endif

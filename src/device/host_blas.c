@@ -1,0 +1,177 @@
+// Loading the host BLAS (device/host_blas.h says why and which).
+#include "device/host_blas.h"
+
+#include <dlfcn.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+// ---- the two interfaces ----------------------------------------------------------------------
+
+// oneDNN: dnnl_status_t dnnl_sgemm(char transa, char transb, dnnl_dim_t M, dnnl_dim_t N,
+// dnnl_dim_t K, float alpha, const float *A, dnnl_dim_t lda, const float *B, dnnl_dim_t ldb,
+// float beta, float *C, dnnl_dim_t ldc), row-major, dnnl_dim_t = int64_t (v2 and v3).
+typedef int (*dnnl_sgemm_fn)(char, char, int64_t, int64_t, int64_t, float, const float *,
+                             int64_t, const float *, int64_t, float, float *, int64_t);
+
+// Every CBLAS: cblas_sgemm(order, transa, transb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)
+// with CblasRowMajor = 101, CblasNoTrans = 111, CblasTrans = 112 and int sizes (LP64).
+typedef void (*cblas_sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
+                               const float *, int, float, float *, int);
+
+static void sgemm_dnnl(const void *impl, bool ta, bool tb, size_t m, size_t n, size_t k,
+                       float alpha, const float *a, size_t lda, const float *b, size_t ldb,
+                       float beta, float *c, size_t ldc) {
+    dnnl_sgemm_fn f = *(const dnnl_sgemm_fn *)impl;
+    f(ta ? 'T' : 'N', tb ? 'T' : 'N', (int64_t)m, (int64_t)n, (int64_t)k, alpha, a,
+      (int64_t)lda, b, (int64_t)ldb, beta, c, (int64_t)ldc);
+}
+
+static void sgemm_cblas(const void *impl, bool ta, bool tb, size_t m, size_t n, size_t k,
+                        float alpha, const float *a, size_t lda, const float *b, size_t ldb,
+                        float beta, float *c, size_t ldc) {
+    cblas_sgemm_fn f = *(const cblas_sgemm_fn *)impl;
+    f(101, ta ? 112 : 111, tb ? 112 : 111, (int)m, (int)n, (int)k, alpha, a, (int)lda, b,
+      (int)ldb, beta, c, (int)ldc);
+}
+
+// ---- the libraries -----------------------------------------------------------------------------
+
+static clmha__host_blas blas;
+static const clmha__host_blas *loaded;
+static char tried[400];
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+// The resolved entry points (sgemm_* read them through clmha__host_blas::impl).
+static dnnl_sgemm_fn dnnl_entry;
+static cblas_sgemm_fn cblas_entry;
+
+// OpenBLAS kernels for CPUs without AVX2: on a CPU with AVX2 they mean OpenBLAS 0.3.21 did not
+// recognise it (it takes recent Intel CPUs for "Prescott") and runs ~5x slower than it could.
+static bool old_openblas_core(const char *core) {
+    static const char *const old[] = {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem",
+                                      "Sandybridge", "Atom", "Katmai", "Coppermine", "Northwood",
+                                      "Banias", "Opteron", "Barcelona", "Bobcat"};
+    for (size_t i = 0; i < sizeof old / sizeof old[0]; ++i)
+        if (strcmp(core, old[i]) == 0) return true;
+    return false;
+}
+
+static bool cpu_has_avx2(void) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+#else
+    return false;
+#endif
+}
+
+static bool cpu_has_avx512(void) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+#else
+    return false;
+#endif
+}
+
+// Fills blas from the opened library @p h of kind @p name; false when its symbol is missing.
+static bool take(void *h, const char *name, const char *file) {
+    memset(&blas, 0, sizeof blas);
+    snprintf(blas.name, sizeof blas.name, "%s", name);
+    snprintf(blas.file, sizeof blas.file, "%s", file);
+    if (strcmp(name, "oneDNN") == 0) {
+        dnnl_entry = (dnnl_sgemm_fn)(uintptr_t)dlsym(h, "dnnl_sgemm");
+        if (!dnnl_entry) return false;
+        typedef struct {
+            int major, minor, patch;
+            const char *hash;
+        } version;
+        typedef const version *(*version_fn)(void);
+        version_fn v = (version_fn)(uintptr_t)dlsym(h, "dnnl_version");
+        const version *ver = v ? v() : NULL;
+        if (ver) snprintf(blas.detail, sizeof blas.detail, "%d.%d.%d", ver->major, ver->minor,
+                          ver->patch);
+        blas.sgemm = sgemm_dnnl;
+        blas.impl = &dnnl_entry;
+        blas.max_dim = (size_t)INT64_MAX;
+        return true;
+    }
+    cblas_entry = (cblas_sgemm_fn)(uintptr_t)dlsym(h, "cblas_sgemm");
+    if (!cblas_entry) return false;
+    blas.sgemm = sgemm_cblas;
+    blas.impl = &cblas_entry;
+    blas.max_dim = (size_t)INT_MAX;
+    typedef const char *(*text_fn)(void);
+    if (strcmp(name, "OpenBLAS") == 0) {
+        text_fn config = (text_fn)(uintptr_t)dlsym(h, "openblas_get_config");
+        text_fn core = (text_fn)(uintptr_t)dlsym(h, "openblas_get_corename");
+        const char *c = core ? core() : NULL, *conf = config ? config() : "";
+        if (strncmp(conf, "OpenBLAS ", 9) == 0) conf += 9;  // the name is printed already
+        snprintf(blas.detail, sizeof blas.detail, "%.60s%s%.40s", conf,
+                 c ? ", kernels for " : "", c ? c : "");
+        if (c && old_openblas_core(c) && cpu_has_avx2())
+            snprintf(blas.warning, sizeof blas.warning,
+                     "OpenBLAS took this CPU for a %.40s and runs its slower kernels: set "
+                     "OPENBLAS_CORETYPE=%s in the environment (or install oneDNN, libdnnl)",
+                     c, cpu_has_avx512() ? "SkylakeX" : "Haswell");
+    } else if (strcmp(name, "BLIS") == 0) {
+        text_fn v = (text_fn)(uintptr_t)dlsym(h, "bli_info_get_version_str");
+        if (v) snprintf(blas.detail, sizeof blas.detail, "%.60s", v());
+    }
+    return true;
+}
+
+static void load(void) {
+    static const struct {
+        const char *name, *file;
+    } search[] = {{"oneDNN", "libdnnl.so.3"},   {"oneDNN", "libdnnl.so.2"},
+                  {"OpenBLAS", "libopenblas.so.0"}, {"BLIS", "libblis.so.4"},
+                  {"BLIS", "libblis.so.3"},     {"MKL", "libmkl_rt.so.2"},
+                  {"MKL", "libmkl_rt.so"}};
+    const char *env = getenv("CLMHA_HOST_BLAS");
+    if (env && *env) {
+        if (strcmp(env, "none") == 0) {
+            snprintf(tried, sizeof tried, "CLMHA_HOST_BLAS=none");
+            return;
+        }
+        void *h = dlopen(env, RTLD_NOW | RTLD_LOCAL);
+        if (!h) {
+            snprintf(tried, sizeof tried, "CLMHA_HOST_BLAS=%.200s does not load", env);
+            return;
+        }
+        // The kind by its symbols: oneDNN's, then OpenBLAS's, BLIS's, any CBLAS.
+        const char *name = dlsym(h, "dnnl_sgemm")              ? "oneDNN"
+                           : dlsym(h, "openblas_get_config")     ? "OpenBLAS"
+                           : dlsym(h, "bli_info_get_version_str") ? "BLIS"
+                                                                  : "CBLAS";
+        if (take(h, name, env)) {
+            loaded = &blas;
+            return;
+        }
+        snprintf(tried, sizeof tried, "CLMHA_HOST_BLAS=%.200s has neither dnnl_sgemm nor "
+                 "cblas_sgemm", env);
+        dlclose(h);
+        return;
+    }
+    for (size_t i = 0; i < sizeof search / sizeof search[0]; ++i) {
+        void *h = dlopen(search[i].file, RTLD_NOW | RTLD_LOCAL);
+        if (!h) continue;
+        if (take(h, search[i].name, search[i].file)) {
+            loaded = &blas;
+            return;
+        }
+        dlclose(h);
+    }
+    snprintf(tried, sizeof tried,
+             "no host BLAS found (tried libdnnl.so.3/.2, libopenblas.so.0, libblis.so.4/.3, "
+             "libmkl_rt.so.2; CLMHA_HOST_BLAS names another)");
+}
+
+const clmha__host_blas *clmha__host_blas_get(const char **why) {
+    pthread_once(&once, load);
+    if (why) *why = loaded ? "" : tried;
+    return loaded;
+}

@@ -1,0 +1,49 @@
+// A host BLAS library (oneDNN, OpenBLAS, BLIS or MKL), loaded at run time with dlopen, for the
+// GEMMs of CPU devices that run native kernels (src/context/gemm.c calls it from
+// clEnqueueNativeKernel, in queue order).
+//
+// Why: on CPU drivers the matrix products are most of a forward pass, and CLBlast's OpenCL
+// kernels compiled by a CPU driver reach a fraction of what an optimised CPU BLAS does (PoCL 3.1
+// on a 2-core AVX-512 Xeon: sgemm 1024³ ~16 GFLOP/s with CLBlast's defaults, ~63 tuned; oneDNN's
+// dnnl_sgemm ~270, OpenBLAS ~235 when it detects the CPU). Loading at run time keeps the library
+// free of a link dependency: without a BLAS the GEMMs stay on CLBlast.
+//
+// Which library: the environment variable CLMHA_HOST_BLAS names a file (a path or a soname) to
+// load instead of the search, or "none" to load nothing. The search tries, in order, oneDNN
+// (libdnnl.so.3, .2: its dnnl_sgemm picks its kernel from the CPU's features at run time),
+// OpenBLAS (libopenblas.so.0), BLIS (libblis.so.4, .3) and MKL (libmkl_rt.so.2, .so): the first
+// that loads and has its GEMM symbol is used, for the whole process.
+#ifndef CLMHA_DEVICE_HOST_BLAS_H
+#define CLMHA_DEVICE_HOST_BLAS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "base/defs.h"
+
+// Row-major C (m, n) = alpha·op(A)·op(B) + beta·C, op(X) = Xᵀ when its flag is set; leading
+// dimensions in floats. Sizes must be at most clmha__host_blas::max_dim.
+typedef void (*clmha__host_sgemm_fn)(const void *impl, bool ta, bool tb, size_t m, size_t n,
+                                     size_t k, float alpha, const float *a, size_t lda,
+                                     const float *b, size_t ldb, float beta, float *c,
+                                     size_t ldc);
+
+// The loaded library.
+typedef struct clmha__host_blas {
+    char name[16];          // "oneDNN", "OpenBLAS", "BLIS", "MKL"
+    char file[128];         // what was loaded (the soname or the CLMHA_HOST_BLAS value)
+    char detail[160];       // version and kernel where the library says, e.g. "2.6.3" or
+                            // "0.3.21, kernels for SkylakeX"
+    char warning[240];      // "" or why it is slower than it could be (OpenBLAS that took its
+                            // kernels for an older CPU: set OPENBLAS_CORETYPE)
+    size_t max_dim;         // the largest m, n, k and leading dimension its interface takes
+    clmha__host_sgemm_fn sgemm;
+    const void *impl;       // the library's entry point, for sgemm
+} clmha__host_blas;
+
+// The process's host BLAS, loaded on the first call (thread-safe), or NULL when none loads (or
+// CLMHA_HOST_BLAS is "none"). @p why (may be NULL) receives "" or, when NULL is returned, what
+// was tried.
+CLMHA__HIDDEN const clmha__host_blas *clmha__host_blas_get(const char **why);
+
+#endif
