@@ -224,7 +224,11 @@ static bool native_maps_ok(clmha_context *ctx) {
 
 // Why the device cannot take the host path, or NULL when it can.
 static const char *host_unfit(const clmha_context *ctx) {
-    if (!(ctx->info.type & CL_DEVICE_TYPE_CPU)) return "not a CPU device";
+    // Oclgrind reports every type at once (and its native kernels crash in clReleaseMemObject
+    // when their command is released): a CPU device is one that is nothing else.
+    if (!(ctx->info.type & CL_DEVICE_TYPE_CPU) ||
+        (ctx->info.type & (CL_DEVICE_TYPE_GPU | CL_DEVICE_TYPE_ACCELERATOR)))
+        return "not a CPU device";
     cl_device_exec_capabilities caps = 0;
     if (clGetDeviceInfo(ctx->device, CL_DEVICE_EXECUTION_CAPABILITIES, sizeof caps, &caps,
                         NULL) != CL_SUCCESS ||
