@@ -349,7 +349,7 @@ static clmha_status merge_rows(pass *p, cl_mem tiles, size_t seq, size_t seq_pad
     cl_uint bf = d->batch_first;
     arg args[] = {ARG(tiles), ARG(a_seq), ARG(a_pad), ARG(p->rows), ARG(off), ARG(ld),
                   ARG(col0),  ARG(n),     ARG(h),     ARG(hd),      ARG(bf)};
-    return clmha__launch(p->l->ctx, p->s->merge_rows, "merge_rows", d->n * seq * d->e,
+    return clmha__launch(p->l->ctx, p->s->merge_rows, "merge_rows", d->n * seq * d->h,
                          p->l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
