@@ -31,10 +31,15 @@ The peers (PyPI ones in a venv: python3 -m venv /tmp/venv-peers &&
   ort-mha      ONNX Runtime, a hand-built graph: Q, K, V projections as MatMul, then
                com.microsoft.MultiHeadAttention (its `bias` input adds the projections' biases),
                then MatMul + Add for the output projection.
-  ort-onnx     ONNX Runtime on the model torch.onnx.export (PyTorch 1.13, opset 17) writes for
-               the module (the graph ONNX Runtime's optimiser fuses what it recognises of).
+  ort-onnx     ONNX Runtime on the model torch.onnx.export writes for the module (below).
   openvino     OpenVINO's CPU plugin on that exported model (openvino.Core().read_model, i.e.
                convert_model), INFERENCE_PRECISION_HINT f32, 1 stream, latency hint.
+  tinygrad     (when installed in the peers' venv: pip install tinygrad) on its default device,
+               OpenCL here, i.e. the same PoCL device as clmha: the projections as matmuls and
+               Tensor.scaled_dot_product_attention in a TinyJit; timed up to the output in
+               host memory (.numpy(), its way of waiting for the device).
+The exported model: torch.onnx.export (PyTorch 1.13, opset 17) of the module in train mode with
+dropout 0, the same arithmetic (eval mode's self-attention fast path has no ONNX export).
 Every peer gets 2 threads (--threads: torch.set_num_threads, intra_op_num_threads,
 INFERENCE_NUM_THREADS, OMP/OPENBLAS/MKL_NUM_THREADS), OMP_WAIT_POLICY=PASSIVE (spinning OpenMP
 threads fight the other threads for 2 shared cores); clmha runs on its default OpenCL device
@@ -62,8 +67,10 @@ The error table gives max |output - float64 reference| per tool (float32 outputs
 --json writes one JSON object per line and tool (ms per round, repeats, error, versions);
 --plot (default docs/peers.png) draws GFLOP/s per shape and tool.
 
-Time: the default run (5 shapes, 7 rounds, 0.4 s batches) takes about 5-8 minutes on 2 busy
-cores; --quick (3 rounds, 0.2 s batches) about 3.
+Time: the default run (5 shapes, 7 rounds, 0.4 s batches) takes about 5-7 minutes on 2 busy
+cores with every peer and one clmha (~1 more for a second clmha); --quick (3 rounds, 0.2 s
+batches) about 3. A peer whose Python or package is missing is left out with a note, one that
+fails at a shape shows "failed" there (the reason under the table), and the others go on.
 
 Internal: --prepare DIR N L S E H SEED and --worker KIND are the processes the driver starts.
 """
@@ -90,10 +97,11 @@ DEFAULT_PEERS = "/tmp/venv-peers/bin/python3"
 OPENBLAS_DIRS = ["/usr/lib/x86_64-linux-gnu/openblas-pthread",
                  "/tmp/peers-openblas/root/usr/lib/x86_64-linux-gnu/openblas-pthread",
                  "/tmp/openblas-deb/usr/lib/x86_64-linux-gnu/openblas-pthread"]
-TOOLS = ["clmha", "clmha2", "torch1.13", "torch2", "ort-mha", "ort-onnx", "openvino"]
+TOOLS = ["clmha", "clmha2", "torch1.13", "torch2", "ort-mha", "ort-onnx", "openvino",
+         "tinygrad"]
 LABELS = {"torch1.13": "PyTorch 1.13", "torch2": "PyTorch 2 SDPA",
           "ort-mha": "ONNX Runtime MHA op", "ort-onnx": "ONNX Runtime exported",
-          "openvino": "OpenVINO"}
+          "openvino": "OpenVINO", "tinygrad": "tinygrad"}
 TOLERANCE = 1e-4
 
 
@@ -318,7 +326,53 @@ class OpenVinoWorker:
         return self.request.get_output_tensor(0).data
 
 
+class TinygradWorker:
+    """tinygrad on its default device (OpenCL here: the same PoCL device as clmha): the
+    projections as matmuls, Tensor.scaled_dot_product_attention, the forward in a TinyJit."""
+
+    def __init__(self, threads):
+        import tinygrad
+        from tinygrad import Device, Tensor, TinyJit
+        self.Tensor, self.TinyJit = Tensor, TinyJit
+        version = getattr(tinygrad, "__version__", None)
+        if version is None:
+            from importlib.metadata import version as dist_version
+            version = dist_version("tinygrad")
+        self.info = {"version": f"tinygrad {version}", "device": Device.DEFAULT}
+
+    def load(self, case):
+        Tensor = self.Tensor
+        w, _ = read_safetensors(case["layer"])
+        n, l, s, e, h = (case[k] for k in ("n", "l", "s", "e", "h"))
+        d = e // h
+        w_in = Tensor(w["in_proj_weight"].copy()).realize()
+        b_in = Tensor(w["in_proj_bias"].copy()).realize()
+        w_out = Tensor(w["out_proj.weight"].copy()).realize()
+        b_out = Tensor(w["out_proj.bias"].copy()).realize()
+        q, k = load_inputs(case)
+        # Self-attention passes the query alone (TinyJit refuses the same tensor twice).
+        self.inputs = [Tensor(q).realize()] + ([] if case["key"] is None
+                                               else [Tensor(k).realize()])
+
+        def heads(x, i, length):
+            y = x.linear(w_in[i * e:(i + 1) * e].T, b_in[i * e:(i + 1) * e])
+            return y.reshape(n, length, h, d).transpose(1, 2)
+
+        @self.TinyJit
+        def forward(query, key=None):
+            key = query if key is None else key
+            o = heads(query, 0, l).scaled_dot_product_attention(heads(key, 1, s), heads(key, 2, s))
+            return o.transpose(1, 2).reshape(n, l, e).linear(w_out.T, b_out).realize()
+
+        self.jit = forward
+        return self.forward
+
+    def forward(self):
+        return self.jit(*self.inputs).numpy()
+
+
 WORKERS = {"torch": TorchWorker,
+           "tinygrad": TinygradWorker,
            "ort-mha": lambda t: OrtWorker(t, mha=True),
            "ort-onnx": lambda t: OrtWorker(t, mha=False),
            "openvino": OpenVinoWorker}
@@ -545,7 +599,8 @@ def make_peers(a, log_dir):
              ("torch2", a.torch2_python, "torch", base_env(a.threads)),
              ("ort-mha", a.peers_python, "ort-mha", base_env(a.threads)),
              ("ort-onnx", a.peers_python, "ort-onnx", base_env(a.threads)),
-             ("openvino", a.peers_python, "openvino", base_env(a.threads))]
+             ("openvino", a.peers_python, "openvino", base_env(a.threads)),
+             ("tinygrad", a.peers_python, "tinygrad", base_env(a.threads))]
     for name, python, kind, env in specs:
         peers.append(WorkerPeer(name, LABELS[name], python, kind, env, a, log_dir))
     chosen = [p for p in peers if not a.only or p.name in a.only]
@@ -662,10 +717,12 @@ def markdown(results, notes):
     cols = tool_columns(results)
     clmhas = [(t, lab) for t, lab in cols if t.startswith("clmha")]
     ratio_heads = [f"{lab} / fastest" for _, lab in clmhas]
-    lines = ["| shape | GFLOP | " + " | ".join(lab for _, lab in cols) + " | "
-             + " | ".join(ratio_heads) + " |",
-             "|---" * (2 + len(cols) + len(ratio_heads)) + "|"]
-    err = ["| shape | " + " | ".join(lab for _, lab in cols) + " |", "|---" * (1 + len(cols)) + "|"]
+    def row_text(cells):
+        return "| " + " | ".join(cells) + " |"
+
+    heads = ["shape", "GFLOP"] + [lab for _, lab in cols] + ratio_heads
+    lines = [row_text(heads), "|---" * len(heads) + "|"]
+    err = [row_text(["shape"] + [lab for _, lab in cols]), "|---" * (1 + len(cols)) + "|"]
     for (n, l, s), row in by_shape(results).items():
         times = [r["ms"] for r in row.values() if r.get("ms")]
         best = min(times) if times else None
@@ -678,13 +735,13 @@ def markdown(results, notes):
             else:
                 cells.append("failed" if r.get("note") else "—")
             e = r.get("error")
-            ecells.append("—" if e is None else f"{e:.1e}" + (" (> 1e-4)" if e > TOLERANCE else ""))
+            bad = e is not None and e > TOLERANCE
+            ecells.append("—" if e is None else f"{e:.1e}" + (" (> 1e-4)" if bad else ""))
         rat = ratios(row)
         fl = next(iter(row.values()))["flops"]
-        lines.append(f"| {shape_text(n, l, s)} | {fl / 1e9:.2f} | " + " | ".join(cells) + " | "
-                     + " | ".join(f"{rat[t]:.2f}" if t in rat else "—" for t, _ in clmhas)
-                     + " |")
-        err.append(f"| {shape_text(n, l, s)} | " + " | ".join(ecells) + " |")
+        lines.append(row_text([shape_text(n, l, s), f"{fl / 1e9:.2f}"] + cells
+                              + [f"{rat[t]:.2f}" if t in rat else "—" for t, _ in clmhas]))
+        err.append(row_text([shape_text(n, l, s)] + ecells))
     text = ["Median ms per forward over the rounds (GFLOP/s); fastest in bold; "
             "clmha / fastest: speed ratio against the fastest peer (below 1: clmha slower).",
             "", *lines, "", "Max |output − float64 PyTorch| per tool:", "", *err]
@@ -713,17 +770,18 @@ def plot(results, path, title):
                 ys.append(row[t]["gflops"])
         ax.bar(xs, ys, width, label=lab, color=colors(i),
                edgecolor="black" if t.startswith("clmha") else None)
+    clmhas = [lab for t, lab in cols if t.startswith("clmha")]
     for g, row in enumerate(groups.values()):
         rat = ratios(row)
         if rat:
             top = max(r.get("gflops") or 0 for r in row.values())
-            ax.annotate(" / ".join(f"{v:.2f}" for v in rat.values()) + "×", (g, top),
+            ax.annotate(", ".join(f"{rat[t]:.2f}" for t, _ in cols if t in rat), (g, top),
                         xytext=(0, 4), textcoords="offset points", ha="center", fontsize=8)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([shape_text(*k) for k in groups])
     ax.set_ylabel("GFLOP/s  (FLOPs = 2NE²(2L + 2S) + 4NLSE)")
-    ax.set_title(textwrap.fill(title, 120) + "\nnumbers above the bars: clmha's speed / the "
-                 "fastest peer's", fontsize=9)
+    ax.set_title(textwrap.fill(title, 120) + "\nnumbers above the bars: speed of "
+                 + ", ".join(clmhas) + " / the fastest peer's", fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.08),
               frameon=False)
