@@ -6,8 +6,9 @@ Run from the repository root with Debian's Python after building clmha:
     /usr/bin/python3 bench/peers.py [--rounds 7 | --quick] [--shapes NxL | NxLxS ...]
         [--clmha build/clmha] [--clmha-label L] [--clmha-env K=V ...]
         [--clmha2 other/clmha --clmha2-label L2 --clmha2-env K=V ...]
-        [--torch2-python /tmp/venv-torch2/bin/python3] [--peers-python /tmp/venv-peers/bin/python3]
-        [--only clmha,ort-mha,...] [--markdown FILE] [--json FILE] [--plot docs/peers.png]
+        [--torch2-python /tmp/venv-torch2/bin/python3]
+        [--peers-python /tmp/venv-peers/bin/python3] [--only clmha,ort-mha,...] [--tinygrad]
+        [--markdown FILE] [--json FILE] [--plot docs/peers.png]
     /usr/bin/python3 bench/peers.py --replot results.jsonl    # table and plot from --json
 
 The peers (PyPI ones in a venv: python3 -m venv /tmp/venv-peers &&
@@ -34,7 +35,7 @@ The peers (PyPI ones in a venv: python3 -m venv /tmp/venv-peers &&
   ort-onnx     ONNX Runtime on the model torch.onnx.export writes for the module (below).
   openvino     OpenVINO's CPU plugin on that exported model (openvino.Core().read_model, i.e.
                convert_model), INFERENCE_PRECISION_HINT f32, 1 stream, latency hint.
-  tinygrad     (when installed in the peers' venv: pip install tinygrad) on its default device,
+  tinygrad     (with --tinygrad; pip install tinygrad in the peers' venv) on its default device,
                OpenCL here, i.e. the same PoCL device as clmha: the projections as matmuls and
                Tensor.scaled_dot_product_attention in a TinyJit; timed up to the output in
                host memory (.numpy(), its way of waiting for the device).
@@ -51,7 +52,8 @@ every peer loads), the inputs as .npy files, the exported ONNX model and a float
 output (the module in double precision). Every peer but clmha runs in its own long-lived
 worker process (its own Python) which loads the shape, writes its output (for the error column)
 and warms up; then in round r = 1..R every tool runs once, in an order that rotates with r,
-a timed batch (as many forwards as take about --batch-seconds, at least 3), and reports the
+a timed batch (as many forwards as take about --batch-seconds, at least 3, or 1 where one
+takes over a second), and reports the
 batch's median. The table gives per tool the median over the rounds, so a busy moment of the
 shared machine slows every tool alike instead of one.
 
@@ -68,9 +70,10 @@ The error table gives max |output - float64 reference| per tool (float32 outputs
 --plot (default docs/peers.png) draws GFLOP/s per shape and tool.
 
 Time: the default run (5 shapes, 7 rounds, 0.4 s batches) takes about 5-7 minutes on 2 busy
-cores with every peer and one clmha (~1 more for a second clmha); --quick (3 rounds, 0.2 s
-batches) about 3. A peer whose Python or package is missing is left out with a note, one that
-fails at a shape shows "failed" there (the reason under the table), and the others go on.
+cores with every peer and one clmha (~1 more for a second clmha, ~2 for tinygrad); --quick
+(3 rounds, 0.2 s batches) about 3. A peer whose Python or package is missing is left out
+with a note, one that fails at a shape shows "failed" there (the reason under the table), and
+the others go on.
 
 Internal: --prepare DIR N L S E H SEED and --worker KIND are the processes the driver starts.
 """
@@ -603,7 +606,8 @@ def make_peers(a, log_dir):
              ("tinygrad", a.peers_python, "tinygrad", base_env(a.threads))]
     for name, python, kind, env in specs:
         peers.append(WorkerPeer(name, LABELS[name], python, kind, env, a, log_dir))
-    chosen = [p for p in peers if not a.only or p.name in a.only]
+    chosen = [p for p in peers if p.name in a.only] if a.only else \
+        [p for p in peers if p.name != "tinygrad" or a.tinygrad]
     started, notes = [], {}
     for p in chosen:
         try:
@@ -628,7 +632,10 @@ def prepare_case(a, shape, out_dir):
 
 
 def repeats_for(est_ms, batch_seconds):
-    return max(3, min(200, math.ceil(batch_seconds * 1e3 / max(est_ms, 1e-3))))
+    """Forwards per timed batch: about batch_seconds' worth, at least 3 (1 for a forward of
+    over a second: the rounds give its median), at most 200."""
+    least = 1 if est_ms > 1000 else 3
+    return max(least, min(200, math.ceil(batch_seconds * 1e3 / max(est_ms, 1e-3))))
 
 
 def measure_shape(a, peers, shape, tmp):
@@ -818,6 +825,8 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", type=lambda t: t.split(","), help="comma-separated tools of: "
                     + ", ".join(TOOLS))
+    ap.add_argument("--tinygrad", action="store_true", help="add tinygrad (slow: ~2 more "
+                    "minutes; also with --only ...,tinygrad)")
     ap.add_argument("--clmha", default=os.path.join(ROOT, "build", "clmha"))
     ap.add_argument("--clmha-label", default="clmha")
     ap.add_argument("--clmha-env", action="append", metavar="K=V",
