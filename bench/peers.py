@@ -705,6 +705,11 @@ def shape_text(n, l, s):
     return f"N={n}, L={l}" + ("" if s == l else f", S={s}")
 
 
+def ms_text(ms):
+    """Three significant digits, without an exponent."""
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
+
+
 def tool_columns(results):
     present = {r["tool"] for r in results}
     labels = {r["tool"]: r["label"] for r in results}
@@ -737,7 +742,7 @@ def markdown(results, notes):
         for t, _ in cols:
             r = row.get(t, {})
             if r.get("ms"):
-                c = f"{r['ms']:.3g} ({r['gflops']:.0f})"
+                c = f"{ms_text(r['ms'])} ({r['gflops']:.0f})"
                 cells.append(f"**{c}**" if r["ms"] == best else c)
             else:
                 cells.append("failed" if r.get("note") else "—")
