@@ -21,14 +21,14 @@ The peers (PyPI ones in a venv: python3 -m venv /tmp/venv-peers &&
   torch1.13    Debian's python3-torch: nn.MultiheadAttention(E, H, batch_first=True).eval(),
                module(q, k, k, need_weights=False) under torch.inference_mode() (self-attention
                passes the same tensor three times: the module's native fast path). Its matrix
-               products go to libblas.so.3 (oneDNN only serves its convolutions and bf16), which
-               is Debian's reference BLAS unless OpenBLAS is selected: the worker gets
-               libopenblas0-pthread's directory (--openblas-dir, found when installed or
+               products go to libblas.so.3 (not oneDNN: with the reference BLAS it is ~30x
+               slower), which is Debian's reference BLAS unless OpenBLAS is selected: the worker
+               gets libopenblas0-pthread's directory (--openblas-dir, found when installed or
                unpacked with `apt-get download libopenblas0-pthread; dpkg -x ...`) first on
                LD_LIBRARY_PATH and OPENBLAS_CORETYPE=Cooperlake (OpenBLAS 0.3.21 takes this
-               CPU for a Prescott otherwise: ~5x slower; reference BLAS: ~30x slower).
+               CPU for a Prescott otherwise: ~5x slower).
   torch2       the same module under PyTorch 2.x from PyPI; with need_weights=False it calls
-               F.scaled_dot_product_attention (its CPU flash kernel); MKL/oneDNN inside.
+               F.scaled_dot_product_attention (its CPU flash kernel).
   ort-mha      ONNX Runtime, a hand-built graph: Q, K, V projections as MatMul, then
                com.microsoft.MultiHeadAttention (its `bias` input adds the projections' biases),
                then MatMul + Add for the output projection.
@@ -53,9 +53,8 @@ output (the module in double precision). Every peer but clmha runs in its own lo
 worker process (its own Python) which loads the shape, writes its output (for the error column)
 and warms up; then in round r = 1..R every tool runs once, in an order that rotates with r,
 a timed batch (as many forwards as take about --batch-seconds, at least 3, or 1 where one
-takes over a second), and reports the
-batch's median. The table gives per tool the median over the rounds, so a busy moment of the
-shared machine slows every tool alike instead of one.
+takes over a second), and reports the batch's median. The table gives per tool the median
+over the rounds, so a busy moment of the shared machine slows every tool alike instead of one.
 
 Columns:
   shape        N (batch), L (target length), S (source length; S = L: self-attention, key =
