@@ -79,7 +79,7 @@
 #if VW == 1
 #define VT float
 #define VTI int
-#define CONVERT_VTI(x) ((int)(x))
+#define AS_VTI(x) as_int(x)
 #define AS_VT(x) as_float(x)
 #define LOADV(i, p) ((p)[(i)])
 #define STOREV(v, i, p) ((p)[(i)] = (v))
@@ -91,9 +91,9 @@
 #define VTI_(n) int##n
 #define VTI__(n) VTI_(n)
 #define VTI VTI__(VW)
-#define CONVERT_(n) convert_int##n
-#define CONVERT__(n) CONVERT_(n)
-#define CONVERT_VTI(x) CONVERT__(VW)(x)
+#define AS_VTI_(n) as_int##n
+#define AS_VTI__(n) AS_VTI_(n)
+#define AS_VTI(x) AS_VTI__(VW)(x)
 #define AS_VT_(n) as_float##n
 #define AS_VT__(n) AS_VT_(n)
 #define AS_VT(x) AS_VT__(VW)(x)
@@ -128,13 +128,16 @@
 #define RS (HD | 1)
 
 // exp(x) for x <= 0 (the only arguments here: scores minus a running maximum), in plain
-// arithmetic on VW lanes: exp(x) = 2^n * e^r with n = floor(x / ln 2 + 1/2), |r| <= ln2 / 2
-// (within rounding), e^r by its degree-7 Taylor polynomial (truncation error below 1e-8
-// relative, under float rounding). floor is one instruction on x86 (rint, whose result
-// depends on the rounding mode, was a dozen in PoCL's AVX-512 code). -inf and anything below
-// -87 give 0; NaN stays NaN.
+// arithmetic on VW lanes: exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by
+// its degree-7 Taylor polynomial (truncation error below 1e-8 relative, under float rounding).
+// The rounding is the 1.5 * 2^23 trick: t = x / ln 2 + 1.5 * 2^23 + 127 lies in [2^23, 2^24)
+// for x in [-87, 0], where a float's unit is 1, so t holds round(x / ln 2) + 127 in its low
+// mantissa bits, and shifting its bits left by 23 gives 2^n (rint was a dozen instructions in
+// PoCL's AVX-512 code, the conversion back to an integer two more). -inf and anything below -87
+// give 0; NaN stays NaN.
 inline VT exp_nonpos(VT x) {
-    VT n = floor(fma(x, (VT)(1.44269504088896341f), (VT)(0.5f)));
+    VT t = fma(x, (VT)(1.44269504088896341f), (VT)(12583039.0f));  // 1.5 * 2^23 + 127
+    VT n = t - (VT)(12583039.0f);
     VT r = fma(n, (VT)(-0.693145751953125f), x);
     r = fma(n, (VT)(-1.428606765330187045e-06f), r);
     VT p = (VT)(1.0f / 5040.0f);
@@ -145,8 +148,7 @@ inline VT exp_nonpos(VT x) {
     p = fma(p, r, (VT)(0.5f));
     p = fma(p, r, (VT)(1.0f));
     p = fma(p, r, (VT)(1.0f));
-    VTI e = CONVERT_VTI(fmax(n, (VT)(-126.0f))) + 127;
-    VT y = p * AS_VT(e << 23);
+    VT y = p * AS_VT(AS_VTI(t) << 23);
     return select(y, (VT)(0.0f), x < -87.0f);
 }
 
