@@ -121,6 +121,8 @@ Test(device_class, fit_within_private_budget_and_local_memory) {
                     cr_expect(hd % t.vw == 0 && t.bk % t.vw == 0, "%s: vw", what);
                     cr_expect(t.q_local || !c->coalesced, "%s: GPUs stage the query rows", what);
                     cr_expect(!t.acc_local || t.q_local, "%s: acc local only after q", what);
+                    cr_expect(!t.lanes || (c->lanes && !t.q_local && t.bq == c->bq),
+                              "%s: lanes only where the class has them", what);
                 }
     }
     // What the budget decides at the common head dims, 48 KiB of local memory.
@@ -137,8 +139,14 @@ Test(device_class, fit_within_private_budget_and_local_memory) {
     t = fitted(intel, 65536, 256, 32);
     cr_expect(!t.acc_local && t.bk == 32, "gpu-intel hd 32: private (32 + 32 floats)");
     t = fitted(pocl, 2u << 20, 4096, 64);
-    cr_expect(!t.q_local && !t.acc_local && t.bq == 64 && t.bk == 32 && t.rpw == 2,
-              "cpu-pocl hd 64: the measured 64/32/2, all private");
+    cr_expect(t.lanes && !t.q_local && !t.acc_local && t.bq == 1 && t.bk == 64 && t.rpw == 32,
+              "cpu-pocl hd 64: the measured lanes 1/64/32");
+    t = fitted(pocl, 2u << 20, 4096, 256);
+    cr_expect(t.lanes && t.rpw == 16 && t.bk == 64, "cpu-pocl hd 256: lanes, 16 rows");
+    t = fitted(pocl, 2u << 20, 4096, 512);
+    cr_expect(!t.lanes && t.rpw == 1 && t.bq == 64, "cpu-pocl hd 512: the tiled mapping");
+    t = fitted(clmha__device_class_named("cpu"), 2u << 20, 4096, 64);
+    cr_expect(!t.lanes && t.bq == 64 && t.bk == 32 && t.rpw == 2, "cpu: the tiled 64/32/2");
 }
 
 // ---- vector width ------------------------------------------------------------------------------

@@ -3,10 +3,11 @@
 //   fused kernel is rebuilt with fewer work-items per group, masked_softmax and the cl/heads.cl
 //   kernels launch within the limit, and both cores still match the double-precision reference;
 // - with the local memory lowered, the fused kernel's key tile shrinks and the kernel's own
-//   local memory (CL_KERNEL_LOCAL_MEM_SIZE) stays within it;
+//   local memory (CL_KERNEL_LOCAL_MEM_SIZE) stays within it (the tiled mapping: class "cpu"
+//   forced; the lanes mapping of class "cpu-pocl" uses no local memory and runs anyway);
 // - when the fused kernel cannot be built (local memory too small for one key),
 //   CLMHA_IMPL_AUTO runs the unfused core, CLMHA_IMPL_FUSED reports CLMHA_UNSUPPORTED, and a
-//   layer baked with weights still runs its calls without weights;
+//   layer baked with weights still runs its calls without weights (the tiled mapping);
 // - on a driver whose loops end early (Mesa llvmpipe, pretended here through a hook), calls
 //   past the fused kernel's loop budget run the unfused core, also with CLMHA_IMPL_FUSED;
 // - on Clover, whose compiler aborts on vloadN, the fused kernel is built with VW 1, and
@@ -89,6 +90,7 @@ static void setup_case(void) {
 }
 
 static void teardown_case(void) {
+    clmha__test_force_device_class(NULL);
     clmha__test_set_kernel_limits(0, 0);
     clmha__test_set_loop_limit(0);
     clmha_layer_release(fx.layer);
@@ -138,6 +140,7 @@ Test(fitting, key_tile_shrinks_with_local_memory) {
     // Room for two keys of head_dim 32 (2 * 32 * 4 bytes each) after the 1024 bytes kept free.
     size_t local = 1024 + 2 * 2 * 32 * sizeof(float);
     clmha__test_set_kernel_limits(0, local);
+    cr_assert(clmha__test_force_device_class("cpu"));  // the tiled mapping
     setup_case();
     run_and_check(CLMHA_IMPL_FUSED, "fused");
     cr_assert(clmha__fused_ran(fx.layer));
@@ -153,8 +156,19 @@ Test(fitting, key_tile_shrinks_with_local_memory) {
     teardown_case();
 }
 
+Test(fitting, lanes_mapping_needs_no_local_memory) {
+    clmha__test_set_kernel_limits(0, 64);  // not even one key of the tiled mapping
+    cr_assert(clmha__test_force_device_class("cpu-pocl"));
+    setup_case();
+    run_and_check(CLMHA_IMPL_FUSED, "fused, lanes");
+    cr_assert(clmha__fused_ran(fx.layer));
+    cr_assert(clmha__fused_tiles_of(fx.layer).lanes);
+    teardown_case();
+}
+
 Test(fitting, auto_falls_back_when_fused_cannot_be_built) {
     clmha__test_set_kernel_limits(0, 64);  // not even one key of head_dim 32
+    cr_assert(clmha__test_force_device_class("cpu"));  // the tiled mapping
     setup_case();
     run_and_check(CLMHA_IMPL_AUTO, "auto");
     cr_assert(!clmha__fused_ran(fx.layer));
@@ -168,6 +182,7 @@ Test(fitting, auto_falls_back_when_fused_cannot_be_built) {
 
 Test(fitting, layer_baked_with_weights_runs_without_weights_when_fused_cannot_be_built) {
     clmha__test_set_kernel_limits(0, 64);
+    cr_assert(clmha__test_force_device_class("cpu"));  // the tiled mapping
     setup_case();
     clmha_status st = clmha_layer_bake(fx.layer, N, L, S, true);
     cr_assert_eq(st, CLMHA_SUCCESS, "bake: %s", clmha_context_last_error(fx.ctx));

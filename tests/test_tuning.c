@@ -655,7 +655,8 @@ static double fused_error(clmha_context *ctx) {
 
 // Imported fused tiles reach the export, and layers built afterwards use them and stay exact
 // (work-groups of 16, 8 keys per tile, one row per work-item, scalar; then 32/16/2 with
-// 8-wide vectors, which head_dim 8 allows).
+// 8-wide vectors, which head_dim 8 allows). A class of the lanes mapping (cpu-pocl) takes
+// these tiled-mapping tiles (BQ > 1) for stale and keeps its defaults: exact all the same.
 Test(tuning, imported_fused_tiles_are_used, .timeout = 300) {
     fixture f;
     setup(&f);

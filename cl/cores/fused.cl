@@ -1,17 +1,24 @@
 // The fused attention core's kernel (host side: src/cores/fused.c).
 //
 // Fused attention core: out = softmax(mask(Q*K^T*scale)) * V for every (batch, head), without
-// storing the scores. Online softmax over tiles of keys (FlashAttention's recurrence): each
-// work-item owns RPW query rows, keeps their running maxima, running sums and HD-wide
-// accumulators, and the work-group shares each tile of keys and values through local memory.
-// With RPW = 2 every key and value read from local memory serves two rows. The two products
-// (scores = q*K^T over the tile, acc += p*V) run on VW-wide vectors (floatVW), so that their
-// accumulators stay in registers across the inner loop.
+// storing the scores. Online softmax over tiles of keys (FlashAttention's recurrence). Two
+// mappings, chosen per device class (-DLANES):
+//   - LANES 1 (the lanes mapping, CPU classes that measured it): each work-item owns RPW
+//     consecutive query rows as the lanes of VW-wide vectors and computes both products as
+//     register-blocked GEMM micro-kernels; no local memory, no barrier. Described at its kernel
+//     below.
+//   - LANES 0 (the tiled mapping, everything else): described from here on.
+// Tiled mapping: each work-item owns RPW query rows, keeps their running maxima, running sums
+// and HD-wide accumulators, and the work-group shares each tile of keys and values through
+// local memory. With RPW = 2 every key and value read from local memory serves two rows. The
+// two products (scores = q*K^T over the tile, acc += p*V) run on VW-wide vectors (floatVW), so
+// that their accumulators stay in registers across the inner loop.
 //
 // Build options: -DHD=<head dim> -DBQ=<work-group size> -DRPW=<query rows per work-item>
 //                -DBK=<keys per tile> -DVW=<vector width: 1, 2, 4, 8 or 16, dividing HD and
-//                BK> -DQ_LOCAL=<0|1> -DACC_LOCAL=<0|1>. A work-group covers BQ*RPW query rows:
-//                row r of work-item lid is first + r*BQ + lid.
+//                BK> -DQ_LOCAL=<0|1> -DACC_LOCAL=<0|1> -DLANES=<0|1>. A work-group covers
+//                BQ*RPW query rows: row r of work-item lid is first + r*BQ + lid (tiled), or
+//                first + lid*RPW + r (lanes).
 //
 // Where the per-row state lives (chosen on the host per device class, src/device/device_class.c,
 // and by clmha__fused_tiles_fit(), which keeps the private arrays within the class's budget):
@@ -72,7 +79,7 @@
 #if VW == 1
 #define VT float
 #define VTI int
-#define CONVERT_VTI(x) ((int)(x))
+#define AS_VTI(x) as_int(x)
 #define AS_VT(x) as_float(x)
 #define LOADV(i, p) ((p)[(i)])
 #define STOREV(v, i, p) ((p)[(i)] = (v))
@@ -84,9 +91,9 @@
 #define VTI_(n) int##n
 #define VTI__(n) VTI_(n)
 #define VTI VTI__(VW)
-#define CONVERT_(n) convert_int##n
-#define CONVERT__(n) CONVERT_(n)
-#define CONVERT_VTI(x) CONVERT__(VW)(x)
+#define AS_VTI_(n) as_int##n
+#define AS_VTI__(n) AS_VTI_(n)
+#define AS_VTI(x) AS_VTI__(VW)(x)
 #define AS_VT_(n) as_float##n
 #define AS_VT__(n) AS_VT_(n)
 #define AS_VT(x) AS_VT__(VW)(x)
@@ -107,6 +114,9 @@
 #ifndef ACC_LOCAL
 #define ACC_LOCAL 0
 #endif
+#ifndef LANES
+#define LANES 0
+#endif
 // Padded row strides (odd: see the bank conflicts above): the key tile's where the query rows
 // are local (GPU classes; CPUs have no banks, and their VW-wide reads of kt stay aligned), and
 // that of the query rows and accumulators in local memory.
@@ -120,9 +130,14 @@
 // exp(x) for x <= 0 (the only arguments here: scores minus a running maximum), in plain
 // arithmetic on VW lanes: exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by
 // its degree-7 Taylor polynomial (truncation error below 1e-8 relative, under float rounding).
-// -inf and anything below -87 give 0; NaN stays NaN.
+// The rounding is the 1.5 * 2^23 trick: t = x / ln 2 + 1.5 * 2^23 + 127 lies in [2^23, 2^24)
+// for x in [-87, 0], where a float's unit is 1, so t holds round(x / ln 2) + 127 in its low
+// mantissa bits, and shifting its bits left by 23 gives 2^n (rint was a dozen instructions in
+// PoCL's AVX-512 code, the conversion back to an integer two more). -inf and anything below -87
+// give 0; NaN stays NaN.
 inline VT exp_nonpos(VT x) {
-    VT n = rint(x * 1.44269504088896341f);
+    VT t = fma(x, (VT)(1.44269504088896341f), (VT)(12583039.0f));  // 1.5 * 2^23 + 127
+    VT n = t - (VT)(12583039.0f);
     VT r = fma(n, (VT)(-0.693145751953125f), x);
     r = fma(n, (VT)(-1.428606765330187045e-06f), r);
     VT p = (VT)(1.0f / 5040.0f);
@@ -133,8 +148,7 @@ inline VT exp_nonpos(VT x) {
     p = fma(p, r, (VT)(0.5f));
     p = fma(p, r, (VT)(1.0f));
     p = fma(p, r, (VT)(1.0f));
-    VTI e = CONVERT_VTI(fmax(n, (VT)(-126.0f))) + 127;
-    VT y = p * AS_VT(e << 23);
+    VT y = p * AS_VT(AS_VTI(t) << 23);
     return select(y, (VT)(0.0f), x < -87.0f);
 }
 
@@ -154,6 +168,212 @@ inline float lanes_sum(VT v) {
     for (uint i = 0; i < VW; ++i) sum += lane[i];
     return sum;
 }
+
+#if LANES
+// ---- The lanes mapping (CPU classes that measured it: src/device/device_class.c) ---------------
+//
+// Each work-item owns RPW consecutive query rows and works on them as RV vectors of VW rows:
+// vector lane r is row first + r, so a row's running maximum, sum and log-sum-exp are one lane
+// of a vector, and nothing is ever summed across lanes. The work-items of a group share
+// nothing (no local memory, no barrier): a CPU runs a work-item as one plain loop nest, which
+// is what its compiler optimises best. Per tile of BK keys, read straight from global memory
+// (the caches hold them; a local copy would only add a copy):
+//   - scores, transposed (st[jj][r] = q_r . k_j): a register block of JB keys x RV vectors of
+//     rows accumulates over head_dim, one vector load of the transposed query rows (qt[d][r])
+//     per RV vectors and one broadcast of k[j][d] per JB keys for JB * RV FMAs: a GEMM
+//     micro-kernel whose accumulators stay in registers (JB * RV <= 16 of AVX-512's 32);
+//   - masks lane by lane where the tile needs any, then the online softmax, a vector of VW
+//     rows at a time (exp_nonpos on whole vectors);
+//   - weights.V into the transposed accumulators (ot[d][r]): a register block of DB head
+//     dimensions x RV vectors of rows, one vector load of probabilities per RV vectors and
+//     one broadcast of v[j][d] per DB dimensions; the rescaling by exp(m_old - m_new) comes
+//     with the block's load.
+// Private floats per work-item: RV * VW * (2 * HD + BK) (clmha__fused_private_floats()), in
+// the core's L1 cache, not in registers.
+#define RV ((RPW + VW - 1) / VW)  // vectors of rows
+#define RP (RV * VW)              // rows, rounded up to whole vectors
+// The register blocks' loops, unrolled so that their accumulators are registers.
+#define UNROLL _Pragma("unroll")
+// Register blocks: JB keys (scores) and DB head dimensions (weights.V) times RV vectors of rows,
+// at most 16 accumulators where the divisors allow.
+#define BLOCK_OF(n, cap) \
+    ((n) % (cap) == 0 ? (cap) : (n) % 4 == 0 && (cap) >= 4 ? 4 : (n) % 2 == 0 ? 2 : 1)
+#define ACC_CAP (RV >= 4 ? 4 : 8)
+#ifndef JB
+#define JB BLOCK_OF(BK, ACC_CAP)
+#endif
+#ifndef DB
+#define DB BLOCK_OF(HD, ACC_CAP)
+#endif
+
+kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
+void fused_attention(global const float *q, global const float *k, global const float *v,
+                     global float *out, ulong tgt_len, ulong n_heads, ulong src_len,
+                     ulong src_len_padded, float scale,
+                     global const uchar *attn_mask, ulong attn_off, uint attn_kind,
+                     uint attn_layout,
+                     global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal,
+                     uint dropout_on, uint dropout_threshold, float keep_scale,
+                     uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo,
+                     global float *lse, uint lse_on) {
+    ulong bh = get_global_id(1);
+    ulong n = bh / n_heads;
+    ulong first = get_global_id(0) * RPW;
+    if (first >= tgt_len) return;  // no barrier in this mapping
+    ulong last = min(first + RPW, tgt_len) - 1;  // the last real row; lanes past it repeat it
+    ulong kpm_row = kpm_off + n * src_len;
+    ulong srcp = src_len_padded;
+
+    float qt[HD * RP];  // the scaled query rows, transposed: qt[d * RP + r]
+    float ot[HD * RP];  // the accumulators of p*v, transposed: ot[d * RP + r]
+    float st[BK * RP];  // the tile's scores, then its probabilities: st[jj * RP + r]
+    for (uint r = 0; r < RP; ++r) {
+        global const float *qp = q + (bh * tgt_len + min(first + r, last)) * HD;
+        for (uint d = 0; d < HD; ++d) {
+            qt[d * RP + r] = qp[d] * scale;
+            ot[d * RP + r] = 0.0f;
+        }
+    }
+    // Per row (lane): the running maximum (NaN once a NaN score appears) and the running sum of
+    // exp(score - maximum).
+    VT m[RV], sum[RV];
+    UNROLL
+    for (uint rv = 0; rv < RV; ++rv) m[rv] = (VT)(-INFINITY), sum[rv] = (VT)(0.0f);
+
+    global const float *kb = k + bh * srcp * HD;
+    global const float *vb = v + bh * srcp * HD;
+    for (ulong j0 = 0; j0 < srcp; j0 += BK) {
+        // With is_causal, a tile of masked keys only (all j > last, none appended) is skipped.
+        if (causal && j0 > last && j0 + BK <= src_len) continue;
+        for (uint jb = 0; jb < BK; jb += JB) {
+            global const float *kr[JB];  // past the last key: the last key's row (masked below)
+            UNROLL
+            for (uint jj = 0; jj < JB; ++jj) kr[jj] = kb + min(j0 + jb + jj, srcp - 1) * HD;
+            VT a[JB][RV];
+            UNROLL
+            for (uint jj = 0; jj < JB; ++jj)
+                UNROLL
+                for (uint rv = 0; rv < RV; ++rv) a[jj][rv] = (VT)(0.0f);
+            for (uint d = 0; d < HD; ++d) {
+                VT qv[RV];
+                UNROLL
+                for (uint rv = 0; rv < RV; ++rv) qv[rv] = LOADV(d * RP + rv * VW, qt);
+                UNROLL
+                for (uint jj = 0; jj < JB; ++jj) {
+                    VT kd = (VT)(kr[jj][d]);
+                    UNROLL
+                    for (uint rv = 0; rv < RV; ++rv) a[jj][rv] = fma(qv[rv], kd, a[jj][rv]);
+                }
+            }
+            UNROLL
+            for (uint jj = 0; jj < JB; ++jj)
+                UNROLL
+                for (uint rv = 0; rv < RV; ++rv) STOREV(a[jj][rv], (jb + jj) * RP + rv * VW, st);
+        }
+        // Masks: only where the tile needs any (inside the real keys, no masks, below the
+        // causal diagonal of the first row needs none).
+        bool plain = !attn_kind && !kpm_kind && j0 + BK <= srcp &&
+                     (!causal || j0 + BK <= first + 1);
+        if (!plain) {
+            for (uint r = 0; r < RP; ++r) {
+                ulong i = min(first + r, last);
+                ulong ar = attn_off;
+                if (attn_layout == 1) ar += i * src_len;
+                else if (attn_layout == 2) ar += (bh * tgt_len + i) * src_len;
+                else if (attn_layout == 3) ar += (n * tgt_len + i) * src_len;
+                for (uint jj = 0; jj < BK; ++jj) {
+                    ulong j = j0 + jj;
+                    float x = st[jj * RP + r];
+                    if (j >= srcp) {
+                        x = -INFINITY;
+                    } else if (j < src_len) {
+                        x += mask_value(attn_mask, attn_kind, ar + j);
+                        x += mask_value(kpm, kpm_kind, kpm_row + j);
+                        if (causal && j > i) x = -INFINITY;
+                    }
+                    st[jj * RP + r] = x;
+                }
+            }
+        }
+        VT corr[RV];
+        UNROLL
+        for (uint rv = 0; rv < RV; ++rv) {
+            VT mv = (VT)(-INFINITY);
+            for (uint jj = 0; jj < BK; ++jj) {
+                VT x = LOADV(jj * RP + rv * VW, st);
+                mv = select(mv, x, (x > mv) | isnan(x));
+            }
+            VT m_new = select(m[rv], mv, (mv > m[rv]) | isnan(mv));  // max_nan, lane by lane
+            // While every key so far is masked (m_new = -inf) nothing is accumulated.
+            VT base = select(m_new, (VT)(0.0f), m_new == (VT)(-INFINITY));
+            corr[rv] = exp_nonpos(m[rv] - base);  // 0 on the first live tile
+            VT sv = (VT)(0.0f);
+            for (uint jj = 0; jj < BK; ++jj) {
+                VT p = exp_nonpos(LOADV(jj * RP + rv * VW, st) - base);
+                sv += p;
+                STOREV(p, jj * RP + rv * VW, st);
+            }
+            sum[rv] = fma(sum[rv], corr[rv], sv);
+            m[rv] = m_new;
+        }
+        if (dropout_on) {
+            for (uint r = 0; r < RP; ++r) {
+                uint i = (uint)min(first + r, last);
+                for (uint jj = 0; jj < BK; ++jj) {
+                    uint w = philox_word0((uint)(j0 + jj), i, (uint)bh, offset_lo, seed_lo,
+                                          seed_hi_xor_off_hi);
+                    float p = st[jj * RP + r];
+                    st[jj * RP + r] = w >= dropout_threshold ? p * keep_scale : 0.0f;
+                }
+            }
+        }
+        // The real keys of the tile only: a key past the end has p = 0, but its clamped value
+        // row might hold an infinity.
+        uint nk = (uint)min((ulong)BK, srcp - j0);
+        for (uint d0 = 0; d0 < HD; d0 += DB) {
+            VT o[DB][RV];
+            UNROLL
+            for (uint dd = 0; dd < DB; ++dd)
+                UNROLL
+                for (uint rv = 0; rv < RV; ++rv)
+                    o[dd][rv] = LOADV((d0 + dd) * RP + rv * VW, ot) * corr[rv];
+            global const float *vr = vb + j0 * HD + d0;
+            for (uint jj = 0; jj < nk; ++jj, vr += HD) {
+                VT p[RV];
+                UNROLL
+                for (uint rv = 0; rv < RV; ++rv) p[rv] = LOADV(jj * RP + rv * VW, st);
+                UNROLL
+                for (uint dd = 0; dd < DB; ++dd) {
+                    VT vd = (VT)(vr[dd]);
+                    UNROLL
+                    for (uint rv = 0; rv < RV; ++rv) o[dd][rv] = fma(p[rv], vd, o[dd][rv]);
+                }
+            }
+            UNROLL
+            for (uint dd = 0; dd < DB; ++dd)
+                UNROLL
+                for (uint rv = 0; rv < RV; ++rv)
+                    STOREV(o[dd][rv], (d0 + dd) * RP + rv * VW, ot);
+        }
+    }
+    // A fully masked row (m = -inf) has sum 0 and gives zeros; NaN propagates. For the
+    // backward pass (lse_on): each row's log-sum-exp m + log(sum), taken before dropout.
+    float mf[RP], sf[RP];
+    UNROLL
+    for (uint rv = 0; rv < RV; ++rv) {
+        STOREV(m[rv], rv * VW, mf);
+        STOREV(sum[rv], rv * VW, sf);
+    }
+    for (uint r = 0; r < RPW && first + r < tgt_len; ++r) {
+        ulong i = first + r;
+        float inv = mf[r] == -INFINITY ? 0.0f : 1.0f / sf[r];
+        global float *op = out + (bh * tgt_len + i) * HD;
+        for (uint d = 0; d < HD; ++d) op[d] = ot[d * RP + r] * inv;
+        if (lse_on) lse[bh * tgt_len + i] = mf[r] == -INFINITY ? -INFINITY : mf[r] + log(sf[r]);
+    }
+}
+
+#else  // the tiled mapping: work-items share key tiles through local memory
 
 kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
 void fused_attention(global const float *q, global const float *k, global const float *v,
@@ -367,3 +587,4 @@ void fused_attention(global const float *q, global const float *k, global const 
         }
     }
 }
+#endif  // LANES

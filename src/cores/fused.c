@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
@@ -83,6 +84,10 @@ clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
     const clmha__device_class *cls = ctx->cls;
     size_t pref_tiles[CLMHA__FUSED_PARAMS] = {0};  // BQ, BK, RPW, VW of a stored tuning
     clmha__tuning_fused(ctx->device, pref_tiles);
+    // A tuning stored for the tiled mapping (bq > 1; the lanes search keeps bq 1) does not
+    // carry over to a class of the lanes mapping: its one or two rows per work-item would fill
+    // a sixteenth of each vector.
+    if (cls->lanes && pref_tiles[0] > 1) memset(pref_tiles, 0, sizeof pref_tiles);
     clmha__fused_tiles t = {.bq = pref_tiles[0] ? pref_tiles[0] : cls->bq,
                             .bk = pref_tiles[1] ? pref_tiles[1] : cls->bk,
                             .rpw = pref_tiles[2] ? pref_tiles[2] : cls->rpw,
@@ -106,6 +111,22 @@ void clmha__fused_tiles_fit_limits(const clmha__device_class *cls, cl_ulong loca
     if (!t->rpw) t->rpw = 1;
     t->q_local = cls->coalesced;
     t->acc_local = false;
+    t->lanes = cls->lanes && !cls->coalesced;
+    if (t->lanes) {
+        // The lanes mapping's arrays within the budget: fewer rows, then fewer keys per tile
+        // (down to 8), else the tiled mapping with one row per work-item, fitted below.
+        while (clmha__fused_private_floats(t, hd) > cls->private_floats && t->rpw > 1)
+            t->rpw /= 2;
+        while (clmha__fused_private_floats(t, hd) > cls->private_floats && t->bk > 8) t->bk /= 2;
+        if (clmha__fused_private_floats(t, hd) > cls->private_floats) {
+            t->lanes = false;
+            t->rpw = 1;
+            t->bk = 32;
+            bq = 1;
+            while (bq * 2 <= 64 && bq * 2 <= max_wg) bq *= 2;
+            t->bq = bq;
+        }
+    }
     // Private arrays within the class's budget, so that they stay in registers: one row per
     // work-item, then fewer keys per tile (down to 8), then the query rows in local memory,
     // then the accumulators too.
@@ -155,10 +176,11 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
                                clmha__fused_local_floats(&one, l->d) * sizeof(float), l->d,
                                (unsigned long long)clmha__local_mem(ctx));
         }
-        char options[128];
+        char options[160];
         snprintf(options, sizeof options,
-                 "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu -DQ_LOCAL=%d -DACC_LOCAL=%d",
-                 l->d, t.bq, t.bk, t.rpw, t.vw, (int)t.q_local, (int)t.acc_local);
+                 "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu -DQ_LOCAL=%d -DACC_LOCAL=%d "
+                 "-DLANES=%d",
+                 l->d, t.bq, t.bk, t.rpw, t.vw, (int)t.q_local, (int)t.acc_local, (int)t.lanes);
         cl_program prog;
         cl_kernel k = NULL;
         clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
@@ -214,6 +236,32 @@ size_t clmha__fused_loop_limit(const clmha_layer *l) {
 // this within a few percent) plus the body's.
 static double loop_cost(double n, double body) { return n + 1 + n * body; }
 
+// The largest of 8, 4, 2 and 1 (at most @p cap) that divides @p n: the kernel's BLOCK_OF.
+static size_t block_of(size_t n, size_t cap) {
+    size_t b = cap;
+    while (b > 1 && n % b) b /= 2;
+    return b;
+}
+
+// The loop iterations of one work-item of the lanes mapping: its register blocks' loops are
+// unrolled (#pragma unroll), the others counted as kept.
+static double lanes_loops(const clmha__fused_tiles *t, size_t hd_, const clmha__dims *d,
+                          bool dropout) {
+    double rp = (double)clmha__fused_lane_rows(t), rv = rp / (double)t->vw, hd = (double)hd_,
+           bk = (double)t->bk;
+    size_t cap = rv >= 4 ? 4 : 8;
+    double jb = (double)block_of(t->bk, cap), db = (double)block_of(hd_, cap);
+    double scores = loop_cost(bk / jb, loop_cost(hd, 0));
+    double masks = loop_cost(rp, loop_cost(bk, 0));
+    double softmax = loop_cost(rv, 2 * loop_cost(bk, 0));
+    double drop = dropout ? loop_cost(rp, loop_cost(bk, loop_cost(10, 0))) : 0;  // Philox
+    double av = loop_cost(hd / db, loop_cost(bk, 0));
+    double tiles = ceil((double)d->s_padded / bk);
+    double per_tile = scores + masks + softmax + drop + av;
+    return loop_cost(rp, loop_cost(hd, 0)) + loop_cost(tiles, per_tile) +
+           loop_cost((double)t->rpw, loop_cost(hd, 0));
+}
+
 bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dropout) {
     size_t limit = clmha__fused_loop_limit(l);
     if (!limit) return true;
@@ -222,6 +270,7 @@ bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dro
     const clmha__fused_tiles *t = &state_of(l)->tiles;
     double hd = (double)l->d, bq = (double)t->bq, bk = (double)t->bk, rpw = (double)t->rpw,
            vw = (double)t->vw;
+    if (t->lanes) return lanes_loops(t, l->d, d, dropout) <= (double)limit / 2;
     double rows = loop_cost(rpw, 0);
     double load = loop_cost(ceil(bk * hd / bq), 0);
     // The scores: VW keys at a time over head_dim, or (query rows in local memory, Q_LOCAL)

@@ -20,22 +20,32 @@
 typedef struct clmha__fused_tiles {
     size_t bq;   // work-group size (a power of two within the device's limit)
     size_t bk;   // keys per tile (0: not even one key fits in local memory)
-    size_t rpw;  // query rows per work-item (1 or 2); a work-group covers bq * rpw rows
-    size_t vw;   // vector width of the inner products: 1, 2, 4, 8 or 16, dividing bk and hd
+    size_t rpw;  // query rows per work-item; a work-group covers bq * rpw rows
+    size_t vw;   // vector width: 1, 2, 4, 8 or 16, dividing bk and hd
     bool q_local;    // query rows in local memory (coalesced loads and stores), not private
     bool acc_local;  // accumulators in local memory too (the private budget is too small)
+    bool lanes;      // the lanes mapping (CPUs): rows as vector lanes, no local memory
 } clmha__fused_tiles;
 
+// The rows of a work-item of the lanes mapping: rpw rounded up to whole vectors of vw.
+static inline size_t clmha__fused_lane_rows(const clmha__fused_tiles *t) {
+    size_t vw = t->vw ? t->vw : 1;
+    return (t->rpw + vw - 1) / vw * vw;
+}
+
 // The fused kernel's private floats per work-item for tiles @p t and head dim @p hd: per row,
-// the tile's scores (bk) plus the scaled query and the accumulator where they are private.
+// the tile's scores (bk) plus the scaled query and the accumulator where they are private
+// (lanes: all three, for the rows rounded up to whole vectors).
 static inline size_t clmha__fused_private_floats(const clmha__fused_tiles *t, size_t hd) {
+    if (t->lanes) return clmha__fused_lane_rows(t) * (t->bk + 2 * hd);
     return t->rpw * (t->bk + (t->q_local ? 0 : hd) + (t->acc_local ? 0 : hd));
 }
 
 // The fused kernel's local memory in floats (cl/cores/fused.cl): the key tile hd x bk (row
 // stride bk|1 with q_local), the value tile bk x hd, and the query rows and accumulators
-// bq*rpw x (hd|1) each where they are local.
+// bq*rpw x (hd|1) each where they are local; none in the lanes mapping.
 static inline size_t clmha__fused_local_floats(const clmha__fused_tiles *t, size_t hd) {
+    if (t->lanes) return 0;
     size_t rows = t->bq * t->rpw * (hd | 1);
     return hd * (t->q_local ? t->bk | 1 : t->bk) + t->bk * hd + (t->q_local ? rows : 0) +
            (t->acc_local ? rows : 0);
@@ -58,9 +68,11 @@ CLMHA__HIDDEN void clmha__fused_tiles_fit(const clmha_context *ctx, size_t hd,
 
 // Makes tiles @p t usable for head dim @p hd under class @p cls with @p local_mem bytes of
 // local memory and work-groups of at most @p max_wg: bq the largest power of two within both;
-// q_local from the class; then, while the private arrays exceed the class's budget
-// (clmha__fused_private_floats()), one row per work-item, bk halved down to 8, the query rows
-// and then the accumulators moved to local memory; then, while the local memory
+// lanes and q_local from the class. In the lanes mapping, while the private arrays exceed the
+// class's budget, rpw halved, then bk halved down to 8, else the tiled mapping with one row per
+// work-item, bq 64 and bk 32 at most. Then (tiled mapping), while the private arrays exceed the
+// class's budget (clmha__fused_private_floats()), one row per work-item, bk halved down to 8,
+// the query rows and then the accumulators moved to local memory; then, while the local memory
 // (clmha__fused_local_floats()) exceeds the device's less 1 KiB, bk halved down to 8, bq down to
 // 32, then either further (bk 0: nothing fits); last, vw narrowed (a power of two up to 16, at
 // most the given vw) until it divides hd and bk.

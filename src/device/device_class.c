@@ -6,9 +6,14 @@
 // First matching row wins; the last rows catch every CPU, every GPU and anything else. Columns:
 // clmha__device_class (device_class.h); VW 0 = the device's native float width.
 //
-// CPU rows were measured on PoCL (AVX-512, N=1, H=8, L=S=2048, D=64): work-groups of 64 with
-// 32 keys per tile beat 16/32/128 and 16/64 keys, two rows per work-item gained ~20%, and
-// vectors as wide as the native float width (16) ~1.2x over scalar loops. Intel's oneAPI CPU
+// CPU rows: the tiled mapping was measured on PoCL (AVX-512, N=1, H=8, L=S=2048, D=64):
+// work-groups of 64 with 32 keys per tile beat 16/32/128 and 16/64 keys, two rows per work-item
+// gained ~20%, and vectors as wide as the native float width (16) ~1.2x over scalar loops. The
+// lanes mapping (cl/cores/fused.cl) beat it ~2.5-3x there with one work-item per group, 32 rows
+// (two vectors of 16) and 64 keys per tile (32/128 keys and 16/48/64 rows measured within the
+// noise or slower); its private budget, 64 KiB, keeps head dims up to 256 in it. It is the
+// PoCL row's only: the other CPU runtimes (Intel's, Mesa's llvmpipe with its loop limit and
+// clover's missing vloadN) were not measured with it and keep the tiled mapping. Intel's oneAPI CPU
 // runtime reports a preferred float width of 1 but a native one of 16, and its fused stage ran
 // 5.5x faster with 16: CPUs take the native width. A CPU work-group is a loop on one core, so
 // split/merge keep one work-item per tile row (PoCL vectorises its head_dim-long copy) and the
@@ -26,16 +31,16 @@
 #define GPU CL_DEVICE_TYPE_GPU
 #define POCL "Portable Computing Language"
 static const clmha__device_class classes[] = {
-    // name        type vendor  platform BQ  BK  RPW VW private coalesced softmax_wg
-    {"cpu-pocl",   CPU, 0,      POCL,    64, 32, 2,  0, 2048,   false,    16},
-    {"cpu-intel",  CPU, 0,      "Intel", 64, 32, 2,  0, 2048,   false,    16},
-    {"cpu",        CPU, 0,      NULL,    64, 32, 2,  0, 2048,   false,    16},
-    {"gpu-nvidia", GPU, 0x10DE, NULL,    64, 32, 1,  1, 128,    true,     256},
-    {"gpu-amd",    GPU, 0x1002, NULL,    64, 32, 1,  1, 128,    true,     256},
-    {"gpu-intel",  GPU, 0x8086, NULL,    64, 32, 1,  1, 64,     true,     256},
-    {"gpu",        GPU, 0,      NULL,    64, 32, 1,  1, 128,    true,     256},
+    // name        type vendor  platform BQ  BK  RPW VW private coalesced softmax_wg lanes
+    {"cpu-pocl",   CPU, 0,      POCL,    1,  64, 32, 0, 16384,  false,    16,        true},
+    {"cpu-intel",  CPU, 0,      "Intel", 64, 32, 2,  0, 2048,   false,    16,        false},
+    {"cpu",        CPU, 0,      NULL,    64, 32, 2,  0, 2048,   false,    16,        false},
+    {"gpu-nvidia", GPU, 0x10DE, NULL,    64, 32, 1,  1, 128,    true,     256,       false},
+    {"gpu-amd",    GPU, 0x1002, NULL,    64, 32, 1,  1, 128,    true,     256,       false},
+    {"gpu-intel",  GPU, 0x8086, NULL,    64, 32, 1,  1, 64,     true,     256,       false},
+    {"gpu",        GPU, 0,      NULL,    64, 32, 1,  1, 128,    true,     256,       false},
     // Accelerators and anything else: the GPU mappings, the device's native width.
-    {"other",      0,   0,      NULL,    64, 32, 1,  0, 128,    true,     256},
+    {"other",      0,   0,      NULL,    64, 32, 1,  0, 128,    true,     256,       false},
 };
 #undef CPU
 #undef GPU

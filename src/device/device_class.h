@@ -24,6 +24,10 @@ typedef struct clmha__device_class {
                              // kernel's query rows in (padded) local memory, loaded and stored
                              // by adjacent work-items on adjacent floats
     size_t softmax_wg;       // cap on masked_softmax's work-group size
+    bool lanes;              // the fused kernel's lanes mapping (cl/cores/fused.cl): each
+                             // work-item holds rpw query rows as the lanes of vw-wide vectors,
+                             // no local memory, no barrier; private_floats then caps arrays
+                             // that live in the L1 cache, not in registers
 } clmha__device_class;
 
 // The table row of a device: the first that matches its type, vendor id and platform name (or

@@ -46,9 +46,9 @@ static bool fused_time(clmha_layer *layer, const clmha_forward_args *args, cl_me
 
 // D. The fused attention kernel's tiles on the first layer shape (self-attention, random
 // parameters and inputs): every candidate must reproduce the double-precision reference's
-// output; the fastest fused stage wins. Work-group sizes 32 to 128 (within the device limit),
-// keys per tile 16 to 64, one or two rows per work-item, the device class's default vector
-// width (CPUs: the native float width) or scalar.
+// output; the fastest fused stage wins. Tiled mapping: work-group sizes 32 to 128 (within the
+// device limit), keys per tile 16 to 64, one or two rows per work-item, the device class's
+// default vector width (CPUs: the native float width) or scalar. Lanes mapping: below.
 void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
                        double deadline, clmha__fused_result *res) {
     memset(res, 0, sizeof *res);
@@ -106,14 +106,23 @@ void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape
     res->best[0] = used.bq, res->best[1] = used.bk, res->best[2] = used.rpw, res->best[3] = used.vw;
     size_t vw = clmha__fused_default_vw(ctx);
     static const size_t bqs[] = {64, 32, 128}, bks[] = {32, 64, 16}, rpws[] = {2, 1};
+    // The lanes mapping: one work-item per group (a tuning with bq > 1 is taken for the tiled
+    // mapping's), 16 to 64 rows and 32 to 128 keys per tile, the native width only (its rows
+    // are the vector lanes: scalar would be one row per vector).
+    static const size_t lane_bqs[] = {1}, lane_bks[] = {64, 32, 128}, lane_rpws[] = {32, 64, 16};
+    bool lanes = def.lanes;
+    const size_t *cand_bq = lanes ? lane_bqs : bqs, *cand_bk = lanes ? lane_bks : bks,
+                 *cand_rpw = lanes ? lane_rpws : rpws;
+    size_t n_bq = lanes ? 1 : 3, n_rpw = lanes ? 3 : 2;
     size_t vws[2] = {vw > 16 ? 16 : vw, 1};
-    for (size_t a = 0; a < 3; ++a)
+    size_t n_vw = vws[0] > 1 && !lanes ? 2 : 1;
+    for (size_t a = 0; a < n_bq; ++a)
         for (size_t b = 0; b < 3; ++b)
-            for (size_t c = 0; c < 2; ++c)
-                for (size_t v = 0; v < (vws[0] > 1 ? 2 : 1); ++v) {
+            for (size_t c = 0; c < n_rpw; ++c)
+                for (size_t v = 0; v < n_vw; ++v) {
                     if (now_s() > deadline) goto done;
-                    clmha__fused_tiles tiles = {.bq = bqs[a], .bk = bks[b], .rpw = rpws[c],
-                                                .vw = vws[v]};
+                    clmha__fused_tiles tiles = {.bq = cand_bq[a], .bk = cand_bk[b],
+                                                .rpw = cand_rpw[c], .vw = vws[v]};
                     if (tiles.bq > ctx->max_work_group) continue;
                     double ms;
                     if (clmha__layer_set_fused_tiles(layer, &tiles, &used)) {

@@ -121,14 +121,16 @@ bool clmha__tuning_check_direct(const size_t *p, size_t local_mem, size_t max_wg
 }
 
 // The fused kernel's tiles: BQ a power of two within the work-group limit, BK a power of two
-// up to 256, RPW 1 to 4, VW 1, 2, 4, 8 or 16 dividing BK. (Whether a tile fits in local memory
+// up to 256, RPW 1 to 4 (the tiled mapping) or a power of two up to 128 (the lanes mapping's
+// rows per work-item), VW 1, 2, 4, 8 or 16 dividing BK. (Whether a tile fits in local memory
 // and VW divides head_dim depend on the layer; clmha__fused_tiles_for() adjusts those.)
 static bool check_fused(const size_t *p, size_t max_wg, char *msg, size_t msg_size) {
     size_t bq = p[0], bk = p[1], rpw = p[2], vw = p[3];
     const char *why = !bq || (bq & (bq - 1)) || bq > max_wg ? "BQ must be a power of two within "
                                                               "the device's work-group limit"
                       : !bk || (bk & (bk - 1)) || bk > 256 ? "BK must be a power of two up to 256"
-                      : !rpw || rpw > 4                    ? "RPW must be 1 to 4"
+                      : !rpw || (rpw > 4 && ((rpw & (rpw - 1)) || rpw > 128))
+                          ? "RPW must be 1 to 4 or a power of two up to 128"
                       : !vw || vw > 16 || (vw & (vw - 1)) || bk % vw
                           ? "VW must be 1, 2, 4, 8 or 16 and divide BK"
                           : NULL;
