@@ -21,6 +21,7 @@ int main() {
         reinterpret_cast<const void *>(&clmha_context_tuning_export),
         reinterpret_cast<const void *>(&clmha_context_tuning_import),
         reinterpret_cast<const void *>(&clmha_context_tuning_note),
+        reinterpret_cast<const void *>(&clmha_context_tuning_source),
         reinterpret_cast<const void *>(&clmha_device_select),
         reinterpret_cast<const void *>(&clmha_device_count),
         reinterpret_cast<const void *>(&clmha_device_describe),
