@@ -6,15 +6,26 @@
 // skylake-avx512 target and Intel's runtime here report 16), 8 with AVX/AVX2, 4 with SSE or
 // NEON. The width is what the parameter sets depend on (VWM, the rows a work-item keeps in
 // registers), and it needs no list of CPU names: PoCL 3.1 puts its LLVM CPU name in the device
-// name ("pthread-skylake-avx512-..."), PoCL 6 from PyPI does not ("pthread-Intel(R) Xeon(R)
+// name ("pthread-skylake-avx512-..."), PoCL 3.0 from PyPI does not ("pthread-Intel(R) Xeon(R)
 // Processor"), and both name their target in CL_DEVICE_VERSION ("HSTR: pthread-x86_64-..."),
 // where the PoCL rows look for "x86_64" (an Arm CPU with SVE-512 also reports 16).
 //
-// How the sets were chosen. The AVX-512 rows are `clmha tune` results on a 2-core Intel Xeon
-// (Sapphire Rapids class), with their sgemm speed checked against CLBlast's generic parameters
-// and the stored tuning in turns by bench/gemm_ratio; docs/design.md ("Built-in parameter sets")
-// has the numbers and the commands. Intel's runtime vectorises across work-items itself, so its
-// set is used whatever the width (measured with AVX-512 only).
+// How the sets were chosen (docs/design.md, "Built-in parameter sets", has the numbers and the
+// commands; all measured on a shared 2-core Intel Xeon, Sapphire Rapids class, AVX-512):
+// - PoCL x86-64 AVX-512: the Xgemm set and split of a 300 s `clmha tune` there (4×4 work-items
+//   of 16×16 floats in float8 × float4 steps, no local memory; indirect from 71³); XgemmDirect
+//   stays CLBlast's generic set (the search kept it). sgemm 1024³ in turns (bench/gemm_ratio):
+//   3.6x CLBlast's generic set; the set a search found on a Zen 4 (the tuner's first seed)
+//   reaches 0.82x of it here, so sets carry over between AVX-512 CPUs with a loss of that order.
+// - Intel CPU runtime: the runtime vectorises across work-items (its implicit vectoriser), so
+//   what PoCL likes (few work-items with float8 vectors) runs 3-5x slower than CLBlast's generic
+//   set there, and a 420 s `clmha tune` seeded with PoCL's sets found nothing faster than the
+//   generic set. A hand search with bench/gemm_ratio (14 sets, row-major A·Bᵀ 1024³, in turns)
+//   chose 16×16 work-items of 4×4 floats, scalar (VWM = VWN = 1), strided (STRM = STRN = 1) so
+//   that neighbouring work-items read neighbouring floats, tiles in local memory (16 KiB):
+//   6x the generic set. The split is lowered to 256³ so that the layer's output projection
+//   (1024×512×512 at N 8, L 128) takes this kernel instead of the generic direct one. Its set is
+//   used whatever the width (measured with AVX-512 only).
 //
 // The AVX2 row is NOT MEASURED: no AVX2-only CPU was at hand, and neither PoCL 3.1 (Debian; it
 // ignores POCL_LLVM_CPU_NAME and always targets the host, skylake-avx512 here) nor PoCL from
@@ -66,9 +77,9 @@ const clmha__builtin_set clmha__builtin_sets[] = {
      .tuning = {.has_xgemm = true,
                 .has_direct = true,
                 .has_routine = true,
-                .xgemm = {0, 1, 32, 2, 2, 2, 32, 8, 8, 128, 0, 0, 1, 0, 8, 4},
+                .xgemm = {0, 1, 32, 2, 16, 16, 64, 16, 16, 64, 1, 1, 1, 1, 1, 1},
                 .direct = {2, 8, 8, 8, 8, 1, 1, 1, 1, 16},
-                .min_indirect = 896}},
+                .min_indirect = 256}},
 };
 const size_t clmha__builtin_set_count = sizeof clmha__builtin_sets / sizeof clmha__builtin_sets[0];
 
