@@ -584,8 +584,7 @@ clmha_status clmha__tuning_from_json(const clmha__tuning_target *tg, const char 
 
 // ---- the stored tuning, at context creation -------------------------------------------------
 
-// The built-in set of the device of @p tg (builtin.h), or NULL.
-static const clmha__builtin_set *builtin_of(const clmha__tuning_target *tg) {
+const clmha__builtin_set *clmha__tuning_builtin_of(const clmha__tuning_target *tg) {
     char version[256] = "";
     cl_uint width = 0;
     clGetDeviceInfo(tg->device, CL_DEVICE_VERSION, sizeof version - 1, version, NULL);
@@ -615,7 +614,7 @@ static bool apply_quietly(const clmha__tuning_target *tg, const clmha__tuning *t
 // No stored tuning was applied (@p why says why): the device's built-in set, if it has one,
 // with a note that keeps @p why.
 static void apply_builtin(const clmha__tuning_target *tg, const char *why) {
-    const clmha__builtin_set *b = builtin_of(tg);
+    const clmha__builtin_set *b = clmha__tuning_builtin_of(tg);
     if (!b) {
         clmha__tuning_set_note(tg->device, "%s", why);
         return;

@@ -21,6 +21,7 @@
 #include "base/defs.h"
 #include "errors/errors.h"
 
+#include "tuning/builtin.h"
 #include "tuning/params.h"
 
 // What the store needs of a context: its device, what is known of the device, and where errors
@@ -66,6 +67,10 @@ CLMHA__HIDDEN clmha_status clmha__tuning_apply(const clmha__tuning_target *tg, c
 
 // Where the tuning in effect for @p device came from (clmha_context_tuning_source()).
 CLMHA__HIDDEN clmha_tuning_source clmha__tuning_source_of(cl_device_id device);
+
+// The built-in set of the device of @p tg (builtin.h: matched on its platform, type, names,
+// CL_DEVICE_VERSION and native float width), or NULL.
+CLMHA__HIDDEN const clmha__builtin_set *clmha__tuning_builtin_of(const clmha__tuning_target *tg);
 
 // Test hook: the registry takes at most @p devices devices (SIZE_MAX: no limit, the default),
 // as if it could not grow past them.
