@@ -1,8 +1,9 @@
-// Side-by-side sgemm: CLBlast with its generic parameters, CLBlast with the stored clmha tuning
-// (and optionally extra Xgemm parameter sets), and OpenBLAS, timed in turns in one process.
+// Side-by-side sgemm: CLBlast with its generic parameters, CLBlast with the parameters context
+// creation applied (the stored clmha tuning, else the device's built-in set), optionally tuning
+// files and extra Xgemm parameter sets, and OpenBLAS, timed in turns in one process.
 //
 // usage: gemm_ratio [--size S] [--reps R] [--threads T] [--layouts L,...] [--openblas PATH]
-//                   [--xgemm PARAMS [--transpose P]]... [--no-default]
+//                   [--import FILE]... [--xgemm PARAMS [--transpose P]]... [--no-default]
 //   --size S        m = n = k = S (default 1024)
 //   --reps R        timed rounds (default 15); each round runs every configuration once, in an
 //                   order that rotates from round to round
@@ -21,9 +22,14 @@
 //                   last --xgemm configuration; every other configuration gets CLBlast's
 //                   generic 8 0 1 4. At 1024³ it runs for the layouts that transpose (rm-nt:
 //                   A, B and C; cm-tn: A and B).
+//   --import FILE   an extra configuration: a tuning file (clmha_context_tuning_import()), e.g.
+//                   a stored tuning while the context runs the built-in set. Up to 4.
 //   --no-default    skip CLBlast's generic parameters
-// The device is $CLMHA_DEVICE's (see clmha_context_create_from_env()); the stored tuning is the
-// one context creation applies ($CLMHA_TUNING_DIR, else ~/.cache/clmha).
+// The device is $CLMHA_DEVICE's (see clmha_context_create_from_env()); the parameters in effect
+// are those context creation applies: the stored tuning ($CLMHA_TUNING_DIR, else
+// ~/.cache/clmha), else the device class's built-in set ("clblast-stored" or
+// "clblast-builtin" below). Built-in against tuned, side by side:
+//   CLMHA_TUNING=builtin gemm_ratio --import ~/.cache/clmha/<device>.json
 //
 // Every call is timed on the host clock (CLBlast: clFinish included, so the pad/transpose kernels
 // and CLBlast's temporary buffers count). Prints the median, fastest and slowest GFLOP/s of each
@@ -42,7 +48,7 @@
 #include <string.h>
 #include <time.h>
 
-#define MAX_CONFIGS 12
+#define MAX_CONFIGS 16
 #define MAX_REPS 200
 #define XGEMM_PARAMS 16
 
@@ -69,7 +75,7 @@ static const size_t generic_min_indirect = 896;
 static const char *const transpose_names[4] = {"TRA_DIM", "TRA_PAD", "TRA_SHUFFLE", "TRA_WPT"};
 static const size_t generic_transpose[4] = {8, 0, 1, 4};
 
-typedef enum { CFG_DEFAULT, CFG_TUNED, CFG_XGEMM, CFG_OPENBLAS } cfg_kind;
+typedef enum { CFG_DEFAULT, CFG_TUNED, CFG_IMPORT, CFG_XGEMM, CFG_OPENBLAS } cfg_kind;
 
 typedef struct config {
     cfg_kind kind;
@@ -77,6 +83,7 @@ typedef struct config {
     size_t xgemm[XGEMM_PARAMS];  // CFG_XGEMM
     bool has_transpose;          // CFG_XGEMM: transpose[] replaces the generic Transpose set
     size_t transpose[4];
+    const char *json;            // CFG_TUNED, CFG_IMPORT: the tuning imported for each turn
     double t[MAX_REPS];          // seconds per round, per layout (refilled for each layout)
 } config;
 
@@ -152,8 +159,7 @@ static bool override(cl_device_id dev, const char *kernel, size_t n, const char 
 }
 
 // Puts the parameters of @p c in effect (CLBlast keeps them per device, process-wide).
-static bool select_config(clmha_context *ctx, cl_device_id dev, const config *c,
-                          const char *tuned_json) {
+static bool select_config(clmha_context *ctx, cl_device_id dev, const config *c) {
     size_t zero = 0;
     if (c->kind != CFG_OPENBLAS &&
         !override(dev, "Transpose", 4, transpose_names,
@@ -165,7 +171,10 @@ static bool select_config(clmha_context *ctx, cl_device_id dev, const config *c,
                override(dev, "XgemmDirect", 10, direct_names, generic_direct) &&
                override(dev, "GemmRoutine", 1, routine_names, &generic_min_indirect);
     case CFG_TUNED:
-        return clmha_context_tuning_import(ctx, tuned_json) == CLMHA_SUCCESS;
+    case CFG_IMPORT:
+        if (clmha_context_tuning_import(ctx, c->json) == CLMHA_SUCCESS) return true;
+        fprintf(stderr, "gemm_ratio: %s: %s\n", c->name, clmha_context_last_error(ctx));
+        return false;
     case CFG_XGEMM:
         return override(dev, "Xgemm", XGEMM_PARAMS, xgemm_names, c->xgemm) &&
                override(dev, "GemmRoutine", 1, routine_names, &zero);
@@ -243,9 +252,28 @@ static void *open_openblas(const char *path) {
     return NULL;
 }
 
+// The whole of a text file (malloc'd), or NULL.
+static char *read_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char *text = NULL;
+    long len = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+    if (len >= 0 && len < (1 << 20) && fseek(f, 0, SEEK_SET) == 0 && (text = malloc((size_t)len + 1))) {
+        if (fread(text, 1, (size_t)len, f) == (size_t)len) {
+            text[len] = '\0';
+        } else {
+            free(text);
+            text = NULL;
+        }
+    }
+    fclose(f);
+    return text;
+}
+
 static void usage(void) {
     fprintf(stderr, "usage: gemm_ratio [--size S] [--reps R] [--threads T] [--layouts L,...] "
-                    "[--openblas PATH] [--xgemm PARAMS [--transpose P]]... [--no-default]\n");
+                    "[--openblas PATH] [--import FILE]... [--xgemm PARAMS [--transpose P]]... "
+                    "[--no-default]\n");
 }
 
 int main(int argc, char **argv) {
@@ -253,8 +281,8 @@ int main(int argc, char **argv) {
     int threads = 0;
     const char *layout_list = "cm-nt,rm-nt", *openblas_path = NULL;
     bool with_default = true;
-    size_t ncfg = 0, nextra = 0;
-    static config extra[8];
+    size_t ncfg = 0, nextra = 0, nimport = 0;
+    static config extra[8], imports[4];
     for (int i = 1; i < argc; ++i) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--no-default") == 0) {
@@ -288,6 +316,15 @@ int main(int argc, char **argv) {
             c->has_transpose = true;
             snprintf(c->name, sizeof c->name, "xgemm#%zu+tra %lu/%lu/%lu/%lu", nextra, t[0],
                      t[1], t[2], t[3]);
+        } else if (strcmp(a, "--import") == 0 && nimport < 4) {
+            config *c = &imports[nimport++];
+            *c = (config){.kind = CFG_IMPORT};
+            const char *base = strrchr(v, '/');
+            snprintf(c->name, sizeof c->name, "import %.28s", base ? base + 1 : v);
+            if (!(c->json = read_file(v))) {
+                fprintf(stderr, "gemm_ratio: cannot read %s\n", v);
+                return 1;
+            }
         } else if (strcmp(a, "--xgemm") == 0 && nextra < 8) {
             config *c = &extra[nextra];
             memset(c, 0, sizeof *c);
@@ -384,11 +421,20 @@ int main(int argc, char **argv) {
         }
         if (r) printf("  XGEMM_MIN_INDIRECT_SIZE=%ld\n", strtol(strchr(r, ':') + 1, NULL, 10));
     } else {
-        printf("  (no stored tuning: run `clmha tune` first; only default and OpenBLAS below)\n");
+        printf("  (no tuning in effect (no stored tuning, no built-in set): only default, imports "
+               "and OpenBLAS below)\n");
     }
 
     if (with_default) cfg[ncfg++] = (config){.kind = CFG_DEFAULT, .name = "clblast-default"};
-    if (tuned_json) cfg[ncfg++] = (config){.kind = CFG_TUNED, .name = "clblast-tuned"};
+    if (tuned_json) {
+        clmha_tuning_source src = clmha_context_tuning_source(ctx);
+        cfg[ncfg] = (config){.kind = CFG_TUNED, .json = tuned_json};
+        snprintf(cfg[ncfg++].name, sizeof cfg->name, "%s",
+                 src == CLMHA_TUNING_SOURCE_BUILTIN  ? "clblast-builtin"
+                 : src == CLMHA_TUNING_SOURCE_STORED ? "clblast-stored"
+                                                     : "clblast-tuned");
+    }
+    for (size_t i = 0; i < nimport; ++i) cfg[ncfg++] = imports[i];
     for (size_t i = 0; i < nextra; ++i) cfg[ncfg++] = extra[i];
     cfg[ncfg++] = (config){.kind = CFG_OPENBLAS, .name = "openblas"};
 
@@ -431,7 +477,7 @@ int main(int argc, char **argv) {
         memcpy(p.ref, p.hc, n * sizeof(float));
         for (size_t c = 0; c < ncfg; ++c) {
             if (cfg[c].kind == CFG_OPENBLAS) continue;
-            if (!select_config(ctx, dev, &cfg[c], tuned_json) || !run_one(&p, l, cfg[c].kind, &t))
+            if (!select_config(ctx, dev, &cfg[c]) || !run_one(&p, l, cfg[c].kind, &t))
                 goto done;
             double rel = check(&p);
             if (!(rel <= 1e-4)) {
@@ -442,7 +488,7 @@ int main(int argc, char **argv) {
         for (size_t r = 0; r < reps; ++r)
             for (size_t j = 0; j < ncfg; ++j) {
                 config *c = &cfg[(j + r) % ncfg];
-                if (!select_config(ctx, dev, c, tuned_json) || !run_one(&p, l, c->kind, &c->t[r]))
+                if (!select_config(ctx, dev, c) || !run_one(&p, l, c->kind, &c->t[r]))
                     goto done;
             }
         printf("\n%s (%s-major, C = %s·%s)%*s median  fastest  slowest GFLOP/s\n", l->name,
@@ -471,6 +517,18 @@ int main(int argc, char **argv) {
                 tuned_gflops[li] = flop / median(cfg[c].t, reps) / 1e9;
             }
         }
+        // The context's parameters (stored or built-in) and the default against each import.
+        for (size_t c = 0; c < ncfg; ++c) {
+            if (cfg[c].kind != CFG_IMPORT) continue;
+            for (size_t o = 0; o < ncfg; ++o) {
+                if (cfg[o].kind != CFG_TUNED && cfg[o].kind != CFG_DEFAULT) continue;
+                double ratios[MAX_REPS];
+                for (size_t r = 0; r < reps; ++r) ratios[r] = cfg[c].t[r] / cfg[o].t[r];
+                printf("  ratio %s/%s: %.3f (medians), %.3f (median of per-round ratios)\n",
+                       cfg[o].name, cfg[c].name, median(cfg[c].t, reps) / median(cfg[o].t, reps),
+                       median(ratios, reps));
+            }
+        }
     }
     // The layout where tuned CLBlast is fastest, and the ratio there and on every layout.
     if (tuned_json) {
@@ -495,6 +553,7 @@ done:
     free(p.hc);
     free(p.ref);
     free(tuned_json);
+    for (size_t i = 0; i < nimport; ++i) free((char *)imports[i].json);
     free(cfg);
     clmha_context_release(ctx);
     dlclose(blas);

@@ -538,8 +538,9 @@ typedef struct clmha_tune_report {
 /// and its CLBlast parameters only with that CLBlast version (a file without the CLBlast
 /// version, written by an older clmha, counts as another version: tune again). Context creation loads the stored
 /// tuning of a device once per process (a missing, unreadable, corrupt or foreign file, or one
-/// for another CLBlast version, is ignored: see clmha_context_tuning_note());
-/// `CLMHA_TUNING=off` in the environment skips it.
+/// for another CLBlast version, is ignored: see clmha_context_tuning_note()), and a device
+/// without one gets the built-in set of its class if it has one (clmha_tuning_source);
+/// `CLMHA_TUNING=off` in the environment skips both.
 ///
 /// "Before" is what was in effect when the call started: a stored tuning if one was loaded
 /// (set `CLMHA_TUNING=off` before creating the context to compare with CLBlast's own
@@ -596,10 +597,11 @@ CLMHA_API clmha_status clmha_context_tuning_export(const clmha_context *ctx, cha
 CLMHA_API clmha_status clmha_context_tuning_import(clmha_context *ctx, const char *json);
 
 /// One line saying which GEMM tuning is in effect for the device of @p ctx and why: "stored
-/// tuning <path> applied", "no stored tuning (<path> not found; ...)", "stored tuning <path>
+/// tuning <path> applied", "built-in parameters for <class> applied; no stored tuning (<path>
+/// not found; ...)", "no stored tuning (<path> not found; ...)", "stored tuning <path>
 /// ignored: <reason>", "imported tuning applied", "tuned in this process, stored in <path>".
 /// A stored file that cannot be used never makes context creation fail; this says why it was
-/// ignored. Truncated to @p size bytes.
+/// ignored. Truncated to @p size bytes. clmha_context_tuning_source() says the same as a value.
 /// @param[in]  ctx   the context to ask
 /// @param[out] text  buffer of @p size bytes for the line (NUL-terminated)
 /// @param[in]  size  bytes @p text holds
@@ -654,6 +656,28 @@ CLMHA_API clmha_gemm clmha_context_gemm(const clmha_context *ctx);
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT
 CLMHA_API clmha_status clmha_context_gemm_note(const clmha_context *ctx, char *text,
                                                size_t size);
+/// Where the GEMM parameters in effect for a device come from (clmha_context_tuning_source()).
+/// Precedence at context creation: the stored tuning file, else the built-in set of the
+/// device's class, else CLBlast's own parameters.
+typedef enum clmha_tuning_source {
+    CLMHA_TUNING_SOURCE_CLBLAST = 0,   ///< nothing applied: CLBlast's database (its generic set
+                                       ///< for a device it has no entry for, such as PoCL)
+    CLMHA_TUNING_SOURCE_BUILTIN = 1,   ///< clmha's built-in set for the device's class (PoCL on
+                                       ///< x86-64 with AVX-512 or AVX2, Intel's CPU runtime),
+                                       ///< applied when the device has no stored tuning
+    CLMHA_TUNING_SOURCE_STORED = 2,    ///< the device's tuning file, loaded at context creation
+    CLMHA_TUNING_SOURCE_IMPORTED = 3,  ///< clmha_context_tuning_import()
+    CLMHA_TUNING_SOURCE_TUNED = 4,     ///< clmha_context_tune() in this process
+} clmha_tuning_source;
+
+/// Where the GEMM tuning in effect for the device of @p ctx comes from (the last one applied;
+/// clmha_context_tuning_note() says it in words). A built-in set is exported by
+/// clmha_context_tuning_export() like any tuning in effect. `CLMHA_TUNING=off` in the
+/// environment applies neither the stored tuning nor a built-in set;
+/// `CLMHA_TUNING=builtin` skips the stored file (to compare the two).
+/// @param[in] ctx  the context to ask
+/// @return the source; ::CLMHA_TUNING_SOURCE_CLBLAST also for a NULL @p ctx
+CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *ctx);
 
 // ---------------------------------------------------------------------------------------------
 // Layers

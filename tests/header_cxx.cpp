@@ -24,6 +24,7 @@ int main() {
         reinterpret_cast<const void *>(&clmha_context_set_gemm),
         reinterpret_cast<const void *>(&clmha_context_gemm),
         reinterpret_cast<const void *>(&clmha_context_gemm_note),
+        reinterpret_cast<const void *>(&clmha_context_tuning_source),
         reinterpret_cast<const void *>(&clmha_device_select),
         reinterpret_cast<const void *>(&clmha_device_count),
         reinterpret_cast<const void *>(&clmha_device_describe),

@@ -7,6 +7,10 @@
 // Criterion runs each test in its own process, which matters: CLBlast keeps overridden
 // parameters per device for the whole process, and a context loads the stored tuning of its
 // device once per process.
+//
+// The built-in parameter sets (src/tuning/builtin.c), which a device without a stored tuning
+// gets, are switched off here (test hook: this file links libclmha.a), so that "nothing
+// applied" stays what it was; test_builtin.c checks them and their precedence.
 #define _POSIX_C_SOURCE 200809L
 
 #include <criterion/criterion.h>
@@ -14,6 +18,7 @@
 #include <clmha.h>
 
 #include "support.h"
+#include "tuning/builtin.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -70,6 +75,7 @@ static void setup(fixture *f) {
     if (clmha_device_select(getenv("CLMHA_DEVICE"), &f->info, msg, sizeof msg) != CLMHA_SUCCESS)
         cr_skip_test("no OpenCL device: %s", msg);
     tmpdir_make(f->dir, sizeof f->dir, "clmha-tuning");
+    clmha__test_enable_builtin(false);
     setenv("CLMHA_TUNING_DIR", f->dir, 1);
     unsetenv("CLMHA_TUNING");
     char platform[256], device[256];

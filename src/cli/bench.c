@@ -439,6 +439,20 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
     fflush(stdout);
 }
 
+// Which GEMM parameters the run uses; on a CPU left with CLBlast's generic ones (5-6x slower
+// there than tuned), the advice to tune.
+static void print_tuning(const clmha_context *ctx) {
+    char note[1024] = "";
+    clmha_context_tuning_note(ctx, note, sizeof note);
+    printf("tuning:  %s\n", note);
+    cl_device_type type = 0;
+    clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_TYPE, sizeof type, &type, NULL);
+    if (clmha_context_tuning_source(ctx) == CLMHA_TUNING_SOURCE_CLBLAST &&
+        (type & CL_DEVICE_TYPE_CPU))
+        printf("hint:    CLBlast's generic GEMM parameters are slow on CPUs: run `clmha tune` "
+               "once (about 5 minutes) for this device\n");
+}
+
 int clmha__cli_bench(int argc, char **argv) {
     const char *batch_opt = NULL, *tgt_opt = NULL, *src_opt = NULL, *embed_opt = NULL,
                *heads_opt = NULL, *repeat_opt = NULL, *layer_path = NULL, *device = NULL,
@@ -570,6 +584,7 @@ int clmha__cli_bench(int argc, char **argv) {
                d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
                d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
                d->batch_first ? ", batch_first" : "", layer_path ? layer_path : "random");
+        print_tuning(ctx);
         fflush(stdout);
     }
     for (size_t ib = 0; ib < nb; ++ib)

@@ -1,5 +1,5 @@
 // The public tuning functions over the store: clmha_context_tuning_import(),
-// clmha_context_tuning_export() and clmha_context_tuning_note() (clmha_context_tune(), the
+// clmha_context_tuning_export(), clmha_context_tuning_source() and clmha_context_tuning_note() (clmha_context_tune(), the
 // search, is in src/tuner/tune.c).
 #define _POSIX_C_SOURCE 200809L
 
@@ -18,7 +18,8 @@ clmha_status clmha_context_tuning_import(clmha_context *ctx, const char *json) {
     clmha__tuning_target tg = clmha__context_tuning_target(ctx);
     clmha_status st = clmha__tuning_from_json(&tg, json, &t, &meta, msg, sizeof msg);
     if (st) return clmha__fail(ctx, st, "clmha_context_tuning_import: %s", msg);
-    return clmha__tuning_apply(&tg, &t, &meta, "imported tuning applied");
+    return clmha__tuning_apply(&tg, &t, &meta, CLMHA_TUNING_SOURCE_IMPORTED,
+                              "imported tuning applied");
 }
 
 clmha_status clmha_context_tuning_export(const clmha_context *ctx, char *json, size_t size,
@@ -46,6 +47,10 @@ clmha_status clmha_context_tuning_export(const clmha_context *ctx, char *json, s
                          json ? size : 0, len);
     free(text);
     return st;
+}
+
+clmha_tuning_source clmha_context_tuning_source(const clmha_context *ctx) {
+    return ctx ? clmha__tuning_source_of(ctx->device) : CLMHA_TUNING_SOURCE_CLBLAST;
 }
 
 clmha_status clmha_context_tuning_note(const clmha_context *ctx, char *text, size_t size) {

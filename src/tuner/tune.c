@@ -196,7 +196,8 @@ static clmha_status apply_gemm(tuner *T, const gemm_outcome *g, clmha_tune_repor
     clmha__tuning_utc_now(meta.date, sizeof meta.date);
     clmha__tuning_format(&g->final, rep->parameters, sizeof rep->parameters);
     clmha_status st =
-        clmha__tuning_apply(&T->tg, &g->final, &meta, "tuned in this process (not stored)");
+        clmha__tuning_apply(&T->tg, &g->final, &meta, CLMHA_TUNING_SOURCE_TUNED,
+                            "tuned in this process (not stored)");
     return st ? st : store(T, &g->final, &meta, rep);
 }
 
@@ -224,7 +225,8 @@ static clmha_status phase_fused(tuner *T, const clmha_tune_shape *shape, double 
     clmha__tuning_meta meta = {0};
     clmha__tuning_current(ctx->device, &now, &meta);  // keeps the GEMM figures of the file
     if (!meta.date[0]) clmha__tuning_utc_now(meta.date, sizeof meta.date);
-    clmha_status st = clmha__tuning_apply(&T->tg, &ft, &meta, "tuned in this process (not stored)");
+    clmha_status st = clmha__tuning_apply(&T->tg, &ft, &meta, CLMHA_TUNING_SOURCE_TUNED,
+                                             "tuned in this process (not stored)");
     if (st || !clmha__tuning_current(ctx->device, &now, &meta)) return st;
     rep->improved = true;
     clmha__tuning_format(&now, rep->parameters, sizeof rep->parameters);

@@ -20,6 +20,8 @@
 
 #include "tuning/store.h"
 
+#include "tuning/builtin.h"
+
 #include "base/file_read.h"
 #include "base/file_write.h"
 #include "base/message.h"
@@ -45,6 +47,7 @@
 #define TUNING_FORMAT "clmha-gemm-tuning"
 #define TUNING_VERSION 1
 #define TUNING_FILE_MAX (1u << 20)  // a tuning file is a few hundred bytes
+#define NOTE_SIZE 1024
 
 // ---- the per-device registry -------------------------------------------------------------------
 
@@ -52,9 +55,10 @@ typedef struct device_state {
     cl_device_id device;
     bool stored_considered;  // apply_stored ran for this device in this process
     bool applied;            // `tuning` is in effect (CLBlast's database is overridden)
+    clmha_tuning_source source;  // where `tuning` came from (CLBLAST while none is applied)
     clmha__tuning tuning;
     clmha__tuning_meta meta;
-    char note[1024];
+    char note[NOTE_SIZE];
 } device_state;
 
 // One entry per device seen in the process, grown on demand (CLBlast's overrides are
@@ -118,6 +122,14 @@ bool clmha__tuning_current(cl_device_id device, clmha__tuning *t, clmha__tuning_
     return applied;
 }
 
+clmha_tuning_source clmha__tuning_source_of(cl_device_id device) {
+    pthread_mutex_lock(&registry_lock);
+    device_state *s = state_of(device);
+    clmha_tuning_source source = s && s->applied ? s->source : CLMHA_TUNING_SOURCE_CLBLAST;
+    pthread_mutex_unlock(&registry_lock);
+    return source;
+}
+
 void clmha__tuning_get_note(cl_device_id device, char *text, size_t size) {
     pthread_mutex_lock(&registry_lock);
     device_state *s = state_of(device);
@@ -166,7 +178,8 @@ size_t clmha__tuning_local_mem(const clmha__tuning_target *tg) {
 }
 
 clmha_status clmha__tuning_apply(const clmha__tuning_target *tg, const clmha__tuning *t,
-                                 const clmha__tuning_meta *meta, const char *source) {
+                                 const clmha__tuning_meta *meta, clmha_tuning_source kind,
+                                 const char *source) {
     char msg[512];
     if (!clmha__tuning_check(t, clmha__tuning_local_mem(tg), tg->max_work_group, msg, sizeof msg))
         return clmha__fail(tg->owner, CLMHA_INVALID_FILE, "%s", msg);
@@ -195,6 +208,7 @@ clmha_status clmha__tuning_apply(const clmha__tuning_target *tg, const clmha__tu
         merged.has_routine |= t->has_routine;
         s->tuning = merged;
         s->applied = true;
+        s->source = kind;
         s->meta = meta ? *meta : (clmha__tuning_meta){0};
         s->stored_considered = true;  // an explicit tuning wins over the stored file
         snprintf(s->note, sizeof s->note, "%s", source);
@@ -570,6 +584,48 @@ clmha_status clmha__tuning_from_json(const clmha__tuning_target *tg, const char 
 
 // ---- the stored tuning, at context creation -------------------------------------------------
 
+const clmha__builtin_set *clmha__tuning_builtin_of(const clmha__tuning_target *tg) {
+    char version[256] = "";
+    cl_uint width = 0;
+    clGetDeviceInfo(tg->device, CL_DEVICE_VERSION, sizeof version - 1, version, NULL);
+    clGetDeviceInfo(tg->device, CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT, sizeof width, &width, NULL);
+    clmha__builtin_device d = {.type = tg->info->type,
+                               .platform_name = tg->info->platform_name,
+                               .device_name = tg->info->device_name,
+                               .device_version = version,
+                               .native_float_width = width};
+    return clmha__builtin_match(&d);
+}
+
+// Applies @p t with note @p source, or notes why it was not (@p fail_note, then the reason);
+// never fails: the message the thread had is put back.
+static bool apply_quietly(const clmha__tuning_target *tg, const clmha__tuning *t,
+                          const clmha__tuning_meta *meta, clmha_tuning_source kind,
+                          const char *source, const char *fail_note) {
+    char saved[CLMHA__ERROR_SIZE];
+    snprintf(saved, sizeof saved, "%s", clmha_context_last_error(tg->owner));
+    if (!clmha__tuning_apply(tg, t, meta, kind, source)) return true;
+    clmha__tuning_set_note(tg->device, "%s: %s", fail_note, clmha_context_last_error(tg->owner));
+    // context creation did not fail: put back the message the thread had
+    clmha__error_restore((const clmha__error_slot *)(const void *)tg->owner, saved);
+    return false;
+}
+
+// No stored tuning was applied (@p why says why): the device's built-in set, if it has one,
+// with a note that keeps @p why.
+static void apply_builtin(const clmha__tuning_target *tg, const char *why) {
+    const clmha__builtin_set *b = clmha__tuning_builtin_of(tg);
+    if (!b) {
+        clmha__tuning_set_note(tg->device, "%s", why);
+        return;
+    }
+    char source[NOTE_SIZE], fail[NOTE_SIZE];
+    snprintf(source, sizeof source, "built-in parameters for %s applied%s; %s", b->name,
+             b->measured ? "" : " (derived, not measured on such a device)", why);
+    snprintf(fail, sizeof fail, "%s; built-in parameters for %s not applied", why, b->name);
+    apply_quietly(tg, &b->tuning, NULL, CLMHA_TUNING_SOURCE_BUILTIN, source, fail);
+}
+
 void clmha__tuning_apply_stored(const clmha__tuning_target *tg) {
     pthread_mutex_lock(&registry_lock);
     device_state *s = state_of(tg->device);
@@ -579,24 +635,33 @@ void clmha__tuning_apply_stored(const clmha__tuning_target *tg) {
     if (skip) return;  // once per device and process; an explicit tuning is kept
 
     const char *env = getenv("CLMHA_TUNING");
+    char why[6144];  // cut to NOTE_SIZE when it becomes the note
     if (env && (strcmp(env, "off") == 0 || strcmp(env, "0") == 0)) {
-        clmha__tuning_set_note(tg->device, "stored tuning not loaded ($CLMHA_TUNING=%s)", env);
+        clmha__tuning_set_note(tg->device,
+                               "no tuning applied: CLBlast's own parameters ($CLMHA_TUNING=%s: "
+                               "neither the stored tuning nor built-in parameters)",
+                               env);
+        return;
+    }
+    if (env && strcmp(env, "builtin") == 0) {
+        apply_builtin(tg, "stored tuning not loaded ($CLMHA_TUNING=builtin)");
         return;
     }
     char path[4400], msg[1024];
     if (clmha__tuning_path(tg, path, sizeof path, msg, sizeof msg)) {
-        clmha__tuning_set_note(tg->device, "no stored tuning: %s", msg);
+        snprintf(why, sizeof why, "no stored tuning: %s", msg);
+        apply_builtin(tg, why);
         return;
     }
     char *text = NULL;
     bool missing = false;
     if (read_text(path, &text, &missing, msg, sizeof msg)) {
         if (missing)
-            clmha__tuning_set_note(tg->device,
-                                   "no stored tuning (%s not found; create it with clmha tune)",
-                                   path);
+            snprintf(why, sizeof why, "no stored tuning (%s not found; create it with clmha tune)",
+                     path);
         else
-            clmha__tuning_set_note(tg->device, "stored tuning ignored: %s", msg);
+            snprintf(why, sizeof why, "stored tuning ignored: %s", msg);
+        apply_builtin(tg, why);
         return;
     }
     clmha__tuning t;
@@ -604,17 +669,15 @@ void clmha__tuning_apply_stored(const clmha__tuning_target *tg) {
     clmha_status st = clmha__tuning_from_json(tg, text, &t, &meta, msg, sizeof msg);
     free(text);
     if (st) {
-        clmha__tuning_set_note(tg->device, "stored tuning %s ignored: %s", path, msg);
+        snprintf(why, sizeof why, "stored tuning %s ignored: %s", path, msg);
+        apply_builtin(tg, why);
         return;
     }
-    char source[sizeof path + 64];
+    char source[sizeof path + 64], fail[sizeof path + 64];
     snprintf(source, sizeof source, "stored tuning %s applied", path);
-    char saved[CLMHA__ERROR_SIZE];
-    snprintf(saved, sizeof saved, "%s", clmha_context_last_error(tg->owner));
-    if (clmha__tuning_apply(tg, &t, &meta, source)) {
-        clmha__tuning_set_note(tg->device, "stored tuning %s ignored: %s", path,
-                               clmha_context_last_error(tg->owner));
-        // context creation did not fail: put back the message the thread had
-        clmha__error_restore((const clmha__error_slot *)(const void *)tg->owner, saved);
+    snprintf(fail, sizeof fail, "stored tuning %s ignored", path);
+    if (!apply_quietly(tg, &t, &meta, CLMHA_TUNING_SOURCE_STORED, source, fail)) {
+        clmha__tuning_get_note(tg->device, why, sizeof why);
+        apply_builtin(tg, why);
     }
 }

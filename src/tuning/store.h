@@ -21,6 +21,7 @@
 #include "base/defs.h"
 #include "errors/errors.h"
 
+#include "tuning/builtin.h"
 #include "tuning/params.h"
 
 // What the store needs of a context: its device, what is known of the device, and where errors
@@ -57,20 +58,30 @@ CLMHA__HIDDEN size_t clmha__tuning_local_mem(const clmha__tuning_target *tg);
 CLMHA__HIDDEN clmha_status clmha__tuning_override(const clmha__tuning_target *tg, const clmha__tuning *t);
 
 // Checks @p t, overrides CLBlast's parameters of the device of @p tg with it (every kernel
-// present) and records it in the registry with @p source ("stored file ...", "imported",
-// "tuned"): kernels @p t leaves out keep what was in effect.
+// present) and records it in the registry as coming from @p kind, with the note @p source
+// ("stored tuning ... applied", "imported tuning applied", "tuned ..."): kernels @p t leaves
+// out keep what was in effect.
 CLMHA__HIDDEN clmha_status clmha__tuning_apply(const clmha__tuning_target *tg, const clmha__tuning *t,
                                                const clmha__tuning_meta *meta,
-                                               const char *source);
+                                               clmha_tuning_source kind, const char *source);
+
+// Where the tuning in effect for @p device came from (clmha_context_tuning_source()).
+CLMHA__HIDDEN clmha_tuning_source clmha__tuning_source_of(cl_device_id device);
+
+// The built-in set of the device of @p tg (builtin.h: matched on its platform, type, names,
+// CL_DEVICE_VERSION and native float width), or NULL.
+CLMHA__HIDDEN const clmha__builtin_set *clmha__tuning_builtin_of(const clmha__tuning_target *tg);
 
 // Test hook: the registry takes at most @p devices devices (SIZE_MAX: no limit, the default),
 // as if it could not grow past them.
 CLMHA__HIDDEN void clmha__test_set_tuning_registry_limit(size_t devices);
 
 // Called once by context creation: loads the stored tuning of the device (once per device and
-// process), checks it and applies it. Never fails: a missing, unreadable, corrupt or foreign
-// file (another device, driver or CLBlast version) is ignored and a note says why
-// (clmha_context_tuning_note()). $CLMHA_TUNING=off skips it.
+// process), checks it and applies it; without one, applies the device class's built-in set
+// (builtin.h) if it has one. Never fails: a missing, unreadable, corrupt or foreign file
+// (another device, driver or CLBlast version) is ignored and a note says why
+// (clmha_context_tuning_note()). $CLMHA_TUNING=off applies neither (CLBlast's own parameters);
+// $CLMHA_TUNING=builtin skips the stored file.
 CLMHA__HIDDEN void clmha__tuning_apply_stored(const clmha__tuning_target *tg);
 
 // The folder of tuning files: $CLMHA_TUNING_DIR, else $XDG_CACHE_HOME/clmha, else
