@@ -440,11 +440,15 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
 }
 
 // Which GEMM parameters the run uses; on a CPU left with CLBlast's generic ones (5-6x slower
-// there than tuned), the advice to tune.
+// there than tuned), the advice to tune. With the GEMMs in the host BLAS, CLBlast's parameters
+// are not used (a tuning's fused tiles still are).
 static void print_tuning(const clmha_context *ctx) {
     char note[1024] = "";
     clmha_context_tuning_note(ctx, note, sizeof note);
-    printf("tuning:  %s\n", note);
+    bool host = clmha_context_gemm(ctx) == CLMHA_GEMM_HOST;
+    printf("tuning:  %s%s\n", note,
+           host ? " (CLBlast's GEMM parameters unused: the GEMMs run in the host BLAS)" : "");
+    if (host) return;
     cl_device_type type = 0;
     clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_TYPE, sizeof type, &type, NULL);
     if (clmha_context_tuning_source(ctx) == CLMHA_TUNING_SOURCE_CLBLAST &&
