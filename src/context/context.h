@@ -37,7 +37,6 @@ struct clmha_context {
     // clmha_context_set_gemm().
     const clmha__host_blas *host_blas;
     clmha_gemm gemm_asked;
-    bool native_maps_ok;        // the driver maps native-kernel buffers right (gemm.c's probe)
     char gemm_note[640];
     // Counters for tests (libclmha.a): program builds and device buffer allocations made by
     // clmha itself on this context (CLBlast's own are not counted). Guarded by lock.

@@ -60,10 +60,12 @@ static clmha_status gemm_clblast(clmha_context *ctx, const char *what, const clm
 // list by its internal object ids and drops duplicates, but fills the places in the caller's
 // order, so the operands' pointers come permuted; and it replaces a sub-buffer by its parent,
 // whose memory starts at the parent's origin (tools/driver-bugs/pocl-native-kernel-buffers).
-// So every operand is passed as its root buffer plus its origin, and on a driver that fails
-// the mapping probe below (clmha__gemm_init()) each root's pointer is taken by a native kernel
-// of its own (one buffer: nothing to permute) into a small block the product's kernel reads
-// and frees. The product's kernel still lists every operand, so the driver orders it after the
+// So every operand is passed as its root buffer plus its origin, and when a product has more
+// than one root, each root's pointer is taken by a native kernel of its own (one buffer:
+// nothing to permute) into a small block the product's kernel reads and frees. This is done on
+// every driver: a probe at context creation would have to wait for the device there (and hangs
+// in a child forked after the driver started its threads), and the extra commands cost ~2 us
+// each. The product's kernel still lists every operand, so the driver orders it after the
 // commands that write them and keeps them alive until it has run. The roots' memory does not
 // move between those commands on a CPU device (one device; its buffers are host memory).
 
@@ -148,7 +150,7 @@ static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha_
     *done = true;
     cl_int err = CL_SUCCESS;
     cl_uint captures = 0;
-    if (!ctx->native_maps_ok && count > 1) {
+    if (count > 1) {
         h.captured = calloc(1, sizeof *h.captured);
         if (!h.captured) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
         for (; captures < count && err == CL_SUCCESS; ++captures) {
@@ -181,45 +183,6 @@ clmha_status clmha__gemm(clmha_context *ctx, const char *what, const clmha__gemm
     return gemm_clblast(ctx, what, o);
 }
 
-// The mapping probe: two buffers listed against their creation order; the kernel writes a
-// different mark into the buffer at each place, and the driver maps native-kernel buffers right
-// when each mark lands in the buffer listed at its place.
-typedef struct probe_call {
-    void *mem[2];
-} probe_call;
-
-static void CL_CALLBACK run_probe(void *p) {
-    const probe_call *c = p;
-    ((int *)c->mem[0])[1] = 0xAAAA;
-    ((int *)c->mem[1])[1] = 0xBBBB;
-}
-
-static bool native_maps_ok(clmha_context *ctx) {
-    cl_int err;
-    int mark1[2] = {0x5151, 0}, mark2[2] = {0x7272, 0};
-    cl_mem b1 = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
-                               sizeof mark1, mark1, &err);
-    cl_mem b2 = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
-                               sizeof mark2, mark2, &err);
-    bool ok = false;
-    if (b1 && b2) {
-        probe_call c = {{b2, b1}};
-        const void *where[2] = {&c.mem[0], &c.mem[1]};
-        int got1[2] = {0, 0}, got2[2] = {0, 0};
-        if (clEnqueueNativeKernel(ctx->queue, run_probe, &c, sizeof c, 2, (const cl_mem *)c.mem,
-                                  where, 0, NULL, NULL) == CL_SUCCESS &&
-            clEnqueueReadBuffer(ctx->queue, b1, CL_TRUE, 0, sizeof got1, got1, 0, NULL, NULL) ==
-                CL_SUCCESS &&
-            clEnqueueReadBuffer(ctx->queue, b2, CL_TRUE, 0, sizeof got2, got2, 0, NULL, NULL) ==
-                CL_SUCCESS)
-            ok = got2[0] == 0x7272 && got2[1] == 0xAAAA && got1[0] == 0x5151 &&
-                 got1[1] == 0xBBBB;
-    }
-    if (b1) clReleaseMemObject(b1);
-    if (b2) clReleaseMemObject(b2);
-    return ok;
-}
-
 // ---- choosing the path -------------------------------------------------------------------------
 
 // Why the device cannot take the host path, or NULL when it can.
@@ -248,7 +211,6 @@ static clmha_status choose(clmha_context *ctx, clmha_gemm want) {
     }
     ctx->gemm_asked = want;
     ctx->host_blas = hb;
-    if (hb) ctx->native_maps_ok = native_maps_ok(ctx);
     if (hb)
         snprintf(ctx->gemm_note, sizeof ctx->gemm_note,
                  "host BLAS %s%s%.100s (%s) through native kernels%s%.240s", hb->name,

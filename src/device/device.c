@@ -261,7 +261,7 @@ clmha__quirks clmha__device_quirks(const clmha_device_info *info) {
     if (strncmp(info->device_name, "llvmpipe", 8) == 0) q.loop_limit = 65535;
     if (strcmp(info->platform_name, "Clover") == 0) q.no_vload = true;
     // PoCL (seen on 3.1): native kernels get their buffers sorted by object id and a
-    // sub-buffer's parent. The host GEMMs probe for it on every driver (context/gemm.c); this
+    // sub-buffer's parent. The host GEMMs avoid it on every driver (context/gemm.c); this
     // is what clmha_device_note() says.
     if (strcmp(info->platform_name, "Portable Computing Language") == 0 &&
         (info->type & CL_DEVICE_TYPE_CPU))

@@ -20,7 +20,7 @@ typedef struct clmha__quirks {
     bool no_vload;
     // PoCL: a native kernel listing several buffers gets their memory at the wrong places, and a
     // sub-buffer's parent's memory. See tools/driver-bugs/pocl-native-kernel-buffers; the host
-    // GEMMs detect it with a probe (context/gemm.c), this only names it.
+    // GEMMs avoid it on every driver (context/gemm.c), this only names it.
     bool native_buffers;
 } clmha__quirks;
 
