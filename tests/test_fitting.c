@@ -161,8 +161,12 @@ Test(fitting, lanes_mapping_needs_no_local_memory) {
     cr_assert(clmha__test_force_device_class("cpu-pocl"));
     setup_case();
     run_and_check(CLMHA_IMPL_FUSED, "fused, lanes");
-    cr_assert(clmha__fused_ran(fx.layer));
-    cr_assert(clmha__fused_tiles_of(fx.layer).lanes);
+    // On a driver with a loop limit (llvmpipe) the call may go to the unfused core instead;
+    // the result must be right either way.
+    if (!clmha__fused_loop_limit(fx.layer)) {
+        cr_assert(clmha__fused_ran(fx.layer));
+        cr_assert(clmha__fused_tiles_of(fx.layer).lanes);
+    }
     teardown_case();
 }
 
@@ -193,6 +197,7 @@ Test(fitting, layer_baked_with_weights_runs_without_weights_when_fused_cannot_be
 
 Test(fitting, loop_limit_sends_long_calls_to_the_unfused_core) {
     clmha__test_set_loop_limit(2);  // no fused call fits
+    cr_assert(clmha__test_force_device_class("cpu"));  // the tiled mapping (lanes never fits)
     setup_case();
     run_and_check(CLMHA_IMPL_FUSED, "fused past the loop limit");
     cr_assert(!clmha__fused_ran(fx.layer), "the fused core ran past the loop limit");
@@ -206,6 +211,7 @@ Test(fitting, loop_limit_sends_long_calls_to_the_unfused_core) {
 
 Test(fitting, loop_budget_grows_with_the_keys) {
     clmha__test_set_loop_limit(65535);  // llvmpipe's
+    cr_assert(clmha__test_force_device_class("cpu"));  // the tiled mapping (lanes never fits)
     setup_case();
     run_and_check(CLMHA_IMPL_FUSED, "fused");  // builds the kernel
     clmha__dims d = {.s_padded = 1};
