@@ -553,6 +553,10 @@ typedef struct clmha_tune_report {
 /// clmha_reference_forward() within 1e-4 (1 + max |y|)); tiles faster than the defaults by 3%
 /// or more are stored with the GEMM parameters ("FusedAttention" in the file) and used by the
 /// layers whose fused kernel is built afterwards.
+/// A context whose products run in the host BLAS (clmha_context_gemm() is ::CLMHA_GEMM_HOST)
+/// never uses CLBlast's GEMM parameters: the GEMM search is skipped (the report's GEMM figures
+/// are 0 and, when no faster tiles are found, its message says why) and the whole budget goes
+/// to the fused tiles.
 /// Do not run forward passes on the same device (from any context) while tuning: they would
 /// run with the candidates' parameters.
 /// @param[in]  ctx      the context whose device is tuned

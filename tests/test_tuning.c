@@ -124,6 +124,15 @@ static clmha_context *make_context(void) {
     return ctx;
 }
 
+// A context whose products run in CLBlast, so that a tuning run searches its GEMM parameters
+// (on a CPU device with a host BLAS they run there by default, and the search is skipped).
+static clmha_context *make_clblast_context(void) {
+    clmha_context *ctx = make_context();
+    cr_assert_eq(clmha_context_set_gemm(ctx, CLMHA_GEMM_CLBLAST), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    return ctx;
+}
+
 static void write_file(const char *path, const char *text) {
     FILE *fp = fopen(path, "wb");
     cr_assert_not_null(fp, "cannot write %s", path);
@@ -563,7 +572,7 @@ static void count_progress(double fraction, const char *message, void *user_data
 Test(tuning, tune_with_no_time_for_a_candidate, .timeout = 600) {
     fixture f;
     setup(&f);
-    clmha_context *ctx = make_context();
+    clmha_context *ctx = make_clblast_context();
     clmha_tune_shape shape = {2, 16, 32, 4};
     clmha_tune_options o = {.struct_size = sizeof o,
                             .budget_seconds = 0.01, .shapes = &shape, .num_shapes = 1,
@@ -597,12 +606,40 @@ static void count_trace(double fraction, const char *message, void *user_data) {
     }
 }
 
+// On a context whose products run in the host BLAS, CLBlast's GEMM parameters are never used:
+// nothing of them is timed or searched, and the report says why.
+Test(tuning, tune_skips_the_gemm_search_on_host_gemms, .timeout = 600) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    if (clmha_context_set_gemm(ctx, CLMHA_GEMM_HOST) != CLMHA_SUCCESS) {
+        clmha_context_release(ctx);
+        teardown(&f);
+        cr_skip_test("this device runs no host-BLAS GEMMs");
+    }
+    clmha_tune_shape shape = {2, 16, 32, 4};
+    clmha_tune_options o = {.struct_size = sizeof o, .budget_seconds = 0.01, .shapes = &shape,
+                            .num_shapes = 1, .progress = count_progress};
+    clmha_tune_report rep = {.struct_size = sizeof rep};
+    cr_assert_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    cr_expect_eq(rep.default_gflops, 0.0);
+    cr_expect_eq(rep.tuned_gflops, 0.0);
+    cr_expect_eq(rep.default_layer_gflops, 0.0);
+    cr_expect_eq(rep.default_forward_gemm_gflops, 0.0);
+    cr_expect(!rep.improved && !rep.stored);
+    cr_expect(strstr(rep.message, "host BLAS") != NULL, "%s", rep.message);
+    cr_expect_neq(access(f.path, F_OK), 0, "nothing may be stored");
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
 // With trace set the callback also gets trace lines (fraction -1): the timings before, the
 // split, the final check; the library prints nothing itself.
 Test(tuning, tune_trace_lines_go_to_the_callback, .timeout = 600) {
     fixture f;
     setup(&f);
-    clmha_context *ctx = make_context();
+    clmha_context *ctx = make_clblast_context();
     clmha_tune_shape shape = {2, 16, 32, 4};
     clmha_tune_options o = {.struct_size = sizeof o, .budget_seconds = 0.01, .shapes = &shape, .num_shapes = 1,
                             .progress = count_trace, .trace = true};

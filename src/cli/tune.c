@@ -26,7 +26,10 @@ static const char *usage_tune =
     "later clmha context on the device loads: $CLMHA_TUNING_DIR, else $XDG_CACHE_HOME/clmha,\n"
     "else ~/.cache/clmha. 'Default' is CLBlast's own parameters (neither a stored tuning\n"
     "nor the device's built-in set is applied first; the built-in set is among the first\n"
-    "candidates). Each candidate costs a kernel build (about 6 s on PoCL).\n"
+    "candidates). Each candidate costs a kernel build (about 6 s on PoCL). Then it times\n"
+    "the fused attention kernel's tiles with the rest of the budget. A device whose\n"
+    "products run in the host BLAS (the 'gemm:' line; CLMHA_GEMM) never uses CLBlast's\n"
+    "GEMM parameters: there the whole budget goes to the fused tiles.\n"
     "\n"
     "options:\n"
     "  --device SPEC      \"P:D\", gpu, cpu, accelerator or part of a device name (see\n"
@@ -192,6 +195,9 @@ int clmha__cli_tune(int argc, char **argv) {
     clmha_context *ctx = clmha__cli_open_context("tune", device);
     if (!ctx) return EXIT_REFUSED;
     printf("device:   %s\n", clmha_context_device_name(ctx));
+    char gemm_note[512];
+    if (clmha_context_gemm_note(ctx, gemm_note, sizeof gemm_note) == CLMHA_SUCCESS)
+        printf("gemm:     %s\n", gemm_note);
     printf("budget:   %.0f s, shapes:", budget);
     if (!num_shapes) {
         shapes[0] = (clmha_tune_shape){.batch = 8, .tgt_len = 128, .embed_dim = 512,
@@ -224,12 +230,14 @@ int clmha__cli_tune(int argc, char **argv) {
     printf("result:   %s after %zu candidates (%zu rejected) in %.0f s\n",
            rep.improved ? "faster parameters found" : "nothing faster found", rep.candidates,
            rep.rejected, rep.seconds);
-    print_gain("sgemm 1024^3 (row-major, B^T)", rep.default_gflops, rep.tuned_gflops);
-    char what[96];
-    snprintf(what, sizeof what, "QKV projection of %s", rep.layer);
-    print_gain(what, rep.default_layer_gflops, rep.tuned_layer_gflops);
-    print_gain("all GEMMs of the layer shapes", rep.default_forward_gemm_gflops,
-               rep.tuned_forward_gemm_gflops);
+    if (clmha_context_gemm(ctx) != CLMHA_GEMM_HOST) {  // else CLBlast's GEMMs were not timed
+        print_gain("sgemm 1024^3 (row-major, B^T)", rep.default_gflops, rep.tuned_gflops);
+        char what[96];
+        snprintf(what, sizeof what, "QKV projection of %s", rep.layer);
+        print_gain(what, rep.default_layer_gflops, rep.tuned_layer_gflops);
+        print_gain("all GEMMs of the layer shapes", rep.default_forward_gemm_gflops,
+                   rep.tuned_forward_gemm_gflops);
+    }
     if (rep.default_fused_gflops > 0)
         print_gain("fused attention (first layer shape)", rep.default_fused_gflops,
                    rep.tuned_fused_gflops);

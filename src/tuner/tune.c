@@ -273,14 +273,22 @@ clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_options *op
     clmha_tune_shape layers[MAX_LAYERS];
     gemm_outcome g;
     st = setup_shapes(T, options, layers, &rep);
-    if (!st)
+    // A context whose products run in the host BLAS (clmha_context_gemm()) never uses
+    // CLBlast's GEMM parameters: the whole budget goes to the fused tiles.
+    bool host_gemm = clmha_context_gemm(ctx) == CLMHA_GEMM_HOST;
+    if (!st && !host_gemm)
         st = clmha__gemm_search(T, &start.fallback, start.before_known ? &start.before : NULL,
                                 &g);
     if (st) goto done;
-    if (g.improved)
+    if (host_gemm) {
+        snprintf(rep.message, sizeof rep.message,
+                 "CLBlast's GEMMs not searched: this context runs its products in the host "
+                 "BLAS (CLMHA_GEMM=clblast to tune them)");
+    } else if (g.improved) {
         st = apply_gemm(T, &g, &rep);
-    else
+    } else {
         keep_before(T, &start, &g, &rep);
+    }
     if (!st) st = phase_fused(T, &layers[0], budget, &rep);
     fill_report(T, &rep);
     if (!rep.improved) {
