@@ -1262,7 +1262,11 @@ typedef struct clmha_backward_args {
 /// Cores, like the forward pass. The fused backward (FlashAttention-2's algorithm) recomputes
 /// the attention probabilities tile by tile from Q, K and the saved log-sum-exp, never storing
 /// the L·S' scores: its scratch is linear in the sequence lengths, and it skips the key tiles
-/// that is_causal masks. It needs a forward call that ran the fused core, and it returns
+/// that is_causal masks. Where the GEMMs run in the host BLAS (clmha_context_gemm() is
+/// ::CLMHA_GEMM_HOST) it runs its products as GEMMs instead, over blocks of query rows (two
+/// buffers of 4 MiB, whatever the lengths) with one elementwise kernel per block; the
+/// environment variable CLMHA_FUSED_BACKWARD=kernels|gemms overrides that choice (read when a
+/// layer first runs it). It needs a forward call that ran the fused core, and it returns
 /// neither mask gradients nor takes a weights gradient. The unfused backward recomputes the
 /// probabilities into N·H·L·S' scratch (twice that: probabilities and their gradients) and runs
 /// batched GEMMs over them; it does everything, and refuses calls whose scores exceed half the
@@ -1271,7 +1275,8 @@ typedef struct clmha_backward_args {
 /// gradient, else unfused.
 ///
 /// Deterministic: the same call on the same device gives bit-identical gradients every run
-/// (every sum is done in a fixed order; no atomics).
+/// (every sum is done in a fixed order; no atomics; a host BLAS gives the same bits for the
+/// same product on the same threads).
 ///
 /// Destinations must not overlap each other, the inputs, the masks or grad_output (sub-buffers
 /// count as parts of their parent); they must not be CL_MEM_READ_ONLY, and not

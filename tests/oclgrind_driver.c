@@ -49,6 +49,7 @@
 // as uninitialised (or as garbage). clmha writes q/k/v_proj_weight (kdim or vdim != embed_dim)
 // and bias_k/bias_v (add_bias_kv) as slices of one buffer, so those cases are false positives
 // there; they still run under every other check.
+#define _POSIX_C_SOURCE 200112L  // setenv
 #include <clmha.h>
 #include <math.h>
 #include <stdio.h>
@@ -58,8 +59,10 @@
 #define TOLERANCE 1e-4
 
 // Test hooks of libclmha.a (src/context/context.h): the largest scratch allocation, 0 = the
-// device's; (src/device/device_class.h) the device class table row every context takes.
+// device's; (src/device/device_class.h) the device class table row every context takes;
+// (src/cores/fused.h) the block of the fused backward's GEMM variant.
 void clmha__test_set_max_alloc(size_t bytes);
+void clmha__test_set_fused_backward_block(size_t floats);
 bool clmha__test_force_device_class(const char *name);
 
 // ---- deterministic random numbers (splitmix64) -----------------------------------------------
@@ -101,6 +104,8 @@ typedef struct dcase {
     const char *tiles;  // fused tiles "BQ BK RPW VW" imported as a tuning (NULL: the defaults)
     bool forced_class_only;  // only with --class (costly under Oclgrind, new only there)
     bool backward;           // then the backward pass through the same core, every gradient
+    size_t gemm_block;       // > 0: the fused backward's products in GEMMs, in blocks of this
+                             // many floats (CLMHA_FUSED_BACKWARD=gemms and a test hook)
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -222,6 +227,15 @@ static const dcase cases[] = {
      .fused = true, .backward = true},
     {"backward fused: head_dim 64 (E64 H1), self L5, causal", .e = 64, .h = 1, .n = 1, .l = 5,
      .self_attn = true, .causal = true, .fused = true, .backward = true},
+    // The fused backward's products in GEMMs (fused_backward_block): blocks of rows with
+    // is_causal (partial vectors, fewer keys), blocks of planes with masks and dropout.
+    {"backward fused gemms: self causal L=S=37, kpm=ignore, blocks of 8 rows", .e = 8, .h = 2,
+     .n = 1, .l = 37, .self_attn = true, .causal = true, .kpm = I, .fused = true,
+     .backward = true, .gemm_block = 8 * 37},
+    {"backward fused gemms: L3 S37, am=float, bias_kv+zero_attn, dropout, 2 planes a block",
+     .e = 8, .h = 2, .n = 2, .l = 3, .s = 37, .am = F, .layout = PER_HEAD, .bias_kv = true,
+     .zero_attn = true, .dropout = 0.25f, .train = true, .fused = true, .backward = true,
+     .gemm_block = 2 * 3 * 39},
     // The unfused core in chunks: groups of heads, then rows of one head.
     {"chunked: 2 of 4 heads, am=float (N*H,L,S), w=avg", .e = 8, .h = 4, .n = 2, .l = 16,
      .s = 16, .am = F, .layout = PER_HEAD, .weights = true, .max_alloc = 4096},
@@ -465,6 +479,9 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     }
     args.is_causal = c->causal;
     clmha__test_set_max_alloc(c->max_alloc);
+    clmha__test_set_fused_backward_block(c->gemm_block);
+    if (c->gemm_block) setenv("CLMHA_FUSED_BACKWARD", "gemms", 1);
+    else unsetenv("CLMHA_FUSED_BACKWARD");
     args.need_weights = c->weights;
     args.impl = c->fused ? CLMHA_IMPL_FUSED : CLMHA_IMPL_UNFUSED;
     args.per_head_weights = c->per_head;
@@ -532,6 +549,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     clmha_saved_release(saved);
     clmha_layer_release(layer);
     clmha__test_set_max_alloc(0);
+    clmha__test_set_fused_backward_block(0);
     float *arrays[] = {w_in, wq, wk, wv, b_in, wo, bo, bk, bv, query, key, value, out, w};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free(arrays[i]);
     free(kpm);

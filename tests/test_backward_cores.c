@@ -530,8 +530,54 @@ Test(backward_cores, grad_weights) {
     run_case(&b, UNFUSED_ONLY);
 }
 
-// The fused backward refuses what it cannot do, with a reason.
+// The fused backward's products in GEMMs (the default where the GEMMs run in the host BLAS),
+// with blocks so small that every shape runs in several blocks of query rows (the later ones
+// adding into dk and dv, with is_causal over fewer keys) or of planes (groups of 3 of 4).
+Test(backward_cores, fused_gemms_in_blocks) {
+    setenv("CLMHA_FUSED_BACKWARD", "gemms", 1);
+    bcase a = {.name = "gemms: causal L=S=200 rows", .n = 1, .h = 2, .d = 8, .l = 200,
+               .s = 200, .causal = true};
+    clmha__test_set_fused_backward_block(48 * 200);  // blocks of 48 rows, the last of 8
+    run_case(&a, BOTH);
+    bcase b = {.name = "gemms: causal L=37 S=83 rows", .n = 2, .h = 2, .d = 16, .l = 37,
+               .s = 83, .causal = true, .kpm_kind = CLMHA_MASK_FLOAT};
+    clmha__test_set_fused_backward_block(10 * 83);
+    run_case(&b, BOTH);
+    bcase c = {.name = "gemms: masks +kv +zero planes", .n = 2, .h = 2, .d = 16, .l = 37,
+               .s = 45, .bias_kv = true, .zero_attn = true, .attn_kind = CLMHA_MASK_FLOAT,
+               .attn_layout = CLMHA__ATTN_PER_BATCH};
+    clmha__test_set_fused_backward_block(3 * 37 * 47);  // 3 planes per block, then 1
+    run_case(&c, BOTH);
+    bcase d = {.name = "gemms: dropout causal rows", .n = 2, .h = 2, .d = 64, .l = 70,
+               .s = 70, .dropout = 0.3f, .causal = true, .attn_kind = CLMHA_MASK_BOOL_IGNORE,
+               .attn_layout = CLMHA__ATTN_SHARED, .dead_row = true};
+    clmha__test_set_fused_backward_block(16 * 70);
+    run_case(&d, BOTH);
+    bcase e = {.name = "gemms: causal L=150 S=37 +kv", .n = 1, .h = 2, .d = 16, .l = 150,
+               .s = 37, .causal = true, .bias_kv = true};
+    clmha__test_set_fused_backward_block(1);  // one row per block
+    run_case(&e, BOTH);
+    clmha__test_set_fused_backward_block(0);
+}
+
+// The tiled kernels of the fused backward, also where the GEMMs run in the host BLAS (there
+// the products run in GEMMs by default).
+Test(backward_cores, fused_tiled_kernels) {
+    setenv("CLMHA_FUSED_BACKWARD", "kernels", 1);
+    bcase a = {.name = "kernels: causal +kv +zero", .n = 2, .h = 2, .d = 16, .l = 37, .s = 51,
+               .bias_kv = true, .zero_attn = true, .causal = true,
+               .kpm_kind = CLMHA_MASK_BOOL_IGNORE};
+    run_case(&a, BOTH);
+    bcase b = {.name = "kernels: dropout masks", .n = 2, .h = 2, .d = 64, .l = 70, .s = 70,
+               .dropout = 0.3f, .attn_kind = CLMHA_MASK_FLOAT,
+               .attn_layout = CLMHA__ATTN_PER_HEAD, .dead_row = true};
+    run_case(&b, BOTH);
+}
+
+// The fused backward refuses what it cannot do, with a reason (the loop limit only matters to
+// the tiled kernels: they are asked for).
 Test(backward_cores, fused_refusals) {
+    setenv("CLMHA_FUSED_BACKWARD", "kernels", 1);
     bcase c = {.name = "refusals", .n = 1, .h = 1, .d = 8, .l = 4, .s = 4};
     fixture fx;
     fixture_make(&fx, &c);

@@ -627,3 +627,90 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     }
 }
 #endif
+
+// ---- the products in the host's GEMMs (CPU devices whose GEMMs run in the host BLAS) -----------
+// The host cuts the query rows into blocks (rows [row0, row0 + rows) of planes [plane0,
+// plane0 + planes)) and, per block, has the GEMMs write s = q.k (unscaled) and dPd = dO.v of
+// every (row, key) pair into sp and gp, `cols` keys per row (keys past the block's last row,
+// all masked with is_causal, are left out). This kernel turns the pair in place into Pd (for
+// dv += Pd^T dO) and dS (for dq and dk), then the GEMMs go on. One work-group per row, its
+// work-items striding over the keys (NDRange (WG, planes * rows), WG from the host: one
+// work-group per element would cost a CPU driver more in launching groups than in the work);
+// the scores, masks, dropout and probabilities as in the kernels above
+// (P = exp(scale * s + masks - lse), 0 on a fully masked row).
+kernel void fused_backward_block(global float *sp, global float *gp, global const float *lse,
+                                 global const float *drow, ulong row0, ulong rows, ulong plane0,
+                                 ulong cols, ulong tgt_len, ulong n_heads, ulong src_len,
+                                 float scale,
+                                 global const uchar *attn_mask, ulong attn_off, uint attn_kind,
+                                 uint attn_layout,
+                                 global const uchar *kpm, ulong kpm_off, uint kpm_kind,
+                                 uint causal,
+                                 uint dropout_on, uint dropout_threshold, float keep_scale,
+                                 uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+    ulong t = get_global_id(1);
+    ulong bh = plane0 + t / rows, i = row0 + t % rows, n = bh / n_heads;
+    ulong r = bh * tgt_len + i;
+    float l = lse[r], dr = drow[r];
+    bool dead = l == -INFINITY;  // a fully masked row: no probability
+    ulong ar = attn_row_of(attn_layout, attn_off, bh, n, i, tgt_len, src_len);
+    ulong kr = kpm_off + n * src_len;
+    bool masked = attn_kind || kpm_kind || causal;
+    global float *srow = sp + t * cols, *grow = gp + t * cols;
+    // VW keys at a time (what a CPU driver runs in its vector registers), the row's last keys
+    // in a partial vector; the masks and dropout lane by lane where there are any. Each private
+    // array below is written one way (whole vector or lane by lane) and read the other: PoCL
+    // 3.1 reloaded a vector stored to a private array and then updated lane by lane as it was
+    // before the updates (tools/driver-bugs/pocl-private-vector-reload/).
+    ulong whole = cols / VW * VW;
+    for (ulong j = get_local_id(0) * VW; j < cols; j += get_local_size(0) * VW) {
+        uint lanes = j < whole ? VW : (uint)(cols - j);
+        VT sv, gv;
+        if (lanes == VW) {
+            sv = LOADV(j, srow) * scale;
+            gv = LOADV(j, grow);
+        } else {
+            float s_in[VW], g_in[VW];  // lanes written one by one, read as a vector
+            for (uint u = 0; u < VW; ++u) {
+                s_in[u] = u < lanes ? srow[j + u] * scale : 0.0f;
+                g_in[u] = u < lanes ? grow[j + u] : 0.0f;
+            }
+            sv = LOADV(0, s_in);
+            gv = LOADV(0, g_in);
+        }
+        if (masked && j < src_len) {
+            float s_lanes[VW], s_masked[VW];  // a vector read lane by lane; lanes written
+            STOREV(sv, 0, s_lanes);
+            for (uint u = 0; u < VW; ++u)
+                s_masked[u] = s_lanes[u] + (u < lanes && j + u < src_len
+                                                ? masks_of(attn_mask, attn_kind, ar, kpm,
+                                                           kpm_kind, kr, causal, i, j + u)
+                                                : 0.0f);
+            sv = LOADV(0, s_masked);
+        }
+        VT p = dead ? (VT)(0.0f) : exp_nonpos(sv - l);
+        VT f = (VT)(1.0f);
+        if (dropout_on) {
+            float f_lanes[VW];  // lanes written, read as a vector
+            for (uint u = 0; u < VW; ++u) {
+                uint w = philox_word0((uint)(j + u), (uint)i, (uint)bh, offset_lo, seed_lo,
+                                      seed_hi_xor_off_hi);
+                f_lanes[u] = w >= dropout_threshold ? keep_scale : 0.0f;
+            }
+            f = LOADV(0, f_lanes);
+        }
+        VT pd = p * f, ds = p * (gv * f - dr);
+        if (lanes == VW) {
+            STOREV(pd, j, srow);
+            STOREV(ds, j, grow);
+        } else {
+            float pd_out[VW], ds_out[VW];  // vectors read lane by lane
+            STOREV(pd, 0, pd_out);
+            STOREV(ds, 0, ds_out);
+            for (uint u = 0; u < lanes; ++u) {
+                srow[j + u] = pd_out[u];
+                grow[j + u] = ds_out[u];
+            }
+        }
+    }
+}

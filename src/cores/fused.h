@@ -135,12 +135,15 @@ CLMHA__HIDDEN clmha__fused_backward **clmha__fused_backward_slot(const clmha_lay
 
 // The fused core's backward_supports hook: yes when the forward call saved the log-sum-exp
 // rows (it ran the fused core), the call gives no weights gradient and asks for no mask
-// gradient, and the backward kernels build on the device and stay within its loop limit.
+// gradient, and the backward kernels build on the device and (unless the products run in
+// GEMMs: clmha__fused_backward_run()) stay within its loop limit.
 CLMHA__HIDDEN clmha_status clmha__fused_backward_supports(clmha_layer *layer,
                                                           const struct clmha__backward_call *call,
                                                           bool *yes, const char **why);
 
-// The fused core's backward hook: Drow, then dk and dv, then dq (three kernels).
+// The fused core's backward hook: Drow, then either dk and dv, then dq (two tiled kernels),
+// or, where the GEMMs run in the host BLAS (or CLMHA_FUSED_BACKWARD=gemms), the products in
+// GEMMs over blocks of query rows with an elementwise kernel between them.
 CLMHA__HIDDEN clmha_status clmha__fused_backward_run(clmha_layer *layer,
                                                      struct clmha__backward_call *call);
 
@@ -150,5 +153,9 @@ CLMHA__HIDDEN void clmha__fused_backward_release(clmha__fused_backward *b);
 // The rows one work-group of the fused backward kernels of @p layer covers (work-group size
 // times rows per work-item; 0: not built).
 CLMHA__HIDDEN size_t clmha__fused_backward_tile(const clmha_layer *layer);
+
+// Test hook: the floats of each block buffer of the fused backward's GEMM variant (0: its
+// default), so that small shapes run in several blocks of rows and of planes.
+CLMHA__HIDDEN void clmha__test_set_fused_backward_block(size_t floats);
 
 #endif

@@ -6,12 +6,14 @@
 #include "cores/fused.h"
 
 #include "cores/core.h"
+#include "context/gemm.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
@@ -27,24 +29,30 @@ typedef struct tiles {
 } tiles;
 
 struct clmha__fused_backward {
-    cl_kernel drow, dkdv, dq;
+    cl_kernel drow, dkdv, dq, block;
     tiles t;               // what they were built with
     clmha_status failed;   // why the kernels cannot be built here (then not retried)
     cl_mem drow_buf;       // Drow, N*H*L floats, grown on demand
     size_t drow_cap;
+    bool gemms;            // the products in GEMMs, block by block (run_gemms())
+    cl_mem block_s, block_g;  // run_gemms()'s block of scores and dO.v, grown on demand
+    size_t block_s_cap, block_g_cap;
 };
 
 static void release_kernels(clmha__fused_backward *fb) {
     clmha__release_kernel(fb->drow);
     clmha__release_kernel(fb->dkdv);
     clmha__release_kernel(fb->dq);
-    fb->drow = fb->dkdv = fb->dq = NULL;
+    clmha__release_kernel(fb->block);
+    fb->drow = fb->dkdv = fb->dq = fb->block = NULL;
 }
 
 void clmha__fused_backward_release(clmha__fused_backward *fb) {
     if (!fb) return;
     release_kernels(fb);
     clmha__release_mem(fb->drow_buf);
+    clmha__release_mem(fb->block_s);
+    clmha__release_mem(fb->block_g);
     free(fb);
 }
 
@@ -128,7 +136,8 @@ static clmha_status build_tiles(clmha_context *ctx, clmha__fused_backward *fb, s
     clmha_status st = clmha__program_get(ctx, "fused_backward", options, &prog);
     if (st || (st = clmha__kernel_make(ctx, prog, "fused_backward_drow", &fb->drow)) ||
         (st = clmha__kernel_make(ctx, prog, "fused_backward_dkdv", &fb->dkdv)) ||
-        (st = clmha__kernel_make(ctx, prog, "fused_backward_dq", &fb->dq))) {
+        (st = clmha__kernel_make(ctx, prog, "fused_backward_dq", &fb->dq)) ||
+        (st = clmha__kernel_make(ctx, prog, "fused_backward_block", &fb->block))) {
         release_kernels(fb);
         return st;
     }
@@ -190,6 +199,17 @@ static clmha_status build(clmha_layer *l, clmha__fused_backward *fb) {
                        (unsigned long long)clmha__local_mem(ctx));
 }
 
+// Whether the products run in GEMMs, block by block (run_gemms()), rather than in the tiled
+// kernels: where the GEMMs run in the host BLAS (a CPU BLAS is several times faster there than
+// the kernels' products), unless CLMHA_FUSED_BACKWARD says "kernels" ("gemms" asks for them on
+// any device).
+static bool use_gemms(const clmha_context *ctx) {
+    const char *env = getenv("CLMHA_FUSED_BACKWARD");
+    if (env && !strcmp(env, "gemms")) return true;
+    if (env && !strcmp(env, "kernels")) return false;
+    return clmha_context_gemm(ctx) == CLMHA_GEMM_HOST;
+}
+
 // The state of @p l's fused backward pass, its kernels built (on first use).
 static clmha_status ensure(clmha_layer *l, clmha__fused_backward **out) {
     clmha__fused_backward **slot = clmha__fused_backward_slot(l);
@@ -202,6 +222,7 @@ static clmha_status ensure(clmha_layer *l, clmha__fused_backward **out) {
                            "the fused backward kernels could not be built for head_dim %zu on "
                            "this device: %s",
                            l->d, clmha_status_string(fb->failed));
+    fb->gemms = use_gemms(l->ctx);
     clmha_status st = build(l, fb);
     // A device that cannot build or hold the kernels will not later; an out-of-memory may pass.
     if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) fb->failed = st;
@@ -280,7 +301,7 @@ clmha_status clmha__fused_backward_supports(clmha_layer *l, const clmha__backwar
     }
     if (st) return st;
     const clmha_forward_args *a = call->args;
-    if (!loops_fit(l, fb, call->dims, a->training && l->desc.dropout > 0.0f)) {
+    if (!fb->gemms && !loops_fit(l, fb, call->dims, a->training && l->desc.dropout > 0.0f)) {
         *why = clmha__fused_backward_loop_why;
         return CLMHA_SUCCESS;
     }
@@ -298,6 +319,117 @@ static clmha_status launch_2d(clmha_context *ctx, cl_kernel k, const char *name,
     size_t global[2] = {(rows + per_group - 1) / per_group * b, planes}, local[2] = {b, 1};
     cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 2, NULL, global, local, 0, NULL, NULL);
     return err != CL_SUCCESS ? clmha__cl_fail(ctx, err, name) : CLMHA_SUCCESS;
+}
+
+// ---- the products in GEMMs ----------------------------------------------------------------------
+
+// fused_backward_block over @p rows rows of @p cols keys: one work-group per row, of up to 64
+// work-items striding over the keys.
+static clmha_status launch_block(clmha_context *ctx, const clmha__fused_backward *fb,
+                                 size_t cols, size_t rows, const arg *args, cl_uint nargs) {
+    clmha_status st = clmha__set_args(ctx, fb->block, "fused_backward_block", args, nargs);
+    if (st) return st;
+    size_t wg = pow2_within(64, ctx->max_work_group);
+    while (wg > 1 && wg / 2 >= cols) wg /= 2;
+    size_t global[2] = {wg, rows}, local[2] = {wg, 1};
+    cl_int err = clEnqueueNDRangeKernel(ctx->queue, fb->block, 2, NULL, global, local, 0, NULL,
+                                        NULL);
+    return err != CL_SUCCESS ? clmha__cl_fail(ctx, err, "fused_backward_block") : CLMHA_SUCCESS;
+}
+
+// Bytes of each of the two block buffers: whole planes at moderate lengths (the GEMMs then run
+// batched over planes), a block of query rows of one plane beyond. Small enough for the
+// block to stay in a CPU's caches between its GEMMs and the kernel: on PoCL with oneDNN (2
+// cores, AVX-512, N 1, H 8, L 2048, D 64) the core's backward took 185 ms in blocks of 512
+// rows (4 MiB), 238 ms in 1024 and 285 ms in whole planes (16 MiB, two per block).
+#define BLOCK_BYTES ((size_t)4 << 20)
+
+static size_t test_block_floats;
+
+void clmha__test_set_fused_backward_block(size_t floats) { test_block_floats = floats; }
+
+// The products in GEMMs, block by block: the query rows are cut into blocks (several whole
+// planes, or rows of one plane, per block: BLOCK_BYTES), and per block
+//   s = q kᵀ and dPd = dO vᵀ (GEMMs into the two block buffers),
+//   Pd and dS from them (fused_backward_block: masks, lse, dropout, Drow),
+//   dv += Pdᵀ dO, dk += scale dSᵀ q, dq = scale dS k (GEMMs).
+// The row blocks of a plane run from the last to the first: the first one writes dk and dv
+// (beta 0) and covers every key; with is_causal (and no appended keys) the others leave out
+// the keys past their last row, masked for all their rows. Drow is computed first, as for the
+// kernels. Each gradient element is a sum in a fixed order (the GEMMs' and the blocks'): the
+// same on every run with the same BLAS.
+static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
+                              clmha__fused_backward *fb) {
+    clmha_context *ctx = l->ctx;
+    const clmha__dims *d = call->dims;
+    size_t planes = d->n * l->h, tl = d->l, sp = d->s_padded, hd = l->d;
+    size_t cap = test_block_floats ? test_block_floats : BLOCK_BYTES / sizeof(float);
+    size_t per_plane = tl * sp;
+    size_t rows = per_plane <= cap ? tl : (cap / sp ? cap / sp : 1);
+    size_t pp = per_plane <= cap ? cap / per_plane : 1;
+    if (pp > planes) pp = planes;
+    clmha_status st;
+    if ((st = clmha__layer_grow_core_scratch(l, &fb->block_s, &fb->block_s_cap, pp * rows * sp,
+                                             "fused backward score block")) ||
+        (st = clmha__layer_grow_core_scratch(l, &fb->block_g, &fb->block_g_cap, pp * rows * sp,
+                                             "fused backward dO.v block")))
+        return st;
+    float scale = (float)(1.0 / sqrt((double)hd));
+    clmha__mask_args m = clmha__masks_of(l, call->args, d);
+    bool trim = m.causal && d->s == sp;
+    size_t blocks = (tl + rows - 1) / rows;
+    cl_ulong tgt = tl, heads = l->h, src = d->s;
+    for (size_t p0 = 0; p0 < planes; p0 += pp) {
+        size_t np = planes - p0 < pp ? planes - p0 : pp;
+        for (size_t b = blocks; b-- > 0;) {
+            size_t r0 = b * rows, nr = tl - r0 < rows ? tl - r0 : rows;
+            bool first = b == blocks - 1;
+            size_t cols = trim && !first && r0 + nr < sp ? r0 + nr : sp;
+            size_t q_off = (p0 * tl + r0) * hd, kv_off = p0 * sp * hd;
+            clmha__gemm_op s_op = {.tb = true, .m = nr, .n = cols, .k = hd, .alpha = 1.0f,
+                                   .a = call->q, .a_off = q_off, .lda = hd, .a_stride = tl * hd,
+                                   .b = call->k, .b_off = kv_off, .ldb = hd,
+                                   .b_stride = sp * hd, .c = fb->block_s, .ldc = cols,
+                                   .c_stride = nr * cols, .batch = np};
+            clmha__gemm_op g_op = s_op;
+            g_op.a = call->d_o;
+            g_op.b = call->v;
+            g_op.c = fb->block_g;
+            if ((st = clmha__gemm(ctx, "fused backward q k^T", &s_op)) ||
+                (st = clmha__gemm(ctx, "fused backward dO v^T", &g_op)))
+                return st;
+            cl_ulong row0 = r0, nrows = nr, plane0 = p0, ncols = cols;
+            arg args[] = {ARG(fb->block_s), ARG(fb->block_g), ARG(call->lse),
+                          ARG(fb->drow_buf), ARG(row0),      ARG(nrows),
+                          ARG(plane0),      ARG(ncols),       ARG(tgt),
+                          ARG(heads),       ARG(src),         ARG(scale),
+                          MASK_ARGS(m)};
+            if ((st = launch_block(ctx, fb, cols, np * nr, args, sizeof args / sizeof args[0])))
+                return st;
+            float beta = first ? 0.0f : 1.0f;
+            clmha__gemm_op dv_op = {.ta = true, .m = cols, .n = hd, .k = nr, .alpha = 1.0f,
+                                    .beta = beta, .a = fb->block_s, .lda = cols,
+                                    .a_stride = nr * cols, .b = call->d_o, .b_off = q_off,
+                                    .ldb = hd, .b_stride = tl * hd, .c = call->dv,
+                                    .c_off = kv_off, .ldc = hd, .c_stride = sp * hd,
+                                    .batch = np};
+            clmha__gemm_op dk_op = dv_op;
+            dk_op.alpha = scale;
+            dk_op.a = fb->block_g;
+            dk_op.b = call->q;
+            dk_op.c = call->dk;
+            clmha__gemm_op dq_op = {.m = nr, .n = hd, .k = cols, .alpha = scale,
+                                    .a = fb->block_g, .lda = cols, .a_stride = nr * cols,
+                                    .b = call->k, .b_off = kv_off, .ldb = hd,
+                                    .b_stride = sp * hd, .c = call->dq, .c_off = q_off,
+                                    .ldc = hd, .c_stride = tl * hd, .batch = np};
+            if ((st = clmha__gemm(ctx, "fused backward dv", &dv_op)) ||
+                (st = clmha__gemm(ctx, "fused backward dk", &dk_op)) ||
+                (st = clmha__gemm(ctx, "fused backward dq", &dq_op)))
+                return st;
+        }
+    }
+    return CLMHA_SUCCESS;
 }
 
 // Drow = rowsum(dO * o) into the scratch, then dk and dv (one work-group per tile of key rows),
@@ -319,6 +451,7 @@ clmha_status clmha__fused_backward_run(clmha_layer *l, clmha__backward_call *cal
                             sizeof drow_args / sizeof drow_args[0])))
         return st;
 
+    if (fb->gemms) return run_gemms(l, call, fb);
     cl_ulong tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
     float scale = (float)(1.0 / sqrt((double)l->d));
     clmha__mask_args m = clmha__masks_of(l, call->args, d);
