@@ -2,8 +2,9 @@
 // the attention cores' backward kernels (cl/cores/*_backward.cl).
 //
 // Row order of a (sequence, batch) tensor: row(n, t) = batch_first ? n * T + t : t * N + n.
-// Head-major tiles are (N*H, T_pad, D). merge_rows: one work-item per row and head; the sums:
-// one per output element. Every sum runs in a fixed order (no atomics), so results are the same
+// Head-major tiles are (N*H, T_pad, D). merge_rows: one work-item per row and head;
+// appended_row_sums: one per output element (the biases' column sums are GEMMs with a column of
+// ones, src/backward/backward.c). Every sum runs in a fixed order (no atomics), so results are the same
 // on every run.
 
 // Merges the first `seq` rows of each plane of head tiles (N*H, seq_pad, D) into rows (rows, ld)
@@ -21,17 +22,6 @@ kernel void merge_rows(global const float *tiles, ulong seq, ulong seq_pad, glob
     global const float *src = tiles + ((n * n_heads + h) * seq_pad + t) * head_dim;
     global float *dst = out + out_off + row * ld + col0 + h * head_dim;
     for (ulong d = 0; d < head_dim; ++d) dst[d] = src[d];
-}
-
-// out[c] = (accumulate ? out[c] : 0) + sum over r of x[x_off + r*ld + c], for c < cols: the
-// gradient of a bias added to every row.
-kernel void column_sums(global const float *x, ulong x_off, ulong rows, ulong ld, ulong cols,
-                        global float *out, ulong out_off, uint accumulate) {
-    ulong c = get_global_id(0);
-    if (c >= cols) return;
-    float sum = 0.0f;
-    for (ulong r = 0; r < rows; ++r) sum += x[x_off + r * ld + c];
-    out[out_off + c] = accumulate ? out[out_off + c] + sum : sum;
 }
 
 // The gradient of bias_k or bias_v, (1, 1, E): row `row` (= S) of every plane of the key or

@@ -28,7 +28,7 @@
 //                  scalars, which the default tiles then use)
 //   the backward   (the "backward" cases: forward with args.save, then every gradient through
 //                  the same core, compared with clmha_reference_backward) merge_rows,
-//                  column_sums, appended_row_sums, and each core's backward kernels: weights
+//                  appended_row_sums, and each core's backward kernels: weights
 //                  gradients, float mask gradients of every layout, dropout replay, causal
 //                  tile skipping, fully masked rows, head_dim 1 and 64
 //

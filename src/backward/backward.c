@@ -30,20 +30,23 @@ typedef clmha__arg arg;
 
 // ---- the per-layer state: the kernels of cl/backward.cl ------------------------------------------
 
-// The backward pass keeps no scratch of its own: it works in the layer's (clmha__layer_reserve()),
+// The backward pass keeps no scratch of its own but a column of ones (counted in the layer's
+// scratch): it works in the layer's (clmha__layer_reserve()),
 // idle while it runs and exactly the sizes it needs: the projection buffer holds the rows of
 // dM, then dQ (N*L, E), dK and dV (N*S, E); the head tiles hold dO and dQ (N*H, L, D), dK' and
 // dV' (N*H, S', D). (The forward's tiles of a call that saved are in its clmha_saved.)
 typedef struct state {
-    cl_kernel merge_rows, column_sums, appended_row_sums;
+    cl_kernel merge_rows, appended_row_sums;
+    cl_mem ones;  // ones_cap floats of 1: the bias gradients' column sums are GEMMs with it
+    size_t ones_cap;
 } state;
 
 static void state_release(void *p) {
     state *s = p;
     if (!s) return;
     clmha__release_kernel(s->merge_rows);
-    clmha__release_kernel(s->column_sums);
     clmha__release_kernel(s->appended_row_sums);
+    clmha__release_mem(s->ones);
     free(s);
 }
 
@@ -58,7 +61,6 @@ static clmha_status state_get(clmha_layer *l, state **out) {
     cl_program prog;
     clmha_status st = clmha__program_get(l->ctx, "backward", "", &prog);
     if (!st) st = clmha__kernel_make(l->ctx, prog, "merge_rows", &s->merge_rows);
-    if (!st) st = clmha__kernel_make(l->ctx, prog, "column_sums", &s->column_sums);
     if (!st) st = clmha__kernel_make(l->ctx, prog, "appended_row_sums", &s->appended_row_sums);
     if (st) {
         state_release(s);
@@ -353,16 +355,30 @@ static clmha_status merge_rows(pass *p, cl_mem tiles, size_t seq, size_t seq_pad
                          p->l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
+// Gradient @p g's part @p out_part (E floats) = the sums of the E columns of @p rows rows of x
+// (leading dimension E) from @p x_off: the gradient of a bias added to every row, as the GEMM
+// xᵀ·1 (a column sum in a kernel of its own ran several times slower on CPU devices than the
+// host BLAS's product).
 static clmha_status column_sums(pass *p, cl_mem x, size_t x_off, size_t rows, int g,
                                 size_t out_part) {
+    clmha_layer *l = p->l;
     const clmha_grad *gr = clmha__backward_grad(p->a, g);
-    cl_ulong a_off = x_off, r = rows, ld = p->d->e, cols = p->d->e,
-             o = gr->offset + out_part * p->d->e;
-    cl_uint acc = gr->accumulate;
-    arg args[] = {ARG(x), ARG(a_off), ARG(r), ARG(ld), ARG(cols), ARG(gr->buffer), ARG(o),
-                  ARG(acc)};
-    return clmha__launch(p->l->ctx, p->s->column_sums, "column_sums", p->d->e, p->l->heads_wg,
-                         args, sizeof args / sizeof args[0]);
+    clmha_status st;
+    if (p->s->ones_cap < rows) {
+        if ((st = clmha__layer_grow_core_scratch(l, &p->s->ones, &p->s->ones_cap, rows,
+                                                 "backward column of ones")))
+            return st;
+        const float one = 1.0f;
+        cl_int err = clEnqueueFillBuffer(l->ctx->queue, p->s->ones, &one, sizeof one, 0,
+                                         p->s->ones_cap * sizeof one, 0, NULL, NULL);
+        if (err != CL_SUCCESS) {
+            p->s->ones_cap = 0;  // filled on the next call
+            return clmha__cl_fail(l->ctx, err, "clEnqueueFillBuffer(ones)");
+        }
+    }
+    size_t e = p->d->e;
+    return gemm(l->ctx, "bias gradient", true, false, e, 1, rows, x, x_off, e, p->s->ones, 0, 1,
+                gr->accumulate ? 1.0f : 0.0f, gr->buffer, gr->offset + out_part * e, 1);
 }
 
 static clmha_status appended_row(pass *p, cl_mem tiles, int g) {
