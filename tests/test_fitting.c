@@ -11,7 +11,7 @@
 // - on a driver whose loops end early (Mesa llvmpipe, pretended here through a hook), calls
 //   past the fused kernel's loop budget run the unfused core, also with CLMHA_IMPL_FUSED;
 // - on Clover, whose compiler aborts on vloadN, the fused kernel is built with VW 1, and
-//   clmha_device_note() names both bugs.
+//   clmha_device_note() names both bugs, and PoCL's two on CPU devices.
 //
 // Links libclmha.a (not libclmha.so): the hooks and the layer's fields are internal.
 #include <criterion/criterion.h>
@@ -242,7 +242,10 @@ Test(fitting, device_notes_name_the_known_driver_bugs) {
     cr_assert_not_null(strstr(clmha_device_note(&info), "vloadN"));
     snprintf(info.platform_name, sizeof info.platform_name, "Portable Computing Language");
     snprintf(info.device_name, sizeof info.device_name, "pthread-skylake-avx512");
-    cr_assert_str_eq(clmha_device_note(&info), "");
+    cr_assert_str_eq(clmha_device_note(&info), "");  // its type not given: not a CPU
+    info.type = CL_DEVICE_TYPE_CPU;
+    cr_assert_not_null(strstr(clmha_device_note(&info), "native kernels"));
+    cr_assert_not_null(strstr(clmha_device_note(&info), "vstoreN"));
     cr_assert_str_eq(clmha_device_note(NULL), "");
 }
 

@@ -262,7 +262,9 @@ clmha__quirks clmha__device_quirks(const clmha_device_info *info) {
     if (strcmp(info->platform_name, "Clover") == 0) q.no_vload = true;
     // PoCL (seen on 3.1): native kernels get their buffers sorted by object id and a
     // sub-buffer's parent. The host GEMMs avoid it on every driver (context/gemm.c); this
-    // is what clmha_device_note() says.
+    // is what clmha_device_note() says, with the lost lane updates of a private array between
+    // vstoreN and vloadN (float2/float4) that fused_backward_block avoids on every driver
+    // (tools/driver-bugs/pocl-private-vector-reload/).
     if (strcmp(info->platform_name, "Portable Computing Language") == 0 &&
         (info->type & CL_DEVICE_TYPE_CPU))
         q.native_buffers = true;
@@ -281,7 +283,9 @@ const char *clmha_device_note(const clmha_device_info *info) {
                "ranges, else unfused)";
     if (q.no_vload) return "driver bug: vloadN aborts (fused core without vectors)";
     if (q.native_buffers)
-        return "driver bug: native kernels get several buffers in the wrong places and a "
-               "sub-buffer's parent (the host-BLAS GEMMs take each buffer's memory alone)";
+        return "driver bugs: native kernels get several buffers in the wrong places and a "
+               "sub-buffer's parent (the host-BLAS GEMMs take each buffer's memory alone); "
+               "lane updates of a private array between vstoreN and vloadN are lost (the "
+               "fused backward's block kernel never updates a stored vector's lanes)";
     return "";
 }
