@@ -630,14 +630,15 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
 
 // ---- the products in the host's GEMMs (CPU devices whose GEMMs run in the host BLAS) -----------
 // The host cuts the query rows into blocks (rows [row0, row0 + rows) of planes [plane0,
-// plane0 + planes)) and, per block, has the GEMMs write s = q.k (unscaled) and dPd = dO.v of
-// every (row, key) pair into sp and gp, `cols` keys per row (keys past the block's last row,
-// all masked with is_causal, are left out). This kernel turns the pair in place into Pd (for
-// dv += Pd^T dO) and dS (for dq and dk), then the GEMMs go on. One work-group per row, its
-// work-items striding over the keys (NDRange (WG, planes * rows), WG from the host: one
-// work-group per element would cost a CPU driver more in launching groups than in the work);
-// the scores, masks, dropout and probabilities as in the kernels above
-// (P = exp(scale * s + masks - lse), 0 on a fully masked row).
+// plane0 + planes)) and, per block, has the GEMMs write, transposed, s = k.q (unscaled) and
+// dPd = v.dO of every (key, row) pair into sp and gp: `cols` keys of each plane (keys past the
+// block's last row, all masked with is_causal, are left out), each a row of `rows` floats.
+// (Transposed, two of the three GEMMs after this kernel read A as it is stored, which a CPU
+// BLAS runs faster.) This kernel turns the pair in place into Pd (for dv += Pd^T dO) and dS
+// (for dk += dS^T q and dq = dS k). One work-group per key, its work-items striding over the
+// rows (NDRange (WG, planes * cols), WG from the host); the scores, masks, dropout and
+// probabilities as in the kernels above (P = exp(scale * s + masks - lse), 0 on a fully
+// masked row).
 kernel void fused_backward_block(global float *sp, global float *gp, global const float *lse,
                                  global const float *drow, ulong row0, ulong rows, ulong plane0,
                                  ulong cols, ulong tgt_len, ulong n_heads, ulong src_len,
@@ -649,67 +650,81 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
                                  uint dropout_on, uint dropout_threshold, float keep_scale,
                                  uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
     ulong t = get_global_id(1);
-    ulong bh = plane0 + t / rows, i = row0 + t % rows, n = bh / n_heads;
-    ulong r = bh * tgt_len + i;
-    float l = lse[r], dr = drow[r];
-    bool dead = l == -INFINITY;  // a fully masked row: no probability
-    ulong ar = attn_row_of(attn_layout, attn_off, bh, n, i, tgt_len, src_len);
-    ulong kr = kpm_off + n * src_len;
-    bool masked = attn_kind || kpm_kind || causal;
-    global float *srow = sp + t * cols, *grow = gp + t * cols;
-    // VW keys at a time (what a CPU driver runs in its vector registers), the row's last keys
-    // in a partial vector; the masks and dropout lane by lane where there are any. Each private
-    // array below is written one way (whole vector or lane by lane) and read the other: PoCL
-    // 3.1 reloaded a vector stored to a private array and then updated lane by lane as it was
-    // before the updates (tools/driver-bugs/pocl-private-vector-reload/).
-    ulong whole = cols / VW * VW;
-    for (ulong j = get_local_id(0) * VW; j < cols; j += get_local_size(0) * VW) {
-        uint lanes = j < whole ? VW : (uint)(cols - j);
-        VT sv, gv;
+    ulong bh = plane0 + t / cols, j = t % cols, n = bh / n_heads;
+    global const float *lrow = lse + bh * tgt_len + row0, *drw = drow + bh * tgt_len + row0;
+    // The masks of a real key (j < S): its key_padding_mask value, and whether any row has
+    // an attn_mask or is_causal entry to look up (the appended keys have none).
+    bool real = j < src_len;
+    float kx = real ? mask_value(kpm, kpm_kind, kpm_off + n * src_len + j) : 0.0f;
+    bool per_row = real && (attn_kind || (causal && j > row0));
+    global float *srow = sp + t * rows, *grow = gp + t * rows;
+    // VW rows at a time (what a CPU driver runs in its vector registers), the last ones in a
+    // partial vector; attn_mask, is_causal and dropout lane by lane where there are any. Each
+    // private array below is written one way (whole vector or lane by lane) and read the
+    // other: PoCL 3.1 reloads a vector stored to a private array and then updated lane by lane
+    // as it was before the updates (tools/driver-bugs/pocl-private-vector-reload/).
+    ulong whole = rows / VW * VW;
+    for (ulong u0 = get_local_id(0) * VW; u0 < rows; u0 += get_local_size(0) * VW) {
+        uint lanes = u0 < whole ? VW : (uint)(rows - u0);
+        VT sv, gv, lv, dv;
         if (lanes == VW) {
-            sv = LOADV(j, srow) * scale;
-            gv = LOADV(j, grow);
+            sv = LOADV(u0, srow);
+            gv = LOADV(u0, grow);
+            lv = LOADV(u0, lrow);
+            dv = LOADV(u0, drw);
         } else {
-            float s_in[VW], g_in[VW];  // lanes written one by one, read as a vector
+            float s_in[VW], g_in[VW], l_in[VW], d_in[VW];  // lanes written, read as vectors
             for (uint u = 0; u < VW; ++u) {
-                s_in[u] = u < lanes ? srow[j + u] * scale : 0.0f;
-                g_in[u] = u < lanes ? grow[j + u] : 0.0f;
+                bool in = u < lanes;
+                s_in[u] = in ? srow[u0 + u] : 0.0f;
+                g_in[u] = in ? grow[u0 + u] : 0.0f;
+                l_in[u] = in ? lrow[u0 + u] : -INFINITY;
+                d_in[u] = in ? drw[u0 + u] : 0.0f;
             }
             sv = LOADV(0, s_in);
             gv = LOADV(0, g_in);
+            lv = LOADV(0, l_in);
+            dv = LOADV(0, d_in);
         }
-        if (masked && j < src_len) {
+        sv = sv * scale + kx;
+        if (per_row) {
             float s_lanes[VW], s_masked[VW];  // a vector read lane by lane; lanes written
             STOREV(sv, 0, s_lanes);
-            for (uint u = 0; u < VW; ++u)
-                s_masked[u] = s_lanes[u] + (u < lanes && j + u < src_len
-                                                ? masks_of(attn_mask, attn_kind, ar, kpm,
-                                                           kpm_kind, kr, causal, i, j + u)
-                                                : 0.0f);
+            for (uint u = 0; u < VW; ++u) {
+                ulong i = row0 + u0 + u;
+                float x = s_lanes[u];
+                if (u < lanes) {
+                    x += mask_value(attn_mask, attn_kind,
+                                    attn_row_of(attn_layout, attn_off, bh, n, i, tgt_len,
+                                                src_len) + j);
+                    if (causal && j > i) x = -INFINITY;
+                }
+                s_masked[u] = x;
+            }
             sv = LOADV(0, s_masked);
         }
-        VT p = dead ? (VT)(0.0f) : exp_nonpos(sv - l);
+        VT p = select(exp_nonpos(sv - lv), (VT)(0.0f), lv == (VT)(-INFINITY));
         VT f = (VT)(1.0f);
         if (dropout_on) {
             float f_lanes[VW];  // lanes written, read as a vector
             for (uint u = 0; u < VW; ++u) {
-                uint w = philox_word0((uint)(j + u), (uint)i, (uint)bh, offset_lo, seed_lo,
-                                      seed_hi_xor_off_hi);
+                uint w = philox_word0((uint)j, (uint)(row0 + u0 + u), (uint)bh, offset_lo,
+                                      seed_lo, seed_hi_xor_off_hi);
                 f_lanes[u] = w >= dropout_threshold ? keep_scale : 0.0f;
             }
             f = LOADV(0, f_lanes);
         }
-        VT pd = p * f, ds = p * (gv * f - dr);
+        VT pd = p * f, ds = p * (gv * f - dv);
         if (lanes == VW) {
-            STOREV(pd, j, srow);
-            STOREV(ds, j, grow);
+            STOREV(pd, u0, srow);
+            STOREV(ds, u0, grow);
         } else {
             float pd_out[VW], ds_out[VW];  // vectors read lane by lane
             STOREV(pd, 0, pd_out);
             STOREV(ds, 0, ds_out);
             for (uint u = 0; u < lanes; ++u) {
-                srow[j + u] = pd_out[u];
-                grow[j + u] = ds_out[u];
+                srow[u0 + u] = pd_out[u];
+                grow[u0 + u] = ds_out[u];
             }
         }
     }
