@@ -229,6 +229,32 @@ static clmha_status ensure(clmha_layer *l, clmha__fused_backward **out) {
     return st;
 }
 
+// Bytes of each of the two block buffers: whole planes at moderate lengths (the GEMMs then run
+// batched over planes), a block of query rows of one plane beyond. Small enough for the
+// block to stay in a CPU's caches between its GEMMs and the kernel: on PoCL with oneDNN (2
+// cores, AVX-512, N 1, H 8, L 2048, D 64) the core's backward took 185 ms in blocks of 512
+// rows (4 MiB), 238 ms in 1024 and 285 ms in whole planes (16 MiB, two per block).
+#define BLOCK_BYTES ((size_t)4 << 20)
+
+static size_t test_block_floats;
+
+void clmha__test_set_fused_backward_block(size_t floats) { test_block_floats = floats; }
+
+// The floats of each block buffer: BLOCK_BYTES (or the test hook's), within the device's
+// largest allocation.
+static size_t block_floats(const clmha_context *ctx) {
+    size_t cap = test_block_floats ? test_block_floats : BLOCK_BYTES / sizeof(float);
+    cl_ulong limit = clmha__max_alloc(ctx) / sizeof(float);
+    return cap < limit ? cap : (size_t)limit;
+}
+
+// Whether this call's products run in GEMMs: the layer's choice (use_gemms()), when one key's
+// row of a block (S' floats) fits in a block buffer; else the tiled kernels run it.
+static bool gemms_for(const clmha_context *ctx, const clmha__fused_backward *fb,
+                      const clmha__dims *d) {
+    return fb->gemms && d->s_padded <= block_floats(ctx);
+}
+
 // ---- loop budget --------------------------------------------------------------------------------
 
 // As clmha__fused_loops_fit() for the forward kernel: a loop of @p n iterations whose body runs
@@ -301,7 +327,8 @@ clmha_status clmha__fused_backward_supports(clmha_layer *l, const clmha__backwar
     }
     if (st) return st;
     const clmha_forward_args *a = call->args;
-    if (!fb->gemms && !loops_fit(l, fb, call->dims, a->training && l->desc.dropout > 0.0f)) {
+    bool dropout = a->training && l->desc.dropout > 0.0f;
+    if (!gemms_for(l->ctx, fb, call->dims) && !loops_fit(l, fb, call->dims, dropout)) {
         *why = clmha__fused_backward_loop_why;
         return CLMHA_SUCCESS;
     }
@@ -337,16 +364,6 @@ static clmha_status launch_block(clmha_context *ctx, const clmha__fused_backward
     return err != CL_SUCCESS ? clmha__cl_fail(ctx, err, "fused_backward_block") : CLMHA_SUCCESS;
 }
 
-// Bytes of each of the two block buffers: whole planes at moderate lengths (the GEMMs then run
-// batched over planes), a block of query rows of one plane beyond. Small enough for the
-// block to stay in a CPU's caches between its GEMMs and the kernel: on PoCL with oneDNN (2
-// cores, AVX-512, N 1, H 8, L 2048, D 64) the core's backward took 185 ms in blocks of 512
-// rows (4 MiB), 238 ms in 1024 and 285 ms in whole planes (16 MiB, two per block).
-#define BLOCK_BYTES ((size_t)4 << 20)
-
-static size_t test_block_floats;
-
-void clmha__test_set_fused_backward_block(size_t floats) { test_block_floats = floats; }
 
 // The products in GEMMs, block by block: the query rows are cut into blocks (several whole
 // planes, or rows of one plane, per block: BLOCK_BYTES), and per block
@@ -365,7 +382,7 @@ static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
     clmha_context *ctx = l->ctx;
     const clmha__dims *d = call->dims;
     size_t planes = d->n * l->h, tl = d->l, sp = d->s_padded, hd = l->d;
-    size_t cap = test_block_floats ? test_block_floats : BLOCK_BYTES / sizeof(float);
+    size_t cap = block_floats(ctx);
     size_t per_plane = tl * sp;
     size_t rows = per_plane <= cap ? tl : (cap / sp ? cap / sp : 1);
     size_t pp = per_plane <= cap ? cap / per_plane : 1;
@@ -454,7 +471,7 @@ clmha_status clmha__fused_backward_run(clmha_layer *l, clmha__backward_call *cal
                             sizeof drow_args / sizeof drow_args[0])))
         return st;
 
-    if (fb->gemms) return run_gemms(l, call, fb);
+    if (gemms_for(ctx, fb, d)) return run_gemms(l, call, fb);
     cl_ulong tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
     float scale = (float)(1.0 / sqrt((double)l->d));
     clmha__mask_args m = clmha__masks_of(l, call->args, d);
