@@ -10,6 +10,14 @@
 #define MASK_BOOL_ATTEND 2
 #define MASK_FLOAT 3
 
+// The mask and dropout parameters that end the attention kernels' parameter lists, in the order
+// the host passes them (CLMHA__MASK_ARGS, src/cores/kernel_args.h).
+#define MASK_PARAMS                                                                             \
+    global const uchar *attn_mask, ulong attn_off, uint attn_kind, uint attn_layout,            \
+        global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal, uint dropout_on,    \
+        uint dropout_threshold, float keep_scale, uint seed_lo, uint seed_hi_xor_off_hi,        \
+        uint offset_lo
+
 // Philox4x32-10, first output word (the same function as clmha__philox_word0 in src/base/philox.h).
 inline uint philox_word0(uint c0, uint c1, uint c2, uint c3, uint k0, uint k1) {
     for (int round = 0; round < 10; ++round) {

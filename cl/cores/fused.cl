@@ -210,11 +210,7 @@ kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
 void fused_attention(global const float *q, global const float *k, global const float *v,
                      global float *out, ulong tgt_len, ulong n_heads, ulong src_len,
                      ulong src_len_padded, float scale,
-                     global const uchar *attn_mask, ulong attn_off, uint attn_kind,
-                     uint attn_layout,
-                     global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal,
-                     uint dropout_on, uint dropout_threshold, float keep_scale,
-                     uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo,
+                     MASK_PARAMS,
                      global float *lse, uint lse_on) {
     ulong bh = get_global_id(1);
     ulong n = bh / n_heads;
@@ -379,11 +375,7 @@ kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
 void fused_attention(global const float *q, global const float *k, global const float *v,
                      global float *out, ulong tgt_len, ulong n_heads, ulong src_len,
                      ulong src_len_padded, float scale,
-                     global const uchar *attn_mask, ulong attn_off, uint attn_kind,
-                     uint attn_layout,
-                     global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal,
-                     uint dropout_on, uint dropout_threshold, float keep_scale,
-                     uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo,
+                     MASK_PARAMS,
                      global float *lse, uint lse_on) {
     local float kt[HD * KS];  // the tile's keys, transposed: kt[d * KS + jj]
     local float vt[BK * HD];  // the tile's values: vt[jj * HD + d]

@@ -202,11 +202,7 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
                          global const float *drow, global float *dk, global float *dv,
                          ulong tgt_len, ulong n_heads, ulong src_len, ulong src_len_padded,
                          float scale,
-                         global const uchar *attn_mask, ulong attn_off, uint attn_kind,
-                         uint attn_layout,
-                         global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal,
-                         uint dropout_on, uint dropout_threshold, float keep_scale,
-                         uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+                         MASK_PARAMS) {
     local float qt[HD * BT];   // the query tile, scaled and transposed: qt[d * BT + ii]
     local float dot_t[HD * BT];  // its dO rows, transposed
     local float qs[BT * HD];   // the query tile's rows (unscaled): qs[ii * HD + d]
@@ -336,11 +332,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
                        global const float *drow, global float *dq,
                        ulong tgt_len, ulong n_heads, ulong src_len, ulong src_len_padded,
                        float scale,
-                       global const uchar *attn_mask, ulong attn_off, uint attn_kind,
-                       uint attn_layout,
-                       global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal,
-                       uint dropout_on, uint dropout_threshold, float keep_scale,
-                       uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+                       MASK_PARAMS) {
     local float kt[HD * BT];  // the key tile, transposed: kt[d * BT + jj]
     local float vt[HD * BT];  // the value tile, transposed
     local float ks[BT * HD];  // the key tile's rows: ks[jj * HD + d]
@@ -453,11 +445,7 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
                          global const float *drow, global float *dk, global float *dv,
                          ulong tgt_len, ulong n_heads, ulong src_len, ulong src_len_padded,
                          float scale,
-                         global const uchar *attn_mask, ulong attn_off, uint attn_kind,
-                         uint attn_layout,
-                         global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal,
-                         uint dropout_on, uint dropout_threshold, float keep_scale,
-                         uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+                         MASK_PARAMS) {
     local float qs[B * HD];   // the query tile's rows
     local float dos[B * HD];  // the query tile's dO rows
     local float ls[B];        // their log-sum-exp (-inf: no probability, also past the end)
@@ -551,11 +539,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
                        global const float *drow, global float *dq,
                        ulong tgt_len, ulong n_heads, ulong src_len, ulong src_len_padded,
                        float scale,
-                       global const uchar *attn_mask, ulong attn_off, uint attn_kind,
-                       uint attn_layout,
-                       global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal,
-                       uint dropout_on, uint dropout_threshold, float keep_scale,
-                       uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+                       MASK_PARAMS) {
     local float ks[B * HD];  // the key tile's rows
     local float vs[B * HD];  // the value tile's rows
 
@@ -643,12 +627,7 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
                                  global const float *drow, ulong row0, ulong rows, ulong plane0,
                                  ulong cols, ulong tgt_len, ulong n_heads, ulong src_len,
                                  float scale,
-                                 global const uchar *attn_mask, ulong attn_off, uint attn_kind,
-                                 uint attn_layout,
-                                 global const uchar *kpm, ulong kpm_off, uint kpm_kind,
-                                 uint causal,
-                                 uint dropout_on, uint dropout_threshold, float keep_scale,
-                                 uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+                                 MASK_PARAMS) {
     ulong t = get_global_id(1);
     ulong bh = plane0 + t / cols, j = t % cols, n = bh / n_heads;
     global const float *lrow = lse + bh * tgt_len + row0, *drw = drow + bh * tgt_len + row0;

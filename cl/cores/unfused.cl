@@ -26,12 +26,7 @@ kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void masked_softmax(global float *scores, ulong n_rows, ulong row_off, ulong tgt_len,
                     ulong n_heads,
                     ulong src_len, ulong src_len_padded,
-                    global const uchar *attn_mask, ulong attn_off, uint attn_kind,
-                    uint attn_layout,
-                    global const uchar *kpm, ulong kpm_off, uint kpm_kind,
-                    uint causal,
-                    uint dropout_on, uint dropout_threshold, float keep_scale,
-                    uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+                    MASK_PARAMS) {
     local float red[WG];
     ulong local_row = get_group_id(0);
     // No early return anywhere in this kernel: every work-item must reach every barrier, and

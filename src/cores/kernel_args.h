@@ -47,7 +47,8 @@ typedef struct clmha__mask_args {
 CLMHA__HIDDEN clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args *a,
                                                const clmha__dims *d);
 
-// The fields of a clmha__mask_args as kernel arguments, in order.
+// The fields of a clmha__mask_args as kernel arguments, in order: the kernels' MASK_PARAMS
+// (cl/common.cl).
 #define CLMHA__MASK_ARGS(m)                                                                   \
     CLMHA__ARG((m).attn), CLMHA__ARG((m).attn_off), CLMHA__ARG((m).attn_kind),                \
         CLMHA__ARG((m).attn_layout), CLMHA__ARG((m).kpm), CLMHA__ARG((m).kpm_off),            \
