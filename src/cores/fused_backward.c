@@ -364,9 +364,8 @@ static clmha_status launch_block(clmha_context *ctx, const clmha__fused_backward
     return err != CL_SUCCESS ? clmha__cl_fail(ctx, err, "fused_backward_block") : CLMHA_SUCCESS;
 }
 
-
 // The products in GEMMs, block by block: the query rows are cut into blocks (several whole
-// planes, or rows of one plane, per block: BLOCK_BYTES), and per block
+// planes, or rows of one plane, per block: block_floats()), and per block
 //   sᵀ = k qᵀ and dPdᵀ = v dOᵀ (GEMMs into the two block buffers, keys by rows),
 //   Pdᵀ and dSᵀ from them (fused_backward_block: masks, lse, dropout, Drow),
 //   dv += Pdᵀ dO, dk += scale dSᵀ q, dq = scale dS k (GEMMs; the first two read A as stored:
@@ -452,9 +451,10 @@ static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
     return CLMHA_SUCCESS;
 }
 
-// Drow = rowsum(dO * o) into the scratch, then dk and dv (one work-group per tile of key rows),
-// then dq (one per tile of query rows). The kernels only read what the others write through
-// the in-order queue.
+// Drow = rowsum(dO * o) into the scratch, then either the products in GEMMs (run_gemms(), where
+// gemms_for() says so) or dk and dv (one work-group per tile of key rows), then dq (one per
+// tile of query rows). The kernels only read what the others write through the in-order
+// queue.
 clmha_status clmha__fused_backward_run(clmha_layer *l, clmha__backward_call *call) {
     clmha_context *ctx = l->ctx;
     const clmha__dims *d = call->dims;
