@@ -363,20 +363,7 @@ static clmha_status column_sums(pass *p, cl_mem x, size_t x_off, size_t rows, in
                                 size_t out_part) {
     clmha_layer *l = p->l;
     const clmha_grad *gr = clmha__backward_grad(p->a, g);
-    clmha_status st;
-    if (p->s->ones_cap < rows) {
-        if ((st = clmha__layer_grow_core_scratch(l, &p->s->ones, &p->s->ones_cap, rows,
-                                                 "backward column of ones")))
-            return st;
-        const float one = 1.0f;
-        cl_int err = clEnqueueFillBuffer(l->ctx->queue, p->s->ones, &one, sizeof one, 0,
-                                         p->s->ones_cap * sizeof one, 0, NULL, NULL);
-        if (err != CL_SUCCESS) {
-            p->s->ones_cap = 0;  // filled on the next call
-            return clmha__cl_fail(l->ctx, err, "clEnqueueFillBuffer(ones)");
-        }
-    }
-    size_t e = p->d->e;
+    size_t e = p->d->e;  // rows <= p->s->ones_cap: made before anything was enqueued
     return gemm(l->ctx, "bias gradient", true, false, e, 1, rows, x, x_off, e, p->s->ones, 0, 1,
                 gr->accumulate ? 1.0f : 0.0f, gr->buffer, gr->offset + out_part * e, 1);
 }
@@ -552,6 +539,10 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
     // The layer's scratch, sized for this call before the core sees it (a core that reserves
     // the scores, clmha__layer_reserve(), then grows nothing else).
     if ((st = clmha__layer_reserve(layer, &d, false, false))) return st;
+    if ((args->in_proj_bias.buffer || args->out_proj_bias.buffer) &&
+        (st = clmha__layer_grow_ones(layer, &s->ones, &s->ones_cap,
+                                     d.n * (d.l > d.s ? d.l : d.s), "backward column of ones")))
+        return st;
     call.d_o = layer->tiles[CLMHA__TILE_OUT];
     call.dq = layer->tiles[CLMHA__TILE_Q];
     call.dk = layer->tiles[CLMHA__TILE_K];

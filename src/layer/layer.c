@@ -290,9 +290,10 @@ size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
     return floats * sizeof(float);
 }
 
-// Replaces *buf by one of @p need floats when it holds fewer.
-clmha_status clmha__grow_buffer(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t need,
-                                const char *what) {
+// Replaces *buf by one of @p need floats when it holds fewer: uninitialised, or (ones) every
+// float 1, copied from a host array when the buffer is made.
+static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t need,
+                         const char *what, bool ones) {
     if (need <= *cap && *buf) return CLMHA_SUCCESS;
     cl_ulong limit = clmha__max_alloc(ctx);
     if (need > SIZE_MAX / sizeof(float) || (cl_ulong)need * sizeof(float) > limit)
@@ -300,9 +301,17 @@ clmha_status clmha__grow_buffer(clmha_context *ctx, cl_mem *buf, size_t *cap, si
                            "%s scratch needs %zu bytes, more than this device's largest "
                            "allocation (%llu bytes)",
                            what, need * sizeof(float), (unsigned long long)limit);
+    float *host = NULL;
+    if (ones) {
+        if (!(host = malloc(need * sizeof *host)))
+            return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+        for (size_t i = 0; i < need; ++i) host[i] = 1.0f;
+    }
     cl_int err;
     clmha__count(ctx, 0, 1);
-    cl_mem m = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, need * sizeof(float), NULL, &err);
+    cl_mem m = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE | (ones ? CL_MEM_COPY_HOST_PTR : 0),
+                              need * sizeof(float), host, &err);
+    free(host);
     clmha__held_new(CLMHA__HELD_MEM, m);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, what);
     release_mem(buf);  // freed by the driver once queued work that uses it has finished
@@ -311,10 +320,23 @@ clmha_status clmha__grow_buffer(clmha_context *ctx, cl_mem *buf, size_t *cap, si
     return CLMHA_SUCCESS;
 }
 
+clmha_status clmha__grow_buffer(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t need,
+                                const char *what) {
+    return grow(ctx, buf, cap, need, what, false);
+}
+
 clmha_status clmha__layer_grow_core_scratch(clmha_layer *layer, cl_mem *buf, size_t *cap,
                                             size_t need, const char *what) {
     size_t before = *cap;
-    clmha_status st = clmha__grow_buffer(layer->ctx, buf, cap, need, what);
+    clmha_status st = grow(layer->ctx, buf, cap, need, what, false);
+    layer->cores_scratch_cap += *cap - before;
+    return st;
+}
+
+clmha_status clmha__layer_grow_ones(clmha_layer *layer, cl_mem *buf, size_t *cap, size_t need,
+                                    const char *what) {
+    size_t before = *cap;
+    clmha_status st = grow(layer->ctx, buf, cap, need, what, true);
     layer->cores_scratch_cap += *cap - before;
     return st;
 }

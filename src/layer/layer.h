@@ -104,6 +104,13 @@ CLMHA__HIDDEN clmha_status clmha__zero_buffer(clmha_context *ctx, size_t count, 
 CLMHA__HIDDEN clmha_status clmha__grow_buffer(clmha_context *ctx, cl_mem *buf, size_t *cap,
                                               size_t need, const char *what);
 
+// clmha__layer_grow_core_scratch() for a buffer of ones (the column of the bias gradients'
+// GEMMs): made filled, from a host array (CL_MEM_COPY_HOST_PTR), so that no command is enqueued
+// and every tool sees it written (Oclgrind's check of uninitialised values does not count
+// clEnqueueFillBuffer).
+CLMHA__HIDDEN clmha_status clmha__layer_grow_ones(clmha_layer *layer, cl_mem *buf, size_t *cap,
+                                                  size_t need, const char *what);
+
 // clmha__grow_buffer() for a buffer a core keeps in its state, counted in the layer's scratch
 // (clmha_layer_scratch_bytes()).
 CLMHA__HIDDEN clmha_status clmha__layer_grow_core_scratch(clmha_layer *layer, cl_mem *buf,
