@@ -101,19 +101,11 @@ kernel void merge_heads(global const float *heads, ulong heads_off, global float
 }
 
 // out[r, c] = bias[c] (or 0 without bias) for rows x cols: the C operand of a GEMM with beta 1.
-// by_row: one work-item per row (CPU classes: a 64-bit modulo per element cost PoCL ~2 ms at
-// 2048 x 512, a third of the GEMM after it), else one per element (coalesced stores).
 kernel void fill_rows(global float *out, ulong out_off, global const float *bias, uint has_bias,
-                      ulong rows, ulong cols, uint by_row) {
+                      ulong rows, ulong cols) {
     ulong gid = get_global_id(0);
-    if (by_row) {
-        if (gid >= rows) return;
-        global float *o = out + out_off + gid * cols;
-        for (ulong c = 0; c < cols; ++c) o[c] = has_bias ? bias[c] : 0.0f;
-    } else {
-        if (gid >= rows * cols) return;
-        out[out_off + gid] = has_bias ? bias[gid % cols] : 0.0f;
-    }
+    if (gid >= rows * cols) return;
+    out[out_off + gid] = has_bias ? bias[gid % cols] : 0.0f;
 }
 
 // out[n, i, j] = sum over h of w[n * H + h, i, j], divided by H (PyTorch sums, then divides).

@@ -205,10 +205,9 @@ static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out
     size_t rows = d->n * d->l, e = l->e;
     if (l->desc.bias) {
         cl_ulong off = out_off, r = rows, c = e;
-        cl_uint has_bias = 1, by_row = !ctx->cls->coalesced;
-        arg args[] = {ARG(out), ARG(off), ARG(l->b_out), ARG(has_bias), ARG(r), ARG(c),
-                      ARG(by_row)};
-        clmha_status st = clmha__launch(ctx, l->fill_rows, "fill_rows", by_row ? rows : rows * e,
+        cl_uint has_bias = 1;
+        arg args[] = {ARG(out), ARG(off), ARG(l->b_out), ARG(has_bias), ARG(r), ARG(c)};
+        clmha_status st = clmha__launch(ctx, l->fill_rows, "fill_rows", rows * e,
                                         l->heads_wg, args, sizeof args / sizeof args[0]);
         if (st) return st;
     }
