@@ -194,6 +194,15 @@ CASES = [
       per_head=True, special="full_kpm_appended"),
     # dropout is inactive in eval
     C("dropout_eval", dropout=0.5, L=4, attn="bool_ignore"),
+    # causal self-attention as incremental decoding reproduces it through a KV cache
+    # (tests/test_kv_cache.c), with the appended keys visible to every query
+    C("decode_causal_bias_kv", E=16, H=4, L=7, causal=True, add_bias_kv=True,
+      need_weights=False),
+    C("decode_causal_zero_attn_batch_first", E=16, H=4, L=6, N=3, causal=True,
+      add_zero_attn=True, batch_first=True, need_weights=False),
+    C("decode_causal_appended_unbatched", N=None, L=5, causal=True, add_bias_kv=True,
+      add_zero_attn=True, need_weights=False),
+    C("decode_causal_long", E=16, H=2, L=40, N=1, causal=True, need_weights=False),
 ]
 
 
