@@ -262,6 +262,9 @@ typedef struct clmha_context clmha_context;
 typedef struct clmha_layer clmha_layer;
 /// What one forward call keeps for its backward pass (see ::clmha_saved and the Training section).
 typedef struct clmha_saved clmha_saved;
+/// The projected keys and values of earlier tokens, for incremental decoding (see
+/// ::clmha_kv_cache and the Incremental decoding section).
+typedef struct clmha_kv_cache clmha_kv_cache;
 
 // ---------------------------------------------------------------------------------------------
 // Devices
@@ -1002,6 +1005,16 @@ typedef struct clmha_forward_args {
     struct clmha_saved *save;      ///< optional: keep what clmha_layer_backward() needs in this
                                    ///< object (see ::clmha_saved); NULL: nothing is kept. Added
                                    ///< after 0.1.0: zero-initialise the whole struct.
+    struct clmha_kv_cache *kv_cache;  ///< optional: incremental decoding through this cache
+                                      ///< (see ::clmha_kv_cache): the new key/value tokens are
+                                      ///< appended to it and the queries attend over all it
+                                      ///< holds. Added after 0.1.0, like @ref save.
+    const size_t *kv_append;       ///< with @ref kv_cache: N counts (1 unbatched), how many of
+                                   ///< each sequence's S new key/value tokens (the first ones)
+                                   ///< to append; NULL: all S of every sequence
+    bool kv_attend_only;           ///< with @ref kv_cache: append nothing, attend over the cache
+                                   ///< as it is (cross-attention decoding once the keys are in);
+                                   ///< key and value must then be absent (ndim 0)
 } clmha_forward_args;
 
 /// What a user attention core receives. Layouts: q (N*H, L, D), k and v (N*H, S', D), out
@@ -1154,6 +1167,85 @@ CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
                                                 const clmha_forward_args *args, float *output,
                                                 size_t output_count, float *weights,
                                                 size_t weights_count);
+
+// ---------------------------------------------------------------------------------------------
+// Incremental decoding: the KV cache
+// ---------------------------------------------------------------------------------------------
+
+/// @struct clmha_kv_cache
+/// The keys and values of the tokens seen so far, for each of `batch` sequences, as the attention
+/// core sees them: projected, in_proj_bias added, split into heads ((batch, H, capacity, D) floats
+/// each, on the device). A forward call with clmha_forward_args::kv_cache projects only its new
+/// key/value tokens, appends them after each sequence's cached ones (clmha_forward_args::kv_append
+/// says how many per sequence: ragged batches), and attends its queries over everything the cache
+/// then holds for their sequence. Feeding a sequence through the cache in chunks (or token by
+/// token) gives the one-shot forward's output, chunk by chunk.
+///
+/// - is_causal with a cache is **bottom-right aligned**: new query i of a sequence that held
+///   `len` tokens before the call sees cache positions 0 … len + i (so with as many new queries
+///   as new tokens, query i sees itself and everything before it, as in the one-shot causal
+///   forward). Without is_causal every query sees all of its sequence's cached tokens.
+/// - bias_k/bias_v (add_bias_kv) and the zero key of add_zero_attn are not stored: every call
+///   appends them after the cached keys, as the one-shot forward appends them after all S keys,
+///   visible to every query.
+/// - Calls with a cache run the decode core: keys are split across work-groups (split-K), each
+///   part gives a partial result and its log-sum-exp, and a second kernel combines them, so a
+///   step with one query row still fills the device. It does not return weights, apply
+///   attn_mask, key_padding_mask or dropout, save for a backward pass, or run a user core:
+///   such calls return ::CLMHA_UNSUPPORTED.
+/// - Capacity: a call that would make a sequence longer than the capacity is refused
+///   (::CLMHA_SHAPE_MISMATCH) before anything is enqueued, and the cache is unchanged.
+///
+/// The lengths are host-side bookkeeping, updated when a call is enqueued; a call that fails
+/// leaves them unchanged. A cache belongs to the layer it was made for and must not be used by
+/// two threads at once.
+
+/// Makes an empty cache for forward calls of @p layer.
+/// @param[out] out       the new cache, or NULL on failure
+/// @param[in]  layer     the layer whose calls will use it
+/// @param[in]  batch     N, the sequences (1 for unbatched calls)
+/// @param[in]  capacity  the most tokens each sequence may hold
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, @p batch or @p capacity 0, a
+///         capacity of 2^32 tokens or more), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY (also
+///         a cache larger than the device's largest allocation), ::CLMHA_OPENCL_ERROR
+CLMHA_API clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer,
+                                             size_t batch, size_t capacity);
+
+/// Frees a cache. Work already enqueued that uses it keeps its buffers until it finishes.
+/// @param[in] cache  the cache (NULL is ignored)
+CLMHA_API void clmha_kv_cache_release(clmha_kv_cache *cache);
+
+/// Empties every sequence of the cache (lengths 0). Nothing is enqueued.
+/// @param[in] cache  the cache
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL)
+CLMHA_API clmha_status clmha_kv_cache_reset(clmha_kv_cache *cache);
+
+/// Shortens sequences (speculative decoding rolls back rejected tokens): sequence n keeps its
+/// first @p lengths[n] tokens. Nothing is enqueued; later calls overwrite the dropped tokens.
+/// @param[in] cache    the cache
+/// @param[in] lengths  the batch's new lengths, each at most the sequence's current length
+/// @param[in] count    entries in @p lengths: the cache's batch
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, a length longer than the sequence
+///         holds), ::CLMHA_SHAPE_MISMATCH (@p count is not the batch); on failure nothing changes
+CLMHA_API clmha_status clmha_kv_cache_truncate(clmha_kv_cache *cache, const size_t *lengths,
+                                               size_t count);
+
+/// The tokens each sequence holds (cache_seqlens).
+/// @param[in]  cache    the cache
+/// @param[out] lengths  room for @p count lengths
+/// @param[in]  count    the cache's batch
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL), ::CLMHA_SHAPE_MISMATCH (@p count
+///         is not the batch)
+CLMHA_API clmha_status clmha_kv_cache_lengths(const clmha_kv_cache *cache, size_t *lengths,
+                                              size_t count);
+
+/// The capacity and batch the cache was made with.
+/// @param[in]  cache     the cache
+/// @param[out] batch     its batch (may be NULL)
+/// @param[out] capacity  its capacity in tokens per sequence (may be NULL)
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p cache NULL)
+CLMHA_API clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *batch,
+                                           size_t *capacity);
 
 // ---------------------------------------------------------------------------------------------
 // Training: the backward pass

@@ -25,6 +25,7 @@ LAYERS = [
     (5, "context", ["context/"]),
     (6, "layer", ["layer/"]),
     (7, "cores", ["cores/"]),
+    (7, "cache", ["cache/"]),  # the KV cache of incremental decoding (its core is cores/decode.c)
     (8, "forward", ["forward/"]),
     (9, "backward", ["backward/"]),  # training: the backward pass (the saved state is forward/)
     (9, "formats", ["formats/"]),

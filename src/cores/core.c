@@ -4,9 +4,11 @@
 #include "cores/fused.h"
 
 // The cores, each defined in its own file (src/cores/NAME.c), which declares it too.
-CLMHA__HIDDEN extern const clmha__core clmha__core_user, clmha__core_fused, clmha__core_unfused;
+CLMHA__HIDDEN extern const clmha__core clmha__core_decode, clmha__core_user, clmha__core_fused,
+    clmha__core_unfused;
 
 static const clmha__core *const cores[] = {
+    &clmha__core_decode,   // calls with a KV cache, and only those
     &clmha__core_user,     // the caller's clmha_attention_fn, when one is set
     &clmha__core_fused,    // no weights asked for, or CLMHA_IMPL_FUSED; built on first use
     &clmha__core_unfused,  // everything else, and wherever the fused core cannot run

@@ -22,6 +22,7 @@
 #include "clmha.h"
 
 #include "base/defs.h"
+#include "cache/kv_cache.h"
 #include "layer/layer.h"
 #include "layer/shape.h"
 
@@ -37,6 +38,11 @@ typedef struct clmha__core_call {
     // lse_written.
     cl_mem lse;
     bool lse_written;
+    // With a KV cache (clmha_forward_args::kv_cache; only the decode core runs such calls):
+    // the call's plan of lengths, and whether the new key and value tiles are to be appended
+    // (false: kv_attend_only, no new keys).
+    const clmha__kv_plan *kv;
+    bool kv_append;
 } clmha__core_call;
 
 // One backward call of a core: what the forward call saved, the gradient of the attention

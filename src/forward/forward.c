@@ -57,13 +57,63 @@ static clmha_status check_aliasing(clmha_context *ctx, const clmha_forward_args 
     return clmha__check_overlaps(ctx, all, n, outputs);
 }
 
+// What a call with a KV cache may not ask for (the decode core's limits: include/clmha.h,
+// "Incremental decoding").
+static clmha_status check_cache_call(clmha_layer *layer, const clmha_forward_args *a) {
+    clmha_context *ctx = layer->ctx;
+    const char *no = NULL;
+    if (layer->core) no = "a user attention core (clmha_layer_set_attention())";
+    else if (a->need_weights) no = "need_weights";
+    else if (a->attn_mask.kind != CLMHA_MASK_NONE) no = "attn_mask";
+    else if (a->key_padding_mask.kind != CLMHA_MASK_NONE)
+        no = "key_padding_mask (say how many new tokens are real with kv_append)";
+    else if (a->training && layer->desc.dropout > 0.0f) no = "dropout (training)";
+    else if (a->save) no = "save (the backward pass)";
+    else if (a->impl != CLMHA_IMPL_AUTO) no = "impl other than CLMHA_IMPL_AUTO";
+    if (no)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "a forward call with kv_cache runs the decode core, which does not "
+                           "take %s",
+                           no);
+    if (a->kv_attend_only && (a->key.ndim || a->value.ndim))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "kv_attend_only appends nothing: key and value must be absent "
+                           "(ndim 0)");
+    if (a->kv_attend_only && a->kv_append)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "kv_attend_only appends nothing: kv_append must be NULL");
+    return CLMHA_SUCCESS;
+}
+
+// Resolves the sizes of @p args. A call with kv_attend_only has no key or value: its sizes
+// are resolved as if key and value had the query's shape with kdim and vdim features, and
+// nothing reads them (key_is_query and value_is_key).
+static clmha_status resolve(clmha_layer *layer, const clmha_forward_args *args, clmha__dims *d) {
+    char msg[1024];
+    clmha_forward_args shaped;
+    if (args->kv_cache && args->kv_attend_only) {
+        shaped = *args;
+        shaped.key = shaped.value = args->query;
+        if (args->query.ndim >= 2) {
+            shaped.key.shape[args->query.ndim - 1] = layer->desc.kdim;
+            shaped.value.shape[args->query.ndim - 1] = layer->desc.vdim;
+        }
+        args = &shaped;
+    }
+    clmha_status st = clmha__dims_resolve(&layer->desc, args, d, msg, sizeof msg);
+    if (st) return clmha__fail(layer->ctx, st, "%s", msg);
+    if (args == &shaped) d->key_is_query = d->value_is_key = true;
+    return CLMHA_SUCCESS;
+}
+
 // Everything a forward call checks before it enqueues anything (forward.h).
 clmha_status clmha__forward_validate(clmha_layer *layer, const clmha_forward_args *args,
                              bool on_device, clmha__dims *d) {
     clmha_context *ctx = layer->ctx;
     char msg[1024];
-    clmha_status st = clmha__dims_resolve(&layer->desc, args, d, msg, sizeof msg);
-    if (st) return clmha__fail(ctx, st, "%s", msg);
+    clmha_status st;
+    if (args->kv_cache && (st = check_cache_call(layer, args))) return st;
+    if ((st = resolve(layer, args, d))) return st;
     if (args->impl != CLMHA_IMPL_AUTO && args->impl != CLMHA_IMPL_FUSED &&
         args->impl != CLMHA_IMPL_UNFUSED)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
@@ -112,8 +162,9 @@ typedef struct scratch {
 
 // 1. Input projections: one GEMM for packed QKV (self-attention), one for K and V when they
 //    are the same tensor, else one each.
+// Without @p kv (a call with kv_attend_only) only the query projection.
 static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
-                            scratch *s) {
+                            bool kv, scratch *s) {
     clmha_context *ctx = l->ctx;
     size_t e = l->e, kd = d->kdim, vd = d->vdim;
     size_t rows_q = d->n * d->l, rows_kv = d->n * d->s;
@@ -126,6 +177,11 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
                 kd == e && vd == e;
     bool kv_same = value == key && value_off == key_off && kd == vd;
     clmha_status st;
+    if (!kv) {  // kv_attend_only: the queries alone
+        *s = (scratch){.ld_q = e};
+        return clmha__gemm_nt(ctx, "query projection", rows_q, e, e, a->query.buffer,
+                              a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0, e);
+    }
 
     if (self && kv_same) {  // (L*N, E) · in_proj_weightᵀ → (L*N, 3E)
         *s = (scratch){.ld_q = 3 * e, .ld_k = 3 * e, .ld_v = 3 * e, .col_k = e, .col_v = 2 * e};
@@ -176,15 +232,19 @@ static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_
                         l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
-static clmha_status split(clmha_layer *l, const clmha__dims *d, scratch *s) {
+// With a KV cache (@p cached) the key and value tiles hold the new tokens alone, without the
+// appended keys (the decode core adds those after the cached ones), or are not made at all
+// (no @p kv: kv_attend_only).
+static clmha_status split(clmha_layer *l, const clmha__dims *d, bool kv, bool cached,
+                          scratch *s) {
     clmha_status st;
+    size_t s_out = cached ? d->s : d->s_padded;
     if ((st = split_one(l, d, s->proj_q, s->ld_q, s->col_q, 0, CLMHA__TILE_Q, d->l, d->l)))
         return st;
-    if ((st = split_one(l, d, s->proj_k, s->ld_k, s->col_k, l->e, CLMHA__TILE_K, d->s,
-                        d->s_padded)))
+    if (!kv) return CLMHA_SUCCESS;
+    if ((st = split_one(l, d, s->proj_k, s->ld_k, s->col_k, l->e, CLMHA__TILE_K, d->s, s_out)))
         return st;
-    return split_one(l, d, s->proj_v, s->ld_v, s->col_v, 2 * l->e, CLMHA__TILE_V, d->s,
-                     d->s_padded);
+    return split_one(l, d, s->proj_v, s->ld_v, s->col_v, 2 * l->e, CLMHA__TILE_V, d->s, s_out);
 }
 
 // 6. Merge heads back into rows (L*N or N*L, E), into the free projection buffer.
@@ -251,9 +311,7 @@ clmha_status clmha_layer_output_counts(clmha_layer *layer, const clmha_forward_a
     clmha_status st = args_in(layer->ctx, &in, &args);
     if (st) return st;
     clmha__dims d;
-    char msg[1024];
-    st = clmha__dims_resolve(&layer->desc, args, &d, msg, sizeof msg);
-    if (st) return clmha__fail(layer->ctx, st, "%s", msg);
+    if ((st = resolve(layer, args, &d))) return st;
     if (output_count) *output_count = d.output_count;
     if (weights_count) *weights_count = d.weights_count;
     return CLMHA_SUCCESS;
@@ -273,10 +331,12 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
     clmha__layer_marks_release(layer);
     scratch s;
     if ((st = clmha__layer_mark(layer, 0))) return st;
-    if ((st = project(layer, args, d, &s)) ||
+    bool kv = !(args->kv_cache && args->kv_attend_only);
+    if ((st = project(layer, args, d, kv, &s)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
-    if ((st = split(layer, d, &s)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
+    if ((st = split(layer, d, kv, args->kv_cache != NULL, &s)) ||
+        (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
         return st;
     if ((st = core->run(layer, call))) return st;
     if ((st = merge(layer, d)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))
@@ -290,6 +350,12 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
         return st;
     return clmha__enqueue_event(ctx, event);
 }
+
+static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args *args,
+                                    const clmha__dims *dims, clmha__core_call *callp,
+                                    cl_mem output, size_t output_offset, cl_mem weights,
+                                    size_t weights_offset, cl_uint num_wait,
+                                    const cl_event *wait_list, cl_event *event);
 
 static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, cl_mem output,
                             size_t output_offset, cl_mem weights, size_t weights_offset,
@@ -323,6 +389,30 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
     // The core: the user's, else fused or unfused (see clmha_impl and src/cores/core.c).
     clmha__core_call call = {.args = args, .dims = &d, .weights = weights,
                              .weights_offset = weights_offset};
+    clmha__kv_plan plan = {0};
+    if (args->kv_cache) {
+        if ((st = clmha__kv_plan_make(args->kv_cache, layer, d.n,
+                                      args->kv_attend_only ? 0 : d.s, args->kv_append, &plan)))
+            return st;
+        call.kv = &plan;
+        call.kv_append = !args->kv_attend_only;
+    }
+    st = forward_planned(layer, args, &d, &call, output, output_offset, weights, weights_offset,
+                         num_wait, wait_list, event);
+    if (!st && args->kv_cache) clmha__kv_plan_commit(&plan);
+    clmha__kv_plan_release(&plan);
+    return st;
+}
+
+// The rest of a checked call: the core, the scratch, the saved state, the stages.
+static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args *args,
+                                    const clmha__dims *dims, clmha__core_call *callp,
+                                    cl_mem output, size_t output_offset, cl_mem weights,
+                                    size_t weights_offset, cl_uint num_wait,
+                                    const cl_event *wait_list, cl_event *event) {
+    clmha_status st;
+    const clmha__dims d = *dims;
+    clmha__core_call call = *callp;
     const clmha__core *core;
     if ((st = clmha__core_select(layer, &call, &core))) return st;
     layer->last_core = core;

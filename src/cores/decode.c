@@ -1,0 +1,180 @@
+// The decode core: the attention of calls with a KV cache (clmha_forward_args::kv_cache), split-K
+// (kernels cl/cores/decode.cl). It appends the call's new key and value head tiles to the
+// cache, then cuts every sequence's cached keys into `parts` ranges scored by separate
+// work-items (decode_partial: a partial softmax per range) and merges the ranges of each query
+// row (decode_combine), so that a step with one query row per head still fills the device.
+// Its scratch, the partial results, is its own (kept in its state).
+#include "cores/decode.h"
+
+#include "cache/kv_cache.h"
+#include "cores/core.h"
+#include "cores/fused.h"
+#include "cores/kernel_args.h"
+#include "device/held.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef clmha__arg arg;
+#define ARG CLMHA__ARG
+
+CLMHA__HIDDEN extern const clmha__core clmha__core_decode;  // this core, at the end of this file
+
+typedef struct state {
+    cl_kernel append, partial, combine;  // built on first use
+    size_t vw, wg;                       // their vector width, their launches' work-group
+    clmha_status failed;                 // why they cannot be built here (then not retried)
+    cl_mem part_acc, part_ms;            // the partial results, grown on demand (floats)
+    size_t acc_cap, ms_cap;
+} state;
+
+static state *state_of(const clmha_layer *l) { return clmha__core_state(l, &clmha__core_decode); }
+
+static clmha_status create(clmha_layer *l, void **out) {
+    *out = calloc(1, sizeof(state));
+    return *out ? CLMHA_SUCCESS : clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+}
+
+static void release_kernels(state *s) {
+    clmha__release_kernel(s->append);
+    clmha__release_kernel(s->partial);
+    clmha__release_kernel(s->combine);
+    s->append = s->partial = s->combine = NULL;
+}
+
+static void release(void *p) {
+    state *s = p;
+    if (!s) return;
+    release_kernels(s);
+    clmha__release_mem(s->part_acc);
+    clmha__release_mem(s->part_ms);
+    free(s);
+}
+
+// Builds the three kernels for head_dim D, G query heads per KV head, and the vector width of
+// the fused core narrowed to divide D (1 where vector types are unsafe).
+static clmha_status build(clmha_layer *l, state *s, size_t group) {
+    clmha_context *ctx = l->ctx;
+    size_t want = clmha__fused_default_vw(ctx), vw = 16;
+    while (vw > 1 && (vw > want || l->d % vw)) vw /= 2;
+    if (ctx->quirks.no_vload) vw = 1;
+    char options[96];
+    snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu", l->d, group, vw);
+    cl_program prog;
+    clmha_status st = clmha__program_get(ctx, "decode", options, &prog);
+    if (st || (st = clmha__kernel_make(ctx, prog, "decode_append", &s->append)) ||
+        (st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial)) ||
+        (st = clmha__kernel_make(ctx, prog, "decode_combine", &s->combine))) {
+        release_kernels(s);
+        return st;
+    }
+    // One work-item per group on CPUs (each runs its range's loop in vector registers); 64 on
+    // GPUs, within every kernel's limit.
+    s->wg = ctx->cls->coalesced ? 64 : 1;
+    cl_kernel ks[] = {s->append, s->partial, s->combine};
+    for (size_t i = 0; i < 3; ++i) {
+        size_t wg;
+        if ((st = clmha__kernel_limits(ctx, ks[i], &wg, NULL))) {
+            release_kernels(s);
+            return st;
+        }
+        while (s->wg > wg) s->wg /= 2;
+    }
+    s->vw = vw;
+    return CLMHA_SUCCESS;
+}
+
+static clmha_status ensure(clmha_layer *l, state **out) {
+    state *s = *out = state_of(l);
+    if (s->partial) return CLMHA_SUCCESS;
+    if (s->failed)
+        return clmha__fail(l->ctx, s->failed,
+                           "the decode kernels could not be built for head_dim %zu on this "
+                           "device: %s",
+                           l->d, clmha_status_string(s->failed));
+    clmha_status st = build(l, s, 1);
+    if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) s->failed = st;
+    return st;
+}
+
+static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool *yes) {
+    *yes = call->kv != NULL;
+    if (!*yes) return CLMHA_SUCCESS;
+    state *s;
+    return ensure(l, &s);
+}
+
+static size_t test_parts;
+
+void clmha__test_set_decode_parts(size_t parts) { test_parts = parts; }
+
+// How many ranges each sequence's keys are cut into: enough work-items for the device (8 per
+// compute unit on CPUs, 256 on GPUs) over the query rows, each range at least 64 keys of the
+// longest sequence; CLMHA_DECODE_PARTS or the test hook fix it.
+static size_t parts_for(const clmha_context *ctx, size_t rows, size_t longest) {
+    if (test_parts) return test_parts;
+    const char *env = getenv("CLMHA_DECODE_PARTS");
+    if (env && atoi(env) > 0) return (size_t)atoi(env);
+    size_t cu = ctx->info.compute_units ? ctx->info.compute_units : 1;
+    size_t want = cu * (ctx->cls->coalesced ? 256 : 8);
+    size_t parts = (want + rows - 1) / rows;
+    size_t most = (longest + 63) / 64;
+    if (parts > most) parts = most;
+    return parts ? parts : 1;
+}
+
+static clmha_status run(clmha_layer *l, clmha__core_call *call) {
+    const clmha__dims *d = call->dims;
+    const clmha__kv_plan *kv = call->kv;
+    const clmha_kv_cache *c = kv->cache;
+    clmha_context *ctx = l->ctx;
+    state *s;
+    clmha_status st = ensure(l, &s);
+    if (st) return st;
+    cl_ulong src = d->s, kvh = c->kv_heads, cap = c->capacity, heads = l->h, tgt = d->l;
+    if (call->kv_append) {
+        cl_ulong rows = d->n * c->kv_heads * d->s;
+        arg args[] = {ARG(l->tiles[CLMHA__TILE_K]), ARG(l->tiles[CLMHA__TILE_V]), ARG(c->k),
+                      ARG(c->v), ARG(kv->lens), ARG(src), ARG(kvh), ARG(cap), ARG(rows)};
+        if ((st = clmha__launch(ctx, s->append, "decode_append", rows, s->wg, args,
+                                sizeof args / sizeof args[0])))
+            return st;
+    }
+    size_t q_rows = d->n * l->h * d->l;
+    cl_uint parts = (cl_uint)parts_for(ctx, d->n * c->kv_heads * d->l, kv->max_new);
+    if ((st = clmha__layer_grow_core_scratch(l, &s->part_acc, &s->acc_cap, q_rows * parts * l->d,
+                                             "decode partial results")) ||
+        (st = clmha__layer_grow_core_scratch(l, &s->part_ms, &s->ms_cap, q_rows * parts * 2,
+                                             "decode partial maxima and sums")))
+        return st;
+    float scale = (float)(1.0 / sqrt((double)l->d));
+    cl_uint causal = call->args->is_causal;
+    cl_ulong items = d->n * c->kv_heads * d->l * parts;
+    {
+        arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(c->k), ARG(c->v), ARG(kv->lens),
+                      ARG(tgt), ARG(heads), ARG(kvh), ARG(cap), ARG(parts), ARG(causal),
+                      ARG(scale), ARG(s->part_acc), ARG(s->part_ms), ARG(items)};
+        if ((st = clmha__launch(ctx, s->partial, "decode_partial", items, s->wg, args,
+                                sizeof args / sizeof args[0])))
+            return st;
+    }
+    cl_mem bias_kv = l->desc.add_bias_kv ? l->bias_kv : ctx->dummy;
+    cl_uint has_bias_kv = l->desc.add_bias_kv, zero_attn = l->desc.add_zero_attn;
+    cl_ulong rows = q_rows;
+    arg args[] = {ARG(s->part_acc), ARG(s->part_ms), ARG(parts), ARG(l->tiles[CLMHA__TILE_Q]),
+                  ARG(bias_kv), ARG(has_bias_kv), ARG(zero_attn), ARG(heads), ARG(tgt),
+                  ARG(scale), ARG(l->tiles[CLMHA__TILE_OUT]), ARG(rows)};
+    if ((st = clmha__launch(ctx, s->combine, "decode_combine", rows, s->wg, args,
+                            sizeof args / sizeof args[0])))
+        return st;
+    return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
+}
+
+const clmha__core clmha__core_decode = {.name = "decode",
+                                        .create = create,
+                                        .release = release,
+                                        .supports = supports,
+                                        .uses_scores = false,
+                                        .run = run};

@@ -1,0 +1,537 @@
+// Incremental decoding through a KV cache (clmha_kv_cache, the decode core): feeding a sequence
+// chunk by chunk or token by token gives the one-shot forward's output, checked against the
+// double-precision CPU reference of the whole sequence (clmha_reference_forward): causal
+// self-attention, add_bias_kv and add_zero_attn, cross-attention with a fixed key/value
+// (kv_attend_only), ragged batches (kv_append), truncate and re-append, several key ranges per
+// sequence (split-K) merged; and the errors: capacity, batch, layer, options the decode core
+// does not take, truncate past a length. Every case prints its max abs error to stderr.
+#include <criterion/criterion.h>
+
+#include <clmha.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cores/decode.h"
+#include "golden_call.h"
+#include "random_case.h"
+#include "support.h"
+
+// Tolerance against the double reference for unit-scale inputs (float32 accumulation).
+#define TOL 2e-5
+
+// The reference output of the whole call of @p in (N*L*E floats, the query's layout).
+static double *reference_output(const instance *in) {
+    double *out = malloc(in->output_count * sizeof *out);
+    cr_assert(out, "out of memory");
+    char msg[512];
+    clmha_status st = clmha_reference_forward(&in->desc, &in->params, &in->args, out,
+                                              in->output_count, NULL, 0, msg, sizeof msg);
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_reference_forward: %s", msg);
+    return out;
+}
+
+// Rows t0 .. t1-1 of every sequence of a (T, N, F) or batch-first (N, T, F) tensor, in the same
+// layout with T = t1 - t0.
+static float *slice(const float *x, size_t n, size_t t, size_t f, bool batch_first, size_t t0,
+                    size_t t1) {
+    size_t c = t1 - t0;
+    float *out = malloc((n * c * f + 1) * sizeof *out);
+    cr_assert(out, "out of memory");
+    for (size_t b = 0; b < n; ++b)
+        for (size_t i = 0; i < c; ++i) {
+            size_t src = batch_first ? b * t + t0 + i : (t0 + i) * n + b;
+            size_t dst = batch_first ? b * c + i : i * n + b;
+            memcpy(out + dst * f, x + src * f, f * sizeof *out);
+        }
+    return out;
+}
+
+// Max abs error of rows t0 .. t1-1 of sequence b (@p got: the chunk's output, (c, N, E) or
+// batch first) against the reference of the whole call.
+static double chunk_err(const float *got, const double *want, size_t n, size_t t, size_t e,
+                        bool batch_first, size_t t0, size_t t1, size_t b) {
+    size_t c = t1 - t0;
+    double err = 0.0;
+    for (size_t i = 0; i < c; ++i) {
+        size_t g = batch_first ? b * c + i : i * n + b;
+        size_t w = batch_first ? b * t + t0 + i : (t0 + i) * n + b;
+        for (size_t k = 0; k < e; ++k) {
+            double d = fabs((double)got[g * e + k] - want[w * e + k]);
+            if (!(d <= err)) err = d;  // NaN wins
+        }
+    }
+    return err;
+}
+
+// Feeds the self-attention case @p in through a cache @p chunk tokens at a time (each call's
+// queries are its new tokens) and returns the max abs error against the one-shot forward.
+static double feed_self(clmha_context *ctx, const instance *in, size_t chunk) {
+    const rcase *c = &in->c;
+    size_t n = in->n, t = c->l, e = c->e;
+    clmha_layer *layer = instance_layer(ctx, in);
+    clmha_kv_cache *cache = NULL;
+    clmha_status st = clmha_kv_cache_create(&cache, layer, n, t);
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_kv_cache_create: %s", clmha_context_last_error(ctx));
+    double *want = reference_output(in);
+    double err = 0.0;
+    for (size_t t0 = 0; t0 < t; t0 += chunk) {
+        size_t t1 = t0 + chunk < t ? t0 + chunk : t;
+        float *q = slice(in->query, n, t, e, c->batch_first, t0, t1);
+        float *out = alloc_floats(n * (t1 - t0) * e);
+        clmha_forward_args a = {.struct_size = sizeof a, .is_causal = c->is_causal,
+                                .kv_cache = cache};
+        a.query = (clmha_tensor){.ndim = c->unbatched ? 2 : 3, .data = q};
+        if (c->unbatched) {
+            a.query.shape[0] = t1 - t0, a.query.shape[1] = e;
+        } else if (c->batch_first) {
+            a.query.shape[0] = n, a.query.shape[1] = t1 - t0, a.query.shape[2] = e;
+        } else {
+            a.query.shape[0] = t1 - t0, a.query.shape[1] = n, a.query.shape[2] = e;
+        }
+        st = clmha_layer_forward_host(layer, &a, out, n * (t1 - t0) * e, NULL, 0);
+        cr_assert_eq(st, CLMHA_SUCCESS, "forward with cache (tokens %zu..%zu): %s", t0, t1,
+                     clmha_context_last_error(ctx));
+        for (size_t b = 0; b < n; ++b) {
+            double x = chunk_err(out, want, n, t, e, c->batch_first && !c->unbatched, t0, t1, b);
+            if (!(x <= err)) err = x;
+        }
+        free(q);
+        free(out);
+    }
+    size_t lens[8];
+    cr_assert_eq(clmha_kv_cache_lengths(cache, lens, n), CLMHA_SUCCESS);
+    for (size_t b = 0; b < n; ++b) cr_expect_eq(lens[b], t, "sequence %zu holds %zu", b, lens[b]);
+    free(want);
+    clmha_kv_cache_release(cache);
+    clmha_layer_release(layer);
+    return err;
+}
+
+// A causal self-attention case: E 16, 4 heads, N 2, L = S = @p len.
+static rcase self_case(uint64_t seed, size_t len) {
+    rcase c = rcase_base(seed);
+    c.e = 16, c.h = 4, c.l = c.s = len;
+    c.self_attn = true, c.is_causal = true, c.need_weights = false;
+    return c;
+}
+
+static void check_self(const rcase *c, size_t chunk, size_t parts, const char *what) {
+    clmha_context *ctx = context_or_skip();
+    instance in;
+    instance_make(&in, c);
+    clmha__test_set_decode_parts(parts);
+    double err = feed_self(ctx, &in, chunk);
+    clmha__test_set_decode_parts(0);
+    fprintf(stderr, "kv_cache %s: chunk %zu, parts %zu: max abs err %.3g\n", what, chunk, parts,
+            err);
+    cr_expect(err <= TOL, "%s, chunk %zu, parts %zu: max abs err %g", what, chunk, parts, err);
+    instance_free(&in);
+    clmha_context_release(ctx);
+}
+
+Test(kv_cache, causal_token_by_token_and_chunks, .timeout = 300) {
+    rcase c = self_case(11, 13);
+    check_self(&c, 1, 0, "causal self-attention");
+    check_self(&c, 4, 0, "causal self-attention");
+    check_self(&c, 13, 0, "causal self-attention");
+    check_self(&c, 1, 3, "causal self-attention");   // several ranges, some empty
+    check_self(&c, 5, 16, "causal self-attention");  // more ranges than keys
+    c.batch_first = true;
+    check_self(&c, 3, 2, "causal, batch_first");
+    c.batch_first = false;
+    c.unbatched = true;
+    c.n = 1;
+    check_self(&c, 2, 0, "causal, unbatched");
+}
+
+Test(kv_cache, appended_keys, .timeout = 300) {
+    rcase c = self_case(12, 9);
+    c.add_bias_kv = true;
+    check_self(&c, 1, 0, "add_bias_kv");
+    c.add_zero_attn = true;
+    check_self(&c, 2, 3, "add_bias_kv and add_zero_attn");
+    c.add_bias_kv = false;
+    check_self(&c, 4, 0, "add_zero_attn");
+    c.bias = false;
+    check_self(&c, 3, 0, "add_zero_attn, no bias");
+}
+
+Test(kv_cache, not_causal, .timeout = 300) {
+    // Without is_causal every query sees the whole cache as it stands after its call: the
+    // last chunk's queries then see every key, as in the one-shot forward.
+    rcase c = self_case(13, 8);
+    c.is_causal = false;
+    clmha_context *ctx = context_or_skip();
+    instance in;
+    instance_make(&in, &c);
+    double err = feed_self(ctx, &in, 8);
+    fprintf(stderr, "kv_cache not causal, one chunk: max abs err %.3g\n", err);
+    cr_expect(err <= TOL, "max abs err %g", err);
+    instance_free(&in);
+    clmha_context_release(ctx);
+}
+
+Test(kv_cache, long_cache_split_k, .timeout = 300) {
+    // 300 tokens, 8 heads of 8: the default ranges (several per sequence on every device) and
+    // a forced 7, token by token over the last tokens.
+    rcase c = self_case(14, 300);
+    c.e = 64, c.h = 8, c.n = 1;
+    check_self(&c, 100, 0, "long cache");
+    check_self(&c, 60, 7, "long cache");
+}
+
+// Cross-attention: the fixed key/value (S tokens, kdim/vdim features) goes into the cache with
+// the first query chunk; the later chunks attend only (kv_attend_only).
+Test(kv_cache, cross_attention_attend_only, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    rcase c = rcase_base(15);
+    c.e = 16, c.h = 2, c.n = 3, c.l = 7, c.s = 10, c.kdim = 5, c.vdim = 6;
+    c.need_weights = false, c.add_bias_kv = true;
+    instance in;
+    instance_make(&in, &c);
+    size_t n = in.n, e = c.e;
+    double *want = reference_output(&in);
+    clmha_layer *layer = instance_layer(ctx, &in);
+    clmha_kv_cache *cache;
+    cr_assert_eq(clmha_kv_cache_create(&cache, layer, n, 16), CLMHA_SUCCESS);
+    double err = 0.0;
+    size_t chunks[][2] = {{0, 2}, {2, 3}, {3, 7}};
+    for (size_t k = 0; k < 3; ++k) {
+        size_t t0 = chunks[k][0], t1 = chunks[k][1];
+        float *q = slice(in.query, n, c.l, e, false, t0, t1);
+        float *out = alloc_floats(n * (t1 - t0) * e);
+        clmha_forward_args a = {.struct_size = sizeof a, .kv_cache = cache,
+                                .query = {.ndim = 3, .shape = {t1 - t0, n, e}, .data = q}};
+        if (k == 0) {
+            a.key = in.args.key;
+            a.value = in.args.value;
+        } else {
+            a.kv_attend_only = true;
+        }
+        clmha_status st = clmha_layer_forward_host(layer, &a, out, n * (t1 - t0) * e, NULL, 0);
+        cr_assert_eq(st, CLMHA_SUCCESS, "chunk %zu: %s", k, clmha_context_last_error(ctx));
+        for (size_t b = 0; b < n; ++b) {
+            double x = chunk_err(out, want, n, c.l, e, false, t0, t1, b);
+            if (!(x <= err)) err = x;
+        }
+        free(q);
+        free(out);
+    }
+    size_t lens[3];
+    clmha_kv_cache_lengths(cache, lens, 3);
+    cr_expect(lens[0] == 10 && lens[1] == 10 && lens[2] == 10, "lengths %zu %zu %zu", lens[0],
+              lens[1], lens[2]);
+    fprintf(stderr, "kv_cache cross-attention, attend only: max abs err %.3g\n", err);
+    cr_expect(err <= TOL, "max abs err %g", err);
+    free(want);
+    clmha_kv_cache_release(cache);
+    clmha_layer_release(layer);
+    instance_free(&in);
+    clmha_context_release(ctx);
+}
+
+// Ragged batch: three sequences of lengths 5, 9 and 2 fed together in calls of up to 3 tokens,
+// each call appending what remains of each sequence (kv_append; the padded query rows are
+// ignored). Each sequence must match its own one-shot causal forward.
+Test(kv_cache, ragged_batch, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    const size_t n = 3, lens[3] = {5, 9, 2}, t = 9, e = 16, step = 3;
+    rcase c = self_case(16, t);
+    c.n = n;
+    instance in;
+    instance_make(&in, &c);
+    clmha_layer *layer = instance_layer(ctx, &in);
+    // The reference of each sequence alone: batch 1, its own length, its own rows.
+    double *want[3];
+    for (size_t b = 0; b < n; ++b) {
+        float *seq = alloc_floats(lens[b] * e);
+        for (size_t i = 0; i < lens[b]; ++i)
+            memcpy(seq + i * e, in.query + (i * n + b) * e, e * sizeof *seq);
+        clmha_forward_args ra = in.args;
+        ra.query = (clmha_tensor){.ndim = 3, .shape = {lens[b], 1, e}, .data = seq};
+        want[b] = malloc(lens[b] * e * sizeof *want[b]);
+        char msg[512];
+        cr_assert_eq(clmha_reference_forward(&in.desc, &in.params, &ra, want[b], lens[b] * e,
+                                             NULL, 0, msg, sizeof msg),
+                     CLMHA_SUCCESS, "%s", msg);
+        free(seq);
+    }
+    clmha_kv_cache *cache;
+    cr_assert_eq(clmha_kv_cache_create(&cache, layer, n, t), CLMHA_SUCCESS);
+    double err = 0.0;
+    for (size_t t0 = 0; t0 < t; t0 += step) {
+        size_t t1 = t0 + step;
+        size_t add[3];
+        for (size_t b = 0; b < n; ++b)
+            add[b] = lens[b] > t0 ? (lens[b] - t0 < step ? lens[b] - t0 : step) : 0;
+        float *q = slice(in.query, n, t, e, false, t0, t1);
+        float *out = alloc_floats(n * step * e);
+        clmha_forward_args a = {.struct_size = sizeof a, .is_causal = true, .kv_cache = cache,
+                                .kv_append = add,
+                                .query = {.ndim = 3, .shape = {step, n, e}, .data = q}};
+        clmha_status st = clmha_layer_forward_host(layer, &a, out, n * step * e, NULL, 0);
+        cr_assert_eq(st, CLMHA_SUCCESS, "tokens %zu..%zu: %s", t0, t1,
+                     clmha_context_last_error(ctx));
+        for (size_t b = 0; b < n; ++b)
+            for (size_t i = 0; i < add[b]; ++i)
+                for (size_t k = 0; k < e; ++k) {
+                    double d = fabs((double)out[(i * n + b) * e + k] - want[b][(t0 + i) * e + k]);
+                    if (!(d <= err)) err = d;
+                }
+        free(q);
+        free(out);
+    }
+    size_t got[3];
+    clmha_kv_cache_lengths(cache, got, n);
+    for (size_t b = 0; b < n; ++b) cr_expect_eq(got[b], lens[b], "sequence %zu", b);
+    fprintf(stderr, "kv_cache ragged batch: max abs err %.3g\n", err);
+    cr_expect(err <= TOL, "max abs err %g", err);
+    for (size_t b = 0; b < n; ++b) free(want[b]);
+    clmha_kv_cache_release(cache);
+    clmha_layer_release(layer);
+    instance_free(&in);
+    clmha_context_release(ctx);
+}
+
+// Speculative decoding: 6 tokens, then 3 wrong tokens appended and rolled back (truncate to
+// 6), then the real tokens 6..10: the outputs after the rollback equal the one-shot forward.
+Test(kv_cache, truncate_then_reappend, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    const size_t t = 10, e = 16, n = 2;
+    rcase c = self_case(17, t);
+    instance in;
+    instance_make(&in, &c);
+    double *want = reference_output(&in);
+    clmha_layer *layer = instance_layer(ctx, &in);
+    clmha_kv_cache *cache;
+    cr_assert_eq(clmha_kv_cache_create(&cache, layer, n, t), CLMHA_SUCCESS);
+    float *junk = alloc_floats(3 * n * e);
+    for (size_t i = 0; i < 3 * n * e; ++i) junk[i] = (float)((i * 37 % 11) - 5) * 0.3f;
+    struct {
+        size_t t0, t1;
+        bool junk;
+    } steps[] = {{0, 6, false}, {6, 9, true}, {6, 7, false}, {7, 10, false}};
+    double err = 0.0;
+    for (size_t k = 0; k < 4; ++k) {
+        size_t t0 = steps[k].t0, t1 = steps[k].t1, cnt = t1 - t0;
+        if (k == 2) {
+            size_t keep[2] = {6, 6};
+            cr_assert_eq(clmha_kv_cache_truncate(cache, keep, n), CLMHA_SUCCESS);
+        }
+        float *q = steps[k].junk ? junk : slice(in.query, n, t, e, false, t0, t1);
+        float *out = alloc_floats(n * cnt * e);
+        clmha_forward_args a = {.struct_size = sizeof a, .is_causal = true, .kv_cache = cache,
+                                .query = {.ndim = 3, .shape = {cnt, n, e}, .data = q}};
+        cr_assert_eq(clmha_layer_forward_host(layer, &a, out, n * cnt * e, NULL, 0),
+                     CLMHA_SUCCESS, "step %zu: %s", k, clmha_context_last_error(ctx));
+        if (!steps[k].junk)
+            for (size_t b = 0; b < n; ++b) {
+                double x = chunk_err(out, want, n, t, e, false, t0, t1, b);
+                if (!(x <= err)) err = x;
+            }
+        if (!steps[k].junk) free(q);
+        free(out);
+    }
+    fprintf(stderr, "kv_cache truncate and re-append: max abs err %.3g\n", err);
+    cr_expect(err <= TOL, "max abs err %g", err);
+    free(junk);
+    free(want);
+    clmha_kv_cache_release(cache);
+    clmha_layer_release(layer);
+    instance_free(&in);
+    clmha_context_release(ctx);
+}
+
+// A call that cannot run leaves the cache as it was and enqueues nothing.
+static void expect_refused(clmha_layer *layer, clmha_forward_args *a, clmha_status want,
+                           const char *needle, clmha_kv_cache *cache, const size_t *lens_before) {
+    clmha_context *ctx = clmha_layer_context(layer);
+    size_t out_count = a->query.shape[0] * a->query.shape[1] * a->query.shape[2];
+    float *out = alloc_floats(out_count ? out_count : 1);
+    float *w = alloc_floats(64);
+    clmha_status st = clmha_layer_forward_host(layer, a, out, out_count, a->need_weights ? w : NULL,
+                                               a->need_weights ? 64 : 0);
+    const char *msg = clmha_context_last_error(ctx);
+    cr_expect_eq(st, want, "status %d, want %d: %s", (int)st, (int)want, msg);
+    cr_expect(strstr(msg, needle), "message \"%s\" lacks \"%s\"", msg, needle);
+    size_t lens[2];
+    clmha_kv_cache_lengths(cache, lens, 2);
+    cr_expect(lens[0] == lens_before[0] && lens[1] == lens_before[1],
+              "lengths changed to %zu %zu by a refused call", lens[0], lens[1]);
+    free(out);
+    free(w);
+}
+
+Test(kv_cache, errors, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    rcase c = self_case(18, 4);
+    instance in;
+    instance_make(&in, &c);
+    clmha_layer *layer = instance_layer(ctx, &in), *other = instance_layer(ctx, &in);
+    const size_t n = 2, e = 16;
+    clmha_kv_cache *cache = NULL;
+    // Creation.
+    cr_expect_eq(clmha_kv_cache_create(NULL, layer, n, 4), CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_kv_cache_create(&cache, NULL, n, 4), CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_kv_cache_create(&cache, layer, 0, 4), CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_kv_cache_create(&cache, layer, n, 0), CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_kv_cache_create(&cache, layer, n, (size_t)1 << 32),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_kv_cache_create(&cache, layer, SIZE_MAX / 2, 1000), CLMHA_SIZE_OVERFLOW);
+    cr_expect_eq(clmha_kv_cache_create(&cache, layer, 1u << 20, 1u << 20), CLMHA_OUT_OF_MEMORY,
+                 "a cache past the largest allocation: %s", clmha_context_last_error(ctx));
+    cr_expect_null(cache);
+    cr_assert_eq(clmha_kv_cache_create(&cache, layer, n, 4), CLMHA_SUCCESS);
+    size_t batch = 0, cap = 0;
+    cr_expect_eq(clmha_kv_cache_size(cache, &batch, &cap), CLMHA_SUCCESS);
+    cr_expect(batch == n && cap == 4);
+    cr_expect_eq(clmha_kv_cache_size(NULL, &batch, &cap), CLMHA_INVALID_ARGUMENT);
+
+    // Three tokens in: then appending two more passes the capacity of 4.
+    float q[3 * 2 * 16];
+    for (size_t i = 0; i < sizeof q / sizeof q[0]; ++i) q[i] = (float)(i % 7) * 0.1f - 0.3f;
+    float out[3 * 2 * 16];
+    clmha_forward_args a = {.struct_size = sizeof a, .is_causal = true, .kv_cache = cache,
+                            .query = {.ndim = 3, .shape = {3, n, e}, .data = q}};
+    cr_assert_eq(clmha_layer_forward_host(layer, &a, out, 3 * n * e, NULL, 0), CLMHA_SUCCESS,
+                 "%s", clmha_context_last_error(ctx));
+    size_t three[2] = {3, 3};
+    a.query.shape[0] = 2;
+    expect_refused(layer, &a, CLMHA_SHAPE_MISMATCH, "capacity exceeded", cache, three);
+    size_t add[2] = {1, 3};  // 3 of 2 new tokens
+    a.kv_append = add;
+    expect_refused(layer, &a, CLMHA_SHAPE_MISMATCH, "kv_append[1] is 3", cache, three);
+    add[1] = 0;  // one more token for sequence 0 only: fits
+    cr_expect_eq(clmha_layer_forward_host(layer, &a, out, 2 * n * e, NULL, 0), CLMHA_SUCCESS,
+                 "%s", clmha_context_last_error(ctx));
+    size_t lens[2];
+    clmha_kv_cache_lengths(cache, lens, n);
+    cr_expect(lens[0] == 4 && lens[1] == 3, "lengths %zu %zu", lens[0], lens[1]);
+    size_t now[2] = {4, 3};
+    a.kv_append = NULL;
+    a.query.shape[0] = 1;
+    // Options the decode core does not take.
+    a.need_weights = true;
+    expect_refused(layer, &a, CLMHA_UNSUPPORTED, "need_weights", cache, now);
+    a.need_weights = false;
+    unsigned char kpm[2] = {0, 0};
+    a.key_padding_mask =
+        (clmha_mask){.kind = CLMHA_MASK_BOOL_IGNORE, .tensor = {.ndim = 2, .shape = {n, 1},
+                                                                .data = kpm}};
+    expect_refused(layer, &a, CLMHA_UNSUPPORTED, "key_padding_mask", cache, now);
+    a.key_padding_mask = (clmha_mask){0};
+    a.impl = CLMHA_IMPL_UNFUSED;
+    expect_refused(layer, &a, CLMHA_UNSUPPORTED, "impl", cache, now);
+    a.impl = CLMHA_IMPL_AUTO;
+    a.kv_attend_only = true;
+    a.key = a.query;
+    expect_refused(layer, &a, CLMHA_INVALID_ARGUMENT, "must be absent", cache, now);
+    a.key = (clmha_tensor){0};
+    a.kv_attend_only = false;
+    // Batch and layer.
+    a.query.shape[1] = 1;
+    expect_refused(layer, &a, CLMHA_SHAPE_MISMATCH, "holds 2 sequences", cache, now);
+    a.query.shape[1] = n;
+    expect_refused(other, &a, CLMHA_INVALID_ARGUMENT, "another layer", cache, now);
+    // Truncate and the other calls.
+    size_t grow[2] = {4, 4};
+    cr_expect_eq(clmha_kv_cache_truncate(cache, grow, n), CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_kv_cache_truncate(cache, grow, 3), CLMHA_SHAPE_MISMATCH);
+    cr_expect_eq(clmha_kv_cache_truncate(cache, NULL, n), CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_kv_cache_lengths(cache, lens, 1), CLMHA_SHAPE_MISMATCH);
+    cr_expect_eq(clmha_kv_cache_lengths(NULL, lens, n), CLMHA_INVALID_ARGUMENT);
+    clmha_kv_cache_lengths(cache, lens, n);
+    cr_expect(lens[0] == 4 && lens[1] == 3, "lengths changed: %zu %zu", lens[0], lens[1]);
+    cr_expect_eq(clmha_kv_cache_reset(cache), CLMHA_SUCCESS);
+    cr_expect_eq(clmha_kv_cache_reset(NULL), CLMHA_INVALID_ARGUMENT);
+    clmha_kv_cache_lengths(cache, lens, n);
+    cr_expect(lens[0] == 0 && lens[1] == 0, "reset left %zu %zu", lens[0], lens[1]);
+    clmha_kv_cache_release(NULL);
+    clmha_kv_cache_release(cache);
+    clmha_layer_release(other);
+    clmha_layer_release(layer);
+    instance_free(&in);
+    clmha_context_release(ctx);
+}
+
+// ---- PyTorch golden cases -----------------------------------------------------------------------
+
+// Every golden case (tests/golden, PyTorch float64) that a cache can reproduce, fed @p chunk
+// query rows at a time: causal self-attention cases (the key is the query) append each
+// chunk's own tokens; cases without is_causal append the whole key/value with the first chunk
+// and attend only afterwards. Cases with masks or dropout are skipped (the decode core takes
+// neither), and so are causal cases with a separate key (top-left alignment with L != S).
+static void golden_feed(clmha_context *ctx, const char *name, size_t chunk, size_t *fed,
+                        double *worst) {
+    golden_case gc;
+    golden_load_case(name, &gc);
+    golden_call call;
+    golden_call_of(&gc, &call);
+    const clmha_forward_args *g = &call.args;
+    // Causal self-attention: each chunk appends its own tokens. Else the whole key/value (the
+    // query itself in self-attention) goes in with the first chunk.
+    bool self = g->key.ndim == 0 && g->is_causal;
+    if (g->key_padding_mask.kind || g->attn_mask.kind || (g->training && gc.dropout > 0) ||
+        (g->is_causal && g->key.ndim)) {
+        golden_free(&gc);
+        return;
+    }
+    const golden_tensor *want = golden_find(&gc, "output");
+    bool unbatched = g->query.ndim == 2, bf = gc.batch_first && !unbatched;
+    size_t e = gc.embed_dim, l = unbatched ? g->query.shape[0] : g->query.shape[bf ? 1 : 0];
+    size_t n = unbatched ? 1 : g->query.shape[bf ? 0 : 1];
+    clmha_layer *layer = golden_layer_create(ctx, &gc, &call.desc);
+    clmha_kv_cache *cache;
+    const clmha_tensor *key = g->key.ndim ? &g->key : &g->query;
+    size_t s = unbatched ? key->shape[0] : key->shape[bf ? 1 : 0];
+    cr_assert_eq(clmha_kv_cache_create(&cache, layer, n, s), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    double err = 0.0;
+    for (size_t t0 = 0; t0 < l; t0 += chunk) {
+        size_t t1 = t0 + chunk < l ? t0 + chunk : l, c = t1 - t0;
+        float *q = slice(g->query.data, n, l, e, bf, t0, t1);
+        float *out = alloc_floats(n * c * e);
+        clmha_forward_args a = *g;
+        a.need_weights = false;
+        a.kv_cache = cache;
+        a.query.data = q;
+        a.query.shape[unbatched ? 0 : bf ? 1 : 0] = c;
+        if (!self && t0 == 0 && !g->key.ndim) a.key = g->query;
+        if (!self && t0 > 0) {
+            a.key = a.value = (clmha_tensor){0};
+            a.kv_attend_only = true;
+        }
+        clmha_status st = clmha_layer_forward_host(layer, &a, out, n * c * e, NULL, 0);
+        cr_assert_eq(st, CLMHA_SUCCESS, "%s, rows %zu..%zu: %s", name, t0, t1,
+                     clmha_context_last_error(ctx));
+        for (size_t b = 0; b < n; ++b) {
+            double x = chunk_err(out, want->f64, n, l, e, bf, t0, t1, b);
+            if (!(x <= err)) err = x;
+        }
+        free(q);
+        free(out);
+    }
+    fprintf(stderr, "kv_cache golden %s (%s), chunk %zu: max abs err %.3g\n", name,
+            self ? "causal self-attention" : "key/value cached once", chunk, err);
+    cr_expect(err <= TOL, "%s, chunk %zu: max abs err %g", name, chunk, err);
+    if (!(err <= *worst)) *worst = err;
+    ++*fed;
+    clmha_kv_cache_release(cache);
+    clmha_layer_release(layer);
+    golden_free(&gc);
+}
+
+Test(kv_cache, pytorch_golden_cases, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    size_t fed = 0;
+    double worst = 0.0;
+    for (size_t i = 0; i < golden_num_cases; ++i) {
+        golden_feed(ctx, golden_case_names[i], 1, &fed, &worst);
+        golden_feed(ctx, golden_case_names[i], 2, &fed, &worst);
+    }
+    fprintf(stderr, "kv_cache golden: %zu feeds, worst max abs err %.3g\n", fed, worst);
+    cr_expect(fed >= 20, "only %zu golden feeds ran", fed);
+    clmha_context_release(ctx);
+}
