@@ -1437,3 +1437,47 @@ Test(cli_grads, training_dropout_is_replayed) {
     for (int i = 0; i < 3; ++i) free(out[i]), free(grad[i]);
     tmp_remove(&d);
 }
+
+// bench --decode: one JSON line per cache length with the step's time, the bytes of cached keys
+// and values it reads (2 N H (S + 1) D 4) and their rate, the copy bandwidth and the ratio.
+Test(cli_bench, decode_json) {
+    SKIP_WITHOUT_DEVICE();
+    cli_result r = cli_run("bench", "--decode", "--json", "--embed", "16", "--heads", "2",
+                           "--batch", "2", "--cache-len", "5,40", "--repeat", "2");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    const char *line = r.out;
+    size_t lens[2] = {5, 40};
+    for (int i = 0; i < 2; ++i) {
+        const char *end = strchr(line, '\n');
+        cr_assert(end != NULL, "stdout: %s", r.out);
+        char one[4096];
+        size_t len = (size_t)(end - line);
+        if (len > sizeof one - 1) len = sizeof one - 1;
+        memcpy(one, line, len);
+        one[len] = '\0';
+        cr_expect(strstr(one, "\"decode\": true") != NULL, "%s", one);
+        cr_expect_eq(json_number(one, "cache_len"), (double)lens[i], "%s", one);
+        cr_expect_eq(json_number(one, "kv_bytes"), 2.0 * 2 * 2 * (lens[i] + 1) * 8 * 4, "%s",
+                     one);
+        double ms = json_number(one, "ms"), gbps = json_number(one, "kv_gbps");
+        cr_expect_gt(ms, 0.0, "%s", one);
+        cr_expect(fabs(gbps - json_number(one, "kv_bytes") / ms / 1e6) <= 1e-3 * gbps, "%s", one);
+        cr_expect_gt(json_number(one, "copy_gbps"), 0.0, "%s", one);
+        cr_expect(fabs(json_number(one, "fraction_of_copy") -
+                       gbps / json_number(one, "copy_gbps")) <= 1e-3,
+                  "%s", one);
+        line = end + 1;
+    }
+    cr_expect_eq(*line, '\0', "stdout: %s", r.out);
+    cli_free(&r);
+}
+
+Test(cli_usage, bench_decode) {
+    EXPECT_USAGE("clmha bench: --decode needs --cache-len", "bench", "--decode");
+    EXPECT_USAGE("clmha bench: --cache-len goes with --decode", "bench", "--cache-len", "8");
+    EXPECT_USAGE("clmha bench: --decode takes", "bench", "--decode", "--cache-len", "8",
+                 "--backward");
+    EXPECT_USAGE("clmha bench: --decode takes", "bench", "--decode", "--cache-len", "8",
+                 "--tgt-len", "4");
+    EXPECT_USAGE("clmha bench: --cache-len", "bench", "--decode", "--cache-len", "0");
+}

@@ -19,6 +19,8 @@ static const char *usage_bench =
     "                   [--need-weights] [--batch-first] [--layer F.safetensors]\n"
     "                   [--impl auto|fused|unfused] [--backward] [--repeat R] [--device SPEC]\n"
 "                   [--json]\n"
+"       clmha bench --decode --cache-len S[,S...] [--batch N] [--embed E] [--heads H]\n"
+"                   [--repeat R] [--device SPEC] [--json]\n"
     "\n"
     "Times the forward pass on device buffers (clmha_layer_forward): a warm-up\n"
     "(clmha_layer_bake at the shape: sizes the scratch, compiles the kernels), then R timed\n"
@@ -71,6 +73,18 @@ static const char *usage_bench =
     "\n";
 
 // The help's second part (C11 compilers need not take string literals past 4095 characters).
+static const char *usage_bench_decode =
+    "--decode: times one decode step instead: a KV cache (clmha_kv_cache) holds S tokens per\n"
+    "sequence, filled once; each step appends one new token per sequence (self-attention,\n"
+    "is_causal) and attends over the S + 1 tokens, then the cache is truncated back to S. It\n"
+    "reports the median ms per token, the bytes of cached keys and values the step reads\n"
+    "(2 * N * H * (S + 1) * D * 4) per second, and the device's copy bandwidth measured in the\n"
+    "same run: clEnqueueCopyBuffer of a buffer of 256 MiB (less on small devices), counted as\n"
+    "bytes read + written (STREAM's convention), and the ratio of the two. --json adds: decode\n"
+    "(true), cache_len, kv_heads, kv_bytes, kv_gbps, copy_bytes, copy_gbps, fraction_of_copy\n"
+    "(\"ms\" is per step; tgt_len is 1, src_len S + 1).\n"
+    "\n";
+
 static const char *usage_bench_backward =
     "--backward: times the forward call with args.save followed by clmha_layer_backward(),\n"
     "on device buffers (no host copies), for the gradients of the inputs (query; key and\n"
@@ -460,8 +474,9 @@ static void print_tuning(const clmha_context *ctx) {
 int clmha__cli_bench(int argc, char **argv) {
     const char *batch_opt = NULL, *tgt_opt = NULL, *src_opt = NULL, *embed_opt = NULL,
                *heads_opt = NULL, *repeat_opt = NULL, *layer_path = NULL, *device = NULL,
-               *impl_opt = NULL;
-    bool need_weights = false, batch_first = false, json = false, backward = false;
+               *impl_opt = NULL, *cache_opt = NULL;
+    bool need_weights = false, batch_first = false, json = false, backward = false,
+         decode = false;
     const clmha__cli_option opts[] = {
         {.name = "--impl", .value = &impl_opt},
         {.name = "--batch", .value = &batch_opt},
@@ -476,9 +491,12 @@ int clmha__cli_bench(int argc, char **argv) {
         {.name = "--device", .value = &device, .allow_empty = true},
         {.name = "--json", .flag = &json},
         {.name = "--backward", .flag = &backward},
+        {.name = "--decode", .flag = &decode},
+        {.name = "--cache-len", .value = &cache_opt},
     };
     char usage[8192];
-    snprintf(usage, sizeof usage, "%s%s%s", usage_bench, usage_bench_backward, usage_bench_tail);
+    snprintf(usage, sizeof usage, "%s%s%s%s", usage_bench, usage_bench_backward,
+             usage_bench_decode, usage_bench_tail);
     int rc;
     if (!clmha__cli_parse_options("bench", argc, argv, opts, sizeof opts / sizeof opts[0],
                                   usage, &rc))
@@ -497,6 +515,20 @@ int clmha__cli_bench(int argc, char **argv) {
          (rc = parse_sizes("--repeat", repeat_opt, 1, BENCH_MAX_REPEAT, &repeat, &one))))
         return rc;
     if (repeat_opt && backward && strcmp(repeat_opt, "0") == 0) repeat = 0;
+    size_t caches[BENCH_MAX_LIST], nc = 0;
+    if (decode != (cache_opt != NULL) || (decode && (backward || tgt_opt || src_opt ||
+                                                     need_weights || layer_path || impl_opt))) {
+        clmha__cli_report("bench", "%s",
+                          decode ? (cache_opt ? "--decode takes --batch, --embed, --heads, "
+                                                "--batch-first, --repeat, --device and --json "
+                                                "only"
+                                              : "--decode needs --cache-len")
+                                 : "--cache-len goes with --decode");
+        return EXIT_USAGE;
+    }
+    if (cache_opt &&
+        (rc = parse_sizes("--cache-len", cache_opt, BENCH_MAX_LIST, BENCH_MAX_SIZE, caches, &nc)))
+        return rc;
     if (!layer_path && e % h != 0) {
         clmha__cli_report("bench", "--embed %zu is not a multiple of --heads %zu", e, h);
         return EXIT_USAGE;
@@ -591,7 +623,11 @@ int clmha__cli_bench(int argc, char **argv) {
         print_tuning(ctx);
         fflush(stdout);
     }
-    for (size_t ib = 0; ib < nb; ++ib)
+    for (size_t ib = 0; ib < nb && decode; ++ib)
+        for (size_t ic = 0; ic < nc; ++ic)
+            if (clmha__bench_decode_shape(ctx, &cfg, batches[ib], caches[ic], times) != EXIT_OK)
+                goto done;
+    for (size_t ib = 0; ib < nb && !decode; ++ib)
         for (size_t it = 0; it < nt; ++it)
             for (size_t is = 0; is < (ns ? ns : 1); ++is) {
                 bench_result res;

@@ -64,4 +64,10 @@ void clmha__bench_forward_flops(const clmha_layer_desc *d, size_t n, size_t l, s
 int clmha__bench_backward_shape(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l,
                                 size_t s, double *times);
 
+// --decode: times one decode step (one new token per sequence over a KV cache of @p cache_len
+// tokens) at batch @p n, and the device's copy bandwidth, and prints both. @p times has room for
+// cfg->repeat values. Returns EXIT_OK or EXIT_REFUSED after reporting.
+int clmha__bench_decode_shape(clmha_context *ctx, const bench_config *cfg, size_t n,
+                              size_t cache_len, double *times);
+
 #endif
