@@ -26,6 +26,8 @@
 //                  ("tiles": it stays in effect for the later fused cases of the same process),
 //                  8- and 4-wide vectors with one and two rows per work-item (Oclgrind prefers
 //                  scalars, which the default tiles then use)
+//   decode_*       (the "decode" cases: self-attention through a KV cache, chunk by chunk)
+//                  appends, key ranges empty and partial, the appended keys in the combine
 //   the backward   (the "backward" cases: forward with args.save, then every gradient through
 //                  the same core, compared with clmha_reference_backward) merge_rows,
 //                  appended_row_sums, and each core's backward kernels: weights
@@ -63,6 +65,7 @@
 // (src/cores/fused.h) the block of the fused backward's GEMM variant.
 void clmha__test_set_max_alloc(size_t bytes);
 void clmha__test_set_fused_backward_block(size_t floats);
+void clmha__test_set_decode_parts(size_t parts);
 bool clmha__test_force_device_class(const char *name);
 
 // ---- deterministic random numbers (splitmix64) -----------------------------------------------
@@ -106,6 +109,9 @@ typedef struct dcase {
     bool backward;           // then the backward pass through the same core, every gradient
     size_t gemm_block;       // > 0: the fused backward's products in GEMMs, in blocks of this
                              // many floats (CLMHA_FUSED_BACKWARD=gemms and a test hook)
+    size_t decode_chunk;     // > 0: through a KV cache (the decode core), this many query rows
+                             // a call (self-attention, sequence-first rows)
+    size_t decode_parts;     // key ranges per sequence (test hook; 0: the core's choice)
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -236,6 +242,13 @@ static const dcase cases[] = {
      .e = 8, .h = 2, .n = 2, .l = 3, .s = 37, .am = F, .layout = PER_HEAD, .bias_kv = true,
      .zero_attn = true, .dropout = 0.25f, .train = true, .fused = true, .backward = true,
      .gemm_block = 2 * 3 * 39},
+    // The decode core (KV cache): decode_append of ragged counts, decode_partial with empty
+    // and partial key blocks and ranges, decode_combine with bias_k/bias_v and the zero key.
+    {"decode: self causal L=S=37, bias_kv+zero_attn, token by token, 3 ranges", .e = 8, .h = 2,
+     .n = 2, .l = 37, .self_attn = true, .causal = true, .bias_kv = true, .zero_attn = true,
+     .decode_chunk = 1, .decode_parts = 3},
+    {"decode: self causal L=S=40, head_dim 64 (E64 H1), chunks of 17, default ranges",
+     .e = 64, .h = 1, .n = 1, .l = 40, .self_attn = true, .causal = true, .decode_chunk = 17},
     // The unfused core in chunks: groups of heads, then rows of one head.
     {"chunked: 2 of 4 heads, am=float (N*H,L,S), w=avg", .e = 8, .h = 4, .n = 2, .l = 16,
      .s = 16, .am = F, .layout = PER_HEAD, .weights = true, .max_alloc = 4096},
@@ -412,6 +425,10 @@ static clmha_status run_backward(clmha_layer *layer, clmha_saved *saved, const d
 }
 
 // Runs case @p c; returns true when it passes.
+static clmha_status decode_forward(clmha_layer *layer, const dcase *c,
+                                   const clmha_forward_args *args, float *out, size_t n,
+                                   size_t l, size_t e);
+
 static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     rng_state = 1000 + index;
     const size_t e = c->e, n = c->unbatched ? 1 : c->n, l = c->l;
@@ -512,7 +529,8 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     clmha_saved *saved = NULL;
     if (!st && c->backward) st = clmha_saved_create(&saved, layer);
     args.save = saved;
-    if (!st) st = clmha_layer_forward_host(layer, &args, out, oc, c->weights ? w : NULL, wc);
+    if (!st && c->decode_chunk) st = decode_forward(layer, c, &args, out, n, l, e);
+    else if (!st) st = clmha_layer_forward_host(layer, &args, out, oc, c->weights ? w : NULL, wc);
     if (st) snprintf(msg, sizeof msg, "device: %s", clmha_context_last_error(ctx));
 
     // Reference.
@@ -548,6 +566,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
 
     clmha_saved_release(saved);
     clmha_layer_release(layer);
+    clmha__test_set_decode_parts(0);
     clmha__test_set_max_alloc(0);
     clmha__test_set_fused_backward_block(0);
     float *arrays[] = {w_in, wq, wk, wv, b_in, wo, bo, bk, bv, query, key, value, out, w};
@@ -557,6 +576,27 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     free(ref_out);
     free(ref_w);
     return ok;
+}
+
+// The self-attention call @p args fed through a KV cache c->decode_chunk query rows at a time
+// (sequence-first rows: a chunk of rows is contiguous), the outputs into @p out in order.
+static clmha_status decode_forward(clmha_layer *layer, const dcase *c,
+                                   const clmha_forward_args *args, float *out, size_t n,
+                                   size_t l, size_t e) {
+    clmha_kv_cache *cache = NULL;
+    clmha__test_set_decode_parts(c->decode_parts);
+    clmha_status st = clmha_kv_cache_create(&cache, layer, n, l);
+    for (size_t t0 = 0; !st && t0 < l; t0 += c->decode_chunk) {
+        size_t rows = t0 + c->decode_chunk < l ? c->decode_chunk : l - t0;
+        clmha_forward_args a = *args;
+        a.kv_cache = cache;
+        a.impl = CLMHA_IMPL_AUTO;  // the decode core takes no other
+        a.query.shape[0] = rows;
+        a.query.data = (const float *)args->query.data + t0 * n * e;
+        st = clmha_layer_forward_host(layer, &a, out + t0 * n * e, rows * n * e, NULL, 0);
+    }
+    clmha_kv_cache_release(cache);
+    return st;
 }
 
 int main(int argc, char **argv) {
