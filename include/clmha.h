@@ -1248,6 +1248,96 @@ CLMHA_API clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *
                                            size_t *capacity);
 
 // ---------------------------------------------------------------------------------------------
+// Partial attention: attention over a range of keys, merged exactly (attention across devices)
+// ---------------------------------------------------------------------------------------------
+
+/// Attention of the queries over this call's keys only, before the head merge and the output
+/// projection: what ring attention (keys and values split across devices, examples/
+/// ring_attention_mpi.c) computes on each device and merges with clmha_attention_merge(). Takes
+/// the arguments of clmha_layer_forward() and runs the same projections, masks and fused core;
+/// writes, instead of the output, the attention result of every head, (N*H, L, D) floats
+/// (normalised over this call's keys, and the keys of add_bias_kv and add_zero_attn when
+/// @p appended_keys: set it on exactly one of the ranges that are merged), and
+/// the natural log of each row's sum of exp(score) (the scaled, masked scores), N*H*L floats:
+/// -INFINITY for a row with no key (its result is zeros). A key range's masks are the caller's
+/// slice of the whole masks; is_causal is top-left aligned on this call's own keys (give
+/// ranges of keys an attn_mask slice instead). The dropout pattern is this call's own.
+/// clmha_layer_project_heads() then applies the head merge and the output projection.
+/// @param[in]  layer         the layer
+/// @param[in]  args          as for clmha_layer_forward(); need_weights, save, kv_cache and
+///                           ::CLMHA_IMPL_UNFUSED are refused
+/// @param[in]  appended_keys whether this range holds the keys that add_bias_kv and
+///                           add_zero_attn append (ignored by layers without them)
+/// @param[out] heads         (N*H, L, D) floats at element @p heads_offset
+/// @param[in]  heads_offset  element offset
+/// @param[out] lse           N*H*L floats at element @p lse_offset
+/// @param[in]  lse_offset    element offset
+/// @param[in]  num_wait      events in @p wait_list
+/// @param[in]  wait_list     as for clmha_layer_forward()
+/// @param[out] event         optional: completes with the call
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_layer_forward(), for @p heads and
+///         @p lse), ::CLMHA_UNSUPPORTED (the options above; a device where the fused core
+///         cannot run the call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
+///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_layer_attend(clmha_layer *layer, const clmha_forward_args *args,
+                                          bool appended_keys, cl_mem heads, size_t heads_offset,
+                                          cl_mem lse, size_t lse_offset, cl_uint num_wait,
+                                          const cl_event *wait_list, cl_event *event);
+
+/// Merges partial result b (@p other_heads, @p other_lse) into a (@p heads, @p lse), row by row:
+/// a becomes the attention over the keys of both, its log-sum-exp updated, exactly up to float
+/// rounding, in any order of merges. Rows are those of clmha_layer_attend(): N*H*L rows of
+/// @p head_dim floats. a's buffers must not overlap b's.
+/// @param[in]     ctx        the context whose queue runs the merge
+/// @param[in]     rows       N*H*L
+/// @param[in]     head_dim   D
+/// @param[in,out] heads      a's results, rows*D floats at @p heads_offset
+/// @param[in]     heads_offset  element offset
+/// @param[in,out] lse        a's log-sum-exp rows at @p lse_offset
+/// @param[in]     lse_offset    element offset
+/// @param[in]     other_heads   b's results
+/// @param[in]     other_heads_offset  element offset
+/// @param[in]     other_lse     b's log-sum-exp rows
+/// @param[in]     other_lse_offset    element offset
+/// @param[in]     num_wait      events in @p wait_list
+/// @param[in]     wait_list     events the merge waits for on the device
+/// @param[out]    event         optional: completes with the merge
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, buffers as for clmha_layer_forward()),
+///         ::CLMHA_SHAPE_MISMATCH (@p rows or @p head_dim 0), ::CLMHA_SIZE_OVERFLOW,
+///         ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR
+CLMHA_API clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, size_t head_dim,
+                                             cl_mem heads, size_t heads_offset, cl_mem lse,
+                                             size_t lse_offset, cl_mem other_heads,
+                                             size_t other_heads_offset, cl_mem other_lse,
+                                             size_t other_lse_offset, cl_uint num_wait,
+                                             const cl_event *wait_list, cl_event *event);
+
+/// The end of a forward pass for attention results from clmha_layer_attend() (merged): the head
+/// merge and the output projection (out_proj.weight, out_proj.bias) into @p output, shaped as
+/// the query with E features ((L, N, E), (N, L, E) with batch_first; batch 1 for unbatched).
+/// @param[in]  layer          the layer
+/// @param[in]  batch          N (1 unbatched)
+/// @param[in]  tgt_len        L
+/// @param[in]  heads          (N*H, L, D) floats at @p heads_offset
+/// @param[in]  heads_offset   element offset
+/// @param[out] output         N*L*E floats at @p output_offset (not CL_MEM_WRITE_ONLY with a
+///                            bias); must not overlap @p heads
+/// @param[in]  output_offset  element offset
+/// @param[in]  num_wait       events in @p wait_list
+/// @param[in]  wait_list      events the call waits for on the device
+/// @param[out] event          optional: completes with the call
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, buffers as for
+///         clmha_layer_forward()), ::CLMHA_SHAPE_MISMATCH (@p batch or @p tgt_len 0),
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch,
+                                                 size_t tgt_len, cl_mem heads,
+                                                 size_t heads_offset, cl_mem output,
+                                                 size_t output_offset, cl_uint num_wait,
+                                                 const cl_event *wait_list, cl_event *event);
+
+// ---------------------------------------------------------------------------------------------
 // Training: the backward pass
 // ---------------------------------------------------------------------------------------------
 

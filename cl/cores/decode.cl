@@ -193,3 +193,25 @@ kernel void decode_combine(global const float *part_acc, global const float *par
     if (zero_attn) total += exp(-mx);
     for (uint c = 0; c < HV; ++c) o[c] = acc[c] / total;
 }
+
+// clmha_attention_merge(): merges partial attention results b into a, row by row: each row is
+// a result (head_dim floats, normalised) and the log-sum-exp of its scores; the merge weighs
+// the two by their sums of exp. A row with no keys in either (-INFINITY) stays zeros.
+kernel void merge_partials(global float *oa, ulong oa_off, global float *la, ulong la_off,
+                           global const float *ob, ulong ob_off, global const float *lb,
+                           ulong lb_off, ulong head_dim, ulong rows) {
+    ulong r = get_global_id(0);
+    if (r >= rows) return;
+    float a = la[la_off + r], b = lb[lb_off + r];
+    float m = max_nan(a, b);
+    global float *x = oa + oa_off + r * head_dim;
+    global const float *y = ob + ob_off + r * head_dim;
+    if (m == -INFINITY) {
+        for (ulong c = 0; c < head_dim; ++c) x[c] = 0.0f;
+        return;
+    }
+    float wa = a == -INFINITY ? 0.0f : exp(a - m), wb = b == -INFINITY ? 0.0f : exp(b - m);
+    float total = wa + wb;
+    for (ulong c = 0; c < head_dim; ++c) x[c] = (wa * x[c] + wb * y[c]) / total;
+    la[la_off + r] = m + log(total);
+}

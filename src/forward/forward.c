@@ -7,6 +7,7 @@
 // unfused one does them as written, the fused one (cl/cores/fused.cl) in one kernel when the
 // call does not need weights (clmha_impl), or the caller's own (clmha_layer_set_attention()).
 // Everything is enqueued on the context's in-order queue; nothing here waits on the host.
+#include "base/checked.h"
 #include "base/struct_in.h"
 #include "cores/core.h"
 #include "cores/kernel_args.h"
@@ -26,6 +27,14 @@
 
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
+
+// Where a partial-attention call (clmha_layer_attend()) puts its results instead of the
+// output projection's: the head tiles before the merge and the log-sum-exp rows.
+typedef struct partial_out {
+    cl_mem heads, lse;
+    size_t heads_offset, lse_offset;
+    bool appended_keys;  // the call's keys include those of add_bias_kv / add_zero_attn
+} partial_out;
 
 // ---- validation ---------------------------------------------------------------------------------
 
@@ -232,13 +241,13 @@ static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_
                         l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
-// With a KV cache (@p cached) the key and value tiles hold the new tokens alone, without the
-// appended keys (the decode core adds those after the cached ones), or are not made at all
-// (no @p kv: kv_attend_only).
-static clmha_status split(clmha_layer *l, const clmha__dims *d, bool kv, bool cached,
+// @p bare: the key and value tiles hold the call's tokens alone, without the appended keys
+// (with a KV cache the decode core adds those after the cached ones; a partial call without
+// appended_keys has none). No @p kv (kv_attend_only): they are not made at all.
+static clmha_status split(clmha_layer *l, const clmha__dims *d, bool kv, bool bare,
                           scratch *s) {
     clmha_status st;
-    size_t s_out = cached ? d->s : d->s_padded;
+    size_t s_out = bare ? d->s : d->s_padded;
     if ((st = split_one(l, d, s->proj_q, s->ld_q, s->col_q, 0, CLMHA__TILE_Q, d->l, d->l)))
         return st;
     if (!kv) return CLMHA_SUCCESS;
@@ -247,15 +256,21 @@ static clmha_status split(clmha_layer *l, const clmha__dims *d, bool kv, bool ca
     return split_one(l, d, s->proj_v, s->ld_v, s->col_v, 2 * l->e, CLMHA__TILE_V, d->s, s_out);
 }
 
-// 6. Merge heads back into rows (L*N or N*L, E), into the free projection buffer.
-static clmha_status merge(clmha_layer *l, const clmha__dims *d) {
+// 6. Merge heads back into rows (L*N or N*L, E), into the free projection buffer: the core's
+//    result tiles, or the caller's (clmha_layer_project_heads()).
+static clmha_status merge_from(clmha_layer *l, const clmha__dims *d, cl_mem heads,
+                               size_t heads_offset) {
     cl_ulong n = d->n, h = l->h, t = d->l, hd = l->d;
     cl_uint bf = d->batch_first;
-    cl_ulong src_off = 0;
-    arg args[] = {ARG(l->tiles[CLMHA__TILE_OUT]), ARG(src_off), ARG(l->proj), ARG(n),
-                  ARG(h),        ARG(t),       ARG(hd),      ARG(bf)};
+    cl_ulong src_off = heads_offset;
+    arg args[] = {ARG(heads), ARG(src_off), ARG(l->proj), ARG(n),
+                  ARG(h),     ARG(t),       ARG(hd),      ARG(bf)};
     return clmha__launch_heads(l, l->merge_heads, "merge_heads", d->n * l->h, d->l, l->heads_wg,
                         args, sizeof args / sizeof args[0]);
+}
+
+static clmha_status merge(clmha_layer *l, const clmha__dims *d) {
+    return merge_from(l, d, l->tiles[CLMHA__TILE_OUT], 0);
 }
 
 // 7. Output projection: out = merged · out_proj.weightᵀ + out_proj.bias.
@@ -321,8 +336,9 @@ clmha_status clmha_layer_output_counts(clmha_layer *layer, const clmha_forward_a
 // core → merge → output projection → weights; the completion event in @p event.
 static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *args,
                                  const clmha__dims *d, const clmha__core *core,
-                                 clmha__core_call *call, cl_mem output, size_t output_offset,
-                                 cl_mem weights, size_t weights_offset, cl_uint num_wait,
+                                 clmha__core_call *call, const partial_out *partial,
+                                 cl_mem output, size_t output_offset, cl_mem weights,
+                                 size_t weights_offset, cl_uint num_wait,
                                  const cl_event *wait_list, cl_event *event) {
     clmha_context *ctx = layer->ctx;
     clmha_status st;
@@ -335,10 +351,23 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
     if ((st = project(layer, args, d, kv, &s)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
-    if ((st = split(layer, d, kv, args->kv_cache != NULL, &s)) ||
+    bool bare = args->kv_cache || (partial && !partial->appended_keys);
+    if ((st = split(layer, d, kv, bare, &s)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
         return st;
     if ((st = core->run(layer, call))) return st;
+    if (partial) {  // the head tiles and the log-sum-exp rows, copied to the caller's buffers
+        size_t rows = d->n * layer->h * d->l;
+        cl_int err = clEnqueueCopyBuffer(ctx->queue, layer->tiles[CLMHA__TILE_OUT], partial->heads,
+                                         0, partial->heads_offset * sizeof(float),
+                                         rows * layer->d * sizeof(float), 0, NULL, NULL);
+        if (err == CL_SUCCESS)
+            err = clEnqueueCopyBuffer(ctx->queue, call->lse, partial->lse, 0,
+                                      partial->lse_offset * sizeof(float), rows * sizeof(float),
+                                      0, NULL, NULL);
+        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(partial)");
+        return clmha__enqueue_event(ctx, event);
+    }
     if ((st = merge(layer, d)) || (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))
         return st;
     if ((st = out_project(layer, d, output, output_offset)) ||
@@ -353,9 +382,9 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
 
 static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args *args,
                                     const clmha__dims *dims, clmha__core_call *callp,
-                                    cl_mem output, size_t output_offset, cl_mem weights,
-                                    size_t weights_offset, cl_uint num_wait,
-                                    const cl_event *wait_list, cl_event *event);
+                                    const partial_out *partial, cl_mem output,
+                                    size_t output_offset, cl_mem weights, size_t weights_offset,
+                                    cl_uint num_wait, const cl_event *wait_list, cl_event *event);
 
 static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, cl_mem output,
                             size_t output_offset, cl_mem weights, size_t weights_offset,
@@ -397,8 +426,8 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
         call.kv = &plan;
         call.kv_append = !args->kv_attend_only;
     }
-    st = forward_planned(layer, args, &d, &call, output, output_offset, weights, weights_offset,
-                         num_wait, wait_list, event);
+    st = forward_planned(layer, args, &d, &call, NULL, output, output_offset, weights,
+                         weights_offset, num_wait, wait_list, event);
     if (!st && args->kv_cache) clmha__kv_plan_commit(&plan);
     clmha__kv_plan_release(&plan);
     return st;
@@ -407,14 +436,24 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
 // The rest of a checked call: the core, the scratch, the saved state, the stages.
 static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args *args,
                                     const clmha__dims *dims, clmha__core_call *callp,
-                                    cl_mem output, size_t output_offset, cl_mem weights,
-                                    size_t weights_offset, cl_uint num_wait,
-                                    const cl_event *wait_list, cl_event *event) {
+                                    const partial_out *partial, cl_mem output,
+                                    size_t output_offset, cl_mem weights, size_t weights_offset,
+                                    cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
     clmha_status st;
     const clmha__dims d = *dims;
     clmha__core_call call = *callp;
     const clmha__core *core;
     if ((st = clmha__core_select(layer, &call, &core))) return st;
+    if (partial && strcmp(core->name, "fused") != 0)
+        return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
+                           "partial attention needs the fused core's log-sum-exp rows, and the "
+                           "fused core cannot run this call on this device (%s)",
+                           clmha_context_device_name(layer->ctx));
+    if (partial && (st = clmha__grow_buffer(layer->ctx, &layer->partial_lse,
+                                            &layer->partial_lse_cap, d.n * layer->h * d.l,
+                                            "partial attention log-sum-exp")))
+        return st;
+    if (partial) call.lse = layer->partial_lse;
     layer->last_core = core;
     if ((st = clmha__layer_reserve(layer, &d, core->uses_scores,
                                    core->uses_scores && args->need_weights &&
@@ -429,7 +468,7 @@ static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args
         clmha__saved_swap(saved, layer);
         call.lse = saved->lse;
     }
-    st = enqueue_pass(layer, args, &d, core, &call, output, output_offset, weights,
+    st = enqueue_pass(layer, args, &d, core, &call, partial, output, output_offset, weights,
                       weights_offset, num_wait, wait_list, event);
     if (saved) {
         clmha__saved_swap(saved, layer);
@@ -546,4 +585,109 @@ clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_ar
                                       size_t weights_count) {
     return times_dropped_on_failure(layer, forward_host(layer, args, output, output_count,
                                                         weights, weights_count));
+}
+
+// ---- partial attention --------------------------------------------------------------------------
+
+static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
+                           bool appended_keys, cl_mem heads, size_t heads_offset, cl_mem lse,
+                           size_t lse_offset, cl_uint num_wait, const cl_event *wait_list,
+                           cl_event *event) {
+    if (event) *event = NULL;
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    clmha_context *ctx = layer->ctx;
+    clmha_forward_args in;
+    clmha_status st = args_in(ctx, &in, &args);
+    if (st) return st;
+    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
+    const char *no = args->need_weights ? "need_weights"
+                     : args->save       ? "save"
+                     : args->kv_cache   ? "kv_cache"
+                     : args->impl == CLMHA_IMPL_UNFUSED ? "CLMHA_IMPL_UNFUSED"
+                     : layer->core      ? "a user attention core"
+                                        : NULL;
+    if (no)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "clmha_layer_attend() runs the fused core, which returns the "
+                           "log-sum-exp rows; it does not take %s",
+                           no);
+    clmha__dims d;
+    if ((st = clmha__forward_validate(layer, args, true, &d))) return st;
+    size_t rows = d.n * layer->h * d.l;
+    if ((st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * layer->d, 4)) ||
+        (st = clmha__check_buffer(ctx, "lse", lse, lse_offset, rows, 4)) ||
+        (st = clmha__check_writable(ctx, "heads", heads)) ||
+        (st = clmha__check_writable(ctx, "lse", lse)))
+        return st;
+    clmha__span all[6];
+    size_t k = 0;
+    all[k++] = clmha__span_of("heads", heads, heads_offset, rows * layer->d, 4);
+    all[k++] = clmha__span_of("lse", lse, lse_offset, rows, 4);
+    all[k++] = clmha__span_of("query", args->query.buffer, args->query.offset, d.query_count, 4);
+    if (!d.key_is_query)
+        all[k++] = clmha__span_of("key", args->key.buffer, args->key.offset, d.key_count, 4);
+    if (!d.value_is_key)
+        all[k++] =
+            clmha__span_of("value", args->value.buffer, args->value.offset, d.value_count, 4);
+    if ((st = clmha__check_overlaps(ctx, all, k, 2))) return st;
+    clmha_forward_args fused = *args;
+    fused.impl = CLMHA_IMPL_FUSED;
+    // Without the appended keys the core sees the call's S keys alone.
+    if (!appended_keys) d.s_padded = d.s;
+    clmha__core_call call = {.args = &fused, .dims = &d};
+    partial_out partial = {heads, lse, heads_offset, lse_offset, appended_keys};
+    return forward_planned(layer, &fused, &d, &call, &partial, NULL, 0, NULL, 0, num_wait,
+                           wait_list, event);
+}
+
+clmha_status clmha_layer_attend(clmha_layer *layer, const clmha_forward_args *args,
+                                bool appended_keys, cl_mem heads, size_t heads_offset,
+                                cl_mem lse, size_t lse_offset, cl_uint num_wait,
+                                const cl_event *wait_list, cl_event *event) {
+    return times_dropped_on_failure(layer, attend(layer, args, appended_keys, heads,
+                                                  heads_offset, lse, lse_offset, num_wait,
+                                                  wait_list, event));
+}
+
+clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t tgt_len,
+                                       cl_mem heads, size_t heads_offset, cl_mem output,
+                                       size_t output_offset, cl_uint num_wait,
+                                       const cl_event *wait_list, cl_event *event) {
+    if (event) *event = NULL;
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    clmha_context *ctx = layer->ctx;
+    clmha_status st;
+    size_t e = layer->e, rows;
+    if (!batch || !tgt_len)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH, "batch %zu and tgt_len %zu must be positive",
+                           batch, tgt_len);
+    if (!clmha__mul(batch, tgt_len, &rows) || rows > SIZE_MAX / layer->h / e)
+        return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "batch %zu x tgt_len %zu overflows", batch,
+                           tgt_len);
+    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
+        (st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * e, 4)) ||
+        (st = clmha__check_buffer(ctx, "output", output, output_offset, rows * e, 4)) ||
+        (st = clmha__check_writable(ctx, "output", output)))
+        return st;
+    cl_mem_flags out_flags = 0;
+    clGetMemObjectInfo(output, CL_MEM_FLAGS, sizeof out_flags, &out_flags, NULL);
+    if (layer->desc.bias && (out_flags & CL_MEM_WRITE_ONLY))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "output buffer is CL_MEM_WRITE_ONLY, but a layer with bias reads it "
+                           "back (the output projection adds to the bias rows): create it "
+                           "CL_MEM_READ_WRITE");
+    clmha__span all[2] = {clmha__span_of("output", output, output_offset, rows * e, 4),
+                          clmha__span_of("heads", heads, heads_offset, rows * e, 4)};
+    if ((st = clmha__check_overlaps(ctx, all, 2, 1))) return st;
+    if ((st = clmha__grow_buffer(ctx, &layer->proj, &layer->proj_cap, rows * e,
+                                 "projected rows")))
+        return st;
+    clmha__dims d = {.n = batch, .l = tgt_len, .e = e, .h = layer->h, .d = layer->d,
+                     .batch_first = layer->desc.batch_first};
+    clmha__layer_marks_release(layer);
+    if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
+        (st = merge_from(layer, &d, heads, heads_offset)) ||
+        (st = out_project(layer, &d, output, output_offset)))
+        return st;
+    return clmha__enqueue_event(ctx, event);
 }

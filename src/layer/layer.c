@@ -230,6 +230,7 @@ void clmha__layer_free(clmha_layer *layer) {
     release_mem(&layer->w_out);
     release_mem(&layer->b_out);
     release_mem(&layer->bias_kv);
+    release_mem(&layer->partial_lse);
     release_mem(&layer->proj);
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) release_mem(&layer->tiles[i]);
     release_mem(&layer->scores);
@@ -285,7 +286,7 @@ const char *clmha_impl_name(clmha_impl impl) {
 size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
     if (!layer) return 0;
     size_t floats = layer->proj_cap + layer->scores_cap + layer->head_sums_cap +
-                    layer->cores_scratch_cap;
+                    layer->partial_lse_cap + layer->cores_scratch_cap;
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) floats += layer->tile_caps[i];
     return floats * sizeof(float);
 }

@@ -50,7 +50,8 @@ struct clmha_layer {
     cl_mem tiles[CLMHA__TILE_COUNT];
     cl_mem scores;   // (N*H, L, S'), or one chunk of its rows (clmha__scores_chunks())
     cl_mem head_sums;  // chunks: running head sums of averaged weights (clmha__chunks::sums)
-    size_t proj_cap, tile_caps[CLMHA__TILE_COUNT], scores_cap, head_sums_cap;
+    cl_mem partial_lse;  // clmha_layer_attend(): the log-sum-exp rows (N*H*L) before the copy
+    size_t proj_cap, tile_caps[CLMHA__TILE_COUNT], scores_cap, head_sums_cap, partial_lse_cap;
     size_t cores_scratch_cap;  // floats of the scratch the cores keep in their state
                                // (clmha__layer_grow_core_scratch())
 

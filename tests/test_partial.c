@@ -1,0 +1,233 @@
+// Partial attention (clmha_layer_attend, clmha_attention_merge, clmha_layer_project_heads):
+// the keys of a call split into ranges, each range's attention and log-sum-exp computed on its
+// own, merged in any order and projected, give the one-shot forward, checked against the
+// double-precision CPU reference of the whole call. Masks are sliced with the keys; the keys of
+// add_bias_kv and add_zero_attn go with one range; a range whose keys are all masked for a
+// batch item merges to zeros. Then the errors.
+#include <criterion/criterion.h>
+
+#include <clmha.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "random_case.h"
+#include "support.h"
+
+#define TOL 2e-5
+
+static cl_mem upload(clmha_context *ctx, const void *data, size_t bytes) {
+    cl_int err;
+    cl_mem m = clCreateBuffer(clmha_context_cl_context(ctx),
+                              CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, bytes ? bytes : 4,
+                              (void *)data, &err);
+    cr_assert_eq(err, CL_SUCCESS, "clCreateBuffer: %d", (int)err);
+    return m;
+}
+
+static cl_mem device_buffer(clmha_context *ctx, size_t bytes) {
+    cl_int err;
+    cl_mem m = clCreateBuffer(clmha_context_cl_context(ctx), CL_MEM_READ_WRITE, bytes, NULL,
+                              &err);
+    cr_assert_eq(err, CL_SUCCESS, "clCreateBuffer: %d", (int)err);
+    return m;
+}
+
+// Columns j0 .. j1-1 of a (rows, s) array of @p elem bytes per element.
+static void *columns(const void *x, size_t rows, size_t s, size_t elem, size_t j0, size_t j1) {
+    size_t w = j1 - j0;
+    unsigned char *out = malloc(rows * w * elem + 1);
+    cr_assert(out);
+    for (size_t r = 0; r < rows; ++r)
+        memcpy(out + r * w * elem, (const unsigned char *)x + (r * s + j0) * elem, w * elem);
+    return out;
+}
+
+// Runs the cross-attention case @p c with its keys split at @p cuts (ranges [cuts[i],
+// cuts[i+1])), the appended keys with range @p appended_range, merged from the last range to
+// the first; returns the max abs error of the projected result against the reference.
+static double split_and_merge(const rcase *c, const size_t *cuts, size_t ranges,
+                              size_t appended_range) {
+    clmha_context *ctx = context_or_skip();
+    instance in;
+    instance_make(&in, c);
+    size_t n = in.n, l = c->l, s = c->s, e = c->e, h = c->h, d = e / h;
+    size_t kd = in.kdim, vd = in.vdim, rows = n * h * l;
+    double *want = malloc(in.output_count * sizeof *want);
+    char msg[512];
+    cr_assert_eq(clmha_reference_forward(&in.desc, &in.params, &in.args, want, in.output_count,
+                                         NULL, 0, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    clmha_layer *layer = instance_layer(ctx, &in);
+    cl_command_queue q = clmha_context_cl_queue(ctx);
+    cl_mem query = upload(ctx, in.query, n * l * e * 4);
+    cl_mem acc = device_buffer(ctx, rows * d * 4), acc_lse = device_buffer(ctx, rows * 4);
+    cl_mem part = device_buffer(ctx, rows * d * 4), part_lse = device_buffer(ctx, rows * 4);
+    for (size_t k = ranges; k-- > 0;) {
+        size_t j0 = cuts[k], j1 = cuts[k + 1], w = j1 - j0;
+        // (S, N, F) rows j0 .. j1-1 are contiguous (sequence first).
+        cl_mem key = upload(ctx, in.key + j0 * n * kd, w * n * kd * 4);
+        cl_mem value = upload(ctx, in.value + j0 * n * vd, w * n * vd * 4);
+        clmha_forward_args a = {.struct_size = sizeof a, .is_causal = false};
+        a.query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}, .buffer = query};
+        a.key = (clmha_tensor){.ndim = 3, .shape = {w, n, kd}, .buffer = key};
+        a.value = (clmha_tensor){.ndim = 3, .shape = {w, n, vd}, .buffer = value};
+        void *kpm = NULL, *am = NULL;
+        cl_mem kpm_buf = NULL, am_buf = NULL;
+        if (c->kpm) {
+            size_t el = c->kpm == CLMHA_MASK_FLOAT ? 4 : 1;
+            kpm = columns(in.kpm, n, s, el, j0, j1);
+            kpm_buf = upload(ctx, kpm, n * w * el);
+            a.key_padding_mask = (clmha_mask){
+                .kind = c->kpm, .tensor = {.ndim = 2, .shape = {n, w}, .buffer = kpm_buf}};
+        }
+        if (c->am) {
+            size_t el = c->am == CLMHA_MASK_FLOAT ? 4 : 1;
+            am = columns(in.am, l, s, el, j0, j1);
+            am_buf = upload(ctx, am, l * w * el);
+            a.attn_mask = (clmha_mask){.kind = c->am,
+                                       .tensor = {.ndim = 2, .shape = {l, w}, .buffer = am_buf}};
+        }
+        bool first = k == ranges - 1;
+        clmha_status st = clmha_layer_attend(layer, &a, k == appended_range, first ? acc : part,
+                                             0, first ? acc_lse : part_lse, 0, 0, NULL, NULL);
+        cr_assert_eq(st, CLMHA_SUCCESS, "range %zu: %s", k, clmha_context_last_error(ctx));
+        if (!first) {
+            st = clmha_attention_merge(ctx, rows, d, acc, 0, acc_lse, 0, part, 0, part_lse, 0, 0,
+                                       NULL, NULL);
+            cr_assert_eq(st, CLMHA_SUCCESS, "merge %zu: %s", k, clmha_context_last_error(ctx));
+        }
+        cr_assert_eq(clFinish(q), CL_SUCCESS);
+        clReleaseMemObject(key);
+        clReleaseMemObject(value);
+        if (kpm_buf) clReleaseMemObject(kpm_buf);
+        if (am_buf) clReleaseMemObject(am_buf);
+        free(kpm);
+        free(am);
+    }
+    cl_mem out = device_buffer(ctx, n * l * e * 4);
+    cr_assert_eq(clmha_layer_project_heads(layer, n, l, acc, 0, out, 0, 0, NULL, NULL),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    float *got = alloc_floats(n * l * e);
+    cr_assert_eq(clEnqueueReadBuffer(q, out, CL_TRUE, 0, n * l * e * 4, got, 0, NULL, NULL),
+                 CL_SUCCESS);
+    double err = max_abs_err(got, want, n * l * e);
+    cl_mem bufs[] = {query, acc, acc_lse, part, part_lse, out};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i) clReleaseMemObject(bufs[i]);
+    free(got);
+    free(want);
+    clmha_layer_release(layer);
+    instance_free(&in);
+    clmha_context_release(ctx);
+    return err;
+}
+
+static rcase cross_case(uint64_t seed) {
+    rcase c = rcase_base(seed);
+    c.e = 16, c.h = 4, c.n = 2, c.l = 5, c.s = 11, c.need_weights = false;
+    return c;
+}
+
+Test(partial, ranges_merge_to_the_whole, .timeout = 300) {
+    size_t cuts[] = {0, 4, 5, 11};
+    rcase c = cross_case(21);
+    double err = split_and_merge(&c, cuts, 3, 1);
+    fprintf(stderr, "partial: 3 ranges, no masks: max abs err %.3g\n", err);
+    cr_expect(err <= TOL, "max abs err %g", err);
+
+    c = cross_case(22);
+    c.kdim = 5, c.vdim = 7, c.add_bias_kv = true, c.add_zero_attn = true;
+    c.kpm = CLMHA_MASK_FLOAT, c.am = CLMHA_MASK_BOOL_IGNORE, c.layout = LAYOUT_SHARED;
+    for (size_t with = 0; with < 3; ++with) {
+        err = split_and_merge(&c, cuts, 3, with);
+        fprintf(stderr, "partial: kdim/vdim, bias_kv, zero_attn (with range %zu), masks: max "
+                        "abs err %.3g\n",
+                with, err);
+        cr_expect(err <= TOL, "appended keys with range %zu: max abs err %g", with, err);
+    }
+}
+
+// Item 0's keys are all masked (key_padding_mask, boolean): its rows have lse -INFINITY in every
+// range, merge to zeros and project to out_proj.bias, as the one-shot forward gives; ranges of
+// one key at the end.
+Test(partial, masked_range_and_single_keys, .timeout = 300) {
+    rcase c = cross_case(23);
+    c.kpm = CLMHA_MASK_BOOL_IGNORE, c.mask_batch = true, c.s = 6, c.mask_p = 0.0;
+    size_t cuts[] = {0, 3, 4, 5, 6};
+    double err = split_and_merge(&c, cuts, 4, 3);
+    fprintf(stderr, "partial: item 0 fully masked, single-key ranges: max abs err %.3g\n", err);
+    cr_expect(err <= TOL, "max abs err %g", err);
+}
+
+Test(partial, errors, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    rcase c = cross_case(24);
+    instance in;
+    instance_make(&in, &c);
+    clmha_layer *layer = instance_layer(ctx, &in);
+    size_t n = in.n, l = c.l, e = c.e, h = c.h, d = e / h, rows = n * h * l;
+    cl_mem query = upload(ctx, in.query, n * l * e * 4);
+    cl_mem key = upload(ctx, in.key, c.s * n * e * 4);
+    cl_mem heads = device_buffer(ctx, rows * d * 4), lse = device_buffer(ctx, rows * 4);
+    cl_mem heads2 = device_buffer(ctx, rows * d * 4), lse2 = device_buffer(ctx, rows * 4);
+    clmha_forward_args a = {.struct_size = sizeof a};
+    a.query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}, .buffer = query};
+    a.key = (clmha_tensor){.ndim = 3, .shape = {c.s, n, e}, .buffer = key};
+    a.need_weights = true;
+    cr_expect_eq(clmha_layer_attend(layer, &a, true, heads, 0, lse, 0, 0, NULL, NULL),
+                 CLMHA_UNSUPPORTED);
+    cr_expect(strstr(clmha_context_last_error(ctx), "need_weights"), "%s",
+              clmha_context_last_error(ctx));
+    a.need_weights = false;
+    a.impl = CLMHA_IMPL_UNFUSED;
+    cr_expect_eq(clmha_layer_attend(layer, &a, true, heads, 0, lse, 0, 0, NULL, NULL),
+                 CLMHA_UNSUPPORTED);
+    a.impl = CLMHA_IMPL_AUTO;
+    cr_expect_eq(clmha_layer_attend(NULL, &a, true, heads, 0, lse, 0, 0, NULL, NULL),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_layer_attend(layer, &a, true, heads, 1, lse, 0, 0, NULL, NULL),
+                 CLMHA_INVALID_ARGUMENT, "heads one float short");
+    cr_expect_eq(clmha_layer_attend(layer, &a, true, heads, 0, NULL, 0, 0, NULL, NULL),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_layer_attend(layer, &a, true, heads, 0, heads, 0, 0, NULL, NULL),
+                 CLMHA_INVALID_ARGUMENT, "lse overlapping heads");
+    cr_expect_eq(clmha_layer_attend(layer, &a, true, heads, 0, lse, 0, 0, NULL, NULL),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    // Merge.
+    cr_expect_eq(clmha_attention_merge(NULL, rows, d, heads, 0, lse, 0, heads2, 0, lse2, 0, 0,
+                                       NULL, NULL),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_attention_merge(ctx, 0, d, heads, 0, lse, 0, heads2, 0, lse2, 0, 0, NULL,
+                                       NULL),
+                 CLMHA_SHAPE_MISMATCH);
+    cr_expect_eq(clmha_attention_merge(ctx, rows + 1, d, heads, 0, lse, 0, heads2, 0, lse2, 0, 0,
+                                       NULL, NULL),
+                 CLMHA_INVALID_ARGUMENT, "rows past the buffers");
+    cr_expect_eq(clmha_attention_merge(ctx, rows, d, heads, 0, lse, 0, heads, 0, lse2, 0, 0,
+                                       NULL, NULL),
+                 CLMHA_INVALID_ARGUMENT, "a merged with itself");
+    cr_expect_eq(clmha_attention_merge(ctx, SIZE_MAX / 2, d, heads, 0, lse, 0, heads2, 0, lse2,
+                                       0, 0, NULL, NULL),
+                 CLMHA_SIZE_OVERFLOW);
+    // Project.
+    cl_mem out = device_buffer(ctx, n * l * e * 4);
+    cr_expect_eq(clmha_layer_project_heads(layer, 0, l, heads, 0, out, 0, 0, NULL, NULL),
+                 CLMHA_SHAPE_MISMATCH);
+    cr_expect_eq(clmha_layer_project_heads(layer, n, l, heads, 0, heads, 0, 0, NULL, NULL),
+                 CLMHA_INVALID_ARGUMENT, "output overlapping heads");
+    cr_expect_eq(clmha_layer_project_heads(layer, n, l + 1, heads, 0, out, 0, 0, NULL, NULL),
+                 CLMHA_INVALID_ARGUMENT, "too many rows");
+    cr_expect_eq(clmha_layer_project_heads(NULL, n, l, heads, 0, out, 0, 0, NULL, NULL),
+                 CLMHA_INVALID_ARGUMENT);
+    cl_event ev = NULL;
+    cr_expect_eq(clmha_layer_project_heads(layer, n, l, heads, 0, out, 0, 0, NULL, &ev),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_expect_eq(clWaitForEvents(1, &ev), CL_SUCCESS);
+    clReleaseEvent(ev);
+    cl_mem bufs[] = {query, key, heads, lse, heads2, lse2, out};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i) clReleaseMemObject(bufs[i]);
+    clmha_layer_release(layer);
+    instance_free(&in);
+    clmha_context_release(ctx);
+}
