@@ -12,4 +12,4 @@ $SUDO apt-get install -y -q --no-install-recommends \
   ocl-icd-opencl-dev opencl-c-headers pocl-opencl-icd clinfo \
   libclblast-dev libcriterion-dev libcjson-dev libpng-dev \
   oclgrind valgrind python3-numpy python3-torch doxygen \
-  libdnnl2
+  libdnnl2 libopenmpi-dev openmpi-bin

@@ -6,8 +6,9 @@
 #   BUILD_DIR  a configured and built tree (default: build); not a sanitizer build
 #   TEST       a test executable of BUILD_DIR/tests, optionally with a Criterion --filter
 #              pattern, e.g. test_faults:'faults/nan*'. Default: test_faults test_interop
-#              test_errors test_backward_errors test_device test_concurrency (the whole suite
-#              under valgrind takes hours on PoCL).
+#              test_errors test_backward_errors test_device test_concurrency, and the error
+#              tests of test_kv_cache and test_partial (the whole suite under valgrind takes
+#              hours on PoCL).
 #
 # environment:
 #   POCL_CACHE_DIR         PoCL's kernel cache (default: BUILD_DIR/valgrind-pocl-cache). Under
@@ -41,7 +42,8 @@ case "${1:-}" in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}
 
 tests=("$@")
 if [ ${#tests[@]} -eq 0 ]; then
-  tests=(test_faults test_interop test_errors test_backward_errors test_device test_concurrency)
+  tests=(test_faults test_interop test_errors test_backward_errors test_device test_concurrency
+         "test_kv_cache:kv_cache/errors" "test_partial:partial/errors")
 fi
 valgrind="${VALGRIND:-valgrind}"
 command -v "$valgrind" >/dev/null || { echo "valgrind-check: $valgrind not found" >&2; exit 2; }
