@@ -533,6 +533,41 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
         double g_err = compare_grads(dir, grads_dir, what, &files);
         fprintf(stderr, "cli %s grads=%zu grad_maxnorm=%.3e\n", what, files, g_err);
     }
+    // Through a KV cache, two query rows a call (--decode-chunk 2): the one-shot output again,
+    // for every case without masks, dropout, or is_causal with a key of its own.
+    char *flags = read_file(args_path, NULL);
+    bool causal = flags && strstr(flags, "--is-causal");
+    bool chunks = !(flags && strstr(flags, "--training")) && !file_exists(paths[4]) &&
+                  !file_exists(paths[5]) && !(causal && file_exists(paths[2]));
+    free(flags);
+    if (chunks) {
+        const char *cv[16];
+        size_t cn = 0;
+        cv[cn++] = "run";
+        for (size_t i = 0; i < 4; ++i)
+            if (file_exists(paths[i])) {
+                cv[cn++] = inputs[i][0];
+                cv[cn++] = paths[i];
+            }
+        if (causal) cv[cn++] = "--is-causal";
+        cv[cn++] = "--decode-chunk";
+        cv[cn++] = "2";
+        cv[cn++] = "--output";
+        cv[cn++] = out_path;
+        cv[cn] = NULL;
+        r = cli_run_argv(cv);
+        cr_assert_eq(r.status, 0, "%s --decode-chunk 2: exit status %d; stderr: %s", name,
+                     r.status, r.err);
+        read_npy(out_path, &got);
+        read_npy(want_path, &want);
+        double chunk_err = npy_max_abs_diff(&got, &want, "output", name);
+        clmha__npy_free(&got);
+        clmha__npy_free(&want);
+        fprintf(stderr, "cli %s --decode-chunk 2 out_maxabs=%.3e\n", name, chunk_err);
+        cr_expect_leq(chunk_err, CLI_TOL, "%s --decode-chunk 2: output max abs error %.3e", name,
+                      chunk_err);
+        cli_free(&r);
+    }
     if (grads) tmpdir_remove(grads_dir);
     free(extra);
     tmp_remove(&out);
@@ -1470,6 +1505,21 @@ Test(cli_bench, decode_json) {
     }
     cr_expect_eq(*line, '\0', "stdout: %s", r.out);
     cli_free(&r);
+}
+
+Test(cli_usage, decode_chunk) {
+    EXPECT_USAGE("clmha run: --decode-chunk 0: expected a positive", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--decode-chunk", "0");
+    EXPECT_USAGE("clmha run: --decode-chunk does not go with weights", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--decode-chunk", "2", "--need-weights");
+    EXPECT_USAGE("clmha run: --decode-chunk does not go with masks", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--decode-chunk", "2", "--attn-mask",
+                 "a.npy");
+    EXPECT_USAGE("clmha run: --decode-chunk does not go with --is-causal with --key", "run",
+                 "--layer", "l.safetensors", "--query", "q.npy", "--key", "k.npy",
+                 "--is-causal", "--decode-chunk", "2");
+    EXPECT_USAGE("clmha run: --decode-chunk does not go with --impl", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--decode-chunk", "2", "--impl", "fused");
 }
 
 Test(cli_usage, bench_decode) {

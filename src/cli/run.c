@@ -79,6 +79,16 @@ static const char *const usage_run[] = {
     "  A query row whose every key is masked gets zero weights (PyTorch gives NaN there).\n"
     "  Results not written to a file are summarised on stdout (shape, first values).\n"
     "\n"
+    "incremental decoding:\n"
+    "  --decode-chunk C          run the forward pass through a KV cache (clmha_kv_cache), C\n"
+    "                            query rows a call, and write the rows together: with\n"
+    "                            --is-causal (self-attention only) each call appends its own\n"
+    "                            tokens' keys and values and its queries see the cache\n"
+    "                            bottom-right aligned; without, the whole key and value go in\n"
+    "                            with the first call and the later calls attend only. Either\n"
+    "                            way the output is the one-shot forward's. Not with masks,\n"
+    "                            weights, --training, gradients or --impl\n"
+    "\n"
     "device:\n"
     "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"
     "                            (see clmha devices); default: $CLMHA_DEVICE, else the first\n"
@@ -214,6 +224,65 @@ static void warn_nonfinite(const float *y, size_t y_count, const float *w, size_
 
 
 // --seed / --offset: a decimal integer in [0, 2^64).
+// Rows t0 .. t0+c-1 of every sequence of @p x, a (T, N, F) array ((N, T, F) batch first),
+// copied into (@p to_x false) or out of (@p to_x true) @p chunk, a (c, N, F) array in the same
+// layout.
+static void chunk_rows(float *x, float *chunk, size_t n, size_t t, size_t f, bool batch_first,
+                       size_t t0, size_t c, bool to_x) {
+    for (size_t b = 0; b < n; ++b)
+        for (size_t i = 0; i < c; ++i) {
+            float *big = x + (batch_first ? b * t + t0 + i : (t0 + i) * n + b) * f;
+            float *small = chunk + (batch_first ? b * c + i : i * n + b) * f;
+            memcpy(to_x ? big : small, to_x ? small : big, f * sizeof *big);
+        }
+}
+
+// --decode-chunk: the forward call @p args through a KV cache, @p chunk query rows at a time,
+// the rows of the output into @p y (as the one-shot forward writes them). Reports a failure.
+static bool decode_in_chunks(clmha_layer *layer, const clmha_forward_args *args,
+                             const clmha_layer_desc *desc, size_t chunk, float *y) {
+    clmha_context *ctx = clmha_layer_context(layer);
+    const clmha_tensor *q = &args->query;
+    bool batched = q->ndim == 3, bf = batched && desc->batch_first;
+    size_t n = batched ? q->shape[bf ? 0 : 1] : 1, l = q->shape[bf ? 1 : 0], e = desc->embed_dim;
+    const clmha_tensor *key = args->key.ndim ? &args->key : q;
+    size_t s = key->shape[bf ? 1 : 0];
+    size_t c = chunk < l ? chunk : l;
+    float *qc = malloc(c * n * e * sizeof *qc), *yc = malloc(c * n * e * sizeof *yc);
+    clmha_kv_cache *cache = NULL;
+    bool ok = false;
+    if (!qc || !yc) {
+        clmha__cli_report("run", "out of host memory");
+        goto done;
+    }
+    clmha_status st = clmha_kv_cache_create(&cache, layer, n, args->is_causal ? l : s);
+    for (size_t t0 = 0; !st && t0 < l; t0 += c) {
+        size_t rows = t0 + c < l ? c : l - t0;
+        chunk_rows((float *)q->data, qc, n, l, e, bf, t0, rows, false);
+        clmha_forward_args a = *args;
+        a.kv_cache = cache;
+        a.query.data = qc;
+        a.query.shape[bf ? 1 : 0] = rows;
+        if (!args->is_causal && t0 == 0 && !args->key.ndim) a.key = *q;  // the whole query
+        if (!args->is_causal && t0 > 0) {
+            a.key = a.value = (clmha_tensor){0};
+            a.kv_attend_only = true;
+        }
+        st = clmha_layer_forward_host(layer, &a, yc, rows * n * e, NULL, 0);
+        if (!st) chunk_rows(y, yc, n, l, e, bf, t0, rows, true);
+    }
+    if (st)
+        clmha__cli_report("run", "--decode-chunk %zu: forward pass failed on %s: %s: %s", chunk,
+                          clmha_context_device_name(ctx), clmha_status_string(st),
+                          clmha_context_last_error(ctx));
+    ok = !st;
+done:
+    clmha_kv_cache_release(cache);
+    free(qc);
+    free(yc);
+    return ok;
+}
+
 static bool parse_u64(const char *flag, const char *text, uint64_t *v) {
     *v = 0;
     if (!text) return true;
@@ -276,7 +345,7 @@ static bool grad_shape_ok(const input_file *in, const char *what, size_t ndim,
 
 int clmha__cli_run(int argc, char **argv) {
     const char *layer_path = NULL, *output_path = NULL, *weights_path = NULL, *device = NULL;
-    const char *grads_dir = NULL, *seed_opt = NULL, *offset_opt = NULL;
+    const char *grads_dir = NULL, *seed_opt = NULL, *offset_opt = NULL, *chunk_opt = NULL;
     input_file in[IN_COUNT] = {
         [IN_QUERY] = {.flag = "--query"},
         [IN_KEY] = {.flag = "--key"},
@@ -308,6 +377,7 @@ int clmha__cli_run(int argc, char **argv) {
         {.name = "--grad-weights", .value = &in[IN_GRAD_W].path},
         {.name = "--grads-dir", .value = &grads_dir},
         {.name = "--device", .value = &device, .allow_empty = true},
+        {.name = "--decode-chunk", .value = &chunk_opt},
     };
     char usage[8192] = "";
     for (size_t i = 0; i < sizeof usage_run / sizeof usage_run[0]; ++i)
@@ -338,6 +408,28 @@ int clmha__cli_run(int argc, char **argv) {
     if (!clmha__cli_parse_impl("run", impl_opt, need_weights,
                                "--need-weights, --per-head-weights and --weights-output", &impl))
         return EXIT_USAGE;
+    uint64_t chunk = 0;
+    if (chunk_opt) {
+        const char *clash = need_weights || per_head || weights_path ? "weights"
+                            : in[IN_KPM].path || in[IN_ATTN].path    ? "masks"
+                            : training                               ? "--training"
+                            : in[IN_GRAD_OUT].path || grads_dir      ? "gradients"
+                            : impl_opt                               ? "--impl"
+                            : is_causal && (in[IN_KEY].path || in[IN_VALUE].path)
+                                ? "--is-causal with --key or --value (the cache aligns causal "
+                                  "queries bottom-right: self-attention only)"
+                                : NULL;
+        if (!parse_u64("--decode-chunk", chunk_opt, &chunk)) return EXIT_USAGE;
+        if (chunk == 0) {
+            clmha__cli_report("run", "--decode-chunk %s: expected a positive number of query "
+                                     "rows", chunk_opt);
+            return EXIT_USAGE;
+        }
+        if (clash) {
+            clmha__cli_report("run", "--decode-chunk does not go with %s", clash);
+            return EXIT_USAGE;
+        }
+    }
     clmha_dropout_rng rng = {0};
     if (!grad_options_ok(in[IN_GRAD_OUT].path, in[IN_GRAD_W].path, grads_dir, need_weights,
                          training, seed_opt, offset_opt) ||
@@ -469,7 +561,9 @@ int clmha__cli_run(int argc, char **argv) {
                           w_count);
         goto fail;
     }
-    clmha_status st = clmha_layer_forward_host(layer, &args, y, y_count, w, w_count);
+    if (chunk && !decode_in_chunks(layer, &args, &desc, (size_t)chunk, y)) goto fail;
+    clmha_status st =
+        chunk ? CLMHA_SUCCESS : clmha_layer_forward_host(layer, &args, y, y_count, w, w_count);
     if (st != CLMHA_SUCCESS) {
         clmha__cli_report("run", "forward pass failed on %s: %s: %s",
                           clmha_context_device_name(ctx), clmha_status_string(st),
