@@ -28,17 +28,19 @@
 //   proj     (rows, ld) with the head columns starting at col0
 //   bias     in_proj_bias slice for these columns (has_bias)
 //   extra    bias_k or bias_v at extra_off (has_extra: row T is extra; rows after it are zero)
-//   out      (N*H, T_out, D)
+//   out      (N*n_heads, T_out, D); out head h copies the source columns of head h / group
+//            (group > 1: key/value heads repeated for grouped-query attention)
 kernel void split_heads(global const float *proj, ulong proj_off, ulong ld, ulong col0,
                         global const float *bias, ulong bias_off, uint has_bias,
                         global const float *extra, ulong extra_off, uint has_extra,
                         global float *out, ulong out_off, ulong n_batch, ulong n_heads,
-                        ulong seq, ulong seq_out, ulong head_dim, uint batch_first) {
+                        ulong group, ulong seq, ulong seq_out, ulong head_dim,
+                        uint batch_first) {
 #if HEADS_COALESCED
     ulong d = get_global_id(0), t = get_global_id(1), bh = get_global_id(2);
     if (d >= head_dim || t >= seq_out) return;
     ulong n = bh / n_heads;
-    ulong col = (bh - n * n_heads) * head_dim + d;
+    ulong col = (bh - n * n_heads) / group * head_dim + d;
     float x = 0.0f;
     if (t < seq) {
         ulong row = batch_first ? n * seq + t : t * n_batch + n;
@@ -55,7 +57,7 @@ kernel void split_heads(global const float *proj, ulong proj_off, ulong ld, ulon
     ulong bh = gid / seq_out;
     ulong n = bh / n_heads;
     ulong h = bh % n_heads;
-    ulong col = h * head_dim;
+    ulong col = h / group * head_dim;
     global float *dst = out + out_off + gid * head_dim;
     if (t < seq) {
         ulong row = batch_first ? n * seq + t : t * n_batch + n;

@@ -710,6 +710,15 @@ typedef struct clmha_layer_desc {
     bool add_zero_attn;  ///< a zero key and value are appended
     bool batch_first;    ///< batched inputs are (N, L, E) instead of (L, N, E)
     float dropout;       ///< probability in [0, 1) of zeroing an attention weight in training
+    /// Grouped-query attention (PyTorch's scaled_dot_product_attention(enable_gqa=True)): the
+    /// heads of the keys and values, each shared by num_heads / num_kv_heads query heads (query
+    /// head h reads key/value head h / (num_heads / num_kv_heads)); 0 means num_heads (plain
+    /// multi-head attention), 1 is multi-query attention; must divide num_heads. With fewer
+    /// key/value heads than heads, k_proj_weight is (num_kv_heads*D, kdim), v_proj_weight
+    /// (num_kv_heads*D, vdim), in_proj_bias holds E + 2*num_kv_heads*D entries (q, k, v),
+    /// bias_k and bias_v num_kv_heads*D each, and there is no packed in_proj_weight.
+    /// Added after 0.1.0: zero-initialise the whole struct.
+    size_t num_kv_heads;
 } clmha_layer_desc;
 
 /// Creates a layer on @p ctx: validates the descriptor, builds the kernel programs (cached per

@@ -151,15 +151,16 @@ kernel void decode_partial(global const float *q, global const float *kc,
 // that sees no key at all gives zeros.
 kernel void decode_combine(global const float *part_acc, global const float *part_ms,
                            uint parts, global const float *q, global const float *bias_kv,
-                           uint has_bias_kv, uint zero_attn, ulong n_heads, ulong tgt_len,
-                           float scale, global float *out, ulong rows) {
+                           uint has_bias_kv, uint zero_attn, ulong n_heads, ulong kv_heads,
+                           ulong tgt_len, float scale, global float *out, ulong rows) {
     ulong row = get_global_id(0);
     if (row >= rows) return;
-    ulong h = row / tgt_len % n_heads;
+    ulong kvh = row / tgt_len % n_heads / G;  // the row's key/value head
     float mx = -INFINITY, xb = -INFINITY;
     for (uint p = 0; p < parts; ++p) mx = max_nan(mx, part_ms[2 * (row * parts + p)]);
-    global const VT *bk = (global const VT *)(bias_kv + h * HD);
-    global const VT *bv = (global const VT *)(bias_kv + (n_heads + h) * HD);
+    // bias_k (kv_heads * HD floats), then bias_v: the row's key/value head's slice of each.
+    global const VT *bk = (global const VT *)(bias_kv + kvh * HD);
+    global const VT *bv = (global const VT *)(bias_kv + (kv_heads + kvh) * HD);
     if (has_bias_kv) {
         global const VT *qr = (global const VT *)(q + row * HD);
         VT dot = qr[0] * bk[0];

@@ -51,7 +51,8 @@
 // and read as a broadcast.
 // Needs cl/common.cl in front (mask kinds, mask_value, philox_word0, max_nan).
 //
-// Layouts as the unfused path: q (N*H, L, HD), k and v (N*H, S', HD), out (N*H, L, HD); the
+// Layouts as the unfused path: q (N*H, L, HD), k and v (N*KVH, S', HD) (KVH = H / kv_group key/
+// value heads: grouped-query attention), out (N*H, L, HD); the
 // masks cover the first S keys, the appended keys (add_bias_kv, add_zero_attn) are never
 // masked. A query row whose every key is masked gives zeros, as in the unfused path. Dropout
 // drops weight (bh, i, j) exactly where masked_softmax does (same Philox counter and key).
@@ -211,7 +212,7 @@ void fused_attention(global const float *q, global const float *k, global const 
                      global float *out, ulong tgt_len, ulong n_heads, ulong src_len,
                      ulong src_len_padded, float scale,
                      MASK_PARAMS,
-                     global float *lse, uint lse_on) {
+                     global float *lse, uint lse_on, ulong kv_group) {
     ulong bh = get_global_id(1);
     ulong n = bh / n_heads;
     ulong first = get_global_id(0) * RPW;
@@ -236,8 +237,9 @@ void fused_attention(global const float *q, global const float *k, global const 
     UNROLL
     for (uint rv = 0; rv < RV; ++rv) m[rv] = (VT)(-INFINITY), sum[rv] = (VT)(0.0f);
 
-    global const float *kb = k + bh * srcp * HD;
-    global const float *vb = v + bh * srcp * HD;
+    // Grouped-query attention: kv_group query heads share a key/value plane, bh / kv_group.
+    global const float *kb = k + bh / kv_group * srcp * HD;
+    global const float *vb = v + bh / kv_group * srcp * HD;
     for (ulong j0 = 0; j0 < srcp; j0 += BK) {
         // With is_causal, a tile of masked keys only (all j > last, none appended) is skipped.
         if (causal && j0 > last && j0 + BK <= src_len) continue;
@@ -376,7 +378,7 @@ void fused_attention(global const float *q, global const float *k, global const 
                      global float *out, ulong tgt_len, ulong n_heads, ulong src_len,
                      ulong src_len_padded, float scale,
                      MASK_PARAMS,
-                     global float *lse, uint lse_on) {
+                     global float *lse, uint lse_on, ulong kv_group) {
     local float kt[HD * KS];  // the tile's keys, transposed: kt[d * KS + jj]
     local float vt[BK * HD];  // the tile's values: vt[jj * HD + d]
 #if Q_LOCAL
@@ -437,8 +439,8 @@ void fused_attention(global const float *q, global const float *k, global const 
         sum[r] = 0.0f;
     }
 
-    global const float *kb = k + bh * src_len_padded * HD;
-    global const float *vb = v + bh * src_len_padded * HD;
+    global const float *kb = k + bh / kv_group * src_len_padded * HD;
+    global const float *vb = v + bh / kv_group * src_len_padded * HD;
     for (ulong j0 = 0; j0 < src_len_padded; j0 += BK) {
         // With is_causal, a tile of masked keys only (all j > last, none appended) is skipped.
         // The condition is the same for the whole group, so the barriers stay uniform.

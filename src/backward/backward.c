@@ -400,12 +400,12 @@ static clmha_status out_projection(pass *p) {
     if ((st = gemm(ctx, "attention result gradient", false, false, rows, e, e, dy,
                    dy_off, e, l->w_out, 0, e, 0.0f, m, m_off, e)))
         return st;
-    cl_ulong zero = 0, a_off = m_off, ld = e, n = d->n, h = d->h, t = d->l, hd = d->d;
+    cl_ulong zero = 0, one = 1, a_off = m_off, ld = e, n = d->n, h = d->h, t = d->l, hd = d->d;
     cl_uint no = 0, bf = d->batch_first;
     cl_mem dummy = ctx->dummy, out = l->tiles[CLMHA__TILE_OUT];
     arg args[] = {ARG(m),     ARG(a_off), ARG(ld),  ARG(zero), ARG(dummy), ARG(zero),
                   ARG(no),    ARG(dummy), ARG(zero), ARG(no),  ARG(out),   ARG(zero),
-                  ARG(n),     ARG(h),     ARG(t),   ARG(t),    ARG(hd),    ARG(bf)};
+                  ARG(n),     ARG(h),     ARG(one), ARG(t),    ARG(t),    ARG(hd),    ARG(bf)};
     return clmha__launch_heads(l, l->split_heads, "split_heads", d->n * d->h, d->l, l->heads_wg,
                                args, sizeof args / sizeof args[0]);
 }

@@ -48,7 +48,7 @@ clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, siz
                            "capacity %zu: a KV cache holds fewer than 2^32 tokens per sequence",
                            capacity);
     size_t floats = 0;
-    clmha_status st = cache_floats(ctx, batch, layer->h, capacity, layer->d, &floats);
+    clmha_status st = cache_floats(ctx, batch, layer->kvh, capacity, layer->d, &floats);
     if (st) return st;
     clmha_kv_cache *c = calloc(1, sizeof *c);
     size_t *len = calloc(batch, sizeof *len);
@@ -58,7 +58,7 @@ clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, siz
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     }
     *c = (clmha_kv_cache){.ctx = ctx, .layer = layer, .batch = batch, .capacity = capacity,
-                          .kv_heads = layer->h, .head_dim = layer->d, .len = len};
+                          .kv_heads = layer->kvh, .head_dim = layer->d, .len = len};
     clmha_context_retain(ctx);
     cl_int err;
     c->k = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, floats * sizeof(float), NULL, &err);

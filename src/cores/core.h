@@ -78,6 +78,10 @@ typedef struct clmha__backward_call {
 
 typedef struct clmha__core {
     const char *name;
+    // Grouped-query attention: the core reads the key and value tiles as the layer's kvh heads
+    // ((N*KVH, S', D), each shared by h / kvh query heads); false: the forward pass repeats
+    // them for every query head ((N*H, S', D)) before the core runs.
+    bool grouped_kv;
     // Optional (NULL: the core keeps no state). Called by clmha_layer_create() on a new layer
     // (parameters and cl/heads.cl kernels made): makes the core's per-layer state, stored in
     // *state as soon as it exists (clmha__core_state() finds it later), and builds what the core

@@ -94,7 +94,7 @@ static clmha_status ensure(clmha_layer *l, state **out) {
                            "the decode kernels could not be built for head_dim %zu on this "
                            "device: %s",
                            l->d, clmha_status_string(s->failed));
-    clmha_status st = build(l, s, 1);
+    clmha_status st = build(l, s, l->h / l->kvh);
     if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) s->failed = st;
     return st;
 }
@@ -164,7 +164,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_uint has_bias_kv = l->desc.add_bias_kv, zero_attn = l->desc.add_zero_attn;
     cl_ulong rows = q_rows;
     arg args[] = {ARG(s->part_acc), ARG(s->part_ms), ARG(parts), ARG(l->tiles[CLMHA__TILE_Q]),
-                  ARG(bias_kv), ARG(has_bias_kv), ARG(zero_attn), ARG(heads), ARG(tgt),
+                  ARG(bias_kv), ARG(has_bias_kv), ARG(zero_attn), ARG(heads), ARG(kvh), ARG(tgt),
                   ARG(scale), ARG(l->tiles[CLMHA__TILE_OUT]), ARG(rows)};
     if ((st = clmha__launch(ctx, s->combine, "decode_combine", rows, s->wg, args,
                             sizeof args / sizeof args[0])))
@@ -173,6 +173,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
 }
 
 const clmha__core clmha__core_decode = {.name = "decode",
+                                        .grouped_kv = true,
                                         .create = create,
                                         .release = release,
                                         .supports = supports,

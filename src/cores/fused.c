@@ -317,10 +317,11 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     // The log-sum-exp rows for the backward pass, only when asked for (a flag: no cost else).
     cl_mem lse = call->lse ? call->lse : ctx->dummy;
     cl_uint lse_on = call->lse != NULL;
+    cl_ulong group = l->h / l->kvh;  // query heads per key/value head
     arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(l->tiles[CLMHA__TILE_K]),
                   ARG(l->tiles[CLMHA__TILE_V]), ARG(l->tiles[CLMHA__TILE_OUT]),
                   ARG(tgt), ARG(heads), ARG(src), ARG(srcp), ARG(scale), MASK_ARGS(m),
-                  ARG(lse), ARG(lse_on)};
+                  ARG(lse), ARG(lse_on), ARG(group)};
     const state *s = state_of(l);
     clmha_status st = clmha__set_args(ctx, s->kernel, "fused_attention", args,
                                       sizeof args / sizeof args[0]);
@@ -335,6 +336,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
 }
 
 const clmha__core clmha__core_fused = {.name = "fused",
+                                       .grouped_kv = true,
                                        .create = create,
                                        .release = release,
                                        .supports = supports,

@@ -209,22 +209,24 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
 
     clmha_layer_desc d = {.struct_size = sizeof d};
     clmha_layer_get_desc(layer, &d);
-    size_t e = d.embed_dim;
+    // kve: the key/value heads' width (grouped-query attention: num_kv_heads * D, else E).
+    size_t e = d.embed_dim, kve = d.num_kv_heads * (e / d.num_heads);
+    bool gqa = d.num_kv_heads != d.num_heads;
     save_entry list[8];
     size_t n = 0;
-    if (d.kdim == e && d.vdim == e) {
+    if (d.kdim == e && d.vdim == e && !gqa) {
         list[n++] = (save_entry){"in_proj_weight", 2, {3 * e, e}, 0};
     } else {
         list[n++] = (save_entry){"q_proj_weight", 2, {e, e}, 0};
-        list[n++] = (save_entry){"k_proj_weight", 2, {e, d.kdim}, 0};
-        list[n++] = (save_entry){"v_proj_weight", 2, {e, d.vdim}, 0};
+        list[n++] = (save_entry){"k_proj_weight", 2, {kve, d.kdim}, 0};
+        list[n++] = (save_entry){"v_proj_weight", 2, {kve, d.vdim}, 0};
     }
-    if (d.bias) list[n++] = (save_entry){"in_proj_bias", 1, {3 * e}, 0};
+    if (d.bias) list[n++] = (save_entry){"in_proj_bias", 1, {e + 2 * kve}, 0};
     list[n++] = (save_entry){"out_proj.weight", 2, {e, e}, 0};
     if (d.bias) list[n++] = (save_entry){"out_proj.bias", 1, {e}, 0};
     if (d.add_bias_kv) {
-        list[n++] = (save_entry){"bias_k", 3, {1, 1, e}, 0};
-        list[n++] = (save_entry){"bias_v", 3, {1, 1, e}, 0};
+        list[n++] = (save_entry){"bias_k", 3, {1, 1, kve}, 0};
+        list[n++] = (save_entry){"bias_v", 3, {1, 1, kve}, 0};
     }
     // The layer exists, so its parameters fit in memory: these sums do not overflow.
     size_t total = 0;
@@ -239,9 +241,13 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
     float_text(d.dropout, dropout, sizeof dropout);
     bool ok = append(header, sizeof header, &used,
                      "{\"__metadata__\":{\"format\":\"pt\",\"num_heads\":\"%zu\","
-                     "\"batch_first\":\"%s\",\"add_zero_attn\":\"%s\",\"dropout\":\"%s\"}",
+                     "\"batch_first\":\"%s\",\"add_zero_attn\":\"%s\",\"dropout\":\"%s\"",
                      d.num_heads, d.batch_first ? "true" : "false",
                      d.add_zero_attn ? "true" : "false", dropout);
+    // num_kv_heads only for grouped-query attention: other files stay as they were.
+    if (ok && gqa) ok = append(header, sizeof header, &used, ",\"num_kv_heads\":\"%zu\"",
+                               d.num_kv_heads);
+    ok = ok && append(header, sizeof header, &used, "}");
     for (size_t i = 0; i < n && ok; ++i) {
         const save_entry *s = &list[i];
         ok = append(header, sizeof header, &used, ",\"%s\":{\"dtype\":\"F32\",\"shape\":[",

@@ -231,6 +231,16 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
         return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: embed_dim %zu is too large",
                           name, e);
 
+    // Grouped-query attention (__metadata__ num_kv_heads): the key/value shapes are checked
+    // once num_heads is known, below.
+    const char *nkv = clmha__safetensors_meta(f, "num_kv_heads");
+    size_t kv_heads = 0;
+    if (nkv && !parse_count(nkv, &kv_heads))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: __metadata__ num_kv_heads is \"%.*s\", expected a positive "
+                          "decimal integer such as \"2\"",
+                          name, CLMHA__ST_QUOTE_MAX, nkv);
+
     // The input projection: packed, or one weight per input.
     const clmha__st_tensor *ipw = clmha__safetensors_tensor(f, "in_proj_weight");
     const clmha__st_tensor *qw = clmha__safetensors_tensor(f, "q_proj_weight");
@@ -258,7 +268,8 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
         const clmha__st_tensor *kv[2] = {kw, vw};
         for (int i = 0; i < 2; ++i) {
             const clmha__st_tensor *t = kv[i];
-            if (t->ndim != 2 || t->shape[0] != e || t->shape[1] == 0)
+            if (t->ndim != 2 || (t->shape[0] != e && !nkv) || t->shape[0] == 0 ||
+                t->shape[1] == 0)
                 return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                                   "%s: tensor \"%s\" has shape %s, expected (E, %s) = (%zu, %s) "
                                   "with %s > 0",
@@ -275,13 +286,16 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
     if ((st = expect_pair(f, "in_proj_bias", "out_proj.bias", "bias", &ib, &ob, name, msg,
                           msg_size)))
         return st;
-    if ((st = expect_shape(ib, 1, (size_t[]){three_e}, "(3E)", name, msg, msg_size))) return st;
+    if (!nkv &&
+        (st = expect_shape(ib, 1, (size_t[]){three_e}, "(3E)", name, msg, msg_size)))
+        return st;
     if ((st = expect_shape(ob, 1, (size_t[]){e}, "(E)", name, msg, msg_size))) return st;
     if ((st = expect_pair(f, "bias_k", "bias_v", "add_bias_kv", &bk, &bv, name, msg, msg_size)))
         return st;
     size_t want_kv[3] = {1, 1, e};
-    if ((st = expect_shape(bk, 3, want_kv, "(1, 1, E)", name, msg, msg_size))) return st;
-    if ((st = expect_shape(bv, 3, want_kv, "(1, 1, E)", name, msg, msg_size))) return st;
+    if (!nkv && ((st = expect_shape(bk, 3, want_kv, "(1, 1, E)", name, msg, msg_size)) ||
+                 (st = expect_shape(bv, 3, want_kv, "(1, 1, E)", name, msg, msg_size))))
+        return st;
 
     // Metadata.
     const char *nh = clmha__safetensors_meta(f, "num_heads");
@@ -301,6 +315,32 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
                           "%s: __metadata__ num_heads %zu does not divide embed_dim %zu (from "
                           "out_proj.weight)",
                           name, heads, e);
+    if (nkv) {  // the shapes of grouped-query attention, now that D = E / num_heads is known
+        if (heads % kv_heads != 0)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: __metadata__ num_kv_heads %zu does not divide num_heads %zu",
+                              name, kv_heads, heads);
+        size_t kve = kv_heads * (e / heads);
+        if (ipw && kve != e)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: the file holds in_proj_weight, but a layer with num_kv_heads "
+                              "%zu below num_heads %zu has q_proj_weight, k_proj_weight and "
+                              "v_proj_weight",
+                              name, kv_heads, heads);
+        const char *kv_shape = "(num_kv_heads*head_dim, kdim)";
+        if (!ipw && ((st = expect_shape(kw, 2, (size_t[]){kve, kdim}, kv_shape, name, msg,
+                                        msg_size)) ||
+                     (st = expect_shape(vw, 2, (size_t[]){kve, vdim},
+                                        "(num_kv_heads*head_dim, vdim)", name, msg, msg_size))))
+            return st;
+        if ((st = expect_shape(ib, 1, (size_t[]){e + 2 * kve}, "(E + 2*num_kv_heads*head_dim)",
+                               name, msg, msg_size)) ||
+            (st = expect_shape(bk, 3, (size_t[]){1, 1, kve}, "(1, 1, num_kv_heads*head_dim)",
+                               name, msg, msg_size)) ||
+            (st = expect_shape(bv, 3, (size_t[]){1, 1, kve}, "(1, 1, num_kv_heads*head_dim)",
+                               name, msg, msg_size)))
+            return st;
+    }
     bool batch_first, add_zero_attn;
     if ((st = meta_bool(f, "batch_first", &batch_first, name, msg, msg_size))) return st;
     if ((st = meta_bool(f, "add_zero_attn", &add_zero_attn, name, msg, msg_size))) return st;
@@ -327,6 +367,7 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
     clmha_layer_desc d = {.struct_size = sizeof d,
                           .embed_dim = e,
                           .num_heads = heads,
+                          .num_kv_heads = kv_heads,
                           .kdim = kdim,
                           .vdim = vdim,
                           .bias = ib != NULL,

@@ -175,9 +175,11 @@ typedef struct scratch {
 static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
                             bool kv, scratch *s) {
     clmha_context *ctx = l->ctx;
-    size_t e = l->e, kd = d->kdim, vd = d->vdim;
+    // kve: the key and value projections' width (E, or num_kv_heads * D with grouped-query
+    // attention).
+    size_t e = l->e, kve = l->kve, kd = d->kdim, vd = d->vdim;
     size_t rows_q = d->n * d->l, rows_kv = d->n * d->s;
-    size_t wk = e * e, wv = e * e + e * kd;  // offsets of W_k and W_v in w_in
+    size_t wk = e * e, wv = e * e + kve * kd;  // offsets of W_k and W_v in w_in
     cl_mem key = d->key_is_query ? a->query.buffer : a->key.buffer;
     size_t key_off = d->key_is_query ? a->query.offset : a->key.offset;
     cl_mem value = d->value_is_key ? key : a->value.buffer;
@@ -192,68 +194,76 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
                               a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0, e);
     }
 
-    if (self && kv_same) {  // (L*N, E) · in_proj_weightᵀ → (L*N, 3E)
-        *s = (scratch){.ld_q = 3 * e, .ld_k = 3 * e, .ld_v = 3 * e, .col_k = e, .col_v = 2 * e};
-        st = clmha__gemm_nt(ctx, "packed QKV projection", rows_q, 3 * e, e,
-                     a->query.buffer, a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0,
-                     3 * e);
+    if (self && kv_same) {  // (L*N, E) · [W_q; W_k; W_v]ᵀ → (L*N, E + 2 KVE)
+        size_t w = e + 2 * kve;
+        *s = (scratch){.ld_q = w, .ld_k = w, .ld_v = w, .col_k = e, .col_v = e + kve};
+        st = clmha__gemm_nt(ctx, "packed QKV projection", rows_q, w, e, a->query.buffer,
+                            a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0, w);
         return st;
     }
-    *s = (scratch){.proj_k = rows_q * e, .proj_v = rows_q * e + rows_kv * e,
-                   .ld_q = e, .ld_k = e, .ld_v = e};
+    *s = (scratch){.proj_k = rows_q * e, .proj_v = rows_q * e + rows_kv * kve,
+                   .ld_q = e, .ld_k = kve, .ld_v = kve};
     if ((st = clmha__gemm_nt(ctx, "query projection", rows_q, e, e, a->query.buffer,
                       a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, s->proj_q, e)))
         return st;
-    if (kv_same) {  // W_k and W_v are consecutive rows of w_in: one GEMM → (S*N, 2E)
-        s->ld_k = s->ld_v = 2 * e;
+    if (kv_same) {  // W_k and W_v are consecutive rows of w_in: one GEMM → (S*N, 2 KVE)
+        s->ld_k = s->ld_v = 2 * kve;
         s->proj_v = s->proj_k;
-        s->col_v = e;
-        return clmha__gemm_nt(ctx, "key/value projection", rows_kv, 2 * e, kd, key,
-                       key_off, kd, l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, 2 * e);
+        s->col_v = kve;
+        return clmha__gemm_nt(ctx, "key/value projection", rows_kv, 2 * kve, kd, key,
+                       key_off, kd, l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, 2 * kve);
     }
-    if ((st = clmha__gemm_nt(ctx, "key projection", rows_kv, e, kd, key, key_off, kd,
-                      l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, e)))
+    if ((st = clmha__gemm_nt(ctx, "key projection", rows_kv, kve, kd, key, key_off, kd,
+                      l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, kve)))
         return st;
-    return clmha__gemm_nt(ctx, "value projection", rows_kv, e, vd, value, value_off,
-                          vd, l->w_in, wv, vd, 0.0f, l->proj, s->proj_v, e);
+    return clmha__gemm_nt(ctx, "value projection", rows_kv, kve, vd, value, value_off,
+                          vd, l->w_in, wv, vd, 0.0f, l->proj, s->proj_v, kve);
 }
 
 // 2. Split the projected rows into head tiles (N*H, T, D), adding in_proj_bias; key and value
-//    get bias_k/bias_v and a zero row appended when the layer has them.
+//    get bias_k/bias_v and a zero row appended when the layer has them. With grouped-query
+//    attention the key and value tiles hold the kvh key/value heads (@p heads kvh, @p group 1)
+//    for a core that reads them so (clmha__core::grouped_kv), else every query head its own
+//    copy of its group's (@p heads h, @p group h / kvh).
 static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_off, size_t ld,
                               size_t col, size_t bias_col, int which, size_t seq,
-                              size_t seq_out) {
+                              size_t seq_out, size_t heads, size_t group) {
     clmha_context *ctx = l->ctx;
     cl_ulong a_proj_off = proj_off, a_ld = ld, a_col = col, a_bias_off = bias_col;
     cl_uint has_bias = l->desc.bias;
     cl_mem bias = l->desc.bias ? l->b_in : ctx->dummy;
     cl_uint has_extra = which > 0 && l->desc.add_bias_kv;
     cl_mem extra = has_extra ? l->bias_kv : ctx->dummy;
-    cl_ulong extra_off = which == 2 ? l->e : 0;  // bias_k, then bias_v
-    cl_ulong a_out_off = 0, n = d->n, h = l->h, t = seq, t_out = seq_out, hd = l->d;
+    cl_ulong extra_off = which == 2 ? l->kve : 0;  // bias_k, then bias_v
+    cl_ulong a_out_off = 0, n = d->n, h = heads, g = group, t = seq, t_out = seq_out, hd = l->d;
     cl_mem out = l->tiles[which];  // which: 0 query, 1 key, 2 value
     cl_uint bf = d->batch_first;
     arg args[] = {ARG(l->proj),  ARG(a_proj_off), ARG(a_ld),      ARG(a_col),     ARG(bias),
                   ARG(a_bias_off), ARG(has_bias), ARG(extra),     ARG(extra_off), ARG(has_extra),
-                  ARG(out),      ARG(a_out_off),  ARG(n),         ARG(h),         ARG(t),
-                  ARG(t_out),    ARG(hd),         ARG(bf)};
-    return clmha__launch_heads(l, l->split_heads, "split_heads", d->n * l->h, seq_out,
+                  ARG(out),      ARG(a_out_off),  ARG(n),         ARG(h),         ARG(g),
+                  ARG(t),        ARG(t_out),      ARG(hd),        ARG(bf)};
+    return clmha__launch_heads(l, l->split_heads, "split_heads", d->n * heads, seq_out,
                         l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
 // @p bare: the key and value tiles hold the call's tokens alone, without the appended keys
 // (with a KV cache the decode core adds those after the cached ones; a partial call without
-// appended_keys has none). No @p kv (kv_attend_only): they are not made at all.
+// appended_keys has none). No @p kv (kv_attend_only): they are not made at all. @p grouped:
+// the key and value tiles have the layer's kvh heads (the core's clmha__core::grouped_kv).
 static clmha_status split(clmha_layer *l, const clmha__dims *d, bool kv, bool bare,
-                          scratch *s) {
+                          bool grouped, scratch *s) {
     clmha_status st;
     size_t s_out = bare ? d->s : d->s_padded;
-    if ((st = split_one(l, d, s->proj_q, s->ld_q, s->col_q, 0, CLMHA__TILE_Q, d->l, d->l)))
+    size_t heads = grouped ? l->kvh : l->h, group = grouped ? 1 : l->h / l->kvh;
+    if ((st = split_one(l, d, s->proj_q, s->ld_q, s->col_q, 0, CLMHA__TILE_Q, d->l, d->l, l->h,
+                        1)))
         return st;
     if (!kv) return CLMHA_SUCCESS;
-    if ((st = split_one(l, d, s->proj_k, s->ld_k, s->col_k, l->e, CLMHA__TILE_K, d->s, s_out)))
+    if ((st = split_one(l, d, s->proj_k, s->ld_k, s->col_k, l->e, CLMHA__TILE_K, d->s, s_out,
+                        heads, group)))
         return st;
-    return split_one(l, d, s->proj_v, s->ld_v, s->col_v, 2 * l->e, CLMHA__TILE_V, d->s, s_out);
+    return split_one(l, d, s->proj_v, s->ld_v, s->col_v, l->e + l->kve, CLMHA__TILE_V, d->s,
+                     s_out, heads, group);
 }
 
 // 6. Merge heads back into rows (L*N or N*L, E), into the free projection buffer: the core's
@@ -352,7 +362,7 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
     bool bare = args->kv_cache || (partial && !partial->appended_keys);
-    if ((st = split(layer, d, kv, bare, &s)) ||
+    if ((st = split(layer, d, kv, bare, core->grouped_kv, &s)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
         return st;
     if ((st = core->run(layer, call))) return st;
@@ -461,6 +471,11 @@ static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args
         return st;
 
     clmha_saved *saved = args->save;
+    if (saved && layer->kvh != layer->h)
+        return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
+                           "grouped-query attention (num_kv_heads %zu below num_heads %zu) has "
+                           "no backward pass yet: a forward call cannot save for it",
+                           layer->kvh, layer->h);
     if (saved && (st = clmha__saved_prepare(saved, layer, &d))) return st;
     // Nothing is enqueued before this point. A call that saves runs its head tiles in the
     // saved object's buffers (and the fused core writes the log-sum-exp there).

@@ -23,24 +23,29 @@ typedef struct param_slot {
 // @p why_size is 0).
 static bool find_param(const clmha_layer *l, const char *name, param_slot *slot, char *why,
                        size_t why_size) {
-    size_t e = l->e, kd = l->desc.kdim, vd = l->desc.vdim;
-    bool same = kd == e && vd == e;
+    size_t e = l->e, kd = l->desc.kdim, vd = l->desc.vdim, kve = l->kve;
+    bool same = kd == e && vd == e, gqa = kve != e;
     memset(slot, 0, sizeof *slot);
     if (strcmp(name, "in_proj_weight") == 0) {
-        if (!same) {
+        if (!same || gqa) {
             snprintf(why, why_size,
-                     "in_proj_weight exists only when kdim == vdim == embed_dim (here kdim %zu, "
-                     "vdim %zu, embed_dim %zu): set q_proj_weight, k_proj_weight, v_proj_weight",
-                     kd, vd, e);
+                     gqa ? "in_proj_weight does not exist with num_kv_heads (%zu) below "
+                           "num_heads (%zu): set q_proj_weight, k_proj_weight, v_proj_weight"
+                         : "in_proj_weight exists only when kdim == vdim == embed_dim (here "
+                           "kdim %zu, vdim %zu, embed_dim %zu): set q_proj_weight, "
+                           "k_proj_weight, v_proj_weight",
+                     gqa ? l->kvh : kd, gqa ? l->h : vd, e);
             return false;
         }
         *slot = (param_slot){l->w_in, 0, 3 * e * e, "(3E, E)"};
     } else if (strcmp(name, "q_proj_weight") == 0) {
         *slot = (param_slot){l->w_in, 0, e * e, "(E, E)"};
     } else if (strcmp(name, "k_proj_weight") == 0) {
-        *slot = (param_slot){l->w_in, e * e, e * kd, "(E, kdim)"};
+        *slot = (param_slot){l->w_in, e * e, kve * kd,
+                             gqa ? "(num_kv_heads*head_dim, kdim)" : "(E, kdim)"};
     } else if (strcmp(name, "v_proj_weight") == 0) {
-        *slot = (param_slot){l->w_in, e * e + e * kd, e * vd, "(E, vdim)"};
+        *slot = (param_slot){l->w_in, e * e + kve * kd, kve * vd,
+                             gqa ? "(num_kv_heads*head_dim, vdim)" : "(E, vdim)"};
     } else if (strcmp(name, "out_proj.weight") == 0 || strcmp(name, "out_proj_weight") == 0) {
         *slot = (param_slot){l->w_out, 0, e * e, "(E, E)"};
     } else if (strcmp(name, "in_proj_bias") == 0 || strcmp(name, "out_proj.bias") == 0 ||
@@ -50,15 +55,18 @@ static bool find_param(const clmha_layer *l, const char *name, param_slot *slot,
                      name);
             return false;
         }
-        *slot = name[0] == 'i' ? (param_slot){l->b_in, 0, 3 * e, "(3E)"}
-                               : (param_slot){l->b_out, 0, e, "(E)"};
+        *slot = name[0] == 'i'
+                    ? (param_slot){l->b_in, 0, e + 2 * kve, gqa ? "(E + 2*num_kv_heads*head_dim)"
+                                                               : "(3E)"}
+                    : (param_slot){l->b_out, 0, e, "(E)"};
     } else if (strcmp(name, "bias_k") == 0 || strcmp(name, "bias_v") == 0) {
         if (!l->desc.add_bias_kv) {
             snprintf(why, why_size,
                      "%s does not exist: the layer was created with add_bias_kv = false", name);
             return false;
         }
-        *slot = (param_slot){l->bias_kv, name[5] == 'k' ? 0 : e, e, "(1, 1, E)"};
+        *slot = (param_slot){l->bias_kv, name[5] == 'k' ? 0 : kve, kve,
+                             gqa ? "(1, 1, num_kv_heads*head_dim)" : "(1, 1, E)"};
     } else {
         snprintf(why, why_size,
                  "unknown parameter \"%s\" (expected in_proj_weight, q_proj_weight, "
@@ -162,18 +170,21 @@ clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
     l->e = d.embed_dim;
     l->h = d.num_heads;
     l->d = d.embed_dim / d.num_heads;
+    l->kvh = d.num_kv_heads;
+    l->kve = l->kvh * l->d;
 
-    size_t e = l->e;
+    size_t e = l->e, kve = l->kve;
     char what[160];
     snprintf(what, sizeof what, "q/k/v_proj_weight (embed_dim %zu, kdim %zu, vdim %zu)", e,
              d.kdim, d.vdim);
-    if ((st = clmha__zero_buffer(ctx, e * (e + d.kdim + d.vdim), what, &l->w_in))) goto fail;
+    if ((st = clmha__zero_buffer(ctx, e * e + kve * (d.kdim + d.vdim), what, &l->w_in)))
+        goto fail;
     if ((st = clmha__zero_buffer(ctx, e * e, "out_proj.weight", &l->w_out))) goto fail;
     if (d.bias) {
-        if ((st = clmha__zero_buffer(ctx, 3 * e, "in_proj_bias", &l->b_in))) goto fail;
+        if ((st = clmha__zero_buffer(ctx, e + 2 * kve, "in_proj_bias", &l->b_in))) goto fail;
         if ((st = clmha__zero_buffer(ctx, e, "out_proj.bias", &l->b_out))) goto fail;
     }
-    if (d.add_bias_kv && (st = clmha__zero_buffer(ctx, 2 * e, "bias_k/bias_v", &l->bias_kv)))
+    if (d.add_bias_kv && (st = clmha__zero_buffer(ctx, 2 * kve, "bias_k/bias_v", &l->bias_kv)))
         goto fail;
 
     // Kernels. Split and merge heads: the device class's mapping (one work-item per tile row,

@@ -25,16 +25,18 @@ struct clmha_layer {
     clmha_context *ctx;
     clmha_layer_desc desc;  // kdim and vdim filled in
     size_t e, h, d;         // embed_dim, num_heads, head_dim
+    size_t kvh, kve;        // num_kv_heads (grouped-query attention; h without), kvh * d
 
     // Parameters, in PyTorch's layouts.
-    cl_mem w_in;     // q_proj (E, E), then k_proj (E, kdim), then v_proj (E, vdim); with
-                     // kdim == vdim == E this is in_proj_weight (3E, E)
+    cl_mem w_in;     // q_proj (E, E), then k_proj (KVE, kdim), then v_proj (KVE, vdim), KVE
+                     // = kve (E without grouped-query attention); with kdim == vdim == E and
+                     // KVE == E this is in_proj_weight (3E, E)
     // An absent bias stays NULL: the kernels that take one get the context's dummy instead
     // (forward.c), or are not run.
-    cl_mem b_in;     // in_proj_bias (3E), NULL without bias
+    cl_mem b_in;     // in_proj_bias (E + 2 KVE), NULL without bias
     cl_mem w_out;    // out_proj.weight (E, E)
     cl_mem b_out;    // out_proj.bias (E), NULL without bias
-    cl_mem bias_kv;  // bias_k (E) then bias_v (E), NULL without add_bias_kv
+    cl_mem bias_kv;  // bias_k (KVE) then bias_v (KVE), NULL without add_bias_kv
 
     // Kernels of cl/heads.cl (per layer: setting arguments is not thread-safe). The cores'
     // kernels are in their state (core_state).

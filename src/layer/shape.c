@@ -23,7 +23,12 @@ clmha_status clmha__desc_check(const clmha_layer_desc *desc, clmha_layer_desc *o
     if (!(desc->dropout >= 0.0f && desc->dropout < 1.0f))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
                           "dropout (%g) must be in [0, 1)", (double)desc->dropout);
+    if (desc->num_kv_heads && desc->num_heads % desc->num_kv_heads != 0)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "num_kv_heads (%zu) must divide num_heads (%zu)", desc->num_kv_heads,
+                          desc->num_heads);
     *out = *desc;
+    if (out->num_kv_heads == 0) out->num_kv_heads = out->num_heads;
     if (out->kdim == 0) out->kdim = out->embed_dim;
     if (out->vdim == 0) out->vdim = out->embed_dim;
     // Parameter sizes must be representable: 3 * E * max(E, kdim, vdim) floats.
@@ -116,6 +121,7 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
     d->kdim = desc->kdim ? desc->kdim : desc->embed_dim;
     d->vdim = desc->vdim ? desc->vdim : desc->embed_dim;
     d->h = desc->num_heads;
+    d->kvh = desc->num_kv_heads ? desc->num_kv_heads : desc->num_heads;
     d->d = d->e / d->h;
 
     const clmha_tensor *q = &args->query;

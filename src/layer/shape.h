@@ -25,6 +25,7 @@ typedef struct clmha__dims {
     bool batch_first;    // batched and the layer is batch_first
     size_t n, l, s;      // batch, target length, source length
     size_t e, kdim, vdim, h, d;
+    size_t kvh;          // key/value heads (grouped-query attention; h without)
     size_t s_padded;     // s + add_bias_kv + add_zero_attn
     bool key_is_query;   // args->key.ndim == 0
     bool value_is_key;   // args->value.ndim == 0

@@ -175,6 +175,11 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
 
     // 1. Validate: the forward call as clmha_reference_forward() does, then the gradients.
     if ((st = clmha__ref_validate(desc, params, args, &call, message, message_size))) return st;
+    if (call.d.kvh != call.d.h)
+        return clmha__msg(message, message_size, CLMHA_UNSUPPORTED,
+                          "grouped-query attention (num_kv_heads %zu below num_heads %zu) has "
+                          "no backward pass yet",
+                          call.d.kvh, call.d.h);
     if ((st = CLMHA__STRUCT_IN(clmha_reference_grads, &g, grads_in, "grads", message,
                                message_size)))
         return st;
@@ -234,7 +239,7 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
             }
 
     // 4. Merge heads backwards: dO = split(dM).
-    clmha__ref_split_heads(&d, dctx, d.l, NULL, d.l, dctx_heads);
+    clmha__ref_split_heads(&d, dctx, d.l, d.e, 1, NULL, d.l, dctx_heads);
 
     // 5. O = Pd V': dPd = dO V'^T (+ the weights' gradient, per head, or its average's share
     //    1/H in every head), dV' = Pd^T dO.

@@ -16,14 +16,19 @@
 
 static clmha_status check_params(const clmha_layer_desc *desc, const clmha_reference_params *p,
                                  char *msg, size_t msg_size) {
-    // PyTorch uses the packed in_proj_weight exactly when kdim == vdim == embed_dim.
+    // PyTorch uses the packed in_proj_weight exactly when kdim == vdim == embed_dim (and, for
+    // grouped-query attention, which has none, num_kv_heads == num_heads).
+    bool gqa = desc->num_kv_heads != desc->num_heads;
     bool packed = p->in_proj_weight && desc->kdim == desc->embed_dim &&
-                  desc->vdim == desc->embed_dim;
+                  desc->vdim == desc->embed_dim && !gqa;
     if (!packed && !(p->q_proj_weight && p->k_proj_weight && p->v_proj_weight))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
                           p->in_proj_weight
-                              ? "in_proj_weight needs kdim == vdim == embed_dim: give "
-                                "q_proj_weight, k_proj_weight and v_proj_weight"
+                              ? (gqa ? "in_proj_weight does not exist with num_kv_heads below "
+                                       "num_heads: give q_proj_weight, k_proj_weight and "
+                                       "v_proj_weight"
+                                     : "in_proj_weight needs kdim == vdim == embed_dim: give "
+                                       "q_proj_weight, k_proj_weight and v_proj_weight")
                               : "give in_proj_weight or all of q_proj_weight, k_proj_weight "
                                 "and v_proj_weight");
     if (!p->out_proj_weight)
@@ -72,9 +77,10 @@ static clmha_status key_counts(const clmha__dims *d, size_t *k_count, size_t *kp
 void clmha__ref_operands_of(const clmha__ref_call *call, clmha__ref_operands *ops) {
     const clmha__dims *d = &call->d;
     const clmha_reference_params *p = &call->params;
-    const size_t e = d->e;
-    // in_proj_weight rows [0,E) are W_q, [E,2E) W_k, [2E,3E) W_v.
-    const bool packed = p->in_proj_weight && d->kdim == e && d->vdim == e;
+    const size_t e = d->e, kve = d->kvh * d->d;
+    // in_proj_weight rows [0,E) are W_q, [E,2E) W_k, [2E,3E) W_v (not with grouped-query
+    // attention, whose W_k and W_v are (num_kv_heads * D, feat)).
+    const bool packed = p->in_proj_weight && d->kdim == e && d->vdim == e && kve == e;
     const float *b_in = call->desc.bias ? p->in_proj_bias : NULL;
     ops->x[0] = call->args.query.data;
     ops->x[1] = d->key_is_query ? ops->x[0] : call->args.key.data;
@@ -82,7 +88,10 @@ void clmha__ref_operands_of(const clmha__ref_call *call, clmha__ref_operands *op
     ops->w[0] = packed ? p->in_proj_weight : p->q_proj_weight;
     ops->w[1] = packed ? p->in_proj_weight + e * e : p->k_proj_weight;
     ops->w[2] = packed ? p->in_proj_weight + 2 * e * e : p->v_proj_weight;
-    for (int t = 0; t < 3; ++t) ops->b[t] = b_in ? b_in + (size_t)t * e : NULL;
+    ops->b[0] = b_in;  // in_proj_bias: q (E), k (KVE), v (KVE)
+    ops->b[1] = b_in ? b_in + e : NULL;
+    ops->b[2] = b_in ? b_in + e + kve : NULL;
+    ops->width[0] = e, ops->width[1] = ops->width[2] = kve;
     ops->seq[0] = d->l, ops->seq[1] = d->s, ops->seq[2] = d->s;
     ops->feat[0] = e, ops->feat[1] = d->kdim, ops->feat[2] = d->vdim;
 }
@@ -96,28 +105,28 @@ size_t clmha__ref_input_index(const clmha__dims *d, size_t seq, size_t feat, siz
 }
 
 void clmha__ref_project(const clmha__dims *d, const float *x, size_t seq, size_t feat,
-                        const float *w, const float *b, double *out) {
+                        const float *w, const float *b, size_t width, double *out) {
     for (size_t n = 0; n < d->n; ++n)
         for (size_t i = 0; i < seq; ++i)
-            for (size_t o = 0; o < d->e; ++o) {
+            for (size_t o = 0; o < width; ++o) {
                 double acc = b ? (double)b[o] : 0.0;
                 for (size_t f = 0; f < feat; ++f)
                     acc += (double)x[clmha__ref_input_index(d, seq, feat, i, n, f)] *
                            (double)w[o * feat + f];
-                out[(n * seq + i) * d->e + o] = acc;
+                out[(n * seq + i) * width + o] = acc;
             }
 }
 
-void clmha__ref_split_heads(const clmha__dims *d, const double *x, size_t seq,
-                            const float *extra, size_t seq_out, double *out) {
+void clmha__ref_split_heads(const clmha__dims *d, const double *x, size_t seq, size_t width,
+                            size_t group, const float *extra, size_t seq_out, double *out) {
     for (size_t n = 0; n < d->n; ++n)
         for (size_t h = 0; h < d->h; ++h)
             for (size_t i = 0; i < seq_out; ++i)
                 for (size_t k = 0; k < d->d; ++k) {
-                    size_t e = h * d->d + k;
+                    size_t e = h / group * d->d + k;
                     double v;
                     if (i < seq)
-                        v = x[(n * seq + i) * d->e + e];
+                        v = x[(n * seq + i) * width + e];
                     else if (i == seq && extra)
                         v = (double)extra[e];
                     else
@@ -187,13 +196,18 @@ static void attention_probs(const clmha__ref_call *call, double *q_in, double *k
     // 2. Input projections.
     double *proj[3] = {q_in, k_in, v_in};
     for (int t = 0; t < 3; ++t)
-        clmha__ref_project(d, ops.x[t], ops.seq[t], ops.feat[t], ops.w[t], ops.b[t], proj[t]);
+        clmha__ref_project(d, ops.x[t], ops.seq[t], ops.feat[t], ops.w[t], ops.b[t],
+                           ops.width[t], proj[t]);
 
     // 3. Split heads; append bias_k / bias_v, then the zero key / value, after the S keys.
     const bool bias_kv = call->desc.add_bias_kv;
-    clmha__ref_split_heads(d, q_in, d->l, NULL, d->l, q);
-    clmha__ref_split_heads(d, k_in, d->s, bias_kv ? call->params.bias_k : NULL, sp, k);
-    clmha__ref_split_heads(d, v_in, d->s, bias_kv ? call->params.bias_v : NULL, sp, v);
+    // Grouped-query attention: every query head gets its key/value head's rows.
+    const size_t kve = ops.width[1], group = d->h / d->kvh;
+    clmha__ref_split_heads(d, q_in, d->l, d->e, 1, NULL, d->l, q);
+    clmha__ref_split_heads(d, k_in, d->s, kve, group, bias_kv ? call->params.bias_k : NULL, sp,
+                           k);
+    clmha__ref_split_heads(d, v_in, d->s, kve, group, bias_kv ? call->params.bias_v : NULL, sp,
+                           v);
 
     // 4. Scores q . k^T / sqrt(D), then 5. masks on the first S keys (appended keys are never
     // masked).

@@ -28,6 +28,7 @@ typedef struct clmha__ref_operands {
     const float *w[3];
     const float *b[3];
     size_t seq[3], feat[3];
+    size_t width[3];  // the projections' widths: E, then num_kv_heads * D for key and value
 } clmha__ref_operands;
 
 // Reads and checks desc, params and args as clmha_reference_forward() documents (struct sizes,
@@ -47,15 +48,19 @@ CLMHA__HIDDEN void clmha__ref_operands_of(const clmha__ref_call *call, clmha__re
 CLMHA__HIDDEN size_t clmha__ref_input_index(const clmha__dims *d, size_t seq, size_t feat,
                                             size_t i, size_t n, size_t f);
 
-// out (N, seq, E) = x . W^T + b, where x is an input tensor (see clmha__ref_input_index) of
-// `feat` features, W is (E, feat) row-major and b is (E) or NULL.
+// out (N, seq, width) = x . W^T + b, where x is an input tensor (see clmha__ref_input_index)
+// of `feat` features, W is (width, feat) row-major and b is (width) or NULL.
 CLMHA__HIDDEN void clmha__ref_project(const clmha__dims *d, const float *x, size_t seq,
-                                      size_t feat, const float *w, const float *b, double *out);
+                                      size_t feat, const float *w, const float *b, size_t width,
+                                      double *out);
 
-// Splits x (N, seq, E) into heads (N*H, seq_out, D); positions seq .. seq_out-1 are appended:
-// first `extra` (E) when not NULL (bias_k / bias_v), then zeros (add_zero_attn).
+// Splits x (N, seq, width) into heads (N*H, seq_out, D), head h taking the columns of head
+// h / group (grouped-query attention: width = num_kv_heads * D, group = H / num_kv_heads;
+// else width E, group 1); positions seq .. seq_out-1 are appended: first `extra` (width) when
+// not NULL (bias_k / bias_v), then zeros (add_zero_attn).
 CLMHA__HIDDEN void clmha__ref_split_heads(const clmha__dims *d, const double *x, size_t seq,
-                                          const float *extra, size_t seq_out, double *out);
+                                          size_t width, size_t group, const float *extra,
+                                          size_t seq_out, double *out);
 
 // Merges the first `seq` positions of heads x (N*H, seq_in, D) into (N, seq, E).
 CLMHA__HIDDEN void clmha__ref_merge_heads(const clmha__dims *d, const double *x, size_t seq_in,
