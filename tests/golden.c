@@ -73,6 +73,21 @@ static char *next_token(lexer *lx) {
     return tok;
 }
 
+// Whether the next token is @p word; reads ahead without consuming or modifying anything.
+static bool next_is(const lexer *lx, const char *word) {
+    const char *p = lx->p;
+    for (;;) {
+        while (*p && is_space(*p)) p++;
+        if (*p == '#') {
+            while (*p && *p != '\n') p++;
+            continue;
+        }
+        break;
+    }
+    size_t n = strlen(word);
+    return strncmp(p, word, n) == 0 && (p[n] == '\0' || is_space(p[n]) || p[n] == '#');
+}
+
 static bool expect_token(loader *ld, const char *what, char **out) {
     char *t = next_token(&ld->lx);
     if (!t) {
@@ -314,6 +329,16 @@ static bool parse_body(loader *ld) {
         !key_bool(ld, "batch_first", &gc->batch_first) ||
         !key_double(ld, "dropout", &gc->dropout))
         return false;
+    // Optional: num_kv_heads <G> (grouped-query attention), the last key of the layer line.
+    if (next_is(&ld->lx, "num_kv_heads")) {
+        if (!key_size(ld, "num_kv_heads", &gc->num_kv_heads)) return false;
+        if (gc->num_kv_heads == 0 || gc->num_heads == 0 ||
+            gc->num_kv_heads > gc->num_heads || gc->num_heads % gc->num_kv_heads != 0) {
+            fail(ld, "num_kv_heads %zu must be in 1..num_heads and divide num_heads %zu",
+                 gc->num_kv_heads, gc->num_heads);
+            return false;
+        }
+    }
 
     if (!expect_word(ld, "call") || !key_bool(ld, "need_weights", &gc->need_weights) ||
         !key_bool(ld, "per_head_weights", &gc->per_head_weights) ||

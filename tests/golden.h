@@ -4,7 +4,7 @@
 //
 //   case <name>
 //   layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
-//         add_zero_attn <0|1> batch_first <0|1> dropout <p>
+//         add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>]
 //   call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training <0|1>
 //        kpm <kind> attn <kind> attn_per_batch <0|1>
 //   tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -12,7 +12,10 @@
 //   ...
 //   end
 //
-// kind is none, bool_ignore, bool_attend or float. The loader has no dependency besides the C11
+// kind is none, bool_ignore, bool_attend or float. The optional num_kv_heads (grouped-query
+// attention: G key/value heads, G divides H) ends the layer line; only GQA cases (G < H)
+// have it, and their k/v_proj_weight, the k/v parts of in_proj_bias and bias_k/bias_v have
+// G * (E/H) rows (entries) instead of E. The loader has no dependency besides the C11
 // standard library; it never aborts: malformed files give an error message.
 #ifndef CLMHA_TESTS_GOLDEN_H
 #define CLMHA_TESTS_GOLDEN_H
@@ -55,6 +58,7 @@ typedef struct golden_case {
     size_t embed_dim, num_heads, kdim, vdim;
     bool bias, add_bias_kv, add_zero_attn, batch_first;
     double dropout;
+    size_t num_kv_heads;  // 0 when the layer line has no num_kv_heads (num_heads)
     // call
     bool need_weights, per_head_weights, is_causal, training;
     golden_mask_kind kpm, attn;

@@ -88,6 +88,7 @@ void golden_call_of(const golden_case *gc, golden_call *call) {
     desc->add_zero_attn = gc->add_zero_attn;
     desc->batch_first = gc->batch_first;
     desc->dropout = (float)gc->dropout;
+    desc->num_kv_heads = gc->num_kv_heads;  // 0 (num_heads) unless a GQA case
 
     clmha_forward_args *args = &call->args;
     args->struct_size = sizeof *args;

@@ -18,7 +18,7 @@ File format (text, whitespace separated, '#' starts a comment line):
 
     case <name>
     layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
-          add_zero_attn <0|1> batch_first <0|1> dropout <p>                (one line)
+          add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>] (one line)
     call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training 0
          kpm <kind> attn <kind> attn_per_batch <0|1>                        (one line)
     tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -34,6 +34,13 @@ gradients of loss = sum(grad_output * output) + sum(grad_weights * weights):
 grad.query (the whole tensor's in self-attention), grad.key, grad.value (when given
 separately), grad.<state_dict name> of every parameter, grad.attn_mask / grad.key_padding_mask
 of float masks (in the file's mask shape).
+
+num_kv_heads is written only by grouped-query attention (GQA) cases, whose G key/value heads
+(G < H, G divides H) are each shared by H/G query heads: query head h reads key/value head
+h // (H/G) (scaled_dot_product_attention(enable_gqa=True), i.e. K/V heads repeat_interleave'd
+by H/G). Their parameters are q_proj_weight (E, E), k_proj_weight (G*D, kdim), v_proj_weight
+(G*D, vdim), in_proj_bias (E + 2*G*D,) (q, k, v), bias_k / bias_v (1, 1, G*D), out_proj.*
+(D = E/H; never a packed in_proj_weight), and their gradients have the same shapes.
 
 Mask kinds: none, bool_ignore (1 = may not attend, nn.MultiheadAttention's bool masks),
 bool_attend (1 = may attend, SDPA / continuiti polarity), float (added to the scaled scores).
@@ -59,6 +66,14 @@ How the golden values are obtained from PyTorch 1.13 (which lacks some of clmha'
   gradients on fully masked rows; every case without such a row asserts that its gradients
   equal autograd's to 1e-12 (each mask path PyTorch can take), and the cases with one take their
   gradients from it (PyTorch's are NaN there).
+- GQA cases (PyTorch 1.13 has no GQA): the parameters are drawn as nn.MultiheadAttention
+  draws them (xavier_uniform_ on the G*D-row k/v_proj_weight), then the float64 golden is
+  torch.nn.functional.multi_head_attention_forward (use_separate_proj_weight) on full (E, .)
+  K/V projections built inside autograd from the GQA leaves: each key/value head's rows of
+  k/v_proj_weight, of the k/v parts of in_proj_bias and of bias_k/bias_v repeat_interleave'd
+  H/G times. So the gradients are autograd's w.r.t. the GQA leaves. The independent float64
+  implementation groups the query heads instead (einsum over (N, G, H/G, L, D) against the G
+  projected key/value heads, nothing expanded); both must agree to 1e-12 as for every case.
 """
 
 import argparse
@@ -91,6 +106,7 @@ def C(name, **kw):
         need_weights=True, per_head=False, causal=False,
         kpm="none", attn="none", attn_shape="2d",  # 2d | 3d | per_batch
         special=None,  # full_kpm | full_attn_row | partial_head | full_float_row | full_kpm_appended
+        kv_heads=None,  # grouped-query attention: key/value heads (None: H)
     )
     for k in kw:
         if k not in d:
@@ -100,7 +116,19 @@ def C(name, **kw):
         d["S"] = d["L"]
     if d["mode"] == "self":
         assert d["S"] == d["L"]
+    assert d["E"] % d["H"] == 0
+    if d["kv_heads"] is not None:
+        assert 1 <= d["kv_heads"] <= d["H"] and d["H"] % d["kv_heads"] == 0
     return d
+
+
+def kv_heads(c):
+    """The case's key/value heads G (H without GQA)."""
+    return c["H"] if c["kv_heads"] is None else c["kv_heads"]
+
+
+def is_gqa(c):
+    return kv_heads(c) < c["H"]
 
 
 CASES = [
@@ -203,6 +231,16 @@ CASES = [
     C("decode_causal_appended_unbatched", N=None, L=5, causal=True, add_bias_kv=True,
       add_zero_attn=True, need_weights=False),
     C("decode_causal_long", E=16, H=2, L=40, N=1, causal=True, need_weights=False),
+    # grouped-query attention: G key/value heads, each shared by H/G query heads
+    C("gqa_self_causal", E=16, H=4, kv_heads=2, causal=True, L=7, N=2, need_weights=False),
+    C("gqa_mqa_cross", E=16, H=4, kv_heads=1, mode="cross", L=4, S=6, per_head=True),
+    C("gqa_kdim_vdim_masks", E=24, H=6, kv_heads=3, kdim=5, vdim=7, mode="cross", L=4, S=6,
+      kpm="bool_ignore", attn="float", attn_shape="3d"),
+    C("gqa_bias_kv_zero_attn", E=16, H=4, kv_heads=2, add_bias_kv=True, add_zero_attn=True,
+      causal=True, L=6, need_weights=False),
+    C("gqa_batch_first", E=16, H=4, kv_heads=2, batch_first=True, N=3, L=5, mode="cross", S=4),
+    C("gqa_unbatched", E=16, H=4, kv_heads=2, N=None, L=5, causal=True, need_weights=False),
+    C("gqa_decode_long", E=32, H=8, kv_heads=2, L=24, N=1, causal=True, need_weights=False),
 ]
 
 
@@ -240,6 +278,94 @@ def make_module(c, gen, given=None):
                            for k, v in m.state_dict().items()}, strict=True)
     params = [(k, v.detach().float().numpy().copy()) for k, v in m.state_dict().items()]
     return m, params, kdim, vdim
+
+
+def make_gqa_params(c, gen, given=None):
+    """make_module for a GQA case (no nn.MultiheadAttention has G < H key/value heads): the
+    parameters drawn as make_module draws them (global RNG seeded by the name: out_proj's
+    Linear initialisation, then xavier_uniform_ of q/k/v_proj_weight as _reset_parameters does;
+    gen: in_proj_bias, bias_k, bias_v, out_proj.bias times 0.1), k/v with G*D rows. Returns
+    (None, params in state_dict order, kdim, vdim)."""
+    E, H, G = c["E"], c["H"], kv_heads(c)
+    GD = G * (E // H)
+    kdim = c["kdim"] if c["kdim"] is not None else E
+    vdim = c["vdim"] if c["vdim"] is not None else E
+    torch.manual_seed(seed_of(c["name"]))
+    with torch.no_grad():
+        out_proj = torch.nn.Linear(E, E, bias=c["bias"])
+        P = {"q_proj_weight": torch.empty(E, E), "k_proj_weight": torch.empty(GD, kdim),
+             "v_proj_weight": torch.empty(GD, vdim)}
+        for w in P.values():
+            torch.nn.init.xavier_uniform_(w)
+        if c["bias"]:
+            P["in_proj_bias"] = torch.randn(E + 2 * GD, generator=gen) * 0.1
+        if c["add_bias_kv"]:
+            P["bias_k"] = torch.randn((1, 1, GD), generator=gen) * 0.1
+            P["bias_v"] = torch.randn((1, 1, GD), generator=gen) * 0.1
+        P["out_proj.weight"] = out_proj.weight.detach().clone()
+        if c["bias"]:
+            P["out_proj.bias"] = torch.randn(E, generator=gen) * 0.1
+    params = []
+    for k, v in P.items():
+        a = v.detach().float().numpy().copy()
+        if given is not None:  # --check: the committed parameters, if they are this draw
+            a = given.take(k, a)
+        params.append((k, a))
+    return None, params, kdim, vdim
+
+
+def gqa_expand(c, P):
+    """The full multi-head attention parameters of a GQA case's (float64, possibly leaf)
+    parameters P: each key/value head's rows of k/v_proj_weight, of the k/v parts of
+    in_proj_bias and of bias_k/bias_v repeat_interleave'd H/G times (query head h reads
+    key/value head h // (H/G)). Differentiable (torch ops only)."""
+    E, H, G = c["E"], c["H"], kv_heads(c)
+    D = E // H
+    GD = G * D
+
+    def rep(t):  # (G*D, ...) -> (E, ...)
+        rest = tuple(t.shape[1:])
+        return t.reshape((G, D) + rest).repeat_interleave(H // G, dim=0).reshape((E,) + rest)
+
+    X = {"q_proj_weight": P["q_proj_weight"], "k_proj_weight": rep(P["k_proj_weight"]),
+         "v_proj_weight": rep(P["v_proj_weight"]), "in_proj_bias": None, "bias_k": None,
+         "bias_v": None, "out_proj.weight": P["out_proj.weight"],
+         "out_proj.bias": P.get("out_proj.bias")}
+    if "in_proj_bias" in P:
+        bq, bk, bv = P["in_proj_bias"].split([E, GD, GD])
+        X["in_proj_bias"] = torch.cat([bq, rep(bk), rep(bv)])
+    if "bias_k" in P:
+        X["bias_k"] = rep(P["bias_k"].reshape(GD)).reshape(1, 1, E)
+        X["bias_v"] = rep(P["bias_v"].reshape(GD)).reshape(1, 1, E)
+    return X
+
+
+def gqa_forward(c, P, q, k, v, key_padding_mask=None, attn_mask=None, need_weights=True,
+                average_attn_weights=True):
+    """nn.MultiheadAttention.forward (eval) of a GQA case in PyTorch: F.multi_head_attention_
+    forward with separate projection weights, the K/V ones expanded by gqa_expand."""
+    X = gqa_expand(c, P)
+    bf = c["batch_first"] and c["N"] is not None
+    if bf:
+        q, k, v = (x.transpose(1, 0) for x in (q, k, v))
+    out, w = torch.nn.functional.multi_head_attention_forward(
+        q, k, v, c["E"], c["H"], None, X["in_proj_bias"], X["bias_k"], X["bias_v"],
+        c["add_zero_attn"], 0.0, X["out_proj.weight"], X["out_proj.bias"], training=False,
+        key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+        use_separate_proj_weight=True, q_proj_weight=X["q_proj_weight"],
+        k_proj_weight=X["k_proj_weight"], v_proj_weight=X["v_proj_weight"],
+        average_attn_weights=average_attn_weights)
+    return (out.transpose(1, 0) if bf else out), w
+
+
+class GQAModule:
+    """Stands for the float64 nn.MultiheadAttention of a GQA case in run_torch."""
+
+    def __init__(self, c, P):
+        self.c, self.P = c, P
+
+    def __call__(self, q, k, v, **kw):
+        return gqa_forward(self.c, self.P, q, k, v, **kw)
 
 
 def input_shape(c, seq, feat):
@@ -369,25 +495,43 @@ def own_mha(c, P, q, k, v, tot):
         Wq, Wk, Wv = P["in_proj_weight"].chunk(3)
     else:
         Wq, Wk, Wv = P["q_proj_weight"], P["k_proj_weight"], P["v_proj_weight"]
+    G = kv_heads(c)
+    GD = G * D  # E without GQA
     if "in_proj_bias" in P:
-        bq, bk, bv = P["in_proj_bias"].chunk(3)
+        bq, bk, bv = P["in_proj_bias"].split([E, GD, GD])
     else:
-        bq = bk = bv = torch.zeros(E, dtype=torch.float64)
+        bq = torch.zeros(E, dtype=torch.float64)
+        bk = bv = torch.zeros(GD, dtype=torch.float64)
     Q = q @ Wq.T + bq
     K = k @ Wk.T + bk
     V = v @ Wv.T + bv
     if "bias_k" in P:
-        K = torch.cat([K, P["bias_k"].reshape(1, 1, E).expand(1, N, E)])
-        V = torch.cat([V, P["bias_v"].reshape(1, 1, E).expand(1, N, E)])
-    Q = Q.reshape(L, N * H, D).transpose(0, 1)
-    K = K.reshape(K.shape[0], N * H, D).transpose(0, 1)
-    V = V.reshape(V.shape[0], N * H, D).transpose(0, 1)
-    if c["add_zero_attn"]:
-        K = torch.cat([K, torch.zeros(N * H, 1, D, dtype=torch.float64)], dim=1)
-        V = torch.cat([V, torch.zeros(N * H, 1, D, dtype=torch.float64)], dim=1)
-    Sp = K.shape[1]
-    mask = torch.cat([tot, torch.zeros(N * H, L, Sp - S, dtype=torch.float64)], dim=-1)
-    sc = (Q / math.sqrt(D)) @ K.transpose(1, 2) + mask
+        K = torch.cat([K, P["bias_k"].reshape(1, 1, GD).expand(1, N, GD)])
+        V = torch.cat([V, P["bias_v"].reshape(1, 1, GD).expand(1, N, GD)])
+    if G < H:
+        # GQA: the query heads grouped by the key/value head they read, (N, G, H/G, L, D)
+        # against (N, G, S', D); nothing is expanded
+        R = H // G
+        Qg = Q.reshape(L, N, G, R, D).permute(1, 2, 3, 0, 4)
+        Kg = K.reshape(K.shape[0], N, G, D).permute(1, 2, 0, 3)
+        Vg = V.reshape(V.shape[0], N, G, D).permute(1, 2, 0, 3)
+        if c["add_zero_attn"]:
+            Kg = torch.cat([Kg, torch.zeros(N, G, 1, D, dtype=torch.float64)], dim=2)
+            Vg = torch.cat([Vg, torch.zeros(N, G, 1, D, dtype=torch.float64)], dim=2)
+        Sp = Kg.shape[2]
+        mask = torch.cat([tot, torch.zeros(N * H, L, Sp - S, dtype=torch.float64)], dim=-1)
+        sc = torch.einsum("ngrld,ngsd->ngrls", Qg / math.sqrt(D), Kg).reshape(N * H, L, Sp)
+        sc = sc + mask
+    else:
+        Q = Q.reshape(L, N * H, D).transpose(0, 1)
+        K = K.reshape(K.shape[0], N * H, D).transpose(0, 1)
+        V = V.reshape(V.shape[0], N * H, D).transpose(0, 1)
+        if c["add_zero_attn"]:
+            K = torch.cat([K, torch.zeros(N * H, 1, D, dtype=torch.float64)], dim=1)
+            V = torch.cat([V, torch.zeros(N * H, 1, D, dtype=torch.float64)], dim=1)
+        Sp = K.shape[1]
+        mask = torch.cat([tot, torch.zeros(N * H, L, Sp - S, dtype=torch.float64)], dim=-1)
+        sc = (Q / math.sqrt(D)) @ K.transpose(1, 2) + mask
     # The softmax is shift-invariant: the row maximum carries no gradient. Every torch.where
     # below selects finite values on both sides, so their gradients are never 0 * inf = NaN.
     mx = sc.max(dim=-1, keepdim=True).values.detach()
@@ -395,7 +539,11 @@ def own_mha(c, P, q, k, v, tot):
     ex = torch.exp(sc - torch.where(full, torch.zeros_like(mx), mx))
     den = ex.sum(dim=-1, keepdim=True)
     W = torch.where(full, torch.zeros_like(ex), ex / torch.where(full, torch.ones_like(den), den))
-    A = (W @ V).transpose(0, 1).reshape(L * N, E)
+    if G < H:
+        A = torch.einsum("ngrls,ngsd->ngrld", W.reshape(N, G, H // G, L, Sp), Vg)
+        A = A.reshape(N, H, L, D).permute(2, 0, 1, 3).reshape(L * N, E)
+    else:
+        A = (W @ V).transpose(0, 1).reshape(L * N, E)
     out = A @ P["out_proj.weight"].T
     if "out_proj.bias" in P:
         out = out + P["out_proj.bias"]
@@ -496,11 +644,14 @@ def torch_grads(c, m32, params, query, key, value, kpm, attn, grad_output, grad_
     """Gradients by nn.MultiheadAttention's autograd in float64, through PyTorch's own mask
     handling (native) or the pre-combined additive mask; the float masks' gradients are taken
     w.r.t. the file's mask tensors (the expansion and combination are torch ops)."""
-    m = copy.deepcopy(m32).double().eval()
     P, q, k, v, masks = grad_leaves(c, params, query, key, value, kpm, attn)
-    with torch.no_grad():
-        for name, t in m.named_parameters():
-            t.copy_(P[name])
+    if is_gqa(c):  # the GQA leaves themselves, expanded inside autograd
+        m = GQAModule(c, P)
+    else:
+        m = copy.deepcopy(m32).double().eval()
+        with torch.no_grad():
+            for name, t in m.named_parameters():
+                t.copy_(P[name])
     if native:
         kpm_t, attn_t = pytorch_masks(c, masks["key_padding_mask"], masks["attn_mask"])
     else:
@@ -509,8 +660,9 @@ def torch_grads(c, m32, params, query, key, value, kpm, attn, grad_output, grad_
     out, w = m(q, k, v, key_padding_mask=kpm_t, attn_mask=attn_t,
                need_weights=c["need_weights"], average_attn_weights=not c["per_head"])
     loss_of(out, w, grad_output, grad_weights).backward()
-    for name, t in m.named_parameters():  # the module's parameters stand for the leaves
-        P[name].grad = t.grad
+    if not is_gqa(c):
+        for name, t in m.named_parameters():  # the module's parameters stand for the leaves
+            P[name].grad = t.grad
     return collect_grads(c, P, q, k, v, masks)
 
 
@@ -526,6 +678,17 @@ def own_grads(c, params, query, key, value, kpm, attn, grad_output, grad_weights
             w = w.squeeze(0)
     loss_of(out, w, grad_output, grad_weights).backward()
     return collect_grads(c, P, q, k, v, masks)
+
+
+# Per case: the largest |PyTorch - own_mha| of the output, the per-head weights and each
+# gradient (NaN entries skipped), filled by generate().
+OWN_DIFFS = {}
+
+
+def maxdiff(a, b):
+    ok = ~(torch.isnan(a) | torch.isnan(b))
+    d = (a - b)[ok].abs()
+    return d.max().item() if d.numel() else 0.0
 
 
 def same(a, b, tol=1e-12):
@@ -555,7 +718,7 @@ def generate(c, given=None):
     rng = np.random.default_rng(seed)
     E, H, L, S, N = c["E"], c["H"], c["L"], c["S"], c["N"]
     batched = N is not None
-    m32, params, kdim, vdim = make_module(c, gen, given)
+    m32, params, kdim, vdim = (make_gqa_params if is_gqa(c) else make_module)(c, gen, given)
     if c["mode"] == "self":
         assert kdim == E and vdim == E
 
@@ -586,7 +749,10 @@ def generate(c, given=None):
     apply_special(c, kpm, attn)
 
     # float64 module and tensors
-    m64 = copy.deepcopy(m32).double().eval()
+    if is_gqa(c):
+        m64 = GQAModule(c, {k2: torch.from_numpy(v2).double() for k2, v2 in params})
+    else:
+        m64 = copy.deepcopy(m32).double().eval()
     q64 = torch.from_numpy(query).double()
     if c["mode"] == "self":
         k64 = v64 = q64
@@ -606,6 +772,11 @@ def generate(c, given=None):
     comb = run_torch(m64, q64, k64, v64, None, tot if (kpm_t is not None or attn_t is not None)
                      else None, nw, avg)
     notes = []
+    if is_gqa(c):
+        notes.append(f"grouped-query attention, {kv_heads(c)} key/value heads for {H} heads:"
+                     " PyTorch's multi_head_attention_forward on K/V projections expanded from"
+                     " the GQA parameters (each key/value head repeat_interleave'd H/G times,"
+                     " inside autograd), checked against an independent grouped implementation")
     if native_ok:
         out, w = run_torch(m64, q64, k64, v64, kpm_t, attn_t, nw, avg)
         if not (same(out, comb[0]) and same(w, comb[1])):
@@ -624,6 +795,7 @@ def generate(c, given=None):
     own_out, own_wph = own_mha(c, P, q64, k64, v64, tot)
     if not batched:
         wph = wph.unsqueeze(0)
+    diffs = {"output": maxdiff(out, own_out), "weights": maxdiff(wph, own_wph)}
     if not same(wph, torch.where(torch.isnan(wph), wph, own_wph)):
         raise AssertionError(f"{name}: own implementation disagrees with PyTorch (weights)")
     nan_rows = torch.isnan(wph).any(dim=-1)  # (N, H, L)
@@ -712,6 +884,8 @@ def generate(c, given=None):
             tg = torch_grads(c, m32, *gargs, native)
             for (n1, a), (n2, b) in zip(tg, grads):
                 assert n1 == n2, (n1, n2)
+                diffs[n1] = max(diffs.get(n1, 0.0),
+                                maxdiff(torch.from_numpy(a), torch.from_numpy(b)))
                 if not same(torch.from_numpy(a), torch.from_numpy(b)):
                     raise AssertionError(f"{name}: own implementation's {n1} differs from"
                                          f" PyTorch autograd's (native masks {native})")
@@ -719,6 +893,8 @@ def generate(c, given=None):
         grads = chosen
         notes.append("gradients: PyTorch autograd in float64 (checked equal to the independent"
                      " implementation's autograd)")
+
+    OWN_DIFFS[name] = diffs
 
     # file text
     lines = [f"# clmha golden case, generated by tools/make_golden.py (PyTorch {torch.__version__})",
@@ -728,7 +904,8 @@ def generate(c, given=None):
     lines.append(f"layer embed_dim {E} num_heads {H} kdim {kdim} vdim {vdim} "
                  f"bias {int(c['bias'])} add_bias_kv {int(c['add_bias_kv'])} "
                  f"add_zero_attn {int(c['add_zero_attn'])} batch_first {int(c['batch_first'])} "
-                 f"dropout {c['dropout']:.9g}")
+                 f"dropout {c['dropout']:.9g}" +
+                 (f" num_kv_heads {kv_heads(c)}" if is_gqa(c) else ""))
     lines.append(f"call need_weights {int(nw)} per_head_weights {int(c['per_head'])} "
                  f"is_causal {int(c['causal'])} training 0 kpm {c['kpm']} attn {c['attn']} "
                  f"attn_per_batch {int(c['attn_shape'] == 'per_batch')}")
@@ -816,6 +993,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(here, "..", "tests", "golden"))
     ap.add_argument("--check", action="store_true",
                     help="compare with the files on disk instead of writing")
+    ap.add_argument("--only", nargs="+", metavar="CASE",
+                    help="write only these cases' files (and cases.inc), keep the others")
     args = ap.parse_args()
     out_dir = os.path.normpath(args.out)
     names = [c["name"] for c in CASES]
@@ -824,10 +1003,15 @@ def main():
                  "".join(f'"{n}",\n' for n in names))
     if args.check:
         return check(out_dir, cases_inc)
-    files = {f"{c['name']}.txt": generate(c) for c in CASES}
+    if args.only:
+        unknown = set(args.only) - set(names)
+        if unknown:
+            ap.error(f"unknown cases: {' '.join(sorted(unknown))}")
+    todo = [c for c in CASES if not args.only or c["name"] in args.only]
+    files = {f"{c['name']}.txt": generate(c) for c in todo}
     files["cases.inc"] = cases_inc
     os.makedirs(out_dir, exist_ok=True)
-    for fn in os.listdir(out_dir):
+    for fn in os.listdir(out_dir) if not args.only else ():
         if (fn.endswith(".txt") or fn == "cases.inc") and fn not in files:
             os.remove(os.path.join(out_dir, fn))
     total = 0
@@ -835,7 +1019,7 @@ def main():
         with open(os.path.join(out_dir, fn), "w") as f:
             f.write(text)
         total += len(text)
-    print(f"wrote {len(CASES)} cases to {out_dir} ({total} bytes)")
+    print(f"wrote {len(todo)} cases to {out_dir} ({total} bytes)")
     return 0
 
 
