@@ -1522,6 +1522,20 @@ Test(cli_usage, decode_chunk) {
                  "l.safetensors", "--query", "q.npy", "--decode-chunk", "2", "--impl", "fused");
 }
 
+// bench --decode --kv-heads: a grouped-query layer; the step reads its key/value heads only.
+Test(cli_bench, decode_kv_heads) {
+    SKIP_WITHOUT_DEVICE();
+    cli_result r = cli_run("bench", "--decode", "--json", "--embed", "16", "--heads", "4",
+                           "--kv-heads", "1", "--batch", "2", "--cache-len", "9", "--repeat", "2");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect_eq(json_number(r.out, "kv_heads"), 1.0, "%s", r.out);
+    cr_expect_eq(json_number(r.out, "kv_bytes"), 2.0 * 2 * 1 * 10 * 4 * 4, "%s", r.out);
+    cli_free(&r);
+    EXPECT_USAGE("clmha bench: --kv-heads 3 does not divide --heads 4", "bench", "--decode",
+                 "--cache-len", "8", "--heads", "4", "--embed", "16", "--kv-heads", "3");
+    EXPECT_USAGE("clmha bench: --kv-heads goes with --decode", "bench", "--kv-heads", "2");
+}
+
 Test(cli_usage, bench_decode) {
     EXPECT_USAGE("clmha bench: --decode needs --cache-len", "bench", "--decode");
     EXPECT_USAGE("clmha bench: --cache-len goes with --decode", "bench", "--cache-len", "8");

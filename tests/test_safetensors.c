@@ -141,6 +141,7 @@ static void expect_same_desc(const clmha_layer_desc *a, const clmha_layer_desc *
     cr_expect_eq(a->batch_first, b->batch_first, "%s: batch_first", what);
     cr_expect_eq(float_bits(a->dropout), float_bits(b->dropout), "%s: dropout %.9g vs %.9g",
                  what, (double)a->dropout, (double)b->dropout);
+    cr_expect_eq(a->num_kv_heads, b->num_kv_heads, "%s: num_kv_heads", what);
 }
 
 typedef struct rt_case {
@@ -165,6 +166,12 @@ static const rt_case rt_cases[] = {
     {"everything",
      {DESC_SIZE, .embed_dim = 16, .num_heads = 4, .kdim = 3, .vdim = 9, .add_bias_kv = true,
       .add_zero_attn = true, .batch_first = true, .dropout = 0.75f}},
+    // Grouped-query attention: k/v_proj_weight, in_proj_bias and bias_k/bias_v per key/value
+    // head, __metadata__ num_kv_heads.
+    {"gqa", {DESC_SIZE, .embed_dim = 16, .num_heads = 4, .num_kv_heads = 2, .bias = true,
+             .add_bias_kv = true}},
+    {"mqa_kdim_vdim", {DESC_SIZE, .embed_dim = 12, .num_heads = 3, .num_kv_heads = 1, .kdim = 5,
+                       .vdim = 7, .bias = true, .batch_first = true}},
 #undef DESC_SIZE
 };
 
@@ -496,6 +503,50 @@ Test(safetensors, separate_weights_and_options) {
     cr_assert_eq(clmha_layer_get_parameter(l, "bias_v", bv, 4), CLMHA_SUCCESS);
     cr_expect_eq(memcmp(bv, data + 84, sizeof bv), 0);
     clmha_layer_release(l);
+    env_close(&e);
+}
+
+// A grouped-query layer file: shapes from __metadata__ num_kv_heads; wrong ones are refused
+// with the expected shape.
+Test(safetensors, grouped_query_shapes) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "gqa.safetensors", path, sizeof path);
+    // E 4, H 2 (D 2), num_kv_heads 1: q (4,4), k (2,3), v (2,3), in_proj_bias 4 + 2*2 = 8.
+    float data[16 + 6 + 6 + 16 + 8 + 4];
+    for (size_t i = 0; i < sizeof data / sizeof *data; ++i) data[i] = (float)i * 0.5f - 7.0f;
+    const char *fmt =
+        "{\"__metadata__\":{\"num_heads\":\"2\",\"num_kv_heads\":\"%d\"},"
+        "\"q_proj_weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[0,64]},"
+        "\"k_proj_weight\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[64,88]},"
+        "\"v_proj_weight\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[88,112]},"
+        "\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],\"data_offsets\":[112,176]},"
+        "\"in_proj_bias\":{\"dtype\":\"F32\",\"shape\":[8],\"data_offsets\":[176,208]},"
+        "\"out_proj.bias\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[208,224]}}";
+    char header[1024];
+    snprintf(header, sizeof header, fmt, 1);
+    write_st(path, header, 0, data, sizeof data);
+    clmha_layer *l = NULL;
+    load_ok(&e, path, &l);
+    clmha_layer_desc d = {.struct_size = sizeof d};
+    clmha_layer_get_desc(l, &d);
+    cr_expect(d.embed_dim == 4 && d.num_heads == 2 && d.num_kv_heads == 1 && d.kdim == 3 &&
+              d.vdim == 3 && d.bias);
+    cr_expect_eq(clmha_layer_parameter_count(l, "k_proj_weight"), 6);
+    cr_expect_eq(clmha_layer_parameter_count(l, "in_proj_bias"), 8);
+    float kw[6];
+    cr_assert_eq(clmha_layer_get_parameter(l, "k_proj_weight", kw, 6), CLMHA_SUCCESS);
+    cr_expect_eq(memcmp(kw, data + 16, sizeof kw), 0);
+    clmha_layer_release(l);
+    // The same tensors under num_kv_heads 2 (k_proj_weight would be (4, 3)): refused, naming
+    // the expected shape.
+    snprintf(header, sizeof header, fmt, 2);
+    write_st(path, header, 0, data, sizeof data);
+    l = BAD_LAYER;
+    cr_expect_eq(clmha_layer_load(&l, e.ctx, path), CLMHA_INVALID_FILE);
+    const char *msg = clmha_context_last_error(e.ctx);
+    cr_expect(strstr(msg, "k_proj_weight") && strstr(msg, "(4, 3)"), "%s", msg);
     env_close(&e);
 }
 

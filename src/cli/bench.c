@@ -19,8 +19,8 @@ static const char *usage_bench =
     "                   [--need-weights] [--batch-first] [--layer F.safetensors]\n"
     "                   [--impl auto|fused|unfused] [--backward] [--repeat R] [--device SPEC]\n"
 "                   [--json]\n"
-"       clmha bench --decode --cache-len S[,S...] [--batch N] [--embed E] [--heads H]\n"
-"                   [--repeat R] [--device SPEC] [--json]\n"
+"       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--batch N] [--embed E]\n"
+"                   [--heads H] [--repeat R] [--device SPEC] [--json]\n"
     "\n"
     "Times the forward pass on device buffers (clmha_layer_forward): a warm-up\n"
     "(clmha_layer_bake at the shape: sizes the scratch, compiles the kernels), then R timed\n"
@@ -82,7 +82,9 @@ static const char *usage_bench_decode =
     "same run: clEnqueueCopyBuffer of a buffer of 256 MiB (less on small devices), counted as\n"
     "bytes read + written (STREAM's convention), and the ratio of the two. --json adds: decode\n"
     "(true), cache_len, kv_heads, kv_bytes, kv_gbps, copy_bytes, copy_gbps, fraction_of_copy\n"
-    "(\"ms\" is per step; tgt_len is 1, src_len S + 1).\n"
+    "(\"ms\" is per step; tgt_len is 1, src_len S + 1). --kv-heads G: a grouped-query layer\n"
+    "with G key/value heads (G divides H; H query heads share each), whose cache and step read\n"
+    "G heads' keys and values: kv_bytes = 2 * N * G * (S + 1) * D * 4.\n"
     "\n";
 
 static const char *usage_bench_backward =
@@ -240,11 +242,20 @@ clmha_layer *clmha__bench_layer(clmha_context *ctx, const bench_config *cfg) {
         }
         return layer;
     }
-    size_t e = cfg->desc.embed_dim;
+    size_t e = cfg->desc.embed_dim, h = cfg->desc.num_heads;
+    size_t kvh = cfg->desc.num_kv_heads ? cfg->desc.num_kv_heads : h, kve = kvh * (e / h);
     clmha_status st;
+    // Grouped-query attention (--kv-heads): W_q, then the first KVE rows of W_k's and W_v's
+    // blocks of the random in_proj_weight.
     if ((st = clmha_layer_create(&layer, ctx, &cfg->desc)) ||
-        (st = clmha_layer_set_parameter(layer, "in_proj_weight", cfg->w_in, 3 * e * e)) ||
-        (st = clmha_layer_set_parameter(layer, "in_proj_bias", cfg->b_in, 3 * e)) ||
+        (kve == e &&
+         (st = clmha_layer_set_parameter(layer, "in_proj_weight", cfg->w_in, 3 * e * e))) ||
+        (kve != e &&
+         ((st = clmha_layer_set_parameter(layer, "q_proj_weight", cfg->w_in, e * e)) ||
+          (st = clmha_layer_set_parameter(layer, "k_proj_weight", cfg->w_in + e * e, kve * e)) ||
+          (st = clmha_layer_set_parameter(layer, "v_proj_weight", cfg->w_in + 2 * e * e,
+                                          kve * e)))) ||
+        (st = clmha_layer_set_parameter(layer, "in_proj_bias", cfg->b_in, e + 2 * kve)) ||
         (st = clmha_layer_set_parameter(layer, "out_proj.weight", cfg->w_out, e * e)) ||
         (st = clmha_layer_set_parameter(layer, "out_proj.bias", cfg->b_out, e))) {
         clmha__cli_report("bench", "random layer (embed_dim %zu, num_heads %zu): %s: %s", e,
@@ -474,7 +485,7 @@ static void print_tuning(const clmha_context *ctx) {
 int clmha__cli_bench(int argc, char **argv) {
     const char *batch_opt = NULL, *tgt_opt = NULL, *src_opt = NULL, *embed_opt = NULL,
                *heads_opt = NULL, *repeat_opt = NULL, *layer_path = NULL, *device = NULL,
-               *impl_opt = NULL, *cache_opt = NULL;
+               *impl_opt = NULL, *cache_opt = NULL, *kv_heads_opt = NULL;
     bool need_weights = false, batch_first = false, json = false, backward = false,
          decode = false;
     const clmha__cli_option opts[] = {
@@ -493,6 +504,7 @@ int clmha__cli_bench(int argc, char **argv) {
         {.name = "--backward", .flag = &backward},
         {.name = "--decode", .flag = &decode},
         {.name = "--cache-len", .value = &cache_opt},
+        {.name = "--kv-heads", .value = &kv_heads_opt},
     };
     char usage[8192];
     snprintf(usage, sizeof usage, "%s%s%s%s", usage_bench, usage_bench_backward,
@@ -529,8 +541,20 @@ int clmha__cli_bench(int argc, char **argv) {
     if (cache_opt &&
         (rc = parse_sizes("--cache-len", cache_opt, BENCH_MAX_LIST, BENCH_MAX_SIZE, caches, &nc)))
         return rc;
+    size_t kv_heads = 0;
+    if (kv_heads_opt && !decode) {
+        clmha__cli_report("bench", "--kv-heads goes with --decode");
+        return EXIT_USAGE;
+    }
+    if (kv_heads_opt &&
+        (rc = parse_sizes("--kv-heads", kv_heads_opt, 1, BENCH_MAX_SIZE, &kv_heads, &one)))
+        return rc;
     if (!layer_path && e % h != 0) {
         clmha__cli_report("bench", "--embed %zu is not a multiple of --heads %zu", e, h);
+        return EXIT_USAGE;
+    }
+    if (kv_heads && h % kv_heads != 0) {
+        clmha__cli_report("bench", "--kv-heads %zu does not divide --heads %zu", kv_heads, h);
         return EXIT_USAGE;
     }
     clmha_impl impl;
@@ -541,7 +565,8 @@ int clmha__cli_bench(int argc, char **argv) {
                         .impl = impl, .repeat = repeat};
     cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
                                   .embed_dim = e, .num_heads = h, .kdim = e, .vdim = e,
-                                  .bias = true, .batch_first = batch_first};
+                                  .bias = true, .batch_first = batch_first,
+                                  .num_kv_heads = kv_heads};
     float *params = NULL;
     double *times = NULL;
     clmha_context *ctx = NULL;

@@ -54,6 +54,7 @@ int clmha__bench_decode_shape(clmha_context *ctx, const bench_config *cfg, size_
                               size_t cache_len, double *times) {
     const clmha_layer_desc *d = &cfg->desc;
     size_t e = d->embed_dim, h = d->num_heads, hd = e / h;
+    size_t kvh = d->num_kv_heads ? d->num_kv_heads : h;  // key/value heads
     cl_command_queue queue = clmha_context_cl_queue(ctx);
     clmha_layer *layer = NULL;
     clmha_kv_cache *cache = NULL;
@@ -102,19 +103,20 @@ int clmha__bench_decode_shape(clmha_context *ctx, const bench_config *cfg, size_
     size_t copy_bytes;
     double copy = copy_gbps(ctx, cfg->repeat, times, &copy_bytes);
     if (copy <= 0) goto done;
-    // What the step reads of the cache: every key and value of every head, cache_len + 1 tokens.
-    double kv_bytes = 2.0 * (double)n * (double)h * (double)(cache_len + 1) * (double)hd * 4.0;
+    // What the step reads of the cache: every key and value of every key/value head,
+    // cache_len + 1 tokens.
+    double kv_bytes = 2.0 * (double)n * (double)kvh * (double)(cache_len + 1) * (double)hd * 4.0;
     double gbps = kv_bytes / ms / 1e6;
     if (cfg->json) {
         clmha__bench_json_head(ctx, cfg, n, 1, cache_len + 1, CLMHA_IMPL_AUTO, true);
         printf("\"decode\": true, \"cache_len\": %zu, \"kv_heads\": %zu, \"ms\": %.6g, "
                "\"ms_min\": %.6g, \"ms_max\": %.6g, \"kv_bytes\": %.0f, \"kv_gbps\": %.6g, "
                "\"copy_bytes\": %zu, \"copy_gbps\": %.6g, \"fraction_of_copy\": %.4g}\n",
-               cache_len, h, ms, lo, hi, kv_bytes, gbps, copy_bytes, copy, gbps / copy);
+               cache_len, kvh, ms, lo, hi, kv_bytes, gbps, copy_bytes, copy, gbps / copy);
     } else {
         printf("shape:   N %zu, one new token per sequence over a cache of %zu (+1) tokens, "
-               "%zu heads of %zu (decode core)\n",
-               n, cache_len, h, hd);
+               "%zu heads of %zu, %zu key/value heads (decode core)\n",
+               n, cache_len, h, hd, kvh);
         printf("time:    %.4f ms per token (median of %zu; min %.4f, max %.4f)\n", ms,
                cfg->repeat, lo, hi);
         printf("kv read: %.1f MiB per step, %.2f GB/s\n", kv_bytes / 1048576.0, gbps);
