@@ -110,30 +110,32 @@ kernel void decode_partial(global const float *q, global const float *kc,
     global const float *kb = kc + bkv * cap * HD, *vb = vc + bkv * cap * HD;
     for (ulong jb = j0; jb < j1; jb += BKEYS) {
         uint cnt = (uint)min((ulong)BKEYS, j1 - jb);
-        float sc[G][BKEYS];
-        for (uint u = 0; u < BKEYS; ++u) {
-            global const VT *kr = (global const VT *)(kb + (jb + min(u, cnt - 1)) * HD);
-            for (uint g = 0; g < G; ++g) {
+        // One query head of the group at a time, so that its row and accumulators stay in
+        // registers; the block's keys and values are read from memory for the first and from
+        // the cache for the others.
+        for (uint g = 0; g < G; ++g) {
+            float sc[BKEYS];
+            float mb = m[g];
+            for (uint u = 0; u < BKEYS; ++u) {
+                global const VT *kr = (global const VT *)(kb + (jb + min(u, cnt - 1)) * HD);
                 VT dot = qv[g][0] * kr[0];
                 for (uint c = 1; c < HV; ++c) dot = fma(qv[g][c], kr[c], dot);
-                sc[g][u] = u < cnt ? hsum(dot) : -INFINITY;
+                sc[u] = u < cnt ? hsum(dot) : -INFINITY;
+                mb = max_nan(mb, sc[u]);
             }
-        }
-        for (uint g = 0; g < G; ++g) {
-            float mb = m[g];
-            for (uint u = 0; u < BKEYS; ++u) mb = max_nan(mb, sc[g][u]);
             float corr = m[g] == -INFINITY ? 0.0f : exp(m[g] - mb);
-            s[g] *= corr;
-            for (uint c = 0; c < HV; ++c) acc[g][c] *= corr;
-            m[g] = mb;
-        }
-        for (uint u = 0; u < cnt; ++u) {
-            global const VT *vr = (global const VT *)(vb + (jb + u) * HD);
-            for (uint g = 0; g < G; ++g) {
-                float pr = exp(sc[g][u] - m[g]);
-                s[g] += pr;
-                for (uint c = 0; c < HV; ++c) acc[g][c] = fma((VT)(pr), vr[c], acc[g][c]);
+            float sum = s[g] * corr;
+            VT a[HV];
+            for (uint c = 0; c < HV; ++c) a[c] = acc[g][c] * corr;
+            for (uint u = 0; u < cnt; ++u) {
+                global const VT *vr = (global const VT *)(vb + (jb + u) * HD);
+                float pr = exp(sc[u] - mb);
+                sum += pr;
+                for (uint c = 0; c < HV; ++c) a[c] = fma((VT)(pr), vr[c], a[c]);
             }
+            for (uint c = 0; c < HV; ++c) acc[g][c] = a[c];
+            m[g] = mb;
+            s[g] = sum;
         }
     }
     for (uint g = 0; g < G; ++g) {
