@@ -24,6 +24,9 @@ busy machine slows them alike; each process times R steps after 3 warm-up steps 
 median; the table gives the median over the rounds. Threads: 2 everywhere (as
 bench/backward_peers.py; OPENBLAS_CORETYPE=Cooperlake for the PyTorch processes).
 
+Grouped-query attention (--gqa-kv-heads G, default 2): clmha's step with G key/value heads (the
+same H query heads) in the same turns, and the speed-up over the step with H.
+
 Bandwidth: the bytes of cached keys and values a step reads, 2 * N * H * (S + 1) * D * 4, per
 second of the step; clmha's process also measures the device's copy bandwidth
 (clEnqueueCopyBuffer of 256 MiB, bytes read + written) in the same run: the table gives the
@@ -99,6 +102,9 @@ def parse_args(argv):
     ap.add_argument("--device", default=None)
     ap.add_argument("--torch2-python", default="/tmp/venv-torch2/bin/python")
     ap.add_argument("--no-torch2", action="store_true")
+    ap.add_argument("--gqa-kv-heads", type=int, default=2,
+                    help="also time clmha with this many key/value heads (grouped-query "
+                         "attention; 0: not)")
     ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--worker", nargs=5, type=int, metavar=("N", "S", "E", "H", "R"))
     return ap.parse_args(argv)
@@ -134,7 +140,8 @@ def main(argv):
     if not a.no_torch2 and os.access(a.torch2_python, os.X_OK):
         peers["torch2"] = (a.torch2_python, torch_env)
     me = os.path.abspath(__file__)
-    res = {s: {"clmha": [], "copy": [], "fraction": [], **{p: [] for p in peers}} for s in lens}
+    res = {s: {"clmha": [], "copy": [], "fraction": [], "gqa": [], **{p: [] for p in peers}}
+           for s in lens}
     versions = {}
     for r in range(a.rounds):
         for s in lens:
@@ -147,6 +154,9 @@ def main(argv):
             res[s]["clmha"].append(c["ms"])
             res[s]["copy"].append(c["copy_gbps"])
             res[s]["fraction"].append(c["fraction_of_copy"])
+            if a.gqa_kv_heads:
+                g = run_json(cmd + ["--kv-heads", str(a.gqa_kv_heads)], clmha_env)[0]
+                res[s]["gqa"].append(g["ms"])
             for p, (py, env) in peers.items():
                 w = run_json([py, me, "--worker", str(a.batch), str(s), str(a.embed),
                               str(a.heads), str(a.repeat)], env)[0]
@@ -159,16 +169,21 @@ def main(argv):
     for p, v in versions.items():
         print(f"  {p}: PyTorch {v}")
     head = ["cache S", "clmha ms", "kv GB/s", "copy GB/s", "of copy"]
+    if a.gqa_kv_heads:
+        head += [f"clmha {a.gqa_kv_heads} kv heads ms", "speed-up"]
     for p in peers:
         head += [f"{p} ms", f"clmha/{p}"]
     print(" | ".join(head))
     out = []
     for s in lens:
-        m = {k: statistics.median(v) for k, v in res[s].items()}
+        m = {k: statistics.median(v) for k, v in res[s].items() if v}
         kv = 2.0 * a.batch * a.heads * (s + 1) * d * 4
         row = [str(s), f"{m['clmha']:.3f}", f"{kv / m['clmha'] / 1e6:.1f}", f"{m['copy']:.1f}",
                f"{m['fraction']:.2f}"]
         entry = {"cache_len": s, "kv_bytes": kv, **{k: m[k] for k in m}}
+        if a.gqa_kv_heads:
+            row += [f"{m['gqa']:.3f}", f"{m['clmha'] / m['gqa']:.2f}"]
+            entry["gqa_speedup"] = m["clmha"] / m["gqa"]
         for p in peers:
             row += [f"{m[p]:.3f}", f"{m['clmha'] / m[p]:.2f}"]
             entry[f"clmha_over_{p}"] = m["clmha"] / m[p]

@@ -1026,7 +1026,8 @@ typedef struct clmha_forward_args {
                                    ///< key and value must then be absent (ndim 0)
 } clmha_forward_args;
 
-/// What a user attention core receives. Layouts: q (N*H, L, D), k and v (N*H, S', D), out
+/// What a user attention core receives. Layouts: q (N*H, L, D), k and v (N*H, S', D) (with
+/// grouped-query attention every query head gets its own copy of its key/value head), out
 /// (N*H, L, D), weights (N*H, L, S'), row-major, element offset 0; S' = S + add_bias_kv +
 /// add_zero_attn. q, k, v and out are the layer's scratch buffers (they may be larger than the
 /// tiles); weights is the layer's scores buffer. The masks are the caller's, unchanged

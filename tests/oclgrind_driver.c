@@ -112,6 +112,7 @@ typedef struct dcase {
     size_t decode_chunk;     // > 0: through a KV cache (the decode core), this many query rows
                              // a call (self-attention, sequence-first rows)
     size_t decode_parts;     // key ranges per sequence (test hook; 0: the core's choice)
+    size_t kv_heads;         // > 0: grouped-query attention with this many key/value heads
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -249,6 +250,17 @@ static const dcase cases[] = {
      .decode_chunk = 1, .decode_parts = 3},
     {"decode: self causal L=S=40, head_dim 64 (E64 H1), chunks of 17, default ranges",
      .e = 64, .h = 1, .n = 1, .l = 40, .self_attn = true, .causal = true, .decode_chunk = 17},
+    // Grouped-query attention: the fused kernel's kv_group planes, split_heads repeating the
+    // key/value heads for the unfused core, the decode kernels' groups (G query heads a
+    // work-item) with bias_k/bias_v per key/value head.
+    {"gqa fused: cross L5 S37, 4 heads on 2 key/value heads, kpm=ignore", .e = 8, .h = 4,
+     .kv_heads = 2, .n = 2, .l = 5, .s = 37, .kpm = I, .fused = true},
+    {"gqa unfused: self causal L6, multi-query, bias_kv, w=per_head", .e = 8, .h = 4,
+     .kv_heads = 1, .n = 2, .l = 6, .self_attn = true, .causal = true, .bias_kv = true,
+     .weights = true, .per_head = true},
+    {"gqa decode: self causal L=S=21, 4 heads on 2, bias_kv+zero_attn, chunks of 4, 3 ranges",
+     .e = 8, .h = 4, .kv_heads = 2, .n = 2, .l = 21, .self_attn = true, .causal = true,
+     .bias_kv = true, .zero_attn = true, .decode_chunk = 4, .decode_parts = 3},
     // The unfused core in chunks: groups of heads, then rows of one head.
     {"chunked: 2 of 4 heads, am=float (N*H,L,S), w=avg", .e = 8, .h = 4, .n = 2, .l = 16,
      .s = 16, .am = F, .layout = PER_HEAD, .weights = true, .max_alloc = 4096},
@@ -321,10 +333,11 @@ static double max_abs_error(const float *got, const double *want, size_t count) 
     if ((ptr) && !st) st = clmha_layer_set_parameter(layer, name, ptr, count)
 
 // True when the layer of @p c gets a parameter buffer by several host writes at offsets:
-// q/k/v_proj_weight (kdim or vdim != embed_dim) and bias_k/bias_v (see the usage above).
+// q/k/v_proj_weight (kdim or vdim != embed_dim, or grouped-query attention) and bias_k/bias_v
+// (see the usage above).
 static bool partial_host_writes(const dcase *c) {
     bool separate = (c->kdim && c->kdim != c->e) || (c->vdim && c->vdim != c->e);
-    return separate || c->bias_kv;
+    return separate || c->bias_kv || c->kv_heads;
 }
 
 // Imports fused tiles "BQ BK RPW VW" as the device's tuning (a layer built afterwards uses
@@ -439,29 +452,30 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
                              .embed_dim = e, .num_heads = c->h, .kdim = c->kdim,
                              .vdim = c->vdim, .bias = !c->nobias, .add_bias_kv = c->bias_kv,
                              .add_zero_attn = c->zero_attn, .batch_first = c->batch_first,
-                             .dropout = c->dropout};
+                             .dropout = c->dropout, .num_kv_heads = c->kv_heads};
+    const size_t kve = c->kv_heads ? c->kv_heads * (e / c->h) : e;  // key/value width
 
     // Parameters.
     const double bound = 1.0 / sqrt((double)e);
     clmha_reference_params p = {.struct_size = sizeof p};
     float *w_in = NULL, *wq = NULL, *wk = NULL, *wv = NULL, *b_in = NULL, *bo = NULL;
     float *bk = NULL, *bv = NULL;
-    if (kdim == e && vdim == e) {
+    if (kdim == e && vdim == e && kve == e) {
         p.in_proj_weight = w_in = floats(3 * e * e, false, bound);
     } else {
         p.q_proj_weight = wq = floats(e * e, false, bound);
-        p.k_proj_weight = wk = floats(e * kdim, false, bound);
-        p.v_proj_weight = wv = floats(e * vdim, false, bound);
+        p.k_proj_weight = wk = floats(kve * kdim, false, bound);
+        p.v_proj_weight = wv = floats(kve * vdim, false, bound);
     }
     float *wo = floats(e * e, false, bound);
     p.out_proj_weight = wo;
     if (!c->nobias) {
-        p.in_proj_bias = b_in = floats(3 * e, false, bound);
+        p.in_proj_bias = b_in = floats(e + 2 * kve, false, bound);
         p.out_proj_bias = bo = floats(e, false, bound);
     }
     if (c->bias_kv) {
-        p.bias_k = bk = floats(e, true, 0);
-        p.bias_v = bv = floats(e, true, 0);
+        p.bias_k = bk = floats(kve, true, 0);
+        p.bias_v = bv = floats(kve, true, 0);
     }
 
     // Inputs and masks.
@@ -519,13 +533,13 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     if (!st) st = clmha_layer_create(&layer, ctx, &desc);
     SET("in_proj_weight", w_in, 3 * e * e);
     SET("q_proj_weight", wq, e * e);
-    SET("k_proj_weight", wk, e * kdim);
-    SET("v_proj_weight", wv, e * vdim);
-    SET("in_proj_bias", b_in, 3 * e);
+    SET("k_proj_weight", wk, kve * kdim);
+    SET("v_proj_weight", wv, kve * vdim);
+    SET("in_proj_bias", b_in, e + 2 * kve);
     SET("out_proj.weight", wo, e * e);
     SET("out_proj.bias", bo, e);
-    SET("bias_k", bk, e);
-    SET("bias_v", bv, e);
+    SET("bias_k", bk, kve);
+    SET("bias_v", bv, kve);
     clmha_saved *saved = NULL;
     if (!st && c->backward) st = clmha_saved_create(&saved, layer);
     args.save = saved;
