@@ -1018,10 +1018,10 @@ typedef struct clmha_forward_args {
                                       ///< (see ::clmha_kv_cache): the new key/value tokens are
                                       ///< appended to it and the queries attend over all it
                                       ///< holds. Added after 0.1.0, like @ref save.
-    const size_t *kv_append;       ///< with @ref kv_cache: N counts (1 unbatched), how many of
+    const size_t *kv_append;       ///< with kv_cache set: N counts (1 unbatched), how many of
                                    ///< each sequence's S new key/value tokens (the first ones)
                                    ///< to append; NULL: all S of every sequence
-    bool kv_attend_only;           ///< with @ref kv_cache: append nothing, attend over the cache
+    bool kv_attend_only;           ///< with kv_cache set: append nothing, attend over the cache
                                    ///< as it is (cross-attention decoding once the keys are in);
                                    ///< key and value must then be absent (ndim 0)
 } clmha_forward_args;
