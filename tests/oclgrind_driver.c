@@ -26,6 +26,7 @@
 //                  ("tiles": it stays in effect for the later fused cases of the same process),
 //                  8- and 4-wide vectors with one and two rows per work-item (Oclgrind prefers
 //                  scalars, which the default tiles then use)
+//   merge_partials (the "partial" case: two key ranges of clmha_layer_attend merged)
 //   decode_*       (the "decode" cases: self-attention through a KV cache, chunk by chunk)
 //                  appends, key ranges empty and partial, the appended keys in the combine
 //   the backward   (the "backward" cases: forward with args.save, then every gradient through
@@ -113,6 +114,8 @@ typedef struct dcase {
                              // a call (self-attention, sequence-first rows)
     size_t decode_parts;     // key ranges per sequence (test hook; 0: the core's choice)
     size_t kv_heads;         // > 0: grouped-query attention with this many key/value heads
+    size_t partial_split;    // > 0: partial attention over keys [0, split) and [split, S),
+                             // merged and projected (cross-attention, sequence-first, no masks)
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -261,6 +264,10 @@ static const dcase cases[] = {
     {"gqa decode: self causal L=S=21, 4 heads on 2, bias_kv+zero_attn, chunks of 4, 3 ranges",
      .e = 8, .h = 4, .kv_heads = 2, .n = 2, .l = 21, .self_attn = true, .causal = true,
      .bias_kv = true, .zero_attn = true, .decode_chunk = 4, .decode_parts = 3},
+    // Partial attention: two key ranges (the appended keys with the second), merge_partials,
+    // the head merge and output projection of clmha_layer_project_heads.
+    {"partial: cross L3 S37 split at 16, bias_kv+zero_attn, merged", .e = 8, .h = 2, .n = 2,
+     .l = 3, .s = 37, .bias_kv = true, .zero_attn = true, .partial_split = 16},
     // The unfused core in chunks: groups of heads, then rows of one head.
     {"chunked: 2 of 4 heads, am=float (N*H,L,S), w=avg", .e = 8, .h = 4, .n = 2, .l = 16,
      .s = 16, .am = F, .layout = PER_HEAD, .weights = true, .max_alloc = 4096},
@@ -441,6 +448,9 @@ static clmha_status run_backward(clmha_layer *layer, clmha_saved *saved, const d
 static clmha_status decode_forward(clmha_layer *layer, const dcase *c,
                                    const clmha_forward_args *args, float *out, size_t n,
                                    size_t l, size_t e);
+static clmha_status partial_forward(clmha_context *ctx, clmha_layer *layer, const dcase *c,
+                                    const clmha_forward_args *args, float *out, size_t n,
+                                    size_t l, size_t s, size_t e, size_t kdim, size_t vdim);
 
 static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     rng_state = 1000 + index;
@@ -543,7 +553,9 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     clmha_saved *saved = NULL;
     if (!st && c->backward) st = clmha_saved_create(&saved, layer);
     args.save = saved;
-    if (!st && c->decode_chunk) st = decode_forward(layer, c, &args, out, n, l, e);
+    if (!st && c->partial_split)
+        st = partial_forward(ctx, layer, c, &args, out, n, l, s, e, kdim, vdim);
+    else if (!st && c->decode_chunk) st = decode_forward(layer, c, &args, out, n, l, e);
     else if (!st) st = clmha_layer_forward_host(layer, &args, out, oc, c->weights ? w : NULL, wc);
     if (st) snprintf(msg, sizeof msg, "device: %s", clmha_context_last_error(ctx));
 
@@ -610,6 +622,52 @@ static clmha_status decode_forward(clmha_layer *layer, const dcase *c,
         st = clmha_layer_forward_host(layer, &a, out + t0 * n * e, rows * n * e, NULL, 0);
     }
     clmha_kv_cache_release(cache);
+    return st;
+}
+
+static cl_mem device_copy(clmha_context *ctx, const float *data, size_t floats) {
+    cl_int err;
+    cl_mem m = clCreateBuffer(clmha_context_cl_context(ctx),
+                              CL_MEM_READ_WRITE | (data ? CL_MEM_COPY_HOST_PTR : 0),
+                              floats * sizeof(float), (void *)data, &err);
+    return err == CL_SUCCESS ? m : NULL;
+}
+
+// The cross-attention call @p args as two partial calls over keys [0, split) and [split, S)
+// (sequence-first rows: a range of keys is contiguous), merged and projected into @p out.
+static clmha_status partial_forward(clmha_context *ctx, clmha_layer *layer, const dcase *c,
+                                    const clmha_forward_args *args, float *out, size_t n,
+                                    size_t l, size_t s, size_t e, size_t kdim, size_t vdim) {
+    const size_t rows = n * c->h * l, d = e / c->h, split = c->partial_split;
+    const float *key = args->key.data, *value = args->value.data;
+    cl_mem q = device_copy(ctx, args->query.data, l * n * e);
+    cl_mem k0 = device_copy(ctx, key, split * n * kdim);
+    cl_mem k1 = device_copy(ctx, key + split * n * kdim, (s - split) * n * kdim);
+    cl_mem v0 = device_copy(ctx, value, split * n * vdim);
+    cl_mem v1 = device_copy(ctx, value + split * n * vdim, (s - split) * n * vdim);
+    cl_mem ha = device_copy(ctx, NULL, rows * d), la = device_copy(ctx, NULL, rows);
+    cl_mem hb = device_copy(ctx, NULL, rows * d), lb = device_copy(ctx, NULL, rows);
+    cl_mem o = device_copy(ctx, NULL, l * n * e);
+    cl_mem all[] = {q, k0, k1, v0, v1, ha, la, hb, lb, o};
+    clmha_status st = CLMHA_SUCCESS;
+    for (size_t i = 0; i < sizeof all / sizeof *all; ++i)
+        if (!all[i]) st = CLMHA_OUT_OF_MEMORY;
+    clmha_forward_args a = {.struct_size = sizeof a};
+    a.query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}, .buffer = q};
+    a.key = (clmha_tensor){.ndim = 3, .shape = {split, n, kdim}, .buffer = k0};
+    a.value = (clmha_tensor){.ndim = 3, .shape = {split, n, vdim}, .buffer = v0};
+    if (!st) st = clmha_layer_attend(layer, &a, false, ha, 0, la, 0, 0, NULL, NULL);
+    a.key.shape[0] = a.value.shape[0] = s - split;
+    a.key.buffer = k1;
+    a.value.buffer = v1;
+    if (!st) st = clmha_layer_attend(layer, &a, true, hb, 0, lb, 0, 0, NULL, NULL);
+    if (!st) st = clmha_attention_merge(ctx, rows, d, ha, 0, la, 0, hb, 0, lb, 0, 0, NULL, NULL);
+    if (!st) st = clmha_layer_project_heads(layer, n, l, ha, 0, o, 0, 0, NULL, NULL);
+    if (!st && clEnqueueReadBuffer(clmha_context_cl_queue(ctx), o, CL_TRUE, 0,
+                                   l * n * e * sizeof(float), out, 0, NULL, NULL) != CL_SUCCESS)
+        st = CLMHA_OPENCL_ERROR;
+    for (size_t i = 0; i < sizeof all / sizeof *all; ++i)
+        if (all[i]) clReleaseMemObject(all[i]);
     return st;
 }
 
