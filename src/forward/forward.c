@@ -115,6 +115,19 @@ static clmha_status resolve(clmha_layer *layer, const clmha_forward_args *args, 
     return CLMHA_SUCCESS;
 }
 
+// With a bias the output projection reads @p output back (it adds to the bias rows), so the
+// output must not be CL_MEM_WRITE_ONLY.
+static clmha_status check_output_readable(clmha_layer *layer, cl_mem output) {
+    cl_mem_flags flags = 0;
+    clGetMemObjectInfo(output, CL_MEM_FLAGS, sizeof flags, &flags, NULL);
+    if (layer->desc.bias && (flags & CL_MEM_WRITE_ONLY))
+        return clmha__fail(layer->ctx, CLMHA_INVALID_ARGUMENT,
+                           "output buffer is CL_MEM_WRITE_ONLY, but a layer with bias reads it "
+                           "back (the output projection adds to the bias rows): create it "
+                           "CL_MEM_READ_WRITE");
+    return CLMHA_SUCCESS;
+}
+
 // Everything a forward call checks before it enqueues anything (forward.h).
 clmha_status clmha__forward_validate(clmha_layer *layer, const clmha_forward_args *args,
                              bool on_device, clmha__dims *d) {
@@ -411,13 +424,7 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
     if (st) return st;
     if ((st = clmha__check_buffer(ctx, "output", output, output_offset, d.output_count, 4)))
         return st;
-    cl_mem_flags out_flags = 0;
-    clGetMemObjectInfo(output, CL_MEM_FLAGS, sizeof out_flags, &out_flags, NULL);
-    if (layer->desc.bias && (out_flags & CL_MEM_WRITE_ONLY))
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "output buffer is CL_MEM_WRITE_ONLY, but a layer with bias reads it "
-                           "back (the output projection adds to the bias rows): create it "
-                           "CL_MEM_READ_WRITE");
+    if ((st = check_output_readable(layer, output))) return st;
     if (args->need_weights &&
         (st = clmha__check_buffer(ctx, "weights", weights, weights_offset, d.weights_count, 4)))
         return st;
@@ -684,13 +691,7 @@ clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t 
         (st = clmha__check_buffer(ctx, "output", output, output_offset, rows * e, 4)) ||
         (st = clmha__check_writable(ctx, "output", output)))
         return st;
-    cl_mem_flags out_flags = 0;
-    clGetMemObjectInfo(output, CL_MEM_FLAGS, sizeof out_flags, &out_flags, NULL);
-    if (layer->desc.bias && (out_flags & CL_MEM_WRITE_ONLY))
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "output buffer is CL_MEM_WRITE_ONLY, but a layer with bias reads it "
-                           "back (the output projection adds to the bias rows): create it "
-                           "CL_MEM_READ_WRITE");
+    if ((st = check_output_readable(layer, output))) return st;
     clmha__span all[2] = {clmha__span_of("output", output, output_offset, rows * e, 4),
                           clmha__span_of("heads", heads, heads_offset, rows * e, 4)};
     if ((st = clmha__check_overlaps(ctx, all, 2, 1))) return st;
