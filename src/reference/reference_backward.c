@@ -58,6 +58,10 @@ static clmha_status check_grads(const clmha__ref_call *call, const clmha_referen
         return refuse(msg, msg_size, "in_proj_weight",
                       "the layer has kdim or vdim != embed_dim: ask for q_proj_weight, "
                       "k_proj_weight and v_proj_weight");
+    if (g->in_proj_weight && d->kvh != d->h)
+        return refuse(msg, msg_size, "in_proj_weight",
+                      "a grouped-query layer (num_kv_heads below num_heads) has none: ask for "
+                      "q_proj_weight, k_proj_weight and v_proj_weight");
     if (g->in_proj_weight && (g->q_proj_weight || g->k_proj_weight || g->v_proj_weight))
         return refuse(msg, msg_size, "in_proj_weight",
                       "so is a row block of it (q_proj_weight, k_proj_weight or v_proj_weight)");
@@ -75,13 +79,13 @@ static clmha_status check_grads(const clmha__ref_call *call, const clmha_referen
 
 // ---- backward steps --------------------------------------------------------------------------
 
-// Gradients of a projection out (N, seq, E) = x W^T + b from dout (N, seq, E): dW (E, feat) and
-// db (E) when not NULL are written; dx (the input's layout, see clmha__ref_input_index) is
-// written, or added to with @p add_dx, when not NULL.
+// Gradients of a projection out (N, seq, width) = x W^T + b from dout (N, seq, width): dW
+// (width, feat) and db (width) when not NULL are written; dx (the input's layout, see
+// clmha__ref_input_index) is written, or added to with @p add_dx, when not NULL.
 static void project_backward(const clmha__dims *d, const double *dout, const float *x,
-                             size_t seq, size_t feat, const float *w, double *dw, double *db,
-                             double *dx, bool add_dx) {
-    const size_t e = d->e;
+                             size_t seq, size_t feat, const float *w, size_t width, double *dw,
+                             double *db, double *dx, bool add_dx) {
+    const size_t e = width;
     if (db)
         for (size_t o = 0; o < e; ++o) {
             double acc = 0.0;
@@ -110,17 +114,36 @@ static void project_backward(const clmha__dims *d, const double *dout, const flo
                 }
 }
 
-// The gradient of an appended bias row (bias_k or bias_v, (1, 1, E)): row S of the heads'
-// gradient dheads (N*H, S', D), summed over the batch.
+// The gradient of an appended bias row (bias_k or bias_v, (1, 1, KVH*D)): row S of the heads'
+// gradient dheads (N*H, S', D), summed over the batch and over the query heads that share a
+// key/value head (grouped-query attention; one each without).
 static void appended_bias_grad(const clmha__dims *d, const double *dheads, double *out) {
-    const size_t sp = d->s_padded;
-    for (size_t h = 0; h < d->h; ++h)
+    const size_t sp = d->s_padded, group = d->h / d->kvh;
+    for (size_t kh = 0; kh < d->kvh; ++kh)
         for (size_t c = 0; c < d->d; ++c) {
             double acc = 0.0;
             for (size_t n = 0; n < d->n; ++n)
-                acc += dheads[((n * d->h + h) * sp + d->s) * d->d + c];
-            out[h * d->d + c] = acc;
+                for (size_t h = kh * group; h < (kh + 1) * group; ++h)
+                    acc += dheads[((n * d->h + h) * sp + d->s) * d->d + c];
+            out[kh * d->d + c] = acc;
         }
+}
+
+// Merges the first @p seq rows of the key or value heads' gradient x (N*H, seq_in, D) into
+// (N, seq, KVH*D), the query heads that share a key/value head summed (grouped-query attention:
+// the gradient of the repeated heads; without it, clmha__ref_merge_heads()).
+static void merge_kv_heads(const clmha__dims *d, const double *x, size_t seq_in, size_t seq,
+                           double *out) {
+    const size_t group = d->h / d->kvh, width = d->kvh * d->d;
+    for (size_t n = 0; n < d->n; ++n)
+        for (size_t i = 0; i < seq; ++i)
+            for (size_t kh = 0; kh < d->kvh; ++kh)
+                for (size_t c = 0; c < d->d; ++c) {
+                    double acc = 0.0;
+                    for (size_t h = kh * group; h < (kh + 1) * group; ++h)
+                        acc += x[((n * d->h + h) * seq_in + i) * d->d + c];
+                    out[(n * seq + i) * width + kh * d->d + c] = acc;
+                }
 }
 
 // The gradients of the float masks: the score gradient ds (N*H, L, S') of the first S keys,
@@ -175,11 +198,6 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
 
     // 1. Validate: the forward call as clmha_reference_forward() does, then the gradients.
     if ((st = clmha__ref_validate(desc, params, args, &call, message, message_size))) return st;
-    if (call.d.kvh != call.d.h)
-        return clmha__msg(message, message_size, CLMHA_UNSUPPORTED,
-                          "grouped-query attention (num_kv_heads %zu below num_heads %zu) has "
-                          "no backward pass yet",
-                          call.d.kvh, call.d.h);
     if ((st = CLMHA__STRUCT_IN(clmha_reference_grads, &g, grads_in, "grads", message,
                                message_size)))
         return st;
@@ -303,8 +321,8 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     // 9. Split heads backwards: the first L / S rows merge into the projections' gradients;
     //    row S is bias_k's / bias_v's (with add_bias_kv); the zero key's row is dropped.
     clmha__ref_merge_heads(&d, dq, d.l, d.l, dq_in);
-    clmha__ref_merge_heads(&d, dk, sp, d.s, dk_in);
-    clmha__ref_merge_heads(&d, dv, sp, d.s, dv_in);
+    merge_kv_heads(&d, dk, sp, d.s, dk_in);
+    merge_kv_heads(&d, dv, sp, d.s, dv_in);
     if (g.bias_k) appended_bias_grad(&d, dk, g.bias_k);
     if (g.bias_v) appended_bias_grad(&d, dv, g.bias_v);
 
@@ -317,12 +335,14 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     double *dw_block[3] = {g.q_proj_weight, g.k_proj_weight, g.v_proj_weight};
     double *dx_of[3] = {g.query, d.key_is_query ? g.query : g.key,
                         d.value_is_key ? (d.key_is_query ? g.query : g.key) : g.value};
+    // in_proj_bias: q (E), then k and v (KVE each: E without grouped-query attention).
+    const size_t b_off[3] = {0, e, e + ops.width[1]};
     for (size_t t = 0; t < 3; ++t) {
         double *dw = g.in_proj_weight ? g.in_proj_weight + t * e * e : dw_block[t];
-        double *db = g.in_proj_bias ? g.in_proj_bias + t * e : NULL;
+        double *db = g.in_proj_bias ? g.in_proj_bias + b_off[t] : NULL;
         bool add = (t == 1 && d.key_is_query) || (t == 2 && d.value_is_key);
-        project_backward(&d, dproj[t], ops.x[t], ops.seq[t], ops.feat[t], ops.w[t], dw, db,
-                         dx_of[t], add);
+        project_backward(&d, dproj[t], ops.x[t], ops.seq[t], ops.feat[t], ops.w[t],
+                         ops.width[t], dw, db, dx_of[t], add);
     }
     st = CLMHA_SUCCESS;
 
