@@ -8,33 +8,43 @@
 // on every run.
 
 // Merges the first `seq` rows of each plane of head tiles (N*H, seq_pad, D) into rows (rows, ld)
-// from column col0, at element out_off of out: out[row(n, t), col0 + h*D + d] =
-// tiles[n*H + h, t, d]. One work-item per (row, head) copies that head's D floats (per-element
-// work-items spent most of their time in 64-bit divisions).
+// from column col0, at element out_off of out, the `group` consecutive heads that repeat one
+// key/value head (grouped-query attention; group 1 otherwise) summed:
+// out[row(n, t), col0 + k*D + d] = sum over g < group of tiles[n*H + k*group + g, t, d].
+// One work-item per (row, output head) handles that head's D floats (per-element work-items
+// spent most of their time in 64-bit divisions).
 kernel void merge_rows(global const float *tiles, ulong seq, ulong seq_pad, global float *out,
                        ulong out_off, ulong ld, ulong col0, ulong n_batch, ulong n_heads,
-                       ulong head_dim, uint batch_first) {
+                       ulong group, ulong head_dim, uint batch_first) {
+    ulong heads_out = n_heads / group;
     ulong gid = get_global_id(0);
-    if (gid >= n_batch * seq * n_heads) return;
-    ulong row = gid / n_heads, h = gid % n_heads;
+    if (gid >= n_batch * seq * heads_out) return;
+    ulong row = gid / heads_out, k = gid % heads_out;
     ulong n = batch_first ? row / seq : row % n_batch;
     ulong t = batch_first ? row % seq : row / n_batch;
-    global const float *src = tiles + ((n * n_heads + h) * seq_pad + t) * head_dim;
-    global float *dst = out + out_off + row * ld + col0 + h * head_dim;
-    for (ulong d = 0; d < head_dim; ++d) dst[d] = src[d];
+    global const float *src = tiles + ((n * n_heads + k * group) * seq_pad + t) * head_dim;
+    global float *dst = out + out_off + row * ld + col0 + k * head_dim;
+    ulong plane = seq_pad * head_dim;
+    for (ulong d = 0; d < head_dim; ++d) {
+        float sum = src[d];
+        for (ulong g = 1; g < group; ++g) sum += src[g * plane + d];
+        dst[d] = sum;
+    }
 }
 
-// The gradient of bias_k or bias_v, (1, 1, E): row `row` (= S) of every plane of the key or
-// value tiles' gradient (N*H, seq_pad, D), summed over the batch:
-// out[h*D + d] (+)= sum over n of tiles[n*H + h, row, d].
+// The gradient of bias_k or bias_v, (1, 1, (H/group)*D): row `row` (= S) of every plane of the
+// key or value tiles' gradient (N*H, seq_pad, D), summed over the batch and over the `group`
+// heads that repeat one key/value head:
+// out[k*D + d] (+)= sum over n, g of tiles[n*H + k*group + g, row, d].
 kernel void appended_row_sums(global const float *tiles, ulong seq_pad, ulong row,
-                              ulong n_batch, ulong n_heads, ulong head_dim, global float *out,
-                              ulong out_off, uint accumulate) {
+                              ulong n_batch, ulong n_heads, ulong group, ulong head_dim,
+                              global float *out, ulong out_off, uint accumulate) {
     ulong c = get_global_id(0);
-    if (c >= n_heads * head_dim) return;
-    ulong h = c / head_dim, d = c % head_dim;
+    if (c >= n_heads / group * head_dim) return;
+    ulong k = c / head_dim, d = c % head_dim;
     float sum = 0.0f;
     for (ulong n = 0; n < n_batch; ++n)
-        sum += tiles[((n * n_heads + h) * seq_pad + row) * head_dim + d];
+        for (ulong g = 0; g < group; ++g)
+            sum += tiles[((n * n_heads + k * group + g) * seq_pad + row) * head_dim + d];
     out[out_off + c] = accumulate ? out[out_off + c] + sum : sum;
 }

@@ -264,6 +264,12 @@ static const dcase cases[] = {
     {"gqa decode: self causal L=S=21, 4 heads on 2, bias_kv+zero_attn, chunks of 4, 3 ranges",
      .e = 8, .h = 4, .kv_heads = 2, .n = 2, .l = 21, .self_attn = true, .causal = true,
      .bias_kv = true, .zero_attn = true, .decode_chunk = 4, .decode_parts = 3},
+    // Grouped-query backward: merge_rows and appended_row_sums summing the repeated heads.
+    {"backward gqa unfused: cross L3 S5, 4 heads on 2, bias_kv, kdim/vdim", .e = 8, .h = 4,
+     .kv_heads = 2, .kdim = 5, .vdim = 3, .n = 2, .l = 3, .s = 5, .bias_kv = true,
+     .backward = true},
+    {"backward gqa fused: self causal L6, multi-query", .e = 8, .h = 2, .kv_heads = 1, .n = 2,
+     .l = 6, .self_attn = true, .causal = true, .fused = true, .backward = true},
     // Partial attention: two key ranges (the appended keys with the second), merge_partials,
     // the head merge and output projection of clmha_layer_project_heads.
     {"partial: cross L3 S37 split at 16, bias_kv+zero_attn, merged", .e = 8, .h = 2, .n = 2,
@@ -385,13 +391,15 @@ static clmha_status run_backward(clmha_layer *layer, clmha_saved *saved, const d
     const size_t e = c->e, n = c->unbatched ? 1 : c->n, l = c->l;
     const size_t s = c->self_attn ? c->l : c->s;
     const size_t kdim = c->kdim ? c->kdim : e, vdim = c->vdim ? c->vdim : e;
-    const bool packed = kdim == e && vdim == e, masks = !c->fused;
+    const size_t kve = c->kv_heads ? c->kv_heads * (e / c->h) : e;  // key/value width
+    const bool packed = kdim == e && vdim == e && kve == e, masks = !c->fused;
     const size_t planes = c->layout == PER_HEAD ? n * c->h : c->layout == PER_BATCH ? n : 1;
     size_t count[G_COUNT] = {
         n * l * e, c->self_attn ? 0 : n * s * kdim,
         c->self_attn || c->value_is_key ? 0 : n * s * vdim, packed ? 3 * e * e : 0,
-        packed ? 0 : e * e, packed ? 0 : e * kdim, packed ? 0 : e * vdim, c->nobias ? 0 : 3 * e,
-        e * e, c->nobias ? 0 : e, c->bias_kv ? e : 0, c->bias_kv ? e : 0,
+        packed ? 0 : e * e, packed ? 0 : kve * kdim, packed ? 0 : kve * vdim,
+        c->nobias ? 0 : e + 2 * kve, e * e, c->nobias ? 0 : e, c->bias_kv ? kve : 0,
+        c->bias_kv ? kve : 0,
         masks && c->am == CLMHA_MASK_FLOAT ? planes * l * s : 0,
         masks && c->kpm == CLMHA_MASK_FLOAT ? n * s : 0};
     float *gy = floats(oc, true, 0), *gw = wc ? floats(wc, true, 0) : NULL;

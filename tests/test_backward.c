@@ -36,30 +36,6 @@ static void run_case(clmha_context *ctx, const char *name, clmha_impl impl) {
     const golden_tensor *go = golden_find(&gc, "grad_output");
     const golden_tensor *gw = golden_find(&gc, "grad_weights");
     cr_assert_not_null(go, "%s: no grad_output", name);
-    if (gc.num_kv_heads && gc.num_kv_heads < gc.num_heads) {
-        // Grouped-query attention has no backward pass yet: a forward call that saves for one
-        // is refused before it runs, as documented.
-        clmha_layer *layer = golden_layer_create(ctx, &gc, &call.desc);
-        clmha_saved *saved = NULL;
-        cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
-        clmha_forward_args fwd = call.args;
-        fwd.save = saved;
-        fwd.impl = impl;
-        if (impl == CLMHA_IMPL_FUSED) fwd.need_weights = fwd.per_head_weights = false;
-        size_t oc = 0, wc = 0;
-        cr_assert_eq(clmha_layer_output_counts(layer, &fwd, &oc, &wc), CLMHA_SUCCESS);
-        float *out = malloc(oc * sizeof *out), *w = malloc((wc + 1) * sizeof *w);
-        cr_assert(out && w);
-        cr_expect_eq(clmha_layer_forward_host(layer, &fwd, out, oc, wc ? w : NULL, wc),
-                     CLMHA_UNSUPPORTED, "%s: %s", name, clmha_context_last_error(ctx));
-        free(out);
-        free(w);
-        clmha_saved_release(saved);
-        clmha_layer_release(layer);
-        golden_free(&gc);
-        return;
-    }
-
     // Against the golden gradients, or (fused, weights or float masks) against the reference
     // backward pass of the call without weights and mask gradients.
     const bool golden = impl != CLMHA_IMPL_FUSED || (!gc.need_weights && !has_float_mask(&gc));

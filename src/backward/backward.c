@@ -102,8 +102,8 @@ int clmha__backward_grad_count(void) { return G_COUNT; }
 // Floats of gradient @p g for sizes @p d (0: the layer or call has no such gradient), and why
 // not in *why.
 static size_t grad_floats(const clmha_layer *l, const clmha__dims *d, int g, const char **why) {
-    size_t e = l->e;
-    bool packed = d->kdim == e && d->vdim == e;
+    size_t e = l->e, kve = l->kve;  // kve: the key/value width (grouped-query attention)
+    bool packed = d->kdim == e && d->vdim == e && kve == e;
     *why = NULL;
     switch (g) {
     case G_QUERY: return d->query_count;
@@ -114,17 +114,19 @@ static size_t grad_floats(const clmha_layer *l, const clmha__dims *d, int g, con
         *why = "value was not given: its gradient is part of key's (or query's)";
         return d->value_is_key ? 0 : d->value_count;
     case G_IN_W:
-        *why = "the layer has no in_proj_weight (kdim or vdim differs from embed_dim): ask for "
-               "q_proj_weight, k_proj_weight and v_proj_weight";
+        *why = kve != e ? "the layer has no in_proj_weight (grouped-query attention): ask for "
+                          "q_proj_weight, k_proj_weight and v_proj_weight"
+                        : "the layer has no in_proj_weight (kdim or vdim differs from "
+                          "embed_dim): ask for q_proj_weight, k_proj_weight and v_proj_weight";
         return packed ? 3 * e * e : 0;
     case G_Q_W: return e * e;
-    case G_K_W: return e * d->kdim;
-    case G_V_W: return e * d->vdim;
-    case G_IN_B: *why = "the layer has no bias"; return l->desc.bias ? 3 * e : 0;
+    case G_K_W: return kve * d->kdim;
+    case G_V_W: return kve * d->vdim;
+    case G_IN_B: *why = "the layer has no bias"; return l->desc.bias ? e + 2 * kve : 0;
     case G_OUT_W: return e * e;
     case G_OUT_B: *why = "the layer has no bias"; return l->desc.bias ? e : 0;
     case G_BIAS_K:
-    case G_BIAS_V: *why = "the layer has no add_bias_kv"; return l->desc.add_bias_kv ? e : 0;
+    case G_BIAS_V: *why = "the layer has no add_bias_kv"; return l->desc.add_bias_kv ? kve : 0;
     case G_ATTN:
         *why = "attn_mask is not a float mask (CLMHA_MASK_FLOAT): a boolean mask has no gradient";
         return d->attn_kind == CLMHA_MASK_FLOAT ? d->attn_count : 0;
@@ -342,40 +344,44 @@ static float beta_of(pass *p, int g) {
     return beta;
 }
 
-// Merges the first @p seq rows of each plane of @p tiles into rows of p->rows from @p out_off.
+// Merges the first @p seq rows of each plane of @p tiles into rows of p->rows from @p out_off,
+// @p group heads summed into one (grouped-query attention: the gradient of a key/value head that
+// @p group query heads repeated; 1 otherwise), rows of E / group floats.
 static clmha_status merge_rows(pass *p, cl_mem tiles, size_t seq, size_t seq_pad,
-                               size_t out_off) {
+                               size_t out_off, size_t group) {
     const clmha__dims *d = p->d;
-    cl_ulong a_seq = seq, a_pad = seq_pad, off = out_off, ld = d->e, col0 = 0, n = d->n,
-             h = d->h, hd = d->d;
+    cl_ulong a_seq = seq, a_pad = seq_pad, off = out_off, ld = d->e / group, col0 = 0, n = d->n,
+             h = d->h, g = group, hd = d->d;
     cl_uint bf = d->batch_first;
     arg args[] = {ARG(tiles), ARG(a_seq), ARG(a_pad), ARG(p->rows), ARG(off), ARG(ld),
-                  ARG(col0),  ARG(n),     ARG(h),     ARG(hd),      ARG(bf)};
-    return clmha__launch(p->l->ctx, p->s->merge_rows, "merge_rows", d->n * seq * d->h,
+                  ARG(col0),  ARG(n),     ARG(h),     ARG(g),       ARG(hd),  ARG(bf)};
+    return clmha__launch(p->l->ctx, p->s->merge_rows, "merge_rows", d->n * seq * (d->h / group),
                          p->l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
-// Gradient @p g's part @p out_part (E floats) = the sums of the E columns of @p rows rows of x
-// (leading dimension E) from @p x_off: the gradient of a bias added to every row, as the GEMM
+// Gradient @p g's @p width floats from element @p out_at = the sums of the columns of @p rows
+// rows of x (leading dimension @p width) from @p x_off: the gradient of a bias added to every row, as the GEMM
 // xᵀ·1 (a column sum in a kernel of its own ran several times slower on CPU devices than the
 // host BLAS's product).
 static clmha_status column_sums(pass *p, cl_mem x, size_t x_off, size_t rows, int g,
-                                size_t out_part) {
+                                size_t out_at, size_t width) {
     clmha_layer *l = p->l;
     const clmha_grad *gr = clmha__backward_grad(p->a, g);
-    size_t e = p->d->e;  // rows <= p->s->ones_cap: made before anything was enqueued
-    return gemm(l->ctx, "bias gradient", true, false, e, 1, rows, x, x_off, e, p->s->ones, 0, 1,
-                gr->accumulate ? 1.0f : 0.0f, gr->buffer, gr->offset + out_part * e, 1);
+    // rows <= p->s->ones_cap: made before anything was enqueued
+    return gemm(l->ctx, "bias gradient", true, false, width, 1, rows, x, x_off, width,
+                p->s->ones, 0, 1, gr->accumulate ? 1.0f : 0.0f, gr->buffer, gr->offset + out_at,
+                1);
 }
 
 static clmha_status appended_row(pass *p, cl_mem tiles, int g) {
     const clmha_grad *gr = clmha__backward_grad(p->a, g);
     const clmha__dims *d = p->d;
     cl_ulong pad = d->s_padded, row = d->s, n = d->n, h = d->h, hd = d->d, o = gr->offset;
+    cl_ulong group = p->l->h / p->l->kvh;  // the repeated key/value heads' sum
     cl_uint acc = gr->accumulate;
-    arg args[] = {ARG(tiles), ARG(pad), ARG(row), ARG(n), ARG(h), ARG(hd), ARG(gr->buffer),
-                  ARG(o), ARG(acc)};
-    return clmha__launch(p->l->ctx, p->s->appended_row_sums, "appended_row_sums", d->e,
+    arg args[] = {ARG(tiles), ARG(pad), ARG(row), ARG(n), ARG(h), ARG(group), ARG(hd),
+                  ARG(gr->buffer), ARG(o), ARG(acc)};
+    return clmha__launch(p->l->ctx, p->s->appended_row_sums, "appended_row_sums", p->l->kve,
                          p->l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
@@ -390,13 +396,13 @@ static clmha_status out_projection(pass *p) {
     clmha_status st;
     const clmha_grad *gw = &p->a->out_proj_weight, *gb = &p->a->out_proj_bias;
     if (gw->buffer) {  // dW_o (E, E) = dYᵀ · M, M the merged attention result
-        if ((st = merge_rows(p, p->sv->tiles[CLMHA__TILE_OUT], d->l, d->l, m_off)) ||
+        if ((st = merge_rows(p, p->sv->tiles[CLMHA__TILE_OUT], d->l, d->l, m_off, 1)) ||
             (st = gemm(ctx, "out_proj.weight gradient", true, false, e, e, rows,
                        dy, dy_off, e, m, m_off, e, beta_of(p, G_OUT_W), gw->buffer, gw->offset,
                        e)))
             return st;
     }
-    if (gb->buffer && (st = column_sums(p, dy, dy_off, rows, G_OUT_B, 0))) return st;
+    if (gb->buffer && (st = column_sums(p, dy, dy_off, rows, G_OUT_B, 0, e))) return st;
     if ((st = gemm(ctx, "attention result gradient", false, false, rows, e, e, dy,
                    dy_off, e, l->w_out, 0, e, 0.0f, m, m_off, e)))
         return st;
@@ -418,19 +424,22 @@ static clmha_status in_projections(pass *p) {
     const clmha__dims *d = p->d;
     const clmha_backward_args *a = p->a;
     const clmha_forward_args *f = p->f;
-    size_t e = d->e, kd = d->kdim, vd = d->vdim, rq = d->n * d->l, rkv = d->n * d->s;
+    // kve: the key and value projections' width; group: the query heads that repeat each
+    // key/value head (grouped-query attention; E and 1 otherwise).
+    size_t e = d->e, kve = l->kve, group = l->h / l->kvh, kd = d->kdim, vd = d->vdim;
+    size_t rq = d->n * d->l, rkv = d->n * d->s;
     clmha_status st;
     cl_mem *t = l->tiles;
     if (a->bias_k.buffer && (st = appended_row(p, t[CLMHA__TILE_K], G_BIAS_K))) return st;
     if (a->bias_v.buffer && (st = appended_row(p, t[CLMHA__TILE_V], G_BIAS_V))) return st;
-    if ((st = merge_rows(p, t[CLMHA__TILE_Q], d->l, d->l, p->rq_off)) ||
-        (st = merge_rows(p, t[CLMHA__TILE_K], d->s, d->s_padded, p->rk_off)) ||
-        (st = merge_rows(p, t[CLMHA__TILE_V], d->s, d->s_padded, p->rv_off)))
+    if ((st = merge_rows(p, t[CLMHA__TILE_Q], d->l, d->l, p->rq_off, 1)) ||
+        (st = merge_rows(p, t[CLMHA__TILE_K], d->s, d->s_padded, p->rk_off, group)) ||
+        (st = merge_rows(p, t[CLMHA__TILE_V], d->s, d->s_padded, p->rv_off, group)))
         return st;
     if (a->in_proj_bias.buffer &&
-        ((st = column_sums(p, p->rows, p->rq_off, rq, G_IN_B, 0)) ||
-         (st = column_sums(p, p->rows, p->rk_off, rkv, G_IN_B, 1)) ||
-         (st = column_sums(p, p->rows, p->rv_off, rkv, G_IN_B, 2))))
+        ((st = column_sums(p, p->rows, p->rq_off, rq, G_IN_B, 0, e)) ||
+         (st = column_sums(p, p->rows, p->rk_off, rkv, G_IN_B, e, kve)) ||
+         (st = column_sums(p, p->rows, p->rv_off, rkv, G_IN_B, e + kve, kve))))
         return st;
     // The inputs as the forward read them.
     cl_mem xq = f->query.buffer, xk = d->key_is_query ? xq : f->key.buffer;
@@ -443,10 +452,10 @@ static clmha_status in_projections(pass *p) {
         int g;
         size_t dp_off;
         cl_mem x;
-        size_t x_off, rows, feat, block;
-    } w[3] = {{G_Q_W, p->rq_off, xq, xq_off, rq, e, 0},
-              {G_K_W, p->rk_off, xk, xk_off, rkv, kd, 1},
-              {G_V_W, p->rv_off, xv, xv_off, rkv, vd, 2}};
+        size_t x_off, rows, feat, block, width;
+    } w[3] = {{G_Q_W, p->rq_off, xq, xq_off, rq, e, 0, e},
+              {G_K_W, p->rk_off, xk, xk_off, rkv, kd, 1, kve},
+              {G_V_W, p->rv_off, xv, xv_off, rkv, vd, 2, kve}};
     static const char *const wname[3] = {"q_proj_weight gradient",
                                          "k_proj_weight gradient",
                                          "v_proj_weight gradient"};
@@ -457,25 +466,25 @@ static clmha_status in_projections(pass *p) {
         if (!gr->buffer) continue;
         size_t off = gr->offset + (packed ? w[i].block * e * e : 0);
         float beta = gr->accumulate ? 1.0f : 0.0f;
-        if ((st = gemm(ctx, wname[i], true, false, e, w[i].feat, w[i].rows, p->rows,
-                       w[i].dp_off, e, w[i].x, w[i].x_off, w[i].feat, beta, gr->buffer, off,
-                       w[i].feat)))
+        if ((st = gemm(ctx, wname[i], true, false, w[i].width, w[i].feat, w[i].rows, p->rows,
+                       w[i].dp_off, w[i].width, w[i].x, w[i].x_off, w[i].feat, beta, gr->buffer,
+                       off, w[i].feat)))
             return st;
     }
     // The inputs: dx (rows, feat) = dP (rows, E) · W (E, feat); key's and value's parts go to
     // the tensor they came from.
     int target[3] = {G_QUERY, d->key_is_query ? G_QUERY : G_KEY, 0};
     target[2] = d->value_is_key ? target[1] : G_VALUE;
-    size_t w_off[3] = {0, e * e, e * e + e * kd};
+    size_t w_off[3] = {0, e * e, e * e + kve * kd};
     static const char *const xname[3] = {"query gradient",
                                          "key gradient",
                                          "value gradient"};
     for (int i = 0; i < 3; ++i) {
         const clmha_grad *gr = clmha__backward_grad(a, target[i]);
         if (!gr->buffer) continue;
-        if ((st = gemm(ctx, xname[i], false, false, w[i].rows, w[i].feat, e, p->rows,
-                       w[i].dp_off, e, l->w_in, w_off[i], w[i].feat, beta_of(p, target[i]),
-                       gr->buffer, gr->offset, w[i].feat)))
+        if ((st = gemm(ctx, xname[i], false, false, w[i].rows, w[i].feat, w[i].width, p->rows,
+                       w[i].dp_off, w[i].width, l->w_in, w_off[i], w[i].feat,
+                       beta_of(p, target[i]), gr->buffer, gr->offset, w[i].feat)))
             return st;
     }
     return CLMHA_SUCCESS;
@@ -550,7 +559,7 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
 
     // Nothing is enqueued before this point.
     if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list))) return st;
-    size_t rq = d.n * d.l * d.e, rkv = d.n * d.s * d.e;
+    size_t rq = d.n * d.l * d.e, rkv = d.n * d.s * layer->kve;
     pass p = {.l = layer, .s = s, .rows = layer->proj, .rq_off = 0, .rk_off = rq,
               .rv_off = rq + rkv, .a = args, .f = &f, .d = &d, .sv = sv};
     if ((st = out_projection(&p)) || (st = core->backward(layer, &call)) ||

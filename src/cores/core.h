@@ -43,6 +43,11 @@ typedef struct clmha__core_call {
     // (false: kv_attend_only, no new keys).
     const clmha__kv_plan *kv;
     bool kv_append;
+    // Grouped-query attention: the query heads per key/value plane of this call's key and value
+    // tiles (the layer's h / kvh where the core reads them grouped, clmha__core::grouped_kv;
+    // 1 where the forward pass repeated them: other cores, and calls that save for the
+    // backward pass, whose cores take one key/value plane per query head).
+    size_t kv_group;
 } clmha__core_call;
 
 // One backward call of a core: what the forward call saved, the gradient of the attention

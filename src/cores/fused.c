@@ -317,7 +317,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     // The log-sum-exp rows for the backward pass, only when asked for (a flag: no cost else).
     cl_mem lse = call->lse ? call->lse : ctx->dummy;
     cl_uint lse_on = call->lse != NULL;
-    cl_ulong group = l->h / l->kvh;  // query heads per key/value head
+    cl_ulong group = call->kv_group ? call->kv_group : 1;  // query heads per key/value plane
     arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(l->tiles[CLMHA__TILE_K]),
                   ARG(l->tiles[CLMHA__TILE_V]), ARG(l->tiles[CLMHA__TILE_OUT]),
                   ARG(tgt), ARG(heads), ARG(src), ARG(srcp), ARG(scale), MASK_ARGS(m),

@@ -375,7 +375,7 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
     bool bare = args->kv_cache || (partial && !partial->appended_keys);
-    if ((st = split(layer, d, kv, bare, core->grouped_kv, &s)) ||
+    if ((st = split(layer, d, kv, bare, call->kv_group > 1, &s)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
         return st;
     if ((st = core->run(layer, call))) return st;
@@ -478,11 +478,10 @@ static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args
         return st;
 
     clmha_saved *saved = args->save;
-    if (saved && layer->kvh != layer->h)
-        return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
-                           "grouped-query attention (num_kv_heads %zu below num_heads %zu) has "
-                           "no backward pass yet: a forward call cannot save for it",
-                           layer->kvh, layer->h);
+    // Grouped-query attention: a core that reads the key/value heads grouped gets them so,
+    // except in a call that saves for the backward pass, whose cores take one key/value plane
+    // per query head (the backward pass sums the repeated heads' gradients).
+    call.kv_group = core->grouped_kv && !saved ? layer->h / layer->kvh : 1;
     if (saved && (st = clmha__saved_prepare(saved, layer, &d))) return st;
     // Nothing is enqueued before this point. A call that saves runs its head tiles in the
     // saved object's buffers (and the fused core writes the log-sum-exp there).
