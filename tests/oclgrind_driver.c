@@ -274,7 +274,10 @@ static const dcase cases[] = {
     // the head merge and output projection of clmha_layer_project_heads.
     {"partial: cross L3 S37 split at 16, bias_kv+zero_attn, merged", .e = 8, .h = 2, .n = 2,
      .l = 3, .s = 37, .bias_kv = true, .zero_attn = true, .partial_split = 16},
-    // The unfused core in chunks: groups of heads, then rows of one head.
+    // The unfused core in chunks: groups of heads, then rows of one head (the last case also
+    // with grouped-query attention: each chunk's keys from its query head's key/value plane).
+    {"chunked gqa: rows of a head, 4 heads on 2, causal, w=avg", .e = 8, .h = 4, .kv_heads = 2,
+     .n = 1, .l = 40, .self_attn = true, .causal = true, .weights = true, .max_alloc = 4096},
     {"chunked: 2 of 4 heads, am=float (N*H,L,S), w=avg", .e = 8, .h = 4, .n = 2, .l = 16,
      .s = 16, .am = F, .layout = PER_HEAD, .weights = true, .max_alloc = 4096},
     {"chunked: rows of a head, causal, kpm=ignore, w=avg", .e = 4, .h = 2, .n = 1, .l = 40,

@@ -45,7 +45,7 @@ typedef struct clmha__core_call {
     bool kv_append;
     // Grouped-query attention: the query heads per key/value plane of this call's key and value
     // tiles (the layer's h / kvh where the core reads them grouped, clmha__core::grouped_kv;
-    // 1 where the forward pass repeated them: other cores, and calls that save for the
+    // 1 where the forward pass repeated them: the user core, and calls that save for the
     // backward pass, whose cores take one key/value plane per query head).
     size_t kv_group;
 } clmha__core_call;

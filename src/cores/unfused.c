@@ -98,22 +98,25 @@ static bool chunk_is_all(const clmha_layer *l, const clmha__dims *d, chunk c) {
 //    (N*H, L, S') in one strided batched GEMM; a chunk in one plain GEMM per plane it touches
 //    (CLBlast 1.5.3's batched GEMM ignores buffer offsets, its plain GEMM honours them).
 static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c, cl_mem qt,
-                           cl_mem kt) {
+                           cl_mem kt, size_t group) {
     size_t hd = l->d, sp = d->s_padded;
     float scale = (float)(1.0 / sqrt((double)hd));
-    clmha__gemm_op op = {.tb = true, .m = d->l, .n = sp, .k = hd, .alpha = scale,
-                         .a = qt, .lda = hd, .a_stride = d->l * hd,
+    // Grouped-query attention (@p group query heads per key/value plane): the group's query
+    // planes are consecutive, so one product per key/value plane takes all their rows.
+    clmha__gemm_op op = {.tb = true, .m = d->l * group, .n = sp, .k = hd, .alpha = scale,
+                         .a = qt, .lda = hd, .a_stride = d->l * group * hd,
                          .b = kt, .ldb = hd, .b_stride = sp * hd,
-                         .c = l->scores, .ldc = sp, .c_stride = d->l * sp,
-                         .batch = d->n * l->h};
+                         .c = l->scores, .ldc = sp, .c_stride = d->l * group * sp,
+                         .batch = d->n * l->h / group};
     if (chunk_is_all(l, d, c)) return clmha__gemm(l->ctx, "QK^T", &op);
     for (size_t r = c.first, end = c.first + c.rows; r < end;) {
         size_t plane = r / d->l, rows = d->l - r % d->l;  // the rest of this plane
         if (rows > end - r) rows = end - r;
-        // Query row r of the (N*H*L, D) tile; keys of the plane; the chunk's row r - first.
+        // Query row r of the (N*H*L, D) tile; keys of the plane's key/value plane; the chunk's
+        // row r - first.
         op.m = rows;
         op.a_off = r * hd;
-        op.b_off = plane * sp * hd;
+        op.b_off = plane / group * sp * hd;
         op.c_off = (r - c.first) * sp;
         op.batch = 1;
         clmha_status st = clmha__gemm(l->ctx, "QK^T chunk", &op);
@@ -140,20 +143,20 @@ static clmha_status softmax(clmha_layer *l, const clmha_forward_args *a, const c
 
 // 5. Attention output (N*H, L, D) = weights · V for the rows of @p c: all of them in one
 //    strided batched GEMM, a chunk in one plain GEMM per plane it touches.
-static clmha_status attend(clmha_layer *l, const clmha__dims *d, chunk c) {
+static clmha_status attend(clmha_layer *l, const clmha__dims *d, chunk c, size_t group) {
     size_t hd = l->d, sp = d->s_padded;
-    clmha__gemm_op op = {.m = d->l, .n = hd, .k = sp, .alpha = 1.0f,
-                         .a = l->scores, .lda = sp, .a_stride = d->l * sp,
+    clmha__gemm_op op = {.m = d->l * group, .n = hd, .k = sp, .alpha = 1.0f,
+                         .a = l->scores, .lda = sp, .a_stride = d->l * group * sp,
                          .b = l->tiles[CLMHA__TILE_V], .ldb = hd, .b_stride = sp * hd,
-                         .c = l->tiles[CLMHA__TILE_OUT], .ldc = hd, .c_stride = d->l * hd,
-                         .batch = d->n * l->h};
+                         .c = l->tiles[CLMHA__TILE_OUT], .ldc = hd,
+                         .c_stride = d->l * group * hd, .batch = d->n * l->h / group};
     if (chunk_is_all(l, d, c)) return clmha__gemm(l->ctx, "AV", &op);
     for (size_t r = c.first, end = c.first + c.rows; r < end;) {
         size_t plane = r / d->l, rows = d->l - r % d->l;
         if (rows > end - r) rows = end - r;
         op.m = rows;
         op.a_off = (r - c.first) * sp;
-        op.b_off = plane * sp * hd;
+        op.b_off = plane / group * sp * hd;
         op.c_off = r * hd;
         op.batch = 1;
         clmha_status st = clmha__gemm(l->ctx, "AV chunk", &op);
@@ -204,20 +207,20 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha_forward_args *a = call->args;
     const clmha__dims *d = call->dims;
     cl_mem w = call->weights;
-    size_t w_off = call->weights_offset;
+    size_t w_off = call->weights_offset, group = call->kv_group ? call->kv_group : 1;
     clmha_status st;
     clmha__chunks plan;
     if (!clmha__scores_chunks(l, d, &plan))  // clmha__layer_reserve() refused it already
         return clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "scores: one row does not fit");
     if (plan.count == 1) {
         chunk all = {0, d->n * l->h * d->l};
-        if ((st = scores(l, d, all, l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K])) ||
+        if ((st = scores(l, d, all, l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K], group)) ||
             (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES)))
             return st;
         if ((st = softmax(l, a, d, all, false)) ||
             (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SOFTMAX)))
             return st;
-        if ((st = attend(l, d, all)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_AV)))
+        if ((st = attend(l, d, all, group)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_AV)))
             return st;
         return CLMHA_SUCCESS;
     }
@@ -234,11 +237,11 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
             c.first = ((item * l->h + head) * d->l + i);
             c.rows = d->l - i < plan.rows ? d->l - i : plan.rows;
         }
-        if ((st = scores(l, d, c, l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K])) ||
+        if ((st = scores(l, d, c, l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K], group)) ||
             (st = softmax(l, a, d, c, false)))
             return st;
         if (a->need_weights && (st = chunk_weights(l, a, d, c, w, w_off))) return st;
-        if ((st = attend(l, d, c))) return st;
+        if ((st = attend(l, d, c, group))) return st;
     }
     call->weights_written = a->need_weights;
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES);
@@ -247,7 +250,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
 clmha_status clmha__unfused_probabilities(clmha_layer *l, const clmha_forward_args *a,
                                           const clmha__dims *d, cl_mem q, cl_mem k) {
     chunk all = {0, d->n * l->h * d->l};
-    clmha_status st = scores(l, d, all, q, k);
+    clmha_status st = scores(l, d, all, q, k, 1);  // the saved tiles: a key plane per head
     return st ? st : softmax(l, a, d, all, true);
 }
 
@@ -258,6 +261,7 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool 
 }
 
 const clmha__core clmha__core_unfused = {.name = "unfused",
+                                         .grouped_kv = true,
                                          .create = create,
                                          .release = release,
                                          .supports = supports,
