@@ -435,6 +435,15 @@ Test(kv_cache, errors, .timeout = 300) {
     expect_refused(layer, &a, CLMHA_SHAPE_MISMATCH, "holds 2 sequences", cache, now);
     a.query.shape[1] = n;
     expect_refused(other, &a, CLMHA_INVALID_ARGUMENT, "another layer", cache, now);
+    // kv_append or kv_attend_only without a cache.
+    a.kv_cache = NULL;
+    a.kv_attend_only = true;
+    expect_refused(layer, &a, CLMHA_INVALID_ARGUMENT, "kv_cache is NULL", cache, now);
+    a.kv_attend_only = false;
+    a.kv_append = add;
+    expect_refused(layer, &a, CLMHA_INVALID_ARGUMENT, "kv_append is set", cache, now);
+    a.kv_append = NULL;
+    a.kv_cache = cache;
     // Truncate and the other calls.
     size_t grow[2] = {4, 4};
     cr_expect_eq(clmha_kv_cache_truncate(cache, grow, n), CLMHA_INVALID_ARGUMENT);

@@ -135,6 +135,10 @@ clmha_status clmha__forward_validate(clmha_layer *layer, const clmha_forward_arg
     char msg[1024];
     clmha_status st;
     if (args->kv_cache && (st = check_cache_call(layer, args))) return st;
+    if (!args->kv_cache && (args->kv_append || args->kv_attend_only))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "%s is set but kv_cache is NULL: it says how a call uses its cache",
+                           args->kv_append ? "kv_append" : "kv_attend_only");
     if ((st = resolve(layer, args, d))) return st;
     if (args->impl != CLMHA_IMPL_AUTO && args->impl != CLMHA_IMPL_FUSED &&
         args->impl != CLMHA_IMPL_UNFUSED)
