@@ -58,7 +58,7 @@ clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, siz
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     }
     *c = (clmha_kv_cache){.ctx = ctx, .layer = layer, .batch = batch, .capacity = capacity,
-                          .kv_heads = layer->kvh, .head_dim = layer->d, .len = len};
+                          .kv_heads = layer->kvh, .len = len};
     clmha_context_retain(ctx);
     cl_int err;
     c->k = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, floats * sizeof(float), NULL, &err);

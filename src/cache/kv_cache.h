@@ -18,7 +18,7 @@ struct clmha_kv_cache {
     clmha_context *ctx;        // retained
     const clmha_layer *layer;  // the layer it was made for (identity only: not retained)
     size_t batch, capacity;    // N, tokens per sequence
-    size_t kv_heads, head_dim; // heads of the cached keys and values, D
+    size_t kv_heads;           // heads of the cached keys and values
     cl_mem k, v;               // (batch, kv_heads, capacity, D) floats each
     size_t *len;               // batch lengths (host bookkeeping)
 };

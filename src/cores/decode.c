@@ -24,7 +24,7 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_decode;  // this core, at the
 
 typedef struct state {
     cl_kernel append, partial, combine;  // built on first use
-    size_t vw, wg;                       // their vector width, their launches' work-group
+    size_t wg;                           // their launches' work-group
     clmha_status failed;                 // why they cannot be built here (then not retried)
     cl_mem part_acc, part_ms;            // the partial results, grown on demand (floats)
     size_t acc_cap, ms_cap;
@@ -57,9 +57,7 @@ static void release(void *p) {
 // the fused core narrowed to divide D (1 where vector types are unsafe).
 static clmha_status build(clmha_layer *l, state *s, size_t group) {
     clmha_context *ctx = l->ctx;
-    size_t want = clmha__fused_default_vw(ctx), vw = 16;
-    while (vw > 1 && (vw > want || l->d % vw)) vw /= 2;
-    if (ctx->quirks.no_vload) vw = 1;
+    size_t vw = clmha__fused_row_vw(ctx, l->d);
     char options[96];
     snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu", l->d, group, vw);
     cl_program prog;
@@ -82,7 +80,6 @@ static clmha_status build(clmha_layer *l, state *s, size_t group) {
         }
         while (s->wg > wg) s->wg /= 2;
     }
-    s->vw = vw;
     return CLMHA_SUCCESS;
 }
 

@@ -78,6 +78,12 @@ size_t clmha__fused_default_vw(const clmha_context *ctx) {
     return native ? native : 1;
 }
 
+size_t clmha__fused_row_vw(const clmha_context *ctx, size_t hd) {
+    size_t want = clmha__fused_default_vw(ctx), vw = 16;
+    while (vw > 1 && (vw > want || hd % vw)) vw /= 2;
+    return ctx->quirks.no_vload ? 1 : vw;
+}
+
 clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
     // The device class's defaults (src/device/device_class.c), unless a stored tuning has its
     // own.

@@ -60,6 +60,10 @@ CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx
 // (CPUs) the device's native float width.
 CLMHA__HIDDEN size_t clmha__fused_default_vw(const clmha_context *ctx);
 
+// The vector width of the kernels that take whole head rows (the fused backward's, the decode
+// core's): clmha__fused_default_vw() narrowed to divide @p hd; 1 where vloadN is unsafe.
+CLMHA__HIDDEN size_t clmha__fused_row_vw(const clmha_context *ctx, size_t hd);
+
 // Makes tiles @p t usable for head dim @p hd on the device of @p ctx:
 // clmha__fused_tiles_fit_limits() with its class, local memory and work-group limit; vw 1
 // where vloadN is unsafe (clmha__quirks).

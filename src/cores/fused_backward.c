@@ -115,14 +115,6 @@ static tiles tiles_rows_private(const clmha_context *ctx, size_t max_wg, size_t 
     return t;
 }
 
-// The vector width: the forward's (the class's, or a CPU's native one), narrowed to divide HD;
-// 1 where vloadN is unsafe.
-static size_t vw_for(const clmha_context *ctx, size_t hd) {
-    size_t want = clmha__fused_default_vw(ctx), vw = 16;
-    while (vw > 1 && (vw > want || hd % vw)) vw /= 2;
-    return ctx->quirks.no_vload ? 1 : vw;
-}
-
 // Builds the three kernels with tiles @p t and checks what each built kernel allows: *fits
 // false (and no kernels) when a work-group limit (CL_KERNEL_WORK_GROUP_SIZE, which drivers may
 // set below the device's) is below the work-group size, *wg_min receiving the smallest limit, or
@@ -167,7 +159,7 @@ static clmha_status build_tiles(clmha_context *ctx, clmha__fused_backward *fb, s
 // smaller tile.
 static clmha_status build(clmha_layer *l, clmha__fused_backward *fb) {
     clmha_context *ctx = l->ctx;
-    size_t vw = vw_for(ctx, l->d), max_wg = ctx->max_work_group;
+    size_t vw = clmha__fused_row_vw(ctx, l->d), max_wg = ctx->max_work_group;
     clmha_status st;
     bool fits;
     size_t wg_min;
