@@ -523,6 +523,11 @@ typedef struct clmha_tune_report {
                                         ///< "Xgemm: GEMMK=0 ...; XgemmDirect: ...; GemmRoutine: ..."
     char path[1024];                    ///< the device's tuning file ("" when none can be named)
     char message[512];                  ///< why nothing was applied or stored ("" otherwise)
+    double default_decode_ms;           ///< decode stage (one query row, N 1, the first layer
+                                        ///< shape's E and H) at caches of 512 and 8192 keys,
+                                        ///< the two medians summed, default split (0: not
+                                        ///< timed). Added after 0.1.0.
+    double tuned_decode_ms;             ///< the same with the chosen split
 } clmha_tune_report;
 
 /// Tunes CLBlast's GEMM kernels for the device of @p ctx and the shapes clmha runs: searches the
@@ -556,6 +561,14 @@ typedef struct clmha_tune_report {
 /// clmha_reference_forward() within 1e-4 (1 + max |y|)); tiles faster than the defaults by 3%
 /// or more are stored with the GEMM parameters ("FusedAttention" in the file) and used by the
 /// layers whose fused kernel is built afterwards.
+/// Then (with at least min(30 s, a tenth of the budget) kept for it) it tunes how the decode
+/// core (calls with a KV cache) splits a cached sequence's keys into ranges: the work-items per
+/// compute unit the split aims at and the fewest keys per range ("DecodeSplit" in the file,
+/// ITEMS_PER_CU and MIN_KEYS; defaults 8 and 64 on CPUs, 256 and 64 on GPUs), timing one decode
+/// step (N 1, one query row, E and H of the first layer shape) over caches of 512 and 8192
+/// keys; every candidate's output must match clmha_reference_forward() within
+/// 1e-4 (1 + max |y|), and a split 3% faster than the default over both lengths is stored.
+/// `CLMHA_DECODE_PARTS` in the environment still fixes the number of ranges.
 /// A context whose products run in the host BLAS (clmha_context_gemm() is ::CLMHA_GEMM_HOST)
 /// never uses CLBlast's GEMM parameters: the GEMM search is skipped (the report's GEMM figures
 /// are 0 and, when no faster tiles are found, its message says why) and the whole budget goes

@@ -728,7 +728,9 @@ Test(tuning, imported_fused_tiles_are_used, .timeout = 300) {
     teardown(&f);
 }
 
-// A tuning run times the fused kernel's default tiles and reports it.
+static double decode_error(clmha_context *ctx);  // below, with the decode split's tests
+
+// A tuning run times the fused kernel's default tiles and the decode split, and reports them.
 Test(tuning, tune_reports_the_fused_stage, .timeout = 900) {
     fixture f;
     setup(&f);
@@ -745,6 +747,130 @@ Test(tuning, tune_reports_the_fused_stage, .timeout = 900) {
     cr_expect_gt(rep.default_fused_gflops, 0.0);
     cr_expect_geq(rep.tuned_fused_gflops, rep.default_fused_gflops);
     cr_expect(fused_error(ctx) <= 1e-5);
+    // The decode split (phase E) was timed too; decode calls after it stay exact.
+    fprintf(stderr, "tuning: decode step default %.3f ms, tuned %.3f ms\n", rep.default_decode_ms,
+            rep.tuned_decode_ms);
+    cr_expect_gt(rep.default_decode_ms, 0.0);
+    cr_expect_gt(rep.tuned_decode_ms, 0.0);
+    cr_expect_leq(rep.tuned_decode_ms, rep.default_decode_ms);
+    char *out = export_text(ctx);
+    bool split_tuned = out && strstr(out, "DecodeSplit") != NULL;
+    cr_expect_eq(split_tuned, rep.tuned_decode_ms < rep.default_decode_ms,
+                 "a faster split is in effect exactly when one was found: %s", out ? out : "none");
+    free(out);
+    cr_expect(decode_error(ctx) <= 2e-5);
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+// ---- the decode split ----------------------------------------------------------------------
+
+// Max |decode - reference| of one query row over a KV cache of 300 keys (cross-attention, E 16,
+// H 2, N 1, kv_attend_only after the call that fills the cache) on @p ctx.
+static double decode_error(clmha_context *ctx) {
+    enum { E = 16, H = 2, S = 300 };
+    static float w[4 * E * E + 4 * E], q[E], kv[S * E], y[E];
+    static double ref[E];
+    uint64_t r = 7;
+    for (size_t i = 0; i < sizeof w / sizeof w[0]; ++i) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        w[i] = (float)((double)(r >> 40) / (double)(1ull << 24) - 0.5) * 0.5f;
+    }
+    for (size_t i = 0; i < E + S * E; ++i) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        float v = (float)((double)(r >> 40) / (double)(1ull << 24) - 0.5) * 2.0f;
+        if (i < E) q[i] = v; else kv[i - E] = v;
+    }
+    clmha_layer_desc desc = {.struct_size = sizeof desc,
+                             .embed_dim = E, .num_heads = H, .bias = true};
+    clmha_layer *layer = NULL;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
+    const float *w_in = w, *w_out = w + 3 * E * E, *b_in = w + 4 * E * E,
+                *b_out = w + 4 * E * E + 3 * E;
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * E), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", b_out, E), 0);
+    clmha_kv_cache *cache = NULL;
+    cr_assert_eq(clmha_kv_cache_create(&cache, layer, 1, S), CLMHA_SUCCESS);
+    clmha_forward_args a = {.struct_size = sizeof a,
+                            .query = {.ndim = 3, .shape = {1, 1, E}, .data = q},
+                            .key = {.ndim = 3, .shape = {S, 1, E}, .data = kv},
+                            .value = {.ndim = 3, .shape = {S, 1, E}, .data = kv}};
+    clmha_reference_params rp = {.struct_size = sizeof rp,
+                                 .in_proj_weight = w_in, .in_proj_bias = b_in,
+                                 .out_proj_weight = w_out, .out_proj_bias = b_out};
+    char msg[256];
+    cr_assert_eq(clmha_reference_forward(&desc, &rp, &a, ref, E, NULL, 0, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    a.kv_cache = cache;
+    cr_assert_eq(clmha_layer_forward_host(layer, &a, y, E, NULL, 0), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    double err = max_abs_err(y, ref, E);
+    clmha_forward_args again = {.struct_size = sizeof again, .kv_cache = cache,
+                                .kv_attend_only = true, .query = a.query};
+    cr_assert_eq(clmha_layer_forward_host(layer, &again, y, E, NULL, 0), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    double err2 = max_abs_err(y, ref, E);
+    clmha_kv_cache_release(cache);
+    clmha_layer_release(layer);
+    return err > err2 ? err : err2;
+}
+
+// An imported decode split reaches the export, and decode calls use it and stay exact: one
+// range per sequence (1 item per compute unit, ranges of at least 512 keys) and as many ranges
+// as 16-key ranges allow (1024 items per compute unit).
+Test(tuning, imported_decode_split_is_used, .timeout = 300) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    double err0 = decode_error(ctx);
+    static const size_t splits[][2] = {{1, 512}, {1024, 16}};
+    for (size_t i = 0; i < 2; ++i) {
+        char text[128];
+        snprintf(text, sizeof text, "\"DecodeSplit\": {\"ITEMS_PER_CU\": %zu, \"MIN_KEYS\": %zu}",
+                 splits[i][0], splits[i][1]);
+        char *json = own_json(&f, text);
+        cr_assert_eq(clmha_context_tuning_import(ctx, json), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(ctx));
+        free(json);
+        char *out = export_text(ctx);
+        cr_assert_not_null(out);
+        cr_expect_eq(param(out, "DecodeSplit", "ITEMS_PER_CU"), (long)splits[i][0], "%s", out);
+        cr_expect_eq(param(out, "DecodeSplit", "MIN_KEYS"), (long)splits[i][1], "%s", out);
+        free(out);
+        double err = decode_error(ctx);
+        fprintf(stderr, "tuning: decode split %zu/%zu: max error %.2e (default split %.2e)\n",
+                splits[i][0], splits[i][1], err, err0);
+        cr_expect_leq(err, 2e-5, "decode split %zu: error %g", i, err);
+    }
+    cr_expect_leq(err0, 2e-5, "default split: error %g", err0);
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
+// Decode splits outside the checked ranges, or incomplete, are refused and not applied.
+Test(tuning, invalid_decode_split_is_refused, .timeout = 300) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    static const char *const bad[][2] = {
+        {"\"DecodeSplit\": {\"ITEMS_PER_CU\": 0, \"MIN_KEYS\": 64}", "ITEMS_PER_CU"},
+        {"\"DecodeSplit\": {\"ITEMS_PER_CU\": 4097, \"MIN_KEYS\": 64}", "ITEMS_PER_CU"},
+        {"\"DecodeSplit\": {\"ITEMS_PER_CU\": 8, \"MIN_KEYS\": 0}", "MIN_KEYS"},
+        {"\"DecodeSplit\": {\"ITEMS_PER_CU\": 8, \"MIN_KEYS\": 65537}", "MIN_KEYS"},
+        {"\"DecodeSplit\": {\"ITEMS_PER_CU\": 8}", "lacks parameter"},
+        {"\"DecodeSplit\": {\"ITEMS_PER_CU\": 8.5, \"MIN_KEYS\": 64}", "ITEMS_PER_CU"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
+        char *json = own_json(&f, bad[i][0]);
+        cr_expect_eq(clmha_context_tuning_import(ctx, json), CLMHA_INVALID_FILE, "%s",
+                     bad[i][0]);
+        const char *why = clmha_context_last_error(ctx);
+        cr_expect(strstr(why, bad[i][1]) != NULL, "%s: '%s'", bad[i][0], why);
+        free(json);
+    }
+    cr_expect_null(export_text(ctx), "nothing refused was applied");
     clmha_context_release(ctx);
     teardown(&f);
 }

@@ -27,9 +27,11 @@ static const char *usage_tune =
     "else ~/.cache/clmha. 'Default' is CLBlast's own parameters (neither a stored tuning\n"
     "nor the device's built-in set is applied first; the built-in set is among the first\n"
     "candidates). Each candidate costs a kernel build (about 6 s on PoCL). Then it times\n"
-    "the fused attention kernel's tiles with the rest of the budget. A device whose\n"
-    "products run in the host BLAS (the 'gemm:' line; CLMHA_GEMM) never uses CLBlast's\n"
-    "GEMM parameters: there the whole budget goes to the fused tiles.\n"
+    "the fused attention kernel's tiles and, last, how the decode core splits a KV\n"
+    "cache's keys into ranges (one decode step at 512 and 8192 cached keys) with the\n"
+    "rest of the budget. A device whose products run in the host BLAS (the 'gemm:'\n"
+    "line; CLMHA_GEMM) never uses CLBlast's GEMM parameters: there the whole budget goes\n"
+    "to the fused tiles and the decode split.\n"
     "\n"
     "options:\n"
     "  --device SPEC      \"P:D\", gpu, cpu, accelerator or part of a device name (see\n"
@@ -241,6 +243,10 @@ int clmha__cli_tune(int argc, char **argv) {
     if (rep.default_fused_gflops > 0)
         print_gain("fused attention (first layer shape)", rep.default_fused_gflops,
                    rep.tuned_fused_gflops);
+    if (rep.default_decode_ms > 0)
+        printf("  %-36s default %7.3f ms       tuned %7.3f ms       (x%.2f)\n",
+               "decode step (512 + 8192 cached keys)", rep.default_decode_ms,
+               rep.tuned_decode_ms, rep.default_decode_ms / rep.tuned_decode_ms);
     if (rep.parameters[0]) printf("params:   %s\n", rep.parameters);
     if (rep.stored)
         printf("written:  %s\n", rep.path);

@@ -11,6 +11,7 @@
 #include "cores/fused.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
+#include "tuning/store.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -28,6 +29,7 @@ typedef struct state {
     clmha_status failed;                 // why they cannot be built here (then not retried)
     cl_mem part_acc, part_ms;            // the partial results, grown on demand (floats)
     size_t acc_cap, ms_cap;
+    size_t split[2];                     // the tuner's override (0, 0: none)
 } state;
 
 static state *state_of(const clmha_layer *l) { return clmha__core_state(l, &clmha__core_decode); }
@@ -107,19 +109,41 @@ static size_t test_parts;
 
 void clmha__test_set_decode_parts(size_t parts) { test_parts = parts; }
 
-// How many ranges each sequence's keys are cut into: enough work-items for the device (8 per
-// compute unit on CPUs, 256 on GPUs) over the query rows, each range at least 64 keys of the
-// longest sequence; CLMHA_DECODE_PARTS or the test hook fix it.
-static size_t parts_for(const clmha_context *ctx, size_t rows, size_t longest) {
+void clmha__decode_default_split(const clmha_context *ctx, size_t split[2]) {
+    split[0] = ctx->cls->coalesced ? 256 : 8;
+    split[1] = 64;
+}
+
+size_t clmha__decode_parts(const clmha_context *ctx, const size_t split[2], size_t rows,
+                           size_t longest) {
+    size_t cu = ctx->info.compute_units ? ctx->info.compute_units : 1;
+    size_t want = cu * split[0], keys = split[1] ? split[1] : 1;
+    size_t parts = (want + rows - 1) / (rows ? rows : 1);
+    size_t most = (longest + keys - 1) / keys;
+    if (parts > most) parts = most;
+    return parts ? parts : 1;
+}
+
+void clmha__decode_set_split(clmha_layer *layer, const size_t split[2]) {
+    state *s = state_of(layer);
+    if (!s) return;
+    s->split[0] = split ? split[0] : 0;
+    s->split[1] = split ? split[1] : 0;
+}
+
+// How many ranges each sequence's keys are cut into: the test hook, else $CLMHA_DECODE_PARTS,
+// else clmha__decode_parts() with the tuner's override, the device's tuning or the defaults.
+static size_t parts_for(const clmha_context *ctx, const state *s, size_t rows, size_t longest) {
     if (test_parts) return test_parts;
     const char *env = getenv("CLMHA_DECODE_PARTS");
     if (env && atoi(env) > 0) return (size_t)atoi(env);
-    size_t cu = ctx->info.compute_units ? ctx->info.compute_units : 1;
-    size_t want = cu * (ctx->cls->coalesced ? 256 : 8);
-    size_t parts = (want + rows - 1) / rows;
-    size_t most = (longest + 63) / 64;
-    if (parts > most) parts = most;
-    return parts ? parts : 1;
+    size_t split[2];
+    if (s->split[0]) {
+        split[0] = s->split[0], split[1] = s->split[1];
+    } else if (!clmha__tuning_decode(ctx->device, split)) {
+        clmha__decode_default_split(ctx, split);
+    }
+    return clmha__decode_parts(ctx, split, rows, longest);
 }
 
 static clmha_status run(clmha_layer *l, clmha__core_call *call) {
@@ -140,7 +164,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
             return st;
     }
     size_t q_rows = d->n * l->h * d->l;
-    cl_uint parts = (cl_uint)parts_for(ctx, d->n * c->kv_heads * d->l, kv->max_new);
+    cl_uint parts = (cl_uint)parts_for(ctx, s, d->n * c->kv_heads * d->l, kv->max_new);
     if ((st = clmha__layer_grow_core_scratch(l, &s->part_acc, &s->acc_cap, q_rows * parts * l->d,
                                              "decode partial results")) ||
         (st = clmha__layer_grow_core_scratch(l, &s->part_ms, &s->ms_cap, q_rows * parts * 2,

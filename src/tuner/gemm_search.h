@@ -66,6 +66,7 @@ typedef struct tuner {
     size_t nchecks;
     size_t skip_direct_below;  // final check: XgemmDirect untouched, skip its GEMMs (0: none)
     double start, budget;
+    double decode_reserve;  // seconds kept for the decode split (phase E) at the end
     size_t tried, rejected;
     double cost_sum;   // seconds spent in candidates (for the estimate of the next one)
     double best_gflops;  // sgemm 1024³ of the best Xgemm so far

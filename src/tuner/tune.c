@@ -1,10 +1,12 @@
 // clmha_context_tune(): the tuner's orchestration. It checks the options, sets up the GEMM
 // shapes of the layer shapes, runs the GEMM search (gemm_search.c), applies and stores what it
 // found through the tuning store, then searches the fused kernel's tiles (fused_search.c) and
-// stores those too, and fills the report.
+// the decode core's split of the keys (decode_search.c), stores those too, and fills the
+// report.
 #define _POSIX_C_SOURCE 200809L
 
 #include "base/struct_in.h"
+#include "tuner/decode_search.h"
 #include "tuner/fused_search.h"
 #include "tuner/gemm_search.h"
 
@@ -201,16 +203,32 @@ static clmha_status apply_gemm(tuner *T, const gemm_outcome *g, clmha_tune_repor
     return st ? st : store(T, &g->final, &meta, rep);
 }
 
-// D. The fused attention kernel's tiles, with what is left of the whole budget; faster tiles
-// join the tuning in effect and are stored with it.
+// Applies @p part (the fused tiles or the decode split: what a later phase found) over the
+// tuning in effect and stores the result with the GEMM figures of the file.
+static clmha_status join_and_store(tuner *T, const clmha__tuning *part, clmha_tune_report *rep) {
+    clmha_context *ctx = T->ctx;
+    clmha__tuning now;
+    clmha__tuning_meta meta = {0};
+    clmha__tuning_current(ctx->device, &now, &meta);  // keeps the GEMM figures of the file
+    if (!meta.date[0]) clmha__tuning_utc_now(meta.date, sizeof meta.date);
+    clmha_status st = clmha__tuning_apply(&T->tg, part, &meta, CLMHA_TUNING_SOURCE_TUNED,
+                                          "tuned in this process (not stored)");
+    if (st || !clmha__tuning_current(ctx->device, &now, &meta)) return st;
+    rep->improved = true;
+    clmha__tuning_format(&now, rep->parameters, sizeof rep->parameters);
+    return store(T, &now, &meta, rep);
+}
+
+// D. The fused attention kernel's tiles, until @p deadline; faster tiles join the tuning in
+// effect and are stored with it.
 static clmha_status phase_fused(tuner *T, const clmha_tune_shape *shape, double budget,
-                                clmha_tune_report *rep) {
+                                double deadline, clmha_tune_report *rep) {
     clmha_context *ctx = T->ctx;
     const clmha_tune_options *o = T->opts;
     if (o && o->progress)
         o->progress(fmin(1.0, elapsed(T) / budget), "timing fused attention tiles", o->user_data);
     clmha__fused_result fr;
-    clmha__tune_fused(ctx, &T->rng, shape, T->start + budget, &fr);
+    clmha__tune_fused(ctx, &T->rng, shape, deadline, &fr);
     T->tried += fr.tried;
     T->rejected += fr.rejected;
     if (fr.searched) {
@@ -220,17 +238,36 @@ static clmha_status phase_fused(tuner *T, const clmha_tune_shape *shape, double 
     clmha__tuner_trace(T, "fused tiles: %zu tried, %zu rejected, %s", fr.tried, fr.rejected,
                        fr.improved ? "faster tiles found" : "the defaults kept");
     if (!fr.improved) return CLMHA_SUCCESS;
-    clmha__tuning ft = {.has_fused = true}, now;
+    clmha__tuning ft = {.has_fused = true};
     memcpy(ft.fused, fr.best, sizeof ft.fused);
-    clmha__tuning_meta meta = {0};
-    clmha__tuning_current(ctx->device, &now, &meta);  // keeps the GEMM figures of the file
-    if (!meta.date[0]) clmha__tuning_utc_now(meta.date, sizeof meta.date);
-    clmha_status st = clmha__tuning_apply(&T->tg, &ft, &meta, CLMHA_TUNING_SOURCE_TUNED,
-                                             "tuned in this process (not stored)");
-    if (st || !clmha__tuning_current(ctx->device, &now, &meta)) return st;
-    rep->improved = true;
-    clmha__tuning_format(&now, rep->parameters, sizeof rep->parameters);
-    return store(T, &now, &meta, rep);
+    return join_and_store(T, &ft, rep);
+}
+
+// E. The decode core's split of the keys, with what is left of the whole budget; a faster
+// split joins the tuning in effect and is stored with it.
+static clmha_status phase_decode(tuner *T, const clmha_tune_shape *shape, double budget,
+                                 clmha_tune_report *rep) {
+    const clmha_tune_options *o = T->opts;
+    if (o && o->progress)
+        o->progress(fmin(1.0, elapsed(T) / budget), "timing the decode split", o->user_data);
+    clmha__decode_result dr;
+    clmha__tune_decode(T->ctx, &T->rng, shape, T->start + budget, &dr);
+    T->tried += dr.tried;
+    T->rejected += dr.rejected;
+    if (dr.searched) {
+        rep->default_decode_ms = dr.default_ms;
+        rep->tuned_decode_ms = dr.best_ms;
+    }
+    clmha__tuner_trace(T, "decode split: %zu tried, %zu rejected, %s (ITEMS_PER_CU=%zu "
+                       "MIN_KEYS=%zu, %.3f ms against %.3f)",
+                       dr.tried, dr.rejected,
+                       !dr.searched ? "not timed" : dr.improved ? "a faster split found"
+                                                                : "the default kept",
+                       dr.best[0], dr.best[1], dr.best_ms, dr.default_ms);
+    if (!dr.improved) return CLMHA_SUCCESS;
+    clmha__tuning dt = {.has_decode = true};
+    memcpy(dt.decode, dr.best, sizeof dt.decode);
+    return join_and_store(T, &dt, rep);
 }
 
 // The tuner, its budget split between the GEMM phases and the fused tiles (phase D).
@@ -242,9 +279,11 @@ static tuner *new_tuner(clmha_context *ctx, const clmha_tune_options *options, d
     T->opts = options;
     T->start = now_s();
     *budget = options && options->budget_seconds > 0 ? options->budget_seconds : 300;
-    // The GEMM phases get the budget but what the fused tiles take at the end (phase D).
+    // The GEMM phases get the budget but what the fused tiles and the decode split take at
+    // the end (phases D and E).
     double fused_reserve = fmin(60.0, 0.2 * *budget);
-    T->budget = *budget - fused_reserve;
+    T->decode_reserve = fmin(30.0, 0.1 * *budget);
+    T->budget = *budget - fused_reserve - T->decode_reserve;
     T->rng = 0x9E3779B97F4A7C15ull;
     return T;
 }
@@ -274,7 +313,8 @@ clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_options *op
     gemm_outcome g;
     st = setup_shapes(T, options, layers, &rep);
     // A context whose products run in the host BLAS (clmha_context_gemm()) never uses
-    // CLBlast's GEMM parameters: the whole budget goes to the fused tiles.
+    // CLBlast's GEMM parameters: the whole budget goes to the fused tiles and the decode
+    // split.
     bool host_gemm = clmha_context_gemm(ctx) == CLMHA_GEMM_HOST;
     if (!st && !host_gemm)
         st = clmha__gemm_search(T, &start.fallback, start.before_known ? &start.before : NULL,
@@ -289,7 +329,8 @@ clmha_status clmha_context_tune(clmha_context *ctx, const clmha_tune_options *op
     } else {
         keep_before(T, &start, &g, &rep);
     }
-    if (!st) st = phase_fused(T, &layers[0], budget, &rep);
+    if (!st) st = phase_fused(T, &layers[0], budget, T->start + budget - T->decode_reserve, &rep);
+    if (!st) st = phase_decode(T, &layers[0], budget, &rep);
     fill_report(T, &rep);
     if (!rep.improved) {
         rep.tuned_gflops = rep.default_gflops;

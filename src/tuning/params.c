@@ -16,6 +16,7 @@ const char *const clmha__xgemm_names[CLMHA__XGEMM_PARAMS] = {
     "GEMMK", "KREG", "KWG",  "KWI", "MDIMA", "MDIMC", "MWG",  "NDIMB",
     "NDIMC", "NWG",  "SA",   "SB",  "STRM",  "STRN",  "VWM",  "VWN"};
 const char *const clmha__fused_names[CLMHA__FUSED_PARAMS] = {"BQ", "BK", "RPW", "VW"};
+const char *const clmha__decode_names[CLMHA__DECODE_PARAMS] = {"ITEMS_PER_CU", "MIN_KEYS"};
 
 const char *const clmha__direct_names[CLMHA__DIRECT_PARAMS] = {
     "KWID", "MDIMAD", "MDIMCD", "NDIMBD", "NDIMCD", "PADA", "PADB", "VWMD", "VWND", "WGD"};
@@ -141,9 +142,23 @@ static bool check_fused(const size_t *p, size_t max_wg, char *msg, size_t msg_si
     return !why;
 }
 
+// The decode split: ITEMS_PER_CU 1 to CLMHA__DECODE_ITEMS_MAX work-items per compute unit,
+// MIN_KEYS 1 to CLMHA__DECODE_KEYS_MAX keys per range.
+static bool check_decode(const size_t *p, char *msg, size_t msg_size) {
+    const char *why = !p[0] || p[0] > CLMHA__DECODE_ITEMS_MAX
+                          ? "ITEMS_PER_CU must be 1 to " CLMHA__STR(CLMHA__DECODE_ITEMS_MAX)
+                      : !p[1] || p[1] > CLMHA__DECODE_KEYS_MAX
+                          ? "MIN_KEYS must be 1 to " CLMHA__STR(CLMHA__DECODE_KEYS_MAX)
+                          : NULL;
+    if (why)
+        clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "DecodeSplit ITEMS_PER_CU=%zu MIN_KEYS=%zu: %s",
+                   p[0], p[1], why);
+    return !why;
+}
+
 bool clmha__tuning_check(const clmha__tuning *t, size_t local_mem, size_t max_wg, char *msg,
                          size_t msg_size) {
-    if (!t->has_xgemm && !t->has_direct && !t->has_routine && !t->has_fused) {
+    if (!t->has_xgemm && !t->has_direct && !t->has_routine && !t->has_fused && !t->has_decode) {
         clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "the tuning names no kernel");
         return false;
     }
@@ -154,6 +169,7 @@ bool clmha__tuning_check(const clmha__tuning *t, size_t local_mem, size_t max_wg
         !clmha__tuning_check_direct(t->direct, local_mem, max_wg, msg, msg_size))
         return false;
     if (t->has_fused && !check_fused(t->fused, max_wg, msg, msg_size)) return false;
+    if (t->has_decode && !check_decode(t->decode, msg, msg_size)) return false;
     if (t->has_routine && t->min_indirect > (size_t)CLMHA__TUNING_PARAM_MAX) {
         clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                    "GemmRoutine XGEMM_MIN_INDIRECT_SIZE %zu is above %.0f", t->min_indirect,
@@ -197,5 +213,11 @@ void clmha__tuning_format(const clmha__tuning *t, char *buf, size_t size) {
         for (int i = 0; i < CLMHA__FUSED_PARAMS; ++i)
             used = clmha__tuning_append(buf, size, used, " %s=%zu", clmha__fused_names[i],
                                         t->fused[i]);
+    }
+    if (t->has_decode) {
+        used = clmha__tuning_append(buf, size, used, "%sDecodeSplit:", used ? "; " : "");
+        for (int i = 0; i < CLMHA__DECODE_PARAMS; ++i)
+            used = clmha__tuning_append(buf, size, used, " %s=%zu", clmha__decode_names[i],
+                                        t->decode[i]);
     }
 }

@@ -19,6 +19,9 @@
 // Tiles of clmha's own fused attention kernel ("FusedAttention" in a tuning file): BQ, BK, RPW,
 // VW (see clmha__fused_tiles).
 #define CLMHA__FUSED_PARAMS 4
+// How the decode core splits a cached sequence's keys ("DecodeSplit" in a tuning file):
+// ITEMS_PER_CU, MIN_KEYS (see clmha__decode_split).
+#define CLMHA__DECODE_PARAMS 2
 
 // Largest accepted parameter value (XGEMM_MIN_INDIRECT_SIZE); a file's values are checked
 // against it before anything else.
@@ -34,15 +37,17 @@
         CLBLAST_VERSION_PATCH)
 
 // A tuning: parameter values of the three CLBlast kernels clmha's GEMMs depend on, and the tiles
-// of the fused attention kernel. Kernels whose has_ flag is false are left as they are
-// (CLBlast's database, or an earlier override; the fused kernel's defaults).
+// of the fused attention kernel and the decode core's split of the keys. Kernels whose has_ flag
+// is false are left as they are (CLBlast's database, or an earlier override; the fused kernel's
+// and the decode core's defaults).
 // Copy/Pad/Transpose/Padtranspose (the indirect path's helpers) are never touched.
 typedef struct clmha__tuning {
-    bool has_xgemm, has_direct, has_routine, has_fused;
+    bool has_xgemm, has_direct, has_routine, has_fused, has_decode;
     size_t xgemm[CLMHA__XGEMM_PARAMS];    // in the order of clmha__xgemm_names
     size_t direct[CLMHA__DIRECT_PARAMS];  // in the order of clmha__direct_names
     size_t min_indirect;                  // "GemmRoutine": XGEMM_MIN_INDIRECT_SIZE
     size_t fused[CLMHA__FUSED_PARAMS];    // "FusedAttention", in the order of clmha__fused_names
+    size_t decode[CLMHA__DECODE_PARAMS];  // "DecodeSplit", in the order of clmha__decode_names
 } clmha__tuning;
 
 // What a tuning run measured (0 where unknown), kept with a tuning and written to its file.
@@ -61,6 +66,11 @@ CLMHA__HIDDEN extern const char *const clmha__xgemm_names[CLMHA__XGEMM_PARAMS];
 CLMHA__HIDDEN extern const char *const clmha__direct_names[CLMHA__DIRECT_PARAMS];
 CLMHA__HIDDEN extern const char *const clmha__routine_names[1];  // XGEMM_MIN_INDIRECT_SIZE
 CLMHA__HIDDEN extern const char *const clmha__fused_names[CLMHA__FUSED_PARAMS];
+CLMHA__HIDDEN extern const char *const clmha__decode_names[CLMHA__DECODE_PARAMS];
+
+// Largest accepted DecodeSplit values.
+#define CLMHA__DECODE_ITEMS_MAX 4096
+#define CLMHA__DECODE_KEYS_MAX 65536
 
 // CLBlast 1.5.3's generic single-precision parameters (the database's "default" device, which a
 // device without an entry of its own, such as PoCL, gets).
@@ -68,7 +78,7 @@ CLMHA__HIDDEN extern const clmha__tuning clmha__tuning_clblast_generic;
 
 // Checks every kernel present in @p t against CLBlast's constraints and the device limits
 // (@p local_mem bytes of local memory, @p max_wg work-items per group). On failure writes why.
-// The fused tiles get a range check only (powers of two, limits); whether they fit a layer
+// The fused tiles and the decode split get a range check only (powers of two, limits); whether they fit a layer
 // (local memory, head_dim) is decided where the tiles are used (clmha__fused_tiles_for()).
 CLMHA__HIDDEN bool clmha__tuning_check(const clmha__tuning *t, size_t local_mem, size_t max_wg,
                                        char *msg, size_t msg_size);

@@ -144,6 +144,13 @@ bool clmha__tuning_fused(cl_device_id device, size_t fused[CLMHA__FUSED_PARAMS])
     return true;
 }
 
+bool clmha__tuning_decode(cl_device_id device, size_t decode[CLMHA__DECODE_PARAMS]) {
+    clmha__tuning t;
+    if (!clmha__tuning_current(device, &t, NULL) || !t.has_decode) return false;
+    memcpy(decode, t.decode, sizeof t.decode);
+    return true;
+}
+
 // ---- applying ----------------------------------------------------------------------------------
 
 // Overrides one kernel; no registry update.
@@ -203,6 +210,8 @@ clmha_status clmha__tuning_apply(const clmha__tuning_target *tg, const clmha__tu
         if (t->has_routine) merged.min_indirect = t->min_indirect;
         if (t->has_fused) memcpy(merged.fused, t->fused, sizeof merged.fused);
         merged.has_fused |= t->has_fused;
+        if (t->has_decode) memcpy(merged.decode, t->decode, sizeof merged.decode);
+        merged.has_decode |= t->has_decode;
         merged.has_xgemm |= t->has_xgemm;
         merged.has_direct |= t->has_direct;
         merged.has_routine |= t->has_routine;
@@ -387,6 +396,9 @@ char *clmha__tuning_to_json(const clmha__tuning_target *tg, const clmha__tuning 
     if (ok && t->has_fused)
         ok = add_params(kernels, "FusedAttention", CLMHA__FUSED_PARAMS, clmha__fused_names,
                         t->fused);
+    if (ok && t->has_decode)
+        ok = add_params(kernels, "DecodeSplit", CLMHA__DECODE_PARAMS, clmha__decode_names,
+                        t->decode);
     if (ok && meta && (meta->tuned_gflops > 0 || meta->date[0])) {
         cJSON *m = cJSON_AddObjectToObject(root, "measured");
         // Rounded to 0.1 GFLOP/s: the file stays readable.
@@ -438,7 +450,7 @@ static clmha_status parse_params(const cJSON *obj, const char *kernel, size_t co
         const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, names[i]);
         if (!v)
             return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "kernels.%s lacks parameter %s (CLBlast needs all of them)", kernel,
+                              "kernels.%s lacks parameter %s (every one is needed)", kernel,
                               names[i]);
         double d = cJSON_IsNumber(v) ? v->valuedouble : -1;
         if (!cJSON_IsNumber(v) || !(d >= 0 && d <= CLMHA__TUNING_PARAM_MAX) || d != floor(d))
@@ -556,10 +568,14 @@ clmha_status clmha__tuning_from_json(const clmha__tuning_target *tg, const char 
             st = parse_params(k, "FusedAttention", CLMHA__FUSED_PARAMS, clmha__fused_names,
                               t->fused, msg, msg_size);
             t->has_fused = true;
+        } else if (strcmp(name, "DecodeSplit") == 0) {
+            st = parse_params(k, "DecodeSplit", CLMHA__DECODE_PARAMS, clmha__decode_names,
+                              t->decode, msg, msg_size);
+            t->has_decode = true;
         } else {
             st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                             "unknown kernel \"%.40s\" (known: Xgemm, XgemmDirect, GemmRoutine, "
-                            "FusedAttention)",
+                            "FusedAttention, DecodeSplit)",
                             name);
         }
     }

@@ -37,6 +37,9 @@ typedef struct clmha__tuning_target {
 // The fused kernel's tiles of the tuning in effect for @p device (false when it has none).
 CLMHA__HIDDEN bool clmha__tuning_fused(cl_device_id device, size_t fused[CLMHA__FUSED_PARAMS]);
 
+// The decode core's split of the tuning in effect for @p device (false when it has none).
+CLMHA__HIDDEN bool clmha__tuning_decode(cl_device_id device, size_t decode[CLMHA__DECODE_PARAMS]);
+
 // The tuning in effect for @p device (false when none was applied in this process). @p meta
 // may be NULL.
 CLMHA__HIDDEN bool clmha__tuning_current(cl_device_id device, clmha__tuning *t,
