@@ -174,12 +174,18 @@ Test(kv_cache, not_causal, .timeout = 300) {
 }
 
 Test(kv_cache, long_cache_split_k, .timeout = 300) {
-    // 300 tokens, 8 heads of 8: the default ranges (several per sequence on every device) and
+    // 300 tokens, 8 heads of 8 (then 4 of 16 and of 32): the default ranges (several per sequence on every device) and
     // a forced 7, token by token over the last tokens.
     rcase c = self_case(14, 300);
     c.e = 64, c.h = 8, c.n = 1;
     check_self(&c, 100, 0, "long cache");
     check_self(&c, 60, 7, "long cache");
+    // Heads of 16 and 32 (on a device with 16-float vectors one and two vectors a row: the
+    // kernel's 16-key lane sums), ranges that end inside a block of 16 keys.
+    c.h = 4;
+    check_self(&c, 100, 7, "long cache, heads of 16");
+    c.e = 128;
+    check_self(&c, 150, 0, "long cache, heads of 32");
 }
 
 // Cross-attention: the fixed key/value (S tokens, kdim/vdim features) goes into the cache with

@@ -114,24 +114,61 @@ kernel void decode_partial(global const float *q, global const float *kc,
         // registers; the block's keys and values are read from memory for the first and from
         // the cache for the others.
         for (uint g = 0; g < G; ++g) {
-            float sc[BKEYS];
-            float mb = m[g];
+            // The block's scores as one vector (lane u: key jb + u), so that their max and
+            // exponentials are vector operations.
+            float16 scv;
+#if VW == 16
+            // Lane sums of 16 keys' products at once: each level adds neighbouring lanes of
+            // two vectors, halving the partial sums per key and keeping the keys in order.
+            float16 d[BKEYS];
             for (uint u = 0; u < BKEYS; ++u) {
                 global const VT *kr = (global const VT *)(kb + (jb + min(u, cnt - 1)) * HD);
                 VT dot = qv[g][0] * kr[0];
                 for (uint c = 1; c < HV; ++c) dot = fma(qv[g][c], kr[c], dot);
-                sc[u] = u < cnt ? hsum(dot) : -INFINITY;
-                mb = max_nan(mb, sc[u]);
+                d[u] = dot;
             }
+            for (uint w = BKEYS / 2; w >= 1; w /= 2)
+                for (uint k = 0; k < w; ++k)
+                    d[k] = (float16)(d[2 * k].even + d[2 * k].odd,
+                                     d[2 * k + 1].even + d[2 * k + 1].odd);
+            scv = d[0];
+#else
+            float sc[BKEYS];
+            for (uint u = 0; u < BKEYS; ++u) {
+                global const VT *kr = (global const VT *)(kb + (jb + min(u, cnt - 1)) * HD);
+                VT dot = qv[g][0] * kr[0];
+                for (uint c = 1; c < HV; ++c) dot = fma(qv[g][c], kr[c], dot);
+                sc[u] = hsum(dot);
+            }
+            // Lane by lane (no pointer into a vector: Oclgrind's --uninitialized loses track).
+            scv = (float16)(sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7], sc[8], sc[9],
+                            sc[10], sc[11], sc[12], sc[13], sc[14], sc[15]);
+#endif
+            float16 lane = (float16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            scv = select(scv, (float16)(-INFINITY), isgreaterequal(lane, (float16)((float)cnt)));
+            float mb = m[g];
+            {
+                float8 m8 = fmax(scv.lo, scv.hi);
+                float4 m4 = fmax(m8.lo, m8.hi);
+                float2 m2 = fmax(m4.lo, m4.hi);
+                mb = max_nan(mb, fmax(m2.x, m2.y));
+            }
+            float16 prv = exp(scv - (float16)(mb));
+            const float pr[BKEYS] = {prv.s0, prv.s1, prv.s2, prv.s3, prv.s4, prv.s5,
+                                     prv.s6, prv.s7, prv.s8, prv.s9, prv.sa, prv.sb,
+                                     prv.sc, prv.sd, prv.se, prv.sf};
             float corr = m[g] == -INFINITY ? 0.0f : exp(m[g] - mb);
-            float sum = s[g] * corr;
+            float sum;
+            {
+                float8 s8 = prv.lo + prv.hi;
+                float4 s4 = s8.lo + s8.hi;
+                sum = fma(s[g], corr, (s4.x + s4.y) + (s4.z + s4.w));
+            }
             VT a[HV];
             for (uint c = 0; c < HV; ++c) a[c] = acc[g][c] * corr;
             for (uint u = 0; u < cnt; ++u) {
                 global const VT *vr = (global const VT *)(vb + (jb + u) * HD);
-                float pr = exp(sc[u] - mb);
-                sum += pr;
-                for (uint c = 0; c < HV; ++c) a[c] = fma((VT)(pr), vr[c], a[c]);
+                for (uint c = 0; c < HV; ++c) a[c] = fma((VT)(pr[u]), vr[c], a[c]);
             }
             for (uint c = 0; c < HV; ++c) acc[g][c] = a[c];
             m[g] = mb;

@@ -81,8 +81,10 @@ static const char *usage_bench_decode =
     "(2 * N * H * (S + 1) * D * 4) per second, and the device's copy bandwidth measured in the\n"
     "same run: clEnqueueCopyBuffer of a buffer of 256 MiB (less on small devices), counted as\n"
     "bytes read + written (STREAM's convention), and the ratio of the two. --json adds: decode\n"
-    "(true), cache_len, kv_heads, kv_bytes, kv_gbps, copy_bytes, copy_gbps, fraction_of_copy\n"
-    "(\"ms\" is per step; tgt_len is 1, src_len S + 1). --kv-heads G: a grouped-query layer\n"
+    "(true), cache_len, kv_heads, kv_bytes, kv_gbps, copy_bytes, copy_gbps, fraction_of_copy,\n"
+    "stages {name: ms} (\"ms\" is per step; tgt_len is 1, src_len S + 1). Stages: each stage's\n"
+    "median over up to 9 more steps with a marker after every stage (the decode core's\n"
+    "kernels count as \"fused\"). --kv-heads G: a grouped-query layer\n"
     "with G key/value heads (G divides H; H query heads share each), whose cache and step read\n"
     "G heads' keys and values: kv_bytes = 2 * N * G * (S + 1) * D * 4.\n"
     "\n";

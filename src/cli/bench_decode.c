@@ -100,6 +100,31 @@ int clmha__bench_decode_shape(clmha_context *ctx, const bench_config *cfg, size_
         if ((st = clmha_kv_cache_truncate(cache, lens, n))) goto call_fail;
     }
     double lo, hi, ms = clmha__bench_median(times, cfg->repeat, &lo, &hi);
+    // Where the time goes: each stage's median over profiled steps (markers after every
+    // stage; not part of the times above).
+    double stages[CLMHA_STAGE_COUNT] = {0}, stage_total = 0;
+    size_t profiled = cfg->repeat < 9 ? cfg->repeat : 9;
+    double *per = calloc(profiled * CLMHA_STAGE_COUNT, sizeof *per);
+    if (!per) {
+        clmha__cli_report("bench", "out of host memory");
+        goto done;
+    }
+    if ((st = clmha_layer_set_profiling(layer, true))) goto stages_fail;
+    for (size_t r = 0; r < profiled; ++r)
+        if ((st = clmha_layer_forward(layer, &sa, sout, 0, NULL, 0, 0, NULL, NULL)) ||
+            (st = clmha_layer_stage_times(layer, per + r * CLMHA_STAGE_COUNT)) ||
+            (st = clmha_kv_cache_truncate(cache, lens, n)))
+            goto stages_fail;
+    if ((st = clmha_layer_set_profiling(layer, false))) goto stages_fail;
+    for (int i = 0; i < CLMHA_STAGE_COUNT; ++i) {
+        for (size_t r = 0; r < profiled; ++r) times[r] = per[r * CLMHA_STAGE_COUNT + i];
+        double slo, shi;
+        stages[i] = clmha__bench_median(times, profiled, &slo, &shi);
+        stage_total += stages[i];
+    }
+stages_fail:
+    free(per);
+    if (st) goto call_fail;
     size_t copy_bytes;
     double copy = copy_gbps(ctx, cfg->repeat, times, &copy_bytes);
     if (copy <= 0) goto done;
@@ -111,8 +136,13 @@ int clmha__bench_decode_shape(clmha_context *ctx, const bench_config *cfg, size_
         clmha__bench_json_head(ctx, cfg, n, 1, cache_len + 1, CLMHA_IMPL_AUTO, true);
         printf("\"decode\": true, \"cache_len\": %zu, \"kv_heads\": %zu, \"ms\": %.6g, "
                "\"ms_min\": %.6g, \"ms_max\": %.6g, \"kv_bytes\": %.0f, \"kv_gbps\": %.6g, "
-               "\"copy_bytes\": %zu, \"copy_gbps\": %.6g, \"fraction_of_copy\": %.4g}\n",
+               "\"copy_bytes\": %zu, \"copy_gbps\": %.6g, \"fraction_of_copy\": %.4g, "
+               "\"stages\": {",
                cache_len, kvh, ms, lo, hi, kv_bytes, gbps, copy_bytes, copy, gbps / copy);
+        for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
+            printf("%s\"%s\": %.6g", i ? ", " : "", clmha_stage_name((clmha_stage)i),
+                   stages[i]);
+        printf("}}\n");
     } else {
         printf("shape:   N %zu, one new token per sequence over a cache of %zu (+1) tokens, "
                "%zu heads of %zu, %zu key/value heads (decode core)\n",
@@ -123,6 +153,12 @@ int clmha__bench_decode_shape(clmha_context *ctx, const bench_config *cfg, size_
         printf("copy:    %.2f GB/s (clEnqueueCopyBuffer of %zu MiB, bytes read + written)\n",
                copy, copy_bytes >> 20);
         printf("ratio:   %.2f of the copy bandwidth\n", gbps / copy);
+        printf("stages:  (medians of %zu profiled steps, %.3f ms together)\n", profiled,
+               stage_total);
+        for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
+            if (stages[i] > 0)
+                printf("  %-9s %10.3f ms %5.1f%%\n", clmha_stage_name((clmha_stage)i),
+                       stages[i], stage_total > 0 ? 100.0 * stages[i] / stage_total : 0.0);
     }
     fflush(stdout);
     rc = EXIT_OK;
