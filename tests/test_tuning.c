@@ -656,38 +656,49 @@ Test(tuning, tune_trace_lines_go_to_the_callback, .timeout = 600) {
 
 // ---- fused attention tiles -------------------------------------------------------------------
 
+// The next value of the LCG @p r, uniform in [-0.5, 0.5).
+static float lcg_unit(uint64_t *r) {
+    *r = *r * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(*r >> 40) / (double)(1ull << 24) - 0.5);
+}
+
+// A layer (E @p e, H @p h, bias) on @p ctx whose parameters are @p w (4 E² + 4 E floats: filled
+// here from the LCG @p r, times @p amp), and the same parameters for the reference in *rp.
+static clmha_layer *lcg_layer(clmha_context *ctx, size_t e, size_t h, uint64_t *r, float amp,
+                              float *w, clmha_reference_params *rp) {
+    for (size_t i = 0; i < 4 * e * e + 4 * e; ++i) w[i] = lcg_unit(r) * amp;
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = e, .num_heads = h,
+                             .bias = true};
+    clmha_layer *layer = NULL;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
+    *rp = (clmha_reference_params){.struct_size = sizeof *rp, .in_proj_weight = w,
+                                   .in_proj_bias = w + 4 * e * e, .out_proj_weight = w + 3 * e * e,
+                                   .out_proj_bias = w + 4 * e * e + 3 * e};
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_weight", rp->in_proj_weight,
+                                           3 * e * e), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", rp->out_proj_weight, e * e),
+                 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", rp->in_proj_bias, 3 * e), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", rp->out_proj_bias, e), 0);
+    return layer;
+}
+
 // Max |fused - reference| of a self-attention layer (E 24, H 3, N 2, L 45) on @p ctx.
 static double fused_error(clmha_context *ctx) {
     enum { E = 24, H = 3, N = 2, L = 45, COUNT = N * L * E };
     static float w[4 * E * E + 4 * E], x[COUNT], y[COUNT];
     static double ref[COUNT];
     uint64_t r = 99;
-    for (size_t i = 0; i < sizeof w / sizeof w[0]; ++i) {
-        r = r * 6364136223846793005ull + 1442695040888963407ull;
-        w[i] = (float)((double)(r >> 40) / (double)(1ull << 24) - 0.5) * 0.4f;
-    }
-    for (size_t i = 0; i < COUNT; ++i) {
-        r = r * 6364136223846793005ull + 1442695040888963407ull;
-        x[i] = (float)((double)(r >> 40) / (double)(1ull << 24) - 0.5);
-    }
+    clmha_reference_params rp;
+    clmha_layer *layer = lcg_layer(ctx, E, H, &r, 0.4f, w, &rp);
+    for (size_t i = 0; i < COUNT; ++i) x[i] = lcg_unit(&r);
     clmha_layer_desc desc = {.struct_size = sizeof desc,
                              .embed_dim = E, .num_heads = H, .bias = true};
-    clmha_layer *layer = NULL;
-    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
-    const float *w_in = w, *w_out = w + 3 * E * E, *b_in = w + 4 * E * E,
-                *b_out = w + 4 * E * E + 3 * E;
-    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * E * E), 0);
-    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E), 0);
-    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * E), 0);
-    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", b_out, E), 0);
     clmha_forward_args a = {.struct_size = sizeof a,
                             .query = {.ndim = 3, .shape = {L, N, E}, .data = x},
                             .is_causal = true, .impl = CLMHA_IMPL_FUSED};
     cr_assert_eq(clmha_layer_forward_host(layer, &a, y, COUNT, NULL, 0), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
-    clmha_reference_params rp = {.struct_size = sizeof rp,
-                                 .in_proj_weight = w_in, .in_proj_bias = b_in,
-                                 .out_proj_weight = w_out, .out_proj_bias = b_out};
     char msg[256];
     cr_assert_eq(clmha_reference_forward(&desc, &rp, &a, ref, COUNT, NULL, 0, msg, sizeof msg),
                  CLMHA_SUCCESS, "%s", msg);
@@ -772,34 +783,18 @@ static double decode_error(clmha_context *ctx) {
     static float w[4 * E * E + 4 * E], q[E], kv[S * E], y[E];
     static double ref[E];
     uint64_t r = 7;
-    for (size_t i = 0; i < sizeof w / sizeof w[0]; ++i) {
-        r = r * 6364136223846793005ull + 1442695040888963407ull;
-        w[i] = (float)((double)(r >> 40) / (double)(1ull << 24) - 0.5) * 0.5f;
-    }
-    for (size_t i = 0; i < E + S * E; ++i) {
-        r = r * 6364136223846793005ull + 1442695040888963407ull;
-        float v = (float)((double)(r >> 40) / (double)(1ull << 24) - 0.5) * 2.0f;
-        if (i < E) q[i] = v; else kv[i - E] = v;
-    }
+    clmha_reference_params rp;
+    clmha_layer *layer = lcg_layer(ctx, E, H, &r, 0.5f, w, &rp);
+    for (size_t i = 0; i < E; ++i) q[i] = 2.0f * lcg_unit(&r);
+    for (size_t i = 0; i < S * E; ++i) kv[i] = 2.0f * lcg_unit(&r);
     clmha_layer_desc desc = {.struct_size = sizeof desc,
                              .embed_dim = E, .num_heads = H, .bias = true};
-    clmha_layer *layer = NULL;
-    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
-    const float *w_in = w, *w_out = w + 3 * E * E, *b_in = w + 4 * E * E,
-                *b_out = w + 4 * E * E + 3 * E;
-    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * E * E), 0);
-    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", w_out, E * E), 0);
-    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * E), 0);
-    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", b_out, E), 0);
     clmha_kv_cache *cache = NULL;
     cr_assert_eq(clmha_kv_cache_create(&cache, layer, 1, S), CLMHA_SUCCESS);
     clmha_forward_args a = {.struct_size = sizeof a,
                             .query = {.ndim = 3, .shape = {1, 1, E}, .data = q},
                             .key = {.ndim = 3, .shape = {S, 1, E}, .data = kv},
                             .value = {.ndim = 3, .shape = {S, 1, E}, .data = kv}};
-    clmha_reference_params rp = {.struct_size = sizeof rp,
-                                 .in_proj_weight = w_in, .in_proj_bias = b_in,
-                                 .out_proj_weight = w_out, .out_proj_bias = b_out};
     char msg[256];
     cr_assert_eq(clmha_reference_forward(&desc, &rp, &a, ref, E, NULL, 0, msg, sizeof msg),
                  CLMHA_SUCCESS, "%s", msg);

@@ -6,6 +6,7 @@
 #include "cores/decode.h"
 #include "layer/layer.h"
 #include "tuner/gemm_search.h"  // now_s, rand_unit
+#include "tuner/random_layer.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -64,10 +65,10 @@ static bool split_time(clmha_layer *layer, const size_t split[2], const bench *b
 
 // Fills @p b's cache with @p s random keys and values (one call that also checks nothing) and
 // computes the reference of the query over them.
-static bool bench_make(clmha_layer *layer, const clmha_layer_desc *desc,
-                       const clmha_reference_params *rp, uint64_t *rng, size_t s, const float *q,
+static bool bench_make(const clmha__random_layer *rl, uint64_t *rng, size_t s, const float *q,
                        float *y, bench *b) {
-    size_t e = desc->embed_dim;
+    clmha_layer *layer = rl->layer;
+    size_t e = rl->desc.embed_dim;
     memset(b, 0, sizeof *b);
     b->s = s;
     float *kv = malloc(s * e * sizeof *kv);
@@ -82,7 +83,7 @@ static bool bench_make(clmha_layer *layer, const clmha_layer_desc *desc,
                             .key = {.ndim = 3, .shape = {s, 1, e}, .data = kv},
                             .value = {.ndim = 3, .shape = {s, 1, e}, .data = kv}};
     char msg[256];
-    bool ok = clmha_reference_forward(desc, rp, &a, b->ref, e, NULL, 0, msg, sizeof msg) ==
+    bool ok = clmha_reference_forward(&rl->desc, &rl->rp, &a, b->ref, e, NULL, 0, msg, sizeof msg) ==
               CLMHA_SUCCESS;
     ok = ok && clmha_kv_cache_create(&b->cache, layer, 1, s) == CLMHA_SUCCESS;
     a.kv_cache = b->cache;
@@ -100,32 +101,18 @@ static bool bench_make(clmha_layer *layer, const clmha_layer_desc *desc,
 void clmha__tune_decode(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
                         double deadline, clmha__decode_result *res) {
     memset(res, 0, sizeof *res);
-    size_t e = shape->embed_dim, h = shape->num_heads, nparam = 4 * e * e + 4 * e;
-    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = e, .num_heads = h,
-                             .bias = true};
-    clmha_layer *layer = NULL;
+    size_t e = shape->embed_dim, h = shape->num_heads;
+    clmha__random_layer rl = {0};
     bench b[2] = {{0}};
     size_t nb = 0;
-    float *params = malloc(nparam * sizeof *params), *q = malloc(e * sizeof *q);
-    float *y = malloc(e * sizeof *y);
-    if (!params || !q || !y || now_s() > deadline || clmha_layer_create(&layer, ctx, &desc))
+    float *q = malloc(e * sizeof *q), *y = malloc(e * sizeof *y);
+    if (!q || !y || now_s() > deadline || !clmha__random_layer_make(ctx, rng, e, h, &rl))
         goto done;
-    double bound = 1.0 / sqrt((double)e);
-    for (size_t i = 0; i < nparam; ++i) params[i] = (float)(bound * rand_unit(rng));
+    clmha_layer *layer = rl.layer;
     for (size_t i = 0; i < e; ++i) q[i] = rand_unit(rng);
-    const float *w_in = params, *w_out = params + 3 * e * e, *b_in = params + 4 * e * e,
-                *b_out = params + 4 * e * e + 3 * e;
-    if (clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * e * e) ||
-        clmha_layer_set_parameter(layer, "out_proj.weight", w_out, e * e) ||
-        clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * e) ||
-        clmha_layer_set_parameter(layer, "out_proj.bias", b_out, e))
-        goto done;
-    clmha_reference_params rp = {.struct_size = sizeof rp,
-                                 .in_proj_weight = w_in, .in_proj_bias = b_in,
-                                 .out_proj_weight = w_out, .out_proj_bias = b_out};
     static const size_t lengths[2] = {CLMHA__DECODE_TUNE_SHORT, CLMHA__DECODE_TUNE_LONG};
     for (; nb < 2; ++nb)
-        if (!bench_make(layer, &desc, &rp, rng, lengths[nb], q, y, &b[nb])) goto done;
+        if (!bench_make(&rl, rng, lengths[nb], q, y, &b[nb])) goto done;
     if (clmha_layer_set_profiling(layer, true)) goto done;
 
     // The default split first: the yardstick.
@@ -186,6 +173,6 @@ done:
         clmha_kv_cache_release(b[i].cache);
         free(b[i].ref);
     }
-    clmha_layer_release(layer);
-    free(params), free(q), free(y);
+    clmha__random_layer_free(&rl);
+    free(q), free(y);
 }

@@ -6,6 +6,7 @@
 #include "cores/fused.h"
 #include "layer/layer.h"
 #include "tuner/gemm_search.h"  // now_s, rand_unit
+#include "tuner/random_layer.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -54,33 +55,19 @@ void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape
     memset(res, 0, sizeof *res);
     size_t n = shape->batch, l = shape->tgt_len, e = shape->embed_dim, h = shape->num_heads;
     res->flops = 4.0 * (double)n * (double)l * (double)l * (double)e;
-    size_t count = n * l * e, nparam = 4 * e * e + 4 * e;
-    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = e, .num_heads = h,
-                             .bias = true};
-    clmha_layer *layer = NULL;
-    float *params = malloc(nparam * sizeof *params), *x = malloc(count * sizeof *x);
-    float *y = malloc(count * sizeof *y);
+    size_t count = n * l * e;
+    clmha__random_layer rl = {0};
+    float *x = malloc(count * sizeof *x), *y = malloc(count * sizeof *y);
     double *ref = malloc(count * sizeof *ref);
     cl_mem qbuf = NULL, obuf = NULL;
-    if (!params || !x || !y || !ref || clmha_layer_create(&layer, ctx, &desc)) goto done;
-    double bound = 1.0 / sqrt((double)e);
-    for (size_t i = 0; i < nparam; ++i) params[i] = (float)(bound * rand_unit(rng));
+    if (!x || !y || !ref || !clmha__random_layer_make(ctx, rng, e, h, &rl)) goto done;
+    clmha_layer *layer = rl.layer;
     for (size_t i = 0; i < count; ++i) x[i] = rand_unit(rng);
-    const float *w_in = params, *w_out = params + 3 * e * e, *b_in = params + 4 * e * e,
-                *b_out = params + 4 * e * e + 3 * e;
-    if (clmha_layer_set_parameter(layer, "in_proj_weight", w_in, 3 * e * e) ||
-        clmha_layer_set_parameter(layer, "out_proj.weight", w_out, e * e) ||
-        clmha_layer_set_parameter(layer, "in_proj_bias", b_in, 3 * e) ||
-        clmha_layer_set_parameter(layer, "out_proj.bias", b_out, e))
-        goto done;
     clmha_forward_args args = {.struct_size = sizeof args,
                                .query = {.ndim = 3, .shape = {l, n, e}, .data = x},
                                .impl = CLMHA_IMPL_FUSED};
-    clmha_reference_params rp = {.struct_size = sizeof rp,
-                                 .in_proj_weight = w_in, .in_proj_bias = b_in,
-                                 .out_proj_weight = w_out, .out_proj_bias = b_out};
     char msg[256];
-    if (clmha_reference_forward(&desc, &rp, &args, ref, count, NULL, 0, msg, sizeof msg))
+    if (clmha_reference_forward(&rl.desc, &rl.rp, &args, ref, count, NULL, 0, msg, sizeof msg))
         goto done;
     double scale = 1.0;
     for (size_t i = 0; i < count; ++i) scale = fmax(scale, 1.0 + fabs(ref[i]));
@@ -150,7 +137,7 @@ void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape
 done:
     clmha__release_mem(qbuf);
     clmha__release_mem(obuf);
-    clmha_layer_release(layer);
-    free(params), free(x), free(y), free(ref);
+    clmha__random_layer_free(&rl);
+    free(x), free(y), free(ref);
 }
 
