@@ -125,12 +125,14 @@ kernel void decode_partial(global const float *q, global const float *kc,
         // registers; the block's keys and values are read from memory for the first and from
         // the cache for the others.
         for (uint g = 0; g < G; ++g) {
-            // The block's scores as one vector (lane u: key jb + u), so that their max and
-            // exponentials are vector operations.
-            float16 scv;
+            // The block's probabilities exp(score - mb) (pr, keys jb .. jb + cnt - 1), their
+            // sum, and the new running maximum mb.
+            float mb = m[g], pr[BKEYS], bsum;
 #if VW == 16
-            // Lane sums of 16 keys' products at once: each level adds neighbouring lanes of
-            // two vectors, halving the partial sums per key and keeping the keys in order.
+            // The 16 scores as one vector (lane u: key jb + u), so that their max and
+            // exponentials are vector operations; the lane sums of the 16 keys' products at
+            // once: each level adds neighbouring lanes of two vectors, halving the partial sums
+            // per key and keeping the keys in order.
             float16 d[BKEYS];
             UNROLL
             for (uint u = 0; u < BKEYS; ++u) {
@@ -147,25 +149,10 @@ kernel void decode_partial(global const float *q, global const float *kc,
                     e6 = PAIR_SUMS(d[12], d[13]), e7 = PAIR_SUMS(d[14], d[15]);
             float16 f0 = PAIR_SUMS(e0, e1), f1 = PAIR_SUMS(e2, e3), f2 = PAIR_SUMS(e4, e5),
                     f3 = PAIR_SUMS(e6, e7);
-            scv = PAIR_SUMS(PAIR_SUMS(f0, f1), PAIR_SUMS(f2, f3));
+            float16 scv = PAIR_SUMS(PAIR_SUMS(f0, f1), PAIR_SUMS(f2, f3));
 #undef PAIR_SUMS
-#else
-            float sc[BKEYS];
-            UNROLL
-            for (uint u = 0; u < BKEYS; ++u) {
-                global const VT *kr = (global const VT *)(kb + (jb + min(u, cnt - 1)) * HD);
-                VT dot = qv[g][0] * kr[0];
-                UNROLL
-                for (uint c = 1; c < HV; ++c) dot = fma(qv[g][c], kr[c], dot);
-                sc[u] = hsum(dot);
-            }
-            // Lane by lane (no pointer into a vector: Oclgrind's --uninitialized loses track).
-            scv = (float16)(sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7], sc[8], sc[9],
-                            sc[10], sc[11], sc[12], sc[13], sc[14], sc[15]);
-#endif
             float16 lane = (float16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
             scv = select(scv, (float16)(-INFINITY), isgreaterequal(lane, (float16)((float)cnt)));
-            float mb = m[g];
             {
                 float8 m8 = fmax(scv.lo, scv.hi);
                 float4 m4 = fmax(m8.lo, m8.hi);
@@ -173,16 +160,35 @@ kernel void decode_partial(global const float *q, global const float *kc,
                 mb = max_nan(mb, fmax(m2.x, m2.y));
             }
             float16 prv = exp(scv - (float16)(mb));
-            const float pr[BKEYS] = {prv.s0, prv.s1, prv.s2, prv.s3, prv.s4, prv.s5,
-                                     prv.s6, prv.s7, prv.s8, prv.s9, prv.sa, prv.sb,
-                                     prv.sc, prv.sd, prv.se, prv.sf};
-            float corr = m[g] == -INFINITY ? 0.0f : exp(m[g] - mb);
-            float sum;
             {
                 float8 s8 = prv.lo + prv.hi;
                 float4 s4 = s8.lo + s8.hi;
-                sum = fma(s[g], corr, (s4.x + s4.y) + (s4.z + s4.w));
+                bsum = (s4.x + s4.y) + (s4.z + s4.w);
             }
+            pr[0] = prv.s0, pr[1] = prv.s1, pr[2] = prv.s2, pr[3] = prv.s3;
+            pr[4] = prv.s4, pr[5] = prv.s5, pr[6] = prv.s6, pr[7] = prv.s7;
+            pr[8] = prv.s8, pr[9] = prv.s9, pr[10] = prv.sa, pr[11] = prv.sb;
+            pr[12] = prv.sc, pr[13] = prv.sd, pr[14] = prv.se, pr[15] = prv.sf;
+#else
+            // Other widths (GPUs: scalar rows) score key by key.
+            float sc[BKEYS];
+            UNROLL
+            for (uint u = 0; u < BKEYS; ++u) {
+                global const VT *kr = (global const VT *)(kb + (jb + min(u, cnt - 1)) * HD);
+                VT dot = qv[g][0] * kr[0];
+                UNROLL
+                for (uint c = 1; c < HV; ++c) dot = fma(qv[g][c], kr[c], dot);
+                sc[u] = u < cnt ? hsum(dot) : -INFINITY;
+                mb = max_nan(mb, sc[u]);
+            }
+            bsum = 0.0f;
+            for (uint u = 0; u < cnt; ++u) {
+                pr[u] = exp(sc[u] - mb);
+                bsum += pr[u];
+            }
+#endif
+            float corr = m[g] == -INFINITY ? 0.0f : exp(m[g] - mb);
+            float sum = fma(s[g], corr, bsum);
             VT a[HV];
             UNROLL
             for (uint c = 0; c < HV; ++c) a[c] = acc[g][c] * corr;
