@@ -20,7 +20,7 @@
 // VW (see clmha__fused_tiles).
 #define CLMHA__FUSED_PARAMS 4
 // How the decode core splits a cached sequence's keys ("DecodeSplit" in a tuning file):
-// ITEMS_PER_CU, MIN_KEYS (see clmha__decode_split).
+// ITEMS_PER_CU, MIN_KEYS (see clmha__decode_parts() in cores/decode.h).
 #define CLMHA__DECODE_PARAMS 2
 
 // Largest accepted parameter value (XGEMM_MIN_INDIRECT_SIZE); a file's values are checked
