@@ -63,7 +63,7 @@ static bool split_time(clmha_layer *layer, const size_t split[2], const bench *b
     return true;
 }
 
-// Fills @p b's cache with @p s random keys and values (one call that also checks nothing) and
+// Fills @p b's cache with @p s random keys and values (one call, its output not checked) and
 // computes the reference of the query over them.
 static bool bench_make(const clmha__random_layer *rl, uint64_t *rng, size_t s, const float *q,
                        float *y, bench *b) {
@@ -83,8 +83,8 @@ static bool bench_make(const clmha__random_layer *rl, uint64_t *rng, size_t s, c
                             .key = {.ndim = 3, .shape = {s, 1, e}, .data = kv},
                             .value = {.ndim = 3, .shape = {s, 1, e}, .data = kv}};
     char msg[256];
-    bool ok = clmha_reference_forward(&rl->desc, &rl->rp, &a, b->ref, e, NULL, 0, msg, sizeof msg) ==
-              CLMHA_SUCCESS;
+    bool ok = clmha_reference_forward(&rl->desc, &rl->rp, &a, b->ref, e, NULL, 0, msg,
+                                      sizeof msg) == CLMHA_SUCCESS;
     ok = ok && clmha_kv_cache_create(&b->cache, layer, 1, s) == CLMHA_SUCCESS;
     a.kv_cache = b->cache;
     ok = ok && clmha_layer_forward_host(layer, &a, y, e, NULL, 0) == CLMHA_SUCCESS;

@@ -151,8 +151,8 @@ static bool check_decode(const size_t *p, char *msg, size_t msg_size) {
                           ? "MIN_KEYS must be 1 to " CLMHA__STR(CLMHA__DECODE_KEYS_MAX)
                           : NULL;
     if (why)
-        clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "DecodeSplit ITEMS_PER_CU=%zu MIN_KEYS=%zu: %s",
-                   p[0], p[1], why);
+        clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                   "DecodeSplit ITEMS_PER_CU=%zu MIN_KEYS=%zu: %s", p[0], p[1], why);
     return !why;
 }
 
