@@ -526,7 +526,8 @@ typedef struct clmha_tune_report {
     double default_decode_ms;           ///< decode stage (one query row, N 1, the first layer
                                         ///< shape's E and H) at caches of 512 and 8192 keys,
                                         ///< the two medians summed, default split (0: not
-                                        ///< timed). Added after 0.1.0.
+                                        ///< timed, also where the driver's profiled times
+                                        ///< are zero). Added after 0.1.0.
     double tuned_decode_ms;             ///< the same with the chosen split
 } clmha_tune_report;
 

@@ -761,8 +761,14 @@ Test(tuning, tune_reports_the_fused_stage, .timeout = 900) {
     // The decode split (phase E) was timed too; decode calls after it stay exact.
     fprintf(stderr, "tuning: decode step default %.3f ms, tuned %.3f ms\n", rep.default_decode_ms,
             rep.tuned_decode_ms);
-    cr_expect_gt(rep.default_decode_ms, 0.0);
-    cr_expect_gt(rep.tuned_decode_ms, 0.0);
+    // A driver whose profiled times are zero (rusticl: the fused figures are then infinite)
+    // has no decode figures either.
+    if (isfinite(rep.default_fused_gflops)) {
+        cr_expect_gt(rep.default_decode_ms, 0.0);
+        cr_expect_gt(rep.tuned_decode_ms, 0.0);
+    } else {
+        cr_expect_eq(rep.default_decode_ms, 0.0);
+    }
     cr_expect_leq(rep.tuned_decode_ms, rep.default_decode_ms);
     char *out = export_text(ctx);
     bool split_tuned = out && strstr(out, "DecodeSplit") != NULL;

@@ -118,7 +118,10 @@ void clmha__tune_decode(clmha_context *ctx, uint64_t *rng, const clmha_tune_shap
     // The default split first: the yardstick.
     size_t def[2], rows = h;  // N = 1, one query row: N·KV heads·L query-row groups
     clmha__decode_default_split(ctx, def);
-    if (now_s() > deadline || !split_time(layer, def, b, nb, q, y, 5, &res->default_ms)) goto done;
+    // A driver whose profiled times are all zero (rusticl on llvmpipe) cannot rank splits.
+    if (now_s() > deadline || !split_time(layer, def, b, nb, q, y, 5, &res->default_ms) ||
+        !(res->default_ms > 0))
+        goto done;
     res->searched = true;
     res->best_ms = res->default_ms;
     memcpy(res->best, def, sizeof def);
