@@ -704,6 +704,33 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 // Layers
 // ---------------------------------------------------------------------------------------------
 
+/// Element type of a layer (PyTorch's `dtype=`): of its parameters, and of the query, key,
+/// value, float masks, output and weights of its device forward calls. A 16-bit layer
+/// (::CLMHA_DTYPE_F16, ::CLMHA_DTYPE_BF16) computes in float32 on every device: its inputs are
+/// read as 16-bit values and widened, projections, scores, softmax and sums run in float32, and
+/// the output and weights are rounded to the dtype once, to nearest even. Its parameters are
+/// values of the dtype: clmha_layer_set_parameter() rounds the float32 values it is given to the
+/// dtype (as PyTorch's `.half()` / `.bfloat16()` do) and clmha_layer_get_parameter() returns
+/// those values; on the device they are held as float32 (the memory of a float32 layer).
+///
+/// Accuracy contract, measured by the tests against clmha_reference_forward() in float64 on
+/// the same (dtype-exact) parameters and inputs of unit scale (|x| <= 1, weights of
+/// PyTorch's initialisation): max |output error| <= 1e-5 (1 + max |output|) for F32,
+/// <= 2^-11 max |output| + 1e-5 for F16 (the final rounding: half an ulp of float16),
+/// <= 2^-8 max |output| + 1e-5 for BF16; and at most twice the error of PyTorch's own
+/// computation in that dtype (tests/golden/dtype_*.txt).
+///
+/// Not yet for 16-bit layers: the backward pass (clmha_forward_args::save), KV caches,
+/// clmha_layer_attend(), clmha_layer_project_heads() and user attention cores
+/// (::CLMHA_UNSUPPORTED). ::CLMHA_DTYPE_F64 layers are not implemented yet
+/// (clmha_layer_create() returns ::CLMHA_UNSUPPORTED).
+typedef enum clmha_dtype {
+    CLMHA_DTYPE_F32 = 0,  ///< float32 (the default)
+    CLMHA_DTYPE_F64 = 1,  ///< float64: not implemented yet
+    CLMHA_DTYPE_F16 = 2,  ///< IEEE 754 binary16 (`torch.float16`), float32 arithmetic
+    CLMHA_DTYPE_BF16 = 3, ///< bfloat16 (`torch.bfloat16`): the upper half of a float32
+} clmha_dtype;
+
 /// Configuration of a layer; the fields and their meaning are those of
 /// `torch.nn.MultiheadAttention(embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn,
 /// kdim, vdim, batch_first)`. Zero-initialise it with struct_size set, then set what you need
@@ -733,6 +760,9 @@ typedef struct clmha_layer_desc {
     /// bias_k and bias_v num_kv_heads*D each, and there is no packed in_proj_weight.
     /// Added after 0.1.0: zero-initialise the whole struct.
     size_t num_kv_heads;
+    /// Element type of the parameters, inputs and outputs (see ::clmha_dtype); 0 is float32.
+    /// Added after 0.1.0, like @ref num_kv_heads.
+    clmha_dtype dtype;
 } clmha_layer_desc;
 
 /// Creates a layer on @p ctx: validates the descriptor, builds the kernel programs (cached per
@@ -851,8 +881,8 @@ CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
 /// Creates a layer from a `.safetensors` file whose tensors are named and shaped as
 /// `nn.MultiheadAttention.state_dict()` gives them (`in_proj_weight` or
 /// `q_proj_weight`/`k_proj_weight`/`v_proj_weight`, `in_proj_bias`, `out_proj.weight`,
-/// `out_proj.bias`, `bias_k`, `bias_v`; any other tensor is refused), F32, F16 or F64
-/// (converted to float). The file's `__metadata__` gives `num_heads` (required), `batch_first`,
+/// `out_proj.bias`, `bias_k`, `bias_v`; any other tensor is refused), F32, F16, BF16 or F64
+/// (converted to float). The layer is float32; clmha_layer_load_as() chooses its dtype. The file's `__metadata__` gives `num_heads` (required), `batch_first`,
 /// `add_zero_attn` ("true"/"false", default false) and `dropout` (default 0); embed_dim, kdim,
 /// vdim, bias and add_bias_kv follow from the tensors present and their shapes. The parameters
 /// are copied before the call returns.
@@ -875,6 +905,20 @@ CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
 ///         message names the file and the culprit), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY,
 ///         and the statuses of clmha_layer_create() and clmha_layer_set_parameter()
 CLMHA_API clmha_status clmha_layer_load(clmha_layer **out, clmha_context *ctx, const char *path);
+
+/// clmha_layer_load() into a layer of dtype @p dtype (see ::clmha_dtype): the file's values,
+/// whatever its tensors' dtype, are rounded to @p dtype, as PyTorch's `load_state_dict()` into
+/// a module of that dtype does. Added after 0.1.0.
+/// @param[out] out    the new layer, or NULL on failure
+/// @param[in]  ctx    the context to create it on
+/// @param[in]  path   the file's path
+/// @param[in]  dtype  the layer's dtype
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also an unknown @p dtype),
+///         ::CLMHA_IO_ERROR, ::CLMHA_INVALID_FILE, ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY,
+///         ::CLMHA_UNSUPPORTED (::CLMHA_DTYPE_F64: not implemented yet), and the statuses of
+///         clmha_layer_create() and clmha_layer_set_parameter()
+CLMHA_API clmha_status clmha_layer_load_as(clmha_layer **out, clmha_context *ctx,
+                                           const char *path, clmha_dtype dtype);
 
 /// Writes the layer to @p path in the format clmha_layer_load() reads (F32 tensors, metadata
 /// with num_heads, batch_first, add_zero_attn and dropout). The file appears whole or not at all
@@ -1098,7 +1142,8 @@ typedef struct clmha_core_args {
 /// @param[in] fn         the core, or NULL to restore the built-in one
 /// @param[in] user_data  passed to @p fn on every call (ignored when @p fn is NULL); must stay
 ///                       valid while @p fn is set
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p layer NULL)
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p layer NULL), ::CLMHA_UNSUPPORTED (a
+///         16-bit layer, see ::clmha_dtype)
 CLMHA_API clmha_status clmha_layer_set_attention(clmha_layer *layer, clmha_attention_fn fn,
                                                  void *user_data);
 
@@ -1130,10 +1175,14 @@ CLMHA_API clmha_status clmha_layer_output_counts(clmha_layer *layer,
 /// event for the completion in @p event (may be NULL; the caller releases it). The buffers must
 /// stay unchanged (inputs) and unread (outputs) until that event completes. It may allocate
 /// scratch (see clmha_layer_bake()).
+/// Elements are those of the layer's dtype (::clmha_dtype): for a 16-bit layer, query, key,
+/// value, float masks, @p output and @p weights hold 16-bit values (`half` or bfloat16), and
+/// every offset and count here counts those elements; boolean masks stay bytes. Such a call
+/// also keeps float32 copies of its tensors in the layer's scratch.
 /// @param[in]  layer           the layer
 /// @param[in]  args            the inputs and options; the struct is read only during the call
 /// @param[out] output          buffer of the layer's cl_context holding at least
-///                             @p output_offset + output_count floats
+///                             @p output_offset + output_count elements
 ///                             (clmha_layer_output_counts())
 /// @param[in]  output_offset   element offset of the result in @p output
 /// @param[out] weights         buffer for the weights, like @p output; ignored (may be NULL)
@@ -1173,6 +1222,9 @@ CLMHA_API clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forwa
 /// forward pass, waits for the context's queue to finish (clFinish) and downloads the results.
 /// The arrays are written only once the whole pass has finished. Shapes as for
 /// clmha_layer_forward().
+/// The arrays are float32 whatever the layer's dtype: a 16-bit layer's call rounds the inputs
+/// and float masks to its dtype (to nearest even) before it uploads them as 16-bit tensors,
+/// and its results are the dtype's values, widened exactly (the device call's, bit for bit).
 /// @param[in]  layer          the layer
 /// @param[in]  args           the inputs and options (the `buffer` fields are ignored)
 /// @param[out] output         room for @p output_count floats
@@ -1231,7 +1283,8 @@ CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
 /// @param[in]  capacity  the most tokens each sequence may hold
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, @p batch or @p capacity 0, a
 ///         capacity of 2^32 tokens or more), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY (also
-///         a cache larger than the device's largest allocation), ::CLMHA_OPENCL_ERROR
+///         a cache larger than the device's largest allocation), ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_UNSUPPORTED (a 16-bit layer, see ::clmha_dtype)
 CLMHA_API clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer,
                                              size_t batch, size_t capacity);
 
@@ -1354,7 +1407,7 @@ CLMHA_API clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, si
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, buffers as for
 ///         clmha_layer_forward()), ::CLMHA_SHAPE_MISMATCH (@p batch or @p tgt_len 0),
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR,
-///         ::CLMHA_BLAS_ERROR
+///         ::CLMHA_BLAS_ERROR, ::CLMHA_UNSUPPORTED (a 16-bit layer, see ::clmha_dtype)
 CLMHA_API clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch,
                                                  size_t tgt_len, cl_mem heads,
                                                  size_t heads_offset, cl_mem output,

@@ -177,6 +177,15 @@ const char *golden_mask_kind_name(golden_mask_kind kind) {
     return "?";
 }
 
+const char *golden_layer_dtype_name(int dtype) {
+    switch (dtype) {
+    case GOLDEN_LAYER_F32: return "f32";
+    case GOLDEN_LAYER_F16: return "f16";
+    case GOLDEN_LAYER_BF16: return "bf16";
+    }
+    return "?";
+}
+
 const golden_tensor *golden_find(const golden_case *gc, const char *name) {
     if (!gc || !name) return NULL;
     for (size_t i = 0; i < gc->num_tensors; i++)
@@ -339,6 +348,18 @@ static bool parse_body(loader *ld) {
             return false;
         }
     }
+    // Optional: dtype <f16|bf16> (a 16-bit layer), after num_kv_heads; absent: float32.
+    if (next_is(&ld->lx, "dtype")) {
+        if (!expect_word(ld, "dtype") || !expect_token(ld, "dtype", &t)) return false;
+        if (strcmp(t, "f16") == 0)
+            gc->dtype = GOLDEN_LAYER_F16;
+        else if (strcmp(t, "bf16") == 0)
+            gc->dtype = GOLDEN_LAYER_BF16;
+        else {
+            fail(ld, "dtype: unknown layer dtype '%.40s' (f16 or bf16)", t);
+            return false;
+        }
+    }
 
     if (!expect_word(ld, "call") || !key_bool(ld, "need_weights", &gc->need_weights) ||
         !key_bool(ld, "per_head_weights", &gc->per_head_weights) ||
@@ -382,6 +403,33 @@ static bool parse_body(loader *ld) {
         fail(ld, "need_weights is %d but weights is %s", (int)gc->need_weights,
              w ? "present" : "missing");
         return false;
+    }
+    // A 16-bit layer's baseline: PyTorch's result in the dtype, f32, the expected shapes.
+    if (gc->dtype != GOLDEN_LAYER_F32) {
+        const golden_tensor *want[] = {out, w};
+        const char *const names[] = {"torch.output", "torch.weights"};
+        for (size_t i = 0; i < 2; i++) {
+            const golden_tensor *b = golden_find(gc, names[i]);
+            if (!want[i]) {
+                if (b) {
+                    fail(ld, "tensor %s present but need_weights is 0", names[i]);
+                    return false;
+                }
+                continue;
+            }
+            if (!b) {
+                fail(ld, "dtype %s: tensor %s is missing", golden_layer_dtype_name(gc->dtype),
+                     names[i]);
+                return false;
+            }
+            bool same_shape = b->dtype == GOLDEN_F32 && b->ndim == want[i]->ndim;
+            for (size_t d = 0; same_shape && d < b->ndim; d++)
+                same_shape = b->shape[d] == want[i]->shape[d];
+            if (!same_shape) {
+                fail(ld, "tensor %s must be f32 and of %s's shape", names[i], want[i]->name);
+                return false;
+            }
+        }
     }
     return true;
 }

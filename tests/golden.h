@@ -5,6 +5,7 @@
 //   case <name>
 //   layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
 //         add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>]
+//         [dtype <f16|bf16>]
 //   call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training <0|1>
 //        kpm <kind> attn <kind> attn_per_batch <0|1>
 //   tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -15,8 +16,20 @@
 // kind is none, bool_ignore, bool_attend or float. The optional num_kv_heads (grouped-query
 // attention: G key/value heads, G divides H) ends the layer line; only GQA cases (G < H)
 // have it, and their k/v_proj_weight, the k/v parts of in_proj_bias and bias_k/bias_v have
-// G * (E/H) rows (entries) instead of E. The loader has no dependency besides the C11
-// standard library; it never aborts: malformed files give an error message.
+// G * (E/H) rows (entries) instead of E.
+//
+// The optional dtype (after num_kv_heads when both are present; absent: a float32 layer, as in
+// every case of cases.inc) marks a float16 / bfloat16 layer case (tests/golden/dtype_cases.inc):
+// its parameters, inputs and outputs are 16-bit. Such a file is forward only (no grad_*
+// tensors). Its f32 parameters, query/key/value and float masks hold values exactly
+// representable in the dtype (the float32 draw rounded to it), output/weights are the float64
+// results on exactly those values, and two more f32 tensors follow them: torch.output (and
+// torch.weights with need_weights), PyTorch's own result computed in the dtype, as a baseline
+// for the error (see tools/make_golden.py for how it is made). The loader checks that these
+// are present, f32 and of the expected values' shapes.
+//
+// The loader has no dependency besides the C11 standard library; it never aborts: malformed
+// files give an error message.
 #ifndef CLMHA_TESTS_GOLDEN_H
 #define CLMHA_TESTS_GOLDEN_H
 
@@ -41,6 +54,13 @@ typedef enum golden_mask_kind {
     GOLDEN_MASK_FLOAT,        // added to the scaled scores
 } golden_mask_kind;
 
+// The layer's dtype (the layer line's optional `dtype`), stored in golden_case.dtype.
+typedef enum golden_layer_dtype {
+    GOLDEN_LAYER_F32 = 0,  // no dtype on the layer line
+    GOLDEN_LAYER_F16,      // dtype f16
+    GOLDEN_LAYER_BF16,     // dtype bf16
+} golden_layer_dtype;
+
 typedef struct golden_tensor {
     char name[GOLDEN_MAX_NAME];
     golden_dtype dtype;
@@ -59,6 +79,7 @@ typedef struct golden_case {
     bool bias, add_bias_kv, add_zero_attn, batch_first;
     double dropout;
     size_t num_kv_heads;  // 0 when the layer line has no num_kv_heads (num_heads)
+    int dtype;            // a golden_layer_dtype; GOLDEN_LAYER_F32 (0) when the line has none
     // call
     bool need_weights, per_head_weights, is_causal, training;
     golden_mask_kind kpm, attn;
@@ -74,7 +95,8 @@ typedef struct golden_case {
 // error message (stored in gc->error) on failure; in both cases golden_free() may be called and
 // frees everything (on failure nothing else is held). Besides the syntax it checks that the
 // masks named in the call line are present with a matching dtype, that `query` and `output`
-// exist and that `weights` exists exactly when need_weights.
+// exist and that `weights` exists exactly when need_weights (and, for a dtype case, `torch.output`
+// and `torch.weights` likewise, f32, of output's and weights' shapes).
 const char *golden_load(const char *path, golden_case *gc);
 
 // The tensor called @p name, or NULL.
@@ -85,5 +107,8 @@ void golden_free(golden_case *gc);
 
 // "none", "bool_ignore", ... for a kind; "?" otherwise.
 const char *golden_mask_kind_name(golden_mask_kind kind);
+
+// "f32", "f16" or "bf16" for a golden_layer_dtype; "?" otherwise.
+const char *golden_layer_dtype_name(int dtype);
 
 #endif  // CLMHA_TESTS_GOLDEN_H

@@ -52,6 +52,7 @@ int main() {
         reinterpret_cast<const void *>(&clmha_layer_get_desc),
         reinterpret_cast<const void *>(&clmha_layer_get_parameter),
         reinterpret_cast<const void *>(&clmha_layer_load),
+        reinterpret_cast<const void *>(&clmha_layer_load_as),
         reinterpret_cast<const void *>(&clmha_layer_output_counts),
         reinterpret_cast<const void *>(&clmha_layer_parameter_count),
         reinterpret_cast<const void *>(&clmha_layer_release),

@@ -1,5 +1,5 @@
 #define _POSIX_C_SOURCE 200809L
-// Layer files: clmha_layer_save / clmha_layer_load round trips (bit for bit), F16 and F64
+// Layer files: clmha_layer_save / clmha_layer_load round trips (bit for bit), F16, BF16 and F64
 // files, files written by PyTorch (tests/cli/*/layer.safetensors, see tools/export_mha.py), and
 // malformed files, each refused with its exact status and a message naming the file and the
 // culprit. Every file is built by the test in a temporary folder.
@@ -377,6 +377,25 @@ static void load_ok(env *e, const char *path, clmha_layer **out) {
                  clmha_context_last_error(e->ctx));
 }
 
+// Writes a layer file whose in_proj_weight (12, 4) and out_proj.weight (4, 4) are the 64
+// 16-bit values @p data of dtype @p dtype ("F16" or "BF16"), loads it and reads the 64 values
+// back as floats into @p got.
+static void load_16_bit(env *e, const char *path, const char *dtype,
+                        const unsigned char data[64 * 2], float got[64]) {
+    char header[512];
+    snprintf(header, sizeof header,
+             "{" META2 ",\"in_proj_weight\":{\"dtype\":\"%s\",\"shape\":[12,4],\"data_offsets\":"
+             "[0,96]},\"out_proj.weight\":{\"dtype\":\"%s\",\"shape\":[4,4],\"data_offsets\":"
+             "[96,128]}}",
+             dtype, dtype);
+    write_st(path, header, 3, data, 64 * 2);
+    clmha_layer *l = NULL;
+    load_ok(e, path, &l);
+    cr_assert_eq(clmha_layer_get_parameter(l, "in_proj_weight", got, 48), CLMHA_SUCCESS);
+    cr_assert_eq(clmha_layer_get_parameter(l, "out_proj.weight", got + 48, 16), CLMHA_SUCCESS);
+    clmha_layer_release(l);
+}
+
 Test(safetensors, f16_values) {
     env e;
     env_open(&e);
@@ -388,18 +407,10 @@ Test(safetensors, f16_values) {
         data[2 * i] = (unsigned char)h;
         data[2 * i + 1] = (unsigned char)(h >> 8);
     }
-    write_st(path,
-             "{" META2 ",\"in_proj_weight\":{\"dtype\":\"F16\",\"shape\":[12,4],\"data_offsets\":"
-             "[0,96]},\"out_proj.weight\":{\"dtype\":\"F16\",\"shape\":[4,4],\"data_offsets\":"
-             "[96,128]}}",
-             3, data, sizeof data);
-    clmha_layer *l = NULL;
-    load_ok(&e, path, &l);
-    float w[48], o[16];
-    cr_assert_eq(clmha_layer_get_parameter(l, "in_proj_weight", w, 48), CLMHA_SUCCESS);
-    cr_assert_eq(clmha_layer_get_parameter(l, "out_proj.weight", o, 16), CLMHA_SUCCESS);
+    float w[64];
+    load_16_bit(&e, path, "F16", data, w);
     for (size_t i = 0; i < 64; ++i) {
-        float got = i < 48 ? w[i] : o[i - 48];
+        float got = w[i];
         uint32_t want = halves[i % NUM_HALVES].bits;
         if (isnan(bits_float(want)))
             cr_expect(isnan(got), "value %zu: half 0x%04x gave %g, expected NaN", i,
@@ -408,7 +419,36 @@ Test(safetensors, f16_values) {
             cr_expect_eq(float_bits(got), want, "value %zu: half 0x%04x gave %a, expected %a", i,
                          halves[i % NUM_HALVES].half, (double)got, (double)bits_float(want));
     }
-    clmha_layer_release(l);
+    env_close(&e);
+}
+
+// BF16 tensors: the upper halves of float32s, widened exactly.
+Test(safetensors, bf16_values) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "bf16.safetensors", path, sizeof path);
+    static const uint32_t floats[] = {0x00000000u, 0x80000000u, 0x3f800000u, 0xc0000000u,
+                                      0x3eab0000u, 0x7f7f0000u, 0x00010000u, 0x80800000u,
+                                      0x7f800000u, 0xff800000u, 0x7fc00000u};
+    enum { F = sizeof floats / sizeof *floats };
+    unsigned char data[64 * 2];
+    for (size_t i = 0; i < 64; ++i) {
+        uint16_t b = (uint16_t)(floats[i % F] >> 16);
+        data[2 * i] = (unsigned char)b;
+        data[2 * i + 1] = (unsigned char)(b >> 8);
+    }
+    float w[64];
+    load_16_bit(&e, path, "BF16", data, w);
+    for (size_t i = 0; i < 64; ++i) {
+        float got = w[i];
+        uint32_t want = floats[i % F];
+        if (isnan(bits_float(want)))
+            cr_expect(isnan(got), "value %zu gave %g, expected NaN", i, (double)got);
+        else
+            cr_expect_eq(float_bits(got), want, "value %zu gave %a, expected %a", i, (double)got,
+                         (double)bits_float(want));
+    }
     env_close(&e);
 }
 
@@ -659,9 +699,9 @@ static const bad_case bad_cases[] = {
     {"dtype I32", HEADER,
      "{" NH2 "," IPW("\"dtype\":\"I32\",\"shape\":[12,4],\"data_offsets\":[0,192]") "," OPW_OK "}",
      0, CLMHA_INVALID_FILE, "tensor \"in_proj_weight\" has dtype \"I32\""},
-    {"dtype BF16", HEADER,
-     "{" NH2 "," IPW("\"dtype\":\"BF16\",\"shape\":[12,4],\"data_offsets\":[0,96]") "," OPW_OK "}",
-     0, CLMHA_INVALID_FILE, "has dtype \"BF16\""},
+    {"dtype U8", HEADER,
+     "{" NH2 "," IPW("\"dtype\":\"U8\",\"shape\":[12,4],\"data_offsets\":[0,96]") "," OPW_OK "}",
+     0, CLMHA_INVALID_FILE, "has dtype \"U8\""},
     {"dtype lower case", HEADER,
      "{" NH2 "," IPW("\"dtype\":\"f32\",\"shape\":[12,4],\"data_offsets\":[0,192]") "," OPW_OK "}",
      0, CLMHA_INVALID_FILE, "has dtype \"f32\""},

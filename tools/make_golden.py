@@ -4,7 +4,9 @@
 Every case draws its parameters and inputs in float32 (fixed seeds), then runs
 torch.nn.MultiheadAttention in float64 on exactly those values (module.eval()), and writes
 tests/golden/<case>.txt plus tests/golden/cases.inc (the list of case names, #included by
-tests/test_golden.c). Files of cases no longer generated are removed.
+tests/test_golden.c). The float16 / bfloat16 layer cases (DTYPE_CASES, see below) are written as
+tests/golden/dtype_<f16|bf16>_<name>.txt and listed in tests/golden/dtype_cases.inc only (so
+that the float32 tests do not see them). Files of cases no longer generated are removed.
 
 Run with a Python that has PyTorch (tested with Debian's python3-torch 1.13):
 
@@ -18,7 +20,8 @@ File format (text, whitespace separated, '#' starts a comment line):
 
     case <name>
     layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
-          add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>] (one line)
+          add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>]
+          [dtype <f16|bf16>]                                                 (one line)
     call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training 0
          kpm <kind> attn <kind> attn_per_batch <0|1>                        (one line)
     tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -41,6 +44,44 @@ h // (H/G) (scaled_dot_product_attention(enable_gqa=True), i.e. K/V heads repeat
 by H/G). Their parameters are q_proj_weight (E, E), k_proj_weight (G*D, kdim), v_proj_weight
 (G*D, vdim), in_proj_bias (E + 2*G*D,) (q, k, v), bias_k / bias_v (1, 1, G*D), out_proj.*
 (D = E/H; never a packed in_proj_weight), and their gradients have the same shapes.
+
+dtype is written only by the float16 / bfloat16 layer cases (absent: a float32 layer, as every
+other case); it follows num_kv_heads when both are present (no dtype case is GQA today). Such a
+layer's parameters, inputs and outputs are 16-bit (it computes in float32 inside). These cases
+are forward only and hold: the parameters, query (key, value) and the float masks as f32 tensors
+whose values are the float32 draw (made exactly as for the other cases, fixed seeds) rounded to
+the dtype (round to nearest even; exactly representable in it, -inf stays -inf); the float64
+output (and weights with need_weights) of nn.MultiheadAttention (float64, eval) on exactly those
+rounded values, checked against the independent float64 implementation; no grad_* tensors; and
+then PyTorch's own result in the dtype, converted to float32: torch.output (and torch.weights
+with need_weights, averaged or per head as the call line says), made as follows:
+- bf16: nn.MultiheadAttention run natively in bfloat16 on CPU: the module .to(torch.bfloat16),
+  the inputs and the float masks .to(torch.bfloat16) (bool masks as they are; the causal mask is
+  merged into attn_mask as for every case; a float key_padding_mask together with an attn_mask
+  would be passed pre-combined, in bfloat16).
+- f16: PyTorch 1.13 on CPU cannot run float16 matmuls (and CPU autocast knows only bfloat16), so
+  CUDA autocast's float16 policy is emulated (emulated_mha: F.multi_head_attention_forward of
+  1.13 step by step, in float32 tensors, with r(x) = x.to(float16).to(float32) where a float16
+  kernel returns float16): Q, K, V = r(linear(x, W, b)) (float16 operands, float32 accumulation
+  and bias: a float16 GEMM's result); bias_k/bias_v and the zero key appended as they are;
+  q_scaled = r(Q / sqrt(D)) (1.13 scales q before the product, in q's dtype); scores =
+  r(bmm(q_scaled, K^T)); the additive mask (float32) added and the softmax taken in float32
+  (autocast's float32 softmax); out = r(linear(r(bmm(r(P), V)), out_proj)) with P the float32
+  probabilities; weights = r(P) per head, or r(mean over heads of P) (averaged in float32,
+  rounded once: a float16 layer returns float16 weights). Differences from a literal CUDA
+  autocast run: 1.13's baddbmm would round (scores + mask) to float16 once, here the float32
+  mask is added to the rounded scores without rounding again; and under autocast 1.13 would
+  return float32 weights. Every case asserts that emulated_mha run in float64 without rounding
+  equals nn.MultiheadAttention's float64 result to 1e-12 (so its structure is PyTorch's), and
+  that its float16 results are float16 values. The dtype cases have head dims 4 and 16, so
+  1/sqrt(D) is a power of two and the scaling is exact but for float16 underflow.
+No dtype case has a fully masked row (the masks are redrawn as for every case; a row masked
+after the masks' rounding would fail the generator). --check recomputes a dtype case on the
+committed values after checking that each is the draw rounded to the dtype (equal, or, as the
+float32 draw may differ in its last bits between CPU models, representable in the dtype and
+within one step of it: eps * max|draw|), compares the float64 results with golden_compare's
+tolerance, and keeps the committed torch.output / torch.weights when the recomputed ones are
+within TORCH_BASELINE_STEPS (4) steps of the dtype (eps * max|value|) of them.
 
 Mask kinds: none, bool_ignore (1 = may not attend, nn.MultiheadAttention's bool masks),
 bool_attend (1 = may attend, SDPA / continuiti polarity), float (added to the scaled scores).
@@ -93,6 +134,9 @@ torch.set_grad_enabled(True)  # keeps nn.MultiheadAttention off its native fast 
 
 KINDS = ("none", "bool_ignore", "bool_attend", "float")
 
+# The 16-bit layer dtypes of the dtype cases: the file's token and the torch dtype.
+LAYER_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+
 # ------------------------------------------------------------------------------------------
 # Cases
 # ------------------------------------------------------------------------------------------
@@ -107,6 +151,7 @@ def C(name, **kw):
         kpm="none", attn="none", attn_shape="2d",  # 2d | 3d | per_batch
         special=None,  # full_kpm | full_attn_row | partial_head | full_float_row | full_kpm_appended
         kv_heads=None,  # grouped-query attention: key/value heads (None: H)
+        dtype="f32",  # f32 | f16 | bf16: the layer's dtype (DTYPE_CASES only)
     )
     for k in kw:
         if k not in d:
@@ -119,6 +164,7 @@ def C(name, **kw):
     assert d["E"] % d["H"] == 0
     if d["kv_heads"] is not None:
         assert 1 <= d["kv_heads"] <= d["H"] and d["H"] % d["kv_heads"] == 0
+    assert d["dtype"] in ("f32",) + tuple(LAYER_DTYPES)
     return d
 
 
@@ -242,6 +288,26 @@ CASES = [
     C("gqa_unbatched", E=16, H=4, kv_heads=2, N=None, L=5, causal=True, need_weights=False),
     C("gqa_decode_long", E=32, H=8, kv_heads=2, L=24, N=1, causal=True, need_weights=False),
 ]
+
+# float16 / bfloat16 layers (forward only): every case once per 16-bit dtype, written as
+# dtype_<dtype>_<name>.txt and listed in dtype_cases.inc (not in cases.inc). Head dims are
+# 4 or 16, so that the scaling by 1/sqrt(D) is exact in every dtype. No case has a fully
+# masked row (draw_masks is redrawn as for every case).
+DTYPE_BASE_CASES = [
+    C("self_weights", E=8, H=2, L=5),
+    C("cross_kdim_vdim", E=8, H=2, kdim=6, vdim=5, bias=False, mode="cross", L=4, S=6,
+      need_weights=False),
+    C("masks_per_head", E=12, H=3, mode="cross", L=4, S=6, attn="float", kpm="bool_ignore",
+      per_head=True),
+    C("bias_kv_zero_attn", E=16, H=4, add_bias_kv=True, add_zero_attn=True, batch_first=True,
+      mode="cross", L=5, S=4, kpm="float"),
+    C("causal_attn3d", E=16, H=4, L=6, causal=True, attn="float", attn_shape="3d",
+      need_weights=False),
+    C("unbatched", E=8, H=2, N=None, mode="cross", L=4, S=6),
+    C("large", E=64, H=4, mode="cross", L=33, S=47, N=2, need_weights=False),
+]
+DTYPE_CASES = [dict(c, name=f"dtype_{dt}_{c['name']}", dtype=dt)
+               for dt in LAYER_DTYPES for c in DTYPE_BASE_CASES]
 
 
 # ------------------------------------------------------------------------------------------
@@ -477,6 +543,18 @@ def to_file_mask(kind, m):
     return f32(m)
 
 
+
+def split_heads(c, Q, K, V, L, N, H, D):
+    """Rows (L or S', N, E) of the projections as (N*H, rows, D) heads, with the zero key and
+    value of add_zero_attn appended to K and V."""
+    Q = Q.reshape(L, N * H, D).transpose(0, 1)
+    K = K.reshape(K.shape[0], N * H, D).transpose(0, 1)
+    V = V.reshape(V.shape[0], N * H, D).transpose(0, 1)
+    if c["add_zero_attn"]:
+        K = torch.cat([K, torch.zeros(N * H, 1, D, dtype=K.dtype)], dim=1)
+        V = torch.cat([V, torch.zeros(N * H, 1, D, dtype=V.dtype)], dim=1)
+    return Q, K, V
+
 def own_mha(c, P, q, k, v, tot):
     """Independent float64 implementation with clmha's semantics (fully masked rows -> zero
     weights and a zero attention result). q, k, v: float64 in the file's layouts. tot: the
@@ -523,12 +601,7 @@ def own_mha(c, P, q, k, v, tot):
         sc = torch.einsum("ngrld,ngsd->ngrls", Qg / math.sqrt(D), Kg).reshape(N * H, L, Sp)
         sc = sc + mask
     else:
-        Q = Q.reshape(L, N * H, D).transpose(0, 1)
-        K = K.reshape(K.shape[0], N * H, D).transpose(0, 1)
-        V = V.reshape(V.shape[0], N * H, D).transpose(0, 1)
-        if c["add_zero_attn"]:
-            K = torch.cat([K, torch.zeros(N * H, 1, D, dtype=torch.float64)], dim=1)
-            V = torch.cat([V, torch.zeros(N * H, 1, D, dtype=torch.float64)], dim=1)
+        Q, K, V = split_heads(c, Q, K, V, L, N, H, D)
         Sp = K.shape[1]
         mask = torch.cat([tot, torch.zeros(N * H, L, Sp - S, dtype=torch.float64)], dim=-1)
         sc = (Q / math.sqrt(D)) @ K.transpose(1, 2) + mask
@@ -725,15 +798,7 @@ def generate(c, given=None):
     def draw(shape):
         return f32(torch.randn(shape, generator=gen).numpy())
 
-    # inputs (float32)
-    query = draw(input_shape(c, L, E))
-    key = value = None
-    if c["mode"] == "cross":
-        key = draw(input_shape(c, S, kdim))
-        value = draw(input_shape(c, S, vdim))
-    elif c["mode"] == "kv_same":
-        assert kdim == vdim
-        key = draw(input_shape(c, S, kdim))
+    query, key, value = draw_inputs(c, draw, kdim, vdim)  # float32
     if given is not None:
         query = given.take("query", query)
         key = None if key is None else given.take("key", key)
@@ -900,28 +965,9 @@ def generate(c, given=None):
     lines = [f"# clmha golden case, generated by tools/make_golden.py (PyTorch {torch.__version__})",
              "# inputs and parameters drawn in float32; expected values computed in float64"]
     lines += ["# " + t for t in notes]
-    lines.append(f"case {name}")
-    lines.append(f"layer embed_dim {E} num_heads {H} kdim {kdim} vdim {vdim} "
-                 f"bias {int(c['bias'])} add_bias_kv {int(c['add_bias_kv'])} "
-                 f"add_zero_attn {int(c['add_zero_attn'])} batch_first {int(c['batch_first'])} "
-                 f"dropout {c['dropout']:.9g}" +
-                 (f" num_kv_heads {kv_heads(c)}" if is_gqa(c) else ""))
-    lines.append(f"call need_weights {int(nw)} per_head_weights {int(c['per_head'])} "
-                 f"is_causal {int(c['causal'])} training 0 kpm {c['kpm']} attn {c['attn']} "
-                 f"attn_per_batch {int(c['attn_shape'] == 'per_batch')}")
-    for pname, arr in params:
-        lines += tensor_text(pname, "f32", arr)
-    lines += tensor_text("query", "f32", query)
-    if key is not None:
-        lines += tensor_text("key", "f32", key)
-    if value is not None:
-        lines += tensor_text("value", "f32", value)
-    if kpm is not None:
-        fm = to_file_mask(c["kpm"], kpm)
-        lines += tensor_text("key_padding_mask", "u8" if fm.dtype == np.uint8 else "f32", fm)
-    if attn is not None:
-        fm = to_file_mask(c["attn"], attn)
-        lines += tensor_text("attn_mask", "u8" if fm.dtype == np.uint8 else "f32", fm)
+    lines += case_lines(name, c, E, H, kdim, vdim,
+                        f" num_kv_heads {kv_heads(c)}" if is_gqa(c) else "",
+                        params, query, key, value, kpm, attn)
     lines += tensor_text("output", "f64", out.numpy())
     if nw:
         lines += tensor_text("weights", "f64", w.numpy())
@@ -930,6 +976,288 @@ def generate(c, given=None):
         lines += tensor_text("grad_weights", "f32", grad_weights)
     for gname, garr in grads:
         lines += tensor_text(gname, "f64", garr)
+    lines.append("end")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------
+# float16 / bfloat16 layers
+# ------------------------------------------------------------------------------------------
+
+# Per dtype case: PyTorch's own error in the dtype (max |torch.output - output|, and of the
+# weights) and the largest |output| / |weights|, filled by generate_dtype().
+DTYPE_ERRORS = {}
+
+# --check: the committed torch.output / torch.weights of a dtype case are kept when the
+# recomputed ones are within this many steps of the dtype (eps) of their largest magnitude
+# (float32 kernels, and PyTorch's bfloat16 ones, round differently between CPU models).
+TORCH_BASELINE_STEPS = 4
+
+
+def round_to(a, dt):
+    """The float32 array a rounded to the layer dtype dt (to nearest even), as float32."""
+    t = torch.from_numpy(np.array(a, dtype=np.float32))
+    return t.to(LAYER_DTYPES[dt]).to(torch.float32).numpy().copy()
+
+
+def committed(given, name, shape):
+    """The committed tensor `name` (--check), which must have the shape `shape`."""
+    if name not in given.tensors:
+        raise golden_compare.NotThisDraw(f"{name}: not in the committed file")
+    have = given.tensors[name]
+    if have.shape != shape:
+        raise golden_compare.NotThisDraw(f"{name}: shape {have.shape}, expected {shape}")
+    return have
+
+
+def take_rounded(given, name, drawn, dt):
+    """The float32 draw `drawn` rounded to dt, or with given (--check) the committed tensor
+    `name` after checking that it is this draw rounded to dt: equal to it, or (the float32 draw
+    may differ in its last bits between CPU models, and its rounding then by one step of dt)
+    exactly representable in dt and within one step of dt (eps * max |drawn|) of it."""
+    want = round_to(drawn, dt)
+    if given is None:
+        return want
+    have = committed(given, name, want.shape)
+    if np.array_equal(have, want):
+        return have.copy()
+    if not np.array_equal(round_to(have, dt), have):
+        raise golden_compare.NotThisDraw(f"{name}: not exactly representable in {dt}")
+    fin = np.isfinite(want)
+    if not np.array_equal(np.isfinite(have), fin) or (have[~fin] != want[~fin]).any():
+        raise golden_compare.NotThisDraw(f"{name}: non-finite values differ from the draw")
+    step = torch.finfo(LAYER_DTYPES[dt]).eps * (np.abs(drawn[fin]).max() if fin.any() else 0.0)
+    diff = np.abs(have[fin].astype(np.float64) - want[fin])
+    if (diff > step).any():
+        raise golden_compare.NotThisDraw(f"{name}: differs from the case's draw rounded to {dt}"
+                                         f" by up to {diff.max():.3g} (> one step, {step:.3g})")
+    return have.copy()
+
+
+def take_baseline(given, name, computed, dt):
+    """PyTorch's result in the dtype (float32 array), or with given (--check) the committed one
+    when the recomputed one is within TORCH_BASELINE_STEPS steps of dt of it."""
+    if given is None:
+        return computed
+    have = committed(given, name, computed.shape)
+    tol = (TORCH_BASELINE_STEPS * torch.finfo(LAYER_DTYPES[dt]).eps *
+           max(float(np.abs(computed).max()), 1e-30))
+    diff = float(np.abs(have.astype(np.float64) - computed).max())
+    if not np.isfinite(have).all() or diff > tol:
+        raise golden_compare.NotThisDraw(f"{name}: recomputed PyTorch {dt} result differs by "
+                                         f"{diff:.3g} > {tol:.3g}")
+    return have.copy()
+
+
+def emulated_mha(c, P, q, k, v, tot, rnd):
+    """F.multi_head_attention_forward of PyTorch 1.13 (eval, no GQA) step by step, in the
+    floating dtype of the given tensors, with rnd applied wherever a float16 kernel under CUDA
+    autocast returns float16: rnd(x) = x.half().float() on float32 tensors gives the float16
+    baseline, rnd = identity on float64 tensors the structural check against
+    nn.MultiheadAttention. P: the parameters by state_dict name; q, k, v in the file's layouts
+    (k and v the same tensor as q in self-attention); tot: the additive mask (NH, L, S) in the
+    tensors' dtype. Returns (output, weights or None, as the case's need_weights/per_head)."""
+    E, H = c["E"], c["H"]
+    D = E // H
+    F = torch.nn.functional
+    batched = c["N"] is not None
+    if not batched:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+    elif c["batch_first"]:
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    L, N, _ = q.shape
+    if "in_proj_weight" in P:
+        Wq, Wk, Wv = P["in_proj_weight"].chunk(3)
+    else:
+        Wq, Wk, Wv = P["q_proj_weight"], P["k_proj_weight"], P["v_proj_weight"]
+    bq = bk = bv = None
+    if "in_proj_bias" in P:
+        bq, bk, bv = P["in_proj_bias"].chunk(3)
+    # in projections: float16 GEMMs (float16 operands, float32 accumulation and bias)
+    Q = rnd(F.linear(q, Wq, bq))
+    K = rnd(F.linear(k, Wk, bk))
+    V = rnd(F.linear(v, Wv, bv))
+    if "bias_k" in P:
+        K = torch.cat([K, P["bias_k"].repeat(1, N, 1)])
+        V = torch.cat([V, P["bias_v"].repeat(1, N, 1)])
+    Q, K, V = split_heads(c, Q, K, V, L, N, H, D)
+    Sp = K.shape[1]
+    mask = torch.cat([tot, torch.zeros(N * H, L, Sp - tot.shape[-1], dtype=tot.dtype)], dim=-1)
+    # q / sqrt(D) as 1.13 does it (on the float16 q), Q K^T a float16 GEMM, then the mask
+    # added and the softmax taken in float32 (autocast's float32 softmax)
+    Qs = rnd(Q / math.sqrt(D))
+    sc = rnd(torch.bmm(Qs, K.transpose(1, 2))) + mask
+    W = torch.softmax(sc, dim=-1)
+    # probabilities rounded to float16 for the float16 GEMM weights . V
+    A = rnd(torch.bmm(rnd(W), V))
+    A = A.transpose(0, 1).reshape(L * N, E)
+    out = rnd(F.linear(A, P["out_proj.weight"], P.get("out_proj.bias"))).reshape(L, N, E)
+    w = None
+    if c["need_weights"]:
+        # returned in float16: averaged over the heads in float32, rounded once
+        w = W.reshape(N, H, L, Sp)
+        if not c["per_head"]:
+            w = w.sum(dim=1) / H
+        w = rnd(w)
+        if not batched:
+            w = w.squeeze(0)
+    if not batched:
+        out = out.squeeze(1)
+    elif c["batch_first"]:
+        out = out.transpose(0, 1)
+    return out, w
+
+
+def generate_dtype(c, given=None):
+    """The text of dtype case c's golden file (float16 / bfloat16 layer, forward only). With
+    given (a golden_compare.GivenInputs of the committed file), the rounded inputs and PyTorch's
+    dtype results are the committed ones after checking them (take_rounded, take_baseline)."""
+    name, dt = c["name"], c["dtype"]
+    assert dt in LAYER_DTYPES and not is_gqa(c) and c["special"] is None
+    tdt = LAYER_DTYPES[dt]
+    seed = seed_of(name)
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    E, H, L, S, N = c["E"], c["H"], c["L"], c["S"], c["N"]
+    batched = N is not None
+    m32, params, kdim, vdim = make_module(c, gen)
+    if c["mode"] == "self":
+        assert kdim == E and vdim == E
+
+    def draw(shape):
+        return f32(torch.randn(shape, generator=gen).numpy())
+
+    query, key, value = draw_inputs(c, draw, kdim, vdim)  # exactly as generate() draws them
+    for _ in range(1000):
+        kpm, attn = draw_masks(c, rng)
+        if not has_full_row(c, kpm, attn):
+            break
+    else:
+        raise RuntimeError(f"{name}: could not draw masks without fully masked rows")
+
+    # every parameter, input and float mask rounded to the dtype
+    params = [(k2, take_rounded(given, k2, v2, dt)) for k2, v2 in params]
+    m32.load_state_dict({k2: torch.from_numpy(v2) for k2, v2 in params}, strict=True)
+    query = take_rounded(given, "query", query, dt)
+    key = None if key is None else take_rounded(given, "key", key, dt)
+    value = None if value is None else take_rounded(given, "value", value, dt)
+    if kpm is not None and kpm.dtype != np.bool_:
+        kpm = round_to(kpm, dt)
+    if attn is not None and attn.dtype != np.bool_:
+        attn = round_to(attn, dt)
+    tot = additive(c, kpm, attn)
+    if bool(torch.isneginf(tot).all(dim=-1).any()):
+        raise AssertionError(f"{name}: fully masked row after rounding the masks")
+
+    def inputs(conv):
+        """q, k, v converted by conv (k, v the same tensor as q in self-attention)."""
+        q = conv(torch.from_numpy(query))
+        if c["mode"] == "self":
+            return q, q, q
+        k = conv(torch.from_numpy(key))
+        return q, k, (k if c["mode"] == "kv_same" else conv(torch.from_numpy(value)))
+
+    # float64 golden on exactly the rounded values
+    m64 = copy.deepcopy(m32).double().eval()
+    q64, k64, v64 = inputs(lambda t: t.double())
+    kpm_t, attn_t = pytorch_masks(c, None if kpm is None else torch.from_numpy(kpm.copy()),
+                                  None if attn is None else torch.from_numpy(attn.copy()))
+    has_mask = kpm_t is not None or attn_t is not None
+    native_ok = not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None)
+    nw, avg = c["need_weights"], not c["per_head"]
+    comb = run_torch(m64, q64, k64, v64, None, tot if has_mask else None, nw, avg)
+    notes = []
+    if native_ok:
+        out, w = run_torch(m64, q64, k64, v64, kpm_t, attn_t, nw, avg)
+        if not (same(out, comb[0]) and same(w, comb[1])):
+            raise AssertionError(f"{name}: pre-combined mask path differs from PyTorch's own")
+        notes.append("golden computed by PyTorch with its own mask handling"
+                     " (checked equal to the pre-combined additive mask path)")
+    else:
+        out, w = comb
+        notes.append("golden computed by PyTorch with a pre-combined additive (N*H, L, S) float"
+                     " mask (PyTorch 1.13 cannot combine a float key_padding_mask with attn_mask)")
+    assert not torch.isnan(out).any() and (w is None or not torch.isnan(w).any())
+
+    # independent implementation, and the emulation's structure, in float64
+    P64 = {k2: torch.from_numpy(v2).double() for k2, v2 in params}
+    own_out, own_wph = own_mha(c, P64, q64, k64, v64, tot)
+    own_w = None
+    if nw:
+        own_w = own_wph if c["per_head"] else own_wph.sum(dim=1) / H
+        if not batched:
+            own_w = own_w.squeeze(0)
+    if not (same(out, own_out) and same(w, own_w)):
+        raise AssertionError(f"{name}: own implementation disagrees with PyTorch")
+    emu_out, emu_w = emulated_mha(c, P64, q64, k64, v64, tot, lambda t: t)
+    if not (same(out, emu_out) and same(w, emu_w)):
+        raise AssertionError(f"{name}: the float16 emulation run in float64 without rounding"
+                             " disagrees with nn.MultiheadAttention")
+
+    # PyTorch's own result in the dtype
+    if dt == "bf16":
+        mb = copy.deepcopy(m32).to(tdt).eval()
+        qb, kb, vb = inputs(lambda t: t.to(tdt))
+
+        def cast(t):  # float masks to bfloat16, bool ones as they are
+            return t if t is None or t.dtype == torch.bool else t.to(tdt)
+
+        if native_ok:
+            tout, tw = run_torch(mb, qb, kb, vb, cast(kpm_t), cast(attn_t), nw, avg)
+        else:
+            tout, tw = run_torch(mb, qb, kb, vb, None, cast(tot), nw, avg)
+        assert tout.dtype == tdt and (tw is None or tw.dtype == tdt)
+        notes.append("torch.output / torch.weights: nn.MultiheadAttention run natively in"
+                     " bfloat16 on CPU (module, inputs and float masks .to(torch.bfloat16))")
+    else:
+        P32 = {k2: torch.from_numpy(v2) for k2, v2 in params}
+        q32, k32, v32 = inputs(lambda t: t.float())
+
+        def r16(t):
+            return t.to(torch.float16).to(torch.float32)
+
+        tout, tw = emulated_mha(c, P32, q32, k32, v32, tot.float(), r16)
+        assert torch.equal(r16(tout), tout) and (tw is None or torch.equal(r16(tw), tw))
+        notes.append("torch.output / torch.weights: CUDA autocast's float16 policy emulated in"
+                     " PyTorch on CPU (tools/make_golden.py emulated_mha): every linear / bmm"
+                     " takes float16 operands, accumulates in float32 and rounds to float16;"
+                     " q / sqrt(D) in float16; mask added and softmax in float32; probabilities"
+                     " rounded to float16 before weights . V; weights returned in float16")
+    tout = take_baseline(given, "torch.output", tout.float().numpy().copy(), dt)
+    if nw:
+        tw = take_baseline(given, "torch.weights", tw.float().numpy().copy(), dt)
+    DTYPE_ERRORS[name] = {
+        "output_err": maxdiff(torch.from_numpy(tout).double(), out),
+        "output_max": out.abs().max().item(),
+        "weights_err": maxdiff(torch.from_numpy(tw).double(), w) if nw else None,
+        "weights_max": w.abs().max().item() if nw else None,
+    }
+
+    # expected shapes
+    Sp = S + int(c["add_bias_kv"]) + int(c["add_zero_attn"])
+    assert tuple(out.shape) == input_shape(c, L, E) == tout.shape
+    if nw:
+        if batched:
+            ws = (N, L, Sp) if avg else (N, H, L, Sp)
+        else:
+            ws = (L, Sp) if avg else (H, L, Sp)
+        assert tuple(w.shape) == ws == tw.shape, (w.shape, ws)
+
+    long_name = {"f16": "float16", "bf16": "bfloat16"}[dt]
+    lines = ["# clmha golden case, generated by tools/make_golden.py"
+             f" (PyTorch {torch.__version__})",
+             f"# {long_name} layer (forward only): parameters, inputs and float masks drawn in"
+             f" float32, then rounded to {long_name} (the f32 values here are exactly"
+             f" representable in it); expected values computed in float64 on exactly those values"]
+    lines += ["# " + t for t in notes]
+    lines += case_lines(name, c, E, H, kdim, vdim, f" dtype {dt}", params, query, key, value,
+                        kpm, attn)
+    lines += tensor_text("output", "f64", out.numpy())
+    if nw:
+        lines += tensor_text("weights", "f64", w.numpy())
+    lines += tensor_text("torch.output", "f32", tout)
+    if nw:
+        lines += tensor_text("torch.weights", "f32", tw)
     lines.append("end")
     return "\n".join(lines) + "\n"
 
@@ -959,32 +1287,90 @@ def tensor_text(name, dtype, arr):
     return out
 
 
-def check(out_dir, cases_inc):
-    """Recomputes every case on its committed float32 inputs and compares (golden_compare)."""
+
+def draw_inputs(c, draw, kdim, vdim):
+    """The case's query, key and value (None where the mode has none) drawn with draw(shape),
+    in that order."""
+    E, L, S = c["E"], c["L"], c["S"]
+    query = draw(input_shape(c, L, E))
+    key = value = None
+    if c["mode"] == "cross":
+        key = draw(input_shape(c, S, kdim))
+        value = draw(input_shape(c, S, vdim))
+    elif c["mode"] == "kv_same":
+        assert kdim == vdim
+        key = draw(input_shape(c, S, kdim))
+    return query, key, value
+
+
+def case_lines(name, c, E, H, kdim, vdim, layer_tail, params, query, key, value, kpm, attn):
+    """The lines of a case file from its name through its inputs: the case, layer (ending
+    with layer_tail) and call lines, the parameters, query, key, value and masks."""
+    lines = [f"case {name}",
+             f"layer embed_dim {E} num_heads {H} kdim {kdim} vdim {vdim} "
+             f"bias {int(c['bias'])} add_bias_kv {int(c['add_bias_kv'])} "
+             f"add_zero_attn {int(c['add_zero_attn'])} batch_first {int(c['batch_first'])} "
+             f"dropout {c['dropout']:.9g}" + layer_tail,
+             f"call need_weights {int(c['need_weights'])} per_head_weights {int(c['per_head'])} "
+             f"is_causal {int(c['causal'])} training 0 kpm {c['kpm']} attn {c['attn']} "
+             f"attn_per_batch {int(c['attn_shape'] == 'per_batch')}"]
+    for pname, arr in params:
+        lines += tensor_text(pname, "f32", arr)
+    lines += tensor_text("query", "f32", query)
+    if key is not None:
+        lines += tensor_text("key", "f32", key)
+    if value is not None:
+        lines += tensor_text("value", "f32", value)
+    if kpm is not None:
+        fm = to_file_mask(c["kpm"], kpm)
+        lines += tensor_text("key_padding_mask", "u8" if fm.dtype == np.uint8 else "f32", fm)
+    if attn is not None:
+        fm = to_file_mask(c["attn"], attn)
+        lines += tensor_text("attn_mask", "u8" if fm.dtype == np.uint8 else "f32", fm)
+    return lines
+
+def check(out_dir, incs):
+    """Recomputes every case on its committed float32 inputs and compares (golden_compare).
+    incs: the expected text of cases.inc and dtype_cases.inc by file name."""
     bad = 0
-    want = {"cases.inc": cases_inc}
-    for c in CASES:
+    want = dict(incs)
+    for c in CASES + DTYPE_CASES:
         want[f"{c['name']}.txt"] = c
     for fn, c in want.items():
         p = os.path.join(out_dir, fn)
         if not os.path.exists(p):
             why = "missing"
-        elif fn == "cases.inc":
+        elif fn in incs:
             why = None if open(p).read() == c else "differs"
         else:
             have = open(p).read()
+            gen = generate_dtype if c["dtype"] != "f32" else generate
             try:
                 why = golden_compare.golden_text_differs(
-                    have, generate(c, golden_compare.GivenInputs(have)))
+                    have, gen(c, golden_compare.GivenInputs(have)))
             except golden_compare.NotThisDraw as e:
                 why = str(e)
         if why:
             print(f"differs: {p}: {why}", file=sys.stderr)
             bad += 1
     print(f"{len(want) - bad}/{len(want)} files match: float32 inputs this script's draw "
-          f"({golden_compare.F32_TOLERANCE}), float64 results recomputed on them "
-          f"({golden_compare.TOLERANCE}), all else identical")
+          f"({golden_compare.F32_TOLERANCE}; float16/bfloat16 cases: rounded to the dtype, within"
+          f" one step of it), float64 results recomputed on them ({golden_compare.TOLERANCE}),"
+          f" PyTorch's float16/bfloat16 results within {TORCH_BASELINE_STEPS} steps of the dtype"
+          f" of their largest magnitude, all else identical")
     return 1 if bad else 0
+
+
+def print_dtype_errors():
+    """The table of PyTorch's own errors in the dtype cases generated in this run."""
+    if not DTYPE_ERRORS:
+        return
+    print(f"{'case':40s} {'torch.output err':>16s} {'max|output|':>12s} "
+          f"{'torch.weights err':>17s} {'max|weights|':>12s}")
+    for n, d in DTYPE_ERRORS.items():
+        we = "-" if d["weights_err"] is None else f"{d['weights_err']:.3e}"
+        wm = "-" if d["weights_max"] is None else f"{d['weights_max']:.3e}"
+        print(f"{n:40s} {d['output_err']:16.3e} {d['output_max']:12.3e} {we:>17s} {wm:>12s}")
 
 
 def main():
@@ -994,25 +1380,32 @@ def main():
     ap.add_argument("--check", action="store_true",
                     help="compare with the files on disk instead of writing")
     ap.add_argument("--only", nargs="+", metavar="CASE",
-                    help="write only these cases' files (and cases.inc), keep the others")
+                    help="write only these cases' files (and the .inc files), keep the others")
     args = ap.parse_args()
     out_dir = os.path.normpath(args.out)
     names = [c["name"] for c in CASES]
-    assert len(set(names)) == len(names)
-    cases_inc = ("/* generated by tools/make_golden.py: the golden case names */\n" +
-                 "".join(f'"{n}",\n' for n in names))
+    dtype_names = [c["name"] for c in DTYPE_CASES]
+    assert len(set(names + dtype_names)) == len(names) + len(dtype_names)
+    incs = {
+        "cases.inc": ("/* generated by tools/make_golden.py: the golden case names */\n" +
+                      "".join(f'"{n}",\n' for n in names)),
+        "dtype_cases.inc": ("/* generated by tools/make_golden.py: the golden case names of"
+                            " float16/bfloat16 layers */\n" +
+                            "".join(f'"{n}",\n' for n in dtype_names)),
+    }
     if args.check:
-        return check(out_dir, cases_inc)
+        return check(out_dir, incs)
     if args.only:
-        unknown = set(args.only) - set(names)
+        unknown = set(args.only) - set(names) - set(dtype_names)
         if unknown:
             ap.error(f"unknown cases: {' '.join(sorted(unknown))}")
-    todo = [c for c in CASES if not args.only or c["name"] in args.only]
-    files = {f"{c['name']}.txt": generate(c) for c in todo}
-    files["cases.inc"] = cases_inc
+    todo = [c for c in CASES + DTYPE_CASES if not args.only or c["name"] in args.only]
+    files = {f"{c['name']}.txt": (generate_dtype if c["dtype"] != "f32" else generate)(c)
+             for c in todo}
+    files.update(incs)
     os.makedirs(out_dir, exist_ok=True)
     for fn in os.listdir(out_dir) if not args.only else ():
-        if (fn.endswith(".txt") or fn == "cases.inc") and fn not in files:
+        if (fn.endswith(".txt") or fn in incs) and fn not in files:
             os.remove(os.path.join(out_dir, fn))
     total = 0
     for fn, text in files.items():
@@ -1020,6 +1413,7 @@ def main():
             f.write(text)
         total += len(text)
     print(f"wrote {len(todo)} cases to {out_dir} ({total} bytes)")
+    print_dtype_errors()
     return 0
 
 

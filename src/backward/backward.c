@@ -200,6 +200,8 @@ static clmha_status check_same_call(clmha_context *ctx, const clmha_saved *sv,
 clmha_status clmha__backward_resolve(clmha_layer *l, const clmha_backward_args *a,
                                      clmha_forward_args *fwd, clmha__dims *d, bool on_device) {
     clmha_context *ctx = l->ctx;
+    clmha_status st16 = clmha__layer_f32_only(l, "the backward pass");
+    if (st16) return st16;
     if (!a->forward) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->forward is NULL");
     char msg[512];
     clmha_status st = CLMHA__STRUCT_IN(clmha_forward_args, fwd, a->forward, "args->forward", msg,

@@ -35,6 +35,7 @@ typedef enum clmha__st_dtype {
     CLMHA__ST_F16,  // IEEE binary16
     CLMHA__ST_F32,
     CLMHA__ST_F64,
+    CLMHA__ST_BF16,  // bfloat16: the upper half of a float32
 } clmha__st_dtype;
 
 // One tensor of a parsed file. Strings belong to the file; data points into the caller's bytes.

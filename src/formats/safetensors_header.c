@@ -17,11 +17,14 @@
 // ---- dtypes, the header's text ------------------------------------------------------------
 
 static size_t dtype_size(clmha__st_dtype dtype) {
-    return dtype == CLMHA__ST_F16 ? 2 : dtype == CLMHA__ST_F32 ? 4 : 8;
+    return dtype == CLMHA__ST_F16 || dtype == CLMHA__ST_BF16 ? 2 : dtype == CLMHA__ST_F32 ? 4 : 8;
 }
 
 static const char *dtype_name(clmha__st_dtype dtype) {
-    return dtype == CLMHA__ST_F16 ? "F16" : dtype == CLMHA__ST_F32 ? "F32" : "F64";
+    return dtype == CLMHA__ST_F16    ? "F16"
+           : dtype == CLMHA__ST_BF16 ? "BF16"
+           : dtype == CLMHA__ST_F32  ? "F32"
+                                     : "F64";
 }
 
 // Index of the first byte of @p s (n bytes) that is not valid UTF-8, or n.
@@ -226,10 +229,12 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
         t->dtype = CLMHA__ST_F16;
     } else if (strcmp(ds, "F64") == 0) {
         t->dtype = CLMHA__ST_F64;
+    } else if (strcmp(ds, "BF16") == 0) {
+        t->dtype = CLMHA__ST_BF16;
     } else {
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                           "%s: tensor \"%.*s\" has dtype \"%.*s\", which clmha does not read "
-                          "(F32, F16 or F64)",
+                          "(F32, F16, BF16 or F64)",
                           name, CLMHA__ST_QUOTE_MAX, tn, CLMHA__ST_QUOTE_MAX, ds);
     }
 

@@ -84,7 +84,8 @@ static clmha_status fail_with_path(clmha_context *ctx, clmha_status st, const ch
     return clmha__fail(ctx, st, "%s: %s", path, prev);
 }
 
-clmha_status clmha_layer_load(clmha_layer **out, clmha_context *ctx, const char *path) {
+clmha_status clmha_layer_load_as(clmha_layer **out, clmha_context *ctx, const char *path,
+                                 clmha_dtype dtype) {
     if (!out) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "out is NULL");
     *out = NULL;
     if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
@@ -118,6 +119,7 @@ clmha_status clmha_layer_load(clmha_layer **out, clmha_context *ctx, const char 
         st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", path);
         goto fail;
     }
+    desc.dtype = dtype;
     if ((st = clmha_layer_create(&layer, ctx, &desc))) {
         st = fail_with_path(ctx, st, path);
         goto fail;
@@ -138,6 +140,10 @@ fail:
     clmha__safetensors_free(&file);
     free(bytes);
     return st;
+}
+
+clmha_status clmha_layer_load(clmha_layer **out, clmha_context *ctx, const char *path) {
+    return clmha_layer_load_as(out, ctx, path, CLMHA_DTYPE_F32);
 }
 
 // ---- saving -------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 #include "formats/safetensors.h"
 
 #include "base/checked.h"
+#include "base/half.h"
 #include "base/message.h"
 #include "formats/safetensors_private.h"
 #include "layer/shape.h"
@@ -15,23 +16,6 @@
 #include <string.h>
 
 // ---- tensor data as floats ----------------------------------------------------------------
-
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h >> 15) << 31;
-    uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
-    uint32_t bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000u | (mant << 13);  // infinity, or NaN keeping its payload
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);  // rebias 15 -> 127
-    } else {
-        float f = (float)mant * 0x1p-24f;  // zero or subnormal: mant * 2^-24, exact
-        return sign ? -f : f;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 static float double_to_float(double d) {
     // Values from FLT_MAX + half an ulp round to infinity (a plain conversion is undefined).
@@ -44,7 +28,9 @@ void clmha__safetensors_to_float(const clmha__st_tensor *t, float *out) {
     const unsigned char *p = t->data;
     for (size_t i = 0; i < t->count; ++i) {
         if (t->dtype == CLMHA__ST_F16) {
-            out[i] = half_to_float((uint16_t)(p[2 * i] | (p[2 * i + 1] << 8)));
+            out[i] = clmha__f16_to_f32((uint16_t)(p[2 * i] | (p[2 * i + 1] << 8)));
+        } else if (t->dtype == CLMHA__ST_BF16) {
+            out[i] = clmha__bf16_to_f32((uint16_t)(p[2 * i] | (p[2 * i + 1] << 8)));
         } else if (t->dtype == CLMHA__ST_F32) {
             const unsigned char *q = p + 4 * i;
             uint32_t bits = (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 |

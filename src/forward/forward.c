@@ -13,6 +13,8 @@
 #include "cores/kernel_args.h"
 #include "device/blas.h"
 #include "device/held.h"
+#include "base/half.h"
+#include "forward/convert.h"
 #include "forward/enqueue.h"
 #include "forward/forward.h"
 #include "forward/saved.h"
@@ -21,6 +23,7 @@
 
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <clblast_c.h>
@@ -41,28 +44,34 @@ typedef struct partial_out {
 // Outputs must not overlap each other or an input (as in PyTorch, where an out= tensor must not
 // alias an input): the pass writes parts of them while it still reads others. Sizes were
 // checked (clmha__check_buffer()), so the byte ranges do not overflow.
+// @p elem: bytes per element of the inputs, outputs and float masks (the layer's dtype's).
+static size_t mask_elem(clmha_mask_kind kind, size_t elem) {
+    return kind == CLMHA_MASK_FLOAT ? elem : clmha__mask_elem(kind);
+}
+
 static clmha_status check_aliasing(clmha_context *ctx, const clmha_forward_args *a,
                                    const clmha__dims *d, cl_mem output, size_t output_offset,
-                                   cl_mem weights, size_t weights_offset) {
+                                   cl_mem weights, size_t weights_offset, size_t elem) {
     clmha__span all[7];
     size_t n = 0, outputs;
-    all[n++] = clmha__span_of("output", output, output_offset, d->output_count, 4);
+    all[n++] = clmha__span_of("output", output, output_offset, d->output_count, elem);
     if (a->need_weights) all[n++] = clmha__span_of("weights", weights, weights_offset,
-                                            d->weights_count, 4);
+                                            d->weights_count, elem);
     outputs = n;
-    all[n++] = clmha__span_of("query", a->query.buffer, a->query.offset, d->query_count, 4);
+    all[n++] = clmha__span_of("query", a->query.buffer, a->query.offset, d->query_count, elem);
     if (!d->key_is_query)
-        all[n++] = clmha__span_of("key", a->key.buffer, a->key.offset, d->key_count, 4);
+        all[n++] = clmha__span_of("key", a->key.buffer, a->key.offset, d->key_count, elem);
     if (!d->value_is_key)
-        all[n++] = clmha__span_of("value", a->value.buffer, a->value.offset, d->value_count, 4);
+        all[n++] =
+            clmha__span_of("value", a->value.buffer, a->value.offset, d->value_count, elem);
     if (d->kpm_kind)
         all[n++] = clmha__span_of("key_padding_mask", a->key_padding_mask.tensor.buffer,
                            a->key_padding_mask.tensor.offset, d->kpm_count,
-                           clmha__mask_elem(d->kpm_kind));
+                           mask_elem(d->kpm_kind, elem));
     if (d->attn_kind)
         all[n++] =
             clmha__span_of("attn_mask", a->attn_mask.tensor.buffer, a->attn_mask.tensor.offset,
-                           d->attn_count, clmha__mask_elem(d->attn_kind));
+                           d->attn_count, mask_elem(d->attn_kind, elem));
     return clmha__check_overlaps(ctx, all, n, outputs);
 }
 
@@ -128,11 +137,37 @@ static clmha_status check_output_readable(clmha_layer *layer, cl_mem output) {
     return CLMHA_SUCCESS;
 }
 
-// Everything a forward call checks before it enqueues anything (forward.h).
-clmha_status clmha__forward_validate(clmha_layer *layer, const clmha_forward_args *args,
-                             bool on_device, clmha__dims *d) {
+// The input buffers of a device call: each holds its tensor from its offset on (@p elem: as
+// in check_aliasing()).
+static clmha_status check_input_buffers(clmha_layer *layer, const clmha_forward_args *args,
+                                        const clmha__dims *d, size_t elem) {
     clmha_context *ctx = layer->ctx;
-    char msg[1024];
+    clmha_status st;
+    if ((st = clmha__check_buffer(ctx, "query", args->query.buffer, args->query.offset,
+                                  d->query_count, elem)))
+        return st;
+    if (!d->key_is_query && (st = clmha__check_buffer(ctx, "key", args->key.buffer,
+                                                      args->key.offset, d->key_count, elem)))
+        return st;
+    if (!d->value_is_key && (st = clmha__check_buffer(ctx, "value", args->value.buffer,
+                                               args->value.offset, d->value_count, elem)))
+        return st;
+    if (d->kpm_kind && (st = clmha__check_buffer(ctx, "key_padding_mask",
+                                          args->key_padding_mask.tensor.buffer,
+                                          args->key_padding_mask.tensor.offset, d->kpm_count,
+                                          mask_elem(d->kpm_kind, elem))))
+        return st;
+    if (d->attn_kind && (st = clmha__check_buffer(ctx, "attn_mask", args->attn_mask.tensor.buffer,
+                                                  args->attn_mask.tensor.offset, d->attn_count,
+                                                  mask_elem(d->attn_kind, elem))))
+        return st;
+    return CLMHA_SUCCESS;
+}
+
+// What every call checks, on the device or the host, before its buffers or arrays.
+static clmha_status validate_call(clmha_layer *layer, const clmha_forward_args *args,
+                                  clmha__dims *d) {
+    clmha_context *ctx = layer->ctx;
     clmha_status st;
     if (args->kv_cache && (st = check_cache_call(layer, args))) return st;
     if (!args->kv_cache && (args->kv_append || args->kv_attend_only))
@@ -149,29 +184,18 @@ clmha_status clmha__forward_validate(clmha_layer *layer, const clmha_forward_arg
                            "need_weights is set but the fused core (impl fused%s) does not "
                            "return weights: use CLMHA_IMPL_AUTO or CLMHA_IMPL_UNFUSED",
                            args->impl == CLMHA_IMPL_AUTO ? ", the layer's choice" : "");
-    if (!on_device) {
-        if ((st = clmha__check_host_data(d, args, msg, sizeof msg)))
-            return clmha__fail(ctx, st, "%s", msg);
-        return CLMHA_SUCCESS;
-    }
-    if ((st = clmha__check_buffer(ctx, "query", args->query.buffer, args->query.offset,
-                                  d->query_count, 4)))
-        return st;
-    if (!d->key_is_query &&
-        (st = clmha__check_buffer(ctx, "key", args->key.buffer, args->key.offset, d->key_count, 4)))
-        return st;
-    if (!d->value_is_key && (st = clmha__check_buffer(ctx, "value", args->value.buffer,
-                                               args->value.offset, d->value_count, 4)))
-        return st;
-    if (d->kpm_kind && (st = clmha__check_buffer(ctx, "key_padding_mask",
-                                          args->key_padding_mask.tensor.buffer,
-                                          args->key_padding_mask.tensor.offset, d->kpm_count,
-                                          clmha__mask_elem(d->kpm_kind))))
-        return st;
-    if (d->attn_kind && (st = clmha__check_buffer(ctx, "attn_mask", args->attn_mask.tensor.buffer,
-                                                  args->attn_mask.tensor.offset, d->attn_count,
-                                                  clmha__mask_elem(d->attn_kind))))
-        return st;
+    return CLMHA_SUCCESS;
+}
+
+// Everything a forward call checks before it enqueues anything (forward.h).
+clmha_status clmha__forward_validate(clmha_layer *layer, const clmha_forward_args *args,
+                             bool on_device, clmha__dims *d) {
+    char msg[1024];
+    clmha_status st = validate_call(layer, args, d);
+    if (st) return st;
+    if (on_device) return check_input_buffers(layer, args, d, sizeof(float));
+    if ((st = clmha__check_host_data(d, args, msg, sizeof msg)))
+        return clmha__fail(layer->ctx, st, "%s", msg);
     return CLMHA_SUCCESS;
 }
 
@@ -413,6 +437,35 @@ static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args
                                     size_t output_offset, cl_mem weights, size_t weights_offset,
                                     cl_uint num_wait, const cl_event *wait_list, cl_event *event);
 
+// The output and weights buffers of a device call (@p elem: as in check_aliasing()).
+static clmha_status check_result_buffers(clmha_layer *layer, const clmha_forward_args *args,
+                                         const clmha__dims *d, cl_mem output,
+                                         size_t output_offset, cl_mem weights,
+                                         size_t weights_offset, size_t elem) {
+    clmha_context *ctx = layer->ctx;
+    clmha_status st;
+    if ((st = clmha__check_buffer(ctx, "output", output, output_offset, d->output_count, elem)))
+        return st;
+    if (elem == sizeof(float) && (st = check_output_readable(layer, output))) return st;
+    if (args->need_weights && (st = clmha__check_buffer(ctx, "weights", weights, weights_offset,
+                                                        d->weights_count, elem)))
+        return st;
+    if ((st = clmha__check_writable(ctx, "output", output)) ||
+        (args->need_weights && (st = clmha__check_writable(ctx, "weights", weights))))
+        return st;
+    return check_aliasing(ctx, args, d, output, output_offset, weights, weights_offset, elem);
+}
+
+static clmha_status forward_f32(clmha_layer *layer, const clmha_forward_args *args,
+                                cl_mem output, size_t output_offset, cl_mem weights,
+                                size_t weights_offset, cl_uint num_wait,
+                                const cl_event *wait_list, cl_event *event);
+
+static clmha_status forward_converted(clmha_layer *layer, const clmha_forward_args *args,
+                                      cl_mem output, size_t output_offset, cl_mem weights,
+                                      size_t weights_offset, cl_uint num_wait,
+                                      const cl_event *wait_list, cl_event *event);
+
 static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, cl_mem output,
                             size_t output_offset, cl_mem weights, size_t weights_offset,
                             cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
@@ -423,18 +476,100 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
     clmha_status st = args_in(ctx, &in, &args);
     if (st) return st;
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
+    return layer->desc.dtype == CLMHA_DTYPE_F32
+               ? forward_f32(layer, args, output, output_offset, weights, weights_offset,
+                             num_wait, wait_list, event)
+               : forward_converted(layer, args, output, output_offset, weights, weights_offset,
+                                   num_wait, wait_list, event);
+}
+
+// What a 16-bit layer cannot do yet (include/clmha.h, clmha_dtype): NULL, or its name.
+static const char *not_for_16_bits(const clmha_layer *layer, const clmha_forward_args *args) {
+    if (args->save) return "save (the backward pass)";
+    if (args->kv_cache) return "a KV cache";
+    if (layer->core) return "a user attention core (clmha_layer_set_attention())";
+    return NULL;
+}
+
+// A 16-bit layer's call: its query, key, value and float masks widened into the layer's
+// float32 copies, the float32 pass over those (with no wait list: the queue is in order), its
+// output and weights narrowed into the caller's buffers.
+static clmha_status forward_converted(clmha_layer *layer, const clmha_forward_args *args,
+                                      cl_mem output, size_t output_offset, cl_mem weights,
+                                      size_t weights_offset, cl_uint num_wait,
+                                      const cl_event *wait_list, cl_event *event) {
+    clmha_context *ctx = layer->ctx;
+    const char *no = not_for_16_bits(layer, args);
+    if (no)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED, "a %s layer does not take %s yet",
+                           clmha__dtype_name(layer->desc.dtype), no);
+    size_t elem = clmha__dtype_size(layer->desc.dtype);
     clmha__dims d;
-    st = clmha__forward_validate(layer, args, true, &d);
+    clmha_status st;
+    if ((st = validate_call(layer, args, &d)) ||
+        (st = check_input_buffers(layer, args, &d, elem)) ||
+        (st = check_result_buffers(layer, args, &d, output, output_offset, weights,
+                                   weights_offset, elem)))
+        return st;
+    clmha_forward_args f = *args;
+    cl_mem out32, weights32 = NULL;
+    if ((st = clmha__convert_result(layer, CLMHA__STAGED_OUTPUT, "float32 output", d.output_count,
+                                    &out32)) ||
+        (args->need_weights &&
+         (st = clmha__convert_result(layer, CLMHA__STAGED_WEIGHTS, "float32 weights",
+                                     d.weights_count, &weights32))) ||
+        (st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
+        (st = clmha__convert_in(layer, CLMHA__STAGED_QUERY, "float32 query", args->query.buffer,
+                                args->query.offset, d.query_count, &f.query.buffer)))
+        return st;
+    f.query.offset = 0;
+    if (!d.key_is_query) {
+        if ((st = clmha__convert_in(layer, CLMHA__STAGED_KEY, "float32 key", args->key.buffer,
+                                    args->key.offset, d.key_count, &f.key.buffer)))
+            return st;
+        f.key.offset = 0;
+    }
+    if (!d.value_is_key) {
+        if ((st = clmha__convert_in(layer, CLMHA__STAGED_VALUE, "float32 value",
+                                    args->value.buffer, args->value.offset, d.value_count,
+                                    &f.value.buffer)))
+            return st;
+        f.value.offset = 0;
+    }
+    if (d.kpm_kind == CLMHA_MASK_FLOAT) {
+        clmha_tensor *t = &f.key_padding_mask.tensor;
+        if ((st = clmha__convert_in(layer, CLMHA__STAGED_KPM, "float32 key_padding_mask",
+                                    t->buffer, t->offset, d.kpm_count, &t->buffer)))
+            return st;
+        t->offset = 0;
+    }
+    if (d.attn_kind == CLMHA_MASK_FLOAT) {
+        clmha_tensor *t = &f.attn_mask.tensor;
+        if ((st = clmha__convert_in(layer, CLMHA__STAGED_ATTN, "float32 attn_mask", t->buffer,
+                                    t->offset, d.attn_count, &t->buffer)))
+            return st;
+        t->offset = 0;
+    }
+    if ((st = forward_f32(layer, &f, out32, 0, weights32, 0, 0, NULL, NULL)) ||
+        (st = clmha__convert_out(layer, CLMHA__STAGED_OUTPUT, output, output_offset,
+                                 d.output_count)) ||
+        (args->need_weights &&
+         (st = clmha__convert_out(layer, CLMHA__STAGED_WEIGHTS, weights, weights_offset,
+                                  d.weights_count))))
+        return st;
+    return clmha__enqueue_event(ctx, event);
+}
+
+// A float32 call, or the float32 pass of a 16-bit layer's (on its float32 copies).
+static clmha_status forward_f32(clmha_layer *layer, const clmha_forward_args *args,
+                                cl_mem output, size_t output_offset, cl_mem weights,
+                                size_t weights_offset, cl_uint num_wait,
+                                const cl_event *wait_list, cl_event *event) {
+    clmha__dims d;
+    clmha_status st = clmha__forward_validate(layer, args, true, &d);
     if (st) return st;
-    if ((st = clmha__check_buffer(ctx, "output", output, output_offset, d.output_count, 4)))
-        return st;
-    if ((st = check_output_readable(layer, output))) return st;
-    if (args->need_weights &&
-        (st = clmha__check_buffer(ctx, "weights", weights, weights_offset, d.weights_count, 4)))
-        return st;
-    if ((st = clmha__check_writable(ctx, "output", output)) ||
-        (args->need_weights && (st = clmha__check_writable(ctx, "weights", weights))) ||
-        (st = check_aliasing(ctx, args, &d, output, output_offset, weights, weights_offset)))
+    if ((st = check_result_buffers(layer, args, &d, output, output_offset, weights,
+                                   weights_offset, sizeof(float))))
         return st;
     // The core: the user's, else fused or unfused (see clmha_impl and src/cores/core.c).
     clmha__core_call call = {.args = args, .dims = &d, .weights = weights,
@@ -520,6 +655,49 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
                                                    weights_offset, num_wait, wait_list, event));
 }
 
+// Uploads @p count floats of a host call (@p data) as the layer's dtype: as they are for a
+// float32 layer, rounded to 16 bits for a 16-bit one.
+static clmha_status upload_values(clmha_layer *layer, const char *what, const void *data,
+                                  size_t count, cl_mem *out) {
+    clmha_dtype t = layer->desc.dtype;
+    if (t == CLMHA_DTYPE_F32) return clmha__upload(layer->ctx, what, data, count, 4, out);
+    uint16_t *narrow = malloc((count ? count : 1) * sizeof *narrow);
+    if (!narrow) return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", what);
+    const float *x = data;
+    for (size_t i = 0; i < count; ++i)
+        narrow[i] = t == CLMHA_DTYPE_F16 ? clmha__f32_to_f16(x[i]) : clmha__f32_to_bf16(x[i]);
+    clmha_status st = clmha__upload(layer->ctx, what, narrow, count, 2, out);
+    free(narrow);
+    return st;
+}
+
+// Uploads a mask of a host call: float masks as the layer's dtype, boolean ones as they are.
+static clmha_status upload_mask(clmha_layer *layer, const char *what, clmha_mask_kind kind,
+                                const void *data, size_t count, cl_mem *out) {
+    if (kind == CLMHA_MASK_FLOAT) return upload_values(layer, what, data, count, out);
+    return clmha__upload(layer->ctx, what, data, count, clmha__mask_elem(kind), out);
+}
+
+// Reads @p count results of the layer's dtype from @p buf into floats (a blocking read).
+static clmha_status read_values(clmha_layer *layer, cl_mem buf, size_t count, float *out) {
+    clmha_context *ctx = layer->ctx;
+    clmha_dtype t = layer->desc.dtype;
+    cl_int err;
+    if (t == CLMHA_DTYPE_F32) {
+        err = clEnqueueReadBuffer(ctx->queue, buf, CL_TRUE, 0, count * 4, out, 0, NULL, NULL);
+    } else {
+        uint16_t *narrow = malloc((count ? count : 1) * sizeof *narrow);
+        if (!narrow) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (results)");
+        err = clEnqueueReadBuffer(ctx->queue, buf, CL_TRUE, 0, count * 2, narrow, 0, NULL, NULL);
+        for (size_t i = 0; err == CL_SUCCESS && i < count; ++i)
+            out[i] = t == CLMHA_DTYPE_F16 ? clmha__f16_to_f32(narrow[i])
+                                          : clmha__bf16_to_f32(narrow[i]);
+        free(narrow);
+    }
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clEnqueueReadBuffer(result)");
+    return CLMHA_SUCCESS;
+}
+
 static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *args,
                                  float *output, size_t output_count, float *weights,
                                  size_t weights_count) {
@@ -547,41 +725,44 @@ static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *a
 
     clmha_forward_args dev = *args;
     cl_mem bufs[7] = {NULL};  // query, key, value, kpm, attn, output, weights
+    size_t elem = clmha__dtype_size(layer->desc.dtype);
     cl_int err;
-    if ((st = clmha__upload(ctx, "query upload", args->query.data, d.query_count, 4, &bufs[0])))
+    if ((st = upload_values(layer, "query upload", args->query.data, d.query_count, &bufs[0])))
         goto fail;
     dev.query.buffer = bufs[0], dev.query.offset = 0;
     if (!d.key_is_query) {
-        if ((st = clmha__upload(ctx, "key upload", args->key.data, d.key_count, 4, &bufs[1])))
+        if ((st = upload_values(layer, "key upload", args->key.data, d.key_count, &bufs[1])))
             goto fail;
         dev.key.buffer = bufs[1], dev.key.offset = 0;
     }
     if (!d.value_is_key) {
-        if ((st = clmha__upload(ctx, "value upload", args->value.data, d.value_count, 4, &bufs[2])))
+        if ((st = upload_values(layer, "value upload", args->value.data, d.value_count,
+                                &bufs[2])))
             goto fail;
         dev.value.buffer = bufs[2], dev.value.offset = 0;
     }
     if (d.kpm_kind) {
-        if ((st = clmha__upload(ctx, "key_padding_mask upload", args->key_padding_mask.tensor.data,
-                         d.kpm_count, clmha__mask_elem(d.kpm_kind), &bufs[3])))
+        if ((st = upload_mask(layer, "key_padding_mask upload", d.kpm_kind,
+                              args->key_padding_mask.tensor.data, d.kpm_count, &bufs[3])))
             goto fail;
         dev.key_padding_mask.tensor.buffer = bufs[3], dev.key_padding_mask.tensor.offset = 0;
     }
     if (d.attn_kind) {
-        if ((st = clmha__upload(ctx, "attn_mask upload", args->attn_mask.tensor.data, d.attn_count,
-                         clmha__mask_elem(d.attn_kind), &bufs[4])))
+        if ((st = upload_mask(layer, "attn_mask upload", d.attn_kind, args->attn_mask.tensor.data,
+                              d.attn_count, &bufs[4])))
             goto fail;
         dev.attn_mask.tensor.buffer = bufs[4], dev.attn_mask.tensor.offset = 0;
     }
     // Read-write: with a bias, the output GEMM reads the bias rows back (beta = 1).
-    bufs[5] = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, d.output_count * 4, NULL, &err);
+    bufs[5] = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, d.output_count * elem, NULL, &err);
     clmha__held_new(CLMHA__HELD_MEM, bufs[5]);
     if (err != CL_SUCCESS) {
         st = clmha__cl_fail(ctx, err, "clCreateBuffer(output)");
         goto fail;
     }
     if (args->need_weights) {
-        bufs[6] = clCreateBuffer(ctx->cl_ctx, CL_MEM_WRITE_ONLY, d.weights_count * 4, NULL, &err);
+        bufs[6] =
+            clCreateBuffer(ctx->cl_ctx, CL_MEM_WRITE_ONLY, d.weights_count * elem, NULL, &err);
         clmha__held_new(CLMHA__HELD_MEM, bufs[6]);
         if (err != CL_SUCCESS) {
             st = clmha__cl_fail(ctx, err, "clCreateBuffer(weights)");
@@ -594,12 +775,8 @@ static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *a
         st = clmha__cl_fail(ctx, err, "clFinish");
         goto fail;
     }
-    err = clEnqueueReadBuffer(ctx->queue, bufs[5], CL_TRUE, 0, d.output_count * 4, output, 0,
-                              NULL, NULL);
-    if (err == CL_SUCCESS && args->need_weights)
-        err = clEnqueueReadBuffer(ctx->queue, bufs[6], CL_TRUE, 0, d.weights_count * 4, weights,
-                                  0, NULL, NULL);
-    if (err != CL_SUCCESS) st = clmha__cl_fail(ctx, err, "clEnqueueReadBuffer(result)");
+    if ((st = read_values(layer, bufs[5], d.output_count, output))) goto fail;
+    if (args->need_weights) st = read_values(layer, bufs[6], d.weights_count, weights);
 fail:
     for (int i = 0; i < 7; ++i) clmha__release_mem(bufs[i]);
     return st;
@@ -624,7 +801,9 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
     clmha_forward_args in;
     clmha_status st = args_in(ctx, &in, &args);
     if (st) return st;
-    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
+    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
+        (st = clmha__layer_f32_only(layer, "clmha_layer_attend()")))
+        return st;
     const char *no = args->need_weights ? "need_weights"
                      : args->save       ? "save"
                      : args->kv_cache   ? "kv_cache"
@@ -681,7 +860,8 @@ clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t 
     if (event) *event = NULL;
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
-    clmha_status st;
+    clmha_status st = clmha__layer_f32_only(layer, "clmha_layer_project_heads()");
+    if (st) return st;
     size_t e = layer->e, rows;
     if (!batch || !tgt_len)
         return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH, "batch %zu and tgt_len %zu must be positive",

@@ -3,6 +3,7 @@
 // are in src/forward/layer_api.c.)
 #include "layer/layer.h"
 
+#include "base/half.h"
 #include "base/struct_in.h"
 #include "device/held.h"
 
@@ -101,12 +102,22 @@ static clmha_status param_copy(clmha_layer *layer, const char *name, float *data
                            "%zu), got %zu",
                            name, slot.shape, slot.count, layer->e, layer->desc.kdim,
                            layer->desc.vdim, count);
+    // A 16-bit layer's parameters are values of its dtype: what is written is rounded to it.
+    float *rounded = NULL;
+    if (write && layer->desc.dtype != CLMHA_DTYPE_F32) {
+        if (!(rounded = malloc(count * sizeof(float))))
+            return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", name);
+        for (size_t i = 0; i < count; ++i)
+            rounded[i] = clmha__dtype_round(layer->desc.dtype, data[i]);
+        data = rounded;
+    }
     cl_int err = write ? clEnqueueWriteBuffer(ctx->queue, slot.buffer, CL_TRUE,
                                               slot.offset * sizeof(float),
                                               count * sizeof(float), data, 0, NULL, NULL)
                        : clEnqueueReadBuffer(ctx->queue, slot.buffer, CL_TRUE,
                                              slot.offset * sizeof(float), count * sizeof(float),
                                              data, 0, NULL, NULL);
+    free(rounded);
     if (err != CL_SUCCESS)
         return clmha__cl_fail(ctx, err, write ? "clEnqueueWriteBuffer" : "clEnqueueReadBuffer");
     return CLMHA_SUCCESS;
@@ -198,12 +209,23 @@ clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
     if ((st = make_kernel(ctx, heads, "fill_rows", &l->fill_rows))) goto fail;
     if ((st = make_kernel(ctx, heads, "average_heads", &l->average_heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "accumulate_heads", &l->accumulate_heads))) goto fail;
+    // A 16-bit layer's conversions (cl/convert.cl).
+    if (d.dtype == CLMHA_DTYPE_F16 || d.dtype == CLMHA_DTYPE_BF16) {
+        cl_program convert;
+        bool half = d.dtype == CLMHA_DTYPE_F16;
+        if ((st = clmha__program_get(ctx, "convert", "", &convert)) ||
+            (st = make_kernel(ctx, convert, half ? "f16_to_f32" : "bf16_to_f32", &l->to_f32)) ||
+            (st = make_kernel(ctx, convert, half ? "f32_to_f16" : "f32_to_bf16", &l->from_f32)))
+            goto fail;
+    }
     // The element-wise kernels: groups of up to 64 (the coalesced split/merge: up to 256),
     // within the smallest of their limits.
     l->heads_limit = ctx->max_work_group;
-    cl_kernel elementwise[] = {l->split_heads, l->merge_heads, l->fill_rows, l->average_heads,
-                               l->accumulate_heads};
+    cl_kernel elementwise[] = {l->split_heads,      l->merge_heads, l->fill_rows,
+                               l->average_heads,    l->accumulate_heads, l->to_f32,
+                               l->from_f32};
     for (size_t i = 0; i < sizeof elementwise / sizeof elementwise[0]; ++i) {
+        if (!elementwise[i]) continue;  // a float32 layer has no conversions
         size_t wg;
         if ((st = clmha__kernel_limits(ctx, elementwise[i], &wg, NULL))) goto fail;
         if (wg < l->heads_limit) l->heads_limit = wg;
@@ -251,6 +273,9 @@ void clmha__layer_free(clmha_layer *layer) {
     release_kernel(&layer->fill_rows);
     release_kernel(&layer->average_heads);
     release_kernel(&layer->accumulate_heads);
+    release_kernel(&layer->to_f32);
+    release_kernel(&layer->from_f32);
+    for (int i = 0; i < CLMHA__STAGED_COUNT; ++i) release_mem(&layer->staged[i]);
     clmha_context_release(layer->ctx);
     free(layer);
 }
@@ -268,9 +293,17 @@ clmha_context *clmha_layer_context(const clmha_layer *layer) {
     return layer ? layer->ctx : NULL;
 }
 
+clmha_status clmha__layer_f32_only(clmha_layer *layer, const char *what) {
+    if (layer->desc.dtype == CLMHA_DTYPE_F32) return CLMHA_SUCCESS;
+    return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED, "%s is not available for a %s layer yet",
+                       what, clmha__dtype_name(layer->desc.dtype));
+}
+
 clmha_status clmha_layer_set_attention(clmha_layer *layer, clmha_attention_fn fn,
                                        void *user_data) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    clmha_status st;
+    if (fn && (st = clmha__layer_f32_only(layer, "a user attention core"))) return st;
     layer->core = fn;
     layer->core_data = fn ? user_data : NULL;
     return CLMHA_SUCCESS;
@@ -299,6 +332,7 @@ size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
     size_t floats = layer->proj_cap + layer->scores_cap + layer->head_sums_cap +
                     layer->partial_lse_cap + layer->cores_scratch_cap;
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) floats += layer->tile_caps[i];
+    for (int i = 0; i < CLMHA__STAGED_COUNT; ++i) floats += layer->staged_caps[i];
     return floats * sizeof(float);
 }
 

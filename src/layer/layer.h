@@ -21,6 +21,19 @@
 
 enum { CLMHA__TILE_Q, CLMHA__TILE_K, CLMHA__TILE_V, CLMHA__TILE_OUT, CLMHA__TILE_COUNT };
 
+// The float32 copies a 16-bit layer's device forward call makes of its tensors
+// (src/forward/convert.c).
+enum {
+    CLMHA__STAGED_QUERY,
+    CLMHA__STAGED_KEY,
+    CLMHA__STAGED_VALUE,
+    CLMHA__STAGED_KPM,
+    CLMHA__STAGED_ATTN,
+    CLMHA__STAGED_OUTPUT,
+    CLMHA__STAGED_WEIGHTS,
+    CLMHA__STAGED_COUNT
+};
+
 struct clmha_layer {
     clmha_context *ctx;
     clmha_layer_desc desc;  // kdim and vdim filled in
@@ -57,6 +70,13 @@ struct clmha_layer {
     size_t cores_scratch_cap;  // floats of the scratch the cores keep in their state
                                // (clmha__layer_grow_core_scratch())
 
+    // A 16-bit layer (desc.dtype F16 or BF16): the kernels of cl/convert.cl that widen its
+    // inputs to float32 and narrow its results (NULL for a float32 layer), and the float32
+    // copies of a call's tensors, grown on demand (sizes in floats; counted in the scratch).
+    cl_kernel to_f32, from_f32;
+    cl_mem staged[CLMHA__STAGED_COUNT];
+    size_t staged_caps[CLMHA__STAGED_COUNT];
+
     clmha_attention_fn core;    // the user's core (src/cores/user.c), or NULL
     void *core_data;
 
@@ -84,6 +104,10 @@ struct clmha_layer {
 // clmha_layer_create() documents; on failure *out is NULL.
 CLMHA__HIDDEN clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
                                             const clmha_layer_desc *desc);
+
+// CLMHA_UNSUPPORTED, with a message naming @p what, for a layer whose dtype is not float32 (what
+// 16-bit layers cannot do yet: include/clmha.h, clmha_dtype); else CLMHA_SUCCESS.
+CLMHA__HIDDEN clmha_status clmha__layer_f32_only(clmha_layer *layer, const char *what);
 
 // Frees what clmha__layer_new() made (the cores' state must be gone) and releases the context.
 // NULL is ignored.
