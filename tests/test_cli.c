@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "clmha.h"
+#include "base/half.h"
 #include "cli/npy.h"
 #include "support.h"
 
@@ -740,6 +741,92 @@ Test(cli_run, writes_both_outputs_with_pytorch_shapes) {
     clmha__npy_free(&w);
     cli_free(&r);
     tmp_remove(&d);
+}
+
+// --dtype f16 / bf16: a float16 query file ('<f2') is read exactly; the layer file's values and
+// the query are rounded to the dtype; the output and weights are float16 files ('<f2') for f16 and float32
+// files of bfloat16 values for bf16, within the accuracy contract (include/clmha.h,
+// clmha_dtype) of the float64 reference on the rounded parameters and query.
+Test(cli_run, dtype_f16_and_bf16) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    enum { L = 3, N = 2, E = 8, Q = L * N * E };
+    float q[Q];
+    uint16_t q16[Q];
+    uint32_t state = 99u;
+    for (size_t i = 0; i < Q; ++i) {
+        q16[i] = clmha__f32_to_f16(pseudo(&state));
+        q[i] = clmha__f16_to_f32(q16[i]);
+    }
+    write_npy_raw(tmp_file(&d, "q16.npy"), "<f2", 3, (size_t[]){L, N, E}, q16, sizeof q16);
+    const char *names[] = {"f16", "bf16"};
+    const clmha_dtype dtypes[] = {CLMHA_DTYPE_F16, CLMHA_DTYPE_BF16};
+    clmha_context *ctx = NULL;
+    cr_assert_eq(clmha_context_create_from_env(&ctx), CLMHA_SUCCESS);
+    for (int k = 0; k < 2; ++k) {
+        clmha_dtype t = dtypes[k];
+        cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                               tmp_file(&d, "q16.npy"), "--dtype", names[k], "--output",
+                               tmp_file(&d, "o.npy"), "--weights-output", tmp_file(&d, "w.npy"));
+        cr_assert_eq(r.status, 0, "--dtype %s: stderr: %s", names[k], r.err);
+        clmha__npy o = {0}, w = {0};
+        read_npy(tmp_file(&d, "o.npy"), &o);
+        read_npy(tmp_file(&d, "w.npy"), &w);
+        const char *want_descr = t == CLMHA_DTYPE_F16 ? "<f2" : "<f4";
+        cr_expect_str_eq(o.dtype, want_descr, "--dtype %s: output dtype %s", names[k], o.dtype);
+        cr_expect_str_eq(w.dtype, want_descr, "--dtype %s: weights dtype %s", names[k], w.dtype);
+        // The reference on the layer's rounded parameters and the (exact) query.
+        clmha_layer *layer = NULL;
+        cr_assert_eq(clmha_layer_load_as(&layer, ctx, tmp_file(&d, "layer.safetensors"), t),
+                     CLMHA_SUCCESS);
+        float w_in[3 * E * E], b_in[3 * E], w_out[E * E], b_out[E];
+        cr_assert_eq(clmha_layer_get_parameter(layer, "in_proj_weight", w_in, 3 * E * E), 0);
+        cr_assert_eq(clmha_layer_get_parameter(layer, "in_proj_bias", b_in, 3 * E), 0);
+        cr_assert_eq(clmha_layer_get_parameter(layer, "out_proj.weight", w_out, E * E), 0);
+        cr_assert_eq(clmha_layer_get_parameter(layer, "out_proj.bias", b_out, E), 0);
+        clmha_layer_release(layer);
+        clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = E, .num_heads = 2,
+                                 .bias = true};
+        clmha_reference_params p = {.struct_size = sizeof p, .in_proj_weight = w_in,
+                                    .in_proj_bias = b_in, .out_proj_weight = w_out,
+                                    .out_proj_bias = b_out};
+        float qt[Q];  // the query as the layer reads it: rounded to its dtype
+        for (size_t i = 0; i < Q; ++i) qt[i] = clmha__dtype_round(t, q[i]);
+        clmha_forward_args a = {.struct_size = sizeof a,
+                                .query = {.ndim = 3, .shape = {L, N, E}, .data = qt},
+                                .need_weights = true};
+        double ref[Q], ref_w[N * L * L];
+        char msg[256];
+        cr_assert_eq(clmha_reference_forward(&desc, &p, &a, ref, Q, ref_w, N * L * L, msg,
+                                             sizeof msg),
+                     CLMHA_SUCCESS, "%s", msg);
+        double rel = t == CLMHA_DTYPE_F16 ? 0x1p-11 : 0x1p-8, worst = 0.0;
+        const double *want[] = {ref, ref_w};
+        const clmha__npy *got[] = {&o, &w};
+        for (int m = 0; m < 2; ++m) {
+            cr_assert_eq(got[m]->count, m ? (size_t)N * L * L : (size_t)Q);
+            for (size_t i = 0; i < got[m]->count; ++i) {
+                double g = got[m]->f32[i], x = want[m][i];
+                cr_expect_eq(clmha__dtype_round(t, (float)g), (float)g,
+                             "--dtype %s: value %zu (%a) is not one of the dtype", names[k], i, g);
+                double bound = rel * (fabs(x) + 2e-5) + 2e-5, e = fabs(g - x);
+                if (e / bound > worst) worst = e / bound;
+            }
+        }
+        cr_expect(worst <= 1.0, "--dtype %s: error %.2f times the contract", names[k], worst);
+        clmha__npy_free(&o);
+        clmha__npy_free(&w);
+        cli_free(&r);
+    }
+    clmha_context_release(ctx);
+    tmp_remove(&d);
+}
+
+Test(cli_usage, dtype) {
+    EXPECT_USAGE("clmha run: ", "run", "--layer", "l.safetensors", "--query", "q.npy", "--dtype",
+                 "f8");
+    EXPECT_USAGE("clmha run: ", "run", "--layer", "l.safetensors", "--query", "q.npy", "--dtype",
+                 "");
 }
 
 Test(cli_run, summary_without_output) {

@@ -633,7 +633,8 @@ Test(npy_parse, refused_dtypes) {
         {"'<i8'", "dtype '<i8' is not supported"},
         {"'|i1'", "dtype '|i1' is not supported"},
         {"'<i4'", "dtype '<i4' is not supported"},
-        {"'<f2'", "dtype '<f2' is not supported"},
+        {"'>f2'", "dtype '>f2' is big-endian"},
+        {"'<f16'", "dtype '<f16' is not supported"},
         {"'|f4'", "dtype '|f4' is not supported"},
         {"'<c8'", "dtype '<c8' is not supported"},
         {"'<U3'", "dtype '<U3' is not supported"},
@@ -693,6 +694,20 @@ Test(npy_parse, one_byte_dtypes_and_f8) {
     parse_ok("{'descr': 'f8', 'fortran_order': False, 'shape': (1,)}\n", 8, &a);
     cr_assert_eq(a.kind, CLMHA__NPY_FLOAT);
     cr_assert_eq(a.count, 1);
+    clmha__npy_free(&a);
+}
+
+// float16: the bytes 0, 1, ... 5 are the halves 0x0100 and 0x0302 (subnormals: 256 and 770
+// times 2^-24) and 0x0504 (2^-14 (1 + 260/1024)), widened exactly.
+Test(npy_parse, f2) {
+    clmha__npy a;
+    parse_ok("{'descr': '<f2', 'fortran_order': False, 'shape': (3,)}\n", 6, &a);
+    cr_assert_eq(a.kind, CLMHA__NPY_FLOAT);
+    cr_assert_str_eq(a.dtype, "<f2");
+    cr_assert_eq(a.count, 3);
+    cr_expect_eq(a.f32[0], ldexpf(256.0f, -24));
+    cr_expect_eq(a.f32[1], ldexpf(770.0f, -24));
+    cr_expect_eq(a.f32[2], ldexpf(1.0f + 260.0f / 1024.0f, -14));
     clmha__npy_free(&a);
 }
 

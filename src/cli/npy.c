@@ -15,6 +15,7 @@
 #include "base/checked.h"
 #include "base/file_read.h"
 #include "base/file_write.h"
+#include "base/half.h"
 #include "base/message.h"
 
 #include <errno.h>
@@ -258,17 +259,18 @@ static clmha_status classify_dtype(const header *h, const char *name, clmha__npy
         *itemsize = 1;
         return CLMHA_SUCCESS;
     }
-    if (n == 2 && (memcmp(s, "f4", 2) == 0 || memcmp(s, "f8", 2) == 0)) {
+    if (n == 2 && (memcmp(s, "f2", 2) == 0 || memcmp(s, "f4", 2) == 0 ||
+                   memcmp(s, "f8", 2) == 0)) {
         bool little = order == '<' || ((order == '=' || order == 0) && host_little_endian());
         bool big = order == '>' || ((order == '=' || order == 0) && !host_little_endian());
         if (little) {
             *kind = CLMHA__NPY_FLOAT;
-            *itemsize = s[1] == '4' ? 4 : 8;
+            *itemsize = (size_t)(s[1] - '0');
             return CLMHA_SUCCESS;
         }
         if (big)
             return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: dtype '%.*s' is big-endian; only little-endian ('<f4', '<f8') "
+                              "%s: dtype '%.*s' is big-endian; only little-endian ('<f2', '<f4', '<f8') "
                               "floats are supported",
                               name, shown, h->descr);
     }
@@ -278,7 +280,8 @@ static clmha_status classify_dtype(const header *h, const char *name, clmha__npy
                           h->descr);
     return clmha__msg(
         msg, msg_size, CLMHA_INVALID_FILE,
-        "%s: dtype '%.*s' is not supported (float32 '<f4', float64 '<f8', bool '|b1' or "
+        "%s: dtype '%.*s' is not supported (float16 '<f2', float32 '<f4', float64 '<f8', bool "
+        "'|b1' or "
         "uint8 '|u1' only)",
         name, shown, h->descr);
 }
@@ -399,6 +402,8 @@ clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, 
     for (size_t o = 0; o < count; ++o) {
         size_t at = transpose ? src : o;
         if (itemsize == 4) a.f32[o] = load_f4(data + at * 4);
+        else if (itemsize == 2)
+            a.f32[o] = clmha__f16_to_f32((uint16_t)(data[at * 2] | data[at * 2 + 1] << 8));
         else if (itemsize == 8) {
             double d = load_f8(data + at * 8);
             a.f32[o] = (float)d;
@@ -457,6 +462,7 @@ typedef struct npy_out {
     size_t header_len;
     const float *data;
     size_t count;
+    bool half;  // '<f2': the floats rounded to float16
 } npy_out;
 
 static bool write_npy(FILE *f, void *user, char *why, size_t why_size) {
@@ -465,10 +471,18 @@ static bool write_npy(FILE *f, void *user, char *why, size_t why_size) {
     bool ok = fwrite(o->prefix, 1, 10, f) == 10 &&
               fwrite(o->head, 1, o->header_len, f) == o->header_len;
     unsigned char chunk[4096];
+    size_t item = o->half ? 2 : 4;
     for (size_t i = 0; ok && i < o->count;) {
-        size_t n = o->count - i < sizeof chunk / 4 ? o->count - i : sizeof chunk / 4;
-        for (size_t j = 0; j < n; ++j) store_f4(chunk + 4 * j, o->data[i + j]);
-        ok = fwrite(chunk, 4, n, f) == n;
+        size_t n = o->count - i < sizeof chunk / item ? o->count - i : sizeof chunk / item;
+        for (size_t j = 0; j < n; ++j) {
+            if (!o->half) {
+                store_f4(chunk + 4 * j, o->data[i + j]);
+                continue;
+            }
+            uint16_t h = clmha__f32_to_f16(o->data[i + j]);
+            chunk[2 * j] = (unsigned char)h, chunk[2 * j + 1] = (unsigned char)(h >> 8);
+        }
+        ok = fwrite(chunk, item, n, f) == n;
         i += n;
     }
     return ok;
@@ -477,7 +491,8 @@ static bool write_npy(FILE *f, void *user, char *why, size_t why_size) {
 // Writes the array to @p path whole (@p tmp NULL) or to a temporary file next to it whose
 // name goes to *tmp (see clmha__file_write_temp).
 static clmha_status write_f32(const char *path, const float *data, size_t ndim,
-                              const size_t *shape, char **tmp, char *msg, size_t msg_size) {
+                              const size_t *shape, bool half, char **tmp, char *msg,
+                              size_t msg_size) {
     if (!path || (ndim > 0 && !shape))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or shape is NULL");
     if (ndim > CLMHA__NPY_MAX_DIMS)
@@ -489,7 +504,7 @@ static clmha_status write_f32(const char *path, const float *data, size_t ndim,
         if (!clmha__mul(count, shape[i], &count))
             return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the shape's size overflows",
                               path);
-    if (!clmha__mul(count, 4, &bytes))
+    if (!clmha__mul(count, half ? 2 : 4, &bytes))
         return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the data size overflows", path);
     if (count > 0 && !data)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s: data is NULL", path);
@@ -498,7 +513,8 @@ static clmha_status write_f32(const char *path, const float *data, size_t ndim,
     // 8 dimensions of 20 digits: far below version 1.0's 65535-byte limit.
     char head[512];
     size_t used = (size_t)snprintf(head, sizeof head,
-                                   "{'descr': '<f4', 'fortran_order': False, 'shape': (");
+                                   "{'descr': '%s', 'fortran_order': False, 'shape': (",
+                                   half ? "<f2" : "<f4");
     for (size_t i = 0; i < ndim; ++i)
         used += (size_t)snprintf(head + used, sizeof head - used, i ? ", %zu" : "%zu", shape[i]);
     used += (size_t)snprintf(head + used, sizeof head - used, ndim == 1 ? ",), }" : "), }");
@@ -511,19 +527,19 @@ static clmha_status write_f32(const char *path, const float *data, size_t ndim,
     head[header_len - 1] = '\n';
 
     npy_out o = {.prefix = prefix, .head = head, .header_len = header_len, .data = data,
-                 .count = count};
+                 .count = count, .half = half};
     return tmp ? clmha__file_write_temp(path, write_npy, &o, tmp, msg, msg_size)
                : clmha__file_write_whole(path, write_npy, &o, msg, msg_size);
 }
 
 clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
                                   const size_t *shape, char *msg, size_t msg_size) {
-    return write_f32(path, data, ndim, shape, NULL, msg, msg_size);
+    return write_f32(path, data, ndim, shape, false, NULL, msg, msg_size);
 }
 
 clmha_status clmha__npy_write_f32_temp(const char *path, const float *data, size_t ndim,
-                                       const size_t *shape, char **tmp, char *msg,
+                                       const size_t *shape, bool half, char **tmp, char *msg,
                                        size_t msg_size) {
     *tmp = NULL;
-    return write_f32(path, data, ndim, shape, tmp, msg, msg_size);
+    return write_f32(path, data, ndim, shape, half, tmp, msg, msg_size);
 }

@@ -1,20 +1,22 @@
-// NumPy .npy files: reading float32/float64/bool/uint8 arrays and writing float32 arrays.
+// NumPy .npy files: reading float16/float32/float64/bool/uint8 arrays and writing float32 (or
+// float16) arrays.
 // Used by the `clmha` program and the tests; not part of the library's public API.
 #ifndef CLMHA_NPY_H
 #define CLMHA_NPY_H
 
 #include <clmha.h>
+#include <stdbool.h>
 
 #define CLMHA__NPY_MAX_DIMS 8
 
 typedef enum clmha__npy_kind {
-    CLMHA__NPY_FLOAT = 0,  // '<f4' or '<f8' (converted to float)
+    CLMHA__NPY_FLOAT = 0,  // '<f2', '<f4' or '<f8' (converted to float)
     CLMHA__NPY_BOOL,       // '|b1' or '|u1' (one byte per element, 0 or not)
 } clmha__npy_kind;
 
 typedef struct clmha__npy {
     clmha__npy_kind kind;
-    char dtype[8];        // as in the file's header: "<f4", "<f8", "|b1", "|u1"
+    char dtype[8];        // as in the file's header: "<f2", "<f4", "<f8", "|b1", "|u1"
     size_t ndim;
     size_t shape[CLMHA__NPY_MAX_DIMS];
     size_t count;         // product of shape (1 for 0-D)
@@ -39,10 +41,11 @@ clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_
 clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
                                   const size_t *shape, char *msg, size_t msg_size);
 
-// Like clmha__npy_write_f32, but writes a temporary file in @p path's folder and leaves the
-// renaming to the caller: *tmp gets its malloc'd name (NULL on failure, when nothing is left).
+// Like clmha__npy_write_f32 (or, with @p half, '<f2': the floats rounded to float16), but
+// writes a temporary file in @p path's folder and leaves the renaming to the caller: *tmp gets
+// its malloc'd name (NULL on failure, when nothing is left).
 clmha_status clmha__npy_write_f32_temp(const char *path, const float *data, size_t ndim,
-                                       const size_t *shape, char **tmp, char *msg,
+                                       const size_t *shape, bool half, char **tmp, char *msg,
                                        size_t msg_size);
 
 // Frees the arrays of @p a and zeroes it. Accepts NULL.

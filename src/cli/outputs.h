@@ -14,6 +14,7 @@ typedef struct clmha__cli_out {
     const float *data;
     size_t ndim;
     size_t shape[4];
+    bool half;  // written as float16 ('<f2'), else float32
 } clmha__cli_out;
 
 // A named input file (NULL path: not given).

@@ -30,7 +30,7 @@ static const char *const usage_run[] = {
     "\n"
     "inputs:\n"
     "  --layer F.safetensors     the layer (required)\n"
-    "  --query Q.npy             query, float32 or float64 (required)\n"
+    "  --query Q.npy             query, float16, float32 or float64 (required)\n"
     "  --key K.npy               key (S, N, kdim); default: the query (self-attention)\n"
     "  --value V.npy             value (S, N, vdim); default: the key\n"
     "  --key-padding-mask M.npy  (N, S), or (S) unbatched\n"
@@ -48,8 +48,11 @@ static const char *const usage_run[] = {
     "  --per-head-weights        weights per head (N, H, L, S') instead of averaged over\n"
     "                            the heads (N, L, S') (average_attn_weights=False);\n"
     "                            implies --need-weights\n"
-    "  --output O.npy            write the attention output, float32, shaped like the query\n"
-    "  --weights-output W.npy    write the weights, float32; implies --need-weights\n"
+    "  --output O.npy            write the attention output, shaped like the query: float32,\n"
+    "                            float16 with --dtype f16 (bf16: float32 holding bfloat16\n"
+    "                            values, as NumPy has no bfloat16)\n"
+    "  --weights-output W.npy    write the weights (dtype as --output); implies\n"
+    "                            --need-weights\n"
     "                            (unbatched inputs drop N; S' = S + add_bias_kv + add_zero_attn)\n"
     "\n",
     "gradients (the backward pass, after the forward pass with the same inputs and dropout):\n"
@@ -88,6 +91,13 @@ static const char *const usage_run[] = {
     "                            with the first call and the later calls attend only. Either\n"
     "                            way the output is the one-shot forward's. Not with masks,\n"
     "                            weights, --training, gradients or --impl\n"
+    "\n"
+    "precision:\n"
+    "  --dtype T                 the layer's dtype (PyTorch's dtype=): f32 (default), f16 or\n"
+    "                            bf16 (f64 is not implemented yet). The layer file's values\n"
+    "                            and the inputs are rounded to it (to nearest even); a 16-bit\n"
+    "                            layer computes in float32 and rounds its results once. Not\n"
+    "                            with gradients or --decode-chunk yet\n"
     "\n"
     "device:\n"
     "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"
@@ -329,6 +339,27 @@ static bool grads_dir_ok(const char *dir) {
     return false;
 }
 
+// --dtype: f32 (also when absent), f64, f16 or bf16 (PyTorch's float32, float64, float16,
+// bfloat16 are taken too). Reports and returns false for anything else.
+static bool parse_dtype(const char *opt, clmha_dtype *out) {
+    static const struct {
+        const char *name, *torch;
+        clmha_dtype dtype;
+    } names[] = {{"f32", "float32", CLMHA_DTYPE_F32},
+                 {"f64", "float64", CLMHA_DTYPE_F64},
+                 {"f16", "float16", CLMHA_DTYPE_F16},
+                 {"bf16", "bfloat16", CLMHA_DTYPE_BF16}};
+    *out = CLMHA_DTYPE_F32;
+    if (!opt) return true;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; ++i)
+        if (strcmp(opt, names[i].name) == 0 || strcmp(opt, names[i].torch) == 0) {
+            *out = names[i].dtype;
+            return true;
+        }
+    clmha__cli_report("run", "--dtype %s: expected f32, f64, f16 or bf16", opt);
+    return false;
+}
+
 // A gradient input (--grad-output, --grad-weights) must have the shape of what it is the
 // gradient of. Reports and returns false.
 static bool grad_shape_ok(const input_file *in, const char *what, size_t ndim,
@@ -346,6 +377,7 @@ static bool grad_shape_ok(const input_file *in, const char *what, size_t ndim,
 int clmha__cli_run(int argc, char **argv) {
     const char *layer_path = NULL, *output_path = NULL, *weights_path = NULL, *device = NULL;
     const char *grads_dir = NULL, *seed_opt = NULL, *offset_opt = NULL, *chunk_opt = NULL;
+    const char *dtype_opt = NULL;
     input_file in[IN_COUNT] = {
         [IN_QUERY] = {.flag = "--query"},
         [IN_KEY] = {.flag = "--key"},
@@ -378,6 +410,7 @@ int clmha__cli_run(int argc, char **argv) {
         {.name = "--grads-dir", .value = &grads_dir},
         {.name = "--device", .value = &device, .allow_empty = true},
         {.name = "--decode-chunk", .value = &chunk_opt},
+        {.name = "--dtype", .value = &dtype_opt},
     };
     char usage[8192] = "";
     for (size_t i = 0; i < sizeof usage_run / sizeof usage_run[0]; ++i)
@@ -430,6 +463,8 @@ int clmha__cli_run(int argc, char **argv) {
             return EXIT_USAGE;
         }
     }
+    clmha_dtype dtype;
+    if (!parse_dtype(dtype_opt, &dtype)) return EXIT_USAGE;
     clmha_dropout_rng rng = {0};
     if (!grad_options_ok(in[IN_GRAD_OUT].path, in[IN_GRAD_W].path, grads_dir, need_weights,
                          training, seed_opt, offset_opt) ||
@@ -463,7 +498,7 @@ int clmha__cli_run(int argc, char **argv) {
         if (in[i].path && !read_input(&in[i])) goto fail;
 
     if (!(ctx = clmha__cli_open_context("run", device))) goto fail;
-    if (clmha_layer_load(&layer, ctx, layer_path) != CLMHA_SUCCESS) {
+    if (clmha_layer_load_as(&layer, ctx, layer_path, dtype) != CLMHA_SUCCESS) {
         clmha__cli_report("run", "--layer %s: %s", layer_path,
                           clmha__cli_without_path(clmha_context_last_error(ctx), layer_path));
         goto fail;
@@ -587,11 +622,12 @@ int clmha__cli_run(int argc, char **argv) {
     num_outs = 0;
     if (output_path)
         outs[num_outs++] = (clmha__cli_out){.flag = "--output", .path = output_path, .data = y,
-                                            .ndim = q->ndim};
+                                            .ndim = q->ndim, .half = dtype == CLMHA_DTYPE_F16};
     if (output_path) memcpy(outs[0].shape, q->shape, q->ndim * sizeof *q->shape);
     if (weights_path) {
         outs[num_outs] = (clmha__cli_out){.flag = "--weights-output", .path = weights_path,
-                                          .data = w, .ndim = w_ndim};
+                                          .data = w, .ndim = w_ndim,
+                                          .half = dtype == CLMHA_DTYPE_F16};
         memcpy(outs[num_outs++].shape, w_shape, w_ndim * sizeof *w_shape);
     }
     num_outs += clmha__cli_grads_outputs(&grads, outs + num_outs);
