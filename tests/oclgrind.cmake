@@ -6,4 +6,5 @@
 add_executable(oclgrind_driver ${CMAKE_CURRENT_LIST_DIR}/oclgrind_driver.c)
 set_target_properties(oclgrind_driver PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR})
 target_link_libraries(oclgrind_driver PRIVATE clmha_static m)
+target_include_directories(oclgrind_driver PRIVATE ${PROJECT_SOURCE_DIR}/src)  # base/half.h
 target_compile_options(oclgrind_driver PRIVATE ${CLMHA_WARNINGS})

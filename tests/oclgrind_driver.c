@@ -27,6 +27,8 @@
 //                  8- and 4-wide vectors with one and two rows per work-item (Oclgrind prefers
 //                  scalars, which the default tiles then use)
 //   merge_partials (the "partial" case: two key ranges of clmha_layer_attend merged)
+//   f16_to_f32, f32_to_f16, bf16_to_f32, f32_to_bf16 (the "f16"/"bf16" cases: 16-bit layers,
+//                  inputs and float masks widened, output and weights narrowed)
 //   decode_*       (the "decode" cases: self-attention through a KV cache, chunk by chunk)
 //                  appends, key ranges empty and partial, the appended keys in the combine
 //   the backward   (the "backward" cases: forward with args.save, then every gradient through
@@ -55,6 +57,8 @@
 #define _POSIX_C_SOURCE 200112L  // setenv
 #include <clmha.h>
 #include <math.h>
+
+#include "base/half.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -116,6 +120,7 @@ typedef struct dcase {
     size_t kv_heads;         // > 0: grouped-query attention with this many key/value heads
     size_t partial_split;    // > 0: partial attention over keys [0, split) and [split, S),
                              // merged and projected (cross-attention, sequence-first, no masks)
+    clmha_dtype dtype;       // the layer's (parameters, inputs and float masks rounded to it)
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -274,6 +279,13 @@ static const dcase cases[] = {
     // the head merge and output projection of clmha_layer_project_heads.
     {"partial: cross L3 S37 split at 16, bias_kv+zero_attn, merged", .e = 8, .h = 2, .n = 2,
      .l = 3, .s = 37, .bias_kv = true, .zero_attn = true, .partial_split = 16},
+    // 16-bit layers: the conversions of inputs, float masks, output and weights.
+    {"f16 unfused: cross kdim/vdim, kpm=float, am=float (N*H,L,S), w=per_head", .e = 8, .h = 2,
+     .kdim = 5, .vdim = 3, .n = 2, .l = 3, .s = 7, .kpm = F, .am = F, .layout = PER_HEAD,
+     .weights = true, .per_head = true, .dtype = CLMHA_DTYPE_F16},
+    {"bf16 fused: self batch_first, am=float (L,S), causal", .e = 8, .h = 2, .n = 2, .l = 5,
+     .self_attn = true, .batch_first = true, .am = F, .causal = true, .fused = true,
+     .dtype = CLMHA_DTYPE_BF16},
     // The unfused core in chunks: groups of heads, then rows of one head (the last case also
     // with grouped-query attention: each chunk's keys from its query head's key/value plane).
     {"chunked gqa: rows of a head, 4 heads on 2, causal, w=avg", .e = 8, .h = 4, .kv_heads = 2,
@@ -334,6 +346,12 @@ static clmha_tensor input(const dcase *c, size_t n, const float *data, size_t se
     if (c->unbatched) return tensor(data, 2, seq, feat, 0);
     if (c->batch_first) return tensor(data, 3, n, seq, feat);
     return tensor(data, 3, seq, n, feat);
+}
+
+static double max_abs(const double *x, size_t count) {
+    double m = 0;
+    for (size_t i = 0; i < count; ++i) m = fmax(m, fabs(x[i]));
+    return m;
 }
 
 static double max_abs_error(const float *got, const double *want, size_t count) {
@@ -473,7 +491,8 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
                              .embed_dim = e, .num_heads = c->h, .kdim = c->kdim,
                              .vdim = c->vdim, .bias = !c->nobias, .add_bias_kv = c->bias_kv,
                              .add_zero_attn = c->zero_attn, .batch_first = c->batch_first,
-                             .dropout = c->dropout, .num_kv_heads = c->kv_heads};
+                             .dropout = c->dropout, .num_kv_heads = c->kv_heads,
+                             .dtype = c->dtype};
     const size_t kve = c->kv_heads ? c->kv_heads * (e / c->h) : e;  // key/value width
 
     // Parameters.
@@ -530,6 +549,21 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
             c->layout == SHARED ? tensor(am, 2, l, s, 0) : tensor(am, 3, planes, l, s);
     }
     args.is_causal = c->causal;
+    if (c->dtype) {  // the reference computes on the values the layer holds
+        float *arrays[] = {w_in, wq, wk, wv, b_in, wo, bo, bk, bv, query, key, value};
+        size_t counts[] = {3 * e * e, e * e, kve * kdim, kve * vdim, e + 2 * kve, e * e, e,
+                           kve, kve, l * n * e, s * n * kdim, s * n * vdim};
+        for (size_t a = 0; a < sizeof arrays / sizeof arrays[0]; ++a)
+            for (size_t i = 0; arrays[a] && i < counts[a]; ++i)
+                arrays[a][i] = clmha__dtype_round(c->dtype, arrays[a][i]);
+        float *fm[] = {c->kpm == CLMHA_MASK_FLOAT ? kpm : NULL,
+                       c->am == CLMHA_MASK_FLOAT ? am : NULL};
+        size_t fc[] = {n * s, (c->layout == PER_HEAD ? n * c->h : c->layout == PER_BATCH ? n : 1) *
+                                  l * s};
+        for (size_t m = 0; m < 2; ++m)
+            for (size_t i = 0; fm[m] && i < fc[m]; ++i)
+                fm[m][i] = clmha__dtype_round(c->dtype, fm[m][i]);
+    }
     clmha__test_set_max_alloc(c->max_alloc);
     clmha__test_set_fused_backward_block(c->gemm_block);
     if (c->gemm_block) setenv("CLMHA_FUSED_BACKWARD", "gemms", 1);
@@ -587,7 +621,11 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     bool ok = st == CLMHA_SUCCESS;
     double eo = ok ? max_abs_error(out, ref_out, oc) : INFINITY;
     double ew = ok ? max_abs_error(w, ref_w, wc) : INFINITY;
-    ok = ok && eo <= TOLERANCE && ew <= TOLERANCE && eb <= TOLERANCE;
+    // A 16-bit layer's results are rounded once: half an ulp of the dtype more (clmha_dtype).
+    double rel = c->dtype == CLMHA_DTYPE_F16 ? 0x1p-11 : c->dtype == CLMHA_DTYPE_BF16 ? 0x1p-8 : 0;
+    double tol_o = TOLERANCE + (ok ? rel * max_abs(ref_out, oc) : 0);
+    double tol_w = TOLERANCE + (ok ? rel * max_abs(ref_w, wc) : 0);
+    ok = ok && eo <= tol_o && ew <= tol_w && eb <= TOLERANCE;
     if (st)
         printf("case %2zu %-4s %-60s %s (%s)\n", index + 1, "FAIL", c->name, msg,
                clmha_status_string(st));
