@@ -1562,6 +1562,29 @@ Test(cli_grads, training_dropout_is_replayed) {
 
 // bench --decode: one JSON line per cache length with the step's time, the bytes of cached keys
 // and values it reads (2 N H (S + 1) D 4) and their rate, the copy bandwidth and the ratio.
+// --dtype: the call's tensors counted in the dtype's bytes (query, output: N L E each; the
+// weights off), and refused with --decode and --backward.
+Test(cli_bench, dtype_json) {
+    SKIP_WITHOUT_DEVICE();
+    const char *dtypes[] = {"f32", "f16", "bf16"};
+    const char *names[] = {"\"dtype\": \"float32\"", "\"dtype\": \"float16\"",
+                           "\"dtype\": \"bfloat16\""};
+    for (int i = 0; i < 3; ++i) {
+        cli_result r = cli_run("bench", "--json", "--dtype", dtypes[i], "--embed", "16",
+                               "--heads", "2", "--batch", "2", "--tgt-len", "5", "--repeat", "2");
+        cr_assert_eq(r.status, 0, "--dtype %s: stderr: %s", dtypes[i], r.err);
+        cr_expect(strstr(r.out, names[i]) != NULL, "%s", r.out);
+        double bytes = 2.0 * 2 * 5 * 16 * (i ? 2 : 4);
+        cr_expect_eq(json_number(r.out, "io_bytes"), bytes, "--dtype %s: %s", dtypes[i], r.out);
+        double ms = json_number(r.out, "ms"), gbps = json_number(r.out, "io_gbps");
+        cr_expect(fabs(gbps - bytes / ms / 1e6) <= 1e-3 * gbps, "%s", r.out);
+        cli_free(&r);
+    }
+    EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "f16", "--decode", "--cache-len", "8");
+    EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "bf16", "--backward");
+    EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "half");
+}
+
 Test(cli_bench, decode_json) {
     SKIP_WITHOUT_DEVICE();
     cli_result r = cli_run("bench", "--decode", "--json", "--embed", "16", "--heads", "2",

@@ -13,12 +13,13 @@
 
 #include "base/checked.h"
 #include "base/file_read.h"
+#include "base/half.h"
 
 static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
     "                   [--need-weights] [--batch-first] [--layer F.safetensors]\n"
     "                   [--impl auto|fused|unfused] [--backward] [--repeat R] [--device SPEC]\n"
-"                   [--json]\n"
+"                   [--dtype f32|f16|bf16] [--json]\n"
 "       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--batch N] [--embed E]\n"
 "                   [--heads H] [--repeat R] [--device SPEC] [--json]\n"
     "\n"
@@ -58,8 +59,10 @@ static const char *usage_bench =
     "                       GEMMs run: clmha_context_gemm_note()), layer, batch, tgt_len,\n"
     "                       src_len, embed_dim, num_heads, kdim, vdim, batch_first,\n"
     "                       need_weights, impl (the core used), attention (\"self\"/\"cross\"),\n"
-    "                       repeat, ms (median),\n"
-    "                       ms_min, ms_max, flops, gflops, scratch_bytes, stages {name: ms}\n"
+    "                       repeat, dtype (see --dtype below), ms (median),\n"
+    "                       ms_min, ms_max, flops, gflops, io_bytes, io_gbps, scratch_bytes,\n"
+    "                       stages {name: ms}\n"
+
     "  --help, -h           print this help\n"
     "\n"
     "FLOPs counted (the GEMMs; masks, softmax and head split/merge are not counted):\n"
@@ -73,6 +76,13 @@ static const char *usage_bench =
     "\n";
 
 // The help's second part (C11 compilers need not take string literals past 4095 characters).
+static const char *usage_bench_dtype =
+    "--dtype T: the layer's dtype (clmha_dtype): f32 (default), f16 or bf16, whose inputs,\n"
+    "outputs and parameters are 16-bit values (float32 arithmetic); also prints \"tensors\":\n"
+    "the bytes of the call's inputs and outputs in its buffers, each read or written once, and\n"
+    "their rate (--json adds dtype, io_bytes, io_gbps). Not with --decode or --backward.\n"
+    "\n";
+
 static const char *usage_bench_decode =
     "--decode: times one decode step instead: a KV cache (clmha_kv_cache) holds S tokens per\n"
     "sequence, filled once; each step appends one new token per sequence (self-attention,\n"
@@ -157,15 +167,26 @@ static int parse_sizes(const char *flag, const char *text, size_t max_count, siz
 
 cl_int clmha__bench_fill_random(cl_command_queue queue, cl_mem buf, size_t count,
                                 uint64_t *rng) {
+    return clmha__bench_fill_random_as(queue, buf, count, CLMHA_DTYPE_F32, rng);
+}
+
+cl_int clmha__bench_fill_random_as(cl_command_queue queue, cl_mem buf, size_t count,
+                                   clmha_dtype dtype, uint64_t *rng) {
     enum { CHUNK = 1 << 20 };
     float *host = malloc((count < CHUNK ? count : CHUNK) * sizeof *host);
+    uint16_t *narrow = host ? (uint16_t *)host : NULL;  // 16-bit values, in place
+    size_t elem = clmha__dtype_size(dtype);
     if (!host) return CL_OUT_OF_HOST_MEMORY;
     cl_int err = CL_SUCCESS;
     for (size_t done = 0; done < count && err == CL_SUCCESS;) {
         size_t n = count - done < CHUNK ? count - done : CHUNK;
-        for (size_t i = 0; i < n; ++i) host[i] = clmha__cli_uniform(rng);
-        err = clEnqueueWriteBuffer(queue, buf, CL_TRUE, done * sizeof *host, n * sizeof *host,
-                                   host, 0, NULL, NULL);
+        for (size_t i = 0; i < n; ++i) {
+            float x = clmha__cli_uniform(rng);
+            if (dtype == CLMHA_DTYPE_F32) host[i] = x;
+            else narrow[i] = dtype == CLMHA_DTYPE_F16 ? clmha__f32_to_f16(x) : clmha__f32_to_bf16(x);
+        }
+        err = clEnqueueWriteBuffer(queue, buf, CL_TRUE, done * elem, n * elem, host, 0, NULL,
+                                   NULL);
         done += n;
     }
     free(host);
@@ -229,6 +250,7 @@ typedef struct bench_result {
     bool self;
     clmha_impl impl;  // the core that ran: fused or unfused
     double ms, ms_min, ms_max, flops;
+    size_t io_bytes;  // the call's tensors in the caller's buffers, read and written once
     size_t scratch_bytes;
     double stage_ms[CLMHA_STAGE_COUNT];
 } bench_result;
@@ -236,7 +258,8 @@ typedef struct bench_result {
 clmha_layer *clmha__bench_layer(clmha_context *ctx, const bench_config *cfg) {
     clmha_layer *layer = NULL;
     if (cfg->layer_path) {
-        if (clmha_layer_load(&layer, ctx, cfg->layer_path) != CLMHA_SUCCESS) {
+        if (clmha_layer_load_as(&layer, ctx, cfg->layer_path, cfg->desc.dtype) !=
+            CLMHA_SUCCESS) {
             clmha__cli_report(
                 "bench", "--layer %s: %s", cfg->layer_path,
                 clmha__cli_without_path(clmha_context_last_error(ctx), cfg->layer_path));
@@ -319,25 +342,26 @@ int clmha__bench_io_make(clmha_context *ctx, const bench_config *cfg, clmha_laye
     uint64_t rng = 7;
     cl_int err = CL_SUCCESS;
     const char *what = NULL;
+    size_t elem = clmha__dtype_size(d->dtype);  // the layer's elements: 4 or 2 bytes
     for (int i = 0; i < BENCH_BUFS; ++i) {
         if (!counts[i]) continue;
         what = names[i];
-        if (max_alloc && (cl_ulong)counts[i] * sizeof(float) > max_alloc) {
+        if (max_alloc && (cl_ulong)counts[i] * elem > max_alloc) {
             clmha__cli_report("bench",
                               "%s: the %s buffer needs %zu bytes, more than the largest allocation "
                               "of %s (%llu bytes)",
-                              where, names[i], counts[i] * sizeof(float),
-                              clmha_context_device_name(ctx), (unsigned long long)max_alloc);
+                              where, names[i], counts[i] * elem, clmha_context_device_name(ctx),
+                              (unsigned long long)max_alloc);
             return EXIT_REFUSED;
         }
-        io->bufs[i] = clCreateBuffer(cl, CL_MEM_READ_WRITE, counts[i] * sizeof(float), NULL, &err);
+        io->bufs[i] = clCreateBuffer(cl, CL_MEM_READ_WRITE, counts[i] * elem, NULL, &err);
         if (err != CL_SUCCESS) goto cl_fail;
         if (i < 3) {
-            err = clmha__bench_fill_random(queue, io->bufs[i], counts[i], &rng);
+            err = clmha__bench_fill_random_as(queue, io->bufs[i], counts[i], d->dtype, &rng);
         } else {
-            float zero = 0.0f;
+            uint16_t zero = 0;  // +0 in float32, float16 and bfloat16 alike
             err = clEnqueueFillBuffer(queue, io->bufs[i], &zero, sizeof zero, 0,
-                                      counts[i] * sizeof(float), 0, NULL, NULL);
+                                      counts[i] * elem, 0, NULL, NULL);
         }
         if (err != CL_SUCCESS) goto cl_fail;
     }
@@ -411,6 +435,9 @@ static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, si
     if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
 
     res->scratch_bytes = clmha_layer_scratch_bytes(layer);
+    res->io_bytes = 0;
+    for (int i = 0; i < BENCH_BUFS; ++i) res->io_bytes += io.counts[i];
+    res->io_bytes *= clmha__dtype_size(d->dtype);
     double projections, attention;
     clmha__bench_forward_flops(d, n, l, s, &projections, &attention);
     res->flops = projections + attention;
@@ -435,9 +462,11 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
     const clmha_layer_desc *d = &cfg->desc;
     if (cfg->json) {
         clmha__bench_json_head(ctx, cfg, res->n, res->l, res->s, res->impl, res->self);
-        printf("\"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"flops\": %.0f, "
-               "\"gflops\": %.6g, \"scratch_bytes\": %zu, \"stages\": {",
-               res->ms, res->ms_min, res->ms_max, res->flops, res->flops / res->ms / 1e6,
+        printf("\"dtype\": \"%s\", \"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, "
+               "\"flops\": %.0f, \"gflops\": %.6g, \"io_bytes\": %zu, \"io_gbps\": %.6g, "
+               "\"scratch_bytes\": %zu, \"stages\": {",
+               clmha__dtype_name(d->dtype), res->ms, res->ms_min, res->ms_max, res->flops,
+               res->flops / res->ms / 1e6, res->io_bytes, (double)res->io_bytes / res->ms / 1e6,
                res->scratch_bytes);
         for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
             printf("%s\"%s\": %.6g", i ? ", " : "", clmha_stage_name((clmha_stage)i),
@@ -457,6 +486,8 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
            cfg->repeat, res->ms_min, res->ms_max);
     printf("speed:   %.2f GFLOP/s (%.4g GFLOP per forward)\n", res->flops / res->ms / 1e6,
            res->flops / 1e9);
+    printf("tensors: %zu bytes of %s inputs and outputs, %.2f GB/s\n", res->io_bytes,
+           clmha__dtype_name(d->dtype), (double)res->io_bytes / res->ms / 1e6);
     printf("scratch: %zu bytes (%.1f MiB)\n", res->scratch_bytes,
            (double)res->scratch_bytes / (1024.0 * 1024.0));
     printf("stages:  (one profiled run, %.3f ms)\n", total);
@@ -487,7 +518,7 @@ static void print_tuning(const clmha_context *ctx) {
 int clmha__cli_bench(int argc, char **argv) {
     const char *batch_opt = NULL, *tgt_opt = NULL, *src_opt = NULL, *embed_opt = NULL,
                *heads_opt = NULL, *repeat_opt = NULL, *layer_path = NULL, *device = NULL,
-               *impl_opt = NULL, *cache_opt = NULL, *kv_heads_opt = NULL;
+               *impl_opt = NULL, *cache_opt = NULL, *kv_heads_opt = NULL, *dtype_opt = NULL;
     bool need_weights = false, batch_first = false, json = false, backward = false,
          decode = false;
     const clmha__cli_option opts[] = {
@@ -507,10 +538,11 @@ int clmha__cli_bench(int argc, char **argv) {
         {.name = "--decode", .flag = &decode},
         {.name = "--cache-len", .value = &cache_opt},
         {.name = "--kv-heads", .value = &kv_heads_opt},
+        {.name = "--dtype", .value = &dtype_opt},
     };
     char usage[8192];
-    snprintf(usage, sizeof usage, "%s%s%s%s", usage_bench, usage_bench_backward,
-             usage_bench_decode, usage_bench_tail);
+    snprintf(usage, sizeof usage, "%s%s%s%s%s", usage_bench, usage_bench_dtype,
+             usage_bench_backward, usage_bench_decode, usage_bench_tail);
     int rc;
     if (!clmha__cli_parse_options("bench", argc, argv, opts, sizeof opts / sizeof opts[0],
                                   usage, &rc))
@@ -562,13 +594,22 @@ int clmha__cli_bench(int argc, char **argv) {
     clmha_impl impl;
     if (!clmha__cli_parse_impl("bench", impl_opt, need_weights, "--need-weights", &impl))
         return EXIT_USAGE;
+    clmha_dtype dtype;
+    if (!clmha__cli_parse_dtype("bench", dtype_opt, &dtype)) return EXIT_USAGE;
+    if (dtype != CLMHA_DTYPE_F32 && (decode || backward)) {
+        clmha__cli_report("bench", "--dtype %s: %s times float32 layers only (16-bit layers have "
+                                   "no %s yet)",
+                          dtype_opt, decode ? "--decode" : "--backward",
+                          decode ? "KV cache" : "backward pass");
+        return EXIT_USAGE;
+    }
 
     bench_config cfg = {.layer_path = layer_path, .need_weights = need_weights, .json = json,
                         .impl = impl, .repeat = repeat};
     cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
                                   .embed_dim = e, .num_heads = h, .kdim = e, .vdim = e,
                                   .bias = true, .batch_first = batch_first,
-                                  .num_kv_heads = kv_heads};
+                                  .num_kv_heads = kv_heads, .dtype = dtype};
     float *params = NULL;
     double *times = NULL;
     clmha_context *ctx = NULL;

@@ -56,6 +56,11 @@ bool clmha__cli_parse_options(const char *cmd, int argc, char **argv,
                               const clmha__cli_option *opts, size_t num_opts, const char *usage,
                               int *exit_status);
 
+// Parses --dtype @p opt of command @p cmd: f32 (also when @p opt is NULL), f64, f16 or bf16
+// (PyTorch's float32, float64, float16 and bfloat16 are taken too). Reports and returns false
+// for anything else.
+bool clmha__cli_parse_dtype(const char *cmd, const char *opt, clmha_dtype *out);
+
 // Parses --impl (auto, fused or unfused; NULL: auto) for a call that wants weights or not;
 // @p weight_flags names the options that ask for weights. Reports a bad value, and fused with
 // weights.

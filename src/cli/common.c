@@ -127,6 +127,25 @@ clmha_context *clmha__cli_open_context(const char *cmd, const char *device_opt) 
 // Parses --impl (auto, fused or unfused; NULL: auto) for a call that wants weights or not;
 // @p weight_flags names the options that ask for weights. Reports a bad value, and fused with
 // weights.
+bool clmha__cli_parse_dtype(const char *cmd, const char *opt, clmha_dtype *out) {
+    static const struct {
+        const char *name, *torch;
+        clmha_dtype dtype;
+    } names[] = {{"f32", "float32", CLMHA_DTYPE_F32},
+                 {"f64", "float64", CLMHA_DTYPE_F64},
+                 {"f16", "float16", CLMHA_DTYPE_F16},
+                 {"bf16", "bfloat16", CLMHA_DTYPE_BF16}};
+    *out = CLMHA_DTYPE_F32;
+    if (!opt) return true;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; ++i)
+        if (strcmp(opt, names[i].name) == 0 || strcmp(opt, names[i].torch) == 0) {
+            *out = names[i].dtype;
+            return true;
+        }
+    clmha__cli_report(cmd, "--dtype %s: expected f32, f64, f16 or bf16", opt);
+    return false;
+}
+
 bool clmha__cli_parse_impl(const char *cmd, const char *text, bool need_weights,
                            const char *weight_flags, clmha_impl *impl) {
     static const clmha_impl all[] = {CLMHA_IMPL_AUTO, CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};

@@ -339,27 +339,6 @@ static bool grads_dir_ok(const char *dir) {
     return false;
 }
 
-// --dtype: f32 (also when absent), f64, f16 or bf16 (PyTorch's float32, float64, float16,
-// bfloat16 are taken too). Reports and returns false for anything else.
-static bool parse_dtype(const char *opt, clmha_dtype *out) {
-    static const struct {
-        const char *name, *torch;
-        clmha_dtype dtype;
-    } names[] = {{"f32", "float32", CLMHA_DTYPE_F32},
-                 {"f64", "float64", CLMHA_DTYPE_F64},
-                 {"f16", "float16", CLMHA_DTYPE_F16},
-                 {"bf16", "bfloat16", CLMHA_DTYPE_BF16}};
-    *out = CLMHA_DTYPE_F32;
-    if (!opt) return true;
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; ++i)
-        if (strcmp(opt, names[i].name) == 0 || strcmp(opt, names[i].torch) == 0) {
-            *out = names[i].dtype;
-            return true;
-        }
-    clmha__cli_report("run", "--dtype %s: expected f32, f64, f16 or bf16", opt);
-    return false;
-}
-
 // A gradient input (--grad-output, --grad-weights) must have the shape of what it is the
 // gradient of. Reports and returns false.
 static bool grad_shape_ok(const input_file *in, const char *what, size_t ndim,
@@ -464,7 +443,7 @@ int clmha__cli_run(int argc, char **argv) {
         }
     }
     clmha_dtype dtype;
-    if (!parse_dtype(dtype_opt, &dtype)) return EXIT_USAGE;
+    if (!clmha__cli_parse_dtype("run", dtype_opt, &dtype)) return EXIT_USAGE;
     clmha_dropout_rng rng = {0};
     if (!grad_options_ok(in[IN_GRAD_OUT].path, in[IN_GRAD_W].path, grads_dir, need_weights,
                          training, seed_opt, offset_opt) ||

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""float16 and bfloat16 layers against float32, side by side in one run.
+
+For each shape this runs `clmha bench --dtype f32`, `--dtype f16` and `--dtype bf16` in turn,
+ROUNDS times each, and reports per dtype the median of the per-run medians, its ratio to
+float32, the GFLOP/s, the bytes of the call's inputs and outputs (halved in 16 bits) and the
+layer's scratch (16-bit layers keep float32 copies of their tensors there). Optionally under
+one driver lane (tools/ocl-driver.sh).
+
+    /usr/bin/python3 bench/dtype_ratio.py                        # N 8, L 128 and N 1, L 2048
+    /usr/bin/python3 bench/dtype_ratio.py --driver intel --rounds 3
+    /usr/bin/python3 bench/dtype_ratio.py --shapes 8x128 --rounds 7
+
+Needs only the clmha program (build/clmha by default); no third-party Python package.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DTYPES = ["f32", "f16", "bf16"]
+
+
+def bench(args, dtype, n, length):
+    cmd = [args.clmha, "bench", "--json", "--dtype", dtype, "--batch", str(n), "--tgt-len",
+           str(length), "--embed", str(args.embed), "--heads", str(args.heads), "--repeat",
+           str(args.repeat)]
+    if args.driver:
+        cmd = [os.path.join(ROOT, "tools", "ocl-driver.sh"), args.driver, "--"] + cmd
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"dtype_ratio: {' '.join(cmd)} failed ({done.returncode}): "
+                 f"{done.stderr.strip()}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clmha", default=os.path.join(ROOT, "build", "clmha"))
+    ap.add_argument("--shapes", nargs="+", default=["8x128", "1x2048"],
+                    help="NxL (self-attention, L = S)")
+    ap.add_argument("--embed", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per clmha bench call")
+    ap.add_argument("--rounds", type=int, default=5, help="calls per dtype, interleaved")
+    ap.add_argument("--driver", help="tools/ocl-driver.sh lane (default: the default device)")
+    args = ap.parse_args(argv)
+    print("| shape | dtype | median ms | vs float32 | GFLOP/s | tensors (bytes) | scratch (MiB) |")
+    print("|---|---|---|---|---|---|---|")
+    device = None
+    for shape in args.shapes:
+        n, length = (int(x) for x in shape.split("x"))
+        runs = {t: [] for t in DTYPES}
+        for _ in range(args.rounds):
+            for t in DTYPES:
+                r = bench(args, t, n, length)
+                device = r["device"]
+                runs[t].append(r)
+        base = statistics.median(r["ms"] for r in runs["f32"])
+        for t in DTYPES:
+            ms = statistics.median(r["ms"] for r in runs[t])
+            last = runs[t][-1]
+            print(f"| N {n}, L {length} | {last['dtype']} | {ms:.3f} | {ms / base:.2f} | "
+                  f"{last['flops'] / ms / 1e6:.1f} | {last['io_bytes']} | "
+                  f"{last['scratch_bytes'] / 2**20:.1f} |")
+    print(f"\ndevice: {device}; E {args.embed}, H {args.heads}; medians of {args.rounds} "
+          f"interleaved calls of {args.repeat} timed runs each")
+
+
+if __name__ == "__main__":
+    main()
