@@ -65,6 +65,16 @@ inline float hsum(float16 v) {
 #endif
 #endif
 
+// dot = the products of query row q (HV vectors, private) with key row kr (global), summed
+// over the row's vectors (a vector: its lanes are summed later). A macro, not a function, so
+// that q stays an array in registers (a pointer to it would not be).
+#define ROW_PRODUCTS(dot, q, kr)                                                              \
+    do {                                                                                      \
+        dot = (q)[0] * (kr)[0];                                                               \
+        UNROLL                                                                                \
+        for (uint c_ = 1; c_ < HV; ++c_) dot = fma((q)[c_], (kr)[c_], dot);                   \
+    } while (0)
+
 // Copies the first new - old of each sequence's S new keys and values to positions old, old+1,
 // ... of the cache. One work-item per new row (N*KVH*S of them).
 kernel void decode_append(global const float *k_new, global const float *v_new,
@@ -137,10 +147,7 @@ kernel void decode_partial(global const float *q, global const float *kc,
             UNROLL
             for (uint u = 0; u < BKEYS; ++u) {
                 global const VT *kr = (global const VT *)(kb + (jb + min(u, cnt - 1)) * HD);
-                VT dot = qv[g][0] * kr[0];
-                UNROLL
-                for (uint c = 1; c < HV; ++c) dot = fma(qv[g][c], kr[c], dot);
-                d[u] = dot;
+                ROW_PRODUCTS(d[u], qv[g], kr);
             }
 #define PAIR_SUMS(a, b) (float16)((a).even + (a).odd, (b).even + (b).odd)
             float16 e0 = PAIR_SUMS(d[0], d[1]), e1 = PAIR_SUMS(d[2], d[3]),
@@ -175,9 +182,8 @@ kernel void decode_partial(global const float *q, global const float *kc,
             UNROLL
             for (uint u = 0; u < BKEYS; ++u) {
                 global const VT *kr = (global const VT *)(kb + (jb + min(u, cnt - 1)) * HD);
-                VT dot = qv[g][0] * kr[0];
-                UNROLL
-                for (uint c = 1; c < HV; ++c) dot = fma(qv[g][c], kr[c], dot);
+                VT dot;
+                ROW_PRODUCTS(dot, qv[g], kr);
                 sc[u] = u < cnt ? hsum(dot) : -INFINITY;
                 mb = max_nan(mb, sc[u]);
             }
