@@ -728,6 +728,10 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 /// clmha_layer_attend(), clmha_layer_project_heads() and user attention cores
 /// (::CLMHA_UNSUPPORTED). ::CLMHA_DTYPE_F64 layers are not implemented yet
 /// (clmha_layer_create() returns ::CLMHA_UNSUPPORTED).
+///
+/// clmha_reference_forward() and clmha_reference_backward() take any dtype and compute in
+/// float64 on the float32 arrays they are given: to compare with a 16-bit layer, give them
+/// the values rounded to its dtype (which is what the layer holds and reads).
 typedef enum clmha_dtype {
     CLMHA_DTYPE_F32 = 0,  ///< float32 (the default)
     CLMHA_DTYPE_F64 = 1,  ///< float64: not implemented yet

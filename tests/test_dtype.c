@@ -505,6 +505,17 @@ Test(dtype, what_16_bit_layers_refuse) {
     cr_expect_eq(clmha_layer_create(&l, ctx, &d), CLMHA_UNSUPPORTED);
     cr_expect(strstr(clmha_context_last_error(ctx), "float64") != NULL, "%s",
               clmha_context_last_error(ctx));
+    {  // the reference computes in float64 whatever the dtype: it takes F64
+        float w_in[3 * 8 * 8] = {0}, w_out[8 * 8] = {0}, x[2 * 8] = {0};
+        double y[2 * 8];
+        char msg[256];
+        clmha_reference_params p = {.struct_size = sizeof p, .in_proj_weight = w_in,
+                                    .out_proj_weight = w_out};
+        clmha_forward_args a = CLMHA_STRUCT_INIT(clmha_forward_args);
+        a.query = (clmha_tensor){.ndim = 2, .shape = {2, 8}, .data = x};
+        cr_expect_eq(clmha_reference_forward(&d, &p, &a, y, 16, NULL, 0, msg, sizeof msg),
+                     CLMHA_SUCCESS, "%s", msg);
+    }
     d.dtype = (clmha_dtype)4;
     cr_expect_eq(clmha_layer_create(&l, ctx, &d), CLMHA_INVALID_ARGUMENT);
     cr_expect(strstr(clmha_context_last_error(ctx), "dtype") != NULL);

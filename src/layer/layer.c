@@ -172,6 +172,9 @@ clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
     clmha_status st = CLMHA__STRUCT_IN(clmha_layer_desc, &in, desc, "desc", msg, sizeof msg);
     if (!st) st = clmha__desc_check(&in, &d, msg, sizeof msg);
     if (st) return clmha__fail(ctx, st, "%s", msg);
+    if (d.dtype == CLMHA_DTYPE_F64)  // the reference takes it (it computes in float64)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "float64 layers (CLMHA_DTYPE_F64) are not implemented yet");
 
     clmha_layer *l = calloc(1, sizeof *l);
     if (!l) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");

@@ -31,9 +31,6 @@ clmha_status clmha__desc_check(const clmha_layer_desc *desc, clmha_layer_desc *o
         desc->dtype != CLMHA_DTYPE_F16 && desc->dtype != CLMHA_DTYPE_BF16)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
                           "dtype %d is not CLMHA_DTYPE_F32, _F64, _F16 or _BF16", (int)desc->dtype);
-    if (desc->dtype == CLMHA_DTYPE_F64)
-        return clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
-                          "float64 layers (CLMHA_DTYPE_F64) are not implemented yet");
     *out = *desc;
     if (out->num_kv_heads == 0) out->num_kv_heads = out->num_heads;
     if (out->kdim == 0) out->kdim = out->embed_dim;
