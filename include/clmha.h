@@ -724,7 +724,9 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 /// golden cases (tests/test_dtype.c, tests/golden/dtype_*.txt; measured on PoCL: at most 0.95
 /// of the bound, and 0.39 to 1.0 times PyTorch's error).
 ///
-/// Not yet for 16-bit layers: the backward pass (clmha_forward_args::save), KV caches,
+/// A 16-bit layer's KV cache holds the projected keys and values in float32 (the decode core
+/// reads them as a float32 layer's); the calls' new tokens and outputs are 16-bit tensors.
+/// Not yet for 16-bit layers: the backward pass (clmha_forward_args::save),
 /// clmha_layer_attend(), clmha_layer_project_heads() and user attention cores
 /// (::CLMHA_UNSUPPORTED). ::CLMHA_DTYPE_F64 layers are not implemented yet
 /// (clmha_layer_create() returns ::CLMHA_UNSUPPORTED).
@@ -1291,8 +1293,7 @@ CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
 /// @param[in]  capacity  the most tokens each sequence may hold
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, @p batch or @p capacity 0, a
 ///         capacity of 2^32 tokens or more), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY (also
-///         a cache larger than the device's largest allocation), ::CLMHA_OPENCL_ERROR,
-///         ::CLMHA_UNSUPPORTED (a 16-bit layer, see ::clmha_dtype)
+///         a cache larger than the device's largest allocation), ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer,
                                              size_t batch, size_t capacity);
 

@@ -822,6 +822,36 @@ Test(cli_run, dtype_f16_and_bf16) {
     tmp_remove(&d);
 }
 
+// --dtype f16 with --decode-chunk: the 16-bit layer decodes through its KV cache; the rows
+// equal the one-shot causal run's within one float16 rounding each way.
+Test(cli_run, dtype_f16_decode_chunk) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    const char *o[2] = {tmp_file(&d, "once.npy"), tmp_file(&d, "chunked.npy")};
+    for (int k = 0; k < 2; ++k) {
+        cli_result r = k ? cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                                   tmp_file(&d, "q.npy"), "--dtype", "f16", "--is-causal",
+                                   "--decode-chunk", "2", "--output", o[k])
+                         : cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                                   tmp_file(&d, "q.npy"), "--dtype", "f16", "--is-causal",
+                                   "--output", o[k]);
+        cr_assert_eq(r.status, 0, "run %d: stderr: %s", k, r.err);
+        cli_free(&r);
+    }
+    clmha__npy a = {0}, b = {0};
+    read_npy(o[0], &a);
+    read_npy(o[1], &b);
+    cr_assert_str_eq(b.dtype, "<f2");
+    cr_assert_eq(a.count, b.count);
+    for (size_t i = 0; i < a.count; ++i)
+        cr_expect(fabs((double)a.f32[i] - b.f32[i]) <= 0x1p-10 * fabs((double)a.f32[i]) + 1e-5,
+                  "row value %zu: one-shot %a, decoded %a", i, (double)a.f32[i],
+                  (double)b.f32[i]);
+    clmha__npy_free(&a);
+    clmha__npy_free(&b);
+    tmp_remove(&d);
+}
+
 Test(cli_usage, dtype) {
     EXPECT_USAGE("clmha run: ", "run", "--layer", "l.safetensors", "--query", "q.npy", "--dtype",
                  "f8");

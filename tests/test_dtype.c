@@ -2,8 +2,8 @@
 // the device against an independent rounding oracle, the forward pass through both cores
 // against the float64 reference within the stated accuracy contract, PyTorch's golden cases
 // (tests/golden/dtype_*.txt: clmha's error at most twice PyTorch's own in that dtype), device
-// buffers of 16-bit elements with offsets, events and wait lists, parameter rounding, layer
-// files loaded into a dtype, and what 16-bit layers refuse.
+// buffers of 16-bit elements with offsets, events and wait lists, decoding through a KV cache,
+// parameter rounding, layer files loaded into a dtype, and what 16-bit layers refuse.
 #include <criterion/criterion.h>
 #include <criterion/parameterized.h>
 
@@ -428,6 +428,59 @@ Test(dtype, device_buffers_hold_16_bit_elements) {
     clmha_context_release(ctx);
 }
 
+// ---- incremental decoding -----------------------------------------------------------------------
+
+// A 16-bit layer's causal self-attention fed through a KV cache 3 tokens a call (queries and
+// outputs 16-bit, the cache float32): every call's output within the contract of the float64
+// one-shot forward on the layer's values.
+Test(dtype, kv_cache_decoding_within_contract) {
+    clmha_context *ctx = context_or_skip();
+    for (size_t ti = 0; ti < 2; ++ti) {
+        clmha_dtype t = sixteen[ti];
+        rcase c = rcase_base(0x5eed + ti);
+        c.e = 16, c.h = 4, c.l = c.s = 11;
+        c.self_attn = true, c.is_causal = true, c.need_weights = false;
+        instance in;
+        instance_make(&in, &c);
+        round_instance(&in, t);
+        in.desc.dtype = t;
+        clmha_layer *layer = instance_layer(ctx, &in);
+        const size_t n = in.n, len = c.l, e = c.e, chunk = 3;
+        double *want = malloc(in.output_count * sizeof *want);
+        char msg[256];
+        clmha_layer_desc d32 = in.desc;
+        d32.dtype = CLMHA_DTYPE_F32;
+        cr_assert_eq(clmha_reference_forward(&d32, &in.params, &in.args, want, in.output_count,
+                                             NULL, 0, msg, sizeof msg),
+                     CLMHA_SUCCESS, "%s", msg);
+        clmha_kv_cache *cache = NULL;
+        cr_assert_eq(clmha_kv_cache_create(&cache, layer, n, len), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(ctx));
+        // Sequence-first rows: tokens t0 .. t1 - 1 of every sequence are contiguous.
+        float *out = alloc_floats(in.output_count);
+        for (size_t t0 = 0; t0 < len; t0 += chunk) {
+            size_t t1 = t0 + chunk < len ? t0 + chunk : len;
+            clmha_forward_args a = {.struct_size = sizeof a, .is_causal = true, .kv_cache = cache};
+            a.query = (clmha_tensor){.ndim = 3, .shape = {t1 - t0, n, e},
+                                     .data = in.query + t0 * n * e};
+            cr_assert_eq(clmha_layer_forward_host(layer, &a, out + t0 * n * e, (t1 - t0) * n * e,
+                                                  NULL, 0),
+                         CLMHA_SUCCESS, "%s: tokens %zu..%zu: %s", clmha__dtype_name(t), t0, t1,
+                         clmha_context_last_error(ctx));
+        }
+        double err, ratio = contract_ratio(t, out, want, in.output_count, &err);
+        fprintf(stderr, "%s decoding 3 tokens a call: max error %.3g, %.2f of the contract\n",
+                clmha__dtype_name(t), err, ratio);
+        cr_expect(ratio <= 1.0, "%s: decoding error %.3g is %.2f times the contract",
+                  clmha__dtype_name(t), err, ratio);
+        free(out), free(want);
+        clmha_kv_cache_release(cache);
+        clmha_layer_release(layer);
+        instance_free(&in);
+    }
+    clmha_context_release(ctx);
+}
+
 // ---- parameters, files, refusals -----------------------------------------------------------------
 
 Test(dtype, parameters_and_files_hold_values_of_the_dtype) {
@@ -508,11 +561,9 @@ Test(dtype, what_16_bit_layers_refuse) {
     cr_expect(strstr(clmha_context_last_error(ctx), "dtype") != NULL);
     d.dtype = CLMHA_DTYPE_BF16;
     cr_assert_eq(clmha_layer_create(&l, ctx, &d), CLMHA_SUCCESS);
-    clmha_kv_cache *cache = NULL;
-    cr_expect_eq(clmha_kv_cache_create(&cache, l, 1, 8), CLMHA_UNSUPPORTED);
+    cr_expect_eq(clmha_layer_set_attention(l, no_core, NULL), CLMHA_UNSUPPORTED);
     cr_expect(strstr(clmha_context_last_error(ctx), "bfloat16") != NULL, "%s",
               clmha_context_last_error(ctx));
-    cr_expect_eq(clmha_layer_set_attention(l, no_core, NULL), CLMHA_UNSUPPORTED);
     cr_expect_eq(clmha_layer_set_attention(l, NULL, NULL), CLMHA_SUCCESS);
     float x[3 * 8] = {0}, y[3 * 8];
     clmha_forward_args a = CLMHA_STRUCT_INIT(clmha_forward_args);

@@ -38,8 +38,6 @@ clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, siz
         return clmha__fail(layer ? layer->ctx : NULL, CLMHA_INVALID_ARGUMENT,
                            "%s is NULL", out ? "layer" : "out");
     clmha_context *ctx = layer->ctx;
-    clmha_status st16 = clmha__layer_f32_only(layer, "a KV cache");
-    if (st16) return st16;
     if (!batch || !capacity)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "a KV cache needs a batch and a capacity of at least 1 (batch %zu, "

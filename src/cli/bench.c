@@ -597,10 +597,9 @@ int clmha__cli_bench(int argc, char **argv) {
     clmha_dtype dtype;
     if (!clmha__cli_parse_dtype("bench", dtype_opt, &dtype)) return EXIT_USAGE;
     if (dtype != CLMHA_DTYPE_F32 && (decode || backward)) {
-        clmha__cli_report("bench", "--dtype %s: %s times float32 layers only (16-bit layers have "
-                                   "no %s yet)",
-                          dtype_opt, decode ? "--decode" : "--backward",
-                          decode ? "KV cache" : "backward pass");
+        clmha__cli_report("bench", "--dtype %s: %s times float32 layers only%s", dtype_opt,
+                          decode ? "--decode" : "--backward",
+                          decode ? "" : " (16-bit layers have no backward pass yet)");
         return EXIT_USAGE;
     }
 

@@ -97,7 +97,7 @@ static const char *const usage_run[] = {
     "                            bf16 (f64 is not implemented yet). The layer file's values\n"
     "                            and the inputs are rounded to it (to nearest even); a 16-bit\n"
     "                            layer computes in float32 and rounds its results once. Not\n"
-    "                            with gradients or --decode-chunk yet\n"
+    "                            with gradients yet\n"
     "\n"
     "device:\n"
     "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"

@@ -486,7 +486,6 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
 // What a 16-bit layer cannot do yet (include/clmha.h, clmha_dtype): NULL, or its name.
 static const char *not_for_16_bits(const clmha_layer *layer, const clmha_forward_args *args) {
     if (args->save) return "save (the backward pass)";
-    if (args->kv_cache) return "a KV cache";
     if (layer->core) return "a user attention core (clmha_layer_set_attention())";
     return NULL;
 }
