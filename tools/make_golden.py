@@ -555,6 +555,16 @@ def split_heads(c, Q, K, V, L, N, H, D):
         V = torch.cat([V, torch.zeros(N * H, 1, D, dtype=V.dtype)], dim=1)
     return Q, K, V
 
+def sequence_first(c, q, k, v):
+    """q, k, v of the case's layout as (rows, N, features): unbatched inputs get N 1,
+    batch_first ones are transposed."""
+    if c["N"] is None:
+        return q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+    if c["batch_first"]:
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    return q, k, v
+
+
 def own_mha(c, P, q, k, v, tot):
     """Independent float64 implementation with clmha's semantics (fully masked rows -> zero
     weights and a zero attention result). q, k, v: float64 in the file's layouts. tot: the
@@ -563,10 +573,7 @@ def own_mha(c, P, q, k, v, tot):
     E, H = c["E"], c["H"]
     D = E // H
     batched = c["N"] is not None
-    if not batched:
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-    elif c["batch_first"]:
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    q, k, v = sequence_first(c, q, k, v)
     L, N, _ = q.shape
     S = k.shape[0]
     if "in_proj_weight" in P:
@@ -1061,10 +1068,7 @@ def emulated_mha(c, P, q, k, v, tot, rnd):
     D = E // H
     F = torch.nn.functional
     batched = c["N"] is not None
-    if not batched:
-        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
-    elif c["batch_first"]:
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    q, k, v = sequence_first(c, q, k, v)
     L, N, _ = q.shape
     if "in_proj_weight" in P:
         Wq, Wk, Wv = P["in_proj_weight"].chunk(3)
