@@ -6,11 +6,14 @@
 // one query row per head still spreads over parts x heads work-items.
 //
 // Layouts: q (N*H, L, HD) and the result (N*H, L, HD), as the other cores; new keys and values
-// (N*KVH, S, HD); the cache kc, vc (N*KVH, CAP, HD); lens (N, 2) uint: each sequence's length
-// before and after this call. Query head h reads KV head h / G (grouped-query attention: G
+// (N*KVH, S, HD); the cache vc (N*KVH, CAP, HD) and kc the same size in blocks of BKEYS
+// transposed keys (decode_append); CAP a multiple of BKEYS; lens (N, 2) uint: each sequence's
+// length before and after this call. Query head h reads KV head h / G (grouped-query attention: G
 // query heads per KV head; G 1 is plain multi-head attention): each work-item of decode_partial
 // holds the G query rows of a group and reads every key and value of its range once for all
-// of them.
+// of them. Its scores need no sum across vector lanes: a key block's dimension c is one
+// BKEYS-lane vector, multiplied by query element c and accumulated, so the lanes of the result
+// are the block's scores (docs/design.md, "Incremental decoding", has the measurements).
 // is_causal is bottom-right aligned: new query i of a sequence that held `old` tokens sees
 // cache positions j <= old + i.
 // Needs cl/common.cl in front (max_nan); the row pointers are cast to VT (HD % VW == 0 and the
@@ -27,17 +30,27 @@
 #define VW 1
 #endif
 #define HV (HD / VW)
-// Keys scored before their values are summed: one rescale of the accumulators per block.
+// Keys scored before their values are summed: one rescale of the accumulators per block; the
+// width of the float16 score vectors and of the cache's key blocks (the host rounds the
+// capacity up to a multiple: src/cache/kv_cache.c).
 #define BKEYS 16
 // Where a row is a few vectors (CPU drivers: HD 64 in 16-float vectors) decode_partial's loops
-// over a row's vectors and a block's keys are unrolled, so that the compiler keeps the row
-// accumulators in registers and interleaves the 16 keys' products (without it PoCL kept them on
-// the stack: a store and a reload per key; unrolled, the decode stage took 21% less at S 4096);
-// long rows of scalars (GPUs) stay loops.
+// over a row's vectors are unrolled, so that the compiler keeps the row accumulators in
+// registers (without it PoCL kept them on the stack: a store and a reload per key; unrolled,
+// the decode stage took 21% less at S 4096); long rows of scalars (GPUs) stay loops.
 #if HV <= 8
 #define UNROLL _Pragma("unroll")
 #else
 #define UNROLL
+#endif
+// Query heads whose weights*V accumulators are held at once (GB * HV vectors, at most 16: half
+// of AVX-512's registers), the largest of 4, 2 and 1 that divides G.
+#if HV <= 4 && G % 4 == 0
+#define GB 4
+#elif HV <= 8 && G % 2 == 0
+#define GB 2
+#else
+#define GB 1
 #endif
 
 #if VW == 1
@@ -65,18 +78,19 @@ inline float hsum(float16 v) {
 #endif
 #endif
 
-// dot = the products of query row q (HV vectors, private) with key row kr (global), summed
-// over the row's vectors (a vector: its lanes are summed later). A macro, not a function, so
-// that q stays an array in registers (a pointer to it would not be).
-#define ROW_PRODUCTS(dot, q, kr)                                                              \
-    do {                                                                                      \
-        dot = (q)[0] * (kr)[0];                                                               \
-        UNROLL                                                                                \
-        for (uint c_ = 1; c_ < HV; ++c_) dot = fma((q)[c_], (kr)[c_], dot);                   \
-    } while (0)
+// Zeros the cache's keys before its first use: decode_partial reads a key block whole, the
+// positions past a sequence's length too (their scores dropped), which must hold numbers.
+kernel void decode_zero(global float *kc, ulong count) {
+    ulong gid = get_global_id(0);
+    if (gid < count) kc[gid] = 0.0f;
+}
 
 // Copies the first new - old of each sequence's S new keys and values to positions old, old+1,
-// ... of the cache. One work-item per new row (N*KVH*S of them).
+// ... of the cache. One work-item per new row (N*KVH*S of them). Values are stored row by row;
+// keys in blocks of BKEYS positions, transposed: block b of a (sequence, KV head) holds
+// dimension c of its keys at kc[((bkv * cap / BKEYS + b) * HD + c) * BKEYS + position % BKEYS]
+// (cap, the positions per (sequence, KV head), is a multiple of BKEYS), so that decode_partial
+// scores a block's keys as one BKEYS-lane vector with no sum across lanes.
 kernel void decode_append(global const float *k_new, global const float *v_new,
                           global float *kc, global float *vc, global const uint *lens,
                           ulong src_len, ulong kv_heads, ulong cap, ulong rows) {
@@ -85,21 +99,20 @@ kernel void decode_append(global const float *k_new, global const float *v_new,
     ulong t = gid % src_len, bkv = gid / src_len, n = bkv / kv_heads;
     uint old = lens[2 * n], now = lens[2 * n + 1];
     if (t >= (ulong)(now - old)) return;
-    global const VT *ks = (global const VT *)(k_new + gid * HD);
+    ulong pos = old + t;
     global const VT *vs = (global const VT *)(v_new + gid * HD);
-    ulong at = (bkv * cap + old + t) * HD;
-    global VT *kd = (global VT *)(kc + at), *vd = (global VT *)(vc + at);
-    for (uint c = 0; c < HV; ++c) {
-        kd[c] = ks[c];
-        vd[c] = vs[c];
-    }
+    global VT *vd = (global VT *)(vc + (bkv * cap + pos) * HD);
+    for (uint c = 0; c < HV; ++c) vd[c] = vs[c];
+    global const float *ks = k_new + gid * HD;
+    global float *kd = kc + (bkv * cap + pos - pos % BKEYS) * HD + pos % BKEYS;
+    for (uint c = 0; c < HD; ++c) kd[c * BKEYS] = ks[c];
 }
 
 // One work-item per (sequence n, KV head, query row i, part p), in that order, p fastest:
 // the partial softmax of the G query heads of the group over part p of the keys that row i
 // sees. Writes, per query head row ((n*H + h)*L + i) and part, the unnormalised weights*V sum
 // (part_acc, HD floats) and the scores' max and sum of exp(score - max) (part_ms, 2 floats);
-// an empty part gives max -INFINITY, sum 0 and zeros.
+// an empty part gives max -INFINITY, sum 0 and zeros. Parts start on key blocks (BKEYS keys).
 kernel void decode_partial(global const float *q, global const float *kc,
                            global const float *vc, global const uint *lens, ulong tgt_len,
                            ulong n_heads, ulong kv_heads, ulong cap, uint parts, uint causal,
@@ -112,101 +125,94 @@ kernel void decode_partial(global const float *q, global const float *kc,
     ulong kvh = bkv - n * kv_heads;
     ulong old = lens[2 * n], now = lens[2 * n + 1];
     ulong end = causal ? min(now, old + i + 1) : now;
-    ulong chunk = (end + parts - 1) / parts;
+    ulong chunk = ((end + parts - 1) / parts + BKEYS - 1) / BKEYS * BKEYS;
     ulong j0 = min(end, p * chunk), j1 = min(end, j0 + chunk);
 
-    VT qv[G][HV], acc[G][HV];
+    // The group's scaled query rows, as scalars (each multiplies a block's dimension vector),
+    // and its accumulators.
+    float qs[G][HD];
+    VT acc[G][HV];
     float m[G], s[G];
     for (uint g = 0; g < G; ++g) {
-        global const VT *qr =
-            (global const VT *)(q + ((n * n_heads + kvh * G + g) * tgt_len + i) * HD);
+        global const float *qr = q + ((n * n_heads + kvh * G + g) * tgt_len + i) * HD;
+        for (uint c = 0; c < HD; ++c) qs[g][c] = qr[c] * scale;
         UNROLL
-        for (uint c = 0; c < HV; ++c) {
-            qv[g][c] = qr[c] * scale;
-            acc[g][c] = (VT)(0.0f);
-        }
+        for (uint c = 0; c < HV; ++c) acc[g][c] = (VT)(0.0f);
         m[g] = -INFINITY;
         s[g] = 0.0f;
     }
-    global const float *kb = kc + bkv * cap * HD, *vb = vc + bkv * cap * HD;
+    global const float16 *kb = (global const float16 *)(kc + bkv * cap * HD);
+    global const float *vb = vc + bkv * cap * HD;
     for (ulong jb = j0; jb < j1; jb += BKEYS) {
         uint cnt = (uint)min((ulong)BKEYS, j1 - jb);
-        // One query head of the group at a time, so that its row and accumulators stay in
-        // registers; the block's keys and values are read from memory for the first and from
-        // the cache for the others.
+        // The block's scores for the whole group: lane u is key jb + u; each dimension's
+        // vector of the block's keys is read once for the G query heads.
+        global const float16 *kt = kb + jb / BKEYS * HD;
+        float16 sc[G];
+        _Pragma("unroll")
+        for (uint g = 0; g < G; ++g) sc[g] = (float16)(0.0f);
+        _Pragma("unroll 4")
+        for (uint c = 0; c < HD; ++c) {
+            float16 kv = kt[c];
+            _Pragma("unroll")
+            for (uint g = 0; g < G; ++g) sc[g] = fma((float16)(qs[g][c]), kv, sc[g]);
+        }
+        // Per query head: the block's probabilities exp(score - mb) (pr), their sum and the
+        // new running maximum mb, and the factor corr that rescales the head's accumulators.
+        float pr[G][BKEYS], corr[G];
+        float16 lane = (float16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         for (uint g = 0; g < G; ++g) {
-            // The block's probabilities exp(score - mb) (pr, keys jb .. jb + cnt - 1), their
-            // sum, and the new running maximum mb.
-            float mb = m[g], pr[BKEYS], bsum;
-#if VW == 16
-            // The 16 scores as one vector (lane u: key jb + u), so that their max and
-            // exponentials are vector operations; the lane sums of the 16 keys' products at
-            // once: each level adds neighbouring lanes of two vectors, halving the partial sums
-            // per key and keeping the keys in order.
-            float16 d[BKEYS];
-            UNROLL
-            for (uint u = 0; u < BKEYS; ++u) {
-                global const VT *kr = (global const VT *)(kb + (jb + min(u, cnt - 1)) * HD);
-                ROW_PRODUCTS(d[u], qv[g], kr);
-            }
-#define PAIR_SUMS(a, b) (float16)((a).even + (a).odd, (b).even + (b).odd)
-            float16 e0 = PAIR_SUMS(d[0], d[1]), e1 = PAIR_SUMS(d[2], d[3]),
-                    e2 = PAIR_SUMS(d[4], d[5]), e3 = PAIR_SUMS(d[6], d[7]),
-                    e4 = PAIR_SUMS(d[8], d[9]), e5 = PAIR_SUMS(d[10], d[11]),
-                    e6 = PAIR_SUMS(d[12], d[13]), e7 = PAIR_SUMS(d[14], d[15]);
-            float16 f0 = PAIR_SUMS(e0, e1), f1 = PAIR_SUMS(e2, e3), f2 = PAIR_SUMS(e4, e5),
-                    f3 = PAIR_SUMS(e6, e7);
-            float16 scv = PAIR_SUMS(PAIR_SUMS(f0, f1), PAIR_SUMS(f2, f3));
-#undef PAIR_SUMS
-            float16 lane = (float16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            scv = select(scv, (float16)(-INFINITY), isgreaterequal(lane, (float16)((float)cnt)));
+            float16 scv = select(sc[g], (float16)(-INFINITY),
+                                 isgreaterequal(lane, (float16)((float)cnt)));
+            float mb;
+            // The lanes' max and sum lane by lane (.s0 ... .sf), not by halves (.lo, .hi):
+            // Oclgrind 21.10's uninitialised-value check (kernels built with -cl-opt-disable)
+            // takes a vector's halves for uninitialised. fmax skips a NaN score, but its exp
+            // (NaN) still reaches the sum.
             {
-                float8 m8 = fmax(scv.lo, scv.hi);
-                float4 m4 = fmax(m8.lo, m8.hi);
-                float2 m2 = fmax(m4.lo, m4.hi);
-                mb = max_nan(mb, fmax(m2.x, m2.y));
+                float m01 = fmax(fmax(fmax(scv.s0, scv.s1), fmax(scv.s2, scv.s3)),
+                                 fmax(fmax(scv.s4, scv.s5), fmax(scv.s6, scv.s7)));
+                float m23 = fmax(fmax(fmax(scv.s8, scv.s9), fmax(scv.sa, scv.sb)),
+                                 fmax(fmax(scv.sc, scv.sd), fmax(scv.se, scv.sf)));
+                mb = max_nan(m[g], fmax(m01, m23));
             }
             float16 prv = exp(scv - (float16)(mb));
-            {
-                float8 s8 = prv.lo + prv.hi;
-                float4 s4 = s8.lo + s8.hi;
-                bsum = (s4.x + s4.y) + (s4.z + s4.w);
-            }
-            pr[0] = prv.s0, pr[1] = prv.s1, pr[2] = prv.s2, pr[3] = prv.s3;
-            pr[4] = prv.s4, pr[5] = prv.s5, pr[6] = prv.s6, pr[7] = prv.s7;
-            pr[8] = prv.s8, pr[9] = prv.s9, pr[10] = prv.sa, pr[11] = prv.sb;
-            pr[12] = prv.sc, pr[13] = prv.sd, pr[14] = prv.se, pr[15] = prv.sf;
-#else
-            // Other widths (GPUs: scalar rows) score key by key.
-            float sc[BKEYS];
+            float bsum = (((prv.s0 + prv.s1) + (prv.s2 + prv.s3)) +
+                          ((prv.s4 + prv.s5) + (prv.s6 + prv.s7))) +
+                         (((prv.s8 + prv.s9) + (prv.sa + prv.sb)) +
+                          ((prv.sc + prv.sd) + (prv.se + prv.sf)));
+            pr[g][0] = prv.s0, pr[g][1] = prv.s1, pr[g][2] = prv.s2, pr[g][3] = prv.s3;
+            pr[g][4] = prv.s4, pr[g][5] = prv.s5, pr[g][6] = prv.s6, pr[g][7] = prv.s7;
+            pr[g][8] = prv.s8, pr[g][9] = prv.s9, pr[g][10] = prv.sa, pr[g][11] = prv.sb;
+            pr[g][12] = prv.sc, pr[g][13] = prv.sd, pr[g][14] = prv.se, pr[g][15] = prv.sf;
+            corr[g] = m[g] == -INFINITY ? 0.0f : exp(m[g] - mb);
+            s[g] = fma(s[g], corr[g], bsum);
+            m[g] = mb;
+        }
+        // The weights*V sums, GB query heads at a time, so that their accumulators stay in
+        // registers while each value row is read once for all of them.
+        for (uint g0 = 0; g0 < G; g0 += GB) {
+            VT a[GB][HV];
             UNROLL
-            for (uint u = 0; u < BKEYS; ++u) {
-                global const VT *kr = (global const VT *)(kb + (jb + min(u, cnt - 1)) * HD);
-                VT dot;
-                ROW_PRODUCTS(dot, qv[g], kr);
-                sc[u] = u < cnt ? hsum(dot) : -INFINITY;
-                mb = max_nan(mb, sc[u]);
+            for (uint gg = 0; gg < GB; ++gg) {
+                UNROLL
+                for (uint c = 0; c < HV; ++c) a[gg][c] = acc[g0 + gg][c] * corr[g0 + gg];
             }
-            bsum = 0.0f;
-            for (uint u = 0; u < cnt; ++u) {
-                pr[u] = exp(sc[u] - mb);
-                bsum += pr[u];
-            }
-#endif
-            float corr = m[g] == -INFINITY ? 0.0f : exp(m[g] - mb);
-            float sum = fma(s[g], corr, bsum);
-            VT a[HV];
-            UNROLL
-            for (uint c = 0; c < HV; ++c) a[c] = acc[g][c] * corr;
             for (uint u = 0; u < cnt; ++u) {
                 global const VT *vr = (global const VT *)(vb + (jb + u) * HD);
                 UNROLL
-                for (uint c = 0; c < HV; ++c) a[c] = fma((VT)(pr[u]), vr[c], a[c]);
+                for (uint c = 0; c < HV; ++c) {
+                    VT x = vr[c];
+                    UNROLL
+                    for (uint gg = 0; gg < GB; ++gg)
+                        a[gg][c] = fma((VT)(pr[g0 + gg][u]), x, a[gg][c]);
+                }
             }
             UNROLL
-            for (uint c = 0; c < HV; ++c) acc[g][c] = a[c];
-            m[g] = mb;
-            s[g] = sum;
+            for (uint gg = 0; gg < GB; ++gg) {
+                UNROLL
+                for (uint c = 0; c < HV; ++c) acc[g0 + gg][c] = a[gg][c];
+            }
         }
     }
     for (uint g = 0; g < G; ++g) {

@@ -11,13 +11,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-// Each buffer's floats: batch · kv_heads · capacity · D, checked for overflow and against the
-// device's largest allocation.
+// Each buffer's floats: batch · kv_heads · stride · D, checked for overflow and against the
+// device's largest allocation (@p stride: the capacity rounded up to the decode core's key
+// blocks).
 static clmha_status cache_floats(const clmha_context *ctx, size_t batch, size_t heads,
-                                 size_t capacity, size_t d, size_t *floats) {
+                                 size_t capacity, size_t stride, size_t d, size_t *floats) {
     size_t x, bytes;
     *floats = 0;
-    if (!clmha__mul3(batch, heads, capacity, &x) || !clmha__mul(x, d, floats) ||
+    if (!clmha__mul3(batch, heads, stride, &x) || !clmha__mul(x, d, floats) ||
         !clmha__mul(*floats, sizeof(float), &bytes))
         return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW,
                            "a KV cache of batch %zu, capacity %zu, %zu heads of %zu floats "
@@ -47,8 +48,10 @@ clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, siz
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "capacity %zu: a KV cache holds fewer than 2^32 tokens per sequence",
                            capacity);
-    size_t floats = 0;
-    clmha_status st = cache_floats(ctx, batch, layer->kvh, capacity, layer->d, &floats);
+    // The decode kernels read the keys in blocks of 16 positions (cl/cores/decode.cl), the last
+    // one whole.
+    size_t floats = 0, stride = (capacity + 15) / 16 * 16;
+    clmha_status st = cache_floats(ctx, batch, layer->kvh, capacity, stride, layer->d, &floats);
     if (st) return st;
     clmha_kv_cache *c = calloc(1, sizeof *c);
     size_t *len = calloc(batch, sizeof *len);
@@ -58,7 +61,7 @@ clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, siz
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     }
     *c = (clmha_kv_cache){.ctx = ctx, .layer = layer, .batch = batch, .capacity = capacity,
-                          .kv_heads = layer->kvh, .len = len};
+                          .kv_heads = layer->kvh, .stride = stride, .len = len};
     clmha_context_retain(ctx);
     cl_int err;
     c->k = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, floats * sizeof(float), NULL, &err);
@@ -67,8 +70,9 @@ clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, siz
         c->v = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, floats * sizeof(float), NULL, &err);
         clmha__held_new(CLMHA__HELD_MEM, c->v);
     }
+    const char *what = "clCreateBuffer(KV cache)";
     if (err != CL_SUCCESS) {
-        st = clmha__cl_fail(ctx, err, "clCreateBuffer(KV cache)");
+        st = clmha__cl_fail(ctx, err, what);
         clmha_kv_cache_release(c);
         return st;
     }

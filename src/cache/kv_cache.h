@@ -19,7 +19,12 @@ struct clmha_kv_cache {
     const clmha_layer *layer;  // the layer it was made for (identity only: not retained)
     size_t batch, capacity;    // N, tokens per sequence
     size_t kv_heads;           // heads of the cached keys and values
-    cl_mem k, v;               // (batch, kv_heads, capacity, D) floats each
+    size_t stride;             // positions per (sequence, head): capacity rounded up to 16
+    cl_mem k, v;               // (batch, kv_heads, stride, D) floats each: v row by row, k in
+                               // transposed blocks of 16 positions (cl/cores/decode.cl)
+    bool keys_zeroed;          // k was zeroed (by the decode core's first call: a key block's
+                               // positions past a sequence's length are read, their scores
+                               // dropped, so they must never be uninitialised memory)
     size_t *len;               // batch lengths (host bookkeeping)
 };
 

@@ -24,7 +24,7 @@ typedef clmha__arg arg;
 CLMHA__HIDDEN extern const clmha__core clmha__core_decode;  // this core, at the end of this file
 
 typedef struct state {
-    cl_kernel append, partial, combine;  // built on first use
+    cl_kernel zero, append, partial, combine;  // built on first use
     size_t wg;                           // their launches' work-group
     clmha_status failed;                 // why they cannot be built here (then not retried)
     cl_mem part_acc, part_ms;            // the partial results, grown on demand (floats)
@@ -40,10 +40,11 @@ static clmha_status create(clmha_layer *l, void **out) {
 }
 
 static void release_kernels(state *s) {
+    clmha__release_kernel(s->zero);
     clmha__release_kernel(s->append);
     clmha__release_kernel(s->partial);
     clmha__release_kernel(s->combine);
-    s->append = s->partial = s->combine = NULL;
+    s->zero = s->append = s->partial = s->combine = NULL;
 }
 
 static void release(void *p) {
@@ -55,7 +56,7 @@ static void release(void *p) {
     free(s);
 }
 
-// Builds the three kernels for head_dim D, G query heads per KV head, and the vector width of
+// Builds the four kernels for head_dim D, G query heads per KV head, and the vector width of
 // the fused core narrowed to divide D (1 where vector types are unsafe).
 static clmha_status build(clmha_layer *l, state *s, size_t group) {
     clmha_context *ctx = l->ctx;
@@ -64,7 +65,8 @@ static clmha_status build(clmha_layer *l, state *s, size_t group) {
     snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu", l->d, group, vw);
     cl_program prog;
     clmha_status st = clmha__program_get(ctx, "decode", options, &prog);
-    if (st || (st = clmha__kernel_make(ctx, prog, "decode_append", &s->append)) ||
+    if (st || (st = clmha__kernel_make(ctx, prog, "decode_zero", &s->zero)) ||
+        (st = clmha__kernel_make(ctx, prog, "decode_append", &s->append)) ||
         (st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial)) ||
         (st = clmha__kernel_make(ctx, prog, "decode_combine", &s->combine))) {
         release_kernels(s);
@@ -73,8 +75,8 @@ static clmha_status build(clmha_layer *l, state *s, size_t group) {
     // One work-item per group on CPUs (each runs its range's loop in vector registers); 64 on
     // GPUs, within every kernel's limit.
     s->wg = ctx->cls->coalesced ? 64 : 1;
-    cl_kernel ks[] = {s->append, s->partial, s->combine};
-    for (size_t i = 0; i < 3; ++i) {
+    cl_kernel ks[] = {s->zero, s->append, s->partial, s->combine};
+    for (size_t i = 0; i < 4; ++i) {
         size_t wg;
         if ((st = clmha__kernel_limits(ctx, ks[i], &wg, NULL))) {
             release_kernels(s);
@@ -154,7 +156,15 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     state *s;
     clmha_status st = ensure(l, &s);
     if (st) return st;
-    cl_ulong src = d->s, kvh = c->kv_heads, cap = c->capacity, heads = l->h, tgt = d->l;
+    cl_ulong src = d->s, kvh = c->kv_heads, cap = c->stride, heads = l->h, tgt = d->l;
+    if (!c->keys_zeroed) {
+        cl_ulong count = c->batch * kvh * cap * l->d;  // fits: the buffer was allocated
+        arg args[] = {ARG(c->k), ARG(count)};
+        if ((st = clmha__launch(ctx, s->zero, "decode_zero", count, s->wg, args,
+                                sizeof args / sizeof args[0])))
+            return st;
+        kv->cache->keys_zeroed = true;
+    }
     if (call->kv_append) {
         cl_ulong rows = d->n * c->kv_heads * d->s;
         arg args[] = {ARG(l->tiles[CLMHA__TILE_K]), ARG(l->tiles[CLMHA__TILE_V]), ARG(c->k),
