@@ -15,7 +15,7 @@
 #define MASK_PARAMS                                                                             \
     global const uchar *attn_mask, ulong attn_off, uint attn_kind, uint attn_layout,            \
         global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal, uint dropout_on,    \
-        uint dropout_threshold, float keep_scale, uint seed_lo, uint seed_hi_xor_off_hi,        \
+        uint dropout_threshold, REAL keep_scale, uint seed_lo, uint seed_hi_xor_off_hi,        \
         uint offset_lo
 
 // Philox4x32-10, first output word (the same function as clmha__philox_word0 in src/base/philox.h).
@@ -38,12 +38,12 @@ inline uint philox_word0(uint c0, uint c1, uint c2, uint c3, uint k0, uint k1) {
 }
 
 // The additive value of mask `kind` at element idx of `mask`.
-inline float mask_value(global const uchar *mask, uint kind, ulong idx) {
-    if (kind == MASK_FLOAT) return ((global const float *)mask)[idx];
+inline REAL mask_value(global const uchar *mask, uint kind, ulong idx) {
+    if (kind == MASK_FLOAT) return ((global const REAL *)mask)[idx];
     if (kind == MASK_BOOL_IGNORE) return mask[idx] ? -INFINITY : 0.0f;
     if (kind == MASK_BOOL_ATTEND) return mask[idx] ? 0.0f : -INFINITY;
     return 0.0f;
 }
 
 // The larger of a and b, where NaN wins (so that a NaN score propagates through a row).
-inline float max_nan(float a, float b) { return (b > a || isnan(b)) ? b : a; }
+inline REAL max_nan(REAL a, REAL b) { return (b > a || isnan(b)) ? b : a; }

@@ -30,10 +30,10 @@
 //   extra    bias_k or bias_v at extra_off (has_extra: row T is extra; rows after it are zero)
 //   out      (N*n_heads, T_out, D); out head h copies the source columns of head h / group
 //            (group > 1: key/value heads repeated for grouped-query attention)
-kernel void split_heads(global const float *proj, ulong proj_off, ulong ld, ulong col0,
-                        global const float *bias, ulong bias_off, uint has_bias,
-                        global const float *extra, ulong extra_off, uint has_extra,
-                        global float *out, ulong out_off, ulong n_batch, ulong n_heads,
+kernel void split_heads(global const REAL *proj, ulong proj_off, ulong ld, ulong col0,
+                        global const REAL *bias, ulong bias_off, uint has_bias,
+                        global const REAL *extra, ulong extra_off, uint has_extra,
+                        global REAL *out, ulong out_off, ulong n_batch, ulong n_heads,
                         ulong group, ulong seq, ulong seq_out, ulong head_dim,
                         uint batch_first) {
 #if HEADS_COALESCED
@@ -41,7 +41,7 @@ kernel void split_heads(global const float *proj, ulong proj_off, ulong ld, ulon
     if (d >= head_dim || t >= seq_out) return;
     ulong n = bh / n_heads;
     ulong col = (bh - n * n_heads) / group * head_dim + d;
-    float x = 0.0f;
+    REAL x = 0.0f;
     if (t < seq) {
         ulong row = batch_first ? n * seq + t : t * n_batch + n;
         x = proj[proj_off + row * ld + col0 + col];
@@ -58,18 +58,18 @@ kernel void split_heads(global const float *proj, ulong proj_off, ulong ld, ulon
     ulong n = bh / n_heads;
     ulong h = bh % n_heads;
     ulong col = h / group * head_dim;
-    global float *dst = out + out_off + gid * head_dim;
+    global REAL *dst = out + out_off + gid * head_dim;
     if (t < seq) {
         ulong row = batch_first ? n * seq + t : t * n_batch + n;
-        global const float *src = proj + proj_off + row * ld + col0 + col;
+        global const REAL *src = proj + proj_off + row * ld + col0 + col;
         if (has_bias) {
-            global const float *b = bias + bias_off + col;
+            global const REAL *b = bias + bias_off + col;
             for (ulong d = 0; d < head_dim; ++d) dst[d] = src[d] + b[d];
         } else {
             for (ulong d = 0; d < head_dim; ++d) dst[d] = src[d];
         }
     } else if (t == seq && has_extra) {
-        global const float *e = extra + extra_off + col;
+        global const REAL *e = extra + extra_off + col;
         for (ulong d = 0; d < head_dim; ++d) dst[d] = e[d];
     } else {
         for (ulong d = 0; d < head_dim; ++d) dst[d] = 0.0f;
@@ -79,7 +79,7 @@ kernel void split_heads(global const float *proj, ulong proj_off, ulong ld, ulon
 
 // Merges head tiles (N*H, L, D) back into rows (rows, E) in the query's row order: default, one
 // work-item per (row, head) copying head_dim contiguous floats; coalesced, one per float.
-kernel void merge_heads(global const float *heads, ulong heads_off, global float *out,
+kernel void merge_heads(global const REAL *heads, ulong heads_off, global REAL *out,
                         ulong n_batch,
                         ulong n_heads, ulong seq, ulong head_dim, uint batch_first) {
 #if HEADS_COALESCED
@@ -96,14 +96,14 @@ kernel void merge_heads(global const float *heads, ulong heads_off, global float
     ulong row = gid / n_heads;
     ulong n = batch_first ? row / seq : row % n_batch;
     ulong t = batch_first ? row % seq : row / n_batch;
-    global const float *src = heads + heads_off + ((n * n_heads + h) * seq + t) * head_dim;
-    global float *dst = out + gid * head_dim;
+    global const REAL *src = heads + heads_off + ((n * n_heads + h) * seq + t) * head_dim;
+    global REAL *dst = out + gid * head_dim;
     for (ulong d = 0; d < head_dim; ++d) dst[d] = src[d];
 #endif
 }
 
 // out[r, c] = bias[c] (or 0 without bias) for rows x cols: the C operand of a GEMM with beta 1.
-kernel void fill_rows(global float *out, ulong out_off, global const float *bias, uint has_bias,
+kernel void fill_rows(global REAL *out, ulong out_off, global const REAL *bias, uint has_bias,
                       ulong rows, ulong cols) {
     ulong gid = get_global_id(0);
     if (gid >= rows * cols) return;
@@ -111,15 +111,15 @@ kernel void fill_rows(global float *out, ulong out_off, global const float *bias
 }
 
 // out[n, i, j] = sum over h of w[n * H + h, i, j], divided by H (PyTorch sums, then divides).
-kernel void average_heads(global const float *w, global float *out, ulong out_off,
+kernel void average_heads(global const REAL *w, global REAL *out, ulong out_off,
                           ulong n_batch, ulong n_heads, ulong plane) {
     ulong gid = get_global_id(0);
     if (gid >= n_batch * plane) return;
     ulong n = gid / plane;
     ulong k = gid % plane;
-    float sum = 0.0f;
+    REAL sum = 0.0f;
     for (ulong h = 0; h < n_heads; ++h) sum += w[(n * n_heads + h) * plane + k];
-    out[out_off + gid] = sum / (float)n_heads;
+    out[out_off + gid] = sum / (REAL)n_heads;
 }
 
 // The head average of weights that arrive in chunks (the unfused core when the scores exceed
@@ -129,16 +129,16 @@ kernel void average_heads(global const float *w, global float *out, ulong out_of
 // batch item's heads); when `last` (the chunk ends them) the total divided by `divisor` (H)
 // goes to out[g, k], which is never read (the caller's buffer may be write-only). Called with
 // first and last it equals average_heads.
-kernel void accumulate_heads(global const float *w, global float *sums, global float *out,
+kernel void accumulate_heads(global const REAL *w, global REAL *sums, global REAL *out,
                              ulong out_off, ulong n_groups, ulong n_heads, ulong part,
-                             uint first, uint last, float divisor) {
+                             uint first, uint last, REAL divisor) {
     ulong gid = get_global_id(0);
     if (gid >= n_groups * part) return;
     ulong g = gid / part;
     ulong k = gid % part;
-    float sum = 0.0f;
+    REAL sum = 0.0f;
     for (ulong h = 0; h < n_heads; ++h) sum += w[(g * n_heads + h) * part + k];
-    float total = first ? sum : sums[gid] + sum;
+    REAL total = first ? sum : sums[gid] + sum;
     if (last) out[out_off + gid] = total / divisor;
     else sums[gid] = total;
 }

@@ -728,15 +728,27 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 /// reads them as a float32 layer's); the calls' new tokens and outputs are 16-bit tensors.
 /// Not yet for 16-bit layers: the backward pass (clmha_forward_args::save),
 /// clmha_layer_attend(), clmha_layer_project_heads() and user attention cores
-/// (::CLMHA_UNSUPPORTED). ::CLMHA_DTYPE_F64 layers are not implemented yet
-/// (clmha_layer_create() returns ::CLMHA_UNSUPPORTED).
+/// (::CLMHA_UNSUPPORTED).
+///
+/// A float64 layer (::CLMHA_DTYPE_F64, PyTorch's `.double()`) stores and computes everything in
+/// float64: its parameters, tensors and scratch are doubles on the device, its matrix products
+/// run in CLBlast's DGEMM (never in the host BLAS: clmha_context_set_gemm() does not apply)
+/// and its kernels in double arithmetic. It needs a device with double precision
+/// (`CL_DEVICE_DOUBLE_FP_CONFIG` not 0, i.e. `cl_khr_fp64`): elsewhere clmha_layer_create()
+/// returns ::CLMHA_UNSUPPORTED. Its parameters keep doubles exactly through
+/// clmha_layer_set_parameter_f64() (clmha_layer_set_parameter() widens floats); give its host
+/// calls double arrays with clmha_layer_forward_host_f64(). Accuracy contract: max |error|
+/// <= 1e-12 against PyTorch's float64 module on unit-scale inputs of its golden cases and
+/// against clmha_reference_forward() on random ones, through both cores (tests/test_f64.c).
+/// Not yet for float64 layers: the backward pass, KV caches, clmha_layer_attend(),
+/// clmha_layer_project_heads() and user attention cores (::CLMHA_UNSUPPORTED).
 ///
 /// clmha_reference_forward() and clmha_reference_backward() take any dtype and compute in
 /// float64 on the float32 arrays they are given: to compare with a 16-bit layer, give them
 /// the values rounded to its dtype (which is what the layer holds and reads).
 typedef enum clmha_dtype {
     CLMHA_DTYPE_F32 = 0,  ///< float32 (the default)
-    CLMHA_DTYPE_F64 = 1,  ///< float64: not implemented yet
+    CLMHA_DTYPE_F64 = 1,  ///< float64 (`torch.float64`), float64 arithmetic, on fp64 devices
     CLMHA_DTYPE_F16 = 2,  ///< IEEE 754 binary16 (`torch.float16`), float32 arithmetic
     CLMHA_DTYPE_BF16 = 3, ///< bfloat16 (`torch.bfloat16`): the upper half of a float32
 } clmha_dtype;
@@ -846,6 +858,29 @@ CLMHA_API clmha_status clmha_layer_set_parameter(clmha_layer *layer, const char 
 CLMHA_API clmha_status clmha_layer_get_parameter(clmha_layer *layer, const char *name,
                                                  float *data, size_t count);
 
+/// clmha_layer_set_parameter() from doubles: a float64 layer keeps them exactly; another
+/// layer rounds them to its dtype (to nearest even, through float32 for the 16-bit dtypes).
+/// @param[in] layer  the layer
+/// @param[in] name   the parameter's PyTorch name
+/// @param[in] data   @p count doubles, row-major; read only during the call
+/// @param[in] count  number of doubles in @p data; must equal the product of the shape
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (unknown name, parameter the layer does not
+///         have, NULL), ::CLMHA_SHAPE_MISMATCH (wrong count), ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_OUT_OF_MEMORY
+CLMHA_API clmha_status clmha_layer_set_parameter_f64(clmha_layer *layer, const char *name,
+                                                     const double *data, size_t count);
+
+/// clmha_layer_get_parameter() into doubles (the layer's values, widened exactly).
+/// @param[in]  layer  the layer
+/// @param[in]  name   the parameter's PyTorch name
+/// @param[out] data   room for @p count doubles
+/// @param[in]  count  must equal the parameter's number of elements
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (unknown name, parameter the layer does not
+///         have, NULL), ::CLMHA_SHAPE_MISMATCH (wrong count), ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_OUT_OF_MEMORY
+CLMHA_API clmha_status clmha_layer_get_parameter_f64(clmha_layer *layer, const char *name,
+                                                     double *data, size_t count);
+
 /// Size of a parameter of this layer (see clmha_layer_set_parameter() for the names).
 /// @param[in] layer  the layer (may be NULL)
 /// @param[in] name   the parameter's PyTorch name (may be NULL)
@@ -925,7 +960,7 @@ CLMHA_API clmha_status clmha_layer_load(clmha_layer **out, clmha_context *ctx, c
 /// @param[in]  dtype  the layer's dtype
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also an unknown @p dtype),
 ///         ::CLMHA_IO_ERROR, ::CLMHA_INVALID_FILE, ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY,
-///         ::CLMHA_UNSUPPORTED (::CLMHA_DTYPE_F64: not implemented yet), and the statuses of
+///         ::CLMHA_UNSUPPORTED (::CLMHA_DTYPE_F64 on a device without double precision), and the statuses of
 ///         clmha_layer_create() and clmha_layer_set_parameter()
 CLMHA_API clmha_status clmha_layer_load_as(clmha_layer **out, clmha_context *ctx,
                                            const char *path, clmha_dtype dtype);
@@ -1254,6 +1289,28 @@ CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
                                                 size_t output_count, float *weights,
                                                 size_t weights_count);
 
+/// clmha_layer_forward_host() on double arrays: the `data` of the query, key, value and float
+/// masks are doubles (boolean masks bytes, as always), and the results are written as
+/// doubles. A float64 layer reads and writes them exactly; another layer rounds the inputs to
+/// its dtype and widens its results exactly.
+/// @param[in]  layer          the layer
+/// @param[in]  args           the inputs and options (the `buffer` fields are ignored)
+/// @param[out] output         room for @p output_count doubles
+/// @param[in]  output_count   must equal the output count of clmha_layer_output_counts()
+/// @param[out] weights        room for @p weights_count doubles with need_weights, else ignored
+///                            (may be NULL)
+/// @param[in]  weights_count  must equal the weights count of clmha_layer_output_counts()
+///                            (0 without need_weights)
+/// @return ::CLMHA_SUCCESS and the failures of clmha_layer_forward_host():
+///         ::CLMHA_INVALID_ARGUMENT, ::CLMHA_UNSUPPORTED, ::CLMHA_SHAPE_MISMATCH,
+///         ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY,
+///         ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR,
+///         ::CLMHA_CALLBACK_FAILED
+CLMHA_API clmha_status clmha_layer_forward_host_f64(clmha_layer *layer,
+                                                    const clmha_forward_args *args,
+                                                    double *output, size_t output_count,
+                                                    double *weights, size_t weights_count);
+
 // ---------------------------------------------------------------------------------------------
 // Incremental decoding: the KV cache
 // ---------------------------------------------------------------------------------------------
@@ -1294,7 +1351,8 @@ CLMHA_API clmha_status clmha_layer_forward_host(clmha_layer *layer,
 /// @param[in]  capacity  the most tokens each sequence may hold
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, @p batch or @p capacity 0, a
 ///         capacity of 2^32 tokens or more), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY (also
-///         a cache larger than the device's largest allocation), ::CLMHA_OPENCL_ERROR
+///         a cache larger than the device's largest allocation), ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_UNSUPPORTED (a float64 layer)
 CLMHA_API clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer,
                                              size_t batch, size_t capacity);
 

@@ -523,7 +523,6 @@ Test(dtype, parameters_and_files_hold_values_of_the_dtype) {
         clmha_layer_release(l);
     }
     clmha_layer *l = NULL;
-    cr_expect_eq(clmha_layer_load_as(&l, ctx, path, CLMHA_DTYPE_F64), CLMHA_UNSUPPORTED);
     cr_expect_eq(clmha_layer_load_as(&l, ctx, path, (clmha_dtype)9), CLMHA_INVALID_ARGUMENT);
     cr_expect(l == NULL);
     clmha_layer_release(f32);
@@ -542,9 +541,6 @@ Test(dtype, what_16_bit_layers_refuse) {
     d.embed_dim = 8, d.num_heads = 2;
     clmha_layer *l = NULL;
     d.dtype = CLMHA_DTYPE_F64;
-    cr_expect_eq(clmha_layer_create(&l, ctx, &d), CLMHA_UNSUPPORTED);
-    cr_expect(strstr(clmha_context_last_error(ctx), "float64") != NULL, "%s",
-              clmha_context_last_error(ctx));
     {  // the reference computes in float64 whatever the dtype: it takes F64
         float w_in[3 * 8 * 8] = {0}, w_out[8 * 8] = {0}, x[2 * 8] = {0};
         double y[2 * 8];

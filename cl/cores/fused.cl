@@ -75,10 +75,10 @@
 #ifndef VW
 #define VW 1
 #endif
-// VT: floatVW, VTI: intVW; LOADV/STOREV: VW floats at element i of a private or local array;
-// LANE0: the first lane.
+// VT: REAL with VW lanes (cl/real.cl), VTI: intVW (float lanes' bits, for exp_nonpos); LOADV/STOREV: VW
+// reals at element i of a private or local array; LANE0: the first lane.
 #if VW == 1
-#define VT float
+#define VT REAL
 #define VTI int
 #define AS_VTI(x) as_int(x)
 #define AS_VT(x) as_float(x)
@@ -86,7 +86,7 @@
 #define STOREV(v, i, p) ((p)[(i)] = (v))
 #define LANE0(v) (v)
 #else
-#define VT_(n) float##n
+#define VT_(n) REAL##n
 #define VT__(n) VT_(n)
 #define VT VT__(VW)
 #define VTI_(n) int##n
@@ -105,6 +105,21 @@
 #define LOADV(i, p) VLOAD__(VW)(0, (p) + (i))
 #define LANE0(v) ((v).s0)
 #define STOREV(v, i, p) VSTORE__(VW)((v), 0, (p) + (i))
+#endif
+// select() of VT by a condition built from VT comparisons and VT_ISNAN: double lanes need
+// long conditions, which scalar double comparisons (int) are not, so scalars use ?: there;
+// and isnan of double vectors gives int lanes in PoCL 3.1 (OpenCL C wants long), so the
+// double programs test NaN as x != x.
+#if REAL_F64
+#define VT_ISNAN(x) ((x) != (x))
+#if VW == 1
+#define VT_SELECT(a, b, c) ((c) ? (b) : (a))
+#else
+#define VT_SELECT(a, b, c) select((a), (b), (c))
+#endif
+#else
+#define VT_ISNAN(x) isnan(x)
+#define VT_SELECT(a, b, c) select((a), (b), (c))
 #endif
 #ifndef BK
 #define BK 64
@@ -135,7 +150,11 @@
 // for x in [-87, 0], where a float's unit is 1, so t holds round(x / ln 2) + 127 in its low
 // mantissa bits, and shifting its bits left by 23 gives 2^n (rint was a dozen instructions in
 // PoCL's AVX-512 code, the conversion back to an integer two more). -inf and anything below -87
-// give 0; NaN stays NaN.
+// give 0; NaN stays NaN. Float64 layers' programs (REAL_F64) take the library's exp, whose
+// double precision the polynomial does not have.
+#if REAL_F64
+inline VT exp_nonpos(VT x) { return exp(x); }
+#else
 inline VT exp_nonpos(VT x) {
     VT t = fma(x, (VT)(1.44269504088896341f), (VT)(12583039.0f));  // 1.5 * 2^23 + 127
     VT n = t - (VT)(12583039.0f);
@@ -152,20 +171,21 @@ inline VT exp_nonpos(VT x) {
     VT y = p * AS_VT(AS_VTI(t) << 23);
     return select(y, (VT)(0.0f), x < -87.0f);
 }
+#endif
 
 // The largest of the VW lanes of v and m, where NaN wins.
-inline float lanes_max_nan(VT v, float m) {
-    float lane[VW];
+inline REAL lanes_max_nan(VT v, REAL m) {
+    REAL lane[VW];
     STOREV(v, 0, lane);
     for (uint i = 0; i < VW; ++i) m = max_nan(m, lane[i]);
     return m;
 }
 
 // The sum of the VW lanes of v.
-inline float lanes_sum(VT v) {
-    float lane[VW];
+inline REAL lanes_sum(VT v) {
+    REAL lane[VW];
     STOREV(v, 0, lane);
-    float sum = 0.0f;
+    REAL sum = 0.0f;
     for (uint i = 0; i < VW; ++i) sum += lane[i];
     return sum;
 }
@@ -208,11 +228,11 @@ inline float lanes_sum(VT v) {
 #endif
 
 kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
-void fused_attention(global const float *q, global const float *k, global const float *v,
-                     global float *out, ulong tgt_len, ulong n_heads, ulong src_len,
-                     ulong src_len_padded, float scale,
+void fused_attention(global const REAL *q, global const REAL *k, global const REAL *v,
+                     global REAL *out, ulong tgt_len, ulong n_heads, ulong src_len,
+                     ulong src_len_padded, REAL scale,
                      MASK_PARAMS,
-                     global float *lse, uint lse_on, ulong kv_group) {
+                     global REAL *lse, uint lse_on, ulong kv_group) {
     ulong bh = get_global_id(1);
     ulong n = bh / n_heads;
     ulong first = get_global_id(0) * RPW;
@@ -221,11 +241,11 @@ void fused_attention(global const float *q, global const float *k, global const 
     ulong kpm_row = kpm_off + n * src_len;
     ulong srcp = src_len_padded;
 
-    float qt[HD * RP];  // the scaled query rows, transposed: qt[d * RP + r]
-    float ot[HD * RP];  // the accumulators of p*v, transposed: ot[d * RP + r]
-    float st[BK * RP];  // the tile's scores, then its probabilities: st[jj * RP + r]
+    REAL qt[HD * RP];  // the scaled query rows, transposed: qt[d * RP + r]
+    REAL ot[HD * RP];  // the accumulators of p*v, transposed: ot[d * RP + r]
+    REAL st[BK * RP];  // the tile's scores, then its probabilities: st[jj * RP + r]
     for (uint r = 0; r < RP; ++r) {
-        global const float *qp = q + (bh * tgt_len + min(first + r, last)) * HD;
+        global const REAL *qp = q + (bh * tgt_len + min(first + r, last)) * HD;
         for (uint d = 0; d < HD; ++d) {
             qt[d * RP + r] = qp[d] * scale;
             ot[d * RP + r] = 0.0f;
@@ -238,13 +258,13 @@ void fused_attention(global const float *q, global const float *k, global const 
     for (uint rv = 0; rv < RV; ++rv) m[rv] = (VT)(-INFINITY), sum[rv] = (VT)(0.0f);
 
     // Grouped-query attention: kv_group query heads share a key/value plane, bh / kv_group.
-    global const float *kb = k + bh / kv_group * srcp * HD;
-    global const float *vb = v + bh / kv_group * srcp * HD;
+    global const REAL *kb = k + bh / kv_group * srcp * HD;
+    global const REAL *vb = v + bh / kv_group * srcp * HD;
     for (ulong j0 = 0; j0 < srcp; j0 += BK) {
         // With is_causal, a tile of masked keys only (all j > last, none appended) is skipped.
         if (causal && j0 > last && j0 + BK <= src_len) continue;
         for (uint jb = 0; jb < BK; jb += JB) {
-            global const float *kr[JB];  // past the last key: the last key's row (masked below)
+            global const REAL *kr[JB];  // past the last key: the last key's row (masked below)
             UNROLL
             for (uint jj = 0; jj < JB; ++jj) kr[jj] = kb + min(j0 + jb + jj, srcp - 1) * HD;
             VT a[JB][RV];
@@ -281,7 +301,7 @@ void fused_attention(global const float *q, global const float *k, global const 
                 else if (attn_layout == 3) ar += (n * tgt_len + i) * src_len;
                 for (uint jj = 0; jj < BK; ++jj) {
                     ulong j = j0 + jj;
-                    float x = st[jj * RP + r];
+                    REAL x = st[jj * RP + r];
                     if (j >= srcp) {
                         x = -INFINITY;
                     } else if (j < src_len) {
@@ -299,11 +319,11 @@ void fused_attention(global const float *q, global const float *k, global const 
             VT mv = (VT)(-INFINITY);
             for (uint jj = 0; jj < BK; ++jj) {
                 VT x = LOADV(jj * RP + rv * VW, st);
-                mv = select(mv, x, (x > mv) | isnan(x));
+                mv = VT_SELECT(mv, x, (x > mv) | VT_ISNAN(x));
             }
-            VT m_new = select(m[rv], mv, (mv > m[rv]) | isnan(mv));  // max_nan, lane by lane
+            VT m_new = VT_SELECT(m[rv], mv, (mv > m[rv]) | VT_ISNAN(mv));  // max_nan, lane by lane
             // While every key so far is masked (m_new = -inf) nothing is accumulated.
-            VT base = select(m_new, (VT)(0.0f), m_new == (VT)(-INFINITY));
+            VT base = VT_SELECT(m_new, (VT)(0.0f), m_new == (VT)(-INFINITY));
             corr[rv] = exp_nonpos(m[rv] - base);  // 0 on the first live tile
             VT sv = (VT)(0.0f);
             for (uint jj = 0; jj < BK; ++jj) {
@@ -320,7 +340,7 @@ void fused_attention(global const float *q, global const float *k, global const 
                 for (uint jj = 0; jj < BK; ++jj) {
                     uint w = philox_word0((uint)(j0 + jj), i, (uint)bh, offset_lo, seed_lo,
                                           seed_hi_xor_off_hi);
-                    float p = st[jj * RP + r];
+                    REAL p = st[jj * RP + r];
                     st[jj * RP + r] = w >= dropout_threshold ? p * keep_scale : 0.0f;
                 }
             }
@@ -335,7 +355,7 @@ void fused_attention(global const float *q, global const float *k, global const 
                 UNROLL
                 for (uint rv = 0; rv < RV; ++rv)
                     o[dd][rv] = LOADV((d0 + dd) * RP + rv * VW, ot) * corr[rv];
-            global const float *vr = vb + j0 * HD + d0;
+            global const REAL *vr = vb + j0 * HD + d0;
             for (uint jj = 0; jj < nk; ++jj, vr += HD) {
                 VT p[RV];
                 UNROLL
@@ -356,7 +376,7 @@ void fused_attention(global const float *q, global const float *k, global const 
     }
     // A fully masked row (m = -inf) has sum 0 and gives zeros; NaN propagates. For the
     // backward pass (lse_on): each row's log-sum-exp m + log(sum), taken before dropout.
-    float mf[RP], sf[RP];
+    REAL mf[RP], sf[RP];
     UNROLL
     for (uint rv = 0; rv < RV; ++rv) {
         STOREV(m[rv], rv * VW, mf);
@@ -364,8 +384,8 @@ void fused_attention(global const float *q, global const float *k, global const 
     }
     for (uint r = 0; r < RPW && first + r < tgt_len; ++r) {
         ulong i = first + r;
-        float inv = mf[r] == -INFINITY ? 0.0f : 1.0f / sf[r];
-        global float *op = out + (bh * tgt_len + i) * HD;
+        REAL inv = mf[r] == -INFINITY ? 0.0f : 1.0f / sf[r];
+        global REAL *op = out + (bh * tgt_len + i) * HD;
         for (uint d = 0; d < HD; ++d) op[d] = ot[d * RP + r] * inv;
         if (lse_on) lse[bh * tgt_len + i] = mf[r] == -INFINITY ? -INFINITY : mf[r] + log(sf[r]);
     }
@@ -374,18 +394,18 @@ void fused_attention(global const float *q, global const float *k, global const 
 #else  // the tiled mapping: work-items share key tiles through local memory
 
 kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
-void fused_attention(global const float *q, global const float *k, global const float *v,
-                     global float *out, ulong tgt_len, ulong n_heads, ulong src_len,
-                     ulong src_len_padded, float scale,
+void fused_attention(global const REAL *q, global const REAL *k, global const REAL *v,
+                     global REAL *out, ulong tgt_len, ulong n_heads, ulong src_len,
+                     ulong src_len_padded, REAL scale,
                      MASK_PARAMS,
-                     global float *lse, uint lse_on, ulong kv_group) {
-    local float kt[HD * KS];  // the tile's keys, transposed: kt[d * KS + jj]
-    local float vt[BK * HD];  // the tile's values: vt[jj * HD + d]
+                     global REAL *lse, uint lse_on, ulong kv_group) {
+    local REAL kt[HD * KS];  // the tile's keys, transposed: kt[d * KS + jj]
+    local REAL vt[BK * HD];  // the tile's values: vt[jj * HD + d]
 #if Q_LOCAL
-    local float qs[BQ * RPW * RS];  // the group's scaled query rows, then its output rows
+    local REAL qs[BQ * RPW * RS];  // the group's scaled query rows, then its output rows
 #endif
 #if ACC_LOCAL
-    local float accl[BQ * RPW * RS];  // the accumulators of the group's rows
+    local REAL accl[BQ * RPW * RS];  // the accumulators of the group's rows
 #endif
 
     uint lid = get_local_id(0);
@@ -408,11 +428,11 @@ void fused_attention(global const float *q, global const float *k, global const 
 
     // Per row: the scaled query, the accumulator of p*v, the running maximum (NaN once a NaN
     // score appears) and the running sum of exp(score - maximum).
-    float m[RPW], sum[RPW];
+    REAL m[RPW], sum[RPW];
 #if Q_LOCAL
     // The group's rows are consecutive in q: adjacent work-items load adjacent floats. (The
     // first key tile's barrier comes before any work-item reads them.)
-    global const float *qb = q + bh * tgt_len * HD;
+    global const REAL *qb = q + bh * tgt_len * HD;
     for (uint t = lid; t < BQ * RPW * HD; t += BQ) {
         uint rr = t / HD, d = t % HD;
         ulong i = min(first + rr, last);
@@ -420,9 +440,9 @@ void fused_attention(global const float *q, global const float *k, global const 
     }
 #define QROW(r) (qs + ((r) * BQ + lid) * RS)
 #else
-    float qr[RPW][HD];
+    REAL qr[RPW][HD];
     for (uint r = 0; r < RPW; ++r) {
-        global const float *qp = q + (bh * tgt_len + rows[r]) * HD;
+        global const REAL *qp = q + (bh * tgt_len + rows[r]) * HD;
         for (uint d = 0; d < HD; ++d) qr[r][d] = qp[d] * scale;
     }
 #define QROW(r) (qr[r])
@@ -430,7 +450,7 @@ void fused_attention(global const float *q, global const float *k, global const 
 #if ACC_LOCAL
 #define ACCROW(r) (accl + ((r) * BQ + lid) * RS)
 #else
-    float acc[RPW][HD];
+    REAL acc[RPW][HD];
 #define ACCROW(r) (acc[r])
 #endif
     for (uint r = 0; r < RPW; ++r) {
@@ -439,8 +459,8 @@ void fused_attention(global const float *q, global const float *k, global const 
         sum[r] = 0.0f;
     }
 
-    global const float *kb = k + bh / kv_group * src_len_padded * HD;
-    global const float *vb = v + bh / kv_group * src_len_padded * HD;
+    global const REAL *kb = k + bh / kv_group * src_len_padded * HD;
+    global const REAL *vb = v + bh / kv_group * src_len_padded * HD;
     for (ulong j0 = 0; j0 < src_len_padded; j0 += BK) {
         // With is_causal, a tile of masked keys only (all j > last, none appended) is skipped.
         // The condition is the same for the whole group, so the barriers stay uniform.
@@ -456,14 +476,14 @@ void fused_attention(global const float *q, global const float *k, global const 
             }
             barrier(CLK_LOCAL_MEM_FENCE);
 
-            float s[RPW][BK];  // the tile's scores, then its probabilities
+            REAL s[RPW][BK];  // the tile's scores, then its probabilities
 #if Q_LOCAL
             // Dimension by dimension: each query float is read from local memory once per tile,
             // and the BK scores of a row accumulate in registers.
             for (uint r = 0; r < RPW; ++r)
                 for (uint jj = 0; jj < BK; ++jj) s[r][jj] = 0.0f;
             for (uint d = 0; d < HD; ++d) {
-                float qd[RPW];
+                REAL qd[RPW];
                 for (uint r = 0; r < RPW; ++r) qd[r] = QROW(r)[d];
                 for (uint c = 0; c < BK; c += VW) {
                     VT kv = LOADV(c, kt + d * KS);
@@ -490,7 +510,7 @@ void fused_attention(global const float *q, global const float *k, global const 
                 if (!plain) {
                     for (uint jj = 0; jj < BK; ++jj) {
                         ulong j = j0 + jj;
-                        float x = s[r][jj];
+                        REAL x = s[r][jj];
                         if (j >= src_len_padded) {
                             x = -INFINITY;
                         } else if (j < src_len) {
@@ -504,13 +524,13 @@ void fused_attention(global const float *q, global const float *k, global const 
                 VT mv = (VT)(-INFINITY);
                 for (uint c = 0; c < BK; c += VW) {
                     VT x = LOADV(c, s[r]);
-                    mv = select(mv, x, (x > mv) | isnan(x));
+                    mv = VT_SELECT(mv, x, (x > mv) | VT_ISNAN(x));
                 }
-                float m_new = lanes_max_nan(mv, m[r]);
+                REAL m_new = lanes_max_nan(mv, m[r]);
                 // While every key so far is masked (m_new = -inf) nothing is accumulated.
                 bool none = m_new == -INFINITY;
-                float base = none ? 0.0f : m_new;
-                float corr = LANE0(exp_nonpos((VT)(m[r] - base)));  // 0 on the first live tile
+                REAL base = none ? 0.0f : m_new;
+                REAL corr = LANE0(exp_nonpos((VT)(m[r] - base)));  // 0 on the first live tile
                 sum[r] *= corr;
                 for (uint d = 0; d < HD; ++d) ACCROW(r)[d] *= corr;
                 VT sv = (VT)(0.0f);
@@ -547,25 +567,25 @@ void fused_attention(global const float *q, global const float *k, global const 
     // with adjacent work-items on adjacent floats.
 #if ACC_LOCAL
 #define OUTROW(r) ACCROW(r)
-    local float *stage = accl;
+    local REAL *stage = accl;
 #else
 #define OUTROW(r) QROW(r)
-    local float *stage = qs;
+    local REAL *stage = qs;
 #endif
     for (uint r = 0; r < RPW; ++r) {
-        float inv = m[r] == -INFINITY ? 0.0f : 1.0f / sum[r];
+        REAL inv = m[r] == -INFINITY ? 0.0f : 1.0f / sum[r];
         for (uint d = 0; d < HD; ++d) OUTROW(r)[d] = ACCROW(r)[d] * inv;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     uint nrows = (uint)(last - first + 1);
-    global float *ob = out + (bh * tgt_len + first) * HD;
+    global REAL *ob = out + (bh * tgt_len + first) * HD;
     for (uint t = lid; t < nrows * HD; t += BQ) ob[t] = stage[t / HD * RS + t % HD];
 #else
     for (uint r = 0; r < RPW; ++r) {
         ulong i = first + r * BQ + lid;
-        float inv = m[r] == -INFINITY ? 0.0f : 1.0f / sum[r];
+        REAL inv = m[r] == -INFINITY ? 0.0f : 1.0f / sum[r];
         if (i < tgt_len) {
-            global float *op = out + (bh * tgt_len + i) * HD;
+            global REAL *op = out + (bh * tgt_len + i) * HD;
             for (uint d = 0; d < HD; ++d) op[d] = acc[r][d] * inv;
         }
     }

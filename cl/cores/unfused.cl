@@ -23,11 +23,11 @@
 
 // One work-group per row (bh, i) of the scores (of the chunk).
 kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void masked_softmax(global float *scores, ulong n_rows, ulong row_off, ulong tgt_len,
+void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_len,
                     ulong n_heads,
                     ulong src_len, ulong src_len_padded,
                     MASK_PARAMS) {
-    local float red[WG];
+    local REAL red[WG];
     ulong local_row = get_group_id(0);
     // No early return anywhere in this kernel: every work-item must reach every barrier, and
     // PoCL 3.1 miscompiles even work-group-uniform returns in kernels with barriers. The host
@@ -37,7 +37,7 @@ void masked_softmax(global float *scores, ulong n_rows, ulong row_off, ulong tgt
     ulong bh = row / tgt_len;
     ulong i = row % tgt_len;
     ulong n = bh / n_heads;
-    global float *x = scores + local_row * src_len_padded;
+    global REAL *x = scores + local_row * src_len_padded;
 
     ulong attn_row = 0;
     if (attn_layout == 1) attn_row = i * src_len;
@@ -47,9 +47,9 @@ void masked_softmax(global float *scores, ulong n_rows, ulong row_off, ulong tgt
     ulong kpm_row = kpm_off + n * src_len;
 
     // Pass 1: add the masks, write back, find the row maximum (NaN wins, so it propagates).
-    float m = -INFINITY;
+    REAL m = -INFINITY;
     for (ulong j = lid; j < src_len_padded; j += WG) {
-        float v = x[j];
+        REAL v = x[j];
         if (j < src_len) {
             v += mask_value(attn_mask, attn_kind, attn_row + j);
             v += mask_value(kpm, kpm_kind, kpm_row + j);
@@ -62,7 +62,7 @@ void masked_softmax(global float *scores, ulong n_rows, ulong row_off, ulong tgt
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint s = WG / 2; s > 0; s >>= 1) {
         if (lid < s) {
-            float o = red[lid + s];
+            REAL o = red[lid + s];
             red[lid] = max_nan(red[lid], o);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -73,9 +73,9 @@ void masked_softmax(global float *scores, ulong n_rows, ulong row_off, ulong tgt
     bool dead = m == -INFINITY;  // fully masked row: all zeros
 
     // Pass 2: exponentials and their sum.
-    float sum = 0.0f;
+    REAL sum = 0.0f;
     for (ulong j = lid; j < src_len_padded; j += WG) {
-        float e = dead ? 0.0f : exp(x[j] - m);
+        REAL e = dead ? 0.0f : exp(x[j] - m);
         x[j] = e;
         sum += e;
     }
@@ -85,11 +85,11 @@ void masked_softmax(global float *scores, ulong n_rows, ulong row_off, ulong tgt
         if (lid < s) red[lid] += red[lid + s];
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    float inv = dead ? 0.0f : 1.0f / red[0];
+    REAL inv = dead ? 0.0f : 1.0f / red[0];
 
     // Pass 3: normalise, then dropout.
     for (ulong j = lid; j < src_len_padded; j += WG) {
-        float p = x[j] * inv;
+        REAL p = x[j] * inv;
         if (dropout_on) {
             uint w = philox_word0((uint)j, (uint)i, (uint)bh, offset_lo, seed_lo,
                                   seed_hi_xor_off_hi);

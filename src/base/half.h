@@ -5,6 +5,7 @@
 #ifndef CLMHA_BASE_HALF_H
 #define CLMHA_BASE_HALF_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -65,6 +66,14 @@ static inline uint16_t clmha__f32_to_bf16(float f) {
 }
 
 static inline float clmha__bf16_to_f32(uint16_t b) { return clmha__f32_of_bits((uint32_t)b << 16); }
+
+// @p d rounded to float32 (to nearest even); values from FLT_MAX + half an ulp on give
+// infinity (a plain conversion of those is undefined behaviour).
+static inline float clmha__double_to_float(double d) {
+    if (d >= 0x1.ffffffp127) return INFINITY;
+    if (d <= -0x1.ffffffp127) return -INFINITY;
+    return (float)d;
+}
 
 // Bytes per element of @p t.
 static inline size_t clmha__dtype_size(clmha_dtype t) {

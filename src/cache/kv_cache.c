@@ -39,6 +39,9 @@ clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, siz
         return clmha__fail(layer ? layer->ctx : NULL, CLMHA_INVALID_ARGUMENT,
                            "%s is NULL", out ? "layer" : "out");
     clmha_context *ctx = layer->ctx;
+    if (layer->desc.dtype == CLMHA_DTYPE_F64)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "a float64 layer (CLMHA_DTYPE_F64) has no KV cache yet");
     if (!batch || !capacity)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "a KV cache needs a batch and a capacity of at least 1 (batch %zu, "

@@ -37,19 +37,29 @@ static clmha_status gemm_clblast(clmha_context *ctx, const char *what, const clm
         return CLMHA_SUCCESS;
     }
     int s;
-    if (o->batch <= 1)
-        CLMHA__BLAS(s, CLBlastSgemm(CLBlastLayoutColMajor, tb, ta, o->n, o->m, o->k, o->alpha,
+    float alpha = (float)o->alpha, beta = (float)o->beta;
+    if (o->f64 && o->batch <= 1)
+        CLMHA__BLAS(s, CLBlastDgemm(CLBlastLayoutColMajor, tb, ta, o->n, o->m, o->k, o->alpha,
                                     o->b, o->b_off, o->ldb, o->a, o->a_off, o->lda, o->beta,
                                     o->c, o->c_off, o->ldc, &q, NULL));
-    else
-        CLMHA__BLAS(s, CLBlastSgemmStridedBatched(
+    else if (o->f64)
+        CLMHA__BLAS(s, CLBlastDgemmStridedBatched(
                            CLBlastLayoutColMajor, tb, ta, o->n, o->m, o->k, o->alpha, o->b,
                            o->b_off, o->ldb, o->b_stride, o->a, o->a_off, o->lda, o->a_stride,
                            o->beta, o->c, o->c_off, o->ldc, o->c_stride, o->batch, &q, NULL));
+    else if (o->batch <= 1)
+        CLMHA__BLAS(s, CLBlastSgemm(CLBlastLayoutColMajor, tb, ta, o->n, o->m, o->k, alpha,
+                                    o->b, o->b_off, o->ldb, o->a, o->a_off, o->lda, beta,
+                                    o->c, o->c_off, o->ldc, &q, NULL));
+    else
+        CLMHA__BLAS(s, CLBlastSgemmStridedBatched(
+                           CLBlastLayoutColMajor, tb, ta, o->n, o->m, o->k, alpha, o->b,
+                           o->b_off, o->ldb, o->b_stride, o->a, o->a_off, o->lda, o->a_stride,
+                           beta, o->c, o->c_off, o->ldc, o->c_stride, o->batch, &q, NULL));
     if (!s) return CLMHA_SUCCESS;
     char call[200];
-    snprintf(call, sizeof call, "CLBlastSgemm%s(%s)", o->batch > 1 ? "StridedBatched" : "",
-             what);
+    snprintf(call, sizeof call, "CLBlast%cgemm%s(%s)", o->f64 ? 'D' : 'S',
+             o->batch > 1 ? "StridedBatched" : "", what);
     return clmha__blas_fail(ctx, s, call);
 }
 
@@ -104,8 +114,8 @@ static void CL_CALLBACK run_host(void *p) {
     float *c = (float *)mem[h->from[2]] + h->origin[2] + o->c_off;
     size_t batch = o->batch ? o->batch : 1;
     for (size_t i = 0; i < batch; ++i)
-        h->blas->sgemm(h->blas->impl, o->ta, o->tb, o->m, o->n, o->k, o->alpha,
-                       a + i * o->a_stride, o->lda, b + i * o->b_stride, o->ldb, o->beta,
+        h->blas->sgemm(h->blas->impl, o->ta, o->tb, o->m, o->n, o->k, (float)o->alpha,
+                       a + i * o->a_stride, o->lda, b + i * o->b_stride, o->ldb, (float)o->beta,
                        c + i * o->c_stride, o->ldc);
     free(h->captured);
 }
@@ -174,7 +184,7 @@ static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha_
 
 clmha_status clmha__gemm(clmha_context *ctx, const char *what, const clmha__gemm_op *o) {
     const clmha__host_blas *hb = ctx->host_blas;
-    if (hb && o->m <= hb->max_dim && o->n <= hb->max_dim && o->k <= hb->max_dim &&
+    if (hb && !o->f64 && o->m <= hb->max_dim && o->n <= hb->max_dim && o->k <= hb->max_dim &&
         o->lda <= hb->max_dim && o->ldb <= hb->max_dim && o->ldc <= hb->max_dim) {
         bool done;
         clmha_status st = gemm_host(ctx, what, o, &done);

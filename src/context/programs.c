@@ -64,14 +64,16 @@ static const clmha__cl_source *embedded(const char *name) {
     return NULL;
 }
 
-// The sources of a kernel family: its file, with cl/common.cl in front of an attention core's
-// (cl/cores/); @p path receives the family's file. Returns the number of strings (0 for an
-// unknown family).
-static cl_uint family_sources(const char *family, const char *src[2], size_t size[2],
+// The sources of a kernel family: cl/real.cl (the element type), then cl/common.cl for an
+// attention core's (cl/cores/), then the family's file; @p path receives the family's file.
+// Returns the number of strings (0 for an unknown family).
+static cl_uint family_sources(const char *family, const char *src[3], size_t size[3],
                               const char **path) {
-    const clmha__cl_source *own = embedded(family), *common = embedded("common");
-    if (!own || !common) return 0;
+    const clmha__cl_source *own = embedded(family), *common = embedded("common"),
+                           *real = embedded("real");
+    if (!own || !common || !real) return 0;
     cl_uint n = 0;
+    src[n] = real->text, size[n++] = real->size;
     if (strncmp(own->path, "cl/cores/", 9) == 0) src[n] = common->text, size[n++] = common->size;
     src[n] = own->text, size[n++] = own->size;
     *path = own->path;
@@ -81,8 +83,8 @@ static cl_uint family_sources(const char *family, const char *src[2], size_t siz
 // Builds one program; on a build failure the message carries the build log.
 static clmha_status build(clmha_context *ctx, const char *family, const char *options,
                           cl_program *out) {
-    const char *src[2];
-    size_t size[2];
+    const char *src[3];
+    size_t size[3];
     const char *path = NULL;
     cl_uint count = family_sources(family, src, size, &path);
     if (!count)

@@ -179,14 +179,15 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
                                "the fused core needs %zu bytes of local memory for one key at "
                                "head_dim %zu and a work-group of one work-item; the device has "
                                "%llu (use CLMHA_IMPL_UNFUSED)",
-                               clmha__fused_local_floats(&one, l->d) * sizeof(float), l->d,
+                               clmha__fused_local_floats(&one, l->d) * l->rs, l->d,
                                (unsigned long long)clmha__local_mem(ctx));
         }
-        char options[160];
+        char options[192];
         snprintf(options, sizeof options,
                  "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu -DQ_LOCAL=%d -DACC_LOCAL=%d "
-                 "-DLANES=%d",
-                 l->d, t.bq, t.bk, t.rpw, t.vw, (int)t.q_local, (int)t.acc_local, (int)t.lanes);
+                 "-DLANES=%d%s",
+                 l->d, t.bq, t.bk, t.rpw, t.vw, (int)t.q_local, (int)t.acc_local, (int)t.lanes,
+                 clmha__layer_real_options(l));
         cl_program prog;
         cl_kernel k = NULL;
         clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
@@ -215,6 +216,22 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
     }
 }
 
+// The tiles of layer @p l: the device's (clmha__fused_tiles_for()), for a float64 layer fitted
+// again to half the private and local budgets (a double takes the room of two floats) and at
+// most 8 lanes (an AVX-512 register's doubles).
+static clmha__fused_tiles layer_tiles(const clmha_layer *l) {
+    clmha_context *ctx = l->ctx;
+    clmha__fused_tiles t = clmha__fused_tiles_for(ctx, l->d);
+    if (l->rs != 8) return t;
+    clmha__device_class cls = *ctx->cls;
+    cls.private_floats /= 2;
+    if (t.vw > 8) t.vw = 8;
+    clmha__fused_tiles_fit_limits(&cls, clmha__local_mem(ctx) / 2, ctx->max_work_group, l->d,
+                                  &t);
+    if (ctx->quirks.no_vload) t.vw = 1;
+    return t;
+}
+
 clmha_status clmha__layer_fused(clmha_layer *l) {
     state *s = state_of(l);
     if (s->kernel) return CLMHA_SUCCESS;
@@ -223,7 +240,7 @@ clmha_status clmha__layer_fused(clmha_layer *l) {
                            "the fused core could not be built for this layer (head_dim %zu) on "
                            "this device: %s (use CLMHA_IMPL_UNFUSED)",
                            l->d, clmha_status_string(s->failed));
-    clmha_status st = build_fused(l, clmha__fused_tiles_for(l->ctx, l->d));
+    clmha_status st = build_fused(l, layer_tiles(l));
     // A device that cannot build or hold the kernel will not later; an out-of-memory may pass.
     if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) s->failed = st;
     return st;
@@ -318,7 +335,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha__dims *d = call->dims;
     clmha_context *ctx = l->ctx;
     cl_ulong tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
-    float scale = (float)(1.0 / sqrt((double)l->d));
+    clmha__real scale = clmha__real_of(1.0 / sqrt((double)l->d));
     clmha__mask_args m = clmha__masks_of(l, a, d);
     // The log-sum-exp rows for the backward pass, only when asked for (a flag: no cost else).
     cl_mem lse = call->lse ? call->lse : ctx->dummy;
@@ -326,7 +343,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_ulong group = call->kv_group ? call->kv_group : 1;  // query heads per key/value plane
     arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(l->tiles[CLMHA__TILE_K]),
                   ARG(l->tiles[CLMHA__TILE_V]), ARG(l->tiles[CLMHA__TILE_OUT]),
-                  ARG(tgt), ARG(heads), ARG(src), ARG(srcp), ARG(scale), MASK_ARGS(m),
+                  ARG(tgt), ARG(heads), ARG(src), ARG(srcp), CLMHA__REAL_ARG(scale, l->rs),
+                  MASK_ARGS(m),
                   ARG(lse), ARG(lse_on), ARG(group)};
     const state *s = state_of(l);
     clmha_status st = clmha__set_args(ctx, s->kernel, "fused_attention", args,

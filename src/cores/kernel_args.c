@@ -48,8 +48,9 @@ clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args 
         .causal = a->is_causal,
         .dropout_on = dropout_on,
         .threshold = clmha__dropout_threshold(p),
-        .keep_scale = dropout_on ? (float)(1.0 / (1.0 - (double)p)) : 1.0f,
+        .keep_scale = clmha__real_of(dropout_on ? 1.0 / (1.0 - (double)p) : 1.0),
         .seed_lo = (cl_uint)a->rng.seed,
         .seed_hi = (cl_uint)(a->rng.seed >> 32) ^ (cl_uint)(a->rng.offset >> 32),
-        .off_lo = (cl_uint)a->rng.offset};
+        .off_lo = (cl_uint)a->rng.offset,
+        .rs = l->rs};
 }

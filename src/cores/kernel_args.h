@@ -22,6 +22,18 @@ typedef struct clmha__arg {
 
 #define CLMHA__ARG(x) ((clmha__arg){sizeof(x), &(x)})
 
+// A kernel argument of type REAL (cl/real.cl): float, or double in a float64 layer's
+// programs. It holds both; CLMHA__REAL_ARG(r, rs) passes the one of rs bytes (the layer's rs).
+typedef struct clmha__real {
+    float f;
+    double d;
+} clmha__real;
+
+static inline clmha__real clmha__real_of(double v) { return (clmha__real){(float)v, v}; }
+
+#define CLMHA__REAL_ARG(r, rs)                                                                \
+    ((clmha__arg){(rs), (rs) == 8 ? (const void *)&(r).d : (const void *)&(r).f})
+
 // Sets the arguments of @p k (@p name names the kernel in the message).
 CLMHA__HIDDEN clmha_status clmha__set_args(clmha_context *ctx, cl_kernel k, const char *name,
                                            const clmha__arg *args, cl_uint nargs);
@@ -39,8 +51,9 @@ typedef struct clmha__mask_args {
     cl_mem kpm;
     cl_ulong kpm_off;
     cl_uint kpm_kind, causal, dropout_on, threshold;
-    float keep_scale;
+    clmha__real keep_scale;
     cl_uint seed_lo, seed_hi, off_lo;
+    size_t rs;  // the layer's element size: which of keep_scale the kernels take
 } clmha__mask_args;
 
 // The mask and dropout arguments of the call @p a, resolved as @p d, on @p l.
@@ -53,7 +66,7 @@ CLMHA__HIDDEN clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha
     CLMHA__ARG((m).attn), CLMHA__ARG((m).attn_off), CLMHA__ARG((m).attn_kind),                \
         CLMHA__ARG((m).attn_layout), CLMHA__ARG((m).kpm), CLMHA__ARG((m).kpm_off),            \
         CLMHA__ARG((m).kpm_kind), CLMHA__ARG((m).causal), CLMHA__ARG((m).dropout_on),         \
-        CLMHA__ARG((m).threshold), CLMHA__ARG((m).keep_scale), CLMHA__ARG((m).seed_lo),       \
-        CLMHA__ARG((m).seed_hi), CLMHA__ARG((m).off_lo)
+        CLMHA__ARG((m).threshold), CLMHA__REAL_ARG((m).keep_scale, (m).rs),                   \
+        CLMHA__ARG((m).seed_lo), CLMHA__ARG((m).seed_hi), CLMHA__ARG((m).off_lo)
 
 #endif

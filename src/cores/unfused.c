@@ -67,7 +67,7 @@ static clmha_status create(clmha_layer *l, void **out) {
     *out = s;
     for (size_t want = pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
         char options[64];
-        snprintf(options, sizeof options, "-DWG=%zu", want);
+        snprintf(options, sizeof options, "-DWG=%zu%s", want, clmha__layer_real_options(l));
         cl_program prog;
         size_t wg;
         clmha_status st = clmha__program_get(ctx, "unfused", options, &prog);
@@ -100,10 +100,11 @@ static bool chunk_is_all(const clmha_layer *l, const clmha__dims *d, chunk c) {
 static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c, cl_mem qt,
                            cl_mem kt, size_t group) {
     size_t hd = l->d, sp = d->s_padded;
-    float scale = (float)(1.0 / sqrt((double)hd));
+    double scale = 1.0 / sqrt((double)hd);
     // Grouped-query attention (@p group query heads per key/value plane): the group's query
     // planes are consecutive, so one product per key/value plane takes all their rows.
-    clmha__gemm_op op = {.tb = true, .m = d->l * group, .n = sp, .k = hd, .alpha = scale,
+    clmha__gemm_op op = {.tb = true, .f64 = l->rs == 8, .m = d->l * group, .n = sp, .k = hd,
+                         .alpha = scale,
                          .a = qt, .lda = hd, .a_stride = d->l * group * hd,
                          .b = kt, .ldb = hd, .b_stride = sp * hd,
                          .c = l->scores, .ldc = sp, .c_stride = d->l * group * sp,
@@ -145,7 +146,7 @@ static clmha_status softmax(clmha_layer *l, const clmha_forward_args *a, const c
 //    strided batched GEMM, a chunk in one plain GEMM per plane it touches.
 static clmha_status attend(clmha_layer *l, const clmha__dims *d, chunk c, size_t group) {
     size_t hd = l->d, sp = d->s_padded;
-    clmha__gemm_op op = {.m = d->l * group, .n = hd, .k = sp, .alpha = 1.0f,
+    clmha__gemm_op op = {.f64 = l->rs == 8, .m = d->l * group, .n = hd, .k = sp, .alpha = 1.0,
                          .a = l->scores, .lda = sp, .a_stride = d->l * group * sp,
                          .b = l->tiles[CLMHA__TILE_V], .ldb = hd, .b_stride = sp * hd,
                          .c = l->tiles[CLMHA__TILE_OUT], .ldc = hd,
@@ -178,8 +179,8 @@ static clmha_status chunk_weights(clmha_layer *l, const clmha_forward_args *a,
     size_t sp = d->s_padded, h = l->h, plane_rows = d->l;
     if (a->per_head_weights) {
         cl_int err = clEnqueueCopyBuffer(ctx->queue, l->scores, w, 0,
-                                         (w_off + c.first * sp) * sizeof(float),
-                                         c.rows * sp * sizeof(float), 0, NULL, NULL);
+                                         (w_off + c.first * sp) * l->rs, c.rows * sp * l->rs,
+                                         0, NULL, NULL);
         return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(weights chunk)")
                    : CLMHA_SUCCESS;
     }
@@ -192,10 +193,11 @@ static clmha_status chunk_weights(clmha_layer *l, const clmha_forward_args *a,
     cl_ulong off = w_off + (item * plane_rows + i) * sp, groups = planes / group,
              heads = group, part = (c.rows >= plane_rows ? plane_rows : c.rows) * sp;
     cl_uint first = head == 0, last = head + group == h;
-    float divisor = (float)h;
+    clmha__real divisor = clmha__real_of((double)h);
     cl_mem sums = first && last ? ctx->dummy : l->head_sums;
-    arg args[] = {ARG(l->scores), ARG(sums),  ARG(w),    ARG(off),    ARG(groups), ARG(heads),
-                  ARG(part),      ARG(first), ARG(last), ARG(divisor)};
+    arg args[] = {ARG(l->scores), ARG(sums),  ARG(w),    ARG(off),
+                  ARG(groups),    ARG(heads), ARG(part), ARG(first),
+                  ARG(last),      CLMHA__REAL_ARG(divisor, l->rs)};
     return clmha__launch(ctx, l->accumulate_heads, "accumulate_heads", groups * part,
                          l->heads_wg, args, sizeof args / sizeof args[0]);
 }

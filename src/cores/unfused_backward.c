@@ -151,7 +151,7 @@ clmha_status clmha__unfused_backward_run(clmha_layer *l, clmha__backward_call *c
     float inv_heads = (float)(1.0 / (double)l->h);
     arg sb_args[] = {ARG(p),          ARG(g),           ARG(gw),           ARG(gw_off),
                      ARG(gw_mode),    ARG(inv_heads),   ARG(tgt),          ARG(heads),
-                     ARG(srcp),       ARG(m.dropout_on), ARG(m.threshold), ARG(m.keep_scale),
+                     ARG(srcp),       ARG(m.dropout_on), ARG(m.threshold), ARG(m.keep_scale.f),
                      ARG(m.seed_lo),  ARG(m.seed_hi),   ARG(m.off_lo)};
     size_t rows = planes * tl;
     if ((st = clmha__launch(ctx, ub->softmax_backward, "softmax_backward", rows * ub->wg, ub->wg,

@@ -1,6 +1,6 @@
 // Reading and checking .safetensors layer files, without OpenCL (so that it can be fuzzed):
 // safetensors_header.c parses and checks a file (clmha__safetensors_parse, _free, the lookups),
-// safetensors_layer.c derives its layer (clmha__safetensors_desc, _to_float). clmha_layer_load()
+// safetensors_layer.c derives its layer (clmha__safetensors_desc, _to_double). clmha_layer_load()
 // and clmha_layer_save() (include/clmha.h) are in safetensors_io.c.
 //
 // The format: an 8-byte little-endian header length N, then N bytes of JSON (an object, padded
@@ -88,9 +88,10 @@ CLMHA__HIDDEN const clmha__st_tensor *clmha__safetensors_tensor(const clmha__st_
 // The metadata value of @p key, or NULL.
 CLMHA__HIDDEN const char *clmha__safetensors_meta(const clmha__st_file *file, const char *key);
 
-// Converts the tensor's data to @p out (t->count floats): F16 (subnormals, infinities, NaN)
-// and F64 (out-of-range values become infinities) are rounded to float.
-CLMHA__HIDDEN void clmha__safetensors_to_float(const clmha__st_tensor *t, float *out);
+// Converts the tensor's data to @p out (t->count doubles), exactly for every dtype (F16
+// subnormals, infinities and NaN included); clmha_layer_set_parameter_f64() then rounds them
+// to the layer's dtype.
+CLMHA__HIDDEN void clmha__safetensors_to_double(const clmha__st_tensor *t, double *out);
 
 // Derives the layer of a parsed file (embed_dim from out_proj.weight, kdim/vdim, bias and
 // add_bias_kv from the tensors present, num_heads, batch_first, add_zero_attn and dropout from

@@ -1,7 +1,7 @@
 // Layer files through a context: clmha_layer_load() reads a .safetensors file, checks it
 // (clmha__safetensors_parse(), clmha__safetensors_desc()), creates the layer and sets its
-// parameters; clmha_layer_save() writes the layer's parameters as F32 tensors, all or nothing (a
-// temporary file renamed over the destination).
+// parameters; clmha_layer_save() writes the layer's parameters as F32 tensors (F64 for a float64
+// layer), all or nothing (a temporary file renamed over the destination).
 #define _POSIX_C_SOURCE 200809L
 
 #include "formats/safetensors.h"
@@ -95,7 +95,7 @@ clmha_status clmha_layer_load_as(clmha_layer **out, clmha_context *ctx, const ch
     size_t size = 0;
     clmha__st_file file = {0};
     clmha_layer *layer = NULL;
-    float *values = NULL;
+    double *values = NULL;
     clmha_layer_desc desc;
     char msg[CLMHA__ERROR_SIZE];
     clmha_status st = read_file(ctx, path, &bytes, &size);
@@ -126,8 +126,8 @@ clmha_status clmha_layer_load_as(clmha_layer **out, clmha_context *ctx, const ch
     }
     for (size_t i = 0; i < file.tensor_count; ++i) {
         const clmha__st_tensor *t = &file.tensors[i];
-        clmha__safetensors_to_float(t, values);
-        if ((st = clmha_layer_set_parameter(layer, t->name, values, t->count))) {
+        clmha__safetensors_to_double(t, values);
+        if ((st = clmha_layer_set_parameter_f64(layer, t->name, values, t->count))) {
             st = fail_with_path(ctx, st, path);
             goto fail;
         }
@@ -185,12 +185,12 @@ typedef struct save_entry {
 } save_entry;
 
 // What clmha_layer_save writes: the header's length (8 bytes, little-endian), the header and
-// the tensors' floats (already little-endian).
+// the tensors' @p count elements of @p elem bytes (already little-endian).
 typedef struct safetensors_out {
     const char *header;
     size_t header_len;
-    const float *data;
-    size_t count;
+    const void *data;
+    size_t count, elem;
 } safetensors_out;
 
 static bool write_safetensors(FILE *f, void *user, char *why, size_t why_size) {
@@ -201,7 +201,7 @@ static bool write_safetensors(FILE *f, void *user, char *why, size_t why_size) {
         len_bytes[i] = (unsigned char)((uint64_t)o->header_len >> (8 * i));
     return fwrite(len_bytes, 1, 8, f) == 8 &&
            fwrite(o->header, 1, o->header_len, f) == o->header_len &&
-           fwrite(o->data, sizeof *o->data, o->count, f) == o->count;
+           fwrite(o->data, o->elem, o->count, f) == o->count;
 }
 
 clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
@@ -211,10 +211,14 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
     if (!*path) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "path is empty");
 
     clmha_status st = CLMHA_SUCCESS;
-    float *data = NULL;
+    unsigned char *data = NULL;
 
     clmha_layer_desc d = {.struct_size = sizeof d};
     clmha_layer_get_desc(layer, &d);
+    // A float64 layer's parameters as F64 tensors, any other's as F32 (a 16-bit layer's values
+    // widened exactly).
+    bool f64 = d.dtype == CLMHA_DTYPE_F64;
+    size_t elem = f64 ? 8 : 4;
     // kve: the key/value heads' width (grouped-query attention: num_kv_heads * D, else E).
     size_t e = d.embed_dim, kve = d.num_kv_heads * (e / d.num_heads);
     bool gqa = d.num_kv_heads != d.num_heads;
@@ -256,13 +260,13 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
     ok = ok && append(header, sizeof header, &used, "}");
     for (size_t i = 0; i < n && ok; ++i) {
         const save_entry *s = &list[i];
-        ok = append(header, sizeof header, &used, ",\"%s\":{\"dtype\":\"F32\",\"shape\":[",
-                    s->name);
+        ok = append(header, sizeof header, &used, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[",
+                    s->name, f64 ? "F64" : "F32");
         for (size_t k = 0; k < s->ndim && ok; ++k)
             ok = append(header, sizeof header, &used, k ? ",%zu" : "%zu", s->shape[k]);
         ok = ok && append(header, sizeof header, &used, "],\"data_offsets\":[%zu,%zu]}", offset,
-                          offset + s->count * sizeof(float));
-        offset += s->count * sizeof(float);
+                          offset + s->count * elem);
+        offset += s->count * elem;
     }
     ok = ok && append(header, sizeof header, &used, "}");
     while (ok && used % 8 != 0) ok = append(header, sizeof header, &used, " ");
@@ -271,28 +275,35 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
         goto fail;
     }
 
-    // Data, as little-endian float32.
-    data = malloc((total ? total : 1) * sizeof *data);
+    // Data, as little-endian float32 (float64).
+    data = malloc((total ? total : 1) * elem);
     if (!data) {
         st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", path);
         goto fail;
     }
-    for (size_t i = 0, at = 0; i < n; at += list[i].count, ++i)
-        if ((st = clmha_layer_get_parameter(layer, list[i].name, data + at, list[i].count))) {
+    for (size_t i = 0, at = 0; i < n; at += list[i].count, ++i) {
+        const char *name = list[i].name;
+        size_t count = list[i].count;
+        st = f64 ? clmha_layer_get_parameter_f64(layer, name, (double *)data + at, count)
+                 : clmha_layer_get_parameter(layer, name, (float *)data + at, count);
+        if (st) {
             st = fail_with_path(ctx, st, path);
             goto fail;
         }
+    }
     const uint32_t one = 1;
-    if (*(const unsigned char *)&one != 1) {  // big-endian host: swap every float
-        unsigned char *p = (unsigned char *)data;
-        for (size_t i = 0; i < total; ++i, p += 4) {
-            unsigned char t0 = p[0], t1 = p[1];
-            p[0] = p[3], p[1] = p[2], p[2] = t1, p[3] = t0;
-        }
+    if (*(const unsigned char *)&one != 1) {  // big-endian host: reverse every element's bytes
+        unsigned char *p = data;
+        for (size_t i = 0; i < total; ++i, p += elem)
+            for (size_t b = 0; b < elem / 2; ++b) {
+                unsigned char t = p[b];
+                p[b] = p[elem - 1 - b], p[elem - 1 - b] = t;
+            }
     }
 
     // All or nothing: a temporary file next to the destination, renamed over it.
-    safetensors_out o = {.header = header, .header_len = used, .data = data, .count = total};
+    safetensors_out o = {.header = header, .header_len = used, .data = data, .count = total,
+                         .elem = elem};
     char msg[CLMHA__ERROR_SIZE - 64];
     if ((st = clmha__file_write_whole(path, write_safetensors, &o, msg, sizeof msg)))
         st = clmha__fail(ctx, st, "%s", msg);

@@ -1,7 +1,7 @@
 // The layer a parsed .safetensors file describes, without OpenCL: clmha__safetensors_desc() maps
 // the tensors to nn.MultiheadAttention's parameters (names and PyTorch shapes) and the metadata to
-// the layer's descriptor; clmha__safetensors_to_float() gives a tensor's values as the layer's
-// floats.
+// the layer's descriptor; clmha__safetensors_to_double() gives a tensor's values as doubles
+// (exactly, whatever its dtype).
 #include "formats/safetensors.h"
 
 #include "base/checked.h"
@@ -17,14 +17,7 @@
 
 // ---- tensor data as floats ----------------------------------------------------------------
 
-static float double_to_float(double d) {
-    // Values from FLT_MAX + half an ulp round to infinity (a plain conversion is undefined).
-    if (d >= 0x1.ffffffp127) return INFINITY;
-    if (d <= -0x1.ffffffp127) return -INFINITY;
-    return (float)d;
-}
-
-void clmha__safetensors_to_float(const clmha__st_tensor *t, float *out) {
+void clmha__safetensors_to_double(const clmha__st_tensor *t, double *out) {
     const unsigned char *p = t->data;
     for (size_t i = 0; i < t->count; ++i) {
         if (t->dtype == CLMHA__ST_F16) {
@@ -35,12 +28,12 @@ void clmha__safetensors_to_float(const clmha__st_tensor *t, float *out) {
             const unsigned char *q = p + 4 * i;
             uint32_t bits = (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 |
                             (uint32_t)q[3] << 24;
-            memcpy(&out[i], &bits, sizeof bits);
+            float f;
+            memcpy(&f, &bits, sizeof f);
+            out[i] = f;
         } else {
             uint64_t bits = clmha__st_le64(p + 8 * i);
-            double d;
-            memcpy(&d, &bits, sizeof d);
-            out[i] = double_to_float(d);
+            memcpy(&out[i], &bits, sizeof bits);
         }
     }
 }

@@ -1,5 +1,6 @@
 // Baking a layer (clmha_layer_bake()): one forward pass on zeros at a given shape, so that later
 // calls of that shape neither compile nor allocate.
+#include "base/half.h"
 #include "cores/fused.h"
 #include "device/held.h"
 #include "layer/layer.h"
@@ -41,7 +42,8 @@ clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, 
     cl_mem bufs[5] = {NULL};  // query, key, value, output, weights
     for (int i = 0; i < 5 && !st; ++i) {
         if (!counts[i]) continue;
-        st = clmha__zero_buffer(ctx, counts[i], "bake buffers", &bufs[i]);
+        st = clmha__zero_buffer(ctx, counts[i], clmha__dtype_size(layer->desc.dtype),
+                                "bake buffers", &bufs[i]);
     }
     args.query.buffer = bufs[0];
     args.key.buffer = bufs[1];

@@ -130,13 +130,13 @@ clmha_status clmha__launch_heads(clmha_layer *l, cl_kernel k, const char *name, 
 // Row-major C (m, n) = A (m, k) · W (n, k)ᵀ, the shape of every projection. Called as the
 // same product in column-major terms, Cᵀ (n, m) = W · Aᵀ with W transposed: CLBlast then
 // transposes one operand instead of three (~5% faster at 1024³ with a PoCL tuning).
-clmha_status clmha__gemm_nt(clmha_context *ctx, const char *what, size_t m, size_t n, size_t k,
+clmha_status clmha__gemm_nt(clmha_layer *l, const char *what, size_t m, size_t n, size_t k,
                             cl_mem a, size_t a_off, size_t lda, cl_mem w, size_t w_off,
-                            size_t ldw, float beta, cl_mem c, size_t c_off, size_t ldc) {
-    clmha__gemm_op op = {.tb = true, .m = m, .n = n, .k = k, .alpha = 1.0f, .beta = beta,
-                         .a = a, .a_off = a_off, .lda = lda, .b = w, .b_off = w_off, .ldb = ldw,
-                         .c = c, .c_off = c_off, .ldc = ldc};
-    return clmha__gemm(ctx, what, &op);
+                            size_t ldw, double beta, cl_mem c, size_t c_off, size_t ldc) {
+    clmha__gemm_op op = {.tb = true, .f64 = l->rs == 8, .m = m, .n = n, .k = k, .alpha = 1.0,
+                         .beta = beta, .a = a, .a_off = a_off, .lda = lda, .b = w,
+                         .b_off = w_off, .ldb = ldw, .c = c, .c_off = c_off, .ldc = ldc};
+    return clmha__gemm(l->ctx, what, &op);
 }
 
 

@@ -59,10 +59,11 @@ CLMHA__HIDDEN clmha_status clmha__launch_heads(clmha_layer *l, cl_kernel k, cons
                                                size_t planes, size_t seq, size_t wg,
                                                const clmha__arg *args, cl_uint nargs);
 
-// Row-major C (m, n) = A (m, k) · W (n, k)ᵀ + beta·C: the shape of every projection.
-CLMHA__HIDDEN clmha_status clmha__gemm_nt(clmha_context *ctx, const char *what, size_t m,
+// Row-major C (m, n) = A (m, k) · W (n, k)ᵀ + beta·C: the shape of every projection, in the
+// layer's elements (floats, or doubles for a float64 layer).
+CLMHA__HIDDEN clmha_status clmha__gemm_nt(clmha_layer *l, const char *what, size_t m,
                                           size_t n, size_t k, cl_mem a, size_t a_off, size_t lda,
-                                          cl_mem w, size_t w_off, size_t ldw, float beta,
+                                          cl_mem w, size_t w_off, size_t ldw, double beta,
                                           cl_mem c, size_t c_off, size_t ldc);
 
 // Uploads @p count elements of @p elem bytes into a new read-only buffer (*out; NULL on

@@ -193,7 +193,7 @@ clmha_status clmha__forward_validate(clmha_layer *layer, const clmha_forward_arg
     char msg[1024];
     clmha_status st = validate_call(layer, args, d);
     if (st) return st;
-    if (on_device) return check_input_buffers(layer, args, d, sizeof(float));
+    if (on_device) return check_input_buffers(layer, args, d, layer->rs);
     if ((st = clmha__check_host_data(d, args, msg, sizeof msg)))
         return clmha__fail(layer->ctx, st, "%s", msg);
     return CLMHA_SUCCESS;
@@ -215,7 +215,6 @@ typedef struct scratch {
 // Without @p kv (a call with kv_attend_only) only the query projection.
 static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
                             bool kv, scratch *s) {
-    clmha_context *ctx = l->ctx;
     // kve: the key and value projections' width (E, or num_kv_heads * D with grouped-query
     // attention).
     size_t e = l->e, kve = l->kve, kd = d->kdim, vd = d->vdim;
@@ -231,33 +230,33 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
     clmha_status st;
     if (!kv) {  // kv_attend_only: the queries alone
         *s = (scratch){.ld_q = e};
-        return clmha__gemm_nt(ctx, "query projection", rows_q, e, e, a->query.buffer,
+        return clmha__gemm_nt(l, "query projection", rows_q, e, e, a->query.buffer,
                               a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0, e);
     }
 
     if (self && kv_same) {  // (L*N, E) · [W_q; W_k; W_v]ᵀ → (L*N, E + 2 KVE)
         size_t w = e + 2 * kve;
         *s = (scratch){.ld_q = w, .ld_k = w, .ld_v = w, .col_k = e, .col_v = e + kve};
-        st = clmha__gemm_nt(ctx, "packed QKV projection", rows_q, w, e, a->query.buffer,
+        st = clmha__gemm_nt(l, "packed QKV projection", rows_q, w, e, a->query.buffer,
                             a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0, w);
         return st;
     }
     *s = (scratch){.proj_k = rows_q * e, .proj_v = rows_q * e + rows_kv * kve,
                    .ld_q = e, .ld_k = kve, .ld_v = kve};
-    if ((st = clmha__gemm_nt(ctx, "query projection", rows_q, e, e, a->query.buffer,
+    if ((st = clmha__gemm_nt(l, "query projection", rows_q, e, e, a->query.buffer,
                       a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, s->proj_q, e)))
         return st;
     if (kv_same) {  // W_k and W_v are consecutive rows of w_in: one GEMM → (S*N, 2 KVE)
         s->ld_k = s->ld_v = 2 * kve;
         s->proj_v = s->proj_k;
         s->col_v = kve;
-        return clmha__gemm_nt(ctx, "key/value projection", rows_kv, 2 * kve, kd, key,
+        return clmha__gemm_nt(l, "key/value projection", rows_kv, 2 * kve, kd, key,
                        key_off, kd, l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, 2 * kve);
     }
-    if ((st = clmha__gemm_nt(ctx, "key projection", rows_kv, kve, kd, key, key_off, kd,
+    if ((st = clmha__gemm_nt(l, "key projection", rows_kv, kve, kd, key, key_off, kd,
                       l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, kve)))
         return st;
-    return clmha__gemm_nt(ctx, "value projection", rows_kv, kve, vd, value, value_off,
+    return clmha__gemm_nt(l, "value projection", rows_kv, kve, vd, value, value_off,
                           vd, l->w_in, wv, vd, 0.0f, l->proj, s->proj_v, kve);
 }
 
@@ -337,7 +336,7 @@ static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out
                                         l->heads_wg, args, sizeof args / sizeof args[0]);
         if (st) return st;
     }
-    return clmha__gemm_nt(ctx, "output projection", rows, e, e, l->proj, 0, e,
+    return clmha__gemm_nt(l, "output projection", rows, e, e, l->proj, 0, e,
                           l->w_out, 0, e, l->desc.bias ? 1.0f : 0.0f, out, out_off, e);
 }
 
@@ -347,8 +346,8 @@ static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
                                 const clmha__dims *d, cl_mem w, size_t w_off) {
     clmha_context *ctx = l->ctx;
     if (a->per_head_weights) {
-        cl_int err = clEnqueueCopyBuffer(ctx->queue, l->scores, w, 0, w_off * sizeof(float),
-                                         d->scores_count * sizeof(float), 0, NULL, NULL);
+        cl_int err = clEnqueueCopyBuffer(ctx->queue, l->scores, w, 0, w_off * l->rs,
+                                         d->scores_count * l->rs, 0, NULL, NULL);
         return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(weights)") : CLMHA_SUCCESS;
     }
     cl_ulong off = w_off, n = d->n, h = l->h, plane = d->l * d->s_padded;
@@ -446,7 +445,7 @@ static clmha_status check_result_buffers(clmha_layer *layer, const clmha_forward
     clmha_status st;
     if ((st = clmha__check_buffer(ctx, "output", output, output_offset, d->output_count, elem)))
         return st;
-    if (elem == sizeof(float) && (st = check_output_readable(layer, output))) return st;
+    if (elem == layer->rs && (st = check_output_readable(layer, output))) return st;
     if (args->need_weights && (st = clmha__check_buffer(ctx, "weights", weights, weights_offset,
                                                         d->weights_count, elem)))
         return st;
@@ -456,10 +455,20 @@ static clmha_status check_result_buffers(clmha_layer *layer, const clmha_forward
     return check_aliasing(ctx, args, d, output, output_offset, weights, weights_offset, elem);
 }
 
-static clmha_status forward_f32(clmha_layer *layer, const clmha_forward_args *args,
-                                cl_mem output, size_t output_offset, cl_mem weights,
-                                size_t weights_offset, cl_uint num_wait,
-                                const cl_event *wait_list, cl_event *event);
+static clmha_status forward_direct(clmha_layer *layer, const clmha_forward_args *args,
+                                   cl_mem output, size_t output_offset, cl_mem weights,
+                                   size_t weights_offset, cl_uint num_wait,
+                                   const cl_event *wait_list, cl_event *event);
+
+// What a layer of another dtype than float32 cannot do yet (include/clmha.h, clmha_dtype):
+// NULL, or its name.
+static const char *not_yet(const clmha_layer *layer, const clmha_forward_args *args) {
+    if (layer->desc.dtype == CLMHA_DTYPE_F32) return NULL;
+    if (args->save) return "save (the backward pass)";
+    if (layer->core) return "a user attention core (clmha_layer_set_attention())";
+    if (args->kv_cache && layer->desc.dtype == CLMHA_DTYPE_F64) return "a KV cache";
+    return NULL;
+}
 
 static clmha_status forward_converted(clmha_layer *layer, const clmha_forward_args *args,
                                       cl_mem output, size_t output_offset, cl_mem weights,
@@ -476,18 +485,16 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
     clmha_status st = args_in(ctx, &in, &args);
     if (st) return st;
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
-    return layer->desc.dtype == CLMHA_DTYPE_F32
-               ? forward_f32(layer, args, output, output_offset, weights, weights_offset,
-                             num_wait, wait_list, event)
+    clmha_dtype t = layer->desc.dtype;
+    const char *no = not_yet(layer, args);
+    if (no)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED, "a %s layer does not take %s yet",
+                           clmha__dtype_name(t), no);
+    return t == CLMHA_DTYPE_F32 || t == CLMHA_DTYPE_F64
+               ? forward_direct(layer, args, output, output_offset, weights, weights_offset,
+                                num_wait, wait_list, event)
                : forward_converted(layer, args, output, output_offset, weights, weights_offset,
                                    num_wait, wait_list, event);
-}
-
-// What a 16-bit layer cannot do yet (include/clmha.h, clmha_dtype): NULL, or its name.
-static const char *not_for_16_bits(const clmha_layer *layer, const clmha_forward_args *args) {
-    if (args->save) return "save (the backward pass)";
-    if (layer->core) return "a user attention core (clmha_layer_set_attention())";
-    return NULL;
 }
 
 // A 16-bit layer's call: its query, key, value and float masks widened into the layer's
@@ -498,10 +505,6 @@ static clmha_status forward_converted(clmha_layer *layer, const clmha_forward_ar
                                       size_t weights_offset, cl_uint num_wait,
                                       const cl_event *wait_list, cl_event *event) {
     clmha_context *ctx = layer->ctx;
-    const char *no = not_for_16_bits(layer, args);
-    if (no)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED, "a %s layer does not take %s yet",
-                           clmha__dtype_name(layer->desc.dtype), no);
     size_t elem = clmha__dtype_size(layer->desc.dtype);
     clmha__dims d;
     clmha_status st;
@@ -549,7 +552,7 @@ static clmha_status forward_converted(clmha_layer *layer, const clmha_forward_ar
             return st;
         t->offset = 0;
     }
-    if ((st = forward_f32(layer, &f, out32, 0, weights32, 0, 0, NULL, NULL)) ||
+    if ((st = forward_direct(layer, &f, out32, 0, weights32, 0, 0, NULL, NULL)) ||
         (st = clmha__convert_out(layer, CLMHA__STAGED_OUTPUT, output, output_offset,
                                  d.output_count)) ||
         (args->need_weights &&
@@ -559,16 +562,17 @@ static clmha_status forward_converted(clmha_layer *layer, const clmha_forward_ar
     return clmha__enqueue_event(ctx, event);
 }
 
-// A float32 call, or the float32 pass of a 16-bit layer's (on its float32 copies).
-static clmha_status forward_f32(clmha_layer *layer, const clmha_forward_args *args,
-                                cl_mem output, size_t output_offset, cl_mem weights,
-                                size_t weights_offset, cl_uint num_wait,
-                                const cl_event *wait_list, cl_event *event) {
+// A call on the layer's own elements (float32, or float64 for a float64 layer), or the float32
+// pass of a 16-bit layer's (on its float32 copies).
+static clmha_status forward_direct(clmha_layer *layer, const clmha_forward_args *args,
+                                   cl_mem output, size_t output_offset, cl_mem weights,
+                                   size_t weights_offset, cl_uint num_wait,
+                                   const cl_event *wait_list, cl_event *event) {
     clmha__dims d;
     clmha_status st = clmha__forward_validate(layer, args, true, &d);
     if (st) return st;
     if ((st = check_result_buffers(layer, args, &d, output, output_offset, weights,
-                                   weights_offset, sizeof(float))))
+                                   weights_offset, layer->rs)))
         return st;
     // The core: the user's, else fused or unfused (see clmha_impl and src/cores/core.c).
     clmha__core_call call = {.args = args, .dims = &d, .weights = weights,
@@ -654,52 +658,76 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
                                                    weights_offset, num_wait, wait_list, event));
 }
 
-// Uploads @p count floats of a host call (@p data) as the layer's dtype: as they are for a
-// float32 layer, rounded to 16 bits for a 16-bit one.
+// Uploads @p count values of a host call (@p data: floats, or doubles with @p f64) as the
+// layer's dtype: as they are where the types agree, else converted (to nearest even; a double
+// for a 16-bit layer through float32).
 static clmha_status upload_values(clmha_layer *layer, const char *what, const void *data,
-                                  size_t count, cl_mem *out) {
+                                  size_t count, bool f64, cl_mem *out) {
     clmha_dtype t = layer->desc.dtype;
-    if (t == CLMHA_DTYPE_F32) return clmha__upload(layer->ctx, what, data, count, 4, out);
-    uint16_t *narrow = malloc((count ? count : 1) * sizeof *narrow);
-    if (!narrow) return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", what);
-    const float *x = data;
-    for (size_t i = 0; i < count; ++i)
-        narrow[i] = t == CLMHA_DTYPE_F16 ? clmha__f32_to_f16(x[i]) : clmha__f32_to_bf16(x[i]);
-    clmha_status st = clmha__upload(layer->ctx, what, narrow, count, 2, out);
-    free(narrow);
+    size_t elem = clmha__dtype_size(t);
+    if (elem == (f64 ? 8 : 4)) return clmha__upload(layer->ctx, what, data, count, elem, out);
+    void *conv = malloc((count ? count : 1) * elem);
+    if (!conv) return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", what);
+    const float *xf = data;
+    const double *xd = data;
+    for (size_t i = 0; i < count; ++i) {
+        if (t == CLMHA_DTYPE_F64) {
+            ((double *)conv)[i] = xf[i];
+            continue;
+        }
+        float x = f64 ? clmha__double_to_float(xd[i]) : xf[i];
+        if (t == CLMHA_DTYPE_F32) ((float *)conv)[i] = x;
+        else if (t == CLMHA_DTYPE_F16) ((uint16_t *)conv)[i] = clmha__f32_to_f16(x);
+        else ((uint16_t *)conv)[i] = clmha__f32_to_bf16(x);
+    }
+    clmha_status st = clmha__upload(layer->ctx, what, conv, count, elem, out);
+    free(conv);
     return st;
 }
 
 // Uploads a mask of a host call: float masks as the layer's dtype, boolean ones as they are.
 static clmha_status upload_mask(clmha_layer *layer, const char *what, clmha_mask_kind kind,
-                                const void *data, size_t count, cl_mem *out) {
-    if (kind == CLMHA_MASK_FLOAT) return upload_values(layer, what, data, count, out);
+                                const void *data, size_t count, bool f64, cl_mem *out) {
+    if (kind == CLMHA_MASK_FLOAT) return upload_values(layer, what, data, count, f64, out);
     return clmha__upload(layer->ctx, what, data, count, clmha__mask_elem(kind), out);
 }
 
-// Reads @p count results of the layer's dtype from @p buf into floats (a blocking read).
-static clmha_status read_values(clmha_layer *layer, cl_mem buf, size_t count, float *out) {
+// Reads @p count results of the layer's dtype from @p buf into floats, or doubles with @p f64
+// (a blocking read): widened exactly, or a float64 layer's rounded to float.
+static clmha_status read_values(clmha_layer *layer, cl_mem buf, size_t count, void *out,
+                                bool f64) {
     clmha_context *ctx = layer->ctx;
     clmha_dtype t = layer->desc.dtype;
+    size_t elem = clmha__dtype_size(t);
     cl_int err;
-    if (t == CLMHA_DTYPE_F32) {
-        err = clEnqueueReadBuffer(ctx->queue, buf, CL_TRUE, 0, count * 4, out, 0, NULL, NULL);
+    if (elem == (f64 ? 8 : 4)) {
+        err = clEnqueueReadBuffer(ctx->queue, buf, CL_TRUE, 0, count * elem, out, 0, NULL, NULL);
     } else {
-        uint16_t *narrow = malloc((count ? count : 1) * sizeof *narrow);
-        if (!narrow) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (results)");
-        err = clEnqueueReadBuffer(ctx->queue, buf, CL_TRUE, 0, count * 2, narrow, 0, NULL, NULL);
-        for (size_t i = 0; err == CL_SUCCESS && i < count; ++i)
-            out[i] = t == CLMHA_DTYPE_F16 ? clmha__f16_to_f32(narrow[i])
-                                          : clmha__bf16_to_f32(narrow[i]);
-        free(narrow);
+        void *conv = malloc((count ? count : 1) * elem);
+        if (!conv) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (results)");
+        err = clEnqueueReadBuffer(ctx->queue, buf, CL_TRUE, 0, count * elem, conv, 0, NULL, NULL);
+        for (size_t i = 0; err == CL_SUCCESS && i < count; ++i) {
+            if (t == CLMHA_DTYPE_F64) {
+                ((float *)out)[i] = clmha__double_to_float(((double *)conv)[i]);
+                continue;
+            }
+            uint16_t h = elem == 2 ? ((uint16_t *)conv)[i] : 0;
+            float x = t == CLMHA_DTYPE_F32   ? ((float *)conv)[i]
+                      : t == CLMHA_DTYPE_F16 ? clmha__f16_to_f32(h)
+                                             : clmha__bf16_to_f32(h);
+            if (f64) ((double *)out)[i] = x;
+            else ((float *)out)[i] = x;
+        }
+        free(conv);
     }
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clEnqueueReadBuffer(result)");
     return CLMHA_SUCCESS;
 }
 
+// The host-array call, on float arrays, or double arrays with @p f64.
 static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *args,
-                                 float *output, size_t output_count, float *weights,
-                                 size_t weights_count) {
+                                 void *output, size_t output_count, void *weights,
+                                 size_t weights_count, bool f64) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     clmha_forward_args in;
@@ -711,7 +739,7 @@ static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *a
     if (!output) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "output is NULL");
     if (output_count != d.output_count)
         return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
-                           "output holds %zu floats, the result has %zu (N %zu, L %zu, E %zu)",
+                           "output holds %zu values, the result has %zu (N %zu, L %zu, E %zu)",
                            output_count, d.output_count, d.n, d.l, d.e);
     if (args->need_weights && !weights)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "need_weights is set but weights is NULL");
@@ -726,29 +754,32 @@ static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *a
     cl_mem bufs[7] = {NULL};  // query, key, value, kpm, attn, output, weights
     size_t elem = clmha__dtype_size(layer->desc.dtype);
     cl_int err;
-    if ((st = upload_values(layer, "query upload", args->query.data, d.query_count, &bufs[0])))
+    if ((st = upload_values(layer, "query upload", args->query.data, d.query_count, f64,
+                            &bufs[0])))
         goto fail;
     dev.query.buffer = bufs[0], dev.query.offset = 0;
     if (!d.key_is_query) {
-        if ((st = upload_values(layer, "key upload", args->key.data, d.key_count, &bufs[1])))
+        if ((st = upload_values(layer, "key upload", args->key.data, d.key_count, f64,
+                                &bufs[1])))
             goto fail;
         dev.key.buffer = bufs[1], dev.key.offset = 0;
     }
     if (!d.value_is_key) {
-        if ((st = upload_values(layer, "value upload", args->value.data, d.value_count,
+        if ((st = upload_values(layer, "value upload", args->value.data, d.value_count, f64,
                                 &bufs[2])))
             goto fail;
         dev.value.buffer = bufs[2], dev.value.offset = 0;
     }
     if (d.kpm_kind) {
         if ((st = upload_mask(layer, "key_padding_mask upload", d.kpm_kind,
-                              args->key_padding_mask.tensor.data, d.kpm_count, &bufs[3])))
+                              args->key_padding_mask.tensor.data, d.kpm_count, f64,
+                              &bufs[3])))
             goto fail;
         dev.key_padding_mask.tensor.buffer = bufs[3], dev.key_padding_mask.tensor.offset = 0;
     }
     if (d.attn_kind) {
         if ((st = upload_mask(layer, "attn_mask upload", d.attn_kind, args->attn_mask.tensor.data,
-                              d.attn_count, &bufs[4])))
+                              d.attn_count, f64, &bufs[4])))
             goto fail;
         dev.attn_mask.tensor.buffer = bufs[4], dev.attn_mask.tensor.offset = 0;
     }
@@ -774,8 +805,8 @@ static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *a
         st = clmha__cl_fail(ctx, err, "clFinish");
         goto fail;
     }
-    if ((st = read_values(layer, bufs[5], d.output_count, output))) goto fail;
-    if (args->need_weights) st = read_values(layer, bufs[6], d.weights_count, weights);
+    if ((st = read_values(layer, bufs[5], d.output_count, output, f64))) goto fail;
+    if (args->need_weights) st = read_values(layer, bufs[6], d.weights_count, weights, f64);
 fail:
     for (int i = 0; i < 7; ++i) clmha__release_mem(bufs[i]);
     return st;
@@ -785,7 +816,14 @@ clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_ar
                                       float *output, size_t output_count, float *weights,
                                       size_t weights_count) {
     return times_dropped_on_failure(layer, forward_host(layer, args, output, output_count,
-                                                        weights, weights_count));
+                                                        weights, weights_count, false));
+}
+
+clmha_status clmha_layer_forward_host_f64(clmha_layer *layer, const clmha_forward_args *args,
+                                          double *output, size_t output_count, double *weights,
+                                          size_t weights_count) {
+    return times_dropped_on_failure(layer, forward_host(layer, args, output, output_count,
+                                                        weights, weights_count, true));
 }
 
 // ---- partial attention --------------------------------------------------------------------------

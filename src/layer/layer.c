@@ -15,8 +15,8 @@
 // Where each named parameter lives.
 typedef struct param_slot {
     cl_mem buffer;
-    size_t offset;  // floats
-    size_t count;   // floats
+    size_t offset;  // elements
+    size_t count;   // elements
     const char *shape;
 } param_slot;
 
@@ -85,9 +85,12 @@ size_t clmha_layer_parameter_count(const clmha_layer *layer, const char *name) {
     return slot.count;
 }
 
-// Shared by set and get: checks the name and the count, then copies.
-static clmha_status param_copy(clmha_layer *layer, const char *name, float *data, size_t count,
-                               bool write) {
+// Shared by set and get: checks the name and the count, then copies @p count elements of
+// @p data, floats or (@p f64) doubles, converting them to and from the layer's elements: a
+// 16-bit layer's parameters are values of its dtype (what is written is rounded to it, through
+// float32), a float64 layer's are doubles, any other's floats.
+static clmha_status param_copy(clmha_layer *layer, const char *name, void *data, size_t count,
+                               bool write, bool f64) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     if (!name || !data)
@@ -98,26 +101,40 @@ static clmha_status param_copy(clmha_layer *layer, const char *name, float *data
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s", why);
     if (count != slot.count)
         return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
-                           "%s has shape %s = %zu floats for this layer (E %zu, kdim %zu, vdim "
-                           "%zu), got %zu",
+                           "%s has shape %s = %zu elements for this layer (E %zu, kdim %zu, "
+                           "vdim %zu), got %zu",
                            name, slot.shape, slot.count, layer->e, layer->desc.kdim,
                            layer->desc.vdim, count);
-    // A 16-bit layer's parameters are values of its dtype: what is written is rounded to it.
-    float *rounded = NULL;
-    if (write && layer->desc.dtype != CLMHA_DTYPE_F32) {
-        if (!(rounded = malloc(count * sizeof(float))))
-            return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", name);
-        for (size_t i = 0; i < count; ++i)
-            rounded[i] = clmha__dtype_round(layer->desc.dtype, data[i]);
-        data = rounded;
+    size_t rs = layer->rs;
+    clmha_dtype t = layer->desc.dtype;
+    bool direct = (f64 ? 8 : 4) == rs && (!write || t == CLMHA_DTYPE_F32 || rs == 8);
+    void *staging = NULL;
+    if (!direct && !(staging = malloc(count * rs)))
+        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", name);
+    if (!direct && write) {
+        const float *fs = data;
+        const double *ds = data;
+        for (size_t i = 0; i < count; ++i) {
+            if (rs == 8) {
+                ((double *)staging)[i] = f64 ? ds[i] : (double)fs[i];
+            } else {
+                float v = f64 ? clmha__double_to_float(ds[i]) : fs[i];
+                ((float *)staging)[i] = clmha__dtype_round(t, v);
+            }
+        }
     }
-    cl_int err = write ? clEnqueueWriteBuffer(ctx->queue, slot.buffer, CL_TRUE,
-                                              slot.offset * sizeof(float),
-                                              count * sizeof(float), data, 0, NULL, NULL)
-                       : clEnqueueReadBuffer(ctx->queue, slot.buffer, CL_TRUE,
-                                             slot.offset * sizeof(float), count * sizeof(float),
-                                             data, 0, NULL, NULL);
-    free(rounded);
+    void *dev = direct ? data : staging;
+    cl_int err = write ? clEnqueueWriteBuffer(ctx->queue, slot.buffer, CL_TRUE, slot.offset * rs,
+                                              count * rs, dev, 0, NULL, NULL)
+                       : clEnqueueReadBuffer(ctx->queue, slot.buffer, CL_TRUE, slot.offset * rs,
+                                             count * rs, dev, 0, NULL, NULL);
+    if (err == CL_SUCCESS && !direct && !write) {
+        for (size_t i = 0; i < count; ++i) {
+            if (f64) ((double *)data)[i] = ((float *)staging)[i];  // widened exactly
+            else ((float *)data)[i] = clmha__double_to_float(((double *)staging)[i]);
+        }
+    }
+    free(staging);
     if (err != CL_SUCCESS)
         return clmha__cl_fail(ctx, err, write ? "clEnqueueWriteBuffer" : "clEnqueueReadBuffer");
     return CLMHA_SUCCESS;
@@ -125,30 +142,39 @@ static clmha_status param_copy(clmha_layer *layer, const char *name, float *data
 
 clmha_status clmha_layer_set_parameter(clmha_layer *layer, const char *name, const float *data,
                                        size_t count) {
-    return param_copy(layer, name, (float *)data, count, true);  // not written through
+    return param_copy(layer, name, (float *)data, count, true, false);  // not written through
 }
 
 clmha_status clmha_layer_get_parameter(clmha_layer *layer, const char *name, float *data,
                                        size_t count) {
-    return param_copy(layer, name, data, count, false);
+    return param_copy(layer, name, data, count, false, false);
 }
 
-clmha_status clmha__zero_buffer(clmha_context *ctx, size_t count, const char *what,
+clmha_status clmha_layer_set_parameter_f64(clmha_layer *layer, const char *name,
+                                           const double *data, size_t count) {
+    return param_copy(layer, name, (double *)data, count, true, true);  // not written through
+}
+
+clmha_status clmha_layer_get_parameter_f64(clmha_layer *layer, const char *name, double *data,
+                                           size_t count) {
+    return param_copy(layer, name, data, count, false, true);
+}
+
+clmha_status clmha__zero_buffer(clmha_context *ctx, size_t count, size_t elem, const char *what,
                                 cl_mem *out) {
-    if ((cl_ulong)count * sizeof(float) > ctx->info.max_alloc_bytes)
+    if (count > SIZE_MAX / elem || (cl_ulong)count * elem > ctx->info.max_alloc_bytes)
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
-                           "%s need %llu bytes, more than this device's largest allocation "
-                           "(%llu bytes)",
-                           what, (unsigned long long)count * sizeof(float),
-                           (unsigned long long)ctx->info.max_alloc_bytes);
+                           "%s need %zu elements of %zu bytes, more than this device's largest "
+                           "allocation (%llu bytes)",
+                           what, count, elem, (unsigned long long)ctx->info.max_alloc_bytes);
     cl_int err;
     clmha__count(ctx, 0, 1);
-    *out = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
+    *out = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, count * elem, NULL, &err);
     clmha__held_new(CLMHA__HELD_MEM, *out);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateBuffer(parameters)");
-    float zero = 0.0f;
-    err = clEnqueueFillBuffer(ctx->queue, *out, &zero, sizeof zero, 0, count * sizeof(float), 0,
-                              NULL, NULL);
+    cl_uchar zero = 0;
+    err = clEnqueueFillBuffer(ctx->queue, *out, &zero, sizeof zero, 0, count * elem, 0, NULL,
+                              NULL);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clEnqueueFillBuffer(parameters)");
     return CLMHA_SUCCESS;
 }
@@ -172,9 +198,11 @@ clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
     clmha_status st = CLMHA__STRUCT_IN(clmha_layer_desc, &in, desc, "desc", msg, sizeof msg);
     if (!st) st = clmha__desc_check(&in, &d, msg, sizeof msg);
     if (st) return clmha__fail(ctx, st, "%s", msg);
-    if (d.dtype == CLMHA_DTYPE_F64)  // the reference takes it (it computes in float64)
+    if (d.dtype == CLMHA_DTYPE_F64 && !ctx->info.fp64)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "float64 layers (CLMHA_DTYPE_F64) are not implemented yet");
+                           "float64 layers (CLMHA_DTYPE_F64) need a device with double "
+                           "precision (cl_khr_fp64); %s has none",
+                           ctx->info.device_name);
 
     clmha_layer *l = calloc(1, sizeof *l);
     if (!l) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
@@ -186,27 +214,30 @@ clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
     l->d = d.embed_dim / d.num_heads;
     l->kvh = d.num_kv_heads;
     l->kve = l->kvh * l->d;
+    l->rs = d.dtype == CLMHA_DTYPE_F64 ? 8 : 4;
 
-    size_t e = l->e, kve = l->kve;
+    size_t e = l->e, kve = l->kve, rs = l->rs;
     char what[160];
     snprintf(what, sizeof what, "q/k/v_proj_weight (embed_dim %zu, kdim %zu, vdim %zu)", e,
              d.kdim, d.vdim);
-    if ((st = clmha__zero_buffer(ctx, e * e + kve * (d.kdim + d.vdim), what, &l->w_in)))
+    if ((st = clmha__zero_buffer(ctx, e * e + kve * (d.kdim + d.vdim), rs, what, &l->w_in)))
         goto fail;
-    if ((st = clmha__zero_buffer(ctx, e * e, "out_proj.weight", &l->w_out))) goto fail;
+    if ((st = clmha__zero_buffer(ctx, e * e, rs, "out_proj.weight", &l->w_out))) goto fail;
     if (d.bias) {
-        if ((st = clmha__zero_buffer(ctx, e + 2 * kve, "in_proj_bias", &l->b_in))) goto fail;
-        if ((st = clmha__zero_buffer(ctx, e, "out_proj.bias", &l->b_out))) goto fail;
+        if ((st = clmha__zero_buffer(ctx, e + 2 * kve, rs, "in_proj_bias", &l->b_in))) goto fail;
+        if ((st = clmha__zero_buffer(ctx, e, rs, "out_proj.bias", &l->b_out))) goto fail;
     }
-    if (d.add_bias_kv && (st = clmha__zero_buffer(ctx, 2 * kve, "bias_k/bias_v", &l->bias_kv)))
+    if (d.add_bias_kv &&
+        (st = clmha__zero_buffer(ctx, 2 * kve, rs, "bias_k/bias_v", &l->bias_kv)))
         goto fail;
 
     // Kernels. Split and merge heads: the device class's mapping (one work-item per tile row,
     // or per float on GPUs).
     cl_program heads;
-    if ((st = clmha__program_get(ctx, "heads", ctx->cls->coalesced ? "-DHEADS_COALESCED=1" : "",
-                                 &heads)))
-        goto fail;
+    char heads_options[64];
+    snprintf(heads_options, sizeof heads_options, "%s%s",
+             ctx->cls->coalesced ? "-DHEADS_COALESCED=1" : "", clmha__layer_real_options(l));
+    if ((st = clmha__program_get(ctx, "heads", heads_options, &heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "split_heads", &l->split_heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "merge_heads", &l->merge_heads))) goto fail;
     if ((st = make_kernel(ctx, heads, "fill_rows", &l->fill_rows))) goto fail;
@@ -332,24 +363,25 @@ const char *clmha_impl_name(clmha_impl impl) {
 
 size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
     if (!layer) return 0;
-    size_t floats = layer->proj_cap + layer->scores_cap + layer->head_sums_cap +
-                    layer->partial_lse_cap + layer->cores_scratch_cap;
-    for (int i = 0; i < CLMHA__TILE_COUNT; ++i) floats += layer->tile_caps[i];
-    for (int i = 0; i < CLMHA__STAGED_COUNT; ++i) floats += layer->staged_caps[i];
-    return floats * sizeof(float);
+    size_t elems = layer->proj_cap + layer->scores_cap + layer->head_sums_cap +
+                   layer->partial_lse_cap + layer->cores_scratch_cap, staged = 0;
+    for (int i = 0; i < CLMHA__TILE_COUNT; ++i) elems += layer->tile_caps[i];
+    for (int i = 0; i < CLMHA__STAGED_COUNT; ++i) staged += layer->staged_caps[i];
+    return elems * layer->rs + staged * sizeof(float);  // the staged copies are float32
 }
 
-// Replaces *buf by one of @p need floats when it holds fewer: uninitialised, or (ones) every
-// float 1, copied from a host array when the buffer is made.
-static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t need,
+// Replaces *buf by one of @p need elements of @p elem bytes when it holds fewer:
+// uninitialised, or (ones, floats only) every float 1, copied from a host array when the
+// buffer is made.
+static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t need, size_t elem,
                          const char *what, bool ones) {
     if (need <= *cap && *buf) return CLMHA_SUCCESS;
     cl_ulong limit = clmha__max_alloc(ctx);
-    if (need > SIZE_MAX / sizeof(float) || (cl_ulong)need * sizeof(float) > limit)
+    if (need > SIZE_MAX / elem || (cl_ulong)need * elem > limit)
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
-                           "%s scratch needs %zu bytes, more than this device's largest "
-                           "allocation (%llu bytes)",
-                           what, need * sizeof(float), (unsigned long long)limit);
+                           "%s scratch needs %zu elements of %zu bytes, more than this device's "
+                           "largest allocation (%llu bytes)",
+                           what, need, elem, (unsigned long long)limit);
     float *host = NULL;
     if (ones) {
         if (!(host = malloc(need * sizeof *host)))
@@ -359,7 +391,7 @@ static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t ne
     cl_int err;
     clmha__count(ctx, 0, 1);
     cl_mem m = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE | (ones ? CL_MEM_COPY_HOST_PTR : 0),
-                              need * sizeof(float), host, &err);
+                              need * elem, host, &err);
     free(host);
     clmha__held_new(CLMHA__HELD_MEM, m);
     if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, what);
@@ -371,13 +403,19 @@ static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t ne
 
 clmha_status clmha__grow_buffer(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t need,
                                 const char *what) {
-    return grow(ctx, buf, cap, need, what, false);
+    return grow(ctx, buf, cap, need, sizeof(float), what, false);
+}
+
+// clmha__grow_buffer() for scratch of the layer's elements (rs bytes).
+static clmha_status layer_grow(clmha_layer *layer, cl_mem *buf, size_t *cap, size_t need,
+                               const char *what) {
+    return grow(layer->ctx, buf, cap, need, layer->rs, what, false);
 }
 
 clmha_status clmha__layer_grow_core_scratch(clmha_layer *layer, cl_mem *buf, size_t *cap,
                                             size_t need, const char *what) {
     size_t before = *cap;
-    clmha_status st = grow(layer->ctx, buf, cap, need, what, false);
+    clmha_status st = grow(layer->ctx, buf, cap, need, layer->rs, what, false);
     layer->cores_scratch_cap += *cap - before;
     return st;
 }
@@ -385,14 +423,14 @@ clmha_status clmha__layer_grow_core_scratch(clmha_layer *layer, cl_mem *buf, siz
 clmha_status clmha__layer_grow_ones(clmha_layer *layer, cl_mem *buf, size_t *cap, size_t need,
                                     const char *what) {
     size_t before = *cap;
-    clmha_status st = grow(layer->ctx, buf, cap, need, what, true);
+    clmha_status st = grow(layer->ctx, buf, cap, need, sizeof(float), what, true);
     layer->cores_scratch_cap += *cap - before;
     return st;
 }
 
 bool clmha__scores_chunks(const clmha_layer *layer, const clmha__dims *d,
                           clmha__chunks *chunks) {
-    size_t budget = (size_t)(clmha__max_alloc(layer->ctx) / 2 / sizeof(float));  // floats
+    size_t budget = (size_t)(clmha__max_alloc(layer->ctx) / 2 / layer->rs);  // elements
     size_t h = layer->h, planes = d->n * h, sp = d->s_padded, total = planes * d->l;
     if (d->scores_count <= budget) {
         *chunks = (clmha__chunks){.rows = total, .whole = true, .count = 1};
@@ -424,30 +462,27 @@ clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool
     static const char *const tile_name[CLMHA__TILE_COUNT] = {
         "query head tiles", "key head tiles", "value head tiles", "attention output tiles"};
     clmha_status st;
-    if ((st = clmha__grow_buffer(ctx, &layer->proj, &layer->proj_cap, q + 2 * kv,
-                                 "projection")))
+    if ((st = layer_grow(layer, &layer->proj, &layer->proj_cap, q + 2 * kv, "projection")))
         return st;
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i)
-        if ((st = clmha__grow_buffer(ctx, &layer->tiles[i], &layer->tile_caps[i], tile_need[i],
-                                     tile_name[i])))
+        if ((st = layer_grow(layer, &layer->tiles[i], &layer->tile_caps[i], tile_need[i],
+                             tile_name[i])))
             return st;
     if (!scores) return CLMHA_SUCCESS;
     if (layer->core)  // a user core gets all the scores, to return the weights in them
-        return clmha__grow_buffer(ctx, &layer->scores, &layer->scores_cap, d->scores_count,
-                                  "scores");
+        return layer_grow(layer, &layer->scores, &layer->scores_cap, d->scores_count, "scores");
     clmha__chunks c;
     if (!clmha__scores_chunks(layer, d, &c))
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
                            "scores scratch: one row of %zu keys needs %zu bytes, more than half "
                            "this device's largest allocation (%llu bytes)",
-                           d->s_padded, d->s_padded * sizeof(float),
+                           d->s_padded, d->s_padded * layer->rs,
                            (unsigned long long)clmha__max_alloc(ctx));
-    if ((st = clmha__grow_buffer(ctx, &layer->scores, &layer->scores_cap, c.rows * d->s_padded,
-                                 "scores")))
+    if ((st = layer_grow(layer, &layer->scores, &layer->scores_cap, c.rows * d->s_padded,
+                         "scores")))
         return st;
     if (!head_sums || !c.sums) return CLMHA_SUCCESS;
-    return clmha__grow_buffer(ctx, &layer->head_sums, &layer->head_sums_cap, c.sums,
-                              "head sums");
+    return layer_grow(layer, &layer->head_sums, &layer->head_sums_cap, c.sums, "head sums");
 }
 
 // ---- profiling marks (the public calls are in src/forward/profiling.c) --------------------------

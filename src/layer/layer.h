@@ -39,6 +39,8 @@ struct clmha_layer {
     clmha_layer_desc desc;  // kdim and vdim filled in
     size_t e, h, d;         // embed_dim, num_heads, head_dim
     size_t kvh, kve;        // num_kv_heads (grouped-query attention; h without), kvh * d
+    size_t rs;              // bytes of a device element (parameters, scratch, the kernels'
+                            // REAL: cl/real.cl): 8 for a float64 layer, else 4
 
     // Parameters, in PyTorch's layouts.
     cl_mem w_in;     // q_proj (E, E), then k_proj (KVE, kdim), then v_proj (KVE, vdim), KVE
@@ -57,7 +59,7 @@ struct clmha_layer {
     size_t heads_wg;    // work-group of the cl/heads.cl kernels, within each one's limit
     size_t heads_limit;  // the smallest CL_KERNEL_WORK_GROUP_SIZE of the cl/heads.cl kernels
 
-    // Scratch, grown on demand (sizes in floats).
+    // Scratch, grown on demand (sizes in elements of rs bytes).
     cl_mem proj;     // projected rows: query (L*N, E), key (S*N, E), value (S*N, E)
     // Head tiles, each its own buffer used at offset 0: q (N*H, L, D), k and v (N*H, S', D),
     // attention out (N*H, L, D). (CLBlast 1.5.3's GemmStridedBatched ignores buffer offsets on
@@ -119,10 +121,16 @@ CLMHA__HIDDEN clmha_status clmha__layer_mark(clmha_layer *layer, int slot);
 // Releases the recorded markers.
 CLMHA__HIDDEN void clmha__layer_marks_release(clmha_layer *layer);
 
-// A new zero-filled buffer of @p count floats on the device of @p ctx (@p what names it in the
-// message when it does not fit in one allocation or cannot be made).
-CLMHA__HIDDEN clmha_status clmha__zero_buffer(clmha_context *ctx, size_t count, const char *what,
-                                              cl_mem *out);
+// A new zero-filled buffer of @p count elements of @p elem bytes on the device of @p ctx
+// (@p what names it in the message when it does not fit in one allocation or cannot be made).
+CLMHA__HIDDEN clmha_status clmha__zero_buffer(clmha_context *ctx, size_t count, size_t elem,
+                                              const char *what, cl_mem *out);
+
+// The build options that give a layer's programs its element type (cl/real.cl): " -DCLMHA_F64"
+// for a float64 layer, else "".
+static inline const char *clmha__layer_real_options(const clmha_layer *layer) {
+    return layer->rs == 8 ? " -DCLMHA_F64" : "";
+}
 
 // Makes *buf hold at least @p need floats (*cap, in floats, says what it holds): a new
 // read-write buffer when it is too small (the old one is released; queued work that uses it
