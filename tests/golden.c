@@ -182,6 +182,7 @@ const char *golden_layer_dtype_name(int dtype) {
     case GOLDEN_LAYER_F32: return "f32";
     case GOLDEN_LAYER_F16: return "f16";
     case GOLDEN_LAYER_BF16: return "bf16";
+    case GOLDEN_LAYER_F64: return "f64";
     }
     return "?";
 }
@@ -311,9 +312,13 @@ static bool check_mask(loader *ld, const char *name, golden_mask_kind kind) {
              name);
         return false;
     }
-    golden_dtype want = kind == GOLDEN_MASK_FLOAT ? GOLDEN_F32 : GOLDEN_U8;
+    // A float mask holds the layer's element type: doubles in a float64 case.
+    golden_dtype want = GOLDEN_U8;
+    if (kind == GOLDEN_MASK_FLOAT)
+        want = ld->gc->dtype == GOLDEN_LAYER_F64 ? GOLDEN_F64 : GOLDEN_F32;
     if (t->dtype != want) {
-        fail(ld, "tensor %s must be %s for kind %s", name, want == GOLDEN_F32 ? "f32" : "u8",
+        fail(ld, "tensor %s must be %s for kind %s", name,
+             want == GOLDEN_U8 ? "u8" : want == GOLDEN_F64 ? "f64" : "f32",
              golden_mask_kind_name(kind));
         return false;
     }
@@ -348,15 +353,18 @@ static bool parse_body(loader *ld) {
             return false;
         }
     }
-    // Optional: dtype <f16|bf16> (a 16-bit layer), after num_kv_heads; absent: float32.
+    // Optional: dtype <f16|bf16|f64> (a 16-bit or float64 layer), after num_kv_heads; absent:
+    // float32.
     if (next_is(&ld->lx, "dtype")) {
         if (!expect_word(ld, "dtype") || !expect_token(ld, "dtype", &t)) return false;
         if (strcmp(t, "f16") == 0)
             gc->dtype = GOLDEN_LAYER_F16;
         else if (strcmp(t, "bf16") == 0)
             gc->dtype = GOLDEN_LAYER_BF16;
+        else if (strcmp(t, "f64") == 0)
+            gc->dtype = GOLDEN_LAYER_F64;
         else {
-            fail(ld, "dtype: unknown layer dtype '%.40s' (f16 or bf16)", t);
+            fail(ld, "dtype: unknown layer dtype '%.40s' (f16, bf16 or f64)", t);
             return false;
         }
     }
@@ -404,8 +412,17 @@ static bool parse_body(loader *ld) {
              w ? "present" : "missing");
         return false;
     }
+    // A float64 layer's values are all doubles: an f32 tensor would hold rounded values.
+    if (gc->dtype == GOLDEN_LAYER_F64) {
+        for (size_t i = 0; i < gc->num_tensors; i++) {
+            if (gc->tensors[i].dtype == GOLDEN_F32) {
+                fail(ld, "dtype f64: tensor %s is f32", gc->tensors[i].name);
+                return false;
+            }
+        }
+    }
     // A 16-bit layer's baseline: PyTorch's result in the dtype, f32, the expected shapes.
-    if (gc->dtype != GOLDEN_LAYER_F32) {
+    if (gc->dtype == GOLDEN_LAYER_F16 || gc->dtype == GOLDEN_LAYER_BF16) {
         const golden_tensor *want[] = {out, w};
         const char *const names[] = {"torch.output", "torch.weights"};
         for (size_t i = 0; i < 2; i++) {

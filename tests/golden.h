@@ -5,7 +5,7 @@
 //   case <name>
 //   layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
 //         add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>]
-//         [dtype <f16|bf16>]
+//         [dtype <f16|bf16|f64>]
 //   call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training <0|1>
 //        kpm <kind> attn <kind> attn_per_batch <0|1>
 //   tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -27,6 +27,11 @@
 // torch.weights with need_weights), PyTorch's own result computed in the dtype, as a baseline
 // for the error (see tools/make_golden.py for how it is made). The loader checks that these
 // are present, f32 and of the expected values' shapes.
+//
+// dtype f64 marks a float64 layer case (tests/golden/f64_cases.inc), forward only too: its
+// parameters, query/key/value and float masks are f64 tensors (doubles that float32 cannot
+// hold, kept as doubles in golden_tensor.f64), output/weights PyTorch's float64 results. The
+// loader checks that no tensor of such a file is f32.
 //
 // The loader has no dependency besides the C11 standard library; it never aborts: malformed
 // files give an error message.
@@ -59,6 +64,7 @@ typedef enum golden_layer_dtype {
     GOLDEN_LAYER_F32 = 0,  // no dtype on the layer line
     GOLDEN_LAYER_F16,      // dtype f16
     GOLDEN_LAYER_BF16,     // dtype bf16
+    GOLDEN_LAYER_F64,      // dtype f64
 } golden_layer_dtype;
 
 typedef struct golden_tensor {
@@ -95,8 +101,9 @@ typedef struct golden_case {
 // error message (stored in gc->error) on failure; in both cases golden_free() may be called and
 // frees everything (on failure nothing else is held). Besides the syntax it checks that the
 // masks named in the call line are present with a matching dtype, that `query` and `output`
-// exist and that `weights` exists exactly when need_weights (and, for a dtype case, `torch.output`
-// and `torch.weights` likewise, f32, of output's and weights' shapes).
+// exist and that `weights` exists exactly when need_weights (and, for a 16-bit case,
+// `torch.output` and `torch.weights` likewise, f32, of output's and weights' shapes; for a
+// float64 case, that no tensor is f32).
 const char *golden_load(const char *path, golden_case *gc);
 
 // The tensor called @p name, or NULL.
@@ -108,7 +115,7 @@ void golden_free(golden_case *gc);
 // "none", "bool_ignore", ... for a kind; "?" otherwise.
 const char *golden_mask_kind_name(golden_mask_kind kind);
 
-// "f32", "f16" or "bf16" for a golden_layer_dtype; "?" otherwise.
+// "f32", "f16", "bf16" or "f64" for a golden_layer_dtype; "?" otherwise.
 const char *golden_layer_dtype_name(int dtype);
 
 #endif  // CLMHA_TESTS_GOLDEN_H

@@ -46,9 +46,20 @@ void golden_load_case(const char *name, golden_case *gc) {
 
 static const float *param_data(const golden_case *gc, const char *name) {
     const golden_tensor *t = golden_find(gc, name);
-    if (!t) return NULL;
+    // A float64 case's parameters are doubles, which clmha_reference_params (float32) cannot
+    // hold: none are given (test_f64.c sets the layer's with clmha_layer_set_parameter_f64()).
+    if (!t || gc->dtype == GOLDEN_LAYER_F64) return NULL;
     cr_assert_eq(t->dtype, GOLDEN_F32, "%s: parameter %s is not f32", gc->name, name);
     return t->f32;
+}
+
+static clmha_dtype layer_dtype(int dtype) {
+    switch (dtype) {
+    case GOLDEN_LAYER_F16: return CLMHA_DTYPE_F16;
+    case GOLDEN_LAYER_BF16: return CLMHA_DTYPE_BF16;
+    case GOLDEN_LAYER_F64: return CLMHA_DTYPE_F64;
+    default: return CLMHA_DTYPE_F32;
+    }
 }
 
 clmha_tensor golden_host_tensor(const golden_tensor *t) {
@@ -89,6 +100,7 @@ void golden_call_of(const golden_case *gc, golden_call *call) {
     desc->batch_first = gc->batch_first;
     desc->dropout = (float)gc->dropout;
     desc->num_kv_heads = gc->num_kv_heads;  // 0 (num_heads) unless a GQA case
+    desc->dtype = layer_dtype(gc->dtype);
 
     clmha_forward_args *args = &call->args;
     args->struct_size = sizeof *args;
@@ -127,6 +139,8 @@ clmha_layer *golden_layer_create(clmha_context *ctx, const golden_case *gc,
     for (size_t i = 0; i < NUM_PARAM_NAMES; i++) {
         const golden_tensor *t = golden_find(gc, param_names[i]);
         if (!t) continue;
+        cr_assert_eq(t->dtype, GOLDEN_F32, "%s: parameter %s is not f32 (test_f64.c makes the"
+                     " layers of float64 cases)", gc->name, param_names[i]);
         st = clmha_layer_set_parameter(layer, param_names[i], t->f32, t->count);
         cr_assert_eq(st, CLMHA_SUCCESS, "%s: clmha_layer_set_parameter(%s): %s: %s", gc->name,
                      param_names[i], clmha_status_string(st), clmha_context_last_error(ctx));

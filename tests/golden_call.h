@@ -38,13 +38,15 @@ typedef struct golden_call {
 // Loads case @p name from CLMHA_GOLDEN_DIR into @p gc; fails the test when it cannot.
 void golden_load_case(const char *name, golden_case *gc);
 
-// The call case @p gc describes: the layer, the inputs, masks and options, the parameters.
+// The call case @p gc describes: the layer (its dtype the case's), the inputs, masks and
+// options, the parameters (none for a float64 case: the reference takes float32 ones).
 void golden_call_of(const golden_case *gc, golden_call *call);
 
 // A host tensor of @p t (ndim 0 for NULL: absent).
 clmha_tensor golden_host_tensor(const golden_tensor *t);
 
-// A layer on @p ctx made from the case, with its parameters set; fails the test on error.
+// A layer on @p ctx made from the case, with its parameters set; fails the test on error and
+// for a float64 case (whose parameters are doubles).
 clmha_layer *golden_layer_create(clmha_context *ctx, const golden_case *gc,
                                  const clmha_layer_desc *desc);
 

@@ -6,7 +6,9 @@ torch.nn.MultiheadAttention in float64 on exactly those values (module.eval()), 
 tests/golden/<case>.txt plus tests/golden/cases.inc (the list of case names, #included by
 tests/test_golden.c). The float16 / bfloat16 layer cases (DTYPE_CASES, see below) are written as
 tests/golden/dtype_<f16|bf16>_<name>.txt and listed in tests/golden/dtype_cases.inc only (so
-that the float32 tests do not see them). Files of cases no longer generated are removed.
+that the float32 tests do not see them); the float64 layer cases (F64_CASES) likewise as
+tests/golden/f64_<name>.txt, listed in tests/golden/f64_cases.inc only (tests/test_f64.c). Files
+of cases no longer generated are removed.
 
 Run with a Python that has PyTorch (tested with Debian's python3-torch 1.13):
 
@@ -14,14 +16,14 @@ Run with a Python that has PyTorch (tested with Debian's python3-torch 1.13):
 
 --check regenerates in memory and exits non-zero when any file on disk differs: float64 results
 within the tolerance of tools/golden_compare.py (PyTorch's float64 digits vary between CPU
-models), everything else identically.
+models; its tighter F64_TOLERANCE for the float64 layer cases), everything else identically.
 
 File format (text, whitespace separated, '#' starts a comment line):
 
     case <name>
     layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
           add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>]
-          [dtype <f16|bf16>]                                                 (one line)
+          [dtype <f16|bf16|f64>]                                             (one line)
     call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training 0
          kpm <kind> attn <kind> attn_per_batch <0|1>                        (one line)
     tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -45,8 +47,8 @@ by H/G). Their parameters are q_proj_weight (E, E), k_proj_weight (G*D, kdim), v
 (G*D, vdim), in_proj_bias (E + 2*G*D,) (q, k, v), bias_k / bias_v (1, 1, G*D), out_proj.*
 (D = E/H; never a packed in_proj_weight), and their gradients have the same shapes.
 
-dtype is written only by the float16 / bfloat16 layer cases (absent: a float32 layer, as every
-other case); it follows num_kv_heads when both are present (no dtype case is GQA today). Such a
+dtype is written only by the float16 / bfloat16 and float64 layer cases (absent: a float32
+layer); it follows num_kv_heads when both are present (no dtype case is GQA today). A 16-bit
 layer's parameters, inputs and outputs are 16-bit (it computes in float32 inside). These cases
 are forward only and hold: the parameters, query (key, value) and the float masks as f32 tensors
 whose values are the float32 draw (made exactly as for the other cases, fixed seeds) rounded to
@@ -82,6 +84,20 @@ float32 draw may differ in its last bits between CPU models, representable in th
 within one step of it: eps * max|draw|), compares the float64 results with golden_compare's
 tolerance, and keeps the committed torch.output / torch.weights when the recomputed ones are
 within TORCH_BASELINE_STEPS (4) steps of the dtype (eps * max|value|) of them.
+
+The float64 layer cases (dtype f64, F64_CASES) are forward only too; everything in them is
+float64, so that a float64 layer is checked to its contract of 1e-12 on values that float32
+cannot hold (the generator asserts that no finite input value is float32-representable). They
+hold as f64 tensors the parameters of nn.MultiheadAttention made with dtype=torch.float64
+(PyTorch's initialisation drawn in float64, then in_proj_bias, bias_k, bias_v and out_proj.bias
+replaced by torch.randn(dtype=torch.float64) * 0.1), query (key, value) drawn by
+torch.randn(dtype=torch.float64) and the float masks (NumPy's float64 normal draws, -inf where
+forbidden); boolean masks as u8. output (and weights) are that module's float64 results (eval;
+masks combined as for every case, checked against the pre-combined additive mask and the
+independent implementation to 1e-12); no grad_* tensors and no torch.* baseline (the float64
+result is PyTorch's own). --check takes the committed float64 inputs when each is the case's
+draw within golden_compare.F64_DRAW_TOLERANCE (PyTorch's float64 draws too differ in their last
+bits between CPU models) and compares the recomputed results within its F64_TOLERANCE.
 
 Mask kinds: none, bool_ignore (1 = may not attend, nn.MultiheadAttention's bool masks),
 bool_attend (1 = may attend, SDPA / continuiti polarity), float (added to the scaled scores).
@@ -151,7 +167,7 @@ def C(name, **kw):
         kpm="none", attn="none", attn_shape="2d",  # 2d | 3d | per_batch
         special=None,  # full_kpm | full_attn_row | partial_head | full_float_row | full_kpm_appended
         kv_heads=None,  # grouped-query attention: key/value heads (None: H)
-        dtype="f32",  # f32 | f16 | bf16: the layer's dtype (DTYPE_CASES only)
+        dtype="f32",  # f32 | f16 | bf16 | f64: the layer's dtype (DTYPE_CASES, F64_CASES)
     )
     for k in kw:
         if k not in d:
@@ -164,7 +180,7 @@ def C(name, **kw):
     assert d["E"] % d["H"] == 0
     if d["kv_heads"] is not None:
         assert 1 <= d["kv_heads"] <= d["H"] and d["H"] % d["kv_heads"] == 0
-    assert d["dtype"] in ("f32",) + tuple(LAYER_DTYPES)
+    assert d["dtype"] in ("f32", "f64") + tuple(LAYER_DTYPES)
     return d
 
 
@@ -309,6 +325,31 @@ DTYPE_BASE_CASES = [
 DTYPE_CASES = [dict(c, name=f"dtype_{dt}_{c['name']}", dtype=dt)
                for dt in LAYER_DTYPES for c in DTYPE_BASE_CASES]
 
+# float64 layers (forward only), written as f64_<name>.txt and listed in f64_cases.inc: float64
+# parameters, inputs and float masks that float32 cannot hold, so that a layer computing in
+# float32 anywhere misses the 1e-12 of the contract. No case has a fully masked row.
+# tests/test_f64.c runs every case through the fused core too (without weights): fused_tiles
+# crosses its tile edges, head_dim_32 has the largest head dim.
+F64_BASE_CASES = [
+    C("self_bias", E=8, H=2, L=5),
+    C("cross_kdim_vdim", E=12, H=3, kdim=5, vdim=7, bias=False, mode="cross", L=4, S=6),
+    C("kpm_bool_per_head", mode="cross", L=4, S=6, N=3, kpm="bool_ignore", per_head=True),
+    C("attn2d_float", mode="cross", L=4, S=6, attn="float"),
+    C("attn3d_float_kpm_float", E=12, H=3, mode="cross", L=4, S=5, attn="float",
+      attn_shape="3d", kpm="float", per_head=True),
+    C("bias_kv_zero_attn", E=16, H=4, add_bias_kv=True, add_zero_attn=True, mode="cross", L=3,
+      S=4, kpm="bool_ignore", per_head=True),
+    C("batch_first_per_batch", batch_first=True, N=3, mode="cross", L=4, S=5,
+      attn="bool_attend", attn_shape="per_batch"),
+    C("unbatched", N=None, mode="cross", L=4, S=6, attn="float", attn_shape="3d"),
+    C("causal_attn_float", causal=True, L=6, attn="float", per_head=True),
+    C("fused_tiles", E=32, H=4, mode="cross", L=37, S=45, N=2, kpm="bool_ignore",
+      causal=True, need_weights=False),
+    C("head_dim_32", E=64, H=2, mode="cross", L=17, S=33, N=2, batch_first=True,
+      attn="float", need_weights=False),
+]
+F64_CASES = [dict(c, name=f"f64_{c['name']}", dtype="f64") for c in F64_BASE_CASES]
+
 
 # ------------------------------------------------------------------------------------------
 # Generation
@@ -322,7 +363,12 @@ def f32(a):
     return np.asarray(a, dtype=np.float32)
 
 
-def make_module(c, gen, given=None):
+def make_module(c, gen, given=None, dtype=torch.float32):
+    """The case's nn.MultiheadAttention (eval) made in dtype (float32, or float64 for the
+    float64 layer cases: PyTorch's initialisation then draws float64 values) with the global
+    RNG seeded by the name, in_proj_bias, bias_k, bias_v and out_proj.bias overwritten by gen's
+    normal draws times 0.1. Returns (module, params in state_dict order as arrays of dtype,
+    kdim, vdim)."""
     E, H = c["E"], c["H"]
     kdim = c["kdim"] if c["kdim"] is not None else E
     vdim = c["vdim"] if c["vdim"] is not None else E
@@ -330,19 +376,21 @@ def make_module(c, gen, given=None):
     m = torch.nn.MultiheadAttention(E, H, dropout=c["dropout"], bias=c["bias"],
                                     add_bias_kv=c["add_bias_kv"],
                                     add_zero_attn=c["add_zero_attn"], kdim=kdim, vdim=vdim,
-                                    batch_first=c["batch_first"])
+                                    batch_first=c["batch_first"], dtype=dtype)
     with torch.no_grad():
         for name in ("in_proj_bias", "bias_k", "bias_v"):
             p = getattr(m, name)
             if p is not None:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=dtype) * 0.1)
         if m.out_proj.bias is not None:
-            m.out_proj.bias.copy_(torch.randn(m.out_proj.bias.shape, generator=gen) * 0.1)
+            m.out_proj.bias.copy_(torch.randn(m.out_proj.bias.shape, generator=gen,
+                                              dtype=dtype) * 0.1)
     m.eval()
     if given is not None:  # --check: the committed parameters, if they are this draw
-        m.load_state_dict({k: torch.from_numpy(given.take(k, v.detach().float().numpy()))
+        take = given.take if dtype == torch.float32 else given.take_f64
+        m.load_state_dict({k: torch.from_numpy(take(k, v.detach().numpy()))
                            for k, v in m.state_dict().items()}, strict=True)
-    params = [(k, v.detach().float().numpy().copy()) for k, v in m.state_dict().items()]
+    params = [(k, v.detach().numpy().copy()) for k, v in m.state_dict().items()]
     return m, params, kdim, vdim
 
 
@@ -441,16 +489,17 @@ def input_shape(c, seq, feat):
     return (N, seq, feat) if c["batch_first"] else (seq, N, feat)
 
 
-def draw_masks(c, rng):
+def draw_masks(c, rng, conv=f32):
     """Returns (kpm_masked, attn_masked) in 'masked' terms before polarity: for bool kinds a
-    bool array (True = may not attend), for float an f32 array; None for none."""
+    bool array (True = may not attend), for float an array made by conv from NumPy's float64
+    draw (f32: float32; the float64 layer cases keep float64); None for none."""
     N, H, L, S = c["N"], c["H"], c["L"], c["S"]
     batched = N is not None
     kpm = attn = None
     if c["kpm"] != "none":
         shape = (N, S) if batched else (S,)
         if c["kpm"] == "float":
-            kpm = f32(rng.standard_normal(shape))
+            kpm = conv(rng.standard_normal(shape))
             kpm[rng.random(shape) < 0.15] = -np.inf
         else:
             kpm = rng.random(shape) < 0.25
@@ -463,7 +512,7 @@ def draw_masks(c, rng):
             assert batched
             shape = (N, L, S)
         if c["attn"] == "float":
-            attn = f32(rng.standard_normal(shape))
+            attn = conv(rng.standard_normal(shape))
             attn[rng.random(shape) < 0.15] = -np.inf
         else:
             attn = rng.random(shape) < 0.25
@@ -533,14 +582,15 @@ def apply_special(c, kpm, attn):
 
 
 def to_file_mask(kind, m):
-    """Mask in 'masked' terms -> the array stored in the file for that kind."""
+    """Mask in 'masked' terms -> the array stored in the file for that kind (float masks as
+    they are: float32, float64 in the float64 layer cases)."""
     if m is None:
         return None
     if kind == "bool_ignore":
         return m.astype(np.uint8)
     if kind == "bool_attend":
         return (~m).astype(np.uint8)
-    return f32(m)
+    return m
 
 
 
@@ -1266,6 +1316,128 @@ def generate_dtype(c, given=None):
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------------------
+# float64 layers
+# ------------------------------------------------------------------------------------------
+
+def f64(a):
+    return np.asarray(a, dtype=np.float64)
+
+
+def generate_f64(c, given=None):
+    """The text of float64 layer case c's golden file (forward only): nn.MultiheadAttention made
+    in float64 (make_module), inputs drawn by torch.randn in float64, float masks by NumPy in
+    float64, the expected output and weights PyTorch's float64 results on them. With given (a
+    golden_compare.GivenInputs of the committed file), the parameters, inputs and float masks
+    are the committed ones after checking that they are this draw (check_draw_f64), so that the
+    results are recomputed on exactly them."""
+    name = c["name"]
+    assert c["dtype"] == "f64" and not is_gqa(c) and c["special"] is None
+    seed = seed_of(name)
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    E, H, L, S, N = c["E"], c["H"], c["L"], c["S"], c["N"]
+    batched = N is not None
+    m64, params, kdim, vdim = make_module(c, gen, given, torch.float64)
+    if c["mode"] == "self":
+        assert kdim == E and vdim == E
+
+    def draw(shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float64).numpy()
+
+    def take(tname, drawn):  # the committed float64 tensor when checking
+        return drawn if given is None or drawn is None else given.take_f64(tname, drawn)
+
+    query, key, value = draw_inputs(c, draw, kdim, vdim)
+    query, key, value = take("query", query), take("key", key), take("value", value)
+    for _ in range(1000):
+        kpm, attn = draw_masks(c, rng, f64)
+        if not has_full_row(c, kpm, attn):
+            break
+    else:
+        raise RuntimeError(f"{name}: could not draw masks without fully masked rows")
+    if kpm is not None and kpm.dtype != np.bool_:
+        kpm = take("key_padding_mask", kpm)
+    if attn is not None and attn.dtype != np.bool_:
+        attn = take("attn_mask", attn)
+    # A layer that rounded any of these to float32 would be off by some 1e-8, far beyond the
+    # contract's 1e-12: every finite value must be one that float32 cannot hold.
+    floats = params + [("query", query), ("key", key), ("value", value),
+                       ("key_padding_mask", kpm), ("attn_mask", attn)]
+    for tname, a in floats:
+        if a is None or a.dtype == np.bool_:
+            continue
+        fin = a[np.isfinite(a)]
+        if (fin.astype(np.float32).astype(np.float64) == fin).any():
+            raise AssertionError(f"{name}: {tname} holds float32-representable values")
+
+    q64 = torch.from_numpy(query)
+    if c["mode"] == "self":
+        k64 = v64 = q64
+    else:
+        k64 = torch.from_numpy(key)
+        v64 = k64 if c["mode"] == "kv_same" else torch.from_numpy(value)
+    kpm_t, attn_t = pytorch_masks(c, None if kpm is None else torch.from_numpy(kpm.copy()),
+                                  None if attn is None else torch.from_numpy(attn.copy()))
+    tot = additive(c, kpm, attn)
+    has_mask = kpm_t is not None or attn_t is not None
+    native_ok = not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None)
+    nw, avg = c["need_weights"], not c["per_head"]
+    comb = run_torch(m64, q64, k64, v64, None, tot if has_mask else None, nw, avg)
+    notes = []
+    if native_ok:
+        out, w = run_torch(m64, q64, k64, v64, kpm_t, attn_t, nw, avg)
+        if not (same(out, comb[0]) and same(w, comb[1])):
+            raise AssertionError(f"{name}: pre-combined mask path differs from PyTorch's own")
+        notes.append("golden computed by PyTorch with its own mask handling"
+                     " (checked equal to the pre-combined additive mask path)")
+    else:
+        out, w = comb
+        notes.append("golden computed by PyTorch with a pre-combined additive (N*H, L, S) float"
+                     " mask (PyTorch 1.13 cannot combine a float key_padding_mask with attn_mask)")
+    assert not torch.isnan(out).any() and (w is None or not torch.isnan(w).any())
+
+    # independent implementation
+    P64 = {k2: torch.from_numpy(v2) for k2, v2 in params}
+    own_out, own_wph = own_mha(c, P64, q64, k64, v64, tot)
+    own_w = None
+    if nw:
+        own_w = own_wph if c["per_head"] else own_wph.sum(dim=1) / H
+        if not batched:
+            own_w = own_w.squeeze(0)
+    if not (same(out, own_out) and same(w, own_w)):
+        raise AssertionError(f"{name}: own implementation disagrees with PyTorch")
+
+    # expected shapes
+    Sp = S + int(c["add_bias_kv"]) + int(c["add_zero_attn"])
+    assert tuple(out.shape) == input_shape(c, L, E)
+    if nw:
+        if batched:
+            ws = (N, L, Sp) if avg else (N, H, L, Sp)
+        else:
+            ws = (L, Sp) if avg else (H, L, Sp)
+        assert tuple(w.shape) == ws, (w.shape, ws)
+
+    lines = ["# clmha golden case, generated by tools/make_golden.py"
+             f" (PyTorch {torch.__version__})",
+             "# float64 layer (forward only): parameters (PyTorch's initialisation in float64),"
+             " inputs and float masks drawn in float64, none of them float32-representable;"
+             " expected values computed by PyTorch in float64"]
+    lines += ["# " + t for t in notes]
+    lines += case_lines(name, c, E, H, kdim, vdim, " dtype f64", params, query, key, value,
+                        kpm, attn, "f64")
+    lines += tensor_text("output", "f64", out.numpy())
+    if nw:
+        lines += tensor_text("weights", "f64", w.numpy())
+    lines.append("end")
+    return "\n".join(lines) + "\n"
+
+
+def generator_of(c):
+    """The function that makes the text of case c's file."""
+    return {"f32": generate, "f64": generate_f64}.get(c["dtype"], generate_dtype)
+
+
 def fmt(dtype, x):
     if dtype == "u8":
         return "1" if x else "0"
@@ -1278,6 +1450,8 @@ def tensor_text(name, dtype, arr):
     arr = np.asarray(arr)
     if dtype == "f32":
         assert arr.dtype == np.float32
+    elif dtype == "f64":
+        assert arr.dtype == np.float64
     shape = arr.shape if arr.ndim > 0 else (1,)
     assert 1 <= len(shape) <= 4
     out = [f"tensor {name} {dtype} {len(shape)} " + " ".join(str(d) for d in shape)]
@@ -1307,9 +1481,11 @@ def draw_inputs(c, draw, kdim, vdim):
     return query, key, value
 
 
-def case_lines(name, c, E, H, kdim, vdim, layer_tail, params, query, key, value, kpm, attn):
+def case_lines(name, c, E, H, kdim, vdim, layer_tail, params, query, key, value, kpm, attn,
+               fdt="f32"):
     """The lines of a case file from its name through its inputs: the case, layer (ending
-    with layer_tail) and call lines, the parameters, query, key, value and masks."""
+    with layer_tail) and call lines, the parameters, query, key, value and masks, the float
+    ones as tensors of dtype fdt (f32, or f64 for the float64 layer cases)."""
     lines = [f"case {name}",
              f"layer embed_dim {E} num_heads {H} kdim {kdim} vdim {vdim} "
              f"bias {int(c['bias'])} add_bias_kv {int(c['add_bias_kv'])} "
@@ -1319,26 +1495,27 @@ def case_lines(name, c, E, H, kdim, vdim, layer_tail, params, query, key, value,
              f"is_causal {int(c['causal'])} training 0 kpm {c['kpm']} attn {c['attn']} "
              f"attn_per_batch {int(c['attn_shape'] == 'per_batch')}"]
     for pname, arr in params:
-        lines += tensor_text(pname, "f32", arr)
-    lines += tensor_text("query", "f32", query)
+        lines += tensor_text(pname, fdt, arr)
+    lines += tensor_text("query", fdt, query)
     if key is not None:
-        lines += tensor_text("key", "f32", key)
+        lines += tensor_text("key", fdt, key)
     if value is not None:
-        lines += tensor_text("value", "f32", value)
+        lines += tensor_text("value", fdt, value)
     if kpm is not None:
         fm = to_file_mask(c["kpm"], kpm)
-        lines += tensor_text("key_padding_mask", "u8" if fm.dtype == np.uint8 else "f32", fm)
+        lines += tensor_text("key_padding_mask", "u8" if fm.dtype == np.uint8 else fdt, fm)
     if attn is not None:
         fm = to_file_mask(c["attn"], attn)
-        lines += tensor_text("attn_mask", "u8" if fm.dtype == np.uint8 else "f32", fm)
+        lines += tensor_text("attn_mask", "u8" if fm.dtype == np.uint8 else fdt, fm)
     return lines
 
 def check(out_dir, incs):
-    """Recomputes every case on its committed float32 inputs and compares (golden_compare).
-    incs: the expected text of cases.inc and dtype_cases.inc by file name."""
+    """Recomputes every case on its committed inputs and compares (golden_compare): the float64
+    layer cases with its F64_TOLERANCE, the others with its TOLERANCE.
+    incs: the expected text of cases.inc, dtype_cases.inc and f64_cases.inc by file name."""
     bad = 0
     want = dict(incs)
-    for c in CASES + DTYPE_CASES:
+    for c in CASES + DTYPE_CASES + F64_CASES:
         want[f"{c['name']}.txt"] = c
     for fn, c in want.items():
         p = os.path.join(out_dir, fn)
@@ -1348,10 +1525,11 @@ def check(out_dir, incs):
             why = None if open(p).read() == c else "differs"
         else:
             have = open(p).read()
-            gen = generate_dtype if c["dtype"] != "f32" else generate
+            tol = ((golden_compare.F64_ATOL, golden_compare.F64_RTOL) if c["dtype"] == "f64"
+                   else (golden_compare.ATOL, golden_compare.RTOL))
             try:
                 why = golden_compare.golden_text_differs(
-                    have, gen(c, golden_compare.GivenInputs(have)))
+                    have, generator_of(c)(c, golden_compare.GivenInputs(have)), *tol)
             except golden_compare.NotThisDraw as e:
                 why = str(e)
         if why:
@@ -1361,7 +1539,9 @@ def check(out_dir, incs):
           f"({golden_compare.F32_TOLERANCE}; float16/bfloat16 cases: rounded to the dtype, within"
           f" one step of it), float64 results recomputed on them ({golden_compare.TOLERANCE}),"
           f" PyTorch's float16/bfloat16 results within {TORCH_BASELINE_STEPS} steps of the dtype"
-          f" of their largest magnitude, all else identical")
+          f" of their largest magnitude; float64 layer cases: inputs this script's draw"
+          f" ({golden_compare.F64_DRAW_TOLERANCE}), results recomputed on them"
+          f" ({golden_compare.F64_TOLERANCE}); all else identical")
     return 1 if bad else 0
 
 
@@ -1389,23 +1569,28 @@ def main():
     out_dir = os.path.normpath(args.out)
     names = [c["name"] for c in CASES]
     dtype_names = [c["name"] for c in DTYPE_CASES]
-    assert len(set(names + dtype_names)) == len(names) + len(dtype_names)
+    f64_names = [c["name"] for c in F64_CASES]
+    all_names = names + dtype_names + f64_names
+    assert len(set(all_names)) == len(all_names)
     incs = {
         "cases.inc": ("/* generated by tools/make_golden.py: the golden case names */\n" +
                       "".join(f'"{n}",\n' for n in names)),
         "dtype_cases.inc": ("/* generated by tools/make_golden.py: the golden case names of"
                             " float16/bfloat16 layers */\n" +
                             "".join(f'"{n}",\n' for n in dtype_names)),
+        "f64_cases.inc": ("/* generated by tools/make_golden.py: the golden case names of"
+                          " float64 layers */\n" +
+                          "".join(f'"{n}",\n' for n in f64_names)),
     }
     if args.check:
         return check(out_dir, incs)
     if args.only:
-        unknown = set(args.only) - set(names) - set(dtype_names)
+        unknown = set(args.only) - set(all_names)
         if unknown:
             ap.error(f"unknown cases: {' '.join(sorted(unknown))}")
-    todo = [c for c in CASES + DTYPE_CASES if not args.only or c["name"] in args.only]
-    files = {f"{c['name']}.txt": (generate_dtype if c["dtype"] != "f32" else generate)(c)
-             for c in todo}
+    todo = [c for c in CASES + DTYPE_CASES + F64_CASES
+            if not args.only or c["name"] in args.only]
+    files = {f"{c['name']}.txt": generator_of(c)(c) for c in todo}
     files.update(incs)
     os.makedirs(out_dir, exist_ok=True)
     for fn in os.listdir(out_dir) if not args.only else ():
