@@ -286,6 +286,14 @@ static const dcase cases[] = {
     {"bf16 fused: self batch_first, am=float (L,S), causal", .e = 8, .h = 2, .n = 2, .l = 5,
      .self_attn = true, .batch_first = true, .am = F, .causal = true, .fused = true,
      .dtype = CLMHA_DTYPE_BF16},
+    // Float64 layers: the double builds of heads.cl and both cores (local memory in doubles),
+    // CLBlast's DGEMM.
+    {"f64 unfused: cross kdim/vdim, kpm=float, am=float (N*H,L,S), w=avg", .e = 8, .h = 2,
+     .kdim = 5, .vdim = 3, .n = 2, .l = 3, .s = 7, .kpm = F, .am = F, .layout = PER_HEAD,
+     .weights = true, .dtype = CLMHA_DTYPE_F64},
+    {"f64 fused: self batch_first L37, am=float (L,S), causal, zero_attn", .e = 8, .h = 2,
+     .n = 2, .l = 37, .self_attn = true, .batch_first = true, .am = F, .causal = true,
+     .zero_attn = true, .fused = true, .dtype = CLMHA_DTYPE_F64},
     // The unfused core in chunks: groups of heads, then rows of one head (the last case also
     // with grouped-query attention: each chunk's keys from its query head's key/value plane).
     {"chunked gqa: rows of a head, 4 heads on 2, causal, w=avg", .e = 8, .h = 4, .kv_heads = 2,
