@@ -6,6 +6,9 @@
 //     gradient file against PyTorch's float64 autograd (max abs error <= 1e-4 * (1 + max|torch|)),
 //     through both attention cores:
 //       cli <case> grads=<files> grad_maxnorm=...
+//   - --dtype f64: '<f8' files in and out, against the float64 reference and every PyTorch case
+//     (max abs error <= 1e-12), doubles no float holds kept bit for bit; what float64 layers
+//     lack yet (KV cache, backward) refused as usage errors; `clmha bench --dtype f64`;
 //   - refused inputs exit 1 with one stderr line naming the file or argument and create no file;
 //   - usage errors exit 2; --help and --version exit 0;
 //   - `clmha devices` lists the spec strings; `clmha demo --heatmap` writes a PNG;
@@ -852,6 +855,346 @@ Test(cli_run, dtype_f16_decode_chunk) {
     tmp_remove(&d);
 }
 
+// ---- float64 layers (--dtype f64) --------------------------------------------------------------
+
+// Whether the device the program picks ($CLMHA_DEVICE, else the default: as
+// clmha_context_create_from_env() picks) has double precision, which float64 layers need.
+static bool device_has_fp64(void) {
+    clmha_context *ctx = NULL;
+    if (clmha_context_create_from_env(&ctx) != CLMHA_SUCCESS) return false;
+    cl_device_fp_config config = 0;
+    cl_int err = clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG,
+                                 sizeof config, &config, NULL);
+    clmha_context_release(ctx);
+    return err == CL_SUCCESS && config != 0;
+}
+
+#define SKIP_WITHOUT_FP64()                                                                    \
+    do {                                                                                       \
+        SKIP_WITHOUT_DEVICE();                                                                 \
+        if (!device_has_fp64()) cr_skip_test("the device has no double precision");           \
+    } while (0)
+
+// The parameters of write_layer_values()'s layers (E 8, 2 heads, bias), one after the other:
+// in_proj_weight (24, 8), in_proj_bias (24), out_proj.weight (8, 8), out_proj.bias (8).
+enum { LF_E = 8, LF_W_IN = 0, LF_B_IN = 3 * LF_E * LF_E, LF_W_OUT = LF_B_IN + 3 * LF_E,
+       LF_B_OUT = LF_W_OUT + LF_E * LF_E, LF_COUNT = LF_B_OUT + LF_E };
+
+// A layer file holding @p p (see LF_COUNT) as F64 tensors, or as F32 ones with @p f32 (the
+// values must then be floats).
+static void write_layer_values(const char *path, const double *p, bool f32) {
+    const char *names[] = {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"};
+    const char *shapes[] = {"[24,8]", "[24]", "[8,8]", "[8]"};
+    const size_t first[] = {LF_W_IN, LF_B_IN, LF_W_OUT, LF_B_OUT, LF_COUNT};
+    size_t item = f32 ? 4 : 8;
+    char header[1024];
+    size_t used = (size_t)snprintf(header, sizeof header,
+                                   "{\"__metadata__\":{\"num_heads\":\"2\"}");
+    for (int i = 0; i < 4; ++i)
+        used += (size_t)snprintf(header + used, sizeof header - used,
+                                 ",\"%s\":{\"dtype\":\"%s\",\"shape\":%s,\"data_offsets\":[%zu,"
+                                 "%zu]}",
+                                 names[i], f32 ? "F32" : "F64", shapes[i], first[i] * item,
+                                 first[i + 1] * item);
+    used += (size_t)snprintf(header + used, sizeof header - used, "}");
+    while (used % 8) header[used++] = ' ';
+    size_t size = 8 + used + LF_COUNT * item;
+    unsigned char *buf = calloc(1, size);
+    cr_assert(buf != NULL);
+    for (int i = 0; i < 8; ++i) buf[i] = (unsigned char)((uint64_t)used >> (8 * i));
+    memcpy(buf + 8, header, used);
+    for (size_t i = 0; i < LF_COUNT; ++i) {  // (the test host is little-endian)
+        float v = (float)p[i];
+        cr_assert(!f32 || (double)v == p[i], "parameter %zu is no float", i);
+        if (f32) memcpy(buf + 8 + used + 4 * i, &v, 4);
+        else memcpy(buf + 8 + used + 8 * i, &p[i], 8);
+    }
+    write_bytes(path, buf, size);
+    free(buf);
+}
+
+static void read_npy_f64(const char *path, clmha__npy *a) {
+    char msg[512];
+    cr_assert_eq(clmha__npy_read_f64(path, a, msg, sizeof msg), CLMHA_SUCCESS, "%s: %s", path,
+                 msg);
+}
+
+static double max_abs_diff_d(const double *a, const double *b, size_t count) {
+    double err = 0;
+    for (size_t i = 0; i < count; ++i) {
+        double e = fabs(a[i] - b[i]);
+        if (!(e <= err)) err = e;  // NaN counts
+    }
+    return err;
+}
+
+// --dtype f64: the layer is float64, '<f8' inputs (query, float key_padding_mask) are read as
+// doubles, the output and weights are written as '<f8' files.
+//   1. Float values (so that the float64 reference, which takes floats, sees the same ones):
+//      an F64 layer file with an '<f8' query, a float64 key padding mask and the weights, and
+//      an F32 layer file with an '<f4' query (both widened), causal: max |error| <= 1e-12
+//      against clmha_reference_forward() (the float64 contract, include/clmha.h).
+//   2. Values no float holds (the layer's and the query's values plus 1e-9): the files equal
+//      bit for bit what clmha_layer_forward_host_f64() gives in-process on a layer loaded with
+//      clmha_layer_load_as(F64) and the same doubles (test_f64 holds that path to PyTorch's
+//      float64 within 1e-12), so the CLI reads and writes the doubles exactly (a query read
+//      through float32 moved the output by 4.0e-10 and the weights by 3.6e-11, as PyTorch's
+//      float64 module predicts); and the output moved from case 1's reference by more than
+//      1e-12 and less than 1e-7 (PyTorch: 2.2e-9).
+Test(cli_run, dtype_f64) {
+    SKIP_WITHOUT_FP64();
+    tmp_dir d = tmp_make();
+    enum { L = 3, N = 2, E = LF_E, Q = L * N * E, WC = N * L * L };
+    float pf[LF_COUNT], qf[Q], kpm_f[N * L] = {0.0f, -0.75f, 0.0f, 0.0f, 0.0f, -1.5f};
+    double pd[LF_COUNT], qd[Q], kpm_d[N * L];
+    uint32_t state = 4242u;
+    for (size_t i = 0; i < LF_COUNT; ++i) pd[i] = pf[i] = 0.35f * pseudo(&state);
+    for (size_t i = 0; i < Q; ++i) qd[i] = qf[i] = pseudo(&state);
+    for (size_t i = 0; i < N * L; ++i) kpm_d[i] = kpm_f[i];
+    const size_t q_shape[] = {L, N, E}, kpm_shape[] = {N, L};
+    const char *layer64 = tmp_file(&d, "layer64.safetensors");
+    const char *layer32 = tmp_file(&d, "layer32.safetensors");
+    write_layer_values(layer64, pd, false);
+    write_layer_values(layer32, pd, true);
+    write_npy_raw(tmp_file(&d, "q8.npy"), "<f8", 3, q_shape, qd, sizeof qd);
+    write_npy_raw(tmp_file(&d, "q4.npy"), "<f4", 3, q_shape, qf, sizeof qf);
+    write_npy_raw(tmp_file(&d, "kpm.npy"), "<f8", 2, kpm_shape, kpm_d, sizeof kpm_d);
+
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = E, .num_heads = 2,
+                             .bias = true, .dtype = CLMHA_DTYPE_F64};
+    clmha_reference_params p = {.struct_size = sizeof p, .in_proj_weight = pf + LF_W_IN,
+                                .in_proj_bias = pf + LF_B_IN, .out_proj_weight = pf + LF_W_OUT,
+                                .out_proj_bias = pf + LF_B_OUT};
+    double ref_kpm[Q], ref_kpm_w[WC], ref_causal[Q];
+    char msg[256];
+    clmha_forward_args a = {.struct_size = sizeof a,
+                            .query = {.ndim = 3, .shape = {L, N, E}, .data = qf},
+                            .key_padding_mask = {.kind = CLMHA_MASK_FLOAT,
+                                                 .tensor = {.ndim = 2, .shape = {N, L},
+                                                            .data = kpm_f}},
+                            .need_weights = true};
+    cr_assert_eq(clmha_reference_forward(&desc, &p, &a, ref_kpm, Q, ref_kpm_w, WC, msg,
+                                         sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    clmha_forward_args c = {.struct_size = sizeof c,
+                            .query = {.ndim = 3, .shape = {L, N, E}, .data = qf},
+                            .is_causal = true};
+    cr_assert_eq(clmha_reference_forward(&desc, &p, &c, ref_causal, Q, NULL, 0, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+
+    // 1. Float values, against the reference.
+    const char *o = tmp_file(&d, "o.npy"), *w = tmp_file(&d, "w.npy");
+    cli_result r = cli_run("run", "--layer", layer64, "--query", tmp_file(&d, "q8.npy"),
+                           "--key-padding-mask", tmp_file(&d, "kpm.npy"), "--dtype", "f64",
+                           "--output", o, "--weights-output", w);
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert_str_empty(r.err);
+    cli_free(&r);
+    clmha__npy go = {0}, gw = {0};
+    read_npy_f64(o, &go);
+    read_npy_f64(w, &gw);
+    cr_assert_str_eq(go.dtype, "<f8");
+    cr_assert_str_eq(gw.dtype, "<f8");
+    cr_assert(go.ndim == 3 && go.shape[0] == L && go.shape[1] == N && go.shape[2] == E);
+    cr_assert(gw.ndim == 3 && gw.shape[0] == N && gw.shape[1] == L && gw.shape[2] == L);
+    double err_o = max_abs_diff_d(go.f64, ref_kpm, Q);
+    double err_w = max_abs_diff_d(gw.f64, ref_kpm_w, WC);
+    fprintf(stderr, "cli dtype_f64 out_maxabs=%.3g w_maxabs=%.3g\n", err_o, err_w);
+    cr_expect(err_o <= 1e-12, "output: max error %.3g", err_o);
+    cr_expect(err_w <= 1e-12, "weights: max error %.3g", err_w);
+    clmha__npy_free(&go);
+    clmha__npy_free(&gw);
+
+    r = cli_run("run", "--layer", layer32, "--query", tmp_file(&d, "q4.npy"), "--is-causal",
+                "--dtype", "f64", "--output", o);
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cli_free(&r);
+    read_npy_f64(o, &go);
+    cr_assert_str_eq(go.dtype, "<f8");
+    cr_assert_eq(go.count, (size_t)Q);
+    double err_c = max_abs_diff_d(go.f64, ref_causal, Q);
+    fprintf(stderr, "cli dtype_f64 (F32 file, causal) out_maxabs=%.3g\n", err_c);
+    cr_expect(err_c <= 1e-12, "F32 layer file, causal: max error %.3g", err_c);
+    clmha__npy_free(&go);
+
+    // 2. Values no float holds: the CLI's files equal the in-process float64 call's.
+    double pd2[LF_COUNT], qd2[Q];
+    for (size_t i = 0; i < LF_COUNT; ++i) pd2[i] = pd[i] + 1e-9;
+    for (size_t i = 0; i < Q; ++i) {
+        qd2[i] = qd[i] + 1e-9;
+        cr_assert_neq((double)(float)qd2[i], qd2[i], "query value %zu is a float", i);
+    }
+    const char *layer_d = tmp_file(&d, "layer_d.safetensors");
+    write_layer_values(layer_d, pd2, false);
+    write_npy_raw(tmp_file(&d, "qd.npy"), "<f8", 3, q_shape, qd2, sizeof qd2);
+    r = cli_run("run", "--layer", layer_d, "--query", tmp_file(&d, "qd.npy"),
+                "--key-padding-mask", tmp_file(&d, "kpm.npy"), "--dtype", "f64", "--output", o,
+                "--weights-output", w);
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cli_free(&r);
+    read_npy_f64(o, &go);
+    read_npy_f64(w, &gw);
+    cr_assert_eq(go.count, (size_t)Q);
+    cr_assert_eq(gw.count, (size_t)WC);
+
+    clmha_context *ctx = NULL;
+    cr_assert_eq(clmha_context_create_from_env(&ctx), CLMHA_SUCCESS);
+    clmha_layer *layer = NULL;
+    cr_assert_eq(clmha_layer_load_as(&layer, ctx, layer_d, CLMHA_DTYPE_F64), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    double got_p[LF_COUNT];
+    cr_assert_eq(clmha_layer_get_parameter_f64(layer, "in_proj_weight", got_p, 3 * E * E), 0);
+    cr_assert(memcmp(got_p, pd2, 3 * E * E * sizeof *got_p) == 0,
+              "the F64 file's in_proj_weight was not kept exactly");
+    clmha_forward_args a2 = a;
+    a2.query.data = qd2;
+    a2.key_padding_mask.tensor.data = kpm_d;
+    double y2[Q], w2[WC];
+    cr_assert_eq(clmha_layer_forward_host_f64(layer, &a2, y2, Q, w2, WC), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+    cr_expect(memcmp(go.f64, y2, sizeof y2) == 0,
+              "the output differs from clmha_layer_forward_host_f64's by up to %.3g",
+              max_abs_diff_d(go.f64, y2, Q));
+    cr_expect(memcmp(gw.f64, w2, sizeof w2) == 0,
+              "the weights differ from clmha_layer_forward_host_f64's by up to %.3g",
+              max_abs_diff_d(gw.f64, w2, WC));
+    double moved = max_abs_diff_d(go.f64, ref_kpm, Q);
+    fprintf(stderr, "cli dtype_f64 (values plus 1e-9) moved the output by %.3g\n", moved);
+    cr_expect(moved > 1e-12 && moved < 1e-7,
+              "values plus 1e-9 moved the output by %.3g (want more than 1e-12: not rounded "
+              "to float; less than 1e-7: a small change)",
+              moved);
+    clmha__npy_free(&go);
+    clmha__npy_free(&gw);
+    tmp_remove(&d);
+}
+
+// Every PyTorch case of tests/cli through --dtype f64 (without the gradient options): the
+// expected files are PyTorch's float64 module on the values the case's files hold, so the
+// float64 layer meets them within the float64 contract, max |error| <= 1e-12, output and
+// weights ('<f8' files). Except layer_f64, whose expectation is that of the float32 layer its
+// F64 file rounds to: there the float64 layer keeps the file's doubles and must be more than
+// 1e-12 away from it.
+Test(cli_run, dtype_f64_pytorch_cases) {
+    SKIP_WITHOUT_FP64();
+    tmp_dir out = tmp_make();
+    const char *out_path = tmp_file(&out, "out.npy"), *w_path = tmp_file(&out, "w.npy");
+    static const char *const inputs[][2] = {
+        {"--layer", "layer.safetensors"},
+        {"--query", "query.npy"},
+        {"--key", "key.npy"},
+        {"--value", "value.npy"},
+        {"--key-padding-mask", "key_padding_mask.npy"},
+        {"--attn-mask", "attn_mask.npy"},
+    };
+    enum { NUM_INPUTS = sizeof inputs / sizeof inputs[0] };
+    double worst = 0;
+    for (size_t c = 0; c < CLI_NUM_CASES; ++c) {
+        const char *name = cli_case_names[c];
+        char dir[CLI_PATH_SIZE / 2], paths[NUM_INPUTS][CLI_PATH_SIZE], want_o[CLI_PATH_SIZE],
+            want_w[CLI_PATH_SIZE], args_path[CLI_PATH_SIZE];
+        snprintf(dir, sizeof dir, "%s/cli/%s", CLMHA_TEST_DATA_DIR, name);
+        const char *argv[CLI_MAX_ARGS + 1] = {"run", "--dtype", "f64", "--output", out_path};
+        size_t argc = 5;
+        for (size_t i = 0; i < NUM_INPUTS; ++i) {
+            snprintf(paths[i], CLI_PATH_SIZE, "%s/%s", dir, inputs[i][1]);
+            if (!file_exists(paths[i])) continue;
+            argv[argc++] = inputs[i][0];
+            argv[argc++] = paths[i];
+        }
+        snprintf(args_path, sizeof args_path, "%s/args", dir);
+        char *extra = read_file(args_path, NULL);
+        if (extra)
+            for (char *tok = strtok(extra, " \t\r\n"); tok; tok = strtok(NULL, " \t\r\n")) {
+                cr_assert_lt(argc, CLI_MAX_ARGS - 2, "%s: too many arguments", name);
+                argv[argc++] = tok;
+            }
+        snprintf(want_o, sizeof want_o, "%s/expected_output.npy", dir);
+        snprintf(want_w, sizeof want_w, "%s/expected_weights.npy", dir);
+        bool weights = file_exists(want_w);
+        if (weights) {
+            argv[argc++] = "--weights-output";
+            argv[argc++] = w_path;
+        }
+        argv[argc] = NULL;
+        cli_result r = cli_run_argv(argv);
+        free(extra);
+        cr_assert_eq(r.status, 0, "%s: exit status %d; stderr: %s", name, r.status, r.err);
+        cli_free(&r);
+        double err[2] = {0, 0};
+        for (int k = 0; k < 1 + weights; ++k) {
+            clmha__npy got = {0}, want = {0};
+            read_npy_f64(k ? w_path : out_path, &got);
+            read_npy_f64(k ? want_w : want_o, &want);
+            cr_assert_str_eq(got.dtype, "<f8", "%s: dtype %s", name, got.dtype);
+            cr_assert_eq(got.ndim, want.ndim, "%s", name);
+            cr_assert(memcmp(got.shape, want.shape, sizeof got.shape) == 0, "%s: shape", name);
+            err[k] = max_abs_diff_d(got.f64, want.f64, got.count);
+            clmha__npy_free(&got);
+            clmha__npy_free(&want);
+        }
+        if (weights)
+            fprintf(stderr, "cli f64 %s out_maxabs=%.3e w_maxabs=%.3e\n", name, err[0], err[1]);
+        else
+            fprintf(stderr, "cli f64 %s out_maxabs=%.3e w_maxabs=-\n", name, err[0]);
+        if (strcmp(name, "layer_f64") == 0) {
+            cr_expect_gt(err[0], 1e-12, "%s: the F64 file's doubles were rounded (%.3e)", name,
+                         err[0]);
+            continue;
+        }
+        cr_expect_leq(err[0], 1e-12, "%s: output max abs error %.3e", name, err[0]);
+        cr_expect_leq(err[1], 1e-12, "%s: weights max abs error %.3e", name, err[1]);
+        worst = fmax(worst, fmax(err[0], err[1]));
+    }
+    fprintf(stderr, "cli f64 %zu PyTorch cases: max abs error %.3e\n", CLI_NUM_CASES - 1, worst);
+    tmp_remove(&out);
+}
+
+// --dtype f64 with what float64 layers do not have yet (a KV cache for --decode-chunk, the
+// backward pass for the gradient options): usage errors (exit 2) before any file is read,
+// one line naming float64; 16-bit layers' gradients likewise. Also `clmha bench`.
+Test(cli_usage, dtype_f64_refusals) {
+    const char *const run[] = {"run", "--layer", "l.safetensors", "--query", "q.npy"};
+    struct {
+        const char *prefix, *names;
+        const char *const extra[6];
+    } cases[] = {
+        {"clmha run: --decode-chunk does not go with --dtype f64", "float64",
+         {"--dtype", "f64", "--decode-chunk", "2"}},
+        {"clmha run: --decode-chunk does not go with --dtype f64", "float64",
+         {"--dtype", "float64", "--is-causal", "--decode-chunk", "1"}},
+        {"clmha run: --dtype f64: gradients", "float64",
+         {"--dtype", "f64", "--grad-output", "g.npy", "--grads-dir", "."}},
+        {"clmha run: --dtype f64: gradients", "float64", {"--dtype", "f64", "--grads-dir", "."}},
+        {"clmha run: --dtype f64: gradients", "float64",
+         {"--dtype", "f64", "--need-weights", "--grad-weights", "gw.npy"}},
+        {"clmha run: --dtype f16: gradients", "float16",
+         {"--dtype", "f16", "--grad-output", "g.npy", "--grads-dir", "."}},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        const char *args[CLI_MAX_ARGS + 1];
+        size_t n = 0;
+        for (size_t k = 0; k < sizeof run / sizeof run[0]; ++k) args[n++] = run[k];
+        for (size_t k = 0; k < 6 && cases[i].extra[k]; ++k) args[n++] = cases[i].extra[k];
+        args[n] = NULL;
+        cli_result r = cli_run_argv(args);
+        cr_assert_eq(r.status, 2, "case %zu: exit status %d (want 2); stderr: %s", i, r.status,
+                     r.err);
+        assert_one_line(&r, cases[i].prefix, cases[i].names, NULL);
+        cli_free(&r);
+    }
+    cli_result r = cli_run("bench", "--dtype", "f64", "--backward");
+    cr_assert_eq(r.status, 2, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha bench: --dtype f64: --backward", "float64", "backward pass", NULL);
+    cli_free(&r);
+    r = cli_run("bench", "--dtype", "f64", "--decode", "--cache-len", "8");
+    cr_assert_eq(r.status, 2, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha bench: --dtype f64: --decode", "float64", "KV cache", NULL);
+    cli_free(&r);
+}
+
 Test(cli_usage, dtype) {
     EXPECT_USAGE("clmha run: ", "run", "--layer", "l.safetensors", "--query", "q.npy", "--dtype",
                  "f8");
@@ -1613,6 +1956,29 @@ Test(cli_bench, dtype_json) {
     EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "f16", "--decode", "--cache-len", "8");
     EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "bf16", "--backward");
     EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "half");
+}
+
+// bench --dtype f64 (the default layer, E 512, 8 heads): a float64 random layer on float64
+// buffers; its tensors (query and output, N L E each, self-attention without weights) are
+// counted in 8-byte elements, and the FLOPs are the help's 8 N L E^2 + 4 N L^2 E.
+Test(cli_bench, dtype_f64_json) {
+    SKIP_WITHOUT_FP64();
+    cli_result r = cli_run("bench", "--dtype", "f64", "--batch", "1", "--tgt-len", "8",
+                           "--repeat", "1", "--json");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect(strstr(r.out, "\"dtype\": \"float64\"") != NULL, "%s", r.out);
+    cr_expect(strstr(r.out, "\"attention\": \"self\"") != NULL, "%s", r.out);
+    double n = 1, l = 8, e = 512, bytes = 2 * n * l * e * 8;
+    double flops = 8 * n * l * e * e + 4 * n * l * l * e;
+    cr_expect_eq(json_number(r.out, "io_bytes"), bytes, "%s", r.out);
+    cr_expect_eq(json_number(r.out, "flops"), flops, "%s", r.out);
+    double ms = json_number(r.out, "ms"), gflops = json_number(r.out, "gflops");
+    double gbps = json_number(r.out, "io_gbps");
+    cr_expect_gt(ms, 0.0, "%s", r.out);
+    cr_expect(fabs(gflops - flops / ms / 1e6) <= 1e-3 * gflops, "%s", r.out);
+    cr_expect(fabs(gbps - bytes / ms / 1e6) <= 1e-3 * gbps, "%s", r.out);
+    cr_expect_gt(json_number(r.out, "scratch_bytes"), 0.0, "%s", r.out);
+    cli_free(&r);
 }
 
 Test(cli_bench, decode_json) {

@@ -1,4 +1,5 @@
-// The .npy reader and writer (src/cli/npy.c): files written by clmha__npy_write_f32 and read back,
+// The .npy reader and writer (src/cli/npy.c): files written by clmha__npy_write_f32 and
+// clmha__npy_write_f64 and read back (as floats and, for float64 layers, as doubles),
 // reference files written by NumPy (tests/npy/, made by tools/make_npy_fixtures.py; arange-based
 // values, so no NumPy is needed here), and malformed files built in memory. Every refusal is
 // checked for its exact status, a message substring, and a zeroed output.
@@ -28,6 +29,7 @@ static void assert_zeroed(const clmha__npy *a) {
     cr_assert_eq(a->ndim, 0);
     cr_assert_eq(a->count, 0);
     cr_assert_null(a->f32);
+    cr_assert_null(a->f64);
     cr_assert_null(a->u8);
     for (size_t i = 0; i < CLMHA__NPY_MAX_DIMS; ++i) cr_assert_eq(a->shape[i], 0);
 }
@@ -316,6 +318,98 @@ Test(npy_write, bad_arguments) {
     cr_assert_eq(access("/tmp/never.npy", F_OK), -1);
 }
 
+// float64 files: doubles that no float holds, signed zero, infinities, NaN, the smallest
+// subnormal and a value beyond float32's range come back bit for bit through
+// clmha__npy_read_f64; clmha__npy_read rounds them to floats and counts the overflow.
+Test(npy_write, round_trip_f64) {
+    char dir[64], path[128], msg[MSG_SIZE] = "";
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
+    snprintf(path, sizeof path, "%s/d.npy", dir);
+    double v[12] = {0.1, -1.0 / 3.0, -0.0, INFINITY, -INFINITY, NAN, 0x1p-1074, 1e300,
+                    1.0 + 0x1p-52, -2.5, 0x1.fffffffffffffp1023, 7.0};
+    const size_t shape[] = {3, 4};
+    cr_assert_eq(clmha__npy_write_f64(path, v, 2, shape, msg, sizeof msg), CLMHA_SUCCESS, "%s",
+                 msg);
+    cr_assert_eq(tmpdir_count(dir), 1, "a temporary file was left behind");
+    size_t size;
+    unsigned char *bytes = slurp(path, &size);
+    size_t data_at = 10 + (size_t)(bytes[8] | bytes[9] << 8);
+    cr_assert_eq(data_at % 64, 0, "data starts at %zu", data_at);
+    cr_assert_eq(size, data_at + 8 * 12);
+    cr_assert(memcmp(bytes + data_at, v, sizeof v) == 0, "the doubles differ");  // LE host
+    free(bytes);
+
+    clmha__npy a;
+    char m2[MSG_SIZE] = "";
+    cr_assert_eq(clmha__npy_read_f64(path, &a, m2, sizeof m2), CLMHA_SUCCESS, "%s", m2);
+    cr_assert_eq(a.kind, CLMHA__NPY_FLOAT);
+    cr_assert_str_eq(a.dtype, "<f8");
+    assert_shape(&a, 2, shape);
+    cr_assert_null(a.f32);
+    cr_assert_null(a.u8);
+    cr_assert_eq(a.overflowed, 0);
+    cr_assert(memcmp(a.f64, v, sizeof v) == 0, "values differ");
+    clmha__npy_free(&a);
+    assert_zeroed(&a);
+
+    read_ok(path, &a);  // as floats: rounded to nearest, beyond float32's range to inf
+    cr_assert_null(a.f64);
+    cr_assert_eq(a.f32[0], 0.1f);
+    cr_assert_eq(a.f32[6], 0.0f);
+    cr_assert(isinf(a.f32[7]) && a.f32[7] > 0);
+    cr_assert(isinf(a.f32[10]) && a.f32[10] > 0);
+    cr_assert(isnan(a.f32[5]));
+    cr_assert_eq(a.overflowed, 2, "overflowed %zu", a.overflowed);  // 1e300 and DBL_MAX
+    clmha__npy_free(&a);
+
+    // The temporary-file variant leaves the rename to the caller.
+    char *tmp = NULL;
+    cr_assert_eq(clmha__npy_write_f64_temp(path, v, 2, shape, &tmp, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    cr_assert_not_null(tmp);
+    cr_assert_eq(tmpdir_count(dir), 2);
+    cr_assert_eq(rename(tmp, path), 0);
+    free(tmp);
+    cr_assert_eq(clmha__npy_read_f64(path, &a, m2, sizeof m2), CLMHA_SUCCESS, "%s", m2);
+    cr_assert(memcmp(a.f64, v, sizeof v) == 0, "values differ");
+    clmha__npy_free(&a);
+    tmpdir_remove(dir);
+}
+
+// The float64 writer's bytes are exactly NumPy's (np.save of the same float64 array).
+Test(npy_write, f64_same_bytes_as_numpy) {
+    char dir[64], path[128], msg[MSG_SIZE] = "";
+    tmpdir_make(dir, sizeof dir, "clmha-npy");
+    snprintf(path, sizeof path, "%s/b.npy", dir);
+    double v[6];
+    for (int i = 0; i < 6; ++i) v[i] = i / 4.0 - 0.5;
+    const size_t shape[] = {2, 3};
+    cr_assert_eq(clmha__npy_write_f64(path, v, 2, shape, msg, sizeof msg), CLMHA_SUCCESS);
+    size_t n1, n2;
+    unsigned char *mine = slurp(path, &n1), *theirs = slurp(FIXTURE("f8_2x3.npy"), &n2);
+    cr_assert_eq(n1, n2);
+    cr_assert(memcmp(mine, theirs, n1) == 0);
+    free(mine);
+    free(theirs);
+    tmpdir_remove(dir);
+}
+
+Test(npy_write, f64_bad_arguments) {
+    char msg[MSG_SIZE] = "";
+    double x = 0.0;
+    const size_t three[] = {3}, eighth[] = {SIZE_MAX / 8 + 1};
+    cr_assert_eq(clmha__npy_write_f64("/tmp/never.npy", NULL, 1, three, msg, sizeof msg),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_assert_eq(clmha__npy_write_f64("/tmp/never.npy", &x, 1, eighth, msg, sizeof msg),
+                 CLMHA_SIZE_OVERFLOW);
+    char *tmp = (char *)"not reset";
+    cr_assert_eq(clmha__npy_write_f64_temp("/tmp/never.npy", NULL, 1, three, &tmp, msg,
+                                           sizeof msg),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_assert_null(tmp);
+    cr_assert_eq(access("/tmp/never.npy", F_OK), -1);
+}
+
 // ---- files made by NumPy -------------------------------------------------------------------
 
 static void check_arange_f4(const char *file, size_t ndim, const size_t *shape) {
@@ -373,6 +467,37 @@ Test(npy_numpy, f8_converted_to_float) {
     cr_assert_str_eq(a.dtype, "<f8");
     for (size_t i = 0; i < 6; ++i) cr_assert_eq(a.f32[i], (float)i / 4.0f - 0.5f);
     clmha__npy_free(&a);
+}
+
+// Read as doubles: NumPy's float64 values exactly, its float32 ones widened, in C order from
+// Fortran-order files too; boolean arrays stay bytes.
+Test(npy_numpy, read_as_doubles) {
+    clmha__npy a;
+    char msg[MSG_SIZE] = "";
+    cr_assert_eq(clmha__npy_read_f64(FIXTURE("f8_2x3.npy"), &a, msg, sizeof msg), CLMHA_SUCCESS,
+                 "%s", msg);
+    cr_assert_str_eq(a.dtype, "<f8");
+    cr_assert_null(a.f32);
+    for (size_t i = 0; i < 6; ++i) cr_assert_eq(a.f64[i], (double)i / 4.0 - 0.5);
+    clmha__npy_free(&a);
+    cr_assert_eq(clmha__npy_read_f64(FIXTURE("f4_fortran_2x3x4.npy"), &a, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    cr_assert_str_eq(a.dtype, "<f4");
+    cr_assert_eq(a.count, 24);
+    for (size_t i = 0; i < 24; ++i) cr_assert_eq(a.f64[i], (double)i, "element %zu", i);
+    clmha__npy_free(&a);
+    cr_assert_eq(clmha__npy_read_f64(FIXTURE("b1_2x3.npy"), &a, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    cr_assert_eq(a.kind, CLMHA__NPY_BOOL);
+    cr_assert_null(a.f64);
+    cr_assert_not_null(a.u8);
+    clmha__npy_free(&a);
+    // A refused file leaves nothing, as clmha__npy_read does.
+    memset(&a, 0xA5, sizeof a);
+    cr_assert_eq(clmha__npy_read_f64(FIXTURE("i8_3.npy"), &a, msg, sizeof msg),
+                 CLMHA_INVALID_FILE);
+    cr_assert(strstr(msg, "'<i8' is not supported"), "%s", msg);
+    assert_zeroed(&a);
 }
 
 Test(npy_numpy, bool_and_uint8) {
@@ -709,6 +834,39 @@ Test(npy_parse, f2) {
     cr_expect_eq(a.f32[1], ldexpf(770.0f, -24));
     cr_expect_eq(a.f32[2], ldexpf(1.0f + 260.0f / 1024.0f, -14));
     clmha__npy_free(&a);
+}
+
+// Parsed as doubles: float16 bytes widen exactly (the same halves as above), and a float64
+// value that no float holds is kept; malformed data is refused with nothing left.
+Test(npy_parse, f2_and_f8_as_doubles) {
+    unsigned char buf[1024];
+    size_t size = build(buf, sizeof buf, "{'descr': '<f2', 'fortran_order': False, "
+                                         "'shape': (3,)}\n", 6);
+    clmha__npy a;
+    char msg[MSG_SIZE] = "";
+    cr_assert_eq(clmha__npy_parse_f64(buf, size, "mem.npy", &a, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    cr_assert_null(a.f32);
+    cr_expect_eq(a.f64[0], ldexp(256.0, -24));
+    cr_expect_eq(a.f64[1], ldexp(770.0, -24));
+    cr_expect_eq(a.f64[2], ldexp(1.0 + 260.0 / 1024.0, -14));
+    clmha__npy_free(&a);
+
+    size = build(buf, sizeof buf, "{'descr': '<f8', 'fortran_order': False, 'shape': (1,)}\n",
+                 0);
+    const double third = 1.0 / 3.0;
+    memcpy(buf + size, &third, 8);  // the test host is little-endian
+    cr_assert_eq(clmha__npy_parse_f64(buf, size + 8, "mem.npy", &a, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    cr_assert_eq(a.f64[0], third);
+    cr_assert_neq(a.f64[0], (double)(float)third);
+    clmha__npy_free(&a);
+
+    memset(&a, 0xA5, sizeof a);
+    cr_assert_eq(clmha__npy_parse_f64(buf, size + 7, "mem.npy", &a, msg, sizeof msg),
+                 CLMHA_INVALID_FILE);
+    cr_assert(strstr(msg, "truncated"), "%s", msg);
+    assert_zeroed(&a);
 }
 
 // Fortran order for every rank up to 8, against an index computation done here.

@@ -19,7 +19,7 @@ static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
     "                   [--need-weights] [--batch-first] [--layer F.safetensors]\n"
     "                   [--impl auto|fused|unfused] [--backward] [--repeat R] [--device SPEC]\n"
-"                   [--dtype f32|f16|bf16] [--json]\n"
+"                   [--dtype f32|f64|f16|bf16] [--json]\n"
 "       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--batch N] [--embed E]\n"
 "                   [--heads H] [--repeat R] [--device SPEC] [--json]\n"
     "\n"
@@ -77,10 +77,12 @@ static const char *usage_bench =
 
 // The help's second part (C11 compilers need not take string literals past 4095 characters).
 static const char *usage_bench_dtype =
-    "--dtype T: the layer's dtype (clmha_dtype): f32 (default), f16 or bf16, whose inputs,\n"
-    "outputs and parameters are 16-bit values (float32 arithmetic); also prints \"tensors\":\n"
-    "the bytes of the call's inputs and outputs in its buffers, each read or written once, and\n"
-    "their rate (--json adds dtype, io_bytes, io_gbps). Not with --decode or --backward.\n"
+    "--dtype T: the layer's dtype (clmha_dtype): f32 (default), f64, f16 or bf16. The inputs,\n"
+    "outputs and parameters of f16 and bf16 layers are 16-bit values (float32 arithmetic),\n"
+    "those of f64 layers doubles (float64 arithmetic, on devices with double precision). Also\n"
+    "prints \"tensors\": the bytes of the call's inputs and outputs in its buffers, each read\n"
+    "or written once, and their rate (--json adds dtype, io_bytes, io_gbps). Not with\n"
+    "--decode or --backward.\n"
     "\n";
 
 static const char *usage_bench_decode =
@@ -173,17 +175,20 @@ cl_int clmha__bench_fill_random(cl_command_queue queue, cl_mem buf, size_t count
 cl_int clmha__bench_fill_random_as(cl_command_queue queue, cl_mem buf, size_t count,
                                    clmha_dtype dtype, uint64_t *rng) {
     enum { CHUNK = 1 << 20 };
-    float *host = malloc((count < CHUNK ? count : CHUNK) * sizeof *host);
-    uint16_t *narrow = host ? (uint16_t *)host : NULL;  // 16-bit values, in place
     size_t elem = clmha__dtype_size(dtype);
+    // One chunk of elements of the dtype: floats, doubles (the same floats, widened: the
+    // sequence is the same for every dtype) or 16-bit values.
+    void *host = malloc((count < CHUNK ? count : CHUNK) * elem);
     if (!host) return CL_OUT_OF_HOST_MEMORY;
     cl_int err = CL_SUCCESS;
     for (size_t done = 0; done < count && err == CL_SUCCESS;) {
         size_t n = count - done < CHUNK ? count - done : CHUNK;
         for (size_t i = 0; i < n; ++i) {
             float x = clmha__cli_uniform(rng);
-            if (dtype == CLMHA_DTYPE_F32) host[i] = x;
-            else narrow[i] = dtype == CLMHA_DTYPE_F16 ? clmha__f32_to_f16(x) : clmha__f32_to_bf16(x);
+            if (dtype == CLMHA_DTYPE_F32) ((float *)host)[i] = x;
+            else if (dtype == CLMHA_DTYPE_F64) ((double *)host)[i] = x;
+            else if (dtype == CLMHA_DTYPE_F16) ((uint16_t *)host)[i] = clmha__f32_to_f16(x);
+            else ((uint16_t *)host)[i] = clmha__f32_to_bf16(x);
         }
         err = clEnqueueWriteBuffer(queue, buf, CL_TRUE, done * elem, n * elem, host, 0, NULL,
                                    NULL);
@@ -342,7 +347,7 @@ int clmha__bench_io_make(clmha_context *ctx, const bench_config *cfg, clmha_laye
     uint64_t rng = 7;
     cl_int err = CL_SUCCESS;
     const char *what = NULL;
-    size_t elem = clmha__dtype_size(d->dtype);  // the layer's elements: 4 or 2 bytes
+    size_t elem = clmha__dtype_size(d->dtype);  // the layer's elements: 8, 4 or 2 bytes
     for (int i = 0; i < BENCH_BUFS; ++i) {
         if (!counts[i]) continue;
         what = names[i];
@@ -359,7 +364,7 @@ int clmha__bench_io_make(clmha_context *ctx, const bench_config *cfg, clmha_laye
         if (i < 3) {
             err = clmha__bench_fill_random_as(queue, io->bufs[i], counts[i], d->dtype, &rng);
         } else {
-            uint16_t zero = 0;  // +0 in float32, float16 and bfloat16 alike
+            uint16_t zero = 0;  // +0 in every dtype (float64 and float32 too)
             err = clEnqueueFillBuffer(queue, io->bufs[i], &zero, sizeof zero, 0,
                                       counts[i] * elem, 0, NULL, NULL);
         }
@@ -597,9 +602,12 @@ int clmha__cli_bench(int argc, char **argv) {
     clmha_dtype dtype;
     if (!clmha__cli_parse_dtype("bench", dtype_opt, &dtype)) return EXIT_USAGE;
     if (dtype != CLMHA_DTYPE_F32 && (decode || backward)) {
+        bool f64 = dtype == CLMHA_DTYPE_F64;
         clmha__cli_report("bench", "--dtype %s: %s times float32 layers only%s", dtype_opt,
                           decode ? "--decode" : "--backward",
-                          decode ? "" : " (16-bit layers have no backward pass yet)");
+                          decode ? (f64 ? " (float64 layers have no KV cache yet)" : "")
+                          : f64  ? " (float64 layers have no backward pass yet)"
+                                 : " (16-bit layers have no backward pass yet)");
         return EXIT_USAGE;
     }
 

@@ -41,7 +41,8 @@ void clmha__bench_io_free(bench_io *io);
 cl_int clmha__bench_fill_random(cl_command_queue queue, cl_mem buf, size_t count,
                                 uint64_t *rng);
 
-// The same as elements of @p dtype (F32, F16 or BF16: rounded to nearest even).
+// The same as elements of @p dtype (F32; F64: the floats widened; F16 or BF16: rounded to
+// nearest even).
 cl_int clmha__bench_fill_random_as(cl_command_queue queue, cl_mem buf, size_t count,
                                    clmha_dtype dtype, uint64_t *rng);
 

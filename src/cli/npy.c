@@ -57,6 +57,12 @@ static double load_f8(const unsigned char *p) {
     return d;
 }
 
+static void store_f8(unsigned char *p, double d) {
+    uint64_t u;
+    memcpy(&u, &d, sizeof u);
+    for (int i = 0; i < 8; ++i) p[i] = (unsigned char)(u >> (8 * i) & 0xFF);
+}
+
 static void store_f4(unsigned char *p, float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -291,12 +297,14 @@ static clmha_status classify_dtype(const header *h, const char *name, clmha__npy
 void clmha__npy_free(clmha__npy *a) {
     if (!a) return;
     free(a->f32);
+    free(a->f64);
     free(a->u8);
     memset(a, 0, sizeof *a);
 }
 
-clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, clmha__npy *out,
-                              char *msg, size_t msg_size) {
+// clmha__npy_parse(), float arrays into doubles with @p f64.
+static clmha_status parse(const void *bytes, size_t size, const char *name, bool f64,
+                          clmha__npy *out, char *msg, size_t msg_size) {
     clmha_status st = CLMHA_SUCCESS;
     clmha__npy a;
     memset(&a, 0, sizeof a);
@@ -382,11 +390,14 @@ clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, 
         goto fail;
     }
 
-    // count * itemsize fits in the file, so count * sizeof(float) cannot overflow
-    size_t alloc = count ? count : 1;
-    if (a.kind == CLMHA__NPY_FLOAT) a.f32 = malloc(alloc * sizeof *a.f32);
-    else a.u8 = malloc(alloc);
-    if (!a.f32 && !a.u8) {
+    // count * itemsize fits in the file, so count * sizeof(float) cannot overflow; doubles
+    // from 2-byte items could (in theory), so their size is checked.
+    size_t alloc = count ? count : 1, alloc_bytes = 0;
+    if (a.kind == CLMHA__NPY_FLOAT && f64 && clmha__mul(alloc, sizeof *a.f64, &alloc_bytes))
+        a.f64 = malloc(alloc_bytes);
+    else if (a.kind == CLMHA__NPY_FLOAT && !f64) a.f32 = malloc(alloc * sizeof *a.f32);
+    else if (a.kind == CLMHA__NPY_BOOL) a.u8 = malloc(alloc);
+    if (!a.f32 && !a.f64 && !a.u8) {
         st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: cannot allocate %zu elements",
                         name, count);
         goto fail;
@@ -401,15 +412,21 @@ clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, 
     size_t src = 0;
     for (size_t o = 0; o < count; ++o) {
         size_t at = transpose ? src : o;
-        if (itemsize == 4) a.f32[o] = load_f4(data + at * 4);
-        else if (itemsize == 2)
-            a.f32[o] = clmha__f16_to_f32((uint16_t)(data[at * 2] | data[at * 2 + 1] << 8));
-        else if (itemsize == 8) {
+        if (a.kind == CLMHA__NPY_BOOL) {
+            a.u8[o] = data[at];
+        } else if (itemsize == 8 && !f64) {
             double d = load_f8(data + at * 8);
-            a.f32[o] = (float)d;
+            a.f32[o] = clmha__double_to_float(d);
             if (isinf(a.f32[o]) && !isinf(d)) ++a.overflowed;
+        } else {
+            // float16 and float32 widen exactly; float64 is kept as it is
+            double x = itemsize == 8 ? load_f8(data + at * 8)
+                       : itemsize == 4
+                           ? load_f4(data + at * 4)
+                           : clmha__f16_to_f32((uint16_t)(data[at * 2] | data[at * 2 + 1] << 8));
+            if (f64) a.f64[o] = x;
+            else a.f32[o] = (float)x;
         }
-        else a.u8[o] = data[at];
         if (!transpose) continue;
         for (size_t k = h.ndim; k-- > 0;) {
             if (++index[k] < h.shape[k]) {
@@ -433,13 +450,24 @@ fail:
     return st;
 }
 
+clmha_status clmha__npy_parse(const void *bytes, size_t size, const char *name, clmha__npy *out,
+                              char *msg, size_t msg_size) {
+    return parse(bytes, size, name, false, out, msg, msg_size);
+}
+
+clmha_status clmha__npy_parse_f64(const void *bytes, size_t size, const char *name,
+                                  clmha__npy *out, char *msg, size_t msg_size) {
+    return parse(bytes, size, name, true, out, msg, msg_size);
+}
+
 // ---- reading -------------------------------------------------------------------------------
 
 // The largest .npy file read: far above any array the program can hand to a device, far below
 // what a mistaken input (a disk image, a core dump) would take.
 #define NPY_FILE_MAX ((size_t)1 << 40)
 
-clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_t msg_size) {
+static clmha_status read_npy(const char *path, bool f64, clmha__npy *out, char *msg,
+                             size_t msg_size) {
     if (out) memset(out, 0, sizeof *out);
     if (!path || !out)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or out is NULL");
@@ -448,21 +476,34 @@ clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_
     unsigned char *buf = NULL;
     size_t size = 0;
     clmha_status st = clmha__file_read_whole(path, NPY_FILE_MAX, &buf, &size, NULL, msg, msg_size);
-    if (st == CLMHA_SUCCESS) st = clmha__npy_parse(buf, size, path, out, msg, msg_size);
+    if (st == CLMHA_SUCCESS) st = parse(buf, size, path, f64, out, msg, msg_size);
     free(buf);
     return st;
 }
 
+clmha_status clmha__npy_read(const char *path, clmha__npy *out, char *msg, size_t msg_size) {
+    return read_npy(path, false, out, msg, msg_size);
+}
+
+clmha_status clmha__npy_read_f64(const char *path, clmha__npy *out, char *msg,
+                                 size_t msg_size) {
+    return read_npy(path, true, out, msg, msg_size);
+}
+
 // ---- writing -------------------------------------------------------------------------------
 
-// What clmha__npy_write_f32 writes: the prefix, the header and the floats, little-endian.
+// The element types written: float32, float16 (floats rounded to nearest even), float64.
+typedef enum npy_type { NPY_F4, NPY_F2, NPY_F8 } npy_type;
+
+// What clmha__npy_write_f32/_f64 write: the prefix, the header and the values, little-endian.
 typedef struct npy_out {
     const unsigned char *prefix;  // 10 bytes
     const char *head;
     size_t header_len;
-    const float *data;
+    const float *data;    // NPY_F4, NPY_F2
+    const double *data8;  // NPY_F8
     size_t count;
-    bool half;  // '<f2': the floats rounded to float16
+    npy_type type;
 } npy_out;
 
 static bool write_npy(FILE *f, void *user, char *why, size_t why_size) {
@@ -471,16 +512,18 @@ static bool write_npy(FILE *f, void *user, char *why, size_t why_size) {
     bool ok = fwrite(o->prefix, 1, 10, f) == 10 &&
               fwrite(o->head, 1, o->header_len, f) == o->header_len;
     unsigned char chunk[4096];
-    size_t item = o->half ? 2 : 4;
+    size_t item = o->type == NPY_F8 ? 8 : o->type == NPY_F2 ? 2 : 4;
     for (size_t i = 0; ok && i < o->count;) {
         size_t n = o->count - i < sizeof chunk / item ? o->count - i : sizeof chunk / item;
         for (size_t j = 0; j < n; ++j) {
-            if (!o->half) {
+            if (o->type == NPY_F8) {
+                store_f8(chunk + 8 * j, o->data8[i + j]);
+            } else if (o->type == NPY_F4) {
                 store_f4(chunk + 4 * j, o->data[i + j]);
-                continue;
+            } else {
+                uint16_t h = clmha__f32_to_f16(o->data[i + j]);
+                chunk[2 * j] = (unsigned char)h, chunk[2 * j + 1] = (unsigned char)(h >> 8);
             }
-            uint16_t h = clmha__f32_to_f16(o->data[i + j]);
-            chunk[2 * j] = (unsigned char)h, chunk[2 * j + 1] = (unsigned char)(h >> 8);
         }
         ok = fwrite(chunk, item, n, f) == n;
         i += n;
@@ -490,9 +533,10 @@ static bool write_npy(FILE *f, void *user, char *why, size_t why_size) {
 
 // Writes the array to @p path whole (@p tmp NULL) or to a temporary file next to it whose
 // name goes to *tmp (see clmha__file_write_temp).
-static clmha_status write_f32(const char *path, const float *data, size_t ndim,
-                              const size_t *shape, bool half, char **tmp, char *msg,
-                              size_t msg_size) {
+// @p data (floats) or @p data8 (doubles, NPY_F8) holds the values.
+static clmha_status write_array(const char *path, const float *data, const double *data8,
+                                npy_type type, size_t ndim, const size_t *shape, char **tmp,
+                                char *msg, size_t msg_size) {
     if (!path || (ndim > 0 && !shape))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "path or shape is NULL");
     if (ndim > CLMHA__NPY_MAX_DIMS)
@@ -504,9 +548,10 @@ static clmha_status write_f32(const char *path, const float *data, size_t ndim,
         if (!clmha__mul(count, shape[i], &count))
             return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the shape's size overflows",
                               path);
-    if (!clmha__mul(count, half ? 2 : 4, &bytes))
+    size_t item = type == NPY_F8 ? 8 : type == NPY_F2 ? 2 : 4;
+    if (!clmha__mul(count, item, &bytes))
         return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the data size overflows", path);
-    if (count > 0 && !data)
+    if (count > 0 && (type == NPY_F8 ? !data8 : !data))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s: data is NULL", path);
 
     // Header: 10-byte prefix + dict + spaces + '\n', a multiple of 64 bytes in all. At most
@@ -514,7 +559,7 @@ static clmha_status write_f32(const char *path, const float *data, size_t ndim,
     char head[512];
     size_t used = (size_t)snprintf(head, sizeof head,
                                    "{'descr': '%s', 'fortran_order': False, 'shape': (",
-                                   half ? "<f2" : "<f4");
+                                   type == NPY_F8 ? "<f8" : type == NPY_F2 ? "<f2" : "<f4");
     for (size_t i = 0; i < ndim; ++i)
         used += (size_t)snprintf(head + used, sizeof head - used, i ? ", %zu" : "%zu", shape[i]);
     used += (size_t)snprintf(head + used, sizeof head - used, ndim == 1 ? ",), }" : "), }");
@@ -527,19 +572,32 @@ static clmha_status write_f32(const char *path, const float *data, size_t ndim,
     head[header_len - 1] = '\n';
 
     npy_out o = {.prefix = prefix, .head = head, .header_len = header_len, .data = data,
-                 .count = count, .half = half};
+                 .data8 = data8, .count = count, .type = type};
     return tmp ? clmha__file_write_temp(path, write_npy, &o, tmp, msg, msg_size)
                : clmha__file_write_whole(path, write_npy, &o, msg, msg_size);
 }
 
 clmha_status clmha__npy_write_f32(const char *path, const float *data, size_t ndim,
                                   const size_t *shape, char *msg, size_t msg_size) {
-    return write_f32(path, data, ndim, shape, false, NULL, msg, msg_size);
+    return write_array(path, data, NULL, NPY_F4, ndim, shape, NULL, msg, msg_size);
 }
 
 clmha_status clmha__npy_write_f32_temp(const char *path, const float *data, size_t ndim,
                                        const size_t *shape, bool half, char **tmp, char *msg,
                                        size_t msg_size) {
     *tmp = NULL;
-    return write_f32(path, data, ndim, shape, half, tmp, msg, msg_size);
+    return write_array(path, data, NULL, half ? NPY_F2 : NPY_F4, ndim, shape, tmp, msg,
+                       msg_size);
+}
+
+clmha_status clmha__npy_write_f64(const char *path, const double *data, size_t ndim,
+                                  const size_t *shape, char *msg, size_t msg_size) {
+    return write_array(path, NULL, data, NPY_F8, ndim, shape, NULL, msg, msg_size);
+}
+
+clmha_status clmha__npy_write_f64_temp(const char *path, const double *data, size_t ndim,
+                                       const size_t *shape, char **tmp, char *msg,
+                                       size_t msg_size) {
+    *tmp = NULL;
+    return write_array(path, NULL, data, NPY_F8, ndim, shape, tmp, msg, msg_size);
 }

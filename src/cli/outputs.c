@@ -143,8 +143,11 @@ bool clmha__cli_write_outputs(const char *cmd, const clmha__cli_out *out, size_t
     char msg[1024] = "";
     bool ok = true;
     for (size_t i = 0; i < count && ok; ++i) {
-        if (clmha__npy_write_f32_temp(out[i].path, out[i].data, out[i].ndim, out[i].shape,
-                                      out[i].half, &tmp[i], msg, sizeof msg)) {
+        const clmha__cli_out *o = &out[i];
+        if (o->f64 ? clmha__npy_write_f64_temp(o->path, o->f64, o->ndim, o->shape, &tmp[i], msg,
+                                               sizeof msg)
+                   : clmha__npy_write_f32_temp(o->path, o->data, o->ndim, o->shape, o->half,
+                                               &tmp[i], msg, sizeof msg)) {
             clmha__cli_report(cmd, "%s %s: %s (no output written)", out[i].flag, out[i].path,
                               clmha__cli_without_path(msg, out[i].path));
             ok = false;

@@ -7,11 +7,12 @@
 #include <stdbool.h>
 #include <stddef.h>
 
-// One float32 .npy output.
+// One .npy output: float32, float16 or float64.
 typedef struct clmha__cli_out {
     const char *flag;  // the option that names it: "--output", "--grads-dir"
     const char *path;  // the file
     const float *data;
+    const double *f64;  // when set: the values, written as float64 ('<f8'); data is unused
     size_t ndim;
     size_t shape[4];
     bool half;  // written as float16 ('<f2'), else float32

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "base/file_read.h"
+#include "base/half.h"
 #include "base/message.h"
 #include "grads.h"
 #include "npy.h"
@@ -49,8 +50,8 @@ static const char *const usage_run[] = {
     "                            the heads (N, L, S') (average_attn_weights=False);\n"
     "                            implies --need-weights\n"
     "  --output O.npy            write the attention output, shaped like the query: float32,\n"
-    "                            float16 with --dtype f16 (bf16: float32 holding bfloat16\n"
-    "                            values, as NumPy has no bfloat16)\n"
+    "                            float16 with --dtype f16, float64 with --dtype f64 (bf16:\n"
+    "                            float32 holding bfloat16 values, as NumPy has no bfloat16)\n"
     "  --weights-output W.npy    write the weights (dtype as --output); implies\n"
     "                            --need-weights\n"
     "                            (unbatched inputs drop N; S' = S + add_bias_kv + add_zero_attn)\n"
@@ -81,7 +82,7 @@ static const char *const usage_run[] = {
     "  warning on stderr naming the inputs that hold them; the exit status stays 0.\n"
     "  A query row whose every key is masked gets zero weights (PyTorch gives NaN there).\n"
     "  Results not written to a file are summarised on stdout (shape, first values).\n"
-    "\n"
+    "\n",
     "incremental decoding:\n"
     "  --decode-chunk C          run the forward pass through a KV cache (clmha_kv_cache), C\n"
     "                            query rows a call, and write the rows together: with\n"
@@ -90,14 +91,18 @@ static const char *const usage_run[] = {
     "                            bottom-right aligned; without, the whole key and value go in\n"
     "                            with the first call and the later calls attend only. Either\n"
     "                            way the output is the one-shot forward's. Not with masks,\n"
-    "                            weights, --training, gradients or --impl\n"
+    "                            weights, --training, gradients, --impl or --dtype f64\n"
     "\n"
     "precision:\n"
-    "  --dtype T                 the layer's dtype (PyTorch's dtype=): f32 (default), f16 or\n"
-    "                            bf16 (f64 is not implemented yet). The layer file's values\n"
-    "                            and the inputs are rounded to it (to nearest even); a 16-bit\n"
-    "                            layer computes in float32 and rounds its results once. Not\n"
-    "                            with gradients yet\n"
+    "  --dtype T                 the layer's dtype (PyTorch's dtype=): f32 (default), f64,\n"
+    "                            f16 or bf16. The layer file's values and the inputs are\n"
+    "                            rounded to it (to nearest even); a 16-bit layer computes in\n"
+    "                            float32 and rounds its results once. f64: the layer file's\n"
+    "                            and the inputs' float64 values are kept exactly (float16\n"
+    "                            and float32 widened), everything is computed in float64 and\n"
+    "                            the outputs are float64 files; it needs a device with\n"
+    "                            double precision (clmha devices: fp64 yes). Only f32 takes\n"
+    "                            gradients (the other dtypes have no backward pass yet)\n"
     "\n"
     "device:\n"
     "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"
@@ -124,10 +129,13 @@ typedef struct input_file {
 
 enum { IN_QUERY, IN_KEY, IN_VALUE, IN_KPM, IN_ATTN, IN_GRAD_OUT, IN_GRAD_W, IN_COUNT };
 
-// Reads one input; reports and returns false when it is refused.
-static bool read_input(input_file *in) {
+// Reads one input, float arrays as doubles with @p f64 (a float64 layer's inputs, read
+// exactly); reports and returns false when it is refused.
+static bool read_input(input_file *in, bool f64) {
     char msg[1024] = "";
-    if (clmha__npy_read(in->path, &in->a, msg, sizeof msg) != CLMHA_SUCCESS) {
+    clmha_status st = f64 ? clmha__npy_read_f64(in->path, &in->a, msg, sizeof msg)
+                          : clmha__npy_read(in->path, &in->a, msg, sizeof msg);
+    if (st != CLMHA_SUCCESS) {
         clmha__cli_report("run", "%s %s: %s", in->flag, in->path,
                           msg[0] ? clmha__cli_without_path(msg, in->path) : "cannot read the file");
         return false;
@@ -149,7 +157,9 @@ static bool read_input(input_file *in) {
 static clmha_tensor tensor_of(const clmha__npy *a) {
     clmha_tensor t = {.ndim = a->ndim};
     for (size_t i = 0; i < a->ndim && i < 4; ++i) t.shape[i] = a->shape[i];
-    t.data = a->kind == CLMHA__NPY_FLOAT ? (const void *)a->f32 : (const void *)a->u8;
+    t.data = a->kind == CLMHA__NPY_BOOL ? (const void *)a->u8
+             : a->f64                   ? (const void *)a->f64
+                                        : (const void *)a->f32;
     return t;
 }
 
@@ -180,38 +190,50 @@ static const input_file *input_culprit(const char *msg, const input_file *in, bo
     return NULL;
 }
 
+// Results or inputs: floats, or doubles (a float64 layer's).
+typedef struct values {
+    const float *f32;
+    const double *f64;  // used when set
+} values;
+
+static double value_at(values x, size_t i) { return x.f64 ? x.f64[i] : (double)x.f32[i]; }
+
 // "0.123457 -1.5 ... (48 values)".
-static void print_values(const char *label, const float *x, size_t count, size_t ndim,
+static void print_values(const char *label, values x, size_t count, size_t ndim,
                          const size_t *shape, const char *note) {
     char s[160];
     printf("%-8s %s%s:", label, clmha__shape_str(s, sizeof s, ndim, shape), note);
     size_t shown = count < 6 ? count : 6;
-    for (size_t i = 0; i < shown; ++i) printf(" %.6g", (double)x[i]);
+    for (size_t i = 0; i < shown; ++i) printf(" %.6g", value_at(x, i));
     if (shown < count) printf(" ...");
     printf(" (%zu value%s)\n", count, count == 1 ? "" : "s");
 }
 
-static size_t count_nonfinite(const float *x, size_t count, bool skip_minus_inf) {
+static size_t count_nonfinite(values x, size_t count, bool skip_minus_inf) {
     size_t n = 0;
-    for (size_t i = 0; i < count; ++i)
-        n += !isfinite(x[i]) && !(skip_minus_inf && isinf(x[i]) && x[i] < 0);
+    for (size_t i = 0; i < count; ++i) {
+        double v = value_at(x, i);
+        n += !isfinite(v) && !(skip_minus_inf && isinf(v) && v < 0);
+    }
     return n;
 }
 
 // NaN in, NaN out (as in PyTorch, and no scan on the device): when the results hold NaN or Inf,
 // one warning line on stderr says so and names the inputs that explain it (NaN/Inf values,
 // float64 values beyond float32's range that became inf; -inf in a float mask only forbids).
-// The exit status stays 0.
-static void warn_nonfinite(const float *y, size_t y_count, const float *w, size_t w_count,
-                           const input_file *in) {
-    size_t bad = count_nonfinite(y, y_count, false) + (w ? count_nonfinite(w, w_count, false) : 0);
+// The exit status stays 0. @p w has no values without weights.
+static void warn_nonfinite(values y, size_t y_count, values w, size_t w_count,
+                           const input_file *in, clmha_dtype dtype) {
+    bool weights = w.f32 || w.f64;
+    size_t bad =
+        count_nonfinite(y, y_count, false) + (weights ? count_nonfinite(w, w_count, false) : 0);
     if (!bad) return;
     char why[2048] = "";
     size_t used = 0;
     for (int i = 0; i < IN_COUNT; ++i) {
         const clmha__npy *a = &in[i].a;
         if (!in[i].path || a->kind != CLMHA__NPY_FLOAT) continue;
-        size_t n = count_nonfinite(a->f32, a->count, in[i].is_mask);
+        size_t n = count_nonfinite((values){a->f32, a->f64}, a->count, in[i].is_mask);
         if (!n || used >= sizeof why) continue;
         int k = snprintf(why + used, sizeof why - used, "%s%s %s holds %zu NaN/Inf value%s",
                          used ? "; " : "", in[i].flag, in[i].path, n, n == 1 ? "" : "s");
@@ -226,10 +248,13 @@ static void warn_nonfinite(const float *y, size_t y_count, const float *w, size_
     clmha__cli_report("run",
                       "warning: the results hold %zu NaN/Inf value%s of %zu (%s); NaN/Inf in "
                       "gives NaN/Inf out, as in PyTorch",
-                      bad, bad == 1 ? "" : "s", y_count + (w ? w_count : 0),
+                      bad, bad == 1 ? "" : "s", y_count + (weights ? w_count : 0),
                       used ? why
-                           : "no input holds NaN/Inf: the layer's parameters may, or values "
-                             "overflowed float32");
+                      : dtype == CLMHA_DTYPE_F64
+                          ? "no input holds NaN/Inf: the layer's parameters may, or values "
+                            "overflowed float64"
+                          : "no input holds NaN/Inf: the layer's parameters may, or values "
+                            "overflowed float32");
 }
 
 
@@ -420,6 +445,18 @@ int clmha__cli_run(int argc, char **argv) {
     if (!clmha__cli_parse_impl("run", impl_opt, need_weights,
                                "--need-weights, --per-head-weights and --weights-output", &impl))
         return EXIT_USAGE;
+    clmha_dtype dtype;
+    if (!clmha__cli_parse_dtype("run", dtype_opt, &dtype)) return EXIT_USAGE;
+    bool f64 = dtype == CLMHA_DTYPE_F64;
+    // Only float32 layers have a backward pass (include/clmha.h, clmha_dtype): refused here,
+    // before any file is read, rather than by the library after the forward pass.
+    if (dtype != CLMHA_DTYPE_F32 && (in[IN_GRAD_OUT].path || in[IN_GRAD_W].path || grads_dir)) {
+        clmha__cli_report("run",
+                          "--dtype %s: gradients (--grad-output, --grad-weights, --grads-dir) "
+                          "need --dtype f32: %s layers have no backward pass yet",
+                          dtype_opt, clmha__dtype_name(dtype));
+        return EXIT_USAGE;
+    }
     uint64_t chunk = 0;
     if (chunk_opt) {
         const char *clash = need_weights || per_head || weights_path ? "weights"
@@ -430,7 +467,8 @@ int clmha__cli_run(int argc, char **argv) {
                             : is_causal && (in[IN_KEY].path || in[IN_VALUE].path)
                                 ? "--is-causal with --key or --value (the cache aligns causal "
                                   "queries bottom-right: self-attention only)"
-                                : NULL;
+                            : f64 ? "--dtype f64 (float64 layers have no KV cache yet)"
+                                  : NULL;
         if (!parse_u64("--decode-chunk", chunk_opt, &chunk)) return EXIT_USAGE;
         if (chunk == 0) {
             clmha__cli_report("run", "--decode-chunk %s: expected a positive number of query "
@@ -442,8 +480,6 @@ int clmha__cli_run(int argc, char **argv) {
             return EXIT_USAGE;
         }
     }
-    clmha_dtype dtype;
-    if (!clmha__cli_parse_dtype("run", dtype_opt, &dtype)) return EXIT_USAGE;
     clmha_dropout_rng rng = {0};
     if (!grad_options_ok(in[IN_GRAD_OUT].path, in[IN_GRAD_W].path, grads_dir, need_weights,
                          training, seed_opt, offset_opt) ||
@@ -455,7 +491,9 @@ int clmha__cli_run(int argc, char **argv) {
     clmha_layer *layer = NULL;
     clmha_saved *saved = NULL;
     clmha__cli_grads grads = {0};
+    // The results: floats, or doubles for a float64 layer (y64, w64).
     float *y = NULL, *w = NULL;
+    double *y64 = NULL, *w64 = NULL;
     rc = EXIT_REFUSED;
 
     // Files first: they are refused without touching a device.
@@ -474,7 +512,7 @@ int clmha__cli_run(int argc, char **argv) {
     }
     fclose(f);
     for (int i = 0; i < IN_COUNT; ++i)
-        if (in[i].path && !read_input(&in[i])) goto fail;
+        if (in[i].path && !read_input(&in[i], f64)) goto fail;
 
     if (!(ctx = clmha__cli_open_context("run", device))) goto fail;
     if (clmha_layer_load_as(&layer, ctx, layer_path, dtype) != CLMHA_SUCCESS) {
@@ -569,15 +607,22 @@ int clmha__cli_run(int argc, char **argv) {
         args.save = saved;
     }
 
-    if (!(y = malloc((y_count ? y_count : 1) * sizeof *y)) ||
-        (need_weights && !(w = malloc((w_count ? w_count : 1) * sizeof *w)))) {
-        clmha__cli_report("run", "out of host memory for the outputs (%zu + %zu floats)", y_count,
-                          w_count);
+    // (calloc checks the products of counts and sizes.)
+    size_t y_alloc = y_count ? y_count : 1, w_alloc = w_count ? w_count : 1;
+    bool no_memory = f64 ? !(y64 = calloc(y_alloc, sizeof *y64)) ||
+                               (need_weights && !(w64 = calloc(w_alloc, sizeof *w64)))
+                         : !(y = calloc(y_alloc, sizeof *y)) ||
+                               (need_weights && !(w = calloc(w_alloc, sizeof *w)));
+    if (no_memory) {
+        clmha__cli_report("run", "out of host memory for the outputs (%zu + %zu %s)", y_count,
+                          w_count, f64 ? "doubles" : "floats");
         goto fail;
     }
     if (chunk && !decode_in_chunks(layer, &args, &desc, (size_t)chunk, y)) goto fail;
     clmha_status st =
-        chunk ? CLMHA_SUCCESS : clmha_layer_forward_host(layer, &args, y, y_count, w, w_count);
+        chunk ? CLMHA_SUCCESS
+        : f64 ? clmha_layer_forward_host_f64(layer, &args, y64, y_count, w64, w_count)
+              : clmha_layer_forward_host(layer, &args, y, y_count, w, w_count);
     if (st != CLMHA_SUCCESS) {
         clmha__cli_report("run", "forward pass failed on %s: %s: %s",
                           clmha_context_device_name(ctx), clmha_status_string(st),
@@ -601,17 +646,19 @@ int clmha__cli_run(int argc, char **argv) {
     num_outs = 0;
     if (output_path)
         outs[num_outs++] = (clmha__cli_out){.flag = "--output", .path = output_path, .data = y,
-                                            .ndim = q->ndim, .half = dtype == CLMHA_DTYPE_F16};
+                                            .f64 = y64, .ndim = q->ndim,
+                                            .half = dtype == CLMHA_DTYPE_F16};
     if (output_path) memcpy(outs[0].shape, q->shape, q->ndim * sizeof *q->shape);
     if (weights_path) {
         outs[num_outs] = (clmha__cli_out){.flag = "--weights-output", .path = weights_path,
-                                          .data = w, .ndim = w_ndim,
+                                          .data = w, .f64 = w64, .ndim = w_ndim,
                                           .half = dtype == CLMHA_DTYPE_F16};
         memcpy(outs[num_outs++].shape, w_shape, w_ndim * sizeof *w_shape);
     }
     num_outs += clmha__cli_grads_outputs(&grads, outs + num_outs);
     if (!clmha__cli_write_outputs("run", outs, num_outs)) goto fail;
-    warn_nonfinite(y, y_count, w, w_count, in);
+    values yv = {y, y64}, wv = {w, w64};
+    warn_nonfinite(yv, y_count, wv, w_count, in, dtype);
 
     // A summary of what was not written to a file.
     bool show_y = !output_path, show_w = need_weights && !weights_path;
@@ -625,15 +672,17 @@ int clmha__cli_run(int argc, char **argv) {
                desc.batch_first ? ", batch_first" : "");
         printf("query:   %s%s\n", clmha__shape_str(s, sizeof s, q->ndim, q->shape),
                batched ? (desc.batch_first ? " (N, L, E)" : " (L, N, E)") : " (L, E) unbatched");
-        if (show_y) print_values("output:", y, y_count, q->ndim, q->shape, "");
+        if (show_y) print_values("output:", yv, y_count, q->ndim, q->shape, "");
         if (show_w)
-            print_values("weights:", w, w_count, w_ndim, w_shape,
+            print_values("weights:", wv, w_count, w_ndim, w_shape,
                          per_head ? " per head" : " averaged over the heads");
     }
     rc = EXIT_OK;
 fail:
     free(y);
     free(w);
+    free(y64);
+    free(w64);
     clmha__cli_grads_free(&grads);
     clmha_saved_release(saved);
     clmha_layer_release(layer);
