@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""float16 and bfloat16 layers against float32, side by side in one run.
+"""Layers of other dtypes against float32, side by side in one run.
 
-For each shape this runs `clmha bench --dtype f32`, `--dtype f16` and `--dtype bf16` in turn,
-ROUNDS times each, and reports per dtype the median of the per-run medians, its ratio to
-float32, the GFLOP/s, the bytes of the call's inputs and outputs (halved in 16 bits) and the
-layer's scratch (16-bit layers keep float32 copies of their tensors there). Optionally under
-one driver lane (tools/ocl-driver.sh).
+For each shape this runs `clmha bench --dtype T` for each dtype T (default f32, f16, bf16; f64
+with --dtypes f32 f64) in turn, ROUNDS times each, and reports per dtype the median of the
+per-run medians, its ratio to float32, the GFLOP/s, the bytes of the call's inputs and outputs
+(halved in 16 bits, doubled in float64) and the layer's scratch (16-bit layers keep float32
+copies of their tensors there). Optionally under one driver lane (tools/ocl-driver.sh).
 
     /usr/bin/python3 bench/dtype_ratio.py                        # N 8, L 128 and N 1, L 2048
     /usr/bin/python3 bench/dtype_ratio.py --driver intel --rounds 3
     /usr/bin/python3 bench/dtype_ratio.py --shapes 8x128 --rounds 7
+    /usr/bin/python3 bench/dtype_ratio.py --dtypes f32 f64
 
 Needs only the clmha program (build/clmha by default); no third-party Python package.
 """
@@ -21,7 +22,6 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DTYPES = ["f32", "f16", "bf16"]
 
 
 def bench(args, dtype, n, length):
@@ -47,20 +47,24 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per clmha bench call")
     ap.add_argument("--rounds", type=int, default=5, help="calls per dtype, interleaved")
     ap.add_argument("--driver", help="tools/ocl-driver.sh lane (default: the default device)")
+    ap.add_argument("--dtypes", nargs="+", default=["f32", "f16", "bf16"],
+                    choices=["f32", "f64", "f16", "bf16"], help="the first is the baseline")
     args = ap.parse_args(argv)
-    print("| shape | dtype | median ms | vs float32 | GFLOP/s | tensors (bytes) | scratch (MiB) |")
+    dtypes = args.dtypes
+    print(f"| shape | dtype | median ms | vs {args.dtypes[0]} | GFLOP/s | tensors (bytes) | "
+          "scratch (MiB) |")
     print("|---|---|---|---|---|---|---|")
     device = None
     for shape in args.shapes:
         n, length = (int(x) for x in shape.split("x"))
-        runs = {t: [] for t in DTYPES}
+        runs = {t: [] for t in dtypes}
         for _ in range(args.rounds):
-            for t in DTYPES:
+            for t in dtypes:
                 r = bench(args, t, n, length)
                 device = r["device"]
                 runs[t].append(r)
-        base = statistics.median(r["ms"] for r in runs["f32"])
-        for t in DTYPES:
+        base = statistics.median(r["ms"] for r in runs[dtypes[0]])
+        for t in dtypes:
             ms = statistics.median(r["ms"] for r in runs[t])
             last = runs[t][-1]
             print(f"| N {n}, L {length} | {last['dtype']} | {ms:.3f} | {ms / base:.2f} | "
