@@ -1162,6 +1162,30 @@ def emulated_mha(c, P, q, k, v, tot, rnd):
     return out, w
 
 
+def torch_float64(name, c, m64, q64, k64, v64, kpm_t, attn_t, tot):
+    """PyTorch's float64 output and weights of case c (module m64, inputs q64, k64, v64, the
+    masks as PyTorch takes them, kpm_t and attn_t, and their additive combination tot): with
+    PyTorch's own mask handling where 1.13 has it, checked equal to the pre-combined additive
+    mask path, else through that path. Returns (out, w, notes, native_ok)."""
+    has_mask = kpm_t is not None or attn_t is not None
+    native_ok = not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None)
+    nw, avg = c["need_weights"], not c["per_head"]
+    comb = run_torch(m64, q64, k64, v64, None, tot if has_mask else None, nw, avg)
+    notes = []
+    if native_ok:
+        out, w = run_torch(m64, q64, k64, v64, kpm_t, attn_t, nw, avg)
+        if not (same(out, comb[0]) and same(w, comb[1])):
+            raise AssertionError(f"{name}: pre-combined mask path differs from PyTorch's own")
+        notes.append("golden computed by PyTorch with its own mask handling"
+                     " (checked equal to the pre-combined additive mask path)")
+    else:
+        out, w = comb
+        notes.append("golden computed by PyTorch with a pre-combined additive (N*H, L, S) float"
+                     " mask (PyTorch 1.13 cannot combine a float key_padding_mask with attn_mask)")
+    assert not torch.isnan(out).any() and (w is None or not torch.isnan(w).any())
+    return out, w, notes, native_ok
+
+
 def generate_dtype(c, given=None):
     """The text of dtype case c's golden file (float16 / bfloat16 layer, forward only). With
     given (a golden_compare.GivenInputs of the committed file), the rounded inputs and PyTorch's
@@ -1216,22 +1240,8 @@ def generate_dtype(c, given=None):
     q64, k64, v64 = inputs(lambda t: t.double())
     kpm_t, attn_t = pytorch_masks(c, None if kpm is None else torch.from_numpy(kpm.copy()),
                                   None if attn is None else torch.from_numpy(attn.copy()))
-    has_mask = kpm_t is not None or attn_t is not None
-    native_ok = not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None)
     nw, avg = c["need_weights"], not c["per_head"]
-    comb = run_torch(m64, q64, k64, v64, None, tot if has_mask else None, nw, avg)
-    notes = []
-    if native_ok:
-        out, w = run_torch(m64, q64, k64, v64, kpm_t, attn_t, nw, avg)
-        if not (same(out, comb[0]) and same(w, comb[1])):
-            raise AssertionError(f"{name}: pre-combined mask path differs from PyTorch's own")
-        notes.append("golden computed by PyTorch with its own mask handling"
-                     " (checked equal to the pre-combined additive mask path)")
-    else:
-        out, w = comb
-        notes.append("golden computed by PyTorch with a pre-combined additive (N*H, L, S) float"
-                     " mask (PyTorch 1.13 cannot combine a float key_padding_mask with attn_mask)")
-    assert not torch.isnan(out).any() and (w is None or not torch.isnan(w).any())
+    out, w, notes, native_ok = torch_float64(name, c, m64, q64, k64, v64, kpm_t, attn_t, tot)
 
     # independent implementation, and the emulation's structure, in float64
     P64 = {k2: torch.from_numpy(v2).double() for k2, v2 in params}
@@ -1377,25 +1387,11 @@ def generate_f64(c, given=None):
     else:
         k64 = torch.from_numpy(key)
         v64 = k64 if c["mode"] == "kv_same" else torch.from_numpy(value)
+    tot = additive(c, kpm, attn)
     kpm_t, attn_t = pytorch_masks(c, None if kpm is None else torch.from_numpy(kpm.copy()),
                                   None if attn is None else torch.from_numpy(attn.copy()))
-    tot = additive(c, kpm, attn)
-    has_mask = kpm_t is not None or attn_t is not None
-    native_ok = not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None)
     nw, avg = c["need_weights"], not c["per_head"]
-    comb = run_torch(m64, q64, k64, v64, None, tot if has_mask else None, nw, avg)
-    notes = []
-    if native_ok:
-        out, w = run_torch(m64, q64, k64, v64, kpm_t, attn_t, nw, avg)
-        if not (same(out, comb[0]) and same(w, comb[1])):
-            raise AssertionError(f"{name}: pre-combined mask path differs from PyTorch's own")
-        notes.append("golden computed by PyTorch with its own mask handling"
-                     " (checked equal to the pre-combined additive mask path)")
-    else:
-        out, w = comb
-        notes.append("golden computed by PyTorch with a pre-combined additive (N*H, L, S) float"
-                     " mask (PyTorch 1.13 cannot combine a float key_padding_mask with attn_mask)")
-    assert not torch.isnan(out).any() and (w is None or not torch.isnan(w).any())
+    out, w, notes, native_ok = torch_float64(name, c, m64, q64, k64, v64, kpm_t, attn_t, tot)
 
     # independent implementation
     P64 = {k2: torch.from_numpy(v2) for k2, v2 in params}
