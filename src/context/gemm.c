@@ -99,9 +99,10 @@ static void CL_CALLBACK run_capture(void *p) {
 typedef struct host_call {
     void *mem[3];          // the distinct root buffers of A, B, C (count of them used)
     int from[3];           // which root holds operand A, B, C
-    size_t origin[3];      // the operands' sub-buffer origins in their root, in floats
+    size_t origin[3];      // the operands' sub-buffer origins in their root, in elements
     host_ptrs *captured;   // NULL: mem[] holds the memory; else the roots' captured memory
     const clmha__host_blas *blas;
+    const clmha__host_dgemm *dgemm;  // for a float64 product (op.f64)
     clmha__gemm_op op;     // its cl_mem fields are not used here
 } host_call;
 
@@ -109,20 +110,30 @@ static void CL_CALLBACK run_host(void *p) {
     const host_call *h = p;
     const clmha__gemm_op *o = &h->op;
     void *const *mem = h->captured ? h->captured->p : h->mem;
-    const float *a = (const float *)mem[h->from[0]] + h->origin[0] + o->a_off;
-    const float *b = (const float *)mem[h->from[1]] + h->origin[1] + o->b_off;
-    float *c = (float *)mem[h->from[2]] + h->origin[2] + o->c_off;
     size_t batch = o->batch ? o->batch : 1;
-    for (size_t i = 0; i < batch; ++i)
-        h->blas->sgemm(h->blas->impl, o->ta, o->tb, o->m, o->n, o->k, (float)o->alpha,
-                       a + i * o->a_stride, o->lda, b + i * o->b_stride, o->ldb, (float)o->beta,
-                       c + i * o->c_stride, o->ldc);
+    if (o->f64) {
+        const double *a = (const double *)mem[h->from[0]] + h->origin[0] + o->a_off;
+        const double *b = (const double *)mem[h->from[1]] + h->origin[1] + o->b_off;
+        double *c = (double *)mem[h->from[2]] + h->origin[2] + o->c_off;
+        for (size_t i = 0; i < batch; ++i)
+            h->dgemm->dgemm(h->dgemm->impl, o->ta, o->tb, o->m, o->n, o->k, o->alpha,
+                           a + i * o->a_stride, o->lda, b + i * o->b_stride, o->ldb, o->beta,
+                           c + i * o->c_stride, o->ldc);
+    } else {
+        const float *a = (const float *)mem[h->from[0]] + h->origin[0] + o->a_off;
+        const float *b = (const float *)mem[h->from[1]] + h->origin[1] + o->b_off;
+        float *c = (float *)mem[h->from[2]] + h->origin[2] + o->c_off;
+        for (size_t i = 0; i < batch; ++i)
+            h->blas->sgemm(h->blas->impl, o->ta, o->tb, o->m, o->n, o->k, (float)o->alpha,
+                           a + i * o->a_stride, o->lda, b + i * o->b_stride, o->ldb,
+                           (float)o->beta, c + i * o->c_stride, o->ldc);
+    }
     free(h->captured);
 }
 
-// The root buffer of @p m and the origin of @p m in it, in floats; false when the origin is
-// not a whole number of floats (or the driver does not say).
-static bool root_of(cl_mem m, cl_mem *root, size_t *origin) {
+// The root buffer of @p m and the origin of @p m in it, in elements of @p elem bytes; false
+// when the origin is not a whole number of elements (or the driver does not say).
+static bool root_of(cl_mem m, size_t elem, cl_mem *root, size_t *origin) {
     cl_mem parent = NULL;
     size_t bytes = 0;
     if (clGetMemObjectInfo(m, CL_MEM_ASSOCIATED_MEMOBJECT, sizeof parent, &parent, NULL) !=
@@ -131,8 +142,8 @@ static bool root_of(cl_mem m, cl_mem *root, size_t *origin) {
     if (parent && clGetMemObjectInfo(m, CL_MEM_OFFSET, sizeof bytes, &bytes, NULL) != CL_SUCCESS)
         return false;
     *root = parent ? parent : m;
-    *origin = bytes / sizeof(float);
-    return bytes % sizeof(float) == 0;
+    *origin = bytes / elem;
+    return bytes % elem == 0;
 }
 
 static clmha_status native_fail(clmha_context *ctx, cl_int err, const char *what) {
@@ -142,16 +153,17 @@ static clmha_status native_fail(clmha_context *ctx, cl_int err, const char *what
 }
 
 // Enqueues @p o as native kernels; *@p done false (nothing enqueued) when an operand cannot be
-// passed (a sub-buffer at an origin that is not a whole number of floats).
+// passed (a sub-buffer at an origin that is not a whole number of elements).
 static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha__gemm_op *o,
-                              bool *done) {
-    host_call h = {.blas = ctx->host_blas, .op = *o};
+                              const clmha__host_dgemm *dgemm, bool *done) {
+    host_call h = {.blas = ctx->host_blas, .dgemm = dgemm, .op = *o};
     cl_mem ops[3] = {o->a, o->b, o->c};
     cl_uint count = 0;
     *done = false;
     for (int i = 0; i < 3; ++i) {
         cl_mem root;
-        if (!root_of(ops[i], &root, &h.origin[i])) return CLMHA_SUCCESS;
+        if (!root_of(ops[i], o->f64 ? sizeof(double) : sizeof(float), &root, &h.origin[i]))
+            return CLMHA_SUCCESS;
         int j = 0;
         while (j < (int)count && (cl_mem)h.mem[j] != root) ++j;
         if (j == (int)count) h.mem[count++] = root;
@@ -184,10 +196,13 @@ static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha_
 
 clmha_status clmha__gemm(clmha_context *ctx, const char *what, const clmha__gemm_op *o) {
     const clmha__host_blas *hb = ctx->host_blas;
-    if (hb && !o->f64 && o->m <= hb->max_dim && o->n <= hb->max_dim && o->k <= hb->max_dim &&
-        o->lda <= hb->max_dim && o->ldb <= hb->max_dim && o->ldc <= hb->max_dim) {
+    // A float64 product takes the host path where the process has a dgemm too.
+    const clmha__host_dgemm *hd = hb && o->f64 ? clmha__host_dgemm_get() : NULL;
+    if (hb && (!o->f64 || hd) && o->m <= hb->max_dim && o->n <= hb->max_dim &&
+        o->k <= hb->max_dim && o->lda <= hb->max_dim && o->ldb <= hb->max_dim &&
+        o->ldc <= hb->max_dim) {
         bool done;
-        clmha_status st = gemm_host(ctx, what, o, &done);
+        clmha_status st = gemm_host(ctx, what, o, hd, &done);
         if (st || done) return st;
     }
     return gemm_clblast(ctx, what, o);

@@ -17,8 +17,8 @@
 // Row-major C (m, n) = alpha·op(A) (m, k)·op(B) (k, n) + beta·C, op(X) = Xᵀ when its flag is
 // set, @p batch times (0 counts as 1) with the operands @p *_stride elements further each time
 // (a stride of 0 reuses the operand). Offsets and leading dimensions in elements: floats, or
-// doubles with f64 (a float64 layer's products: CLBlast's DGEMM, never the host BLAS). alpha
-// and beta are rounded to float for a float product.
+// doubles with f64 (a float64 layer's products: on the host path where the process has a
+// dgemm, clmha__host_dgemm_get(), else CLBlast's DGEMM). alpha and beta are rounded to float for a float product.
 typedef struct clmha__gemm_op {
     bool ta, tb;
     bool f64;

@@ -22,6 +22,9 @@ typedef int (*dnnl_sgemm_fn)(char, char, int64_t, int64_t, int64_t, float, const
 typedef void (*cblas_sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                                const float *, int, float, float *, int);
 
+typedef void (*cblas_dgemm_fn)(int, int, int, int, int, int, double, const double *, int,
+                               const double *, int, double, double *, int);
+
 static void sgemm_dnnl(const void *impl, bool ta, bool tb, size_t m, size_t n, size_t k,
                        float alpha, const float *a, size_t lda, const float *b, size_t ldb,
                        float beta, float *c, size_t ldc) {
@@ -34,6 +37,14 @@ static void sgemm_cblas(const void *impl, bool ta, bool tb, size_t m, size_t n, 
                         float alpha, const float *a, size_t lda, const float *b, size_t ldb,
                         float beta, float *c, size_t ldc) {
     cblas_sgemm_fn f = *(const cblas_sgemm_fn *)impl;
+    f(101, ta ? 112 : 111, tb ? 112 : 111, (int)m, (int)n, (int)k, alpha, a, (int)lda, b,
+      (int)ldb, beta, c, (int)ldc);
+}
+
+static void dgemm_cblas(const void *impl, bool ta, bool tb, size_t m, size_t n, size_t k,
+                        double alpha, const double *a, size_t lda, const double *b, size_t ldb,
+                        double beta, double *c, size_t ldc) {
+    cblas_dgemm_fn f = *(const cblas_dgemm_fn *)impl;
     f(101, ta ? 112 : 111, tb ? 112 : 111, (int)m, (int)n, (int)k, alpha, a, (int)lda, b,
       (int)ldb, beta, c, (int)ldc);
 }
@@ -124,13 +135,15 @@ static bool take(void *h, const char *name, const char *file) {
     return true;
 }
 
+// The libraries the search tries, in order.
+static const struct {
+    const char *name, *file;
+} search[] = {{"oneDNN", "libdnnl.so.3"},   {"oneDNN", "libdnnl.so.2"},
+              {"OpenBLAS", "libopenblas.so.0"}, {"BLIS", "libblis.so.4"},
+              {"BLIS", "libblis.so.3"},     {"MKL", "libmkl_rt.so.2"},
+              {"MKL", "libmkl_rt.so"}};
+
 static void load(void) {
-    static const struct {
-        const char *name, *file;
-    } search[] = {{"oneDNN", "libdnnl.so.3"},   {"oneDNN", "libdnnl.so.2"},
-                  {"OpenBLAS", "libopenblas.so.0"}, {"BLIS", "libblis.so.4"},
-                  {"BLIS", "libblis.so.3"},     {"MKL", "libmkl_rt.so.2"},
-                  {"MKL", "libmkl_rt.so"}};
     const char *env = getenv("CLMHA_HOST_BLAS");
     if (env && *env) {
         if (strcmp(env, "none") == 0) {
@@ -174,4 +187,43 @@ const clmha__host_blas *clmha__host_blas_get(const char **why) {
     pthread_once(&once, load);
     if (why) *why = loaded ? "" : tried;
     return loaded;
+}
+
+// ---- dgemm -------------------------------------------------------------------------------------
+
+static clmha__host_dgemm dgemm_lib;
+static const clmha__host_dgemm *dgemm_loaded;
+static cblas_dgemm_fn dgemm_entry;
+static pthread_once_t dgemm_once = PTHREAD_ONCE_INIT;
+
+// Takes cblas_dgemm from @p file (kind @p name); false, with the library closed, without it.
+static bool take_dgemm(const char *file, const char *name) {
+    void *h = dlopen(file, RTLD_NOW | RTLD_LOCAL);
+    if (!h) return false;
+    dgemm_entry = (cblas_dgemm_fn)(uintptr_t)dlsym(h, "cblas_dgemm");
+    if (!dgemm_entry) {
+        dlclose(h);
+        return false;
+    }
+    snprintf(dgemm_lib.name, sizeof dgemm_lib.name, "%s", name);
+    dgemm_lib.dgemm = dgemm_cblas;
+    dgemm_lib.impl = &dgemm_entry;
+    dgemm_loaded = &dgemm_lib;
+    return true;
+}
+
+static void load_dgemm(void) {
+    const char *env = getenv("CLMHA_HOST_BLAS");
+    if (env && *env) {
+        if (strcmp(env, "none") != 0) take_dgemm(env, "CBLAS");
+        return;
+    }
+    for (size_t i = 0; i < sizeof search / sizeof search[0]; ++i)
+        if (strcmp(search[i].name, "oneDNN") != 0 && take_dgemm(search[i].file, search[i].name))
+            return;
+}
+
+const clmha__host_dgemm *clmha__host_dgemm_get(void) {
+    pthread_once(&dgemm_once, load_dgemm);
+    return dgemm_loaded;
 }

@@ -12,7 +12,8 @@
 // load instead of the search, or "none" to load nothing. The search tries, in order, oneDNN
 // (libdnnl.so.3, .2: its dnnl_sgemm picks its kernel from the CPU's features at run time),
 // OpenBLAS (libopenblas.so.0), BLIS (libblis.so.4, .3) and MKL (libmkl_rt.so.2, .so): the first
-// that loads and has its GEMM symbol is used, for the whole process.
+// that loads and has its GEMM symbol is used, for the whole process. Float64 layers' products
+// take cblas_dgemm (clmha__host_dgemm_get()), loaded only when the first one runs.
 #ifndef CLMHA_DEVICE_HOST_BLAS_H
 #define CLMHA_DEVICE_HOST_BLAS_H
 
@@ -28,6 +29,12 @@ typedef void (*clmha__host_sgemm_fn)(const void *impl, bool ta, bool tb, size_t 
                                      const float *b, size_t ldb, float beta, float *c,
                                      size_t ldc);
 
+// The same in double precision.
+typedef void (*clmha__host_dgemm_fn)(const void *impl, bool ta, bool tb, size_t m, size_t n,
+                                     size_t k, double alpha, const double *a, size_t lda,
+                                     const double *b, size_t ldb, double beta, double *c,
+                                     size_t ldc);
+
 // The loaded library.
 typedef struct clmha__host_blas {
     char name[16];          // "oneDNN", "OpenBLAS", "BLIS", "MKL"
@@ -41,9 +48,22 @@ typedef struct clmha__host_blas {
     const void *impl;       // the library's entry point, for sgemm
 } clmha__host_blas;
 
+// The dgemm of float64 layers' products.
+typedef struct clmha__host_dgemm {
+    char name[16];  // "OpenBLAS", "BLIS", "MKL", "CBLAS"
+    clmha__host_dgemm_fn dgemm;
+    const void *impl;
+} clmha__host_dgemm;
+
 // The process's host BLAS, loaded on the first call (thread-safe), or NULL when none loads (or
 // CLMHA_HOST_BLAS is "none"). @p why (may be NULL) receives "" or, when NULL is returned, what
 // was tried.
 CLMHA__HIDDEN const clmha__host_blas *clmha__host_blas_get(const char **why);
+
+// The process's dgemm, loaded on the first call (thread-safe): cblas_dgemm of the
+// CLMHA_HOST_BLAS library, else of the first of OpenBLAS, BLIS and MKL (the search above; oneDNN
+// has no dgemm) that loads; NULL without one, or with CLMHA_HOST_BLAS "none". Loaded apart from
+// the sgemm, so that processes without float64 layers never load a second BLAS.
+CLMHA__HIDDEN const clmha__host_dgemm *clmha__host_dgemm_get(void);
 
 #endif
