@@ -732,8 +732,9 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 ///
 /// A float64 layer (::CLMHA_DTYPE_F64, PyTorch's `.double()`) stores and computes everything in
 /// float64: its parameters, tensors and scratch are doubles on the device, its matrix products
-/// run in CLBlast's DGEMM (never in the host BLAS: clmha_context_set_gemm() does not apply)
-/// and its kernels in double arithmetic. It needs a device with double precision
+/// run in double precision (on the host path of clmha_context_set_gemm(), a host BLAS's
+/// cblas_dgemm where one loads: OpenBLAS, BLIS or MKL, as oneDNN has none; else CLBlast's
+/// DGEMM) and its kernels in double arithmetic. It needs a device with double precision
 /// (`CL_DEVICE_DOUBLE_FP_CONFIG` not 0, i.e. `cl_khr_fp64`): elsewhere clmha_layer_create()
 /// returns ::CLMHA_UNSUPPORTED. Its parameters keep doubles exactly through
 /// clmha_layer_set_parameter_f64() (clmha_layer_set_parameter() widens floats); give its host
