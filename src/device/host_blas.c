@@ -25,12 +25,29 @@ typedef void (*cblas_sgemm_fn)(int, int, int, int, int, int, float, const float 
 typedef void (*cblas_dgemm_fn)(int, int, int, int, int, int, double, const double *, int,
                                const double *, int, double, double *, int);
 
+// oneDNN's OpenMP runtime (found through libdnnl's dependencies; NULL if it has none): its
+// thread count is an ICV of the calling thread, so setting it affects only that thread's
+// GEMMs (here a driver's worker thread running the native kernel).
+static int (*omp_get_max)(void);
+static void (*omp_set_num)(int);
+
+// Products of at most this many multiply-adds run in one thread: a decode step's projections
+// (m = 1: 1 x 1536 x 512 is 0.8 M) take ~40 us on one core, and waking OpenMP's team from a
+// driver's worker thread (whose threads then spin on the cores the driver's kernels need) cost
+// more than the second core gave: a decode step at S 4096 took 0.22 instead of 0.29-0.34 ms
+// with 2 key/value heads on PoCL (2 cores).
+#define ONE_THREAD_MACS ((size_t)1 << 22)
+
 static void sgemm_dnnl(const void *impl, bool ta, bool tb, size_t m, size_t n, size_t k,
                        float alpha, const float *a, size_t lda, const float *b, size_t ldb,
                        float beta, float *c, size_t ldc) {
     dnnl_sgemm_fn f = *(const dnnl_sgemm_fn *)impl;
+    bool one = omp_get_max && omp_set_num && n && k && m <= ONE_THREAD_MACS / n / k;
+    int was = one ? omp_get_max() : 0;
+    if (one && was > 1) omp_set_num(1);
     f(ta ? 'T' : 'N', tb ? 'T' : 'N', (int64_t)m, (int64_t)n, (int64_t)k, alpha, a,
       (int64_t)lda, b, (int64_t)ldb, beta, c, (int64_t)ldc);
+    if (one && was > 1) omp_set_num(was);
 }
 
 static void sgemm_cblas(const void *impl, bool ta, bool tb, size_t m, size_t n, size_t k,
@@ -105,6 +122,8 @@ static bool take(void *h, const char *name, const char *file) {
         const version *ver = v ? v() : NULL;
         if (ver) snprintf(blas.detail, sizeof blas.detail, "%d.%d.%d", ver->major, ver->minor,
                           ver->patch);
+        omp_get_max = (int (*)(void))(uintptr_t)dlsym(h, "omp_get_max_threads");
+        omp_set_num = (void (*)(int))(uintptr_t)dlsym(h, "omp_set_num_threads");
         blas.sgemm = sgemm_dnnl;
         blas.impl = &dnnl_entry;
         blas.max_dim = (size_t)INT64_MAX;
