@@ -5,10 +5,10 @@
 // the keys add_bias_kv and add_zero_attn append) into the attention result. So a step with
 // one query row per head still spreads over parts x heads work-items.
 //
-// Layouts: q (N*H, L, HD) and the result (N*H, L, HD), as the other cores; new keys and values
-// (N*KVH, S, HD); the cache vc (N*KVH, CAP, HD) and kc the same size in blocks of BKEYS
-// transposed keys (decode_append); CAP a multiple of BKEYS; lens (N, 2) uint: each sequence's
-// length before and after this call. Query head h reads KV head h / G (grouped-query attention: G
+// Layouts: q (N*H, L, HD), as the other cores; the result merged rows (N*L, E) in the query's
+// row order; the new keys and values in the projected rows (decode_append); the cache vc
+// (N*KVH, CAP, HD) and kc the same size in blocks of BKEYS transposed keys; CAP a multiple of
+// BKEYS; lens (N, 2) uint: each sequence's length before and after this call. Query head h reads KV head h / G (grouped-query attention: G
 // query heads per KV head; G 1 is plain multi-head attention): each work-item of decode_partial
 // holds the G query rows of a group and reads every key and value of its range once for all
 // of them. Its scores need no sum across vector lanes: a key block's dimension c is one
@@ -85,27 +85,39 @@ kernel void decode_zero(global float *kc, ulong count) {
     if (gid < count) kc[gid] = 0.0f;
 }
 
-// Copies the first new - old of each sequence's S new keys and values to positions old, old+1,
-// ... of the cache. One work-item per new row (N*KVH*S of them). Values are stored row by row;
-// keys in blocks of BKEYS positions, transposed: block b of a (sequence, KV head) holds
-// dimension c of its keys at kc[((bkv * cap / BKEYS + b) * HD + c) * BKEYS + position % BKEYS]
-// (cap, the positions per (sequence, KV head), is a multiple of BKEYS), so that decode_partial
-// scores a block's keys as one BKEYS-lane vector with no sum across lanes.
-kernel void decode_append(global const float *k_new, global const float *v_new,
-                          global float *kc, global float *vc, global const uint *lens,
+// Copies the first new - old of each sequence's S new keys and values, in_proj_bias added, from
+// the projected rows to positions old, old+1, ... of the cache. One work-item per new row of a
+// key/value head (N*KVH*S of them). proj holds the rows as the input projection wrote them:
+// token t of sequence n is row n*S + t (batch_first) or t*N + n, key head kh's HD columns start
+// at k_at + row * k_ld + kh*HD (values: v_at, v_ld); bias (has_bias) is in_proj_bias, whose key
+// part starts at kb_at and value part at vb_at. Values are stored row by row; keys in blocks
+// of BKEYS positions, transposed: block b of a (sequence, KV head) holds dimension c of its
+// keys at kc[((bkv * cap / BKEYS + b) * HD + c) * BKEYS + position % BKEYS] (cap, the positions
+// per (sequence, KV head), is a multiple of BKEYS), so that decode_partial scores a block's keys
+// as one BKEYS-lane vector with no sum across lanes.
+kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulong v_at,
+                          ulong v_ld, global const float *bias, uint has_bias, ulong kb_at,
+                          ulong vb_at, global float *kc, global float *vc,
+                          global const uint *lens, ulong n_batch, uint batch_first,
                           ulong src_len, ulong kv_heads, ulong cap, ulong rows) {
     ulong gid = get_global_id(0);
     if (gid >= rows) return;
-    ulong t = gid % src_len, bkv = gid / src_len, n = bkv / kv_heads;
+    ulong t = gid % src_len, bkv = gid / src_len, n = bkv / kv_heads, kh = bkv % kv_heads;
     uint old = lens[2 * n], now = lens[2 * n + 1];
     if (t >= (ulong)(now - old)) return;
-    ulong pos = old + t;
-    global const VT *vs = (global const VT *)(v_new + gid * HD);
-    global VT *vd = (global VT *)(vc + (bkv * cap + pos) * HD);
-    for (uint c = 0; c < HV; ++c) vd[c] = vs[c];
-    global const float *ks = k_new + gid * HD;
+    ulong pos = old + t, row = batch_first ? n * src_len + t : t * n_batch + n;
+    global const float *ks = proj + k_at + row * k_ld + kh * HD;
+    global const float *vs = proj + v_at + row * v_ld + kh * HD;
+    global float *vd = vc + (bkv * cap + pos) * HD;
     global float *kd = kc + (bkv * cap + pos - pos % BKEYS) * HD + pos % BKEYS;
-    for (uint c = 0; c < HD; ++c) kd[c * BKEYS] = ks[c];
+    if (has_bias) {
+        global const float *kb = bias + kb_at + kh * HD, *vb = bias + vb_at + kh * HD;
+        for (uint c = 0; c < HD; ++c) vd[c] = vs[c] + vb[c];
+        for (uint c = 0; c < HD; ++c) kd[c * BKEYS] = ks[c] + kb[c];
+    } else {
+        for (uint c = 0; c < HD; ++c) vd[c] = vs[c];
+        for (uint c = 0; c < HD; ++c) kd[c * BKEYS] = ks[c];
+    }
 }
 
 // One work-item per (sequence n, KV head, query row i, part p), in that order, p fastest:
@@ -227,15 +239,25 @@ kernel void decode_partial(global const float *q, global const float *kc,
 
 // One work-item per query head row ((n*H + h)*L + i): merges its parts, and the key of
 // add_bias_kv (bias_k, scored against the row's query; its value bias_v) and the zero key of
-// add_zero_attn (score 0, value 0) when the layer has them, into the attention result. A row
+// add_zero_attn (score 0, value 0) when the layer has them, into the attention result, written
+// as merged rows (rows, E) for the output projection; with has_b_out it also fills its part of
+// the output rows y with out_proj.bias (the C operand of the output projection, beta 1). A row
 // that sees no key at all gives zeros.
 kernel void decode_combine(global const float *part_acc, global const float *part_ms,
                            uint parts, global const float *q, global const float *bias_kv,
                            uint has_bias_kv, uint zero_attn, ulong n_heads, ulong kv_heads,
-                           ulong tgt_len, float scale, global float *out, ulong rows) {
+                           ulong tgt_len, float scale, global float *merged, ulong n_batch,
+                           uint batch_first, global float *y, ulong y_off,
+                           global const float *b_out, uint has_b_out, ulong rows) {
     ulong row = get_global_id(0);
     if (row >= rows) return;
-    ulong kvh = row / tgt_len % n_heads / G;  // the row's key/value head
+    ulong i = row % tgt_len, bh = row / tgt_len, n = bh / n_heads, h = bh % n_heads;
+    ulong kvh = h / G;  // the row's key/value head
+    // Its place in the merged rows and the output rows: query row n*L + i (batch_first) or
+    // i*N + n, columns h*HD ... (the output's, out_proj.bias, for the output projection).
+    ulong at = ((batch_first ? n * tgt_len + i : i * n_batch + n) * n_heads + h) * HD;
+    if (has_b_out)
+        for (uint c = 0; c < HD; ++c) y[y_off + at + c] = b_out[h * HD + c];
     float mx = -INFINITY, xb = -INFINITY;
     for (uint p = 0; p < parts; ++p) mx = max_nan(mx, part_ms[2 * (row * parts + p)]);
     // bias_k (kv_heads * HD floats), then bias_v: the row's key/value head's slice of each.
@@ -249,7 +271,7 @@ kernel void decode_combine(global const float *part_acc, global const float *par
         mx = max_nan(mx, xb);
     }
     if (zero_attn) mx = max_nan(mx, 0.0f);
-    global VT *o = (global VT *)(out + row * HD);
+    global VT *o = (global VT *)(merged + at);
     if (mx == -INFINITY) {
         for (uint c = 0; c < HV; ++c) o[c] = (VT)(0.0f);
         return;

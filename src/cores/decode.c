@@ -1,9 +1,10 @@
 // The decode core: the attention of calls with a KV cache (clmha_forward_args::kv_cache), split-K
-// (kernels cl/cores/decode.cl). It appends the call's new key and value head tiles to the
-// cache, then cuts every sequence's cached keys into `parts` ranges scored by separate
-// work-items (decode_partial: a partial softmax per range) and merges the ranges of each query
-// row (decode_combine), so that a step with one query row per head still fills the device.
-// Its scratch, the partial results, is its own (kept in its state).
+// (kernels cl/cores/decode.cl). It appends the call's new key and value rows (straight from the
+// input projection, in_proj_bias added: clmha__core::takes_rows) to the cache, then cuts every
+// sequence's cached keys into `parts` ranges scored by separate work-items (decode_partial: a
+// partial softmax per range) and merges the ranges of each query row (decode_combine, which
+// writes merged rows and the output's bias rows), so that a step with one query row per head
+// still fills the device. Its scratch, the partial results, is its own (kept in its state).
 #include "cores/decode.h"
 
 #include "cache/kv_cache.h"
@@ -165,10 +166,18 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
             return st;
         kv->cache->keys_zeroed = true;
     }
-    if (call->kv_append) {
+    cl_ulong n_batch = d->n;
+    cl_uint batch_first = d->batch_first;
+    if (call->kv_append) {  // the new rows from the projection, in_proj_bias added
         cl_ulong rows = d->n * c->kv_heads * d->s;
-        arg args[] = {ARG(l->tiles[CLMHA__TILE_K]), ARG(l->tiles[CLMHA__TILE_V]), ARG(c->k),
-                      ARG(c->v), ARG(kv->lens), ARG(src), ARG(kvh), ARG(cap), ARG(rows)};
+        cl_ulong k_at = call->k_at, k_ld = call->k_ld, v_at = call->v_at, v_ld = call->v_ld;
+        cl_ulong kb_at = l->e, vb_at = l->e + l->kve;
+        cl_uint has_bias = l->desc.bias;
+        cl_mem bias = has_bias ? l->b_in : ctx->dummy;
+        arg args[] = {ARG(l->proj), ARG(k_at),    ARG(k_ld),    ARG(v_at),    ARG(v_ld),
+                      ARG(bias),    ARG(has_bias), ARG(kb_at),  ARG(vb_at),   ARG(c->k),
+                      ARG(c->v),    ARG(kv->lens), ARG(n_batch), ARG(batch_first),
+                      ARG(src),     ARG(kvh),     ARG(cap),     ARG(rows)};
         if ((st = clmha__launch(ctx, s->append, "decode_append", rows, s->wg, args,
                                 sizeof args / sizeof args[0])))
             return st;
@@ -193,10 +202,14 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     }
     cl_mem bias_kv = l->desc.add_bias_kv ? l->bias_kv : ctx->dummy;
     cl_uint has_bias_kv = l->desc.add_bias_kv, zero_attn = l->desc.add_zero_attn;
-    cl_ulong rows = q_rows;
-    arg args[] = {ARG(s->part_acc), ARG(s->part_ms), ARG(parts), ARG(l->tiles[CLMHA__TILE_Q]),
-                  ARG(bias_kv), ARG(has_bias_kv), ARG(zero_attn), ARG(heads), ARG(kvh), ARG(tgt),
-                  ARG(scale), ARG(l->tiles[CLMHA__TILE_OUT]), ARG(rows)};
+    cl_ulong rows = q_rows, y_off = call->output_offset;
+    cl_uint has_b_out = l->desc.bias;
+    cl_mem b_out = has_b_out ? l->b_out : ctx->dummy;
+    arg args[] = {ARG(s->part_acc), ARG(s->part_ms),  ARG(parts),       ARG(l->tiles[CLMHA__TILE_Q]),
+                  ARG(bias_kv),     ARG(has_bias_kv), ARG(zero_attn),   ARG(heads),
+                  ARG(kvh),         ARG(tgt),         ARG(scale),       ARG(l->proj),
+                  ARG(n_batch),     ARG(batch_first), ARG(call->output), ARG(y_off),
+                  ARG(b_out),       ARG(has_b_out),   ARG(rows)};
     if ((st = clmha__launch(ctx, s->combine, "decode_combine", rows, s->wg, args,
                             sizeof args / sizeof args[0])))
         return st;
@@ -205,6 +218,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
 
 const clmha__core clmha__core_decode = {.name = "decode",
                                         .grouped_kv = true,
+                                        .takes_rows = true,
                                         .create = create,
                                         .release = release,
                                         .supports = supports,
