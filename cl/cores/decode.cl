@@ -5,8 +5,9 @@
 // the keys add_bias_kv and add_zero_attn append) into the attention result. So a step with
 // one query row per head still spreads over parts x heads work-items.
 //
-// Layouts: q (N*H, L, HD), as the other cores; the result merged rows (N*L, E) in the query's
-// row order; the new keys and values in the projected rows (decode_append); the cache vc
+// Layouts: the queries, new keys and values in the projected rows (in_proj_bias not added),
+// token t of sequence n in row n*T + t (batch_first) or t*N + n; the result merged rows
+// (N*L, E) in the query's row order; the cache vc
 // (N*KVH, CAP, HD) and kc the same size in blocks of BKEYS transposed keys; CAP a multiple of
 // BKEYS; lens (N, 2) uint: each sequence's length before and after this call. Query head h reads KV head h / G (grouped-query attention: G
 // query heads per KV head; G 1 is plain multi-head attention): each work-item of decode_partial
@@ -125,11 +126,12 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
 // sees. Writes, per query head row ((n*H + h)*L + i) and part, the unnormalised weights*V sum
 // (part_acc, HD floats) and the scores' max and sum of exp(score - max) (part_ms, 2 floats);
 // an empty part gives max -INFINITY, sum 0 and zeros. Parts start on key blocks (BKEYS keys).
-kernel void decode_partial(global const float *q, global const float *kc,
-                           global const float *vc, global const uint *lens, ulong tgt_len,
-                           ulong n_heads, ulong kv_heads, ulong cap, uint parts, uint causal,
-                           float scale, global float *part_acc, global float *part_ms,
-                           ulong items) {
+kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
+                           global const float *bias, uint has_bias, ulong n_batch,
+                           uint batch_first, global const float *kc, global const float *vc,
+                           global const uint *lens, ulong tgt_len, ulong n_heads,
+                           ulong kv_heads, ulong cap, uint parts, uint causal, float scale,
+                           global float *part_acc, global float *part_ms, ulong items) {
     ulong gid = get_global_id(0);
     if (gid >= items) return;
     uint p = (uint)(gid % parts);
@@ -145,9 +147,14 @@ kernel void decode_partial(global const float *q, global const float *kc,
     float qs[G][HD];
     VT acc[G][HV];
     float m[G], s[G];
+    ulong qrow = q_at + (batch_first ? n * tgt_len + i : i * n_batch + n) * q_ld;
     for (uint g = 0; g < G; ++g) {
-        global const float *qr = q + ((n * n_heads + kvh * G + g) * tgt_len + i) * HD;
-        for (uint c = 0; c < HD; ++c) qs[g][c] = qr[c] * scale;
+        ulong h = kvh * G + g;
+        global const float *qr = proj + qrow + h * HD, *qb = bias + h * HD;
+        if (has_bias)
+            for (uint c = 0; c < HD; ++c) qs[g][c] = (qr[c] + qb[c]) * scale;
+        else
+            for (uint c = 0; c < HD; ++c) qs[g][c] = qr[c] * scale;
         UNROLL
         for (uint c = 0; c < HV; ++c) acc[g][c] = (VT)(0.0f);
         m[g] = -INFINITY;
@@ -240,11 +247,13 @@ kernel void decode_partial(global const float *q, global const float *kc,
 // One work-item per query head row ((n*H + h)*L + i): merges its parts, and the key of
 // add_bias_kv (bias_k, scored against the row's query; its value bias_v) and the zero key of
 // add_zero_attn (score 0, value 0) when the layer has them, into the attention result, written
-// as merged rows (rows, E) for the output projection; with has_b_out it also fills its part of
+// as merged rows (rows, E) for the output projection (not into proj, whose queries other
+// work-items still read); with has_b_out it also fills its part of
 // the output rows y with out_proj.bias (the C operand of the output projection, beta 1). A row
 // that sees no key at all gives zeros.
 kernel void decode_combine(global const float *part_acc, global const float *part_ms,
-                           uint parts, global const float *q, global const float *bias_kv,
+                           uint parts, global const float *proj, ulong q_at, ulong q_ld,
+                           global const float *bias, uint has_bias, global const float *bias_kv,
                            uint has_bias_kv, uint zero_attn, ulong n_heads, ulong kv_heads,
                            ulong tgt_len, float scale, global float *merged, ulong n_batch,
                            uint batch_first, global float *y, ulong y_off,
@@ -255,7 +264,8 @@ kernel void decode_combine(global const float *part_acc, global const float *par
     ulong kvh = h / G;  // the row's key/value head
     // Its place in the merged rows and the output rows: query row n*L + i (batch_first) or
     // i*N + n, columns h*HD ... (the output's, out_proj.bias, for the output projection).
-    ulong at = ((batch_first ? n * tgt_len + i : i * n_batch + n) * n_heads + h) * HD;
+    ulong r = batch_first ? n * tgt_len + i : i * n_batch + n;
+    ulong at = (r * n_heads + h) * HD;
     if (has_b_out)
         for (uint c = 0; c < HD; ++c) y[y_off + at + c] = b_out[h * HD + c];
     float mx = -INFINITY, xb = -INFINITY;
@@ -263,10 +273,14 @@ kernel void decode_combine(global const float *part_acc, global const float *par
     // bias_k (kv_heads * HD floats), then bias_v: the row's key/value head's slice of each.
     global const VT *bk = (global const VT *)(bias_kv + kvh * HD);
     global const VT *bv = (global const VT *)(bias_kv + (kv_heads + kvh) * HD);
-    if (has_bias_kv) {
-        global const VT *qr = (global const VT *)(q + row * HD);
-        VT dot = qr[0] * bk[0];
-        for (uint c = 1; c < HV; ++c) dot = fma(qr[c], bk[c], dot);
+    if (has_bias_kv) {  // the row's query (in_proj_bias added) against bias_k
+        global const VT *qr = (global const VT *)(proj + q_at + r * q_ld + h * HD);
+        global const VT *qb = (global const VT *)(bias + h * HD);
+        VT dot = (VT)(0.0f);
+        if (has_bias)
+            for (uint c = 0; c < HV; ++c) dot = fma(qr[c] + qb[c], bk[c], dot);
+        else
+            for (uint c = 0; c < HV; ++c) dot = fma(qr[c], bk[c], dot);
         xb = hsum(dot) * scale;
         mx = max_nan(mx, xb);
     }

@@ -48,11 +48,11 @@ typedef struct clmha__core_call {
     // 1 where the forward pass repeated them: the user core, and calls that save for the
     // backward pass, whose cores take one key/value plane per query head).
     size_t kv_group;
-    // For a core with clmha__core::takes_rows: where the call's projected key and value rows
-    // are in layer->proj (floats: key/value head 0's first column in the first row, and the row
+    // For a core with clmha__core::takes_rows: where the call's projected query, key and value
+    // rows are in layer->proj (floats: head 0's first column in the first row, and the row
     // pitch; in_proj_bias not added), and the caller's output rows (offset in floats), which the
     // core fills with out_proj.bias for the output projection to add to.
-    size_t k_at, k_ld, v_at, v_ld;
+    size_t q_at, q_ld, k_at, k_ld, v_at, v_ld;
     cl_mem output;
     size_t output_offset;
 } clmha__core_call;
@@ -94,11 +94,12 @@ typedef struct clmha__core {
     // ((N*KVH, S', D), each shared by h / kvh query heads); false: the forward pass repeats
     // them for every query head ((N*H, S', D)) before the core runs.
     bool grouped_kv;
-    // The core takes the projected rows, not head tiles, for its keys and values
-    // (clmha__core_call::k_at ...) and writes the attention result as merged rows (rows, E)
-    // into layer->proj, the output rows filled with out_proj.bias: the forward pass then splits
-    // only the queries and skips the merge and the bias fill (the decode core: fewer commands
-    // in a decode step, whose fixed cost they are).
+    // The core takes the projected rows, not head tiles, for its queries, keys and values
+    // (clmha__core_call::q_at ...) and writes the attention result as merged rows (rows, E)
+    // into layer->tiles[CLMHA__TILE_OUT] (not layer->proj, which it reads), the output rows
+    // filled with out_proj.bias: the forward pass then skips
+    // the head split, the merge and the bias fill (the decode core: fewer commands in a decode
+    // step, whose fixed cost they are).
     bool takes_rows;
     // Optional (NULL: the core keeps no state). Called by clmha_layer_create() on a new layer
     // (parameters and cl/heads.cl kernels made): makes the core's per-layer state, stored in

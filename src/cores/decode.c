@@ -1,6 +1,7 @@
 // The decode core: the attention of calls with a KV cache (clmha_forward_args::kv_cache), split-K
-// (kernels cl/cores/decode.cl). It appends the call's new key and value rows (straight from the
-// input projection, in_proj_bias added: clmha__core::takes_rows) to the cache, then cuts every
+// (kernels cl/cores/decode.cl). It takes the call's queries and new key and value rows straight
+// from the input projection (clmha__core::takes_rows; it adds in_proj_bias), appends the keys and
+// values to the cache, then cuts every
 // sequence's cached keys into `parts` ranges scored by separate work-items (decode_partial: a
 // partial softmax per range) and merges the ranges of each query row (decode_combine, which
 // writes merged rows and the output's bias rows), so that a step with one query row per head
@@ -166,14 +167,14 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
             return st;
         kv->cache->keys_zeroed = true;
     }
-    cl_ulong n_batch = d->n;
-    cl_uint batch_first = d->batch_first;
-    if (call->kv_append) {  // the new rows from the projection, in_proj_bias added
+    // The queries and new keys and values are the projected rows; in_proj_bias is added here.
+    cl_ulong n_batch = d->n, q_at = call->q_at, q_ld = call->q_ld;
+    cl_uint batch_first = d->batch_first, has_bias = l->desc.bias;
+    cl_mem bias = has_bias ? l->b_in : ctx->dummy;
+    if (call->kv_append) {
         cl_ulong rows = d->n * c->kv_heads * d->s;
         cl_ulong k_at = call->k_at, k_ld = call->k_ld, v_at = call->v_at, v_ld = call->v_ld;
         cl_ulong kb_at = l->e, vb_at = l->e + l->kve;
-        cl_uint has_bias = l->desc.bias;
-        cl_mem bias = has_bias ? l->b_in : ctx->dummy;
         arg args[] = {ARG(l->proj), ARG(k_at),    ARG(k_ld),    ARG(v_at),    ARG(v_ld),
                       ARG(bias),    ARG(has_bias), ARG(kb_at),  ARG(vb_at),   ARG(c->k),
                       ARG(c->v),    ARG(kv->lens), ARG(n_batch), ARG(batch_first),
@@ -193,9 +194,11 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_uint causal = call->args->is_causal;
     cl_ulong items = d->n * c->kv_heads * d->l * parts;
     {
-        arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(c->k), ARG(c->v), ARG(kv->lens),
-                      ARG(tgt), ARG(heads), ARG(kvh), ARG(cap), ARG(parts), ARG(causal),
-                      ARG(scale), ARG(s->part_acc), ARG(s->part_ms), ARG(items)};
+        arg args[] = {ARG(l->proj),   ARG(q_at),    ARG(q_ld),        ARG(bias),
+                      ARG(has_bias),  ARG(n_batch), ARG(batch_first), ARG(c->k),
+                      ARG(c->v),      ARG(kv->lens), ARG(tgt),        ARG(heads),
+                      ARG(kvh),       ARG(cap),     ARG(parts),       ARG(causal),
+                      ARG(scale),     ARG(s->part_acc), ARG(s->part_ms), ARG(items)};
         if ((st = clmha__launch(ctx, s->partial, "decode_partial", items, s->wg, args,
                                 sizeof args / sizeof args[0])))
             return st;
@@ -205,9 +208,10 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_ulong rows = q_rows, y_off = call->output_offset;
     cl_uint has_b_out = l->desc.bias;
     cl_mem b_out = has_b_out ? l->b_out : ctx->dummy;
-    arg args[] = {ARG(s->part_acc), ARG(s->part_ms),  ARG(parts),       ARG(l->tiles[CLMHA__TILE_Q]),
+    arg args[] = {ARG(s->part_acc), ARG(s->part_ms),  ARG(parts),       ARG(l->proj),
+                  ARG(q_at),        ARG(q_ld),        ARG(bias),        ARG(has_bias),
                   ARG(bias_kv),     ARG(has_bias_kv), ARG(zero_attn),   ARG(heads),
-                  ARG(kvh),         ARG(tgt),         ARG(scale),       ARG(l->proj),
+                  ARG(kvh),         ARG(tgt),         ARG(scale),       ARG(l->tiles[CLMHA__TILE_OUT]),
                   ARG(n_batch),     ARG(batch_first), ARG(call->output), ARG(y_off),
                   ARG(b_out),       ARG(has_b_out),   ARG(rows)};
     if ((st = clmha__launch(ctx, s->combine, "decode_combine", rows, s->wg, args,

@@ -323,10 +323,11 @@ static clmha_status merge(clmha_layer *l, const clmha__dims *d) {
     return merge_from(l, d, l->tiles[CLMHA__TILE_OUT], 0);
 }
 
-// 7. Output projection: out = merged · out_proj.weightᵀ + out_proj.bias (@p fill: the bias
-//    rows are written here first; else the core wrote them).
-static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out,
-                                size_t out_off, bool fill) {
+// 7. Output projection: out = merged · out_proj.weightᵀ + out_proj.bias, @p merged the merged
+//    rows (layer->proj, or the result tile of a clmha__core::takes_rows core; @p fill: the bias
+//    rows are written here first, else that core wrote them).
+static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem merged,
+                                cl_mem out, size_t out_off, bool fill) {
     clmha_context *ctx = l->ctx;
     size_t rows = d->n * d->l, e = l->e;
     if (l->desc.bias && fill) {  // (a clmha__core::takes_rows core filled them)
@@ -337,7 +338,7 @@ static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem out
                                         l->heads_wg, args, sizeof args / sizeof args[0]);
         if (st) return st;
     }
-    return clmha__gemm_nt(l, "output projection", rows, e, e, l->proj, 0, e,
+    return clmha__gemm_nt(l, "output projection", rows, e, e, merged, 0, e,
                           l->w_out, 0, e, l->desc.bias ? 1.0f : 0.0f, out, out_off, e);
 }
 
@@ -403,12 +404,13 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
     bool bare = args->kv_cache || (partial && !partial->appended_keys);
-    if (core->takes_rows) {  // the core reads the key and value rows (and adds their bias)
+    if (core->takes_rows) {  // the core reads the projected rows (and adds their bias)
+        call->q_at = s.proj_q + s.col_q, call->q_ld = s.ld_q;
         call->k_at = s.proj_k + s.col_k, call->k_ld = s.ld_k;
         call->v_at = s.proj_v + s.col_v, call->v_ld = s.ld_v;
         call->output = output, call->output_offset = output_offset;
     }
-    if ((st = split(layer, d, kv && !core->takes_rows, bare, call->kv_group > 1, &s)) ||
+    if ((!core->takes_rows && (st = split(layer, d, kv, bare, call->kv_group > 1, &s))) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
         return st;
     if ((st = core->run(layer, call))) return st;
@@ -427,7 +429,8 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
     if ((!core->takes_rows && (st = merge(layer, d))) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))
         return st;
-    if ((st = out_project(layer, d, output, output_offset, !core->takes_rows)) ||
+    cl_mem merged = core->takes_rows ? layer->tiles[CLMHA__TILE_OUT] : layer->proj;
+    if ((st = out_project(layer, d, merged, output, output_offset, !core->takes_rows)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_OUT_PROJ)))
         return st;
     if (args->need_weights &&
@@ -930,7 +933,7 @@ clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t 
     clmha__layer_marks_release(layer);
     if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
         (st = merge_from(layer, &d, heads, heads_offset)) ||
-        (st = out_project(layer, &d, output, output_offset, true)))
+        (st = out_project(layer, &d, layer->proj, output, output_offset, true)))
         return st;
     return clmha__enqueue_event(ctx, event);
 }
