@@ -123,10 +123,13 @@ static void CL_CALLBACK run_host(void *p) {
         const float *a = (const float *)mem[h->from[0]] + h->origin[0] + o->a_off;
         const float *b = (const float *)mem[h->from[1]] + h->origin[1] + o->b_off;
         float *c = (float *)mem[h->from[2]] + h->origin[2] + o->c_off;
+        int was = clmha__host_blas_small_begin(
+            h->blas, (double)o->m * (double)o->n * (double)o->k * (double)batch);
         for (size_t i = 0; i < batch; ++i)
             h->blas->sgemm(h->blas->impl, o->ta, o->tb, o->m, o->n, o->k, (float)o->alpha,
                            a + i * o->a_stride, o->lda, b + i * o->b_stride, o->ldb,
                            (float)o->beta, c + i * o->c_stride, o->ldc);
+        clmha__host_blas_small_end(was);
     }
     free(h->captured);
 }

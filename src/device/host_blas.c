@@ -31,23 +31,12 @@ typedef void (*cblas_dgemm_fn)(int, int, int, int, int, int, double, const doubl
 static int (*omp_get_max)(void);
 static void (*omp_set_num)(int);
 
-// Products of at most this many multiply-adds run in one thread: a decode step's projections
-// (m = 1: 1 x 1536 x 512 is 0.8 M) take ~40 us on one core, and waking OpenMP's team from a
-// driver's worker thread (whose threads then spin on the cores the driver's kernels need) cost
-// more than the second core gave: a decode step at S 4096 took 0.22 instead of 0.29-0.34 ms
-// with 2 key/value heads on PoCL (2 cores).
-#define ONE_THREAD_MACS ((size_t)1 << 22)
-
 static void sgemm_dnnl(const void *impl, bool ta, bool tb, size_t m, size_t n, size_t k,
                        float alpha, const float *a, size_t lda, const float *b, size_t ldb,
                        float beta, float *c, size_t ldc) {
     dnnl_sgemm_fn f = *(const dnnl_sgemm_fn *)impl;
-    bool one = omp_get_max && omp_set_num && n && k && m <= ONE_THREAD_MACS / n / k;
-    int was = one ? omp_get_max() : 0;
-    if (one && was > 1) omp_set_num(1);
     f(ta ? 'T' : 'N', tb ? 'T' : 'N', (int64_t)m, (int64_t)n, (int64_t)k, alpha, a,
       (int64_t)lda, b, (int64_t)ldb, beta, c, (int64_t)ldc);
-    if (one && was > 1) omp_set_num(was);
 }
 
 static void sgemm_cblas(const void *impl, bool ta, bool tb, size_t m, size_t n, size_t k,
@@ -206,6 +195,27 @@ const clmha__host_blas *clmha__host_blas_get(const char **why) {
     pthread_once(&once, load);
     if (why) *why = loaded ? "" : tried;
     return loaded;
+}
+
+// Products of at most this many multiply-adds in all run in one thread: a decode step's
+// projections (m = 1: 1 x 1536 x 512 is 0.8 M) take ~40 us on one core, and waking OpenMP's
+// team from a driver's worker thread (whose threads then spin on the cores the driver's
+// kernels need) cost more than the second core gave: a decode step at S 4096 took 0.17
+// instead of 0.26 ms with 2 key/value heads on PoCL (2 cores).
+#define ONE_THREAD_MACS ((double)(1 << 22))
+
+int clmha__host_blas_small_begin(const clmha__host_blas *b, double macs) {
+    if (b != &blas || b->sgemm != sgemm_dnnl || !omp_get_max || !omp_set_num ||
+        macs > ONE_THREAD_MACS)
+        return 0;
+    int was = omp_get_max();
+    if (was <= 1) return 0;
+    omp_set_num(1);
+    return was;
+}
+
+void clmha__host_blas_small_end(int was) {
+    if (was > 1 && omp_set_num) omp_set_num(was);
 }
 
 // ---- dgemm -------------------------------------------------------------------------------------

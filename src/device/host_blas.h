@@ -60,6 +60,14 @@ typedef struct clmha__host_dgemm {
 // was tried.
 CLMHA__HIDDEN const clmha__host_blas *clmha__host_blas_get(const char **why);
 
+// Small products in one thread: before a native kernel's products of @p macs multiply-adds in
+// all, under oneDNN, sets the calling thread's OpenMP thread count to 1 when @p macs is small
+// (a decode step's projections), returning the count to restore (0: nothing was changed);
+// clmha__host_blas_small_end() restores it. Waking OpenMP's team from a driver's worker thread
+// costs more than a second core gives on such products (docs/design.md, "Where the GEMMs run").
+CLMHA__HIDDEN int clmha__host_blas_small_begin(const clmha__host_blas *blas, double macs);
+CLMHA__HIDDEN void clmha__host_blas_small_end(int was);
+
 // The process's dgemm, loaded on the first call (thread-safe): cblas_dgemm of the
 // CLMHA_HOST_BLAS library, else of the first of OpenBLAS, BLIS and MKL (the search above; oneDNN
 // has no dgemm) that loads; NULL without one, or with CLMHA_HOST_BLAS "none". Loaded apart from
