@@ -4,7 +4,8 @@
 Run from the repository root with Debian's Python after building clmha:
 
     /usr/bin/python3 bench/backward_peers.py [--clmha build/clmha] [--impl fused[,unfused]]
-        [--shapes NxL ...] [--rounds 3] [--repeat 5] [--torch2-python PATH | --no-torch2]
+        [--same-blas] [--shapes NxL ...] [--rounds 3] [--repeat 5]
+        [--torch2-python PATH | --no-torch2]
         [--memory-length 16384 | --no-memory] [--memory-limit-gib 10] [--json FILE]
 
 Peers, every one in its own process, run in turns (clmha, PyTorch 1.13, PyTorch 2, then again)
@@ -23,8 +24,11 @@ reports their median; the table gives the median over the rounds:
                False (a flash-attention kernel on the CPU, forward and backward).
 Threads: 2 everywhere (torch.set_num_threads, OMP_NUM_THREADS, OPENBLAS_NUM_THREADS,
 MKL_NUM_THREADS; POCL_CPU_MAX_CU_NUM for clmha's PoCL device, which has 2 compute units here
-anyway); OMP_WAIT_POLICY=PASSIVE (as bench/compare.py: PyTorch's spinning OpenMP threads fight
-OpenBLAS's). OPENBLAS_CORETYPE=Cooperlake for the PyTorch processes: OpenBLAS 0.3.21 takes this
+anyway); OMP_WAIT_POLICY=PASSIVE for PyTorch (as bench/compare.py: PyTorch's spinning OpenMP
+threads fight OpenBLAS's), the default for clmha (whose oneDNN was slower with PASSIVE).
+--same-blas adds, per core, a clmha peer whose products run in OpenBLAS with the PyTorch
+processes' OPENBLAS_CORETYPE (CLMHA_HOST_BLAS=libopenblas.so.0): the same BLAS on both sides.
+OPENBLAS_CORETYPE=Cooperlake for the PyTorch processes: OpenBLAS 0.3.21 takes this
 machine's CPU for a Prescott otherwise and runs sgemm ~5x slower. Debian's PyTorch loads
 libblas.so.3, which is the reference BLAS unless OpenBLAS is installed and selected: this script
 puts libopenblas0-pthread's directory (or --openblas-dir) first on LD_LIBRARY_PATH of the
@@ -163,6 +167,10 @@ def parse_args(argv):
     ap.add_argument("--impl", default="fused",
                     help="clmha's attention core, forward and backward: fused, unfused, or "
                     "both (fused,unfused: each is a peer of its own); default fused")
+    ap.add_argument("--same-blas", action="store_true",
+                    help="also time clmha with its products in OpenBLAS set up as for PyTorch "
+                    "1.13 (CLMHA_HOST_BLAS=libopenblas.so.0, OPENBLAS_CORETYPE=Cooperlake): "
+                    "a peer of its own per core")
     ap.add_argument("--shapes", nargs="+", metavar="NxL", help="timed shapes")
     ap.add_argument("--embed", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -230,8 +238,13 @@ class Peers:
         base = dict(os.environ)
         t = str(a.threads)
         base.update(OMP_NUM_THREADS=t, OPENBLAS_NUM_THREADS=t, MKL_NUM_THREADS=t)
-        base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # clmha keeps OpenMP's default wait policy: PASSIVE made its oneDNN products slower (a
+        # step at N 8, L 128 39-44 against 33-37 ms, 3 runs each, 2026-12-02).
         self.clmha_env = dict(base, POCL_CPU_MAX_CU_NUM=t)
+        base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # --same-blas: clmha's products in the BLAS PyTorch 1.13 gets, set up as for it.
+        self.clmha_same_env = dict(self.clmha_env, CLMHA_HOST_BLAS="libopenblas.so.0",
+                                   OPENBLAS_CORETYPE="Cooperlake")
         torch_env = dict(base, OPENBLAS_CORETYPE="Cooperlake")
         self.torch2_env = dict(torch_env)
         self.torch1_env = dict(torch_env)
@@ -240,7 +253,10 @@ class Peers:
         if self.openblas:
             old = self.torch1_env.get("LD_LIBRARY_PATH")
             self.torch1_env["LD_LIBRARY_PATH"] = self.openblas + (":" + old if old else "")
-        self.names = ["clmha:" + i for i in a.impls] + ["torch1"]
+        self.names = ["clmha:" + i for i in a.impls]
+        if a.same_blas:
+            self.names += ["clmha:" + i + ":openblas" for i in a.impls]
+        self.names.append("torch1")
         self.torch2_note = None
         if a.no_torch2:
             self.torch2_note = "left out (--no-torch2)"
@@ -258,7 +274,7 @@ class Peers:
                "--repeat", str(repeat), "--impl", name.split(":")[1]]
         if a.device is not None:
             cmd += ["--device", a.device]
-        return cmd, self.clmha_env
+        return cmd, self.clmha_same_env if name.endswith(":openblas") else self.clmha_env
 
     def torch_cmd(self, name, mode, n, l, repeat):
         a = self.a
@@ -306,7 +322,7 @@ def measure_times(peers, n, l):
                 raise SystemExit(f"backward_peers.py: {name} failed at N {n}, L {l} (exit "
                                  f"{rc}): {tail}")
             turns[name].append(res)
-            print(f"  round {r + 1}: {name:13s} {res['ms']:9.2f} ms (forward "
+            print(f"  round {r + 1}: {name:22s} {res['ms']:9.2f} ms (forward "
                   f"{res['forward_ms']:.2f}, backward {res['backward_ms']:.2f})", flush=True)
     summary = {}
     for name, rs in turns.items():
@@ -340,7 +356,8 @@ def measure_memory(peers, l):
 
 def label(name, info):
     if name.startswith("clmha"):
-        return "clmha, " + name.split(":")[1]
+        return "clmha, " + name.split(":")[1] + (", OpenBLAS" if name.endswith(":openblas")
+                                                 else "")
     return f"PyTorch {info.get('torch', '?')}" if info else name
 
 
