@@ -7,9 +7,9 @@
 //
 // Layouts: the queries, new keys and values in the projected rows (in_proj_bias not added),
 // token t of sequence n in row n*T + t (batch_first) or t*N + n; the result merged rows
-// (N*L, E) in the query's row order; the cache vc
-// (N*KVH, CAP, HD) and kc the same size in blocks of BKEYS transposed keys; CAP a multiple of
-// BKEYS; lens (N, 2) uint: each sequence's length before and after this call. Query head h reads KV head h / G (grouped-query attention: G
+// (N*L, E) in the query's row order; the cache vc (N*KVH, CAP, HD) and kc the same size in
+// blocks of BKEYS transposed keys; CAP a multiple of BKEYS; lens (N, 2) uint: each sequence's
+// length before and after this call. Query head h reads KV head h / G (grouped-query attention: G
 // query heads per KV head; G 1 is plain multi-head attention): each work-item of decode_partial
 // holds the G query rows of a group and reads every key and value of its range once for all
 // of them. Its scores need no sum across vector lanes: a key block's dimension c is one
@@ -248,9 +248,9 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
 // add_bias_kv (bias_k, scored against the row's query; its value bias_v) and the zero key of
 // add_zero_attn (score 0, value 0) when the layer has them, into the attention result, written
 // as merged rows (rows, E) for the output projection (not into proj, whose queries other
-// work-items still read); with has_b_out it also fills its part of
-// the output rows y with out_proj.bias (the C operand of the output projection, beta 1). A row
-// that sees no key at all gives zeros.
+// work-items still read); with has_b_out it also fills its part of the output rows y with
+// out_proj.bias (the C operand of the output projection, beta 1). A row that sees no key at all
+// gives zeros.
 kernel void decode_combine(global const float *part_acc, global const float *part_ms,
                            uint parts, global const float *proj, ulong q_at, ulong q_ld,
                            global const float *bias, uint has_bias, global const float *bias_kv,

@@ -97,9 +97,8 @@ typedef struct clmha__core {
     // The core takes the projected rows, not head tiles, for its queries, keys and values
     // (clmha__core_call::q_at ...) and writes the attention result as merged rows (rows, E)
     // into layer->tiles[CLMHA__TILE_OUT] (not layer->proj, which it reads), the output rows
-    // filled with out_proj.bias: the forward pass then skips
-    // the head split, the merge and the bias fill (the decode core: fewer commands in a decode
-    // step, whose fixed cost they are).
+    // filled with out_proj.bias: the forward pass then skips the head split, the merge and the
+    // bias fill (the decode core: fewer commands in a decode step, whose fixed cost they are).
     bool takes_rows;
     // Optional (NULL: the core keeps no state). Called by clmha_layer_create() on a new layer
     // (parameters and cl/heads.cl kernels made): makes the core's per-layer state, stored in

@@ -1,11 +1,11 @@
 // The decode core: the attention of calls with a KV cache (clmha_forward_args::kv_cache), split-K
 // (kernels cl/cores/decode.cl). It takes the call's queries and new key and value rows straight
-// from the input projection (clmha__core::takes_rows; it adds in_proj_bias), appends the keys and
-// values to the cache, then cuts every
-// sequence's cached keys into `parts` ranges scored by separate work-items (decode_partial: a
-// partial softmax per range) and merges the ranges of each query row (decode_combine, which
-// writes merged rows and the output's bias rows), so that a step with one query row per head
-// still fills the device. Its scratch, the partial results, is its own (kept in its state).
+// from the input projection (clmha__core::takes_rows; it adds in_proj_bias), appends the keys
+// and values to the cache, then cuts every sequence's cached keys into `parts` ranges scored by
+// separate work-items (decode_partial: a partial softmax per range) and merges the ranges of
+// each query row (decode_combine, which writes merged rows and the output's bias rows), so that
+// a step with one query row per head still fills the device. Its scratch, the partial results,
+// is its own (kept in its state).
 #include "cores/decode.h"
 
 #include "cache/kv_cache.h"
@@ -208,10 +208,11 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_ulong rows = q_rows, y_off = call->output_offset;
     cl_uint has_b_out = l->desc.bias;
     cl_mem b_out = has_b_out ? l->b_out : ctx->dummy;
-    arg args[] = {ARG(s->part_acc), ARG(s->part_ms),  ARG(parts),       ARG(l->proj),
-                  ARG(q_at),        ARG(q_ld),        ARG(bias),        ARG(has_bias),
-                  ARG(bias_kv),     ARG(has_bias_kv), ARG(zero_attn),   ARG(heads),
-                  ARG(kvh),         ARG(tgt),         ARG(scale),       ARG(l->tiles[CLMHA__TILE_OUT]),
+    cl_mem merged = l->tiles[CLMHA__TILE_OUT];
+    arg args[] = {ARG(s->part_acc), ARG(s->part_ms),  ARG(parts),        ARG(l->proj),
+                  ARG(q_at),        ARG(q_ld),        ARG(bias),         ARG(has_bias),
+                  ARG(bias_kv),     ARG(has_bias_kv), ARG(zero_attn),    ARG(heads),
+                  ARG(kvh),         ARG(tgt),         ARG(scale),        ARG(merged),
                   ARG(n_batch),     ARG(batch_first), ARG(call->output), ARG(y_off),
                   ARG(b_out),       ARG(has_b_out),   ARG(rows)};
     if ((st = clmha__launch(ctx, s->combine, "decode_combine", rows, s->wg, args,
