@@ -558,6 +558,11 @@ Test(backward_cores, fused_gemms_in_blocks) {
     clmha__test_set_fused_backward_block(1);  // one row per block
     run_case(&e, BOTH);
     clmha__test_set_fused_backward_block(0);
+    // Whole planes in one block: batched products of 8 items of ~1 M multiply-adds, 8.7 M in
+    // all, which oneDNN's OpenMP team shares out item by item (clmha__host_blas_sgemm_batch()).
+    bcase f = {.name = "gemms: 8 planes shared", .n = 2, .h = 4, .d = 64, .l = 130, .s = 129,
+               .causal = true, .zero_attn = true};
+    run_case(&f, BOTH);
 }
 
 // The tiled kernels of the fused backward, also where the GEMMs run in the host BLAS (there

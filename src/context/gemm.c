@@ -123,13 +123,12 @@ static void CL_CALLBACK run_host(void *p) {
         const float *a = (const float *)mem[h->from[0]] + h->origin[0] + o->a_off;
         const float *b = (const float *)mem[h->from[1]] + h->origin[1] + o->b_off;
         float *c = (float *)mem[h->from[2]] + h->origin[2] + o->c_off;
-        int was = clmha__host_blas_small_begin(
-            h->blas, (double)o->m * (double)o->n * (double)o->k * (double)batch);
-        for (size_t i = 0; i < batch; ++i)
-            h->blas->sgemm(h->blas->impl, o->ta, o->tb, o->m, o->n, o->k, (float)o->alpha,
-                           a + i * o->a_stride, o->lda, b + i * o->b_stride, o->ldb,
-                           (float)o->beta, c + i * o->c_stride, o->ldc);
-        clmha__host_blas_small_end(was);
+        clmha__host_batch call = {
+            .ta = o->ta, .tb = o->tb, .m = o->m, .n = o->n, .k = o->k, .batch = batch,
+            .alpha = (float)o->alpha, .beta = (float)o->beta, .a = a, .b = b, .c = c,
+            .lda = o->lda, .ldb = o->ldb, .ldc = o->ldc, .a_stride = o->a_stride,
+            .b_stride = o->b_stride, .c_stride = o->c_stride};
+        clmha__host_blas_sgemm_batch(h->blas, &call);
     }
     free(h->captured);
 }

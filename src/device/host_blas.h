@@ -68,6 +68,23 @@ CLMHA__HIDDEN const clmha__host_blas *clmha__host_blas_get(const char **why);
 CLMHA__HIDDEN int clmha__host_blas_small_begin(const clmha__host_blas *blas, double macs);
 CLMHA__HIDDEN void clmha__host_blas_small_end(int was);
 
+// A batched product: item i is C_i = alpha·op(A_i)·op(B_i) + beta·C_i with X_i = x + i·x_stride.
+typedef struct clmha__host_batch {
+    bool ta, tb;
+    size_t m, n, k, batch;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+    size_t lda, ldb, ldc, a_stride, b_stride, c_stride;
+} clmha__host_batch;
+
+// Runs @p p's items in @p blas: small ones in all in one thread (clmha__host_blas_small_begin()),
+// small items of a larger batch under oneDNN shared out among OpenMP's team (each item in one
+// thread; the split depends only on the team's size, so results repeat bit for bit), others in
+// turn, each over the library's threads.
+CLMHA__HIDDEN void clmha__host_blas_sgemm_batch(const clmha__host_blas *blas,
+                                               const clmha__host_batch *p);
+
 // The process's dgemm, loaded on the first call (thread-safe): cblas_dgemm of the
 // CLMHA_HOST_BLAS library, else of the first of OpenBLAS, BLIS and MKL (the search above; oneDNN
 // has no dgemm) that loads; NULL without one, or with CLMHA_HOST_BLAS "none". Loaded apart from
