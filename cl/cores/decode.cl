@@ -79,6 +79,25 @@ inline float hsum(float16 v) {
 #endif
 #endif
 
+// The max and the sum of a key block's 16 lanes, by butterfly shuffles of the whole vector (every
+// lane ends with the result): no lane-by-lane extracts, and no halves (.lo, .hi, .even, .odd),
+// which Oclgrind 21.10's uninitialised-value check (kernels built with -cl-opt-disable) takes for
+// uninitialised. fmax skips a NaN lane; its exp (NaN) still reaches the sum.
+#define BUTTERFLY(op, v)                                                                       \
+    v = op(v, shuffle(v, (uint16)(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)));     \
+    v = op(v, shuffle(v, (uint16)(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)));     \
+    v = op(v, shuffle(v, (uint16)(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)));     \
+    v = op(v, shuffle(v, (uint16)(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)))
+#define ADD(a, b) ((a) + (b))
+inline float lanes_max(float16 v) {
+    BUTTERFLY(fmax, v);
+    return v.s0;
+}
+inline float lanes_sum(float16 v) {
+    BUTTERFLY(ADD, v);
+    return v.s0;
+}
+
 // Zeros the cache's keys before its first use: decode_partial reads a key block whole, the
 // positions past a sequence's length too (their scores dropped), which must hold numbers.
 kernel void decode_zero(global float *kc, ulong count) {
@@ -176,34 +195,19 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
             _Pragma("unroll")
             for (uint g = 0; g < G; ++g) sc[g] = fma((float16)(qs[g][c]), kv, sc[g]);
         }
-        // Per query head: the block's probabilities exp(score - mb) (pr), their sum and the
-        // new running maximum mb, and the factor corr that rescales the head's accumulators.
-        float pr[G][BKEYS], corr[G];
+        // Per query head: the block's probabilities exp(score - mb) (prs: lane u is key jb + u,
+        // read below through a float pointer rather than extracted lane by lane), their sum and
+        // the new running maximum mb, and the factor corr that rescales the head's accumulators.
+        float16 prs[G];
+        float corr[G];
         float16 lane = (float16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         for (uint g = 0; g < G; ++g) {
             float16 scv = select(sc[g], (float16)(-INFINITY),
                                  isgreaterequal(lane, (float16)((float)cnt)));
-            float mb;
-            // The lanes' max and sum lane by lane (.s0 ... .sf), not by halves (.lo, .hi):
-            // Oclgrind 21.10's uninitialised-value check (kernels built with -cl-opt-disable)
-            // takes a vector's halves for uninitialised. fmax skips a NaN score, but its exp
-            // (NaN) still reaches the sum.
-            {
-                float m01 = fmax(fmax(fmax(scv.s0, scv.s1), fmax(scv.s2, scv.s3)),
-                                 fmax(fmax(scv.s4, scv.s5), fmax(scv.s6, scv.s7)));
-                float m23 = fmax(fmax(fmax(scv.s8, scv.s9), fmax(scv.sa, scv.sb)),
-                                 fmax(fmax(scv.sc, scv.sd), fmax(scv.se, scv.sf)));
-                mb = max_nan(m[g], fmax(m01, m23));
-            }
+            float mb = max_nan(m[g], lanes_max(scv));
             float16 prv = exp(scv - (float16)(mb));
-            float bsum = (((prv.s0 + prv.s1) + (prv.s2 + prv.s3)) +
-                          ((prv.s4 + prv.s5) + (prv.s6 + prv.s7))) +
-                         (((prv.s8 + prv.s9) + (prv.sa + prv.sb)) +
-                          ((prv.sc + prv.sd) + (prv.se + prv.sf)));
-            pr[g][0] = prv.s0, pr[g][1] = prv.s1, pr[g][2] = prv.s2, pr[g][3] = prv.s3;
-            pr[g][4] = prv.s4, pr[g][5] = prv.s5, pr[g][6] = prv.s6, pr[g][7] = prv.s7;
-            pr[g][8] = prv.s8, pr[g][9] = prv.s9, pr[g][10] = prv.sa, pr[g][11] = prv.sb;
-            pr[g][12] = prv.sc, pr[g][13] = prv.sd, pr[g][14] = prv.se, pr[g][15] = prv.sf;
+            float bsum = lanes_sum(prv);
+            prs[g] = prv;
             corr[g] = m[g] == -INFINITY ? 0.0f : exp(m[g] - mb);
             s[g] = fma(s[g], corr[g], bsum);
             m[g] = mb;
@@ -224,7 +228,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                     VT x = vr[c];
                     UNROLL
                     for (uint gg = 0; gg < GB; ++gg)
-                        a[gg][c] = fma((VT)(pr[g0 + gg][u]), x, a[gg][c]);
+                        a[gg][c] = fma((VT)(((const float *)&prs[g0 + gg])[u]), x, a[gg][c]);
                 }
             }
             UNROLL
