@@ -206,26 +206,13 @@ const clmha__host_blas *clmha__host_blas_get(const char **why) {
     return loaded;
 }
 
-// Products of at most this many multiply-adds in all run in one thread: a decode step's
-// projections (m = 1: 1 x 1536 x 512 is 0.8 M) take ~40 us on one core, and waking OpenMP's
-// team from a driver's worker thread (whose threads then spin on the cores the driver's
-// kernels need) cost more than the second core gave: a decode step at S 4096 took 0.17
-// instead of 0.26 ms with 2 key/value heads on PoCL (2 cores).
+// Products of at most this many multiply-adds in all run in one thread under oneDNN: a decode
+// step's projections (m = 1: 1 x 1536 x 512 is 0.8 M) take ~40 us on one core, and waking
+// OpenMP's team from a driver's worker thread (whose threads then spin on the cores the driver's
+// kernels need) cost more than the second core gave: a decode step at S 4096 took 0.17 instead
+// of 0.26 ms with 2 key/value heads on PoCL (2 cores). The thread count is an OpenMP setting of
+// the calling thread (here the driver's worker), set to 1 around the products and restored.
 #define ONE_THREAD_MACS ((double)(1 << 22))
-
-int clmha__host_blas_small_begin(const clmha__host_blas *b, double macs) {
-    if (b != &blas || b->sgemm != sgemm_dnnl || !omp_get_max || !omp_set_num ||
-        macs > ONE_THREAD_MACS)
-        return 0;
-    int was = omp_get_max();
-    if (was <= 1) return 0;
-    omp_set_num(1);
-    return was;
-}
-
-void clmha__host_blas_small_end(int was) {
-    if (was > 1 && omp_set_num) omp_set_num(was);
-}
 
 // Items of a batched product of at most this many multiply-adds each are shared out among
 // OpenMP's team, each item in one thread, rather than each item split over the team: a
@@ -241,34 +228,38 @@ typedef struct {
     const clmha__host_batch *p;
 } batch_job;
 
+// Items first, first + step, first + 2 step, ... of @p p, in turn.
+static void run_items(const clmha__host_blas *b, const clmha__host_batch *p, size_t first,
+                      size_t step) {
+    for (size_t i = first; i < p->batch; i += step)
+        b->sgemm(b->impl, p->ta, p->tb, p->m, p->n, p->k, p->alpha, p->a + i * p->a_stride,
+                 p->lda, p->b + i * p->b_stride, p->ldb, p->beta, p->c + i * p->c_stride, p->ldc);
+}
+
 // One thread's share of a batch: items t, t + T, t + 2T, ... (a fixed split, so that every item
 // is computed the same way on every run).
 static void batch_share(void *arg) {
     const batch_job *j = arg;
-    const clmha__host_batch *p = j->p;
-    size_t t = (size_t)omp_thread_num(), nt = (size_t)omp_num_threads();
-    for (size_t i = t; i < p->batch; i += nt)
-        j->b->sgemm(j->b->impl, p->ta, p->tb, p->m, p->n, p->k, p->alpha, p->a + i * p->a_stride,
-                    p->lda, p->b + i * p->b_stride, p->ldb, p->beta, p->c + i * p->c_stride,
-                    p->ldc);
+    run_items(j->b, j->p, (size_t)omp_thread_num(), (size_t)omp_num_threads());
 }
 
 void clmha__host_blas_sgemm_batch(const clmha__host_blas *b, const clmha__host_batch *p) {
     double item = (double)p->m * (double)p->n * (double)p->k;
-    int was = clmha__host_blas_small_begin(b, item * (double)p->batch);
-    if (!was && b == &blas && b->sgemm == sgemm_dnnl && omp_parallel && omp_thread_num &&
-        omp_num_threads && omp_get_max && p->batch > 1 && item <= SHARED_ITEM_MACS) {
-        int team = omp_get_max();
-        if (team > 1) {
-            batch_job j = {b, p};
-            omp_parallel(batch_share, &j, (unsigned)team, 0);
-            return;
-        }
+    // oneDNN's OpenMP team size for this thread (0: another library, or no OpenMP found).
+    int team = b == &blas && b->sgemm == sgemm_dnnl && omp_get_max && omp_set_num
+                   ? omp_get_max()
+                   : 0;
+    if (team > 1 && item * (double)p->batch <= ONE_THREAD_MACS) {
+        omp_set_num(1);
+        run_items(b, p, 0, 1);
+        omp_set_num(team);
+    } else if (team > 1 && p->batch > 1 && item <= SHARED_ITEM_MACS && omp_parallel &&
+               omp_thread_num && omp_num_threads) {
+        batch_job j = {b, p};
+        omp_parallel(batch_share, &j, (unsigned)team, 0);
+    } else {
+        run_items(b, p, 0, 1);
     }
-    for (size_t i = 0; i < p->batch; ++i)
-        b->sgemm(b->impl, p->ta, p->tb, p->m, p->n, p->k, p->alpha, p->a + i * p->a_stride,
-                 p->lda, p->b + i * p->b_stride, p->ldb, p->beta, p->c + i * p->c_stride, p->ldc);
-    clmha__host_blas_small_end(was);
 }
 
 // ---- dgemm -------------------------------------------------------------------------------------

@@ -60,14 +60,6 @@ typedef struct clmha__host_dgemm {
 // was tried.
 CLMHA__HIDDEN const clmha__host_blas *clmha__host_blas_get(const char **why);
 
-// Small products in one thread: before a native kernel's products of @p macs multiply-adds in
-// all, under oneDNN, sets the calling thread's OpenMP thread count to 1 when @p macs is small
-// (a decode step's projections), returning the count to restore (0: nothing was changed);
-// clmha__host_blas_small_end() restores it. Waking OpenMP's team from a driver's worker thread
-// costs more than a second core gives on such products (docs/design.md, "Where the GEMMs run").
-CLMHA__HIDDEN int clmha__host_blas_small_begin(const clmha__host_blas *blas, double macs);
-CLMHA__HIDDEN void clmha__host_blas_small_end(int was);
-
 // A batched product: item i is C_i = alpha·op(A_i)·op(B_i) + beta·C_i with X_i = x + i·x_stride.
 typedef struct clmha__host_batch {
     bool ta, tb;
@@ -78,10 +70,12 @@ typedef struct clmha__host_batch {
     size_t lda, ldb, ldc, a_stride, b_stride, c_stride;
 } clmha__host_batch;
 
-// Runs @p p's items in @p blas: small ones in all in one thread (clmha__host_blas_small_begin()),
-// small items of a larger batch under oneDNN shared out among OpenMP's team (each item in one
-// thread; the split depends only on the team's size, so results repeat bit for bit), others in
-// turn, each over the library's threads.
+// Runs @p p's items in @p blas, in queue order from a driver's native kernel. Under oneDNN: a
+// product small in all (a decode step's projections) in one OpenMP thread, since waking
+// OpenMP's team from a driver's worker thread costs more than a second core gives there; small
+// items of a larger batch (per-head products) shared out among the team, each item in one
+// thread (the split depends only on the team's size, so results repeat bit for bit); others in
+// turn, each over the library's threads (docs/design.md, "Where the GEMMs run").
 CLMHA__HIDDEN void clmha__host_blas_sgemm_batch(const clmha__host_blas *blas,
                                                const clmha__host_batch *p);
 
