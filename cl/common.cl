@@ -1,4 +1,4 @@
-// Helpers shared by the attention cores' kernels (cores/unfused.cl, cores/fused.cl); the
+// Helpers shared by the attention cores' kernels (cl/cores/*.cl); the
 // library builds this file in front of them.
 //
 // Mask kinds (host enum clmha_mask_kind): 0 none, 1 bool "true = ignore", 2 bool "true = may
@@ -17,6 +17,12 @@
         global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal, uint dropout_on,    \
         uint dropout_threshold, REAL keep_scale, uint seed_lo, uint seed_hi_xor_off_hi,        \
         uint offset_lo
+
+// The row of token t of sequence n in a (sequence, batch) tensor of n_batch sequences of seq
+// tokens: n * seq + t with batch_first, else t * n_batch + n.
+inline ulong token_row(ulong n, ulong t, ulong n_batch, ulong seq, uint batch_first) {
+    return batch_first ? n * seq + t : t * n_batch + n;
+}
 
 // Philox4x32-10, first output word (the same function as clmha__philox_word0 in src/base/philox.h).
 inline uint philox_word0(uint c0, uint c1, uint c2, uint c3, uint k0, uint k1) {

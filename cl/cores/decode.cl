@@ -125,7 +125,7 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
     ulong t = gid % src_len, bkv = gid / src_len, n = bkv / kv_heads, kh = bkv % kv_heads;
     uint old = lens[2 * n], now = lens[2 * n + 1];
     if (t >= (ulong)(now - old)) return;
-    ulong pos = old + t, row = batch_first ? n * src_len + t : t * n_batch + n;
+    ulong pos = old + t, row = token_row(n, t, n_batch, src_len, batch_first);
     global const float *ks = proj + k_at + row * k_ld + kh * HD;
     global const float *vs = proj + v_at + row * v_ld + kh * HD;
     global float *vd = vc + (bkv * cap + pos) * HD;
@@ -166,7 +166,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
     float qs[G][HD];
     VT acc[G][HV];
     float m[G], s[G];
-    ulong qrow = q_at + (batch_first ? n * tgt_len + i : i * n_batch + n) * q_ld;
+    ulong qrow = q_at + token_row(n, i, n_batch, tgt_len, batch_first) * q_ld;
     for (uint g = 0; g < G; ++g) {
         ulong h = kvh * G + g;
         global const float *qr = proj + qrow + h * HD, *qb = bias + h * HD;
@@ -268,7 +268,7 @@ kernel void decode_combine(global const float *part_acc, global const float *par
     ulong kvh = h / G;  // the row's key/value head
     // Its place in the merged rows and the output rows: query row n*L + i (batch_first) or
     // i*N + n, columns h*HD ... (the output's, out_proj.bias, for the output projection).
-    ulong r = batch_first ? n * tgt_len + i : i * n_batch + n;
+    ulong r = token_row(n, i, n_batch, tgt_len, batch_first);
     ulong at = (r * n_heads + h) * HD;
     if (has_b_out)
         for (uint c = 0; c < HD; ++c) y[y_off + at + c] = b_out[h * HD + c];
