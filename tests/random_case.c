@@ -80,25 +80,28 @@ void instance_make(instance *in, const rcase *c) {
     in->n = n;
     in->kdim = k->kdim ? k->kdim : e;
     in->vdim = k->vdim ? k->vdim : e;
+    in->kve = (k->kv_heads ? k->kv_heads : k->h) * (e / k->h);
     in->s_padded = s + k->add_bias_kv + k->add_zero_attn;
+    const size_t kve = in->kve;
 
     in->desc = (clmha_layer_desc){.struct_size = sizeof(clmha_layer_desc),
                                   .embed_dim = e, .num_heads = k->h, .kdim = k->kdim,
                                   .vdim = k->vdim, .bias = k->bias,
                                   .add_bias_kv = k->add_bias_kv,
                                   .add_zero_attn = k->add_zero_attn,
-                                  .batch_first = k->batch_first, .dropout = k->dropout};
+                                  .batch_first = k->batch_first, .dropout = k->dropout,
+                                  .num_kv_heads = k->kv_heads};
 
     // Parameters: weights ~ U(-1/sqrt(E), 1/sqrt(E)), bias_k / bias_v ~ N(0, 1).
     in->params.struct_size = sizeof in->params;
     const double bound = 1.0 / sqrt((double)e);
-    if (in->kdim == e && in->vdim == e) {
+    if (in->kdim == e && in->vdim == e && kve == e) {
         in->w_in = uniform_floats(&r, 3 * e * e, bound);
         in->params.in_proj_weight = in->w_in;
     } else {
         in->wq = uniform_floats(&r, e * e, bound);
-        in->wk = uniform_floats(&r, e * in->kdim, bound);
-        in->wv = uniform_floats(&r, e * in->vdim, bound);
+        in->wk = uniform_floats(&r, kve * in->kdim, bound);
+        in->wv = uniform_floats(&r, kve * in->vdim, bound);
         in->params.q_proj_weight = in->wq;
         in->params.k_proj_weight = in->wk;
         in->params.v_proj_weight = in->wv;
@@ -106,14 +109,14 @@ void instance_make(instance *in, const rcase *c) {
     in->wo = uniform_floats(&r, e * e, bound);
     in->params.out_proj_weight = in->wo;
     if (k->bias) {
-        in->b_in = uniform_floats(&r, 3 * e, bound);
+        in->b_in = uniform_floats(&r, e + 2 * kve, bound);
         in->bo = uniform_floats(&r, e, bound);
         in->params.in_proj_bias = in->b_in;
         in->params.out_proj_bias = in->bo;
     }
     if (k->add_bias_kv) {
-        in->bk = normal_floats(&r, e);
-        in->bv = normal_floats(&r, e);
+        in->bk = normal_floats(&r, kve);
+        in->bv = normal_floats(&r, kve);
         in->params.bias_k = in->bk;
         in->params.bias_v = in->bv;
     }
@@ -180,16 +183,16 @@ clmha_layer *instance_layer(clmha_context *ctx, const instance *in) {
     clmha_layer *layer = NULL;
     clmha_status st = clmha_layer_create(&layer, ctx, &in->desc);
     cr_assert_eq(st, CLMHA_SUCCESS, "clmha_layer_create: %s", clmha_context_last_error(ctx));
-    const size_t e = in->c.e;
+    const size_t e = in->c.e, kve = in->kve;
     set_param(layer, "in_proj_weight", in->w_in, 3 * e * e);
     set_param(layer, "q_proj_weight", in->wq, e * e);
-    set_param(layer, "k_proj_weight", in->wk, e * in->kdim);
-    set_param(layer, "v_proj_weight", in->wv, e * in->vdim);
-    set_param(layer, "in_proj_bias", in->b_in, 3 * e);
+    set_param(layer, "k_proj_weight", in->wk, kve * in->kdim);
+    set_param(layer, "v_proj_weight", in->wv, kve * in->vdim);
+    set_param(layer, "in_proj_bias", in->b_in, e + 2 * kve);
     set_param(layer, "out_proj.weight", in->wo, e * e);
     set_param(layer, "out_proj.bias", in->bo, e);
-    set_param(layer, "bias_k", in->bk, e);
-    set_param(layer, "bias_v", in->bv, e);
+    set_param(layer, "bias_k", in->bk, kve);
+    set_param(layer, "bias_v", in->bv, kve);
     return layer;
 }
 

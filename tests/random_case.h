@@ -16,6 +16,7 @@ typedef enum attn_layout { LAYOUT_SHARED, LAYOUT_PER_HEAD, LAYOUT_PER_BATCH } at
 // One forward call: the layer, the shapes and the options.
 typedef struct rcase {
     size_t e, h, kdim, vdim;  // kdim/vdim 0 = embed_dim
+    size_t kv_heads;          // 0 = h; below h: grouped-query attention (decode tests only)
     size_t n, l, s;           // n is ignored (1) when unbatched
     bool bias, add_bias_kv, add_zero_attn, batch_first;
     bool unbatched, self_attn, value_is_key;
@@ -36,7 +37,7 @@ typedef struct instance {
     clmha_layer_desc desc;
     clmha_reference_params params;
     clmha_forward_args args;
-    size_t n, kdim, vdim, s_padded, output_count, weights_count;
+    size_t n, kdim, vdim, kve, s_padded, output_count, weights_count;  // kve: K/V proj. rows
     float *w_in, *wq, *wk, *wv, *b_in, *wo, *bo, *bk, *bv;
     float *query, *key, *value;
     void *kpm, *am;

@@ -174,8 +174,8 @@ Test(kv_cache, not_causal, .timeout = 300) {
 }
 
 Test(kv_cache, long_cache_split_k, .timeout = 300) {
-    // 300 tokens, 8 heads of 8 (then 4 of 16 and of 32): the default ranges (several per sequence on every device) and
-    // a forced 7, token by token over the last tokens.
+    // 300 tokens, 8 heads of 8 (then 4 of 16 and of 32): the default ranges (several per
+    // sequence on every device) and a forced 7, token by token over the last tokens.
     rcase c = self_case(14, 300);
     c.e = 64, c.h = 8, c.n = 1;
     check_self(&c, 100, 0, "long cache");
@@ -186,6 +186,23 @@ Test(kv_cache, long_cache_split_k, .timeout = 300) {
     check_self(&c, 100, 7, "long cache, heads of 16");
     c.e = 128;
     check_self(&c, 150, 0, "long cache, heads of 32");
+}
+
+Test(kv_cache, groups_and_odd_head_dims, .timeout = 300) {
+    // On CPUs the decode core keeps SPLIT sums per query head in a block's scores (4 for groups
+    // of 1 to 3 query heads per key/value head, 2 for 4 to 7, 1 from 8): head dims that are not
+    // a multiple of it (the last dimensions go to the first sum), groups of 1, 3, 4 and 8, and
+    // ranges that end inside a block of 16 keys; 70 tokens, 2 sequences.
+    rcase c = self_case(16, 70);
+    c.n = 2;
+    c.e = 15, c.h = 3;  // D 5, G 1
+    check_self(&c, 9, 0, "heads of 5");
+    c.e = 30, c.h = 6, c.kv_heads = 2;  // D 5, G 3
+    check_self(&c, 9, 3, "3 query heads per key/value head, heads of 5");
+    c.e = 56, c.h = 8, c.add_bias_kv = true;  // D 7, G 4
+    check_self(&c, 1, 5, "4 query heads per key/value head, heads of 7, add_bias_kv");
+    c.kv_heads = 1, c.add_bias_kv = false;  // D 7, G 8: multi-query
+    check_self(&c, 70, 0, "8 query heads per key/value head, heads of 7");
 }
 
 // Cross-attention: the fixed key/value (S tokens, kdim/vdim features) goes into the cache with

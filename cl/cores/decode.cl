@@ -54,6 +54,18 @@
 #define GB 1
 #endif
 
+// Independent sums per query head in a block's scores: enough FMA chains (G * SPLIT, at least
+// 8 where G allows) to hide the FMA's latency on a CPU core. The host passes 1 for GPUs.
+#ifndef SPLIT
+#if G >= 8
+#define SPLIT 1
+#elif G >= 4
+#define SPLIT 2
+#else
+#define SPLIT 4
+#endif
+#endif
+
 #if VW == 1
 #define VT float
 inline float hsum(float v) { return v; }
@@ -82,15 +94,18 @@ inline float hsum(float16 v) {
 // The max and the sum of a key block's 16 lanes, by butterfly shuffles of the whole vector (every
 // lane ends with the result): no lane-by-lane extracts, and no halves (.lo, .hi, .even, .odd),
 // which Oclgrind 21.10's uninitialised-value check (kernels built with -cl-opt-disable) takes for
-// uninitialised. fmax skips a NaN lane; its exp (NaN) still reaches the sum.
+// uninitialised. The max is a compare and a select (GREATER; fmax's NaN rules cost x86 two
+// more instructions a step): a NaN lane may or may not win, and either way NaN reaches the
+// block's probabilities (exp(NaN - mb) or exp(score - NaN)), so the row's result is NaN.
 #define BUTTERFLY(op, v)                                                                       \
     v = op(v, shuffle(v, (uint16)(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)));     \
     v = op(v, shuffle(v, (uint16)(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)));     \
     v = op(v, shuffle(v, (uint16)(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)));     \
     v = op(v, shuffle(v, (uint16)(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)))
 #define ADD(a, b) ((a) + (b))
+#define GREATER(a, b) select(a, b, isgreater(b, a))
 inline float lanes_max(float16 v) {
-    BUTTERFLY(fmax, v);
+    BUTTERFLY(GREATER, v);
     return v.s0;
 }
 inline float lanes_sum(float16 v) {
@@ -165,7 +180,8 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
     // and its accumulators.
     float qs[G][HD];
     VT acc[G][HV];
-    float m[G], s[G];
+    float m[G];
+    float16 sv[G];
     ulong qrow = q_at + token_row(n, i, n_batch, tgt_len, batch_first) * q_ld;
     for (uint g = 0; g < G; ++g) {
         ulong h = kvh * G + g;
@@ -177,39 +193,66 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         UNROLL
         for (uint c = 0; c < HV; ++c) acc[g][c] = (VT)(0.0f);
         m[g] = -INFINITY;
-        s[g] = 0.0f;
+        sv[g] = (float16)(0.0f);
     }
     global const float16 *kb = (global const float16 *)(kc + bkv * cap * HD);
     global const float *vb = vc + bkv * cap * HD;
     for (ulong jb = j0; jb < j1; jb += BKEYS) {
         uint cnt = (uint)min((ulong)BKEYS, j1 - jb);
         // The block's scores for the whole group: lane u is key jb + u; each dimension's
-        // vector of the block's keys is read once for the G query heads.
+        // vector of the block's keys is read once for the G query heads. The dimensions go
+        // round SPLIT sets of sums, so that G * SPLIT independent FMA chains hide the FMA's
+        // latency (one chain per head made a head's 64 FMAs wait on each other).
         global const float16 *kt = kb + jb / BKEYS * HD;
-        float16 sc[G];
+        float16 sp[SPLIT][G];
         _Pragma("unroll")
-        for (uint g = 0; g < G; ++g) sc[g] = (float16)(0.0f);
-        _Pragma("unroll 4")
-        for (uint c = 0; c < HD; ++c) {
+        for (uint t = 0; t < SPLIT; ++t) {
+            _Pragma("unroll")
+            for (uint g = 0; g < G; ++g) sp[t][g] = (float16)(0.0f);
+        }
+        uint c = 0;
+        _Pragma("unroll 2")
+        for (; c + SPLIT <= HD; c += SPLIT) {
+            _Pragma("unroll")
+            for (uint t = 0; t < SPLIT; ++t) {
+                float16 kv = kt[c + t];
+                _Pragma("unroll")
+                for (uint g = 0; g < G; ++g)
+                    sp[t][g] = fma((float16)(qs[g][c + t]), kv, sp[t][g]);
+            }
+        }
+        for (; c < HD; ++c) {
             float16 kv = kt[c];
             _Pragma("unroll")
-            for (uint g = 0; g < G; ++g) sc[g] = fma((float16)(qs[g][c]), kv, sc[g]);
+            for (uint g = 0; g < G; ++g) sp[0][g] = fma((float16)(qs[g][c]), kv, sp[0][g]);
         }
-        // Per query head: the block's probabilities exp(score - mb) (prs: lane u is key jb + u,
-        // read below through a float pointer rather than extracted lane by lane), their sum and
-        // the new running maximum mb, and the factor corr that rescales the head's accumulators.
+        float16 sc[G];
+        _Pragma("unroll")
+        for (uint g = 0; g < G; ++g) {
+            sc[g] = sp[0][g];
+            _Pragma("unroll")
+            for (uint t = 1; t < SPLIT; ++t) sc[g] += sp[t][g];
+        }
+        // Per query head (unrolled: the heads' dependency chains interleave): the block's
+        // probabilities exp(score - mb) (prs: lane u is key jb + u, read below through a float
+        // pointer rather than extracted lane by lane), the new running maximum mb, and the
+        // factor corr that rescales the head's accumulators and its lane-wise sums of
+        // probabilities (sv, added across lanes once, after the last block). The running
+        // maximum seldom grows after the first blocks: then corr is 1 and needs no exp.
         float16 prs[G];
         float corr[G];
-        float16 lane = (float16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        if (cnt < BKEYS) {
+            float16 lane = (float16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            int16 past = isgreaterequal(lane, (float16)((float)cnt));
+            _Pragma("unroll")
+            for (uint g = 0; g < G; ++g) sc[g] = select(sc[g], (float16)(-INFINITY), past);
+        }
+        _Pragma("unroll")
         for (uint g = 0; g < G; ++g) {
-            float16 scv = select(sc[g], (float16)(-INFINITY),
-                                 isgreaterequal(lane, (float16)((float)cnt)));
-            float mb = max_nan(m[g], lanes_max(scv));
-            float16 prv = exp(scv - (float16)(mb));
-            float bsum = lanes_sum(prv);
-            prs[g] = prv;
-            corr[g] = m[g] == -INFINITY ? 0.0f : exp(m[g] - mb);
-            s[g] = fma(s[g], corr[g], bsum);
+            float mb = max_nan(m[g], lanes_max(sc[g]));
+            corr[g] = mb > m[g] ? exp(m[g] - mb) : 1.0f;
+            prs[g] = exp(sc[g] - (float16)(mb));
+            sv[g] = fma(sv[g], (float16)(corr[g]), prs[g]);
             m[g] = mb;
         }
         // The weights*V sums, GB query heads at a time, so that their accumulators stay in
@@ -244,7 +287,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         UNROLL
         for (uint c = 0; c < HV; ++c) out[c] = acc[g][c];
         part_ms[2 * row] = m[g];
-        part_ms[2 * row + 1] = s[g];
+        part_ms[2 * row + 1] = lanes_sum(sv[g]);
     }
 }
 

@@ -59,12 +59,15 @@ static void release(void *p) {
 }
 
 // Builds the four kernels for head_dim D, G query heads per KV head, and the vector width of
-// the fused core narrowed to divide D (1 where vector types are unsafe).
+// the fused core narrowed to divide D (1 where vector types are unsafe). GPUs get one sum per
+// query head in a block's scores (SPLIT 1: their many work-items hide the FMA latency, and
+// every extra sum is 16 more registers a work-item); CPUs the kernel's default.
 static clmha_status build(clmha_layer *l, state *s, size_t group) {
     clmha_context *ctx = l->ctx;
     size_t vw = clmha__fused_row_vw(ctx, l->d);
     char options[96];
-    snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu", l->d, group, vw);
+    snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu%s", l->d, group, vw,
+             ctx->cls->coalesced ? " -DSPLIT=1" : "");
     cl_program prog;
     clmha_status st = clmha__program_get(ctx, "decode", options, &prog);
     if (st || (st = clmha__kernel_make(ctx, prog, "decode_zero", &s->zero)) ||
