@@ -286,10 +286,9 @@ static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_
                         l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
-// @p bare: the key and value tiles hold the call's tokens alone, without the appended keys
-// (with a KV cache the decode core adds those after the cached ones; a partial call without
-// appended_keys has none). No @p kv (kv_attend_only): they are not made at all. @p grouped:
-// the key and value tiles have the layer's kvh heads (the core's clmha__core::grouped_kv).
+// @p bare: the key and value tiles hold the call's tokens alone, without the appended keys (a
+// partial call without appended_keys). No @p kv (kv_attend_only): they are not made at all.
+// @p grouped: the key and value tiles have the layer's kvh heads (clmha__core::grouped_kv).
 static clmha_status split(clmha_layer *l, const clmha__dims *d, bool kv, bool bare,
                           bool grouped, scratch *s) {
     clmha_status st;
@@ -403,7 +402,9 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
     if ((st = project(layer, args, d, kv, &s)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
-    bool bare = args->kv_cache || (partial && !partial->appended_keys);
+    // A partial call without the appended keys leaves them out of the key and value tiles (a
+    // call with a KV cache never splits: it runs the decode core, which takes the rows).
+    bool bare = partial && !partial->appended_keys;
     if (core->takes_rows) {  // the core reads the projected rows (and adds their bias)
         call->q_at = s.proj_q + s.col_q, call->q_ld = s.ld_q;
         call->k_at = s.proj_k + s.col_k, call->k_ld = s.ld_k;
