@@ -68,10 +68,14 @@ int clmha_fuzz_safetensors(const uint8_t *data, size_t size) {
         CLMHA_FUZZ_CHECK(clmha__safetensors_meta(&f, f.meta[i].key) == f.meta[i].value);
     }
 
-    // The layer the file describes: on success every tensor has its PyTorch shape.
+    // The layer the file describes (any name set, no prefix): on success every tensor of the
+    // view has its PyTorch shape and is made of tensors of the file whose values it holds.
     clmha_layer_desc desc;
     char dmsg[512] = "";
-    clmha_status dst = clmha__safetensors_desc(&f, name, &desc, dmsg, sizeof dmsg);
+    static clmha__st_view view;
+    clmha__st_load load = {.num_heads = size % 3 == 0 ? 2 : 0};
+    clmha_status dst = clmha__safetensors_layer(&f, name, &load, &view, &desc, dmsg, sizeof dmsg);
+    const clmha__st_file *vf = &view.file;
     if (dst != CLMHA_SUCCESS) {
         CLMHA_FUZZ_CHECK(dst == CLMHA_INVALID_FILE || dst == CLMHA_SIZE_OVERFLOW);
         CLMHA_FUZZ_CHECK(strncmp(dmsg, name, strlen(name)) == 0);
@@ -80,30 +84,43 @@ int clmha_fuzz_safetensors(const uint8_t *data, size_t size) {
         CLMHA_FUZZ_CHECK(clmha__desc_check(&desc, &checked, NULL, 0) == CLMHA_SUCCESS);
         CLMHA_FUZZ_CHECK(checked.kdim == desc.kdim && checked.vdim == desc.vdim);
         const size_t e = desc.embed_dim;
-        CLMHA_FUZZ_CHECK(desc.bias == (clmha__safetensors_tensor(&f, "in_proj_bias") != NULL));
-        CLMHA_FUZZ_CHECK(desc.add_bias_kv == (clmha__safetensors_tensor(&f, "bias_k") != NULL));
-        for (size_t i = 0; i < f.tensor_count; ++i) {
-            const clmha__st_tensor *t = &f.tensors[i];
+        CLMHA_FUZZ_CHECK(desc.bias == (clmha__safetensors_tensor(vf, "in_proj_bias") != NULL));
+        CLMHA_FUZZ_CHECK(desc.add_bias_kv == (clmha__safetensors_tensor(vf, "bias_k") != NULL));
+        // Without a prefix the view holds every tensor of the file, and every tensor of the
+        // view is made of the file's tensors, as many values as it has.
+        size_t parts = 0;
+        for (size_t i = 0; i < vf->tensor_count; ++i) {
+            size_t count = 0;
+            for (size_t p = 0; p < 4 && view.parts[i][p]; ++p, ++parts) {
+                CLMHA_FUZZ_CHECK(view.parts[i][p] >= f.tensors &&
+                                 view.parts[i][p] < f.tensors + f.tensor_count);
+                count += view.parts[i][p]->count;
+            }
+            CLMHA_FUZZ_CHECK(count == vf->tensors[i].count);
+        }
+        CLMHA_FUZZ_CHECK(parts == f.tensor_count);
+        for (size_t i = 0; i < vf->tensor_count; ++i) {
+            const clmha__st_tensor *t = &vf->tensors[i];
             size_t want[3] = {0, 0, 0}, nd = 0;
-            if (!strcmp(t->name, "in_proj_weight"))
+            if (!strcmp(t->param, "in_proj_weight"))
                 nd = 2, want[0] = 3 * e, want[1] = e;
-            else if (!strcmp(t->name, "q_proj_weight") || !strcmp(t->name, "out_proj.weight"))
+            else if (!strcmp(t->param, "q_proj_weight") || !strcmp(t->param, "out_proj.weight"))
                 nd = 2, want[0] = e, want[1] = e;
-            else if (!strcmp(t->name, "k_proj_weight"))
+            else if (!strcmp(t->param, "k_proj_weight"))
                 nd = 2, want[0] = e, want[1] = desc.kdim;
-            else if (!strcmp(t->name, "v_proj_weight"))
+            else if (!strcmp(t->param, "v_proj_weight"))
                 nd = 2, want[0] = e, want[1] = desc.vdim;
-            else if (!strcmp(t->name, "in_proj_bias"))
+            else if (!strcmp(t->param, "in_proj_bias"))
                 nd = 1, want[0] = 3 * e;
-            else if (!strcmp(t->name, "out_proj.bias"))
+            else if (!strcmp(t->param, "out_proj.bias"))
                 nd = 1, want[0] = e;
-            else if (!strcmp(t->name, "bias_k") || !strcmp(t->name, "bias_v"))
+            else if (!strcmp(t->param, "bias_k") || !strcmp(t->param, "bias_v"))
                 nd = 3, want[0] = 1, want[1] = 1, want[2] = e;
             CLMHA_FUZZ_CHECK(nd != 0);  // only known names pass
             CLMHA_FUZZ_CHECK(t->ndim == nd);
             for (size_t k = 0; k < nd; ++k) CLMHA_FUZZ_CHECK(t->shape[k] == want[k]);
         }
-        if (clmha__safetensors_tensor(&f, "in_proj_weight"))
+        if (clmha__safetensors_tensor(vf, "in_proj_weight"))
             CLMHA_FUZZ_CHECK(desc.kdim == e && desc.vdim == e);
     }
 

@@ -966,6 +966,78 @@ CLMHA_API clmha_status clmha_layer_load(clmha_layer **out, clmha_context *ctx, c
 CLMHA_API clmha_status clmha_layer_load_as(clmha_layer **out, clmha_context *ctx,
                                            const char *path, clmha_dtype dtype);
 
+/// What clmha_layer_load_prefixed() does with ::clmha_load_options::batch_first. Added after
+/// 0.1.0.
+typedef enum clmha_batch_first {
+    CLMHA_BATCH_FIRST_AUTO = 0,  ///< the file's `__metadata__` batch_first; without one, true for
+                                 ///< the name sets of batch-first modules (continuiti's, the
+                                 ///< w_q/w_k/w_v/w_concat module), false for PyTorch's names
+    CLMHA_BATCH_FIRST_NO = 1,    ///< false, whatever the file says
+    CLMHA_BATCH_FIRST_YES = 2,   ///< true, whatever the file says
+} clmha_batch_first;
+
+/// Options of clmha_layer_load_prefixed(). Zero-initialise with struct_size set
+/// (CLMHA_STRUCT_INIT(clmha_load_options)): every field's zero is clmha_layer_load()'s
+/// behaviour. Added after 0.1.0.
+typedef struct clmha_load_options {
+    size_t struct_size;  ///< sizeof(clmha_load_options) (see ::CLMHA_STRUCT_INIT)
+    /// NULL or "": every tensor of the file belongs to the layer. Else only the tensors whose
+    /// names start with it, the prefix stripped (a prefix that does not end in '.' gets one:
+    /// "encoder.layers.0.self_attn" picks `encoder.layers.0.self_attn.in_proj_weight`, ...);
+    /// the file's other tensors are ignored, so one attention module is picked out of a whole
+    /// model's checkpoint (`safetensors.torch.save_file(model.state_dict(), path)`).
+    const char *prefix;
+    /// 0: the file's `__metadata__` num_heads (required there). Else the number of heads: a
+    /// file whose metadata has num_heads must agree with it.
+    size_t num_heads;
+    clmha_dtype dtype;            ///< the layer's dtype, as in clmha_layer_load_as() (0: float32)
+    clmha_batch_first batch_first;  ///< see ::clmha_batch_first (0: from the file)
+} clmha_load_options;
+
+/// clmha_layer_load() with options: a prefix that picks one attention module out of a file
+/// holding a whole model, the number of heads for files without `num_heads` metadata, the
+/// layer's dtype and batch_first. Added after 0.1.0.
+///
+/// Three name sets are recognised from the tensors present (after the prefix is stripped):
+/// - `nn.MultiheadAttention`'s (see clmha_layer_load());
+/// - continuiti's `MultiHeadAttention`: `query_project.weight`, `key_project.weight`,
+///   `value_project.weight`, `out_project.weight`, (E, E), and with bias `query_project.bias`,
+///   `key_project.bias`, `value_project.bias`, `out_project.bias`, (E), all four or none;
+/// - the classic split-heads module: `w_q.weight`, `w_k.weight`, `w_v.weight`,
+///   `w_concat.weight` and their `.bias`, named and shaped likewise.
+///
+/// The last two load as q_proj_weight, k_proj_weight, v_proj_weight, out_proj.weight and, with
+/// bias, in_proj_bias (the three input biases, concatenated) and out_proj.bias; both modules
+/// compute what `nn.MultiheadAttention` with those parameters computes, batch first. A file
+/// that mixes two name sets, or holds (under the prefix, or at all without one) a tensor that
+/// none of them has, is refused naming the tensors. Metadata (num_heads, batch_first,
+/// add_zero_attn, dropout) is read as clmha_layer_load() reads it, from the file's
+/// `__metadata__`, whatever the prefix.
+///
+/// Limits: without a prefix those of clmha_layer_load(). With a prefix a file may hold a whole
+/// model: a header of at most 8 MiB with at most 65536 tensor entries and at most 1048576
+/// JSON values in all (counted on the text before it is parsed, so that parsing a hostile
+/// header costs at most about 100 MB and a fraction of a second), of which the layer takes at
+/// most 9; the whole file is read.
+///
+/// A file written by `torch.save` (a zip archive, or a pickle) is refused with
+/// ::CLMHA_INVALID_FILE and a message that says how to convert it.
+/// @param[out] out      the new layer, or NULL on failure
+/// @param[in]  ctx      the context to create it on
+/// @param[in]  path     the file's path
+/// @param[in]  options  NULL: as clmha_layer_load(); else its struct_size must be set
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also an unknown dtype or batch_first, a
+///         struct_size that is 0 or too large), ::CLMHA_UNSUPPORTED (a newer struct that sets a
+///         field this library does not have, or ::CLMHA_DTYPE_F64 on a device without double
+///         precision), ::CLMHA_IO_ERROR, ::CLMHA_INVALID_FILE (also: no num_heads in the
+///         options or the metadata, num_heads that disagrees with the metadata, a prefix that
+///         matches no tensor: the message lists prefixes the file has), ::CLMHA_SIZE_OVERFLOW,
+///         ::CLMHA_OUT_OF_MEMORY, and the statuses of clmha_layer_create() and
+///         clmha_layer_set_parameter()
+CLMHA_API clmha_status clmha_layer_load_prefixed(clmha_layer **out, clmha_context *ctx,
+                                                 const char *path,
+                                                 const clmha_load_options *options);
+
 /// Writes the layer to @p path in the format clmha_layer_load() reads (F32 tensors, metadata
 /// with num_heads, batch_first, add_zero_attn and dropout). The file appears whole or not at all
 /// (written to a temporary file in the same folder, then renamed; a file it replaces keeps its

@@ -56,6 +56,7 @@ int main() {
         reinterpret_cast<const void *>(&clmha_layer_get_parameter_f64),
         reinterpret_cast<const void *>(&clmha_layer_load),
         reinterpret_cast<const void *>(&clmha_layer_load_as),
+        reinterpret_cast<const void *>(&clmha_layer_load_prefixed),
         reinterpret_cast<const void *>(&clmha_layer_output_counts),
         reinterpret_cast<const void *>(&clmha_layer_parameter_count),
         reinterpret_cast<const void *>(&clmha_layer_release),

@@ -30,6 +30,16 @@
 #define CLMHA__ST_MAX_TENSORS 9
 // Most dimensions a tensor may have.
 #define CLMHA__ST_MAX_DIMS 8
+// The limits of a file read with a prefix (clmha_layer_load_prefixed()), which may hold a whole
+// model's parameters, of which the layer takes at most CLMHA__ST_MAX_TENSORS: a header of at
+// most 8 MiB (a 65536-tensor checkpoint's header, at about 120 bytes an entry), at most 65536
+// tensor entries, and at most 1 Mi JSON values (objects, arrays, strings, numbers), counted
+// on the text before cJSON parses it: cJSON takes about 80 bytes a value, so a hostile header
+// costs at most about 100 MB and tens of milliseconds, not the 40 times its text a header of
+// one-digit numbers would.
+#define CLMHA__ST_MODEL_MAX_HEADER ((size_t)8 << 20)
+#define CLMHA__ST_MODEL_MAX_TENSORS 65536
+#define CLMHA__ST_MODEL_MAX_VALUES ((size_t)1 << 20)
 
 typedef enum clmha__st_dtype {
     CLMHA__ST_F16,  // IEEE binary16
@@ -40,7 +50,9 @@ typedef enum clmha__st_dtype {
 
 // One tensor of a parsed file. Strings belong to the file; data points into the caller's bytes.
 typedef struct clmha__st_tensor {
-    const char *name;
+    const char *name;   // the file's name, for messages
+    const char *param;  // the nn.MultiheadAttention parameter it is, for lookups: the name
+                        // in a parsed file, the mapped name in a clmha__st_view
     clmha__st_dtype dtype;
     size_t ndim;
     size_t shape[CLMHA__ST_MAX_DIMS];
@@ -64,6 +76,30 @@ typedef struct clmha__st_file {
     size_t meta_count;
 } clmha__st_file;
 
+// Which limits clmha__safetensors_parse_as() applies.
+typedef enum clmha__st_limits {
+    CLMHA__ST_LAYER_LIMITS,  // a layer file: CLMHA__ST_MAX_HEADER, CLMHA__ST_MAX_TENSORS
+    CLMHA__ST_MODEL_LIMITS,  // a model's checkpoint: the CLMHA__ST_MODEL_MAX_* limits
+} clmha__st_limits;
+
+// The largest header length a file read under @p limits may announce.
+CLMHA__HIDDEN size_t clmha__st_max_header(clmha__st_limits limits);
+
+// When the first @p n bytes of a file (of @p file_size bytes in all) are those of a file
+// written by torch.save() -- a zip archive ("PK\x03\x04") or a pickle (0x80, protocol 2..5,
+// and not a plausible safetensors header) -- writes a message (starting with @p name) saying
+// so and how to convert it, and returns CLMHA_INVALID_FILE; else CLMHA_SUCCESS.
+CLMHA__HIDDEN clmha_status clmha__st_torch_save_check(const unsigned char *b, size_t n,
+                                                      size_t file_size, const char *name,
+                                                      char *msg, size_t msg_size);
+
+// clmha__safetensors_parse() under @p limits.
+CLMHA__HIDDEN clmha_status clmha__safetensors_parse_as(const void *bytes, size_t size,
+                                                       const char *name,
+                                                       clmha__st_limits limits,
+                                                       clmha__st_file *out, char *msg,
+                                                       size_t msg_size);
+
 // Parses and fully checks the file held in @p bytes (@p size bytes; read-only, must outlive
 // @p out). @p name (the path) starts every message. On failure writes a message to @p msg and
 // leaves @p out empty; returns CLMHA_SUCCESS, CLMHA_INVALID_ARGUMENT (NULL pointers),
@@ -81,7 +117,7 @@ CLMHA__HIDDEN clmha_status clmha__safetensors_parse(const void *bytes, size_t si
 // Frees what a successful parse allocated and empties @p file. Accepts NULL and empty files.
 CLMHA__HIDDEN void clmha__safetensors_free(clmha__st_file *file);
 
-// The tensor called @p name, or NULL.
+// The tensor whose param is @p name (in a parsed file: whose name is), or NULL.
 CLMHA__HIDDEN const clmha__st_tensor *clmha__safetensors_tensor(const clmha__st_file *file,
                                                                const char *name);
 
@@ -102,5 +138,57 @@ CLMHA__HIDDEN void clmha__safetensors_to_double(const clmha__st_tensor *t, doubl
 CLMHA__HIDDEN clmha_status clmha__safetensors_desc(const clmha__st_file *file, const char *name,
                                                    clmha_layer_desc *desc, char *msg,
                                                    size_t msg_size);
+
+// What clmha_load_options asks of a file, as the formats module reads it.
+typedef struct clmha__st_load {
+    const char *prefix;     // NULL or "": none
+    size_t num_heads;       // 0: the metadata's
+    clmha_batch_first batch_first;
+} clmha__st_load;
+
+// The tensors of a file under nn.MultiheadAttention's names: the prefix stripped and the name
+// set mapped. Points into the file it was made from, which must outlive it.
+typedef struct clmha__st_view {
+    clmha__st_file file;  // tensors: the layer's, each param a PyTorch name; meta: the file's;
+                          // json NULL (owns nothing)
+    clmha__st_tensor tensors[CLMHA__ST_MAX_TENSORS];
+    // The file's tensors each view tensor is made of, concatenated along dimension 0: one for
+    // most, three (q, k, v) for a seed module's in_proj_bias; NULL after the last.
+    const clmha__st_tensor *parts[CLMHA__ST_MAX_TENSORS][4];
+    const char *name_set;   // "nn.MultiheadAttention", "continuiti", "w_q/w_k/w_v/w_concat"
+    bool batch_first_set;   // a batch-first module's name set (the seeds)
+    char joined[3][256];    // the names of concatenated tensors, for messages
+} clmha__st_view;
+
+// Picks the layer's tensors out of @p file (@p prefix: NULL or "" for all) into @p view and
+// recognises their name set. Returns CLMHA_SUCCESS or CLMHA_INVALID_FILE (no tensor under the
+// prefix: the message lists prefixes the file has; an unknown tensor; tensors of two name
+// sets; a seed module's biases not all present or absent or not of its weights' widths).
+CLMHA__HIDDEN clmha_status clmha__safetensors_select(const clmha__st_file *file,
+                                                     const char *name, const char *prefix,
+                                                     clmha__st_view *view, char *msg,
+                                                     size_t msg_size);
+
+// clmha__safetensors_select() then clmha__safetensors_desc() on the view with the options of
+// @p load (NULL: none).
+CLMHA__HIDDEN clmha_status clmha__safetensors_layer(const clmha__st_file *file,
+                                                    const char *name,
+                                                    const clmha__st_load *load,
+                                                    clmha__st_view *view,
+                                                    clmha_layer_desc *desc, char *msg,
+                                                    size_t msg_size);
+
+// clmha__safetensors_desc() with options: num_heads (0: the metadata's; else the metadata's, if
+// any, must agree) and batch_first (CLMHA_BATCH_FIRST_AUTO: the metadata's, else
+// @p default_batch_first).
+CLMHA__HIDDEN clmha_status clmha__safetensors_desc_opts(const clmha__st_file *file,
+                                                        const char *name, size_t num_heads,
+                                                        clmha_batch_first batch_first,
+                                                        bool default_batch_first,
+                                                        clmha_layer_desc *desc, char *msg,
+                                                        size_t msg_size);
+
+// The values of view tensor @p i as doubles (its parts one after the other), exactly.
+CLMHA__HIDDEN void clmha__st_view_to_double(const clmha__st_view *view, size_t i, double *out);
 
 #endif

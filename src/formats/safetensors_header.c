@@ -371,13 +371,46 @@ static clmha_status parse_metadata(const cJSON *obj, clmha__st_file *out, const 
     return CLMHA_SUCCESS;
 }
 
-clmha_status clmha__st_header_too_long(uint64_t n, const char *name, char *msg,
-                                       size_t msg_size) {
+size_t clmha__st_max_header(clmha__st_limits limits) {
+    return limits == CLMHA__ST_MODEL_LIMITS ? CLMHA__ST_MODEL_MAX_HEADER : CLMHA__ST_MAX_HEADER;
+}
+
+clmha_status clmha__st_header_too_long(uint64_t n, clmha__st_limits limits, const char *name,
+                                       char *msg, size_t msg_size) {
+    if (limits == CLMHA__ST_MODEL_LIMITS)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the header length %llu exceeds the limit of %zu bytes for a "
+                          "model's file read with a prefix (at most %d tensor entries); refused "
+                          "without reading it",
+                          name, (unsigned long long)n, CLMHA__ST_MODEL_MAX_HEADER,
+                          CLMHA__ST_MODEL_MAX_TENSORS);
     return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                       "%s: the header length %llu exceeds the limit of %zu bytes for a layer "
                       "file (a layer's header holds at most %d tensors and a few metadata "
-                      "strings); refused without reading it",
+                      "strings; a whole model's file needs a prefix); refused without reading it",
                       name, (unsigned long long)n, CLMHA__ST_MAX_HEADER, CLMHA__ST_MAX_TENSORS);
+}
+
+clmha_status clmha__st_torch_save_check(const unsigned char *b, size_t n, size_t file_size,
+                                        const char *name, char *msg, size_t msg_size) {
+    const char *kind = NULL;
+    if (n >= 4 && memcmp(b, "PK\x03\x04", 4) == 0) {
+        kind = "a zip archive, torch.save()'s format";
+    } else if (n >= 2 && b[0] == 0x80 && b[1] >= 2 && b[1] <= 5) {
+        // As a safetensors file, 0x80 0x0N would be a header length of 0x0N80 bytes: such a
+        // file has zeros up to byte 8 and its header starts with '{'.
+        bool header = n >= 9 && clmha__st_le64(b) <= file_size - 8 && b[8] == '{';
+        if (!header) kind = "a pickle, torch.save()'s legacy format";
+    }
+    if (!kind) return CLMHA_SUCCESS;
+    return clmha__msg(
+        msg, msg_size, CLMHA_INVALID_FILE,
+        "%s: this is a PyTorch checkpoint written by torch.save (%s), not a .safetensors "
+        "file; clmha reads .safetensors layer files. Convert a saved module with: python3 -c "
+        "\"import clmha.torch, torch; clmha.torch.export(torch.load('%s'), '%s.safetensors')\"; "
+        "or save a state_dict with safetensors.torch.save_file(state_dict, path) and pick the "
+        "attention module out of it with --prefix and --num-heads (clmha_load_options)",
+        name, kind, name, name);
 }
 
 // "tensor "x" (data_offsets [b, e])" into @p buf.
@@ -400,50 +433,82 @@ static int compare_ranges(const void *a, const void *b) {
 // or hole, and the last ends at the end of the data section.
 static clmha_status check_coverage(const clmha__st_file *f, size_t data_size, const char *name,
                                    char *msg, size_t msg_size) {
-    const clmha__st_tensor *sorted[CLMHA__ST_MAX_TENSORS];
     size_t n = f->tensor_count;
+    const clmha__st_tensor *small[CLMHA__ST_MAX_TENSORS];
+    const clmha__st_tensor **sorted = small;
+    if (n > CLMHA__ST_MAX_TENSORS && !(sorted = malloc(n * sizeof *sorted)))
+        return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", name);
+    clmha_status st = CLMHA_SUCCESS;
     for (size_t i = 0; i < n; ++i) sorted[i] = &f->tensors[i];
     if (n > 1) qsort(sorted, n, sizeof *sorted, compare_ranges);
     char a[160], b[160];
     size_t at = 0;  // end of the bytes covered so far
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < n && !st; ++i) {
         const clmha__st_tensor *t = sorted[i];
-        if (t->begin < at)  // i > 0: at is 0 before the first
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: %s overlaps %s; the tensors' data must follow one another "
-                              "without overlap",
-                              name, range_text(a, sizeof a, t),
-                              range_text(b, sizeof b, sorted[i - 1]));
-        if (t->begin > at) {
-            if (i == 0)
-                return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                                  "%s: bytes [0, %zu) of the data section belong to no tensor "
-                                  "(before %s)",
-                                  name, t->begin, range_text(a, sizeof a, t));
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: bytes [%zu, %zu) of the data section belong to no tensor (a "
-                              "hole between %s and %s)",
-                              name, at, t->begin, range_text(a, sizeof a, sorted[i - 1]),
-                              range_text(b, sizeof b, t));
+        if (t->begin < at) {  // i > 0: at is 0 before the first
+            st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                            "%s: %s overlaps %s; the tensors' data must follow one another "
+                            "without overlap",
+                            name, range_text(a, sizeof a, t),
+                            range_text(b, sizeof b, sorted[i - 1]));
+        } else if (t->begin > at && i == 0) {
+            st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                            "%s: bytes [0, %zu) of the data section belong to no tensor "
+                            "(before %s)",
+                            name, t->begin, range_text(a, sizeof a, t));
+        } else if (t->begin > at) {
+            st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                            "%s: bytes [%zu, %zu) of the data section belong to no tensor (a "
+                            "hole between %s and %s)",
+                            name, at, t->begin, range_text(a, sizeof a, sorted[i - 1]),
+                            range_text(b, sizeof b, t));
         }
         at = t->end;
     }
-    if (at < data_size) {
-        if (n == 0)
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: bytes [0, %zu) of the data section belong to no tensor (the "
-                              "header has no tensor)",
-                              name, data_size);
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: bytes [%zu, %zu) of the data section belong to no tensor (after "
-                          "%s, the last)",
-                          name, at, data_size, range_text(a, sizeof a, sorted[n - 1]));
+    if (!st && at < data_size && n == 0) {
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "%s: bytes [0, %zu) of the data section belong to no tensor (the "
+                        "header has no tensor)",
+                        name, data_size);
+    } else if (!st && at < data_size) {
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "%s: bytes [%zu, %zu) of the data section belong to no tensor (after "
+                        "%s, the last)",
+                        name, at, data_size, range_text(a, sizeof a, sorted[n - 1]));
     }
-    return CLMHA_SUCCESS;
+    if (sorted != small) free(sorted);
+    return st;
 }
 
 clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char *name,
                                       clmha__st_file *out, char *msg, size_t msg_size) {
+    return clmha__safetensors_parse_as(bytes, size, name, CLMHA__ST_LAYER_LIMITS, out, msg,
+                                       msg_size);
+}
+
+// An upper bound on the JSON values of the text @p h (n bytes): its commas and opening brackets
+// outside strings, plus one (each value but the first of a container follows a comma, the
+// first follows its bracket). Keys are not values (cJSON keeps them in their value's node).
+static size_t count_values(const unsigned char *h, size_t n) {
+    size_t count = 1;
+    bool in_string = false;
+    for (size_t i = 0; i < n; ++i) {
+        unsigned char c = h[i];
+        if (in_string) {
+            if (c == '\\') ++i;
+            else if (c == '"') in_string = false;
+        } else if (c == '"') {
+            in_string = true;
+        } else if (c == ',' || c == '[' || c == '{') {
+            ++count;
+        }
+    }
+    return count;
+}
+
+clmha_status clmha__safetensors_parse_as(const void *bytes, size_t size, const char *name,
+                                         clmha__st_limits limits, clmha__st_file *out, char *msg,
+                                         size_t msg_size) {
     if (!out) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "out is NULL");
     memset(out, 0, sizeof *out);
     if (!name) name = "(unnamed)";
@@ -466,9 +531,10 @@ clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char
                         name, size);
         goto fail;
     }
+    if ((st = clmha__st_torch_save_check(b, size, size, name, msg, msg_size))) goto fail;
     uint64_t n64 = clmha__st_le64(b);
-    if (n64 > CLMHA__ST_MAX_HEADER) {
-        st = clmha__st_header_too_long(n64, name, msg, msg_size);
+    if (n64 > clmha__st_max_header(limits)) {
+        st = clmha__st_header_too_long(n64, limits, name, msg, msg_size);
         goto fail;
     }
     if (n64 > size - 8) {
@@ -483,6 +549,16 @@ clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char
     const unsigned char *data = header + n;
     size_t data_size = size - 8 - n;
     if ((st = header_text_check(header, n, name, msg, msg_size))) goto fail;
+    if (limits == CLMHA__ST_MODEL_LIMITS) {
+        size_t values = count_values(header, n);
+        if (values > CLMHA__ST_MODEL_MAX_VALUES) {
+            st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                            "%s: the header holds about %zu JSON values; a model's file read "
+                            "with a prefix holds at most %zu (refused before parsing)",
+                            name, values, CLMHA__ST_MODEL_MAX_VALUES);
+            goto fail;
+        }
+    }
 
     // The format pads the header with trailing spaces; other JSON whitespace is accepted too
     // (as the reference implementation does), anything else after the JSON value is not.
@@ -559,11 +635,19 @@ clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char
             ++count;
         }
     }
-    if (count > CLMHA__ST_MAX_TENSORS) {
+    if (limits == CLMHA__ST_MODEL_LIMITS && count > CLMHA__ST_MODEL_MAX_TENSORS) {
+        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                        "%s: the header has %zu tensor entries; a model's file read with a "
+                        "prefix has at most %d",
+                        name, count, CLMHA__ST_MODEL_MAX_TENSORS);
+        goto fail;
+    }
+    if (limits == CLMHA__ST_LAYER_LIMITS && count > CLMHA__ST_MAX_TENSORS) {
         st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                         "%s: the header has %zu tensor entries; a layer file has at most %d "
                         "(in_proj_weight or q_proj_weight, k_proj_weight and v_proj_weight, "
-                        "in_proj_bias, out_proj.weight, out_proj.bias, bias_k, bias_v)",
+                        "in_proj_bias, out_proj.weight, out_proj.bias, bias_k, bias_v); a whole "
+                        "model's file needs a prefix",
                         name, count, CLMHA__ST_MAX_TENSORS);
         goto fail;
     }
@@ -578,7 +662,7 @@ clmha_status clmha__safetensors_parse(const void *bytes, size_t size, const char
     for (const cJSON *c = root->child; c; c = c->next) {
         if (c == metadata) continue;
         clmha__st_tensor *t = &out->tensors[out->tensor_count++];
-        t->name = c->string;
+        t->name = t->param = c->string;
         if ((st = parse_tensor(c, data, data_size, &nums, t, name, msg, msg_size))) goto fail;
     }
     if (out->tensor_count > 1)  // qsort needs a valid pointer even for no elements
@@ -610,7 +694,7 @@ void clmha__safetensors_free(clmha__st_file *file) {
 const clmha__st_tensor *clmha__safetensors_tensor(const clmha__st_file *file, const char *name) {
     if (!file || !name) return NULL;
     for (size_t i = 0; i < file->tensor_count; ++i)
-        if (strcmp(file->tensors[i].name, name) == 0) return &file->tensors[i];
+        if (strcmp(file->tensors[i].param, name) == 0) return &file->tensors[i];
     return NULL;
 }
 

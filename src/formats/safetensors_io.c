@@ -9,6 +9,7 @@
 #include "base/checked.h"
 #include "base/file_read.h"
 #include "base/file_write.h"
+#include "base/struct_in.h"
 #include "errors/errors.h"
 #include "formats/safetensors_private.h"
 
@@ -25,9 +26,10 @@ static void errno_text(int err, char *buf, size_t size) {
     if (strerror_r(err, buf, size) != 0) snprintf(buf, size, "error %d", err);
 }
 
-// Reads the whole file at @p path into a malloc'd buffer.
-static clmha_status read_file(const clmha_context *ctx, const char *path, unsigned char **out,
-                              size_t *out_size) {
+// Reads the whole file at @p path into a malloc'd buffer; a header longer than @p limits allow,
+// and a file written by torch.save(), are refused before the rest is read.
+static clmha_status read_file(const clmha_context *ctx, const char *path,
+                              clmha__st_limits limits, unsigned char **out, size_t *out_size) {
     char why[256];
     clmha_status st = CLMHA_SUCCESS;
     unsigned char *buf = NULL;
@@ -41,12 +43,19 @@ static clmha_status read_file(const clmha_context *ctx, const char *path, unsign
     if (st) return clmha__fail(ctx, st, "%s", open_msg);
     // The header's length first: a header longer than a layer's can be is refused before the
     // file is read or a buffer sized for it.
-    unsigned char head[8];
+    // 9 bytes: the length and the header's first byte (torch.save()'s files are told apart
+    // by them).
+    unsigned char head[9];
     size_t size = fread(head, 1, sizeof head, f);
-    if (size == sizeof head && clmha__st_le64(head) > CLMHA__ST_MAX_HEADER) {
-        char msg[CLMHA__ERROR_SIZE];
+    char msg[CLMHA__ERROR_SIZE];
+    if ((st = clmha__st_torch_save_check(head, size, file_size, path, msg, sizeof msg))) {
+        st = clmha__fail(ctx, st, "%s", msg);
+        goto fail;
+    }
+    if (size >= 8 && clmha__st_le64(head) > clmha__st_max_header(limits)) {
         st = clmha__fail(
-            ctx, clmha__st_header_too_long(clmha__st_le64(head), path, msg, sizeof msg), "%s", msg);
+            ctx, clmha__st_header_too_long(clmha__st_le64(head), limits, path, msg, sizeof msg),
+            "%s", msg);
         goto fail;
     }
     // The rest, up to the size fstat gave, plus one byte to see a file that grew meanwhile.
@@ -58,6 +67,7 @@ static clmha_status read_file(const clmha_context *ctx, const char *path, unsign
     }
     memcpy(buf, head, size);
     if (size == sizeof head) size += fread(buf + size, 1, cap - size, f);
+    // cap > size read so far: file_size >= 9 when all 9 bytes came.
     if (ferror(f)) {
         errno_text(errno, why, sizeof why);
         st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot read %s: %s", path, why);
@@ -84,31 +94,34 @@ static clmha_status fail_with_path(clmha_context *ctx, clmha_status st, const ch
     return clmha__fail(ctx, st, "%s: %s", path, prev);
 }
 
-clmha_status clmha_layer_load_as(clmha_layer **out, clmha_context *ctx, const char *path,
-                                 clmha_dtype dtype) {
-    if (!out) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "out is NULL");
-    *out = NULL;
-    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
-    if (!path) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "path is NULL");
-
+// The layer of the file at @p path under @p load (NULL: plain), of dtype @p dtype.
+static clmha_status load(clmha_layer **out, clmha_context *ctx, const char *path,
+                         const clmha__st_load *load, clmha_dtype dtype) {
     unsigned char *bytes = NULL;
     size_t size = 0;
     clmha__st_file file = {0};
+    clmha__st_view *view = NULL;
     clmha_layer *layer = NULL;
     double *values = NULL;
     clmha_layer_desc desc;
     char msg[CLMHA__ERROR_SIZE];
-    clmha_status st = read_file(ctx, path, &bytes, &size);
+    bool prefixed = load && load->prefix && load->prefix[0];
+    clmha__st_limits limits = prefixed ? CLMHA__ST_MODEL_LIMITS : CLMHA__ST_LAYER_LIMITS;
+    clmha_status st = read_file(ctx, path, limits, &bytes, &size);
     if (st) goto fail;
-    if ((st = clmha__safetensors_parse(bytes, size, path, &file, msg, sizeof msg)) ||
-        (st = clmha__safetensors_desc(&file, path, &desc, msg, sizeof msg))) {
+    if (!(view = malloc(sizeof *view))) {
+        st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", path);
+        goto fail;
+    }
+    if ((st = clmha__safetensors_parse_as(bytes, size, path, limits, &file, msg, sizeof msg)) ||
+        (st = clmha__safetensors_layer(&file, path, load, view, &desc, msg, sizeof msg))) {
         st = clmha__fail(ctx, st, "%s", msg);
         goto fail;
     }
 
     size_t most = 1;
-    for (size_t i = 0; i < file.tensor_count; ++i)
-        if (file.tensors[i].count > most) most = file.tensors[i].count;
+    for (size_t i = 0; i < view->file.tensor_count; ++i)
+        if (view->tensors[i].count > most) most = view->tensors[i].count;
     size_t bytes_needed = 0;  // fits: the desc check bounds every parameter's size
     if (!clmha__mul(most, sizeof *values, &bytes_needed)) {
         st = clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "%s: a tensor is too large", path);
@@ -124,10 +137,10 @@ clmha_status clmha_layer_load_as(clmha_layer **out, clmha_context *ctx, const ch
         st = fail_with_path(ctx, st, path);
         goto fail;
     }
-    for (size_t i = 0; i < file.tensor_count; ++i) {
-        const clmha__st_tensor *t = &file.tensors[i];
-        clmha__safetensors_to_double(t, values);
-        if ((st = clmha_layer_set_parameter_f64(layer, t->name, values, t->count))) {
+    for (size_t i = 0; i < view->file.tensor_count; ++i) {
+        const clmha__st_tensor *t = &view->tensors[i];
+        clmha__st_view_to_double(view, i, values);
+        if ((st = clmha_layer_set_parameter_f64(layer, t->param, values, t->count))) {
             st = fail_with_path(ctx, st, path);
             goto fail;
         }
@@ -137,13 +150,48 @@ clmha_status clmha_layer_load_as(clmha_layer **out, clmha_context *ctx, const ch
 fail:
     clmha_layer_release(layer);
     free(values);
+    free(view);
     clmha__safetensors_free(&file);
     free(bytes);
     return st;
 }
 
+// The checks every load entry point starts with.
+static clmha_status load_args(clmha_layer **out, clmha_context *ctx, const char *path) {
+    if (!out) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "out is NULL");
+    *out = NULL;
+    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
+    if (!path) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "path is NULL");
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_layer_load_as(clmha_layer **out, clmha_context *ctx, const char *path,
+                                 clmha_dtype dtype) {
+    clmha_status st = load_args(out, ctx, path);
+    return st ? st : load(out, ctx, path, NULL, dtype);
+}
+
 clmha_status clmha_layer_load(clmha_layer **out, clmha_context *ctx, const char *path) {
     return clmha_layer_load_as(out, ctx, path, CLMHA_DTYPE_F32);
+}
+
+clmha_status clmha_layer_load_prefixed(clmha_layer **out, clmha_context *ctx, const char *path,
+                                       const clmha_load_options *options) {
+    clmha_status st = load_args(out, ctx, path);
+    if (st || !options) return st ? st : load(out, ctx, path, NULL, CLMHA_DTYPE_F32);
+    clmha_load_options o;
+    char msg[CLMHA__ERROR_SIZE];
+    if ((st = CLMHA__STRUCT_IN(clmha_load_options, &o, options, "options", msg, sizeof msg)))
+        return clmha__fail(ctx, st, "%s", msg);
+    if (o.batch_first != CLMHA_BATCH_FIRST_AUTO && o.batch_first != CLMHA_BATCH_FIRST_NO &&
+        o.batch_first != CLMHA_BATCH_FIRST_YES)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "options->batch_first is %d, expected CLMHA_BATCH_FIRST_AUTO (0), "
+                           "CLMHA_BATCH_FIRST_NO (1) or CLMHA_BATCH_FIRST_YES (2)",
+                           (int)o.batch_first);
+    clmha__st_load l = {.prefix = o.prefix, .num_heads = o.num_heads,
+                        .batch_first = o.batch_first};
+    return load(out, ctx, path, &l, o.dtype);
 }
 
 // ---- saving -------------------------------------------------------------------------------

@@ -172,6 +172,14 @@ static clmha_status expect_pair(const clmha__st_file *f, const char *a, const ch
 
 clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
                                      clmha_layer_desc *desc, char *msg, size_t msg_size) {
+    return clmha__safetensors_desc_opts(f, name, 0, CLMHA_BATCH_FIRST_AUTO, false, desc, msg,
+                                        msg_size);
+}
+
+clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *name,
+                                          size_t num_heads, clmha_batch_first batch_first_opt,
+                                          bool default_batch_first, clmha_layer_desc *desc,
+                                          char *msg, size_t msg_size) {
     if (!f || !desc) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "NULL argument");
     if (!name) name = "(unnamed)";
     memset(desc, 0, sizeof *desc);
@@ -181,7 +189,7 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
     for (size_t i = 0; i < f->tensor_count; ++i) {
         bool known = false;
         for (size_t k = 0; k < sizeof known_names / sizeof *known_names && !known; ++k)
-            known = strcmp(f->tensors[i].name, known_names[k]) == 0;
+            known = strcmp(f->tensors[i].param, known_names[k]) == 0;
         if (!known)
             return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                               "%s: unknown tensor \"%.*s\" (a nn.MultiheadAttention file holds "
@@ -279,21 +287,28 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
     // Metadata.
     const char *nh = clmha__safetensors_meta(f, "num_heads");
     size_t heads = 0;
-    if (!nh)
+    if (!nh && !num_heads)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                           "%s: __metadata__ has no num_heads (the number of attention heads, a "
-                          "decimal string such as \"8\")",
+                          "decimal string such as \"8\"): pass num_heads "
+                          "(clmha_load_options::num_heads, --num-heads in the clmha program)",
                           name);
-    if (!parse_count(nh, &heads))
+    if (nh && !parse_count(nh, &heads))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                           "%s: __metadata__ num_heads is \"%.*s\", expected a positive decimal "
                           "integer such as \"8\"",
                           name, CLMHA__ST_QUOTE_MAX, nh);
+    if (nh && num_heads && heads != num_heads)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: num_heads %zu was asked for, but the file's __metadata__ says "
+                          "num_heads %zu",
+                          name, num_heads, heads);
+    if (!nh) heads = num_heads;
     if (e % heads != 0)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: __metadata__ num_heads %zu does not divide embed_dim %zu (from "
-                          "out_proj.weight)",
-                          name, heads, e);
+                          "%s: %s num_heads %zu does not divide embed_dim %zu (from "
+                          "%s)",
+                          name, nh ? "__metadata__" : "the given", heads, e, ow->name);
     if (nkv) {  // the shapes of grouped-query attention, now that D = E / num_heads is known
         if (heads % kv_heads != 0)
             return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
@@ -322,6 +337,10 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
     }
     bool batch_first, add_zero_attn;
     if ((st = meta_bool(f, "batch_first", &batch_first, name, msg, msg_size))) return st;
+    if (batch_first_opt == CLMHA_BATCH_FIRST_AUTO && !clmha__safetensors_meta(f, "batch_first"))
+        batch_first = default_batch_first;
+    else if (batch_first_opt != CLMHA_BATCH_FIRST_AUTO)
+        batch_first = batch_first_opt == CLMHA_BATCH_FIRST_YES;
     if ((st = meta_bool(f, "add_zero_attn", &add_zero_attn, name, msg, msg_size))) return st;
     float dropout = 0.0f;
     const char *dp = clmha__safetensors_meta(f, "dropout");
@@ -361,4 +380,265 @@ clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
                           "%s: %s", name, why);
     *desc = checked;
     return CLMHA_SUCCESS;
+}
+
+// ---- name sets and prefixes ---------------------------------------------------------------
+
+// The seed modules' name sets: the four projections' module names, in the order q, k, v, out.
+static const struct {
+    const char *set;
+    const char *module[4];
+} seed_sets[] = {
+    {"continuiti", {"query_project", "key_project", "value_project", "out_project"}},
+    {"w_q/w_k/w_v/w_concat", {"w_q", "w_k", "w_v", "w_concat"}},
+};
+#define SEED_SETS (sizeof seed_sets / sizeof *seed_sets)
+#define TORCH_SET SEED_SETS  // the set index of nn.MultiheadAttention's names
+
+// What @p param (a name with the prefix stripped) is: its set (TORCH_SET for PyTorch's names),
+// the projection (0 q, 1 k, 2 v, 3 out; -1 for PyTorch's names) and whether it is a bias.
+// False for a name of no set.
+static bool classify(const char *param, size_t *set, int *proj, bool *bias) {
+    for (size_t k = 0; k < sizeof known_names / sizeof *known_names; ++k)
+        if (strcmp(param, known_names[k]) == 0) {
+            *set = TORCH_SET, *proj = -1, *bias = false;
+            return true;
+        }
+    for (size_t s = 0; s < SEED_SETS; ++s)
+        for (int p = 0; p < 4; ++p) {
+            size_t n = strlen(seed_sets[s].module[p]);
+            if (strncmp(param, seed_sets[s].module[p], n) != 0) continue;
+            const char *rest = param + n;
+            if (strcmp(rest, ".weight") == 0 || strcmp(rest, ".bias") == 0) {
+                *set = s, *proj = p, *bias = rest[1] == 'b';
+                return true;
+            }
+        }
+    return false;
+}
+
+// The name @p full with the prefix (@p plen bytes of @p prefix, plus a '.' when @p dot) stripped,
+// or NULL when it is not under the prefix.
+static const char *strip_prefix(const char *full, const char *prefix, size_t plen, bool dot) {
+    if (strncmp(full, prefix, plen) != 0) return NULL;
+    if (!dot) return full + plen;
+    return full[plen] == '.' ? full + plen + 1 : NULL;
+}
+
+// Appends to @p buf a list of the prefixes of the file's attention modules: the names of the
+// tensors ending in in_proj_weight, q_proj_weight, query_project.weight or w_q.weight, without
+// that ending.
+static void list_prefixes(const clmha__st_file *f, char *buf, size_t size) {
+    static const char *const ends[] = {"in_proj_weight", "q_proj_weight",
+                                       "query_project.weight", "w_q.weight"};
+    size_t used = strlen(buf), found = 0, shown = 0;
+    const char *listed[5];
+    size_t listed_len[5];
+    for (size_t i = 0; i < f->tensor_count; ++i) {
+        const char *n = f->tensors[i].name;
+        size_t len = strlen(n);
+        for (size_t k = 0; k < sizeof ends / sizeof *ends; ++k) {
+            size_t el = strlen(ends[k]);
+            if (len < el || strcmp(n + len - el, ends[k]) != 0) continue;
+            if (len > el && n[len - el - 1] != '.') continue;  // "xin_proj_weight"
+            bool seen = false;
+            for (size_t j = 0; j < shown && !seen; ++j)
+                seen = listed_len[j] == len - el && strncmp(listed[j], n, len - el) == 0;
+            if (seen) break;
+            ++found;
+            if (shown < 5) {
+                listed[shown] = n, listed_len[shown] = len - el;
+                int w = snprintf(buf + used, used < size ? size - used : 0, "%s\"%.*s\"",
+                                 shown ? ", " : "", (int)(len - el < CLMHA__ST_QUOTE_MAX
+                                                              ? len - el
+                                                              : CLMHA__ST_QUOTE_MAX),
+                                 n);
+                if (w > 0) used += (size_t)w;
+                ++shown;
+            }
+            break;
+        }
+    }
+    if (used >= size) return;
+    if (!found)
+        snprintf(buf + used, size - used,
+                 "none: no tensor's name ends in in_proj_weight, q_proj_weight, "
+                 "query_project.weight or w_q.weight");
+    else if (found > shown)
+        snprintf(buf + used, size - used, " and %zu more", found - shown);
+    else if (listed_len[0] == 0 && found == 1)
+        snprintf(buf + used, size - used, " (the empty prefix: load the file without one)");
+}
+
+clmha_status clmha__safetensors_select(const clmha__st_file *f, const char *name,
+                                       const char *prefix, clmha__st_view *view, char *msg,
+                                       size_t msg_size) {
+    if (!f || !view) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "NULL argument");
+    if (!name) name = "(unnamed)";
+    memset(view, 0, sizeof *view);
+    size_t plen = prefix ? strlen(prefix) : 0;
+    bool dot = plen && prefix[plen - 1] != '.';
+    char modules[512];
+
+    // Which tensors are under the prefix, and of which set; the first of each set found.
+    const clmha__st_tensor *first[SEED_SETS + 1] = {0};
+    const clmha__st_tensor *seed[4][2] = {{0}};  // [projection][bias]
+    size_t matched = 0, sets = 0, set = TORCH_SET;
+    for (size_t i = 0; i < f->tensor_count; ++i) {
+        const clmha__st_tensor *t = &f->tensors[i];
+        const char *param = plen ? strip_prefix(t->name, prefix, plen, dot) : t->name;
+        if (!param) continue;
+        ++matched;
+        size_t s;
+        int proj;
+        bool bias;
+        if (!classify(param, &s, &proj, &bias)) {
+            if (!plen)
+                return clmha__msg(
+                    msg, msg_size, CLMHA_INVALID_FILE,
+                    "%s: unknown tensor \"%.*s\" (a layer file holds the parameters of "
+                    "nn.MultiheadAttention: in_proj_weight or q_proj_weight, k_proj_weight and "
+                    "v_proj_weight, out_proj.weight, and optionally in_proj_bias with "
+                    "out_proj.bias, bias_k with bias_v; or of continuiti's MultiHeadAttention: "
+                    "query_project, key_project, value_project, out_project .weight (and "
+                    ".bias); or w_q, w_k, w_v, w_concat .weight (and .bias). A whole model's "
+                    "file needs a prefix)",
+                    name, CLMHA__ST_QUOTE_MAX, t->name);
+            modules[0] = '\0';
+            list_prefixes(f, modules, sizeof modules);
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: tensor \"%.*s\" under the prefix \"%.*s\" is not a parameter "
+                              "of an attention module (as \"%.*s\"); the file's attention "
+                              "modules have the prefixes %s",
+                              name, CLMHA__ST_QUOTE_MAX, t->name, CLMHA__ST_QUOTE_MAX, prefix,
+                              CLMHA__ST_QUOTE_MAX, param, modules);
+        }
+        if (!first[s]) first[s] = t, ++sets;
+        set = s;
+        if (s != TORCH_SET) seed[proj][bias] = t;
+    }
+    if (plen && !matched) {
+        snprintf(modules, sizeof modules, "%s", "");
+        list_prefixes(f, modules, sizeof modules);
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: no tensor's name starts with the prefix \"%.*s%s\"; the file's "
+                          "attention modules have the prefixes %s",
+                          name, CLMHA__ST_QUOTE_MAX, prefix, dot ? "." : "", modules);
+    }
+    if (sets > 1) {
+        char list[512] = "";
+        size_t used = 0;
+        for (size_t s = 0; s <= SEED_SETS; ++s) {
+            if (!first[s] || used >= sizeof list) continue;
+            int w = snprintf(list + used, sizeof list - used, "%s\"%.*s\" (%s)",
+                             used ? " and " : "", CLMHA__ST_QUOTE_MAX, first[s]->name,
+                             s == TORCH_SET ? "nn.MultiheadAttention" : seed_sets[s].set);
+            if (w > 0) used += (size_t)w;
+        }
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the file mixes the parameter names of two modules: %s; a layer "
+                          "is one module's parameters",
+                          name, list);
+    }
+
+    view->file.meta = f->meta;
+    view->file.meta_count = f->meta_count;
+    view->file.tensors = view->tensors;
+    view->name_set = set == TORCH_SET ? "nn.MultiheadAttention" : seed_sets[set].set;
+    view->batch_first_set = set != TORCH_SET;
+    size_t n = 0;
+    if (set == TORCH_SET) {  // the tensors as they are, known names only: at most 9
+        for (size_t i = 0; i < f->tensor_count; ++i) {
+            const clmha__st_tensor *t = &f->tensors[i];
+            const char *param = plen ? strip_prefix(t->name, prefix, plen, dot) : t->name;
+            if (!param) continue;
+            view->tensors[n] = *t;
+            view->tensors[n].param = param;
+            view->parts[n][0] = t;
+            ++n;
+        }
+        view->file.tensor_count = n;
+        return CLMHA_SUCCESS;
+    }
+
+    // A seed module: its weights as q/k/v_proj_weight and out_proj.weight, its biases (all
+    // four or none) as in_proj_bias (q, k, v concatenated) and out_proj.bias.
+    static const char *const weight_param[4] = {"q_proj_weight", "k_proj_weight",
+                                                "v_proj_weight", "out_proj.weight"};
+    const char *const *mod = seed_sets[set].module;
+    size_t biases = 0;
+    for (int p = 0; p < 4; ++p) biases += seed[p][1] != NULL;
+    if (biases && biases < 4) {
+        int have = 0, lack = 0;
+        while (!seed[have][1]) ++have;
+        while (seed[lack][1]) ++lack;
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the file has \"%.*s\" but no %s.bias; a %s module has the biases "
+                          "of all four projections (bias = True) or none",
+                          name, CLMHA__ST_QUOTE_MAX, seed[have][1]->name, mod[lack],
+                          seed_sets[set].set);
+    }
+    for (int p = 0; p < 4; ++p) {
+        const clmha__st_tensor *w = seed[p][0];
+        if (!w)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: the file has no %s.weight (a %s module has %s, %s, %s and "
+                              "%s, each with .weight)",
+                              name, mod[p], seed_sets[set].set, mod[0], mod[1], mod[2], mod[3]);
+        view->tensors[n] = *w;
+        view->tensors[n].param = weight_param[p];
+        view->parts[n][0] = w;
+        ++n;
+    }
+    if (biases) {
+        for (int p = 0; p < 4; ++p) {
+            const clmha__st_tensor *b = seed[p][1];
+            const clmha__st_tensor *w = seed[p][0];
+            if (b->ndim != 1 || w->ndim < 1 || b->shape[0] != w->shape[0]) {
+                char got[256];
+                return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                                  "%s: tensor \"%.*s\" has shape %s, expected (%zu,): as many "
+                                  "values as \"%.*s\" has rows",
+                                  name, CLMHA__ST_QUOTE_MAX, b->name,
+                                  clmha__st_shape_text(got, sizeof got, b->ndim, b->shape),
+                                  w->ndim ? w->shape[0] : 0, CLMHA__ST_QUOTE_MAX, w->name);
+            }
+        }
+        clmha__st_tensor *ib = &view->tensors[n];
+        *ib = *seed[0][1];
+        snprintf(view->joined[0], sizeof view->joined[0], "%.80s + %.80s + %.80s",
+                 seed[0][1]->name, seed[1][1]->name, seed[2][1]->name);
+        ib->name = view->joined[0];
+        ib->param = "in_proj_bias";
+        ib->shape[0] = seed[0][1]->shape[0] + seed[1][1]->shape[0] + seed[2][1]->shape[0];
+        ib->count = ib->shape[0];
+        ib->data = NULL;  // in the parts
+        for (int p = 0; p < 3; ++p) view->parts[n][p] = seed[p][1];
+        ++n;
+        view->tensors[n] = *seed[3][1];
+        view->tensors[n].param = "out_proj.bias";
+        view->parts[n][0] = seed[3][1];
+        ++n;
+    }
+    view->file.tensor_count = n;
+    return CLMHA_SUCCESS;
+}
+
+void clmha__st_view_to_double(const clmha__st_view *view, size_t i, double *out) {
+    for (size_t p = 0; p < 4 && view->parts[i][p]; ++p) {
+        clmha__safetensors_to_double(view->parts[i][p], out);
+        out += view->parts[i][p]->count;
+    }
+}
+
+clmha_status clmha__safetensors_layer(const clmha__st_file *f, const char *name,
+                                      const clmha__st_load *load, clmha__st_view *view,
+                                      clmha_layer_desc *desc, char *msg, size_t msg_size) {
+    clmha__st_load none = {.prefix = NULL};
+    if (!load) load = &none;
+    if (!name) name = "(unnamed)";
+    clmha_status st = clmha__safetensors_select(f, name, load->prefix, view, msg, msg_size);
+    if (st) return st;
+    return clmha__safetensors_desc_opts(&view->file, name, load->num_heads, load->batch_first,
+                                        view->batch_first_set, desc, msg, msg_size);
 }

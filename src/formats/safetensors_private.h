@@ -34,9 +34,10 @@ static inline const char *clmha__st_shape_text(char *buf, size_t size, size_t nd
     return clmha__shape_str_most(buf, size, ndim, shape, CLMHA__ST_MAX_DIMS);
 }
 
-// The message for a header length @p n over CLMHA__ST_MAX_HEADER, for the file @p name;
-// returns CLMHA_INVALID_FILE.
-CLMHA__HIDDEN clmha_status clmha__st_header_too_long(uint64_t n, const char *name, char *msg,
+// The message for a header length @p n over the header limit of @p limits, for the file
+// @p name; returns CLMHA_INVALID_FILE.
+CLMHA__HIDDEN clmha_status clmha__st_header_too_long(uint64_t n, clmha__st_limits limits,
+                                                     const char *name, char *msg,
                                                      size_t msg_size);
 
 #endif
