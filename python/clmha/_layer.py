@@ -1,0 +1,725 @@
+"""clmha.Layer: one attention layer on NumPy arrays (or pyopencl arrays), its KV cache and its
+saved state for the backward pass."""
+
+import threading
+from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ._context import Context, default_context
+from ._errors import check
+from ._native import ffi, lib
+
+# ---- dtypes ------------------------------------------------------------------------------------
+
+_DTYPE_CODES = {"float32": lib.CLMHA_DTYPE_F32, "float64": lib.CLMHA_DTYPE_F64,
+                "float16": lib.CLMHA_DTYPE_F16, "bfloat16": lib.CLMHA_DTYPE_BF16}
+_DTYPE_ALIASES = {"f32": "float32", "float": "float32", "f64": "float64", "double": "float64",
+                  "f16": "float16", "half": "float16", "bf16": "bfloat16"}
+_DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
+
+
+def dtype_name(dtype) -> str:
+    """"float32", "float64", "float16" or "bfloat16" for a name, a NumPy dtype or a torch dtype
+    (None: float32). Anything else is a TypeError."""
+    if dtype is None:
+        return "float32"
+    text = str(dtype)
+    if text.startswith("torch."):
+        text = text[len("torch."):]
+    if not isinstance(dtype, str):
+        try:
+            text = np.dtype(dtype).name if not str(dtype).startswith("torch.") else text
+        except TypeError:
+            pass
+    text = _DTYPE_ALIASES.get(text, text)
+    if text not in _DTYPE_CODES:
+        raise TypeError(f"unsupported dtype {dtype!r}: clmha layers are float32, float64, "
+                        f"float16 or bfloat16")
+    return text
+
+
+# ---- masks -------------------------------------------------------------------------------------
+
+
+class Mask:
+    """A mask with its polarity and layout stated, for the masks PyTorch's module does not take.
+
+    ``Mask(values, attend=True)``: a boolean mask whose True means "may attend"
+    (``scaled_dot_product_attention``'s and continuiti's polarity; plain bool arrays given to
+    ``forward`` keep ``nn.MultiheadAttention``'s, True = may NOT attend).
+    ``per_batch=True``: a 3-D attn_mask of shape (N, L, S) shared by every head of each batch
+    item (continuiti's layout) instead of PyTorch's (N*H, L, S).
+    """
+
+    def __init__(self, values, *, attend: bool = False, per_batch: bool = False):
+        self.values = values
+        self.attend = bool(attend)
+        self.per_batch = bool(per_batch)
+
+    def __repr__(self) -> str:
+        return (f"clmha.Mask(shape={tuple(np.shape(self.values))}, attend={self.attend}, "
+                f"per_batch={self.per_batch})")
+
+
+def _is_pyopencl_array(x) -> bool:
+    mod = type(x).__module__
+    return mod.startswith("pyopencl") and hasattr(x, "base_data") and hasattr(x, "events")
+
+
+class _Args:
+    """A clmha_forward_args being filled, with the Python objects it points into kept alive."""
+
+    def __init__(self):
+        self.c = ffi.new("clmha_forward_args *")
+        self.c.struct_size = ffi.sizeof("clmha_forward_args")
+        self.keep = []
+        self.wait = []  # pyopencl events the device call waits for
+
+
+def _check_array(name: str, a, ranks: Iterable[int]) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray (or a pyopencl.array.Array on a "
+                        f"pyopencl context), not {type(a).__name__}")
+    if a.ndim not in ranks:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ranks))} dimensions; its "
+                         f"shape is {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} is not C-contiguous (shape {a.shape}, strides {a.strides}): "
+                         f"pass numpy.ascontiguousarray({name})")
+    if any(s == 0 for s in a.shape):
+        raise ValueError(f"{name} has an empty dimension (shape {a.shape})")
+    return a
+
+
+def _fill_tensor(t, array: np.ndarray, args: _Args) -> None:
+    t.ndim = array.ndim
+    for i, s in enumerate(array.shape):
+        t.shape[i] = s
+    t.data = ffi.from_buffer(array)
+    args.keep.append(array)
+
+
+def _fill_device_tensor(t, array, args: _Args, element_dtypes) -> None:
+    if array.dtype not in element_dtypes:
+        raise TypeError(f"a pyopencl array of dtype {array.dtype} where "
+                        f"{' or '.join(str(d) for d in element_dtypes)} is expected")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"pyopencl array of shape {array.shape} is not C-contiguous")
+    t.ndim = array.ndim
+    for i, s in enumerate(array.shape):
+        t.shape[i] = s
+    t.buffer = ffi.cast("cl_mem", array.base_data.int_ptr)
+    t.offset = array.offset // array.dtype.itemsize
+    args.keep.append(array)
+    args.wait.extend(array.events)
+
+
+class Layer:
+    """One multi-head attention layer (``torch.nn.MultiheadAttention``'s configuration and
+    parameters) on an OpenCL device.
+
+    ``Layer(embed_dim, num_heads, *, dropout=0.0, bias=True, add_bias_kv=False,
+    add_zero_attn=False, kdim=None, vdim=None, batch_first=False, num_kv_heads=None,
+    dtype="float32", context=None)``: the fields of ``clmha_layer_desc``, with PyTorch's defaults.
+    Parameters start at zero: set them by PyTorch name (``layer["in_proj_weight"] = w``,
+    ``load_state_dict``) or make the layer with ``Layer.load(path)`` or
+    ``Layer.from_state_dict(...)``.
+
+    A layer is used by one thread at a time (calls from several threads are serialised by a lock).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, dropout: float = 0.0,
+                 bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False,
+                 kdim: Optional[int] = None, vdim: Optional[int] = None,
+                 batch_first: bool = False, num_kv_heads: Optional[int] = None,
+                 dtype="float32", context: Optional[Context] = None):
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
+                            ("kdim", kdim or 0), ("vdim", vdim or 0),
+                            ("num_kv_heads", num_kv_heads or 0)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise TypeError(f"{name} must be a non-negative int, not {value!r}")
+        if not isinstance(dropout, (float, int)) or isinstance(dropout, bool):
+            raise TypeError(f"dropout must be a float, not {dropout!r}")
+        context = context if context is not None else default_context()
+        if not isinstance(context, Context):
+            raise TypeError(f"context must be a clmha.Context, not {type(context).__name__}")
+        desc = ffi.new("clmha_layer_desc *")
+        desc.struct_size = ffi.sizeof("clmha_layer_desc")
+        desc.embed_dim = embed_dim
+        desc.num_heads = num_heads
+        desc.kdim = kdim or 0
+        desc.vdim = vdim or 0
+        desc.bias = bool(bias)
+        desc.add_bias_kv = bool(add_bias_kv)
+        desc.add_zero_attn = bool(add_zero_attn)
+        desc.batch_first = bool(batch_first)
+        desc.dropout = float(dropout)
+        desc.num_kv_heads = num_kv_heads or 0
+        desc.dtype = _DTYPE_CODES[dtype_name(dtype)]
+        out = ffi.new("clmha_layer **")
+        check(lib.clmha_layer_create(out, context._ptr, desc), context._ptr)
+        self._adopt(out[0], context)
+
+    def _adopt(self, ptr, context: Context) -> None:
+        self._ptr = ffi.gc(ptr, lib.clmha_layer_release)
+        self._context = context  # released after the layer (clmha also holds a reference)
+        self._lock = threading.RLock()
+        desc = ffi.new("clmha_layer_desc *")
+        desc.struct_size = ffi.sizeof("clmha_layer_desc")
+        check(lib.clmha_layer_get_desc(self._ptr, desc), context._ptr)
+        self.embed_dim = int(desc.embed_dim)
+        self.num_heads = int(desc.num_heads)
+        self.kdim = int(desc.kdim)
+        self.vdim = int(desc.vdim)
+        self.bias = bool(desc.bias)
+        self.add_bias_kv = bool(desc.add_bias_kv)
+        self.add_zero_attn = bool(desc.add_zero_attn)
+        self.batch_first = bool(desc.batch_first)
+        self.dropout = float(desc.dropout)
+        self.num_kv_heads = int(desc.num_kv_heads) or self.num_heads
+        self.dtype = _DTYPE_NAMES[int(desc.dtype)]
+        self.head_dim = self.embed_dim // self.num_heads
+
+    # ---- files -------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path, context: Optional[Context] = None, *, dtype=None,
+             prefix: Optional[str] = None, num_heads: Optional[int] = None,
+             batch_first: Optional[bool] = None) -> "Layer":
+        """A layer from a ``.safetensors`` layer file (``clmha_layer_load``): PyTorch's names,
+        continuiti's or the classic module's; ``prefix`` picks one attention module out of a
+        whole model's checkpoint, ``num_heads`` is needed where the file's metadata lacks it."""
+        context = context if context is not None else default_context()
+        out = ffi.new("clmha_layer **")
+        path_b = _path_bytes(path)
+        code = _DTYPE_CODES[dtype_name(dtype)]
+        if prefix or num_heads or batch_first is not None:
+            if not hasattr(lib, "clmha_layer_load_prefixed"):
+                raise TypeError("this build of clmha has no clmha_layer_load_prefixed()")
+            opts = ffi.new("clmha_load_options *")
+            opts.struct_size = ffi.sizeof("clmha_load_options")
+            prefix_b = ffi.new("char[]", prefix.encode("utf-8")) if prefix else ffi.NULL
+            opts.prefix = prefix_b
+            opts.num_heads = int(num_heads or 0)
+            opts.dtype = code
+            opts.batch_first = -1 if batch_first is None else int(bool(batch_first))
+            check(lib.clmha_layer_load_prefixed(out, context._ptr, path_b, opts), context._ptr)
+        else:
+            check(lib.clmha_layer_load_as(out, context._ptr, path_b, code), context._ptr)
+        self = cls.__new__(cls)
+        self._adopt(out[0], context)
+        return self
+
+    def save(self, path) -> None:
+        """Writes the layer as a ``.safetensors`` layer file (whole or not at all)."""
+        with self._lock:
+            check(lib.clmha_layer_save(self._ptr, _path_bytes(path)), self._context._ptr)
+
+    # ---- parameters ----------------------------------------------------------------------------
+
+    def _shape(self, name: str) -> Tuple[int, ...]:
+        e, kv = self.embed_dim, self.num_kv_heads * self.head_dim
+        shapes = {"in_proj_weight": (3 * e, e), "q_proj_weight": (e, e),
+                  "k_proj_weight": (kv, self.kdim), "v_proj_weight": (kv, self.vdim),
+                  "in_proj_bias": (e + 2 * kv,), "out_proj.weight": (e, e),
+                  "out_proj.bias": (e,), "bias_k": (1, 1, kv), "bias_v": (1, 1, kv)}
+        if name not in shapes:
+            raise KeyError(f"unknown parameter {name!r}; the layer's are "
+                           f"{', '.join(self.parameter_names())}")
+        return shapes[name]
+
+    def parameter_names(self) -> Tuple[str, ...]:
+        """The layer's parameters by ``state_dict()`` name, in PyTorch's order."""
+        has = lambda n: lib.clmha_layer_parameter_count(self._ptr, n.encode()) > 0  # noqa: E731
+        names = ["in_proj_weight"] if has("in_proj_weight") else [
+            "q_proj_weight", "k_proj_weight", "v_proj_weight"]
+        for n in ("in_proj_bias", "bias_k", "bias_v", "out_proj.weight", "out_proj.bias"):
+            if has(n):
+                names.append(n)
+        return tuple(names)
+
+    def _host_dtype(self):
+        return np.float64 if self.dtype == "float64" else np.float32
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        """The parameter @p name (``state_dict()`` name) as a new array: float64 for a float64
+        layer, float16 for a float16 one, else float32 (a bfloat16 layer's values)."""
+        shape = self._shape(name)
+        host = np.empty(shape, self._host_dtype())
+        with self._lock:
+            fn = (lib.clmha_layer_get_parameter_f64 if host.dtype == np.float64
+                  else lib.clmha_layer_get_parameter)
+            ptr = ffi.cast("double *" if host.dtype == np.float64 else "float *",
+                           ffi.from_buffer(host))
+            check(fn(self._ptr, name.encode(), ptr, host.size), self._context._ptr)
+        return host.astype(np.float16) if self.dtype == "float16" else host
+
+    def __setitem__(self, name: str, value) -> None:
+        """Sets a parameter from an array of its PyTorch shape (rounded to the layer's dtype)."""
+        shape = self._shape(name)
+        value = _to_numpy(value)
+        if not isinstance(value, np.ndarray) or value.dtype.kind != "f":
+            raise TypeError(f"parameter {name} must be a floating-point array, not "
+                            f"{getattr(value, 'dtype', type(value).__name__)}")
+        if tuple(value.shape) != shape:
+            raise ValueError(f"parameter {name} has shape {shape}; got {tuple(value.shape)}")
+        wide = value.dtype == np.float64
+        host = np.ascontiguousarray(value, np.float64 if wide else np.float32)
+        with self._lock:
+            fn = lib.clmha_layer_set_parameter_f64 if wide else lib.clmha_layer_set_parameter
+            ptr = ffi.cast("double *" if wide else "float *", ffi.from_buffer(host))
+            check(fn(self._ptr, name.encode(), ptr, host.size), self._context._ptr)
+
+    def state_dict(self) -> Dict[str, np.ndarray]:
+        """Every parameter by ``state_dict()`` name."""
+        return {name: self[name] for name in self.parameter_names()}
+
+    def load_state_dict(self, state_dict) -> None:
+        """Sets every parameter from a mapping of ``state_dict()`` names to arrays or tensors."""
+        missing = [n for n in self.parameter_names() if n not in state_dict]
+        unexpected = [n for n in state_dict if n not in self.parameter_names()]
+        if missing or unexpected:
+            raise KeyError(f"state_dict does not match the layer: missing {missing}, "
+                           f"unexpected {unexpected}")
+        for name in self.parameter_names():
+            self[name] = state_dict[name]
+
+    @classmethod
+    def from_state_dict(cls, state_dict, num_heads: int, *, prefix: str = "",
+                        context: Optional[Context] = None, dtype=None,
+                        batch_first: Optional[bool] = None, dropout: float = 0.0,
+                        add_zero_attn: bool = False) -> "Layer":
+        """A layer from the parameters of ``nn.MultiheadAttention``, continuiti's
+        ``MultiHeadAttention`` (``query_project``, ``key_project``, ``value_project``,
+        ``out_project``) or the classic split-heads module (``w_q``, ``w_k``, ``w_v``,
+        ``w_concat``), arrays or tensors by ``state_dict()`` name; ``prefix`` picks one module's
+        entries out of a whole model's ``state_dict()``. The two seed modules are batch-first."""
+        from ._state_dict import translate
+
+        config, params = translate(state_dict, num_heads, prefix)
+        if batch_first is None:
+            batch_first = config.pop("batch_first")
+        else:
+            config.pop("batch_first")
+        layer = cls(num_heads=num_heads, context=context, dtype=dtype, batch_first=batch_first,
+                    dropout=dropout, add_zero_attn=add_zero_attn, **config)
+        layer.load_state_dict(params)
+        return layer
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def _input_dtypes(self):
+        return {"float32": (np.float32,), "float64": (np.float64,),
+                "float16": (np.float16, np.float32), "bfloat16": (np.float32,)}[self.dtype]
+
+    def _host_input(self, name: str, a, ranks=(2, 3)) -> np.ndarray:
+        a = _check_array(name, a, ranks)
+        if a.dtype.type not in self._input_dtypes():
+            allowed = " or ".join(np.dtype(d).name for d in self._input_dtypes())
+            raise TypeError(f"{name} is {a.dtype}; a {self.dtype} layer takes {allowed} arrays")
+        return np.ascontiguousarray(a, self._host_dtype())
+
+    def _host_mask(self, name: str, m, field, args: _Args, attn: bool) -> None:
+        attend, per_batch = False, False
+        if isinstance(m, Mask):
+            attend, per_batch, m = m.attend, m.per_batch, m.values
+        m = _check_array(name, _to_numpy(m), (1, 2, 3))
+        if m.dtype == np.bool_ or m.dtype == np.uint8:
+            field.kind = lib.CLMHA_MASK_BOOL_ATTEND if attend else lib.CLMHA_MASK_BOOL_IGNORE
+            m = m.view(np.uint8)
+        elif m.dtype.kind == "f":
+            if attend:
+                raise ValueError(f"{name}: attend=True is for boolean masks")
+            field.kind = lib.CLMHA_MASK_FLOAT
+            m = np.ascontiguousarray(m, self._host_dtype())
+        else:
+            raise TypeError(f"{name} must be bool (or uint8) or floating point, not {m.dtype}")
+        if per_batch and not attn:
+            raise ValueError("per_batch is for attn_mask")
+        field.per_batch = per_batch
+        _fill_tensor(field.tensor, m, args)
+
+    def _fill_args(self, query, key, value, key_padding_mask, attn_mask, is_causal,
+                   need_weights, average_attn_weights, training, seed, offset, kv_cache,
+                   kv_append, impl, device: bool) -> _Args:
+        args = _Args()
+        c = args.c
+        if device:
+            el = self._device_dtypes()
+            _fill_device_tensor(c.query, query, args, el)
+            if key is not None and not (key is query and (value is None or value is query)):
+                _fill_device_tensor(c.key, key, args, el)
+                if value is not None and value is not key:
+                    _fill_device_tensor(c.value, value, args, el)
+            for name, m, field, attn in (("key_padding_mask", key_padding_mask,
+                                          c.key_padding_mask, False),
+                                         ("attn_mask", attn_mask, c.attn_mask, True)):
+                if m is not None:
+                    self._device_mask(name, m, field, args, attn, el)
+        else:
+            ranks = (2, 3)
+            q = self._host_input("query", query, ranks)
+            _fill_tensor(c.query, q, args)
+            if key is not None and not (key is query and (value is None or value is query)):
+                _fill_tensor(c.key, self._host_input("key", key, ranks), args)
+                if value is not None and value is not key:
+                    _fill_tensor(c.value, self._host_input("value", value, ranks), args)
+            elif value is not None and value is not query:
+                raise ValueError("value given without key")
+            if key_padding_mask is not None:
+                self._host_mask("key_padding_mask", key_padding_mask, c.key_padding_mask, args,
+                                False)
+            if attn_mask is not None:
+                self._host_mask("attn_mask", attn_mask, c.attn_mask, args, True)
+        c.is_causal = bool(is_causal)
+        c.need_weights = bool(need_weights)
+        c.per_head_weights = not average_attn_weights
+        c.training = bool(training)
+        c.rng.seed = int(seed) & (2**64 - 1)
+        c.rng.offset = int(offset) & (2**64 - 1)
+        c.impl = {"auto": lib.CLMHA_IMPL_AUTO, "fused": lib.CLMHA_IMPL_FUSED,
+                  "unfused": lib.CLMHA_IMPL_UNFUSED}[impl]
+        if kv_cache is not None:
+            if not isinstance(kv_cache, KVCache) or kv_cache._layer is not self:
+                raise ValueError("kv_cache must be a KVCache made by this layer's kv_cache()")
+            c.kv_cache = kv_cache._ptr
+            args.keep.append(kv_cache)
+            if kv_append is not None:
+                counts = ffi.new("size_t[]", [int(n) for n in kv_append])
+                args.keep.append(counts)
+                c.kv_append = counts
+        return args
+
+    def _output_shapes(self, args: _Args):
+        counts = ffi.new("size_t[2]")
+        check(lib.clmha_layer_output_counts(self._ptr, args.c, counts, counts + 1),
+              self._context._ptr)
+        q = args.c.query
+        qshape = [int(q.shape[i]) for i in range(q.ndim)]
+        out_shape = tuple(qshape[:-1] + [self.embed_dim])
+        w_shape = None
+        if counts[1]:
+            unbatched = q.ndim == 2
+            if self.batch_first and not unbatched:
+                n, l = qshape[0], qshape[1]
+            else:
+                l, n = qshape[0], (1 if unbatched else qshape[1])
+            s_total = int(counts[1]) // (n * l * (1 if not args.c.per_head_weights
+                                                 else self.num_heads))
+            w_shape = (n,) if not unbatched else ()
+            w_shape += (self.num_heads,) if args.c.per_head_weights else ()
+            w_shape += (l, s_total)
+        return (int(counts[0]), out_shape), (int(counts[1]), w_shape)
+
+    def forward(self, query, key=None, value=None, *, key_padding_mask=None, attn_mask=None,
+                is_causal: bool = False, need_weights: bool = False,
+                average_attn_weights: bool = True, training: bool = False, seed: int = 0,
+                offset: int = 0, kv_cache: Optional["KVCache"] = None,
+                kv_append: Optional[Sequence[int]] = None, impl: str = "auto",
+                save: Optional["Saved"] = None, out=None, weights_out=None):
+        """PyTorch's forward on NumPy arrays: returns ``(output, weights or None)`` in PyTorch's
+        shapes and layouts.
+
+        query (L, N, E), (N, L, E) with batch_first, or (L, E) unbatched; key and value (S, N,
+        kdim/vdim) likewise (None: self-attention, the query; value None: the key). Arrays are
+        float32 for a float32 or bfloat16 layer, float64 for a float64 layer, float16 (or
+        float32) for a float16 layer; results come back in the layer's NumPy dtype (bfloat16
+        values as float32). key_padding_mask (N, S) and attn_mask (L, S) or (N*H, L, S): bool
+        (True = may not attend, as PyTorch) or float (added to the scores); wrap them in
+        ``clmha.Mask`` for the other polarity or continuiti's (N, L, S) layout.
+        need_weights/average_attn_weights as PyTorch (but need_weights defaults to False here).
+        training applies the layer's dropout from clmha's Philox stream (seed, offset).
+        kv_cache: incremental decoding through a ``KVCache`` (kv_append: per-sequence counts of
+        new tokens). impl: "auto", "fused" or "unfused". save: a ``Saved`` that keeps what
+        ``backward`` needs.
+
+        With pyopencl arrays (on a context from ``Context.from_pyopencl``) the call runs on the
+        device buffers: no host copy; it waits for the arrays' events and the results are new
+        pyopencl arrays (or ``out``/``weights_out``) carrying the call's event.
+        """
+        if impl not in ("auto", "fused", "unfused"):
+            raise ValueError(f"impl must be 'auto', 'fused' or 'unfused', not {impl!r}")
+        if save is not None and (not isinstance(save, Saved) or save._layer is not self):
+            raise ValueError("save must be a Saved made by this layer's saved()")
+        device = _is_pyopencl_array(query)
+        with self._lock:
+            args = self._fill_args(query, key, value, key_padding_mask, attn_mask, is_causal,
+                                   need_weights, average_attn_weights, training, seed, offset,
+                                   kv_cache, kv_append, impl, device)
+            if save is not None:
+                args.c.save = save._ptr
+            (out_count, out_shape), (w_count, w_shape) = self._output_shapes(args)
+            if device:
+                return self._forward_device(args, out_shape, w_shape, out, weights_out, save)
+            host = self._host_dtype()
+            output = np.empty(out_shape, host)
+            weights = np.empty(w_shape, host) if w_count else None
+            if host == np.float64:
+                check(lib.clmha_layer_forward_host_f64(
+                    self._ptr, args.c, ffi.cast("double *", ffi.from_buffer(output)), out_count,
+                    ffi.cast("double *", ffi.from_buffer(weights)) if w_count else ffi.NULL,
+                    w_count), self._context._ptr)
+            else:
+                check(lib.clmha_layer_forward_host(
+                    self._ptr, args.c, ffi.cast("float *", ffi.from_buffer(output)), out_count,
+                    ffi.cast("float *", ffi.from_buffer(weights)) if w_count else ffi.NULL,
+                    w_count), self._context._ptr)
+            if save is not None:
+                save._args = args  # the backward pass needs the same arguments and arrays
+                save._shapes = (out_shape, w_shape)
+            if self.dtype == "float16":
+                output = output.astype(np.float16)
+                weights = weights.astype(np.float16) if weights is not None else None
+            return output, weights
+
+    __call__ = forward
+
+    # ---- device buffers (pyopencl) ---------------------------------------------------------------
+
+    def _device_dtypes(self):
+        return {"float32": (np.dtype(np.float32),), "float64": (np.dtype(np.float64),),
+                "float16": (np.dtype(np.float16),),
+                "bfloat16": (np.dtype(np.uint16),)}[self.dtype]
+
+    def _device_mask(self, name, m, field, args, attn, el):
+        import pyopencl.array as cla
+
+        attend, per_batch = False, False
+        if isinstance(m, Mask):
+            attend, per_batch, m = m.attend, m.per_batch, m.values
+        queue = self._context.pyopencl_queue
+        if isinstance(m, np.ndarray):  # a host mask: uploaded for the call
+            m = cla.to_device(queue, np.ascontiguousarray(
+                m.view(np.uint8) if m.dtype == np.bool_ else m.astype(el[0])))
+        if not _is_pyopencl_array(m):
+            raise TypeError(f"{name} must be a pyopencl array or a numpy array")
+        if m.dtype in (np.dtype(np.bool_), np.dtype(np.uint8)):
+            field.kind = lib.CLMHA_MASK_BOOL_ATTEND if attend else lib.CLMHA_MASK_BOOL_IGNORE
+            _fill_device_tensor(field.tensor, m, args, (m.dtype,))
+        else:
+            field.kind = lib.CLMHA_MASK_FLOAT
+            _fill_device_tensor(field.tensor, m, args, el)
+        field.per_batch = per_batch and attn
+
+    def _forward_device(self, args, out_shape, w_shape, out, weights_out, save):
+        import pyopencl as cl
+        import pyopencl.array as cla
+
+        ctx = self._context
+        if ctx.pyopencl_queue is None:
+            raise ValueError("pyopencl arrays need a layer on a Context.from_pyopencl() context")
+        queue = ctx.pyopencl_queue
+        el = self._device_dtypes()[0]
+        for a in args.keep:
+            if _is_pyopencl_array(a) and a.context.int_ptr != ctx.cl_context_int_ptr:
+                raise ValueError("a pyopencl array of another OpenCL context than the layer's")
+        if out is None:
+            out = cla.empty(queue, out_shape, el)
+        elif not _is_pyopencl_array(out) or tuple(out.shape) != out_shape or out.dtype != el:
+            raise ValueError(f"out must be a pyopencl array of shape {out_shape} and dtype {el}")
+        args.wait.extend(out.events)
+        if w_shape is not None:
+            if weights_out is None:
+                weights_out = cla.empty(queue, w_shape, el)
+            elif (not _is_pyopencl_array(weights_out) or tuple(weights_out.shape) != w_shape
+                  or weights_out.dtype != el):
+                raise ValueError(f"weights_out must be a pyopencl array of shape {w_shape}")
+            args.wait.extend(weights_out.events)
+        wait = [e for e in args.wait if e is not None]
+        wait_list = ffi.new("cl_event[]", [ffi.cast("cl_event", e.int_ptr) for e in wait]) \
+            if wait else ffi.NULL
+        event = ffi.new("cl_event *")
+        check(lib.clmha_layer_forward(
+            self._ptr, args.c, ffi.cast("cl_mem", out.base_data.int_ptr),
+            out.offset // el.itemsize,
+            ffi.cast("cl_mem", weights_out.base_data.int_ptr) if w_shape else ffi.NULL,
+            weights_out.offset // el.itemsize if w_shape else 0, len(wait), wait_list, event),
+            ctx._ptr)
+        evt = cl.Event.from_int_ptr(int(ffi.cast("intptr_t", event[0])), retain=False)
+        out.add_event(evt)
+        if w_shape is not None:
+            weights_out.add_event(evt)
+        if save is not None:
+            save._args = args
+            save._shapes = (out_shape, w_shape)
+        for a in args.keep:  # inputs must stay unchanged until the call is done
+            if _is_pyopencl_array(a):
+                a.add_event(evt)
+        return out, (weights_out if w_shape is not None else None)
+
+    # ---- caches and training -------------------------------------------------------------------
+
+    def kv_cache(self, batch: int, capacity: int) -> "KVCache":
+        """An empty KV cache for incremental decoding: ``batch`` sequences (1 for unbatched
+        calls) of up to ``capacity`` tokens each."""
+        return KVCache(self, batch, capacity)
+
+    def saved(self) -> "Saved":
+        """An empty saved state for one ``forward(..., save=state)`` call and its ``backward``."""
+        return Saved(self)
+
+    def backward(self, saved: "Saved", grad_output, grad_weights=None, *,
+                 inputs: bool = True, parameters: bool = True, masks: bool = True,
+                 impl: str = "auto") -> Dict[str, np.ndarray]:
+        """The gradients of the forward call that filled @p saved, from the output's gradient
+        (and the weights', when that call returned them): a dict with ``query`` (``key``,
+        ``value`` for inputs given separately; in self-attention ``query`` is the whole
+        gradient of the one tensor), each parameter by ``state_dict()`` name, and float masks'
+        ``attn_mask`` / ``key_padding_mask``. float32 layers only (``clmha_layer_backward``)."""
+        if not isinstance(saved, Saved) or saved._layer is not self or saved._args is None:
+            raise ValueError("saved must be a Saved of this layer filled by forward(save=...)")
+        args = saved._args
+        out_shape, w_shape = saved._shapes
+        if self.dtype != "float32":
+            from ._errors import Error
+            raise Error(lib.CLMHA_UNSUPPORTED, f"the backward pass of a {self.dtype} layer is "
+                        "not implemented yet (float32 layers only)")
+        b = ffi.new("clmha_backward_args *")
+        b.struct_size = ffi.sizeof("clmha_backward_args")
+        b.forward = args.c
+        b.saved = saved._ptr
+        keep = []
+        g = _check_array("grad_output", _to_numpy(grad_output), (2, 3))
+        if tuple(g.shape) != out_shape or g.dtype != np.float32:
+            raise ValueError(f"grad_output must be float32 of shape {out_shape}; got "
+                             f"{g.dtype} {tuple(g.shape)}")
+        _fill_tensor(b.grad_output, g, _Keep(keep))
+        if grad_weights is not None:
+            gw = _check_array("grad_weights", _to_numpy(grad_weights), (2, 3, 4))
+            if w_shape is None or tuple(gw.shape) != w_shape or gw.dtype != np.float32:
+                raise ValueError(f"grad_weights must be float32 of the weights' shape "
+                                 f"{w_shape}; got {gw.dtype} {tuple(gw.shape)}")
+            _fill_tensor(b.grad_weights, gw, _Keep(keep))
+        result = {}
+
+        def want(field, name, shape):
+            arr = np.zeros(shape, np.float32)
+            result[name] = arr
+            keep.append(arr)
+            getattr(b, field).data = ffi.cast("float *", ffi.from_buffer(arr))
+
+        c = args.c
+        shape_of = lambda t: tuple(int(t.shape[i]) for i in range(t.ndim))  # noqa: E731
+        if inputs:
+            want("query", "query", shape_of(c.query))
+            if c.key.ndim:
+                want("key", "key", shape_of(c.key))
+            if c.value.ndim:
+                want("value", "value", shape_of(c.value))
+        if parameters:
+            for name in self.parameter_names():
+                want(name.replace(".", "_"), name, self._shape(name))
+        if masks:
+            for field in ("attn_mask", "key_padding_mask"):
+                m = getattr(c, field)
+                if m.kind == lib.CLMHA_MASK_FLOAT:
+                    want(field, field, shape_of(m.tensor))
+        b.impl = {"auto": lib.CLMHA_IMPL_AUTO, "fused": lib.CLMHA_IMPL_FUSED,
+                  "unfused": lib.CLMHA_IMPL_UNFUSED}[impl]
+        with self._lock:
+            check(lib.clmha_layer_backward_host(self._ptr, b), self._context._ptr)
+        return result
+
+    @property
+    def context(self) -> Context:
+        return self._context
+
+    def __repr__(self) -> str:
+        return (f"clmha.Layer(embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"kdim={self.kdim}, vdim={self.vdim}, bias={self.bias}, "
+                f"add_bias_kv={self.add_bias_kv}, add_zero_attn={self.add_zero_attn}, "
+                f"batch_first={self.batch_first}, dropout={self.dropout}, "
+                f"num_kv_heads={self.num_kv_heads}, dtype={self.dtype!r})")
+
+
+class _Keep:
+    """_fill_tensor's keep-alive list, for structs other than _Args."""
+
+    def __init__(self, keep: list):
+        self.keep = keep
+
+
+class KVCache:
+    """The projected keys and values of earlier tokens (``clmha_kv_cache``), for
+    ``layer.forward(..., kv_cache=cache)``: each call appends its new key/value tokens and
+    attends over everything the cache holds for its sequence. Keeps its layer alive."""
+
+    def __init__(self, layer: Layer, batch: int, capacity: int):
+        if not isinstance(layer, Layer):
+            raise TypeError("KVCache(layer, batch, capacity) takes a clmha.Layer")
+        for name, v in (("batch", batch), ("capacity", capacity)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, not {v!r}")
+        out = ffi.new("clmha_kv_cache **")
+        with layer._lock:
+            check(lib.clmha_kv_cache_create(out, layer._ptr, batch, capacity),
+                  layer._context._ptr)
+        self._ptr = ffi.gc(out[0], lib.clmha_kv_cache_release)
+        self._layer = layer
+        self.batch = int(batch)
+        self.capacity = int(capacity)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """The tokens each sequence holds."""
+        lengths = ffi.new("size_t[]", self.batch)
+        check(lib.clmha_kv_cache_lengths(self._ptr, lengths, self.batch),
+              self._layer._context._ptr)
+        return np.array([int(x) for x in lengths], dtype=np.int64)
+
+    def truncate(self, lengths: Union[int, Sequence[int]]) -> None:
+        """Keeps the first ``lengths[n]`` tokens of sequence n (an int: of every sequence)."""
+        if isinstance(lengths, (int, np.integer)):
+            lengths = [int(lengths)] * self.batch
+        lengths = [int(x) for x in lengths]
+        if any(x < 0 for x in lengths):
+            raise ValueError("lengths must not be negative")
+        arr = ffi.new("size_t[]", lengths)
+        check(lib.clmha_kv_cache_truncate(self._ptr, arr, len(lengths)),
+              self._layer._context._ptr)
+
+    def reset(self) -> None:
+        """Empties every sequence."""
+        check(lib.clmha_kv_cache_reset(self._ptr), self._layer._context._ptr)
+
+    def __repr__(self) -> str:
+        return f"clmha.KVCache(batch={self.batch}, capacity={self.capacity}, " \
+               f"lengths={self.lengths.tolist()})"
+
+
+class Saved:
+    """What one forward call keeps for its backward pass (``clmha_saved``). Keeps its layer
+    alive (the library needs it released before the layer)."""
+
+    def __init__(self, layer: Layer):
+        out = ffi.new("clmha_saved **")
+        check(lib.clmha_saved_create(out, layer._ptr), layer._context._ptr)
+        self._ptr = ffi.gc(out[0], lib.clmha_saved_release)
+        self._layer = layer
+        self._args = None
+        self._shapes = None
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory it holds."""
+        return int(lib.clmha_saved_bytes(self._ptr))
+
+
+def _to_numpy(x):
+    """A torch tensor's values as NumPy (no copy for contiguous CPU float tensors); anything else
+    as it is."""
+    if hasattr(x, "detach") and hasattr(x, "numpy"):
+        return x.detach().cpu().numpy()
+    return x
+
+
+def _path_bytes(path) -> bytes:
+    import os
+
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
+    path = os.fsencode(path)
+    if not path or b"\0" in path:
+        raise ValueError("path must be non-empty and hold no NUL byte")
+    return path
