@@ -545,7 +545,7 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
                   !file_exists(paths[5]) && !(causal && file_exists(paths[2]));
     free(flags);
     if (chunks) {
-        const char *cv[16];
+        const char *cv[24];
         size_t cn = 0;
         cv[cn++] = "run";
         for (size_t i = 0; i < 4; ++i)
@@ -554,6 +554,18 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
                 cv[cn++] = paths[i];
             }
         if (causal) cv[cn++] = "--is-causal";
+        // The layer file's load options (a seed module's or a model's state_dict).
+        char *opts = read_file(args_path, NULL);
+        for (char *tok = opts ? strtok(opts, " \t\r\n") : NULL; tok;
+             tok = strtok(NULL, " \t\r\n")) {
+            bool load_opt = strcmp(tok, "--prefix") == 0 || strcmp(tok, "--num-heads") == 0 ||
+                            strcmp(tok, "--batch-first") == 0;
+            char *value = load_opt ? strtok(NULL, " \t\r\n") : NULL;
+            if (!load_opt || !value) continue;
+            cr_assert_lt(cn, sizeof cv / sizeof cv[0] - 8, "%s: too many arguments", name);
+            cv[cn++] = tok;
+            cv[cn++] = value;
+        }
         cv[cn++] = "--decode-chunk";
         cv[cn++] = "2";
         cv[cn++] = "--output";
@@ -571,6 +583,7 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
         cr_expect_leq(chunk_err, CLI_TOL, "%s --decode-chunk 2: output max abs error %.3e", name,
                       chunk_err);
         cli_free(&r);
+        free(opts);
     }
     if (grads) tmpdir_remove(grads_dir);
     free(extra);

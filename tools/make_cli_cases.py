@@ -16,6 +16,16 @@ For every case it writes tests/cli/<case>/:
                             `clmha run --grads-dir` writes (query, key, value as given, the
                             parameters by state_dict name, float masks)
 
+Seed-module and model cases (module="continuiti", "classic" or "model") hold in layer.safetensors
+a state_dict as `safetensors.torch.save_file(module.state_dict(), path)` writes it: no
+metadata, so `args` passes --num-heads (and --prefix for a model's file). Their expected output
+is the module's own forward in float64 (continuiti's MultiHeadAttention, the classic
+w_q/w_k/w_v/w_concat module, written out below as ../shared/seeds/ 000 and 001 define them).
+
+tests/cli/torch_save/ holds two small files written by torch.save (module.pt, the default zip
+format; legacy.pt, the legacy pickle format) that `clmha run --layer` must refuse with how to
+convert them; --check does not compare them (torch versions write different bytes).
+
 and tests/cli/cases.inc, the list of case names (`"name",` lines) for tests/test_cli.c. Case
 folders no longer generated (those holding an `args` file) are removed.
 
@@ -44,6 +54,8 @@ between CPU models), every other file byte for byte.
 
 import argparse
 import copy
+import json
+import math
 import os
 import shutil
 import sys
@@ -64,7 +76,8 @@ def C(name, **kw):
     d = dict(name=name, E=8, H=2, kdim=None, vdim=None, bias=True, add_bias_kv=False,
              add_zero_attn=False, batch_first=False, dropout=0.0, dtype="F32",
              L=5, S=None, N=2, cross=False, kpm=None, attn=None, causal=False,
-             need_weights=True, per_head=False, grads=False, given=None)
+             need_weights=True, per_head=False, grads=False, given=None, module="mha",
+             prefix=None)
     for k in kw:
         if k not in d:
             raise KeyError(k)
@@ -117,7 +130,194 @@ CASES = [
     C("grad_weights_per_head", grads=True, cross=True, L=4, S=5, per_head=True),
     C("grad_key_only", grads=True, given="qk", causal=True, L=5, need_weights=False),
     C("grad_value_only", grads=True, given="qv", L=4, need_weights=False),
+    # Seed modules and a model's checkpoint (need_weights: the seed modules return none).
+    C("seed_continuiti", module="continuiti", batch_first=True, cross=True, L=4, S=5,
+      need_weights=False),
+    C("seed_continuiti_no_bias", module="continuiti", bias=False, batch_first=True, L=5,
+      need_weights=False),
+    C("seed_classic", module="classic", E=12, H=3, batch_first=True, cross=True, L=3, S=6,
+      need_weights=False),
+    C("model_prefix", module="model", prefix="encoder.layers.1.self_attn", cross=True, L=4,
+      S=5),
+    C("model_prefix_continuiti", module="model", prefix="head.attention.", batch_first=True,
+      L=5, need_weights=False),
 ]
+
+
+# ---- the seed modules (../shared/seeds/), written out as their sources define them ----------
+
+class ContinuitiScaledDotProductAttention(torch.nn.Module):
+    """continuiti's default attention: torch.nn.functional.scaled_dot_product_attention(query,
+    key, value, attn_mask, dropout_p), written out (PyTorch 1.13 has no such function);
+    dropout_p 0 and no mask here."""
+
+    def forward(self, query, key, value, attn_mask=None):
+        assert attn_mask is None
+        scores = query @ key.transpose(-2, -1) / math.sqrt(query.size(-1))
+        return torch.softmax(scores, dim=-1) @ value
+
+
+class ContinuitiMultiHeadAttention(torch.nn.Module):
+    """continuiti.networks.MultiHeadAttention (seed 000), without its mask branch."""
+
+    def __init__(self, hidden_dim, n_heads, attention=None, dropout_p=0, bias=True):
+        super().__init__()
+        self.hidden_dim = hidden_dim
+        self.n_heads = n_heads
+        self.dropout_p = dropout_p
+        self.bias = bias
+        if attention is None:
+            attention = ContinuitiScaledDotProductAttention()
+        self.attention = attention
+        self.head_dim = hidden_dim // n_heads
+        assert self.head_dim * n_heads == hidden_dim, "hidden_dim must be divisible by n_heads"
+        self.query_project = torch.nn.Linear(hidden_dim, hidden_dim, bias=bias)
+        self.key_project = torch.nn.Linear(hidden_dim, hidden_dim, bias=bias)
+        self.value_project = torch.nn.Linear(hidden_dim, hidden_dim, bias=bias)
+        self.out_project = torch.nn.Linear(hidden_dim, hidden_dim, bias=bias)
+
+    def forward(self, query, key, value, attn_mask=None):
+        assert query.ndim == key.ndim == value.ndim == 3
+        batch_size = query.size(0)
+        query = self.query_project(query)
+        key = self.key_project(key)
+        value = self.value_project(value)
+        query = query.view(batch_size, -1, self.n_heads, self.head_dim).transpose(1, 2)
+        key = key.view(batch_size, -1, self.n_heads, self.head_dim).transpose(1, 2)
+        value = value.view(batch_size, -1, self.n_heads, self.head_dim).transpose(1, 2)
+        attn_out = self.attention(query=query, key=key, value=value, attn_mask=attn_mask)
+        attn_out = attn_out.transpose(1, 2).reshape(batch_size, -1, self.hidden_dim)
+        return self.out_project(attn_out)
+
+
+class ScaleDotProductAttention(torch.nn.Module):
+    """The classic module's attention (hyunwoongko/transformer, which seed 001 cites)."""
+
+    def __init__(self):
+        super().__init__()
+        self.softmax = torch.nn.Softmax(dim=-1)
+
+    def forward(self, q, k, v, mask=None, e=1e-12):
+        batch_size, head, length, d_tensor = k.size()
+        score = (q @ k.transpose(2, 3)) / math.sqrt(d_tensor)
+        if mask is not None:
+            score = score.masked_fill(mask == 0, -10000)
+        score = self.softmax(score)
+        return score @ v, score
+
+
+class ClassicMultiHeadAttention(torch.nn.Module):
+    """The classic split-heads module (seed 001); concat() returns its tensor (the seed's ends
+    in a bare `return`)."""
+
+    def __init__(self, d_model, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.attention = ScaleDotProductAttention()
+        self.w_q = torch.nn.Linear(d_model, d_model)
+        self.w_k = torch.nn.Linear(d_model, d_model)
+        self.w_v = torch.nn.Linear(d_model, d_model)
+        self.w_concat = torch.nn.Linear(d_model, d_model)
+
+    def forward(self, q, k, v, mask=None):
+        q, k, v = self.w_q(q), self.w_k(k), self.w_v(v)
+        q, k, v = self.split(q), self.split(k), self.split(v)
+        out, attention = self.attention(q, k, v, mask=mask)
+        out = self.concat(out)
+        return self.w_concat(out)
+
+    def split(self, tensor):
+        batch_size, length, d_model = tensor.size()
+        d_tensor = d_model // self.n_head
+        return tensor.view(batch_size, length, self.n_head, d_tensor).transpose(1, 2)
+
+    def concat(self, tensor):
+        batch_size, head, length, d_tensor = tensor.size()
+        d_model = head * d_tensor
+        return tensor.transpose(1, 2).contiguous().view(batch_size, length, d_model)
+
+
+class SmallModel(torch.nn.Module):
+    """A model whose state_dict holds two nn.MultiheadAttention (encoder.layers.{0,1}.self_attn,
+    sequence first), a Linear and a LayerNorm per layer, and a continuiti attention
+    (head.attention)."""
+
+    def __init__(self, E, H):
+        super().__init__()
+        layer = lambda: torch.nn.ModuleDict(dict(  # noqa: E731
+            self_attn=torch.nn.MultiheadAttention(E, H), linear1=torch.nn.Linear(E, 2 * E),
+            norm1=torch.nn.LayerNorm(E)))
+        self.encoder = torch.nn.Module()
+        self.encoder.layers = torch.nn.ModuleList([layer(), layer()])
+        self.head = torch.nn.Module()
+        self.head.attention = ContinuitiMultiHeadAttention(E, H)
+
+
+def save_file(state, path):
+    """safetensors.torch.save_file(state, path) without metadata, written by hand: the tensors
+    as float32, by name."""
+    header, blobs, offset = {}, [], 0
+    for name in sorted(state):
+        raw = state[name].detach().cpu().float().numpy().astype("<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(state[name].shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def make_seed_layer(c, path, given_dir=None):
+    """The layer file of a seed or model case; returns the float64 module (a callable on
+    (query, key, value)) that computes the expected output from what clmha reads."""
+    seed = seed_of(c["name"])
+    torch.manual_seed(seed)
+    if c["module"] == "continuiti":
+        m = ContinuitiMultiHeadAttention(c["E"], c["H"], bias=c["bias"])
+    elif c["module"] == "classic":
+        m = ClassicMultiHeadAttention(c["E"], c["H"])
+    else:
+        m = SmallModel(c["E"], c["H"])
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    save_file(m.state_dict(), path)
+    if given_dir is not None:
+        committed = os.path.join(given_dir, os.path.basename(path))
+        with open(committed, "rb") as f:
+            blob = f.read()
+        if header_of(blob) != header_of(open(path, "rb").read()):
+            raise golden_compare.NotThisDraw("layer.safetensors: header differs from the draw")
+        drawn, _ = export_mha.read(path)
+        have, _ = export_mha.read(committed)
+        for k, v in drawn.items():
+            golden_compare.check_draw(f"layer.safetensors {k}", have[k], v)
+        with open(path, "wb") as f:
+            f.write(blob)
+    tensors, _ = export_mha.read(path)
+    m64 = copy.deepcopy(m).double().eval()
+    m64.load_state_dict({k: torch.from_numpy(v.astype(np.float64)) for k, v in tensors.items()},
+                        strict=True)
+    if c["module"] != "model":
+        return m64
+    sub = m64
+    for part in c["prefix"].strip(".").split("."):
+        sub = getattr(sub, part) if not part.isdigit() else sub[int(part)]
+    return sub
+
+
+def write_torch_save(out_dir):
+    """tests/cli/torch_save/: a module saved by torch.save (zip) and its state_dict in the
+    legacy pickle format."""
+    d = os.path.join(out_dir, "torch_save")
+    os.makedirs(d, exist_ok=True)
+    torch.manual_seed(0)
+    m = torch.nn.MultiheadAttention(4, 2)
+    torch.save(m, os.path.join(d, "module.pt"))
+    torch.save(m.state_dict(), os.path.join(d, "legacy.pt"), _use_new_zipfile_serialization=False)
 
 
 def seed_of(name):
@@ -209,7 +409,10 @@ def generate(c, out_dir, given_root=None):
     d = os.path.join(out_dir, name)
     os.makedirs(d, exist_ok=True)
     given = None if given_root is None else os.path.join(given_root, name)
-    m64 = make_layer(c, os.path.join(d, "layer.safetensors"), given)
+    if c["module"] == "mha":
+        m64 = make_layer(c, os.path.join(d, "layer.safetensors"), given)
+    else:
+        m64 = make_seed_layer(c, os.path.join(d, "layer.safetensors"), given)
 
     def take(fn, drawn):
         if given is None:
@@ -287,8 +490,13 @@ def generate(c, out_dir, given_root=None):
     v64 = k64
     if "v" in c["given"]:
         v64 = torch.from_numpy(value).double().requires_grad_(c["grads"])
-    out_t, w_t = m64(q64, k64, v64, key_padding_mask=kpm_in, attn_mask=attn_in,
-                     need_weights=c["need_weights"], average_attn_weights=not c["per_head"])
+    if isinstance(m64, torch.nn.MultiheadAttention):
+        out_t, w_t = m64(q64, k64, v64, key_padding_mask=kpm_in, attn_mask=attn_in,
+                         need_weights=c["need_weights"], average_attn_weights=not c["per_head"])
+    else:  # a seed module: batch first, no masks, no weights
+        assert c["batch_first"] and kpm_in is None and attn_in is None
+        assert not c["need_weights"] and not c["grads"]
+        out_t, w_t = m64(q64, k64, v64), None
     out = out_t.detach().numpy()
     assert out.shape == layout(c, L, E) and np.isfinite(out).all(), name
     np.save(os.path.join(d, "expected_output.npy"), out.astype(np.float64))
@@ -333,6 +541,10 @@ def generate(c, out_dir, given_root=None):
         flags.append("--need-weights")
     if c["per_head"]:
         flags.append("--per-head-weights")
+    if c["module"] != "mha":  # a state_dict without metadata
+        if c["prefix"]:
+            flags += ["--prefix", c["prefix"]]
+        flags += ["--num-heads", str(c["H"])]
     with open(os.path.join(d, "args"), "w") as f:
         f.write(" ".join(flags) + "\n")
 
@@ -352,6 +564,7 @@ def write_all(out_dir, given_root=None):
             generate(c, out_dir, given_root)
         except golden_compare.NotThisDraw as e:
             not_drawn.append(f"{os.path.join(given_root, c['name'])}: {e}")
+    write_torch_save(out_dir)
     with open(os.path.join(out_dir, "cases.inc"), "w") as f:
         f.write("/* generated by tools/make_cli_cases.py: the `clmha run` case names */\n")
         f.write("".join(f'"{n}",\n' for n in names))
@@ -382,6 +595,8 @@ def main():
             want, have = tree(tmp), tree(out_dir)
         names = {c["name"] for c in CASES}
         have = {k: v for k, v in have.items()
+                if k == "cases.inc" or k.split(os.sep)[0] in names}
+        want = {k: v for k, v in want.items()  # not torch_save/ (see the docstring)
                 if k == "cases.inc" or k.split(os.sep)[0] in names}
         for why in not_drawn:
             print(f"differs: {why}", file=sys.stderr)

@@ -30,7 +30,22 @@ static const char *const usage_run[] = {
     "batch_first, or (L, E) unbatched.\n"
     "\n"
     "inputs:\n"
-    "  --layer F.safetensors     the layer (required)\n"
+    "  --layer F.safetensors     the layer (required): nn.MultiheadAttention's state_dict()\n"
+    "                            names, continuiti's MultiHeadAttention (query_project,\n"
+    "                            key_project, value_project, out_project) or the classic\n"
+    "                            w_q, w_k, w_v, w_concat module (.weight and .bias each);\n"
+    "                            the last two are batch first unless the metadata says\n"
+    "                            otherwise. A torch.save() file (.pt) is refused with how to\n"
+    "                            convert it\n"
+    "  --prefix P                only the tensors named P.<name> (a whole model's\n"
+    "                            state_dict, e.g. encoder.layers.0.self_attn); the others\n"
+    "                            are ignored. A prefix that matches nothing is refused with\n"
+    "                            the prefixes the file has\n"
+    "  --num-heads H             the number of heads, for files without num_heads metadata\n"
+    "                            (a model's or a seed module's state_dict); must agree with\n"
+    "                            the metadata if it has one\n"
+    "  --batch-first yes|no      override the layer's batch_first (default: the metadata's,\n"
+    "                            else yes for the seed modules' names, no for PyTorch's)\n"
     "  --query Q.npy             query, float16, float32 or float64 (required)\n"
     "  --key K.npy               key (S, N, kdim); default: the query (self-attention)\n"
     "  --value V.npy             value (S, N, vdim); default: the key\n"
@@ -381,7 +396,7 @@ static bool grad_shape_ok(const input_file *in, const char *what, size_t ndim,
 int clmha__cli_run(int argc, char **argv) {
     const char *layer_path = NULL, *output_path = NULL, *weights_path = NULL, *device = NULL;
     const char *grads_dir = NULL, *seed_opt = NULL, *offset_opt = NULL, *chunk_opt = NULL;
-    const char *dtype_opt = NULL;
+    const char *dtype_opt = NULL, *prefix = NULL, *heads_opt = NULL, *batch_first_opt = NULL;
     input_file in[IN_COUNT] = {
         [IN_QUERY] = {.flag = "--query"},
         [IN_KEY] = {.flag = "--key"},
@@ -395,6 +410,9 @@ int clmha__cli_run(int argc, char **argv) {
     const char *impl_opt = NULL;
     const clmha__cli_option opts[] = {
         {.name = "--layer", .value = &layer_path},
+        {.name = "--prefix", .value = &prefix},
+        {.name = "--num-heads", .value = &heads_opt},
+        {.name = "--batch-first", .value = &batch_first_opt},
         {.name = "--query", .value = &in[IN_QUERY].path},
         {.name = "--key", .value = &in[IN_KEY].path},
         {.name = "--value", .value = &in[IN_VALUE].path},
@@ -448,6 +466,22 @@ int clmha__cli_run(int argc, char **argv) {
     clmha_dtype dtype;
     if (!clmha__cli_parse_dtype("run", dtype_opt, &dtype)) return EXIT_USAGE;
     bool f64 = dtype == CLMHA_DTYPE_F64;
+    clmha_load_options load = {.struct_size = sizeof load, .prefix = prefix, .dtype = dtype};
+    uint64_t heads = 0;
+    if (!parse_u64("--num-heads", heads_opt, &heads)) return EXIT_USAGE;
+    if (heads_opt && (heads == 0 || heads > SIZE_MAX)) {
+        clmha__cli_report("run", "--num-heads '%s': expected a positive integer", heads_opt);
+        return EXIT_USAGE;
+    }
+    load.num_heads = (size_t)heads;
+    if (batch_first_opt) {
+        bool yes = strcmp(batch_first_opt, "yes") == 0, no = strcmp(batch_first_opt, "no") == 0;
+        if (!yes && !no) {
+            clmha__cli_report("run", "--batch-first '%s': expected yes or no", batch_first_opt);
+            return EXIT_USAGE;
+        }
+        load.batch_first = yes ? CLMHA_BATCH_FIRST_YES : CLMHA_BATCH_FIRST_NO;
+    }
     // Only float32 layers have a backward pass (include/clmha.h, clmha_dtype): refused here,
     // before any file is read, rather than by the library after the forward pass.
     if (dtype != CLMHA_DTYPE_F32 && (in[IN_GRAD_OUT].path || in[IN_GRAD_W].path || grads_dir)) {
@@ -515,7 +549,7 @@ int clmha__cli_run(int argc, char **argv) {
         if (in[i].path && !read_input(&in[i], f64)) goto fail;
 
     if (!(ctx = clmha__cli_open_context("run", device))) goto fail;
-    if (clmha_layer_load_as(&layer, ctx, layer_path, dtype) != CLMHA_SUCCESS) {
+    if (clmha_layer_load_prefixed(&layer, ctx, layer_path, &load) != CLMHA_SUCCESS) {
         clmha__cli_report("run", "--layer %s: %s", layer_path,
                           clmha__cli_without_path(clmha_context_last_error(ctx), layer_path));
         goto fail;
