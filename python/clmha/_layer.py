@@ -710,7 +710,8 @@ def _to_numpy(x):
     """A torch tensor's values as NumPy (no copy for contiguous CPU float tensors); anything else
     as it is."""
     if hasattr(x, "detach") and hasattr(x, "numpy"):
-        return x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        return (x.float() if str(x.dtype) == "torch.bfloat16" else x).numpy()
     return x
 
 

@@ -1,0 +1,409 @@
+"""clmha.torch: a drop-in ``torch.nn.MultiheadAttention`` that runs on an OpenCL device.
+
+    import torch, clmha.torch
+    mha = clmha.torch.MultiheadAttention(512, 8, batch_first=True)
+    mha.load_state_dict(torch_mha.state_dict())          # same names, both ways
+    out, weights = mha(x, x, x, key_padding_mask=pad)    # torch's forward and return values
+    out.sum().backward()                                 # gradients from clmha's backward pass
+
+Tensors live on the CPU (clmha copies them to its OpenCL device; contiguous CPU tensors are
+read in place). Two differences from PyTorch: a query row whose every key is masked gives
+zeros (its output is out_proj.bias) where PyTorch gives NaN, and dropout in train() is drawn from
+clmha's Philox stream (seeded from torch's generator, so torch.manual_seed makes it
+reproducible), not PyTorch's.
+"""
+
+import itertools
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ._context import Context
+from ._layer import Layer, Mask
+
+_TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+                 torch.bfloat16: "bfloat16"}
+
+
+def _host(t: Tensor, name: str, dtype: str) -> np.ndarray:
+    """@p t as the NumPy array the layer reads: no copy for a contiguous CPU tensor of the
+    layer's dtype (float16 stays float16; bfloat16 becomes float32, exactly)."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}: clmha.torch takes CPU tensors (it runs on "
+                         f"its own OpenCL device)")
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.contiguous().numpy()
+
+
+def _mask(t: Optional[Tensor], name: str, dtype: str):
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, not {type(t).__name__}")
+    if t.dtype == torch.bool or t.dtype == torch.uint8:
+        return _host(t, name, dtype).astype(np.bool_, copy=False)
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be bool or floating point, not {t.dtype}")
+    return _host(t.to(torch.float64 if dtype == "float64" else torch.float32), name, dtype)
+
+
+class _Call:
+    """One forward call's options, handed through autograd.Function."""
+
+    def __init__(self, module, layer, kwargs, self_attention, key_is_value, need_weights):
+        self.module = module
+        self.layer = layer
+        self.kwargs = kwargs
+        self.self_attention = self_attention
+        self.key_is_value = key_is_value
+        self.need_weights = need_weights
+        self.saved = None
+
+
+class _Attention(torch.autograd.Function):
+    """clmha's forward pass, with clmha's backward pass as its gradient."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, query, key, value, key_padding_mask, attn_mask, *params):
+        layer = call.layer
+        dt = layer.dtype
+        q = _host(query, "query", dt)
+        k = None if call.self_attention else _host(key, "key", dt)
+        v = None if (call.self_attention or call.key_is_value) else _host(value, "value", dt)
+        kpm = _mask(key_padding_mask, "key_padding_mask", dt)
+        am = _mask(attn_mask, "attn_mask", dt)
+        if isinstance(call.kwargs.get("attn_mask_wrap"), dict) and am is not None:
+            am = Mask(am, **call.kwargs["attn_mask_wrap"])
+        saved = layer.saved() if (any(ctx.needs_input_grad) and dt == "float32") else None
+        opts = {k2: v2 for k2, v2 in call.kwargs.items() if k2 != "attn_mask_wrap"}
+        out, weights = layer.forward(q, k, v, key_padding_mask=kpm, attn_mask=am, save=saved,
+                                     need_weights=call.need_weights, **opts)
+        call.saved = saved
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        tdt = query.dtype
+        out_t = torch.from_numpy(out).to(tdt)
+        w_t = torch.from_numpy(weights).to(tdt) if weights is not None else query.new_empty(0)
+        if weights is None:
+            ctx.mark_non_differentiable(w_t)
+        return out_t, w_t
+
+    @staticmethod
+    def backward(ctx, grad_output, grad_weights):
+        call = ctx.call
+        n_params = len(ctx.needs_input_grad) - 6
+        if call.saved is None:
+            raise RuntimeError("clmha.torch: the backward pass runs for float32 modules only "
+                               "(float64 and 16-bit training are not implemented yet)")
+        if grad_output is None:
+            grad_output = torch.zeros(call.saved._shapes[0])
+        gw = None
+        if grad_weights is not None and call.need_weights and grad_weights.numel():
+            gw = _host(grad_weights.float(), "grad_weights", "float32")
+        need = ctx.needs_input_grad
+        grads = call.layer.backward(call.saved, _host(grad_output.float(), "grad_output",
+                                                     "float32"), gw,
+                                    inputs=any(need[1:4]), parameters=any(need[6:]),
+                                    masks=any(need[4:6]))
+        call.saved = None  # the device memory goes with it
+        t = lambda name: torch.from_numpy(grads[name]) if name in grads else None  # noqa: E731
+        gq, gk, gv = t("query"), t("key"), t("value")
+        if call.self_attention:
+            gk = gv = None
+        elif call.key_is_value:
+            gv = None
+        names = call.module._param_names()
+        return ((None, gq, gk, gv, t("key_padding_mask"), t("attn_mask"))
+                + tuple(t(n) for n in names)[:n_params])
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """``torch.nn.MultiheadAttention`` computed by clmha on an OpenCL device.
+
+    The constructor, the parameters and their ``state_dict()`` names, ``forward`` and its return
+    values are PyTorch's (it is a subclass: ``load_state_dict(torch_mha.state_dict())`` works
+    both ways). Extra keyword arguments: ``num_kv_heads`` (grouped-query attention: k_proj_weight
+    and v_proj_weight get num_kv_heads * head_dim rows) and ``context`` (a ``clmha.Context``;
+    default: ``$CLMHA_DEVICE`` or the first GPU, else the first OpenCL device).
+
+    Gradients flow to query, key, value, every parameter and a float attn_mask or
+    key_padding_mask through clmha's backward pass (float32 modules). Differences from PyTorch:
+    a query row whose every key is masked gives zeros instead of NaN, and ``train()`` draws
+    dropout from clmha's Philox stream (seeded from torch's generator).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False,
+                 kdim: Optional[int] = None, vdim: Optional[int] = None,
+                 batch_first: bool = False, device=None, dtype=None, *,
+                 num_kv_heads: Optional[int] = None, context: Optional[Context] = None):
+        if device is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"device={device!r}: clmha.torch modules hold CPU tensors (clmha "
+                             f"runs them on its OpenCL device: pass context=)")
+        if dtype is not None and dtype not in _TORCH_DTYPES:
+            raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, not {dtype}")
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias,
+                         add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim,
+                         vdim=vdim, batch_first=batch_first, device=device, dtype=dtype)
+        self.num_kv_heads = num_kv_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads "
+                             f"({num_heads})")
+        if self.num_kv_heads != num_heads:
+            self._make_grouped(dtype)
+        self.context = context
+        self._clmha = None
+        self._clmha_key = None
+        self._clmha_versions = {}
+        self._offset = itertools.count()
+
+    def _make_grouped(self, dtype) -> None:
+        kv = self.num_kv_heads * self.head_dim
+        f = {"dtype": dtype}
+        q = self.in_proj_weight[: self.embed_dim] if self._qkv_same_embed_dim else \
+            self.q_proj_weight
+        self._qkv_same_embed_dim = False
+        self.in_proj_weight = None
+        self.q_proj_weight = nn.Parameter(q.detach().clone())
+        self.k_proj_weight = nn.Parameter(torch.empty(kv, self.kdim, **f))
+        self.v_proj_weight = nn.Parameter(torch.empty(kv, self.vdim, **f))
+        nn.init.xavier_uniform_(self.k_proj_weight)
+        nn.init.xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            self.in_proj_bias = nn.Parameter(torch.zeros(self.embed_dim + 2 * kv, **f))
+        if self.bias_k is not None:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, kv, **f))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, kv, **f))
+            nn.init.xavier_normal_(self.bias_k)
+            nn.init.xavier_normal_(self.bias_v)
+
+    def _param_names(self) -> Tuple[str, ...]:
+        names = ["in_proj_weight"] if self.in_proj_weight is not None else [
+            "q_proj_weight", "k_proj_weight", "v_proj_weight"]
+        names += [n for n in ("in_proj_bias", "bias_k", "bias_v") if getattr(self, n) is not None]
+        names.append("out_proj.weight")
+        if self.out_proj.bias is not None:
+            names.append("out_proj.bias")
+        return tuple(names)
+
+    def _param(self, name: str) -> Tensor:
+        return self.out_proj.get_parameter(name[len("out_proj."):]) if name.startswith(
+            "out_proj.") else getattr(self, name)
+
+    def _layer(self) -> Layer:
+        """The clmha layer, made on first use and again when the dtype or options change; the
+        parameters are copied to it when they changed since the last call (version counters)."""
+        dtype = _TORCH_DTYPES.get(self.out_proj.weight.dtype)
+        if dtype is None:
+            raise TypeError(f"parameters of dtype {self.out_proj.weight.dtype} are not supported")
+        key = (dtype, float(self.dropout), bool(self.batch_first), bool(self.add_zero_attn),
+               id(self.context))
+        if self._clmha is None or key != self._clmha_key:
+            self._clmha = Layer(self.embed_dim, self.num_heads, dropout=float(self.dropout),
+                                bias=self.in_proj_bias is not None,
+                                add_bias_kv=self.bias_k is not None,
+                                add_zero_attn=self.add_zero_attn, kdim=self.kdim, vdim=self.vdim,
+                                batch_first=self.batch_first, num_kv_heads=self.num_kv_heads,
+                                dtype=dtype, context=self.context)
+            self._clmha_key = key
+            self._clmha_versions = {}
+        layer = self._clmha
+        for name in self._param_names():
+            p = self._param(name)
+            if p.device.type != "cpu":
+                raise ValueError(f"parameter {name} is on {p.device}: clmha.torch modules hold "
+                                 f"CPU tensors")
+            stamp = (p._version, p.data_ptr(), id(p))
+            if self._clmha_versions.get(name) != stamp:
+                layer[name] = _host(p, name, dtype) if dtype != "float16" else \
+                    p.detach().float().contiguous().numpy()
+                self._clmha_versions[name] = stamp
+        return layer
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
+                attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """PyTorch's ``MultiheadAttention.forward``: returns ``(attn_output, attn_weights)``,
+        the weights averaged over heads unless ``average_attn_weights=False``, None without
+        ``need_weights``. ``is_causal`` with an attn_mask is PyTorch's hint (the mask is used);
+        without one it applies the causal mask itself."""
+        return self._run(query, key, value, key_padding_mask, need_weights, attn_mask,
+                         average_attn_weights, is_causal, None)
+
+    def _run(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+             average_attn_weights, is_causal, attn_mask_wrap):
+        layer = self._layer()
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+            if t.dtype != self.out_proj.weight.dtype:
+                raise TypeError(f"{name} is {t.dtype} but the module's parameters are "
+                                f"{self.out_proj.weight.dtype}")
+            if t.dim() not in (2, 3):
+                raise ValueError(f"{name} must be 2-D (unbatched) or 3-D; its shape is "
+                                 f"{tuple(t.shape)}")
+        self_attention = key is query and value is query and \
+            self.kdim == self.embed_dim and self.vdim == self.embed_dim
+        key_is_value = key is value and self.kdim == self.vdim
+        training = self.training and self.dropout > 0
+        kwargs = dict(is_causal=bool(is_causal) and attn_mask is None,
+                      average_attn_weights=bool(average_attn_weights), training=training,
+                      seed=int(torch.randint(0, 2 ** 62, (1,)).item()) if training else 0,
+                      offset=next(self._offset) if training else 0)
+        if attn_mask_wrap is not None:
+            kwargs["attn_mask_wrap"] = attn_mask_wrap
+        call = _Call(self, layer, kwargs, self_attention, key_is_value, bool(need_weights))
+        params = [self._param(n) for n in self._param_names()]
+        out, weights = _Attention.apply(call, query, key, value, key_padding_mask, attn_mask,
+                                        *params)
+        return out, (weights if need_weights else None)
+
+    @classmethod
+    def from_torch(cls, module: nn.Module, *, context: Optional[Context] = None,
+                   num_heads: Optional[int] = None) -> nn.Module:
+        """A clmha module computing what @p module computes, with a copy of its parameters:
+        an ``nn.MultiheadAttention`` gives a ``MultiheadAttention``; continuiti's
+        ``MultiHeadAttention`` (query_project, ..., out_project) a ``ContinuitiAttention``;
+        the classic split-heads module (w_q, w_k, w_v, w_concat) a ``SplitHeadsAttention``."""
+        if isinstance(module, nn.MultiheadAttention):
+            m = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
+                    bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
+                    add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim,
+                    batch_first=module.batch_first, dtype=module.out_proj.weight.dtype,
+                    num_kv_heads=getattr(module, "num_kv_heads", None), context=context)
+            m.load_state_dict(module.state_dict())
+            return m.train(module.training)
+        heads = num_heads or getattr(module, "n_heads", None) or getattr(module, "n_head", None)
+        if heads is None:
+            raise TypeError(f"cannot read the head count of {type(module).__name__}: pass "
+                            f"num_heads=")
+        if hasattr(module, "query_project"):
+            return ContinuitiAttention._from(module, int(heads), context)
+        if hasattr(module, "w_q"):
+            return SplitHeadsAttention._from(module, int(heads), context)
+        raise TypeError(f"{type(module).__name__} is not nn.MultiheadAttention, continuiti's "
+                        f"MultiHeadAttention or the classic w_q/w_k/w_v/w_concat module")
+
+
+class _SeedAttention(nn.Module):
+    """A seed module's parameters (its own names) computed by a clmha MultiheadAttention."""
+
+    _names = ()
+
+    def __init__(self, hidden_dim: int, n_heads: int, bias: bool = True, dropout_p: float = 0.0,
+                 context: Optional[Context] = None):
+        super().__init__()
+        for n in self._names:
+            setattr(self, n, nn.Linear(hidden_dim, hidden_dim, bias=bias))
+        self.n_heads = n_heads
+        self.hidden_dim = hidden_dim
+        # Not a registered submodule: state_dict() and parameters() are the seed module's own.
+        object.__setattr__(self, "_mha", MultiheadAttention(
+            hidden_dim, n_heads, dropout=dropout_p, bias=bias, batch_first=True,
+            context=context))
+
+    @classmethod
+    def _from(cls, module, heads, context):
+        first = getattr(module, cls._names[0])
+        m = cls(first.in_features, heads, bias=first.bias is not None,
+                dropout_p=float(getattr(module, "dropout_p", 0.0)), context=context)
+        m.load_state_dict(module.state_dict(), strict=False)
+        return m.train(module.training)
+
+    def _sync(self) -> MultiheadAttention:
+        q, k, v, o = (getattr(self, n) for n in self._names)
+        mha = self._mha
+        with torch.no_grad():
+            mha.in_proj_weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+            mha.out_proj.weight.copy_(o.weight)
+            if q.bias is not None:
+                mha.in_proj_bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+                mha.out_proj.bias.copy_(o.bias)
+        mha.train(self.training)
+        return mha
+
+    def _attend(self, query, key, value, attn_mask, wrap):
+        mha = self._sync()
+        # Gradients reach this module's own Linear parameters through these views.
+        q, k, v, o = (getattr(self, n) for n in self._names)
+        params = {"in_proj_weight": torch.cat([q.weight, k.weight, v.weight]),
+                  "out_proj.weight": o.weight}
+        if q.bias is not None:
+            params["in_proj_bias"] = torch.cat([q.bias, k.bias, v.bias])
+            params["out_proj.bias"] = o.bias
+        return _functional(mha, params, query, key, value, attn_mask, wrap)
+
+
+def _functional(mha: MultiheadAttention, params, query, key, value, attn_mask, wrap):
+    layer = mha._layer()
+    call = _Call(mha, layer, dict(is_causal=False, average_attn_weights=True,
+                                  training=mha.training and mha.dropout > 0,
+                                  seed=int(torch.randint(0, 2 ** 62, (1,)).item())
+                                  if mha.training and mha.dropout > 0 else 0,
+                                  offset=next(mha._offset), attn_mask_wrap=wrap),
+                 key is query and value is query, key is value, False)
+    out, _ = _Attention.apply(call, query, key, value, None, attn_mask,
+                              *[params[n] for n in mha._param_names()])
+    return out
+
+
+class ContinuitiAttention(_SeedAttention):
+    """continuiti's ``MultiHeadAttention(hidden_dim, n_heads, dropout_p, bias)`` computed by
+    clmha: the same parameters (query_project, key_project, value_project, out_project) and
+    ``forward(query, key, value, attn_mask=None)`` on (batch, length, hidden_dim) tensors, with
+    its mask (batch, target_len, source_len) whose True means "may attend"."""
+
+    _names = ("query_project", "key_project", "value_project", "out_project")
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                attn_mask: Optional[Tensor] = None) -> Tensor:
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            return self._attend(query, key, value, attn_mask, {"attend": True, "per_batch": True})
+        return self._attend(query, key, value, attn_mask,
+                            {"per_batch": True} if attn_mask is not None else None)
+
+
+class SplitHeadsAttention(_SeedAttention):
+    """The classic "split heads → scaled dot product → concat → w_concat" module computed by
+    clmha: parameters w_q, w_k, w_v, w_concat and ``forward(q, k, v, mask=None)`` on (batch,
+    length, d_model) tensors; ``mask`` (batch, target_len, source_len) boolean, True = may
+    attend (where that module fills masked scores with -10000, clmha forbids them outright)."""
+
+    _names = ("w_q", "w_k", "w_v", "w_concat")
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        if mask is not None:
+            mask = mask.bool()
+            if mask.dim() == 4:  # (batch, 1, L, S), as that module's callers pass it
+                mask = mask[:, 0]
+        return self._attend(q, k, v, mask,
+                            {"attend": True, "per_batch": True} if mask is not None else None)
+
+
+def export(module: nn.Module, path, *, num_heads: Optional[int] = None) -> None:
+    """Writes @p module (``nn.MultiheadAttention``, continuiti's or the classic module, or a
+    clmha.torch module) as a clmha layer file (``.safetensors``), readable by
+    ``clmha run --layer``, ``clmha_layer_load()`` and ``clmha.Layer.load()``."""
+    heads = num_heads or getattr(module, "num_heads", None) or getattr(module, "n_heads", None) \
+        or getattr(module, "n_head", None)
+    if heads is None:
+        raise TypeError(f"cannot read the head count of {type(module).__name__}: pass num_heads=")
+    sd = module.state_dict()
+    dtype = _TORCH_DTYPES.get(next(iter(sd.values())).dtype, "float32") if sd else None
+    layer = Layer.from_state_dict(sd, int(heads),
+                                  batch_first=getattr(module, "batch_first", None),
+                                  dropout=float(getattr(module, "dropout",
+                                                        getattr(module, "dropout_p", 0.0))),
+                                  add_zero_attn=bool(getattr(module, "add_zero_attn", False)),
+                                  dtype=dtype)
+    layer.save(path)
+
+
+__all__ = ["MultiheadAttention", "ContinuitiAttention", "SplitHeadsAttention", "export"]
