@@ -17,6 +17,10 @@ Licensed under the Apache License 2.0.
 
 import os as _os
 
+from ._driver import register_pypi_pocl as _register_pypi_pocl
+
+_register_pypi_pocl()  # before the first OpenCL call: clmha[pocl]'s driver where none is installed
+
 from ._native import ffi as _ffi, lib as _lib
 from ._errors import STATUS, Error
 from ._context import Context, Device, default_context, devices
