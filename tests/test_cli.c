@@ -592,6 +592,54 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
 
 // ---- refused inputs: exit 1, one line naming the culprit, no file ----------------------------
 
+// Layer files that need load options, and torch.save files: exit 1, one line that says what
+// to do (--num-heads, the prefixes the file has, how to convert a .pt file).
+Test(cli_refused, layer_load_options) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = tmp_make();
+    const char *q = tmp_file(&d, "q.npy"), *o = tmp_file(&d, "o.npy");
+    write_f32_shape(q, 2, 3, 8);
+    char seed[CLI_PATH_SIZE], model[CLI_PATH_SIZE], pt[CLI_PATH_SIZE], legacy[CLI_PATH_SIZE];
+    snprintf(seed, sizeof seed, "%s/cli/seed_continuiti/layer.safetensors", CLMHA_TEST_DATA_DIR);
+    snprintf(model, sizeof model, "%s/cli/model_prefix/layer.safetensors", CLMHA_TEST_DATA_DIR);
+    snprintf(pt, sizeof pt, "%s/cli/torch_save/module.pt", CLMHA_TEST_DATA_DIR);
+    snprintf(legacy, sizeof legacy, "%s/cli/torch_save/legacy.pt", CLMHA_TEST_DATA_DIR);
+    struct {
+        const char *const *args;
+        const char *want[3];
+    } rows[] = {
+        {(const char *const[]){"run", "--layer", seed, "--query", q, "--output", o, NULL},
+         {"has no num_heads", "--num-heads", NULL}},
+        {(const char *const[]){"run", "--layer", model, "--prefix", "decoder", "--num-heads", "2",
+                               "--query", q, "--output", o, NULL},
+         {"no tensor's name starts with the prefix \"decoder.\"", "\"encoder.layers.1.self_attn.\"",
+          NULL}},
+        {(const char *const[]){"run", "--layer", pt, "--query", q, "--output", o, NULL},
+         {"torch.save (a zip archive", "clmha.torch.export(torch.load(", NULL}},
+        {(const char *const[]){"run", "--layer", legacy, "--num-heads", "2", "--query", q,
+                               "--output", o, NULL},
+         {"torch.save (a pickle", "--prefix and --num-heads", NULL}},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof *rows; ++i) {
+        cli_result r = cli_run_argv(rows[i].args);
+        cr_assert_eq(r.status, 1, "row %zu: exit status %d (want 1); stderr: %s", i, r.status,
+                     r.err);
+        assert_one_line(&r, "clmha run: --layer ", rows[i].want[0], rows[i].want[1], NULL);
+        cr_assert(!file_exists(o), "row %zu: %s written", i, o);
+        cli_free(&r);
+    }
+    tmp_remove(&d);
+}
+
+Test(cli_usage, layer_load_options) {
+    EXPECT_USAGE("clmha run: --num-heads '0'", "run", "--layer", "l", "--query", "q",
+                 "--num-heads", "0");
+    EXPECT_USAGE("clmha run: --num-heads 'x'", "run", "--layer", "l", "--query", "q",
+                 "--num-heads", "x");
+    EXPECT_USAGE("clmha run: --batch-first 'maybe'", "run", "--layer", "l", "--query", "q",
+                 "--batch-first", "maybe");
+}
+
 Test(cli_refused, missing_layer_file) {
     tmp_dir d = make_inputs();
     const char *missing = tmp_file(&d, "absent.safetensors");
