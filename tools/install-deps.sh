@@ -3,6 +3,7 @@
 # oclgrind runs the kernels in a checking simulator; python3-torch/numpy make and check the golden
 # data and run the ctypes example against PyTorch. On CPU devices the GEMMs run in a host BLAS:
 # oneDNN (libdnnl2) for float32, OpenBLAS (libopenblas0-pthread, cblas_dgemm) for float64 layers.
+# python3-dev, python3-venv and python3-pip build and install the Python package (pip install .).
 set -euo pipefail
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
@@ -13,4 +14,5 @@ $SUDO apt-get install -y -q --no-install-recommends \
   ocl-icd-opencl-dev opencl-c-headers pocl-opencl-icd clinfo \
   libclblast-dev libcriterion-dev libcjson-dev libpng-dev \
   oclgrind valgrind python3-numpy python3-torch doxygen \
-  libdnnl2 libopenblas0-pthread libopenmpi-dev openmpi-bin
+  libdnnl2 libopenblas0-pthread libopenmpi-dev openmpi-bin \
+  python3-dev python3-venv python3-pip

@@ -203,7 +203,9 @@ class Layer:
             opts.prefix = prefix_b
             opts.num_heads = int(num_heads or 0)
             opts.dtype = code
-            opts.batch_first = -1 if batch_first is None else int(bool(batch_first))
+            opts.batch_first = (lib.CLMHA_BATCH_FIRST_AUTO if batch_first is None else
+                                lib.CLMHA_BATCH_FIRST_YES if batch_first else
+                                lib.CLMHA_BATCH_FIRST_NO)
             check(lib.clmha_layer_load_prefixed(out, context._ptr, path_b, opts), context._ptr)
         else:
             check(lib.clmha_layer_load_as(out, context._ptr, path_b, code), context._ptr)
