@@ -1,0 +1,113 @@
+"""Shared helpers: random data, PyTorch float64 references, error bookkeeping."""
+
+import math
+
+import numpy as np
+
+import clmha
+
+TOL = 1e-4  # max abs error on unit-scale float32 inputs
+
+#: measured max errors, printed at the end of the session (pytest -s shows them)
+MEASURED = {}
+
+
+def record(name, err):
+    MEASURED[name] = max(MEASURED.get(name, 0.0), float(err))
+    return err
+
+
+def randn(rng, *shape, scale=1.0, dtype=np.float32):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def max_err(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def torch_mha(E, H, seed=0, **opts):
+    """A float32 torch.nn.MultiheadAttention with random parameters (biases nonzero)."""
+    import torch
+    torch.manual_seed(seed)
+    m = torch.nn.MultiheadAttention(E, H, **opts)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * (0.4 if p.dim() > 1 else 0.2))
+    return m.eval()
+
+
+def layer_of(m, ctx, dtype="float32", **extra):
+    """A clmha.Layer with @p m's configuration and parameters."""
+    layer = clmha.Layer(m.embed_dim, m.num_heads, bias=m.in_proj_bias is not None,
+                        add_bias_kv=m.bias_k is not None, add_zero_attn=m.add_zero_attn,
+                        kdim=m.kdim, vdim=m.vdim, batch_first=m.batch_first,
+                        dropout=m.dropout, dtype=dtype, context=ctx, **extra)
+    layer.load_state_dict({k: v.detach().double().numpy() if dtype == "float64"
+                           else v.detach().numpy() for k, v in m.state_dict().items()})
+    return layer
+
+
+def t64(a):
+    import torch
+    if a is None:
+        return None
+    a = np.asarray(a)
+    return torch.from_numpy(a if a.dtype == np.bool_ else a.astype(np.float64))
+
+
+def ref_forward(m, q, k=None, v=None, **kw):
+    """PyTorch's float64 forward of module @p m (a copy in .double()) on numpy inputs."""
+    import copy
+    import torch
+    md = copy.deepcopy(m).double().eval()
+    k = q if k is None else k
+    v = k if v is None else v
+    kw = {name: (t64(x) if isinstance(x, np.ndarray) else x) for name, x in kw.items()}
+    kw.setdefault("need_weights", False)
+    with torch.no_grad():
+        out, w = md(t64(q), t64(k), t64(v), **kw)
+    return out.numpy(), (w.numpy() if w is not None else None)
+
+
+def causal_float_mask(L, S=None):
+    S = L if S is None else S
+    m = np.zeros((L, S))
+    m[np.triu_indices(L, 1, S)] = -np.inf
+    return m
+
+
+def safetensors_write(path, tensors, metadata=None):
+    """A .safetensors file written by hand: 8-byte LE header length, JSON header, raw data."""
+    import json
+    header, blobs, offset = {}, [], 0
+    codes = {np.dtype("<f4"): "F32", np.dtype("<f8"): "F64", np.dtype("<f2"): "F16"}
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in codes:
+            a = a.astype("<f4")
+        raw = a.tobytes()
+        header[name] = {"dtype": codes[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def sdpa_ref(q, k, v, mask=None):
+    """softmax(q k^T / sqrt(d) + mask) v; a bool mask is True = may attend."""
+    import torch
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    return torch.softmax(scores, dim=-1) @ v
