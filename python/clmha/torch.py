@@ -66,62 +66,73 @@ class _Call:
         self.saved = None
 
 
+def _forward(call: _Call, query, key, value, key_padding_mask, attn_mask, want_saved: bool):
+    """The forward call on tensors: (output, weights or an empty tensor); with want_saved (and a
+    float32 layer) call.saved keeps what _backward() needs."""
+    layer = call.layer
+    dt = layer.dtype
+    q = _host(query, "query", dt)
+    k = None if call.self_attention else _host(key, "key", dt)
+    v = None if (call.self_attention or call.key_is_value) else _host(value, "value", dt)
+    kpm = _mask(key_padding_mask, "key_padding_mask", dt)
+    am = _mask(attn_mask, "attn_mask", dt)
+    if isinstance(call.kwargs.get("attn_mask_wrap"), dict) and am is not None:
+        am = Mask(am, **call.kwargs["attn_mask_wrap"])
+    saved = layer.saved() if (want_saved and dt == "float32") else None
+    opts = {k2: v2 for k2, v2 in call.kwargs.items() if k2 != "attn_mask_wrap"}
+    out, weights = layer.forward(q, k, v, key_padding_mask=kpm, attn_mask=am, save=saved,
+                                 need_weights=call.need_weights, **opts)
+    call.saved = saved
+    tdt = query.dtype
+    out_t = torch.from_numpy(out).to(tdt)
+    w_t = torch.from_numpy(weights).to(tdt) if weights is not None else query.new_empty(0)
+    return out_t, w_t
+
+
+def _backward(call: _Call, grad_output, grad_weights, need):
+    """The gradients of query, key, value, key_padding_mask, attn_mask and the parameters
+    (None where not needed or not given) of the forward call that filled call.saved."""
+    n_params = len(need) - 5
+    if call.saved is None:
+        raise RuntimeError("clmha.torch: the backward pass runs for float32 modules only "
+                           "(float64 and 16-bit training are not implemented yet)")
+    if grad_output is None:
+        grad_output = torch.zeros(call.saved._shapes[0])
+    gw = None
+    if grad_weights is not None and call.need_weights and grad_weights.numel():
+        gw = _host(grad_weights.float(), "grad_weights", "float32")
+    grads = call.layer.backward(call.saved, _host(grad_output.float(), "grad_output",
+                                                 "float32"), gw,
+                                inputs=any(need[0:3]), parameters=any(need[5:]),
+                                masks=any(need[3:5]))
+    call.saved = None  # the device memory goes with it
+    t = lambda name: torch.from_numpy(grads[name]) if name in grads else None  # noqa: E731
+    gq, gk, gv = t("query"), t("key"), t("value")
+    if call.self_attention:
+        gk = gv = None
+    elif call.key_is_value:
+        gv = None
+    names = call.module._param_names()
+    return ((gq, gk, gv, t("key_padding_mask"), t("attn_mask"))
+            + tuple(t(n) for n in names)[:n_params])
+
+
 class _Attention(torch.autograd.Function):
     """clmha's forward pass, with clmha's backward pass as its gradient."""
 
     @staticmethod
     def forward(ctx, call: _Call, query, key, value, key_padding_mask, attn_mask, *params):
-        layer = call.layer
-        dt = layer.dtype
-        q = _host(query, "query", dt)
-        k = None if call.self_attention else _host(key, "key", dt)
-        v = None if (call.self_attention or call.key_is_value) else _host(value, "value", dt)
-        kpm = _mask(key_padding_mask, "key_padding_mask", dt)
-        am = _mask(attn_mask, "attn_mask", dt)
-        if isinstance(call.kwargs.get("attn_mask_wrap"), dict) and am is not None:
-            am = Mask(am, **call.kwargs["attn_mask_wrap"])
-        saved = layer.saved() if (any(ctx.needs_input_grad) and dt == "float32") else None
-        opts = {k2: v2 for k2, v2 in call.kwargs.items() if k2 != "attn_mask_wrap"}
-        out, weights = layer.forward(q, k, v, key_padding_mask=kpm, attn_mask=am, save=saved,
-                                     need_weights=call.need_weights, **opts)
-        call.saved = saved
+        out_t, w_t = _forward(call, query, key, value, key_padding_mask, attn_mask,
+                              any(ctx.needs_input_grad))
         ctx.call = call
         ctx.set_materialize_grads(False)
-        tdt = query.dtype
-        out_t = torch.from_numpy(out).to(tdt)
-        w_t = torch.from_numpy(weights).to(tdt) if weights is not None else query.new_empty(0)
-        if weights is None:
+        if not call.need_weights:
             ctx.mark_non_differentiable(w_t)
         return out_t, w_t
 
     @staticmethod
     def backward(ctx, grad_output, grad_weights):
-        call = ctx.call
-        n_params = len(ctx.needs_input_grad) - 6
-        if call.saved is None:
-            raise RuntimeError("clmha.torch: the backward pass runs for float32 modules only "
-                               "(float64 and 16-bit training are not implemented yet)")
-        if grad_output is None:
-            grad_output = torch.zeros(call.saved._shapes[0])
-        gw = None
-        if grad_weights is not None and call.need_weights and grad_weights.numel():
-            gw = _host(grad_weights.float(), "grad_weights", "float32")
-        need = ctx.needs_input_grad
-        grads = call.layer.backward(call.saved, _host(grad_output.float(), "grad_output",
-                                                     "float32"), gw,
-                                    inputs=any(need[1:4]), parameters=any(need[6:]),
-                                    masks=any(need[4:6]))
-        call.saved = None  # the device memory goes with it
-        t = lambda name: torch.from_numpy(grads[name]) if name in grads else None  # noqa: E731
-        gq, gk, gv = t("query"), t("key"), t("value")
-        if call.self_attention:
-            gk = gv = None
-        elif call.key_is_value:
-            gv = None
-        names = call.module._param_names()
-        return ((None, gq, gk, gv, t("key_padding_mask"), t("attn_mask"))
-                + tuple(t(n) for n in names)[:n_params])
-
+        return (None,) + _backward(ctx.call, grad_output, grad_weights, ctx.needs_input_grad[1:])
 
 class MultiheadAttention(nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` computed by clmha on an OpenCL device.
@@ -256,7 +267,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         kwargs = dict(is_causal=bool(is_causal) and attn_mask is None,
                       average_attn_weights=bool(average_attn_weights), training=training,
                       seed=int(torch.randint(0, 2 ** 62, (1,)).item()) if training else 0,
-                      offset=next(self._offset) if training else 0)
+                      offset=0)  # the seed is drawn from torch's generator per call
         if attn_mask_wrap is not None:
             kwargs["attn_mask_wrap"] = attn_mask_wrap
         call = _Call(self, layer, kwargs, self_attention, key_is_value, bool(need_weights))
@@ -347,7 +358,7 @@ def _functional(mha: MultiheadAttention, params, query, key, value, attn_mask, w
                                   training=mha.training and mha.dropout > 0,
                                   seed=int(torch.randint(0, 2 ** 62, (1,)).item())
                                   if mha.training and mha.dropout > 0 else 0,
-                                  offset=next(mha._offset), attn_mask_wrap=wrap),
+                                  offset=0, attn_mask_wrap=wrap),
                  key is query and value is query, key is value, False)
     out, _ = _Attention.apply(call, query, key, value, None, attn_mask,
                               *[params[n] for n in mha._param_names()])

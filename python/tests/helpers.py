@@ -111,3 +111,41 @@ def sdpa_ref(q, k, v, mask=None):
         else:
             scores = scores + mask
     return torch.softmax(scores, dim=-1) @ v
+
+
+def torch_grads(m, q, k, v, kpm, am, gout, gw, need_weights=True, self_attention=False,
+                average_attn_weights=True):
+    """PyTorch float64 autograd of sum(out*gout) + sum(w*gw): gradients by clmha's names."""
+    import copy
+    import torch
+    md = copy.deepcopy(m).double()
+    qt = t64(q).requires_grad_()
+    kt = qt if self_attention else t64(k).requires_grad_()
+    vt = qt if self_attention else t64(v).requires_grad_()
+    kpm_t = t64(kpm).requires_grad_() if kpm is not None and kpm.dtype != np.bool_ else t64(kpm)
+    am_t = t64(am).requires_grad_() if am is not None and am.dtype != np.bool_ else t64(am)
+    kpm_arg, am_arg = kpm_t, am_t
+    if kpm_t is not None and kpm_t.requires_grad:
+        # PyTorch 1.13 gives no gradient to a float key_padding_mask: fold it into the
+        # (N*H, L, S) attn_mask inside autograd (the same sum of masks)
+        n, s_len = kpm_t.shape
+        l_len = q.shape[1] if m.batch_first else q.shape[0]
+        base = am_t if am_t is not None else torch.zeros(l_len, s_len, dtype=torch.float64)
+        if base.dim() == 2:
+            base = base.unsqueeze(0).expand(n * m.num_heads, l_len, s_len)
+        am_arg = base + kpm_t.repeat_interleave(m.num_heads, dim=0)[:, None, :]
+        kpm_arg = None
+    out, w = md(qt, kt, vt, key_padding_mask=kpm_arg, attn_mask=am_arg,
+                need_weights=need_weights, average_attn_weights=average_attn_weights)
+    loss = (out * t64(gout)).sum() + ((w * t64(gw)).sum() if need_weights else 0)
+    loss.backward()
+    g = {"query": qt.grad.numpy()}
+    if not self_attention:
+        g["key"], g["value"] = kt.grad.numpy(), vt.grad.numpy()
+    for n, p in md.named_parameters():
+        g[n] = p.grad.numpy()
+    if kpm_t is not None and kpm_t.requires_grad:
+        g["key_padding_mask"] = kpm_t.grad.numpy()
+    if am_t is not None and am_t.requires_grad:
+        g["attn_mask"] = am_t.grad.numpy()
+    return out.detach().numpy(), g

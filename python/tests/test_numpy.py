@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import clmha
-from helpers import (TOL, causal_float_mask, layer_of, max_err, randn, record, ref_forward,
+from helpers import (TOL, torch_grads, causal_float_mask, layer_of, max_err, randn, record, ref_forward,
                      t64, torch_mha)
 
 torch = pytest.importorskip("torch")
@@ -419,40 +419,6 @@ def test_16bit_layers(ctx, rng, dtype):
 
 # ---- backward ----------------------------------------------------------------------------------
 
-def _torch_grads(m, q, k, v, kpm, am, gout, gw, need_weights=True, self_attention=False):
-    md = copy.deepcopy(m).double()
-    qt = t64(q).requires_grad_()
-    kt = qt if self_attention else t64(k).requires_grad_()
-    vt = qt if self_attention else t64(v).requires_grad_()
-    kpm_t = t64(kpm).requires_grad_() if kpm is not None and kpm.dtype != np.bool_ else t64(kpm)
-    am_t = t64(am).requires_grad_() if am is not None and am.dtype != np.bool_ else t64(am)
-    kpm_arg, am_arg = kpm_t, am_t
-    if kpm_t is not None and kpm_t.requires_grad:
-        # PyTorch 1.13 gives no gradient to a float key_padding_mask: fold it into the
-        # (N*H, L, S) attn_mask inside autograd (the same sum of masks)
-        n, s_len = kpm_t.shape
-        l_len = q.shape[1] if m.batch_first else q.shape[0]
-        base = am_t if am_t is not None else torch.zeros(l_len, s_len, dtype=torch.float64)
-        if base.dim() == 2:
-            base = base.unsqueeze(0).expand(n * m.num_heads, l_len, s_len)
-        am_arg = base + kpm_t.repeat_interleave(m.num_heads, dim=0)[:, None, :]
-        kpm_arg = None
-    out, w = md(qt, kt, vt, key_padding_mask=kpm_arg, attn_mask=am_arg,
-                need_weights=need_weights)
-    loss = (out * t64(gout)).sum() + ((w * t64(gw)).sum() if need_weights else 0)
-    loss.backward()
-    g = {"query": qt.grad.numpy()}
-    if not self_attention:
-        g["key"], g["value"] = kt.grad.numpy(), vt.grad.numpy()
-    for n, p in md.named_parameters():
-        g[n] = p.grad.numpy()
-    if kpm_t is not None and kpm_t.requires_grad:
-        g["key_padding_mask"] = kpm_t.grad.numpy()
-    if am_t is not None and am_t.requires_grad:
-        g["attn_mask"] = am_t.grad.numpy()
-    return out.detach().numpy(), g
-
-
 @pytest.mark.parametrize("variant", ["cross_float_masks", "self_bias_kv", "kdim_zero_attn"])
 def test_backward(ctx, rng, variant):
     opts = {"cross_float_masks": dict(batch_first=True),
@@ -475,7 +441,7 @@ def test_backward(ctx, rng, variant):
     gout = randn(rng, *out.shape)
     gw = randn(rng, *w.shape)
     grads = layer.backward(saved, gout, gw)
-    ref_out, ref = _torch_grads(m, q, k, v, kpm, am, gout, gw, self_attention=self_att)
+    ref_out, ref = torch_grads(m, q, k, v, kpm, am, gout, gw, self_attention=self_att)
     assert max_err(out, ref_out) <= TOL
     assert set(ref) <= set(grads), (sorted(ref), sorted(grads))
     for name, g in ref.items():
@@ -486,7 +452,7 @@ def test_backward(ctx, rng, variant):
     saved2 = layer.saved()
     layer.forward(q, k, v, key_padding_mask=kpm, attn_mask=am, save=saved2)
     g2 = layer.backward(saved2, gout, parameters=False, masks=False)
-    _, ref2 = _torch_grads(m, q, k, v, kpm, am, gout, None, need_weights=False,
+    _, ref2 = torch_grads(m, q, k, v, kpm, am, gout, None, need_weights=False,
                            self_attention=self_att)
     assert "in_proj_bias" not in g2 and "attn_mask" not in g2
     assert max_err(g2["query"], ref2["query"]) / (1 + np.abs(ref2["query"]).max()) <= TOL

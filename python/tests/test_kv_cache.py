@@ -1,0 +1,104 @@
+"""Incremental decoding through Layer.kv_cache against the one-shot causal forward and PyTorch."""
+
+import numpy as np
+import pytest
+
+import clmha
+from helpers import TOL, causal_float_mask, layer_of, max_err, randn, record, ref_forward, \
+    torch_mha
+
+torch = pytest.importorskip("torch")
+
+E, H, N, T = 16, 2, 2, 9
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_token_by_token_equals_one_shot(ctx, rng, batch_first):
+    m = torch_mha(E, H, batch_first=batch_first)
+    layer = layer_of(m, ctx)
+    x = randn(rng, *((N, T, E) if batch_first else (T, N, E)))
+    one_shot, _ = layer.forward(x, is_causal=True)
+    ref, _ = ref_forward(m, x, attn_mask=causal_float_mask(T))
+    assert record("one-shot causal", max_err(one_shot, ref)) <= TOL
+    cache = layer.kv_cache(N, 16)
+    assert cache.batch == N and cache.capacity == 16
+    assert cache.lengths.tolist() == [0] * N
+    steps = []
+    for t in range(T):
+        xt = np.ascontiguousarray(x[:, t:t + 1] if batch_first else x[t:t + 1])
+        y, w = layer.forward(xt, is_causal=True, kv_cache=cache)
+        assert w is None
+        steps.append(y)
+        assert cache.lengths.tolist() == [t + 1] * N
+    got = np.concatenate(steps, axis=1 if batch_first else 0)
+    assert record("kv cache token by token", max_err(got, ref)) <= TOL
+    assert max_err(got, one_shot) <= TOL
+
+
+def test_chunks_truncate_reset(ctx, rng):
+    m = torch_mha(E, H)
+    layer = layer_of(m, ctx)
+    x = randn(rng, T, N, E)
+    ref, _ = ref_forward(m, x, attn_mask=causal_float_mask(T))
+    cache = layer.kv_cache(N, T)
+    outs, pos = [], 0
+    for c in (3, 1, 4, 1):
+        y, _ = layer.forward(np.ascontiguousarray(x[pos:pos + c]), is_causal=True,
+                             kv_cache=cache)
+        outs.append(y)
+        pos += c
+    assert cache.lengths.tolist() == [T] * N
+    assert record("kv cache chunks", max_err(np.concatenate(outs), ref)) <= TOL
+    # truncate back to 4 tokens and decode the rest again: the same outputs
+    cache.truncate(4)
+    assert cache.lengths.tolist() == [4] * N
+    y, _ = layer.forward(np.ascontiguousarray(x[4:]), is_causal=True, kv_cache=cache)
+    assert max_err(y, ref[4:]) <= TOL
+    cache.truncate([2, 5])
+    assert cache.lengths.tolist() == [2, 5]
+    with pytest.raises(ValueError):
+        cache.truncate(-1)
+    cache.reset()
+    assert cache.lengths.tolist() == [0] * N
+    y, _ = layer.forward(np.ascontiguousarray(x[:2]), is_causal=True, kv_cache=cache)
+    assert max_err(y, ref[:2]) <= TOL
+
+
+def test_ragged_kv_append(ctx, rng):
+    m = torch_mha(E, H, batch_first=True)
+    layer = layer_of(m, ctx)
+    x = randn(rng, 2, 4, E)
+    cache = layer.kv_cache(2, 8)
+    layer.forward(np.ascontiguousarray(x[:, :2]), is_causal=True, kv_cache=cache,
+                  kv_append=[2, 1])
+    assert cache.lengths.tolist() == [2, 1]
+
+
+def test_unbatched_and_gqa_cache(ctx, rng):
+    layer = clmha.Layer(E, 4, num_kv_heads=2, context=ctx)
+    for n in layer.parameter_names():
+        layer[n] = randn(rng, *layer[n].shape, scale=0.4)
+    x = randn(rng, 6, E)  # unbatched (L, E)
+    one, _ = layer.forward(x, is_causal=True)
+    cache = layer.kv_cache(1, 6)
+    got = np.concatenate([layer.forward(np.ascontiguousarray(x[t:t + 1]), is_causal=True,
+                                        kv_cache=cache)[0] for t in range(6)])
+    assert record("kv cache GQA unbatched", max_err(got, one)) <= TOL
+
+
+def test_capacity_overflow(ctx, rng):
+    m = torch_mha(E, H)
+    layer = layer_of(m, ctx)
+    cache = layer.kv_cache(N, 4)
+    layer.forward(randn(rng, 3, N, E), is_causal=True, kv_cache=cache)
+    with pytest.raises(clmha.Error) as ei:
+        layer.forward(randn(rng, 2, N, E), is_causal=True, kv_cache=cache)
+    assert ei.value.status == clmha.STATUS["SHAPE_MISMATCH"]
+    assert ei.value.message
+    assert cache.lengths.tolist() == [3] * N  # nothing changed
+    layer.forward(randn(rng, 1, N, E), is_causal=True, kv_cache=cache)
+    assert cache.lengths.tolist() == [4] * N
+    with pytest.raises((ValueError, TypeError)):
+        layer.kv_cache(0, 4)
+    with pytest.raises((ValueError, TypeError)):
+        layer.kv_cache(N, -1)
