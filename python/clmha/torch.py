@@ -23,6 +23,17 @@ from torch import Tensor, nn
 from ._context import Context
 from ._layer import Layer, Mask
 
+def _custom_op_module():
+    """clmha._torch_op where torch has torch.library.custom_op (2.4 and later), else None."""
+    if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
+        return None
+    from . import _torch_op
+
+    return _torch_op
+
+
+_torch_op = _custom_op_module()
+
 _TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
                  torch.bfloat16: "bfloat16"}
 
@@ -134,6 +145,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad_output, grad_weights):
         return (None,) + _backward(ctx.call, grad_output, grad_weights, ctx.needs_input_grad[1:])
 
+
 class MultiheadAttention(nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` computed by clmha on an OpenCL device.
 
@@ -173,6 +185,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         self._clmha_key = None
         self._clmha_versions = {}
         self._offset = itertools.count()
+        self._op_handle = _torch_op.register(self) if _torch_op is not None else None
 
     def _make_grouped(self, dtype) -> None:
         kv = self.num_kv_heads * self.head_dim
@@ -250,7 +263,6 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     def _run(self, query, key, value, key_padding_mask, need_weights, attn_mask,
              average_attn_weights, is_causal, attn_mask_wrap):
-        layer = self._layer()
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
@@ -264,6 +276,24 @@ class MultiheadAttention(nn.MultiheadAttention):
             self.kdim == self.embed_dim and self.vdim == self.embed_dim
         key_is_value = key is value and self.kdim == self.vdim
         training = self.training and self.dropout > 0
+        params = [self._param(n) for n in self._param_names()]
+        if _torch_op is not None and torch.compiler.is_compiling():
+            # torch.compile: the custom operator keeps clmha in the graph (_torch_op.py). The
+            # dropout seed is fixed when the graph is traced.
+            masks = [m for m in (key_padding_mask, attn_mask) if m is not None]
+            want = torch.is_grad_enabled() and any(
+                t.requires_grad for t in [query, key, value] + params + masks)
+            wrap = 0 if attn_mask_wrap is None else (int(attn_mask_wrap.get("attend", False))
+                                                     | 2 * int(attn_mask_wrap.get("per_batch",
+                                                                                  False)))
+            flags = [int(bool(need_weights)), int(bool(average_attn_weights)),
+                     int(bool(is_causal) and attn_mask is None), int(training),
+                     next(self._offset) if training else 0, 0]
+            out, weights, _ = _torch_op.attention(
+                self._op_handle, query, key, value, key_padding_mask, attn_mask, params, flags,
+                int(self_attention), int(key_is_value), wrap, int(want))
+            return out, (weights if need_weights else None)
+        layer = self._layer()
         kwargs = dict(is_causal=bool(is_causal) and attn_mask is None,
                       average_attn_weights=bool(average_attn_weights), training=training,
                       seed=int(torch.randint(0, 2 ** 62, (1,)).item()) if training else 0,
@@ -271,7 +301,6 @@ class MultiheadAttention(nn.MultiheadAttention):
         if attn_mask_wrap is not None:
             kwargs["attn_mask_wrap"] = attn_mask_wrap
         call = _Call(self, layer, kwargs, self_attention, key_is_value, bool(need_weights))
-        params = [self._param(n) for n in self._param_names()]
         out, weights = _Attention.apply(call, query, key, value, key_padding_mask, attn_mask,
                                         *params)
         return out, (weights if need_weights else None)
