@@ -75,6 +75,9 @@ install(TARGETS ${_clmha_install_targets}
           NAMELINK_COMPONENT development
   ARCHIVE DESTINATION "${CMAKE_INSTALL_LIBDIR}" COMPONENT development)
 
+install(FILES "${PROJECT_SOURCE_DIR}/LICENSE"
+  DESTINATION "${CMAKE_INSTALL_DOCDIR}" COMPONENT runtime)
+
 install(FILES
   "${PROJECT_SOURCE_DIR}/include/clmha.h"
   "${PROJECT_BINARY_DIR}/include/clmha_version.h"

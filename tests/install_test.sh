@@ -51,7 +51,7 @@ shared_lib=$(find "$prefix" -name 'libclmha.so' -print -quit)
 [ -n "$shared_lib" ] || fail "no libclmha.so under $prefix"
 libdir=$(dirname "$shared_lib")
 for f in "$libdir/libclmha.a" "$prefix/include/clmha.h" "$prefix/include/clmha_version.h" \
-    "$prefix/bin/clmha" "$libdir/cmake/clmha/clmhaConfig.cmake" \
+    "$prefix/share/doc/clmha/LICENSE" "$prefix/bin/clmha" "$libdir/cmake/clmha/clmhaConfig.cmake" \
     "$libdir/cmake/clmha/clmhaConfigVersion.cmake" "$libdir/pkgconfig/clmha.pc"; do
     [ -e "$f" ] || fail "$f was not installed"
 done
