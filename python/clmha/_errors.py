@@ -30,7 +30,7 @@ class Error(RuntimeError):
 
 
 def check(status: int, context_ptr=None) -> None:
-    """Raises Error for a failing @p status, with the message of @p context_ptr (a clmha_context*)
+    """Raises Error for a failing ``status``, with the message of ``context_ptr`` (a clmha_context*)
     or, without one, clmha_last_create_error()."""
     if status == lib.CLMHA_SUCCESS:
         return

@@ -70,7 +70,7 @@ def declarations(header_text: str) -> str:
 
 
 def builder(header_path: str, module: str = "clmha._native", **source_options):
-    """A cffi FFI builder for @p module from the header at @p header_path (@p source_options:
+    """A cffi FFI builder for ``module`` from the header at ``header_path`` (``source_options``:
     set_source()'s include_dirs, libraries, ...)."""
     import cffi
 

@@ -245,7 +245,7 @@ class Layer:
         return np.float64 if self.dtype == "float64" else np.float32
 
     def __getitem__(self, name: str) -> np.ndarray:
-        """The parameter @p name (``state_dict()`` name) as a new array: float64 for a float64
+        """The parameter ``name`` (``state_dict()`` name) as a new array: float64 for a float64
         layer, float16 for a float16 one, else float32 (a bfloat16 layer's values)."""
         shape = self._shape(name)
         host = np.empty(shape, self._host_dtype())
@@ -564,7 +564,7 @@ class Layer:
     def backward(self, saved: "Saved", grad_output, grad_weights=None, *,
                  inputs: bool = True, parameters: bool = True, masks: bool = True,
                  impl: str = "auto") -> Dict[str, np.ndarray]:
-        """The gradients of the forward call that filled @p saved, from the output's gradient
+        """The gradients of the forward call that filled ``saved``, from the output's gradient
         (and the weights', when that call returned them): a dict with ``query`` (``key``,
         ``value`` for inputs given separately; in self-attention ``query`` is the whole
         gradient of the one tensor), each parameter by ``state_dict()`` name, and float masks'

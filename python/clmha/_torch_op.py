@@ -24,7 +24,7 @@ _ids = itertools.count(1)
 
 
 def register(module) -> int:
-    """A number that names @p module in the operators' calls."""
+    """A number that names ``module`` in the operators' calls."""
     handle = next(_ids)
     _modules[handle] = module
     return handle

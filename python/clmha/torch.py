@@ -39,7 +39,7 @@ _TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float
 
 
 def _host(t: Tensor, name: str, dtype: str) -> np.ndarray:
-    """@p t as the NumPy array the layer reads: no copy for a contiguous CPU tensor of the
+    """``t`` as the NumPy array the layer reads: no copy for a contiguous CPU tensor of the
     layer's dtype (float16 stays float16; bfloat16 becomes float32, exactly)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
@@ -158,7 +158,17 @@ class MultiheadAttention(nn.MultiheadAttention):
     Gradients flow to query, key, value, every parameter and a float attn_mask or
     key_padding_mask through clmha's backward pass (float32 modules). Differences from PyTorch:
     a query row whose every key is masked gives zeros instead of NaN, and ``train()`` draws
-    dropout from clmha's Philox stream (seeded from torch's generator).
+    dropout from clmha's Philox stream (seeded from torch's generator, so ``torch.manual_seed``
+    makes it reproducible). Tensors live on the CPU; under ``torch.compile`` (torch 2.4 and
+    later) the module runs as the custom operator ``clmha::attention``.
+
+    Example::
+
+        import torch, clmha.torch
+        mha = clmha.torch.MultiheadAttention(64, 8, batch_first=True)
+        x = torch.randn(2, 10, 64, requires_grad=True)
+        out, weights = mha(x, x, x, need_weights=True)      # (2, 10, 64), (2, 10, 10)
+        out.sum().backward()                                # x.grad, mha.in_proj_weight.grad
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
@@ -166,6 +176,10 @@ class MultiheadAttention(nn.MultiheadAttention):
                  kdim: Optional[int] = None, vdim: Optional[int] = None,
                  batch_first: bool = False, device=None, dtype=None, *,
                  num_kv_heads: Optional[int] = None, context: Optional[Context] = None):
+        """Arguments as ``torch.nn.MultiheadAttention``'s (``device`` must be None or "cpu";
+        ``dtype`` float32, float64, float16 or bfloat16), plus ``num_kv_heads`` (key/value
+        heads for grouped-query attention, dividing num_heads; default num_heads) and
+        ``context`` (the ``clmha.Context`` to run on; default ``clmha.default_context()``)."""
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device={device!r}: clmha.torch modules hold CPU tensors (clmha "
                              f"runs them on its OpenCL device: pass context=)")
@@ -308,7 +322,7 @@ class MultiheadAttention(nn.MultiheadAttention):
     @classmethod
     def from_torch(cls, module: nn.Module, *, context: Optional[Context] = None,
                    num_heads: Optional[int] = None) -> nn.Module:
-        """A clmha module computing what @p module computes, with a copy of its parameters:
+        """A clmha module computing what ``module`` computes, with a copy of its parameters:
         an ``nn.MultiheadAttention`` gives a ``MultiheadAttention``; continuiti's
         ``MultiHeadAttention`` (query_project, ..., out_project) a ``ContinuitiAttention``;
         the classic split-heads module (w_q, w_k, w_v, w_concat) a ``SplitHeadsAttention``."""
@@ -428,7 +442,7 @@ class SplitHeadsAttention(_SeedAttention):
 
 
 def export(module: nn.Module, path, *, num_heads: Optional[int] = None) -> None:
-    """Writes @p module (``nn.MultiheadAttention``, continuiti's or the classic module, or a
+    """Writes ``module`` (``nn.MultiheadAttention``, continuiti's or the classic module, or a
     clmha.torch module) as a clmha layer file (``.safetensors``), readable by
     ``clmha run --layer``, ``clmha_layer_load()`` and ``clmha.Layer.load()``."""
     heads = num_heads or getattr(module, "num_heads", None) or getattr(module, "n_heads", None) \
