@@ -596,7 +596,7 @@ class Layer:
         result = {}
 
         def want(field, name, shape):
-            arr = np.zeros(shape, np.float32)
+            arr = np.empty(shape, np.float32)  # every gradient asked for is written whole
             result[name] = arr
             keep.append(arr)
             getattr(b, field).data = ffi.cast("float *", ffi.from_buffer(arr))
