@@ -1746,6 +1746,29 @@ Test(cli_bench, embed_above_2048_runs) {
     cli_free(&r);
 }
 
+// bench --layer F --prefix P --heads H: one attention module of a model's checkpoint (no
+// num_heads metadata), as `clmha run --prefix` loads it; without the prefix the whole model's
+// file is refused as run refuses it; --prefix alone is a usage error.
+Test(cli_bench, layer_prefix) {
+    SKIP_WITHOUT_DEVICE();
+    char model[1024];
+    snprintf(model, sizeof model, "%s/cli/model_prefix/layer.safetensors", CLMHA_TEST_DATA_DIR);
+    cli_result r = cli_run("bench", "--layer", model, "--prefix", "encoder.layers.1.self_attn",
+                           "--heads", "4", "--batch", "1", "--tgt-len", "3", "--repeat", "1",
+                           "--json");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert(strstr(r.out, "\"num_heads\": 4") != NULL, "stdout: %s", r.out);
+    cli_free(&r);
+    r = cli_run("bench", "--layer", model, "--batch", "1", "--tgt-len", "3", "--repeat", "1");
+    cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha bench: --layer ", "needs a prefix", NULL);
+    cli_free(&r);
+    r = cli_run("bench", "--prefix", "encoder.", "--repeat", "1");
+    cr_assert_eq(r.status, 2, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha bench: --prefix goes with --layer", NULL);
+    cli_free(&r);
+}
+
 // The number after "key": in one JSON line (NAN when the key is not there).
 static double json_number(const char *line, const char *key) {
     char pattern[64];

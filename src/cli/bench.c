@@ -17,7 +17,7 @@
 
 static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
-    "                   [--need-weights] [--batch-first] [--layer F.safetensors]\n"
+    "                   [--need-weights] [--batch-first] [--layer F.safetensors [--prefix P]]\n"
     "                   [--impl auto|fused|unfused] [--backward] [--repeat R] [--device SPEC]\n"
 "                   [--dtype f32|f64|f16|bf16] [--json]\n"
 "       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--batch N] [--embed E]\n"
@@ -44,7 +44,11 @@ static const char *usage_bench =
     "  --layer F.safetensors  time this layer file (e.g. from tools/export_mha.py) instead\n"
     "                       of a random one (weights uniform in +-1/sqrt(E), bias); its\n"
     "                       embed_dim, num_heads, kdim, vdim and batch_first are used\n"
-    "                       (--embed, --heads and --batch-first, when given, must agree)\n"
+    "                       (--embed, --heads and --batch-first, when given, must agree;\n"
+    "                       --heads also serves a file without num_heads metadata, as\n"
+    "                       clmha run's --num-heads)\n"
+    "  --prefix P           with --layer: the attention module P.<name> of a whole model's\n"
+    "                       file (as clmha run --prefix)\n"
     "\n"
     "run:\n"
     "  --impl I             attention core: auto (default: fused without --need-weights,\n"
@@ -264,8 +268,9 @@ typedef struct bench_result {
 clmha_layer *clmha__bench_layer(clmha_context *ctx, const bench_config *cfg) {
     clmha_layer *layer = NULL;
     if (cfg->layer_path) {
-        if (clmha_layer_load_as(&layer, ctx, cfg->layer_path, cfg->desc.dtype) !=
-            CLMHA_SUCCESS) {
+        clmha_load_options load = {.struct_size = sizeof load, .prefix = cfg->layer_prefix,
+                                   .num_heads = cfg->layer_heads, .dtype = cfg->desc.dtype};
+        if (clmha_layer_load_prefixed(&layer, ctx, cfg->layer_path, &load) != CLMHA_SUCCESS) {
             clmha__cli_report(
                 "bench", "--layer %s: %s", cfg->layer_path,
                 clmha__cli_without_path(clmha_context_last_error(ctx), cfg->layer_path));
@@ -524,7 +529,8 @@ static void print_tuning(const clmha_context *ctx) {
 int clmha__cli_bench(int argc, char **argv) {
     const char *batch_opt = NULL, *tgt_opt = NULL, *src_opt = NULL, *embed_opt = NULL,
                *heads_opt = NULL, *repeat_opt = NULL, *layer_path = NULL, *device = NULL,
-               *impl_opt = NULL, *cache_opt = NULL, *kv_heads_opt = NULL, *dtype_opt = NULL;
+               *impl_opt = NULL, *cache_opt = NULL, *kv_heads_opt = NULL, *dtype_opt = NULL,
+               *prefix = NULL;
     bool need_weights = false, batch_first = false, json = false, backward = false,
          decode = false;
     const clmha__cli_option opts[] = {
@@ -537,6 +543,7 @@ int clmha__cli_bench(int argc, char **argv) {
         {.name = "--need-weights", .flag = &need_weights},
         {.name = "--batch-first", .flag = &batch_first},
         {.name = "--layer", .value = &layer_path},
+        {.name = "--prefix", .value = &prefix},
         {.name = "--repeat", .value = &repeat_opt},
         {.name = "--device", .value = &device, .allow_empty = true},
         {.name = "--json", .flag = &json},
@@ -589,6 +596,10 @@ int clmha__cli_bench(int argc, char **argv) {
     if (kv_heads_opt &&
         (rc = parse_sizes("--kv-heads", kv_heads_opt, 1, BENCH_MAX_SIZE, &kv_heads, &one)))
         return rc;
+    if (prefix && !layer_path) {
+        clmha__cli_report("bench", "--prefix goes with --layer");
+        return EXIT_USAGE;
+    }
     if (!layer_path && e % h != 0) {
         clmha__cli_report("bench", "--embed %zu is not a multiple of --heads %zu", e, h);
         return EXIT_USAGE;
@@ -612,8 +623,10 @@ int clmha__cli_bench(int argc, char **argv) {
         return EXIT_USAGE;
     }
 
-    bench_config cfg = {.layer_path = layer_path, .need_weights = need_weights, .json = json,
-                        .impl = impl, .repeat = repeat};
+    bench_config cfg = {.layer_path = layer_path, .layer_prefix = prefix,
+                        .layer_heads = layer_path && heads_opt ? h : 0,
+                        .need_weights = need_weights, .json = json, .impl = impl,
+                        .repeat = repeat};
     cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
                                   .embed_dim = e, .num_heads = h, .kdim = e, .vdim = e,
                                   .bias = true, .batch_first = batch_first,

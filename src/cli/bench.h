@@ -8,6 +8,8 @@
 // What every shape of one `clmha bench` call shares.
 typedef struct bench_config {
     const char *layer_path;   // NULL: a random layer of desc
+    const char *layer_prefix; // --prefix: one attention module of a model's file (or NULL)
+    size_t layer_heads;       // --heads given with --layer: num_heads for a file without it
     clmha_layer_desc desc;    // random layer, or the file's (kdim/vdim filled in)
     const float *w_in, *b_in, *w_out, *b_out;  // random parameters
     bool need_weights, json;
