@@ -67,6 +67,55 @@ def _is_pyopencl_array(x) -> bool:
     return mod.startswith("pyopencl") and hasattr(x, "base_data") and hasattr(x, "events")
 
 
+_IMPLS = {"auto": lib.CLMHA_IMPL_AUTO, "fused": lib.CLMHA_IMPL_FUSED,
+          "unfused": lib.CLMHA_IMPL_UNFUSED}
+
+
+def _check_impl(impl) -> None:
+    if not isinstance(impl, str) or impl not in _IMPLS:
+        raise ValueError(f"impl must be 'auto', 'fused' or 'unfused', not {impl!r}")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, not {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, not {value}")
+    return int(value)
+
+
+def _device_f32(context: Context, name: str, a, shape=None, size=None):
+    """@p a checked as a C-contiguous float32 pyopencl array on @p context's OpenCL context."""
+    if not _is_pyopencl_array(a):
+        raise TypeError(f"{name} must be a pyopencl.array.Array, not {type(a).__name__}")
+    if a.dtype != np.float32:
+        raise TypeError(f"{name} must be float32, not {a.dtype}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} of shape {a.shape} is not C-contiguous")
+    if a.context.int_ptr != context.cl_context_int_ptr:
+        raise ValueError(f"{name} is a pyopencl array of another OpenCL context than the layer's")
+    if shape is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, not {tuple(a.shape)}")
+    if size is not None and a.size != size:
+        raise ValueError(f"{name} must hold {size} values, not {a.size} (shape {a.shape})")
+    return a
+
+
+def _wait_list(arrays):
+    wait = [e for a in arrays for e in a.events if e is not None]
+    c = (ffi.new("cl_event[]", [ffi.cast("cl_event", e.int_ptr) for e in wait])
+         if wait else ffi.NULL)
+    return len(wait), c
+
+
+def _event_to(event, arrays) -> None:
+    import pyopencl as cl
+
+    evt = cl.Event.from_int_ptr(int(ffi.cast("intptr_t", event[0])), retain=False)
+    for a in arrays:
+        a.add_event(evt)
+
+
 class _Args:
     """A clmha_forward_args being filled, with the Python objects it points into kept alive."""
 
@@ -180,6 +229,8 @@ class Layer:
         self.num_kv_heads = int(desc.num_kv_heads) or self.num_heads
         self.dtype = _DTYPE_NAMES[int(desc.dtype)]
         self.head_dim = self.embed_dim // self.num_heads
+        self._impl = "auto"
+        self._profiling = False
 
     # ---- files -------------------------------------------------------------------------------
 
@@ -549,6 +600,175 @@ class Layer:
             if _is_pyopencl_array(a):
                 a.add_event(evt)
         return out, (weights_out if w_shape is not None else None)
+
+    # ---- preparation, attention core, profiling ------------------------------------------------
+
+    def bake(self, batch: int, tgt_len: int, src_len: Optional[int] = None,
+             need_weights: bool = False) -> None:
+        """Sizes the layer's scratch for inputs up to ``batch`` x ``tgt_len`` x ``src_len``
+        (default ``tgt_len``) and compiles what forward calls of those sizes run
+        (``clmha_layer_bake``: one forward pass on zeros), so that they allocate and compile
+        nothing; ``need_weights``: calls that return weights too (refused with
+        ``impl="fused"``)."""
+        batch = _positive_int("batch", batch)
+        tgt_len = _positive_int("tgt_len", tgt_len)
+        src_len = tgt_len if src_len is None else _positive_int("src_len", src_len)
+        with self._lock:
+            check(lib.clmha_layer_bake(self._ptr, batch, tgt_len, src_len, bool(need_weights)),
+                  self._context._ptr)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Device scratch the layer holds now, in bytes (grows on demand, never shrinks)."""
+        return int(lib.clmha_layer_scratch_bytes(self._ptr))
+
+    @property
+    def impl(self) -> str:
+        """The attention core of forward calls made with ``impl="auto"``
+        (``clmha_layer_set_impl``): ``"auto"`` (fused unless the call asks for weights),
+        ``"fused"`` (calls asking for weights are refused) or ``"unfused"``."""
+        return self._impl
+
+    @impl.setter
+    def impl(self, value: str) -> None:
+        _check_impl(value)
+        with self._lock:
+            check(lib.clmha_layer_set_impl(self._ptr, _IMPLS[value]), self._context._ptr)
+            self._impl = value
+
+    @property
+    def profiling(self) -> bool:
+        """Per-stage timing of later forward calls (``clmha_layer_set_profiling``; setting it
+        either way drops earlier timings). A queue without profiling (a pyopencl queue made
+        without ``PROFILING_ENABLE``) refuses True with ``clmha.Error``."""
+        return self._profiling
+
+    @profiling.setter
+    def profiling(self, on: bool) -> None:
+        if not isinstance(on, (bool, np.bool_)):
+            raise TypeError(f"profiling must be a bool, not {on!r}")
+        with self._lock:
+            check(lib.clmha_layer_set_profiling(self._ptr, bool(on)), self._context._ptr)
+            self._profiling = bool(on)
+
+    def stage_times(self) -> Dict[str, float]:
+        """The device time of each stage of the last forward call made with profiling on, in
+        milliseconds, by stage name (``project``, ``split``, ``scores``, ``softmax``, ``av``,
+        ``fused``, ``merge``, ``out_proj``, ``weights``; 0 for stages that did not run). Waits
+        for that call. Raises ``clmha.Error`` when profiling is off, no profiled call was made
+        or the last call failed."""
+        ms = ffi.new("double[]", lib.CLMHA_STAGE_COUNT)
+        with self._lock:
+            check(lib.clmha_layer_stage_times(self._ptr, ms), self._context._ptr)
+        return {ffi.string(lib.clmha_stage_name(i)).decode(): float(ms[i])
+                for i in range(lib.CLMHA_STAGE_COUNT)}
+
+    # ---- partial attention (attention across devices) --------------------------------------------
+
+    def attend(self, query, key=None, value=None, *, appended_keys: bool = True,
+               key_padding_mask=None, attn_mask=None, is_causal: bool = False,
+               training: bool = False, seed: int = 0, offset: int = 0, impl: str = "auto",
+               heads_out=None, lse_out=None):
+        """Attention of the queries over this call's keys only, before the head merge and the
+        output projection (``clmha_layer_attend``): what each device computes in ring attention.
+        Merge the results of key ranges with ``Context.attention_merge`` and finish with
+        ``project_heads``.
+
+        Takes pyopencl arrays on a ``Context.from_pyopencl`` context and ``forward``'s
+        arguments: the masks are this key range's slices of the whole masks; ``is_causal`` is
+        top-left aligned on this call's own keys (give other ranges an attn_mask slice);
+        ``appended_keys``: this range holds the keys that add_bias_kv and add_zero_attn append
+        (set it on exactly one of the ranges merged). The fused core runs it: float32 layers
+        only, and ``impl="unfused"`` is refused (``clmha.Error``, as is a layer with a user
+        attention core).
+
+        Returns ``(heads, lse)``, new float32 pyopencl arrays (or ``heads_out``/``lse_out``):
+        heads (N*H, L, D), normalised over this call's keys, and lse (N*H*L,), the natural log
+        of each row's sum of exp(score), -inf for a row with no key (its heads are zeros).
+        Waits for the arrays' events; the call's event is attached to every array it used.
+        """
+        _check_impl(impl)
+        for name, a in (("query", query), ("key", key), ("value", value)):
+            if a is not None and not _is_pyopencl_array(a):
+                raise TypeError(f"attend runs on device buffers: {name} must be a "
+                                f"pyopencl.array.Array, not {type(a).__name__}")
+        ctx = self._context
+        if ctx.pyopencl_queue is None:
+            raise ValueError("pyopencl arrays need a layer on a Context.from_pyopencl() context")
+        with self._lock:
+            args = self._fill_args(query, key, value, key_padding_mask, attn_mask, is_causal,
+                                   False, True, training, seed, offset, None, None, impl, True)
+            for a in args.keep:
+                if _is_pyopencl_array(a) and a.context.int_ptr != ctx.cl_context_int_ptr:
+                    raise ValueError("a pyopencl array of another OpenCL context than the "
+                                     "layer's")
+            q = args.c.query
+            qshape = [int(q.shape[i]) for i in range(q.ndim)]
+            if q.ndim == 2:
+                n, l = 1, qshape[0]
+            elif self.batch_first:
+                n, l = qshape[0], qshape[1]
+            else:
+                l, n = qshape[0], qshape[1]
+            heads_shape = (n * self.num_heads, l, self.head_dim)
+            lse_shape = (n * self.num_heads * l,)
+            queue = ctx.pyopencl_queue
+            if heads_out is None:
+                import pyopencl.array as cla
+                heads_out = cla.empty(queue, heads_shape, np.float32)
+            if lse_out is None:
+                import pyopencl.array as cla
+                lse_out = cla.empty(queue, lse_shape, np.float32)
+            _device_f32(ctx, "heads_out", heads_out, shape=heads_shape)
+            _device_f32(ctx, "lse_out", lse_out, size=lse_shape[0])
+            inputs = [a for a in args.keep if _is_pyopencl_array(a)]
+            num_wait, wait_list = _wait_list(inputs + [heads_out, lse_out])
+            event = ffi.new("cl_event *")
+            check(lib.clmha_layer_attend(
+                self._ptr, args.c, bool(appended_keys),
+                ffi.cast("cl_mem", heads_out.base_data.int_ptr), heads_out.offset // 4,
+                ffi.cast("cl_mem", lse_out.base_data.int_ptr), lse_out.offset // 4,
+                num_wait, wait_list, event), ctx._ptr)
+            _event_to(event, inputs + [heads_out, lse_out])
+            return heads_out, lse_out
+
+    def project_heads(self, heads, batch: Optional[int] = None, tgt_len: Optional[int] = None,
+                      *, out=None):
+        """The end of a forward pass for (merged) ``attend`` results: the head merge and the
+        output projection (``clmha_layer_project_heads``). ``heads``: a float32 pyopencl array
+        (N*H, L, D); batch N and tgt_len L default to its shape. Returns a new pyopencl array
+        shaped as the query with E features, (L, N, E) or (N, L, E) with batch_first, or
+        ``out`` (N*L*E float32 values, any shape). Waits for the arrays' events and attaches the
+        call's event to both."""
+        ctx = self._context
+        if ctx.pyopencl_queue is None:
+            raise ValueError("project_heads runs on pyopencl arrays: it needs a layer on a "
+                             "Context.from_pyopencl() context")
+        _device_f32(ctx, "heads", heads)
+        if heads.ndim != 3 or heads.shape[0] % self.num_heads or heads.shape[2] != self.head_dim:
+            raise ValueError(f"heads must have shape (N*{self.num_heads}, L, {self.head_dim}), "
+                             f"not {tuple(heads.shape)}")
+        batch = heads.shape[0] // self.num_heads if batch is None else _positive_int("batch",
+                                                                                       batch)
+        tgt_len = heads.shape[1] if tgt_len is None else _positive_int("tgt_len", tgt_len)
+        if (batch * self.num_heads, tgt_len) != tuple(heads.shape[:2]):
+            raise ValueError(f"heads of shape {tuple(heads.shape)} are not those of batch "
+                             f"{batch} and tgt_len {tgt_len}")
+        shape = (batch, tgt_len, self.embed_dim) if self.batch_first else \
+            (tgt_len, batch, self.embed_dim)
+        if out is None:
+            import pyopencl.array as cla
+            out = cla.empty(ctx.pyopencl_queue, shape, np.float32)
+        _device_f32(ctx, "out", out, size=batch * tgt_len * self.embed_dim)
+        with self._lock:
+            num_wait, wait_list = _wait_list([heads, out])
+            event = ffi.new("cl_event *")
+            check(lib.clmha_layer_project_heads(
+                self._ptr, batch, tgt_len, ffi.cast("cl_mem", heads.base_data.int_ptr),
+                heads.offset // 4, ffi.cast("cl_mem", out.base_data.int_ptr), out.offset // 4,
+                num_wait, wait_list, event), ctx._ptr)
+            _event_to(event, [heads, out])
+        return out
 
     # ---- caches and training -------------------------------------------------------------------
 
