@@ -20,10 +20,12 @@ alike. The peers:
   C        `clmha bench --json --batch-first --impl fused` (a child process; step: --backward,
            its "ms"). Device buffers: the inputs stay on the device, nothing is copied to or from
            host memory, every run is waited for with clFinish. A random layer and input.
-  Ldev     (forward only; where pyopencl is installed) clmha.Layer.forward on pyopencl arrays,
-           a layer on Context.from_pyopencl() of the same device: the device-buffer call C
-           times (clmha_layer_forward, into a preallocated out=, then queue.finish()), from
-           Python: cffi, the argument structs and pyopencl's events, no host copies.
+  Ldev     (where pyopencl is installed) clmha.Layer.forward on pyopencl arrays, a layer on
+           Context.from_pyopencl() of the same device: the device-buffer call C times
+           (clmha_layer_forward, into a preallocated out=, then queue.finish()), from Python:
+           cffi, the argument structs and pyopencl's events, no host copies. Step:
+           forward(save=) and Layer.backward on pyopencl arrays (clmha_layer_backward: new
+           gradient arrays on the device, nothing read back), then queue.finish().
   Layer    clmha.Layer.forward on NumPy arrays, in this process (need_weights=False: the fused
            core, as C). clmha_layer_forward_host: the query is uploaded to a new device buffer,
            the output read back into a new array, plus the cffi argument structs. Step:
@@ -239,12 +241,12 @@ class Case:
         layer.load_state_dict(self.layer.state_dict())
         x = cla.to_device(queue, self.x_np)
         out = cla.empty(queue, self.x_np.shape, self.x_np.dtype)
-        return layer, x, out, queue, cctx
+        return layer, x, out, queue, cctx, cla.to_device(queue, self.g_np)
 
     # forward ------------------------------------------------------------------------------------
 
     def fwd_ldev(self):
-        layer, x, out, queue, _ = self.dev
+        layer, x, out, queue, _, _ = self.dev
         layer.forward(x, need_weights=False, out=out)
         queue.finish()
 
@@ -276,6 +278,13 @@ class Case:
 
     # step -----------------------------------------------------------------------------------------
 
+    def step_ldev(self):
+        layer, x, out, queue, _, g = self.dev
+        saved = layer.saved()
+        layer.forward(x, need_weights=False, out=out, save=saved)
+        layer.backward(saved, g)
+        queue.finish()
+
     def step_layer(self):
         saved = self.layer.saved()
         self.layer.forward(self.x_np, need_weights=False, save=saved)
@@ -305,7 +314,7 @@ class Case:
         """(fn, before) for a turn of @p peer, or None where it does not run here."""
         if peer == "sdpa" and not self.has_sdpa:
             return None
-        if peer == "Ldev" and (self.dev is None or pass_ != "forward"):
+        if peer == "Ldev" and self.dev is None:
             return None
         if pass_ == "forward":
             return getattr(self, "fwd_" + peer.lower()), None
@@ -419,7 +428,8 @@ def profile(case, a):
     alternated = {}
     for title, fns in (("forward", [("Ldev", case.fwd_ldev, None)] * (case.dev is not None)
                         + [("Layer", case.fwd_layer, None), ("module", case.fwd_module, None)]),
-                       ("step", [("Layer", case.step_layer, None),
+                       ("step", [("Ldev", case.step_ldev, None)] * (case.dev is not None)
+                        + [("Layer", case.step_layer, None),
                                  ("module", case.step_module, case.clear_module)])):
         times = {name: [] for name, _, _ in fns}
         for i in range(alt_reps):

@@ -788,10 +788,15 @@ class Layer:
         (and the weights', when that call returned them): a dict with ``query`` (``key``,
         ``value`` for inputs given separately; in self-attention ``query`` is the whole
         gradient of the one tensor), each parameter by ``state_dict()`` name, and float masks'
-        ``attn_mask`` / ``key_padding_mask``. float32 layers only (``clmha_layer_backward``)."""
+        ``attn_mask`` / ``key_padding_mask``. float32 layers only (``clmha_layer_backward``).
+
+        After a forward call on pyopencl arrays, ``grad_output`` (and ``grad_weights``) are
+        pyopencl arrays too and the gradients are new pyopencl arrays carrying the call's event:
+        the backward pass runs on the device buffers, without host copies."""
         if not isinstance(saved, Saved) or saved._layer is not self or saved._args is None:
             raise ValueError("saved must be a Saved of this layer filled by forward(save=...)")
         args = saved._args
+        device = args.c.query.buffer != ffi.NULL
         out_shape, w_shape = saved._shapes
         if self.dtype != "float32":
             from ._errors import Error
@@ -802,24 +807,42 @@ class Layer:
         b.forward = args.c
         b.saved = saved._ptr
         keep = []
-        g = _check_array("grad_output", _to_numpy(grad_output), (2, 3))
-        if tuple(g.shape) != out_shape or g.dtype != np.float32:
-            raise ValueError(f"grad_output must be float32 of shape {out_shape}; got "
-                             f"{g.dtype} {tuple(g.shape)}")
-        _fill_tensor(b.grad_output, g, _Keep(keep))
-        if grad_weights is not None:
-            gw = _check_array("grad_weights", _to_numpy(grad_weights), (2, 3, 4))
-            if w_shape is None or tuple(gw.shape) != w_shape or gw.dtype != np.float32:
-                raise ValueError(f"grad_weights must be float32 of the weights' shape "
-                                 f"{w_shape}; got {gw.dtype} {tuple(gw.shape)}")
-            _fill_tensor(b.grad_weights, gw, _Keep(keep))
+        dev = _Args()  # the device call's keep-alive list and wait list
+        f32 = (np.dtype(np.float32),)
+        for name, value, ranks, shape, field in (
+                ("grad_output", grad_output, (2, 3), out_shape, b.grad_output),
+                ("grad_weights", grad_weights, (2, 3, 4), w_shape, b.grad_weights)):
+            if value is None:
+                continue
+            if device:
+                if not _is_pyopencl_array(value):
+                    raise TypeError(f"{name} must be a pyopencl array after a forward call on "
+                                    f"pyopencl arrays")
+                if shape is None or tuple(value.shape) != shape:
+                    raise ValueError(f"{name} must have shape {shape}; got {tuple(value.shape)}")
+                _fill_device_tensor(field, value, dev, f32)
+                continue
+            a = _check_array(name, _to_numpy(value), ranks)
+            if shape is None or tuple(a.shape) != shape or a.dtype != np.float32:
+                raise ValueError(f"{name} must be float32 of shape {shape}; got {a.dtype} "
+                                 f"{tuple(a.shape)}")
+            _fill_tensor(field, a, _Keep(keep))
         result = {}
+        queue = self._context.pyopencl_queue if device else None
 
         def want(field, name, shape):
-            arr = np.empty(shape, np.float32)  # every gradient asked for is written whole
+            grad = getattr(b, field)
+            if device:
+                import pyopencl.array as cla
+
+                arr = cla.empty(queue, shape, np.float32)
+                grad.buffer = ffi.cast("cl_mem", arr.base_data.int_ptr)
+                grad.offset = arr.offset // 4
+            else:
+                arr = np.empty(shape, np.float32)  # every gradient asked for is written whole
+                grad.data = ffi.cast("float *", ffi.from_buffer(arr))
             result[name] = arr
             keep.append(arr)
-            getattr(b, field).data = ffi.cast("float *", ffi.from_buffer(arr))
 
         c = args.c
         shape_of = lambda t: tuple(int(t.shape[i]) for i in range(t.ndim))  # noqa: E731
@@ -839,8 +862,22 @@ class Layer:
                     want(field, field, shape_of(m.tensor))
         b.impl = {"auto": lib.CLMHA_IMPL_AUTO, "fused": lib.CLMHA_IMPL_FUSED,
                   "unfused": lib.CLMHA_IMPL_UNFUSED}[impl]
+        if not device:
+            with self._lock:
+                check(lib.clmha_layer_backward_host(self._ptr, b), self._context._ptr)
+            return result
+        import pyopencl as cl
+
+        wait = [e for e in dev.wait if e is not None]
+        wait_list = ffi.new("cl_event[]", [ffi.cast("cl_event", e.int_ptr) for e in wait]) \
+            if wait else ffi.NULL
+        event = ffi.new("cl_event *")
         with self._lock:
-            check(lib.clmha_layer_backward_host(self._ptr, b), self._context._ptr)
+            check(lib.clmha_layer_backward(self._ptr, b, len(wait), wait_list, event),
+                  self._context._ptr)
+        evt = cl.Event.from_int_ptr(int(ffi.cast("intptr_t", event[0])), retain=False)
+        for arr in list(result.values()) + [a for a in dev.keep if _is_pyopencl_array(a)]:
+            arr.add_event(evt)
         return result
 
     @property

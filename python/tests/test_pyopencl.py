@@ -99,3 +99,34 @@ def test_errors(pcl, rng):
         b.forward(cla.to_device(queue, randn(rng, L, N, E)))
     with pytest.raises(TypeError):
         a.forward(cla.to_device(queue, randn(rng, L, N, E).astype(np.float64)))
+
+
+def test_backward_on_device_arrays(pcl, rng):
+    """forward(save=) and backward on pyopencl arrays: the gradients of every input, parameter
+    and float mask against PyTorch's float64 autograd, as pyopencl arrays carrying the call's
+    event."""
+    pytest.importorskip("torch")
+    from helpers import layer_of, torch_grads, torch_mha
+
+    context, queue, c = pcl
+    m = torch_mha(E, H, add_bias_kv=True)
+    layer = layer_of(m, c)
+    q, k, v = randn(rng, L, N, E), randn(rng, S, N, E), randn(rng, S, N, E)
+    am = randn(rng, L, S, scale=0.5)
+    gout, gw = randn(rng, L, N, E), randn(rng, N, L, S + 1)
+    _, want = torch_grads(m, q, k, v, None, am, gout, gw)
+    saved = layer.saved()
+    dev = [cla.to_device(queue, a) for a in (q, k, v, am)]
+    out, w = layer.forward(dev[0], dev[1], dev[2], attn_mask=dev[3], need_weights=True,
+                           save=saved, impl="unfused")
+    got = layer.backward(saved, cla.to_device(queue, gout), cla.to_device(queue, gw))
+    assert set(got) == set(want)
+    worst = 0.0
+    for name, ref in want.items():
+        assert isinstance(got[name], cla.Array) and got[name].events, name
+        err = max_err(got[name].get(), ref) / (1 + float(np.abs(ref).max()))
+        assert err <= TOL, (name, err)
+        worst = max(worst, err)
+    record("pyopencl backward (relative)", worst)
+    with pytest.raises(TypeError):
+        layer.backward(saved, gout)  # a host array after a device forward
