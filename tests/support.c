@@ -308,3 +308,9 @@ void assert_refs_back(ref_kind kind, const void *object, bool counts_move, cl_ui
     cr_assert_eq(n, want, "%s references %u %s (waited 5 s), expected %u", ref_kind_name[kind],
                  n, when, want);
 }
+
+double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}

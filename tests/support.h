@@ -89,6 +89,9 @@ double max_abs_of(const double *x, size_t count);
 // Largest |a[i] - b[i]| of two float arrays; a NaN or infinite difference counts as +inf.
 double max_abs_diff(const float *a, const float *b, size_t count);
 
+// Seconds on the monotonic clock since an arbitrary start (for the tests' time limits).
+double now_seconds(void);
+
 // Max absolute error (as max_abs_err) and normalised mean squared error, sum (got - want)^2 /
 // sum want^2 (the plain sum when want is all zero): ggml's test-backend-ops compares by NMSE.
 typedef struct error_stats {

@@ -18,7 +18,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "cli/npy.h"
 #include "support.h"
@@ -346,12 +345,6 @@ Test(load_options, torch_save_files_say_how_to_convert) {
     env_close(&e);
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 // A model's file: @p entries filler tensors "model.t<i>" (shape [1]) and an E 4 attention
 // module under "enc.attn.". Returns the header's length.
 static size_t write_model(const char *path, size_t entries) {
@@ -398,9 +391,9 @@ Test(load_options, model_file_limits, .timeout = 120) {
     };
     for (size_t i = 0; i < sizeof rows / sizeof *rows; ++i) {
         size_t header = write_model(path, rows[i].entries);
-        double t0 = now_s();
+        double t0 = now_seconds();
         clmha_status st = load(&e, path, &o, &l);
-        double dt = now_s() - t0;
+        double dt = now_seconds() - t0;
         const char *msg = clmha_context_last_error(e.ctx);
         cr_log_info("%zu entries, %zu-byte header: %.3f s, %s", rows[i].entries + 2, header, dt,
                     st ? msg : "loaded");
@@ -430,9 +423,9 @@ Test(load_options, model_file_limits, .timeout = 120) {
     n += (size_t)sprintf(h + n - 1, "]}}") - 1;
     write_st(path, h, 0);
     free(h);
-    double t0 = now_s();
+    double t0 = now_seconds();
     clmha_status st = load(&e, path, &o, &l);
-    double dt = now_s() - t0;
+    double dt = now_seconds() - t0;
     expect_refused(&e, st, CLMHA_INVALID_FILE, "JSON values", "JSON values", "at most 1048576",
                    NULL);
     fprintf(stderr, "load_options limits: 2 Mi values refused in %.3f s\n", dt);

@@ -15,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "support.h"
@@ -1049,13 +1048,6 @@ Test(safetensors, header_too_large) {
     env_close(&e);
 }
 
-// Seconds since an arbitrary start.
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 // Writes a file whose header holds @p entries tensor entries of 4 bytes each (names t0, t1, ...,
 // laid end to end, so that the file is well formed as far as the format goes) and the base
 // layer's metadata; returns the header's length.
@@ -1097,9 +1089,9 @@ Test(safetensors, huge_headers_refused_quickly) {
     for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
         size_t header = write_many_tensors(path, cases[i].entries);
         clmha_layer *l = BAD_LAYER;
-        double t0 = now_s();
+        double t0 = now_seconds();
         clmha_status st = clmha_layer_load(&l, e.ctx, path);
-        double dt = now_s() - t0;
+        double dt = now_seconds() - t0;
         const char *msg = clmha_context_last_error(e.ctx);
         cr_log_info("%zu entries, %zu-byte header: %.3f s, %s", cases[i].entries, header, dt,
                     msg);
