@@ -25,6 +25,21 @@ def ctx(has_device):
     return clmha.Context()
 
 
+@pytest.fixture(scope="module")
+def pcl(has_device):
+    """(pyopencl context, in-order queue, clmha.Context.from_pyopencl of them) on the device
+    clmha takes by default; skipped without pyopencl."""
+    cl = pytest.importorskip("pyopencl")
+    devs = [(p, d) for p in cl.get_platforms() for d in p.get_devices()]
+    if not devs:
+        pytest.skip("pyopencl sees no device")
+    spec = clmha.devices()[0]
+    pick = [d for p, d in devs if d.name == spec.device_name] or [devs[0][1]]
+    context = cl.Context([pick[0]])
+    queue = cl.CommandQueue(context)  # in order
+    return context, queue, clmha.Context.from_pyopencl(context, queue)
+
+
 @pytest.fixture
 def torch_mod():
     """The torch module, seeded (tests needing PyTorch skip without it)."""

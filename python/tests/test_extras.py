@@ -206,19 +206,6 @@ def test_tune_tiny_budget(has_device, tmp_path):
 # ---- partial attention -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pcl(has_device):
-    cl = pytest.importorskip("pyopencl")
-    devs = [(p, d) for p in cl.get_platforms() for d in p.get_devices()]
-    if not devs:
-        pytest.skip("pyopencl sees no device")
-    spec = clmha.devices()[0]
-    pick = [d for p, d in devs if d.name == spec.device_name] or [devs[0][1]]
-    context = cl.Context([pick[0]])
-    queue = cl.CommandQueue(context)  # in order
-    return queue, clmha.Context.from_pyopencl(context, queue)
-
-
 CASES = {
     "cross": dict(),
     "bias_kv_zero_attn_kvdim": dict(add_bias_kv=True, add_zero_attn=True, kdim=12, vdim=10),
@@ -231,7 +218,7 @@ CASES = {
 def test_partial_attention_merge(pcl, rng, torch_mod, name):
     import pyopencl.array as cla
 
-    queue, c = pcl
+    _, queue, c = pcl
     opts = CASES[name]
     m = torch_mha(E, H, **opts)
     layer = layer_of(m, c)
@@ -276,7 +263,7 @@ def test_partial_attention_merge(pcl, rng, torch_mod, name):
 def test_partial_attention_errors(pcl, rng):
     import pyopencl.array as cla
 
-    queue, c = pcl
+    _, queue, c = pcl
     layer = _layer(c, rng)
     x = randn(rng, L, N, E)
     dx = cla.to_device(queue, x)

@@ -12,18 +12,6 @@ from helpers import TOL, max_err, randn, record  # noqa: E402
 E, H, N, L, S = 16, 2, 2, 5, 6
 
 
-@pytest.fixture(scope="module")
-def pcl(has_device):
-    devs = [(p, d) for p in cl.get_platforms() for d in p.get_devices()]
-    if not devs:
-        pytest.skip("pyopencl sees no device")
-    spec = clmha.devices()[0]
-    pick = [d for p, d in devs if d.name == spec.device_name] or [devs[0][1]]
-    context = cl.Context([pick[0]])
-    queue = cl.CommandQueue(context)  # in order
-    return context, queue, clmha.Context.from_pyopencl(context, queue)
-
-
 def _pair(ctx_pcl, rng, **opts):
     """The same parameters on a pyopencl-context layer and a plain one."""
     a = clmha.Layer(E, H, context=ctx_pcl, **opts)
