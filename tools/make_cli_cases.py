@@ -286,17 +286,7 @@ def make_seed_layer(c, path, given_dir=None):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     save_file(m.state_dict(), path)
     if given_dir is not None:
-        committed = os.path.join(given_dir, os.path.basename(path))
-        with open(committed, "rb") as f:
-            blob = f.read()
-        if header_of(blob) != header_of(open(path, "rb").read()):
-            raise golden_compare.NotThisDraw("layer.safetensors: header differs from the draw")
-        drawn, _ = export_mha.read(path)
-        have, _ = export_mha.read(committed)
-        for k, v in drawn.items():
-            golden_compare.check_draw(f"layer.safetensors {k}", have[k], v)
-        with open(path, "wb") as f:
-            f.write(blob)
+        adopt_committed_layer(path, given_dir)
     tensors, _ = export_mha.read(path)
     m64 = copy.deepcopy(m).double().eval()
     m64.load_state_dict({k: torch.from_numpy(v.astype(np.float64)) for k, v in tensors.items()},
@@ -318,6 +308,22 @@ def write_torch_save(out_dir):
     m = torch.nn.MultiheadAttention(4, 2)
     torch.save(m, os.path.join(d, "module.pt"))
     torch.save(m.state_dict(), os.path.join(d, "legacy.pt"), _use_new_zipfile_serialization=False)
+
+
+def adopt_committed_layer(path, given_dir):
+    """--check: the committed layer file in given_dir replaces the drawn one at path once it is
+    shown to be the same draw (its header identical, each tensor by golden_compare.check_draw)."""
+    committed = os.path.join(given_dir, os.path.basename(path))
+    with open(committed, "rb") as f:
+        blob = f.read()
+    if header_of(blob) != header_of(open(path, "rb").read()):
+        raise golden_compare.NotThisDraw("layer.safetensors: header differs from the draw")
+    drawn, _ = export_mha.read(path)
+    have, _ = export_mha.read(committed)
+    for k, v in drawn.items():
+        golden_compare.check_draw(f"layer.safetensors {k}", have[k], v)
+    with open(path, "wb") as f:
+        f.write(blob)
 
 
 def seed_of(name):
@@ -346,17 +352,7 @@ def make_layer(c, path, given_dir=None):
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3)
     export_mha.export(m, path, dtype=c["dtype"])
     if given_dir is not None:
-        committed = os.path.join(given_dir, os.path.basename(path))
-        with open(committed, "rb") as f:
-            blob = f.read()
-        if header_of(blob) != header_of(open(path, "rb").read()):
-            raise golden_compare.NotThisDraw("layer.safetensors: header differs from the draw")
-        drawn, _ = export_mha.read(path)
-        have, _ = export_mha.read(committed)
-        for k, v in drawn.items():
-            golden_compare.check_draw(f"layer.safetensors {k}", have[k], v)
-        with open(path, "wb") as f:
-            f.write(blob)
+        adopt_committed_layer(path, given_dir)
     tensors, _ = export_mha.read(path)
     m64 = copy.deepcopy(m).double().eval()
     state = {k: torch.from_numpy(v.astype(np.float32).astype(np.float64))
