@@ -314,3 +314,14 @@ double now_seconds(void) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
+
+void test_env_open(test_env *e, const char *prefix) {
+    memset(e, 0, sizeof *e);
+    e->ctx = context_or_skip();
+    tmpdir_make(e->dir, sizeof e->dir, prefix);
+}
+
+void test_env_close(test_env *e) {
+    tmpdir_remove(e->dir);
+    clmha_context_release(e->ctx);
+}

@@ -92,6 +92,16 @@ double max_abs_diff(const float *a, const float *b, size_t count);
 // Seconds on the monotonic clock since an arbitrary start (for the tests' time limits).
 double now_seconds(void);
 
+// A context (or the test skipped without a device) and a fresh temporary folder: the state of
+// the file tests (test_safetensors, test_load_options).
+typedef struct test_env {
+    clmha_context *ctx;
+    char dir[64];
+} test_env;
+void test_env_open(test_env *e, const char *prefix);
+// Removes the folder and releases the context.
+void test_env_close(test_env *e);
+
 // Max absolute error (as max_abs_err) and normalised mean squared error, sum (got - want)^2 /
 // sum want^2 (the plain sum when want is all zero): ggml's test-backend-ops compares by NMSE.
 typedef struct error_stats {

@@ -25,21 +25,11 @@
 #define BAD_LAYER ((clmha_layer *)(uintptr_t)1)
 #define TOL 1e-4  // max abs error against PyTorch on unit-scale data, as the other tests
 
-typedef struct env {
-    clmha_context *ctx;
-    char dir[64];
-} env;
+typedef test_env env;  // tests/support.h
 
-static void env_open(env *e) {
-    memset(e, 0, sizeof *e);
-    e->ctx = context_or_skip();
-    tmpdir_make(e->dir, sizeof e->dir, "clmha-lo");
-}
+static void env_open(env *e) { test_env_open(e, "clmha-lo"); }
 
-static void env_close(env *e) {
-    tmpdir_remove(e->dir);
-    clmha_context_release(e->ctx);
-}
+static void env_close(env *e) { test_env_close(e); }
 
 static void put_le64(unsigned char *p, uint64_t v) {
     for (int i = 0; i < 8; ++i) p[i] = (unsigned char)(v >> (8 * i));

@@ -23,21 +23,11 @@
 
 // ---- helpers ----------------------------------------------------------------------------------
 
-typedef struct env {
-    clmha_context *ctx;
-    char dir[64];
-} env;
+typedef test_env env;  // tests/support.h
 
-static void env_open(env *e) {
-    memset(e, 0, sizeof *e);
-    e->ctx = context_or_skip();
-    tmpdir_make(e->dir, sizeof e->dir, "clmha-st");
-}
+static void env_open(env *e) { test_env_open(e, "clmha-st"); }
 
-static void env_close(env *e) {
-    tmpdir_remove(e->dir);
-    clmha_context_release(e->ctx);
-}
+static void env_close(env *e) { test_env_close(e); }
 
 static void path_in(const env *e, const char *name, char *out, size_t size) {
     snprintf(out, size, "%s/%s", e->dir, name);
