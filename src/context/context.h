@@ -45,7 +45,7 @@ struct clmha_context {
 
 // The context as the tuning store sees it (src/tuning/store.h).
 static inline clmha__tuning_target clmha__context_tuning_target(const clmha_context *ctx) {
-    clmha__tuning_target t = {ctx, ctx->device, &ctx->info, ctx->max_work_group};
+    clmha__tuning_target t = {ctx, &ctx->errors, ctx->device, &ctx->info, ctx->max_work_group};
     return t;
 }
 

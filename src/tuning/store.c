@@ -619,11 +619,11 @@ static bool apply_quietly(const clmha__tuning_target *tg, const clmha__tuning *t
                           const clmha__tuning_meta *meta, clmha_tuning_source kind,
                           const char *source, const char *fail_note) {
     char saved[CLMHA__ERROR_SIZE];
-    snprintf(saved, sizeof saved, "%s", clmha_context_last_error(tg->owner));
+    snprintf(saved, sizeof saved, "%s", clmha__error_last(tg->errors));
     if (!clmha__tuning_apply(tg, t, meta, kind, source)) return true;
-    clmha__tuning_set_note(tg->device, "%s: %s", fail_note, clmha_context_last_error(tg->owner));
+    clmha__tuning_set_note(tg->device, "%s: %s", fail_note, clmha__error_last(tg->errors));
     // context creation did not fail: put back the message the thread had
-    clmha__error_restore((const clmha__error_slot *)(const void *)tg->owner, saved);
+    clmha__error_restore(tg->errors, saved);
     return false;
 }
 

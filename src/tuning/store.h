@@ -26,9 +26,10 @@
 
 // What the store needs of a context: its device, what is known of the device, and where errors
 // are recorded. The context builds one (clmha__context_tuning_target()); the store never sees
-// the context's struct.
+// the context's struct, and never calls the context's functions.
 typedef struct clmha__tuning_target {
     const clmha_context *owner;     // errors are recorded for it (clmha__fail; opaque here)
+    const clmha__error_slot *errors;  // owner's slot: the store reads and restores its message
     cl_device_id device;
     const clmha_device_info *info;  // platform, device and driver names, local memory
     size_t max_work_group;          // CL_DEVICE_MAX_WORK_GROUP_SIZE
