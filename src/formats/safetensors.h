@@ -1,7 +1,7 @@
 // Reading and checking .safetensors layer files, without OpenCL (so that it can be fuzzed):
 // safetensors_header.c parses and checks a file (clmha__safetensors_parse, _free, the lookups),
-// safetensors_layer.c derives its layer (clmha__safetensors_desc, _to_double). clmha_layer_load()
-// and clmha_layer_save() (include/clmha.h) are in safetensors_io.c.
+// safetensors_layer.c derives its layer (clmha__safetensors_select, _desc_opts, _to_double).
+// clmha_layer_load() and clmha_layer_save() (include/clmha.h) are in safetensors_io.c.
 //
 // The format: an 8-byte little-endian header length N, then N bytes of JSON (an object, padded
 // with trailing spaces), then the data section. Each key of the object other than
@@ -129,16 +129,6 @@ CLMHA__HIDDEN const char *clmha__safetensors_meta(const clmha__st_file *file, co
 // to the layer's dtype.
 CLMHA__HIDDEN void clmha__safetensors_to_double(const clmha__st_tensor *t, double *out);
 
-// Derives the layer of a parsed file (embed_dim from out_proj.weight, kdim/vdim, bias and
-// add_bias_kv from the tensors present, num_heads, batch_first, add_zero_attn and dropout from
-// the metadata) and checks that every tensor is a parameter of that layer with its PyTorch
-// shape. On success every tensor of @p file can be given to clmha_layer_set_parameter() of a
-// layer created from @p desc. Returns CLMHA_SUCCESS, CLMHA_INVALID_FILE or CLMHA_SIZE_OVERFLOW,
-// with a message that starts with @p name and names the tensor or metadata key.
-CLMHA__HIDDEN clmha_status clmha__safetensors_desc(const clmha__st_file *file, const char *name,
-                                                   clmha_layer_desc *desc, char *msg,
-                                                   size_t msg_size);
-
 // What clmha_load_options asks of a file, as the formats module reads it.
 typedef struct clmha__st_load {
     const char *prefix;     // NULL or "": none
@@ -169,7 +159,7 @@ CLMHA__HIDDEN clmha_status clmha__safetensors_select(const clmha__st_file *file,
                                                      clmha__st_view *view, char *msg,
                                                      size_t msg_size);
 
-// clmha__safetensors_select() then clmha__safetensors_desc() on the view with the options of
+// clmha__safetensors_select() then clmha__safetensors_desc_opts() on the view with the options of
 // @p load (NULL: none).
 CLMHA__HIDDEN clmha_status clmha__safetensors_layer(const clmha__st_file *file,
                                                     const char *name,
@@ -178,9 +168,14 @@ CLMHA__HIDDEN clmha_status clmha__safetensors_layer(const clmha__st_file *file,
                                                     clmha_layer_desc *desc, char *msg,
                                                     size_t msg_size);
 
-// clmha__safetensors_desc() with options: num_heads (0: the metadata's; else the metadata's, if
+// Derives the layer of a parsed file (embed_dim from out_proj.weight, kdim/vdim, bias and
+// add_bias_kv from the tensors present, num_heads, batch_first, add_zero_attn and dropout from
+// the metadata) and checks that every tensor is a parameter of that layer with its PyTorch
+// shape. On success every tensor of @p file can be given to clmha_layer_set_parameter() of a
+// layer created from @p desc. Options: num_heads (0: the metadata's; else the metadata's, if
 // any, must agree) and batch_first (CLMHA_BATCH_FIRST_AUTO: the metadata's, else
-// @p default_batch_first).
+// @p default_batch_first). Returns CLMHA_SUCCESS, CLMHA_INVALID_FILE or CLMHA_SIZE_OVERFLOW,
+// with a message that starts with @p name and names the tensor or metadata key.
 CLMHA__HIDDEN clmha_status clmha__safetensors_desc_opts(const clmha__st_file *file,
                                                         const char *name, size_t num_heads,
                                                         clmha_batch_first batch_first,

@@ -1,5 +1,5 @@
 // Layer files through a context: clmha_layer_load() reads a .safetensors file, checks it
-// (clmha__safetensors_parse(), clmha__safetensors_desc()), creates the layer and sets its
+// (clmha__safetensors_parse_as(), clmha__safetensors_layer()), creates the layer and sets its
 // parameters; clmha_layer_save() writes the layer's parameters as F32 tensors (F64 for a float64
 // layer), all or nothing (a temporary file renamed over the destination).
 #define _POSIX_C_SOURCE 200809L

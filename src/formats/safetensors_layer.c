@@ -1,7 +1,8 @@
-// The layer a parsed .safetensors file describes, without OpenCL: clmha__safetensors_desc() maps
-// the tensors to nn.MultiheadAttention's parameters (names and PyTorch shapes) and the metadata to
-// the layer's descriptor; clmha__safetensors_to_double() gives a tensor's values as doubles
-// (exactly, whatever its dtype).
+// The layer a parsed .safetensors file describes, without OpenCL: clmha__safetensors_select()
+// picks a layer's tensors out of a file (a prefix, a seed module's names), and
+// clmha__safetensors_desc_opts() maps the tensors to nn.MultiheadAttention's parameters (names
+// and PyTorch shapes) and the metadata to the layer's descriptor; clmha__safetensors_to_double()
+// gives a tensor's values as doubles (exactly, whatever its dtype).
 #include "formats/safetensors.h"
 
 #include "base/checked.h"
@@ -170,10 +171,225 @@ static clmha_status expect_pair(const clmha__st_file *f, const char *a, const ch
                       name, *ta ? a : b, *ta ? b : a, option);
 }
 
-clmha_status clmha__safetensors_desc(const clmha__st_file *f, const char *name,
-                                     clmha_layer_desc *desc, char *msg, size_t msg_size) {
-    return clmha__safetensors_desc_opts(f, name, 0, CLMHA_BATCH_FIRST_AUTO, false, desc, msg,
-                                        msg_size);
+// What clmha__safetensors_desc_opts() has read so far: the file, its name for messages, and
+// the tensors and sizes found.
+typedef struct {
+    const clmha__st_file *f;
+    const char *name;
+    char *msg;
+    size_t msg_size;
+    const char *nkv;  // __metadata__ num_kv_heads, NULL when absent
+    size_t e, three_e, kv_heads, heads, kdim, vdim;
+    const clmha__st_tensor *ow, *ipw, *kw, *vw, *ib, *ob, *bk, *bv;
+} desc_read;
+
+// Every tensor's name is one of nn.MultiheadAttention's parameters.
+static clmha_status check_names(const desc_read *r) {
+    for (size_t i = 0; i < r->f->tensor_count; ++i) {
+        bool known = false;
+        for (size_t k = 0; k < sizeof known_names / sizeof *known_names && !known; ++k)
+            known = strcmp(r->f->tensors[i].param, known_names[k]) == 0;
+        if (!known)
+            return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                              "%s: unknown tensor \"%.*s\" (a nn.MultiheadAttention file holds "
+                              "in_proj_weight or q_proj_weight, k_proj_weight and v_proj_weight, "
+                              "out_proj.weight, and optionally in_proj_bias with out_proj.bias, "
+                              "bias_k with bias_v)",
+                              r->name, CLMHA__ST_QUOTE_MAX, r->f->tensors[i].name);
+    }
+    return CLMHA_SUCCESS;
+}
+
+// embed_dim (r->e, r->three_e) from out_proj.weight (E, E), and __metadata__ num_kv_heads.
+static clmha_status read_embed_dim(desc_read *r) {
+    char sbuf[256];
+    const clmha__st_tensor *ow = clmha__safetensors_tensor(r->f, "out_proj.weight");
+    r->ow = ow;
+    if (!ow)
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: the file has no tensor \"out_proj.weight\"", r->name);
+    if (ow->ndim != 2 || ow->shape[0] == 0 || ow->shape[0] != ow->shape[1]) {
+        size_t e0 = ow->ndim ? ow->shape[0] : 0;
+        char want[128] = "";
+        if (e0) snprintf(want, sizeof want, " = (%zu, %zu)", e0, e0);
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: tensor \"out_proj.weight\" has shape %s, expected (E, E)%s with "
+                          "E > 0",
+                          r->name, clmha__st_shape_text(sbuf, sizeof sbuf, ow->ndim, ow->shape),
+                          want);
+    }
+    r->e = ow->shape[0];
+    if (!clmha__mul(r->e, 3, &r->three_e))
+        return clmha__msg(r->msg, r->msg_size, CLMHA_SIZE_OVERFLOW,
+                          "%s: embed_dim %zu is too large", r->name, r->e);
+
+    // Grouped-query attention (__metadata__ num_kv_heads): the key/value shapes are checked
+    // once num_heads is known, by check_kv_shapes().
+    r->nkv = clmha__safetensors_meta(r->f, "num_kv_heads");
+    r->kv_heads = 0;
+    if (r->nkv && !parse_count(r->nkv, &r->kv_heads))
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: __metadata__ num_kv_heads is \"%.*s\", expected a positive "
+                          "decimal integer such as \"2\"",
+                          r->name, CLMHA__ST_QUOTE_MAX, r->nkv);
+    return CLMHA_SUCCESS;
+}
+
+// The input projection, packed (in_proj_weight) or one weight per input; r->kdim, r->vdim.
+static clmha_status read_in_proj(desc_read *r) {
+    const char *name = r->name;
+    size_t e = r->e;
+    char sbuf[256];
+    clmha_status st;
+    r->ipw = clmha__safetensors_tensor(r->f, "in_proj_weight");
+    const clmha__st_tensor *qw = clmha__safetensors_tensor(r->f, "q_proj_weight");
+    const clmha__st_tensor *kw = r->kw = clmha__safetensors_tensor(r->f, "k_proj_weight");
+    const clmha__st_tensor *vw = r->vw = clmha__safetensors_tensor(r->f, "v_proj_weight");
+    r->kdim = r->vdim = e;
+    if (r->ipw) {
+        if (qw || kw || vw)
+            return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                              "%s: the file holds both in_proj_weight and %s; it must hold "
+                              "either in_proj_weight or q_proj_weight, k_proj_weight and "
+                              "v_proj_weight",
+                              name, qw ? "q_proj_weight" : kw ? "k_proj_weight" : "v_proj_weight");
+        size_t want[2] = {r->three_e, e};
+        return expect_shape(r->ipw, 2, want, "(3E, E)", name, r->msg, r->msg_size);
+    }
+    if (!qw || !kw || !vw)
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: the file has neither in_proj_weight nor q_proj_weight, "
+                          "k_proj_weight and v_proj_weight (no \"%s\")",
+                          name, !qw ? "q_proj_weight" : !kw ? "k_proj_weight" : "v_proj_weight");
+    size_t want[2] = {e, e};
+    if ((st = expect_shape(qw, 2, want, "(E, E)", name, r->msg, r->msg_size))) return st;
+    const clmha__st_tensor *kv[2] = {kw, vw};
+    for (int i = 0; i < 2; ++i) {
+        const clmha__st_tensor *t = kv[i];
+        if (t->ndim != 2 || (t->shape[0] != e && !r->nkv) || t->shape[0] == 0 || t->shape[1] == 0)
+            return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                              "%s: tensor \"%s\" has shape %s, expected (E, %s) = (%zu, %s) "
+                              "with %s > 0",
+                              name, t->name,
+                              clmha__st_shape_text(sbuf, sizeof sbuf, t->ndim, t->shape),
+                              i ? "vdim" : "kdim", e, i ? "vdim" : "kdim", i ? "vdim" : "kdim");
+    }
+    r->kdim = kw->shape[1];
+    r->vdim = vw->shape[1];
+    return CLMHA_SUCCESS;
+}
+
+// The biases, which come in pairs; their shapes without num_kv_heads (with it: check_kv_shapes).
+static clmha_status read_biases(desc_read *r) {
+    const char *name = r->name;
+    clmha_status st;
+    if ((st = expect_pair(r->f, "in_proj_bias", "out_proj.bias", "bias", &r->ib, &r->ob, name,
+                          r->msg, r->msg_size)))
+        return st;
+    if (!r->nkv && (st = expect_shape(r->ib, 1, (size_t[]){r->three_e}, "(3E)", name, r->msg,
+                                      r->msg_size)))
+        return st;
+    if ((st = expect_shape(r->ob, 1, (size_t[]){r->e}, "(E)", name, r->msg, r->msg_size)))
+        return st;
+    if ((st = expect_pair(r->f, "bias_k", "bias_v", "add_bias_kv", &r->bk, &r->bv, name, r->msg,
+                          r->msg_size)))
+        return st;
+    size_t want_kv[3] = {1, 1, r->e};
+    if (!r->nkv &&
+        ((st = expect_shape(r->bk, 3, want_kv, "(1, 1, E)", name, r->msg, r->msg_size)) ||
+         (st = expect_shape(r->bv, 3, want_kv, "(1, 1, E)", name, r->msg, r->msg_size))))
+        return st;
+    return CLMHA_SUCCESS;
+}
+
+// r->heads: __metadata__ num_heads, or @p num_heads (0: none given) when the file has none.
+static clmha_status read_heads(desc_read *r, size_t num_heads) {
+    const char *name = r->name;
+    const char *nh = clmha__safetensors_meta(r->f, "num_heads");
+    size_t heads = 0;
+    if (!nh && !num_heads)
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: __metadata__ has no num_heads (the number of attention heads, a "
+                          "decimal string such as \"8\"): pass num_heads "
+                          "(clmha_load_options::num_heads, --num-heads in the clmha program)",
+                          name);
+    if (nh && !parse_count(nh, &heads))
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: __metadata__ num_heads is \"%.*s\", expected a positive decimal "
+                          "integer such as \"8\"",
+                          name, CLMHA__ST_QUOTE_MAX, nh);
+    if (nh && num_heads && heads != num_heads)
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: num_heads %zu was asked for, but the file's __metadata__ says "
+                          "num_heads %zu",
+                          name, num_heads, heads);
+    if (!nh) heads = num_heads;
+    if (r->e % heads != 0)
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: %s num_heads %zu does not divide embed_dim %zu (from "
+                          "%s)",
+                          name, nh ? "__metadata__" : "the given", heads, r->e, r->ow->name);
+    r->heads = heads;
+    return CLMHA_SUCCESS;
+}
+
+// The shapes of grouped-query attention (when the file has num_kv_heads), now that
+// D = E / num_heads is known.
+static clmha_status check_kv_shapes(const desc_read *r) {
+    const char *name = r->name;
+    size_t kv_heads = r->kv_heads, heads = r->heads;
+    clmha_status st;
+    if (!r->nkv) return CLMHA_SUCCESS;
+    if (heads % kv_heads != 0)
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: __metadata__ num_kv_heads %zu does not divide num_heads %zu",
+                          name, kv_heads, heads);
+    size_t kve = kv_heads * (r->e / heads);
+    if (r->ipw && kve != r->e)
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: the file holds in_proj_weight, but a layer with num_kv_heads "
+                          "%zu below num_heads %zu has q_proj_weight, k_proj_weight and "
+                          "v_proj_weight",
+                          name, kv_heads, heads);
+    const char *kv_shape = "(num_kv_heads*head_dim, kdim)";
+    if (!r->ipw && ((st = expect_shape(r->kw, 2, (size_t[]){kve, r->kdim}, kv_shape, name,
+                                       r->msg, r->msg_size)) ||
+                    (st = expect_shape(r->vw, 2, (size_t[]){kve, r->vdim},
+                                       "(num_kv_heads*head_dim, vdim)", name, r->msg,
+                                       r->msg_size))))
+        return st;
+    if ((st = expect_shape(r->ib, 1, (size_t[]){r->e + 2 * kve}, "(E + 2*num_kv_heads*head_dim)",
+                           name, r->msg, r->msg_size)) ||
+        (st = expect_shape(r->bk, 3, (size_t[]){1, 1, kve}, "(1, 1, num_kv_heads*head_dim)", name,
+                           r->msg, r->msg_size)) ||
+        (st = expect_shape(r->bv, 3, (size_t[]){1, 1, kve}, "(1, 1, num_kv_heads*head_dim)", name,
+                           r->msg, r->msg_size)))
+        return st;
+    return CLMHA_SUCCESS;
+}
+
+// __metadata__ dropout (absent: 0), a decimal in [0, 1) that stays below 1 as a float.
+static clmha_status read_dropout(const desc_read *r, float *out) {
+    const char *dp = clmha__safetensors_meta(r->f, "dropout");
+    *out = 0.0f;
+    if (!dp) return CLMHA_SUCCESS;
+    // The range is checked on the decimal itself; the float the layer keeps may still round up
+    // to 1, which is said as such.
+    double v = 0.0;
+    if (!parse_decimal(dp, &v) || !decimal_below_one(dp))
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: __metadata__ dropout is \"%.*s\", expected a decimal number in "
+                          "[0, 1) such as \"0.1\"",
+                          r->name, CLMHA__ST_QUOTE_MAX, dp);
+    float dropout = v < 1.0 ? (float)v : 1.0f;
+    if (!(dropout < 1.0f))
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: __metadata__ dropout is \"%.*s\", which is below 1 but rounds "
+                          "to 1 as a float (a layer keeps dropout as a float; the largest "
+                          "below 1 is %.9g)",
+                          r->name, CLMHA__ST_QUOTE_MAX, dp, (double)nextafterf(1.0f, 0.0f));
+    *out = dropout;
+    return CLMHA_SUCCESS;
 }
 
 clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *name,
@@ -184,157 +400,10 @@ clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *n
     if (!name) name = "(unnamed)";
     memset(desc, 0, sizeof *desc);
     clmha_status st;
-    char sbuf[256];
-
-    for (size_t i = 0; i < f->tensor_count; ++i) {
-        bool known = false;
-        for (size_t k = 0; k < sizeof known_names / sizeof *known_names && !known; ++k)
-            known = strcmp(f->tensors[i].param, known_names[k]) == 0;
-        if (!known)
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: unknown tensor \"%.*s\" (a nn.MultiheadAttention file holds "
-                              "in_proj_weight or q_proj_weight, k_proj_weight and v_proj_weight, "
-                              "out_proj.weight, and optionally in_proj_bias with out_proj.bias, "
-                              "bias_k with bias_v)",
-                              name, CLMHA__ST_QUOTE_MAX, f->tensors[i].name);
-    }
-
-    // embed_dim from out_proj.weight (E, E).
-    const clmha__st_tensor *ow = clmha__safetensors_tensor(f, "out_proj.weight");
-    if (!ow)
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: the file has no tensor \"out_proj.weight\"", name);
-    if (ow->ndim != 2 || ow->shape[0] == 0 || ow->shape[0] != ow->shape[1]) {
-        size_t e0 = ow->ndim ? ow->shape[0] : 0;
-        char want[128] = "";
-        if (e0) snprintf(want, sizeof want, " = (%zu, %zu)", e0, e0);
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: tensor \"out_proj.weight\" has shape %s, expected (E, E)%s with "
-                          "E > 0",
-                          name, clmha__st_shape_text(sbuf, sizeof sbuf, ow->ndim, ow->shape), want);
-    }
-    size_t e = ow->shape[0], three_e;
-    if (!clmha__mul(e, 3, &three_e))
-        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: embed_dim %zu is too large",
-                          name, e);
-
-    // Grouped-query attention (__metadata__ num_kv_heads): the key/value shapes are checked
-    // once num_heads is known, below.
-    const char *nkv = clmha__safetensors_meta(f, "num_kv_heads");
-    size_t kv_heads = 0;
-    if (nkv && !parse_count(nkv, &kv_heads))
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: __metadata__ num_kv_heads is \"%.*s\", expected a positive "
-                          "decimal integer such as \"2\"",
-                          name, CLMHA__ST_QUOTE_MAX, nkv);
-
-    // The input projection: packed, or one weight per input.
-    const clmha__st_tensor *ipw = clmha__safetensors_tensor(f, "in_proj_weight");
-    const clmha__st_tensor *qw = clmha__safetensors_tensor(f, "q_proj_weight");
-    const clmha__st_tensor *kw = clmha__safetensors_tensor(f, "k_proj_weight");
-    const clmha__st_tensor *vw = clmha__safetensors_tensor(f, "v_proj_weight");
-    size_t kdim = e, vdim = e;
-    if (ipw) {
-        if (qw || kw || vw)
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: the file holds both in_proj_weight and %s; it must hold "
-                              "either in_proj_weight or q_proj_weight, k_proj_weight and "
-                              "v_proj_weight",
-                              name, qw ? "q_proj_weight" : kw ? "k_proj_weight" : "v_proj_weight");
-        size_t want[2] = {three_e, e};
-        if ((st = expect_shape(ipw, 2, want, "(3E, E)", name, msg, msg_size))) return st;
-    } else {
-        if (!qw || !kw || !vw)
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: the file has neither in_proj_weight nor q_proj_weight, "
-                              "k_proj_weight and v_proj_weight (no \"%s\")",
-                              name,
-                              !qw ? "q_proj_weight" : !kw ? "k_proj_weight" : "v_proj_weight");
-        size_t want[2] = {e, e};
-        if ((st = expect_shape(qw, 2, want, "(E, E)", name, msg, msg_size))) return st;
-        const clmha__st_tensor *kv[2] = {kw, vw};
-        for (int i = 0; i < 2; ++i) {
-            const clmha__st_tensor *t = kv[i];
-            if (t->ndim != 2 || (t->shape[0] != e && !nkv) || t->shape[0] == 0 ||
-                t->shape[1] == 0)
-                return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                                  "%s: tensor \"%s\" has shape %s, expected (E, %s) = (%zu, %s) "
-                                  "with %s > 0",
-                                  name, t->name,
-                                  clmha__st_shape_text(sbuf, sizeof sbuf, t->ndim, t->shape),
-                                  i ? "vdim" : "kdim", e, i ? "vdim" : "kdim", i ? "vdim" : "kdim");
-        }
-        kdim = kw->shape[1];
-        vdim = vw->shape[1];
-    }
-
-    // Biases come in pairs.
-    const clmha__st_tensor *ib, *ob, *bk, *bv;
-    if ((st = expect_pair(f, "in_proj_bias", "out_proj.bias", "bias", &ib, &ob, name, msg,
-                          msg_size)))
+    desc_read r = {.f = f, .name = name, .msg = msg, .msg_size = msg_size};
+    if ((st = check_names(&r)) || (st = read_embed_dim(&r)) || (st = read_in_proj(&r)) ||
+        (st = read_biases(&r)) || (st = read_heads(&r, num_heads)) || (st = check_kv_shapes(&r)))
         return st;
-    if (!nkv &&
-        (st = expect_shape(ib, 1, (size_t[]){three_e}, "(3E)", name, msg, msg_size)))
-        return st;
-    if ((st = expect_shape(ob, 1, (size_t[]){e}, "(E)", name, msg, msg_size))) return st;
-    if ((st = expect_pair(f, "bias_k", "bias_v", "add_bias_kv", &bk, &bv, name, msg, msg_size)))
-        return st;
-    size_t want_kv[3] = {1, 1, e};
-    if (!nkv && ((st = expect_shape(bk, 3, want_kv, "(1, 1, E)", name, msg, msg_size)) ||
-                 (st = expect_shape(bv, 3, want_kv, "(1, 1, E)", name, msg, msg_size))))
-        return st;
-
-    // Metadata.
-    const char *nh = clmha__safetensors_meta(f, "num_heads");
-    size_t heads = 0;
-    if (!nh && !num_heads)
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: __metadata__ has no num_heads (the number of attention heads, a "
-                          "decimal string such as \"8\"): pass num_heads "
-                          "(clmha_load_options::num_heads, --num-heads in the clmha program)",
-                          name);
-    if (nh && !parse_count(nh, &heads))
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: __metadata__ num_heads is \"%.*s\", expected a positive decimal "
-                          "integer such as \"8\"",
-                          name, CLMHA__ST_QUOTE_MAX, nh);
-    if (nh && num_heads && heads != num_heads)
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: num_heads %zu was asked for, but the file's __metadata__ says "
-                          "num_heads %zu",
-                          name, num_heads, heads);
-    if (!nh) heads = num_heads;
-    if (e % heads != 0)
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: %s num_heads %zu does not divide embed_dim %zu (from "
-                          "%s)",
-                          name, nh ? "__metadata__" : "the given", heads, e, ow->name);
-    if (nkv) {  // the shapes of grouped-query attention, now that D = E / num_heads is known
-        if (heads % kv_heads != 0)
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: __metadata__ num_kv_heads %zu does not divide num_heads %zu",
-                              name, kv_heads, heads);
-        size_t kve = kv_heads * (e / heads);
-        if (ipw && kve != e)
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: the file holds in_proj_weight, but a layer with num_kv_heads "
-                              "%zu below num_heads %zu has q_proj_weight, k_proj_weight and "
-                              "v_proj_weight",
-                              name, kv_heads, heads);
-        const char *kv_shape = "(num_kv_heads*head_dim, kdim)";
-        if (!ipw && ((st = expect_shape(kw, 2, (size_t[]){kve, kdim}, kv_shape, name, msg,
-                                        msg_size)) ||
-                     (st = expect_shape(vw, 2, (size_t[]){kve, vdim},
-                                        "(num_kv_heads*head_dim, vdim)", name, msg, msg_size))))
-            return st;
-        if ((st = expect_shape(ib, 1, (size_t[]){e + 2 * kve}, "(E + 2*num_kv_heads*head_dim)",
-                               name, msg, msg_size)) ||
-            (st = expect_shape(bk, 3, (size_t[]){1, 1, kve}, "(1, 1, num_kv_heads*head_dim)",
-                               name, msg, msg_size)) ||
-            (st = expect_shape(bv, 3, (size_t[]){1, 1, kve}, "(1, 1, num_kv_heads*head_dim)",
-                               name, msg, msg_size)))
-            return st;
-    }
     bool batch_first, add_zero_attn;
     if ((st = meta_bool(f, "batch_first", &batch_first, name, msg, msg_size))) return st;
     if (batch_first_opt == CLMHA_BATCH_FIRST_AUTO && !clmha__safetensors_meta(f, "batch_first"))
@@ -342,34 +411,17 @@ clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *n
     else if (batch_first_opt != CLMHA_BATCH_FIRST_AUTO)
         batch_first = batch_first_opt == CLMHA_BATCH_FIRST_YES;
     if ((st = meta_bool(f, "add_zero_attn", &add_zero_attn, name, msg, msg_size))) return st;
-    float dropout = 0.0f;
-    const char *dp = clmha__safetensors_meta(f, "dropout");
-    if (dp) {
-        // The range is checked on the decimal itself; the float the layer keeps may still
-        // round up to 1, which is said as such.
-        double v = 0.0;
-        if (!parse_decimal(dp, &v) || !decimal_below_one(dp))
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: __metadata__ dropout is \"%.*s\", expected a decimal number in "
-                              "[0, 1) such as \"0.1\"",
-                              name, CLMHA__ST_QUOTE_MAX, dp);
-        dropout = v < 1.0 ? (float)v : 1.0f;
-        if (!(dropout < 1.0f))
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: __metadata__ dropout is \"%.*s\", which is below 1 but rounds "
-                              "to 1 as a float (a layer keeps dropout as a float; the largest "
-                              "below 1 is %.9g)",
-                              name, CLMHA__ST_QUOTE_MAX, dp, (double)nextafterf(1.0f, 0.0f));
-    }
+    float dropout;
+    if ((st = read_dropout(&r, &dropout))) return st;
 
     clmha_layer_desc d = {.struct_size = sizeof d,
-                          .embed_dim = e,
-                          .num_heads = heads,
-                          .num_kv_heads = kv_heads,
-                          .kdim = kdim,
-                          .vdim = vdim,
-                          .bias = ib != NULL,
-                          .add_bias_kv = bk != NULL,
+                          .embed_dim = r.e,
+                          .num_heads = r.heads,
+                          .num_kv_heads = r.kv_heads,
+                          .kdim = r.kdim,
+                          .vdim = r.vdim,
+                          .bias = r.ib != NULL,
+                          .add_bias_kv = r.bk != NULL,
                           .add_zero_attn = add_zero_attn,
                           .batch_first = batch_first,
                           .dropout = dropout};
