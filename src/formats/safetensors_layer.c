@@ -522,68 +522,74 @@ static void list_prefixes(const clmha__st_file *f, char *buf, size_t size) {
         snprintf(buf + used, size - used, " (the empty prefix: load the file without one)");
 }
 
-clmha_status clmha__safetensors_select(const clmha__st_file *f, const char *name,
-                                       const char *prefix, clmha__st_view *view, char *msg,
-                                       size_t msg_size) {
-    if (!f || !view) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "NULL argument");
-    if (!name) name = "(unnamed)";
-    memset(view, 0, sizeof *view);
-    size_t plen = prefix ? strlen(prefix) : 0;
-    bool dot = plen && prefix[plen - 1] != '.';
-    char modules[512];
+// What clmha__safetensors_select() finds under the prefix: the first tensor of each name set,
+// a seed module's tensors by projection and kind, and the set of the last tensor.
+typedef struct {
+    const clmha__st_tensor *first[SEED_SETS + 1];
+    const clmha__st_tensor *seed[4][2];  // [projection][bias]
+    size_t matched, sets, set;
+} select_found;
 
-    // Which tensors are under the prefix, and of which set; the first of each set found.
-    const clmha__st_tensor *first[SEED_SETS + 1] = {0};
-    const clmha__st_tensor *seed[4][2] = {{0}};  // [projection][bias]
-    size_t matched = 0, sets = 0, set = TORCH_SET;
+// The error for tensor @p t (named @p param without the prefix) of no name set.
+static clmha_status unknown_tensor(const clmha__st_file *f, const char *name, const char *prefix,
+                                   const clmha__st_tensor *t, const char *param, char *msg,
+                                   size_t msg_size) {
+    if (!prefix || !*prefix)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: unknown tensor \"%.*s\" (a layer file holds the parameters of "
+                          "nn.MultiheadAttention: in_proj_weight or q_proj_weight, k_proj_weight "
+                          "and v_proj_weight, out_proj.weight, and optionally in_proj_bias with "
+                          "out_proj.bias, bias_k with bias_v; or of continuiti's "
+                          "MultiHeadAttention: query_project, key_project, value_project, "
+                          "out_project .weight (and .bias); or w_q, w_k, w_v, w_concat .weight "
+                          "(and .bias). A whole model's file needs a prefix)",
+                          name, CLMHA__ST_QUOTE_MAX, t->name);
+    char modules[512] = "";
+    list_prefixes(f, modules, sizeof modules);
+    return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                      "%s: tensor \"%.*s\" under the prefix \"%.*s\" is not a parameter of an "
+                      "attention module (as \"%.*s\"); the file's attention modules have the "
+                      "prefixes %s",
+                      name, CLMHA__ST_QUOTE_MAX, t->name, CLMHA__ST_QUOTE_MAX, prefix,
+                      CLMHA__ST_QUOTE_MAX, param, modules);
+}
+
+// Classifies the tensors under the prefix (@p plen bytes of @p prefix, @p dot: see
+// strip_prefix()) into @p out; fails on a tensor of no set, no tensor under the prefix, or
+// tensors of two sets.
+static clmha_status find_set(const clmha__st_file *f, const char *name, const char *prefix,
+                             size_t plen, bool dot, select_found *out, char *msg,
+                             size_t msg_size) {
+    *out = (select_found){.set = TORCH_SET};
     for (size_t i = 0; i < f->tensor_count; ++i) {
         const clmha__st_tensor *t = &f->tensors[i];
         const char *param = plen ? strip_prefix(t->name, prefix, plen, dot) : t->name;
         if (!param) continue;
-        ++matched;
+        ++out->matched;
         size_t s;
         int proj;
         bool bias;
-        if (!classify(param, &s, &proj, &bias)) {
-            if (!plen)
-                return clmha__msg(
-                    msg, msg_size, CLMHA_INVALID_FILE,
-                    "%s: unknown tensor \"%.*s\" (a layer file holds the parameters of "
-                    "nn.MultiheadAttention: in_proj_weight or q_proj_weight, k_proj_weight and "
-                    "v_proj_weight, out_proj.weight, and optionally in_proj_bias with "
-                    "out_proj.bias, bias_k with bias_v; or of continuiti's MultiHeadAttention: "
-                    "query_project, key_project, value_project, out_project .weight (and "
-                    ".bias); or w_q, w_k, w_v, w_concat .weight (and .bias). A whole model's "
-                    "file needs a prefix)",
-                    name, CLMHA__ST_QUOTE_MAX, t->name);
-            modules[0] = '\0';
-            list_prefixes(f, modules, sizeof modules);
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                              "%s: tensor \"%.*s\" under the prefix \"%.*s\" is not a parameter "
-                              "of an attention module (as \"%.*s\"); the file's attention "
-                              "modules have the prefixes %s",
-                              name, CLMHA__ST_QUOTE_MAX, t->name, CLMHA__ST_QUOTE_MAX, prefix,
-                              CLMHA__ST_QUOTE_MAX, param, modules);
-        }
-        if (!first[s]) first[s] = t, ++sets;
-        set = s;
-        if (s != TORCH_SET) seed[proj][bias] = t;
+        if (!classify(param, &s, &proj, &bias))
+            return unknown_tensor(f, name, plen ? prefix : NULL, t, param, msg, msg_size);
+        if (!out->first[s]) out->first[s] = t, ++out->sets;
+        out->set = s;
+        if (s != TORCH_SET) out->seed[proj][bias] = t;
     }
-    if (plen && !matched) {
-        snprintf(modules, sizeof modules, "%s", "");
+    if (plen && !out->matched) {
+        char modules[512] = "";
         list_prefixes(f, modules, sizeof modules);
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                           "%s: no tensor's name starts with the prefix \"%.*s%s\"; the file's "
                           "attention modules have the prefixes %s",
                           name, CLMHA__ST_QUOTE_MAX, prefix, dot ? "." : "", modules);
     }
-    if (sets > 1) {
+    if (out->sets > 1) {
         char list[512] = "";
         size_t used = 0;
         for (size_t s = 0; s <= SEED_SETS; ++s) {
-            if (!first[s] || used >= sizeof list) continue;
+            if (!out->first[s] || used >= sizeof list) continue;
             int w = snprintf(list + used, sizeof list - used, "%s\"%.*s\" (%s)",
-                             used ? " and " : "", CLMHA__ST_QUOTE_MAX, first[s]->name,
+                             used ? " and " : "", CLMHA__ST_QUOTE_MAX, out->first[s]->name,
                              s == TORCH_SET ? "nn.MultiheadAttention" : seed_sets[s].set);
             if (w > 0) used += (size_t)w;
         }
@@ -592,34 +598,18 @@ clmha_status clmha__safetensors_select(const clmha__st_file *f, const char *name
                           "is one module's parameters",
                           name, list);
     }
+    return CLMHA_SUCCESS;
+}
 
-    view->file.meta = f->meta;
-    view->file.meta_count = f->meta_count;
-    view->file.tensors = view->tensors;
-    view->name_set = set == TORCH_SET ? "nn.MultiheadAttention" : seed_sets[set].set;
-    view->batch_first_set = set != TORCH_SET;
-    size_t n = 0;
-    if (set == TORCH_SET) {  // the tensors as they are, known names only: at most 9
-        for (size_t i = 0; i < f->tensor_count; ++i) {
-            const clmha__st_tensor *t = &f->tensors[i];
-            const char *param = plen ? strip_prefix(t->name, prefix, plen, dot) : t->name;
-            if (!param) continue;
-            view->tensors[n] = *t;
-            view->tensors[n].param = param;
-            view->parts[n][0] = t;
-            ++n;
-        }
-        view->file.tensor_count = n;
-        return CLMHA_SUCCESS;
-    }
-
-    // A seed module: its weights as q/k/v_proj_weight and out_proj.weight, its biases (all
-    // four or none) as in_proj_bias (q, k, v concatenated) and out_proj.bias.
-    static const char *const weight_param[4] = {"q_proj_weight", "k_proj_weight",
-                                                "v_proj_weight", "out_proj.weight"};
-    const char *const *mod = seed_sets[set].module;
+// A seed module's biases: all four or none (*count: 4 or 0), each as wide as its weight has
+// rows.
+static clmha_status check_seed_biases(const select_found *found, const char *name,
+                                      size_t *count, char *msg, size_t msg_size) {
+    const clmha__st_tensor *const(*seed)[2] = found->seed;
+    const char *const *mod = seed_sets[found->set].module;
     size_t biases = 0;
     for (int p = 0; p < 4; ++p) biases += seed[p][1] != NULL;
+    *count = biases;
     if (biases && biases < 4) {
         int have = 0, lack = 0;
         while (!seed[have][1]) ++have;
@@ -628,8 +618,43 @@ clmha_status clmha__safetensors_select(const clmha__st_file *f, const char *name
                           "%s: the file has \"%.*s\" but no %s.bias; a %s module has the biases "
                           "of all four projections (bias = True) or none",
                           name, CLMHA__ST_QUOTE_MAX, seed[have][1]->name, mod[lack],
-                          seed_sets[set].set);
+                          seed_sets[found->set].set);
     }
+    return CLMHA_SUCCESS;
+}
+
+// The seed module's biases (checked by check_seed_biases()) into @p view from tensor @p n on:
+// in_proj_bias (q, k, v concatenated) and out_proj.bias. Returns the new tensor count.
+static size_t view_seed_biases(clmha__st_view *view, const clmha__st_tensor *const (*seed)[2],
+                               size_t n) {
+    clmha__st_tensor *ib = &view->tensors[n];
+    *ib = *seed[0][1];
+    snprintf(view->joined[0], sizeof view->joined[0], "%.80s + %.80s + %.80s", seed[0][1]->name,
+             seed[1][1]->name, seed[2][1]->name);
+    ib->name = view->joined[0];
+    ib->param = "in_proj_bias";
+    ib->shape[0] = seed[0][1]->shape[0] + seed[1][1]->shape[0] + seed[2][1]->shape[0];
+    ib->count = ib->shape[0];
+    ib->data = NULL;  // in the parts
+    for (int p = 0; p < 3; ++p) view->parts[n][p] = seed[p][1];
+    ++n;
+    view->tensors[n] = *seed[3][1];
+    view->tensors[n].param = "out_proj.bias";
+    view->parts[n][0] = seed[3][1];
+    return n + 1;
+}
+
+// A seed module's tensors into @p view: its weights as q/k/v_proj_weight and out_proj.weight,
+// its biases (all four or none) as in_proj_bias (q, k, v concatenated) and out_proj.bias.
+static clmha_status view_seed(clmha__st_view *view, const select_found *found, const char *name,
+                              char *msg, size_t msg_size) {
+    static const char *const weight_param[4] = {"q_proj_weight", "k_proj_weight",
+                                                "v_proj_weight", "out_proj.weight"};
+    const clmha__st_tensor *const(*seed)[2] = found->seed;
+    size_t set = found->set, n = 0, biases;
+    const char *const *mod = seed_sets[set].module;
+    clmha_status st = check_seed_biases(found, name, &biases, msg, msg_size);
+    if (st) return st;
     for (int p = 0; p < 4; ++p) {
         const clmha__st_tensor *w = seed[p][0];
         if (!w)
@@ -656,20 +681,39 @@ clmha_status clmha__safetensors_select(const clmha__st_file *f, const char *name
                                   w->ndim ? w->shape[0] : 0, CLMHA__ST_QUOTE_MAX, w->name);
             }
         }
-        clmha__st_tensor *ib = &view->tensors[n];
-        *ib = *seed[0][1];
-        snprintf(view->joined[0], sizeof view->joined[0], "%.80s + %.80s + %.80s",
-                 seed[0][1]->name, seed[1][1]->name, seed[2][1]->name);
-        ib->name = view->joined[0];
-        ib->param = "in_proj_bias";
-        ib->shape[0] = seed[0][1]->shape[0] + seed[1][1]->shape[0] + seed[2][1]->shape[0];
-        ib->count = ib->shape[0];
-        ib->data = NULL;  // in the parts
-        for (int p = 0; p < 3; ++p) view->parts[n][p] = seed[p][1];
-        ++n;
-        view->tensors[n] = *seed[3][1];
-        view->tensors[n].param = "out_proj.bias";
-        view->parts[n][0] = seed[3][1];
+        n = view_seed_biases(view, seed, n);
+    }
+    view->file.tensor_count = n;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__safetensors_select(const clmha__st_file *f, const char *name,
+                                       const char *prefix, clmha__st_view *view, char *msg,
+                                       size_t msg_size) {
+    if (!f || !view) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "NULL argument");
+    if (!name) name = "(unnamed)";
+    memset(view, 0, sizeof *view);
+    size_t plen = prefix ? strlen(prefix) : 0;
+    bool dot = plen && prefix[plen - 1] != '.';
+    select_found found;
+    clmha_status st = find_set(f, name, prefix, plen, dot, &found, msg, msg_size);
+    if (st) return st;
+
+    size_t set = found.set;
+    view->file.meta = f->meta;
+    view->file.meta_count = f->meta_count;
+    view->file.tensors = view->tensors;
+    view->name_set = set == TORCH_SET ? "nn.MultiheadAttention" : seed_sets[set].set;
+    view->batch_first_set = set != TORCH_SET;
+    if (set != TORCH_SET) return view_seed(view, &found, name, msg, msg_size);
+    size_t n = 0;  // the tensors as they are, known names only: at most 9
+    for (size_t i = 0; i < f->tensor_count; ++i) {
+        const clmha__st_tensor *t = &f->tensors[i];
+        const char *param = plen ? strip_prefix(t->name, prefix, plen, dot) : t->name;
+        if (!param) continue;
+        view->tensors[n] = *t;
+        view->tensors[n].param = param;
+        view->parts[n][0] = t;
         ++n;
     }
     view->file.tensor_count = n;
