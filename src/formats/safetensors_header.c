@@ -195,25 +195,10 @@ static const char *duplicate_key(const cJSON *obj, bool *oom) {
     return dup;
 }
 
-// Fills @p t from the JSON object @p obj describing tensor @p t->name.
-static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, size_t data_size,
-                                 const number_text *nums, clmha__st_tensor *t, const char *name,
-                                 char *msg, size_t msg_size) {
+// The dtype of tensor @p t (named t->name) from its JSON object @p obj.
+static clmha_status parse_dtype(const cJSON *obj, clmha__st_tensor *t, const char *name,
+                                char *msg, size_t msg_size) {
     const char *tn = t->name;
-    char sbuf[256];
-    if (!cJSON_IsObject(obj))
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: tensor \"%.*s\" is not a JSON object", name, CLMHA__ST_QUOTE_MAX,
-                          tn);
-    bool oom;
-    const char *dup = duplicate_key(obj, &oom);
-    if (oom) return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", name);
-    if (dup)
-        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                          "%s: tensor \"%.*s\" has the key \"%.*s\" twice", name,
-                          CLMHA__ST_QUOTE_MAX, tn, CLMHA__ST_QUOTE_MAX, dup);
-
-    // dtype
     const cJSON *dtype = cJSON_GetObjectItemCaseSensitive(obj, "dtype");
     if (!dtype)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s: tensor \"%.*s\" has no dtype",
@@ -237,8 +222,15 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
                           "(F32, F16, BF16 or F64)",
                           name, CLMHA__ST_QUOTE_MAX, tn, CLMHA__ST_QUOTE_MAX, ds);
     }
+    return CLMHA_SUCCESS;
+}
 
-    // shape
+// The shape of tensor @p t (its dtype known) from its JSON object @p obj: t->shape, t->ndim,
+// t->count, and its size in bytes (*nbytes).
+static clmha_status parse_shape(const cJSON *obj, const number_text *nums, clmha__st_tensor *t,
+                                size_t *nbytes, const char *name, char *msg, size_t msg_size) {
+    const char *tn = t->name;
+    char sbuf[256];
     const cJSON *shape = cJSON_GetObjectItemCaseSensitive(obj, "shape");
     if (!shape)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s: tensor \"%.*s\" has no shape",
@@ -276,19 +268,27 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
         if (!clmha__mul(count, v, &count)) overflow = true;
     }
     t->ndim = ndim;
-    size_t nbytes = 0;
+    *nbytes = 0;
     // A zero dimension makes the product 0 whatever came before it.
     for (size_t i = 0; i < ndim && overflow; ++i)
         if (t->shape[i] == 0) overflow = false, count = 0;
-    if (overflow || !clmha__mul(count, dtype_size(t->dtype), &nbytes))
+    if (overflow || !clmha__mul(count, dtype_size(t->dtype), nbytes))
         return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
                           "%s: the shape %s of tensor \"%.*s\" holds more bytes than size_t "
                           "can count",
                           name, clmha__st_shape_text(sbuf, sizeof sbuf, ndim, t->shape),
                           CLMHA__ST_QUOTE_MAX, tn);
     t->count = count;
+    return CLMHA_SUCCESS;
+}
 
-    // data_offsets
+// The data_offsets of tensor @p t (its shape known: @p nbytes) from its JSON object @p obj,
+// checked against the data section (@p data, @p data_size bytes): t->data, t->begin, t->end.
+static clmha_status parse_offsets(const cJSON *obj, const unsigned char *data, size_t data_size,
+                                  const number_text *nums, size_t nbytes, clmha__st_tensor *t,
+                                  const char *name, char *msg, size_t msg_size) {
+    const char *tn = t->name;
+    char sbuf[256];
     const cJSON *offsets = cJSON_GetObjectItemCaseSensitive(obj, "data_offsets");
     if (!offsets)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
@@ -324,12 +324,36 @@ static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, si
                           "%s: tensor \"%.*s\" has shape %s of %s = %zu bytes, but its "
                           "data_offsets [%zu, %zu] span %zu bytes",
                           name, CLMHA__ST_QUOTE_MAX, tn,
-                          clmha__st_shape_text(sbuf, sizeof sbuf, ndim, t->shape),
+                          clmha__st_shape_text(sbuf, sizeof sbuf, t->ndim, t->shape),
                           dtype_name(t->dtype), nbytes, off[0], off[1], off[1] - off[0]);
     t->data = data + off[0];
     t->begin = off[0];
     t->end = off[1];
     return CLMHA_SUCCESS;
+}
+
+// Fills @p t from the JSON object @p obj describing tensor @p t->name.
+static clmha_status parse_tensor(const cJSON *obj, const unsigned char *data, size_t data_size,
+                                 const number_text *nums, clmha__st_tensor *t, const char *name,
+                                 char *msg, size_t msg_size) {
+    const char *tn = t->name;
+    if (!cJSON_IsObject(obj))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: tensor \"%.*s\" is not a JSON object", name, CLMHA__ST_QUOTE_MAX,
+                          tn);
+    bool oom;
+    const char *dup = duplicate_key(obj, &oom);
+    if (oom) return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", name);
+    if (dup)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: tensor \"%.*s\" has the key \"%.*s\" twice", name,
+                          CLMHA__ST_QUOTE_MAX, tn, CLMHA__ST_QUOTE_MAX, dup);
+    size_t nbytes;
+    clmha_status st;
+    if ((st = parse_dtype(obj, t, name, msg, msg_size)) ||
+        (st = parse_shape(obj, nums, t, &nbytes, name, msg, msg_size)))
+        return st;
+    return parse_offsets(obj, data, data_size, nums, nbytes, t, name, msg, msg_size);
 }
 
 static int compare_tensor_names(const void *a, const void *b) {
@@ -506,6 +530,142 @@ static size_t count_values(const unsigned char *h, size_t n) {
     return count;
 }
 
+// Checks the file's first bytes (@p b, @p size of them): long enough, not a torch.save() file,
+// a header length (*header_size) that fits the file and @p limits, header text of the format.
+static clmha_status check_header_bytes(const unsigned char *b, size_t size,
+                                       clmha__st_limits limits, size_t *header_size,
+                                       const char *name, char *msg, size_t msg_size) {
+    clmha_status st;
+    if (size == 0)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the file is empty (a safetensors file starts with an 8-byte "
+                          "header length)",
+                          name);
+    if (size < 8)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the file is %zu bytes long, too short for a safetensors file (it "
+                          "starts with an 8-byte header length)",
+                          name, size);
+    if ((st = clmha__st_torch_save_check(b, size, size, name, msg, msg_size))) return st;
+    uint64_t n64 = clmha__st_le64(b);
+    if (n64 > clmha__st_max_header(limits))
+        return clmha__st_header_too_long(n64, limits, name, msg, msg_size);
+    if (n64 > size - 8)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the header length %llu is larger than the rest of the file (%zu "
+                          "bytes); not a safetensors file?",
+                          name, (unsigned long long)n64, size - 8);
+    size_t n = (size_t)n64;
+    const unsigned char *header = b + 8;
+    if ((st = header_text_check(header, n, name, msg, msg_size))) return st;
+    if (limits == CLMHA__ST_MODEL_LIMITS) {
+        size_t values = count_values(header, n);
+        if (values > CLMHA__ST_MODEL_MAX_VALUES)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: the header holds about %zu JSON values; a model's file read "
+                              "with a prefix holds at most %zu (refused before parsing)",
+                              name, values, CLMHA__ST_MODEL_MAX_VALUES);
+    }
+    *header_size = n;
+    return CLMHA_SUCCESS;
+}
+
+// Parses the @p n bytes of @p header as one JSON value (into out->json) followed by whitespace
+// only; *used: the bytes before that whitespace.
+static clmha_status parse_json(const unsigned char *header, size_t n, clmha__st_file *out,
+                               size_t *used_out, const char *name, char *msg, size_t msg_size) {
+    // The format pads the header with trailing spaces; other JSON whitespace is accepted too
+    // (as the reference implementation does), anything else after the JSON value is not.
+    size_t used = n;
+    while (used > 0 && strchr(" \t\n\r", header[used - 1]) && header[used - 1]) --used;
+    if (used == 0)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the header is empty; it must be a JSON object", name);
+    const char *end = NULL;
+    out->json = cJSON_ParseWithLengthOpts((const char *)header, used, &end, false);
+    if (!out->json) {
+        const char *h = (const char *)header;
+        size_t at = end && end >= h && end <= h + used ? (size_t)(end - h) : 0;
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the header is not valid JSON (error near byte %zu of the %zu-byte "
+                          "header)",
+                          name, at, n);
+    }
+    if (end != (const char *)header + used) {
+        size_t at = end ? (size_t)(end - (const char *)header) : 0;
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the header has bytes other than whitespace after its JSON value "
+                          "(from byte %zu of the %zu-byte header)",
+                          name, at, n);
+    }
+    *used_out = used;
+    return CLMHA_SUCCESS;
+}
+
+// Where the text of each number of @p json (parsed from the @p used bytes of @p header) starts,
+// into @p nums (see json_size()); nums->at is the caller's to free.
+static clmha_status find_numbers(const unsigned char *header, size_t used, cJSON *json,
+                                 number_text *nums, const char *name, char *msg,
+                                 size_t msg_size) {
+    nums->end = (const char *)header + used;
+    nums->count = scan_numbers((const char *)header, used, NULL);
+    if (nums->count && !(nums->at = malloc(nums->count * sizeof *nums->at)))
+        return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", name);
+    scan_numbers((const char *)header, used, nums->at);
+    size_t numbered = 0;
+    index_numbers(json, &numbered);
+    if (numbered != nums->count)  // cannot happen: both read the same valid JSON
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the header's numbers cannot be read (%zu found, %zu parsed)", name,
+                          nums->count, numbered);
+    return CLMHA_SUCCESS;
+}
+
+// Checks that the header @p root is an object of keyed entries with at most one __metadata__
+// (*metadata, NULL when none) and at most @p limits' tensors (*count).
+static clmha_status count_entries(const cJSON *root, clmha__st_limits limits, size_t *count_out,
+                                  const cJSON **metadata, const char *name, char *msg,
+                                  size_t msg_size) {
+    if (!cJSON_IsObject(root)) {
+        const char *kind = cJSON_IsArray(root)    ? "a JSON array"
+                           : cJSON_IsString(root) ? "a JSON string"
+                           : cJSON_IsNumber(root) ? "a JSON number"
+                           : cJSON_IsBool(root)   ? "a JSON boolean"
+                                                  : "JSON null";
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the header is %s, not a JSON object", name, kind);
+    }
+    size_t count = 0;
+    *metadata = NULL;
+    for (const cJSON *c = root->child; c; c = c->next) {
+        if (!c->string)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "%s: the header has an entry without a key", name);
+        if (strcmp(c->string, "__metadata__") == 0) {
+            if (*metadata)
+                return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                                  "%s: the header has __metadata__ twice", name);
+            *metadata = c;
+        } else {
+            ++count;
+        }
+    }
+    if (limits == CLMHA__ST_MODEL_LIMITS && count > CLMHA__ST_MODEL_MAX_TENSORS)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the header has %zu tensor entries; a model's file read with a "
+                          "prefix has at most %d",
+                          name, count, CLMHA__ST_MODEL_MAX_TENSORS);
+    if (limits == CLMHA__ST_LAYER_LIMITS && count > CLMHA__ST_MAX_TENSORS)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: the header has %zu tensor entries; a layer file has at most %d "
+                          "(in_proj_weight or q_proj_weight, k_proj_weight and v_proj_weight, "
+                          "in_proj_bias, out_proj.weight, out_proj.bias, bias_k, bias_v); a "
+                          "whole model's file needs a prefix",
+                          name, count, CLMHA__ST_MAX_TENSORS);
+    *count_out = count;
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha__safetensors_parse_as(const void *bytes, size_t size, const char *name,
                                          clmha__st_limits limits, clmha__st_file *out, char *msg,
                                          size_t msg_size) {
@@ -517,140 +677,16 @@ clmha_status clmha__safetensors_parse_as(const void *bytes, size_t size, const c
     clmha_status st = CLMHA_SUCCESS;
     number_text nums = {0};
     const unsigned char *b = bytes;
-    if (size == 0) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: the file is empty (a safetensors file starts with an 8-byte header "
-                        "length)",
-                        name);
-        goto fail;
-    }
-    if (size < 8) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: the file is %zu bytes long, too short for a safetensors file (it "
-                        "starts with an 8-byte header length)",
-                        name, size);
-        goto fail;
-    }
-    if ((st = clmha__st_torch_save_check(b, size, size, name, msg, msg_size))) goto fail;
-    uint64_t n64 = clmha__st_le64(b);
-    if (n64 > clmha__st_max_header(limits)) {
-        st = clmha__st_header_too_long(n64, limits, name, msg, msg_size);
-        goto fail;
-    }
-    if (n64 > size - 8) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: the header length %llu is larger than the rest of the file (%zu "
-                        "bytes); not a safetensors file?",
-                        name, (unsigned long long)n64, size - 8);
-        goto fail;
-    }
-    size_t n = (size_t)n64;
+    size_t n = 0, used = 0, count = 0;
+    const cJSON *metadata = NULL;
+    if ((st = check_header_bytes(b, size, limits, &n, name, msg, msg_size))) goto fail;
     const unsigned char *header = b + 8;
     const unsigned char *data = header + n;
     size_t data_size = size - 8 - n;
-    if ((st = header_text_check(header, n, name, msg, msg_size))) goto fail;
-    if (limits == CLMHA__ST_MODEL_LIMITS) {
-        size_t values = count_values(header, n);
-        if (values > CLMHA__ST_MODEL_MAX_VALUES) {
-            st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                            "%s: the header holds about %zu JSON values; a model's file read "
-                            "with a prefix holds at most %zu (refused before parsing)",
-                            name, values, CLMHA__ST_MODEL_MAX_VALUES);
-            goto fail;
-        }
-    }
-
-    // The format pads the header with trailing spaces; other JSON whitespace is accepted too
-    // (as the reference implementation does), anything else after the JSON value is not.
-    size_t used = n;
-    while (used > 0 && strchr(" \t\n\r", header[used - 1]) && header[used - 1]) --used;
-    if (used == 0) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: the header is empty; it must be a JSON object", name);
+    if ((st = parse_json(header, n, out, &used, name, msg, msg_size)) ||
+        (st = find_numbers(header, used, out->json, &nums, name, msg, msg_size)) ||
+        (st = count_entries(out->json, limits, &count, &metadata, name, msg, msg_size)))
         goto fail;
-    }
-    const char *end = NULL;
-    out->json = cJSON_ParseWithLengthOpts((const char *)header, used, &end, false);
-    if (!out->json) {
-        const char *h = (const char *)header;
-        size_t at = end && end >= h && end <= h + used ? (size_t)(end - h) : 0;
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: the header is not valid JSON (error near byte %zu of the %zu-byte "
-                        "header)",
-                        name, at, n);
-        goto fail;
-    }
-    if (end != (const char *)header + used) {
-        size_t at = end ? (size_t)(end - (const char *)header) : 0;
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: the header has bytes other than whitespace after its JSON value (from "
-                        "byte %zu of the %zu-byte header)",
-                        name, at, n);
-        goto fail;
-    }
-    const cJSON *root = out->json;
-    // Where each number's text starts (see json_size()).
-    nums.end = (const char *)header + used;
-    nums.count = scan_numbers((const char *)header, used, NULL);
-    if (nums.count && !(nums.at = malloc(nums.count * sizeof *nums.at))) {
-        st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", name);
-        goto fail;
-    }
-    scan_numbers((const char *)header, used, nums.at);
-    size_t numbered = 0;
-    index_numbers(out->json, &numbered);
-    if (numbered != nums.count) {  // cannot happen: both read the same valid JSON
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: the header's numbers cannot be read (%zu found, %zu parsed)", name,
-                        nums.count, numbered);
-        goto fail;
-    }
-    if (!cJSON_IsObject(root)) {
-        const char *kind = cJSON_IsArray(root)    ? "a JSON array"
-                           : cJSON_IsString(root) ? "a JSON string"
-                           : cJSON_IsNumber(root) ? "a JSON number"
-                           : cJSON_IsBool(root)   ? "a JSON boolean"
-                                                  : "JSON null";
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: the header is %s, not a JSON object", name, kind);
-        goto fail;
-    }
-
-    size_t count = 0;
-    const cJSON *metadata = NULL;
-    for (const cJSON *c = root->child; c; c = c->next) {
-        if (!c->string) {
-            st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                            "%s: the header has an entry without a key", name);
-            goto fail;
-        }
-        if (strcmp(c->string, "__metadata__") == 0) {
-            if (metadata) {
-                st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                                "%s: the header has __metadata__ twice", name);
-                goto fail;
-            }
-            metadata = c;
-        } else {
-            ++count;
-        }
-    }
-    if (limits == CLMHA__ST_MODEL_LIMITS && count > CLMHA__ST_MODEL_MAX_TENSORS) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: the header has %zu tensor entries; a model's file read with a "
-                        "prefix has at most %d",
-                        name, count, CLMHA__ST_MODEL_MAX_TENSORS);
-        goto fail;
-    }
-    if (limits == CLMHA__ST_LAYER_LIMITS && count > CLMHA__ST_MAX_TENSORS) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: the header has %zu tensor entries; a layer file has at most %d "
-                        "(in_proj_weight or q_proj_weight, k_proj_weight and v_proj_weight, "
-                        "in_proj_bias, out_proj.weight, out_proj.bias, bias_k, bias_v); a whole "
-                        "model's file needs a prefix",
-                        name, count, CLMHA__ST_MAX_TENSORS);
-        goto fail;
-    }
     if (metadata && (st = parse_metadata(metadata, out, name, msg, msg_size))) goto fail;
     if (count) {
         out->tensors = calloc(count, sizeof *out->tensors);
@@ -659,7 +695,7 @@ clmha_status clmha__safetensors_parse_as(const void *bytes, size_t size, const c
             goto fail;
         }
     }
-    for (const cJSON *c = root->child; c; c = c->next) {
+    for (const cJSON *c = out->json->child; c; c = c->next) {
         if (c == metadata) continue;
         clmha__st_tensor *t = &out->tensors[out->tensor_count++];
         t->name = t->param = c->string;
