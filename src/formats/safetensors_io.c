@@ -252,6 +252,95 @@ static bool write_safetensors(FILE *f, void *user, char *why, size_t why_size) {
            fwrite(o->data, o->elem, o->count, f) == o->count;
 }
 
+// The tensors a layer of descriptor @p d has, in the order of the file, with their PyTorch
+// shapes (into @p list, room for 8) and element counts; *total: the sum of the counts.
+static size_t save_list(clmha_layer *layer, const clmha_layer_desc *d, save_entry *list,
+                        size_t *total) {
+    // kve: the key/value heads' width (grouped-query attention: num_kv_heads * D, else E).
+    size_t e = d->embed_dim, kve = d->num_kv_heads * (e / d->num_heads);
+    bool gqa = d->num_kv_heads != d->num_heads;
+    size_t n = 0;
+    if (d->kdim == e && d->vdim == e && !gqa) {
+        list[n++] = (save_entry){"in_proj_weight", 2, {3 * e, e}, 0};
+    } else {
+        list[n++] = (save_entry){"q_proj_weight", 2, {e, e}, 0};
+        list[n++] = (save_entry){"k_proj_weight", 2, {kve, d->kdim}, 0};
+        list[n++] = (save_entry){"v_proj_weight", 2, {kve, d->vdim}, 0};
+    }
+    if (d->bias) list[n++] = (save_entry){"in_proj_bias", 1, {e + 2 * kve}, 0};
+    list[n++] = (save_entry){"out_proj.weight", 2, {e, e}, 0};
+    if (d->bias) list[n++] = (save_entry){"out_proj.bias", 1, {e}, 0};
+    if (d->add_bias_kv) {
+        list[n++] = (save_entry){"bias_k", 3, {1, 1, kve}, 0};
+        list[n++] = (save_entry){"bias_v", 3, {1, 1, kve}, 0};
+    }
+    // The layer exists, so its parameters fit in memory: these sums do not overflow.
+    *total = 0;
+    for (size_t i = 0; i < n; ++i) {
+        list[i].count = clmha_layer_parameter_count(layer, list[i].name);
+        *total += list[i].count;
+    }
+    return n;
+}
+
+// The file's JSON header (metadata from @p d, the @p n tensors of @p list with elements of
+// @p elem bytes, one after the other), padded with spaces to a multiple of 8 bytes, into
+// @p header (*used bytes). False when it does not fit.
+static bool save_header(const clmha_layer_desc *d, const save_entry *list, size_t n,
+                        size_t elem, char *header, size_t size, size_t *used) {
+    char dropout[64];
+    size_t offset = 0;
+    *used = 0;
+    float_text(d->dropout, dropout, sizeof dropout);
+    bool ok = append(header, size, used,
+                     "{\"__metadata__\":{\"format\":\"pt\",\"num_heads\":\"%zu\","
+                     "\"batch_first\":\"%s\",\"add_zero_attn\":\"%s\",\"dropout\":\"%s\"",
+                     d->num_heads, d->batch_first ? "true" : "false",
+                     d->add_zero_attn ? "true" : "false", dropout);
+    // num_kv_heads only for grouped-query attention: other files stay as they were.
+    if (ok && d->num_kv_heads != d->num_heads)
+        ok = append(header, size, used, ",\"num_kv_heads\":\"%zu\"", d->num_kv_heads);
+    ok = ok && append(header, size, used, "}");
+    for (size_t i = 0; i < n && ok; ++i) {
+        const save_entry *s = &list[i];
+        ok = append(header, size, used, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", s->name,
+                    elem == 8 ? "F64" : "F32");
+        for (size_t k = 0; k < s->ndim && ok; ++k)
+            ok = append(header, size, used, k ? ",%zu" : "%zu", s->shape[k]);
+        ok = ok && append(header, size, used, "],\"data_offsets\":[%zu,%zu]}", offset,
+                          offset + s->count * elem);
+        offset += s->count * elem;
+    }
+    ok = ok && append(header, size, used, "}");
+    while (ok && *used % 8 != 0) ok = append(header, size, used, " ");
+    return ok;
+}
+
+// The values of the @p n tensors of @p list, one after the other, as little-endian float32
+// (float64 when @p f64) into @p data (@p total elements).
+static clmha_status save_data(clmha_layer *layer, const save_entry *list, size_t n, bool f64,
+                              size_t total, unsigned char *data) {
+    size_t elem = f64 ? 8 : 4;
+    for (size_t i = 0, at = 0; i < n; at += list[i].count, ++i) {
+        const char *name = list[i].name;
+        size_t count = list[i].count;
+        clmha_status st =
+            f64 ? clmha_layer_get_parameter_f64(layer, name, (double *)data + at, count)
+                : clmha_layer_get_parameter(layer, name, (float *)data + at, count);
+        if (st) return st;
+    }
+    const uint32_t one = 1;
+    if (*(const unsigned char *)&one != 1) {  // big-endian host: reverse every element's bytes
+        unsigned char *p = data;
+        for (size_t i = 0; i < total; ++i, p += elem)
+            for (size_t b = 0; b < elem / 2; ++b) {
+                unsigned char t = p[b];
+                p[b] = p[elem - 1 - b], p[elem - 1 - b] = t;
+            }
+    }
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = clmha_layer_context(layer);
@@ -267,86 +356,25 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
     // widened exactly).
     bool f64 = d.dtype == CLMHA_DTYPE_F64;
     size_t elem = f64 ? 8 : 4;
-    // kve: the key/value heads' width (grouped-query attention: num_kv_heads * D, else E).
-    size_t e = d.embed_dim, kve = d.num_kv_heads * (e / d.num_heads);
-    bool gqa = d.num_kv_heads != d.num_heads;
     save_entry list[8];
-    size_t n = 0;
-    if (d.kdim == e && d.vdim == e && !gqa) {
-        list[n++] = (save_entry){"in_proj_weight", 2, {3 * e, e}, 0};
-    } else {
-        list[n++] = (save_entry){"q_proj_weight", 2, {e, e}, 0};
-        list[n++] = (save_entry){"k_proj_weight", 2, {kve, d.kdim}, 0};
-        list[n++] = (save_entry){"v_proj_weight", 2, {kve, d.vdim}, 0};
-    }
-    if (d.bias) list[n++] = (save_entry){"in_proj_bias", 1, {e + 2 * kve}, 0};
-    list[n++] = (save_entry){"out_proj.weight", 2, {e, e}, 0};
-    if (d.bias) list[n++] = (save_entry){"out_proj.bias", 1, {e}, 0};
-    if (d.add_bias_kv) {
-        list[n++] = (save_entry){"bias_k", 3, {1, 1, kve}, 0};
-        list[n++] = (save_entry){"bias_v", 3, {1, 1, kve}, 0};
-    }
-    // The layer exists, so its parameters fit in memory: these sums do not overflow.
-    size_t total = 0;
-    for (size_t i = 0; i < n; ++i) {
-        list[i].count = clmha_layer_parameter_count(layer, list[i].name);
-        total += list[i].count;
-    }
+    size_t total;
+    size_t n = save_list(layer, &d, list, &total);
 
-    // Header.
-    char header[2048], dropout[64];
-    size_t used = 0, offset = 0;
-    float_text(d.dropout, dropout, sizeof dropout);
-    bool ok = append(header, sizeof header, &used,
-                     "{\"__metadata__\":{\"format\":\"pt\",\"num_heads\":\"%zu\","
-                     "\"batch_first\":\"%s\",\"add_zero_attn\":\"%s\",\"dropout\":\"%s\"",
-                     d.num_heads, d.batch_first ? "true" : "false",
-                     d.add_zero_attn ? "true" : "false", dropout);
-    // num_kv_heads only for grouped-query attention: other files stay as they were.
-    if (ok && gqa) ok = append(header, sizeof header, &used, ",\"num_kv_heads\":\"%zu\"",
-                               d.num_kv_heads);
-    ok = ok && append(header, sizeof header, &used, "}");
-    for (size_t i = 0; i < n && ok; ++i) {
-        const save_entry *s = &list[i];
-        ok = append(header, sizeof header, &used, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[",
-                    s->name, f64 ? "F64" : "F32");
-        for (size_t k = 0; k < s->ndim && ok; ++k)
-            ok = append(header, sizeof header, &used, k ? ",%zu" : "%zu", s->shape[k]);
-        ok = ok && append(header, sizeof header, &used, "],\"data_offsets\":[%zu,%zu]}", offset,
-                          offset + s->count * elem);
-        offset += s->count * elem;
-    }
-    ok = ok && append(header, sizeof header, &used, "}");
-    while (ok && used % 8 != 0) ok = append(header, sizeof header, &used, " ");
-    if (!ok) {  // cannot happen: the names are fixed and the numbers short
+    char header[2048];
+    size_t used;
+    if (!save_header(&d, list, n, elem, header, sizeof header, &used)) {
+        // cannot happen: the names are fixed and the numbers short
         st = clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s: header too long", path);
         goto fail;
     }
-
-    // Data, as little-endian float32 (float64).
     data = malloc((total ? total : 1) * elem);
     if (!data) {
         st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", path);
         goto fail;
     }
-    for (size_t i = 0, at = 0; i < n; at += list[i].count, ++i) {
-        const char *name = list[i].name;
-        size_t count = list[i].count;
-        st = f64 ? clmha_layer_get_parameter_f64(layer, name, (double *)data + at, count)
-                 : clmha_layer_get_parameter(layer, name, (float *)data + at, count);
-        if (st) {
-            st = fail_with_path(ctx, st, path);
-            goto fail;
-        }
-    }
-    const uint32_t one = 1;
-    if (*(const unsigned char *)&one != 1) {  // big-endian host: reverse every element's bytes
-        unsigned char *p = data;
-        for (size_t i = 0; i < total; ++i, p += elem)
-            for (size_t b = 0; b < elem / 2; ++b) {
-                unsigned char t = p[b];
-                p[b] = p[elem - 1 - b], p[elem - 1 - b] = t;
-            }
+    if ((st = save_data(layer, list, n, f64, total, data))) {
+        st = fail_with_path(ctx, st, path);
+        goto fail;
     }
 
     // All or nothing: a temporary file next to the destination, renamed over it.
