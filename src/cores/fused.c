@@ -8,6 +8,7 @@
 #include "cores/fused.h"
 
 #include "cores/core.h"
+#include "cores/fused_backward.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
 #include "tuning/store.h"
@@ -52,8 +53,8 @@ static void release(void *p) {
 
 cl_kernel clmha__fused_kernel(const clmha_layer *layer) { return state_of(layer)->kernel; }
 
-clmha__fused_backward **clmha__fused_backward_slot(const clmha_layer *layer) {
-    return &state_of(layer)->backward;
+size_t clmha__fused_backward_tile(const clmha_layer *layer) {
+    return clmha__fused_backward_rows(state_of(layer)->backward);
 }
 
 clmha__fused_tiles clmha__fused_tiles_of(const clmha_layer *layer) {
@@ -67,22 +68,6 @@ bool clmha__fused_ran(const clmha_layer *layer) {
 }
 
 // ---- tiles --------------------------------------------------------------------------------------
-
-size_t clmha__fused_default_vw(const clmha_context *ctx) {
-    if (ctx->cls->vw) return ctx->cls->vw;
-    // The native width, not the preferred one: Intel's oneAPI CPU runtime prefers 1 but is
-    // native 16 (5.5x faster with 16); PoCL on AVX-512 reports 16 for both.
-    cl_uint native = 1;
-    clGetDeviceInfo(ctx->device, CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT, sizeof native, &native,
-                    NULL);
-    return native ? native : 1;
-}
-
-size_t clmha__fused_row_vw(const clmha_context *ctx, size_t hd) {
-    size_t want = clmha__fused_default_vw(ctx), vw = 16;
-    while (vw > 1 && (vw > want || hd % vw)) vw /= 2;
-    return ctx->quirks.no_vload ? 1 : vw;
-}
 
 clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd) {
     // The device class's defaults (src/device/device_class.c), unless a stored tuning has its
@@ -246,14 +231,6 @@ clmha_status clmha__layer_fused(clmha_layer *l) {
     return st;
 }
 
-static size_t test_loop_limit;
-
-void clmha__test_set_loop_limit(size_t limit) { test_loop_limit = limit; }
-
-size_t clmha__fused_loop_limit(const clmha_layer *l) {
-    return test_loop_limit ? test_loop_limit : l->ctx->quirks.loop_limit;
-}
-
 // The loop iterations a loop of @p n iterations whose body runs loops of @p body iterations
 // costs gallivm's limiter: n + 1 checks of the condition (measured: clover's count matches
 // this within a few percent) plus the body's.
@@ -359,6 +336,17 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
 }
 
+// The backward hooks: the backward pass (fused_backward.c) gets its state's place in this
+// core's state.
+static clmha_status backward_supports(clmha_layer *l, const clmha__backward_call *call,
+                                      bool *yes, const char **why) {
+    return clmha__fused_backward_supports(&state_of(l)->backward, l, call, yes, why);
+}
+
+static clmha_status backward(clmha_layer *l, clmha__backward_call *call) {
+    return clmha__fused_backward_run(&state_of(l)->backward, l, call);
+}
+
 const clmha__core clmha__core_fused = {.name = "fused",
                                        .grouped_kv = true,
                                        .create = create,
@@ -366,5 +354,5 @@ const clmha__core clmha__core_fused = {.name = "fused",
                                        .supports = supports,
                                        .uses_scores = false,
                                        .run = run,
-                                       .backward_supports = clmha__fused_backward_supports,
-                                       .backward = clmha__fused_backward_run};
+                                       .backward_supports = backward_supports,
+                                       .backward = backward};

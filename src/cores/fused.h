@@ -1,7 +1,9 @@
 // The fused attention core (src/cores/fused.c, kernel cl/cores/fused.cl): what the tuner, the
 // bake step and the tests use of it besides the core interface (core.h). Its per-layer state
 // (kernel, tiles, build failure, the backward pass's state) is private to fused.c; these
-// functions read it. Its backward pass is src/cores/fused_backward.c (end of this file).
+// functions read it. Its backward pass is src/cores/fused_backward.c (its header
+// fused_backward.h), and what both use is in src/cores/fused_shared.c (fused_shared.h): fused.c
+// calls fused_backward.c, and both call fused_shared.c, never the other way.
 #ifndef CLMHA_CORES_FUSED_H
 #define CLMHA_CORES_FUSED_H
 
@@ -15,6 +17,9 @@
 #include "device/device_class.h"
 #include "layer/layer.h"
 #include "layer/shape.h"
+
+#include "cores/fused_backward.h"
+#include "cores/fused_shared.h"
 
 // The fused attention kernel's tiles.
 typedef struct clmha__fused_tiles {
@@ -55,14 +60,6 @@ static inline size_t clmha__fused_local_floats(const clmha__fused_tiles *t, size
 // preferred ones (a stored tuning) or its device class's defaults, fitted by
 // clmha__fused_tiles_fit().
 CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_for(const clmha_context *ctx, size_t hd);
-
-// The fused kernel's default vector width on the device of @p ctx: the class table's, or
-// (CPUs) the device's native float width.
-CLMHA__HIDDEN size_t clmha__fused_default_vw(const clmha_context *ctx);
-
-// The vector width of the kernels that take whole head rows (the fused backward's, the decode
-// core's): clmha__fused_default_vw() narrowed to divide @p hd; 1 where vloadN is unsafe.
-CLMHA__HIDDEN size_t clmha__fused_row_vw(const clmha_context *ctx, size_t hd);
 
 // Makes tiles @p t usable for head dim @p hd on the device of @p ctx:
 // clmha__fused_tiles_fit_limits() with its class, local memory and work-group limit; vw 1
@@ -107,18 +104,6 @@ CLMHA__HIDDEN bool clmha__fused_ran(const clmha_layer *layer);
 CLMHA__HIDDEN bool clmha__fused_loops_fit(const clmha_layer *layer, const clmha__dims *dims,
                                           bool dropout);
 
-// Test hook: pretends that the device has the loop limit @p limit (0: the device's own).
-CLMHA__HIDDEN void clmha__test_set_loop_limit(size_t limit);
-
-// The loop limit the fused kernels (forward and backward) keep to: the test hook's, else the
-// device's (0: none).
-CLMHA__HIDDEN size_t clmha__fused_loop_limit(const clmha_layer *layer);
-
-// The reason the fused backward gives (backward_supports' *why, this very pointer) when its loops
-// would pass the driver's loop limit (clmha__fused_loop_limit()): a driver bug, not the call's
-// fault, so CLMHA_IMPL_FUSED then runs the unfused backward, as the forward does.
-CLMHA__HIDDEN extern const char clmha__fused_backward_loop_why[];
-
 // Rebuilds the fused attention kernel of @p layer with tiles @p t (the tuner's candidates):
 // bk is halved until the tile fits in local memory and vw until it divides head_dim and bk.
 // @p used receives the tiles built (may be NULL).
@@ -126,40 +111,8 @@ CLMHA__HIDDEN clmha_status clmha__layer_set_fused_tiles(clmha_layer *layer,
                                                         const clmha__fused_tiles *t,
                                                         clmha__fused_tiles *used);
 
-// ---- backward (src/cores/fused_backward.c, kernels cl/cores/fused_backward.cl) ------------------
-
-struct clmha__backward_call;
-
-// The fused backward pass's per-layer state (its kernels, tile and scratch), kept in the fused
-// core's state and freed with it.
-typedef struct clmha__fused_backward clmha__fused_backward;
-
-// Where the fused core's state keeps @p layer's backward state (NULL until first used).
-CLMHA__HIDDEN clmha__fused_backward **clmha__fused_backward_slot(const clmha_layer *layer);
-
-// The fused core's backward_supports hook: yes when the forward call saved the log-sum-exp
-// rows (it ran the fused core), the call gives no weights gradient and asks for no mask
-// gradient, and the backward kernels build on the device and (unless the products run in
-// GEMMs: clmha__fused_backward_run()) stay within its loop limit.
-CLMHA__HIDDEN clmha_status clmha__fused_backward_supports(clmha_layer *layer,
-                                                          const struct clmha__backward_call *call,
-                                                          bool *yes, const char **why);
-
-// The fused core's backward hook: Drow, then either dk and dv, then dq (two tiled kernels),
-// or, where the GEMMs run in the host BLAS (or CLMHA_FUSED_BACKWARD=gemms), the products in
-// GEMMs over blocks of query rows with an elementwise kernel between them.
-CLMHA__HIDDEN clmha_status clmha__fused_backward_run(clmha_layer *layer,
-                                                     struct clmha__backward_call *call);
-
-// Frees @p b (NULL is ignored).
-CLMHA__HIDDEN void clmha__fused_backward_release(clmha__fused_backward *b);
-
 // The rows one work-group of the fused backward kernels of @p layer covers (work-group size
 // times rows per work-item; 0: not built).
 CLMHA__HIDDEN size_t clmha__fused_backward_tile(const clmha_layer *layer);
-
-// Test hook: the floats of each block buffer of the fused backward's GEMM variant (0: its
-// default), so that small shapes run in several blocks of rows and of planes.
-CLMHA__HIDDEN void clmha__test_set_fused_backward_block(size_t floats);
 
 #endif

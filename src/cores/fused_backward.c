@@ -1,12 +1,14 @@
 // The fused core's backward pass (FlashAttention-2's algorithm, kernels
 // cl/cores/fused_backward.cl): the probabilities are recomputed tile by tile from the saved
 // q, k and log-sum-exp rows and never stored, so its only scratch is Drow, one float per query
-// row (N*H*L). Its state (kernels, tile, that scratch) hangs off the fused core's
-// (clmha__fused_backward_slot()), made on first use and freed with it.
-#include "cores/fused.h"
+// row (N*H*L). Its state (kernels, tile, that scratch) hangs off the fused core's, which hands
+// its place to each hook; made on first use and freed with it. What it shares with the forward
+// (the row vector width, the loop limit) is in fused_shared.c.
+#include "cores/fused_backward.h"
 
 #include "context/gemm.h"
 #include "cores/core.h"
+#include "cores/fused_shared.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
 
@@ -56,8 +58,7 @@ void clmha__fused_backward_release(clmha__fused_backward *fb) {
     free(fb);
 }
 
-size_t clmha__fused_backward_tile(const clmha_layer *layer) {
-    const clmha__fused_backward *fb = *clmha__fused_backward_slot(layer);
+size_t clmha__fused_backward_rows(const clmha__fused_backward *fb) {
     return fb && fb->dkdv ? fb->t.b * fb->t.r : 0;
 }
 
@@ -202,9 +203,9 @@ static bool use_gemms(const clmha_context *ctx) {
     return clmha_context_gemm(ctx) == CLMHA_GEMM_HOST;
 }
 
-// The state of @p l's fused backward pass, its kernels built (on first use).
-static clmha_status ensure(clmha_layer *l, clmha__fused_backward **out) {
-    clmha__fused_backward **slot = clmha__fused_backward_slot(l);
+// The state of @p l's fused backward pass, kept in *@p slot, its kernels built (on first use).
+static clmha_status ensure(clmha__fused_backward **slot, clmha_layer *l,
+                           clmha__fused_backward **out) {
     if (!*slot && !(*slot = calloc(1, sizeof **slot)))
         return clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     clmha__fused_backward *fb = *out = *slot;
@@ -296,8 +297,9 @@ static bool loops_fit(const clmha_layer *l, const clmha__fused_backward *fb,
 const char clmha__fused_backward_loop_why[] =
     "its loops would exceed the device's loop limit at these sequence lengths";
 
-clmha_status clmha__fused_backward_supports(clmha_layer *l, const clmha__backward_call *call,
-                                            bool *yes, const char **why) {
+clmha_status clmha__fused_backward_supports(clmha__fused_backward **slot, clmha_layer *l,
+                                            const clmha__backward_call *call, bool *yes,
+                                            const char **why) {
     *yes = false;
     *why = NULL;
     if (!call->lse) {
@@ -313,7 +315,7 @@ clmha_status clmha__fused_backward_supports(clmha_layer *l, const clmha__backwar
         return CLMHA_SUCCESS;
     }
     clmha__fused_backward *fb = NULL;
-    clmha_status st = ensure(l, &fb);
+    clmha_status st = ensure(slot, l, &fb);
     if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) {
         *why = "its kernels cannot be built for this head_dim on this device";
         return CLMHA_SUCCESS;
@@ -448,11 +450,12 @@ static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
 // gemms_for() says so) or dk and dv (one work-group per tile of key rows), then dq (one per
 // tile of query rows). The kernels only read what the others write through the in-order
 // queue.
-clmha_status clmha__fused_backward_run(clmha_layer *l, clmha__backward_call *call) {
+clmha_status clmha__fused_backward_run(clmha__fused_backward **slot, clmha_layer *l,
+                                      clmha__backward_call *call) {
     clmha_context *ctx = l->ctx;
     const clmha__dims *d = call->dims;
     clmha__fused_backward *fb = NULL;
-    clmha_status st = ensure(l, &fb);
+    clmha_status st = ensure(slot, l, &fb);
     if (st) return st;
     size_t planes = d->n * l->h;
     cl_ulong rows = planes * d->l;

@@ -8,9 +8,10 @@
 #include "context/gemm.h"
 #include "cores/core.h"
 #include "cores/kernel_args.h"
+#include "cores/unfused_backward.h"
+#include "cores/unfused_shared.h"
 #include "device/held.h"
 
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -23,8 +24,7 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_unfused;  // this core, at th
 
 // The core's state in a layer.
 typedef struct state {
-    cl_kernel masked_softmax;
-    size_t softmax_wg;  // masked_softmax's work-group (its -DWG), within the kernel's limit
+    clmha__unfused_softmax softmax;     // masked_softmax and its work-group
     clmha__unfused_backward *backward;  // the backward pass's (unfused_backward.c), on first use
 } state;
 
@@ -33,24 +33,13 @@ static state *state_of(const clmha_layer *l) {
 }
 
 size_t clmha__unfused_softmax_wg(const clmha_layer *layer) {
-    return state_of(layer)->softmax_wg;
-}
-
-clmha__unfused_backward **clmha__unfused_backward_slot(const clmha_layer *layer) {
-    return &state_of(layer)->backward;
-}
-
-// Largest power of two <= min(cap, device limit).
-static size_t pow2_below(size_t cap, size_t limit) {
-    size_t w = 1;
-    while (w * 2 <= cap && w * 2 <= limit) w *= 2;
-    return w;
+    return state_of(layer)->softmax.wg;
 }
 
 static void release(void *p) {
     state *s = p;
     if (!s) return;
-    clmha__release_kernel(s->masked_softmax);
+    clmha__release_kernel(s->softmax.kernel);
     clmha__unfused_backward_release(s->backward);
     free(s);
 }
@@ -65,82 +54,26 @@ static clmha_status create(clmha_layer *l, void **out) {
     state *s = calloc(1, sizeof *s);
     if (!s) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     *out = s;
-    for (size_t want = pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
+    for (size_t want = clmha__unfused_pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
         char options[64];
         snprintf(options, sizeof options, "-DWG=%zu%s", want, clmha__layer_real_options(l));
         cl_program prog;
         size_t wg;
         clmha_status st = clmha__program_get(ctx, "unfused", options, &prog);
-        if (st || (st = clmha__kernel_make(ctx, prog, "masked_softmax", &s->masked_softmax)) ||
-            (st = clmha__kernel_limits(ctx, s->masked_softmax, &wg, NULL)))
+        if (st || (st = clmha__kernel_make(ctx, prog, "masked_softmax", &s->softmax.kernel)) ||
+            (st = clmha__kernel_limits(ctx, s->softmax.kernel, &wg, NULL)))
             return st;
         if (want <= wg || want == 1) {
-            s->softmax_wg = want;
+            s->softmax.wg = want;
             return CLMHA_SUCCESS;
         }
-        clmha__release_kernel(s->masked_softmax);
-        s->masked_softmax = NULL;
-        want = pow2_below(want / 2, wg);
+        clmha__release_kernel(s->softmax.kernel);
+        s->softmax.kernel = NULL;
+        want = clmha__unfused_pow2_below(want / 2, wg);
     }
 }
 
-// A chunk of the scores: rows [first, first + rows) of (N*H*L, S'), held by layer->scores from
-// its start (clmha__scores_chunks()).
-typedef struct chunk {
-    size_t first, rows;
-} chunk;
-
-static bool chunk_is_all(const clmha_layer *l, const clmha__dims *d, chunk c) {
-    return c.first == 0 && c.rows == d->n * l->h * d->l;
-}
-
-// 3. Scores = Q · Kᵀ / √D (Q in @p qt, K in @p kt) for the rows of @p c: all of them
-//    (N*H, L, S') in one strided batched GEMM; a chunk in one plain GEMM per plane it touches
-//    (CLBlast 1.5.3's batched GEMM ignores buffer offsets, its plain GEMM honours them).
-static clmha_status scores(clmha_layer *l, const clmha__dims *d, chunk c, cl_mem qt,
-                           cl_mem kt, size_t group) {
-    size_t hd = l->d, sp = d->s_padded;
-    double scale = 1.0 / sqrt((double)hd);
-    // Grouped-query attention (@p group query heads per key/value plane): the group's query
-    // planes are consecutive, so one product per key/value plane takes all their rows.
-    clmha__gemm_op op = {.tb = true, .f64 = l->rs == 8, .m = d->l * group, .n = sp, .k = hd,
-                         .alpha = scale,
-                         .a = qt, .lda = hd, .a_stride = d->l * group * hd,
-                         .b = kt, .ldb = hd, .b_stride = sp * hd,
-                         .c = l->scores, .ldc = sp, .c_stride = d->l * group * sp,
-                         .batch = d->n * l->h / group};
-    if (chunk_is_all(l, d, c)) return clmha__gemm(l->ctx, "QK^T", &op);
-    for (size_t r = c.first, end = c.first + c.rows; r < end;) {
-        size_t plane = r / d->l, rows = d->l - r % d->l;  // the rest of this plane
-        if (rows > end - r) rows = end - r;
-        // Query row r of the (N*H*L, D) tile; keys of the plane's key/value plane; the chunk's
-        // row r - first.
-        op.m = rows;
-        op.a_off = r * hd;
-        op.b_off = plane / group * sp * hd;
-        op.c_off = (r - c.first) * sp;
-        op.batch = 1;
-        clmha_status st = clmha__gemm(l->ctx, "QK^T chunk", &op);
-        if (st) return st;
-        r += rows;
-    }
-    return CLMHA_SUCCESS;
-}
-
-// 4. Masks, softmax and dropout (unless @p no_dropout: the backward pass's probabilities) in
-//    place on the scores of @p c, one work-group per row.
-static clmha_status softmax(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
-                            chunk c, bool no_dropout) {
-    cl_ulong rows = c.rows, first = c.first, tgt = d->l, heads = l->h, src = d->s,
-             srcp = d->s_padded;
-    clmha__mask_args m = clmha__masks_of(l, a, d);
-    if (no_dropout) m.dropout_on = 0;
-    arg args[] = {ARG(l->scores), ARG(rows), ARG(first), ARG(tgt), ARG(heads), ARG(src),
-                  ARG(srcp), MASK_ARGS(m)};
-    const state *s = state_of(l);
-    return clmha__launch(l->ctx, s->masked_softmax, "masked_softmax", rows * s->softmax_wg,
-                         s->softmax_wg, args, sizeof args / sizeof args[0]);
-}
+typedef clmha__unfused_chunk chunk;
 
 // 5. Attention output (N*H, L, D) = weights · V for the rows of @p c: all of them in one
 //    strided batched GEMM, a chunk in one plain GEMM per plane it touches.
@@ -151,7 +84,7 @@ static clmha_status attend(clmha_layer *l, const clmha__dims *d, chunk c, size_t
                          .b = l->tiles[CLMHA__TILE_V], .ldb = hd, .b_stride = sp * hd,
                          .c = l->tiles[CLMHA__TILE_OUT], .ldc = hd,
                          .c_stride = d->l * group * hd, .batch = d->n * l->h / group};
-    if (chunk_is_all(l, d, c)) return clmha__gemm(l->ctx, "AV", &op);
+    if (clmha__unfused_chunk_is_all(l, d, c)) return clmha__gemm(l->ctx, "AV", &op);
     for (size_t r = c.first, end = c.first + c.rows; r < end;) {
         size_t plane = r / d->l, rows = d->l - r % d->l;
         if (rows > end - r) rows = end - r;
@@ -216,10 +149,11 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         return clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "scores: one row does not fit");
     if (plan.count == 1) {
         chunk all = {0, d->n * l->h * d->l};
-        if ((st = scores(l, d, all, l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K], group)) ||
+        if ((st = clmha__unfused_scores(l, d, all, l->tiles[CLMHA__TILE_Q],
+                                        l->tiles[CLMHA__TILE_K], group)) ||
             (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES)))
             return st;
-        if ((st = softmax(l, a, d, all, false)) ||
+        if ((st = clmha__unfused_masked_softmax(l, &state_of(l)->softmax, a, d, all, false)) ||
             (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SOFTMAX)))
             return st;
         if ((st = attend(l, d, all, group)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_AV)))
@@ -239,8 +173,9 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
             c.first = ((item * l->h + head) * d->l + i);
             c.rows = d->l - i < plan.rows ? d->l - i : plan.rows;
         }
-        if ((st = scores(l, d, c, l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K], group)) ||
-            (st = softmax(l, a, d, c, false)))
+        if ((st = clmha__unfused_scores(l, d, c, l->tiles[CLMHA__TILE_Q],
+                                        l->tiles[CLMHA__TILE_K], group)) ||
+            (st = clmha__unfused_masked_softmax(l, &state_of(l)->softmax, a, d, c, false)))
             return st;
         if (a->need_weights && (st = chunk_weights(l, a, d, c, w, w_off))) return st;
         if ((st = attend(l, d, c, group))) return st;
@@ -249,11 +184,16 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES);
 }
 
-clmha_status clmha__unfused_probabilities(clmha_layer *l, const clmha_forward_args *a,
-                                          const clmha__dims *d, cl_mem q, cl_mem k) {
-    chunk all = {0, d->n * l->h * d->l};
-    clmha_status st = scores(l, d, all, q, k, 1);  // the saved tiles: a key plane per head
-    return st ? st : softmax(l, a, d, all, true);
+// The backward hooks: the backward pass (unfused_backward.c) gets its state's place in this
+// core's state, and the masked_softmax it recomputes the probabilities with.
+static clmha_status backward_supports(clmha_layer *l, const clmha__backward_call *call,
+                                      bool *yes, const char **why) {
+    return clmha__unfused_backward_supports(&state_of(l)->backward, l, call, yes, why);
+}
+
+static clmha_status backward(clmha_layer *l, clmha__backward_call *call) {
+    state *s = state_of(l);
+    return clmha__unfused_backward_run(&s->backward, &s->softmax, l, call);
 }
 
 static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool *yes) {
@@ -269,5 +209,5 @@ const clmha__core clmha__core_unfused = {.name = "unfused",
                                          .supports = supports,
                                          .uses_scores = true,
                                          .run = run,
-                                         .backward_supports = clmha__unfused_backward_supports,
-                                         .backward = clmha__unfused_backward_run};
+                                         .backward_supports = backward_supports,
+                                         .backward = backward};

@@ -6,7 +6,7 @@
 // into the float masks' gradients. Twice N*H*L*S' floats of scratch: it runs only when the
 // scores fit in one chunk (clmha__scores_chunks()), and every batched GEMM sees offset-0
 // buffers (CLBlast 1.5.3's GemmStridedBatched ignores buffer offsets on one of its paths).
-#include "cores/unfused.h"
+#include "cores/unfused_backward.h"
 
 #include "context/gemm.h"
 #include "cores/core.h"
@@ -37,23 +37,16 @@ void clmha__unfused_backward_release(clmha__unfused_backward *ub) {
     free(ub);
 }
 
-// Largest power of two <= min(cap, limit).
-static size_t pow2_below(size_t cap, size_t limit) {
-    size_t w = 1;
-    while (w * 2 <= cap && w * 2 <= limit) w *= 2;
-    return w;
-}
-
-// Builds the kernels on first use; softmax_backward's work-group as masked_softmax's (the
+// Builds the kernels on first use (the state kept in *@p slot); softmax_backward's work-group as masked_softmax's (the
 // device class's cap, rebuilt smaller while the built kernel allows less).
-static clmha_status ensure(clmha_layer *l, clmha__unfused_backward **out) {
+static clmha_status ensure(clmha__unfused_backward **slot, clmha_layer *l,
+                           clmha__unfused_backward **out) {
     clmha_context *ctx = l->ctx;
-    clmha__unfused_backward **slot = clmha__unfused_backward_slot(l);
     if (!*slot && !(*slot = calloc(1, sizeof **slot)))
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     clmha__unfused_backward *ub = *out = *slot;
     if (ub->softmax_backward) return CLMHA_SUCCESS;
-    for (size_t want = pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
+    for (size_t want = clmha__unfused_pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
         char options[64];
         snprintf(options, sizeof options, "-DWG=%zu", want);
         cl_program prog;
@@ -66,19 +59,20 @@ static clmha_status ensure(clmha_layer *l, clmha__unfused_backward **out) {
             !(st = clmha__kernel_limits(ctx, ub->mask_grad, &mask_wg, NULL)) &&
             (want <= wg || want == 1)) {
             ub->wg = want;
-            ub->mask_wg = pow2_below(64, mask_wg);
+            ub->mask_wg = clmha__unfused_pow2_below(64, mask_wg);
             return CLMHA_SUCCESS;
         }
         clmha__release_kernel(ub->softmax_backward);
         clmha__release_kernel(ub->mask_grad);
         ub->softmax_backward = ub->mask_grad = NULL;
         if (st) return st;
-        want = pow2_below(want / 2, wg);
+        want = clmha__unfused_pow2_below(want / 2, wg);
     }
 }
 
-clmha_status clmha__unfused_backward_supports(clmha_layer *l, const clmha__backward_call *call,
-                                              bool *yes, const char **why) {
+clmha_status clmha__unfused_backward_supports(clmha__unfused_backward **slot, clmha_layer *l,
+                                              const clmha__backward_call *call, bool *yes,
+                                              const char **why) {
     *yes = false;
     *why = NULL;
     clmha__chunks plan;
@@ -88,7 +82,7 @@ clmha_status clmha__unfused_backward_supports(clmha_layer *l, const clmha__backw
         return CLMHA_SUCCESS;
     }
     clmha__unfused_backward *ub;
-    clmha_status st = ensure(l, &ub);
+    clmha_status st = ensure(slot, l, &ub);
     if (st) return st;
     *yes = true;
     return CLMHA_SUCCESS;
@@ -121,13 +115,15 @@ static clmha_status mask_grad(clmha_layer *l, const clmha__unfused_backward *ub,
                          sizeof args / sizeof args[0]);
 }
 
-clmha_status clmha__unfused_backward_run(clmha_layer *l, clmha__backward_call *call) {
+clmha_status clmha__unfused_backward_run(clmha__unfused_backward **slot,
+                                        const clmha__unfused_softmax *sm, clmha_layer *l,
+                                        clmha__backward_call *call) {
     clmha_context *ctx = l->ctx;
     const clmha_forward_args *a = call->args;
     const clmha__dims *d = call->dims;
     clmha__unfused_backward *ub;
     clmha_status st;
-    if ((st = ensure(l, &ub)) || (st = clmha__layer_reserve(l, d, true, false)) ||
+    if ((st = ensure(slot, l, &ub)) || (st = clmha__layer_reserve(l, d, true, false)) ||
         (st = clmha__layer_grow_core_scratch(l, &ub->grad_scores, &ub->grad_scores_cap,
                                              d->scores_count,
                                              "unfused backward score gradients")))
@@ -137,7 +133,7 @@ clmha_status clmha__unfused_backward_run(clmha_layer *l, clmha__backward_call *c
     cl_mem p = l->scores, g = ub->grad_scores;
 
     // P, then dPd = dO · V'ᵀ.
-    if ((st = clmha__unfused_probabilities(l, a, d, call->q, call->k)) ||
+    if ((st = clmha__unfused_probabilities(l, sm, a, d, call->q, call->k)) ||
         (st = gemm(l, "dO V^T", false, true, tl, sp, hd, 1.0f,
                    call->d_o, hd, tl * hd, call->v, hd, sp * hd, g, sp, tl * sp, planes)))
         return st;
