@@ -180,6 +180,173 @@ static void mask_grads(const clmha__dims *d, const double *ds, double *d_attn, d
 
 // ---- the backward pass -----------------------------------------------------------------------
 
+// The backward pass's gradients of the intermediate tensors.
+typedef struct {
+    double *dy, *dctx, *dctx_heads;  // dY and dM (N, L, E), dO
+    double *dprobs;                  // dPd, then dP, then dS (N*H, L, S')
+    double *dq, *dk, *dv;            // head gradients (N*H, L|S', D)
+    double *dq_in, *dk_in, *dv_in;   // projection gradients (N, L|S, E)
+} grads_scratch;
+
+static void scratch_free(grads_scratch *s) {
+    free(s->dy);
+    free(s->dctx);
+    free(s->dctx_heads);
+    free(s->dprobs);
+    free(s->dq);
+    free(s->dk);
+    free(s->dv);
+    free(s->dq_in);
+    free(s->dk_in);
+    free(s->dv_in);
+}
+
+// Allocates every buffer of @p s for the sizes of @p d; false (some NULL) when out of memory.
+static bool scratch_alloc(const clmha__dims *d, grads_scratch *s) {
+    const size_t q_count = d->output_count, kp_count = d->n * d->s_padded * d->e,
+                 k_count = d->n * d->s * d->e;
+    s->dy = malloc(q_count * sizeof *s->dy);
+    s->dctx = malloc(q_count * sizeof *s->dctx);
+    s->dctx_heads = malloc(q_count * sizeof *s->dctx_heads);
+    s->dprobs = malloc(d->scores_count * sizeof *s->dprobs);
+    s->dq = malloc(q_count * sizeof *s->dq);
+    s->dk = malloc(kp_count * sizeof *s->dk);
+    s->dv = malloc(kp_count * sizeof *s->dv);
+    s->dq_in = malloc(q_count * sizeof *s->dq_in);
+    s->dk_in = malloc(k_count * sizeof *s->dk_in);
+    s->dv_in = malloc(k_count * sizeof *s->dv_in);
+    return s->dy && s->dctx && s->dctx_heads && s->dprobs && s->dq && s->dk && s->dv &&
+           s->dq_in && s->dk_in && s->dv_in;
+}
+
+// Output projection Y = M Wo^T + bo: dbo = sum of dY rows, dWo = dY^T M, dM = dY Wo (s->dctx),
+// from grad_output (s->dy: dY as doubles).
+static void out_proj_backward(const clmha__ref_call *call, const float *grad_output,
+                              const double *ctx, clmha_reference_grads *g, grads_scratch *s) {
+    const clmha__dims *d = &call->d;
+    const size_t e = d->e, rows = d->n * d->l;
+    double *dy = s->dy;
+    for (size_t n = 0; n < d->n; ++n)
+        for (size_t i = 0; i < d->l; ++i)
+            for (size_t o = 0; o < e; ++o)
+                dy[(n * d->l + i) * e + o] =
+                    (double)grad_output[clmha__ref_input_index(d, d->l, e, i, n, o)];
+    const float *w_out = call->params.out_proj_weight;
+    for (size_t r = 0; r < rows; ++r)
+        for (size_t c = 0; c < e; ++c) {
+            double acc = 0.0;
+            for (size_t o = 0; o < e; ++o) acc += dy[r * e + o] * (double)w_out[o * e + c];
+            s->dctx[r * e + c] = acc;
+        }
+    if (g->out_proj_bias)
+        for (size_t o = 0; o < e; ++o) {
+            double acc = 0.0;
+            for (size_t r = 0; r < rows; ++r) acc += dy[r * e + o];
+            g->out_proj_bias[o] = acc;
+        }
+    if (g->out_proj_weight)
+        for (size_t o = 0; o < e; ++o)
+            for (size_t c = 0; c < e; ++c) {
+                double acc = 0.0;
+                for (size_t r = 0; r < rows; ++r) acc += dy[r * e + o] * ctx[r * e + c];
+                g->out_proj_weight[o * e + c] = acc;
+            }
+}
+
+// O = Pd V' (Pd: @p dropped, V': @p v): dPd = dO V'^T (+ the weights' gradient, per head, or
+// its average's share 1/H in every head) into s->dprobs, dV' = Pd^T dO into s->dv.
+static void attend_backward(const clmha__ref_call *call, const float *grad_weights,
+                            const double *dropped, const double *v, grads_scratch *s) {
+    const clmha__dims *d = &call->d;
+    const size_t sp = d->s_padded, nh = d->n * d->h;
+    const double *dctx_heads = s->dctx_heads;
+    for (size_t bh = 0; bh < nh; ++bh)
+        for (size_t i = 0; i < d->l; ++i)
+            for (size_t j = 0; j < sp; ++j) {
+                double acc = 0.0;
+                for (size_t c = 0; c < d->d; ++c)
+                    acc += dctx_heads[(bh * d->l + i) * d->d + c] * v[(bh * sp + j) * d->d + c];
+                if (grad_weights) {
+                    if (call->args.per_head_weights)
+                        acc += (double)grad_weights[(bh * d->l + i) * sp + j];
+                    else
+                        acc += (double)grad_weights[((bh / d->h) * d->l + i) * sp + j] /
+                               (double)d->h;
+                }
+                s->dprobs[(bh * d->l + i) * sp + j] = acc;
+            }
+    for (size_t bh = 0; bh < nh; ++bh)
+        for (size_t j = 0; j < sp; ++j)
+            for (size_t c = 0; c < d->d; ++c) {
+                double acc = 0.0;
+                for (size_t i = 0; i < d->l; ++i)
+                    acc += dropped[(bh * d->l + i) * sp + j] *
+                           dctx_heads[(bh * d->l + i) * d->d + c];
+                s->dv[(bh * sp + j) * d->d + c] = acc;
+            }
+}
+
+// Softmax: dS = P (dP - sum_j P_j dP_j), row by row, in place in @p dprobs (@p rows rows of
+// @p sp); 0 wherever P is (masked keys and fully masked rows), so the masks' gradients are 0
+// there too.
+static void softmax_backward(const double *probs, double *dprobs, size_t rows, size_t sp) {
+    for (size_t row = 0; row < rows; ++row) {
+        const double *p = probs + row * sp;
+        double *r = dprobs + row * sp;
+        double dot = 0.0;
+        for (size_t j = 0; j < sp; ++j) dot += p[j] * r[j];
+        for (size_t j = 0; j < sp; ++j) r[j] = p[j] * (r[j] - dot);
+    }
+}
+
+// Scores S = scale Q K'^T + masks: dQ = scale dS K' (s->dq), dK' = scale dS^T Q (s->dk).
+static void scores_backward(const clmha__dims *d, const double *q, const double *k,
+                            grads_scratch *s) {
+    const size_t sp = d->s_padded, nh = d->n * d->h;
+    const double scale = 1.0 / sqrt((double)d->d);
+    const double *dprobs = s->dprobs;
+    for (size_t bh = 0; bh < nh; ++bh) {
+        for (size_t i = 0; i < d->l; ++i)
+            for (size_t c = 0; c < d->d; ++c) {
+                double acc = 0.0;
+                for (size_t j = 0; j < sp; ++j)
+                    acc += dprobs[(bh * d->l + i) * sp + j] * k[(bh * sp + j) * d->d + c];
+                s->dq[(bh * d->l + i) * d->d + c] = acc * scale;
+            }
+        for (size_t j = 0; j < sp; ++j)
+            for (size_t c = 0; c < d->d; ++c) {
+                double acc = 0.0;
+                for (size_t i = 0; i < d->l; ++i)
+                    acc += dprobs[(bh * d->l + i) * sp + j] * q[(bh * d->l + i) * d->d + c];
+                s->dk[(bh * sp + j) * d->d + c] = acc * scale;
+            }
+    }
+}
+
+// Input projections, from the projections' gradients (s->dq_in, dk_in, dv_in). The weight and
+// bias blocks go to the packed gradients or to the blocks asked for; an input used several
+// times (self-attention, key is value) gets the sum of its uses.
+static void in_proj_backward(const clmha__ref_call *call, clmha_reference_grads *g,
+                             const grads_scratch *s) {
+    const clmha__dims *d = &call->d;
+    const size_t e = d->e;
+    clmha__ref_operands ops;
+    clmha__ref_operands_of(call, &ops);
+    const double *dproj[3] = {s->dq_in, s->dk_in, s->dv_in};
+    double *dw_block[3] = {g->q_proj_weight, g->k_proj_weight, g->v_proj_weight};
+    double *dx_of[3] = {g->query, d->key_is_query ? g->query : g->key,
+                        d->value_is_key ? (d->key_is_query ? g->query : g->key) : g->value};
+    // in_proj_bias: q (E), then k and v (KVE each: E without grouped-query attention).
+    const size_t b_off[3] = {0, e, e + ops.width[1]};
+    for (size_t t = 0; t < 3; ++t) {
+        double *dw = g->in_proj_weight ? g->in_proj_weight + t * e * e : dw_block[t];
+        double *db = g->in_proj_bias ? g->in_proj_bias + b_off[t] : NULL;
+        bool add = (t == 1 && d->key_is_query) || (t == 2 && d->value_is_key);
+        project_backward(d, dproj[t], ops.x[t], ops.seq[t], ops.feat[t], ops.w[t],
+                         ops.width[t], dw, db, dx_of[t], add);
+    }
+}
+
 clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
                                       const clmha_reference_params *params,
                                       const clmha_forward_args *args,
@@ -190,10 +357,7 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     clmha_reference_grads g;
     clmha_status st;
     clmha__ref_forward f;  // the forward quantities: P, Pd, O, M, ...
-    double *dy = NULL, *dctx = NULL, *dctx_heads = NULL;  // dY and dM (N, L, E), dO
-    double *dprobs = NULL;                            // dPd, then dP, then dS (N*H, L, S')
-    double *dq = NULL, *dk = NULL, *dv = NULL;        // head gradients (N*H, L|S', D)
-    double *dq_in = NULL, *dk_in = NULL, *dv_in = NULL;  // projection gradients (N, L|S, E)
+    grads_scratch s = {0};
     if (message && message_size) message[0] = '\0';
 
     // 1. Validate: the forward call as clmha_reference_forward() does, then the gradients.
@@ -204,159 +368,41 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     if ((st = check_grads(&call, &g, grad_output, grad_weights, message, message_size)))
         return st;
     const clmha__dims d = call.d;
-    const size_t e = d.e, sp = d.s_padded, nh = d.n * d.h;
-    const size_t q_count = d.output_count, kp_count = d.n * sp * e, k_count = d.n * d.s * e;
 
     // 2. The forward pass again, up to the merged attention result M (its sizes are checked
     //    for overflow there).
     if ((st = clmha__ref_forward_run(&call, true, &f, message, message_size))) return st;
-    const double *probs = f.probs, *dropped = f.weights, *k = f.k, *q = f.q, *v = f.v,
-                 *ctx = f.ctx;
-    dy = malloc(q_count * sizeof *dy);
-    dctx = malloc(q_count * sizeof *dctx);
-    dctx_heads = malloc(q_count * sizeof *dctx_heads);
-    dprobs = malloc(d.scores_count * sizeof *dprobs);
-    dq = malloc(q_count * sizeof *dq);
-    dk = malloc(kp_count * sizeof *dk);
-    dv = malloc(kp_count * sizeof *dv);
-    dq_in = malloc(q_count * sizeof *dq_in);
-    dk_in = malloc(k_count * sizeof *dk_in);
-    dv_in = malloc(k_count * sizeof *dv_in);
-    if (!dy || !dctx || !dctx_heads || !dprobs || !dq || !dk || !dv || !dq_in || !dk_in ||
-        !dv_in) {
+    if (!scratch_alloc(&d, &s)) {
         st = clmha__msg(message, message_size, CLMHA_OUT_OF_MEMORY,
                         "out of host memory for the reference scratch");
         goto fail;
     }
-
-    // 3. Output projection: dbo = sum of dY rows, dWo = dY^T M, dM = dY Wo.
-    for (size_t n = 0; n < d.n; ++n)
-        for (size_t i = 0; i < d.l; ++i)
-            for (size_t o = 0; o < e; ++o)
-                dy[(n * d.l + i) * e + o] =
-                    (double)grad_output[clmha__ref_input_index(&d, d.l, e, i, n, o)];
-    const float *w_out = call.params.out_proj_weight;
-    for (size_t r = 0; r < d.n * d.l; ++r)
-        for (size_t c = 0; c < e; ++c) {
-            double acc = 0.0;
-            for (size_t o = 0; o < e; ++o) acc += dy[r * e + o] * (double)w_out[o * e + c];
-            dctx[r * e + c] = acc;
-        }
-    if (g.out_proj_bias)
-        for (size_t o = 0; o < e; ++o) {
-            double acc = 0.0;
-            for (size_t r = 0; r < d.n * d.l; ++r) acc += dy[r * e + o];
-            g.out_proj_bias[o] = acc;
-        }
-    if (g.out_proj_weight)
-        for (size_t o = 0; o < e; ++o)
-            for (size_t c = 0; c < e; ++c) {
-                double acc = 0.0;
-                for (size_t r = 0; r < d.n * d.l; ++r) acc += dy[r * e + o] * ctx[r * e + c];
-                g.out_proj_weight[o * e + c] = acc;
-            }
-
+    // 3. Output projection.
+    out_proj_backward(&call, grad_output, f.ctx, &g, &s);
     // 4. Merge heads backwards: dO = split(dM).
-    clmha__ref_split_heads(&d, dctx, d.l, d.e, 1, NULL, d.l, dctx_heads);
-
-    // 5. O = Pd V': dPd = dO V'^T (+ the weights' gradient, per head, or its average's share
-    //    1/H in every head), dV' = Pd^T dO.
-    for (size_t bh = 0; bh < nh; ++bh)
-        for (size_t i = 0; i < d.l; ++i)
-            for (size_t j = 0; j < sp; ++j) {
-                double acc = 0.0;
-                for (size_t c = 0; c < d.d; ++c)
-                    acc += dctx_heads[(bh * d.l + i) * d.d + c] * v[(bh * sp + j) * d.d + c];
-                if (grad_weights) {
-                    if (call.args.per_head_weights)
-                        acc += (double)grad_weights[(bh * d.l + i) * sp + j];
-                    else
-                        acc += (double)grad_weights[((bh / d.h) * d.l + i) * sp + j] /
-                               (double)d.h;
-                }
-                dprobs[(bh * d.l + i) * sp + j] = acc;
-            }
-    for (size_t bh = 0; bh < nh; ++bh)
-        for (size_t j = 0; j < sp; ++j)
-            for (size_t c = 0; c < d.d; ++c) {
-                double acc = 0.0;
-                for (size_t i = 0; i < d.l; ++i)
-                    acc += dropped[(bh * d.l + i) * sp + j] * dctx_heads[(bh * d.l + i) * d.d + c];
-                dv[(bh * sp + j) * d.d + c] = acc;
-            }
-
+    clmha__ref_split_heads(&d, s.dctx, d.l, d.e, 1, NULL, d.l, s.dctx_heads);
+    // 5. O = Pd V'.
+    attend_backward(&call, grad_weights, f.weights, f.v, &s);
     // 6. Dropout: the same keep mask and scale turn dPd into dP.
-    clmha__ref_dropout(&call, dprobs);
-
-    // 7. Softmax: dS = P (dP - sum_j P_j dP_j), row by row; 0 wherever P is (masked keys and
-    //    fully masked rows), so the masks' gradients are 0 there too.
-    for (size_t row = 0; row < nh * d.l; ++row) {
-        const double *p = probs + row * sp;
-        double *r = dprobs + row * sp;
-        double dot = 0.0;
-        for (size_t j = 0; j < sp; ++j) dot += p[j] * r[j];
-        for (size_t j = 0; j < sp; ++j) r[j] = p[j] * (r[j] - dot);
-    }
-
-    // 8. Scores S = scale Q K'^T + masks: dQ = scale dS K', dK' = scale dS^T Q.
-    const double scale = 1.0 / sqrt((double)d.d);
-    for (size_t bh = 0; bh < nh; ++bh) {
-        for (size_t i = 0; i < d.l; ++i)
-            for (size_t c = 0; c < d.d; ++c) {
-                double acc = 0.0;
-                for (size_t j = 0; j < sp; ++j)
-                    acc += dprobs[(bh * d.l + i) * sp + j] * k[(bh * sp + j) * d.d + c];
-                dq[(bh * d.l + i) * d.d + c] = acc * scale;
-            }
-        for (size_t j = 0; j < sp; ++j)
-            for (size_t c = 0; c < d.d; ++c) {
-                double acc = 0.0;
-                for (size_t i = 0; i < d.l; ++i)
-                    acc += dprobs[(bh * d.l + i) * sp + j] * q[(bh * d.l + i) * d.d + c];
-                dk[(bh * sp + j) * d.d + c] = acc * scale;
-            }
-    }
-    mask_grads(&d, dprobs, g.attn_mask, g.key_padding_mask);
-
+    clmha__ref_dropout(&call, s.dprobs);
+    // 7. Softmax.
+    softmax_backward(f.probs, s.dprobs, d.n * d.h * d.l, d.s_padded);
+    // 8. Scores, and the float masks' gradients.
+    scores_backward(&d, f.q, f.k, &s);
+    mask_grads(&d, s.dprobs, g.attn_mask, g.key_padding_mask);
     // 9. Split heads backwards: the first L / S rows merge into the projections' gradients;
     //    row S is bias_k's / bias_v's (with add_bias_kv); the zero key's row is dropped.
-    clmha__ref_merge_heads(&d, dq, d.l, d.l, dq_in);
-    merge_kv_heads(&d, dk, sp, d.s, dk_in);
-    merge_kv_heads(&d, dv, sp, d.s, dv_in);
-    if (g.bias_k) appended_bias_grad(&d, dk, g.bias_k);
-    if (g.bias_v) appended_bias_grad(&d, dv, g.bias_v);
-
-    // 10. Input projections. The weight and bias blocks go to the packed gradients or to the
-    //     blocks asked for; an input used several times (self-attention, key is value) gets
-    //     the sum of its uses.
-    clmha__ref_operands ops;
-    clmha__ref_operands_of(&call, &ops);
-    const double *dproj[3] = {dq_in, dk_in, dv_in};
-    double *dw_block[3] = {g.q_proj_weight, g.k_proj_weight, g.v_proj_weight};
-    double *dx_of[3] = {g.query, d.key_is_query ? g.query : g.key,
-                        d.value_is_key ? (d.key_is_query ? g.query : g.key) : g.value};
-    // in_proj_bias: q (E), then k and v (KVE each: E without grouped-query attention).
-    const size_t b_off[3] = {0, e, e + ops.width[1]};
-    for (size_t t = 0; t < 3; ++t) {
-        double *dw = g.in_proj_weight ? g.in_proj_weight + t * e * e : dw_block[t];
-        double *db = g.in_proj_bias ? g.in_proj_bias + b_off[t] : NULL;
-        bool add = (t == 1 && d.key_is_query) || (t == 2 && d.value_is_key);
-        project_backward(&d, dproj[t], ops.x[t], ops.seq[t], ops.feat[t], ops.w[t],
-                         ops.width[t], dw, db, dx_of[t], add);
-    }
+    clmha__ref_merge_heads(&d, s.dq, d.l, d.l, s.dq_in);
+    merge_kv_heads(&d, s.dk, d.s_padded, d.s, s.dk_in);
+    merge_kv_heads(&d, s.dv, d.s_padded, d.s, s.dv_in);
+    if (g.bias_k) appended_bias_grad(&d, s.dk, g.bias_k);
+    if (g.bias_v) appended_bias_grad(&d, s.dv, g.bias_v);
+    // 10. Input projections.
+    in_proj_backward(&call, &g, &s);
     st = CLMHA_SUCCESS;
 
 fail:
     clmha__ref_forward_free(&f);
-    free(dy);
-    free(dctx);
-    free(dctx_heads);
-    free(dprobs);
-    free(dq);
-    free(dk);
-    free(dv);
-    free(dq_in);
-    free(dk_in);
-    free(dv_in);
+    scratch_free(&s);
     return st;
 }
