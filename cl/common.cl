@@ -53,3 +53,92 @@ inline REAL mask_value(global const uchar *mask, uint kind, ulong idx) {
 
 // The larger of a and b, where NaN wins (so that a NaN score propagates through a row).
 inline REAL max_nan(REAL a, REAL b) { return (b > a || isnan(b)) ? b : a; }
+
+// ---- Vectors of VW lanes ------------------------------------------------------------------------
+//
+// The cores that compute on VW-wide vectors (-DVW=1, 2, 4, 8 or 16; 1 when not given) share
+// these: the fused forward (cl/cores/fused.cl), its backward (cl/cores/fused_backward.cl) and
+// the decode core (cl/cores/decode.cl, which takes VT only).
+#ifndef VW
+#define VW 1
+#endif
+// VT: REAL with VW lanes (cl/real.cl); AS_VTI/AS_VT: a float vector's lanes as intVW bits and
+// back (for exp_nonpos); LOADV/STOREV: VW reals at element i of a private, local or global
+// array (vloadN/vstoreN: element alignment is enough); LANE0: the first lane.
+#if VW == 1
+#define VT REAL
+#define AS_VTI(x) as_int(x)
+#define AS_VT(x) as_float(x)
+#define LOADV(i, p) ((p)[(i)])
+#define STOREV(v, i, p) ((p)[(i)] = (v))
+#define LANE0(v) (v)
+#else
+#define VT_(n) REAL##n
+#define VT__(n) VT_(n)
+#define VT VT__(VW)
+#define AS_VTI_(n) as_int##n
+#define AS_VTI__(n) AS_VTI_(n)
+#define AS_VTI(x) AS_VTI__(VW)(x)
+#define AS_VT_(n) as_float##n
+#define AS_VT__(n) AS_VT_(n)
+#define AS_VT(x) AS_VT__(VW)(x)
+#define VLOAD_(n) vload##n
+#define VLOAD__(n) VLOAD_(n)
+#define VSTORE_(n) vstore##n
+#define VSTORE__(n) VSTORE_(n)
+#define LOADV(i, p) VLOAD__(VW)(0, (p) + (i))
+#define STOREV(v, i, p) VSTORE__(VW)((v), 0, (p) + (i))
+#define LANE0(v) ((v).s0)
+#endif
+
+// exp(x) on VW lanes for x <= 0 (scores minus a running maximum in the forward) and a little
+// above (scores minus their row's log-sum-exp in the backward, which rounding may leave
+// slightly positive), in plain arithmetic: exp(x) = 2^n * e^r with n = round(x / ln 2),
+// |r| <= ln2 / 2 (ln2 split in two for an exact product), e^r by its degree-7 Taylor polynomial
+// (Horner; truncation error below 1e-8 relative, under float rounding). The rounding is the
+// 1.5 * 2^23 trick: t = x / ln 2 + 1.5 * 2^23 + 127 lies in [2^23, 2^24) for x in [-87, 88],
+// where a float's unit is 1, so t holds round(x / ln 2) + 127 in its low mantissa bits, and
+// shifting its bits left by 23 gives 2^n (rint was a dozen instructions in PoCL's AVX-512 code,
+// the conversion back to an integer two more). -inf and anything below -87 give 0; NaN stays
+// NaN. Float64 programs (REAL_F64) take the library's exp, whose double precision the
+// polynomial does not have. The one definition, so that the backward's recomputed
+// probabilities round as the forward's did (tests/test_kernel_helpers.c checks it).
+#if REAL_F64
+inline VT exp_nonpos(VT x) { return exp(x); }
+#else
+inline VT exp_nonpos(VT x) {
+    VT t = fma(x, (VT)(1.44269504088896341f), (VT)(12583039.0f));  // 1.5 * 2^23 + 127
+    VT n = t - (VT)(12583039.0f);
+    VT r = fma(n, (VT)(-0.693145751953125f), x);
+    r = fma(n, (VT)(-1.428606765330187045e-06f), r);
+    VT p = (VT)(1.0f / 5040.0f);
+    p = fma(p, r, (VT)(1.0f / 720.0f));
+    p = fma(p, r, (VT)(1.0f / 120.0f));
+    p = fma(p, r, (VT)(1.0f / 24.0f));
+    p = fma(p, r, (VT)(1.0f / 6.0f));
+    p = fma(p, r, (VT)(0.5f));
+    p = fma(p, r, (VT)(1.0f));
+    p = fma(p, r, (VT)(1.0f));
+    VT y = p * AS_VT(AS_VTI(t) << 23);
+    return select(y, (VT)(0.0f), x < -87.0f);
+}
+#endif
+
+// The largest of the VW lanes of v and m, where NaN wins.
+inline REAL lanes_max_nan(VT v, REAL m) {
+    REAL lane[VW];
+    STOREV(v, 0, lane);
+    for (uint i = 0; i < VW; ++i) m = max_nan(m, lane[i]);
+    return m;
+}
+
+// The sum of the VW lanes of v, in lane order. It starts from -0.0, the identity of addition
+// (0.0 + -0.0 is 0.0), so that a single lane comes back as it is and the compiler may drop the
+// add.
+inline REAL lanes_sum(VT v) {
+    REAL lane[VW];
+    STOREV(v, 0, lane);
+    REAL sum = -0.0f;
+    for (uint i = 0; i < VW; ++i) sum += lane[i];
+    return sum;
+}

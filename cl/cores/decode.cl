@@ -17,7 +17,7 @@
 // are the block's scores (docs/design.md, "Incremental decoding", has the measurements).
 // is_causal is bottom-right aligned: new query i of a sequence that held `old` tokens sees
 // cache positions j <= old + i.
-// Needs cl/common.cl in front (max_nan); the row pointers are cast to VT (HD % VW == 0 and the
+// Needs cl/common.cl in front (max_nan, VT); the row pointers are cast to VT (HD % VW == 0 and the
 // buffers start at offset 0, so every row is aligned): no vloadN, which Mesa clover cannot
 // compile.
 
@@ -26,9 +26,6 @@
 #endif
 #ifndef G
 #define G 1
-#endif
-#ifndef VW
-#define VW 1
 #endif
 #define HV (HD / VW)
 // Keys scored before their values are summed: one rescale of the accumulators per block; the
@@ -66,14 +63,10 @@
 #endif
 #endif
 
+// The sum of a row vector's VW lanes, as a tree (VT: cl/common.cl).
 #if VW == 1
-#define VT float
 inline float hsum(float v) { return v; }
-#else
-#define VT_(n) float##n
-#define VT__(n) VT_(n)
-#define VT VT__(VW)
-#if VW == 2
+#elif VW == 2
 inline float hsum(float2 v) { return v.x + v.y; }
 #elif VW == 4
 inline float hsum(float4 v) { return (v.x + v.y) + (v.z + v.w); }
@@ -89,11 +82,11 @@ inline float hsum(float16 v) {
     return (a.x + a.y) + (a.z + a.w);
 }
 #endif
-#endif
 
-// The max and the sum of a key block's 16 lanes, by butterfly shuffles of the whole vector (every
-// lane ends with the result): no lane-by-lane extracts, and no halves (.lo, .hi, .even, .odd),
-// which Oclgrind 21.10's uninitialised-value check (kernels built with -cl-opt-disable) takes for
+// The max and the sum of a key block's 16 lanes (BKEYS lanes, not VW: cl/common.cl's lanes_sum
+// sums VW lanes in order), by butterfly shuffles of the whole vector (every lane ends with the
+// result): no lane-by-lane extracts, and no halves (.lo, .hi, .even, .odd), which Oclgrind
+// 21.10's uninitialised-value check (kernels built with -cl-opt-disable) takes for
 // uninitialised. The max is a compare and a select (GREATER; fmax's NaN rules cost x86 two
 // more instructions a step): a NaN lane may or may not win, and either way NaN reaches the
 // block's probabilities (exp(NaN - mb) or exp(score - NaN)), so the row's result is NaN.
@@ -104,11 +97,11 @@ inline float hsum(float16 v) {
     v = op(v, shuffle(v, (uint16)(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)))
 #define ADD(a, b) ((a) + (b))
 #define GREATER(a, b) select(a, b, isgreater(b, a))
-inline float lanes_max(float16 v) {
+inline float block_max(float16 v) {
     BUTTERFLY(GREATER, v);
     return v.s0;
 }
-inline float lanes_sum(float16 v) {
+inline float block_sum(float16 v) {
     BUTTERFLY(ADD, v);
     return v.s0;
 }
@@ -249,7 +242,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         }
         _Pragma("unroll")
         for (uint g = 0; g < G; ++g) {
-            float mb = max_nan(m[g], lanes_max(sc[g]));
+            float mb = max_nan(m[g], block_max(sc[g]));
             corr[g] = mb > m[g] ? exp(m[g] - mb) : 1.0f;
             prs[g] = exp(sc[g] - (float16)(mb));
             sv[g] = fma(sv[g], (float16)(corr[g]), prs[g]);
@@ -287,7 +280,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         UNROLL
         for (uint c = 0; c < HV; ++c) out[c] = acc[g][c];
         part_ms[2 * row] = m[g];
-        part_ms[2 * row + 1] = lanes_sum(sv[g]);
+        part_ms[2 * row + 1] = block_sum(sv[g]);
     }
 }
 

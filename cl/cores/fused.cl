@@ -49,7 +49,8 @@
 //     hit the same bank; the stride HD|1 is odd.
 // The value tile vt[jj][d] needs no padding: it is stored with adjacent work-items on adjacent d
 // and read as a broadcast.
-// Needs cl/common.cl in front (mask kinds, mask_value, philox_word0, max_nan).
+// Needs cl/common.cl in front (mask kinds, mask_value, philox_word0, max_nan, and the VW-lane
+// helpers: VT, LOADV, STOREV, LANE0, exp_nonpos, lanes_max_nan, lanes_sum).
 //
 // Layouts as the unfused path: q (N*H, L, HD), k and v (N*KVH, S', HD) (KVH = H / kv_group key/
 // value heads: grouped-query attention), out (N*H, L, HD); the
@@ -71,40 +72,6 @@
 #endif
 #ifndef RPW
 #define RPW 1
-#endif
-#ifndef VW
-#define VW 1
-#endif
-// VT: REAL with VW lanes (cl/real.cl), VTI: intVW (float lanes' bits, for exp_nonpos); LOADV/STOREV: VW
-// reals at element i of a private or local array; LANE0: the first lane.
-#if VW == 1
-#define VT REAL
-#define VTI int
-#define AS_VTI(x) as_int(x)
-#define AS_VT(x) as_float(x)
-#define LOADV(i, p) ((p)[(i)])
-#define STOREV(v, i, p) ((p)[(i)] = (v))
-#define LANE0(v) (v)
-#else
-#define VT_(n) REAL##n
-#define VT__(n) VT_(n)
-#define VT VT__(VW)
-#define VTI_(n) int##n
-#define VTI__(n) VTI_(n)
-#define VTI VTI__(VW)
-#define AS_VTI_(n) as_int##n
-#define AS_VTI__(n) AS_VTI_(n)
-#define AS_VTI(x) AS_VTI__(VW)(x)
-#define AS_VT_(n) as_float##n
-#define AS_VT__(n) AS_VT_(n)
-#define AS_VT(x) AS_VT__(VW)(x)
-#define VLOAD_(n) vload##n
-#define VLOAD__(n) VLOAD_(n)
-#define VSTORE_(n) vstore##n
-#define VSTORE__(n) VSTORE_(n)
-#define LOADV(i, p) VLOAD__(VW)(0, (p) + (i))
-#define LANE0(v) ((v).s0)
-#define STOREV(v, i, p) VSTORE__(VW)((v), 0, (p) + (i))
 #endif
 // select() of VT by a condition built from VT comparisons and VT_ISNAN: double lanes need
 // long conditions, which scalar double comparisons (int) are not, so scalars use ?: there;
@@ -142,53 +109,6 @@
 #define KS BK
 #endif
 #define RS (HD | 1)
-
-// exp(x) for x <= 0 (the only arguments here: scores minus a running maximum), in plain
-// arithmetic on VW lanes: exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by
-// its degree-7 Taylor polynomial (truncation error below 1e-8 relative, under float rounding).
-// The rounding is the 1.5 * 2^23 trick: t = x / ln 2 + 1.5 * 2^23 + 127 lies in [2^23, 2^24)
-// for x in [-87, 0], where a float's unit is 1, so t holds round(x / ln 2) + 127 in its low
-// mantissa bits, and shifting its bits left by 23 gives 2^n (rint was a dozen instructions in
-// PoCL's AVX-512 code, the conversion back to an integer two more). -inf and anything below -87
-// give 0; NaN stays NaN. Float64 layers' programs (REAL_F64) take the library's exp, whose
-// double precision the polynomial does not have.
-#if REAL_F64
-inline VT exp_nonpos(VT x) { return exp(x); }
-#else
-inline VT exp_nonpos(VT x) {
-    VT t = fma(x, (VT)(1.44269504088896341f), (VT)(12583039.0f));  // 1.5 * 2^23 + 127
-    VT n = t - (VT)(12583039.0f);
-    VT r = fma(n, (VT)(-0.693145751953125f), x);
-    r = fma(n, (VT)(-1.428606765330187045e-06f), r);
-    VT p = (VT)(1.0f / 5040.0f);
-    p = fma(p, r, (VT)(1.0f / 720.0f));
-    p = fma(p, r, (VT)(1.0f / 120.0f));
-    p = fma(p, r, (VT)(1.0f / 24.0f));
-    p = fma(p, r, (VT)(1.0f / 6.0f));
-    p = fma(p, r, (VT)(0.5f));
-    p = fma(p, r, (VT)(1.0f));
-    p = fma(p, r, (VT)(1.0f));
-    VT y = p * AS_VT(AS_VTI(t) << 23);
-    return select(y, (VT)(0.0f), x < -87.0f);
-}
-#endif
-
-// The largest of the VW lanes of v and m, where NaN wins.
-inline REAL lanes_max_nan(VT v, REAL m) {
-    REAL lane[VW];
-    STOREV(v, 0, lane);
-    for (uint i = 0; i < VW; ++i) m = max_nan(m, lane[i]);
-    return m;
-}
-
-// The sum of the VW lanes of v.
-inline REAL lanes_sum(VT v) {
-    REAL lane[VW];
-    STOREV(v, 0, lane);
-    REAL sum = 0.0f;
-    for (uint i = 0; i < VW; ++i) sum += lane[i];
-    return sum;
-}
 
 #if LANES
 // ---- The lanes mapping (CPU classes that measured it: src/device/device_class.c) ---------------

@@ -34,7 +34,7 @@
 // private: 4 * HD (dkdv) and 3 * HD (dq) floats per work-item. With ROWS_PRIVATE: -DR=<rows
 // per work-item> -DBT=<rows per staged tile>; local memory 4 * BT * HD + 2 * BT floats (dkdv),
 // 3 * BT * HD (dq); private R * (4 * HD + 3 * BT) (dkdv), R * (3 * HD + 2 * BT + 2) (dq).
-// Needs cl/common.cl in front (mask kinds, mask_value, philox_word0).
+// Needs cl/common.cl in front (mask kinds, mask_value, philox_word0, the VW-lane helpers).
 //
 // Layouts: q, o, dO, dq (N*H, L, HD); k, v, dk, dv (N*H, S', HD); lse, drow (N*H*L). Masks as
 // the forward kernels take them. No early return and no divergent barrier: work-items past the
@@ -46,9 +46,6 @@
 #ifndef B
 #define B 32
 #endif
-#ifndef VW
-#define VW 1
-#endif
 #ifndef ROWS_PRIVATE
 #define ROWS_PRIVATE 0
 #endif
@@ -58,68 +55,10 @@
 #ifndef BT
 #define BT 16
 #endif
-// The inner products and row updates run on VW-wide vectors (VW divides HD): VT is floatVW,
-// LOADV/STOREV read and write VW floats at element i of a private or local row. (A CPU driver
-// maps them to its SIMD registers; scalar loops over HD it would only vectorise across
-// work-items.)
-#if VW == 1
-#define VT float
-#define VTI int
-#define CONVERT_VTI(x) ((int)(x))
-#define AS_VT(x) as_float(x)
-#define LOADV(i, p) ((p)[(i)])
-#define STOREV(v, i, p) ((p)[(i)] = (v))
-inline float lanes_sum(float v) { return v; }
-#else
-#define VT_(n) float##n
-#define VT__(n) VT_(n)
-#define VT VT__(VW)
-#define VTI_(n) int##n
-#define VTI__(n) VTI_(n)
-#define VTI VTI__(VW)
-#define CONVERT_(n) convert_int##n
-#define CONVERT__(n) CONVERT_(n)
-#define CONVERT_VTI(x) CONVERT__(VW)(x)
-#define AS_VT_(n) as_float##n
-#define AS_VT__(n) AS_VT_(n)
-#define AS_VT(x) AS_VT__(VW)(x)
-#define VLOAD_(n) vload##n
-#define VLOAD__(n) VLOAD_(n)
-#define VSTORE_(n) vstore##n
-#define VSTORE__(n) VSTORE_(n)
-#define LOADV(i, p) VLOAD__(VW)(0, (p) + (i))
-#define STOREV(v, i, p) VSTORE__(VW)((v), 0, (p) + (i))
-// The sum of the VW lanes of v, in lane order.
-inline float lanes_sum(VT v) {
-    float lane[VW];
-    STOREV(v, 0, lane);
-    float sum = 0.0f;
-    for (uint i = 0; i < VW; ++i) sum += lane[i];
-    return sum;
-}
-#endif
-
-// exp(x) on VW lanes, for x <= 0 and slightly above (scores minus their row's log-sum-exp,
-// which rounding may leave a little positive): the polynomial of the forward kernel's
-// exp_nonpos (cl/cores/fused.cl), so that the recomputed probabilities follow the forward's.
-// x = n ln2 + r with n = rint(x / ln2) (ln2 split in two for an exact product), e^r by its
-// Taylor polynomial of degree 7 (Horner), times 2^n built in the exponent bits; x < -87 and
-// -inf give 0, NaN stays NaN.
-inline VT exp_nonpos(VT x) {
-    VT n = rint(x * 1.44269504088896341f);
-    VT r = fma(n, (VT)(-0.693145751953125f), x);
-    r = fma(n, (VT)(-1.428606765330187045e-06f), r);
-    VT p = (VT)(1.0f / 5040.0f);
-    p = fma(p, r, (VT)(1.0f / 720.0f));
-    p = fma(p, r, (VT)(1.0f / 120.0f));
-    p = fma(p, r, (VT)(1.0f / 24.0f));
-    p = fma(p, r, (VT)(1.0f / 6.0f));
-    p = fma(p, r, (VT)(0.5f));
-    p = fma(p, r, (VT)(1.0f));
-    p = fma(p, r, (VT)(1.0f));
-    VTI e = CONVERT_VTI(fmax(n, (VT)(-126.0f))) + 127;
-    return select(p * AS_VT(e << 23), (VT)(0.0f), x < -87.0f);
-}
+// The inner products and row updates run on VW-wide vectors (VW divides HD): VT, LOADV,
+// STOREV, lanes_sum and exp_nonpos (the forward's, so that the recomputed probabilities round
+// as the forward's did) come from cl/common.cl. (A CPU driver maps the vectors to its SIMD
+// registers; scalar loops over HD it would only vectorise across work-items.)
 
 // The additive masks and is_causal of score (bh, i, j), j < src_len; attn_row is the start of
 // row i of attn_mask for plane bh (already offset), kpm_row that of the batch item.
