@@ -114,20 +114,11 @@ static clmha_status check_mask_kind(const char *name, const clmha_mask *m, char 
     return CLMHA_SUCCESS;
 }
 
-clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forward_args *args,
-                                 clmha__dims *d, char *msg, size_t msg_size) {
-    char s1[96], s2[96];
-    clmha_status st;
-    memset(d, 0, sizeof *d);
-    if (!args) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "args is NULL");
-
-    d->e = desc->embed_dim;
-    d->kdim = desc->kdim ? desc->kdim : desc->embed_dim;
-    d->vdim = desc->vdim ? desc->vdim : desc->embed_dim;
-    d->h = desc->num_heads;
-    d->kvh = desc->num_kv_heads ? desc->num_kv_heads : desc->num_heads;
-    d->d = d->e / d->h;
-
+// Which inputs the call gives (d->batched, d->batch_first, d->key_is_query, d->value_is_key)
+// and whether the layer allows that; the query's rank.
+static clmha_status resolve_roles(const clmha_layer_desc *desc, const clmha_forward_args *args,
+                                  clmha__dims *d, char *msg, size_t msg_size) {
+    char s1[96];
     const clmha_tensor *q = &args->query;
     if (q->ndim != 2 && q->ndim != 3)
         return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
@@ -142,8 +133,6 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
                           "value is given but key is not: give both, or neither for "
                           "self-attention");
-    const clmha_tensor *k = d->key_is_query ? q : &args->key;
-    const clmha_tensor *v = d->value_is_key ? k : &args->value;
     if (d->key_is_query && (d->kdim != d->e || d->vdim != d->e))
         return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
                           "self-attention needs kdim (%zu) and vdim (%zu) equal to embed_dim "
@@ -153,7 +142,18 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
         return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
                           "value defaults to key, but kdim (%zu) != vdim (%zu): pass value",
                           d->kdim, d->vdim);
+    return CLMHA_SUCCESS;
+}
 
+// The sizes of the inputs (d->l, d->n, d->s, the element counts, d->s_padded), which must agree;
+// the roles are resolved.
+static clmha_status resolve_inputs(const clmha_layer_desc *desc, const clmha_forward_args *args,
+                                   clmha__dims *d, char *msg, size_t msg_size) {
+    char s1[96], s2[96];
+    clmha_status st;
+    const clmha_tensor *q = &args->query;
+    const clmha_tensor *k = d->key_is_query ? q : &args->key;
+    const clmha_tensor *v = d->value_is_key ? k : &args->value;
     size_t n_k, n_v, s_v;
     if ((st = input_dims("query", q, d->batched, d->batch_first, d->e, &d->l, &d->n, msg,
                          msg_size)))
@@ -188,68 +188,95 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
                               clmha__shape_str(s1, sizeof s1, inputs[i]->ndim,
                                                inputs[i]->shape));
     d->s_padded = d->s + (desc->add_bias_kv ? 1 : 0) + (desc->add_zero_attn ? 1 : 0);
+    return CLMHA_SUCCESS;
+}
 
-    // key_padding_mask: (N, S) or (S).
-    const clmha_mask *kpm = &args->key_padding_mask;
+// key_padding_mask: (N, S) or (S); d->kpm_kind, d->kpm_count.
+static clmha_status resolve_kpm(const clmha_mask *kpm, clmha__dims *d, char *msg,
+                                size_t msg_size) {
+    char s1[96];
+    clmha_status st;
     if ((st = check_mask_kind("key_padding_mask", kpm, msg, msg_size))) return st;
     d->kpm_kind = kpm->kind;
-    if (kpm->kind != CLMHA_MASK_NONE) {
-        bool ok = d->batched ? shape_is(&kpm->tensor, 2, d->n, d->s, 0)
-                             : shape_is(&kpm->tensor, 1, d->s, 0, 0);
-        if (!ok && d->batched)
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
-                              "key_padding_mask must be (N, S) = (%zu, %zu), got %zu-D %s", d->n,
-                              d->s, kpm->tensor.ndim,
-                              clmha__shape_str(s1, sizeof s1, kpm->tensor.ndim,
-                                               kpm->tensor.shape));
-        if (!ok)
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
-                              "key_padding_mask must be (S) = (%zu,) for unbatched inputs, got "
-                              "%zu-D %s",
-                              d->s, kpm->tensor.ndim,
-                              clmha__shape_str(s1, sizeof s1, kpm->tensor.ndim,
-                                               kpm->tensor.shape));
-        if (kpm->per_batch)
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
-                              "per_batch applies to attn_mask only, not key_padding_mask");
-        d->kpm_count = d->batched ? d->n * d->s : d->s;
-    }
+    if (kpm->kind == CLMHA_MASK_NONE) return CLMHA_SUCCESS;
+    bool ok = d->batched ? shape_is(&kpm->tensor, 2, d->n, d->s, 0)
+                         : shape_is(&kpm->tensor, 1, d->s, 0, 0);
+    if (!ok && d->batched)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                          "key_padding_mask must be (N, S) = (%zu, %zu), got %zu-D %s", d->n,
+                          d->s, kpm->tensor.ndim,
+                          clmha__shape_str(s1, sizeof s1, kpm->tensor.ndim, kpm->tensor.shape));
+    if (!ok)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                          "key_padding_mask must be (S) = (%zu,) for unbatched inputs, got "
+                          "%zu-D %s",
+                          d->s, kpm->tensor.ndim,
+                          clmha__shape_str(s1, sizeof s1, kpm->tensor.ndim, kpm->tensor.shape));
+    if (kpm->per_batch)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                          "per_batch applies to attn_mask only, not key_padding_mask");
+    d->kpm_count = d->batched ? d->n * d->s : d->s;
+    return CLMHA_SUCCESS;
+}
 
-    // attn_mask: (L, S), (N*H, L, S), or per_batch (N, L, S).
-    const clmha_mask *am = &args->attn_mask;
+// attn_mask: (L, S), (N*H, L, S), or per_batch (N, L, S); d->attn_kind, d->attn_layout,
+// d->attn_count.
+static clmha_status resolve_attn_mask(const clmha_mask *am, clmha__dims *d, char *msg,
+                                      size_t msg_size) {
+    char s1[96];
+    clmha_status st;
     if ((st = check_mask_kind("attn_mask", am, msg, msg_size))) return st;
     d->attn_kind = am->kind;
-    if (am->kind != CLMHA_MASK_NONE) {
-        size_t nh;
-        if (!clmha__mul(d->n, d->h, &nh))
-            return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "N*H overflows");
-        const clmha_tensor *t = &am->tensor;
-        if (am->per_batch && !d->batched) {
+    if (am->kind == CLMHA_MASK_NONE) return CLMHA_SUCCESS;
+    size_t nh;
+    if (!clmha__mul(d->n, d->h, &nh))
+        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "N*H overflows");
+    const clmha_tensor *t = &am->tensor;
+    if (am->per_batch && !d->batched) {
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                          "attn_mask per_batch needs batched (3-D) inputs; the query is "
+                          "unbatched 2-D, so give the mask as (L, S) or (num_heads, L, S)");
+    } else if (am->per_batch) {
+        if (!shape_is(t, 3, d->n, d->l, d->s))
             return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
-                              "attn_mask per_batch needs batched (3-D) inputs; the query is "
-                              "unbatched 2-D, so give the mask as (L, S) or (num_heads, L, S)");
-        } else if (am->per_batch) {
-            if (!shape_is(t, 3, d->n, d->l, d->s))
-                return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
-                                  "attn_mask with per_batch must be (N, L, S) = (%zu, %zu, %zu) "
-                                  "for batched inputs, got %zu-D %s",
-                                  d->n, d->l, d->s, t->ndim,
-                                  clmha__shape_str(s1, sizeof s1, t->ndim, t->shape));
-            d->attn_layout = CLMHA__ATTN_PER_BATCH;
-        } else if (shape_is(t, 2, d->l, d->s, 0)) {
-            d->attn_layout = CLMHA__ATTN_SHARED;
-        } else if (shape_is(t, 3, nh, d->l, d->s)) {
-            d->attn_layout = CLMHA__ATTN_PER_HEAD;
-        } else {
-            return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
-                              "attn_mask must be (L, S) = (%zu, %zu) or (%s, L, S) = (%zu, %zu, "
-                              "%zu), got %zu-D %s",
-                              d->l, d->s, d->batched ? "N*num_heads" : "num_heads", nh, d->l,
-                              d->s, t->ndim, clmha__shape_str(s1, sizeof s1, t->ndim, t->shape));
-        }
-        if (!tensor_count(t, &d->attn_count))
-            return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "attn_mask size overflows");
+                              "attn_mask with per_batch must be (N, L, S) = (%zu, %zu, %zu) "
+                              "for batched inputs, got %zu-D %s",
+                              d->n, d->l, d->s, t->ndim,
+                              clmha__shape_str(s1, sizeof s1, t->ndim, t->shape));
+        d->attn_layout = CLMHA__ATTN_PER_BATCH;
+    } else if (shape_is(t, 2, d->l, d->s, 0)) {
+        d->attn_layout = CLMHA__ATTN_SHARED;
+    } else if (shape_is(t, 3, nh, d->l, d->s)) {
+        d->attn_layout = CLMHA__ATTN_PER_HEAD;
+    } else {
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                          "attn_mask must be (L, S) = (%zu, %zu) or (%s, L, S) = (%zu, %zu, "
+                          "%zu), got %zu-D %s",
+                          d->l, d->s, d->batched ? "N*num_heads" : "num_heads", nh, d->l, d->s,
+                          t->ndim, clmha__shape_str(s1, sizeof s1, t->ndim, t->shape));
     }
+    if (!tensor_count(t, &d->attn_count))
+        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "attn_mask size overflows");
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forward_args *args,
+                                 clmha__dims *d, char *msg, size_t msg_size) {
+    clmha_status st;
+    memset(d, 0, sizeof *d);
+    if (!args) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "args is NULL");
+
+    d->e = desc->embed_dim;
+    d->kdim = desc->kdim ? desc->kdim : desc->embed_dim;
+    d->vdim = desc->vdim ? desc->vdim : desc->embed_dim;
+    d->h = desc->num_heads;
+    d->kvh = desc->num_kv_heads ? desc->num_kv_heads : desc->num_heads;
+    d->d = d->e / d->h;
+    if ((st = resolve_roles(desc, args, d, msg, msg_size)) ||
+        (st = resolve_inputs(desc, args, d, msg, msg_size)) ||
+        (st = resolve_kpm(&args->key_padding_mask, d, msg, msg_size)) ||
+        (st = resolve_attn_mask(&args->attn_mask, d, msg, msg_size)))
+        return st;
 
     if (args->training && desc->dropout > 0.0f && !(desc->dropout < 1.0f))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "dropout must be in [0, 1)");
