@@ -1,5 +1,7 @@
 // `clmha bench`: times the device-buffer forward pass per shape: ms, GFLOP/s, scratch, stages;
-// with --backward, the training step (bench_backward.c). Options, help and the forward here.
+// with --backward, the training step (bench_backward.c), with --decode, a decode step
+// (bench_decode.c). Options, help and the forward here; what the three share is in
+// bench_common.c.
 #define _POSIX_C_SOURCE 200809L
 
 #include "bench.h"
@@ -172,88 +174,6 @@ static int parse_sizes(const char *flag, const char *text, size_t max_count, siz
     }
 }
 
-cl_int clmha__bench_fill_random(cl_command_queue queue, cl_mem buf, size_t count,
-                                uint64_t *rng) {
-    return clmha__bench_fill_random_as(queue, buf, count, CLMHA_DTYPE_F32, rng);
-}
-
-cl_int clmha__bench_fill_random_as(cl_command_queue queue, cl_mem buf, size_t count,
-                                   clmha_dtype dtype, uint64_t *rng) {
-    enum { CHUNK = 1 << 20 };
-    size_t elem = clmha__dtype_size(dtype);
-    // One chunk of elements of the dtype: floats, doubles (the same floats, widened: the
-    // sequence is the same for every dtype) or 16-bit values.
-    void *host = malloc((count < CHUNK ? count : CHUNK) * elem);
-    if (!host) return CL_OUT_OF_HOST_MEMORY;
-    cl_int err = CL_SUCCESS;
-    for (size_t done = 0; done < count && err == CL_SUCCESS;) {
-        size_t n = count - done < CHUNK ? count - done : CHUNK;
-        for (size_t i = 0; i < n; ++i) {
-            float x = clmha__cli_uniform(rng);
-            if (dtype == CLMHA_DTYPE_F32) ((float *)host)[i] = x;
-            else if (dtype == CLMHA_DTYPE_F64) ((double *)host)[i] = x;
-            else if (dtype == CLMHA_DTYPE_F16) ((uint16_t *)host)[i] = clmha__f32_to_f16(x);
-            else ((uint16_t *)host)[i] = clmha__f32_to_bf16(x);
-        }
-        err = clEnqueueWriteBuffer(queue, buf, CL_TRUE, done * elem, n * elem, host, 0, NULL,
-                                   NULL);
-        done += n;
-    }
-    free(host);
-    return err;
-}
-
-void clmha__bench_json_head(const clmha_context *ctx, const bench_config *cfg, size_t n,
-                            size_t l, size_t s, clmha_impl impl, bool self) {
-    const clmha_layer_desc *d = &cfg->desc;
-    printf("{\"device\": ");
-    clmha__bench_json_string(clmha_context_device_name(ctx));
-    char gemm[640];
-    clmha_context_gemm_note(ctx, gemm, sizeof gemm);
-    printf(", \"gemm\": ");
-    clmha__bench_json_string(gemm);
-    printf(", \"layer\": ");
-    if (cfg->layer_path)
-        clmha__bench_json_string(cfg->layer_path);
-    else
-        printf("null");
-    printf(", \"batch\": %zu, \"tgt_len\": %zu, \"src_len\": %zu, \"embed_dim\": %zu, "
-           "\"num_heads\": %zu, \"kdim\": %zu, \"vdim\": %zu, \"batch_first\": %s, "
-           "\"need_weights\": %s, \"impl\": \"%s\", \"attention\": \"%s\", \"repeat\": %zu, ",
-           n, l, s, d->embed_dim, d->num_heads, d->kdim, d->vdim,
-           d->batch_first ? "true" : "false", cfg->need_weights ? "true" : "false",
-           clmha_impl_name(impl), self ? "self" : "cross", cfg->repeat);
-}
-
-void clmha__bench_json_string(const char *s) {
-    putchar('"');
-    for (const unsigned char *p = (const unsigned char *)s; *p; ++p) {
-        if (*p == '"' || *p == '\\')
-            printf("\\%c", *p);
-        else if (*p < 0x20)
-            printf("\\u%04x", *p);
-        else
-            putchar(*p);
-    }
-    putchar('"');
-}
-
-double clmha__bench_median(double *times, size_t count, double *min, double *max) {
-    qsort(times, count, sizeof *times, clmha__cli_cmp_double);
-    *min = times[0];
-    *max = times[count - 1];
-    return count % 2 ? times[count / 2] : 0.5 * (times[count / 2 - 1] + times[count / 2]);
-}
-
-void clmha__bench_forward_flops(const clmha_layer_desc *d, size_t n, size_t l, size_t s,
-                                double *projections, double *attention) {
-    double dn = (double)n, dl = (double)l, ds = (double)s, de = (double)d->embed_dim;
-    double s_padded = ds + d->add_bias_kv + d->add_zero_attn;
-    *projections =
-        2.0 * dn * de * (dl * de + ds * (double)d->kdim + ds * (double)d->vdim + dl * de);
-    *attention = 4.0 * dn * dl * s_padded * de;
-}
-
 // The result of one shape.
 typedef struct bench_result {
     size_t n, l, s, s_padded;
@@ -264,136 +184,6 @@ typedef struct bench_result {
     size_t scratch_bytes;
     double stage_ms[CLMHA_STAGE_COUNT];
 } bench_result;
-
-clmha_layer *clmha__bench_layer(clmha_context *ctx, const bench_config *cfg) {
-    clmha_layer *layer = NULL;
-    if (cfg->layer_path) {
-        clmha_load_options load = {.struct_size = sizeof load, .prefix = cfg->layer_prefix,
-                                   .num_heads = cfg->layer_heads, .dtype = cfg->desc.dtype};
-        if (clmha_layer_load_prefixed(&layer, ctx, cfg->layer_path, &load) != CLMHA_SUCCESS) {
-            clmha__cli_report(
-                "bench", "--layer %s: %s", cfg->layer_path,
-                clmha__cli_without_path(clmha_context_last_error(ctx), cfg->layer_path));
-            return NULL;
-        }
-        return layer;
-    }
-    size_t e = cfg->desc.embed_dim, h = cfg->desc.num_heads;
-    size_t kvh = cfg->desc.num_kv_heads ? cfg->desc.num_kv_heads : h, kve = kvh * (e / h);
-    clmha_status st;
-    // Grouped-query attention (--kv-heads): W_q, then the first KVE rows of W_k's and W_v's
-    // blocks of the random in_proj_weight.
-    if ((st = clmha_layer_create(&layer, ctx, &cfg->desc)) ||
-        (kve == e &&
-         (st = clmha_layer_set_parameter(layer, "in_proj_weight", cfg->w_in, 3 * e * e))) ||
-        (kve != e &&
-         ((st = clmha_layer_set_parameter(layer, "q_proj_weight", cfg->w_in, e * e)) ||
-          (st = clmha_layer_set_parameter(layer, "k_proj_weight", cfg->w_in + e * e, kve * e)) ||
-          (st = clmha_layer_set_parameter(layer, "v_proj_weight", cfg->w_in + 2 * e * e,
-                                          kve * e)))) ||
-        (st = clmha_layer_set_parameter(layer, "in_proj_bias", cfg->b_in, e + 2 * kve)) ||
-        (st = clmha_layer_set_parameter(layer, "out_proj.weight", cfg->w_out, e * e)) ||
-        (st = clmha_layer_set_parameter(layer, "out_proj.bias", cfg->b_out, e))) {
-        clmha__cli_report("bench", "random layer (embed_dim %zu, num_heads %zu): %s: %s", e,
-                          cfg->desc.num_heads, clmha_status_string(st),
-                          clmha_context_last_error(ctx));
-        clmha_layer_release(layer);
-        return NULL;
-    }
-    return layer;
-}
-
-int clmha__bench_io_make(clmha_context *ctx, const bench_config *cfg, clmha_layer *layer,
-                         size_t n, size_t l, size_t s, bench_io *io) {
-    const clmha_layer_desc *d = &cfg->desc;
-    size_t e = d->embed_dim, kd = d->kdim, vd = d->vdim;
-    *io = (bench_io){.n = n, .l = l, .s = s, .self = l == s && kd == e && vd == e,
-                     .kv_same = kd == vd};
-    snprintf(io->where, sizeof io->where, "N %zu, L %zu, S %zu", n, l, s);
-    const char *where = io->where;
-    size_t *counts = io->counts;
-    if (!clmha__mul3(n, l, e, &counts[0]) || !clmha__mul3(n, s, kd, &counts[1]) ||
-        !clmha__mul3(n, s, vd, &counts[2]) || !clmha__mul3(n, l, s, &counts[4]) ||
-        counts[0] > SIZE_MAX / 4 || counts[1] > SIZE_MAX / 4 || counts[2] > SIZE_MAX / 4) {
-        clmha__cli_report("bench", "%s, E %zu: the tensor sizes overflow", where, e);
-        return EXIT_REFUSED;
-    }
-    clmha_forward_args *args = &io->args;
-    *args = (clmha_forward_args){.struct_size = sizeof *args, .need_weights = cfg->need_weights};
-    args->query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}};
-    if (!io->self) {
-        args->key = (clmha_tensor){.ndim = 3, .shape = {s, n, kd}};
-        if (!io->kv_same) args->value = (clmha_tensor){.ndim = 3, .shape = {s, n, vd}};
-    }
-    if (d->batch_first) {
-        clmha_tensor *t[3] = {&args->query, &args->key, &args->value};
-        for (int i = 0; i < 3; ++i) {
-            size_t seq = t[i]->shape[0];
-            t[i]->shape[0] = t[i]->shape[1];
-            t[i]->shape[1] = seq;
-        }
-    }
-    size_t out_count = 0, w_count = 0;
-    if (clmha_layer_output_counts(layer, args, &out_count, &w_count) != CLMHA_SUCCESS) {
-        clmha__cli_report("bench", "%s: %s", where, clmha_context_last_error(ctx));
-        return EXIT_REFUSED;
-    }
-    counts[3] = out_count;
-    counts[4] = w_count;
-    if (io->self) counts[1] = 0;
-    if (io->self || io->kv_same) counts[2] = 0;
-
-    // The buffers, with random inputs and a zeroed output.
-    cl_command_queue queue = clmha_context_cl_queue(ctx);
-    cl_context cl = clmha_context_cl_context(ctx);
-    cl_ulong max_alloc = 0;
-    clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_MAX_MEM_ALLOC_SIZE, sizeof max_alloc,
-                    &max_alloc, NULL);
-    static const char *names[BENCH_BUFS] = {"query", "key", "value", "output", "weights"};
-    uint64_t rng = 7;
-    cl_int err = CL_SUCCESS;
-    const char *what = NULL;
-    size_t elem = clmha__dtype_size(d->dtype);  // the layer's elements: 8, 4 or 2 bytes
-    for (int i = 0; i < BENCH_BUFS; ++i) {
-        if (!counts[i]) continue;
-        what = names[i];
-        if (max_alloc && (cl_ulong)counts[i] * elem > max_alloc) {
-            clmha__cli_report("bench",
-                              "%s: the %s buffer needs %zu bytes, more than the largest allocation "
-                              "of %s (%llu bytes)",
-                              where, names[i], counts[i] * elem, clmha_context_device_name(ctx),
-                              (unsigned long long)max_alloc);
-            return EXIT_REFUSED;
-        }
-        io->bufs[i] = clCreateBuffer(cl, CL_MEM_READ_WRITE, counts[i] * elem, NULL, &err);
-        if (err != CL_SUCCESS) goto cl_fail;
-        if (i < 3) {
-            err = clmha__bench_fill_random_as(queue, io->bufs[i], counts[i], d->dtype, &rng);
-        } else {
-            uint16_t zero = 0;  // +0 in every dtype (float64 and float32 too)
-            err = clEnqueueFillBuffer(queue, io->bufs[i], &zero, sizeof zero, 0,
-                                      counts[i] * elem, 0, NULL, NULL);
-        }
-        if (err != CL_SUCCESS) goto cl_fail;
-    }
-    what = "clFinish";
-    if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
-    args->query.buffer = io->bufs[BENCH_QUERY];
-    if (!io->self) args->key.buffer = io->bufs[BENCH_KEY];
-    if (!io->self && !io->kv_same) args->value.buffer = io->bufs[BENCH_VALUE];
-    return EXIT_OK;
-cl_fail:
-    clmha__cli_report("bench", "%s: %s%s failed on %s: OpenCL error %d", where, what,
-                      strcmp(what, "clFinish") ? " buffer" : "", clmha_context_device_name(ctx),
-                      (int)err);
-    return EXIT_REFUSED;
-}
-
-void clmha__bench_io_free(bench_io *io) {
-    for (int i = 0; i < BENCH_BUFS; ++i)
-        if (io->bufs[i]) clReleaseMemObject(io->bufs[i]);
-    memset(io->bufs, 0, sizeof io->bufs);
-}
 
 // Times one shape: warm-up, cfg->repeat timed runs, one profiled run. Returns EXIT_OK or
 // EXIT_REFUSED after reporting.
@@ -526,214 +316,262 @@ static void print_tuning(const clmha_context *ctx) {
                "once (about 5 minutes) for this device\n");
 }
 
-int clmha__cli_bench(int argc, char **argv) {
-    const char *batch_opt = NULL, *tgt_opt = NULL, *src_opt = NULL, *embed_opt = NULL,
-               *heads_opt = NULL, *repeat_opt = NULL, *layer_path = NULL, *device = NULL,
-               *impl_opt = NULL, *cache_opt = NULL, *kv_heads_opt = NULL, *dtype_opt = NULL,
-               *prefix = NULL;
-    bool need_weights = false, batch_first = false, json = false, backward = false,
-         decode = false;
+// The options of one `clmha bench` call, and what they parse to.
+typedef struct bench_args {
+    const char *batch_opt, *tgt_opt, *src_opt, *embed_opt, *heads_opt, *repeat_opt, *layer_path,
+        *device, *impl_opt, *cache_opt, *kv_heads_opt, *dtype_opt, *prefix;
+    bool need_weights, batch_first, json, backward, decode;
+    size_t batches[BENCH_MAX_LIST], tgts[BENCH_MAX_LIST], srcs[BENCH_MAX_LIST],
+        caches[BENCH_MAX_LIST];
+    size_t nb, nt, ns, nc, e, h, repeat, kv_heads;
+    clmha_impl impl;
+    clmha_dtype dtype;
+} bench_args;
+
+// Reads the options into @p a. False with *@p rc to return (--help, a usage error).
+static bool parse_options(int argc, char **argv, bench_args *a, int *rc) {
     const clmha__cli_option opts[] = {
-        {.name = "--impl", .value = &impl_opt},
-        {.name = "--batch", .value = &batch_opt},
-        {.name = "--tgt-len", .value = &tgt_opt},
-        {.name = "--src-len", .value = &src_opt},
-        {.name = "--embed", .value = &embed_opt},
-        {.name = "--heads", .value = &heads_opt},
-        {.name = "--need-weights", .flag = &need_weights},
-        {.name = "--batch-first", .flag = &batch_first},
-        {.name = "--layer", .value = &layer_path},
-        {.name = "--prefix", .value = &prefix},
-        {.name = "--repeat", .value = &repeat_opt},
-        {.name = "--device", .value = &device, .allow_empty = true},
-        {.name = "--json", .flag = &json},
-        {.name = "--backward", .flag = &backward},
-        {.name = "--decode", .flag = &decode},
-        {.name = "--cache-len", .value = &cache_opt},
-        {.name = "--kv-heads", .value = &kv_heads_opt},
-        {.name = "--dtype", .value = &dtype_opt},
+        {.name = "--impl", .value = &a->impl_opt},
+        {.name = "--batch", .value = &a->batch_opt},
+        {.name = "--tgt-len", .value = &a->tgt_opt},
+        {.name = "--src-len", .value = &a->src_opt},
+        {.name = "--embed", .value = &a->embed_opt},
+        {.name = "--heads", .value = &a->heads_opt},
+        {.name = "--need-weights", .flag = &a->need_weights},
+        {.name = "--batch-first", .flag = &a->batch_first},
+        {.name = "--layer", .value = &a->layer_path},
+        {.name = "--prefix", .value = &a->prefix},
+        {.name = "--repeat", .value = &a->repeat_opt},
+        {.name = "--device", .value = &a->device, .allow_empty = true},
+        {.name = "--json", .flag = &a->json},
+        {.name = "--backward", .flag = &a->backward},
+        {.name = "--decode", .flag = &a->decode},
+        {.name = "--cache-len", .value = &a->cache_opt},
+        {.name = "--kv-heads", .value = &a->kv_heads_opt},
+        {.name = "--dtype", .value = &a->dtype_opt},
     };
     char usage[8192];
     snprintf(usage, sizeof usage, "%s%s%s%s%s", usage_bench, usage_bench_dtype,
              usage_bench_backward, usage_bench_decode, usage_bench_tail);
-    int rc;
-    if (!clmha__cli_parse_options("bench", argc, argv, opts, sizeof opts / sizeof opts[0],
-                                  usage, &rc))
-        return rc;
-    size_t batches[BENCH_MAX_LIST] = {8}, tgts[BENCH_MAX_LIST] = {128}, srcs[BENCH_MAX_LIST];
-    size_t nb = 1, nt = 1, ns = 0, e = 512, h = 8, repeat = 10, one = 0;
-    if ((batch_opt && (rc = parse_sizes("--batch", batch_opt, BENCH_MAX_LIST, BENCH_MAX_SIZE,
-                                        batches, &nb))) ||
-        (tgt_opt && (rc = parse_sizes("--tgt-len", tgt_opt, BENCH_MAX_LIST, BENCH_MAX_SIZE,
-                                      tgts, &nt))) ||
-        (src_opt && (rc = parse_sizes("--src-len", src_opt, BENCH_MAX_LIST, BENCH_MAX_SIZE,
-                                      srcs, &ns))) ||
-        (embed_opt && (rc = parse_sizes("--embed", embed_opt, 1, BENCH_MAX_SIZE, &e, &one))) ||
-        (heads_opt && (rc = parse_sizes("--heads", heads_opt, 1, BENCH_MAX_SIZE, &h, &one))) ||
-        (repeat_opt && !(backward && strcmp(repeat_opt, "0") == 0) &&
-         (rc = parse_sizes("--repeat", repeat_opt, 1, BENCH_MAX_REPEAT, &repeat, &one))))
-        return rc;
-    if (repeat_opt && backward && strcmp(repeat_opt, "0") == 0) repeat = 0;
-    size_t caches[BENCH_MAX_LIST], nc = 0;
-    if (decode != (cache_opt != NULL) || (decode && (backward || tgt_opt || src_opt ||
-                                                     need_weights || layer_path || impl_opt))) {
-        clmha__cli_report("bench", "%s",
-                          decode ? (cache_opt ? "--decode takes --batch, --embed, --heads, "
-                                                "--batch-first, --repeat, --device and --json "
-                                                "only"
-                                              : "--decode needs --cache-len")
-                                 : "--cache-len goes with --decode");
-        return EXIT_USAGE;
-    }
-    if (cache_opt &&
-        (rc = parse_sizes("--cache-len", cache_opt, BENCH_MAX_LIST, BENCH_MAX_SIZE, caches, &nc)))
-        return rc;
-    size_t kv_heads = 0;
-    if (kv_heads_opt && !decode) {
-        clmha__cli_report("bench", "--kv-heads goes with --decode");
-        return EXIT_USAGE;
-    }
-    if (kv_heads_opt &&
-        (rc = parse_sizes("--kv-heads", kv_heads_opt, 1, BENCH_MAX_SIZE, &kv_heads, &one)))
-        return rc;
-    if (prefix && !layer_path) {
+    return clmha__cli_parse_options("bench", argc, argv, opts, sizeof opts / sizeof opts[0],
+                                    usage, rc);
+}
+
+// The checks of parse_values() that come after the sizes: --prefix, the heads, the core, the
+// dtype.
+static int check_values(bench_args *a) {
+    if (a->prefix && !a->layer_path) {
         clmha__cli_report("bench", "--prefix goes with --layer");
         return EXIT_USAGE;
     }
-    if (!layer_path && e % h != 0) {
-        clmha__cli_report("bench", "--embed %zu is not a multiple of --heads %zu", e, h);
+    if (!a->layer_path && a->e % a->h != 0) {
+        clmha__cli_report("bench", "--embed %zu is not a multiple of --heads %zu", a->e, a->h);
         return EXIT_USAGE;
     }
-    if (kv_heads && h % kv_heads != 0) {
-        clmha__cli_report("bench", "--kv-heads %zu does not divide --heads %zu", kv_heads, h);
+    if (a->kv_heads && a->h % a->kv_heads != 0) {
+        clmha__cli_report("bench", "--kv-heads %zu does not divide --heads %zu", a->kv_heads,
+                          a->h);
         return EXIT_USAGE;
     }
-    clmha_impl impl;
-    if (!clmha__cli_parse_impl("bench", impl_opt, need_weights, "--need-weights", &impl))
+    if (!clmha__cli_parse_impl("bench", a->impl_opt, a->need_weights, "--need-weights",
+                               &a->impl) ||
+        !clmha__cli_parse_dtype("bench", a->dtype_opt, &a->dtype))
         return EXIT_USAGE;
-    clmha_dtype dtype;
-    if (!clmha__cli_parse_dtype("bench", dtype_opt, &dtype)) return EXIT_USAGE;
-    if (dtype != CLMHA_DTYPE_F32 && (decode || backward)) {
-        bool f64 = dtype == CLMHA_DTYPE_F64;
-        clmha__cli_report("bench", "--dtype %s: %s times float32 layers only%s", dtype_opt,
-                          decode ? "--decode" : "--backward",
-                          decode ? (f64 ? " (float64 layers have no KV cache yet)" : "")
-                          : f64  ? " (float64 layers have no backward pass yet)"
-                                 : " (16-bit layers have no backward pass yet)");
+    if (a->dtype != CLMHA_DTYPE_F32 && (a->decode || a->backward)) {
+        bool f64 = a->dtype == CLMHA_DTYPE_F64;
+        clmha__cli_report("bench", "--dtype %s: %s times float32 layers only%s", a->dtype_opt,
+                          a->decode ? "--decode" : "--backward",
+                          a->decode ? (f64 ? " (float64 layers have no KV cache yet)" : "")
+                          : f64     ? " (float64 layers have no backward pass yet)"
+                                    : " (16-bit layers have no backward pass yet)");
         return EXIT_USAGE;
     }
+    return EXIT_OK;
+}
 
-    bench_config cfg = {.layer_path = layer_path, .layer_prefix = prefix,
-                        .layer_heads = layer_path && heads_opt ? h : 0,
-                        .need_weights = need_weights, .json = json, .impl = impl,
-                        .repeat = repeat};
+// Parses the option values of @p a and checks how they go together. EXIT_OK, or EXIT_USAGE
+// after reporting.
+static int parse_values(bench_args *a) {
+    int rc;
+    size_t one = 0;
+    bool repeat_zero = a->repeat_opt && a->backward && strcmp(a->repeat_opt, "0") == 0;
+    if ((a->batch_opt && (rc = parse_sizes("--batch", a->batch_opt, BENCH_MAX_LIST,
+                                           BENCH_MAX_SIZE, a->batches, &a->nb))) ||
+        (a->tgt_opt && (rc = parse_sizes("--tgt-len", a->tgt_opt, BENCH_MAX_LIST,
+                                         BENCH_MAX_SIZE, a->tgts, &a->nt))) ||
+        (a->src_opt && (rc = parse_sizes("--src-len", a->src_opt, BENCH_MAX_LIST,
+                                         BENCH_MAX_SIZE, a->srcs, &a->ns))) ||
+        (a->embed_opt && (rc = parse_sizes("--embed", a->embed_opt, 1, BENCH_MAX_SIZE, &a->e,
+                                           &one))) ||
+        (a->heads_opt && (rc = parse_sizes("--heads", a->heads_opt, 1, BENCH_MAX_SIZE, &a->h,
+                                           &one))) ||
+        (a->repeat_opt && !repeat_zero &&
+         (rc = parse_sizes("--repeat", a->repeat_opt, 1, BENCH_MAX_REPEAT, &a->repeat, &one))))
+        return rc;
+    if (repeat_zero) a->repeat = 0;
+    if (a->decode != (a->cache_opt != NULL) ||
+        (a->decode && (a->backward || a->tgt_opt || a->src_opt || a->need_weights ||
+                       a->layer_path || a->impl_opt))) {
+        clmha__cli_report("bench", "%s",
+                          a->decode ? (a->cache_opt ? "--decode takes --batch, --embed, "
+                                                      "--heads, --batch-first, --repeat, "
+                                                      "--device and --json only"
+                                                    : "--decode needs --cache-len")
+                                    : "--cache-len goes with --decode");
+        return EXIT_USAGE;
+    }
+    if (a->cache_opt && (rc = parse_sizes("--cache-len", a->cache_opt, BENCH_MAX_LIST,
+                                          BENCH_MAX_SIZE, a->caches, &a->nc)))
+        return rc;
+    if (a->kv_heads_opt && !a->decode) {
+        clmha__cli_report("bench", "--kv-heads goes with --decode");
+        return EXIT_USAGE;
+    }
+    if (a->kv_heads_opt && (rc = parse_sizes("--kv-heads", a->kv_heads_opt, 1, BENCH_MAX_SIZE,
+                                             &a->kv_heads, &one)))
+        return rc;
+    return check_values(a);
+}
+
+// The random layer's parameters (PyTorch-like scale), made before the device opens, set in
+// @p cfg: 4 E^2 + 4 E floats, in_proj_weight (3E, E), out_proj.weight (E, E) and the biases.
+// NULL after reporting.
+static float *random_params(size_t e, bench_config *cfg) {
+    float *params = NULL;
+    size_t count = 0, bytes = 0;
+    bool fits = clmha__mul(e, e, &count) && clmha__mul(count, 4, &count) &&
+                count <= SIZE_MAX - 4 * e && clmha__mul(count += 4 * e, sizeof *params, &bytes);
+    // More than the machine's memory is refused without asking malloc (which may overcommit,
+    // or abort under a sanitizer, rather than fail).
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    double ram = pages > 0 && page > 0 ? (double)pages * (double)page : 0;
+    if (!fits || (ram > 0 && (double)bytes > ram) || !(params = malloc(bytes))) {
+        clmha__cli_report("bench",
+                          "--embed %zu: cannot allocate %zu floats (%.3g GB) of host memory "
+                          "for the random layer's parameters (4*E^2 + 4*E; this machine has "
+                          "%.3g GB)",
+                          e, count, ((double)e * e * 4 + 4.0 * e) * 4 / 1e9, ram / 1e9);
+        return NULL;
+    }
+    cfg->w_in = params;
+    cfg->w_out = params + 3 * e * e;
+    cfg->b_in = params + 4 * e * e;
+    cfg->b_out = params + 4 * e * e + 3 * e;
+    uint64_t rng = 42;
+    float a = 1.0f / sqrtf((float)e);
+    for (size_t i = 0; i < 4 * e * e; ++i) params[i] = a * clmha__cli_uniform(&rng);
+    for (size_t i = 4 * e * e; i < 4 * e * e + 4 * e; ++i)
+        params[i] = 0.1f * clmha__cli_uniform(&rng);
+    return params;
+}
+
+// Whether --layer names a regular file that opens (reported when not): opening a FIFO or a
+// device must not block (base/file_read.h).
+static bool layer_file_opens(const char *layer_path) {
+    FILE *f = NULL;
+    size_t layer_size;
+    char msg[1024];
+    if (clmha__file_open_regular(layer_path, &f, &layer_size, NULL, msg, sizeof msg)) {
+        clmha__cli_report("bench", "--layer %s: %s", layer_path,
+                          clmha__cli_without_path(msg, layer_path));
+        return false;
+    }
+    fclose(f);
+    return true;
+}
+
+// Takes the configuration of the --layer file into cfg->desc, and checks it against --embed,
+// --heads and --batch-first. False after reporting.
+static bool adopt_layer_desc(clmha_context *ctx, bench_config *cfg, const bench_args *a) {
+    clmha_layer *layer = clmha__bench_layer(ctx, cfg);
+    if (!layer) return false;
+    clmha_layer_get_desc(layer, &cfg->desc);
+    clmha_layer_release(layer);
+    const clmha_layer_desc *d = &cfg->desc;
+    bool embed = a->embed_opt && d->embed_dim != a->e;
+    bool heads = a->heads_opt && d->num_heads != a->h;
+    if (embed || heads || (a->batch_first && !d->batch_first)) {
+        clmha__cli_report("bench",
+                          "--layer %s has embed_dim %zu, num_heads %zu, batch_first %s: "
+                          "it disagrees with %s",
+                          a->layer_path, d->embed_dim, d->num_heads,
+                          d->batch_first ? "true" : "false",
+                          embed ? "--embed" : heads ? "--heads" : "--batch-first");
+        return false;
+    }
+    return true;
+}
+
+// The text output's head: device, GEMM path, layer, tuning.
+static void print_head(const clmha_context *ctx, const bench_config *cfg,
+                       const char *layer_path) {
+    const clmha_layer_desc *d = &cfg->desc;
+    printf("device:  %s\n", clmha_context_device_name(ctx));
+    char gemm[640];
+    clmha_context_gemm_note(ctx, gemm, sizeof gemm);
+    printf("gemm:    %s\n", gemm);
+    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s (%s)\n",
+           d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
+           d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
+           d->batch_first ? ", batch_first" : "", layer_path ? layer_path : "random");
+    print_tuning(ctx);
+    fflush(stdout);
+}
+
+// Every shape of the call, in order: decode steps (--decode), training steps (--backward) or
+// forward passes. EXIT_OK, or EXIT_REFUSED after reporting at the first that fails.
+static int run_shapes(clmha_context *ctx, const bench_config *cfg, const bench_args *a,
+                      double *times) {
+    for (size_t ib = 0; ib < a->nb && a->decode; ++ib)
+        for (size_t ic = 0; ic < a->nc; ++ic)
+            if (clmha__bench_decode_shape(ctx, cfg, a->batches[ib], a->caches[ic], times) !=
+                EXIT_OK)
+                return EXIT_REFUSED;
+    for (size_t ib = 0; ib < a->nb && !a->decode; ++ib)
+        for (size_t it = 0; it < a->nt; ++it)
+            for (size_t is = 0; is < (a->ns ? a->ns : 1); ++is) {
+                bench_result res;
+                size_t n = a->batches[ib], l = a->tgts[it], s = a->ns ? a->srcs[is] : l;
+                if (a->backward) {
+                    if (clmha__bench_backward_shape(ctx, cfg, n, l, s, times) != EXIT_OK)
+                        return EXIT_REFUSED;
+                    continue;
+                }
+                if (bench_shape(ctx, cfg, n, l, s, times, &res) != EXIT_OK) return EXIT_REFUSED;
+                bench_print(ctx, cfg, &res);
+            }
+    return EXIT_OK;
+}
+
+int clmha__cli_bench(int argc, char **argv) {
+    bench_args a = {.batches = {8}, .tgts = {128}, .nb = 1, .nt = 1, .e = 512, .h = 8,
+                    .repeat = 10};
+    int rc;
+    if (!parse_options(argc, argv, &a, &rc)) return rc;
+    if ((rc = parse_values(&a)) != EXIT_OK) return rc;
+    bench_config cfg = {.layer_path = a.layer_path, .layer_prefix = a.prefix,
+                        .layer_heads = a.layer_path && a.heads_opt ? a.h : 0,
+                        .need_weights = a.need_weights, .json = a.json, .impl = a.impl,
+                        .repeat = a.repeat};
     cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
-                                  .embed_dim = e, .num_heads = h, .kdim = e, .vdim = e,
-                                  .bias = true, .batch_first = batch_first,
-                                  .num_kv_heads = kv_heads, .dtype = dtype};
+                                  .embed_dim = a.e, .num_heads = a.h, .kdim = a.e, .vdim = a.e,
+                                  .bias = true, .batch_first = a.batch_first,
+                                  .num_kv_heads = a.kv_heads, .dtype = a.dtype};
     float *params = NULL;
     double *times = NULL;
     clmha_context *ctx = NULL;
-    clmha_layer *layer = NULL;
     rc = EXIT_REFUSED;
-    if (layer_path) {
-        // A regular file only: opening a FIFO or a device must not block (base/file_read.h).
-        FILE *f = NULL;
-        size_t layer_size;
-        char msg[1024];
-        if (clmha__file_open_regular(layer_path, &f, &layer_size, NULL, msg, sizeof msg)) {
-            clmha__cli_report("bench", "--layer %s: %s", layer_path,
-                              clmha__cli_without_path(msg, layer_path));
-            goto done;
-        }
-        fclose(f);
-    }
-    if (!(times = malloc((repeat ? repeat : 1) * sizeof *times))) {
+    if (a.layer_path && !layer_file_opens(a.layer_path)) goto done;
+    if (!(times = malloc((a.repeat ? a.repeat : 1) * sizeof *times))) {
         clmha__cli_report("bench", "out of host memory");
         goto done;
     }
-    if (!layer_path) {  // random parameters, PyTorch-like scale, made before the device opens
-        // 4 E^2 + 4 E floats: in_proj_weight (3E, E), out_proj.weight (E, E) and the biases.
-        size_t count = 0, bytes = 0;
-        bool fits = clmha__mul(e, e, &count) && clmha__mul(count, 4, &count) &&
-                    count <= SIZE_MAX - 4 * e && clmha__mul(count += 4 * e, sizeof *params, &bytes);
-        // More than the machine's memory is refused without asking malloc (which may overcommit,
-        // or abort under a sanitizer, rather than fail).
-        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-        double ram = pages > 0 && page > 0 ? (double)pages * (double)page : 0;
-        if (!fits || (ram > 0 && (double)bytes > ram) || !(params = malloc(bytes))) {
-            clmha__cli_report("bench",
-                              "--embed %zu: cannot allocate %zu floats (%.3g GB) of host memory "
-                              "for the random layer's parameters (4*E^2 + 4*E; this machine has "
-                              "%.3g GB)",
-                              e, count, ((double)e * e * 4 + 4.0 * e) * 4 / 1e9, ram / 1e9);
-            goto done;
-        }
-        cfg.w_in = params;
-        cfg.w_out = params + 3 * e * e;
-        cfg.b_in = params + 4 * e * e;
-        cfg.b_out = params + 4 * e * e + 3 * e;
-        uint64_t rng = 42;
-        float a = 1.0f / sqrtf((float)e);
-        for (size_t i = 0; i < 4 * e * e; ++i) params[i] = a * clmha__cli_uniform(&rng);
-        for (size_t i = 4 * e * e; i < 4 * e * e + 4 * e; ++i)
-            params[i] = 0.1f * clmha__cli_uniform(&rng);
-    }
-    if (!(ctx = clmha__cli_open_context("bench", device))) goto done;
-    if (layer_path) {  // the file's configuration
-        if (!(layer = clmha__bench_layer(ctx, &cfg))) goto done;
-        clmha_layer_get_desc(layer, &cfg.desc);
-        clmha_layer_release(layer);
-        layer = NULL;
-        const clmha_layer_desc *d = &cfg.desc;
-        if ((embed_opt && d->embed_dim != e) || (heads_opt && d->num_heads != h) ||
-            (batch_first && !d->batch_first)) {
-            clmha__cli_report("bench",
-                              "--layer %s has embed_dim %zu, num_heads %zu, batch_first %s: "
-                              "it disagrees with %s",
-                              layer_path, d->embed_dim, d->num_heads,
-                              d->batch_first ? "true" : "false",
-                              embed_opt && d->embed_dim != e   ? "--embed"
-                              : heads_opt && d->num_heads != h ? "--heads"
-                                                               : "--batch-first");
-            goto done;
-        }
-    }
-    if (!json) {
-        const clmha_layer_desc *d = &cfg.desc;
-        printf("device:  %s\n", clmha_context_device_name(ctx));
-        char gemm[640];
-        clmha_context_gemm_note(ctx, gemm, sizeof gemm);
-        printf("gemm:    %s\n", gemm);
-        printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s (%s)\n",
-               d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
-               d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
-               d->batch_first ? ", batch_first" : "", layer_path ? layer_path : "random");
-        print_tuning(ctx);
-        fflush(stdout);
-    }
-    for (size_t ib = 0; ib < nb && decode; ++ib)
-        for (size_t ic = 0; ic < nc; ++ic)
-            if (clmha__bench_decode_shape(ctx, &cfg, batches[ib], caches[ic], times) != EXIT_OK)
-                goto done;
-    for (size_t ib = 0; ib < nb && !decode; ++ib)
-        for (size_t it = 0; it < nt; ++it)
-            for (size_t is = 0; is < (ns ? ns : 1); ++is) {
-                bench_result res;
-                size_t s = ns ? srcs[is] : tgts[it];
-                if (backward) {
-                    if (clmha__bench_backward_shape(ctx, &cfg, batches[ib], tgts[it], s,
-                                                    times) != EXIT_OK)
-                        goto done;
-                    continue;
-                }
-                if (bench_shape(ctx, &cfg, batches[ib], tgts[it], s, times, &res) != EXIT_OK)
-                    goto done;
-                bench_print(ctx, &cfg, &res);
-            }
-    rc = EXIT_OK;
+    if (!a.layer_path && !(params = random_params(a.e, &cfg))) goto done;
+    if (!(ctx = clmha__cli_open_context("bench", a.device))) goto done;
+    if (a.layer_path && !adopt_layer_desc(ctx, &cfg, &a)) goto done;
+    if (!a.json) print_head(ctx, &cfg, a.layer_path);
+    rc = run_shapes(ctx, &cfg, &a, times);
 done:
-    clmha_layer_release(layer);
     clmha_context_release(ctx);
     free(params);
     free(times);

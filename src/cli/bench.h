@@ -1,5 +1,7 @@
-// What the two files of `clmha bench` share: bench.c (options, the forward benchmark) and
-// bench_backward.c (--backward: forward with save + backward). Internal to the program.
+// The files of `clmha bench`: bench.c (options, the forward benchmark) calls bench_backward.c
+// (--backward: forward with save + backward) and bench_decode.c (--decode: a step over a KV
+// cache), and the three call bench_common.c (the layer and buffers of a shape, random inputs,
+// timings, JSON), never the other way. Internal to the program.
 #ifndef CLMHA_CLI_BENCH_H
 #define CLMHA_CLI_BENCH_H
 
@@ -28,6 +30,8 @@ typedef struct bench_io {
     size_t counts[BENCH_BUFS];   // floats of each buffer (0: none)
     char where[160];             // "N 8, L 128, S 128", for messages
 } bench_io;
+
+// ---- bench_common.c ----------------------------------------------------------------------------
 
 // A fresh layer for one shape (so that its scratch is that shape's own). Reports a failure.
 clmha_layer *clmha__bench_layer(clmha_context *ctx, const bench_config *cfg);
@@ -65,6 +69,8 @@ double clmha__bench_median(double *times, size_t count, double *min, double *max
 // *projections and the attention's (Q·Kᵀ and weights·V) in *attention.
 void clmha__bench_forward_flops(const clmha_layer_desc *d, size_t n, size_t l, size_t s,
                                 double *projections, double *attention);
+
+// ---- bench_backward.c, bench_decode.c (called by bench.c) ---------------------------------------
 
 // --backward: times forward (with save) + backward at one shape and prints the result.
 // @p times has room for cfg->repeat values. Returns EXIT_OK or EXIT_REFUSED after reporting.
