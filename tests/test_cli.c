@@ -11,7 +11,8 @@
 //     lack yet (KV cache, backward) refused as usage errors; `clmha bench --dtype f64`;
 //   - refused inputs exit 1 with one stderr line naming the file or argument and create no file;
 //   - usage errors exit 2; --help and --version exit 0;
-//   - `clmha devices` lists the spec strings; `clmha demo --heatmap` writes a PNG;
+//   - `clmha devices` lists the spec strings; `clmha demo --heatmap` and `clmha run --heatmap`
+//     write a PNG;
 //   - files: special files are neither read (no hang) nor replaced, a failed run (a rename made
 //     to fail by tests/cli_fail_rename.c) leaves every file as it was, outputs that are the same
 //     file or an input are refused, 255-byte names are written;
@@ -807,6 +808,39 @@ Test(cli_run, writes_both_outputs_with_pytorch_shapes) {
     tmp_remove(&d);
 }
 
+// --heatmap: the attention maps of one batch item as a PNG, written with the other outputs;
+// --heatmap-batch must name an item of the query (exit 1 otherwise, nothing written) and needs
+// --heatmap (exit 2).
+Test(cli_run, heatmap_of_a_batch_item) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                           tmp_file(&d, "q.npy"), "--output", tmp_file(&d, "o.npy"), "--heatmap",
+                           tmp_file(&d, "h.png"), "--heatmap-batch", "1");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_assert_str_empty(r.err);
+    char names[512];
+    cr_assert_eq(tmp_list(&d, names, sizeof names), 4, "files: %s", names);  // + o.npy, h.png
+    size_t size = 0;
+    char *bytes = read_file(tmp_file(&d, "h.png"), &size);
+    cr_assert(bytes != NULL && size > 8 && memcmp(bytes, "\x89PNG\r\n\x1a\n", 8) == 0);
+    free(bytes);
+    cli_free(&r);
+    r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                tmp_file(&d, "q.npy"), "--output", tmp_file(&d, "o2.npy"), "--heatmap",
+                tmp_file(&d, "h2.png"), "--heatmap-batch", "2");
+    cr_assert_eq(r.status, 1, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha run: ", "--heatmap-batch 2", "2 batch items", NULL);
+    cr_assert_eq(tmp_list(&d, names, sizeof names), 4, "files: %s", names);
+    cli_free(&r);
+    r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                tmp_file(&d, "q.npy"), "--heatmap-batch", "0");
+    cr_assert_eq(r.status, 2, "stderr: %s", r.err);
+    assert_one_line(&r, "clmha run: ", "--heatmap-batch needs --heatmap", NULL);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+
 // --dtype f16 / bf16: a float16 query file ('<f2') is read exactly; the layer file's values and
 // the query are rounded to the dtype; the output and weights are float16 files ('<f2') for f16 and float32
 // files of bfloat16 values for bf16, within the accuracy contract (include/clmha.h,
@@ -1394,6 +1428,7 @@ Test(cli_demo, writes_heatmap_png) {
     cli_result r = cli_run("demo", "--heatmap", png);
     cr_assert_eq(r.status, 0, "stdout: %s\nstderr: %s", r.out, r.err);
     cr_assert(strstr(r.out, "PASS") != NULL, "stdout: %s", r.out);
+    cr_assert(strstr(r.out, "batch item 1, keys 40 to 47 padding") != NULL, "stdout: %s", r.out);
     size_t size = 0;
     char *bytes = read_file(png, &size);
     cr_assert(bytes != NULL, "%s was not written", png);

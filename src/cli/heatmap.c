@@ -413,3 +413,29 @@ fail:
     free(mean);
     return st;
 }
+
+clmha_status clmha__heatmap_temp_path(const char *path, char *out, size_t out_size, char *msg,
+                                      size_t msg_size) {
+    if (out_size) out[0] = '\0';
+    const char *slash = path ? strrchr(path, '/') : NULL;
+    int dir_len = slash ? (int)(slash - path) + 1 : 0;  // with its '/'
+    int n = path ? snprintf(out, out_size, "%.*s.clmha-heatmap-XXXXXX", dir_len, path) : -1;
+    if (n < 0 || (size_t)n >= out_size) {
+        if (out_size) out[0] = '\0';
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "heatmap: no room for a temporary file name next to the target");
+    }
+    int fd = mkstemp(out);
+    if (fd < 0) {
+        int err = errno;
+        out[0] = '\0';
+        return clmha__msg(msg, msg_size, CLMHA_IO_ERROR,
+                          "cannot create a temporary file in its folder: %s", strerror(err));
+    }
+    // The mode the PNG takes (clmha__file_write_whole keeps the mode of the file it replaces):
+    // the target's when it exists, else rw-r--r--, as for a file written in place.
+    struct stat sb;
+    fchmod(fd, stat(path, &sb) == 0 && S_ISREG(sb.st_mode) ? sb.st_mode & 07777 : 0644);
+    close(fd);
+    return CLMHA_SUCCESS;
+}

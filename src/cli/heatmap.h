@@ -51,4 +51,12 @@ void clmha__heatmap_color(double t, unsigned char rgb[3]);
 clmha_status clmha__heatmap_write(const char *path, const float *weights, size_t heads,
                                   size_t tgt_len, size_t src_len, char *msg, size_t msg_size);
 
+// A new, empty regular file next to @p path (same folder, name ".clmha-heatmap-XXXXXX"), its
+// name in @p out: where a heatmap is written before it is renamed over @p path, so that it
+// can wait for other outputs (clmha run writes it with its .npy files).
+// @return CLMHA_SUCCESS, CLMHA_INVALID_ARGUMENT (the name does not fit in @p out_size),
+//         CLMHA_IO_ERROR (with the folder and the reason)
+clmha_status clmha__heatmap_temp_path(const char *path, char *out, size_t out_size, char *msg,
+                                      size_t msg_size);
+
 #endif

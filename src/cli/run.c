@@ -16,6 +16,7 @@
 #include "base/half.h"
 #include "base/message.h"
 #include "grads.h"
+#include "heatmap.h"
 #include "npy.h"
 #include "outputs.h"
 
@@ -98,6 +99,14 @@ static const char *const usage_run[] = {
     "  A query row whose every key is masked gets zero weights (PyTorch gives NaN there).\n"
     "  Results not written to a file are summarised on stdout (shape, first values).\n"
     "\n",
+    "heatmap:\n"
+    "  --heatmap H.png           also draw the attention maps of this call as a PNG: the\n"
+    "                            weights of each head (one tile each, keys left to right,\n"
+    "                            queries top to bottom) and their mean, on one colour scale,\n"
+    "                            from one more forward call of the same inputs; written with\n"
+    "                            the other outputs (renamed last)\n"
+    "  --heatmap-batch B         the batch item drawn (default 0)\n"
+    "\n"
     "incremental decoding:\n"
     "  --decode-chunk C          run the forward pass through a KV cache (clmha_kv_cache), C\n"
     "                            query rows a call, and write the rows together: with\n"
@@ -106,7 +115,8 @@ static const char *const usage_run[] = {
     "                            bottom-right aligned; without, the whole key and value go in\n"
     "                            with the first call and the later calls attend only. Either\n"
     "                            way the output is the one-shot forward's. Not with masks,\n"
-    "                            weights, --training, gradients, --impl or --dtype f64\n"
+    "                            weights, --heatmap, --training, gradients, --impl or\n"
+    "                            --dtype f64\n"
     "\n"
     "precision:\n"
     "  --dtype T                 the layer's dtype (PyTorch's dtype=): f32 (default), f64,\n"
@@ -393,334 +403,485 @@ static bool grad_shape_ok(const input_file *in, const char *what, size_t ndim,
     return false;
 }
 
-int clmha__cli_run(int argc, char **argv) {
-    const char *layer_path = NULL, *output_path = NULL, *weights_path = NULL, *device = NULL;
-    const char *grads_dir = NULL, *seed_opt = NULL, *offset_opt = NULL, *chunk_opt = NULL;
-    const char *dtype_opt = NULL, *prefix = NULL, *heads_opt = NULL, *batch_first_opt = NULL;
-    input_file in[IN_COUNT] = {
-        [IN_QUERY] = {.flag = "--query"},
-        [IN_KEY] = {.flag = "--key"},
-        [IN_VALUE] = {.flag = "--value"},
-        [IN_KPM] = {.flag = "--key-padding-mask", .is_mask = true},
-        [IN_ATTN] = {.flag = "--attn-mask", .is_mask = true},
-        [IN_GRAD_OUT] = {.flag = "--grad-output"},
-        [IN_GRAD_W] = {.flag = "--grad-weights"},
-    };
-    bool is_causal = false, need_weights = false, per_head = false, training = false;
-    const char *impl_opt = NULL;
+// The command line, and what follows from it before any file is read.
+typedef struct run_opts {
+    const char *layer_path, *output_path, *weights_path, *device, *grads_dir, *heatmap;
+    const char *seed_opt, *offset_opt, *chunk_opt, *dtype_opt, *prefix, *heads_opt;
+    const char *batch_first_opt, *impl_opt, *heatmap_batch_opt;
+    input_file in[IN_COUNT];
+    bool is_causal, need_weights, per_head, training;
+    clmha_impl impl;
+    clmha_dtype dtype;
+    bool f64;  // a float64 layer: inputs read and results written as doubles
+    clmha_load_options load;
+    uint64_t chunk;          // --decode-chunk (0: one call)
+    uint64_t heatmap_batch;  // --heatmap-batch
+    clmha_dropout_rng rng;
+    clmha__cli_in named_in[IN_COUNT + 1];  // --layer and the .npy inputs
+    clmha__cli_out outs[3 + CLMHA__CLI_MAX_GRADS];
+    size_t num_outs;  // the output, the weights and the heatmap; the gradients join later
+} run_opts;
+
+// What a run holds once the device is open.
+typedef struct run_state {
+    clmha_context *ctx;
+    clmha_layer *layer;
+    clmha_saved *saved;
+    clmha__cli_grads grads;
+    clmha_layer_desc desc;
+    clmha_forward_args args;
+    size_t y_count, w_count;
+    size_t n, l;             // batch size (1 unbatched) and query length
+    size_t w_shape[4], w_ndim;
+    float *y, *w;            // the results, or for a float64 layer
+    double *y64, *w64;       // these
+    char heatmap_tmp[4096];  // the heatmap, written and not yet renamed ("" none)
+} run_state;
+
+// Parses the command line into @p o. Returns true when the command goes on; else false with
+// *rc EXIT_OK (after --help) or EXIT_USAGE (after reporting).
+static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
     const clmha__cli_option opts[] = {
-        {.name = "--layer", .value = &layer_path},
-        {.name = "--prefix", .value = &prefix},
-        {.name = "--num-heads", .value = &heads_opt},
-        {.name = "--batch-first", .value = &batch_first_opt},
-        {.name = "--query", .value = &in[IN_QUERY].path},
-        {.name = "--key", .value = &in[IN_KEY].path},
-        {.name = "--value", .value = &in[IN_VALUE].path},
-        {.name = "--key-padding-mask", .value = &in[IN_KPM].path},
-        {.name = "--attn-mask", .value = &in[IN_ATTN].path},
-        {.name = "--is-causal", .flag = &is_causal},
-        {.name = "--impl", .value = &impl_opt},
-        {.name = "--need-weights", .flag = &need_weights},
-        {.name = "--per-head-weights", .flag = &per_head},
-        {.name = "--output", .value = &output_path},
-        {.name = "--weights-output", .value = &weights_path},
-        {.name = "--training", .flag = &training},
-        {.name = "--seed", .value = &seed_opt},
-        {.name = "--offset", .value = &offset_opt},
-        {.name = "--grad-output", .value = &in[IN_GRAD_OUT].path},
-        {.name = "--grad-weights", .value = &in[IN_GRAD_W].path},
-        {.name = "--grads-dir", .value = &grads_dir},
-        {.name = "--device", .value = &device, .allow_empty = true},
-        {.name = "--decode-chunk", .value = &chunk_opt},
-        {.name = "--dtype", .value = &dtype_opt},
+        {.name = "--layer", .value = &o->layer_path},
+        {.name = "--prefix", .value = &o->prefix},
+        {.name = "--num-heads", .value = &o->heads_opt},
+        {.name = "--batch-first", .value = &o->batch_first_opt},
+        {.name = "--query", .value = &o->in[IN_QUERY].path},
+        {.name = "--key", .value = &o->in[IN_KEY].path},
+        {.name = "--value", .value = &o->in[IN_VALUE].path},
+        {.name = "--key-padding-mask", .value = &o->in[IN_KPM].path},
+        {.name = "--attn-mask", .value = &o->in[IN_ATTN].path},
+        {.name = "--is-causal", .flag = &o->is_causal},
+        {.name = "--impl", .value = &o->impl_opt},
+        {.name = "--need-weights", .flag = &o->need_weights},
+        {.name = "--per-head-weights", .flag = &o->per_head},
+        {.name = "--output", .value = &o->output_path},
+        {.name = "--weights-output", .value = &o->weights_path},
+        {.name = "--heatmap", .value = &o->heatmap},
+        {.name = "--heatmap-batch", .value = &o->heatmap_batch_opt},
+        {.name = "--training", .flag = &o->training},
+        {.name = "--seed", .value = &o->seed_opt},
+        {.name = "--offset", .value = &o->offset_opt},
+        {.name = "--grad-output", .value = &o->in[IN_GRAD_OUT].path},
+        {.name = "--grad-weights", .value = &o->in[IN_GRAD_W].path},
+        {.name = "--grads-dir", .value = &o->grads_dir},
+        {.name = "--device", .value = &o->device, .allow_empty = true},
+        {.name = "--decode-chunk", .value = &o->chunk_opt},
+        {.name = "--dtype", .value = &o->dtype_opt},
     };
     char usage[8192] = "";
     for (size_t i = 0; i < sizeof usage_run / sizeof usage_run[0]; ++i)
         strncat(usage, usage_run[i], sizeof usage - strlen(usage) - 1);
-    int rc;
     if (!clmha__cli_parse_options("run", argc, argv, opts, sizeof opts / sizeof opts[0], usage,
-                                  &rc))
-        return rc;
-    if (!layer_path || !in[IN_QUERY].path) {
+                                  rc))
+        return false;
+    *rc = EXIT_USAGE;
+    if (!o->layer_path || !o->in[IN_QUERY].path) {
         clmha__cli_report("run", "%s required (try 'clmha run --help')",
-                          !layer_path && !in[IN_QUERY].path ? "--layer and --query are"
-                          : !layer_path                     ? "--layer is"
-                                                            : "--query is");
-        return EXIT_USAGE;
+                          !o->layer_path && !o->in[IN_QUERY].path ? "--layer and --query are"
+                          : !o->layer_path                        ? "--layer is"
+                                                                  : "--query is");
+        return false;
     }
-    // The outputs and inputs named so far (the gradient files join once the layer is known).
-    clmha__cli_in named_in[IN_COUNT + 1] = {{"--layer", layer_path}};
-    for (int i = 0; i < IN_COUNT; ++i) named_in[i + 1] = (clmha__cli_in){in[i].flag, in[i].path};
-    clmha__cli_out outs[2 + CLMHA__CLI_MAX_GRADS];
-    size_t num_outs = 0;
-    if (output_path) outs[num_outs++] = (clmha__cli_out){.flag = "--output", .path = output_path};
-    if (weights_path)
-        outs[num_outs++] = (clmha__cli_out){.flag = "--weights-output", .path = weights_path};
-    if (!clmha__cli_outputs_distinct("run", outs, num_outs, named_in, IN_COUNT + 1))
-        return EXIT_USAGE;
-    if (weights_path || per_head) need_weights = true;
-    clmha_impl impl;
-    if (!clmha__cli_parse_impl("run", impl_opt, need_weights,
-                               "--need-weights, --per-head-weights and --weights-output", &impl))
-        return EXIT_USAGE;
-    clmha_dtype dtype;
-    if (!clmha__cli_parse_dtype("run", dtype_opt, &dtype)) return EXIT_USAGE;
-    bool f64 = dtype == CLMHA_DTYPE_F64;
-    clmha_load_options load = {.struct_size = sizeof load, .prefix = prefix, .dtype = dtype};
+    if (o->heatmap_batch_opt && !o->heatmap) {
+        clmha__cli_report("run", "--heatmap-batch needs --heatmap");
+        return false;
+    }
+    return parse_u64("--heatmap-batch", o->heatmap_batch_opt, &o->heatmap_batch);
+}
+
+// --num-heads and --batch-first into o->load. Reports a usage error.
+static bool parse_load_options(run_opts *o) {
     uint64_t heads = 0;
-    if (!parse_u64("--num-heads", heads_opt, &heads)) return EXIT_USAGE;
-    if (heads_opt && (heads == 0 || heads > SIZE_MAX)) {
-        clmha__cli_report("run", "--num-heads '%s': expected a positive integer", heads_opt);
-        return EXIT_USAGE;
+    if (!parse_u64("--num-heads", o->heads_opt, &heads)) return false;
+    if (o->heads_opt && (heads == 0 || heads > SIZE_MAX)) {
+        clmha__cli_report("run", "--num-heads '%s': expected a positive integer", o->heads_opt);
+        return false;
     }
-    load.num_heads = (size_t)heads;
-    if (batch_first_opt) {
-        bool yes = strcmp(batch_first_opt, "yes") == 0, no = strcmp(batch_first_opt, "no") == 0;
-        if (!yes && !no) {
-            clmha__cli_report("run", "--batch-first '%s': expected yes or no", batch_first_opt);
-            return EXIT_USAGE;
+    o->load = (clmha_load_options){.struct_size = sizeof o->load, .prefix = o->prefix,
+                                   .dtype = o->dtype, .num_heads = (size_t)heads};
+    if (o->batch_first_opt) {
+        bool yes = strcmp(o->batch_first_opt, "yes") == 0;
+        if (!yes && strcmp(o->batch_first_opt, "no") != 0) {
+            clmha__cli_report("run", "--batch-first '%s': expected yes or no",
+                              o->batch_first_opt);
+            return false;
         }
-        load.batch_first = yes ? CLMHA_BATCH_FIRST_YES : CLMHA_BATCH_FIRST_NO;
+        o->load.batch_first = yes ? CLMHA_BATCH_FIRST_YES : CLMHA_BATCH_FIRST_NO;
     }
+    return true;
+}
+
+// --decode-chunk and what it does not go with. Reports a usage error.
+static bool parse_decode_chunk(run_opts *o) {
+    if (!o->chunk_opt) return true;
+    const input_file *in = o->in;
+    const char *clash =
+        o->need_weights || o->per_head || o->weights_path || o->heatmap ? "weights"
+        : in[IN_KPM].path || in[IN_ATTN].path                          ? "masks"
+        : o->training                                                  ? "--training"
+        : in[IN_GRAD_OUT].path || o->grads_dir                         ? "gradients"
+        : o->impl_opt                                                  ? "--impl"
+        : o->is_causal && (in[IN_KEY].path || in[IN_VALUE].path)
+            ? "--is-causal with --key or --value (the cache aligns causal queries "
+              "bottom-right: self-attention only)"
+        : o->f64 ? "--dtype f64 (float64 layers have no KV cache yet)"
+                 : NULL;
+    if (!parse_u64("--decode-chunk", o->chunk_opt, &o->chunk)) return false;
+    if (o->chunk == 0) {
+        clmha__cli_report("run", "--decode-chunk %s: expected a positive number of query rows",
+                          o->chunk_opt);
+        return false;
+    }
+    if (clash) {
+        clmha__cli_report("run", "--decode-chunk does not go with %s", clash);
+        return false;
+    }
+    return true;
+}
+
+// Everything about the options that needs no file. Reports a usage error.
+static bool check_options(run_opts *o) {
+    o->named_in[0] = (clmha__cli_in){"--layer", o->layer_path};
+    for (int i = 0; i < IN_COUNT; ++i)
+        o->named_in[i + 1] = (clmha__cli_in){o->in[i].flag, o->in[i].path};
+    if (o->output_path)
+        o->outs[o->num_outs++] = (clmha__cli_out){.flag = "--output", .path = o->output_path};
+    if (o->weights_path)
+        o->outs[o->num_outs++] =
+            (clmha__cli_out){.flag = "--weights-output", .path = o->weights_path};
+    if (o->heatmap) o->outs[o->num_outs++] = (clmha__cli_out){.flag = "--heatmap", .path = o->heatmap};
+    if (!clmha__cli_outputs_distinct("run", o->outs, o->num_outs, o->named_in, IN_COUNT + 1))
+        return false;
+    if (o->weights_path || o->per_head) o->need_weights = true;
+    if (!clmha__cli_parse_impl("run", o->impl_opt, o->need_weights || o->heatmap,
+                               "--need-weights, --per-head-weights, --weights-output and "
+                               "--heatmap",
+                               &o->impl) ||
+        !clmha__cli_parse_dtype("run", o->dtype_opt, &o->dtype))
+        return false;
+    o->f64 = o->dtype == CLMHA_DTYPE_F64;
+    if (!parse_load_options(o)) return false;
     // Only float32 layers have a backward pass (include/clmha.h, clmha_dtype): refused here,
     // before any file is read, rather than by the library after the forward pass.
-    if (dtype != CLMHA_DTYPE_F32 && (in[IN_GRAD_OUT].path || in[IN_GRAD_W].path || grads_dir)) {
+    if (o->dtype != CLMHA_DTYPE_F32 &&
+        (o->in[IN_GRAD_OUT].path || o->in[IN_GRAD_W].path || o->grads_dir)) {
         clmha__cli_report("run",
                           "--dtype %s: gradients (--grad-output, --grad-weights, --grads-dir) "
                           "need --dtype f32: %s layers have no backward pass yet",
-                          dtype_opt, clmha__dtype_name(dtype));
-        return EXIT_USAGE;
+                          o->dtype_opt, clmha__dtype_name(o->dtype));
+        return false;
     }
-    uint64_t chunk = 0;
-    if (chunk_opt) {
-        const char *clash = need_weights || per_head || weights_path ? "weights"
-                            : in[IN_KPM].path || in[IN_ATTN].path    ? "masks"
-                            : training                               ? "--training"
-                            : in[IN_GRAD_OUT].path || grads_dir      ? "gradients"
-                            : impl_opt                               ? "--impl"
-                            : is_causal && (in[IN_KEY].path || in[IN_VALUE].path)
-                                ? "--is-causal with --key or --value (the cache aligns causal "
-                                  "queries bottom-right: self-attention only)"
-                            : f64 ? "--dtype f64 (float64 layers have no KV cache yet)"
-                                  : NULL;
-        if (!parse_u64("--decode-chunk", chunk_opt, &chunk)) return EXIT_USAGE;
-        if (chunk == 0) {
-            clmha__cli_report("run", "--decode-chunk %s: expected a positive number of query "
-                                     "rows", chunk_opt);
-            return EXIT_USAGE;
-        }
-        if (clash) {
-            clmha__cli_report("run", "--decode-chunk does not go with %s", clash);
-            return EXIT_USAGE;
-        }
-    }
-    clmha_dropout_rng rng = {0};
-    if (!grad_options_ok(in[IN_GRAD_OUT].path, in[IN_GRAD_W].path, grads_dir, need_weights,
-                         training, seed_opt, offset_opt) ||
-        !parse_u64("--seed", seed_opt, &rng.seed) ||
-        !parse_u64("--offset", offset_opt, &rng.offset))
-        return EXIT_USAGE;
+    return parse_decode_chunk(o) &&
+           grad_options_ok(o->in[IN_GRAD_OUT].path, o->in[IN_GRAD_W].path, o->grads_dir,
+                           o->need_weights, o->training, o->seed_opt, o->offset_opt) &&
+           parse_u64("--seed", o->seed_opt, &o->rng.seed) &&
+           parse_u64("--offset", o->offset_opt, &o->rng.offset);
+}
 
-    clmha_context *ctx = NULL;
-    clmha_layer *layer = NULL;
-    clmha_saved *saved = NULL;
-    clmha__cli_grads grads = {0};
-    // The results: floats, or doubles for a float64 layer (y64, w64).
-    float *y = NULL, *w = NULL;
-    double *y64 = NULL, *w64 = NULL;
-    rc = EXIT_REFUSED;
-
-    // Files first: they are refused without touching a device.
-    if ((output_path && !clmha__cli_output_path_ok("run", "--output", output_path)) ||
-        (weights_path && !clmha__cli_output_path_ok("run", "--weights-output", weights_path)) ||
-        (grads_dir && !grads_dir_ok(grads_dir)))
-        goto fail;
-    // A regular file only: opening a FIFO or a device must not block (base/file_read.h).
+// The files, before any device is touched: the outputs' paths, --grads-dir, the layer file (a
+// regular file: opening a FIFO or a device must not block, base/file_read.h) and the inputs.
+static bool read_files(run_opts *o) {
+    if ((o->output_path && !clmha__cli_output_path_ok("run", "--output", o->output_path)) ||
+        (o->weights_path &&
+         !clmha__cli_output_path_ok("run", "--weights-output", o->weights_path)) ||
+        (o->heatmap && !clmha__cli_output_path_ok("run", "--heatmap", o->heatmap)) ||
+        (o->grads_dir && !grads_dir_ok(o->grads_dir)))
+        return false;
     FILE *f = NULL;
     size_t layer_size;
     char msg[1024];
-    if (clmha__file_open_regular(layer_path, &f, &layer_size, NULL, msg, sizeof msg)) {
-        clmha__cli_report("run", "--layer %s: %s", layer_path,
-                          clmha__cli_without_path(msg, layer_path));
-        goto fail;
+    if (clmha__file_open_regular(o->layer_path, &f, &layer_size, NULL, msg, sizeof msg)) {
+        clmha__cli_report("run", "--layer %s: %s", o->layer_path,
+                          clmha__cli_without_path(msg, o->layer_path));
+        return false;
     }
     fclose(f);
     for (int i = 0; i < IN_COUNT; ++i)
-        if (in[i].path && !read_input(&in[i], f64)) goto fail;
+        if (o->in[i].path && !read_input(&o->in[i], o->f64)) return false;
+    return true;
+}
 
-    if (!(ctx = clmha__cli_open_context("run", device))) goto fail;
-    if (clmha_layer_load_prefixed(&layer, ctx, layer_path, &load) != CLMHA_SUCCESS) {
-        clmha__cli_report("run", "--layer %s: %s", layer_path,
-                          clmha__cli_without_path(clmha_context_last_error(ctx), layer_path));
-        goto fail;
+// The device and the layer file on it.
+static bool open_layer(const run_opts *o, run_state *s) {
+    if (!(s->ctx = clmha__cli_open_context("run", o->device))) return false;
+    if (clmha_layer_load_prefixed(&s->layer, s->ctx, o->layer_path, &o->load) != CLMHA_SUCCESS) {
+        clmha__cli_report("run", "--layer %s: %s", o->layer_path,
+                          clmha__cli_without_path(clmha_context_last_error(s->ctx),
+                                                  o->layer_path));
+        return false;
     }
-    clmha_layer_desc desc = {.struct_size = sizeof desc};
-    if (clmha_layer_get_desc(layer, &desc) != CLMHA_SUCCESS) {
-        clmha__cli_report("run", "--layer %s: %s", layer_path, clmha_context_last_error(ctx));
-        goto fail;
+    s->desc = (clmha_layer_desc){.struct_size = sizeof s->desc};
+    if (clmha_layer_get_desc(s->layer, &s->desc) != CLMHA_SUCCESS) {
+        clmha__cli_report("run", "--layer %s: %s", o->layer_path,
+                          clmha_context_last_error(s->ctx));
+        return false;
     }
+    return true;
+}
 
-    // The arguments, checked one input at a time so that a refusal names its file.
-    clmha_forward_args args = {.struct_size = sizeof args, .query = tensor_of(&in[IN_QUERY].a)};
-    if (in[IN_KEY].path) args.key = tensor_of(&in[IN_KEY].a);
+// The forward call's arguments, checked one input at a time so that a refusal names its file;
+// then the output counts.
+static bool build_args(const run_opts *o, run_state *s) {
+    const input_file *in = o->in;
+    clmha_forward_args *args = &s->args;
+    *args = (clmha_forward_args){.struct_size = sizeof *args, .query = tensor_of(&in[IN_QUERY].a)};
+    if (in[IN_KEY].path) args->key = tensor_of(&in[IN_KEY].a);
     if (in[IN_VALUE].path) {
-        args.value = tensor_of(&in[IN_VALUE].a);
-        if (!in[IN_KEY].path) args.key = args.query;  // key defaults to the query
+        args->value = tensor_of(&in[IN_VALUE].a);
+        if (!in[IN_KEY].path) args->key = args->query;  // key defaults to the query
     }
-    size_t y_count = 0, w_count = 0;
-    if (clmha_layer_output_counts(layer, &args, NULL, NULL) != CLMHA_SUCCESS) {
-        const char *why = clmha_context_last_error(ctx);
-        const input_file *culprit = input_culprit(why, in, desc.batch_first);
-        if (culprit)
-            clmha__cli_report("run", "%s %s: %s", culprit->flag, culprit->path, why);
-        else
-            clmha__cli_report("run", "--layer %s: %s", layer_path, why);
-        goto fail;
+    const char *why = NULL;
+    if (clmha_layer_output_counts(s->layer, args, NULL, NULL) != CLMHA_SUCCESS) {
+        why = clmha_context_last_error(s->ctx);
+        const input_file *culprit = input_culprit(why, in, s->desc.batch_first);
+        clmha__cli_report("run", "%s %s: %s", culprit ? culprit->flag : "--layer",
+                          culprit ? culprit->path : o->layer_path, why);
+        return false;
     }
-    args.key_padding_mask = mask_of(&in[IN_KPM]);
-    if (clmha_layer_output_counts(layer, &args, NULL, NULL) != CLMHA_SUCCESS) {
+    args->key_padding_mask = mask_of(&in[IN_KPM]);
+    if (clmha_layer_output_counts(s->layer, args, NULL, NULL) != CLMHA_SUCCESS) {
         clmha__cli_report("run", "--key-padding-mask %s: %s", in[IN_KPM].path,
-                          clmha_context_last_error(ctx));
-        goto fail;
+                          clmha_context_last_error(s->ctx));
+        return false;
     }
-    args.attn_mask = mask_of(&in[IN_ATTN]);
-    args.is_causal = is_causal;
-    if (clmha_layer_output_counts(layer, &args, NULL, NULL) != CLMHA_SUCCESS) {
+    args->attn_mask = mask_of(&in[IN_ATTN]);
+    args->is_causal = o->is_causal;
+    if (clmha_layer_output_counts(s->layer, args, NULL, NULL) != CLMHA_SUCCESS) {
         clmha__cli_report("run", "%s%s: %s", in[IN_ATTN].path ? "--attn-mask " : "--is-causal",
-                          in[IN_ATTN].path ? in[IN_ATTN].path : "", clmha_context_last_error(ctx));
-        goto fail;
+                          in[IN_ATTN].path ? in[IN_ATTN].path : "",
+                          clmha_context_last_error(s->ctx));
+        return false;
     }
-    args.need_weights = need_weights;
-    args.per_head_weights = per_head;
-    args.impl = impl;
-    args.training = training;
-    args.rng = rng;
-    if (clmha_layer_output_counts(layer, &args, &y_count, &w_count) != CLMHA_SUCCESS) {
-        clmha__cli_report("run", "%s", clmha_context_last_error(ctx));
-        goto fail;
+    args->need_weights = o->need_weights;
+    args->per_head_weights = o->per_head;
+    args->impl = o->impl;
+    args->training = o->training;
+    args->rng = o->rng;
+    if (clmha_layer_output_counts(s->layer, args, &s->y_count, &s->w_count) != CLMHA_SUCCESS) {
+        clmha__cli_report("run", "%s", clmha_context_last_error(s->ctx));
+        return false;
     }
+    return true;
+}
 
-    // Output shapes: the output is shaped like the query (whose last size is E); the weights
-    // (N, [H,] L, S'), unbatched without N.
-    const clmha__npy *q = &in[IN_QUERY].a;
+// The output shapes: the output is shaped like the query (whose last size is E); the weights
+// (N, [H,] L, S'), unbatched without N. --heatmap-batch must name a batch item.
+static bool plan_shapes(const run_opts *o, run_state *s) {
+    const clmha__npy *q = &o->in[IN_QUERY].a;
     bool batched = q->ndim == 3;
-    size_t n = batched ? q->shape[desc.batch_first ? 0 : 1] : 1;
-    size_t l = batched ? q->shape[desc.batch_first ? 1 : 0] : q->shape[0];
-    size_t w_shape[4], w_ndim = 0;
-    if (need_weights) {
-        size_t rows = n * l * (per_head ? desc.num_heads : 1);
-        size_t s_padded = rows ? w_count / rows : 0;
-        if (batched) w_shape[w_ndim++] = n;
-        if (per_head) w_shape[w_ndim++] = desc.num_heads;
-        w_shape[w_ndim++] = l;
-        w_shape[w_ndim++] = s_padded;
+    s->n = batched ? q->shape[s->desc.batch_first ? 0 : 1] : 1;
+    s->l = batched ? q->shape[s->desc.batch_first ? 1 : 0] : q->shape[0];
+    if (o->need_weights) {
+        size_t rows = s->n * s->l * (o->per_head ? s->desc.num_heads : 1);
+        if (batched) s->w_shape[s->w_ndim++] = s->n;
+        if (o->per_head) s->w_shape[s->w_ndim++] = s->desc.num_heads;
+        s->w_shape[s->w_ndim++] = s->l;
+        s->w_shape[s->w_ndim++] = rows ? s->w_count / rows : 0;
     }
-
-    // Gradients: the gradient inputs' shapes, then the files, checked like the outputs.
-    if (grads_dir) {
-        if (!grad_shape_ok(&in[IN_GRAD_OUT], "output is", q->ndim, q->shape) ||
-            (in[IN_GRAD_W].path &&
-             !grad_shape_ok(&in[IN_GRAD_W],
-                            per_head ? "weights (per head) are" : "weights (averaged) are",
-                            w_ndim, w_shape)))
-            goto fail;
-        if (!clmha__cli_grads_plan(grads_dir, layer, &args, in[IN_KEY].path != NULL,
-                                   in[IN_VALUE].path != NULL, &grads))
-            goto fail;
-        for (size_t i = 0; i < grads.count; ++i)
-            if (!clmha__cli_output_path_ok("run", "--grads-dir", grads.file[i].path)) goto fail;
-        size_t all = num_outs + clmha__cli_grads_outputs(&grads, outs + num_outs);
-        if (!clmha__cli_outputs_distinct("run", outs, all, named_in, IN_COUNT + 1)) {
-            rc = EXIT_USAGE;
-            goto fail;
-        }
-        if (clmha_saved_create(&saved, layer) != CLMHA_SUCCESS) {
-            clmha__cli_report("run", "%s", clmha_context_last_error(ctx));
-            goto fail;
-        }
-        args.save = saved;
+    if (o->heatmap && o->heatmap_batch >= s->n) {
+        clmha__cli_report("run", "--heatmap-batch %s: the query holds %zu batch item%s (0 to %zu)",
+                          o->heatmap_batch_opt, s->n, s->n == 1 ? "" : "s", s->n - 1);
+        return false;
     }
+    return true;
+}
 
+// Gradients: the gradient inputs' shapes, then the files, checked like the outputs, and the
+// saved state the forward call fills. Sets *rc for a usage error.
+static bool plan_grads(run_opts *o, run_state *s, int *rc) {
+    const clmha__npy *q = &o->in[IN_QUERY].a;
+    if (!grad_shape_ok(&o->in[IN_GRAD_OUT], "output is", q->ndim, q->shape) ||
+        (o->in[IN_GRAD_W].path &&
+         !grad_shape_ok(&o->in[IN_GRAD_W],
+                        o->per_head ? "weights (per head) are" : "weights (averaged) are",
+                        s->w_ndim, s->w_shape)))
+        return false;
+    if (!clmha__cli_grads_plan(o->grads_dir, s->layer, &s->args, o->in[IN_KEY].path != NULL,
+                               o->in[IN_VALUE].path != NULL, &s->grads))
+        return false;
+    for (size_t i = 0; i < s->grads.count; ++i)
+        if (!clmha__cli_output_path_ok("run", "--grads-dir", s->grads.file[i].path)) return false;
+    size_t all = o->num_outs + clmha__cli_grads_outputs(&s->grads, o->outs + o->num_outs);
+    if (!clmha__cli_outputs_distinct("run", o->outs, all, o->named_in, IN_COUNT + 1)) {
+        *rc = EXIT_USAGE;
+        return false;
+    }
+    if (clmha_saved_create(&s->saved, s->layer) != CLMHA_SUCCESS) {
+        clmha__cli_report("run", "%s", clmha_context_last_error(s->ctx));
+        return false;
+    }
+    s->args.save = s->saved;
+    return true;
+}
+
+// The forward call (in chunks through a KV cache with --decode-chunk), then the backward pass.
+static bool compute(const run_opts *o, run_state *s) {
     // (calloc checks the products of counts and sizes.)
-    size_t y_alloc = y_count ? y_count : 1, w_alloc = w_count ? w_count : 1;
-    bool no_memory = f64 ? !(y64 = calloc(y_alloc, sizeof *y64)) ||
-                               (need_weights && !(w64 = calloc(w_alloc, sizeof *w64)))
-                         : !(y = calloc(y_alloc, sizeof *y)) ||
-                               (need_weights && !(w = calloc(w_alloc, sizeof *w)));
+    size_t y_alloc = s->y_count ? s->y_count : 1, w_alloc = s->w_count ? s->w_count : 1;
+    bool no_memory = o->f64 ? !(s->y64 = calloc(y_alloc, sizeof *s->y64)) ||
+                                  (o->need_weights && !(s->w64 = calloc(w_alloc, sizeof *s->w64)))
+                            : !(s->y = calloc(y_alloc, sizeof *s->y)) ||
+                                  (o->need_weights && !(s->w = calloc(w_alloc, sizeof *s->w)));
     if (no_memory) {
-        clmha__cli_report("run", "out of host memory for the outputs (%zu + %zu %s)", y_count,
-                          w_count, f64 ? "doubles" : "floats");
-        goto fail;
+        clmha__cli_report("run", "out of host memory for the outputs (%zu + %zu %s)", s->y_count,
+                          s->w_count, o->f64 ? "doubles" : "floats");
+        return false;
     }
-    if (chunk && !decode_in_chunks(layer, &args, &desc, (size_t)chunk, y)) goto fail;
+    if (o->chunk) return decode_in_chunks(s->layer, &s->args, &s->desc, (size_t)o->chunk, s->y);
     clmha_status st =
-        chunk ? CLMHA_SUCCESS
-        : f64 ? clmha_layer_forward_host_f64(layer, &args, y64, y_count, w64, w_count)
-              : clmha_layer_forward_host(layer, &args, y, y_count, w, w_count);
+        o->f64 ? clmha_layer_forward_host_f64(s->layer, &s->args, s->y64, s->y_count, s->w64,
+                                              s->w_count)
+               : clmha_layer_forward_host(s->layer, &s->args, s->y, s->y_count, s->w, s->w_count);
     if (st != CLMHA_SUCCESS) {
         clmha__cli_report("run", "forward pass failed on %s: %s: %s",
-                          clmha_context_device_name(ctx), clmha_status_string(st),
-                          clmha_context_last_error(ctx));
-        goto fail;
+                          clmha_context_device_name(s->ctx), clmha_status_string(st),
+                          clmha_context_last_error(s->ctx));
+        return false;
     }
-    if (grads_dir) {
-        // The fused backward gives no mask gradients: with a float mask it runs unfused.
-        bool float_mask = args.attn_mask.kind == CLMHA_MASK_FLOAT ||
-                          args.key_padding_mask.kind == CLMHA_MASK_FLOAT;
-        clmha_tensor gw = {0};
-        if (in[IN_GRAD_W].path) gw = tensor_of(&in[IN_GRAD_W].a);
-        if (!clmha__cli_grads_compute(layer, &args, saved, tensor_of(&in[IN_GRAD_OUT].a), gw,
-                                      impl == CLMHA_IMPL_FUSED && float_mask ? CLMHA_IMPL_AUTO
-                                                                             : impl,
-                                      &grads))
-            goto fail;
-    }
+    if (!o->grads_dir) return true;
+    // The fused backward gives no mask gradients: with a float mask it runs unfused.
+    bool float_mask = s->args.attn_mask.kind == CLMHA_MASK_FLOAT ||
+                      s->args.key_padding_mask.kind == CLMHA_MASK_FLOAT;
+    clmha_tensor gw = {0};
+    if (o->in[IN_GRAD_W].path) gw = tensor_of(&o->in[IN_GRAD_W].a);
+    return clmha__cli_grads_compute(
+        s->layer, &s->args, s->saved, tensor_of(&o->in[IN_GRAD_OUT].a), gw,
+        o->impl == CLMHA_IMPL_FUSED && float_mask ? CLMHA_IMPL_AUTO : o->impl, &s->grads);
+}
 
-    // Every file at once, all or none.
-    num_outs = 0;
-    if (output_path)
-        outs[num_outs++] = (clmha__cli_out){.flag = "--output", .path = output_path, .data = y,
-                                            .f64 = y64, .ndim = q->ndim,
-                                            .half = dtype == CLMHA_DTYPE_F16};
-    if (output_path) memcpy(outs[0].shape, q->shape, q->ndim * sizeof *q->shape);
-    if (weights_path) {
-        outs[num_outs] = (clmha__cli_out){.flag = "--weights-output", .path = weights_path,
-                                          .data = w, .f64 = w64, .ndim = w_ndim,
-                                          .half = dtype == CLMHA_DTYPE_F16};
-        memcpy(outs[num_outs++].shape, w_shape, w_ndim * sizeof *w_shape);
+// --heatmap: the per-head weights of batch item o->heatmap_batch, from one more forward call
+// of the same inputs (no saved state), drawn into a temporary file next to the target
+// (s->heatmap_tmp), renamed once the other outputs are written.
+static bool draw_heatmap(const run_opts *o, run_state *s) {
+    clmha_forward_args a = s->args;
+    a.need_weights = a.per_head_weights = true;
+    a.save = NULL;
+    size_t h = s->desc.num_heads;
+    size_t wc = 0, yc = 0;
+    clmha_status st = clmha_layer_output_counts(s->layer, &a, &yc, &wc);
+    size_t per_item = wc / s->n, src = per_item / (h * s->l);
+    float *wf = st ? NULL : calloc(wc ? wc : 1, sizeof *wf);
+    float *yf = wf && !o->f64 ? calloc(yc ? yc : 1, sizeof *yf) : NULL;
+    double *w64 = wf && o->f64 ? calloc(wc ? wc : 1, sizeof *w64) : NULL;
+    double *y64 = w64 ? calloc(yc ? yc : 1, sizeof *y64) : NULL;
+    bool ok = false;
+    if (!st && !(o->f64 ? y64 && w64 : yf && wf)) {
+        clmha__cli_report("run", "--heatmap: out of host memory for the weights");
+        goto done;
     }
-    num_outs += clmha__cli_grads_outputs(&grads, outs + num_outs);
-    if (!clmha__cli_write_outputs("run", outs, num_outs)) goto fail;
-    values yv = {y, y64}, wv = {w, w64};
-    warn_nonfinite(yv, y_count, wv, w_count, in, dtype);
-
-    // A summary of what was not written to a file.
-    bool show_y = !output_path, show_w = need_weights && !weights_path;
-    if (show_y || show_w) {
-        char s[160];
-        printf("device:  %s\n", clmha_context_device_name(ctx));
-        printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s\n",
-               desc.embed_dim, desc.num_heads, desc.kdim, desc.vdim, desc.bias ? ", bias" : "",
-               desc.add_bias_kv ? ", add_bias_kv" : "",
-               desc.add_zero_attn ? ", add_zero_attn" : "",
-               desc.batch_first ? ", batch_first" : "");
-        printf("query:   %s%s\n", clmha__shape_str(s, sizeof s, q->ndim, q->shape),
-               batched ? (desc.batch_first ? " (N, L, E)" : " (L, N, E)") : " (L, E) unbatched");
-        if (show_y) print_values("output:", yv, y_count, q->ndim, q->shape, "");
-        if (show_w)
-            print_values("weights:", wv, w_count, w_ndim, w_shape,
-                         per_head ? " per head" : " averaged over the heads");
+    if (!st) {
+        st = o->f64 ? clmha_layer_forward_host_f64(s->layer, &a, y64, yc, w64, wc)
+                    : clmha_layer_forward_host(s->layer, &a, yf, yc, wf, wc);
+        for (size_t i = 0; !st && w64 && i < wc; ++i) wf[i] = (float)w64[i];
     }
-    rc = EXIT_OK;
-fail:
-    free(y);
-    free(w);
-    free(y64);
+    if (st) {
+        clmha__cli_report("run", "--heatmap: forward pass failed on %s: %s: %s",
+                          clmha_context_device_name(s->ctx), clmha_status_string(st),
+                          clmha_context_last_error(s->ctx));
+        goto done;
+    }
+    char msg[1024];
+    if (clmha__heatmap_temp_path(o->heatmap, s->heatmap_tmp, sizeof s->heatmap_tmp, msg,
+                                 sizeof msg) ||
+        clmha__heatmap_write(s->heatmap_tmp, wf + (size_t)o->heatmap_batch * per_item, h, s->l,
+                             src, msg, sizeof msg)) {
+        clmha__cli_report("run", "--heatmap %s: %s", o->heatmap, msg);
+        if (s->heatmap_tmp[0]) unlink(s->heatmap_tmp);
+        s->heatmap_tmp[0] = '\0';
+        goto done;
+    }
+    ok = true;
+done:
+    free(wf);
+    free(yf);
     free(w64);
-    clmha__cli_grads_free(&grads);
-    clmha_saved_release(saved);
-    clmha_layer_release(layer);
-    clmha_context_release(ctx);
-    for (int i = 0; i < IN_COUNT; ++i) clmha__npy_free(&in[i].a);
+    free(y64);
+    return ok;
+}
+
+// Every .npy file at once, all or none; then the heatmap's rename.
+static bool write_files(run_opts *o, run_state *s) {
+    const clmha__npy *q = &o->in[IN_QUERY].a;
+    bool half = o->dtype == CLMHA_DTYPE_F16;
+    size_t n = 0;
+    if (o->output_path) {
+        o->outs[n] = (clmha__cli_out){.flag = "--output", .path = o->output_path, .data = s->y,
+                                      .f64 = s->y64, .ndim = q->ndim, .half = half};
+        memcpy(o->outs[n++].shape, q->shape, q->ndim * sizeof *q->shape);
+    }
+    if (o->weights_path) {
+        o->outs[n] = (clmha__cli_out){.flag = "--weights-output", .path = o->weights_path,
+                                      .data = s->w, .f64 = s->w64, .ndim = s->w_ndim,
+                                      .half = half};
+        memcpy(o->outs[n++].shape, s->w_shape, s->w_ndim * sizeof *s->w_shape);
+    }
+    n += clmha__cli_grads_outputs(&s->grads, o->outs + n);
+    if (!clmha__cli_write_outputs("run", o->outs, n)) return false;
+    if (s->heatmap_tmp[0]) {
+        if (rename(s->heatmap_tmp, o->heatmap) != 0) {
+            clmha__cli_report("run", "--heatmap %s: %s (the other outputs were written)",
+                              o->heatmap, strerror(errno));
+            return false;
+        }
+        s->heatmap_tmp[0] = '\0';
+    }
+    return true;
+}
+
+// A summary of the results not written to a file.
+static void print_summary(const run_opts *o, const run_state *s) {
+    bool show_y = !o->output_path, show_w = o->need_weights && !o->weights_path;
+    if (!show_y && !show_w) return;
+    const clmha__npy *q = &o->in[IN_QUERY].a;
+    const clmha_layer_desc *d = &s->desc;
+    char sh[160];
+    printf("device:  %s\n", clmha_context_device_name(s->ctx));
+    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s\n", d->embed_dim,
+           d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
+           d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
+           d->batch_first ? ", batch_first" : "");
+    printf("query:   %s%s\n", clmha__shape_str(sh, sizeof sh, q->ndim, q->shape),
+           q->ndim == 3 ? (d->batch_first ? " (N, L, E)" : " (L, N, E)") : " (L, E) unbatched");
+    if (show_y) print_values("output:", (values){s->y, s->y64}, s->y_count, q->ndim, q->shape, "");
+    if (show_w)
+        print_values("weights:", (values){s->w, s->w64}, s->w_count, s->w_ndim, s->w_shape,
+                     o->per_head ? " per head" : " averaged over the heads");
+}
+
+int clmha__cli_run(int argc, char **argv) {
+    run_opts o = {.in = {
+                      [IN_QUERY] = {.flag = "--query"},
+                      [IN_KEY] = {.flag = "--key"},
+                      [IN_VALUE] = {.flag = "--value"},
+                      [IN_KPM] = {.flag = "--key-padding-mask", .is_mask = true},
+                      [IN_ATTN] = {.flag = "--attn-mask", .is_mask = true},
+                      [IN_GRAD_OUT] = {.flag = "--grad-output"},
+                      [IN_GRAD_W] = {.flag = "--grad-weights"},
+                  }};
+    int rc;
+    if (!parse_command_line(argc, argv, &o, &rc)) return rc;
+    if (!check_options(&o)) return EXIT_USAGE;
+    run_state s = {0};
+    rc = EXIT_REFUSED;
+    if (!read_files(&o) || !open_layer(&o, &s) || !build_args(&o, &s) || !plan_shapes(&o, &s) ||
+        (o.grads_dir && !plan_grads(&o, &s, &rc)) || !compute(&o, &s) ||
+        (o.heatmap && !draw_heatmap(&o, &s)) || !write_files(&o, &s))
+        goto done;
+    warn_nonfinite((values){s.y, s.y64}, s.y_count, (values){s.w, s.w64}, s.w_count, o.in,
+                   o.dtype);
+    print_summary(&o, &s);
+    rc = EXIT_OK;
+done:
+    if (s.heatmap_tmp[0]) unlink(s.heatmap_tmp);
+    free(s.y);
+    free(s.w);
+    free(s.y64);
+    free(s.w64);
+    clmha__cli_grads_free(&s.grads);
+    clmha_saved_release(s.saved);
+    clmha_layer_release(s.layer);
+    clmha_context_release(s.ctx);
+    for (int i = 0; i < IN_COUNT; ++i) clmha__npy_free(&o.in[i].a);
     return rc;
 }

@@ -1,4 +1,6 @@
-// `clmha tune`: tunes CLBlast's GEMMs for a device and stores the result (clmha_context_tune()).
+// `clmha tune`: tunes a device and stores the result (clmha_context_tune()): CLBlast's GEMM
+// parameters where the device's products run in CLBlast, the fused core's tiles and the decode
+// core's split everywhere (on a host-BLAS device, only those two).
 //
 // Exit status as for the other commands: 0 success (also when nothing faster was found),
 // 1 a device or library failure, 2 a usage error.
@@ -19,19 +21,24 @@ static const char *usage_tune =
     "usage: clmha tune [--device SPEC] [--budget SECONDS] [--shape N,L,E[,H]]... [--no-store]\n"
     "                  [--trace]\n"
     "\n"
-    "Tunes CLBlast's GEMM kernels for a device: searches the parameters of the indirect\n"
-    "(Xgemm) and direct (XgemmDirect) kernels and the size where CLBlast switches between\n"
-    "them, timing sgemm 1024^3 and the GEMMs of the layer shapes; every candidate is checked\n"
-    "against a CPU GEMM. Prints the gain and writes the device's tuning file, which every\n"
-    "later clmha context on the device loads: $CLMHA_TUNING_DIR, else $XDG_CACHE_HOME/clmha,\n"
-    "else ~/.cache/clmha. 'Default' is CLBlast's own parameters (neither a stored tuning\n"
-    "nor the device's built-in set is applied first; the built-in set is among the first\n"
-    "candidates). Each candidate costs a kernel build (about 6 s on PoCL). Then it times\n"
-    "the fused attention kernel's tiles and, last, how the decode core splits a KV\n"
-    "cache's keys into ranges (one decode step at 512 and 8192 cached keys) with the\n"
-    "rest of the budget. A device whose products run in the host BLAS (the 'gemm:'\n"
-    "line; CLMHA_GEMM) never uses CLBlast's GEMM parameters: there the whole budget goes\n"
-    "to the fused tiles and the decode split.\n"
+    "Tunes a device for clmha and stores the result. What is tuned depends on where the\n"
+    "device's matrix products run (the 'gemm:' line; CLMHA_GEMM chooses):\n"
+    "  - in CLBlast (GPUs, and CPU drivers without native kernels): CLBlast's GEMM\n"
+    "    parameters, then the fused attention kernel's tiles, then the decode core's split;\n"
+    "  - in the host BLAS (CPU drivers with native kernels: PoCL, Intel's CPU runtime;\n"
+    "    oneDNN or OpenBLAS): only the fused tiles and the decode split, with the whole\n"
+    "    budget, as CLBlast's GEMM parameters are never used there.\n"
+    "\n"
+    "The GEMM search tries the parameters of the indirect (Xgemm) and direct (XgemmDirect)\n"
+    "kernels and the size where CLBlast switches between them, timing sgemm 1024^3 and the\n"
+    "GEMMs of the layer shapes; every candidate is checked against a CPU GEMM and costs a\n"
+    "kernel build (about 6 s on PoCL). 'Default' is CLBlast's own parameters (neither a\n"
+    "stored tuning nor the device's built-in set is applied first; the built-in set is among\n"
+    "the first candidates). Then the fused attention kernel's tiles are timed and, last, how\n"
+    "the decode core splits a KV cache's keys into ranges (one decode step at 512 and 8192\n"
+    "cached keys), with the rest of the budget. Prints the gain and writes the device's\n"
+    "tuning file, which every later clmha context on the device loads: $CLMHA_TUNING_DIR,\n"
+    "else $XDG_CACHE_HOME/clmha, else ~/.cache/clmha.\n"
     "\n"
     "options:\n"
     "  --device SPEC      \"P:D\", gpu, cpu, accelerator or part of a device name (see\n"
@@ -107,23 +114,80 @@ static void print_gain(const char *what, double before, double after) {
                after, after / before);
 }
 
-int clmha__cli_tune(int argc, char **argv) {
-    const char *device = NULL, *budget_text = NULL;
-    bool device_given = false, no_store = false, trace = false;
+// What the command line asks for.
+typedef struct tune_args {
+    const char *device;  // --device (NULL: $CLMHA_DEVICE, else the default)
+    const char *budget_text;
+    bool device_given, no_store, trace;
     clmha_tune_shape shapes[MAX_TUNE_SHAPES];
-    size_t num_shapes = 0;
+    size_t num_shapes;
+    double budget;  // seconds
+} tune_args;
+
+// The value of option @p which (0 --device, 1 --budget, 2 --shape) into @p a. Reports a usage
+// error and returns false.
+static bool take_value(tune_args *a, int which, const char *value) {
+    if (which == 0) {
+        if (a->device_given) {
+            clmha__cli_report("tune", "--device given twice");
+            return false;
+        }
+        a->device = value, a->device_given = true;
+    } else if (which == 1) {
+        if (a->budget_text) {
+            clmha__cli_report("tune", "--budget given twice");
+            return false;
+        }
+        a->budget_text = value;
+    } else {
+        if (a->num_shapes == MAX_TUNE_SHAPES) {
+            clmha__cli_report("tune", "--shape given more than %d times", MAX_TUNE_SHAPES);
+            return false;
+        }
+        clmha_tune_shape *s = &a->shapes[a->num_shapes];
+        if (!parse_shape(value, s) || s->embed_dim % s->num_heads) {
+            clmha__cli_report("tune",
+                              "--shape %s: expected N,L,E or N,L,E,H (positive integers, E a "
+                              "multiple of H), e.g. 8,128,512,8",
+                              value);
+            return false;
+        }
+        ++a->num_shapes;
+    }
+    return true;
+}
+
+// --budget SECONDS (default 300) into a->budget. Reports a usage error and returns false.
+static bool parse_budget(tune_args *a) {
+    a->budget = 300;
+    if (!a->budget_text) return true;
+    char *end;
+    errno = 0;
+    a->budget = strtod(a->budget_text, &end);
+    if (errno || end == a->budget_text || *end || !(a->budget > 0) || a->budget > 86400) {
+        clmha__cli_report("tune", "--budget %s: expected seconds, more than 0 and at most 86400",
+                          a->budget_text);
+        return false;
+    }
+    return true;
+}
+
+// Parses the command line into @p a. Returns true when the command goes on; else false with
+// *rc EXIT_OK (after --help) or EXIT_USAGE (after reporting).
+static bool parse_args(int argc, char **argv, tune_args *a, int *rc) {
+    *rc = EXIT_USAGE;
     for (int i = 0; i < argc; ++i) {
         const char *arg = argv[i];
         if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
             fputs(usage_tune, stdout);
-            return EXIT_OK;
+            *rc = EXIT_OK;
+            return false;
         }
-        if (strcmp(arg, "--no-store") == 0) {
-            no_store = true;
-            continue;
-        }
-        if (strcmp(arg, "--trace") == 0) {
-            trace = true;
+        bool *flag = strcmp(arg, "--no-store") == 0 ? &a->no_store
+                     : strcmp(arg, "--trace") == 0  ? &a->trace
+                                                    : NULL;
+        if (flag) {
+            *flag = true;
             continue;
         }
         const char *names[] = {"--device", "--budget", "--shape"};
@@ -140,87 +204,86 @@ int clmha__cli_tune(int argc, char **argv) {
             }
         }
         if (which < 0) {
-            if (strncmp(arg, "--", 2) == 0)
-                clmha__cli_report("tune", "unknown option '%s' (try 'clmha tune --help')", arg);
-            else
-                clmha__cli_report("tune", "unexpected argument '%s' (try 'clmha tune --help')",
-                                  arg);
-            return EXIT_USAGE;
+            clmha__cli_report("tune", "%s '%s' (try 'clmha tune --help')",
+                              strncmp(arg, "--", 2) == 0 ? "unknown option" : "unexpected argument",
+                              arg);
+            return false;
         }
         if (!value) {
             clmha__cli_report("tune", "%s needs a value", names[which]);
-            return EXIT_USAGE;
+            return false;
         }
-        if (which == 0) {
-            if (device_given) {
-                clmha__cli_report("tune", "--device given twice");
-                return EXIT_USAGE;
-            }
-            device = value, device_given = true;
-        } else if (which == 1) {
-            if (budget_text) {
-                clmha__cli_report("tune", "--budget given twice");
-                return EXIT_USAGE;
-            }
-            budget_text = value;
-        } else {
-            if (num_shapes == MAX_TUNE_SHAPES) {
-                clmha__cli_report("tune", "--shape given more than %d times", MAX_TUNE_SHAPES);
-                return EXIT_USAGE;
-            }
-            if (!parse_shape(value, &shapes[num_shapes]) ||
-                shapes[num_shapes].embed_dim % shapes[num_shapes].num_heads) {
-                clmha__cli_report("tune",
-                                  "--shape %s: expected N,L,E or N,L,E,H (positive integers, E a "
-                                  "multiple of H), e.g. 8,128,512,8",
-                                  value);
-                return EXIT_USAGE;
-            }
-            ++num_shapes;
-        }
+        if (!take_value(a, which, value)) return false;
     }
-    double budget = 300;
-    if (budget_text) {
-        char *end;
-        errno = 0;
-        budget = strtod(budget_text, &end);
-        if (errno || end == budget_text || *end || !(budget > 0) || budget > 86400) {
-            clmha__cli_report("tune",
-                              "--budget %s: expected seconds, more than 0 and at most 86400",
-                              budget_text);
-            return EXIT_USAGE;
-        }
+    if (!parse_budget(a)) return false;
+    if (!a->num_shapes) {
+        a->shapes[0] = (clmha_tune_shape){.batch = 8, .tgt_len = 128, .embed_dim = 512,
+                                          .num_heads = 8};
+        a->num_shapes = 1;
     }
+    return true;
+}
 
-    // Compare with CLBlast's own parameters: do not load the stored tuning first.
-    setenv("CLMHA_TUNING", "off", 1);
-    clmha_context *ctx = clmha__cli_open_context("tune", device);
-    if (!ctx) return EXIT_REFUSED;
+// The device, where its GEMMs run, the budget and the shapes.
+static void print_header(clmha_context *ctx, const tune_args *a) {
     printf("device:   %s\n", clmha_context_device_name(ctx));
     char gemm_note[512];
     if (clmha_context_gemm_note(ctx, gemm_note, sizeof gemm_note) == CLMHA_SUCCESS)
         printf("gemm:     %s\n", gemm_note);
-    printf("budget:   %.0f s, shapes:", budget);
-    if (!num_shapes) {
-        shapes[0] = (clmha_tune_shape){.batch = 8, .tgt_len = 128, .embed_dim = 512,
-                                       .num_heads = 8};
-        num_shapes = 1;
-    }
-    for (size_t i = 0; i < num_shapes; ++i)
-        printf(" (N %zu, L %zu, E %zu, H %zu)", shapes[i].batch, shapes[i].tgt_len,
-               shapes[i].embed_dim, shapes[i].num_heads);
+    printf("budget:   %.0f s, shapes:", a->budget);
+    for (size_t i = 0; i < a->num_shapes; ++i)
+        printf(" (N %zu, L %zu, E %zu, H %zu)", a->shapes[i].batch, a->shapes[i].tgt_len,
+               a->shapes[i].embed_dim, a->shapes[i].num_heads);
     printf("\n");
     fflush(stdout);
+}
 
+// What was found, the gains and where the result went.
+static void print_report(clmha_context *ctx, const clmha_tune_report *rep, bool no_store) {
+    printf("result:   %s after %zu candidates (%zu rejected) in %.0f s\n",
+           rep->improved ? "faster parameters found" : "nothing faster found", rep->candidates,
+           rep->rejected, rep->seconds);
+    if (clmha_context_gemm(ctx) != CLMHA_GEMM_HOST) {  // else CLBlast's GEMMs were not timed
+        print_gain("sgemm 1024^3 (row-major, B^T)", rep->default_gflops, rep->tuned_gflops);
+        char what[96];
+        snprintf(what, sizeof what, "QKV projection of %s", rep->layer);
+        print_gain(what, rep->default_layer_gflops, rep->tuned_layer_gflops);
+        print_gain("all GEMMs of the layer shapes", rep->default_forward_gemm_gflops,
+                   rep->tuned_forward_gemm_gflops);
+    }
+    if (rep->default_fused_gflops > 0)
+        print_gain("fused attention (first layer shape)", rep->default_fused_gflops,
+                   rep->tuned_fused_gflops);
+    if (rep->default_decode_ms > 0)
+        printf("  %-36s default %7.3f ms       tuned %7.3f ms       (x%.2f)\n",
+               "decode step (512 + 8192 cached keys)", rep->default_decode_ms,
+               rep->tuned_decode_ms, rep->default_decode_ms / rep->tuned_decode_ms);
+    if (rep->parameters[0]) printf("params:   %s\n", rep->parameters);
+    if (rep->stored)
+        printf("written:  %s\n", rep->path);
+    else if (rep->improved && no_store)
+        printf("written:  nothing (--no-store); the file would be %s\n", rep->path);
+    if (rep->message[0]) printf("note:     %s\n", rep->message);
+}
+
+int clmha__cli_tune(int argc, char **argv) {
+    tune_args a = {0};
+    int rc;
+    if (!parse_args(argc, argv, &a, &rc)) return rc;
+    // Compare with CLBlast's own parameters: do not load the stored tuning first.
+    setenv("CLMHA_TUNING", "off", 1);
+    clmha_context *ctx = clmha__cli_open_context("tune", a.device);
+    if (!ctx) return EXIT_REFUSED;
+    print_header(ctx, &a);
     bar_state bar = {.tty = isatty(STDERR_FILENO) != 0};
     clmha_tune_options opts = {.struct_size = sizeof opts,
-                               .budget_seconds = budget,
-                               .shapes = shapes,
-                               .num_shapes = num_shapes,
+                               .budget_seconds = a.budget,
+                               .shapes = a.shapes,
+                               .num_shapes = a.num_shapes,
                                .progress = on_progress,
                                .user_data = &bar,
-                               .no_store = no_store,
-                               .trace = trace};
+                               .no_store = a.no_store,
+                               .trace = a.trace};
     clmha_tune_report rep = {.struct_size = sizeof rep};
     clmha_status st = clmha_context_tune(ctx, &opts, &rep);
     if (bar.open) fputc('\n', stderr);
@@ -229,30 +292,7 @@ int clmha__cli_tune(int argc, char **argv) {
         clmha_context_release(ctx);
         return EXIT_REFUSED;
     }
-    printf("result:   %s after %zu candidates (%zu rejected) in %.0f s\n",
-           rep.improved ? "faster parameters found" : "nothing faster found", rep.candidates,
-           rep.rejected, rep.seconds);
-    if (clmha_context_gemm(ctx) != CLMHA_GEMM_HOST) {  // else CLBlast's GEMMs were not timed
-        print_gain("sgemm 1024^3 (row-major, B^T)", rep.default_gflops, rep.tuned_gflops);
-        char what[96];
-        snprintf(what, sizeof what, "QKV projection of %s", rep.layer);
-        print_gain(what, rep.default_layer_gflops, rep.tuned_layer_gflops);
-        print_gain("all GEMMs of the layer shapes", rep.default_forward_gemm_gflops,
-                   rep.tuned_forward_gemm_gflops);
-    }
-    if (rep.default_fused_gflops > 0)
-        print_gain("fused attention (first layer shape)", rep.default_fused_gflops,
-                   rep.tuned_fused_gflops);
-    if (rep.default_decode_ms > 0)
-        printf("  %-36s default %7.3f ms       tuned %7.3f ms       (x%.2f)\n",
-               "decode step (512 + 8192 cached keys)", rep.default_decode_ms,
-               rep.tuned_decode_ms, rep.default_decode_ms / rep.tuned_decode_ms);
-    if (rep.parameters[0]) printf("params:   %s\n", rep.parameters);
-    if (rep.stored)
-        printf("written:  %s\n", rep.path);
-    else if (rep.improved && no_store)
-        printf("written:  nothing (--no-store); the file would be %s\n", rep.path);
-    if (rep.message[0]) printf("note:     %s\n", rep.message);
+    print_report(ctx, &rep, a.no_store);
     clmha_context_release(ctx);
     return EXIT_OK;
 }
