@@ -302,6 +302,127 @@ void clmha__npy_free(clmha__npy *a) {
     memset(a, 0, sizeof *a);
 }
 
+// The fixed part of the file (@p b, @p size bytes): the magic string, a version this reads and
+// the header's length; *prefix: the bytes before the header, *header_len: the header's. The
+// header holds no NUL byte.
+static clmha_status read_preamble(const unsigned char *b, size_t size, const char *name,
+                                  size_t *prefix_out, size_t *header_len_out, char *msg,
+                                  size_t msg_size) {
+    if (size == 0)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s: empty file, not a .npy file",
+                          name);
+    if (memcmp(b, npy_magic, size < 6 ? size : 6) != 0)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: not a .npy file (it does not start with \"\\x93NUMPY\")", name);
+    if (size < 8)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s: truncated header (%zu bytes)",
+                          name, size);
+    unsigned major = b[6], minor = b[7];
+    if (major < 1 || major > 3 || minor != 0)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: unsupported .npy format version %u.%u (1.0, 2.0 and 3.0 are "
+                          "supported)",
+                          name, major, minor);
+    size_t prefix = major == 1 ? 10 : 12;
+    if (size < prefix)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s: truncated header (%zu bytes)",
+                          name, size);
+    size_t header_len = major == 1 ? (size_t)b[8] | (size_t)b[9] << 8
+                                   : (size_t)b[8] | (size_t)b[9] << 8 | (size_t)b[10] << 16 |
+                                         (size_t)b[11] << 24;
+    if (header_len > size - prefix)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: header length %zu runs past the end of the file (%zu bytes)", name,
+                          header_len, size);
+    if (memchr(b + prefix, '\0', header_len))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: malformed header: it contains a NUL byte", name);
+    *prefix_out = prefix;
+    *header_len_out = header_len;
+    return CLMHA_SUCCESS;
+}
+
+// The element count of the array @p h describes (*count), whose @p found bytes of data must be
+// exactly count * @p itemsize.
+static clmha_status check_data_size(const header *h, size_t itemsize, size_t found,
+                                    size_t *count_out, const char *name, char *msg,
+                                    size_t msg_size) {
+    size_t count = 1, data_bytes;
+    for (size_t i = 0; i < h->ndim; ++i)
+        if (!clmha__mul(count, h->shape[i], &count))
+            return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
+                              "%s: the number of elements of 'shape' overflows", name);
+    if (!clmha__mul(count, itemsize, &data_bytes))
+        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the data size overflows", name);
+    if (found < data_bytes)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: truncated: expected %zu bytes of data, found %zu", name, data_bytes,
+                          found);
+    if (found > data_bytes)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "%s: %zu trailing bytes after the %zu bytes of data", name,
+                          found - data_bytes, data_bytes);
+    *count_out = count;
+    return CLMHA_SUCCESS;
+}
+
+// Allocates the @p count values of @p a (a->kind known): floats, doubles with @p f64, bytes.
+static clmha_status alloc_values(clmha__npy *a, size_t count, bool f64, const char *name,
+                                 char *msg, size_t msg_size) {
+    // count * itemsize fits in the file, so count * sizeof(float) cannot overflow; doubles
+    // from 2-byte items could (in theory), so their size is checked.
+    size_t alloc = count ? count : 1, alloc_bytes = 0;
+    if (a->kind == CLMHA__NPY_FLOAT && f64 && clmha__mul(alloc, sizeof *a->f64, &alloc_bytes))
+        a->f64 = malloc(alloc_bytes);
+    else if (a->kind == CLMHA__NPY_FLOAT && !f64) a->f32 = malloc(alloc * sizeof *a->f32);
+    else if (a->kind == CLMHA__NPY_BOOL) a->u8 = malloc(alloc);
+    if (!a->f32 && !a->f64 && !a->u8)
+        return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: cannot allocate %zu elements",
+                          name, count);
+    return CLMHA_SUCCESS;
+}
+
+// The @p count elements of @p data (items of @p itemsize bytes, in the order @p h says) into
+// the values of @p a, in C order; float64 rounded to float unless @p f64 (a->overflowed counts
+// the finite values that became infinite).
+static void copy_values(clmha__npy *a, const unsigned char *data, const header *h,
+                        size_t itemsize, size_t count, bool f64) {
+    // Fortran order: walk the output in C order and follow the element in the file, whose
+    // strides are 1, shape[0], shape[0]*shape[1], ... (no overflow: their product is count).
+    bool transpose = h->fortran_order && h->ndim > 1 && count > 0;
+    size_t stride[CLMHA__NPY_MAX_DIMS], index[CLMHA__NPY_MAX_DIMS] = {0};
+    for (size_t k = 0; k < h->ndim; ++k)
+        stride[k] = k == 0 ? 1 : stride[k - 1] * h->shape[k - 1];
+    size_t src = 0;
+    for (size_t o = 0; o < count; ++o) {
+        size_t at = transpose ? src : o;
+        if (a->kind == CLMHA__NPY_BOOL) {
+            a->u8[o] = data[at];
+        } else if (itemsize == 8 && !f64) {
+            double d = load_f8(data + at * 8);
+            a->f32[o] = clmha__double_to_float(d);
+            if (isinf(a->f32[o]) && !isinf(d)) ++a->overflowed;
+        } else {
+            // float16 and float32 widen exactly; float64 is kept as it is
+            double x = itemsize == 8 ? load_f8(data + at * 8)
+                       : itemsize == 4
+                           ? load_f4(data + at * 4)
+                           : clmha__f16_to_f32((uint16_t)(data[at * 2] | data[at * 2 + 1] << 8));
+            if (f64) a->f64[o] = x;
+            else a->f32[o] = (float)x;
+        }
+        if (!transpose) continue;
+        for (size_t k = h->ndim; k-- > 0;) {
+            if (++index[k] < h->shape[k]) {
+                src += stride[k];
+                break;
+            }
+            src -= (h->shape[k] - 1) * stride[k];
+            index[k] = 0;
+        }
+    }
+}
+
 // clmha__npy_parse(), float arrays into doubles with @p f64.
 static clmha_status parse(const void *bytes, size_t size, const char *name, bool f64,
                           clmha__npy *out, char *msg, size_t msg_size) {
@@ -313,130 +434,20 @@ static clmha_status parse(const void *bytes, size_t size, const char *name, bool
     if (!out || (!bytes && size > 0))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s: out or bytes is NULL", name);
     const unsigned char *b = bytes;
-
-    if (size == 0) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s: empty file, not a .npy file", name);
-        goto fail;
-    }
-    if (memcmp(b, npy_magic, size < 6 ? size : 6) != 0) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: not a .npy file (it does not start with \"\\x93NUMPY\")", name);
-        goto fail;
-    }
-    if (size < 8) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s: truncated header (%zu bytes)", name,
-                        size);
-        goto fail;
-    }
-    unsigned major = b[6], minor = b[7];
-    if (major < 1 || major > 3 || minor != 0) {
-        st =
-            clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                       "%s: unsupported .npy format version %u.%u (1.0, 2.0 and 3.0 are supported)",
-                       name, major, minor);
-        goto fail;
-    }
-    size_t prefix = major == 1 ? 10 : 12;
-    if (size < prefix) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "%s: truncated header (%zu bytes)", name,
-                        size);
-        goto fail;
-    }
-    size_t header_len = major == 1 ? (size_t)b[8] | (size_t)b[9] << 8
-                                   : (size_t)b[8] | (size_t)b[9] << 8 | (size_t)b[10] << 16 |
-                                         (size_t)b[11] << 24;
-    if (header_len > size - prefix) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: header length %zu runs past the end of the file (%zu bytes)", name,
-                        header_len, size);
-        goto fail;
-    }
+    size_t prefix = 0, header_len = 0, itemsize = 0, count = 0;
+    if ((st = read_preamble(b, size, name, &prefix, &header_len, msg, msg_size))) goto fail;
     const char *text = (const char *)b + prefix;
-    if (memchr(text, '\0', header_len)) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: malformed header: it contains a NUL byte", name);
-        goto fail;
-    }
     header h;
     memset(&h, 0, sizeof h);
     parser ps = {.p = text, .end = text + header_len, .name = name, .msg = msg,
                  .msg_size = msg_size};
-    if ((st = parse_header(&ps, &h))) goto fail;
-    size_t itemsize = 0;
-    if ((st = classify_dtype(&h, name, &a.kind, &itemsize, msg, msg_size))) goto fail;
-
-    size_t count = 1, data_bytes;
-    for (size_t i = 0; i < h.ndim; ++i)
-        if (!clmha__mul(count, h.shape[i], &count)) {
-            st = clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
-                            "%s: the number of elements of 'shape' overflows", name);
-            goto fail;
-        }
-    if (!clmha__mul(count, itemsize, &data_bytes)) {
-        st = clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "%s: the data size overflows", name);
+    if ((st = parse_header(&ps, &h)) ||
+        (st = classify_dtype(&h, name, &a.kind, &itemsize, msg, msg_size)) ||
+        (st = check_data_size(&h, itemsize, size - prefix - header_len, &count, name, msg,
+                              msg_size)) ||
+        (st = alloc_values(&a, count, f64, name, msg, msg_size)))
         goto fail;
-    }
-    size_t found = size - prefix - header_len;
-    if (found < data_bytes) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: truncated: expected %zu bytes of data, found %zu", name, data_bytes,
-                        found);
-        goto fail;
-    }
-    if (found > data_bytes) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "%s: %zu trailing bytes after the %zu bytes of data", name,
-                        found - data_bytes, data_bytes);
-        goto fail;
-    }
-
-    // count * itemsize fits in the file, so count * sizeof(float) cannot overflow; doubles
-    // from 2-byte items could (in theory), so their size is checked.
-    size_t alloc = count ? count : 1, alloc_bytes = 0;
-    if (a.kind == CLMHA__NPY_FLOAT && f64 && clmha__mul(alloc, sizeof *a.f64, &alloc_bytes))
-        a.f64 = malloc(alloc_bytes);
-    else if (a.kind == CLMHA__NPY_FLOAT && !f64) a.f32 = malloc(alloc * sizeof *a.f32);
-    else if (a.kind == CLMHA__NPY_BOOL) a.u8 = malloc(alloc);
-    if (!a.f32 && !a.f64 && !a.u8) {
-        st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: cannot allocate %zu elements",
-                        name, count);
-        goto fail;
-    }
-
-    // Fortran order: walk the output in C order and follow the element in the file, whose
-    // strides are 1, shape[0], shape[0]*shape[1], ... (no overflow: their product is count).
-    const unsigned char *data = b + prefix + header_len;
-    bool transpose = h.fortran_order && h.ndim > 1 && count > 0;
-    size_t stride[CLMHA__NPY_MAX_DIMS], index[CLMHA__NPY_MAX_DIMS] = {0};
-    for (size_t k = 0; k < h.ndim; ++k) stride[k] = k == 0 ? 1 : stride[k - 1] * h.shape[k - 1];
-    size_t src = 0;
-    for (size_t o = 0; o < count; ++o) {
-        size_t at = transpose ? src : o;
-        if (a.kind == CLMHA__NPY_BOOL) {
-            a.u8[o] = data[at];
-        } else if (itemsize == 8 && !f64) {
-            double d = load_f8(data + at * 8);
-            a.f32[o] = clmha__double_to_float(d);
-            if (isinf(a.f32[o]) && !isinf(d)) ++a.overflowed;
-        } else {
-            // float16 and float32 widen exactly; float64 is kept as it is
-            double x = itemsize == 8 ? load_f8(data + at * 8)
-                       : itemsize == 4
-                           ? load_f4(data + at * 4)
-                           : clmha__f16_to_f32((uint16_t)(data[at * 2] | data[at * 2 + 1] << 8));
-            if (f64) a.f64[o] = x;
-            else a.f32[o] = (float)x;
-        }
-        if (!transpose) continue;
-        for (size_t k = h.ndim; k-- > 0;) {
-            if (++index[k] < h.shape[k]) {
-                src += stride[k];
-                break;
-            }
-            src -= (h.shape[k] - 1) * stride[k];
-            index[k] = 0;
-        }
-    }
+    copy_values(&a, b + prefix + header_len, &h, itemsize, count, f64);
 
     memcpy(a.dtype, h.descr, h.descr_len);  // at most 3 characters once accepted
     a.dtype[h.descr_len] = '\0';
