@@ -188,6 +188,71 @@ static clmha_status make_kernel(clmha_context *ctx, cl_program prog, const char 
     return CLMHA_SUCCESS;
 }
 
+// The parameters of layer @p l (its sizes set) as zero-filled device buffers.
+static clmha_status make_parameters(clmha_layer *l) {
+    clmha_context *ctx = l->ctx;
+    const clmha_layer_desc *d = &l->desc;
+    size_t e = l->e, kve = l->kve, rs = l->rs;
+    clmha_status st;
+    char what[160];
+    snprintf(what, sizeof what, "q/k/v_proj_weight (embed_dim %zu, kdim %zu, vdim %zu)", e,
+             d->kdim, d->vdim);
+    if ((st = clmha__zero_buffer(ctx, e * e + kve * (d->kdim + d->vdim), rs, what, &l->w_in)))
+        return st;
+    if ((st = clmha__zero_buffer(ctx, e * e, rs, "out_proj.weight", &l->w_out))) return st;
+    if (d->bias) {
+        if ((st = clmha__zero_buffer(ctx, e + 2 * kve, rs, "in_proj_bias", &l->b_in))) return st;
+        if ((st = clmha__zero_buffer(ctx, e, rs, "out_proj.bias", &l->b_out))) return st;
+    }
+    if (d->add_bias_kv &&
+        (st = clmha__zero_buffer(ctx, 2 * kve, rs, "bias_k/bias_v", &l->bias_kv)))
+        return st;
+    return CLMHA_SUCCESS;
+}
+
+// The element-wise kernels of layer @p l: split and merge heads and their kin, a 16-bit
+// layer's conversions; l->heads_limit and l->heads_wg.
+static clmha_status make_kernels(clmha_layer *l) {
+    clmha_context *ctx = l->ctx;
+    clmha_dtype dtype = l->desc.dtype;
+    clmha_status st;
+    // Split and merge heads: the device class's mapping (one work-item per tile row, or per
+    // float on GPUs).
+    cl_program heads;
+    char heads_options[64];
+    snprintf(heads_options, sizeof heads_options, "%s%s",
+             ctx->cls->coalesced ? "-DHEADS_COALESCED=1" : "", clmha__layer_real_options(l));
+    if ((st = clmha__program_get(ctx, "heads", heads_options, &heads))) return st;
+    if ((st = make_kernel(ctx, heads, "split_heads", &l->split_heads))) return st;
+    if ((st = make_kernel(ctx, heads, "merge_heads", &l->merge_heads))) return st;
+    if ((st = make_kernel(ctx, heads, "fill_rows", &l->fill_rows))) return st;
+    if ((st = make_kernel(ctx, heads, "average_heads", &l->average_heads))) return st;
+    if ((st = make_kernel(ctx, heads, "accumulate_heads", &l->accumulate_heads))) return st;
+    // A 16-bit layer's conversions (cl/convert.cl).
+    if (dtype == CLMHA_DTYPE_F16 || dtype == CLMHA_DTYPE_BF16) {
+        cl_program convert;
+        bool half = dtype == CLMHA_DTYPE_F16;
+        if ((st = clmha__program_get(ctx, "convert", "", &convert)) ||
+            (st = make_kernel(ctx, convert, half ? "f16_to_f32" : "bf16_to_f32", &l->to_f32)) ||
+            (st = make_kernel(ctx, convert, half ? "f32_to_f16" : "f32_to_bf16", &l->from_f32)))
+            return st;
+    }
+    // The element-wise kernels: groups of up to 64 (the coalesced split/merge: up to 256),
+    // within the smallest of their limits.
+    l->heads_limit = ctx->max_work_group;
+    cl_kernel elementwise[] = {l->split_heads,      l->merge_heads, l->fill_rows,
+                               l->average_heads,    l->accumulate_heads, l->to_f32,
+                               l->from_f32};
+    for (size_t i = 0; i < sizeof elementwise / sizeof elementwise[0]; ++i) {
+        if (!elementwise[i]) continue;  // a float32 layer has no conversions
+        size_t wg;
+        if ((st = clmha__kernel_limits(ctx, elementwise[i], &wg, NULL))) return st;
+        if (wg < l->heads_limit) l->heads_limit = wg;
+    }
+    l->heads_wg = l->heads_limit < 64 ? l->heads_limit : 64;
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
                               const clmha_layer_desc *desc) {
     if (!out) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "out is NULL");
@@ -216,55 +281,7 @@ clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
     l->kve = l->kvh * l->d;
     l->rs = d.dtype == CLMHA_DTYPE_F64 ? 8 : 4;
 
-    size_t e = l->e, kve = l->kve, rs = l->rs;
-    char what[160];
-    snprintf(what, sizeof what, "q/k/v_proj_weight (embed_dim %zu, kdim %zu, vdim %zu)", e,
-             d.kdim, d.vdim);
-    if ((st = clmha__zero_buffer(ctx, e * e + kve * (d.kdim + d.vdim), rs, what, &l->w_in)))
-        goto fail;
-    if ((st = clmha__zero_buffer(ctx, e * e, rs, "out_proj.weight", &l->w_out))) goto fail;
-    if (d.bias) {
-        if ((st = clmha__zero_buffer(ctx, e + 2 * kve, rs, "in_proj_bias", &l->b_in))) goto fail;
-        if ((st = clmha__zero_buffer(ctx, e, rs, "out_proj.bias", &l->b_out))) goto fail;
-    }
-    if (d.add_bias_kv &&
-        (st = clmha__zero_buffer(ctx, 2 * kve, rs, "bias_k/bias_v", &l->bias_kv)))
-        goto fail;
-
-    // Kernels. Split and merge heads: the device class's mapping (one work-item per tile row,
-    // or per float on GPUs).
-    cl_program heads;
-    char heads_options[64];
-    snprintf(heads_options, sizeof heads_options, "%s%s",
-             ctx->cls->coalesced ? "-DHEADS_COALESCED=1" : "", clmha__layer_real_options(l));
-    if ((st = clmha__program_get(ctx, "heads", heads_options, &heads))) goto fail;
-    if ((st = make_kernel(ctx, heads, "split_heads", &l->split_heads))) goto fail;
-    if ((st = make_kernel(ctx, heads, "merge_heads", &l->merge_heads))) goto fail;
-    if ((st = make_kernel(ctx, heads, "fill_rows", &l->fill_rows))) goto fail;
-    if ((st = make_kernel(ctx, heads, "average_heads", &l->average_heads))) goto fail;
-    if ((st = make_kernel(ctx, heads, "accumulate_heads", &l->accumulate_heads))) goto fail;
-    // A 16-bit layer's conversions (cl/convert.cl).
-    if (d.dtype == CLMHA_DTYPE_F16 || d.dtype == CLMHA_DTYPE_BF16) {
-        cl_program convert;
-        bool half = d.dtype == CLMHA_DTYPE_F16;
-        if ((st = clmha__program_get(ctx, "convert", "", &convert)) ||
-            (st = make_kernel(ctx, convert, half ? "f16_to_f32" : "bf16_to_f32", &l->to_f32)) ||
-            (st = make_kernel(ctx, convert, half ? "f32_to_f16" : "f32_to_bf16", &l->from_f32)))
-            goto fail;
-    }
-    // The element-wise kernels: groups of up to 64 (the coalesced split/merge: up to 256),
-    // within the smallest of their limits.
-    l->heads_limit = ctx->max_work_group;
-    cl_kernel elementwise[] = {l->split_heads,      l->merge_heads, l->fill_rows,
-                               l->average_heads,    l->accumulate_heads, l->to_f32,
-                               l->from_f32};
-    for (size_t i = 0; i < sizeof elementwise / sizeof elementwise[0]; ++i) {
-        if (!elementwise[i]) continue;  // a float32 layer has no conversions
-        size_t wg;
-        if ((st = clmha__kernel_limits(ctx, elementwise[i], &wg, NULL))) goto fail;
-        if (wg < l->heads_limit) l->heads_limit = wg;
-    }
-    l->heads_wg = l->heads_limit < 64 ? l->heads_limit : 64;
+    if ((st = make_parameters(l)) || (st = make_kernels(l))) goto fail;
 
     cl_int err = clFinish(ctx->queue);  // the parameter fills
     if (err != CL_SUCCESS) {
