@@ -207,6 +207,69 @@ Test(steady_state, separate_projections, .timeout = 600) {
     clmha_context_release(ctx);
 }
 
+// ---- host-array calls ------------------------------------------------------------------------
+
+// clmha_layer_forward_host() copies through staging buffers the layer keeps: its first call
+// allocates them, later calls at that shape or a smaller one allocate nothing, and the results
+// match the device-buffer call's bit for bit. (A call refused after its upload lets them go:
+// test_faults.c, forward_scratch_beyond_max_alloc_is_out_of_memory.)
+Test(steady_state, host_calls_reuse_their_staging_buffers, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    clmha_layer *layer = make_layer(ctx, false);
+    buffers b = make_buffers(ctx);
+    cr_assert_eq(clmha_layer_bake(layer, N_BAKE, L_BAKE, S_BAKE, true), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    size_t baked_scratch = clmha_layer_scratch_bytes(layer);
+    enum { Q = N_BAKE * L_BAKE * E };
+    static float x[Q], y[Q], y_dev[Q], w[N_BAKE * L_BAKE * S_BAKE];
+    uint64_t rng = 5;
+    for (size_t i = 0; i < Q; ++i) x[i] = frand(&rng);
+    cr_assert_eq(clEnqueueWriteBuffer(clmha_context_cl_queue(ctx), b.q, CL_TRUE, 0, sizeof x, x, 0,
+                                      NULL, NULL),
+                 CL_SUCCESS);
+    const call c = {N_BAKE, L_BAKE, S_BAKE, 0, true, false, false, false};
+    forward(layer, &c, &b, E, E);
+    cr_assert_eq(clEnqueueReadBuffer(clmha_context_cl_queue(ctx), b.out, CL_TRUE, 0, sizeof y_dev,
+                                     y_dev, 0, NULL, NULL),
+                 CL_SUCCESS);
+
+    clmha_forward_args a = {.struct_size = sizeof a,
+                            .query = {.ndim = 3, .shape = {L_BAKE, N_BAKE, E}, .data = x},
+                            .need_weights = true};
+    size_t builds0, allocs0, builds, allocs;
+    counters(ctx, &builds0, &allocs0);
+    cr_assert_eq(clmha_layer_forward_host(layer, &a, y, Q, w, sizeof w / sizeof w[0]),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    counters(ctx, &builds, &allocs);
+    cr_expect_gt(allocs, allocs0, "the first host call stages its tensors: counter broken?");
+    cr_expect_gt(clmha_layer_scratch_bytes(layer), baked_scratch, "staging counts as scratch");
+    size_t staged_scratch = clmha_layer_scratch_bytes(layer);
+    for (size_t i = 0; i < Q; ++i)
+        cr_assert_eq(y[i], y_dev[i], "output %zu: host %.9g, device %.9g", i, (double)y[i],
+                     (double)y_dev[i]);
+
+    counters(ctx, &builds0, &allocs0);
+    for (int r = 0; r < 3; ++r) {
+        memset(y, 0, sizeof y);
+        cr_assert_eq(clmha_layer_forward_host(layer, &a, y, Q, w, sizeof w / sizeof w[0]),
+                     CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+        for (size_t i = 0; i < Q; ++i)
+            cr_assert_eq(y[i], y_dev[i], "call %d, output %zu", r + 2, i);
+    }
+    a.query.shape[0] = L_BAKE / 2;  // smaller: fits the staging buffers
+    a.need_weights = false;
+    cr_assert_eq(clmha_layer_forward_host(layer, &a, y, Q / 2, NULL, 0), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    counters(ctx, &builds, &allocs);
+    cr_expect_eq(allocs, allocs0, "repeated host calls allocated %zu buffers", allocs - allocs0);
+    cr_expect_eq(builds, builds0);
+    cr_expect_eq(clmha_layer_scratch_bytes(layer), staged_scratch);
+
+    release_buffers(&b);
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+}
+
 // ---- no host synchronisation ---------------------------------------------------------------
 
 // Opens the gate after a few seconds if the test has not done so: were the forward call to wait

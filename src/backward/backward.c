@@ -97,6 +97,9 @@ const clmha_grad *clmha__backward_grad(const clmha_backward_args *a, int g) {
     return g >= 0 && g < G_COUNT ? all[g] : NULL;
 }
 
+// A host-array call stages each gradient in a slot of its own (backward_host.c).
+_Static_assert(G_COUNT <= CLMHA__HOST_COUNT - CLMHA__HOST_GRAD, "a staging slot per gradient");
+
 int clmha__backward_grad_count(void) { return G_COUNT; }
 
 // Floats of gradient @p g for sizes @p d (0: the layer or call has no such gradient), and why

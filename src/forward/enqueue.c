@@ -140,18 +140,6 @@ clmha_status clmha__gemm_nt(clmha_layer *l, const char *what, size_t m, size_t n
 }
 
 
-// Uploads @p count elements of @p elem bytes into a new read-only buffer.
-clmha_status clmha__upload(clmha_context *ctx, const char *name, const void *data, size_t count,
-                           size_t elem, cl_mem *out) {
-    cl_int err;
-    *out = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, count * elem,
-                          (void *)data, &err);  // COPY_HOST_PTR only reads
-    clmha__held_new(CLMHA__HELD_MEM, *out);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
-    return CLMHA_SUCCESS;
-}
-
-
 clmha_status clmha__check_overlaps(clmha_context *ctx, const clmha__span *all, size_t n,
                                    size_t outputs) {
     for (size_t i = 0; i < outputs; ++i)

@@ -66,9 +66,4 @@ CLMHA__HIDDEN clmha_status clmha__gemm_nt(clmha_layer *l, const char *what, size
                                           cl_mem w, size_t w_off, size_t ldw, double beta,
                                           cl_mem c, size_t c_off, size_t ldc);
 
-// Uploads @p count elements of @p elem bytes into a new read-only buffer (*out; NULL on
-// failure).
-CLMHA__HIDDEN clmha_status clmha__upload(clmha_context *ctx, const char *name, const void *data,
-                                         size_t count, size_t elem, cl_mem *out);
-
 #endif

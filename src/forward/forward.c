@@ -359,10 +359,8 @@ static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
 
 // ---- public entry points ------------------------------------------------------------------------
 
-// Reads the caller's args into @p in, this library's layout (base/struct_in.h, docs/abi.md), and
-// points *args at it.
-static clmha_status args_in(clmha_context *ctx, clmha_forward_args *in,
-                            const clmha_forward_args **args) {
+clmha_status clmha__forward_args_in(clmha_context *ctx, clmha_forward_args *in,
+                                    const clmha_forward_args **args) {
     char msg[512];
     clmha_status st = CLMHA__STRUCT_IN(clmha_forward_args, in, *args, "args", msg, sizeof msg);
     if (st) return clmha__fail(ctx, st, "%s", msg);
@@ -374,7 +372,7 @@ clmha_status clmha_layer_output_counts(clmha_layer *layer, const clmha_forward_a
                                        size_t *output_count, size_t *weights_count) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_forward_args in;
-    clmha_status st = args_in(layer->ctx, &in, &args);
+    clmha_status st = clmha__forward_args_in(layer->ctx, &in, &args);
     if (st) return st;
     clmha__dims d;
     if ((st = resolve(layer, args, &d))) return st;
@@ -493,7 +491,7 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     clmha_forward_args in;
-    clmha_status st = args_in(ctx, &in, &args);
+    clmha_status st = clmha__forward_args_in(ctx, &in, &args);
     if (st) return st;
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
     clmha_dtype t = layer->desc.dtype;
@@ -654,9 +652,7 @@ static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args
     return st;
 }
 
-// Stage times are those of the last forward call, so a failed call drops the earlier call's
-// (clmha_layer_stage_times() then says that the last call failed).
-static clmha_status times_dropped_on_failure(clmha_layer *layer, clmha_status st) {
+clmha_status clmha__forward_times_dropped(clmha_layer *layer, clmha_status st) {
     if (st && layer) clmha__layer_marks_release(layer);
     return st;
 }
@@ -665,176 +661,8 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
                                  cl_mem output, size_t output_offset, cl_mem weights,
                                  size_t weights_offset, cl_uint num_wait,
                                  const cl_event *wait_list, cl_event *event) {
-    return times_dropped_on_failure(layer, forward(layer, args, output, output_offset, weights,
+    return clmha__forward_times_dropped(layer, forward(layer, args, output, output_offset, weights,
                                                    weights_offset, num_wait, wait_list, event));
-}
-
-// Uploads @p count values of a host call (@p data: floats, or doubles with @p f64) as the
-// layer's dtype: as they are where the types agree, else converted (to nearest even; a double
-// for a 16-bit layer through float32).
-static clmha_status upload_values(clmha_layer *layer, const char *what, const void *data,
-                                  size_t count, bool f64, cl_mem *out) {
-    clmha_dtype t = layer->desc.dtype;
-    size_t elem = clmha__dtype_size(t);
-    if (elem == (f64 ? 8 : 4)) return clmha__upload(layer->ctx, what, data, count, elem, out);
-    void *conv = malloc((count ? count : 1) * elem);
-    if (!conv) return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", what);
-    const float *xf = data;
-    const double *xd = data;
-    for (size_t i = 0; i < count; ++i) {
-        if (t == CLMHA_DTYPE_F64) {
-            ((double *)conv)[i] = xf[i];
-            continue;
-        }
-        float x = f64 ? clmha__double_to_float(xd[i]) : xf[i];
-        if (t == CLMHA_DTYPE_F32) ((float *)conv)[i] = x;
-        else if (t == CLMHA_DTYPE_F16) ((uint16_t *)conv)[i] = clmha__f32_to_f16(x);
-        else ((uint16_t *)conv)[i] = clmha__f32_to_bf16(x);
-    }
-    clmha_status st = clmha__upload(layer->ctx, what, conv, count, elem, out);
-    free(conv);
-    return st;
-}
-
-// Uploads a mask of a host call: float masks as the layer's dtype, boolean ones as they are.
-static clmha_status upload_mask(clmha_layer *layer, const char *what, clmha_mask_kind kind,
-                                const void *data, size_t count, bool f64, cl_mem *out) {
-    if (kind == CLMHA_MASK_FLOAT) return upload_values(layer, what, data, count, f64, out);
-    return clmha__upload(layer->ctx, what, data, count, clmha__mask_elem(kind), out);
-}
-
-// Reads @p count results of the layer's dtype from @p buf into floats, or doubles with @p f64
-// (a blocking read): widened exactly, or a float64 layer's rounded to float.
-static clmha_status read_values(clmha_layer *layer, cl_mem buf, size_t count, void *out,
-                                bool f64) {
-    clmha_context *ctx = layer->ctx;
-    clmha_dtype t = layer->desc.dtype;
-    size_t elem = clmha__dtype_size(t);
-    cl_int err;
-    if (elem == (f64 ? 8 : 4)) {
-        err = clEnqueueReadBuffer(ctx->queue, buf, CL_TRUE, 0, count * elem, out, 0, NULL, NULL);
-    } else {
-        void *conv = malloc((count ? count : 1) * elem);
-        if (!conv) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (results)");
-        err = clEnqueueReadBuffer(ctx->queue, buf, CL_TRUE, 0, count * elem, conv, 0, NULL, NULL);
-        for (size_t i = 0; err == CL_SUCCESS && i < count; ++i) {
-            if (t == CLMHA_DTYPE_F64) {
-                ((float *)out)[i] = clmha__double_to_float(((double *)conv)[i]);
-                continue;
-            }
-            uint16_t h = elem == 2 ? ((uint16_t *)conv)[i] : 0;
-            float x = t == CLMHA_DTYPE_F32   ? ((float *)conv)[i]
-                      : t == CLMHA_DTYPE_F16 ? clmha__f16_to_f32(h)
-                                             : clmha__bf16_to_f32(h);
-            if (f64) ((double *)out)[i] = x;
-            else ((float *)out)[i] = x;
-        }
-        free(conv);
-    }
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clEnqueueReadBuffer(result)");
-    return CLMHA_SUCCESS;
-}
-
-// The host-array call, on float arrays, or double arrays with @p f64.
-static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *args,
-                                 void *output, size_t output_count, void *weights,
-                                 size_t weights_count, bool f64) {
-    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
-    clmha_context *ctx = layer->ctx;
-    clmha_forward_args in;
-    clmha_status st = args_in(ctx, &in, &args);
-    if (st) return st;
-    clmha__dims d;
-    st = clmha__forward_validate(layer, args, false, &d);
-    if (st) return st;
-    if (!output) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "output is NULL");
-    if (output_count != d.output_count)
-        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
-                           "output holds %zu values, the result has %zu (N %zu, L %zu, E %zu)",
-                           output_count, d.output_count, d.n, d.l, d.e);
-    if (args->need_weights && !weights)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "need_weights is set but weights is NULL");
-    if (weights_count != d.weights_count)
-        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
-                           "weights_count is %zu, the call returns %zu weights (need_weights %d, "
-                           "N %zu, %sL %zu, S' %zu)",
-                           weights_count, d.weights_count, (int)args->need_weights, d.n,
-                           args->per_head_weights ? "H, " : "", d.l, d.s_padded);
-
-    clmha_forward_args dev = *args;
-    cl_mem bufs[7] = {NULL};  // query, key, value, kpm, attn, output, weights
-    size_t elem = clmha__dtype_size(layer->desc.dtype);
-    cl_int err;
-    if ((st = upload_values(layer, "query upload", args->query.data, d.query_count, f64,
-                            &bufs[0])))
-        goto fail;
-    dev.query.buffer = bufs[0], dev.query.offset = 0;
-    if (!d.key_is_query) {
-        if ((st = upload_values(layer, "key upload", args->key.data, d.key_count, f64,
-                                &bufs[1])))
-            goto fail;
-        dev.key.buffer = bufs[1], dev.key.offset = 0;
-    }
-    if (!d.value_is_key) {
-        if ((st = upload_values(layer, "value upload", args->value.data, d.value_count, f64,
-                                &bufs[2])))
-            goto fail;
-        dev.value.buffer = bufs[2], dev.value.offset = 0;
-    }
-    if (d.kpm_kind) {
-        if ((st = upload_mask(layer, "key_padding_mask upload", d.kpm_kind,
-                              args->key_padding_mask.tensor.data, d.kpm_count, f64,
-                              &bufs[3])))
-            goto fail;
-        dev.key_padding_mask.tensor.buffer = bufs[3], dev.key_padding_mask.tensor.offset = 0;
-    }
-    if (d.attn_kind) {
-        if ((st = upload_mask(layer, "attn_mask upload", d.attn_kind, args->attn_mask.tensor.data,
-                              d.attn_count, f64, &bufs[4])))
-            goto fail;
-        dev.attn_mask.tensor.buffer = bufs[4], dev.attn_mask.tensor.offset = 0;
-    }
-    // Read-write: with a bias, the output GEMM reads the bias rows back (beta = 1).
-    bufs[5] = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, d.output_count * elem, NULL, &err);
-    clmha__held_new(CLMHA__HELD_MEM, bufs[5]);
-    if (err != CL_SUCCESS) {
-        st = clmha__cl_fail(ctx, err, "clCreateBuffer(output)");
-        goto fail;
-    }
-    if (args->need_weights) {
-        bufs[6] =
-            clCreateBuffer(ctx->cl_ctx, CL_MEM_WRITE_ONLY, d.weights_count * elem, NULL, &err);
-        clmha__held_new(CLMHA__HELD_MEM, bufs[6]);
-        if (err != CL_SUCCESS) {
-            st = clmha__cl_fail(ctx, err, "clCreateBuffer(weights)");
-            goto fail;
-        }
-    }
-    if ((st = clmha_layer_forward(layer, &dev, bufs[5], 0, bufs[6], 0, 0, NULL, NULL))) goto fail;
-    // Read into the caller's arrays only once the whole pass has run.
-    if ((err = clFinish(ctx->queue)) != CL_SUCCESS) {
-        st = clmha__cl_fail(ctx, err, "clFinish");
-        goto fail;
-    }
-    if ((st = read_values(layer, bufs[5], d.output_count, output, f64))) goto fail;
-    if (args->need_weights) st = read_values(layer, bufs[6], d.weights_count, weights, f64);
-fail:
-    for (int i = 0; i < 7; ++i) clmha__release_mem(bufs[i]);
-    return st;
-}
-
-clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_args *args,
-                                      float *output, size_t output_count, float *weights,
-                                      size_t weights_count) {
-    return times_dropped_on_failure(layer, forward_host(layer, args, output, output_count,
-                                                        weights, weights_count, false));
-}
-
-clmha_status clmha_layer_forward_host_f64(clmha_layer *layer, const clmha_forward_args *args,
-                                          double *output, size_t output_count, double *weights,
-                                          size_t weights_count) {
-    return times_dropped_on_failure(layer, forward_host(layer, args, output, output_count,
-                                                        weights, weights_count, true));
 }
 
 // ---- partial attention --------------------------------------------------------------------------
@@ -847,7 +675,7 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     clmha_forward_args in;
-    clmha_status st = args_in(ctx, &in, &args);
+    clmha_status st = clmha__forward_args_in(ctx, &in, &args);
     if (st) return st;
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
         (st = clmha__layer_f32_only(layer, "clmha_layer_attend()")))
@@ -896,7 +724,7 @@ clmha_status clmha_layer_attend(clmha_layer *layer, const clmha_forward_args *ar
                                 bool appended_keys, cl_mem heads, size_t heads_offset,
                                 cl_mem lse, size_t lse_offset, cl_uint num_wait,
                                 const cl_event *wait_list, cl_event *event) {
-    return times_dropped_on_failure(layer, attend(layer, args, appended_keys, heads,
+    return clmha__forward_times_dropped(layer, attend(layer, args, appended_keys, heads,
                                                   heads_offset, lse, lse_offset, num_wait,
                                                   wait_list, event));
 }

@@ -1,4 +1,5 @@
-// What the forward pass (forward.c) offers the backward pass besides its public functions.
+// What the forward pass (forward.c) offers the host-array path (forward_host.c) and the backward
+// pass besides its public functions.
 #ifndef CLMHA_FORWARD_FORWARD_H
 #define CLMHA_FORWARD_FORWARD_H
 
@@ -16,5 +17,15 @@
 CLMHA__HIDDEN clmha_status clmha__forward_validate(clmha_layer *layer,
                                                    const clmha_forward_args *args,
                                                    bool on_device, clmha__dims *d);
+
+// Reads the caller's args into @p in, this library's layout (base/struct_in.h, docs/abi.md), and
+// points *args at it.
+CLMHA__HIDDEN clmha_status clmha__forward_args_in(clmha_context *ctx, clmha_forward_args *in,
+                                                  const clmha_forward_args **args);
+
+// Returns @p st; when it is a failure, first drops the layer's stage times: they are those of
+// the last forward call, so a failed call drops the earlier call's (clmha_layer_stage_times()
+// then says that the last call failed).
+CLMHA__HIDDEN clmha_status clmha__forward_times_dropped(clmha_layer *layer, clmha_status st);
 
 #endif

@@ -327,6 +327,7 @@ void clmha__layer_free(clmha_layer *layer) {
     release_kernel(&layer->to_f32);
     release_kernel(&layer->from_f32);
     for (int i = 0; i < CLMHA__STAGED_COUNT; ++i) release_mem(&layer->staged[i]);
+    for (int i = 0; i < CLMHA__HOST_COUNT; ++i) release_mem(&layer->host[i]);
     clmha_context_release(layer->ctx);
     free(layer);
 }
@@ -384,7 +385,8 @@ size_t clmha_layer_scratch_bytes(const clmha_layer *layer) {
                    layer->partial_lse_cap + layer->cores_scratch_cap, staged = 0;
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) elems += layer->tile_caps[i];
     for (int i = 0; i < CLMHA__STAGED_COUNT; ++i) staged += layer->staged_caps[i];
-    return elems * layer->rs + staged * sizeof(float);  // the staged copies are float32
+    for (int i = 0; i < CLMHA__HOST_COUNT; ++i) staged += layer->host_caps[i];
+    return elems * layer->rs + staged * sizeof(float);  // the staged copies: in floats
 }
 
 // Replaces *buf by one of @p need elements of @p elem bytes when it holds fewer:

@@ -34,6 +34,24 @@ enum {
     CLMHA__STAGED_COUNT
 };
 
+// The device copies of a host-array call's tensors (clmha_layer_forward_host(),
+// clmha_layer_backward_host(): src/forward/staging.c), kept between calls and grown to the
+// largest one, so that repeated calls allocate nothing; the gradients of a backward call take
+// the slots from CLMHA__HOST_GRAD on.
+enum {
+    CLMHA__HOST_QUERY,
+    CLMHA__HOST_KEY,
+    CLMHA__HOST_VALUE,
+    CLMHA__HOST_KPM,
+    CLMHA__HOST_ATTN,
+    CLMHA__HOST_OUTPUT,
+    CLMHA__HOST_WEIGHTS,
+    CLMHA__HOST_GRAD_OUTPUT,
+    CLMHA__HOST_GRAD_WEIGHTS,
+    CLMHA__HOST_GRAD,
+    CLMHA__HOST_COUNT = CLMHA__HOST_GRAD + 16
+};
+
 struct clmha_layer {
     clmha_context *ctx;
     clmha_layer_desc desc;  // kdim and vdim filled in
@@ -78,6 +96,8 @@ struct clmha_layer {
     cl_kernel to_f32, from_f32;
     cl_mem staged[CLMHA__STAGED_COUNT];
     size_t staged_caps[CLMHA__STAGED_COUNT];
+    cl_mem host[CLMHA__HOST_COUNT];  // a host-array call's tensors (sizes in floats)
+    size_t host_caps[CLMHA__HOST_COUNT];
 
     clmha_attention_fn core;    // the user's core (src/cores/user.c), or NULL
     void *core_data;

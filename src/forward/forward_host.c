@@ -1,0 +1,196 @@
+// The host-array forward pass (clmha_layer_forward_host(), clmha_layer_forward_host_f64()): the
+// caller's arrays are copied into the layer's staging buffers (staging.c), the device call runs
+// (forward.c), the queue is waited for, and only then are the results read into the caller's
+// arrays, so that a failed call writes none of them.
+#include "base/half.h"
+#include "device/held.h"
+#include "errors/errors.h"
+#include "forward/enqueue.h"
+#include "forward/forward.h"
+#include "forward/staging.h"
+#include "layer/layer.h"
+#include "layer/shape.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+
+// Uploads @p count values of a host call (@p data: floats, or doubles with @p f64) into slot
+// @p slot as the layer's dtype: as they are where the types agree, else converted (to nearest
+// even; a double for a 16-bit layer through float32).
+static clmha_status upload_values(clmha_layer *layer, int slot, const char *what,
+                                  const void *data, size_t count, bool f64, cl_mem *out) {
+    clmha_dtype t = layer->desc.dtype;
+    size_t elem = clmha__dtype_size(t);
+    if (elem == (f64 ? 8 : 4)) return clmha__host_upload(layer, slot, what, data, count * elem, out);
+    void *conv = malloc((count ? count : 1) * elem);
+    if (!conv) return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", what);
+    const float *xf = data;
+    const double *xd = data;
+    for (size_t i = 0; i < count; ++i) {
+        if (t == CLMHA_DTYPE_F64) {
+            ((double *)conv)[i] = xf[i];
+            continue;
+        }
+        float x = f64 ? clmha__double_to_float(xd[i]) : xf[i];
+        if (t == CLMHA_DTYPE_F32) ((float *)conv)[i] = x;
+        else if (t == CLMHA_DTYPE_F16) ((uint16_t *)conv)[i] = clmha__f32_to_f16(x);
+        else ((uint16_t *)conv)[i] = clmha__f32_to_bf16(x);
+    }
+    clmha_status st = clmha__host_upload(layer, slot, what, conv, count * elem, out);
+    free(conv);
+    return st;
+}
+
+// Uploads a mask of a host call: float masks as the layer's dtype, boolean ones as they are.
+static clmha_status upload_mask(clmha_layer *layer, int slot, const char *what,
+                                clmha_mask_kind kind, const void *data, size_t count, bool f64,
+                                cl_mem *out) {
+    if (kind == CLMHA_MASK_FLOAT) return upload_values(layer, slot, what, data, count, f64, out);
+    return clmha__host_upload(layer, slot, what, data, count * clmha__mask_elem(kind), out);
+}
+
+// Reads @p count results of the layer's dtype from @p buf into floats, or doubles with @p f64
+// (a blocking read): widened exactly, or a float64 layer's rounded to float.
+static clmha_status read_values(clmha_layer *layer, cl_mem buf, size_t count, void *out,
+                                bool f64) {
+    clmha_context *ctx = layer->ctx;
+    clmha_dtype t = layer->desc.dtype;
+    size_t elem = clmha__dtype_size(t);
+    cl_int err;
+    if (elem == (f64 ? 8 : 4)) {
+        err = clEnqueueReadBuffer(ctx->queue, buf, CL_TRUE, 0, count * elem, out, 0, NULL, NULL);
+    } else {
+        void *conv = malloc((count ? count : 1) * elem);
+        if (!conv) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (results)");
+        err = clEnqueueReadBuffer(ctx->queue, buf, CL_TRUE, 0, count * elem, conv, 0, NULL, NULL);
+        for (size_t i = 0; err == CL_SUCCESS && i < count; ++i) {
+            if (t == CLMHA_DTYPE_F64) {
+                ((float *)out)[i] = clmha__double_to_float(((double *)conv)[i]);
+                continue;
+            }
+            uint16_t h = elem == 2 ? ((uint16_t *)conv)[i] : 0;
+            float x = t == CLMHA_DTYPE_F32   ? ((float *)conv)[i]
+                      : t == CLMHA_DTYPE_F16 ? clmha__f16_to_f32(h)
+                                             : clmha__bf16_to_f32(h);
+            if (f64) ((double *)out)[i] = x;
+            else ((float *)out)[i] = x;
+        }
+        free(conv);
+    }
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clEnqueueReadBuffer(result)");
+    return CLMHA_SUCCESS;
+}
+
+// The output arrays of a host call, checked against the call's dims @p d.
+static clmha_status check_outputs(clmha_layer *layer, const clmha_forward_args *args,
+                                  const clmha__dims *d, const void *output, size_t output_count,
+                                  const void *weights, size_t weights_count) {
+    clmha_context *ctx = layer->ctx;
+    if (!output) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "output is NULL");
+    if (output_count != d->output_count)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "output holds %zu values, the result has %zu (N %zu, L %zu, E %zu)",
+                           output_count, d->output_count, d->n, d->l, d->e);
+    if (args->need_weights && !weights)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "need_weights is set but weights is NULL");
+    if (weights_count != d->weights_count)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "weights_count is %zu, the call returns %zu weights (need_weights %d, "
+                           "N %zu, %sL %zu, S' %zu)",
+                           weights_count, d->weights_count, (int)args->need_weights, d->n,
+                           args->per_head_weights ? "H, " : "", d->l, d->s_padded);
+    return CLMHA_SUCCESS;
+}
+
+// Copies the call's input arrays into the layer's staging buffers and points @p dev (a copy of
+// @p args) at them.
+static clmha_status upload_inputs(clmha_layer *layer, const clmha_forward_args *args,
+                                  const clmha__dims *d, bool f64, clmha_forward_args *dev) {
+    clmha_status st;
+    if ((st = upload_values(layer, CLMHA__HOST_QUERY, "query upload", args->query.data,
+                            d->query_count, f64, &dev->query.buffer)))
+        return st;
+    dev->query.offset = 0;
+    if (!d->key_is_query) {
+        if ((st = upload_values(layer, CLMHA__HOST_KEY, "key upload", args->key.data,
+                                d->key_count, f64, &dev->key.buffer)))
+            return st;
+        dev->key.offset = 0;
+    }
+    if (!d->value_is_key) {
+        if ((st = upload_values(layer, CLMHA__HOST_VALUE, "value upload", args->value.data,
+                                d->value_count, f64, &dev->value.buffer)))
+            return st;
+        dev->value.offset = 0;
+    }
+    if (d->kpm_kind) {
+        if ((st = upload_mask(layer, CLMHA__HOST_KPM, "key_padding_mask upload", d->kpm_kind,
+                              args->key_padding_mask.tensor.data, d->kpm_count, f64,
+                              &dev->key_padding_mask.tensor.buffer)))
+            return st;
+        dev->key_padding_mask.tensor.offset = 0;
+    }
+    if (d->attn_kind) {
+        if ((st = upload_mask(layer, CLMHA__HOST_ATTN, "attn_mask upload", d->attn_kind,
+                              args->attn_mask.tensor.data, d->attn_count, f64,
+                              &dev->attn_mask.tensor.buffer)))
+            return st;
+        dev->attn_mask.tensor.offset = 0;
+    }
+    return CLMHA_SUCCESS;
+}
+
+// The host-array call, on float arrays, or double arrays with @p f64.
+static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *args,
+                                 void *output, size_t output_count, void *weights,
+                                 size_t weights_count, bool f64) {
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    clmha_context *ctx = layer->ctx;
+    clmha_forward_args in;
+    clmha_status st = clmha__forward_args_in(ctx, &in, &args);
+    if (st) return st;
+    clmha__dims d;
+    if ((st = clmha__forward_validate(layer, args, false, &d))) return st;
+    if ((st = check_outputs(layer, args, &d, output, output_count, weights, weights_count)))
+        return st;
+
+    clmha_forward_args dev = *args;
+    size_t elem = clmha__dtype_size(layer->desc.dtype);
+    cl_mem out = NULL, w = NULL;
+    if ((st = upload_inputs(layer, args, &d, f64, &dev))) goto fail;
+    // With a bias, the output GEMM reads the bias rows back (beta = 1): the slot is read-write.
+    if ((st = clmha__host_room(layer, CLMHA__HOST_OUTPUT, "output", d.output_count * elem, &out)))
+        goto fail;
+    if (args->need_weights &&
+        (st = clmha__host_room(layer, CLMHA__HOST_WEIGHTS, "weights", d.weights_count * elem,
+                               &w)))
+        goto fail;
+    if ((st = clmha_layer_forward(layer, &dev, out, 0, w, 0, 0, NULL, NULL))) goto fail;
+    // Read into the caller's arrays only once the whole pass has run.
+    cl_int err = clFinish(ctx->queue);
+    if (err != CL_SUCCESS) {
+        st = clmha__cl_fail(ctx, err, "clFinish");
+        goto fail;
+    }
+    if ((st = read_values(layer, out, d.output_count, output, f64))) goto fail;
+    if (args->need_weights && (st = read_values(layer, w, d.weights_count, weights, f64)))
+        goto fail;
+    return CLMHA_SUCCESS;
+fail:
+    clmha__host_drop(layer);
+    return st;
+}
+
+clmha_status clmha_layer_forward_host(clmha_layer *layer, const clmha_forward_args *args,
+                                      float *output, size_t output_count, float *weights,
+                                      size_t weights_count) {
+    return clmha__forward_times_dropped(layer, forward_host(layer, args, output, output_count,
+                                                            weights, weights_count, false));
+}
+
+clmha_status clmha_layer_forward_host_f64(clmha_layer *layer, const clmha_forward_args *args,
+                                          double *output, size_t output_count, double *weights,
+                                          size_t weights_count) {
+    return clmha__forward_times_dropped(layer, forward_host(layer, args, output, output_count,
+                                                            weights, weights_count, true));
+}

@@ -1,0 +1,51 @@
+// The device copies of a host-array call's tensors, kept by the layer between calls.
+#include "forward/staging.h"
+
+#include "context/context.h"
+#include "device/held.h"
+#include "errors/errors.h"
+
+clmha_status clmha__host_room(clmha_layer *layer, int slot, const char *what, size_t bytes,
+                              cl_mem *out) {
+    // Sizes in floats, as the layer's other scratch; a float64 or 16-bit tensor rounds up.
+    size_t floats = bytes / sizeof(float) + (bytes % sizeof(float) != 0);
+    if (!floats) floats = 1;
+    *out = NULL;
+    if (floats > layer->host_caps[slot] || !layer->host[slot]) {
+        // The caller's whole tensor, in one buffer whatever the device's largest allocation
+        // (the driver refuses what it cannot hold): unlike scratch, it cannot come in chunks.
+        clmha_context *ctx = layer->ctx;
+        cl_int err;
+        clmha__count(ctx, 0, 1);
+        cl_mem m = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, floats * sizeof(float), NULL,
+                                  &err);
+        clmha__held_new(CLMHA__HELD_MEM, m);
+        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, what);
+        clmha__release_mem(layer->host[slot]);  // freed once the work queued on it has finished
+        layer->host[slot] = m;
+        layer->host_caps[slot] = floats;
+    }
+    *out = layer->host[slot];
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__host_upload(clmha_layer *layer, int slot, const char *what,
+                                const void *data, size_t bytes, cl_mem *out) {
+    clmha_status st = clmha__host_room(layer, slot, what, bytes, out);
+    if (st || !bytes) return st;
+    cl_int err = clEnqueueWriteBuffer(layer->ctx->queue, *out, CL_TRUE, 0, bytes, data, 0, NULL,
+                                      NULL);
+    if (err != CL_SUCCESS) {
+        *out = NULL;
+        return clmha__cl_fail(layer->ctx, err, what);
+    }
+    return CLMHA_SUCCESS;
+}
+
+void clmha__host_drop(clmha_layer *layer) {
+    for (int i = 0; i < CLMHA__HOST_COUNT; ++i) {
+        clmha__release_mem(layer->host[i]);
+        layer->host[i] = NULL;
+        layer->host_caps[i] = 0;
+    }
+}

@@ -1,0 +1,26 @@
+// The device copies of a host-array call's tensors (clmha_layer_forward_host(),
+// clmha_layer_backward_host()): buffers the layer keeps between calls (layer->host[]), grown to
+// the largest call, so that a repeated call allocates nothing and copies only its data.
+#ifndef CLMHA_FORWARD_STAGING_H
+#define CLMHA_FORWARD_STAGING_H
+
+#include "base/defs.h"
+#include "layer/layer.h"
+
+// Slot @p slot (CLMHA__HOST_*) with room for @p bytes, its contents undefined: *out is the
+// layer's buffer (not a new reference), replaced by a larger one when it is too small; @p what
+// names the tensor in the message of a failure.
+CLMHA__HIDDEN clmha_status clmha__host_room(clmha_layer *layer, int slot, const char *what,
+                                            size_t bytes, cl_mem *out);
+
+// clmha__host_room(), then @p bytes of @p data written into it (a blocking write: @p data may
+// be freed on return).
+CLMHA__HIDDEN clmha_status clmha__host_upload(clmha_layer *layer, int slot, const char *what,
+                                              const void *data, size_t bytes, cl_mem *out);
+
+// After a failed host-array call: lets go of every slot (the driver frees a buffer once the work
+// queued on it has finished), so that a refused call leaves no allocation behind and
+// clmha_layer_scratch_bytes() is what it was before the layer's first host-array call.
+CLMHA__HIDDEN void clmha__host_drop(clmha_layer *layer);
+
+#endif
