@@ -914,8 +914,10 @@ CLMHA_API clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t
 
 /// Device scratch the layer currently holds (it grows on demand and never shrinks): that of its
 /// forward calls and of its backward calls (which work in the same buffers, plus the backward
-/// core's own: the fused core's row sums, the unfused core's score gradients). The saved state
-/// of forward calls is not the layer's: see clmha_saved_bytes().
+/// core's own: the fused core's row sums, the unfused core's score gradients), and the device
+/// copies of the tensors of its host-array calls (clmha_layer_forward_host(),
+/// clmha_layer_backward_host(): kept between calls, let go when such a call fails). The saved
+/// state of forward calls is not the layer's: see clmha_saved_bytes().
 /// @param[in] layer  the layer (may be NULL)
 /// @return the size in bytes, 0 for NULL
 CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
@@ -1339,7 +1341,9 @@ CLMHA_API clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forwa
 /// The host-array path: uploads the tensors given by the `data` fields of @p args, runs the
 /// forward pass, waits for the context's queue to finish (clFinish) and downloads the results.
 /// The arrays are written only once the whole pass has finished. Shapes as for
-/// clmha_layer_forward().
+/// clmha_layer_forward(). The uploads go into device buffers the layer keeps between calls
+/// (grown to the largest call, counted in clmha_layer_scratch_bytes()), so a repeated call
+/// allocates nothing and costs its copies in and out only.
 /// The arrays are float32 whatever the layer's dtype: a 16-bit layer's call rounds the inputs
 /// and float masks to its dtype (to nearest even) before it uploads them as 16-bit tensors,
 /// and its results are the dtype's values, widened exactly (the device call's, bit for bit).
