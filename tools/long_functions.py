@@ -43,11 +43,10 @@ def blank(text):
     line_start = True  # only whitespace since the last newline
     in_directive = False
 
-    def emit(piece, blanked=None):
-        if blanked is None:
-            blanked = re.sub(r"[^\n]", " ", piece)
+    def emit(piece):
+        blanked = re.sub(r"[^\n]", " ", piece)
         code.append(blanked if in_directive else piece)
-        directives.append(piece if in_directive else re.sub(r"[^\n]", " ", piece))
+        directives.append(piece if in_directive else blanked)
 
     while i < n:
         c = text[i]
@@ -98,15 +97,30 @@ def function_name(head):
     words = IDENT.findall(head.split("(")[0])
     if not words or NOT_FUNCTIONS & set(words):
         return None
-    # The parameter list is the last balanced (...) group; the name is the identifier before it.
+    return declarator_name(head)
+
+
+def declarator_name(text):
+    """The name declared by @text, which ends with a parameter list: the identifier before that
+    last balanced (...) group, or, for a function returning a function pointer
+    (`int (*name(int))(void)`), the name inside the group before it."""
     depth = 0
-    for k in range(len(head) - 1, -1, -1):
-        if head[k] == ")":
+    for k in range(len(text) - 1, -1, -1):
+        if text[k] == ")":
             depth += 1
-        elif head[k] == "(":
+        elif text[k] == "(":
             depth -= 1
             if depth == 0:
-                m = re.search(r"([A-Za-z_]\w*)\s*$", head[:k])
+                before = text[:k].rstrip()
+                if before.endswith(")"):  # the declarator is in parentheses
+                    inner_end = len(before) - 1
+                    inner_depth = 0
+                    for j in range(inner_end, -1, -1):
+                        inner_depth += {")": 1, "(": -1}.get(before[j], 0)
+                        if inner_depth == 0:
+                            return declarator_name(before[j + 1:inner_end])
+                    return None
+                m = re.search(r"([A-Za-z_]\w*)$", before)
                 return m.group(1) if m else None
     return None
 
@@ -139,6 +153,7 @@ def functions(path, refs=None):
             else:
                 hi = mid
         return lo + 1
+
     body_start = 0
     for k, c in enumerate(code):
         if c == "{":
@@ -166,7 +181,7 @@ def functions(path, refs=None):
 
 
 def c_files(root, folder):
-    """The .c and .h files under @root/@folder, as (path, path relative to @root)."""
+    """The C (and C++) files under @root/@folder, as (path, path relative to @root)."""
     for parent, dirs, files in os.walk(os.path.join(root, folder)):
         dirs.sort()
         for name in sorted(files):
@@ -195,14 +210,13 @@ def unused(root):
     (static or clmha__) only, since the public clmha_ functions are used by programs."""
     refs = collections.Counter()
     found = scan(root, refs)
-    names = collections.Counter(name for _, _, _, name in found)
     result = []
     for _, rel, line, name in found:
         if name == "main" or (name.startswith("clmha_") and not name.startswith("clmha__")):
             continue
-        # A static name defined in several files is counted together: flagged only when none
-        # of them is used.
-        if refs[name] == 0 and names[name] >= 1:
+        # Uses are counted by name over all files: a static name that several files define is
+        # listed only when none of them uses it.
+        if refs[name] == 0:
             result.append((rel, line, name))
     return sorted(result)
 
