@@ -5,7 +5,7 @@
 
 #include "cores/decode.h"
 #include "layer/layer.h"
-#include "tuner/gemm_search.h"  // now_s, rand_unit
+#include "tuner/tuner_state.h"  // now_s, rand_unit
 #include "tuner/random_layer.h"
 
 #include <math.h>

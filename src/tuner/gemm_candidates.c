@@ -3,7 +3,7 @@
 // them, a candidate's neighbours and prior-weighted random draws.
 #define _POSIX_C_SOURCE 200809L
 
-#include "tuner/gemm_search.h"
+#include "tuner/gemm_candidates.h"
 
 #include "tuning/param_index.h"
 

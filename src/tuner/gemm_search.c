@@ -6,6 +6,9 @@
 
 #include "tuner/gemm_search.h"
 
+#include "tuner/gemm_candidates.h"
+#include "tuner/gemm_timing.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -150,6 +153,142 @@ static size_t retime_leaders(tuner *T, bool direct, const clmha__tuning *base, c
     return win;
 }
 
+// One kernel's search under way (search()).
+enum { MAX_SEEN = 256 };  // candidates one search draws at most
+typedef enum walk_mode { SEEDS, WALK_START, WALK, RANDOM } walk_mode;
+typedef struct walk {
+    bool direct;          // XgemmDirect, else Xgemm
+    const char *phase;    // "XgemmDirect" or "Xgemm"
+    clmha__tuning base;   // the other kernels' values and the split
+    const cand *seeds;
+    size_t nseeds, seed_at;
+    walk_mode mode;
+    cand *seen;           // the candidates drawn so far (MAX_SEEN)
+    size_t nseen;
+    cand_list *nb;        // the neighbours of the walk's centre
+    size_t nb_at;
+    cand top[TOP];        // the TOP fastest, fastest first
+    result top_r[TOP];
+    size_t ntop;
+    bool have;            // *best holds a candidate that ran
+    cand *best_cand;
+    result *best;
+} walk;
+
+enum { NEXT_TRY, NEXT_SKIP, NEXT_STOP };
+
+// The next candidate of @p W into *@p x: the seeds, then the neighbours of the best, then
+// random draws. NEXT_TRY with *x, NEXT_SKIP (nothing to try this turn: the mode changed or the
+// candidate was seen or invalid) or NEXT_STOP (no random candidate is left).
+static int next_candidate(tuner *T, walk *W, cand *x) {
+    if (W->mode == SEEDS) {
+        if (W->seed_at >= W->nseeds) {
+            W->mode = W->have ? WALK_START : RANDOM;
+            return NEXT_SKIP;
+        }
+        *x = W->seeds[W->seed_at++];
+        if (clmha__cand_list_has(W->seen, W->nseen, x) || !clmha__cand_valid(T, W->direct, x))
+            return NEXT_SKIP;
+    } else if (W->mode == WALK_START) {
+        clmha__cand_neighbours(T, W->direct, W->best_cand, W->seen, W->nseen, W->nb);
+        W->nb_at = 0;
+        W->mode = WALK;
+        return NEXT_SKIP;
+    } else if (W->mode == WALK) {
+        if (W->nb_at >= W->nb->count) {
+            W->mode = RANDOM;
+            return NEXT_SKIP;
+        }
+        *x = W->nb->items[W->nb_at++];
+        if (clmha__cand_list_has(W->seen, W->nseen, x)) return NEXT_SKIP;
+    } else if (!clmha__cand_random(T, W->direct, W->seen, W->nseen, x)) {
+        return NEXT_STOP;
+    }
+    return NEXT_TRY;
+}
+
+// The tuning @p W's base with candidate @p x in its kernel's place.
+static clmha__tuning with_candidate(const walk *W, const cand *x) {
+    clmha__tuning t = W->base;
+    if (W->direct)
+        clmha__cand_direct_params(x, t.direct);
+    else
+        clmha__cand_xgemm_params(x, t.xgemm);
+    return t;
+}
+
+// A candidate that ran (tuning @p t, result *@p r) is timed again in turns with the best so far
+// and judged on those turns: its times become the best's times scaled by the ratios seen in
+// turns. One cut short as more than 2.5× slower gets its turns too (other work on the machine
+// may have slowed it), unless its first shape alone took more than 10× the best's.
+static void judge_in_turns(tuner *T, const walk *W, const clmha__tuning *t, result *r) {
+    bool close = false;
+    for (size_t i = 0; i < T->nshapes && W->have && r->ok; ++i)
+        if (r->times[i] > 0) {
+            close = isfinite(r->total) || r->times[i] <= 10 * W->best->times[i];
+            break;
+        }
+    if (!close) return;
+    double t0 = now_s(), tbest[MAX_SHAPES], tx[MAX_SHAPES];
+    clmha__tuning tb = with_candidate(W, W->best_cand);
+    if (time_in_turns(T, &tb, t, W->direct, tbest, tx)) {
+        r->total = 0;
+        for (size_t i = 0; i < T->nshapes; ++i) {
+            if (tx[i] > 0 && tbest[i] > 0) r->times[i] = W->best->times[i] * tx[i] / tbest[i];
+            r->total += r->times[i];
+        }
+        trace_turns(T, W->phase, tbest, tx);
+    } else {
+        r->ok = false;
+        ++T->rejected;
+    }
+    r->cost += now_s() - t0;
+    T->cost_sum += now_s() - t0;
+}
+
+// Keeps candidate @p x among the TOP fastest of @p W (fastest first) when it ran.
+static void keep_top(walk *W, const cand *x, const result *r) {
+    if (!r->ok || !isfinite(r->total)) return;
+    size_t at = W->ntop < TOP ? W->ntop++ : TOP;
+    if (at == TOP && r->total < W->top_r[TOP - 1].total) at = TOP - 1;
+    if (at >= TOP) return;
+    for (; at > 0 && W->top_r[at - 1].total > r->total; --at) {
+        W->top[at] = W->top[at - 1];
+        W->top_r[at] = W->top_r[at - 1];
+    }
+    W->top[at] = *x;
+    W->top_r[at] = *r;
+}
+
+// Makes candidate @p x the best of @p W when it beats it; an improvement of 2 % or more (or the
+// first that ran) moves the walk's centre there, outside the seeds.
+static void take_if_best(tuner *T, walk *W, const cand *x, const result *r) {
+    if (!(r->ok && r->total < W->best->total)) return;
+    bool moved = !W->have || r->total < 0.98 * W->best->total;
+    *W->best = *r;
+    *W->best_cand = *x;
+    W->have = true;
+    if (!W->direct && r->times[0] > 0)
+        T->best_gflops = flops(&T->shapes[0]) / r->times[0] / 1e9;
+    if (moved && W->mode != SEEDS) W->mode = WALK_START;
+}
+
+// Timings on a busy machine are noisy: the leaders of @p W are timed again, in turns (their
+// programs are in CLBlast's cache: no build), and are judged on these turns alone (fastest of
+// each). Three rounds when they fit before @p deadline (plus a little), else two.
+static void pick_leader(tuner *T, walk *W, double deadline) {
+    double again = 0;
+    for (size_t i = 0; i < W->ntop; ++i) again += 3 * W->top_r[i].total;
+    int rounds = elapsed(T) + 3 * again <= deadline + 10 ? 3 : 2;
+    if (W->ntop < 2) return;
+    size_t win = retime_leaders(T, W->direct, &W->base, W->top, W->top_r, W->ntop, rounds,
+                                W->phase);
+    *W->best_cand = W->top[win];
+    *W->best = W->top_r[win];
+    if (!W->direct && W->best->times[0] > 0)
+        T->best_gflops = flops(&T->shapes[0]) / W->best->times[0] / 1e9;
+}
+
 // Search over one kernel (Xgemm or XgemmDirect) until @p deadline (seconds since start):
 // the seeds, then a walk from the best (single steps, in prior order; an improvement of 2 %
 // or more moves the centre), then prior-weighted random samples (an improvement starts a new
@@ -157,134 +296,44 @@ static size_t retime_leaders(tuner *T, bool direct, const clmha__tuning *base, c
 static bool search(tuner *T, bool direct, clmha__tuning base, size_t min_indirect,
                    const cand *seeds, size_t nseeds, double (*deadline)(const tuner *),
                    cand *best_cand, result *best) {
-    enum { SEEDS, WALK_START, WALK, RANDOM } mode = SEEDS;
-    enum { MAX_SEEN = 256 };
-    const char *phase = direct ? "XgemmDirect" : "Xgemm";
-    base.has_routine = true;
-    base.min_indirect = min_indirect;
+    walk W = {.direct = direct, .phase = direct ? "XgemmDirect" : "Xgemm", .base = base,
+              .seeds = seeds, .nseeds = nseeds, .mode = SEEDS, .best_cand = best_cand,
+              .best = best};
+    W.base.has_routine = true;
+    W.base.min_indirect = min_indirect;
     if (direct)
-        base.has_direct = true;
+        W.base.has_direct = true;
     else
-        base.has_xgemm = true;
+        W.base.has_xgemm = true;
     best->ok = false;
     best->total = INFINITY;
-    bool have = false;
-    cand *seen = malloc(MAX_SEEN * sizeof *seen);
-    cand_list *nb = malloc(sizeof *nb);
-    if (!seen || !nb) {
-        free(seen);
-        free(nb);
+    W.seen = malloc(MAX_SEEN * sizeof *W.seen);
+    W.nb = malloc(sizeof *W.nb);
+    if (!W.seen || !W.nb) {
+        free(W.seen);
+        free(W.nb);
         return false;
     }
-    size_t nseen = 0, seed_at = 0, nb_at = 0;
-    nb->count = 0;
-    cand top[TOP];
-    result top_r[TOP];
-    size_t ntop = 0;
-    while (nseen < MAX_SEEN && elapsed(T) + expected_cost(T, direct) <= deadline(T)) {
+    W.nb->count = 0;
+    while (W.nseen < MAX_SEEN && elapsed(T) + expected_cost(T, direct) <= deadline(T)) {
         cand x;
-        if (mode == SEEDS) {
-            if (seed_at >= nseeds) {
-                mode = have ? WALK_START : RANDOM;
-                continue;
-            }
-            x = seeds[seed_at++];
-            if (clmha__cand_list_has(seen, nseen, &x) || !clmha__cand_valid(T, direct, &x))
-                continue;
-        } else if (mode == WALK_START) {
-            clmha__cand_neighbours(T, direct, best_cand, seen, nseen, nb);
-            nb_at = 0;
-            mode = WALK;
-            continue;
-        } else if (mode == WALK) {
-            if (nb_at >= nb->count) {
-                mode = RANDOM;
-                continue;
-            }
-            x = nb->items[nb_at++];
-            if (clmha__cand_list_has(seen, nseen, &x)) continue;
-        } else if (!clmha__cand_random(T, direct, seen, nseen, &x)) {
-            break;
-        }
-        seen[nseen++] = x;
-        clmha__tuning t = base;
-        if (direct)
-            clmha__cand_direct_params(&x, t.direct);
-        else
-            clmha__cand_xgemm_params(&x, t.xgemm);
+        int next = next_candidate(T, &W, &x);
+        if (next == NEXT_STOP) break;
+        if (next == NEXT_SKIP) continue;
+        W.seen[W.nseen++] = x;
+        clmha__tuning t = with_candidate(&W, &x);
         result r;
-        try_candidate(T, &t, direct, have ? best->total : 0, phase, &r);
-        // A candidate that ran is timed again in turns with the best so far and judged on those
-        // turns: its times become the best's times scaled by the ratios seen in turns. One cut
-        // short as more than 2.5× slower gets its turns too (other work on the machine may have
-        // slowed it), unless its first shape alone took more than 10× the best's.
-        bool close = false;
-        for (size_t i = 0; i < T->nshapes && have && r.ok; ++i)
-            if (r.times[i] > 0) {
-                close = isfinite(r.total) || r.times[i] <= 10 * best->times[i];
-                break;
-            }
-        if (close) {
-            double t0 = now_s(), tbest[MAX_SHAPES], tx[MAX_SHAPES];
-            clmha__tuning tb = base;
-            if (direct)
-                clmha__cand_direct_params(best_cand, tb.direct);
-            else
-                clmha__cand_xgemm_params(best_cand, tb.xgemm);
-            if (time_in_turns(T, &tb, &t, direct, tbest, tx)) {
-                r.total = 0;
-                for (size_t i = 0; i < T->nshapes; ++i) {
-                    if (tx[i] > 0 && tbest[i] > 0) r.times[i] = best->times[i] * tx[i] / tbest[i];
-                    r.total += r.times[i];
-                }
-                trace_turns(T, phase, tbest, tx);
-            } else {
-                r.ok = false;
-                ++T->rejected;
-            }
-            r.cost += now_s() - t0;
-            T->cost_sum += now_s() - t0;
-        }
+        try_candidate(T, &t, direct, W.have ? best->total : 0, W.phase, &r);
+        judge_in_turns(T, &W, &t, &r);
         T->phase_cost[direct] += r.cost;
         ++T->phase_tried[direct];
-        if (r.ok && isfinite(r.total)) {  // keep the TOP fastest, fastest first
-            size_t at = ntop < TOP ? ntop++ : TOP;
-            if (at == TOP && r.total < top_r[TOP - 1].total) at = TOP - 1;
-            if (at < TOP) {
-                for (; at > 0 && top_r[at - 1].total > r.total; --at) {
-                    top[at] = top[at - 1];
-                    top_r[at] = top_r[at - 1];
-                }
-                top[at] = x;
-                top_r[at] = r;
-            }
-        }
-        if (r.ok && r.total < best->total) {
-            bool moved = !have || r.total < 0.98 * best->total;
-            *best = r;
-            *best_cand = x;
-            have = true;
-            if (!direct && r.times[0] > 0)
-                T->best_gflops = flops(&T->shapes[0]) / r.times[0] / 1e9;
-            if (moved && mode != SEEDS) mode = WALK_START;
-        }
+        keep_top(&W, &x, &r);
+        take_if_best(T, &W, &x, &r);
     }
-    free(seen);
-    free(nb);
-    // Timings on a busy machine are noisy: the leaders are timed again, in turns (their programs
-    // are in CLBlast's cache: no build), and are judged on these turns alone (fastest of each).
-    // Three rounds when they fit before the deadline (plus a little), else two.
-    double again = 0;
-    for (size_t i = 0; i < ntop; ++i) again += 3 * top_r[i].total;
-    int rounds = elapsed(T) + 3 * again <= deadline(T) + 10 ? 3 : 2;
-    if (ntop >= 2) {
-        size_t win = retime_leaders(T, direct, &base, top, top_r, ntop, rounds, phase);
-        *best_cand = top[win];
-        *best = top_r[win];
-        if (!direct && best->times[0] > 0)
-            T->best_gflops = flops(&T->shapes[0]) / best->times[0] / 1e9;
-    }
-    return have;
+    free(W.seen);
+    free(W.nb);
+    pick_leader(T, &W, deadline(T));
+    return W.have;
 }
 
 // The phases' deadlines, from the costs seen so far. The final check builds both programs; the

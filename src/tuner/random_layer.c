@@ -3,7 +3,7 @@
 
 #include "tuner/random_layer.h"
 
-#include "tuner/gemm_search.h"  // rand_unit
+#include "tuner/tuner_state.h"  // rand_unit
 
 #include <math.h>
 #include <stdlib.h>

@@ -9,6 +9,7 @@
 #include "tuner/decode_search.h"
 #include "tuner/fused_search.h"
 #include "tuner/gemm_search.h"
+#include "tuner/gemm_timing.h"
 
 #include <math.h>
 #include <stdio.h>
