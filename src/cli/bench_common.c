@@ -130,8 +130,10 @@ clmha_layer *clmha__bench_layer(clmha_context *ctx, const bench_config *cfg) {
     return layer;
 }
 
-int clmha__bench_io_make(clmha_context *ctx, const bench_config *cfg, clmha_layer *layer,
-                         size_t n, size_t l, size_t s, bench_io *io) {
+// The forward arguments of @p io for shape (n, l, s) of @p layer, buffers not yet set, and the
+// floats of each buffer (0: the call has none). EXIT_OK, or EXIT_REFUSED after reporting.
+static int io_shapes(clmha_context *ctx, const bench_config *cfg, clmha_layer *layer, size_t n,
+                     size_t l, size_t s, bench_io *io) {
     const clmha_layer_desc *d = &cfg->desc;
     size_t e = d->embed_dim, kd = d->kdim, vd = d->vdim;
     *io = (bench_io){.n = n, .l = l, .s = s, .self = l == s && kd == e && vd == e,
@@ -169,6 +171,16 @@ int clmha__bench_io_make(clmha_context *ctx, const bench_config *cfg, clmha_laye
     counts[4] = w_count;
     if (io->self) counts[1] = 0;
     if (io->self || io->kv_same) counts[2] = 0;
+    return EXIT_OK;
+}
+
+int clmha__bench_io_make(clmha_context *ctx, const bench_config *cfg, clmha_layer *layer,
+                         size_t n, size_t l, size_t s, bench_io *io) {
+    if (io_shapes(ctx, cfg, layer, n, l, s, io) != EXIT_OK) return EXIT_REFUSED;
+    const clmha_layer_desc *d = &cfg->desc;
+    const char *where = io->where;
+    const size_t *counts = io->counts;
+    clmha_forward_args *args = &io->args;
 
     // The buffers, with random inputs and a zeroed output.
     cl_command_queue queue = clmha_context_cl_queue(ctx);
