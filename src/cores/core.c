@@ -1,7 +1,11 @@
 // The dispatch of attention cores (core.h): one table, in the order the cores are tried; row i
-// keeps its per-layer state in slot i of clmha_layer::core_state.
+// keeps its per-layer state in slot i of clmha_layer::core_state, as a clmha__core_slot that
+// names the core, so that a core finds its state (clmha__core_state(), core.h) without this
+// file: the table calls the cores, never the other way.
 #include "cores/core.h"
-#include "cores/fused.h"
+#include "cores/fused_backward.h"
+
+#include <stdlib.h>
 
 // The cores, each defined in its own file (src/cores/NAME.c), which declares it too.
 CLMHA__HIDDEN extern const clmha__core clmha__core_decode, clmha__core_user, clmha__core_fused,
@@ -17,16 +21,14 @@ static const clmha__core *const cores[] = {
 enum { CORE_COUNT = sizeof cores / sizeof cores[0] };
 _Static_assert(CORE_COUNT <= CLMHA__CORE_SLOTS, "raise CLMHA__CORE_SLOTS (src/layer/layer.h)");
 
-void *clmha__core_state(const clmha_layer *layer, const clmha__core *core) {
-    for (size_t i = 0; i < CORE_COUNT; ++i)
-        if (cores[i] == core) return layer->core_state[i];
-    return NULL;
-}
-
 clmha_status clmha__cores_create(clmha_layer *layer) {
     for (size_t i = 0; i < CORE_COUNT; ++i) {
         if (!cores[i]->create) continue;
-        clmha_status st = cores[i]->create(layer, &layer->core_state[i]);
+        clmha__core_slot *slot = calloc(1, sizeof *slot);
+        if (!slot) return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+        slot->core = cores[i];
+        layer->core_state[i] = slot;
+        clmha_status st = cores[i]->create(layer, &slot->state);
         if (st) return st;
     }
     return CLMHA_SUCCESS;
@@ -34,7 +36,9 @@ clmha_status clmha__cores_create(clmha_layer *layer) {
 
 void clmha__cores_release(clmha_layer *layer) {
     for (size_t i = 0; i < CORE_COUNT; ++i) {
-        if (cores[i]->release) cores[i]->release(layer->core_state[i]);
+        clmha__core_slot *slot = layer->core_state[i];
+        if (cores[i]->release) cores[i]->release(slot ? slot->state : NULL);
+        free(slot);
         layer->core_state[i] = NULL;
     }
 }

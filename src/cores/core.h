@@ -128,8 +128,22 @@ typedef struct clmha__core {
     clmha_status (*backward)(clmha_layer *layer, clmha__backward_call *call);
 } clmha__core;
 
+// What a slot of clmha_layer::core_state holds (clmha__cores_create()): the core, and the state
+// its create() made.
+typedef struct clmha__core_slot {
+    const clmha__core *core;
+    void *state;
+} clmha__core_slot;
+
 // The state of @p core (a row of the dispatch table) in @p layer: what its create() made, or NULL.
-CLMHA__HIDDEN void *clmha__core_state(const clmha_layer *layer, const clmha__core *core);
+// Read from the layer alone, so that a core finds its state without calling the dispatch.
+static inline void *clmha__core_state(const clmha_layer *layer, const clmha__core *core) {
+    for (size_t i = 0; i < CLMHA__CORE_SLOTS; ++i) {
+        const clmha__core_slot *slot = layer->core_state[i];
+        if (slot && slot->core == core) return slot->state;
+    }
+    return NULL;
+}
 
 // The core that runs backward call @p call with @p impl (CLMHA_IMPL_AUTO: the fused core when it
 // supports the call, else the unfused one); fails with a message when none does. With
