@@ -245,13 +245,6 @@ const char *clmha_context_device_name(const clmha_context *ctx) {
     return ctx ? ctx->device_name : "";
 }
 
-void clmha__count(clmha_context *ctx, size_t program_builds, size_t buffer_allocations) {
-    pthread_mutex_lock(&ctx->lock);
-    ctx->program_builds += program_builds;
-    ctx->buffer_allocations += buffer_allocations;
-    pthread_mutex_unlock(&ctx->lock);
-}
-
 void clmha__context_counters(clmha_context *ctx, size_t *program_builds,
                              size_t *buffer_allocations) {
     pthread_mutex_lock(&ctx->lock);

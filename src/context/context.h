@@ -53,9 +53,15 @@ static inline clmha__tuning_target clmha__context_tuning_target(const clmha_cont
 CLMHA__HIDDEN void clmha__context_counters(clmha_context *ctx, size_t *program_builds,
                                            size_t *buffer_allocations);
 
-// Adds to the counters above.
-CLMHA__HIDDEN void clmha__count(clmha_context *ctx, size_t program_builds,
-                                size_t buffer_allocations);
+// Adds to the counters above. Inline, so that the files the context calls (the program cache,
+// src/context/programs.c) count without calling back into context.c.
+static inline void clmha__count(clmha_context *ctx, size_t program_builds,
+                                size_t buffer_allocations) {
+    pthread_mutex_lock(&ctx->lock);
+    ctx->program_builds += program_builds;
+    ctx->buffer_allocations += buffer_allocations;
+    pthread_mutex_unlock(&ctx->lock);
+}
 
 // The largest buffer clmha allocates as scratch on the device of @p ctx, in bytes: the device's
 // CL_DEVICE_MAX_MEM_ALLOC_SIZE, or the test hook's lower limit when one is set.
