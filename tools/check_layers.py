@@ -163,7 +163,8 @@ def object_files(build, src):
                 for line in text:
                     m = DEPEND_ENTRY.match(line)
                     if m:
-                        pairs.append((os.path.realpath(m.group(1)), os.path.join(build, m.group(2))))
+                        source, obj = m.group(1), os.path.join(build, m.group(2))
+                        pairs.append((os.path.realpath(source), obj))
         else:
             for where, _, files in os.walk(folder):
                 for f in files:
@@ -280,7 +281,12 @@ def check_symbols(root, build, nm):
     objects = object_files(build, src)
     if not any(rel.startswith(("errors/", "context/")) for rel in objects):
         return None
+    missing = sorted(rel for rel, obj in objects.items() if not os.path.isfile(obj))
+    for rel in missing:
+        del objects[rel]
     graph, problems = call_graph(objects, nm)
+    problems[:0] = [f"src/{rel}: its object file is missing (build before the check)"
+                    for rel in missing]
     upward = 0
     for a in sorted(graph):
         own = rank_of(a)
