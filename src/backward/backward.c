@@ -85,10 +85,6 @@ static const char *const grad_name[G_COUNT] = {
     "v_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v",
     "attn_mask", "key_padding_mask"};
 
-const char *clmha__backward_grad_name(int g) {
-    return g >= 0 && g < G_COUNT ? grad_name[g] : "?";
-}
-
 const clmha_grad *clmha__backward_grad(const clmha_backward_args *a, int g) {
     const clmha_grad *const all[G_COUNT] = {
         &a->query, &a->key, &a->value, &a->in_proj_weight, &a->q_proj_weight, &a->k_proj_weight,

@@ -12,11 +12,9 @@
 
 // The gradients of clmha_backward_args as a table: their number, the field of gradient @p g
 // (0 to the count - 1, in the struct's order: query, key, value, in_proj_weight, q/k/v_proj_weight,
-// in_proj_bias, out_proj.weight, out_proj.bias, bias_k, bias_v, attn_mask, key_padding_mask)
-// and its name.
+// in_proj_bias, out_proj.weight, out_proj.bias, bias_k, bias_v, attn_mask, key_padding_mask).
 CLMHA__HIDDEN int clmha__backward_grad_count(void);
 CLMHA__HIDDEN const clmha_grad *clmha__backward_grad(const clmha_backward_args *a, int g);
-CLMHA__HIDDEN const char *clmha__backward_grad_name(int g);
 
 // Checks @p a (in this library's layout) for a call on device buffers (@p on_device) or host
 // arrays: its forward arguments (copied into @p fwd, resolved into @p d), the saved state, the
