@@ -20,6 +20,10 @@ alike. The peers:
   C        `clmha bench --json --batch-first --impl fused` (a child process; step: --backward,
            its "ms"). Device buffers: the inputs stay on the device, nothing is copied to or from
            host memory, every run is waited for with clFinish. A random layer and input.
+  Chost    `clmha bench --host` (the same, with --backward for the step): the host-array calls
+           clmha_layer_forward_host / clmha_layer_backward_host from C, the calls the package
+           makes: the inputs are copied in and the results out on every run, through the
+           layer's staging buffers. The Python layer's own price is module / Chost.
   Ldev     (where pyopencl is installed) clmha.Layer.forward on pyopencl arrays, a layer on
            Context.from_pyopencl() of the same device: the device-buffer call C times
            (clmha_layer_forward, into a preallocated out=, then queue.finish()), from Python:
@@ -46,13 +50,16 @@ alike. The peers:
            F.scaled_dot_product_attention, back to (N, L, E), F.linear (out_proj); the same
            parameters and gradients as torch.
 
-Ratios (medians over the rounds, the same pass and shape): module / C is the whole price of
+Ratios (medians over the rounds, the same pass and shape): module / Chost is what the Python
+layer adds to the C call it makes (cffi, the argument structs, the torch wrapper); Chost / C
+is what the host copies cost in C; module / C is the whole price of
 calling clmha from PyTorch on host tensors: the host copies of clmha_layer_forward_host (and
 clmha_layer_backward_host), cffi, and the torch wrapper (autograd.Function, the parameter
 version check, tensor <-> ndarray); Layer / C is the host copies and cffi; Ldev / C is cffi and
 the Python code without host copies, so Layer / Ldev is the host copies' share; module / Layer
-the torch wrapper alone. "module / C paired" is the median (and range) over the rounds of
-module / C taken within each round, which a busy moment of the machine disturbs less.
+the torch wrapper alone. "module / Chost paired" and "module / C paired" are the median (and
+range) over the rounds of the ratio taken within each round, which a busy moment of the
+machine disturbs less.
 module / torch and module / sdpa: above 1, clmha's module is slower.
 
 Threads: --threads (default 2) for everything: OMP_NUM_THREADS, OPENBLAS_NUM_THREADS,
@@ -90,7 +97,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DEFAULT_SHAPES = ["8x128", "1x2048"]
 PASSES = ("forward", "step")
-PEERS = ("C", "Ldev", "Layer", "module", "torch", "sdpa")
+PEERS = ("C", "Chost", "Ldev", "Layer", "module", "torch", "sdpa")
+C_PEERS = ("C", "Chost")  # `clmha bench` children
 
 
 def cpu_flags():
@@ -339,13 +347,15 @@ class Case:
         return errs
 
 
-def run_c(a, env, n, l, pass_):
-    """One `clmha bench` turn: its JSON line."""
+def run_c(a, env, n, l, pass_, host=False):
+    """One `clmha bench` turn (with --host: on host arrays): its JSON line."""
     cmd = [a.clmha, "bench", "--json", "--batch-first", "--impl", "fused", "--batch", str(n),
            "--tgt-len", str(l), "--embed", str(a.embed), "--heads", str(a.heads),
            "--repeat", str(a.repeat)]
     if pass_ == "step":
         cmd.append("--backward")
+    if host:
+        cmd.append("--host")
     if a.device:
         cmd += ["--device", a.device]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -487,7 +497,7 @@ def main(argv=None):
     import clmha
 
     torch.set_num_threads(a.threads)
-    peers = [p for p in PEERS if not (a.python_only and p == "C")]
+    peers = [p for p in PEERS if not (a.python_only and p in C_PEERS)]
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu": cpu_name(), "python": platform.python_version(), "torch": torch.__version__,
             "numpy": np.__version__, "torch_threads": torch.get_num_threads(),
@@ -514,7 +524,7 @@ def main(argv=None):
         # warm-up: first calls (kernel builds, the layer made, buffers sized)
         for p in a.pass_list:
             for q in peers:
-                r = case.runner(q, p) if q != "C" else None
+                r = case.runner(q, p) if q not in C_PEERS else None
                 if r:
                     fn, before = r
                     for _ in range(2):
@@ -526,8 +536,8 @@ def main(argv=None):
                 order = peers[rnd % len(peers):] + peers[:rnd % len(peers)]
                 line = []
                 for q in order:
-                    if q == "C":
-                        res = run_c(a, child_env, n, l, p)
+                    if q in C_PEERS:
+                        res = run_c(a, child_env, n, l, p, host=q == "Chost")
                         c_info.setdefault("gemm", res.get("gemm"))
                         c_info.setdefault("device", res.get("device"))
                         ms = float(res["ms"])
@@ -552,7 +562,8 @@ def main(argv=None):
     cols = [q for q in peers if any(t[p][q] for _, t, _ in results for p in a.pass_list)]
     ratio_names = []
     if "C" in cols:
-        ratio_names += [("module", "C"), ("Layer", "C")]
+        ratio_names += [("module", "Chost"), ("Layer", "Chost"), ("Chost", "C"),
+                        ("module", "C"), ("Layer", "C")]
         if "Ldev" in cols:
             ratio_names += [("Ldev", "C"), ("Layer", "Ldev")]
     ratio_names += [("module", "Layer"), ("module", "torch")]
@@ -560,7 +571,8 @@ def main(argv=None):
         ratio_names.append(("module", "sdpa"))
     head = ("| shape | pass | " + " | ".join(cols) + " | "
             + " | ".join(f"{x} / {y}" for x, y in ratio_names)
-            + (" | module / C paired (range) |" if "C" in cols else " |"))
+            + (" | module / Chost paired (range) | module / C paired (range) |"
+               if "C" in cols else " |"))
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     out_rows = []
@@ -569,25 +581,29 @@ def main(argv=None):
             med = {q: statistics.median(turns[p][q]) for q in cols if turns[p][q]}
             ratios = {f"{x}/{y}": med[x] / med[y] for x, y in ratio_names
                       if x in med and y in med}
-            paired = None
-            if turns[p].get("C") and turns[p]["module"]:
-                per = sorted(m / c for m, c in zip(turns[p]["module"], turns[p]["C"]))
-                paired = (statistics.median(per), per[0], per[-1])
-                ratios["paired module/C"] = paired[0]
+            paired = {}
+            for c in C_PEERS:
+                if turns[p].get(c) and turns[p]["module"]:
+                    per = sorted(m / x for m, x in zip(turns[p]["module"], turns[p][c]))
+                    paired[c] = (statistics.median(per), per[0], per[-1])
+                    ratios[f"paired module/{c}"] = paired[c][0]
             print(f"| N {n}, L {l} | {'forward' if p == 'forward' else 'forward+backward'} | "
                   + " | ".join(f"{med[q]:.2f}" if q in med else "-" for q in cols) + " | "
                   + " | ".join(f"{ratios[f'{x}/{y}']:.3f}" if f"{x}/{y}" in ratios else "-"
                                for x, y in ratio_names)
-                  + ((f" | {paired[0]:.3f} ({paired[1]:.2f}-{paired[2]:.2f}) |" if paired
-                      else " | - |") if "C" in cols else " |"))
+                  + ("".join(f" | {paired[c][0]:.3f} ({paired[c][1]:.2f}-{paired[c][2]:.2f})"
+                             if c in paired else " | -" for c in ("Chost", "C")) + " |"
+                     if "C" in cols else " |"))
             out_rows.append({"batch": n, "tgt_len": l, "pass": p, "ms": med,
                              "turns": {q: turns[p][q] for q in cols}, "ratios": ratios,
                              "max_abs_error": errs})
-    print("\n(C: `clmha bench`, device buffers, no host copies. module / C: the package's whole "
-          "price on host\ntensors: host copies in and out, cffi, the torch wrapper; Layer / C: "
-          "host copies and cffi;\nLdev / C: cffi without host copies; module / Layer: the torch "
-          "wrapper. Above 1: the first\nnamed is slower. Paired: module / C within each round, "
-          "median (range) over the rounds.)")
+    print("\n(C: `clmha bench`, device buffers, no host copies; Chost: `clmha bench --host`, the "
+          "host-array\ncall the package makes, from C. module / Chost: what the Python layer "
+          "adds to that C call\n(cffi, the torch wrapper); Chost / C: the host copies' price in "
+          "C; module / C: the package's\nwhole price on host tensors; Layer / Chost: cffi and "
+          "the NumPy checks; Ldev / C: cffi\nwithout host copies; module / Layer: the torch "
+          "wrapper. Above 1: the first named is slower.\nPaired: module / Chost and module / C "
+          "within each round, median (range) over the rounds.)")
     if "sdpa" not in cols:
         print(f"sdpa: left out (torch {torch.__version__} has no "
               f"F.scaled_dot_product_attention)")

@@ -2077,6 +2077,32 @@ Test(cli_bench, dtype_json) {
     EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "half");
 }
 
+// bench --host: the host-array call timed ("host": true; without it false), with and without
+// weights and in a 16-bit dtype; refused with --backward and --decode.
+Test(cli_bench, host_json) {
+    SKIP_WITHOUT_DEVICE();
+    const char *const extra[][3] = {{"--dtype", "f32", NULL},
+                                    {"--need-weights", "--src-len", "7"},
+                                    {"--dtype", "bf16", NULL}};
+    for (int i = 0; i < 3; ++i) {
+        cli_result r = cli_run("bench", "--json", "--host", "--embed", "16", "--heads", "2",
+                               "--batch", "2", "--tgt-len", "5", "--repeat", "2", extra[i][0],
+                               extra[i][1], extra[i][2]);
+        cr_assert_eq(r.status, 0, "case %d: stderr: %s", i, r.err);
+        cr_expect(strstr(r.out, "\"host\": true") != NULL, "case %d: %s", i, r.out);
+        cr_expect_gt(json_number(r.out, "ms"), 0.0, "case %d: %s", i, r.out);
+        cli_free(&r);
+    }
+    cli_result r = cli_run("bench", "--json", "--embed", "16", "--heads", "2", "--batch", "1",
+                           "--tgt-len", "3", "--repeat", "1");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect(strstr(r.out, "\"host\": false") != NULL, "%s", r.out);
+    cli_free(&r);
+    EXPECT_USAGE("clmha bench: --host times the forward pass only", "bench", "--host",
+                 "--backward");
+    EXPECT_USAGE("clmha bench: --host", "bench", "--host", "--decode", "--cache-len", "8");
+}
+
 // bench --dtype f64 (the default layer, E 512, 8 heads): a float64 random layer on float64
 // buffers; its tensors (query and output, N L E each, self-attention without weights) are
 // counted in 8-byte elements, and the FLOPs are the help's 8 N L E^2 + 4 N L^2 E.

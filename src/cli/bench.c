@@ -20,8 +20,8 @@
 static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
     "                   [--need-weights] [--batch-first] [--layer F.safetensors [--prefix P]]\n"
-    "                   [--impl auto|fused|unfused] [--backward] [--repeat R] [--device SPEC]\n"
-"                   [--dtype f32|f64|f16|bf16] [--json]\n"
+    "                   [--impl auto|fused|unfused] [--backward] [--host] [--repeat R]\n"
+"                   [--device SPEC] [--dtype f32|f64|f16|bf16] [--json]\n"
 "       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--batch N] [--embed E]\n"
 "                   [--heads H] [--repeat R] [--device SPEC] [--json]\n"
     "\n"
@@ -51,11 +51,15 @@ static const char *usage_bench =
     "                       clmha run's --num-heads)\n"
     "  --prefix P           with --layer: the attention module P.<name> of a whole model's\n"
     "                       file (as clmha run --prefix)\n"
-    "\n"
+    "\n";
+
+// The help's run options (C11 compilers need not take string literals past 4095 characters).
+static const char *usage_bench_run =
     "run:\n"
     "  --impl I             attention core: auto (default: fused without --need-weights,\n"
     "                       else unfused), fused or unfused\n"
     "  --backward           time the training step instead: see \"--backward\" below\n"
+    "  --host               time the host-array call instead: see \"--host\" below\n"
     "  --repeat R           timed runs per shape (default 10; with --backward, 0: no timed\n"
     "                       runs, the times are the measured layer's first step's)\n"
     "  --device SPEC        \"P:D\", gpu, cpu, accelerator or part of a device name (see\n"
@@ -67,7 +71,7 @@ static const char *usage_bench =
     "                       need_weights, impl (the core used), attention (\"self\"/\"cross\"),\n"
     "                       repeat, dtype (see --dtype below), ms (median),\n"
     "                       ms_min, ms_max, flops, gflops, io_bytes, io_gbps, scratch_bytes,\n"
-    "                       stages {name: ms}\n"
+    "                       stages {name: ms}, host\n"
 
     "  --help, -h           print this help\n"
     "\n"
@@ -89,6 +93,12 @@ static const char *usage_bench_dtype =
     "prints \"tensors\": the bytes of the call's inputs and outputs in its buffers, each read\n"
     "or written once, and their rate (--json adds dtype, io_bytes, io_gbps). Not with\n"
     "--decode or --backward.\n"
+    "\n"
+    "--host: times the host-array call clmha_layer_forward_host() instead, the call of a\n"
+    "program whose tensors are in host memory (and of the Python package): random float32\n"
+    "arrays copied in and the results copied out on every run, through the layer's staging\n"
+    "buffers (one untimed call first allocates them). The stage times stay the device\n"
+    "call's. --json: \"host\": true. Not with --backward or --decode.\n"
     "\n";
 
 static const char *usage_bench_decode =
@@ -185,6 +195,41 @@ typedef struct bench_result {
     double stage_ms[CLMHA_STAGE_COUNT];
 } bench_result;
 
+// --host: one warm-up and then @p repeat timed calls of clmha_layer_forward_host() on host
+// arrays of io's shape (random float32 inputs), into @p times. A failed call's status (or
+// CLMHA_OUT_OF_MEMORY without host memory), its message on the context.
+static clmha_status time_host_calls(clmha_layer *layer, const bench_io *io, size_t repeat,
+                                    double *times) {
+    float *in[3] = {NULL}, *out = NULL, *w = NULL;
+    const size_t *c = io->counts;
+    clmha_status st = CLMHA_OUT_OF_MEMORY;
+    clmha_forward_args a = io->args;
+    clmha_tensor *t[3] = {&a.query, &a.key, &a.value};
+    uint64_t rng = 7;
+    for (int i = 0; i < 3; ++i) {
+        t[i]->buffer = NULL;
+        if (!c[BENCH_QUERY + i]) continue;
+        if (!(in[i] = malloc(c[BENCH_QUERY + i] * sizeof(float)))) goto done;
+        for (size_t j = 0; j < c[BENCH_QUERY + i]; ++j) in[i][j] = clmha__cli_uniform(&rng);
+        t[i]->data = in[i];
+    }
+    if (!(out = malloc(c[BENCH_OUTPUT] * sizeof *out)) ||
+        (c[BENCH_WEIGHTS] && !(w = malloc(c[BENCH_WEIGHTS] * sizeof *w))))
+        goto done;
+    for (size_t r = 0; r <= repeat; ++r) {  // r = 0: the warm-up (the staging buffers)
+        double t0 = clmha__cli_now_ms();
+        if ((st = clmha_layer_forward_host(layer, &a, out, c[BENCH_OUTPUT], w,
+                                           c[BENCH_WEIGHTS])))
+            goto done;
+        if (r) times[r - 1] = clmha__cli_now_ms() - t0;
+    }
+done:
+    for (int i = 0; i < 3; ++i) free(in[i]);
+    free(out);
+    free(w);
+    return st;
+}
+
 // Times one shape: warm-up, cfg->repeat timed runs, one profiled run. Returns EXIT_OK or
 // EXIT_REFUSED after reporting.
 static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l, size_t s,
@@ -218,12 +263,16 @@ static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, si
     if (!st && clFinish(queue) != CL_SUCCESS) st = CLMHA_OPENCL_ERROR;
     if (st) goto forward_fail;
 
-    for (size_t r = 0; r < cfg->repeat; ++r) {
-        double t0 = clmha__cli_now_ms();
-        if ((st = clmha_layer_forward(layer, args, out, 0, weights, 0, 0, NULL, NULL)))
-            goto forward_fail;
-        if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
-        times[r] = clmha__cli_now_ms() - t0;
+    if (cfg->host) {
+        if ((st = time_host_calls(layer, &io, cfg->repeat, times))) goto forward_fail;
+    } else {
+        for (size_t r = 0; r < cfg->repeat; ++r) {
+            double t0 = clmha__cli_now_ms();
+            if ((st = clmha_layer_forward(layer, args, out, 0, weights, 0, 0, NULL, NULL)))
+                goto forward_fail;
+            if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
+            times[r] = clmha__cli_now_ms() - t0;
+        }
     }
     res->ms = clmha__bench_median(times, cfg->repeat, &res->ms_min, &res->ms_max);
 
@@ -265,10 +314,10 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
         clmha__bench_json_head(ctx, cfg, res->n, res->l, res->s, res->impl, res->self);
         printf("\"dtype\": \"%s\", \"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, "
                "\"flops\": %.0f, \"gflops\": %.6g, \"io_bytes\": %zu, \"io_gbps\": %.6g, "
-               "\"scratch_bytes\": %zu, \"stages\": {",
+               "\"scratch_bytes\": %zu, \"host\": %s, \"stages\": {",
                clmha__dtype_name(d->dtype), res->ms, res->ms_min, res->ms_max, res->flops,
                res->flops / res->ms / 1e6, res->io_bytes, (double)res->io_bytes / res->ms / 1e6,
-               res->scratch_bytes);
+               res->scratch_bytes, cfg->host ? "true" : "false");
         for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
             printf("%s\"%s\": %.6g", i ? ", " : "", clmha_stage_name((clmha_stage)i),
                    res->stage_ms[i]);
@@ -283,8 +332,8 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
            res->self ? ", packed QKV projection"
            : d->kdim == d->vdim ? ", key = value" : ", separate key and value",
            cfg->need_weights ? "on" : "off", clmha_impl_name(res->impl));
-    printf("time:    %.3f ms per forward (median of %zu; min %.3f, max %.3f)\n", res->ms,
-           cfg->repeat, res->ms_min, res->ms_max);
+    printf("time:    %.3f ms per forward%s (median of %zu; min %.3f, max %.3f)\n", res->ms,
+           cfg->host ? " on host arrays" : "", cfg->repeat, res->ms_min, res->ms_max);
     printf("speed:   %.2f GFLOP/s (%.4g GFLOP per forward)\n", res->flops / res->ms / 1e6,
            res->flops / 1e9);
     printf("tensors: %zu bytes of %s inputs and outputs, %.2f GB/s\n", res->io_bytes,
@@ -320,7 +369,7 @@ static void print_tuning(const clmha_context *ctx) {
 typedef struct bench_args {
     const char *batch_opt, *tgt_opt, *src_opt, *embed_opt, *heads_opt, *repeat_opt, *layer_path,
         *device, *impl_opt, *cache_opt, *kv_heads_opt, *dtype_opt, *prefix;
-    bool need_weights, batch_first, json, backward, decode;
+    bool need_weights, batch_first, json, backward, decode, host;
     size_t batches[BENCH_MAX_LIST], tgts[BENCH_MAX_LIST], srcs[BENCH_MAX_LIST],
         caches[BENCH_MAX_LIST];
     size_t nb, nt, ns, nc, e, h, repeat, kv_heads;
@@ -345,14 +394,15 @@ static bool parse_options(int argc, char **argv, bench_args *a, int *rc) {
         {.name = "--device", .value = &a->device, .allow_empty = true},
         {.name = "--json", .flag = &a->json},
         {.name = "--backward", .flag = &a->backward},
+        {.name = "--host", .flag = &a->host},
         {.name = "--decode", .flag = &a->decode},
         {.name = "--cache-len", .value = &a->cache_opt},
         {.name = "--kv-heads", .value = &a->kv_heads_opt},
         {.name = "--dtype", .value = &a->dtype_opt},
     };
-    char usage[8192];
-    snprintf(usage, sizeof usage, "%s%s%s%s%s", usage_bench, usage_bench_dtype,
-             usage_bench_backward, usage_bench_decode, usage_bench_tail);
+    char usage[12288];
+    snprintf(usage, sizeof usage, "%s%s%s%s%s%s", usage_bench, usage_bench_run,
+             usage_bench_dtype, usage_bench_backward, usage_bench_decode, usage_bench_tail);
     return clmha__cli_parse_options("bench", argc, argv, opts, sizeof opts / sizeof opts[0],
                                     usage, rc);
 }
@@ -423,6 +473,11 @@ static int parse_values(bench_args *a) {
     if (a->cache_opt && (rc = parse_sizes("--cache-len", a->cache_opt, BENCH_MAX_LIST,
                                           BENCH_MAX_SIZE, a->caches, &a->nc)))
         return rc;
+    if (a->host && (a->backward || a->decode)) {
+        clmha__cli_report("bench", "--host times the forward pass only (not with %s)",
+                          a->backward ? "--backward" : "--decode");
+        return EXIT_USAGE;
+    }
     if (a->kv_heads_opt && !a->decode) {
         clmha__cli_report("bench", "--kv-heads goes with --decode");
         return EXIT_USAGE;
@@ -551,7 +606,8 @@ int clmha__cli_bench(int argc, char **argv) {
     if ((rc = parse_values(&a)) != EXIT_OK) return rc;
     bench_config cfg = {.layer_path = a.layer_path, .layer_prefix = a.prefix,
                         .layer_heads = a.layer_path && a.heads_opt ? a.h : 0,
-                        .need_weights = a.need_weights, .json = a.json, .impl = a.impl,
+                        .need_weights = a.need_weights, .json = a.json, .host = a.host,
+                        .impl = a.impl,
                         .repeat = a.repeat};
     cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
                                   .embed_dim = a.e, .num_heads = a.h, .kdim = a.e, .vdim = a.e,

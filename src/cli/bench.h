@@ -15,6 +15,7 @@ typedef struct bench_config {
     clmha_layer_desc desc;    // random layer, or the file's (kdim/vdim filled in)
     const float *w_in, *b_in, *w_out, *b_out;  // random parameters
     bool need_weights, json;
+    bool host;                // --host: time clmha_layer_forward_host on host arrays
     clmha_impl impl;          // as given; the core used is in the result
     size_t repeat;
 } bench_config;
