@@ -102,7 +102,7 @@ inline REAL max_nan(REAL a, REAL b) { return (b > a || isnan(b)) ? b : a; }
 // the conversion back to an integer two more). -inf and anything below -87 give 0; NaN stays
 // NaN. Float64 programs (REAL_F64) take the library's exp, whose double precision the
 // polynomial does not have. The one definition, so that the backward's recomputed
-// probabilities round as the forward's did (tests/test_kernel_helpers.c checks it).
+// probabilities round as the forward's did (tests/device/test_kernel_helpers.c checks it).
 #if REAL_F64
 inline VT exp_nonpos(VT x) { return exp(x); }
 #else

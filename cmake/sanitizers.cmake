@@ -6,8 +6,9 @@
 # which apply to the targets defined after it, in this directory and below).
 #
 # The OpenCL driver (PoCL, the ICD loader, CLBlast, LLVM) is not instrumented. Its own leaks and
-# races are suppressed by library name in tests/lsan.supp and tests/tsan.supp, which the test
-# suite passes to the sanitizers through the environment (see tests/CMakeLists.txt).
+# races are suppressed by library name in tests/sanitizers/lsan.supp and
+# tests/sanitizers/tsan.supp, which the test suite passes to the sanitizers through the
+# environment (see tests/CMakeLists.txt).
 set(CLMHA_SANITIZE "" CACHE STRING
     "Comma-separated sanitizers to build with (address, undefined, leak, thread), empty for none")
 

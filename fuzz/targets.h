@@ -1,5 +1,6 @@
 // clmha's fuzz targets, shared by the libFuzzer harnesses (fuzz/fuzz_*.c) and the regression
-// test that replays the seed corpora and every crash reproducer (tests/test_fuzz_regressions.c).
+// test that replays the seed corpora and every crash reproducer
+// (tests/unit/test_fuzz_regressions.c).
 // One file each: fuzz/target_safetensors.c, target_npy.c, target_forward_args.c, compiled into
 // a static library (clmha_fuzz_targets in fuzz/CMakeLists.txt, instrumented; and
 // clmha_test_fuzz_targets in tests/CMakeLists.txt, for the test).

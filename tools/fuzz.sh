@@ -3,7 +3,7 @@
 # SECONDS (default 60), one after the other, starting from a copy of its seed corpus
 # fuzz/corpus/<harness>/ plus the reproducers in tests/fuzz_regressions/<harness>/. Every
 # crash-*, leak-*, timeout-* and oom-* file a run leaves is copied to
-# tests/fuzz_regressions/<harness>/, where tests/test_fuzz_regressions.c replays it.
+# tests/fuzz_regressions/<harness>/, where tests/unit/test_fuzz_regressions.c replays it.
 #
 #   tools/fuzz.sh [SECONDS] [HARNESS...]     HARNESS: safetensors, npy, forward_args (default all)
 #

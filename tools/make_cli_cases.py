@@ -26,7 +26,7 @@ tests/cli/torch_save/ holds two small files written by torch.save (module.pt, th
 format; legacy.pt, the legacy pickle format) that `clmha run --layer` must refuse with how to
 convert them; --check does not compare them (torch versions write different bytes).
 
-and tests/cli/cases.inc, the list of case names (`"name",` lines) for tests/test_cli.c. Case
+and tests/cli/cases.inc, the list of case names (`"name",` lines) for tests/cli/test_cli.c. Case
 folders no longer generated (those holding an `args` file) are removed.
 
 Expected values: nn.MultiheadAttention in float64 (eval mode, so dropout is inactive) on

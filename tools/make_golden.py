@@ -4,10 +4,10 @@
 Every case draws its parameters and inputs in float32 (fixed seeds), then runs
 torch.nn.MultiheadAttention in float64 on exactly those values (module.eval()), and writes
 tests/golden/<case>.txt plus tests/golden/cases.inc (the list of case names, #included by
-tests/test_golden.c). The float16 / bfloat16 layer cases (DTYPE_CASES, see below) are written as
+tests/device/test_golden.c). The float16 / bfloat16 layer cases (DTYPE_CASES, see below) are written as
 tests/golden/dtype_<f16|bf16>_<name>.txt and listed in tests/golden/dtype_cases.inc only (so
 that the float32 tests do not see them); the float64 layer cases (F64_CASES) likewise as
-tests/golden/f64_<name>.txt, listed in tests/golden/f64_cases.inc only (tests/test_f64.c). Files
+tests/golden/f64_<name>.txt, listed in tests/golden/f64_cases.inc only (tests/device/test_f64.c). Files
 of cases no longer generated are removed.
 
 Run with a Python that has PyTorch (tested with Debian's python3-torch 1.13):
@@ -285,7 +285,7 @@ CASES = [
     # dropout is inactive in eval
     C("dropout_eval", dropout=0.5, L=4, attn="bool_ignore"),
     # causal self-attention as incremental decoding reproduces it through a KV cache
-    # (tests/test_kv_cache.c), with the appended keys visible to every query
+    # (tests/device/test_kv_cache.c), with the appended keys visible to every query
     C("decode_causal_bias_kv", E=16, H=4, L=7, causal=True, add_bias_kv=True,
       need_weights=False),
     C("decode_causal_zero_attn_batch_first", E=16, H=4, L=6, N=3, causal=True,
@@ -328,7 +328,7 @@ DTYPE_CASES = [dict(c, name=f"dtype_{dt}_{c['name']}", dtype=dt)
 # float64 layers (forward only), written as f64_<name>.txt and listed in f64_cases.inc: float64
 # parameters, inputs and float masks that float32 cannot hold, so that a layer computing in
 # float32 anywhere misses the 1e-12 of the contract. No case has a fully masked row.
-# tests/test_f64.c runs every case through the fused core too (without weights): fused_tiles
+# tests/device/test_f64.c runs every case through the fused core too (without weights): fused_tiles
 # crosses its tile edges, head_dim_32 has the largest head dim.
 F64_BASE_CASES = [
     C("self_bias", E=8, H=2, L=5),

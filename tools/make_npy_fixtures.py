@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the small NumPy-made .npy files under tests/npy/ that tests/test_npy.c reads.
+"""Writes the small NumPy-made .npy files under tests/npy/ that tests/unit/test_npy.c reads.
 
 Run with any Python that has NumPy:  python3 tools/make_npy_fixtures.py
 The values are arange-based so the test knows them without NumPy; the files are committed, so the

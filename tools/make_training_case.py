@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generates tests/training/sgd.txt, the PyTorch run that tests/test_training.c repeats.
+"""Generates tests/training/sgd.txt, the PyTorch run that tests/device/test_training.c repeats.
 
 A torch.nn.MultiheadAttention (E=8, H=2, bias, sequence-first) is trained for STEPS steps of
 plain SGD (p -= LR * dL/dp, no momentum, no weight decay) on one fixed batch: cross-attention of
@@ -7,7 +7,7 @@ query (L=5, N=3, E) on key and value (S=6, N=3, E) with a float (L, S) attn_mask
 row fully masked), loss = mean((output - target)^2) over all N*L*E values. The parameters and
 inputs are drawn in float32; the run is in float64 on exactly those values.
 
-The file has the format of tests/golden.h (`case`, `layer`, `call` lines, then tensors):
+The file has the format of tests/support/golden.h (`case`, `layer`, `call` lines, then tensors):
 
     in_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias   f32  the initial parameters
     query, key, value, attn_mask, target                           f32  the batch

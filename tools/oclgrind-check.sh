@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every OpenCL kernel clmha launches (cl/*.cl, cl/cores/*.cl, and the CLBlast GEMMs it
-# calls) under Oclgrind, the OpenCL device simulator, on the small cases of tests/oclgrind_driver.c, and fails
-# when Oclgrind reports anything or a case gives a wrong result.
+# calls) under Oclgrind, the OpenCL device simulator, on the small cases of
+# tests/sanitizers/oclgrind_driver.c, and fails when Oclgrind reports anything or a case gives a
+# wrong result.
 #
 # Usage: tools/oclgrind-check.sh [DRIVER]      (default: build/oclgrind_driver)
 # Builds nothing: build the driver first (cmake --build build --target oclgrind_driver).
@@ -190,7 +191,7 @@ done
 if [ -n "$missing" ]; then
     status=1
     echo "---- kernels of cl/*.cl, cl/cores/*.cl that never ran:$missing" \
-        "(add a case to tests/oclgrind_driver.c)"
+        "(add a case to tests/sanitizers/oclgrind_driver.c)"
 fi
 
 cases_all=$(sed -n 's/^cases: \([0-9]*\).*/\1/p' "$tmp/cpu-all.out" "$tmp/gpu-all.out" |

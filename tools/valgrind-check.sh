@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs Criterion test executables under valgrind's memcheck and fails on any memory error or
-# definite leak that the OpenCL driver suppressions (tests/valgrind.supp) do not cover.
+# definite leak that the OpenCL driver suppressions (tests/sanitizers/valgrind.supp) do not cover.
 #
 # usage: tools/valgrind-check.sh [-B BUILD_DIR] [TEST[:FILTER] ...]
 #   BUILD_DIR  a configured and built tree (default: build); not a sanitizer build
@@ -47,7 +47,7 @@ if [ ${#tests[@]} -eq 0 ]; then
 fi
 valgrind="${VALGRIND:-valgrind}"
 command -v "$valgrind" >/dev/null || { echo "valgrind-check: $valgrind not found" >&2; exit 2; }
-supp="$root/tests/valgrind.supp"
+supp="$root/tests/sanitizers/valgrind.supp"
 logs="${CLMHA_VALGRIND_LOGS:-$build/valgrind-logs}"
 export POCL_CACHE_DIR="${POCL_CACHE_DIR:-$build/valgrind-pocl-cache}"
 # test_concurrency's first-call stress test forks a fresh process per round: under memcheck one

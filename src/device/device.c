@@ -98,7 +98,7 @@ static clmha_status devices_list_unlocked(clmha_device_info *infos, size_t first
 // and devices on the process's first clGetPlatformIDs, and PoCL 3.1 does not make other threads'
 // calls wait for that: a thread calling clGetPlatformIDs meanwhile finds no platform, one
 // querying a device meanwhile crashes (clGetDeviceInfo, SEGV in 1 of 2 processes whose threads
-// created their first contexts at once: tests/test_concurrency.c, first_calls_*).
+// created their first contexts at once: tests/device/test_concurrency.c, first_calls_*).
 static clmha_status devices_list(clmha_device_info *infos, size_t first, size_t capacity,
                                  size_t *count) {
     static pthread_mutex_t enumeration = PTHREAD_MUTEX_INITIALIZER;

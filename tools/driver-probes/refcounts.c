@@ -7,7 +7,7 @@
 //   rusticl 22.3:  the same, but 4 right after the releases, 1 from 250 ms on: the buffer's and
 //                  the queue's references are dropped late by the queue's worker thread
 //   intel 2026.2:  created 1, retained 2, +buffer 2, +queue 2: objects do not hold their context
-// tests/support.c (refs_move, context_refs_show_objects) decides from the same observations
+// tests/support/support.c (refs_move, context_refs_show_objects) decides from the same observations
 // which counts a test may compare.
 #define CL_TARGET_OPENCL_VERSION 120
 #define _POSIX_C_SOURCE 200809L

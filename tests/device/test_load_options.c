@@ -25,7 +25,7 @@
 #define BAD_LAYER ((clmha_layer *)(uintptr_t)1)
 #define TOL 1e-4  // max abs error against PyTorch on unit-scale data, as the other tests
 
-typedef test_env env;  // tests/support.h
+typedef test_env env;  // tests/support/support.h
 
 static void env_open(env *e) { test_env_open(e, "clmha-lo"); }
 

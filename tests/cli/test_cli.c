@@ -14,7 +14,7 @@
 //   - `clmha devices` lists the spec strings; `clmha demo --heatmap` and `clmha run --heatmap`
 //     write a PNG;
 //   - files: special files are neither read (no hang) nor replaced, a failed run (a rename made
-//     to fail by tests/cli_fail_rename.c) leaves every file as it was, outputs that are the same
+//     to fail by tests/cli/cli_fail_rename.c) leaves every file as it was, outputs that are the same
 //     file or an input are refused, 255-byte names are written;
 //   - a stdout that cannot be written (/dev/full) fails the command; honest bench limits; a
 //     warning for NaN/Inf results.
@@ -48,7 +48,7 @@
 #error "CLMHA_CLI_PATH (the path of the built clmha program, a string) must be defined"
 #endif
 #ifndef CLMHA_FAIL_RENAME_LIB
-#error "CLMHA_FAIL_RENAME_LIB (the path of the built tests/cli_fail_rename.c, a string) must be defined"
+#error "CLMHA_FAIL_RENAME_LIB (the path of the built tests/cli/cli_fail_rename.c, a string) must be defined"
 #endif
 #ifndef CLMHA_TEST_DATA_DIR
 #error "CLMHA_TEST_DATA_DIR (the path of tests/, a string) must be defined"
@@ -78,7 +78,7 @@ typedef struct cli_result {
 
 // How the next runs start (tests that change them put them back): a hung program is ended by
 // SIGALRM after cli_alarm_s seconds; stdout goes to cli_stdout_to (e.g. "/dev/full") instead of
-// being captured when set; cli_fail_rename (when set) is preloaded with tests/cli_fail_rename.c
+// being captured when set; cli_fail_rename (when set) is preloaded with tests/cli/cli_fail_rename.c
 // so that a rename onto a path ending so fails.
 static unsigned cli_alarm_s = 600;
 static const char *cli_stdout_to;

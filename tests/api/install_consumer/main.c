@@ -1,4 +1,4 @@
-// A consumer of an installed clmha: built by tests/install_test.sh against the installed prefix
+// A consumer of an installed clmha: built by tests/api/install_test.sh against the installed prefix
 // only, once through find_package(clmha) (shared and static) and once through pkg-config.
 // Runs one small forward pass on host arrays and compares it with the CPU reference.
 // Exit status: 0 pass, 1 failure, 77 no OpenCL device (skip).

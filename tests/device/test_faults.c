@@ -161,7 +161,7 @@ static void check_rows(const result *r, bool (*expect_nan)(size_t l, size_t n), 
 // ---- (a) allocations beyond CL_DEVICE_MAX_MEM_ALLOC_SIZE --------------------------------------
 
 // The application's own cl_context (so that its reference count shows any cl_mem, cl_program or
-// cl_kernel clmha leaves behind, where the driver's counts move: tests/support.h) and a clmha
+// cl_kernel clmha leaves behind, where the driver's counts move: tests/support/support.h) and a clmha
 // context on it.
 typedef struct wrapped {
     cl_context context;

@@ -1,4 +1,4 @@
-# tests/oclgrind_driver.c: small forward passes that reach every kernel branch, for
+# tests/sanitizers/oclgrind_driver.c: small forward passes that reach every kernel branch, for
 # tools/oclgrind-check.sh (every kernel run under the Oclgrind simulator). Not a CTest test:
 # run `tools/oclgrind-check.sh <build>/oclgrind_driver` (needs the oclgrind package). Linked with
 # libclmha.a for its test hook (the largest allocation, to reach the chunked unfused core).

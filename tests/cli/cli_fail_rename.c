@@ -1,4 +1,4 @@
-// Preloaded (LD_PRELOAD) into the clmha program by tests/test_cli.c: rename() fails with EIO when
+// Preloaded (LD_PRELOAD) into the clmha program by tests/cli/test_cli.c: rename() fails with EIO when
 // its target ends with $CLMHA_TEST_FAIL_RENAME, as a failing file system would make it, even for
 // root; every other rename is the C library's. It lets a test fail the second of two renames.
 #define _GNU_SOURCE

@@ -1,7 +1,7 @@
 #define _POSIX_C_SOURCE 200809L
 // Embedding: the caller's own cl_context, queue, buffers and event wait lists; reference counts;
 // a user-supplied attention core. Links libclmha.a for clmha's counts of the OpenCL objects it
-// holds (tests/support.h).
+// holds (tests/support/support.h).
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -90,7 +90,7 @@ static void sleep_ms(long ms) {
 Test(interop, caller_objects_wait_list_event_and_refcounts) {
     app a;
     if (!app_open(&a)) cr_skip_test("no OpenCL device");
-    // Reference counts: the driver's where they move (tests/support.h), clmha's own always.
+    // Reference counts: the driver's where they move (tests/support/support.h), clmha's own always.
     bool ctx_move = refs_move(REF_CONTEXT, a.context), queue_move = refs_move(REF_QUEUE, a.queue);
     if (ctx_move) context_refs_show_objects(a.context);  // notes when it does not
     cl_uint ctx_refs0 = refs_of(REF_CONTEXT, a.context), queue_refs0 = refs_of(REF_QUEUE, a.queue);

@@ -5,7 +5,7 @@
 #                  pkg-config --static
 # and checks the installed `clmha` program runs from the prefix.
 #
-# Usage: tests/install_test.sh <build dir> <source dir>
+# Usage: tests/api/install_test.sh <build dir> <source dir>
 # Exit status: 0 pass, 77 no OpenCL device (the consumers built but could not run), else failure.
 # Environment: CC (default cc), CMAKE_GENERATOR (passed through to cmake), KEEP=1 keeps the
 # temporary folder.
@@ -80,7 +80,7 @@ echo "$out"
 [ "$out" = "clmha $version" ] || fail "clmha --version printed '$out', expected 'clmha $version'"
 
 step "CMake consumer: find_package(clmha $version)"
-cmake -S "$src/tests/install_consumer" -B "$work/cmake-build" \
+cmake -S "$src/tests/api/install_consumer" -B "$work/cmake-build" \
     -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release \
     -DCLMHA_REQUEST_VERSION="$version" -DCMAKE_C_COMPILER="$cc"
 cmake --build "$work/cmake-build"
@@ -95,7 +95,7 @@ if ldd "$work/cmake-build/consumer_static" | grep -q libclmha; then
 fi
 
 step "CMake consumer: an incompatible major version is refused"
-if cmake -S "$src/tests/install_consumer" -B "$work/cmake-build-major" \
+if cmake -S "$src/tests/api/install_consumer" -B "$work/cmake-build-major" \
     -DCMAKE_PREFIX_PATH="$prefix" -DCLMHA_REQUEST_VERSION="$((major + 1)).0" \
     -DCMAKE_C_COMPILER="$cc" >"$work/major.log" 2>&1; then
     fail "find_package(clmha $((major + 1)).0) accepted version $version"
@@ -105,7 +105,7 @@ if [ "$major" -eq 0 ] && [ "$minor" -gt 0 ]; then
     # Before 1.0 a minor release may break the ABI: a program asking for 0.(minor-1) must not
     # get this library (SameMajorVersion would accept it, SameMinorVersion does not).
     step "CMake consumer: before 1.0 an older minor version is refused too"
-    if cmake -S "$src/tests/install_consumer" -B "$work/cmake-build-minor" \
+    if cmake -S "$src/tests/api/install_consumer" -B "$work/cmake-build-minor" \
         -DCMAKE_PREFIX_PATH="$prefix" -DCLMHA_REQUEST_VERSION="0.$((minor - 1))" \
         -DCMAKE_C_COMPILER="$cc" >"$work/minor.log" 2>&1; then
         fail "find_package(clmha 0.$((minor - 1))) accepted version $version"
@@ -122,7 +122,7 @@ libs=$(pkg-config --libs clmha)
 echo "cflags: $cflags"
 echo "libs:   $libs"
 # shellcheck disable=SC2086  # word splitting of the flags is intended
-"$cc" -std=c11 -Wall -Wextra -Wpedantic -Werror "$src/tests/install_consumer/main.c" \
+"$cc" -std=c11 -Wall -Wextra -Wpedantic -Werror "$src/tests/api/install_consumer/main.c" \
     -o "$work/pc_shared" $cflags $libs -lm
 LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" run_consumer "$work/pc_shared"
 
@@ -134,7 +134,7 @@ static_libs=$(printf '%s\n' "$static_libs" | sed "s|-lclmha\b|$libdir/libclmha.a
 static_cflags=$(pkg-config --static --cflags clmha)  # with Cflags.private: -DCLMHA_STATIC
 echo "cflags: $static_cflags"
 # shellcheck disable=SC2086
-"$cc" -std=c11 "$src/tests/install_consumer/main.c" -o "$work/pc_static" $static_cflags \
+"$cc" -std=c11 "$src/tests/api/install_consumer/main.c" -o "$work/pc_static" $static_cflags \
     -DCLMHA_EXPECT_STATIC $static_libs -lm
 if ldd "$work/pc_static" | grep -q libclmha; then
     fail "pc_static is linked to libclmha.so"

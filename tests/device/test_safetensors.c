@@ -23,7 +23,7 @@
 
 // ---- helpers ----------------------------------------------------------------------------------
 
-typedef test_env env;  // tests/support.h
+typedef test_env env;  // tests/support/support.h
 
 static void env_open(env *e) { test_env_open(e, "clmha-st"); }
 
