@@ -1,6 +1,6 @@
 // Layers: configuration, parameters by PyTorch name, the kernels of cl/heads.cl, scratch space and
 // profiling marks. (clmha_layer_create() and clmha_layer_release(), which add the cores' state,
-// are in src/forward/layer_api.c.)
+// are in src/forward/layer_create.c.)
 #include "layer/layer.h"
 
 #include "base/half.h"

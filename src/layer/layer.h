@@ -2,7 +2,7 @@
 // (layer.c), read by the attention cores (src/cores/) and the forward pass (src/forward/). The
 // cores keep their own state in it, opaque here (core_state); the public clmha_layer_create()
 // and clmha_layer_release(), which make and free that state too, are above the cores
-// (src/forward/layer_api.c).
+// (src/forward/layer_create.c).
 #ifndef CLMHA_LAYER_LAYER_H
 #define CLMHA_LAYER_LAYER_H
 
