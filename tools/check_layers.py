@@ -35,7 +35,7 @@ LAYERS = [
     (1, "base", ["base/"]),
     (2, "errors", ["errors/"]),
     (3, "device", ["device/"]),
-    (4, "tuning", ["tuning/"]),  # the tuning store
+    (4, "tuning_store", ["tuning_store/"]),  # the tuned parameters, persisted and built in
     (5, "context", ["context/"]),
     (6, "layer", ["layer/"]),
     (7, "cores", ["cores/"]),
@@ -44,7 +44,7 @@ LAYERS = [
     (9, "backward", ["backward/"]),  # training: the backward pass (the saved state is forward/)
     (9, "formats", ["formats/"]),
     (9, "reference", ["reference/"]),
-    (10, "tuner", ["tuner/"]),  # the search of clmha_context_tune()
+    (10, "tuning_search", ["tuning_search/"]),  # the search of clmha_context_tune()
 ]
 
 # The program (clmha), on top of the library: it uses include/clmha.h and, of the library's
@@ -328,7 +328,7 @@ def main(argv):
             print(__doc__.strip(), file=sys.stderr)
             return 2
         for rank, name, paths in LAYERS:
-            print(f"{rank:>2}  {name:<10} " + " ".join("src/" + p for p in paths))
+            print(f"{rank:>2}  {name:<14} " + " ".join("src/" + p for p in paths))
         return 0
     root = args[0] if args else os.path.join(os.path.dirname(__file__), "..")
     root = os.path.abspath(root)

@@ -15,7 +15,7 @@
 #include "device/device_class.h"
 #include "device/host_blas.h"
 #include "errors/errors.h"
-#include "tuning/store.h"
+#include "tuning_store/store.h"
 
 struct clmha_context {
     clmha__error_slot errors;   // first: what clmha__fail() reads of a context (errors.h)
@@ -43,7 +43,7 @@ struct clmha_context {
     size_t program_builds, buffer_allocations;
 };
 
-// The context as the tuning store sees it (src/tuning/store.h).
+// The context as the tuning store sees it (src/tuning_store/store.h).
 static inline clmha__tuning_target clmha__context_tuning_target(const clmha_context *ctx) {
     clmha__tuning_target t = {ctx, &ctx->errors, ctx->device, &ctx->info, ctx->max_work_group};
     return t;

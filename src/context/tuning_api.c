@@ -1,10 +1,10 @@
 // The public tuning functions over the store: clmha_context_tuning_import(),
 // clmha_context_tuning_export(), clmha_context_tuning_source() and clmha_context_tuning_note() (clmha_context_tune(), the
-// search, is in src/tuner/tune.c).
+// search, is in src/tuning_search/tune.c).
 #define _POSIX_C_SOURCE 200809L
 
 #include "context/context.h"
-#include "tuning/store.h"
+#include "tuning_store/store.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -13,7 +13,7 @@
 #include "cores/fused.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
-#include "tuning/store.h"
+#include "tuning_store/store.h"
 
 #include <math.h>
 #include <stdio.h>

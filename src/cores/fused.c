@@ -11,7 +11,7 @@
 #include "cores/fused_backward.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
-#include "tuning/store.h"
+#include "tuning_store/store.h"
 
 #include <math.h>
 #include <stdio.h>

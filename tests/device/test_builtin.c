@@ -1,4 +1,4 @@
-// Built-in GEMM parameter sets (src/tuning/builtin.c): the table is well formed (every set
+// Built-in GEMM parameter sets (src/tuning_store/builtin.c): the table is well formed (every set
 // passes the checks a stored tuning file gets), class matching picks the right row for sample
 // device descriptions, and on this device the precedence holds: stored tuning file > built-in
 // set > CLBlast's own parameters, with the note and clmha_context_tuning_source() saying which.
@@ -17,8 +17,8 @@
 #include <clblast_c.h>
 
 #include "support.h"
-#include "tuning/builtin.h"
-#include "tuning/params.h"
+#include "tuning_store/builtin.h"
+#include "tuning_store/params.h"
 
 // ---- the table ---------------------------------------------------------------------------------
 

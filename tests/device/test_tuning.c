@@ -8,7 +8,7 @@
 // parameters per device for the whole process, and a context loads the stored tuning of its
 // device once per process.
 //
-// The built-in parameter sets (src/tuning/builtin.c), which a device without a stored tuning
+// The built-in parameter sets (src/tuning_store/builtin.c), which a device without a stored tuning
 // gets, are switched off here (test hook: this file links libclmha.a), so that "nothing
 // applied" stays what it was; test_builtin.c checks them and their precedence.
 #define _POSIX_C_SOURCE 200809L
@@ -18,7 +18,7 @@
 #include <clmha.h>
 
 #include "support.h"
-#include "tuning/builtin.h"
+#include "tuning_store/builtin.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>

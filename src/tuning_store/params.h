@@ -2,8 +2,8 @@
 // Xgemm, XgemmDirect and GemmRoutine, clmha's fused attention tiles), their names, CLBlast's
 // constraints on them, their text form and CLBlast's generic values. No device state here: the
 // per-device registry, the files and applying a tuning are in store.h.
-#ifndef CLMHA_TUNING_PARAMS_H
-#define CLMHA_TUNING_PARAMS_H
+#ifndef CLMHA_TUNING_STORE_PARAMS_H
+#define CLMHA_TUNING_STORE_PARAMS_H
 
 #include <stdbool.h>
 #include <stddef.h>

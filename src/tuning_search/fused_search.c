@@ -1,12 +1,12 @@
 // The fused-tile search (see fused_search.h).
 #define _POSIX_C_SOURCE 200809L
 
-#include "tuner/fused_search.h"
+#include "tuning_search/fused_search.h"
 
 #include "cores/fused.h"
 #include "layer/layer.h"
-#include "tuner/tuner_state.h"  // now_s, rand_unit
-#include "tuner/random_layer.h"
+#include "tuning_search/tuner_state.h"  // now_s, rand_unit
+#include "tuning_search/random_layer.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -1,9 +1,9 @@
-// The GEMM search of clmha_context_tune(), private to src/tuner/: its phases (gemm_search.c),
-// which call the timed GEMM shapes (gemm_timing.c, gemm_timing.h) and the candidate spaces
-// (gemm_candidates.c, gemm_candidates.h); the three share the tuner's state (tuner_state.h),
-// and the arrows run one way: gemm_search.c calls the other two, never they it. The short type
-// names (tuner, gshape, cand, result) are this folder's own: include this header from
-// src/tuner/ only.
+// The GEMM search of clmha_context_tune(), private to src/tuning_search/: its phases
+// (gemm_search.c), which call the timed GEMM shapes (gemm_timing.c, gemm_timing.h) and the
+// candidate spaces (gemm_candidates.c, gemm_candidates.h); the three share the tuner's state
+// (tuner_state.h), and the arrows run one way: gemm_search.c calls the other two, never they it.
+// The short type names (tuner, gshape, cand, result) are this folder's own: include this header
+// from src/tuning_search/ only.
 //
 // The GEMMs are timed on the device with clFinish around each call (wall clock, so the indirect
 // path's pad/transpose kernels and buffer allocations count). A candidate is compiled by its
@@ -29,10 +29,10 @@
 //
 // With clmha_tune_options.trace set, the search reports every candidate, the turns, the leaders,
 // the split and the final check as trace lines through the progress callback (fraction -1).
-#ifndef CLMHA_TUNER_GEMM_SEARCH_H
-#define CLMHA_TUNER_GEMM_SEARCH_H
+#ifndef CLMHA_TUNING_SEARCH_GEMM_SEARCH_H
+#define CLMHA_TUNING_SEARCH_GEMM_SEARCH_H
 
-#include "tuner/tuner_state.h"
+#include "tuning_search/tuner_state.h"
 
 // What the GEMM phases chose.
 typedef struct gemm_outcome {

@@ -4,8 +4,8 @@
 // parameters (5-6x slower on these CPUs). The table and the matching are here; the store
 // (store.h) applies the set it matches. Precedence: stored tuning file > built-in set > CLBlast's
 // own parameters.
-#ifndef CLMHA_TUNING_BUILTIN_H
-#define CLMHA_TUNING_BUILTIN_H
+#ifndef CLMHA_TUNING_STORE_BUILTIN_H
+#define CLMHA_TUNING_STORE_BUILTIN_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -14,7 +14,7 @@
 
 #include "base/defs.h"
 
-#include "tuning/params.h"
+#include "tuning_store/params.h"
 
 // What the matching reads of a device (store.c fills it from the driver; tests write it).
 typedef struct clmha__builtin_device {

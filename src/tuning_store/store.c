@@ -18,9 +18,9 @@
 //   (Sgemm and SgemmStridedBatched are two programs).
 #define _POSIX_C_SOURCE 200809L
 
-#include "tuning/store.h"
+#include "tuning_store/store.h"
 
-#include "tuning/builtin.h"
+#include "tuning_store/builtin.h"
 
 #include "base/file_read.h"
 #include "base/file_write.h"

@@ -1,10 +1,10 @@
-// The candidate spaces of the GEMM search (src/tuner/gemm_candidates.c): the CPU seeds, the
+// The candidate spaces of the GEMM search (src/tuning_search/gemm_candidates.c): the CPU seeds, the
 // candidates' coordinates and CLBlast's constraints, neighbours and random draws. Used by the
 // search (gemm_search.c); uses only the tuner's state (tuner_state.h).
-#ifndef CLMHA_TUNER_GEMM_CANDIDATES_H
-#define CLMHA_TUNER_GEMM_CANDIDATES_H
+#ifndef CLMHA_TUNING_SEARCH_GEMM_CANDIDATES_H
+#define CLMHA_TUNING_SEARCH_GEMM_CANDIDATES_H
 
-#include "tuner/tuner_state.h"
+#include "tuning_search/tuner_state.h"
 
 // A candidate in "natural" coordinates: Xgemm (GEMMK 0) as work-group MDIMC×NDIMC with MWI×NWI
 // per work-item, or XgemmDirect with MDIMAD = MDIMCD and NDIMBD = NDIMCD.

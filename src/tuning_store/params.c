@@ -2,9 +2,9 @@
 // CLBlast's generic values.
 #define _POSIX_C_SOURCE 200809L
 
-#include "tuning/params.h"
+#include "tuning_store/params.h"
 
-#include "tuning/param_index.h"
+#include "tuning_store/param_index.h"
 
 #include "base/message.h"
 

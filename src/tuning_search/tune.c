@@ -6,10 +6,10 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include "base/struct_in.h"
-#include "tuner/decode_search.h"
-#include "tuner/fused_search.h"
-#include "tuner/gemm_search.h"
-#include "tuner/gemm_timing.h"
+#include "tuning_search/decode_search.h"
+#include "tuning_search/fused_search.h"
+#include "tuning_search/gemm_search.h"
+#include "tuning_search/gemm_timing.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -2,12 +2,12 @@
 // real layer's fused stage, each checked against the double-precision reference. Part of the
 // tuner (top layer): it builds layers and calls the fused core's tile helpers
 // (clmha__fused_tiles_for, clmha__layer_set_fused_tiles, clmha__fused_default_vw).
-#ifndef CLMHA_TUNER_FUSED_SEARCH_H
-#define CLMHA_TUNER_FUSED_SEARCH_H
+#ifndef CLMHA_TUNING_SEARCH_FUSED_SEARCH_H
+#define CLMHA_TUNING_SEARCH_FUSED_SEARCH_H
 
 #include "context/context.h"
 
-#include "tuning/params.h"
+#include "tuning_store/params.h"
 
 #include <stdint.h>
 

@@ -1,9 +1,9 @@
 // The tuner's random layer (see random_layer.h).
 #define _POSIX_C_SOURCE 200809L
 
-#include "tuner/random_layer.h"
+#include "tuning_search/random_layer.h"
 
-#include "tuner/tuner_state.h"  // rand_unit
+#include "tuning_search/tuner_state.h"  // rand_unit
 
 #include <math.h>
 #include <stdlib.h>

@@ -3,12 +3,12 @@
 // layer at two cache lengths, each candidate's output checked against the double-precision
 // reference. Part of the tuner (top layer): it builds layers and KV caches and sets the decode
 // core's split on its own layer (clmha__decode_set_split).
-#ifndef CLMHA_TUNER_DECODE_SEARCH_H
-#define CLMHA_TUNER_DECODE_SEARCH_H
+#ifndef CLMHA_TUNING_SEARCH_DECODE_SEARCH_H
+#define CLMHA_TUNING_SEARCH_DECODE_SEARCH_H
 
 #include "context/context.h"
 
-#include "tuning/params.h"
+#include "tuning_store/params.h"
 
 #include <stdint.h>
 

@@ -1,16 +1,16 @@
-// The state of one clmha_context_tune() run (src/tuner/tune.c) and of its GEMM search, and the
-// small helpers every file of src/tuner/ uses (the clock, random numbers, a GEMM's FLOPs). The
-// short type names (tuner, gshape) are this folder's own: include this header from src/tuner/
-// only. The GEMM search's files (gemm_search.h) all use it; none of them is used by it.
-#ifndef CLMHA_TUNER_TUNER_STATE_H
-#define CLMHA_TUNER_TUNER_STATE_H
+// The state of one clmha_context_tune() run (src/tuning_search/tune.c) and of its GEMM search,
+// and the small helpers every file of src/tuning_search/ uses (the clock, random numbers, a
+// GEMM's FLOPs). The short type names (tuner, gshape) are this folder's own: include this header
+// from src/tuning_search/ only. The GEMM search's files (gemm_search.h) all use it; none of them is used by it.
+#ifndef CLMHA_TUNING_SEARCH_TUNER_STATE_H
+#define CLMHA_TUNING_SEARCH_TUNER_STATE_H
 
 #include "base/message.h"
 #include "context/context.h"
 #include "device/held.h"
 #include "errors/errors.h"
 
-#include "tuning/store.h"
+#include "tuning_store/store.h"
 
 #include <stdint.h>
 #include <time.h>

@@ -3,7 +3,7 @@
 // trace lines to the caller's callback.
 #define _POSIX_C_SOURCE 200809L
 
-#include "tuner/gemm_timing.h"
+#include "tuning_search/gemm_timing.h"
 
 #include "device/blas.h"
 

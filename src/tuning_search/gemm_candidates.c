@@ -3,9 +3,9 @@
 // them, a candidate's neighbours and prior-weighted random draws.
 #define _POSIX_C_SOURCE 200809L
 
-#include "tuner/gemm_candidates.h"
+#include "tuning_search/gemm_candidates.h"
 
-#include "tuning/param_index.h"
+#include "tuning_store/param_index.h"
 
 #include <math.h>
 #include <string.h>

@@ -4,10 +4,10 @@
 // (clmha__gemm_search()).
 #define _POSIX_C_SOURCE 200809L
 
-#include "tuner/gemm_search.h"
+#include "tuning_search/gemm_search.h"
 
-#include "tuner/gemm_candidates.h"
-#include "tuner/gemm_timing.h"
+#include "tuning_search/gemm_candidates.h"
+#include "tuning_search/gemm_timing.h"
 
 #include <math.h>
 #include <stdio.h>

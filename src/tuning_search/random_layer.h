@@ -1,8 +1,8 @@
 // The layer the tuner's timed phases run on (fused_search.c, decode_search.c): self-attention
 // of the shape's embed_dim and num_heads with bias, its parameters drawn from the tuner's
 // random stream and kept for the double-precision reference.
-#ifndef CLMHA_TUNER_RANDOM_LAYER_H
-#define CLMHA_TUNER_RANDOM_LAYER_H
+#ifndef CLMHA_TUNING_SEARCH_RANDOM_LAYER_H
+#define CLMHA_TUNING_SEARCH_RANDOM_LAYER_H
 
 #include "clmha.h"
 

@@ -1,10 +1,10 @@
-// The tuner's GEMM shapes (src/tuner/gemm_timing.c): random matrices, one timed GEMM, its
+// The tuner's GEMM shapes (src/tuning_search/gemm_timing.c): random matrices, one timed GEMM, its
 // check against a double-precision CPU GEMM, the progress and trace lines. Used by the search
 // (gemm_search.c); uses only the tuner's state (tuner_state.h).
-#ifndef CLMHA_TUNER_GEMM_TIMING_H
-#define CLMHA_TUNER_GEMM_TIMING_H
+#ifndef CLMHA_TUNING_SEARCH_GEMM_TIMING_H
+#define CLMHA_TUNING_SEARCH_GEMM_TIMING_H
 
-#include "tuner/tuner_state.h"
+#include "tuning_search/tuner_state.h"
 
 // Random host matrices and their device buffers for @p s.
 CLMHA__HIDDEN clmha_status clmha__tuner_shape_alloc(tuner *T, gshape *s);

@@ -36,7 +36,7 @@
 // (VWM 8 is one ymm register) and K loop. It passes the same checks and gives exact results
 // (test_builtin, bench/gemm_ratio --xgemm on this machine), but its speed on an AVX2 CPU is
 // unknown: measure it there (bench/gemm_ratio, `clmha tune`) before trusting it.
-#include "tuning/builtin.h"
+#include "tuning_store/builtin.h"
 
 #include <stdatomic.h>
 #include <string.h>

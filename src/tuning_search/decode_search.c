@@ -1,12 +1,12 @@
 // The decode-split search (see decode_search.h).
 #define _POSIX_C_SOURCE 200809L
 
-#include "tuner/decode_search.h"
+#include "tuning_search/decode_search.h"
 
 #include "cores/decode.h"
 #include "layer/layer.h"
-#include "tuner/tuner_state.h"  // now_s, rand_unit
-#include "tuner/random_layer.h"
+#include "tuning_search/tuner_state.h"  // now_s, rand_unit
+#include "tuning_search/random_layer.h"
 
 #include <math.h>
 #include <stdlib.h>

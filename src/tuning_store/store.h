@@ -8,21 +8,21 @@
 // property of the device in this process, and the store mirrors it in a small per-device
 // registry: what was applied, from where, and a note on the stored file.
 //
-// The search (src/tuner/) uses the store through this header only: it reads the tuning in
+// The search (src/tuning_search/) uses the store through this header only: it reads the tuning in
 // effect (clmha__tuning_current), overrides CLBlast's parameters for each candidate
 // (clmha__tuning_override, no registry update), applies and records the winner
 // (clmha__tuning_apply), writes it (clmha__tuning_to_json, clmha__tuning_path,
 // clmha__tuning_write_file) and sets the note (clmha__tuning_set_note).
-#ifndef CLMHA_TUNING_STORE_H
-#define CLMHA_TUNING_STORE_H
+#ifndef CLMHA_TUNING_STORE_STORE_H
+#define CLMHA_TUNING_STORE_STORE_H
 
 #include "clmha.h"
 
 #include "base/defs.h"
 #include "errors/errors.h"
 
-#include "tuning/builtin.h"
-#include "tuning/params.h"
+#include "tuning_store/builtin.h"
+#include "tuning_store/params.h"
 
 // What the store needs of a context: its device, what is known of the device, and where errors
 // are recorded. The context builds one (clmha__context_tuning_target()); the store never sees
