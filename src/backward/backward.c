@@ -530,22 +530,10 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
         .grad_kpm = args->key_padding_mask.buffer, .grad_kpm_offset = args->key_padding_mask.offset,
         .grad_kpm_accumulate = args->key_padding_mask.accumulate};
     if (!args->grad_weights.ndim) call.grad_weights = NULL;
-    clmha_impl impl = args->impl != CLMHA_IMPL_AUTO ? args->impl : layer->impl;
+    call.impl = args->impl;
+    call.fell_back = sv->fell_back;
     const clmha__core *core;
-    if ((st = clmha__backward_select(layer, &call, impl, sv->fused_fell_back, &core))) {
-        // The unfused backward has no chunks: say so when that is why no core could run.
-        clmha__chunks c;
-        if (st == CLMHA_UNSUPPORTED && !layer->core && impl != CLMHA_IMPL_FUSED &&
-            (!clmha__scores_chunks(layer, &d, &c) || c.count != 1))
-            return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
-                               "the unfused backward needs the scores (N*H*L*S' = %zu floats) "
-                               "in one buffer, more than half this device's largest allocation "
-                               "(%llu bytes), and the fused backward cannot run this call (it "
-                               "needs a forward call that ran the fused core, no weights "
-                               "gradient and no mask gradient)",
-                               d.scores_count, (unsigned long long)clmha__max_alloc(ctx));
-        return st;
-    }
+    if ((st = clmha__backward_select(layer, &call, &core))) return st;
     // The layer's scratch, sized for this call before the core sees it (a core that reserves
     // the scores, clmha__layer_reserve(), then grows nothing else).
     if ((st = clmha__layer_reserve(layer, &d, false, false))) return st;

@@ -1,23 +1,32 @@
 // Attention cores: the middle of the forward pass, from the head tiles Q, K, V (and the masks)
-// to the attention output tiles (and, for the cores that have them, the weights). Every core
-// implements this one interface; the forward pass asks the dispatch (clmha__core_select()) for
-// the core of a call.
+// to the attention output tiles (and, for the cores that have them, the weights), and its
+// backward. Every core implements this one interface, and everything of a core is behind it:
+// what it runs and why not (supports, backward_supports), what it needs built (create, bake),
+// what it saves for its backward (the log-sum-exp rows, writes_lse), its kernels. The forward
+// and backward passes walk the dispatch table (core.c) and ask; they never name a core.
 //
-// Adding a core (split-K decode, backward) takes:
+// The cores today: decode (calls with a KV cache, split-K), user (the caller's
+// clmha_attention_fn), fused (one kernel, no weights; its backward from the saved log-sum-exp
+// rows), unfused (GEMMs and a softmax kernel, weights, chunks; the fallback of every call).
+//
+// Adding a core takes:
 //   - src/cores/NAME.c: a `const clmha__core clmha__core_NAME` and everything of the core, its
 //     per-layer state included (create/release; clmha__core_state(layer, &clmha__core_NAME));
+//     more files of its own may follow its name (NAME_backward.c, NAME_shared.c);
 //   - cl/cores/NAME.cl: its kernels; the core builds them as program family "NAME"
 //     (clmha__program_get() finds every embedded cl/ file by name, with cl/common.cl in front
 //     of those in cl/cores/: no entry in src/context/programs.c);
-//   - in src/cores/core.c, its declaration and its row in the dispatch table;
-//   - the two file names in CMakeLists.txt (CLMHA_SOURCES, CLMHA_CL_SOURCES).
-// A core that others use beyond this interface (the tuner, tests) adds its own header
-// (fused.h, unfused.h).
+//   - in src/cores/core.c, its row in CLMHA__CORE_TABLE, where its turn comes.
+// The build picks up src/cores/*.c and cl/cores/*.cl by themselves (CMakeLists.txt globs
+// them). A core that others use beyond this interface (the tuner, tests) adds its own header
+// (fused.h, decode.h).
 #ifndef CLMHA_CORES_CORE_H
 #define CLMHA_CORES_CORE_H
 
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdio.h>
 
 #include "clmha.h"
 
@@ -38,6 +47,9 @@ typedef struct clmha__core_call {
     // lse_written.
     cl_mem lse;
     bool lse_written;
+    // The call needs the log-sum-exp rows (partial attention, clmha_layer_attend()): only a core
+    // with clmha__core::writes_lse runs it, and its impl is the call's own, not the layer's.
+    bool need_lse;
     // With a KV cache (clmha_forward_args::kv_cache; only the decode core runs such calls):
     // the call's plan of lengths, and whether the new key and value tiles are to be appended
     // (false: kv_attend_only, no new keys).
@@ -64,11 +76,16 @@ typedef struct clmha__backward_call {
     const clmha_forward_args *args;  // the forward call's arguments, device buffers: masks,
                                      // is_causal, training, rng
     const clmha__dims *dims;
+    // The backward call's impl (clmha_backward_args::impl; CLMHA_IMPL_AUTO: the layer's), and
+    // whether its forward call fell back (a core it asked for answered
+    // CLMHA__CORE_FALLS_BACK: a driver kept it from that call), so that its backward may too.
+    clmha_impl impl;
+    bool fell_back;
     // Saved by the forward call: q (N*H, L, D), k and v (N*H, S', D) as the core saw them
     // (in_proj_bias added, bias_k/bias_v and the zero row appended), o (N*H, L, D) the attention
     // result (weights · V); lse (N*H*L floats, natural log of the row's sum of exp(score),
-    // scores scaled and masked, -INFINITY on a fully masked row) when the fused core ran, else
-    // NULL.
+    // scores scaled and masked, -INFINITY on a fully masked row) when the forward's core wrote
+    // them (clmha__core::writes_lse), else NULL.
     cl_mem q, k, v, o, lse;
     cl_mem d_o;  // the gradient of o (N*H, L, D)
     // Optional (NULL): the caller's gradient of the returned weights, in the forward's weights
@@ -88,8 +105,75 @@ typedef struct clmha__backward_call {
     bool grad_attn_accumulate, grad_kpm_accumulate;
 } clmha__backward_call;
 
+// One merge of partial attention results (clmha_attention_merge(), checked): rows of head_dim
+// floats and their log-sum-exp, the other's merged into heads and lse. Offsets in floats. The
+// merge waits for @p wait_list (a barrier, enqueued only once its kernel is built).
+typedef struct clmha__merge_call {
+    size_t rows, head_dim;
+    cl_mem heads, lse, other_heads, other_lse;
+    size_t heads_offset, lse_offset, other_heads_offset, other_lse_offset;
+    cl_uint num_wait;
+    const cl_event *wait_list;
+} clmha__merge_call;
+
+// How a core answers whether it runs a call (clmha__core::supports, ::backward_supports).
+typedef enum clmha__core_reason {
+    CLMHA__CORE_RUNS = 0,    // it runs the call
+    // Not this core's call: the call's impl asks for another core, or the call is of a kind the
+    // core does not take (a KV cache, weights where the impl leaves the choice, no user core
+    // set): the next row is asked.
+    CLMHA__CORE_PASSES,
+    // The call asks for this core (its impl), but the device keeps the core from it (a driver's
+    // loop limit, kernels that cannot be built here): the next row is asked, and the call
+    // records that it fell back (clmha__backward_call::fell_back: its backward may too).
+    CLMHA__CORE_FALLS_BACK,
+    // The call is this core's (its impl asks for it, or it is of a kind only this core runs)
+    // and has an option the core does not take: the call fails with the answer's status and
+    // message; no other row is asked.
+    CLMHA__CORE_REFUSES,
+} clmha__core_reason;
+
+// A core's answer: the reason, and why not in words (a complete sentence with CLMHA__CORE_REFUSES,
+// which the call fails with; a clause naming the core otherwise, which the dispatch puts into its
+// message when no core runs a call).
+typedef struct clmha__core_answer {
+    clmha__core_reason reason;
+    clmha_status status;  // with CLMHA__CORE_REFUSES: CLMHA_UNSUPPORTED, _INVALID_ARGUMENT, ...
+    char why[384];
+} clmha__core_answer;
+
+// Sets @p answer: @p reason, @p status (CLMHA__CORE_REFUSES), and the message @p fmt.
+static inline void clmha__core_answer_set(clmha__core_answer *answer, clmha__core_reason reason,
+                                          clmha_status status, const char *fmt, ...)
+    CLMHA__PRINTF(4, 5);
+static inline void clmha__core_answer_set(clmha__core_answer *answer, clmha__core_reason reason,
+                                          clmha_status status, const char *fmt, ...) {
+    answer->reason = reason;
+    answer->status = status;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(answer->why, sizeof answer->why, fmt, ap);
+    va_end(ap);
+}
+
+// Sets @p answer to CLMHA__CORE_RUNS.
+static inline void clmha__core_runs(clmha__core_answer *answer) {
+    answer->reason = CLMHA__CORE_RUNS;
+    answer->status = CLMHA_SUCCESS;
+    answer->why[0] = '\0';
+}
+
 typedef struct clmha__core {
     const char *name;
+    // The clmha_impl value that asks for this core (CLMHA_IMPL_AUTO: none does).
+    clmha_impl impl;
+    // The core runs the calls with a KV cache (clmha_forward_args::kv_cache), and only those;
+    // a core without this flag is never asked about them.
+    bool kv_cache;
+    // The core returns the attention weights a call asks for (need_weights). A core without
+    // them is not asked about such a call, unless the call's impl names it: then a
+    // CLMHA__CORE_RUNS answer has the call refused (CLMHA_INVALID_ARGUMENT) by the dispatch.
+    bool returns_weights;
     // Grouped-query attention: the core reads the key and value tiles as the layer's kvh heads
     // ((N*KVH, S', D), each shared by h / kvh query heads); false: the forward pass repeats
     // them for every query head ((N*H, S', D)) before the core runs.
@@ -107,25 +191,40 @@ typedef struct clmha__core {
     clmha_status (*create)(clmha_layer *layer, void **state);
     // Optional: frees @p state (NULL or what create() left, also after a failed create()).
     void (*release)(void *state);
-    // Whether the core runs @p call on @p layer (*yes), building what it needs on first use
-    // (kernels, kept in its state). A status other than CLMHA_SUCCESS fails the forward call
-    // before anything is enqueued.
-    clmha_status (*supports)(clmha_layer *layer, const clmha__core_call *call, bool *yes);
+    // Optional: called by clmha_layer_bake() after its pass on zeros: builds what the core
+    // would build on a later call of the layer (a core the pass did not run), so that those
+    // calls do not compile. A device that cannot build it is no failure here.
+    clmha_status (*bake)(clmha_layer *layer);
+    // Whether the core runs @p call on @p layer (*answer), building what it needs on first use
+    // (kernels, kept in its state). Asked when the call is validated (call->kv, q_at ...
+    // not set yet: call->args says whether it has a KV cache) and again when it is enqueued.
+    // A status other than CLMHA_SUCCESS (a failed build the call asked for) fails the forward
+    // call before anything is enqueued.
+    clmha_status (*supports)(clmha_layer *layer, const clmha__core_call *call,
+                             clmha__core_answer *answer);
+    // The core writes each score row's log-sum-exp where clmha__core_call::lse asks for it (the
+    // saved state's backward reads them; partial attention needs them: a core without this
+    // flag is not asked about a call with clmha__core_call::need_lse).
+    bool writes_lse;
     // The core reads and writes layer->scores (clmha__layer_reserve()'s `scores`).
     bool uses_scores;
     // Enqueues the core's work on the context's queue, marking its profiling stages
     // (clmha__layer_mark()). Weights asked for go to layer->scores, (N*H, L, S'), for the
     // forward pass to return, or straight to call->weights (then call->weights_written).
     clmha_status (*run)(clmha_layer *layer, clmha__core_call *call);
-    // Optional (NULL: the core has no backward pass). Whether it runs backward call @p call
-    // (*yes; false with a reason in @p why, for CLMHA_IMPL_FUSED's message), building what it
-    // needs on first use.
+    // Optional (NULL: the core never runs a backward call). Whether it runs backward call
+    // @p call (*answer), building what it needs on first use. A core without a backward pass
+    // may still answer CLMHA__CORE_REFUSES for the calls that are its own (the user core).
     clmha_status (*backward_supports)(clmha_layer *layer, const clmha__backward_call *call,
-                                      bool *yes, const char **why);
+                                      clmha__core_answer *answer);
     // Enqueues the backward pass of the core on the context's queue: fills call->dq, dk, dv
     // and the mask gradients asked for. Its scratch is its own (kept in its state) or the
-    // layer's scores buffer (clmha__layer_reserve()).
+    // layer's scores buffer (clmha__layer_reserve()). Set when backward_supports can answer
+    // CLMHA__CORE_RUNS.
     clmha_status (*backward)(clmha_layer *layer, clmha__backward_call *call);
+    // Optional: merges partial attention results (clmha_attention_merge(), clmha__core_merge()):
+    // the first row that has it does the merges.
+    clmha_status (*merge)(clmha_context *ctx, const struct clmha__merge_call *call);
 } clmha__core;
 
 // What a slot of clmha_layer::core_state holds (clmha__cores_create()): the core, and the state
@@ -145,14 +244,11 @@ static inline void *clmha__core_state(const clmha_layer *layer, const clmha__cor
     return NULL;
 }
 
-// The core that runs backward call @p call with @p impl (CLMHA_IMPL_AUTO: the fused core when it
-// supports the call, else the unfused one); fails with a message when none does. With
-// CLMHA_IMPL_FUSED, a call that a driver bug keeps from the fused core runs the unfused one:
-// @p fused_fell_back (its forward asked for the fused core and ran the unfused one), or the fused
-// backward's own loop limit (clmha__fused_backward_loop_why).
+// The core that runs backward call @p call: the first row of the dispatch table whose
+// backward_supports answers CLMHA__CORE_RUNS; fails with the message of a core that refuses it,
+// or with every core's reason when none runs it.
 CLMHA__HIDDEN clmha_status clmha__backward_select(clmha_layer *layer,
                                                   const clmha__backward_call *call,
-                                                  clmha_impl impl, bool fused_fell_back,
                                                   const clmha__core **out);
 
 // Runs every core's create() on @p layer, in table order; stops at the first failure.
@@ -161,15 +257,39 @@ CLMHA__HIDDEN clmha_status clmha__cores_create(clmha_layer *layer);
 // Runs every core's release() on its state in @p layer and clears the slots.
 CLMHA__HIDDEN void clmha__cores_release(clmha_layer *layer);
 
-// The core that runs @p call: the first row of the dispatch table that supports it (the user's
-// core, else the fused core when the call and the device allow it, else the unfused core).
+// Runs every core's bake() on @p layer (clmha_layer_bake()).
+CLMHA__HIDDEN clmha_status clmha__cores_bake(clmha_layer *layer);
+
+// The core that runs @p call: the first row of the dispatch table that answers
+// CLMHA__CORE_RUNS (a call that needs the log-sum-exp rows asks only the cores that write
+// them); fails with the message of a core that refuses the call, or with every core's reason
+// when none runs it. @p fell_back (may be NULL): a core the call asked for answered
+// CLMHA__CORE_FALLS_BACK.
 CLMHA__HIDDEN clmha_status clmha__core_select(clmha_layer *layer, const clmha__core_call *call,
-                                              const clmha__core **out);
+                                              const clmha__core **out, bool *fell_back);
+
+// Merges partial attention results with the first core of the table that merges
+// (clmha__core::merge); the call's arguments are checked.
+CLMHA__HIDDEN clmha_status clmha__core_merge(clmha_context *ctx, const clmha__merge_call *call);
 
 // The core a call asks for: its own impl, else the layer's (either may be CLMHA_IMPL_AUTO).
 static inline clmha_impl clmha__impl_of(const clmha_layer *layer,
                                         const clmha_forward_args *args) {
     return args->impl != CLMHA_IMPL_AUTO ? args->impl : layer->impl;
+}
+
+// The core forward call @p call asks for: clmha__impl_of(), except that a call that needs the
+// log-sum-exp rows takes its own impl only (the layer's choice is for calls that return
+// outputs).
+static inline clmha_impl clmha__impl_of_call(const clmha_layer *layer,
+                                             const clmha__core_call *call) {
+    return call->need_lse ? call->args->impl : clmha__impl_of(layer, call->args);
+}
+
+// The core backward call @p call asks for: its own impl, else the layer's.
+static inline clmha_impl clmha__backward_impl_of(const clmha_layer *layer,
+                                                 const clmha__backward_call *call) {
+    return call->impl != CLMHA_IMPL_AUTO ? call->impl : layer->impl;
 }
 
 #endif

@@ -10,7 +10,7 @@
 
 #include "cache/kv_cache.h"
 #include "cores/core.h"
-#include "cores/fused.h"
+#include "cores/fused_shared.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
 #include "tuning_store/store.h"
@@ -105,10 +105,40 @@ static clmha_status ensure(clmha_layer *l, state **out) {
     return st;
 }
 
-static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool *yes) {
-    *yes = call->kv != NULL;
-    if (!*yes) return CLMHA_SUCCESS;
+// What a call with a KV cache may not ask for: NULL, or its name (include/clmha.h,
+// "Incremental decoding").
+static const char *not_taken(const clmha_layer *l, const clmha_forward_args *a) {
+    if (l->core) return "a user attention core (clmha_layer_set_attention())";
+    if (a->need_weights) return "need_weights";
+    if (a->attn_mask.kind != CLMHA_MASK_NONE) return "attn_mask";
+    if (a->key_padding_mask.kind != CLMHA_MASK_NONE)
+        return "key_padding_mask (say how many new tokens are real with kv_append)";
+    if (a->training && l->desc.dropout > 0.0f) return "dropout (training)";
+    if (a->save) return "save (the backward pass)";
+    if (a->impl != CLMHA_IMPL_AUTO) return "impl other than CLMHA_IMPL_AUTO";
+    return NULL;
+}
+
+// The calls with a KV cache are this core's, and only those: it refuses the options it does
+// not take; it runs the others, once its kernels are built.
+static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
+                             clmha__core_answer *answer) {
+    const clmha_forward_args *a = call->args;
+    if (!a->kv_cache) {
+        clmha__core_answer_set(answer, CLMHA__CORE_PASSES, CLMHA_SUCCESS,
+                               "it runs the calls with a KV cache only");
+        return CLMHA_SUCCESS;
+    }
+    const char *no = not_taken(l, a);
+    if (no) {
+        clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
+                               "a forward call with kv_cache runs the decode core, which does "
+                               "not take %s",
+                               no);
+        return CLMHA_SUCCESS;
+    }
     state *s;
+    clmha__core_runs(answer);
     return ensure(l, &s);
 }
 
@@ -224,11 +254,41 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
 }
 
+// clmha_attention_merge(): b merged into a, row by row, with kernel merge_partials (this core's
+// program: the merge of ranges that decode_combine does, for two results).
+static clmha_status merge(clmha_context *ctx, const clmha__merge_call *m) {
+    cl_program prog;
+    cl_kernel k = NULL;
+    clmha_status st;
+    if ((st = clmha__program_get(ctx, "decode", "-DHD=1 -DG=1 -DVW=1", &prog)) ||
+        (st = clmha__kernel_make(ctx, prog, "merge_partials", &k)))
+        return st;
+    cl_int err = m->num_wait ? clEnqueueBarrierWithWaitList(ctx->queue, m->num_wait,
+                                                            m->wait_list, NULL)
+                             : CL_SUCCESS;
+    if (err != CL_SUCCESS) {
+        clmha__release_kernel(k);
+        return clmha__cl_fail(ctx, err, "clEnqueueBarrierWithWaitList");
+    }
+    cl_ulong a_off = m->heads_offset, la_off = m->lse_offset, b_off = m->other_heads_offset,
+             lb_off = m->other_lse_offset, hd = m->head_dim, n = m->rows;
+    arg args[] = {ARG(m->heads),     ARG(a_off),        ARG(m->lse),  ARG(la_off),
+                  ARG(m->other_heads), ARG(b_off),      ARG(m->other_lse), ARG(lb_off),
+                  ARG(hd),           ARG(n)};
+    st = clmha__launch(ctx, k, "merge_partials", m->rows,
+                       ctx->max_work_group < 64 ? ctx->max_work_group : 64, args,
+                       sizeof args / sizeof args[0]);
+    clmha__release_kernel(k);
+    return st;
+}
+
 const clmha__core clmha__core_decode = {.name = "decode",
+                                        .kv_cache = true,
                                         .grouped_kv = true,
                                         .takes_rows = true,
                                         .create = create,
                                         .release = release,
                                         .supports = supports,
                                         .uses_scores = false,
-                                        .run = run};
+                                        .run = run,
+                                        .merge = merge};

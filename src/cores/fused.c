@@ -286,21 +286,41 @@ clmha_status clmha__layer_set_fused_tiles(clmha_layer *l, const clmha__fused_til
 // ---- the core -----------------------------------------------------------------------------------
 
 // The fused core runs a call when the layer has no user core and the call asks for it
-// (CLMHA_IMPL_FUSED) or leaves the choice (CLMHA_IMPL_AUTO) without asking for weights, once its
-// kernel is built. CLMHA_IMPL_AUTO:
-// a device that cannot build or launch the fused kernel gets the unfused core; an explicit
-// CLMHA_IMPL_FUSED gets the error. A driver whose loops end early (clmha__quirks::loop_limit)
-// would give a wrong answer from the fused core past its loop budget: the unfused core
-// computes the same result.
-static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool *yes) {
+// (CLMHA_IMPL_FUSED, or a call that needs the log-sum-exp rows) or leaves the choice
+// (CLMHA_IMPL_AUTO), once its kernel is built. (The dispatch asks it about a call with weights
+// only when the call's impl names it, and then refuses the call: it returns none.) CLMHA_IMPL_AUTO: a
+// device that cannot build or launch the fused kernel gets the next core; a call that asked
+// for this one gets the error. A driver whose loops end early (clmha__quirks::loop_limit) would
+// give a wrong answer from the fused core past its loop budget: the unfused core computes the
+// same result (the call falls back).
+static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
+                             clmha__core_answer *answer) {
     const clmha_forward_args *a = call->args;
-    clmha_impl impl = clmha__impl_of(l, a);
-    *yes = false;
-    if (l->core || !(impl == CLMHA_IMPL_FUSED || (impl == CLMHA_IMPL_AUTO && !a->need_weights)))
+    clmha_impl impl = clmha__impl_of_call(l, call);
+    clmha__core_reason no = CLMHA__CORE_PASSES;
+    if (l->core) {
+        clmha__core_answer_set(answer, no, CLMHA_SUCCESS, "the layer has a user core");
         return CLMHA_SUCCESS;
+    }
+    if (impl == CLMHA_IMPL_UNFUSED) {
+        clmha__core_answer_set(answer, no, CLMHA_SUCCESS, "impl is CLMHA_IMPL_UNFUSED");
+        return CLMHA_SUCCESS;
+    }
+    bool asked = impl == CLMHA_IMPL_FUSED || call->need_lse;
     clmha_status st = clmha__layer_fused(l);
-    if (st) return impl == CLMHA_IMPL_FUSED ? st : CLMHA_SUCCESS;
-    *yes = clmha__fused_loops_fit(l, call->dims, a->training && l->desc.dropout > 0.0f);
+    if (st) {
+        if (asked) return st;
+        clmha__core_answer_set(answer, no, CLMHA_SUCCESS, "its kernel cannot be built here (%s)",
+                               clmha_status_string(st));
+        return CLMHA_SUCCESS;
+    }
+    if (!clmha__fused_loops_fit(l, call->dims, a->training && l->desc.dropout > 0.0f)) {
+        clmha__core_answer_set(answer, asked ? CLMHA__CORE_FALLS_BACK : no, CLMHA_SUCCESS,
+                               "its loops would pass the device's loop limit at these sequence "
+                               "lengths");
+        return CLMHA_SUCCESS;
+    }
+    clmha__core_runs(answer);
     return CLMHA_SUCCESS;
 }
 
@@ -339,19 +359,32 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
 // The backward hooks: the backward pass (fused_backward.c) gets its state's place in this
 // core's state.
 static clmha_status backward_supports(clmha_layer *l, const clmha__backward_call *call,
-                                      bool *yes, const char **why) {
-    return clmha__fused_backward_supports(&state_of(l)->backward, l, call, yes, why);
+                                      clmha__core_answer *answer) {
+    return clmha__fused_backward_supports(&state_of(l)->backward, l, call, answer);
 }
 
 static clmha_status backward(clmha_layer *l, clmha__backward_call *call) {
     return clmha__fused_backward_run(&state_of(l)->backward, l, call);
 }
 
+// clmha_layer_bake(): the kernel, for the calls without weights of a layer on CLMHA_IMPL_AUTO
+// (a pass with weights ran the unfused core). Where it cannot be built, those calls run the
+// unfused core, which the pass has prepared.
+static clmha_status bake(clmha_layer *l) {
+    const state *s = state_of(l);
+    if (l->core || l->impl == CLMHA_IMPL_UNFUSED || s->kernel || s->failed) return CLMHA_SUCCESS;
+    clmha_status st = clmha__layer_fused(l);
+    return st && state_of(l)->failed ? CLMHA_SUCCESS : st;
+}
+
 const clmha__core clmha__core_fused = {.name = "fused",
+                                       .impl = CLMHA_IMPL_FUSED,
                                        .grouped_kv = true,
                                        .create = create,
                                        .release = release,
+                                       .bake = bake,
                                        .supports = supports,
+                                       .writes_lse = true,
                                        .uses_scores = false,
                                        .run = run,
                                        .backward_supports = backward_supports,

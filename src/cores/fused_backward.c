@@ -294,40 +294,59 @@ static bool loops_fit(const clmha_layer *l, const clmha__fused_backward *fb,
 
 // ---- the hooks ----------------------------------------------------------------------------------
 
-const char clmha__fused_backward_loop_why[] =
-    "its loops would exceed the device's loop limit at these sequence lengths";
+// Why the fused backward does not run @p call: the call asked for it (CLMHA_IMPL_FUSED): it
+// fails with @p why, unless its forward fell back (a driver kept the fused core from it), when
+// the backward falls back too; else the next core runs it.
+static void refuse(clmha__core_answer *answer, bool asked, bool fell_back, const char *why) {
+    if (!asked || fell_back)
+        clmha__core_answer_set(answer, asked ? CLMHA__CORE_FALLS_BACK : CLMHA__CORE_PASSES,
+                               CLMHA_SUCCESS, "%s", why);
+    else
+        clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
+                               "the fused backward core cannot run this call: %s", why);
+}
 
 clmha_status clmha__fused_backward_supports(clmha__fused_backward **slot, clmha_layer *l,
-                                            const clmha__backward_call *call, bool *yes,
-                                            const char **why) {
-    *yes = false;
-    *why = NULL;
+                                            const clmha__backward_call *call,
+                                            clmha__core_answer *answer) {
+    clmha_impl impl = clmha__backward_impl_of(l, call);
+    bool asked = impl == CLMHA_IMPL_FUSED;
+    if (impl == CLMHA_IMPL_UNFUSED) {
+        clmha__core_answer_set(answer, CLMHA__CORE_PASSES, CLMHA_SUCCESS,
+                               "impl is CLMHA_IMPL_UNFUSED");
+        return CLMHA_SUCCESS;
+    }
     if (!call->lse) {
-        *why = "the forward call did not run the fused core (no saved log-sum-exp rows)";
+        refuse(answer, asked, call->fell_back,
+               "the forward call did not run the fused core (no saved log-sum-exp rows)");
         return CLMHA_SUCCESS;
     }
     if (call->grad_weights) {
-        *why = "it takes no gradient of the attention weights";
+        refuse(answer, asked, call->fell_back, "it takes no gradient of the attention weights");
         return CLMHA_SUCCESS;
     }
     if (call->grad_attn_mask || call->grad_kpm) {
-        *why = "it computes no mask gradient";
+        refuse(answer, asked, call->fell_back, "it computes no mask gradient");
         return CLMHA_SUCCESS;
     }
     clmha__fused_backward *fb = NULL;
     clmha_status st = ensure(slot, l, &fb);
     if (st == CLMHA_UNSUPPORTED || st == CLMHA_BUILD_FAILED) {
-        *why = "its kernels cannot be built for this head_dim on this device";
+        refuse(answer, asked, call->fell_back,
+               "its kernels cannot be built for this head_dim on this device");
         return CLMHA_SUCCESS;
     }
     if (st) return st;
     const clmha_forward_args *a = call->args;
     bool dropout = a->training && l->desc.dropout > 0.0f;
     if (!gemms_for(l->ctx, fb, call->dims) && !loops_fit(l, fb, call->dims, dropout)) {
-        *why = clmha__fused_backward_loop_why;
+        // A driver bug, not the call's fault: CLMHA_IMPL_FUSED runs the unfused backward, as
+        // the forward does.
+        refuse(answer, asked, true,
+               "its loops would exceed the device's loop limit at these sequence lengths");
         return CLMHA_SUCCESS;
     }
-    *yes = true;
+    clmha__core_runs(answer);
     return CLMHA_SUCCESS;
 }
 

@@ -13,20 +13,22 @@
 #include "layer/layer.h"
 
 struct clmha__backward_call;
+struct clmha__core_answer;
 
 // The fused backward pass's per-layer state (its kernels, tile and scratch), kept in the fused
 // core's state and freed with it.
 typedef struct clmha__fused_backward clmha__fused_backward;
 
-// The fused core's backward_supports hook (*@p slot: the state, made on first use): yes when
-// the forward call saved the log-sum-exp rows (it ran the fused core), the call gives no
-// weights gradient and asks for no mask gradient, and the backward kernels build on the device
-// and (unless the products run in GEMMs: clmha__fused_backward_run()) stay within its loop
-// limit.
+// The fused core's backward_supports hook (*@p slot: the state, made on first use): it runs
+// the call when the forward call saved the log-sum-exp rows (it ran the fused core), the call
+// gives no weights gradient and asks for no mask gradient, and the backward kernels build on
+// the device and (unless the products run in GEMMs: clmha__fused_backward_run()) stay within
+// its loop limit. Past the loop limit, or when the forward call fell back, a call that asked
+// for it (CLMHA_IMPL_FUSED) falls back; it refuses the call's other reasons.
 CLMHA__HIDDEN clmha_status clmha__fused_backward_supports(clmha__fused_backward **slot,
                                                           clmha_layer *layer,
                                                           const struct clmha__backward_call *call,
-                                                          bool *yes, const char **why);
+                                                          struct clmha__core_answer *answer);
 
 // The fused core's backward hook (*@p slot: the state, made on first use): Drow, then either dk
 // and dv, then dq (two tiled kernels), or, where the GEMMs run in the host BLAS (or
@@ -42,11 +44,6 @@ CLMHA__HIDDEN void clmha__fused_backward_release(clmha__fused_backward *b);
 // The rows one work-group of the kernels of @p b covers (work-group size times rows per
 // work-item; 0: NULL or not built).
 CLMHA__HIDDEN size_t clmha__fused_backward_rows(const clmha__fused_backward *b);
-
-// The reason the fused backward gives (backward_supports' *why, this very pointer) when its loops
-// would pass the driver's loop limit (clmha__fused_loop_limit()): a driver bug, not the call's
-// fault, so CLMHA_IMPL_FUSED then runs the unfused backward, as the forward does.
-CLMHA__HIDDEN extern const char clmha__fused_backward_loop_why[];
 
 // Test hook: the floats of each block buffer of the fused backward's GEMM variant (0: its
 // default), so that small shapes run in several blocks of rows and of planes.

@@ -187,8 +187,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
 // The backward hooks: the backward pass (unfused_backward.c) gets its state's place in this
 // core's state, and the masked_softmax it recomputes the probabilities with.
 static clmha_status backward_supports(clmha_layer *l, const clmha__backward_call *call,
-                                      bool *yes, const char **why) {
-    return clmha__unfused_backward_supports(&state_of(l)->backward, l, call, yes, why);
+                                      clmha__core_answer *answer) {
+    return clmha__unfused_backward_supports(&state_of(l)->backward, l, call, answer);
 }
 
 static clmha_status backward(clmha_layer *l, clmha__backward_call *call) {
@@ -196,13 +196,18 @@ static clmha_status backward(clmha_layer *l, clmha__backward_call *call) {
     return clmha__unfused_backward_run(&s->backward, &s->softmax, l, call);
 }
 
-static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool *yes) {
+// Every call that reaches it (the last row): a call with a KV cache is the decode core's,
+// which refuses what it does not take; a call that needs the log-sum-exp rows is never asked.
+static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
+                             clmha__core_answer *answer) {
     (void)l, (void)call;
-    *yes = true;
+    clmha__core_runs(answer);
     return CLMHA_SUCCESS;
 }
 
 const clmha__core clmha__core_unfused = {.name = "unfused",
+                                         .impl = CLMHA_IMPL_UNFUSED,
+                                         .returns_weights = true,
                                          .grouped_kv = true,
                                          .create = create,
                                          .release = release,

@@ -71,20 +71,32 @@ static clmha_status ensure(clmha__unfused_backward **slot, clmha_layer *l,
 }
 
 clmha_status clmha__unfused_backward_supports(clmha__unfused_backward **slot, clmha_layer *l,
-                                              const clmha__backward_call *call, bool *yes,
-                                              const char **why) {
-    *yes = false;
-    *why = NULL;
+                                              const clmha__backward_call *call,
+                                              clmha__core_answer *answer) {
     clmha__chunks plan;
-    if (!clmha__scores_chunks(l, call->dims, &plan) || plan.count != 1) {
-        *why = "the scores (N·H·L·S' floats) exceed half the device's largest allocation: use "
-               "the fused backward";
+    const clmha__dims *d = call->dims;
+    if (!clmha__scores_chunks(l, d, &plan) || plan.count != 1) {
+        // Asked for by CLMHA_IMPL_FUSED (its forward fell back): say why this core cannot;
+        // else that the scores are too large for it, and what the fused backward needs.
+        if (clmha__backward_impl_of(l, call) == CLMHA_IMPL_FUSED)
+            clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
+                                   "the unfused backward core cannot run this call: the scores "
+                                   "(N·H·L·S' floats) exceed half the device's largest "
+                                   "allocation: use the fused backward");
+        else
+            clmha__core_answer_set(
+                answer, CLMHA__CORE_REFUSES, CLMHA_OUT_OF_MEMORY,
+                "the unfused backward needs the scores (N*H*L*S' = %zu floats) in one buffer, "
+                "more than half this device's largest allocation (%llu bytes), and the fused "
+                "backward cannot run this call (it needs a forward call that ran the fused "
+                "core, no weights gradient and no mask gradient)",
+                d->scores_count, (unsigned long long)clmha__max_alloc(l->ctx));
         return CLMHA_SUCCESS;
     }
     clmha__unfused_backward *ub;
     clmha_status st = ensure(slot, l, &ub);
     if (st) return st;
-    *yes = true;
+    clmha__core_runs(answer);
     return CLMHA_SUCCESS;
 }
 

@@ -13,17 +13,19 @@
 #include "layer/layer.h"
 
 struct clmha__backward_call;
+struct clmha__core_answer;
 
 // The unfused backward pass's per-layer state (kernels, the dS scratch), kept in the unfused
 // core's state and freed with it.
 typedef struct clmha__unfused_backward clmha__unfused_backward;
 
-// The unfused core's backward_supports hook (*@p slot: the state, made on first use): yes when
-// the scores fit in one chunk (clmha__scores_chunks()), building its kernels on first use.
+// The unfused core's backward_supports hook (*@p slot: the state, made on first use): it runs
+// every call whose scores fit in one chunk (clmha__scores_chunks()), building its kernels on
+// first use, and refuses the others (it is the last core: no other runs them).
 CLMHA__HIDDEN clmha_status clmha__unfused_backward_supports(clmha__unfused_backward **slot,
                                                             clmha_layer *layer,
                                                             const struct clmha__backward_call *call,
-                                                            bool *yes, const char **why);
+                                                            struct clmha__core_answer *answer);
 
 // The unfused core's backward hook (*@p slot: the state, made on first use): P recomputed with
 // the core's masked_softmax @p sm, dPd = dO·V'ᵀ, softmax_backward, the three gradient GEMMs,

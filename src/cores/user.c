@@ -7,9 +7,29 @@
 
 CLMHA__HIDDEN extern const clmha__core clmha__core_user;  // this core, at the end of this file
 
-static clmha_status supports(clmha_layer *l, const clmha__core_call *call, bool *yes) {
+// Every call of a layer with a user core is this core's (a call with a KV cache is the decode
+// core's, asked first).
+static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
+                             clmha__core_answer *answer) {
     (void)call;
-    *yes = l->core != NULL;
+    if (l->core) clmha__core_runs(answer);
+    else
+        clmha__core_answer_set(answer, CLMHA__CORE_PASSES, CLMHA_SUCCESS,
+                               "no clmha_attention_fn is set (clmha_layer_set_attention())");
+    return CLMHA_SUCCESS;
+}
+
+// The backward calls of a layer with a user core are this core's too, and it has no backward.
+static clmha_status backward_supports(clmha_layer *l, const clmha__backward_call *call,
+                                      clmha__core_answer *answer) {
+    (void)call;
+    if (l->core)
+        clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
+                               "the layer has a user attention core "
+                               "(clmha_layer_set_attention()), which has no backward pass");
+    else
+        clmha__core_answer_set(answer, CLMHA__CORE_PASSES, CLMHA_SUCCESS,
+                               "no clmha_attention_fn is set");
     return CLMHA_SUCCESS;
 }
 
@@ -36,5 +56,9 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES);
 }
 
-const clmha__core clmha__core_user = {
-    .name = "user", .supports = supports, .uses_scores = true, .run = run};
+const clmha__core clmha__core_user = {.name = "user",
+                                      .returns_weights = true,
+                                      .supports = supports,
+                                      .uses_scores = true,
+                                      .run = run,
+                                      .backward_supports = backward_supports};

@@ -1,7 +1,7 @@
 // Baking a layer (clmha_layer_bake()): one forward pass on zeros at a given shape, so that later
 // calls of that shape neither compile nor allocate.
 #include "base/half.h"
-#include "cores/fused.h"
+#include "cores/core.h"
 #include "device/held.h"
 #include "layer/layer.h"
 
@@ -50,14 +50,9 @@ clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, 
     args.value.buffer = bufs[2];
     if (!st)
         st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL);
-    // The pass with weights ran the unfused core: build the fused one too, for the calls
-    // without weights. (Only a layer on CLMHA_IMPL_AUTO gets here: bake with weights is refused
-    // on a fused layer.) Where it cannot be built, those calls run the unfused core, which this
-    // pass has prepared.
-    if (!st && need_weights && !layer->core && layer->impl == CLMHA_IMPL_AUTO) {
-        clmha_status fst = clmha__layer_fused(layer);
-        if (fst && !clmha__fused_failed(layer)) st = fst;
-    }
+    // The pass ran one core: every core builds now what a later call of this layer would
+    // build on first use (a pass with weights did not run the core for the calls without).
+    if (!st) st = clmha__cores_bake(layer);
     cl_int err = clFinish(ctx->queue);
     if (!st && err != CL_SUCCESS) st = clmha__cl_fail(ctx, err, "clFinish");
     for (int i = 0; i < 5; ++i) clmha__release_mem(bufs[i]);

@@ -4,9 +4,11 @@
 //   → A·V (strided batched GEMM) → merge heads → output projection (GEMM, bias)
 //   → attention weights (copy or head average).
 // The three middle stages (scores, softmax, A·V) are the attention core's (src/cores/): the
-// unfused one does them as written, the fused one (cl/cores/fused.cl) in one kernel when the
-// call does not need weights (clmha_impl), or the caller's own (clmha_layer_set_attention()).
-// Everything is enqueued on the context's in-order queue; nothing here waits on the host.
+// first row of the dispatch table that runs the call (clmha__core_select()), whose flags say
+// what it takes (head tiles or projected rows, grouped key/value heads, the scores buffer).
+// The checks are in validate.c, partial attention in partial.c, the host-array form in
+// forward_host.c. Everything is enqueued on the context's in-order queue; nothing here waits
+// on the host.
 #include "base/checked.h"
 #include "base/struct_in.h"
 #include "cores/core.h"
@@ -30,176 +32,6 @@
 
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
-
-// Where a partial-attention call (clmha_layer_attend()) puts its results instead of the
-// output projection's: the head tiles before the merge and the log-sum-exp rows.
-typedef struct partial_out {
-    cl_mem heads, lse;
-    size_t heads_offset, lse_offset;
-    bool appended_keys;  // the call's keys include those of add_bias_kv / add_zero_attn
-} partial_out;
-
-// ---- validation ---------------------------------------------------------------------------------
-
-// Outputs must not overlap each other or an input (as in PyTorch, where an out= tensor must not
-// alias an input): the pass writes parts of them while it still reads others. Sizes were
-// checked (clmha__check_buffer()), so the byte ranges do not overflow.
-// @p elem: bytes per element of the inputs, outputs and float masks (the layer's dtype's).
-static size_t mask_elem(clmha_mask_kind kind, size_t elem) {
-    return kind == CLMHA_MASK_FLOAT ? elem : clmha__mask_elem(kind);
-}
-
-static clmha_status check_aliasing(clmha_context *ctx, const clmha_forward_args *a,
-                                   const clmha__dims *d, cl_mem output, size_t output_offset,
-                                   cl_mem weights, size_t weights_offset, size_t elem) {
-    clmha__span all[7];
-    size_t n = 0, outputs;
-    all[n++] = clmha__span_of("output", output, output_offset, d->output_count, elem);
-    if (a->need_weights) all[n++] = clmha__span_of("weights", weights, weights_offset,
-                                            d->weights_count, elem);
-    outputs = n;
-    all[n++] = clmha__span_of("query", a->query.buffer, a->query.offset, d->query_count, elem);
-    if (!d->key_is_query)
-        all[n++] = clmha__span_of("key", a->key.buffer, a->key.offset, d->key_count, elem);
-    if (!d->value_is_key)
-        all[n++] =
-            clmha__span_of("value", a->value.buffer, a->value.offset, d->value_count, elem);
-    if (d->kpm_kind)
-        all[n++] = clmha__span_of("key_padding_mask", a->key_padding_mask.tensor.buffer,
-                           a->key_padding_mask.tensor.offset, d->kpm_count,
-                           mask_elem(d->kpm_kind, elem));
-    if (d->attn_kind)
-        all[n++] =
-            clmha__span_of("attn_mask", a->attn_mask.tensor.buffer, a->attn_mask.tensor.offset,
-                           d->attn_count, mask_elem(d->attn_kind, elem));
-    return clmha__check_overlaps(ctx, all, n, outputs);
-}
-
-// What a call with a KV cache may not ask for (the decode core's limits: include/clmha.h,
-// "Incremental decoding").
-static clmha_status check_cache_call(clmha_layer *layer, const clmha_forward_args *a) {
-    clmha_context *ctx = layer->ctx;
-    const char *no = NULL;
-    if (layer->core) no = "a user attention core (clmha_layer_set_attention())";
-    else if (a->need_weights) no = "need_weights";
-    else if (a->attn_mask.kind != CLMHA_MASK_NONE) no = "attn_mask";
-    else if (a->key_padding_mask.kind != CLMHA_MASK_NONE)
-        no = "key_padding_mask (say how many new tokens are real with kv_append)";
-    else if (a->training && layer->desc.dropout > 0.0f) no = "dropout (training)";
-    else if (a->save) no = "save (the backward pass)";
-    else if (a->impl != CLMHA_IMPL_AUTO) no = "impl other than CLMHA_IMPL_AUTO";
-    if (no)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "a forward call with kv_cache runs the decode core, which does not "
-                           "take %s",
-                           no);
-    if (a->kv_attend_only && (a->key.ndim || a->value.ndim))
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "kv_attend_only appends nothing: key and value must be absent "
-                           "(ndim 0)");
-    if (a->kv_attend_only && a->kv_append)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "kv_attend_only appends nothing: kv_append must be NULL");
-    return CLMHA_SUCCESS;
-}
-
-// Resolves the sizes of @p args. A call with kv_attend_only has no key or value: its sizes
-// are resolved as if key and value had the query's shape with kdim and vdim features, and
-// nothing reads them (key_is_query and value_is_key).
-static clmha_status resolve(clmha_layer *layer, const clmha_forward_args *args, clmha__dims *d) {
-    char msg[1024];
-    clmha_forward_args shaped;
-    if (args->kv_cache && args->kv_attend_only) {
-        shaped = *args;
-        shaped.key = shaped.value = args->query;
-        if (args->query.ndim >= 2) {
-            shaped.key.shape[args->query.ndim - 1] = layer->desc.kdim;
-            shaped.value.shape[args->query.ndim - 1] = layer->desc.vdim;
-        }
-        args = &shaped;
-    }
-    clmha_status st = clmha__dims_resolve(&layer->desc, args, d, msg, sizeof msg);
-    if (st) return clmha__fail(layer->ctx, st, "%s", msg);
-    if (args == &shaped) d->key_is_query = d->value_is_key = true;
-    return CLMHA_SUCCESS;
-}
-
-// With a bias the output projection reads @p output back (it adds to the bias rows), so the
-// output must not be CL_MEM_WRITE_ONLY.
-static clmha_status check_output_readable(clmha_layer *layer, cl_mem output) {
-    cl_mem_flags flags = 0;
-    clGetMemObjectInfo(output, CL_MEM_FLAGS, sizeof flags, &flags, NULL);
-    if (layer->desc.bias && (flags & CL_MEM_WRITE_ONLY))
-        return clmha__fail(layer->ctx, CLMHA_INVALID_ARGUMENT,
-                           "output buffer is CL_MEM_WRITE_ONLY, but a layer with bias reads it "
-                           "back (the output projection adds to the bias rows): create it "
-                           "CL_MEM_READ_WRITE");
-    return CLMHA_SUCCESS;
-}
-
-// The input buffers of a device call: each holds its tensor from its offset on (@p elem: as
-// in check_aliasing()).
-static clmha_status check_input_buffers(clmha_layer *layer, const clmha_forward_args *args,
-                                        const clmha__dims *d, size_t elem) {
-    clmha_context *ctx = layer->ctx;
-    clmha_status st;
-    if ((st = clmha__check_buffer(ctx, "query", args->query.buffer, args->query.offset,
-                                  d->query_count, elem)))
-        return st;
-    if (!d->key_is_query && (st = clmha__check_buffer(ctx, "key", args->key.buffer,
-                                                      args->key.offset, d->key_count, elem)))
-        return st;
-    if (!d->value_is_key && (st = clmha__check_buffer(ctx, "value", args->value.buffer,
-                                               args->value.offset, d->value_count, elem)))
-        return st;
-    if (d->kpm_kind && (st = clmha__check_buffer(ctx, "key_padding_mask",
-                                          args->key_padding_mask.tensor.buffer,
-                                          args->key_padding_mask.tensor.offset, d->kpm_count,
-                                          mask_elem(d->kpm_kind, elem))))
-        return st;
-    if (d->attn_kind && (st = clmha__check_buffer(ctx, "attn_mask", args->attn_mask.tensor.buffer,
-                                                  args->attn_mask.tensor.offset, d->attn_count,
-                                                  mask_elem(d->attn_kind, elem))))
-        return st;
-    return CLMHA_SUCCESS;
-}
-
-// What every call checks, on the device or the host, before its buffers or arrays.
-static clmha_status validate_call(clmha_layer *layer, const clmha_forward_args *args,
-                                  clmha__dims *d) {
-    clmha_context *ctx = layer->ctx;
-    clmha_status st;
-    if (args->kv_cache && (st = check_cache_call(layer, args))) return st;
-    if (!args->kv_cache && (args->kv_append || args->kv_attend_only))
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "%s is set but kv_cache is NULL: it says how a call uses its cache",
-                           args->kv_append ? "kv_append" : "kv_attend_only");
-    if ((st = resolve(layer, args, d))) return st;
-    if (args->impl != CLMHA_IMPL_AUTO && args->impl != CLMHA_IMPL_FUSED &&
-        args->impl != CLMHA_IMPL_UNFUSED)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "impl %d is not CLMHA_IMPL_AUTO, _FUSED or _UNFUSED", (int)args->impl);
-    if (args->need_weights && !layer->core && clmha__impl_of(layer, args) == CLMHA_IMPL_FUSED)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "need_weights is set but the fused core (impl fused%s) does not "
-                           "return weights: use CLMHA_IMPL_AUTO or CLMHA_IMPL_UNFUSED",
-                           args->impl == CLMHA_IMPL_AUTO ? ", the layer's choice" : "");
-    return CLMHA_SUCCESS;
-}
-
-// Everything a forward call checks before it enqueues anything (forward.h).
-clmha_status clmha__forward_validate(clmha_layer *layer, const clmha_forward_args *args,
-                             bool on_device, clmha__dims *d) {
-    char msg[1024];
-    clmha_status st = validate_call(layer, args, d);
-    if (st) return st;
-    if (on_device) return check_input_buffers(layer, args, d, layer->rs);
-    if ((st = clmha__check_host_data(d, args, msg, sizeof msg)))
-        return clmha__fail(layer->ctx, st, "%s", msg);
-    return CLMHA_SUCCESS;
-}
-
-// ---- enqueue helpers ----------------------------------------------------------------------------
 
 // ---- the stages ---------------------------------------------------------------------------------
 
@@ -307,7 +139,7 @@ static clmha_status split(clmha_layer *l, const clmha__dims *d, bool kv, bool ba
 
 // 6. Merge heads back into rows (L*N or N*L, E), into the free projection buffer: the core's
 //    result tiles, or the caller's (clmha_layer_project_heads()).
-static clmha_status merge_from(clmha_layer *l, const clmha__dims *d, cl_mem heads,
+clmha_status clmha__forward_merge_heads(clmha_layer *l, const clmha__dims *d, cl_mem heads,
                                size_t heads_offset) {
     cl_ulong n = d->n, h = l->h, t = d->l, hd = l->d;
     cl_uint bf = d->batch_first;
@@ -319,13 +151,13 @@ static clmha_status merge_from(clmha_layer *l, const clmha__dims *d, cl_mem head
 }
 
 static clmha_status merge(clmha_layer *l, const clmha__dims *d) {
-    return merge_from(l, d, l->tiles[CLMHA__TILE_OUT], 0);
+    return clmha__forward_merge_heads(l, d, l->tiles[CLMHA__TILE_OUT], 0);
 }
 
 // 7. Output projection: out = merged · out_proj.weightᵀ + out_proj.bias, @p merged the merged
 //    rows (layer->proj, or the result tile of a clmha__core::takes_rows core; @p fill: the bias
 //    rows are written here first, else that core wrote them).
-static clmha_status out_project(clmha_layer *l, const clmha__dims *d, cl_mem merged,
+clmha_status clmha__forward_out_project(clmha_layer *l, const clmha__dims *d, cl_mem merged,
                                 cl_mem out, size_t out_off, bool fill) {
     clmha_context *ctx = l->ctx;
     size_t rows = d->n * d->l, e = l->e;
@@ -357,35 +189,13 @@ static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
                          args, sizeof args / sizeof args[0]);
 }
 
-// ---- public entry points ------------------------------------------------------------------------
-
-clmha_status clmha__forward_args_in(clmha_context *ctx, clmha_forward_args *in,
-                                    const clmha_forward_args **args) {
-    char msg[512];
-    clmha_status st = CLMHA__STRUCT_IN(clmha_forward_args, in, *args, "args", msg, sizeof msg);
-    if (st) return clmha__fail(ctx, st, "%s", msg);
-    *args = in;
-    return CLMHA_SUCCESS;
-}
-
-clmha_status clmha_layer_output_counts(clmha_layer *layer, const clmha_forward_args *args,
-                                       size_t *output_count, size_t *weights_count) {
-    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
-    clmha_forward_args in;
-    clmha_status st = clmha__forward_args_in(layer->ctx, &in, &args);
-    if (st) return st;
-    clmha__dims d;
-    if ((st = resolve(layer, args, &d))) return st;
-    if (output_count) *output_count = d.output_count;
-    if (weights_count) *weights_count = d.weights_count;
-    return CLMHA_SUCCESS;
-}
+// ---- the pass -----------------------------------------------------------------------------------
 
 // Enqueues the stages of a validated call: waits for @p wait_list, then project → split → the
 // core → merge → output projection → weights; the completion event in @p event.
 static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *args,
                                  const clmha__dims *d, const clmha__core *core,
-                                 clmha__core_call *call, const partial_out *partial,
+                                 clmha__core_call *call, const clmha__partial_out *partial,
                                  cl_mem output, size_t output_offset, cl_mem weights,
                                  size_t weights_offset, cl_uint num_wait,
                                  const cl_event *wait_list, cl_event *event) {
@@ -429,7 +239,7 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))
         return st;
     cl_mem merged = core->takes_rows ? layer->tiles[CLMHA__TILE_OUT] : layer->proj;
-    if ((st = out_project(layer, d, merged, output, output_offset, !core->takes_rows)) ||
+    if ((st = clmha__forward_out_project(layer, d, merged, output, output_offset, !core->takes_rows)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_OUT_PROJ)))
         return st;
     if (args->need_weights &&
@@ -437,31 +247,6 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
          (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_WEIGHTS))))
         return st;
     return clmha__enqueue_event(ctx, event);
-}
-
-static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args *args,
-                                    const clmha__dims *dims, clmha__core_call *callp,
-                                    const partial_out *partial, cl_mem output,
-                                    size_t output_offset, cl_mem weights, size_t weights_offset,
-                                    cl_uint num_wait, const cl_event *wait_list, cl_event *event);
-
-// The output and weights buffers of a device call (@p elem: as in check_aliasing()).
-static clmha_status check_result_buffers(clmha_layer *layer, const clmha_forward_args *args,
-                                         const clmha__dims *d, cl_mem output,
-                                         size_t output_offset, cl_mem weights,
-                                         size_t weights_offset, size_t elem) {
-    clmha_context *ctx = layer->ctx;
-    clmha_status st;
-    if ((st = clmha__check_buffer(ctx, "output", output, output_offset, d->output_count, elem)))
-        return st;
-    if (elem == layer->rs && (st = check_output_readable(layer, output))) return st;
-    if (args->need_weights && (st = clmha__check_buffer(ctx, "weights", weights, weights_offset,
-                                                        d->weights_count, elem)))
-        return st;
-    if ((st = clmha__check_writable(ctx, "output", output)) ||
-        (args->need_weights && (st = clmha__check_writable(ctx, "weights", weights))))
-        return st;
-    return check_aliasing(ctx, args, d, output, output_offset, weights, weights_offset, elem);
 }
 
 static clmha_status forward_direct(clmha_layer *layer, const clmha_forward_args *args,
@@ -517,9 +302,9 @@ static clmha_status forward_converted(clmha_layer *layer, const clmha_forward_ar
     size_t elem = clmha__dtype_size(layer->desc.dtype);
     clmha__dims d;
     clmha_status st;
-    if ((st = validate_call(layer, args, &d)) ||
-        (st = check_input_buffers(layer, args, &d, elem)) ||
-        (st = check_result_buffers(layer, args, &d, output, output_offset, weights,
+    if ((st = clmha__forward_check_call(layer, args, &d)) ||
+        (st = clmha__forward_check_inputs(layer, args, &d, elem)) ||
+        (st = clmha__forward_check_results(layer, args, &d, output, output_offset, weights,
                                    weights_offset, elem)))
         return st;
     clmha_forward_args f = *args;
@@ -580,7 +365,7 @@ static clmha_status forward_direct(clmha_layer *layer, const clmha_forward_args 
     clmha__dims d;
     clmha_status st = clmha__forward_validate(layer, args, true, &d);
     if (st) return st;
-    if ((st = check_result_buffers(layer, args, &d, output, output_offset, weights,
+    if ((st = clmha__forward_check_results(layer, args, &d, output, output_offset, weights,
                                    weights_offset, layer->rs)))
         return st;
     // The core: the user's, else fused or unfused (see clmha_impl and src/cores/core.c).
@@ -594,7 +379,7 @@ static clmha_status forward_direct(clmha_layer *layer, const clmha_forward_args 
         call.kv = &plan;
         call.kv_append = !args->kv_attend_only;
     }
-    st = forward_planned(layer, args, &d, &call, NULL, output, output_offset, weights,
+    st = clmha__forward_planned(layer, args, &d, &call, NULL, output, output_offset, weights,
                          weights_offset, num_wait, wait_list, event);
     if (!st && args->kv_cache) clmha__kv_plan_commit(&plan);
     clmha__kv_plan_release(&plan);
@@ -602,21 +387,19 @@ static clmha_status forward_direct(clmha_layer *layer, const clmha_forward_args 
 }
 
 // The rest of a checked call: the core, the scratch, the saved state, the stages.
-static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args *args,
+clmha_status clmha__forward_planned(clmha_layer *layer, const clmha_forward_args *args,
                                     const clmha__dims *dims, clmha__core_call *callp,
-                                    const partial_out *partial, cl_mem output,
+                                    const clmha__partial_out *partial, cl_mem output,
                                     size_t output_offset, cl_mem weights, size_t weights_offset,
                                     cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
     clmha_status st;
     const clmha__dims d = *dims;
     clmha__core_call call = *callp;
     const clmha__core *core;
-    if ((st = clmha__core_select(layer, &call, &core))) return st;
-    if (partial && strcmp(core->name, "fused") != 0)
-        return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
-                           "partial attention needs the fused core's log-sum-exp rows, and the "
-                           "fused core cannot run this call on this device (%s)",
-                           clmha_context_device_name(layer->ctx));
+    bool fell_back;
+    // A partial call needs the log-sum-exp rows: only a core that writes them runs it.
+    call.need_lse = partial != NULL;
+    if ((st = clmha__core_select(layer, &call, &core, &fell_back))) return st;
     if (partial && (st = clmha__grow_buffer(layer->ctx, &layer->partial_lse,
                                             &layer->partial_lse_cap, d.n * layer->h * d.l,
                                             "partial attention log-sum-exp")))
@@ -635,7 +418,7 @@ static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args
     call.kv_group = core->grouped_kv && !saved ? layer->h / layer->kvh : 1;
     if (saved && (st = clmha__saved_prepare(saved, layer, &d))) return st;
     // Nothing is enqueued before this point. A call that saves runs its head tiles in the
-    // saved object's buffers (and the fused core writes the log-sum-exp there).
+    // saved object's buffers (and a core that writes the log-sum-exp writes it there).
     if (saved) {
         clmha__saved_swap(saved, layer);
         call.lse = saved->lse;
@@ -644,9 +427,8 @@ static clmha_status forward_planned(clmha_layer *layer, const clmha_forward_args
                       weights_offset, num_wait, wait_list, event);
     if (saved) {
         clmha__saved_swap(saved, layer);
-        // The fused core always writes the log-sum-exp it is asked for: a call that asked for
-        // it and has none ran the unfused core because of a driver bug (clmha_impl).
-        bool fell_back = clmha__impl_of(layer, args) == CLMHA_IMPL_FUSED && !call.lse_written;
+        // fell_back: the core the call asked for could not run it here (a driver bug,
+        // clmha_impl), and its backward may fall back too.
         if (!st) clmha__saved_filled(saved, args, &d, core, call.lse_written, fell_back);
     }
     return st;
@@ -663,106 +445,4 @@ clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forward_args *a
                                  const cl_event *wait_list, cl_event *event) {
     return clmha__forward_times_dropped(layer, forward(layer, args, output, output_offset, weights,
                                                    weights_offset, num_wait, wait_list, event));
-}
-
-// ---- partial attention --------------------------------------------------------------------------
-
-static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
-                           bool appended_keys, cl_mem heads, size_t heads_offset, cl_mem lse,
-                           size_t lse_offset, cl_uint num_wait, const cl_event *wait_list,
-                           cl_event *event) {
-    if (event) *event = NULL;
-    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
-    clmha_context *ctx = layer->ctx;
-    clmha_forward_args in;
-    clmha_status st = clmha__forward_args_in(ctx, &in, &args);
-    if (st) return st;
-    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
-        (st = clmha__layer_f32_only(layer, "clmha_layer_attend()")))
-        return st;
-    const char *no = args->need_weights ? "need_weights"
-                     : args->save       ? "save"
-                     : args->kv_cache   ? "kv_cache"
-                     : args->impl == CLMHA_IMPL_UNFUSED ? "CLMHA_IMPL_UNFUSED"
-                     : layer->core      ? "a user attention core"
-                                        : NULL;
-    if (no)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "clmha_layer_attend() runs the fused core, which returns the "
-                           "log-sum-exp rows; it does not take %s",
-                           no);
-    clmha__dims d;
-    if ((st = clmha__forward_validate(layer, args, true, &d))) return st;
-    size_t rows = d.n * layer->h * d.l;
-    if ((st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * layer->d, 4)) ||
-        (st = clmha__check_buffer(ctx, "lse", lse, lse_offset, rows, 4)) ||
-        (st = clmha__check_writable(ctx, "heads", heads)) ||
-        (st = clmha__check_writable(ctx, "lse", lse)))
-        return st;
-    clmha__span all[6];
-    size_t k = 0;
-    all[k++] = clmha__span_of("heads", heads, heads_offset, rows * layer->d, 4);
-    all[k++] = clmha__span_of("lse", lse, lse_offset, rows, 4);
-    all[k++] = clmha__span_of("query", args->query.buffer, args->query.offset, d.query_count, 4);
-    if (!d.key_is_query)
-        all[k++] = clmha__span_of("key", args->key.buffer, args->key.offset, d.key_count, 4);
-    if (!d.value_is_key)
-        all[k++] =
-            clmha__span_of("value", args->value.buffer, args->value.offset, d.value_count, 4);
-    if ((st = clmha__check_overlaps(ctx, all, k, 2))) return st;
-    clmha_forward_args fused = *args;
-    fused.impl = CLMHA_IMPL_FUSED;
-    // Without the appended keys the core sees the call's S keys alone.
-    if (!appended_keys) d.s_padded = d.s;
-    clmha__core_call call = {.args = &fused, .dims = &d};
-    partial_out partial = {heads, lse, heads_offset, lse_offset, appended_keys};
-    return forward_planned(layer, &fused, &d, &call, &partial, NULL, 0, NULL, 0, num_wait,
-                           wait_list, event);
-}
-
-clmha_status clmha_layer_attend(clmha_layer *layer, const clmha_forward_args *args,
-                                bool appended_keys, cl_mem heads, size_t heads_offset,
-                                cl_mem lse, size_t lse_offset, cl_uint num_wait,
-                                const cl_event *wait_list, cl_event *event) {
-    return clmha__forward_times_dropped(layer, attend(layer, args, appended_keys, heads,
-                                                  heads_offset, lse, lse_offset, num_wait,
-                                                  wait_list, event));
-}
-
-clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t tgt_len,
-                                       cl_mem heads, size_t heads_offset, cl_mem output,
-                                       size_t output_offset, cl_uint num_wait,
-                                       const cl_event *wait_list, cl_event *event) {
-    if (event) *event = NULL;
-    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
-    clmha_context *ctx = layer->ctx;
-    clmha_status st = clmha__layer_f32_only(layer, "clmha_layer_project_heads()");
-    if (st) return st;
-    size_t e = layer->e, rows;
-    if (!batch || !tgt_len)
-        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH, "batch %zu and tgt_len %zu must be positive",
-                           batch, tgt_len);
-    if (!clmha__mul(batch, tgt_len, &rows) || rows > SIZE_MAX / layer->h / e)
-        return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "batch %zu x tgt_len %zu overflows", batch,
-                           tgt_len);
-    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
-        (st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * e, 4)) ||
-        (st = clmha__check_buffer(ctx, "output", output, output_offset, rows * e, 4)) ||
-        (st = clmha__check_writable(ctx, "output", output)))
-        return st;
-    if ((st = check_output_readable(layer, output))) return st;
-    clmha__span all[2] = {clmha__span_of("output", output, output_offset, rows * e, 4),
-                          clmha__span_of("heads", heads, heads_offset, rows * e, 4)};
-    if ((st = clmha__check_overlaps(ctx, all, 2, 1))) return st;
-    if ((st = clmha__grow_buffer(ctx, &layer->proj, &layer->proj_cap, rows * e,
-                                 "projected rows")))
-        return st;
-    clmha__dims d = {.n = batch, .l = tgt_len, .e = e, .h = layer->h, .d = layer->d,
-                     .batch_first = layer->desc.batch_first};
-    clmha__layer_marks_release(layer);
-    if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
-        (st = merge_from(layer, &d, heads, heads_offset)) ||
-        (st = out_project(layer, &d, layer->proj, output, output_offset, true)))
-        return st;
-    return clmha__enqueue_event(ctx, event);
 }

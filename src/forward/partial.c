@@ -1,15 +1,18 @@
-// clmha_attention_merge(): the exact merge of two partial attention results (clmha_layer_attend()
-// over two ranges of keys), kernel merge_partials of cl/cores/decode.cl.
+// Partial attention: clmha_layer_attend() (the attention of one range of keys, with the
+// log-sum-exp rows, from a core that writes them), clmha_attention_merge() (the exact merge of
+// two such results, by the core that merges: clmha__core_merge()) and
+// clmha_layer_project_heads() (the head merge and output projection of a merged result).
+#include "base/checked.h"
 #include "context/context.h"
-#include "cores/kernel_args.h"
+#include "cores/core.h"
 #include "device/held.h"
 #include "forward/enqueue.h"
+#include "forward/forward.h"
+#include "layer/layer.h"
+#include "layer/shape.h"
 
 #include <stdint.h>
 #include <stdio.h>
-
-typedef clmha__arg arg;
-#define ARG CLMHA__ARG
 
 clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, size_t head_dim,
                                    cl_mem heads, size_t heads_offset, cl_mem lse,
@@ -42,20 +45,111 @@ clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, size_t head_
                                          4),
                           clmha__span_of("other_lse", other_lse, other_lse_offset, rows, 4)};
     if ((st = clmha__check_overlaps(ctx, all, 4, 2))) return st;
-    cl_program prog;
-    cl_kernel k = NULL;
-    if ((st = clmha__program_get(ctx, "decode", "-DHD=1 -DG=1 -DVW=1", &prog)) ||
-        (st = clmha__kernel_make(ctx, prog, "merge_partials", &k)))
+    clmha__merge_call m = {.rows = rows, .head_dim = head_dim, .heads = heads, .lse = lse,
+                           .other_heads = other_heads, .other_lse = other_lse,
+                           .heads_offset = heads_offset, .lse_offset = lse_offset,
+                           .other_heads_offset = other_heads_offset,
+                           .other_lse_offset = other_lse_offset, .num_wait = num_wait,
+                           .wait_list = wait_list};
+    if ((st = clmha__core_merge(ctx, &m))) return st;
+    return clmha__enqueue_event(ctx, event);
+}
+
+static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
+                           bool appended_keys, cl_mem heads, size_t heads_offset, cl_mem lse,
+                           size_t lse_offset, cl_uint num_wait, const cl_event *wait_list,
+                           cl_event *event) {
+    if (event) *event = NULL;
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    clmha_context *ctx = layer->ctx;
+    clmha_forward_args in;
+    clmha_status st = clmha__forward_args_in(ctx, &in, &args);
+    if (st) return st;
+    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
+        (st = clmha__layer_f32_only(layer, "clmha_layer_attend()")))
         return st;
-    cl_ulong a_off = heads_offset, la_off = lse_offset, b_off = other_heads_offset,
-             lb_off = other_lse_offset, hd = head_dim, n = rows;
-    arg args[] = {ARG(heads),     ARG(a_off),  ARG(lse),       ARG(la_off), ARG(other_heads),
-                  ARG(b_off),     ARG(other_lse), ARG(lb_off), ARG(hd),    ARG(n)};
-    if (!(st = clmha__enqueue_wait(ctx, num_wait, wait_list)))
-        st = clmha__launch(ctx, k, "merge_partials", rows,
-                           ctx->max_work_group < 64 ? ctx->max_work_group : 64, args,
-                           sizeof args / sizeof args[0]);
-    if (!st) st = clmha__enqueue_event(ctx, event);
-    clmha__release_kernel(k);
-    return st;
+    const char *no = args->need_weights ? "need_weights"
+                     : args->save       ? "save"
+                     : args->kv_cache   ? "kv_cache"
+                     : args->impl == CLMHA_IMPL_UNFUSED ? "CLMHA_IMPL_UNFUSED"
+                     : layer->core      ? "a user attention core"
+                                        : NULL;
+    if (no)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "clmha_layer_attend() returns the log-sum-exp rows, which only a core "
+                           "that writes them gives; it does not take %s",
+                           no);
+    clmha__dims d;
+    if ((st = clmha__forward_validate(layer, args, true, &d))) return st;
+    size_t rows = d.n * layer->h * d.l;
+    if ((st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * layer->d, 4)) ||
+        (st = clmha__check_buffer(ctx, "lse", lse, lse_offset, rows, 4)) ||
+        (st = clmha__check_writable(ctx, "heads", heads)) ||
+        (st = clmha__check_writable(ctx, "lse", lse)))
+        return st;
+    clmha__span all[6];
+    size_t k = 0;
+    all[k++] = clmha__span_of("heads", heads, heads_offset, rows * layer->d, 4);
+    all[k++] = clmha__span_of("lse", lse, lse_offset, rows, 4);
+    all[k++] = clmha__span_of("query", args->query.buffer, args->query.offset, d.query_count, 4);
+    if (!d.key_is_query)
+        all[k++] = clmha__span_of("key", args->key.buffer, args->key.offset, d.key_count, 4);
+    if (!d.value_is_key)
+        all[k++] =
+            clmha__span_of("value", args->value.buffer, args->value.offset, d.value_count, 4);
+    if ((st = clmha__check_overlaps(ctx, all, k, 2))) return st;
+    // Without the appended keys the core sees the call's S keys alone. The core is one that
+    // writes the log-sum-exp rows (clmha__core_call::need_lse, set with @p partial).
+    if (!appended_keys) d.s_padded = d.s;
+    clmha__core_call call = {.args = args, .dims = &d};
+    clmha__partial_out partial = {heads, lse, heads_offset, lse_offset, appended_keys};
+    return clmha__forward_planned(layer, args, &d, &call, &partial, NULL, 0, NULL, 0, num_wait,
+                                  wait_list, event);
+}
+
+clmha_status clmha_layer_attend(clmha_layer *layer, const clmha_forward_args *args,
+                                bool appended_keys, cl_mem heads, size_t heads_offset,
+                                cl_mem lse, size_t lse_offset, cl_uint num_wait,
+                                const cl_event *wait_list, cl_event *event) {
+    return clmha__forward_times_dropped(layer, attend(layer, args, appended_keys, heads,
+                                                  heads_offset, lse, lse_offset, num_wait,
+                                                  wait_list, event));
+}
+
+clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t tgt_len,
+                                       cl_mem heads, size_t heads_offset, cl_mem output,
+                                       size_t output_offset, cl_uint num_wait,
+                                       const cl_event *wait_list, cl_event *event) {
+    if (event) *event = NULL;
+    if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
+    clmha_context *ctx = layer->ctx;
+    clmha_status st = clmha__layer_f32_only(layer, "clmha_layer_project_heads()");
+    if (st) return st;
+    size_t e = layer->e, rows;
+    if (!batch || !tgt_len)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH, "batch %zu and tgt_len %zu must be positive",
+                           batch, tgt_len);
+    if (!clmha__mul(batch, tgt_len, &rows) || rows > SIZE_MAX / layer->h / e)
+        return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "batch %zu x tgt_len %zu overflows", batch,
+                           tgt_len);
+    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
+        (st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * e, 4)) ||
+        (st = clmha__check_buffer(ctx, "output", output, output_offset, rows * e, 4)) ||
+        (st = clmha__check_writable(ctx, "output", output)))
+        return st;
+    if ((st = clmha__forward_output_readable(layer, output))) return st;
+    clmha__span all[2] = {clmha__span_of("output", output, output_offset, rows * e, 4),
+                          clmha__span_of("heads", heads, heads_offset, rows * e, 4)};
+    if ((st = clmha__check_overlaps(ctx, all, 2, 1))) return st;
+    if ((st = clmha__grow_buffer(ctx, &layer->proj, &layer->proj_cap, rows * e,
+                                 "projected rows")))
+        return st;
+    clmha__dims d = {.n = batch, .l = tgt_len, .e = e, .h = layer->h, .d = layer->d,
+                     .batch_first = layer->desc.batch_first};
+    clmha__layer_marks_release(layer);
+    if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
+        (st = clmha__forward_merge_heads(layer, &d, heads, heads_offset)) ||
+        (st = clmha__forward_out_project(layer, &d, layer->proj, output, output_offset, true)))
+        return st;
+    return clmha__enqueue_event(ctx, event);
 }

@@ -67,12 +67,12 @@ void clmha__saved_swap(clmha_saved *saved, clmha_layer *layer) {
 
 void clmha__saved_filled(clmha_saved *saved, const clmha_forward_args *args,
                          const clmha__dims *dims, const void *core, bool has_lse,
-                         bool fused_fell_back) {
+                         bool fell_back) {
     saved->filled = true;
     saved->dims = *dims;
     saved->core = core;
     saved->has_lse = has_lse;
-    saved->fused_fell_back = fused_fell_back;
+    saved->fell_back = fell_back;
     saved->is_causal = args->is_causal;
     saved->need_weights = args->need_weights;
     saved->per_head_weights = args->per_head_weights;

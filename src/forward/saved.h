@@ -21,7 +21,7 @@ struct clmha_saved {
     // layer's CLMHA__TILE_* order; caps in floats.
     cl_mem tiles[CLMHA__TILE_COUNT];
     size_t caps[CLMHA__TILE_COUNT];
-    cl_mem lse;            // N*H*L floats, written by the fused core (has_lse)
+    cl_mem lse;            // N*H*L floats, written by a core that writes them (has_lse)
     size_t lse_cap;
     bool filled;           // a forward call succeeded with it (dims, has_lse, core are its)
     bool has_lse;
@@ -29,8 +29,9 @@ struct clmha_saved {
     const void *core;      // the core (const clmha__core *) that ran it
     // The options of that call that its backward must repeat.
     bool is_causal, need_weights, per_head_weights, training;
-    // The call asked for the fused core but a driver bug ran the unfused one (clmha_impl).
-    bool fused_fell_back;
+    // The core the call asked for could not run it here (a driver bug: clmha_impl) and the next
+    // one did (clmha__core_select()); its backward may fall back too.
+    bool fell_back;
     clmha_dropout_rng rng;
 };
 
@@ -43,9 +44,9 @@ CLMHA__HIDDEN clmha_status clmha__saved_prepare(clmha_saved *saved, clmha_layer 
 CLMHA__HIDDEN void clmha__saved_swap(clmha_saved *saved, clmha_layer *layer);
 
 // Records that the forward call @p args (sizes @p dims, core @p core, log-sum-exp written when
-// @p has_lse; @p fused_fell_back as clmha_saved says) has been enqueued with @p saved.
+// @p has_lse; @p fell_back as clmha_saved says) has been enqueued with @p saved.
 CLMHA__HIDDEN void clmha__saved_filled(clmha_saved *saved, const clmha_forward_args *args,
                                        const clmha__dims *dims, const void *core, bool has_lse,
-                                       bool fused_fell_back);
+                                       bool fell_back);
 
 #endif
