@@ -1,11 +1,15 @@
 /// @file clmha.h
 /// @brief clmha: multi-head attention on any OpenCL device.
 ///
-/// clmha computes the forward pass of PyTorch's `torch.nn.MultiheadAttention` (every option:
-/// kdim/vdim, bias, add_bias_kv, add_zero_attn, batch_first, key_padding_mask, 2-D/3-D attn_mask,
-/// boolean or float masks, need_weights, average_attn_weights, dropout, unbatched inputs) on any
-/// OpenCL 1.2 device. Projections and the batched score/value products run as CLBlast GEMMs; head
-/// split/merge, masking and the row-wise softmax are clmha's own OpenCL kernels.
+/// clmha computes PyTorch's `torch.nn.MultiheadAttention` (every option: kdim/vdim, bias,
+/// add_bias_kv, add_zero_attn, batch_first, key_padding_mask, 2-D/3-D attn_mask, boolean or
+/// float masks, need_weights, average_attn_weights, dropout, unbatched inputs, grouped-query
+/// attention) on any OpenCL 1.2 device: the forward pass, its backward pass (the gradients of
+/// the inputs, parameters and float masks: clmha_layer_backward()), and incremental decoding
+/// with a KV cache (::clmha_kv_cache). Projections and the batched score/value products are
+/// GEMMs, run by CLBlast on the device, or by the host's BLAS on CPU drivers, where it is faster
+/// (clmha_context_gemm()); head split/merge, masking, the softmax and the fused attention are
+/// clmha's own OpenCL kernels.
 ///
 /// A minimal, complete program (self-attention, E = 8, 2 heads, sequence-first layout):
 ///
@@ -1119,7 +1123,15 @@ struct clmha_core_args;
 ///         ::CLMHA_CALLBACK_FAILED (work the core already enqueued stays queued)
 typedef clmha_status (*clmha_attention_fn)(const struct clmha_core_args *args, void *user_data);
 
-/// Which built-in attention core computes softmax(QKᵀ/√D + masks)·V.
+/// Which attention core computes softmax(QKᵀ/√D + masks)·V.
+///
+/// clmha has three built-in cores, and the caller may add one. A forward call with a KV cache
+/// (clmha_forward_args::kv_cache) always runs the decode core, whatever its impl (it must be
+/// ::CLMHA_IMPL_AUTO; see ::clmha_kv_cache for what such a call may not take). A layer with a
+/// user core (clmha_layer_set_attention()) runs it on every other call, whatever the impl. The
+/// other calls run the fused or the unfused core, as chosen here; the backward pass
+/// (clmha_layer_backward()) has its own fused and unfused cores, chosen by
+/// clmha_backward_args::impl.
 ///
 /// The unfused core writes the scores of every (batch, head) to device memory (N·H·L·S' floats)
 /// and runs a GEMM, a softmax kernel and a second GEMM over them; it is the one that can return
@@ -1135,7 +1147,9 @@ typedef clmha_status (*clmha_attention_fn)(const struct clmha_core_args *args, v
 /// the key tiles that is_causal masks entirely, and it is faster on long sequences; it cannot
 /// return weights. Both apply every mask kind, is_causal and dropout the same way (dropout
 /// drops exactly the same weights in both for the same ::clmha_dropout_rng) and give zeros for
-/// a fully masked query row. A user core (clmha_layer_set_attention()) replaces both.
+/// a fully masked query row. A user core (clmha_layer_set_attention()) replaces both; the
+/// decode core replaces both on the calls with a KV cache (split-K: each sequence's cached keys
+/// cut into ranges scored in parallel and merged).
 ///
 /// The fused kernel is built with the largest tiles that the built kernel allows
 /// (CL_KERNEL_WORK_GROUP_SIZE, CL_KERNEL_LOCAL_MEM_SIZE). Where it cannot be built at all

@@ -104,9 +104,10 @@ struct clmha_layer {
 
     clmha_impl impl;            // the core for calls whose impl is CLMHA_IMPL_AUTO
 
-    // The attention cores' state (src/cores/): slot i belongs to row i of the dispatch table
-    // (clmha__core_state()), made by the core's create hook when the layer is created and freed
-    // by its release hook when it is released; opaque here.
+    // The attention cores' state (src/cores/): slot i belongs to row i of the dispatch table and
+    // holds a clmha__core_slot (src/cores/core.h): the core it belongs to and what its create
+    // hook made when the layer was created, freed by its release hook when the layer is
+    // released (clmha__core_state() finds it); opaque here. NULL for a core without state.
     void *core_state[CLMHA__CORE_SLOTS];
     const void *last_core;      // the core (const clmha__core *) the last forward call chose
 
