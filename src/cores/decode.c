@@ -109,6 +109,7 @@ static clmha_status ensure(clmha_layer *l, state **out) {
 // "Incremental decoding").
 static const char *not_taken(const clmha_layer *l, const clmha_forward_args *a) {
     if (l->core) return "a user attention core (clmha_layer_set_attention())";
+    if (l->desc.dtype == CLMHA_DTYPE_F64) return "a float64 layer (its kernels are float32)";
     if (a->need_weights) return "need_weights";
     if (a->attn_mask.kind != CLMHA_MASK_NONE) return "attn_mask";
     if (a->key_padding_mask.kind != CLMHA_MASK_NONE)

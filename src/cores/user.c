@@ -1,6 +1,7 @@
 // The user's attention core (clmha_layer_set_attention()): an adapter from the core interface
 // to clmha_attention_fn. It gets the head tiles and enqueues its own work on the queue; with
 // weights asked for, it writes them into the layer's scores buffer (all of them: no chunks).
+#include "base/half.h"
 #include "cores/core.h"
 
 #include <math.h>
@@ -12,7 +13,12 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_user;  // this core, at the e
 static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
                              clmha__core_answer *answer) {
     (void)call;
-    if (l->core) clmha__core_runs(answer);
+    if (l->core && l->desc.dtype != CLMHA_DTYPE_F32)  // its buffers are float32
+        clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
+                               "a %s layer does not take a user attention core "
+                               "(clmha_layer_set_attention()) yet",
+                               clmha__dtype_name(l->desc.dtype));
+    else if (l->core) clmha__core_runs(answer);
     else
         clmha__core_answer_set(answer, CLMHA__CORE_PASSES, CLMHA_SUCCESS,
                                "no clmha_attention_fn is set (clmha_layer_set_attention())");

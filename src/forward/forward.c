@@ -255,12 +255,10 @@ static clmha_status forward_direct(clmha_layer *layer, const clmha_forward_args 
                                    const cl_event *wait_list, cl_event *event);
 
 // What a layer of another dtype than float32 cannot do yet (include/clmha.h, clmha_dtype):
-// NULL, or its name.
+// NULL, or its name. (What a core cannot do for such a layer, the core refuses.)
 static const char *not_yet(const clmha_layer *layer, const clmha_forward_args *args) {
     if (layer->desc.dtype == CLMHA_DTYPE_F32) return NULL;
     if (args->save) return "save (the backward pass)";
-    if (layer->core) return "a user attention core (clmha_layer_set_attention())";
-    if (args->kv_cache && layer->desc.dtype == CLMHA_DTYPE_F64) return "a KV cache";
     return NULL;
 }
 
