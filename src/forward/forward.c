@@ -174,7 +174,7 @@ clmha_status clmha__forward_out_project(clmha_layer *l, const clmha__dims *d, cl
 }
 
 // 8. Attention weights: the per-head scores as they are, or their mean over heads. (Not when
-//    the core wrote them itself: the unfused core working in chunks.)
+//    the core wrote them itself, clmha__core_call::weights_written: a core working in chunks.)
 static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
                                 const clmha__dims *d, cl_mem w, size_t w_off) {
     clmha_context *ctx = l->ctx;
@@ -211,7 +211,7 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
     // A partial call without the appended keys leaves them out of the key and value tiles (a
-    // call with a KV cache never splits: it runs the decode core, which takes the rows).
+    // call whose core takes the projected rows, clmha__core::takes_rows, never splits).
     bool bare = partial && !partial->appended_keys;
     if (core->takes_rows) {  // the core reads the projected rows (and adds their bias)
         call->q_at = s.proj_q + s.col_q, call->q_ld = s.ld_q;
@@ -366,7 +366,7 @@ static clmha_status forward_direct(clmha_layer *layer, const clmha_forward_args 
     if ((st = clmha__forward_check_results(layer, args, &d, output, output_offset, weights,
                                    weights_offset, layer->rs)))
         return st;
-    // The core: the user's, else fused or unfused (see clmha_impl and src/cores/core.c).
+    // The core: the first row of the table that runs the call (src/cores/core.c).
     clmha__core_call call = {.args = args, .dims = &d, .weights = weights,
                              .weights_offset = weights_offset};
     clmha__kv_plan plan = {0};

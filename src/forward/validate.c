@@ -139,7 +139,8 @@ clmha_status clmha__forward_check_call(clmha_layer *layer, const clmha_forward_a
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "impl %d is not CLMHA_IMPL_AUTO, _FUSED or _UNFUSED", (int)args->impl);
     // Some core must run the call: one that refuses it (the options a KV cache call may not
-    // take, weights asked of the fused core) fails it here, before anything is allocated.
+    // take, weights asked by impl of a core without them) fails it here, before anything is
+    // allocated.
     clmha__core_call call = {.args = args, .dims = d};
     const clmha__core *core;
     return clmha__core_select(layer, &call, &core, NULL);
