@@ -50,8 +50,8 @@ typedef struct clmha__core_call {
     // The call needs the log-sum-exp rows (partial attention, clmha_layer_attend()): only a core
     // with clmha__core::writes_lse runs it, and its impl is the call's own, not the layer's.
     bool need_lse;
-    // With a KV cache (clmha_forward_args::kv_cache; only the decode core runs such calls):
-    // the call's plan of lengths, and whether the new key and value tiles are to be appended
+    // With a KV cache (clmha_forward_args::kv_cache; only a core with clmha__core::kv_cache
+    // runs such calls): the call's plan of lengths (NULL while the call is validated), and whether the new key and value tiles are to be appended
     // (false: kv_attend_only, no new keys).
     const clmha__kv_plan *kv;
     bool kv_append;
