@@ -74,6 +74,7 @@ class _Call:
         self.self_attention = self_attention
         self.key_is_value = key_is_value
         self.need_weights = need_weights
+        self.grad_enabled = torch.is_grad_enabled()  # when the call is made, outside apply()
         self.saved = None
 
 
@@ -133,8 +134,10 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: _Call, query, key, value, key_padding_mask, attn_mask, *params):
+        # Under torch.no_grad() no graph is recorded, so nothing will ask for a backward pass:
+        # the forward then saves nothing (ctx.needs_input_grad still says what requires grad).
         out_t, w_t = _forward(call, query, key, value, key_padding_mask, attn_mask,
-                              any(ctx.needs_input_grad))
+                              call.grad_enabled and any(ctx.needs_input_grad))
         ctx.call = call
         ctx.set_materialize_grads(False)
         if not call.need_weights:

@@ -207,6 +207,24 @@ def test_gradients_key_is_value(ctx):
     _grad_check(ctx, {}, call, "key_is_value")
 
 
+def test_no_grad_saves_nothing(ctx, monkeypatch):
+    """Under torch.no_grad() (inference) the forward keeps no state for a backward pass: the
+    parameters require grad, but no graph is recorded; with grad enabled it saves once."""
+    tm, cm = _pair(ctx, batch_first=True)
+    made = []
+    real = clmha.Layer.saved
+    monkeypatch.setattr(clmha.Layer, "saved", lambda self: made.append(1) or real(self))
+    x = torch.randn(N, L, E)
+    with torch.no_grad():
+        out, _ = cm(x, x, x, need_weights=False)
+    assert made == [], "an inference call made a saved state"
+    assert max_err(out, _ref(tm, x, x, x)[0]) <= TOL
+    out, _ = cm(x, x, x, need_weights=False)  # the parameters require grad
+    assert made == [1]
+    out.sum().backward()
+    assert cm.in_proj_weight.grad is not None
+
+
 def test_key_is_value_forward(ctx):
     tm, cm = _pair(ctx, batch_first=True)
     q, kv = torch.randn(N, L, E), torch.randn(N, S, E)
