@@ -20,8 +20,9 @@ alike. The peers:
   C        `clmha bench --json --batch-first --impl fused` (a child process; step: --backward,
            its "ms"). Device buffers: the inputs stay on the device, nothing is copied to or from
            host memory, every run is waited for with clFinish. A random layer and input.
-  Chost    `clmha bench --host` (forward only): the host-array call clmha_layer_forward_host
-           from C, the call the package makes: the inputs are copied in and the results out on
+  Chost    `clmha bench --host` (step: --host --backward): the host-array calls
+           clmha_layer_forward_host (and clmha_layer_backward_host) from C, the calls the
+           package makes: the inputs are copied in and the results (the gradients) out on
            every run, through the layer's staging buffers. The Python layer's own price is
            module / Chost.
   Ldev     (where pyopencl is installed) clmha.Layer.forward on pyopencl arrays, a layer on
@@ -536,8 +537,6 @@ def main(argv=None):
                 order = peers[rnd % len(peers):] + peers[:rnd % len(peers)]
                 line = []
                 for q in order:
-                    if q == "Chost" and p == "step":
-                        continue  # clmha bench --host times the forward pass only
                     if q in C_PEERS:
                         res = run_c(a, child_env, n, l, p, host=q == "Chost")
                         c_info.setdefault("gemm", res.get("gemm"))

@@ -1,6 +1,6 @@
-// `clmha bench --backward`: times one training step per shape on device buffers: the forward
-// call with args.save, then clmha_layer_backward() for the gradients of the inputs and of every
-// parameter; also each alone. Reports ms, GFLOP/s (FLOP convention in bench.c's help) and the
+// `clmha bench --backward`: times one training step per shape on device buffers (with --host:
+// on host arrays): the forward call with args.save, then clmha_layer_backward() for the
+// gradients of the inputs and of every parameter; also each alone. Reports ms, GFLOP/s (FLOP convention in bench.c's help) and the
 // memory a step holds: the layer's scratch (the backward's included) and the saved state, next
 // to the growth of the process's resident memory (the device memory of a CPU driver such as
 // PoCL is host memory).
@@ -88,12 +88,70 @@ typedef struct step {
     clmha_saved *saved;
     clmha_forward_args fwd;
     clmha_backward_args bwd;
+    // --host: the same step on host arrays (clmha_layer_forward_host(),
+    // clmha_layer_backward_host()): copies of the inputs and of grad_output, the output, and an
+    // array per gradient; fwd and bwd then point at them (data fields, no buffers).
+    bool host;
+    float *host_in[3], *host_out, *host_dy, *host_grads[G_COUNT];
+    size_t out_count;
 } step;
 
 static void step_free(step *st) {
     clmha_saved_release(st->saved);
     clmha_layer_release(st->layer);
+    for (int i = 0; i < 3; ++i) free(st->host_in[i]);
+    free(st->host_out);
+    free(st->host_dy);
+    for (int g = 0; g < G_COUNT; ++g) free(st->host_grads[g]);
     *st = (step){0};
+}
+
+// A host copy of @p count floats of @p buf (NULL after reporting a failure).
+static float *host_copy(clmha_context *ctx, cl_mem buf, size_t count) {
+    float *a = malloc((count ? count : 1) * sizeof *a);
+    if (!a) {
+        clmha__cli_report("bench", "out of host memory");
+        return NULL;
+    }
+    cl_int err = clEnqueueReadBuffer(clmha_context_cl_queue(ctx), buf, CL_TRUE, 0,
+                                     count * sizeof *a, a, 0, NULL, NULL);
+    if (err == CL_SUCCESS) return a;
+    clmha__cli_report("bench", "reading the inputs failed on %s: OpenCL error %d",
+                      clmha_context_device_name(ctx), (int)err);
+    free(a);
+    return NULL;
+}
+
+// --host: points @p st's arguments at host arrays: copies of @p io's inputs and of
+// @p grad_output, an output array and an array per gradient asked for. Reports a failure.
+static int step_to_host(clmha_context *ctx, const bench_config *cfg, const bench_io *io,
+                        cl_mem grad_output, step *st) {
+    clmha_tensor *in[3] = {&st->fwd.query, &st->fwd.key, &st->fwd.value};
+    for (int i = 0; i < 3; ++i) {
+        if (!in[i]->buffer) continue;
+        if (!(st->host_in[i] = host_copy(ctx, in[i]->buffer, io->counts[BENCH_QUERY + i])))
+            return EXIT_REFUSED;
+        in[i]->buffer = NULL;
+        in[i]->data = st->host_in[i];
+    }
+    st->out_count = io->counts[BENCH_OUTPUT];
+    if (!(st->host_dy = host_copy(ctx, grad_output, io->counts[BENCH_QUERY])) ||
+        !(st->host_out = malloc(st->out_count * sizeof *st->host_out)))
+        goto oom;
+    st->bwd.grad_output.buffer = NULL;
+    st->bwd.grad_output.data = st->host_dy;
+    for (int g = 0; g < G_COUNT; ++g) {
+        clmha_grad *gr = grad_slot(&st->bwd, g);
+        if (!gr->buffer) continue;
+        if (!(st->host_grads[g] = calloc(grad_floats(&cfg->desc, io, g), sizeof(float))))
+            goto oom;
+        *gr = (clmha_grad){.data = st->host_grads[g]};
+    }
+    st->host = true;
+    return EXIT_OK;
+oom:
+    clmha__cli_report("bench", "out of host memory");
+    return EXIT_REFUSED;
 }
 
 // A layer and saved state for @p io, with the backward's arguments pointing at @p grads and
@@ -123,11 +181,15 @@ static int step_make(clmha_context *ctx, const bench_config *cfg, const bench_io
 }
 
 static clmha_status run_forward(const step *st, const bench_io *io) {
+    if (st->host)
+        return clmha_layer_forward_host(st->layer, &st->fwd, st->host_out, st->out_count, NULL,
+                                        0);
     return clmha_layer_forward(st->layer, &st->fwd, io->bufs[BENCH_OUTPUT], 0,
                                io->bufs[BENCH_WEIGHTS], 0, 0, NULL, NULL);
 }
 
 static clmha_status run_backward(const step *st) {
+    if (st->host) return clmha_layer_backward_host(st->layer, &st->bwd);
     return clmha_layer_backward(st->layer, &st->bwd, 0, NULL, NULL);
 }
 
@@ -215,7 +277,7 @@ static void print_result(const clmha_context *ctx, const bench_config *cfg, cons
     long long training = (long long)(r->scratch_bytes + r->saved_bytes);
     if (cfg->json) {
         clmha__bench_json_head(ctx, cfg, io->n, io->l, io->s, r->impl, io->self);
-        printf("\"backward\": true, ");
+        printf("\"backward\": true, \"host\": %s, ", cfg->host ? "true" : "false");
         printf("\"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"flops\": %.0f, "
                "\"gflops\": %.6g, ",
                r->step_ms, r->step_min, r->step_max, total, total / r->step_ms / 1e6);
@@ -250,11 +312,12 @@ static void print_result(const clmha_context *ctx, const bench_config *cfg, cons
     }
     const double mib = 1024.0 * 1024.0;
     printf("shape:    N %zu, L %zu, S %zu (%s-attention%s), need_weights %s, %s core "
-           "(forward and backward)\n",
+           "(forward and backward%s)\n",
            io->n, io->l, io->s, io->self ? "self" : "cross",
            io->self ? ", packed QKV projection"
            : io->kv_same ? ", key = value" : ", separate key and value",
-           cfg->need_weights ? "on" : "off", clmha_impl_name(r->impl));
+           cfg->need_weights ? "on" : "off", clmha_impl_name(r->impl),
+           cfg->host ? ", on host arrays" : "");
     if (cfg->repeat)
         printf("step:     %.3f ms forward + backward (median of %zu; min %.3f, max %.3f), "
                "%.2f GFLOP/s (%.4g GFLOP)\n",
@@ -338,6 +401,7 @@ int clmha__bench_backward_shape(clmha_context *ctx, const bench_config *cfg, siz
     // after each (what they allocated: scratch, saved state, the backward's own scratch).
     if (precompile(ctx, cfg, &io) != EXIT_OK) goto done;
     if (step_make(ctx, cfg, &io, dy, grads, &st) != EXIT_OK) goto done;
+    if (cfg->host && step_to_host(ctx, cfg, &io, dy, &st) != EXIT_OK) goto done;
     long long rss0 = rss_now();
     double t0 = clmha__cli_now_ms();
     clmha_status sc = run_forward(&st, &io);

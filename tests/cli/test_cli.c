@@ -2077,8 +2077,8 @@ Test(cli_bench, dtype_json) {
     EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "half");
 }
 
-// bench --host: the host-array call timed ("host": true; without it false), with and without
-// weights and in a 16-bit dtype; refused with --backward and --decode.
+// bench --host: the host-array calls timed ("host": true; without it false): the forward with
+// and without weights and in a 16-bit dtype, and the training step; refused with --decode.
 Test(cli_bench, host_json) {
     SKIP_WITHOUT_DEVICE();
     const char *const extra[][3] = {{"--dtype", "f32", NULL},
@@ -2098,9 +2098,16 @@ Test(cli_bench, host_json) {
     cr_assert_eq(r.status, 0, "stderr: %s", r.err);
     cr_expect(strstr(r.out, "\"host\": false") != NULL, "%s", r.out);
     cli_free(&r);
-    EXPECT_USAGE("clmha bench: --host times the forward pass only", "bench", "--host",
-                 "--backward");
-    EXPECT_USAGE("clmha bench: --host", "bench", "--host", "--decode", "--cache-len", "8");
+    // The training step on host arrays: cross-attention (S != L) with every gradient read back.
+    r = cli_run("bench", "--json", "--host", "--backward", "--embed", "16", "--heads", "2",
+                "--batch", "2", "--tgt-len", "5", "--src-len", "3", "--repeat", "2");
+    cr_assert_eq(r.status, 0, "--backward: stderr: %s", r.err);
+    cr_expect(strstr(r.out, "\"host\": true") != NULL, "%s", r.out);
+    cr_expect(strstr(r.out, "\"backward\": true") != NULL, "%s", r.out);
+    cr_expect_gt(json_number(r.out, "backward_ms"), 0.0, "%s", r.out);
+    cli_free(&r);
+    EXPECT_USAGE("clmha bench: --host times the forward pass or the training step", "bench",
+                 "--host", "--decode", "--cache-len", "8");
 }
 
 // bench --dtype f64 (the default layer, E 512, 8 heads): a float64 random layer on float64
