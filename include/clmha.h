@@ -720,13 +720,13 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 /// Accuracy contract, asserted by the tests against clmha_reference_forward() in float64 on
 /// the same (dtype-exact) parameters and inputs of unit scale (normal or uniform in [-1, 1],
 /// weights of PyTorch's initialisation), for the output and the weights, through both cores
-/// and on every driver lane: F32: max |error| <= 1e-4 (tests/test_golden.c, test_random.c;
-/// measured errors are near 1e-6). F16 and BF16: every value y within
+/// and on every driver lane: F32: max |error| <= 1e-4 (tests/device/test_golden.c,
+/// test_random.c; measured errors are near 1e-6). F16 and BF16: every value y within
 /// r (|y| + t) + t of the exact one, with t = 1e-5 (1 + max |y|) (the float32 computation)
 /// and r = 2^-11 for F16, 2^-8 for BF16 (the final rounding: half an ulp of the dtype); and
 /// the max error at most twice that of PyTorch's own computation in the dtype on PyTorch's
-/// golden cases (tests/test_dtype.c, tests/golden/dtype_*.txt; measured on PoCL: at most 0.95
-/// of the bound, and 0.39 to 1.0 times PyTorch's error).
+/// golden cases (tests/device/test_dtype.c, tests/golden/dtype_*.txt; measured on PoCL: at
+/// most 0.95 of the bound, and 0.39 to 1.0 times PyTorch's error).
 ///
 /// A 16-bit layer's KV cache holds the projected keys and values in float32 (the decode core
 /// reads them as a float32 layer's); the calls' new tokens and outputs are 16-bit tensors.
@@ -744,7 +744,7 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 /// clmha_layer_set_parameter_f64() (clmha_layer_set_parameter() widens floats); give its host
 /// calls double arrays with clmha_layer_forward_host_f64(). Accuracy contract: max |error|
 /// <= 1e-12 against PyTorch's float64 module on unit-scale inputs of its golden cases and
-/// against clmha_reference_forward() on random ones, through both cores (tests/test_f64.c).
+/// against clmha_reference_forward() on random ones, through both cores (tests/device/test_f64.c).
 /// Not yet for float64 layers: the backward pass, KV caches, clmha_layer_attend(),
 /// clmha_layer_project_heads() and user attention cores (::CLMHA_UNSUPPORTED).
 ///
