@@ -2054,6 +2054,27 @@ CLMHA_API clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
                                                 const clmha_reference_grads *grads,
                                                 char *message, size_t message_size);
 
+/// The backward pass of clmha_reference_attention() on the CPU in double precision: the
+/// gradients of the query, key, value and (for a float mask) attn_mask given the output's
+/// gradient, with the same semantics (dropout replayed from args->rng; fully masked rows give
+/// zero gradients; with enable_gqa a key/value head's gradient sums its query heads'; a
+/// broadcast mask's gradient sums over the dimensions it is broadcast along, in its own shape).
+/// Needs no device.
+/// @param[in]  args          the forward call's tensors and options (`data` fields)
+/// @param[in]  grad_output   the output's gradient, the output's shape and layout
+/// @param[in,out] grads      struct_size set; its query, key, value and attn_mask
+///                           destinations (NULL: not wanted; in the shapes of the tensors);
+///                           the other fields are ignored
+/// @param[out] message       optional buffer: "" on success, the reason on failure
+/// @param[in]  message_size  size of @p message
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also grads->attn_mask without a float
+///         mask), ::CLMHA_UNSUPPORTED, ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY
+CLMHA_API clmha_status clmha_reference_attention_backward(const clmha_attention_args *args,
+                                                          const float *grad_output,
+                                                          const clmha_reference_grads *grads,
+                                                          char *message, size_t message_size);
+
 #ifdef __cplusplus
 }
 #endif

@@ -74,6 +74,7 @@ int main() {
         reinterpret_cast<const void *>(&clmha_stage_name),
         reinterpret_cast<const void *>(&clmha_reference_forward),
         reinterpret_cast<const void *>(&clmha_reference_attention),
+        reinterpret_cast<const void *>(&clmha_reference_attention_backward),
         reinterpret_cast<const void *>(&clmha_reference_backward),
         reinterpret_cast<const void *>(&clmha_status_string),
         reinterpret_cast<const void *>(&clmha_version),
