@@ -1712,6 +1712,65 @@ CLMHA_API clmha_status clmha_attention_forward_host(clmha_context *ctx,
                                                     float *lse, size_t lse_count,
                                                     float *weights, size_t weights_count);
 
+/// Arguments of clmha_attention_backward(): the forward call, its results, the output's
+/// gradient and where the gradients go (buffers of the context; offsets in floats). Zero-
+/// initialise with struct_size set; struct_size must cover grad_value_offset.
+typedef struct clmha_attention_backward_args {
+    size_t struct_size;                   ///< sizeof(clmha_attention_backward_args)
+    const clmha_attention_args *forward;  ///< the forward call's tensors (buffers) and options,
+                                          ///< unchanged since it ran
+    /// @var output
+    /// The forward call's output (its shape and layout), from @ref output_offset.
+    cl_mem output;
+    size_t output_offset;  ///< element offset
+    /// @var lse
+    /// Optional (NULL): the forward call's log-sum-exp rows (N, H, L), from @ref lse_offset.
+    /// With them the fused core's backward runs (::CLMHA_IMPL_AUTO); without them the unfused
+    /// core's, which recomputes the probabilities.
+    cl_mem lse;
+    size_t lse_offset;  ///< element offset
+    cl_mem grad_output;         ///< the output's gradient, the output's shape and layout
+    size_t grad_output_offset;  ///< element offset
+    /// @var grad_query
+    /// Written: the query's gradient, the query's shape and layout.
+    /// @var grad_key
+    /// Written: the key's gradient, the key's shape and layout.
+    /// @var grad_value
+    /// Written: the value's gradient, the value's shape and layout.
+    cl_mem grad_query, grad_key, grad_value;
+    /// @var grad_query_offset
+    /// Element offset of @ref grad_query.
+    /// @var grad_key_offset
+    /// Element offset of @ref grad_key.
+    /// @var grad_value_offset
+    /// Element offset of @ref grad_value.
+    size_t grad_query_offset, grad_key_offset, grad_value_offset;
+    clmha_impl impl;  ///< the backward core; ::CLMHA_IMPL_AUTO: fused with @ref lse, else
+                      ///< unfused
+} clmha_attention_backward_args;
+
+/// The backward pass of clmha_attention_forward() on device buffers: the gradients of the query,
+/// key and value given the output's gradient, through the attention cores' backward passes
+/// (the same as clmha_layer_backward()'s), dropout replayed from the forward's rng; fully
+/// masked rows give zero gradients. Not yet: grouped-query attention (H_kv < H) and the
+/// gradient of a float attn_mask (::CLMHA_UNSUPPORTED; see docs/design.md, "Attention as a
+/// function"). Buffer rules as for clmha_attention_forward(): the gradients must not overlap
+/// each other or any input. On failure nothing was enqueued or written and *event is NULL.
+/// @param[in]  ctx        the context
+/// @param[in]  args       the forward call and the gradients' buffers
+/// @param[in]  num_wait   number of events in @p wait_list
+/// @param[in]  wait_list  events the call waits for on the device
+/// @param[out] event      optional: completes with the call; NULL on failure
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, struct sizes, buffers as for
+///         clmha_attention_forward(), a bad wait list), ::CLMHA_UNSUPPORTED (the limits above;
+///         D_v ≠ D; a newer header's field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
+///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,
+                                                const clmha_attention_backward_args *args,
+                                                cl_uint num_wait, const cl_event *wait_list,
+                                                cl_event *event);
+
 // ---------------------------------------------------------------------------------------------
 // Training: the backward pass
 // ---------------------------------------------------------------------------------------------

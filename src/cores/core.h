@@ -107,6 +107,8 @@ typedef struct clmha__backward_call {
     cl_mem grad_attn_mask, grad_kpm;
     size_t grad_attn_offset, grad_kpm_offset;  // floats
     bool grad_attn_accumulate, grad_kpm_accumulate;
+    // The forward call's factor of the scores (clmha__core_call::scale); 0: 1/sqrt(D).
+    double scale;
 } clmha__backward_call;
 
 // One merge of partial attention results (clmha_attention_merge(), checked): rows of head_dim

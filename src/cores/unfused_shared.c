@@ -64,9 +64,9 @@ clmha_status clmha__unfused_masked_softmax(clmha_layer *l, const clmha__unfused_
 
 clmha_status clmha__unfused_probabilities(clmha_layer *l, const clmha__unfused_softmax *sm,
                                           const clmha_forward_args *a, const clmha__dims *d,
-                                          cl_mem q, cl_mem k) {
+                                          cl_mem q, cl_mem k, double scale) {
     clmha__unfused_chunk all = {0, d->n * l->h * d->l};
     // The saved tiles: a key plane per head.
-    clmha_status st = clmha__unfused_scores(l, d, all, q, k, 1, 0.0);
+    clmha_status st = clmha__unfused_scores(l, d, all, q, k, 1, scale);
     return st ? st : clmha__unfused_masked_softmax(l, sm, a, d, all, true);
 }

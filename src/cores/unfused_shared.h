@@ -52,14 +52,14 @@ CLMHA__HIDDEN clmha_status clmha__unfused_masked_softmax(clmha_layer *layer,
                                                          const clmha__dims *d,
                                                          clmha__unfused_chunk c, bool no_dropout);
 
-// Recomputes the probabilities of a call for its backward pass: scores = Q·Kᵀ/√D from @p q
-// (N*H, L, D) and @p k (N*H, S', D), both at offset 0, then masks and softmax without dropout
-// (@p sm), into layer->scores, all rows at once (the caller has reserved them:
-// clmha__layer_reserve(), one chunk).
+// Recomputes the probabilities of a call for its backward pass: scores = Q·Kᵀ·scale (@p scale
+// 0: 1/√D) from @p q (N*H, L, D) and @p k (N*H, S', D), both at offset 0, then masks and
+// softmax without dropout (@p sm), into layer->scores, all rows at once (the caller has
+// reserved them: clmha__layer_reserve(), one chunk).
 CLMHA__HIDDEN clmha_status clmha__unfused_probabilities(clmha_layer *layer,
                                                         const clmha__unfused_softmax *sm,
                                                         const clmha_forward_args *args,
                                                         const clmha__dims *dims, cl_mem q,
-                                                        cl_mem k);
+                                                        cl_mem k, double scale);
 
 #endif

@@ -36,6 +36,15 @@ clmha_status clmha__attention_check_args(clmha_context *ctx, const clmha_attenti
     return CLMHA_SUCCESS;
 }
 
+clmha_forward_args clmha__attention_core_args(clmha_layer *l, const clmha_attention_args *a,
+                                              const clmha__attention_dims *d) {
+    l->desc.dropout = a->dropout_p;  // the bare layer's: the cores read the call's p there
+    return (clmha_forward_args){.struct_size = sizeof(clmha_forward_args), .attn_mask = d->attn,
+                                .key_padding_mask = d->kpm, .is_causal = a->is_causal,
+                                .per_head_weights = true, .training = a->dropout_p > 0.0f,
+                                .rng = a->rng, .impl = a->impl};
+}
+
 // The mask the cores read (attn_mask or key_padding_mask), or NULL.
 static const clmha_mask *mask_of(const clmha__attention_dims *d) {
     return d->attn.kind ? &d->attn : d->kpm.kind ? &d->kpm : NULL;
@@ -83,19 +92,14 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_args
     return clmha__check_overlaps(ctx, all, k, outputs);
 }
 
-// Head tiles (N*@p heads, @p seq, D) of tensor @p t into layer tile @p tile: in (N, H, L, D)
-// layout the caller's buffer itself when it starts at offset 0 (the tile is swapped; the caller
-// restores the layer's), else a copy; in (N, L, H, D) layout split_heads, which reads the rows
-// as the layer's batch-first projected rows.
-static clmha_status stage(clmha_layer *l, const clmha__attention_dims *d, int tile,
-                          const clmha_tensor *t, size_t heads, size_t seq, size_t count) {
+clmha_status clmha__attention_stage(clmha_layer *l, const clmha__attention_dims *d,
+                                    cl_mem scratch, const clmha_tensor *t, size_t heads,
+                                    size_t seq, size_t count, cl_mem *use) {
     clmha_context *ctx = l->ctx;
+    *use = d->layout == CLMHA_LAYOUT_NHLD && t->offset == 0 ? t->buffer : scratch;
+    if (*use == t->buffer) return CLMHA_SUCCESS;
     if (d->layout == CLMHA_LAYOUT_NHLD) {
-        if (t->offset == 0) {
-            l->tiles[tile] = t->buffer;
-            return CLMHA_SUCCESS;
-        }
-        cl_int err = clEnqueueCopyBuffer(ctx->queue, t->buffer, l->tiles[tile],
+        cl_int err = clEnqueueCopyBuffer(ctx->queue, t->buffer, scratch,
                                          t->offset * sizeof(float), 0, count * sizeof(float), 0,
                                          NULL, NULL);
         return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(attention input)")
@@ -104,40 +108,36 @@ static clmha_status stage(clmha_layer *l, const clmha__attention_dims *d, int ti
     cl_ulong off = t->offset, ld = heads * l->d, zero = 0, n = d->core.n, h = heads, group = 1,
              s = seq, hd = l->d;
     cl_uint no = 0, bf = 1;
-    cl_mem out = l->tiles[tile];
     arg args[] = {ARG(t->buffer), ARG(off),  ARG(ld),    ARG(zero),       ARG(ctx->dummy),
                   ARG(zero),      ARG(no),   ARG(ctx->dummy), ARG(zero),  ARG(no),
-                  ARG(out),       ARG(zero), ARG(n),     ARG(h),          ARG(group),
+                  ARG(scratch),   ARG(zero), ARG(n),     ARG(h),          ARG(group),
                   ARG(s),         ARG(s),    ARG(hd),    ARG(bf)};
     return clmha__launch_heads(l, l->split_heads, "split_heads", d->core.n * heads, seq,
                                l->heads_wg, args, sizeof args / sizeof args[0]);
 }
 
-// The result tile (N*H, L, D) into the caller's output: copied (NHLD), or merged into
-// (N, L, H, D) rows by merge_heads (which writes from element 0: through layer->proj when
-// the output starts later).
-static clmha_status write_output(clmha_layer *l, const clmha__attention_dims *d,
-                                 const clmha__attention_out *o) {
+clmha_status clmha__attention_unstage(clmha_layer *l, const clmha__attention_dims *d,
+                                      cl_mem tile, size_t heads, size_t seq, size_t count,
+                                      cl_mem out, size_t out_offset) {
     clmha_context *ctx = l->ctx;
-    cl_mem tile = l->tiles[CLMHA__TILE_OUT];
-    size_t bytes = d->output_count * sizeof(float);
+    size_t bytes = count * sizeof(float);
     cl_int err = CL_SUCCESS;
+    if (tile == out) return CLMHA_SUCCESS;  // written in place
     if (d->layout == CLMHA_LAYOUT_NHLD) {
-        err = clEnqueueCopyBuffer(ctx->queue, tile, o->output, 0,
-                                  o->output_offset * sizeof(float), bytes, 0, NULL, NULL);
-        return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(output)") : CLMHA_SUCCESS;
+        err = clEnqueueCopyBuffer(ctx->queue, tile, out, 0, out_offset * sizeof(float), bytes, 0,
+                                  NULL, NULL);
+        return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(result)") : CLMHA_SUCCESS;
     }
-    cl_mem rows = o->output_offset ? l->proj : o->output;
-    cl_ulong zero = 0, n = d->core.n, h = l->h, t = d->core.l, hd = l->d;
+    cl_mem rows = out_offset ? l->proj : out;
+    cl_ulong zero = 0, n = d->core.n, h = heads, t = seq, hd = l->d;
     cl_uint bf = 1;
     arg args[] = {ARG(tile), ARG(zero), ARG(rows), ARG(n), ARG(h), ARG(t), ARG(hd), ARG(bf)};
-    clmha_status st = clmha__launch_heads(l, l->merge_heads, "merge_heads", d->core.n * l->h,
-                                          d->core.l, l->heads_wg, args,
-                                          sizeof args / sizeof args[0]);
-    if (st || !o->output_offset) return st;
-    err = clEnqueueCopyBuffer(ctx->queue, rows, o->output, 0, o->output_offset * sizeof(float),
-                              bytes, 0, NULL, NULL);
-    return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(output)") : CLMHA_SUCCESS;
+    clmha_status st = clmha__launch_heads(l, l->merge_heads, "merge_heads", d->core.n * heads,
+                                          seq, l->heads_wg, args, sizeof args / sizeof args[0]);
+    if (st || !out_offset) return st;
+    err = clEnqueueCopyBuffer(ctx->queue, rows, out, 0, out_offset * sizeof(float), bytes, 0,
+                              NULL, NULL);
+    return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(result)") : CLMHA_SUCCESS;
 }
 
 // The log-sum-exp rows (when the core wrote them elsewhere than the caller's buffer) and the
@@ -191,11 +191,8 @@ clmha_status clmha__attention_enqueue(clmha_layer *l, const clmha_attention_args
                                       const clmha__attention_out *o, cl_uint num_wait,
                                       const cl_event *wait_list, cl_event *event) {
     clmha_context *ctx = l->ctx;
-    l->desc.dropout = a->dropout_p;  // the bare layer's: the cores read the call's p there
-    clmha_forward_args f = {.struct_size = sizeof f, .attn_mask = d->attn,
-                            .key_padding_mask = d->kpm, .is_causal = a->is_causal,
-                            .need_weights = o->weights != NULL, .per_head_weights = true,
-                            .training = a->dropout_p > 0.0f, .rng = a->rng, .impl = a->impl};
+    clmha_forward_args f = clmha__attention_core_args(l, a, d);
+    f.need_weights = o->weights != NULL;
     clmha__core_call call = {.args = &f, .dims = &d->core, .weights = o->weights,
                              .weights_offset = o->weights_offset, .need_lse = o->lse != NULL,
                              .scale = d->scale};
@@ -205,18 +202,23 @@ clmha_status clmha__attention_enqueue(clmha_layer *l, const clmha_attention_args
     // Nothing is enqueued before this point.
     if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list))) return st;
     clmha__layer_marks_release(l);
-    cl_mem own[CLMHA__TILE_COUNT];
-    memcpy(own, l->tiles, sizeof own);
+    cl_mem own[CLMHA__TILE_COUNT], *t = l->tiles;
+    memcpy(own, t, sizeof own);
     size_t h = d->core.h, kvh = d->core.kvh;
-    bool out_direct = d->layout == CLMHA_LAYOUT_NHLD && o->output_offset == 0 &&
-                      !write_only(o->output);
-    if (out_direct) l->tiles[CLMHA__TILE_OUT] = o->output;
-    if (!(st = stage(l, d, CLMHA__TILE_Q, &a->query, h, d->core.l, d->query_count)) &&
-        !(st = stage(l, d, CLMHA__TILE_K, &a->key, kvh, d->core.s, d->key_count)) &&
-        !(st = stage(l, d, CLMHA__TILE_V, &a->value, kvh, d->core.s, d->value_count)))
+    if (d->layout == CLMHA_LAYOUT_NHLD && o->output_offset == 0 && !write_only(o->output))
+        t[CLMHA__TILE_OUT] = o->output;  // the core writes the result in place
+    if (!(st = clmha__attention_stage(l, d, own[CLMHA__TILE_Q], &a->query, h, d->core.l,
+                                      d->query_count, &t[CLMHA__TILE_Q])) &&
+        !(st = clmha__attention_stage(l, d, own[CLMHA__TILE_K], &a->key, kvh, d->core.s,
+                                      d->key_count, &t[CLMHA__TILE_K])) &&
+        !(st = clmha__attention_stage(l, d, own[CLMHA__TILE_V], &a->value, kvh, d->core.s,
+                                      d->value_count, &t[CLMHA__TILE_V])))
         st = core->run(l, &call);
-    memcpy(l->tiles, own, sizeof own);
-    if (st || (!out_direct && (st = write_output(l, d, o))) ||
+    cl_mem result = t[CLMHA__TILE_OUT];
+    memcpy(t, own, sizeof own);
+    if (st ||
+        (st = clmha__attention_unstage(l, d, result, h, d->core.l, d->output_count, o->output,
+                                       o->output_offset)) ||
         (st = write_extras(l, d, o, &call)))
         return st;
     return clmha__enqueue_event(ctx, event);

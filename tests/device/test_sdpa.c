@@ -167,11 +167,12 @@ static void device_forward(clmha_context *ctx, const sdata *x, clmha_impl impl, 
 }
 
 static size_t cases_run, checks_run;
-static double worst_out, worst_lse, worst_w;
+static double worst_out, worst_lse, worst_w, worst_any;
 
 static void note(const char *name, const char *what, double err) {
     fprintf(stderr, "sdpa: %-34s %-22s max|err| %.2e\n", name, what, err);
     cr_expect(err <= TOLERANCE, "%s, %s: max abs error %g", name, what, err);
+    if (!(err <= worst_any)) worst_any = err;
     ++checks_run;
 }
 
@@ -487,5 +488,151 @@ Test(sdpa, device_refusals, .timeout = 300) {
                  CLMHA_SUCCESS);
     note("device zero-copy", "output", max_abs_err(back, want, 192));
     clReleaseMemObject(q), clReleaseMemObject(k), clReleaseMemObject(v), clReleaseMemObject(o);
+    clmha_context_release(ctx);
+}
+
+// ---- the backward pass --------------------------------------------------------------------------
+
+// The forward call of @p x on the device at element offset @p pad of fresh buffers, then its
+// backward through @p impl (the fused backward gets the forward's lse, the unfused one none):
+// the gradients against the reference's.
+static void check_backward_once(clmha_context *ctx, const scase *c, const sdata *x,
+                                const float *g, double *const want[3], clmha_impl impl,
+                                size_t pad) {
+    clmha_attention_args a = x->args;
+    size_t count[3] = {x->nq, x->nk, x->nv};
+    float *in[3] = {x->q, x->k, x->v};
+    cl_mem b[3], grad[3];
+    clmha_tensor *t[3] = {&a.query, &a.key, &a.value};
+    for (int i = 0; i < 3; ++i) {
+        b[i] = upload_at(ctx, in[i], count[i] * 4, pad * 4);
+        t[i]->buffer = b[i], t[i]->offset = pad;
+        float *nan = alloc_floats(count[i]);
+        for (size_t k = 0; k < count[i]; ++k) nan[k] = NAN;
+        grad[i] = upload_at(ctx, nan, count[i] * 4, pad * 4);
+        free(nan);
+    }
+    cl_mem bm = NULL;
+    if (x->nm) {
+        size_t elem = x->fmask ? 4 : 1;
+        bm = upload_at(ctx, x->fmask ? (const void *)x->fmask : x->bmask, x->nm * elem,
+                       pad * elem);
+        a.attn_mask.tensor.buffer = bm, a.attn_mask.tensor.offset = pad;
+    }
+    float *zeros = calloc(x->nout + 1, sizeof(float));
+    cl_mem out = upload_at(ctx, zeros, x->nout * 4, pad * 4);
+    cl_mem lse = upload_at(ctx, zeros, x->nlse * 4, pad * 4);
+    cl_mem dout = upload_at(ctx, g, x->nout * 4, pad * 4);
+    free(zeros);
+    bool fused = impl == CLMHA_IMPL_FUSED;
+    clmha_status st = clmha_attention_forward(ctx, &a, out, pad, lse, pad, NULL, 0, 0, NULL,
+                                              NULL);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s: forward: %s", c->name, clmha_context_last_error(ctx));
+    clmha_attention_backward_args ba = {
+        .struct_size = sizeof ba, .forward = &a, .output = out, .output_offset = pad,
+        .lse = fused ? lse : NULL, .lse_offset = pad, .grad_output = dout,
+        .grad_output_offset = pad, .grad_query = grad[0], .grad_key = grad[1],
+        .grad_value = grad[2], .grad_query_offset = pad, .grad_key_offset = pad,
+        .grad_value_offset = pad, .impl = impl};
+    cl_event done = NULL;
+    st = clmha_attention_backward(ctx, &ba, 0, NULL, &done);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s (%s): backward: %s", c->name, clmha_impl_name(impl),
+                 clmha_context_last_error(ctx));
+    cr_assert_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    clReleaseEvent(done);
+    static const char *const what[3] = {"dquery", "dkey", "dvalue"};
+    for (int i = 0; i < 3; ++i) {
+        float *got = alloc_floats(count[i]);
+        read_at(ctx, grad[i], pad * 4, got, count[i] * 4);
+        char label[64];
+        snprintf(label, sizeof label, "%s (%s%s)", what[i], fused ? "fused" : "unfused",
+                 pad ? ", offsets" : "");
+        note(c->name, label, max_abs_err(got, want[i], count[i]));
+        free(got);
+        clReleaseMemObject(b[i]), clReleaseMemObject(grad[i]);
+    }
+    clReleaseMemObject(out), clReleaseMemObject(lse), clReleaseMemObject(dout);
+    if (bm) clReleaseMemObject(bm);
+}
+
+static void check_backward(clmha_context *ctx, const scase *c) {
+    sdata x;
+    sdata_make(&x, c, 21 + cases_run);
+    prng r = {5 + cases_run};
+    float *g = normal_floats(&r, x.nout);
+    double *want[3] = {malloc(x.nq * sizeof(double)), malloc(x.nk * sizeof(double)),
+                       malloc(x.nv * sizeof(double))};
+    clmha_reference_grads grads = {.struct_size = sizeof grads, .query = want[0],
+                                   .key = want[1], .value = want[2]};
+    char msg[512];
+    cr_assert_eq(clmha_reference_attention_backward(&x.args, g, &grads, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s: %s", c->name, msg);
+    check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_FUSED, 3);
+    check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_UNFUSED, 0);
+    ++cases_run;
+    for (int i = 0; i < 3; ++i) free(want[i]);
+    free(g);
+    sdata_free(&x);
+}
+
+static const scase backward_cases[] = {
+    {CASE("bw nhld", NHLD, true), SZ(2, 3, 0, 5, 7, 8)},
+    {CASE("bw nlhd causal L7 S5", NLHD, true), SZ(2, 2, 0, 7, 5, 8), .causal = true},
+    {CASE("bw nhld unbatched scale", NHLD, false), SZ(1, 4, 0, 6, 9, 16), .scale = 0.4},
+    {CASE("bw nlhd dropout", NLHD, true), SZ(2, 3, 0, 5, 7, 8), .dropout = 0.25f},
+    {CASE("bw mask (N, 1, L, S) float", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 2, 1, 5, 7), .dead_row = true},
+    {CASE("bw mask (N, 1, 1, S) bool", NLHD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BA, 2, 1, 1, 7)},
+    {CASE("bw edges L33 S65 D64 causal", NHLD, true), SZ(1, 2, 0, 33, 65, 64),
+     .causal = true},
+};
+
+Test(sdpa, backward_against_the_reference, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    for (size_t i = 0; i < sizeof backward_cases / sizeof backward_cases[0]; ++i)
+        check_backward(ctx, &backward_cases[i]);
+    fprintf(stderr, "sdpa: backward %zu cases, %zu checks; worst %.2e\n", cases_run, checks_run,
+            worst_any);
+    clmha_context_release(ctx);
+}
+
+Test(sdpa, backward_refusals, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    small s;
+    small_make(&s);
+    cl_mem q = upload_at(ctx, s.q, sizeof s.q, 0), k = upload_at(ctx, s.k, sizeof s.k, 0);
+    cl_mem v = upload_at(ctx, s.v, sizeof s.v, 0), o = upload_at(ctx, s.out, sizeof s.out, 0);
+    cl_mem go = upload_at(ctx, s.out, sizeof s.out, 0), dq = upload_at(ctx, s.q, sizeof s.q, 0);
+    cl_mem dk = upload_at(ctx, s.k, sizeof s.k, 0), dv = upload_at(ctx, s.v, sizeof s.v, 0);
+    s.a.query.buffer = q, s.a.key.buffer = k, s.a.value.buffer = v;
+    clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &s.a, .output = o,
+                                       .grad_output = go, .grad_query = dq, .grad_key = dk,
+                                       .grad_value = dv};
+    cl_event ev = (cl_event)(uintptr_t)1;
+    b.grad_key = dq;  // two gradients in the same bytes
+    cr_expect_eq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_INVALID_ARGUMENT);
+    cr_expect(ev == NULL, "*event set on a refused call");
+    b.grad_key = dk;
+    b.forward = NULL;
+    cr_expect_eq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "args->forward is NULL"));
+    b.forward = &s.a;
+    s.a.enable_gqa = true;
+    s.a.key.shape[1] = s.a.value.shape[1] = 1;
+    cr_expect_eq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_UNSUPPORTED);
+    cr_expect(strstr(clmha_context_last_error(ctx), "grouped-query attention"), "%s",
+              clmha_context_last_error(ctx));
+    s.a.enable_gqa = false;
+    s.a.key.shape[1] = s.a.value.shape[1] = 3;
+    b.impl = CLMHA_IMPL_FUSED;  // the fused backward needs the forward's lse
+    cr_expect_neq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_SUCCESS);
+    cr_expect(strstr(clmha_context_last_error(ctx), "log-sum-exp"), "%s",
+              clmha_context_last_error(ctx));
+    float back[2 * 3 * 4 * 8];
+    read_at(ctx, dq, 0, back, sizeof back);
+    cr_expect(memcmp(back, s.q, sizeof back) == 0, "grad_query written by refused calls");
+    cl_mem all[8] = {q, k, v, o, go, dq, dk, dv};
+    for (int i = 0; i < 8; ++i) clReleaseMemObject(all[i]);
     clmha_context_release(ctx);
 }
