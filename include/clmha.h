@@ -1752,9 +1752,9 @@ typedef struct clmha_attention_backward_args {
 /// The backward pass of clmha_attention_forward() on device buffers: the gradients of the query,
 /// key and value given the output's gradient, through the attention cores' backward passes
 /// (the same as clmha_layer_backward()'s), dropout replayed from the forward's rng; fully
-/// masked rows give zero gradients. Not yet: grouped-query attention (H_kv < H) and the
-/// gradient of a float attn_mask (::CLMHA_UNSUPPORTED; see docs/design.md, "Attention as a
-/// function"). Buffer rules as for clmha_attention_forward(): the gradients must not overlap
+/// masked rows give zero gradients; with enable_gqa a key/value head's gradient sums its query
+/// heads' (in a fixed order). Not yet: the gradient of a float attn_mask (see docs/design.md,
+/// "Attention as a function"). Buffer rules as for clmha_attention_forward(): the gradients must not overlap
 /// each other or any input. On failure nothing was enqueued or written and *event is NULL.
 /// @param[in]  ctx        the context
 /// @param[in]  args       the forward call and the gradients' buffers

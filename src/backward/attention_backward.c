@@ -5,9 +5,105 @@
 //   check → core and scratch → wait → stage q, k, v, o, dO → the core's backward → dq, dk, dv.
 #include "base/struct_in.h"
 #include "cores/core.h"
+#include "cores/kernel_args.h"
+#include "device/held.h"
 #include "forward/attention.h"
 #include "forward/attention_cache.h"
 #include "forward/enqueue.h"
+
+#include <stdlib.h>
+
+typedef clmha__arg arg;
+#define ARG CLMHA__ARG
+
+// What a bare layer keeps for this backward, in its layer->backward slot (a bare layer never
+// runs clmha_layer_backward(), whose state that slot holds otherwise): cl/backward.cl's
+// merge_rows, which sums the gradients of the query heads that share a key/value head.
+typedef struct state {
+    cl_kernel merge_rows;
+} state;
+
+static void state_release(void *p) {
+    state *s = p;
+    if (s) clmha__release_kernel(s->merge_rows);
+    free(s);
+}
+
+// The state of bare layer @p l, made (its kernel built) on the first grouped-query call.
+static clmha_status state_of(clmha_layer *l, state **out) {
+    if (!l->backward) {
+        state *s = calloc(1, sizeof *s);
+        if (!s) return clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+        l->backward = s;
+        l->backward_release = state_release;
+        cl_program prog;
+        clmha_status st = clmha__program_get(l->ctx, "backward", "", &prog);
+        if (!st) st = clmha__kernel_make(l->ctx, prog, "merge_rows", &s->merge_rows);
+        if (st) return st;
+    }
+    *out = l->backward;
+    return (*out)->merge_rows ? CLMHA_SUCCESS
+                              : clmha__fail(l->ctx, CLMHA_BUILD_FAILED,
+                                            "merge_rows could not be built before");
+}
+
+// split_heads from rows (N, S, heads_in * D) of @p rows at @p rows_off into tiles
+// (N*@p heads, S, D) of @p out at @p out_off, query head h reading key/value head h / group.
+static clmha_status split(clmha_layer *l, const clmha__attention_dims *d, cl_mem rows,
+                          size_t rows_off, size_t heads_in, size_t heads, size_t group,
+                          cl_mem out, size_t out_off) {
+    clmha_context *ctx = l->ctx;
+    cl_ulong off = rows_off, ld = heads_in * l->d, zero = 0, o = out_off, n = d->core.n,
+             h = heads, g = group, s = d->core.s, hd = l->d;
+    cl_uint no = 0, bf = 1;
+    arg args[] = {ARG(rows),    ARG(off),  ARG(ld), ARG(zero),       ARG(ctx->dummy),
+                  ARG(zero),    ARG(no),   ARG(ctx->dummy), ARG(zero), ARG(no),
+                  ARG(out),     ARG(o),    ARG(n),  ARG(h),          ARG(g),
+                  ARG(s),       ARG(s),    ARG(hd), ARG(bf)};
+    return clmha__launch_heads(l, l->split_heads, "split_heads", d->core.n * heads, d->core.s,
+                               l->heads_wg, args, sizeof args / sizeof args[0]);
+}
+
+// Grouped-query attention: the key or value @p t (H_kv heads) as one plane per query head in
+// @p tile (N*H, S, D), which the backward cores take: NLHD rows split with the group repeated;
+// NHLD tiles first merged into rows (layer->proj).
+static clmha_status expand(clmha_layer *l, const clmha__attention_dims *d,
+                           const clmha_tensor *t, cl_mem tile) {
+    size_t kvh = d->core.kvh, h = d->core.h;
+    if (d->layout == CLMHA_LAYOUT_NLHD)
+        return split(l, d, t->buffer, t->offset, kvh, h, h / kvh, tile, 0);
+    cl_ulong off = t->offset, n = d->core.n, heads = kvh, seq = d->core.s, hd = l->d;
+    cl_uint bf = 1;
+    arg args[] = {ARG(t->buffer), ARG(off), ARG(l->proj), ARG(n), ARG(heads), ARG(seq), ARG(hd),
+                  ARG(bf)};
+    clmha_status st = clmha__launch_heads(l, l->merge_heads, "merge_heads", d->core.n * kvh,
+                                          d->core.s, l->heads_wg, args,
+                                          sizeof args / sizeof args[0]);
+    return st ? st : split(l, d, l->proj, 0, kvh, h, h / kvh, tile, 0);
+}
+
+// Grouped-query attention: the gradient tiles @p tile (N*H, S, D) of a key or value, each
+// group of H / H_kv query heads summed (merge_rows, in a fixed order) into the caller's @p out
+// at @p out_off: straight into NLHD rows; through layer->proj and split_heads for NHLD.
+static clmha_status reduce(clmha_layer *l, const clmha__attention_dims *d, cl_mem tile,
+                           cl_mem out, size_t out_off) {
+    state *s;
+    clmha_status st = state_of(l, &s);
+    if (st) return st;
+    size_t kvh = d->core.kvh, h = d->core.h;
+    bool nlhd = d->layout == CLMHA_LAYOUT_NLHD;
+    cl_mem rows = nlhd ? out : l->proj;
+    cl_ulong seq = d->core.s, off = nlhd ? out_off : 0, ld = kvh * l->d, zero = 0,
+             n = d->core.n, heads = h, g = h / kvh, hd = l->d;
+    cl_uint bf = 1;
+    arg args[] = {ARG(tile), ARG(seq), ARG(seq), ARG(rows), ARG(off), ARG(ld),
+                  ARG(zero), ARG(n),   ARG(heads), ARG(g),  ARG(hd),  ARG(bf)};
+    if ((st = clmha__launch(l->ctx, s->merge_rows, "merge_rows", d->core.n * d->core.s * kvh,
+                            l->heads_wg, args, sizeof args / sizeof args[0])) ||
+        nlhd)
+        return st;
+    return split(l, d, l->proj, 0, kvh, kvh, 1, out, out_off);
+}
 
 // The caller's gradients and the forward's results: present, of the context, large enough,
 // the gradients writable and overlapping nothing.
@@ -61,7 +157,8 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_back
 // Scratch tiles of the backward on bare layer @p l (its otherwise unused float32 copies,
 // layer->staged): dO, dq, dk, dv, grown to @p d.
 static clmha_status reserve(clmha_layer *l, const clmha__attention_dims *d) {
-    size_t need[4] = {d->output_count, d->query_count, d->key_count, d->value_count};
+    size_t full = d->core.n * d->core.s * d->core.e;  // (N*H, S, D): one plane per query head
+    size_t need[4] = {d->output_count, d->query_count, full, full};
     static const char *const what[4] = {"grad_output tiles", "grad_query tiles",
                                         "grad_key tiles", "grad_value tiles"};
     clmha_status st = clmha__layer_reserve(l, &d->core, false, false);
@@ -76,12 +173,29 @@ static cl_mem result_tile(const clmha__attention_dims *d, cl_mem out, size_t off
     return d->layout == CLMHA_LAYOUT_NHLD && offset == 0 ? out : scratch;
 }
 
+// The key or value as the backward cores take it (one plane per query head).
+static clmha_status stage_kv(clmha_layer *l, const clmha__attention_dims *d, cl_mem scratch,
+                             const clmha_tensor *t, size_t count, cl_mem *use) {
+    if (d->core.kvh == d->core.h)
+        return clmha__attention_stage(l, d, scratch, t, d->core.h, d->core.s, count, use);
+    *use = scratch;
+    return expand(l, d, t, scratch);
+}
+
+// A key or value gradient back into the caller's layout (its groups summed).
+static clmha_status unstage_kv(clmha_layer *l, const clmha__attention_dims *d, cl_mem tile,
+                               size_t count, cl_mem out, size_t out_off) {
+    if (d->core.kvh == d->core.h)
+        return clmha__attention_unstage(l, d, tile, d->core.h, d->core.s, count, out, out_off);
+    return reduce(l, d, tile, out, out_off);
+}
+
 static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args *b,
                             const clmha_attention_args *a, const clmha__attention_dims *d,
                             cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
     clmha_context *ctx = l->ctx;
     clmha_forward_args f = clmha__attention_core_args(l, a, d);
-    size_t h = d->core.h, ln = d->core.l, s = d->core.s;
+    size_t h = d->core.h, ln = d->core.l;
     clmha_status st;
     if ((st = reserve(l, d)) ||
         (b->lse && b->lse_offset &&
@@ -89,14 +203,18 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
                                   "log-sum-exp rows"))))
         return st;
     cl_mem *t = l->tiles, *g = l->staged;
+    bool grouped = d->core.kvh != h;
     clmha__backward_call call = {
         .args = &f, .dims = &d->core, .impl = b->impl, .scale = d->scale,
         .lse = !b->lse ? NULL : b->lse_offset ? l->partial_lse : b->lse,
         .dq = result_tile(d, b->grad_query, b->grad_query_offset, g[1]),
-        .dk = result_tile(d, b->grad_key, b->grad_key_offset, g[2]),
-        .dv = result_tile(d, b->grad_value, b->grad_value_offset, g[3])};
+        .dk = grouped ? g[2] : result_tile(d, b->grad_key, b->grad_key_offset, g[2]),
+        .dv = grouped ? g[3] : result_tile(d, b->grad_value, b->grad_value_offset, g[3])};
     const clmha__core *core;
-    if ((st = clmha__backward_select(l, &call, &core))) return st;
+    state *sums;
+    if ((grouped && (st = state_of(l, &sums))) ||
+        (st = clmha__backward_select(l, &call, &core)))
+        return st;
     // Nothing is enqueued before this point.
     clmha_tensor out = {.buffer = b->output, .offset = b->output_offset};
     clmha_tensor dout = {.buffer = b->grad_output, .offset = b->grad_output_offset};
@@ -104,10 +222,8 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
     if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
         (st = clmha__attention_stage(l, d, t[CLMHA__TILE_Q], &a->query, h, ln, d->query_count,
                                      &call.q)) ||
-        (st = clmha__attention_stage(l, d, t[CLMHA__TILE_K], &a->key, h, s, d->key_count,
-                                     &call.k)) ||
-        (st = clmha__attention_stage(l, d, t[CLMHA__TILE_V], &a->value, h, s, d->value_count,
-                                     &call.v)) ||
+        (st = stage_kv(l, d, t[CLMHA__TILE_K], &a->key, d->key_count, &call.k)) ||
+        (st = stage_kv(l, d, t[CLMHA__TILE_V], &a->value, d->value_count, &call.v)) ||
         (st = clmha__attention_stage(l, d, t[CLMHA__TILE_OUT], &out, h, ln, d->output_count,
                                      &call.o)) ||
         (st = clmha__attention_stage(l, d, g[0], &dout, h, ln, d->output_count, &call.d_o)))
@@ -120,10 +236,8 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
     if ((st = core->backward(l, &call)) ||
         (st = clmha__attention_unstage(l, d, call.dq, h, ln, d->query_count, b->grad_query,
                                        b->grad_query_offset)) ||
-        (st = clmha__attention_unstage(l, d, call.dk, h, s, d->key_count, b->grad_key,
-                                       b->grad_key_offset)) ||
-        (st = clmha__attention_unstage(l, d, call.dv, h, s, d->value_count, b->grad_value,
-                                       b->grad_value_offset)))
+        (st = unstage_kv(l, d, call.dk, d->key_count, b->grad_key, b->grad_key_offset)) ||
+        (st = unstage_kv(l, d, call.dv, d->value_count, b->grad_value, b->grad_value_offset)))
         return st;
     return clmha__enqueue_event(ctx, event);
 }
@@ -138,11 +252,6 @@ static clmha_status check_call(clmha_context *ctx, const clmha_attention_backwar
     if (st) return clmha__fail(ctx, st, "%s", msg);
     if (!b->forward) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->forward is NULL");
     if ((st = clmha__attention_check_args(ctx, b->forward, a, d, false, false))) return st;
-    if (d->core.kvh != d->core.h)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "the backward of grouped-query attention (%zu key/value heads for %zu "
-                           "query heads) is not there yet",
-                           d->core.kvh, d->core.h);
     if (b->impl != CLMHA_IMPL_AUTO && b->impl != CLMHA_IMPL_FUSED &&
         b->impl != CLMHA_IMPL_UNFUSED)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,

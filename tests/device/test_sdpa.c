@@ -586,6 +586,13 @@ static const scase backward_cases[] = {
      MASK(4, BA, 2, 1, 1, 7)},
     {CASE("bw edges L33 S65 D64 causal", NHLD, true), SZ(1, 2, 0, 33, 65, 64),
      .causal = true},
+    {CASE("bw nhld gqa 6/2", NHLD, true), SZ(2, 6, 2, 5, 7, 8), .gqa = true},
+    {CASE("bw nlhd mqa 4/1 causal", NLHD, true), SZ(2, 4, 1, 6, 6, 16), .gqa = true,
+     .causal = true},
+    {CASE("bw gqa 4/2 unbatched mask dropout", NHLD, false), SZ(1, 4, 2, 5, 7, 8),
+     MASK(2, FL, 5, 7), .gqa = true, .dropout = 0.2f},
+    {CASE("bw nlhd gqa 6/3 mask (N, H, L, S)", NLHD, true), SZ(2, 6, 3, 4, 9, 8),
+     MASK(4, BA, 2, 6, 4, 9), .gqa = true},
 };
 
 Test(sdpa, backward_against_the_reference, .timeout = 600) {
@@ -618,13 +625,11 @@ Test(sdpa, backward_refusals, .timeout = 300) {
     cr_expect_eq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_INVALID_ARGUMENT);
     cr_expect(strstr(clmha_context_last_error(ctx), "args->forward is NULL"));
     b.forward = &s.a;
-    s.a.enable_gqa = true;
-    s.a.key.shape[1] = s.a.value.shape[1] = 1;
+    s.a.value.shape[3] = 4;  // D_v ≠ D
     cr_expect_eq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_UNSUPPORTED);
-    cr_expect(strstr(clmha_context_last_error(ctx), "grouped-query attention"), "%s",
+    cr_expect(strstr(clmha_context_last_error(ctx), "D_v (4) differs"), "%s",
               clmha_context_last_error(ctx));
-    s.a.enable_gqa = false;
-    s.a.key.shape[1] = s.a.value.shape[1] = 3;
+    s.a.value.shape[3] = 8;
     b.impl = CLMHA_IMPL_FUSED;  // the fused backward needs the forward's lse
     cr_expect_neq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_SUCCESS);
     cr_expect(strstr(clmha_context_last_error(ctx), "log-sum-exp"), "%s",
