@@ -1747,14 +1747,19 @@ typedef struct clmha_attention_backward_args {
     size_t grad_query_offset, grad_key_offset, grad_value_offset;
     clmha_impl impl;  ///< the backward core; ::CLMHA_IMPL_AUTO: fused with @ref lse, else
                       ///< unfused
+    /// @var grad_attn_mask
+    /// Optional (NULL): where a float attn_mask's gradient is written, in the mask's own shape:
+    /// the scores' gradient summed over the dimensions the mask is broadcast along. Only the
+    /// unfused core computes it (::CLMHA_IMPL_AUTO takes it; ::CLMHA_IMPL_FUSED is refused).
+    cl_mem grad_attn_mask;
+    size_t grad_attn_mask_offset;  ///< element offset of @ref grad_attn_mask
 } clmha_attention_backward_args;
 
 /// The backward pass of clmha_attention_forward() on device buffers: the gradients of the query,
 /// key and value given the output's gradient, through the attention cores' backward passes
 /// (the same as clmha_layer_backward()'s), dropout replayed from the forward's rng; fully
 /// masked rows give zero gradients; with enable_gqa a key/value head's gradient sums its query
-/// heads' (in a fixed order). Not yet: the gradient of a float attn_mask (see docs/design.md,
-/// "Attention as a function"). Buffer rules as for clmha_attention_forward(): the gradients must not overlap
+/// heads' (in a fixed order); a float attn_mask's gradient when asked for. Buffer rules as for clmha_attention_forward(): the gradients must not overlap
 /// each other or any input. On failure nothing was enqueued or written and *event is NULL.
 /// @param[in]  ctx        the context
 /// @param[in]  args       the forward call and the gradients' buffers
@@ -1762,7 +1767,8 @@ typedef struct clmha_attention_backward_args {
 /// @param[in]  wait_list  events the call waits for on the device
 /// @param[out] event      optional: completes with the call; NULL on failure
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, struct sizes, buffers as for
-///         clmha_attention_forward(), a bad wait list), ::CLMHA_UNSUPPORTED (the limits above;
+///         clmha_attention_forward(), a bad wait list, grad_attn_mask without a float mask),
+///         ::CLMHA_UNSUPPORTED (a mask gradient asked of the fused core;
 ///         D_v ≠ D; a newer header's field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR

@@ -136,7 +136,15 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_back
     if (m && (st = clmha__check_buffer(ctx, "attn_mask", m->tensor.buffer, m->tensor.offset,
                                        d->mask_count, clmha__mask_elem(m->kind))))
         return st;
-    clmha__span all[10] = {
+    if (b->grad_attn_mask && (!m || m->kind != CLMHA_MASK_FLOAT))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "grad_attn_mask is set but attn_mask is not a float mask");
+    if (b->grad_attn_mask &&
+        ((st = clmha__check_buffer(ctx, "grad_attn_mask", b->grad_attn_mask,
+                                   b->grad_attn_mask_offset, d->mask_count, 4)) ||
+         (st = clmha__check_writable(ctx, "grad_attn_mask", b->grad_attn_mask))))
+        return st;
+    clmha__span all[11] = {
         clmha__span_of("grad_query", b->grad_query, b->grad_query_offset, d->query_count, 4),
         clmha__span_of("grad_key", b->grad_key, b->grad_key_offset, d->key_count, 4),
         clmha__span_of("grad_value", b->grad_value, b->grad_value_offset, d->value_count, 4),
@@ -146,12 +154,18 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_back
         clmha__span_of("output", b->output, b->output_offset, d->output_count, 4),
         clmha__span_of("grad_output", b->grad_output, b->grad_output_offset, d->output_count,
                        4)};
-    size_t k = 8;
+    size_t k = 8, outputs = 3;
+    if (b->grad_attn_mask) {  // an output: first, with the gradients
+        all[k++] = all[3];
+        all[3] = clmha__span_of("grad_attn_mask", b->grad_attn_mask, b->grad_attn_mask_offset,
+                                d->mask_count, 4);
+        outputs = 4;
+    }
     if (m)
         all[k++] = clmha__span_of("attn_mask", m->tensor.buffer, m->tensor.offset, d->mask_count,
                                   clmha__mask_elem(m->kind));
     if (b->lse) all[k++] = clmha__span_of("lse", b->lse, b->lse_offset, d->lse_count, 4);
-    return clmha__check_overlaps(ctx, all, k, 3);
+    return clmha__check_overlaps(ctx, all, k, outputs);
 }
 
 // Scratch tiles of the backward on bare layer @p l (its otherwise unused float32 copies,
@@ -210,6 +224,11 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
         .dq = result_tile(d, b->grad_query, b->grad_query_offset, g[1]),
         .dk = grouped ? g[2] : result_tile(d, b->grad_key, b->grad_key_offset, g[2]),
         .dv = grouped ? g[3] : result_tile(d, b->grad_value, b->grad_value_offset, g[3])};
+    // A float mask's gradient, where the core reads the mask: attn_mask or key_padding_mask.
+    bool kpm = d->kpm.kind != CLMHA_MASK_NONE;
+    call.grad_attn_mask = kpm ? NULL : b->grad_attn_mask;
+    call.grad_kpm = kpm ? b->grad_attn_mask : NULL;
+    call.grad_attn_offset = call.grad_kpm_offset = b->grad_attn_mask_offset;
     const clmha__core *core;
     state *sums;
     if ((grouped && (st = state_of(l, &sums))) ||

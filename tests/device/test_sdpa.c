@@ -497,7 +497,7 @@ Test(sdpa, device_refusals, .timeout = 300) {
 // backward through @p impl (the fused backward gets the forward's lse, the unfused one none):
 // the gradients against the reference's.
 static void check_backward_once(clmha_context *ctx, const scase *c, const sdata *x,
-                                const float *g, double *const want[3], clmha_impl impl,
+                                const float *g, double *const want[4], clmha_impl impl,
                                 size_t pad) {
     clmha_attention_args a = x->args;
     size_t count[3] = {x->nq, x->nk, x->nv};
@@ -525,6 +525,13 @@ static void check_backward_once(clmha_context *ctx, const scase *c, const sdata 
     cl_mem dout = upload_at(ctx, g, x->nout * 4, pad * 4);
     free(zeros);
     bool fused = impl == CLMHA_IMPL_FUSED;
+    cl_mem gm = NULL;  // a float mask's gradient, of the unfused core
+    if (x->fmask && !fused) {
+        float *nan = alloc_floats(x->nm);
+        for (size_t k = 0; k < x->nm; ++k) nan[k] = NAN;
+        gm = upload_at(ctx, nan, x->nm * 4, pad * 4);
+        free(nan);
+    }
     clmha_status st = clmha_attention_forward(ctx, &a, out, pad, lse, pad, NULL, 0, 0, NULL,
                                               NULL);
     cr_assert_eq(st, CLMHA_SUCCESS, "%s: forward: %s", c->name, clmha_context_last_error(ctx));
@@ -533,7 +540,8 @@ static void check_backward_once(clmha_context *ctx, const scase *c, const sdata 
         .lse = fused ? lse : NULL, .lse_offset = pad, .grad_output = dout,
         .grad_output_offset = pad, .grad_query = grad[0], .grad_key = grad[1],
         .grad_value = grad[2], .grad_query_offset = pad, .grad_key_offset = pad,
-        .grad_value_offset = pad, .impl = impl};
+        .grad_value_offset = pad, .impl = impl, .grad_attn_mask = gm,
+        .grad_attn_mask_offset = pad};
     cl_event done = NULL;
     st = clmha_attention_backward(ctx, &ba, 0, NULL, &done);
     cr_assert_eq(st, CLMHA_SUCCESS, "%s (%s): backward: %s", c->name, clmha_impl_name(impl),
@@ -551,6 +559,13 @@ static void check_backward_once(clmha_context *ctx, const scase *c, const sdata 
         free(got);
         clReleaseMemObject(b[i]), clReleaseMemObject(grad[i]);
     }
+    if (gm) {
+        float *got = alloc_floats(x->nm);
+        read_at(ctx, gm, pad * 4, got, x->nm * 4);
+        note(c->name, "dattn_mask (unfused)", max_abs_err(got, want[3], x->nm));
+        free(got);
+        clReleaseMemObject(gm);
+    }
     clReleaseMemObject(out), clReleaseMemObject(lse), clReleaseMemObject(dout);
     if (bm) clReleaseMemObject(bm);
 }
@@ -560,17 +575,18 @@ static void check_backward(clmha_context *ctx, const scase *c) {
     sdata_make(&x, c, 21 + cases_run);
     prng r = {5 + cases_run};
     float *g = normal_floats(&r, x.nout);
-    double *want[3] = {malloc(x.nq * sizeof(double)), malloc(x.nk * sizeof(double)),
-                       malloc(x.nv * sizeof(double))};
+    double *want[4] = {malloc(x.nq * sizeof(double)), malloc(x.nk * sizeof(double)),
+                       malloc(x.nv * sizeof(double)), malloc((x.nm + 1) * sizeof(double))};
     clmha_reference_grads grads = {.struct_size = sizeof grads, .query = want[0],
-                                   .key = want[1], .value = want[2]};
+                                   .key = want[1], .value = want[2],
+                                   .attn_mask = x.fmask ? want[3] : NULL};
     char msg[512];
     cr_assert_eq(clmha_reference_attention_backward(&x.args, g, &grads, msg, sizeof msg),
                  CLMHA_SUCCESS, "%s: %s", c->name, msg);
     check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_FUSED, 3);
     check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_UNFUSED, 0);
     ++cases_run;
-    for (int i = 0; i < 3; ++i) free(want[i]);
+    for (int i = 0; i < 4; ++i) free(want[i]);
     free(g);
     sdata_free(&x);
 }
@@ -593,6 +609,11 @@ static const scase backward_cases[] = {
      MASK(2, FL, 5, 7), .gqa = true, .dropout = 0.2f},
     {CASE("bw nlhd gqa 6/3 mask (N, H, L, S)", NLHD, true), SZ(2, 6, 3, 4, 9, 8),
      MASK(4, BA, 2, 6, 4, 9), .gqa = true},
+    {CASE("bw mask (L, S) float", NLHD, true), SZ(2, 3, 0, 5, 7, 8), MASK(2, FL, 5, 7)},
+    {CASE("bw mask (N, H, L, S) float", NHLD, true), SZ(2, 2, 0, 4, 6, 8),
+     MASK(4, FL, 2, 2, 4, 6), .dropout = 0.3f},
+    {CASE("bw mask (N, 1, 1, S) float", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 2, 1, 1, 7)},
 };
 
 Test(sdpa, backward_against_the_reference, .timeout = 600) {
@@ -634,6 +655,12 @@ Test(sdpa, backward_refusals, .timeout = 300) {
     cr_expect_neq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_SUCCESS);
     cr_expect(strstr(clmha_context_last_error(ctx), "log-sum-exp"), "%s",
               clmha_context_last_error(ctx));
+    b.impl = CLMHA_IMPL_AUTO;
+    b.grad_attn_mask = go;  // without a float mask
+    cr_expect_eq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "not a float mask"), "%s",
+              clmha_context_last_error(ctx));
+    b.grad_attn_mask = NULL;
     float back[2 * 3 * 4 * 8];
     read_at(ctx, dq, 0, back, sizeof back);
     cr_expect(memcmp(back, s.q, sizeof back) == 0, "grad_query written by refused calls");
