@@ -1777,6 +1777,29 @@ CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,
                                                 cl_uint num_wait, const cl_event *wait_list,
                                                 cl_event *event);
 
+/// clmha_attention_backward() on host arrays: uploads the `data` of @p args' tensors, runs the
+/// forward call again (its output; the unfused core's backward then recomputes the
+/// probabilities), the backward, waits (clFinish) and writes the gradients asked for.
+/// @param[in]  ctx                the context
+/// @param[in]  args               the forward call's tensors (`data`) and options
+/// @param[in]  grad_output        the output's gradient, the output's shape and layout
+/// @param[in]  grad_output_count  its element count (clmha_attention_output_counts())
+/// @param[out] grad_query         optional (NULL): room for the query's element count
+/// @param[out] grad_key           optional (NULL): room for the key's
+/// @param[out] grad_value         optional (NULL): room for the value's
+/// @param[out] grad_attn_mask     optional (NULL): a float attn_mask's gradient, its shape
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL ctx, args or grad_output, a missing
+///         `data` pointer, grad_attn_mask without a float mask), ::CLMHA_UNSUPPORTED,
+///         ::CLMHA_SHAPE_MISMATCH (also a wrong count), ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
+///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_attention_backward_host(clmha_context *ctx,
+                                                     const clmha_attention_args *args,
+                                                     const float *grad_output,
+                                                     size_t grad_output_count,
+                                                     float *grad_query, float *grad_key,
+                                                     float *grad_value, float *grad_attn_mask);
+
 // ---------------------------------------------------------------------------------------------
 // Training: the backward pass
 // ---------------------------------------------------------------------------------------------

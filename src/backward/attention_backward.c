@@ -10,6 +10,7 @@
 #include "forward/attention.h"
 #include "forward/attention_cache.h"
 #include "forward/enqueue.h"
+#include "forward/staging.h"
 
 #include <stdlib.h>
 
@@ -296,6 +297,90 @@ clmha_status clmha_attention_backward(clmha_context *ctx,
         (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, d.core.d, &l)))
         return st;
     st = enqueue(l, &b, &a, &d, num_wait, wait_list, event);
+    clmha__attention_unlock(ctx);
+    return st;
+}
+
+// ---- the host-array form ------------------------------------------------------------------------
+
+// The host arrays of clmha_attention_backward_host(): what the call reads is there, the output
+// gradient's count is the output's, a mask gradient asks for a float mask.
+static clmha_status check_host(clmha_context *ctx, const clmha_attention_args *a,
+                               const clmha__attention_dims *d, const float *grad_output,
+                               size_t grad_output_count, const float *grad_attn_mask) {
+    const char *missing = !a->query.data                                   ? "query.data"
+                          : !a->key.data                                   ? "key.data"
+                          : !a->value.data                                 ? "value.data"
+                          : a->attn_mask.kind && !a->attn_mask.tensor.data ? "attn_mask.tensor.data"
+                          : !grad_output                                   ? "grad_output"
+                                                                           : NULL;
+    if (missing) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is NULL", missing);
+    if (grad_output_count != d->output_count)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "grad_output_count is %zu, the output has %zu elements",
+                           grad_output_count, d->output_count);
+    if (grad_attn_mask && a->attn_mask.kind != CLMHA_MASK_FLOAT)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "grad_attn_mask is set but attn_mask is not a float mask");
+    return CLMHA_SUCCESS;
+}
+
+// The forward pass again (its output, for the backward), the output gradient uploaded, room for
+// the gradients: @p b filled with the layer's staging buffers.
+static clmha_status host_prepare(clmha_layer *l, clmha_attention_args *a,
+                                 clmha__attention_dims *d, const float *grad_output,
+                                 bool mask_grad, clmha_attention_backward_args *b) {
+    clmha__attention_out o;
+    clmha_status st;
+    if ((st = clmha__attention_upload(l, a, d, false, false, &o)) ||
+        (st = clmha__attention_enqueue(l, a, d, &o, 0, NULL, NULL)) ||
+        (st = clmha__host_upload(l, CLMHA__HOST_GRAD_OUTPUT, "grad_output", grad_output,
+                                 d->output_count * sizeof(float), &b->grad_output)))
+        return st;
+    size_t count[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
+    cl_mem *out[4] = {&b->grad_query, &b->grad_key, &b->grad_value, &b->grad_attn_mask};
+    static const char *const what[4] = {"grad_query", "grad_key", "grad_value",
+                                        "grad_attn_mask"};
+    for (int i = 0; i < (mask_grad ? 4 : 3); ++i)
+        if ((st = clmha__host_room(l, CLMHA__HOST_GRAD + i, what[i], count[i] * sizeof(float),
+                                   out[i])))
+            return st;
+    b->output = o.output;
+    return CLMHA_SUCCESS;
+}
+
+// Waits for the call and reads the gradients asked for (blocking reads).
+static clmha_status host_download(clmha_context *ctx, const clmha_attention_backward_args *b,
+                                  const clmha__attention_dims *d, float *const dst[4]) {
+    cl_mem src[4] = {b->grad_query, b->grad_key, b->grad_value, b->grad_attn_mask};
+    size_t count[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
+    cl_int err = clFinish(ctx->queue);
+    for (int i = 0; i < 4 && err == CL_SUCCESS; ++i)
+        if (dst[i])
+            err = clEnqueueReadBuffer(ctx->queue, src[i], CL_TRUE, 0, count[i] * sizeof(float),
+                                      dst[i], 0, NULL, NULL);
+    return err ? clmha__cl_fail(ctx, err, "reading the gradients") : CLMHA_SUCCESS;
+}
+
+clmha_status clmha_attention_backward_host(clmha_context *ctx, const clmha_attention_args *args,
+                                           const float *grad_output, size_t grad_output_count,
+                                           float *grad_query, float *grad_key,
+                                           float *grad_value, float *grad_attn_mask) {
+    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
+    clmha_attention_args a;
+    clmha__attention_dims d;
+    clmha_layer *l;
+    clmha_status st;
+    if ((st = clmha__attention_check_args(ctx, args, &a, &d, false, false)) ||
+        (st = check_host(ctx, &a, &d, grad_output, grad_output_count, grad_attn_mask)) ||
+        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, d.core.d, &l)))
+        return st;
+    clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &a};
+    float *const dst[4] = {grad_query, grad_key, grad_value, grad_attn_mask};
+    if ((st = host_prepare(l, &a, &d, grad_output, grad_attn_mask != NULL, &b)) ||
+        (st = enqueue(l, &b, &a, &d, 0, NULL, NULL)) ||
+        (st = host_download(ctx, &b, &d, dst)))
+        clmha__host_drop(l);
     clmha__attention_unlock(ctx);
     return st;
 }

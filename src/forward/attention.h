@@ -37,6 +37,13 @@ CLMHA__HIDDEN clmha_status clmha__attention_enqueue(clmha_layer *layer,
                                                     cl_uint num_wait, const cl_event *wait_list,
                                                     cl_event *event);
 
+// The host-array forms (attention_host.c): uploads the `data` of @p a's query, key, value and
+// mask into bare layer @p l's staging slots (clmha__host_upload()) and points @p a's and @p d's
+// tensors at them (offset 0); makes room for the results in @p o (lse, weights: asked for).
+CLMHA__HIDDEN clmha_status clmha__attention_upload(clmha_layer *l, clmha_attention_args *a,
+                                                   clmha__attention_dims *d, bool lse,
+                                                   bool weights, clmha__attention_out *o);
+
 // The internal forward arguments of call @p a on bare layer @p l for the cores (masks in their
 // layouts, is_causal, dropout as training, rng, impl; per-head weights), and the layer's dropout
 // p set to the call's.

@@ -35,10 +35,9 @@ static clmha_status check_host(clmha_context *ctx, const clmha_attention_args *a
     return CLMHA_SUCCESS;
 }
 
-// Uploads the inputs into the layer's staging slots and points @p a's and @p d's tensors at them
-// (offset 0); makes room for the results in @p o.
-static clmha_status upload(clmha_layer *l, clmha_attention_args *a, clmha__attention_dims *d,
-                           bool lse, bool weights, clmha__attention_out *o) {
+clmha_status clmha__attention_upload(clmha_layer *l, clmha_attention_args *a,
+                                     clmha__attention_dims *d, bool lse, bool weights,
+                                     clmha__attention_out *o) {
     clmha_status st;
     clmha_tensor *t[3] = {&a->query, &a->key, &a->value};
     size_t count[3] = {d->query_count, d->key_count, d->value_count};
@@ -101,7 +100,7 @@ clmha_status clmha_attention_forward_host(clmha_context *ctx, const clmha_attent
         (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, d.core.d, &l)))
         return st;
     clmha__attention_out o;
-    if ((st = upload(l, &a, &d, lse != NULL, weights != NULL, &o)) ||
+    if ((st = clmha__attention_upload(l, &a, &d, lse != NULL, weights != NULL, &o)) ||
         (st = clmha__attention_enqueue(l, &a, &d, &o, 0, NULL, NULL)) ||
         (st = download(ctx, &o, &d, output, lse, weights)))
         clmha__host_drop(l);

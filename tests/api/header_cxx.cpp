@@ -45,6 +45,7 @@ int main() {
         reinterpret_cast<const void *>(&clmha_attention_forward),
         reinterpret_cast<const void *>(&clmha_attention_forward_host),
         reinterpret_cast<const void *>(&clmha_attention_backward),
+        reinterpret_cast<const void *>(&clmha_attention_backward_host),
         reinterpret_cast<const void *>(&clmha_layer_project_heads),
         reinterpret_cast<const void *>(&clmha_kv_cache_create),
         reinterpret_cast<const void *>(&clmha_kv_cache_release),

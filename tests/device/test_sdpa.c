@@ -585,6 +585,22 @@ static void check_backward(clmha_context *ctx, const scase *c) {
                  CLMHA_SUCCESS, "%s: %s", c->name, msg);
     check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_FUSED, 3);
     check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_UNFUSED, 0);
+    // The host form.
+    size_t count[4] = {x.nq, x.nk, x.nv, x.nm};
+    float *got[4];
+    for (int i = 0; i < 4; ++i) {
+        got[i] = alloc_floats(count[i]);
+        for (size_t k = 0; k < count[i]; ++k) got[i][k] = NAN;
+    }
+    clmha_status st = clmha_attention_backward_host(ctx, &x.args, g, x.nout, got[0], got[1],
+                                                    got[2], x.fmask ? got[3] : NULL);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s: backward_host: %s", c->name,
+                 clmha_context_last_error(ctx));
+    static const char *const what[4] = {"dquery (host)", "dkey (host)", "dvalue (host)",
+                                        "dattn_mask (host)"};
+    for (int i = 0; i < (x.fmask ? 4 : 3); ++i)
+        note(c->name, what[i], max_abs_err(got[i], want[i], count[i]));
+    for (int i = 0; i < 4; ++i) free(got[i]);
     ++cases_run;
     for (int i = 0; i < 4; ++i) free(want[i]);
     free(g);
