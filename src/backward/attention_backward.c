@@ -248,7 +248,7 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
                                      &call.o)) ||
         (st = clmha__attention_stage(l, d, g[0], &dout, h, ln, d->output_count, &call.d_o)))
         return st;
-    if (call.lse == l->partial_lse)
+    if (b->lse && b->lse_offset)  // the rows into the layer's copy, which the core reads
         err = clEnqueueCopyBuffer(ctx->queue, b->lse, l->partial_lse,
                                   b->lse_offset * sizeof(float), 0, d->lse_count * sizeof(float),
                                   0, NULL, NULL);
