@@ -1574,6 +1574,233 @@ CLMHA_API clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batc
                                                  const cl_event *wait_list, cl_event *event);
 
 // ---------------------------------------------------------------------------------------------
+// Attention as a function: scaled dot-product attention without a layer
+// ---------------------------------------------------------------------------------------------
+
+/// The memory order of the query, key, value and output of clmha_attention_forward(): each
+/// tensor is dense and row-major in it.
+typedef enum clmha_attention_layout {
+    /// (N, H, L, D): PyTorch's scaled_dot_product_attention (query (N, H, L, D), key
+    /// (N, H_kv, S, D), value (N, H_kv, S, D_v), output (N, H, L, D_v)).
+    CLMHA_LAYOUT_NHLD = 0,
+    /// (N, L, H, D): FlashAttention's flash_attn_func (query (N, L, H, D), key (N, S, H_kv, D),
+    /// value (N, S, H_kv, D_v), output (N, L, H, D_v)).
+    CLMHA_LAYOUT_NLHD = 1,
+} clmha_attention_layout;
+
+/// Arguments of clmha_attention_forward() and its host and reference forms: PyTorch's
+/// `F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+/// enable_gqa)` on projected, head-split tensors. Zero-initialise with struct_size set;
+/// struct_size must cover value. Read only during the call.
+/// @code
+/// clmha_attention_args args = {.struct_size = sizeof args,
+///     .query = {.ndim = 4, .shape = {N, H, L, D}, .buffer = q},
+///     .key = {.ndim = 4, .shape = {N, H, S, D}, .buffer = k},
+///     .value = {.ndim = 4, .shape = {N, H, S, D}, .buffer = v}, .is_causal = true};
+/// @endcode
+/// Shapes in ::CLMHA_LAYOUT_NHLD (the default); ::CLMHA_LAYOUT_NLHD swaps the head and sequence
+/// dimensions of query, key, value and output. Unbatched: 3-D, without N (N = 1).
+///
+/// attn_mask, broadcast over (N, H, L, S) as scaled_dot_product_attention broadcasts it:
+/// (L, S), (1, L, S) or (1, 1, L, S) shared by every batch item and head; (N, 1, L, S) per batch
+/// item; (N, H, L, S) per head ((H, L, S) and (1, H, L, S) when N = 1); (N, 1, 1, S) one row of
+/// keys per batch item ((1, S), (1, 1, S) and (1, 1, 1, S) when N = 1). Other broadcasts are
+/// refused (::CLMHA_INVALID_MASK). Kinds: ::CLMHA_MASK_BOOL_ATTEND (SDPA's boolean mask, true =
+/// may attend), ::CLMHA_MASK_FLOAT (added to the scaled scores), ::CLMHA_MASK_BOOL_IGNORE; its
+/// per_batch must be false. A query row whose every key is masked gives zeros (and a log-sum-exp
+/// of -INFINITY).
+typedef struct clmha_attention_args {
+    size_t struct_size;              ///< sizeof(clmha_attention_args) (see ::CLMHA_STRUCT_INIT)
+    clmha_tensor query;              ///< (N, H, L, D), or (H, L, D) unbatched
+    clmha_tensor key;                ///< (N, H_kv, S, D), or (H_kv, S, D)
+    clmha_tensor value;              ///< (N, H_kv, S, D_v), or (H_kv, S, D_v); D_v must equal D
+                                     ///< (::CLMHA_UNSUPPORTED otherwise, for now)
+    clmha_attention_layout layout;   ///< the order of query, key, value and output
+    clmha_mask attn_mask;            ///< optional; shapes and kinds above
+    bool is_causal;                  ///< mask key j > query i (top-left aligned, as SDPA);
+                                     ///< refused together with attn_mask, as SDPA refuses it
+    double scale;                    ///< factor of the scores q·kᵀ; 0 means 1/sqrt(D)
+    float dropout_p;                 ///< probability in [0, 1) of dropping a weight; 0: none
+    clmha_dropout_rng rng;           ///< the dropout's Philox stream (as ::clmha_dropout_rng
+                                     ///< documents for a layer, with H the query heads)
+    bool enable_gqa;                 ///< allow H_kv < H: H_kv must divide H, query head h
+                                     ///< reads key/value head h / (H / H_kv); without it
+                                     ///< H_kv must equal H
+    clmha_impl impl;                 ///< the core (::clmha_impl); ::CLMHA_IMPL_AUTO: fused where
+                                     ///< it runs, unfused for weights
+} clmha_attention_args;
+
+/// Element counts of the results of a clmha_attention_forward() call of @p args. Validates the
+/// shapes, masks and options of @p args like the call, but neither buffers nor data pointers.
+/// @param[in]  ctx            the context (for its last error message)
+/// @param[in]  args           the call's arguments
+/// @param[out] output_count   N·H·L·D_v (may be NULL)
+/// @param[out] lse_count      N·H·L, the log-sum-exp rows (may be NULL)
+/// @param[out] weights_count  N·H·L·S, the attention weights (may be NULL)
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, args->struct_size 0 or too small,
+///         an option out of range), ::CLMHA_UNSUPPORTED (@p args from a newer header, using a
+///         newer field; D_v ≠ D), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW
+CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
+                                                     const clmha_attention_args *args,
+                                                     size_t *output_count, size_t *lse_count,
+                                                     size_t *weights_count);
+
+/// Scaled dot-product attention on device buffers, without a layer:
+/// output = softmax(query·keyᵀ·scale + masks)·value per (batch item, head), with dropout on the
+/// weights, through the same attention cores as clmha_layer_forward() (see ::clmha_impl). Reads
+/// the `buffer` and `offset` fields of @p args (offsets in floats; masks' in their elements).
+/// Optionally writes the log-sum-exp of each score row (natural log of the sum of
+/// exp(score), scores scaled and masked, before dropout; (N, H, L) in either layout; only the
+/// fused core writes them) and the attention weights (after dropout, (N, H, L, S) in either
+/// layout; only the unfused core returns them); asking for both is refused.
+/// The first call for a (H, H_kv, D) on a context builds what the cores need (kernels, as
+/// clmha_layer_create() does; the context keeps them, with scratch grown to the largest call,
+/// until it is released); later calls neither compile nor wait on the host. Calls on one
+/// context run their enqueueing one at a time.
+/// Float32 only. Buffer rules as for clmha_layer_forward(): buffers of the context's
+/// cl_context, large enough, outputs not CL_MEM_READ_ONLY, the bytes of the outputs not
+/// overlapping each other or any input. On failure nothing was enqueued or written and
+/// *event is NULL.
+/// @param[in]  ctx             the context whose queue runs the call
+/// @param[in]  args            the tensors and options
+/// @param[out] output          (N, H, L, D_v) or (N, L, H, D_v) floats at @p output_offset
+/// @param[in]  output_offset   element offset
+/// @param[out] lse             optional (NULL: not asked): N·H·L floats at @p lse_offset
+/// @param[in]  lse_offset      element offset
+/// @param[out] weights         optional (NULL: not asked): N·H·L·S floats at @p weights_offset
+/// @param[in]  weights_offset  element offset
+/// @param[in]  num_wait        number of events in @p wait_list
+/// @param[in]  wait_list       events of the context that the call waits for on the device
+///                             (as for clmha_layer_forward())
+/// @param[out] event           optional: a new event that completes with the call; NULL on
+///                             failure
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL ctx or args, args->struct_size 0 or
+///         too small, a buffer missing, of another context, too small, read-only or
+///         overlapping, a bad wait list, is_causal with attn_mask, scale or dropout_p out of
+///         range), ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field;
+///         D_v ≠ D; lse and weights both asked; a core asked for by impl that cannot run the
+///         call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW,
+///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_attention_forward(clmha_context *ctx,
+                                               const clmha_attention_args *args, cl_mem output,
+                                               size_t output_offset, cl_mem lse,
+                                               size_t lse_offset, cl_mem weights,
+                                               size_t weights_offset, cl_uint num_wait,
+                                               const cl_event *wait_list, cl_event *event);
+
+/// clmha_attention_forward() on host arrays: reads the `data` fields of @p args (float32
+/// tensors and float masks, bytes for boolean masks), uploads them into device buffers the
+/// context keeps, runs the call, waits for it (clFinish) and writes the results.
+/// @param[in]  ctx            the context
+/// @param[in]  args           the tensors and options (the `buffer` fields are ignored)
+/// @param[out] output         room for @p output_count floats
+/// @param[in]  output_count   must equal clmha_attention_output_counts()'s output count
+/// @param[out] lse            optional (NULL: not asked): room for @p lse_count floats
+/// @param[in]  lse_count      the lse count with @p lse, else 0
+/// @param[out] weights        optional (NULL: not asked): room for @p weights_count floats
+/// @param[in]  weights_count  the weights count with @p weights, else 0
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_attention_forward(); also a
+///         missing `data` pointer or output array), ::CLMHA_UNSUPPORTED, ::CLMHA_SHAPE_MISMATCH
+///         (also a wrong count), ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW,
+///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_attention_forward_host(clmha_context *ctx,
+                                                    const clmha_attention_args *args,
+                                                    float *output, size_t output_count,
+                                                    float *lse, size_t lse_count,
+                                                    float *weights, size_t weights_count);
+
+/// Arguments of clmha_attention_backward(): the forward call, its results, the output's
+/// gradient and where the gradients go (buffers of the context; offsets in floats). Zero-
+/// initialise with struct_size set; struct_size must cover grad_value_offset.
+typedef struct clmha_attention_backward_args {
+    size_t struct_size;                   ///< sizeof(clmha_attention_backward_args)
+    const clmha_attention_args *forward;  ///< the forward call's tensors (buffers) and options,
+                                          ///< unchanged since it ran
+    /// @var output
+    /// The forward call's output (its shape and layout), from @ref output_offset.
+    cl_mem output;
+    size_t output_offset;  ///< element offset
+    /// @var lse
+    /// Optional (NULL): the forward call's log-sum-exp rows (N, H, L), from @ref lse_offset.
+    /// With them the fused core's backward runs (::CLMHA_IMPL_AUTO); without them the unfused
+    /// core's, which recomputes the probabilities.
+    cl_mem lse;
+    size_t lse_offset;  ///< element offset
+    cl_mem grad_output;         ///< the output's gradient, the output's shape and layout
+    size_t grad_output_offset;  ///< element offset
+    /// @var grad_query
+    /// Written: the query's gradient, the query's shape and layout.
+    /// @var grad_key
+    /// Written: the key's gradient, the key's shape and layout.
+    /// @var grad_value
+    /// Written: the value's gradient, the value's shape and layout.
+    cl_mem grad_query, grad_key, grad_value;
+    /// @var grad_query_offset
+    /// Element offset of @ref grad_query.
+    /// @var grad_key_offset
+    /// Element offset of @ref grad_key.
+    /// @var grad_value_offset
+    /// Element offset of @ref grad_value.
+    size_t grad_query_offset, grad_key_offset, grad_value_offset;
+    clmha_impl impl;  ///< the backward core; ::CLMHA_IMPL_AUTO: fused with @ref lse, else
+                      ///< unfused
+    /// @var grad_attn_mask
+    /// Optional (NULL): where a float attn_mask's gradient is written, in the mask's own shape:
+    /// the scores' gradient summed over the dimensions the mask is broadcast along. Only the
+    /// unfused core computes it (::CLMHA_IMPL_AUTO takes it; ::CLMHA_IMPL_FUSED is refused).
+    cl_mem grad_attn_mask;
+    size_t grad_attn_mask_offset;  ///< element offset of @ref grad_attn_mask
+} clmha_attention_backward_args;
+
+/// The backward pass of clmha_attention_forward() on device buffers: the gradients of the query,
+/// key and value given the output's gradient, through the attention cores' backward passes
+/// (the same as clmha_layer_backward()'s), dropout replayed from the forward's rng; fully
+/// masked rows give zero gradients; with enable_gqa a key/value head's gradient sums its query
+/// heads' (in a fixed order); a float attn_mask's gradient when asked for. Buffer rules as for clmha_attention_forward(): the gradients must not overlap
+/// each other or any input. On failure nothing was enqueued or written and *event is NULL.
+/// @param[in]  ctx        the context
+/// @param[in]  args       the forward call and the gradients' buffers
+/// @param[in]  num_wait   number of events in @p wait_list
+/// @param[in]  wait_list  events the call waits for on the device
+/// @param[out] event      optional: completes with the call; NULL on failure
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, struct sizes, buffers as for
+///         clmha_attention_forward(), a bad wait list, grad_attn_mask without a float mask),
+///         ::CLMHA_UNSUPPORTED (a mask gradient asked of the fused core;
+///         D_v ≠ D; a newer header's field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
+///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,
+                                                const clmha_attention_backward_args *args,
+                                                cl_uint num_wait, const cl_event *wait_list,
+                                                cl_event *event);
+
+/// clmha_attention_backward() on host arrays: uploads the `data` of @p args' tensors, runs the
+/// forward call again (its output; the unfused core's backward then recomputes the
+/// probabilities), the backward, waits (clFinish) and writes the gradients asked for.
+/// @param[in]  ctx                the context
+/// @param[in]  args               the forward call's tensors (`data`) and options
+/// @param[in]  grad_output        the output's gradient, the output's shape and layout
+/// @param[in]  grad_output_count  its element count (clmha_attention_output_counts())
+/// @param[out] grad_query         optional (NULL): room for the query's element count
+/// @param[out] grad_key           optional (NULL): room for the key's
+/// @param[out] grad_value         optional (NULL): room for the value's
+/// @param[out] grad_attn_mask     optional (NULL): a float attn_mask's gradient, its shape
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL ctx, args or grad_output, a missing
+///         `data` pointer, grad_attn_mask without a float mask), ::CLMHA_UNSUPPORTED,
+///         ::CLMHA_SHAPE_MISMATCH (also a wrong count), ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
+///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_attention_backward_host(clmha_context *ctx,
+                                                     const clmha_attention_args *args,
+                                                     const float *grad_output,
+                                                     size_t grad_output_count,
+                                                     float *grad_query, float *grad_key,
+                                                     float *grad_value, float *grad_attn_mask);
+
+// ---------------------------------------------------------------------------------------------
 // Training: the backward pass
 // ---------------------------------------------------------------------------------------------
 
@@ -1847,6 +2074,30 @@ CLMHA_API clmha_status clmha_reference_forward(const clmha_layer_desc *desc,
                                                size_t weights_count, char *message,
                                                size_t message_size);
 
+/// clmha_attention_forward() on the CPU in double precision: the same checks (shapes, masks,
+/// options, `data` pointers), the same Philox dropout, zeros for fully masked rows. Reads the
+/// `data` fields of @p args. Needs no OpenCL device and no context; safe from any thread.
+/// D_v may differ from D here.
+/// @param[in]  args           the tensors and options
+/// @param[out] output         room for @p output_count doubles, in the query's layout
+/// @param[in]  output_count   N·H·L·D_v
+/// @param[out] lse            optional (NULL): room for @p lse_count doubles, (N, H, L)
+/// @param[in]  lse_count      N·H·L with @p lse, else 0
+/// @param[out] weights        optional (NULL): room for @p weights_count doubles,
+///                            (N, H, L, S), after dropout
+/// @param[in]  weights_count  N·H·L·S with @p weights, else 0
+/// @param[out] message        optional buffer (may be NULL): "" on success, the reason on
+///                            failure
+/// @param[in]  message_size   size of @p message in bytes
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_UNSUPPORTED (@p args from a
+///         newer header, using a newer field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY
+CLMHA_API clmha_status clmha_reference_attention(const clmha_attention_args *args,
+                                                 double *output, size_t output_count,
+                                                 double *lse, size_t lse_count,
+                                                 double *weights, size_t weights_count,
+                                                 char *message, size_t message_size);
+
 /// Gradients computed by clmha_reference_backward(), in double precision, by PyTorch name and
 /// in the same shapes as ::clmha_backward_args (NULL: not wanted). Always written, never
 /// accumulated. Zero-initialise with struct_size set.
@@ -1890,6 +2141,27 @@ CLMHA_API clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
                                                 const float *grad_weights,
                                                 const clmha_reference_grads *grads,
                                                 char *message, size_t message_size);
+
+/// The backward pass of clmha_reference_attention() on the CPU in double precision: the
+/// gradients of the query, key, value and (for a float mask) attn_mask given the output's
+/// gradient, with the same semantics (dropout replayed from args->rng; fully masked rows give
+/// zero gradients; with enable_gqa a key/value head's gradient sums its query heads'; a
+/// broadcast mask's gradient sums over the dimensions it is broadcast along, in its own shape).
+/// Needs no device.
+/// @param[in]  args          the forward call's tensors and options (`data` fields)
+/// @param[in]  grad_output   the output's gradient, the output's shape and layout
+/// @param[in,out] grads      struct_size set; its query, key, value and attn_mask
+///                           destinations (NULL: not wanted; in the shapes of the tensors);
+///                           the other fields are ignored
+/// @param[out] message       optional buffer: "" on success, the reason on failure
+/// @param[in]  message_size  size of @p message
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also grads->attn_mask without a float
+///         mask), ::CLMHA_UNSUPPORTED, ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY
+CLMHA_API clmha_status clmha_reference_attention_backward(const clmha_attention_args *args,
+                                                          const float *grad_output,
+                                                          const clmha_reference_grads *grads,
+                                                          char *message, size_t message_size);
 
 #ifdef __cplusplus
 }

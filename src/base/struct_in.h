@@ -21,6 +21,9 @@
 // field in the first released layout (0.1). Fields appended later never raise it.
 #define CLMHA__MIN_clmha_layer_desc CLMHA__SIZE_THROUGH(clmha_layer_desc, num_heads)
 #define CLMHA__MIN_clmha_forward_args CLMHA__SIZE_THROUGH(clmha_forward_args, query)
+#define CLMHA__MIN_clmha_attention_args CLMHA__SIZE_THROUGH(clmha_attention_args, value)
+#define CLMHA__MIN_clmha_attention_backward_args \
+    CLMHA__SIZE_THROUGH(clmha_attention_backward_args, grad_value_offset)
 #define CLMHA__MIN_clmha_reference_params \
     CLMHA__SIZE_THROUGH(clmha_reference_params, out_proj_weight)
 #define CLMHA__MIN_clmha_tune_options sizeof(size_t)  // every option is optional

@@ -209,6 +209,7 @@ void clmha_context_release(clmha_context *ctx) {
     pthread_mutex_unlock(&ctx->lock);
     if (left > 0) return;
     if (ctx->queue) clFinish(ctx->queue);  // nothing of ours may still run on freed objects
+    if (ctx->attention_release) ctx->attention_release(ctx->attention);
     clmha__programs_release(ctx->programs);
     // CLBlast keeps compiled programs in a process-wide cache, and each holds a reference to
     // the cl_context. Clearing it gives the caller's context back its reference count, but it

@@ -41,6 +41,11 @@ struct clmha_context {
     // Counters for tests (libclmha.a): program builds and device buffer allocations made by
     // clmha itself on this context (CLBlast's own are not counted). Guarded by lock.
     size_t program_builds, buffer_allocations;
+    // The bare layers of clmha_attention_forward() (src/forward/attention_cache.c), made on
+    // its first call (under lock), opaque here; attention_release frees them first when the
+    // context goes. They hold no reference to the context.
+    void *attention;
+    void (*attention_release)(void *attention);
 };
 
 // The context as the tuning store sees it (src/tuning_store/store.h).

@@ -23,6 +23,7 @@
 #ifndef CLMHA_CORES_CORE_H
 #define CLMHA_CORES_CORE_H
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -67,6 +68,9 @@ typedef struct clmha__core_call {
     size_t q_at, q_ld, k_at, k_ld, v_at, v_ld;
     cl_mem output;
     size_t output_offset;
+    // The factor of the scores q·kᵀ (clmha_attention_args::scale); 0: 1/sqrt(D), the layer's
+    // (clmha__core_scale()).
+    double scale;
 } clmha__core_call;
 
 // One backward call of a core: what the forward call saved, the gradient of the attention
@@ -103,6 +107,8 @@ typedef struct clmha__backward_call {
     cl_mem grad_attn_mask, grad_kpm;
     size_t grad_attn_offset, grad_kpm_offset;  // floats
     bool grad_attn_accumulate, grad_kpm_accumulate;
+    // The forward call's factor of the scores (clmha__core_call::scale); 0: 1/sqrt(D).
+    double scale;
 } clmha__backward_call;
 
 // One merge of partial attention results (clmha_attention_merge(), checked): rows of head_dim
@@ -271,6 +277,12 @@ CLMHA__HIDDEN clmha_status clmha__core_select(clmha_layer *layer, const clmha__c
 // Merges partial attention results with the first core of the table that merges
 // (clmha__core::merge); the call's arguments are checked.
 CLMHA__HIDDEN clmha_status clmha__core_merge(clmha_context *ctx, const clmha__merge_call *call);
+
+// The factor of the scores of a call with scale @p scale (clmha__core_call::scale) on @p layer:
+// @p scale, or 1/sqrt(D) when it is 0.
+static inline double clmha__core_scale(const clmha_layer *layer, double scale) {
+    return scale != 0.0 ? scale : 1.0 / sqrt((double)layer->d);
+}
 
 // The core a call asks for: its own impl, else the layer's (either may be CLMHA_IMPL_AUTO).
 static inline clmha_impl clmha__impl_of(const clmha_layer *layer,

@@ -224,7 +224,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         (st = clmha__layer_grow_core_scratch(l, &s->part_ms, &s->ms_cap, q_rows * parts * 2,
                                              "decode partial maxima and sums")))
         return st;
-    float scale = (float)(1.0 / sqrt((double)l->d));
+    float scale = (float)clmha__core_scale(l, call->scale);
     cl_uint causal = call->args->is_causal;
     cl_ulong items = d->n * c->kv_heads * d->l * parts;
     {

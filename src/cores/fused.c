@@ -332,7 +332,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha__dims *d = call->dims;
     clmha_context *ctx = l->ctx;
     cl_ulong tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
-    clmha__real scale = clmha__real_of(1.0 / sqrt((double)l->d));
+    clmha__real scale = clmha__real_of(clmha__core_scale(l, call->scale));
     clmha__mask_args m = clmha__masks_of(l, a, d);
     // The log-sum-exp rows for the backward pass, only when asked for (a flag: no cost else).
     cl_mem lse = call->lse ? call->lse : ctx->dummy;

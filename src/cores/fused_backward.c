@@ -406,7 +406,7 @@ static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
         (st = clmha__layer_grow_core_scratch(l, &fb->block_g, &fb->block_g_cap, pp * rows * sp,
                                              "fused backward dO.v block")))
         return st;
-    float scale = (float)(1.0 / sqrt((double)hd));
+    float scale = (float)clmha__core_scale(l, call->scale);
     clmha__mask_args m = clmha__masks_of(l, call->args, d);
     bool trim = m.causal && d->s == sp;
     size_t blocks = (tl + rows - 1) / rows;
@@ -488,7 +488,7 @@ clmha_status clmha__fused_backward_run(clmha__fused_backward **slot, clmha_layer
 
     if (gemms_for(ctx, fb, d)) return run_gemms(l, call, fb);
     cl_ulong tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
-    float scale = (float)(1.0 / sqrt((double)l->d));
+    float scale = (float)clmha__core_scale(l, call->scale);
     clmha__mask_args m = clmha__masks_of(l, call->args, d);
     arg dkdv_args[] = {ARG(call->q),   ARG(call->k),   ARG(call->v),   ARG(call->d_o),
                        ARG(call->lse), ARG(fb->drow_buf), ARG(call->dk), ARG(call->dv),

@@ -150,7 +150,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     if (plan.count == 1) {
         chunk all = {0, d->n * l->h * d->l};
         if ((st = clmha__unfused_scores(l, d, all, l->tiles[CLMHA__TILE_Q],
-                                        l->tiles[CLMHA__TILE_K], group)) ||
+                                        l->tiles[CLMHA__TILE_K], group, call->scale)) ||
             (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES)))
             return st;
         if ((st = clmha__unfused_masked_softmax(l, &state_of(l)->softmax, a, d, all, false)) ||
@@ -174,7 +174,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
             c.rows = d->l - i < plan.rows ? d->l - i : plan.rows;
         }
         if ((st = clmha__unfused_scores(l, d, c, l->tiles[CLMHA__TILE_Q],
-                                        l->tiles[CLMHA__TILE_K], group)) ||
+                                        l->tiles[CLMHA__TILE_K], group, call->scale)) ||
             (st = clmha__unfused_masked_softmax(l, &state_of(l)->softmax, a, d, c, false)))
             return st;
         if (a->need_weights && (st = chunk_weights(l, a, d, c, w, w_off))) return st;

@@ -141,11 +141,11 @@ clmha_status clmha__unfused_backward_run(clmha__unfused_backward **slot,
                                              "unfused backward score gradients")))
         return st;
     size_t hd = l->d, sp = d->s_padded, tl = d->l, planes = d->n * l->h;
-    float scale = (float)(1.0 / sqrt((double)hd));
+    float scale = (float)clmha__core_scale(l, call->scale);
     cl_mem p = l->scores, g = ub->grad_scores;
 
     // P, then dPd = dO · V'ᵀ.
-    if ((st = clmha__unfused_probabilities(l, sm, a, d, call->q, call->k)) ||
+    if ((st = clmha__unfused_probabilities(l, sm, a, d, call->q, call->k, call->scale)) ||
         (st = gemm(l, "dO V^T", false, true, tl, sp, hd, 1.0f,
                    call->d_o, hd, tl * hd, call->v, hd, sp * hd, g, sp, tl * sp, planes)))
         return st;

@@ -19,9 +19,9 @@ size_t clmha__unfused_pow2_below(size_t cap, size_t limit) {
 
 // 3. Scores = Q · Kᵀ / √D for the rows of a chunk (unfused_shared.h).
 clmha_status clmha__unfused_scores(clmha_layer *l, const clmha__dims *d, clmha__unfused_chunk c,
-                                   cl_mem qt, cl_mem kt, size_t group) {
+                                   cl_mem qt, cl_mem kt, size_t group, double scale) {
     size_t hd = l->d, sp = d->s_padded;
-    double scale = 1.0 / sqrt((double)hd);
+    if (scale == 0.0) scale = 1.0 / sqrt((double)hd);
     // Grouped-query attention (@p group query heads per key/value plane): the group's query
     // planes are consecutive, so one product per key/value plane takes all their rows.
     clmha__gemm_op op = {.tb = true, .f64 = l->rs == 8, .m = d->l * group, .n = sp, .k = hd,
@@ -64,9 +64,9 @@ clmha_status clmha__unfused_masked_softmax(clmha_layer *l, const clmha__unfused_
 
 clmha_status clmha__unfused_probabilities(clmha_layer *l, const clmha__unfused_softmax *sm,
                                           const clmha_forward_args *a, const clmha__dims *d,
-                                          cl_mem q, cl_mem k) {
+                                          cl_mem q, cl_mem k, double scale) {
     clmha__unfused_chunk all = {0, d->n * l->h * d->l};
     // The saved tiles: a key plane per head.
-    clmha_status st = clmha__unfused_scores(l, d, all, q, k, 1);
+    clmha_status st = clmha__unfused_scores(l, d, all, q, k, 1, scale);
     return st ? st : clmha__unfused_masked_softmax(l, sm, a, d, all, true);
 }

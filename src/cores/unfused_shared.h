@@ -36,13 +36,13 @@ static inline bool clmha__unfused_chunk_is_all(const clmha_layer *l, const clmha
 // Largest power of two <= min(@p cap, @p limit) (a work-group within a kernel's limit).
 CLMHA__HIDDEN size_t clmha__unfused_pow2_below(size_t cap, size_t limit);
 
-// Scores = Q · Kᵀ / √D (Q in @p qt, K in @p kt, @p group query heads per key/value plane) for
-// the rows of @p c into layer->scores: all of them (N*H, L, S') in one strided batched GEMM; a
-// chunk in one plain GEMM per plane it touches (CLBlast 1.5.3's batched GEMM ignores buffer
-// offsets, its plain GEMM honours them).
+// Scores = Q · Kᵀ · scale (Q in @p qt, K in @p kt, @p group query heads per key/value plane;
+// @p scale 0: 1/√D) for the rows of @p c into layer->scores: all of them (N*H, L, S') in one
+// strided batched GEMM; a chunk in one plain GEMM per plane it touches (CLBlast 1.5.3's batched
+// GEMM ignores buffer offsets, its plain GEMM honours them).
 CLMHA__HIDDEN clmha_status clmha__unfused_scores(clmha_layer *layer, const clmha__dims *d,
                                                  clmha__unfused_chunk c, cl_mem qt, cl_mem kt,
-                                                 size_t group);
+                                                 size_t group, double scale);
 
 // Masks, softmax and dropout (unless @p no_dropout: the backward pass's probabilities) in place
 // on the scores of @p c, one work-group of @p sm's kernel per row.
@@ -52,14 +52,14 @@ CLMHA__HIDDEN clmha_status clmha__unfused_masked_softmax(clmha_layer *layer,
                                                          const clmha__dims *d,
                                                          clmha__unfused_chunk c, bool no_dropout);
 
-// Recomputes the probabilities of a call for its backward pass: scores = Q·Kᵀ/√D from @p q
-// (N*H, L, D) and @p k (N*H, S', D), both at offset 0, then masks and softmax without dropout
-// (@p sm), into layer->scores, all rows at once (the caller has reserved them:
-// clmha__layer_reserve(), one chunk).
+// Recomputes the probabilities of a call for its backward pass: scores = Q·Kᵀ·scale (@p scale
+// 0: 1/√D) from @p q (N*H, L, D) and @p k (N*H, S', D), both at offset 0, then masks and
+// softmax without dropout (@p sm), into layer->scores, all rows at once (the caller has
+// reserved them: clmha__layer_reserve(), one chunk).
 CLMHA__HIDDEN clmha_status clmha__unfused_probabilities(clmha_layer *layer,
                                                         const clmha__unfused_softmax *sm,
                                                         const clmha_forward_args *args,
                                                         const clmha__dims *dims, cl_mem q,
-                                                        cl_mem k);
+                                                        cl_mem k, double scale);
 
 #endif

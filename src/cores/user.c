@@ -48,7 +48,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         .struct_size = sizeof ca,
         .queue = ctx->queue, .batch = d->n, .num_heads = l->h, .tgt_len = d->l,
         .src_len = d->s, .src_len_padded = d->s_padded, .head_dim = l->d,
-        .scale = (float)(1.0 / sqrt((double)l->d)), .q = l->tiles[CLMHA__TILE_Q],
+        .scale = (float)clmha__core_scale(l, call->scale), .q = l->tiles[CLMHA__TILE_Q],
         .k = l->tiles[CLMHA__TILE_K], .v = l->tiles[CLMHA__TILE_V],
         .out = l->tiles[CLMHA__TILE_OUT], .weights = a->need_weights ? l->scores : NULL,
         .key_padding_mask = &a->key_padding_mask, .attn_mask = &a->attn_mask,

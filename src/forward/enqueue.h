@@ -1,6 +1,6 @@
 // Checks and enqueue helpers shared by the forward pass (forward.c) and the backward pass
 // (src/backward/): the buffers, wait lists and overlaps a call is given, the head reshapes'
-// launch, the projection GEMM, and uploads of host arrays.
+// launch and the projection GEMM (host arrays go through the layer's staging buffers: staging.h).
 #ifndef CLMHA_FORWARD_ENQUEUE_H
 #define CLMHA_FORWARD_ENQUEUE_H
 

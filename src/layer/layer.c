@@ -305,6 +305,31 @@ static void release_kernel(cl_kernel *k) {
     *k = NULL;
 }
 
+clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_context *ctx, size_t heads,
+                                   size_t kv_heads, size_t head_dim) {
+    *out = NULL;
+    clmha_layer *l = calloc(1, sizeof *l);
+    if (!l) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    l->ctx = ctx;
+    l->bare = true;
+    l->e = heads * head_dim;
+    l->h = heads;
+    l->d = head_dim;
+    l->kvh = kv_heads;
+    l->kve = kv_heads * head_dim;
+    l->rs = 4;
+    l->desc = (clmha_layer_desc){.struct_size = sizeof l->desc, .embed_dim = l->e,
+                                 .num_heads = heads, .kdim = l->e, .vdim = l->e,
+                                 .num_kv_heads = kv_heads, .batch_first = true};
+    clmha_status st = make_kernels(l);
+    if (st) {
+        clmha__layer_free(l);
+        return st;
+    }
+    *out = l;
+    return CLMHA_SUCCESS;
+}
+
 void clmha__layer_free(clmha_layer *layer) {
     if (!layer) return;
     clmha__layer_marks_release(layer);
@@ -328,7 +353,7 @@ void clmha__layer_free(clmha_layer *layer) {
     release_kernel(&layer->from_f32);
     for (int i = 0; i < CLMHA__STAGED_COUNT; ++i) release_mem(&layer->staged[i]);
     for (int i = 0; i < CLMHA__HOST_COUNT; ++i) release_mem(&layer->host[i]);
-    clmha_context_release(layer->ctx);
+    if (!layer->bare) clmha_context_release(layer->ctx);
     free(layer);
 }
 

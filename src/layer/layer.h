@@ -104,6 +104,10 @@ struct clmha_layer {
 
     clmha_impl impl;            // the core for calls whose impl is CLMHA_IMPL_AUTO
 
+    // A bare layer (clmha__layer_new_bare()): no parameters, and no reference to its context,
+    // which owns it (the bare layers of clmha_attention_forward()).
+    bool bare;
+
     // The attention cores' state (src/cores/): slot i belongs to row i of the dispatch table and
     // holds a clmha__core_slot (src/cores/core.h): the core it belongs to and what its create
     // hook made when the layer was created, freed by its release hook when the layer is
@@ -127,6 +131,15 @@ struct clmha_layer {
 // clmha_layer_create() documents; on failure *out is NULL.
 CLMHA__HIDDEN clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
                                             const clmha_layer_desc *desc);
+
+// A bare layer on @p ctx for attention without projections (clmha_attention_forward()): H
+// @p heads, @p kv_heads key/value heads, head_dim @p head_dim, float32; the kernels of
+// cl/heads.cl, no parameters (w_in ... stay NULL), no core state (the caller adds it,
+// clmha__cores_create()). It holds no reference to @p ctx: whoever keeps it must free it
+// (clmha__layer_free(), after the cores' state) before the context goes.
+CLMHA__HIDDEN clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_context *ctx,
+                                                 size_t heads, size_t kv_heads,
+                                                 size_t head_dim);
 
 // CLMHA_UNSUPPORTED, with a message naming @p what, for a layer whose dtype is not float32 (what
 // 16-bit layers cannot do yet: include/clmha.h, clmha_dtype); else CLMHA_SUCCESS.

@@ -187,6 +187,81 @@ Test(interop, caller_objects_wait_list_event_and_refcounts) {
     app_close(&a);
 }
 
+// Attention as a function on the caller's objects: its forward waits for a user event's wait
+// list and returns the caller an event of its own; its backward runs; the context's bare layers
+// (made on the first call) are freed with the context, and every reference clmha held on the
+// caller's objects comes back.
+Test(interop, attention_function_wait_list_and_refcounts) {
+    app a;
+    if (!app_open(&a)) cr_skip_test("no OpenCL device");
+    bool ctx_move = refs_move(REF_CONTEXT, a.context), queue_move = refs_move(REF_QUEUE, a.queue);
+    cl_uint ctx_refs0 = refs_of(REF_CONTEXT, a.context), queue_refs0 = refs_of(REF_QUEUE, a.queue);
+    assert_nothing_held("before the clmha context was created");
+    clmha_context *ctx = NULL;
+    cr_assert_eq(clmha_context_create_from_cl(&ctx, a.context, a.device, a.queue), CLMHA_SUCCESS,
+                 "%s", clmha_last_create_error());
+    make_params();  // x as (N, H, L, D) = (3, 4, 5, 4): query, key and value alike
+    cl_int err;
+    cl_mem q = clCreateBuffer(a.context, CL_MEM_READ_WRITE, sizeof x, NULL, &err);
+    cl_mem out = clCreateBuffer(a.context, CL_MEM_READ_WRITE, sizeof x, NULL, &err);
+    cl_mem g[3];
+    for (int i = 0; i < 3; ++i)
+        g[i] = clCreateBuffer(a.context, CL_MEM_READ_WRITE, sizeof x, NULL, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    float zero = 0.0f;
+    clEnqueueFillBuffer(a.queue, q, &zero, sizeof zero, 0, sizeof x, 0, NULL, NULL);
+    clFinish(a.queue);
+    cl_command_queue side = clCreateCommandQueue(a.context, a.device, 0, &err);
+    cl_event gate = clCreateUserEvent(a.context, &err);
+    cl_event written = NULL;
+    cr_assert_eq(clEnqueueWriteBuffer(side, q, CL_FALSE, 0, sizeof x, x, 1, &gate, &written),
+                 CL_SUCCESS);
+    clFlush(side);
+    clmha_tensor t = {.ndim = 4, .shape = {N, H, L, D}, .buffer = q, .data = x};
+    clmha_attention_args args = {.struct_size = sizeof args, .query = t, .key = t, .value = t,
+                                 .is_causal = true};
+    cl_event done = (cl_event)0x1;
+    cr_assert_eq(clmha_attention_forward(ctx, &args, out, 0, NULL, 0, NULL, 0, 1, &written,
+                                         &done),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_assert(done != NULL && done != (cl_event)0x1);
+    clFlush(a.queue);
+    sleep_ms(300);
+    cl_int status = 0;
+    clGetEventInfo(done, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof status, &status, NULL);
+    cr_assert_neq(status, CL_COMPLETE, "the call finished before its wait list was satisfied");
+    clSetUserEventStatus(gate, CL_COMPLETE);
+    cr_assert_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    static float y[L * N * E];
+    static double y_ref[L * N * E];
+    clEnqueueReadBuffer(a.queue, out, CL_TRUE, 0, sizeof y, y, 0, NULL, NULL);
+    char msg[256];
+    cr_assert_eq(clmha_reference_attention(&args, y_ref, L * N * E, NULL, 0, NULL, 0, msg,
+                                           sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    double e = max_abs_err(y, y_ref, L * N * E);
+    cr_assert_leq(e, 1e-4, "output error %g", e);
+    clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &args, .output = out,
+                                       .grad_output = out, .grad_query = g[0],
+                                       .grad_key = g[1], .grad_value = g[2]};
+    cr_assert_eq(clmha_attention_backward(ctx, &b, 0, NULL, NULL), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    clReleaseEvent(done);
+    clReleaseEvent(written);
+    clReleaseEvent(gate);
+    clReleaseCommandQueue(side);
+    clmha_context_release(ctx);  // frees its bare layers, which hold no reference to it
+    clReleaseMemObject(q);
+    clReleaseMemObject(out);
+    for (int i = 0; i < 3; ++i) clReleaseMemObject(g[i]);
+    assert_nothing_held("after releasing the clmha context that ran attention as a function");
+    assert_refs_back(REF_CONTEXT, a.context, ctx_move, ctx_refs0,
+                     "after releasing the clmha context and the buffers");
+    assert_refs_back(REF_QUEUE, a.queue, queue_move, queue_refs0,
+                     "after releasing the clmha context");
+    app_close(&a);
+}
+
 // A user attention core that reads the head tiles to the host, computes plain softmax attention
 // there, and writes the result back (with the weights when asked).
 typedef struct core_log {

@@ -1,0 +1,386 @@
+// The backward pass of attention as a function (clmha_attention_backward()): the forward call's
+// tensors staged as head tiles on its bare layer (src/forward/attention.c), the backward core
+// the dispatch picks (clmha__backward_select(), the same walk as clmha_layer_backward()'s), the
+// gradients of the tiles back into the caller's layout:
+//   check → core and scratch → wait → stage q, k, v, o, dO → the core's backward → dq, dk, dv.
+#include "base/struct_in.h"
+#include "cores/core.h"
+#include "cores/kernel_args.h"
+#include "device/held.h"
+#include "forward/attention.h"
+#include "forward/attention_cache.h"
+#include "forward/enqueue.h"
+#include "forward/staging.h"
+
+#include <stdlib.h>
+
+typedef clmha__arg arg;
+#define ARG CLMHA__ARG
+
+// What a bare layer keeps for this backward, in its layer->backward slot (a bare layer never
+// runs clmha_layer_backward(), whose state that slot holds otherwise): cl/backward.cl's
+// merge_rows, which sums the gradients of the query heads that share a key/value head.
+typedef struct state {
+    cl_kernel merge_rows;
+} state;
+
+static void state_release(void *p) {
+    state *s = p;
+    if (s) clmha__release_kernel(s->merge_rows);
+    free(s);
+}
+
+// The state of bare layer @p l, made (its kernel built) on the first grouped-query call.
+static clmha_status state_of(clmha_layer *l, state **out) {
+    if (!l->backward) {
+        state *s = calloc(1, sizeof *s);
+        if (!s) return clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+        l->backward = s;
+        l->backward_release = state_release;
+        cl_program prog;
+        clmha_status st = clmha__program_get(l->ctx, "backward", "", &prog);
+        if (!st) st = clmha__kernel_make(l->ctx, prog, "merge_rows", &s->merge_rows);
+        if (st) return st;
+    }
+    *out = l->backward;
+    return (*out)->merge_rows ? CLMHA_SUCCESS
+                              : clmha__fail(l->ctx, CLMHA_BUILD_FAILED,
+                                            "merge_rows could not be built before");
+}
+
+// split_heads from rows (N, S, heads_in * D) of @p rows at @p rows_off into tiles
+// (N*@p heads, S, D) of @p out at @p out_off, query head h reading key/value head h / group.
+static clmha_status split(clmha_layer *l, const clmha__attention_dims *d, cl_mem rows,
+                          size_t rows_off, size_t heads_in, size_t heads, size_t group,
+                          cl_mem out, size_t out_off) {
+    clmha_context *ctx = l->ctx;
+    cl_ulong off = rows_off, ld = heads_in * l->d, zero = 0, o = out_off, n = d->core.n,
+             h = heads, g = group, s = d->core.s, hd = l->d;
+    cl_uint no = 0, bf = 1;
+    arg args[] = {ARG(rows),    ARG(off),  ARG(ld), ARG(zero),       ARG(ctx->dummy),
+                  ARG(zero),    ARG(no),   ARG(ctx->dummy), ARG(zero), ARG(no),
+                  ARG(out),     ARG(o),    ARG(n),  ARG(h),          ARG(g),
+                  ARG(s),       ARG(s),    ARG(hd), ARG(bf)};
+    return clmha__launch_heads(l, l->split_heads, "split_heads", d->core.n * heads, d->core.s,
+                               l->heads_wg, args, sizeof args / sizeof args[0]);
+}
+
+// Grouped-query attention: the key or value @p t (H_kv heads) as one plane per query head in
+// @p tile (N*H, S, D), which the backward cores take: NLHD rows split with the group repeated;
+// NHLD tiles first merged into rows (layer->proj).
+static clmha_status expand(clmha_layer *l, const clmha__attention_dims *d,
+                           const clmha_tensor *t, cl_mem tile) {
+    size_t kvh = d->core.kvh, h = d->core.h;
+    if (d->layout == CLMHA_LAYOUT_NLHD)
+        return split(l, d, t->buffer, t->offset, kvh, h, h / kvh, tile, 0);
+    cl_ulong off = t->offset, n = d->core.n, heads = kvh, seq = d->core.s, hd = l->d;
+    cl_uint bf = 1;
+    arg args[] = {ARG(t->buffer), ARG(off), ARG(l->proj), ARG(n), ARG(heads), ARG(seq), ARG(hd),
+                  ARG(bf)};
+    clmha_status st = clmha__launch_heads(l, l->merge_heads, "merge_heads", d->core.n * kvh,
+                                          d->core.s, l->heads_wg, args,
+                                          sizeof args / sizeof args[0]);
+    return st ? st : split(l, d, l->proj, 0, kvh, h, h / kvh, tile, 0);
+}
+
+// Grouped-query attention: the gradient tiles @p tile (N*H, S, D) of a key or value, each
+// group of H / H_kv query heads summed (merge_rows, in a fixed order) into the caller's @p out
+// at @p out_off: straight into NLHD rows; through layer->proj and split_heads for NHLD.
+static clmha_status reduce(clmha_layer *l, const clmha__attention_dims *d, cl_mem tile,
+                           cl_mem out, size_t out_off) {
+    state *s;
+    clmha_status st = state_of(l, &s);
+    if (st) return st;
+    size_t kvh = d->core.kvh, h = d->core.h;
+    bool nlhd = d->layout == CLMHA_LAYOUT_NLHD;
+    cl_mem rows = nlhd ? out : l->proj;
+    cl_ulong seq = d->core.s, off = nlhd ? out_off : 0, ld = kvh * l->d, zero = 0,
+             n = d->core.n, heads = h, g = h / kvh, hd = l->d;
+    cl_uint bf = 1;
+    arg args[] = {ARG(tile), ARG(seq), ARG(seq), ARG(rows), ARG(off), ARG(ld),
+                  ARG(zero), ARG(n),   ARG(heads), ARG(g),  ARG(hd),  ARG(bf)};
+    if ((st = clmha__launch(l->ctx, s->merge_rows, "merge_rows", d->core.n * d->core.s * kvh,
+                            l->heads_wg, args, sizeof args / sizeof args[0])) ||
+        nlhd)
+        return st;
+    return split(l, d, l->proj, 0, kvh, kvh, 1, out, out_off);
+}
+
+// The caller's gradients and the forward's results: present, of the context, large enough,
+// the gradients writable and overlapping nothing.
+static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_backward_args *b,
+                                  const clmha_attention_args *a,
+                                  const clmha__attention_dims *d) {
+    clmha_status st;
+    if ((st = clmha__check_buffer(ctx, "query", a->query.buffer, a->query.offset,
+                                  d->query_count, 4)) ||
+        (st = clmha__check_buffer(ctx, "key", a->key.buffer, a->key.offset, d->key_count, 4)) ||
+        (st = clmha__check_buffer(ctx, "value", a->value.buffer, a->value.offset,
+                                  d->value_count, 4)) ||
+        (st = clmha__check_buffer(ctx, "output", b->output, b->output_offset, d->output_count,
+                                  4)) ||
+        (b->lse &&
+         (st = clmha__check_buffer(ctx, "lse", b->lse, b->lse_offset, d->lse_count, 4))) ||
+        (st = clmha__check_buffer(ctx, "grad_output", b->grad_output, b->grad_output_offset,
+                                  d->output_count, 4)) ||
+        (st = clmha__check_buffer(ctx, "grad_query", b->grad_query, b->grad_query_offset,
+                                  d->query_count, 4)) ||
+        (st = clmha__check_buffer(ctx, "grad_key", b->grad_key, b->grad_key_offset,
+                                  d->key_count, 4)) ||
+        (st = clmha__check_buffer(ctx, "grad_value", b->grad_value, b->grad_value_offset,
+                                  d->value_count, 4)) ||
+        (st = clmha__check_writable(ctx, "grad_query", b->grad_query)) ||
+        (st = clmha__check_writable(ctx, "grad_key", b->grad_key)) ||
+        (st = clmha__check_writable(ctx, "grad_value", b->grad_value)))
+        return st;
+    const clmha_mask *m = d->attn.kind ? &d->attn : d->kpm.kind ? &d->kpm : NULL;
+    if (m && (st = clmha__check_buffer(ctx, "attn_mask", m->tensor.buffer, m->tensor.offset,
+                                       d->mask_count, clmha__mask_elem(m->kind))))
+        return st;
+    if (b->grad_attn_mask && (!m || m->kind != CLMHA_MASK_FLOAT))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "grad_attn_mask is set but attn_mask is not a float mask");
+    if (b->grad_attn_mask &&
+        ((st = clmha__check_buffer(ctx, "grad_attn_mask", b->grad_attn_mask,
+                                   b->grad_attn_mask_offset, d->mask_count, 4)) ||
+         (st = clmha__check_writable(ctx, "grad_attn_mask", b->grad_attn_mask))))
+        return st;
+    clmha__span all[11] = {
+        clmha__span_of("grad_query", b->grad_query, b->grad_query_offset, d->query_count, 4),
+        clmha__span_of("grad_key", b->grad_key, b->grad_key_offset, d->key_count, 4),
+        clmha__span_of("grad_value", b->grad_value, b->grad_value_offset, d->value_count, 4),
+        clmha__span_of("query", a->query.buffer, a->query.offset, d->query_count, 4),
+        clmha__span_of("key", a->key.buffer, a->key.offset, d->key_count, 4),
+        clmha__span_of("value", a->value.buffer, a->value.offset, d->value_count, 4),
+        clmha__span_of("output", b->output, b->output_offset, d->output_count, 4),
+        clmha__span_of("grad_output", b->grad_output, b->grad_output_offset, d->output_count,
+                       4)};
+    size_t k = 8, outputs = 3;
+    if (b->grad_attn_mask) {  // an output: first, with the gradients
+        all[k++] = all[3];
+        all[3] = clmha__span_of("grad_attn_mask", b->grad_attn_mask, b->grad_attn_mask_offset,
+                                d->mask_count, 4);
+        outputs = 4;
+    }
+    if (m)
+        all[k++] = clmha__span_of("attn_mask", m->tensor.buffer, m->tensor.offset, d->mask_count,
+                                  clmha__mask_elem(m->kind));
+    if (b->lse) all[k++] = clmha__span_of("lse", b->lse, b->lse_offset, d->lse_count, 4);
+    return clmha__check_overlaps(ctx, all, k, outputs);
+}
+
+// Scratch tiles of the backward on bare layer @p l (its otherwise unused float32 copies,
+// layer->staged): dO, dq, dk, dv, grown to @p d.
+static clmha_status reserve(clmha_layer *l, const clmha__attention_dims *d) {
+    size_t full = d->core.n * d->core.s * d->core.e;  // (N*H, S, D): one plane per query head
+    size_t need[4] = {d->output_count, d->query_count, full, full};
+    static const char *const what[4] = {"grad_output tiles", "grad_query tiles",
+                                        "grad_key tiles", "grad_value tiles"};
+    clmha_status st = clmha__layer_reserve(l, &d->core, false, false);
+    for (int i = 0; i < 4 && !st; ++i)
+        st = clmha__grow_buffer(l->ctx, &l->staged[i], &l->staged_caps[i], need[i], what[i]);
+    return st;
+}
+
+// A result tile: the caller's buffer itself (NHLD at offset 0), else scratch @p scratch.
+static cl_mem result_tile(const clmha__attention_dims *d, cl_mem out, size_t offset,
+                          cl_mem scratch) {
+    return d->layout == CLMHA_LAYOUT_NHLD && offset == 0 ? out : scratch;
+}
+
+// The key or value as the backward cores take it (one plane per query head).
+static clmha_status stage_kv(clmha_layer *l, const clmha__attention_dims *d, cl_mem scratch,
+                             const clmha_tensor *t, size_t count, cl_mem *use) {
+    if (d->core.kvh == d->core.h)
+        return clmha__attention_stage(l, d, scratch, t, d->core.h, d->core.s, count, use);
+    *use = scratch;
+    return expand(l, d, t, scratch);
+}
+
+// A key or value gradient back into the caller's layout (its groups summed).
+static clmha_status unstage_kv(clmha_layer *l, const clmha__attention_dims *d, cl_mem tile,
+                               size_t count, cl_mem out, size_t out_off) {
+    if (d->core.kvh == d->core.h)
+        return clmha__attention_unstage(l, d, tile, d->core.h, d->core.s, count, out, out_off);
+    return reduce(l, d, tile, out, out_off);
+}
+
+static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args *b,
+                            const clmha_attention_args *a, const clmha__attention_dims *d,
+                            cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
+    clmha_context *ctx = l->ctx;
+    clmha_forward_args f = clmha__attention_core_args(l, a, d);
+    size_t h = d->core.h, ln = d->core.l;
+    clmha_status st;
+    if ((st = reserve(l, d)) ||
+        (b->lse && b->lse_offset &&
+         (st = clmha__grow_buffer(ctx, &l->partial_lse, &l->partial_lse_cap, d->lse_count,
+                                  "log-sum-exp rows"))))
+        return st;
+    cl_mem *t = l->tiles, *g = l->staged;
+    bool grouped = d->core.kvh != h;
+    clmha__backward_call call = {
+        .args = &f, .dims = &d->core, .impl = b->impl, .scale = d->scale,
+        .lse = !b->lse ? NULL : b->lse_offset ? l->partial_lse : b->lse,
+        .dq = result_tile(d, b->grad_query, b->grad_query_offset, g[1]),
+        .dk = grouped ? g[2] : result_tile(d, b->grad_key, b->grad_key_offset, g[2]),
+        .dv = grouped ? g[3] : result_tile(d, b->grad_value, b->grad_value_offset, g[3])};
+    // A float mask's gradient, where the core reads the mask: attn_mask or key_padding_mask.
+    bool kpm = d->kpm.kind != CLMHA_MASK_NONE;
+    call.grad_attn_mask = kpm ? NULL : b->grad_attn_mask;
+    call.grad_kpm = kpm ? b->grad_attn_mask : NULL;
+    call.grad_attn_offset = call.grad_kpm_offset = b->grad_attn_mask_offset;
+    const clmha__core *core;
+    state *sums;
+    if ((grouped && (st = state_of(l, &sums))) ||
+        (st = clmha__backward_select(l, &call, &core)))
+        return st;
+    // Nothing is enqueued before this point.
+    clmha_tensor out = {.buffer = b->output, .offset = b->output_offset};
+    clmha_tensor dout = {.buffer = b->grad_output, .offset = b->grad_output_offset};
+    cl_int err = CL_SUCCESS;
+    if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
+        (st = clmha__attention_stage(l, d, t[CLMHA__TILE_Q], &a->query, h, ln, d->query_count,
+                                     &call.q)) ||
+        (st = stage_kv(l, d, t[CLMHA__TILE_K], &a->key, d->key_count, &call.k)) ||
+        (st = stage_kv(l, d, t[CLMHA__TILE_V], &a->value, d->value_count, &call.v)) ||
+        (st = clmha__attention_stage(l, d, t[CLMHA__TILE_OUT], &out, h, ln, d->output_count,
+                                     &call.o)) ||
+        (st = clmha__attention_stage(l, d, g[0], &dout, h, ln, d->output_count, &call.d_o)))
+        return st;
+    if (b->lse && b->lse_offset)  // the rows into the layer's copy, which the core reads
+        err = clEnqueueCopyBuffer(ctx->queue, b->lse, l->partial_lse,
+                                  b->lse_offset * sizeof(float), 0, d->lse_count * sizeof(float),
+                                  0, NULL, NULL);
+    if (err) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(lse)");
+    if ((st = core->backward(l, &call)) ||
+        (st = clmha__attention_unstage(l, d, call.dq, h, ln, d->query_count, b->grad_query,
+                                       b->grad_query_offset)) ||
+        (st = unstage_kv(l, d, call.dk, d->key_count, b->grad_key, b->grad_key_offset)) ||
+        (st = unstage_kv(l, d, call.dv, d->value_count, b->grad_value, b->grad_value_offset)))
+        return st;
+    return clmha__enqueue_event(ctx, event);
+}
+
+// Reads and checks the call: the struct, the forward's args, the limits of this version.
+static clmha_status check_call(clmha_context *ctx, const clmha_attention_backward_args *args,
+                               clmha_attention_backward_args *b, clmha_attention_args *a,
+                               clmha__attention_dims *d) {
+    char msg[512];
+    clmha_status st = CLMHA__STRUCT_IN(clmha_attention_backward_args, b, args, "args", msg,
+                                       sizeof msg);
+    if (st) return clmha__fail(ctx, st, "%s", msg);
+    if (!b->forward) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->forward is NULL");
+    if ((st = clmha__attention_check_args(ctx, b->forward, a, d, false, false))) return st;
+    if (b->impl != CLMHA_IMPL_AUTO && b->impl != CLMHA_IMPL_FUSED &&
+        b->impl != CLMHA_IMPL_UNFUSED)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "impl is %d: it must be CLMHA_IMPL_AUTO, _FUSED or _UNFUSED",
+                           (int)b->impl);
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_attention_backward(clmha_context *ctx,
+                                      const clmha_attention_backward_args *args,
+                                      cl_uint num_wait, const cl_event *wait_list,
+                                      cl_event *event) {
+    if (event) *event = NULL;
+    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
+    clmha_attention_backward_args b;
+    clmha_attention_args a;
+    clmha__attention_dims d;
+    clmha_layer *l;
+    clmha_status st;
+    if ((st = check_call(ctx, args, &b, &a, &d)) ||
+        (st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
+        (st = check_buffers(ctx, &b, &a, &d)) ||
+        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, d.core.d, &l)))
+        return st;
+    st = enqueue(l, &b, &a, &d, num_wait, wait_list, event);
+    clmha__attention_unlock(ctx);
+    return st;
+}
+
+// ---- the host-array form ------------------------------------------------------------------------
+
+// The host arrays of clmha_attention_backward_host(): what the call reads is there, the output
+// gradient's count is the output's, a mask gradient asks for a float mask.
+static clmha_status check_host(clmha_context *ctx, const clmha_attention_args *a,
+                               const clmha__attention_dims *d, const float *grad_output,
+                               size_t grad_output_count, const float *grad_attn_mask) {
+    const char *missing = !a->query.data                                   ? "query.data"
+                          : !a->key.data                                   ? "key.data"
+                          : !a->value.data                                 ? "value.data"
+                          : a->attn_mask.kind && !a->attn_mask.tensor.data ? "attn_mask.tensor.data"
+                          : !grad_output                                   ? "grad_output"
+                                                                           : NULL;
+    if (missing) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is NULL", missing);
+    if (grad_output_count != d->output_count)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "grad_output_count is %zu, the output has %zu elements",
+                           grad_output_count, d->output_count);
+    if (grad_attn_mask && a->attn_mask.kind != CLMHA_MASK_FLOAT)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "grad_attn_mask is set but attn_mask is not a float mask");
+    return CLMHA_SUCCESS;
+}
+
+// The forward pass again (its output, for the backward), the output gradient uploaded, room for
+// the gradients: @p b filled with the layer's staging buffers.
+static clmha_status host_prepare(clmha_layer *l, clmha_attention_args *a,
+                                 clmha__attention_dims *d, const float *grad_output,
+                                 bool mask_grad, clmha_attention_backward_args *b) {
+    clmha__attention_out o;
+    clmha_status st;
+    if ((st = clmha__attention_upload(l, a, d, false, false, &o)) ||
+        (st = clmha__attention_enqueue(l, a, d, &o, 0, NULL, NULL)) ||
+        (st = clmha__host_upload(l, CLMHA__HOST_GRAD_OUTPUT, "grad_output", grad_output,
+                                 d->output_count * sizeof(float), &b->grad_output)))
+        return st;
+    size_t count[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
+    cl_mem *out[4] = {&b->grad_query, &b->grad_key, &b->grad_value, &b->grad_attn_mask};
+    static const char *const what[4] = {"grad_query", "grad_key", "grad_value",
+                                        "grad_attn_mask"};
+    for (int i = 0; i < (mask_grad ? 4 : 3); ++i)
+        if ((st = clmha__host_room(l, CLMHA__HOST_GRAD + i, what[i], count[i] * sizeof(float),
+                                   out[i])))
+            return st;
+    b->output = o.output;
+    return CLMHA_SUCCESS;
+}
+
+// Waits for the call and reads the gradients asked for (blocking reads).
+static clmha_status host_download(clmha_context *ctx, const clmha_attention_backward_args *b,
+                                  const clmha__attention_dims *d, float *const dst[4]) {
+    cl_mem src[4] = {b->grad_query, b->grad_key, b->grad_value, b->grad_attn_mask};
+    size_t count[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
+    cl_int err = clFinish(ctx->queue);
+    for (int i = 0; i < 4 && err == CL_SUCCESS; ++i)
+        if (dst[i])
+            err = clEnqueueReadBuffer(ctx->queue, src[i], CL_TRUE, 0, count[i] * sizeof(float),
+                                      dst[i], 0, NULL, NULL);
+    return err ? clmha__cl_fail(ctx, err, "reading the gradients") : CLMHA_SUCCESS;
+}
+
+clmha_status clmha_attention_backward_host(clmha_context *ctx, const clmha_attention_args *args,
+                                           const float *grad_output, size_t grad_output_count,
+                                           float *grad_query, float *grad_key,
+                                           float *grad_value, float *grad_attn_mask) {
+    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
+    clmha_attention_args a;
+    clmha__attention_dims d;
+    clmha_layer *l;
+    clmha_status st;
+    if ((st = clmha__attention_check_args(ctx, args, &a, &d, false, false)) ||
+        (st = check_host(ctx, &a, &d, grad_output, grad_output_count, grad_attn_mask)) ||
+        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, d.core.d, &l)))
+        return st;
+    clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &a};
+    float *const dst[4] = {grad_query, grad_key, grad_value, grad_attn_mask};
+    if ((st = host_prepare(l, &a, &d, grad_output, grad_attn_mask != NULL, &b)) ||
+        (st = enqueue(l, &b, &a, &d, 0, NULL, NULL)) ||
+        (st = host_download(ctx, &b, &d, dst)))
+        clmha__host_drop(l);
+    clmha__attention_unlock(ctx);
+    return st;
+}

@@ -1,0 +1,72 @@
+// Attention as a function: what the device form (attention.c) offers the host-array form
+// (attention_host.c).
+#ifndef CLMHA_FORWARD_ATTENTION_H
+#define CLMHA_FORWARD_ATTENTION_H
+
+#include <stdbool.h>
+
+#include "clmha.h"
+
+#include "base/defs.h"
+#include "layer/attention_shape.h"
+#include "layer/layer.h"
+
+// Where a call's results go (NULL lse or weights: not asked); offsets in floats.
+typedef struct clmha__attention_out {
+    cl_mem output, lse, weights;
+    size_t output_offset, lse_offset, weights_offset;
+} clmha__attention_out;
+
+// Reads the caller's @p args into @p in (this library's layout), resolves it into @p d, and
+// refuses what the cores cannot run: D_v ≠ D, and the log-sum-exp with the weights (@p lse,
+// @p weights: asked for).
+CLMHA__HIDDEN clmha_status clmha__attention_check_args(clmha_context *ctx,
+                                                       const clmha_attention_args *args,
+                                                       clmha_attention_args *in,
+                                                       clmha__attention_dims *d, bool lse,
+                                                       bool weights);
+
+// Enqueues checked call @p a (sizes @p d, buffers checked) on bare layer @p layer (the
+// attention cache locked): asks the dispatch for the core and reserves the scratch (nothing is
+// enqueued before those succeed), then waits for @p wait_list, stages the inputs, runs the core,
+// writes the results to @p out; the completion event in @p event.
+CLMHA__HIDDEN clmha_status clmha__attention_enqueue(clmha_layer *layer,
+                                                    const clmha_attention_args *a,
+                                                    const clmha__attention_dims *d,
+                                                    const clmha__attention_out *out,
+                                                    cl_uint num_wait, const cl_event *wait_list,
+                                                    cl_event *event);
+
+// The host-array forms (attention_host.c): uploads the `data` of @p a's query, key, value and
+// mask into bare layer @p l's staging slots (clmha__host_upload()) and points @p a's and @p d's
+// tensors at them (offset 0); makes room for the results in @p o (lse, weights: asked for).
+CLMHA__HIDDEN clmha_status clmha__attention_upload(clmha_layer *l, clmha_attention_args *a,
+                                                   clmha__attention_dims *d, bool lse,
+                                                   bool weights, clmha__attention_out *o);
+
+// The internal forward arguments of call @p a on bare layer @p l for the cores (masks in their
+// layouts, is_causal, dropout as training, rng, impl; per-head weights), and the layer's dropout
+// p set to the call's.
+CLMHA__HIDDEN clmha_forward_args clmha__attention_core_args(clmha_layer *l,
+                                                            const clmha_attention_args *a,
+                                                            const clmha__attention_dims *d);
+
+// Head tiles (N*@p heads, @p seq, D) of tensor @p t (@p count floats) for a core: *use is the
+// caller's buffer itself in (N, H, L, D) layout at offset 0 (the tiles are used at offset 0
+// only: CLBlast's batched GEMM ignores offsets on one of its paths), else @p scratch, filled by
+// a copy (NHLD) or by split_heads ((N, L, H, D), read as the layer's batch-first projected rows).
+CLMHA__HIDDEN clmha_status clmha__attention_stage(clmha_layer *l, const clmha__attention_dims *d,
+                                                  cl_mem scratch, const clmha_tensor *t,
+                                                  size_t heads, size_t seq, size_t count,
+                                                  cl_mem *use);
+
+// The way back: head tiles @p tile (N*@p heads, @p seq, D; @p count floats) into the caller's
+// @p out at @p out_offset in the call's layout: nothing when @p tile is @p out (written in
+// place), a copy (NHLD), or merge_heads (NLHD; through layer->proj when @p out_offset is not 0,
+// as merge_heads writes from element 0).
+CLMHA__HIDDEN clmha_status clmha__attention_unstage(clmha_layer *l,
+                                                    const clmha__attention_dims *d, cl_mem tile,
+                                                    size_t heads, size_t seq, size_t count,
+                                                    cl_mem out, size_t out_offset);
+
+#endif

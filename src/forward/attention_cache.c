@@ -1,0 +1,86 @@
+// The bare layers of clmha_attention_forward() (attention_cache.h). The context holds the cache
+// as an opaque pointer with its release hook (the context is below the layers); the layers hold
+// no reference to the context, so that the context's last release frees them (first, while its
+// queue and programs still exist).
+#include "forward/attention_cache.h"
+
+#include "context/context.h"
+#include "cores/core.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+
+typedef struct entry {
+    size_t heads, kv_heads, head_dim;
+    clmha_layer *layer;
+    struct entry *next;
+} entry;
+
+typedef struct cache {
+    pthread_mutex_t lock;  // held from clmha__attention_lock() to clmha__attention_unlock()
+    entry *first;
+} cache;
+
+static void cache_release(void *p) {
+    cache *c = p;
+    if (!c) return;
+    for (entry *e = c->first; e;) {
+        entry *next = e->next;
+        clmha_layer_release(e->layer);  // bare: releases no context
+        free(e);
+        e = next;
+    }
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
+// The cache of @p ctx, made on first use (under the context's lock); NULL when out of memory.
+static cache *cache_of(clmha_context *ctx) {
+    pthread_mutex_lock(&ctx->lock);
+    cache *c = ctx->attention;
+    if (!c && (c = calloc(1, sizeof *c)) != NULL) {
+        pthread_mutex_init(&c->lock, NULL);
+        ctx->attention = c;
+        ctx->attention_release = cache_release;
+    }
+    pthread_mutex_unlock(&ctx->lock);
+    return c;
+}
+
+// A new entry's bare layer with every core's state.
+static clmha_status make(clmha_context *ctx, cache *c, size_t heads, size_t kv_heads,
+                         size_t head_dim, clmha_layer **out) {
+    entry *e = calloc(1, sizeof *e);
+    if (!e) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    clmha_status st = clmha__layer_new_bare(&e->layer, ctx, heads, kv_heads, head_dim);
+    if (!st && (st = clmha__cores_create(e->layer))) clmha_layer_release(e->layer);
+    if (st) {
+        free(e);
+        return st;
+    }
+    *e = (entry){heads, kv_heads, head_dim, e->layer, c->first};
+    c->first = e;
+    *out = e->layer;
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__attention_lock(clmha_context *ctx, size_t heads, size_t kv_heads,
+                                   size_t head_dim, clmha_layer **layer) {
+    *layer = NULL;
+    cache *c = cache_of(ctx);
+    if (!c) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    pthread_mutex_lock(&c->lock);
+    for (entry *e = c->first; e; e = e->next)
+        if (e->heads == heads && e->kv_heads == kv_heads && e->head_dim == head_dim) {
+            *layer = e->layer;
+            return CLMHA_SUCCESS;
+        }
+    clmha_status st = make(ctx, c, heads, kv_heads, head_dim, layer);
+    if (st) pthread_mutex_unlock(&c->lock);
+    return st;
+}
+
+void clmha__attention_unlock(clmha_context *ctx) {
+    cache *c = ctx->attention;
+    pthread_mutex_unlock(&c->lock);
+}

@@ -1,0 +1,24 @@
+// The bare layers of clmha_attention_forward(), per context (attention_cache.c): one per
+// (H, H_kv, D), made on the first call that needs it, freed with the context.
+#ifndef CLMHA_FORWARD_ATTENTION_CACHE_H
+#define CLMHA_FORWARD_ATTENTION_CACHE_H
+
+#include <stddef.h>
+
+#include "clmha.h"
+
+#include "base/defs.h"
+#include "layer/layer.h"
+
+// Locks the attention cache of @p ctx (made on first use) and sets *layer to its bare layer for
+// (@p heads, @p kv_heads, @p head_dim), made on first use (clmha__layer_new_bare() and every
+// core's state). On success the cache stays locked until clmha__attention_unlock(): the layer
+// is the caller's alone until then. On failure it is unlocked and *layer is NULL.
+CLMHA__HIDDEN clmha_status clmha__attention_lock(clmha_context *ctx, size_t heads,
+                                                 size_t kv_heads, size_t head_dim,
+                                                 clmha_layer **layer);
+
+// Unlocks what clmha__attention_lock() locked.
+CLMHA__HIDDEN void clmha__attention_unlock(clmha_context *ctx);
+
+#endif

@@ -1,0 +1,109 @@
+// The host-array form of attention as a function (clmha_attention_forward_host()): the caller's
+// arrays are copied into the bare layer's staging buffers (staging.c), the device call runs
+// (attention.c), the queue is waited for, and only then are the results read into the caller's
+// arrays, so that a failed call writes none of them.
+#include "forward/attention.h"
+
+#include "forward/attention_cache.h"
+#include "forward/enqueue.h"
+#include "forward/staging.h"
+
+// The host arrays: present where the call reads or writes them, of the call's counts.
+static clmha_status check_host(clmha_context *ctx, const clmha_attention_args *a,
+                               const clmha__attention_dims *d, const float *output,
+                               size_t output_count, const float *lse, size_t lse_count,
+                               const float *weights, size_t weights_count) {
+    const char *missing = !a->query.data                                   ? "query.data"
+                          : !a->key.data                                   ? "key.data"
+                          : !a->value.data                                 ? "value.data"
+                          : a->attn_mask.kind && !a->attn_mask.tensor.data ? "attn_mask.tensor.data"
+                          : !output                                        ? "output"
+                                                                           : NULL;
+    if (missing) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is NULL", missing);
+    if (output_count != d->output_count)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "output_count is %zu, the output has %zu elements", output_count,
+                           d->output_count);
+    if (lse_count != (lse ? d->lse_count : 0))
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "lse_count is %zu: it must be %zu with lse, 0 without", lse_count,
+                           d->lse_count);
+    if (weights_count != (weights ? d->weights_count : 0))
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "weights_count is %zu: it must be %zu with weights, 0 without",
+                           weights_count, d->weights_count);
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__attention_upload(clmha_layer *l, clmha_attention_args *a,
+                                     clmha__attention_dims *d, bool lse, bool weights,
+                                     clmha__attention_out *o) {
+    clmha_status st;
+    clmha_tensor *t[3] = {&a->query, &a->key, &a->value};
+    size_t count[3] = {d->query_count, d->key_count, d->value_count};
+    static const int slot[3] = {CLMHA__HOST_QUERY, CLMHA__HOST_KEY, CLMHA__HOST_VALUE};
+    static const char *const what[3] = {"query", "key", "value"};
+    for (int i = 0; i < 3; ++i) {
+        if ((st = clmha__host_upload(l, slot[i], what[i], t[i]->data, count[i] * sizeof(float),
+                                     &t[i]->buffer)))
+            return st;
+        t[i]->offset = 0;
+    }
+    clmha_mask *m = d->attn.kind ? &d->attn : d->kpm.kind ? &d->kpm : NULL;
+    if (m) {
+        if ((st = clmha__host_upload(l, CLMHA__HOST_ATTN, "attn_mask", m->tensor.data,
+                                     d->mask_count * clmha__mask_elem(m->kind),
+                                     &m->tensor.buffer)))
+            return st;
+        m->tensor.offset = 0;
+    }
+    *o = (clmha__attention_out){0};
+    if ((st = clmha__host_room(l, CLMHA__HOST_OUTPUT, "output", d->output_count * sizeof(float),
+                               &o->output)) ||
+        (lse && (st = clmha__host_room(l, CLMHA__HOST_GRAD, "lse", d->lse_count * sizeof(float),
+                                       &o->lse))) ||
+        (weights && (st = clmha__host_room(l, CLMHA__HOST_WEIGHTS, "weights",
+                                           d->weights_count * sizeof(float), &o->weights))))
+        return st;
+    return CLMHA_SUCCESS;
+}
+
+// Waits for the call and reads its results (blocking reads).
+static clmha_status download(clmha_context *ctx, const clmha__attention_out *o,
+                             const clmha__attention_dims *d, float *output, float *lse,
+                             float *weights) {
+    cl_int err = clFinish(ctx->queue);
+    if (err == CL_SUCCESS)
+        err = clEnqueueReadBuffer(ctx->queue, o->output, CL_TRUE, 0,
+                                  d->output_count * sizeof(float), output, 0, NULL, NULL);
+    if (err == CL_SUCCESS && lse)
+        err = clEnqueueReadBuffer(ctx->queue, o->lse, CL_TRUE, 0, d->lse_count * sizeof(float),
+                                  lse, 0, NULL, NULL);
+    if (err == CL_SUCCESS && weights)
+        err = clEnqueueReadBuffer(ctx->queue, o->weights, CL_TRUE, 0,
+                                  d->weights_count * sizeof(float), weights, 0, NULL, NULL);
+    return err ? clmha__cl_fail(ctx, err, "reading the attention results") : CLMHA_SUCCESS;
+}
+
+clmha_status clmha_attention_forward_host(clmha_context *ctx, const clmha_attention_args *args,
+                                          float *output, size_t output_count, float *lse,
+                                          size_t lse_count, float *weights,
+                                          size_t weights_count) {
+    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
+    clmha_attention_args a;
+    clmha__attention_dims d;
+    clmha_layer *l;
+    clmha_status st;
+    if ((st = clmha__attention_check_args(ctx, args, &a, &d, lse != NULL, weights != NULL)) ||
+        (st = check_host(ctx, &a, &d, output, output_count, lse, lse_count, weights,
+                         weights_count)) ||
+        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, d.core.d, &l)))
+        return st;
+    clmha__attention_out o;
+    if ((st = clmha__attention_upload(l, &a, &d, lse != NULL, weights != NULL, &o)) ||
+        (st = clmha__attention_enqueue(l, &a, &d, &o, 0, NULL, NULL)) ||
+        (st = download(ctx, &o, &d, output, lse, weights)))
+        clmha__host_drop(l);
+    clmha__attention_unlock(ctx);
+    return st;
+}

@@ -1,0 +1,221 @@
+// Shape checking of scaled dot-product attention calls (attention_shape.h), shared by the device
+// function and the CPU reference.
+#include "layer/attention_shape.h"
+
+#include "base/checked.h"
+#include "base/message.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { N_, H_, T_, F_ };  // indices of clmha__attention_sizes(): batch, heads, sequence, features
+
+void clmha__attention_sizes(const clmha_tensor *t, clmha_attention_layout layout, size_t out[4]) {
+    const size_t *s = t->shape;
+    bool batched = t->ndim == 4;
+    size_t a = batched ? s[1] : s[0], b = batched ? s[2] : s[1];
+    out[N_] = batched ? s[0] : 1;
+    out[H_] = layout == CLMHA_LAYOUT_NLHD ? b : a;
+    out[T_] = layout == CLMHA_LAYOUT_NLHD ? a : b;
+    out[F_] = batched ? s[3] : s[2];
+}
+
+// How the query's shape reads in @p layout, for messages.
+static const char *pattern(clmha_attention_layout layout, bool batched, char which) {
+    if (which == 'q')
+        return layout == CLMHA_LAYOUT_NLHD ? (batched ? "(N, L, H, D)" : "(L, H, D)")
+                                           : (batched ? "(N, H, L, D)" : "(H, L, D)");
+    if (which == 'k')
+        return layout == CLMHA_LAYOUT_NLHD ? (batched ? "(N, S, H_kv, D)" : "(S, H_kv, D)")
+                                           : (batched ? "(N, H_kv, S, D)" : "(H_kv, S, D)");
+    return layout == CLMHA_LAYOUT_NLHD ? (batched ? "(N, S, H_kv, D_v)" : "(S, H_kv, D_v)")
+                                       : (batched ? "(N, H_kv, S, D_v)" : "(H_kv, S, D_v)");
+}
+
+// The product of @p count sizes, false on overflow (with room for 8-byte elements).
+static bool product(const size_t *sizes, size_t count, size_t *out) {
+    size_t c = 1;
+    for (size_t i = 0; i < count; ++i)
+        if (!clmha__mul(c, sizes[i], &c)) return false;
+    if (c > SIZE_MAX / sizeof(double)) return false;
+    *out = c;
+    return true;
+}
+
+// The query, key and value: ranks, positive sizes, and their agreement.
+static clmha_status check_tensors(const clmha_attention_args *a, size_t q[4], size_t k[4],
+                                  size_t v[4], char *msg, size_t msg_size) {
+    char shape[96];
+    const clmha_tensor *t[3] = {&a->query, &a->key, &a->value};
+    const char *name[3] = {"query", "key", "value"};
+    bool batched = a->query.ndim == 4;
+    for (int i = 0; i < 3; ++i) {
+        if (t[i]->ndim != 3 && t[i]->ndim != 4)
+            return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                              "%s has %zu dimensions: it must be %s, or 3-D unbatched", name[i],
+                              t[i]->ndim, pattern(a->layout, true, "qkv"[i]));
+        if (t[i]->ndim != a->query.ndim)
+            return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                              "%s is %s but the query is %zu-D: it must be %s", name[i],
+                              clmha__shape_str(shape, sizeof shape, t[i]->ndim, t[i]->shape),
+                              a->query.ndim, pattern(a->layout, batched, "qkv"[i]));
+        for (size_t j = 0; j < t[i]->ndim; ++j)
+            if (!t[i]->shape[j])
+                return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                                  "%s is %s: every size must be positive", name[i],
+                                  clmha__shape_str(shape, sizeof shape, t[i]->ndim,
+                                                   t[i]->shape));
+    }
+    clmha__attention_sizes(&a->query, a->layout, q);
+    clmha__attention_sizes(&a->key, a->layout, k);
+    clmha__attention_sizes(&a->value, a->layout, v);
+    const char *ks = clmha__shape_str(shape, sizeof shape, a->key.ndim, a->key.shape);
+    if (k[N_] != q[N_] || k[F_] != q[F_])
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "key is %s, %s: its N (%zu) and D (%zu) must equal the query's "
+                          "(%zu, %zu)",
+                          ks, pattern(a->layout, batched, 'k'), k[N_], k[F_], q[N_], q[F_]);
+    const char *vs = clmha__shape_str(shape, sizeof shape, a->value.ndim, a->value.shape);
+    if (v[N_] != k[N_] || v[H_] != k[H_] || v[T_] != k[T_])
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "value is %s, %s: its N, H_kv and S (%zu, %zu, %zu) must equal the "
+                          "key's (%zu, %zu, %zu)",
+                          vs, pattern(a->layout, batched, 'v'), v[N_], v[H_], v[T_], k[N_],
+                          k[H_], k[T_]);
+    if (!a->enable_gqa && k[H_] != q[H_])
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "the key and value have %zu heads, the query %zu: they must be equal, "
+                          "or set enable_gqa (grouped-query attention: H_kv divides H)",
+                          k[H_], q[H_]);
+    if (q[H_] % k[H_])
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "enable_gqa: the key and value's %zu heads must divide the query's %zu",
+                          k[H_], q[H_]);
+    return CLMHA_SUCCESS;
+}
+
+// The options: layout, scale, dropout_p, impl, is_causal with a mask.
+static clmha_status check_options(const clmha_attention_args *a, char *msg, size_t msg_size) {
+    if (a->layout != CLMHA_LAYOUT_NHLD && a->layout != CLMHA_LAYOUT_NLHD)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "layout is %d: it must be CLMHA_LAYOUT_NHLD (0) or CLMHA_LAYOUT_NLHD (1)",
+                          (int)a->layout);
+    if (!isfinite(a->scale))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "scale is %g: it must be finite (0 means 1/sqrt(D))", a->scale);
+    if (!(a->dropout_p >= 0.0f && a->dropout_p < 1.0f))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "dropout_p (%g) must be in [0, 1)", (double)a->dropout_p);
+    if (a->impl != CLMHA_IMPL_AUTO && a->impl != CLMHA_IMPL_FUSED &&
+        a->impl != CLMHA_IMPL_UNFUSED)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "impl is %d: it must be CLMHA_IMPL_AUTO, _FUSED or _UNFUSED",
+                          (int)a->impl);
+    if (a->is_causal && a->attn_mask.kind != CLMHA_MASK_NONE)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "attn_mask and is_causal are both set: give one (as "
+                          "scaled_dot_product_attention; a causal mask can be part of attn_mask)");
+    return CLMHA_SUCCESS;
+}
+
+// Where mask @p m of (a, b, c, S) (its shape with leading ones to 4-D) goes for a call of
+// sizes (n, h, l, s): into d->attn (attn_layout) or d->kpm; false when the cores have no layout
+// for it.
+static bool place_mask(const clmha_mask *m, const size_t x[4], size_t n, size_t h, size_t l,
+                       clmha__attention_dims *d) {
+    size_t a = x[0], b = x[1], c = x[2];
+    clmha__attn_layout layout = CLMHA__ATTN_NONE;
+    if (c == l) {
+        if (a == 1 && b == 1) layout = CLMHA__ATTN_SHARED;
+        else if (a == n && b == 1) layout = CLMHA__ATTN_PER_BATCH;
+        else if (b == h && (a == n || (a == 1 && n == 1))) layout = CLMHA__ATTN_PER_HEAD;
+    }
+    if (layout) {
+        d->attn = *m;
+        d->core.attn_layout = layout;
+        d->core.attn_kind = m->kind;
+        return true;
+    }
+    if (c == 1 && b == 1 && (a == n || (a == 1 && n == 1))) {  // a row of keys per batch item
+        d->kpm = *m;
+        d->core.kpm_kind = m->kind;
+        return true;
+    }
+    return false;
+}
+
+static clmha_status check_mask(const clmha_attention_args *args, const size_t q[4],
+                               const size_t k[4], clmha__attention_dims *d, char *msg,
+                               size_t msg_size) {
+    const clmha_mask *m = &args->attn_mask;
+    char shape[96];
+    if (m->kind == CLMHA_MASK_NONE) {
+        if (m->tensor.ndim || m->per_batch)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                              "attn_mask has kind CLMHA_MASK_NONE but a tensor or per_batch");
+        return CLMHA_SUCCESS;
+    }
+    if (m->kind != CLMHA_MASK_BOOL_IGNORE && m->kind != CLMHA_MASK_BOOL_ATTEND &&
+        m->kind != CLMHA_MASK_FLOAT)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK, "attn_mask has unknown kind %d",
+                          (int)m->kind);
+    if (m->per_batch)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                          "attn_mask.per_batch is set: a mask per batch item is (N, 1, L, S) "
+                          "here, per_batch must be false");
+    size_t n = q[N_], h = q[H_], l = q[T_], s = k[T_], x[4] = {1, 1, 1, 1};
+    const clmha_tensor *t = &m->tensor;
+    bool fits = t->ndim >= 1 && t->ndim <= args->query.ndim && t->shape[t->ndim - 1] == s;
+    for (size_t i = 0; fits && i < t->ndim; ++i) x[4 - t->ndim + i] = t->shape[i];
+    if (!fits || !place_mask(m, x, n, h, l, d))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
+                          "attn_mask is %s: for N %zu, H %zu, L %zu and S %zu it must be (L, S), "
+                          "(1, L, S), (1, 1, L, S), (N, 1, L, S), (N, H, L, S) or (N, 1, 1, S) "
+                          "(N 1 also (H, L, S) and (S) forms; unbatched at most 3-D)",
+                          clmha__shape_str(shape, sizeof shape, t->ndim, t->shape), n, h, l, s);
+    if (!product(t->shape, t->ndim, &d->mask_count))
+        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "attn_mask's size overflows");
+    if (d->kpm.kind) d->core.kpm_count = d->mask_count;
+    else d->core.attn_count = d->mask_count;
+    return CLMHA_SUCCESS;
+}
+
+// The element counts of @p d, false on overflow.
+static bool counts(const size_t q[4], const size_t k[4], const size_t v[4],
+                   clmha__attention_dims *d) {
+    size_t out[4] = {q[N_], q[H_], q[T_], v[F_]}, w[4] = {q[N_], q[H_], q[T_], k[T_]};
+    size_t e[2] = {q[H_], q[F_]};
+    return product(q, 4, &d->query_count) && product(k, 4, &d->key_count) &&
+           product(v, 4, &d->value_count) && product(out, 4, &d->output_count) &&
+           product(out, 3, &d->lse_count) && product(w, 4, &d->weights_count) &&
+           product(e, 2, &d->core.e);
+}
+
+clmha_status clmha__attention_resolve(const clmha_attention_args *args, clmha__attention_dims *d,
+                                      char *msg, size_t msg_size) {
+    memset(d, 0, sizeof *d);
+    size_t q[4], k[4], v[4];
+    clmha_status st;
+    if ((st = check_options(args, msg, msg_size)) ||
+        (st = check_tensors(args, q, k, v, msg, msg_size)))
+        return st;
+    if (!counts(q, k, v, d))
+        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
+                          "the sizes of the query, key, value or results overflow");
+    if ((st = check_mask(args, q, k, d, msg, msg_size))) return st;
+    clmha__dims *c = &d->core;
+    c->batched = args->query.ndim == 4;
+    c->batch_first = true;
+    c->n = q[N_], c->l = q[T_], c->s = c->s_padded = k[T_];
+    c->h = q[H_], c->d = q[F_], c->kvh = k[H_];
+    c->kdim = c->vdim = c->e;
+    c->query_count = d->query_count, c->key_count = d->key_count;
+    c->value_count = d->value_count;
+    c->output_count = d->output_count;
+    c->weights_count = c->scores_count = d->weights_count;
+    d->layout = args->layout;
+    d->dv = v[F_];
+    d->scale = args->scale != 0.0 ? args->scale : 1.0 / sqrt((double)q[F_]);
+    return CLMHA_SUCCESS;
+}

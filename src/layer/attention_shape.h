@@ -1,0 +1,44 @@
+// Shapes of scaled dot-product attention (clmha_attention_args): the checks and sizes of one
+// call, shared by the device function (src/forward/attention.c) and the CPU reference
+// (src/reference/reference_attention.c), so that both accept and refuse exactly the same calls;
+// and the call as the attention cores see it (a clmha__dims, the masks in their layouts).
+#ifndef CLMHA_LAYER_ATTENTION_SHAPE_H
+#define CLMHA_LAYER_ATTENTION_SHAPE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "clmha.h"
+
+#include "base/defs.h"
+#include "layer/shape.h"
+
+// One resolved call.
+typedef struct clmha__attention_dims {
+    // What the cores read: n, l, s (= s_padded: no appended keys), h, d, kvh, e = h * d, the
+    // mask kinds and attn_layout, scores_count = n*h*l*s; batch_first (the NLHD rows are the
+    // layer's batch-first projected rows), batched as the query.
+    clmha__dims core;
+    clmha_attention_layout layout;
+    size_t dv;      // the value's last dimension (D_v)
+    double scale;   // the scores' factor: the caller's, or 1/sqrt(D)
+    // The caller's attn_mask as the cores take it: as attn_mask (core.attn_layout), or as
+    // key_padding_mask (N, S) for the (N, 1, 1, S) shapes; the other is kind NONE.
+    clmha_mask attn, kpm;
+    size_t query_count, key_count, value_count, mask_count;  // elements
+    size_t output_count, lse_count, weights_count;           // elements
+} clmha__attention_dims;
+
+// Checks @p args (in this library's layout) and fills @p d. On failure writes a message naming
+// the argument and its shape (in the call's layout) to @p msg and returns the status. Does not
+// look at buffers or data pointers; D_v may differ from D here (the caller refuses what it
+// cannot run).
+CLMHA__HIDDEN clmha_status clmha__attention_resolve(const clmha_attention_args *args,
+                                                    clmha__attention_dims *d, char *msg,
+                                                    size_t msg_size);
+
+// The (n, heads, seq, feat) of tensor @p t in @p layout (3-D: n = 1).
+CLMHA__HIDDEN void clmha__attention_sizes(const clmha_tensor *t, clmha_attention_layout layout,
+                                          size_t out[4]);
+
+#endif

@@ -1,0 +1,246 @@
+// CPU reference of attention as a function (clmha_reference_attention()) in double precision:
+// scaled dot-product attention written as plainly as PyTorch's documentation of
+// scaled_dot_product_attention gives it, one (batch item, head, query row) at a time:
+//
+//   scores = q·kᵀ·scale + attn_mask (or the causal mask) -> softmax -> dropout -> ·v
+//
+// with the library's rules where PyTorch has none (zeros for a fully masked row, the Philox
+// dropout of clmha_dropout_rng). Shapes are checked by the same code as the device function
+// (src/layer/attention_shape.c), so both accept and refuse exactly the same calls.
+#include "base/message.h"
+#include "base/philox.h"
+#include "base/struct_in.h"
+#include "layer/attention_shape.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+// Element (n, h, t, f) of a tensor of @p heads heads, @p seq positions and @p feat features
+// in @p layout.
+static size_t at(clmha_attention_layout layout, size_t heads, size_t seq, size_t feat,
+                 size_t n, size_t h, size_t t, size_t f) {
+    return layout == CLMHA_LAYOUT_NLHD ? ((n * seq + t) * heads + h) * feat + f
+                                       : ((n * heads + h) * seq + t) * feat + f;
+}
+
+// The additive mask term of score (n, h, i, j): the caller's attn_mask (in the place the
+// cores read it from) and is_causal.
+static double mask_term(const clmha__attention_dims *d, bool causal, size_t n, size_t h,
+                        size_t i, size_t j) {
+    const clmha__dims *c = &d->core;
+    if (causal && j > i) return -INFINITY;
+    const clmha_mask *m = d->attn.kind ? &d->attn : d->kpm.kind ? &d->kpm : NULL;
+    if (!m) return 0.0;
+    size_t k = d->kpm.kind                             ? n * c->s + j
+               : c->attn_layout == CLMHA__ATTN_SHARED  ? i * c->s + j
+               : c->attn_layout == CLMHA__ATTN_PER_HEAD ? ((n * c->h + h) * c->l + i) * c->s + j
+                                                        : (n * c->l + i) * c->s + j;
+    if (m->kind == CLMHA_MASK_FLOAT) return ((const float *)m->tensor.data)[k];
+    bool on = ((const unsigned char *)m->tensor.data)[k] != 0;
+    bool allowed = m->kind == CLMHA_MASK_BOOL_ATTEND ? on : !on;
+    return allowed ? 0.0 : -INFINITY;
+}
+
+// One query row (n, h, i): its weights into @p p (S doubles), its result into @p out, its
+// log-sum-exp returned.
+static double row(const clmha_attention_args *a, const clmha__attention_dims *d, size_t n,
+                  size_t h, size_t i, double *p, double *out) {
+    const clmha__dims *c = &d->core;
+    const float *q = a->query.data, *k = a->key.data, *v = a->value.data;
+    size_t kh = h / (c->h / c->kvh);
+    double m = -INFINITY;
+    for (size_t j = 0; j < c->s; ++j) {
+        double acc = 0.0;
+        for (size_t f = 0; f < c->d; ++f)
+            acc += (double)q[at(d->layout, c->h, c->l, c->d, n, h, i, f)] *
+                   (double)k[at(d->layout, c->kvh, c->s, c->d, n, kh, j, f)];
+        p[j] = acc * d->scale + mask_term(d, a->is_causal, n, h, i, j);
+        if (p[j] > m || isnan(p[j])) m = isnan(m) ? m : p[j];
+    }
+    double sum = 0.0;
+    for (size_t j = 0; j < c->s; ++j) {
+        p[j] = m == -INFINITY ? 0.0 : exp(p[j] - m);
+        sum += p[j];
+    }
+    uint32_t threshold = clmha__dropout_threshold(a->dropout_p);
+    double keep = 1.0 / (1.0 - (double)a->dropout_p);
+    for (size_t j = 0; j < c->s; ++j) {
+        p[j] = m == -INFINITY ? 0.0 : p[j] / sum;
+        if (a->dropout_p > 0.0f)
+            p[j] = clmha__dropout_keep(a->rng, threshold, n * c->h + h, i, j) ? p[j] * keep : 0.0;
+    }
+    for (size_t f = 0; f < d->dv; ++f) {
+        double acc = 0.0;
+        for (size_t j = 0; j < c->s; ++j)
+            acc += p[j] * (double)v[at(d->layout, c->kvh, c->s, d->dv, n, kh, j, f)];
+        out[f] = acc;
+    }
+    return m == -INFINITY ? -INFINITY : m + log(sum);
+}
+
+// The host arrays: present where the call reads or writes them, of the call's counts.
+static clmha_status check_arrays(const clmha_attention_args *a, const clmha__attention_dims *d,
+                                 const double *output, size_t output_count, const double *lse,
+                                 size_t lse_count, const double *weights, size_t weights_count,
+                                 char *msg, size_t msg_size) {
+    const char *missing = !a->query.data                                   ? "query.data"
+                          : !a->key.data                                   ? "key.data"
+                          : !a->value.data                                 ? "value.data"
+                          : a->attn_mask.kind && !a->attn_mask.tensor.data ? "attn_mask.tensor.data"
+                          : !output                                        ? "output"
+                                                                           : NULL;
+    if (missing) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s is NULL", missing);
+    if (output_count != d->output_count)
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "output_count is %zu, the output has %zu elements", output_count,
+                          d->output_count);
+    if (lse_count != (lse ? d->lse_count : 0))
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "lse_count is %zu: it must be %zu with lse, 0 without", lse_count,
+                          d->lse_count);
+    if (weights_count != (weights ? d->weights_count : 0))
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "weights_count is %zu: it must be %zu with weights, 0 without",
+                          weights_count, d->weights_count);
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_reference_attention(const clmha_attention_args *args, double *output,
+                                       size_t output_count, double *lse, size_t lse_count,
+                                       double *weights, size_t weights_count, char *message,
+                                       size_t message_size) {
+    if (message && message_size) message[0] = '\0';
+    clmha_attention_args a;
+    clmha__attention_dims d;
+    clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, &a, args, "args", message,
+                                       message_size);
+    if (st || (st = clmha__attention_resolve(&a, &d, message, message_size)) ||
+        (st = check_arrays(&a, &d, output, output_count, lse, lse_count, weights,
+                           weights_count, message, message_size)))
+        return st;
+    const clmha__dims *c = &d.core;
+    double *p = malloc(c->s * sizeof *p), *out = malloc(d.dv * sizeof *out);
+    if (!p || !out) {
+        free(p);
+        free(out);
+        return clmha__msg(message, message_size, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    }
+    for (size_t n = 0; n < c->n; ++n)
+        for (size_t h = 0; h < c->h; ++h)
+            for (size_t i = 0; i < c->l; ++i) {
+                size_t r = (n * c->h + h) * c->l + i;
+                double x = row(&a, &d, n, h, i, p, out);
+                if (lse) lse[r] = x;
+                for (size_t j = 0; weights && j < c->s; ++j) weights[r * c->s + j] = p[j];
+                for (size_t f = 0; f < d.dv; ++f)
+                    output[at(d.layout, c->h, c->l, d.dv, n, h, i, f)] = out[f];
+            }
+    free(p);
+    free(out);
+    return CLMHA_SUCCESS;
+}
+
+// ---- the backward pass --------------------------------------------------------------------------
+
+// The index of score (n, h, i, j)'s term in the caller's mask (as mask_term() reads it).
+static size_t mask_index(const clmha__attention_dims *d, size_t n, size_t h, size_t i, size_t j) {
+    const clmha__dims *c = &d->core;
+    return d->kpm.kind                             ? n * c->s + j
+           : c->attn_layout == CLMHA__ATTN_SHARED  ? i * c->s + j
+           : c->attn_layout == CLMHA__ATTN_PER_HEAD ? ((n * c->h + h) * c->l + i) * c->s + j
+                                                    : (n * c->l + i) * c->s + j;
+}
+
+// What one row's backward needs: the gradients (zeroed by the caller) and scratch: S doubles
+// each for the probabilities before dropout and their gradient, D_v for the row's output.
+typedef struct grads_out {
+    double *dq, *dk, *dv, *dmask;
+    double *p, *dp, *out;
+} grads_out;
+
+// The backward of query row (n, h, i) given its output gradient @p g (D_v floats in the
+// output's layout): softmax'(P)·(dO·Vᵀ ⊙ dropout), into dq, dk, dv and the mask's gradient.
+static void row_backward(const clmha_attention_args *a, const clmha__attention_dims *d,
+                         size_t n, size_t h, size_t i, const float *grad_output, grads_out *o) {
+    const clmha__dims *c = &d->core;
+    const float *q = a->query.data, *k = a->key.data, *v = a->value.data;
+    size_t kh = h / (c->h / c->kvh);
+    double *p = o->p, *dp = o->dp;
+    // The probabilities without dropout: row() with dropout off.
+    clmha_attention_args plain = *a;
+    plain.dropout_p = 0.0f;
+    row(&plain, d, n, h, i, p, o->out);
+    uint32_t threshold = clmha__dropout_threshold(a->dropout_p);
+    double keep = 1.0 / (1.0 - (double)a->dropout_p), dot = 0.0;
+    for (size_t j = 0; j < c->s; ++j) {
+        double dpd = 0.0, kept = 1.0;  // dPd_j = dO · v_j; the dropout factor of weight j
+        for (size_t f = 0; f < d->dv; ++f)
+            dpd += (double)grad_output[at(d->layout, c->h, c->l, d->dv, n, h, i, f)] *
+                   (double)v[at(d->layout, c->kvh, c->s, d->dv, n, kh, j, f)];
+        if (a->dropout_p > 0.0f)
+            kept = clmha__dropout_keep(a->rng, threshold, n * c->h + h, i, j) ? keep : 0.0;
+        for (size_t f = 0; f < d->dv; ++f)  // dv_j += Pd_j dO
+            o->dv[at(d->layout, c->kvh, c->s, d->dv, n, kh, j, f)] +=
+                p[j] * kept *
+                (double)grad_output[at(d->layout, c->h, c->l, d->dv, n, h, i, f)];
+        dp[j] = dpd * kept;
+        dot += p[j] * dp[j];
+    }
+    for (size_t j = 0; j < c->s; ++j) {
+        double ds = p[j] * (dp[j] - dot);  // the score's gradient
+        if (o->dmask) o->dmask[mask_index(d, n, h, i, j)] += ds;
+        for (size_t f = 0; f < c->d; ++f) {
+            size_t qi = at(d->layout, c->h, c->l, c->d, n, h, i, f);
+            size_t ki = at(d->layout, c->kvh, c->s, c->d, n, kh, j, f);
+            o->dq[qi] += d->scale * ds * (double)k[ki];
+            o->dk[ki] += d->scale * ds * (double)q[qi];
+        }
+    }
+}
+
+clmha_status clmha_reference_attention_backward(const clmha_attention_args *args,
+                                                const float *grad_output,
+                                                const clmha_reference_grads *grads,
+                                                char *message, size_t message_size) {
+    if (message && message_size) message[0] = '\0';
+    clmha_attention_args a;
+    clmha_reference_grads g;
+    clmha__attention_dims d;
+    double none;
+    clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, &a, args, "args", message,
+                                       message_size);
+    if (st || (st = CLMHA__STRUCT_IN(clmha_reference_grads, &g, grads, "grads", message,
+                                     message_size)) ||
+        (st = clmha__attention_resolve(&a, &d, message, message_size)) ||
+        (st = check_arrays(&a, &d, &none, d.output_count, NULL, 0, NULL, 0, message,
+                           message_size)))
+        return st;
+    if (!grad_output)
+        return clmha__msg(message, message_size, CLMHA_INVALID_ARGUMENT, "grad_output is NULL");
+    if (g.attn_mask && a.attn_mask.kind != CLMHA_MASK_FLOAT)
+        return clmha__msg(message, message_size, CLMHA_INVALID_ARGUMENT,
+                          "grads->attn_mask is set but attn_mask is not a float mask");
+    const clmha__dims *c = &d.core;
+    size_t counts[4] = {d.query_count, d.key_count, d.value_count, d.mask_count};
+    double *mine[4] = {NULL, NULL, NULL, NULL}, *want[4] = {g.query, g.key, g.value, g.attn_mask};
+    grads_out o = {.p = malloc(c->s * sizeof(double)), .dp = malloc(c->s * sizeof(double)),
+                   .out = malloc(d.dv * sizeof(double))};
+    bool ok = o.p && o.dp && o.out;
+    for (int t = 0; t < 4 && ok; ++t)  // every gradient, kept only where asked for
+        ok = (mine[t] = calloc(counts[t] ? counts[t] : 1, sizeof(double))) != NULL;
+    if (ok) {
+        o.dq = mine[0], o.dk = mine[1], o.dv = mine[2];
+        o.dmask = a.attn_mask.kind == CLMHA_MASK_FLOAT ? mine[3] : NULL;
+        for (size_t n = 0; n < c->n; ++n)
+            for (size_t h = 0; h < c->h; ++h)
+                for (size_t i = 0; i < c->l; ++i) row_backward(&a, &d, n, h, i, grad_output, &o);
+        for (int t = 0; t < 4; ++t)
+            for (size_t x = 0; want[t] && x < counts[t]; ++x) want[t][x] = mine[t][x];
+    }
+    for (int t = 0; t < 4; ++t) free(mine[t]);
+    free(o.p);
+    free(o.dp);
+    free(o.out);
+    return ok ? CLMHA_SUCCESS
+              : clmha__msg(message, message_size, CLMHA_OUT_OF_MEMORY, "out of host memory");
+}

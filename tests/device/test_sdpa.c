@@ -1,0 +1,686 @@
+// Attention as a function (clmha_attention_forward, _forward_host, _output_counts) against the
+// double-precision CPU reference (clmha_reference_attention): both layouts, batched and
+// unbatched, L ≠ S, is_causal, a custom scale, grouped-query attention, dropout, every
+// attn_mask shape and kind the function takes, each through the fused and the unfused core,
+// the log-sum-exp rows and the weights; the device form with the tensors at offsets in their
+// buffers. Then the refusals: their statuses and messages, nothing written, *event NULL.
+// The reference's own numbers are checked against a hand-computed case.
+#include <criterion/criterion.h>
+
+#include <clmha.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "support.h"
+
+#define TOLERANCE 1e-4
+
+// One case: sizes (H_kv 0: H), layout, mask (rank 0: none), options.
+typedef struct scase {
+    const char *name;
+    clmha_attention_layout layout;
+    bool batched;
+    size_t n, h, hkv, l, s, d;
+    size_t mask_ndim, mask_shape[4];
+    clmha_mask_kind mask_kind;
+    bool causal, gqa, dead_row;  // dead_row: the mask forbids every key of query row 1
+    double scale;
+    float dropout;
+} scase;
+
+// The host arrays of a case and its argument struct.
+typedef struct sdata {
+    clmha_attention_args args;
+    float *q, *k, *v, *fmask;
+    unsigned char *bmask;
+    size_t nq, nk, nv, nm, nout, nlse, nw;
+} sdata;
+
+static size_t prod(const size_t *x, size_t k) {
+    size_t p = 1;
+    for (size_t i = 0; i < k; ++i) p *= x[i];
+    return p;
+}
+
+// A tensor's shape in the case's layout: (N,) heads, seq, feat or (N,) seq, heads, feat.
+static clmha_tensor tensor_of(const scase *c, size_t heads, size_t seq, size_t feat,
+                              const float *data) {
+    clmha_tensor t = {.ndim = c->batched ? 4 : 3, .data = data};
+    size_t *s = t.shape;
+    if (c->batched) *s++ = c->n;
+    bool nlhd = c->layout == CLMHA_LAYOUT_NLHD;
+    s[0] = nlhd ? seq : heads;
+    s[1] = nlhd ? heads : seq;
+    s[2] = feat;
+    return t;
+}
+
+static void sdata_make(sdata *x, const scase *c, uint64_t seed) {
+    prng r = {seed};
+    size_t n = c->batched ? c->n : 1, hkv = c->hkv ? c->hkv : c->h;
+    memset(x, 0, sizeof *x);
+    x->nq = n * c->h * c->l * c->d, x->nk = x->nv = n * hkv * c->s * c->d;
+    x->nout = x->nq, x->nlse = n * c->h * c->l, x->nw = x->nlse * c->s;
+    x->q = normal_floats(&r, x->nq);
+    x->k = normal_floats(&r, x->nk);
+    x->v = normal_floats(&r, x->nv);
+    x->args = (clmha_attention_args){.struct_size = sizeof x->args, .layout = c->layout,
+                                     .is_causal = c->causal, .scale = c->scale,
+                                     .dropout_p = c->dropout, .enable_gqa = c->gqa,
+                                     .rng = {.seed = 0x5eed0000u + seed, .offset = 3}};
+    x->args.query = tensor_of(c, c->h, c->l, c->d, x->q);
+    x->args.key = tensor_of(c, hkv, c->s, c->d, x->k);
+    x->args.value = tensor_of(c, hkv, c->s, c->d, x->v);
+    if (!c->mask_ndim) return;
+    x->nm = prod(c->mask_shape, c->mask_ndim);
+    clmha_mask *m = &x->args.attn_mask;
+    m->kind = c->mask_kind;
+    m->tensor.ndim = c->mask_ndim;
+    memcpy(m->tensor.shape, c->mask_shape, sizeof c->mask_shape);
+    size_t s = c->s;
+    if (c->mask_kind == CLMHA_MASK_FLOAT) {
+        x->fmask = alloc_floats(x->nm);
+        for (size_t i = 0; i < x->nm; ++i)
+            x->fmask[i] = prng_uniform(&r) < 0.2 ? -INFINITY : (float)(prng_uniform(&r) * 3 - 2);
+        if (c->dead_row)
+            for (size_t j = 0; j < s; ++j) x->fmask[s + j] = -INFINITY;  // row 1 of plane 0
+        m->tensor.data = x->fmask;
+        return;
+    }
+    x->bmask = malloc(x->nm);
+    cr_assert(x->bmask);
+    bool attend = c->mask_kind == CLMHA_MASK_BOOL_ATTEND;
+    for (size_t i = 0; i < x->nm; ++i) x->bmask[i] = (prng_uniform(&r) < 0.7) == attend;
+    if (c->dead_row)
+        for (size_t j = 0; j < s; ++j) x->bmask[s + j] = !attend;
+    m->tensor.data = x->bmask;
+}
+
+static void sdata_free(sdata *x) {
+    free(x->q), free(x->k), free(x->v), free(x->fmask), free(x->bmask);
+}
+
+// Largest difference of two log-sum-exp arrays: equal infinities agree.
+static double lse_err(const float *got, const double *want, size_t count) {
+    double worst = 0.0;
+    for (size_t i = 0; i < count; ++i) {
+        if (isinf(want[i]) && got[i] == (float)want[i]) continue;
+        double e = fabs((double)got[i] - want[i]);
+        if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+    }
+    return worst;
+}
+
+static cl_mem upload_at(clmha_context *ctx, const void *data, size_t bytes, size_t pad) {
+    cl_int err;
+    cl_mem m = clCreateBuffer(clmha_context_cl_context(ctx), CL_MEM_READ_WRITE, bytes + pad,
+                              NULL, &err);
+    cr_assert_eq(err, CL_SUCCESS, "clCreateBuffer: %d", (int)err);
+    err = clEnqueueWriteBuffer(clmha_context_cl_queue(ctx), m, CL_TRUE, pad, bytes, data, 0, NULL,
+                               NULL);
+    cr_assert_eq(err, CL_SUCCESS, "clEnqueueWriteBuffer: %d", (int)err);
+    return m;
+}
+
+static void read_at(clmha_context *ctx, cl_mem m, size_t pad, void *out, size_t bytes) {
+    cl_int err = clEnqueueReadBuffer(clmha_context_cl_queue(ctx), m, CL_TRUE, pad, bytes, out, 0,
+                                     NULL, NULL);
+    cr_assert_eq(err, CL_SUCCESS, "clEnqueueReadBuffer: %d", (int)err);
+}
+
+// The device form: every tensor at an offset (of 3 elements) in its own buffer.
+static void device_forward(clmha_context *ctx, const sdata *x, clmha_impl impl, bool lse,
+                           float *out, float *lse_out) {
+    enum { PAD = 3 };
+    clmha_attention_args a = x->args;
+    a.impl = impl;
+    cl_mem bq = upload_at(ctx, x->q, x->nq * 4, PAD * 4);
+    cl_mem bk = upload_at(ctx, x->k, x->nk * 4, PAD * 4);
+    cl_mem bv = upload_at(ctx, x->v, x->nv * 4, PAD * 4);
+    a.query.buffer = bq, a.key.buffer = bk, a.value.buffer = bv;
+    a.query.offset = a.key.offset = a.value.offset = PAD;
+    cl_mem bm = NULL;
+    if (x->nm) {
+        size_t elem = x->fmask ? 4 : 1;
+        bm = upload_at(ctx, x->fmask ? (const void *)x->fmask : x->bmask, x->nm * elem,
+                       PAD * elem);
+        a.attn_mask.tensor.buffer = bm, a.attn_mask.tensor.offset = PAD;
+    }
+    cl_mem bo = upload_at(ctx, out, x->nout * 4, PAD * 4);
+    cl_mem bl = lse ? upload_at(ctx, lse_out, x->nlse * 4, PAD * 4) : NULL;
+    cl_event done = NULL;
+    clmha_status st = clmha_attention_forward(ctx, &a, bo, PAD, bl, PAD, NULL, 0, 0, NULL, &done);
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_attention_forward: %s (%s)",
+                 clmha_context_last_error(ctx), clmha_status_string(st));
+    cr_assert(done != NULL, "no event");
+    cr_assert_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    clReleaseEvent(done);
+    read_at(ctx, bo, PAD * 4, out, x->nout * 4);
+    if (lse) read_at(ctx, bl, PAD * 4, lse_out, x->nlse * 4);
+    clReleaseMemObject(bq), clReleaseMemObject(bk), clReleaseMemObject(bv);
+    clReleaseMemObject(bo);
+    if (bm) clReleaseMemObject(bm);
+    if (bl) clReleaseMemObject(bl);
+}
+
+static size_t cases_run, checks_run;
+static double worst_out, worst_lse, worst_w, worst_any;
+
+static void note(const char *name, const char *what, double err) {
+    fprintf(stderr, "sdpa: %-34s %-22s max|err| %.2e\n", name, what, err);
+    cr_expect(err <= TOLERANCE, "%s, %s: max abs error %g", name, what, err);
+    if (!(err <= worst_any)) worst_any = err;
+    ++checks_run;
+}
+
+// Runs @p c: the reference; the host form through each core (output, lse from the fused core,
+// weights from the unfused core); the device form at offsets; fully masked rows give zeros.
+static void check_case(clmha_context *ctx, const scase *c) {
+    sdata x;
+    sdata_make(&x, c, 7 + cases_run);
+    double *want = malloc(x.nout * sizeof *want), *want_lse = malloc(x.nlse * sizeof *want_lse);
+    double *want_w = malloc(x.nw * sizeof *want_w);
+    char msg[512];
+    clmha_status st = clmha_reference_attention(&x.args, want, x.nout, want_lse, x.nlse, want_w,
+                                                x.nw, msg, sizeof msg);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s: reference: %s", c->name, msg);
+    float *out = alloc_floats(x.nout), *lse = alloc_floats(x.nlse), *w = alloc_floats(x.nw);
+    static const clmha_impl impls[2] = {CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};
+    for (int i = 0; i < 2; ++i) {
+        clmha_attention_args a = x.args;
+        a.impl = impls[i];
+        bool fused = impls[i] == CLMHA_IMPL_FUSED;
+        for (size_t k = 0; k < x.nout; ++k) out[k] = NAN;
+        st = clmha_attention_forward_host(ctx, &a, out, x.nout, fused ? lse : NULL,
+                                          fused ? x.nlse : 0, fused ? NULL : w,
+                                          fused ? 0 : x.nw);
+        cr_assert_eq(st, CLMHA_SUCCESS, "%s (%s): %s (%s)", c->name, clmha_impl_name(a.impl),
+                     clmha_context_last_error(ctx), clmha_status_string(st));
+        double e = max_abs_err(out, want, x.nout);
+        note(c->name, fused ? "output (fused)" : "output (unfused)", e);
+        if (e > worst_out) worst_out = e;
+        double e2 = fused ? lse_err(lse, want_lse, x.nlse) : max_abs_err(w, want_w, x.nw);
+        note(c->name, fused ? "lse (fused)" : "weights (unfused)", e2);
+        if (fused && e2 > worst_lse) worst_lse = e2;
+        if (!fused && e2 > worst_w) worst_w = e2;
+        if (c->dead_row)  // query row 1 of (batch 0, head 0) sees no key: zeros
+            for (size_t f = 0; f < c->d; ++f) {
+                size_t k = c->layout == CLMHA_LAYOUT_NLHD ? c->h * c->d + f : c->d + f;
+                cr_expect(out[k] == 0.0f, "%s: masked row output[%zu] = %g", c->name, k,
+                          (double)out[k]);
+            }
+    }
+    for (size_t k = 0; k < x.nout; ++k) out[k] = NAN;
+    for (size_t k = 0; k < x.nlse; ++k) lse[k] = NAN;
+    device_forward(ctx, &x, CLMHA_IMPL_AUTO, true, out, lse);
+    note(c->name, "output (device, AUTO)", max_abs_err(out, want, x.nout));
+    note(c->name, "lse (device, AUTO)", lse_err(lse, want_lse, x.nlse));
+    ++cases_run;
+    free(out), free(lse), free(w), free(want), free(want_lse), free(want_w);
+    sdata_free(&x);
+}
+
+#define NHLD CLMHA_LAYOUT_NHLD
+#define CASE(name_, layout_, batched_) .name = name_, .layout = layout_, .batched = batched_
+#define MASK(ndim_, kind_, ...) .mask_ndim = ndim_, .mask_kind = kind_, .mask_shape = {__VA_ARGS__}
+#define SZ(n_, h_, kv_, l_, s_, d_) .n = n_, .h = h_, .hkv = kv_, .l = l_, .s = s_, .d = d_
+#define NLHD CLMHA_LAYOUT_NLHD
+#define BA CLMHA_MASK_BOOL_ATTEND
+#define BI CLMHA_MASK_BOOL_IGNORE
+#define FL CLMHA_MASK_FLOAT
+
+static const scase shapes[] = {
+    {CASE("nhld", NHLD, true), SZ(2, 3, 0, 5, 7, 8)},
+    {CASE("nlhd", NLHD, true), SZ(2, 3, 0, 5, 7, 8)},
+    {CASE("nhld unbatched", NHLD, false), SZ(1, 4, 0, 6, 6, 16)},
+    {CASE("nlhd unbatched", NLHD, false), SZ(1, 4, 0, 6, 9, 16)},
+    {CASE("nhld causal L7 S5", NHLD, true), SZ(2, 2, 0, 7, 5, 8), .causal = true},
+    {CASE("nlhd causal L5 S9", NLHD, true), SZ(1, 3, 0, 5, 9, 32), .causal = true},
+    {CASE("nhld scale 0.3", NHLD, true), SZ(2, 2, 0, 4, 6, 8), .scale = 0.3},
+    {CASE("nlhd scale 2.5 causal", NLHD, true), SZ(2, 2, 0, 6, 6, 8), .scale = 2.5,
+     .causal = true},
+    {CASE("nhld gqa 6/2", NHLD, true), SZ(2, 6, 2, 5, 7, 8), .gqa = true},
+    {CASE("nlhd mqa 4/1 causal", NLHD, true), SZ(2, 4, 1, 6, 6, 16), .gqa = true,
+     .causal = true},
+    {CASE("nhld gqa unbatched 4/2", NHLD, false), SZ(1, 4, 2, 3, 8, 8), .gqa = true},
+    {CASE("nhld dropout 0.3", NHLD, true), SZ(2, 3, 0, 5, 7, 8), .dropout = 0.3f},
+    {CASE("nlhd dropout 0.2 gqa", NLHD, true), SZ(2, 4, 2, 6, 5, 8), .gqa = true,
+     .dropout = 0.2f},
+    {CASE("nhld edges L33 S65 D64 causal", NHLD, true), SZ(2, 2, 0, 33, 65, 64),
+     .causal = true},
+    {CASE("nlhd edges L17 S40 D40", NLHD, true), SZ(1, 3, 0, 17, 40, 40)},
+};
+
+// Masks: N 2, H 3, L 5, S 7 unless said.
+static const scase masks[] = {
+    {CASE("mask (L, S) bool", NHLD, true), SZ(2, 3, 0, 5, 7, 8), MASK(2, BA, 5, 7),
+     .dead_row = true},
+    {CASE("mask (1, L, S) float", NLHD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(3, FL, 1, 5, 7)},
+    {CASE("mask (1, 1, L, S) bool", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BA, 1, 1, 5, 7)},
+    {CASE("mask (N, 1, L, S) bool", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BA, 2, 1, 5, 7)},
+    {CASE("mask (N, 1, L, S) float", NLHD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 2, 1, 5, 7), .dead_row = true},
+    {CASE("mask (N, H, L, S) bool", NLHD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BA, 2, 3, 5, 7), .dead_row = true},
+    {CASE("mask (N, H, L, S) float", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 2, 3, 5, 7)},
+    {CASE("mask (N, 1, 1, S) bool", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BA, 2, 1, 1, 7)},
+    {CASE("mask (N, 1, 1, S) float", NLHD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 2, 1, 1, 7)},
+    {CASE("mask (N, 1, L, S) ignore", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BI, 2, 1, 5, 7)},
+    {CASE("mask (1, H, L, S) N 1", NHLD, true), SZ(1, 3, 0, 5, 7, 8),
+     MASK(4, FL, 1, 3, 5, 7)},
+    {CASE("mask (H, L, S) unbatched", NLHD, false), SZ(1, 3, 0, 5, 7, 8),
+     MASK(3, BA, 3, 5, 7)},
+    {CASE("mask (S) unbatched", NHLD, false), SZ(1, 3, 0, 5, 7, 8), MASK(1, BA, 7)},
+    {CASE("mask (L, S) gqa dropout", NHLD, true), SZ(2, 4, 2, 5, 7, 8),
+     MASK(2, FL, 5, 7), .gqa = true, .dropout = 0.25f},
+    {CASE("mask (N, H, L, S) scale", NLHD, true), SZ(2, 2, 0, 9, 4, 8),
+     MASK(4, BA, 2, 2, 9, 4), .scale = 0.7},
+};
+
+Test(sdpa, shapes_layouts_causal_scale_gqa_dropout, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; ++i) check_case(ctx, &shapes[i]);
+    fprintf(stderr, "sdpa: %zu cases, %zu checks; worst output %.2e, lse %.2e, weights %.2e\n",
+            cases_run, checks_run, worst_out, worst_lse, worst_w);
+    clmha_context_release(ctx);
+}
+
+Test(sdpa, every_mask_shape_and_kind, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    for (size_t i = 0; i < sizeof masks / sizeof masks[0]; ++i) check_case(ctx, &masks[i]);
+    fprintf(stderr, "sdpa: %zu cases, %zu checks; worst output %.2e, lse %.2e, weights %.2e\n",
+            cases_run, checks_run, worst_out, worst_lse, worst_w);
+    clmha_context_release(ctx);
+}
+
+// The reference on a case small enough to write out: one head, L 1, S 2, D 1, q 1, k (0, 2),
+// v (1, 3), scale 0.5: scores (0, 1), weights (1, e)/(1 + e), output (1 + 3e)/(1 + e),
+// lse log(1 + e).
+Test(sdpa, reference_by_hand) {
+    float q[1] = {1}, k[2] = {0, 2}, v[2] = {1, 3};
+    clmha_attention_args a = {.struct_size = sizeof a, .scale = 0.5,
+                              .query = {.ndim = 3, .shape = {1, 1, 1}, .data = q},
+                              .key = {.ndim = 3, .shape = {1, 2, 1}, .data = k},
+                              .value = {.ndim = 3, .shape = {1, 2, 1}, .data = v}};
+    double out, lse, w[2];
+    cr_assert_eq(clmha_reference_attention(&a, &out, 1, &lse, 1, w, 2, NULL, 0), CLMHA_SUCCESS);
+    double e = exp(1.0);
+    cr_expect(fabs(out - (1 + 3 * e) / (1 + e)) < 1e-15, "output %.17g", out);
+    cr_expect(fabs(lse - log(1 + e)) < 1e-15, "lse %.17g", lse);
+    cr_expect(fabs(w[1] - e / (1 + e)) < 1e-15, "weight %.17g", w[1]);
+}
+
+// ---- refusals -----------------------------------------------------------------------------------
+
+typedef struct small {
+    float q[2 * 3 * 4 * 8], k[2 * 3 * 5 * 8], v[2 * 3 * 5 * 8], out[2 * 3 * 4 * 8];
+    clmha_attention_args a;
+} small;
+
+// N 2, H 3, L 4, S 5, D 8 in NHLD, host data.
+static void small_make(small *s) {
+    for (size_t i = 0; i < sizeof s->q / 4; ++i) s->q[i] = (float)i * 0.01f;
+    for (size_t i = 0; i < sizeof s->k / 4; ++i) s->k[i] = s->v[i] = (float)i * -0.02f;
+    for (size_t i = 0; i < sizeof s->out / 4; ++i) s->out[i] = 42.0f;
+    s->a = (clmha_attention_args){.struct_size = sizeof s->a,
+                                  .query = {.ndim = 4, .shape = {2, 3, 4, 8}, .data = s->q},
+                                  .key = {.ndim = 4, .shape = {2, 3, 5, 8}, .data = s->k},
+                                  .value = {.ndim = 4, .shape = {2, 3, 5, 8}, .data = s->v}};
+}
+
+// The host call of @p s->a fails with @p want, a message holding @p text, and writes nothing.
+static void refused(clmha_context *ctx, small *s, clmha_status want, const char *text) {
+    clmha_status st = clmha_attention_forward_host(ctx, &s->a, s->out, 2 * 3 * 4 * 8, NULL, 0,
+                                                   NULL, 0);
+    const char *msg = clmha_context_last_error(ctx);
+    cr_expect_eq(st, want, "%s: got %s (%s)", text, clmha_status_string(st), msg);
+    cr_expect(strstr(msg, text) != NULL, "message \"%s\" lacks \"%s\"", msg, text);
+    for (size_t i = 0; i < sizeof s->out / 4; ++i)
+        cr_assert(s->out[i] == 42.0f, "%s: output written", text);
+    char ref[512] = "";
+    double out[2 * 3 * 4 * 8];
+    clmha_status rst = clmha_reference_attention(&s->a, out, 2 * 3 * 4 * 8, NULL, 0, NULL, 0,
+                                                 ref, sizeof ref);
+    if (want != CLMHA_UNSUPPORTED)  // the reference refuses the same shapes the same way
+        cr_expect_eq(rst, want, "reference, %s: got %s (%s)", text, clmha_status_string(rst),
+                     ref);
+}
+
+Test(sdpa, refusals, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    small s;
+    small_make(&s);
+    cr_assert_eq(clmha_attention_forward_host(ctx, &s.a, s.out, 2 * 3 * 4 * 8, NULL, 0, NULL, 0),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_expect(s.out[0] != 42.0f, "the valid call wrote its output");
+    small_make(&s);
+    s.a.key.shape[3] = 4;
+    refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "key is (2, 3, 5, 4)");
+    small_make(&s);
+    s.a.value.shape[2] = 6;
+    refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "value is (2, 3, 6, 8)");
+    small_make(&s);
+    s.a.key.shape[1] = s.a.value.shape[1] = 1;
+    refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "set enable_gqa");
+    s.a.enable_gqa = true;
+    s.a.key.shape[1] = s.a.value.shape[1] = 2;
+    refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "must divide the query's 3");
+    small_make(&s);
+    s.a.query.ndim = 2;
+    refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "query has 2 dimensions");
+    small_make(&s);
+    s.a.key.ndim = 3;
+    refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "but the query is 4-D");
+    small_make(&s);
+    s.a.query.shape[2] = 0;
+    refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "every size must be positive");
+    unsigned char m[2 * 3 * 4 * 6] = {1};
+    small_make(&s);
+    s.a.attn_mask = (clmha_mask){.kind = CLMHA_MASK_BOOL_ATTEND,
+                                 .tensor = {.ndim = 4, .shape = {2, 3, 4, 6}, .data = m}};
+    refused(ctx, &s, CLMHA_INVALID_MASK, "attn_mask is (2, 3, 4, 6)");
+    s.a.attn_mask.tensor.shape[0] = 1, s.a.attn_mask.tensor.shape[3] = 5;
+    refused(ctx, &s, CLMHA_INVALID_MASK, "attn_mask is (1, 3, 4, 5)");  // (1, H, L, S), N 2
+    s.a.attn_mask.tensor.shape[0] = 2;
+    s.a.attn_mask.per_batch = true;
+    refused(ctx, &s, CLMHA_INVALID_MASK, "per_batch");
+    s.a.attn_mask.per_batch = false;
+    s.a.attn_mask.kind = (clmha_mask_kind)9;
+    refused(ctx, &s, CLMHA_INVALID_MASK, "unknown kind 9");
+    s.a.attn_mask.kind = CLMHA_MASK_BOOL_ATTEND;
+    s.a.is_causal = true;
+    refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "attn_mask and is_causal are both set");
+    small_make(&s);
+    s.a.scale = NAN;
+    refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "scale is nan");
+    small_make(&s);
+    s.a.dropout_p = 1.0f;
+    refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "dropout_p (1) must be in [0, 1)");
+    small_make(&s);
+    s.a.layout = (clmha_attention_layout)7;
+    refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "layout is 7");
+    small_make(&s);
+    s.a.impl = (clmha_impl)5;
+    refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "impl is 5");
+    small_make(&s);
+    s.a.struct_size = 0;
+    refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "struct_size is 0");
+    small_make(&s);
+    s.a.value.shape[3] = 4;  // D_v 4 ≠ D 8: the reference takes it, the cores not yet
+    refused(ctx, &s, CLMHA_UNSUPPORTED, "D_v (4) differs");
+    small_make(&s);
+    s.a.key.data = NULL;
+    refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "key.data is NULL");
+    small_make(&s);
+    float lse[24], w[2 * 3 * 4 * 5];
+    cr_expect_eq(clmha_attention_forward_host(ctx, &s.a, s.out, 2 * 3 * 4 * 8, lse, 24, w, 120),
+                 CLMHA_UNSUPPORTED);
+    cr_expect(strstr(clmha_context_last_error(ctx), "lse and weights are both asked for"));
+    cr_expect_eq(clmha_attention_forward_host(ctx, &s.a, s.out, 2 * 3 * 4 * 8 - 1, NULL, 0,
+                                              NULL, 0),
+                 CLMHA_SHAPE_MISMATCH);
+    cr_expect(strstr(clmha_context_last_error(ctx), "output_count is 191, the output has 192"));
+    cr_expect_eq(clmha_attention_forward_host(ctx, &s.a, s.out, 192, lse, 23, NULL, 0),
+                 CLMHA_SHAPE_MISMATCH);
+    cr_expect_eq(clmha_attention_forward_host(ctx, NULL, s.out, 192, NULL, 0, NULL, 0),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "args is NULL"));
+    cr_expect_eq(clmha_attention_forward_host(NULL, &s.a, s.out, 192, NULL, 0, NULL, 0),
+                 CLMHA_INVALID_ARGUMENT);
+    for (size_t i = 0; i < sizeof s.out / 4; ++i) cr_assert(s.out[i] == 42.0f, "output written");
+    size_t oc = 0, lc = 0, wc = 0;
+    cr_expect_eq(clmha_attention_output_counts(ctx, &s.a, &oc, &lc, &wc), CLMHA_SUCCESS);
+    cr_expect(oc == 192 && lc == 24 && wc == 120, "counts %zu %zu %zu", oc, lc, wc);
+    s.a.key.shape[3] = 4;
+    cr_expect_eq(clmha_attention_output_counts(ctx, &s.a, &oc, NULL, NULL),
+                 CLMHA_SHAPE_MISMATCH);
+    clmha_context_release(ctx);
+}
+
+// The device form refuses bad buffers before it enqueues anything: *event NULL, the output
+// buffer unchanged.
+Test(sdpa, device_refusals, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    small s;
+    small_make(&s);
+    cl_mem q = upload_at(ctx, s.q, sizeof s.q, 0), k = upload_at(ctx, s.k, sizeof s.k, 0);
+    cl_mem v = upload_at(ctx, s.v, sizeof s.v, 0), o = upload_at(ctx, s.out, sizeof s.out, 0);
+    s.a.query.buffer = q, s.a.key.buffer = k, s.a.value.buffer = v;
+    cl_event ev = (cl_event)(uintptr_t)1;
+    clmha_status st = clmha_attention_forward(ctx, &s.a, o, 1, NULL, 0, NULL, 0, 0, NULL, &ev);
+    cr_expect_eq(st, CLMHA_INVALID_ARGUMENT, "%s", clmha_context_last_error(ctx));
+    cr_expect(strstr(clmha_context_last_error(ctx), "output"), "%s",
+              clmha_context_last_error(ctx));
+    cr_expect(ev == NULL, "*event set on a refused call");
+    st = clmha_attention_forward(ctx, &s.a, q, 0, NULL, 0, NULL, 0, 0, NULL, &ev);
+    cr_expect_eq(st, CLMHA_INVALID_ARGUMENT, "output aliasing the query: %s",
+                 clmha_context_last_error(ctx));
+    s.a.key.buffer = NULL;
+    st = clmha_attention_forward(ctx, &s.a, o, 0, NULL, 0, NULL, 0, 0, NULL, &ev);
+    cr_expect_eq(st, CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "key buffer is NULL"), "%s",
+              clmha_context_last_error(ctx));
+    s.a.key.buffer = k;
+    st = clmha_attention_forward(ctx, &s.a, o, 0, NULL, 0, NULL, 0, 1, NULL, &ev);
+    cr_expect_eq(st, CLMHA_INVALID_ARGUMENT, "a wait list of 1 and NULL");
+    float back[2 * 3 * 4 * 8];
+    read_at(ctx, o, 0, back, sizeof back);
+    for (size_t i = 0; i < sizeof back / 4; ++i) cr_assert(back[i] == 42.0f, "output written");
+    // And the valid call: its event completes, the output is the reference's.
+    st = clmha_attention_forward(ctx, &s.a, o, 0, NULL, 0, NULL, 0, 0, NULL, &ev);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_assert(ev != NULL);
+    cr_assert_eq(clWaitForEvents(1, &ev), CL_SUCCESS);
+    clReleaseEvent(ev);
+    read_at(ctx, o, 0, back, sizeof back);
+    double want[2 * 3 * 4 * 8];
+    cr_assert_eq(clmha_reference_attention(&s.a, want, 192, NULL, 0, NULL, 0, NULL, 0),
+                 CLMHA_SUCCESS);
+    note("device zero-copy", "output", max_abs_err(back, want, 192));
+    clReleaseMemObject(q), clReleaseMemObject(k), clReleaseMemObject(v), clReleaseMemObject(o);
+    clmha_context_release(ctx);
+}
+
+// ---- the backward pass --------------------------------------------------------------------------
+
+// The forward call of @p x on the device at element offset @p pad of fresh buffers, then its
+// backward through @p impl (the fused backward gets the forward's lse, the unfused one none):
+// the gradients against the reference's.
+static void check_backward_once(clmha_context *ctx, const scase *c, const sdata *x,
+                                const float *g, double *const want[4], clmha_impl impl,
+                                size_t pad) {
+    clmha_attention_args a = x->args;
+    size_t count[3] = {x->nq, x->nk, x->nv};
+    float *in[3] = {x->q, x->k, x->v};
+    cl_mem b[3], grad[3];
+    clmha_tensor *t[3] = {&a.query, &a.key, &a.value};
+    for (int i = 0; i < 3; ++i) {
+        b[i] = upload_at(ctx, in[i], count[i] * 4, pad * 4);
+        t[i]->buffer = b[i], t[i]->offset = pad;
+        float *nan = alloc_floats(count[i]);
+        for (size_t k = 0; k < count[i]; ++k) nan[k] = NAN;
+        grad[i] = upload_at(ctx, nan, count[i] * 4, pad * 4);
+        free(nan);
+    }
+    cl_mem bm = NULL;
+    if (x->nm) {
+        size_t elem = x->fmask ? 4 : 1;
+        bm = upload_at(ctx, x->fmask ? (const void *)x->fmask : x->bmask, x->nm * elem,
+                       pad * elem);
+        a.attn_mask.tensor.buffer = bm, a.attn_mask.tensor.offset = pad;
+    }
+    float *zeros = calloc(x->nout + 1, sizeof(float));
+    cl_mem out = upload_at(ctx, zeros, x->nout * 4, pad * 4);
+    cl_mem lse = upload_at(ctx, zeros, x->nlse * 4, pad * 4);
+    cl_mem dout = upload_at(ctx, g, x->nout * 4, pad * 4);
+    free(zeros);
+    bool fused = impl == CLMHA_IMPL_FUSED;
+    cl_mem gm = NULL;  // a float mask's gradient, of the unfused core
+    if (x->fmask && !fused) {
+        float *nan = alloc_floats(x->nm);
+        for (size_t k = 0; k < x->nm; ++k) nan[k] = NAN;
+        gm = upload_at(ctx, nan, x->nm * 4, pad * 4);
+        free(nan);
+    }
+    clmha_status st = clmha_attention_forward(ctx, &a, out, pad, lse, pad, NULL, 0, 0, NULL,
+                                              NULL);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s: forward: %s", c->name, clmha_context_last_error(ctx));
+    clmha_attention_backward_args ba = {
+        .struct_size = sizeof ba, .forward = &a, .output = out, .output_offset = pad,
+        .lse = fused ? lse : NULL, .lse_offset = pad, .grad_output = dout,
+        .grad_output_offset = pad, .grad_query = grad[0], .grad_key = grad[1],
+        .grad_value = grad[2], .grad_query_offset = pad, .grad_key_offset = pad,
+        .grad_value_offset = pad, .impl = impl, .grad_attn_mask = gm,
+        .grad_attn_mask_offset = pad};
+    cl_event done = NULL;
+    st = clmha_attention_backward(ctx, &ba, 0, NULL, &done);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s (%s): backward: %s", c->name, clmha_impl_name(impl),
+                 clmha_context_last_error(ctx));
+    cr_assert_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    clReleaseEvent(done);
+    static const char *const what[3] = {"dquery", "dkey", "dvalue"};
+    for (int i = 0; i < 3; ++i) {
+        float *got = alloc_floats(count[i]);
+        read_at(ctx, grad[i], pad * 4, got, count[i] * 4);
+        char label[64];
+        snprintf(label, sizeof label, "%s (%s%s)", what[i], fused ? "fused" : "unfused",
+                 pad ? ", offsets" : "");
+        note(c->name, label, max_abs_err(got, want[i], count[i]));
+        free(got);
+        clReleaseMemObject(b[i]), clReleaseMemObject(grad[i]);
+    }
+    if (gm) {
+        float *got = alloc_floats(x->nm);
+        read_at(ctx, gm, pad * 4, got, x->nm * 4);
+        note(c->name, "dattn_mask (unfused)", max_abs_err(got, want[3], x->nm));
+        free(got);
+        clReleaseMemObject(gm);
+    }
+    clReleaseMemObject(out), clReleaseMemObject(lse), clReleaseMemObject(dout);
+    if (bm) clReleaseMemObject(bm);
+}
+
+static void check_backward(clmha_context *ctx, const scase *c) {
+    sdata x;
+    sdata_make(&x, c, 21 + cases_run);
+    prng r = {5 + cases_run};
+    float *g = normal_floats(&r, x.nout);
+    double *want[4] = {malloc(x.nq * sizeof(double)), malloc(x.nk * sizeof(double)),
+                       malloc(x.nv * sizeof(double)), malloc((x.nm + 1) * sizeof(double))};
+    clmha_reference_grads grads = {.struct_size = sizeof grads, .query = want[0],
+                                   .key = want[1], .value = want[2],
+                                   .attn_mask = x.fmask ? want[3] : NULL};
+    char msg[512];
+    cr_assert_eq(clmha_reference_attention_backward(&x.args, g, &grads, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s: %s", c->name, msg);
+    check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_FUSED, 3);
+    check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_UNFUSED, 0);
+    // The host form.
+    size_t count[4] = {x.nq, x.nk, x.nv, x.nm};
+    float *got[4];
+    for (int i = 0; i < 4; ++i) {
+        got[i] = alloc_floats(count[i]);
+        for (size_t k = 0; k < count[i]; ++k) got[i][k] = NAN;
+    }
+    clmha_status st = clmha_attention_backward_host(ctx, &x.args, g, x.nout, got[0], got[1],
+                                                    got[2], x.fmask ? got[3] : NULL);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s: backward_host: %s", c->name,
+                 clmha_context_last_error(ctx));
+    static const char *const what[4] = {"dquery (host)", "dkey (host)", "dvalue (host)",
+                                        "dattn_mask (host)"};
+    for (int i = 0; i < (x.fmask ? 4 : 3); ++i)
+        note(c->name, what[i], max_abs_err(got[i], want[i], count[i]));
+    for (int i = 0; i < 4; ++i) free(got[i]);
+    ++cases_run;
+    for (int i = 0; i < 4; ++i) free(want[i]);
+    free(g);
+    sdata_free(&x);
+}
+
+static const scase backward_cases[] = {
+    {CASE("bw nhld", NHLD, true), SZ(2, 3, 0, 5, 7, 8)},
+    {CASE("bw nlhd causal L7 S5", NLHD, true), SZ(2, 2, 0, 7, 5, 8), .causal = true},
+    {CASE("bw nhld unbatched scale", NHLD, false), SZ(1, 4, 0, 6, 9, 16), .scale = 0.4},
+    {CASE("bw nlhd dropout", NLHD, true), SZ(2, 3, 0, 5, 7, 8), .dropout = 0.25f},
+    {CASE("bw mask (N, 1, L, S) float", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 2, 1, 5, 7), .dead_row = true},
+    {CASE("bw mask (N, 1, 1, S) bool", NLHD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BA, 2, 1, 1, 7)},
+    {CASE("bw edges L33 S65 D64 causal", NHLD, true), SZ(1, 2, 0, 33, 65, 64),
+     .causal = true},
+    {CASE("bw nhld gqa 6/2", NHLD, true), SZ(2, 6, 2, 5, 7, 8), .gqa = true},
+    {CASE("bw nlhd mqa 4/1 causal", NLHD, true), SZ(2, 4, 1, 6, 6, 16), .gqa = true,
+     .causal = true},
+    {CASE("bw gqa 4/2 unbatched mask dropout", NHLD, false), SZ(1, 4, 2, 5, 7, 8),
+     MASK(2, FL, 5, 7), .gqa = true, .dropout = 0.2f},
+    {CASE("bw nlhd gqa 6/3 mask (N, H, L, S)", NLHD, true), SZ(2, 6, 3, 4, 9, 8),
+     MASK(4, BA, 2, 6, 4, 9), .gqa = true},
+    {CASE("bw mask (L, S) float", NLHD, true), SZ(2, 3, 0, 5, 7, 8), MASK(2, FL, 5, 7)},
+    {CASE("bw mask (N, H, L, S) float", NHLD, true), SZ(2, 2, 0, 4, 6, 8),
+     MASK(4, FL, 2, 2, 4, 6), .dropout = 0.3f},
+    {CASE("bw mask (N, 1, 1, S) float", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 2, 1, 1, 7)},
+};
+
+Test(sdpa, backward_against_the_reference, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    for (size_t i = 0; i < sizeof backward_cases / sizeof backward_cases[0]; ++i)
+        check_backward(ctx, &backward_cases[i]);
+    fprintf(stderr, "sdpa: backward %zu cases, %zu checks; worst %.2e\n", cases_run, checks_run,
+            worst_any);
+    clmha_context_release(ctx);
+}
+
+Test(sdpa, backward_refusals, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    small s;
+    small_make(&s);
+    cl_mem q = upload_at(ctx, s.q, sizeof s.q, 0), k = upload_at(ctx, s.k, sizeof s.k, 0);
+    cl_mem v = upload_at(ctx, s.v, sizeof s.v, 0), o = upload_at(ctx, s.out, sizeof s.out, 0);
+    cl_mem go = upload_at(ctx, s.out, sizeof s.out, 0), dq = upload_at(ctx, s.q, sizeof s.q, 0);
+    cl_mem dk = upload_at(ctx, s.k, sizeof s.k, 0), dv = upload_at(ctx, s.v, sizeof s.v, 0);
+    s.a.query.buffer = q, s.a.key.buffer = k, s.a.value.buffer = v;
+    clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &s.a, .output = o,
+                                       .grad_output = go, .grad_query = dq, .grad_key = dk,
+                                       .grad_value = dv};
+    cl_event ev = (cl_event)(uintptr_t)1;
+    b.grad_key = dq;  // two gradients in the same bytes
+    cr_expect_eq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_INVALID_ARGUMENT);
+    cr_expect(ev == NULL, "*event set on a refused call");
+    b.grad_key = dk;
+    b.forward = NULL;
+    cr_expect_eq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "args->forward is NULL"));
+    b.forward = &s.a;
+    s.a.value.shape[3] = 4;  // D_v ≠ D
+    cr_expect_eq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_UNSUPPORTED);
+    cr_expect(strstr(clmha_context_last_error(ctx), "D_v (4) differs"), "%s",
+              clmha_context_last_error(ctx));
+    s.a.value.shape[3] = 8;
+    b.impl = CLMHA_IMPL_FUSED;  // the fused backward needs the forward's lse
+    cr_expect_neq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_SUCCESS);
+    cr_expect(strstr(clmha_context_last_error(ctx), "log-sum-exp"), "%s",
+              clmha_context_last_error(ctx));
+    b.impl = CLMHA_IMPL_AUTO;
+    b.grad_attn_mask = go;  // without a float mask
+    cr_expect_eq(clmha_attention_backward(ctx, &b, 0, NULL, &ev), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "not a float mask"), "%s",
+              clmha_context_last_error(ctx));
+    b.grad_attn_mask = NULL;
+    float back[2 * 3 * 4 * 8];
+    read_at(ctx, dq, 0, back, sizeof back);
+    cr_expect(memcmp(back, s.q, sizeof back) == 0, "grad_query written by refused calls");
+    cl_mem all[8] = {q, k, v, o, go, dq, dk, dv};
+    for (int i = 0; i < 8; ++i) clReleaseMemObject(all[i]);
+    clmha_context_release(ctx);
+}
