@@ -31,6 +31,17 @@ typedef struct scase {
     float dropout;
 } scase;
 
+// Whether the device keeps the fused core from a call the test asks it for: a driver's loop
+// limit (Mesa's llvmpipe, clmha_impl) makes the call CLMHA_UNSUPPORTED, with every core's
+// reason in the message. Such a turn is skipped, said on the log.
+static bool fused_kept_off(clmha_context *ctx, const scase *c, clmha_status st) {
+    if (st != CLMHA_UNSUPPORTED || !strstr(clmha_context_last_error(ctx), "loop limit"))
+        return false;
+    cr_log_info("%s: fused core skipped on this device: %s", c->name,
+                clmha_context_last_error(ctx));
+    return true;
+}
+
 // The host arrays of a case and its argument struct.
 typedef struct sdata {
     clmha_attention_args args;
@@ -189,6 +200,7 @@ static void check_case(clmha_context *ctx, const scase *c) {
     cr_assert_eq(st, CLMHA_SUCCESS, "%s: reference: %s", c->name, msg);
     float *out = alloc_floats(x.nout), *lse = alloc_floats(x.nlse), *w = alloc_floats(x.nw);
     static const clmha_impl impls[2] = {CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};
+    bool fused_off = false;  // the device keeps the fused core (the lse) from this call
     for (int i = 0; i < 2; ++i) {
         clmha_attention_args a = x.args;
         a.impl = impls[i];
@@ -197,6 +209,10 @@ static void check_case(clmha_context *ctx, const scase *c) {
         st = clmha_attention_forward_host(ctx, &a, out, x.nout, fused ? lse : NULL,
                                           fused ? x.nlse : 0, fused ? NULL : w,
                                           fused ? 0 : x.nw);
+        if (fused && fused_kept_off(ctx, c, st)) {
+            fused_off = true;
+            continue;
+        }
         cr_assert_eq(st, CLMHA_SUCCESS, "%s (%s): %s (%s)", c->name, clmha_impl_name(a.impl),
                      clmha_context_last_error(ctx), clmha_status_string(st));
         double e = max_abs_err(out, want, x.nout);
@@ -215,9 +231,9 @@ static void check_case(clmha_context *ctx, const scase *c) {
     }
     for (size_t k = 0; k < x.nout; ++k) out[k] = NAN;
     for (size_t k = 0; k < x.nlse; ++k) lse[k] = NAN;
-    device_forward(ctx, &x, CLMHA_IMPL_AUTO, true, out, lse);
+    device_forward(ctx, &x, CLMHA_IMPL_AUTO, !fused_off, out, lse);
     note(c->name, "output (device, AUTO)", max_abs_err(out, want, x.nout));
-    note(c->name, "lse (device, AUTO)", lse_err(lse, want_lse, x.nlse));
+    if (!fused_off) note(c->name, "lse (device, AUTO)", lse_err(lse, want_lse, x.nlse));
     ++cases_run;
     free(out), free(lse), free(w), free(want), free(want_lse), free(want_w);
     sdata_free(&x);
@@ -532,8 +548,8 @@ static void check_backward_once(clmha_context *ctx, const scase *c, const sdata 
         gm = upload_at(ctx, nan, x->nm * 4, pad * 4);
         free(nan);
     }
-    clmha_status st = clmha_attention_forward(ctx, &a, out, pad, lse, pad, NULL, 0, 0, NULL,
-                                              NULL);
+    clmha_status st = clmha_attention_forward(ctx, &a, out, pad, fused ? lse : NULL, pad, NULL,
+                                              0, 0, NULL, NULL);
     cr_assert_eq(st, CLMHA_SUCCESS, "%s: forward: %s", c->name, clmha_context_last_error(ctx));
     clmha_attention_backward_args ba = {
         .struct_size = sizeof ba, .forward = &a, .output = out, .output_offset = pad,
@@ -583,7 +599,20 @@ static void check_backward(clmha_context *ctx, const scase *c) {
     char msg[512];
     cr_assert_eq(clmha_reference_attention_backward(&x.args, g, &grads, msg, sizeof msg),
                  CLMHA_SUCCESS, "%s: %s", c->name, msg);
-    check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_FUSED, 3);
+    // The fused turn where the device runs the fused core at this shape (a host forward with
+    // the log-sum-exp rows asks it).
+    clmha_attention_args probe = x.args;
+    probe.impl = CLMHA_IMPL_FUSED;
+    float *pout = alloc_floats(x.nout), *plse = alloc_floats(x.nlse);
+    clmha_status pst =
+        clmha_attention_forward_host(ctx, &probe, pout, x.nout, plse, x.nlse, NULL, 0);
+    free(pout);
+    free(plse);
+    if (!fused_kept_off(ctx, c, pst)) {
+        cr_assert_eq(pst, CLMHA_SUCCESS, "%s: fused forward: %s", c->name,
+                     clmha_context_last_error(ctx));
+        check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_FUSED, 3);
+    }
     check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_UNFUSED, 0);
     // The host form.
     size_t count[4] = {x.nq, x.nk, x.nv, x.nm};
