@@ -1778,8 +1778,11 @@ CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,
                                                 cl_event *event);
 
 /// clmha_attention_backward() on host arrays: uploads the `data` of @p args' tensors, runs the
-/// forward call again (its output; the unfused core's backward then recomputes the
-/// probabilities), the backward, waits (clFinish) and writes the gradients asked for.
+/// forward call again (its output, and the log-sum-exp rows where the fused core runs it, so
+/// that the fused backward runs; with a mask gradient asked for, args->impl
+/// ::CLMHA_IMPL_UNFUSED, or where the fused core cannot run the call, the unfused backward,
+/// which recomputes the probabilities), the backward, waits (clFinish) and writes the gradients
+/// asked for.
 /// @param[in]  ctx                the context
 /// @param[in]  args               the forward call's tensors (`data`) and options
 /// @param[in]  grad_output        the output's gradient, the output's shape and layout
