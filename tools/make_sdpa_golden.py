@@ -268,8 +268,9 @@ def with_grads(fn, c, inputs, g, mask_grad=True):
 
 
 def compute(c, q, k, v, mask, g):
-    """The expected values, all (N, H, L, ...) float64 arrays: output, lse, weights, dq, dk,
-    dv and a float mask's gradient (None otherwise), plus a note for the header."""
+    """The expected values, float64 arrays in (N, H, L|S, ...) order (the mask's gradient in
+    the mask's shape): output, lse, weights, dq, dk, dv and dmask (None without a float mask).
+    PyTorch's own SDPA where it has one, checked against the formula (module docstring)."""
     (out, lse, p), grads = with_grads(formula, c, (q, k, v, mask), g)
     res = dict(output=out.detach().numpy(), lse=lse.numpy(), weights=p.detach().numpy(),
                dq=grads[0], dk=grads[1], dv=grads[2], dmask=grads[3])
