@@ -1613,8 +1613,8 @@ typedef struct clmha_attention_args {
     size_t struct_size;              ///< sizeof(clmha_attention_args) (see ::CLMHA_STRUCT_INIT)
     clmha_tensor query;              ///< (N, H, L, D), or (H, L, D) unbatched
     clmha_tensor key;                ///< (N, H_kv, S, D), or (H_kv, S, D)
-    clmha_tensor value;              ///< (N, H_kv, S, D_v), or (H_kv, S, D_v); D_v must equal D
-                                     ///< (::CLMHA_UNSUPPORTED otherwise, for now)
+    clmha_tensor value;              ///< (N, H_kv, S, D_v), or (H_kv, S, D_v); D_v may differ
+                                     ///< from D (run on copies padded to max(D, D_v))
     clmha_attention_layout layout;   ///< the order of query, key, value and output
     clmha_mask attn_mask;            ///< optional; shapes and kinds above
     bool is_causal;                  ///< mask key j > query i (top-left aligned, as SDPA);
@@ -1639,7 +1639,7 @@ typedef struct clmha_attention_args {
 /// @param[out] weights_count  N·H·L·S, the attention weights (may be NULL)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, args->struct_size 0 or too small,
 ///         an option out of range), ::CLMHA_UNSUPPORTED (@p args from a newer header, using a
-///         newer field; D_v ≠ D), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         newer field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW
 CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
                                                      const clmha_attention_args *args,
@@ -1679,7 +1679,7 @@ CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
 ///         too small, a buffer missing, of another context, too small, read-only or
 ///         overlapping, a bad wait list, is_causal with attn_mask, scale or dropout_p out of
 ///         range), ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field;
-///         D_v ≠ D; lse and weights both asked; a core asked for by impl that cannot run the
+///         lse and weights both asked; a core asked for by impl that cannot run the
 ///         call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
 ///         ::CLMHA_BLAS_ERROR
@@ -1769,7 +1769,7 @@ typedef struct clmha_attention_backward_args {
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, struct sizes, buffers as for
 ///         clmha_attention_forward(), a bad wait list, grad_attn_mask without a float mask),
 ///         ::CLMHA_UNSUPPORTED (a mask gradient asked of the fused core;
-///         D_v ≠ D; a newer header's field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         a newer header's field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,
@@ -2080,7 +2080,6 @@ CLMHA_API clmha_status clmha_reference_forward(const clmha_layer_desc *desc,
 /// clmha_attention_forward() on the CPU in double precision: the same checks (shapes, masks,
 /// options, `data` pointers), the same Philox dropout, zeros for fully masked rows. Reads the
 /// `data` fields of @p args. Needs no OpenCL device and no context; safe from any thread.
-/// D_v may differ from D here.
 /// @param[in]  args           the tensors and options
 /// @param[out] output         room for @p output_count doubles, in the query's layout
 /// @param[in]  output_count   N·H·L·D_v

@@ -207,7 +207,54 @@ static clmha_status unstage_kv(clmha_layer *l, const clmha__attention_dims *d, c
 
 static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args *b,
                             const clmha_attention_args *a, const clmha__attention_dims *d,
+                            cl_uint num_wait, const cl_event *wait_list, cl_event *event);
+
+// D_v ≠ D: the backward on copies padded to D' (src/forward/attention_pad.c): query, key,
+// value, output and its gradient widened, the gradients cut back to D, D and D_v.
+static clmha_status enqueue_padded(clmha_layer *l, const clmha_attention_backward_args *b,
+                                   const clmha_attention_args *a, const clmha__attention_dims *d,
+                                   cl_uint num_wait, const cl_event *wait_list,
+                                   cl_event *event) {
+    int slot = CLMHA__ATTENTION_PAD_SLOT;
+    size_t w = clmha__attention_width(d), dk = d->core.d, dv = d->dv;
+    clmha_attention_args p;
+    clmha__attention_dims pd;
+    clmha_attention_backward_args pb = *b;
+    pb.forward = &p;
+    pb.output_offset = pb.grad_output_offset = 0;
+    pb.grad_query_offset = pb.grad_key_offset = pb.grad_value_offset = 0;
+    size_t out_rows = d->output_count / dv;
+    cl_mem *room[5] = {&pb.output, &pb.grad_output, &pb.grad_query, &pb.grad_key,
+                       &pb.grad_value};
+    size_t rows[5] = {out_rows, out_rows, d->query_count / dk, d->key_count / dk,
+                      d->value_count / dv};
+    static const char *const what[5] = {"padded output", "padded grad_output",
+                                        "padded grad_query", "padded grad_key",
+                                        "padded grad_value"};
+    clmha_status st = clmha__attention_pad_call(l, a, d, slot, &p, &pd);
+    for (int i = 0; i < 5 && !st; ++i)
+        st = clmha__host_room(l, slot + 3 + i, what[i], rows[i] * w * sizeof(float), room[i]);
+    if (st ||
+        (st = clmha__attention_pad_inputs(l, a, d, &p, num_wait, wait_list)) ||
+        (st = clmha__attention_pad_rows(l, b->output, b->output_offset, dv, pb.output, 0, w,
+                                        out_rows, 0, NULL)) ||
+        (st = clmha__attention_pad_rows(l, b->grad_output, b->grad_output_offset, dv,
+                                        pb.grad_output, 0, w, out_rows, 0, NULL)) ||
+        (st = enqueue(l, &pb, &p, &pd, 0, NULL, NULL)) ||
+        (st = clmha__attention_pad_rows(l, pb.grad_query, 0, w, b->grad_query,
+                                        b->grad_query_offset, dk, rows[2], 0, NULL)) ||
+        (st = clmha__attention_pad_rows(l, pb.grad_key, 0, w, b->grad_key, b->grad_key_offset,
+                                        dk, rows[3], 0, NULL)) ||
+        (st = clmha__attention_pad_rows(l, pb.grad_value, 0, w, b->grad_value,
+                                        b->grad_value_offset, dv, rows[4], 0, NULL)))
+        return st;
+    return clmha__enqueue_event(l->ctx, event);
+}
+
+static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args *b,
+                            const clmha_attention_args *a, const clmha__attention_dims *d,
                             cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
+    if (d->dv != d->core.d) return enqueue_padded(l, b, a, d, num_wait, wait_list, event);
     clmha_context *ctx = l->ctx;
     clmha_forward_args f = clmha__attention_core_args(l, a, d);
     size_t h = d->core.h, ln = d->core.l;
@@ -294,7 +341,8 @@ clmha_status clmha_attention_backward(clmha_context *ctx,
     if ((st = check_call(ctx, args, &b, &a, &d)) ||
         (st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
         (st = check_buffers(ctx, &b, &a, &d)) ||
-        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, d.core.d, &l)))
+        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, clmha__attention_width(&d),
+                                     &l)))
         return st;
     st = enqueue(l, &b, &a, &d, num_wait, wait_list, event);
     clmha__attention_unlock(ctx);
@@ -394,7 +442,8 @@ clmha_status clmha_attention_backward_host(clmha_context *ctx, const clmha_atten
     clmha_status st;
     if ((st = clmha__attention_check_args(ctx, args, &a, &d, false, false)) ||
         (st = check_host(ctx, &a, &d, grad_output, grad_output_count, grad_attn_mask)) ||
-        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, d.core.d, &l)))
+        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, clmha__attention_width(&d),
+                                     &l)))
         return st;
     clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &a};
     float *const dst[4] = {grad_query, grad_key, grad_value, grad_attn_mask};

@@ -11,6 +11,7 @@
 #include "cores/kernel_args.h"
 #include "forward/attention_cache.h"
 #include "forward/enqueue.h"
+#include "forward/staging.h"
 
 #include <string.h>
 
@@ -24,11 +25,6 @@ clmha_status clmha__attention_check_args(clmha_context *ctx, const clmha_attenti
     clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, in, args, "args", msg, sizeof msg);
     if (!st) st = clmha__attention_resolve(in, d, msg, sizeof msg);
     if (st) return clmha__fail(ctx, st, "%s", msg);
-    if (d->dv != d->core.d)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "the value's last dimension D_v (%zu) differs from the query's and "
-                           "key's D (%zu): the attention cores take one head dimension yet",
-                           d->dv, d->core.d);
     if (lse && weights)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "lse and weights are both asked for: the fused core writes the "
@@ -186,10 +182,34 @@ static clmha_status prepare(clmha_layer *l, const clmha__attention_dims *d,
     return CLMHA_SUCCESS;
 }
 
+// D_v ≠ D: the call on copies padded to D' (attention_pad.c), its output cut back to D_v.
+static clmha_status enqueue_padded(clmha_layer *l, const clmha_attention_args *a,
+                                   const clmha__attention_dims *d, const clmha__attention_out *o,
+                                   cl_uint num_wait, const cl_event *wait_list,
+                                   cl_event *event) {
+    int slot = CLMHA__ATTENTION_PAD_SLOT;
+    size_t w = clmha__attention_width(d);
+    clmha_attention_args p;
+    clmha__attention_dims pd;
+    clmha__attention_out po = *o;
+    po.output_offset = 0;
+    clmha_status st;
+    if ((st = clmha__attention_pad_call(l, a, d, slot, &p, &pd)) ||
+        (st = clmha__host_room(l, slot + 3, "padded output", pd.output_count * sizeof(float),
+                               &po.output)) ||
+        (st = clmha__attention_pad_inputs(l, a, d, &p, num_wait, wait_list)) ||
+        (st = clmha__attention_enqueue(l, &p, &pd, &po, 0, NULL, NULL)) ||
+        (st = clmha__attention_pad_rows(l, po.output, 0, w, o->output, o->output_offset, d->dv,
+                                        d->output_count / d->dv, 0, NULL)))
+        return st;
+    return clmha__enqueue_event(l->ctx, event);
+}
+
 clmha_status clmha__attention_enqueue(clmha_layer *l, const clmha_attention_args *a,
                                       const clmha__attention_dims *d,
                                       const clmha__attention_out *o, cl_uint num_wait,
                                       const cl_event *wait_list, cl_event *event) {
+    if (d->dv != d->core.d) return enqueue_padded(l, a, d, o, num_wait, wait_list, event);
     clmha_context *ctx = l->ctx;
     clmha_forward_args f = clmha__attention_core_args(l, a, d);
     f.need_weights = o->weights != NULL;
@@ -235,7 +255,8 @@ static clmha_status attention_forward(clmha_context *ctx, const clmha_attention_
                                           o->weights != NULL)) ||
         (st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
         (st = check_buffers(ctx, &a, &d, o)) ||
-        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, d.core.d, &layer)))
+        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, clmha__attention_width(&d),
+                                     &layer)))
         return st;
     st = clmha__attention_enqueue(layer, &a, &d, o, num_wait, wait_list, event);
     clmha__attention_unlock(ctx);

@@ -18,8 +18,8 @@ typedef struct clmha__attention_out {
 } clmha__attention_out;
 
 // Reads the caller's @p args into @p in (this library's layout), resolves it into @p d, and
-// refuses what the cores cannot run: D_v ≠ D, and the log-sum-exp with the weights (@p lse,
-// @p weights: asked for).
+// refuses what the cores cannot run: the log-sum-exp with the weights (@p lse, @p weights:
+// asked for). D_v ≠ D runs padded (attention_pad.c).
 CLMHA__HIDDEN clmha_status clmha__attention_check_args(clmha_context *ctx,
                                                        const clmha_attention_args *args,
                                                        clmha_attention_args *in,
@@ -68,5 +68,40 @@ CLMHA__HIDDEN clmha_status clmha__attention_unstage(clmha_layer *l,
                                                     const clmha__attention_dims *d, cl_mem tile,
                                                     size_t heads, size_t seq, size_t count,
                                                     cl_mem out, size_t out_offset);
+
+// D_v ≠ D (attention_pad.c): the calls run on copies padded with zeros to
+// D' = max(D, D_v), the bare layer's head dimension (clmha__attention_width()).
+CLMHA__HIDDEN size_t clmha__attention_width(const clmha__attention_dims *d);
+
+// The first of the bare layer's staging slots that hold padded copies: the forward's query,
+// key, value and output, then the backward's output gradient and query, key and value
+// gradients (8 slots after the host backward's four gradients).
+#define CLMHA__ATTENTION_PAD_SLOT (CLMHA__HOST_GRAD + 4)
+
+// Call @p a (resolved in @p d) with query, key and value widened to D' in staging slots @p slot,
+// slot + 1, slot + 2 (room made, nothing written), the scale fixed to the caller's: @p p,
+// resolved in @p pd.
+CLMHA__HIDDEN clmha_status clmha__attention_pad_call(clmha_layer *l,
+                                                     const clmha_attention_args *a,
+                                                     const clmha__attention_dims *d, int slot,
+                                                     clmha_attention_args *p,
+                                                     clmha__attention_dims *pd);
+
+// Enqueues the copy of @p rows rows of @p from floats at @p src_off of @p src into rows of @p to
+// floats at @p dst_off of @p dst: zeros past @p from when @p to is wider, the first @p to
+// columns when it is narrower. The first command waits for @p wait_list.
+CLMHA__HIDDEN clmha_status clmha__attention_pad_rows(clmha_layer *l, cl_mem src, size_t src_off,
+                                                     size_t from, cl_mem dst, size_t dst_off,
+                                                     size_t to, size_t rows, cl_uint num_wait,
+                                                     const cl_event *wait_list);
+
+// Enqueues the padded copies of @p a's query, key and value into @p p's buffers (from
+// clmha__attention_pad_call()), after @p wait_list.
+CLMHA__HIDDEN clmha_status clmha__attention_pad_inputs(clmha_layer *l,
+                                                       const clmha_attention_args *a,
+                                                       const clmha__attention_dims *d,
+                                                       const clmha_attention_args *p,
+                                                       cl_uint num_wait,
+                                                       const cl_event *wait_list);
 
 #endif

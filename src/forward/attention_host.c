@@ -97,7 +97,8 @@ clmha_status clmha_attention_forward_host(clmha_context *ctx, const clmha_attent
     if ((st = clmha__attention_check_args(ctx, args, &a, &d, lse != NULL, weights != NULL)) ||
         (st = check_host(ctx, &a, &d, output, output_count, lse, lse_count, weights,
                          weights_count)) ||
-        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, d.core.d, &l)))
+        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, clmha__attention_width(&d),
+                                     &l)))
         return st;
     clmha__attention_out o;
     if ((st = clmha__attention_upload(l, &a, &d, lse != NULL, weights != NULL, &o)) ||
