@@ -1,5 +1,5 @@
 // What the files of the `clmha` program share: the commands (one file each: devices.c, run.c,
-// demo.c, bench.c (with bench_backward.c), tune.c; main.c picks one) and their common code in
+// sdpa.c, demo.c, bench.c (with bench_backward.c), tune.c; main.c picks one) and their common code in
 // common.c (messages, option parsing, opening the device, output paths, random numbers and
 // time).
 #ifndef CLMHA_CLI_H
@@ -24,6 +24,7 @@ int clmha__cli_run(int argc, char **argv);
 int clmha__cli_demo(int argc, char **argv);
 int clmha__cli_bench(int argc, char **argv);
 int clmha__cli_tune(int argc, char **argv);
+int clmha__cli_sdpa(int argc, char **argv);
 
 // ---- messages
 
