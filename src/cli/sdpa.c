@@ -218,8 +218,9 @@ static bool options_agree(const sdpa_opts *o) {
     const char *why = NULL;
     bool grad_out = o->in[IN_GRAD_OUT].path != NULL;
     if (o->is_causal && o->in[IN_ATTN].path)
-        why = "--is-causal and --attn-mask do not go together (as in scaled_dot_product_attention): "
-              "give one (a causal mask can be part of the attn_mask)";
+        why = "--is-causal and --attn-mask do not go together (as in "
+              "scaled_dot_product_attention): give one (a causal mask can be part of the "
+              "attn_mask)";
     else if (o->lse_path && o->weights_path)
         why = "--lse-output and --weights-output do not go together: the fused core writes the "
               "log-sum-exp, the unfused core returns the weights (run twice for both)";

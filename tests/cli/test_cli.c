@@ -2213,7 +2213,7 @@ Test(cli_usage, bench_decode) {
     EXPECT_USAGE("clmha bench: --cache-len", "bench", "--decode", "--cache-len", "0");
 }
 
-// ---- clmha sdpa: the PyTorch cases of tests/cli/sdpa_cases.inc, refusals, options ----------------
+// ---- clmha sdpa: the PyTorch cases of tests/cli/sdpa_cases.inc, refusals, options -------------
 
 // The case names, written by tools/make_cli_cases.py next to the case folders.
 static const char *const sdpa_case_names[] = {
