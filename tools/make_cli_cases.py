@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generates the golden cases of the `clmha run` command with PyTorch.
+"""Generates the golden cases of the `clmha run` and `clmha sdpa` commands with PyTorch.
 
 For every case it writes tests/cli/<case>/:
 
@@ -28,6 +28,32 @@ convert them; --check does not compare them (torch versions write different byte
 
 and tests/cli/cases.inc, the list of case names (`"name",` lines) for tests/cli/test_cli.c. Case
 folders no longer generated (those holding an `args` file) are removed.
+
+The `clmha sdpa` cases (SDPA_CASES, folders tests/cli/sdpa_<name>/, listed in
+tests/cli/sdpa_cases.inc) hold already projected heads instead of a layer:
+
+    query.npy, key.npy, value.npy   float32, (N, H, L, D) / (N, H_kv, S, D) with --layout nhld,
+                                    (N, L, H, D) / (N, S, H_kv, D) with --layout nlhd; 3-D
+                                    unbatched (no N)
+    attn_mask.npy           optional: bool (True = may attend, SDPA's polarity) or float32
+                            (added to the scores), in a shape SDPA broadcasts to (N, H, L, S)
+    args                    one line: the extra flags (--layout nlhd --is-causal --enable-gqa
+                            --scale S), may be empty
+    expected_output.npy     float64
+    expected_lse.npy        float64, only for cases run with --lse-output: the log-sum-exp of
+                            every score row, (N, H, L)
+    expected_weights.npy    float64, only for cases run with --weights-output: (N, H, L, S)
+    grad_output.npy         gradient cases: float32, the output's gradient (--grad-output)
+    expected_grads/         gradient cases: float64, query.npy, key.npy, value.npy and
+                            attn_mask.npy (float masks), as `clmha sdpa --grads-dir` writes them
+
+Their expected values are scaled dot-product attention written out in float64 (PyTorch 1.13 has
+no F.scaled_dot_product_attention): softmax(q @ k^T * scale + mask) @ v with scale 1/sqrt(D)
+unless the case sets one, a bool mask as masked_fill(~mask, -inf), is_causal as the top-left
+tril(ones(L, S)) mask, grouped-query attention as repeat_interleave of the key/value heads by
+H / H_kv, the log-sum-exp as torch.logsumexp of the masked scores; gradients by torch.autograd
+on the same float64 computation (a float mask's gradient summed over its broadcast dimensions by
+autograd). Masks are drawn so that no query row is fully masked.
 
 Expected values: nn.MultiheadAttention in float64 (eval mode, so dropout is inactive) on
 exactly the float32 inputs and on the parameters the layer file holds as clmha reads them: F16
@@ -545,8 +571,166 @@ def generate(c, out_dir, given_root=None):
         f.write(" ".join(flags) + "\n")
 
 
+# ---- the `clmha sdpa` cases --------------------------------------------------------------------
+
+def SC(name, **kw):
+    d = dict(name=name, N=2, H=2, Hkv=None, L=5, S=None, D=8, layout="nhld", mask=None,
+             mask_shape=None, causal=False, scale=None, lse=False, weights=False, grads=False)
+    for k in kw:
+        if k not in d:
+            raise KeyError(k)
+    d.update(kw)
+    d["S"] = d["S"] or d["L"]
+    d["Hkv"] = d["Hkv"] or d["H"]
+    assert name.startswith("sdpa_") and d["H"] % d["Hkv"] == 0
+    assert not (d["lse"] and d["weights"]) and not (d["causal"] and d["mask"])
+    assert (d["mask"] is None) == (d["mask_shape"] is None)
+    return d
+
+
+# mask: None | "bool" | "float"; mask_shape: the letters of its dimensions, "1" for a size 1
+SDPA_CASES = [
+    SC("sdpa_nhld_bool_mask", mask="bool", mask_shape="N1LS", L=5, S=6, weights=True),
+    SC("sdpa_nlhd_causal_gqa", layout="nlhd", H=4, Hkv=2, L=5, S=7, causal=True, lse=True,
+       grads=True),
+    SC("sdpa_unbatched_float_mask_scale", N=None, L=4, S=6, mask="float", mask_shape="HLS",
+       scale=0.3, lse=True, grads=True),
+    SC("sdpa_gqa_bool_mask_grads", H=4, Hkv=1, L=4, S=5, mask="bool", mask_shape="LS",
+       grads=True),
+    SC("sdpa_nlhd_key_rows_float", layout="nlhd", L=3, S=6, D=4, mask="float",
+       mask_shape="N11S", lse=True, grads=True),
+]
+
+
+def sdpa_shape(c, which):
+    """The shape of query ("q"), key/value ("kv") or the mask ("mask") of case c."""
+    N, L, S, D = c["N"], c["L"], c["S"], c["D"]
+    if which == "mask":
+        sizes = dict(N=N or 1, H=c["H"], L=L, S=S)
+        return tuple(1 if x == "1" else sizes[x] for x in c["mask_shape"])
+    h, t = (c["H"], L) if which == "q" else (c["Hkv"], S)
+    dims = (t, h, D) if c["layout"] == "nlhd" else (h, t, D)
+    return dims if N is None else (N,) + dims
+
+
+def sdpa_draw_mask(c, rng):
+    """The mask as stored (bool True = may attend, or float32 with some -inf) and the bool
+    (N, H, L, S) of positions that it and causality forbid."""
+    Nb, H, L, S = c["N"] or 1, c["H"], c["L"], c["S"]
+    forbidden = np.zeros((Nb, H, L, S), dtype=bool)
+    mask = None
+    if c["mask"]:
+        shape = sdpa_shape(c, "mask")
+        if c["mask"] == "bool":
+            mask = rng.random(shape) >= 0.3
+            forbidden |= np.broadcast_to(~mask, forbidden.shape)
+        else:
+            mask = rng.standard_normal(shape).astype(np.float32)
+            mask[rng.random(shape) < 0.2] = -np.inf
+            forbidden |= np.broadcast_to(np.isneginf(mask), forbidden.shape)
+    if c["causal"]:
+        forbidden |= ~np.tril(np.ones((L, S), dtype=bool))
+    return mask, forbidden
+
+
+def sdpa_reference(c, q, k, v, mask):
+    """(output, lse, weights) of scaled dot-product attention in float64, written out (torch
+    1.13 has no F.scaled_dot_product_attention), in the case's layout; lse and weights
+    (N, H, L) and (N, H, L, S) whatever the layout."""
+    if c["layout"] == "nlhd":
+        q, k, v = (x.transpose(-3, -2) for x in (q, k, v))
+    group = c["H"] // c["Hkv"]
+    k = k.repeat_interleave(group, dim=-3)
+    v = v.repeat_interleave(group, dim=-3)
+    scale = c["scale"] if c["scale"] is not None else 1 / math.sqrt(c["D"])
+    scores = q @ k.transpose(-2, -1) * scale
+    if c["causal"]:
+        keep = torch.ones(c["L"], c["S"], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1)
+    out = weights @ v
+    if c["layout"] == "nlhd":
+        out = out.transpose(-3, -2)
+    return out, torch.logsumexp(scores, dim=-1), weights
+
+
+def sdpa_generate(c, out_dir, given_root=None):
+    """Writes sdpa case c into out_dir/<name>; with given_root (--check), the committed float32
+    inputs replace the drawn ones once shown to be the draw (as generate() does)."""
+    name = c["name"]
+    d = os.path.join(out_dir, name)
+    os.makedirs(d, exist_ok=True)
+    given = None if given_root is None else os.path.join(given_root, name)
+
+    def take(fn, drawn):
+        if given is not None:
+            p = os.path.join(given, fn)
+            if not os.path.isfile(p):
+                raise golden_compare.NotThisDraw(f"{fn}: missing")
+            drawn = golden_compare.check_draw(fn, np.load(p, allow_pickle=False), drawn)
+        np.save(os.path.join(d, fn), drawn)
+        return torch.from_numpy(drawn).double().requires_grad_(c["grads"])
+
+    gen = torch.Generator().manual_seed(seed_of(name) + 2)
+    rng = np.random.default_rng(seed_of(name))
+    draw = lambda shape: torch.randn(shape, generator=gen).numpy().astype(np.float32)  # noqa
+    q = take("query.npy", draw(sdpa_shape(c, "q")))
+    k = take("key.npy", draw(sdpa_shape(c, "kv")))
+    v = take("value.npy", draw(sdpa_shape(c, "kv")))
+    for _ in range(1000):
+        mask, forbidden = sdpa_draw_mask(c, rng)
+        if not forbidden.all(axis=-1).any():
+            break
+    else:
+        raise RuntimeError(f"{name}: could not draw a mask without fully masked rows")
+    mask_t = None
+    if mask is not None:
+        np.save(os.path.join(d, "attn_mask.npy"), mask)
+        mask_t = torch.from_numpy(mask)
+        if mask_t.dtype != torch.bool:
+            mask_t = mask_t.double().requires_grad_(c["grads"])
+    out, lse, weights = sdpa_reference(c, q, k, v, mask_t)
+    results = {"expected_output.npy": out}
+    if c["lse"]:
+        results["expected_lse.npy"] = lse
+    if c["weights"]:
+        results["expected_weights.npy"] = weights
+    for fn, t in results.items():
+        a = t.detach().numpy().astype(np.float64)
+        assert np.isfinite(a).all(), f"{name}: {fn}"
+        np.save(os.path.join(d, fn), a)
+    if c["grads"]:
+        gy = draw(tuple(out.shape))
+        if given is not None:
+            gy = golden_compare.check_draw("grad_output.npy", np.load(
+                os.path.join(given, "grad_output.npy"), allow_pickle=False), gy)
+        np.save(os.path.join(d, "grad_output.npy"), gy)
+        out.backward(torch.from_numpy(gy).double())
+        g = {"query": q.grad, "key": k.grad, "value": v.grad}
+        if mask_t is not None and mask_t.dtype != torch.bool:
+            g["attn_mask"] = mask_t.grad
+        os.makedirs(os.path.join(d, "expected_grads"), exist_ok=True)
+        for gname, gv in g.items():
+            gv = gv.detach().numpy().astype(np.float64)
+            assert np.isfinite(gv).all(), f"{name}: {gname}"
+            np.save(os.path.join(d, "expected_grads", gname + ".npy"), gv)
+    flags = ["--layout", "nlhd"] if c["layout"] == "nlhd" else []
+    if c["causal"]:
+        flags.append("--is-causal")
+    if c["Hkv"] != c["H"]:
+        flags.append("--enable-gqa")
+    if c["scale"] is not None:
+        flags += ["--scale", repr(c["scale"])]
+    with open(os.path.join(d, "args"), "w") as f:
+        f.write(" ".join(flags) + "\n")
+
+
 def write_all(out_dir, given_root=None):
-    names = [c["name"] for c in CASES]
+    names = [c["name"] for c in CASES + SDPA_CASES]
     assert len(set(names)) == len(names)
     os.makedirs(out_dir, exist_ok=True)
     for entry in os.listdir(out_dir):
@@ -554,16 +738,17 @@ def write_all(out_dir, given_root=None):
         if entry not in names and os.path.isfile(os.path.join(p, "args")):
             shutil.rmtree(p)
     not_drawn = []
-    for c in CASES:
+    for c in CASES + SDPA_CASES:
         shutil.rmtree(os.path.join(out_dir, c["name"]), ignore_errors=True)
         try:
-            generate(c, out_dir, given_root)
+            (sdpa_generate if c in SDPA_CASES else generate)(c, out_dir, given_root)
         except golden_compare.NotThisDraw as e:
             not_drawn.append(f"{os.path.join(given_root, c['name'])}: {e}")
     write_torch_save(out_dir)
-    with open(os.path.join(out_dir, "cases.inc"), "w") as f:
-        f.write("/* generated by tools/make_cli_cases.py: the `clmha run` case names */\n")
-        f.write("".join(f'"{n}",\n' for n in names))
+    for fn, cmd, cases in (("cases.inc", "run", CASES), ("sdpa_cases.inc", "sdpa", SDPA_CASES)):
+        with open(os.path.join(out_dir, fn), "w") as f:
+            f.write(f"/* generated by tools/make_cli_cases.py: the `clmha {cmd}` case names */\n")
+            f.write("".join(f'"{c["name"]}",\n' for c in cases))
     return not_drawn
 
 
@@ -589,11 +774,12 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             not_drawn = write_all(tmp, out_dir)
             want, have = tree(tmp), tree(out_dir)
-        names = {c["name"] for c in CASES}
+        names = {c["name"] for c in CASES + SDPA_CASES}
+        lists = ("cases.inc", "sdpa_cases.inc")
         have = {k: v for k, v in have.items()
-                if k == "cases.inc" or k.split(os.sep)[0] in names}
+                if k in lists or k.split(os.sep)[0] in names}
         want = {k: v for k, v in want.items()  # not torch_save/ (see the docstring)
-                if k == "cases.inc" or k.split(os.sep)[0] in names}
+                if k in lists or k.split(os.sep)[0] in names}
         for why in not_drawn:
             print(f"differs: {why}", file=sys.stderr)
         failed = {why.split(": ")[0] for why in not_drawn}
@@ -615,7 +801,7 @@ def main():
         return 1 if bad or not_drawn else 0
     write_all(out_dir)
     size = sum(len(v) for v in tree(out_dir).values())
-    print(f"wrote {len(CASES)} cases to {out_dir} ({size} bytes)")
+    print(f"wrote {len(CASES) + len(SDPA_CASES)} cases to {out_dir} ({size} bytes)")
     return 0
 
 

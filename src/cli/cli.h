@@ -1,5 +1,5 @@
 // What the files of the `clmha` program share: the commands (one file each: devices.c, run.c,
-// demo.c, bench.c (with bench_backward.c), tune.c; main.c picks one) and their common code in
+// sdpa.c, demo.c, bench.c (with bench_backward.c), tune.c; main.c picks one) and their common code in
 // common.c (messages, option parsing, opening the device, output paths, random numbers and
 // time).
 #ifndef CLMHA_CLI_H
@@ -24,6 +24,7 @@ int clmha__cli_run(int argc, char **argv);
 int clmha__cli_demo(int argc, char **argv);
 int clmha__cli_bench(int argc, char **argv);
 int clmha__cli_tune(int argc, char **argv);
+int clmha__cli_sdpa(int argc, char **argv);
 
 // ---- messages
 
@@ -56,6 +57,10 @@ bool clmha__cli_parse_options(const char *cmd, int argc, char **argv,
                               const clmha__cli_option *opts, size_t num_opts, const char *usage,
                               int *exit_status);
 
+// Parses the value @p text of option @p flag (NULL: not given, *v = 0) as a decimal integer in
+// [0, 2^64). Reports "clmha <cmd>: <flag> '<text>': ..." and returns false for anything else.
+bool clmha__cli_parse_u64(const char *cmd, const char *flag, const char *text, uint64_t *v);
+
 // Parses --dtype @p opt of command @p cmd: f32 (also when @p opt is NULL), f64, f16 or bf16
 // (PyTorch's float32, float64, float16 and bfloat16 are taken too). Reports and returns false
 // for anything else.
@@ -78,6 +83,10 @@ clmha_context *clmha__cli_open_context(const char *cmd, const char *device_opt);
 // (a folder, a FIFO, a device, a symbolic link: see base/file_write.h). Reports and returns
 // false.
 bool clmha__cli_output_path_ok(const char *cmd, const char *flag, const char *path);
+
+// --grads-dir @p dir must be an existing, writable folder (it is not created). Reports and
+// returns false.
+bool clmha__cli_grads_dir_ok(const char *cmd, const char *dir);
 
 // ---- random numbers and time
 

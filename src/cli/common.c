@@ -5,6 +5,7 @@
 #include "cli.h"
 
 #include <ctype.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -107,6 +108,20 @@ bool clmha__cli_parse_options(const char *cmd, int argc, char **argv,
     return true;
 }
 
+bool clmha__cli_parse_u64(const char *cmd, const char *flag, const char *text, uint64_t *v) {
+    *v = 0;
+    if (!text) return true;
+    char *end = NULL;
+    errno = 0;
+    unsigned long long x = isdigit((unsigned char)text[0]) ? strtoull(text, &end, 10) : 0;
+    if (!end || *end || errno) {
+        clmha__cli_report(cmd, "%s '%s': expected an integer in [0, 2^64)", flag, text);
+        return false;
+    }
+    *v = (uint64_t)x;
+    return true;
+}
+
 // Device spec: --device, else $CLMHA_DEVICE, else the default. Reports a failure.
 clmha_context *clmha__cli_open_context(const char *cmd, const char *device_opt) {
     const char *env = getenv("CLMHA_DEVICE");
@@ -196,6 +211,20 @@ bool clmha__cli_output_path_ok(const char *cmd, const char *flag, const char *pa
         ok = true;
     free(dir);
     return ok;
+}
+
+bool clmha__cli_grads_dir_ok(const char *cmd, const char *dir) {
+    struct stat st;
+    if (stat(dir, &st) != 0)
+        clmha__cli_report(cmd, "--grads-dir %s: %s (the folder is not created: make it first)",
+                          dir, strerror(errno));
+    else if (!S_ISDIR(st.st_mode))
+        clmha__cli_report(cmd, "--grads-dir %s: not a folder", dir);
+    else if (access(dir, W_OK | X_OK) != 0)
+        clmha__cli_report(cmd, "--grads-dir %s: the folder is not writable", dir);
+    else
+        return true;
+    return false;
 }
 
 // ---- random numbers and time ------------------------------------------------------------------

@@ -56,6 +56,12 @@ static bool add_tensor(clmha__cli_grads *g, const char *dir, const char *name, i
     return add_file(g, dir, name, slot, t->ndim, t->shape);
 }
 
+bool clmha__cli_grads_add(clmha__cli_grads *g, const char *dir, const char *name, size_t ndim,
+                          const size_t *shape) {
+    return g->count < CLMHA__CLI_MAX_GRADS && ndim <= 4 &&
+           add_file(g, dir, name, -1, ndim, shape);
+}
+
 bool clmha__cli_grads_plan(const char *dir, clmha_layer *layer, const clmha_forward_args *args,
                            bool key_file, bool value_file, clmha__cli_grads *g) {
     memset(g, 0, sizeof *g);

@@ -1,5 +1,6 @@
 // The gradients of `clmha run --grad-output G.npy --grads-dir DIR`: which files a call gets
 // (grads_plan), the backward pass that fills them (grads_compute). See run.c's usage text.
+// `clmha sdpa` lists its own files (grads_add) and fills them itself.
 #ifndef CLMHA_CLI_GRADS_H
 #define CLMHA_CLI_GRADS_H
 
@@ -36,6 +37,11 @@ typedef struct clmha__cli_grads {
 // key_padding_mask.npy for float masks. Reports and returns false when out of memory.
 bool clmha__cli_grads_plan(const char *dir, clmha_layer *layer, const clmha_forward_args *args,
                            bool key_file, bool value_file, clmha__cli_grads *g);
+
+// Adds DIR/<name>.npy of the given shape (@p ndim at most 4) for a caller that fills its data
+// itself (slot unused). Returns false when out of memory or @p g is full.
+bool clmha__cli_grads_add(clmha__cli_grads *g, const char *dir, const char *name, size_t ndim,
+                          const size_t *shape);
 
 // The files as outputs for clmha__cli_write_outputs() (flag "--grads-dir").
 size_t clmha__cli_grads_outputs(const clmha__cli_grads *g, clmha__cli_out *out);

@@ -1,4 +1,5 @@
-// The `clmha` program: `clmha devices`, `clmha run`, `clmha demo`, `clmha bench`, `clmha tune`.
+// The `clmha` program: `clmha devices`, `clmha run`, `clmha sdpa`, `clmha demo`, `clmha bench`,
+// `clmha tune`.
 // This file picks the command; each command is a file of its own in src/cli/ (see cli.h).
 //
 // Exit status: 0 success; 1 a refused input (unreadable or malformed file, shape mismatch,
@@ -14,12 +15,16 @@ static const char *usage_main =
     "usage: clmha <command> [options]\n"
     "\n"
     "Computes torch.nn.MultiheadAttention on an OpenCL device: the forward pass, the\n"
-    "backward pass (gradients) and decoding through a KV cache.\n"
+    "backward pass (gradients) and decoding through a KV cache; and scaled dot-product\n"
+    "attention alone, on already projected heads.\n"
     "\n"
     "commands:\n"
     "  devices   list every OpenCL platform and device with the spec string that selects it\n"
     "  run       run a layer file (.safetensors) on .npy inputs, write .npy outputs\n"
     "            (--grad-output: also the gradients; --decode-chunk: through a KV cache)\n"
+    "  sdpa      scaled dot-product attention (PyTorch's F.scaled_dot_product_attention)\n"
+    "            on .npy query, key and value heads, write .npy outputs (--lse-output: the\n"
+    "            log-sum-exp rows; --grad-output: also the gradients)\n"
     "  demo      run a random layer, check it against the CPU reference, time it\n"
     "  bench     time the device-buffer forward pass: ms, GFLOP/s, scratch, time per stage\n"
     "            (--backward: the training step; --decode: one step over a KV cache)\n"
@@ -41,6 +46,7 @@ static const struct command {
 } commands[] = {
     {"devices", clmha__cli_devices},
     {"run", clmha__cli_run},
+    {"sdpa", clmha__cli_sdpa},
     {"demo", clmha__cli_demo},
     {"bench", clmha__cli_bench},
     {"tune", clmha__cli_tune},
@@ -65,7 +71,7 @@ static int run_command(int argc, char **argv);
 int main(int argc, char **argv) { return finish(run_command(argc, argv)); }
 
 static int run_command(int argc, char **argv) {
-    char names[256] = "";  // "devices, run, demo, bench"
+    char names[256] = "";  // "devices, run, sdpa, demo, bench, tune"
     for (size_t i = 0; i < NUM_COMMANDS; ++i)
         snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? ", " : "",
                  commands[i].name);

@@ -3,13 +3,10 @@
 
 #include "cli.h"
 
-#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <sys/stat.h>
-#include <sys/types.h>
 #include <unistd.h>
 
 #include "base/file_read.h"
@@ -283,7 +280,6 @@ static void warn_nonfinite(values y, size_t y_count, values w, size_t w_count,
 }
 
 
-// --seed / --offset: a decimal integer in [0, 2^64).
 // Rows t0 .. t0+c-1 of every sequence of @p x, a (T, N, F) array ((N, T, F) batch first),
 // copied into (@p to_x false) or out of (@p to_x true) @p chunk, a (c, N, F) array in the same
 // layout.
@@ -343,20 +339,6 @@ done:
     return ok;
 }
 
-static bool parse_u64(const char *flag, const char *text, uint64_t *v) {
-    *v = 0;
-    if (!text) return true;
-    char *end = NULL;
-    errno = 0;
-    unsigned long long x = isdigit((unsigned char)text[0]) ? strtoull(text, &end, 10) : 0;
-    if (!end || *end || errno) {
-        clmha__cli_report("run", "%s '%s': expected an integer in [0, 2^64)", flag, text);
-        return false;
-    }
-    *v = (uint64_t)x;
-    return true;
-}
-
 // The gradient options together: --grad-output and --grads-dir go together, --grad-weights
 // needs them and weights, --seed and --offset need --training. Reports a usage error.
 static bool grad_options_ok(const char *grad_out, const char *grad_w, const char *dir,
@@ -372,21 +354,6 @@ static bool grad_options_ok(const char *grad_out, const char *grad_w, const char
     else if ((seed || offset) && !training) why = "--seed and --offset need --training";
     if (why) clmha__cli_report("run", "%s", why);
     return !why;
-}
-
-// --grads-dir must be an existing, writable folder (it is not created).
-static bool grads_dir_ok(const char *dir) {
-    struct stat st;
-    if (stat(dir, &st) != 0)
-        clmha__cli_report("run", "--grads-dir %s: %s (the folder is not created: make it first)",
-                          dir, strerror(errno));
-    else if (!S_ISDIR(st.st_mode))
-        clmha__cli_report("run", "--grads-dir %s: not a folder", dir);
-    else if (access(dir, W_OK | X_OK) != 0)
-        clmha__cli_report("run", "--grads-dir %s: the folder is not writable", dir);
-    else
-        return true;
-    return false;
 }
 
 // A gradient input (--grad-output, --grad-weights) must have the shape of what it is the
@@ -487,13 +454,14 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         clmha__cli_report("run", "--heatmap-batch needs --heatmap");
         return false;
     }
-    return parse_u64("--heatmap-batch", o->heatmap_batch_opt, &o->heatmap_batch);
+    return clmha__cli_parse_u64("run", "--heatmap-batch", o->heatmap_batch_opt,
+                                &o->heatmap_batch);
 }
 
 // --num-heads and --batch-first into o->load. Reports a usage error.
 static bool parse_load_options(run_opts *o) {
     uint64_t heads = 0;
-    if (!parse_u64("--num-heads", o->heads_opt, &heads)) return false;
+    if (!clmha__cli_parse_u64("run", "--num-heads", o->heads_opt, &heads)) return false;
     if (o->heads_opt && (heads == 0 || heads > SIZE_MAX)) {
         clmha__cli_report("run", "--num-heads '%s': expected a positive integer", o->heads_opt);
         return false;
@@ -527,7 +495,7 @@ static bool parse_decode_chunk(run_opts *o) {
               "bottom-right: self-attention only)"
         : o->f64 ? "--dtype f64 (float64 layers have no KV cache yet)"
                  : NULL;
-    if (!parse_u64("--decode-chunk", o->chunk_opt, &o->chunk)) return false;
+    if (!clmha__cli_parse_u64("run", "--decode-chunk", o->chunk_opt, &o->chunk)) return false;
     if (o->chunk == 0) {
         clmha__cli_report("run", "--decode-chunk %s: expected a positive number of query rows",
                           o->chunk_opt);
@@ -575,8 +543,8 @@ static bool check_options(run_opts *o) {
     return parse_decode_chunk(o) &&
            grad_options_ok(o->in[IN_GRAD_OUT].path, o->in[IN_GRAD_W].path, o->grads_dir,
                            o->need_weights, o->training, o->seed_opt, o->offset_opt) &&
-           parse_u64("--seed", o->seed_opt, &o->rng.seed) &&
-           parse_u64("--offset", o->offset_opt, &o->rng.offset);
+           clmha__cli_parse_u64("run", "--seed", o->seed_opt, &o->rng.seed) &&
+           clmha__cli_parse_u64("run", "--offset", o->offset_opt, &o->rng.offset);
 }
 
 // The files, before any device is touched: the outputs' paths, --grads-dir, the layer file (a
@@ -586,7 +554,7 @@ static bool read_files(run_opts *o) {
         (o->weights_path &&
          !clmha__cli_output_path_ok("run", "--weights-output", o->weights_path)) ||
         (o->heatmap && !clmha__cli_output_path_ok("run", "--heatmap", o->heatmap)) ||
-        (o->grads_dir && !grads_dir_ok(o->grads_dir)))
+        (o->grads_dir && !clmha__cli_grads_dir_ok("run", o->grads_dir)))
         return false;
     FILE *f = NULL;
     size_t layer_size;

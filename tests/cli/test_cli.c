@@ -6,6 +6,12 @@
 //     gradient file against PyTorch's float64 autograd (max abs error <= 1e-4 * (1 + max|torch|)),
 //     through both attention cores:
 //       cli <case> grads=<files> grad_maxnorm=...
+//   - every case of tests/cli/sdpa_cases.inc through `clmha sdpa` (scaled dot-product attention
+//     on .npy heads), the output, log-sum-exp, weights and gradients against PyTorch's float64
+//     formula (max abs error <= 1e-5; gradients as above), through both forward cores:
+//       cli_sdpa <case> out_maxabs=... lse_maxabs=... w_maxabs=... grads=N grad_maxnorm=...
+//     and its usage errors, refused files and shapes, float64 inputs, dropout replay, files all
+//     or none;
 //   - --dtype f64: '<f8' files in and out, against the float64 reference and every PyTorch case
 //     (max abs error <= 1e-12), doubles no float holds kept bit for bit; what float64 layers
 //     lack yet (KV cache, backward) refused as usage errors; `clmha bench --dtype f64`;
@@ -1381,6 +1387,9 @@ Test(cli_help, every_command) {
     EXPECT_HELP("--weights-output", "run", "--layer", "x", "--help");
     EXPECT_HELP("usage: clmha demo", "demo", "--help");
     EXPECT_HELP("usage: clmha devices", "devices", "--help");
+    EXPECT_HELP("usage: clmha sdpa", "sdpa", "--help");
+    EXPECT_HELP("--lse-output LSE.npy", "sdpa", "--query", "x", "--help");
+    EXPECT_HELP("  sdpa      scaled dot-product attention", "--help");
 }
 
 Test(cli_help, version) {
@@ -2202,4 +2211,408 @@ Test(cli_usage, bench_decode) {
     EXPECT_USAGE("clmha bench: --decode takes", "bench", "--decode", "--cache-len", "8",
                  "--tgt-len", "4");
     EXPECT_USAGE("clmha bench: --cache-len", "bench", "--decode", "--cache-len", "0");
+}
+
+// ---- clmha sdpa: the PyTorch cases of tests/cli/sdpa_cases.inc, refusals, options -------------
+
+// The case names, written by tools/make_cli_cases.py next to the case folders.
+static const char *const sdpa_case_names[] = {
+#include "cli/sdpa_cases.inc"
+    NULL};
+#define SDPA_NUM_CASES (sizeof sdpa_case_names / sizeof *sdpa_case_names - 1)
+// Max abs error of the output, log-sum-exp and weights against PyTorch's float64 values (no
+// projections here: float32 rounding of one attention, some 2e-7 on PoCL).
+#define SDPA_TOL 1e-5
+
+ParameterizedTestParameters(cli_sdpa, cases) {
+    case_stride stride = case_stride_get("cli_sdpa", SDPA_NUM_CASES);
+    struct cli_param *params = SDPA_NUM_CASES ? cr_malloc(SDPA_NUM_CASES * sizeof *params) : NULL;
+    if (!params) return cr_make_param_array(struct cli_param, NULL, 0);
+    size_t n = 0;
+    for (size_t i = 0; i < SDPA_NUM_CASES; i++) {
+        if (!case_stride_keeps(stride, i)) continue;
+        memset(&params[n], 0, sizeof params[n]);
+        snprintf(params[n].name, sizeof params[n].name, "%s", sdpa_case_names[i]);
+        ++n;
+    }
+    return cr_make_param_array(struct cli_param, params, n, case_params_free);
+}
+
+Test(cli_sdpa, cases_listed) {
+    cr_assert_gt(SDPA_NUM_CASES, 0, "tests/cli/sdpa_cases.inc lists no case");
+}
+
+// Max abs difference of the file @p got_path against the case's float64 @p want_file.
+static double sdpa_file_error(const char *dir, const char *want_file, const char *got_path,
+                              const char *what) {
+    char want_path[CLI_PATH_SIZE];
+    snprintf(want_path, sizeof want_path, "%s/%s", dir, want_file);
+    clmha__npy got = {0}, want = {0};
+    read_npy(got_path, &got);
+    read_npy(want_path, &want);
+    double err = npy_max_abs_diff(&got, &want, want_file, what);
+    clmha__npy_free(&got);
+    clmha__npy_free(&want);
+    return err;
+}
+
+// One run of a case: the output (and the log-sum-exp, the weights when @p lse, @p weights) within
+// SDPA_TOL of PyTorch's, the gradients (when @p grads_dir) as compare_grads() checks them; one
+// line of errors on stderr.
+static void sdpa_check_run(const char *dir, const char *what, const char *const *argv,
+                           const tmp_dir *out, bool lse, bool weights, const char *grads_dir) {
+    cli_result r = cli_run_argv(argv);
+    cr_assert_eq(r.status, 0, "%s: exit status %d; stderr: %s", what, r.status, r.err);
+    cli_free(&r);
+    double y = sdpa_file_error(dir, "expected_output.npy", tmp_file(out, "out.npy"), what);
+    double l = lse ? sdpa_file_error(dir, "expected_lse.npy", tmp_file(out, "lse.npy"), what)
+                   : -1;
+    double w = weights ? sdpa_file_error(dir, "expected_weights.npy", tmp_file(out, "w.npy"), what)
+                       : -1;
+    double g = -1;
+    size_t files = 0;
+    if (grads_dir) g = compare_grads(dir, grads_dir, what, &files);
+    fprintf(stderr, "cli_sdpa %s out_maxabs=%.3e lse_maxabs=%.3e w_maxabs=%.3e grads=%zu "
+            "grad_maxnorm=%.3e\n", what, y, l, w, files, g);
+    cr_expect_leq(y, SDPA_TOL, "%s: output max abs error %.3e", what, y);
+    cr_expect_leq(l, SDPA_TOL, "%s: log-sum-exp max abs error %.3e", what, l);
+    cr_expect_leq(w, SDPA_TOL, "%s: weights max abs error %.3e", what, w);
+    if (grads_dir) {  // empty again for the next run
+        tmpdir_remove(grads_dir);
+        cr_assert_eq(mkdir(grads_dir, 0700), 0);
+    }
+}
+
+// Every case through `clmha sdpa` (the inputs present, the flags of `args`, --lse-output and
+// --weights-output where the case has their expected files, the gradients where it has
+// grad_output.npy), then again with the other forward core (--impl unfused, or fused for a
+// case with weights; no log-sum-exp, which only the fused core writes).
+ParameterizedTest(struct cli_param *param, cli_sdpa, cases) {
+    const char *name = param->name;
+    SKIP_WITHOUT_DEVICE();
+    char dir[CLI_PATH_SIZE / 2];
+    snprintf(dir, sizeof dir, "%s/cli/%s", CLMHA_TEST_DATA_DIR, name);
+    tmp_dir out = tmp_make();
+    static char paths[5][CLI_PATH_SIZE];
+    static const char *const inputs[][2] = {{"--query", "query.npy"},
+                                            {"--key", "key.npy"},
+                                            {"--value", "value.npy"},
+                                            {"--attn-mask", "attn_mask.npy"},
+                                            {"--grad-output", "grad_output.npy"}};
+    const char *argv[CLI_MAX_ARGS + 1] = {"sdpa"};
+    size_t argc = 1;
+    for (size_t i = 0; i < 5; ++i) {
+        snprintf(paths[i], CLI_PATH_SIZE, "%s/%s", dir, inputs[i][1]);
+        if (i < 3) cr_assert(file_exists(paths[i]), "%s: %s is missing", name, paths[i]);
+        if (!file_exists(paths[i])) continue;
+        argv[argc++] = inputs[i][0];
+        argv[argc++] = paths[i];
+    }
+    char args_path[CLI_PATH_SIZE], lse_path[CLI_PATH_SIZE], w_path[CLI_PATH_SIZE];
+    snprintf(args_path, sizeof args_path, "%s/args", dir);
+    snprintf(lse_path, sizeof lse_path, "%s/expected_lse.npy", dir);
+    snprintf(w_path, sizeof w_path, "%s/expected_weights.npy", dir);
+    bool lse = file_exists(lse_path), weights = file_exists(w_path);
+    char *extra = read_file(args_path, NULL);
+    cr_assert_not_null(extra, "%s: no args file", name);
+    for (char *tok = strtok(extra, " \t\r\n"); tok; tok = strtok(NULL, " \t\r\n")) {
+        cr_assert_lt(argc, CLI_MAX_ARGS - 12, "%s: too many arguments", name);
+        argv[argc++] = tok;
+    }
+    char grads_dir[CLI_PATH_SIZE];
+    snprintf(grads_dir, sizeof grads_dir, "%s/grads", out.path);
+    bool grads = file_exists(paths[4]);
+    if (grads) {
+        cr_assert_eq(mkdir(grads_dir, 0700), 0);
+        argv[argc++] = "--grads-dir";
+        argv[argc++] = grads_dir;
+    }
+    argv[argc++] = "--output";
+    argv[argc++] = tmp_file(&out, "out.npy");
+    size_t common = argc;  // the arguments both runs share
+    if (lse) argv[argc++] = "--lse-output", argv[argc++] = tmp_file(&out, "lse.npy");
+    if (weights) argv[argc++] = "--weights-output", argv[argc++] = tmp_file(&out, "w.npy");
+    argv[argc] = NULL;
+    sdpa_check_run(dir, name, argv, &out, lse, weights, grads ? grads_dir : NULL);
+
+    const char *other = weights ? "fused" : "unfused";
+    char what[CLI_MAX_NAME + 32];
+    snprintf(what, sizeof what, "%s --impl %s", name, other);
+    argc = common;
+    argv[argc++] = "--impl";
+    argv[argc++] = other;
+    argv[argc] = NULL;
+    sdpa_check_run(dir, what, argv, &out, false, false, grads ? grads_dir : NULL);
+    free(extra);
+    tmp_remove(&out);
+}
+
+// Runs `clmha sdpa` with @p args: exit @p status, stderr one line "clmha sdpa: ..." naming
+// @p want1 and @p want2 (NULL: nothing more), and @p files entries in @p d afterwards (no output
+// written).
+static void sdpa_expect(int status, const tmp_dir *d, size_t files, const char *want1,
+                        const char *want2, const char *const *args) {
+    cli_result r = cli_run_argv(args);
+    cr_assert_eq(r.status, status, "exit status %d (want %d); stderr: %s", r.status, status,
+                 r.err);
+    assert_one_line(&r, "clmha sdpa: ", want1, want2, NULL);
+    char names[1024];
+    size_t count = tmp_list(d, names, sizeof names);
+    cr_assert_eq(count, files, "files in %s: %s", d->path, names);
+    cr_log_info("refused as expected: %s", r.err);
+    cli_free(&r);
+}
+
+#define SDPA_EXPECT(status, d, files, want1, want2, ...)                                        \
+    sdpa_expect(status, d, files, want1, want2, (const char *const[]){"sdpa", __VA_ARGS__, NULL})
+
+// A folder with q.npy (2, 4, 5, 8), k.npy and v.npy (2, 2, 6, 8), g.npy (2, 4, 5, 8): 4 files.
+static tmp_dir make_sdpa_inputs(void) {
+    tmp_dir d = tmp_make();
+    write_f32_shape(tmp_file(&d, "q.npy"), 2, 4, 5, 8);
+    write_f32_shape(tmp_file(&d, "k.npy"), 2, 2, 6, 8);
+    write_f32_shape(tmp_file(&d, "v.npy"), 2, 2, 6, 8);
+    write_f32_shape(tmp_file(&d, "g.npy"), 2, 4, 5, 8);
+    return d;
+}
+
+// Options missing or that do not go together: exit 2, one line naming them, no file written.
+Test(cli_sdpa, usage_errors) {
+    tmp_dir d = make_sdpa_inputs();
+    const char *q = tmp_file(&d, "q.npy"), *k = tmp_file(&d, "k.npy"), *v = tmp_file(&d, "v.npy");
+    const char *g = tmp_file(&d, "g.npy"), *o = tmp_file(&d, "o.npy");
+    SDPA_EXPECT(2, &d, 4, "--key is required", NULL, "--query", q, "--value", v, "--output", o);
+    SDPA_EXPECT(2, &d, 4, "--query, --key and --value are required", NULL, "--output", o);
+    SDPA_EXPECT(2, &d, 4, "--grads-dir needs --grad-output", NULL, "--query", q, "--key", k,
+                "--value", v, "--grads-dir", d.path);
+    SDPA_EXPECT(2, &d, 4, "--grad-output needs --grads-dir", NULL, "--query", q, "--key", k,
+                "--value", v, "--grad-output", g);
+    SDPA_EXPECT(2, &d, 4, "--is-causal and --attn-mask do not go together", NULL, "--query", q,
+                "--key", k, "--value", v, "--is-causal", "--attn-mask", g, "--output", o);
+    SDPA_EXPECT(2, &d, 4, "--lse-output and --weights-output", NULL, "--query", q, "--key", k,
+                "--value", v, "--lse-output", o, "--weights-output", tmp_file(&d, "w.npy"));
+    SDPA_EXPECT(2, &d, 4, "--impl unfused cannot give the log-sum-exp", NULL, "--query", q,
+                "--key", k, "--value", v, "--impl", "unfused", "--lse-output", o);
+    SDPA_EXPECT(2, &d, 4, "--impl fused cannot give weights", NULL, "--query", q, "--key", k,
+                "--value", v, "--impl", "fused", "--weights-output", o);
+    SDPA_EXPECT(2, &d, 4, "--scale '0'", "1/sqrt(D)", "--query", q, "--key", k, "--value", v,
+                "--scale", "0");
+    SDPA_EXPECT(2, &d, 4, "--scale 'inf'", NULL, "--query", q, "--key", k, "--value", v,
+                "--scale", "inf");
+    SDPA_EXPECT(2, &d, 4, "--layout 'bhld'", "nhld or nlhd", "--query", q, "--key", k,
+                "--value", v, "--layout", "bhld");
+    SDPA_EXPECT(2, &d, 4, "--dropout-p '1'", "[0, 1)", "--query", q, "--key", k, "--value", v,
+                "--dropout-p", "1");
+    SDPA_EXPECT(2, &d, 4, "--seed and --offset need --dropout-p", NULL, "--query", q, "--key", k,
+                "--value", v, "--seed", "3");
+    SDPA_EXPECT(2, &d, 4, "--output", "names the input --query", "--query", q, "--key", k,
+                "--value", v, "--output", q);
+    SDPA_EXPECT(2, &d, 4, "unknown option '--need-weights'", NULL, "--query", q, "--key", k,
+                "--value", v, "--need-weights");
+    tmp_remove(&d);
+}
+
+// Refused inputs before the device is asked: exit 1, one line naming the option, the file and
+// the problem, no file written.
+Test(cli_sdpa, refused_files) {
+    tmp_dir d = make_sdpa_inputs();
+    const char *q = tmp_file(&d, "q.npy"), *k = tmp_file(&d, "k.npy"), *v = tmp_file(&d, "v.npy");
+    const char *o = tmp_file(&d, "o.npy");
+    write_f32_shape(tmp_file(&d, "q5.npy"), 1, 2, 4, 5, 8);
+    write_f32_shape(tmp_file(&d, "q2.npy"), 5, 8);
+    unsigned char bytes[2 * 4 * 5 * 8] = {0};
+    write_npy_raw(tmp_file(&d, "qb.npy"), "|b1", 4, (size_t[]){2, 4, 5, 8}, bytes, sizeof bytes);
+    SDPA_EXPECT(1, &d, 7, "--query", "q5.npy: a 5-D array (1, 2, 4, 5, 8)", "--query",
+                tmp_file(&d, "q5.npy"), "--key", k, "--value", v, "--output", o);
+    SDPA_EXPECT(1, &d, 7, "--query", "q2.npy: a 2-D array (5, 8)", "--query",
+                tmp_file(&d, "q2.npy"), "--key", k, "--value", v, "--output", o);
+    SDPA_EXPECT(1, &d, 7, "--query", "qb.npy: dtype '|b1' is not a float type", "--query",
+                tmp_file(&d, "qb.npy"), "--key", k, "--value", v, "--output", o);
+    SDPA_EXPECT(1, &d, 7, "--key", "absent.npy", "--query", q, "--key",
+                tmp_file(&d, "absent.npy"), "--value", v, "--output", o);
+    SDPA_EXPECT(1, &d, 7, "--value /dev/null", "not a regular file", "--query", q, "--key", k,
+                "--value", "/dev/null", "--output", o);
+    SDPA_EXPECT(1, &d, 7, "--output", "does not exist", "--query", q, "--key", k, "--value", v,
+                "--output", tmp_file(&d, "no/o.npy"));
+    SDPA_EXPECT(1, &d, 7, "--grads-dir", "not a folder", "--query", q, "--key", k, "--value", v,
+                "--grad-output", tmp_file(&d, "g.npy"), "--grads-dir", q);
+    tmp_remove(&d);
+}
+
+// Shapes the library refuses: exit 1, one line naming the input's option and file and the
+// library's reason, no file written.
+Test(cli_sdpa, refused_shapes) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_sdpa_inputs();
+    const char *q = tmp_file(&d, "q.npy"), *k = tmp_file(&d, "k.npy"), *v = tmp_file(&d, "v.npy");
+    const char *o = tmp_file(&d, "o.npy");
+    write_f32_shape(tmp_file(&d, "k16.npy"), 2, 2, 6, 16);
+    write_f32_shape(tmp_file(&d, "v7.npy"), 2, 2, 7, 8);
+    write_f32_shape(tmp_file(&d, "m.npy"), 3, 5, 6);
+    write_f32_shape(tmp_file(&d, "g_bad.npy"), 2, 4, 5, 7);
+    write_f32_shape(tmp_file(&d, "k3.npy"), 2, 6, 8);
+    SDPA_EXPECT(1, &d, 9, "--key", "k16.npy: key is (2, 2, 6, 16)", "--query", q, "--key",
+                tmp_file(&d, "k16.npy"), "--value", v, "--enable-gqa", "--output", o);
+    SDPA_EXPECT(1, &d, 9, "--value", "v7.npy: value is (2, 2, 7, 8)", "--query", q, "--key", k,
+                "--value", tmp_file(&d, "v7.npy"), "--enable-gqa", "--output", o);
+    SDPA_EXPECT(1, &d, 9, "k.npy: the key and value have 2 heads, the query 4", "(--enable-gqa)",
+                "--query", q, "--key", k, "--value", v, "--output", o);
+    SDPA_EXPECT(1, &d, 9, "--key", "k3.npy: key is (2, 6, 8) but the query is 4-D", "--query", q,
+                "--key", tmp_file(&d, "k3.npy"), "--value", v, "--enable-gqa", "--output", o);
+    SDPA_EXPECT(1, &d, 9, "--attn-mask", "m.npy: attn_mask is (3, 5, 6)", "--query", q, "--key",
+                k, "--value", v, "--enable-gqa", "--attn-mask", tmp_file(&d, "m.npy"),
+                "--output", o);
+    SDPA_EXPECT(1, &d, 9, "--grad-output", "shape (2, 4, 5, 7), but the output is (2, 4, 5, 8)",
+                "--query", q, "--key", k, "--value", v, "--enable-gqa", "--grad-output",
+                tmp_file(&d, "g_bad.npy"), "--grads-dir", d.path, "--output", o);
+    // (2, 4, 5, 8) read as (N, L, H, D): 5 query heads, 6 key heads.
+    SDPA_EXPECT(1, &d, 9, "--key", "heads must divide the query's 5", "--query", q, "--key", k,
+                "--value", v, "--enable-gqa", "--layout", "nlhd", "--output", o);
+    tmp_remove(&d);
+}
+
+// A copy of the float32 .npy file @p from as float64 ('<f8') at @p to.
+static void write_as_f64(const char *from, const char *to) {
+    clmha__npy a = {0};
+    read_npy(from, &a);
+    double *x = malloc(a.count * sizeof *x);
+    cr_assert_not_null(x);
+    for (size_t i = 0; i < a.count; ++i) x[i] = a.f32[i];
+    write_npy_raw(to, "<f8", a.ndim, a.shape, x, a.count * sizeof *x);
+    free(x);
+    clmha__npy_free(&a);
+}
+
+// float64 inputs are read as float32: the same output, byte for byte, as their float32 files
+// (the same core: both runs ask for the weights); unbatched inputs get weights (H, L, S) and a
+// log-sum-exp (H, L).
+Test(cli_sdpa, float64_inputs_and_unbatched_shapes) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = tmp_make();
+    char src[3][CLI_PATH_SIZE];
+    const char *names[3] = {"query", "key", "value"};
+    for (int i = 0; i < 3; ++i) {
+        snprintf(src[i], sizeof src[i], "%s/cli/sdpa_unbatched_float_mask_scale/%s.npy",
+                 CLMHA_TEST_DATA_DIR, names[i]);
+        char to[32];
+        snprintf(to, sizeof to, "%s64.npy", names[i]);
+        write_as_f64(src[i], tmp_file(&d, to));
+    }
+    cli_result r = cli_run("sdpa", "--query", src[0], "--key", src[1], "--value", src[2],
+                           "--output", tmp_file(&d, "o32.npy"), "--weights-output",
+                           tmp_file(&d, "w.npy"));
+    cr_assert_eq(r.status, 0, "exit status %d; stderr: %s", r.status, r.err);
+    cli_free(&r);
+    r = cli_run("sdpa", "--query", tmp_file(&d, "query64.npy"), "--key",
+                tmp_file(&d, "key64.npy"), "--value", tmp_file(&d, "value64.npy"), "--output",
+                tmp_file(&d, "o64.npy"), "--weights-output", tmp_file(&d, "w64.npy"));
+    cr_assert_eq(r.status, 0, "exit status %d; stderr: %s", r.status, r.err);
+    cr_assert_str_empty(r.err, "stderr: %s", r.err);
+    cli_free(&r);
+    r = cli_run("sdpa", "--query", src[0], "--key", src[1], "--value", src[2], "--lse-output",
+                tmp_file(&d, "lse.npy"));
+    cr_assert_eq(r.status, 0, "exit status %d; stderr: %s", r.status, r.err);
+    cli_free(&r);
+    size_t n32 = 0, n64 = 0;
+    char *o32 = slurp(tmp_file(&d, "o32.npy"), &n32), *o64 = slurp(tmp_file(&d, "o64.npy"), &n64);
+    cr_expect(n32 == n64 && memcmp(o32, o64, n32) == 0, "float64 inputs gave another output");
+    free(o32);
+    free(o64);
+    clmha__npy w = {0}, lse = {0};
+    read_npy(tmp_file(&d, "w.npy"), &w);
+    read_npy(tmp_file(&d, "lse.npy"), &lse);
+    cr_expect(w.ndim == 3 && w.shape[0] == 2 && w.shape[1] == 4 && w.shape[2] == 6,
+              "weights are %zu-D (%zu, %zu, %zu), want (2, 4, 6)", w.ndim, w.shape[0],
+              w.shape[1], w.shape[2]);
+    cr_expect(lse.ndim == 2 && lse.shape[0] == 2 && lse.shape[1] == 4,
+              "lse is %zu-D (%zu, %zu), want (2, 4)", lse.ndim, lse.shape[0], lse.shape[1]);
+    clmha__npy_free(&w);
+    clmha__npy_free(&lse);
+    tmp_remove(&d);
+}
+
+// --dropout-p: the same seed gives the same output and gradients, byte for byte, another seed
+// another output; --dropout-p 0 is no dropout.
+Test(cli_sdpa, dropout_is_replayed) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_sdpa_inputs();
+    char q[CLI_PATH_SIZE], k[CLI_PATH_SIZE], v[CLI_PATH_SIZE];  // (tmp_file's buffers rotate)
+    snprintf(q, sizeof q, "%s", tmp_file(&d, "q.npy"));
+    snprintf(k, sizeof k, "%s", tmp_file(&d, "k.npy"));
+    snprintf(v, sizeof v, "%s", tmp_file(&d, "v.npy"));
+    cr_assert_eq(mkdir(tmp_file(&d, "sub"), 0700), 0);
+    const char *p[4] = {"0.3", "0.3", "0.3", "0"}, *seed[4] = {"7", "7", "8", "7"};
+    char *out[5], *grad[4];
+    size_t out_size[5], grad_size[4];
+    for (int i = 0; i < 4; ++i) {
+        cli_result r = cli_run("sdpa", "--query", q, "--key", k, "--value", v, "--enable-gqa",
+                               "--dropout-p", p[i], "--seed", seed[i], "--offset", "2",
+                               "--grad-output", tmp_file(&d, "g.npy"), "--grads-dir",
+                               tmp_file(&d, "sub"), "--output", tmp_file(&d, "o.npy"));
+        cr_assert_eq(r.status, 0, "exit status %d; stderr: %s", r.status, r.err);
+        cli_free(&r);
+        out[i] = slurp(tmp_file(&d, "o.npy"), &out_size[i]);
+        grad[i] = slurp(tmp_file(&d, "sub/key.npy"), &grad_size[i]);
+        cr_assert(out[i] && grad[i]);
+    }
+    cli_result r = cli_run("sdpa", "--query", q, "--key", k, "--value", v, "--enable-gqa",
+                           "--output", tmp_file(&d, "o.npy"));
+    cr_assert_eq(r.status, 0, "exit status %d; stderr: %s", r.status, r.err);
+    cli_free(&r);
+    out[4] = slurp(tmp_file(&d, "o.npy"), &out_size[4]);
+    cr_expect(out_size[0] == out_size[1] && memcmp(out[0], out[1], out_size[0]) == 0);
+    cr_expect(grad_size[0] == grad_size[1] && memcmp(grad[0], grad[1], grad_size[0]) == 0);
+    cr_expect(memcmp(out[0], out[2], out_size[0]) != 0, "another seed gave the same output");
+    cr_expect(memcmp(grad[0], grad[2], grad_size[0]) != 0, "another seed gave the same grads");
+    cr_expect(memcmp(out[3], out[4], out_size[3]) == 0, "--dropout-p 0 is not no dropout");
+    for (int i = 0; i < 4; ++i) free(out[i]), free(grad[i]);
+    free(out[4]);
+    tmpdir_remove(tmp_file(&d, "sub"));
+    tmp_remove(&d);
+}
+
+// A rename that fails on the last gradient file leaves the old --output as it was and no
+// gradient file behind; then the files in their inputs' shapes; a summary on stdout without
+// --output.
+Test(cli_sdpa, files_all_or_none) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_sdpa_inputs();
+    const char *q = tmp_file(&d, "q.npy"), *k = tmp_file(&d, "k.npy"), *v = tmp_file(&d, "v.npy");
+    const char *g = tmp_file(&d, "g.npy"), *o = tmp_file(&d, "o.npy");
+    cr_assert_eq(mkdir(tmp_file(&d, "sub"), 0700), 0);
+    char sub[CLI_PATH_SIZE];
+    snprintf(sub, sizeof sub, "%s/sub", d.path);
+    write_bytes(o, "old output", 10);
+    cli_fail_rename = "/value.npy";
+    cli_result r = cli_run("sdpa", "--query", q, "--key", k, "--value", v, "--enable-gqa",
+                           "--grad-output", g, "--grads-dir", sub, "--output", o);
+    cli_fail_rename = NULL;
+    cr_assert_eq(r.status, 1, "exit status %d; stderr: %s", r.status, r.err);
+    assert_one_line(&r, "clmha sdpa: ", "--grads-dir", "value.npy", "as it was", NULL);
+    cli_free(&r);
+    assert_same_bytes(o, "old output", 10);
+    char names[1024];
+    cr_assert_eq(tmpdir_list(sub, names, sizeof names), 0, "left behind: %s", names);
+
+    r = cli_run("sdpa", "--query", q, "--key", k, "--value", v, "--enable-gqa", "--grad-output",
+                g, "--grads-dir", sub);
+    cr_assert_eq(r.status, 0, "exit status %d; stderr: %s", r.status, r.err);
+    cr_expect(strstr(r.out, "output:  (2, 4, 5, 8):") != NULL, "stdout: %s", r.out);
+    cli_free(&r);
+    cr_assert_eq(tmpdir_list(sub, names, sizeof names), 3, "files: %s", names);
+    const char *files[3] = {"query.npy", "key.npy", "value.npy"};
+    const size_t heads[3] = {4, 2, 2}, rows[3] = {5, 6, 6};
+    for (int i = 0; i < 3; ++i) {
+        char path[CLI_PATH_SIZE + 64];
+        snprintf(path, sizeof path, "%s/%s", sub, files[i]);
+        clmha__npy a = {0};
+        read_npy(path, &a);
+        cr_expect(a.ndim == 4 && a.shape[0] == 2 && a.shape[1] == heads[i] &&
+                      a.shape[2] == rows[i] && a.shape[3] == 8,
+                  "%s: %zu-D (%zu, %zu, %zu, %zu)", files[i], a.ndim, a.shape[0], a.shape[1],
+                  a.shape[2], a.shape[3]);
+        clmha__npy_free(&a);
+    }
+    tmpdir_remove(sub);
+    tmp_remove(&d);
 }

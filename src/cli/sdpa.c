@@ -1,0 +1,515 @@
+// `clmha sdpa`: scaled dot-product attention (PyTorch's F.scaled_dot_product_attention) on .npy
+// arrays, through the public attention-as-a-function calls (clmha_attention_output_counts,
+// clmha_attention_forward_host, clmha_attention_backward_host); .npy outputs.
+#define _POSIX_C_SOURCE 200809L
+
+#include "cli.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "base/message.h"
+#include "grads.h"
+#include "npy.h"
+#include "outputs.h"
+
+// The help text, in parts (ISO C compilers need support string literals of 4095 bytes only).
+static const char *const usage_sdpa[] = {
+    "usage: clmha sdpa --query Q.npy --key K.npy --value V.npy [options]\n"
+    "\n"
+    "Computes PyTorch's F.scaled_dot_product_attention(query, key, value, attn_mask,\n"
+    "dropout_p, is_causal, scale, enable_gqa) on the arrays of .npy files, on an OpenCL\n"
+    "device: softmax(query @ key^T * scale + mask) @ value for every batch item and head,\n"
+    "and optionally its backward pass. The tensors are already projected and split into\n"
+    "heads (no layer file: see clmha run for nn.MultiheadAttention).\n"
+    "\n"
+    "inputs (float32; float64 and float16 files are read and rounded to float32):\n"
+    "  --query Q.npy             (N, H, L, D), or (H, L, D) unbatched (required)\n"
+    "  --key K.npy               (N, H_kv, S, D), or (H_kv, S, D) (required)\n"
+    "  --value V.npy             (N, H_kv, S, D_v), or (H_kv, S, D_v) (required; D_v must\n"
+    "                            equal D for now)\n"
+    "  --layout nhld|nlhd        the order of query, key, value and output: nhld (default,\n"
+    "                            PyTorch's SDPA) or nlhd (FlashAttention's flash_attn_func:\n"
+    "                            query (N, L, H, D), key and value (N, S, H_kv, D))\n"
+    "  --attn-mask A.npy         bool/uint8: true (non-zero) = may attend (SDPA's polarity,\n"
+    "                            the opposite of clmha run's); float: added to the scaled\n"
+    "                            scores (-inf forbids). Shapes, whatever --layout, as SDPA\n"
+    "                            broadcasts them to (N, H, L, S): (L, S), (1, L, S),\n"
+    "                            (1, 1, L, S), (N, 1, L, S), (N, H, L, S), (N, 1, 1, S);\n"
+    "                            when N is 1 also (H, L, S), (1, H, L, S), (S,), (1, S),\n"
+    "                            (1, 1, S).\n"
+    "                            Unbatched inputs take at most 3-D masks\n"
+    "  --is-causal               mask key j > query i (top-left aligned, as SDPA); not with\n"
+    "                            --attn-mask (as SDPA)\n"
+    "  --scale S                 the factor of the scores (default 1/sqrt(D)): a finite,\n"
+    "                            non-zero number\n"
+    "  --enable-gqa              grouped-query attention: H_kv may divide H (query head h\n"
+    "                            reads key/value head h / (H / H_kv)); without it H_kv = H\n"
+    "  --dropout-p P             drop each attention weight with probability P in [0, 1)\n"
+    "                            (default 0), drawn from clmha's Philox stream (not PyTorch's\n"
+    "                            generator); the backward pass replays it\n"
+    "  --seed S, --offset O      the dropout stream's key and offset (default 0); need\n"
+    "                            --dropout-p\n"
+    "\n",
+    "outputs (float32):\n"
+    "  --output O.npy            the attention output, in the query's shape and layout (D_v\n"
+    "                            last)\n"
+    "  --lse-output LSE.npy      the log-sum-exp of every score row (natural log of the sum\n"
+    "                            of exp(score), scores scaled and masked, before dropout):\n"
+    "                            (N, H, L), or (H, L) unbatched, whatever --layout; -inf for\n"
+    "                            a fully masked row. The fused core writes it: not with\n"
+    "                            --weights-output or --impl unfused\n"
+    "  --weights-output W.npy    the attention weights (after dropout): (N, H, L, S), or\n"
+    "                            (H, L, S) unbatched, whatever --layout. The unfused core\n"
+    "                            returns them: not with --lse-output or --impl fused\n"
+    "\n"
+    "gradients (the backward pass, after the forward pass with the same inputs and dropout):\n"
+    "  --grad-output G.npy       the gradient of the output, in the output's shape\n"
+    "  --grads-dir DIR           an existing folder (it is not created) that receives the\n"
+    "                            gradients, float32, each in its input's shape and layout:\n"
+    "                            query.npy, key.npy, value.npy (with --enable-gqa a key/value\n"
+    "                            head's gradient sums its query heads'), and attn_mask.npy\n"
+    "                            for a float mask (summed over the dimensions it is broadcast\n"
+    "                            along; boolean masks have no gradient). Other files in DIR\n"
+    "                            are left alone. --grad-output and --grads-dir go together.\n"
+    "                            Fully masked query rows get zero gradients.\n"
+    "\n"
+    "  Files are written only after the forward (and backward) pass succeeded, each whole or\n"
+    "  not at all, and all of them or none: a failed run leaves every file as it was. An\n"
+    "  output may be a new file or an existing regular file (not a folder, FIFO, device or\n"
+    "  symbolic link), and neither an input nor another output. Inputs must be regular files.\n"
+    "  A query row whose every key is masked gets zeros (PyTorch's math backend gives NaN).\n"
+    "  NaN/Inf in the output gives a warning on stderr; the exit status stays 0.\n"
+    "  Results not written to a file are summarised on stdout (shape, first values).\n"
+    "\n",
+    "device:\n"
+    "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"
+    "                            (see clmha devices); default: $CLMHA_DEVICE, else the first\n"
+    "                            GPU, else the first device\n"
+    "  --impl auto|fused|unfused the attention core of the forward pass: fused streams key\n"
+    "                            tiles and never stores the scores; auto (default) is fused,\n"
+    "                            unfused where the fused core cannot run or for\n"
+    "                            --weights-output. The gradients come from the unfused\n"
+    "                            core's backward pass\n"
+    "\n"
+    "  --help, -h                print this help\n"
+    "\n"
+    "exit status: 0 success, 1 refused input (bad file, shape mismatch, device error) or\n"
+    "stdout not written, 2 usage error. Options take their value as --opt VALUE or --opt=VALUE.\n"};
+
+// One .npy input.
+typedef struct sdpa_input {
+    const char *flag;  // "--query"
+    const char *path;  // NULL when not given
+    bool is_mask;      // bool/uint8 allowed, 1 to 4 dimensions
+    clmha__npy a;
+} sdpa_input;
+
+enum { IN_QUERY, IN_KEY, IN_VALUE, IN_ATTN, IN_GRAD_OUT, IN_COUNT };
+
+// The command line, and what follows from it before any file is read.
+typedef struct sdpa_opts {
+    sdpa_input in[IN_COUNT];
+    const char *output_path, *lse_path, *weights_path, *grads_dir, *device;
+    const char *scale_opt, *layout_opt, *impl_opt, *dropout_opt, *seed_opt, *offset_opt;
+    bool is_causal, enable_gqa;
+    double scale;  // 0: 1/sqrt(D)
+    float dropout_p;
+    clmha_attention_layout layout;
+    clmha_impl impl;
+    clmha_dropout_rng rng;
+    clmha__cli_in named_in[IN_COUNT];
+    clmha__cli_out outs[3 + CLMHA__CLI_MAX_GRADS];
+    size_t num_outs;  // the output, the log-sum-exp and the weights; the gradients join later
+} sdpa_opts;
+
+// What a run holds once the device is open.
+typedef struct sdpa_state {
+    clmha_context *ctx;
+    clmha_attention_args args;
+    size_t y_count, lse_count, w_count;
+    size_t y_ndim, y_shape[4], lse_ndim, lse_shape[4], w_ndim, w_shape[4];
+    float *y, *lse, *w;
+    clmha__cli_grads grads;  // query, key, value, attn_mask (float masks)
+} sdpa_state;
+
+// ---- the command line --------------------------------------------------------------------------
+
+// Parses the command line into @p o. Returns true when the command goes on; else false with
+// *rc EXIT_OK (after --help) or EXIT_USAGE (after reporting).
+static bool parse_command_line(int argc, char **argv, sdpa_opts *o, int *rc) {
+    const clmha__cli_option opts[] = {
+        {.name = "--query", .value = &o->in[IN_QUERY].path},
+        {.name = "--key", .value = &o->in[IN_KEY].path},
+        {.name = "--value", .value = &o->in[IN_VALUE].path},
+        {.name = "--attn-mask", .value = &o->in[IN_ATTN].path},
+        {.name = "--is-causal", .flag = &o->is_causal},
+        {.name = "--scale", .value = &o->scale_opt},
+        {.name = "--enable-gqa", .flag = &o->enable_gqa},
+        {.name = "--layout", .value = &o->layout_opt},
+        {.name = "--dropout-p", .value = &o->dropout_opt},
+        {.name = "--seed", .value = &o->seed_opt},
+        {.name = "--offset", .value = &o->offset_opt},
+        {.name = "--output", .value = &o->output_path},
+        {.name = "--lse-output", .value = &o->lse_path},
+        {.name = "--weights-output", .value = &o->weights_path},
+        {.name = "--grad-output", .value = &o->in[IN_GRAD_OUT].path},
+        {.name = "--grads-dir", .value = &o->grads_dir},
+        {.name = "--impl", .value = &o->impl_opt},
+        {.name = "--device", .value = &o->device, .allow_empty = true},
+    };
+    char usage[8192] = "";
+    for (size_t i = 0; i < sizeof usage_sdpa / sizeof usage_sdpa[0]; ++i)
+        strncat(usage, usage_sdpa[i], sizeof usage - strlen(usage) - 1);
+    if (!clmha__cli_parse_options("sdpa", argc, argv, opts, sizeof opts / sizeof opts[0], usage,
+                                  rc))
+        return false;
+    *rc = EXIT_USAGE;
+    const char *missing[3];
+    size_t n = 0;
+    for (int i = IN_QUERY; i <= IN_VALUE; ++i)
+        if (!o->in[i].path) missing[n++] = o->in[i].flag;
+    if (n == 0) return true;
+    // "--key is", "--key and --value are", "--query, --key and --value are"
+    clmha__cli_report("sdpa", "%s%s%s%s%s %s required (try 'clmha sdpa --help')", missing[0],
+                      n == 3 ? ", " : n == 2 ? " and " : "", n > 1 ? missing[1] : "",
+                      n == 3 ? " and " : "", n == 3 ? missing[2] : "", n > 1 ? "are" : "is");
+    return false;
+}
+
+// --scale (a finite non-zero number) and --dropout-p (in [0, 1)). Reports a usage error.
+static bool parse_numbers(sdpa_opts *o) {
+    char *end = NULL;
+    if (o->scale_opt) {
+        errno = 0;
+        o->scale = strtod(o->scale_opt, &end);
+        if (*end || errno || !isfinite(o->scale) || o->scale == 0) {
+            clmha__cli_report("sdpa", "--scale '%s': expected a finite, non-zero number%s",
+                              o->scale_opt,
+                              !*end && o->scale == 0 ? " (leave --scale out for 1/sqrt(D))"
+                                                     : "");
+            return false;
+        }
+    }
+    if (o->dropout_opt) {
+        errno = 0;
+        double p = strtod(o->dropout_opt, &end);
+        if (*end || errno || !(p >= 0 && p < 1)) {
+            clmha__cli_report("sdpa", "--dropout-p '%s': expected a number in [0, 1)",
+                              o->dropout_opt);
+            return false;
+        }
+        o->dropout_p = (float)p;
+        if (o->dropout_p >= 1.0f) o->dropout_p = nextafterf(1.0f, 0.0f);  // 0.99999999 rounds up
+    }
+    if ((o->seed_opt || o->offset_opt) && !o->dropout_opt) {
+        clmha__cli_report("sdpa", "--seed and --offset need --dropout-p");
+        return false;
+    }
+    return clmha__cli_parse_u64("sdpa", "--seed", o->seed_opt, &o->rng.seed) &&
+           clmha__cli_parse_u64("sdpa", "--offset", o->offset_opt, &o->rng.offset);
+}
+
+// The options that go together or not: the cores' outputs, --is-causal with a mask, the
+// gradient pair. Reports a usage error.
+static bool options_agree(const sdpa_opts *o) {
+    const char *why = NULL;
+    bool grad_out = o->in[IN_GRAD_OUT].path != NULL;
+    if (o->is_causal && o->in[IN_ATTN].path)
+        why = "--is-causal and --attn-mask do not go together (as in "
+              "scaled_dot_product_attention): give one (a causal mask can be part of the "
+              "attn_mask)";
+    else if (o->lse_path && o->weights_path)
+        why = "--lse-output and --weights-output do not go together: the fused core writes the "
+              "log-sum-exp, the unfused core returns the weights (run twice for both)";
+    else if (o->lse_path && o->impl == CLMHA_IMPL_UNFUSED)
+        why = "--impl unfused cannot give the log-sum-exp: drop --lse-output, or use --impl fused "
+              "or auto";
+    else if (grad_out && !o->grads_dir)
+        why = "--grad-output needs --grads-dir (where the gradients go)";
+    else if (o->grads_dir && !grad_out)
+        why = "--grads-dir needs --grad-output (the output's gradient)";
+    if (why) clmha__cli_report("sdpa", "%s", why);
+    return !why;
+}
+
+// Everything about the options that needs no file. Reports a usage error.
+static bool check_options(sdpa_opts *o) {
+    for (int i = 0; i < IN_COUNT; ++i)
+        o->named_in[i] = (clmha__cli_in){o->in[i].flag, o->in[i].path};
+    const char *flags[3] = {"--output", "--lse-output", "--weights-output"};
+    const char *paths[3] = {o->output_path, o->lse_path, o->weights_path};
+    for (int i = 0; i < 3; ++i)
+        if (paths[i])
+            o->outs[o->num_outs++] = (clmha__cli_out){.flag = flags[i], .path = paths[i]};
+    if (!clmha__cli_outputs_distinct("sdpa", o->outs, o->num_outs, o->named_in, IN_COUNT))
+        return false;
+    o->layout = CLMHA_LAYOUT_NHLD;
+    if (o->layout_opt && strcmp(o->layout_opt, "nlhd") == 0) {
+        o->layout = CLMHA_LAYOUT_NLHD;
+    } else if (o->layout_opt && strcmp(o->layout_opt, "nhld") != 0) {
+        clmha__cli_report("sdpa", "--layout '%s': expected nhld or nlhd", o->layout_opt);
+        return false;
+    }
+    return clmha__cli_parse_impl("sdpa", o->impl_opt, o->weights_path != NULL,
+                                 "--weights-output", &o->impl) &&
+           parse_numbers(o) && options_agree(o);
+}
+
+// ---- the files ---------------------------------------------------------------------------------
+
+// Reads one input; reports and returns false when it is refused. float64 values beyond
+// float32's range (read as +-inf) give a warning.
+static bool read_input(sdpa_input *in) {
+    char msg[1024] = "";
+    if (clmha__npy_read(in->path, &in->a, msg, sizeof msg) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "%s %s: %s", in->flag, in->path,
+                          msg[0] ? clmha__cli_without_path(msg, in->path) : "cannot read the file");
+        return false;
+    }
+    size_t lo = in->is_mask ? 1 : 3, nd = in->a.ndim;
+    if (nd < lo || nd > 4) {
+        char shape[160];
+        clmha__cli_report("sdpa", "%s %s: a %zu-D array %s; %s takes %s dimensions", in->flag,
+                          in->path, nd, clmha__shape_str_most(shape, sizeof shape, nd, in->a.shape,
+                                                          CLMHA__NPY_MAX_DIMS),
+                          in->flag, in->is_mask ? "1 to 4" : "3 (unbatched) or 4");
+        return false;
+    }
+    if (!in->is_mask && in->a.kind != CLMHA__NPY_FLOAT) {
+        clmha__cli_report("sdpa", "%s %s: dtype '%s' is not a float type; %s must be float32 "
+                          "(or float64, float16)", in->flag, in->path, in->a.dtype, in->flag);
+        return false;
+    }
+    if (in->a.overflowed)
+        clmha__cli_report("sdpa", "warning: %s %s: %zu float64 value%s beyond float32's range, "
+                          "read as inf", in->flag, in->path, in->a.overflowed,
+                          in->a.overflowed == 1 ? "" : "s");
+    return true;
+}
+
+// The files, before any device is touched: the outputs' paths, --grads-dir and the inputs.
+static bool read_files(sdpa_opts *o) {
+    for (size_t i = 0; i < o->num_outs; ++i)
+        if (!clmha__cli_output_path_ok("sdpa", o->outs[i].flag, o->outs[i].path)) return false;
+    if (o->grads_dir && !clmha__cli_grads_dir_ok("sdpa", o->grads_dir)) return false;
+    for (int i = 0; i < IN_COUNT; ++i)
+        if (o->in[i].path && !read_input(&o->in[i])) return false;
+    return true;
+}
+
+// ---- the call ----------------------------------------------------------------------------------
+
+static clmha_tensor tensor_of(const clmha__npy *a) {
+    clmha_tensor t = {.ndim = a->ndim};
+    for (size_t i = 0; i < a->ndim && i < 4; ++i) t.shape[i] = a->shape[i];
+    t.data = a->kind == CLMHA__NPY_BOOL ? (const void *)a->u8 : (const void *)a->f32;
+    return t;
+}
+
+// The input a library message about the tensors refers to: the query, key or value it starts
+// with ("the key and value have 2 heads", "enable_gqa: the key and value's ..." name the key).
+static const sdpa_input *input_culprit(const char *msg, const sdpa_opts *o) {
+    if (clmha__cli_starts_with(msg, "value")) return &o->in[IN_VALUE];
+    if (clmha__cli_starts_with(msg, "key") || strstr(msg, "the key and value"))
+        return &o->in[IN_KEY];
+    return &o->in[IN_QUERY];
+}
+
+// The call's arguments, checked in steps so that a refusal names its file or option: the
+// tensors, then the mask and is_causal, then the other options; then the result counts.
+static bool build_args(const sdpa_opts *o, sdpa_state *s) {
+    const sdpa_input *in = o->in;
+    clmha_attention_args *a = &s->args;
+    *a = (clmha_attention_args){.struct_size = sizeof *a, .query = tensor_of(&in[IN_QUERY].a),
+                                .key = tensor_of(&in[IN_KEY].a),
+                                .value = tensor_of(&in[IN_VALUE].a), .layout = o->layout,
+                                .enable_gqa = o->enable_gqa};
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        const char *why = clmha_context_last_error(s->ctx);
+        const sdpa_input *culprit = input_culprit(why, o);
+        clmha__cli_report("sdpa", "%s %s: %s%s", culprit->flag, culprit->path, why,
+                          strstr(why, "set enable_gqa") ? " (--enable-gqa)" : "");
+        return false;
+    }
+    if (in[IN_ATTN].path) {
+        a->attn_mask = (clmha_mask){.kind = in[IN_ATTN].a.kind == CLMHA__NPY_BOOL
+                                                ? CLMHA_MASK_BOOL_ATTEND
+                                                : CLMHA_MASK_FLOAT,
+                                    .tensor = tensor_of(&in[IN_ATTN].a)};
+    }
+    a->is_causal = o->is_causal;
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "%s%s: %s", in[IN_ATTN].path ? "--attn-mask " : "--is-causal",
+                          in[IN_ATTN].path ? in[IN_ATTN].path : "",
+                          clmha_context_last_error(s->ctx));
+        return false;
+    }
+    a->scale = o->scale;
+    a->dropout_p = o->dropout_p;
+    a->rng = o->rng;
+    a->impl = o->impl;
+    if (clmha_attention_output_counts(s->ctx, a, &s->y_count, &s->lse_count, &s->w_count) !=
+        CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "%s", clmha_context_last_error(s->ctx));
+        return false;
+    }
+    return true;
+}
+
+// The result shapes: the output is the query's with the value's last size; the log-sum-exp
+// (N, H, L) and the weights (N, H, L, S) whatever the layout, unbatched without N.
+static void plan_shapes(const sdpa_opts *o, sdpa_state *s) {
+    const clmha__npy *q = &o->in[IN_QUERY].a, *k = &o->in[IN_KEY].a, *v = &o->in[IN_VALUE].a;
+    size_t nd = q->ndim;
+    bool nlhd = o->layout == CLMHA_LAYOUT_NLHD;
+    size_t h = q->shape[nd - (nlhd ? 2 : 3)], l = q->shape[nd - (nlhd ? 3 : 2)];
+    size_t src = k->shape[nd - (nlhd ? 3 : 2)];
+    s->y_ndim = nd;
+    memcpy(s->y_shape, q->shape, nd * sizeof *q->shape);
+    s->y_shape[nd - 1] = v->shape[nd - 1];
+    size_t sizes[4] = {q->shape[0], h, l, src};
+    size_t first = nd == 4 ? 0 : 1;  // unbatched: no N
+    s->lse_ndim = 3 - first;
+    s->w_ndim = 4 - first;
+    memcpy(s->lse_shape, sizes + first, s->lse_ndim * sizeof *sizes);
+    memcpy(s->w_shape, sizes + first, s->w_ndim * sizeof *sizes);
+}
+
+// Gradients: --grad-output's shape, the files (query, key, value, and attn_mask for a float
+// mask), checked like the outputs. Sets *rc for a usage error.
+static bool plan_grads(sdpa_opts *o, sdpa_state *s, int *rc) {
+    const sdpa_input *g = &o->in[IN_GRAD_OUT];
+    bool same = g->a.ndim == s->y_ndim;
+    for (size_t i = 0; same && i < s->y_ndim; ++i) same = g->a.shape[i] == s->y_shape[i];
+    if (!same) {
+        char got[160], want[160];
+        clmha__cli_report("sdpa", "--grad-output %s: shape %s, but the output is %s", g->path,
+                          clmha__shape_str(got, sizeof got, g->a.ndim, g->a.shape),
+                          clmha__shape_str(want, sizeof want, s->y_ndim, s->y_shape));
+        return false;
+    }
+    const clmha_attention_args *a = &s->args;
+    bool ok = clmha__cli_grads_add(&s->grads, o->grads_dir, "query", a->query.ndim,
+                                   a->query.shape) &&
+              clmha__cli_grads_add(&s->grads, o->grads_dir, "key", a->key.ndim, a->key.shape) &&
+              clmha__cli_grads_add(&s->grads, o->grads_dir, "value", a->value.ndim,
+                                   a->value.shape) &&
+              (a->attn_mask.kind != CLMHA_MASK_FLOAT ||
+               clmha__cli_grads_add(&s->grads, o->grads_dir, "attn_mask",
+                                    a->attn_mask.tensor.ndim, a->attn_mask.tensor.shape));
+    if (!ok) {
+        clmha__cli_report("sdpa", "out of memory");
+        return false;
+    }
+    for (size_t i = 0; i < s->grads.count; ++i)
+        if (!clmha__cli_output_path_ok("sdpa", "--grads-dir", s->grads.file[i].path))
+            return false;
+    size_t all = o->num_outs + clmha__cli_grads_outputs(&s->grads, o->outs + o->num_outs);
+    if (!clmha__cli_outputs_distinct("sdpa", o->outs, all, o->named_in, IN_COUNT)) {
+        *rc = EXIT_USAGE;
+        return false;
+    }
+    return true;
+}
+
+static bool call_failed(const sdpa_state *s, const char *what, clmha_status st) {
+    clmha__cli_report("sdpa", "%s failed on %s: %s: %s", what, clmha_context_device_name(s->ctx),
+                      clmha_status_string(st), clmha_context_last_error(s->ctx));
+    return false;
+}
+
+// The forward call, then the backward pass.
+static bool compute(const sdpa_opts *o, sdpa_state *s) {
+    // (calloc checks the products of counts and sizes.)
+    size_t lse_count = o->lse_path ? s->lse_count : 0, w_count = o->weights_path ? s->w_count : 0;
+    bool no_memory = !(s->y = calloc(s->y_count ? s->y_count : 1, sizeof *s->y)) ||
+                     (lse_count && !(s->lse = calloc(lse_count, sizeof *s->lse))) ||
+                     (w_count && !(s->w = calloc(w_count, sizeof *s->w)));
+    for (size_t i = 0; !no_memory && i < s->grads.count; ++i) {
+        clmha__cli_grad_file *f = &s->grads.file[i];
+        no_memory = !(f->data = calloc(f->count ? f->count : 1, sizeof *f->data));
+    }
+    if (no_memory) {
+        clmha__cli_report("sdpa", "out of host memory for the results");
+        return false;
+    }
+    clmha_status st = clmha_attention_forward_host(s->ctx, &s->args, s->y, s->y_count, s->lse,
+                                                   lse_count, s->w, w_count);
+    if (st != CLMHA_SUCCESS) return call_failed(s, "forward pass", st);
+    if (!o->grads_dir) return true;
+    const clmha__cli_grad_file *f = s->grads.file;
+    st = clmha_attention_backward_host(s->ctx, &s->args, o->in[IN_GRAD_OUT].a.f32, s->y_count,
+                                       f[0].data, f[1].data, f[2].data,
+                                       s->grads.count > 3 ? f[3].data : NULL);
+    return st == CLMHA_SUCCESS || call_failed(s, "backward pass", st);
+}
+
+// Every file at once, all or none.
+static bool write_files(sdpa_opts *o, const sdpa_state *s) {
+    size_t n = 0;
+    const char *flags[3] = {"--output", "--lse-output", "--weights-output"};
+    const char *paths[3] = {o->output_path, o->lse_path, o->weights_path};
+    const float *data[3] = {s->y, s->lse, s->w};
+    const size_t ndim[3] = {s->y_ndim, s->lse_ndim, s->w_ndim};
+    const size_t *shape[3] = {s->y_shape, s->lse_shape, s->w_shape};
+    for (int i = 0; i < 3; ++i) {
+        if (!paths[i]) continue;
+        o->outs[n] = (clmha__cli_out){.flag = flags[i], .path = paths[i],
+                                      .data = data[i], .ndim = ndim[i]};
+        memcpy(o->outs[n++].shape, shape[i], ndim[i] * sizeof *shape[i]);
+    }
+    n += clmha__cli_grads_outputs(&s->grads, o->outs + n);
+    return clmha__cli_write_outputs("sdpa", o->outs, n);
+}
+
+// A warning when the output holds NaN/Inf; a summary of the output when it was not written.
+static void report_results(const sdpa_opts *o, const sdpa_state *s) {
+    size_t bad = 0;
+    for (size_t i = 0; i < s->y_count; ++i) bad += !isfinite(s->y[i]);
+    if (bad)
+        clmha__cli_report("sdpa", "warning: the output holds %zu NaN/Inf value%s of %zu; NaN/Inf "
+                          "in gives NaN/Inf out, as in PyTorch", bad, bad == 1 ? "" : "s",
+                          s->y_count);
+    if (o->output_path) return;
+    char sh[160];
+    printf("device:  %s\n", clmha_context_device_name(s->ctx));
+    printf("output:  %s:", clmha__shape_str(sh, sizeof sh, s->y_ndim, s->y_shape));
+    size_t shown = s->y_count < 6 ? s->y_count : 6;
+    for (size_t i = 0; i < shown; ++i) printf(" %.6g", s->y[i]);
+    printf("%s (%zu value%s)\n", shown < s->y_count ? " ..." : "", s->y_count,
+           s->y_count == 1 ? "" : "s");
+}
+
+int clmha__cli_sdpa(int argc, char **argv) {
+    sdpa_opts o = {.in = {
+                       [IN_QUERY] = {.flag = "--query"},
+                       [IN_KEY] = {.flag = "--key"},
+                       [IN_VALUE] = {.flag = "--value"},
+                       [IN_ATTN] = {.flag = "--attn-mask", .is_mask = true},
+                       [IN_GRAD_OUT] = {.flag = "--grad-output"},
+                   }};
+    int rc;
+    if (!parse_command_line(argc, argv, &o, &rc)) return rc;
+    if (!check_options(&o)) return EXIT_USAGE;
+    sdpa_state s = {0};
+    rc = EXIT_REFUSED;
+    if (!read_files(&o) || !(s.ctx = clmha__cli_open_context("sdpa", o.device)) ||
+        !build_args(&o, &s))
+        goto done;
+    plan_shapes(&o, &s);
+    if ((o.grads_dir && !plan_grads(&o, &s, &rc)) || !compute(&o, &s) || !write_files(&o, &s))
+        goto done;
+    report_results(&o, &s);
+    rc = EXIT_OK;
+done:
+    free(s.y);
+    free(s.lse);
+    free(s.w);
+    clmha__cli_grads_free(&s.grads);
+    clmha_context_release(s.ctx);
+    for (int i = 0; i < IN_COUNT; ++i) clmha__npy_free(&o.in[i].a);
+    return rc;
+}
