@@ -25,6 +25,7 @@ from ._native import ffi as _ffi, lib as _lib
 from ._errors import STATUS, Error
 from ._context import Context, Device, default_context, devices
 from ._layer import KVCache, Layer, Mask, Saved, dtype_name
+from . import numpy  # noqa: E402  (clmha.numpy: attention as a function on NumPy arrays)
 
 __version__ = _ffi.string(_lib.clmha_version()).decode()
 __license__ = "Apache-2.0"
