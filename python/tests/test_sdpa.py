@@ -248,6 +248,7 @@ def test_gradients_3d_bool_mask_some_inputs(ctx):
     assert q.grad is None and v.grad is None
 
 
+@pytest.mark.filterwarnings("ignore:Input #.* is not a double precision")
 def test_gradients_against_finite_differences(ctx):
     """torch.autograd.gradcheck's own comparison, in float32 with a coarse step: clmha's
     backward against finite differences of clmha's forward."""
