@@ -3,7 +3,7 @@
 //
 // Mask kinds (host enum clmha_mask_kind): 0 none, 1 bool "true = ignore", 2 bool "true = may
 // attend", 3 float (added). attn_mask layouts: 1 (L, S) shared, 2 (N*H, L, S) per head,
-// 3 (N, L, S) per batch item.
+// 3 (N, L, S) per batch item, 4 (H, L, S) per head, shared by the batch items.
 
 #define MASK_NONE 0
 #define MASK_BOOL_IGNORE 1
@@ -41,6 +41,18 @@ inline uint philox_word0(uint c0, uint c1, uint c2, uint c3, uint k0, uint k1) {
         k1 += 0xBB67AE85u;
     }
     return c0;
+}
+
+// Where row i of attn_mask starts for plane bh = n * n_heads + h (the layouts above), offset
+// included.
+inline ulong attn_row_of(uint attn_layout, ulong attn_off, ulong bh, ulong n, ulong n_heads,
+                         ulong i, ulong tgt_len, ulong src_len) {
+    ulong ar = 0;
+    if (attn_layout == 1) ar = i * src_len;
+    else if (attn_layout == 2) ar = (bh * tgt_len + i) * src_len;
+    else if (attn_layout == 3) ar = (n * tgt_len + i) * src_len;
+    else if (attn_layout == 4) ar = ((bh - n * n_heads) * tgt_len + i) * src_len;
+    return ar + attn_off;
 }
 
 // The additive value of mask `kind` at element idx of `mask`.

@@ -1603,9 +1603,9 @@ typedef enum clmha_attention_layout {
 ///
 /// attn_mask, broadcast over (N, H, L, S) as scaled_dot_product_attention broadcasts it:
 /// (L, S), (1, L, S) or (1, 1, L, S) shared by every batch item and head; (N, 1, L, S) per batch
-/// item; (N, H, L, S) per head ((H, L, S) and (1, H, L, S) when N = 1); (N, 1, 1, S) one row of
-/// keys per batch item ((1, S), (1, 1, S) and (1, 1, 1, S) when N = 1). Other broadcasts are
-/// refused (::CLMHA_INVALID_MASK). Kinds: ::CLMHA_MASK_BOOL_ATTEND (SDPA's boolean mask, true =
+/// item; (H, L, S) or (1, H, L, S) per head, shared by the batch items; (N, H, L, S) per head
+/// and batch item; (N, 1, 1, S) one row of keys per batch item ((1, S), (1, 1, S) and
+/// (1, 1, 1, S) when N = 1). Other broadcasts are refused (::CLMHA_INVALID_MASK). Kinds: ::CLMHA_MASK_BOOL_ATTEND (SDPA's boolean mask, true =
 /// may attend), ::CLMHA_MASK_FLOAT (added to the scaled scores), ::CLMHA_MASK_BOOL_IGNORE; its
 /// per_batch must be false. A query row whose every key is masked gives zeros (and a log-sum-exp
 /// of -INFINITY).
@@ -1778,8 +1778,11 @@ CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,
                                                 cl_event *event);
 
 /// clmha_attention_backward() on host arrays: uploads the `data` of @p args' tensors, runs the
-/// forward call again (its output; the unfused core's backward then recomputes the
-/// probabilities), the backward, waits (clFinish) and writes the gradients asked for.
+/// forward call again (its output, and the log-sum-exp rows where the fused core runs it, so
+/// that the fused backward runs; with a mask gradient asked for, args->impl
+/// ::CLMHA_IMPL_UNFUSED, or where the fused core cannot run the call, the unfused backward,
+/// which recomputes the probabilities), the backward, waits (clFinish) and writes the gradients
+/// asked for.
 /// @param[in]  ctx                the context
 /// @param[in]  args               the forward call's tensors (`data`) and options
 /// @param[in]  grad_output        the output's gradient, the output's shape and layout

@@ -14,6 +14,9 @@ draws as well as in its float64 results. So `make_golden.py --check` and `make_c
 - everything else is identical: headers, shapes, options, masks (drawn by NumPy, whose generator
   is the same on every CPU), u8 values and the `args` files.
 
+`make_sdpa_golden.py --check` draws all its inputs with NumPy, so they must be identical; its
+float64 results are compared within TOLERANCE (golden_text_differs).
+
 Reproduce the CPU dependence on one machine with ATEN_CPU_CAPABILITY=default|avx2|avx512: a
 byte-for-byte comparison fails there for up to 57 of the 58 golden files, this one for none. The
 tolerances sit far below what a real change of a case does (a changed seed, shape, mask or

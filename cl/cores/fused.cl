@@ -215,10 +215,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         if (!plain) {
             for (uint r = 0; r < RP; ++r) {
                 ulong i = min(first + r, last);
-                ulong ar = attn_off;
-                if (attn_layout == 1) ar += i * src_len;
-                else if (attn_layout == 2) ar += (bh * tgt_len + i) * src_len;
-                else if (attn_layout == 3) ar += (n * tgt_len + i) * src_len;
+                ulong ar = attn_row_of(attn_layout, attn_off, bh, n, n_heads, i, tgt_len,
+                                       src_len);
                 for (uint jj = 0; jj < BK; ++jj) {
                     ulong j = j0 + jj;
                     REAL x = st[jj * RP + r];
@@ -338,11 +336,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     for (uint r = 0; r < RPW; ++r) {
         ulong i = first + r * BQ + lid;
         rows[r] = i < tgt_len ? i : last;
-        ulong ar = 0;
-        if (attn_layout == 1) ar = rows[r] * src_len;
-        else if (attn_layout == 2) ar = (bh * tgt_len + rows[r]) * src_len;
-        else if (attn_layout == 3) ar = (n * tgt_len + rows[r]) * src_len;
-        attn_row[r] = ar + attn_off;
+        attn_row[r] = attn_row_of(attn_layout, attn_off, bh, n, n_heads, rows[r], tgt_len,
+                                  src_len);
     }
     ulong kpm_row = kpm_off + n * src_len;
 

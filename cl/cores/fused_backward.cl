@@ -70,16 +70,6 @@ inline float masks_of(global const uchar *attn_mask, uint attn_kind, ulong attn_
     return causal && j > i ? -INFINITY : x;
 }
 
-// Where row i of attn_mask starts for plane bh (layouts as in cl/common.cl), offset included.
-inline ulong attn_row_of(uint attn_layout, ulong attn_off, ulong bh, ulong n, ulong i,
-                         ulong tgt_len, ulong src_len) {
-    ulong ar = 0;
-    if (attn_layout == 1) ar = i * src_len;
-    else if (attn_layout == 2) ar = (bh * tgt_len + i) * src_len;
-    else if (attn_layout == 3) ar = (n * tgt_len + i) * src_len;
-    return ar + attn_off;
-}
-
 // Drow[r] = dO[r].o[r] for every query row r of every plane (n_rows = N*H*L), summed over the
 // head dimension in order.
 kernel void fused_backward_drow(global const float *d_o, global const float *o,
@@ -209,7 +199,8 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
                 float kx = mask_value(kpm, kpm_kind, kpm_row + j);
                 for (uint ii = 0; ii < rows; ++ii) {
                     ulong i = i0 + ii;
-                    ulong ar = attn_row_of(attn_layout, attn_off, bh, n, i, tgt_len, src_len);
+                    ulong ar = attn_row_of(attn_layout, attn_off, bh, n, n_heads, i, tgt_len,
+                                           src_len);
                     float x = s[r][ii] + mask_value(attn_mask, attn_kind, ar + j) + kx;
                     s[r][ii] = causal && j > i ? -INFINITY : x;
                 }
@@ -289,7 +280,8 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     float qr[R][HD], dor[R][HD], dqr[R][HD], l[R], dr[R];
     for (uint r = 0; r < R; ++r) {
         ir[r] = min(first + r * B + lid, last);
-        attn_row[r] = attn_row_of(attn_layout, attn_off, bh, n, ir[r], tgt_len, src_len);
+        attn_row[r] =
+            attn_row_of(attn_layout, attn_off, bh, n, n_heads, ir[r], tgt_len, src_len);
         global const float *qp = q + (bh * tgt_len + ir[r]) * HD;
         global const float *dop = d_o + (bh * tgt_len + ir[r]) * HD;
         for (uint d = 0; d < HD; ++d) {
@@ -439,10 +431,11 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
                 dv_ = fma(LOADV(d, doi), LOADV(d, vr), dv_);
             }
             float s = lanes_sum(sv) * scale, dpd = lanes_sum(dv_);
-            if (jc < src_len)
-                s += masks_of(attn_mask, attn_kind,
-                              attn_row_of(attn_layout, attn_off, bh, n, i, tgt_len, src_len),
-                              kpm, kpm_kind, kpm_row, causal, i, jc);
+            if (jc < src_len) {
+                ulong ar = attn_row_of(attn_layout, attn_off, bh, n, n_heads, i, tgt_len,
+                                       src_len);
+                s += masks_of(attn_mask, attn_kind, ar, kpm, kpm_kind, kpm_row, causal, i, jc);
+            }
             float l = ls[ii];
             // A fully masked row (lse = -inf) has no probabilities: 0, not exp(-inf + inf).
             float p = l == -INFINITY ? 0.0f : exp(s - l);
@@ -489,7 +482,8 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     ulong last = min(i0 + B, tgt_len) - 1;  // the group's last real row
     ulong i = i0 + lid;
     ulong ic = min(i, last);
-    ulong attn_row = attn_row_of(attn_layout, attn_off, bh, n, ic, tgt_len, src_len);
+    ulong attn_row =
+        attn_row_of(attn_layout, attn_off, bh, n, n_heads, ic, tgt_len, src_len);
     ulong kpm_row = kpm_off + n * src_len;
 
     float qr[HD], dor[HD], dqr[HD];
@@ -613,7 +607,7 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
                 float x = s_lanes[u];
                 if (u < lanes) {
                     x += mask_value(attn_mask, attn_kind,
-                                    attn_row_of(attn_layout, attn_off, bh, n, i, tgt_len,
+                                    attn_row_of(attn_layout, attn_off, bh, n, n_heads, i, tgt_len,
                                                 src_len) + j);
                     if (causal && j > i) x = -INFINITY;
                 }

@@ -39,11 +39,7 @@ void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_
     ulong n = bh / n_heads;
     global REAL *x = scores + local_row * src_len_padded;
 
-    ulong attn_row = 0;
-    if (attn_layout == 1) attn_row = i * src_len;
-    else if (attn_layout == 2) attn_row = (bh * tgt_len + i) * src_len;
-    else if (attn_layout == 3) attn_row = (n * tgt_len + i) * src_len;
-    attn_row += attn_off;
+    ulong attn_row = attn_row_of(attn_layout, attn_off, bh, n, n_heads, i, tgt_len, src_len);
     ulong kpm_row = kpm_off + n * src_len;
 
     // Pass 1: add the masks, write back, find the row maximum (NaN wins, so it propagates).

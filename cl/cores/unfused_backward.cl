@@ -74,15 +74,18 @@ void softmax_backward(global float *p, global float *g, global const float *grad
 }
 
 // Mask-gradient layouts: attn_mask shared (L, S), per head (N*H, L, S), per batch item
-// (N, L, S) (the forward's attn_layout values), key_padding_mask (N, S).
+// (N, L, S), per head shared by the batch items (H, L, S) (the forward's attn_layout values),
+// key_padding_mask (N, S).
 #define MG_SHARED 1
 #define MG_PER_HEAD 2
 #define MG_PER_BATCH 3
-#define MG_KPM 4
+#define MG_PER_HEAD_SHARED 4
+#define MG_KPM 5
 
 // One work-item per mask element: the gradient of the scores dS (N*H, L, S') summed over the
 // dimensions the mask is broadcast along (every plane for a shared mask, the heads of the item
-// per batch, the heads and query rows of the item for key_padding_mask), in a fixed order,
+// per batch, the batch items per head shared, the heads and query rows of the item for
+// key_padding_mask), in a fixed order,
 // written to out[out_off + e] or added to it (accumulate). Only the first S keys have a mask.
 kernel void mask_grad(global const float *ds, global float *out, ulong out_off, ulong count,
                       uint mode, uint accumulate, ulong tgt_len, ulong n_heads, ulong n_planes,
@@ -100,6 +103,9 @@ kernel void mask_grad(global const float *ds, global float *out, ulong out_off, 
             ulong n = r / tgt_len, i = r % tgt_len;
             for (ulong h = 0; h < n_heads; ++h)
                 sum += ds[((n * n_heads + h) * tgt_len + i) * src_len_padded + j];
+        } else if (mode == MG_PER_HEAD_SHARED) {
+            for (ulong bh = r / tgt_len; bh < n_planes; bh += n_heads)
+                sum += ds[(bh * tgt_len + r % tgt_len) * src_len_padded + j];
         } else {
             for (ulong h = 0; h < n_heads; ++h) {
                 global const float *plane = ds + (r * n_heads + h) * tgt_len * src_len_padded;

@@ -325,15 +325,37 @@ static clmha_status check_host(clmha_context *ctx, const clmha_attention_args *a
     return CLMHA_SUCCESS;
 }
 
-// The forward pass again (its output, for the backward), the output gradient uploaded, room for
-// the gradients: @p b filled with the layer's staging buffers.
+// The forward pass again: with the log-sum-exp rows where the fused backward can take them (no
+// mask gradient asked, the fused core not ruled out by impl), so that the backward runs fused,
+// in memory linear in S; without them (the unfused backward) where the fused forward cannot run
+// the call (CLMHA_UNSUPPORTED: nothing was enqueued, e.g. on llvmpipe past its loop limit).
+static clmha_status host_forward(clmha_layer *l, clmha_attention_args *a,
+                                 clmha__attention_dims *d, bool mask_grad,
+                                 clmha_attention_backward_args *b) {
+    clmha__attention_out o;
+    clmha_status st = CLMHA_UNSUPPORTED;
+    if (!mask_grad && a->impl != CLMHA_IMPL_UNFUSED &&
+        !(st = clmha__attention_upload(l, a, d, true, false, &o)))
+        st = clmha__attention_enqueue(l, a, d, &o, 0, NULL, NULL);
+    if (st == CLMHA_UNSUPPORTED) {  // not tried, or refused before anything was enqueued
+        if ((st = clmha__attention_upload(l, a, d, false, false, &o)) ||
+            (st = clmha__attention_enqueue(l, a, d, &o, 0, NULL, NULL)))
+            return st;
+        o.lse = NULL;
+    }
+    if (st) return st;
+    b->output = o.output;
+    b->lse = o.lse;
+    return CLMHA_SUCCESS;
+}
+
+// The forward pass again (host_forward()), the output gradient uploaded, room for the
+// gradients: @p b filled with the layer's staging buffers.
 static clmha_status host_prepare(clmha_layer *l, clmha_attention_args *a,
                                  clmha__attention_dims *d, const float *grad_output,
                                  bool mask_grad, clmha_attention_backward_args *b) {
-    clmha__attention_out o;
     clmha_status st;
-    if ((st = clmha__attention_upload(l, a, d, false, false, &o)) ||
-        (st = clmha__attention_enqueue(l, a, d, &o, 0, NULL, NULL)) ||
+    if ((st = host_forward(l, a, d, mask_grad, b)) ||
         (st = clmha__host_upload(l, CLMHA__HOST_GRAD_OUTPUT, "grad_output", grad_output,
                                  d->output_count * sizeof(float), &b->grad_output)))
         return st;
@@ -345,7 +367,6 @@ static clmha_status host_prepare(clmha_layer *l, clmha_attention_args *a,
         if ((st = clmha__host_room(l, CLMHA__HOST_GRAD + i, what[i], count[i] * sizeof(float),
                                    out[i])))
             return st;
-    b->output = o.output;
     return CLMHA_SUCCESS;
 }
 

@@ -177,16 +177,17 @@ clmha_status clmha__unfused_backward_run(clmha__unfused_backward **slot,
 
     // The masks' gradients: dS summed over what each mask is broadcast along.
     if (call->grad_attn_mask) {
-        size_t count = d->attn_layout == CLMHA__ATTN_SHARED      ? tl * d->s
-                       : d->attn_layout == CLMHA__ATTN_PER_BATCH ? d->n * tl * d->s
-                                                                 : planes * tl * d->s;
+        size_t count = d->attn_layout == CLMHA__ATTN_SHARED             ? tl * d->s
+                       : d->attn_layout == CLMHA__ATTN_PER_BATCH        ? d->n * tl * d->s
+                       : d->attn_layout == CLMHA__ATTN_PER_HEAD_SHARED  ? l->h * tl * d->s
+                                                                        : planes * tl * d->s;
         if ((st = mask_grad(l, ub, d, g, call->grad_attn_mask, call->grad_attn_offset, count,
                             (cl_uint)d->attn_layout, call->grad_attn_accumulate)))
             return st;
     }
     if (call->grad_kpm &&
-        (st = mask_grad(l, ub, d, g, call->grad_kpm, call->grad_kpm_offset, d->n * d->s, 4,
-                        call->grad_kpm_accumulate)))
+        (st = mask_grad(l, ub, d, g, call->grad_kpm, call->grad_kpm_offset, d->n * d->s,
+                        5 /* MG_KPM */, call->grad_kpm_accumulate)))
         return st;
     return CLMHA_SUCCESS;
 }

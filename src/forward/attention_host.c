@@ -60,7 +60,7 @@ clmha_status clmha__attention_upload(clmha_layer *l, clmha_attention_args *a,
     *o = (clmha__attention_out){0};
     if ((st = clmha__host_room(l, CLMHA__HOST_OUTPUT, "output", d->output_count * sizeof(float),
                                &o->output)) ||
-        (lse && (st = clmha__host_room(l, CLMHA__HOST_GRAD, "lse", d->lse_count * sizeof(float),
+        (lse && (st = clmha__host_room(l, CLMHA__HOST_LSE, "lse", d->lse_count * sizeof(float),
                                        &o->lse))) ||
         (weights && (st = clmha__host_room(l, CLMHA__HOST_WEIGHTS, "weights",
                                            d->weights_count * sizeof(float), &o->weights))))

@@ -130,6 +130,7 @@ static bool place_mask(const clmha_mask *m, const size_t x[4], size_t n, size_t 
         if (a == 1 && b == 1) layout = CLMHA__ATTN_SHARED;
         else if (a == n && b == 1) layout = CLMHA__ATTN_PER_BATCH;
         else if (b == h && (a == n || (a == 1 && n == 1))) layout = CLMHA__ATTN_PER_HEAD;
+        else if (b == h && a == 1) layout = CLMHA__ATTN_PER_HEAD_SHARED;
     }
     if (layout) {
         d->attn = *m;
@@ -171,7 +172,7 @@ static clmha_status check_mask(const clmha_attention_args *args, const size_t q[
     if (!fits || !place_mask(m, x, n, h, l, d))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
                           "attn_mask is %s: for N %zu, H %zu, L %zu and S %zu it must be (L, S), "
-                          "(1, L, S), (1, 1, L, S), (N, 1, L, S), (N, H, L, S) or (N, 1, 1, S) "
+                          "(1, L, S), (1, 1, L, S), (N, 1, L, S), (1, H, L, S), (N, H, L, S) or (N, 1, 1, S) "
                           "(N 1 also (H, L, S) and (S) forms; unbatched at most 3-D)",
                           clmha__shape_str(shape, sizeof shape, t->ndim, t->shape), n, h, l, s);
     if (!product(t->shape, t->ndim, &d->mask_count))

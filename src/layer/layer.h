@@ -48,6 +48,7 @@ enum {
     CLMHA__HOST_WEIGHTS,
     CLMHA__HOST_GRAD_OUTPUT,
     CLMHA__HOST_GRAD_WEIGHTS,
+    CLMHA__HOST_LSE,  // attention as a function's log-sum-exp rows
     CLMHA__HOST_GRAD,
     CLMHA__HOST_COUNT = CLMHA__HOST_GRAD + 16
 };

@@ -17,6 +17,8 @@ typedef enum clmha__attn_layout {
     CLMHA__ATTN_SHARED,    // (L, S): every batch item and head
     CLMHA__ATTN_PER_HEAD,  // (N*H, L, S)
     CLMHA__ATTN_PER_BATCH, // (N, L, S): shared by the heads of a batch item
+    CLMHA__ATTN_PER_HEAD_SHARED,  // (H, L, S): a mask per head, shared by the batch items
+                                  // (attention as a function's (1, H, L, S) with N > 1)
 } clmha__attn_layout;
 
 // The sizes of one forward call, resolved from the layer and the arguments.

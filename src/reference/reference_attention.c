@@ -34,6 +34,7 @@ static double mask_term(const clmha__attention_dims *d, bool causal, size_t n, s
     size_t k = d->kpm.kind                             ? n * c->s + j
                : c->attn_layout == CLMHA__ATTN_SHARED  ? i * c->s + j
                : c->attn_layout == CLMHA__ATTN_PER_HEAD ? ((n * c->h + h) * c->l + i) * c->s + j
+               : c->attn_layout == CLMHA__ATTN_PER_HEAD_SHARED ? (h * c->l + i) * c->s + j
                                                         : (n * c->l + i) * c->s + j;
     if (m->kind == CLMHA_MASK_FLOAT) return ((const float *)m->tensor.data)[k];
     bool on = ((const unsigned char *)m->tensor.data)[k] != 0;
@@ -148,6 +149,7 @@ static size_t mask_index(const clmha__attention_dims *d, size_t n, size_t h, siz
     return d->kpm.kind                             ? n * c->s + j
            : c->attn_layout == CLMHA__ATTN_SHARED  ? i * c->s + j
            : c->attn_layout == CLMHA__ATTN_PER_HEAD ? ((n * c->h + h) * c->l + i) * c->s + j
+           : c->attn_layout == CLMHA__ATTN_PER_HEAD_SHARED ? (h * c->l + i) * c->s + j
                                                     : (n * c->l + i) * c->s + j;
 }
 

@@ -162,6 +162,8 @@ static void mask_grads(const clmha__dims *d, const double *ds, double *d_attn, d
                             at = i * d->s + j;
                         else if (d->attn_layout == CLMHA__ATTN_PER_HEAD)
                             at = ((n * d->h + h) * d->l + i) * d->s + j;
+                        else if (d->attn_layout == CLMHA__ATTN_PER_HEAD_SHARED)
+                            at = (h * d->l + i) * d->s + j;
                         else
                             at = (n * d->l + i) * d->s + j;
                         d_attn[at] += ds[((n * d->h + h) * d->l + i) * sp + j];

@@ -175,6 +175,9 @@ double clmha__ref_mask_sum(const clmha__dims *d, const clmha_forward_args *args,
     case CLMHA__ATTN_PER_BATCH:
         sum += mask_value(&args->attn_mask, (n * d->l + i) * d->s + j);
         break;
+    case CLMHA__ATTN_PER_HEAD_SHARED:
+        sum += mask_value(&args->attn_mask, (h * d->l + i) * d->s + j);
+        break;
     case CLMHA__ATTN_NONE:
         break;
     }

@@ -74,8 +74,15 @@ else
 fi
 
 step "installed program"
-# Found through its RPATH ($ORIGIN/../lib...), without LD_LIBRARY_PATH.
-out=$(env -u LD_LIBRARY_PATH "$prefix/bin/clmha" --version)
+# libclmha found through its RPATH ($ORIGIN/../lib...), not the build tree: LD_LIBRARY_PATH
+# keeps only what points outside the build tree (where a machine without packages keeps CLBlast
+# and cJSON, as .gpu/gpu-check on a GPU host does).
+lib_path=$(printf '%s' "${LD_LIBRARY_PATH:-}" | tr ':' '\n' | grep -v -e '^$' -e "^$build" | paste -sd: || true)
+if command -v ldd >/dev/null; then
+    where=$(LD_LIBRARY_PATH="$lib_path" ldd "$prefix/bin/clmha" | awk '/libclmha/ {print $3}')
+    case $where in "$prefix"/*) ;; *) fail "the installed clmha loads libclmha from '$where'" ;; esac
+fi
+out=$(LD_LIBRARY_PATH="$lib_path" "$prefix/bin/clmha" --version)
 echo "$out"
 [ "$out" = "clmha $version" ] || fail "clmha --version printed '$out', expected 'clmha $version'"
 

@@ -564,3 +564,152 @@ Test(abi, tune_older_options_and_short_report, .timeout = 900) {
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     cr_expect_eq(system(cmd), 0);
 }
+
+// ---- attention as a function: clmha_attention_args and clmha_attention_backward_args ----------
+
+enum { AH = 2, AL = 3, AS = 4, AD = 4 };  // one batch item: q (AH, AL, AD), k and v (AH, AS, AD)
+static float aq[AH * AL * AD], ak[AH * AS * AD], av[AH * AS * AD], ag[AH * AL * AD];
+
+static clmha_attention_args full_attention_args(void) {
+    uint32_t s = 777;
+    float *arrays[] = {aq, ak, av, ag};
+    size_t counts[] = {AH * AL * AD, AH * AS * AD, AH * AS * AD, AH * AL * AD};
+    for (int a = 0; a < 4; ++a)
+        for (size_t i = 0; i < counts[a]; ++i) {
+            s = s * 1664525u + 1013904223u;
+            arrays[a][i] = (float)(s >> 8) / (float)(1u << 23) - 1.0f;
+        }
+    return (clmha_attention_args){.struct_size = sizeof(clmha_attention_args),
+                                  .query = {.ndim = 3, .shape = {AH, AL, AD}, .data = aq},
+                                  .key = {.ndim = 3, .shape = {AH, AS, AD}, .data = ak},
+                                  .value = {.ndim = 3, .shape = {AH, AS, AD}, .data = av}};
+}
+
+typedef struct attention_args_next {
+    clmha_attention_args a;
+    unsigned char future[32];
+} attention_args_next;
+
+typedef struct attention_result {
+    clmha_status st;
+    char msg[512];
+    double y[AH * AL * AD];
+} attention_result;
+
+static void reference_attention(const clmha_attention_args *a, attention_result *r) {
+    memset(r, 0, sizeof *r);
+    r->st = clmha_reference_attention(a, r->y, AH * AL * AD, NULL, 0, NULL, 0, r->msg,
+                                      sizeof r->msg);
+}
+
+Test(abi, attention_args_sizes) {
+    clmha_attention_args a = full_attention_args();
+    static attention_result want, r;
+    reference_attention(&a, &want);
+    cr_assert_eq(want.st, CLMHA_SUCCESS, "%s", want.msg);
+
+    a.struct_size = 0;
+    reference_attention(&a, &r);
+    cr_expect_eq(r.st, CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(r.msg, "args->struct_size is 0: set it to sizeof(clmha_attention_args)"),
+              "%s", r.msg);
+    a.struct_size = SHORT_OF(clmha_attention_args, value) + 8;  // part of the value
+    reference_attention(&a, &r);
+    cr_expect_eq(r.st, CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(r.msg, "args->struct_size"), "%s", r.msg);
+
+    // Older: only the tensors; the layout, mask, is_causal, scale, dropout, GQA and impl past
+    // struct_size are garbage bytes, read as zeros (NHLD, no mask, scale 1/sqrt(D)).
+    clmha_attention_args full = full_attention_args(), old;
+    cut(&old, &full, sizeof full, SHORT_OF(clmha_attention_args, layout));
+    reference_attention(&old, &r);
+    cr_assert_eq(r.st, CLMHA_SUCCESS, "older args: %s", r.msg);
+    cr_expect(memcmp(r.y, want.y, sizeof r.y) == 0, "older args: other output");
+
+    attention_args_next big;
+    memset(&big, 0, sizeof big);
+    big.a = full_attention_args();
+    big.a.struct_size = sizeof big;
+    reference_attention(&big.a, &r);
+    cr_assert_eq(r.st, CLMHA_SUCCESS, "newer args, zero tail: %s", r.msg);
+    cr_expect(memcmp(r.y, want.y, sizeof r.y) == 0, "newer args, zero tail: other output");
+    big.future[5] = 1;
+    reference_attention(&big.a, &r);
+    cr_expect_eq(r.st, CLMHA_UNSUPPORTED);
+    cr_expect(strstr(r.msg, "built against a newer clmha"), "%s", r.msg);
+}
+
+// The device call reads the same sizes; the backward's struct: an older one (through the
+// gradients' offsets, without impl and the mask gradient) gives the full struct's gradients.
+Test(abi, attention_backward_args_sizes, .timeout = 300) {
+    clmha_context *ctx = open_context();
+    cl_context cl = clmha_context_cl_context(ctx);
+    cl_command_queue queue = clmha_context_cl_queue(ctx);
+    clmha_attention_args a = full_attention_args();
+    size_t nq = AH * AL * AD, nk = AH * AS * AD;
+    cl_int err;
+    cl_mem q = clCreateBuffer(cl, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, nq * 4, aq, &err);
+    cl_mem k = clCreateBuffer(cl, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, nk * 4, ak, &err);
+    cl_mem v = clCreateBuffer(cl, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, nk * 4, av, &err);
+    cl_mem g = clCreateBuffer(cl, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, nq * 4, ag, &err);
+    cl_mem out = clCreateBuffer(cl, CL_MEM_READ_WRITE, nq * 4, NULL, &err);
+    cl_mem grads[2][3];
+    for (int t = 0; t < 2; ++t)
+        for (int i = 0; i < 3; ++i)
+            grads[t][i] = clCreateBuffer(cl, CL_MEM_READ_WRITE, (i ? nk : nq) * 4, NULL, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    a.query.buffer = q, a.key.buffer = k, a.value.buffer = v;
+    a.impl = CLMHA_IMPL_UNFUSED;
+
+    attention_args_next big;
+    memset(&big, 0, sizeof big);
+    big.a = a;
+    big.a.struct_size = sizeof big;
+    big.future[0] = 3;
+    expect_ctx_error(ctx, clmha_attention_forward(ctx, &big.a, out, 0, NULL, 0, NULL, 0, 0, NULL,
+                                                  NULL),
+                     CLMHA_UNSUPPORTED, "built against a newer clmha", "forward, newer tail");
+    a.struct_size = 0;
+    expect_ctx_error(ctx, clmha_attention_forward(ctx, &a, out, 0, NULL, 0, NULL, 0, 0, NULL,
+                                                  NULL),
+                     CLMHA_INVALID_ARGUMENT, "args->struct_size is 0", "forward, size 0");
+    a.struct_size = sizeof a;
+    cr_assert_eq(clmha_attention_forward(ctx, &a, out, 0, NULL, 0, NULL, 0, 0, NULL, NULL),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+
+    clmha_attention_backward_args full = {.struct_size = sizeof full, .forward = &a,
+                                          .output = out, .grad_output = g,
+                                          .grad_query = grads[0][0], .grad_key = grads[0][1],
+                                          .grad_value = grads[0][2]};
+    clmha_attention_backward_args b = full;
+    b.struct_size = 0;
+    expect_ctx_error(ctx, clmha_attention_backward(ctx, &b, 0, NULL, NULL),
+                     CLMHA_INVALID_ARGUMENT,
+                     "args->struct_size is 0: set it to sizeof(clmha_attention_backward_args)",
+                     "backward, size 0");
+    b.struct_size = SHORT_OF(clmha_attention_backward_args, grad_value_offset);
+    expect_ctx_error(ctx, clmha_attention_backward(ctx, &b, 0, NULL, NULL),
+                     CLMHA_INVALID_ARGUMENT, "args->struct_size", "backward, too small");
+    cr_assert_eq(clmha_attention_backward(ctx, &full, 0, NULL, NULL), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    full.grad_query = grads[1][0], full.grad_key = grads[1][1], full.grad_value = grads[1][2];
+    cut(&b, &full, sizeof full, SHORT_OF(clmha_attention_backward_args, impl));
+    cr_assert_eq(clmha_attention_backward(ctx, &b, 0, NULL, NULL), CLMHA_SUCCESS,
+                 "older backward args: %s", clmha_context_last_error(ctx));
+    clFinish(queue);
+    for (int i = 0; i < 3; ++i) {
+        size_t n = i ? nk : nq;
+        float got[2][AH * AS * AD];
+        for (int t = 0; t < 2; ++t)
+            clEnqueueReadBuffer(queue, grads[t][i], CL_TRUE, 0, n * 4, got[t], 0, NULL, NULL);
+        cr_expect(memcmp(got[0], got[1], n * 4) == 0, "gradient %d differs with older args", i);
+        double sum = 0;
+        for (size_t j = 0; j < n; ++j) sum += fabs(got[0][j]);
+        cr_expect_gt(sum, 0.0, "gradient %d is all zeros", i);
+    }
+    for (int t = 0; t < 2; ++t)
+        for (int i = 0; i < 3; ++i) clReleaseMemObject(grads[t][i]);
+    clReleaseMemObject(q), clReleaseMemObject(k), clReleaseMemObject(v);
+    clReleaseMemObject(g), clReleaseMemObject(out);
+    clmha_context_release(ctx);
+}

@@ -1108,7 +1108,7 @@ Test(safetensors, large_metadata_under_the_limit_loads) {
     cr_assert_not_null(h);
     int n = snprintf(h, 1024, "{\"__metadata__\":{\"num_heads\":\"2\",\"note\":\"");
     memset(h + n, 'x', big);
-    snprintf(h + n + big, 1024, "\"}," IPW_OK "," OPW_OK "}");
+    snprintf(h + n + big, 1024 - (size_t)n, "\"}," IPW_OK "," OPW_OK "}");
     write_st(path, h, (8 - strlen(h) % 8) % 8, NULL, 256);
     free(h);
     clmha_layer *l = NULL;

@@ -294,6 +294,12 @@ static const scase masks[] = {
      MASK(4, BI, 2, 1, 5, 7)},
     {CASE("mask (1, H, L, S) N 1", NHLD, true), SZ(1, 3, 0, 5, 7, 8),
      MASK(4, FL, 1, 3, 5, 7)},
+    {CASE("mask (1, H, L, S) N 2 bool", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BA, 1, 3, 5, 7), .dead_row = true},
+    {CASE("mask (1, H, L, S) N 3 float", NLHD, true), SZ(3, 2, 0, 6, 9, 8),
+     MASK(4, FL, 1, 2, 6, 9)},
+    {CASE("mask (H, L, S) N 2 float gqa", NHLD, true), SZ(2, 4, 2, 5, 7, 8),
+     MASK(3, FL, 4, 5, 7), .gqa = true, .dead_row = true},
     {CASE("mask (H, L, S) unbatched", NLHD, false), SZ(1, 3, 0, 5, 7, 8),
      MASK(3, BA, 3, 5, 7)},
     {CASE("mask (S) unbatched", NHLD, false), SZ(1, 3, 0, 5, 7, 8), MASK(1, BA, 7)},
@@ -405,8 +411,10 @@ Test(sdpa, refusals, .timeout = 300) {
     s.a.attn_mask = (clmha_mask){.kind = CLMHA_MASK_BOOL_ATTEND,
                                  .tensor = {.ndim = 4, .shape = {2, 3, 4, 6}, .data = m}};
     refused(ctx, &s, CLMHA_INVALID_MASK, "attn_mask is (2, 3, 4, 6)");
-    s.a.attn_mask.tensor.shape[0] = 1, s.a.attn_mask.tensor.shape[3] = 5;
-    refused(ctx, &s, CLMHA_INVALID_MASK, "attn_mask is (1, 3, 4, 5)");  // (1, H, L, S), N 2
+    s.a.attn_mask.tensor.shape[0] = 1, s.a.attn_mask.tensor.shape[1] = 2;
+    s.a.attn_mask.tensor.shape[3] = 5;
+    refused(ctx, &s, CLMHA_INVALID_MASK, "attn_mask is (1, 2, 4, 5)");  // 2 heads of 3
+    s.a.attn_mask.tensor.shape[1] = 3;
     s.a.attn_mask.tensor.shape[0] = 2;
     s.a.attn_mask.per_batch = true;
     refused(ctx, &s, CLMHA_INVALID_MASK, "per_batch");
@@ -655,6 +663,10 @@ static const scase backward_cases[] = {
     {CASE("bw nlhd gqa 6/3 mask (N, H, L, S)", NLHD, true), SZ(2, 6, 3, 4, 9, 8),
      MASK(4, BA, 2, 6, 4, 9), .gqa = true},
     {CASE("bw mask (L, S) float", NLHD, true), SZ(2, 3, 0, 5, 7, 8), MASK(2, FL, 5, 7)},
+    {CASE("bw mask (1, H, L, S) float N 2", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 1, 3, 5, 7), .dead_row = true},
+    {CASE("bw mask (H, L, S) float N 3 gqa", NLHD, true), SZ(3, 4, 2, 4, 6, 8),
+     MASK(3, FL, 4, 4, 6), .gqa = true},
     {CASE("bw mask (N, H, L, S) float", NHLD, true), SZ(2, 2, 0, 4, 6, 8),
      MASK(4, FL, 2, 2, 4, 6), .dropout = 0.3f},
     {CASE("bw mask (N, 1, 1, S) float", NHLD, true), SZ(2, 3, 0, 5, 7, 8),

@@ -2,6 +2,7 @@
 #include "golden.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -325,16 +326,10 @@ static bool check_mask(loader *ld, const char *name, golden_mask_kind kind) {
     return true;
 }
 
-static bool parse_body(loader *ld) {
+// The layer and call lines of a layer case.
+static bool parse_layer_call(loader *ld) {
     golden_case *gc = ld->gc;
     char *t;
-    if (!expect_word(ld, "case") || !expect_token(ld, "case name", &t)) return false;
-    if (strlen(t) >= sizeof gc->name) {
-        fail(ld, "case name too long");
-        return false;
-    }
-    strcpy(gc->name, t);
-
     if (!expect_word(ld, "layer") || !key_size(ld, "embed_dim", &gc->embed_dim) ||
         !key_size(ld, "num_heads", &gc->num_heads) || !key_size(ld, "kdim", &gc->kdim) ||
         !key_size(ld, "vdim", &gc->vdim) || !key_bool(ld, "bias", &gc->bias) ||
@@ -375,25 +370,61 @@ static bool parse_body(loader *ld) {
         !key_bool(ld, "training", &gc->training) || !key_kind(ld, "kpm", &gc->kpm) ||
         !key_kind(ld, "attn", &gc->attn) || !key_bool(ld, "attn_per_batch", &gc->attn_per_batch))
         return false;
+    return true;
+}
 
-    for (;;) {
-        if (!expect_token(ld, "'tensor' or 'end'", &t)) return false;
-        if (strcmp(t, "end") == 0) break;
-        if (strcmp(t, "tensor") != 0) {
-            fail(ld, "expected 'tensor' or 'end', found '%.40s'", t);
+// The sdpa line of an SDPA case.
+static bool parse_sdpa_line(loader *ld) {
+    golden_case *gc = ld->gc;
+    char *t;
+    gc->sdpa = true;
+    if (!expect_word(ld, "sdpa") || !expect_word(ld, "layout") ||
+        !expect_token(ld, "layout", &t))
+        return false;
+    if (strcmp(t, "nhld") != 0 && strcmp(t, "nlhd") != 0) {
+        fail(ld, "layout: '%.40s' is neither nhld nor nlhd", t);
+        return false;
+    }
+    gc->sdpa_nlhd = t[1] == 'l';
+    if (!key_bool(ld, "is_causal", &gc->is_causal) || !key_double(ld, "scale", &gc->scale) ||
+        !key_bool(ld, "enable_gqa", &gc->enable_gqa) || !key_kind(ld, "attn", &gc->attn))
+        return false;
+    if (!(isfinite(gc->scale) && gc->scale >= 0.0)) {
+        fail(ld, "scale %g is not a finite number >= 0", gc->scale);
+        return false;
+    }
+    return true;
+}
+
+// What an SDPA file must hold (golden.h), each tensor of its dtype.
+static bool check_sdpa(loader *ld) {
+    golden_case *gc = ld->gc;
+    static const struct {
+        const char *name;
+        golden_dtype dtype;
+    } need[] = {{"query", GOLDEN_F32},      {"key", GOLDEN_F32},        {"value", GOLDEN_F32},
+                {"output", GOLDEN_F64},     {"lse", GOLDEN_F64},        {"weights", GOLDEN_F64},
+                {"grad_output", GOLDEN_F32}, {"grad.query", GOLDEN_F64}, {"grad.key", GOLDEN_F64},
+                {"grad.value", GOLDEN_F64}};
+    for (size_t i = 0; i < sizeof need / sizeof *need; i++) {
+        const golden_tensor *tn = golden_find(gc, need[i].name);
+        if (!tn || tn->dtype != need[i].dtype) {
+            fail(ld, "tensor %s is %s", need[i].name,
+                 !tn ? "missing" : need[i].dtype == GOLDEN_F32 ? "not f32" : "not f64");
             return false;
         }
-        if (!parse_tensor(ld)) return false;
     }
-    t = next_token(&ld->lx);
-    if (t) {
-        fail(ld, "text after 'end': '%.40s'", t);
+    const golden_tensor *gm = golden_find(gc, "grad.attn_mask");
+    if ((gc->attn == GOLDEN_MASK_FLOAT) != (gm != NULL) || (gm && gm->dtype != GOLDEN_F64)) {
+        fail(ld, "grad.attn_mask must be present (f64) exactly with a float attn_mask");
         return false;
     }
+    return true;
+}
 
-    ld->lx.tline = 0;  // the checks below concern the whole file, not a line
-    if (!check_mask(ld, "key_padding_mask", gc->kpm) || !check_mask(ld, "attn_mask", gc->attn))
-        return false;
+// What a layer case's file must hold (golden_load()).
+static bool check_layer(loader *ld) {
+    golden_case *gc = ld->gc;
     static const char *const required[] = {"query", "output"};
     for (size_t i = 0; i < sizeof required / sizeof *required; i++) {
         if (!golden_find(gc, required[i])) {
@@ -449,6 +480,38 @@ static bool parse_body(loader *ld) {
         }
     }
     return true;
+}
+
+static bool parse_body(loader *ld) {
+    golden_case *gc = ld->gc;
+    char *t;
+    if (!expect_word(ld, "case") || !expect_token(ld, "case name", &t)) return false;
+    if (strlen(t) >= sizeof gc->name) {
+        fail(ld, "case name too long");
+        return false;
+    }
+    strcpy(gc->name, t);
+    if (!(next_is(&ld->lx, "sdpa") ? parse_sdpa_line(ld) : parse_layer_call(ld))) return false;
+
+    for (;;) {
+        if (!expect_token(ld, "'tensor' or 'end'", &t)) return false;
+        if (strcmp(t, "end") == 0) break;
+        if (strcmp(t, "tensor") != 0) {
+            fail(ld, "expected 'tensor' or 'end', found '%.40s'", t);
+            return false;
+        }
+        if (!parse_tensor(ld)) return false;
+    }
+    t = next_token(&ld->lx);
+    if (t) {
+        fail(ld, "text after 'end': '%.40s'", t);
+        return false;
+    }
+
+    ld->lx.tline = 0;  // the checks below concern the whole file, not a line
+    if (!check_mask(ld, "key_padding_mask", gc->kpm) || !check_mask(ld, "attn_mask", gc->attn))
+        return false;
+    return gc->sdpa ? check_sdpa(ld) : check_layer(ld);
 }
 
 const char *golden_load(const char *path, golden_case *gc) {

@@ -33,6 +33,18 @@
 // hold, kept as doubles in golden_tensor.f64), output/weights PyTorch's float64 results. The
 // loader checks that no tensor of such a file is f32.
 //
+// An SDPA case (tests/golden/sdpa/, tools/make_sdpa_golden.py: attention as a function,
+// clmha_attention_forward/_backward) has one `sdpa` line in place of the layer and call lines:
+//
+//   sdpa layout <nhld|nlhd> is_causal <0|1> scale <s> enable_gqa <0|1> attn <kind>
+//
+// (scale 0: 1/sqrt(D); attn none, bool_attend or float), and the tensors query, key, value
+// (f32, in the layout; 3-D when unbatched), attn_mask (u8 or f32 by kind, its own shape),
+// output (f64, the query's layout), lse (f64, (N, H, L)), weights (f64, (N, H, L, S)),
+// grad_output (f32, the output's shape), grad.query, grad.key, grad.value (f64) and, with a
+// float mask only, grad.attn_mask (f64, the mask's shape). The loader checks their presence
+// and dtypes; golden_case.sdpa is true, the layer's fields are 0.
+//
 // The loader has no dependency besides the C11 standard library; it never aborts: malformed
 // files give an error message.
 #ifndef CLMHA_TESTS_GOLDEN_H
@@ -90,6 +102,10 @@ typedef struct golden_case {
     bool need_weights, per_head_weights, is_causal, training;
     golden_mask_kind kpm, attn;
     bool attn_per_batch;
+    // An SDPA case (the `sdpa` line): sdpa true, the layout (sdpa_nlhd: nlhd, else nhld), the
+    // scale (0: 1/sqrt(D)) and enable_gqa; is_causal and attn above hold its is_causal and attn.
+    bool sdpa, sdpa_nlhd, enable_gqa;
+    double scale;
     // tensors, in file order
     size_t num_tensors;
     golden_tensor *tensors;
@@ -103,7 +119,8 @@ typedef struct golden_case {
 // masks named in the call line are present with a matching dtype, that `query` and `output`
 // exist and that `weights` exists exactly when need_weights (and, for a 16-bit case,
 // `torch.output` and `torch.weights` likewise, f32, of output's and weights' shapes; for a
-// float64 case, that no tensor is f32).
+// float64 case, that no tensor is f32; for an SDPA case, the mask of its attn kind and the
+// tensors listed above instead).
 const char *golden_load(const char *path, golden_case *gc);
 
 // The tensor called @p name, or NULL.

@@ -267,6 +267,17 @@ cl_uint refs_settled(ref_kind kind, const void *object, cl_uint want) {
     return n;
 }
 
+cl_uint refs_steady(ref_kind kind, const void *object) {
+    cl_uint n = refs_of(kind, object);
+    for (int same = 0, i = 0; same < 5 && i < 200; ++i) {
+        refs_sleep_ms(10);
+        cl_uint m = refs_of(kind, object);
+        same = m == n ? same + 1 : 0;
+        n = m;
+    }
+    return n;
+}
+
 bool refs_move(ref_kind kind, const void *object) {
     cl_uint before = 0, retained = 0;
     for (int attempt = 0; attempt < 3; ++attempt) {

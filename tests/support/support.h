@@ -153,6 +153,11 @@ typedef enum ref_kind { REF_CONTEXT, REF_QUEUE, REF_EVENT } ref_kind;
 // The driver's reference count of @p object (a cl_context, cl_command_queue or cl_event).
 cl_uint refs_of(ref_kind kind, const void *object);
 
+// The reference count of @p object once it has stayed the same for five reads 10 ms apart (at
+// most 2 s): a driver may drop the references of finished commands a moment after they finish
+// (Mesa rusticl once read 22, then 21, right after a clFinish).
+cl_uint refs_steady(ref_kind kind, const void *object);
+
 // Polls the reference count of @p object every 10 ms until it equals @p want, for up to 5 s;
 // returns the last count read.
 cl_uint refs_settled(ref_kind kind, const void *object, cl_uint want);

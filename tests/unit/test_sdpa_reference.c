@@ -149,6 +149,8 @@ static const fcase cases[] = {
      MASK(4, CLMHA_MASK_FLOAT, 2, 1, 1, 4)},
     {.name = "bool mask (N,H,L,S)", .layout = NLHD, .batched = true, SZ(2, 2, 0, 3, 4, 2),
      MASK(4, CLMHA_MASK_BOOL_ATTEND, 2, 2, 3, 4)},
+    {.name = "mask (1,H,L,S) N 2", .layout = NHLD, .batched = true, SZ(2, 2, 0, 3, 4, 2),
+     MASK(4, CLMHA_MASK_FLOAT, 1, 2, 3, 4)},
 };
 
 Test(sdpa_reference, backward_matches_finite_differences) {
