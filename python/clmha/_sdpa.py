@@ -3,8 +3,8 @@ host forms ``clmha_attention_forward_host`` / ``clmha_attention_backward_host``,
 ``clmha.numpy.scaled_dot_product_attention`` and ``clmha.torch.scaled_dot_product_attention``.
 
 The C function takes (N, H, L, D) or unbatched (H, L, D) tensors and the masks of
-``clmha_attention_args`` ((L, S), (N, 1, L, S), (N, H, L, S), (N, 1, 1, S) and their N = 1
-forms). PyTorch's function takes (..., L, D) with any number of leading dimensions and any mask
+``clmha_attention_args`` ((L, S), (N, 1, L, S), (1, H, L, S), (N, H, L, S), (N, 1, 1, S) and
+their N = 1 forms). PyTorch's function takes (..., L, D) with any number of leading dimensions and any mask
 that broadcasts to (..., L, S). ``Call`` maps the one onto the other: 2-D tensors get a head
 dimension of 1, leading dimensions beyond N are folded into N, and a mask that broadcasts in a
 way the C function does not read is expanded (along the batch, the query rows or the keys) to
@@ -168,8 +168,8 @@ class Call:
             bsel, hsel, lsel = n, 1, 1
         elif ph == 1:  # (L, S) shared, or (N, 1, L, S)
             bsel, hsel, lsel = (n if varies else 1), 1, L
-        else:  # (N, H, L, S)
-            bsel, hsel, lsel = n, h, L
+        else:  # (1, H, L, S) shared by the batch items, or (N, H, L, S)
+            bsel, hsel, lsel = (n if varies else 1), h, L
         e_lead = lead if bsel == n else (1,) * len(lead)  # n == 1: lead is all ones anyway
         expanded = e_lead + ((hsel,) if has_heads else ()) + (lsel, S)
         values = np.ascontiguousarray(np.broadcast_to(m.reshape(pm), expanded), dtype)

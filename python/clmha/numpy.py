@@ -45,7 +45,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         (the fused core writes them: ``impl`` "unfused" with it is refused).
     :param seed: the dropout's Philox key (same seed and offset: same dropout).
     :param offset: part of the dropout's Philox counter (e.g. one more per call).
-    :param impl: the core: "auto" (fused where it runs), "fused" or "unfused".
+    :param impl: the core: "auto" (fused where it runs), "fused" or "unfused" (the backward's
+        too: "auto" takes the unfused one for a float mask's gradient).
     :param context: the ``clmha.Context`` to run on; default ``clmha.default_context()``.
     :returns: the output (..., H, L, D_v), or ``(output, lse)`` with ``return_lse``.
 

@@ -541,8 +541,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     (True = may attend) or floating point (added to the scaled scores). is_causal: query i
     attends to keys j <= i (top-left aligned, torch.ones(L, S).tril()); not with attn_mask.
     scale: None is 1/sqrt(D). enable_gqa: H_kv may divide H (query head h reads key/value head
-    h // (H / H_kv)). Keyword-only extras: ``impl`` ("auto", "fused", "unfused": the forward's
-    attention core) and ``context`` (a ``clmha.Context``; default ``clmha.default_context()``).
+    h // (H / H_kv)). Keyword-only extras: ``impl`` ("auto", "fused", "unfused": the attention
+    core of the forward and of the backward, whose "auto" takes the unfused one for a float
+    mask's gradient) and ``context`` (a ``clmha.Context``; default ``clmha.default_context()``).
 
     Gradients flow to query, key, value and a float attn_mask (summed over the dimensions it is
     broadcast along) through ``clmha_attention_backward_host``, which runs the forward pass
