@@ -4,11 +4,12 @@ host forms ``clmha_attention_forward_host`` / ``clmha_attention_backward_host``,
 
 The C function takes (N, H, L, D) or unbatched (H, L, D) tensors and the masks of
 ``clmha_attention_args`` ((L, S), (N, 1, L, S), (1, H, L, S), (N, H, L, S), (N, 1, 1, S) and
-their N = 1 forms). PyTorch's function takes (..., L, D) with any number of leading dimensions and any mask
-that broadcasts to (..., L, S). ``Call`` maps the one onto the other: 2-D tensors get a head
-dimension of 1, leading dimensions beyond N are folded into N, and a mask that broadcasts in a
-way the C function does not read is expanded (along the batch, the query rows or the keys) to
-the smallest form it does read; a float mask's gradient is summed back to the mask's own shape.
+their N = 1 forms). PyTorch's function takes (..., L, D) with any number of leading
+dimensions and any mask that broadcasts to (..., L, S). ``Call`` maps the one onto the other:
+2-D tensors get a head dimension of 1, leading dimensions beyond N are folded into N, and a mask
+that broadcasts in a way the C function does not read is expanded (along the batch, the query
+rows or the keys) to the smallest form it does read; a float mask's gradient is summed back to
+the mask's own shape.
 """
 
 import math
