@@ -2,7 +2,10 @@
 
 PyTorch's ``nn.MultiheadAttention`` (every option, forward and backward), KV-cache decoding and
 grouped-query attention, on NumPy arrays (``clmha.Layer``), as a drop-in ``torch.nn`` module
-(``clmha.torch.MultiheadAttention``) and on pyopencl buffers (``clmha.Context.from_pyopencl``).
+(``clmha.torch.MultiheadAttention``) and on pyopencl buffers (``clmha.Context.from_pyopencl``);
+PyTorch's ``scaled_dot_product_attention`` as a function on NumPy arrays
+(``clmha.numpy.scaled_dot_product_attention``) and tensors, with autograd
+(``clmha.torch.scaled_dot_product_attention``).
 
     import numpy as np, clmha
     layer = clmha.Layer(embed_dim=64, num_heads=8, batch_first=True)
@@ -25,6 +28,7 @@ from ._native import ffi as _ffi, lib as _lib
 from ._errors import STATUS, Error
 from ._context import Context, Device, default_context, devices
 from ._layer import KVCache, Layer, Mask, Saved, dtype_name
+from . import numpy  # noqa: E402  (clmha.numpy: attention as a function on NumPy arrays)
 
 __version__ = _ffi.string(_lib.clmha_version()).decode()
 __license__ = "Apache-2.0"

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from torch.autograd.function import once_differentiable
+
+from . import _sdpa
 from ._context import Context
 from ._layer import Layer, Mask
 
@@ -36,6 +39,7 @@ _torch_op = _custom_op_module()
 
 _TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
                  torch.bfloat16: "bfloat16"}
+_SDPA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _host(t: Tensor, name: str, dtype: str) -> np.ndarray:
@@ -444,6 +448,147 @@ class SplitHeadsAttention(_SeedAttention):
                             {"attend": True, "per_batch": True} if mask is not None else None)
 
 
+# ---- attention as a function -------------------------------------------------------------------
+
+def _sdpa_host(t: Tensor, name: str) -> np.ndarray:
+    """``t`` as the float32 NumPy array the C function reads (no copy for a contiguous float32
+    CPU tensor); bool stays bool."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}: clmha.torch takes CPU tensors (it runs on "
+                         f"its own OpenCL device)")
+    t = t.detach()
+    if t.dtype != torch.bool and t.dtype != torch.float32:
+        t = t.float()
+    return t.contiguous().numpy()
+
+
+def _sdpa_mask(t: Optional[Tensor]):
+    """The mask as NumPy; a mask that does not need a gradient loses the dimensions it was
+    expanded along (stride 0, as ``mask.expand(N, H, L, S)`` makes them): the C call then
+    reads the small mask it was made from."""
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, not {type(t).__name__}")
+    if t.dtype != torch.bool and not t.is_floating_point():
+        raise TypeError(f"attn_mask must be bool (True = may attend) or floating point, not "
+                        f"{t.dtype}")
+    if not t.requires_grad and t.dim():
+        t = t[tuple(slice(0, 1) if st == 0 and sz > 1 else slice(None)
+                    for st, sz in zip(t.stride(), t.shape))]
+    return _sdpa_host(t, "attn_mask")
+
+
+class _SdpaCall:
+    """One scaled_dot_product_attention call's options, handed through autograd.Function."""
+
+    def __init__(self, dropout_p, is_causal, scale, enable_gqa, seed, impl, context):
+        self.options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                            enable_gqa=enable_gqa)
+        self.extra = dict(seed=seed, offset=0, impl=impl, context=context)
+        self.grad_enabled = torch.is_grad_enabled()  # when the call is made, outside apply()
+
+    def c_call(self, query, key, value, attn_mask) -> _sdpa.Call:
+        return _sdpa.Call(_sdpa_host(query, "query"), _sdpa_host(key, "key"),
+                          _sdpa_host(value, "value"), _sdpa_mask(attn_mask), **self.options,
+                          **self.extra)
+
+
+def _sdpa_save(ctx, *tensors) -> None:
+    """What the backward pass reads again: the inputs (their version counters checked)."""
+    ctx.save_for_backward(*tensors)
+
+
+class _SdpaFunction(torch.autograd.Function):
+    """clmha_attention_forward_host, with clmha_attention_backward_host as its gradient."""
+
+    @staticmethod
+    def forward(ctx, call: _SdpaCall, query, key, value, attn_mask):
+        out = call.c_call(query, key, value, attn_mask).forward()
+        ctx.call = call
+        if call.grad_enabled:  # under torch.no_grad() no graph is recorded: save nothing
+            _sdpa_save(ctx, query, key, value, attn_mask)
+        return torch.from_numpy(out).to(query.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        query, key, value, attn_mask = ctx.saved_tensors
+        need = ctx.needs_input_grad[1:]
+        want = (need[0], need[1], need[2],
+                need[3] and attn_mask is not None and attn_mask.is_floating_point())
+        grads = ctx.call.c_call(query, key, value, attn_mask).backward(
+            _sdpa_host(grad_output, "grad_output"), want)
+        return (None,) + tuple(
+            torch.from_numpy(g).to(t.dtype) if g is not None else None
+            for g, t in zip(grads, (query, key, value, attn_mask)))
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
+                                 attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: Optional[float] = None,
+                                 enable_gqa: bool = False, *, impl: str = "auto",
+                                 context: Optional[Context] = None) -> Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` (torch 2.5's signature and
+    semantics) computed by clmha on its OpenCL device, with clmha's backward pass as its
+    gradient.
+
+    query (..., H, L, D), key (..., H_kv, S, D), value (..., H_kv, S, D_v): (N, H, L, D),
+    (N, L, D), (L, D) or more leading dimensions, the same leading sizes in all three (they are
+    not broadcast; D_v must equal D for now). attn_mask broadcasts to (..., H, L, S): bool
+    (True = may attend) or floating point (added to the scaled scores). is_causal: query i
+    attends to keys j <= i (top-left aligned, torch.ones(L, S).tril()); not with attn_mask.
+    scale: None is 1/sqrt(D). enable_gqa: H_kv may divide H (query head h reads key/value head
+    h // (H / H_kv)). Keyword-only extras: ``impl`` ("auto", "fused", "unfused": the attention
+    core of the forward and of the backward, whose "auto" takes the unfused one for a float
+    mask's gradient) and ``context`` (a ``clmha.Context``; default ``clmha.default_context()``).
+
+    Gradients flow to query, key, value and a float attn_mask (summed over the dimensions it is
+    broadcast along) through ``clmha_attention_backward_host``, which runs the forward pass
+    again; under ``torch.no_grad()``, or when nothing requires grad, nothing is saved.
+    Tensors live on the CPU. float32 is computed as it is; float16 and bfloat16 are computed in
+    float32 and the results returned in their dtype; other dtypes (float64 included: the C
+    function computes in float32) raise TypeError. Differences from PyTorch: a query row whose
+    every key is masked gives zeros (PyTorch: NaN), and dropout (applied whenever dropout_p > 0,
+    as PyTorch's function does) is drawn from clmha's Philox stream, seeded from torch's
+    generator (``torch.manual_seed`` makes it reproducible), not PyTorch's.
+
+    Example::
+
+        import torch, clmha.torch
+        q = torch.randn(2, 8, 10, 64, requires_grad=True)
+        k = v = torch.randn(2, 2, 12, 64)
+        out = clmha.torch.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                       enable_gqa=True)   # (2, 8, 10, 64)
+        out.sum().backward()                                              # q.grad
+    """
+    tensors = (("query", query), ("key", key), ("value", value))
+    for name, t in tensors:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
+        if t.dtype not in _SDPA_DTYPES:
+            raise TypeError(f"{name} is {t.dtype}: clmha's attention function computes in "
+                            f"float32 and takes float32, float16 or bfloat16 tensors")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"query, key and value must have one dtype, not {query.dtype}, "
+                        f"{key.dtype} and {value.dtype}")
+    if attn_mask is not None and not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, not "
+                        f"{type(attn_mask).__name__}")
+    dropout_p = _sdpa._number("dropout_p", dropout_p)
+    # the dropout's Philox seed, drawn from torch's generator per call (as the module's)
+    seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
+    call = _SdpaCall(dropout_p, bool(is_causal), scale, bool(enable_gqa), seed, impl, context)
+    grad = call.grad_enabled and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_mask))
+    if not grad:
+        out = call.c_call(query, key, value, attn_mask).forward()
+        return torch.from_numpy(out).to(query.dtype)
+    return _SdpaFunction.apply(call, query, key, value, attn_mask)
+
+
 def export(module: nn.Module, path, *, num_heads: Optional[int] = None) -> None:
     """Writes ``module`` (``nn.MultiheadAttention``, continuiti's or the classic module, or a
     clmha.torch module) as a clmha layer file (``.safetensors``), readable by
@@ -463,4 +608,5 @@ def export(module: nn.Module, path, *, num_heads: Optional[int] = None) -> None:
     layer.save(path)
 
 
-__all__ = ["MultiheadAttention", "ContinuitiAttention", "SplitHeadsAttention", "export"]
+__all__ = ["MultiheadAttention", "ContinuitiAttention", "SplitHeadsAttention", "export",
+           "scaled_dot_product_attention"]

@@ -1,0 +1,80 @@
+"""clmha.numpy: attention as a function on NumPy arrays.
+
+    import numpy as np, clmha.numpy
+    q = np.random.randn(2, 8, 10, 64).astype(np.float32)          # (N, H, L, D)
+    k = v = np.random.randn(2, 2, 12, 64).astype(np.float32)      # (N, H_kv, S, D)
+    out = clmha.numpy.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+``scaled_dot_product_attention`` has the arguments and semantics of PyTorch's
+``torch.nn.functional.scaled_dot_product_attention`` (torch 2.5) and computes on clmha's OpenCL
+device (``clmha_attention_forward_host``); ``scaled_dot_product_attention_backward`` gives the
+gradients (``clmha_attention_backward_host``). ``clmha.Layer`` is the whole
+``nn.MultiheadAttention`` layer on NumPy arrays.
+"""
+
+from typing import Optional, Tuple, Union
+
+import numpy as np
+
+from ._context import Context
+from ._sdpa import Call
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 return_lse: bool = False, seed: int = 0, offset: int = 0,
+                                 impl: str = "auto", context: Optional[Context] = None
+                                 ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+    """softmax(query · keyᵀ · scale + attn_mask) · value on clmha's OpenCL device, as PyTorch's
+    ``F.scaled_dot_product_attention`` computes it.
+
+    :param query: (..., H, L, D): (N, H, L, D), (H, L, D), (L, D), or more leading dimensions.
+    :param key: (..., H_kv, S, D), the query's number of dimensions and leading sizes.
+    :param value: (..., H_kv, S, D_v) (D_v must equal D for now).
+    :param attn_mask: None, or an array broadcasting to (..., H, L, S): bool (True = may
+        attend) or floating point (added to the scaled scores; -inf forbids).
+    :param dropout_p: probability in [0, 1) of dropping an attention weight (kept weights are
+        scaled by 1/(1 - dropout_p)), drawn from clmha's Philox stream (``seed``, ``offset``),
+        not NumPy's or PyTorch's generator.
+    :param is_causal: query i attends to keys j <= i (top-left aligned when L != S); not
+        together with attn_mask.
+    :param scale: the scores' factor; None: 1/sqrt(D).
+    :param enable_gqa: grouped-query attention: H_kv may divide H (query head h reads key/value
+        head h // (H / H_kv)); without it H_kv must equal H.
+    :param return_lse: also return the log-sum-exp of each score row, shape (..., H, L)
+        (the fused core writes them: ``impl`` "unfused" with it is refused).
+    :param seed: the dropout's Philox key (same seed and offset: same dropout).
+    :param offset: part of the dropout's Philox counter (e.g. one more per call).
+    :param impl: the core: "auto" (fused where it runs), "fused" or "unfused" (the backward's
+        too: "auto" takes the unfused one for a float mask's gradient).
+    :param context: the ``clmha.Context`` to run on; default ``clmha.default_context()``.
+    :returns: the output (..., H, L, D_v), or ``(output, lse)`` with ``return_lse``.
+
+    Arrays are float32 (float16 is computed in float32 and returned as float16); other dtypes
+    raise TypeError, so float64 arrays must be converted (``.astype(np.float32)``). Arrays that
+    are not C-contiguous are copied. A query row whose every key is masked gives zeros (PyTorch
+    gives NaN). Bad shapes and options raise ``clmha.Error`` with the C library's message.
+    """
+    call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                seed=seed, offset=offset, impl=impl, context=context)
+    return call.forward(lse=bool(return_lse))
+
+
+def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_mask=None,
+                                          dropout_p=0.0, is_causal=False, scale=None,
+                                          enable_gqa=False, *, seed: int = 0, offset: int = 0,
+                                          impl: str = "auto",
+                                          context: Optional[Context] = None):
+    """The gradients of ``scaled_dot_product_attention`` (the same arguments, after
+    ``grad_output``, the output's gradient (..., H, L, D_v)): ``(grad_query, grad_key,
+    grad_value, grad_attn_mask)``, each in its input's shape; ``grad_attn_mask`` is None unless
+    attn_mask is floating point (then its gradient summed over the dimensions it is broadcast
+    along). The forward pass runs again (the dropout replayed from ``seed`` and ``offset``);
+    with enable_gqa a key/value head's gradient sums its query heads'. A fully masked query
+    row gives zero gradients."""
+    call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                seed=seed, offset=offset, impl=impl, context=context)
+    return call.backward(grad_output)
+
+
+__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward"]
