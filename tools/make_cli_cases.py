@@ -574,7 +574,7 @@ def generate(c, out_dir, given_root=None):
 # ---- the `clmha sdpa` cases --------------------------------------------------------------------
 
 def SC(name, **kw):
-    d = dict(name=name, N=2, H=2, Hkv=None, L=5, S=None, D=8, layout="nhld", mask=None,
+    d = dict(name=name, N=2, H=2, Hkv=None, L=5, S=None, D=8, Dv=None, layout="nhld", mask=None,
              mask_shape=None, causal=False, scale=None, lse=False, weights=False, grads=False)
     for k in kw:
         if k not in d:
@@ -582,6 +582,7 @@ def SC(name, **kw):
     d.update(kw)
     d["S"] = d["S"] or d["L"]
     d["Hkv"] = d["Hkv"] or d["H"]
+    d["Dv"] = d["Dv"] or d["D"]
     assert name.startswith("sdpa_") and d["H"] % d["Hkv"] == 0
     assert not (d["lse"] and d["weights"]) and not (d["causal"] and d["mask"])
     assert (d["mask"] is None) == (d["mask_shape"] is None)
@@ -599,12 +600,14 @@ SDPA_CASES = [
        grads=True),
     SC("sdpa_nlhd_key_rows_float", layout="nlhd", L=3, S=6, D=4, mask="float",
        mask_shape="N11S", lse=True, grads=True),
+    SC("sdpa_value_width_differs", layout="nlhd", H=4, Hkv=2, L=4, S=6, D=12, Dv=6,
+       causal=True, lse=True, grads=True),
 ]
 
 
 def sdpa_shape(c, which):
-    """The shape of query ("q"), key/value ("kv") or the mask ("mask") of case c."""
-    N, L, S, D = c["N"], c["L"], c["S"], c["D"]
+    """The shape of query ("q"), key ("kv"), value ("v") or the mask ("mask") of case c."""
+    N, L, S, D = c["N"], c["L"], c["S"], c["Dv"] if which == "v" else c["D"]
     if which == "mask":
         sizes = dict(N=N or 1, H=c["H"], L=L, S=S)
         return tuple(1 if x == "1" else sizes[x] for x in c["mask_shape"])
@@ -680,7 +683,7 @@ def sdpa_generate(c, out_dir, given_root=None):
     draw = lambda shape: torch.randn(shape, generator=gen).numpy().astype(np.float32)  # noqa
     q = take("query.npy", draw(sdpa_shape(c, "q")))
     k = take("key.npy", draw(sdpa_shape(c, "kv")))
-    v = take("value.npy", draw(sdpa_shape(c, "kv")))
+    v = take("value.npy", draw(sdpa_shape(c, "v")))
     for _ in range(1000):
         mask, forbidden = sdpa_draw_mask(c, rng)
         if not forbidden.all(axis=-1).any():

@@ -30,7 +30,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     :param query: (..., H, L, D): (N, H, L, D), (H, L, D), (L, D), or more leading dimensions.
     :param key: (..., H_kv, S, D), the query's number of dimensions and leading sizes.
-    :param value: (..., H_kv, S, D_v) (D_v must equal D for now).
+    :param value: (..., H_kv, S, D_v) (D_v may differ from D).
     :param attn_mask: None, or an array broadcasting to (..., H, L, S): bool (True = may
         attend) or floating point (added to the scaled scores; -inf forbids).
     :param dropout_p: probability in [0, 1) of dropping an attention weight (kept weights are

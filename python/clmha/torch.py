@@ -537,7 +537,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
 
     query (..., H, L, D), key (..., H_kv, S, D), value (..., H_kv, S, D_v): (N, H, L, D),
     (N, L, D), (L, D) or more leading dimensions, the same leading sizes in all three (they are
-    not broadcast; D_v must equal D for now). attn_mask broadcasts to (..., H, L, S): bool
+    not broadcast; D_v may differ from D). attn_mask broadcasts to (..., H, L, S): bool
     (True = may attend) or floating point (added to the scaled scores). is_causal: query i
     attends to keys j <= i (top-left aligned, torch.ones(L, S).tril()); not with attn_mask.
     scale: None is 1/sqrt(D). enable_gqa: H_kv may divide H (query head h reads key/value head
