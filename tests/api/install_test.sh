@@ -121,7 +121,9 @@ if [ "$major" -eq 0 ] && [ "$minor" -gt 0 ]; then
 fi
 
 step "pkg-config consumer"
-export PKG_CONFIG_PATH="$libdir/pkgconfig"
+# The prefix first; the caller's path after it, where a machine without packages keeps CLBlast's
+# and cJSON's .pc files (as .gpu/gpu-check on a GPU host does).
+export PKG_CONFIG_PATH="$libdir/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
 pkg-config --exists --print-errors clmha
 [ "$(pkg-config --modversion clmha)" = "$version" ] || fail "pkg-config --modversion clmha"
 cflags=$(pkg-config --cflags clmha)
