@@ -448,6 +448,94 @@ Test(concurrency, error_messages_are_the_calling_threads, .timeout = 600) {
     clmha_context_release(ctx);
 }
 
+// ---- attention as a function from several threads ----------------------------------------------
+
+// Four threads call clmha_attention_forward_host() and clmha_attention_backward_host() on one
+// context: two share a shape (one bare layer of the context's cache, its staging buffers and
+// scratch), two have shapes of their own (two more bare layers, made while the others run).
+// Every result must be bit-identical to the same calls made one after another.
+enum { FN_THREADS = 4, FN_N = 2, FN_L = 6, FN_S = 9, FN_MAX = FN_N * 4 * FN_S * 16 };
+
+typedef struct fn_job {
+    size_t h, hkv, d;
+    float q[FN_MAX], k[FN_MAX], v[FN_MAX], g[FN_MAX];
+    float out[ITERS][FN_MAX], dq[ITERS][FN_MAX], dk[ITERS][FN_MAX], dv[ITERS][FN_MAX];
+    clmha_context *ctx;
+    int failed;
+} fn_job;
+
+static clmha_attention_args fn_args(fn_job *j) {
+    return (clmha_attention_args){.struct_size = sizeof(clmha_attention_args),
+        .query = {.ndim = 4, .shape = {FN_N, j->h, FN_L, j->d}, .data = j->q},
+        .key = {.ndim = 4, .shape = {FN_N, j->hkv, FN_S, j->d}, .data = j->k},
+        .value = {.ndim = 4, .shape = {FN_N, j->hkv, FN_S, j->d}, .data = j->v},
+        .is_causal = true, .enable_gqa = true};
+}
+
+static void *fn_run(void *arg) {
+    fn_job *j = arg;
+    clmha_attention_args a = fn_args(j);
+    size_t nq = FN_N * j->h * FN_L * j->d;
+    for (int it = 0; it < ITERS && !j->failed; ++it) {
+        if (clmha_attention_forward_host(j->ctx, &a, j->out[it], nq, NULL, 0, NULL, 0) ||
+            clmha_attention_backward_host(j->ctx, &a, j->g, nq, j->dq[it], j->dk[it], j->dv[it],
+                                          NULL)) {
+            fprintf(stderr, "attention call: %s\n", clmha_context_last_error(j->ctx));
+            j->failed = 1;
+        }
+    }
+    return NULL;
+}
+
+static void fn_init(fn_job *j, int t, clmha_context *ctx) {
+    static const size_t shapes[FN_THREADS][3] = {{4, 2, 8}, {4, 2, 8}, {2, 2, 16}, {4, 1, 4}};
+    memset(j, 0, sizeof *j);
+    j->h = shapes[t][0], j->hkv = shapes[t][1], j->d = shapes[t][2];
+    j->ctx = ctx;
+    uint64_t seed = 1000 + (uint64_t)t;
+    for (size_t i = 0; i < FN_MAX; ++i) {
+        j->q[i] = frand(&seed), j->k[i] = frand(&seed);
+        j->v[i] = frand(&seed), j->g[i] = frand(&seed);
+    }
+}
+
+Test(concurrency, attention_function_from_four_threads_on_one_context, .timeout = 1200) {
+    clmha_context *ctx = NULL;
+    if (clmha_context_create_from_env(&ctx) != CLMHA_SUCCESS) cr_skip_test("no OpenCL device");
+    fn_job *serial = calloc(FN_THREADS, sizeof *serial), *par = calloc(FN_THREADS, sizeof *par);
+    cr_assert(serial && par);
+    for (int t = 0; t < FN_THREADS; ++t) {
+        fn_init(&serial[t], t, ctx);
+        fn_run(&serial[t]);
+        cr_assert_eq(serial[t].failed, 0);
+    }
+    clmha_context_release(ctx);  // a fresh context: the threads make its bare layers
+    cr_assert_eq(clmha_context_create_from_env(&ctx), CLMHA_SUCCESS);
+    pthread_t threads[FN_THREADS];
+    for (int t = 0; t < FN_THREADS; ++t) {
+        fn_init(&par[t], t, ctx);
+        cr_assert_eq(pthread_create(&threads[t], NULL, fn_run, &par[t]), 0);
+    }
+    for (int t = 0; t < FN_THREADS; ++t) pthread_join(threads[t], NULL);
+    for (int t = 0; t < FN_THREADS; ++t) {
+        cr_expect_eq(par[t].failed, 0, "thread %d failed", t);
+        size_t nq = FN_N * par[t].h * FN_L * par[t].d, nk = FN_N * par[t].hkv * FN_S * par[t].d;
+        for (int it = 0; it < ITERS; ++it) {
+            cr_expect(memcmp(par[t].out[it], serial[t].out[0], nq * sizeof(float)) == 0,
+                      "thread %d call %d: output differs from the serial run", t, it);
+            cr_expect(memcmp(par[t].dq[it], serial[t].dq[0], nq * sizeof(float)) == 0 &&
+                          memcmp(par[t].dk[it], serial[t].dk[0], nk * sizeof(float)) == 0 &&
+                          memcmp(par[t].dv[it], serial[t].dv[0], nk * sizeof(float)) == 0,
+                      "thread %d call %d: gradients differ from the serial run", t, it);
+        }
+    }
+    double sum = 0;
+    for (size_t i = 0; i < FN_N * 4 * FN_L * 8; ++i) sum += fabs(serial[0].out[0][i]);
+    cr_expect(sum > 0.0, "the serial output is all zeros");
+    free(serial), free(par);
+    clmha_context_release(ctx);
+}
+
 #ifdef CLMHA_TEST_STANDALONE
 int main(void) {
     // First: these fork children that must be the first in their process to touch OpenCL.
@@ -457,6 +545,7 @@ int main(void) {
     concurrency_three_contexts_in_parallel_threads();
     concurrency_error_messages_from_two_threads_on_one_context();
     concurrency_error_messages_are_the_calling_threads();
+    concurrency_attention_function_from_four_threads_on_one_context();
     printf("concurrency: %s\n", standalone_failures ? "FAIL" : "PASS");
     return standalone_failures ? 1 : 0;
 }
