@@ -1447,6 +1447,24 @@ CLMHA_API clmha_status clmha_layer_forward_host_f64(clmha_layer *layer,
 CLMHA_API clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer,
                                              size_t batch, size_t capacity);
 
+/// Makes an empty cache for attention as a function (clmha_attention_args::kv_cache): the keys
+/// and values of @p kv_heads heads of @p head_dim floats, @p capacity tokens for each of
+/// @p batch sequences, on @p ctx's device, as clmha_kv_cache_create() makes one for a layer.
+/// It serves every clmha_attention_forward() call on @p ctx whose key and value have those
+/// heads (any number of query heads that @p kv_heads divides, with enable_gqa); a layer's call
+/// refuses it.
+/// @param[out] out        the new cache, or NULL on failure
+/// @param[in]  ctx        the context
+/// @param[in]  batch      N, the sequences (1 for unbatched calls)
+/// @param[in]  kv_heads   H_kv
+/// @param[in]  head_dim   D
+/// @param[in]  capacity   the most tokens each sequence may hold
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, a size 0, a capacity of 2^32 tokens
+///         or more), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR
+CLMHA_API clmha_status clmha_kv_cache_create_for(clmha_kv_cache **out, clmha_context *ctx,
+                                                 size_t batch, size_t kv_heads, size_t head_dim,
+                                                 size_t capacity);
+
 /// Frees a cache. Work already enqueued that uses it keeps its buffers until it finishes.
 /// @param[in] cache  the cache (NULL is ignored)
 CLMHA_API void clmha_kv_cache_release(clmha_kv_cache *cache);
@@ -1628,6 +1646,20 @@ typedef struct clmha_attention_args {
                                      ///< H_kv must equal H
     clmha_impl impl;                 ///< the core (::clmha_impl); ::CLMHA_IMPL_AUTO: fused where
                                      ///< it runs, unfused for weights
+    /// Optional: the KV-cache form (incremental decoding on already projected keys and values,
+    /// FlashAttention's flash_attn_with_kvcache): a cache made by clmha_kv_cache_create_for()
+    /// for (N, H_kv, D). key and value are then the new tokens, (N, H_kv, S_new, D) (or
+    /// (N, S_new, H_kv, D)), appended after each sequence's cached ones (kv_append: how many of
+    /// the S_new are real per sequence), and the queries attend over everything the cache then
+    /// holds for their sequence, through the decode core. is_causal is bottom-right aligned
+    /// there (new query i of a sequence that held `len` tokens sees positions 0 … len + i), as
+    /// flash_attn_with_kvcache aligns it. Such a call takes no attn_mask, dropout, D_v ≠ D,
+    /// lse or weights (::CLMHA_UNSUPPORTED) and has no backward; a cache is used by one thread
+    /// at a time.
+    clmha_kv_cache *kv_cache;
+    /// Optional with kv_cache (NULL: all S_new of every sequence): N counts of new tokens that
+    /// are real, each at most S_new (ragged batches, as clmha_forward_args::kv_append).
+    const size_t *kv_append;
 } clmha_attention_args;
 
 /// Element counts of the results of a clmha_attention_forward() call of @p args. Validates the

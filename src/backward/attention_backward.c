@@ -319,6 +319,9 @@ static clmha_status check_call(clmha_context *ctx, const clmha_attention_backwar
     if (st) return clmha__fail(ctx, st, "%s", msg);
     if (!b->forward) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->forward is NULL");
     if ((st = clmha__attention_check_args(ctx, b->forward, a, d, false, false))) return st;
+    if (a->kv_cache)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "the forward call has a kv_cache: the KV-cache form has no backward");
     if (b->impl != CLMHA_IMPL_AUTO && b->impl != CLMHA_IMPL_FUSED &&
         b->impl != CLMHA_IMPL_UNFUSED)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
@@ -441,6 +444,9 @@ clmha_status clmha_attention_backward_host(clmha_context *ctx, const clmha_atten
     clmha_layer *l;
     clmha_status st;
     if ((st = clmha__attention_check_args(ctx, args, &a, &d, false, false)) ||
+        (a.kv_cache && (st = clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                                         "args->kv_cache is set: the KV-cache form has no "
+                                         "backward"))) ||
         (st = check_host(ctx, &a, &d, grad_output, grad_output_count, grad_attn_mask)) ||
         (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, clmha__attention_width(&d),
                                      &l)))

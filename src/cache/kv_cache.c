@@ -32,16 +32,11 @@ static clmha_status cache_floats(const clmha_context *ctx, size_t batch, size_t 
     return CLMHA_SUCCESS;
 }
 
-clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, size_t batch,
-                                   size_t capacity) {
-    if (out) *out = NULL;
-    if (!out || !layer)
-        return clmha__fail(layer ? layer->ctx : NULL, CLMHA_INVALID_ARGUMENT,
-                           "%s is NULL", out ? "layer" : "out");
-    clmha_context *ctx = layer->ctx;
-    if (layer->desc.dtype == CLMHA_DTYPE_F64)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "a float64 layer (CLMHA_DTYPE_F64) has no KV cache yet");
+// A new cache of @p kv_heads heads of @p head_dim floats on @p ctx, for @p layer (NULL: for
+// attention as a function).
+static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
+                               const clmha_layer *layer, size_t batch, size_t kv_heads,
+                               size_t head_dim, size_t capacity) {
     if (!batch || !capacity)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "a KV cache needs a batch and a capacity of at least 1 (batch %zu, "
@@ -54,7 +49,7 @@ clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, siz
     // The decode kernels read the keys in blocks of 16 positions (cl/cores/decode.cl), the last
     // one whole.
     size_t floats = 0, stride = (capacity + 15) / 16 * 16;
-    clmha_status st = cache_floats(ctx, batch, layer->kvh, capacity, stride, layer->d, &floats);
+    clmha_status st = cache_floats(ctx, batch, kv_heads, capacity, stride, head_dim, &floats);
     if (st) return st;
     clmha_kv_cache *c = calloc(1, sizeof *c);
     size_t *len = calloc(batch, sizeof *len);
@@ -64,7 +59,8 @@ clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, siz
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     }
     *c = (clmha_kv_cache){.ctx = ctx, .layer = layer, .batch = batch, .capacity = capacity,
-                          .kv_heads = layer->kvh, .stride = stride, .len = len};
+                          .kv_heads = kv_heads, .head_dim = head_dim, .stride = stride,
+                          .len = len};
     clmha_context_retain(ctx);
     cl_int err;
     c->k = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, floats * sizeof(float), NULL, &err);
@@ -82,6 +78,31 @@ clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, siz
     clmha__count(ctx, 0, 2);
     *out = c;
     return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, size_t batch,
+                                   size_t capacity) {
+    if (out) *out = NULL;
+    if (!out || !layer)
+        return clmha__fail(layer ? layer->ctx : NULL, CLMHA_INVALID_ARGUMENT,
+                           "%s is NULL", out ? "layer" : "out");
+    if (layer->desc.dtype == CLMHA_DTYPE_F64)
+        return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
+                           "a float64 layer (CLMHA_DTYPE_F64) has no KV cache yet");
+    return cache_make(out, layer->ctx, layer, batch, layer->kvh, layer->d, capacity);
+}
+
+clmha_status clmha_kv_cache_create_for(clmha_kv_cache **out, clmha_context *ctx, size_t batch,
+                                       size_t kv_heads, size_t head_dim, size_t capacity) {
+    if (out) *out = NULL;
+    if (!out || !ctx)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is NULL", out ? "ctx" : "out");
+    if (!kv_heads || !head_dim)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "a KV cache needs key/value heads and a head dimension of at least 1 "
+                           "(kv_heads %zu, head_dim %zu)",
+                           kv_heads, head_dim);
+    return cache_make(out, ctx, NULL, batch, kv_heads, head_dim, capacity);
 }
 
 void clmha_kv_cache_release(clmha_kv_cache *cache) {
@@ -137,14 +158,28 @@ clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *batch, siz
 
 // ---- one call's plan ----------------------------------------------------------------------------
 
-clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer,
+clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer, bool function,
                                  size_t n_batch, size_t s, const size_t *appended,
                                  clmha__kv_plan *plan) {
     *plan = (clmha__kv_plan){.cache = cache};
     clmha_context *ctx = layer->ctx;
-    if (cache->layer != layer)
+    if (!function && cache->layer != layer)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "kv_cache was made for another layer (clmha_kv_cache_create())");
+                           cache->layer ? "kv_cache was made for another layer "
+                                          "(clmha_kv_cache_create())"
+                                        : "kv_cache was made for attention as a function "
+                                          "(clmha_kv_cache_create_for()), not for a layer");
+    if (function && cache->layer)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "kv_cache was made for a layer (clmha_kv_cache_create()): attention "
+                           "as a function takes one of clmha_kv_cache_create_for()");
+    if (function && (cache->ctx != ctx || cache->kv_heads != layer->kvh ||
+                     cache->head_dim != layer->d))
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "kv_cache holds %zu key/value heads of %zu floats%s; the call's key "
+                           "and value have %zu of %zu",
+                           cache->kv_heads, cache->head_dim,
+                           cache->ctx != ctx ? " on another context" : "", layer->kvh, layer->d);
     if (n_batch != cache->batch)
         return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
                            "the call's batch is %zu but kv_cache holds %zu sequences", n_batch,

@@ -16,9 +16,11 @@
 
 struct clmha_kv_cache {
     clmha_context *ctx;        // retained
-    const clmha_layer *layer;  // the layer it was made for (identity only: not retained)
+    const clmha_layer *layer;  // the layer it was made for (identity only: not retained), or
+                               // NULL: made for attention as a function
+                               // (clmha_kv_cache_create_for())
     size_t batch, capacity;    // N, tokens per sequence
-    size_t kv_heads;           // heads of the cached keys and values
+    size_t kv_heads, head_dim; // heads of the cached keys and values, and their floats
     size_t stride;             // positions per (sequence, head): capacity rounded up to 16
     cl_mem k, v;               // (batch, kv_heads, stride, D) floats each: v row by row, k in
                                // transposed blocks of 16 positions (cl/cores/decode.cl)
@@ -39,10 +41,12 @@ typedef struct clmha__kv_plan {
 
 // Plans appending @p appended[n] tokens (NULL: @p s of every sequence; each at most @p s) to
 // sequence n of @p cache for a call of @p layer with batch @p n_batch: checks the cache's
-// layer, batch and capacity and makes the lengths buffer. Nothing changes in the cache.
+// layer (@p function: a bare layer of attention as a function, which takes a cache made for it
+// with its key/value heads and head dimension), batch and capacity and makes the lengths
+// buffer. Nothing changes in the cache.
 CLMHA__HIDDEN clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer,
-                                               size_t n_batch, size_t s, const size_t *appended,
-                                               clmha__kv_plan *plan);
+                                               bool function, size_t n_batch, size_t s,
+                                               const size_t *appended, clmha__kv_plan *plan);
 
 // The cache takes the planned lengths (after the call was enqueued).
 CLMHA__HIDDEN void clmha__kv_plan_commit(clmha__kv_plan *plan);

@@ -6,7 +6,6 @@
 //   check → core and scratch → wait → stage the tiles → the core → output, lse, weights.
 #include "forward/attention.h"
 
-#include "base/struct_in.h"
 #include "cores/core.h"
 #include "cores/kernel_args.h"
 #include "forward/attention_cache.h"
@@ -17,29 +16,6 @@
 
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
-
-clmha_status clmha__attention_check_args(clmha_context *ctx, const clmha_attention_args *args,
-                                         clmha_attention_args *in, clmha__attention_dims *d,
-                                         bool lse, bool weights) {
-    char msg[512];
-    clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, in, args, "args", msg, sizeof msg);
-    if (!st) st = clmha__attention_resolve(in, d, msg, sizeof msg);
-    if (st) return clmha__fail(ctx, st, "%s", msg);
-    if (lse && weights)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "lse and weights are both asked for: the fused core writes the "
-                           "log-sum-exp rows, only the unfused core returns weights; ask for one");
-    return CLMHA_SUCCESS;
-}
-
-clmha_forward_args clmha__attention_core_args(clmha_layer *l, const clmha_attention_args *a,
-                                              const clmha__attention_dims *d) {
-    l->desc.dropout = a->dropout_p;  // the bare layer's: the cores read the call's p there
-    return (clmha_forward_args){.struct_size = sizeof(clmha_forward_args), .attn_mask = d->attn,
-                                .key_padding_mask = d->kpm, .is_causal = a->is_causal,
-                                .per_head_weights = true, .training = a->dropout_p > 0.0f,
-                                .rng = a->rng, .impl = a->impl};
-}
 
 // The mask the cores read (attn_mask or key_padding_mask), or NULL.
 static const clmha_mask *mask_of(const clmha__attention_dims *d) {
@@ -209,6 +185,7 @@ clmha_status clmha__attention_enqueue(clmha_layer *l, const clmha_attention_args
                                       const clmha__attention_dims *d,
                                       const clmha__attention_out *o, cl_uint num_wait,
                                       const cl_event *wait_list, cl_event *event) {
+    if (a->kv_cache) return clmha__attention_kv_enqueue(l, a, d, o, num_wait, wait_list, event);
     if (d->dv != d->core.d) return enqueue_padded(l, a, d, o, num_wait, wait_list, event);
     clmha_context *ctx = l->ctx;
     clmha_forward_args f = clmha__attention_core_args(l, a, d);

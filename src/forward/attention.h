@@ -69,6 +69,16 @@ CLMHA__HIDDEN clmha_status clmha__attention_unstage(clmha_layer *l,
                                                     size_t heads, size_t seq, size_t count,
                                                     cl_mem out, size_t out_offset);
 
+// The KV-cache form (attention_kv.c): @p a with kv_cache, checked and resolved in @p d, on
+// bare layer @p l through the decode core; the cache's lengths grow once it is enqueued.
+CLMHA__HIDDEN clmha_status clmha__attention_kv_enqueue(clmha_layer *l,
+                                                       const clmha_attention_args *a,
+                                                       const clmha__attention_dims *d,
+                                                       const clmha__attention_out *o,
+                                                       cl_uint num_wait,
+                                                       const cl_event *wait_list,
+                                                       cl_event *event);
+
 // D_v ≠ D (attention_pad.c): the calls run on copies padded with zeros to
 // D' = max(D, D_v), the bare layer's head dimension (clmha__attention_width()).
 CLMHA__HIDDEN size_t clmha__attention_width(const clmha__attention_dims *d);

@@ -371,7 +371,7 @@ static clmha_status forward_direct(clmha_layer *layer, const clmha_forward_args 
                              .weights_offset = weights_offset};
     clmha__kv_plan plan = {0};
     if (args->kv_cache) {
-        if ((st = clmha__kv_plan_make(args->kv_cache, layer, d.n,
+        if ((st = clmha__kv_plan_make(args->kv_cache, layer, false, d.n,
                                       args->kv_attend_only ? 0 : d.s, args->kv_append, &plan)))
             return st;
         call.kv = &plan;

@@ -116,6 +116,10 @@ static clmha_status check_options(const clmha_attention_args *a, char *msg, size
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
                           "attn_mask and is_causal are both set: give one (as "
                           "scaled_dot_product_attention; a causal mask can be part of attn_mask)");
+    if (a->kv_append && !a->kv_cache)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "kv_append is set but kv_cache is NULL: it says how many new tokens "
+                          "of each sequence a call with a cache appends");
     return CLMHA_SUCCESS;
 }
 

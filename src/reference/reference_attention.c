@@ -106,6 +106,14 @@ static clmha_status check_arrays(const clmha_attention_args *a, const clmha__att
     return CLMHA_SUCCESS;
 }
 
+// The reference reads host arrays only: a KV cache lives on a device.
+static clmha_status no_cache(const clmha_attention_args *a, char *msg, size_t msg_size) {
+    return a->kv_cache ? clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                                    "kv_cache is set: the reference reads no KV cache (give it "
+                                    "the cached keys and values as key and value)")
+                       : CLMHA_SUCCESS;
+}
+
 clmha_status clmha_reference_attention(const clmha_attention_args *args, double *output,
                                        size_t output_count, double *lse, size_t lse_count,
                                        double *weights, size_t weights_count, char *message,
@@ -115,7 +123,8 @@ clmha_status clmha_reference_attention(const clmha_attention_args *args, double 
     clmha__attention_dims d;
     clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, &a, args, "args", message,
                                        message_size);
-    if (st || (st = clmha__attention_resolve(&a, &d, message, message_size)) ||
+    if (st || (st = no_cache(&a, message, message_size)) ||
+        (st = clmha__attention_resolve(&a, &d, message, message_size)) ||
         (st = check_arrays(&a, &d, output, output_count, lse, lse_count, weights,
                            weights_count, message, message_size)))
         return st;
@@ -211,8 +220,9 @@ clmha_status clmha_reference_attention_backward(const clmha_attention_args *args
     double none;
     clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, &a, args, "args", message,
                                        message_size);
-    if (st || (st = CLMHA__STRUCT_IN(clmha_reference_grads, &g, grads, "grads", message,
-                                     message_size)) ||
+    if (st || (st = no_cache(&a, message, message_size)) ||
+        (st = CLMHA__STRUCT_IN(clmha_reference_grads, &g, grads, "grads", message,
+                               message_size)) ||
         (st = clmha__attention_resolve(&a, &d, message, message_size)) ||
         (st = check_arrays(&a, &d, &none, d.output_count, NULL, 0, NULL, 0, message,
                            message_size)))

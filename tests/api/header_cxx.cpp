@@ -48,6 +48,7 @@ int main() {
         reinterpret_cast<const void *>(&clmha_attention_backward_host),
         reinterpret_cast<const void *>(&clmha_layer_project_heads),
         reinterpret_cast<const void *>(&clmha_kv_cache_create),
+        reinterpret_cast<const void *>(&clmha_kv_cache_create_for),
         reinterpret_cast<const void *>(&clmha_kv_cache_release),
         reinterpret_cast<const void *>(&clmha_kv_cache_reset),
         reinterpret_cast<const void *>(&clmha_kv_cache_truncate),

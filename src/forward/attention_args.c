@@ -1,0 +1,30 @@
+// The arguments of attention as a function: the caller's struct read and checked
+// (clmha__attention_check_args()), and the call as the attention cores take it
+// (clmha__attention_core_args()); shared by the forward (attention.c), its KV-cache form
+// (attention_kv.c) and the backward (src/backward/attention_backward.c).
+#include "forward/attention.h"
+
+#include "base/struct_in.h"
+
+clmha_status clmha__attention_check_args(clmha_context *ctx, const clmha_attention_args *args,
+                                         clmha_attention_args *in, clmha__attention_dims *d,
+                                         bool lse, bool weights) {
+    char msg[512];
+    clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, in, args, "args", msg, sizeof msg);
+    if (!st) st = clmha__attention_resolve(in, d, msg, sizeof msg);
+    if (st) return clmha__fail(ctx, st, "%s", msg);
+    if (lse && weights)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "lse and weights are both asked for: the fused core writes the "
+                           "log-sum-exp rows, only the unfused core returns weights; ask for one");
+    return CLMHA_SUCCESS;
+}
+
+clmha_forward_args clmha__attention_core_args(clmha_layer *l, const clmha_attention_args *a,
+                                              const clmha__attention_dims *d) {
+    l->desc.dropout = a->dropout_p;  // the bare layer's: the cores read the call's p there
+    return (clmha_forward_args){.struct_size = sizeof(clmha_forward_args), .attn_mask = d->attn,
+                                .key_padding_mask = d->kpm, .is_causal = a->is_causal,
+                                .per_head_weights = true, .training = a->dropout_p > 0.0f,
+                                .rng = a->rng, .impl = a->impl};
+}

@@ -1,0 +1,291 @@
+// Attention as a function with a KV cache (clmha_attention_args::kv_cache,
+// clmha_kv_cache_create_for()): a sequence fed through the cache in a prefix chunk and then
+// token by token gives the rows of the one-shot causal call, checked against the float64
+// reference on the whole sequence, in both layouts, through the host and the device forms;
+// ragged appends (kv_append) and the lengths; what the cache form refuses.
+#include <criterion/criterion.h>
+
+#include <clmha.h>
+
+#include "support.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TOLERANCE 1e-4
+
+enum { N = 2, H = 4, HKV = 2, D = 16, T = 13, PREFIX = 5, CAP = 20 };
+
+// Element (n, h, t, c) of a tensor of @p heads heads and @p seq tokens in @p layout.
+static size_t at(clmha_attention_layout layout, size_t heads, size_t seq, size_t n, size_t h,
+                 size_t t, size_t c) {
+    return layout == CLMHA_LAYOUT_NHLD ? ((n * heads + h) * seq + t) * D + c
+                                       : ((n * seq + t) * heads + h) * D + c;
+}
+
+// Tokens [t0, t0 + len) of a (N, heads, T, D) NHLD tensor, in @p layout.
+static float *slice(const float *full, size_t heads, size_t t0, size_t len,
+                    clmha_attention_layout layout) {
+    float *out = alloc_floats(N * heads * len * D);
+    for (size_t n = 0; n < N; ++n)
+        for (size_t h = 0; h < heads; ++h)
+            for (size_t t = 0; t < len; ++t)
+                for (size_t c = 0; c < D; ++c)
+                    out[at(layout, heads, len, n, h, t, c)] =
+                        full[at(CLMHA_LAYOUT_NHLD, heads, T, n, h, t0 + t, c)];
+    return out;
+}
+
+static clmha_tensor tensor(clmha_attention_layout layout, size_t heads, size_t seq,
+                           const float *data) {
+    clmha_tensor t = {.ndim = 4, .data = data};
+    size_t shape[4] = {N, layout == CLMHA_LAYOUT_NHLD ? heads : seq,
+                       layout == CLMHA_LAYOUT_NHLD ? seq : heads, D};
+    memcpy(t.shape, shape, sizeof shape);
+    return t;
+}
+
+// One call through the cache: tokens [t0, t0 + len) of q, k, v; its output checked against
+// rows [t0, t0 + len) of @p want (NHLD, the whole sequence). @p device: the device-buffer form,
+// at an element offset.
+static double step(clmha_context *ctx, clmha_kv_cache *cache, clmha_attention_layout layout,
+                   const float *q, const float *k, const float *v, size_t t0, size_t len,
+                   const double *want, bool device) {
+    float *qs = slice(q, H, t0, len, layout), *ks = slice(k, HKV, t0, len, layout),
+          *vs = slice(v, HKV, t0, len, layout), *out = alloc_floats(N * H * len * D);
+    clmha_attention_args a = {.struct_size = sizeof a, .layout = layout, .is_causal = true,
+                              .enable_gqa = true, .kv_cache = cache,
+                              .query = tensor(layout, H, len, qs),
+                              .key = tensor(layout, HKV, len, ks),
+                              .value = tensor(layout, HKV, len, vs)};
+    size_t nq = N * H * len * D, nk = N * HKV * len * D, pad = 5;
+    if (!device) {
+        cr_assert_eq(clmha_attention_forward_host(ctx, &a, out, nq, NULL, 0, NULL, 0),
+                     CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    } else {
+        cl_context cl = clmha_context_cl_context(ctx);
+        cl_command_queue queue = clmha_context_cl_queue(ctx);
+        cl_int err;
+        size_t counts[3] = {nq, nk, nk};
+        const float *host[3] = {qs, ks, vs};
+        clmha_tensor *t[3] = {&a.query, &a.key, &a.value};
+        cl_mem b[4];
+        for (int i = 0; i < 3; ++i) {
+            b[i] = clCreateBuffer(cl, CL_MEM_READ_WRITE, (counts[i] + pad) * 4, NULL, &err);
+            cr_assert_eq(err, CL_SUCCESS);
+            clEnqueueWriteBuffer(queue, b[i], CL_TRUE, pad * 4, counts[i] * 4, host[i], 0, NULL,
+                                 NULL);
+            t[i]->buffer = b[i], t[i]->offset = pad;
+        }
+        b[3] = clCreateBuffer(cl, CL_MEM_READ_WRITE, (nq + pad) * 4, NULL, &err);
+        cl_event ev = NULL;
+        cr_assert_eq(clmha_attention_forward(ctx, &a, b[3], pad, NULL, 0, NULL, 0, 0, NULL, &ev),
+                     CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+        cr_assert_eq(clWaitForEvents(1, &ev), CL_SUCCESS);
+        clReleaseEvent(ev);
+        clEnqueueReadBuffer(queue, b[3], CL_TRUE, pad * 4, nq * 4, out, 0, NULL, NULL);
+        for (int i = 0; i < 4; ++i) clReleaseMemObject(b[i]);
+    }
+    double worst = 0;
+    for (size_t n = 0; n < N; ++n)
+        for (size_t h = 0; h < H; ++h)
+            for (size_t t = 0; t < len; ++t)
+                for (size_t c = 0; c < D; ++c) {
+                    double e = fabs(out[at(layout, H, len, n, h, t, c)] -
+                                    want[at(CLMHA_LAYOUT_NHLD, H, T, n, h, t0 + t, c)]);
+                    if (!(e <= worst)) worst = e;  // NaN wins
+                }
+    free(qs), free(ks), free(vs), free(out);
+    return worst;
+}
+
+// The one-shot causal output of the whole sequence (NHLD), by the float64 reference.
+static double *one_shot(const float *q, const float *k, const float *v) {
+    clmha_attention_args a = {.struct_size = sizeof a, .is_causal = true, .enable_gqa = true,
+                              .query = tensor(CLMHA_LAYOUT_NHLD, H, T, q),
+                              .key = tensor(CLMHA_LAYOUT_NHLD, HKV, T, k),
+                              .value = tensor(CLMHA_LAYOUT_NHLD, HKV, T, v)};
+    double *want = malloc(N * H * T * D * sizeof *want);
+    char msg[256];
+    cr_assert_eq(clmha_reference_attention(&a, want, N * H * T * D, NULL, 0, NULL, 0, msg,
+                                           sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    return want;
+}
+
+static void decode_matches_one_shot(clmha_attention_layout layout, bool device) {
+    clmha_context *ctx = context_or_skip();
+    prng r = {layout * 10 + device + 1};
+    float *q = normal_floats(&r, N * H * T * D), *k = normal_floats(&r, N * HKV * T * D),
+          *v = normal_floats(&r, N * HKV * T * D);
+    double *want = one_shot(q, k, v);
+    clmha_kv_cache *cache = NULL;
+    cr_assert_eq(clmha_kv_cache_create_for(&cache, ctx, N, HKV, D, CAP), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    double worst = step(ctx, cache, layout, q, k, v, 0, PREFIX, want, device);
+    for (size_t t = PREFIX; t < T; ++t) {
+        double e = step(ctx, cache, layout, q, k, v, t, 1, want, device);
+        if (!(e <= worst)) worst = e;
+    }
+    size_t lengths[N];
+    cr_assert_eq(clmha_kv_cache_lengths(cache, lengths, N), CLMHA_SUCCESS);
+    cr_expect(lengths[0] == T && lengths[1] == T, "lengths %zu, %zu, expected %d", lengths[0],
+              lengths[1], T);
+    printf("sdpa kv %s %s: prefix %d + %d steps, max|err| %.2e\n",
+           layout == CLMHA_LAYOUT_NHLD ? "nhld" : "nlhd", device ? "device" : "host", PREFIX,
+           T - PREFIX, worst);
+    cr_expect_leq(worst, TOLERANCE, "max |output - one-shot reference| %.3g", worst);
+    clmha_kv_cache_release(cache);
+    free(q), free(k), free(v), free(want);
+    clmha_context_release(ctx);
+}
+
+Test(sdpa_kv, nhld_host_decode_matches_one_shot) {
+    decode_matches_one_shot(CLMHA_LAYOUT_NHLD, false);
+}
+
+Test(sdpa_kv, nlhd_host_decode_matches_one_shot) {
+    decode_matches_one_shot(CLMHA_LAYOUT_NLHD, false);
+}
+
+Test(sdpa_kv, nhld_device_decode_matches_one_shot) {
+    decode_matches_one_shot(CLMHA_LAYOUT_NHLD, true);
+}
+
+Test(sdpa_kv, nlhd_device_decode_matches_one_shot) {
+    decode_matches_one_shot(CLMHA_LAYOUT_NLHD, true);
+}
+
+// Ragged: sequence 1 appends 2 of the call's 3 new tokens; without is_causal each query sees
+// every token of its sequence. Sequence 1's queries are checked against the reference on its 2
+// tokens alone.
+Test(sdpa_kv, ragged_append) {
+    clmha_context *ctx = context_or_skip();
+    enum { S3 = 3 };
+    prng r = {77};
+    float *q = normal_floats(&r, N * H * S3 * D), *k = normal_floats(&r, N * HKV * S3 * D),
+          *v = normal_floats(&r, N * HKV * S3 * D), *out = alloc_floats(N * H * S3 * D);
+    clmha_kv_cache *cache = NULL;
+    cr_assert_eq(clmha_kv_cache_create_for(&cache, ctx, N, HKV, D, CAP), CLMHA_SUCCESS);
+    size_t append[N] = {3, 2};
+    clmha_attention_args a = {.struct_size = sizeof a, .enable_gqa = true, .kv_cache = cache,
+                              .kv_append = append,
+                              .query = {.ndim = 4, .shape = {N, H, S3, D}, .data = q},
+                              .key = {.ndim = 4, .shape = {N, HKV, S3, D}, .data = k},
+                              .value = {.ndim = 4, .shape = {N, HKV, S3, D}, .data = v}};
+    cr_assert_eq(clmha_attention_forward_host(ctx, &a, out, N * H * S3 * D, NULL, 0, NULL, 0),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    size_t lengths[N];
+    cr_assert_eq(clmha_kv_cache_lengths(cache, lengths, N), CLMHA_SUCCESS);
+    cr_expect(lengths[0] == 3 && lengths[1] == 2, "lengths %zu, %zu", lengths[0], lengths[1]);
+    // The reference per sequence: batch item n alone, its appended tokens as key and value.
+    for (size_t n = 0; n < N; ++n) {
+        size_t s = append[n];
+        float *kn = alloc_floats(HKV * s * D), *vn = alloc_floats(HKV * s * D);
+        for (size_t h = 0; h < HKV; ++h)
+            for (size_t t = 0; t < s; ++t)
+                for (size_t c = 0; c < D; ++c) {
+                    kn[(h * s + t) * D + c] = k[((n * HKV + h) * S3 + t) * D + c];
+                    vn[(h * s + t) * D + c] = v[((n * HKV + h) * S3 + t) * D + c];
+                }
+        clmha_attention_args one = {.struct_size = sizeof one, .enable_gqa = true,
+                                    .query = {.ndim = 3, .shape = {H, S3, D},
+                                              .data = q + n * H * S3 * D},
+                                    .key = {.ndim = 3, .shape = {HKV, s, D}, .data = kn},
+                                    .value = {.ndim = 3, .shape = {HKV, s, D}, .data = vn}};
+        double want[H * S3 * D];
+        char msg[256];
+        cr_assert_eq(clmha_reference_attention(&one, want, H * S3 * D, NULL, 0, NULL, 0, msg,
+                                               sizeof msg),
+                     CLMHA_SUCCESS, "%s", msg);
+        double e = max_abs_err(out + n * H * S3 * D, want, H * S3 * D);
+        printf("sdpa kv ragged: sequence %zu (%zu tokens) max|err| %.2e\n", n, s, e);
+        cr_expect_leq(e, TOLERANCE, "sequence %zu: max|err| %.3g", n, e);
+        free(kn), free(vn);
+    }
+    clmha_kv_cache_release(cache);
+    free(q), free(k), free(v), free(out);
+    clmha_context_release(ctx);
+}
+
+static void refused(clmha_context *ctx, clmha_status got, clmha_status want, const char *text) {
+    cr_expect_eq(got, want, "%s: %s, expected %s (%s)", text, clmha_status_string(got),
+                 clmha_status_string(want), clmha_context_last_error(ctx));
+    cr_expect(strstr(clmha_context_last_error(ctx), text) != NULL, "message \"%s\" lacks \"%s\"",
+              clmha_context_last_error(ctx), text);
+}
+
+Test(sdpa_kv, refusals) {
+    clmha_context *ctx = context_or_skip();
+    prng r = {5};
+    float *q = normal_floats(&r, N * H * D), *k = normal_floats(&r, N * HKV * D),
+          *v = normal_floats(&r, N * HKV * D), out[N * H * D], lse[N * H];
+    clmha_kv_cache *cache = NULL;
+    cr_assert_eq(clmha_kv_cache_create_for(&cache, ctx, N, HKV, D, 2), CLMHA_SUCCESS);
+    clmha_attention_args a = {.struct_size = sizeof a, .enable_gqa = true, .kv_cache = cache,
+                              .query = {.ndim = 4, .shape = {N, H, 1, D}, .data = q},
+                              .key = {.ndim = 4, .shape = {N, HKV, 1, D}, .data = k},
+                              .value = {.ndim = 4, .shape = {N, HKV, 1, D}, .data = v}};
+    size_t nq = N * H * D, lengths[N];
+    refused(ctx, clmha_attention_forward_host(ctx, &a, out, nq, lse, N * H, NULL, 0),
+            CLMHA_UNSUPPORTED, "takes no the log-sum-exp rows");
+    unsigned char m[N] = {1, 1};
+    a.attn_mask = (clmha_mask){.kind = CLMHA_MASK_BOOL_ATTEND,
+                               .tensor = {.ndim = 4, .shape = {N, 1, 1, 1}, .data = m}};
+    cr_expect_eq(clmha_attention_forward_host(ctx, &a, out, nq, NULL, 0, NULL, 0),
+                 CLMHA_UNSUPPORTED, "a mask with a cache: %s", clmha_context_last_error(ctx));
+    a.attn_mask = (clmha_mask){0};
+    a.dropout_p = 0.5f;
+    cr_expect_eq(clmha_attention_forward_host(ctx, &a, out, nq, NULL, 0, NULL, 0),
+                 CLMHA_UNSUPPORTED, "dropout with a cache: %s", clmha_context_last_error(ctx));
+    a.dropout_p = 0;
+    cr_assert_eq(clmha_kv_cache_lengths(cache, lengths, N), CLMHA_SUCCESS);
+    cr_expect(lengths[0] == 0 && lengths[1] == 0, "a refused call appended");
+    // Capacity 2: two calls fit, the third is refused and changes nothing.
+    for (int i = 0; i < 2; ++i)
+        cr_assert_eq(clmha_attention_forward_host(ctx, &a, out, nq, NULL, 0, NULL, 0),
+                     CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_expect_eq(clmha_attention_forward_host(ctx, &a, out, nq, NULL, 0, NULL, 0),
+                 CLMHA_SHAPE_MISMATCH, "past the capacity: %s", clmha_context_last_error(ctx));
+    cr_assert_eq(clmha_kv_cache_lengths(cache, lengths, N), CLMHA_SUCCESS);
+    cr_expect(lengths[0] == 2 && lengths[1] == 2, "lengths %zu, %zu", lengths[0], lengths[1]);
+    // The backward and the reference take no cache.
+    float g[N * H * D] = {0}, dq[N * H * D];
+    refused(ctx, clmha_attention_backward_host(ctx, &a, g, nq, dq, NULL, NULL, NULL),
+            CLMHA_UNSUPPORTED, "no backward");
+    double want[N * H * D];
+    char msg[256];
+    cr_expect_eq(clmha_reference_attention(&a, want, nq, NULL, 0, NULL, 0, msg, sizeof msg),
+                 CLMHA_UNSUPPORTED);
+    cr_expect(strstr(msg, "reads no KV cache"), "%s", msg);
+    // A cache of other heads; a layer's cache; kv_append without a cache.
+    clmha_kv_cache *other = NULL;
+    cr_assert_eq(clmha_kv_cache_create_for(&other, ctx, N, H, D, 4), CLMHA_SUCCESS);
+    a.kv_cache = other;
+    refused(ctx, clmha_attention_forward_host(ctx, &a, out, nq, NULL, 0, NULL, 0),
+            CLMHA_SHAPE_MISMATCH, "kv_cache holds 4 key/value heads of 16 floats");
+    clmha_kv_cache_release(other);
+    other = NULL;
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = H * D, .num_heads = H};
+    clmha_layer *layer = NULL;
+    clmha_kv_cache *layers = NULL;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
+    cr_assert_eq(clmha_kv_cache_create(&layers, layer, N, 4), CLMHA_SUCCESS);
+    a.kv_cache = layers;
+    refused(ctx, clmha_attention_forward_host(ctx, &a, out, nq, NULL, 0, NULL, 0),
+            CLMHA_INVALID_ARGUMENT, "made for a layer");
+    size_t append[N] = {1, 1};
+    a.kv_cache = NULL, a.kv_append = append;
+    refused(ctx, clmha_attention_forward_host(ctx, &a, out, nq, NULL, 0, NULL, 0),
+            CLMHA_INVALID_ARGUMENT, "kv_append is set but kv_cache is NULL");
+    cr_expect_eq(clmha_kv_cache_create_for(&other, ctx, 0, HKV, D, 4), CLMHA_INVALID_ARGUMENT);
+    cr_expect_null(other);
+    cr_expect_eq(clmha_kv_cache_create_for(&other, ctx, N, 0, D, 4), CLMHA_INVALID_ARGUMENT);
+    clmha_kv_cache_release(layers);
+    clmha_layer_release(layer);
+    clmha_kv_cache_release(cache);
+    free(q), free(k), free(v);
+    clmha_context_release(ctx);
+}
