@@ -434,12 +434,13 @@ class Layer:
         c.impl = {"auto": lib.CLMHA_IMPL_AUTO, "fused": lib.CLMHA_IMPL_FUSED,
                   "unfused": lib.CLMHA_IMPL_UNFUSED}[impl]
         if kv_cache is not None:
-            if not isinstance(kv_cache, KVCache) or kv_cache._layer is not self:
+            # A cache of attention as a function goes on to the C library, which refuses it.
+            if not isinstance(kv_cache, KVCache) or kv_cache._layer not in (self, None):
                 raise ValueError("kv_cache must be a KVCache made by this layer's kv_cache()")
             c.kv_cache = kv_cache._ptr
             args.keep.append(kv_cache)
             if kv_append is not None:
-                counts = ffi.new("size_t[]", [int(n) for n in kv_append])
+                counts = kv_cache._append_counts(kv_append)
                 args.keep.append(counts)
                 c.kv_append = counts
         return args
@@ -900,31 +901,90 @@ class _Keep:
 
 
 class KVCache:
-    """The projected keys and values of earlier tokens (``clmha_kv_cache``), for
-    ``layer.forward(..., kv_cache=cache)``: each call appends its new key/value tokens and
-    attends over everything the cache holds for its sequence. Keeps its layer alive."""
+    """The keys and values of earlier tokens (``clmha_kv_cache``), for incremental decoding:
+    each call appends its new key/value tokens and attends over everything the cache holds for
+    its sequence.
+
+    Two kinds, which refuse each other's calls (``clmha.Error`` with the C library's message):
+    ``layer.kv_cache(batch, capacity)`` (or ``KVCache(layer, batch, capacity)``) holds a layer's
+    projected keys and values, for ``layer.forward(..., kv_cache=cache)``, and keeps its layer
+    alive; ``KVCache.for_attention(batch, kv_heads, head_dim, capacity)`` holds already
+    projected ones, for ``clmha.numpy.scaled_dot_product_attention(..., kv_cache=cache)`` and
+    ``clmha.torch.scaled_dot_product_attention(..., kv_cache=cache)``, and keeps its context
+    alive."""
 
     def __init__(self, layer: Layer, batch: int, capacity: int):
         if not isinstance(layer, Layer):
             raise TypeError("KVCache(layer, batch, capacity) takes a clmha.Layer")
-        for name, v in (("batch", batch), ("capacity", capacity)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, not {v!r}")
+        _check_sizes(("batch", batch), ("capacity", capacity))
         out = ffi.new("clmha_kv_cache **")
         with layer._lock:
             check(lib.clmha_kv_cache_create(out, layer._ptr, batch, capacity),
                   layer._context._ptr)
         self._ptr = ffi.gc(out[0], lib.clmha_kv_cache_release)
         self._layer = layer
+        self._context = layer._context
         self.batch = int(batch)
         self.capacity = int(capacity)
+        self.kv_heads = layer.num_kv_heads
+        self.head_dim = layer.head_dim
+
+    @classmethod
+    def for_attention(cls, batch: int, kv_heads: int, head_dim: int, capacity: int, *,
+                      context: Optional[Context] = None) -> "KVCache":
+        """An empty cache for attention as a function (``clmha_kv_cache_create_for``):
+        ``batch`` sequences N (the product of the leading dimensions of the calls' tensors; 1
+        for 3-D and 2-D ones) of at most ``capacity`` tokens, each ``kv_heads`` key/value heads
+        (H_kv) of ``head_dim`` floats (D), on ``context`` (default
+        ``clmha.default_context()``), where the calls must run. Pass it as ``kv_cache=`` to
+        ``clmha.numpy.scaled_dot_product_attention`` or
+        ``clmha.torch.scaled_dot_product_attention``: their key and value are then the new
+        tokens, (N, H_kv, S_new, D), appended after each sequence's cached ones. A cache is
+        used by one thread at a time."""
+        context = default_context() if context is None else context
+        if not isinstance(context, Context):
+            raise TypeError(f"context must be a clmha.Context, not {type(context).__name__}")
+        _check_sizes(("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                     ("capacity", capacity))
+        out = ffi.new("clmha_kv_cache **")
+        check(lib.clmha_kv_cache_create_for(out, context._ptr, batch, kv_heads, head_dim,
+                                            capacity), context._ptr)
+        self = cls.__new__(cls)
+        self._ptr = ffi.gc(out[0], lib.clmha_kv_cache_release)
+        self._layer = None
+        self._context = context  # released after the cache
+        self.batch = int(batch)
+        self.capacity = int(capacity)
+        self.kv_heads = int(kv_heads)
+        self.head_dim = int(head_dim)
+        return self
+
+    @property
+    def context(self) -> Context:
+        """The context whose calls use the cache (its layer's, for a layer's cache)."""
+        return self._context
+
+    @property
+    def layer(self) -> Optional[Layer]:
+        """The layer the cache was made for; None for attention as a function."""
+        return self._layer
+
+    def _append_counts(self, kv_append):
+        """``kv_append`` as the C array of ``self.batch`` counts (kept alive by the caller)."""
+        counts = [kv_append] if isinstance(kv_append, (int, np.integer)) else list(kv_append)
+        if len(counts) != self.batch:
+            raise ValueError(f"kv_append has {len(counts)} counts; the cache holds "
+                             f"{self.batch} sequences")
+        for x in counts:
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
+                raise ValueError(f"kv_append's counts must be ints >= 0, not {x!r}")
+        return ffi.new("size_t[]", [int(x) for x in counts])
 
     @property
     def lengths(self) -> np.ndarray:
         """The tokens each sequence holds."""
         lengths = ffi.new("size_t[]", self.batch)
-        check(lib.clmha_kv_cache_lengths(self._ptr, lengths, self.batch),
-              self._layer._context._ptr)
+        check(lib.clmha_kv_cache_lengths(self._ptr, lengths, self.batch), self._context._ptr)
         return np.array([int(x) for x in lengths], dtype=np.int64)
 
     def truncate(self, lengths: Union[int, Sequence[int]]) -> None:
@@ -935,16 +995,23 @@ class KVCache:
         if any(x < 0 for x in lengths):
             raise ValueError("lengths must not be negative")
         arr = ffi.new("size_t[]", lengths)
-        check(lib.clmha_kv_cache_truncate(self._ptr, arr, len(lengths)),
-              self._layer._context._ptr)
+        check(lib.clmha_kv_cache_truncate(self._ptr, arr, len(lengths)), self._context._ptr)
 
     def reset(self) -> None:
         """Empties every sequence."""
-        check(lib.clmha_kv_cache_reset(self._ptr), self._layer._context._ptr)
+        check(lib.clmha_kv_cache_reset(self._ptr), self._context._ptr)
 
     def __repr__(self) -> str:
-        return f"clmha.KVCache(batch={self.batch}, capacity={self.capacity}, " \
+        kind = "" if self._layer is not None else \
+            f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
+        return f"clmha.KVCache({kind}batch={self.batch}, capacity={self.capacity}, " \
                f"lengths={self.lengths.tolist()})"
+
+
+def _check_sizes(*pairs) -> None:
+    for name, v in pairs:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, not {v!r}")
 
 
 class Saved:

@@ -53,13 +53,22 @@ class Call:
     arrays of one dtype (float32 or float16); ``attn_mask`` None or a bool (True = may attend)
     or floating NumPy array broadcasting to (..., H, L, S). The other arguments as
     ``scaled_dot_product_attention``'s, plus the dropout's Philox ``seed`` and ``offset``, the
-    core ``impl`` and the ``context``.
+    core ``impl``, the ``context`` (None: the cache's with ``kv_cache``, else the default
+    context) and the KV-cache form's ``kv_cache`` (a ``clmha.KVCache``) and ``kv_append``
+    (per-sequence counts of real new tokens).
     """
 
     def __init__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                  scale=None, enable_gqa=False, *, seed: int = 0, offset: int = 0,
-                 impl: str = "auto", context: Optional[Context] = None):
-        context = default_context() if context is None else context
+                 impl: str = "auto", context: Optional[Context] = None, kv_cache=None,
+                 kv_append=None):
+        from ._layer import KVCache
+
+        if kv_cache is not None and not isinstance(kv_cache, KVCache):
+            raise TypeError(f"kv_cache must be a clmha.KVCache (KVCache.for_attention) or None, "
+                            f"not {type(kv_cache).__name__}")
+        if context is None:
+            context = kv_cache.context if kv_cache is not None else default_context()
         if not isinstance(context, Context):
             raise TypeError(f"context must be a clmha.Context, not {type(context).__name__}")
         if not isinstance(impl, str) or impl not in _IMPLS:
@@ -115,6 +124,16 @@ class Call:
         c.rng.offset = int(offset) & (2**64 - 1)
         c.enable_gqa = bool(enable_gqa)
         c.impl = _IMPLS[impl]
+        self.kv_cache = kv_cache  # kept alive while the call's struct points at it
+        self.kv_append = None
+        if kv_cache is not None:
+            c.kv_cache = kv_cache._ptr
+        if kv_append is not None:
+            # The C function reads N counts: their number is checked here (against the cache's
+            # batch; without a cache the C function refuses kv_append before reading it).
+            self.kv_append = (kv_cache._append_counts(kv_append) if kv_cache is not None
+                              else ffi.new("size_t[1]"))
+            c.kv_append = self.kv_append
         self.c = c
         # The tensors and options first, without the mask: the C library's message for a bad
         # shape or option comes before any of the mask's.

@@ -8,22 +8,26 @@
 ``scaled_dot_product_attention`` has the arguments and semantics of PyTorch's
 ``torch.nn.functional.scaled_dot_product_attention`` (torch 2.5) and computes on clmha's OpenCL
 device (``clmha_attention_forward_host``); ``scaled_dot_product_attention_backward`` gives the
-gradients (``clmha_attention_backward_host``). ``clmha.Layer`` is the whole
-``nn.MultiheadAttention`` layer on NumPy arrays.
+gradients (``clmha_attention_backward_host``). With ``kv_cache=clmha.KVCache.for_attention(...)``
+it decodes incrementally (key and value are the new tokens, appended to the cache).
+``clmha.Layer`` is the whole ``nn.MultiheadAttention`` layer on NumPy arrays.
 """
 
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ._context import Context
+from ._layer import KVCache
 from ._sdpa import Call
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
                                  return_lse: bool = False, seed: int = 0, offset: int = 0,
-                                 impl: str = "auto", context: Optional[Context] = None
+                                 impl: str = "auto", context: Optional[Context] = None,
+                                 kv_cache: Optional[KVCache] = None,
+                                 kv_append: Optional[Sequence[int]] = None
                                  ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
     """softmax(query · keyᵀ · scale + attn_mask) · value on clmha's OpenCL device, as PyTorch's
     ``F.scaled_dot_product_attention`` computes it.
@@ -47,7 +51,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     :param offset: part of the dropout's Philox counter (e.g. one more per call).
     :param impl: the core: "auto" (fused where it runs), "fused" or "unfused" (the backward's
         too: "auto" takes the unfused one for a float mask's gradient).
-    :param context: the ``clmha.Context`` to run on; default ``clmha.default_context()``.
+    :param context: the ``clmha.Context`` to run on; default: ``kv_cache``'s context with a
+        cache, else ``clmha.default_context()``.
+    :param kv_cache: the KV-cache form (incremental decoding, as FlashAttention's
+        ``flash_attn_with_kvcache``): a ``clmha.KVCache.for_attention(N, H_kv, D, capacity)``.
+        key and value are then the new tokens (..., H_kv, S_new, D), appended after each
+        sequence's cached ones, and the queries attend over everything the cache then holds for
+        their sequence; is_causal is bottom-right aligned (new query i of a sequence that held
+        ``len`` tokens sees cache positions 0 .. len + i). Such a call takes no attn_mask,
+        dropout, return_lse or D_v != D (``clmha.Error``) and has no backward.
+    :param kv_append: with kv_cache, N counts (a list; an int when N is 1): how many of each
+        sequence's S_new new tokens (the first ones) are real and appended (ragged batches);
+        None: all of them.
     :returns: the output (..., H, L, D_v), or ``(output, lse)`` with ``return_lse``.
 
     Arrays are float32 (float16 is computed in float32 and returned as float16); other dtypes
@@ -56,7 +71,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     gives NaN). Bad shapes and options raise ``clmha.Error`` with the C library's message.
     """
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                seed=seed, offset=offset, impl=impl, context=context)
+                seed=seed, offset=offset, impl=impl, context=context, kv_cache=kv_cache,
+                kv_append=kv_append)
     return call.forward(lse=bool(return_lse))
 
 

@@ -14,7 +14,7 @@ reproducible), not PyTorch's.
 """
 
 import itertools
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _sdpa
 from ._context import Context
-from ._layer import Layer, Mask
+from ._layer import KVCache, Layer, Mask
 
 def _custom_op_module():
     """clmha._torch_op where torch has torch.library.custom_op (2.4 and later), else None."""
@@ -484,10 +484,12 @@ def _sdpa_mask(t: Optional[Tensor]):
 class _SdpaCall:
     """One scaled_dot_product_attention call's options, handed through autograd.Function."""
 
-    def __init__(self, dropout_p, is_causal, scale, enable_gqa, seed, impl, context):
+    def __init__(self, dropout_p, is_causal, scale, enable_gqa, seed, impl, context,
+                 kv_cache=None, kv_append=None):
         self.options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                             enable_gqa=enable_gqa)
-        self.extra = dict(seed=seed, offset=0, impl=impl, context=context)
+        self.extra = dict(seed=seed, offset=0, impl=impl, context=context, kv_cache=kv_cache,
+                          kv_append=kv_append)
         self.grad_enabled = torch.is_grad_enabled()  # when the call is made, outside apply()
 
     def c_call(self, query, key, value, attn_mask) -> _sdpa.Call:
@@ -530,7 +532,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                                  is_causal: bool = False, scale: Optional[float] = None,
                                  enable_gqa: bool = False, *, impl: str = "auto",
-                                 context: Optional[Context] = None) -> Tensor:
+                                 context: Optional[Context] = None,
+                                 kv_cache: Optional[KVCache] = None,
+                                 kv_append: Optional[Sequence[int]] = None) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` (torch 2.5's signature and
     semantics) computed by clmha on its OpenCL device, with clmha's backward pass as its
     gradient.
@@ -543,7 +547,19 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     scale: None is 1/sqrt(D). enable_gqa: H_kv may divide H (query head h reads key/value head
     h // (H / H_kv)). Keyword-only extras: ``impl`` ("auto", "fused", "unfused": the attention
     core of the forward and of the backward, whose "auto" takes the unfused one for a float
-    mask's gradient) and ``context`` (a ``clmha.Context``; default ``clmha.default_context()``).
+    mask's gradient), ``context`` (a ``clmha.Context``; default ``kv_cache``'s context with a
+    cache, else ``clmha.default_context()``) and the KV-cache form's ``kv_cache`` and
+    ``kv_append``.
+
+    KV cache (incremental decoding, as FlashAttention's ``flash_attn_with_kvcache``): with
+    ``kv_cache=clmha.KVCache.for_attention(N, H_kv, D, capacity)``, key and value are the new
+    tokens (..., H_kv, S_new, D), appended after each sequence's cached ones (``kv_append``: N
+    counts of the new tokens that are real, for ragged batches; None: all), and the queries
+    attend over everything the cache then holds for their sequence. is_causal is bottom-right
+    aligned there (new query i of a sequence that held ``len`` tokens sees cache positions
+    0 .. len + i). Such a call has no backward (an input that requires grad under grad mode
+    raises RuntimeError: detach it or use ``torch.no_grad()``) and takes no attn_mask, dropout
+    or D_v != D (``clmha.Error``).
 
     Gradients flow to query, key, value and a float attn_mask (summed over the dimensions it is
     broadcast along) through ``clmha_attention_backward_host``, which runs the forward pass
@@ -580,9 +596,14 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     dropout_p = _sdpa._number("dropout_p", dropout_p)
     # the dropout's Philox seed, drawn from torch's generator per call (as the module's)
     seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
-    call = _SdpaCall(dropout_p, bool(is_causal), scale, bool(enable_gqa), seed, impl, context)
+    call = _SdpaCall(dropout_p, bool(is_causal), scale, bool(enable_gqa), seed, impl, context,
+                     kv_cache, kv_append)
     grad = call.grad_enabled and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask))
+    if grad and kv_cache is not None:
+        raise RuntimeError("scaled_dot_product_attention with kv_cache has no backward pass, "
+                           "but an input requires grad: detach the inputs or call it under "
+                           "torch.no_grad()")
     if not grad:
         out = call.c_call(query, key, value, attn_mask).forward()
         return torch.from_numpy(out).to(query.dtype)

@@ -449,10 +449,11 @@ def test_dtype_errors(ctx):
 def test_signature_is_torchs():
     names = list(inspect.signature(ct.scaled_dot_product_attention).parameters)
     assert names == ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                     "enable_gqa", "impl", "context"]
+                     "enable_gqa", "impl", "context", "kv_cache", "kv_append"]
     params = inspect.signature(ct.scaled_dot_product_attention).parameters
     assert [params[n].default for n in names[3:8]] == [None, 0.0, False, None, False]
-    assert params["context"].kind == inspect.Parameter.KEYWORD_ONLY
+    for n in names[8:]:
+        assert params[n].kind == inspect.Parameter.KEYWORD_ONLY
     torch_sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention", None)
     if torch_sdpa is not None:
         try:
