@@ -38,7 +38,7 @@ tests/cli/sdpa_cases.inc) hold already projected heads instead of a layer:
     attn_mask.npy           optional: bool (True = may attend, SDPA's polarity) or float32
                             (added to the scores), in a shape SDPA broadcasts to (N, H, L, S)
     args                    one line: the extra flags (--layout nlhd --is-causal --enable-gqa
-                            --scale S), may be empty
+                            --scale S --kv-cache-prefix P), may be empty
     expected_output.npy     float64
     expected_lse.npy        float64, only for cases run with --lse-output: the log-sum-exp of
                             every score row, (N, H, L)
@@ -53,7 +53,10 @@ unless the case sets one, a bool mask as masked_fill(~mask, -inf), is_causal as 
 tril(ones(L, S)) mask, grouped-query attention as repeat_interleave of the key/value heads by
 H / H_kv, the log-sum-exp as torch.logsumexp of the masked scores; gradients by torch.autograd
 on the same float64 computation (a float mask's gradient summed over its broadcast dimensions by
-autograd). Masks are drawn so that no query row is fully masked.
+autograd). Masks are drawn so that no query row is fully masked. A case with kv_prefix P passes
+--kv-cache-prefix P only in `args` (incremental decoding through a KV cache: a call for tokens
+[0, P), then one per token); its expected output stays the one-shot call's, which the decoded
+causal output equals.
 
 Expected values: nn.MultiheadAttention in float64 (eval mode, so dropout is inactive) on
 exactly the float32 inputs and on the parameters the layer file holds as clmha reads them: F16
@@ -575,7 +578,8 @@ def generate(c, out_dir, given_root=None):
 
 def SC(name, **kw):
     d = dict(name=name, N=2, H=2, Hkv=None, L=5, S=None, D=8, Dv=None, layout="nhld", mask=None,
-             mask_shape=None, causal=False, scale=None, lse=False, weights=False, grads=False)
+             mask_shape=None, causal=False, scale=None, lse=False, weights=False, grads=False,
+             kv_prefix=None)
     for k in kw:
         if k not in d:
             raise KeyError(k)
@@ -586,6 +590,9 @@ def SC(name, **kw):
     assert name.startswith("sdpa_") and d["H"] % d["Hkv"] == 0
     assert not (d["lse"] and d["weights"]) and not (d["causal"] and d["mask"])
     assert (d["mask"] is None) == (d["mask_shape"] is None)
+    assert d["kv_prefix"] is None or (  # what `clmha sdpa --kv-cache-prefix` takes
+        1 <= d["kv_prefix"] <= d["S"] == d["L"] and d["Dv"] == d["D"] and not (
+            d["mask"] or d["lse"] or d["weights"] or d["grads"]))
     return d
 
 
@@ -602,6 +609,7 @@ SDPA_CASES = [
        mask_shape="N11S", lse=True, grads=True),
     SC("sdpa_value_width_differs", layout="nlhd", H=4, Hkv=2, L=4, S=6, D=12, Dv=6,
        causal=True, lse=True, grads=True),
+    SC("sdpa_kv_cache_decode", layout="nlhd", H=4, Hkv=2, L=9, D=8, causal=True, kv_prefix=4),
 ]
 
 
@@ -728,6 +736,8 @@ def sdpa_generate(c, out_dir, given_root=None):
         flags.append("--enable-gqa")
     if c["scale"] is not None:
         flags += ["--scale", repr(c["scale"])]
+    if c["kv_prefix"] is not None:
+        flags += ["--kv-cache-prefix", str(c["kv_prefix"])]
     with open(os.path.join(d, "args"), "w") as f:
         f.write(" ".join(flags) + "\n")
 

@@ -1,6 +1,9 @@
 // `clmha sdpa`: scaled dot-product attention (PyTorch's F.scaled_dot_product_attention) on .npy
 // arrays, through the public attention-as-a-function calls (clmha_attention_output_counts,
-// clmha_attention_forward_host, clmha_attention_backward_host); .npy outputs.
+// clmha_attention_forward_host, clmha_attention_backward_host); .npy outputs. With
+// --kv-cache-prefix, incremental decoding: the sequence goes through a KV cache
+// (clmha_kv_cache_create_for, clmha_attention_args::kv_cache) in a prefix call and then one call
+// per token, whose outputs are put together.
 #define _POSIX_C_SOURCE 200809L
 
 #include "cli.h"
@@ -76,6 +79,22 @@ static const char *const usage_sdpa[] = {
     "                            are left alone. --grad-output and --grads-dir go together.\n"
     "                            Fully masked query rows get zero gradients.\n"
     "\n"
+    "incremental decoding (FlashAttention's flash_attn_with_kvcache):\n"
+    "  --kv-cache-prefix P       run the attention as decoding through a KV cache made for\n"
+    "                            the call (clmha_kv_cache_create_for, capacity S): query, key\n"
+    "                            and value hold one whole sequence per batch item (L = S);\n"
+    "                            tokens [0, P) go in one call, then each later token t in a\n"
+    "                            call of its own (query row t, key/value token t appended to\n"
+    "                            the cache). --output gets their outputs put together, in the\n"
+    "                            one-shot call's shape. is_causal is bottom-right aligned\n"
+    "                            there, so with --is-causal the output is the one-shot causal\n"
+    "                            call's; without it the prefix's queries see the whole prefix\n"
+    "                            and token t's query tokens 0..t. 1 <= P <= S, D_v = D. Every\n"
+    "                            call runs the decode core: not with --attn-mask,\n"
+    "                            --dropout-p, --lse-output, --weights-output, --grad-output\n"
+    "                            or --impl fused|unfused. The summary on stdout (without\n"
+    "                            --output) counts the calls\n"
+    "\n"
     "  Files are written only after the forward (and backward) pass succeeded, each whole or\n"
     "  not at all, and all of them or none: a failed run leaves every file as it was. An\n"
     "  output may be a new file or an existing regular file (not a folder, FIFO, device or\n"
@@ -114,7 +133,9 @@ typedef struct sdpa_opts {
     sdpa_input in[IN_COUNT];
     const char *output_path, *lse_path, *weights_path, *grads_dir, *device;
     const char *scale_opt, *layout_opt, *impl_opt, *dropout_opt, *seed_opt, *offset_opt;
+    const char *kv_prefix_opt;  // --kv-cache-prefix
     bool is_causal, enable_gqa;
+    uint64_t kv_prefix;         // P; 0: one call
     double scale;  // 0: 1/sqrt(D)
     float dropout_p;
     clmha_attention_layout layout;
@@ -133,6 +154,7 @@ typedef struct sdpa_state {
     size_t y_ndim, y_shape[4], lse_ndim, lse_shape[4], w_ndim, w_shape[4];
     float *y, *lse, *w;
     clmha__cli_grads grads;  // query, key, value, attn_mask (float masks)
+    size_t calls;            // forward calls that ran
 } sdpa_state;
 
 // ---- the command line --------------------------------------------------------------------------
@@ -158,6 +180,7 @@ static bool parse_command_line(int argc, char **argv, sdpa_opts *o, int *rc) {
         {.name = "--grad-output", .value = &o->in[IN_GRAD_OUT].path},
         {.name = "--grads-dir", .value = &o->grads_dir},
         {.name = "--impl", .value = &o->impl_opt},
+        {.name = "--kv-cache-prefix", .value = &o->kv_prefix_opt},
         {.name = "--device", .value = &o->device, .allow_empty = true},
     };
     char usage[8192] = "";
@@ -235,6 +258,41 @@ static bool options_agree(const sdpa_opts *o) {
     return !why;
 }
 
+// --kv-cache-prefix P (at least 1), refused with the options that calls through a KV cache do
+// not take. Reports a usage error.
+static bool kv_options_agree(sdpa_opts *o) {
+    if (!o->kv_prefix_opt) return true;
+    if (!clmha__cli_parse_u64("sdpa", "--kv-cache-prefix", o->kv_prefix_opt, &o->kv_prefix))
+        return false;
+    if (o->kv_prefix == 0) {
+        clmha__cli_report("sdpa", "--kv-cache-prefix '%s': expected at least 1 (the tokens of "
+                          "the first call)", o->kv_prefix_opt);
+        return false;
+    }
+    const struct {
+        bool given;
+        const char *flag, *why;
+    } refused[] = {
+        {o->in[IN_ATTN].path != NULL, "--attn-mask",
+         "calls through a KV cache take no mask (only --is-causal)"},
+        {o->dropout_opt != NULL, "--dropout-p", "calls through a KV cache take no dropout"},
+        {o->lse_path != NULL, "--lse-output", "the decode core writes no log-sum-exp rows"},
+        {o->weights_path != NULL, "--weights-output", "the decode core returns no weights"},
+        {o->in[IN_GRAD_OUT].path != NULL, "--grad-output",
+         "calls through a KV cache have no backward pass"},
+        {o->impl != CLMHA_IMPL_AUTO,
+         o->impl == CLMHA_IMPL_FUSED ? "--impl fused" : "--impl unfused",
+         "the decode core runs every call through a KV cache (leave --impl out)"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; ++i)
+        if (refused[i].given) {
+            clmha__cli_report("sdpa", "--kv-cache-prefix and %s do not go together: %s",
+                              refused[i].flag, refused[i].why);
+            return false;
+        }
+    return true;
+}
+
 // Everything about the options that needs no file. Reports a usage error.
 static bool check_options(sdpa_opts *o) {
     for (int i = 0; i < IN_COUNT; ++i)
@@ -255,7 +313,7 @@ static bool check_options(sdpa_opts *o) {
     }
     return clmha__cli_parse_impl("sdpa", o->impl_opt, o->weights_path != NULL,
                                  "--weights-output", &o->impl) &&
-           parse_numbers(o) && options_agree(o);
+           parse_numbers(o) && options_agree(o) && kv_options_agree(o);
 }
 
 // ---- the files ---------------------------------------------------------------------------------
@@ -300,6 +358,31 @@ static bool read_files(sdpa_opts *o) {
     return true;
 }
 
+// The axis of the tokens of a 3-D or 4-D query, key, value or output in @p layout.
+static size_t seq_axis(size_t ndim, clmha_attention_layout layout) {
+    return ndim - (layout == CLMHA_LAYOUT_NLHD ? 3 : 2);
+}
+
+// --kv-cache-prefix P on the files: one whole sequence per batch item (L = S), and P <= S.
+// Reports a usage error.
+static bool kv_shapes_fit(const sdpa_opts *o) {
+    const sdpa_input *q = &o->in[IN_QUERY], *k = &o->in[IN_KEY];
+    size_t l = q->a.shape[seq_axis(q->a.ndim, o->layout)];
+    size_t s = k->a.shape[seq_axis(k->a.ndim, o->layout)];
+    if (l != s) {
+        clmha__cli_report("sdpa", "--kv-cache-prefix decodes one whole sequence per batch item, "
+                          "but --query %s holds L = %zu tokens and --key %s S = %zu (L must "
+                          "equal S)", q->path, l, k->path, s);
+        return false;
+    }
+    if (o->kv_prefix > s) {
+        clmha__cli_report("sdpa", "--kv-cache-prefix %s: more than the S = %zu tokens of --key "
+                          "%s (1 <= P <= S)", o->kv_prefix_opt, s, k->path);
+        return false;
+    }
+    return true;
+}
+
 // ---- the call ----------------------------------------------------------------------------------
 
 static clmha_tensor tensor_of(const clmha__npy *a) {
@@ -332,6 +415,12 @@ static bool build_args(const sdpa_opts *o, sdpa_state *s) {
         const sdpa_input *culprit = input_culprit(why, o);
         clmha__cli_report("sdpa", "%s %s: %s%s", culprit->flag, culprit->path, why,
                           strstr(why, "set enable_gqa") ? " (--enable-gqa)" : "");
+        return false;
+    }
+    size_t d = a->key.shape[a->key.ndim - 1], dv = a->value.shape[a->value.ndim - 1];
+    if (o->kv_prefix && dv != d) {
+        clmha__cli_report("sdpa", "--value %s: D_v = %zu, the key's D = %zu; calls through a KV "
+                          "cache (--kv-cache-prefix) take D_v = D", in[IN_VALUE].path, dv, d);
         return false;
     }
     if (in[IN_ATTN].path) {
@@ -421,7 +510,91 @@ static bool call_failed(const sdpa_state *s, const char *what, clmha_status st) 
     return false;
 }
 
-// The forward call, then the backward pass.
+// ---- incremental decoding (--kv-cache-prefix) ---------------------------------------------------
+
+// A query, key, value or output as (outer, seq, inner) floats: (N·H, L, D) in nhld, (N, L, H·D)
+// in nlhd.
+typedef struct token_rows {
+    size_t outer, seq, inner;
+} token_rows;
+
+static token_rows rows_of(const clmha_tensor *t, clmha_attention_layout layout) {
+    size_t axis = seq_axis(t->ndim, layout);
+    token_rows r = {1, t->shape[axis], 1};
+    for (size_t i = 0; i < axis; ++i) r.outer *= t->shape[i];
+    for (size_t i = axis + 1; i < t->ndim; ++i) r.inner *= t->shape[i];
+    return r;
+}
+
+// Tokens [t0, t0 + len) of a whole tensor (rows @p r) to a part (outer, len, inner); with
+// @p scatter, from the part into the whole tensor.
+static void copy_tokens(const float *from, float *to, token_rows r, size_t t0, size_t len,
+                        bool scatter) {
+    size_t n = len * r.inner;
+    for (size_t i = 0; i < r.outer; ++i) {
+        size_t whole = (i * r.seq + t0) * r.inner, part = i * n;
+        memcpy(to + (scatter ? whole : part), from + (scatter ? part : whole), n * sizeof *to);
+    }
+}
+
+// One call through @p cache: tokens [t0, t0 + len) of the query, key and value (copied to
+// @p part[0..2], rows @p r[0..2]), its output (@p part[3], rows @p r[3]) into s->y.
+static bool decode_call(const sdpa_opts *o, sdpa_state *s, clmha_kv_cache *cache,
+                        const token_rows *r, float *const *part, size_t t0, size_t len) {
+    clmha_attention_args call = s->args;
+    clmha_tensor *t[3] = {&call.query, &call.key, &call.value};
+    for (int i = 0; i < 3; ++i) {
+        copy_tokens(t[i]->data, part[i], r[i], t0, len, false);
+        t[i]->shape[seq_axis(t[i]->ndim, o->layout)] = len;
+        t[i]->data = part[i];
+    }
+    call.kv_cache = cache;
+    clmha_status st = clmha_attention_forward_host(s->ctx, &call, part[3],
+                                                   r[3].outer * len * r[3].inner, NULL, 0, NULL,
+                                                   0);
+    if (st != CLMHA_SUCCESS) {
+        char what[128];
+        snprintf(what, sizeof what, "forward call %zu through the KV cache (tokens %zu to %zu)",
+                 s->calls + 1, t0, t0 + len - 1);
+        return call_failed(s, what, st);
+    }
+    copy_tokens(part[3], s->y, r[3], t0, len, true);
+    ++s->calls;
+    return true;
+}
+
+// --kv-cache-prefix P: a cache for the call's batch items, key/value heads and D, of capacity
+// S; tokens [0, P) in one call, then one call per token; their outputs' rows into s->y.
+static bool decode(const sdpa_opts *o, sdpa_state *s) {
+    const clmha_attention_args *a = &s->args;
+    size_t nd = a->key.ndim, batch = nd == 4 ? a->key.shape[0] : 1;
+    size_t kv_heads = a->key.shape[nd - (o->layout == CLMHA_LAYOUT_NLHD ? 2 : 3)];
+    // The output's rows are the query's (D_v = D).
+    token_rows r[4] = {rows_of(&a->query, o->layout), rows_of(&a->key, o->layout),
+                       rows_of(&a->value, o->layout), rows_of(&a->query, o->layout)};
+    size_t p = (size_t)o->kv_prefix, total = r[0].seq;
+    float *part[4] = {NULL};
+    bool ok = true;
+    for (int i = 0; ok && i < 4; ++i) {  // (at most the whole tensor's count: no overflow)
+        size_t count = r[i].outer * p * r[i].inner;
+        ok = (part[i] = calloc(count ? count : 1, sizeof *part[i])) != NULL;
+    }
+    if (!ok) clmha__cli_report("sdpa", "out of host memory for the KV cache's calls");
+    clmha_kv_cache *cache = NULL;
+    clmha_status st = ok ? clmha_kv_cache_create_for(&cache, s->ctx, batch, kv_heads,
+                                                     a->key.shape[nd - 1], total)
+                         : CLMHA_SUCCESS;
+    if (st != CLMHA_SUCCESS) ok = call_failed(s, "making the KV cache", st);
+    for (size_t t0 = 0, len = p; ok && t0 < total; t0 += len, len = 1)
+        ok = decode_call(o, s, cache, r, part, t0, len);
+    clmha_kv_cache_release(cache);
+    for (int i = 0; i < 4; ++i) free(part[i]);
+    return ok;
+}
+
+// ---- the forward and backward calls ------------------------------------------------------------
+
+// The forward call (or the calls through a KV cache), then the backward pass.
 static bool compute(const sdpa_opts *o, sdpa_state *s) {
     // (calloc checks the products of counts and sizes.)
     size_t lse_count = o->lse_path ? s->lse_count : 0, w_count = o->weights_path ? s->w_count : 0;
@@ -436,9 +609,11 @@ static bool compute(const sdpa_opts *o, sdpa_state *s) {
         clmha__cli_report("sdpa", "out of host memory for the results");
         return false;
     }
+    if (o->kv_prefix) return decode(o, s);
     clmha_status st = clmha_attention_forward_host(s->ctx, &s->args, s->y, s->y_count, s->lse,
                                                    lse_count, s->w, w_count);
     if (st != CLMHA_SUCCESS) return call_failed(s, "forward pass", st);
+    s->calls = 1;
     if (!o->grads_dir) return true;
     const clmha__cli_grad_file *f = s->grads.file;
     st = clmha_attention_backward_host(s->ctx, &s->args, o->in[IN_GRAD_OUT].a.f32, s->y_count,
@@ -481,6 +656,13 @@ static void report_results(const sdpa_opts *o, const sdpa_state *s) {
     for (size_t i = 0; i < shown; ++i) printf(" %.6g", s->y[i]);
     printf("%s (%zu value%s)\n", shown < s->y_count ? " ..." : "", s->y_count,
            s->y_count == 1 ? "" : "s");
+    size_t steps = s->calls - 1;
+    if (o->kv_prefix)
+        printf("calls:   %zu through a KV cache (a prefix of %zu token%s, then %zu single-token "
+               "step%s)\n", s->calls, (size_t)o->kv_prefix, o->kv_prefix == 1 ? "" : "s", steps,
+               steps == 1 ? "" : "s");
+    else
+        printf("calls:   1\n");
 }
 
 int clmha__cli_sdpa(int argc, char **argv) {
@@ -496,9 +678,12 @@ int clmha__cli_sdpa(int argc, char **argv) {
     if (!check_options(&o)) return EXIT_USAGE;
     sdpa_state s = {0};
     rc = EXIT_REFUSED;
-    if (!read_files(&o) || !(s.ctx = clmha__cli_open_context("sdpa", o.device)) ||
-        !build_args(&o, &s))
+    if (!read_files(&o)) goto done;
+    if (o.kv_prefix && !kv_shapes_fit(&o)) {
+        rc = EXIT_USAGE;
         goto done;
+    }
+    if (!(s.ctx = clmha__cli_open_context("sdpa", o.device)) || !build_args(&o, &s)) goto done;
     plan_shapes(&o, &s);
     if ((o.grads_dir && !plan_grads(&o, &s, &rc)) || !compute(&o, &s) || !write_files(&o, &s))
         goto done;

@@ -2286,7 +2286,9 @@ static void sdpa_check_run(const char *dir, const char *what, const char *const 
 // Every case through `clmha sdpa` (the inputs present, the flags of `args`, --lse-output and
 // --weights-output where the case has their expected files, the gradients where it has
 // grad_output.npy), then again with the other forward core (--impl unfused, or fused for a
-// case with weights; no log-sum-exp, which only the fused core writes).
+// case with weights; no log-sum-exp, which only the fused core writes). A case decoded through
+// a KV cache (--kv-cache-prefix P in `args`, whose expected output is the one-shot call's) runs
+// again as one call, without --kv-cache-prefix (the decode core takes no --impl).
 ParameterizedTest(struct cli_param *param, cli_sdpa, cases) {
     const char *name = param->name;
     SKIP_WITHOUT_DEVICE();
@@ -2315,8 +2317,10 @@ ParameterizedTest(struct cli_param *param, cli_sdpa, cases) {
     bool lse = file_exists(lse_path), weights = file_exists(w_path);
     char *extra = read_file(args_path, NULL);
     cr_assert_not_null(extra, "%s: no args file", name);
+    size_t kv_at = 0;  // where --kv-cache-prefix P is in argv, if it is
     for (char *tok = strtok(extra, " \t\r\n"); tok; tok = strtok(NULL, " \t\r\n")) {
         cr_assert_lt(argc, CLI_MAX_ARGS - 12, "%s: too many arguments", name);
+        if (strcmp(tok, "--kv-cache-prefix") == 0) kv_at = argc;
         argv[argc++] = tok;
     }
     char grads_dir[CLI_PATH_SIZE];
@@ -2336,8 +2340,12 @@ ParameterizedTest(struct cli_param *param, cli_sdpa, cases) {
     sdpa_check_run(dir, name, argv, &out, lse, weights, grads ? grads_dir : NULL);
 
     const char *other = weights ? "fused" : "unfused";
-    char what[CLI_MAX_NAME + 32];
-    snprintf(what, sizeof what, "%s --impl %s", name, other);
+    char what[CLI_MAX_NAME + 48];
+    snprintf(what, sizeof what, "%s%s --impl %s", name, kv_at ? " in one call" : "", other);
+    if (kv_at) {  // without --kv-cache-prefix P
+        memmove(&argv[kv_at], &argv[kv_at + 2], (common - kv_at - 2) * sizeof *argv);
+        common -= 2;
+    }
     argc = common;
     argv[argc++] = "--impl";
     argv[argc++] = other;
@@ -2614,5 +2622,130 @@ Test(cli_sdpa, files_all_or_none) {
         clmha__npy_free(&a);
     }
     tmpdir_remove(sub);
+    tmp_remove(&d);
+}
+
+// --kv-cache-prefix with what calls through a KV cache do not take, P outside [1, S], L != S:
+// exit 2, one line naming them, no file written (before any device is opened).
+Test(cli_sdpa, kv_cache_usage_errors) {
+    tmp_dir d = make_sdpa_inputs();  // q.npy: L = 5; k.npy, v.npy: S = 6
+    char q[CLI_PATH_SIZE], k[CLI_PATH_SIZE], v[CLI_PATH_SIZE], g[CLI_PATH_SIZE],
+        o[CLI_PATH_SIZE], q6[CLI_PATH_SIZE];  // (tmp_file's buffers rotate)
+    snprintf(q, sizeof q, "%s", tmp_file(&d, "q.npy"));
+    snprintf(k, sizeof k, "%s", tmp_file(&d, "k.npy"));
+    snprintf(v, sizeof v, "%s", tmp_file(&d, "v.npy"));
+    snprintf(g, sizeof g, "%s", tmp_file(&d, "g.npy"));
+    snprintf(o, sizeof o, "%s", tmp_file(&d, "o.npy"));
+    snprintf(q6, sizeof q6, "%s", tmp_file(&d, "q6.npy"));
+    write_f32_shape(q6, 2, 4, 6, 8);
+    SDPA_EXPECT(2, &d, 5, "--kv-cache-prefix and --attn-mask do not go together",
+                "only --is-causal", "--query", q6, "--key", k, "--value", v, "--enable-gqa",
+                "--kv-cache-prefix", "2", "--attn-mask", g, "--output", o);
+    SDPA_EXPECT(2, &d, 5, "--kv-cache-prefix and --dropout-p do not go together", "no dropout",
+                "--query", q6, "--key", k, "--value", v, "--kv-cache-prefix", "2", "--dropout-p",
+                "0.1", "--output", o);
+    SDPA_EXPECT(2, &d, 5, "--kv-cache-prefix and --lse-output do not go together",
+                "no log-sum-exp", "--query", q6, "--key", k, "--value", v, "--kv-cache-prefix",
+                "2", "--lse-output", o);
+    SDPA_EXPECT(2, &d, 5, "--kv-cache-prefix and --weights-output do not go together",
+                "no weights", "--query", q6, "--key", k, "--value", v, "--kv-cache-prefix", "2",
+                "--weights-output", o);
+    SDPA_EXPECT(2, &d, 5, "--kv-cache-prefix and --grad-output do not go together",
+                "no backward pass", "--query", q6, "--key", k, "--value", v, "--kv-cache-prefix",
+                "2", "--grad-output", g, "--grads-dir", d.path, "--output", o);
+    SDPA_EXPECT(2, &d, 5, "--kv-cache-prefix and --impl unfused do not go together",
+                "leave --impl out", "--query", q6, "--key", k, "--value", v,
+                "--kv-cache-prefix", "2", "--impl", "unfused", "--output", o);
+    SDPA_EXPECT(2, &d, 5, "--kv-cache-prefix '0'", "at least 1", "--query", q6, "--key", k,
+                "--value", v, "--kv-cache-prefix", "0", "--output", o);
+    SDPA_EXPECT(2, &d, 5, "--kv-cache-prefix 'two'", NULL, "--query", q6, "--key", k, "--value",
+                v, "--kv-cache-prefix", "two", "--output", o);
+    SDPA_EXPECT(2, &d, 5, "--kv-cache-prefix decodes one whole sequence per batch item",
+                "q.npy holds L = 5 tokens and --key", "--query", q, "--key", k, "--value", v,
+                "--enable-gqa", "--kv-cache-prefix", "2", "--output", o);
+    SDPA_EXPECT(2, &d, 5, "--kv-cache-prefix 7: more than the S = 6 tokens of --key", "k.npy",
+                "--query", q6, "--key", k, "--value", v, "--enable-gqa", "--kv-cache-prefix",
+                "7", "--output", o);
+    tmp_remove(&d);
+}
+
+// A float32 .npy file of @p ndim dimensions @p shape, values drawn from @p seed.
+static void write_f32_seeded(const char *path, uint32_t seed, size_t ndim, const size_t *shape) {
+    size_t count = 1;
+    for (size_t i = 0; i < ndim; ++i) count *= shape[i];
+    float *x = malloc(count * sizeof *x);
+    cr_assert(x != NULL);
+    for (size_t i = 0; i < count; ++i) x[i] = pseudo(&seed);
+    write_npy_raw(path, "<f4", ndim, shape, x, count * sizeof *x);
+    free(x);
+}
+
+// `clmha sdpa` on inputs @p in[0..2] with --enable-gqa, --is-causal when @p causal, and
+// --kv-cache-prefix @p prefix (NULL: none), into @p out; exit status 0.
+static void sdpa_run_into(char in[][CLI_PATH_SIZE], bool causal, const char *prefix,
+                          const char *out) {
+    const char *argv[16] = {"sdpa", "--query", in[0], "--key", in[1], "--value", in[2],
+                            "--enable-gqa", "--output", out};
+    size_t argc = 10;
+    if (causal) argv[argc++] = "--is-causal";
+    if (prefix) argv[argc++] = "--kv-cache-prefix", argv[argc++] = prefix;
+    argv[argc] = NULL;
+    cli_result r = cli_run_argv(argv);
+    cr_assert_eq(r.status, 0, "--kv-cache-prefix %s: exit status %d; stderr: %s",
+                 prefix ? prefix : "(none)", r.status, r.err);
+    cli_free(&r);
+}
+
+// --kv-cache-prefix P with --is-causal: the output put together from the calls through the
+// cache equals the one-shot causal run's within 1e-5 (P 1, 4 and 9 of 9 tokens, nhld, GQA 4/2;
+// unbatched, P 3); without --is-causal and P = S (one call, every query sees every token), the
+// one-shot run's without it. The summary counts the calls; a value with D_v != D is refused
+// (exit 1).
+Test(cli_sdpa, kv_cache_decode_equals_one_shot) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = tmp_make();
+    char in[6][CLI_PATH_SIZE], one[CLI_PATH_SIZE], dec[CLI_PATH_SIZE];
+    const char *names[6] = {"q.npy", "k.npy", "v.npy", "q3.npy", "k3.npy", "v3.npy"};
+    const size_t shapes[6][4] = {{2, 4, 9, 8}, {2, 2, 9, 8}, {2, 2, 9, 8},
+                                 {4, 9, 8},    {2, 9, 8},    {2, 9, 8}};
+    for (int i = 0; i < 6; ++i) {
+        snprintf(in[i], sizeof in[i], "%s", tmp_file(&d, names[i]));
+        write_f32_seeded(in[i], 17u * (uint32_t)i + 3u, i < 3 ? 4 : 3, shapes[i]);
+    }
+    snprintf(one, sizeof one, "%s", tmp_file(&d, "one.npy"));
+    snprintf(dec, sizeof dec, "%s", tmp_file(&d, "dec.npy"));
+    const struct {
+        int first;  // in[first..first + 2]
+        const char *prefix;
+        bool causal;
+    } runs[] = {{0, "1", true}, {0, "4", true}, {0, "9", true}, {3, "3", true}, {0, "9", false}};
+    double worst = 0;
+    for (size_t i = 0; i < sizeof runs / sizeof runs[0]; ++i) {
+        sdpa_run_into(in + runs[i].first, runs[i].causal, NULL, one);
+        sdpa_run_into(in + runs[i].first, runs[i].causal, runs[i].prefix, dec);
+        clmha__npy got = {0}, want = {0};
+        read_npy(dec, &got);
+        read_npy(one, &want);
+        double e = npy_max_abs_diff(&got, &want, "decoded output", runs[i].prefix);
+        cr_expect_leq(e, SDPA_TOL, "%s --kv-cache-prefix %s%s: max |decoded - one-shot| %.3e",
+                      names[runs[i].first], runs[i].prefix,
+                      runs[i].causal ? " --is-causal" : "", e);
+        if (!(e <= worst)) worst = e;
+        clmha__npy_free(&got);
+        clmha__npy_free(&want);
+    }
+    fprintf(stderr, "cli_sdpa kv_cache_decode_equals_one_shot runs=%zu out_maxabs=%.3e\n",
+            sizeof runs / sizeof runs[0], worst);
+    cli_result r = cli_run("sdpa", "--query", in[0], "--key", in[1], "--value", in[2],
+                           "--enable-gqa", "--is-causal", "--kv-cache-prefix", "4");
+    cr_assert_eq(r.status, 0, "exit status %d; stderr: %s", r.status, r.err);
+    cr_expect(strstr(r.out, "output:  (2, 4, 9, 8):") != NULL, "stdout: %s", r.out);
+    cr_expect(strstr(r.out, "calls:   6 through a KV cache (a prefix of 4 tokens, then 5 "
+                            "single-token steps)") != NULL, "stdout: %s", r.out);
+    cli_free(&r);
+    write_f32_shape(tmp_file(&d, "v6.npy"), 2, 2, 9, 6);
+    SDPA_EXPECT(1, &d, 9, "--value", "v6.npy: D_v = 6, the key's D = 8", "--query", in[0],
+                "--key", in[1], "--value", tmp_file(&d, "v6.npy"), "--enable-gqa",
+                "--kv-cache-prefix", "4", "--output", tmp_file(&d, "o.npy"));
     tmp_remove(&d);
 }
