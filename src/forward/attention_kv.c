@@ -19,12 +19,12 @@ typedef clmha__arg arg;
 // from the dispatch.
 static clmha_status refuse(clmha_layer *l, const clmha__attention_dims *d,
                            const clmha__attention_out *o) {
-    const char *why = o->lse       ? "the log-sum-exp rows"
-                      : o->weights ? "the attention weights"
-                      : d->dv != d->core.d ? "a value head dimension D_v other than D"
+    const char *why = o->lse       ? "log-sum-exp rows"
+                      : o->weights ? "attention weights"
+                      : d->dv != d->core.d ? "value head dimension D_v other than D"
                                            : NULL;
     return why ? clmha__fail(l->ctx, CLMHA_UNSUPPORTED,
-                             "a call with kv_cache (the decode core) takes no %s", why)
+                             "a call with kv_cache (the decode core) returns or takes no %s", why)
                : CLMHA_SUCCESS;
 }
 

@@ -230,7 +230,7 @@ Test(sdpa_kv, refusals) {
                               .value = {.ndim = 4, .shape = {N, HKV, 1, D}, .data = v}};
     size_t nq = N * H * D, lengths[N];
     refused(ctx, clmha_attention_forward_host(ctx, &a, out, nq, lse, N * H, NULL, 0),
-            CLMHA_UNSUPPORTED, "takes no the log-sum-exp rows");
+            CLMHA_UNSUPPORTED, "returns or takes no log-sum-exp rows");
     unsigned char m[N] = {1, 1};
     a.attn_mask = (clmha_mask){.kind = CLMHA_MASK_BOOL_ATTEND,
                                .tensor = {.ndim = 4, .shape = {N, 1, 1, 1}, .data = m}};
