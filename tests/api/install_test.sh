@@ -124,6 +124,8 @@ step "pkg-config consumer"
 # The prefix first; the caller's path after it, where a machine without packages keeps CLBlast's
 # and cJSON's .pc files (as .gpu/gpu-check on a GPU host does).
 export PKG_CONFIG_PATH="$libdir/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+# A sysroot for those (PKG_CONFIG_SYSROOT_DIR) would be put in front of the prefix too.
+unset PKG_CONFIG_SYSROOT_DIR
 pkg-config --exists --print-errors clmha
 [ "$(pkg-config --modversion clmha)" = "$version" ] || fail "pkg-config --modversion clmha"
 cflags=$(pkg-config --cflags clmha)
