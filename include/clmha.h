@@ -1683,9 +1683,10 @@ CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
 /// weights, through the same attention cores as clmha_layer_forward() (see ::clmha_impl). Reads
 /// the `buffer` and `offset` fields of @p args (offsets in floats; masks' in their elements).
 /// Optionally writes the log-sum-exp of each score row (natural log of the sum of
-/// exp(score), scores scaled and masked, before dropout; (N, H, L) in either layout; only the
-/// fused core writes them) and the attention weights (after dropout, (N, H, L, S) in either
-/// layout; only the unfused core returns them); asking for both is refused.
+/// exp(score), scores scaled and masked, before dropout; (N, H, L) in either layout; both
+/// cores write them) and the attention weights (after dropout, (N, H, L, S) in either layout;
+/// only the unfused core returns them, so asking for them runs it, with the log-sum-exp rows
+/// too when asked).
 /// The first call for a (H, H_kv, D) on a context builds what the cores need (kernels, as
 /// clmha_layer_create() does; the context keeps them, with scratch grown to the largest call,
 /// until it is released); later calls neither compile nor wait on the host. Calls on one
@@ -1711,7 +1712,7 @@ CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
 ///         too small, a buffer missing, of another context, too small, read-only or
 ///         overlapping, a bad wait list, is_causal with attn_mask, scale or dropout_p out of
 ///         range), ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field;
-///         lse and weights both asked; a core asked for by impl that cannot run the
+///         a core asked for by impl that cannot run the
 ///         call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
 ///         ::CLMHA_BLAS_ERROR

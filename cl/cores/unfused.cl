@@ -1,7 +1,8 @@
 // The unfused attention core's kernel (host side: src/cores/unfused.c).
 //
 // Mask application, numerically stable row-wise softmax and dropout, in place on the scores
-// (N*H, L, S') that the QK^T GEMM wrote (already scaled by 1/sqrt(head_dim)).
+// (N*H, L, S') that the QK^T GEMM wrote (already scaled by 1/sqrt(head_dim)); optionally each
+// row's log-sum-exp (attention as a function and partial attention ask for them).
 //
 // Build options: -DWG=<work-group size, a power of two>.
 // Needs cl/common.cl in front (mask kinds, mask_value, philox_word0, max_nan).
@@ -25,7 +26,7 @@
 kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_len,
                     ulong n_heads,
-                    ulong src_len, ulong src_len_padded,
+                    ulong src_len, ulong src_len_padded, global float *lse, uint has_lse,
                     MASK_PARAMS) {
     local REAL red[WG];
     ulong local_row = get_group_id(0);
@@ -82,6 +83,9 @@ void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     REAL inv = dead ? 0.0f : 1.0f / red[0];
+    // The row's log-sum-exp (of the scaled, masked scores, before dropout), as the fused core
+    // writes it: -INFINITY for a fully masked row.
+    if (has_lse && lid == 0) lse[row] = dead ? -INFINITY : (float)(m + log(red[0]));
 
     // Pass 3: normalise, then dropout.
     for (ulong j = lid; j < src_len_padded; j += WG) {

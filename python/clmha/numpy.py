@@ -46,7 +46,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     :param enable_gqa: grouped-query attention: H_kv may divide H (query head h reads key/value
         head h // (H / H_kv)); without it H_kv must equal H.
     :param return_lse: also return the log-sum-exp of each score row, shape (..., H, L)
-        (the fused core writes them: ``impl`` "unfused" with it is refused).
+        (both cores write them).
     :param seed: the dropout's Philox key (same seed and offset: same dropout).
     :param offset: part of the dropout's Philox counter (e.g. one more per call).
     :param impl: the core: "auto" (fused where it runs), "fused" or "unfused" (the backward's

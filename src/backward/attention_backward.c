@@ -318,7 +318,7 @@ static clmha_status check_call(clmha_context *ctx, const clmha_attention_backwar
                                        sizeof msg);
     if (st) return clmha__fail(ctx, st, "%s", msg);
     if (!b->forward) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->forward is NULL");
-    if ((st = clmha__attention_check_args(ctx, b->forward, a, d, false, false))) return st;
+    if ((st = clmha__attention_check_args(ctx, b->forward, a, d))) return st;
     if (a->kv_cache)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "the forward call has a kv_cache: the KV-cache form has no backward");
@@ -443,7 +443,7 @@ clmha_status clmha_attention_backward_host(clmha_context *ctx, const clmha_atten
     clmha__attention_dims d;
     clmha_layer *l;
     clmha_status st;
-    if ((st = clmha__attention_check_args(ctx, args, &a, &d, false, false)) ||
+    if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (a.kv_cache && (st = clmha__fail(ctx, CLMHA_UNSUPPORTED,
                                          "args->kv_cache is set: the KV-cache form has no "
                                          "backward"))) ||

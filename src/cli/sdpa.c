@@ -62,11 +62,11 @@ static const char *const usage_sdpa[] = {
     "  --lse-output LSE.npy      the log-sum-exp of every score row (natural log of the sum\n"
     "                            of exp(score), scores scaled and masked, before dropout):\n"
     "                            (N, H, L), or (H, L) unbatched, whatever --layout; -inf for\n"
-    "                            a fully masked row. The fused core writes it: not with\n"
-    "                            --weights-output or --impl unfused\n"
+    "                            a fully masked row (both cores write it; with\n"
+    "                            --weights-output the unfused core)\n"
     "  --weights-output W.npy    the attention weights (after dropout): (N, H, L, S), or\n"
     "                            (H, L, S) unbatched, whatever --layout. The unfused core\n"
-    "                            returns them: not with --lse-output or --impl fused\n"
+    "                            returns them: not with --impl fused\n"
     "\n"
     "gradients (the backward pass, after the forward pass with the same inputs and dropout):\n"
     "  --grad-output G.npy       the gradient of the output, in the output's shape\n"
@@ -110,8 +110,9 @@ static const char *const usage_sdpa[] = {
     "  --impl auto|fused|unfused the attention core of the forward pass: fused streams key\n"
     "                            tiles and never stores the scores; auto (default) is fused,\n"
     "                            unfused where the fused core cannot run or for\n"
-    "                            --weights-output. The gradients come from the unfused\n"
-    "                            core's backward pass\n"
+    "                            --weights-output. The gradients come from the fused\n"
+    "                            core's backward pass where it runs (no float mask's\n"
+    "                            gradient asked), else the unfused one's\n"
     "\n"
     "  --help, -h                print this help\n"
     "\n"
@@ -244,12 +245,6 @@ static bool options_agree(const sdpa_opts *o) {
         why = "--is-causal and --attn-mask do not go together (as in "
               "scaled_dot_product_attention): give one (a causal mask can be part of the "
               "attn_mask)";
-    else if (o->lse_path && o->weights_path)
-        why = "--lse-output and --weights-output do not go together: the fused core writes the "
-              "log-sum-exp, the unfused core returns the weights (run twice for both)";
-    else if (o->lse_path && o->impl == CLMHA_IMPL_UNFUSED)
-        why = "--impl unfused cannot give the log-sum-exp: drop --lse-output, or use --impl fused "
-              "or auto";
     else if (grad_out && !o->grads_dir)
         why = "--grad-output needs --grads-dir (where the gradients go)";
     else if (o->grads_dir && !grad_out)

@@ -143,6 +143,10 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha__dims *d = call->dims;
     cl_mem w = call->weights;
     size_t w_off = call->weights_offset, group = call->kv_group ? call->kv_group : 1;
+    // The log-sum-exp rows where the call needs them (attention as a function, partial
+    // attention); not for a call that only saves for its backward (which recomputes).
+    cl_mem lse = call->need_lse ? call->lse : NULL;
+    call->lse_written = lse != NULL;
     clmha_status st;
     clmha__chunks plan;
     if (!clmha__scores_chunks(l, d, &plan))  // clmha__layer_reserve() refused it already
@@ -153,7 +157,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
                                         l->tiles[CLMHA__TILE_K], group, call->scale)) ||
             (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SCORES)))
             return st;
-        if ((st = clmha__unfused_masked_softmax(l, &state_of(l)->softmax, a, d, all, false)) ||
+        if ((st = clmha__unfused_masked_softmax(l, &state_of(l)->softmax, a, d, all, false,
+                                                lse)) ||
             (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SOFTMAX)))
             return st;
         if ((st = attend(l, d, all, group)) || (st = clmha__layer_mark(l, 1 + CLMHA_STAGE_AV)))
@@ -175,7 +180,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         }
         if ((st = clmha__unfused_scores(l, d, c, l->tiles[CLMHA__TILE_Q],
                                         l->tiles[CLMHA__TILE_K], group, call->scale)) ||
-            (st = clmha__unfused_masked_softmax(l, &state_of(l)->softmax, a, d, c, false)))
+            (st = clmha__unfused_masked_softmax(l, &state_of(l)->softmax, a, d, c, false,
+                                                lse)))
             return st;
         if (a->need_weights && (st = chunk_weights(l, a, d, c, w, w_off))) return st;
         if ((st = attend(l, d, c, group))) return st;
@@ -208,6 +214,7 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
 const clmha__core clmha__core_unfused = {.name = "unfused",
                                          .impl = CLMHA_IMPL_UNFUSED,
                                          .returns_weights = true,
+                                         .writes_lse = true,
                                          .grouped_kv = true,
                                          .create = create,
                                          .release = release,

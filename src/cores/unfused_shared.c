@@ -51,13 +51,16 @@ clmha_status clmha__unfused_scores(clmha_layer *l, const clmha__dims *d, clmha__
 // 4. Masks, softmax and dropout on the scores of a chunk (unfused_shared.h).
 clmha_status clmha__unfused_masked_softmax(clmha_layer *l, const clmha__unfused_softmax *sm,
                                            const clmha_forward_args *a, const clmha__dims *d,
-                                           clmha__unfused_chunk c, bool no_dropout) {
+                                           clmha__unfused_chunk c, bool no_dropout,
+                                           cl_mem lse) {
     cl_ulong rows = c.rows, first = c.first, tgt = d->l, heads = l->h, src = d->s,
              srcp = d->s_padded;
     clmha__mask_args m = clmha__masks_of(l, a, d);
     if (no_dropout) m.dropout_on = 0;
-    arg args[] = {ARG(l->scores), ARG(rows), ARG(first), ARG(tgt), ARG(heads), ARG(src),
-                  ARG(srcp), MASK_ARGS(m)};
+    cl_mem lse_buf = lse ? lse : l->ctx->dummy;
+    cl_uint has_lse = lse != NULL;
+    arg args[] = {ARG(l->scores), ARG(rows), ARG(first), ARG(tgt),     ARG(heads),
+                  ARG(src),       ARG(srcp), ARG(lse_buf), ARG(has_lse), MASK_ARGS(m)};
     return clmha__launch(l->ctx, sm->kernel, "masked_softmax", rows * sm->wg, sm->wg, args,
                          sizeof args / sizeof args[0]);
 }
@@ -68,5 +71,5 @@ clmha_status clmha__unfused_probabilities(clmha_layer *l, const clmha__unfused_s
     clmha__unfused_chunk all = {0, d->n * l->h * d->l};
     // The saved tiles: a key plane per head.
     clmha_status st = clmha__unfused_scores(l, d, all, q, k, 1, scale);
-    return st ? st : clmha__unfused_masked_softmax(l, sm, a, d, all, true);
+    return st ? st : clmha__unfused_masked_softmax(l, sm, a, d, all, true, NULL);
 }

@@ -45,12 +45,14 @@ CLMHA__HIDDEN clmha_status clmha__unfused_scores(clmha_layer *layer, const clmha
                                                  size_t group, double scale);
 
 // Masks, softmax and dropout (unless @p no_dropout: the backward pass's probabilities) in place
-// on the scores of @p c, one work-group of @p sm's kernel per row.
+// on the scores of @p c, one work-group of @p sm's kernel per row; each row's log-sum-exp into
+// @p lse (N*H*L floats, the global row's place; NULL: none).
 CLMHA__HIDDEN clmha_status clmha__unfused_masked_softmax(clmha_layer *layer,
                                                          const clmha__unfused_softmax *sm,
                                                          const clmha_forward_args *args,
                                                          const clmha__dims *d,
-                                                         clmha__unfused_chunk c, bool no_dropout);
+                                                         clmha__unfused_chunk c, bool no_dropout,
+                                                         cl_mem lse);
 
 // Recomputes the probabilities of a call for its backward pass: scores = Q·Kᵀ·scale (@p scale
 // 0: 1/√D) from @p q (N*H, L, D) and @p k (N*H, S', D), both at offset 0, then masks and

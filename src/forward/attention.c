@@ -228,8 +228,7 @@ static clmha_status attention_forward(clmha_context *ctx, const clmha_attention_
     clmha__attention_dims d;
     clmha_layer *layer;
     clmha_status st;
-    if ((st = clmha__attention_check_args(ctx, args, &a, &d, o->lse != NULL,
-                                          o->weights != NULL)) ||
+    if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
         (st = check_buffers(ctx, &a, &d, o)) ||
         (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, clmha__attention_width(&d),
@@ -257,7 +256,7 @@ clmha_status clmha_attention_output_counts(clmha_context *ctx, const clmha_atten
     if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
     clmha_attention_args a;
     clmha__attention_dims d;
-    clmha_status st = clmha__attention_check_args(ctx, args, &a, &d, false, false);
+    clmha_status st = clmha__attention_check_args(ctx, args, &a, &d);
     if (st) return st;
     if (output_count) *output_count = d.output_count;
     if (lse_count) *lse_count = d.lse_count;

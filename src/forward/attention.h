@@ -17,14 +17,12 @@ typedef struct clmha__attention_out {
     size_t output_offset, lse_offset, weights_offset;
 } clmha__attention_out;
 
-// Reads the caller's @p args into @p in (this library's layout), resolves it into @p d, and
-// refuses what the cores cannot run: the log-sum-exp with the weights (@p lse, @p weights:
-// asked for). D_v ≠ D runs padded (attention_pad.c).
+// Reads the caller's @p args into @p in (this library's layout) and resolves it into @p d; a
+// failure's message goes to @p ctx.
 CLMHA__HIDDEN clmha_status clmha__attention_check_args(clmha_context *ctx,
                                                        const clmha_attention_args *args,
                                                        clmha_attention_args *in,
-                                                       clmha__attention_dims *d, bool lse,
-                                                       bool weights);
+                                                       clmha__attention_dims *d);
 
 // Enqueues checked call @p a (sizes @p d, buffers checked) on bare layer @p layer (the
 // attention cache locked): asks the dispatch for the core and reserves the scratch (nothing is

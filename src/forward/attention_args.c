@@ -7,17 +7,11 @@
 #include "base/struct_in.h"
 
 clmha_status clmha__attention_check_args(clmha_context *ctx, const clmha_attention_args *args,
-                                         clmha_attention_args *in, clmha__attention_dims *d,
-                                         bool lse, bool weights) {
+                                         clmha_attention_args *in, clmha__attention_dims *d) {
     char msg[512];
     clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, in, args, "args", msg, sizeof msg);
     if (!st) st = clmha__attention_resolve(in, d, msg, sizeof msg);
-    if (st) return clmha__fail(ctx, st, "%s", msg);
-    if (lse && weights)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "lse and weights are both asked for: the fused core writes the "
-                           "log-sum-exp rows, only the unfused core returns weights; ask for one");
-    return CLMHA_SUCCESS;
+    return st ? clmha__fail(ctx, st, "%s", msg) : CLMHA_SUCCESS;
 }
 
 clmha_forward_args clmha__attention_core_args(clmha_layer *l, const clmha_attention_args *a,

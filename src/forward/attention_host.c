@@ -94,7 +94,7 @@ clmha_status clmha_attention_forward_host(clmha_context *ctx, const clmha_attent
     clmha__attention_dims d;
     clmha_layer *l;
     clmha_status st;
-    if ((st = clmha__attention_check_args(ctx, args, &a, &d, lse != NULL, weights != NULL)) ||
+    if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (st = check_host(ctx, &a, &d, output, output_count, lse, lse_count, weights,
                          weights_count)) ||
         (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, clmha__attention_width(&d),
