@@ -208,9 +208,10 @@ typedef struct clmha__core {
     // call before anything is enqueued.
     clmha_status (*supports)(clmha_layer *layer, const clmha__core_call *call,
                              clmha__core_answer *answer);
-    // The core writes each score row's log-sum-exp where clmha__core_call::lse asks for it (the
-    // saved state's backward reads them; partial attention needs them: a core without this
-    // flag is not asked about a call with clmha__core_call::need_lse).
+    // The core writes each score row's log-sum-exp where clmha__core_call::lse asks for it: for
+    // a call with clmha__core_call::need_lse (partial attention, attention as a function; a
+    // core without this flag is not asked about such a call), and the fused core also for the
+    // saved state's backward.
     bool writes_lse;
     // The core reads and writes layer->scores (clmha__layer_reserve()'s `scores`).
     bool uses_scores;
