@@ -81,6 +81,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import golden_compare  # noqa: E402
+from make_golden import tensor_text  # noqa: E402  (the same tensor lines as the layer cases)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "..", "tests", "golden", "sdpa")
@@ -302,31 +303,6 @@ def agree(c, what, theirs, ours):
 # ------------------------------------------------------------------------------------------
 # Writing
 # ------------------------------------------------------------------------------------------
-
-
-def fmt(dtype, x):
-    if dtype == "u8":
-        return "1" if x else "0"
-    if dtype == "f32":
-        return "%.9g" % float(np.float32(x))
-    return "%.17g" % float(x)
-
-
-def tensor_text(name, dtype, arr):
-    """make_golden.py's tensor lines: a header, then each last-dimension row in lines of 16
-    (u8), 8 (f32) or 4 (f64) values."""
-    arr = np.asarray(arr)
-    assert arr.dtype == {"f32": np.float32, "f64": np.float64, "u8": bool}[dtype]
-    assert 1 <= arr.ndim <= 4
-    out = [f"tensor {name} {dtype} {arr.ndim} " + " ".join(str(d) for d in arr.shape)]
-    flat = arr.reshape(-1)
-    per = {"u8": 16, "f32": 8, "f64": 4}[dtype]
-    row = arr.shape[-1]
-    for start in range(0, flat.size, row):
-        seg = flat[start:start + row]
-        for j in range(0, seg.size, per):
-            out.append(" ".join(fmt(dtype, x) for x in seg[j:j + per]))
-    return out
 
 
 def as_file(c, x, per_head_rows=True):

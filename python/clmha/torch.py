@@ -42,15 +42,20 @@ _TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float
 _SDPA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _host(t: Tensor, name: str, dtype: str) -> np.ndarray:
-    """``t`` as the NumPy array the layer reads: no copy for a contiguous CPU tensor of the
-    layer's dtype (float16 stays float16; bfloat16 becomes float32, exactly)."""
+def _cpu(t: Tensor, name: str) -> Tensor:
+    """``t`` detached, after checking that it is a CPU tensor."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}: clmha.torch takes CPU tensors (it runs on "
                          f"its own OpenCL device)")
-    t = t.detach()
+    return t.detach()
+
+
+def _host(t: Tensor, name: str, dtype: str) -> np.ndarray:
+    """``t`` as the NumPy array the layer reads: no copy for a contiguous CPU tensor of the
+    layer's dtype (float16 stays float16; bfloat16 becomes float32, exactly)."""
+    t = _cpu(t, name)
     if t.dtype == torch.bfloat16:
         t = t.float()
     return t.contiguous().numpy()
@@ -453,12 +458,7 @@ class SplitHeadsAttention(_SeedAttention):
 def _sdpa_host(t: Tensor, name: str) -> np.ndarray:
     """``t`` as the float32 NumPy array the C function reads (no copy for a contiguous float32
     CPU tensor); bool stays bool."""
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}: clmha.torch takes CPU tensors (it runs on "
-                         f"its own OpenCL device)")
-    t = t.detach()
+    t = _cpu(t, name)
     if t.dtype != torch.bool and t.dtype != torch.float32:
         t = t.float()
     return t.contiguous().numpy()

@@ -334,18 +334,25 @@ struct cli_param {
     char name[CLI_MAX_NAME];
 };
 
-ParameterizedTestParameters(cli, cases) {
-    case_stride stride = case_stride_get("cli", CLI_NUM_CASES);
-    struct cli_param *params = CLI_NUM_CASES ? cr_malloc(CLI_NUM_CASES * sizeof *params) : NULL;
+// The parameters of suite @p suite: the @p count case names of @p names that its stride keeps
+// (CLMHA_TEST_CASE_STRIDE).
+static struct criterion_test_params case_params(const char *suite, const char *const *names,
+                                                size_t count) {
+    case_stride stride = case_stride_get(suite, count);
+    struct cli_param *params = count ? cr_malloc(count * sizeof *params) : NULL;
     if (!params) return cr_make_param_array(struct cli_param, NULL, 0);
     size_t n = 0;
-    for (size_t i = 0; i < CLI_NUM_CASES; i++) {
+    for (size_t i = 0; i < count; i++) {
         if (!case_stride_keeps(stride, i)) continue;
         memset(&params[n], 0, sizeof params[n]);
-        snprintf(params[n].name, sizeof params[n].name, "%s", cli_case_names[i]);
+        snprintf(params[n].name, sizeof params[n].name, "%s", names[i]);
         ++n;
     }
     return cr_make_param_array(struct cli_param, params, n, case_params_free);
+}
+
+ParameterizedTestParameters(cli, cases) {
+    return case_params("cli", cli_case_names, CLI_NUM_CASES);
 }
 
 Test(cli, cases_listed) {
@@ -2225,17 +2232,7 @@ static const char *const sdpa_case_names[] = {
 #define SDPA_TOL 1e-5
 
 ParameterizedTestParameters(cli_sdpa, cases) {
-    case_stride stride = case_stride_get("cli_sdpa", SDPA_NUM_CASES);
-    struct cli_param *params = SDPA_NUM_CASES ? cr_malloc(SDPA_NUM_CASES * sizeof *params) : NULL;
-    if (!params) return cr_make_param_array(struct cli_param, NULL, 0);
-    size_t n = 0;
-    for (size_t i = 0; i < SDPA_NUM_CASES; i++) {
-        if (!case_stride_keeps(stride, i)) continue;
-        memset(&params[n], 0, sizeof params[n]);
-        snprintf(params[n].name, sizeof params[n].name, "%s", sdpa_case_names[i]);
-        ++n;
-    }
-    return cr_make_param_array(struct cli_param, params, n, case_params_free);
+    return case_params("cli_sdpa", sdpa_case_names, SDPA_NUM_CASES);
 }
 
 Test(cli_sdpa, cases_listed) {
