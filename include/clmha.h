@@ -1432,8 +1432,9 @@ CLMHA_API clmha_status clmha_layer_forward_host_f64(clmha_layer *layer,
 ///   (::CLMHA_SHAPE_MISMATCH) before anything is enqueued, and the cache is unchanged.
 ///
 /// The lengths are host-side bookkeeping, updated when a call is enqueued; a call that fails
-/// leaves them unchanged. A cache belongs to the layer it was made for and must not be used by
-/// two threads at once.
+/// leaves them unchanged. A cache belongs to the layer it was made for (or, made by
+/// clmha_kv_cache_create_for(), to attention as a function on its context) and must not be
+/// used by two threads at once.
 
 /// Makes an empty cache for forward calls of @p layer.
 /// @param[out] out       the new cache, or NULL on failure
