@@ -190,18 +190,18 @@ static cl_mem result_tile(const clmha__attention_dims *d, cl_mem out, size_t off
 
 // The key or value as the backward cores take it (one plane per query head).
 static clmha_status stage_kv(clmha_layer *l, const clmha__attention_dims *d, cl_mem scratch,
-                             const clmha_tensor *t, size_t count, cl_mem *use) {
+                             const clmha_tensor *t, cl_mem *use) {
     if (d->core.kvh == d->core.h)
-        return clmha__attention_stage(l, d, scratch, t, d->core.h, d->core.s, count, use);
+        return clmha__attention_stage(l, d, scratch, t, d->core.h, d->core.s, use);
     *use = scratch;
     return expand(l, d, t, scratch);
 }
 
 // A key or value gradient back into the caller's layout (its groups summed).
 static clmha_status unstage_kv(clmha_layer *l, const clmha__attention_dims *d, cl_mem tile,
-                               size_t count, cl_mem out, size_t out_off) {
+                               cl_mem out, size_t out_off) {
     if (d->core.kvh == d->core.h)
-        return clmha__attention_unstage(l, d, tile, d->core.h, d->core.s, count, out, out_off);
+        return clmha__attention_unstage(l, d, tile, d->core.h, d->core.s, out, out_off);
     return reduce(l, d, tile, out, out_off);
 }
 
@@ -287,13 +287,11 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
     clmha_tensor dout = {.buffer = b->grad_output, .offset = b->grad_output_offset};
     cl_int err = CL_SUCCESS;
     if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
-        (st = clmha__attention_stage(l, d, t[CLMHA__TILE_Q], &a->query, h, ln, d->query_count,
-                                     &call.q)) ||
-        (st = stage_kv(l, d, t[CLMHA__TILE_K], &a->key, d->key_count, &call.k)) ||
-        (st = stage_kv(l, d, t[CLMHA__TILE_V], &a->value, d->value_count, &call.v)) ||
-        (st = clmha__attention_stage(l, d, t[CLMHA__TILE_OUT], &out, h, ln, d->output_count,
-                                     &call.o)) ||
-        (st = clmha__attention_stage(l, d, g[0], &dout, h, ln, d->output_count, &call.d_o)))
+        (st = clmha__attention_stage(l, d, t[CLMHA__TILE_Q], &a->query, h, ln, &call.q)) ||
+        (st = stage_kv(l, d, t[CLMHA__TILE_K], &a->key, &call.k)) ||
+        (st = stage_kv(l, d, t[CLMHA__TILE_V], &a->value, &call.v)) ||
+        (st = clmha__attention_stage(l, d, t[CLMHA__TILE_OUT], &out, h, ln, &call.o)) ||
+        (st = clmha__attention_stage(l, d, g[0], &dout, h, ln, &call.d_o)))
         return st;
     if (b->lse && b->lse_offset)  // the rows into the layer's copy, which the core reads
         err = clEnqueueCopyBuffer(ctx->queue, b->lse, l->partial_lse,
@@ -301,10 +299,9 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
                                   0, NULL, NULL);
     if (err) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(lse)");
     if ((st = core->backward(l, &call)) ||
-        (st = clmha__attention_unstage(l, d, call.dq, h, ln, d->query_count, b->grad_query,
-                                       b->grad_query_offset)) ||
-        (st = unstage_kv(l, d, call.dk, d->key_count, b->grad_key, b->grad_key_offset)) ||
-        (st = unstage_kv(l, d, call.dv, d->value_count, b->grad_value, b->grad_value_offset)))
+        (st = clmha__attention_unstage(l, d, call.dq, h, ln, b->grad_query, b->grad_query_offset)) ||
+        (st = unstage_kv(l, d, call.dk, b->grad_key, b->grad_key_offset)) ||
+        (st = unstage_kv(l, d, call.dv, b->grad_value, b->grad_value_offset)))
         return st;
     return clmha__enqueue_event(ctx, event);
 }

@@ -3,16 +3,17 @@
 // through the same dispatch (clmha__core_select()), as the layer's forward pass; on a bare
 // layer of the context's attention cache (attention_cache.c), whose head tiles are the
 // caller's buffers or copies of them (docs/design.md, "Attention as a function"):
-//   check → core and scratch → wait → stage the tiles → the core → output, lse, weights.
+//   check → core and scratch → wait → the middle (middle.c: the tiles in, the core, the
+//   output and lse out, as in the layer's forward pass) → the weights.
 #include "forward/attention.h"
 
 #include "cores/core.h"
 #include "cores/kernel_args.h"
 #include "forward/attention_cache.h"
 #include "forward/enqueue.h"
+#include "forward/middle.h"
 #include "forward/staging.h"
 
-#include <string.h>
 
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
@@ -64,76 +65,33 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_args
     return clmha__check_overlaps(ctx, all, k, outputs);
 }
 
+// Tensor @p t (N, heads, seq, D) or (N, seq, heads, D) of call @p d as the middle takes it.
+static clmha__heads_in heads_in(const clmha_layer *l, const clmha__attention_dims *d,
+                                const clmha_tensor *t, size_t heads, size_t seq) {
+    return (clmha__heads_in){.buffer = t->buffer, .offset = t->offset,
+                             .tiles = d->layout == CLMHA_LAYOUT_NHLD, .ld = heads * l->d,
+                             .batch_first = true, .n = d->core.n, .seq = seq, .seq_out = seq,
+                             .heads = heads, .group = 1};
+}
+
+// Where a result of the call's (N, H, seq, D) shape goes, in the call's layout.
+static clmha__heads_out heads_out(const clmha__attention_dims *d, cl_mem out, size_t offset) {
+    return (clmha__heads_out){.buffer = out, .offset = offset,
+                              .tiles = d->layout == CLMHA_LAYOUT_NHLD, .batch_first = true};
+}
+
 clmha_status clmha__attention_stage(clmha_layer *l, const clmha__attention_dims *d,
                                     cl_mem scratch, const clmha_tensor *t, size_t heads,
-                                    size_t seq, size_t count, cl_mem *use) {
-    clmha_context *ctx = l->ctx;
-    *use = d->layout == CLMHA_LAYOUT_NHLD && t->offset == 0 ? t->buffer : scratch;
-    if (*use == t->buffer) return CLMHA_SUCCESS;
-    if (d->layout == CLMHA_LAYOUT_NHLD) {
-        cl_int err = clEnqueueCopyBuffer(ctx->queue, t->buffer, scratch,
-                                         t->offset * sizeof(float), 0, count * sizeof(float), 0,
-                                         NULL, NULL);
-        return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(attention input)")
-                   : CLMHA_SUCCESS;
-    }
-    cl_ulong off = t->offset, ld = heads * l->d, zero = 0, n = d->core.n, h = heads, group = 1,
-             s = seq, hd = l->d;
-    cl_uint no = 0, bf = 1;
-    arg args[] = {ARG(t->buffer), ARG(off),  ARG(ld),    ARG(zero),       ARG(ctx->dummy),
-                  ARG(zero),      ARG(no),   ARG(ctx->dummy), ARG(zero),  ARG(no),
-                  ARG(scratch),   ARG(zero), ARG(n),     ARG(h),          ARG(group),
-                  ARG(s),         ARG(s),    ARG(hd),    ARG(bf)};
-    return clmha__launch_heads(l, l->split_heads, "split_heads", d->core.n * heads, seq,
-                               l->heads_wg, args, sizeof args / sizeof args[0]);
+                                    size_t seq, cl_mem *use) {
+    clmha__heads_in in = heads_in(l, d, t, heads, seq);
+    return clmha__heads_place(l, &in, scratch, use);
 }
 
 clmha_status clmha__attention_unstage(clmha_layer *l, const clmha__attention_dims *d,
-                                      cl_mem tile, size_t heads, size_t seq, size_t count,
-                                      cl_mem out, size_t out_offset) {
-    clmha_context *ctx = l->ctx;
-    size_t bytes = count * sizeof(float);
-    cl_int err = CL_SUCCESS;
-    if (tile == out) return CLMHA_SUCCESS;  // written in place
-    if (d->layout == CLMHA_LAYOUT_NHLD) {
-        err = clEnqueueCopyBuffer(ctx->queue, tile, out, 0, out_offset * sizeof(float), bytes, 0,
-                                  NULL, NULL);
-        return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(result)") : CLMHA_SUCCESS;
-    }
-    cl_mem rows = out_offset ? l->proj : out;
-    cl_ulong zero = 0, n = d->core.n, h = heads, t = seq, hd = l->d;
-    cl_uint bf = 1;
-    arg args[] = {ARG(tile), ARG(zero), ARG(rows), ARG(n), ARG(h), ARG(t), ARG(hd), ARG(bf)};
-    clmha_status st = clmha__launch_heads(l, l->merge_heads, "merge_heads", d->core.n * heads,
-                                          seq, l->heads_wg, args, sizeof args / sizeof args[0]);
-    if (st || !out_offset) return st;
-    err = clEnqueueCopyBuffer(ctx->queue, rows, out, 0, out_offset * sizeof(float), bytes, 0,
-                              NULL, NULL);
-    return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(result)") : CLMHA_SUCCESS;
-}
-
-// The log-sum-exp rows (when the core wrote them elsewhere than the caller's buffer) and the
-// weights (when the core left them in layer->scores).
-static clmha_status write_extras(clmha_layer *l, const clmha__attention_dims *d,
-                                 const clmha__attention_out *o, const clmha__core_call *call) {
-    clmha_context *ctx = l->ctx;
-    cl_int err = CL_SUCCESS;
-    if (o->lse && call->lse != o->lse)
-        err = clEnqueueCopyBuffer(ctx->queue, call->lse, o->lse, 0, o->lse_offset * sizeof(float),
-                                  d->lse_count * sizeof(float), 0, NULL, NULL);
-    if (!err && o->weights && !call->weights_written)
-        err = clEnqueueCopyBuffer(ctx->queue, l->scores, o->weights, 0,
-                                  o->weights_offset * sizeof(float),
-                                  d->weights_count * sizeof(float), 0, NULL, NULL);
-    return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(lse or weights)") : CLMHA_SUCCESS;
-}
-
-// Whether @p buf is CL_MEM_WRITE_ONLY: the core does not write its result there itself (a
-// GEMM may read its C operand back).
-static bool write_only(cl_mem buf) {
-    cl_mem_flags flags = 0;
-    return clGetMemObjectInfo(buf, CL_MEM_FLAGS, sizeof flags, &flags, NULL) == CL_SUCCESS &&
-           (flags & CL_MEM_WRITE_ONLY);
+                                      cl_mem tile, size_t heads, size_t seq, cl_mem out,
+                                      size_t out_offset) {
+    clmha__heads_out o = heads_out(d, out, out_offset);
+    return clmha__heads_put(l, tile, 0, d->core.n, heads, seq, &o);
 }
 
 // The core for the call (the dispatch's answer) and the scratch it needs: what may fail
@@ -199,24 +157,15 @@ clmha_status clmha__attention_enqueue(clmha_layer *l, const clmha_attention_args
     // Nothing is enqueued before this point.
     if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list))) return st;
     clmha__layer_marks_release(l);
-    cl_mem own[CLMHA__TILE_COUNT], *t = l->tiles;
-    memcpy(own, t, sizeof own);
     size_t h = d->core.h, kvh = d->core.kvh;
-    if (d->layout == CLMHA_LAYOUT_NHLD && o->output_offset == 0 && !write_only(o->output))
-        t[CLMHA__TILE_OUT] = o->output;  // the core writes the result in place
-    if (!(st = clmha__attention_stage(l, d, own[CLMHA__TILE_Q], &a->query, h, d->core.l,
-                                      d->query_count, &t[CLMHA__TILE_Q])) &&
-        !(st = clmha__attention_stage(l, d, own[CLMHA__TILE_K], &a->key, kvh, d->core.s,
-                                      d->key_count, &t[CLMHA__TILE_K])) &&
-        !(st = clmha__attention_stage(l, d, own[CLMHA__TILE_V], &a->value, kvh, d->core.s,
-                                      d->value_count, &t[CLMHA__TILE_V])))
-        st = core->run(l, &call);
-    cl_mem result = t[CLMHA__TILE_OUT];
-    memcpy(t, own, sizeof own);
-    if (st ||
-        (st = clmha__attention_unstage(l, d, result, h, d->core.l, d->output_count, o->output,
-                                       o->output_offset)) ||
-        (st = write_extras(l, d, o, &call)))
+    clmha__middle m = {.query = heads_in(l, d, &a->query, h, d->core.l),
+                       .key = heads_in(l, d, &a->key, kvh, d->core.s),
+                       .value = heads_in(l, d, &a->value, kvh, d->core.s),
+                       .out = heads_out(d, o->output, o->output_offset),
+                       .lse = o->lse, .lse_offset = o->lse_offset};
+    if ((st = clmha__middle_run(l, core, &call, &m)) ||
+        (o->weights && !call.weights_written &&
+         (st = clmha__weights_out(l, &d->core, true, o->weights, o->weights_offset))))
         return st;
     return clmha__enqueue_event(ctx, event);
 }

@@ -49,23 +49,19 @@ CLMHA__HIDDEN clmha_forward_args clmha__attention_core_args(clmha_layer *l,
                                                             const clmha_attention_args *a,
                                                             const clmha__attention_dims *d);
 
-// Head tiles (N*@p heads, @p seq, D) of tensor @p t (@p count floats) for a core: *use is the
-// caller's buffer itself in (N, H, L, D) layout at offset 0 (the tiles are used at offset 0
-// only: CLBlast's batched GEMM ignores offsets on one of its paths), else @p scratch, filled by
-// a copy (NHLD) or by split_heads ((N, L, H, D), read as the layer's batch-first projected rows).
+// Head tiles (N*@p heads, @p seq, D) of tensor @p t for a core: *use is the caller's buffer
+// itself in (N, H, L, D) layout at offset 0, else @p scratch, filled by a copy (NHLD) or by
+// split_heads ((N, L, H, D), read as batch-first rows) (clmha__heads_place(), middle.c).
 CLMHA__HIDDEN clmha_status clmha__attention_stage(clmha_layer *l, const clmha__attention_dims *d,
                                                   cl_mem scratch, const clmha_tensor *t,
-                                                  size_t heads, size_t seq, size_t count,
-                                                  cl_mem *use);
+                                                  size_t heads, size_t seq, cl_mem *use);
 
-// The way back: head tiles @p tile (N*@p heads, @p seq, D; @p count floats) into the caller's
-// @p out at @p out_offset in the call's layout: nothing when @p tile is @p out (written in
-// place), a copy (NHLD), or merge_heads (NLHD; through layer->proj when @p out_offset is not 0,
-// as merge_heads writes from element 0).
+// The way back: head tiles @p tile (N*@p heads, @p seq, D) into the caller's @p out at
+// @p out_offset in the call's layout (clmha__heads_put(), middle.c).
 CLMHA__HIDDEN clmha_status clmha__attention_unstage(clmha_layer *l,
                                                     const clmha__attention_dims *d, cl_mem tile,
-                                                    size_t heads, size_t seq, size_t count,
-                                                    cl_mem out, size_t out_offset);
+                                                    size_t heads, size_t seq, cl_mem out,
+                                                    size_t out_offset);
 
 // The KV-cache form (attention_kv.c): @p a with kv_cache, checked and resolved in @p d, on
 // bare layer @p l through the decode core; the cache's lengths grow once it is enqueued.

@@ -1,9 +1,10 @@
 // The forward pass, in the order the data flows:
-//   validate → project (GEMM) → split heads (+ in_proj_bias, bias_k/bias_v, zero key)
-//   → scores = Q·Kᵀ/√D (strided batched GEMM) → masks + softmax + dropout (kernel)
-//   → A·V (strided batched GEMM) → merge heads → output projection (GEMM, bias)
-//   → attention weights (copy or head average).
-// The three middle stages (scores, softmax, A·V) are the attention core's (src/cores/): the
+//   validate → project (GEMM) → [the middle, middle.c: split heads (+ in_proj_bias,
+//   bias_k/bias_v, zero key) → scores = Q·Kᵀ/√D (strided batched GEMM) → masks + softmax +
+//   dropout (kernel) → A·V (strided batched GEMM) → merge heads] → output projection (GEMM,
+//   bias) → attention weights (copy or head average).
+// The middle is what attention as a function (attention.c) runs on the caller's head-split
+// tensors. Its three inner stages (scores, softmax, A·V) are the attention core's (src/cores/): the
 // first row of the dispatch table that runs the call (clmha__core_select()), whose flags say
 // what it takes (head tiles or projected rows, grouped key/value heads, the scores buffer).
 // The checks are in validate.c, partial attention in partial.c, the host-array form in
@@ -19,6 +20,7 @@
 #include "forward/convert.h"
 #include "forward/enqueue.h"
 #include "forward/forward.h"
+#include "forward/middle.h"
 #include "forward/saved.h"
 #include "layer/layer.h"
 #include "layer/shape.h"
@@ -92,66 +94,39 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
                           vd, l->w_in, wv, vd, 0.0f, l->proj, s->proj_v, kve);
 }
 
-// 2. Split the projected rows into head tiles (N*H, T, D), adding in_proj_bias; key and value
-//    get bias_k/bias_v and a zero row appended when the layer has them. With grouped-query
-//    attention the key and value tiles hold the kvh key/value heads (@p heads kvh, @p group 1)
-//    for a core that reads them so (clmha__core::grouped_kv), else every query head its own
-//    copy of its group's (@p heads h, @p group h / kvh).
-static clmha_status split_one(clmha_layer *l, const clmha__dims *d, size_t proj_off, size_t ld,
-                              size_t col, size_t bias_col, int which, size_t seq,
-                              size_t seq_out, size_t heads, size_t group) {
-    clmha_context *ctx = l->ctx;
-    cl_ulong a_proj_off = proj_off, a_ld = ld, a_col = col, a_bias_off = bias_col;
-    cl_uint has_bias = l->desc.bias;
-    cl_mem bias = l->desc.bias ? l->b_in : ctx->dummy;
-    cl_uint has_extra = which > 0 && l->desc.add_bias_kv;
-    cl_mem extra = has_extra ? l->bias_kv : ctx->dummy;
-    cl_ulong extra_off = which == 2 ? l->kve : 0;  // bias_k, then bias_v
-    cl_ulong a_out_off = 0, n = d->n, h = heads, g = group, t = seq, t_out = seq_out, hd = l->d;
-    cl_mem out = l->tiles[which];  // which: 0 query, 1 key, 2 value
-    cl_uint bf = d->batch_first;
-    arg args[] = {ARG(l->proj),  ARG(a_proj_off), ARG(a_ld),      ARG(a_col),     ARG(bias),
-                  ARG(a_bias_off), ARG(has_bias), ARG(extra),     ARG(extra_off), ARG(has_extra),
-                  ARG(out),      ARG(a_out_off),  ARG(n),         ARG(h),         ARG(g),
-                  ARG(t),        ARG(t_out),      ARG(hd),        ARG(bf)};
-    return clmha__launch_heads(l, l->split_heads, "split_heads", d->n * heads, seq_out,
-                        l->heads_wg, args, sizeof args / sizeof args[0]);
-}
-
+// 2–6. The middle (middle.c): the projected rows split into head tiles (N*H, T, D), adding
+//    in_proj_bias, key and value with bias_k/bias_v and a zero row appended when the layer has
+//    them; the core; its result merged back into rows (L*N or N*L, E) in layer->proj (a
+//    partial call's head tiles and log-sum-exp rows to the caller's buffers instead). With
+//    grouped-query attention the key and value tiles hold the kvh key/value heads for a core
+//    that reads them so (clmha__core::grouped_kv), else every query head its own copy of its
+//    group's.
 // @p bare: the key and value tiles hold the call's tokens alone, without the appended keys (a
 // partial call without appended_keys). No @p kv (kv_attend_only): they are not made at all.
-// @p grouped: the key and value tiles have the layer's kvh heads (clmha__core::grouped_kv).
-static clmha_status split(clmha_layer *l, const clmha__dims *d, bool kv, bool bare,
-                          bool grouped, scratch *s) {
-    clmha_status st;
-    size_t s_out = bare ? d->s : d->s_padded;
+static clmha__middle middle_of(clmha_layer *l, const clmha__dims *d, const scratch *s, bool kv,
+                               bool bare, bool grouped, const clmha__partial_out *partial) {
     size_t heads = grouped ? l->kvh : l->h, group = grouped ? 1 : l->h / l->kvh;
-    if ((st = split_one(l, d, s->proj_q, s->ld_q, s->col_q, 0, CLMHA__TILE_Q, d->l, d->l, l->h,
-                        1)))
-        return st;
-    if (!kv) return CLMHA_SUCCESS;
-    if ((st = split_one(l, d, s->proj_k, s->ld_k, s->col_k, l->e, CLMHA__TILE_K, d->s, s_out,
-                        heads, group)))
-        return st;
-    return split_one(l, d, s->proj_v, s->ld_v, s->col_v, l->e + l->kve, CLMHA__TILE_V, d->s,
-                     s_out, heads, group);
-}
-
-// 6. Merge heads back into rows (L*N or N*L, E), into the free projection buffer: the core's
-//    result tiles, or the caller's (clmha_layer_project_heads()).
-clmha_status clmha__forward_merge_heads(clmha_layer *l, const clmha__dims *d, cl_mem heads,
-                               size_t heads_offset) {
-    cl_ulong n = d->n, h = l->h, t = d->l, hd = l->d;
-    cl_uint bf = d->batch_first;
-    cl_ulong src_off = heads_offset;
-    arg args[] = {ARG(heads), ARG(src_off), ARG(l->proj), ARG(n),
-                  ARG(h),     ARG(t),       ARG(hd),      ARG(bf)};
-    return clmha__launch_heads(l, l->merge_heads, "merge_heads", d->n * l->h, d->l, l->heads_wg,
-                        args, sizeof args / sizeof args[0]);
-}
-
-static clmha_status merge(clmha_layer *l, const clmha__dims *d) {
-    return clmha__forward_merge_heads(l, d, l->tiles[CLMHA__TILE_OUT], 0);
+    size_t s_out = bare ? d->s : d->s_padded;
+    cl_mem bias = l->desc.bias ? l->b_in : NULL, extra = l->desc.add_bias_kv ? l->bias_kv : NULL;
+    clmha__heads_in row = {.buffer = l->proj, .batch_first = d->batch_first, .n = d->n,
+                           .bias = bias};
+    clmha__middle m = {.query = row, .key = row, .value = row,
+                       .out = {.buffer = l->proj, .batch_first = d->batch_first}};
+    m.query.offset = s->proj_q, m.query.ld = s->ld_q, m.query.col = s->col_q;
+    m.query.seq = m.query.seq_out = d->l, m.query.heads = l->h, m.query.group = 1;
+    m.key.offset = s->proj_k, m.key.ld = s->ld_k, m.key.col = s->col_k, m.key.bias_col = l->e;
+    m.value.offset = s->proj_v, m.value.ld = s->ld_v, m.value.col = s->col_v;
+    m.value.bias_col = l->e + l->kve;
+    m.key.extra = m.value.extra = extra, m.value.extra_off = l->kve;  // bias_k, then bias_v
+    m.key.seq = m.value.seq = d->s, m.key.seq_out = m.value.seq_out = s_out;
+    m.key.heads = m.value.heads = heads, m.key.group = m.value.group = group;
+    if (!kv) m.key.buffer = m.value.buffer = NULL;
+    if (partial) {
+        m.out = (clmha__heads_out){.buffer = partial->heads, .offset = partial->heads_offset,
+                                   .tiles = true};
+        m.lse = partial->lse, m.lse_offset = partial->lse_offset;
+    }
+    return m;
 }
 
 // 7. Output projection: out = merged · out_proj.weightᵀ + out_proj.bias, @p merged the merged
@@ -173,26 +148,11 @@ clmha_status clmha__forward_out_project(clmha_layer *l, const clmha__dims *d, cl
                           l->w_out, 0, e, l->desc.bias ? 1.0f : 0.0f, out, out_off, e);
 }
 
-// 8. Attention weights: the per-head scores as they are, or their mean over heads. (Not when
-//    the core wrote them itself, clmha__core_call::weights_written: a core working in chunks.)
-static clmha_status weights_out(clmha_layer *l, const clmha_forward_args *a,
-                                const clmha__dims *d, cl_mem w, size_t w_off) {
-    clmha_context *ctx = l->ctx;
-    if (a->per_head_weights) {
-        cl_int err = clEnqueueCopyBuffer(ctx->queue, l->scores, w, 0, w_off * l->rs,
-                                         d->scores_count * l->rs, 0, NULL, NULL);
-        return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(weights)") : CLMHA_SUCCESS;
-    }
-    cl_ulong off = w_off, n = d->n, h = l->h, plane = d->l * d->s_padded;
-    arg args[] = {ARG(l->scores), ARG(w), ARG(off), ARG(n), ARG(h), ARG(plane)};
-    return clmha__launch(ctx, l->average_heads, "average_heads", d->n * plane, l->heads_wg,
-                         args, sizeof args / sizeof args[0]);
-}
-
 // ---- the pass -----------------------------------------------------------------------------------
 
-// Enqueues the stages of a validated call: waits for @p wait_list, then project → split → the
-// core → merge → output projection → weights; the completion event in @p event.
+// Enqueues the stages of a validated call: waits for @p wait_list, then the input projections →
+// the middle (split, the core, merge: middle.c, as attention as a function runs it) → the output
+// projection → the weights; the completion event in @p event.
 static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *args,
                                  const clmha__dims *d, const clmha__core *core,
                                  clmha__core_call *call, const clmha__partial_out *partial,
@@ -210,40 +170,20 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
     if ((st = project(layer, args, d, kv, &s)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
-    // A partial call without the appended keys leaves them out of the key and value tiles (a
-    // call whose core takes the projected rows, clmha__core::takes_rows, never splits).
+    // A partial call without the appended keys leaves them out of the key and value tiles.
     bool bare = partial && !partial->appended_keys;
-    if (core->takes_rows) {  // the core reads the projected rows (and adds their bias)
-        call->q_at = s.proj_q + s.col_q, call->q_ld = s.ld_q;
-        call->k_at = s.proj_k + s.col_k, call->k_ld = s.ld_k;
-        call->v_at = s.proj_v + s.col_v, call->v_ld = s.ld_v;
-        call->output = output, call->output_offset = output_offset;
-    }
-    if ((!core->takes_rows && (st = split(layer, d, kv, bare, call->kv_group > 1, &s))) ||
-        (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_SPLIT)))
-        return st;
-    if ((st = core->run(layer, call))) return st;
-    if (partial) {  // the head tiles and the log-sum-exp rows, copied to the caller's buffers
-        size_t rows = d->n * layer->h * d->l;
-        cl_int err = clEnqueueCopyBuffer(ctx->queue, layer->tiles[CLMHA__TILE_OUT], partial->heads,
-                                         0, partial->heads_offset * sizeof(float),
-                                         rows * layer->d * sizeof(float), 0, NULL, NULL);
-        if (err == CL_SUCCESS)
-            err = clEnqueueCopyBuffer(ctx->queue, call->lse, partial->lse, 0,
-                                      partial->lse_offset * sizeof(float), rows * sizeof(float),
-                                      0, NULL, NULL);
-        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(partial)");
-        return clmha__enqueue_event(ctx, event);
-    }
-    if ((!core->takes_rows && (st = merge(layer, d))) ||
-        (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_MERGE)))
-        return st;
+    if (core->takes_rows) call->output = output, call->output_offset = output_offset;
+    clmha__middle m = middle_of(layer, d, &s, kv, bare, call->kv_group > 1, partial);
+    if ((st = clmha__middle_run(layer, core, call, &m))) return st;
+    if (partial) return clmha__enqueue_event(ctx, event);
     cl_mem merged = core->takes_rows ? layer->tiles[CLMHA__TILE_OUT] : layer->proj;
-    if ((st = clmha__forward_out_project(layer, d, merged, output, output_offset, !core->takes_rows)) ||
+    if ((st = clmha__forward_out_project(layer, d, merged, output, output_offset,
+                                         !core->takes_rows)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_OUT_PROJ)))
         return st;
     if (args->need_weights &&
-        ((!call->weights_written && (st = weights_out(layer, args, d, weights, weights_offset))) ||
+        ((!call->weights_written &&
+          (st = clmha__weights_out(layer, d, args->per_head_weights, weights, weights_offset))) ||
          (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_WEIGHTS))))
         return st;
     return clmha__enqueue_event(ctx, event);

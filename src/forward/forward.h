@@ -81,11 +81,6 @@ CLMHA__HIDDEN clmha_status clmha__forward_planned(clmha_layer *layer,
                                                   cl_uint num_wait, const cl_event *wait_list,
                                                   cl_event *event);
 
-// Stage 6: merges the head tiles @p heads (from @p heads_offset floats) into rows (L*N or N*L,
-// E) in layer->proj.
-CLMHA__HIDDEN clmha_status clmha__forward_merge_heads(clmha_layer *l, const clmha__dims *d,
-                                                      cl_mem heads, size_t heads_offset);
-
 // Stage 7: out = merged · out_proj.weightᵀ + out_proj.bias, @p merged the merged rows
 // (layer->proj, or the result tile of a clmha__core::takes_rows core; @p fill: the bias rows
 // are written here first, else that core wrote them).

@@ -1,5 +1,6 @@
 // Partial attention: clmha_layer_attend() (the attention of one range of keys, with the
-// log-sum-exp rows, from a core that writes them), clmha_attention_merge() (the exact merge of
+// log-sum-exp rows, from a core that writes them: the layer's input projections and the middle,
+// middle.c, with the head tiles and rows going to the caller), clmha_attention_merge() (the exact merge of
 // two such results, by the core that merges: clmha__core_merge()) and
 // clmha_layer_project_heads() (the head merge and output projection of a merged result).
 #include "base/checked.h"
@@ -8,6 +9,7 @@
 #include "device/held.h"
 #include "forward/enqueue.h"
 #include "forward/forward.h"
+#include "forward/middle.h"
 #include "layer/layer.h"
 #include "layer/shape.h"
 
@@ -146,9 +148,10 @@ clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t 
         return st;
     clmha__dims d = {.n = batch, .l = tgt_len, .e = e, .h = layer->h, .d = layer->d,
                      .batch_first = layer->desc.batch_first};
+    clmha__heads_out merged = {.buffer = layer->proj, .batch_first = layer->desc.batch_first};
     clmha__layer_marks_release(layer);
     if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
-        (st = clmha__forward_merge_heads(layer, &d, heads, heads_offset)) ||
+        (st = clmha__heads_put(layer, heads, heads_offset, batch, layer->h, tgt_len, &merged)) ||
         (st = clmha__forward_out_project(layer, &d, layer->proj, output, output_offset, true)))
         return st;
     return clmha__enqueue_event(ctx, event);
