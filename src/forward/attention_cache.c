@@ -18,7 +18,7 @@ typedef struct entry {
 
 typedef struct cache {
     pthread_mutex_t lock;  // held from clmha__attention_lock() to clmha__attention_unlock()
-    entry *first;
+    entry *first;          // the most recently used first
 } cache;
 
 static void cache_release(void *p) {
@@ -64,19 +64,41 @@ static clmha_status make(clmha_context *ctx, cache *c, size_t heads, size_t kv_h
     return CLMHA_SUCCESS;
 }
 
+// Past CLMHA__ATTENTION_CACHE_MAX entries, the least recently used goes (its layer's buffers
+// stay alive, held by OpenCL, until the commands enqueued on them finish).
+static void evict(cache *c) {
+    size_t k = 0;
+    for (entry **p = &c->first; *p; ++k) {
+        if (k < CLMHA__ATTENTION_CACHE_MAX) {
+            p = &(*p)->next;
+            continue;
+        }
+        entry *e = *p;
+        *p = e->next;
+        clmha_layer_release(e->layer);
+        free(e);
+    }
+}
+
 clmha_status clmha__attention_lock(clmha_context *ctx, size_t heads, size_t kv_heads,
                                    size_t head_dim, clmha_layer **layer) {
     *layer = NULL;
     cache *c = cache_of(ctx);
     if (!c) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     pthread_mutex_lock(&c->lock);
-    for (entry *e = c->first; e; e = e->next)
+    for (entry **p = &c->first; *p; p = &(*p)->next) {
+        entry *e = *p;
         if (e->heads == heads && e->kv_heads == kv_heads && e->head_dim == head_dim) {
+            *p = e->next;  // to the front
+            e->next = c->first;
+            c->first = e;
             *layer = e->layer;
             return CLMHA_SUCCESS;
         }
+    }
     clmha_status st = make(ctx, c, heads, kv_heads, head_dim, layer);
     if (st) pthread_mutex_unlock(&c->lock);
+    else evict(c);
     return st;
 }
 

@@ -1,5 +1,6 @@
 // The bare layers of clmha_attention_forward(), per context (attention_cache.c): one per
-// (H, H_kv, D), made on the first call that needs it, freed with the context.
+// (H, H_kv, D), made on the first call that needs it, freed with the context; at most
+// CLMHA__ATTENTION_CACHE_MAX of them, the least recently used freed first.
 #ifndef CLMHA_FORWARD_ATTENTION_CACHE_H
 #define CLMHA_FORWARD_ATTENTION_CACHE_H
 
@@ -9,6 +10,9 @@
 
 #include "base/defs.h"
 #include "layer/layer.h"
+
+// The most bare layers a context keeps (each holds the scratch of its largest call).
+#define CLMHA__ATTENTION_CACHE_MAX 8
 
 // Locks the attention cache of @p ctx (made on first use) and sets *layer to its bare layer for
 // (@p heads, @p kv_heads, @p head_dim), made on first use (clmha__layer_new_bare() and every

@@ -336,6 +336,22 @@ Test(sdpa, every_mask_shape_and_kind, .timeout = 600) {
     clmha_context_release(ctx);
 }
 
+// More (H, H_kv, D) than the context keeps bare layers for (CLMHA__ATTENTION_CACHE_MAX, 8):
+// ten head dimensions, then the first ones again (made anew after the least recently used
+// went, or found again), each against the reference with both cores.
+Test(sdpa, more_shapes_than_the_cache_keeps, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    static const size_t dims[] = {2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 2, 12, 3};
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; ++i) {
+        char name[32];
+        snprintf(name, sizeof name, "cache_d%zu_%zu", dims[i], i);
+        scase c = {.name = name, .layout = CLMHA_LAYOUT_NHLD, .batched = true, .n = 1, .h = 2,
+                   .l = 3, .s = 5, .d = dims[i], .causal = i % 2 == 1};
+        check_case(ctx, &c);
+    }
+    clmha_context_release(ctx);
+}
+
 // The reference on a case small enough to write out: one head, L 1, S 2, D 1, q 1, k (0, 2),
 // v (1, 3), scale 0.5: scores (0, 1), weights (1, e)/(1 + e), output (1 + 3e)/(1 + e),
 // lse log(1 + e).
