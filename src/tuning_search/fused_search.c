@@ -17,25 +17,76 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-// Times the fused stage of @p layer on the prepared call: one warm-up (builds, checks the
-// output against @p ref within 1e-4·(1 + max|ref|)), then @p reps profiled forwards.
-static bool fused_time(clmha_layer *layer, const clmha_forward_args *args, cl_mem out,
-                       float *host_out, const double *ref, size_t count, double scale, int reps,
-                       double *ms) {
-    clmha_context *ctx = layer->ctx;
-    if (clmha_layer_forward(layer, args, out, 0, NULL, 0, 0, NULL, NULL) ||
-        clEnqueueReadBuffer(ctx->queue, out, CL_TRUE, 0, count * sizeof(float), host_out, 0,
-                            NULL, NULL) != CL_SUCCESS)
+// The call every candidate is timed on: a random layer (profiling on), its input on the device,
+// the double-precision reference output.
+typedef struct fused_call {
+    clmha__random_layer rl;
+    clmha_forward_args args;  // the input in args.query (its buffer and its host copy)
+    cl_mem qbuf, obuf;        // the input, the output
+    float *x, *y;             // the input; the output read back
+    double *ref;              // the reference output
+    double scale;             // 1 + max |ref| (at least 1)
+    size_t count;             // floats of the input and of the output
+} fused_call;
+
+// Makes @p fc for @p shape (the layer's parameters, then the input, drawn from @p rng). False
+// when it could not be made; fused_call_free() frees what it made either way.
+static bool fused_call_make(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
+                            fused_call *fc) {
+    size_t n = shape->batch, l = shape->tgt_len, e = shape->embed_dim, h = shape->num_heads;
+    size_t count = fc->count = n * l * e;
+    fc->x = malloc(count * sizeof *fc->x), fc->y = malloc(count * sizeof *fc->y);
+    fc->ref = malloc(count * sizeof *fc->ref);
+    if (!fc->x || !fc->y || !fc->ref || !clmha__random_layer_make(ctx, rng, e, h, &fc->rl))
         return false;
-    for (size_t i = 0; i < count; ++i) {
-        double e = fabs((double)host_out[i] - ref[i]);
-        if (!(e <= 1e-4 * scale)) return false;  // NaN fails too
+    for (size_t i = 0; i < count; ++i) fc->x[i] = rand_unit(rng);
+    fc->args = (clmha_forward_args){.struct_size = sizeof fc->args,
+                                    .query = {.ndim = 3, .shape = {l, n, e}, .data = fc->x},
+                                    .impl = CLMHA_IMPL_FUSED};
+    char msg[256];
+    if (clmha_reference_forward(&fc->rl.desc, &fc->rl.rp, &fc->args, fc->ref, count, NULL, 0, msg,
+                                sizeof msg))
+        return false;
+    fc->scale = 1.0;
+    for (size_t i = 0; i < count; ++i) fc->scale = fmax(fc->scale, 1.0 + fabs(fc->ref[i]));
+    cl_int err;
+    fc->qbuf = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                              count * sizeof(float), fc->x, &err);
+    clmha__held_new(CLMHA__HELD_MEM, fc->qbuf);
+    if (err == CL_SUCCESS) {
+        fc->obuf = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, count * sizeof(float), NULL,
+                                  &err);
+        clmha__held_new(CLMHA__HELD_MEM, fc->obuf);
+    }
+    if (err != CL_SUCCESS) return false;
+    fc->args.query.buffer = fc->qbuf;
+    return !clmha_layer_set_profiling(fc->rl.layer, true);
+}
+
+static void fused_call_free(fused_call *fc) {
+    clmha__release_mem(fc->qbuf);
+    clmha__release_mem(fc->obuf);
+    clmha__random_layer_free(&fc->rl);
+    free(fc->x), free(fc->y), free(fc->ref);
+}
+
+// Times the fused stage of @p fc's layer on its call: one warm-up (builds, checks the output
+// against the reference within 1e-4·(1 + max|ref|)), then @p reps profiled forwards.
+static bool fused_time(const fused_call *fc, int reps, double *ms) {
+    clmha_layer *layer = fc->rl.layer;
+    if (clmha_layer_forward(layer, &fc->args, fc->obuf, 0, NULL, 0, 0, NULL, NULL) ||
+        clEnqueueReadBuffer(layer->ctx->queue, fc->obuf, CL_TRUE, 0, fc->count * sizeof(float),
+                            fc->y, 0, NULL, NULL) != CL_SUCCESS)
+        return false;
+    for (size_t i = 0; i < fc->count; ++i) {
+        double e = fabs((double)fc->y[i] - fc->ref[i]);
+        if (!(e <= 1e-4 * fc->scale)) return false;  // NaN fails too
     }
     double t[9];
     if (reps > 9) reps = 9;
     for (int r = 0; r < reps; ++r) {
         double stages[CLMHA_STAGE_COUNT];
-        if (clmha_layer_forward(layer, args, out, 0, NULL, 0, 0, NULL, NULL) ||
+        if (clmha_layer_forward(layer, &fc->args, fc->obuf, 0, NULL, 0, 0, NULL, NULL) ||
             clmha_layer_stage_times(layer, stages))
             return false;
         t[r] = stages[CLMHA_STAGE_FUSED];
@@ -45,59 +96,48 @@ static bool fused_time(clmha_layer *layer, const clmha_forward_args *args, cl_me
     return true;
 }
 
-// D. The fused attention kernel's tiles on the first layer shape (self-attention, random
-// parameters and inputs): every candidate must reproduce the double-precision reference's
-// output; the fastest fused stage wins. Tiled mapping: work-group sizes 32 to 128 (within the
-// device limit), keys per tile 16 to 64, one or two rows per work-item, the device class's
-// default vector width (CPUs: the native float width) or scalar. Lanes mapping: below.
-void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
-                       double deadline, clmha__fused_result *res) {
-    memset(res, 0, sizeof *res);
-    size_t n = shape->batch, l = shape->tgt_len, e = shape->embed_dim, h = shape->num_heads;
-    res->flops = 4.0 * (double)n * (double)l * (double)l * (double)e;
-    size_t count = n * l * e;
-    clmha__random_layer rl = {0};
-    float *x = malloc(count * sizeof *x), *y = malloc(count * sizeof *y);
-    double *ref = malloc(count * sizeof *ref);
-    cl_mem qbuf = NULL, obuf = NULL;
-    if (!x || !y || !ref || !clmha__random_layer_make(ctx, rng, e, h, &rl)) goto done;
-    clmha_layer *layer = rl.layer;
-    for (size_t i = 0; i < count; ++i) x[i] = rand_unit(rng);
-    clmha_forward_args args = {.struct_size = sizeof args,
-                               .query = {.ndim = 3, .shape = {l, n, e}, .data = x},
-                               .impl = CLMHA_IMPL_FUSED};
-    char msg[256];
-    if (clmha_reference_forward(&rl.desc, &rl.rp, &args, ref, count, NULL, 0, msg, sizeof msg))
-        goto done;
-    double scale = 1.0;
-    for (size_t i = 0; i < count; ++i) scale = fmax(scale, 1.0 + fabs(ref[i]));
-    cl_int err;
-    qbuf = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
-                          count * sizeof(float), x, &err);
-    clmha__held_new(CLMHA__HELD_MEM, qbuf);
-    if (err == CL_SUCCESS) {
-        obuf = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
-        clmha__held_new(CLMHA__HELD_MEM, obuf);
-    }
-    if (err != CL_SUCCESS) goto done;
-    args.query.buffer = qbuf;
-    if (clmha_layer_set_profiling(layer, true)) goto done;
+static void set_best(clmha__fused_result *res, const clmha__fused_tiles *used) {
+    res->best[0] = used->bq, res->best[1] = used->bk;
+    res->best[2] = used->rpw, res->best[3] = used->vw;
+}
 
-    // The default tiles first: the yardstick.
-    clmha__fused_tiles def = clmha__fused_tiles_for(ctx, layer->d), used;
-    if (clmha__layer_set_fused_tiles(layer, &def, &used) ||
-        !fused_time(layer, &args, obuf, y, ref, count, scale, 5, &res->default_ms))
-        goto done;
-    res->searched = true;
-    res->best_ms = res->default_ms;
-    res->best[0] = used.bq, res->best[1] = used.bk, res->best[2] = used.rpw, res->best[3] = used.vw;
+// Times the candidate @p tiles (as the layer fits them) unless they come to the default
+// @p def; records it in *res.
+static void fused_try(fused_call *fc, const clmha__fused_tiles *tiles,
+                      const clmha__fused_tiles *def, clmha__fused_result *res) {
+    clmha__fused_tiles used;
+    if (clmha__layer_set_fused_tiles(fc->rl.layer, tiles, &used)) {
+        ++res->tried, ++res->rejected;
+        return;
+    }
+    if (used.bq == def->bq && used.bk == def->bk && used.rpw == def->rpw && used.vw == def->vw)
+        return;  // the default, timed before
+    ++res->tried;
+    double ms;
+    if (!fused_time(fc, 3, &ms)) {
+        ++res->rejected;
+        return;
+    }
+    // A lead must hold in a second, longer timing.
+    if (ms < res->best_ms && fused_time(fc, 5, &ms) && ms < 0.97 * res->best_ms) {
+        res->best_ms = ms;
+        set_best(res, &used);
+        res->improved = true;
+    }
+}
+
+// The candidates, in order, until @p deadline. Tiled mapping: work-group sizes 32 to 128
+// (within the device limit), keys per tile 16 to 64, one or two rows per work-item, the device
+// class's default vector width (CPUs: the native float width) or scalar.
+static void fused_candidates(clmha_context *ctx, fused_call *fc, const clmha__fused_tiles *def,
+                             double deadline, clmha__fused_result *res) {
     size_t vw = clmha__fused_default_vw(ctx);
     static const size_t bqs[] = {64, 32, 128}, bks[] = {32, 64, 16}, rpws[] = {2, 1};
     // The lanes mapping: one work-item per group (a tuning with bq > 1 is taken for the tiled
     // mapping's), 16 to 64 rows and 32 to 128 keys per tile, the native width only (its rows
     // are the vector lanes: scalar would be one row per vector).
     static const size_t lane_bqs[] = {1}, lane_bks[] = {64, 32, 128}, lane_rpws[] = {32, 64, 16};
-    bool lanes = def.lanes;
+    bool lanes = def->lanes;
     const size_t *cand_bq = lanes ? lane_bqs : bqs, *cand_bk = lanes ? lane_bks : bks,
                  *cand_rpw = lanes ? lane_rpws : rpws;
     size_t n_bq = lanes ? 1 : 3, n_rpw = lanes ? 3 : 2;
@@ -107,37 +147,32 @@ void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape
         for (size_t b = 0; b < 3; ++b)
             for (size_t c = 0; c < n_rpw; ++c)
                 for (size_t v = 0; v < n_vw; ++v) {
-                    if (now_s() > deadline) goto done;
+                    if (now_s() > deadline) return;
                     clmha__fused_tiles tiles = {.bq = cand_bq[a], .bk = cand_bk[b],
                                                 .rpw = cand_rpw[c], .vw = vws[v]};
                     if (tiles.bq > ctx->max_work_group) continue;
-                    double ms;
-                    if (clmha__layer_set_fused_tiles(layer, &tiles, &used)) {
-                        ++res->tried, ++res->rejected;
-                        continue;
-                    }
-                    if (used.bq == def.bq && used.bk == def.bk && used.rpw == def.rpw &&
-                        used.vw == def.vw)
-                        continue;  // the default, timed above
-                    ++res->tried;
-                    if (!fused_time(layer, &args, obuf, y, ref, count, scale, 3, &ms)) {
-                        ++res->rejected;
-                        continue;
-                    }
-                    // A lead must hold in a second, longer timing.
-                    if (ms < res->best_ms &&
-                        fused_time(layer, &args, obuf, y, ref, count, scale, 5, &ms) &&
-                        ms < 0.97 * res->best_ms) {
-                        res->best_ms = ms;
-                        res->best[0] = used.bq, res->best[1] = used.bk;
-                        res->best[2] = used.rpw, res->best[3] = used.vw;
-                        res->improved = true;
-                    }
+                    fused_try(fc, &tiles, def, res);
                 }
-done:
-    clmha__release_mem(qbuf);
-    clmha__release_mem(obuf);
-    clmha__random_layer_free(&rl);
-    free(x), free(y), free(ref);
 }
 
+// D. The fused attention kernel's tiles on the first layer shape (self-attention, random
+// parameters and inputs): every candidate must reproduce the double-precision reference's
+// output; the fastest fused stage wins. The default tiles are timed first: the yardstick.
+void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
+                       double deadline, clmha__fused_result *res) {
+    memset(res, 0, sizeof *res);
+    size_t n = shape->batch, l = shape->tgt_len, e = shape->embed_dim;
+    res->flops = 4.0 * (double)n * (double)l * (double)l * (double)e;
+    fused_call fc = {0};
+    if (fused_call_make(ctx, rng, shape, &fc)) {
+        clmha__fused_tiles def = clmha__fused_tiles_for(ctx, fc.rl.layer->d), used;
+        if (!clmha__layer_set_fused_tiles(fc.rl.layer, &def, &used) &&
+            fused_time(&fc, 5, &res->default_ms)) {
+            res->searched = true;
+            res->best_ms = res->default_ms;
+            set_best(res, &used);
+            fused_candidates(ctx, &fc, &def, deadline, res);
+        }
+    }
+    fused_call_free(&fc);
+}
