@@ -50,14 +50,26 @@ static bool step_time(clmha_layer *layer, const bench *b, const float *q, float 
     return true;
 }
 
-// Both cache lengths: the sum of the medians.
-static bool split_time(clmha_layer *layer, const size_t split[2], const bench *b, size_t nb,
-                       const float *q, float *y, int reps, double *ms) {
+// The cache lengths every split is timed at.
+static const size_t lengths[2] = {CLMHA__DECODE_TUNE_SHORT, CLMHA__DECODE_TUNE_LONG};
+
+// The step every split is timed on: a random layer (profiling on), the query row, a cache per
+// length.
+typedef struct decode_call {
+    clmha__random_layer rl;
+    float *q, *y;   // the query row (E floats), the output row
+    bench b[2];     // one per length
+    size_t nb;      // those made
+} decode_call;
+
+// Both cache lengths of @p dc with @p split: the sum of the medians.
+static bool split_time(decode_call *dc, const size_t split[2], int reps, double *ms) {
+    clmha_layer *layer = dc->rl.layer;
     clmha__decode_set_split(layer, split);
     *ms = 0.0;
-    for (size_t i = 0; i < nb; ++i) {
+    for (size_t i = 0; i < dc->nb; ++i) {
         double t;
-        if (!step_time(layer, &b[i], q, y, reps, &t)) return false;
+        if (!step_time(layer, &dc->b[i], dc->q, dc->y, reps, &t)) return false;
         *ms += t;
     }
     return true;
@@ -94,88 +106,114 @@ static bool bench_make(const clmha__random_layer *rl, uint64_t *rng, size_t s, c
     return ok;
 }
 
-// E. Candidates: work-items per compute unit from 1 to 64 on CPUs (16 to 1024 on GPUs), keys
-// per range 16 to 512; candidates that give the same range counts at both cache lengths as one
-// already timed are skipped. A candidate within 3% of the best so far is timed again in turn
-// with the default; the best ratio to the default wins when it is below 0.97.
-void clmha__tune_decode(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
-                        double deadline, clmha__decode_result *res) {
-    memset(res, 0, sizeof *res);
+// Makes @p dc for @p shape (the layer's parameters, the query, then the caches, drawn from
+// @p rng), unless @p deadline has passed. False when it could not be made; decode_call_free()
+// frees what it made either way.
+static bool decode_call_make(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
+                             double deadline, decode_call *dc) {
     size_t e = shape->embed_dim, h = shape->num_heads;
-    clmha__random_layer rl = {0};
-    bench b[2] = {{0}};
-    size_t nb = 0;
-    float *q = malloc(e * sizeof *q), *y = malloc(e * sizeof *y);
-    if (!q || !y || now_s() > deadline || !clmha__random_layer_make(ctx, rng, e, h, &rl))
-        goto done;
-    clmha_layer *layer = rl.layer;
-    for (size_t i = 0; i < e; ++i) q[i] = rand_unit(rng);
-    static const size_t lengths[2] = {CLMHA__DECODE_TUNE_SHORT, CLMHA__DECODE_TUNE_LONG};
-    for (; nb < 2; ++nb)
-        if (!bench_make(&rl, rng, lengths[nb], q, y, &b[nb])) goto done;
-    if (clmha_layer_set_profiling(layer, true)) goto done;
+    dc->q = malloc(e * sizeof *dc->q), dc->y = malloc(e * sizeof *dc->y);
+    if (!dc->q || !dc->y || now_s() > deadline ||
+        !clmha__random_layer_make(ctx, rng, e, h, &dc->rl))
+        return false;
+    for (size_t i = 0; i < e; ++i) dc->q[i] = rand_unit(rng);
+    for (; dc->nb < 2; ++dc->nb)
+        if (!bench_make(&dc->rl, rng, lengths[dc->nb], dc->q, dc->y, &dc->b[dc->nb]))
+            return false;
+    return !clmha_layer_set_profiling(dc->rl.layer, true);
+}
 
-    // The default split first: the yardstick.
-    size_t def[2], rows = h;  // N = 1, one query row: N·KV heads·L query-row groups
-    clmha__decode_default_split(ctx, def);
-    // A driver whose profiled times are all zero (rusticl on llvmpipe) cannot rank splits.
-    if (now_s() > deadline || !split_time(layer, def, b, nb, q, y, 5, &res->default_ms) ||
-        !(res->default_ms > 0))
-        goto done;
-    res->searched = true;
-    res->best_ms = res->default_ms;
-    memcpy(res->best, def, sizeof def);
-    double best_ratio = 1.0, lead = res->default_ms;  // lead: the screening time to beat
-    size_t timed[64][2], ntimed = 0;
-    timed[ntimed][0] = clmha__decode_parts(ctx, def, rows, lengths[0]);
-    timed[ntimed++][1] = clmha__decode_parts(ctx, def, rows, lengths[1]);
+static void decode_call_free(decode_call *dc) {
+    for (size_t i = 0; i < 2; ++i) {  // a failed bench_make may leave either
+        clmha_kv_cache_release(dc->b[i].cache);
+        free(dc->b[i].ref);
+    }
+    clmha__random_layer_free(&dc->rl);
+    free(dc->q), free(dc->y);
+}
+
+// Where the search stands.
+typedef struct search {
+    size_t def[2];            // the default split
+    size_t rows;              // N·KV heads·L query-row groups (N = 1, one query row)
+    double best_ratio, lead;  // the best candidate's ratio to the default; its screening time
+    size_t timed[64][2], ntimed;  // the range counts (at both lengths) of the splits timed
+} search;
+
+// Whether @p split gives range counts at both cache lengths that no split timed so far gave
+// (and there is room to note them): then they are noted.
+static bool new_parts(clmha_context *ctx, search *sr, const size_t split[2]) {
+    size_t p0 = clmha__decode_parts(ctx, split, sr->rows, lengths[0]),
+           p1 = clmha__decode_parts(ctx, split, sr->rows, lengths[1]);
+    bool seen = false;
+    for (size_t i = 0; i < sr->ntimed && !seen; ++i)
+        seen = sr->timed[i][0] == p0 && sr->timed[i][1] == p1;
+    if (seen || sr->ntimed == sizeof sr->timed / sizeof sr->timed[0]) return false;
+    sr->timed[sr->ntimed][0] = p0, sr->timed[sr->ntimed++][1] = p1;
+    return true;
+}
+
+// A lead (@p split, screened at @p ms) must hold against the default timed in turn with it
+// (the machine's speed drifts): the medians of three rounds each.
+static void confirm(decode_call *dc, search *sr, const size_t split[2], double ms,
+                    clmha__decode_result *res) {
+    double d[3], c[3];
+    for (int r = 0; r < 3; ++r)
+        if (!split_time(dc, sr->def, 3, &d[r]) || !split_time(dc, split, 3, &c[r])) return;
+    qsort(d, 3, sizeof d[0], cmp_double);
+    qsort(c, 3, sizeof c[0], cmp_double);
+    double ratio = c[1] / d[1];
+    if (ratio < 0.97 && ratio < sr->best_ratio) {
+        sr->best_ratio = ratio, sr->lead = ms;
+        res->default_ms = d[1], res->best_ms = c[1];
+        memcpy(res->best, split, 2 * sizeof split[0]);
+        res->improved = true;
+    }
+}
+
+// The candidates, in order, until @p deadline.
+static void candidates(clmha_context *ctx, decode_call *dc, search *sr, double deadline,
+                       clmha__decode_result *res) {
     static const size_t items_cpu[] = {1, 2, 4, 8, 16, 32, 64},
                         items_gpu[] = {16, 32, 64, 128, 256, 512, 1024},
                         keys[] = {16, 32, 64, 128, 256, 512};
     const size_t *items = ctx->cls->coalesced ? items_gpu : items_cpu;
     for (size_t a = 0; a < sizeof items_cpu / sizeof items_cpu[0]; ++a)
         for (size_t k = 0; k < sizeof keys / sizeof keys[0]; ++k) {
-            if (now_s() > deadline) goto done;
+            if (now_s() > deadline) return;
             size_t split[2] = {items[a], keys[k]};
-            size_t p0 = clmha__decode_parts(ctx, split, rows, lengths[0]),
-                   p1 = clmha__decode_parts(ctx, split, rows, lengths[1]);
-            bool seen = false;
-            for (size_t i = 0; i < ntimed && !seen; ++i)
-                seen = timed[i][0] == p0 && timed[i][1] == p1;
-            if (seen || ntimed == sizeof timed / sizeof timed[0]) continue;
-            timed[ntimed][0] = p0, timed[ntimed++][1] = p1;
+            if (!new_parts(ctx, sr, split)) continue;
             ++res->tried;
             double ms;
-            if (!split_time(layer, split, b, nb, q, y, 3, &ms)) {
+            if (!split_time(dc, split, 3, &ms)) {
                 ++res->rejected;
                 continue;
             }
-            // A lead must hold against the default timed in turn with it (the machine's speed
-            // drifts): the medians of three rounds each.
-            if (ms < lead * 1.03) {
-                double d[3], c[3];
-                int r = 0;
-                for (; r < 3; ++r)
-                    if (!split_time(layer, def, b, nb, q, y, 3, &d[r]) ||
-                        !split_time(layer, split, b, nb, q, y, 3, &c[r]))
-                        break;
-                if (r < 3) continue;
-                qsort(d, 3, sizeof d[0], cmp_double);
-                qsort(c, 3, sizeof c[0], cmp_double);
-                double ratio = c[1] / d[1];
-                if (ratio < 0.97 && ratio < best_ratio) {
-                    best_ratio = ratio, lead = ms;
-                    res->default_ms = d[1], res->best_ms = c[1];
-                    memcpy(res->best, split, sizeof split);
-                    res->improved = true;
-                }
-            }
+            if (ms < sr->lead * 1.03) confirm(dc, sr, split, ms, res);
         }
-done:
-    for (size_t i = 0; i < 2; ++i) {  // a failed bench_make may leave either
-        clmha_kv_cache_release(b[i].cache);
-        free(b[i].ref);
+}
+
+// E. Candidates: work-items per compute unit from 1 to 64 on CPUs (16 to 1024 on GPUs), keys
+// per range 16 to 512; candidates that give the same range counts at both cache lengths as one
+// already timed are skipped. A candidate within 3% of the best so far is timed again in turn
+// with the default; the best ratio to the default wins when it is below 0.97. The default split
+// is timed first: the yardstick.
+void clmha__tune_decode(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
+                        double deadline, clmha__decode_result *res) {
+    memset(res, 0, sizeof *res);
+    decode_call dc = {0};
+    search sr = {.rows = shape->num_heads, .best_ratio = 1.0};
+    if (decode_call_make(ctx, rng, shape, deadline, &dc)) {
+        clmha__decode_default_split(ctx, sr.def);
+        // A driver whose profiled times are all zero (rusticl on llvmpipe) cannot rank splits.
+        if (now_s() <= deadline && split_time(&dc, sr.def, 5, &res->default_ms) &&
+            res->default_ms > 0) {
+            res->searched = true;
+            res->best_ms = sr.lead = res->default_ms;
+            memcpy(res->best, sr.def, sizeof sr.def);
+            new_parts(ctx, &sr, sr.def);  // the default's range counts: timed
+            candidates(ctx, &dc, &sr, deadline, res);
+        }
     }
-    clmha__random_layer_free(&rl);
-    free(q), free(y);
+    decode_call_free(&dc);
 }
