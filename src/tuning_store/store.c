@@ -34,6 +34,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -488,6 +489,139 @@ static const char *string_field(const cJSON *root, const char *name) {
     return cJSON_IsString(v) ? v->valuestring : NULL;
 }
 
+// The kernels a tuning file may hold, in the file's order: the name, the parameters' names, and
+// where their values and the kernel's has_ flag are in a clmha__tuning (offsets).
+typedef struct kernel_fields {
+    const char *name;
+    size_t count;
+    const char *const *names;
+    size_t values, has;
+} kernel_fields;
+
+#define KERNEL(name, count, names, values, has) \
+    {name, count, names, offsetof(clmha__tuning, values), offsetof(clmha__tuning, has)}
+static const kernel_fields kernel_table[] = {
+    KERNEL("Xgemm", CLMHA__XGEMM_PARAMS, clmha__xgemm_names, xgemm, has_xgemm),
+    KERNEL("XgemmDirect", CLMHA__DIRECT_PARAMS, clmha__direct_names, direct, has_direct),
+    KERNEL("GemmRoutine", 1, clmha__routine_names, min_indirect, has_routine),
+    KERNEL("FusedAttention", CLMHA__FUSED_PARAMS, clmha__fused_names, fused, has_fused),
+    KERNEL("DecodeSplit", CLMHA__DECODE_PARAMS, clmha__decode_names, decode, has_decode),
+};
+#undef KERNEL
+
+// The top-level fields of a tuning file: NULL where absent or (but for version and kernels)
+// not a string.
+typedef struct file_head {
+    const char *format, *platform, *device, *driver, *precision, *clblast;
+    const cJSON *version, *kernels;
+} file_head;
+
+static file_head head_of(const cJSON *root) {
+    return (file_head){.format = string_field(root, "format"),
+                       .version = cJSON_GetObjectItemCaseSensitive(root, "version"),
+                       .platform = string_field(root, "platform"),
+                       .device = string_field(root, "device"),
+                       .driver = string_field(root, "driver"),
+                       .precision = string_field(root, "precision"),
+                       .clblast = string_field(root, "clblast"),
+                       .kernels = cJSON_GetObjectItemCaseSensitive(root, "kernels")};
+}
+
+// Whether @p root (its fields in @p h) is a tuning file this clmha reads: the format and
+// version, the fields every tuning has, the precision, a kernels object. CLMHA_INVALID_FILE
+// with the reason when not.
+static clmha_status check_format(const cJSON *root, const file_head *h, char *msg,
+                                 size_t msg_size) {
+    if (!cJSON_IsObject(root) || !h->format || strcmp(h->format, TUNING_FORMAT) != 0)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "not a clmha tuning (\"format\" must be \"" TUNING_FORMAT "\")");
+    if (!cJSON_IsNumber(h->version) || h->version->valuedouble != TUNING_VERSION)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "unsupported tuning version (this clmha reads version %d)",
+                          TUNING_VERSION);
+    if (!h->platform || !h->device || !h->driver)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "the tuning lacks \"platform\", \"device\" or \"driver\"");
+    if (h->precision && strcmp(h->precision, "float32") != 0)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "the tuning is for precision \"%.20s\", clmha needs \"float32\"",
+                          h->precision);
+    if (!cJSON_IsObject(h->kernels))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                          "the tuning lacks a \"kernels\" object");
+    return CLMHA_SUCCESS;
+}
+
+// Whether the tuning of @p h (check_format() passed) is for @p tg's device and driver and, when
+// it holds CLBlast's kernels, for this CLBlast version. CLMHA_UNSUPPORTED with the reason when
+// not.
+static clmha_status check_target(const file_head *h, const clmha__tuning_target *tg, char *msg,
+                                 size_t msg_size) {
+    const clmha_device_info *info = tg->info;
+    if (strcmp(h->platform, info->platform_name) != 0 ||
+        strcmp(h->device, info->device_name) != 0)
+        return clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                          "the tuning is for device \"%.100s\" of platform \"%.100s\", not for "
+                          "this context's \"%s\" of \"%s\"",
+                          h->device, h->platform, info->device_name, info->platform_name);
+    if (strcmp(h->driver, info->driver_version) != 0)
+        return clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                          "the tuning is for driver version \"%.60s\", the device has \"%s\" "
+                          "(tune again: clmha tune)",
+                          h->driver, info->driver_version);
+    if (!names_clblast_kernel(h->kernels) ||
+        (h->clblast && strcmp(h->clblast, CLMHA__CLBLAST_VERSION) == 0))
+        return CLMHA_SUCCESS;
+    // CLBlast's parameters (names, constraints, what its kernels do with them) belong to a
+    // CLBlast version. A file without "clblast" was written by a clmha older than the field.
+    if (h->clblast)
+        return clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                          "the tuning is for CLBlast %.40s, this clmha uses CLBlast "
+                          CLMHA__CLBLAST_VERSION " (tune again: clmha tune)",
+                          h->clblast);
+    return clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                      "the tuning does not say which CLBlast version it is for (an older "
+                      "clmha wrote it), this clmha uses CLBlast " CLMHA__CLBLAST_VERSION
+                      " (tune again: clmha tune)");
+}
+
+// Reads each kernel of the object @p kernels into @p t (its has_ flag set), in the file's
+// order; stops at the first that is unknown or malformed.
+static clmha_status read_kernels(const cJSON *kernels, clmha__tuning *t, char *msg,
+                                 size_t msg_size) {
+    for (const cJSON *k = kernels->child; k; k = k->next) {
+        const char *name = k->string ? k->string : "";
+        const kernel_fields *f = NULL;
+        for (size_t i = 0; i < sizeof kernel_table / sizeof kernel_table[0] && !f; ++i)
+            if (strcmp(name, kernel_table[i].name) == 0) f = &kernel_table[i];
+        if (!f)
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
+                              "unknown kernel \"%.40s\" (known: Xgemm, XgemmDirect, GemmRoutine, "
+                              "FusedAttention, DecodeSplit)",
+                              name);
+        clmha_status st = parse_params(k, f->name, f->count, f->names,
+                                       (size_t *)((char *)t + f->values), msg, msg_size);
+        *(bool *)((char *)t + f->has) = true;
+        if (st) return st;
+    }
+    return CLMHA_SUCCESS;
+}
+
+// The "measured" object of @p root, when there is one, into @p meta (what is missing or
+// malformed stays 0 or empty).
+static void read_measured(const cJSON *root, clmha__tuning_meta *meta) {
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(root, "measured");
+    if (!cJSON_IsObject(m)) return;
+    meta->default_gflops = meta_number(m, "sgemm_1024_default_gflops");
+    meta->tuned_gflops = meta_number(m, "sgemm_1024_tuned_gflops");
+    meta->default_layer_gflops = meta_number(m, "layer_projection_default_gflops");
+    meta->tuned_layer_gflops = meta_number(m, "layer_projection_tuned_gflops");
+    meta->candidates = (size_t)meta_number(m, "candidates");
+    meta->seconds = meta_number(m, "seconds");
+    meta_string(m, "layer", meta->layer, sizeof meta->layer);
+    meta_string(m, "date", meta->date, sizeof meta->date);
+}
+
 clmha_status clmha__tuning_from_json(const clmha__tuning_target *tg, const char *json,
                                      clmha__tuning *t, clmha__tuning_meta *meta, char *msg,
                                      size_t msg_size) {
@@ -499,100 +633,14 @@ clmha_status clmha__tuning_from_json(const clmha__tuning_target *tg, const char 
     cJSON *root = cJSON_Parse(json);
     if (!root)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "the tuning is not valid JSON");
-    clmha_status st = CLMHA_SUCCESS;
-    const char *format = string_field(root, "format");
-    const cJSON *version = cJSON_GetObjectItemCaseSensitive(root, "version");
-    const char *platform = string_field(root, "platform");
-    const char *device = string_field(root, "device");
-    const char *driver = string_field(root, "driver");
-    const char *precision = string_field(root, "precision");
-    const char *clblast = string_field(root, "clblast");
-    const cJSON *kernels = cJSON_GetObjectItemCaseSensitive(root, "kernels");
-    if (!cJSON_IsObject(root) || !format || strcmp(format, TUNING_FORMAT) != 0) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "not a clmha tuning (\"format\" must be \"" TUNING_FORMAT "\")");
-    } else if (!cJSON_IsNumber(version) || version->valuedouble != TUNING_VERSION) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "unsupported tuning version (this clmha reads version %d)",
-                        TUNING_VERSION);
-    } else if (!platform || !device || !driver) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "the tuning lacks \"platform\", \"device\" or \"driver\"");
-    } else if (precision && strcmp(precision, "float32") != 0) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                        "the tuning is for precision \"%.20s\", clmha needs \"float32\"",
-                        precision);
-    } else if (!cJSON_IsObject(kernels)) {
-        st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE, "the tuning lacks a \"kernels\" object");
-    } else if (strcmp(platform, tg->info->platform_name) != 0 ||
-               strcmp(device, tg->info->device_name) != 0) {
-        st = clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
-                        "the tuning is for device \"%.100s\" of platform \"%.100s\", not for this "
-                        "context's \"%s\" of \"%s\"",
-                        device, platform, tg->info->device_name, tg->info->platform_name);
-    } else if (strcmp(driver, tg->info->driver_version) != 0) {
-        st = clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
-                        "the tuning is for driver version \"%.60s\", the device has \"%s\" "
-                        "(tune again: clmha tune)",
-                        driver, tg->info->driver_version);
-    } else if (names_clblast_kernel(kernels) &&
-               (!clblast || strcmp(clblast, CLMHA__CLBLAST_VERSION) != 0)) {
-        // CLBlast's parameters (names, constraints, what its kernels do with them) belong to a
-        // CLBlast version. A file without "clblast" was written by a clmha older than the field.
-        if (clblast)
-            st = clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
-                            "the tuning is for CLBlast %.40s, this clmha uses CLBlast "
-                            CLMHA__CLBLAST_VERSION " (tune again: clmha tune)",
-                            clblast);
-        else
-            st = clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
-                            "the tuning does not say which CLBlast version it is for (an older "
-                            "clmha wrote it), this clmha uses CLBlast " CLMHA__CLBLAST_VERSION
-                            " (tune again: clmha tune)");
-    }
-    for (const cJSON *k = st ? NULL : kernels->child; k && !st; k = k->next) {
-        const char *name = k->string ? k->string : "";
-        if (strcmp(name, "Xgemm") == 0) {
-            st = parse_params(k, "Xgemm", CLMHA__XGEMM_PARAMS, clmha__xgemm_names, t->xgemm, msg,
-                              msg_size);
-            t->has_xgemm = true;
-        } else if (strcmp(name, "XgemmDirect") == 0) {
-            st = parse_params(k, "XgemmDirect", CLMHA__DIRECT_PARAMS, clmha__direct_names,
-                              t->direct, msg, msg_size);
-            t->has_direct = true;
-        } else if (strcmp(name, "GemmRoutine") == 0) {
-            st = parse_params(k, "GemmRoutine", 1, clmha__routine_names, &t->min_indirect, msg,
-                              msg_size);
-            t->has_routine = true;
-        } else if (strcmp(name, "FusedAttention") == 0) {
-            st = parse_params(k, "FusedAttention", CLMHA__FUSED_PARAMS, clmha__fused_names,
-                              t->fused, msg, msg_size);
-            t->has_fused = true;
-        } else if (strcmp(name, "DecodeSplit") == 0) {
-            st = parse_params(k, "DecodeSplit", CLMHA__DECODE_PARAMS, clmha__decode_names,
-                              t->decode, msg, msg_size);
-            t->has_decode = true;
-        } else {
-            st = clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
-                            "unknown kernel \"%.40s\" (known: Xgemm, XgemmDirect, GemmRoutine, "
-                            "FusedAttention, DecodeSplit)",
-                            name);
-        }
-    }
+    file_head h = head_of(root);
+    clmha_status st = check_format(root, &h, msg, msg_size);
+    if (!st) st = check_target(&h, tg, msg, msg_size);
+    if (!st) st = read_kernels(h.kernels, t, msg, msg_size);
     if (!st && !clmha__tuning_check(t, clmha__tuning_local_mem(tg), tg->max_work_group, msg,
                                     msg_size))
         st = CLMHA_INVALID_FILE;
-    const cJSON *m = cJSON_GetObjectItemCaseSensitive(root, "measured");
-    if (!st && meta && cJSON_IsObject(m)) {
-        meta->default_gflops = meta_number(m, "sgemm_1024_default_gflops");
-        meta->tuned_gflops = meta_number(m, "sgemm_1024_tuned_gflops");
-        meta->default_layer_gflops = meta_number(m, "layer_projection_default_gflops");
-        meta->tuned_layer_gflops = meta_number(m, "layer_projection_tuned_gflops");
-        meta->candidates = (size_t)meta_number(m, "candidates");
-        meta->seconds = meta_number(m, "seconds");
-        meta_string(m, "layer", meta->layer, sizeof meta->layer);
-        meta_string(m, "date", meta->date, sizeof meta->date);
-    }
+    if (!st && meta) read_measured(root, meta);
     cJSON_Delete(root);
     if (st) memset(t, 0, sizeof *t);
     return st;
