@@ -356,6 +356,26 @@ static clmha_status read_text(const char *path, char **out, bool *missing, char 
 
 // ---- JSON --------------------------------------------------------------------------------------
 
+// The kernels a tuning file may hold, in the file's order: the name, the parameters' names, and
+// where their values and the kernel's has_ flag are in a clmha__tuning (offsets).
+typedef struct kernel_fields {
+    const char *name;
+    size_t count;
+    const char *const *names;
+    size_t values, has;
+} kernel_fields;
+
+#define KERNEL(name, count, names, values, has) \
+    {name, count, names, offsetof(clmha__tuning, values), offsetof(clmha__tuning, has)}
+static const kernel_fields kernel_table[] = {
+    KERNEL("Xgemm", CLMHA__XGEMM_PARAMS, clmha__xgemm_names, xgemm, has_xgemm),
+    KERNEL("XgemmDirect", CLMHA__DIRECT_PARAMS, clmha__direct_names, direct, has_direct),
+    KERNEL("GemmRoutine", 1, clmha__routine_names, min_indirect, has_routine),
+    KERNEL("FusedAttention", CLMHA__FUSED_PARAMS, clmha__fused_names, fused, has_fused),
+    KERNEL("DecodeSplit", CLMHA__DECODE_PARAMS, clmha__decode_names, decode, has_decode),
+};
+#undef KERNEL
+
 void clmha__tuning_utc_now(char *buf, size_t size) {
     time_t now = time(NULL);
     struct tm tm;
@@ -387,19 +407,12 @@ char *clmha__tuning_to_json(const clmha__tuning_target *tg, const clmha__tuning 
               cJSON_AddStringToObject(root, "clblast", CLMHA__CLBLAST_VERSION) &&
               cJSON_AddStringToObject(root, "precision", "float32") &&
               (kernels = cJSON_AddObjectToObject(root, "kernels"));
-    if (ok && t->has_xgemm)
-        ok = add_params(kernels, "Xgemm", CLMHA__XGEMM_PARAMS, clmha__xgemm_names, t->xgemm);
-    if (ok && t->has_direct)
-        ok = add_params(kernels, "XgemmDirect", CLMHA__DIRECT_PARAMS, clmha__direct_names,
-                        t->direct);
-    if (ok && t->has_routine)
-        ok = add_params(kernels, "GemmRoutine", 1, clmha__routine_names, &t->min_indirect);
-    if (ok && t->has_fused)
-        ok = add_params(kernels, "FusedAttention", CLMHA__FUSED_PARAMS, clmha__fused_names,
-                        t->fused);
-    if (ok && t->has_decode)
-        ok = add_params(kernels, "DecodeSplit", CLMHA__DECODE_PARAMS, clmha__decode_names,
-                        t->decode);
+    for (size_t i = 0; ok && i < sizeof kernel_table / sizeof kernel_table[0]; ++i) {
+        const kernel_fields *f = &kernel_table[i];
+        if (*(const bool *)((const char *)t + f->has))
+            ok = add_params(kernels, f->name, f->count, f->names,
+                            (const size_t *)((const char *)t + f->values));
+    }
     if (ok && meta && (meta->tuned_gflops > 0 || meta->date[0])) {
         cJSON *m = cJSON_AddObjectToObject(root, "measured");
         // Rounded to 0.1 GFLOP/s: the file stays readable.
@@ -488,26 +501,6 @@ static const char *string_field(const cJSON *root, const char *name) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, name);
     return cJSON_IsString(v) ? v->valuestring : NULL;
 }
-
-// The kernels a tuning file may hold, in the file's order: the name, the parameters' names, and
-// where their values and the kernel's has_ flag are in a clmha__tuning (offsets).
-typedef struct kernel_fields {
-    const char *name;
-    size_t count;
-    const char *const *names;
-    size_t values, has;
-} kernel_fields;
-
-#define KERNEL(name, count, names, values, has) \
-    {name, count, names, offsetof(clmha__tuning, values), offsetof(clmha__tuning, has)}
-static const kernel_fields kernel_table[] = {
-    KERNEL("Xgemm", CLMHA__XGEMM_PARAMS, clmha__xgemm_names, xgemm, has_xgemm),
-    KERNEL("XgemmDirect", CLMHA__DIRECT_PARAMS, clmha__direct_names, direct, has_direct),
-    KERNEL("GemmRoutine", 1, clmha__routine_names, min_indirect, has_routine),
-    KERNEL("FusedAttention", CLMHA__FUSED_PARAMS, clmha__fused_names, fused, has_fused),
-    KERNEL("DecodeSplit", CLMHA__DECODE_PARAMS, clmha__decode_names, decode, has_decode),
-};
-#undef KERNEL
 
 // The top-level fields of a tuning file: NULL where absent or (but for version and kernels)
 // not a string.
