@@ -231,6 +231,49 @@ done:
     return st;
 }
 
+// Warm-up, then cfg->repeat timed forwards of @p layer on @p io's buffers (--host: on host
+// arrays) into @p times. Warm-up: bake sizes the scratch and runs the forward once at this
+// shape, which compiles the kernels. Bake runs cross-attention with separate key and value
+// tensors, so the cross-attention path with key = value runs once more here. EXIT_OK, or
+// EXIT_REFUSED after reporting.
+static int time_forwards(clmha_context *ctx, const bench_config *cfg, clmha_layer *layer,
+                         const bench_io *io, double *times) {
+    const clmha_forward_args *args = &io->args;
+    cl_mem out = io->bufs[BENCH_OUTPUT], weights = io->bufs[BENCH_WEIGHTS];
+    clmha_status st = clmha_layer_bake(layer, io->n, io->l, io->s, cfg->need_weights);
+    if (!st && !io->self) st = clmha_layer_forward(layer, args, out, 0, weights, 0, 0, NULL, NULL);
+    if (!st && clFinish(clmha_context_cl_queue(ctx)) != CL_SUCCESS) st = CLMHA_OPENCL_ERROR;
+    if (!st && cfg->host) {
+        st = time_host_calls(layer, io, cfg->repeat, times);
+    } else if (!st) {
+        for (size_t r = 0; r < cfg->repeat; ++r) {
+            double t0 = clmha__cli_now_ms();
+            if ((st = clmha_layer_forward(layer, args, out, 0, weights, 0, 0, NULL, NULL))) break;
+            if (!clmha__bench_finish(ctx, io->where)) return EXIT_REFUSED;
+            times[r] = clmha__cli_now_ms() - t0;
+        }
+    }
+    if (!st) return EXIT_OK;
+    clmha__bench_call_failed(ctx, io->where, "forward pass", st);
+    return EXIT_REFUSED;
+}
+
+// One more forward of @p layer on @p io's buffers, with a marker after every stage: the
+// stages' times into res->stage_ms. EXIT_OK, or EXIT_REFUSED after reporting.
+static int profile_stages(clmha_context *ctx, clmha_layer *layer, const bench_io *io,
+                          bench_result *res) {
+    cl_mem out = io->bufs[BENCH_OUTPUT], weights = io->bufs[BENCH_WEIGHTS];
+    clmha_status st;
+    if ((st = clmha_layer_set_profiling(layer, true)) ||
+        (st = clmha_layer_forward(layer, &io->args, out, 0, weights, 0, 0, NULL, NULL)) ||
+        (st = clmha_layer_stage_times(layer, res->stage_ms)) ||
+        (st = clmha_layer_set_profiling(layer, false))) {
+        clmha__bench_call_failed(ctx, io->where, "forward pass", st);
+        return EXIT_REFUSED;
+    }
+    return clmha__bench_finish(ctx, io->where) ? EXIT_OK : EXIT_REFUSED;
+}
+
 // Times one shape: warm-up, cfg->repeat timed runs, one profiled run. Returns EXIT_OK or
 // EXIT_REFUSED after reporting.
 static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l, size_t s,
@@ -238,52 +281,18 @@ static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, si
     const clmha_layer_desc *d = &cfg->desc;
     *res = (bench_result){.n = n, .l = l, .s = s, .self = l == s && d->kdim == d->embed_dim &&
                                                           d->vdim == d->embed_dim};
-    cl_command_queue queue = clmha_context_cl_queue(ctx);
     bench_io io = {0};
     clmha_layer *layer = NULL;
     int rc = EXIT_REFUSED;
-    cl_int err = CL_SUCCESS;
-    const char *where = io.where;
-    snprintf(io.where, sizeof io.where, "N %zu, L %zu, S %zu", n, l, s);
-
     if (!(layer = clmha__bench_layer(ctx, cfg))) goto done;
     clmha_layer_set_impl(layer, cfg->impl);
-    res->impl = cfg->impl != CLMHA_IMPL_AUTO ? cfg->impl
-                : cfg->need_weights         ? CLMHA_IMPL_UNFUSED
-                                            : CLMHA_IMPL_FUSED;
+    res->impl = clmha__bench_impl_used(cfg);
     res->s_padded = s + d->add_bias_kv + d->add_zero_attn;
-    if (clmha__bench_io_make(ctx, cfg, layer, n, l, s, &io) != EXIT_OK) goto done;
-    const clmha_forward_args *args = &io.args;
-    cl_mem out = io.bufs[BENCH_OUTPUT], weights = io.bufs[BENCH_WEIGHTS];
-
-    // Warm-up: bake sizes the scratch and runs the forward once at this shape, which compiles
-    // the kernels. Bake runs cross-attention with separate key and value tensors, so the
-    // cross-attention path with key = value runs once more here.
-    clmha_status st = clmha_layer_bake(layer, n, l, s, cfg->need_weights);
-    if (!st && !io.self) st = clmha_layer_forward(layer, args, out, 0, weights, 0, 0, NULL, NULL);
-    if (!st && clFinish(queue) != CL_SUCCESS) st = CLMHA_OPENCL_ERROR;
-    if (st) goto forward_fail;
-
-    if (cfg->host) {
-        if ((st = time_host_calls(layer, &io, cfg->repeat, times))) goto forward_fail;
-    } else {
-        for (size_t r = 0; r < cfg->repeat; ++r) {
-            double t0 = clmha__cli_now_ms();
-            if ((st = clmha_layer_forward(layer, args, out, 0, weights, 0, 0, NULL, NULL)))
-                goto forward_fail;
-            if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
-            times[r] = clmha__cli_now_ms() - t0;
-        }
-    }
+    if (clmha__bench_io_make(ctx, cfg, layer, n, l, s, &io) != EXIT_OK ||
+        time_forwards(ctx, cfg, layer, &io, times) != EXIT_OK)
+        goto done;
     res->ms = clmha__bench_median(times, cfg->repeat, &res->ms_min, &res->ms_max);
-
-    // One more run with a marker after every stage.
-    if ((st = clmha_layer_set_profiling(layer, true)) ||
-        (st = clmha_layer_forward(layer, args, out, 0, weights, 0, 0, NULL, NULL)) ||
-        (st = clmha_layer_stage_times(layer, res->stage_ms)) ||
-        (st = clmha_layer_set_profiling(layer, false)))
-        goto forward_fail;
-    if ((err = clFinish(queue)) != CL_SUCCESS) goto cl_fail;
+    if (profile_stages(ctx, layer, &io, res) != EXIT_OK) goto done;
 
     res->scratch_bytes = clmha_layer_scratch_bytes(layer);
     res->io_bytes = 0;
@@ -293,15 +302,6 @@ static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, si
     clmha__bench_forward_flops(d, n, l, s, &projections, &attention);
     res->flops = projections + attention;
     rc = EXIT_OK;
-    goto done;
-forward_fail:
-    clmha__cli_report("bench", "forward pass failed on %s at %s: %s: %s",
-                      clmha_context_device_name(ctx), where, clmha_status_string(st),
-                      clmha_context_last_error(ctx));
-    goto done;
-cl_fail:
-    clmha__cli_report("bench", "%s: clFinish failed on %s: OpenCL error %d", where,
-                      clmha_context_device_name(ctx), (int)err);
 done:
     clmha__bench_io_free(&io);
     clmha_layer_release(layer);
@@ -319,10 +319,7 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
                clmha__dtype_name(d->dtype), res->ms, res->ms_min, res->ms_max, res->flops,
                res->flops / res->ms / 1e6, res->io_bytes, (double)res->io_bytes / res->ms / 1e6,
                res->scratch_bytes, cfg->host ? "true" : "false");
-        for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
-            printf("%s\"%s\": %.6g", i ? ", " : "", clmha_stage_name((clmha_stage)i),
-                   res->stage_ms[i]);
-        printf("}}\n");
+        clmha__bench_json_stages(res->stage_ms);
         fflush(stdout);
         return;
     }
@@ -342,9 +339,7 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
     printf("scratch: %zu bytes (%.1f MiB)\n", res->scratch_bytes,
            (double)res->scratch_bytes / (1024.0 * 1024.0));
     printf("stages:  (one profiled run, %.3f ms)\n", total);
-    for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
-        printf("  %-9s %10.3f ms %5.1f%%\n", clmha_stage_name((clmha_stage)i), res->stage_ms[i],
-               total > 0 ? 100.0 * res->stage_ms[i] / total : 0.0);
+    clmha__bench_print_stages(res->stage_ms, total, false);
     fflush(stdout);
 }
 

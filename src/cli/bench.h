@@ -71,6 +71,25 @@ double clmha__bench_median(double *times, size_t count, double *min, double *max
 void clmha__bench_forward_flops(const clmha_layer_desc *d, size_t n, size_t l, size_t s,
                                 double *projections, double *attention);
 
+// The core a forward pass (or a training step) of @p cfg's layers runs: --impl, else unfused
+// with --need-weights, else fused.
+clmha_impl clmha__bench_impl_used(const bench_config *cfg);
+
+// Reports that @p what ("forward pass", ...) failed with @p st at shape @p where.
+void clmha__bench_call_failed(clmha_context *ctx, const char *where, const char *what,
+                              clmha_status st);
+
+// Waits for the context's queue (clFinish); reports a failure at shape @p where.
+bool clmha__bench_finish(clmha_context *ctx, const char *where);
+
+// Prints the entries of a JSON line's "stages" object (@p ms: CLMHA_STAGE_COUNT times) and
+// closes it and the line.
+void clmha__bench_json_stages(const double *ms);
+
+// Prints a text line per stage (@p ms: CLMHA_STAGE_COUNT times, @p total their sum): its name,
+// ms and share; with @p skip_zero, not those that took no time.
+void clmha__bench_print_stages(const double *ms, double total, bool skip_zero);
+
 // ---- bench_backward.c, bench_decode.c (called by bench.c) ---------------------------------------
 
 // --backward: times forward (with save) + backward at one shape and prints the result.

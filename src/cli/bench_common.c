@@ -1,5 +1,6 @@
 // What the files of `clmha bench` share (bench.h): the layer and the buffers of a shape, random
-// inputs, the median of the timings, the FLOP count, the start of a JSON line.
+// inputs, the median of the timings, the FLOP count, the core used, the reports of a failed
+// call, the start of a JSON line and the stages' times.
 #define _POSIX_C_SOURCE 200809L
 
 #include "bench.h"
@@ -90,6 +91,40 @@ void clmha__bench_forward_flops(const clmha_layer_desc *d, size_t n, size_t l, s
     *projections =
         2.0 * dn * de * (dl * de + ds * (double)d->kdim + ds * (double)d->vdim + dl * de);
     *attention = 4.0 * dn * dl * s_padded * de;
+}
+
+clmha_impl clmha__bench_impl_used(const bench_config *cfg) {
+    return cfg->impl != CLMHA_IMPL_AUTO ? cfg->impl
+           : cfg->need_weights         ? CLMHA_IMPL_UNFUSED
+                                       : CLMHA_IMPL_FUSED;
+}
+
+void clmha__bench_call_failed(clmha_context *ctx, const char *where, const char *what,
+                              clmha_status st) {
+    clmha__cli_report("bench", "%s failed on %s at %s: %s: %s", what,
+                      clmha_context_device_name(ctx), where, clmha_status_string(st),
+                      clmha_context_last_error(ctx));
+}
+
+bool clmha__bench_finish(clmha_context *ctx, const char *where) {
+    cl_int err = clFinish(clmha_context_cl_queue(ctx));
+    if (err == CL_SUCCESS) return true;
+    clmha__cli_report("bench", "%s: clFinish failed on %s: OpenCL error %d", where,
+                      clmha_context_device_name(ctx), (int)err);
+    return false;
+}
+
+void clmha__bench_json_stages(const double *ms) {
+    for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
+        printf("%s\"%s\": %.6g", i ? ", " : "", clmha_stage_name((clmha_stage)i), ms[i]);
+    printf("}}\n");
+}
+
+void clmha__bench_print_stages(const double *ms, double total, bool skip_zero) {
+    for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
+        if (!skip_zero || ms[i] > 0)
+            printf("  %-9s %10.3f ms %5.1f%%\n", clmha_stage_name((clmha_stage)i), ms[i],
+                   total > 0 ? 100.0 * ms[i] / total : 0.0);
 }
 
 clmha_layer *clmha__bench_layer(clmha_context *ctx, const bench_config *cfg) {
