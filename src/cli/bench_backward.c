@@ -77,7 +77,9 @@ typedef struct result {
     double fwd_ms, fwd_min, fwd_max;     // forward with save alone
     double bwd_ms, bwd_min, bwd_max;     // backward alone
     double proj_flops, attn_flops;       // of the forward (clmha__bench_forward_flops())
+    double fwd_flops, bwd_flops, step_flops;  // P + A, 2 P + 2.5 A, their sum
     size_t scratch_bytes, saved_bytes;
+    long long training_bytes;                 // scratch + saved
     long long fwd_growth, bwd_growth, peak_rss;  // bytes; -1 unknown
 } result;
 
@@ -157,7 +159,7 @@ oom:
 // A layer and saved state for @p io, with the backward's arguments pointing at @p grads and
 // @p grad_output. Reports a failure.
 static int step_make(clmha_context *ctx, const bench_config *cfg, const bench_io *io,
-                     cl_mem grad_output, cl_mem *grads, step *st) {
+                     cl_mem grad_output, const cl_mem *grads, step *st) {
     *st = (step){0};
     if (!(st->layer = clmha__bench_layer(ctx, cfg))) return EXIT_REFUSED;
     clmha_layer_set_impl(st->layer, cfg->impl);
@@ -193,30 +195,45 @@ static clmha_status run_backward(const step *st) {
     return clmha_layer_backward(st->layer, &st->bwd, 0, NULL, NULL);
 }
 
-// Waits for the queue; reports a failure.
-static bool finish(clmha_context *ctx, const char *where) {
-    cl_int err = clFinish(clmha_context_cl_queue(ctx));
-    if (err == CL_SUCCESS) return true;
-    clmha__cli_report("bench", "%s: clFinish failed on %s: OpenCL error %d", where,
-                      clmha_context_device_name(ctx), (int)err);
+// Reports the failed call @p what when @p s says it failed, else waits for the queue (reports
+// a failure). False after reporting.
+static bool called(clmha_context *ctx, const char *where, const char *what, clmha_status s) {
+    if (!s) return clmha__bench_finish(ctx, where);
+    clmha__bench_call_failed(ctx, where, what, s);
     return false;
 }
 
-// Reports a failed call.
-static void call_failed(clmha_context *ctx, const char *where, const char *what,
-                        clmha_status s) {
-    clmha__cli_report("bench", "%s failed on %s at %s: %s: %s", what,
-                      clmha_context_device_name(ctx), where, clmha_status_string(s),
-                      clmha_context_last_error(ctx));
+// The buffers of a step: the inputs and outputs (io), the output's gradient and a buffer per
+// gradient asked for (NULL where none).
+typedef struct step_buffers {
+    bench_io io;
+    cl_mem dy, grads[G_COUNT];
+} step_buffers;
+
+static void buffers_free(step_buffers *b) {
+    for (int g = 0; g < G_COUNT; ++g)
+        if (b->grads[g]) clReleaseMemObject(b->grads[g]);
+    if (b->dy) clReleaseMemObject(b->dy);
+    clmha__bench_io_free(&b->io);
+}
+
+// @p io for shape (n, l, s), made through a probe layer (the measured layer comes later).
+// EXIT_OK, or EXIT_REFUSED after reporting.
+static int probed_io(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l, size_t s,
+                     bench_io *io) {
+    clmha_layer *probe = clmha__bench_layer(ctx, cfg);
+    if (!probe) return EXIT_REFUSED;
+    int rc = clmha__bench_io_make(ctx, cfg, probe, n, l, s, io);
+    clmha_layer_release(probe);
+    return rc;
 }
 
 // Compiles the kernels of a step on a throwaway layer at a small shape (N, L and S capped at
 // 64), so that the measured layer's first calls at the real shape grow the resident memory by
 // their buffers only, not by the compilers' memory.
 static int precompile(clmha_context *ctx, const bench_config *cfg, const bench_io *real) {
-    bench_io io = {0};
+    step_buffers b = {0};
     step st = {0};
-    cl_mem grads[G_COUNT] = {NULL}, dy = NULL;
     size_t n = real->n < 8 ? real->n : 8, l = real->l < 64 ? real->l : 64;
     size_t s = real->self ? l : real->s < 64 ? real->s : 64;
     const clmha_layer_desc *d = &cfg->desc;
@@ -224,92 +241,78 @@ static int precompile(clmha_context *ctx, const bench_config *cfg, const bench_i
         s = l == 1 ? 2 : l - 1;  // stays cross-attention
     int rc = EXIT_REFUSED;
     cl_int err = CL_SUCCESS;
-    clmha_layer *probe = clmha__bench_layer(ctx, cfg);
-    if (!probe) return EXIT_REFUSED;
-    rc = clmha__bench_io_make(ctx, cfg, probe, n, l, s, &io);
-    clmha_layer_release(probe);
-    if (rc != EXIT_OK) goto done;
-    rc = EXIT_REFUSED;
+    if (probed_io(ctx, cfg, n, l, s, &b.io) != EXIT_OK) goto done;
     cl_context cl = clmha_context_cl_context(ctx);
     for (int g = 0; g < G_COUNT; ++g) {
-        size_t count = grad_floats(&cfg->desc, &io, g);
-        if (count && !(grads[g] = clCreateBuffer(cl, CL_MEM_READ_WRITE, count * 4, NULL, &err)))
+        size_t count = grad_floats(&cfg->desc, &b.io, g);
+        if (count &&
+            !(b.grads[g] = clCreateBuffer(cl, CL_MEM_READ_WRITE, count * 4, NULL, &err)))
             break;
     }
     if (err == CL_SUCCESS)
-        dy = clCreateBuffer(cl, CL_MEM_READ_WRITE, io.counts[BENCH_QUERY] * 4, NULL, &err);
+        b.dy = clCreateBuffer(cl, CL_MEM_READ_WRITE, b.io.counts[BENCH_QUERY] * 4, NULL, &err);
+    uint64_t rng = 11;
+    if (err == CL_SUCCESS)
+        err = clmha__bench_fill_random(clmha_context_cl_queue(ctx), b.dy,
+                                       b.io.counts[BENCH_QUERY], &rng);
     if (err != CL_SUCCESS) {
         clmha__cli_report("bench", "warm-up buffers failed on %s: OpenCL error %d",
                           clmha_context_device_name(ctx), (int)err);
         goto done;
     }
-    uint64_t rng = 11;
-    if ((err = clmha__bench_fill_random(clmha_context_cl_queue(ctx), dy, io.counts[BENCH_QUERY],
-                                        &rng)) != CL_SUCCESS) {
-        clmha__cli_report("bench", "warm-up buffers failed on %s: OpenCL error %d",
-                          clmha_context_device_name(ctx), (int)err);
-        goto done;
-    }
-    if (step_make(ctx, cfg, &io, dy, grads, &st) != EXIT_OK) goto done;
-    clmha_status s1 = run_forward(&st, &io);
+    if (step_make(ctx, cfg, &b.io, b.dy, b.grads, &st) != EXIT_OK) goto done;
+    clmha_status s1 = run_forward(&st, &b.io);
     if (s1) {
-        call_failed(ctx, io.where, "warm-up forward pass (with save)", s1);
+        clmha__bench_call_failed(ctx, b.io.where, "warm-up forward pass (with save)", s1);
         goto done;
     }
-    if ((s1 = run_backward(&st))) {
-        call_failed(ctx, io.where, "warm-up backward pass", s1);
-        goto done;
-    }
-    if (finish(ctx, io.where)) rc = EXIT_OK;
+    if (called(ctx, b.io.where, "warm-up backward pass", run_backward(&st))) rc = EXIT_OK;
 done:
     step_free(&st);
-    for (int g = 0; g < G_COUNT; ++g)
-        if (grads[g]) clReleaseMemObject(grads[g]);
-    if (dy) clReleaseMemObject(dy);
-    clmha__bench_io_free(&io);
+    buffers_free(&b);
     return rc;
 }
 
-static void print_result(const clmha_context *ctx, const bench_config *cfg, const bench_io *io,
-                         const result *r) {
-    double fwd = r->proj_flops + r->attn_flops, bwd = 2.0 * r->proj_flops + 2.5 * r->attn_flops;
-    double total = fwd + bwd;
-    long long training = (long long)(r->scratch_bytes + r->saved_bytes);
-    if (cfg->json) {
-        clmha__bench_json_head(ctx, cfg, io->n, io->l, io->s, r->impl, io->self);
-        printf("\"backward\": true, \"host\": %s, ", cfg->host ? "true" : "false");
-        printf("\"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"flops\": %.0f, "
-               "\"gflops\": %.6g, ",
-               r->step_ms, r->step_min, r->step_max, total, total / r->step_ms / 1e6);
-        printf("\"forward_ms\": %.6g, \"forward_ms_min\": %.6g, \"forward_ms_max\": %.6g, "
-               "\"forward_flops\": %.0f, \"forward_gflops\": %.6g, ",
-               r->fwd_ms, r->fwd_min, r->fwd_max, fwd, fwd / r->fwd_ms / 1e6);
-        printf("\"backward_ms\": %.6g, \"backward_ms_min\": %.6g, \"backward_ms_max\": %.6g, "
-               "\"backward_flops\": %.0f, \"backward_gflops\": %.6g, ",
-               r->bwd_ms, r->bwd_min, r->bwd_max, bwd, bwd / r->bwd_ms / 1e6);
-        printf("\"projection_flops\": %.0f, \"attention_flops\": %.0f, "
-               "\"flop_convention\": \"forward = P + A; backward = 2 P + 2.5 A; ms and flops: "
-               "forward + backward = 3 P + 3.5 A (P: projection GEMMs, A: Q K^T and weights V "
-               "of the forward)\", ",
-               r->proj_flops, r->attn_flops);
-        printf("\"scratch_bytes\": %zu, \"saved_bytes\": %zu, \"training_scratch_bytes\": %lld, ",
-               r->scratch_bytes, r->saved_bytes, training);
-        if (r->bwd_growth >= 0)
-            printf("\"backward_rss_growth_bytes\": %lld, ", r->bwd_growth);
-        else
-            printf("\"backward_rss_growth_bytes\": null, ");
-        if (r->fwd_growth >= 0 && r->bwd_growth >= 0)
-            printf("\"forward_rss_growth_bytes\": %lld, \"step_rss_growth_bytes\": %lld, ",
-                   r->fwd_growth, r->fwd_growth + r->bwd_growth);
-        else
-            printf("\"forward_rss_growth_bytes\": null, \"step_rss_growth_bytes\": null, ");
-        if (r->peak_rss >= 0)
-            printf("\"peak_rss_bytes\": %lld}\n", r->peak_rss);
-        else
-            printf("\"peak_rss_bytes\": null}\n");
-        fflush(stdout);
-        return;
-    }
+// --json: one line, every field of the result.
+static void print_json(const clmha_context *ctx, const bench_config *cfg, const bench_io *io,
+                       const result *r) {
+    double fwd = r->fwd_flops, bwd = r->bwd_flops, total = r->step_flops;
+    clmha__bench_json_head(ctx, cfg, io->n, io->l, io->s, r->impl, io->self);
+    printf("\"backward\": true, \"host\": %s, ", cfg->host ? "true" : "false");
+    printf("\"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"flops\": %.0f, "
+           "\"gflops\": %.6g, ",
+           r->step_ms, r->step_min, r->step_max, total, total / r->step_ms / 1e6);
+    printf("\"forward_ms\": %.6g, \"forward_ms_min\": %.6g, \"forward_ms_max\": %.6g, "
+           "\"forward_flops\": %.0f, \"forward_gflops\": %.6g, ",
+           r->fwd_ms, r->fwd_min, r->fwd_max, fwd, fwd / r->fwd_ms / 1e6);
+    printf("\"backward_ms\": %.6g, \"backward_ms_min\": %.6g, \"backward_ms_max\": %.6g, "
+           "\"backward_flops\": %.0f, \"backward_gflops\": %.6g, ",
+           r->bwd_ms, r->bwd_min, r->bwd_max, bwd, bwd / r->bwd_ms / 1e6);
+    printf("\"projection_flops\": %.0f, \"attention_flops\": %.0f, "
+           "\"flop_convention\": \"forward = P + A; backward = 2 P + 2.5 A; ms and flops: "
+           "forward + backward = 3 P + 3.5 A (P: projection GEMMs, A: Q K^T and weights V "
+           "of the forward)\", ",
+           r->proj_flops, r->attn_flops);
+    printf("\"scratch_bytes\": %zu, \"saved_bytes\": %zu, \"training_scratch_bytes\": %lld, ",
+           r->scratch_bytes, r->saved_bytes, r->training_bytes);
+    if (r->bwd_growth >= 0)
+        printf("\"backward_rss_growth_bytes\": %lld, ", r->bwd_growth);
+    else
+        printf("\"backward_rss_growth_bytes\": null, ");
+    if (r->fwd_growth >= 0 && r->bwd_growth >= 0)
+        printf("\"forward_rss_growth_bytes\": %lld, \"step_rss_growth_bytes\": %lld, ",
+               r->fwd_growth, r->fwd_growth + r->bwd_growth);
+    else
+        printf("\"forward_rss_growth_bytes\": null, \"step_rss_growth_bytes\": null, ");
+    if (r->peak_rss >= 0)
+        printf("\"peak_rss_bytes\": %lld}\n", r->peak_rss);
+    else
+        printf("\"peak_rss_bytes\": null}\n");
+}
+
+// The text lines: the shape, the times and speeds, the memory.
+static void print_text(const bench_config *cfg, const bench_io *io, const result *r) {
+    double fwd = r->fwd_flops, bwd = r->bwd_flops, total = r->step_flops;
     const double mib = 1024.0 * 1024.0;
     printf("shape:    N %zu, L %zu, S %zu (%s-attention%s), need_weights %s, %s core "
            "(forward and backward%s)\n",
@@ -333,143 +336,154 @@ static void print_result(const clmha_context *ctx, const bench_config *cfg, cons
            r->bwd_min, r->bwd_max, bwd / r->bwd_ms / 1e6, bwd / 1e9);
     printf("memory:   scratch %.1f MiB (layer, forward and backward) + %.1f MiB (saved) = "
            "%.1f MiB\n",
-           r->scratch_bytes / mib, r->saved_bytes / mib, training / mib);
+           r->scratch_bytes / mib, r->saved_bytes / mib, r->training_bytes / mib);
     if (r->fwd_growth >= 0 && r->bwd_growth >= 0)
         printf("          resident memory added by the first step: %.1f MiB (forward %.1f, "
                "backward %.1f)\n",
                (r->fwd_growth + r->bwd_growth) / mib, r->fwd_growth / mib, r->bwd_growth / mib);
     if (r->peak_rss >= 0)
         printf("          peak resident memory of the process: %.1f MiB\n", r->peak_rss / mib);
-    fflush(stdout);
 }
 
-int clmha__bench_backward_shape(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l,
-                                size_t s, double *times) {
-    const clmha_layer_desc *d = &cfg->desc;
-    bench_io io = {0};
-    step st = {0};
-    cl_mem grads[G_COUNT] = {NULL}, dy = NULL;
-    double *fwd_times = NULL, *bwd_times = NULL;
-    int rc = EXIT_REFUSED;
-    cl_int err = CL_SUCCESS;
-    result r = {.impl = cfg->impl != CLMHA_IMPL_AUTO ? cfg->impl
-                        : cfg->need_weights         ? CLMHA_IMPL_UNFUSED
-                                                    : CLMHA_IMPL_FUSED};
-    const char *where = io.where;
-    snprintf(io.where, sizeof io.where, "N %zu, L %zu, S %zu", n, l, s);
-    size_t room = cfg->repeat ? cfg->repeat : 1;
-    if (!(fwd_times = malloc(2 * room * sizeof *fwd_times))) {
-        clmha__cli_report("bench", "out of host memory");
-        goto done;
-    }
-    bwd_times = fwd_times + room;
-
-    // The inputs (io, through a probe layer: the measured layer comes after the warm-up), the
-    // output's gradient (random) and a buffer per gradient (zeroed, so that it is resident).
-    clmha_layer *probe = clmha__bench_layer(ctx, cfg);
-    if (!probe) goto done;
-    rc = clmha__bench_io_make(ctx, cfg, probe, n, l, s, &io);
-    clmha_layer_release(probe);
-    if (rc != EXIT_OK) goto done;
-    rc = EXIT_REFUSED;
+// The buffers of the measured step at shape (n, l, s): the inputs (io, through a probe layer:
+// the measured layer comes after the warm-up), the output's gradient (random) and a buffer per
+// gradient (zeroed, so that it is resident), all written when it returns. EXIT_OK, or
+// EXIT_REFUSED after reporting; buffers_free() frees what it made either way.
+static int buffers_make(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l, size_t s,
+                        step_buffers *b) {
+    if (probed_io(ctx, cfg, n, l, s, &b->io) != EXIT_OK) return EXIT_REFUSED;
     cl_context cl = clmha_context_cl_context(ctx);
     cl_command_queue queue = clmha_context_cl_queue(ctx);
+    cl_int err = CL_SUCCESS;
     const char *what = "grad_output";
-    size_t dy_count = io.counts[BENCH_QUERY];
-    dy = clCreateBuffer(cl, CL_MEM_READ_WRITE, dy_count * sizeof(float), NULL, &err);
+    size_t dy_count = b->io.counts[BENCH_QUERY];
+    b->dy = clCreateBuffer(cl, CL_MEM_READ_WRITE, dy_count * sizeof(float), NULL, &err);
     uint64_t rng = 13;
-    if (err == CL_SUCCESS) err = clmha__bench_fill_random(queue, dy, dy_count, &rng);
+    if (err == CL_SUCCESS) err = clmha__bench_fill_random(queue, b->dy, dy_count, &rng);
     for (int g = 0; g < G_COUNT && err == CL_SUCCESS; ++g) {
-        size_t count = grad_floats(d, &io, g);
+        size_t count = grad_floats(&cfg->desc, &b->io, g);
         if (!count) continue;
         what = grad_name[g];
-        grads[g] = clCreateBuffer(cl, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
+        b->grads[g] = clCreateBuffer(cl, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
         float zero = 0.0f;
         if (err == CL_SUCCESS)
-            err = clEnqueueFillBuffer(queue, grads[g], &zero, sizeof zero, 0,
+            err = clEnqueueFillBuffer(queue, b->grads[g], &zero, sizeof zero, 0,
                                       count * sizeof(float), 0, NULL, NULL);
     }
     if (err != CL_SUCCESS) {
         clmha__cli_report("bench", "%s: the %s gradient buffer failed on %s: OpenCL error %d",
-                          where, what, clmha_context_device_name(ctx), (int)err);
-        goto done;
+                          b->io.where, what, clmha_context_device_name(ctx), (int)err);
+        return EXIT_REFUSED;
     }
-    if (!finish(ctx, where)) goto done;
+    return clmha__bench_finish(ctx, b->io.where) ? EXIT_OK : EXIT_REFUSED;
+}
 
-    // Warm-up: the kernels compile on a throwaway layer at a small shape; then the measured
-    // layer's first forward and backward at this shape, with the resident memory before and
-    // after each (what they allocated: scratch, saved state, the backward's own scratch).
-    if (precompile(ctx, cfg, &io) != EXIT_OK) goto done;
-    if (step_make(ctx, cfg, &io, dy, grads, &st) != EXIT_OK) goto done;
-    if (cfg->host && step_to_host(ctx, cfg, &io, dy, &st) != EXIT_OK) goto done;
+// Warm-up: the kernels compile on a throwaway layer at a small shape; then @p st, the measured
+// layer, runs its first forward and backward at this shape, with the resident memory before and
+// after each (what they allocated: scratch, saved state, the backward's own scratch) into *r.
+// @p t gets the clock before the forward, between the two and after the backward. EXIT_OK, or
+// EXIT_REFUSED after reporting.
+static int first_step(clmha_context *ctx, const bench_config *cfg, const step_buffers *b,
+                      step *st, result *r, double t[3]) {
+    const char *where = b->io.where;
+    if (precompile(ctx, cfg, &b->io) != EXIT_OK ||
+        step_make(ctx, cfg, &b->io, b->dy, b->grads, st) != EXIT_OK ||
+        (cfg->host && step_to_host(ctx, cfg, &b->io, b->dy, st) != EXIT_OK))
+        return EXIT_REFUSED;
     long long rss0 = rss_now();
-    double t0 = clmha__cli_now_ms();
-    clmha_status sc = run_forward(&st, &io);
-    if (sc) {
-        call_failed(ctx, where, "forward pass (with save)", sc);
-        goto done;
-    }
-    if (!finish(ctx, where)) goto done;
-    double t1 = clmha__cli_now_ms();
+    t[0] = clmha__cli_now_ms();
+    if (!called(ctx, where, "forward pass (with save)", run_forward(st, &b->io)))
+        return EXIT_REFUSED;
+    t[1] = clmha__cli_now_ms();
     long long rss1 = rss_now();
-    if ((sc = run_backward(&st))) {
-        call_failed(ctx, where, "backward pass", sc);
-        goto done;
-    }
-    if (!finish(ctx, where)) goto done;
-    double t2 = clmha__cli_now_ms();
+    if (!called(ctx, where, "backward pass", run_backward(st))) return EXIT_REFUSED;
+    t[2] = clmha__cli_now_ms();
     long long rss2 = rss_now();
-    r.fwd_growth = rss0 >= 0 && rss1 >= 0 ? rss1 - rss0 : -1;
-    r.bwd_growth = rss1 >= 0 && rss2 >= 0 ? rss2 - rss1 : -1;
+    r->fwd_growth = rss0 >= 0 && rss1 >= 0 ? rss1 - rss0 : -1;
+    r->bwd_growth = rss1 >= 0 && rss2 >= 0 ? rss2 - rss1 : -1;
+    return EXIT_OK;
+}
 
-    // The timed runs, in turns (step, forward, backward) so that a busy machine slows all
-    // three alike; the backward alone differentiates the forward alone just before it.
-    for (size_t i = 0; i < cfg->repeat; ++i) {
-        t0 = clmha__cli_now_ms();
-        if ((sc = run_forward(&st, &io)) || (sc = run_backward(&st))) {
-            call_failed(ctx, where, "training step", sc);
-            goto done;
-        }
-        if (!finish(ctx, where)) goto done;
-        t1 = clmha__cli_now_ms();
-        if ((sc = run_forward(&st, &io))) {
-            call_failed(ctx, where, "forward pass (with save)", sc);
-            goto done;
-        }
-        if (!finish(ctx, where)) goto done;
-        t2 = clmha__cli_now_ms();
-        if ((sc = run_backward(&st))) {
-            call_failed(ctx, where, "backward pass", sc);
-            goto done;
-        }
-        if (!finish(ctx, where)) goto done;
+// The times of the timed turns, in ms: whole steps (the caller's array), forwards alone,
+// backwards alone; room for cfg->repeat (at least 1) each.
+typedef struct turn_times {
+    double *step, *fwd, *bwd;
+} turn_times;
+
+// The timed runs of @p st, in turns (step, forward, backward) so that a busy machine slows all
+// three alike; the backward alone differentiates the forward alone just before it. False after
+// reporting.
+static bool timed_turns(clmha_context *ctx, size_t repeat, const step *st, const bench_io *io,
+                        const turn_times *tt) {
+    for (size_t i = 0; i < repeat; ++i) {
+        double t0 = clmha__cli_now_ms();
+        clmha_status sc = run_forward(st, io);
+        if (!sc) sc = run_backward(st);
+        if (!called(ctx, io->where, "training step", sc)) return false;
+        double t1 = clmha__cli_now_ms();
+        if (!called(ctx, io->where, "forward pass (with save)", run_forward(st, io)))
+            return false;
+        double t2 = clmha__cli_now_ms();
+        if (!called(ctx, io->where, "backward pass", run_backward(st))) return false;
         double t3 = clmha__cli_now_ms();
-        times[i] = t1 - t0;
-        fwd_times[i] = t2 - t1;
-        bwd_times[i] = t3 - t2;
+        tt->step[i] = t1 - t0;
+        tt->fwd[i] = t2 - t1;
+        tt->bwd[i] = t3 - t2;
     }
+    return true;
+}
+
+// The rest of *r: the medians of the turns (--repeat 0: the first step's times, @p first as
+// first_step() took them), the memory, the FLOPs (FLOP convention in bench.c's help).
+static void summarize(const bench_config *cfg, const step *st, const bench_io *io,
+                      const double first[3], const turn_times *tt, result *r) {
     size_t count = cfg->repeat;
     if (!count) {  // --repeat 0: the first step's times (compiled kernels, new buffers)
-        times[0] = t2 - t0;
-        fwd_times[0] = t1 - t0;
-        bwd_times[0] = t2 - t1;
+        tt->step[0] = first[2] - first[0];
+        tt->fwd[0] = first[1] - first[0];
+        tt->bwd[0] = first[2] - first[1];
         count = 1;
     }
-    r.step_ms = clmha__bench_median(times, count, &r.step_min, &r.step_max);
-    r.fwd_ms = clmha__bench_median(fwd_times, count, &r.fwd_min, &r.fwd_max);
-    r.bwd_ms = clmha__bench_median(bwd_times, count, &r.bwd_min, &r.bwd_max);
-    r.scratch_bytes = clmha_layer_scratch_bytes(st.layer);
-    r.saved_bytes = clmha_saved_bytes(st.saved);
-    r.peak_rss = rss_peak();
-    clmha__bench_forward_flops(d, n, l, s, &r.proj_flops, &r.attn_flops);
-    print_result(ctx, cfg, &io, &r);
-    rc = EXIT_OK;
-done:
+    r->step_ms = clmha__bench_median(tt->step, count, &r->step_min, &r->step_max);
+    r->fwd_ms = clmha__bench_median(tt->fwd, count, &r->fwd_min, &r->fwd_max);
+    r->bwd_ms = clmha__bench_median(tt->bwd, count, &r->bwd_min, &r->bwd_max);
+    r->scratch_bytes = clmha_layer_scratch_bytes(st->layer);
+    r->saved_bytes = clmha_saved_bytes(st->saved);
+    r->training_bytes = (long long)(r->scratch_bytes + r->saved_bytes);
+    r->peak_rss = rss_peak();
+    clmha__bench_forward_flops(&cfg->desc, io->n, io->l, io->s, &r->proj_flops, &r->attn_flops);
+    r->fwd_flops = r->proj_flops + r->attn_flops;
+    r->bwd_flops = 2.0 * r->proj_flops + 2.5 * r->attn_flops;
+    r->step_flops = r->fwd_flops + r->bwd_flops;
+}
+
+int clmha__bench_backward_shape(clmha_context *ctx, const bench_config *cfg, size_t n, size_t l,
+                                size_t s, double *times) {
+    step_buffers b = {0};
+    step st = {0};
+    result r = {.impl = clmha__bench_impl_used(cfg)};
+    double first[3];
+    size_t room = cfg->repeat ? cfg->repeat : 1;
+    turn_times tt = {.step = times, .fwd = malloc(2 * room * sizeof *tt.fwd)};
+    if (!tt.fwd) {
+        clmha__cli_report("bench", "out of host memory");
+        return EXIT_REFUSED;
+    }
+    tt.bwd = tt.fwd + room;
+    int rc = EXIT_REFUSED;
+    if (buffers_make(ctx, cfg, n, l, s, &b) == EXIT_OK &&
+        first_step(ctx, cfg, &b, &st, &r, first) == EXIT_OK &&
+        timed_turns(ctx, cfg->repeat, &st, &b.io, &tt)) {
+        summarize(cfg, &st, &b.io, first, &tt, &r);
+        if (cfg->json)
+            print_json(ctx, cfg, &b.io, &r);
+        else
+            print_text(cfg, &b.io, &r);
+        fflush(stdout);
+        rc = EXIT_OK;
+    }
     step_free(&st);
-    for (int g = 0; g < G_COUNT; ++g)
-        if (grads[g]) clReleaseMemObject(grads[g]);
-    if (dy) clReleaseMemObject(dy);
-    clmha__bench_io_free(&io);
-    free(fwd_times);
+    buffers_free(&b);
+    free(tt.fwd);
     return rc;
 }
