@@ -55,129 +55,175 @@ static double copy_gbps(clmha_context *ctx, size_t repeat, double *times, size_t
     return gbps;
 }
 
-int clmha__bench_decode_shape(clmha_context *ctx, const bench_config *cfg, size_t n,
-                              size_t cache_len, double *times) {
+// One decode shape's objects: the layer, its cache, the prefill's and the step's buffers, the
+// step's arguments and the lengths the cache is truncated back to after each step.
+typedef struct decode_run {
+    size_t n, cache_len;
+    char where[96];             // "N 2, cache 512", for messages
+    size_t *lens;               // n times cache_len
+    clmha_layer *layer;
+    clmha_kv_cache *cache;
+    bench_io prefill, step;
+    clmha_forward_args sa;      // the step's arguments: the cache, is_causal
+} decode_run;
+
+// What one decode shape measured.
+typedef struct decode_result {
+    double ms, lo, hi;                                    // per step: median, min, max
+    double stages[CLMHA_STAGE_COUNT], stage_total;        // medians of the profiled steps
+    size_t profiled;                                      // profiled steps
+    double copy;                                          // the copy bandwidth, GB/s
+    size_t copy_bytes;
+} decode_result;
+
+// Reports the failed call of a decode shape; EXIT_REFUSED.
+static int step_failed(clmha_context *ctx, const decode_run *dr, clmha_status st) {
+    clmha__bench_call_failed(ctx, dr->where, "decode step", st);
+    return EXIT_REFUSED;
+}
+
+// The layer, its cache filled by the prefill (one query row with the whole cache as its key
+// (= value) tensor) and the step's arguments (one new token per sequence, self-attention,
+// is_causal). EXIT_OK, or EXIT_REFUSED after reporting.
+static int decode_setup(clmha_context *ctx, const bench_config *cfg, decode_run *dr) {
     const clmha_layer_desc *d = &cfg->desc;
-    size_t e = d->embed_dim, h = d->num_heads, hd = e / h;
-    size_t kvh = d->num_kv_heads ? d->num_kv_heads : h;  // key/value heads
-    cl_command_queue queue = clmha_context_cl_queue(ctx);
-    clmha_layer *layer = NULL;
-    clmha_kv_cache *cache = NULL;
-    bench_io prefill = {0}, step = {0};
-    int rc = EXIT_REFUSED;
-    char where[96];
-    snprintf(where, sizeof where, "N %zu, cache %zu", n, cache_len);
-    size_t *lens = calloc(n, sizeof *lens);
-    if (!lens) {
-        clmha__cli_report("bench", "out of host memory");
-        return EXIT_REFUSED;
-    }
-    if (d->kdim != e || d->vdim != e) {
+    size_t n = dr->n, cache_len = dr->cache_len;
+    if (d->kdim != d->embed_dim || d->vdim != d->embed_dim) {
         clmha__cli_report("bench", "--decode needs a self-attention layer (kdim = vdim = "
                                    "embed_dim)");
-        goto done;
+        return EXIT_REFUSED;
     }
-    if (!(layer = clmha__bench_layer(ctx, cfg))) goto done;
-    // The prefill: one query row with the whole cache as its key (= value) tensor; the step:
-    // one new token per sequence, self-attention, is_causal.
-    if (clmha__bench_io_make(ctx, cfg, layer, n, 1, cache_len, &prefill) != EXIT_OK ||
-        clmha__bench_io_make(ctx, cfg, layer, n, 1, 1, &step) != EXIT_OK)
-        goto done;
-    clmha_status st = clmha_kv_cache_create(&cache, layer, n, cache_len + 1);
-    if (st) goto call_fail;
-    clmha_forward_args pa = prefill.args, sa = step.args;
-    pa.kv_cache = sa.kv_cache = cache;
-    sa.is_causal = true;
-    for (size_t i = 0; i < n; ++i) lens[i] = cache_len;
-    cl_mem pout = prefill.bufs[BENCH_OUTPUT], sout = step.bufs[BENCH_OUTPUT];
-    if ((st = clmha_layer_forward(layer, &pa, pout, 0, NULL, 0, 0, NULL, NULL))) goto call_fail;
-    // Warm-up steps (kernels built, scratch sized), then the timed ones; each step appends a
-    // token, rolled back after it so that every step attends over cache_len + 1 tokens.
+    if (!(dr->layer = clmha__bench_layer(ctx, cfg))) return EXIT_REFUSED;
+    if (clmha__bench_io_make(ctx, cfg, dr->layer, n, 1, cache_len, &dr->prefill) != EXIT_OK ||
+        clmha__bench_io_make(ctx, cfg, dr->layer, n, 1, 1, &dr->step) != EXIT_OK)
+        return EXIT_REFUSED;
+    clmha_status st = clmha_kv_cache_create(&dr->cache, dr->layer, n, cache_len + 1);
+    if (st) return step_failed(ctx, dr, st);
+    clmha_forward_args pa = dr->prefill.args;
+    dr->sa = dr->step.args;
+    pa.kv_cache = dr->sa.kv_cache = dr->cache;
+    dr->sa.is_causal = true;
+    for (size_t i = 0; i < n; ++i) dr->lens[i] = cache_len;
+    cl_mem pout = dr->prefill.bufs[BENCH_OUTPUT];
+    if ((st = clmha_layer_forward(dr->layer, &pa, pout, 0, NULL, 0, 0, NULL, NULL)))
+        return step_failed(ctx, dr, st);
+    return EXIT_OK;
+}
+
+// Warm-up steps (kernels built, scratch sized), then cfg->repeat timed ones into @p times and
+// their median into *res; each step appends a token, rolled back after it so that every step
+// attends over cache_len + 1 tokens. EXIT_OK, or EXIT_REFUSED after reporting.
+static int time_steps(clmha_context *ctx, const bench_config *cfg, const decode_run *dr,
+                      double *times, decode_result *res) {
+    cl_command_queue queue = clmha_context_cl_queue(ctx);
+    cl_mem sout = dr->step.bufs[BENCH_OUTPUT];
+    clmha_status st;
     for (size_t r = 0; r < 2 + cfg->repeat; ++r) {
         double t0 = clmha__cli_now_ms();
-        if ((st = clmha_layer_forward(layer, &sa, sout, 0, NULL, 0, 0, NULL, NULL)))
-            goto call_fail;
+        if ((st = clmha_layer_forward(dr->layer, &dr->sa, sout, 0, NULL, 0, 0, NULL, NULL)))
+            return step_failed(ctx, dr, st);
         if (clFinish(queue) != CL_SUCCESS) {
-            clmha__cli_report("bench", "%s: clFinish failed", where);
-            goto done;
+            clmha__cli_report("bench", "%s: clFinish failed", dr->where);
+            return EXIT_REFUSED;
         }
         if (r >= 2) times[r - 2] = clmha__cli_now_ms() - t0;
-        if ((st = clmha_kv_cache_truncate(cache, lens, n))) goto call_fail;
+        if ((st = clmha_kv_cache_truncate(dr->cache, dr->lens, dr->n)))
+            return step_failed(ctx, dr, st);
     }
-    double lo, hi, ms = clmha__bench_median(times, cfg->repeat, &lo, &hi);
-    // Where the time goes: each stage's median over profiled steps (markers after every
-    // stage; not part of the times above).
-    double stages[CLMHA_STAGE_COUNT] = {0}, stage_total = 0;
-    size_t profiled = cfg->repeat < 9 ? cfg->repeat : 9;
+    res->ms = clmha__bench_median(times, cfg->repeat, &res->lo, &res->hi);
+    return EXIT_OK;
+}
+
+// Where the time goes: each stage's median over up to 9 profiled steps (markers after every
+// stage; not part of the times above), into *res (@p times: room for the steps' times).
+// EXIT_OK, or EXIT_REFUSED after reporting.
+static int profile_steps(clmha_context *ctx, const bench_config *cfg, const decode_run *dr,
+                         double *times, decode_result *res) {
+    size_t profiled = res->profiled = cfg->repeat < 9 ? cfg->repeat : 9;
     double *per = calloc(profiled * CLMHA_STAGE_COUNT, sizeof *per);
     if (!per) {
         clmha__cli_report("bench", "out of host memory");
-        goto done;
+        return EXIT_REFUSED;
     }
-    if ((st = clmha_layer_set_profiling(layer, true))) goto stages_fail;
-    for (size_t r = 0; r < profiled; ++r)
-        if ((st = clmha_layer_forward(layer, &sa, sout, 0, NULL, 0, 0, NULL, NULL)) ||
-            (st = clmha_layer_stage_times(layer, per + r * CLMHA_STAGE_COUNT)) ||
-            (st = clmha_kv_cache_truncate(cache, lens, n)))
-            goto stages_fail;
-    if ((st = clmha_layer_set_profiling(layer, false))) goto stages_fail;
-    for (int i = 0; i < CLMHA_STAGE_COUNT; ++i) {
+    cl_mem sout = dr->step.bufs[BENCH_OUTPUT];
+    clmha_status st = clmha_layer_set_profiling(dr->layer, true);
+    for (size_t r = 0; r < profiled && !st; ++r)
+        if (!(st = clmha_layer_forward(dr->layer, &dr->sa, sout, 0, NULL, 0, 0, NULL, NULL)) &&
+            !(st = clmha_layer_stage_times(dr->layer, per + r * CLMHA_STAGE_COUNT)))
+            st = clmha_kv_cache_truncate(dr->cache, dr->lens, dr->n);
+    if (!st) st = clmha_layer_set_profiling(dr->layer, false);
+    for (int i = 0; i < CLMHA_STAGE_COUNT && !st; ++i) {
         for (size_t r = 0; r < profiled; ++r) times[r] = per[r * CLMHA_STAGE_COUNT + i];
         double slo, shi;
-        stages[i] = clmha__bench_median(times, profiled, &slo, &shi);
-        stage_total += stages[i];
+        res->stages[i] = clmha__bench_median(times, profiled, &slo, &shi);
+        res->stage_total += res->stages[i];
     }
-stages_fail:
     free(per);
-    if (st) goto call_fail;
-    size_t copy_bytes;
-    double copy = copy_gbps(ctx, cfg->repeat < COPY_REPEAT ? cfg->repeat : COPY_REPEAT, times,
-                            &copy_bytes);
-    if (copy <= 0) goto done;
+    return st ? step_failed(ctx, dr, st) : EXIT_OK;
+}
+
+// Prints the result: a JSON line (--json) or the text lines.
+static void print_decode(const clmha_context *ctx, const bench_config *cfg, const decode_run *dr,
+                         const decode_result *res) {
+    const clmha_layer_desc *d = &cfg->desc;
+    size_t n = dr->n, cache_len = dr->cache_len, h = d->num_heads, hd = d->embed_dim / h;
+    size_t kvh = d->num_kv_heads ? d->num_kv_heads : h;  // key/value heads
     // What the step reads of the cache: every key and value of every key/value head,
     // cache_len + 1 tokens.
     double kv_bytes = 2.0 * (double)n * (double)kvh * (double)(cache_len + 1) * (double)hd * 4.0;
-    double gbps = kv_bytes / ms / 1e6;
+    double ms = res->ms, gbps = kv_bytes / ms / 1e6, copy = res->copy;
     if (cfg->json) {
         clmha__bench_json_head(ctx, cfg, n, 1, cache_len + 1, CLMHA_IMPL_AUTO, true);
         printf("\"decode\": true, \"cache_len\": %zu, \"kv_heads\": %zu, \"ms\": %.6g, "
                "\"ms_min\": %.6g, \"ms_max\": %.6g, \"kv_bytes\": %.0f, \"kv_gbps\": %.6g, "
                "\"copy_bytes\": %zu, \"copy_gbps\": %.6g, \"fraction_of_copy\": %.4g, "
                "\"stages\": {",
-               cache_len, kvh, ms, lo, hi, kv_bytes, gbps, copy_bytes, copy, gbps / copy);
-        for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
-            printf("%s\"%s\": %.6g", i ? ", " : "", clmha_stage_name((clmha_stage)i),
-                   stages[i]);
-        printf("}}\n");
+               cache_len, kvh, ms, res->lo, res->hi, kv_bytes, gbps, res->copy_bytes, copy,
+               gbps / copy);
+        clmha__bench_json_stages(res->stages);
     } else {
         printf("shape:   N %zu, one new token per sequence over a cache of %zu (+1) tokens, "
                "%zu heads of %zu, %zu key/value heads (decode core)\n",
                n, cache_len, h, hd, kvh);
         printf("time:    %.4f ms per token (median of %zu; min %.4f, max %.4f)\n", ms,
-               cfg->repeat, lo, hi);
+               cfg->repeat, res->lo, res->hi);
         printf("kv read: %.1f MiB per step, %.2f GB/s\n", kv_bytes / 1048576.0, gbps);
         printf("copy:    %.2f GB/s (clEnqueueCopyBuffer of %zu MiB, bytes read + written)\n",
-               copy, copy_bytes >> 20);
+               copy, res->copy_bytes >> 20);
         printf("ratio:   %.2f of the copy bandwidth\n", gbps / copy);
-        printf("stages:  (medians of %zu profiled steps, %.3f ms together)\n", profiled,
-               stage_total);
-        for (int i = 0; i < CLMHA_STAGE_COUNT; ++i)
-            if (stages[i] > 0)
-                printf("  %-9s %10.3f ms %5.1f%%\n", clmha_stage_name((clmha_stage)i),
-                       stages[i], stage_total > 0 ? 100.0 * stages[i] / stage_total : 0.0);
+        printf("stages:  (medians of %zu profiled steps, %.3f ms together)\n", res->profiled,
+               res->stage_total);
+        clmha__bench_print_stages(res->stages, res->stage_total, true);
     }
     fflush(stdout);
-    rc = EXIT_OK;
-    goto done;
-call_fail:
-    clmha__cli_report("bench", "decode step failed on %s at %s: %s: %s",
-                      clmha_context_device_name(ctx), where, clmha_status_string(st),
-                      clmha_context_last_error(ctx));
-done:
-    clmha_kv_cache_release(cache);
-    clmha__bench_io_free(&prefill);
-    clmha__bench_io_free(&step);
-    clmha_layer_release(layer);
-    free(lens);
+}
+
+static void decode_run_free(decode_run *dr) {
+    clmha_kv_cache_release(dr->cache);
+    clmha__bench_io_free(&dr->prefill);
+    clmha__bench_io_free(&dr->step);
+    clmha_layer_release(dr->layer);
+    free(dr->lens);
+}
+
+int clmha__bench_decode_shape(clmha_context *ctx, const bench_config *cfg, size_t n,
+                              size_t cache_len, double *times) {
+    decode_run dr = {.n = n, .cache_len = cache_len};
+    decode_result res = {0};
+    snprintf(dr.where, sizeof dr.where, "N %zu, cache %zu", n, cache_len);
+    if (!(dr.lens = calloc(n, sizeof *dr.lens))) {
+        clmha__cli_report("bench", "out of host memory");
+        return EXIT_REFUSED;
+    }
+    int rc = decode_setup(ctx, cfg, &dr);
+    if (rc == EXIT_OK) rc = time_steps(ctx, cfg, &dr, times, &res);
+    if (rc == EXIT_OK) rc = profile_steps(ctx, cfg, &dr, times, &res);
+    if (rc == EXIT_OK) {
+        res.copy = copy_gbps(ctx, cfg->repeat < COPY_REPEAT ? cfg->repeat : COPY_REPEAT, times,
+                             &res.copy_bytes);
+        if (res.copy <= 0) rc = EXIT_REFUSED;
+    }
+    if (rc == EXIT_OK) print_decode(ctx, cfg, &dr, &res);
+    decode_run_free(&dr);
     return rc;
 }
