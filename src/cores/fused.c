@@ -61,8 +61,6 @@ clmha__fused_tiles clmha__fused_tiles_of(const clmha_layer *layer) {
     return state_of(layer)->tiles;
 }
 
-clmha_status clmha__fused_failed(const clmha_layer *layer) { return state_of(layer)->failed; }
-
 bool clmha__fused_ran(const clmha_layer *layer) {
     return layer->last_core == &clmha__core_fused;
 }

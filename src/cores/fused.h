@@ -90,10 +90,6 @@ CLMHA__HIDDEN cl_kernel clmha__fused_kernel(const clmha_layer *layer);
 // The tiles @p layer's fused kernel was built with (zero when not built).
 CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_of(const clmha_layer *layer);
 
-// Why the fused kernel cannot be built for @p layer (CLMHA_UNSUPPORTED, CLMHA_BUILD_FAILED: not
-// retried), or CLMHA_SUCCESS.
-CLMHA__HIDDEN clmha_status clmha__fused_failed(const clmha_layer *layer);
-
 // Whether the last forward call of @p layer ran the fused core (for the tests).
 CLMHA__HIDDEN bool clmha__fused_ran(const clmha_layer *layer);
 
