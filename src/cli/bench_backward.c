@@ -94,8 +94,8 @@ typedef struct step {
     // clmha_layer_backward_host()): copies of the inputs and of grad_output, the output, and an
     // array per gradient; fwd and bwd then point at them (data fields, no buffers).
     bool host;
-    float *host_in[3], *host_out, *host_dy, *host_grads[G_COUNT];
-    size_t out_count;
+    float *host_in[3], *host_out, *host_w, *host_dy, *host_grads[G_COUNT];
+    size_t out_count, w_count;  // w_count 0: no weights asked
 } step;
 
 static void step_free(step *st) {
@@ -103,6 +103,7 @@ static void step_free(step *st) {
     clmha_layer_release(st->layer);
     for (int i = 0; i < 3; ++i) free(st->host_in[i]);
     free(st->host_out);
+    free(st->host_w);
     free(st->host_dy);
     for (int g = 0; g < G_COUNT; ++g) free(st->host_grads[g]);
     *st = (step){0};
@@ -137,8 +138,10 @@ static int step_to_host(clmha_context *ctx, const bench_config *cfg, const bench
         in[i]->data = st->host_in[i];
     }
     st->out_count = io->counts[BENCH_OUTPUT];
+    st->w_count = cfg->need_weights ? io->counts[BENCH_WEIGHTS] : 0;
     if (!(st->host_dy = host_copy(ctx, grad_output, io->counts[BENCH_QUERY])) ||
-        !(st->host_out = malloc(st->out_count * sizeof *st->host_out)))
+        !(st->host_out = malloc(st->out_count * sizeof *st->host_out)) ||
+        (st->w_count && !(st->host_w = malloc(st->w_count * sizeof *st->host_w))))
         goto oom;
     st->bwd.grad_output.buffer = NULL;
     st->bwd.grad_output.data = st->host_dy;
@@ -184,8 +187,8 @@ static int step_make(clmha_context *ctx, const bench_config *cfg, const bench_io
 
 static clmha_status run_forward(const step *st, const bench_io *io) {
     if (st->host)
-        return clmha_layer_forward_host(st->layer, &st->fwd, st->host_out, st->out_count, NULL,
-                                        0);
+        return clmha_layer_forward_host(st->layer, &st->fwd, st->host_out, st->out_count,
+                                        st->host_w, st->w_count);
     return clmha_layer_forward(st->layer, &st->fwd, io->bufs[BENCH_OUTPUT], 0,
                                io->bufs[BENCH_WEIGHTS], 0, 0, NULL, NULL);
 }
