@@ -40,7 +40,7 @@ void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_
     ulong n = bh / n_heads;
     global REAL *x = scores + local_row * src_len_padded;
 
-    ulong attn_row = attn_row_of(attn_layout, attn_off, bh, n, n_heads, i, tgt_len, src_len);
+    ulong attn_row = ATTN_ROW(bh, n, n_heads, i);
     ulong kpm_row = kpm_off + n * src_len;
 
     // Pass 1: add the masks, write back, find the row maximum (NaN wins, so it propagates).
