@@ -10,7 +10,7 @@
 // Masks cover the first S keys; the keys appended by add_bias_kv / add_zero_attn (j >= S) are
 // never masked, as PyTorch pads its masks with an allowed column. Mask kinds (host enum
 // clmha_mask_kind): 0 none, 1 bool "true = ignore", 2 bool "true = may attend", 3 float (added).
-// attn_mask layouts: 1 (L, S) shared, 2 (N*H, L, S) per head, 3 (N, L, S) per batch item.
+// attn_mask is read through its broadcast strides (cl/common.cl's attn_row_of).
 // A row whose every key is masked becomes zeros (PyTorch would give NaN).
 //
 // The scores may be a chunk: n_rows consecutive rows of the (N*H*L, S') scores starting at row
