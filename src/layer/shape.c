@@ -225,12 +225,6 @@ void clmha__attn_strides(clmha__dims *d, size_t a, size_t b, size_t c) {
     d->attn_sn = a > 1 ? b * c * d->s : 0;
 }
 
-void clmha__attn_sizes(const clmha__dims *d, size_t out[3]) {
-    out[0] = d->attn_sn ? d->n : 1;
-    out[1] = d->attn_sh ? d->h : 1;
-    out[2] = d->attn_si ? d->l : 1;
-}
-
 // attn_mask: (L, S), (N*H, L, S), or per_batch (N, L, S); d->attn_kind, its strides,
 // d->attn_count.
 static clmha_status resolve_attn_mask(const clmha_mask *am, clmha__dims *d, char *msg,

@@ -38,10 +38,6 @@ typedef struct clmha__dims {
 // a, b, c either 1 (broadcast) or d->n, d->h, d->l (d->s set).
 CLMHA__HIDDEN void clmha__attn_strides(clmha__dims *d, size_t a, size_t b, size_t c);
 
-// The mask's sizes (a, b, c) along N, H and L, as clmha__attn_strides() took them: 1 where its
-// stride is 0.
-CLMHA__HIDDEN void clmha__attn_sizes(const clmha__dims *d, size_t out[3]);
-
 // Checks @p args against @p desc (already validated) and fills @p dims. On failure writes a
 // message naming the argument and the shapes to @p msg and returns the status.
 CLMHA__HIDDEN clmha_status clmha__dims_resolve(const clmha_layer_desc *desc,
