@@ -2,8 +2,9 @@
 // library builds this file in front of them.
 //
 // Mask kinds (host enum clmha_mask_kind): 0 none, 1 bool "true = ignore", 2 bool "true = may
-// attend", 3 float (added). attn_mask layouts: 1 (L, S) shared, 2 (N*H, L, S) per head,
-// 3 (N, L, S) per batch item, 4 (H, L, S) per head, shared by the batch items.
+// attend", 3 float (added). attn_mask is read through its broadcast strides (in elements, 0
+// along a dimension it is broadcast over; clmha__dims::attn_sn, attn_sh, attn_si): the term of
+// score (n, h, i, j) is element n*attn_sn + h*attn_sh + i*attn_si + j.
 
 #define MASK_NONE 0
 #define MASK_BOOL_IGNORE 1
@@ -13,7 +14,8 @@
 // The mask and dropout parameters that end the attention kernels' parameter lists, in the order
 // the host passes them (CLMHA__MASK_ARGS, src/cores/kernel_args.h).
 #define MASK_PARAMS                                                                             \
-    global const uchar *attn_mask, ulong attn_off, uint attn_kind, uint attn_layout,            \
+    global const uchar *attn_mask, ulong attn_off, uint attn_kind, ulong attn_sn,              \
+        ulong attn_sh, ulong attn_si,                                                           \
         global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal, uint dropout_on,    \
         uint dropout_threshold, REAL keep_scale, uint seed_lo, uint seed_hi_xor_off_hi,        \
         uint offset_lo
@@ -43,17 +45,16 @@ inline uint philox_word0(uint c0, uint c1, uint c2, uint c3, uint k0, uint k1) {
     return c0;
 }
 
-// Where row i of attn_mask starts for plane bh = n * n_heads + h (the layouts above), offset
+// Where row i of attn_mask starts for plane bh = n * n_heads + h (its strides above), offset
 // included.
-inline ulong attn_row_of(uint attn_layout, ulong attn_off, ulong bh, ulong n, ulong n_heads,
-                         ulong i, ulong tgt_len, ulong src_len) {
-    ulong ar = 0;
-    if (attn_layout == 1) ar = i * src_len;
-    else if (attn_layout == 2) ar = (bh * tgt_len + i) * src_len;
-    else if (attn_layout == 3) ar = (n * tgt_len + i) * src_len;
-    else if (attn_layout == 4) ar = ((bh - n * n_heads) * tgt_len + i) * src_len;
-    return ar + attn_off;
+inline ulong attn_row_of(ulong attn_off, ulong attn_sn, ulong attn_sh, ulong attn_si, ulong bh,
+                         ulong n, ulong n_heads, ulong i) {
+    return attn_off + n * attn_sn + (bh - n * n_heads) * attn_sh + i * attn_si;
 }
+
+// attn_row_of() with a kernel's MASK_PARAMS.
+#define ATTN_ROW(bh, n, n_heads, i)                                                             \
+    attn_row_of(attn_off, attn_sn, attn_sh, attn_si, bh, n, n_heads, i)
 
 // The additive value of mask `kind` at element idx of `mask`.
 inline REAL mask_value(global const uchar *mask, uint kind, ulong idx) {

@@ -262,26 +262,22 @@ static void clmha_fuzz_check_dims(const clmha_layer_desc *desc,
         CLMHA_FUZZ_CHECK(t == d->kpm_count && d->kpm_count == d->n * d->s);
     }
     if (am->kind == CLMHA_MASK_NONE) {
-        CLMHA_FUZZ_CHECK(d->attn_layout == CLMHA__ATTN_NONE && d->attn_count == 0);
+        CLMHA_FUZZ_CHECK(!d->attn_sn && !d->attn_sh && !d->attn_si && d->attn_count == 0);
         CLMHA_FUZZ_CHECK(am->tensor.ndim == 0 && !am->per_batch);
     } else {
         CLMHA_FUZZ_CHECK(!clmha_fuzz_prod_overflows(am->tensor.shape, am->tensor.ndim, &t));
         CLMHA_FUZZ_CHECK(t == d->attn_count);
         size_t ls = d->l * d->s;  // <= scores_count, cannot wrap
-        switch (d->attn_layout) {
-        case CLMHA__ATTN_SHARED:
-            CLMHA_FUZZ_CHECK(!am->per_batch && am->tensor.ndim == 2 && t == ls);
-            break;
-        case CLMHA__ATTN_PER_HEAD:
-            CLMHA_FUZZ_CHECK(!am->per_batch && am->tensor.ndim == 3 && t == nh * ls);
-            break;
-        case CLMHA__ATTN_PER_BATCH:
-            CLMHA_FUZZ_CHECK(am->per_batch && d->batched && am->tensor.ndim == 3 &&
-                             t == d->n * ls);
-            break;
-        default:
-            CLMHA_FUZZ_CHECK(!"attn_mask given but no layout");
-        }
+        // The strides address exactly the mask's elements: the last score's term is its last.
+        CLMHA_FUZZ_CHECK((d->n - 1) * d->attn_sn + (d->h - 1) * d->attn_sh +
+                             (d->l - 1) * d->attn_si + d->s == t);
+        if (am->per_batch)
+            CLMHA_FUZZ_CHECK(d->batched && am->tensor.ndim == 3 && t == d->n * ls &&
+                             d->attn_sh == 0);
+        else if (am->tensor.ndim == 2)
+            CLMHA_FUZZ_CHECK(t == ls && d->attn_sn == 0 && d->attn_sh == 0);
+        else
+            CLMHA_FUZZ_CHECK(am->tensor.ndim == 3 && t == nh * ls);
     }
 }
 

@@ -1620,14 +1620,18 @@ typedef enum clmha_attention_layout {
 /// Shapes in ::CLMHA_LAYOUT_NHLD (the default); ::CLMHA_LAYOUT_NLHD swaps the head and sequence
 /// dimensions of query, key, value and output. Unbatched: 3-D, without N (N = 1).
 ///
-/// attn_mask, broadcast over (N, H, L, S) as scaled_dot_product_attention broadcasts it:
-/// (L, S), (1, L, S) or (1, 1, L, S) shared by every batch item and head; (N, 1, L, S) per batch
-/// item; (H, L, S) or (1, H, L, S) per head, shared by the batch items; (N, H, L, S) per head
-/// and batch item; (N, 1, 1, S) one row of keys per batch item ((1, S), (1, 1, S) and
-/// (1, 1, 1, S) when N = 1). Other broadcasts are refused (::CLMHA_INVALID_MASK). Kinds: ::CLMHA_MASK_BOOL_ATTEND (SDPA's boolean mask, true =
-/// may attend), ::CLMHA_MASK_FLOAT (added to the scaled scores), ::CLMHA_MASK_BOOL_IGNORE; its
-/// per_batch must be false. A query row whose every key is masked gives zeros (and a log-sum-exp
-/// of -INFINITY).
+/// attn_mask, broadcast over (N, H, L, S) as scaled_dot_product_attention broadcasts it: any
+/// contiguous (a, b, c, S) with a 1 or N, b 1 or H and c 1 or L, leading dimensions of 1 left
+/// out or not (unbatched: at most 3-D, (b, c, S)). So (L, S) or (1, 1, L, S) shared by every
+/// batch item and head; (N, 1, L, S) per batch item; (H, L, S) or (1, H, L, S) per head, shared
+/// by the batch items; (N, H, L, S) per head and batch item; and with a size-1 L one row of
+/// keys for every query row: (N, 1, 1, S) per batch item, (N, H, 1, S) per head and item,
+/// (H, 1, S) per head, (S,) or (1, 1, 1, S) for all. Refused (::CLMHA_INVALID_MASK): a size that
+/// is neither 1 nor the call's, more dimensions than the query, and a mask broadcast over the
+/// keys (a last dimension of 1 when S > 1: expand it to S). Kinds: ::CLMHA_MASK_BOOL_ATTEND
+/// (SDPA's boolean mask, true = may attend), ::CLMHA_MASK_FLOAT (added to the scaled scores),
+/// ::CLMHA_MASK_BOOL_IGNORE; its per_batch must be false. A query row whose every key is masked
+/// gives zeros (and a log-sum-exp of -INFINITY).
 typedef struct clmha_attention_args {
     size_t struct_size;              ///< sizeof(clmha_attention_args) (see ::CLMHA_STRUCT_INIT)
     clmha_tensor query;              ///< (N, H, L, D), or (H, L, D) unbatched

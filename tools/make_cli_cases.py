@@ -610,6 +610,10 @@ SDPA_CASES = [
     SC("sdpa_value_width_differs", layout="nlhd", H=4, Hkv=2, L=4, S=6, D=12, Dv=6,
        causal=True, lse=True, grads=True),
     SC("sdpa_kv_cache_decode", layout="nlhd", H=4, Hkv=2, L=9, D=8, causal=True, kv_prefix=4),
+    SC("sdpa_key_rows_per_head_float", H=3, L=4, S=6, mask="float", mask_shape="NH1S",
+       lse=True, grads=True),
+    SC("sdpa_one_key_row_bool", layout="nlhd", H=3, L=4, S=7, mask="bool", mask_shape="S",
+       grads=True),
 ]
 
 

@@ -215,8 +215,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         if (!plain) {
             for (uint r = 0; r < RP; ++r) {
                 ulong i = min(first + r, last);
-                ulong ar = attn_row_of(attn_layout, attn_off, bh, n, n_heads, i, tgt_len,
-                                       src_len);
+                ulong ar = ATTN_ROW(bh, n, n_heads, i);
                 for (uint jj = 0; jj < BK; ++jj) {
                     ulong j = j0 + jj;
                     REAL x = st[jj * RP + r];
@@ -336,8 +335,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     for (uint r = 0; r < RPW; ++r) {
         ulong i = first + r * BQ + lid;
         rows[r] = i < tgt_len ? i : last;
-        attn_row[r] = attn_row_of(attn_layout, attn_off, bh, n, n_heads, rows[r], tgt_len,
-                                  src_len);
+        attn_row[r] = ATTN_ROW(bh, n, n_heads, rows[r]);
     }
     ulong kpm_row = kpm_off + n * src_len;
 

@@ -199,8 +199,7 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
                 float kx = mask_value(kpm, kpm_kind, kpm_row + j);
                 for (uint ii = 0; ii < rows; ++ii) {
                     ulong i = i0 + ii;
-                    ulong ar = attn_row_of(attn_layout, attn_off, bh, n, n_heads, i, tgt_len,
-                                           src_len);
+                    ulong ar = ATTN_ROW(bh, n, n_heads, i);
                     float x = s[r][ii] + mask_value(attn_mask, attn_kind, ar + j) + kx;
                     s[r][ii] = causal && j > i ? -INFINITY : x;
                 }
@@ -280,8 +279,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     float qr[R][HD], dor[R][HD], dqr[R][HD], l[R], dr[R];
     for (uint r = 0; r < R; ++r) {
         ir[r] = min(first + r * B + lid, last);
-        attn_row[r] =
-            attn_row_of(attn_layout, attn_off, bh, n, n_heads, ir[r], tgt_len, src_len);
+        attn_row[r] = ATTN_ROW(bh, n, n_heads, ir[r]);
         global const float *qp = q + (bh * tgt_len + ir[r]) * HD;
         global const float *dop = d_o + (bh * tgt_len + ir[r]) * HD;
         for (uint d = 0; d < HD; ++d) {
@@ -432,8 +430,7 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
             }
             float s = lanes_sum(sv) * scale, dpd = lanes_sum(dv_);
             if (jc < src_len) {
-                ulong ar = attn_row_of(attn_layout, attn_off, bh, n, n_heads, i, tgt_len,
-                                       src_len);
+                ulong ar = ATTN_ROW(bh, n, n_heads, i);
                 s += masks_of(attn_mask, attn_kind, ar, kpm, kpm_kind, kpm_row, causal, i, jc);
             }
             float l = ls[ii];
@@ -482,8 +479,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     ulong last = min(i0 + B, tgt_len) - 1;  // the group's last real row
     ulong i = i0 + lid;
     ulong ic = min(i, last);
-    ulong attn_row =
-        attn_row_of(attn_layout, attn_off, bh, n, n_heads, ic, tgt_len, src_len);
+    ulong attn_row = ATTN_ROW(bh, n, n_heads, ic);
     ulong kpm_row = kpm_off + n * src_len;
 
     float qr[HD], dor[HD], dqr[HD];
@@ -606,9 +602,7 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
                 ulong i = row0 + u0 + u;
                 float x = s_lanes[u];
                 if (u < lanes) {
-                    x += mask_value(attn_mask, attn_kind,
-                                    attn_row_of(attn_layout, attn_off, bh, n, n_heads, i, tgt_len,
-                                                src_len) + j);
+                    x += mask_value(attn_mask, attn_kind, ATTN_ROW(bh, n, n_heads, i) + j);
                     if (causal && j > i) x = -INFINITY;
                 }
                 s_masked[u] = x;

@@ -10,7 +10,7 @@
 // Masks cover the first S keys; the keys appended by add_bias_kv / add_zero_attn (j >= S) are
 // never masked, as PyTorch pads its masks with an allowed column. Mask kinds (host enum
 // clmha_mask_kind): 0 none, 1 bool "true = ignore", 2 bool "true = may attend", 3 float (added).
-// attn_mask layouts: 1 (L, S) shared, 2 (N*H, L, S) per head, 3 (N, L, S) per batch item.
+// attn_mask is read through its broadcast strides (cl/common.cl's attn_row_of).
 // A row whose every key is masked becomes zeros (PyTorch would give NaN).
 //
 // The scores may be a chunk: n_rows consecutive rows of the (N*H*L, S') scores starting at row
@@ -40,7 +40,7 @@ void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_
     ulong n = bh / n_heads;
     global REAL *x = scores + local_row * src_len_padded;
 
-    ulong attn_row = attn_row_of(attn_layout, attn_off, bh, n, n_heads, i, tgt_len, src_len);
+    ulong attn_row = ATTN_ROW(bh, n, n_heads, i);
     ulong kpm_row = kpm_off + n * src_len;
 
     // Pass 1: add the masks, write back, find the row maximum (NaN wins, so it propagates).

@@ -73,45 +73,30 @@ void softmax_backward(global float *p, global float *g, global const float *grad
     }
 }
 
-// Mask-gradient layouts: attn_mask shared (L, S), per head (N*H, L, S), per batch item
-// (N, L, S), per head shared by the batch items (H, L, S) (the forward's attn_layout values),
-// key_padding_mask (N, S).
-#define MG_SHARED 1
-#define MG_PER_HEAD 2
-#define MG_PER_BATCH 3
-#define MG_PER_HEAD_SHARED 4
-#define MG_KPM 5
-
-// One work-item per mask element: the gradient of the scores dS (N*H, L, S') summed over the
-// dimensions the mask is broadcast along (every plane for a shared mask, the heads of the item
-// per batch, the batch items per head shared, the heads and query rows of the item for
-// key_padding_mask), in a fixed order,
+// One work-item per element e of a mask broadcast to the scores (N*H, L, S') with strides
+// (mask_sn, mask_sh, mask_si) along N, H, L (0 where it is broadcast; the forward's attn_mask
+// strides, or (S, 0, 0) for key_padding_mask (N, S)): the gradient of the scores dS summed over
+// every (n, h, i) whose score reads that element, in a fixed order (n, then h, then i),
 // written to out[out_off + e] or added to it (accumulate). Only the first S keys have a mask.
 kernel void mask_grad(global const float *ds, global float *out, ulong out_off, ulong count,
-                      uint mode, uint accumulate, ulong tgt_len, ulong n_heads, ulong n_planes,
-                      ulong src_len, ulong src_len_padded) {
+                      uint accumulate, ulong tgt_len, ulong n_heads, ulong n_batch,
+                      ulong src_len, ulong src_len_padded, ulong mask_sn, ulong mask_sh,
+                      ulong mask_si) {
     ulong e = get_global_id(0);
     if (e < count) {
-        ulong j = e % src_len, r = e / src_len;
+        ulong j = e % src_len, r = e;
+        // The element's own (n, h, i) along the dimensions it is not broadcast over; the
+        // others run over the whole range.
+        ulong n0 = 0, n1 = n_batch, h0 = 0, h1 = n_heads, i0 = 0, i1 = tgt_len;
+        if (mask_sn) n0 = r / mask_sn, n1 = n0 + 1, r %= mask_sn;
+        if (mask_sh) h0 = r / mask_sh, h1 = h0 + 1, r %= mask_sh;
+        if (mask_si) i0 = r / mask_si, i1 = i0 + 1;
         float sum = 0.0f;
-        if (mode == MG_SHARED) {
-            for (ulong bh = 0; bh < n_planes; ++bh)
-                sum += ds[(bh * tgt_len + r) * src_len_padded + j];
-        } else if (mode == MG_PER_HEAD) {
-            sum = ds[r * src_len_padded + j];
-        } else if (mode == MG_PER_BATCH) {
-            ulong n = r / tgt_len, i = r % tgt_len;
-            for (ulong h = 0; h < n_heads; ++h)
-                sum += ds[((n * n_heads + h) * tgt_len + i) * src_len_padded + j];
-        } else if (mode == MG_PER_HEAD_SHARED) {
-            for (ulong bh = r / tgt_len; bh < n_planes; bh += n_heads)
-                sum += ds[(bh * tgt_len + r % tgt_len) * src_len_padded + j];
-        } else {
-            for (ulong h = 0; h < n_heads; ++h) {
-                global const float *plane = ds + (r * n_heads + h) * tgt_len * src_len_padded;
-                for (ulong i = 0; i < tgt_len; ++i) sum += plane[i * src_len_padded + j];
+        for (ulong n = n0; n < n1; ++n)
+            for (ulong h = h0; h < h1; ++h) {
+                global const float *plane = ds + (n * n_heads + h) * tgt_len * src_len_padded;
+                for (ulong i = i0; i < i1; ++i) sum += plane[i * src_len_padded + j];
             }
-        }
         out[out_off + e] = accumulate ? out[out_off + e] + sum : sum;
     }
 }

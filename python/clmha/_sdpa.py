@@ -3,13 +3,14 @@ host forms ``clmha_attention_forward_host`` / ``clmha_attention_backward_host``,
 ``clmha.numpy.scaled_dot_product_attention`` and ``clmha.torch.scaled_dot_product_attention``.
 
 The C function takes (N, H, L, D) or unbatched (H, L, D) tensors and the masks of
-``clmha_attention_args`` ((L, S), (N, 1, L, S), (1, H, L, S), (N, H, L, S), (N, 1, 1, S) and
-their N = 1 forms). PyTorch's function takes (..., L, D) with any number of leading
-dimensions and any mask that broadcasts to (..., L, S). ``Call`` maps the one onto the other:
-2-D tensors get a head dimension of 1, leading dimensions beyond N are folded into N, and a mask
-that broadcasts in a way the C function does not read is expanded (along the batch, the query
-rows or the keys) to the smallest form it does read; a float mask's gradient is summed back to
-the mask's own shape.
+``clmha_attention_args``: any (a, b, c, S) with a 1 or N, b 1 or H, c 1 or L (broadcast as
+SDPA broadcasts it; not along the keys). PyTorch's function takes (..., L, D) with any number of
+leading dimensions and any mask that broadcasts to (..., L, S). ``Call`` maps the one onto the
+other: 2-D tensors get a head dimension of 1, leading dimensions beyond N are folded into N, and
+a mask is passed as it is, except along what the C function does not broadcast: the folded
+leading dimensions (expanded where the mask has some of them but not all) and the keys (a
+last dimension of 1 expanded to S); a float mask's gradient is summed back to the mask's own
+shape.
 """
 
 import math
@@ -178,22 +179,16 @@ class Call:
                              f"(the query's leading dimensions, L and S)")
         pm = (1,) * (len(target) - m.ndim) + m.shape
         c_q = self.c_shapes[0]
-        n, h = (c_q[0], c_q[1]) if len(c_q) == 4 else (1, c_q[0])
+        n = c_q[0] if len(c_q) == 4 else 1
         lead, p_lead = target[:-3], pm[:-3]
         has_heads = len(target) >= 3
-        ph = pm[-3] if has_heads else 1
-        pL = pm[-2]
-        varies = any(x != 1 for x in p_lead)
-        if ph == 1 and pL == 1:  # one row of keys: (N, 1, 1, S)
-            bsel, hsel, lsel = n, 1, 1
-        elif ph == 1:  # (L, S) shared, or (N, 1, L, S)
-            bsel, hsel, lsel = (n if varies else 1), 1, L
-        else:  # (1, H, L, S) shared by the batch items, or (N, H, L, S)
-            bsel, hsel, lsel = (n if varies else 1), h, L
-        e_lead = lead if bsel == n else (1,) * len(lead)  # n == 1: lead is all ones anyway
-        expanded = e_lead + ((hsel,) if has_heads else ()) + (lsel, S)
+        ph, pL = (pm[-3] if has_heads else 1), pm[-2]
+        # The leading dimensions folded into N: broadcast along all of them (1) or none (N).
+        bsel = 1 if all(x == 1 for x in p_lead) else n
+        e_lead = p_lead if bsel == 1 else lead
+        expanded = e_lead + ((ph,) if has_heads else ()) + (pL, S)
         values = np.ascontiguousarray(np.broadcast_to(m.reshape(pm), expanded), dtype)
-        c_shape = (bsel, hsel, lsel, S) if len(c_q) == 4 else (hsel, lsel, S)
+        c_shape = (bsel, ph, pL, S) if len(c_q) == 4 else (ph, pL, S)
         self.mask = values
         self.mask_shape = m.shape
         self.mask_pm = pm

@@ -139,19 +139,21 @@ def test_transposed_inputs(ctx):
     assert err(out, ref(q.double(), k.double(), v.double())) <= TOL
 
 
-MASK_SHAPES = [(L, S), (N, 1, L, S), (N, H, L, S), (N, 1, 1, S),
-               # broadcasts the C function reads after an expansion (along N, L or S)
-               (1, H, L, S), (H, L, S), (S,), (1, S), (N, 1, L, 1), (H, 1, S), ()]
+MASK_SHAPES = [(L, S), (N, 1, L, S), (N, H, L, S), (N, 1, 1, S), (1, H, L, S), (H, L, S),
+               (S,), (1, S), (H, 1, S), (N, H, 1, S), (1, 1, 1, S), (1, H, 1, S),
+               # broadcast along the keys: the C function reads it expanded to S
+               (N, 1, L, 1), ()]
 
 
 @pytest.mark.parametrize("shape,c_shape", [
-    ((L, S), (L, S)), ((N, 1, L, S), (N, 1, L, S)), ((1, H, L, S), (1, H, L, S)),
+    ((L, S), (1, 1, L, S)), ((N, 1, L, S), (N, 1, L, S)), ((1, H, L, S), (1, H, L, S)),
     ((H, L, S), (1, H, L, S)), ((N, H, L, S), (N, H, L, S)), ((N, 1, 1, S), (N, 1, 1, S)),
-    ((S,), (N, 1, 1, S)), ((1, 1, S), (N, 1, 1, S)), ((N, 1, L, 1), (N, 1, L, S)),
-    ((H, 1, S), (1, H, L, S)), ((N, H, 1, S), (N, H, L, S)), ((), (N, 1, 1, S))])
+    ((S,), (1, 1, 1, S)), ((1, 1, S), (1, 1, 1, S)), ((N, 1, L, 1), (N, 1, L, S)),
+    ((H, 1, S), (1, H, 1, S)), ((N, H, 1, S), (N, H, 1, S)), ((1, H, 1, S), (1, H, 1, S)),
+    ((), (1, 1, 1, S))])
 def test_mask_forms(ctx, shape, c_shape):
-    """What the C call reads: the forms clmha_attention_args takes as they are, the other
-    broadcasts expanded along N, L or S only (in elements, (L, S) and (1, H, L, S) stay)."""
+    """What the C call reads: every broadcast along N, H and L as it is (a mask of size 1 along
+    any of them), only a size-1 last dimension expanded to S."""
     q, k = np.zeros((N, H, L, D), np.float32), np.zeros((N, H, S, D), np.float32)
     call = clmha._sdpa.Call(q, k, k, np.ones(shape, bool), context=ctx)
     assert call.mask.size == int(np.prod(c_shape))
@@ -179,6 +181,30 @@ def test_float_mask_and_its_gradient(ctx, shape):
     out = ct.scaled_dot_product_attention(q, k, v, m, context=ctx)
     assert out.requires_grad
     check_grads("float mask", out, {"q": q, "k": k, "v": v, "attn_mask": m})
+
+
+@pytest.mark.parametrize("shape", [(N, H, 1, S), (1, 1, 1, S)], ids=["NxHx1xS", "1x1x1xS"])
+def test_size_one_l_masks(ctx, shape):
+    """A mask with a size-1 L (one row of keys per batch item and head, or one for every query
+    row of every batch item) is read by the C function in its own shape, not expanded; the
+    output and the gradients of the query and of the mask (summed over what it is broadcast
+    along) against the float64 formula, and through clmha.numpy's backward too."""
+    q, k, v = rand(N, H, L, D, grad=True), rand(N, H, S, D), rand(N, H, S, D)
+    m = rand(*shape, grad=True)
+    call = clmha._sdpa.Call(q.detach().numpy(), k.numpy(), v.numpy(), m.detach().numpy(),
+                            context=ctx)
+    assert call.mask.shape == shape  # the C call reads the mask as it is
+    out = ct.scaled_dot_product_attention(q, k, v, m, context=ctx)
+    g = torch.randn(N, H, L, D, dtype=torch.float64)
+    check_grads(f"mask {shape}", out, {"q": q, "k": k, "v": v, "attn_mask": m}, g=g)
+    # The mask's gradient varies along its own dimensions (it is not one sum copied around).
+    assert m.grad.std() > 0
+    # clmha.numpy: the same gradients from the host backward.
+    got = cn.scaled_dot_product_attention_backward(
+        g.float().numpy(), q.detach().numpy(), k.numpy(), v.numpy(), m.detach().numpy(),
+        context=ctx)
+    assert err(torch.from_numpy(got[0]), q.grad) <= TOL
+    assert err(torch.from_numpy(got[3]), m.grad) <= TOL
 
 
 def test_float_mask_with_minus_inf(ctx):

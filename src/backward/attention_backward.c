@@ -133,7 +133,7 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_back
         (st = clmha__check_writable(ctx, "grad_key", b->grad_key)) ||
         (st = clmha__check_writable(ctx, "grad_value", b->grad_value)))
         return st;
-    const clmha_mask *m = d->attn.kind ? &d->attn : d->kpm.kind ? &d->kpm : NULL;
+    const clmha_mask *m = d->attn.kind ? &d->attn : NULL;
     if (m && (st = clmha__check_buffer(ctx, "attn_mask", m->tensor.buffer, m->tensor.offset,
                                        d->mask_count, clmha__mask_elem(m->kind))))
         return st;
@@ -272,11 +272,8 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
         .dq = result_tile(d, b->grad_query, b->grad_query_offset, g[1]),
         .dk = grouped ? g[2] : result_tile(d, b->grad_key, b->grad_key_offset, g[2]),
         .dv = grouped ? g[3] : result_tile(d, b->grad_value, b->grad_value_offset, g[3])};
-    // A float mask's gradient, where the core reads the mask: attn_mask or key_padding_mask.
-    bool kpm = d->kpm.kind != CLMHA_MASK_NONE;
-    call.grad_attn_mask = kpm ? NULL : b->grad_attn_mask;
-    call.grad_kpm = kpm ? b->grad_attn_mask : NULL;
-    call.grad_attn_offset = call.grad_kpm_offset = b->grad_attn_mask_offset;
+    call.grad_attn_mask = b->grad_attn_mask;  // a float mask's gradient, in its own shape
+    call.grad_attn_offset = b->grad_attn_mask_offset;
     const clmha__core *core;
     state *sums;
     if ((grouped && (st = state_of(l, &sums))) ||

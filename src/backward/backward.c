@@ -171,7 +171,8 @@ static clmha_status check_same_call(clmha_context *ctx, const clmha_saved *sv,
     const clmha__dims *s = &sv->dims;
     if (d->n != s->n || d->l != s->l || d->s != s->s || d->batched != s->batched ||
         d->key_is_query != s->key_is_query || d->value_is_key != s->value_is_key ||
-        d->attn_layout != s->attn_layout || d->attn_kind != s->attn_kind ||
+        d->attn_sn != s->attn_sn || d->attn_sh != s->attn_sh || d->attn_si != s->attn_si ||
+        d->attn_kind != s->attn_kind ||
         d->kpm_kind != s->kpm_kind)
         return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
                            "args->forward is not the call args->saved holds: it saved N %zu, "

@@ -100,10 +100,10 @@ typedef struct clmha__backward_call {
     // (N*H, S', D), the appended rows included (the bias_k/bias_v row's gradient; the zero
     // row's is written too and ignored).
     cl_mem dq, dk, dv;
-    // Optional (NULL): a float mask's gradient, in the mask's own layout (attn_mask: shared
-    // (L, S), per head (N*H, L, S) or per batch (N, L, S), dims->attn_layout; key_padding_mask
-    // (N, S)): the gradient of the scores summed over the dimensions the mask is broadcast
-    // along, added to what is there when *_accumulate.
+    // Optional (NULL): a float mask's gradient, in the mask's own layout (attn_mask: the
+    // dims->attn_count elements its strides dims->attn_sn, attn_sh, attn_si address;
+    // key_padding_mask (N, S)): the gradient of the scores summed over the dimensions the mask
+    // is broadcast along, added to what is there when *_accumulate.
     cl_mem grad_attn_mask, grad_kpm;
     size_t grad_attn_offset, grad_kpm_offset;  // floats
     bool grad_attn_accumulate, grad_kpm_accumulate;

@@ -47,7 +47,8 @@ CLMHA__HIDDEN clmha_status clmha__launch(clmha_context *ctx, cl_kernel k, const 
 typedef struct clmha__mask_args {
     cl_mem attn;
     cl_ulong attn_off;
-    cl_uint attn_kind, attn_layout;
+    cl_uint attn_kind;
+    cl_ulong attn_sn, attn_sh, attn_si;  // the broadcast strides (clmha__dims)
     cl_mem kpm;
     cl_ulong kpm_off;
     cl_uint kpm_kind, causal, dropout_on, threshold;
@@ -64,7 +65,8 @@ CLMHA__HIDDEN clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha
 // (cl/common.cl).
 #define CLMHA__MASK_ARGS(m)                                                                   \
     CLMHA__ARG((m).attn), CLMHA__ARG((m).attn_off), CLMHA__ARG((m).attn_kind),                \
-        CLMHA__ARG((m).attn_layout), CLMHA__ARG((m).kpm), CLMHA__ARG((m).kpm_off),            \
+        CLMHA__ARG((m).attn_sn), CLMHA__ARG((m).attn_sh), CLMHA__ARG((m).attn_si),            \
+        CLMHA__ARG((m).kpm), CLMHA__ARG((m).kpm_off),                                         \
         CLMHA__ARG((m).kpm_kind), CLMHA__ARG((m).causal), CLMHA__ARG((m).dropout_on),         \
         CLMHA__ARG((m).threshold), CLMHA__REAL_ARG((m).keep_scale, (m).rs),                   \
         CLMHA__ARG((m).seed_lo), CLMHA__ARG((m).seed_hi), CLMHA__ARG((m).off_lo)

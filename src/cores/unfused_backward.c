@@ -113,16 +113,18 @@ static clmha_status gemm(clmha_layer *l, const char *what, bool trans_a, bool tr
     return clmha__gemm(l->ctx, what, &op);
 }
 
-// The gradient of one float mask, @p count elements at @p off of @p out in layout @p mode
-// (cl/cores/unfused_backward.cl's MG_*), from dS in @p ds.
+// The gradient of one float mask, @p count elements at @p off of @p out, of broadcast strides
+// @p sn, @p sh, @p si along N, H, L (clmha__dims::attn_sn...; 0 where it is broadcast), from dS
+// in @p ds: cl/cores/unfused_backward.cl's mask_grad.
 static clmha_status mask_grad(clmha_layer *l, const clmha__unfused_backward *ub,
                               const clmha__dims *d, cl_mem ds, cl_mem out, size_t off,
-                              size_t count, cl_uint mode, bool accumulate) {
-    cl_ulong out_off = off, n_el = count, tgt = d->l, heads = l->h, planes = d->n * l->h,
-             src = d->s, srcp = d->s_padded;
+                              size_t count, size_t sn, size_t sh, size_t si, bool accumulate) {
+    cl_ulong out_off = off, n_el = count, tgt = d->l, heads = l->h, batch = d->n, src = d->s,
+             srcp = d->s_padded, msn = sn, msh = sh, msi = si;
     cl_uint acc = accumulate;
-    arg args[] = {ARG(ds),  ARG(out),   ARG(out_off), ARG(n_el), ARG(mode), ARG(acc),
-                  ARG(tgt), ARG(heads), ARG(planes),  ARG(src),  ARG(srcp)};
+    arg args[] = {ARG(ds),    ARG(out),   ARG(out_off), ARG(n_el), ARG(acc),
+                  ARG(tgt),   ARG(heads), ARG(batch),   ARG(src),  ARG(srcp),
+                  ARG(msn),   ARG(msh),   ARG(msi)};
     return clmha__launch(l->ctx, ub->mask_grad, "mask_grad", count, ub->mask_wg, args,
                          sizeof args / sizeof args[0]);
 }
@@ -176,18 +178,14 @@ clmha_status clmha__unfused_backward_run(clmha__unfused_backward **slot,
         return st;
 
     // The masks' gradients: dS summed over what each mask is broadcast along.
-    if (call->grad_attn_mask) {
-        size_t count = d->attn_layout == CLMHA__ATTN_SHARED             ? tl * d->s
-                       : d->attn_layout == CLMHA__ATTN_PER_BATCH        ? d->n * tl * d->s
-                       : d->attn_layout == CLMHA__ATTN_PER_HEAD_SHARED  ? l->h * tl * d->s
-                                                                        : planes * tl * d->s;
-        if ((st = mask_grad(l, ub, d, g, call->grad_attn_mask, call->grad_attn_offset, count,
-                            (cl_uint)d->attn_layout, call->grad_attn_accumulate)))
-            return st;
-    }
-    if (call->grad_kpm &&
-        (st = mask_grad(l, ub, d, g, call->grad_kpm, call->grad_kpm_offset, d->n * d->s,
-                        5 /* MG_KPM */, call->grad_kpm_accumulate)))
+    if (call->grad_attn_mask &&
+        (st = mask_grad(l, ub, d, g, call->grad_attn_mask, call->grad_attn_offset,
+                        d->attn_count, d->attn_sn, d->attn_sh, d->attn_si,
+                        call->grad_attn_accumulate)))
+        return st;
+    if (call->grad_kpm &&  // key_padding_mask (N, S): one row of keys per batch item
+        (st = mask_grad(l, ub, d, g, call->grad_kpm, call->grad_kpm_offset, d->n * d->s, d->s,
+                        0, 0, call->grad_kpm_accumulate)))
         return st;
     return CLMHA_SUCCESS;
 }

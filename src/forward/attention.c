@@ -18,9 +18,9 @@
 typedef clmha__arg arg;
 #define ARG CLMHA__ARG
 
-// The mask the cores read (attn_mask or key_padding_mask), or NULL.
+// The mask the cores read, or NULL.
 static const clmha_mask *mask_of(const clmha__attention_dims *d) {
-    return d->attn.kind ? &d->attn : d->kpm.kind ? &d->kpm : NULL;
+    return d->attn.kind ? &d->attn : NULL;
 }
 
 // Every buffer: present, of the context, large enough; outputs writable and not overlapping

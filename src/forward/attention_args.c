@@ -18,7 +18,6 @@ clmha_forward_args clmha__attention_core_args(clmha_layer *l, const clmha_attent
                                               const clmha__attention_dims *d) {
     l->desc.dropout = a->dropout_p;  // the bare layer's: the cores read the call's p there
     return (clmha_forward_args){.struct_size = sizeof(clmha_forward_args), .attn_mask = d->attn,
-                                .key_padding_mask = d->kpm, .is_causal = a->is_causal,
-                                .per_head_weights = true, .training = a->dropout_p > 0.0f,
-                                .rng = a->rng, .impl = a->impl};
+                                .is_causal = a->is_causal, .per_head_weights = true,
+                                .training = a->dropout_p > 0.0f, .rng = a->rng, .impl = a->impl};
 }

@@ -49,7 +49,7 @@ clmha_status clmha__attention_upload(clmha_layer *l, clmha_attention_args *a,
             return st;
         t[i]->offset = 0;
     }
-    clmha_mask *m = d->attn.kind ? &d->attn : d->kpm.kind ? &d->kpm : NULL;
+    clmha_mask *m = d->attn.kind ? &d->attn : NULL;
     if (m) {
         if ((st = clmha__host_upload(l, CLMHA__HOST_ATTN, "attn_mask", m->tensor.data,
                                      d->mask_count * clmha__mask_elem(m->kind),

@@ -39,7 +39,6 @@ clmha_status clmha__attention_pad_call(clmha_layer *l, const clmha_attention_arg
     if ((st = clmha__attention_resolve(p, pd, msg, sizeof msg)))
         return clmha__fail(l->ctx, st, "padding to D' = %zu: %s", w, msg);
     pd->attn = d->attn;  // the mask where the cores read it (a host form's staged copy)
-    pd->kpm = d->kpm;
     return CLMHA_SUCCESS;
 }
 

@@ -123,36 +123,10 @@ static clmha_status check_options(const clmha_attention_args *a, char *msg, size
     return CLMHA_SUCCESS;
 }
 
-// Where mask @p m of (a, b, c, S) (its shape with leading ones to 4-D) goes for a call of
-// sizes (n, h, l, s): into d->attn (attn_layout) or d->kpm; false when the cores have no layout
-// for it.
-static bool place_mask(const clmha_mask *m, const size_t x[4], size_t n, size_t h, size_t l,
-                       clmha__attention_dims *d) {
-    size_t a = x[0], b = x[1], c = x[2];
-    clmha__attn_layout layout = CLMHA__ATTN_NONE;
-    if (c == l) {
-        if (a == 1 && b == 1) layout = CLMHA__ATTN_SHARED;
-        else if (a == n && b == 1) layout = CLMHA__ATTN_PER_BATCH;
-        else if (b == h && (a == n || (a == 1 && n == 1))) layout = CLMHA__ATTN_PER_HEAD;
-        else if (b == h && a == 1) layout = CLMHA__ATTN_PER_HEAD_SHARED;
-    }
-    if (layout) {
-        d->attn = *m;
-        d->core.attn_layout = layout;
-        d->core.attn_kind = m->kind;
-        return true;
-    }
-    if (c == 1 && b == 1 && (a == n || (a == 1 && n == 1))) {  // a row of keys per batch item
-        d->kpm = *m;
-        d->core.kpm_kind = m->kind;
-        return true;
-    }
-    return false;
-}
-
-static clmha_status check_mask(const clmha_attention_args *args, const size_t q[4],
-                               const size_t k[4], clmha__attention_dims *d, char *msg,
-                               size_t msg_size) {
+// The mask (after the tensors: d->core holds the call's sizes): its kind and shape, into d->attn,
+// d->core's attn_kind, strides and count, d->mask_count.
+static clmha_status check_mask(const clmha_attention_args *args, clmha__attention_dims *d,
+                               char *msg, size_t msg_size) {
     const clmha_mask *m = &args->attn_mask;
     char shape[96];
     if (m->kind == CLMHA_MASK_NONE) {
@@ -169,20 +143,28 @@ static clmha_status check_mask(const clmha_attention_args *args, const size_t q[
         return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
                           "attn_mask.per_batch is set: a mask per batch item is (N, 1, L, S) "
                           "here, per_batch must be false");
-    size_t n = q[N_], h = q[H_], l = q[T_], s = k[T_], x[4] = {1, 1, 1, 1};
+    // SDPA's broadcast of (a, b, c, S') (leading ones added) to (N, H, L, S): each of a, b, c
+    // is 1 or the call's size; the keys are not broadcast (S' = S).
+    size_t n = d->core.n, h = d->core.h, l = d->core.l, s = d->core.s, x[4] = {1, 1, 1, 1};
     const clmha_tensor *t = &m->tensor;
-    bool fits = t->ndim >= 1 && t->ndim <= args->query.ndim && t->shape[t->ndim - 1] == s;
+    bool fits = t->ndim >= 1 && t->ndim <= args->query.ndim;
     for (size_t i = 0; fits && i < t->ndim; ++i) x[4 - t->ndim + i] = t->shape[i];
-    if (!fits || !place_mask(m, x, n, h, l, d))
+    fits = fits && (x[0] == 1 || x[0] == n) && (x[1] == 1 || x[1] == h) &&
+           (x[2] == 1 || x[2] == l) && x[3] == s;
+    if (!fits)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
-                          "attn_mask is %s: for N %zu, H %zu, L %zu and S %zu it must be (L, S), "
-                          "(1, L, S), (1, 1, L, S), (N, 1, L, S), (1, H, L, S), (N, H, L, S) or (N, 1, 1, S) "
-                          "(N 1 also (H, L, S) and (S) forms; unbatched at most 3-D)",
+                          "attn_mask is %s: for N %zu, H %zu, L %zu and S %zu it must broadcast "
+                          "to (N, H, L, S) as (a, b, c, S) with a 1 or N, b 1 or H, c 1 or L "
+                          "(leading ones may be left out; unbatched at most 3-D: (b, c, S)); its "
+                          "last dimension must be S (a mask broadcast over the keys, (..., 1), "
+                          "is not taken: expand it to S)",
                           clmha__shape_str(shape, sizeof shape, t->ndim, t->shape), n, h, l, s);
     if (!product(t->shape, t->ndim, &d->mask_count))
         return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "attn_mask's size overflows");
-    if (d->kpm.kind) d->core.kpm_count = d->mask_count;
-    else d->core.attn_count = d->mask_count;
+    d->attn = *m;
+    d->core.attn_kind = m->kind;
+    clmha__attn_strides(&d->core, x[0], x[1], x[2]);
+    d->core.attn_count = d->mask_count;
     return CLMHA_SUCCESS;
 }
 
@@ -208,7 +190,6 @@ clmha_status clmha__attention_resolve(const clmha_attention_args *args, clmha__a
     if (!counts(q, k, v, d))
         return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
                           "the sizes of the query, key, value or results overflow");
-    if ((st = check_mask(args, q, k, d, msg, msg_size))) return st;
     clmha__dims *c = &d->core;
     c->batched = args->query.ndim == 4;
     c->batch_first = true;
@@ -222,5 +203,5 @@ clmha_status clmha__attention_resolve(const clmha_attention_args *args, clmha__a
     d->layout = args->layout;
     d->dv = v[F_];
     d->scale = args->scale != 0.0 ? args->scale : 1.0 / sqrt((double)q[F_]);
-    return CLMHA_SUCCESS;
+    return check_mask(args, d, msg, msg_size);
 }

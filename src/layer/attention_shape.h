@@ -16,15 +16,16 @@
 // One resolved call.
 typedef struct clmha__attention_dims {
     // What the cores read: n, l, s (= s_padded: no appended keys), h, d, kvh, e = h * d, the
-    // mask kinds and attn_layout, scores_count = n*h*l*s; batch_first (the NLHD rows are the
-    // layer's batch-first projected rows), batched as the query.
+    // mask kind and its broadcast strides (attn_sn, attn_sh, attn_si), scores_count = n*h*l*s;
+    // batch_first (the NLHD rows are the layer's batch-first projected rows), batched as the
+    // query. kpm_kind is NONE: every mask is the cores' attn_mask.
     clmha__dims core;
     clmha_attention_layout layout;
     size_t dv;      // the value's last dimension (D_v)
     double scale;   // the scores' factor: the caller's, or 1/sqrt(D)
-    // The caller's attn_mask as the cores take it: as attn_mask (core.attn_layout), or as
-    // key_padding_mask (N, S) for the (N, 1, 1, S) shapes; the other is kind NONE.
-    clmha_mask attn, kpm;
+    // The caller's attn_mask as the cores take it (their attn_mask, read through
+    // core.attn_sn, attn_sh, attn_si); kind NONE without one.
+    clmha_mask attn;
     size_t query_count, key_count, value_count, mask_count;  // elements
     size_t output_count, lse_count, weights_count;           // elements
 } clmha__attention_dims;

@@ -219,7 +219,13 @@ static clmha_status resolve_kpm(const clmha_mask *kpm, clmha__dims *d, char *msg
     return CLMHA_SUCCESS;
 }
 
-// attn_mask: (L, S), (N*H, L, S), or per_batch (N, L, S); d->attn_kind, d->attn_layout,
+void clmha__attn_strides(clmha__dims *d, size_t a, size_t b, size_t c) {
+    d->attn_si = c > 1 ? d->s : 0;
+    d->attn_sh = b > 1 ? c * d->s : 0;
+    d->attn_sn = a > 1 ? b * c * d->s : 0;
+}
+
+// attn_mask: (L, S), (N*H, L, S), or per_batch (N, L, S); d->attn_kind, its strides,
 // d->attn_count.
 static clmha_status resolve_attn_mask(const clmha_mask *am, clmha__dims *d, char *msg,
                                       size_t msg_size) {
@@ -243,11 +249,11 @@ static clmha_status resolve_attn_mask(const clmha_mask *am, clmha__dims *d, char
                               "for batched inputs, got %zu-D %s",
                               d->n, d->l, d->s, t->ndim,
                               clmha__shape_str(s1, sizeof s1, t->ndim, t->shape));
-        d->attn_layout = CLMHA__ATTN_PER_BATCH;
+        clmha__attn_strides(d, d->n, 1, d->l);
     } else if (shape_is(t, 2, d->l, d->s, 0)) {
-        d->attn_layout = CLMHA__ATTN_SHARED;
+        clmha__attn_strides(d, 1, 1, d->l);
     } else if (shape_is(t, 3, nh, d->l, d->s)) {
-        d->attn_layout = CLMHA__ATTN_PER_HEAD;
+        clmha__attn_strides(d, d->n, d->h, d->l);
     } else {
         return clmha__msg(msg, msg_size, CLMHA_INVALID_MASK,
                           "attn_mask must be (L, S) = (%zu, %zu) or (%s, L, S) = (%zu, %zu, "

@@ -11,16 +11,6 @@
 
 #include "base/defs.h"
 
-// How attn_mask is laid out once its shape is checked.
-typedef enum clmha__attn_layout {
-    CLMHA__ATTN_NONE = 0,
-    CLMHA__ATTN_SHARED,    // (L, S): every batch item and head
-    CLMHA__ATTN_PER_HEAD,  // (N*H, L, S)
-    CLMHA__ATTN_PER_BATCH, // (N, L, S): shared by the heads of a batch item
-    CLMHA__ATTN_PER_HEAD_SHARED,  // (H, L, S): a mask per head, shared by the batch items
-                                  // (attention as a function's (1, H, L, S) with N > 1)
-} clmha__attn_layout;
-
 // The sizes of one forward call, resolved from the layer and the arguments.
 typedef struct clmha__dims {
     bool batched;        // false: unbatched 2-D inputs (N = 1)
@@ -31,13 +21,22 @@ typedef struct clmha__dims {
     size_t s_padded;     // s + add_bias_kv + add_zero_attn
     bool key_is_query;   // args->key.ndim == 0
     bool value_is_key;   // args->value.ndim == 0
-    clmha__attn_layout attn_layout;
+    // attn_mask's broadcast strides, in elements, 0 along a dimension it is broadcast over:
+    // the term of score (n, h, i, j) is element n*attn_sn + h*attn_sh + i*attn_si + j of the
+    // mask (from its offset). The layer's (L, S) is (0, 0, S), (N*H, L, S) (H*L*S, L*S, S),
+    // per_batch (N, L, S) (L*S, 0, S); attention as a function's (a, b, c, S) likewise.
+    // All 0 without a mask (attn_kind NONE).
+    size_t attn_sn, attn_sh, attn_si;
     clmha_mask_kind attn_kind, kpm_kind;
     size_t query_count, key_count, value_count;  // elements of each input
     size_t attn_count, kpm_count;                // elements of each mask (0 if none)
     size_t output_count, weights_count;          // elements of each output
     size_t scores_count;                         // n * h * l * s_padded
 } clmha__dims;
+
+// Sets d->attn_sn, attn_sh, attn_si for a contiguous attn_mask of sizes (a, b, c, S), each of
+// a, b, c either 1 (broadcast) or d->n, d->h, d->l (d->s set).
+CLMHA__HIDDEN void clmha__attn_strides(clmha__dims *d, size_t a, size_t b, size_t c);
 
 // Checks @p args against @p desc (already validated) and fills @p dims. On failure writes a
 // message naming the argument and the shapes to @p msg and returns the status.

@@ -23,19 +23,25 @@ static size_t at(clmha_attention_layout layout, size_t heads, size_t seq, size_t
                                        : ((n * heads + h) * seq + t) * feat + f;
 }
 
-// The additive mask term of score (n, h, i, j): the caller's attn_mask (in the place the
-// cores read it from) and is_causal.
-static double mask_term(const clmha__attention_dims *d, bool causal, size_t n, size_t h,
-                        size_t i, size_t j) {
-    const clmha__dims *c = &d->core;
-    if (causal && j > i) return -INFINITY;
-    const clmha_mask *m = d->attn.kind ? &d->attn : d->kpm.kind ? &d->kpm : NULL;
-    if (!m) return 0.0;
-    size_t k = d->kpm.kind                             ? n * c->s + j
-               : c->attn_layout == CLMHA__ATTN_SHARED  ? i * c->s + j
-               : c->attn_layout == CLMHA__ATTN_PER_HEAD ? ((n * c->h + h) * c->l + i) * c->s + j
-               : c->attn_layout == CLMHA__ATTN_PER_HEAD_SHARED ? (h * c->l + i) * c->s + j
-                                                        : (n * c->l + i) * c->s + j;
+// The index of score (n, h, i, j)'s term in the caller's attn_mask, by SDPA's broadcasting of
+// its shape (leading ones added) to (N, H, L, S): 0 along a dimension of size 1. Worked out
+// from the shape itself, not from the strides the cores get (clmha__dims::attn_sn, attn_sh,
+// attn_si), so that comparing the two checks those.
+static size_t mask_index(const clmha_attention_args *a, size_t n, size_t h, size_t i,
+                         size_t j) {
+    const clmha_tensor *t = &a->attn_mask.tensor;
+    size_t x[4] = {1, 1, 1, 1}, at[4] = {n, h, i, j}, k = 0;
+    for (size_t e = 0; e < t->ndim; ++e) x[4 - t->ndim + e] = t->shape[e];
+    for (int e = 0; e < 4; ++e) k = k * x[e] + (x[e] == 1 ? 0 : at[e]);
+    return k;
+}
+
+// The additive mask term of score (n, h, i, j): the caller's attn_mask and is_causal.
+static double mask_term(const clmha_attention_args *a, size_t n, size_t h, size_t i, size_t j) {
+    const clmha_mask *m = &a->attn_mask;
+    if (a->is_causal && j > i) return -INFINITY;
+    if (m->kind == CLMHA_MASK_NONE) return 0.0;
+    size_t k = mask_index(a, n, h, i, j);
     if (m->kind == CLMHA_MASK_FLOAT) return ((const float *)m->tensor.data)[k];
     bool on = ((const unsigned char *)m->tensor.data)[k] != 0;
     bool allowed = m->kind == CLMHA_MASK_BOOL_ATTEND ? on : !on;
@@ -55,7 +61,7 @@ static double row(const clmha_attention_args *a, const clmha__attention_dims *d,
         for (size_t f = 0; f < c->d; ++f)
             acc += (double)q[at(d->layout, c->h, c->l, c->d, n, h, i, f)] *
                    (double)k[at(d->layout, c->kvh, c->s, c->d, n, kh, j, f)];
-        p[j] = acc * d->scale + mask_term(d, a->is_causal, n, h, i, j);
+        p[j] = acc * d->scale + mask_term(a, n, h, i, j);
         if (p[j] > m || isnan(p[j])) m = isnan(m) ? m : p[j];
     }
     double sum = 0.0;
@@ -152,16 +158,6 @@ clmha_status clmha_reference_attention(const clmha_attention_args *args, double 
 
 // ---- the backward pass --------------------------------------------------------------------------
 
-// The index of score (n, h, i, j)'s term in the caller's mask (as mask_term() reads it).
-static size_t mask_index(const clmha__attention_dims *d, size_t n, size_t h, size_t i, size_t j) {
-    const clmha__dims *c = &d->core;
-    return d->kpm.kind                             ? n * c->s + j
-           : c->attn_layout == CLMHA__ATTN_SHARED  ? i * c->s + j
-           : c->attn_layout == CLMHA__ATTN_PER_HEAD ? ((n * c->h + h) * c->l + i) * c->s + j
-           : c->attn_layout == CLMHA__ATTN_PER_HEAD_SHARED ? (h * c->l + i) * c->s + j
-                                                    : (n * c->l + i) * c->s + j;
-}
-
 // What one row's backward needs: the gradients (zeroed by the caller) and scratch: S doubles
 // each for the probabilities before dropout and their gradient, D_v for the row's output.
 typedef struct grads_out {
@@ -199,7 +195,7 @@ static void row_backward(const clmha_attention_args *a, const clmha__attention_d
     }
     for (size_t j = 0; j < c->s; ++j) {
         double ds = p[j] * (dp[j] - dot);  // the score's gradient
-        if (o->dmask) o->dmask[mask_index(d, n, h, i, j)] += ds;
+        if (o->dmask) o->dmask[mask_index(a, n, h, i, j)] += ds;
         for (size_t f = 0; f < c->d; ++f) {
             size_t qi = at(d->layout, c->h, c->l, c->d, n, h, i, f);
             size_t ki = at(d->layout, c->kvh, c->s, c->d, n, kh, j, f);

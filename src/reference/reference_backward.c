@@ -151,23 +151,13 @@ static void merge_kv_heads(const clmha__dims *d, const double *x, size_t seq_in,
 static void mask_grads(const clmha__dims *d, const double *ds, double *d_attn, double *d_kpm) {
     const size_t sp = d->s_padded;
     if (d_attn) {
-        size_t count = d->attn_layout == CLMHA__ATTN_SHARED ? d->l * d->s : d->attn_count;
-        memset(d_attn, 0, count * sizeof *d_attn);
+        memset(d_attn, 0, d->attn_count * sizeof *d_attn);
         for (size_t n = 0; n < d->n; ++n)
             for (size_t h = 0; h < d->h; ++h)
                 for (size_t i = 0; i < d->l; ++i)
-                    for (size_t j = 0; j < d->s; ++j) {
-                        size_t at;
-                        if (d->attn_layout == CLMHA__ATTN_SHARED)
-                            at = i * d->s + j;
-                        else if (d->attn_layout == CLMHA__ATTN_PER_HEAD)
-                            at = ((n * d->h + h) * d->l + i) * d->s + j;
-                        else if (d->attn_layout == CLMHA__ATTN_PER_HEAD_SHARED)
-                            at = (h * d->l + i) * d->s + j;
-                        else
-                            at = (n * d->l + i) * d->s + j;
-                        d_attn[at] += ds[((n * d->h + h) * d->l + i) * sp + j];
-                    }
+                    for (size_t j = 0; j < d->s; ++j)
+                        d_attn[n * d->attn_sn + h * d->attn_sh + i * d->attn_si + j] +=
+                            ds[((n * d->h + h) * d->l + i) * sp + j];
     }
     if (d_kpm)
         for (size_t n = 0; n < d->n; ++n)

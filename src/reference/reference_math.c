@@ -165,22 +165,8 @@ static double mask_value(const clmha_mask *m, size_t index) {
 double clmha__ref_mask_sum(const clmha__dims *d, const clmha_forward_args *args, size_t n,
                            size_t h, size_t i, size_t j) {
     double sum = 0.0;
-    switch (d->attn_layout) {
-    case CLMHA__ATTN_SHARED:
-        sum += mask_value(&args->attn_mask, i * d->s + j);
-        break;
-    case CLMHA__ATTN_PER_HEAD:
-        sum += mask_value(&args->attn_mask, ((n * d->h + h) * d->l + i) * d->s + j);
-        break;
-    case CLMHA__ATTN_PER_BATCH:
-        sum += mask_value(&args->attn_mask, (n * d->l + i) * d->s + j);
-        break;
-    case CLMHA__ATTN_PER_HEAD_SHARED:
-        sum += mask_value(&args->attn_mask, (h * d->l + i) * d->s + j);
-        break;
-    case CLMHA__ATTN_NONE:
-        break;
-    }
+    if (d->attn_kind != CLMHA_MASK_NONE)
+        sum += mask_value(&args->attn_mask, n * d->attn_sn + h * d->attn_sh + i * d->attn_si + j);
     if (d->kpm_kind != CLMHA_MASK_NONE) sum += mask_value(&args->key_padding_mask, n * d->s + j);
     if (args->is_causal && j > i) sum += -INFINITY;
     return sum;

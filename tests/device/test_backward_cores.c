@@ -33,12 +33,15 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_fused, clmha__core_unfused;
 
 typedef enum gw_mode { GW_NONE, GW_PER_HEAD, GW_AVERAGED } gw_mode;
 
+// The layer's attn_mask forms: (L, S), (N*H, L, S), per_batch (N, L, S).
+typedef enum attn_form { ATTN_NONE, ATTN_SHARED, ATTN_PER_HEAD, ATTN_PER_BATCH } attn_form;
+
 typedef struct bcase {
     const char *name;
     size_t n, h, d, l, s;
     bool bias_kv, zero_attn, causal;
     clmha_mask_kind attn_kind;
-    clmha__attn_layout attn_layout;
+    attn_form attn_layout;
     clmha_mask_kind kpm_kind;
     float dropout;
     gw_mode gw;
@@ -68,9 +71,9 @@ static double mask_of(clmha_mask_kind kind, const unsigned char *b, const float 
 static size_t attn_index(const bcase *c, size_t bh, size_t i, size_t j) {
     size_t n = bh / c->h;
     switch (c->attn_layout) {
-    case CLMHA__ATTN_SHARED: return i * c->s + j;
-    case CLMHA__ATTN_PER_HEAD: return (bh * c->l + i) * c->s + j;
-    case CLMHA__ATTN_PER_BATCH: return (n * c->l + i) * c->s + j;
+    case ATTN_SHARED: return i * c->s + j;
+    case ATTN_PER_HEAD: return (bh * c->l + i) * c->s + j;
+    case ATTN_PER_BATCH: return (n * c->l + i) * c->s + j;
     default: return 0;
     }
 }
@@ -136,7 +139,7 @@ static void reference(const bcase *c, host_data *hd, clmha_dropout_rng rng) {
                     dv[e] += p[j] * f[j] * doi[e];
                 }
                 if (j < S && c->attn_kind == CLMHA_MASK_FLOAT)
-                    hd->attn_g[c->attn_layout == CLMHA__ATTN_PER_BATCH
+                    hd->attn_g[c->attn_layout == ATTN_PER_BATCH
                                    ? (n * L + i) * S + j
                                    : attn_index(c, bh, i, j)] += ds[j];
                 if (j < S && c->kpm_kind == CLMHA_MASK_FLOAT) hd->kpm_g[n * S + j] += ds[j];
@@ -246,14 +249,14 @@ static void forward_args_of(const bcase *c, const device_bufs *b, fixture *fx,
                                .impl = CLMHA_IMPL_FUSED};
     if (c->attn_kind) {
         fa->attn_mask.kind = c->attn_kind;
-        fa->attn_mask.per_batch = c->attn_layout == CLMHA__ATTN_PER_BATCH;
+        fa->attn_mask.per_batch = c->attn_layout == ATTN_PER_BATCH;
         fa->attn_mask.tensor.buffer = b->attn;
-        if (c->attn_layout == CLMHA__ATTN_SHARED)
+        if (c->attn_layout == ATTN_SHARED)
             fa->attn_mask.tensor = (clmha_tensor){.ndim = 2, .shape = {c->l, c->s}, .buffer = b->attn};
         else
             fa->attn_mask.tensor = (clmha_tensor){
                 .ndim = 3,
-                .shape = {c->attn_layout == CLMHA__ATTN_PER_HEAD ? c->n * c->h : c->n, c->l, c->s},
+                .shape = {c->attn_layout == ATTN_PER_HEAD ? c->n * c->h : c->n, c->l, c->s},
                 .buffer = b->attn};
     }
     if (c->kpm_kind)
@@ -283,8 +286,8 @@ static case_result run_case(const bcase *c, unsigned cores) {
     hd.v = uniform_floats(&r, kn, 1.0);
     hd.d_o = uniform_floats(&r, qn, 1.0);
     hd.attn_count = !c->attn_kind                             ? 0
-                    : c->attn_layout == CLMHA__ATTN_SHARED    ? L * c->s
-                    : c->attn_layout == CLMHA__ATTN_PER_BATCH ? c->n * L * c->s
+                    : c->attn_layout == ATTN_SHARED    ? L * c->s
+                    : c->attn_layout == ATTN_PER_BATCH ? c->n * L * c->s
                                                               : planes * L * c->s;
     hd.kpm_count = c->kpm_kind ? c->n * c->s : 0;
     hd.attn_b = calloc(hd.attn_count + 1, 1);
@@ -496,13 +499,13 @@ Test(backward_cores, masks) {
     static const struct {
         const char *name;
         clmha_mask_kind kind;
-        clmha__attn_layout layout;
-    } m[] = {{"bool-ignore shared", CLMHA_MASK_BOOL_IGNORE, CLMHA__ATTN_SHARED},
-             {"bool-attend per head", CLMHA_MASK_BOOL_ATTEND, CLMHA__ATTN_PER_HEAD},
-             {"bool-ignore per batch", CLMHA_MASK_BOOL_IGNORE, CLMHA__ATTN_PER_BATCH},
-             {"float shared", CLMHA_MASK_FLOAT, CLMHA__ATTN_SHARED},
-             {"float per head", CLMHA_MASK_FLOAT, CLMHA__ATTN_PER_HEAD},
-             {"float per batch", CLMHA_MASK_FLOAT, CLMHA__ATTN_PER_BATCH}};
+        attn_form layout;
+    } m[] = {{"bool-ignore shared", CLMHA_MASK_BOOL_IGNORE, ATTN_SHARED},
+             {"bool-attend per head", CLMHA_MASK_BOOL_ATTEND, ATTN_PER_HEAD},
+             {"bool-ignore per batch", CLMHA_MASK_BOOL_IGNORE, ATTN_PER_BATCH},
+             {"float shared", CLMHA_MASK_FLOAT, ATTN_SHARED},
+             {"float per head", CLMHA_MASK_FLOAT, ATTN_PER_HEAD},
+             {"float per batch", CLMHA_MASK_FLOAT, ATTN_PER_BATCH}};
     for (size_t i = 0; i < sizeof m / sizeof m[0]; ++i) {
         bcase c = {.name = m[i].name, .n = 2, .h = 3, .d = 16, .l = 37, .s = 45,
                    .bias_kv = true, .attn_kind = m[i].kind, .attn_layout = m[i].layout};
@@ -513,21 +516,21 @@ Test(backward_cores, masks) {
     run_case(&k1, BOTH);
     bcase k2 = {.name = "kpm float + attn float", .n = 3, .h = 2, .d = 8, .l = 21, .s = 45,
                 .kpm_kind = CLMHA_MASK_FLOAT, .attn_kind = CLMHA_MASK_FLOAT,
-                .attn_layout = CLMHA__ATTN_SHARED, .zero_attn = true, .causal = true};
+                .attn_layout = ATTN_SHARED, .zero_attn = true, .causal = true};
     run_case(&k2, BOTH);
     bcase k3 = {.name = "mask grads accumulate", .n = 2, .h = 2, .d = 8, .l = 19, .s = 23,
                 .kpm_kind = CLMHA_MASK_FLOAT, .attn_kind = CLMHA_MASK_FLOAT,
-                .attn_layout = CLMHA__ATTN_PER_BATCH, .accumulate = true};
+                .attn_layout = ATTN_PER_BATCH, .accumulate = true};
     run_case(&k3, UNFUSED_ONLY);
 }
 
 Test(backward_cores, fully_masked_row) {
     bcase a = {.name = "dead row bool", .n = 1, .h = 2, .d = 16, .l = 37, .s = 53,
-               .attn_kind = CLMHA_MASK_BOOL_IGNORE, .attn_layout = CLMHA__ATTN_SHARED,
+               .attn_kind = CLMHA_MASK_BOOL_IGNORE, .attn_layout = ATTN_SHARED,
                .dead_row = true};
     run_case(&a, BOTH);
     bcase b = {.name = "dead row float", .n = 2, .h = 2, .d = 8, .l = 5, .s = 9,
-               .attn_kind = CLMHA_MASK_FLOAT, .attn_layout = CLMHA__ATTN_PER_HEAD,
+               .attn_kind = CLMHA_MASK_FLOAT, .attn_layout = ATTN_PER_HEAD,
                .dead_row = true};
     run_case(&b, BOTH);
 }
@@ -565,12 +568,12 @@ Test(backward_cores, fused_gemms_in_blocks) {
     run_case(&b, BOTH);
     bcase c = {.name = "gemms: masks +kv +zero planes", .n = 2, .h = 2, .d = 16, .l = 37,
                .s = 45, .bias_kv = true, .zero_attn = true, .attn_kind = CLMHA_MASK_FLOAT,
-               .attn_layout = CLMHA__ATTN_PER_BATCH};
+               .attn_layout = ATTN_PER_BATCH};
     clmha__test_set_fused_backward_block(3 * 37 * 47);  // 3 planes per block, then 1
     run_case(&c, BOTH);
     bcase d = {.name = "gemms: dropout causal rows", .n = 2, .h = 2, .d = 64, .l = 70,
                .s = 70, .dropout = 0.3f, .causal = true, .attn_kind = CLMHA_MASK_BOOL_IGNORE,
-               .attn_layout = CLMHA__ATTN_SHARED, .dead_row = true};
+               .attn_layout = ATTN_SHARED, .dead_row = true};
     clmha__test_set_fused_backward_block(16 * 70);
     run_case(&d, BOTH);
     bcase e = {.name = "gemms: causal L=150 S=37 +kv", .n = 1, .h = 2, .d = 16, .l = 150,
@@ -595,7 +598,7 @@ Test(backward_cores, fused_tiled_kernels) {
     run_case(&a, BOTH);
     bcase b = {.name = "kernels: dropout masks", .n = 2, .h = 2, .d = 64, .l = 70, .s = 70,
                .dropout = 0.3f, .attn_kind = CLMHA_MASK_FLOAT,
-               .attn_layout = CLMHA__ATTN_PER_HEAD, .dead_row = true};
+               .attn_layout = ATTN_PER_HEAD, .dead_row = true};
     run_case(&b, BOTH);
 }
 

@@ -1,9 +1,10 @@
 // Attention as a function (clmha_attention_forward, _forward_host, _output_counts) against the
 // double-precision CPU reference (clmha_reference_attention): both layouts, batched and
 // unbatched, L ≠ S, is_causal, a custom scale, grouped-query attention, dropout, every
-// attn_mask shape and kind the function takes, each through the fused and the unfused core,
-// the log-sum-exp rows and the weights; the device form with the tensors at offsets in their
-// buffers. Then the refusals: their statuses and messages, nothing written, *event NULL.
+// attn_mask shape and kind the function takes (every (a, b, c, S) broadcast to (N, H, L, S):
+// a 1 or N, b 1 or H, c 1 or L, and their shorter forms), each through the fused and the
+// unfused core, the log-sum-exp rows and the weights; the device form with the tensors at
+// offsets in their buffers. Then the refusals: their statuses and messages, nothing written, *event NULL.
 // The reference's own numbers are checked against a hand-computed case.
 #include <criterion/criterion.h>
 
@@ -188,6 +189,47 @@ static void note(const char *name, const char *what, double err) {
     ++checks_run;
 }
 
+// The reference's output for @p x with its broadcast mask written out in full, (N, H, L, S)
+// (unbatched (H, L, S)), each element taken by the test's own index arithmetic: must equal
+// @p want, the reference's output on the broadcast mask, exactly (the same terms in the same
+// order). Checks the reference's broadcasting, which the device's is checked against.
+static void check_expanded_mask(const scase *c, const sdata *x, const double *want) {
+    size_t n = c->batched ? c->n : 1, full = n * c->h * c->l * c->s;
+    if (!x->nm || x->nm == full) return;
+    size_t shape[4] = {1, 1, 1, 1};
+    for (size_t i = 0; i < c->mask_ndim; ++i) shape[4 - c->mask_ndim + i] = c->mask_shape[i];
+    size_t elem = x->fmask ? 4 : 1;
+    unsigned char *m = malloc(full * elem);
+    cr_assert(m);
+    const unsigned char *src = x->fmask ? (const unsigned char *)x->fmask : x->bmask;
+    size_t e = 0;
+    for (size_t b = 0; b < n; ++b)
+        for (size_t h = 0; h < c->h; ++h)
+            for (size_t i = 0; i < c->l; ++i)
+                for (size_t j = 0; j < c->s; ++j, ++e) {
+                    size_t k = (b % shape[0]) * shape[1] + h % shape[1];
+                    k = (k * shape[2] + i % shape[2]) * shape[3] + j;
+                    memcpy(m + e * elem, src + k * elem, elem);
+                }
+    clmha_attention_args a = x->args;
+    a.attn_mask.tensor.ndim = c->batched ? 4 : 3;
+    size_t full_shape[4] = {n, c->h, c->l, c->s};
+    memcpy(a.attn_mask.tensor.shape, full_shape + (c->batched ? 0 : 1),
+           a.attn_mask.tensor.ndim * sizeof(size_t));
+    a.attn_mask.tensor.data = m;
+    double *got = malloc(x->nout * sizeof *got);
+    char msg[512];
+    clmha_status st = clmha_reference_attention(&a, got, x->nout, NULL, 0, NULL, 0, msg,
+                                                sizeof msg);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s: reference, expanded mask: %s", c->name, msg);
+    for (size_t k = 0; k < x->nout; ++k)
+        cr_expect(got[k] == want[k] || (isnan(got[k]) && isnan(want[k])),
+                  "%s: reference output[%zu] %.17g with the mask broadcast, %.17g expanded",
+                  c->name, k, want[k], got[k]);
+    free(got);
+    free(m);
+}
+
 // Runs @p c: the reference; the host form through each core (output, lse from the fused core,
 // weights from the unfused core); the device form at offsets; fully masked rows give zeros.
 static void check_case(clmha_context *ctx, const scase *c) {
@@ -199,6 +241,7 @@ static void check_case(clmha_context *ctx, const scase *c) {
     clmha_status st = clmha_reference_attention(&x.args, want, x.nout, want_lse, x.nlse, want_w,
                                                 x.nw, msg, sizeof msg);
     cr_assert_eq(st, CLMHA_SUCCESS, "%s: reference: %s", c->name, msg);
+    check_expanded_mask(c, &x, want);
     float *out = alloc_floats(x.nout), *lse = alloc_floats(x.nlse), *w = alloc_floats(x.nw);
     static const clmha_impl impls[2] = {CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};
     bool fused_off = false;  // the device keeps the fused core (the lse) from this call
@@ -318,6 +361,37 @@ static const scase masks[] = {
      MASK(2, FL, 5, 7), .gqa = true, .dropout = 0.25f},
     {CASE("mask (N, H, L, S) scale", NLHD, true), SZ(2, 2, 0, 9, 4, 8),
      MASK(4, BA, 2, 2, 9, 4), .scale = 0.7},
+    // A size-1 L: one row of keys per (item, head), per head, or for every query row.
+    {CASE("mask (N, H, 1, S) bool", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BA, 2, 3, 1, 7)},
+    {CASE("mask (N, H, 1, S) float", NLHD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 2, 3, 1, 7)},
+    {CASE("mask (N, H, 1, S) ignore gqa", NHLD, true), SZ(2, 4, 2, 6, 9, 8),
+     MASK(4, BI, 2, 4, 1, 9), .gqa = true},
+    {CASE("mask (1, 1, 1, S) N 2 bool", NLHD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BA, 1, 1, 1, 7)},
+    {CASE("mask (1, 1, 1, S) N 3 float", NHLD, true), SZ(3, 2, 0, 6, 9, 8),
+     MASK(4, FL, 1, 1, 1, 9)},
+    {CASE("mask (S) N 2 bool", NHLD, true), SZ(2, 3, 0, 5, 7, 8), MASK(1, BA, 7)},
+    {CASE("mask (S) N 2 float dropout", NLHD, true), SZ(2, 3, 0, 5, 7, 8), MASK(1, FL, 7),
+     .dropout = 0.2f},
+    {CASE("mask (1, S) N 2 ignore", NHLD, true), SZ(2, 3, 0, 5, 7, 8), MASK(2, BI, 1, 7)},
+    {CASE("mask (1, H, 1, S) N 2 float", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 1, 3, 1, 7)},
+    {CASE("mask (1, H, 1, S) N 2 bool", NLHD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BA, 1, 3, 1, 7)},
+    {CASE("mask (H, 1, S) N 2 ignore", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(3, BI, 3, 1, 7)},
+    {CASE("mask (H, 1, S) unbatched float", NHLD, false), SZ(1, 3, 0, 5, 7, 8),
+     MASK(3, FL, 3, 1, 7)},
+    {CASE("mask (H, 1, S) unbatched bool", NLHD, false), SZ(1, 3, 0, 5, 7, 8),
+     MASK(3, BA, 3, 1, 7)},
+    {CASE("mask (N, 1, L, S) as (N, 1, 1, S) L 1", NHLD, true), SZ(2, 3, 0, 1, 7, 8),
+     MASK(4, FL, 2, 1, 1, 7)},
+    {CASE("mask (N, H, 1, S) edges L33 S65 D64", NHLD, true), SZ(2, 2, 0, 33, 65, 64),
+     MASK(4, FL, 2, 2, 1, 65)},
+    {CASE("mask (1, H, 1, S) edges L17 S40 D40", NLHD, true), SZ(3, 2, 0, 17, 40, 40),
+     MASK(4, BA, 1, 2, 1, 40)},
 };
 
 Test(sdpa, shapes_layouts_causal_scale_gqa_dropout, .timeout = 600) {
@@ -441,6 +515,14 @@ Test(sdpa, refusals, .timeout = 300) {
     s.a.attn_mask.tensor.shape[0] = 1, s.a.attn_mask.tensor.shape[1] = 2;
     s.a.attn_mask.tensor.shape[3] = 5;
     refused(ctx, &s, CLMHA_INVALID_MASK, "attn_mask is (1, 2, 4, 5)");  // 2 heads of 3
+    s.a.attn_mask.tensor.shape[1] = 3, s.a.attn_mask.tensor.shape[2] = 2;
+    refused(ctx, &s, CLMHA_INVALID_MASK, "attn_mask is (1, 3, 2, 5)");  // 2 rows of 4
+    s.a.attn_mask.tensor.shape[2] = 1, s.a.attn_mask.tensor.shape[3] = 1;
+    refused(ctx, &s, CLMHA_INVALID_MASK, "expand it to S");  // (1, 3, 1, 1): over the keys
+    s.a.attn_mask.tensor.ndim = 5;
+    refused(ctx, &s, CLMHA_INVALID_MASK, "unbatched at most 3-D");  // 5-D
+    s.a.attn_mask.tensor.ndim = 4;
+    s.a.attn_mask.tensor.shape[2] = 4, s.a.attn_mask.tensor.shape[3] = 5;
     s.a.attn_mask.tensor.shape[1] = 3;
     s.a.attn_mask.tensor.shape[0] = 2;
     s.a.attn_mask.per_batch = true;
@@ -704,6 +786,20 @@ static const scase backward_cases[] = {
      MASK(4, FL, 2, 2, 4, 6), .dropout = 0.3f},
     {CASE("bw mask (N, 1, 1, S) float", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
      MASK(4, FL, 2, 1, 1, 7)},
+    {CASE("bw mask (N, H, 1, S) float", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 2, 3, 1, 7)},
+    {CASE("bw mask (N, H, 1, S) float gqa nlhd", NLHD, true), SZ(2, 4, 2, 6, 9, 8),
+     MASK(4, FL, 2, 4, 1, 9), .gqa = true},
+    {CASE("bw mask (1, 1, 1, S) float N 2", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 1, 1, 1, 7)},
+    {CASE("bw mask (S) float N 3 dropout", NLHD, true), SZ(3, 2, 0, 6, 5, 8),
+     MASK(1, FL, 5), .dropout = 0.2f},
+    {CASE("bw mask (1, H, 1, S) float N 2", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, FL, 1, 3, 1, 7)},
+    {CASE("bw mask (H, 1, S) float unbatched", NLHD, false), SZ(1, 3, 0, 5, 7, 8),
+     MASK(3, FL, 3, 1, 7)},
+    {CASE("bw mask (N, H, 1, S) bool", NHLD, true), SZ(2, 3, 0, 5, 7, 8),
+     MASK(4, BA, 2, 3, 1, 7)},
 };
 
 Test(sdpa, backward_against_the_reference, .timeout = 600) {

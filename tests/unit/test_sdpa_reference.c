@@ -151,6 +151,17 @@ static const fcase cases[] = {
      MASK(4, CLMHA_MASK_BOOL_ATTEND, 2, 2, 3, 4)},
     {.name = "mask (1,H,L,S) N 2", .layout = NHLD, .batched = true, SZ(2, 2, 0, 3, 4, 2),
      MASK(4, CLMHA_MASK_FLOAT, 1, 2, 3, 4)},
+    // A size-1 L: one row of keys per (item, head), per head, or for every query.
+    {.name = "mask (N,H,1,S)", .layout = NLHD, .batched = true, SZ(2, 3, 0, 3, 4, 2),
+     MASK(4, CLMHA_MASK_FLOAT, 2, 3, 1, 4)},
+    {.name = "mask (1,1,1,S) N 2 gqa", .layout = NHLD, .batched = true, SZ(2, 4, 2, 3, 4, 2),
+     .gqa = true, MASK(4, CLMHA_MASK_FLOAT, 1, 1, 1, 4)},
+    {.name = "mask (S) N 2 dropout", .layout = NHLD, .batched = true, SZ(2, 2, 0, 3, 5, 2),
+     MASK(1, CLMHA_MASK_FLOAT, 5), .dropout = 0.2f},
+    {.name = "mask (1,H,1,S) N 2", .layout = NLHD, .batched = true, SZ(2, 2, 0, 3, 4, 3),
+     MASK(4, CLMHA_MASK_FLOAT, 1, 2, 1, 4)},
+    {.name = "mask (H,1,S) unbatched", .layout = NHLD, .batched = false, SZ(1, 3, 0, 3, 4, 2),
+     MASK(3, CLMHA_MASK_FLOAT, 3, 1, 4)},
 };
 
 Test(sdpa_reference, backward_matches_finite_differences) {
