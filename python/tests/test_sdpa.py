@@ -577,6 +577,33 @@ def test_numpy_lse(ctx, arrays):
     assert np_err(out2, np_ref(q, k, v, m)) <= TOL
 
 
+def test_numpy_layout_and_weights(ctx, arrays):
+    """layout="NLHD" (FlashAttention's (N, L, H, D)) on NumPy arrays, forward and backward, and
+    return_weights: the output, lse and weights in the order asked."""
+    q, k, v, g = arrays
+    nl = lambda a: np.ascontiguousarray(np.swapaxes(a, -3, -2))  # noqa: E731
+    m = bool_mask(N, 1, L, S).numpy()
+    out, lse, w = cn.scaled_dot_product_attention(nl(q), nl(k), nl(v), m, layout="NLHD",
+                                                  return_lse=True, return_weights=True,
+                                                  context=ctx)
+    assert out.shape == (N, L, H, D) and lse.shape == (N, H, L) and w.shape == (N, H, L, S)
+    assert record("sdpa numpy NLHD", np_err(nl(out), np_ref(q, k, v, m))) <= TOL
+    scores = torch.from_numpy(q).double() @ torch.from_numpy(k).double().transpose(-2, -1)
+    scores = (scores / math.sqrt(D)).masked_fill(~torch.from_numpy(m), float("-inf"))
+    assert np_err(lse, torch.logsumexp(scores, -1).numpy()) <= TOL
+    assert record("sdpa numpy weights", np_err(w, torch.softmax(scores, -1).numpy())) <= TOL
+    out2, w2 = cn.scaled_dot_product_attention(q, k, v, m, return_weights=True, context=ctx)
+    assert np_err(w2, w) <= TOL and np_err(nl(out2), out) <= TOL
+    gout = g.standard_normal((N, H, L, D)).astype(np.float32)
+    nhld = cn.scaled_dot_product_attention_backward(gout, q, k, v, m, context=ctx)
+    nlhd = cn.scaled_dot_product_attention_backward(nl(gout), nl(q), nl(k), nl(v), m,
+                                                    layout="nlhd", context=ctx)
+    for a, b in zip(nhld[:3], nlhd[:3]):
+        assert a.shape == nl(b).shape and np_err(a, nl(b)) <= TOL
+    with pytest.raises(ValueError, match="layout"):
+        cn.scaled_dot_product_attention(q, k, v, layout="HNLD", context=ctx)
+
+
 @pytest.mark.parametrize("mask", [None, "float", "bool"])
 def test_numpy_backward(ctx, arrays, mask):
     q, k, v, g = arrays
