@@ -126,16 +126,8 @@ class Call:
         for name, a in tensors:
             if self.device:
                 self._check_device_input(name, a)
-                continue
-            if not isinstance(a, np.ndarray):
-                raise TypeError(f"{name} must be a numpy.ndarray (or a pyopencl.array.Array), "
-                                f"not {type(a).__name__}")
-            if a.dtype not in _INPUT_DTYPES:
-                raise TypeError(f"{name} is {a.dtype}: clmha's attention function computes in "
-                                f"float32 and takes float32 (or float16) arrays")
-            if a.ndim < 2:
-                raise ValueError(f"{name} has shape {a.shape}: it must have at least 2 "
-                                 f"dimensions (..., L, D)")
+            else:
+                self._check_host_input(name, a)
         if not (query.dtype == key.dtype == value.dtype):
             raise TypeError(f"query, key and value must have one dtype, not {query.dtype}, "
                             f"{key.dtype} and {value.dtype}")
@@ -211,6 +203,18 @@ class Call:
                                                     counts + 2), context._ptr)
         self.output_count, self.lse_count = int(counts[0]), int(counts[1])
         self.weights_count = int(counts[2])
+
+    @staticmethod
+    def _check_host_input(name: str, a) -> None:
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray (or a pyopencl.array.Array), not "
+                            f"{type(a).__name__}")
+        if a.dtype not in _INPUT_DTYPES:
+            raise TypeError(f"{name} is {a.dtype}: clmha's attention function computes in "
+                            f"float32 and takes float32 (or float16) arrays")
+        if a.ndim < 2:
+            raise ValueError(f"{name} has shape {a.shape}: it must have at least 2 dimensions "
+                             f"(..., L, D)")
 
     def _check_device_input(self, name: str, a) -> None:
         if a.dtype != np.float32:
