@@ -3,7 +3,7 @@
 PyTorch's ``nn.MultiheadAttention`` (every option, forward and backward), KV-cache decoding and
 grouped-query attention, on NumPy arrays (``clmha.Layer``), as a drop-in ``torch.nn`` module
 (``clmha.torch.MultiheadAttention``) and on pyopencl buffers (``clmha.Context.from_pyopencl``);
-PyTorch's ``scaled_dot_product_attention`` as a function on NumPy arrays
+PyTorch's ``scaled_dot_product_attention`` as a function on NumPy or pyopencl arrays
 (``clmha.numpy.scaled_dot_product_attention``) and tensors, with autograd
 (``clmha.torch.scaled_dot_product_attention``).
 

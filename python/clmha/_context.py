@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from ._device import device_f32, elem_offset, event_to, mem, wait_list
 from ._errors import Error, check
 from ._native import ffi, lib
 
@@ -288,14 +289,10 @@ class Context:
         ``Layer.attend`` returns them (float32 pyopencl arrays: heads (N*H, L, D), lse N*H*L
         values; the two pairs of the same shapes, not overlapping). Waits for the arrays' events
         and attaches the merge's event to all four."""
-        import pyopencl as cl
-
         if self._pyopencl is None:
             raise ValueError("attention_merge runs on pyopencl arrays: it needs a "
                              "Context.from_pyopencl() context")
-        from ._layer import _device_f32
-
-        arrays = [_device_f32(self, name, a) for name, a in
+        arrays = [device_f32(self, name, a) for name, a in
                   (("heads", heads), ("lse", lse), ("other_heads", other_heads),
                    ("other_lse", other_lse))]
         if heads.ndim < 1 or tuple(other_heads.shape) != tuple(heads.shape):
@@ -307,19 +304,13 @@ class Context:
         if rows * head_dim != heads.size:
             raise ValueError(f"heads {tuple(heads.shape)} does not hold lse.size={rows} rows of "
                              f"{head_dim} values")
-        wait = [e for a in arrays for e in a.events if e is not None]
-        wait_list = (ffi.new("cl_event[]", [ffi.cast("cl_event", e.int_ptr) for e in wait])
-                     if wait else ffi.NULL)
+        num_wait, waits = wait_list(arrays)
         event = ffi.new("cl_event *")
-        mem = lambda a: ffi.cast("cl_mem", a.base_data.int_ptr)  # noqa: E731
-        off = lambda a: a.offset // 4  # noqa: E731
         check(lib.clmha_attention_merge(
-            self._ptr, rows, head_dim, mem(heads), off(heads), mem(lse), off(lse),
-            mem(other_heads), off(other_heads), mem(other_lse), off(other_lse), len(wait),
-            wait_list, event), self._ptr)
-        evt = cl.Event.from_int_ptr(int(ffi.cast("intptr_t", event[0])), retain=False)
-        for a in arrays:
-            a.add_event(evt)
+            self._ptr, rows, head_dim, mem(heads), elem_offset(heads), mem(lse), elem_offset(lse),
+            mem(other_heads), elem_offset(other_heads), mem(other_lse), elem_offset(other_lse),
+            num_wait, waits, event), self._ptr)
+        event_to(event, arrays)
 
     @property
     def pyopencl_queue(self):

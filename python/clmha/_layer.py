@@ -7,6 +7,8 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ._context import Context, default_context
+from ._device import (check_context, device_f32, elem_offset, event_to, events_wait_list,
+                      fill_device_tensor, is_pyopencl_array, mem, wait_list)
 from ._errors import check
 from ._native import ffi, lib
 
@@ -62,11 +64,6 @@ class Mask:
                 f"per_batch={self.per_batch})")
 
 
-def _is_pyopencl_array(x) -> bool:
-    mod = type(x).__module__
-    return mod.startswith("pyopencl") and hasattr(x, "base_data") and hasattr(x, "events")
-
-
 _IMPLS = {"auto": lib.CLMHA_IMPL_AUTO, "fused": lib.CLMHA_IMPL_FUSED,
           "unfused": lib.CLMHA_IMPL_UNFUSED}
 
@@ -82,38 +79,6 @@ def _positive_int(name: str, value) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be positive, not {value}")
     return int(value)
-
-
-def _device_f32(context: Context, name: str, a, shape=None, size=None):
-    """@p a checked as a C-contiguous float32 pyopencl array on @p context's OpenCL context."""
-    if not _is_pyopencl_array(a):
-        raise TypeError(f"{name} must be a pyopencl.array.Array, not {type(a).__name__}")
-    if a.dtype != np.float32:
-        raise TypeError(f"{name} must be float32, not {a.dtype}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name} of shape {a.shape} is not C-contiguous")
-    if a.context.int_ptr != context.cl_context_int_ptr:
-        raise ValueError(f"{name} is a pyopencl array of another OpenCL context than the layer's")
-    if shape is not None and tuple(a.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, not {tuple(a.shape)}")
-    if size is not None and a.size != size:
-        raise ValueError(f"{name} must hold {size} values, not {a.size} (shape {a.shape})")
-    return a
-
-
-def _wait_list(arrays):
-    wait = [e for a in arrays for e in a.events if e is not None]
-    c = (ffi.new("cl_event[]", [ffi.cast("cl_event", e.int_ptr) for e in wait])
-         if wait else ffi.NULL)
-    return len(wait), c
-
-
-def _event_to(event, arrays) -> None:
-    import pyopencl as cl
-
-    evt = cl.Event.from_int_ptr(int(ffi.cast("intptr_t", event[0])), retain=False)
-    for a in arrays:
-        a.add_event(evt)
 
 
 class _Args:
@@ -147,21 +112,6 @@ def _fill_tensor(t, array: np.ndarray, args: _Args) -> None:
         t.shape[i] = s
     t.data = ffi.from_buffer(array)
     args.keep.append(array)
-
-
-def _fill_device_tensor(t, array, args: _Args, element_dtypes) -> None:
-    if array.dtype not in element_dtypes:
-        raise TypeError(f"a pyopencl array of dtype {array.dtype} where "
-                        f"{' or '.join(str(d) for d in element_dtypes)} is expected")
-    if not array.flags.c_contiguous:
-        raise ValueError(f"pyopencl array of shape {array.shape} is not C-contiguous")
-    t.ndim = array.ndim
-    for i, s in enumerate(array.shape):
-        t.shape[i] = s
-    t.buffer = ffi.cast("cl_mem", array.base_data.int_ptr)
-    t.offset = array.offset // array.dtype.itemsize
-    args.keep.append(array)
-    args.wait.extend(array.events)
 
 
 class Layer:
@@ -400,11 +350,11 @@ class Layer:
         c = args.c
         if device:
             el = self._device_dtypes()
-            _fill_device_tensor(c.query, query, args, el)
+            fill_device_tensor(c.query, query, args, el)
             if key is not None and not (key is query and (value is None or value is query)):
-                _fill_device_tensor(c.key, key, args, el)
+                fill_device_tensor(c.key, key, args, el)
                 if value is not None and value is not key:
-                    _fill_device_tensor(c.value, value, args, el)
+                    fill_device_tensor(c.value, value, args, el)
             for name, m, field, attn in (("key_padding_mask", key_padding_mask,
                                           c.key_padding_mask, False),
                                          ("attn_mask", attn_mask, c.attn_mask, True)):
@@ -496,7 +446,7 @@ class Layer:
             raise ValueError(f"impl must be 'auto', 'fused' or 'unfused', not {impl!r}")
         if save is not None and (not isinstance(save, Saved) or save._layer is not self):
             raise ValueError("save must be a Saved made by this layer's saved()")
-        device = _is_pyopencl_array(query)
+        device = is_pyopencl_array(query)
         with self._lock:
             args = self._fill_args(query, key, value, key_padding_mask, attn_mask, is_causal,
                                    need_weights, average_attn_weights, training, seed, offset,
@@ -546,18 +496,17 @@ class Layer:
         if isinstance(m, np.ndarray):  # a host mask: uploaded for the call
             m = cla.to_device(queue, np.ascontiguousarray(
                 m.view(np.uint8) if m.dtype == np.bool_ else m.astype(el[0])))
-        if not _is_pyopencl_array(m):
+        if not is_pyopencl_array(m):
             raise TypeError(f"{name} must be a pyopencl array or a numpy array")
         if m.dtype in (np.dtype(np.bool_), np.dtype(np.uint8)):
             field.kind = lib.CLMHA_MASK_BOOL_ATTEND if attend else lib.CLMHA_MASK_BOOL_IGNORE
-            _fill_device_tensor(field.tensor, m, args, (m.dtype,))
+            fill_device_tensor(field.tensor, m, args, (m.dtype,))
         else:
             field.kind = lib.CLMHA_MASK_FLOAT
-            _fill_device_tensor(field.tensor, m, args, el)
+            fill_device_tensor(field.tensor, m, args, el)
         field.per_batch = per_batch and attn
 
     def _forward_device(self, args, out_shape, w_shape, out, weights_out, save):
-        import pyopencl as cl
         import pyopencl.array as cla
 
         ctx = self._context
@@ -566,40 +515,31 @@ class Layer:
         queue = ctx.pyopencl_queue
         el = self._device_dtypes()[0]
         for a in args.keep:
-            if _is_pyopencl_array(a) and a.context.int_ptr != ctx.cl_context_int_ptr:
-                raise ValueError("a pyopencl array of another OpenCL context than the layer's")
+            if is_pyopencl_array(a):
+                check_context(ctx, "an array", a)
         if out is None:
             out = cla.empty(queue, out_shape, el)
-        elif not _is_pyopencl_array(out) or tuple(out.shape) != out_shape or out.dtype != el:
+        elif not is_pyopencl_array(out) or tuple(out.shape) != out_shape or out.dtype != el:
             raise ValueError(f"out must be a pyopencl array of shape {out_shape} and dtype {el}")
         args.wait.extend(out.events)
         if w_shape is not None:
             if weights_out is None:
                 weights_out = cla.empty(queue, w_shape, el)
-            elif (not _is_pyopencl_array(weights_out) or tuple(weights_out.shape) != w_shape
+            elif (not is_pyopencl_array(weights_out) or tuple(weights_out.shape) != w_shape
                   or weights_out.dtype != el):
                 raise ValueError(f"weights_out must be a pyopencl array of shape {w_shape}")
             args.wait.extend(weights_out.events)
-        wait = [e for e in args.wait if e is not None]
-        wait_list = ffi.new("cl_event[]", [ffi.cast("cl_event", e.int_ptr) for e in wait]) \
-            if wait else ffi.NULL
+        num_wait, waits = events_wait_list(args.wait)
         event = ffi.new("cl_event *")
         check(lib.clmha_layer_forward(
-            self._ptr, args.c, ffi.cast("cl_mem", out.base_data.int_ptr),
-            out.offset // el.itemsize,
-            ffi.cast("cl_mem", weights_out.base_data.int_ptr) if w_shape else ffi.NULL,
-            weights_out.offset // el.itemsize if w_shape else 0, len(wait), wait_list, event),
-            ctx._ptr)
-        evt = cl.Event.from_int_ptr(int(ffi.cast("intptr_t", event[0])), retain=False)
-        out.add_event(evt)
-        if w_shape is not None:
-            weights_out.add_event(evt)
+            self._ptr, args.c, mem(out), elem_offset(out),
+            mem(weights_out) if w_shape else ffi.NULL,
+            elem_offset(weights_out) if w_shape else 0, num_wait, waits, event), ctx._ptr)
         if save is not None:
             save._args = args
             save._shapes = (out_shape, w_shape)
-        for a in args.keep:  # inputs must stay unchanged until the call is done
-            if _is_pyopencl_array(a):
-                a.add_event(evt)
+        # the inputs too: they must stay unchanged until the call is done
+        event_to(event, [out] + ([weights_out] if w_shape is not None else []) + args.keep)
         return out, (weights_out if w_shape is not None else None)
 
     # ---- preparation, attention core, profiling ------------------------------------------------
@@ -690,7 +630,7 @@ class Layer:
         """
         _check_impl(impl)
         for name, a in (("query", query), ("key", key), ("value", value)):
-            if a is not None and not _is_pyopencl_array(a):
+            if a is not None and not is_pyopencl_array(a):
                 raise TypeError(f"attend runs on device buffers: {name} must be a "
                                 f"pyopencl.array.Array, not {type(a).__name__}")
         ctx = self._context
@@ -700,9 +640,8 @@ class Layer:
             args = self._fill_args(query, key, value, key_padding_mask, attn_mask, is_causal,
                                    False, True, training, seed, offset, None, None, impl, True)
             for a in args.keep:
-                if _is_pyopencl_array(a) and a.context.int_ptr != ctx.cl_context_int_ptr:
-                    raise ValueError("a pyopencl array of another OpenCL context than the "
-                                     "layer's")
+                if is_pyopencl_array(a):
+                    check_context(ctx, "an array", a)
             q = args.c.query
             qshape = [int(q.shape[i]) for i in range(q.ndim)]
             if q.ndim == 2:
@@ -720,17 +659,16 @@ class Layer:
             if lse_out is None:
                 import pyopencl.array as cla
                 lse_out = cla.empty(queue, lse_shape, np.float32)
-            _device_f32(ctx, "heads_out", heads_out, shape=heads_shape)
-            _device_f32(ctx, "lse_out", lse_out, size=lse_shape[0])
-            inputs = [a for a in args.keep if _is_pyopencl_array(a)]
-            num_wait, wait_list = _wait_list(inputs + [heads_out, lse_out])
+            device_f32(ctx, "heads_out", heads_out, shape=heads_shape)
+            device_f32(ctx, "lse_out", lse_out, size=lse_shape[0])
+            inputs = [a for a in args.keep if is_pyopencl_array(a)]
+            num_wait, waits = wait_list(inputs + [heads_out, lse_out])
             event = ffi.new("cl_event *")
             check(lib.clmha_layer_attend(
                 self._ptr, args.c, bool(appended_keys),
-                ffi.cast("cl_mem", heads_out.base_data.int_ptr), heads_out.offset // 4,
-                ffi.cast("cl_mem", lse_out.base_data.int_ptr), lse_out.offset // 4,
-                num_wait, wait_list, event), ctx._ptr)
-            _event_to(event, inputs + [heads_out, lse_out])
+                mem(heads_out), elem_offset(heads_out), mem(lse_out), elem_offset(lse_out),
+                num_wait, waits, event), ctx._ptr)
+            event_to(event, inputs + [heads_out, lse_out])
             return heads_out, lse_out
 
     def project_heads(self, heads, batch: Optional[int] = None, tgt_len: Optional[int] = None,
@@ -745,7 +683,7 @@ class Layer:
         if ctx.pyopencl_queue is None:
             raise ValueError("project_heads runs on pyopencl arrays: it needs a layer on a "
                              "Context.from_pyopencl() context")
-        _device_f32(ctx, "heads", heads)
+        device_f32(ctx, "heads", heads)
         if heads.ndim != 3 or heads.shape[0] % self.num_heads or heads.shape[2] != self.head_dim:
             raise ValueError(f"heads must have shape (N*{self.num_heads}, L, {self.head_dim}), "
                              f"not {tuple(heads.shape)}")
@@ -760,15 +698,14 @@ class Layer:
         if out is None:
             import pyopencl.array as cla
             out = cla.empty(ctx.pyopencl_queue, shape, np.float32)
-        _device_f32(ctx, "out", out, size=batch * tgt_len * self.embed_dim)
+        device_f32(ctx, "out", out, size=batch * tgt_len * self.embed_dim)
         with self._lock:
-            num_wait, wait_list = _wait_list([heads, out])
+            num_wait, waits = wait_list([heads, out])
             event = ffi.new("cl_event *")
             check(lib.clmha_layer_project_heads(
-                self._ptr, batch, tgt_len, ffi.cast("cl_mem", heads.base_data.int_ptr),
-                heads.offset // 4, ffi.cast("cl_mem", out.base_data.int_ptr), out.offset // 4,
-                num_wait, wait_list, event), ctx._ptr)
-            _event_to(event, [heads, out])
+                self._ptr, batch, tgt_len, mem(heads), elem_offset(heads), mem(out),
+                elem_offset(out), num_wait, waits, event), ctx._ptr)
+            event_to(event, [heads, out])
         return out
 
     # ---- caches and training -------------------------------------------------------------------
@@ -816,12 +753,12 @@ class Layer:
             if value is None:
                 continue
             if device:
-                if not _is_pyopencl_array(value):
+                if not is_pyopencl_array(value):
                     raise TypeError(f"{name} must be a pyopencl array after a forward call on "
                                     f"pyopencl arrays")
                 if shape is None or tuple(value.shape) != shape:
                     raise ValueError(f"{name} must have shape {shape}; got {tuple(value.shape)}")
-                _fill_device_tensor(field, value, dev, f32)
+                fill_device_tensor(field, value, dev, f32)
                 continue
             a = _check_array(name, _to_numpy(value), ranks)
             if shape is None or tuple(a.shape) != shape or a.dtype != np.float32:
@@ -837,8 +774,8 @@ class Layer:
                 import pyopencl.array as cla
 
                 arr = cla.empty(queue, shape, np.float32)
-                grad.buffer = ffi.cast("cl_mem", arr.base_data.int_ptr)
-                grad.offset = arr.offset // 4
+                grad.buffer = mem(arr)
+                grad.offset = elem_offset(arr)
             else:
                 arr = np.empty(shape, np.float32)  # every gradient asked for is written whole
                 grad.data = ffi.cast("float *", ffi.from_buffer(arr))
@@ -867,18 +804,12 @@ class Layer:
             with self._lock:
                 check(lib.clmha_layer_backward_host(self._ptr, b), self._context._ptr)
             return result
-        import pyopencl as cl
-
-        wait = [e for e in dev.wait if e is not None]
-        wait_list = ffi.new("cl_event[]", [ffi.cast("cl_event", e.int_ptr) for e in wait]) \
-            if wait else ffi.NULL
+        num_wait, waits = events_wait_list(dev.wait)
         event = ffi.new("cl_event *")
         with self._lock:
-            check(lib.clmha_layer_backward(self._ptr, b, len(wait), wait_list, event),
+            check(lib.clmha_layer_backward(self._ptr, b, num_wait, waits, event),
                   self._context._ptr)
-        evt = cl.Event.from_int_ptr(int(ffi.cast("intptr_t", event[0])), retain=False)
-        for arr in list(result.values()) + [a for a in dev.keep if _is_pyopencl_array(a)]:
-            arr.add_event(evt)
+        event_to(event, list(result.values()) + dev.keep)
         return result
 
     @property

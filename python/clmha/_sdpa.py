@@ -1,14 +1,18 @@
-"""Scaled dot-product attention as a function: NumPy arrays to ``clmha_attention_args`` and the
-host forms ``clmha_attention_forward_host`` / ``clmha_attention_backward_host``, shared by
-``clmha.numpy.scaled_dot_product_attention`` and ``clmha.torch.scaled_dot_product_attention``.
+"""Scaled dot-product attention as a function: arrays to ``clmha_attention_args``, shared by
+``clmha.numpy.scaled_dot_product_attention`` (and ``_backward``) and
+``clmha.torch.scaled_dot_product_attention``. NumPy arrays go through the host forms
+``clmha_attention_forward_host`` / ``clmha_attention_backward_host``; pyopencl arrays (on a
+``Context.from_pyopencl`` context) through the device forms ``clmha_attention_forward`` /
+``clmha_attention_backward``, on the arrays' own buffers, waiting for their events.
 
-The C function takes (N, H, L, D) or unbatched (H, L, D) tensors and the masks of
-``clmha_attention_args``: any (a, b, c, S) with a 1 or N, b 1 or H, c 1 or L (broadcast as
-SDPA broadcasts it; not along the keys). PyTorch's function takes (..., L, D) with any number of
-leading dimensions and any mask that broadcasts to (..., L, S). ``Call`` maps the one onto the
-other: 2-D tensors get a head dimension of 1, leading dimensions beyond N are folded into N, and
-a mask is passed as it is, except along what the C function does not broadcast: the folded
-leading dimensions (expanded where the mask has some of them but not all) and the keys (a
+The C function takes (N, H, L, D) or unbatched (H, L, D) tensors ((N, L, H, D) and (L, H, D) in
+the NLHD layout) and the masks of ``clmha_attention_args``: any (a, b, c, S) with a 1 or N, b 1
+or H, c 1 or L (broadcast as SDPA broadcasts it; not along the keys). PyTorch's function takes
+(..., L, D) with any number of leading dimensions and any mask that broadcasts to (..., L, S).
+``Call`` maps the one onto the other: 2-D tensors get a head dimension of 1, leading dimensions
+beyond N are folded into N (the arrays are contiguous: only the shapes given to the C function
+change), and a mask is passed as it is, except along what the C function does not broadcast: the
+folded leading dimensions (expanded where the mask has some of them but not all) and the keys (a
 last dimension of 1 expanded to S); a float mask's gradient is summed back to the mask's own
 shape.
 """
@@ -19,14 +23,17 @@ from typing import Optional, Tuple
 import numpy as np
 
 from ._context import Context, default_context
+from ._device import (check_context, device_f32, elem_offset, event_to, events_wait_list,
+                      fill_device_shape, is_pyopencl_array, mem)
 from ._errors import check
 from ._native import ffi, lib
 
 _IMPLS = {"auto": lib.CLMHA_IMPL_AUTO, "fused": lib.CLMHA_IMPL_FUSED,
           "unfused": lib.CLMHA_IMPL_UNFUSED}
+_LAYOUTS = {"NHLD": lib.CLMHA_LAYOUT_NHLD, "NLHD": lib.CLMHA_LAYOUT_NLHD}
 
 #: the dtypes the call takes: float32, computed as it is; float16, computed in float32 and
-#: returned in float16
+#: returned in float16 (NumPy arrays only: pyopencl arrays are float32)
 _INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
@@ -47,14 +54,43 @@ def _number(name: str, value, kind=float):
     return kind(value)
 
 
-class Call:
-    """One call's ``clmha_attention_args``, with the float32 arrays it points into kept alive.
+def _layout(layout) -> str:
+    name = layout.upper() if isinstance(layout, str) else None
+    if name not in _LAYOUTS:
+        raise ValueError(f"layout must be 'NHLD' (query (..., H, L, D), PyTorch's) or 'NLHD' "
+                         f"(query (..., L, H, D), FlashAttention's), not {layout!r}")
+    return name
 
-    ``query`` (..., H, L, D), ``key`` (..., H_kv, S, D), ``value`` (..., H_kv, S, D_v) NumPy
-    arrays of one dtype (float32 or float16); ``attn_mask`` None or a bool (True = may attend)
-    or floating NumPy array broadcasting to (..., H, L, S). The other arguments as
+
+def _nhld(shape, layout: str):
+    """@p shape in (..., H, L, D) order: NLHD's sequence and head dimensions swapped."""
+    if layout == "NLHD" and len(shape) >= 3:
+        return tuple(shape[:-3]) + (shape[-2], shape[-3], shape[-1])
+    return tuple(shape)
+
+
+def _c_shape(shape, layout: str):
+    """The shape the C function is given: 2-D gets a head dimension of 1, five and more
+    dimensions fold into N."""
+    if len(shape) == 2:
+        return (1,) + tuple(shape) if layout == "NHLD" else (shape[0], 1, shape[1])
+    if len(shape) <= 4:
+        return tuple(shape)
+    return (int(np.prod(shape[:-3])),) + tuple(shape[-3:])
+
+
+class Call:
+    """One call's ``clmha_attention_args``, with the arrays it points into kept alive.
+
+    ``query`` (..., H, L, D), ``key`` (..., H_kv, S, D), ``value`` (..., H_kv, S, D_v) (with
+    ``layout="NLHD"``: (..., L, H, D), (..., S, H_kv, D), (..., S, H_kv, D_v)): NumPy arrays of
+    one dtype (float32 or float16), or float32 C-contiguous pyopencl arrays (the device form,
+    ``self.device``); ``attn_mask`` None or a bool (True = may attend) or floating array
+    broadcasting to (..., H, L, S), NumPy (uploaded for a device call) or, for a device call,
+    pyopencl (bool or uint8, or float32) in a shape the C function reads. The other arguments as
     ``scaled_dot_product_attention``'s, plus the dropout's Philox ``seed`` and ``offset``, the
     core ``impl``, the ``context`` (None: the cache's with ``kv_cache``, else the default
+    context; a device call needs a ``Context.from_pyopencl`` context of the arrays' OpenCL
     context) and the KV-cache form's ``kv_cache`` (a ``clmha.KVCache``) and ``kv_append``
     (per-sequence counts of real new tokens).
     """
@@ -62,7 +98,7 @@ class Call:
     def __init__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                  scale=None, enable_gqa=False, *, seed: int = 0, offset: int = 0,
                  impl: str = "auto", context: Optional[Context] = None, kv_cache=None,
-                 kv_append=None):
+                 kv_append=None, layout: str = "NHLD"):
         from ._layer import KVCache
 
         if kv_cache is not None and not isinstance(kv_cache, KVCache):
@@ -74,18 +110,25 @@ class Call:
             raise TypeError(f"context must be a clmha.Context, not {type(context).__name__}")
         if not isinstance(impl, str) or impl not in _IMPLS:
             raise ValueError(f"impl must be 'auto', 'fused' or 'unfused', not {impl!r}")
+        self.layout = _layout(layout)
         self.context = context
-        arrays = []
-        for name, a in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(a, np.ndarray):
-                raise TypeError(f"{name} must be a numpy.ndarray, not {type(a).__name__}")
-            if a.dtype not in _INPUT_DTYPES:
-                raise TypeError(f"{name} is {a.dtype}: clmha's attention function computes in "
-                                f"float32 and takes float32 (or float16) arrays")
-            if a.ndim < 2:
-                raise ValueError(f"{name} has shape {a.shape}: it must have at least 2 "
-                                 f"dimensions (..., L, D)")
-            arrays.append(a)
+        self.impl = impl
+        tensors = (("query", query), ("key", key), ("value", value))
+        on_device = [is_pyopencl_array(a) for _, a in tensors]
+        self.device = on_device[0]
+        if any(on_device) and not all(on_device):
+            kinds = ", ".join(f"{n} {type(a).__module__}.{type(a).__name__}" for n, a in tensors)
+            raise TypeError(f"query, key and value must be all NumPy arrays or all pyopencl "
+                            f"arrays, not a mix ({kinds})")
+        if self.device and context.pyopencl_queue is None:
+            raise ValueError("pyopencl arrays need context=clmha.Context.from_pyopencl(ctx, "
+                             "queue) of their OpenCL context (the device form runs on its "
+                             "queue)")
+        for name, a in tensors:
+            if self.device:
+                self._check_device_input(name, a)
+            else:
+                self._check_host_input(name, a)
         if not (query.dtype == key.dtype == value.dtype):
             raise TypeError(f"query, key and value must have one dtype, not {query.dtype}, "
                             f"{key.dtype} and {value.dtype}")
@@ -97,18 +140,29 @@ class Call:
         if nd > 4 and not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
             raise ValueError(f"the leading dimensions of query {query.shape}, key {key.shape} "
                              f"and value {value.shape} must be equal (they are not broadcast)")
-        self.shapes = tuple(a.shape for a in arrays)
+        self.shapes = tuple(tuple(a.shape) for _, a in tensors)
+        # The shapes in (..., H, L, D) order, which the mask, lse and weights follow.
+        self.nhld = tuple(_nhld(s, self.layout) for s in self.shapes)
         # The C call's shapes: 2-D gets a head dimension of 1, 5-D and more fold into N.
-        self.c_shapes = tuple(self._c_shape(a.shape) for a in arrays)
-        self.arrays = [np.ascontiguousarray(a, np.float32) for a in arrays]
-        self.out_shape = query.shape[:-1] + value.shape[-1:]
-        self.lse_shape = query.shape[:-1]
+        self.c_shapes = tuple(_c_shape(s, self.layout) for s in self.shapes)
+        self.out_shape = self.shapes[0][:-1] + self.shapes[2][-1:]
+        self.lse_shape = self.nhld[0][:-1]
+        self.weights_shape = self.nhld[0][:-1] + self.nhld[1][-2:-1]
+        self.keep = []  # device arrays the call reads (kept alive, given the call's event)
+        self.wait = []  # their events
 
         c = ffi.new("clmha_attention_args *")
         c.struct_size = ffi.sizeof("clmha_attention_args")
-        for field, a, shape in zip((c.query, c.key, c.value), self.arrays, self.c_shapes):
-            _fill(field, a, shape)
-        c.layout = lib.CLMHA_LAYOUT_NHLD
+        if self.device:
+            self.arrays = [a for _, a in tensors]
+            for field, a, shape in zip((c.query, c.key, c.value), self.arrays, self.c_shapes):
+                fill_device_shape(field, a, shape)
+                self._keep(a)
+        else:
+            self.arrays = [np.ascontiguousarray(a, np.float32) for _, a in tensors]
+            for field, a, shape in zip((c.query, c.key, c.value), self.arrays, self.c_shapes):
+                _fill(field, a, shape)
+        c.layout = _LAYOUTS[self.layout]
         c.is_causal = bool(is_causal)
         if scale is None:
             c.scale = 0.0  # the C function's default: 1/sqrt(D)
@@ -149,19 +203,45 @@ class Call:
             check(lib.clmha_attention_output_counts(context._ptr, c, counts, counts + 1,
                                                     counts + 2), context._ptr)
         self.output_count, self.lse_count = int(counts[0]), int(counts[1])
+        self.weights_count = int(counts[2])
 
     @staticmethod
-    def _c_shape(shape):
-        if len(shape) == 2:
-            return (1,) + tuple(shape)
-        if len(shape) <= 4:
-            return tuple(shape)
-        return (int(np.prod(shape[:-3])),) + tuple(shape[-3:])
+    def _check_host_input(name: str, a) -> None:
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray (or a pyopencl.array.Array), not "
+                            f"{type(a).__name__}")
+        if a.dtype not in _INPUT_DTYPES:
+            raise TypeError(f"{name} is {a.dtype}: clmha's attention function computes in "
+                            f"float32 and takes float32 (or float16) arrays")
+        if a.ndim < 2:
+            raise ValueError(f"{name} has shape {a.shape}: it must have at least 2 dimensions "
+                             f"(..., L, D)")
+
+    def _check_device_input(self, name: str, a) -> None:
+        if a.dtype != np.float32:
+            raise TypeError(f"{name} is a pyopencl array of {a.dtype}: the device form of "
+                            f"clmha's attention function takes float32 arrays")
+        if a.ndim < 2:
+            raise ValueError(f"{name} has shape {a.shape}: it must have at least 2 dimensions "
+                             f"(..., L, D)")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name} (a pyopencl array of shape {a.shape}, strides "
+                             f"{a.strides}) is not C-contiguous: the device form reads the "
+                             f"buffer as it is (copy it first, e.g. with .copy())")
+        check_context(self.context, name, a)
+
+    def _keep(self, a) -> None:
+        self.keep.append(a)
+        self.wait.extend(a.events)
 
     def _set_mask(self, m) -> None:
         """The mask in a form the C function reads, and what undoes it for its gradient."""
+        if self.device and is_pyopencl_array(m):
+            return self._set_device_mask(m)
         if not isinstance(m, np.ndarray):
-            raise TypeError(f"attn_mask must be a numpy.ndarray or None, not {type(m).__name__}")
+            also = " or a pyopencl.array.Array" if self.device else ""
+            raise TypeError(f"attn_mask must be a numpy.ndarray{also} or None, not "
+                            f"{type(m).__name__}")
         if m.dtype == np.bool_:
             kind, dtype = lib.CLMHA_MASK_BOOL_ATTEND, np.bool_
         elif m.dtype.kind == "f":
@@ -169,16 +249,60 @@ class Call:
         else:
             raise TypeError(f"attn_mask must be bool (True = may attend) or floating point, not "
                             f"{m.dtype}")
-        q_shape, k_shape = self.shapes[0], self.shapes[1]
-        L, S = q_shape[-2], k_shape[-2]
-        target = q_shape[:-2] + (L, S)
-        if m.ndim > len(target) or any(
-                x not in (1, t) for x, t in zip((1,) * (len(target) - m.ndim) + m.shape,
+        pm, expanded, c_shape = self._mask_plan(m.shape)
+        values = np.ascontiguousarray(np.broadcast_to(m.reshape(pm), expanded), dtype)
+        self._mask_kind(m.shape, pm, expanded, kind)
+        if self.device:  # uploaded for the call
+            import pyopencl.array as cla
+
+            self.mask = cla.to_device(self.context.pyopencl_queue,
+                                      values.view(np.uint8) if dtype == np.bool_ else values)
+            fill_device_shape(self.c.attn_mask.tensor, self.mask, c_shape)
+            self._keep(self.mask)
+        else:
+            self.mask = values
+            _fill(self.c.attn_mask.tensor, values, c_shape)
+
+    def _set_device_mask(self, m) -> None:
+        """A pyopencl mask, read where it is: it must be in a shape the C function reads."""
+        if m.dtype in (np.dtype(np.bool_), np.dtype(np.uint8)):
+            kind = lib.CLMHA_MASK_BOOL_ATTEND
+        elif m.dtype == np.float32:
+            kind = lib.CLMHA_MASK_FLOAT
+        else:
+            raise TypeError(f"attn_mask is a pyopencl array of {m.dtype}: the device form takes "
+                            f"bool or uint8 (non-zero = may attend) or float32 masks")
+        if not m.flags.c_contiguous:
+            raise ValueError(f"attn_mask (a pyopencl array of shape {m.shape}) is not "
+                             f"C-contiguous")
+        check_context(self.context, "attn_mask", m)
+        pm, expanded, c_shape = self._mask_plan(m.shape)
+        if pm != expanded:
+            raise ValueError(f"attn_mask of shape {m.shape} broadcasts to {self._mask_target()} "
+                             f"in a way the C function does not read (it would be expanded to "
+                             f"{expanded}): pass a pyopencl mask of shape (a, b, c, S) with a 1 or N, "
+                             f"b 1 or H, c 1 or L, or a NumPy mask (expanded and uploaded)")
+        self._mask_kind(m.shape, pm, expanded, kind)
+        self.mask = m
+        fill_device_shape(self.c.attn_mask.tensor, m, c_shape)
+        self._keep(m)
+
+    def _mask_target(self):
+        q_shape, k_shape = self.nhld[0], self.nhld[1]
+        return q_shape[:-2] + (q_shape[-2], k_shape[-2])
+
+    def _mask_plan(self, shape):
+        """(the mask's shape padded to the target's rank, the shape it is expanded to, the C
+        function's shape of that) for a mask of @p shape."""
+        target = self._mask_target()
+        S = target[-1]
+        if len(shape) > len(target) or any(
+                x not in (1, t) for x, t in zip((1,) * (len(target) - len(shape)) + tuple(shape),
                                                 target)):
-            raise ValueError(f"attn_mask of shape {m.shape} does not broadcast to {target} "
-                             f"(the query's leading dimensions, L and S)")
-        pm = (1,) * (len(target) - m.ndim) + m.shape
-        c_q = self.c_shapes[0]
+            raise ValueError(f"attn_mask of shape {tuple(shape)} does not broadcast to {target} "
+                             f"(the query's leading dimensions, H, L and S)")
+        pm = (1,) * (len(target) - len(shape)) + tuple(shape)
+        c_q = _c_shape(self.nhld[0], "NHLD")
         n = c_q[0] if len(c_q) == 4 else 1
         lead, p_lead = target[:-3], pm[:-3]
         has_heads = len(target) >= 3
@@ -187,15 +311,15 @@ class Call:
         bsel = 1 if all(x == 1 for x in p_lead) else n
         e_lead = p_lead if bsel == 1 else lead
         expanded = e_lead + ((ph,) if has_heads else ()) + (pL, S)
-        values = np.ascontiguousarray(np.broadcast_to(m.reshape(pm), expanded), dtype)
         c_shape = (bsel, ph, pL, S) if len(c_q) == 4 else (ph, pL, S)
-        self.mask = values
-        self.mask_shape = m.shape
+        return pm, expanded, c_shape
+
+    def _mask_kind(self, shape, pm, expanded, kind) -> None:
+        self.mask_shape = tuple(shape)
         self.mask_pm = pm
         self.mask_expanded = expanded
         self.mask_float = kind == lib.CLMHA_MASK_FLOAT
         self.c.attn_mask.kind = kind
-        _fill(self.c.attn_mask.tensor, values, c_shape)
 
     def _mask_grad(self, g: np.ndarray) -> np.ndarray:
         """The gradient of the C form of the mask summed back to the mask's own shape."""
@@ -209,18 +333,57 @@ class Call:
     def _result(self, a: np.ndarray) -> np.ndarray:
         return a.astype(self.dtype) if self.dtype != np.float32 else a
 
-    def forward(self, lse: bool = False):
-        """The output (and the log-sum-exp rows with ``lse``)."""
+    def forward(self, lse: bool = False, weights: bool = False):
+        """The output, or a tuple of it and the log-sum-exp rows (with ``lse``) and the
+        attention weights (with ``weights``): NumPy arrays, or for a device call new pyopencl
+        arrays carrying the call's event."""
+        if self.device:
+            return self._forward_device(lse, weights)
         out = np.empty(self.out_shape, np.float32)
         lse_a = np.empty(self.lse_shape, np.float32) if lse else None
+        w = np.empty(self.weights_shape, np.float32) if weights else None
         check(lib.clmha_attention_forward_host(
             self.context._ptr, self.c, _ptr(out), out.size, _ptr(lse_a),
-            lse_a.size if lse else 0, ffi.NULL, 0), self.context._ptr)
-        return (self._result(out), lse_a) if lse else self._result(out)
+            lse_a.size if lse else 0, _ptr(w), w.size if weights else 0), self.context._ptr)
+        return self._results(self._result(out), lse_a,
+                             self._result(w) if weights else None, lse, weights)
 
-    def backward(self, grad_output, want=(True, True, True, True)):
+    @staticmethod
+    def _results(out, lse_a, w, lse: bool, weights: bool):
+        if not (lse or weights):
+            return out
+        return (out,) + ((lse_a,) if lse else ()) + ((w,) if weights else ())
+
+    def _new(self, shape):
+        import pyopencl.array as cla
+
+        return cla.empty(self.context.pyopencl_queue, shape, np.float32)
+
+    def _forward_device(self, lse: bool, weights: bool):
+        out = self._new(self.out_shape)
+        lse_a = self._new(self.lse_shape) if lse else None
+        w = self._new(self.weights_shape) if weights else None
+        num_wait, waits = events_wait_list(self.wait)
+        event = ffi.new("cl_event *")
+        check(lib.clmha_attention_forward(
+            self.context._ptr, self.c, mem(out), elem_offset(out),
+            mem(lse_a) if lse else ffi.NULL, elem_offset(lse_a) if lse else 0,
+            mem(w) if weights else ffi.NULL, elem_offset(w) if weights else 0,
+            num_wait, waits, event), self.context._ptr)
+        # the inputs too: they must stay unchanged until the call is done
+        event_to(event, [a for a in (out, lse_a, w) if a is not None] + self.keep)
+        return self._results(out, lse_a, w, lse, weights)
+
+    def backward(self, grad_output, want=(True, True, True, True), output=None, lse=None):
         """(grad_query, grad_key, grad_value, grad_attn_mask): each None where ``want`` says no
-        (the mask's also without a float mask)."""
+        (the mask's also without a float mask). A device call takes ``grad_output`` as a
+        pyopencl array, and optionally the forward's ``output`` (and ``lse``) instead of running
+        the forward again; it returns all three gradients (``want`` picks only the mask's)."""
+        if self.device:
+            return self._backward_device(grad_output, want, output, lse)
+        if output is not None or lse is not None:
+            raise ValueError("output= and lse= are for pyopencl arrays: the host backward runs "
+                             "the forward again")
         if not isinstance(grad_output, np.ndarray):
             raise TypeError(f"grad_output must be a numpy.ndarray, not "
                             f"{type(grad_output).__name__}")
@@ -232,7 +395,7 @@ class Call:
         g = np.ascontiguousarray(grad_output, np.float32)
         grads = [np.empty(s, np.float32) if w else None
                  for s, w in zip(self.shapes, want[:3])]
-        gm = (np.empty(self.mask.shape, np.float32)
+        gm = (np.empty(self.mask_expanded, np.float32)
               if want[3] and self.mask is not None and self.mask_float else None)
         check(lib.clmha_attention_backward_host(
             self.context._ptr, self.c, _ptr(g), g.size, *(_ptr(a) for a in grads), _ptr(gm)),
@@ -240,3 +403,69 @@ class Call:
         out = [self._result(a) if a is not None else None for a in grads]
         out.append(self._mask_grad(gm) if gm is not None else None)
         return tuple(out)
+
+    def _device_array(self, name: str, a, shape):
+        if not is_pyopencl_array(a):
+            raise TypeError(f"{name} must be a pyopencl.array.Array for a call on pyopencl "
+                            f"arrays, not {type(a).__name__}")
+        device_f32(self.context, name, a)
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(f"{name} has shape {tuple(a.shape)}; this call's is "
+                             f"{tuple(shape)}")
+        return a
+
+    def _backward_device(self, grad_output, want, output, lse):
+        if self.kv_cache is not None:
+            raise ValueError("a call with kv_cache has no backward")
+        go = self._device_array("grad_output", grad_output, self.out_shape)
+        if output is None:
+            if lse is not None:
+                raise ValueError("lse= needs output= too (the forward's results of this call)")
+            # As the host form: the forward again, with the log-sum-exp rows where they let the
+            # fused backward run.
+            need_lse = self.impl != "unfused" and not (want[3] and self.mask_float)
+            res = self.forward(lse=need_lse)
+            output, lse = res if need_lse else (res, None)
+        else:
+            self._device_array("output", output, self.out_shape)
+            if lse is not None:
+                self._device_array("lse", lse, self.lse_shape)
+        grads = [self._new(s) for s in self.shapes]  # the device form writes all three
+        gm = None
+        if want[3] and self.mask is not None and self.mask_float:
+            gm = self._new(self.mask_expanded)
+        b = ffi.new("clmha_attention_backward_args *")
+        b.struct_size = ffi.sizeof("clmha_attention_backward_args")
+        b.forward = self.c
+        b.output, b.output_offset = mem(output), elem_offset(output)
+        if lse is not None:
+            b.lse, b.lse_offset = mem(lse), elem_offset(lse)
+        b.grad_output, b.grad_output_offset = mem(go), elem_offset(go)
+        for a, buf, off in ((grads[0], "grad_query", "grad_query_offset"),
+                            (grads[1], "grad_key", "grad_key_offset"),
+                            (grads[2], "grad_value", "grad_value_offset"),
+                            (gm, "grad_attn_mask", "grad_attn_mask_offset")):
+            if a is not None:
+                setattr(b, buf, mem(a))
+                setattr(b, off, elem_offset(a))
+        b.impl = _IMPLS[self.impl]
+        reads = [output, go] + ([lse] if lse is not None else [])
+        num_wait, waits = events_wait_list(self.wait + [e for a in reads for e in a.events])
+        event = ffi.new("cl_event *")
+        check(lib.clmha_attention_backward(self.context._ptr, b, num_wait, waits, event),
+              self.context._ptr)
+        written = [a for a in grads + [gm] if a is not None]
+        event_to(event, written + reads + self.keep)
+        result = list(grads)
+        if gm is None:
+            result.append(None)
+        elif self.mask_pm == self.mask_expanded:
+            result.append(gm.reshape(self.mask_shape))
+        else:
+            # A NumPy mask the C function reads only expanded: its gradient is summed back on
+            # the host (get() waits for the call) and uploaded.
+            import pyopencl.array as cla
+
+            result.append(cla.to_device(self.context.pyopencl_queue,
+                                        np.ascontiguousarray(self._mask_grad(gm.get()))))
+        return tuple(result)

@@ -1,4 +1,4 @@
-"""clmha.numpy: attention as a function on NumPy arrays.
+"""clmha.numpy: attention as a function on NumPy arrays (and pyopencl arrays).
 
     import numpy as np, clmha.numpy
     q = np.random.randn(2, 8, 10, 64).astype(np.float32)          # (N, H, L, D)
@@ -10,6 +10,10 @@
 device (``clmha_attention_forward_host``); ``scaled_dot_product_attention_backward`` gives the
 gradients (``clmha_attention_backward_host``). With ``kv_cache=clmha.KVCache.for_attention(...)``
 it decodes incrementally (key and value are the new tokens, appended to the cache).
+Given ``pyopencl.array.Array`` inputs and ``context=clmha.Context.from_pyopencl(ctx, queue)``,
+the same two functions run on the arrays' buffers (``clmha_attention_forward`` /
+``clmha_attention_backward``: no host copy, the arrays' events as the wait list) and return
+pyopencl arrays carrying the call's event.
 ``clmha.Layer`` is the whole ``nn.MultiheadAttention`` layer on NumPy arrays.
 """
 
@@ -24,11 +28,12 @@ from ._sdpa import Call
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *,
-                                 return_lse: bool = False, seed: int = 0, offset: int = 0,
+                                 return_lse: bool = False, return_weights: bool = False,
+                                 layout: str = "NHLD", seed: int = 0, offset: int = 0,
                                  impl: str = "auto", context: Optional[Context] = None,
                                  kv_cache: Optional[KVCache] = None,
                                  kv_append: Optional[Sequence[int]] = None
-                                 ) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
+                                 ) -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
     """softmax(query · keyᵀ · scale + attn_mask) · value on clmha's OpenCL device, as PyTorch's
     ``F.scaled_dot_product_attention`` computes it.
 
@@ -45,8 +50,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     :param scale: the scores' factor; None: 1/sqrt(D).
     :param enable_gqa: grouped-query attention: H_kv may divide H (query head h reads key/value
         head h // (H / H_kv)); without it H_kv must equal H.
-    :param return_lse: also return the log-sum-exp of each score row, shape (..., H, L)
-        (both cores write them).
+    :param return_lse: also return the log-sum-exp of each score row, shape (..., H, L) in
+        either layout (both cores write them; -inf for a fully masked row).
+    :param return_weights: also return the attention weights (after dropout), shape
+        (..., H, L, S) in either layout; asking for them runs the unfused core.
+    :param layout: "NHLD" (PyTorch's order, the default) or "NLHD" (FlashAttention's
+        ``flash_attn_func``: query (..., L, H, D), key (..., S, H_kv, D), value
+        (..., S, H_kv, D_v), output (..., L, H, D_v)); attn_mask still broadcasts to
+        (..., H, L, S).
     :param seed: the dropout's Philox key (same seed and offset: same dropout).
     :param offset: part of the dropout's Philox counter (e.g. one more per call).
     :param impl: the core: "auto" (fused where it runs), "fused" or "unfused" (the backward's
@@ -63,34 +74,60 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     :param kv_append: with kv_cache, N counts (a list; an int when N is 1): how many of each
         sequence's S_new new tokens (the first ones) are real and appended (ragged batches);
         None: all of them.
-    :returns: the output (..., H, L, D_v), or ``(output, lse)`` with ``return_lse``.
+    :returns: the output (..., H, L, D_v) (in the query's layout), or a tuple of it, the lse
+        (with ``return_lse``) and the weights (with ``return_weights``), in that order.
 
     Arrays are float32 (float16 is computed in float32 and returned as float16); other dtypes
     raise TypeError, so float64 arrays must be converted (``.astype(np.float32)``). Arrays that
     are not C-contiguous are copied. A query row whose every key is masked gives zeros (PyTorch
     gives NaN). Bad shapes and options raise ``clmha.Error`` with the C library's message.
+
+    **Device form.** The function dispatches on the arrays' type: when query, key and value are
+    ``pyopencl.array.Array`` (all three: a mix with NumPy arrays raises TypeError) it runs
+    ``clmha_attention_forward`` on their buffers (a view's ``offset`` into ``base_data`` is
+    honoured), on ``context``, which must be a ``clmha.Context.from_pyopencl(ctx, queue)`` of
+    the arrays' OpenCL context (else ValueError). The call waits for the arrays' events
+    and enqueues on that context's queue without waiting on the host; the results are new
+    float32 pyopencl arrays whose ``events`` hold the call's event (so ``.get()`` or a later
+    pyopencl kernel waits for it), and that event is added to the inputs too (they must not
+    change before it completes). Arrays are float32 and C-contiguous (float64, float16 or
+    non-contiguous arrays raise TypeError/ValueError: nothing is copied). attn_mask: a pyopencl
+    array (bool or uint8, non-zero = may attend, or float32) in a shape the C function reads
+    ((L, S), (N, 1, L, S), (H, L, S), (N, H, L, S), (N, 1, 1, S), with leading ones allowed),
+    or a NumPy array of any broadcasting shape (expanded where needed and uploaded).
     """
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 seed=seed, offset=offset, impl=impl, context=context, kv_cache=kv_cache,
-                kv_append=kv_append)
-    return call.forward(lse=bool(return_lse))
+                kv_append=kv_append, layout=layout)
+    return call.forward(lse=bool(return_lse), weights=bool(return_weights))
 
 
 def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_mask=None,
                                           dropout_p=0.0, is_causal=False, scale=None,
-                                          enable_gqa=False, *, seed: int = 0, offset: int = 0,
-                                          impl: str = "auto",
-                                          context: Optional[Context] = None):
+                                          enable_gqa=False, *, layout: str = "NHLD",
+                                          seed: int = 0, offset: int = 0, impl: str = "auto",
+                                          context: Optional[Context] = None, output=None,
+                                          lse=None):
     """The gradients of ``scaled_dot_product_attention`` (the same arguments, after
     ``grad_output``, the output's gradient (..., H, L, D_v)): ``(grad_query, grad_key,
     grad_value, grad_attn_mask)``, each in its input's shape; ``grad_attn_mask`` is None unless
     attn_mask is floating point (then its gradient summed over the dimensions it is broadcast
     along). The forward pass runs again (the dropout replayed from ``seed`` and ``offset``);
     with enable_gqa a key/value head's gradient sums its query heads'. A fully masked query
-    row gives zero gradients."""
+    row gives zero gradients.
+
+    **Device form** (pyopencl query, key, value and grad_output, as the forward's device form):
+    ``clmha_attention_backward`` on the arrays' buffers; the gradients are new float32 pyopencl
+    arrays carrying the call's event (a float mask's gradient too; for a NumPy mask that had to
+    be expanded it is summed back on the host, which waits for the call, and uploaded).
+    ``output`` (and ``lse``): the forward's results of this same call (pyopencl arrays), which
+    spare the forward's second run; with ``lse`` the fused core's backward runs (impl "auto"),
+    without it the unfused one. Without ``output`` the forward runs again first, with its lse
+    unless impl is "unfused" or a float mask's gradient is wanted (as the host form does).
+    NumPy arrays take no ``output``/``lse`` (ValueError)."""
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                seed=seed, offset=offset, impl=impl, context=context)
-    return call.backward(grad_output)
+                seed=seed, offset=offset, impl=impl, context=context, layout=layout)
+    return call.backward(grad_output, output=output, lse=lse)
 
 
 __all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward"]

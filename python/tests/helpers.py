@@ -101,16 +101,39 @@ def safetensors_write(path, tensors, metadata=None):
         f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
 
 
-def sdpa_ref(q, k, v, mask=None):
-    """softmax(q k^T / sqrt(d) + mask) v; a bool mask is True = may attend."""
+def sdpa_ref(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, keep=None,
+             dropout_p=0.0):
+    """PyTorch's scaled_dot_product_attention written out in torch ops (1.13 has none):
+    softmax(q kᵀ·scale + mask) v, autograd following it (pass float64 tensors for the float64
+    formula). A bool mask is True = may attend; is_causal masks key j > query i (top-left);
+    enable_gqa repeats key/value head h for H / H_kv query heads. ``keep``: the dropout's kept
+    weights (bool, (..., H, L, S)), scaled by 1/(1 - dropout_p)."""
     import torch
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
+    if enable_gqa:
+        r = q.size(-3) // k.size(-3)
+        k = k.repeat_interleave(r, dim=-3)
+        v = v.repeat_interleave(r, dim=-3)
+    scores = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.size(-1)) if scale is None else scale)
+    if is_causal:
+        causal = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
-            scores = scores + mask
-    return torch.softmax(scores, dim=-1) @ v
+            scores = scores + attn_mask
+    p = torch.softmax(scores, dim=-1)
+    if keep is not None:
+        p = p * keep / (1 - dropout_p)
+    return p @ v
+
+
+def sdpa_ref_np(q, k, v, attn_mask=None, **kw):
+    """sdpa_ref in float64 on NumPy arrays (bool masks stay bool): a float64 NumPy array."""
+    import torch
+    t = lambda a: None if a is None else torch.from_numpy(  # noqa: E731
+        a if a.dtype == np.bool_ else np.asarray(a, np.float64))
+    return sdpa_ref(t(q), t(k), t(v), t(attn_mask), **kw).numpy()
 
 
 def torch_grads(m, q, k, v, kpm, am, gout, gw, need_weights=True, self_attention=False,

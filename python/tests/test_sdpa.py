@@ -17,33 +17,10 @@ import clmha  # noqa: E402
 import clmha._sdpa  # noqa: E402
 import clmha.numpy as cn  # noqa: E402
 import clmha.torch as ct  # noqa: E402
-from helpers import record  # noqa: E402
+from helpers import record, sdpa_ref as ref, sdpa_ref_np as np_ref  # noqa: E402
 
 TOL = 1e-5  # max abs error of float32 results on unit-scale inputs, forward and gradients
 N, H, L, S, D = 2, 4, 5, 7, 8
-
-
-def ref(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, keep=None,
-        dropout_p=0.0):
-    """The float64 formula on float64 tensors (autograd follows it). ``keep``: the dropout's
-    kept weights (bool, (..., H, L, S)), scaled by 1/(1 - dropout_p)."""
-    if enable_gqa:
-        r = q.size(-3) // k.size(-3)
-        k = k.repeat_interleave(r, dim=-3)
-        v = v.repeat_interleave(r, dim=-3)
-    scores = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.size(-1)) if scale is None else scale)
-    if is_causal:
-        causal = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores = scores + attn_mask
-    p = torch.softmax(scores, dim=-1)
-    if keep is not None:
-        p = p * keep / (1 - dropout_p)
-    return p @ v
 
 
 @pytest.fixture(autouse=True)
@@ -575,12 +552,6 @@ def test_against_torch_sdpa(ctx, case):
 
 # ---- clmha.numpy -------------------------------------------------------------------------------
 
-def np_ref(q, k, v, attn_mask=None, **kw):
-    t = lambda a: None if a is None else torch.from_numpy(  # noqa: E731
-        a if a.dtype == np.bool_ else np.asarray(a, np.float64))
-    return ref(t(q), t(k), t(v), t(attn_mask), **kw).numpy()
-
-
 def np_err(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
 
@@ -630,6 +601,33 @@ def test_numpy_lse(ctx, arrays):
     assert record("sdpa numpy lse unfused",
                   np_err(lse2, torch.logsumexp(scores, -1).numpy())) <= TOL
     assert np_err(out2, np_ref(q, k, v, m)) <= TOL
+
+
+def test_numpy_layout_and_weights(ctx, arrays):
+    """layout="NLHD" (FlashAttention's (N, L, H, D)) on NumPy arrays, forward and backward, and
+    return_weights: the output, lse and weights in the order asked."""
+    q, k, v, g = arrays
+    nl = lambda a: np.ascontiguousarray(np.swapaxes(a, -3, -2))  # noqa: E731
+    m = bool_mask(N, 1, L, S).numpy()
+    out, lse, w = cn.scaled_dot_product_attention(nl(q), nl(k), nl(v), m, layout="NLHD",
+                                                  return_lse=True, return_weights=True,
+                                                  context=ctx)
+    assert out.shape == (N, L, H, D) and lse.shape == (N, H, L) and w.shape == (N, H, L, S)
+    assert record("sdpa numpy NLHD", np_err(nl(out), np_ref(q, k, v, m))) <= TOL
+    scores = torch.from_numpy(q).double() @ torch.from_numpy(k).double().transpose(-2, -1)
+    scores = (scores / math.sqrt(D)).masked_fill(~torch.from_numpy(m), float("-inf"))
+    assert np_err(lse, torch.logsumexp(scores, -1).numpy()) <= TOL
+    assert record("sdpa numpy weights", np_err(w, torch.softmax(scores, -1).numpy())) <= TOL
+    out2, w2 = cn.scaled_dot_product_attention(q, k, v, m, return_weights=True, context=ctx)
+    assert np_err(w2, w) <= TOL and np_err(nl(out2), out) <= TOL
+    gout = g.standard_normal((N, H, L, D)).astype(np.float32)
+    nhld = cn.scaled_dot_product_attention_backward(gout, q, k, v, m, context=ctx)
+    nlhd = cn.scaled_dot_product_attention_backward(nl(gout), nl(q), nl(k), nl(v), m,
+                                                    layout="nlhd", context=ctx)
+    for a, b in zip(nhld[:3], nlhd[:3]):
+        assert a.shape == nl(b).shape and np_err(a, nl(b)) <= TOL
+    with pytest.raises(ValueError, match="layout"):
+        cn.scaled_dot_product_attention(q, k, v, layout="HNLD", context=ctx)
 
 
 @pytest.mark.parametrize("mask", [None, "float", "bool"])

@@ -2,7 +2,7 @@
 kv_append= arguments of clmha.numpy.scaled_dot_product_attention and
 clmha.torch.scaled_dot_product_attention. A sequence decoded through the cache (a causal prefix
 chunk, then token by token) gives the rows of the one-shot causal attention, computed by the
-float64 formula written out with PyTorch (test_sdpa.ref), never by clmha; GQA, (N, H, L, D)
+float64 formula written out with PyTorch (helpers.sdpa_ref), never by clmha; GQA, (N, H, L, D)
 and unbatched (H, L, D) tensors; the lengths; truncate and re-feed (speculative rollback);
 ragged appends; what the cache form refuses."""
 
@@ -16,8 +16,7 @@ torch = pytest.importorskip("torch")
 import clmha  # noqa: E402
 import clmha.numpy as cn  # noqa: E402
 import clmha.torch as ct  # noqa: E402
-from helpers import record  # noqa: E402
-from test_sdpa import ref  # noqa: E402  (the float64 formula)
+from helpers import record, sdpa_ref as ref  # noqa: E402  (ref: the float64 formula)
 
 TOL = 1e-5
 N, H, HKV, D, T, PREFIX, CAP = 2, 4, 2, 8, 11, 4, 16
