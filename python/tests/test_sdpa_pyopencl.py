@@ -146,11 +146,12 @@ def test_device_masks(pcl, rng, kind):
 
 
 def test_numpy_mask_expanded(pcl, rng):
-    """A NumPy mask in a broadcast the C function does not read ((N, H, 1, S)) is expanded and
-    uploaded; its gradient comes back summed to its own shape."""
+    """A NumPy mask in a broadcast the C function does not read (along the keys: (N, 1, L, 1))
+    is expanded and uploaded; its gradient comes back summed to its own shape. A pyopencl mask
+    is read where it is: (N, H, 1, S) is, (N, 1, L, 1) is refused."""
     _, queue, c = pcl
     q, k, v = _inputs(rng, "NHLD")
-    m = rng.standard_normal((N, H, 1, S)).astype(np.float32)
+    m = rng.standard_normal((N, 1, L, 1)).astype(np.float32)
     dq, dk, dv = _dev(queue, q, k, v)
     out = f(dq, dk, dv, m, context=c)
     assert _err(out.get(), _ref(q, k, v, m)) <= TOL
@@ -159,6 +160,9 @@ def test_numpy_mask_expanded(pcl, rng):
     _check_grads("expanded mask", got, _ref_grads(q, k, v, m, gout))
     with pytest.raises(ValueError, match="does not read"):  # on the device it is not expanded
         f(dq, dk, dv, cla.to_device(queue, m), context=c)
+    rows = rng.standard_normal((N, H, 1, S)).astype(np.float32)
+    out = f(dq, dk, dv, cla.to_device(queue, rows), context=c)
+    assert _err(out.get(), _ref(q, k, v, rows)) <= TOL
 
 
 def test_offset_views(pcl, rng):
