@@ -16,7 +16,8 @@
 #define MASK_PARAMS                                                                             \
     global const uchar *attn_mask, ulong attn_off, uint attn_kind, ulong attn_sn,              \
         ulong attn_sh, ulong attn_si,                                                           \
-        global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal, uint dropout_on,    \
+        global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal, long win_left,      \
+        long win_right, uint dropout_on,                                                        \
         uint dropout_threshold, REAL keep_scale, uint seed_lo, uint seed_hi_xor_off_hi,        \
         uint offset_lo
 
@@ -55,6 +56,16 @@ inline ulong attn_row_of(ulong attn_off, ulong attn_sn, ulong attn_sh, ulong att
 // attn_row_of() with a kernel's MASK_PARAMS.
 #define ATTN_ROW(bh, n, n_heads, i)                                                             \
     attn_row_of(attn_off, attn_sn, attn_sh, attn_si, bh, n, n_heads, i)
+
+// Whether the sliding window (win_left, win_right; -1: that side unbounded, both -1: no window)
+// lets the query at position p see key j (a real key, j < S: the appended keys are never
+// windowed).
+inline bool in_window(long win_left, long win_right, long p, long j) {
+    return (win_left < 0 || j >= p - win_left) && (win_right < 0 || j <= p + win_right);
+}
+
+// Whether a kernel's MASK_PARAMS have a window.
+#define WINDOWED (win_left >= 0 || win_right >= 0)
 
 // The additive value of mask `kind` at element idx of `mask`.
 inline REAL mask_value(global const uchar *mask, uint kind, ulong idx) {

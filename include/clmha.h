@@ -790,6 +790,17 @@ typedef struct clmha_layer_desc {
     /// Element type of the parameters, inputs and outputs (see ::clmha_dtype); 0 is float32.
     /// Added after 0.1.0, like @ref num_kv_heads.
     clmha_dtype dtype;
+    /// Sliding-window attention (Mistral's and Gemma's; FlashAttention's window_size): with
+    /// @ref window set, query row i, at position p_i, attends key j only when
+    /// p_i − window_left ≤ j ≤ p_i + window_right; a bound of −1 leaves its side unbounded.
+    /// p_i is i (top-left, as is_causal) without a KV cache and the sequence's cached length + i
+    /// (bottom-right) with one. The keys appended by add_bias_kv and add_zero_attn are never
+    /// windowed. The window combines with the masks and is_causal: a key must pass them all.
+    /// Added after 0.2.0: a shorter or zero-initialised struct has no window. (docs/design.md,
+    /// "Attention variants".)
+    bool window;
+    int64_t window_left;   ///< keys before the query's position it sees; −1: all of them
+    int64_t window_right;  ///< keys after the query's position it sees; −1: all; 0: none
 } clmha_layer_desc;
 
 /// Creates a layer on @p ctx: validates the descriptor, builds the kernel programs (cached per
@@ -1665,6 +1676,11 @@ typedef struct clmha_attention_args {
     /// Optional with kv_cache (NULL: all S_new of every sequence): N counts of new tokens that
     /// are real, each at most S_new (ragged batches, as clmha_forward_args::kv_append).
     const size_t *kv_append;
+    /// Sliding window, as clmha_layer_desc::window: query row i (position i, or the cached
+    /// length + i with kv_cache) attends key j only when i − window_left ≤ j ≤ i + window_right;
+    /// −1 leaves a side unbounded. Added after 0.2.0: zero-initialised, off.
+    bool window;
+    int64_t window_left, window_right;  ///< as clmha_layer_desc::window_left, window_right
 } clmha_attention_args;
 
 /// Element counts of the results of a clmha_attention_forward() call of @p args. Validates the

@@ -50,7 +50,8 @@ void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_
         if (j < src_len) {
             v += mask_value(attn_mask, attn_kind, attn_row + j);
             v += mask_value(kpm, kpm_kind, kpm_row + j);
-            if (causal && j > i) v = -INFINITY;
+            if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j))
+                v = -INFINITY;
         }
         x[j] = v;
         m = max_nan(m, v);

@@ -162,6 +162,11 @@ static inline void clmha__core_answer_set(clmha__core_answer *answer, clmha__cor
     va_end(ap);
 }
 
+// Whether call sizes @p d have a sliding window (clmha__dims::win_left, win_right).
+static inline bool clmha__windowed(const clmha__dims *d) {
+    return d->win_left >= 0 || d->win_right >= 0;
+}
+
 // Sets @p answer to CLMHA__CORE_RUNS.
 static inline void clmha__core_runs(clmha__core_answer *answer) {
     answer->reason = CLMHA__CORE_RUNS;

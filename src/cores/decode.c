@@ -107,8 +107,10 @@ static clmha_status ensure(clmha_layer *l, state **out) {
 
 // What a call with a KV cache may not ask for: NULL, or its name (include/clmha.h,
 // "Incremental decoding").
-static const char *not_taken(const clmha_layer *l, const clmha_forward_args *a) {
+static const char *not_taken(const clmha_layer *l, const clmha_forward_args *a,
+                             const clmha__dims *d) {
     if (l->core) return "a user attention core (clmha_layer_set_attention())";
+    if (clmha__windowed(d)) return "a sliding window yet";
     if (l->desc.dtype == CLMHA_DTYPE_F64) return "a float64 layer (its kernels are float32)";
     if (a->need_weights) return "need_weights";
     if (a->attn_mask.kind != CLMHA_MASK_NONE) return "attn_mask";
@@ -130,7 +132,7 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
                                "it runs the calls with a KV cache only");
         return CLMHA_SUCCESS;
     }
-    const char *no = not_taken(l, a);
+    const char *no = not_taken(l, a, call->dims);
     if (no) {
         clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
                                "a forward call with kv_cache runs the decode core, which does "

@@ -316,6 +316,10 @@ clmha_status clmha__fused_backward_supports(clmha__fused_backward **slot, clmha_
                                "impl is CLMHA_IMPL_UNFUSED");
         return CLMHA_SUCCESS;
     }
+    if (clmha__windowed(call->dims)) {
+        refuse(answer, asked, false, "it takes no sliding window yet");
+        return CLMHA_SUCCESS;
+    }
     if (!call->lse) {
         refuse(answer, asked, call->fell_back,
                "the forward call did not run the fused core (no saved log-sum-exp rows)");

@@ -48,6 +48,8 @@ clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args 
         .kpm_off = d->kpm_kind ? a->key_padding_mask.tensor.offset : 0,
         .kpm_kind = d->kpm_kind,
         .causal = a->is_causal,
+        .win_left = d->win_left,
+        .win_right = d->win_right,
         .dropout_on = dropout_on,
         .threshold = clmha__dropout_threshold(p),
         .keep_scale = clmha__real_of(dropout_on ? 1.0 / (1.0 - (double)p) : 1.0),

@@ -12,8 +12,11 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_user;  // this core, at the e
 // core's, asked first).
 static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
                              clmha__core_answer *answer) {
-    (void)call;
-    if (l->core && l->desc.dtype != CLMHA_DTYPE_F32)  // its buffers are float32
+    if (l->core && clmha__windowed(call->dims))  // clmha_core_args has no window
+        clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
+                               "a layer with a user attention core (clmha_layer_set_attention()) "
+                               "takes no sliding window");
+    else if (l->core && l->desc.dtype != CLMHA_DTYPE_F32)  // its buffers are float32
         clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
                                "a %s layer does not take a user attention core "
                                "(clmha_layer_set_attention()) yet",

@@ -116,6 +116,9 @@ static clmha_status check_options(const clmha_attention_args *a, char *msg, size
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
                           "attn_mask and is_causal are both set: give one (as "
                           "scaled_dot_product_attention; a causal mask can be part of attn_mask)");
+    clmha_status st = clmha__window_check(a->window, a->window_left, a->window_right, "args",
+                                          msg, msg_size);
+    if (st) return st;
     if (a->kv_append && !a->kv_cache)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
                           "kv_append is set but kv_cache is NULL: it says how many new tokens "
@@ -203,5 +206,6 @@ clmha_status clmha__attention_resolve(const clmha_attention_args *args, clmha__a
     d->layout = args->layout;
     d->dv = v[F_];
     d->scale = args->scale != 0.0 ? args->scale : 1.0 / sqrt((double)q[F_]);
+    clmha__window_set(c, args->window, args->window_left, args->window_right);
     return check_mask(args, d, msg, msg_size);
 }

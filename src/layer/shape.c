@@ -9,6 +9,22 @@
 #include <stdio.h>
 #include <string.h>
 
+clmha_status clmha__window_check(bool window, int64_t left, int64_t right, const char *where,
+                                 char *msg, size_t msg_size) {
+    if (!window) return CLMHA_SUCCESS;
+    if (left < -1 || right < -1)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "%s.window_left (%lld) and %s.window_right (%lld) must each be -1 "
+                          "(unbounded) or at least 0",
+                          where, (long long)left, where, (long long)right);
+    return CLMHA_SUCCESS;
+}
+
+void clmha__window_set(clmha__dims *d, bool window, int64_t left, int64_t right) {
+    d->win_left = window ? left : -1;
+    d->win_right = window ? right : -1;
+}
+
 clmha_status clmha__desc_check(const clmha_layer_desc *desc, clmha_layer_desc *out, char *msg,
                                size_t msg_size) {
     if (!desc) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "desc is NULL");
@@ -31,6 +47,9 @@ clmha_status clmha__desc_check(const clmha_layer_desc *desc, clmha_layer_desc *o
         desc->dtype != CLMHA_DTYPE_F16 && desc->dtype != CLMHA_DTYPE_BF16)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
                           "dtype %d is not CLMHA_DTYPE_F32, _F64, _F16 or _BF16", (int)desc->dtype);
+    clmha_status st = clmha__window_check(desc->window, desc->window_left, desc->window_right,
+                                          "desc", msg, msg_size);
+    if (st) return st;
     *out = *desc;
     if (out->num_kv_heads == 0) out->num_kv_heads = out->num_heads;
     if (out->kdim == 0) out->kdim = out->embed_dim;
@@ -278,6 +297,7 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
     d->h = desc->num_heads;
     d->kvh = desc->num_kv_heads ? desc->num_kv_heads : desc->num_heads;
     d->d = d->e / d->h;
+    clmha__window_set(d, desc->window, desc->window_left, desc->window_right);
     if ((st = resolve_roles(desc, args, d, msg, msg_size)) ||
         (st = resolve_inputs(desc, args, d, msg, msg_size)) ||
         (st = resolve_kpm(&args->key_padding_mask, d, msg, msg_size)) ||

@@ -6,6 +6,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "clmha.h"
 
@@ -27,6 +28,9 @@ typedef struct clmha__dims {
     // per_batch (N, L, S) (L*S, 0, S); attention as a function's (a, b, c, S) likewise.
     // All 0 without a mask (attn_kind NONE).
     size_t attn_sn, attn_sh, attn_si;
+    // The sliding window (clmha_layer_desc::window): query position p sees key j < s only when
+    // p - win_left <= j <= p + win_right; -1 leaves a side unbounded, and no window is (-1, -1).
+    int64_t win_left, win_right;
     clmha_mask_kind attn_kind, kpm_kind;
     size_t query_count, key_count, value_count;  // elements of each input
     size_t attn_count, kpm_count;                // elements of each mask (0 if none)
@@ -37,6 +41,14 @@ typedef struct clmha__dims {
 // Sets d->attn_sn, attn_sh, attn_si for a contiguous attn_mask of sizes (a, b, c, S), each of
 // a, b, c either 1 (broadcast) or d->n, d->h, d->l (d->s set).
 CLMHA__HIDDEN void clmha__attn_strides(clmha__dims *d, size_t a, size_t b, size_t c);
+
+// Checks a sliding window's bounds (clmha_layer_desc::window, clmha_attention_args::window):
+// each -1 or at least 0; the message names them as fields of @p where.
+CLMHA__HIDDEN clmha_status clmha__window_check(bool window, int64_t left, int64_t right,
+                                               const char *where, char *msg, size_t msg_size);
+
+// Sets @p d's win_left, win_right from a checked window (off: -1, -1).
+CLMHA__HIDDEN void clmha__window_set(clmha__dims *d, bool window, int64_t left, int64_t right);
 
 // Checks @p args against @p desc (already validated) and fills @p dims. On failure writes a
 // message naming the argument and the shapes to @p msg and returns the status.

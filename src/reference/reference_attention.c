@@ -11,6 +11,7 @@
 #include "base/philox.h"
 #include "base/struct_in.h"
 #include "layer/attention_shape.h"
+#include "reference/reference_math.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -40,6 +41,8 @@ static size_t mask_index(const clmha_attention_args *a, size_t n, size_t h, size
 static double mask_term(const clmha_attention_args *a, size_t n, size_t h, size_t i, size_t j) {
     const clmha_mask *m = &a->attn_mask;
     if (a->is_causal && j > i) return -INFINITY;
+    if (!clmha__ref_window_allows(a->window, a->window_left, a->window_right, i, j))
+        return -INFINITY;
     if (m->kind == CLMHA_MASK_NONE) return 0.0;
     size_t k = mask_index(a, n, h, i, j);
     if (m->kind == CLMHA_MASK_FLOAT) return ((const float *)m->tensor.data)[k];

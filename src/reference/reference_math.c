@@ -162,6 +162,13 @@ static double mask_value(const clmha_mask *m, size_t index) {
     }
 }
 
+bool clmha__ref_window_allows(bool window, int64_t left, int64_t right, size_t p, size_t j) {
+    if (!window) return true;
+    double first = left < 0 ? -INFINITY : (double)p - (double)left;
+    double last = right < 0 ? INFINITY : (double)p + (double)right;
+    return (double)j >= first && (double)j <= last;
+}
+
 double clmha__ref_mask_sum(const clmha__dims *d, const clmha_forward_args *args, size_t n,
                            size_t h, size_t i, size_t j) {
     double sum = 0.0;
@@ -169,6 +176,9 @@ double clmha__ref_mask_sum(const clmha__dims *d, const clmha_forward_args *args,
         sum += mask_value(&args->attn_mask, n * d->attn_sn + h * d->attn_sh + i * d->attn_si + j);
     if (d->kpm_kind != CLMHA_MASK_NONE) sum += mask_value(&args->key_padding_mask, n * d->s + j);
     if (args->is_causal && j > i) sum += -INFINITY;
+    if (!clmha__ref_window_allows(d->win_left >= 0 || d->win_right >= 0, d->win_left,
+                                  d->win_right, i, j))
+        sum += -INFINITY;
     return sum;
 }
 

@@ -66,6 +66,11 @@ CLMHA__HIDDEN void clmha__ref_split_heads(const clmha__dims *d, const double *x,
 CLMHA__HIDDEN void clmha__ref_merge_heads(const clmha__dims *d, const double *x, size_t seq_in,
                                           size_t seq, double *out);
 
+// Whether the sliding window (window_left, window_right; -1 unbounded) lets the query at
+// position @p p see key @p j, as include/clmha.h defines it: p - left <= j <= p + right.
+CLMHA__HIDDEN bool clmha__ref_window_allows(bool window, int64_t left, int64_t right, size_t p,
+                                            size_t j);
+
 // Sum of every mask (attn_mask, key_padding_mask, is_causal) at score (n, h, i, j), j < S.
 CLMHA__HIDDEN double clmha__ref_mask_sum(const clmha__dims *d, const clmha_forward_args *args,
                                          size_t n, size_t h, size_t i, size_t j);

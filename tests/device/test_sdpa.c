@@ -30,6 +30,8 @@ typedef struct scase {
     bool causal, gqa, dead_row;  // dead_row: the mask forbids every key of query row 1
     double scale;
     float dropout;
+    bool window;  // a sliding window (wl, wr; -1 unbounded): the fused cores refuse it yet
+    int64_t wl, wr;
 } scase;
 
 // Whether the device keeps the fused core from a call the test asks it for: a driver's loop
@@ -83,7 +85,9 @@ static void sdata_make(sdata *x, const scase *c, uint64_t seed) {
     x->args = (clmha_attention_args){.struct_size = sizeof x->args, .layout = c->layout,
                                      .is_causal = c->causal, .scale = c->scale,
                                      .dropout_p = c->dropout, .enable_gqa = c->gqa,
-                                     .rng = {.seed = 0x5eed0000u + seed, .offset = 3}};
+                                     .rng = {.seed = 0x5eed0000u + seed, .offset = 3},
+                                     .window = c->window, .window_left = c->wl,
+                                     .window_right = c->wr};
     x->args.query = tensor_of(c, c->h, c->l, c->d, x->q);
     x->args.key = tensor_of(c, hkv, c->s, c->d, x->k);
     x->args.value = tensor_of(c, hkv, c->s, dv, x->v);
@@ -254,6 +258,14 @@ static void check_case(clmha_context *ctx, const scase *c) {
         // Both cores write the log-sum-exp rows; the unfused one also the weights.
         st = clmha_attention_forward_host(ctx, &a, out, x.nout, lse, x.nlse, fused ? NULL : w,
                                           fused ? 0 : x.nw);
+        if (fused && c->window) {  // not yet the fused core's: refused, not run elsewhere
+            cr_assert_eq(st, CLMHA_UNSUPPORTED, "%s: fused with a window: %s", c->name,
+                         clmha_status_string(st));
+            cr_assert(strstr(clmha_context_last_error(ctx), "sliding window"), "%s: %s",
+                      c->name, clmha_context_last_error(ctx));
+            fused_off = true;
+            continue;
+        }
         if (fused && fused_kept_off(ctx, c, st)) {
             fused_off = true;
             continue;
@@ -725,7 +737,7 @@ static void check_backward(clmha_context *ctx, const scase *c) {
         clmha_attention_forward_host(ctx, &probe, pout, x.nout, plse, x.nlse, NULL, 0);
     free(pout);
     free(plse);
-    if (!fused_kept_off(ctx, c, pst)) {
+    if (!c->window && !fused_kept_off(ctx, c, pst)) {
         cr_assert_eq(pst, CLMHA_SUCCESS, "%s: fused forward: %s", c->name,
                      clmha_context_last_error(ctx));
         check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_FUSED, 3);
@@ -808,6 +820,61 @@ Test(sdpa, backward_against_the_reference, .timeout = 600) {
         check_backward(ctx, &backward_cases[i]);
     fprintf(stderr, "sdpa: backward %zu cases, %zu checks; worst %.2e\n", cases_run, checks_run,
             worst_any);
+    clmha_context_release(ctx);
+}
+
+// Sliding windows (left, right; -1 unbounded), top-left positions (query row i at position
+// i), with is_causal, masks, GQA, L != S, D_v != D, dropout, unbatched: forward and backward
+// against the reference (the unfused core: the fused cores refuse a window yet).
+#define WIN(l_, r_) .window = true, .wl = l_, .wr = r_
+static const scase windows[] = {
+    {CASE("window (2, 0)", NHLD, true), SZ(2, 3, 0, 7, 7, 8), WIN(2, 0)},
+    {CASE("window (0, 0) L5 S9", NLHD, true), SZ(1, 2, 0, 5, 9, 8), WIN(0, 0)},
+    {CASE("window (3, 1) causal", NHLD, true), SZ(2, 2, 0, 8, 6, 16), WIN(3, 1), .causal = true},
+    {CASE("window (-1, 2) mask float", NLHD, true), SZ(2, 3, 0, 6, 8, 8),
+     MASK(4, FL, 2, 1, 6, 8), WIN(-1, 2)},
+    {CASE("window (1, -1) gqa bool", NHLD, true), SZ(2, 4, 2, 6, 6, 8),
+     MASK(2, BA, 6, 6), WIN(1, -1), .gqa = true},
+    {CASE("window (2, 2) dv dropout", NHLD, true), SZ(1, 2, 0, 9, 9, 8), WIN(2, 2), .dv = 4,
+     .dropout = 0.2f},
+    {CASE("window (0, 3) unbatched", NLHD, false), SZ(1, 3, 0, 4, 10, 8), WIN(0, 3)},
+};
+
+Test(sdpa, sliding_window, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    for (size_t i = 0; i < sizeof windows / sizeof windows[0]; ++i) {
+        check_case(ctx, &windows[i]);
+        check_backward(ctx, &windows[i]);
+    }
+    fprintf(stderr, "sdpa: window %zu cases, %zu checks; worst output %.2e, backward %.2e\n",
+            cases_run, checks_run, worst_out, worst_any);
+    clmha_context_release(ctx);
+}
+
+// A window's bounds must be -1 or at least 0, for the function and for a layer; the fused core
+// asked for by impl and the KV-cache form (the decode core) refuse a window yet.
+Test(sdpa, window_refusals, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    small s;
+    small_make(&s);
+    s.a.window = true, s.a.window_left = -2, s.a.window_right = 0;
+    refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "args.window_left (-2)");
+    s.a.window_left = 1, s.a.window_right = -5;
+    refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "must each be -1 (unbounded) or at least 0");
+    s.a.window_right = 0, s.a.impl = CLMHA_IMPL_FUSED;
+    refused(ctx, &s, CLMHA_UNSUPPORTED, "takes no sliding window yet");
+    clmha_kv_cache *cache;
+    cr_assert_eq(clmha_kv_cache_create_for(&cache, ctx, 2, 3, 8, 16), CLMHA_SUCCESS);
+    s.a.impl = CLMHA_IMPL_AUTO, s.a.kv_cache = cache;
+    refused(ctx, &s, CLMHA_UNSUPPORTED, "sliding window");
+    clmha_kv_cache_release(cache);
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = 8, .num_heads = 2,
+                             .window = true, .window_left = -3, .window_right = 1};
+    clmha_layer *layer = NULL;
+    cr_expect_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "desc.window_left (-3)"), "%s",
+              clmha_context_last_error(ctx));
+    cr_expect_null(layer);
     clmha_context_release(ctx);
 }
 

@@ -31,6 +31,7 @@ void rcase_describe(const rcase *c, char *buf, size_t size) {
     if (c->kpm) APPEND(" kpm=%s", kind_name(c->kpm));
     if (c->am) APPEND(" am=%s(%s)", kind_name(c->am), layouts[c->layout]);
     if (c->is_causal) APPEND(" causal");
+    if (c->window) APPEND(" window(%lld,%lld)", (long long)c->win_left, (long long)c->win_right);
     if (c->mask_row) APPEND(" masked_row");
     if (c->mask_batch) APPEND(" masked_item");
     if (c->need_weights) APPEND(c->per_head ? " w=per_head" : " w=avg");
@@ -90,7 +91,8 @@ void instance_make(instance *in, const rcase *c) {
                                   .add_bias_kv = k->add_bias_kv,
                                   .add_zero_attn = k->add_zero_attn,
                                   .batch_first = k->batch_first, .dropout = k->dropout,
-                                  .num_kv_heads = k->kv_heads};
+                                  .num_kv_heads = k->kv_heads, .window = k->window,
+                                  .window_left = k->win_left, .window_right = k->win_right};
 
     // Parameters: weights ~ U(-1/sqrt(E), 1/sqrt(E)), bias_k / bias_v ~ N(0, 1).
     in->params.struct_size = sizeof in->params;

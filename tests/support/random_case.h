@@ -23,6 +23,8 @@ typedef struct rcase {
     clmha_mask_kind kpm, am;
     attn_layout layout;
     bool is_causal, need_weights, per_head, training;
+    bool window;                    // a sliding window (win_left, win_right; -1 unbounded)
+    int64_t win_left, win_right;
     float dropout;
     uint64_t rng_seed, rng_offset;  // dropout randomness
     double mask_p;                  // probability of a forbidden / -inf mask entry
