@@ -1431,14 +1431,21 @@ CLMHA_API clmha_status clmha_layer_forward_host_f64(clmha_layer *layer,
 ///   `len` tokens before the call sees cache positions 0 … len + i (so with as many new queries
 ///   as new tokens, query i sees itself and everything before it, as in the one-shot causal
 ///   forward). Without is_causal every query sees all of its sequence's cached tokens.
+/// - A sliding window (clmha_layer_desc::window, clmha_attention_args::window) is bottom-right
+///   aligned too: new query i is at position p = len + i and sees cache positions
+///   p − window_left … p + window_right of those the sequence holds after the call (and at most
+///   p with is_causal), so fed in chunks a windowed sequence gives the one-shot windowed
+///   forward's rows, where token t is at position t. The decode core scores only those keys: a
+///   step over a long cache with a window of W tokens costs about what a step over W tokens
+///   costs.
 /// - bias_k/bias_v (add_bias_kv) and the zero key of add_zero_attn are not stored: every call
 ///   appends them after the cached keys, as the one-shot forward appends them after all S keys,
 ///   visible to every query.
 /// - Calls with a cache run the decode core: keys are split across work-groups (split-K), each
 ///   part gives a partial result and its log-sum-exp, and a second kernel combines them, so a
-///   step with one query row still fills the device. It does not return weights, apply
-///   attn_mask, key_padding_mask or dropout, save for a backward pass, or run a user core:
-///   such calls return ::CLMHA_UNSUPPORTED.
+///   step with one query row still fills the device. It takes is_causal and a sliding window;
+///   it does not return weights, apply attn_mask, key_padding_mask or dropout, save for a
+///   backward pass, or run a user core: such calls return ::CLMHA_UNSUPPORTED.
 /// - Capacity: a call that would make a sequence longer than the capacity is refused
 ///   (::CLMHA_SHAPE_MISMATCH) before anything is enqueued, and the cache is unchanged.
 ///
@@ -1669,16 +1676,17 @@ typedef struct clmha_attention_args {
     /// the S_new are real per sequence), and the queries attend over everything the cache then
     /// holds for their sequence, through the decode core. is_causal is bottom-right aligned
     /// there (new query i of a sequence that held `len` tokens sees positions 0 … len + i), as
-    /// flash_attn_with_kvcache aligns it. Such a call takes no attn_mask, dropout, D_v ≠ D,
-    /// lse or weights (::CLMHA_UNSUPPORTED) and has no backward; a cache is used by one thread
-    /// at a time.
+    /// flash_attn_with_kvcache aligns it, and so is a sliding window (window: query i at
+    /// position len + i). Such a call takes no attn_mask, dropout, D_v ≠ D, lse or weights
+    /// (::CLMHA_UNSUPPORTED) and has no backward; a cache is used by one thread at a time.
     clmha_kv_cache *kv_cache;
     /// Optional with kv_cache (NULL: all S_new of every sequence): N counts of new tokens that
     /// are real, each at most S_new (ragged batches, as clmha_forward_args::kv_append).
     const size_t *kv_append;
-    /// Sliding window, as clmha_layer_desc::window: query row i (position i, or the cached
-    /// length + i with kv_cache) attends key j only when i − window_left ≤ j ≤ i + window_right;
-    /// −1 leaves a side unbounded. Added after 0.2.0: zero-initialised, off.
+    /// Sliding window, as clmha_layer_desc::window: query row i, at position p_i (i, or the
+    /// cached length + i with kv_cache), attends key j only when
+    /// p_i − window_left ≤ j ≤ p_i + window_right; −1 leaves a side unbounded. Added after
+    /// 0.2.0: zero-initialised, off.
     bool window;
     int64_t window_left, window_right;  ///< as clmha_layer_desc::window_left, window_right
 } clmha_attention_args;

@@ -15,8 +15,11 @@
 // of them. Its scores need no sum across vector lanes: a key block's dimension c is one
 // BKEYS-lane vector, multiplied by query element c and accumulated, so the lanes of the result
 // are the block's scores (docs/design.md, "Incremental decoding", has the measurements).
-// is_causal is bottom-right aligned: new query i of a sequence that held `old` tokens sees
-// cache positions j <= old + i.
+// is_causal and the sliding window are bottom-right aligned: new query i of a sequence that held
+// `old` tokens is at position old + i, and sees cache positions j <= old + i (is_causal) and
+// old + i - win_left <= j <= old + i + win_right (a window; -1: that side unbounded). Each
+// row's parts cut only the span its window allows, so a step costs what the window's keys cost,
+// not the cache's.
 // Needs cl/common.cl in front (max_nan, VT); the row pointers are cast to VT (HD % VW == 0 and the
 // buffers start at offset 0, so every row is aligned): no vloadN, which Mesa clover cannot
 // compile.
@@ -152,22 +155,31 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
 // the partial softmax of the G query heads of the group over part p of the keys that row i
 // sees. Writes, per query head row ((n*H + h)*L + i) and part, the unnormalised weights*V sum
 // (part_acc, HD floats) and the scores' max and sum of exp(score - max) (part_ms, 2 floats);
-// an empty part gives max -INFINITY, sum 0 and zeros. Parts start on key blocks (BKEYS keys).
+// an empty part gives max -INFINITY, sum 0 and zeros. The keys row i sees are start ... end - 1
+// (is_causal and the window, bottom-right aligned); the parts cut them from the key block that
+// holds `start` (parts start on key blocks of BKEYS keys), and the first block's keys before
+// `start` are masked.
 kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                            global const float *bias, uint has_bias, ulong n_batch,
                            uint batch_first, global const float *kc, global const float *vc,
                            global const uint *lens, ulong tgt_len, ulong n_heads,
-                           ulong kv_heads, ulong cap, uint parts, uint causal, float scale,
-                           global float *part_acc, global float *part_ms, ulong items) {
+                           ulong kv_heads, ulong cap, uint parts, uint causal, long win_left,
+                           long win_right, float scale, global float *part_acc,
+                           global float *part_ms, ulong items) {
     ulong gid = get_global_id(0);
     if (gid >= items) return;
     uint p = (uint)(gid % parts);
     ulong r = gid / parts, i = r % tgt_len, bkv = r / tgt_len, n = bkv / kv_heads;
     ulong kvh = bkv - n * kv_heads;
-    ulong old = lens[2 * n], now = lens[2 * n + 1];
-    ulong end = causal ? min(now, old + i + 1) : now;
-    ulong chunk = ((end + parts - 1) / parts + BKEYS - 1) / BKEYS * BKEYS;
-    ulong j0 = min(end, p * chunk), j1 = min(end, j0 + chunk);
+    ulong old = lens[2 * n], now = lens[2 * n + 1], pos = old + i;  // the query's position
+    ulong end = causal ? min(now, pos + 1) : now;
+    if (win_right >= 0) end = min(end, pos + (ulong)win_right + 1);
+    ulong start = win_left >= 0 && pos > (ulong)win_left ? pos - (ulong)win_left : 0;
+    // The parts' first key: the block of `start`; none (end) when the row sees no key, so that
+    // no part holds a block whose keys are all masked.
+    ulong first = start < end ? start / BKEYS * BKEYS : end;
+    ulong chunk = ((end - first + parts - 1) / parts + BKEYS - 1) / BKEYS * BKEYS;
+    ulong j0 = min(end, first + p * chunk), j1 = min(end, j0 + chunk);
 
     // The group's scaled query rows, as scalars (each multiplies a block's dimension vector),
     // and its accumulators.
@@ -191,7 +203,9 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
     global const float16 *kb = (global const float16 *)(kc + bkv * cap * HD);
     global const float *vb = vc + bkv * cap * HD;
     for (ulong jb = j0; jb < j1; jb += BKEYS) {
-        uint cnt = (uint)min((ulong)BKEYS, j1 - jb);
+        // Lanes skip ... cnt - 1 of the block are keys the row sees (skip > 0 only in the
+        // block of `start`, which part 0 begins with and holds a key of: skip < cnt).
+        uint cnt = (uint)min((ulong)BKEYS, j1 - jb), skip = jb < start ? (uint)(start - jb) : 0;
         // The block's scores for the whole group: lane u is key jb + u; each dimension's
         // vector of the block's keys is read once for the G query heads. The dimensions go
         // round SPLIT sets of sums, so that G * SPLIT independent FMA chains hide the FMA's
@@ -234,11 +248,12 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         // maximum seldom grows after the first blocks: then corr is 1 and needs no exp.
         float16 prs[G];
         float corr[G];
-        if (cnt < BKEYS) {
+        if (cnt < BKEYS || skip) {
             float16 lane = (float16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            int16 past = isgreaterequal(lane, (float16)((float)cnt));
+            int16 out = isgreaterequal(lane, (float16)((float)cnt)) |
+                        isless(lane, (float16)((float)skip));
             _Pragma("unroll")
-            for (uint g = 0; g < G; ++g) sc[g] = select(sc[g], (float16)(-INFINITY), past);
+            for (uint g = 0; g < G; ++g) sc[g] = select(sc[g], (float16)(-INFINITY), out);
         }
         _Pragma("unroll")
         for (uint g = 0; g < G; ++g) {
@@ -257,7 +272,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                 UNROLL
                 for (uint c = 0; c < HV; ++c) a[gg][c] = acc[g0 + gg][c] * corr[g0 + gg];
             }
-            for (uint u = 0; u < cnt; ++u) {
+            for (uint u = skip; u < cnt; ++u) {
                 global const VT *vr = (global const VT *)(vb + (jb + u) * HD);
                 UNROLL
                 for (uint c = 0; c < HV; ++c) {

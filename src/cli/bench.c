@@ -23,7 +23,7 @@ static const char *usage_bench =
     "                   [--impl auto|fused|unfused] [--backward] [--host] [--repeat R]\n"
 "                   [--device SPEC] [--dtype f32|f64|f16|bf16] [--json]\n"
 "       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--batch N] [--embed E]\n"
-"                   [--heads H] [--repeat R] [--device SPEC] [--json]\n"
+"                   [--heads H] [--window LEFT,RIGHT] [--repeat R] [--device SPEC] [--json]\n"
     "\n"
     "Times the forward pass on device buffers (clmha_layer_forward): a warm-up\n"
     "(clmha_layer_bake at the shape: sizes the scratch, compiles the kernels), then R timed\n"
@@ -117,6 +117,10 @@ static const char *usage_bench_decode =
     "kernels count as \"fused\"). --kv-heads G: a grouped-query layer\n"
     "with G key/value heads (G divides H; H query heads share each), whose cache and step read\n"
     "G heads' keys and values: kv_bytes = 2 * N * G * (S + 1) * D * 4.\n"
+    "--window LEFT,RIGHT: a layer with a sliding window (clmha_layer_desc::window; -1 leaves a\n"
+    "side unbounded): the step's token sees the LEFT + 1 latest tokens (is_causal bounds the\n"
+    "right side), and kv_bytes counts those (S + 1 at most); --json adds window_left,\n"
+    "window_right.\n"
     "\n";
 
 static const char *usage_bench_backward =
@@ -183,6 +187,26 @@ static int parse_sizes(const char *flag, const char *text, size_t max_count, siz
         if (*end == '\0') return EXIT_OK;
         p = end + 1;
     }
+}
+
+// --window LEFT,RIGHT: the bounds of a sliding window (clmha_layer_desc::window_left,
+// window_right), each -1 (unbounded) or a whole number. EXIT_OK, or EXIT_USAGE after reporting.
+static int parse_window(const char *text, int64_t bounds[2]) {
+    const char *p = text;
+    for (int i = 0; i < 2; ++i) {
+        char *end = NULL;
+        errno = 0;
+        long long v = isdigit((unsigned char)*p) || *p == '-' ? strtoll(p, &end, 10) : -2;
+        if (!end || errno || v < -1 || *end != (i == 0 ? ',' : '\0')) {
+            clmha__cli_report("bench", "--window '%s': expected LEFT,RIGHT, each -1 (unbounded) "
+                                       "or a whole number",
+                              text);
+            return EXIT_USAGE;
+        }
+        bounds[i] = v;
+        p = end + 1;
+    }
+    return EXIT_OK;
 }
 
 // The result of one shape.
@@ -364,11 +388,12 @@ static void print_tuning(const clmha_context *ctx) {
 // The options of one `clmha bench` call, and what they parse to.
 typedef struct bench_args {
     const char *batch_opt, *tgt_opt, *src_opt, *embed_opt, *heads_opt, *repeat_opt, *layer_path,
-        *device, *impl_opt, *cache_opt, *kv_heads_opt, *dtype_opt, *prefix;
+        *device, *impl_opt, *cache_opt, *kv_heads_opt, *dtype_opt, *prefix, *window_opt;
     bool need_weights, batch_first, json, backward, decode, host;
     size_t batches[BENCH_MAX_LIST], tgts[BENCH_MAX_LIST], srcs[BENCH_MAX_LIST],
         caches[BENCH_MAX_LIST];
     size_t nb, nt, ns, nc, e, h, repeat, kv_heads;
+    int64_t window[2];  // --window LEFT,RIGHT
     clmha_impl impl;
     clmha_dtype dtype;
 } bench_args;
@@ -395,6 +420,7 @@ static bool parse_options(int argc, char **argv, bench_args *a, int *rc) {
         {.name = "--cache-len", .value = &a->cache_opt},
         {.name = "--kv-heads", .value = &a->kv_heads_opt},
         {.name = "--dtype", .value = &a->dtype_opt},
+        {.name = "--window", .value = &a->window_opt},
     };
     char usage[12288];
     snprintf(usage, sizeof usage, "%s%s%s%s%s%s", usage_bench, usage_bench_run,
@@ -460,8 +486,8 @@ static int parse_values(bench_args *a) {
                        a->layer_path || a->impl_opt))) {
         clmha__cli_report("bench", "%s",
                           a->decode ? (a->cache_opt ? "--decode takes --batch, --embed, "
-                                                      "--heads, --batch-first, --repeat, "
-                                                      "--device and --json only"
+                                                      "--heads, --batch-first, --window, "
+                                                      "--repeat, --device and --json only"
                                                     : "--decode needs --cache-len")
                                     : "--cache-len goes with --decode");
         return EXIT_USAGE;
@@ -481,6 +507,11 @@ static int parse_values(bench_args *a) {
     if (a->kv_heads_opt && (rc = parse_sizes("--kv-heads", a->kv_heads_opt, 1, BENCH_MAX_SIZE,
                                              &a->kv_heads, &one)))
         return rc;
+    if (a->window_opt && (rc = parse_window(a->window_opt, a->window))) return rc;
+    if (a->window_opt && a->layer_path) {
+        clmha__cli_report("bench", "--window goes with a random layer (not --layer)");
+        return EXIT_USAGE;
+    }
     return check_values(a);
 }
 
@@ -608,7 +639,9 @@ int clmha__cli_bench(int argc, char **argv) {
     cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
                                   .embed_dim = a.e, .num_heads = a.h, .kdim = a.e, .vdim = a.e,
                                   .bias = true, .batch_first = a.batch_first,
-                                  .num_kv_heads = a.kv_heads, .dtype = a.dtype};
+                                  .num_kv_heads = a.kv_heads, .dtype = a.dtype,
+                                  .window = a.window_opt != NULL, .window_left = a.window[0],
+                                  .window_right = a.window[1]};
     float *params = NULL;
     double *times = NULL;
     clmha_context *ctx = NULL;

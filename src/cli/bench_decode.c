@@ -168,23 +168,33 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
     const clmha_layer_desc *d = &cfg->desc;
     size_t n = dr->n, cache_len = dr->cache_len, h = d->num_heads, hd = d->embed_dim / h;
     size_t kvh = d->num_kv_heads ? d->num_kv_heads : h;  // key/value heads
-    // What the step reads of the cache: every key and value of every key/value head,
-    // cache_len + 1 tokens.
-    double kv_bytes = 2.0 * (double)n * (double)kvh * (double)(cache_len + 1) * (double)hd * 4.0;
+    // What the step reads of the cache: every key and value of every key/value head that its
+    // token sees, cache_len + 1 tokens or, with a window, the window_left + 1 latest (the step
+    // is causal).
+    size_t seen = cache_len + 1;
+    if (d->window && d->window_left >= 0 && (uint64_t)d->window_left < cache_len)
+        seen = (size_t)d->window_left + 1;
+    double kv_bytes = 2.0 * (double)n * (double)kvh * (double)seen * (double)hd * 4.0;
     double ms = res->ms, gbps = kv_bytes / ms / 1e6, copy = res->copy;
     if (cfg->json) {
         clmha__bench_json_head(ctx, cfg, n, 1, cache_len + 1, CLMHA_IMPL_AUTO, true);
         printf("\"decode\": true, \"cache_len\": %zu, \"kv_heads\": %zu, \"ms\": %.6g, "
                "\"ms_min\": %.6g, \"ms_max\": %.6g, \"kv_bytes\": %.0f, \"kv_gbps\": %.6g, "
-               "\"copy_bytes\": %zu, \"copy_gbps\": %.6g, \"fraction_of_copy\": %.4g, "
-               "\"stages\": {",
+               "\"copy_bytes\": %zu, \"copy_gbps\": %.6g, \"fraction_of_copy\": %.4g, ",
                cache_len, kvh, ms, res->lo, res->hi, kv_bytes, gbps, res->copy_bytes, copy,
                gbps / copy);
+        if (d->window)
+            printf("\"window_left\": %lld, \"window_right\": %lld, ",
+                   (long long)d->window_left, (long long)d->window_right);
+        printf("\"stages\": {");
         clmha__bench_json_stages(res->stages);
     } else {
         printf("shape:   N %zu, one new token per sequence over a cache of %zu (+1) tokens, "
                "%zu heads of %zu, %zu key/value heads (decode core)\n",
                n, cache_len, h, hd, kvh);
+        if (d->window)
+            printf("window:  (%lld, %lld): the token sees %zu of them\n",
+                   (long long)d->window_left, (long long)d->window_right, seen);
         printf("time:    %.4f ms per token (median of %zu; min %.4f, max %.4f)\n", ms,
                cfg->repeat, res->lo, res->hi);
         printf("kv read: %.1f MiB per step, %.2f GB/s\n", kv_bytes / 1048576.0, gbps);

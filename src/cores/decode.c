@@ -1,11 +1,12 @@
 // The decode core: the attention of calls with a KV cache (clmha_forward_args::kv_cache), split-K
 // (kernels cl/cores/decode.cl). It takes the call's queries and new key and value rows straight
 // from the input projection (clmha__core::takes_rows; it adds in_proj_bias), appends the keys
-// and values to the cache, then cuts every sequence's cached keys into `parts` ranges scored by
-// separate work-items (decode_partial: a partial softmax per range) and merges the ranges of
-// each query row (decode_combine, which writes merged rows and the output's bias rows), so that
-// a step with one query row per head still fills the device. Its scratch, the partial results,
-// is its own (kept in its state).
+// and values to the cache, then cuts the cached keys each query row sees (all of them, or those
+// of its sliding window and is_causal) into `parts` ranges scored by separate work-items
+// (decode_partial: a partial softmax per range) and merges the ranges of each query row
+// (decode_combine, which writes merged rows and the output's bias rows), so that a step with
+// one query row per head still fills the device. Its scratch, the partial results, is its own
+// (kept in its state).
 #include "cores/decode.h"
 
 #include "cache/kv_cache.h"
@@ -107,10 +108,8 @@ static clmha_status ensure(clmha_layer *l, state **out) {
 
 // What a call with a KV cache may not ask for: NULL, or its name (include/clmha.h,
 // "Incremental decoding").
-static const char *not_taken(const clmha_layer *l, const clmha_forward_args *a,
-                             const clmha__dims *d) {
+static const char *not_taken(const clmha_layer *l, const clmha_forward_args *a) {
     if (l->core) return "a user attention core (clmha_layer_set_attention())";
-    if (clmha__windowed(d)) return "a sliding window yet";
     if (l->desc.dtype == CLMHA_DTYPE_F64) return "a float64 layer (its kernels are float32)";
     if (a->need_weights) return "need_weights";
     if (a->attn_mask.kind != CLMHA_MASK_NONE) return "attn_mask";
@@ -132,7 +131,7 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
                                "it runs the calls with a KV cache only");
         return CLMHA_SUCCESS;
     }
-    const char *no = not_taken(l, a, call->dims);
+    const char *no = not_taken(l, a);
     if (no) {
         clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
                                "a forward call with kv_cache runs the decode core, which does "
@@ -186,6 +185,20 @@ static size_t parts_for(const clmha_context *ctx, const state *s, size_t rows, s
     return clmha__decode_parts(ctx, split, rows, longest);
 }
 
+// The most keys a query row of the call sees, the longest range its parts cut: the longest
+// sequence after the call (@p longest), or, where a sliding window bounds both sides (is_causal
+// bounds the right one at 0), the window's width plus the keys before its start in its first
+// key block of 16 (cl/cores/decode.cl: the parts start on key blocks), if that is fewer. So a
+// step over a long cache with a narrow window gets the parts of a step over a short cache.
+static size_t window_span(const clmha__dims *d, bool causal, size_t longest) {
+    int64_t left = d->win_left, right = causal ? 0 : d->win_right;
+    if (!clmha__windowed(d) || left < 0 || right < 0 || (uint64_t)left >= longest ||
+        (uint64_t)right >= longest)
+        return longest;
+    uint64_t span = (uint64_t)left + (uint64_t)right + 16;  // + 1 key, + 15 before the start
+    return span < longest ? (size_t)span : longest;
+}
+
 static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha__dims *d = call->dims;
     const clmha__kv_plan *kv = call->kv;
@@ -220,21 +233,24 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
             return st;
     }
     size_t q_rows = d->n * l->h * d->l;
-    cl_uint parts = (cl_uint)parts_for(ctx, s, d->n * c->kv_heads * d->l, kv->max_new);
+    cl_uint causal = call->args->is_causal;
+    cl_uint parts = (cl_uint)parts_for(ctx, s, d->n * c->kv_heads * d->l,
+                                       window_span(d, causal, kv->max_new));
     if ((st = clmha__layer_grow_core_scratch(l, &s->part_acc, &s->acc_cap, q_rows * parts * l->d,
                                              "decode partial results")) ||
         (st = clmha__layer_grow_core_scratch(l, &s->part_ms, &s->ms_cap, q_rows * parts * 2,
                                              "decode partial maxima and sums")))
         return st;
     float scale = (float)clmha__core_scale(l, call->scale);
-    cl_uint causal = call->args->is_causal;
+    cl_long win_left = d->win_left, win_right = d->win_right;
     cl_ulong items = d->n * c->kv_heads * d->l * parts;
     {
         arg args[] = {ARG(l->proj),   ARG(q_at),    ARG(q_ld),        ARG(bias),
                       ARG(has_bias),  ARG(n_batch), ARG(batch_first), ARG(c->k),
                       ARG(c->v),      ARG(kv->lens), ARG(tgt),        ARG(heads),
                       ARG(kvh),       ARG(cap),     ARG(parts),       ARG(causal),
-                      ARG(scale),     ARG(s->part_acc), ARG(s->part_ms), ARG(items)};
+                      ARG(win_left),  ARG(win_right), ARG(scale),     ARG(s->part_acc),
+                      ARG(s->part_ms), ARG(items)};
         if ((st = clmha__launch(ctx, s->partial, "decode_partial", items, s->wg, args,
                                 sizeof args / sizeof args[0])))
             return st;

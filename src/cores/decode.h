@@ -8,15 +8,16 @@
 
 #include "base/defs.h"
 
-// How the decode core cuts each sequence's cached keys into ranges: enough ranges that the
-// call has split[0] work-items per compute unit (ITEMS_PER_CU) over its query rows, each range
-// at least split[1] keys (MIN_KEYS) of the longest sequence, at least one range. The defaults:
+// How the decode core cuts the cached keys each query row sees into ranges: enough ranges that
+// the call has split[0] work-items per compute unit (ITEMS_PER_CU) over its query rows, each
+// range at least split[1] keys (MIN_KEYS) of the most a row sees (the longest sequence, or a
+// sliding window's width), at least one range. The defaults:
 // 8 items per compute unit on CPUs, 256 on GPUs; 64 keys. A tuning's "DecodeSplit" replaces
 // them (clmha_context_tune() searches them); $CLMHA_DECODE_PARTS fixes the count.
 CLMHA__HIDDEN void clmha__decode_default_split(const clmha_context *ctx, size_t split[2]);
 
-// The number of ranges for @p split, @p rows query-row groups (N · KV heads · L) and the
-// longest sequence's @p longest keys on the device of @p ctx.
+// The number of ranges for @p split, @p rows query-row groups (N · KV heads · L) and
+// @p longest keys, the most a query row sees, on the device of @p ctx.
 CLMHA__HIDDEN size_t clmha__decode_parts(const clmha_context *ctx, const size_t split[2],
                                          size_t rows, size_t longest);
 

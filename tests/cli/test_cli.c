@@ -2210,6 +2210,25 @@ Test(cli_bench, decode_kv_heads) {
     EXPECT_USAGE("clmha bench: --kv-heads goes with --decode", "bench", "--kv-heads", "2");
 }
 
+// --window LEFT,RIGHT: a windowed layer's step reads the LEFT + 1 latest tokens' keys and
+// values (kv_bytes), the bounds in the JSON line; malformed bounds are refused.
+Test(cli_bench, decode_window) {
+    SKIP_WITHOUT_DEVICE();
+    cli_result r = cli_run("bench", "--decode", "--json", "--embed", "16", "--heads", "4",
+                           "--kv-heads", "2", "--cache-len", "40", "--batch", "1", "--window",
+                           "7,0", "--repeat", "2");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect_eq(json_number(r.out, "window_left"), 7.0, "%s", r.out);
+    cr_expect_eq(json_number(r.out, "window_right"), 0.0, "%s", r.out);
+    cr_expect_eq(json_number(r.out, "kv_bytes"), 2.0 * 1 * 2 * 8 * 4 * 4, "%s", r.out);
+    cli_free(&r);
+    EXPECT_USAGE("clmha bench: --window '3': expected LEFT,RIGHT", "bench", "--decode",
+                 "--cache-len", "8", "--window", "3");
+    EXPECT_USAGE("clmha bench: --window '-2,0'", "bench", "--decode", "--cache-len", "8",
+                 "--window", "-2,0");
+    EXPECT_USAGE("clmha bench: --window '1,2,3'", "bench", "--window", "1,2,3");
+}
+
 Test(cli_usage, bench_decode) {
     EXPECT_USAGE("clmha bench: --decode needs --cache-len", "bench", "--decode");
     EXPECT_USAGE("clmha bench: --cache-len goes with --decode", "bench", "--cache-len", "8");

@@ -3,7 +3,8 @@
 // double-precision CPU reference of the whole sequence (clmha_reference_forward): causal
 // self-attention, add_bias_kv and add_zero_attn, cross-attention with a fixed key/value
 // (kv_attend_only), ragged batches (kv_append), truncate and re-append, several key ranges per
-// sequence (split-K) merged; and the errors: capacity, batch, layer, options the decode core
+// sequence (split-K) merged, sliding windows (bottom-right: token t at position t, as in the
+// one-shot forward); and the errors: capacity, batch, layer, options the decode core
 // does not take, truncate past a length. Every case prints its max abs error to stderr.
 #include <criterion/criterion.h>
 
@@ -257,11 +258,12 @@ Test(kv_cache, cross_attention_attend_only, .timeout = 300) {
 
 // Ragged batch: three sequences of lengths 5, 9 and 2 fed together in calls of up to 3 tokens,
 // each call appending what remains of each sequence (kv_append; the padded query rows are
-// ignored). Each sequence must match its own one-shot causal forward.
-Test(kv_cache, ragged_batch, .timeout = 300) {
+// ignored). Each sequence must match its own one-shot causal forward (with the layer's sliding
+// window, when @p c has one: a sequence's token t is at position t in both). Returns the max abs
+// error.
+static double ragged(rcase c) {
     clmha_context *ctx = context_or_skip();
     const size_t n = 3, lens[3] = {5, 9, 2}, t = 9, e = 16, step = 3;
-    rcase c = self_case(16, t);
     c.n = n;
     instance in;
     instance_make(&in, &c);
@@ -309,13 +311,18 @@ Test(kv_cache, ragged_batch, .timeout = 300) {
     size_t got[3];
     clmha_kv_cache_lengths(cache, got, n);
     for (size_t b = 0; b < n; ++b) cr_expect_eq(got[b], lens[b], "sequence %zu", b);
-    fprintf(stderr, "kv_cache ragged batch: max abs err %.3g\n", err);
-    cr_expect(err <= TOL, "max abs err %g", err);
     for (size_t b = 0; b < n; ++b) free(want[b]);
     clmha_kv_cache_release(cache);
     clmha_layer_release(layer);
     instance_free(&in);
     clmha_context_release(ctx);
+    return err;
+}
+
+Test(kv_cache, ragged_batch, .timeout = 300) {
+    double err = ragged(self_case(16, 9));
+    fprintf(stderr, "kv_cache ragged batch: max abs err %.3g\n", err);
+    cr_expect(err <= TOL, "max abs err %g", err);
 }
 
 // Speculative decoding: 6 tokens, then 3 wrong tokens appended and rolled back (truncate to
@@ -365,6 +372,84 @@ Test(kv_cache, truncate_then_reappend, .timeout = 300) {
     clmha_layer_release(layer);
     instance_free(&in);
     clmha_context_release(ctx);
+}
+
+// ---- Sliding windows ------------------------------------------------------------------------
+
+// With a cache, query token t of a sequence is at position t (the cached length + its row), as
+// it is in the one-shot forward of the whole sequence (top-left): fed token by token or in
+// chunks, a windowed layer gives the rows of its one-shot windowed forward.
+static void check_window(rcase c, int64_t left, int64_t right, size_t chunk, size_t parts,
+                         const char *what) {
+    char name[160];
+    snprintf(name, sizeof name, "%s, window (%lld, %lld)%s", what, (long long)left,
+             (long long)right, c.is_causal ? ", causal" : "");
+    c.window = true, c.win_left = left, c.win_right = right;
+    check_self(&c, chunk, parts, name);
+}
+
+Test(kv_cache, sliding_window, .timeout = 300) {
+    // 13 tokens, 4 heads of 4, 2 sequences: one key (0, 0), 4 keys (3, 0), 6 (5, -1, causal),
+    // a window wider than the cache (100, -1: the causal rows), a right bound that is_causal
+    // cuts (2, 4); without is_causal (3, 0) is the same window; token by token, in chunks and
+    // in one call, with the ranges of the core's choice, 3 (some empty) and 16.
+    rcase c = self_case(21, 13);
+    const int64_t windows[][2] = {{0, 0}, {3, 0}, {5, -1}, {100, -1}, {2, 4}};
+    for (size_t w = 0; w < sizeof windows / sizeof windows[0]; ++w) {
+        check_window(c, windows[w][0], windows[w][1], 1, 0, "causal self-attention");
+        check_window(c, windows[w][0], windows[w][1], 4, 3, "causal self-attention");
+        check_window(c, windows[w][0], windows[w][1], 13, 16, "causal self-attention");
+    }
+    c.is_causal = false;
+    check_window(c, 3, 0, 1, 0, "self-attention");
+    check_window(c, 3, 0, 5, 3, "self-attention");
+    // Without is_causal a right bound sees the tokens after a query only when they come in the
+    // same call: in one call, the one-shot forward's rows.
+    check_window(c, 2, 3, 13, 3, "self-attention, one call");
+    check_window(c, -1, 1, 13, 0, "self-attention, one call");
+    c.is_causal = true;
+    c.add_bias_kv = c.add_zero_attn = true;  // never windowed
+    check_window(c, 1, 0, 2, 3, "add_bias_kv and add_zero_attn");
+    c.add_bias_kv = c.add_zero_attn = false;
+    c.batch_first = true;
+    check_window(c, 4, 0, 3, 2, "batch_first");
+}
+
+Test(kv_cache, sliding_window_split_k, .timeout = 300) {
+    // 300 tokens, 8 heads of 8, token by token or in chunks of 60 to 150: windows narrower
+    // than one range of keys (a range is at least a block of 16 keys: (3, 0), (10, 0)), wider
+    // than one (100, 0: over 7 ranges, ranges of 16 keys), wider than the cache (1000, -1), and
+    // (50, -1); the windows' starts move through the key blocks.
+    rcase c = self_case(22, 300);
+    c.e = 64, c.h = 8, c.n = 1;
+    check_window(c, 100, 0, 1, 7, "long cache");
+    check_window(c, 3, 0, 60, 7, "long cache");
+    check_window(c, 10, 0, 100, 0, "long cache");
+    check_window(c, 100, 0, 60, 7, "long cache");
+    check_window(c, 100, 0, 100, 0, "long cache");
+    check_window(c, 1000, -1, 100, 5, "long cache");
+    check_window(c, 50, -1, 60, 2, "long cache");
+    // Grouped-query attention: 8 query heads on 2 key/value heads, 2 sequences.
+    c.kv_heads = 2, c.n = 2;
+    check_window(c, 37, 0, 100, 7, "4 query heads per key/value head");
+    check_window(c, 37, 0, 150, 0, "4 query heads per key/value head");
+    c.e = 56, c.kv_heads = 1;  // D 7, G 8
+    check_window(c, 20, 0, 100, 3, "8 query heads per key/value head, heads of 7");
+}
+
+Test(kv_cache, sliding_window_ragged_batch, .timeout = 300) {
+    // Three sequences of 5, 9 and 2 tokens, in calls of up to 3 (kv_append): each sequence's
+    // rows are its own one-shot windowed forward's.
+    const int64_t windows[][2] = {{0, 0}, {2, 0}, {4, -1}};
+    for (size_t w = 0; w < 3; ++w) {
+        rcase c = self_case(23, 9);
+        c.window = true, c.win_left = windows[w][0], c.win_right = windows[w][1];
+        double err = ragged(c);
+        fprintf(stderr, "kv_cache ragged batch, window (%lld, %lld): max abs err %.3g\n",
+                (long long)windows[w][0], (long long)windows[w][1], err);
+        cr_expect(err <= TOL, "window (%lld, %lld): max abs err %g", (long long)windows[w][0],
+                  (long long)windows[w][1], err);
+    }
 }
 
 // A call that cannot run leaves the cache as it was and enqueues nothing.

@@ -852,7 +852,7 @@ Test(sdpa, sliding_window, .timeout = 600) {
 }
 
 // A window's bounds must be -1 or at least 0, for the function and for a layer; the fused core
-// asked for by impl and the KV-cache form (the decode core) refuse a window yet.
+// asked for by impl refuses a window yet (the KV-cache form takes one: test_sdpa_kv).
 Test(sdpa, window_refusals, .timeout = 300) {
     clmha_context *ctx = context_or_skip();
     small s;
@@ -863,11 +863,6 @@ Test(sdpa, window_refusals, .timeout = 300) {
     refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "must each be -1 (unbounded) or at least 0");
     s.a.window_right = 0, s.a.impl = CLMHA_IMPL_FUSED;
     refused(ctx, &s, CLMHA_UNSUPPORTED, "takes no sliding window yet");
-    clmha_kv_cache *cache;
-    cr_assert_eq(clmha_kv_cache_create_for(&cache, ctx, 2, 3, 8, 16), CLMHA_SUCCESS);
-    s.a.impl = CLMHA_IMPL_AUTO, s.a.kv_cache = cache;
-    refused(ctx, &s, CLMHA_UNSUPPORTED, "sliding window");
-    clmha_kv_cache_release(cache);
     clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = 8, .num_heads = 2,
                              .window = true, .window_left = -3, .window_right = 1};
     clmha_layer *layer = NULL;

@@ -2,7 +2,9 @@
 // clmha_kv_cache_create_for()): a sequence fed through the cache in a prefix chunk and then
 // token by token gives the rows of the one-shot causal call, checked against the float64
 // reference on the whole sequence, in both layouts, through the host and the device forms;
-// ragged appends (kv_append) and the lengths; what the cache form refuses.
+// the same with sliding windows (bottom-right with a cache: token t at position t, as in the
+// one-shot call); ragged appends (kv_append) and the lengths; what the cache form refuses.
+#define _POSIX_C_SOURCE 200809L  // setenv
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -17,6 +19,19 @@
 #define TOLERANCE 1e-4
 
 enum { N = 2, H = 4, HKV = 2, D = 16, T = 13, PREFIX = 5, CAP = 20 };
+
+// What a call masks: is_causal and a sliding window (clmha_attention_args::window).
+typedef struct masking {
+    bool causal, window;
+    int64_t left, right;
+} masking;
+
+static const masking causal_only = {.causal = true};
+
+static void set_masking(clmha_attention_args *a, const masking *m) {
+    a->is_causal = m->causal;
+    a->window = m->window, a->window_left = m->left, a->window_right = m->right;
+}
 
 // Element (n, h, t, c) of a tensor of @p heads heads and @p seq tokens in @p layout.
 static size_t at(clmha_attention_layout layout, size_t heads, size_t seq, size_t n, size_t h,
@@ -47,19 +62,19 @@ static clmha_tensor tensor(clmha_attention_layout layout, size_t heads, size_t s
     return t;
 }
 
-// One call through the cache: tokens [t0, t0 + len) of q, k, v; its output checked against
-// rows [t0, t0 + len) of @p want (NHLD, the whole sequence). @p device: the device-buffer form,
-// at an element offset.
+// One call through the cache, masked by @p m: tokens [t0, t0 + len) of q, k, v; its output
+// checked against rows [t0, t0 + len) of @p want (NHLD, @p want_len tokens). @p device: the
+// device-buffer form, at an element offset.
 static double step(clmha_context *ctx, clmha_kv_cache *cache, clmha_attention_layout layout,
                    const float *q, const float *k, const float *v, size_t t0, size_t len,
-                   const double *want, bool device) {
+                   const double *want, size_t want_len, bool device, const masking *m) {
     float *qs = slice(q, H, t0, len, layout), *ks = slice(k, HKV, t0, len, layout),
           *vs = slice(v, HKV, t0, len, layout), *out = alloc_floats(N * H * len * D);
-    clmha_attention_args a = {.struct_size = sizeof a, .layout = layout, .is_causal = true,
-                              .enable_gqa = true, .kv_cache = cache,
-                              .query = tensor(layout, H, len, qs),
+    clmha_attention_args a = {.struct_size = sizeof a, .layout = layout, .enable_gqa = true,
+                              .kv_cache = cache, .query = tensor(layout, H, len, qs),
                               .key = tensor(layout, HKV, len, ks),
                               .value = tensor(layout, HKV, len, vs)};
+    set_masking(&a, m);
     size_t nq = N * H * len * D, nk = N * HKV * len * D, pad = 5;
     if (!device) {
         cr_assert_eq(clmha_attention_forward_host(ctx, &a, out, nq, NULL, 0, NULL, 0),
@@ -94,24 +109,31 @@ static double step(clmha_context *ctx, clmha_kv_cache *cache, clmha_attention_la
             for (size_t t = 0; t < len; ++t)
                 for (size_t c = 0; c < D; ++c) {
                     double e = fabs(out[at(layout, H, len, n, h, t, c)] -
-                                    want[at(CLMHA_LAYOUT_NHLD, H, T, n, h, t0 + t, c)]);
+                                    want[at(CLMHA_LAYOUT_NHLD, H, want_len, n, h, t0 + t, c)]);
                     if (!(e <= worst)) worst = e;  // NaN wins
                 }
     free(qs), free(ks), free(vs), free(out);
     return worst;
 }
 
-// The one-shot causal output of the whole sequence (NHLD), by the float64 reference.
-static double *one_shot(const float *q, const float *k, const float *v) {
-    clmha_attention_args a = {.struct_size = sizeof a, .is_causal = true, .enable_gqa = true,
-                              .query = tensor(CLMHA_LAYOUT_NHLD, H, T, q),
-                              .key = tensor(CLMHA_LAYOUT_NHLD, HKV, T, k),
-                              .value = tensor(CLMHA_LAYOUT_NHLD, HKV, T, v)};
-    double *want = malloc(N * H * T * D * sizeof *want);
+// The one-shot output of the first @p len tokens (NHLD), masked by @p m, by the float64
+// reference (top-left: token t at position t).
+static double *one_shot(const float *q, const float *k, const float *v, size_t len,
+                        const masking *m) {
+    float *qs = slice(q, H, 0, len, CLMHA_LAYOUT_NHLD), *ks = slice(k, HKV, 0, len,
+                                                                     CLMHA_LAYOUT_NHLD),
+          *vs = slice(v, HKV, 0, len, CLMHA_LAYOUT_NHLD);
+    clmha_attention_args a = {.struct_size = sizeof a, .enable_gqa = true,
+                              .query = tensor(CLMHA_LAYOUT_NHLD, H, len, qs),
+                              .key = tensor(CLMHA_LAYOUT_NHLD, HKV, len, ks),
+                              .value = tensor(CLMHA_LAYOUT_NHLD, HKV, len, vs)};
+    set_masking(&a, m);
+    double *want = malloc(N * H * len * D * sizeof *want);
     char msg[256];
-    cr_assert_eq(clmha_reference_attention(&a, want, N * H * T * D, NULL, 0, NULL, 0, msg,
+    cr_assert_eq(clmha_reference_attention(&a, want, N * H * len * D, NULL, 0, NULL, 0, msg,
                                            sizeof msg),
                  CLMHA_SUCCESS, "%s", msg);
+    free(qs), free(ks), free(vs);
     return want;
 }
 
@@ -120,13 +142,13 @@ static void decode_matches_one_shot(clmha_attention_layout layout, bool device) 
     prng r = {layout * 10 + device + 1};
     float *q = normal_floats(&r, N * H * T * D), *k = normal_floats(&r, N * HKV * T * D),
           *v = normal_floats(&r, N * HKV * T * D);
-    double *want = one_shot(q, k, v);
+    double *want = one_shot(q, k, v, T, &causal_only);
     clmha_kv_cache *cache = NULL;
     cr_assert_eq(clmha_kv_cache_create_for(&cache, ctx, N, HKV, D, CAP), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
-    double worst = step(ctx, cache, layout, q, k, v, 0, PREFIX, want, device);
+    double worst = step(ctx, cache, layout, q, k, v, 0, PREFIX, want, T, device, &causal_only);
     for (size_t t = PREFIX; t < T; ++t) {
-        double e = step(ctx, cache, layout, q, k, v, t, 1, want, device);
+        double e = step(ctx, cache, layout, q, k, v, t, 1, want, T, device, &causal_only);
         if (!(e <= worst)) worst = e;
     }
     size_t lengths[N];
@@ -158,10 +180,78 @@ Test(sdpa_kv, nlhd_device_decode_matches_one_shot) {
     decode_matches_one_shot(CLMHA_LAYOUT_NLHD, true);
 }
 
-// Ragged: sequence 1 appends 2 of the call's 3 new tokens; without is_causal each query sees
-// every token of its sequence. Sequence 1's queries are checked against the reference on its 2
-// tokens alone.
-Test(sdpa_kv, ragged_append) {
+// A sequence through the cache, masked by @p m: a prefix of PREFIX tokens, then calls of
+// @p chunk tokens (@p parts ranges of keys a row, 0: the core's choice). Each call's rows are
+// checked against the one-shot reference of the whole sequence with the same masking, or,
+// where a query sees keys after its own (no is_causal, a window's right bound other than 0),
+// of the tokens the cache holds after the call. Returns the worst max abs error.
+static double windowed_feed(clmha_context *ctx, clmha_attention_layout layout, bool device,
+                            const masking *m, size_t chunk, size_t parts) {
+    prng r = {layout * 10 + device + 100 + (uint64_t)m->left};
+    float *q = normal_floats(&r, N * H * T * D), *k = normal_floats(&r, N * HKV * T * D),
+          *v = normal_floats(&r, N * HKV * T * D);
+    bool ahead = !m->causal && m->right != 0;
+    double *whole = one_shot(q, k, v, T, m);
+    clmha_kv_cache *cache = NULL;
+    cr_assert_eq(clmha_kv_cache_create_for(&cache, ctx, N, HKV, D, CAP), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    char count[16];
+    snprintf(count, sizeof count, "%zu", parts);
+    if (parts) setenv("CLMHA_DECODE_PARTS", count, 1);
+    double worst = 0;
+    for (size_t t0 = 0, len; t0 < T; t0 += len) {
+        len = t0 == 0 ? PREFIX : chunk < T - t0 ? chunk : T - t0;
+        double *want = ahead ? one_shot(q, k, v, t0 + len, m) : whole;
+        double e = step(ctx, cache, layout, q, k, v, t0, len, want, ahead ? t0 + len : T,
+                        device, m);
+        if (!(e <= worst)) worst = e;
+        if (ahead) free(want);
+    }
+    unsetenv("CLMHA_DECODE_PARTS");
+    clmha_kv_cache_release(cache);
+    free(q), free(k), free(v), free(whole);
+    return worst;
+}
+
+// Sliding windows: one key (0, 0), 4 keys (3, 0), (4, -1), one wider than the cache (50, -1),
+// all with is_causal; without it (2, 0), and (2, 3) and (-1, 1), whose queries see the call's
+// later tokens; token by token and in chunks of 3, with the core's ranges and 3 a row (some
+// empty), both layouts, the host and the device forms, 2 query heads per key/value head.
+Test(sdpa_kv, sliding_window_decode_matches_one_shot, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    const masking ms[] = {
+        {.causal = true, .window = true, .left = 0, .right = 0},
+        {.causal = true, .window = true, .left = 3, .right = 0},
+        {.causal = true, .window = true, .left = 4, .right = -1},
+        {.causal = true, .window = true, .left = 50, .right = -1},
+        {.window = true, .left = 2, .right = 0},
+        {.window = true, .left = 2, .right = 3},
+        {.window = true, .left = -1, .right = 1},
+    };
+    double worst = 0;
+    for (size_t i = 0; i < sizeof ms / sizeof ms[0]; ++i)
+        for (int layout = 0; layout < 2; ++layout)
+            for (size_t chunk = 1; chunk <= 3; chunk += 2) {
+                clmha_attention_layout lay = layout ? CLMHA_LAYOUT_NLHD : CLMHA_LAYOUT_NHLD;
+                bool device = chunk == 3;
+                size_t parts = layout ? 3 : 0;
+                double e = windowed_feed(ctx, lay, device, &ms[i], chunk, parts);
+                cr_expect_leq(e, TOLERANCE,
+                              "window (%lld, %lld)%s, %s %s, chunk %zu, parts %zu: max|err| %.3g",
+                              (long long)ms[i].left, (long long)ms[i].right,
+                              ms[i].causal ? " causal" : "", layout ? "nlhd" : "nhld",
+                              device ? "device" : "host", chunk, parts, e);
+                if (!(e <= worst)) worst = e;
+            }
+    printf("sdpa kv sliding windows: %zu windows x 2 layouts x 2 chunkings, max|err| %.2e\n",
+           sizeof ms / sizeof ms[0], worst);
+    clmha_context_release(ctx);
+}
+
+// Ragged: sequence 1 appends 2 of the call's 3 new tokens; masked by @p m (without is_causal
+// each query sees every token of its sequence). Sequence 1's queries are checked against the
+// reference on its 2 tokens alone (with a window, a row may see none of them: zeros).
+static void ragged_append(const masking *m) {
     clmha_context *ctx = context_or_skip();
     enum { S3 = 3 };
     prng r = {77};
@@ -175,6 +265,7 @@ Test(sdpa_kv, ragged_append) {
                               .query = {.ndim = 4, .shape = {N, H, S3, D}, .data = q},
                               .key = {.ndim = 4, .shape = {N, HKV, S3, D}, .data = k},
                               .value = {.ndim = 4, .shape = {N, HKV, S3, D}, .data = v}};
+    set_masking(&a, m);
     cr_assert_eq(clmha_attention_forward_host(ctx, &a, out, N * H * S3 * D, NULL, 0, NULL, 0),
                  CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
     size_t lengths[N];
@@ -195,19 +286,30 @@ Test(sdpa_kv, ragged_append) {
                                               .data = q + n * H * S3 * D},
                                     .key = {.ndim = 3, .shape = {HKV, s, D}, .data = kn},
                                     .value = {.ndim = 3, .shape = {HKV, s, D}, .data = vn}};
+        set_masking(&one, m);
         double want[H * S3 * D];
         char msg[256];
         cr_assert_eq(clmha_reference_attention(&one, want, H * S3 * D, NULL, 0, NULL, 0, msg,
                                                sizeof msg),
                      CLMHA_SUCCESS, "%s", msg);
         double e = max_abs_err(out + n * H * S3 * D, want, H * S3 * D);
-        printf("sdpa kv ragged: sequence %zu (%zu tokens) max|err| %.2e\n", n, s, e);
+        printf("sdpa kv ragged%s%s: sequence %zu (%zu tokens) max|err| %.2e\n",
+               m->causal ? ", causal" : "", m->window ? ", window" : "", n, s, e);
         cr_expect_leq(e, TOLERANCE, "sequence %zu: max|err| %.3g", n, e);
         free(kn), free(vn);
     }
     clmha_kv_cache_release(cache);
     free(q), free(k), free(v), free(out);
     clmha_context_release(ctx);
+}
+
+Test(sdpa_kv, ragged_append) {
+    ragged_append(&(masking){0});
+}
+
+Test(sdpa_kv, ragged_append_sliding_window) {
+    ragged_append(&(masking){.window = true, .left = 0, .right = 1});
+    ragged_append(&(masking){.causal = true, .window = true, .left = 1, .right = 0});
 }
 
 static void refused(clmha_context *ctx, clmha_status got, clmha_status want, const char *text) {
