@@ -1397,6 +1397,11 @@ Test(cli_help, every_command) {
     EXPECT_HELP("usage: clmha sdpa", "sdpa", "--help");
     EXPECT_HELP("--lse-output LSE.npy", "sdpa", "--query", "x", "--help");
     EXPECT_HELP("  sdpa      scaled dot-product attention", "--help");
+    // The help texts in full (their parts put together; the last line ends them).
+    EXPECT_HELP("--window LEFT,RIGHT", "run", "--help");
+    EXPECT_HELP("--window LEFT,RIGHT", "sdpa", "--help");
+    EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "run", "--help");
+    EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "sdpa", "--help");
 }
 
 Test(cli_help, version) {
@@ -1514,6 +1519,8 @@ Test(cli_refused, malformed_layer_files) {
         {"non-numeric num_heads", "{\"__metadata__\":{\"num_heads\":\"two\"}," W "," O "}", 256, 0},
         {"num_heads not dividing E", "{\"__metadata__\":{\"num_heads\":\"3\"}," W "," O "}", 256,
          0},
+        {"window not LEFT,RIGHT",
+         "{\"__metadata__\":{\"num_heads\":\"2\",\"window\":\"-2,0\"}," W "," O "}", 256, 0},
         {"dimensions overflow",
          "{\"__metadata__\":{\"num_heads\":\"2\"}," W ",\"out_proj.weight\":{\"dtype\":\"F32\","
          "\"shape\":[4294967296,4294967296],\"data_offsets\":[192,256]}}",
@@ -2194,6 +2201,38 @@ Test(cli_usage, decode_chunk) {
                  "--is-causal", "--decode-chunk", "2");
     EXPECT_USAGE("clmha run: --decode-chunk does not go with --impl", "run", "--layer",
                  "l.safetensors", "--query", "q.npy", "--decode-chunk", "2", "--impl", "fused");
+}
+
+// --window LEFT,RIGHT: a value that is not two bounds (each -1 or 0..2^63-1) is a usage error of
+// `run` and `sdpa` alike, naming the option and the value, before any file is read.
+Test(cli_usage, window) {
+    static const char *const bad[] = {"abc", "-2,0", "0,-2", "5",    "1,2,3", ",1",
+                                      "1,",  "1, 0", "+1,0", "-0,0", "1.5,0",
+                                      "9223372036854775808,0", "0,18446744073709551616"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; ++i) {
+        char want[128];
+        snprintf(want, sizeof want, "clmha run: --window '%s': expected LEFT,RIGHT", bad[i]);
+        EXPECT_USAGE(want, "run", "--layer", "l.safetensors", "--query", "q.npy", "--window",
+                     bad[i]);
+        snprintf(want, sizeof want, "clmha sdpa: --window '%s': expected LEFT,RIGHT", bad[i]);
+        EXPECT_USAGE(want, "sdpa", "--query", "q.npy", "--key", "k.npy", "--value", "v.npy",
+                     "--window", bad[i]);
+    }
+    EXPECT_USAGE("clmha run: --window needs a non-empty value", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--window=");
+    EXPECT_USAGE("clmha sdpa: --window given twice", "sdpa", "--query", "q.npy", "--key",
+                 "k.npy", "--value", "v.npy", "--window", "1,0", "--window", "2,0");
+}
+
+// --decode-chunk without --is-causal puts the later calls' queries at the end of the cache: a
+// window (--window or the layer file's) would not be the one-shot call's, so it is refused.
+Test(cli_refused, window_decode_chunk_not_causal) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    EXPECT_REFUSED(&d, 2, "--decode-chunk without --is-causal", "--window", "run", "--layer",
+                   tmp_file(&d, "layer.safetensors"), "--query", tmp_file(&d, "q.npy"),
+                   "--window", "1,0", "--decode-chunk", "2", "--output", tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
 }
 
 // bench --decode --kv-heads: a grouped-query layer; the step reads its key/value heads only.
