@@ -118,7 +118,7 @@ static const char *const usage_run[] = {
     "                            with the first call and the later calls attend only. Either\n"
     "                            way the output is the one-shot forward's. Not with masks,\n"
     "                            weights, --heatmap, --training, gradients, --impl or\n"
-    "                            --dtype f64\n"
+    "                            --dtype f64; with a sliding window, --is-causal only\n"
     "\n"
     "precision:\n"
     "  --dtype T                 the layer's dtype (PyTorch's dtype=): f32 (default), f64,\n"
@@ -646,7 +646,8 @@ static bool open_layer(const run_opts *o, run_state *s) {
     if (o->window.on && !rewindow_layer(o, s)) return false;
     // The calls after the first one of a KV cache that holds the whole key put their queries
     // at the cache's end, not at their rows: with a window that is not the one-shot call.
-    if (o->chunk && s->desc.window && !o->is_causal) {
+    bool windowed = s->desc.window && (s->desc.window_left >= 0 || s->desc.window_right >= 0);
+    if (o->chunk && windowed && !o->is_causal) {
         clmha__cli_report("run", "--decode-chunk without --is-causal does not go with a "
                           "sliding window (%s): the later calls' queries would sit at the end "
                           "of the cache, not at their rows",
