@@ -1031,15 +1031,18 @@ enum { LF_E = 8, LF_W_IN = 0, LF_B_IN = 3 * LF_E * LF_E, LF_W_OUT = LF_B_IN + 3 
        LF_B_OUT = LF_W_OUT + LF_E * LF_E, LF_COUNT = LF_B_OUT + LF_E };
 
 // A layer file holding @p p (see LF_COUNT) as F64 tensors, or as F32 ones with @p f32 (the
-// values must then be floats).
-static void write_layer_values(const char *path, const double *p, bool f32) {
+// values must then be floats), with the sliding window @p window ("LEFT,RIGHT") in its
+// metadata (NULL: none).
+static void write_layer_window(const char *path, const double *p, bool f32, const char *window) {
     const char *names[] = {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"};
     const char *shapes[] = {"[24,8]", "[24]", "[8,8]", "[8]"};
     const size_t first[] = {LF_W_IN, LF_B_IN, LF_W_OUT, LF_B_OUT, LF_COUNT};
     size_t item = f32 ? 4 : 8;
     char header[1024];
     size_t used = (size_t)snprintf(header, sizeof header,
-                                   "{\"__metadata__\":{\"num_heads\":\"2\"}");
+                                   "{\"__metadata__\":{\"num_heads\":\"2\"%s%s%s}",
+                                   window ? ",\"window\":\"" : "", window ? window : "",
+                                   window ? "\"" : "");
     for (int i = 0; i < 4; ++i)
         used += (size_t)snprintf(header + used, sizeof header - used,
                                  ",\"%s\":{\"dtype\":\"%s\",\"shape\":%s,\"data_offsets\":[%zu,"
@@ -1061,6 +1064,62 @@ static void write_layer_values(const char *path, const double *p, bool f32) {
     }
     write_bytes(path, buf, size);
     free(buf);
+}
+
+static void write_layer_values(const char *path, const double *p, bool f32) {
+    write_layer_window(path, p, f32, NULL);
+}
+
+// --window replaces the layer file's window: the same layer with the window from its file, or
+// from --window over a file without one or with another, gives the same bytes, for every dtype
+// (the layer is made again with the window and the parameters copied: doubles of a float64
+// layer kept, 16-bit values kept); without the window the output differs.
+Test(cli_run, window_option_replaces_the_files) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = tmp_make();
+    enum { L = 6, N = 2, E = LF_E, Q = L * N * E };
+    double pd[LF_COUNT], qd[Q];
+    uint32_t state = 777u;
+    for (size_t i = 0; i < LF_COUNT; ++i) pd[i] = 0.35 * pseudo(&state) + 1e-12 * pseudo(&state);
+    for (size_t i = 0; i < Q; ++i) qd[i] = pseudo(&state);
+    const size_t q_shape[] = {L, N, E};
+    write_npy_raw(tmp_file(&d, "q.npy"), "<f8", 3, q_shape, qd, sizeof qd);
+    write_layer_window(tmp_file(&d, "w20.safetensors"), pd, false, "2,0");
+    write_layer_window(tmp_file(&d, "w00.safetensors"), pd, false, "0,0");
+    write_layer_window(tmp_file(&d, "none.safetensors"), pd, false, NULL);
+    const char *dtypes[] = {"f32", "f16", "bf16", "f64"};
+    for (size_t t = 0; t < sizeof dtypes / sizeof *dtypes; ++t) {
+        if (strcmp(dtypes[t], "f64") == 0 && !device_has_fp64()) continue;
+        const char *runs[][3] = {{"w20.safetensors", NULL, "a.npy"},
+                                 {"none.safetensors", "2,0", "b.npy"},
+                                 {"w00.safetensors", "2,0", "c.npy"},
+                                 {"w20.safetensors", "-1,-1", "none.npy"}};
+        char *bytes[4] = {NULL};
+        size_t sizes[4] = {0};
+        for (int r = 0; r < 4; ++r) {
+            char layer[CLI_PATH_SIZE], out[CLI_PATH_SIZE];
+            snprintf(layer, sizeof layer, "%s", tmp_file(&d, runs[r][0]));
+            snprintf(out, sizeof out, "%s", tmp_file(&d, runs[r][2]));
+            const char *argv[16] = {"run", "--layer", layer, "--query", tmp_file(&d, "q.npy"),
+                                    "--is-causal", "--dtype", dtypes[t], "--output", out};
+            size_t argc = 10;
+            if (runs[r][1]) argv[argc++] = "--window", argv[argc++] = runs[r][1];
+            argv[argc] = NULL;
+            cli_result res = cli_run_argv(argv);
+            cr_assert_eq(res.status, 0, "%s, %s: exit status %d; stderr: %s", dtypes[t],
+                         runs[r][2], res.status, res.err);
+            cli_free(&res);
+            bytes[r] = read_file(out, &sizes[r]);
+            cr_assert(bytes[r] != NULL);
+        }
+        for (int r = 1; r < 3; ++r)
+            cr_expect(sizes[r] == sizes[0] && memcmp(bytes[r], bytes[0], sizes[0]) == 0,
+                      "%s: %s differs from the file's window's output", dtypes[t], runs[r][2]);
+        cr_expect(sizes[3] == sizes[0] && memcmp(bytes[3], bytes[0], sizes[0]) != 0,
+                  "%s: the window changes nothing", dtypes[t]);
+        for (int r = 0; r < 4; ++r) free(bytes[r]);
+    }
+    tmp_remove(&d);
 }
 
 static void read_npy_f64(const char *path, clmha__npy *a) {
