@@ -946,9 +946,11 @@ CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
 /// `q_proj_weight`/`k_proj_weight`/`v_proj_weight`, `in_proj_bias`, `out_proj.weight`,
 /// `out_proj.bias`, `bias_k`, `bias_v`; any other tensor is refused), F32, F16, BF16 or F64
 /// (converted to float). The layer is float32; clmha_layer_load_as() chooses its dtype. The file's `__metadata__` gives `num_heads` (required), `batch_first`,
-/// `add_zero_attn` ("true"/"false", default false) and `dropout` (default 0); embed_dim, kdim,
-/// vdim, bias and add_bias_kv follow from the tensors present and their shapes. The parameters
-/// are copied before the call returns.
+/// `add_zero_attn` ("true"/"false", default false), `dropout` (default 0) and `window`
+/// ("LEFT,RIGHT", e.g. "1023,0": a sliding window, clmha_layer_desc::window_left and
+/// window_right, each -1 or at least 0; absent: no window); embed_dim, kdim, vdim, bias and
+/// add_bias_kv follow from the tensors present and their shapes. The parameters are copied
+/// before the call returns.
 ///
 /// The file must be well formed as the safetensors format requires: the tensors' data_offsets,
 /// sorted, cover the data section exactly (from byte 0, without overlap or hole, up to the end
@@ -1028,7 +1030,7 @@ typedef struct clmha_load_options {
 /// compute what `nn.MultiheadAttention` with those parameters computes, batch first. A file
 /// that mixes two name sets, or holds (under the prefix, or at all without one) a tensor that
 /// none of them has, is refused naming the tensors. Metadata (num_heads, batch_first,
-/// add_zero_attn, dropout) is read as clmha_layer_load() reads it, from the file's
+/// add_zero_attn, dropout, window) is read as clmha_layer_load() reads it, from the file's
 /// `__metadata__`, whatever the prefix.
 ///
 /// Limits: without a prefix those of clmha_layer_load(). With a prefix a file may hold a whole
@@ -1056,7 +1058,8 @@ CLMHA_API clmha_status clmha_layer_load_prefixed(clmha_layer **out, clmha_contex
                                                  const clmha_load_options *options);
 
 /// Writes the layer to @p path in the format clmha_layer_load() reads (F32 tensors, metadata
-/// with num_heads, batch_first, add_zero_attn and dropout). The file appears whole or not at all
+/// with num_heads, batch_first, add_zero_attn and dropout; num_kv_heads and window for a layer
+/// that has them). The file appears whole or not at all
 /// (written to a temporary file in the same folder, then renamed; a file it replaces keeps its
 /// permissions). Reading the parameters waits for the work already queued.
 /// @param[in] layer  the layer

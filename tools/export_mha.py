@@ -4,7 +4,9 @@
 The file holds the module's state_dict under PyTorch's names (in_proj_weight, or q_proj_weight,
 k_proj_weight and v_proj_weight; in_proj_bias, out_proj.weight, out_proj.bias, bias_k, bias_v:
 whichever the module has) and a __metadata__ with num_heads, batch_first, add_zero_attn
-("true"/"false") and dropout (decimal). clmha derives embed_dim, kdim, vdim, bias and
+("true"/"false"), dropout (decimal) and, for a sliding window, window ("LEFT,RIGHT", each -1 or
+an integer >= 0: query i attends key j only when i - LEFT <= j <= i + RIGHT, -1 leaving a side
+unbounded; nn.MultiheadAttention has no window, so it is an option here). clmha derives embed_dim, kdim, vdim, bias and
 add_bias_kv from the tensors present. The format is written by hand (8-byte little-endian
 header length, JSON header padded with spaces to a multiple of 8, raw little-endian data), so
 the `safetensors` package is not needed; the files also load with safetensors.torch.load_file.
@@ -14,13 +16,14 @@ As a module (run with a Python that has PyTorch, e.g. Debian's /usr/bin/python3)
     from export_mha import export, load
     export(module, "layer.safetensors")                  # F32
     export(module, "layer16.safetensors", dtype="F16")   # or "F64"
+    export(module, "swa.safetensors", window=(1023, 0))   # a sliding window
     module2 = load("layer.safetensors")                  # back to nn.MultiheadAttention
 
 As a command, making a layer with random parameters:
 
     /usr/bin/python3 tools/export_mha.py --embed-dim 16 --num-heads 4 [--kdim K] [--vdim V]
         [--no-bias] [--add-bias-kv] [--add-zero-attn] [--batch-first] [--dropout P]
-        [--dtype F32|F16|F64] [--torch-init] [--seed 0] out.safetensors
+        [--dtype F32|F16|F64] [--window LEFT,RIGHT] [--torch-init] [--seed 0] out.safetensors
 
 Parameters are drawn from N(0, 0.3^2) (all of them, biases included, so that every parameter
 matters), or left as PyTorch initialises them with --torch-init.
@@ -40,17 +43,54 @@ def _bool_text(v):
     return "true" if bool(v) else "false"
 
 
-def metadata_of(module, add_zero_attn=None):
-    """The __metadata__ clmha reads, from the module's attributes."""
+def parse_window(text):
+    """(left, right) from "LEFT,RIGHT" (each -1 or an integer >= 0, below 2^63); ValueError
+    for anything else."""
+    parts = text.split(",") if isinstance(text, str) else []
+    try:
+        bounds = tuple(_bound(p) for p in parts)
+    except ValueError:
+        bounds = ()
+    if len(bounds) != 2:
+        raise ValueError(f"window {text!r}: expected LEFT,RIGHT, two integers, each -1 "
+                         f"(unbounded) or at least 0, such as 1023,0")
+    return bounds
+
+
+def _bound(p):
+    if p != "-1" and not (p.isascii() and p.isdigit()):
+        raise ValueError(p)
+    v = int(p)
+    if v >= 2 ** 63:
+        raise ValueError(p)
+    return v
+
+
+def window_text(window):
+    """The metadata value of a window (left, right): "LEFT,RIGHT"."""
+    left, right = (int(x) for x in window)
+    for v in (left, right):
+        if v < -1 or v >= 2 ** 63:
+            raise ValueError(f"window {window!r}: each bound must be -1 (unbounded) or from 0 "
+                             f"to 2^63-1")
+    return f"{left},{right}"
+
+
+def metadata_of(module, add_zero_attn=None, window=None):
+    """The __metadata__ clmha reads, from the module's attributes; window (left, right) or
+    None (no window key)."""
     if add_zero_attn is None:
         add_zero_attn = getattr(module, "add_zero_attn", False)
-    return {
+    meta = {
         "format": "pt",
         "num_heads": str(int(module.num_heads)),
         "batch_first": _bool_text(getattr(module, "batch_first", False)),
         "add_zero_attn": _bool_text(add_zero_attn),
         "dropout": repr(float(module.dropout)),
     }
+    if window is not None:
+        meta["window"] = window_text(window)
+    return meta
 
 
 def encode(tensors, metadata):
@@ -74,10 +114,15 @@ def encode(tensors, metadata):
     return len(text).to_bytes(8, "little") + text + b"".join(blobs)
 
 
-def export(module: torch.nn.MultiheadAttention, path, add_zero_attn=None, dtype="F32"):
+def export(module: torch.nn.MultiheadAttention, path, add_zero_attn=None, dtype="F32",
+           window=None):
     """Writes `module` (its state_dict and configuration) to `path`. dtype: "F32", "F16" or
     "F64"; the parameters are rounded to it from the module's own precision. add_zero_attn
-    overrides the module's attribute when not None."""
+    overrides the module's attribute when not None. window: (left, right), a sliding window
+    (-1: that side unbounded), or None (the default: the module's `window` attribute if it has
+    one, as clmha.torch.MultiheadAttention does, else none)."""
+    if window is None:
+        window = getattr(module, "window", None)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     tensors = []
@@ -85,7 +130,7 @@ def export(module: torch.nn.MultiheadAttention, path, add_zero_attn=None, dtype=
         arr = value.detach().cpu().double().numpy() if dtype == "F64" else \
             value.detach().cpu().float().numpy()
         tensors.append((name, arr.astype(DTYPES[dtype])))
-    data = encode(tensors, metadata_of(module, add_zero_attn))
+    data = encode(tensors, metadata_of(module, add_zero_attn, window))
     with open(path, "wb") as f:
         f.write(data)
 
@@ -108,7 +153,8 @@ def read(path):
 
 def load(path, dtype=torch.float32):
     """Builds an nn.MultiheadAttention (eval mode) from a layer file written by export() or by
-    clmha_layer_save()."""
+    clmha_layer_save(). nn.MultiheadAttention has no sliding window: a file's window is left out
+    (read(path)[1]["window"], parse_window(), has it)."""
     tensors, meta = read(path)
     E = tensors["out_proj.weight"].shape[0]
     if "in_proj_weight" in tensors:
@@ -154,16 +200,30 @@ def main(argv=None):
     ap.add_argument("--batch-first", action="store_true")
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="F32")
+    ap.add_argument("--window", metavar="LEFT,RIGHT",
+                    help="a sliding window: query i attends key j only when i - LEFT <= j <= "
+                         "i + RIGHT (-1: that side unbounded), written as metadata window")
     ap.add_argument("--torch-init", action="store_true",
                     help="keep PyTorch's initialisation (zero biases) instead of N(0, 0.3^2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("out")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i in range(len(argv) - 1):  # "--window -1,0": a value, not an option
+        if argv[i] == "--window":
+            argv[i:i + 2] = [f"--window={argv[i + 1]}"]
+            break
     a = ap.parse_args(argv)
+    window = None
+    if a.window is not None:
+        try:
+            window = parse_window(a.window)
+        except ValueError as e:
+            ap.error(f"--window: {e}")
     m = random_module(a.embed_dim, a.num_heads, a.kdim, a.vdim, not a.no_bias, a.add_bias_kv,
                       a.add_zero_attn, a.batch_first, a.dropout, a.seed, a.torch_init)
     if a.dtype == "F64":
         m = m.double()
-    export(m, a.out, dtype=a.dtype)
+    export(m, a.out, dtype=a.dtype, window=window)
     shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in m.state_dict().items())
     print(f"wrote {a.out}: {shapes}")
     return 0

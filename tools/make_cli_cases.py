@@ -7,7 +7,8 @@ For every case it writes tests/cli/<case>/:
     query.npy               float32 inputs; key.npy and value.npy only for cross-attention
     key_padding_mask.npy    optional: bool (True = may not attend) or float32 (added)
     attn_mask.npy           optional: bool or float32, (L, S) or (N*H, L, S) / (H, L, S)
-    args                    one line: the extra flags (--is-causal --need-weights ...), may be empty
+    args                    one line: the extra flags (--is-causal --need-weights --window L,R
+                            ...), may be empty
     expected_output.npy     float64
     expected_weights.npy    float64, only with --need-weights
     grad_output.npy         gradient cases: float32, the output's gradient (--grad-output)
@@ -38,7 +39,7 @@ tests/cli/sdpa_cases.inc) hold already projected heads instead of a layer:
     attn_mask.npy           optional: bool (True = may attend, SDPA's polarity) or float32
                             (added to the scores), in a shape SDPA broadcasts to (N, H, L, S)
     args                    one line: the extra flags (--layout nlhd --is-causal --enable-gqa
-                            --scale S --kv-cache-prefix P), may be empty
+                            --scale S --window L,R --kv-cache-prefix P), may be empty
     expected_output.npy     float64
     expected_lse.npy        float64, only for cases run with --lse-output: the log-sum-exp of
                             every score row, (N, H, L)
@@ -50,7 +51,8 @@ tests/cli/sdpa_cases.inc) hold already projected heads instead of a layer:
 Their expected values are scaled dot-product attention written out in float64 (PyTorch 1.13 has
 no F.scaled_dot_product_attention): softmax(q @ k^T * scale + mask) @ v with scale 1/sqrt(D)
 unless the case sets one, a bool mask as masked_fill(~mask, -inf), is_causal as the top-left
-tril(ones(L, S)) mask, grouped-query attention as repeat_interleave of the key/value heads by
+tril(ones(L, S)) mask, a window (--window LEFT,RIGHT) as the boolean (L, S) mask of keys j
+with i - LEFT <= j <= i + RIGHT (-1: unbounded), grouped-query attention as repeat_interleave of the key/value heads by
 H / H_kv, the log-sum-exp as torch.logsumexp of the masked scores; gradients by torch.autograd
 on the same float64 computation (a float mask's gradient summed over its broadcast dimensions by
 autograd). Masks are drawn so that no query row is fully masked. A case with kv_prefix P passes
@@ -67,6 +69,14 @@ attn_mask. Masks are drawn so that no query row is fully masked. PyTorch 1.13 ca
 float key_padding_mask together with a float attn_mask: such cases pass it the sum of the two as
 one (N*H, L, S) float attn_mask (the additive semantics clmha implements), built by autograd
 operations so that both masks get their gradients.
+
+Sliding-window cases: `file_window` (left, right) is written into layer.safetensors as
+__metadata__ window, `window` is passed as `--window LEFT,RIGHT` (which replaces the file's); the
+window in effect is given to PyTorch 1.13 (which has none) as an explicit boolean mask, key j
+allowed for query i iff i - left <= j <= i + right (-1: that side unbounded), or-ed into the
+case's boolean attn_mask (with causality) or filled with -inf into a float one. PyTorch pads the
+attn_mask with zeros for the keys of add_bias_kv and add_zero_attn: they are not windowed, as in
+clmha.
 
 Expected gradients: torch.autograd on the same float64 module, from the float32 grad_output
 (and grad_weights) drawn for the case; the query's gradient in self-attention is the whole
@@ -106,7 +116,7 @@ def C(name, **kw):
              add_zero_attn=False, batch_first=False, dropout=0.0, dtype="F32",
              L=5, S=None, N=2, cross=False, kpm=None, attn=None, causal=False,
              need_weights=True, per_head=False, grads=False, given=None, module="mha",
-             prefix=None)
+             prefix=None, window=None, file_window=None)
     for k in kw:
         if k not in d:
             raise KeyError(k)
@@ -159,6 +169,12 @@ CASES = [
     C("grad_weights_per_head", grads=True, cross=True, L=4, S=5, per_head=True),
     C("grad_key_only", grads=True, given="qk", causal=True, L=5, need_weights=False),
     C("grad_value_only", grads=True, given="qv", L=4, need_weights=False),
+    # Sliding windows: the layer file's (metadata window), and --window replacing it. The keys
+    # of add_bias_kv and add_zero_attn are not windowed.
+    C("window_file_causal_bias_kv", file_window=(2, 0), causal=True, add_bias_kv=True, L=7,
+      per_head=True),
+    C("grad_window_override_cross", grads=True, file_window=(0, 0), window=(2, 1), cross=True,
+      add_zero_attn=True, kpm="bool", attn="float2d", L=6, S=7, need_weights=False),
     # Seed modules and a model's checkpoint (need_weights: the seed modules return none).
     C("seed_continuiti", module="continuiti", batch_first=True, cross=True, L=4, S=5,
       need_weights=False),
@@ -379,7 +395,7 @@ def make_layer(c, path, given_dir=None):
         with torch.no_grad():
             for p in m.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3)
-    export_mha.export(m, path, dtype=c["dtype"])
+    export_mha.export(m, path, dtype=c["dtype"], window=c["file_window"])
     if given_dir is not None:
         adopt_committed_layer(path, given_dir)
     tensors, _ = export_mha.read(path)
@@ -393,6 +409,26 @@ def make_layer(c, path, given_dir=None):
 def header_of(blob):
     """The length word and JSON header of a safetensors file."""
     return blob[:8 + int.from_bytes(blob[:8], "little")]
+
+
+def window_keep(L, S, window):
+    """The bool (L, S) of keys j that query i may attend under the sliding window (left, right):
+    i - left <= j <= i + right, -1 leaving a side unbounded; all True for None."""
+    keep = np.ones((L, S), dtype=bool)
+    if window is not None:
+        left, right = window
+        i = np.arange(L)[:, None]
+        j = np.arange(S)[None, :]
+        if left >= 0:
+            keep &= j >= i - left
+        if right >= 0:
+            keep &= j <= i + right
+    return keep
+
+
+def case_window(c):
+    """The window in effect: --window's, else the layer file's, else None."""
+    return c["window"] if c["window"] is not None else c["file_window"]
 
 
 def draw_masks(c, rng):
@@ -423,6 +459,7 @@ def draw_masks(c, rng):
             masked |= np.isneginf(attn)
     if c["causal"]:
         masked |= np.triu(np.ones((L, S), dtype=bool), 1)
+    masked |= ~window_keep(L, S, case_window(c))
     return kpm, attn, masked
 
 
@@ -498,6 +535,14 @@ def generate(c, out_dir, given_root=None):
             attn_in = attn_in | causal
         else:
             attn_in = attn_in.masked_fill(causal, float("-inf"))
+    if case_window(c) is not None:  # the window as one more boolean mask (True = masked)
+        outside = torch.from_numpy(~window_keep(L, S, case_window(c)))
+        if attn_in is None:
+            attn_in = outside
+        elif attn_in.dtype == torch.bool:
+            attn_in = attn_in | outside
+        else:
+            attn_in = attn_in.masked_fill(outside, float("-inf"))
     kpm_in = kpm_t
     if kpm_t is not None and kpm_t.dtype != torch.bool and attn_in is not None:
         # One additive (N*H, L, S) mask: attn_mask + key_padding_mask (see the docstring).
@@ -566,6 +611,8 @@ def generate(c, out_dir, given_root=None):
         flags.append("--need-weights")
     if c["per_head"]:
         flags.append("--per-head-weights")
+    if c["window"] is not None:
+        flags += ["--window", "%d,%d" % c["window"]]
     if c["module"] != "mha":  # a state_dict without metadata
         if c["prefix"]:
             flags += ["--prefix", c["prefix"]]
@@ -579,7 +626,7 @@ def generate(c, out_dir, given_root=None):
 def SC(name, **kw):
     d = dict(name=name, N=2, H=2, Hkv=None, L=5, S=None, D=8, Dv=None, layout="nhld", mask=None,
              mask_shape=None, causal=False, scale=None, lse=False, weights=False, grads=False,
-             kv_prefix=None)
+             kv_prefix=None, window=None)
     for k in kw:
         if k not in d:
             raise KeyError(k)
@@ -614,6 +661,11 @@ SDPA_CASES = [
        lse=True, grads=True),
     SC("sdpa_one_key_row_bool", layout="nlhd", H=3, L=4, S=7, mask="bool", mask_shape="S",
        grads=True),
+    # Sliding windows (--window LEFT,RIGHT), with a mask and with is_causal.
+    SC("sdpa_window_gqa_bool_mask_grads", layout="nlhd", H=4, Hkv=2, L=6, S=7, mask="bool",
+       mask_shape="N1LS", window=(2, 1), lse=True, grads=True),
+    SC("sdpa_window_causal_weights_grads", L=7, S=6, causal=True, window=(2, -1), weights=True,
+       grads=True),
 ]
 
 
@@ -645,6 +697,7 @@ def sdpa_draw_mask(c, rng):
             forbidden |= np.broadcast_to(np.isneginf(mask), forbidden.shape)
     if c["causal"]:
         forbidden |= ~np.tril(np.ones((L, S), dtype=bool))
+    forbidden |= ~window_keep(L, S, c["window"])
     return mask, forbidden
 
 
@@ -661,6 +714,9 @@ def sdpa_reference(c, q, k, v, mask):
     scores = q @ k.transpose(-2, -1) * scale
     if c["causal"]:
         keep = torch.ones(c["L"], c["S"], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if c["window"] is not None:
+        keep = torch.from_numpy(window_keep(c["L"], c["S"], c["window"]))
         scores = scores.masked_fill(~keep, float("-inf"))
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -740,6 +796,8 @@ def sdpa_generate(c, out_dir, given_root=None):
         flags.append("--enable-gqa")
     if c["scale"] is not None:
         flags += ["--scale", repr(c["scale"])]
+    if c["window"] is not None:
+        flags += ["--window", "%d,%d" % c["window"]]
     if c["kv_prefix"] is not None:
         flags += ["--kv-cache-prefix", str(c["kv_prefix"])]
     with open(os.path.join(d, "args"), "w") as f:

@@ -23,7 +23,7 @@ File format (text, whitespace separated, '#' starts a comment line):
     case <name>
     layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
           add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>]
-          [dtype <f16|bf16|f64>]                                             (one line)
+          [dtype <f16|bf16|f64>] [window <left> <right>]                      (one line)
     call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training 0
          kpm <kind> attn <kind> attn_per_batch <0|1>                        (one line)
     tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -99,6 +99,10 @@ result is PyTorch's own). --check takes the committed float64 inputs when each i
 draw within golden_compare.F64_DRAW_TOLERANCE (PyTorch's float64 draws too differ in their last
 bits between CPU models) and compares the recomputed results within its F64_TOLERANCE.
 
+window is written only by the sliding-window cases (clmha_layer_desc::window; absent: none),
+last on the layer line: query i attends key j only when i - left <= j <= i + right, -1 leaving
+a side unbounded; the keys of bias_k/bias_v and of add_zero_attn are never windowed.
+
 Mask kinds: none, bool_ignore (1 = may not attend, nn.MultiheadAttention's bool masks),
 bool_attend (1 = may attend, SDPA / continuiti polarity), float (added to the scaled scores).
 
@@ -114,6 +118,10 @@ How the golden values are obtained from PyTorch 1.13 (which lacks some of clmha'
   mask itself and passes only that (PyTorch then pads it for bias_k / the zero key). Wherever
   PyTorch's own combination works, the generator also runs the pre-combined path and asserts
   both agree, and it checks every case against an independent float64 implementation.
+- window: the boolean (L, S) mask of the keys outside the window (True = masked) is combined
+  with attn_mask exactly as the causal mask is (after it); the file holds only the case's own
+  attn_mask and the window line. PyTorch pads attn_mask with zeros for bias_k and the zero key:
+  they are not windowed, as in clmha.
 - Fully masked rows: PyTorch gives NaN; clmha defines zero attention weights and a zero
   attention result there (output row = out_proj.bias). Such NaN entries are replaced following
   that rule (a comment line in the file says so).
@@ -168,6 +176,7 @@ def C(name, **kw):
         special=None,  # full_kpm | full_attn_row | partial_head | full_float_row | full_kpm_appended
         kv_heads=None,  # grouped-query attention: key/value heads (None: H)
         dtype="f32",  # f32 | f16 | bf16 | f64: the layer's dtype (DTYPE_CASES, F64_CASES)
+        window=None,  # a sliding window (left, right), -1: that side unbounded
     )
     for k in kw:
         if k not in d:
@@ -303,6 +312,15 @@ CASES = [
     C("gqa_batch_first", E=16, H=4, kv_heads=2, batch_first=True, N=3, L=5, mode="cross", S=4),
     C("gqa_unbatched", E=16, H=4, kv_heads=2, N=None, L=5, causal=True, need_weights=False),
     C("gqa_decode_long", E=32, H=8, kv_heads=2, L=24, N=1, causal=True, need_weights=False),
+    # sliding windows (the appended keys of add_bias_kv / add_zero_attn are not windowed). The
+    # C tests run these through impl auto and unfused only, and no KV cache, until the fused
+    # and decode cores take windows (tests/device/test_golden.c, test_backward.c,
+    # test_kv_cache.c).
+    C("window_self_causal_3_0", causal=True, window=(3, 0), L=7, per_head=True),
+    C("window_cross_2_2_kpm", mode="cross", L=5, S=7, kpm="bool_ignore", window=(2, 2),
+      add_zero_attn=True),
+    C("window_left_unbounded_float_attn_bias_kv", mode="cross", L=6, S=5, attn="float",
+      window=(-1, 1), add_bias_kv=True, batch_first=True),
 ]
 
 # float16 / bfloat16 layers (forward only): every case once per 16-bit dtype, written as
@@ -547,11 +565,26 @@ def additive(c, kpm, attn):
         tot = tot + k
     if c["causal"]:
         tot = tot.masked_fill(torch.triu(torch.ones(L, S, dtype=torch.bool), 1), -math.inf)
+    if c["window"] is not None:
+        tot = tot.masked_fill(window_outside(L, S, c["window"]), -math.inf)
     return tot
 
 
+def window_outside(L, S, window):
+    """The bool (L, S) of keys outside the sliding window (left, right) (True = masked): key j
+    is inside for query i iff i - left <= j <= i + right, -1 leaving a side unbounded."""
+    i = torch.arange(L).reshape(L, 1)
+    j = torch.arange(S).reshape(1, S)
+    inside = torch.ones(L, S, dtype=torch.bool)
+    if window[0] >= 0:
+        inside &= j >= i - window[0]
+    if window[1] >= 0:
+        inside &= j <= i + window[1]
+    return ~inside
+
+
 def has_full_row(c, kpm, attn):
-    if c["kpm"] == "none" and c["attn"] == "none" and not c["causal"]:
+    if c["kpm"] == "none" and c["attn"] == "none" and not c["causal"] and c["window"] is None:
         return False
     tot = additive(c, kpm, attn)
     return bool(torch.isneginf(tot).all(dim=-1).any())
@@ -707,6 +740,14 @@ def pytorch_masks(c, kpm, attn):
             attn_t = attn_t | causal
         else:
             attn_t = attn_t.masked_fill(causal, -math.inf)
+    if c["window"] is not None:  # as the causal mask
+        outside = window_outside(L, S, c["window"])
+        if attn_t is None:
+            attn_t = outside
+        elif attn_t.dtype == torch.bool:
+            attn_t = attn_t | outside
+        else:
+            attn_t = attn_t.masked_fill(outside, -math.inf)
     return kpm_t, attn_t
 
 
@@ -1023,7 +1064,8 @@ def generate(c, given=None):
              "# inputs and parameters drawn in float32; expected values computed in float64"]
     lines += ["# " + t for t in notes]
     lines += case_lines(name, c, E, H, kdim, vdim,
-                        f" num_kv_heads {kv_heads(c)}" if is_gqa(c) else "",
+                        (f" num_kv_heads {kv_heads(c)}" if is_gqa(c) else "")
+                        + ("" if c["window"] is None else " window %d %d" % c["window"]),
                         params, query, key, value, kpm, attn)
     lines += tensor_text("output", "f64", out.numpy())
     if nw:

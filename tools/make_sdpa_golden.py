@@ -25,6 +25,9 @@ the formula is written out in torch ops, in float64, and differentiated by autog
     scores = scores + attn_mask                                    (float mask)
     scores = scores.masked_fill(~attn_mask, -inf)                  (bool mask: True = may attend)
     scores = scores.masked_fill(~ones(L, S, bool).tril(), -inf)    (is_causal: top-left aligned)
+    scores = scores.masked_fill(~inside, -inf)                     (window (left, right): inside
+                                                                    [i, j] iff i - left <= j <=
+                                                                    i + right, -1 unbounded)
     weights = softmax(scores, -1); output = weights @ v; lse = logsumexp(scores, -1)
 
 with one convention of clmha's where PyTorch has none (documented in include/clmha.h): a query
@@ -46,13 +49,17 @@ formula's). Where it has not, but has 1.13's prototype F._scaled_dot_product_att
 without a fully masked row is run through that too (a given scale put into q as
 q * scale * sqrt(D); K/V repeated for GQA) and its output, weights and the gradients of q, k, v
 and a float mask must agree with the formula's to 1e-12 (measured: 7e-16 at most). The header
-comment does not say which torch ran, so --check compares the same text on either.
+comment does not say which torch ran, so --check compares the same text on either. Neither of
+PyTorch's functions has a sliding window: the window cases give them the window as an explicit
+boolean mask, folded into the case's attn_mask (and, with is_causal, the causal mask with it,
+as SDPA takes no attn_mask together with is_causal).
 
 File format: tools/make_golden.py's text format (tests/support/golden.h), with an `sdpa` line
 in place of its layer and call lines:
 
     case <name>
     sdpa layout <nhld|nlhd> is_causal <0|1> scale <s> enable_gqa <0|1> attn <kind>
+         [window <left> <right>]
     tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
     <values, C order>
     ...
@@ -60,7 +67,8 @@ in place of its layer and call lines:
 
 scale 0 means 1/sqrt(D) (clmha_attention_args::scale's convention), anything else is the
 scores' factor as passed. attn is none, bool_attend (u8, 1 = may attend: SDPA's boolean mask)
-or float (f32, added to the scaled scores, -inf where forbidden). Tensors, in order:
+or float (f32, added to the scaled scores, -inf where forbidden). window (the window cases
+only): clmha_attention_args::window_left and window_right. Tensors, in order:
 query, key, value (f32: (N, H, L, D), (N, H_kv, S, D) in layout nhld, (N, L, H, D),
 (N, S, H_kv, D) in nlhd; without N when unbatched), attn_mask (its own shape: one of those
 clmha_attention_args documents), output (f64, the query's layout), lse (f64, (N, H, L)),
@@ -95,7 +103,8 @@ SDPA_AGREEMENT = 1e-12  # the formula against F.scaled_dot_product_attention, wh
 
 def C(name, **kw):
     d = dict(name=name, N=2, H=2, H_kv=None, L=4, S=None, D=8, layout="nhld", batched=True,
-             attn="none", mask_shape=None, causal=False, scale=0.0, dead_row=False)
+             attn="none", mask_shape=None, causal=False, scale=0.0, dead_row=False,
+             window=None)
     for k in kw:
         if k not in d:
             raise KeyError(k)
@@ -133,6 +142,12 @@ CASES = [
     C("unbatched_d20_float", batched=False, N=1, H=2, L=3, S=4, D=20, attn="float",
       mask_shape="LS", scale=0.25),
     C("decode_L1", layout="nlhd", N=2, H=2, L=1, S=6),
+    # sliding windows (tests/device/test_sdpa_golden.c runs these through impl auto and
+    # unfused only, until the fused core takes windows)
+    C("window_gqa_left_unbounded", N=2, H=4, H_kv=2, L=6, S=6, window=(-1, 1)),
+    C("window_bool_n1ls_nlhd", layout="nlhd", attn="bool_attend", mask_shape="N1LS", L=5, S=7,
+      D=4, window=(2, 1)),
+    C("window_causal_scale_L6_S5", N=1, causal=True, L=6, S=5, window=(1, -1), scale=0.5),
 ]
 
 # ------------------------------------------------------------------------------------------
@@ -157,7 +172,40 @@ def allowed(c, mask):
         ok &= np.broadcast_to(np.isfinite(mask), ok.shape)
     if c["causal"]:
         ok &= np.tril(np.ones((L, S), dtype=bool))
+    if c["window"] is not None:
+        ok &= window_inside(c).numpy()
     return ok
+
+
+def window_inside(c):
+    """The (L, S) bool tensor of keys inside the case's window (all True without one): key j
+    for query i iff i - left <= j <= i + right, -1 leaving a side unbounded."""
+    L, S = c["L"], c["S"]
+    inside = torch.ones(L, S, dtype=torch.bool)
+    if c["window"] is not None:
+        i = torch.arange(L).reshape(L, 1)
+        j = torch.arange(S).reshape(1, S)
+        left, right = c["window"]
+        if left >= 0:
+            inside &= j >= i - left
+        if right >= 0:
+            inside &= j <= i + right
+    return inside
+
+
+def folded_mask(c, mask):
+    """(mask, is_causal) for PyTorch's functions, which have no window: the window (and then
+    is_causal too) folded into the mask as an explicit boolean mask (True = may attend)."""
+    if c["window"] is None:
+        return mask, c["causal"]
+    keep = window_inside(c)
+    if c["causal"]:
+        keep &= torch.ones(c["L"], c["S"], dtype=torch.bool).tril()
+    if mask is None:
+        return keep, False
+    if mask.dtype == torch.bool:
+        return mask & keep, False
+    return mask.masked_fill(~keep, -math.inf), False
 
 
 def draw_mask(c, rng):
@@ -214,6 +262,8 @@ def formula(c, q, k, v, mask):
     if c["causal"]:
         L, S = c["L"], c["S"]
         scores = scores.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), -math.inf)
+    if c["window"] is not None:
+        scores = scores.masked_fill(~window_inside(c), -math.inf)
     dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
     p = torch.softmax(torch.where(dead, torch.zeros_like(scores), scores), dim=-1)
     p = torch.where(dead, torch.zeros_like(p), p)
@@ -229,9 +279,10 @@ def has_sdpa():
 def torch_sdpa(c, q, k, v, mask):
     """F.scaled_dot_product_attention in float64 (K/V repeated for GQA): the output."""
     groups = c["H"] // c["H_kv"]
+    mask, causal = folded_mask(c, mask)
     return F.scaled_dot_product_attention(
         q, k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3),
-        attn_mask=mask, is_causal=c["causal"], scale=scale_of(c))
+        attn_mask=mask, is_causal=causal, scale=scale_of(c))
 
 
 def torch_prototype_sdpa(c, q, k, v, mask):
@@ -241,9 +292,10 @@ def torch_prototype_sdpa(c, q, k, v, mask):
     groups = c["H"] // c["H_kv"]
     if c["scale"]:
         q = q * (c["scale"] * math.sqrt(c["D"]))
+    mask, causal = folded_mask(c, mask)
     return F._scaled_dot_product_attention(  # pylint: disable=protected-access
         q, k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), mask,
-        0.0, True, c["causal"])
+        0.0, True, causal)
 
 
 def with_grads(fn, c, inputs, g, mask_grad=True):
@@ -328,7 +380,8 @@ def generate(c):
                   "# PyTorch's SDPA gives NaN there)"]
     lines += [f"case {c['name']}",
               f"sdpa layout {c['layout']} is_causal {int(c['causal'])} scale {float(c['scale'])!r}"
-              f" enable_gqa {int(c['H_kv'] != c['H'])} attn {c['attn']}"]
+              f" enable_gqa {int(c['H_kv'] != c['H'])} attn {c['attn']}"
+              + ("" if c["window"] is None else " window %d %d" % c["window"])]
     lines += tensor_text("query", "f32", as_file(c, q))
     lines += tensor_text("key", "f32", as_file(c, k))
     lines += tensor_text("value", "f32", as_file(c, v))

@@ -11,6 +11,7 @@ from ._device import (check_context, device_f32, elem_offset, event_to, events_w
                       fill_device_tensor, is_pyopencl_array, mem, wait_list)
 from ._errors import check
 from ._native import ffi, lib
+from ._sdpa import fill_window, window_bounds
 
 # ---- dtypes ------------------------------------------------------------------------------------
 
@@ -120,7 +121,11 @@ class Layer:
 
     ``Layer(embed_dim, num_heads, *, dropout=0.0, bias=True, add_bias_kv=False,
     add_zero_attn=False, kdim=None, vdim=None, batch_first=False, num_kv_heads=None,
-    dtype="float32", context=None)``: the fields of ``clmha_layer_desc``, with PyTorch's defaults.
+    dtype="float32", window=None, context=None)``: the fields of ``clmha_layer_desc``, with
+    PyTorch's defaults. ``window``: None, or a sliding window (left, right): query i (at
+    position i; with a KV cache, the cached length + i) attends key j only when
+    i - left <= j <= i + right, -1 leaving a side unbounded; the keys of add_bias_kv and
+    add_zero_attn are never windowed, and the window combines with the masks and is_causal.
     Parameters start at zero: set them by PyTorch name (``layer["in_proj_weight"] = w``,
     ``load_state_dict``) or make the layer with ``Layer.load(path)`` or
     ``Layer.from_state_dict(...)``.
@@ -132,7 +137,8 @@ class Layer:
                  bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False,
                  kdim: Optional[int] = None, vdim: Optional[int] = None,
                  batch_first: bool = False, num_kv_heads: Optional[int] = None,
-                 dtype="float32", context: Optional[Context] = None):
+                 dtype="float32", window: Optional[Tuple[int, int]] = None,
+                 context: Optional[Context] = None):
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
                             ("kdim", kdim or 0), ("vdim", vdim or 0),
                             ("num_kv_heads", num_kv_heads or 0)):
@@ -140,6 +146,7 @@ class Layer:
                 raise TypeError(f"{name} must be a non-negative int, not {value!r}")
         if not isinstance(dropout, (float, int)) or isinstance(dropout, bool):
             raise TypeError(f"dropout must be a float, not {dropout!r}")
+        window = window_bounds(window)
         context = context if context is not None else default_context()
         if not isinstance(context, Context):
             raise TypeError(f"context must be a clmha.Context, not {type(context).__name__}")
@@ -156,6 +163,7 @@ class Layer:
         desc.dropout = float(dropout)
         desc.num_kv_heads = num_kv_heads or 0
         desc.dtype = _DTYPE_CODES[dtype_name(dtype)]
+        fill_window(desc, window)
         out = ffi.new("clmha_layer **")
         check(lib.clmha_layer_create(out, context._ptr, desc), context._ptr)
         self._adopt(out[0], context)
@@ -178,6 +186,8 @@ class Layer:
         self.dropout = float(desc.dropout)
         self.num_kv_heads = int(desc.num_kv_heads) or self.num_heads
         self.dtype = _DTYPE_NAMES[int(desc.dtype)]
+        self.window = ((int(desc.window_left), int(desc.window_right)) if desc.window
+                       else None)
         self.head_dim = self.embed_dim // self.num_heads
         self._impl = "auto"
         self._profiling = False
@@ -190,7 +200,9 @@ class Layer:
              batch_first: Optional[bool] = None) -> "Layer":
         """A layer from a ``.safetensors`` layer file (``clmha_layer_load``): PyTorch's names,
         continuiti's or the classic module's; ``prefix`` picks one attention module out of a
-        whole model's checkpoint, ``num_heads`` is needed where the file's metadata lacks it."""
+        whole model's checkpoint, ``num_heads`` is needed where the file's metadata lacks it.
+        The file's metadata ``window`` ("LEFT,RIGHT") gives the layer's sliding window
+        (``layer.window``); ``save`` writes it."""
         context = context if context is not None else default_context()
         out = ffi.new("clmha_layer **")
         path_b = _path_bytes(path)
@@ -292,12 +304,14 @@ class Layer:
     def from_state_dict(cls, state_dict, num_heads: int, *, prefix: str = "",
                         context: Optional[Context] = None, dtype=None,
                         batch_first: Optional[bool] = None, dropout: float = 0.0,
-                        add_zero_attn: bool = False) -> "Layer":
+                        add_zero_attn: bool = False,
+                        window: Optional[Tuple[int, int]] = None) -> "Layer":
         """A layer from the parameters of ``nn.MultiheadAttention``, continuiti's
         ``MultiHeadAttention`` (``query_project``, ``key_project``, ``value_project``,
         ``out_project``) or the classic split-heads module (``w_q``, ``w_k``, ``w_v``,
         ``w_concat``), arrays or tensors by ``state_dict()`` name; ``prefix`` picks one module's
-        entries out of a whole model's ``state_dict()``. The two seed modules are batch-first."""
+        entries out of a whole model's ``state_dict()``. The two seed modules are batch-first.
+        ``window``: a sliding window (left, right), as ``Layer``'s."""
         from ._state_dict import translate
 
         config, params = translate(state_dict, num_heads, prefix)
@@ -306,7 +320,7 @@ class Layer:
         else:
             config.pop("batch_first")
         layer = cls(num_heads=num_heads, context=context, dtype=dtype, batch_first=batch_first,
-                    dropout=dropout, add_zero_attn=add_zero_attn, **config)
+                    dropout=dropout, add_zero_attn=add_zero_attn, window=window, **config)
         layer.load_state_dict(params)
         return layer
 
@@ -821,7 +835,8 @@ class Layer:
                 f"kdim={self.kdim}, vdim={self.vdim}, bias={self.bias}, "
                 f"add_bias_kv={self.add_bias_kv}, add_zero_attn={self.add_zero_attn}, "
                 f"batch_first={self.batch_first}, dropout={self.dropout}, "
-                f"num_kv_heads={self.num_kv_heads}, dtype={self.dtype!r})")
+                f"num_kv_heads={self.num_kv_heads}, dtype={self.dtype!r}"
+                + (f", window={self.window}" if self.window is not None else "") + ")")
 
 
 class _Keep:

@@ -54,6 +54,29 @@ def _number(name: str, value, kind=float):
     return kind(value)
 
 
+def window_bounds(window) -> Optional[Tuple[int, int]]:
+    """A sliding window as (left, right) ints, checked: None (no window) or a pair of ints, each
+    -1 (that side unbounded) or from 0 to 2**63 - 1 (TypeError, ValueError otherwise)."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of ints, not {window!r}")
+    for name, v in zip(("left", "right"), window):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"window {name} must be an int, not {v!r}")
+        if not -1 <= int(v) < 2 ** 63:
+            raise ValueError(f"window {name} is {int(v)}: it must be -1 (unbounded) or from 0 "
+                             f"to 2**63 - 1")
+    return int(window[0]), int(window[1])
+
+
+def fill_window(c, window) -> None:
+    """Sets the window fields of a clmha_layer_desc or clmha_attention_args from
+    window_bounds()."""
+    c.window = window is not None
+    c.window_left, c.window_right = window if window is not None else (0, 0)
+
+
 def _layout(layout) -> str:
     name = layout.upper() if isinstance(layout, str) else None
     if name not in _LAYOUTS:
@@ -92,13 +115,14 @@ class Call:
     core ``impl``, the ``context`` (None: the cache's with ``kv_cache``, else the default
     context; a device call needs a ``Context.from_pyopencl`` context of the arrays' OpenCL
     context) and the KV-cache form's ``kv_cache`` (a ``clmha.KVCache``) and ``kv_append``
-    (per-sequence counts of real new tokens).
+    (per-sequence counts of real new tokens), and ``window``: None or a sliding window
+    (left, right), -1 leaving a side unbounded (``clmha_attention_args::window``).
     """
 
     def __init__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                  scale=None, enable_gqa=False, *, seed: int = 0, offset: int = 0,
                  impl: str = "auto", context: Optional[Context] = None, kv_cache=None,
-                 kv_append=None, layout: str = "NHLD"):
+                 kv_append=None, layout: str = "NHLD", window=None):
         from ._layer import KVCache
 
         if kv_cache is not None and not isinstance(kv_cache, KVCache):
@@ -178,6 +202,8 @@ class Call:
         c.rng.seed = int(seed) & (2**64 - 1)
         c.rng.offset = int(offset) & (2**64 - 1)
         c.enable_gqa = bool(enable_gqa)
+        self.window = window_bounds(window)
+        fill_window(c, self.window)
         c.impl = _IMPLS[impl]
         self.kv_cache = kv_cache  # kept alive while the call's struct points at it
         self.kv_append = None

@@ -32,7 +32,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  layout: str = "NHLD", seed: int = 0, offset: int = 0,
                                  impl: str = "auto", context: Optional[Context] = None,
                                  kv_cache: Optional[KVCache] = None,
-                                 kv_append: Optional[Sequence[int]] = None
+                                 kv_append: Optional[Sequence[int]] = None,
+                                 window: Optional[Tuple[int, int]] = None
                                  ) -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
     """softmax(query · keyᵀ · scale + attn_mask) · value on clmha's OpenCL device, as PyTorch's
     ``F.scaled_dot_product_attention`` computes it.
@@ -74,6 +75,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     :param kv_append: with kv_cache, N counts (a list; an int when N is 1): how many of each
         sequence's S_new new tokens (the first ones) are real and appended (ragged batches);
         None: all of them.
+    :param window: None, or a sliding window (left, right) (FlashAttention's window_size):
+        query i attends key j only when i - left <= j <= i + right, -1 leaving a side
+        unbounded; with kv_cache, i is the sequence's cached length + the new query's row. It
+        combines with attn_mask and is_causal. Bad bounds raise TypeError / ValueError.
     :returns: the output (..., H, L, D_v) (in the query's layout), or a tuple of it, the lse
         (with ``return_lse``) and the weights (with ``return_weights``), in that order.
 
@@ -98,7 +103,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 seed=seed, offset=offset, impl=impl, context=context, kv_cache=kv_cache,
-                kv_append=kv_append, layout=layout)
+                kv_append=kv_append, layout=layout, window=window)
     return call.forward(lse=bool(return_lse), weights=bool(return_weights))
 
 
@@ -107,14 +112,14 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
                                           enable_gqa=False, *, layout: str = "NHLD",
                                           seed: int = 0, offset: int = 0, impl: str = "auto",
                                           context: Optional[Context] = None, output=None,
-                                          lse=None):
+                                          lse=None, window: Optional[Tuple[int, int]] = None):
     """The gradients of ``scaled_dot_product_attention`` (the same arguments, after
     ``grad_output``, the output's gradient (..., H, L, D_v)): ``(grad_query, grad_key,
     grad_value, grad_attn_mask)``, each in its input's shape; ``grad_attn_mask`` is None unless
     attn_mask is floating point (then its gradient summed over the dimensions it is broadcast
     along). The forward pass runs again (the dropout replayed from ``seed`` and ``offset``);
     with enable_gqa a key/value head's gradient sums its query heads'. A fully masked query
-    row gives zero gradients.
+    row gives zero gradients. ``window``: the forward's sliding window, as there.
 
     **Device form** (pyopencl query, key, value and grad_output, as the forward's device form):
     ``clmha_attention_backward`` on the arrays' buffers; the gradients are new float32 pyopencl
@@ -126,7 +131,8 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     unless impl is "unfused" or a float mask's gradient is wanted (as the host form does).
     NumPy arrays take no ``output``/``lse`` (ValueError)."""
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                seed=seed, offset=offset, impl=impl, context=context, layout=layout)
+                seed=seed, offset=offset, impl=impl, context=context, layout=layout,
+                window=window)
     return call.backward(grad_output, output=output, lse=lse)
 
 

@@ -164,8 +164,11 @@ class MultiheadAttention(nn.MultiheadAttention):
     The constructor, the parameters and their ``state_dict()`` names, ``forward`` and its return
     values are PyTorch's (it is a subclass: ``load_state_dict(torch_mha.state_dict())`` works
     both ways). Extra keyword arguments: ``num_kv_heads`` (grouped-query attention: k_proj_weight
-    and v_proj_weight get num_kv_heads * head_dim rows) and ``context`` (a ``clmha.Context``;
-    default: ``$CLMHA_DEVICE`` or the first GPU, else the first OpenCL device).
+    and v_proj_weight get num_kv_heads * head_dim rows), ``window`` (a sliding window
+    (left, right): query i attends key j only when i - left <= j <= i + right, -1 leaving a
+    side unbounded; the keys of add_bias_kv and add_zero_attn are never windowed; the attribute
+    ``window`` may be changed later) and ``context`` (a ``clmha.Context``; default:
+    ``$CLMHA_DEVICE`` or the first GPU, else the first OpenCL device).
 
     Gradients flow to query, key, value, every parameter and a float attn_mask or
     key_padding_mask through clmha's backward pass (float32 modules). Differences from PyTorch:
@@ -187,16 +190,19 @@ class MultiheadAttention(nn.MultiheadAttention):
                  add_bias_kv: bool = False, add_zero_attn: bool = False,
                  kdim: Optional[int] = None, vdim: Optional[int] = None,
                  batch_first: bool = False, device=None, dtype=None, *,
-                 num_kv_heads: Optional[int] = None, context: Optional[Context] = None):
+                 num_kv_heads: Optional[int] = None, context: Optional[Context] = None,
+                 window: Optional[Tuple[int, int]] = None):
         """Arguments as ``torch.nn.MultiheadAttention``'s (``device`` must be None or "cpu";
         ``dtype`` float32, float64, float16 or bfloat16), plus ``num_kv_heads`` (key/value
-        heads for grouped-query attention, dividing num_heads; default num_heads) and
-        ``context`` (the ``clmha.Context`` to run on; default ``clmha.default_context()``)."""
+        heads for grouped-query attention, dividing num_heads; default num_heads), ``context``
+        (the ``clmha.Context`` to run on; default ``clmha.default_context()``) and ``window``
+        (None, or a sliding window (left, right), -1 leaving a side unbounded)."""
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device={device!r}: clmha.torch modules hold CPU tensors (clmha "
                              f"runs them on its OpenCL device: pass context=)")
         if dtype is not None and dtype not in _TORCH_DTYPES:
             raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, not {dtype}")
+        window = _sdpa.window_bounds(window)
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias,
                          add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim,
                          vdim=vdim, batch_first=batch_first, device=device, dtype=dtype)
@@ -207,6 +213,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         if self.num_kv_heads != num_heads:
             self._make_grouped(dtype)
         self.context = context
+        self.window = window
         self._clmha = None
         self._clmha_key = None
         self._clmha_versions = {}
@@ -252,15 +259,16 @@ class MultiheadAttention(nn.MultiheadAttention):
         dtype = _TORCH_DTYPES.get(self.out_proj.weight.dtype)
         if dtype is None:
             raise TypeError(f"parameters of dtype {self.out_proj.weight.dtype} are not supported")
+        window = _sdpa.window_bounds(self.window)
         key = (dtype, float(self.dropout), bool(self.batch_first), bool(self.add_zero_attn),
-               id(self.context))
+               id(self.context), window)
         if self._clmha is None or key != self._clmha_key:
             self._clmha = Layer(self.embed_dim, self.num_heads, dropout=float(self.dropout),
                                 bias=self.in_proj_bias is not None,
                                 add_bias_kv=self.bias_k is not None,
                                 add_zero_attn=self.add_zero_attn, kdim=self.kdim, vdim=self.vdim,
                                 batch_first=self.batch_first, num_kv_heads=self.num_kv_heads,
-                                dtype=dtype, context=self.context)
+                                dtype=dtype, window=window, context=self.context)
             self._clmha_key = key
             self._clmha_versions = {}
         layer = self._clmha
@@ -337,13 +345,15 @@ class MultiheadAttention(nn.MultiheadAttention):
         """A clmha module computing what ``module`` computes, with a copy of its parameters:
         an ``nn.MultiheadAttention`` gives a ``MultiheadAttention``; continuiti's
         ``MultiHeadAttention`` (query_project, ..., out_project) a ``ContinuitiAttention``;
-        the classic split-heads module (w_q, w_k, w_v, w_concat) a ``SplitHeadsAttention``."""
+        the classic split-heads module (w_q, w_k, w_v, w_concat) a ``SplitHeadsAttention``.
+        A module's ``window`` attribute (a clmha module's sliding window) comes along."""
         if isinstance(module, nn.MultiheadAttention):
             m = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
                     bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
                     add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim,
                     batch_first=module.batch_first, dtype=module.out_proj.weight.dtype,
-                    num_kv_heads=getattr(module, "num_kv_heads", None), context=context)
+                    num_kv_heads=getattr(module, "num_kv_heads", None), context=context,
+                    window=getattr(module, "window", None))
             m.load_state_dict(module.state_dict())
             return m.train(module.training)
         heads = num_heads or getattr(module, "n_heads", None) or getattr(module, "n_head", None)
@@ -485,11 +495,11 @@ class _SdpaCall:
     """One scaled_dot_product_attention call's options, handed through autograd.Function."""
 
     def __init__(self, dropout_p, is_causal, scale, enable_gqa, seed, impl, context,
-                 kv_cache=None, kv_append=None):
+                 kv_cache=None, kv_append=None, window=None):
         self.options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                             enable_gqa=enable_gqa)
         self.extra = dict(seed=seed, offset=0, impl=impl, context=context, kv_cache=kv_cache,
-                          kv_append=kv_append)
+                          kv_append=kv_append, window=window)
         self.grad_enabled = torch.is_grad_enabled()  # when the call is made, outside apply()
 
     def c_call(self, query, key, value, attn_mask) -> _sdpa.Call:
@@ -534,7 +544,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  enable_gqa: bool = False, *, impl: str = "auto",
                                  context: Optional[Context] = None,
                                  kv_cache: Optional[KVCache] = None,
-                                 kv_append: Optional[Sequence[int]] = None) -> Tensor:
+                                 kv_append: Optional[Sequence[int]] = None,
+                                 window: Optional[Tuple[int, int]] = None) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` (torch 2.5's signature and
     semantics) computed by clmha on its OpenCL device, with clmha's backward pass as its
     gradient.
@@ -548,8 +559,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     h // (H / H_kv)). Keyword-only extras: ``impl`` ("auto", "fused", "unfused": the attention
     core of the forward and of the backward, whose "auto" takes the unfused one for a float
     mask's gradient), ``context`` (a ``clmha.Context``; default ``kv_cache``'s context with a
-    cache, else ``clmha.default_context()``) and the KV-cache form's ``kv_cache`` and
-    ``kv_append``.
+    cache, else ``clmha.default_context()``), the KV-cache form's ``kv_cache`` and
+    ``kv_append``, and ``window``: None or a sliding window (left, right) (FlashAttention's
+    window_size): query i attends key j only when i - left <= j <= i + right, -1 leaving a side
+    unbounded (with a KV cache i is the sequence's cached length + the new query's row); it
+    combines with attn_mask and is_causal.
 
     KV cache (incremental decoding, as FlashAttention's ``flash_attn_with_kvcache``): with
     ``kv_cache=clmha.KVCache.for_attention(N, H_kv, D, capacity)``, key and value are the new
@@ -594,10 +608,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         raise TypeError(f"attn_mask must be a torch.Tensor or None, not "
                         f"{type(attn_mask).__name__}")
     dropout_p = _sdpa._number("dropout_p", dropout_p)
+    window = _sdpa.window_bounds(window)
     # the dropout's Philox seed, drawn from torch's generator per call (as the module's)
     seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
     call = _SdpaCall(dropout_p, bool(is_causal), scale, bool(enable_gqa), seed, impl, context,
-                     kv_cache, kv_append)
+                     kv_cache, kv_append, window)
     grad = call.grad_enabled and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask))
     if grad and kv_cache is not None:
@@ -613,7 +628,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
 def export(module: nn.Module, path, *, num_heads: Optional[int] = None) -> None:
     """Writes ``module`` (``nn.MultiheadAttention``, continuiti's or the classic module, or a
     clmha.torch module) as a clmha layer file (``.safetensors``), readable by
-    ``clmha run --layer``, ``clmha_layer_load()`` and ``clmha.Layer.load()``."""
+    ``clmha run --layer``, ``clmha_layer_load()`` and ``clmha.Layer.load()``; a clmha module's
+    ``window`` goes into the file's metadata."""
     heads = num_heads or getattr(module, "num_heads", None) or getattr(module, "n_heads", None) \
         or getattr(module, "n_head", None)
     if heads is None:
@@ -625,7 +641,7 @@ def export(module: nn.Module, path, *, num_heads: Optional[int] = None) -> None:
                                   dropout=float(getattr(module, "dropout",
                                                         getattr(module, "dropout_p", 0.0))),
                                   add_zero_attn=bool(getattr(module, "add_zero_attn", False)),
-                                  dtype=dtype)
+                                  dtype=dtype, window=getattr(module, "window", None))
     layer.save(path)
 
 

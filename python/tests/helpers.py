@@ -101,13 +101,27 @@ def safetensors_write(path, tensors, metadata=None):
         f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
 
 
+def window_keep(L, S, window):
+    """The sliding window (left, right) written as a bool (L, S) mask, True = may attend: key j
+    for query i iff i - left <= j <= i + right, -1 leaving a side unbounded (None: all True)."""
+    keep = np.ones((L, S), dtype=bool)
+    if window is not None:
+        i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+        if window[0] >= 0:
+            keep &= j >= i - window[0]
+        if window[1] >= 0:
+            keep &= j <= i + window[1]
+    return keep
+
+
 def sdpa_ref(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, keep=None,
-             dropout_p=0.0):
+             dropout_p=0.0, window=None):
     """PyTorch's scaled_dot_product_attention written out in torch ops (1.13 has none):
     softmax(q kᵀ·scale + mask) v, autograd following it (pass float64 tensors for the float64
     formula). A bool mask is True = may attend; is_causal masks key j > query i (top-left);
-    enable_gqa repeats key/value head h for H / H_kv query heads. ``keep``: the dropout's kept
-    weights (bool, (..., H, L, S)), scaled by 1/(1 - dropout_p)."""
+    enable_gqa repeats key/value head h for H / H_kv query heads; ``window`` (left, right) is
+    window_keep() as one more bool mask. ``keep``: the dropout's kept weights (bool,
+    (..., H, L, S)), scaled by 1/(1 - dropout_p)."""
     import torch
     if enable_gqa:
         r = q.size(-3) // k.size(-3)
@@ -117,6 +131,9 @@ def sdpa_ref(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fa
     if is_causal:
         causal = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
+    if window is not None:
+        inside = torch.from_numpy(window_keep(q.size(-2), k.size(-2), window))
+        scores = scores.masked_fill(~inside, float("-inf"))
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))

@@ -61,6 +61,18 @@ bool clmha__cli_parse_options(const char *cmd, int argc, char **argv,
 // [0, 2^64). Reports "clmha <cmd>: <flag> '<text>': ..." and returns false for anything else.
 bool clmha__cli_parse_u64(const char *cmd, const char *flag, const char *text, uint64_t *v);
 
+// A sliding window (--window LEFT,RIGHT): query i attends key j only when
+// i - left <= j <= i + right (-1: that side unbounded).
+typedef struct clmha__cli_window {
+    bool on;  // --window given
+    int64_t left, right;
+} clmha__cli_window;
+
+// Parses --window @p text of command @p cmd (NULL: not given, w->on false): "LEFT,RIGHT", each
+// -1 or an integer in [0, 2^63). Reports "clmha <cmd>: --window '<text>': ..." and returns
+// false for anything else.
+bool clmha__cli_parse_window(const char *cmd, const char *text, clmha__cli_window *w);
+
 // Parses --dtype @p opt of command @p cmd: f32 (also when @p opt is NULL), f64, f16 or bf16
 // (PyTorch's float32, float64, float16 and bfloat16 are taken too). Reports and returns false
 // for anything else.

@@ -122,6 +122,38 @@ bool clmha__cli_parse_u64(const char *cmd, const char *flag, const char *text, u
     return true;
 }
 
+// One bound of --window: "-1" or digits of a number below 2^63, up to @p end.
+static bool window_bound(const char *s, const char *end, int64_t *out) {
+    if (end - s == 2 && s[0] == '-' && s[1] == '1') {
+        *out = -1;
+        return true;
+    }
+    if (s == end) return false;
+    uint64_t v = 0;
+    for (const char *p = s; p < end; ++p) {
+        if (*p < '0' || *p > '9') return false;
+        unsigned d = (unsigned)(*p - '0');
+        if (v > ((uint64_t)INT64_MAX - d) / 10) return false;
+        v = v * 10 + d;
+    }
+    *out = (int64_t)v;
+    return true;
+}
+
+bool clmha__cli_parse_window(const char *cmd, const char *text, clmha__cli_window *w) {
+    *w = (clmha__cli_window){0};
+    if (!text) return true;
+    const char *comma = strchr(text, ',');
+    if (!comma || !window_bound(text, comma, &w->left) ||
+        !window_bound(comma + 1, comma + 1 + strlen(comma + 1), &w->right)) {
+        clmha__cli_report(cmd, "--window '%s': expected LEFT,RIGHT, two integers, each -1 "
+                          "(unbounded) or from 0 to 2^63-1, such as 1023,0", text);
+        return false;
+    }
+    w->on = true;
+    return true;
+}
+
 // Device spec: --device, else $CLMHA_DEVICE, else the default. Reports a failure.
 clmha_context *clmha__cli_open_context(const char *cmd, const char *device_opt) {
     const char *env = getenv("CLMHA_DEVICE");

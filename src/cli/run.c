@@ -23,7 +23,8 @@ static const char *const usage_run[] = {
     "\n"
     "Runs torch.nn.MultiheadAttention's forward pass (eval mode unless --training) with the\n"
     "layer in F.safetensors (state_dict() names; metadata num_heads, batch_first,\n"
-    "add_zero_attn, dropout) on the arrays of .npy files, and optionally its backward pass.\n"
+    "add_zero_attn, dropout, window) on the arrays of .npy files, and optionally its backward\n"
+    "pass.\n"
     "Shapes and masks are PyTorch's: query (L, N, E), or (N, L, E) when the layer file says\n"
     "batch_first, or (L, E) unbatched.\n"
     "\n"
@@ -52,6 +53,10 @@ static const char *const usage_run[] = {
     "                            bool/uint8 masks: true (non-zero) = may NOT attend;\n"
     "                            float masks are added to the scores (-inf forbids)\n"
     "  --is-causal               forbid key j > query i (top-left aligned)\n"
+    "  --window LEFT,RIGHT       sliding window: query i attends key j only when\n"
+    "                            i-LEFT <= j <= i+RIGHT (-1: that side unbounded; keys of\n"
+    "                            add_bias_kv/add_zero_attn are never windowed); overrides\n"
+    "                            the layer file's window (metadata window \"LEFT,RIGHT\")\n"
     "  --training                apply the layer's dropout (PyTorch's train()), drawn from\n"
     "                            clmha's Philox stream (not PyTorch's generator)\n"
     "  --seed S, --offset O      the dropout stream's key and offset (default 0); need\n"
@@ -113,7 +118,7 @@ static const char *const usage_run[] = {
     "                            with the first call and the later calls attend only. Either\n"
     "                            way the output is the one-shot forward's. Not with masks,\n"
     "                            weights, --heatmap, --training, gradients, --impl or\n"
-    "                            --dtype f64\n"
+    "                            --dtype f64; with a sliding window, --is-causal only\n"
     "\n"
     "precision:\n"
     "  --dtype T                 the layer's dtype (PyTorch's dtype=): f32 (default), f64,\n"
@@ -374,13 +379,14 @@ static bool grad_shape_ok(const input_file *in, const char *what, size_t ndim,
 typedef struct run_opts {
     const char *layer_path, *output_path, *weights_path, *device, *grads_dir, *heatmap;
     const char *seed_opt, *offset_opt, *chunk_opt, *dtype_opt, *prefix, *heads_opt;
-    const char *batch_first_opt, *impl_opt, *heatmap_batch_opt;
+    const char *batch_first_opt, *impl_opt, *heatmap_batch_opt, *window_opt;
     input_file in[IN_COUNT];
     bool is_causal, need_weights, per_head, training;
     clmha_impl impl;
     clmha_dtype dtype;
     bool f64;  // a float64 layer: inputs read and results written as doubles
     clmha_load_options load;
+    clmha__cli_window window;  // --window (on: replaces the layer file's)
     uint64_t chunk;          // --decode-chunk (0: one call)
     uint64_t heatmap_batch;  // --heatmap-batch
     clmha_dropout_rng rng;
@@ -419,6 +425,7 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         {.name = "--key-padding-mask", .value = &o->in[IN_KPM].path},
         {.name = "--attn-mask", .value = &o->in[IN_ATTN].path},
         {.name = "--is-causal", .flag = &o->is_causal},
+        {.name = "--window", .value = &o->window_opt},
         {.name = "--impl", .value = &o->impl_opt},
         {.name = "--need-weights", .flag = &o->need_weights},
         {.name = "--per-head-weights", .flag = &o->per_head},
@@ -436,7 +443,7 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         {.name = "--decode-chunk", .value = &o->chunk_opt},
         {.name = "--dtype", .value = &o->dtype_opt},
     };
-    char usage[8192] = "";
+    char usage[3 * 4096] = "";  // room for the three parts (each under 4095 bytes)
     for (size_t i = 0; i < sizeof usage_run / sizeof usage_run[0]; ++i)
         strncat(usage, usage_run[i], sizeof usage - strlen(usage) - 1);
     if (!clmha__cli_parse_options("run", argc, argv, opts, sizeof opts / sizeof opts[0], usage,
@@ -526,7 +533,8 @@ static bool check_options(run_opts *o) {
                                "--need-weights, --per-head-weights, --weights-output and "
                                "--heatmap",
                                &o->impl) ||
-        !clmha__cli_parse_dtype("run", o->dtype_opt, &o->dtype))
+        !clmha__cli_parse_dtype("run", o->dtype_opt, &o->dtype) ||
+        !clmha__cli_parse_window("run", o->window_opt, &o->window))
         return false;
     o->f64 = o->dtype == CLMHA_DTYPE_F64;
     if (!parse_load_options(o)) return false;
@@ -570,7 +578,57 @@ static bool read_files(run_opts *o) {
     return true;
 }
 
-// The device and the layer file on it.
+// The layer's parameters copied into @p to (a layer of the same shapes and dtype): doubles for
+// a float64 layer, else floats (a 16-bit layer's values, which @p to keeps as they are).
+// *no_memory: the failure is the host's memory (no message on the context).
+static clmha_status copy_parameters(clmha_layer *from, clmha_layer *to, bool f64,
+                                    bool *no_memory) {
+    static const char *const names[] = {"in_proj_weight", "q_proj_weight", "k_proj_weight",
+                                        "v_proj_weight",  "in_proj_bias",  "out_proj.weight",
+                                        "out_proj.bias",  "bias_k",        "bias_v"};
+    clmha_status st = CLMHA_SUCCESS;
+    for (size_t i = 0; !st && i < sizeof names / sizeof *names; ++i) {
+        size_t n = clmha_layer_parameter_count(from, names[i]);
+        if (!n) continue;
+        void *p = calloc(n, f64 ? sizeof(double) : sizeof(float));
+        if (!p) {
+            *no_memory = true;
+            return CLMHA_OUT_OF_MEMORY;
+        }
+        st = f64 ? clmha_layer_get_parameter_f64(from, names[i], p, n)
+                 : clmha_layer_get_parameter(from, names[i], p, n);
+        if (!st)
+            st = f64 ? clmha_layer_set_parameter_f64(to, names[i], p, n)
+                     : clmha_layer_set_parameter(to, names[i], p, n);
+        free(p);
+    }
+    return st;
+}
+
+// --window: the layer again with that window in place of the file's (a layer's window is part
+// of its descriptor), its parameters copied.
+static bool rewindow_layer(const run_opts *o, run_state *s) {
+    clmha_layer_desc d = s->desc;
+    d.window = true;
+    d.window_left = o->window.left;
+    d.window_right = o->window.right;
+    clmha_layer *layer = NULL;
+    bool no_memory = false;
+    clmha_status st = clmha_layer_create(&layer, s->ctx, &d);
+    if (!st) st = copy_parameters(s->layer, layer, o->f64, &no_memory);
+    if (st) {
+        clmha__cli_report("run", "--window %s: %s", o->window_opt,
+                          no_memory ? "out of host memory" : clmha_context_last_error(s->ctx));
+        clmha_layer_release(layer);
+        return false;
+    }
+    clmha_layer_release(s->layer);
+    s->layer = layer;
+    s->desc = d;
+    return true;
+}
+
+// The device and the layer file on it (with --window's window).
 static bool open_layer(const run_opts *o, run_state *s) {
     if (!(s->ctx = clmha__cli_open_context("run", o->device))) return false;
     if (clmha_layer_load_prefixed(&s->layer, s->ctx, o->layer_path, &o->load) != CLMHA_SUCCESS) {
@@ -583,6 +641,17 @@ static bool open_layer(const run_opts *o, run_state *s) {
     if (clmha_layer_get_desc(s->layer, &s->desc) != CLMHA_SUCCESS) {
         clmha__cli_report("run", "--layer %s: %s", o->layer_path,
                           clmha_context_last_error(s->ctx));
+        return false;
+    }
+    if (o->window.on && !rewindow_layer(o, s)) return false;
+    // The calls after the first one of a KV cache that holds the whole key put their queries
+    // at the cache's end, not at their rows: with a window that is not the one-shot call.
+    bool windowed = s->desc.window && (s->desc.window_left >= 0 || s->desc.window_right >= 0);
+    if (o->chunk && windowed && !o->is_causal) {
+        clmha__cli_report("run", "--decode-chunk without --is-causal does not go with a "
+                          "sliding window (%s): the later calls' queries would sit at the end "
+                          "of the cache, not at their rows",
+                          o->window.on ? "--window" : "the layer file's window");
         return false;
     }
     return true;
@@ -805,10 +874,14 @@ static void print_summary(const run_opts *o, const run_state *s) {
     const clmha_layer_desc *d = &s->desc;
     char sh[160];
     printf("device:  %s\n", clmha_context_device_name(s->ctx));
-    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s\n", d->embed_dim,
+    char window[64] = "";
+    if (d->window)
+        snprintf(window, sizeof window, ", window %lld,%lld", (long long)d->window_left,
+                 (long long)d->window_right);
+    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s\n", d->embed_dim,
            d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
            d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
-           d->batch_first ? ", batch_first" : "");
+           d->batch_first ? ", batch_first" : "", window);
     printf("query:   %s%s\n", clmha__shape_str(sh, sizeof sh, q->ndim, q->shape),
            q->ndim == 3 ? (d->batch_first ? " (N, L, E)" : " (L, N, E)") : " (L, E) unbatched");
     if (show_y) print_values("output:", (values){s->y, s->y64}, s->y_count, q->ndim, q->shape, "");

@@ -46,6 +46,9 @@ static const char *const usage_sdpa[] = {
     "                            Unbatched inputs take at most 3-D masks\n"
     "  --is-causal               mask key j > query i (top-left aligned, as SDPA); not with\n"
     "                            --attn-mask (as SDPA)\n"
+    "  --window LEFT,RIGHT       sliding window (FlashAttention's window_size): query i\n"
+    "                            attends key j only when i-LEFT <= j <= i+RIGHT (-1: that\n"
+    "                            side unbounded); combines with --attn-mask and --is-causal\n"
     "  --scale S                 the factor of the scores (default 1/sqrt(D)): a finite,\n"
     "                            non-zero number\n"
     "  --enable-gqa              grouped-query attention: H_kv may divide H (query head h\n"
@@ -135,6 +138,8 @@ typedef struct sdpa_opts {
     const char *output_path, *lse_path, *weights_path, *grads_dir, *device;
     const char *scale_opt, *layout_opt, *impl_opt, *dropout_opt, *seed_opt, *offset_opt;
     const char *kv_prefix_opt;  // --kv-cache-prefix
+    const char *window_opt;
+    clmha__cli_window window;   // --window
     bool is_causal, enable_gqa;
     uint64_t kv_prefix;         // P; 0: one call
     double scale;  // 0: 1/sqrt(D)
@@ -169,6 +174,7 @@ static bool parse_command_line(int argc, char **argv, sdpa_opts *o, int *rc) {
         {.name = "--value", .value = &o->in[IN_VALUE].path},
         {.name = "--attn-mask", .value = &o->in[IN_ATTN].path},
         {.name = "--is-causal", .flag = &o->is_causal},
+        {.name = "--window", .value = &o->window_opt},
         {.name = "--scale", .value = &o->scale_opt},
         {.name = "--enable-gqa", .flag = &o->enable_gqa},
         {.name = "--layout", .value = &o->layout_opt},
@@ -184,7 +190,7 @@ static bool parse_command_line(int argc, char **argv, sdpa_opts *o, int *rc) {
         {.name = "--kv-cache-prefix", .value = &o->kv_prefix_opt},
         {.name = "--device", .value = &o->device, .allow_empty = true},
     };
-    char usage[8192] = "";
+    char usage[3 * 4096] = "";  // room for the three parts (each under 4095 bytes)
     for (size_t i = 0; i < sizeof usage_sdpa / sizeof usage_sdpa[0]; ++i)
         strncat(usage, usage_sdpa[i], sizeof usage - strlen(usage) - 1);
     if (!clmha__cli_parse_options("sdpa", argc, argv, opts, sizeof opts / sizeof opts[0], usage,
@@ -308,7 +314,8 @@ static bool check_options(sdpa_opts *o) {
     }
     return clmha__cli_parse_impl("sdpa", o->impl_opt, o->weights_path != NULL,
                                  "--weights-output", &o->impl) &&
-           parse_numbers(o) && options_agree(o) && kv_options_agree(o);
+           clmha__cli_parse_window("sdpa", o->window_opt, &o->window) && parse_numbers(o) &&
+           options_agree(o) && kv_options_agree(o);
 }
 
 // ---- the files ---------------------------------------------------------------------------------
@@ -428,6 +435,14 @@ static bool build_args(const sdpa_opts *o, sdpa_state *s) {
     if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
         clmha__cli_report("sdpa", "%s%s: %s", in[IN_ATTN].path ? "--attn-mask " : "--is-causal",
                           in[IN_ATTN].path ? in[IN_ATTN].path : "",
+                          clmha_context_last_error(s->ctx));
+        return false;
+    }
+    a->window = o->window.on;
+    a->window_left = o->window.left;
+    a->window_right = o->window.right;
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "--window %s: %s", o->window_opt,
                           clmha_context_last_error(s->ctx));
         return false;
     }

@@ -169,8 +169,8 @@ CLMHA__HIDDEN clmha_status clmha__safetensors_layer(const clmha__st_file *file,
                                                     size_t msg_size);
 
 // Derives the layer of a parsed file (embed_dim from out_proj.weight, kdim/vdim, bias and
-// add_bias_kv from the tensors present, num_heads, batch_first, add_zero_attn and dropout from
-// the metadata) and checks that every tensor is a parameter of that layer with its PyTorch
+// add_bias_kv from the tensors present, num_heads, batch_first, add_zero_attn, dropout and the
+// sliding window ("window": "LEFT,RIGHT") from the metadata) and checks that every tensor is a parameter of that layer with its PyTorch
 // shape. On success every tensor of @p file can be given to clmha_layer_set_parameter() of a
 // layer created from @p desc. Options: num_heads (0: the metadata's; else the metadata's, if
 // any, must agree) and batch_first (CLMHA_BATCH_FIRST_AUTO: the metadata's, else

@@ -300,6 +300,10 @@ static bool save_header(const clmha_layer_desc *d, const save_entry *list, size_
     // num_kv_heads only for grouped-query attention: other files stay as they were.
     if (ok && d->num_kv_heads != d->num_heads)
         ok = append(header, size, used, ",\"num_kv_heads\":\"%zu\"", d->num_kv_heads);
+    // window only for a layer with a sliding window, likewise.
+    if (ok && d->window)
+        ok = append(header, size, used, ",\"window\":\"%lld,%lld\"", (long long)d->window_left,
+                    (long long)d->window_right);
     ok = ok && append(header, size, used, "}");
     for (size_t i = 0; i < n && ok; ++i) {
         const save_entry *s = &list[i];

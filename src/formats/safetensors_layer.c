@@ -392,6 +392,38 @@ static clmha_status read_dropout(const desc_read *r, float *out) {
     return CLMHA_SUCCESS;
 }
 
+// One bound of __metadata__ window: "-1" (unbounded) or a decimal integer from 0 to
+// INT64_MAX, digits only; @p len characters of @p s.
+static bool parse_bound(const char *s, size_t len, int64_t *out) {
+    if (len == 2 && s[0] == '-' && s[1] == '1') {
+        *out = -1;
+        return true;
+    }
+    size_t v = 0;
+    if (clmha__st_digits(s, len, &v) != 0 || (uint64_t)v > (uint64_t)INT64_MAX) return false;
+    *out = (int64_t)v;
+    return true;
+}
+
+// __metadata__ window "LEFT,RIGHT" (absent: no window): the sliding window's bounds
+// (clmha_layer_desc::window_left, window_right), each "-1" or an integer >= 0.
+static clmha_status read_window(const desc_read *r, bool *window, int64_t *left,
+                                int64_t *right) {
+    const char *w = clmha__safetensors_meta(r->f, "window");
+    *window = false;
+    *left = *right = 0;
+    if (!w) return CLMHA_SUCCESS;
+    const char *comma = strchr(w, ',');
+    if (!comma || !parse_bound(w, (size_t)(comma - w), left) ||
+        !parse_bound(comma + 1, strlen(comma + 1), right))
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: __metadata__ window is \"%.*s\", expected \"LEFT,RIGHT\": two "
+                          "integers, each -1 (unbounded) or from 0 to 2^63-1, such as \"1023,0\"",
+                          r->name, CLMHA__ST_QUOTE_MAX, w);
+    *window = true;
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *name,
                                           size_t num_heads, clmha_batch_first batch_first_opt,
                                           bool default_batch_first, clmha_layer_desc *desc,
@@ -413,6 +445,9 @@ clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *n
     if ((st = meta_bool(f, "add_zero_attn", &add_zero_attn, name, msg, msg_size))) return st;
     float dropout;
     if ((st = read_dropout(&r, &dropout))) return st;
+    bool window;
+    int64_t win_left, win_right;
+    if ((st = read_window(&r, &window, &win_left, &win_right))) return st;
 
     clmha_layer_desc d = {.struct_size = sizeof d,
                           .embed_dim = r.e,
@@ -424,7 +459,10 @@ clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *n
                           .add_bias_kv = r.bk != NULL,
                           .add_zero_attn = add_zero_attn,
                           .batch_first = batch_first,
-                          .dropout = dropout};
+                          .dropout = dropout,
+                          .window = window,
+                          .window_left = win_left,
+                          .window_right = win_right};
     clmha_layer_desc checked;
     char why[512];
     if ((st = clmha__desc_check(&d, &checked, why, sizeof why)))

@@ -131,6 +131,9 @@ static void expect_same_desc(const clmha_layer_desc *a, const clmha_layer_desc *
     cr_expect_eq(float_bits(a->dropout), float_bits(b->dropout), "%s: dropout %.9g vs %.9g",
                  what, (double)a->dropout, (double)b->dropout);
     cr_expect_eq(a->num_kv_heads, b->num_kv_heads, "%s: num_kv_heads", what);
+    cr_expect_eq(a->window, b->window, "%s: window", what);
+    cr_expect_eq(a->window_left, b->window_left, "%s: window_left", what);
+    cr_expect_eq(a->window_right, b->window_right, "%s: window_right", what);
 }
 
 typedef struct rt_case {
@@ -161,6 +164,20 @@ static const rt_case rt_cases[] = {
              .add_bias_kv = true}},
     {"mqa_kdim_vdim", {DESC_SIZE, .embed_dim = 12, .num_heads = 3, .num_kv_heads = 1, .kdim = 5,
                        .vdim = 7, .bias = true, .batch_first = true}},
+    // Sliding windows: __metadata__ window "LEFT,RIGHT" (-1: unbounded); both unbounded is a
+    // window all the same (the flag round-trips).
+    {"window_causal_1023",
+     {DESC_SIZE, .embed_dim = 8, .num_heads = 2, .bias = true, .window = true,
+      .window_left = 1023, .window_right = 0}},
+    {"window_left_unbounded",
+     {DESC_SIZE, .embed_dim = 8, .num_heads = 4, .num_kv_heads = 2, .add_bias_kv = true,
+      .window = true, .window_left = -1, .window_right = 2}},
+    {"window_unbounded",
+     {DESC_SIZE, .embed_dim = 4, .num_heads = 1, .window = true, .window_left = -1,
+      .window_right = -1}},
+    {"window_int64_max",
+     {DESC_SIZE, .embed_dim = 4, .num_heads = 2, .window = true, .window_left = INT64_MAX,
+      .window_right = INT64_MAX}},
 #undef DESC_SIZE
 };
 
@@ -242,8 +259,44 @@ Test(safetensors, saved_header) {
         cr_expect(strstr(h, want[i]) != NULL, "header lacks %s: %s", want[i], h);
     cr_expect(strstr(h, "in_proj_weight") == NULL, "kdim != E must not write in_proj_weight");
     cr_expect(strstr(h, "bias_k") == NULL);
+    cr_expect(strstr(h, "window") == NULL, "a layer without a window writes no window: %s", h);
     free(h);
     clmha_layer_release(a);
+    env_close(&e);
+}
+
+// A windowed layer's file says so in __metadata__ window, "LEFT,RIGHT", -1 for a side left
+// unbounded.
+Test(safetensors, saved_window) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "w.safetensors", path, sizeof path);
+    static const struct {
+        int64_t left, right;
+        const char *want;
+    } windows[] = {{1023, 0, "\"window\":\"1023,0\""},
+                   {-1, 3, "\"window\":\"-1,3\""},
+                   {0, -1, "\"window\":\"0,-1\""}};
+    for (size_t i = 0; i < sizeof windows / sizeof *windows; ++i) {
+        clmha_layer *a = NULL;
+        clmha_layer_desc d = {.struct_size = sizeof d, .embed_dim = 4, .num_heads = 2,
+                              .window = true, .window_left = windows[i].left,
+                              .window_right = windows[i].right};
+        cr_assert_eq(clmha_layer_create(&a, e.ctx, &d), CLMHA_SUCCESS);
+        cr_assert_eq(clmha_layer_save(a, path), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(e.ctx));
+        size_t size = 0;
+        char *bytes = read_file(path, &size);
+        cr_assert(bytes && size > 8);
+        size_t n = (size_t)(unsigned char)bytes[0] | (size_t)(unsigned char)bytes[1] << 8;
+        cr_assert_leq(8 + n, size);
+        bytes[8 + n - 1] = '\0';  // the header as a string (its last byte is '}' or padding)
+        cr_expect(strstr(bytes + 8, windows[i].want) != NULL, "header lacks %s: %s",
+                  windows[i].want, bytes + 8);
+        free(bytes);
+        clmha_layer_release(a);
+    }
     env_close(&e);
 }
 
@@ -493,6 +546,50 @@ Test(safetensors, f64_values) {
     }
     cr_expect(isnan(o[15]));
     clmha_layer_release(l);
+    env_close(&e);
+}
+
+// __metadata__ window "LEFT,RIGHT" into the descriptor: bounds -1 (unbounded), 0 and large;
+// a file without it has no window.
+Test(safetensors, window_metadata) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "win.safetensors", path, sizeof path);
+    static const struct {
+        const char *meta;  // the window's text, NULL: no window key
+        int64_t left, right;
+    } cases[] = {{NULL, 0, 0},
+                 {"1023,0", 1023, 0},
+                 {"-1,0", -1, 0},
+                 {"3,-1", 3, -1},
+                 {"-1,-1", -1, -1},
+                 {"0,0", 0, 0},
+                 {"9223372036854775807,7", INT64_MAX, 7}};
+    unsigned char data[256] = {0};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
+        char header[512];
+        snprintf(header, sizeof header,
+                 "{\"__metadata__\":{\"num_heads\":\"2\"%s%s%s},"
+                 "\"in_proj_weight\":{\"dtype\":\"F32\",\"shape\":[12,4],"
+                 "\"data_offsets\":[0,192]},"
+                 "\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],"
+                 "\"data_offsets\":[192,256]}}",
+                 cases[i].meta ? ",\"window\":\"" : "", cases[i].meta ? cases[i].meta : "",
+                 cases[i].meta ? "\"" : "");
+        write_st(path, header, (8 - strlen(header) % 8) % 8, data, sizeof data);
+        clmha_layer *l = NULL;
+        load_ok(&e, path, &l);
+        clmha_layer_desc d = {.struct_size = sizeof d};
+        cr_assert_eq(clmha_layer_get_desc(l, &d), CLMHA_SUCCESS);
+        const char *what = cases[i].meta ? cases[i].meta : "(none)";
+        cr_expect_eq(d.window, cases[i].meta != NULL, "%s: window %d", what, (int)d.window);
+        cr_expect_eq(d.window_left, cases[i].left, "%s: window_left %lld", what,
+                     (long long)d.window_left);
+        cr_expect_eq(d.window_right, cases[i].right, "%s: window_right %lld", what,
+                     (long long)d.window_right);
+        clmha_layer_release(l);
+    }
     env_close(&e);
 }
 
@@ -962,6 +1059,28 @@ static const bad_case bad_cases[] = {
      "dropout is \"1.0000000000000000001\", expected a decimal number in [0, 1)"},
     {"dropout 0.1e1", HEADER, BASE(META("\"num_heads\":\"2\",\"dropout\":\"0.1e1\"")), 0,
      CLMHA_INVALID_FILE, "dropout is \"0.1e1\", expected a decimal number in [0, 1)"},
+    // window: "LEFT,RIGHT", each -1 or an integer from 0 to 2^63-1
+#define WINDOW(text) BASE(META("\"num_heads\":\"2\",\"window\":\"" text "\""))
+#define WINDOW_BAD(text) "__metadata__ window is \"" text "\", expected \"LEFT,RIGHT\""
+    {"window abc", HEADER, WINDOW("abc"), 0, CLMHA_INVALID_FILE, WINDOW_BAD("abc")},
+    {"window -2,0", HEADER, WINDOW("-2,0"), 0, CLMHA_INVALID_FILE, WINDOW_BAD("-2,0")},
+    {"window 0,-2", HEADER, WINDOW("0,-2"), 0, CLMHA_INVALID_FILE, WINDOW_BAD("0,-2")},
+    {"window one number", HEADER, WINDOW("5"), 0, CLMHA_INVALID_FILE, WINDOW_BAD("5")},
+    {"window three numbers", HEADER, WINDOW("1,2,3"), 0, CLMHA_INVALID_FILE,
+     WINDOW_BAD("1,2,3")},
+    {"window empty", HEADER, WINDOW(""), 0, CLMHA_INVALID_FILE, WINDOW_BAD("")},
+    {"window no left", HEADER, WINDOW(",3"), 0, CLMHA_INVALID_FILE, WINDOW_BAD(",3")},
+    {"window no right", HEADER, WINDOW("3,"), 0, CLMHA_INVALID_FILE, WINDOW_BAD("3,")},
+    {"window spaces", HEADER, WINDOW("1, 0"), 0, CLMHA_INVALID_FILE, WINDOW_BAD("1, 0")},
+    {"window +1", HEADER, WINDOW("+1,0"), 0, CLMHA_INVALID_FILE, WINDOW_BAD("+1,0")},
+    {"window -0", HEADER, WINDOW("-0,0"), 0, CLMHA_INVALID_FILE, WINDOW_BAD("-0,0")},
+    {"window 1.5", HEADER, WINDOW("1.5,0"), 0, CLMHA_INVALID_FILE, WINDOW_BAD("1.5,0")},
+    {"window 2^63", HEADER, WINDOW("9223372036854775808,0"), 0, CLMHA_INVALID_FILE,
+     WINDOW_BAD("9223372036854775808,0")},
+    {"window 2^64", HEADER, WINDOW("0,18446744073709551616"), 0, CLMHA_INVALID_FILE,
+     WINDOW_BAD("0,18446744073709551616")},
+#undef WINDOW
+#undef WINDOW_BAD
     // the file system
     {"nonexistent path", NO_FILE, NULL, 0, CLMHA_IO_ERROR, "cannot open"},
     {"a folder", DIRECTORY, NULL, 0, CLMHA_IO_ERROR, "directory"},

@@ -155,6 +155,31 @@ static bool key_double(loader *ld, const char *key, double *out) {
     return true;
 }
 
+// Optional: window <left> <right>, each -1 or an integer >= 0 below 2^63.
+static bool parse_window(loader *ld) {
+    golden_case *gc = ld->gc;
+    if (!next_is(&ld->lx, "window")) return true;
+    if (!expect_word(ld, "window")) return false;
+    int64_t *bound[2] = {&gc->window_left, &gc->window_right};
+    for (int i = 0; i < 2; i++) {
+        char *t;
+        if (!expect_token(ld, "window", &t)) return false;
+        size_t v = 0;
+        if (strcmp(t, "-1") == 0) {
+            *bound[i] = -1;
+            continue;
+        }
+        if (!parse_size(ld, "window", t, &v)) return false;
+        if ((uint64_t)v > (uint64_t)INT64_MAX) {
+            fail(ld, "window: %.40s is above 2^63 - 1", t);
+            return false;
+        }
+        *bound[i] = (int64_t)v;
+    }
+    gc->window = true;
+    return true;
+}
+
 static bool key_kind(loader *ld, const char *key, golden_mask_kind *out) {
     char *t;
     if (!expect_word(ld, key) || !expect_token(ld, key, &t)) return false;
@@ -363,6 +388,8 @@ static bool parse_layer_call(loader *ld) {
             return false;
         }
     }
+    // Optional: window <left> <right> (a sliding window), last.
+    if (!parse_window(ld)) return false;
 
     if (!expect_word(ld, "call") || !key_bool(ld, "need_weights", &gc->need_weights) ||
         !key_bool(ld, "per_head_weights", &gc->per_head_weights) ||
@@ -387,7 +414,8 @@ static bool parse_sdpa_line(loader *ld) {
     }
     gc->sdpa_nlhd = t[1] == 'l';
     if (!key_bool(ld, "is_causal", &gc->is_causal) || !key_double(ld, "scale", &gc->scale) ||
-        !key_bool(ld, "enable_gqa", &gc->enable_gqa) || !key_kind(ld, "attn", &gc->attn))
+        !key_bool(ld, "enable_gqa", &gc->enable_gqa) || !key_kind(ld, "attn", &gc->attn) ||
+        !parse_window(ld))
         return false;
     if (!(isfinite(gc->scale) && gc->scale >= 0.0)) {
         fail(ld, "scale %g is not a finite number >= 0", gc->scale);

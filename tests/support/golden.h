@@ -5,7 +5,7 @@
 //   case <name>
 //   layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
 //         add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>]
-//         [dtype <f16|bf16|f64>]
+//         [dtype <f16|bf16|f64>] [window <left> <right>]
 //   call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training <0|1>
 //        kpm <kind> attn <kind> attn_per_batch <0|1>
 //   tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -28,6 +28,10 @@
 // for the error (see tools/make_golden.py for how it is made). The loader checks that these
 // are present, f32 and of the expected values' shapes.
 //
+// The optional window (last on the layer line, or on the sdpa line below; absent: no window) is a
+// sliding window, clmha_layer_desc::window / clmha_attention_args::window: query i attends key j
+// only when i - left <= j <= i + right, each bound -1 (unbounded) or an integer >= 0.
+//
 // dtype f64 marks a float64 layer case (tests/golden/f64_cases.inc), forward only too: its
 // parameters, query/key/value and float masks are f64 tensors (doubles that float32 cannot
 // hold, kept as doubles in golden_tensor.f64), output/weights PyTorch's float64 results. The
@@ -37,6 +41,7 @@
 // clmha_attention_forward/_backward) has one `sdpa` line in place of the layer and call lines:
 //
 //   sdpa layout <nhld|nlhd> is_causal <0|1> scale <s> enable_gqa <0|1> attn <kind>
+//        [window <left> <right>]
 //
 // (scale 0: 1/sqrt(D); attn none, bool_attend or float), and the tensors query, key, value
 // (f32, in the layout; 3-D when unbatched), attn_mask (u8 or f32 by kind, its own shape),
@@ -98,6 +103,9 @@ typedef struct golden_case {
     double dropout;
     size_t num_kv_heads;  // 0 when the layer line has no num_kv_heads (num_heads)
     int dtype;            // a golden_layer_dtype; GOLDEN_LAYER_F32 (0) when the line has none
+    // The sliding window (layer or sdpa line): window false when the line has none.
+    bool window;
+    int64_t window_left, window_right;
     // call
     bool need_weights, per_head_weights, is_causal, training;
     golden_mask_kind kpm, attn;

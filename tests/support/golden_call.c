@@ -101,6 +101,9 @@ void golden_call_of(const golden_case *gc, golden_call *call) {
     desc->dropout = (float)gc->dropout;
     desc->num_kv_heads = gc->num_kv_heads;  // 0 (num_heads) unless a GQA case
     desc->dtype = layer_dtype(gc->dtype);
+    desc->window = gc->window;  // the layer line's sliding window, if any
+    desc->window_left = gc->window_left;
+    desc->window_right = gc->window_right;
 
     clmha_forward_args *args = &call->args;
     args->struct_size = sizeof *args;
