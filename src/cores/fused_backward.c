@@ -467,6 +467,33 @@ static void window_keys(const clmha__mask_args *m, size_t s, size_t r0, size_t n
         *c1 = last + (size_t)m->win_right + 1;
 }
 
+// Rows per block of a call with a window whose planes do not fit a block buffer whole, and in
+// *cols the keys a block covers at most: a block of r rows sees at most r + span real keys
+// (span: window_left + window_right, window_right 0 with is_causal) and the appended ones, so
+// it takes about span / 4 rows (a power of two, at least @p rows, what a call without a window
+// takes: one key row of the plane per row, cap / S'), as many as fit @p cap floats. Measured on
+// PoCL with oneDNN (2 cores, N 1, H 8, L = S = 16384, D 64, window (1023, 0) and is_causal,
+// two interleaved runs) the backward took 2.2 / 1.7 s in blocks of 64 rows (cap / S'), 1.6 /
+// 1.2 s in 128, 1.1 / 1.0 s in 256 and 1.2 / 1.25 s in 512: larger GEMMs, fewer calls, but
+// every row of a block computed against all of its keys.
+static size_t window_block_rows(const clmha__mask_args *m, const clmha__dims *d, size_t cap,
+                                size_t rows, size_t *cols) {
+    size_t sp = d->s_padded, appended = sp - d->s;
+    *cols = sp;
+    if (m->win_left < 0 || (m->win_right < 0 && !m->causal)) return rows;  // a side unbounded
+    size_t span = (size_t)m->win_left + (m->causal ? 0 : (size_t)m->win_right);
+    size_t r = 1;
+    while (r * 2 <= span / 4 && r * 2 <= d->l) r *= 2;
+    for (; r > rows; r /= 2) {
+        size_t c = r + span + appended < sp ? r + span + appended : sp;
+        if (r * c <= cap) {
+            *cols = c;
+            return r;
+        }
+    }
+    return rows;
+}
+
 // The products in GEMMs, block by block: the query rows are cut into blocks (several whole
 // planes, or rows of one plane, per block: block_floats()), and each block runs
 // block_products() over the keys its rows may see. The row blocks of a plane run from the last
@@ -474,10 +501,10 @@ static void window_keys(const clmha__mask_args *m, size_t s, size_t r0, size_t n
 // with is_causal (and no appended keys) the others leave out the keys past their last row,
 // masked for all their rows. With a window (clmha__masks_of(): a bound that masks something)
 // dq, dk and dv are zeroed first and every block adds (beta 1) its products over the real keys
-// its rows may see (window_keys()) and, separately, over the appended keys: the work grows
-// linearly in L for a fixed window. Drow is computed first, as for the kernels. Each gradient
-// element is a sum in a fixed order (the GEMMs' and the blocks'): the same on every run with
-// the same BLAS.
+// its rows may see (window_keys()) and, separately, over the appended keys, in blocks of
+// window_block_rows(): the work grows linearly in L for a fixed window. Drow is computed first,
+// as for the kernels. Each gradient element is a sum in a fixed order (the GEMMs' and the
+// blocks'): the same on every run with the same BLAS.
 static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
                               clmha__fused_backward *fb) {
     clmha_context *ctx = l->ctx;
@@ -485,17 +512,18 @@ static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
     size_t planes = d->n * l->h, tl = d->l, sp = d->s_padded, hd = l->d;
     size_t cap = block_floats(ctx);
     size_t per_plane = tl * sp;
-    size_t rows = per_plane <= cap ? tl : (cap / sp ? cap / sp : 1);
+    size_t rows = per_plane <= cap ? tl : (cap / sp ? cap / sp : 1), cols = sp;
     size_t pp = per_plane <= cap ? cap / per_plane : 1;
     if (pp > planes) pp = planes;
-    clmha_status st;
-    if ((st = clmha__layer_grow_core_scratch(l, &fb->block_s, &fb->block_s_cap, pp * rows * sp,
-                                             "fused backward score block")) ||
-        (st = clmha__layer_grow_core_scratch(l, &fb->block_g, &fb->block_g_cap, pp * rows * sp,
-                                             "fused backward dO.v block")))
-        return st;
     clmha__mask_args m = clmha__masks_of(l, call->args, d);
     bool windowed = m.win_left >= 0 || m.win_right >= 0;
+    if (windowed && per_plane > cap) rows = window_block_rows(&m, d, cap, rows, &cols);
+    clmha_status st;
+    if ((st = clmha__layer_grow_core_scratch(l, &fb->block_s, &fb->block_s_cap, pp * rows * cols,
+                                             "fused backward score block")) ||
+        (st = clmha__layer_grow_core_scratch(l, &fb->block_g, &fb->block_g_cap, pp * rows * cols,
+                                             "fused backward dO.v block")))
+        return st;
     bool trim = m.causal && d->s == sp;
     size_t blocks = (tl + rows - 1) / rows;
     if (windowed && ((st = zero_floats(l, call->dq, planes * tl * hd)) ||

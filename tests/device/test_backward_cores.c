@@ -614,7 +614,7 @@ Test(backward_cores, fused_window) {
     run_case(&b, BOTH);
     bcase c = {.name = "gemms: window (0, 0) L=37 S=83 +zero, one row a block", .n = 1, .h = 2,
                .d = 16, .l = 37, .s = 83, .zero_attn = true, .window = true, .wl = 0, .wr = 0};
-    clmha__test_set_fused_backward_block(1);
+    clmha__test_set_fused_backward_block(84);  // S' floats: one row a block
     run_case(&c, BOTH);
     bcase d = {.name = "gemms: window (-1, 3) dropout attn float, 3 planes a block", .n = 2,
                .h = 2, .d = 16, .l = 37, .s = 45, .dropout = 0.3f, .attn_kind = CLMHA_MASK_FLOAT,
@@ -625,6 +625,18 @@ Test(backward_cores, fused_window) {
                .n = 1, .h = 2, .d = 8, .l = 100, .s = 20, .window = true, .wl = 2, .wr = 2};
     clmha__test_set_fused_backward_block(16 * 20);
     run_case(&e, BOTH);
+    // Blocks sized by the window (about span / 4 rows, a power of two, over at most rows + span
+    // keys) rather than by S': 16 rows where S' takes 10 (9).
+    bcase g = {.name = "gemms: window (100, 0) causal L=S=200, blocks of 16 rows by the window",
+               .n = 1, .h = 2, .d = 8, .l = 200, .s = 200, .causal = true, .window = true,
+               .wl = 100, .wr = 0};
+    clmha__test_set_fused_backward_block(10 * 200);
+    run_case(&g, BOTH);
+    bcase h = {.name = "gemms: window (40, 24) L=S=150 +zero, blocks of 16 rows by the window",
+               .n = 2, .h = 2, .d = 16, .l = 150, .s = 150, .zero_attn = true, .window = true,
+               .wl = 40, .wr = 24};
+    clmha__test_set_fused_backward_block(9 * 151);
+    run_case(&h, BOTH);
     clmha__test_set_fused_backward_block(0);
     setenv("CLMHA_FUSED_BACKWARD", "kernels", 1);
     a.name = "kernels: window (17, 0) causal L=S=200";
