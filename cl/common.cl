@@ -67,6 +67,73 @@ inline bool in_window(long win_left, long win_right, long p, long j) {
 // Whether a kernel's MASK_PARAMS have a window.
 #define WINDOWED (win_left >= 0 || win_right >= 0)
 
+// Whether the window lets every query at positions [p_first, p_last] see every key in
+// [j_first, j_last] (true without a window): the "plain tile" test of the fused kernels.
+inline bool in_window_all(long win_left, long win_right, ulong p_first, ulong p_last,
+                          ulong j_first, ulong j_last) {
+    return in_window(win_left, win_right, (long)p_last, (long)j_first) &&
+           in_window(win_left, win_right, (long)p_first, (long)j_last);
+}
+
+// ---- The tiles a block of rows visits: is_causal and the window as loop bounds -----------------
+//
+// The fused kernels walk the keys in tiles of `tile` (aligned at 0) for a block of query rows,
+// or the query rows in tiles for a block of keys (the backward's dK/dV), and skip the tiles
+// whose real keys (j < src_len) is_causal and the window forbid for the whole block, computing
+// the bounds instead of testing each tile, so that for a fixed window the work grows linearly in
+// the length. A tile that holds an appended key (j >= src_len: add_bias_kv, add_zero_attn,
+// never masked) is always visited. (The host passes a window bound that allows every key as -1:
+// clmha__masks_of(), so p + bound does not overflow here.)
+
+// The key tiles that query rows at positions [first, last] visit, as a loop:
+//   for (ulong j0 = kt.begin; j0 < src_len_padded; j0 = key_tile_next(kt, j0, tile))
+// [begin, end) are the tiles of the real keys some row may see (is_causal: j <= last; the
+// window: first - win_left <= j <= last + win_right), then the loop jumps to `tail` and walks to
+// the end: without a window `tail` is the first tile not all of real keys (the tiles is_causal
+// alone skipped are exactly the bounds it always had), with one the first holding an appended
+// key.
+typedef struct key_tiles {
+    ulong begin, end, tail;
+} key_tiles;
+
+inline key_tiles key_tiles_of(ulong first, ulong last, ulong src_len, ulong src_len_padded,
+                              uint causal, long win_left, long win_right, ulong tile) {
+    bool windowed = win_left >= 0 || win_right >= 0;
+    ulong lo = win_left >= 0 && first > (ulong)win_left ? first - (ulong)win_left : 0;
+    ulong hi = src_len;  // one past the last real key seen
+    if (causal) hi = min(hi, last + 1);
+    if (win_right >= 0) hi = min(hi, last + (ulong)win_right + 1);
+    key_tiles kt;
+    kt.tail = windowed && src_len_padded == src_len ? src_len_padded : src_len / tile * tile;
+    kt.end = min((hi + tile - 1) / tile * tile, (src_len + tile - 1) / tile * tile);
+    kt.begin = lo < hi ? lo / tile * tile : kt.tail;
+    return kt;
+}
+
+// The tile after j0 in the loop of key_tiles_of().
+inline ulong key_tile_next(key_tiles kt, ulong j0, ulong tile) {
+    ulong next = j0 + tile;
+    return next == kt.end && kt.end < kt.tail ? kt.tail : next;
+}
+
+// The query tiles [*begin, *end) (tiles of `tile` rows aligned at 0, end at most tgt_len) that
+// visit keys [first, last] of one plane: every tile when the block holds an appended key (last
+// >= src_len), else from the first row that may see a key of the block (is_causal: i >= first;
+// the window: i >= first - win_right) to the last (the window: i <= last + win_left). Without a
+// window these are the bounds is_causal always had.
+inline void query_tiles_of(ulong first, ulong last, ulong tgt_len, ulong src_len, uint causal,
+                           long win_left, long win_right, ulong tile, ulong *begin,
+                           ulong *end) {
+    ulong lo = 0, hi = tgt_len;  // rows [lo, hi)
+    if (last < src_len) {
+        if (causal) lo = first;
+        if (win_right >= 0 && first > (ulong)win_right) lo = max(lo, first - (ulong)win_right);
+        if (win_left >= 0) hi = min(hi, last + (ulong)win_left + 1);
+    }
+    *begin = lo / tile * tile;
+    *end = hi;
+}
+
 // The additive value of mask `kind` at element idx of `mask`.
 inline REAL mask_value(global const uchar *mask, uint kind, ulong idx) {
     if (kind == MASK_FLOAT) return ((global const REAL *)mask)[idx];

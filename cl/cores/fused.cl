@@ -180,9 +180,10 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     // Grouped-query attention: kv_group query heads share a key/value plane, bh / kv_group.
     global const REAL *kb = k + bh / kv_group * srcp * HD;
     global const REAL *vb = v + bh / kv_group * srcp * HD;
-    for (ulong j0 = 0; j0 < srcp; j0 += BK) {
-        // With is_causal, a tile of masked keys only (all j > last, none appended) is skipped.
-        if (causal && j0 > last && j0 + BK <= src_len) continue;
+    // The key tiles some row may see: is_causal and the window skip the others (cl/common.cl,
+    // key_tiles_of).
+    key_tiles span = key_tiles_of(first, last, src_len, srcp, causal, win_left, win_right, BK);
+    for (ulong j0 = span.begin; j0 < srcp; j0 = key_tile_next(span, j0, BK)) {
         for (uint jb = 0; jb < BK; jb += JB) {
             global const REAL *kr[JB];  // past the last key: the last key's row (masked below)
             UNROLL
@@ -209,9 +210,10 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
                 for (uint rv = 0; rv < RV; ++rv) STOREV(a[jj][rv], (jb + jj) * RP + rv * VW, st);
         }
         // Masks: only where the tile needs any (inside the real keys, no masks, below the
-        // causal diagonal of the first row needs none).
+        // causal diagonal of the first row and inside every row's window needs none).
         bool plain = !attn_kind && !kpm_kind && j0 + BK <= srcp &&
-                     (!causal || j0 + BK <= first + 1);
+                     (!causal || j0 + BK <= first + 1) &&
+                     in_window_all(win_left, win_right, first, last, j0, j0 + BK - 1);
         if (!plain) {
             for (uint r = 0; r < RP; ++r) {
                 ulong i = min(first + r, last);
@@ -224,7 +226,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
                     } else if (j < src_len) {
                         x += mask_value(attn_mask, attn_kind, ar + j);
                         x += mask_value(kpm, kpm_kind, kpm_row + j);
-                        if (causal && j > i) x = -INFINITY;
+                        if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j))
+                            x = -INFINITY;
                     }
                     st[jj * RP + r] = x;
                 }
@@ -374,103 +377,106 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
 
     global const REAL *kb = k + bh / kv_group * src_len_padded * HD;
     global const REAL *vb = v + bh / kv_group * src_len_padded * HD;
-    for (ulong j0 = 0; j0 < src_len_padded; j0 += BK) {
-        // With is_causal, a tile of masked keys only (all j > last, none appended) is skipped.
-        // The condition is the same for the whole group, so the barriers stay uniform.
-        bool skip = causal && j0 > last && j0 + BK <= src_len;
-        if (!skip) {
-            barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
-            for (uint t = lid; t < BK * HD; t += BQ) {
-                uint jj = t / HD, d = t % HD;
-                ulong j = j0 + jj;
-                bool in = j < src_len_padded;
-                kt[d * KS + jj] = in ? kb[j * HD + d] : 0.0f;
-                vt[jj * HD + d] = in ? vb[j * HD + d] : 0.0f;
-            }
-            barrier(CLK_LOCAL_MEM_FENCE);
+    // The key tiles some row of the group may see: is_causal and the window skip the others
+    // (cl/common.cl, key_tiles_of). The bounds are the same for the whole group, so the barriers
+    // stay uniform.
+    key_tiles span = key_tiles_of(first, last, src_len, src_len_padded, causal, win_left,
+                                win_right, BK);
+    for (ulong j0 = span.begin; j0 < src_len_padded; j0 = key_tile_next(span, j0, BK)) {
+        barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
+        for (uint t = lid; t < BK * HD; t += BQ) {
+            uint jj = t / HD, d = t % HD;
+            ulong j = j0 + jj;
+            bool in = j < src_len_padded;
+            kt[d * KS + jj] = in ? kb[j * HD + d] : 0.0f;
+            vt[jj * HD + d] = in ? vb[j * HD + d] : 0.0f;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
 
-            REAL s[RPW][BK];  // the tile's scores, then its probabilities
+        REAL s[RPW][BK];  // the tile's scores, then its probabilities
 #if Q_LOCAL
-            // Dimension by dimension: each query float is read from local memory once per tile,
-            // and the BK scores of a row accumulate in registers.
-            for (uint r = 0; r < RPW; ++r)
-                for (uint jj = 0; jj < BK; ++jj) s[r][jj] = 0.0f;
-            for (uint d = 0; d < HD; ++d) {
-                REAL qd[RPW];
-                for (uint r = 0; r < RPW; ++r) qd[r] = QROW(r)[d];
-                for (uint c = 0; c < BK; c += VW) {
-                    VT kv = LOADV(c, kt + d * KS);
-                    for (uint r = 0; r < RPW; ++r)
-                        STOREV(fma((VT)(qd[r]), kv, LOADV(c, s[r])), c, s[r]);
-                }
+        // Dimension by dimension: each query float is read from local memory once per tile,
+        // and the BK scores of a row accumulate in registers.
+        for (uint r = 0; r < RPW; ++r)
+            for (uint jj = 0; jj < BK; ++jj) s[r][jj] = 0.0f;
+        for (uint d = 0; d < HD; ++d) {
+            REAL qd[RPW];
+            for (uint r = 0; r < RPW; ++r) qd[r] = QROW(r)[d];
+            for (uint c = 0; c < BK; c += VW) {
+                VT kv = LOADV(c, kt + d * KS);
+                for (uint r = 0; r < RPW; ++r)
+                    STOREV(fma((VT)(qd[r]), kv, LOADV(c, s[r])), c, s[r]);
             }
+        }
 #else
-            for (uint c = 0; c < BK; c += VW) {  // VW keys at a time
-                VT acc_s[RPW];
-                for (uint r = 0; r < RPW; ++r) acc_s[r] = (VT)(0.0f);
-                for (uint d = 0; d < HD; ++d) {
-                    VT kv = LOADV(c, kt + d * KS);
-                    for (uint r = 0; r < RPW; ++r) acc_s[r] = fma((VT)(qr[r][d]), kv, acc_s[r]);
-                }
-                for (uint r = 0; r < RPW; ++r) STOREV(acc_s[r], c, s[r]);
+        for (uint c = 0; c < BK; c += VW) {  // VW keys at a time
+            VT acc_s[RPW];
+            for (uint r = 0; r < RPW; ++r) acc_s[r] = (VT)(0.0f);
+            for (uint d = 0; d < HD; ++d) {
+                VT kv = LOADV(c, kt + d * KS);
+                for (uint r = 0; r < RPW; ++r) acc_s[r] = fma((VT)(qr[r][d]), kv, acc_s[r]);
             }
+            for (uint r = 0; r < RPW; ++r) STOREV(acc_s[r], c, s[r]);
+        }
 #endif
-            for (uint r = 0; r < RPW; ++r) {
-                // Masks: only where this row has any (a tile inside the real keys, without masks
-                // and below the causal diagonal needs none).
-                bool plain = !attn_kind && !kpm_kind && j0 + BK <= src_len_padded &&
-                             (!causal || j0 + BK <= rows[r] + 1);
-                if (!plain) {
-                    for (uint jj = 0; jj < BK; ++jj) {
-                        ulong j = j0 + jj;
-                        REAL x = s[r][jj];
-                        if (j >= src_len_padded) {
-                            x = -INFINITY;
-                        } else if (j < src_len) {
-                            x += mask_value(attn_mask, attn_kind, attn_row[r] + j);
-                            x += mask_value(kpm, kpm_kind, kpm_row + j);
-                            if (causal && j > rows[r]) x = -INFINITY;
-                        }
-                        s[r][jj] = x;
-                    }
-                }
-                VT mv = (VT)(-INFINITY);
-                for (uint c = 0; c < BK; c += VW) {
-                    VT x = LOADV(c, s[r]);
-                    mv = VT_SELECT(mv, x, (x > mv) | VT_ISNAN(x));
-                }
-                REAL m_new = lanes_max_nan(mv, m[r]);
-                // While every key so far is masked (m_new = -inf) nothing is accumulated.
-                bool none = m_new == -INFINITY;
-                REAL base = none ? 0.0f : m_new;
-                REAL corr = LANE0(exp_nonpos((VT)(m[r] - base)));  // 0 on the first live tile
-                sum[r] *= corr;
-                for (uint d = 0; d < HD; ++d) ACCROW(r)[d] *= corr;
-                VT sv = (VT)(0.0f);
-                for (uint c = 0; c < BK; c += VW) {
-                    VT p = exp_nonpos(LOADV(c, s[r]) - base);
-                    sv += p;
-                    STOREV(p, c, s[r]);
-                }
-                sum[r] += lanes_sum(sv);
-                if (dropout_on) {
-                    for (uint jj = 0; jj < BK; ++jj) {
-                        uint w = philox_word0((uint)(j0 + jj), (uint)rows[r], (uint)bh, offset_lo,
-                                              seed_lo, seed_hi_xor_off_hi);
-                        s[r][jj] = w >= dropout_threshold ? s[r][jj] * keep_scale : 0.0f;
-                    }
-                }
-                m[r] = m_new;
-            }
-            for (uint c = 0; c < HD; c += VW) {  // VW dimensions at a time
-                VT a[RPW];
-                for (uint r = 0; r < RPW; ++r) a[r] = LOADV(c, ACCROW(r));
+        for (uint r = 0; r < RPW; ++r) {
+            // Masks: only where this row has any (a tile inside the real keys, without masks,
+            // below the causal diagonal and inside the row's window needs none).
+            bool plain = !attn_kind && !kpm_kind && j0 + BK <= src_len_padded &&
+                         (!causal || j0 + BK <= rows[r] + 1) &&
+                         in_window_all(win_left, win_right, rows[r], rows[r], j0, j0 + BK - 1);
+            if (!plain) {
                 for (uint jj = 0; jj < BK; ++jj) {
-                    VT vv = LOADV(c, vt + jj * HD);
-                    for (uint r = 0; r < RPW; ++r) a[r] = fma((VT)(s[r][jj]), vv, a[r]);
+                    ulong j = j0 + jj;
+                    REAL x = s[r][jj];
+                    if (j >= src_len_padded) {
+                        x = -INFINITY;
+                    } else if (j < src_len) {
+                        x += mask_value(attn_mask, attn_kind, attn_row[r] + j);
+                        x += mask_value(kpm, kpm_kind, kpm_row + j);
+                        if ((causal && j > rows[r]) ||
+                            !in_window(win_left, win_right, (long)rows[r], (long)j))
+                            x = -INFINITY;
+                    }
+                    s[r][jj] = x;
                 }
-                for (uint r = 0; r < RPW; ++r) STOREV(a[r], c, ACCROW(r));
             }
+            VT mv = (VT)(-INFINITY);
+            for (uint c = 0; c < BK; c += VW) {
+                VT x = LOADV(c, s[r]);
+                mv = VT_SELECT(mv, x, (x > mv) | VT_ISNAN(x));
+            }
+            REAL m_new = lanes_max_nan(mv, m[r]);
+            // While every key so far is masked (m_new = -inf) nothing is accumulated.
+            bool none = m_new == -INFINITY;
+            REAL base = none ? 0.0f : m_new;
+            REAL corr = LANE0(exp_nonpos((VT)(m[r] - base)));  // 0 on the first live tile
+            sum[r] *= corr;
+            for (uint d = 0; d < HD; ++d) ACCROW(r)[d] *= corr;
+            VT sv = (VT)(0.0f);
+            for (uint c = 0; c < BK; c += VW) {
+                VT p = exp_nonpos(LOADV(c, s[r]) - base);
+                sv += p;
+                STOREV(p, c, s[r]);
+            }
+            sum[r] += lanes_sum(sv);
+            if (dropout_on) {
+                for (uint jj = 0; jj < BK; ++jj) {
+                    uint w = philox_word0((uint)(j0 + jj), (uint)rows[r], (uint)bh, offset_lo,
+                                          seed_lo, seed_hi_xor_off_hi);
+                    s[r][jj] = w >= dropout_threshold ? s[r][jj] * keep_scale : 0.0f;
+                }
+            }
+            m[r] = m_new;
+        }
+        for (uint c = 0; c < HD; c += VW) {  // VW dimensions at a time
+            VT a[RPW];
+            for (uint r = 0; r < RPW; ++r) a[r] = LOADV(c, ACCROW(r));
+            for (uint jj = 0; jj < BK; ++jj) {
+                VT vv = LOADV(c, vt + jj * HD);
+                for (uint r = 0; r < RPW; ++r) a[r] = fma((VT)(s[r][jj]), vv, a[r]);
+            }
+            for (uint r = 0; r < RPW; ++r) STOREV(a[r], c, ACCROW(r));
         }
     }
     // A fully masked row (m = -inf) has sum 0 and gives zeros; NaN propagates.

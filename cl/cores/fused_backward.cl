@@ -24,9 +24,11 @@
 // Each gradient element is thus a sum in one fixed order by one work-item: the result is the
 // same on every run (no atomics).
 //
-// is_causal: key j > query i is masked for j < S. dkdv starts at the first query tile that has
-// a row i >= the tile's first key when every key of its tile is a real one (j < S); dq skips the
-// key tiles past its last row the same way, as the forward does.
+// is_causal and the sliding window (query i sees key j < S only when i - win_left <= j <= i +
+// win_right) mask scores; whole tiles they mask are skipped through loop bounds (cl/common.cl):
+// dkdv visits only the query tiles holding a row that may see a key of its block when every key
+// of the block is a real one (j < S: query_tiles_of), dq only the key tiles some row of its block
+// may see, and every tile holding an appended key (key_tiles_of), as the forward does.
 //
 // Build options: -DHD=<head dim> -DB=<work-group size> -DVW=<vector width: 1, 2, 4, 8 or 16,
 // dividing HD (and BT)>, and -DROWS_PRIVATE=<0|1>. Without ROWS_PRIVATE a tile has B rows;
@@ -60,14 +62,15 @@
 // as the forward's did) come from cl/common.cl. (A CPU driver maps the vectors to its SIMD
 // registers; scalar loops over HD it would only vectorise across work-items.)
 
-// The additive masks and is_causal of score (bh, i, j), j < src_len; attn_row is the start of
-// row i of attn_mask for plane bh (already offset), kpm_row that of the batch item.
+// The additive masks, is_causal and the window of score (bh, i, j), j < src_len; attn_row is
+// the start of row i of attn_mask for plane bh (already offset), kpm_row that of the batch item.
 inline float masks_of(global const uchar *attn_mask, uint attn_kind, ulong attn_row,
                       global const uchar *kpm, uint kpm_kind, ulong kpm_row, uint causal,
-                      ulong i, ulong j) {
+                      long win_left, long win_right, ulong i, ulong j) {
     float x = mask_value(attn_mask, attn_kind, attn_row + j);
     x += mask_value(kpm, kpm_kind, kpm_row + j);
-    return causal && j > i ? -INFINITY : x;
+    return (causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j) ? -INFINITY
+                                                                                  : x;
 }
 
 // Drow[r] = dO[r].o[r] for every query row r of every plane (n_rows = N*H*L), summed over the
@@ -93,7 +96,8 @@ kernel void fused_backward_drow(global const float *d_o, global const float *o,
 // that every product accumulates in VW-wide registers without summing across lanes, and every
 // vector read from local memory serves the R rows. Per tile and row the probabilities,
 // dropout and dS are a few vector passes over BT values; the masks add a scalar pass only
-// where the row has any on that tile (none without masks, below the causal diagonal, past S).
+// where the row has any on that tile (none without masks, below the causal diagonal, inside the
+// window, past S).
 
 // The probabilities of one row's tile of scores, in place: s = exp(s - l), 0 where l = -inf
 // (a fully masked query row); l is the row's log-sum-exp (dq) or the tile's (dkdv, per lane).
@@ -165,12 +169,14 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
     float pd[R][BT];  // the probabilities after dropout
     float dp[R][BT];  // dO.v, then after dropout
 
-    // With is_causal and a group of real keys only, the query tiles whose rows all come before
-    // the group's first key see only masked scores (P = 0): start at the tile holding row first.
-    ulong i_begin = causal && last < src_len ? first / BT * BT : 0;
+    // With a group of real keys only, the query tiles whose rows is_causal or the window keep
+    // from every key of the group see only masked scores (P = 0): the loop visits the others.
+    ulong i_begin, i_end;
+    query_tiles_of(first, last, tgt_len, src_len, causal, win_left, win_right, BT, &i_begin,
+                   &i_end);
     global const float *qb = q + bh * tgt_len * HD;
     global const float *dob = d_o + bh * tgt_len * HD;
-    for (ulong i0 = i_begin; i0 < tgt_len; i0 += BT) {
+    for (ulong i0 = i_begin; i0 < i_end; i0 += BT) {
         barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
         uint rows = (uint)min((ulong)BT, tgt_len - i0);  // the tile's real rows
         for (uint t = lid; t < BT * HD; t += B) {
@@ -193,15 +199,21 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
         tile_products(kr, vr, qt, dot_t, s, dp);
         for (uint r = 0; r < R; ++r) {
             ulong j = jr[r];
-            // Masks: only for a real key (j < S) with masks, or with is_causal above the
-            // diagonal of some row of the tile. Rows past the end keep their score (l = -inf).
-            if (j < src_len && (attn_kind || kpm_kind || (causal && j > i0))) {
+            // Masks: only for a real key (j < S) with masks, with is_causal above the diagonal
+            // of some row of the tile, or outside some row's window. Rows past the end keep
+            // their score (l = -inf).
+            if (j < src_len &&
+                (attn_kind || kpm_kind || (causal && j > i0) ||
+                 !in_window_all(win_left, win_right, i0, i0 + rows - 1, j, j))) {
                 float kx = mask_value(kpm, kpm_kind, kpm_row + j);
                 for (uint ii = 0; ii < rows; ++ii) {
                     ulong i = i0 + ii;
                     ulong ar = ATTN_ROW(bh, n, n_heads, i);
                     float x = s[r][ii] + mask_value(attn_mask, attn_kind, ar + j) + kx;
-                    s[r][ii] = causal && j > i ? -INFINITY : x;
+                    s[r][ii] = (causal && j > i) || !in_window(win_left, win_right, (long)i,
+                                                               (long)j)
+                                   ? -INFINITY
+                                   : x;
                 }
             }
             for (uint c = 0; c < BT; c += VW) {
@@ -295,10 +307,11 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
 
     global const float *kb = k + bh * src_len_padded * HD;
     global const float *vb = v + bh * src_len_padded * HD;
-    for (ulong j0 = 0; j0 < src_len_padded; j0 += BT) {
-        // With is_causal, a tile of masked keys only (all j > last, none appended) is skipped;
-        // the condition is the same for the whole group, so the barriers stay uniform.
-        if (causal && j0 > last && j0 + BT <= src_len) continue;
+    // The key tiles some row of the group may see: is_causal and the window skip the others
+    // (key_tiles_of); the bounds are the same for the whole group, so the barriers stay uniform.
+    key_tiles span = key_tiles_of(first, last, src_len, src_len_padded, causal, win_left,
+                                  win_right, BT);
+    for (ulong j0 = span.begin; j0 < src_len_padded; j0 = key_tile_next(span, j0, BT)) {
         barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
         uint keys = (uint)min((ulong)BT, src_len_padded - j0);  // the tile's real keys
         for (uint t = lid; t < BT * HD; t += B) {
@@ -316,8 +329,9 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
         for (uint r = 0; r < R; ++r) {
             ulong i = ir[r];
             // Masks: only where this row has any on the tile (keys past the end, masks, keys
-            // above the causal diagonal).
-            bool plain = !attn_kind && !kpm_kind && keys == BT && (!causal || j0 + BT <= i + 1);
+            // above the causal diagonal or outside the row's window).
+            bool plain = !attn_kind && !kpm_kind && keys == BT && (!causal || j0 + BT <= i + 1) &&
+                         in_window_all(win_left, win_right, i, i, j0, j0 + BT - 1);
             if (!plain) {
                 for (uint jj = 0; jj < BT; ++jj) {
                     ulong j = j0 + jj;
@@ -327,7 +341,8 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
                     } else if (j < src_len) {
                         x += mask_value(attn_mask, attn_kind, attn_row[r] + j);
                         x += mask_value(kpm, kpm_kind, kpm_row + j);
-                        if (causal && j > i) x = -INFINITY;
+                        if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j))
+                            x = -INFINITY;
                     }
                     s[r][jj] = x;
                 }
@@ -398,12 +413,14 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
         dvr[d] = 0.0f;
     }
 
-    // With is_causal and a tile of real keys only, the query tiles whose rows all come before
-    // the tile's first key see only masked scores (P = 0): start at the tile holding row j0.
-    ulong i_begin = causal && min(j0 + B, src_len_padded) <= src_len ? j0 / B * B : 0;
+    // With a tile of real keys only, the query tiles whose rows is_causal or the window keep
+    // from every key of the tile see only masked scores (P = 0): the loop visits the others.
+    ulong i_begin, i_end;
+    query_tiles_of(j0, min(j0 + B, src_len_padded) - 1, tgt_len, src_len, causal, win_left,
+                   win_right, B, &i_begin, &i_end);
     global const float *qb = q + bh * tgt_len * HD;
     global const float *dob = d_o + bh * tgt_len * HD;
-    for (ulong i0 = i_begin; i0 < tgt_len; i0 += B) {
+    for (ulong i0 = i_begin; i0 < i_end; i0 += B) {
         barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
         for (uint t = lid; t < B * HD; t += B) {
             ulong i = i0 + t / HD;
@@ -431,7 +448,8 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
             float s = lanes_sum(sv) * scale, dpd = lanes_sum(dv_);
             if (jc < src_len) {
                 ulong ar = ATTN_ROW(bh, n, n_heads, i);
-                s += masks_of(attn_mask, attn_kind, ar, kpm, kpm_kind, kpm_row, causal, i, jc);
+                s += masks_of(attn_mask, attn_kind, ar, kpm, kpm_kind, kpm_row, causal, win_left,
+                              win_right, i, jc);
             }
             float l = ls[ii];
             // A fully masked row (lse = -inf) has no probabilities: 0, not exp(-inf + inf).
@@ -495,43 +513,42 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
 
     global const float *kb = k + bh * src_len_padded * HD;
     global const float *vb = v + bh * src_len_padded * HD;
-    for (ulong j0 = 0; j0 < src_len_padded; j0 += B) {
-        // With is_causal, a tile of masked keys only (all j > last, none appended) is skipped;
-        // the condition is the same for the whole group, so the barriers stay uniform.
-        bool skip = causal && j0 > last && j0 + B <= src_len;
-        if (!skip) {
-            barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
-            for (uint t = lid; t < B * HD; t += B) {
-                bool in = j0 + t / HD < src_len_padded;
-                ks[t] = in ? kb[j0 * HD + t] : 0.0f;
-                vs[t] = in ? vb[j0 * HD + t] : 0.0f;
+    // The key tiles some row of the group may see: is_causal and the window skip the others
+    // (key_tiles_of); the bounds are the same for the whole group, so the barriers stay uniform.
+    key_tiles span = key_tiles_of(i0, last, src_len, src_len_padded, causal, win_left, win_right,
+                                  B);
+    for (ulong j0 = span.begin; j0 < src_len_padded; j0 = key_tile_next(span, j0, B)) {
+        barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
+        for (uint t = lid; t < B * HD; t += B) {
+            bool in = j0 + t / HD < src_len_padded;
+            ks[t] = in ? kb[j0 * HD + t] : 0.0f;
+            vs[t] = in ? vb[j0 * HD + t] : 0.0f;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        uint keys = (uint)min((ulong)B, src_len_padded - j0);
+        for (uint jj = 0; jj < keys; ++jj) {
+            ulong j = j0 + jj;
+            local const float *kj = ks + jj * HD;
+            local const float *vj = vs + jj * HD;
+            VT sv = (VT)(0.0f), dv_ = (VT)(0.0f);
+            for (uint d = 0; d < HD; d += VW) {
+                sv = fma(LOADV(d, qr), LOADV(d, kj), sv);
+                dv_ = fma(LOADV(d, dor), LOADV(d, vj), dv_);
             }
-            barrier(CLK_LOCAL_MEM_FENCE);
-            uint keys = (uint)min((ulong)B, src_len_padded - j0);
-            for (uint jj = 0; jj < keys; ++jj) {
-                ulong j = j0 + jj;
-                local const float *kj = ks + jj * HD;
-                local const float *vj = vs + jj * HD;
-                VT sv = (VT)(0.0f), dv_ = (VT)(0.0f);
-                for (uint d = 0; d < HD; d += VW) {
-                    sv = fma(LOADV(d, qr), LOADV(d, kj), sv);
-                    dv_ = fma(LOADV(d, dor), LOADV(d, vj), dv_);
-                }
-                float s = lanes_sum(sv) * scale, dpd = lanes_sum(dv_);
-                if (j < src_len)
-                    s += masks_of(attn_mask, attn_kind, attn_row, kpm, kpm_kind, kpm_row, causal,
-                                  ic, j);
-                float p = l == -INFINITY ? 0.0f : exp(s - l);
-                float dp = dpd;
-                if (dropout_on) {
-                    uint w = philox_word0((uint)j, (uint)ic, (uint)bh, offset_lo, seed_lo,
-                                          seed_hi_xor_off_hi);
-                    dp = w >= dropout_threshold ? dpd * keep_scale : 0.0f;
-                }
-                float dsv = p * (dp - drow_i);
-                for (uint d = 0; d < HD; d += VW)
-                    STOREV(fma((VT)(dsv), LOADV(d, kj), LOADV(d, dqr)), d, dqr);
+            float s = lanes_sum(sv) * scale, dpd = lanes_sum(dv_);
+            if (j < src_len)
+                s += masks_of(attn_mask, attn_kind, attn_row, kpm, kpm_kind, kpm_row, causal,
+                              win_left, win_right, ic, j);
+            float p = l == -INFINITY ? 0.0f : exp(s - l);
+            float dp = dpd;
+            if (dropout_on) {
+                uint w = philox_word0((uint)j, (uint)ic, (uint)bh, offset_lo, seed_lo,
+                                      seed_hi_xor_off_hi);
+                dp = w >= dropout_threshold ? dpd * keep_scale : 0.0f;
             }
+            float dsv = p * (dp - drow_i);
+            for (uint d = 0; d < HD; d += VW)
+                STOREV(fma((VT)(dsv), LOADV(d, kj), LOADV(d, dqr)), d, dqr);
         }
     }
     if (i < tgt_len) {
@@ -544,8 +561,9 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
 // ---- the products in the host's GEMMs (CPU devices whose GEMMs run in the host BLAS) -----------
 // The host cuts the query rows into blocks (rows [row0, row0 + rows) of planes [plane0,
 // plane0 + planes)) and, per block, has the GEMMs write, transposed, s = k.q (unscaled) and
-// dPd = v.dO of every (key, row) pair into sp and gp: `cols` keys of each plane (keys past the
-// block's last row, all masked with is_causal, are left out), each a row of `rows` floats.
+// dPd = v.dO of every (key, row) pair into sp and gp: `cols` keys of each plane from key col0
+// (keys that is_causal or the window mask for every row of the block may be left out), each a
+// row of `rows` floats.
 // (Transposed, two of the three GEMMs after this kernel read A as it is stored, which a CPU
 // BLAS runs faster.) This kernel turns the pair in place into Pd (for dv += Pd^T dO) and dS
 // (for dk += dS^T q and dq = dS k). One work-group per key, its work-items striding over the
@@ -554,17 +572,18 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
 // masked row).
 kernel void fused_backward_block(global float *sp, global float *gp, global const float *lse,
                                  global const float *drow, ulong row0, ulong rows, ulong plane0,
-                                 ulong cols, ulong tgt_len, ulong n_heads, ulong src_len,
-                                 float scale,
+                                 ulong cols, ulong col0, ulong tgt_len, ulong n_heads,
+                                 ulong src_len, float scale,
                                  MASK_PARAMS) {
     ulong t = get_global_id(1);
-    ulong bh = plane0 + t / cols, j = t % cols, n = bh / n_heads;
+    ulong bh = plane0 + t / cols, j = col0 + t % cols, n = bh / n_heads;
     global const float *lrow = lse + bh * tgt_len + row0, *drw = drow + bh * tgt_len + row0;
     // The masks of a real key (j < S): its key_padding_mask value, and whether any row has
-    // an attn_mask or is_causal entry to look up (the appended keys have none).
+    // an attn_mask, is_causal or window entry to look up (the appended keys have none).
     bool real = j < src_len;
     float kx = real ? mask_value(kpm, kpm_kind, kpm_off + n * src_len + j) : 0.0f;
-    bool per_row = real && (attn_kind || (causal && j > row0));
+    bool per_row = real && (attn_kind || (causal && j > row0) ||
+                            !in_window_all(win_left, win_right, row0, row0 + rows - 1, j, j));
     global float *srow = sp + t * rows, *grow = gp + t * rows;
     // VW rows at a time (what a CPU driver runs in its vector registers), the last ones in a
     // partial vector; attn_mask, is_causal and dropout lane by lane where there are any. Each
@@ -603,7 +622,8 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
                 float x = s_lanes[u];
                 if (u < lanes) {
                     x += mask_value(attn_mask, attn_kind, ATTN_ROW(bh, n, n_heads, i) + j);
-                    if (causal && j > i) x = -INFINITY;
+                    if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j))
+                        x = -INFINITY;
                 }
                 s_masked[u] = x;
             }

@@ -20,8 +20,9 @@
 static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
     "                   [--need-weights] [--batch-first] [--layer F.safetensors [--prefix P]]\n"
-    "                   [--impl auto|fused|unfused] [--backward] [--host] [--repeat R]\n"
-"                   [--device SPEC] [--dtype f32|f64|f16|bf16] [--json]\n"
+    "                   [--causal] [--window LEFT,RIGHT] [--impl auto|fused|unfused]\n"
+"                   [--backward] [--host] [--repeat R] [--device SPEC]\n"
+"                   [--dtype f32|f64|f16|bf16] [--json]\n"
 "       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--batch N] [--embed E]\n"
 "                   [--heads H] [--window LEFT,RIGHT] [--repeat R] [--device SPEC] [--json]\n"
     "\n"
@@ -51,6 +52,11 @@ static const char *usage_bench =
     "                       clmha run's --num-heads)\n"
     "  --prefix P           with --layer: the attention module P.<name> of a whole model's\n"
     "                       file (as clmha run --prefix)\n"
+    "  --causal             is_causal: query i attends the keys j <= i (top-left)\n"
+    "  --window LEFT,RIGHT  a sliding window on the random layer (clmha_layer_desc::window):\n"
+    "                       query i attends the keys i - LEFT .. i + RIGHT, -1 leaving a side\n"
+    "                       unbounded (--window 1023,0 --causal: Mistral's). The fused cores\n"
+    "                       skip the key tiles it forbids, so their time grows linearly in L\n"
     "\n";
 
 // The help's run options (C11 compilers need not take string literals past 4095 characters).
@@ -69,7 +75,8 @@ static const char *usage_bench_run =
     "                       GEMMs run: clmha_context_gemm_note()), layer, batch, tgt_len,\n"
     "                       src_len, embed_dim, num_heads, kdim, vdim, batch_first,\n"
     "                       need_weights, impl (the core used), attention (\"self\"/\"cross\"),\n"
-    "                       repeat, dtype (see --dtype below), ms (median),\n"
+    "                       repeat, is_causal, window_left, window_right (null without a\n"
+    "                       window), dtype (see --dtype below), ms (median),\n"
     "                       ms_min, ms_max, flops, gflops, io_bytes, io_gbps, scratch_bytes,\n"
     "                       stages {name: ms}, host\n"
 
@@ -80,7 +87,8 @@ static const char *usage_bench_run =
     "  + 4*N*L*S'*E                          Q*K^T and weights*V (S' = S + add_bias_kv\n"
     "                                        + add_zero_attn)\n"
     "  = 2*N*E^2*(2L + 2S) + 4*N*L*S*E for kdim = vdim = E, and 8*N*L*E^2 + 4*N*L^2*E\n"
-    "  for self-attention (L = S). GFLOP/s = FLOPs / median time.\n"
+    "  for self-attention (L = S). With --causal or --window, L*S' counts only the (query,\n"
+    "  key) pairs they allow (the appended keys all). GFLOP/s = FLOPs / median time.\n"
     "The GEMMs run in the host BLAS on CPU devices with native kernels, else in CLBlast\n"
     "(the 'gemm:' line); CLMHA_GEMM=clblast|host|auto chooses.\n"
     "\n";
@@ -323,7 +331,7 @@ static int bench_shape(clmha_context *ctx, const bench_config *cfg, size_t n, si
     for (int i = 0; i < BENCH_BUFS; ++i) res->io_bytes += io.counts[i];
     res->io_bytes *= clmha__dtype_size(d->dtype);
     double projections, attention;
-    clmha__bench_forward_flops(d, n, l, s, &projections, &attention);
+    clmha__bench_forward_flops(d, cfg->causal, n, l, s, &projections, &attention);
     res->flops = projections + attention;
     rc = EXIT_OK;
 done:
@@ -349,11 +357,12 @@ static void bench_print(const clmha_context *ctx, const bench_config *cfg,
     }
     double total = 0;
     for (int i = 0; i < CLMHA_STAGE_COUNT; ++i) total += res->stage_ms[i];
-    printf("shape:   N %zu, L %zu, S %zu (%s-attention%s), need_weights %s, %s core\n",
+    printf("shape:   N %zu, L %zu, S %zu (%s-attention%s), need_weights %s%s, %s core\n",
            res->n, res->l, res->s, res->self ? "self" : "cross",
            res->self ? ", packed QKV projection"
            : d->kdim == d->vdim ? ", key = value" : ", separate key and value",
-           cfg->need_weights ? "on" : "off", clmha_impl_name(res->impl));
+           cfg->need_weights ? "on" : "off", cfg->causal ? ", is_causal" : "",
+           clmha_impl_name(res->impl));
     printf("time:    %.3f ms per forward%s (median of %zu; min %.3f, max %.3f)\n", res->ms,
            cfg->host ? " on host arrays" : "", cfg->repeat, res->ms_min, res->ms_max);
     printf("speed:   %.2f GFLOP/s (%.4g GFLOP per forward)\n", res->flops / res->ms / 1e6,
@@ -389,7 +398,7 @@ static void print_tuning(const clmha_context *ctx) {
 typedef struct bench_args {
     const char *batch_opt, *tgt_opt, *src_opt, *embed_opt, *heads_opt, *repeat_opt, *layer_path,
         *device, *impl_opt, *cache_opt, *kv_heads_opt, *dtype_opt, *prefix, *window_opt;
-    bool need_weights, batch_first, json, backward, decode, host;
+    bool need_weights, batch_first, json, backward, decode, host, causal;
     size_t batches[BENCH_MAX_LIST], tgts[BENCH_MAX_LIST], srcs[BENCH_MAX_LIST],
         caches[BENCH_MAX_LIST];
     size_t nb, nt, ns, nc, e, h, repeat, kv_heads;
@@ -420,6 +429,7 @@ static bool parse_options(int argc, char **argv, bench_args *a, int *rc) {
         {.name = "--cache-len", .value = &a->cache_opt},
         {.name = "--kv-heads", .value = &a->kv_heads_opt},
         {.name = "--dtype", .value = &a->dtype_opt},
+        {.name = "--causal", .flag = &a->causal},
         {.name = "--window", .value = &a->window_opt},
     };
     char usage[12288];
@@ -483,7 +493,7 @@ static int parse_values(bench_args *a) {
     if (repeat_zero) a->repeat = 0;
     if (a->decode != (a->cache_opt != NULL) ||
         (a->decode && (a->backward || a->tgt_opt || a->src_opt || a->need_weights ||
-                       a->layer_path || a->impl_opt))) {
+                       a->layer_path || a->impl_opt || a->causal))) {
         clmha__cli_report("bench", "%s",
                           a->decode ? (a->cache_opt ? "--decode takes --batch, --embed, "
                                                       "--heads, --batch-first, --window, "
@@ -509,7 +519,8 @@ static int parse_values(bench_args *a) {
         return rc;
     if (a->window_opt && (rc = parse_window(a->window_opt, a->window))) return rc;
     if (a->window_opt && a->layer_path) {
-        clmha__cli_report("bench", "--window goes with a random layer (not --layer)");
+        clmha__cli_report("bench", "--window goes with a random layer (not --layer: a layer "
+                                   "file has its own configuration)");
         return EXIT_USAGE;
     }
     return check_values(a);
@@ -592,10 +603,14 @@ static void print_head(const clmha_context *ctx, const bench_config *cfg,
     char gemm[640];
     clmha_context_gemm_note(ctx, gemm, sizeof gemm);
     printf("gemm:    %s\n", gemm);
-    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s (%s)\n",
+    char window[64] = "";
+    if (d->window)
+        snprintf(window, sizeof window, ", window (%lld, %lld)", (long long)d->window_left,
+                 (long long)d->window_right);
+    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s (%s)\n",
            d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
            d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
-           d->batch_first ? ", batch_first" : "", layer_path ? layer_path : "random");
+           d->batch_first ? ", batch_first" : "", window, layer_path ? layer_path : "random");
     print_tuning(ctx);
     fflush(stdout);
 }
@@ -634,7 +649,7 @@ int clmha__cli_bench(int argc, char **argv) {
     bench_config cfg = {.layer_path = a.layer_path, .layer_prefix = a.prefix,
                         .layer_heads = a.layer_path && a.heads_opt ? a.h : 0,
                         .need_weights = a.need_weights, .json = a.json, .host = a.host,
-                        .impl = a.impl,
+                        .causal = a.causal, .impl = a.impl,
                         .repeat = a.repeat};
     cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
                                   .embed_dim = a.e, .num_heads = a.h, .kdim = a.e, .vdim = a.e,

@@ -16,6 +16,7 @@ typedef struct bench_config {
     const float *w_in, *b_in, *w_out, *b_out;  // random parameters
     bool need_weights, json;
     bool host;                // --host: time clmha_layer_forward_host on host arrays
+    bool causal;              // --causal: is_causal (the window, --window, is in desc)
     clmha_impl impl;          // as given; the core used is in the result
     size_t repeat;
 } bench_config;
@@ -67,9 +68,10 @@ void clmha__bench_json_head(const clmha_context *ctx, const bench_config *cfg, s
 double clmha__bench_median(double *times, size_t count, double *min, double *max);
 
 // FLOPs of one forward pass, as `clmha bench` counts them: the projections' GEMMs in
-// *projections and the attention's (Q·Kᵀ and weights·V) in *attention.
-void clmha__bench_forward_flops(const clmha_layer_desc *d, size_t n, size_t l, size_t s,
-                                double *projections, double *attention);
+// *projections and the attention's (Q·Kᵀ and weights·V) in *attention, over the (query, key)
+// pairs that @p causal and d's window allow.
+void clmha__bench_forward_flops(const clmha_layer_desc *d, bool causal, size_t n, size_t l,
+                                size_t s, double *projections, double *attention);
 
 // The core a forward pass (or a training step) of @p cfg's layers runs: --impl, else unfused
 // with --need-weights, else fused.

@@ -454,7 +454,8 @@ static void summarize(const bench_config *cfg, const step *st, const bench_io *i
     r->saved_bytes = clmha_saved_bytes(st->saved);
     r->training_bytes = (long long)(r->scratch_bytes + r->saved_bytes);
     r->peak_rss = rss_peak();
-    clmha__bench_forward_flops(&cfg->desc, io->n, io->l, io->s, &r->proj_flops, &r->attn_flops);
+    clmha__bench_forward_flops(&cfg->desc, cfg->causal, io->n, io->l, io->s, &r->proj_flops,
+                               &r->attn_flops);
     r->fwd_flops = r->proj_flops + r->attn_flops;
     r->bwd_flops = 2.0 * r->proj_flops + 2.5 * r->attn_flops;
     r->step_flops = r->fwd_flops + r->bwd_flops;

@@ -5,6 +5,7 @@
 
 #include "bench.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -62,6 +63,12 @@ void clmha__bench_json_head(const clmha_context *ctx, const bench_config *cfg, s
            n, l, s, d->embed_dim, d->num_heads, d->kdim, d->vdim,
            d->batch_first ? "true" : "false", cfg->need_weights ? "true" : "false",
            clmha_impl_name(impl), self ? "self" : "cross", cfg->repeat);
+    printf("\"is_causal\": %s, ", cfg->causal ? "true" : "false");
+    if (d->window)
+        printf("\"window_left\": %lld, \"window_right\": %lld, ", (long long)d->window_left,
+               (long long)d->window_right);
+    else
+        printf("\"window_left\": null, \"window_right\": null, ");
 }
 
 void clmha__bench_json_string(const char *s) {
@@ -84,13 +91,28 @@ double clmha__bench_median(double *times, size_t count, double *min, double *max
     return count % 2 ? times[count / 2] : 0.5 * (times[count / 2 - 1] + times[count / 2]);
 }
 
-void clmha__bench_forward_flops(const clmha_layer_desc *d, size_t n, size_t l, size_t s,
-                                double *projections, double *attention) {
+// The (query, key) pairs of one plane that is_causal (@p causal) and d's window allow, query i
+// at position i, the appended keys all: L * S' without either.
+static double allowed_pairs(const clmha_layer_desc *d, bool causal, size_t l, size_t s) {
+    double appended = (double)d->add_bias_kv + (double)d->add_zero_attn;
+    if (!causal && !d->window) return (double)l * ((double)s + appended);
+    double pairs = 0;
+    for (size_t i = 0; i < l; ++i) {
+        double lo = 0, hi = (double)s - 1, di = (double)i;
+        if (d->window && d->window_left >= 0) lo = fmax(lo, di - (double)d->window_left);
+        if (d->window && d->window_right >= 0) hi = fmin(hi, di + (double)d->window_right);
+        if (causal) hi = fmin(hi, di);
+        if (hi >= lo) pairs += hi - lo + 1;
+    }
+    return pairs + (double)l * appended;
+}
+
+void clmha__bench_forward_flops(const clmha_layer_desc *d, bool causal, size_t n, size_t l,
+                                size_t s, double *projections, double *attention) {
     double dn = (double)n, dl = (double)l, ds = (double)s, de = (double)d->embed_dim;
-    double s_padded = ds + d->add_bias_kv + d->add_zero_attn;
     *projections =
         2.0 * dn * de * (dl * de + ds * (double)d->kdim + ds * (double)d->vdim + dl * de);
-    *attention = 4.0 * dn * dl * s_padded * de;
+    *attention = 4.0 * dn * allowed_pairs(d, causal, l, s) * de;
 }
 
 clmha_impl clmha__bench_impl_used(const bench_config *cfg) {
@@ -183,7 +205,8 @@ static int io_shapes(clmha_context *ctx, const bench_config *cfg, clmha_layer *l
         return EXIT_REFUSED;
     }
     clmha_forward_args *args = &io->args;
-    *args = (clmha_forward_args){.struct_size = sizeof *args, .need_weights = cfg->need_weights};
+    *args = (clmha_forward_args){.struct_size = sizeof *args, .need_weights = cfg->need_weights,
+                                 .is_causal = cfg->causal};
     args->query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}};
     if (!io->self) {
         args->key = (clmha_tensor){.ndim = 3, .shape = {s, n, kd}};

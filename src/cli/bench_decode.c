@@ -177,7 +177,9 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
     double kv_bytes = 2.0 * (double)n * (double)kvh * (double)seen * (double)hd * 4.0;
     double ms = res->ms, gbps = kv_bytes / ms / 1e6, copy = res->copy;
     if (cfg->json) {
-        clmha__bench_json_head(ctx, cfg, n, 1, cache_len + 1, CLMHA_IMPL_AUTO, true);
+        bench_config step = *cfg;  // the step is is_causal (bottom-right: the new token last)
+        step.causal = true;
+        clmha__bench_json_head(ctx, &step, n, 1, cache_len + 1, CLMHA_IMPL_AUTO, true);
         printf("\"decode\": true, \"cache_len\": %zu, \"kv_heads\": %zu, \"ms\": %.6g, "
                "\"ms_min\": %.6g, \"ms_max\": %.6g, \"kv_bytes\": %.0f, \"kv_gbps\": %.6g, "
                "\"copy_bytes\": %zu, \"copy_gbps\": %.6g, \"fraction_of_copy\": %.4g, ",

@@ -305,15 +305,6 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
         return CLMHA_SUCCESS;
     }
     bool asked = impl == CLMHA_IMPL_FUSED || call->need_lse;
-    if (clmha__windowed(call->dims)) {  // the unfused core runs it
-        clmha__core_answer_set(answer, impl == CLMHA_IMPL_FUSED ? CLMHA__CORE_REFUSES : no,
-                               CLMHA_UNSUPPORTED,
-                               impl == CLMHA_IMPL_FUSED
-                                   ? "the fused core takes no sliding window yet (impl "
-                                     "CLMHA_IMPL_FUSED): leave impl to CLMHA_IMPL_AUTO"
-                                   : "it takes no sliding window yet");
-        return CLMHA_SUCCESS;
-    }
     clmha_status st = clmha__layer_fused(l);
     if (st) {
         if (asked) return st;

@@ -33,6 +33,14 @@ clmha_status clmha__launch(clmha_context *ctx, cl_kernel k, const char *name, si
     return CLMHA_SUCCESS;
 }
 
+// A window bound for the kernels: -1 (unbounded) for one that allows every key of the call, at
+// least max(L, S') (query positions are below L, keys below S'), so that the kernels take the
+// paths without a window where it masks nothing and p + bound never overflows there.
+static cl_long window_bound(int64_t bound, const clmha__dims *d) {
+    size_t reach = d->l > d->s_padded ? d->l : d->s_padded;
+    return bound < 0 || (uint64_t)bound >= reach ? -1 : (cl_long)bound;
+}
+
 clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args *a,
                                  const clmha__dims *d) {
     float p = l->desc.dropout;
@@ -48,8 +56,8 @@ clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args 
         .kpm_off = d->kpm_kind ? a->key_padding_mask.tensor.offset : 0,
         .kpm_kind = d->kpm_kind,
         .causal = a->is_causal,
-        .win_left = d->win_left,
-        .win_right = d->win_right,
+        .win_left = window_bound(d->win_left, d),
+        .win_right = window_bound(d->win_right, d),
         .dropout_on = dropout_on,
         .threshold = clmha__dropout_threshold(p),
         .keep_scale = clmha__real_of(dropout_on ? 1.0 / (1.0 - (double)p) : 1.0),

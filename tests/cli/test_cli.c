@@ -2176,6 +2176,40 @@ Test(cli_grads, training_dropout_is_replayed) {
     tmp_remove(&d);
 }
 
+// bench --causal --window LEFT,RIGHT: the call's is_causal and the layer's window in the JSON
+// line (null without a window), the attention FLOPs over the (query, key) pairs they allow
+// (L = S = 9, window (2, 0) and is_causal: 1 + 2 + 7 * 3 = 24 pairs), forward and training
+// step; a window goes with a random layer, LEFT,RIGHT each -1 or at least 0, not with --decode.
+Test(cli_bench, window_json) {
+    SKIP_WITHOUT_DEVICE();
+    double p = 2.0 * 16 * (4 * 9 * 16), a = 4.0 * 24 * 16;
+    cli_result r = cli_run("bench", "--json", "--embed", "16", "--heads", "2", "--batch", "1",
+                           "--tgt-len", "9", "--causal", "--window", "2,0", "--repeat", "1");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect(strstr(r.out, "\"is_causal\": true, \"window_left\": 2, \"window_right\": 0"),
+              "%s", r.out);
+    cr_expect(strstr(r.out, "\"impl\": \"fused\""), "%s", r.out);
+    cr_expect_eq(json_number(r.out, "flops"), p + a, "%s", r.out);
+    r = cli_run("bench", "--json", "--backward", "--embed", "16", "--heads", "2", "--batch", "1",
+                "--tgt-len", "9", "--causal", "--window", "2,0", "--repeat", "1");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect_eq(json_number(r.out, "attention_flops"), a, "%s", r.out);
+    cr_expect_eq(json_number(r.out, "projection_flops"), p, "%s", r.out);
+    r = cli_run("bench", "--json", "--embed", "16", "--heads", "2", "--batch", "1",
+                "--tgt-len", "9", "--repeat", "1");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect(strstr(r.out, "\"is_causal\": false, \"window_left\": null, "
+                            "\"window_right\": null"),
+              "%s", r.out);
+    cr_expect_eq(json_number(r.out, "flops"), p + 4.0 * 81 * 16, "%s", r.out);
+    EXPECT_USAGE("clmha bench: --window '3'", "bench", "--window", "3");
+    EXPECT_USAGE("clmha bench: --window '-2,0'", "bench", "--window", "-2,0");
+    EXPECT_USAGE("clmha bench: --window goes with a random layer", "bench", "--window", "1,1",
+                 "--layer", "x.safetensors");
+    EXPECT_USAGE("clmha bench: --decode takes", "bench", "--decode", "--cache-len", "8",
+                 "--causal");
+}
+
 // bench --decode: one JSON line per cache length with the step's time, the bytes of cached keys
 // and values it reads (2 N H (S + 1) D 4) and their rate, the copy bandwidth and the ratio.
 // --dtype: the call's tensors counted in the dtype's bytes (query, output: N L E each; the

@@ -47,6 +47,8 @@ typedef struct bcase {
     gw_mode gw;
     bool dead_row;    // query row 1 of every plane fully masked (attn_mask, S' == S)
     bool accumulate;  // mask gradients added to what is there
+    bool window;      // a sliding window: query i sees key j < S only when i - wl <= j <= i + wr
+    int64_t wl, wr;   // (-1: that side unbounded)
 } bcase;
 
 // ---- host reference -----------------------------------------------------------------------------
@@ -104,6 +106,9 @@ static void reference(const bcase *c, host_data *hd, clmha_dropout_rng rng) {
                                      attn_index(c, bh, i, j));
                     if (c->kpm_kind) x += mask_of(c->kpm_kind, hd->kpm_b, hd->kpm_f, n * S + j);
                     if (c->causal && j > i) x = -INFINITY;
+                    if (c->window && ((c->wl >= 0 && (double)j < (double)i - (double)c->wl) ||
+                                      (c->wr >= 0 && (double)j > (double)i + (double)c->wr)))
+                        x = -INFINITY;
                 }
                 s[j] = x;
                 if (x > m) m = x;
@@ -199,7 +204,9 @@ static void fixture_make(fixture *fx, const bcase *c) {
     fx->ctx = context_or_skip();
     clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = c->h * c->d,
                              .num_heads = c->h, .bias = true, .add_bias_kv = c->bias_kv,
-                             .add_zero_attn = c->zero_attn, .dropout = c->dropout};
+                             .add_zero_attn = c->zero_attn, .dropout = c->dropout,
+                             .window = c->window, .window_left = c->wl,
+                             .window_right = c->wr};
     clmha_status st = clmha_layer_create(&fx->layer, fx->ctx, &desc);
     cr_assert_eq(st, CLMHA_SUCCESS, "clmha_layer_create: %s", clmha_context_last_error(fx->ctx));
     fx->cl = fx->ctx->cl_ctx;
@@ -586,6 +593,62 @@ Test(backward_cores, fused_gemms_in_blocks) {
     bcase f = {.name = "gemms: 8 planes shared", .n = 2, .h = 4, .d = 64, .l = 130, .s = 129,
                .causal = true, .zero_attn = true};
     run_case(&f, BOTH);
+}
+
+// Sliding windows through the fused backward: the products in GEMMs in blocks of query rows
+// (each block over the real keys its rows may see, the appended keys apart, onto dq, dk and dv
+// zeroed first) and of planes, then the tiled kernels (query and key tiles outside every window
+// skipped); rows whose window holds no key (dq 0) and keys no row sees (dk, dv 0). The unfused
+// backward (masked_softmax's window) alongside.
+Test(backward_cores, fused_window) {
+    setenv("CLMHA_FUSED_BACKWARD", "gemms", 1);
+    bcase a = {.name = "gemms: window (17, 0) causal L=S=200, blocks of 48 rows", .n = 1,
+               .h = 2, .d = 8, .l = 200, .s = 200, .causal = true, .window = true, .wl = 17,
+               .wr = 0};
+    clmha__test_set_fused_backward_block(48 * 200);
+    run_case(&a, BOTH);
+    bcase b = {.name = "gemms: window (5, 7) L=150 S=83 +kv +zero kpm, blocks of 10 rows",
+               .n = 2, .h = 2, .d = 16, .l = 150, .s = 83, .bias_kv = true, .zero_attn = true,
+               .kpm_kind = CLMHA_MASK_FLOAT, .window = true, .wl = 5, .wr = 7};
+    clmha__test_set_fused_backward_block(10 * 85);
+    run_case(&b, BOTH);
+    bcase c = {.name = "gemms: window (0, 0) L=37 S=83 +zero, one row a block", .n = 1, .h = 2,
+               .d = 16, .l = 37, .s = 83, .zero_attn = true, .window = true, .wl = 0, .wr = 0};
+    clmha__test_set_fused_backward_block(84);  // S' floats: one row a block
+    run_case(&c, BOTH);
+    bcase d = {.name = "gemms: window (-1, 3) dropout attn float, 3 planes a block", .n = 2,
+               .h = 2, .d = 16, .l = 37, .s = 45, .dropout = 0.3f, .attn_kind = CLMHA_MASK_FLOAT,
+               .attn_layout = ATTN_PER_BATCH, .window = true, .wl = -1, .wr = 3};
+    clmha__test_set_fused_backward_block(3 * 37 * 45);
+    run_case(&d, BOTH);
+    bcase e = {.name = "gemms: window (2, 2) L=100 S=20, rows past every key, blocks of 16",
+               .n = 1, .h = 2, .d = 8, .l = 100, .s = 20, .window = true, .wl = 2, .wr = 2};
+    clmha__test_set_fused_backward_block(16 * 20);
+    run_case(&e, BOTH);
+    // Blocks sized by the window (about span / 4 rows, a power of two, over at most rows + span
+    // keys) rather than by S': 16 rows where S' takes 10 (9).
+    bcase g = {.name = "gemms: window (100, 0) causal L=S=200, blocks of 16 rows by the window",
+               .n = 1, .h = 2, .d = 8, .l = 200, .s = 200, .causal = true, .window = true,
+               .wl = 100, .wr = 0};
+    clmha__test_set_fused_backward_block(10 * 200);
+    run_case(&g, BOTH);
+    bcase h = {.name = "gemms: window (40, 24) L=S=150 +zero, blocks of 16 rows by the window",
+               .n = 2, .h = 2, .d = 16, .l = 150, .s = 150, .zero_attn = true, .window = true,
+               .wl = 40, .wr = 24};
+    clmha__test_set_fused_backward_block(9 * 151);
+    run_case(&h, BOTH);
+    clmha__test_set_fused_backward_block(0);
+    setenv("CLMHA_FUSED_BACKWARD", "kernels", 1);
+    a.name = "kernels: window (17, 0) causal L=S=200";
+    run_case(&a, BOTH);
+    b.name = "kernels: window (5, 7) L=150 S=83 +kv +zero kpm";
+    run_case(&b, BOTH);
+    e.name = "kernels: window (2, 2) L=100 S=20, rows past every key";
+    run_case(&e, BOTH);
+    bcase f = {.name = "kernels: window (70, 1) L=37 S=200 dropout", .n = 2, .h = 2, .d = 64,
+               .l = 37, .s = 200, .dropout = 0.3f, .window = true, .wl = 70, .wr = 1};
+    run_case(&f, BOTH);
+    unsetenv("CLMHA_FUSED_BACKWARD");
 }
 
 // The tiled kernels of the fused backward, also where the GEMMs run in the host BLAS (there

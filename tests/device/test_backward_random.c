@@ -6,6 +6,7 @@
 // bit-identical gradients every time.
 // Every case prints one line per core to stderr with the largest relative error over its
 // gradients.
+#define _POSIX_C_SOURCE 200112L  // setenv, unsetenv
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -221,17 +222,11 @@ static void check_case(clmha_context *ctx, const rcase *c) {
     ref_grads ru = reference(&in, &au, &u, true);
     dev_grads du = device(layer, saved, &in, &au, &u, true, CLMHA_IMPL_UNFUSED, NAN);
     double eu = compare(&in, &du, &ru, true, NAN, name);
-    // Fused: without weights, without mask gradients (not with a sliding window yet: the
-    // fused cores refuse it).
+    // Fused: without weights, without mask gradients.
     clmha_forward_args af = forward_args(&in, CLMHA_IMPL_FUSED);
-    ref_grads rf = {{NULL}};
-    dev_grads df = {{NULL}};
-    double ef = 0.0;
-    if (!c->window) {
-        rf = reference(&in, &af, &u, false);
-        df = device(layer, saved, &in, &af, &u, false, CLMHA_IMPL_FUSED, NAN);
-        ef = compare(&in, &df, &rf, false, NAN, name);
-    }
+    ref_grads rf = reference(&in, &af, &u, false);
+    dev_grads df = device(layer, saved, &in, &af, &u, false, CLMHA_IMPL_FUSED, NAN);
+    double ef = compare(&in, &df, &rf, false, NAN, name);
     fprintf(stderr, "backward random: %-78s unfused %.2e fused %.2e\n", name, eu, ef);
 
     dev_grads_free(&du), dev_grads_free(&df);
@@ -311,6 +306,47 @@ Test(backward_random, sliding_window, .timeout = 600) {
         c.need_weights = k % 2 == 0;
         check_case(ctx, &c);
     }
+    clmha_context_release(ctx);
+}
+
+// The fused backward's window bounds at its tile edges (rows private: 64 keys or query rows a
+// work-group, tiles of 16; one row a work-item: 64; the GEMM blocks' key ranges), through the
+// tiled kernels and through the products in GEMMs (CLMHA_FUSED_BACKWARD; the layer reads it
+// when its fused backward is first built): lengths around the tiles, L != S both ways, windows
+// of 0, 1, tile - 1, tile and tile + 1 on either side, with is_causal, masks, dropout, the
+// appended keys (never windowed, always visited) and rows whose window holds no key.
+Test(backward_random, sliding_window_tile_edges, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    static const struct {
+        size_t l, s;
+        int64_t left, right;
+        bool causal;
+        unsigned appended;  // bit 0 add_bias_kv, bit 1 add_zero_attn
+    } cases[] = {
+        {200, 200, 0, 0, false, 0},  {150, 150, 1, 0, true, 0},   {130, 97, 15, 1, false, 1},
+        {97, 130, 16, -1, true, 2},  {129, 129, 17, 0, true, 0},  {150, 130, 63, 64, false, 3},
+        {130, 150, 65, 1, false, 0}, {65, 63, 1, 63, false, 0},   {64, 64, -1, 16, false, 2},
+        {33, 97, 0, 64, true, 1},    {200, 31, 0, 31, false, 1},  {31, 200, 1, 1, true, 0},
+    };
+    static const char *const modes[] = {"kernels", "gemms"};
+    for (size_t mode = 0; mode < 2; ++mode) {
+        setenv("CLMHA_FUSED_BACKWARD", modes[mode], 1);
+        fprintf(stderr, "backward random: CLMHA_FUSED_BACKWARD=%s\n", modes[mode]);
+        for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) {
+            rcase c = rcase_base(950 + k);
+            c.e = 16, c.h = 2, c.n = 1 + k % 2;
+            c.l = cases[k].l, c.s = cases[k].s;
+            c.window = true, c.win_left = cases[k].left, c.win_right = cases[k].right;
+            c.is_causal = cases[k].causal;
+            c.add_bias_kv = cases[k].appended & 1, c.add_zero_attn = cases[k].appended >> 1;
+            c.need_weights = false, c.batch_first = k % 3 == 0;
+            c.am = k % 5 == 2 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE, c.layout = LAYOUT_PER_HEAD;
+            c.kpm = k % 7 == 3 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE, c.mask_p = 0.1;
+            if (k % 6 == 4) c.training = true, c.dropout = 0.2f;
+            check_case(ctx, &c);
+        }
+    }
+    unsetenv("CLMHA_FUSED_BACKWARD");
     clmha_context_release(ctx);
 }
 

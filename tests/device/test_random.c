@@ -117,27 +117,22 @@ static void check_case(clmha_context *ctx, const rcase *c) {
         for (size_t i = 0; i < c->l; ++i) check_masked_row(&in, out, weights, 0, i);
 
     // The same call without weights through each built-in core: both match the reference
-    // (so dropout drops the same weights in both) and each other. (The fused core takes no
-    // sliding window yet: a windowed case runs the unfused core alone.)
+    // (so dropout drops the same weights in both) and each other.
+    float *fused = core_forward(layer, &in, CLMHA_IMPL_FUSED);
     float *unfused = core_forward(layer, &in, CLMHA_IMPL_UNFUSED);
+    error_stats ef = error_stats_of(fused, ref_out, in.output_count);
     error_stats eu = error_stats_of(unfused, ref_out, in.output_count);
+    double fu = max_abs_diff(fused, unfused, in.output_count);
+    fprintf(stderr, "random: %-78s fused max|err| %.2e unfused %.2e fused-unfused %.2e\n", name,
+            ef.max_abs, eu.max_abs, fu);
+    cr_expect(ef.max_abs <= TOLERANCE, "%s: fused output max abs error %g", name, ef.max_abs);
     cr_expect(eu.max_abs <= TOLERANCE, "%s: unfused output max abs error %g", name, eu.max_abs);
-    if (!c->window) {
-        float *fused = core_forward(layer, &in, CLMHA_IMPL_FUSED);
-        error_stats ef = error_stats_of(fused, ref_out, in.output_count);
-        double fu = max_abs_diff(fused, unfused, in.output_count);
-        fprintf(stderr, "random: %-78s fused max|err| %.2e unfused %.2e fused-unfused %.2e\n",
-                name, ef.max_abs, eu.max_abs, fu);
-        cr_expect(ef.max_abs <= TOLERANCE, "%s: fused output max abs error %g", name, ef.max_abs);
-        cr_expect(fu <= TOLERANCE, "%s: fused and unfused differ by %g", name, fu);
-        if (c->mask_row)
-            for (size_t n = 0; n < in.n; ++n) check_masked_row(&in, fused, NULL, n, 1);
-        if (c->mask_batch)
-            for (size_t i = 0; i < c->l; ++i) check_masked_row(&in, fused, NULL, 0, i);
-        free(fused);
-    } else {
-        fprintf(stderr, "random: %-78s unfused max|err| %.2e\n", name, eu.max_abs);
-    }
+    cr_expect(fu <= TOLERANCE, "%s: fused and unfused differ by %g", name, fu);
+    if (c->mask_row)
+        for (size_t n = 0; n < in.n; ++n) check_masked_row(&in, fused, NULL, n, 1);
+    if (c->mask_batch)
+        for (size_t i = 0; i < c->l; ++i) check_masked_row(&in, fused, NULL, 0, i);
+    free(fused);
     free(unfused);
 
     free(out);
@@ -316,6 +311,43 @@ Test(random, sliding_window, .timeout = 300) {
         c.add_bias_kv = k == 4, c.add_zero_attn = k == 4 || k == 6;
         c.unbatched = k == 1;
         if (k == 6) c.dropout = 0.3f, c.training = true;
+        check_case(ctx, &c);
+    }
+    clmha_context_release(ctx);
+}
+
+// The fused kernels' window bounds at their tile edges (lanes mapping: 32 query rows a
+// work-item, 64 keys a tile; tiled: 128 rows a group, 32 keys a tile): lengths around the
+// tiles, L != S both ways, windows of 0, 1, tile - 1, tile and tile + 1 on either side (and one
+// side unbounded), with is_causal, masks, dropout and the appended keys (never windowed, so
+// always visited), rows whose window holds no key (zeros), need_weights off so that the call
+// takes the fused core under CLMHA_IMPL_AUTO too.
+Test(random, sliding_window_tile_edges, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    static const struct {
+        size_t l, s;
+        int64_t left, right;
+        bool causal;
+        unsigned appended;  // bit 0 add_bias_kv, bit 1 add_zero_attn
+    } cases[] = {
+        {200, 200, 0, 0, false, 0},  {200, 200, 1, 0, true, 0},   {130, 130, 31, 0, true, 0},
+        {130, 97, 32, 1, false, 1},  {97, 130, 33, -1, true, 2},  {129, 129, 63, 0, true, 0},
+        {200, 150, 64, 64, false, 3}, {150, 200, 65, 1, false, 0}, {65, 63, 1, 63, false, 0},
+        {64, 64, -1, 32, false, 2},  {33, 97, 0, 64, true, 1},    {160, 160, 0, 65, false, 3},
+        {300, 257, 64, 0, true, 0},  {200, 31, 0, 31, false, 1},  {31, 200, 1, 1, true, 0},
+        {257, 300, 127, 128, false, 0},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) {
+        rcase c = rcase_base(900 + k);
+        c.e = 16, c.h = 2, c.n = 1 + k % 2;
+        c.l = cases[k].l, c.s = cases[k].s;
+        c.window = true, c.win_left = cases[k].left, c.win_right = cases[k].right;
+        c.is_causal = cases[k].causal;
+        c.add_bias_kv = cases[k].appended & 1, c.add_zero_attn = cases[k].appended >> 1;
+        c.need_weights = false, c.batch_first = k % 3 == 0;
+        c.am = k % 5 == 2 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE, c.layout = LAYOUT_PER_HEAD;
+        c.kpm = k % 7 == 3 ? CLMHA_MASK_BOOL_IGNORE : CLMHA_MASK_NONE, c.mask_p = 0.1;
+        if (k % 6 == 4) c.training = true, c.dropout = 0.2f;
         check_case(ctx, &c);
     }
     clmha_context_release(ctx);

@@ -30,7 +30,7 @@ typedef struct scase {
     bool causal, gqa, dead_row;  // dead_row: the mask forbids every key of query row 1
     double scale;
     float dropout;
-    bool window;  // a sliding window (wl, wr; -1 unbounded): the fused cores refuse it yet
+    bool window;  // a sliding window (wl, wr; -1 unbounded)
     int64_t wl, wr;
 } scase;
 
@@ -258,14 +258,6 @@ static void check_case(clmha_context *ctx, const scase *c) {
         // Both cores write the log-sum-exp rows; the unfused one also the weights.
         st = clmha_attention_forward_host(ctx, &a, out, x.nout, lse, x.nlse, fused ? NULL : w,
                                           fused ? 0 : x.nw);
-        if (fused && c->window) {  // not yet the fused core's: refused, not run elsewhere
-            cr_assert_eq(st, CLMHA_UNSUPPORTED, "%s: fused with a window: %s", c->name,
-                         clmha_status_string(st));
-            cr_assert(strstr(clmha_context_last_error(ctx), "sliding window"), "%s: %s",
-                      c->name, clmha_context_last_error(ctx));
-            fused_off = true;
-            continue;
-        }
         if (fused && fused_kept_off(ctx, c, st)) {
             fused_off = true;
             continue;
@@ -737,7 +729,7 @@ static void check_backward(clmha_context *ctx, const scase *c) {
         clmha_attention_forward_host(ctx, &probe, pout, x.nout, plse, x.nlse, NULL, 0);
     free(pout);
     free(plse);
-    if (!c->window && !fused_kept_off(ctx, c, pst)) {
+    if (!fused_kept_off(ctx, c, pst)) {
         cr_assert_eq(pst, CLMHA_SUCCESS, "%s: fused forward: %s", c->name,
                      clmha_context_last_error(ctx));
         check_backward_once(ctx, c, &x, g, want, CLMHA_IMPL_FUSED, 3);
@@ -825,7 +817,7 @@ Test(sdpa, backward_against_the_reference, .timeout = 600) {
 
 // Sliding windows (left, right; -1 unbounded), top-left positions (query row i at position
 // i), with is_causal, masks, GQA, L != S, D_v != D, dropout, unbatched: forward and backward
-// against the reference (the unfused core: the fused cores refuse a window yet).
+// through both cores against the reference.
 #define WIN(l_, r_) .window = true, .wl = l_, .wr = r_
 static const scase windows[] = {
     {CASE("window (2, 0)", NHLD, true), SZ(2, 3, 0, 7, 7, 8), WIN(2, 0)},
@@ -851,8 +843,8 @@ Test(sdpa, sliding_window, .timeout = 600) {
     clmha_context_release(ctx);
 }
 
-// A window's bounds must be -1 or at least 0, for the function and for a layer; the fused core
-// asked for by impl refuses a window yet (the KV-cache form takes one: test_sdpa_kv).
+// A window's bounds must be -1 or at least 0, for the function and for a layer (every core
+// takes a window: test_sdpa_kv for the KV-cache form).
 Test(sdpa, window_refusals, .timeout = 300) {
     clmha_context *ctx = context_or_skip();
     small s;
@@ -861,8 +853,6 @@ Test(sdpa, window_refusals, .timeout = 300) {
     refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "args.window_left (-2)");
     s.a.window_left = 1, s.a.window_right = -5;
     refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "must each be -1 (unbounded) or at least 0");
-    s.a.window_right = 0, s.a.impl = CLMHA_IMPL_FUSED;
-    refused(ctx, &s, CLMHA_UNSUPPORTED, "takes no sliding window yet");
     clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = 8, .num_heads = 2,
                              .window = true, .window_left = -3, .window_right = 1};
     clmha_layer *layer = NULL;

@@ -25,7 +25,8 @@
 //                  private at 64, in local memory at 128); and, through an imported tuning
 //                  ("tiles": it stays in effect for the later fused cases of the same process),
 //                  8- and 4-wide vectors with one and two rows per work-item (Oclgrind prefers
-//                  scalars, which the default tiles then use)
+//                  scalars, which the default tiles then use); sliding windows (key tiles
+//                  outside every row's window skipped, rows whose window holds no key)
 //   merge_partials (the "partial" case: two key ranges of clmha_layer_attend merged)
 //   f16_to_f32, f32_to_f16, bf16_to_f32, f32_to_bf16 (the "f16"/"bf16" cases: 16-bit layers,
 //                  inputs and float masks widened, output and weights narrowed)
@@ -35,7 +36,8 @@
 //                  the same core, compared with clmha_reference_backward) merge_rows,
 //                  appended_row_sums, and each core's backward kernels: weights
 //                  gradients, float mask gradients of every layout, dropout replay, causal
-//                  tile skipping, fully masked rows, head_dim 1 and 64
+//                  and window tile skipping (the GEMM blocks' window key ranges), fully masked
+//                  rows, head_dim 1 and 64
 //
 // Usage: oclgrind_driver [-v] [--whole-writes] [--list] [--class NAME] [case number...]
 //   -v              print the device name
@@ -121,6 +123,8 @@ typedef struct dcase {
     size_t partial_split;    // > 0: partial attention over keys [0, split) and [split, S),
                              // merged and projected (cross-attention, sequence-first, no masks)
     clmha_dtype dtype;       // the layer's (parameters, inputs and float masks rounded to it)
+    bool window;             // a sliding window: query i sees key j < S only when
+    int64_t wl, wr;          // i - wl <= j <= i + wr (-1: that side unbounded)
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -251,6 +255,21 @@ static const dcase cases[] = {
      .e = 8, .h = 2, .n = 2, .l = 3, .s = 37, .am = F, .layout = PER_HEAD, .bias_kv = true,
      .zero_attn = true, .dropout = 0.25f, .train = true, .fused = true, .backward = true,
      .gemm_block = 2 * 3 * 39},
+    // Sliding windows: the fused kernels' key and query tiles outside every window of a block
+    // skipped (loop bounds), the appended keys always visited, rows whose window holds no key;
+    // the products in GEMMs over each row block's window keys and the appended keys apart.
+    {"fused: window (3, 2) self L=S=100, zero_attn, kpm=ignore", .e = 8, .h = 2, .n = 2,
+     .l = 100, .self_attn = true, .zero_attn = true, .kpm = I, .fused = true, .window = true,
+     .wl = 3, .wr = 2},
+    {"fused: window (-1, 1) L40 S100, am=float (N*H,L,S), dropout", .e = 8, .h = 2, .n = 1,
+     .l = 40, .s = 100, .am = F, .layout = PER_HEAD, .dropout = 0.25f, .train = true,
+     .fused = true, .window = true, .wl = -1, .wr = 1},
+    {"backward fused: window (3, 0) self causal L=S=100, zero_attn", .e = 8, .h = 2, .n = 1,
+     .l = 100, .self_attn = true, .causal = true, .zero_attn = true, .fused = true,
+     .backward = true, .window = true, .wl = 3, .wr = 0},
+    {"backward fused gemms: window (2, 5) self L70, zero_attn, kpm=ignore, blocks of 16 rows",
+     .e = 8, .h = 2, .n = 1, .l = 70, .self_attn = true, .zero_attn = true, .kpm = I,
+     .fused = true, .backward = true, .gemm_block = 16 * 71, .window = true, .wl = 2, .wr = 5},
     // The decode core (KV cache): decode_append of ragged counts, decode_partial with empty
     // and partial key blocks and ranges, decode_combine with bias_k/bias_v and the zero key.
     {"decode: self causal L=S=37, bias_kv+zero_attn, token by token, 3 ranges", .e = 8, .h = 2,
@@ -500,7 +519,8 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
                              .vdim = c->vdim, .bias = !c->nobias, .add_bias_kv = c->bias_kv,
                              .add_zero_attn = c->zero_attn, .batch_first = c->batch_first,
                              .dropout = c->dropout, .num_kv_heads = c->kv_heads,
-                             .dtype = c->dtype};
+                             .dtype = c->dtype, .window = c->window, .window_left = c->wl,
+                             .window_right = c->wr};
     const size_t kve = c->kv_heads ? c->kv_heads * (e / c->h) : e;  // key/value width
 
     // Parameters.
