@@ -12,10 +12,8 @@
 //       cli_sdpa <case> out_maxabs=... lse_maxabs=... w_maxabs=... grads=N grad_maxnorm=...
 //     and its usage errors, refused files and shapes, float64 inputs, dropout replay, files all
 //     or none;
-//   - sliding windows (a layer file's metadata window, --window): the window cases of both lists;
-//     a run through a core that takes no window yet (fused, decode) is skipped, said on stderr
-//     ("cli <case> ...: skipped, the core takes no sliding window yet"), until it takes one;
-//     bad --window values are usage errors;
+//   - sliding windows (a layer file's metadata window, --window): the window cases of both lists,
+//     through every core (fused, unfused, decode); bad --window values are usage errors;
 //   - --dtype f64: '<f8' files in and out, against the float64 reference and every PyTorch case
 //     (max abs error <= 1e-12), doubles no float holds kept bit for bit; what float64 layers
 //     lack yet (KV cache, backward) refused as usage errors; `clmha bench --dtype f64`;
@@ -425,17 +423,6 @@ static double compare_grads(const char *case_dir, const char *grads_dir, const c
     return worst;
 }
 
-// Whether a run that failed was refused for its sliding window by a core that takes none yet:
-// exit 1 and a message naming the window. The unfused core runs windows; the fused and decode
-// cores refuse them until they take them, and then these runs check them like the others. Said
-// on stderr and in the log.
-static bool window_not_taken_yet(const cli_result *r, const char *what) {
-    if (r->status != 1 || !strstr(r->err, "sliding window")) return false;
-    fprintf(stderr, "cli %s: skipped, the core takes no sliding window yet\n", what);
-    cr_log_info("%s: skipped: %s", what, r->err);
-    return true;
-}
-
 // Whether a case's layer file has a sliding window (__metadata__ window) or its args give one.
 static bool case_has_window(const char *layer_path, const char *flags) {
     if (flags && strstr(flags, "--window")) return true;
@@ -568,21 +555,18 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
     bool window = case_has_window(paths[0], flags);
     char other_what[CLI_MAX_NAME + 32];
     snprintf(other_what, sizeof other_what, "%s --impl %s", name, other);
-    bool other_ran = !(window && window_not_taken_yet(&r, other_what));
-    if (other_ran) {
-        cr_assert_eq(r.status, 0, "%s --impl %s: exit status %d; stderr: %s", name, other,
-                     r.status, r.err);
-        read_npy(out_path, &got);
-        read_npy(want_path, &want);
-        double other_err = npy_max_abs_diff(&got, &want, "output", name);
-        clmha__npy_free(&got);
-        clmha__npy_free(&want);
-        fprintf(stderr, "cli %s --impl %s out_maxabs=%.3e\n", name, other, other_err);
-        cr_expect_leq(other_err, CLI_TOL, "%s --impl %s: output max abs error %.3e", name, other,
-                      other_err);
-    }
+    cr_assert_eq(r.status, 0, "%s --impl %s: exit status %d; stderr: %s", name, other, r.status,
+                 r.err);
+    read_npy(out_path, &got);
+    read_npy(want_path, &want);
+    double other_err = npy_max_abs_diff(&got, &want, "output", name);
+    clmha__npy_free(&got);
+    clmha__npy_free(&want);
+    fprintf(stderr, "cli %s --impl %s out_maxabs=%.3e\n", name, other, other_err);
+    cr_expect_leq(other_err, CLI_TOL, "%s --impl %s: output max abs error %.3e", name, other,
+                  other_err);
     cli_free(&r);
-    if (other_ran && grads && !grad_weights) {
+    if (grads && !grad_weights) {
         size_t files = 0;
         double g_err = compare_grads(dir, grads_dir, other_what, &files);
         fprintf(stderr, "cli %s grads=%zu grad_maxnorm=%.3e\n", other_what, files, g_err);
@@ -626,18 +610,15 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
         r = cli_run_argv(cv);
         char chunk_what[CLI_MAX_NAME + 32];
         snprintf(chunk_what, sizeof chunk_what, "%s --decode-chunk 2", name);
-        if (!(window && window_not_taken_yet(&r, chunk_what))) {
-            cr_assert_eq(r.status, 0, "%s: exit status %d; stderr: %s", chunk_what, r.status,
-                         r.err);
-            read_npy(out_path, &got);
-            read_npy(want_path, &want);
-            double chunk_err = npy_max_abs_diff(&got, &want, "output", name);
-            clmha__npy_free(&got);
-            clmha__npy_free(&want);
-            fprintf(stderr, "cli %s out_maxabs=%.3e\n", chunk_what, chunk_err);
-            cr_expect_leq(chunk_err, CLI_TOL, "%s: output max abs error %.3e", chunk_what,
-                          chunk_err);
-        }
+        cr_assert_eq(r.status, 0, "%s: exit status %d; stderr: %s", chunk_what, r.status,
+                     r.err);
+        read_npy(out_path, &got);
+        read_npy(want_path, &want);
+        double chunk_err = npy_max_abs_diff(&got, &want, "output", name);
+        clmha__npy_free(&got);
+        clmha__npy_free(&want);
+        fprintf(stderr, "cli %s out_maxabs=%.3e\n", chunk_what, chunk_err);
+        cr_expect_leq(chunk_err, CLI_TOL, "%s: output max abs error %.3e", chunk_what, chunk_err);
         cli_free(&r);
         free(opts);
     }
@@ -2449,15 +2430,9 @@ static double sdpa_file_error(const char *dir, const char *want_file, const char
 // One run of a case: the output (and the log-sum-exp, the weights when @p lse, @p weights) within
 // SDPA_TOL of PyTorch's, the gradients (when @p grads_dir) as compare_grads() checks them; one
 // line of errors on stderr.
-// @p window: the case has a sliding window, which the core asked for may refuse (skipped).
 static void sdpa_check_run(const char *dir, const char *what, const char *const *argv,
-                           const tmp_dir *out, bool lse, bool weights, const char *grads_dir,
-                           bool window) {
+                           const tmp_dir *out, bool lse, bool weights, const char *grads_dir) {
     cli_result r = cli_run_argv(argv);
-    if (window && window_not_taken_yet(&r, what)) {
-        cli_free(&r);
-        return;
-    }
     cr_assert_eq(r.status, 0, "%s: exit status %d; stderr: %s", what, r.status, r.err);
     cli_free(&r);
     double y = sdpa_file_error(dir, "expected_output.npy", tmp_file(out, "out.npy"), what);
@@ -2533,8 +2508,7 @@ ParameterizedTest(struct cli_param *param, cli_sdpa, cases) {
     if (lse) argv[argc++] = "--lse-output", argv[argc++] = tmp_file(&out, "lse.npy");
     if (weights) argv[argc++] = "--weights-output", argv[argc++] = tmp_file(&out, "w.npy");
     argv[argc] = NULL;
-    bool window = strstr(extra_text, "--window") != NULL;
-    sdpa_check_run(dir, name, argv, &out, lse, weights, grads ? grads_dir : NULL, false);
+    sdpa_check_run(dir, name, argv, &out, lse, weights, grads ? grads_dir : NULL);
 
     const char *other = weights ? "fused" : "unfused";
     char what[CLI_MAX_NAME + 48];
@@ -2550,7 +2524,7 @@ ParameterizedTest(struct cli_param *param, cli_sdpa, cases) {
     argv[argc++] = "--impl";
     argv[argc++] = other;
     argv[argc] = NULL;
-    sdpa_check_run(dir, what, argv, &out, lse2, false, grads ? grads_dir : NULL, window);
+    sdpa_check_run(dir, what, argv, &out, lse2, false, grads ? grads_dir : NULL);
     free(extra);
     free(extra_text);
     tmp_remove(&out);

@@ -7,9 +7,7 @@
 // The fused backward neither takes a weights gradient nor returns mask gradients: for cases
 // with need_weights or a float mask it runs the call without weights and without mask
 // gradients, and is compared with clmha_reference_backward() of that call instead (the golden
-// gradients do not apply to it). The cases with a sliding window run in the unfused suite only
-// for now: the fused backward refuses windows until it takes them (then widen: see
-// run_all()). --verbose logs the error of every tensor. Skipped without an OpenCL device.
+// gradients do not apply to it). --verbose logs the error of every tensor. Skipped without an OpenCL device.
 #include <criterion/criterion.h>
 #include <criterion/logging.h>
 
@@ -128,24 +126,11 @@ static void run_case(clmha_context *ctx, const char *name, clmha_impl impl) {
 
 // Every case (CLMHA_TEST_CASE_STRIDE selects a subset) on one context: a process per case would
 // spend most of its time creating the context and loading the GEMM kernels.
-// A case with a sliding window goes through the unfused core only, for now: the fused core
-// refuses windows (CLMHA_UNSUPPORTED) until it takes them; widen this then.
 static void run_all(clmha_impl impl) {
     clmha_context *ctx = context_or_skip();
     case_stride stride = case_stride_get("backward_device", golden_num_cases);
     for (size_t i = 0; i < golden_num_cases; i++) {
         if (!case_stride_keeps(stride, i)) continue;
-        if (impl == CLMHA_IMPL_FUSED) {
-            golden_case gc;
-            golden_load_case(golden_case_names[i], &gc);
-            bool window = gc.window;
-            golden_free(&gc);
-            if (window) {
-                cr_log_info("backward_device fused %s: skipped (a sliding window; the fused "
-                            "core takes none yet)", golden_case_names[i]);
-                continue;
-            }
-        }
         run_case(ctx, golden_case_names[i], impl);
     }
     clmha_context_release(ctx);

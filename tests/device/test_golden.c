@@ -4,9 +4,7 @@
 //   (b) clmha_layer_forward_host() on the device of CLMHA_DEVICE: error <= 1e-4 (skipped when no
 //       OpenCL device exists);
 //   (c) the same call without weights through each built-in core, fused and unfused: output
-//       error <= 1e-4. A case with a sliding window runs through auto and unfused only for
-//       now: the fused core refuses windows until it takes them (then widen this: see
-//       runs_fused()).
+//       error <= 1e-4 (the cases with a sliding window too).
 // One line per case goes to stderr:
 //   golden <case> out_maxabs=... w_maxabs=... ref_maxabs=... fused=... unfused=...
 #include <criterion/criterion.h>
@@ -40,11 +38,6 @@ static size_t first_nan_f(const float *x, size_t n) {
         if (isnan(x[i])) return i;
     return n;
 }
-
-// Whether the case goes through the fused core: not with a sliding window yet (the fused core
-// refuses one with CLMHA_UNSUPPORTED; impl auto takes the unfused core). Widen once it takes
-// windows.
-static bool runs_fused(const golden_case *gc) { return !gc->window; }
 
 // ---- the test --------------------------------------------------------------------------------
 
@@ -131,7 +124,6 @@ ParameterizedTest(struct golden_param *param, golden, cases, .timeout = 120) {
     double core_err[2] = {NAN, NAN};
     static const clmha_impl cores[2] = {CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};
     for (int c = 0; c < 2; c++) {
-        if (cores[c] == CLMHA_IMPL_FUSED && !runs_fused(&gc)) continue;
         clmha_forward_args a = args;
         a.need_weights = false, a.per_head_weights = false, a.impl = cores[c];
         for (size_t i = 0; i < n_out; i++) out[i] = NAN;
@@ -145,9 +137,8 @@ ParameterizedTest(struct golden_param *param, golden, cases, .timeout = 120) {
             "golden %s out_maxabs=%.3e w_maxabs=%.3e ref_maxabs=%.3e fused=%.3e unfused=%.3e\n",
             gc.name, out_err, w_err, ref_maxabs, core_err[0], core_err[1]);
     for (int c = 0; c < 2; c++)
-        if (cores[c] != CLMHA_IMPL_FUSED || runs_fused(&gc))  // (fused=nan: not run)
-            cr_expect_leq(core_err[c], DEVICE_TOL, "%s: %s output error %.3e > %.0e", gc.name,
-                          clmha_impl_name(cores[c]), core_err[c], DEVICE_TOL);
+        cr_expect_leq(core_err[c], DEVICE_TOL, "%s: %s output error %.3e > %.0e", gc.name,
+                      clmha_impl_name(cores[c]), core_err[c], DEVICE_TOL);
 
     cr_expect_leq(ref_err, REF_TOL, "%s: reference error %.3e > %.0e (1 + max|y|)", gc.name,
                   ref_err, REF_TOL);

@@ -9,9 +9,7 @@
 // Each result's max abs error against the float64 golden must be at most
 // TOLERANCE * (1 + max|golden|) (float32 compute, unit-scale inputs). A device that keeps the
 // fused core from a case (Mesa llvmpipe's loop limit: CLMHA_UNSUPPORTED naming it) skips the
-// fused turns, said on the log. A case with a sliding window (its sdpa line's window) skips them
-// too for now: the fused core refuses windows until it takes them (then widen: see
-// runs_fused()). One line per case and a summary go to stderr:
+// fused turns, said on the log. One line per case and a summary go to stderr:
 //   sdpa golden: <case> output ... lse ... weights ... dq ... dk ... dv ... dmask ...
 //   sdpa golden: N cases, M checks, worst output ..., lse ..., ...
 #include <criterion/criterion.h>
@@ -115,15 +113,6 @@ static clmha_attention_args args_of(const golden_case *gc) {
     return a;
 }
 
-// Whether the case goes through the fused core: not with a sliding window yet (it refuses one
-// with CLMHA_UNSUPPORTED; impl auto takes the unfused core). Widen once it takes windows.
-static bool runs_fused(const golden_case *gc) {
-    if (!gc->window) return true;
-    fprintf(stderr, "sdpa golden: %s: fused core skipped (a sliding window: it takes none yet)\n",
-            gc->name);
-    return false;
-}
-
 // Whether the device keeps the fused core from this call (test_sdpa.c's rule): the driver's
 // loop limit makes it CLMHA_UNSUPPORTED, naming the limit. Said on the log.
 static bool fused_kept_off(clmha_context *ctx, const golden_case *gc, clmha_status st) {
@@ -141,13 +130,13 @@ static bool forward_host(clmha_context *ctx, const golden_case *gc) {
     size_t n_out = count_of(gc, "output"), n_lse = count_of(gc, "lse");
     size_t n_w = count_of(gc, "weights");
     static const clmha_impl impls[3] = {CLMHA_IMPL_AUTO, CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};
-    bool fused_on = runs_fused(gc);
+    bool fused_on = true;
     for (int i = 0; i < 3; ++i) {
         a.impl = impls[i];
         bool fused = a.impl == CLMHA_IMPL_FUSED, unfused = a.impl == CLMHA_IMPL_UNFUSED;
         if (fused && !fused_on) continue;
         // The log-sum-exp rows from the fused core, and from the unfused one (which writes them
-        // too) where a window keeps the fused core off.
+        // too) for a case with a window.
         bool with_lse = fused || (unfused && gc->window);
         float *out = nan_floats(n_out), *lse = nan_floats(n_lse), *w = nan_floats(n_w);
         clmha_status st = clmha_attention_forward_host(ctx, &a, out, n_out, with_lse ? lse : NULL,
