@@ -317,12 +317,7 @@ Test(backward_random, sliding_window, .timeout = 600) {
 // appended keys (never windowed, always visited) and rows whose window holds no key.
 Test(backward_random, sliding_window_tile_edges, .timeout = 600) {
     clmha_context *ctx = context_or_skip();
-    static const struct {
-        size_t l, s;
-        int64_t left, right;
-        bool causal;
-        unsigned appended;  // bit 0 add_bias_kv, bit 1 add_zero_attn
-    } cases[] = {
+    static const window_edge cases[] = {
         {200, 200, 0, 0, false, 0},  {150, 150, 1, 0, true, 0},   {130, 97, 15, 1, false, 1},
         {97, 130, 16, -1, true, 2},  {129, 129, 17, 0, true, 0},  {150, 130, 63, 64, false, 3},
         {130, 150, 65, 1, false, 0}, {65, 63, 1, 63, false, 0},   {64, 64, -1, 16, false, 2},
@@ -333,16 +328,7 @@ Test(backward_random, sliding_window_tile_edges, .timeout = 600) {
         setenv("CLMHA_FUSED_BACKWARD", modes[mode], 1);
         fprintf(stderr, "backward random: CLMHA_FUSED_BACKWARD=%s\n", modes[mode]);
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) {
-            rcase c = rcase_base(950 + k);
-            c.e = 16, c.h = 2, c.n = 1 + k % 2;
-            c.l = cases[k].l, c.s = cases[k].s;
-            c.window = true, c.win_left = cases[k].left, c.win_right = cases[k].right;
-            c.is_causal = cases[k].causal;
-            c.add_bias_kv = cases[k].appended & 1, c.add_zero_attn = cases[k].appended >> 1;
-            c.need_weights = false, c.batch_first = k % 3 == 0;
-            c.am = k % 5 == 2 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE, c.layout = LAYOUT_PER_HEAD;
-            c.kpm = k % 7 == 3 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE, c.mask_p = 0.1;
-            if (k % 6 == 4) c.training = true, c.dropout = 0.2f;
+            rcase c = rcase_window_edge(&cases[k], k, 950 + k, CLMHA_MASK_FLOAT);
             check_case(ctx, &c);
         }
     }

@@ -324,12 +324,7 @@ Test(random, sliding_window, .timeout = 300) {
 // takes the fused core under CLMHA_IMPL_AUTO too.
 Test(random, sliding_window_tile_edges, .timeout = 300) {
     clmha_context *ctx = context_or_skip();
-    static const struct {
-        size_t l, s;
-        int64_t left, right;
-        bool causal;
-        unsigned appended;  // bit 0 add_bias_kv, bit 1 add_zero_attn
-    } cases[] = {
+    static const window_edge cases[] = {
         {200, 200, 0, 0, false, 0},  {200, 200, 1, 0, true, 0},   {130, 130, 31, 0, true, 0},
         {130, 97, 32, 1, false, 1},  {97, 130, 33, -1, true, 2},  {129, 129, 63, 0, true, 0},
         {200, 150, 64, 64, false, 3}, {150, 200, 65, 1, false, 0}, {65, 63, 1, 63, false, 0},
@@ -338,16 +333,7 @@ Test(random, sliding_window_tile_edges, .timeout = 300) {
         {257, 300, 127, 128, false, 0},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) {
-        rcase c = rcase_base(900 + k);
-        c.e = 16, c.h = 2, c.n = 1 + k % 2;
-        c.l = cases[k].l, c.s = cases[k].s;
-        c.window = true, c.win_left = cases[k].left, c.win_right = cases[k].right;
-        c.is_causal = cases[k].causal;
-        c.add_bias_kv = cases[k].appended & 1, c.add_zero_attn = cases[k].appended >> 1;
-        c.need_weights = false, c.batch_first = k % 3 == 0;
-        c.am = k % 5 == 2 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE, c.layout = LAYOUT_PER_HEAD;
-        c.kpm = k % 7 == 3 ? CLMHA_MASK_BOOL_IGNORE : CLMHA_MASK_NONE, c.mask_p = 0.1;
-        if (k % 6 == 4) c.training = true, c.dropout = 0.2f;
+        rcase c = rcase_window_edge(&cases[k], k, 900 + k, CLMHA_MASK_BOOL_IGNORE);
         check_case(ctx, &c);
     }
     clmha_context_release(ctx);

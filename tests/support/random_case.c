@@ -13,6 +13,20 @@ static const char *kind_name(clmha_mask_kind k) {
     return names[k];
 }
 
+rcase rcase_window_edge(const window_edge *w, size_t k, uint64_t seed, clmha_mask_kind kpm) {
+    rcase c = rcase_base(seed);
+    c.e = 16, c.h = 2, c.n = 1 + k % 2;
+    c.l = w->l, c.s = w->s;
+    c.window = true, c.win_left = w->left, c.win_right = w->right;
+    c.is_causal = w->causal;
+    c.add_bias_kv = w->appended & 1, c.add_zero_attn = w->appended >> 1;
+    c.need_weights = false, c.batch_first = k % 3 == 0;
+    c.am = k % 5 == 2 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE, c.layout = LAYOUT_PER_HEAD;
+    c.kpm = k % 7 == 3 ? kpm : CLMHA_MASK_NONE, c.mask_p = 0.1;
+    if (k % 6 == 4) c.training = true, c.dropout = 0.2f;
+    return c;
+}
+
 void rcase_describe(const rcase *c, char *buf, size_t size) {
     static const char *layouts[] = {"L,S", "NH,L,S", "N,L,S"};
     int used = snprintf(buf, size, "E%zu H%zu N%zu L%zu S%zu", c->e, c->h,

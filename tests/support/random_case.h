@@ -45,6 +45,20 @@ typedef struct instance {
     void *kpm, *am;
 } instance;
 
+// A sliding window at the fused kernels' tile edges: lengths, bounds (-1 unbounded), is_causal
+// and the appended keys (bit 0 add_bias_kv, bit 1 add_zero_attn).
+typedef struct window_edge {
+    size_t l, s;
+    int64_t left, right;
+    bool causal;
+    unsigned appended;
+} window_edge;
+
+// Case @p k of a list of window_edge cases: E 16, H 2, the edge's window and lengths, and by k
+// the batch, batch_first, a float attn_mask (per head), a key_padding_mask of @p kpm kind and
+// dropout in training; no weights (the fused core runs it). Data from @p seed.
+rcase rcase_window_edge(const window_edge *w, size_t k, uint64_t seed, clmha_mask_kind kpm);
+
 // One line naming the case's options, for messages.
 void rcase_describe(const rcase *c, char *buf, size_t size);
 
