@@ -107,6 +107,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import export_mha  # noqa: E402
 import golden_compare  # noqa: E402
+from make_golden import window_outside, with_masked  # noqa: E402
 
 torch.set_grad_enabled(True)  # keeps nn.MultiheadAttention off its native fast path
 
@@ -414,16 +415,9 @@ def header_of(blob):
 def window_keep(L, S, window):
     """The bool (L, S) of keys j that query i may attend under the sliding window (left, right):
     i - left <= j <= i + right, -1 leaving a side unbounded; all True for None."""
-    keep = np.ones((L, S), dtype=bool)
-    if window is not None:
-        left, right = window
-        i = np.arange(L)[:, None]
-        j = np.arange(S)[None, :]
-        if left >= 0:
-            keep &= j >= i - left
-        if right >= 0:
-            keep &= j <= i + right
-    return keep
+    if window is None:
+        return np.ones((L, S), dtype=bool)
+    return ~window_outside(L, S, window).numpy()
 
 
 def case_window(c):
@@ -528,21 +522,9 @@ def generate(c, out_dir, given_root=None):
                 x.requires_grad_(True)
     attn_in = attn_t
     if c["causal"]:
-        causal = torch.triu(torch.ones(L, S, dtype=torch.bool), 1)
-        if attn_in is None:
-            attn_in = causal
-        elif attn_in.dtype == torch.bool:
-            attn_in = attn_in | causal
-        else:
-            attn_in = attn_in.masked_fill(causal, float("-inf"))
+        attn_in = with_masked(attn_in, torch.triu(torch.ones(L, S, dtype=torch.bool), 1))
     if case_window(c) is not None:  # the window as one more boolean mask (True = masked)
-        outside = torch.from_numpy(~window_keep(L, S, case_window(c)))
-        if attn_in is None:
-            attn_in = outside
-        elif attn_in.dtype == torch.bool:
-            attn_in = attn_in | outside
-        else:
-            attn_in = attn_in.masked_fill(outside, float("-inf"))
+        attn_in = with_masked(attn_in, window_outside(L, S, case_window(c)))
     kpm_in = kpm_t
     if kpm_t is not None and kpm_t.dtype != torch.bool and attn_in is not None:
         # One additive (N*H, L, S) mask: attn_mask + key_padding_mask (see the docstring).

@@ -570,6 +570,16 @@ def additive(c, kpm, attn):
     return tot
 
 
+def with_masked(attn, masked):
+    """attn_mask @p attn (None, bool with True = masked, or float) with the keys of the bool
+    @p masked forbidden too, in @p attn's kind."""
+    if attn is None:
+        return masked
+    if attn.dtype == torch.bool:
+        return attn | masked
+    return attn.masked_fill(masked, -math.inf)
+
+
 def window_outside(L, S, window):
     """The bool (L, S) of keys outside the sliding window (left, right) (True = masked): key j
     is inside for query i iff i - left <= j <= i + right, -1 leaving a side unbounded."""
@@ -733,21 +743,9 @@ def pytorch_masks(c, kpm, attn):
         if c["attn_shape"] == "per_batch":
             attn_t = attn_t.repeat_interleave(H, dim=0)
     if c["causal"]:
-        causal = torch.triu(torch.ones(L, S, dtype=torch.bool), 1)
-        if attn_t is None:
-            attn_t = causal
-        elif attn_t.dtype == torch.bool:
-            attn_t = attn_t | causal
-        else:
-            attn_t = attn_t.masked_fill(causal, -math.inf)
+        attn_t = with_masked(attn_t, torch.triu(torch.ones(L, S, dtype=torch.bool), 1))
     if c["window"] is not None:  # as the causal mask
-        outside = window_outside(L, S, c["window"])
-        if attn_t is None:
-            attn_t = outside
-        elif attn_t.dtype == torch.bool:
-            attn_t = attn_t | outside
-        else:
-            attn_t = attn_t.masked_fill(outside, -math.inf)
+        attn_t = with_masked(attn_t, window_outside(L, S, c["window"]))
     return kpm_t, attn_t
 
 
