@@ -796,7 +796,7 @@ typedef struct clmha_layer_desc {
     /// p_i is i (top-left, as is_causal) without a KV cache and the sequence's cached length + i
     /// (bottom-right) with one. The keys appended by add_bias_kv and add_zero_attn are never
     /// windowed. The window combines with the masks and is_causal: a key must pass them all.
-    /// Added after 0.2.0: a shorter or zero-initialised struct has no window. (docs/design.md,
+    /// Added after 0.1.0: a shorter or zero-initialised struct has no window. (docs/design.md,
     /// "Attention variants".)
     bool window;
     int64_t window_left;   ///< keys before the query's position it sees; −1: all of them
@@ -1689,7 +1689,7 @@ typedef struct clmha_attention_args {
     /// Sliding window, as clmha_layer_desc::window: query row i, at position p_i (i, or the
     /// cached length + i with kv_cache), attends key j only when
     /// p_i − window_left ≤ j ≤ p_i + window_right; −1 leaves a side unbounded. Added after
-    /// 0.2.0: zero-initialised, off.
+    /// 0.1.0: zero-initialised, off.
     bool window;
     int64_t window_left, window_right;  ///< as clmha_layer_desc::window_left, window_right
 } clmha_attention_args;
