@@ -1691,7 +1691,8 @@ typedef struct clmha_attention_args {
     /// p_i − window_left ≤ j ≤ p_i + window_right; −1 leaves a side unbounded. Added after
     /// 0.1.0: zero-initialised, off.
     bool window;
-    int64_t window_left, window_right;  ///< as clmha_layer_desc::window_left, window_right
+    int64_t window_left;   ///< as clmha_layer_desc::window_left; −1: all keys before
+    int64_t window_right;  ///< as clmha_layer_desc::window_right; −1: all keys after
 } clmha_attention_args;
 
 /// Element counts of the results of a clmha_attention_forward() call of @p args. Validates the
