@@ -2171,11 +2171,13 @@ Test(cli_bench, window_json) {
               "%s", r.out);
     cr_expect(strstr(r.out, "\"impl\": \"fused\""), "%s", r.out);
     cr_expect_eq(json_number(r.out, "flops"), p + a, "%s", r.out);
+    cli_free(&r);
     r = cli_run("bench", "--json", "--backward", "--embed", "16", "--heads", "2", "--batch", "1",
                 "--tgt-len", "9", "--causal", "--window", "2,0", "--repeat", "1");
     cr_assert_eq(r.status, 0, "stderr: %s", r.err);
     cr_expect_eq(json_number(r.out, "attention_flops"), a, "%s", r.out);
     cr_expect_eq(json_number(r.out, "projection_flops"), p, "%s", r.out);
+    cli_free(&r);
     r = cli_run("bench", "--json", "--embed", "16", "--heads", "2", "--batch", "1",
                 "--tgt-len", "9", "--repeat", "1");
     cr_assert_eq(r.status, 0, "stderr: %s", r.err);
@@ -2183,6 +2185,7 @@ Test(cli_bench, window_json) {
                             "\"window_right\": null"),
               "%s", r.out);
     cr_expect_eq(json_number(r.out, "flops"), p + 4.0 * 81 * 16, "%s", r.out);
+    cli_free(&r);
     EXPECT_USAGE("clmha bench: --window '3'", "bench", "--window", "3");
     EXPECT_USAGE("clmha bench: --window '-2,0'", "bench", "--window", "-2,0");
     EXPECT_USAGE("clmha bench: --window goes with a random layer", "bench", "--window", "1,1",
