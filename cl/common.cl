@@ -17,7 +17,8 @@
     global const uchar *attn_mask, ulong attn_off, uint attn_kind, ulong attn_sn,              \
         ulong attn_sh, ulong attn_si,                                                           \
         global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal, long win_left,      \
-        long win_right, uint dropout_on,                                                        \
+        long win_right, REAL softcap, global const REAL *alibi_slopes, ulong alibi_off,        \
+        uint dropout_on,                                                                        \
         uint dropout_threshold, REAL keep_scale, uint seed_lo, uint seed_hi_xor_off_hi,        \
         uint offset_lo
 
@@ -73,6 +74,68 @@ inline bool in_window_all(long win_left, long win_right, ulong p_first, ulong p_
                           ulong j_first, ulong j_last) {
     return in_window(win_left, win_right, (long)p_last, (long)j_first) &&
            in_window(win_left, win_right, (long)p_first, (long)j_last);
+}
+
+// ---- Score variants: soft-capping and ALiBi (-DSOFTCAP=1, -DALIBI=1) ---------------------------
+//
+// A layer's programs are built with the variants it has (clmha__layer_variant_options()), so
+// that a plain layer's kernels are what they were. The values come with MASK_PARAMS: softcap c
+// (> 0 with SOFTCAP) and the slopes (H, one per query head, at alibi_off). Score s of query
+// position p against key j becomes c*tanh(s/c) (every key, the appended ones too), then gains
+// -slope*|p - j| (real keys only), before the masks: include/clmha.h, clmha_layer_desc::softcap.
+#ifndef SOFTCAP
+#define SOFTCAP 0
+#endif
+#ifndef ALIBI
+#define ALIBI 0
+#endif
+// Whether the program modifies scores: then every tile takes the masks' pass.
+#define SCORE_MODS (SOFTCAP || ALIBI)
+
+// The ALiBi slope of query head h (0 without ALIBI), from a kernel's MASK_PARAMS.
+#if ALIBI
+#define ALIBI_SLOPE(h) (alibi_slopes[alibi_off + (h)])
+#else
+#define ALIBI_SLOPE(h) ((REAL)0.0f)
+#endif
+
+// Score s soft-capped with c (SOFTCAP; else s).
+inline REAL softcapped(REAL s, REAL c) {
+#if SOFTCAP
+    return c * tanh(s / c);
+#else
+    return s;
+#endif
+}
+
+// ALiBi's term for query position p and key j with @p slope (0 without ALIBI).
+inline REAL alibi_term(REAL slope, ulong p, ulong j) {
+#if ALIBI
+    return -slope * (REAL)(p > j ? p - j : j - p);
+#else
+    return 0.0f;
+#endif
+}
+
+// Score s of query position p against key j (real: j < S) with the variants applied.
+inline REAL score_mod(REAL s, REAL c, REAL slope, ulong p, ulong j, bool real) {
+    s = softcapped(s, c);
+    return real ? s + alibi_term(slope, p, j) : s;
+}
+
+// The derivative of the soft-capped score c*tanh(s/c) in s, from its value t: 1 - (t/c)^2.
+inline REAL softcap_grad(REAL t, REAL c) {
+    REAL u = t / c;
+    return 1.0f - u * u;
+}
+
+// score_mod(), and in *grad the derivative of the result in s (the backward's factor on dS:
+// soft-capping's, 1 without SOFTCAP; ALiBi's term does not depend on s).
+inline REAL score_mod_grad(REAL s, REAL c, REAL slope, ulong p, ulong j, bool real,
+                           REAL *grad) {
+    REAL t = softcapped(s, c);
+    *grad = SOFTCAP ? softcap_grad(t, c) : 1.0f;
+    return real ? t + alibi_term(slope, p, j) : t;
 }
 
 // ---- The tiles a block of rows visits: is_causal and the window as loop bounds -----------------

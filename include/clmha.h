@@ -801,7 +801,24 @@ typedef struct clmha_layer_desc {
     bool window;
     int64_t window_left;   ///< keys before the query's position it sees; −1: all of them
     int64_t window_right;  ///< keys after the query's position it sees; −1: all; 0: none
+    /// Logit soft-capping (Gemma 2's; FlashAttention's softcap): with softcap = c > 0 every
+    /// scaled score s, the appended keys' too, becomes c·tanh(s/c), before ALiBi and the masks.
+    /// 0: off. Added after 0.1.0, like @ref window.
+    double softcap;
+    /// ALiBi (BLOOM's, MPT's): the score of query head h at position p_i against key j < S
+    /// gains −slope_h·|p_i − j| (after soft-capping, before the masks); the appended keys get no
+    /// term. slope_h is the layer's parameter "alibi_slopes" (H values), which starts as the
+    /// ALiBi paper's geometric slopes (clmha_alibi_slopes()). Added after 0.1.0.
+    bool alibi;
 } clmha_layer_desc;
+
+/// The ALiBi paper's slopes for @p heads heads (what a layer with clmha_layer_desc::alibi starts
+/// with): 2^(−8(h+1)/H) for H a power of two; otherwise those of the largest power of two
+/// P < H, followed by every other slope of 2P (the paper's extension), H in all.
+/// @param[in]  heads  H, at least 1
+/// @param[out] out    room for @p heads floats
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p out NULL or @p heads 0)
+CLMHA_API clmha_status clmha_alibi_slopes(size_t heads, float *out);
 
 /// Creates a layer on @p ctx: validates the descriptor, builds the kernel programs (cached per
 /// context, so only the first layer of a kind compiles) and allocates the parameter buffers
@@ -1693,6 +1710,11 @@ typedef struct clmha_attention_args {
     bool window;
     int64_t window_left;   ///< as clmha_layer_desc::window_left; −1: all keys before
     int64_t window_right;  ///< as clmha_layer_desc::window_right; −1: all keys after
+    double softcap;        ///< soft-capping, as clmha_layer_desc::softcap; 0: off
+    bool alibi;            ///< ALiBi, as clmha_layer_desc::alibi, slopes from alibi_slopes
+    /// With alibi: the slopes, (H) floats on the device (buffer, offset); ndim 0: the geometric
+    /// slopes of clmha_alibi_slopes().
+    clmha_tensor alibi_slopes;
 } clmha_attention_args;
 
 /// Element counts of the results of a clmha_attention_forward() call of @p args. Validates the
@@ -2114,6 +2136,8 @@ typedef struct clmha_reference_params {
     /// @var bias_v
     /// (1, 1, E), required with add_bias_kv.
     const float *bias_k, *bias_v;
+    /// (H), with clmha_layer_desc::alibi; NULL: clmha_alibi_slopes(). Added after 0.1.0.
+    const float *alibi_slopes;
 } clmha_reference_params;
 
 /// Computes the forward pass on the CPU in double precision, with the same semantics (the same

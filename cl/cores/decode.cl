@@ -164,8 +164,9 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                            uint batch_first, global const float *kc, global const float *vc,
                            global const uint *lens, ulong tgt_len, ulong n_heads,
                            ulong kv_heads, ulong cap, uint parts, uint causal, long win_left,
-                           long win_right, float scale, global float *part_acc,
-                           global float *part_ms, ulong items) {
+                           long win_right, float scale, float softcap,
+                           global const float *alibi_slopes, ulong alibi_off,
+                           global float *part_acc, global float *part_ms, ulong items) {
     ulong gid = get_global_id(0);
     if (gid >= items) return;
     uint p = (uint)(gid % parts);
@@ -240,6 +241,21 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
             _Pragma("unroll")
             for (uint t = 1; t < SPLIT; ++t) sc[g] += sp[t][g];
         }
+#if SCORE_MODS
+        // The score variants (cl/common.cl): soft-capping, then ALiBi's -slope*|pos - j| with
+        // lane u at key jb + u (distances exact in float below 2^24).
+        float16 dist = fabs((float16)((float)((long)pos - (long)jb)) -
+                            (float16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        _Pragma("unroll")
+        for (uint g = 0; g < G; ++g) {
+#if SOFTCAP
+            sc[g] = softcap * tanh(sc[g] / softcap);
+#endif
+#if ALIBI
+            sc[g] -= ALIBI_SLOPE(kvh * G + g) * dist;
+#endif
+        }
+#endif
         // Per query head (unrolled: the heads' dependency chains interleave): the block's
         // probabilities exp(score - mb) (prs: lane u is key jb + u, read below through a float
         // pointer rather than extracted lane by lane), the new running maximum mb, and the
@@ -310,7 +326,8 @@ kernel void decode_combine(global const float *part_acc, global const float *par
                            uint parts, global const float *proj, ulong q_at, ulong q_ld,
                            global const float *bias, uint has_bias, global const float *bias_kv,
                            uint has_bias_kv, uint zero_attn, ulong n_heads, ulong kv_heads,
-                           ulong tgt_len, float scale, global float *merged, ulong n_batch,
+                           ulong tgt_len, float scale, float softcap, global float *merged,
+                           ulong n_batch,
                            uint batch_first, global float *y, ulong y_off,
                            global const float *b_out, uint has_b_out, ulong rows) {
     ulong row = get_global_id(0);
@@ -336,7 +353,7 @@ kernel void decode_combine(global const float *part_acc, global const float *par
             for (uint c = 0; c < HV; ++c) dot = fma(qr[c] + qb[c], bk[c], dot);
         else
             for (uint c = 0; c < HV; ++c) dot = fma(qr[c], bk[c], dot);
-        xb = hsum(dot) * scale;
+        xb = softcapped(hsum(dot) * scale, softcap);  // no ALiBi term: an appended key
         mx = max_nan(mx, xb);
     }
     if (zero_attn) mx = max_nan(mx, 0.0f);

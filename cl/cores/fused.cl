@@ -160,6 +160,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     ulong last = min(first + RPW, tgt_len) - 1;  // the last real row; lanes past it repeat it
     ulong kpm_row = kpm_off + n * src_len;
     ulong srcp = src_len_padded;
+    REAL slope = ALIBI_SLOPE(bh - n * n_heads);
 
     REAL qt[HD * RP];  // the scaled query rows, transposed: qt[d * RP + r]
     REAL ot[HD * RP];  // the accumulators of p*v, transposed: ot[d * RP + r]
@@ -211,7 +212,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         }
         // Masks: only where the tile needs any (inside the real keys, no masks, below the
         // causal diagonal of the first row and inside every row's window needs none).
-        bool plain = !attn_kind && !kpm_kind && j0 + BK <= srcp &&
+        // With score variants (cl/common.cl) every tile takes this pass.
+        bool plain = !SCORE_MODS && !attn_kind && !kpm_kind && j0 + BK <= srcp &&
                      (!causal || j0 + BK <= first + 1) &&
                      in_window_all(win_left, win_right, first, last, j0, j0 + BK - 1);
         if (!plain) {
@@ -221,6 +223,9 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
                 for (uint jj = 0; jj < BK; ++jj) {
                     ulong j = j0 + jj;
                     REAL x = st[jj * RP + r];
+#if SCORE_MODS
+                    x = score_mod(x, softcap, slope, i, j, j < src_len);
+#endif
                     if (j >= srcp) {
                         x = -INFINITY;
                     } else if (j < src_len) {
@@ -341,6 +346,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         attn_row[r] = ATTN_ROW(bh, n, n_heads, rows[r]);
     }
     ulong kpm_row = kpm_off + n * src_len;
+    REAL slope = ALIBI_SLOPE(bh - n * n_heads);
 
     // Per row: the scaled query, the accumulator of p*v, the running maximum (NaN once a NaN
     // score appears) and the running sum of exp(score - maximum).
@@ -422,13 +428,16 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         for (uint r = 0; r < RPW; ++r) {
             // Masks: only where this row has any (a tile inside the real keys, without masks,
             // below the causal diagonal and inside the row's window needs none).
-            bool plain = !attn_kind && !kpm_kind && j0 + BK <= src_len_padded &&
+            bool plain = !SCORE_MODS && !attn_kind && !kpm_kind && j0 + BK <= src_len_padded &&
                          (!causal || j0 + BK <= rows[r] + 1) &&
                          in_window_all(win_left, win_right, rows[r], rows[r], j0, j0 + BK - 1);
             if (!plain) {
                 for (uint jj = 0; jj < BK; ++jj) {
                     ulong j = j0 + jj;
                     REAL x = s[r][jj];
+#if SCORE_MODS
+                    x = score_mod(x, softcap, slope, rows[r], j, j < src_len);
+#endif
                     if (j >= src_len_padded) {
                         x = -INFINITY;
                     } else if (j < src_len) {

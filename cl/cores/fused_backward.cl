@@ -168,6 +168,10 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
     float s[R][BT];   // scores, then probabilities, then dS
     float pd[R][BT];  // the probabilities after dropout
     float dp[R][BT];  // dO.v, then after dropout
+#if SOFTCAP
+    float sg[R][BT];  // the soft-capping's derivative (score_mod_grad)
+#endif
+    float slope = ALIBI_SLOPE(bh - n * n_heads);
 
     // With a group of real keys only, the query tiles whose rows is_causal or the window keep
     // from every key of the group see only masked scores (P = 0): the loop visits the others.
@@ -199,6 +203,15 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
         tile_products(kr, vr, qt, dot_t, s, dp);
         for (uint r = 0; r < R; ++r) {
             ulong j = jr[r];
+#if SCORE_MODS
+            for (uint ii = 0; ii < BT; ++ii) {
+                float g;
+                s[r][ii] = score_mod_grad(s[r][ii], softcap, slope, i0 + ii, j, j < src_len, &g);
+#if SOFTCAP
+                sg[r][ii] = g;
+#endif
+            }
+#endif
             // Masks: only for a real key (j < S) with masks, with is_causal above the diagonal
             // of some row of the tile, or outside some row's window. Rows past the end keep
             // their score (l = -inf).
@@ -232,6 +245,10 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
             }
             for (uint c = 0; c < BT; c += VW)  // dS = P * (dP - Drow)
                 STOREV(LOADV(c, s[r]) * (LOADV(c, dp[r]) - LOADV(c, ds)), c, s[r]);
+#if SOFTCAP
+            for (uint c = 0; c < BT; c += VW)  // through the soft-capping
+                STOREV(LOADV(c, s[r]) * LOADV(c, sg[r]), c, s[r]);
+#endif
         }
         // dv += Pd^T dO, dk += dS^T q over the tile's rows in order, VW dimensions at a time.
         for (uint c = 0; c < HD; c += VW) {
@@ -304,6 +321,10 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     }
     float s[R][BT];   // scores, then probabilities, then dS
     float dp[R][BT];  // dO.v, then after dropout
+#if SOFTCAP
+    float sg[R][BT];  // the soft-capping's derivative (score_mod_grad)
+#endif
+    float slope = ALIBI_SLOPE(bh - n * n_heads);
 
     global const float *kb = k + bh * src_len_padded * HD;
     global const float *vb = v + bh * src_len_padded * HD;
@@ -328,6 +349,16 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
         tile_products(qr, dor, kt, vt, s, dp);
         for (uint r = 0; r < R; ++r) {
             ulong i = ir[r];
+#if SCORE_MODS
+            for (uint jj = 0; jj < BT; ++jj) {
+                float g;
+                ulong j = j0 + jj;
+                s[r][jj] = score_mod_grad(s[r][jj], softcap, slope, i, j, j < src_len, &g);
+#if SOFTCAP
+                sg[r][jj] = g;
+#endif
+            }
+#endif
             // Masks: only where this row has any on the tile (keys past the end, masks, keys
             // above the causal diagonal or outside the row's window).
             bool plain = !attn_kind && !kpm_kind && keys == BT && (!causal || j0 + BT <= i + 1) &&
@@ -358,6 +389,10 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
             }
             for (uint c = 0; c < BT; c += VW)  // dS = P * (dP - Drow)
                 STOREV(LOADV(c, s[r]) * (LOADV(c, dp[r]) - (VT)(dr[r])), c, s[r]);
+#if SOFTCAP
+            for (uint c = 0; c < BT; c += VW)  // through the soft-capping
+                STOREV(LOADV(c, s[r]) * LOADV(c, sg[r]), c, s[r]);
+#endif
         }
         // dq += dS k over the tile's keys in order, VW dimensions at a time.
         for (uint c = 0; c < HD; c += VW) {
@@ -402,6 +437,7 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
     ulong j = j0 + lid;
     ulong jc = min(j, src_len_padded - 1);  // rows past the end compute on the last key
     ulong kpm_row = kpm_off + n * src_len;
+    float slope = ALIBI_SLOPE(bh - n * n_heads);
 
     float kr[HD], vr[HD], dkr[HD], dvr[HD];
     global const float *kp = k + (bh * src_len_padded + jc) * HD;
@@ -445,7 +481,10 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
                 sv = fma(LOADV(d, qi), LOADV(d, kr), sv);
                 dv_ = fma(LOADV(d, doi), LOADV(d, vr), dv_);
             }
-            float s = lanes_sum(sv) * scale, dpd = lanes_sum(dv_);
+            float s = lanes_sum(sv) * scale, dpd = lanes_sum(dv_), g = 1.0f;
+#if SCORE_MODS
+            s = score_mod_grad(s, softcap, slope, i, jc, jc < src_len, &g);
+#endif
             if (jc < src_len) {
                 ulong ar = ATTN_ROW(bh, n, n_heads, i);
                 s += masks_of(attn_mask, attn_kind, ar, kpm, kpm_kind, kpm_row, causal, win_left,
@@ -462,7 +501,7 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
                 pd = p * f;
                 dp = dpd * f;
             }
-            float dsv = p * (dp - ds[ii]);
+            float dsv = p * (dp - ds[ii]) * g;
             for (uint d = 0; d < HD; d += VW) {
                 STOREV(fma((VT)(pd), LOADV(d, doi), LOADV(d, dvr)), d, dvr);
                 STOREV(fma((VT)(dsv), LOADV(d, qi), LOADV(d, dkr)), d, dkr);
@@ -499,6 +538,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     ulong ic = min(i, last);
     ulong attn_row = ATTN_ROW(bh, n, n_heads, ic);
     ulong kpm_row = kpm_off + n * src_len;
+    float slope = ALIBI_SLOPE(bh - n * n_heads);
 
     float qr[HD], dor[HD], dqr[HD];
     global const float *qp = q + (bh * tgt_len + ic) * HD;
@@ -535,7 +575,10 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
                 sv = fma(LOADV(d, qr), LOADV(d, kj), sv);
                 dv_ = fma(LOADV(d, dor), LOADV(d, vj), dv_);
             }
-            float s = lanes_sum(sv) * scale, dpd = lanes_sum(dv_);
+            float s = lanes_sum(sv) * scale, dpd = lanes_sum(dv_), g = 1.0f;
+#if SCORE_MODS
+            s = score_mod_grad(s, softcap, slope, ic, j, j < src_len, &g);
+#endif
             if (j < src_len)
                 s += masks_of(attn_mask, attn_kind, attn_row, kpm, kpm_kind, kpm_row, causal,
                               win_left, win_right, ic, j);
@@ -546,7 +589,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
                                       seed_hi_xor_off_hi);
                 dp = w >= dropout_threshold ? dpd * keep_scale : 0.0f;
             }
-            float dsv = p * (dp - drow_i);
+            float dsv = p * (dp - drow_i) * g;
             for (uint d = 0; d < HD; d += VW)
                 STOREV(fma((VT)(dsv), LOADV(d, kj), LOADV(d, dqr)), d, dqr);
         }
@@ -582,6 +625,7 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
     // an attn_mask, is_causal or window entry to look up (the appended keys have none).
     bool real = j < src_len;
     float kx = real ? mask_value(kpm, kpm_kind, kpm_off + n * src_len + j) : 0.0f;
+    float slope = ALIBI_SLOPE(bh - n * n_heads);
     bool per_row = real && (attn_kind || (causal && j > row0) ||
                             !in_window_all(win_left, win_right, row0, row0 + rows - 1, j, j));
     global float *srow = sp + t * rows, *grow = gp + t * rows;
@@ -613,7 +657,24 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
             lv = LOADV(0, l_in);
             dv = LOADV(0, d_in);
         }
+        VT gsc = (VT)(1.0f);  // the score variants' derivative (cl/common.cl)
+#if SCORE_MODS
+        sv *= scale;
+#if SOFTCAP
+        sv = softcap * tanh(sv / softcap);
+        gsc = (VT)(1.0f) - (sv / softcap) * (sv / softcap);
+#endif
+#if ALIBI
+        if (real) {
+            float a_lanes[VW];  // lanes written, read as a vector
+            for (uint u = 0; u < VW; ++u) a_lanes[u] = alibi_term(slope, row0 + u0 + u, j);
+            sv += LOADV(0, a_lanes);
+        }
+#endif
+        sv += kx;
+#else
         sv = sv * scale + kx;
+#endif
         if (per_row) {
             float s_lanes[VW], s_masked[VW];  // a vector read lane by lane; lanes written
             STOREV(sv, 0, s_lanes);
@@ -640,7 +701,7 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
             }
             f = LOADV(0, f_lanes);
         }
-        VT pd = p * f, ds = p * (gv * f - dv);
+        VT pd = p * f, ds = p * (gv * f - dv) * gsc;
         if (lanes == VW) {
             STOREV(pd, u0, srow);
             STOREV(ds, u0, grow);

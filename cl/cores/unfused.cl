@@ -43,10 +43,15 @@ void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_
     ulong attn_row = ATTN_ROW(bh, n, n_heads, i);
     ulong kpm_row = kpm_off + n * src_len;
 
-    // Pass 1: add the masks, write back, find the row maximum (NaN wins, so it propagates).
+    // Pass 1: the score variants (cl/common.cl), the masks, write back, find the row maximum
+    // (NaN wins, so it propagates).
     REAL m = -INFINITY;
+    REAL slope = ALIBI_SLOPE(bh - n * n_heads);
     for (ulong j = lid; j < src_len_padded; j += WG) {
         REAL v = x[j];
+#if SCORE_MODS
+        v = score_mod(v, softcap, slope, i, j, j < src_len);
+#endif
         if (j < src_len) {
             v += mask_value(attn_mask, attn_kind, attn_row + j);
             v += mask_value(kpm, kpm_kind, kpm_row + j);

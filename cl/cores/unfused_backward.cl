@@ -100,3 +100,17 @@ kernel void mask_grad(global const float *ds, global float *out, ulong out_off, 
         out[out_off + e] = accumulate ? out[out_off + e] + sum : sum;
     }
 }
+
+// With soft-capping (-DSOFTCAP=1): one work-item per score, raw[e] (the score before the
+// soft-capping, s) becomes ds[e] * (1 - tanh(s/c)^2), dS through the soft-capping. A kernel
+// that is never launched without it.
+kernel void softcap_backward(global const float *ds, global float *raw, float softcap,
+                             ulong count) {
+    ulong e = get_global_id(0);
+    if (e < count) {
+#if SOFTCAP
+        float t = tanh(raw[e] / softcap);
+        raw[e] = ds[e] * (1.0f - t * t);
+#endif
+    }
+}

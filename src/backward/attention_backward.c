@@ -338,7 +338,7 @@ clmha_status clmha_attention_backward(clmha_context *ctx,
     if ((st = check_call(ctx, args, &b, &a, &d)) ||
         (st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
         (st = check_buffers(ctx, &b, &a, &d)) ||
-        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, clmha__attention_width(&d),
+        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d),
                                      &l)))
         return st;
     st = enqueue(l, &b, &a, &d, num_wait, wait_list, event);
@@ -442,7 +442,7 @@ clmha_status clmha_attention_backward_host(clmha_context *ctx, const clmha_atten
                                          "args->kv_cache is set: the KV-cache form has no "
                                          "backward"))) ||
         (st = check_host(ctx, &a, &d, grad_output, grad_output_count, grad_attn_mask)) ||
-        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, clmha__attention_width(&d),
+        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d),
                                      &l)))
         return st;
     clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &a};

@@ -66,9 +66,9 @@ static void release(void *p) {
 static clmha_status build(clmha_layer *l, state *s, size_t group) {
     clmha_context *ctx = l->ctx;
     size_t vw = clmha__fused_row_vw(ctx, l->d);
-    char options[96];
-    snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu%s", l->d, group, vw,
-             ctx->cls->coalesced ? " -DSPLIT=1" : "");
+    char options[128];
+    snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu%s%s", l->d, group, vw,
+             ctx->cls->coalesced ? " -DSPLIT=1" : "", clmha__layer_variant_options(l));
     cl_program prog;
     clmha_status st = clmha__program_get(ctx, "decode", options, &prog);
     if (st || (st = clmha__kernel_make(ctx, prog, "decode_zero", &s->zero)) ||
@@ -244,12 +244,15 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     float scale = (float)clmha__core_scale(l, call->scale);
     cl_long win_left = d->win_left, win_right = d->win_right;
     cl_ulong items = d->n * c->kv_heads * d->l * parts;
+    clmha__mask_args m = clmha__masks_of(l, call->args, d);  // the score variants' values
+    float softcap = m.softcap.f;
     {
         arg args[] = {ARG(l->proj),   ARG(q_at),    ARG(q_ld),        ARG(bias),
                       ARG(has_bias),  ARG(n_batch), ARG(batch_first), ARG(c->k),
                       ARG(c->v),      ARG(kv->lens), ARG(tgt),        ARG(heads),
                       ARG(kvh),       ARG(cap),     ARG(parts),       ARG(causal),
-                      ARG(win_left),  ARG(win_right), ARG(scale),     ARG(s->part_acc),
+                      ARG(win_left),  ARG(win_right), ARG(scale),     ARG(softcap),
+                      ARG(m.alibi),   ARG(m.alibi_off), ARG(s->part_acc),
                       ARG(s->part_ms), ARG(items)};
         if ((st = clmha__launch(ctx, s->partial, "decode_partial", items, s->wg, args,
                                 sizeof args / sizeof args[0])))
@@ -264,7 +267,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     arg args[] = {ARG(s->part_acc), ARG(s->part_ms),  ARG(parts),        ARG(l->proj),
                   ARG(q_at),        ARG(q_ld),        ARG(bias),         ARG(has_bias),
                   ARG(bias_kv),     ARG(has_bias_kv), ARG(zero_attn),    ARG(heads),
-                  ARG(kvh),         ARG(tgt),         ARG(scale),        ARG(merged),
+                  ARG(kvh),         ARG(tgt),         ARG(scale),        ARG(softcap),
+                  ARG(merged),
                   ARG(n_batch),     ARG(batch_first), ARG(call->output), ARG(y_off),
                   ARG(b_out),       ARG(has_b_out),   ARG(rows)};
     if ((st = clmha__launch(ctx, s->combine, "decode_combine", rows, s->wg, args,

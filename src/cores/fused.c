@@ -168,9 +168,9 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
         char options[192];
         snprintf(options, sizeof options,
                  "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu -DQ_LOCAL=%d -DACC_LOCAL=%d "
-                 "-DLANES=%d%s",
+                 "-DLANES=%d%s%s",
                  l->d, t.bq, t.bk, t.rpw, t.vw, (int)t.q_local, (int)t.acc_local, (int)t.lanes,
-                 clmha__layer_real_options(l));
+                 clmha__layer_real_options(l), clmha__layer_variant_options(l));
         cl_program prog;
         cl_kernel k = NULL;
         clmha_status st = clmha__program_get(ctx, "fused", options, &prog);

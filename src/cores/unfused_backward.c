@@ -27,13 +27,18 @@ struct clmha__unfused_backward {
     size_t mask_wg;       // mask_grad's work-group, within its limit
     cl_mem grad_scores;   // dPd, then dS: (N*H, L, S'), grown on demand
     size_t grad_scores_cap;
+    cl_kernel softcap_backward;  // with soft-capping (-DSOFTCAP=1)
+    cl_mem raw_scores;    // with soft-capping: the scores before it, then dS through it
+    size_t raw_scores_cap;
 };
 
 void clmha__unfused_backward_release(clmha__unfused_backward *ub) {
     if (!ub) return;
     clmha__release_kernel(ub->softmax_backward);
     clmha__release_kernel(ub->mask_grad);
+    clmha__release_kernel(ub->softcap_backward);
     clmha__release_mem(ub->grad_scores);
+    clmha__release_mem(ub->raw_scores);
     free(ub);
 }
 
@@ -48,13 +53,15 @@ static clmha_status ensure(clmha__unfused_backward **slot, clmha_layer *l,
     if (ub->softmax_backward) return CLMHA_SUCCESS;
     for (size_t want = clmha__unfused_pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
         char options[64];
-        snprintf(options, sizeof options, "-DWG=%zu", want);
+        snprintf(options, sizeof options, "-DWG=%zu%s", want,
+                 l->desc.softcap > 0.0 ? " -DSOFTCAP=1" : "");
         cl_program prog;
         size_t wg = 1, mask_wg = 1;
         clmha_status st = clmha__program_get(ctx, "unfused_backward", options, &prog);
         if (!st && !(st = clmha__kernel_make(ctx, prog, "softmax_backward",
                                              &ub->softmax_backward)) &&
             !(st = clmha__kernel_make(ctx, prog, "mask_grad", &ub->mask_grad)) &&
+            !(st = clmha__kernel_make(ctx, prog, "softcap_backward", &ub->softcap_backward)) &&
             !(st = clmha__kernel_limits(ctx, ub->softmax_backward, &wg, NULL)) &&
             !(st = clmha__kernel_limits(ctx, ub->mask_grad, &mask_wg, NULL)) &&
             (want <= wg || want == 1)) {
@@ -64,7 +71,8 @@ static clmha_status ensure(clmha__unfused_backward **slot, clmha_layer *l,
         }
         clmha__release_kernel(ub->softmax_backward);
         clmha__release_kernel(ub->mask_grad);
-        ub->softmax_backward = ub->mask_grad = NULL;
+        clmha__release_kernel(ub->softcap_backward);
+        ub->softmax_backward = ub->mask_grad = ub->softcap_backward = NULL;
         if (st) return st;
         want = clmha__unfused_pow2_below(want / 2, wg);
     }
@@ -129,6 +137,28 @@ static clmha_status mask_grad(clmha_layer *l, const clmha__unfused_backward *ub,
                          sizeof args / sizeof args[0]);
 }
 
+// dS through the soft-capping (clmha_layer_desc::softcap): the scores before it,
+// scale · Q · K'ᵀ, into ub->raw_scores (grown on demand), then softcap_backward turns them into
+// dS · (1 − tanh²(s/c)) from dS in @p g; *@p out is that buffer.
+static clmha_status softcap_backward(clmha_layer *l, clmha__unfused_backward *ub,
+                                     const clmha__backward_call *call, float scale, cl_mem g,
+                                     cl_mem *out) {
+    const clmha__dims *d = call->dims;
+    size_t hd = l->d, sp = d->s_padded, tl = d->l, planes = d->n * l->h;
+    clmha_status st = clmha__layer_grow_core_scratch(l, &ub->raw_scores, &ub->raw_scores_cap,
+                                                     d->scores_count,
+                                                     "unfused backward soft-capped scores");
+    if (st || (st = gemm(l, "Q K^T", false, true, tl, sp, hd, scale, call->q, hd, tl * hd,
+                         call->k, hd, sp * hd, ub->raw_scores, sp, tl * sp, planes)))
+        return st;
+    cl_ulong count = d->scores_count;
+    float c = (float)d->softcap;
+    arg args[] = {ARG(g), ARG(ub->raw_scores), ARG(c), ARG(count)};
+    *out = ub->raw_scores;
+    return clmha__launch(l->ctx, ub->softcap_backward, "softcap_backward", d->scores_count,
+                         ub->mask_wg, args, sizeof args / sizeof args[0]);
+}
+
 clmha_status clmha__unfused_backward_run(clmha__unfused_backward **slot,
                                         const clmha__unfused_softmax *sm, clmha_layer *l,
                                         clmha__backward_call *call) {
@@ -168,12 +198,17 @@ clmha_status clmha__unfused_backward_run(clmha__unfused_backward **slot,
                             sb_args, sizeof sb_args / sizeof sb_args[0])))
         return st;
 
+    // With soft-capping, dS through it into its own buffer (g keeps dS of the capped scores,
+    // which is the masks' gradient).
+    cl_mem ds = g;
+    if (d->softcap > 0.0 && (st = softcap_backward(l, ub, call, scale, g, &ds))) return st;
+
     // dV' = Pdᵀ · dO, dQ = scale · dS · K', dK' = scale · dSᵀ · Q.
     if ((st = gemm(l, "Pd^T dO", true, false, sp, hd, tl, 1.0f, p,
                    sp, tl * sp, call->d_o, hd, tl * hd, call->dv, hd, sp * hd, planes)) ||
-        (st = gemm(l, "dS K", false, false, tl, hd, sp, scale, g,
+        (st = gemm(l, "dS K", false, false, tl, hd, sp, scale, ds,
                    sp, tl * sp, call->k, hd, sp * hd, call->dq, hd, tl * hd, planes)) ||
-        (st = gemm(l, "dS^T Q", true, false, sp, hd, tl, scale, g,
+        (st = gemm(l, "dS^T Q", true, false, sp, hd, tl, scale, ds,
                    sp, tl * sp, call->q, hd, tl * hd, call->dk, hd, sp * hd, planes)))
         return st;
 

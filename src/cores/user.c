@@ -12,10 +12,14 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_user;  // this core, at the e
 // core's, asked first).
 static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
                              clmha__core_answer *answer) {
-    if (l->core && clmha__windowed(call->dims))  // clmha_core_args has no window
+    const clmha__dims *d = call->dims;
+    if (l->core && (clmha__windowed(d) || d->softcap > 0.0 || d->alibi))  // not in clmha_core_args
         clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
                                "a layer with a user attention core (clmha_layer_set_attention()) "
-                               "takes no sliding window");
+                               "takes no %s",
+                               clmha__windowed(d) ? "sliding window"
+                               : d->alibi         ? "ALiBi"
+                                                  : "soft-capping");
     else if (l->core && l->desc.dtype != CLMHA_DTYPE_F32)  // its buffers are float32
         clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
                                "a %s layer does not take a user attention core "

@@ -180,7 +180,7 @@ static clmha_status attention_forward(clmha_context *ctx, const clmha_attention_
     if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
         (st = check_buffers(ctx, &a, &d, o)) ||
-        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, clmha__attention_width(&d),
+        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d),
                                      &layer)))
         return st;
     st = clmha__attention_enqueue(layer, &a, &d, o, num_wait, wait_list, event);

@@ -17,6 +17,9 @@ clmha_status clmha__attention_check_args(clmha_context *ctx, const clmha_attenti
 clmha_forward_args clmha__attention_core_args(clmha_layer *l, const clmha_attention_args *a,
                                               const clmha__attention_dims *d) {
     l->desc.dropout = a->dropout_p;  // the bare layer's: the cores read the call's p there
+    // The call's ALiBi slopes (NULL: the bare layer's geometric ones, clmha__masks_of()).
+    l->alibi_call = a->alibi && a->alibi_slopes.ndim ? a->alibi_slopes.buffer : NULL;
+    l->alibi_call_off = a->alibi_slopes.offset;
     return (clmha_forward_args){.struct_size = sizeof(clmha_forward_args), .attn_mask = d->attn,
                                 .is_causal = a->is_causal, .per_head_weights = true,
                                 .training = a->dropout_p > 0.0f, .rng = a->rng, .impl = a->impl};

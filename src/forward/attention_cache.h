@@ -15,12 +15,12 @@
 #define CLMHA__ATTENTION_CACHE_MAX 8
 
 // Locks the attention cache of @p ctx (made on first use) and sets *layer to its bare layer for
-// (@p heads, @p kv_heads, @p head_dim), made on first use (clmha__layer_new_bare() and every
-// core's state). On success the cache stays locked until clmha__attention_unlock(): the layer
-// is the caller's alone until then. On failure it is unlocked and *layer is NULL.
-CLMHA__HIDDEN clmha_status clmha__attention_lock(clmha_context *ctx, size_t heads,
-                                                 size_t kv_heads, size_t head_dim,
-                                                 clmha_layer **layer);
+// the heads (h, kvh) and variants (softcap on, alibi) of @p call and @p head_dim, made on first
+// use (clmha__layer_new_bare() and every core's state). On success the cache stays locked until
+// clmha__attention_unlock(): the layer is the caller's alone until then. On failure it is
+// unlocked and *layer is NULL.
+CLMHA__HIDDEN clmha_status clmha__attention_lock(clmha_context *ctx, const clmha__dims *call,
+                                                 size_t head_dim, clmha_layer **layer);
 
 // Unlocks what clmha__attention_lock() locked.
 CLMHA__HIDDEN void clmha__attention_unlock(clmha_context *ctx);

@@ -17,6 +17,7 @@ static clmha_status check_host(clmha_context *ctx, const clmha_attention_args *a
                           : !a->key.data                                   ? "key.data"
                           : !a->value.data                                 ? "value.data"
                           : a->attn_mask.kind && !a->attn_mask.tensor.data ? "attn_mask.tensor.data"
+                          : a->alibi_slopes.ndim && !a->alibi_slopes.data  ? "alibi_slopes.data"
                           : !output                                        ? "output"
                                                                            : NULL;
     if (missing) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is NULL", missing);
@@ -56,6 +57,12 @@ clmha_status clmha__attention_upload(clmha_layer *l, clmha_attention_args *a,
                                      &m->tensor.buffer)))
             return st;
         m->tensor.offset = 0;
+    }
+    if (a->alibi_slopes.ndim) {
+        if ((st = clmha__host_upload(l, CLMHA__HOST_ALIBI, "alibi_slopes", a->alibi_slopes.data,
+                                     d->core.h * sizeof(float), &a->alibi_slopes.buffer)))
+            return st;
+        a->alibi_slopes.offset = 0;
     }
     *o = (clmha__attention_out){0};
     if ((st = clmha__host_room(l, CLMHA__HOST_OUTPUT, "output", d->output_count * sizeof(float),
@@ -97,7 +104,7 @@ clmha_status clmha_attention_forward_host(clmha_context *ctx, const clmha_attent
     if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (st = check_host(ctx, &a, &d, output, output_count, lse, lse_count, weights,
                          weights_count)) ||
-        (st = clmha__attention_lock(ctx, d.core.h, d.core.kvh, clmha__attention_width(&d),
+        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d),
                                      &l)))
         return st;
     clmha__attention_out o;

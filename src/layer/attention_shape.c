@@ -118,6 +118,7 @@ static clmha_status check_options(const clmha_attention_args *a, char *msg, size
                           "scaled_dot_product_attention; a causal mask can be part of attn_mask)");
     clmha_status st = clmha__window_check(a->window, a->window_left, a->window_right, "args",
                                           msg, msg_size);
+    if (!st) st = clmha__softcap_check(a->softcap, "args", msg, msg_size);
     if (st) return st;
     if (a->kv_append && !a->kv_cache)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
@@ -207,5 +208,15 @@ clmha_status clmha__attention_resolve(const clmha_attention_args *args, clmha__a
     d->dv = v[F_];
     d->scale = args->scale != 0.0 ? args->scale : 1.0 / sqrt((double)q[F_]);
     clmha__window_set(c, args->window, args->window_left, args->window_right);
+    c->softcap = args->softcap;
+    c->alibi = args->alibi;
+    const clmha_tensor *slopes = &args->alibi_slopes;
+    if (slopes->ndim && (!args->alibi || slopes->ndim != 1 || slopes->shape[0] != c->h))
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          args->alibi ? "alibi_slopes must be (H) = (%zu), one slope per query "
+                                        "head; got %zu dimensions (first %zu)"
+                                      : "alibi_slopes is given (H %zu; %zu dimensions, first "
+                                        "%zu) but alibi is false",
+                          c->h, slopes->ndim, slopes->shape[0]);
     return check_mask(args, d, msg, msg_size);
 }

@@ -68,11 +68,18 @@ static bool find_param(const clmha_layer *l, const char *name, param_slot *slot,
         }
         *slot = (param_slot){l->bias_kv, name[5] == 'k' ? 0 : kve, kve,
                              gqa ? "(1, 1, num_kv_heads*head_dim)" : "(1, 1, E)"};
+    } else if (strcmp(name, "alibi_slopes") == 0) {
+        if (!l->desc.alibi) {
+            snprintf(why, why_size,
+                     "alibi_slopes does not exist: the layer was created with alibi = false");
+            return false;
+        }
+        *slot = (param_slot){l->alibi, 0, l->h, "(H)"};
     } else {
         snprintf(why, why_size,
                  "unknown parameter \"%s\" (expected in_proj_weight, q_proj_weight, "
                  "k_proj_weight, v_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias, "
-                 "bias_k or bias_v)",
+                 "bias_k, bias_v or alibi_slopes)",
                  name);
         return false;
     }
@@ -188,7 +195,21 @@ static clmha_status make_kernel(clmha_context *ctx, cl_program prog, const char 
     return CLMHA_SUCCESS;
 }
 
-// The parameters of layer @p l (its sizes set) as zero-filled device buffers.
+// Layer @p l's alibi_slopes: the geometric ones (clmha__alibi_slope()), in its dtype.
+static clmha_status make_alibi(clmha_layer *l) {
+    clmha_context *ctx = l->ctx;
+    clmha_status st = clmha__zero_buffer(ctx, l->h, l->rs, "alibi_slopes", &l->alibi);
+    double *slopes = st ? NULL : malloc(l->h * sizeof *slopes);
+    if (st) return st;
+    if (!slopes) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    for (size_t h = 0; h < l->h; ++h) slopes[h] = clmha__alibi_slope(l->h, h);
+    st = clmha_layer_set_parameter_f64(l, "alibi_slopes", slopes, l->h);
+    free(slopes);
+    return st;
+}
+
+// The parameters of layer @p l (its sizes set) as zero-filled device buffers (alibi_slopes
+// geometric).
 static clmha_status make_parameters(clmha_layer *l) {
     clmha_context *ctx = l->ctx;
     const clmha_layer_desc *d = &l->desc;
@@ -207,6 +228,7 @@ static clmha_status make_parameters(clmha_layer *l) {
     if (d->add_bias_kv &&
         (st = clmha__zero_buffer(ctx, 2 * kve, rs, "bias_k/bias_v", &l->bias_kv)))
         return st;
+    if (d->alibi && (st = make_alibi(l))) return st;
     return CLMHA_SUCCESS;
 }
 
@@ -306,7 +328,7 @@ static void release_kernel(cl_kernel *k) {
 }
 
 clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_context *ctx, size_t heads,
-                                   size_t kv_heads, size_t head_dim) {
+                                   size_t kv_heads, size_t head_dim, bool softcap, bool alibi) {
     *out = NULL;
     clmha_layer *l = calloc(1, sizeof *l);
     if (!l) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
@@ -320,8 +342,10 @@ clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_context *ctx, size_t
     l->rs = 4;
     l->desc = (clmha_layer_desc){.struct_size = sizeof l->desc, .embed_dim = l->e,
                                  .num_heads = heads, .kdim = l->e, .vdim = l->e,
-                                 .num_kv_heads = kv_heads, .batch_first = true};
+                                 .num_kv_heads = kv_heads, .batch_first = true,
+                                 .softcap = softcap ? 1.0 : 0.0, .alibi = alibi};
     clmha_status st = make_kernels(l);
+    if (!st && alibi) st = make_alibi(l);
     if (st) {
         clmha__layer_free(l);
         return st;
@@ -339,6 +363,7 @@ void clmha__layer_free(clmha_layer *layer) {
     release_mem(&layer->w_out);
     release_mem(&layer->b_out);
     release_mem(&layer->bias_kv);
+    release_mem(&layer->alibi);
     release_mem(&layer->partial_lse);
     release_mem(&layer->proj);
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) release_mem(&layer->tiles[i]);

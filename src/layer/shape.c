@@ -25,6 +25,15 @@ void clmha__window_set(clmha__dims *d, bool window, int64_t left, int64_t right)
     d->win_right = window ? right : -1;
 }
 
+clmha_status clmha__softcap_check(double softcap, const char *where, char *msg,
+                                  size_t msg_size) {
+    if (!(softcap >= 0.0) || isinf(softcap))
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "%s.softcap (%g) must be 0 (off) or a positive finite number", where,
+                          softcap);
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha__desc_check(const clmha_layer_desc *desc, clmha_layer_desc *out, char *msg,
                                size_t msg_size) {
     if (!desc) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "desc is NULL");
@@ -49,6 +58,7 @@ clmha_status clmha__desc_check(const clmha_layer_desc *desc, clmha_layer_desc *o
                           "dtype %d is not CLMHA_DTYPE_F32, _F64, _F16 or _BF16", (int)desc->dtype);
     clmha_status st = clmha__window_check(desc->window, desc->window_left, desc->window_right,
                                           "desc", msg, msg_size);
+    if (!st) st = clmha__softcap_check(desc->softcap, "desc", msg, msg_size);
     if (st) return st;
     *out = *desc;
     if (out->num_kv_heads == 0) out->num_kv_heads = out->num_heads;
@@ -298,6 +308,8 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
     d->kvh = desc->num_kv_heads ? desc->num_kv_heads : desc->num_heads;
     d->d = d->e / d->h;
     clmha__window_set(d, desc->window, desc->window_left, desc->window_right);
+    d->softcap = desc->softcap;
+    d->alibi = desc->alibi;
     if ((st = resolve_roles(desc, args, d, msg, msg_size)) ||
         (st = resolve_inputs(desc, args, d, msg, msg_size)) ||
         (st = resolve_kpm(&args->key_padding_mask, d, msg, msg_size)) ||

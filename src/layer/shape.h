@@ -31,6 +31,9 @@ typedef struct clmha__dims {
     // The sliding window (clmha_layer_desc::window): query position p sees key j < s only when
     // p - win_left <= j <= p + win_right; -1 leaves a side unbounded, and no window is (-1, -1).
     int64_t win_left, win_right;
+    // Soft-capping (clmha_layer_desc::softcap; 0: off) and ALiBi (clmha_layer_desc::alibi).
+    double softcap;
+    bool alibi;
     clmha_mask_kind attn_kind, kpm_kind;
     size_t query_count, key_count, value_count;  // elements of each input
     size_t attn_count, kpm_count;                // elements of each mask (0 if none)
@@ -49,6 +52,13 @@ CLMHA__HIDDEN clmha_status clmha__window_check(bool window, int64_t left, int64_
 
 // Sets @p d's win_left, win_right from a checked window (off: -1, -1).
 CLMHA__HIDDEN void clmha__window_set(clmha__dims *d, bool window, int64_t left, int64_t right);
+
+// Checks a soft-capping value (clmha_layer_desc::softcap): 0 or positive and finite.
+CLMHA__HIDDEN clmha_status clmha__softcap_check(double softcap, const char *where, char *msg,
+                                                size_t msg_size);
+
+// Slope @p h of the ALiBi paper's slopes for @p heads heads (clmha_alibi_slopes()), in double.
+CLMHA__HIDDEN double clmha__alibi_slope(size_t heads, size_t h);
 
 // Checks @p args against @p desc (already validated) and fills @p dims. On failure writes a
 // message naming the argument and the shapes to @p msg and returns the status.

@@ -52,19 +52,26 @@ static double mask_term(const clmha_attention_args *a, size_t n, size_t h, size_
 }
 
 // One query row (n, h, i): its weights into @p p (S doubles), its result into @p out, its
-// log-sum-exp returned.
+// log-sum-exp returned; when @p grad is not NULL, the derivative of each score in q·k·scale
+// (the soft-capping's) into it (S doubles).
 static double row(const clmha_attention_args *a, const clmha__attention_dims *d, size_t n,
-                  size_t h, size_t i, double *p, double *out) {
+                  size_t h, size_t i, double *p, double *out, double *grad) {
     const clmha__dims *c = &d->core;
     const float *q = a->query.data, *k = a->key.data, *v = a->value.data;
     size_t kh = h / (c->h / c->kvh);
     double m = -INFINITY;
+    double slope = a->alibi ? clmha__ref_alibi_slope(a->alibi_slopes.ndim ? a->alibi_slopes.data
+                                                                         : NULL,
+                                                     c->h, h)
+                            : 0.0;
     for (size_t j = 0; j < c->s; ++j) {
         double acc = 0.0;
         for (size_t f = 0; f < c->d; ++f)
             acc += (double)q[at(d->layout, c->h, c->l, c->d, n, h, i, f)] *
                    (double)k[at(d->layout, c->kvh, c->s, c->d, n, kh, j, f)];
-        p[j] = acc * d->scale + mask_term(a, n, h, i, j);
+        p[j] = clmha__ref_score_mod(acc * d->scale, a->softcap, slope, i, j, true,
+                                    grad ? &grad[j] : NULL) +
+               mask_term(a, n, h, i, j);
         if (p[j] > m || isnan(p[j])) m = isnan(m) ? m : p[j];
     }
     double sum = 0.0;
@@ -97,6 +104,7 @@ static clmha_status check_arrays(const clmha_attention_args *a, const clmha__att
                           : !a->key.data                                   ? "key.data"
                           : !a->value.data                                 ? "value.data"
                           : a->attn_mask.kind && !a->attn_mask.tensor.data ? "attn_mask.tensor.data"
+                          : a->alibi_slopes.ndim && !a->alibi_slopes.data  ? "alibi_slopes.data"
                           : !output                                        ? "output"
                                                                            : NULL;
     if (missing) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s is NULL", missing);
@@ -148,7 +156,7 @@ clmha_status clmha_reference_attention(const clmha_attention_args *args, double 
         for (size_t h = 0; h < c->h; ++h)
             for (size_t i = 0; i < c->l; ++i) {
                 size_t r = (n * c->h + h) * c->l + i;
-                double x = row(&a, &d, n, h, i, p, out);
+                double x = row(&a, &d, n, h, i, p, out, NULL);
                 if (lse) lse[r] = x;
                 for (size_t j = 0; weights && j < c->s; ++j) weights[r * c->s + j] = p[j];
                 for (size_t f = 0; f < d.dv; ++f)
@@ -165,7 +173,7 @@ clmha_status clmha_reference_attention(const clmha_attention_args *args, double 
 // each for the probabilities before dropout and their gradient, D_v for the row's output.
 typedef struct grads_out {
     double *dq, *dk, *dv, *dmask;
-    double *p, *dp, *out;
+    double *p, *dp, *out, *g;  // g: the scores' derivatives through the variants (row())
 } grads_out;
 
 // The backward of query row (n, h, i) given its output gradient @p g (D_v floats in the
@@ -179,7 +187,7 @@ static void row_backward(const clmha_attention_args *a, const clmha__attention_d
     // The probabilities without dropout: row() with dropout off.
     clmha_attention_args plain = *a;
     plain.dropout_p = 0.0f;
-    row(&plain, d, n, h, i, p, o->out);
+    row(&plain, d, n, h, i, p, o->out, o->g);
     uint32_t threshold = clmha__dropout_threshold(a->dropout_p);
     double keep = 1.0 / (1.0 - (double)a->dropout_p), dot = 0.0;
     for (size_t j = 0; j < c->s; ++j) {
@@ -199,6 +207,7 @@ static void row_backward(const clmha_attention_args *a, const clmha__attention_d
     for (size_t j = 0; j < c->s; ++j) {
         double ds = p[j] * (dp[j] - dot);  // the score's gradient
         if (o->dmask) o->dmask[mask_index(a, n, h, i, j)] += ds;
+        ds *= o->g[j];  // through the soft-capping
         for (size_t f = 0; f < c->d; ++f) {
             size_t qi = at(d->layout, c->h, c->l, c->d, n, h, i, f);
             size_t ki = at(d->layout, c->kvh, c->s, c->d, n, kh, j, f);
@@ -235,8 +244,8 @@ clmha_status clmha_reference_attention_backward(const clmha_attention_args *args
     size_t counts[4] = {d.query_count, d.key_count, d.value_count, d.mask_count};
     double *mine[4] = {NULL, NULL, NULL, NULL}, *want[4] = {g.query, g.key, g.value, g.attn_mask};
     grads_out o = {.p = malloc(c->s * sizeof(double)), .dp = malloc(c->s * sizeof(double)),
-                   .out = malloc(d.dv * sizeof(double))};
-    bool ok = o.p && o.dp && o.out;
+                   .out = malloc(d.dv * sizeof(double)), .g = malloc(c->s * sizeof(double))};
+    bool ok = o.p && o.dp && o.out && o.g;
     for (int t = 0; t < 4 && ok; ++t)  // every gradient, kept only where asked for
         ok = (mine[t] = calloc(counts[t] ? counts[t] : 1, sizeof(double))) != NULL;
     if (ok) {
@@ -251,6 +260,7 @@ clmha_status clmha_reference_attention_backward(const clmha_attention_args *args
     for (int t = 0; t < 4; ++t) free(mine[t]);
     free(o.p);
     free(o.dp);
+    free(o.g);
     free(o.out);
     return ok ? CLMHA_SUCCESS
               : clmha__msg(message, message_size, CLMHA_OUT_OF_MEMORY, "out of host memory");

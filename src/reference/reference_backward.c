@@ -291,6 +291,24 @@ static void softmax_backward(const double *probs, double *dprobs, size_t rows, s
     }
 }
 
+// Soft-capping (clmha_layer_desc::softcap): dS (N*H, L, S') in place times the derivative of
+// c·tanh(s/c) at each score before it, s = scale q·k' recomputed. Nothing without it.
+static void softcap_backward(const clmha__dims *d, const double *q, const double *k,
+                             double *ds) {
+    if (!(d->softcap > 0.0)) return;
+    const size_t sp = d->s_padded;
+    const double scale = 1.0 / sqrt((double)d->d);
+    for (size_t bh = 0; bh < d->n * d->h; ++bh)
+        for (size_t i = 0; i < d->l; ++i)
+            for (size_t j = 0; j < sp; ++j) {
+                double dot = 0.0, g;
+                for (size_t c = 0; c < d->d; ++c)
+                    dot += q[(bh * d->l + i) * d->d + c] * k[(bh * sp + j) * d->d + c];
+                clmha__ref_score_mod(dot * scale, d->softcap, 0.0, i, j, false, &g);
+                ds[(bh * d->l + i) * sp + j] *= g;
+            }
+}
+
 // Scores S = scale Q K'^T + masks: dQ = scale dS K' (s->dq), dK' = scale dS^T Q (s->dk).
 static void scores_backward(const clmha__dims *d, const double *q, const double *k,
                             grads_scratch *s) {
@@ -379,9 +397,10 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     clmha__ref_dropout(&call, s.dprobs);
     // 7. Softmax.
     softmax_backward(f.probs, s.dprobs, d.n * d.h * d.l, d.s_padded);
-    // 8. Scores, and the float masks' gradients.
-    scores_backward(&d, f.q, f.k, &s);
+    // 8. The float masks' gradients (dS of the final scores), the soft-capping, the scores.
     mask_grads(&d, s.dprobs, g.attn_mask, g.key_padding_mask);
+    softcap_backward(&d, f.q, f.k, s.dprobs);
+    scores_backward(&d, f.q, f.k, &s);
     // 9. Split heads backwards: the first L / S rows merge into the projections' gradients;
     //    row S is bias_k's / bias_v's (with add_bias_kv); the zero key's row is dropped.
     clmha__ref_merge_heads(&d, s.dq, d.l, d.l, s.dq_in);

@@ -169,6 +169,22 @@ bool clmha__ref_window_allows(bool window, int64_t left, int64_t right, size_t p
     return (double)j >= first && (double)j <= last;
 }
 
+double clmha__ref_score_mod(double s, double softcap, double slope, size_t p, size_t j,
+                            bool real, double *grad) {
+    double g = 1.0;
+    if (softcap > 0.0) {
+        double t = tanh(s / softcap);
+        s = softcap * t;
+        g = 1.0 - t * t;
+    }
+    if (grad) *grad = g;
+    return real ? s - slope * fabs((double)p - (double)j) : s;
+}
+
+double clmha__ref_alibi_slope(const float *given, size_t heads, size_t h) {
+    return given ? (double)given[h] : clmha__alibi_slope(heads, h);
+}
+
 double clmha__ref_mask_sum(const clmha__dims *d, const clmha_forward_args *args, size_t n,
                            size_t h, size_t i, size_t j) {
     double sum = 0.0;
@@ -208,18 +224,21 @@ static void attention_probs(const clmha__ref_call *call, double *q_in, double *k
     clmha__ref_split_heads(d, v_in, d->s, kve, group, bias_kv ? call->params.bias_v : NULL, sp,
                            v);
 
-    // 4. Scores q . k^T / sqrt(D), then 5. masks on the first S keys (appended keys are never
-    // masked).
+    // 4. Scores q . k^T / sqrt(D) with the variants (soft-capping; ALiBi on the first S keys),
+    // then 5. masks on the first S keys (appended keys are never masked).
     const double scale = 1.0 / sqrt((double)d->d);
     for (size_t n = 0; n < d->n; ++n)
         for (size_t h = 0; h < d->h; ++h) {
             size_t bh = n * d->h + h;
+            double slope =
+                d->alibi ? clmha__ref_alibi_slope(call->params.alibi_slopes, d->h, h) : 0.0;
             for (size_t i = 0; i < d->l; ++i)
                 for (size_t j = 0; j < sp; ++j) {
                     double dot = 0.0;
                     for (size_t c = 0; c < d->d; ++c)
                         dot += q[(bh * d->l + i) * d->d + c] * k[(bh * sp + j) * d->d + c];
-                    double score = dot * scale;
+                    double score = clmha__ref_score_mod(dot * scale, d->softcap, slope, i,
+                                                        j, j < d->s, NULL);
                     if (j < d->s) score += clmha__ref_mask_sum(d, &call->args, n, h, i, j);
                     probs[(bh * d->l + i) * sp + j] = score;
                 }

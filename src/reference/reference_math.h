@@ -71,6 +71,17 @@ CLMHA__HIDDEN void clmha__ref_merge_heads(const clmha__dims *d, const double *x,
 CLMHA__HIDDEN bool clmha__ref_window_allows(bool window, int64_t left, int64_t right, size_t p,
                                             size_t j);
 
+// Score @p s of query position @p p against key @p j with the score variants of
+// include/clmha.h (clmha_layer_desc::softcap, alibi): soft-capped with @p softcap (> 0; 0:
+// off), then, for a real key (@p real: j < S), plus -slope·|p - j|. Into *@p grad (may be NULL)
+// its derivative in s.
+CLMHA__HIDDEN double clmha__ref_score_mod(double s, double softcap, double slope, size_t p,
+                                          size_t j, bool real, double *grad);
+
+// ALiBi's slope of query head @p h of @p heads: @p given[h] (the caller's slopes), or the
+// geometric one (clmha_alibi_slopes()) when @p given is NULL.
+CLMHA__HIDDEN double clmha__ref_alibi_slope(const float *given, size_t heads, size_t h);
+
 // Sum of every mask (attn_mask, key_padding_mask, is_causal) at score (n, h, i, j), j < S.
 CLMHA__HIDDEN double clmha__ref_mask_sum(const clmha__dims *d, const clmha_forward_args *args,
                                          size_t n, size_t h, size_t i, size_t j);

@@ -309,6 +309,30 @@ Test(backward_random, sliding_window, .timeout = 600) {
     clmha_context_release(ctx);
 }
 
+// Soft-capping and ALiBi (geometric and given slopes) through both backward cores: with masks
+// (their gradients are those of the final scores), windows, is_causal, the appended keys,
+// dropout, weights, and lengths past the tiles.
+Test(backward_random, score_variants, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    static const double caps[] = {0.5, 0.0, 2.0, 0.7, 0.0, 1.0};
+    for (size_t k = 0; k < sizeof caps / sizeof caps[0]; ++k) {
+        rcase c = rcase_base(1800 + k);
+        c.softcap = caps[k];
+        c.alibi = k % 3 != 0, c.alibi_random = k % 3 == 2;
+        c.l = 4 + k, c.s = 8 - k;
+        c.is_causal = k == 1;
+        c.am = k % 2 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE;
+        c.kpm = k == 2 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE;
+        c.add_bias_kv = k == 4, c.add_zero_attn = k == 3;
+        c.need_weights = k % 2 == 0;
+        if (k == 3) c.window = true, c.win_left = 1, c.win_right = 1;
+        if (k == 4) c.dropout = 0.3f, c.training = true;
+        if (k == 5) c.l = 140, c.s = 90, c.n = 1, c.need_weights = false;
+        check_case(ctx, &c);
+    }
+    clmha_context_release(ctx);
+}
+
 // The fused backward's window bounds at its tile edges (rows private: 64 keys or query rows a
 // work-group, tiles of 16; one row a work-item: 64; the GEMM blocks' key ranges), through the
 // tiled kernels and through the products in GEMMs (CLMHA_FUSED_BACKWARD; the layer reads it

@@ -316,6 +316,32 @@ Test(random, sliding_window, .timeout = 300) {
     clmha_context_release(ctx);
 }
 
+// Soft-capping and ALiBi (geometric and given slopes), alone and together, with windows,
+// is_causal, masks, the appended keys (soft-capped, no ALiBi term), dropout, weights, unbatched
+// calls, and lengths past a tile (both cores).
+Test(random, score_variants, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    static const double caps[] = {0.5, 0.0, 2.0, 0.7, 0.0, 30.0, 1.0, 0.0};
+    for (size_t k = 0; k < sizeof caps / sizeof caps[0]; ++k) {
+        rcase c = rcase_base(1700 + k);
+        c.softcap = caps[k];
+        c.alibi = k % 3 != 0, c.alibi_random = k % 3 == 2;
+        c.h = 1 + k % 4, c.e = c.h * 4;
+        c.l = 3 + k, c.s = 9 - k;
+        c.is_causal = k % 3 == 1;
+        c.need_weights = k % 2 == 0, c.per_head = k % 4 == 0;
+        c.am = k == 2 ? CLMHA_MASK_FLOAT : k == 5 ? CLMHA_MASK_BOOL_IGNORE : CLMHA_MASK_NONE;
+        c.kpm = k == 3 ? CLMHA_MASK_BOOL_ATTEND : CLMHA_MASK_NONE;
+        c.add_bias_kv = k == 4 || k == 7, c.add_zero_attn = k == 4 || k == 6;
+        c.unbatched = k == 1;
+        if (k == 3 || k == 6) c.window = true, c.win_left = 2, c.win_right = k == 3 ? 0 : 1;
+        if (k == 6) c.dropout = 0.3f, c.training = true;
+        if (k == 7) c.l = 150, c.s = 130, c.n = 1, c.need_weights = false;
+        check_case(ctx, &c);
+    }
+    clmha_context_release(ctx);
+}
+
 // The fused kernels' window bounds at their tile edges (lanes mapping: 32 query rows a
 // work-item, 64 keys a tile; tiled: 128 rows a group, 32 keys a tile): lengths around the
 // tiles, L != S both ways, windows of 0, 1, tile - 1, tile and tile + 1 on either side (and one

@@ -46,6 +46,8 @@ void rcase_describe(const rcase *c, char *buf, size_t size) {
     if (c->am) APPEND(" am=%s(%s)", kind_name(c->am), layouts[c->layout]);
     if (c->is_causal) APPEND(" causal");
     if (c->window) APPEND(" window(%lld,%lld)", (long long)c->win_left, (long long)c->win_right);
+    if (c->softcap > 0) APPEND(" softcap=%g", c->softcap);
+    if (c->alibi) APPEND(c->alibi_random ? " alibi(random)" : " alibi");
     if (c->mask_row) APPEND(" masked_row");
     if (c->mask_batch) APPEND(" masked_item");
     if (c->need_weights) APPEND(c->per_head ? " w=per_head" : " w=avg");
@@ -106,7 +108,8 @@ void instance_make(instance *in, const rcase *c) {
                                   .add_zero_attn = k->add_zero_attn,
                                   .batch_first = k->batch_first, .dropout = k->dropout,
                                   .num_kv_heads = k->kv_heads, .window = k->window,
-                                  .window_left = k->win_left, .window_right = k->win_right};
+                                  .window_left = k->win_left, .window_right = k->win_right,
+                                  .softcap = k->softcap, .alibi = k->alibi};
 
     // Parameters: weights ~ U(-1/sqrt(E), 1/sqrt(E)), bias_k / bias_v ~ N(0, 1).
     in->params.struct_size = sizeof in->params;
@@ -135,6 +138,12 @@ void instance_make(instance *in, const rcase *c) {
         in->bv = normal_floats(&r, kve);
         in->params.bias_k = in->bk;
         in->params.bias_v = in->bv;
+    }
+
+    if (k->alibi_random) {  // ALiBi slopes ~ U(0, 1], (the geometric ones otherwise)
+        in->slopes = uniform_floats(&r, k->h, 0.5);
+        for (size_t h = 0; h < k->h; ++h) in->slopes[h] += 0.5f;
+        in->params.alibi_slopes = in->slopes;
     }
 
     // Inputs ~ N(0, 1).
@@ -182,7 +191,8 @@ void instance_make(instance *in, const rcase *c) {
 
 void instance_free(instance *in) {
     float *arrays[] = {in->w_in, in->wq,  in->wk,    in->wv,  in->b_in, in->wo,
-                       in->bo,   in->bk,  in->bv,    in->query, in->key, in->value};
+                       in->bo,   in->bk,  in->bv,    in->query, in->key, in->value,
+                       in->slopes};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free(arrays[i]);
     free(in->kpm);
     free(in->am);
@@ -209,6 +219,7 @@ clmha_layer *instance_layer(clmha_context *ctx, const instance *in) {
     set_param(layer, "out_proj.bias", in->bo, e);
     set_param(layer, "bias_k", in->bk, kve);
     set_param(layer, "bias_v", in->bv, kve);
+    set_param(layer, "alibi_slopes", in->slopes, in->c.h);
     return layer;
 }
 

@@ -25,6 +25,8 @@ typedef struct rcase {
     bool is_causal, need_weights, per_head, training;
     bool window;                    // a sliding window (win_left, win_right; -1 unbounded)
     int64_t win_left, win_right;
+    double softcap;                 // soft-capping (0: off)
+    bool alibi, alibi_random;       // ALiBi; its slopes random in (0, 1] (else geometric)
     float dropout;
     uint64_t rng_seed, rng_offset;  // dropout randomness
     double mask_p;                  // probability of a forbidden / -inf mask entry
@@ -40,7 +42,7 @@ typedef struct instance {
     clmha_reference_params params;
     clmha_forward_args args;
     size_t n, kdim, vdim, kve, s_padded, output_count, weights_count;  // kve: K/V proj. rows
-    float *w_in, *wq, *wk, *wv, *b_in, *wo, *bo, *bk, *bv;
+    float *w_in, *wq, *wk, *wv, *b_in, *wo, *bo, *bk, *bv, *slopes;
     float *query, *key, *value;
     void *kpm, *am;
 } instance;
