@@ -415,6 +415,34 @@ Test(kv_cache, sliding_window, .timeout = 300) {
     check_window(c, 4, 0, 3, 2, "batch_first");
 }
 
+// Soft-capping and ALiBi through the decode core: ALiBi's positions are bottom-right (new token
+// t of a sequence at position t, as in the one-shot forward), the appended keys soft-capped
+// without ALiBi's term; token by token, in chunks and in one call, several ranges a row, a long
+// cache split in 7, grouped-query attention, windows.
+Test(kv_cache, score_variants, .timeout = 300) {
+    rcase c = self_case(23, 13);
+    c.softcap = 0.8;
+    check_self(&c, 1, 0, "softcap 0.8");
+    check_self(&c, 4, 3, "softcap 0.8");
+    c.softcap = 0.0, c.alibi = true;
+    check_self(&c, 1, 0, "alibi");
+    check_self(&c, 5, 16, "alibi");
+    c.alibi_random = true, c.softcap = 2.0;
+    check_self(&c, 3, 2, "softcap 2, alibi (given slopes)");
+    c.add_bias_kv = c.add_zero_attn = true;
+    check_self(&c, 2, 3, "softcap 2, alibi (given slopes), add_bias_kv and add_zero_attn");
+    c.add_bias_kv = c.add_zero_attn = false;
+    c.is_causal = false;
+    check_self(&c, 13, 3, "softcap 2, alibi (given slopes), not causal, one call");
+    c.is_causal = true;
+    check_window(c, 3, 0, 4, 0, "softcap 2, alibi (given slopes)");
+    rcase g = self_case(24, 200);
+    g.e = 64, g.h = 8, g.n = 2, g.kv_heads = 2;
+    g.softcap = 1.5, g.alibi = true;
+    check_self(&g, 1, 7, "long cache, GQA 4, softcap 1.5, alibi");
+    check_self(&g, 70, 0, "long cache, GQA 4, softcap 1.5, alibi");
+}
+
 Test(kv_cache, sliding_window_split_k, .timeout = 300) {
     // 300 tokens, 8 heads of 8, token by token or in chunks of 60 to 150: windows narrower
     // than one range of keys (a range is at least a block of 16 keys: (3, 0), (10, 0)), wider

@@ -32,6 +32,8 @@ typedef struct scase {
     float dropout;
     bool window;  // a sliding window (wl, wr; -1 unbounded)
     int64_t wl, wr;
+    double softcap;  // soft-capping (0: off)
+    bool alibi, slopes;  // ALiBi; slopes: given (random in [0.5, 1.5)), else geometric
 } scase;
 
 // Whether the device keeps the fused core from a call the test asks it for: a driver's loop
@@ -48,7 +50,7 @@ static bool fused_kept_off(clmha_context *ctx, const scase *c, clmha_status st) 
 // The host arrays of a case and its argument struct.
 typedef struct sdata {
     clmha_attention_args args;
-    float *q, *k, *v, *fmask;
+    float *q, *k, *v, *fmask, *slopes;
     unsigned char *bmask;
     size_t nq, nk, nv, nm, nout, nlse, nw;
 } sdata;
@@ -87,7 +89,13 @@ static void sdata_make(sdata *x, const scase *c, uint64_t seed) {
                                      .dropout_p = c->dropout, .enable_gqa = c->gqa,
                                      .rng = {.seed = 0x5eed0000u + seed, .offset = 3},
                                      .window = c->window, .window_left = c->wl,
-                                     .window_right = c->wr};
+                                     .window_right = c->wr, .softcap = c->softcap,
+                                     .alibi = c->alibi};
+    if (c->slopes) {
+        x->slopes = alloc_floats(c->h);
+        for (size_t h = 0; h < c->h; ++h) x->slopes[h] = (float)(0.5 + prng_uniform(&r));
+        x->args.alibi_slopes = (clmha_tensor){.ndim = 1, .shape = {c->h}, .data = x->slopes};
+    }
     x->args.query = tensor_of(c, c->h, c->l, c->d, x->q);
     x->args.key = tensor_of(c, hkv, c->s, c->d, x->k);
     x->args.value = tensor_of(c, hkv, c->s, dv, x->v);
@@ -117,7 +125,7 @@ static void sdata_make(sdata *x, const scase *c, uint64_t seed) {
 }
 
 static void sdata_free(sdata *x) {
-    free(x->q), free(x->k), free(x->v), free(x->fmask), free(x->bmask);
+    free(x->q), free(x->k), free(x->v), free(x->fmask), free(x->bmask), free(x->slopes);
 }
 
 // Largest difference of two log-sum-exp arrays: equal infinities agree.
@@ -166,6 +174,9 @@ static void device_forward(clmha_context *ctx, const sdata *x, clmha_impl impl, 
                        PAD * elem);
         a.attn_mask.tensor.buffer = bm, a.attn_mask.tensor.offset = PAD;
     }
+    cl_mem bs = x->slopes ? upload_at(ctx, x->slopes, a.alibi_slopes.shape[0] * 4, PAD * 4)
+                          : NULL;
+    if (bs) a.alibi_slopes.buffer = bs, a.alibi_slopes.offset = PAD;
     cl_mem bo = upload_at(ctx, out, x->nout * 4, PAD * 4);
     cl_mem bl = lse ? upload_at(ctx, lse_out, x->nlse * 4, PAD * 4) : NULL;
     cl_event done = NULL;
@@ -180,6 +191,7 @@ static void device_forward(clmha_context *ctx, const sdata *x, clmha_impl impl, 
     clReleaseMemObject(bq), clReleaseMemObject(bk), clReleaseMemObject(bv);
     clReleaseMemObject(bo);
     if (bm) clReleaseMemObject(bm);
+    if (bs) clReleaseMemObject(bs);
     if (bl) clReleaseMemObject(bl);
 }
 
@@ -656,6 +668,9 @@ static void check_backward_once(clmha_context *ctx, const scase *c, const sdata 
                        pad * elem);
         a.attn_mask.tensor.buffer = bm, a.attn_mask.tensor.offset = pad;
     }
+    cl_mem bs = x->slopes ? upload_at(ctx, x->slopes, a.alibi_slopes.shape[0] * 4, pad * 4)
+                          : NULL;
+    if (bs) a.alibi_slopes.buffer = bs, a.alibi_slopes.offset = pad;
     float *zeros = calloc(x->nout + 1, sizeof(float));
     cl_mem out = upload_at(ctx, zeros, x->nout * 4, pad * 4);
     cl_mem lse = upload_at(ctx, zeros, x->nlse * 4, pad * 4);
@@ -705,6 +720,7 @@ static void check_backward_once(clmha_context *ctx, const scase *c, const sdata 
     }
     clReleaseMemObject(out), clReleaseMemObject(lse), clReleaseMemObject(dout);
     if (bm) clReleaseMemObject(bm);
+    if (bs) clReleaseMemObject(bs);
 }
 
 static void check_backward(clmha_context *ctx, const scase *c) {
@@ -840,6 +856,90 @@ Test(sdpa, sliding_window, .timeout = 600) {
     }
     fprintf(stderr, "sdpa: window %zu cases, %zu checks; worst output %.2e, backward %.2e\n",
             cases_run, checks_run, worst_out, worst_any);
+    clmha_context_release(ctx);
+}
+
+// Soft-capping and ALiBi (geometric and given slopes) through both cores, forward (output,
+// lse, weights) and backward (dq, dk, dv, a float mask's gradient), host and device forms.
+static const scase variants[] = {
+    {CASE("softcap 0.7", NHLD, true), SZ(2, 3, 0, 7, 7, 8), .softcap = 0.7},
+    {CASE("alibi geometric L5 S9", NLHD, true), SZ(1, 2, 0, 5, 9, 8), .alibi = true},
+    {CASE("softcap 2 alibi given causal", NHLD, true), SZ(2, 2, 0, 8, 6, 16), .softcap = 2.0,
+     .alibi = true, .slopes = true, .causal = true},
+    {CASE("alibi given mask float", NLHD, true), SZ(2, 3, 0, 6, 8, 8), MASK(4, FL, 2, 1, 6, 8),
+     .alibi = true, .slopes = true},
+    {CASE("softcap 1 gqa bool window (1, -1)", NHLD, true), SZ(2, 4, 2, 6, 6, 8),
+     MASK(2, BA, 6, 6), WIN(1, -1), .gqa = true, .softcap = 1.0},
+    {CASE("softcap 0.5 alibi dv dropout scale", NHLD, true), SZ(1, 5, 0, 9, 9, 8), .dv = 4,
+     .dropout = 0.2f, .softcap = 0.5, .alibi = true, .scale = 0.7},
+    {CASE("softcap 3 alibi unbatched L70 S90", NLHD, false), SZ(1, 3, 0, 70, 90, 8),
+     .softcap = 3.0, .alibi = true, .slopes = true},
+};
+
+Test(sdpa, score_variants, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    for (size_t i = 0; i < sizeof variants / sizeof variants[0]; ++i) {
+        check_case(ctx, &variants[i]);
+        check_backward(ctx, &variants[i]);
+    }
+    fprintf(stderr, "sdpa: variants %zu cases, %zu checks; worst output %.2e, backward %.2e\n",
+            cases_run, checks_run, worst_out, worst_any);
+    clmha_context_release(ctx);
+}
+
+// Bad soft-capping values and ALiBi slopes, for the function and for a layer; the
+// alibi_slopes parameter exists only on an ALiBi layer, of H values; clmha_alibi_slopes().
+Test(sdpa, variant_refusals, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    small s;
+    small_make(&s);
+    const double bad[] = {-1.0, NAN, INFINITY};
+    for (size_t i = 0; i < 3; ++i) {
+        s.a.softcap = bad[i];
+        refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "args.softcap");
+    }
+    s.a.softcap = 0.0;
+    float slopes[3] = {0.5f, 0.25f, 0.125f};
+    s.a.alibi_slopes = (clmha_tensor){.ndim = 1, .shape = {3}, .data = slopes};
+    refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "alibi_slopes is given");
+    s.a.alibi = true, s.a.alibi_slopes.shape[0] = 2;
+    refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "alibi_slopes must be (H) = (3)");
+    s.a.alibi_slopes.ndim = 2, s.a.alibi_slopes.shape[0] = 3, s.a.alibi_slopes.shape[1] = 1;
+    refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "alibi_slopes must be (H) = (3)");
+
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = 8, .num_heads = 2,
+                             .softcap = -0.5};
+    clmha_layer *layer = NULL;
+    cr_expect_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "desc.softcap (-0.5)"), "%s",
+              clmha_context_last_error(ctx));
+    cr_expect_null(layer);
+    desc.softcap = 0.0;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
+    float got[8];
+    cr_expect_eq(clmha_layer_get_parameter(layer, "alibi_slopes", got, 2),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "alibi = false"), "%s",
+              clmha_context_last_error(ctx));
+    cr_expect_eq(clmha_layer_parameter_count(layer, "alibi_slopes"), 0);
+    clmha_layer_release(layer);
+    desc.alibi = true, desc.num_heads = 8;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
+    cr_expect_eq(clmha_layer_parameter_count(layer, "alibi_slopes"), 8);
+    cr_assert_eq(clmha_layer_get_parameter(layer, "alibi_slopes", got, 8), CLMHA_SUCCESS);
+    for (size_t h = 0; h < 8; ++h)  // 2^-(h+1) for 8 heads
+        cr_expect_float_eq(got[h], ldexpf(1.0f, -(int)h - 1), 0, "slope %zu: %g", h,
+                           (double)got[h]);
+    cr_expect_eq(clmha_layer_set_parameter(layer, "alibi_slopes", got, 7), CLMHA_SHAPE_MISMATCH);
+    clmha_layer_release(layer);
+    // The paper's extension for 6 heads: the 4-head slopes, then slopes 1 and 3 of 8 heads.
+    float six[6];
+    cr_assert_eq(clmha_alibi_slopes(6, six), CLMHA_SUCCESS);
+    const double want[6] = {0.25, 0.0625, 0.015625, 0.00390625, 0.5, 0.125};
+    for (size_t h = 0; h < 6; ++h)
+        cr_expect_float_eq(six[h], want[h], 0, "6 heads, slope %zu: %g", h, (double)six[h]);
+    cr_expect_eq(clmha_alibi_slopes(0, six), CLMHA_INVALID_ARGUMENT);
+    cr_expect_eq(clmha_alibi_slopes(4, NULL), CLMHA_INVALID_ARGUMENT);
     clmha_context_release(ctx);
 }
 
