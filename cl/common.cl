@@ -296,3 +296,53 @@ inline REAL lanes_sum(VT v) {
     for (uint i = 0; i < VW; ++i) sum += lane[i];
     return sum;
 }
+
+// ---- Score variants on VW lanes (the CPU mappings' vector passes) ------------------------------
+
+// tanh on VW lanes. Float programs: for |x| >= 0.3, sign(x) (1 - e) / (1 + e) with e =
+// exp_nonpos(-2|x|) (relative error a few 1e-7, where the library's scalar tanh cost PoCL's
+// fused forward 6x); below, the odd Taylor polynomial to x^11 (truncation below 1e-9). Float64
+// programs take the library's tanh.
+#if REAL_F64
+inline VT tanh_lanes(VT x) { return tanh(x); }
+#else
+inline VT tanh_lanes(VT x) {
+    VT a = fabs(x);
+    VT e = exp_nonpos(-2.0f * a);
+    VT big = (1.0f - e) / (1.0f + e);
+    VT x2 = x * x;
+    VT p = (VT)(-1382.0f / 155925.0f);
+    p = fma(p, x2, (VT)(62.0f / 2835.0f));
+    p = fma(p, x2, (VT)(-17.0f / 315.0f));
+    p = fma(p, x2, (VT)(2.0f / 15.0f));
+    p = fma(p, x2, (VT)(-1.0f / 3.0f));
+    VT small = fma(p * x2, a, a);
+    return copysign(select(big, small, a < 0.3f), x);
+}
+#endif
+
+// The lane numbers 0 ... VW - 1 as a VT.
+inline VT lane_index(void) {
+    REAL idx[VW];  // written lane by lane, read as a vector
+    for (uint u = 0; u < VW; ++u) idx[u] = (REAL)u;
+    return LOADV(0, idx);
+}
+
+// score_mod() on VW lanes of scores s whose query positions p and keys j are given per lane
+// (as REAL: exact below 2^24), ALiBi's term where j < src_len; into *grad the soft-capping's
+// derivative (1 without SOFTCAP).
+inline VT score_mod_lanes(VT s, REAL c, REAL slope, VT p, VT j, REAL src_len, VT *grad) {
+#if SOFTCAP
+    REAL inv_c = 1.0f / c;  // loop-invariant where the caller loops
+    VT u = tanh_lanes(s * inv_c);
+    *grad = 1.0f - u * u;
+    s = c * u;
+#else
+    *grad = (VT)(1.0f);
+#endif
+#if ALIBI
+    VT term = -slope * fabs(p - j);
+    s += select((VT)(0.0f), term, j < (VT)(src_len));
+#endif
+    return s;
+}

@@ -161,6 +161,12 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     ulong kpm_row = kpm_off + n * src_len;
     ulong srcp = src_len_padded;
     REAL slope = ALIBI_SLOPE(bh - n * n_heads);
+#if SCORE_MODS
+    VT pv[RV];  // the rows' positions, lane by lane (rows past the last repeat it)
+    UNROLL
+    for (uint rv = 0; rv < RV; ++rv)
+        pv[rv] = min((VT)((REAL)first) + (VT)((REAL)(rv * VW)) + lane_index(), (VT)((REAL)last));
+#endif
 
     REAL qt[HD * RP];  // the scaled query rows, transposed: qt[d * RP + r]
     REAL ot[HD * RP];  // the accumulators of p*v, transposed: ot[d * RP + r]
@@ -210,10 +216,21 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
                 UNROLL
                 for (uint rv = 0; rv < RV; ++rv) STOREV(a[jj][rv], (jb + jj) * RP + rv * VW, st);
         }
+#if SCORE_MODS
+        // The score variants (cl/common.cl), a vector of VW rows at a time.
+        for (uint jj = 0; jj < BK; ++jj) {
+            VT jv = (VT)((REAL)(j0 + jj)), g;
+            UNROLL
+            for (uint rv = 0; rv < RV; ++rv) {
+                VT x = LOADV(jj * RP + rv * VW, st);
+                x = score_mod_lanes(x, softcap, slope, pv[rv], jv, (REAL)src_len, &g);
+                STOREV(x, jj * RP + rv * VW, st);
+            }
+        }
+#endif
         // Masks: only where the tile needs any (inside the real keys, no masks, below the
         // causal diagonal of the first row and inside every row's window needs none).
-        // With score variants (cl/common.cl) every tile takes this pass.
-        bool plain = !SCORE_MODS && !attn_kind && !kpm_kind && j0 + BK <= srcp &&
+        bool plain = !attn_kind && !kpm_kind && j0 + BK <= srcp &&
                      (!causal || j0 + BK <= first + 1) &&
                      in_window_all(win_left, win_right, first, last, j0, j0 + BK - 1);
         if (!plain) {
@@ -223,9 +240,6 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
                 for (uint jj = 0; jj < BK; ++jj) {
                     ulong j = j0 + jj;
                     REAL x = st[jj * RP + r];
-#if SCORE_MODS
-                    x = score_mod(x, softcap, slope, i, j, j < src_len);
-#endif
                     if (j >= srcp) {
                         x = -INFINITY;
                     } else if (j < src_len) {

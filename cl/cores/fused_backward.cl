@@ -204,11 +204,14 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
         for (uint r = 0; r < R; ++r) {
             ulong j = jr[r];
 #if SCORE_MODS
-            for (uint ii = 0; ii < BT; ++ii) {
-                float g;
-                s[r][ii] = score_mod_grad(s[r][ii], softcap, slope, i0 + ii, j, j < src_len, &g);
+            // The score variants (cl/common.cl), VW query rows at a time.
+            for (uint c = 0; c < BT; c += VW) {
+                VT g, x = LOADV(c, s[r]);
+                VT pv = (VT)((float)(i0 + c)) + lane_index();
+                x = score_mod_lanes(x, softcap, slope, pv, (VT)((float)j), (float)src_len, &g);
+                STOREV(x, c, s[r]);
 #if SOFTCAP
-                sg[r][ii] = g;
+                STOREV(g, c, sg[r]);
 #endif
             }
 #endif
@@ -350,12 +353,14 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
         for (uint r = 0; r < R; ++r) {
             ulong i = ir[r];
 #if SCORE_MODS
-            for (uint jj = 0; jj < BT; ++jj) {
-                float g;
-                ulong j = j0 + jj;
-                s[r][jj] = score_mod_grad(s[r][jj], softcap, slope, i, j, j < src_len, &g);
+            // The score variants (cl/common.cl), VW keys at a time.
+            for (uint c = 0; c < BT; c += VW) {
+                VT g, x = LOADV(c, s[r]);
+                VT jv = (VT)((float)(j0 + c)) + lane_index();
+                x = score_mod_lanes(x, softcap, slope, (VT)((float)i), jv, (float)src_len, &g);
+                STOREV(x, c, s[r]);
 #if SOFTCAP
-                sg[r][jj] = g;
+                STOREV(g, c, sg[r]);
 #endif
             }
 #endif
@@ -659,18 +664,9 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
         }
         VT gsc = (VT)(1.0f);  // the score variants' derivative (cl/common.cl)
 #if SCORE_MODS
-        sv *= scale;
-#if SOFTCAP
-        sv = softcap * tanh(sv / softcap);
-        gsc = (VT)(1.0f) - (sv / softcap) * (sv / softcap);
-#endif
-#if ALIBI
-        if (real) {
-            float a_lanes[VW];  // lanes written, read as a vector
-            for (uint u = 0; u < VW; ++u) a_lanes[u] = alibi_term(slope, row0 + u0 + u, j);
-            sv += LOADV(0, a_lanes);
-        }
-#endif
+        VT pv = (VT)((float)(row0 + u0)) + lane_index();
+        sv = score_mod_lanes(sv * scale, softcap, slope, pv, (VT)((float)j), (float)src_len,
+                             &gsc);
         sv += kx;
 #else
         sv = sv * scale + kx;
