@@ -125,6 +125,8 @@ typedef struct dcase {
     clmha_dtype dtype;       // the layer's (parameters, inputs and float masks rounded to it)
     bool window;             // a sliding window: query i sees key j < S only when
     int64_t wl, wr;          // i - wl <= j <= i + wr (-1: that side unbounded)
+    double softcap;          // soft-capping (0: off)
+    bool alibi;              // ALiBi, the geometric slopes
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -270,6 +272,27 @@ static const dcase cases[] = {
     {"backward fused gemms: window (2, 5) self L70, zero_attn, kpm=ignore, blocks of 16 rows",
      .e = 8, .h = 2, .n = 1, .l = 70, .self_attn = true, .zero_attn = true, .kpm = I,
      .fused = true, .backward = true, .gemm_block = 16 * 71, .window = true, .wl = 2, .wr = 5},
+    // Score variants (programs built with -DSOFTCAP/-DALIBI): the fused forward's vector pass,
+    // masked_softmax's, both fused backward paths, the unfused backward's softcap_backward
+    // (its own GEMM of the raw scores), the decode core's blocks and bias_k score.
+    {"fused: softcap 2 alibi self causal L=S=70, zero_attn, kpm=ignore", .e = 8, .h = 2,
+     .n = 2, .l = 70, .self_attn = true, .causal = true, .zero_attn = true, .kpm = I,
+     .fused = true, .softcap = 2.0, .alibi = true},
+    {"unfused: softcap 1 alibi cross L5 S37, bias_kv, w=per_head", .e = 8, .h = 2, .n = 2,
+     .l = 5, .s = 37, .bias_kv = true, .weights = true, .per_head = true, .softcap = 1.0,
+     .alibi = true},
+    {"backward fused: softcap 1.5 alibi self L=S=40, zero_attn", .e = 8, .h = 2, .n = 1,
+     .l = 40, .self_attn = true, .zero_attn = true, .fused = true, .backward = true,
+     .softcap = 1.5, .alibi = true},
+    {"backward fused gemms: softcap 1.5 alibi self causal L=S=37, blocks of 8 rows", .e = 8,
+     .h = 2, .n = 1, .l = 37, .self_attn = true, .causal = true, .fused = true,
+     .backward = true, .gemm_block = 8 * 37, .softcap = 1.5, .alibi = true},
+    {"backward unfused: softcap 0.8 alibi cross L3 S5, am=float, zero_attn", .e = 8, .h = 2,
+     .n = 2, .l = 3, .s = 5, .am = F, .zero_attn = true, .backward = true, .softcap = 0.8,
+     .alibi = true},
+    {"decode: softcap 2 alibi self causal L=S=21, bias_kv+zero_attn, chunks of 4, 3 ranges",
+     .e = 8, .h = 2, .n = 2, .l = 21, .self_attn = true, .causal = true, .bias_kv = true,
+     .zero_attn = true, .decode_chunk = 4, .decode_parts = 3, .softcap = 2.0, .alibi = true},
     // The decode core (KV cache): decode_append of ragged counts, decode_partial with empty
     // and partial key blocks and ranges, decode_combine with bias_k/bias_v and the zero key.
     {"decode: self causal L=S=37, bias_kv+zero_attn, token by token, 3 ranges", .e = 8, .h = 2,
@@ -520,7 +543,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
                              .add_zero_attn = c->zero_attn, .batch_first = c->batch_first,
                              .dropout = c->dropout, .num_kv_heads = c->kv_heads,
                              .dtype = c->dtype, .window = c->window, .window_left = c->wl,
-                             .window_right = c->wr};
+                             .window_right = c->wr, .softcap = c->softcap, .alibi = c->alibi};
     const size_t kve = c->kv_heads ? c->kv_heads * (e / c->h) : e;  // key/value width
 
     // Parameters.
