@@ -311,14 +311,18 @@ class Layer:
         return {name: self[name] for name in self.parameter_names()}
 
     def load_state_dict(self, state_dict) -> None:
-        """Sets every parameter from a mapping of ``state_dict()`` names to arrays or tensors."""
-        missing = [n for n in self.parameter_names() if n not in state_dict]
+        """Sets every parameter from a mapping of ``state_dict()`` names to arrays or tensors.
+        An ALiBi layer's ``alibi_slopes`` may be left out (``nn.MultiheadAttention``'s
+        state_dict has none): the layer keeps its slopes."""
+        missing = [n for n in self.parameter_names()
+                   if n not in state_dict and n != "alibi_slopes"]
         unexpected = [n for n in state_dict if n not in self.parameter_names()]
         if missing or unexpected:
             raise KeyError(f"state_dict does not match the layer: missing {missing}, "
                            f"unexpected {unexpected}")
         for name in self.parameter_names():
-            self[name] = state_dict[name]
+            if name in state_dict:
+                self[name] = state_dict[name]
 
     @classmethod
     def from_state_dict(cls, state_dict, num_heads: int, *, prefix: str = "",
@@ -352,9 +356,7 @@ class Layer:
         layer = cls(num_heads=num_heads, context=context, dtype=dtype, batch_first=batch_first,
                     dropout=dropout, add_zero_attn=add_zero_attn, window=window,
                     softcap=softcap, alibi=alibi, **config)
-        if alibi and not has_slopes:
-            params["alibi_slopes"] = layer["alibi_slopes"]  # the geometric ones it starts with
-        layer.load_state_dict(params)
+        layer.load_state_dict(params)  # without alibi_slopes: the geometric ones
         return layer
 
     # ---- forward -------------------------------------------------------------------------------

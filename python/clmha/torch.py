@@ -172,7 +172,7 @@ class MultiheadAttention(nn.MultiheadAttention):
     may be changed later), ``alibi`` (ALiBi: query head h at position i against key j gains
     -slope_h * |i - j|, the appended keys none; the slopes are the buffer ``alibi_slopes`` (H),
     in ``state_dict()``, starting as ``clmha.alibi_slopes(H)``: a buffer, as it gets no
-    gradient) and ``context`` (a ``clmha.Context``; default: ``$CLMHA_DEVICE`` or the first
+    gradient; ``load_state_dict`` of a state_dict without it, PyTorch's module's, keeps it) and ``context`` (a ``clmha.Context``; default: ``$CLMHA_DEVICE`` or the first
     GPU, else the first OpenCL device).
 
     Gradients flow to query, key, value, every parameter and a float attn_mask or
@@ -258,6 +258,15 @@ class MultiheadAttention(nn.MultiheadAttention):
         """The buffer alibi_slopes: the geometric slopes, in the parameters' dtype."""
         slopes = torch.from_numpy(_sdpa.alibi_slopes(self.num_heads))
         self.register_buffer("alibi_slopes", slopes.to(self.out_proj.weight.dtype))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A state_dict without alibi_slopes (nn.MultiheadAttention's) keeps the module's slopes.
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + "alibi_slopes"
+        if key in missing_keys and key not in state_dict:
+            missing_keys.remove(key)
 
     def _param_names(self) -> Tuple[str, ...]:
         names = ["in_proj_weight"] if self.in_proj_weight is not None else [

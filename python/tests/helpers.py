@@ -45,11 +45,8 @@ def layer_of(m, ctx, dtype="float32", **extra):
                         add_bias_kv=m.bias_k is not None, add_zero_attn=m.add_zero_attn,
                         kdim=m.kdim, vdim=m.vdim, batch_first=m.batch_first,
                         dropout=m.dropout, dtype=dtype, context=ctx, **extra)
-    sd = {k: v.detach().double().numpy() if dtype == "float64" else v.detach().numpy()
-          for k, v in m.state_dict().items()}
-    if layer.alibi and "alibi_slopes" not in sd:
-        sd["alibi_slopes"] = layer["alibi_slopes"]  # an ALiBi layer keeps its geometric slopes
-    layer.load_state_dict(sd)
+    layer.load_state_dict({k: v.detach().double().numpy() if dtype == "float64"
+                           else v.detach().numpy() for k, v in m.state_dict().items()})
     return layer
 
 
@@ -269,8 +266,11 @@ def mha_ref(m, q, k=None, v=None, *, key_padding_mask=None, attn_mask=None, is_c
     if alibi_slopes is not None:
         bias = bias + torch.from_numpy(alibi_bias(alibi_slopes, L, S))
     kpm, am = masks["key_padding_mask"], masks["attn_mask"]
-    as_bias = lambda t: (torch.zeros(t.shape, dtype=torch.float64).masked_fill(t, -math.inf)  # noqa: E731
-                         if t.dtype == torch.bool else t)
+    def as_bias(t):
+        if t.dtype != torch.bool:
+            return t
+        return torch.zeros(t.shape, dtype=torch.float64).masked_fill(t, -math.inf)
+
     if kpm is not None:
         bias = bias + as_bias(kpm).reshape(N, 1, 1, S)
     if am is not None:

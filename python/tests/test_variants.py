@@ -190,6 +190,10 @@ def test_layer_parameters_state_dict_and_repr(ctx, rng):
         layer["alibi_slopes"] = np.ones(H + 1, np.float32)
     layer["alibi_slopes"] = CUSTOM
     assert np.array_equal(layer["alibi_slopes"], CUSTOM)
+    layer.load_state_dict(plain.state_dict())  # without alibi_slopes: the slopes stay
+    assert np.array_equal(layer["alibi_slopes"], CUSTOM)
+    with pytest.raises(KeyError):
+        plain.load_state_dict(layer.state_dict())  # no ALiBi: unexpected
     # from_state_dict: the entry makes an ALiBi layer with those slopes
     again = clmha.Layer.from_state_dict(layer.state_dict(), H, context=ctx, softcap=3.0)
     assert again.alibi and np.array_equal(again["alibi_slopes"], CUSTOM)
@@ -299,6 +303,10 @@ def test_torch_module_buffer_from_torch_and_export(ctx, tmp_path):
     assert "alibi_slopes" not in dict(cm.named_parameters())
     assert torch.equal(cm.alibi_slopes, torch.from_numpy(clmha.alibi_slopes(H)))
     assert "alibi_slopes" not in ct.MultiheadAttention(E, H, context=ctx).state_dict()
+    cm.load_state_dict(tm.state_dict())  # PyTorch's state_dict: the slopes stay
+    assert torch.equal(cm.alibi_slopes, torch.from_numpy(clmha.alibi_slopes(H)))
+    with pytest.raises(RuntimeError, match="alibi_slopes"):  # no ALiBi: an unexpected key
+        ct.MultiheadAttention(E, H, context=ctx).load_state_dict(cm.state_dict())
     cm.load_state_dict(dict(tm.state_dict(), alibi_slopes=torch.from_numpy(CUSTOM)))
     x = torch.randn(5, N, E) * 1.5
     with torch.no_grad():
