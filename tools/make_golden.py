@@ -23,7 +23,7 @@ File format (text, whitespace separated, '#' starts a comment line):
     case <name>
     layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
           add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>]
-          [dtype <f16|bf16|f64>] [window <left> <right>]                      (one line)
+          [dtype <f16|bf16|f64>] [window <left> <right>] [softcap <c>] [alibi] (one line)
     call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training 0
          kpm <kind> attn <kind> attn_per_batch <0|1>                        (one line)
     tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -103,6 +103,13 @@ window is written only by the sliding-window cases (clmha_layer_desc::window; ab
 last on the layer line: query i attends key j only when i - left <= j <= i + right, -1 leaving
 a side unbounded; the keys of bias_k/bias_v and of add_zero_attn are never windowed.
 
+softcap <c> and alibi are written only by the score-variant cases (clmha_layer_desc::softcap
+and ::alibi; absent: off), after window: every scaled score s (the appended keys' too) becomes
+c·tanh(s/c); then the real keys j < S get ALiBi's -slope_h·|i - j| (query i at position i); then
+the masks. An ALiBi case with its own slopes writes them as the f32 tensor alibi_slopes (H)
+after the other parameters; without it the layer's geometric slopes apply
+(clmha_alibi_slopes(), geometric_slopes() here). alibi_slopes has no gradient (no grad.*).
+
 Mask kinds: none, bool_ignore (1 = may not attend, nn.MultiheadAttention's bool masks),
 bool_attend (1 = may attend, SDPA / continuiti polarity), float (added to the scaled scores).
 
@@ -122,6 +129,17 @@ How the golden values are obtained from PyTorch 1.13 (which lacks some of clmha'
   with attn_mask exactly as the causal mask is (after it); the file holds only the case's own
   attn_mask and the window line. PyTorch pads attn_mask with zeros for bias_k and the zero key:
   they are not windowed, as in clmha.
+- ALiBi: the bias -slope_h·|i - j| (N*H, L, S) is folded into attn_mask as a float mask (a
+  bool attn_mask becomes -inf there), which PyTorch pads with zeros for bias_k and the zero
+  key: they get no ALiBi term, as in clmha. It is part of the pre-combined additive mask too.
+- softcap: PyTorch has no soft-capping, and it sits between the product and the mask, so no
+  mask can express it. Those cases take their golden from softcap_mha: PyTorch 1.13's
+  F.multi_head_attention_forward written out step by step in float64 torch ops (emulated_mha,
+  as the float16 baseline uses it, without rounding) with c·tanh(s/c) applied to the scaled
+  scores, on the pre-combined additive mask (ALiBi included); every such case asserts that it
+  equals nn.MultiheadAttention to 1e-12 with the soft-capping taken out, and that it and its
+  autograd gradients equal the independent implementation's (which applies its own tanh and
+  computes its own ALiBi bias) to 1e-12. No softcap case is GQA.
 - Fully masked rows: PyTorch gives NaN; clmha defines zero attention weights and a zero
   attention result there (output row = out_proj.bias). Such NaN entries are replaced following
   that rule (a comment line in the file says so).
@@ -177,6 +195,8 @@ def C(name, **kw):
         kv_heads=None,  # grouped-query attention: key/value heads (None: H)
         dtype="f32",  # f32 | f16 | bf16 | f64: the layer's dtype (DTYPE_CASES, F64_CASES)
         window=None,  # a sliding window (left, right), -1: that side unbounded
+        softcap=0.0,  # logit soft-capping c (0: off)
+        alibi=None,  # ALiBi: None (off), "geometric" (the layer's default slopes) or "custom"
     )
     for k in kw:
         if k not in d:
@@ -190,6 +210,8 @@ def C(name, **kw):
     if d["kv_heads"] is not None:
         assert 1 <= d["kv_heads"] <= d["H"] and d["H"] % d["kv_heads"] == 0
     assert d["dtype"] in ("f32", "f64") + tuple(LAYER_DTYPES)
+    assert d["alibi"] in (None, "geometric", "custom") and d["softcap"] >= 0.0
+    assert not (d["softcap"] and d["kv_heads"] is not None), "softcap_mha has no GQA"
     return d
 
 
@@ -321,6 +343,16 @@ CASES = [
       add_zero_attn=True),
     C("window_left_unbounded_float_attn_bias_kv", mode="cross", L=6, S=5, attn="float",
       window=(-1, 1), add_bias_kv=True, batch_first=True),
+    # score variants: soft-capping (c·tanh(s/c), the appended keys' scores too) and ALiBi
+    # (-slope_h·|i - j| for the real keys); the causal self-attention ones are fed through a
+    # KV cache too (tests/device/test_kv_cache.c)
+    C("softcap_self_causal", softcap=1.5, causal=True, L=7, per_head=True),
+    C("alibi_geometric_cross_kpm", E=16, H=4, alibi="geometric", mode="cross", L=5, S=7,
+      kpm="bool_ignore", add_zero_attn=True, per_head=True),
+    C("softcap_alibi_custom_float_attn_bias_kv", E=12, H=3, softcap=1.0, alibi="custom",
+      mode="cross", L=6, S=5, attn="float", add_bias_kv=True, batch_first=True),
+    C("alibi_window_gqa", E=16, H=4, kv_heads=2, alibi="custom", window=(3, 0), causal=True,
+      L=7, need_weights=False),
 ]
 
 # float16 / bfloat16 layers (forward only): every case once per 16-bit dtype, written as
@@ -490,6 +522,33 @@ def gqa_forward(c, P, q, k, v, key_padding_mask=None, attn_mask=None, need_weigh
     return (out.transpose(1, 0) if bf else out), w
 
 
+class SoftcapModule:
+    """Stands for the float64 nn.MultiheadAttention of a softcap case in run_torch and
+    torch_grads: softcap_mha on the parameters P (float64, possibly leaves). It takes the
+    pre-combined additive mask only (key_padding_mask None, attn_mask (NH, L, S) float)."""
+
+    def __init__(self, c, P):
+        self.c, self.P = c, P
+
+    def __call__(self, q, k, v, key_padding_mask=None, attn_mask=None, need_weights=True,
+                 average_attn_weights=True):
+        assert key_padding_mask is None
+        assert attn_mask is None or (attn_mask.dtype == torch.float64 and attn_mask.dim() == 3)
+        c = dict(self.c, need_weights=need_weights, per_head=not average_attn_weights)
+        return softcap_mha(c, self.P, q, k, v, attn_mask)
+
+
+def softcap_mha(c, P, q, k, v, tot):
+    """F.multi_head_attention_forward of PyTorch 1.13 (eval, no GQA) in float64 with the case's
+    soft-capping on the scaled scores: emulated_mha without rounding (tot: the additive mask
+    (NH, L, S), ALiBi included; None: none). Returns (output, weights or None) as the case's
+    need_weights / per_head say."""
+    if tot is None:
+        Nb = 1 if c["N"] is None else c["N"]
+        tot = torch.zeros(Nb * c["H"], c["L"], c["S"], dtype=torch.float64)
+    return emulated_mha(c, P, q, k, v, tot, lambda t: t)
+
+
 class GQAModule:
     """Stands for the float64 nn.MultiheadAttention of a GQA case in run_torch."""
 
@@ -543,10 +602,11 @@ def as_tensor(m):
     return m if torch.is_tensor(m) else torch.from_numpy(np.asarray(m))
 
 
-def additive(c, kpm, attn):
+def additive(c, kpm, attn, alibi=True):
     """The summed additive float64 mask (NH, L, S) (NH = N*H, or H unbatched) from the masks in
-    'masked' terms (arrays or tensors), with the causal mask included. This is clmha's (PyTorch
-    2.x's) semantics. Differentiable in float masks given as float64 tensors."""
+    'masked' terms (arrays or tensors), with the causal mask included, and (with alibi) the
+    case's ALiBi bias. This is clmha's (PyTorch 2.x's) semantics. Differentiable in float masks
+    given as float64 tensors."""
     N, H, L, S = c["N"], c["H"], c["L"], c["S"]
     Nb = 1 if N is None else N
     tot = torch.zeros(Nb * H, L, S, dtype=torch.float64)
@@ -567,7 +627,46 @@ def additive(c, kpm, attn):
         tot = tot.masked_fill(torch.triu(torch.ones(L, S, dtype=torch.bool), 1), -math.inf)
     if c["window"] is not None:
         tot = tot.masked_fill(window_outside(L, S, c["window"]), -math.inf)
+    if alibi and c["alibi"] is not None:
+        tot = tot + alibi_additive(c)
     return tot
+
+
+def geometric_slopes(H):
+    """The ALiBi paper's slopes for H heads as float32 (clmha_alibi_slopes(), src/layer/alibi.c):
+    2^(-8(h+1)/H) for H a power of two, else those of the largest power of two P < H, then
+    every other slope of 2P heads."""
+    p = 1
+    while p * 2 <= H:
+        p *= 2
+    out = [2.0 ** (-8.0 * (h + 1) / p) if h < p else 2.0 ** (-8.0 * (2 * (h - p) + 1) / (2 * p))
+           for h in range(H)]
+    return np.array(out, dtype=np.float32)
+
+
+def custom_slopes(name, H):
+    """A case's own ALiBi slopes: float32 uniform in [0.1, 1) from a generator of its own (the
+    name's seed, stream 1), so that no other draw of the case changes."""
+    rng = np.random.default_rng([seed_of(name), 1])
+    return rng.uniform(0.1, 1.0, H).astype(np.float32)
+
+
+def slopes_of(c):
+    """The case's ALiBi slopes as float32 (H) (what the layer holds), None without ALiBi."""
+    if c["alibi"] is None:
+        return None
+    return geometric_slopes(c["H"]) if c["alibi"] == "geometric" else \
+        custom_slopes(c["name"], c["H"])
+
+
+def alibi_additive(c):
+    """ALiBi's additive bias (NH, L, S), float64: -slope_h·|i - j| for query i and real key j,
+    per batch item and head (NH = N*H, or H unbatched)."""
+    L, S = c["L"], c["S"]
+    Nb = 1 if c["N"] is None else c["N"]
+    dist = (torch.arange(L).reshape(L, 1) - torch.arange(S).reshape(1, S)).abs().double()
+    slopes = torch.from_numpy(slopes_of(c)).double().repeat(Nb)
+    return -slopes.reshape(Nb * c["H"], 1, 1) * dist
 
 
 def with_masked(attn, masked):
@@ -661,8 +760,10 @@ def sequence_first(c, q, k, v):
 def own_mha(c, P, q, k, v, tot):
     """Independent float64 implementation with clmha's semantics (fully masked rows -> zero
     weights and a zero attention result). q, k, v: float64 in the file's layouts. tot: the
-    additive mask (NH, L, S). Returns (output, per-head weights (N, H, L, S')). Differentiable
-    (torch ops only), with zero gradients on fully masked rows where PyTorch's are NaN."""
+    additive mask (NH, L, S) without ALiBi (additive(..., alibi=False)): the soft-capping
+    (tanh of the scaled scores) and the ALiBi bias (its own, from the slopes and positions) are
+    applied here. Returns (output, per-head weights (N, H, L, S')). Differentiable (torch ops
+    only), with zero gradients on fully masked rows where PyTorch's are NaN."""
     E, H = c["E"], c["H"]
     D = E // H
     batched = c["N"] is not None
@@ -675,6 +776,14 @@ def own_mha(c, P, q, k, v, tot):
         Wq, Wk, Wv = P["q_proj_weight"], P["k_proj_weight"], P["v_proj_weight"]
     G = kv_heads(c)
     GD = G * D  # E without GQA
+    if c["alibi"] is not None:  # query head h, row i, key j: -slope_h·|i - j|, per batch item
+        slopes = torch.from_numpy(slopes_of(c).astype(np.float64))
+        rows = torch.arange(L, dtype=torch.float64).reshape(1, 1, L, 1)
+        cols = torch.arange(S, dtype=torch.float64).reshape(1, 1, 1, S)
+        bias = -slopes.reshape(1, H, 1, 1) * (rows - cols).abs()
+        tot = tot + bias.expand(N, H, L, S).reshape(N * H, L, S)
+    cap = c["softcap"]
+    soft = (lambda x: cap * torch.tanh(x / cap)) if cap else (lambda x: x)  # noqa: E731
     if "in_proj_bias" in P:
         bq, bk, bv = P["in_proj_bias"].split([E, GD, GD])
     else:
@@ -699,12 +808,12 @@ def own_mha(c, P, q, k, v, tot):
         Sp = Kg.shape[2]
         mask = torch.cat([tot, torch.zeros(N * H, L, Sp - S, dtype=torch.float64)], dim=-1)
         sc = torch.einsum("ngrld,ngsd->ngrls", Qg / math.sqrt(D), Kg).reshape(N * H, L, Sp)
-        sc = sc + mask
+        sc = soft(sc) + mask
     else:
         Q, K, V = split_heads(c, Q, K, V, L, N, H, D)
         Sp = K.shape[1]
         mask = torch.cat([tot, torch.zeros(N * H, L, Sp - S, dtype=torch.float64)], dim=-1)
-        sc = (Q / math.sqrt(D)) @ K.transpose(1, 2) + mask
+        sc = soft((Q / math.sqrt(D)) @ K.transpose(1, 2)) + mask
     # The softmax is shift-invariant: the row maximum carries no gradient. Every torch.where
     # below selects finite values on both sides, so their gradients are never 0 * inf = NaN.
     mx = sc.max(dim=-1, keepdim=True).values.detach()
@@ -746,6 +855,14 @@ def pytorch_masks(c, kpm, attn):
         attn_t = with_masked(attn_t, torch.triu(torch.ones(L, S, dtype=torch.bool), 1))
     if c["window"] is not None:  # as the causal mask
         attn_t = with_masked(attn_t, window_outside(L, S, c["window"]))
+    if c["alibi"] is not None:  # a float (N*H, L, S) attn_mask: ALiBi's bias, masked
+        bias = alibi_additive(c)
+        if attn_t is None:
+            attn_t = bias
+        elif attn_t.dtype == torch.bool:
+            attn_t = bias.masked_fill(attn_t, -math.inf)
+        else:
+            attn_t = bias + attn_t
     return kpm_t, attn_t
 
 
@@ -816,6 +933,8 @@ def torch_grads(c, m32, params, query, key, value, kpm, attn, grad_output, grad_
     P, q, k, v, masks = grad_leaves(c, params, query, key, value, kpm, attn)
     if is_gqa(c):  # the GQA leaves themselves, expanded inside autograd
         m = GQAModule(c, P)
+    elif c["softcap"]:  # softcap_mha on the leaves
+        m = SoftcapModule(c, P)
     else:
         m = copy.deepcopy(m32).double().eval()
         with torch.no_grad():
@@ -829,7 +948,7 @@ def torch_grads(c, m32, params, query, key, value, kpm, attn, grad_output, grad_
     out, w = m(q, k, v, key_padding_mask=kpm_t, attn_mask=attn_t,
                need_weights=c["need_weights"], average_attn_weights=not c["per_head"])
     loss_of(out, w, grad_output, grad_weights).backward()
-    if not is_gqa(c):
+    if not is_gqa(c) and not c["softcap"]:
         for name, t in m.named_parameters():  # the module's parameters stand for the leaves
             P[name].grad = t.grad
     return collect_grads(c, P, q, k, v, masks)
@@ -838,7 +957,7 @@ def torch_grads(c, m32, params, query, key, value, kpm, attn, grad_output, grad_
 def own_grads(c, params, query, key, value, kpm, attn, grad_output, grad_weights):
     """Gradients of own_mha (clmha's rule on fully masked rows: zero weights, zero gradients)."""
     P, q, k, v, masks = grad_leaves(c, params, query, key, value, kpm, attn)
-    tot = additive(c, masks["key_padding_mask"], masks["attn_mask"])
+    tot = additive(c, masks["key_padding_mask"], masks["attn_mask"], alibi=False)
     out, wph = own_mha(c, P, q, k, v, tot)
     w = None
     if c["need_weights"]:
@@ -914,6 +1033,9 @@ def generate(c, given=None):
         m64 = GQAModule(c, {k2: torch.from_numpy(v2).double() for k2, v2 in params})
     else:
         m64 = copy.deepcopy(m32).double().eval()
+    if c["softcap"]:  # softcap_mha; without the soft-capping it must be nn.MultiheadAttention
+        P64 = {k2: torch.from_numpy(v2).double() for k2, v2 in params}
+        nn_m64, m64 = m64, SoftcapModule(c, P64)
     q64 = torch.from_numpy(query).double()
     if c["mode"] == "self":
         k64 = v64 = q64
@@ -927,7 +1049,17 @@ def generate(c, given=None):
     kpm_t, attn_t = pytorch_masks(c, None if kpm is None else torch.from_numpy(kpm.copy()),
                                   None if attn is None else torch.from_numpy(attn.copy()))
     tot = additive(c, kpm, attn)
-    native_ok = not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None)
+    # (softcap_mha takes only the pre-combined mask)
+    native_ok = not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None) \
+        and not c["softcap"]
+    if c["softcap"]:
+        plain = SoftcapModule(dict(c, softcap=0.0), P64)
+        for avg_ in (True, False):
+            a = run_torch(nn_m64, q64, k64, v64, None, tot, True, avg_)
+            b = run_torch(plain, q64, k64, v64, None, tot, True, avg_)
+            if not (same(a[0], b[0]) and same(a[1], b[1])):
+                raise AssertionError(f"{name}: softcap_mha without soft-capping differs from"
+                                     f" nn.MultiheadAttention")
 
     nw, avg = c["need_weights"], not c["per_head"]
     comb = run_torch(m64, q64, k64, v64, None, tot if (kpm_t is not None or attn_t is not None)
@@ -945,6 +1077,13 @@ def generate(c, given=None):
         _, wph = run_torch(m64, q64, k64, v64, kpm_t, attn_t, True, False)
         notes.append("golden computed by PyTorch with its own mask handling"
                      " (checked equal to the pre-combined additive mask path)")
+    elif c["softcap"]:
+        out, w = comb
+        _, wph = run_torch(m64, q64, k64, v64, None, tot, True, False)
+        notes.append(f"soft-capping {c['softcap']!r}: golden computed by softcap_mha (PyTorch"
+                     " 1.13's multi_head_attention_forward written out in float64 torch ops, with"
+                     " c*tanh(s/c) on the scaled scores; checked equal to nn.MultiheadAttention"
+                     " without it) on a pre-combined additive (N*H, L, S) float mask")
     else:
         out, w = comb
         _, wph = run_torch(m64, q64, k64, v64, None, tot, True, False)
@@ -953,7 +1092,7 @@ def generate(c, given=None):
 
     # independent implementation with clmha's semantics
     P = {k2: torch.from_numpy(v2).double() for k2, v2 in params}
-    own_out, own_wph = own_mha(c, P, q64, k64, v64, tot)
+    own_out, own_wph = own_mha(c, P, q64, k64, v64, additive(c, kpm, attn, alibi=False))
     if not batched:
         wph = wph.unsqueeze(0)
     diffs = {"output": maxdiff(out, own_out), "weights": maxdiff(wph, own_wph)}
@@ -1061,10 +1200,17 @@ def generate(c, given=None):
     lines = [f"# clmha golden case, generated by tools/make_golden.py (PyTorch {torch.__version__})",
              "# inputs and parameters drawn in float32; expected values computed in float64"]
     lines += ["# " + t for t in notes]
+    if c["alibi"] is not None:
+        lines.append(f"# ALiBi ({c['alibi']} slopes): the float bias -slope_h*|i - j| over the"
+                     " real keys, part of the additive mask (and of attn_mask for PyTorch)")
     lines += case_lines(name, c, E, H, kdim, vdim,
                         (f" num_kv_heads {kv_heads(c)}" if is_gqa(c) else "")
-                        + ("" if c["window"] is None else " window %d %d" % c["window"]),
-                        params, query, key, value, kpm, attn)
+                        + ("" if c["window"] is None else " window %d %d" % c["window"])
+                        + (f" softcap {c['softcap']!r}" if c["softcap"] else "")
+                        + (" alibi" if c["alibi"] is not None else ""),
+                        params + ([("alibi_slopes", slopes_of(c))] if c["alibi"] == "custom"
+                                  else []),
+                        query, key, value, kpm, attn)
     lines += tensor_text("output", "f64", out.numpy())
     if nw:
         lines += tensor_text("weights", "f64", w.numpy())
@@ -1180,7 +1326,10 @@ def emulated_mha(c, P, q, k, v, tot, rnd):
     # q / sqrt(D) as 1.13 does it (on the float16 q), Q K^T a float16 GEMM, then the mask
     # added and the softmax taken in float32 (autocast's float32 softmax)
     Qs = rnd(Q / math.sqrt(D))
-    sc = rnd(torch.bmm(Qs, K.transpose(1, 2))) + mask
+    sc = rnd(torch.bmm(Qs, K.transpose(1, 2)))
+    if c["softcap"]:  # clmha's soft-capping of the scaled scores (softcap_mha), before the mask
+        sc = c["softcap"] * torch.tanh(sc / c["softcap"])
+    sc = sc + mask
     W = torch.softmax(sc, dim=-1)
     # probabilities rounded to float16 for the float16 GEMM weights . V
     A = rnd(torch.bmm(rnd(W), V))

@@ -22,6 +22,9 @@ the formula is written out in torch ops, in float64, and differentiated by autog
 
     k, v = k.repeat_interleave(H // H_kv, dim=-3), likewise v     (GQA: SDPA's enable_gqa)
     scores = q @ k.transpose(-2, -1) * scale                       (scale: 1/sqrt(D) unless given)
+    scores = softcap * tanh(scores / softcap)                      (softcap > 0 only)
+    scores = scores - slope[h] * |i - j|                           (alibi: query head h, row i,
+                                                                    key j)
     scores = scores + attn_mask                                    (float mask)
     scores = scores.masked_fill(~attn_mask, -inf)                  (bool mask: True = may attend)
     scores = scores.masked_fill(~ones(L, S, bool).tril(), -inf)    (is_causal: top-left aligned)
@@ -52,14 +55,19 @@ and a float mask must agree with the formula's to 1e-12 (measured: 7e-16 at most
 comment does not say which torch ran, so --check compares the same text on either. Neither of
 PyTorch's functions has a sliding window: the window cases give them the window as an explicit
 boolean mask, folded into the case's attn_mask (and, with is_causal, the causal mask with it,
-as SDPA takes no attn_mask together with is_causal).
+as SDPA takes no attn_mask together with is_causal). Nor has either ALiBi: the ALiBi cases give
+them its bias as a float (H, L, S) attn_mask (a bool mask, the window and is_causal folded in as
+-inf, a float mask added), and the mask's gradient flows back through that sum. Soft-capping
+cannot be a mask (it sits between the product and the mask): the softcap cases are checked
+instead against a second, independent float64 computation in NumPy (loops over the rows:
+output, lse and weights to 1e-12; loop_formula), their gradients being autograd's through tanh.
 
 File format: tools/make_golden.py's text format (tests/support/golden.h), with an `sdpa` line
 in place of its layer and call lines:
 
     case <name>
     sdpa layout <nhld|nlhd> is_causal <0|1> scale <s> enable_gqa <0|1> attn <kind>
-         [window <left> <right>]
+         [window <left> <right>] [softcap <c>] [alibi]
     tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
     <values, C order>
     ...
@@ -68,7 +76,10 @@ in place of its layer and call lines:
 scale 0 means 1/sqrt(D) (clmha_attention_args::scale's convention), anything else is the
 scores' factor as passed. attn is none, bool_attend (u8, 1 = may attend: SDPA's boolean mask)
 or float (f32, added to the scaled scores, -inf where forbidden). window (the window cases
-only): clmha_attention_args::window_left and window_right. Tensors, in order:
+only): clmha_attention_args::window_left and window_right; softcap and alibi (the score-variant
+cases only): clmha_attention_args::softcap and ::alibi, the slopes being the f32 tensor
+alibi_slopes (H) after the mask when the case has its own (clmha_attention_args::alibi_slopes),
+else the geometric ones (clmha_alibi_slopes(), make_golden.geometric_slopes()). Tensors, in order:
 query, key, value (f32: (N, H, L, D), (N, H_kv, S, D) in layout nhld, (N, L, H, D),
 (N, S, H_kv, D) in nlhd; without N when unbatched), attn_mask (its own shape: one of those
 clmha_attention_args documents), output (f64, the query's layout), lse (f64, (N, H, L)),
@@ -89,7 +100,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import golden_compare  # noqa: E402
-from make_golden import tensor_text  # noqa: E402  (the same tensor lines as the layer cases)
+from make_golden import (custom_slopes, geometric_slopes,  # noqa: E402
+                         tensor_text)  # (the same tensor lines and slopes as the layer cases)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "..", "tests", "golden", "sdpa")
@@ -104,7 +116,7 @@ SDPA_AGREEMENT = 1e-12  # the formula against F.scaled_dot_product_attention, wh
 def C(name, **kw):
     d = dict(name=name, N=2, H=2, H_kv=None, L=4, S=None, D=8, layout="nhld", batched=True,
              attn="none", mask_shape=None, causal=False, scale=0.0, dead_row=False,
-             window=None)
+             window=None, softcap=0.0, alibi=None)
     for k in kw:
         if k not in d:
             raise KeyError(k)
@@ -117,6 +129,7 @@ def C(name, **kw):
     assert (d["attn"] == "none") == (d["mask_shape"] is None)
     assert not (d["causal"] and d["attn"] != "none"), "SDPA refuses is_causal with attn_mask"
     assert not d["dead_row"] or d["attn"] != "none"
+    assert d["alibi"] in (None, "geometric", "custom") and d["softcap"] >= 0.0
     if not d["batched"]:
         assert d["N"] == 1
     return d
@@ -148,6 +161,13 @@ CASES = [
     C("window_bool_n1ls_nlhd", layout="nlhd", attn="bool_attend", mask_shape="N1LS", L=5, S=7,
       D=4, window=(2, 1)),
     C("window_causal_scale_L6_S5", N=1, causal=True, L=6, S=5, window=(1, -1), scale=0.5),
+    # score variants: soft-capping (c·tanh(s/c)) and ALiBi (-slope_h·|i - j|)
+    C("softcap_alibi_gqa", N=2, H=4, H_kv=2, L=6, S=6, softcap=1.0, alibi="geometric"),
+    C("alibi_custom_bool_mask_nlhd", layout="nlhd", H=3, attn="bool_attend", mask_shape="N1LS",
+      L=5, S=7, D=4, alibi="custom"),
+    C("softcap_causal_scale", N=1, H=2, causal=True, L=6, S=6, softcap=0.5, scale=0.5),
+    C("alibi_geometric_h3_unbatched_float", batched=False, N=1, H=3, L=4, S=6, attn="float",
+      mask_shape="LS", alibi="geometric", window=(2, -1)),
 ]
 
 # ------------------------------------------------------------------------------------------
@@ -193,14 +213,38 @@ def window_inside(c):
     return inside
 
 
+def slopes_of(c):
+    """The case's ALiBi slopes, float32 (H), None without ALiBi."""
+    if c["alibi"] is None:
+        return None
+    return geometric_slopes(c["H"]) if c["alibi"] == "geometric" else \
+        custom_slopes(c["name"], c["H"])
+
+
+def alibi_bias(c):
+    """ALiBi's additive float64 bias (H, L, S): -slope_h·|i - j|."""
+    L, S = c["L"], c["S"]
+    dist = (torch.arange(L).reshape(L, 1) - torch.arange(S).reshape(1, S)).abs().double()
+    return -torch.from_numpy(slopes_of(c)).double().reshape(-1, 1, 1) * dist
+
+
 def folded_mask(c, mask):
-    """(mask, is_causal) for PyTorch's functions, which have no window: the window (and then
-    is_causal too) folded into the mask as an explicit boolean mask (True = may attend)."""
-    if c["window"] is None:
+    """(mask, is_causal) for PyTorch's functions, which have neither a window nor ALiBi: the
+    window (and then is_causal too) folded into the mask as an explicit boolean mask (True =
+    may attend); with ALiBi the mask is its float bias (H, L, S), -inf where the window,
+    is_causal or a bool mask forbid, plus a float mask."""
+    if c["window"] is None and c["alibi"] is None:
         return mask, c["causal"]
     keep = window_inside(c)
     if c["causal"]:
         keep &= torch.ones(c["L"], c["S"], dtype=torch.bool).tril()
+    if c["alibi"] is not None:
+        bias = alibi_bias(c).masked_fill(~keep, -math.inf)
+        if mask is None:
+            return bias, False
+        if mask.dtype == torch.bool:
+            return bias.masked_fill(~mask, -math.inf), False
+        return bias + mask, False
     if mask is None:
         return keep, False
     if mask.dtype == torch.bool:
@@ -255,6 +299,10 @@ def formula(c, q, k, v, mask):
     k = k.repeat_interleave(groups, dim=-3)
     v = v.repeat_interleave(groups, dim=-3)
     scores = q @ k.transpose(-2, -1) * scale_of(c)
+    if c["softcap"]:
+        scores = c["softcap"] * torch.tanh(scores / c["softcap"])
+    if c["alibi"] is not None:
+        scores = scores + alibi_bias(c)
     if c["attn"] == "float":
         scores = scores + mask
     elif c["attn"] == "bool_attend":
@@ -331,6 +379,9 @@ def compute(c, q, k, v, mask, g):
         assert x is None or not np.isnan(x).any(), f"{c['name']}: {name} has NaN"
     if c["dead_row"]:
         return res
+    if c["softcap"]:  # no PyTorch function soft-caps: the independent NumPy loops instead
+        agree(c, "loop_formula", loop_formula(c, q, k, v, mask), res)
+        return res
     if has_sdpa():
         sout, sg = with_grads(torch_sdpa, c, (q, k, v, mask), g, mask_grad=False)
         theirs = dict(output=sout.detach().numpy(), dq=sg[0], dk=sg[1], dv=sg[2])
@@ -342,6 +393,47 @@ def compute(c, q, k, v, mask, g):
             output=pout.detach().numpy(), weights=pw.detach().numpy(), dq=pg[0], dk=pg[1],
             dv=pg[2], dmask=pg[3]), res)
     return res
+
+
+def loop_formula(c, q, k, v, mask):
+    """The forward in float64 NumPy, one query row at a time (independent of formula(): no
+    torch, no broadcasting of the masks or the bias): output, lse and weights."""
+    N, H, Hkv, L, S = c["N"], c["H"], c["H_kv"], c["L"], c["S"]
+    slopes = slopes_of(c)
+    inside = window_inside(c).numpy()
+    full = None if mask is None else np.broadcast_to(mask, (N, H, L, S))
+    out = np.zeros((N, H, L, v.shape[-1]))
+    lse = np.full((N, H, L), -np.inf)
+    w = np.zeros((N, H, L, S))
+    for n in range(N):
+        for h in range(H):
+            g = h // (H // Hkv)
+            for i in range(L):
+                row = []
+                for j in range(S):
+                    s = float(np.dot(q[n, h, i].astype(np.float64), k[n, g, j].astype(np.float64)))
+                    s *= scale_of(c)
+                    if c["softcap"]:
+                        s = c["softcap"] * math.tanh(s / c["softcap"])
+                    if slopes is not None:
+                        s -= float(slopes[h]) * abs(i - j)
+                    if full is not None:
+                        if full.dtype == bool:
+                            s = s if full[n, h, i, j] else -math.inf
+                        else:
+                            s += float(full[n, h, i, j])
+                    if (c["causal"] and j > i) or not inside[i, j]:
+                        s = -math.inf
+                    row.append(s)
+                row = np.array(row)
+                if np.isneginf(row).all():
+                    continue
+                m = row.max()
+                e = np.exp(row - m)
+                w[n, h, i] = e / e.sum()
+                lse[n, h, i] = m + math.log(e.sum())
+                out[n, h, i] = w[n, h, i] @ v[n, g].astype(np.float64)
+    return dict(output=out, lse=lse, weights=w)
 
 
 def agree(c, what, theirs, ours):
@@ -381,12 +473,16 @@ def generate(c):
     lines += [f"case {c['name']}",
               f"sdpa layout {c['layout']} is_causal {int(c['causal'])} scale {float(c['scale'])!r}"
               f" enable_gqa {int(c['H_kv'] != c['H'])} attn {c['attn']}"
-              + ("" if c["window"] is None else " window %d %d" % c["window"])]
+              + ("" if c["window"] is None else " window %d %d" % c["window"])
+              + (f" softcap {c['softcap']!r}" if c["softcap"] else "")
+              + (" alibi" if c["alibi"] is not None else "")]
     lines += tensor_text("query", "f32", as_file(c, q))
     lines += tensor_text("key", "f32", as_file(c, k))
     lines += tensor_text("value", "f32", as_file(c, v))
     if mask is not None:
         lines += tensor_text("attn_mask", "u8" if mask.dtype == bool else "f32", mask)
+    if c["alibi"] == "custom":
+        lines += tensor_text("alibi_slopes", "f32", slopes_of(c))
     lines += tensor_text("output", "f64", as_file(c, r["output"]))
     lines += tensor_text("lse", "f64", as_file(c, r["lse"], False))
     lines += tensor_text("weights", "f64", as_file(c, r["weights"], False))

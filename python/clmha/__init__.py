@@ -28,6 +28,7 @@ from ._native import ffi as _ffi, lib as _lib
 from ._errors import STATUS, Error
 from ._context import Context, Device, default_context, devices
 from ._layer import KVCache, Layer, Mask, Saved, dtype_name
+from ._sdpa import alibi_slopes
 from . import numpy  # noqa: E402  (clmha.numpy: attention as a function on NumPy arrays)
 
 __version__ = _ffi.string(_lib.clmha_version()).decode()
@@ -40,4 +41,5 @@ def get_include() -> str:
 
 
 __all__ = ["Context", "Device", "Error", "KVCache", "Layer", "Mask", "STATUS", "Saved",
-           "default_context", "devices", "dtype_name", "get_include", "__version__"]
+           "alibi_slopes", "default_context", "devices", "dtype_name", "get_include",
+           "__version__"]

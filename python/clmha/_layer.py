@@ -11,7 +11,7 @@ from ._device import (check_context, device_f32, elem_offset, event_to, events_w
                       fill_device_tensor, is_pyopencl_array, mem, wait_list)
 from ._errors import check
 from ._native import ffi, lib
-from ._sdpa import fill_window, window_bounds
+from ._sdpa import alibi_flag, fill_variants, fill_window, softcap_value, window_bounds
 
 # ---- dtypes ------------------------------------------------------------------------------------
 
@@ -121,11 +121,17 @@ class Layer:
 
     ``Layer(embed_dim, num_heads, *, dropout=0.0, bias=True, add_bias_kv=False,
     add_zero_attn=False, kdim=None, vdim=None, batch_first=False, num_kv_heads=None,
-    dtype="float32", window=None, context=None)``: the fields of ``clmha_layer_desc``, with
-    PyTorch's defaults. ``window``: None, or a sliding window (left, right): query i (at
-    position i; with a KV cache, the cached length + i) attends key j only when
-    i - left <= j <= i + right, -1 leaving a side unbounded; the keys of add_bias_kv and
-    add_zero_attn are never windowed, and the window combines with the masks and is_causal.
+    dtype="float32", window=None, softcap=None, alibi=False, context=None)``: the fields of
+    ``clmha_layer_desc``, with PyTorch's defaults. ``window``: None, or a sliding window
+    (left, right): query i (at position i; with a KV cache, the cached length + i) attends key j
+    only when i - left <= j <= i + right, -1 leaving a side unbounded; the keys of add_bias_kv
+    and add_zero_attn are never windowed, and the window combines with the masks and is_causal.
+    ``softcap``: None or 0 (off), or c > 0: every scaled score s, the appended keys' too,
+    becomes c * tanh(s / c) (Gemma 2's logit soft-capping), before ALiBi and the masks;
+    negative, NaN or infinite: ValueError. ``alibi``: ALiBi, the score of query head h at
+    position i (as the window's) against key j gains -slope_h * |i - j| (the appended keys get
+    none); the slopes are the layer's parameter ``alibi_slopes`` (H), which starts as
+    ``clmha.alibi_slopes(H)`` and has no gradient.
     Parameters start at zero: set them by PyTorch name (``layer["in_proj_weight"] = w``,
     ``load_state_dict``) or make the layer with ``Layer.load(path)`` or
     ``Layer.from_state_dict(...)``.
@@ -138,6 +144,7 @@ class Layer:
                  kdim: Optional[int] = None, vdim: Optional[int] = None,
                  batch_first: bool = False, num_kv_heads: Optional[int] = None,
                  dtype="float32", window: Optional[Tuple[int, int]] = None,
+                 softcap: Optional[float] = None, alibi: bool = False,
                  context: Optional[Context] = None):
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
                             ("kdim", kdim or 0), ("vdim", vdim or 0),
@@ -147,6 +154,8 @@ class Layer:
         if not isinstance(dropout, (float, int)) or isinstance(dropout, bool):
             raise TypeError(f"dropout must be a float, not {dropout!r}")
         window = window_bounds(window)
+        softcap = softcap_value(softcap)
+        alibi = alibi_flag(alibi)
         context = context if context is not None else default_context()
         if not isinstance(context, Context):
             raise TypeError(f"context must be a clmha.Context, not {type(context).__name__}")
@@ -164,6 +173,7 @@ class Layer:
         desc.num_kv_heads = num_kv_heads or 0
         desc.dtype = _DTYPE_CODES[dtype_name(dtype)]
         fill_window(desc, window)
+        fill_variants(desc, softcap, alibi)
         out = ffi.new("clmha_layer **")
         check(lib.clmha_layer_create(out, context._ptr, desc), context._ptr)
         self._adopt(out[0], context)
@@ -188,6 +198,8 @@ class Layer:
         self.dtype = _DTYPE_NAMES[int(desc.dtype)]
         self.window = ((int(desc.window_left), int(desc.window_right)) if desc.window
                        else None)
+        self.softcap = float(desc.softcap)
+        self.alibi = bool(desc.alibi)
         self.head_dim = self.embed_dim // self.num_heads
         self._impl = "auto"
         self._profiling = False
@@ -202,7 +214,9 @@ class Layer:
         continuiti's or the classic module's; ``prefix`` picks one attention module out of a
         whole model's checkpoint, ``num_heads`` is needed where the file's metadata lacks it.
         The file's metadata ``window`` ("LEFT,RIGHT") gives the layer's sliding window
-        (``layer.window``); ``save`` writes it."""
+        (``layer.window``), ``softcap`` ("C") its soft-capping and ``alibi`` ("true") ALiBi
+        (the slopes: the file's tensor ``alibi_slopes``, else the geometric ones); ``save``
+        writes them."""
         context = context if context is not None else default_context()
         out = ffi.new("clmha_layer **")
         path_b = _path_bytes(path)
@@ -238,18 +252,24 @@ class Layer:
         shapes = {"in_proj_weight": (3 * e, e), "q_proj_weight": (e, e),
                   "k_proj_weight": (kv, self.kdim), "v_proj_weight": (kv, self.vdim),
                   "in_proj_bias": (e + 2 * kv,), "out_proj.weight": (e, e),
-                  "out_proj.bias": (e,), "bias_k": (1, 1, kv), "bias_v": (1, 1, kv)}
+                  "out_proj.bias": (e,), "bias_k": (1, 1, kv), "bias_v": (1, 1, kv),
+                  "alibi_slopes": (self.num_heads,)}
+        if name == "alibi_slopes" and not self.alibi:
+            raise KeyError("alibi_slopes: the layer has no ALiBi (made with alibi=False)")
         if name not in shapes:
             raise KeyError(f"unknown parameter {name!r}; the layer's are "
                            f"{', '.join(self.parameter_names())}")
         return shapes[name]
 
     def parameter_names(self) -> Tuple[str, ...]:
-        """The layer's parameters by ``state_dict()`` name, in PyTorch's order."""
+        """The layer's parameters by ``state_dict()`` name, in PyTorch's order (an ALiBi layer's
+        ``alibi_slopes`` where ``clmha.torch.MultiheadAttention`` has its buffer: after
+        bias_v)."""
         has = lambda n: lib.clmha_layer_parameter_count(self._ptr, n.encode()) > 0  # noqa: E731
         names = ["in_proj_weight"] if has("in_proj_weight") else [
             "q_proj_weight", "k_proj_weight", "v_proj_weight"]
-        for n in ("in_proj_bias", "bias_k", "bias_v", "out_proj.weight", "out_proj.bias"):
+        for n in ("in_proj_bias", "bias_k", "bias_v", "alibi_slopes", "out_proj.weight",
+                  "out_proj.bias"):
             if has(n):
                 names.append(n)
         return tuple(names)
@@ -291,37 +311,52 @@ class Layer:
         return {name: self[name] for name in self.parameter_names()}
 
     def load_state_dict(self, state_dict) -> None:
-        """Sets every parameter from a mapping of ``state_dict()`` names to arrays or tensors."""
-        missing = [n for n in self.parameter_names() if n not in state_dict]
+        """Sets every parameter from a mapping of ``state_dict()`` names to arrays or tensors.
+        An ALiBi layer's ``alibi_slopes`` may be left out (``nn.MultiheadAttention``'s
+        state_dict has none): the layer keeps its slopes."""
+        missing = [n for n in self.parameter_names()
+                   if n not in state_dict and n != "alibi_slopes"]
         unexpected = [n for n in state_dict if n not in self.parameter_names()]
         if missing or unexpected:
             raise KeyError(f"state_dict does not match the layer: missing {missing}, "
                            f"unexpected {unexpected}")
         for name in self.parameter_names():
-            self[name] = state_dict[name]
+            if name in state_dict:
+                self[name] = state_dict[name]
 
     @classmethod
     def from_state_dict(cls, state_dict, num_heads: int, *, prefix: str = "",
                         context: Optional[Context] = None, dtype=None,
                         batch_first: Optional[bool] = None, dropout: float = 0.0,
                         add_zero_attn: bool = False,
-                        window: Optional[Tuple[int, int]] = None) -> "Layer":
+                        window: Optional[Tuple[int, int]] = None,
+                        softcap: Optional[float] = None,
+                        alibi: Optional[bool] = None) -> "Layer":
         """A layer from the parameters of ``nn.MultiheadAttention``, continuiti's
         ``MultiHeadAttention`` (``query_project``, ``key_project``, ``value_project``,
         ``out_project``) or the classic split-heads module (``w_q``, ``w_k``, ``w_v``,
         ``w_concat``), arrays or tensors by ``state_dict()`` name; ``prefix`` picks one module's
         entries out of a whole model's ``state_dict()``. The two seed modules are batch-first.
-        ``window``: a sliding window (left, right), as ``Layer``'s."""
+        ``window``: a sliding window (left, right), ``softcap`` and ``alibi``, as ``Layer``'s;
+        an ``alibi_slopes`` entry (a ``clmha.torch.MultiheadAttention``'s buffer) makes an ALiBi
+        layer with those slopes (``alibi`` None: ALiBi exactly when the entry is there; True
+        without it: the geometric slopes; False with it: ValueError)."""
         from ._state_dict import translate
 
         config, params = translate(state_dict, num_heads, prefix)
+        has_slopes = "alibi_slopes" in params
+        if alibi is None:
+            alibi = has_slopes
+        elif has_slopes and not alibi_flag(alibi):
+            raise ValueError("the state_dict has alibi_slopes but alibi is False")
         if batch_first is None:
             batch_first = config.pop("batch_first")
         else:
             config.pop("batch_first")
         layer = cls(num_heads=num_heads, context=context, dtype=dtype, batch_first=batch_first,
-                    dropout=dropout, add_zero_attn=add_zero_attn, window=window, **config)
-        layer.load_state_dict(params)
+                    dropout=dropout, add_zero_attn=add_zero_attn, window=window,
+                    softcap=softcap, alibi=alibi, **config)
+        layer.load_state_dict(params)  # without alibi_slopes: the geometric ones
         return layer
 
     # ---- forward -------------------------------------------------------------------------------
@@ -739,8 +774,9 @@ class Layer:
         """The gradients of the forward call that filled ``saved``, from the output's gradient
         (and the weights', when that call returned them): a dict with ``query`` (``key``,
         ``value`` for inputs given separately; in self-attention ``query`` is the whole
-        gradient of the one tensor), each parameter by ``state_dict()`` name, and float masks'
-        ``attn_mask`` / ``key_padding_mask``. float32 layers only (``clmha_layer_backward``).
+        gradient of the one tensor), each parameter by ``state_dict()`` name (but
+        ``alibi_slopes``, which has none), and float masks' ``attn_mask`` /
+        ``key_padding_mask``. float32 layers only (``clmha_layer_backward``).
 
         After a forward call on pyopencl arrays, ``grad_output`` (and ``grad_weights``) are
         pyopencl arrays too and the gradients are new pyopencl arrays carrying the call's event:
@@ -806,7 +842,8 @@ class Layer:
                 want("value", "value", shape_of(c.value))
         if parameters:
             for name in self.parameter_names():
-                want(name.replace(".", "_"), name, self._shape(name))
+                if name != "alibi_slopes":  # no gradient
+                    want(name.replace(".", "_"), name, self._shape(name))
         if masks:
             for field in ("attn_mask", "key_padding_mask"):
                 m = getattr(c, field)
@@ -836,7 +873,9 @@ class Layer:
                 f"add_bias_kv={self.add_bias_kv}, add_zero_attn={self.add_zero_attn}, "
                 f"batch_first={self.batch_first}, dropout={self.dropout}, "
                 f"num_kv_heads={self.num_kv_heads}, dtype={self.dtype!r}"
-                + (f", window={self.window}" if self.window is not None else "") + ")")
+                + (f", window={self.window}" if self.window is not None else "")
+                + (f", softcap={self.softcap}" if self.softcap else "")
+                + (", alibi=True" if self.alibi else "") + ")")
 
 
 class _Keep:

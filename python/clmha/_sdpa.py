@@ -77,6 +77,50 @@ def fill_window(c, window) -> None:
     c.window_left, c.window_right = window if window is not None else (0, 0)
 
 
+def softcap_value(softcap) -> float:
+    """Logit soft-capping as a float, checked: None or 0 is off (0.0), else a positive finite
+    number c (every scaled score s becomes c * tanh(s / c)); a negative, NaN or infinite value
+    is a ValueError, anything but a number a TypeError."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(
+            softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap must be None or a number, not {softcap!r}")
+    value = float(softcap)
+    if not value >= 0.0 or math.isinf(value):
+        raise ValueError(f"softcap is {value}: it must be None or 0 (off) or a positive finite "
+                         f"number")
+    return value
+
+
+def alibi_flag(alibi) -> bool:
+    """ALiBi on or off: a bool (TypeError otherwise)."""
+    if not isinstance(alibi, (bool, np.bool_)):
+        raise TypeError(f"alibi must be a bool, not {alibi!r}")
+    return bool(alibi)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The ALiBi paper's slopes for ``num_heads`` heads as float32 (``clmha_alibi_slopes``):
+    2**(-8 (h + 1) / H) for H a power of two, else those of the largest power of two P below H
+    followed by every other slope of 2P heads. What a layer with ``alibi=True`` starts with, and
+    what ``alibi_slopes=None`` means in the attention function."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)):
+        raise TypeError(f"num_heads must be an int, not {num_heads!r}")
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be at least 1, not {num_heads}")
+    out = np.empty(int(num_heads), np.float32)
+    check(lib.clmha_alibi_slopes(int(num_heads), ffi.cast("float *", ffi.from_buffer(out))))
+    return out
+
+
+def fill_variants(c, softcap: float, alibi: bool) -> None:
+    """Sets softcap and alibi of a clmha_layer_desc or clmha_attention_args (values checked by
+    softcap_value() and alibi_flag())."""
+    c.softcap = softcap
+    c.alibi = alibi
+
+
 def _layout(layout) -> str:
     name = layout.upper() if isinstance(layout, str) else None
     if name not in _LAYOUTS:
@@ -115,14 +159,19 @@ class Call:
     core ``impl``, the ``context`` (None: the cache's with ``kv_cache``, else the default
     context; a device call needs a ``Context.from_pyopencl`` context of the arrays' OpenCL
     context) and the KV-cache form's ``kv_cache`` (a ``clmha.KVCache``) and ``kv_append``
-    (per-sequence counts of real new tokens), and ``window``: None or a sliding window
-    (left, right), -1 leaving a side unbounded (``clmha_attention_args::window``).
+    (per-sequence counts of real new tokens), ``window``: None or a sliding window
+    (left, right), -1 leaving a side unbounded (``clmha_attention_args::window``), ``softcap``
+    (None or 0: off; c > 0: every scaled score s becomes c * tanh(s / c)), ``alibi`` (ALiBi:
+    query head h at position i against key j gains -slope_h * |i - j|) and ``alibi_slopes``
+    (with alibi: H slopes, a NumPy array or, for a device call, a float32 pyopencl array; None:
+    the geometric ones of ``alibi_slopes()``).
     """
 
     def __init__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                  scale=None, enable_gqa=False, *, seed: int = 0, offset: int = 0,
                  impl: str = "auto", context: Optional[Context] = None, kv_cache=None,
-                 kv_append=None, layout: str = "NHLD", window=None):
+                 kv_append=None, layout: str = "NHLD", window=None, softcap=None,
+                 alibi: bool = False, alibi_slopes=None):
         from ._layer import KVCache
 
         if kv_cache is not None and not isinstance(kv_cache, KVCache):
@@ -204,6 +253,13 @@ class Call:
         c.enable_gqa = bool(enable_gqa)
         self.window = window_bounds(window)
         fill_window(c, self.window)
+        self.softcap = softcap_value(softcap)
+        self.alibi = alibi_flag(alibi)
+        fill_variants(c, self.softcap, self.alibi)
+        self.c = c
+        self.alibi_slopes = None
+        if alibi_slopes is not None:
+            self._set_slopes(alibi_slopes)
         c.impl = _IMPLS[impl]
         self.kv_cache = kv_cache  # kept alive while the call's struct points at it
         self.kv_append = None
@@ -215,7 +271,6 @@ class Call:
             self.kv_append = (kv_cache._append_counts(kv_append) if kv_cache is not None
                               else ffi.new("size_t[1]"))
             c.kv_append = self.kv_append
-        self.c = c
         # The tensors and options first, without the mask: the C library's message for a bad
         # shape or option comes before any of the mask's.
         counts = ffi.new("size_t[3]")
@@ -230,6 +285,40 @@ class Call:
                                                     counts + 2), context._ptr)
         self.output_count, self.lse_count = int(counts[0]), int(counts[1])
         self.weights_count = int(counts[2])
+
+    def _set_slopes(self, slopes) -> None:
+        """The ALiBi slopes (H), checked here (ValueError: without alibi, or not H values), a
+        NumPy array (uploaded for a device call) or, for a device call, a float32 pyopencl
+        array read where it is."""
+        if not self.alibi:
+            raise ValueError("alibi_slopes is given but alibi is False (pass alibi=True)")
+        q = self.nhld[0]
+        heads = q[-3] if len(q) >= 3 else 1
+        if self.device and is_pyopencl_array(slopes):
+            device_f32(self.context, "alibi_slopes", slopes)
+            a = slopes
+        else:
+            if is_pyopencl_array(slopes) or not hasattr(slopes, "__array__") and not isinstance(
+                    slopes, (list, tuple)):
+                raise TypeError(f"alibi_slopes must be a numpy.ndarray (or a sequence of "
+                                f"floats) or None, not {type(slopes).__name__}")
+            a = np.asarray(slopes)
+            if a.dtype.kind not in "fiu":
+                raise TypeError(f"alibi_slopes must be floating point, not {a.dtype}")
+            a = np.ascontiguousarray(a, np.float32)
+        if tuple(a.shape) != (heads,):
+            raise ValueError(f"alibi_slopes has shape {tuple(a.shape)}; it must be (H,) = "
+                             f"({heads},), one slope per query head")
+        if self.device:
+            if not is_pyopencl_array(a):
+                import pyopencl.array as cla
+
+                a = cla.to_device(self.context.pyopencl_queue, a)
+            fill_device_shape(self.c.alibi_slopes, a, (heads,))
+            self._keep(a)
+        else:
+            _fill(self.c.alibi_slopes, a, (heads,))
+        self.alibi_slopes = a
 
     @staticmethod
     def _check_host_input(name: str, a) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 
 from ._context import Context
 from ._layer import KVCache
-from ._sdpa import Call
+from ._sdpa import Call, alibi_slopes
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -33,7 +33,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  impl: str = "auto", context: Optional[Context] = None,
                                  kv_cache: Optional[KVCache] = None,
                                  kv_append: Optional[Sequence[int]] = None,
-                                 window: Optional[Tuple[int, int]] = None
+                                 window: Optional[Tuple[int, int]] = None,
+                                 softcap: Optional[float] = None, alibi: bool = False,
+                                 alibi_slopes=None
                                  ) -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
     """softmax(query · keyᵀ · scale + attn_mask) · value on clmha's OpenCL device, as PyTorch's
     ``F.scaled_dot_product_attention`` computes it.
@@ -79,6 +81,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query i attends key j only when i - left <= j <= i + right, -1 leaving a side
         unbounded; with kv_cache, i is the sequence's cached length + the new query's row. It
         combines with attn_mask and is_causal. Bad bounds raise TypeError / ValueError.
+    :param softcap: logit soft-capping (Gemma 2's, FlashAttention's softcap): None or 0 is off;
+        c > 0 turns every scaled score s into c * tanh(s / c), before ALiBi and attn_mask. A
+        negative, NaN or infinite softcap raises ValueError.
+    :param alibi: ALiBi (BLOOM's, MPT's): the score of query head h at position i against key j
+        gains -slope_h * |i - j| (after soft-capping, before attn_mask); with kv_cache, i is
+        the sequence's cached length + the new query's row.
+    :param alibi_slopes: with alibi, the H slopes (an array (H,); a float32 pyopencl array in
+        the device form); None: the geometric slopes of ``clmha.numpy.alibi_slopes(H)``. Given
+        without alibi, or not (H,), it raises ValueError.
     :returns: the output (..., H, L, D_v) (in the query's layout), or a tuple of it, the lse
         (with ``return_lse``) and the weights (with ``return_weights``), in that order.
 
@@ -103,7 +114,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 seed=seed, offset=offset, impl=impl, context=context, kv_cache=kv_cache,
-                kv_append=kv_append, layout=layout, window=window)
+                kv_append=kv_append, layout=layout, window=window, softcap=softcap,
+                alibi=alibi, alibi_slopes=alibi_slopes)
     return call.forward(lse=bool(return_lse), weights=bool(return_weights))
 
 
@@ -112,14 +124,17 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
                                           enable_gqa=False, *, layout: str = "NHLD",
                                           seed: int = 0, offset: int = 0, impl: str = "auto",
                                           context: Optional[Context] = None, output=None,
-                                          lse=None, window: Optional[Tuple[int, int]] = None):
+                                          lse=None, window: Optional[Tuple[int, int]] = None,
+                                          softcap: Optional[float] = None, alibi: bool = False,
+                                          alibi_slopes=None):
     """The gradients of ``scaled_dot_product_attention`` (the same arguments, after
     ``grad_output``, the output's gradient (..., H, L, D_v)): ``(grad_query, grad_key,
     grad_value, grad_attn_mask)``, each in its input's shape; ``grad_attn_mask`` is None unless
     attn_mask is floating point (then its gradient summed over the dimensions it is broadcast
     along). The forward pass runs again (the dropout replayed from ``seed`` and ``offset``);
     with enable_gqa a key/value head's gradient sums its query heads'. A fully masked query
-    row gives zero gradients. ``window``: the forward's sliding window, as there.
+    row gives zero gradients. ``window``, ``softcap``, ``alibi`` and ``alibi_slopes``: the
+    forward's, as there (the slopes get no gradient).
 
     **Device form** (pyopencl query, key, value and grad_output, as the forward's device form):
     ``clmha_attention_backward`` on the arrays' buffers; the gradients are new float32 pyopencl
@@ -132,8 +147,9 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     NumPy arrays take no ``output``/``lse`` (ValueError)."""
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 seed=seed, offset=offset, impl=impl, context=context, layout=layout,
-                window=window)
+                window=window, softcap=softcap, alibi=alibi, alibi_slopes=alibi_slopes)
     return call.backward(grad_output, output=output, lse=lse)
 
 
-__all__ = ["scaled_dot_product_attention", "scaled_dot_product_attention_backward"]
+__all__ = ["alibi_slopes", "scaled_dot_product_attention",
+           "scaled_dot_product_attention_backward"]

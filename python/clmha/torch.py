@@ -167,8 +167,13 @@ class MultiheadAttention(nn.MultiheadAttention):
     and v_proj_weight get num_kv_heads * head_dim rows), ``window`` (a sliding window
     (left, right): query i attends key j only when i - left <= j <= i + right, -1 leaving a
     side unbounded; the keys of add_bias_kv and add_zero_attn are never windowed; the attribute
-    ``window`` may be changed later) and ``context`` (a ``clmha.Context``; default:
-    ``$CLMHA_DEVICE`` or the first GPU, else the first OpenCL device).
+    ``window`` may be changed later), ``softcap`` (None or 0: off; c > 0: every scaled score s,
+    the appended keys' too, becomes c * tanh(s / c), before ALiBi and the masks; the attribute
+    may be changed later), ``alibi`` (ALiBi: query head h at position i against key j gains
+    -slope_h * |i - j|, the appended keys none; the slopes are the buffer ``alibi_slopes`` (H),
+    in ``state_dict()``, starting as ``clmha.alibi_slopes(H)``: a buffer, as it gets no
+    gradient; ``load_state_dict`` of a state_dict without it, PyTorch's module's, keeps it) and ``context`` (a ``clmha.Context``; default: ``$CLMHA_DEVICE`` or the first
+    GPU, else the first OpenCL device).
 
     Gradients flow to query, key, value, every parameter and a float attn_mask or
     key_padding_mask through clmha's backward pass (float32 modules). Differences from PyTorch:
@@ -191,18 +196,23 @@ class MultiheadAttention(nn.MultiheadAttention):
                  kdim: Optional[int] = None, vdim: Optional[int] = None,
                  batch_first: bool = False, device=None, dtype=None, *,
                  num_kv_heads: Optional[int] = None, context: Optional[Context] = None,
-                 window: Optional[Tuple[int, int]] = None):
+                 window: Optional[Tuple[int, int]] = None, softcap: Optional[float] = None,
+                 alibi: bool = False):
         """Arguments as ``torch.nn.MultiheadAttention``'s (``device`` must be None or "cpu";
         ``dtype`` float32, float64, float16 or bfloat16), plus ``num_kv_heads`` (key/value
         heads for grouped-query attention, dividing num_heads; default num_heads), ``context``
-        (the ``clmha.Context`` to run on; default ``clmha.default_context()``) and ``window``
-        (None, or a sliding window (left, right), -1 leaving a side unbounded)."""
+        (the ``clmha.Context`` to run on; default ``clmha.default_context()``), ``window``
+        (None, or a sliding window (left, right), -1 leaving a side unbounded), ``softcap``
+        (None or 0: off, else c > 0) and ``alibi`` (a bool: registers the buffer
+        ``alibi_slopes``)."""
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device={device!r}: clmha.torch modules hold CPU tensors (clmha "
                              f"runs them on its OpenCL device: pass context=)")
         if dtype is not None and dtype not in _TORCH_DTYPES:
             raise TypeError(f"dtype must be float32, float64, float16 or bfloat16, not {dtype}")
         window = _sdpa.window_bounds(window)
+        softcap = _sdpa.softcap_value(softcap)
+        alibi = _sdpa.alibi_flag(alibi)
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias,
                          add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim,
                          vdim=vdim, batch_first=batch_first, device=device, dtype=dtype)
@@ -214,6 +224,10 @@ class MultiheadAttention(nn.MultiheadAttention):
             self._make_grouped(dtype)
         self.context = context
         self.window = window
+        self.softcap = softcap
+        self.alibi = alibi
+        if alibi:
+            self._make_slopes()
         self._clmha = None
         self._clmha_key = None
         self._clmha_versions = {}
@@ -240,6 +254,20 @@ class MultiheadAttention(nn.MultiheadAttention):
             nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
 
+    def _make_slopes(self) -> None:
+        """The buffer alibi_slopes: the geometric slopes, in the parameters' dtype."""
+        slopes = torch.from_numpy(_sdpa.alibi_slopes(self.num_heads))
+        self.register_buffer("alibi_slopes", slopes.to(self.out_proj.weight.dtype))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A state_dict without alibi_slopes (nn.MultiheadAttention's) keeps the module's slopes.
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + "alibi_slopes"
+        if key in missing_keys and key not in state_dict:
+            missing_keys.remove(key)
+
     def _param_names(self) -> Tuple[str, ...]:
         names = ["in_proj_weight"] if self.in_proj_weight is not None else [
             "q_proj_weight", "k_proj_weight", "v_proj_weight"]
@@ -260,19 +288,25 @@ class MultiheadAttention(nn.MultiheadAttention):
         if dtype is None:
             raise TypeError(f"parameters of dtype {self.out_proj.weight.dtype} are not supported")
         window = _sdpa.window_bounds(self.window)
+        softcap = _sdpa.softcap_value(self.softcap)
+        alibi = _sdpa.alibi_flag(self.alibi)
+        if alibi and getattr(self, "alibi_slopes", None) is None:
+            self._make_slopes()  # alibi switched on after construction
         key = (dtype, float(self.dropout), bool(self.batch_first), bool(self.add_zero_attn),
-               id(self.context), window)
+               id(self.context), window, softcap, alibi)
         if self._clmha is None or key != self._clmha_key:
             self._clmha = Layer(self.embed_dim, self.num_heads, dropout=float(self.dropout),
                                 bias=self.in_proj_bias is not None,
                                 add_bias_kv=self.bias_k is not None,
                                 add_zero_attn=self.add_zero_attn, kdim=self.kdim, vdim=self.vdim,
                                 batch_first=self.batch_first, num_kv_heads=self.num_kv_heads,
-                                dtype=dtype, window=window, context=self.context)
+                                dtype=dtype, window=window, softcap=softcap, alibi=alibi,
+                                context=self.context)
             self._clmha_key = key
             self._clmha_versions = {}
         layer = self._clmha
-        for name in self._param_names():
+        names = self._param_names() + (("alibi_slopes",) if alibi else ())
+        for name in names:
             p = self._param(name)
             if p.device.type != "cpu":
                 raise ValueError(f"parameter {name} is on {p.device}: clmha.torch modules hold "
@@ -346,14 +380,17 @@ class MultiheadAttention(nn.MultiheadAttention):
         an ``nn.MultiheadAttention`` gives a ``MultiheadAttention``; continuiti's
         ``MultiHeadAttention`` (query_project, ..., out_project) a ``ContinuitiAttention``;
         the classic split-heads module (w_q, w_k, w_v, w_concat) a ``SplitHeadsAttention``.
-        A module's ``window`` attribute (a clmha module's sliding window) comes along."""
+        A module's ``window``, ``softcap`` and ``alibi`` attributes (a clmha module's) come
+        along, and its ``alibi_slopes`` with its ``state_dict()``."""
         if isinstance(module, nn.MultiheadAttention):
             m = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
                     bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
                     add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim,
                     batch_first=module.batch_first, dtype=module.out_proj.weight.dtype,
                     num_kv_heads=getattr(module, "num_kv_heads", None), context=context,
-                    window=getattr(module, "window", None))
+                    window=getattr(module, "window", None),
+                    softcap=getattr(module, "softcap", None),
+                    alibi=bool(getattr(module, "alibi", False)))
             m.load_state_dict(module.state_dict())
             return m.train(module.training)
         heads = num_heads or getattr(module, "n_heads", None) or getattr(module, "n_head", None)
@@ -495,11 +532,13 @@ class _SdpaCall:
     """One scaled_dot_product_attention call's options, handed through autograd.Function."""
 
     def __init__(self, dropout_p, is_causal, scale, enable_gqa, seed, impl, context,
-                 kv_cache=None, kv_append=None, window=None):
+                 kv_cache=None, kv_append=None, window=None, softcap=None, alibi=False,
+                 alibi_slopes=None):
         self.options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                             enable_gqa=enable_gqa)
         self.extra = dict(seed=seed, offset=0, impl=impl, context=context, kv_cache=kv_cache,
-                          kv_append=kv_append, window=window)
+                          kv_append=kv_append, window=window, softcap=softcap, alibi=alibi,
+                          alibi_slopes=alibi_slopes)
         self.grad_enabled = torch.is_grad_enabled()  # when the call is made, outside apply()
 
     def c_call(self, query, key, value, attn_mask) -> _sdpa.Call:
@@ -545,7 +584,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  context: Optional[Context] = None,
                                  kv_cache: Optional[KVCache] = None,
                                  kv_append: Optional[Sequence[int]] = None,
-                                 window: Optional[Tuple[int, int]] = None) -> Tensor:
+                                 window: Optional[Tuple[int, int]] = None,
+                                 softcap: Optional[float] = None, alibi: bool = False,
+                                 alibi_slopes: Optional[Tensor] = None) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` (torch 2.5's signature and
     semantics) computed by clmha on its OpenCL device, with clmha's backward pass as its
     gradient.
@@ -563,7 +604,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     ``kv_append``, and ``window``: None or a sliding window (left, right) (FlashAttention's
     window_size): query i attends key j only when i - left <= j <= i + right, -1 leaving a side
     unbounded (with a KV cache i is the sequence's cached length + the new query's row); it
-    combines with attn_mask and is_causal.
+    combines with attn_mask and is_causal; ``softcap`` (None or 0: off; c > 0: every scaled
+    score s becomes c * tanh(s / c), before ALiBi and attn_mask; negative, NaN or infinite:
+    ValueError), ``alibi`` (ALiBi: query head h at position i, as the window's, against key j
+    gains -slope_h * |i - j|) and ``alibi_slopes`` (with alibi: a tensor (H,) of slopes,
+    which gets no gradient; None: ``clmha.alibi_slopes(H)``, the geometric ones; given
+    without alibi or not (H,): ValueError).
 
     KV cache (incremental decoding, as FlashAttention's ``flash_attn_with_kvcache``): with
     ``kv_cache=clmha.KVCache.for_attention(N, H_kv, D, capacity)``, key and value are the new
@@ -609,10 +655,17 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                         f"{type(attn_mask).__name__}")
     dropout_p = _sdpa._number("dropout_p", dropout_p)
     window = _sdpa.window_bounds(window)
+    softcap = _sdpa.softcap_value(softcap)
+    alibi = _sdpa.alibi_flag(alibi)
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor or None, not "
+                            f"{type(alibi_slopes).__name__}")
+        alibi_slopes = _cpu(alibi_slopes, "alibi_slopes").to(torch.float32).contiguous().numpy()
     # the dropout's Philox seed, drawn from torch's generator per call (as the module's)
     seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
     call = _SdpaCall(dropout_p, bool(is_causal), scale, bool(enable_gqa), seed, impl, context,
-                     kv_cache, kv_append, window)
+                     kv_cache, kv_append, window, softcap, alibi, alibi_slopes)
     grad = call.grad_enabled and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask))
     if grad and kv_cache is not None:
@@ -629,7 +682,8 @@ def export(module: nn.Module, path, *, num_heads: Optional[int] = None) -> None:
     """Writes ``module`` (``nn.MultiheadAttention``, continuiti's or the classic module, or a
     clmha.torch module) as a clmha layer file (``.safetensors``), readable by
     ``clmha run --layer``, ``clmha_layer_load()`` and ``clmha.Layer.load()``; a clmha module's
-    ``window`` goes into the file's metadata."""
+    ``window``, ``softcap`` and ``alibi`` go into the file's metadata, its ``alibi_slopes``
+    into the file as a tensor."""
     heads = num_heads or getattr(module, "num_heads", None) or getattr(module, "n_heads", None) \
         or getattr(module, "n_head", None)
     if heads is None:
@@ -641,7 +695,9 @@ def export(module: nn.Module, path, *, num_heads: Optional[int] = None) -> None:
                                   dropout=float(getattr(module, "dropout",
                                                         getattr(module, "dropout_p", 0.0))),
                                   add_zero_attn=bool(getattr(module, "add_zero_attn", False)),
-                                  dtype=dtype, window=getattr(module, "window", None))
+                                  dtype=dtype, window=getattr(module, "window", None),
+                                  softcap=getattr(module, "softcap", None),
+                                  alibi=bool(getattr(module, "alibi", False)) or None)
     layer.save(path)
 
 

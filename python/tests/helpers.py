@@ -114,20 +114,36 @@ def window_keep(L, S, window):
     return keep
 
 
+def alibi_bias(slopes, L, S, offset=0):
+    """ALiBi's additive bias, float64 (H, L, S): -slopes[h] * |offset + i - j| (query i at
+    position offset + i, key j at position j)."""
+    slopes = np.asarray(slopes, np.float64)
+    i = offset + np.arange(L)[:, None]
+    j = np.arange(S)[None, :]
+    return -slopes[:, None, None] * np.abs(i - j)[None]
+
+
 def sdpa_ref(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, keep=None,
-             dropout_p=0.0, window=None):
+             dropout_p=0.0, window=None, softcap=0.0, alibi_slopes=None):
     """PyTorch's scaled_dot_product_attention written out in torch ops (1.13 has none):
     softmax(q kᵀ·scale + mask) v, autograd following it (pass float64 tensors for the float64
     formula). A bool mask is True = may attend; is_causal masks key j > query i (top-left);
     enable_gqa repeats key/value head h for H / H_kv query heads; ``window`` (left, right) is
     window_keep() as one more bool mask. ``keep``: the dropout's kept weights (bool,
-    (..., H, L, S)), scaled by 1/(1 - dropout_p)."""
+    (..., H, L, S)), scaled by 1/(1 - dropout_p). ``softcap`` c > 0: the scaled scores s become
+    c·tanh(s/c) first; ``alibi_slopes`` (H values): alibi_bias() added next, before the
+    masks."""
     import torch
     if enable_gqa:
         r = q.size(-3) // k.size(-3)
         k = k.repeat_interleave(r, dim=-3)
         v = v.repeat_interleave(r, dim=-3)
     scores = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.size(-1)) if scale is None else scale)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        bias = torch.from_numpy(alibi_bias(alibi_slopes, q.size(-2), k.size(-2)))
+        scores = scores + (bias[0] if q.dim() == 2 else bias).to(scores.dtype)
     if is_causal:
         causal = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
@@ -189,3 +205,105 @@ def torch_grads(m, q, k, v, kpm, am, gout, gw, need_weights=True, self_attention
     if am_t is not None and am_t.requires_grad:
         g["attn_mask"] = am_t.grad.numpy()
     return out.detach().numpy(), g
+
+
+def mha_ref(m, q, k=None, v=None, *, key_padding_mask=None, attn_mask=None, is_causal=False,
+            window=None, softcap=0.0, alibi_slopes=None, need_weights=True,
+            average_attn_weights=True, grad_output=None, grad_weights=None):
+    """nn.MultiheadAttention's forward (eval, PyTorch 2.x's mask semantics) written out in
+    float64 torch ops, with clmha's score variants: the scaled scores s of every key (the keys
+    of add_bias_kv and add_zero_attn too) become softcap·tanh(s/softcap), then the real keys get
+    ALiBi's -slope_h·|i - j| (alibi_slopes: H values), then the masks (key_padding_mask (N, S) /
+    attn_mask (L, S) or (N*H, L, S): bool True = may NOT attend, or float; is_causal; the
+    window (left, right)) over the real keys, then the softmax. @p m gives the configuration
+    and the parameters (nn.MultiheadAttention or clmha.torch.MultiheadAttention, GQA included:
+    its k/v_proj_weight rows are num_kv_heads heads, query head h reading head h // (H/G)).
+    NumPy inputs (k None: self-attention). Returns (output, weights or None, gradients): the
+    gradients of sum(output * grad_output) + sum(weights * grad_weights) by clmha's names
+    (query, key, value, each parameter, float masks) when grad_output is given, else None."""
+    import torch
+    P = {n: p.detach().double().clone().requires_grad_() for n, p in m.named_parameters()}
+    self_attention = k is None
+    qt = t64(q).requires_grad_()
+    kt = qt if self_attention else t64(k).requires_grad_()
+    vt = kt if v is None else t64(v).requires_grad_()
+    masks = {}
+    for name, a in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+        t = t64(a)
+        masks[name] = t.requires_grad_() if t is not None and t.dtype != torch.bool else t
+    E, H = m.embed_dim, m.num_heads
+    D = E // H
+    unbatched = qt.dim() == 2
+    x = [t.unsqueeze(1) if unbatched else (t.transpose(0, 1) if m.batch_first else t)
+         for t in (qt, kt, vt)]  # (rows, N, features)
+    L, N, S = x[0].shape[0], x[0].shape[1], x[1].shape[0]
+    if "in_proj_weight" in P:
+        Wq, Wk, Wv = P["in_proj_weight"].chunk(3)
+    else:
+        Wq, Wk, Wv = P["q_proj_weight"], P["k_proj_weight"], P["v_proj_weight"]
+    GD = Wk.shape[0]
+    G = GD // D
+    if "in_proj_bias" in P:
+        bq, bk, bv = P["in_proj_bias"].split([E, GD, GD])
+    else:
+        bq = torch.zeros(E, dtype=torch.float64)
+        bk = bv = torch.zeros(GD, dtype=torch.float64)
+    Q, K, V = x[0] @ Wq.T + bq, x[1] @ Wk.T + bk, x[2] @ Wv.T + bv
+    if "bias_k" in P:
+        K = torch.cat([K, P["bias_k"].reshape(1, 1, GD).expand(1, N, GD)])
+        V = torch.cat([V, P["bias_v"].reshape(1, 1, GD).expand(1, N, GD)])
+    heads = lambda t, g: t.reshape(t.shape[0], N, g, D).permute(1, 2, 0, 3)  # noqa: E731
+    Q, K, V = heads(Q, H), heads(K, G), heads(V, G)  # (N, heads, rows, D)
+    if m.add_zero_attn:
+        K = torch.cat([K, torch.zeros(N, G, 1, D, dtype=torch.float64)], dim=2)
+        V = torch.cat([V, torch.zeros(N, G, 1, D, dtype=torch.float64)], dim=2)
+    K, V = K.repeat_interleave(H // G, dim=1), V.repeat_interleave(H // G, dim=1)
+    Sp = K.shape[2]
+    s = Q @ K.transpose(-2, -1) / math.sqrt(D)  # (N, H, L, Sp)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    bias = torch.zeros(N, H, L, S, dtype=torch.float64)
+    if alibi_slopes is not None:
+        bias = bias + torch.from_numpy(alibi_bias(alibi_slopes, L, S))
+    kpm, am = masks["key_padding_mask"], masks["attn_mask"]
+    def as_bias(t):
+        if t.dtype != torch.bool:
+            return t
+        return torch.zeros(t.shape, dtype=torch.float64).masked_fill(t, -math.inf)
+
+    if kpm is not None:
+        bias = bias + as_bias(kpm).reshape(N, 1, 1, S)
+    if am is not None:
+        bias = bias + (as_bias(am) if am.dim() == 2 else as_bias(am).reshape(N, H, L, S))
+    if is_causal:
+        bias = bias.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), -math.inf)
+    if window is not None:
+        bias = bias.masked_fill(torch.from_numpy(~window_keep(L, S, window)), -math.inf)
+    s = s + torch.cat([bias, torch.zeros(N, H, L, Sp - S, dtype=torch.float64)], dim=-1)
+    W = torch.softmax(s, dim=-1)
+    A = (W @ V).permute(2, 0, 1, 3).reshape(L, N, E)
+    out = A @ P["out_proj.weight"].T
+    if "out_proj.bias" in P:
+        out = out + P["out_proj.bias"]
+    out = out.squeeze(1) if unbatched else (out.transpose(0, 1) if m.batch_first else out)
+    w = None
+    if need_weights:
+        w = W.mean(dim=1) if average_attn_weights else W
+        w = w.squeeze(0) if unbatched else w
+    grads = None
+    if grad_output is not None:
+        loss = (out * t64(grad_output)).sum()
+        if grad_weights is not None:
+            loss = loss + (w * t64(grad_weights)).sum()
+        loss.backward()
+        grads = {"query": qt.grad.numpy()}
+        if not self_attention:
+            grads["key"] = kt.grad.numpy()
+            if v is not None:
+                grads["value"] = vt.grad.numpy()
+        for n, p in P.items():
+            grads[n] = p.grad.numpy()
+        for n, t in masks.items():
+            if t is not None and t.requires_grad:
+                grads[n] = t.grad.numpy()
+    return out.detach().numpy(), (None if w is None else w.detach().numpy()), grads

@@ -4,7 +4,7 @@
 //   (b) clmha_layer_forward_host() on the device of CLMHA_DEVICE: error <= 1e-4 (skipped when no
 //       OpenCL device exists);
 //   (c) the same call without weights through each built-in core, fused and unfused: output
-//       error <= 1e-4 (the cases with a sliding window too).
+//       error <= 1e-4 (the cases with a sliding window, soft-capping or ALiBi too).
 // One line per case goes to stderr:
 //   golden <case> out_maxabs=... w_maxabs=... ref_maxabs=... fused=... unfused=...
 #include <criterion/criterion.h>

@@ -608,8 +608,9 @@ Test(kv_cache, errors, .timeout = 300) {
 // chunk's own tokens; cases without is_causal append the whole key/value with the first chunk
 // and attend only afterwards. Cases with masks or dropout are skipped (the decode core takes
 // neither), and so are causal cases with a separate key (top-left alignment with L != S), and
-// windowed cases other than causal self-attention (a query row's position is the cached length
-// + i: with the whole key cached first it would not be the one-shot call's i).
+// windowed or ALiBi cases other than causal self-attention (a query row's position is the
+// cached length + i: with the whole key cached first it would not be the one-shot call's i;
+// in causal self-attention token t sits at position t in both). Soft-capping feeds as it is.
 static void golden_feed(clmha_context *ctx, const char *name, size_t chunk, size_t *fed,
                         double *worst) {
     golden_case gc;
@@ -621,7 +622,7 @@ static void golden_feed(clmha_context *ctx, const char *name, size_t chunk, size
     // query itself in self-attention) goes in with the first chunk.
     bool self = g->key.ndim == 0 && g->is_causal;
     if (g->key_padding_mask.kind || g->attn_mask.kind || (g->training && gc.dropout > 0) ||
-        (g->is_causal && g->key.ndim) || (call.desc.window && !self)) {
+        (g->is_causal && g->key.ndim) || ((call.desc.window || call.desc.alibi) && !self)) {
         golden_free(&gc);
         return;
     }

@@ -110,6 +110,9 @@ static clmha_attention_args args_of(const golden_case *gc) {
     a.window = gc->window;
     a.window_left = gc->window_left;
     a.window_right = gc->window_right;
+    a.softcap = gc->softcap;
+    a.alibi = gc->alibi;
+    a.alibi_slopes = golden_host_tensor(golden_find(gc, "alibi_slopes"));  // ndim 0: geometric
     return a;
 }
 
@@ -182,8 +185,9 @@ static cl_mem upload(clmha_context *ctx, const void *data, size_t bytes) {
     return m;
 }
 
-// The buffers of a device call: query, key, value, mask, output, lse, grad_output, dq, dk, dv.
-enum { B_Q, B_K, B_V, B_MASK, B_OUT, B_LSE, B_DOUT, B_DQ, B_DK, B_DV, NUM_B };
+// The buffers of a device call: query, key, value, mask, ALiBi slopes, output, lse,
+// grad_output, dq, dk, dv.
+enum { B_Q, B_K, B_V, B_MASK, B_SLOPES, B_OUT, B_LSE, B_DOUT, B_DQ, B_DK, B_DV, NUM_B };
 
 // The device forward with lse and the fused backward with it.
 static void backward_device_fused(clmha_context *ctx, const golden_case *gc) {
@@ -204,6 +208,11 @@ static void backward_device_fused(clmha_context *ctx, const golden_case *gc) {
         b[B_MASK] = upload(ctx, m->f32 ? (const void *)m->f32 : m->u8,
                            m->count * (m->f32 ? sizeof(float) : 1));
         a.attn_mask.tensor.buffer = b[B_MASK];
+    }
+    const golden_tensor *slopes = golden_find(gc, "alibi_slopes");
+    if (slopes) {
+        b[B_SLOPES] = upload(ctx, slopes->f32, slopes->count * sizeof(float));
+        a.alibi_slopes.buffer = b[B_SLOPES];
     }
     const golden_tensor *g = golden_find(gc, "grad_output");
     float *zeros = calloc(g->count + count_of(gc, "lse"), sizeof(float));

@@ -180,6 +180,23 @@ static bool parse_window(loader *ld) {
     return true;
 }
 
+// Optional, after the window: softcap <c> (finite, > 0), then alibi.
+static bool parse_variants(loader *ld) {
+    golden_case *gc = ld->gc;
+    if (next_is(&ld->lx, "softcap")) {
+        if (!key_double(ld, "softcap", &gc->softcap)) return false;
+        if (!(isfinite(gc->softcap) && gc->softcap > 0.0)) {
+            fail(ld, "softcap %g is not a finite number > 0", gc->softcap);
+            return false;
+        }
+    }
+    if (next_is(&ld->lx, "alibi")) {
+        if (!expect_word(ld, "alibi")) return false;
+        gc->alibi = true;
+    }
+    return true;
+}
+
 static bool key_kind(loader *ld, const char *key, golden_mask_kind *out) {
     char *t;
     if (!expect_word(ld, key) || !expect_token(ld, key, &t)) return false;
@@ -388,8 +405,8 @@ static bool parse_layer_call(loader *ld) {
             return false;
         }
     }
-    // Optional: window <left> <right> (a sliding window), last.
-    if (!parse_window(ld)) return false;
+    // Optional: window <left> <right> (a sliding window), then softcap <c> and alibi, last.
+    if (!parse_window(ld) || !parse_variants(ld)) return false;
 
     if (!expect_word(ld, "call") || !key_bool(ld, "need_weights", &gc->need_weights) ||
         !key_bool(ld, "per_head_weights", &gc->per_head_weights) ||
@@ -415,10 +432,32 @@ static bool parse_sdpa_line(loader *ld) {
     gc->sdpa_nlhd = t[1] == 'l';
     if (!key_bool(ld, "is_causal", &gc->is_causal) || !key_double(ld, "scale", &gc->scale) ||
         !key_bool(ld, "enable_gqa", &gc->enable_gqa) || !key_kind(ld, "attn", &gc->attn) ||
-        !parse_window(ld))
+        !parse_window(ld) || !parse_variants(ld))
         return false;
     if (!(isfinite(gc->scale) && gc->scale >= 0.0)) {
         fail(ld, "scale %g is not a finite number >= 0", gc->scale);
+        return false;
+    }
+    return true;
+}
+
+// The ALiBi slopes: alibi_slopes only with alibi, f32, (H): the layer's num_heads, or the query
+// heads of an SDPA case (its query's dimension -3, -2 in nlhd).
+static bool check_slopes(loader *ld) {
+    golden_case *gc = ld->gc;
+    const golden_tensor *s = golden_find(gc, "alibi_slopes");
+    if (!s) return true;
+    if (!gc->alibi) {
+        fail(ld, "tensor alibi_slopes present but the case has no alibi");
+        return false;
+    }
+    size_t heads = gc->num_heads;
+    if (gc->sdpa) {
+        const golden_tensor *q = golden_find(gc, "query");
+        heads = q && q->ndim >= 3 ? q->shape[q->ndim - (gc->sdpa_nlhd ? 2 : 3)] : 0;
+    }
+    if (s->dtype != GOLDEN_F32 || s->ndim != 1 || s->shape[0] != heads) {
+        fail(ld, "tensor alibi_slopes must be f32 of shape (%zu), one slope per head", heads);
         return false;
     }
     return true;
@@ -537,7 +576,8 @@ static bool parse_body(loader *ld) {
     }
 
     ld->lx.tline = 0;  // the checks below concern the whole file, not a line
-    if (!check_mask(ld, "key_padding_mask", gc->kpm) || !check_mask(ld, "attn_mask", gc->attn))
+    if (!check_mask(ld, "key_padding_mask", gc->kpm) || !check_mask(ld, "attn_mask", gc->attn) ||
+        !check_slopes(ld))
         return false;
     return gc->sdpa ? check_sdpa(ld) : check_layer(ld);
 }

@@ -5,7 +5,7 @@
 //   case <name>
 //   layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
 //         add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>]
-//         [dtype <f16|bf16|f64>] [window <left> <right>]
+//         [dtype <f16|bf16|f64>] [window <left> <right>] [softcap <c>] [alibi]
 //   call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training <0|1>
 //        kpm <kind> attn <kind> attn_per_batch <0|1>
 //   tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -32,6 +32,15 @@
 // sliding window, clmha_layer_desc::window / clmha_attention_args::window: query i attends key j
 // only when i - left <= j <= i + right, each bound -1 (unbounded) or an integer >= 0.
 //
+// The optional score variants follow it, in this order (absent: off): softcap <c> (logit
+// soft-capping, clmha_layer_desc::softcap / clmha_attention_args::softcap: every scaled score s
+// becomes c·tanh(s/c); c finite and > 0) and alibi (ALiBi, ::alibi: query head h at position i
+// against key j < S gains -slope_h·|i - j|). An ALiBi case's slopes are the f32 tensor
+// alibi_slopes (H), among the parameters of a layer case (set with clmha_layer_set_parameter())
+// or after the inputs of an SDPA case (clmha_attention_args::alibi_slopes); without it the
+// case uses the geometric slopes of clmha_alibi_slopes(), a layer's default. The loader checks
+// that alibi_slopes appears only with alibi, f32, of shape (H).
+//
 // dtype f64 marks a float64 layer case (tests/golden/f64_cases.inc), forward only too: its
 // parameters, query/key/value and float masks are f64 tensors (doubles that float32 cannot
 // hold, kept as doubles in golden_tensor.f64), output/weights PyTorch's float64 results. The
@@ -41,7 +50,7 @@
 // clmha_attention_forward/_backward) has one `sdpa` line in place of the layer and call lines:
 //
 //   sdpa layout <nhld|nlhd> is_causal <0|1> scale <s> enable_gqa <0|1> attn <kind>
-//        [window <left> <right>]
+//        [window <left> <right>] [softcap <c>] [alibi]
 //
 // (scale 0: 1/sqrt(D); attn none, bool_attend or float), and the tensors query, key, value
 // (f32, in the layout; 3-D when unbatched), attn_mask (u8 or f32 by kind, its own shape),
@@ -106,6 +115,10 @@ typedef struct golden_case {
     // The sliding window (layer or sdpa line): window false when the line has none.
     bool window;
     int64_t window_left, window_right;
+    // The score variants (layer or sdpa line): softcap 0 and alibi false when the line has
+    // none; the slopes are the tensor alibi_slopes when present, else the geometric ones.
+    double softcap;
+    bool alibi;
     // call
     bool need_weights, per_head_weights, is_causal, training;
     golden_mask_kind kpm, attn;

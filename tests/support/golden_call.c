@@ -18,7 +18,7 @@ const size_t golden_num_cases = sizeof golden_case_names / sizeof *golden_case_n
 
 static const char *const param_names[] = {
     "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v",
+    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v", "alibi_slopes",
 };
 #define NUM_PARAM_NAMES (sizeof param_names / sizeof *param_names)
 
@@ -104,6 +104,8 @@ void golden_call_of(const golden_case *gc, golden_call *call) {
     desc->window = gc->window;  // the layer line's sliding window, if any
     desc->window_left = gc->window_left;
     desc->window_right = gc->window_right;
+    desc->softcap = gc->softcap;  // the score variants; the slopes are a parameter (below)
+    desc->alibi = gc->alibi;
 
     clmha_forward_args *args = &call->args;
     args->struct_size = sizeof *args;
@@ -131,6 +133,7 @@ void golden_call_of(const golden_case *gc, golden_call *call) {
     rp->out_proj_bias = param_data(gc, "out_proj.bias");
     rp->bias_k = param_data(gc, "bias_k");
     rp->bias_v = param_data(gc, "bias_v");
+    rp->alibi_slopes = param_data(gc, "alibi_slopes");  // NULL: the geometric slopes
 }
 
 clmha_layer *golden_layer_create(clmha_context *ctx, const golden_case *gc,
