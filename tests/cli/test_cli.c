@@ -1012,19 +1012,19 @@ enum { LF_E = 8, LF_W_IN = 0, LF_B_IN = 3 * LF_E * LF_E, LF_W_OUT = LF_B_IN + 3 
        LF_B_OUT = LF_W_OUT + LF_E * LF_E, LF_COUNT = LF_B_OUT + LF_E };
 
 // A layer file holding @p p (see LF_COUNT) as F64 tensors, or as F32 ones with @p f32 (the
-// values must then be floats), with the sliding window @p window ("LEFT,RIGHT") in its
-// metadata (NULL: none).
-static void write_layer_window(const char *path, const double *p, bool f32, const char *window) {
-    const char *names[] = {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"};
-    const char *shapes[] = {"[24,8]", "[24]", "[8,8]", "[8]"};
-    const size_t first[] = {LF_W_IN, LF_B_IN, LF_W_OUT, LF_B_OUT, LF_COUNT};
-    size_t item = f32 ? 4 : 8;
+// values must then be floats), with @p meta (NULL: nothing) after num_heads in its metadata
+// (",\"window\":\"2,0\""), and with @p slopes the tensor alibi_slopes (2), those two values.
+static void write_layer_meta(const char *path, const double *p, bool f32, const char *meta,
+                             const double *slopes) {
+    const char *names[] = {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias",
+                           "alibi_slopes"};
+    const char *shapes[] = {"[24,8]", "[24]", "[8,8]", "[8]", "[2]"};
+    const size_t first[] = {LF_W_IN, LF_B_IN, LF_W_OUT, LF_B_OUT, LF_COUNT, LF_COUNT + 2};
+    size_t item = f32 ? 4 : 8, tensors = slopes ? 5 : 4, count = first[tensors];
     char header[1024];
     size_t used = (size_t)snprintf(header, sizeof header,
-                                   "{\"__metadata__\":{\"num_heads\":\"2\"%s%s%s}",
-                                   window ? ",\"window\":\"" : "", window ? window : "",
-                                   window ? "\"" : "");
-    for (int i = 0; i < 4; ++i)
+                                   "{\"__metadata__\":{\"num_heads\":\"2\"%s}", meta ? meta : "");
+    for (size_t i = 0; i < tensors; ++i)
         used += (size_t)snprintf(header + used, sizeof header - used,
                                  ",\"%s\":{\"dtype\":\"%s\",\"shape\":%s,\"data_offsets\":[%zu,"
                                  "%zu]}",
@@ -1032,19 +1032,28 @@ static void write_layer_window(const char *path, const double *p, bool f32, cons
                                  first[i + 1] * item);
     used += (size_t)snprintf(header + used, sizeof header - used, "}");
     while (used % 8) header[used++] = ' ';
-    size_t size = 8 + used + LF_COUNT * item;
+    size_t size = 8 + used + count * item;
     unsigned char *buf = calloc(1, size);
     cr_assert(buf != NULL);
     for (int i = 0; i < 8; ++i) buf[i] = (unsigned char)((uint64_t)used >> (8 * i));
     memcpy(buf + 8, header, used);
-    for (size_t i = 0; i < LF_COUNT; ++i) {  // (the test host is little-endian)
-        float v = (float)p[i];
-        cr_assert(!f32 || (double)v == p[i], "parameter %zu is no float", i);
+    for (size_t i = 0; i < count; ++i) {  // (the test host is little-endian)
+        double x = i < LF_COUNT ? p[i] : slopes[i - LF_COUNT];
+        float v = (float)x;
+        cr_assert(!f32 || (double)v == x, "parameter %zu is no float", i);
         if (f32) memcpy(buf + 8 + used + 4 * i, &v, 4);
-        else memcpy(buf + 8 + used + 8 * i, &p[i], 8);
+        else memcpy(buf + 8 + used + 8 * i, &x, 8);
     }
     write_bytes(path, buf, size);
     free(buf);
+}
+
+// write_layer_meta() with the sliding window @p window ("LEFT,RIGHT") in the metadata (NULL:
+// none).
+static void write_layer_window(const char *path, const double *p, bool f32, const char *window) {
+    char meta[96] = "";
+    if (window) snprintf(meta, sizeof meta, ",\"window\":\"%s\"", window);
+    write_layer_meta(path, p, f32, meta, NULL);
 }
 
 static void write_layer_values(const char *path, const double *p, bool f32) {
@@ -1099,6 +1108,74 @@ Test(cli_run, window_option_replaces_the_files) {
         cr_expect(sizes[3] == sizes[0] && memcmp(bytes[3], bytes[0], sizes[0]) != 0,
                   "%s: the window changes nothing", dtypes[t]);
         for (int r = 0; r < 4; ++r) free(bytes[r]);
+    }
+    tmp_remove(&d);
+}
+
+// --softcap and --alibi replace and add to the layer file's: the same layer with softcap and
+// ALiBi from its file, or from the options over a file without them or with another softcap,
+// gives the same bytes, for every dtype (the parameters copied, the file's alibi_slopes too);
+// --softcap 0 turns the file's off, which changes the output.
+Test(cli_run, score_variant_options_replace_the_files) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = tmp_make();
+    enum { L = 6, N = 2, E = LF_E, Q = L * N * E };
+    double pd[LF_COUNT], qd[Q];
+    const double slopes[2] = {0.75, -0.125};
+    uint32_t state = 4242u;
+    for (size_t i = 0; i < LF_COUNT; ++i) pd[i] = 0.35 * pseudo(&state) + 1e-12 * pseudo(&state);
+    for (size_t i = 0; i < Q; ++i) qd[i] = 4.0 * pseudo(&state);
+    const size_t q_shape[] = {L, N, E};
+    write_npy_raw(tmp_file(&d, "q.npy"), "<f8", 3, q_shape, qd, sizeof qd);
+    write_layer_meta(tmp_file(&d, "sa.safetensors"), pd, false,
+                     ",\"softcap\":\"1.5\",\"alibi\":\"true\"", NULL);
+    write_layer_meta(tmp_file(&d, "s5.safetensors"), pd, false, ",\"softcap\":\"5\"", NULL);
+    write_layer_meta(tmp_file(&d, "none.safetensors"), pd, false, NULL, NULL);
+    write_layer_meta(tmp_file(&d, "sa_slopes.safetensors"), pd, false,
+                     ",\"softcap\":\"1.5\",\"alibi\":\"true\"", slopes);
+    write_layer_meta(tmp_file(&d, "a_slopes.safetensors"), pd, false, ",\"alibi\":\"true\"",
+                     slopes);
+    const char *dtypes[] = {"f32", "f16", "bf16", "f64"};
+    for (size_t t = 0; t < sizeof dtypes / sizeof *dtypes; ++t) {
+        if (strcmp(dtypes[t], "f64") == 0 && !device_has_fp64()) continue;
+        enum { RUNS = 7 };
+        const char *runs[RUNS][4] = {{"sa.safetensors", NULL, NULL, "a.npy"},
+                                     {"none.safetensors", "1.5", "--alibi", "b.npy"},
+                                     {"s5.safetensors", "1.5", "--alibi", "c.npy"},
+                                     {"sa.safetensors", "1.5", "--alibi", "d.npy"},
+                                     {"sa_slopes.safetensors", NULL, NULL, "e.npy"},
+                                     {"a_slopes.safetensors", "1.5", "--alibi", "f.npy"},
+                                     {"sa.safetensors", "0", NULL, "off.npy"}};
+        char *bytes[RUNS] = {NULL};
+        size_t sizes[RUNS] = {0};
+        for (int r = 0; r < RUNS; ++r) {
+            char layer[CLI_PATH_SIZE], out[CLI_PATH_SIZE];
+            snprintf(layer, sizeof layer, "%s", tmp_file(&d, runs[r][0]));
+            snprintf(out, sizeof out, "%s", tmp_file(&d, runs[r][3]));
+            const char *argv[16] = {"run", "--layer", layer, "--query", tmp_file(&d, "q.npy"),
+                                    "--is-causal", "--dtype", dtypes[t], "--output", out};
+            size_t argc = 10;
+            if (runs[r][1]) argv[argc++] = "--softcap", argv[argc++] = runs[r][1];
+            if (runs[r][2]) argv[argc++] = runs[r][2];
+            argv[argc] = NULL;
+            cli_result res = cli_run_argv(argv);
+            cr_assert_eq(res.status, 0, "%s, %s: exit status %d; stderr: %s", dtypes[t],
+                         runs[r][3], res.status, res.err);
+            cli_free(&res);
+            bytes[r] = read_file(out, &sizes[r]);
+            cr_assert(bytes[r] != NULL);
+        }
+        for (int r = 1; r < 4; ++r)
+            cr_expect(sizes[r] == sizes[0] && memcmp(bytes[r], bytes[0], sizes[0]) == 0,
+                      "%s: %s differs from the file's softcap and alibi's output", dtypes[t],
+                      runs[r][3]);
+        cr_expect(sizes[5] == sizes[4] && memcmp(bytes[5], bytes[4], sizes[4]) == 0,
+                  "%s: --softcap over a file's alibi_slopes differs", dtypes[t]);
+        cr_expect(sizes[4] == sizes[0] && memcmp(bytes[4], bytes[0], sizes[0]) != 0,
+                  "%s: the file's alibi_slopes change nothing", dtypes[t]);
+        cr_expect(sizes[6] == sizes[0] && memcmp(bytes[6], bytes[0], sizes[0]) != 0,
+                  "%s: --softcap 0 changes nothing", dtypes[t]);
+        for (int r = 0; r < RUNS; ++r) free(bytes[r]);
     }
     tmp_remove(&d);
 }
@@ -1482,6 +1559,9 @@ Test(cli_help, every_command) {
     // The help texts in full (their parts put together; the last line ends them).
     EXPECT_HELP("--window LEFT,RIGHT", "run", "--help");
     EXPECT_HELP("--window LEFT,RIGHT", "sdpa", "--help");
+    EXPECT_HELP("--softcap C", "run", "--help");
+    EXPECT_HELP("--alibi-slopes A.npy", "sdpa", "--help");
+    EXPECT_HELP("[--softcap C] [--alibi]", "bench", "--help");
     EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "run", "--help");
     EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "sdpa", "--help");
 }
@@ -1603,6 +1683,10 @@ Test(cli_refused, malformed_layer_files) {
          0},
         {"window not LEFT,RIGHT",
          "{\"__metadata__\":{\"num_heads\":\"2\",\"window\":\"-2,0\"}," W "," O "}", 256, 0},
+        {"negative softcap",
+         "{\"__metadata__\":{\"num_heads\":\"2\",\"softcap\":\"-1\"}," W "," O "}", 256, 0},
+        {"alibi not a boolean",
+         "{\"__metadata__\":{\"num_heads\":\"2\",\"alibi\":\"yes\"}," W "," O "}", 256, 0},
         {"dimensions overflow",
          "{\"__metadata__\":{\"num_heads\":\"2\"}," W ",\"out_proj.weight\":{\"dtype\":\"F32\","
          "\"shape\":[4294967296,4294967296],\"data_offsets\":[192,256]}}",
@@ -2352,6 +2436,85 @@ Test(cli_refused, window_decode_chunk_not_causal) {
                    tmp_file(&d, "layer.safetensors"), "--query", tmp_file(&d, "q.npy"),
                    "--window", "1,0", "--decode-chunk", "2", "--output", tmp_file(&d, "o.npy"));
     tmp_remove(&d);
+}
+
+// ALiBi sees the queries' positions, which the later calls of --decode-chunk without
+// --is-causal put at the end of the cache: refused, from --alibi and from the layer file.
+Test(cli_refused, alibi_decode_chunk_not_causal) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    EXPECT_REFUSED(&d, 2, "--decode-chunk without --is-causal", "--alibi", "run", "--layer",
+                   tmp_file(&d, "layer.safetensors"), "--query", tmp_file(&d, "q.npy"),
+                   "--alibi", "--decode-chunk", "2", "--output", tmp_file(&d, "o.npy"));
+    double p[LF_COUNT] = {0};
+    write_layer_meta(tmp_file(&d, "layer.safetensors"), p, true, ",\"alibi\":\"true\"", NULL);
+    EXPECT_REFUSED(&d, 2, "--decode-chunk without --is-causal", "the layer file's alibi", "run",
+                   "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                   tmp_file(&d, "q.npy"), "--softcap", "2", "--decode-chunk", "2", "--output",
+                   tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
+}
+
+// --softcap C: 0 or a positive finite number, else a usage error of `run`, `sdpa` and `bench`
+// alike, naming the option and the value, before any file is read; --alibi-slopes needs
+// --alibi; bench's go with a random layer.
+Test(cli_usage, softcap_alibi) {
+    static const char *const bad[] = {"-1",    "-0.5", "nan",    "NaN", "inf", "-inf",
+                                      "abc",   " 2",   "+2",     "2x",  "1,5", "1e999",
+                                      "1e-400", "0x",  "infinity"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; ++i) {
+        char want[128];
+        snprintf(want, sizeof want, "clmha run: --softcap '%s': expected 0 (off) or a positive "
+                 "finite number", bad[i]);
+        EXPECT_USAGE(want, "run", "--layer", "l.safetensors", "--query", "q.npy", "--softcap",
+                     bad[i]);
+        snprintf(want, sizeof want, "clmha sdpa: --softcap '%s': expected 0", bad[i]);
+        EXPECT_USAGE(want, "sdpa", "--query", "q.npy", "--key", "k.npy", "--value", "v.npy",
+                     "--softcap", bad[i]);
+        snprintf(want, sizeof want, "clmha bench: --softcap '%s': expected 0", bad[i]);
+        EXPECT_USAGE(want, "bench", "--softcap", bad[i]);
+    }
+    EXPECT_USAGE("clmha run: --softcap needs a non-empty value", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--softcap=");
+    EXPECT_USAGE("clmha sdpa: --softcap given twice", "sdpa", "--query", "q.npy", "--key",
+                 "k.npy", "--value", "v.npy", "--softcap", "1", "--softcap", "2");
+    EXPECT_USAGE("clmha sdpa: --alibi-slopes needs --alibi", "sdpa", "--query", "q.npy",
+                 "--key", "k.npy", "--value", "v.npy", "--alibi-slopes", "s.npy");
+    EXPECT_USAGE("clmha bench: --softcap goes with a random layer", "bench", "--softcap", "2",
+                 "--layer", "x.safetensors");
+    EXPECT_USAGE("clmha bench: --alibi goes with a random layer", "bench", "--alibi", "--layer",
+                 "x.safetensors");
+    EXPECT_USAGE("clmha bench: --decode takes", "bench", "--decode", "--cache-len", "8",
+                 "--alibi", "--causal");
+}
+
+// bench --softcap C --alibi: the random layer's softcap and alibi in the JSON line (softcap 0
+// and alibi false without them), for the forward pass, the training step and the decode step.
+Test(cli_bench, score_variants_json) {
+    SKIP_WITHOUT_DEVICE();
+    const char *const modes[][4] = {{"--tgt-len", "9", NULL, NULL},
+                                    {"--tgt-len", "9", "--backward", NULL},
+                                    {"--decode", "--cache-len", "8", NULL}};
+    for (int m = 0; m < 3; ++m)
+        for (int on = 0; on < 2; ++on) {
+            const char *argv[24] = {"bench", "--json", "--embed", "16", "--heads", "4",
+                                    "--batch", "1", "--repeat", "1"};
+            size_t argc = 10;
+            for (int k = 0; k < 4 && modes[m][k]; ++k) argv[argc++] = modes[m][k];
+            if (on) argv[argc++] = "--softcap", argv[argc++] = "2.5", argv[argc++] = "--alibi";
+            argv[argc] = NULL;
+            cli_result r = cli_run_argv(argv);
+            cr_assert_eq(r.status, 0, "mode %d: stderr: %s", m, r.err);
+            cr_expect_eq(json_number(r.out, "softcap"), on ? 2.5 : 0.0, "%s", r.out);
+            cr_expect(strstr(r.out, on ? "\"alibi\": true" : "\"alibi\": false") != NULL, "%s",
+                      r.out);
+            cli_free(&r);
+        }
+    cli_result r = cli_run("bench", "--embed", "16", "--heads", "4", "--batch", "1",
+                           "--tgt-len", "5", "--repeat", "1", "--softcap", "30", "--alibi");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect(strstr(r.out, ", softcap 30, alibi (random)") != NULL, "%s", r.out);
+    cli_free(&r);
 }
 
 // bench --decode --kv-heads: a grouped-query layer; the step reads its key/value heads only.
