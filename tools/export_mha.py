@@ -9,8 +9,9 @@ an integer >= 0: query i attends key j only when i - LEFT <= j <= i + RIGHT, -1 
 unbounded; nn.MultiheadAttention has no window, so it is an option here), for soft-capping
 softcap (a decimal c > 0: every scaled score s becomes c*tanh(s/c)) and for ALiBi alibi
 ("true", with the tensor alibi_slopes (H) when the slopes are not the geometric ones). clmha
-derives embed_dim, kdim, vdim, bias and add_bias_kv from the tensors present. The format is written by hand (8-byte little-endian
-header length, JSON header padded with spaces to a multiple of 8, raw little-endian data), so
+derives embed_dim, kdim, vdim, bias and add_bias_kv from the tensors present. The format is
+written by hand (8-byte little-endian header length, JSON header padded with spaces to a
+multiple of 8, raw little-endian data), so
 the `safetensors` package is not needed; the files also load with safetensors.torch.load_file.
 
 As a module (run with a Python that has PyTorch, e.g. Debian's /usr/bin/python3):
