@@ -14,6 +14,9 @@
 //     or none;
 //   - sliding windows (a layer file's metadata window, --window): the window cases of both lists,
 //     through every core (fused, unfused, decode); bad --window values are usage errors;
+//   - soft-capping and ALiBi (a layer file's softcap, alibi and alibi_slopes; --softcap, --alibi,
+//     --alibi-slopes) likewise: their cases of both lists through every core; bad values are
+//     usage errors; bench's JSON line names them;
 //   - --dtype f64: '<f8' files in and out, against the float64 reference and every PyTorch case
 //     (max abs error <= 1e-12), doubles no float holds kept bit for bit; what float64 layers
 //     lack yet (KV cache, backward) refused as usage errors; `clmha bench --dtype f64`;
@@ -423,20 +426,32 @@ static double compare_grads(const char *case_dir, const char *grads_dir, const c
     return worst;
 }
 
-// Whether a case's layer file has a sliding window (__metadata__ window) or its args give one.
-static bool case_has_window(const char *layer_path, const char *flags) {
-    if (flags && strstr(flags, "--window")) return true;
-    size_t size = 0;
+// Whether a case's layer file's header holds @p key (such as "\"window\":\"") or its args the
+// option @p flag.
+static bool case_has(const char *layer_path, const char *flags, const char *key,
+                     const char *flag) {
+    if (flags && strstr(flags, flag)) return true;
+    size_t size = 0, len = strlen(key);
     char *bytes = read_file(layer_path, &size);
     bool yes = false;
     if (bytes && size > 8) {
         size_t n = 0;
         for (int i = 7; i >= 0; --i) n = n << 8 | (unsigned char)bytes[i];
-        for (size_t i = 8; !yes && n <= size - 8 && i + 10 <= 8 + n; ++i)
-            yes = memcmp(bytes + i, "\"window\":\"", 10) == 0;
+        for (size_t i = 8; !yes && n <= size - 8 && i + len <= 8 + n; ++i)
+            yes = memcmp(bytes + i, key, len) == 0;
     }
     free(bytes);
     return yes;
+}
+
+// Whether a case's layer file has a sliding window (__metadata__ window) or its args give one.
+static bool case_has_window(const char *layer_path, const char *flags) {
+    return case_has(layer_path, flags, "\"window\":\"", "--window");
+}
+
+// Whether a case's layer file has ALiBi (__metadata__ alibi "true") or its args add it.
+static bool case_has_alibi(const char *layer_path, const char *flags) {
+    return case_has(layer_path, flags, "\"alibi\":\"true\"", "--alibi");
 }
 
 ParameterizedTest(struct cli_param *param, cli, cases) {
@@ -552,7 +567,7 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
     argv[at] = NULL;
     r = cli_run_argv(argv);
     char *flags = read_file(args_path, NULL);
-    bool window = case_has_window(paths[0], flags);
+    bool window = case_has_window(paths[0], flags), alibi = case_has_alibi(paths[0], flags);
     char other_what[CLI_MAX_NAME + 32];
     snprintf(other_what, sizeof other_what, "%s --impl %s", name, other);
     cr_assert_eq(r.status, 0, "%s --impl %s: exit status %d; stderr: %s", name, other, r.status,
@@ -572,13 +587,13 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
         fprintf(stderr, "cli %s grads=%zu grad_maxnorm=%.3e\n", other_what, files, g_err);
     }
     // Through a KV cache, two query rows a call (--decode-chunk 2): the one-shot output again,
-    // for every case without masks, dropout, or is_causal with a key of its own. With a window,
-    // causal self-attention only (the CLI refuses the rest: there the later calls' queries
-    // would sit at the end of the cache).
+    // for every case without masks, dropout, or is_causal with a key of its own. With a window
+    // or ALiBi, causal self-attention only (the CLI refuses the rest: there the later calls'
+    // queries would sit at the end of the cache).
     bool causal = flags && strstr(flags, "--is-causal");
     bool chunks = !(flags && strstr(flags, "--training")) && !file_exists(paths[4]) &&
                   !file_exists(paths[5]) && !(causal && file_exists(paths[2])) &&
-                  !(window && !causal);
+                  !((window || alibi) && !causal);
     free(flags);
     if (chunks) {
         const char *cv[24];
@@ -590,12 +605,18 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
                 cv[cn++] = paths[i];
             }
         if (causal) cv[cn++] = "--is-causal";
-        // The layer file's load options (a seed module's or a model's state_dict), --window.
+        // The layer file's load options (a seed module's or a model's state_dict), --window,
+        // --softcap, --alibi.
         char *opts = read_file(args_path, NULL);
         for (char *tok = opts ? strtok(opts, " \t\r\n") : NULL; tok;
              tok = strtok(NULL, " \t\r\n")) {
+            if (strcmp(tok, "--alibi") == 0) {
+                cv[cn++] = tok;
+                continue;
+            }
             bool load_opt = strcmp(tok, "--prefix") == 0 || strcmp(tok, "--num-heads") == 0 ||
-                            strcmp(tok, "--batch-first") == 0 || strcmp(tok, "--window") == 0;
+                            strcmp(tok, "--batch-first") == 0 || strcmp(tok, "--window") == 0 ||
+                            strcmp(tok, "--softcap") == 0;
             char *value = load_opt ? strtok(NULL, " \t\r\n") : NULL;
             if (!load_opt || !value) continue;
             cr_assert_lt(cn, sizeof cv / sizeof cv[0] - 8, "%s: too many arguments", name);
@@ -2632,15 +2653,16 @@ ParameterizedTest(struct cli_param *param, cli_sdpa, cases) {
     char dir[CLI_PATH_SIZE / 2];
     snprintf(dir, sizeof dir, "%s/cli/%s", CLMHA_TEST_DATA_DIR, name);
     tmp_dir out = tmp_make();
-    static char paths[5][CLI_PATH_SIZE];
+    static char paths[6][CLI_PATH_SIZE];
     static const char *const inputs[][2] = {{"--query", "query.npy"},
                                             {"--key", "key.npy"},
                                             {"--value", "value.npy"},
                                             {"--attn-mask", "attn_mask.npy"},
-                                            {"--grad-output", "grad_output.npy"}};
+                                            {"--grad-output", "grad_output.npy"},
+                                            {"--alibi-slopes", "alibi_slopes.npy"}};
     const char *argv[CLI_MAX_ARGS + 1] = {"sdpa"};
     size_t argc = 1;
-    for (size_t i = 0; i < 5; ++i) {
+    for (size_t i = 0; i < 6; ++i) {
         snprintf(paths[i], CLI_PATH_SIZE, "%s/%s", dir, inputs[i][1]);
         if (i < 3) cr_assert(file_exists(paths[i]), "%s: %s is missing", name, paths[i]);
         if (!file_exists(paths[i])) continue;
@@ -2723,6 +2745,23 @@ static tmp_dir make_sdpa_inputs(void) {
     write_f32_shape(tmp_file(&d, "v.npy"), 2, 2, 6, 8);
     write_f32_shape(tmp_file(&d, "g.npy"), 2, 4, 5, 8);
     return d;
+}
+
+// --alibi-slopes: a file of H float slopes; another shape is refused (exit 1) naming the file.
+Test(cli_sdpa, alibi_slopes_refused) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_sdpa_inputs();
+    const char *q = tmp_file(&d, "q.npy"), *k = tmp_file(&d, "k.npy"), *v = tmp_file(&d, "v.npy");
+    const char *s3 = tmp_file(&d, "s3.npy"), *s2d = tmp_file(&d, "s2d.npy");
+    const char *o = tmp_file(&d, "o.npy");
+    write_f32_shape(s3, 3);
+    write_f32_shape(s2d, 1, 4);
+    SDPA_EXPECT(1, &d, 6, "--alibi-slopes", "alibi_slopes must be (H) = (4)", "--query", q,
+                "--key", k, "--value", v, "--enable-gqa", "--alibi", "--alibi-slopes", s3,
+                "--output", o);
+    SDPA_EXPECT(1, &d, 6, "--alibi-slopes", "takes 1 (H) dimensions", "--query", q, "--key", k,
+                "--value", v, "--enable-gqa", "--alibi", "--alibi-slopes", s2d, "--output", o);
+    tmp_remove(&d);
 }
 
 // Options missing or that do not go together: exit 2, one line naming them, no file written.
