@@ -6,9 +6,12 @@ k_proj_weight and v_proj_weight; in_proj_bias, out_proj.weight, out_proj.bias, b
 whichever the module has) and a __metadata__ with num_heads, batch_first, add_zero_attn
 ("true"/"false"), dropout (decimal) and, for a sliding window, window ("LEFT,RIGHT", each -1 or
 an integer >= 0: query i attends key j only when i - LEFT <= j <= i + RIGHT, -1 leaving a side
-unbounded; nn.MultiheadAttention has no window, so it is an option here). clmha derives embed_dim, kdim, vdim, bias and
-add_bias_kv from the tensors present. The format is written by hand (8-byte little-endian
-header length, JSON header padded with spaces to a multiple of 8, raw little-endian data), so
+unbounded; nn.MultiheadAttention has no window, so it is an option here), for soft-capping
+softcap (a decimal c > 0: every scaled score s becomes c*tanh(s/c)) and for ALiBi alibi
+("true", with the tensor alibi_slopes (H) when the slopes are not the geometric ones). clmha
+derives embed_dim, kdim, vdim, bias and add_bias_kv from the tensors present. The format is
+written by hand (8-byte little-endian header length, JSON header padded with spaces to a
+multiple of 8, raw little-endian data), so
 the `safetensors` package is not needed; the files also load with safetensors.torch.load_file.
 
 As a module (run with a Python that has PyTorch, e.g. Debian's /usr/bin/python3):
@@ -17,13 +20,15 @@ As a module (run with a Python that has PyTorch, e.g. Debian's /usr/bin/python3)
     export(module, "layer.safetensors")                  # F32
     export(module, "layer16.safetensors", dtype="F16")   # or "F64"
     export(module, "swa.safetensors", window=(1023, 0))   # a sliding window
+    export(module, "v.safetensors", softcap=50.0, alibi=True)  # Gemma 2's cap, ALiBi
     module2 = load("layer.safetensors")                  # back to nn.MultiheadAttention
 
 As a command, making a layer with random parameters:
 
     /usr/bin/python3 tools/export_mha.py --embed-dim 16 --num-heads 4 [--kdim K] [--vdim V]
         [--no-bias] [--add-bias-kv] [--add-zero-attn] [--batch-first] [--dropout P]
-        [--dtype F32|F16|F64] [--window LEFT,RIGHT] [--torch-init] [--seed 0] out.safetensors
+        [--dtype F32|F16|F64] [--window LEFT,RIGHT] [--softcap C] [--alibi] [--torch-init]
+        [--seed 0] out.safetensors
 
 Parameters are drawn from N(0, 0.3^2) (all of them, biases included, so that every parameter
 matters), or left as PyTorch initialises them with --torch-init.
@@ -31,6 +36,7 @@ matters), or left as PyTorch initialises them with --torch-init.
 
 import argparse
 import json
+import math
 import sys
 
 import numpy as np
@@ -76,9 +82,29 @@ def window_text(window):
     return f"{left},{right}"
 
 
-def metadata_of(module, add_zero_attn=None, window=None):
+def softcap_text(softcap):
+    """The metadata value of a softcap c (0 or positive and finite): Python's shortest
+    decimal, which clmha reads back as the same double."""
+    c = float(softcap)
+    if not (c >= 0.0 and math.isfinite(c)):
+        raise ValueError(f"softcap {softcap!r}: expected 0 (off) or a positive finite number")
+    return repr(c)
+
+
+def alibi_slopes(heads):
+    """The ALiBi paper's slopes for `heads` heads, as clmha_alibi_slopes() gives them (float64
+    here): 2^(-8(h+1)/H) for H a power of two, else those of the largest power of two P < H
+    followed by every other slope of 2P."""
+    p = 1
+    while p * 2 <= heads:
+        p *= 2
+    return np.array([2.0 ** (-8.0 * (h + 1) / p) if h < p else
+                     2.0 ** (-8.0 * (2 * (h - p) + 1) / (2 * p)) for h in range(heads)])
+
+
+def metadata_of(module, add_zero_attn=None, window=None, softcap=None, alibi=False):
     """The __metadata__ clmha reads, from the module's attributes; window (left, right) or
-    None (no window key)."""
+    None (no window key); softcap c (None or 0: no softcap key); alibi (False: no alibi key)."""
     if add_zero_attn is None:
         add_zero_attn = getattr(module, "add_zero_attn", False)
     meta = {
@@ -90,6 +116,10 @@ def metadata_of(module, add_zero_attn=None, window=None):
     }
     if window is not None:
         meta["window"] = window_text(window)
+    if softcap is not None and float(softcap) != 0.0:
+        meta["softcap"] = softcap_text(softcap)
+    if alibi:
+        meta["alibi"] = "true"
     return meta
 
 
@@ -114,23 +144,49 @@ def encode(tensors, metadata):
     return len(text).to_bytes(8, "little") + text + b"".join(blobs)
 
 
+def _array(value, dtype):
+    """A tensor or array-like as a numpy array of the file's dtype."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().double().numpy()
+    arr = np.asarray(value, dtype=np.float64)
+    return (arr if dtype == "F64" else arr.astype(np.float32)).astype(DTYPES[dtype])
+
+
 def export(module: torch.nn.MultiheadAttention, path, add_zero_attn=None, dtype="F32",
-           window=None):
+           window=None, softcap=None, alibi=None, alibi_slopes=None):
     """Writes `module` (its state_dict and configuration) to `path`. dtype: "F32", "F16" or
     "F64"; the parameters are rounded to it from the module's own precision. add_zero_attn
     overrides the module's attribute when not None. window: (left, right), a sliding window
     (-1: that side unbounded), or None (the default: the module's `window` attribute if it has
-    one, as clmha.torch.MultiheadAttention does, else none)."""
+    one, as clmha.torch.MultiheadAttention does, else none). softcap (c >= 0; 0: off), alibi
+    (bool) and alibi_slopes ((num_heads,) values; None: the geometric slopes, no tensor
+    written) likewise default to the module's attributes of those names, else off."""
     if window is None:
         window = getattr(module, "window", None)
+    if softcap is None:
+        softcap = getattr(module, "softcap", None)
+    if alibi is None:
+        alibi = bool(getattr(module, "alibi", False))
+    if alibi_slopes is None:
+        alibi_slopes = getattr(module, "alibi_slopes", None)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if alibi_slopes is not None and not alibi:
+        raise ValueError("alibi_slopes given without alibi: only an ALiBi layer has slopes")
     tensors = []
     for name, value in module.state_dict().items():
+        if name == "alibi_slopes":  # a module's own slopes: written once, below
+            continue
         arr = value.detach().cpu().double().numpy() if dtype == "F64" else \
             value.detach().cpu().float().numpy()
         tensors.append((name, arr.astype(DTYPES[dtype])))
-    data = encode(tensors, metadata_of(module, add_zero_attn, window))
+    if alibi and alibi_slopes is not None:
+        slopes = _array(alibi_slopes, dtype)
+        if slopes.shape != (int(module.num_heads),):
+            raise ValueError(f"alibi_slopes has shape {slopes.shape}, expected "
+                             f"({int(module.num_heads)},): one slope per head")
+        tensors.append(("alibi_slopes", slopes))
+    data = encode(tensors, metadata_of(module, add_zero_attn, window, softcap, alibi))
     with open(path, "wb") as f:
         f.write(data)
 
@@ -153,9 +209,10 @@ def read(path):
 
 def load(path, dtype=torch.float32):
     """Builds an nn.MultiheadAttention (eval mode) from a layer file written by export() or by
-    clmha_layer_save(). nn.MultiheadAttention has no sliding window: a file's window is left out
-    (read(path)[1]["window"], parse_window(), has it)."""
+    clmha_layer_save(). nn.MultiheadAttention has no sliding window, soft-capping or ALiBi: a
+    file's window, softcap, alibi and alibi_slopes are left out (read(path) has them)."""
     tensors, meta = read(path)
+    tensors.pop("alibi_slopes", None)
     E = tensors["out_proj.weight"].shape[0]
     if "in_proj_weight" in tensors:
         kdim = vdim = E
@@ -203,6 +260,11 @@ def main(argv=None):
     ap.add_argument("--window", metavar="LEFT,RIGHT",
                     help="a sliding window: query i attends key j only when i - LEFT <= j <= "
                          "i + RIGHT (-1: that side unbounded), written as metadata window")
+    ap.add_argument("--softcap", metavar="C", type=float,
+                    help="soft-capping: every scaled score s becomes C*tanh(s/C), written as "
+                         "metadata softcap (0: off)")
+    ap.add_argument("--alibi", action="store_true",
+                    help="ALiBi with the geometric slopes, written as metadata alibi")
     ap.add_argument("--torch-init", action="store_true",
                     help="keep PyTorch's initialisation (zero biases) instead of N(0, 0.3^2)")
     ap.add_argument("--seed", type=int, default=0)
@@ -219,11 +281,13 @@ def main(argv=None):
             window = parse_window(a.window)
         except ValueError as e:
             ap.error(f"--window: {e}")
+    if a.softcap is not None and not (a.softcap >= 0.0 and math.isfinite(a.softcap)):
+        ap.error(f"--softcap {a.softcap!r}: expected 0 (off) or a positive finite number")
     m = random_module(a.embed_dim, a.num_heads, a.kdim, a.vdim, not a.no_bias, a.add_bias_kv,
                       a.add_zero_attn, a.batch_first, a.dropout, a.seed, a.torch_init)
     if a.dtype == "F64":
         m = m.double()
-    export(m, a.out, dtype=a.dtype, window=window)
+    export(m, a.out, dtype=a.dtype, window=window, softcap=a.softcap, alibi=a.alibi)
     shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in m.state_dict().items())
     print(f"wrote {a.out}: {shapes}")
     return 0

@@ -8,7 +8,7 @@ For every case it writes tests/cli/<case>/:
     key_padding_mask.npy    optional: bool (True = may not attend) or float32 (added)
     attn_mask.npy           optional: bool or float32, (L, S) or (N*H, L, S) / (H, L, S)
     args                    one line: the extra flags (--is-causal --need-weights --window L,R
-                            ...), may be empty
+                            --softcap C --alibi ...), may be empty
     expected_output.npy     float64
     expected_weights.npy    float64, only with --need-weights
     grad_output.npy         gradient cases: float32, the output's gradient (--grad-output)
@@ -38,8 +38,10 @@ tests/cli/sdpa_cases.inc) hold already projected heads instead of a layer:
                                     unbatched (no N)
     attn_mask.npy           optional: bool (True = may attend, SDPA's polarity) or float32
                             (added to the scores), in a shape SDPA broadcasts to (N, H, L, S)
+    alibi_slopes.npy        optional: float32 (H), ALiBi's slopes (--alibi-slopes)
     args                    one line: the extra flags (--layout nlhd --is-causal --enable-gqa
-                            --scale S --window L,R --kv-cache-prefix P), may be empty
+                            --scale S --window L,R --softcap C --alibi --kv-cache-prefix P),
+                            may be empty
     expected_output.npy     float64
     expected_lse.npy        float64, only for cases run with --lse-output: the log-sum-exp of
                             every score row, (N, H, L)
@@ -77,6 +79,15 @@ allowed for query i iff i - left <= j <= i + right (-1: that side unbounded), or
 case's boolean attn_mask (with causality) or filled with -inf into a float one. PyTorch pads the
 attn_mask with zeros for the keys of add_bias_kv and add_zero_attn: they are not windowed, as in
 clmha.
+
+Soft-capping and ALiBi cases: `file_softcap`, `file_alibi` (and `file_slopes`, drawn alibi_slopes)
+go into layer.safetensors as __metadata__ softcap, alibi and the tensor alibi_slopes; `softcap` and
+`alibi` are passed as --softcap C and --alibi. PyTorch 1.13 has neither: those cases' module is
+written out in float64 (manual_mha(), which gives nn.MultiheadAttention's results on every other
+case to 3e-16), the scaled score s becoming c*tanh(s/c) (every key, the appended ones too), then
+-slope_h*|i - j| for the real keys j < S (not those of add_bias_kv and add_zero_attn; the
+geometric slopes unless the file has its own), then the masks. The sdpa cases apply the same to
+their scores (score_mods()).
 
 Expected gradients: torch.autograd on the same float64 module, from the float32 grad_output
 (and grad_weights) drawn for the case; the query's gradient in self-attention is the whole
@@ -117,7 +128,8 @@ def C(name, **kw):
              add_zero_attn=False, batch_first=False, dropout=0.0, dtype="F32",
              L=5, S=None, N=2, cross=False, kpm=None, attn=None, causal=False,
              need_weights=True, per_head=False, grads=False, given=None, module="mha",
-             prefix=None, window=None, file_window=None)
+             prefix=None, window=None, file_window=None, softcap=None, alibi=False,
+             file_softcap=None, file_alibi=False, file_slopes=False)
     for k in kw:
         if k not in d:
             raise KeyError(k)
@@ -132,6 +144,7 @@ def C(name, **kw):
     if d["given"] in ("q", "qv"):
         assert d["vdim"] is None
     assert d["E"] <= 16 and d["L"] <= 7 and d["S"] <= 7 and (d["N"] or 1) <= 2
+    assert not d["file_slopes"] or d["file_alibi"]
     return d
 
 
@@ -176,6 +189,13 @@ CASES = [
       per_head=True),
     C("grad_window_override_cross", grads=True, file_window=(0, 0), window=(2, 1), cross=True,
       add_zero_attn=True, kpm="bool", attn="float2d", L=6, S=7, need_weights=False),
+    # Soft-capping and ALiBi: the layer file's (metadata softcap and alibi, the tensor
+    # alibi_slopes), and --softcap / --alibi over a file without them. The appended keys of
+    # add_bias_kv are soft-capped but get no ALiBi term.
+    C("softcap_alibi_file_causal", file_softcap=2.0, file_alibi=True, file_slopes=True,
+      causal=True, L=7, per_head=True),
+    C("grad_softcap_override_cross", grads=True, softcap=1.5, alibi=True, cross=True,
+      add_bias_kv=True, attn="float2d", L=5, S=7, need_weights=False),
     # Seed modules and a model's checkpoint (need_weights: the seed modules return none).
     C("seed_continuiti", module="continuiti", batch_first=True, cross=True, L=4, S=5,
       need_weights=False),
@@ -396,14 +416,22 @@ def make_layer(c, path, given_dir=None):
         with torch.no_grad():
             for p in m.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3)
-    export_mha.export(m, path, dtype=c["dtype"], window=c["file_window"])
+    slopes = None
+    if c["file_slopes"]:  # a draw of its own: the other tensors stay those of the seed
+        slopes = np.random.default_rng(seed + 3).uniform(0.05, 1.0, c["H"]).astype(np.float32)
+    export_mha.export(m, path, dtype=c["dtype"], window=c["file_window"],
+                      softcap=c["file_softcap"], alibi=c["file_alibi"], alibi_slopes=slopes)
     if given_dir is not None:
         adopt_committed_layer(path, given_dir)
     tensors, _ = export_mha.read(path)
+    file_slopes = tensors.pop("alibi_slopes", None)
     m64 = copy.deepcopy(m).double().eval()
     state = {k: torch.from_numpy(v.astype(np.float32).astype(np.float64))
              for k, v in tensors.items()}
     m64.load_state_dict(state, strict=True)
+    # The slopes as clmha reads them (float32), None: the layer's geometric ones.
+    m64.clmha_alibi_slopes = None if file_slopes is None else \
+        file_slopes.astype(np.float32).astype(np.float64)
     return m64
 
 
@@ -423,6 +451,89 @@ def window_keep(L, S, window):
 def case_window(c):
     """The window in effect: --window's, else the layer file's, else None."""
     return c["window"] if c["window"] is not None else c["file_window"]
+
+
+def case_variants(c, m64):
+    """(softcap, slopes) in effect: --softcap's, else the layer file's (None: off); with ALiBi
+    (--alibi or the file's) the file's alibi_slopes, else the geometric slopes as a float32
+    layer holds them; None without ALiBi."""
+    softcap = c["softcap"] if c["softcap"] is not None else c["file_softcap"]
+    slopes = None
+    if c["alibi"] or c["file_alibi"]:
+        slopes = getattr(m64, "clmha_alibi_slopes", None)
+        if slopes is None:
+            slopes = export_mha.alibi_slopes(c["H"]).astype(np.float32).astype(np.float64)
+    return (softcap or None), slopes
+
+
+def score_mods(scores, softcap, slopes, real):
+    """Scaled scores (..., H, L, S') with soft-capping (c*tanh(s/c), every key) and ALiBi
+    (-slope_h*|i - j| for the real keys j < @p real, query i at position i) applied; the heads
+    are the third dimension from the end."""
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if slopes is not None:
+        L, Sp = scores.shape[-2], scores.shape[-1]
+        dist = (torch.arange(L).reshape(L, 1) - torch.arange(Sp).reshape(1, Sp)).abs().double()
+        dist[:, real:] = 0
+        scores = scores - torch.from_numpy(np.asarray(slopes)).reshape(-1, 1, 1) * dist
+    return scores
+
+
+def manual_mha(m, query, key, value, kpm, attn, need_weights, per_head, softcap, slopes):
+    """nn.MultiheadAttention's forward (PyTorch 1.13, eval mode) written out in float64 on
+    m's parameters, with soft-capping and ALiBi (score_mods()) applied to the scaled scores
+    before the masks: kpm and attn as the module takes them (bool True = masked, or float
+    added; the appended keys of add_bias_kv and add_zero_attn unmasked). (output, weights)."""
+    batched = query.dim() == 3
+    if not batched:
+        query, key, value = (x.unsqueeze(1) for x in (query, key, value))
+        kpm = None if kpm is None else kpm.unsqueeze(0)
+    elif m.batch_first:
+        query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+    L, N, E = query.shape
+    S, H = key.shape[0], m.num_heads
+    D = E // H
+    if m._qkv_same_embed_dim:
+        w_q, w_k, w_v = m.in_proj_weight.chunk(3)
+    else:
+        w_q, w_k, w_v = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+    b_q = b_k = b_v = None
+    if m.in_proj_bias is not None:
+        b_q, b_k, b_v = m.in_proj_bias.chunk(3)
+    lin = torch.nn.functional.linear
+    q, k, v = lin(query, w_q, b_q), lin(key, w_k, b_k), lin(value, w_v, b_v)
+    if m.bias_k is not None:
+        k = torch.cat([k, m.bias_k.repeat(1, N, 1)])
+        v = torch.cat([v, m.bias_v.repeat(1, N, 1)])
+    q = q.reshape(L, N * H, D).transpose(0, 1)
+    k = k.reshape(-1, N * H, D).transpose(0, 1)
+    v = v.reshape(-1, N * H, D).transpose(0, 1)
+    if m.add_zero_attn:
+        k = torch.cat([k, torch.zeros(N * H, 1, D, dtype=k.dtype)], dim=1)
+        v = torch.cat([v, torch.zeros(N * H, 1, D, dtype=v.dtype)], dim=1)
+    Sp = k.shape[1]
+    scores = (q @ k.transpose(1, 2) / math.sqrt(D)).reshape(N, H, L, Sp)
+    scores = score_mods(scores, softcap, slopes, S).reshape(N * H, L, Sp)
+    pad = torch.nn.functional.pad
+    if attn is not None:
+        a = pad(attn, (0, Sp - S))
+        a = a if a.dim() == 3 else a.unsqueeze(0)
+        scores = scores.masked_fill(a, -math.inf) if a.dtype == torch.bool else scores + a
+    if kpm is not None:
+        km = pad(kpm, (0, Sp - S)).reshape(N, 1, 1, Sp).expand(N, H, L, Sp).reshape(N * H, L, Sp)
+        scores = scores.masked_fill(km, -math.inf) if km.dtype == torch.bool else scores + km
+    w = torch.softmax(scores, dim=-1)
+    o = (w @ v).transpose(0, 1).reshape(L, N, E)
+    out = lin(o, m.out_proj.weight, m.out_proj.bias)
+    w = w.reshape(N, H, L, Sp)
+    if not per_head:
+        w = w.mean(dim=1)
+    if not batched:
+        out, w = out.squeeze(1), w.squeeze(0)
+    elif m.batch_first:
+        out = out.transpose(0, 1)
+    return out, (w if need_weights else None)
 
 
 def draw_masks(c, rng):
@@ -542,7 +653,12 @@ def generate(c, out_dir, given_root=None):
     v64 = k64
     if "v" in c["given"]:
         v64 = torch.from_numpy(value).double().requires_grad_(c["grads"])
-    if isinstance(m64, torch.nn.MultiheadAttention):
+    softcap, slopes = case_variants(c, m64)
+    if softcap or slopes is not None:  # PyTorch 1.13 has neither: written out in float64
+        assert isinstance(m64, torch.nn.MultiheadAttention)
+        out_t, w_t = manual_mha(m64, q64, k64, v64, kpm_in, attn_in, c["need_weights"],
+                                c["per_head"], softcap, slopes)
+    elif isinstance(m64, torch.nn.MultiheadAttention):
         out_t, w_t = m64(q64, k64, v64, key_padding_mask=kpm_in, attn_mask=attn_in,
                          need_weights=c["need_weights"], average_attn_weights=not c["per_head"])
     else:  # a seed module: batch first, no masks, no weights
@@ -595,6 +711,10 @@ def generate(c, out_dir, given_root=None):
         flags.append("--per-head-weights")
     if c["window"] is not None:
         flags += ["--window", "%d,%d" % c["window"]]
+    if c["softcap"] is not None:
+        flags += ["--softcap", repr(float(c["softcap"]))]
+    if c["alibi"]:
+        flags.append("--alibi")
     if c["module"] != "mha":  # a state_dict without metadata
         if c["prefix"]:
             flags += ["--prefix", c["prefix"]]
@@ -608,7 +728,7 @@ def generate(c, out_dir, given_root=None):
 def SC(name, **kw):
     d = dict(name=name, N=2, H=2, Hkv=None, L=5, S=None, D=8, Dv=None, layout="nhld", mask=None,
              mask_shape=None, causal=False, scale=None, lse=False, weights=False, grads=False,
-             kv_prefix=None, window=None)
+             kv_prefix=None, window=None, softcap=None, alibi=False, slopes=False)
     for k in kw:
         if k not in d:
             raise KeyError(k)
@@ -619,6 +739,7 @@ def SC(name, **kw):
     assert name.startswith("sdpa_") and d["H"] % d["Hkv"] == 0
     assert not (d["lse"] and d["weights"]) and not (d["causal"] and d["mask"])
     assert (d["mask"] is None) == (d["mask_shape"] is None)
+    assert not d["slopes"] or d["alibi"]
     assert d["kv_prefix"] is None or (  # what `clmha sdpa --kv-cache-prefix` takes
         1 <= d["kv_prefix"] <= d["S"] == d["L"] and d["Dv"] == d["D"] and not (
             d["mask"] or d["lse"] or d["weights"] or d["grads"]))
@@ -648,6 +769,11 @@ SDPA_CASES = [
        mask_shape="N1LS", window=(2, 1), lse=True, grads=True),
     SC("sdpa_window_causal_weights_grads", L=7, S=6, causal=True, window=(2, -1), weights=True,
        grads=True),
+    # Soft-capping and ALiBi (--softcap C --alibi [--alibi-slopes A.npy]).
+    SC("sdpa_softcap_alibi_gqa_grads", H=4, Hkv=2, L=5, S=6, mask="float", mask_shape="N1LS",
+       softcap=1.5, alibi=True, slopes=True, lse=True, grads=True),
+    SC("sdpa_softcap_alibi_kv_cache_decode", layout="nlhd", H=4, Hkv=1, L=7, causal=True,
+       softcap=2.0, alibi=True, kv_prefix=3),
 ]
 
 
@@ -683,7 +809,7 @@ def sdpa_draw_mask(c, rng):
     return mask, forbidden
 
 
-def sdpa_reference(c, q, k, v, mask):
+def sdpa_reference(c, q, k, v, mask, slopes=None):
     """(output, lse, weights) of scaled dot-product attention in float64, written out (torch
     1.13 has no F.scaled_dot_product_attention), in the case's layout; lse and weights
     (N, H, L) and (N, H, L, S) whatever the layout."""
@@ -694,6 +820,7 @@ def sdpa_reference(c, q, k, v, mask):
     v = v.repeat_interleave(group, dim=-3)
     scale = c["scale"] if c["scale"] is not None else 1 / math.sqrt(c["D"])
     scores = q @ k.transpose(-2, -1) * scale
+    scores = score_mods(scores, c["softcap"], slopes, c["S"])
     if c["causal"]:
         keep = torch.ones(c["L"], c["S"], dtype=torch.bool).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
@@ -746,7 +873,21 @@ def sdpa_generate(c, out_dir, given_root=None):
         mask_t = torch.from_numpy(mask)
         if mask_t.dtype != torch.bool:
             mask_t = mask_t.double().requires_grad_(c["grads"])
-    out, lse, weights = sdpa_reference(c, q, k, v, mask_t)
+    slopes = None
+    if c["slopes"]:  # the --alibi-slopes file, a draw of its own
+        slopes = np.random.default_rng(seed_of(name) + 3).uniform(0.05, 1.0, c["H"])
+        slopes = slopes.astype(np.float32)
+        if given is not None:
+            p = os.path.join(given, "alibi_slopes.npy")
+            if not os.path.isfile(p):
+                raise golden_compare.NotThisDraw("alibi_slopes.npy: missing")
+            slopes = golden_compare.check_draw("alibi_slopes.npy",
+                                               np.load(p, allow_pickle=False), slopes)
+        np.save(os.path.join(d, "alibi_slopes.npy"), slopes)
+        slopes = slopes.astype(np.float64)
+    elif c["alibi"]:  # the geometric slopes, as float32
+        slopes = export_mha.alibi_slopes(c["H"]).astype(np.float32).astype(np.float64)
+    out, lse, weights = sdpa_reference(c, q, k, v, mask_t, slopes)
     results = {"expected_output.npy": out}
     if c["lse"]:
         results["expected_lse.npy"] = lse
@@ -780,6 +921,10 @@ def sdpa_generate(c, out_dir, given_root=None):
         flags += ["--scale", repr(c["scale"])]
     if c["window"] is not None:
         flags += ["--window", "%d,%d" % c["window"]]
+    if c["softcap"] is not None:
+        flags += ["--softcap", repr(float(c["softcap"]))]
+    if c["alibi"]:
+        flags.append("--alibi")
     if c["kv_prefix"] is not None:
         flags += ["--kv-cache-prefix", str(c["kv_prefix"])]
     with open(os.path.join(d, "args"), "w") as f:

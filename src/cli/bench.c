@@ -20,11 +20,12 @@
 static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
     "                   [--need-weights] [--batch-first] [--layer F.safetensors [--prefix P]]\n"
-    "                   [--causal] [--window LEFT,RIGHT] [--impl auto|fused|unfused]\n"
-"                   [--backward] [--host] [--repeat R] [--device SPEC]\n"
-"                   [--dtype f32|f64|f16|bf16] [--json]\n"
+    "                   [--causal] [--window LEFT,RIGHT] [--softcap C] [--alibi]\n"
+"                   [--impl auto|fused|unfused] [--backward] [--host] [--repeat R]\n"
+"                   [--device SPEC] [--dtype f32|f64|f16|bf16] [--json]\n"
 "       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--batch N] [--embed E]\n"
-"                   [--heads H] [--window LEFT,RIGHT] [--repeat R] [--device SPEC] [--json]\n"
+"                   [--heads H] [--window LEFT,RIGHT] [--softcap C] [--alibi] [--repeat R]\n"
+"                   [--device SPEC] [--json]\n"
     "\n"
     "Times the forward pass on device buffers (clmha_layer_forward): a warm-up\n"
     "(clmha_layer_bake at the shape: sizes the scratch, compiles the kernels), then R timed\n"
@@ -57,6 +58,10 @@ static const char *usage_bench =
     "                       query i attends the keys i - LEFT .. i + RIGHT, -1 leaving a side\n"
     "                       unbounded (--window 1023,0 --causal: Mistral's). The fused cores\n"
     "                       skip the key tiles it forbids, so their time grows linearly in L\n"
+    "  --softcap C          the random layer soft-caps its scores to C*tanh(s/C)\n"
+    "                       (clmha_layer_desc::softcap; 0: off)\n"
+    "  --alibi              the random layer has ALiBi (clmha_layer_desc::alibi, the\n"
+    "                       geometric slopes). Both also with --backward and --decode\n"
     "\n";
 
 // The help's run options (C11 compilers need not take string literals past 4095 characters).
@@ -76,7 +81,8 @@ static const char *usage_bench_run =
     "                       src_len, embed_dim, num_heads, kdim, vdim, batch_first,\n"
     "                       need_weights, impl (the core used), attention (\"self\"/\"cross\"),\n"
     "                       repeat, is_causal, window_left, window_right (null without a\n"
-    "                       window), dtype (see --dtype below), ms (median),\n"
+    "                       window), softcap (0: off), alibi, dtype (see --dtype below),\n"
+    "                       ms (median),\n"
     "                       ms_min, ms_max, flops, gflops, io_bytes, io_gbps, scratch_bytes,\n"
     "                       stages {name: ms}, host\n"
 
@@ -397,8 +403,10 @@ static void print_tuning(const clmha_context *ctx) {
 // The options of one `clmha bench` call, and what they parse to.
 typedef struct bench_args {
     const char *batch_opt, *tgt_opt, *src_opt, *embed_opt, *heads_opt, *repeat_opt, *layer_path,
-        *device, *impl_opt, *cache_opt, *kv_heads_opt, *dtype_opt, *prefix, *window_opt;
-    bool need_weights, batch_first, json, backward, decode, host, causal;
+        *device, *impl_opt, *cache_opt, *kv_heads_opt, *dtype_opt, *prefix, *window_opt,
+        *softcap_opt;
+    bool need_weights, batch_first, json, backward, decode, host, causal, alibi;
+    double softcap;  // --softcap (0: off)
     size_t batches[BENCH_MAX_LIST], tgts[BENCH_MAX_LIST], srcs[BENCH_MAX_LIST],
         caches[BENCH_MAX_LIST];
     size_t nb, nt, ns, nc, e, h, repeat, kv_heads;
@@ -431,6 +439,8 @@ static bool parse_options(int argc, char **argv, bench_args *a, int *rc) {
         {.name = "--dtype", .value = &a->dtype_opt},
         {.name = "--causal", .flag = &a->causal},
         {.name = "--window", .value = &a->window_opt},
+        {.name = "--softcap", .value = &a->softcap_opt},
+        {.name = "--alibi", .flag = &a->alibi},
     };
     char usage[12288];
     snprintf(usage, sizeof usage, "%s%s%s%s%s%s", usage_bench, usage_bench_run,
@@ -497,7 +507,8 @@ static int parse_values(bench_args *a) {
         clmha__cli_report("bench", "%s",
                           a->decode ? (a->cache_opt ? "--decode takes --batch, --embed, "
                                                       "--heads, --batch-first, --window, "
-                                                      "--repeat, --device and --json only"
+                                                      "--softcap, --alibi, --repeat, --device "
+                                                      "and --json only"
                                                     : "--decode needs --cache-len")
                                     : "--cache-len goes with --decode");
         return EXIT_USAGE;
@@ -518,11 +529,13 @@ static int parse_values(bench_args *a) {
                                              &a->kv_heads, &one)))
         return rc;
     if (a->window_opt && (rc = parse_window(a->window_opt, a->window))) return rc;
-    if (a->window_opt && a->layer_path) {
-        clmha__cli_report("bench", "--window goes with a random layer (not --layer: a layer "
-                                   "file has its own configuration)");
+    if ((a->window_opt || a->softcap_opt || a->alibi) && a->layer_path) {
+        clmha__cli_report("bench", "%s goes with a random layer (not --layer: a layer file has "
+                                   "its own configuration)",
+                          a->window_opt ? "--window" : a->softcap_opt ? "--softcap" : "--alibi");
         return EXIT_USAGE;
     }
+    if (!clmha__cli_parse_softcap("bench", a->softcap_opt, &a->softcap)) return EXIT_USAGE;
     return check_values(a);
 }
 
@@ -603,14 +616,16 @@ static void print_head(const clmha_context *ctx, const bench_config *cfg,
     char gemm[640];
     clmha_context_gemm_note(ctx, gemm, sizeof gemm);
     printf("gemm:    %s\n", gemm);
-    char window[64] = "";
+    char window[64] = "", softcap[48] = "";
     if (d->window)
         snprintf(window, sizeof window, ", window (%lld, %lld)", (long long)d->window_left,
                  (long long)d->window_right);
-    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s (%s)\n",
+    if (d->softcap > 0.0) snprintf(softcap, sizeof softcap, ", softcap %.9g", d->softcap);
+    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s%s%s (%s)\n",
            d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
            d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
-           d->batch_first ? ", batch_first" : "", window, layer_path ? layer_path : "random");
+           d->batch_first ? ", batch_first" : "", window, softcap, d->alibi ? ", alibi" : "",
+           layer_path ? layer_path : "random");
     print_tuning(ctx);
     fflush(stdout);
 }
@@ -656,7 +671,8 @@ int clmha__cli_bench(int argc, char **argv) {
                                   .bias = true, .batch_first = a.batch_first,
                                   .num_kv_heads = a.kv_heads, .dtype = a.dtype,
                                   .window = a.window_opt != NULL, .window_left = a.window[0],
-                                  .window_right = a.window[1]};
+                                  .window_right = a.window[1], .softcap = a.softcap,
+                                  .alibi = a.alibi};
     float *params = NULL;
     double *times = NULL;
     clmha_context *ctx = NULL;

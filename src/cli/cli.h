@@ -73,6 +73,11 @@ typedef struct clmha__cli_window {
 // false for anything else.
 bool clmha__cli_parse_window(const char *cmd, const char *text, clmha__cli_window *w);
 
+// Parses --softcap @p text of command @p cmd (NULL: not given, *c = 0): 0 (off) or a positive
+// finite decimal number. Reports "clmha <cmd>: --softcap '<text>': ..." and returns false for
+// anything else (a sign, NaN, inf, a value past the double range, garbage).
+bool clmha__cli_parse_softcap(const char *cmd, const char *text, double *c);
+
 // Parses --dtype @p opt of command @p cmd: f32 (also when @p opt is NULL), f64, f16 or bf16
 // (PyTorch's float32, float64, float16 and bfloat16 are taken too). Reports and returns false
 // for anything else.

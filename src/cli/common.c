@@ -6,6 +6,7 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -151,6 +152,22 @@ bool clmha__cli_parse_window(const char *cmd, const char *text, clmha__cli_windo
         return false;
     }
     w->on = true;
+    return true;
+}
+
+bool clmha__cli_parse_softcap(const char *cmd, const char *text, double *c) {
+    *c = 0.0;
+    if (!text) return true;
+    char *end = NULL;
+    errno = 0;
+    // Digits or a point first: no sign, space, "nan" or "inf" (which strtod takes).
+    double v = isdigit((unsigned char)text[0]) || text[0] == '.' ? strtod(text, &end) : -1.0;
+    if (!end || *end || errno || !isfinite(v) || v < 0.0) {
+        clmha__cli_report(cmd, "--softcap '%s': expected 0 (off) or a positive finite number, "
+                          "such as 50", text);
+        return false;
+    }
+    *c = v;
     return true;
 }
 

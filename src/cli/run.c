@@ -23,8 +23,8 @@ static const char *const usage_run[] = {
     "\n"
     "Runs torch.nn.MultiheadAttention's forward pass (eval mode unless --training) with the\n"
     "layer in F.safetensors (state_dict() names; metadata num_heads, batch_first,\n"
-    "add_zero_attn, dropout, window) on the arrays of .npy files, and optionally its backward\n"
-    "pass.\n"
+    "add_zero_attn, dropout, window, softcap, alibi) on the arrays of .npy files, and\n"
+    "optionally its backward pass.\n"
     "Shapes and masks are PyTorch's: query (L, N, E), or (N, L, E) when the layer file says\n"
     "batch_first, or (L, E) unbatched.\n"
     "\n"
@@ -57,11 +57,17 @@ static const char *const usage_run[] = {
     "                            i-LEFT <= j <= i+RIGHT (-1: that side unbounded; keys of\n"
     "                            add_bias_kv/add_zero_attn are never windowed); overrides\n"
     "                            the layer file's window (metadata window \"LEFT,RIGHT\")\n"
+    "  --softcap C               soft-cap every scaled score s to C*tanh(s/C) (Gemma 2's),\n"
+    "                            before ALiBi and the masks; 0: off. Overrides the layer\n"
+    "                            file's softcap (metadata softcap)\n"
+    "  --alibi                   ALiBi: the score of head h, query i, key j gains\n"
+    "                            -slope_h*|i-j| (keys of add_bias_kv/add_zero_attn none); the\n"
+    "                            layer file's alibi_slopes, else the geometric slopes\n"
     "  --training                apply the layer's dropout (PyTorch's train()), drawn from\n"
     "                            clmha's Philox stream (not PyTorch's generator)\n"
     "  --seed S, --offset O      the dropout stream's key and offset (default 0); need\n"
     "                            --training\n"
-    "\n"
+    "\n",
     "outputs:\n"
     "  --need-weights            also compute the attention weights\n"
     "  --per-head-weights        weights per head (N, H, L, S') instead of averaged over\n"
@@ -73,7 +79,7 @@ static const char *const usage_run[] = {
     "  --weights-output W.npy    write the weights (dtype as --output); implies\n"
     "                            --need-weights\n"
     "                            (unbatched inputs drop N; S' = S + add_bias_kv + add_zero_attn)\n"
-    "\n",
+    "\n"
     "gradients (the backward pass, after the forward pass with the same inputs and dropout):\n"
     "  --grad-output G.npy       the gradient of the output, in the output's shape\n"
     "  --grad-weights GW.npy     optional: the gradient of the weights, in their shape;\n"
@@ -118,7 +124,8 @@ static const char *const usage_run[] = {
     "                            with the first call and the later calls attend only. Either\n"
     "                            way the output is the one-shot forward's. Not with masks,\n"
     "                            weights, --heatmap, --training, gradients, --impl or\n"
-    "                            --dtype f64; with a sliding window, --is-causal only\n"
+    "                            --dtype f64; with a sliding window or ALiBi, --is-causal\n"
+    "                            only\n"
     "\n"
     "precision:\n"
     "  --dtype T                 the layer's dtype (PyTorch's dtype=): f32 (default), f64,\n"
@@ -379,9 +386,11 @@ static bool grad_shape_ok(const input_file *in, const char *what, size_t ndim,
 typedef struct run_opts {
     const char *layer_path, *output_path, *weights_path, *device, *grads_dir, *heatmap;
     const char *seed_opt, *offset_opt, *chunk_opt, *dtype_opt, *prefix, *heads_opt;
-    const char *batch_first_opt, *impl_opt, *heatmap_batch_opt, *window_opt;
+    const char *batch_first_opt, *impl_opt, *heatmap_batch_opt, *window_opt, *softcap_opt;
     input_file in[IN_COUNT];
     bool is_causal, need_weights, per_head, training;
+    bool alibi;      // --alibi (adds ALiBi to the layer file's layer)
+    double softcap;  // --softcap (with softcap_opt: replaces the layer file's)
     clmha_impl impl;
     clmha_dtype dtype;
     bool f64;  // a float64 layer: inputs read and results written as doubles
@@ -426,6 +435,8 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         {.name = "--attn-mask", .value = &o->in[IN_ATTN].path},
         {.name = "--is-causal", .flag = &o->is_causal},
         {.name = "--window", .value = &o->window_opt},
+        {.name = "--softcap", .value = &o->softcap_opt},
+        {.name = "--alibi", .flag = &o->alibi},
         {.name = "--impl", .value = &o->impl_opt},
         {.name = "--need-weights", .flag = &o->need_weights},
         {.name = "--per-head-weights", .flag = &o->per_head},
@@ -443,7 +454,7 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         {.name = "--decode-chunk", .value = &o->chunk_opt},
         {.name = "--dtype", .value = &o->dtype_opt},
     };
-    char usage[3 * 4096] = "";  // room for the three parts (each under 4095 bytes)
+    char usage[3 * 4096] = "";  // room for the parts (each under 4095 bytes, 9.2 KB in all)
     for (size_t i = 0; i < sizeof usage_run / sizeof usage_run[0]; ++i)
         strncat(usage, usage_run[i], sizeof usage - strlen(usage) - 1);
     if (!clmha__cli_parse_options("run", argc, argv, opts, sizeof opts / sizeof opts[0], usage,
@@ -534,7 +545,8 @@ static bool check_options(run_opts *o) {
                                "--heatmap",
                                &o->impl) ||
         !clmha__cli_parse_dtype("run", o->dtype_opt, &o->dtype) ||
-        !clmha__cli_parse_window("run", o->window_opt, &o->window))
+        !clmha__cli_parse_window("run", o->window_opt, &o->window) ||
+        !clmha__cli_parse_softcap("run", o->softcap_opt, &o->softcap))
         return false;
     o->f64 = o->dtype == CLMHA_DTYPE_F64;
     if (!parse_load_options(o)) return false;
@@ -585,11 +597,13 @@ static clmha_status copy_parameters(clmha_layer *from, clmha_layer *to, bool f64
                                     bool *no_memory) {
     static const char *const names[] = {"in_proj_weight", "q_proj_weight", "k_proj_weight",
                                         "v_proj_weight",  "in_proj_bias",  "out_proj.weight",
-                                        "out_proj.bias",  "bias_k",        "bias_v"};
+                                        "out_proj.bias",  "bias_k",        "bias_v",
+                                        "alibi_slopes"};
     clmha_status st = CLMHA_SUCCESS;
     for (size_t i = 0; !st && i < sizeof names / sizeof *names; ++i) {
         size_t n = clmha_layer_parameter_count(from, names[i]);
-        if (!n) continue;
+        // (alibi_slopes that only @p to has: --alibi added it, the geometric slopes)
+        if (!n || !clmha_layer_parameter_count(to, names[i])) continue;
         void *p = calloc(n, f64 ? sizeof(double) : sizeof(float));
         if (!p) {
             *no_memory = true;
@@ -605,19 +619,29 @@ static clmha_status copy_parameters(clmha_layer *from, clmha_layer *to, bool f64
     return st;
 }
 
-// --window: the layer again with that window in place of the file's (a layer's window is part
-// of its descriptor), its parameters copied.
-static bool rewindow_layer(const run_opts *o, run_state *s) {
+// --window, --softcap, --alibi: the layer again with that window, softcap and ALiBi in place of
+// the file's (they are part of a layer's descriptor), its parameters copied (alibi_slopes too
+// when the file's layer has them).
+static bool redesc_layer(const run_opts *o, run_state *s) {
     clmha_layer_desc d = s->desc;
-    d.window = true;
-    d.window_left = o->window.left;
-    d.window_right = o->window.right;
+    if (o->window.on) {
+        d.window = true;
+        d.window_left = o->window.left;
+        d.window_right = o->window.right;
+    }
+    if (o->softcap_opt) d.softcap = o->softcap;
+    if (o->alibi) d.alibi = true;
     clmha_layer *layer = NULL;
     bool no_memory = false;
     clmha_status st = clmha_layer_create(&layer, s->ctx, &d);
     if (!st) st = copy_parameters(s->layer, layer, o->f64, &no_memory);
     if (st) {
-        clmha__cli_report("run", "--window %s: %s", o->window_opt,
+        clmha__cli_report("run", "%s%s%s%s%s%s: %s", o->window_opt ? "--window " : "",
+                          o->window_opt ? o->window_opt : "",
+                          o->softcap_opt ? (o->window_opt ? " --softcap " : "--softcap ") : "",
+                          o->softcap_opt ? o->softcap_opt : "",
+                          o->alibi && (o->window_opt || o->softcap_opt) ? " " : "",
+                          o->alibi ? "--alibi" : "",
                           no_memory ? "out of host memory" : clmha_context_last_error(s->ctx));
         clmha_layer_release(layer);
         return false;
@@ -628,7 +652,7 @@ static bool rewindow_layer(const run_opts *o, run_state *s) {
     return true;
 }
 
-// The device and the layer file on it (with --window's window).
+// The device and the layer file on it (with --window's window, --softcap and --alibi).
 static bool open_layer(const run_opts *o, run_state *s) {
     if (!(s->ctx = clmha__cli_open_context("run", o->device))) return false;
     if (clmha_layer_load_prefixed(&s->layer, s->ctx, o->layer_path, &o->load) != CLMHA_SUCCESS) {
@@ -643,15 +667,18 @@ static bool open_layer(const run_opts *o, run_state *s) {
                           clmha_context_last_error(s->ctx));
         return false;
     }
-    if (o->window.on && !rewindow_layer(o, s)) return false;
+    if ((o->window.on || o->softcap_opt || o->alibi) && !redesc_layer(o, s)) return false;
     // The calls after the first one of a KV cache that holds the whole key put their queries
-    // at the cache's end, not at their rows: with a window that is not the one-shot call.
+    // at the cache's end, not at their rows: with a window or ALiBi (which see the queries'
+    // positions) that is not the one-shot call.
     bool windowed = s->desc.window && (s->desc.window_left >= 0 || s->desc.window_right >= 0);
-    if (o->chunk && windowed && !o->is_causal) {
-        clmha__cli_report("run", "--decode-chunk without --is-causal does not go with a "
-                          "sliding window (%s): the later calls' queries would sit at the end "
-                          "of the cache, not at their rows",
-                          o->window.on ? "--window" : "the layer file's window");
+    if (o->chunk && (windowed || s->desc.alibi) && !o->is_causal) {
+        clmha__cli_report("run", "--decode-chunk without --is-causal does not go with %s (%s): "
+                          "the later calls' queries would sit at the end of the cache, not at "
+                          "their rows",
+                          windowed ? "a sliding window" : "ALiBi",
+                          windowed ? (o->window.on ? "--window" : "the layer file's window")
+                                   : (o->alibi ? "--alibi" : "the layer file's alibi"));
         return false;
     }
     return true;
@@ -874,14 +901,15 @@ static void print_summary(const run_opts *o, const run_state *s) {
     const clmha_layer_desc *d = &s->desc;
     char sh[160];
     printf("device:  %s\n", clmha_context_device_name(s->ctx));
-    char window[64] = "";
+    char window[64] = "", softcap[48] = "";
     if (d->window)
         snprintf(window, sizeof window, ", window %lld,%lld", (long long)d->window_left,
                  (long long)d->window_right);
-    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s\n", d->embed_dim,
-           d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
+    if (d->softcap > 0.0) snprintf(softcap, sizeof softcap, ", softcap %.9g", d->softcap);
+    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s%s%s\n",
+           d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
            d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
-           d->batch_first ? ", batch_first" : "", window);
+           d->batch_first ? ", batch_first" : "", window, softcap, d->alibi ? ", alibi" : "");
     printf("query:   %s%s\n", clmha__shape_str(sh, sizeof sh, q->ndim, q->shape),
            q->ndim == 3 ? (d->batch_first ? " (N, L, E)" : " (L, N, E)") : " (L, E) unbatched");
     if (show_y) print_values("output:", (values){s->y, s->y64}, s->y_count, q->ndim, q->shape, "");

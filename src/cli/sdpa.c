@@ -49,6 +49,12 @@ static const char *const usage_sdpa[] = {
     "  --window LEFT,RIGHT       sliding window (FlashAttention's window_size): query i\n"
     "                            attends key j only when i-LEFT <= j <= i+RIGHT (-1: that\n"
     "                            side unbounded); combines with --attn-mask and --is-causal\n"
+    "  --softcap C               soft-cap every scaled score s to C*tanh(s/C) (FlashAttention's\n"
+    "                            softcap), before ALiBi and the mask; 0: off\n"
+    "  --alibi                   ALiBi: the score of query head h, query i, key j gains\n"
+    "                            -slope_h*|i-j| (after soft-capping, before the mask)\n"
+    "  --alibi-slopes A.npy      with --alibi: the slopes, (H) float32; default: the ALiBi\n"
+    "                            paper's geometric slopes (2^(-8(h+1)/H) for H a power of 2)\n"
     "  --scale S                 the factor of the scores (default 1/sqrt(D)): a finite,\n"
     "                            non-zero number\n"
     "  --enable-gqa              grouped-query attention: H_kv may divide H (query head h\n"
@@ -127,10 +133,11 @@ typedef struct sdpa_input {
     const char *flag;  // "--query"
     const char *path;  // NULL when not given
     bool is_mask;      // bool/uint8 allowed, 1 to 4 dimensions
+    bool is_vector;    // one dimension (--alibi-slopes)
     clmha__npy a;
 } sdpa_input;
 
-enum { IN_QUERY, IN_KEY, IN_VALUE, IN_ATTN, IN_GRAD_OUT, IN_COUNT };
+enum { IN_QUERY, IN_KEY, IN_VALUE, IN_ATTN, IN_GRAD_OUT, IN_SLOPES, IN_COUNT };
 
 // The command line, and what follows from it before any file is read.
 typedef struct sdpa_opts {
@@ -138,9 +145,10 @@ typedef struct sdpa_opts {
     const char *output_path, *lse_path, *weights_path, *grads_dir, *device;
     const char *scale_opt, *layout_opt, *impl_opt, *dropout_opt, *seed_opt, *offset_opt;
     const char *kv_prefix_opt;  // --kv-cache-prefix
-    const char *window_opt;
+    const char *window_opt, *softcap_opt;
     clmha__cli_window window;   // --window
-    bool is_causal, enable_gqa;
+    double softcap;             // --softcap (0: off)
+    bool is_causal, enable_gqa, alibi;
     uint64_t kv_prefix;         // P; 0: one call
     double scale;  // 0: 1/sqrt(D)
     float dropout_p;
@@ -175,6 +183,9 @@ static bool parse_command_line(int argc, char **argv, sdpa_opts *o, int *rc) {
         {.name = "--attn-mask", .value = &o->in[IN_ATTN].path},
         {.name = "--is-causal", .flag = &o->is_causal},
         {.name = "--window", .value = &o->window_opt},
+        {.name = "--softcap", .value = &o->softcap_opt},
+        {.name = "--alibi", .flag = &o->alibi},
+        {.name = "--alibi-slopes", .value = &o->in[IN_SLOPES].path},
         {.name = "--scale", .value = &o->scale_opt},
         {.name = "--enable-gqa", .flag = &o->enable_gqa},
         {.name = "--layout", .value = &o->layout_opt},
@@ -255,6 +266,8 @@ static bool options_agree(const sdpa_opts *o) {
         why = "--grad-output needs --grads-dir (where the gradients go)";
     else if (o->grads_dir && !grad_out)
         why = "--grads-dir needs --grad-output (the output's gradient)";
+    else if (o->in[IN_SLOPES].path && !o->alibi)
+        why = "--alibi-slopes needs --alibi (the slopes are ALiBi's)";
     if (why) clmha__cli_report("sdpa", "%s", why);
     return !why;
 }
@@ -314,7 +327,8 @@ static bool check_options(sdpa_opts *o) {
     }
     return clmha__cli_parse_impl("sdpa", o->impl_opt, o->weights_path != NULL,
                                  "--weights-output", &o->impl) &&
-           clmha__cli_parse_window("sdpa", o->window_opt, &o->window) && parse_numbers(o) &&
+           clmha__cli_parse_window("sdpa", o->window_opt, &o->window) &&
+           clmha__cli_parse_softcap("sdpa", o->softcap_opt, &o->softcap) && parse_numbers(o) &&
            options_agree(o) && kv_options_agree(o);
 }
 
@@ -329,16 +343,18 @@ static bool read_input(sdpa_input *in) {
                           msg[0] ? clmha__cli_without_path(msg, in->path) : "cannot read the file");
         return false;
     }
-    size_t lo = in->is_mask ? 1 : 3, nd = in->a.ndim;
-    if (nd < lo || nd > 4) {
+    size_t lo = in->is_mask || in->is_vector ? 1 : 3, hi = in->is_vector ? 1 : 4,
+           nd = in->a.ndim;
+    if (nd < lo || nd > hi) {
         char shape[160];
         clmha__cli_report("sdpa", "%s %s: a %zu-D array %s; %s takes %s dimensions", in->flag,
                           in->path, nd, clmha__shape_str_most(shape, sizeof shape, nd, in->a.shape,
                                                           CLMHA__NPY_MAX_DIMS),
-                          in->flag, in->is_mask ? "1 to 4" : "3 (unbatched) or 4");
+                          in->flag,
+                          in->is_vector ? "1 (H)" : in->is_mask ? "1 to 4" : "3 (unbatched) or 4");
         return false;
     }
-    if (!in->is_mask && in->a.kind != CLMHA__NPY_FLOAT) {
+    if (!in->is_mask && in->a.kind != CLMHA__NPY_FLOAT) {  // (--alibi-slopes too)
         clmha__cli_report("sdpa", "%s %s: dtype '%s' is not a float type; %s must be float32 "
                           "(or float64, float16)", in->flag, in->path, in->a.dtype, in->flag);
         return false;
@@ -443,6 +459,20 @@ static bool build_args(const sdpa_opts *o, sdpa_state *s) {
     a->window_right = o->window.right;
     if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
         clmha__cli_report("sdpa", "--window %s: %s", o->window_opt,
+                          clmha_context_last_error(s->ctx));
+        return false;
+    }
+    a->softcap = o->softcap;
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "--softcap %s: %s", o->softcap_opt,
+                          clmha_context_last_error(s->ctx));
+        return false;
+    }
+    a->alibi = o->alibi;
+    if (in[IN_SLOPES].path) a->alibi_slopes = tensor_of(&in[IN_SLOPES].a);
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "%s%s: %s", in[IN_SLOPES].path ? "--alibi-slopes " : "--alibi",
+                          in[IN_SLOPES].path ? in[IN_SLOPES].path : "",
                           clmha_context_last_error(s->ctx));
         return false;
     }
@@ -682,6 +712,7 @@ int clmha__cli_sdpa(int argc, char **argv) {
                        [IN_VALUE] = {.flag = "--value"},
                        [IN_ATTN] = {.flag = "--attn-mask", .is_mask = true},
                        [IN_GRAD_OUT] = {.flag = "--grad-output"},
+                       [IN_SLOPES] = {.flag = "--alibi-slopes", .is_vector = true},
                    }};
     int rc;
     if (!parse_command_line(argc, argv, &o, &rc)) return rc;

@@ -14,6 +14,7 @@
 #include "formats/safetensors_private.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -225,6 +226,28 @@ static void float_text(float v, char *buf, size_t size) {
     buf[o] = '\0';
 }
 
+// A double as the shortest "%.Ng" text (N up to 17, '.' as the decimal point whatever the C
+// locale) that clmha_layer_load() reads back as the same double; a whole number below 10^17
+// without an exponent ("50", not "5e+01").
+static void double_text(double v, char *buf, size_t size) {
+    int whole = v >= 1.0 && v < 1e17 ? (int)floor(log10(v)) + 1 : 1;  // digits before the point
+    for (int digits = whole; digits <= 17; ++digits) {
+        char raw[64];
+        snprintf(raw, sizeof raw, "%.*g", digits, v);
+        size_t o = 0;
+        bool in_point = false;
+        for (const char *p = raw; *p && o + 1 < size; ++p) {
+            bool plain = (*p >= '0' && *p <= '9') || *p == 'e' || *p == '-' || *p == '+';
+            if (plain) buf[o++] = *p;
+            else if (!in_point) buf[o++] = '.';
+            in_point = !plain;
+        }
+        buf[o] = '\0';
+        double back;
+        if (clmha__st_decimal(buf, &back) && back == v) return;
+    }
+}
+
 typedef struct save_entry {
     const char *name;
     size_t ndim;
@@ -253,7 +276,7 @@ static bool write_safetensors(FILE *f, void *user, char *why, size_t why_size) {
 }
 
 // The tensors a layer of descriptor @p d has, in the order of the file, with their PyTorch
-// shapes (into @p list, room for 8) and element counts; *total: the sum of the counts.
+// shapes (into @p list, room for 10) and element counts; *total: the sum of the counts.
 static size_t save_list(clmha_layer *layer, const clmha_layer_desc *d, save_entry *list,
                         size_t *total) {
     // kve: the key/value heads' width (grouped-query attention: num_kv_heads * D, else E).
@@ -274,6 +297,7 @@ static size_t save_list(clmha_layer *layer, const clmha_layer_desc *d, save_entr
         list[n++] = (save_entry){"bias_k", 3, {1, 1, kve}, 0};
         list[n++] = (save_entry){"bias_v", 3, {1, 1, kve}, 0};
     }
+    if (d->alibi) list[n++] = (save_entry){"alibi_slopes", 1, {d->num_heads}, 0};
     // The layer exists, so its parameters fit in memory: these sums do not overflow.
     *total = 0;
     for (size_t i = 0; i < n; ++i) {
@@ -304,6 +328,13 @@ static bool save_header(const clmha_layer_desc *d, const save_entry *list, size_
     if (ok && d->window)
         ok = append(header, size, used, ",\"window\":\"%lld,%lld\"", (long long)d->window_left,
                     (long long)d->window_right);
+    // softcap and alibi only for a layer that has them, likewise.
+    if (ok && d->softcap > 0.0) {
+        char softcap[64];
+        double_text(d->softcap, softcap, sizeof softcap);
+        ok = append(header, size, used, ",\"softcap\":\"%s\"", softcap);
+    }
+    if (ok && d->alibi) ok = append(header, size, used, ",\"alibi\":\"true\"");
     ok = ok && append(header, size, used, "}");
     for (size_t i = 0; i < n && ok; ++i) {
         const save_entry *s = &list[i];
@@ -360,7 +391,7 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
     // widened exactly).
     bool f64 = d.dtype == CLMHA_DTYPE_F64;
     size_t elem = f64 ? 8 : 4;
-    save_entry list[8];
+    save_entry list[10];
     size_t total;
     size_t n = save_list(layer, &d, list, &total);
 

@@ -43,7 +43,7 @@ void clmha__safetensors_to_double(const clmha__st_tensor *t, double *out) {
 
 static const char *const known_names[] = {
     "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v"};
+    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v", "alibi_slopes"};
 
 // A positive decimal integer, digits only.
 static bool parse_count(const char *s, size_t *out) {
@@ -94,11 +94,15 @@ static bool parse_decimal(const char *s, double *out) {
         *out = 0.0;
     } else if (exp10 > 0) {
         *out = v * pow(10.0, (double)exp10);
+    } else if (exp10 < -300) {  // 10^-exp10 is past the double range: in two steps
+        *out = v / 1e300 / pow(10.0, (double)(-exp10 - 300));
     } else {
         *out = v / pow(10.0, (double)-exp10);
     }
     return true;
 }
+
+bool clmha__st_decimal(const char *s, double *out) { return parse_decimal(s, out); }
 
 // Whether the decimal @p s (as parse_decimal() accepts it) is below 1, decided on its digits
 // and exponent, exactly: the double parse_decimal() gives may round a value below 1 up to 1.
@@ -194,7 +198,7 @@ static clmha_status check_names(const desc_read *r) {
                               "%s: unknown tensor \"%.*s\" (a nn.MultiheadAttention file holds "
                               "in_proj_weight or q_proj_weight, k_proj_weight and v_proj_weight, "
                               "out_proj.weight, and optionally in_proj_bias with out_proj.bias, "
-                              "bias_k with bias_v)",
+                              "bias_k with bias_v, alibi_slopes)",
                               r->name, CLMHA__ST_QUOTE_MAX, r->f->tensors[i].name);
     }
     return CLMHA_SUCCESS;
@@ -424,6 +428,39 @@ static clmha_status read_window(const desc_read *r, bool *window, int64_t *left,
     return CLMHA_SUCCESS;
 }
 
+// __metadata__ softcap (absent: 0, off): a decimal number, 0 or positive and finite (a positive
+// decimal that underflows to 0 is refused rather than taken as off).
+static clmha_status read_softcap(const desc_read *r, double *out) {
+    const char *c = clmha__safetensors_meta(r->f, "softcap");
+    *out = 0.0;
+    if (!c) return CLMHA_SUCCESS;
+    double v = 0.0;
+    bool nonzero = false;  // a digit other than 0 before the exponent
+    for (const char *p = c; *p && *p != 'e' && *p != 'E'; ++p) nonzero |= *p >= '1' && *p <= '9';
+    if (!parse_decimal(c, &v) || isinf(v) || (nonzero && v == 0.0))
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: __metadata__ softcap is \"%.*s\", expected a decimal number, 0 "
+                          "(off) or positive and finite, such as \"50.0\"",
+                          r->name, CLMHA__ST_QUOTE_MAX, c);
+    *out = v;
+    return CLMHA_SUCCESS;
+}
+
+// __metadata__ alibi ("true"/"false", absent: false) and the tensor alibi_slopes, (num_heads),
+// which only an ALiBi layer has (absent: the layer keeps its geometric slopes).
+static clmha_status read_alibi(const desc_read *r, bool *alibi) {
+    clmha_status st = meta_bool(r->f, "alibi", alibi, r->name, r->msg, r->msg_size);
+    if (st) return st;
+    const clmha__st_tensor *t = clmha__safetensors_tensor(r->f, "alibi_slopes");
+    if (t && !*alibi)
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: the file has tensor \"%.*s\" but __metadata__ alibi is not "
+                          "\"true\" (only an ALiBi layer has slopes)",
+                          r->name, CLMHA__ST_QUOTE_MAX, t->name);
+    return expect_shape(t, 1, (size_t[]){r->heads}, "(num_heads)", r->name, r->msg,
+                        r->msg_size);
+}
+
 clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *name,
                                           size_t num_heads, clmha_batch_first batch_first_opt,
                                           bool default_batch_first, clmha_layer_desc *desc,
@@ -448,6 +485,9 @@ clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *n
     bool window;
     int64_t win_left, win_right;
     if ((st = read_window(&r, &window, &win_left, &win_right))) return st;
+    double softcap;
+    bool alibi;
+    if ((st = read_softcap(&r, &softcap)) || (st = read_alibi(&r, &alibi))) return st;
 
     clmha_layer_desc d = {.struct_size = sizeof d,
                           .embed_dim = r.e,
@@ -462,7 +502,9 @@ clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *n
                           .dropout = dropout,
                           .window = window,
                           .window_left = win_left,
-                          .window_right = win_right};
+                          .window_right = win_right,
+                          .softcap = softcap,
+                          .alibi = alibi};
     clmha_layer_desc checked;
     char why[512];
     if ((st = clmha__desc_check(&d, &checked, why, sizeof why)))
@@ -565,6 +607,7 @@ static void list_prefixes(const clmha__st_file *f, char *buf, size_t size) {
 typedef struct {
     const clmha__st_tensor *first[SEED_SETS + 1];
     const clmha__st_tensor *seed[4][2];  // [projection][bias]
+    const clmha__st_tensor *alibi;       // alibi_slopes, of every name set
     size_t matched, sets, set;
 } select_found;
 
@@ -604,6 +647,10 @@ static clmha_status find_set(const clmha__st_file *f, const char *name, const ch
         const char *param = plen ? strip_prefix(t->name, prefix, plen, dot) : t->name;
         if (!param) continue;
         ++out->matched;
+        if (strcmp(param, "alibi_slopes") == 0) {  // clmha's own: no name set's
+            out->alibi = t;
+            continue;
+        }
         size_t s;
         int proj;
         bool bias;
@@ -743,8 +790,15 @@ clmha_status clmha__safetensors_select(const clmha__st_file *f, const char *name
     view->file.tensors = view->tensors;
     view->name_set = set == TORCH_SET ? "nn.MultiheadAttention" : seed_sets[set].set;
     view->batch_first_set = set != TORCH_SET;
-    if (set != TORCH_SET) return view_seed(view, &found, name, msg, msg_size);
-    size_t n = 0;  // the tensors as they are, known names only: at most 9
+    if (set != TORCH_SET) {
+        if ((st = view_seed(view, &found, name, msg, msg_size)) || !found.alibi) return st;
+        size_t n = view->file.tensor_count++;  // at most 6 before it
+        view->tensors[n] = *found.alibi;
+        view->tensors[n].param = "alibi_slopes";
+        view->parts[n][0] = found.alibi;
+        return CLMHA_SUCCESS;
+    }
+    size_t n = 0;  // the tensors as they are, known names only: at most 10
     for (size_t i = 0; i < f->tensor_count; ++i) {
         const clmha__st_tensor *t = &f->tensors[i];
         const char *param = plen ? strip_prefix(t->name, prefix, plen, dot) : t->name;

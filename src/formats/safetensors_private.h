@@ -28,6 +28,11 @@ static inline uint64_t clmha__st_le64(const unsigned char *p) {
 // larger than SIZE_MAX (*out untouched then).
 CLMHA__HIDDEN int clmha__st_digits(const char *p, size_t len, size_t *out);
 
+// A decimal number without sign, as __metadata__ dropout and softcap are written: digits, an
+// optional fraction and exponent ("0.1", ".5", "1e-05"), whatever the C locale. False for
+// anything else; a value past the double range is infinity.
+CLMHA__HIDDEN bool clmha__st_decimal(const char *s, double *out);
+
 // "(2, 3)" for a shape of any rank up to CLMHA__ST_MAX_DIMS.
 static inline const char *clmha__st_shape_text(char *buf, size_t size, size_t ndim,
                                                const size_t *shape) {

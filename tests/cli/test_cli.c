@@ -14,6 +14,9 @@
 //     or none;
 //   - sliding windows (a layer file's metadata window, --window): the window cases of both lists,
 //     through every core (fused, unfused, decode); bad --window values are usage errors;
+//   - soft-capping and ALiBi (a layer file's softcap, alibi and alibi_slopes; --softcap, --alibi,
+//     --alibi-slopes) likewise: their cases of both lists through every core; bad values are
+//     usage errors; bench's JSON line names them;
 //   - --dtype f64: '<f8' files in and out, against the float64 reference and every PyTorch case
 //     (max abs error <= 1e-12), doubles no float holds kept bit for bit; what float64 layers
 //     lack yet (KV cache, backward) refused as usage errors; `clmha bench --dtype f64`;
@@ -423,20 +426,32 @@ static double compare_grads(const char *case_dir, const char *grads_dir, const c
     return worst;
 }
 
-// Whether a case's layer file has a sliding window (__metadata__ window) or its args give one.
-static bool case_has_window(const char *layer_path, const char *flags) {
-    if (flags && strstr(flags, "--window")) return true;
-    size_t size = 0;
+// Whether a case's layer file's header holds @p key (such as "\"window\":\"") or its args the
+// option @p flag.
+static bool case_has(const char *layer_path, const char *flags, const char *key,
+                     const char *flag) {
+    if (flags && strstr(flags, flag)) return true;
+    size_t size = 0, len = strlen(key);
     char *bytes = read_file(layer_path, &size);
     bool yes = false;
     if (bytes && size > 8) {
         size_t n = 0;
         for (int i = 7; i >= 0; --i) n = n << 8 | (unsigned char)bytes[i];
-        for (size_t i = 8; !yes && n <= size - 8 && i + 10 <= 8 + n; ++i)
-            yes = memcmp(bytes + i, "\"window\":\"", 10) == 0;
+        for (size_t i = 8; !yes && n <= size - 8 && i + len <= 8 + n; ++i)
+            yes = memcmp(bytes + i, key, len) == 0;
     }
     free(bytes);
     return yes;
+}
+
+// Whether a case's layer file has a sliding window (__metadata__ window) or its args give one.
+static bool case_has_window(const char *layer_path, const char *flags) {
+    return case_has(layer_path, flags, "\"window\":\"", "--window");
+}
+
+// Whether a case's layer file has ALiBi (__metadata__ alibi "true") or its args add it.
+static bool case_has_alibi(const char *layer_path, const char *flags) {
+    return case_has(layer_path, flags, "\"alibi\":\"true\"", "--alibi");
 }
 
 ParameterizedTest(struct cli_param *param, cli, cases) {
@@ -552,7 +567,7 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
     argv[at] = NULL;
     r = cli_run_argv(argv);
     char *flags = read_file(args_path, NULL);
-    bool window = case_has_window(paths[0], flags);
+    bool window = case_has_window(paths[0], flags), alibi = case_has_alibi(paths[0], flags);
     char other_what[CLI_MAX_NAME + 32];
     snprintf(other_what, sizeof other_what, "%s --impl %s", name, other);
     cr_assert_eq(r.status, 0, "%s --impl %s: exit status %d; stderr: %s", name, other, r.status,
@@ -572,13 +587,13 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
         fprintf(stderr, "cli %s grads=%zu grad_maxnorm=%.3e\n", other_what, files, g_err);
     }
     // Through a KV cache, two query rows a call (--decode-chunk 2): the one-shot output again,
-    // for every case without masks, dropout, or is_causal with a key of its own. With a window,
-    // causal self-attention only (the CLI refuses the rest: there the later calls' queries
-    // would sit at the end of the cache).
+    // for every case without masks, dropout, or is_causal with a key of its own. With a window
+    // or ALiBi, causal self-attention only (the CLI refuses the rest: there the later calls'
+    // queries would sit at the end of the cache).
     bool causal = flags && strstr(flags, "--is-causal");
     bool chunks = !(flags && strstr(flags, "--training")) && !file_exists(paths[4]) &&
                   !file_exists(paths[5]) && !(causal && file_exists(paths[2])) &&
-                  !(window && !causal);
+                  !((window || alibi) && !causal);
     free(flags);
     if (chunks) {
         const char *cv[24];
@@ -590,12 +605,18 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
                 cv[cn++] = paths[i];
             }
         if (causal) cv[cn++] = "--is-causal";
-        // The layer file's load options (a seed module's or a model's state_dict), --window.
+        // The layer file's load options (a seed module's or a model's state_dict), --window,
+        // --softcap, --alibi.
         char *opts = read_file(args_path, NULL);
         for (char *tok = opts ? strtok(opts, " \t\r\n") : NULL; tok;
              tok = strtok(NULL, " \t\r\n")) {
+            if (strcmp(tok, "--alibi") == 0) {
+                cv[cn++] = tok;
+                continue;
+            }
             bool load_opt = strcmp(tok, "--prefix") == 0 || strcmp(tok, "--num-heads") == 0 ||
-                            strcmp(tok, "--batch-first") == 0 || strcmp(tok, "--window") == 0;
+                            strcmp(tok, "--batch-first") == 0 || strcmp(tok, "--window") == 0 ||
+                            strcmp(tok, "--softcap") == 0;
             char *value = load_opt ? strtok(NULL, " \t\r\n") : NULL;
             if (!load_opt || !value) continue;
             cr_assert_lt(cn, sizeof cv / sizeof cv[0] - 8, "%s: too many arguments", name);
@@ -1012,19 +1033,19 @@ enum { LF_E = 8, LF_W_IN = 0, LF_B_IN = 3 * LF_E * LF_E, LF_W_OUT = LF_B_IN + 3 
        LF_B_OUT = LF_W_OUT + LF_E * LF_E, LF_COUNT = LF_B_OUT + LF_E };
 
 // A layer file holding @p p (see LF_COUNT) as F64 tensors, or as F32 ones with @p f32 (the
-// values must then be floats), with the sliding window @p window ("LEFT,RIGHT") in its
-// metadata (NULL: none).
-static void write_layer_window(const char *path, const double *p, bool f32, const char *window) {
-    const char *names[] = {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"};
-    const char *shapes[] = {"[24,8]", "[24]", "[8,8]", "[8]"};
-    const size_t first[] = {LF_W_IN, LF_B_IN, LF_W_OUT, LF_B_OUT, LF_COUNT};
-    size_t item = f32 ? 4 : 8;
+// values must then be floats), with @p meta (NULL: nothing) after num_heads in its metadata
+// (",\"window\":\"2,0\""), and with @p slopes the tensor alibi_slopes (2), those two values.
+static void write_layer_meta(const char *path, const double *p, bool f32, const char *meta,
+                             const double *slopes) {
+    const char *names[] = {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias",
+                           "alibi_slopes"};
+    const char *shapes[] = {"[24,8]", "[24]", "[8,8]", "[8]", "[2]"};
+    const size_t first[] = {LF_W_IN, LF_B_IN, LF_W_OUT, LF_B_OUT, LF_COUNT, LF_COUNT + 2};
+    size_t item = f32 ? 4 : 8, tensors = slopes ? 5 : 4, count = first[tensors];
     char header[1024];
     size_t used = (size_t)snprintf(header, sizeof header,
-                                   "{\"__metadata__\":{\"num_heads\":\"2\"%s%s%s}",
-                                   window ? ",\"window\":\"" : "", window ? window : "",
-                                   window ? "\"" : "");
-    for (int i = 0; i < 4; ++i)
+                                   "{\"__metadata__\":{\"num_heads\":\"2\"%s}", meta ? meta : "");
+    for (size_t i = 0; i < tensors; ++i)
         used += (size_t)snprintf(header + used, sizeof header - used,
                                  ",\"%s\":{\"dtype\":\"%s\",\"shape\":%s,\"data_offsets\":[%zu,"
                                  "%zu]}",
@@ -1032,19 +1053,28 @@ static void write_layer_window(const char *path, const double *p, bool f32, cons
                                  first[i + 1] * item);
     used += (size_t)snprintf(header + used, sizeof header - used, "}");
     while (used % 8) header[used++] = ' ';
-    size_t size = 8 + used + LF_COUNT * item;
+    size_t size = 8 + used + count * item;
     unsigned char *buf = calloc(1, size);
     cr_assert(buf != NULL);
     for (int i = 0; i < 8; ++i) buf[i] = (unsigned char)((uint64_t)used >> (8 * i));
     memcpy(buf + 8, header, used);
-    for (size_t i = 0; i < LF_COUNT; ++i) {  // (the test host is little-endian)
-        float v = (float)p[i];
-        cr_assert(!f32 || (double)v == p[i], "parameter %zu is no float", i);
+    for (size_t i = 0; i < count; ++i) {  // (the test host is little-endian)
+        double x = i < LF_COUNT ? p[i] : slopes[i - LF_COUNT];
+        float v = (float)x;
+        cr_assert(!f32 || (double)v == x, "parameter %zu is no float", i);
         if (f32) memcpy(buf + 8 + used + 4 * i, &v, 4);
-        else memcpy(buf + 8 + used + 8 * i, &p[i], 8);
+        else memcpy(buf + 8 + used + 8 * i, &x, 8);
     }
     write_bytes(path, buf, size);
     free(buf);
+}
+
+// write_layer_meta() with the sliding window @p window ("LEFT,RIGHT") in the metadata (NULL:
+// none).
+static void write_layer_window(const char *path, const double *p, bool f32, const char *window) {
+    char meta[96] = "";
+    if (window) snprintf(meta, sizeof meta, ",\"window\":\"%s\"", window);
+    write_layer_meta(path, p, f32, meta, NULL);
 }
 
 static void write_layer_values(const char *path, const double *p, bool f32) {
@@ -1099,6 +1129,74 @@ Test(cli_run, window_option_replaces_the_files) {
         cr_expect(sizes[3] == sizes[0] && memcmp(bytes[3], bytes[0], sizes[0]) != 0,
                   "%s: the window changes nothing", dtypes[t]);
         for (int r = 0; r < 4; ++r) free(bytes[r]);
+    }
+    tmp_remove(&d);
+}
+
+// --softcap and --alibi replace and add to the layer file's: the same layer with softcap and
+// ALiBi from its file, or from the options over a file without them or with another softcap,
+// gives the same bytes, for every dtype (the parameters copied, the file's alibi_slopes too);
+// --softcap 0 turns the file's off, which changes the output.
+Test(cli_run, score_variant_options_replace_the_files) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = tmp_make();
+    enum { L = 6, N = 2, E = LF_E, Q = L * N * E };
+    double pd[LF_COUNT], qd[Q];
+    const double slopes[2] = {0.75, -0.125};
+    uint32_t state = 4242u;
+    for (size_t i = 0; i < LF_COUNT; ++i) pd[i] = 0.35 * pseudo(&state) + 1e-12 * pseudo(&state);
+    for (size_t i = 0; i < Q; ++i) qd[i] = 4.0 * pseudo(&state);
+    const size_t q_shape[] = {L, N, E};
+    write_npy_raw(tmp_file(&d, "q.npy"), "<f8", 3, q_shape, qd, sizeof qd);
+    write_layer_meta(tmp_file(&d, "sa.safetensors"), pd, false,
+                     ",\"softcap\":\"1.5\",\"alibi\":\"true\"", NULL);
+    write_layer_meta(tmp_file(&d, "s5.safetensors"), pd, false, ",\"softcap\":\"5\"", NULL);
+    write_layer_meta(tmp_file(&d, "none.safetensors"), pd, false, NULL, NULL);
+    write_layer_meta(tmp_file(&d, "sa_slopes.safetensors"), pd, false,
+                     ",\"softcap\":\"1.5\",\"alibi\":\"true\"", slopes);
+    write_layer_meta(tmp_file(&d, "a_slopes.safetensors"), pd, false, ",\"alibi\":\"true\"",
+                     slopes);
+    const char *dtypes[] = {"f32", "f16", "bf16", "f64"};
+    for (size_t t = 0; t < sizeof dtypes / sizeof *dtypes; ++t) {
+        if (strcmp(dtypes[t], "f64") == 0 && !device_has_fp64()) continue;
+        enum { RUNS = 7 };
+        const char *runs[RUNS][4] = {{"sa.safetensors", NULL, NULL, "a.npy"},
+                                     {"none.safetensors", "1.5", "--alibi", "b.npy"},
+                                     {"s5.safetensors", "1.5", "--alibi", "c.npy"},
+                                     {"sa.safetensors", "1.5", "--alibi", "d.npy"},
+                                     {"sa_slopes.safetensors", NULL, NULL, "e.npy"},
+                                     {"a_slopes.safetensors", "1.5", "--alibi", "f.npy"},
+                                     {"sa.safetensors", "0", NULL, "off.npy"}};
+        char *bytes[RUNS] = {NULL};
+        size_t sizes[RUNS] = {0};
+        for (int r = 0; r < RUNS; ++r) {
+            char layer[CLI_PATH_SIZE], out[CLI_PATH_SIZE];
+            snprintf(layer, sizeof layer, "%s", tmp_file(&d, runs[r][0]));
+            snprintf(out, sizeof out, "%s", tmp_file(&d, runs[r][3]));
+            const char *argv[16] = {"run", "--layer", layer, "--query", tmp_file(&d, "q.npy"),
+                                    "--is-causal", "--dtype", dtypes[t], "--output", out};
+            size_t argc = 10;
+            if (runs[r][1]) argv[argc++] = "--softcap", argv[argc++] = runs[r][1];
+            if (runs[r][2]) argv[argc++] = runs[r][2];
+            argv[argc] = NULL;
+            cli_result res = cli_run_argv(argv);
+            cr_assert_eq(res.status, 0, "%s, %s: exit status %d; stderr: %s", dtypes[t],
+                         runs[r][3], res.status, res.err);
+            cli_free(&res);
+            bytes[r] = read_file(out, &sizes[r]);
+            cr_assert(bytes[r] != NULL);
+        }
+        for (int r = 1; r < 4; ++r)
+            cr_expect(sizes[r] == sizes[0] && memcmp(bytes[r], bytes[0], sizes[0]) == 0,
+                      "%s: %s differs from the file's softcap and alibi's output", dtypes[t],
+                      runs[r][3]);
+        cr_expect(sizes[5] == sizes[4] && memcmp(bytes[5], bytes[4], sizes[4]) == 0,
+                  "%s: --softcap over a file's alibi_slopes differs", dtypes[t]);
+        cr_expect(sizes[4] == sizes[0] && memcmp(bytes[4], bytes[0], sizes[0]) != 0,
+                  "%s: the file's alibi_slopes change nothing", dtypes[t]);
+        cr_expect(sizes[6] == sizes[0] && memcmp(bytes[6], bytes[0], sizes[0]) != 0,
+                  "%s: --softcap 0 changes nothing", dtypes[t]);
+        for (int r = 0; r < RUNS; ++r) free(bytes[r]);
     }
     tmp_remove(&d);
 }
@@ -1482,6 +1580,9 @@ Test(cli_help, every_command) {
     // The help texts in full (their parts put together; the last line ends them).
     EXPECT_HELP("--window LEFT,RIGHT", "run", "--help");
     EXPECT_HELP("--window LEFT,RIGHT", "sdpa", "--help");
+    EXPECT_HELP("--softcap C", "run", "--help");
+    EXPECT_HELP("--alibi-slopes A.npy", "sdpa", "--help");
+    EXPECT_HELP("[--softcap C] [--alibi]", "bench", "--help");
     EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "run", "--help");
     EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "sdpa", "--help");
 }
@@ -1603,6 +1704,10 @@ Test(cli_refused, malformed_layer_files) {
          0},
         {"window not LEFT,RIGHT",
          "{\"__metadata__\":{\"num_heads\":\"2\",\"window\":\"-2,0\"}," W "," O "}", 256, 0},
+        {"negative softcap",
+         "{\"__metadata__\":{\"num_heads\":\"2\",\"softcap\":\"-1\"}," W "," O "}", 256, 0},
+        {"alibi not a boolean",
+         "{\"__metadata__\":{\"num_heads\":\"2\",\"alibi\":\"yes\"}," W "," O "}", 256, 0},
         {"dimensions overflow",
          "{\"__metadata__\":{\"num_heads\":\"2\"}," W ",\"out_proj.weight\":{\"dtype\":\"F32\","
          "\"shape\":[4294967296,4294967296],\"data_offsets\":[192,256]}}",
@@ -2354,6 +2459,85 @@ Test(cli_refused, window_decode_chunk_not_causal) {
     tmp_remove(&d);
 }
 
+// ALiBi sees the queries' positions, which the later calls of --decode-chunk without
+// --is-causal put at the end of the cache: refused, from --alibi and from the layer file.
+Test(cli_refused, alibi_decode_chunk_not_causal) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    EXPECT_REFUSED(&d, 2, "--decode-chunk without --is-causal", "--alibi", "run", "--layer",
+                   tmp_file(&d, "layer.safetensors"), "--query", tmp_file(&d, "q.npy"),
+                   "--alibi", "--decode-chunk", "2", "--output", tmp_file(&d, "o.npy"));
+    double p[LF_COUNT] = {0};
+    write_layer_meta(tmp_file(&d, "layer.safetensors"), p, true, ",\"alibi\":\"true\"", NULL);
+    EXPECT_REFUSED(&d, 2, "--decode-chunk without --is-causal", "the layer file's alibi", "run",
+                   "--layer", tmp_file(&d, "layer.safetensors"), "--query",
+                   tmp_file(&d, "q.npy"), "--softcap", "2", "--decode-chunk", "2", "--output",
+                   tmp_file(&d, "o.npy"));
+    tmp_remove(&d);
+}
+
+// --softcap C: 0 or a positive finite number, else a usage error of `run`, `sdpa` and `bench`
+// alike, naming the option and the value, before any file is read; --alibi-slopes needs
+// --alibi; bench's go with a random layer.
+Test(cli_usage, softcap_alibi) {
+    static const char *const bad[] = {"-1",    "-0.5", "nan",    "NaN", "inf", "-inf",
+                                      "abc",   " 2",   "+2",     "2x",  "1,5", "1e999",
+                                      "1e-400", "0x",  "infinity"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; ++i) {
+        char want[128];
+        snprintf(want, sizeof want, "clmha run: --softcap '%s': expected 0 (off) or a positive "
+                 "finite number", bad[i]);
+        EXPECT_USAGE(want, "run", "--layer", "l.safetensors", "--query", "q.npy", "--softcap",
+                     bad[i]);
+        snprintf(want, sizeof want, "clmha sdpa: --softcap '%s': expected 0", bad[i]);
+        EXPECT_USAGE(want, "sdpa", "--query", "q.npy", "--key", "k.npy", "--value", "v.npy",
+                     "--softcap", bad[i]);
+        snprintf(want, sizeof want, "clmha bench: --softcap '%s': expected 0", bad[i]);
+        EXPECT_USAGE(want, "bench", "--softcap", bad[i]);
+    }
+    EXPECT_USAGE("clmha run: --softcap needs a non-empty value", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--softcap=");
+    EXPECT_USAGE("clmha sdpa: --softcap given twice", "sdpa", "--query", "q.npy", "--key",
+                 "k.npy", "--value", "v.npy", "--softcap", "1", "--softcap", "2");
+    EXPECT_USAGE("clmha sdpa: --alibi-slopes needs --alibi", "sdpa", "--query", "q.npy",
+                 "--key", "k.npy", "--value", "v.npy", "--alibi-slopes", "s.npy");
+    EXPECT_USAGE("clmha bench: --softcap goes with a random layer", "bench", "--softcap", "2",
+                 "--layer", "x.safetensors");
+    EXPECT_USAGE("clmha bench: --alibi goes with a random layer", "bench", "--alibi", "--layer",
+                 "x.safetensors");
+    EXPECT_USAGE("clmha bench: --decode takes", "bench", "--decode", "--cache-len", "8",
+                 "--alibi", "--causal");
+}
+
+// bench --softcap C --alibi: the random layer's softcap and alibi in the JSON line (softcap 0
+// and alibi false without them), for the forward pass, the training step and the decode step.
+Test(cli_bench, score_variants_json) {
+    SKIP_WITHOUT_DEVICE();
+    const char *const modes[][4] = {{"--tgt-len", "9", NULL, NULL},
+                                    {"--tgt-len", "9", "--backward", NULL},
+                                    {"--decode", "--cache-len", "8", NULL}};
+    for (int m = 0; m < 3; ++m)
+        for (int on = 0; on < 2; ++on) {
+            const char *argv[24] = {"bench", "--json", "--embed", "16", "--heads", "4",
+                                    "--batch", "1", "--repeat", "1"};
+            size_t argc = 10;
+            for (int k = 0; k < 4 && modes[m][k]; ++k) argv[argc++] = modes[m][k];
+            if (on) argv[argc++] = "--softcap", argv[argc++] = "2.5", argv[argc++] = "--alibi";
+            argv[argc] = NULL;
+            cli_result r = cli_run_argv(argv);
+            cr_assert_eq(r.status, 0, "mode %d: stderr: %s", m, r.err);
+            cr_expect_eq(json_number(r.out, "softcap"), on ? 2.5 : 0.0, "%s", r.out);
+            cr_expect(strstr(r.out, on ? "\"alibi\": true" : "\"alibi\": false") != NULL, "%s",
+                      r.out);
+            cli_free(&r);
+        }
+    cli_result r = cli_run("bench", "--embed", "16", "--heads", "4", "--batch", "1",
+                           "--tgt-len", "5", "--repeat", "1", "--softcap", "30", "--alibi");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect(strstr(r.out, ", softcap 30, alibi (random)") != NULL, "%s", r.out);
+    cli_free(&r);
+}
+
 // bench --decode --kv-heads: a grouped-query layer; the step reads its key/value heads only.
 Test(cli_bench, decode_kv_heads) {
     SKIP_WITHOUT_DEVICE();
@@ -2469,15 +2653,16 @@ ParameterizedTest(struct cli_param *param, cli_sdpa, cases) {
     char dir[CLI_PATH_SIZE / 2];
     snprintf(dir, sizeof dir, "%s/cli/%s", CLMHA_TEST_DATA_DIR, name);
     tmp_dir out = tmp_make();
-    static char paths[5][CLI_PATH_SIZE];
+    static char paths[6][CLI_PATH_SIZE];
     static const char *const inputs[][2] = {{"--query", "query.npy"},
                                             {"--key", "key.npy"},
                                             {"--value", "value.npy"},
                                             {"--attn-mask", "attn_mask.npy"},
-                                            {"--grad-output", "grad_output.npy"}};
+                                            {"--grad-output", "grad_output.npy"},
+                                            {"--alibi-slopes", "alibi_slopes.npy"}};
     const char *argv[CLI_MAX_ARGS + 1] = {"sdpa"};
     size_t argc = 1;
-    for (size_t i = 0; i < 5; ++i) {
+    for (size_t i = 0; i < 6; ++i) {
         snprintf(paths[i], CLI_PATH_SIZE, "%s/%s", dir, inputs[i][1]);
         if (i < 3) cr_assert(file_exists(paths[i]), "%s: %s is missing", name, paths[i]);
         if (!file_exists(paths[i])) continue;
@@ -2560,6 +2745,23 @@ static tmp_dir make_sdpa_inputs(void) {
     write_f32_shape(tmp_file(&d, "v.npy"), 2, 2, 6, 8);
     write_f32_shape(tmp_file(&d, "g.npy"), 2, 4, 5, 8);
     return d;
+}
+
+// --alibi-slopes: a file of H float slopes; another shape is refused (exit 1) naming the file.
+Test(cli_sdpa, alibi_slopes_refused) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_sdpa_inputs();
+    const char *q = tmp_file(&d, "q.npy"), *k = tmp_file(&d, "k.npy"), *v = tmp_file(&d, "v.npy");
+    const char *s3 = tmp_file(&d, "s3.npy"), *s2d = tmp_file(&d, "s2d.npy");
+    const char *o = tmp_file(&d, "o.npy");
+    write_f32_shape(s3, 3);
+    write_f32_shape(s2d, 1, 4);
+    SDPA_EXPECT(1, &d, 6, "--alibi-slopes", "alibi_slopes must be (H) = (4)", "--query", q,
+                "--key", k, "--value", v, "--enable-gqa", "--alibi", "--alibi-slopes", s3,
+                "--output", o);
+    SDPA_EXPECT(1, &d, 6, "--alibi-slopes", "takes 1 (H) dimensions", "--query", q, "--key", k,
+                "--value", v, "--enable-gqa", "--alibi", "--alibi-slopes", s2d, "--output", o);
+    tmp_remove(&d);
 }
 
 // Options missing or that do not go together: exit 2, one line naming them, no file written.

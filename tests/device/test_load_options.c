@@ -295,6 +295,33 @@ Test(load_options, mixed_name_sets_and_partial_biases) {
     env_close(&e);
 }
 
+// alibi_slopes is clmha's own tensor: it goes with a seed module's names and with a prefix.
+Test(load_options, alibi_slopes_with_seed_names_and_prefix) {
+    env e;
+    env_open(&e);
+    char path[256];
+    snprintf(path, sizeof path, "%s/alibi.safetensors", e.dir);
+    write_st(path,
+             "{\"__metadata__\":{\"num_heads\":\"2\",\"alibi\":\"true\",\"softcap\":\"30\"},"
+             W4("m.w_q.weight", "0,64") "," W4("m.w_k.weight", "64,128") ","
+             W4("m.w_v.weight", "128,192") "," W4("m.w_concat.weight", "192,256") ","
+             "\"m.alibi_slopes\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[256,264]},"
+             W4("other.w_q.weight", "264,328") "}",
+             328);
+    clmha_load_options o = {.struct_size = sizeof o, .prefix = "m"};
+    clmha_layer *l;
+    cr_assert_eq(load(&e, path, &o, &l), CLMHA_SUCCESS, "%s", clmha_context_last_error(e.ctx));
+    clmha_layer_desc d = {.struct_size = sizeof d};
+    clmha_layer_get_desc(l, &d);
+    cr_expect(d.alibi && d.softcap == 30.0 && d.batch_first && d.embed_dim == 4);
+    float slopes[2] = {0};
+    cr_expect_eq(clmha_layer_get_parameter(l, "alibi_slopes", slopes, 2), CLMHA_SUCCESS);
+    cr_expect(slopes[0] == 0.25f && slopes[1] == 0.25f, "%g %g", (double)slopes[0],
+              (double)slopes[1]);
+    clmha_layer_release(l);
+    env_close(&e);
+}
+
 Test(load_options, torch_save_files_say_how_to_convert) {
     env e;
     env_open(&e);

@@ -76,7 +76,7 @@ static uint64_t rng_next(uint64_t *s) {
 
 static const char *const param_names[] = {
     "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v"};
+    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v", "alibi_slopes"};
 #define NUM_PARAMS (sizeof param_names / sizeof *param_names)
 
 // Fills every parameter of the layer with random floats and a few special bit patterns.
@@ -134,6 +134,9 @@ static void expect_same_desc(const clmha_layer_desc *a, const clmha_layer_desc *
     cr_expect_eq(a->window, b->window, "%s: window", what);
     cr_expect_eq(a->window_left, b->window_left, "%s: window_left", what);
     cr_expect_eq(a->window_right, b->window_right, "%s: window_right", what);
+    cr_expect_eq(memcmp(&a->softcap, &b->softcap, sizeof a->softcap), 0,
+                 "%s: softcap %.17g vs %.17g", what, a->softcap, b->softcap);
+    cr_expect_eq(a->alibi, b->alibi, "%s: alibi", what);
 }
 
 typedef struct rt_case {
@@ -178,6 +181,23 @@ static const rt_case rt_cases[] = {
     {"window_int64_max",
      {DESC_SIZE, .embed_dim = 4, .num_heads = 2, .window = true, .window_left = INT64_MAX,
       .window_right = INT64_MAX}},
+    // Score variants: __metadata__ softcap (the shortest decimal that reads back as the same
+    // double) and alibi, with the tensor alibi_slopes; in float32, float16 and float64 layers.
+    {"softcap_50", {DESC_SIZE, .embed_dim = 8, .num_heads = 2, .bias = true, .softcap = 50.0}},
+    {"softcap_third_f64",
+     {DESC_SIZE, .embed_dim = 8, .num_heads = 2, .softcap = 1.0 / 3.0,
+      .dtype = CLMHA_DTYPE_F64}},
+    {"softcap_small", {DESC_SIZE, .embed_dim = 4, .num_heads = 1, .softcap = 1e-5}},
+    {"softcap_large", {DESC_SIZE, .embed_dim = 4, .num_heads = 1, .softcap = 3.5e38}},
+    {"alibi", {DESC_SIZE, .embed_dim = 12, .num_heads = 3, .bias = true, .alibi = true}},
+    {"alibi_gqa_window_f16",
+     {DESC_SIZE, .embed_dim = 16, .num_heads = 4, .num_kv_heads = 2, .add_bias_kv = true,
+      .window = true, .window_left = 3, .window_right = 0, .alibi = true,
+      .dtype = CLMHA_DTYPE_F16}},
+    {"softcap_alibi_everything_f64",
+     {DESC_SIZE, .embed_dim = 16, .num_heads = 8, .kdim = 3, .vdim = 9, .add_bias_kv = true,
+      .add_zero_attn = true, .batch_first = true, .dropout = 0.25f, .softcap = 0.1,
+      .alibi = true, .dtype = CLMHA_DTYPE_F64}},
 #undef DESC_SIZE
 };
 
@@ -260,6 +280,8 @@ Test(safetensors, saved_header) {
     cr_expect(strstr(h, "in_proj_weight") == NULL, "kdim != E must not write in_proj_weight");
     cr_expect(strstr(h, "bias_k") == NULL);
     cr_expect(strstr(h, "window") == NULL, "a layer without a window writes no window: %s", h);
+    cr_expect(strstr(h, "softcap") == NULL && strstr(h, "alibi") == NULL,
+              "a layer without softcap and alibi writes neither: %s", h);
     free(h);
     clmha_layer_release(a);
     env_close(&e);
@@ -294,6 +316,56 @@ Test(safetensors, saved_window) {
         bytes[8 + n - 1] = '\0';  // the header as a string (its last byte is '}' or padding)
         cr_expect(strstr(bytes + 8, windows[i].want) != NULL, "header lacks %s: %s",
                   windows[i].want, bytes + 8);
+        free(bytes);
+        clmha_layer_release(a);
+    }
+    env_close(&e);
+}
+
+// A soft-capped layer's file has __metadata__ softcap, the shortest decimal of the double; an
+// ALiBi layer's has alibi "true" and the tensor alibi_slopes (H) after the others.
+Test(safetensors, saved_score_variants) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "sv.safetensors", path, sizeof path);
+    static const struct {
+        double softcap;
+        bool alibi;
+        const char *want[2];
+    } cases[] = {{50.0, false, {"\"softcap\":\"50\"", NULL}},
+                 {0.1, false, {"\"softcap\":\"0.1\"", NULL}},
+                 {1.0 / 3.0, false, {"\"softcap\":\"0.3333333333333333\"", NULL}},
+                 {0.0, true,
+                  {"\"alibi\":\"true\"}",
+                   "\"alibi_slopes\":{\"dtype\":\"F32\",\"shape\":[2],"
+                   "\"data_offsets\":[256,264]}"}},
+                 {2.5, true, {"\"softcap\":\"2.5\",\"alibi\":\"true\"}", "\"alibi_slopes\""}}};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
+        clmha_layer *a = NULL;
+        clmha_layer_desc d = {.struct_size = sizeof d, .embed_dim = 4, .num_heads = 2,
+                              .softcap = cases[i].softcap, .alibi = cases[i].alibi};
+        cr_assert_eq(clmha_layer_create(&a, e.ctx, &d), CLMHA_SUCCESS);
+        cr_assert_eq(clmha_layer_save(a, path), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(e.ctx));
+        size_t size = 0;
+        char *bytes = read_file(path, &size);
+        cr_assert(bytes && size > 8);
+        size_t n = (size_t)(unsigned char)bytes[0] | (size_t)(unsigned char)bytes[1] << 8;
+        cr_assert_eq(8 + n + (64 + (cases[i].alibi ? 2 : 0)) * 4, size);
+        bytes[8 + n - 1] = '\0';
+        const char *h = bytes + 8;
+        for (size_t k = 0; k < 2 && cases[i].want[k]; ++k)
+            cr_expect(strstr(h, cases[i].want[k]) != NULL, "header lacks %s: %s",
+                      cases[i].want[k], h);
+        cr_expect_eq(strstr(h, "softcap") != NULL, cases[i].softcap > 0.0, "%s", h);
+        cr_expect_eq(strstr(h, "alibi") != NULL, cases[i].alibi, "%s", h);
+        if (cases[i].alibi) {  // the geometric slopes 2^-4, 2^-8 as F32
+            float slopes[2];
+            memcpy(slopes, bytes + size - sizeof slopes, sizeof slopes);
+            cr_expect(slopes[0] == 0.0625f && slopes[1] == 0.00390625f, "%g %g",
+                      (double)slopes[0], (double)slopes[1]);
+        }
         free(bytes);
         clmha_layer_release(a);
     }
@@ -588,6 +660,78 @@ Test(safetensors, window_metadata) {
                      (long long)d.window_left);
         cr_expect_eq(d.window_right, cases[i].right, "%s: window_right %lld", what,
                      (long long)d.window_right);
+        clmha_layer_release(l);
+    }
+    env_close(&e);
+}
+
+// __metadata__ softcap and alibi into the descriptor, and the tensor alibi_slopes (F32, F16 or
+// F64) into the parameter; an ALiBi file without it keeps the geometric slopes.
+Test(safetensors, score_variant_metadata) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "sv.safetensors", path, sizeof path);
+    static const struct {
+        const char *meta;    // metadata after num_heads
+        const char *dtype;   // alibi_slopes' dtype, NULL: no such tensor
+        double softcap;
+        bool alibi;
+    } cases[] = {{"", NULL, 0.0, false},
+                 {",\"softcap\":\"0\"", NULL, 0.0, false},
+                 {",\"softcap\":\"0.0\",\"alibi\":\"false\"", NULL, 0.0, false},
+                 {",\"softcap\":\"50.0\"", NULL, 50.0, false},
+                 {",\"softcap\":\"1.5\"", NULL, 1.5, false},
+                 {",\"softcap\":\"1e-05\"", NULL, 1e-5, false},
+                 {",\"softcap\":\"2E+1\"", NULL, 20.0, false},
+                 {",\"softcap\":\".25\"", NULL, 0.25, false},
+                 {",\"alibi\":\"true\"", NULL, 0.0, true},
+                 {",\"alibi\":\"true\",\"softcap\":\"30\"", "F32", 30.0, true},
+                 {",\"alibi\":\"true\"", "F16", 0.0, true},
+                 {",\"alibi\":\"true\"", "F64", 0.0, true}};
+    // The slopes as each dtype holds them: 0.5 and -0.25 (a negative slope is the user's).
+    static const unsigned char f32[] = {0, 0, 0, 0x3f, 0, 0, 0x80, 0xbe};
+    static const unsigned char f16[] = {0, 0x38, 0, 0xb4};
+    static const unsigned char f64[] = {0, 0, 0, 0, 0, 0, 0xe0, 0x3f,
+                                        0, 0, 0, 0, 0, 0, 0xd0, 0xbf};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
+        const char *dt = cases[i].dtype;
+        const unsigned char *sl = !dt ? NULL : dt[1] == '3' ? f32 : dt[1] == '1' ? f16 : f64;
+        size_t sl_size = !dt ? 0 : dt[1] == '3' ? sizeof f32 : dt[1] == '1' ? sizeof f16
+                                                                              : sizeof f64;
+        char tensor[128] = "";
+        if (dt)
+            snprintf(tensor, sizeof tensor,
+                     ",\"alibi_slopes\":{\"dtype\":\"%s\",\"shape\":[2],"
+                     "\"data_offsets\":[256,%zu]}",
+                     dt, 256 + sl_size);
+        char header[768];
+        snprintf(header, sizeof header,
+                 "{\"__metadata__\":{\"num_heads\":\"2\"%s},"
+                 "\"in_proj_weight\":{\"dtype\":\"F32\",\"shape\":[12,4],"
+                 "\"data_offsets\":[0,192]},"
+                 "\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],"
+                 "\"data_offsets\":[192,256]}%s}",
+                 cases[i].meta, tensor);
+        unsigned char data[256 + 16] = {0};
+        if (sl) memcpy(data + 256, sl, sl_size);
+        write_st(path, header, (8 - strlen(header) % 8) % 8, data, 256 + sl_size);
+        clmha_layer *l = NULL;
+        load_ok(&e, path, &l);
+        clmha_layer_desc d = {.struct_size = sizeof d};
+        cr_assert_eq(clmha_layer_get_desc(l, &d), CLMHA_SUCCESS);
+        cr_expect_eq(d.softcap, cases[i].softcap, "%s: softcap %.17g", cases[i].meta,
+                     d.softcap);
+        cr_expect_eq(d.alibi, cases[i].alibi, "%s: alibi", cases[i].meta);
+        float got[2] = {0}, want[2];
+        cr_expect_eq(clmha_layer_parameter_count(l, "alibi_slopes"), cases[i].alibi ? 2u : 0u);
+        if (cases[i].alibi) {
+            cr_assert_eq(clmha_layer_get_parameter(l, "alibi_slopes", got, 2), CLMHA_SUCCESS);
+            if (sl) want[0] = 0.5f, want[1] = -0.25f;
+            else cr_assert_eq(clmha_alibi_slopes(2, want), CLMHA_SUCCESS);
+            cr_expect(got[0] == want[0] && got[1] == want[1], "%s %s: slopes %g %g", cases[i].meta,
+                      dt ? dt : "(none)", (double)got[0], (double)got[1]);
+        }
         clmha_layer_release(l);
     }
     env_close(&e);
@@ -1081,6 +1225,55 @@ static const bad_case bad_cases[] = {
      WINDOW_BAD("0,18446744073709551616")},
 #undef WINDOW
 #undef WINDOW_BAD
+    // softcap: a decimal number, 0 (off) or positive and finite
+#define SOFTCAP(text) BASE(META("\"num_heads\":\"2\",\"softcap\":\"" text "\""))
+#define SOFTCAP_BAD(text) "__metadata__ softcap is \"" text "\", expected a decimal number"
+    {"softcap -1", HEADER, SOFTCAP("-1"), 0, CLMHA_INVALID_FILE, SOFTCAP_BAD("-1")},
+    {"softcap nan", HEADER, SOFTCAP("nan"), 0, CLMHA_INVALID_FILE, SOFTCAP_BAD("nan")},
+    {"softcap inf", HEADER, SOFTCAP("inf"), 0, CLMHA_INVALID_FILE, SOFTCAP_BAD("inf")},
+    {"softcap 1e400", HEADER, SOFTCAP("1e400"), 0, CLMHA_INVALID_FILE, SOFTCAP_BAD("1e400")},
+    {"softcap 1e-400", HEADER, SOFTCAP("1e-400"), 0, CLMHA_INVALID_FILE, SOFTCAP_BAD("1e-400")},
+    {"softcap empty", HEADER, SOFTCAP(""), 0, CLMHA_INVALID_FILE, SOFTCAP_BAD("")},
+    {"softcap abc", HEADER, SOFTCAP("abc"), 0, CLMHA_INVALID_FILE, SOFTCAP_BAD("abc")},
+    {"softcap 1,5", HEADER, SOFTCAP("1,5"), 0, CLMHA_INVALID_FILE, SOFTCAP_BAD("1,5")},
+    {"softcap space", HEADER, SOFTCAP(" 2"), 0, CLMHA_INVALID_FILE, SOFTCAP_BAD(" 2")},
+    {"softcap +2", HEADER, SOFTCAP("+2"), 0, CLMHA_INVALID_FILE, SOFTCAP_BAD("+2")},
+    {"softcap 2e", HEADER, SOFTCAP("2e"), 0, CLMHA_INVALID_FILE, SOFTCAP_BAD("2e")},
+#undef SOFTCAP
+#undef SOFTCAP_BAD
+    // alibi: "true" or "false"; alibi_slopes only with alibi, (num_heads)
+#define ALIBI(text) BASE(META("\"num_heads\":\"2\",\"alibi\":\"" text "\""))
+    {"alibi yes", HEADER, ALIBI("yes"), 0, CLMHA_INVALID_FILE,
+     "__metadata__ alibi is \"yes\", expected \"true\" or \"false\""},
+    {"alibi 1", HEADER, ALIBI("1"), 0, CLMHA_INVALID_FILE, "__metadata__ alibi is \"1\""},
+    {"alibi True", HEADER, ALIBI("True"), 0, CLMHA_INVALID_FILE, "__metadata__ alibi is \"True\""},
+    {"alibi empty", HEADER, ALIBI(""), 0, CLMHA_INVALID_FILE, "__metadata__ alibi is \"\""},
+    {"alibi on", HEADER, ALIBI("on"), 0, CLMHA_INVALID_FILE, "__metadata__ alibi is \"on\""},
+#undef ALIBI
+#define SLOPES(shape, end) \
+    ",\"alibi_slopes\":{\"dtype\":\"F32\",\"shape\":" shape ",\"data_offsets\":[256," end "]}}"
+    {"alibi_slopes without alibi", HEADER, "{" NH2 "," IPW_OK "," OPW_OK SLOPES("[2]", "264"),
+     264, CLMHA_INVALID_FILE,
+     "the file has tensor \"alibi_slopes\" but __metadata__ alibi is not \"true\""},
+    {"alibi_slopes with alibi false", HEADER,
+     "{" META("\"num_heads\":\"2\",\"alibi\":\"false\"") "," IPW_OK "," OPW_OK
+         SLOPES("[2]", "264"),
+     264, CLMHA_INVALID_FILE, "but __metadata__ alibi is not \"true\""},
+    {"alibi_slopes (3) for 2 heads", HEADER,
+     "{" META("\"num_heads\":\"2\",\"alibi\":\"true\"") "," IPW_OK "," OPW_OK
+         SLOPES("[3]", "268"),
+     268, CLMHA_INVALID_FILE,
+     "tensor \"alibi_slopes\" has shape (3,), expected (num_heads) = (2,)"},
+    {"alibi_slopes (1, 2)", HEADER,
+     "{" META("\"num_heads\":\"2\",\"alibi\":\"true\"") "," IPW_OK "," OPW_OK
+         SLOPES("[1,2]", "264"),
+     264, CLMHA_INVALID_FILE,
+     "tensor \"alibi_slopes\" has shape (1, 2), expected (num_heads) = (2,)"},
+    {"alibi_slopes scalar", HEADER,
+     "{" META("\"num_heads\":\"2\",\"alibi\":\"true\"") "," IPW_OK "," OPW_OK
+         SLOPES("[]", "260"),
+     260, CLMHA_INVALID_FILE, "tensor \"alibi_slopes\" has shape"},
+#undef SLOPES
     // the file system
     {"nonexistent path", NO_FILE, NULL, 0, CLMHA_IO_ERROR, "cannot open"},
     {"a folder", DIRECTORY, NULL, 0, CLMHA_IO_ERROR, "directory"},
@@ -1177,7 +1370,7 @@ static size_t write_many_tensors(const char *path, size_t entries) {
     return used + (8 - used % 8) % 8;
 }
 
-// A layer's header is small (at most 9 tensors and a few metadata strings): a huge header is
+// A layer's header is small (at most 10 tensors and a few metadata strings): a huge header is
 // refused from its length alone, before it is read or parsed, so quickly and whatever its
 // size; a header under the limit with more tensor entries than a layer has is refused before
 // the entries are looked at one by one.
@@ -1192,8 +1385,8 @@ Test(safetensors, huge_headers_refused_quickly) {
     } cases[] = {
         {700000, "exceeds the limit of 262144 bytes"},  // 41 MB of header
         {5000, "exceeds the limit of 262144 bytes"},    // just over the limit
-        {10, "the header has 10 tensor entries; a layer file has at most 9"},
-        {1000, "the header has 1000 tensor entries; a layer file has at most 9"},
+        {11, "the header has 11 tensor entries; a layer file has at most 10"},
+        {1000, "the header has 1000 tensor entries; a layer file has at most 10"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
         size_t header = write_many_tensors(path, cases[i].entries);
