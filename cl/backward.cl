@@ -48,3 +48,35 @@ kernel void appended_row_sums(global const float *tiles, ulong seq_pad, ulong ro
             sum += tiles[((n * n_heads + k * group + g) * seq_pad + row) * head_dim + d];
     out[out_off + c] = accumulate ? out[out_off + c] + sum : sum;
 }
+
+// The sinks' gradient (clmha_layer_desc::sinks): a sink is one more logit of each row with a
+// zero value, so its score's gradient is P_sink (0 - D), P_sink = exp(sink - lse) (the rows'
+// log-sum-exp include the sink) and D = dO.O (the identity the fused backward uses; with a
+// weights' gradient the unfused backward's sum_j P dP rows instead, has_drow). One
+// work-item per head h sums over the batch items n, then the rows i, in order, from the head
+// tiles o and d_o (N*H, L, D) and lse (N*H*L, from lse_off):
+//   out[out_off + h] (+)= -sum_{n,i} exp(sinks[sinks_off + h] - lse[.]) * (d_o . o)[n*H + h, i]
+kernel void sinks_grad(global const float *o, global const float *d_o, global const float *lse,
+                       ulong lse_off, global const float *drow, uint has_drow,
+                       global const float *sinks, ulong sinks_off,
+                       global float *out, ulong out_off, uint accumulate, ulong n_batch,
+                       ulong n_heads, ulong tgt_len, ulong head_dim) {
+    ulong h = get_global_id(0);
+    if (h >= n_heads) return;
+    float sink = sinks[sinks_off + h], sum = 0.0f;
+    for (ulong n = 0; n < n_batch; ++n) {
+        ulong bh = n * n_heads + h;
+        for (ulong i = 0; i < tgt_len; ++i) {
+            global const float *a = o + (bh * tgt_len + i) * head_dim;
+            global const float *b = d_o + (bh * tgt_len + i) * head_dim;
+            float dot = 0.0f;
+            if (has_drow)
+                dot = drow[bh * tgt_len + i];
+            else
+                for (ulong c = 0; c < head_dim; ++c) dot = fma(a[c], b[c], dot);
+            float l = lse[lse_off + bh * tgt_len + i];
+            if (l != -INFINITY) sum -= exp(sink - l) * dot;
+        }
+    }
+    out[out_off + h] = accumulate ? out[out_off + h] + sum : sum;
+}

@@ -18,7 +18,7 @@
         ulong attn_sh, ulong attn_si,                                                           \
         global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal, long win_left,      \
         long win_right, REAL softcap, global const REAL *alibi_slopes, ulong alibi_off,        \
-        uint dropout_on,                                                                        \
+        global const REAL *sinks, ulong sinks_off, uint dropout_on,                            \
         uint dropout_threshold, REAL keep_scale, uint seed_lo, uint seed_hi_xor_off_hi,        \
         uint offset_lo
 
@@ -89,8 +89,20 @@ inline bool in_window_all(long win_left, long win_right, ulong p_first, ulong p_
 #ifndef ALIBI
 #define ALIBI 0
 #endif
+#ifndef SINKS
+#define SINKS 0
+#endif
 // Whether the program modifies scores: then every tile takes the masks' pass.
 #define SCORE_MODS (SOFTCAP || ALIBI)
+
+// The sink logit of query head h (-INFINITY, no sink, without SINKS), from a kernel's
+// MASK_PARAMS: one more term exp(sink - m) in each row's softmax denominator, with a zero value
+// (clmha_layer_desc::sinks).
+#if SINKS
+#define SINK_OF(h) (sinks[sinks_off + (h)])
+#else
+#define SINK_OF(h) ((REAL)(-INFINITY))
+#endif
 
 // The ALiBi slope of query head h (0 without ALIBI), from a kernel's MASK_PARAMS.
 #if ALIBI

@@ -810,6 +810,12 @@ typedef struct clmha_layer_desc {
     /// term. slope_h is the layer's parameter "alibi_slopes" (H values), which starts as the
     /// ALiBi paper's geometric slopes (clmha_alibi_slopes()). Added after 0.1.0.
     bool alibi;
+    /// Attention sinks (gpt-oss's): the layer parameter "sinks" (H values, zero at creation)
+    /// adds one logit per head to each row's softmax denominator, with a zero value:
+    /// P_ij = exp(s_ij − m) / (exp(sinks_h − m) + Σ_j exp(s_ij − m)), so a row's weights sum
+    /// below 1 and its log-sum-exp includes the sink; a fully masked row still gives a zero
+    /// result. sinks has a gradient (clmha_backward_args::sinks). Added after 0.1.0.
+    bool sinks;
 } clmha_layer_desc;
 
 /// The ALiBi paper's slopes for @p heads heads (what a layer with clmha_layer_desc::alibi starts
@@ -1720,6 +1726,9 @@ typedef struct clmha_attention_args {
     /// With alibi: the slopes, (H) floats on the device (buffer, offset); ndim 0: the geometric
     /// slopes of clmha_alibi_slopes().
     clmha_tensor alibi_slopes;
+    /// Optional (ndim 0: none): attention sinks, as clmha_layer_desc::sinks, (H) floats on the
+    /// device (buffer, offset). The log-sum-exp rows include them.
+    clmha_tensor sinks;
 } clmha_attention_args;
 
 /// Element counts of the results of a clmha_attention_forward() call of @p args. Validates the
@@ -1846,6 +1855,10 @@ typedef struct clmha_attention_backward_args {
     /// unfused core computes it (::CLMHA_IMPL_AUTO takes it; ::CLMHA_IMPL_FUSED is refused).
     cl_mem grad_attn_mask;
     size_t grad_attn_mask_offset;  ///< element offset of @ref grad_attn_mask
+    /// Optional (NULL): where the gradient of the forward's sinks, (H) floats, is written. Needs
+    /// @ref lse (the sinks' probabilities are exp(sinks_h − lse)).
+    cl_mem grad_sinks;
+    size_t grad_sinks_offset;  ///< element offset of @ref grad_sinks
 } clmha_attention_backward_args;
 
 /// The backward pass of clmha_attention_forward() on device buffers: the gradients of the query,
@@ -1995,6 +2008,8 @@ typedef struct clmha_backward_args {
     clmha_grad attn_mask;                 ///< float attn_mask's gradient, its shape
     clmha_grad key_padding_mask;          ///< float key_padding_mask's gradient, its shape
     clmha_impl impl;                      ///< backward core; ::CLMHA_IMPL_AUTO: see below
+    /// The sinks' gradient, (H), with clmha_layer_desc::sinks. Added after 0.1.0.
+    clmha_grad sinks;
 } clmha_backward_args;
 
 /// Enqueues the backward pass of one forward call on device buffers: computes the gradients
@@ -2143,6 +2158,8 @@ typedef struct clmha_reference_params {
     const float *bias_k, *bias_v;
     /// (H), with clmha_layer_desc::alibi; NULL: clmha_alibi_slopes(). Added after 0.1.0.
     const float *alibi_slopes;
+    /// (H), required with clmha_layer_desc::sinks. Added after 0.1.0.
+    const float *sinks;
 } clmha_reference_params;
 
 /// Computes the forward pass on the CPU in double precision, with the same semantics (the same
@@ -2214,6 +2231,7 @@ typedef struct clmha_reference_grads {
     double *bias_v;             ///< (1, 1, E)
     double *attn_mask;          ///< a float attn_mask's gradient, its shape
     double *key_padding_mask;   ///< a float key_padding_mask's gradient, its shape
+    double *sinks;              ///< (H): the sinks' gradient (a layer's, or the function's)
 } clmha_reference_grads;
 
 /// The backward pass of clmha_reference_forward() on the CPU in double precision: the gradients

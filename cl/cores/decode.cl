@@ -326,7 +326,8 @@ kernel void decode_combine(global const float *part_acc, global const float *par
                            uint parts, global const float *proj, ulong q_at, ulong q_ld,
                            global const float *bias, uint has_bias, global const float *bias_kv,
                            uint has_bias_kv, uint zero_attn, ulong n_heads, ulong kv_heads,
-                           ulong tgt_len, float scale, float softcap, global float *merged,
+                           ulong tgt_len, float scale, float softcap,
+                           global const float *sinks, ulong sinks_off, global float *merged,
                            ulong n_batch,
                            uint batch_first, global float *y, ulong y_off,
                            global const float *b_out, uint has_b_out, ulong rows) {
@@ -357,6 +358,10 @@ kernel void decode_combine(global const float *part_acc, global const float *par
         mx = max_nan(mx, xb);
     }
     if (zero_attn) mx = max_nan(mx, 0.0f);
+#if SINKS
+    float sink = SINK_OF(h);  // one more logit, with a zero value (cl/common.cl)
+    mx = max_nan(mx, sink);
+#endif
     global VT *o = (global VT *)(merged + at);
     if (mx == -INFINITY) {
         for (uint c = 0; c < HV; ++c) o[c] = (VT)(0.0f);
@@ -380,6 +385,9 @@ kernel void decode_combine(global const float *part_acc, global const float *par
         for (uint c = 0; c < HV; ++c) acc[c] = fma((VT)(w), bv[c], acc[c]);
     }
     if (zero_attn) total += exp(-mx);
+#if SINKS
+    total += exp(sink - mx);
+#endif
     for (uint c = 0; c < HV; ++c) o[c] = acc[c] / total;
 }
 

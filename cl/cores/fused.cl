@@ -313,6 +313,20 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
                     STOREV(o[dd][rv], (d0 + dd) * RP + rv * VW, ot);
         }
     }
+#if SINKS
+    // The sink (cl/common.cl): one more logit in each row's denominator, with a zero value.
+    {
+        VT sink = (VT)(SINK_OF(bh - n * n_heads));
+        UNROLL
+        for (uint rv = 0; rv < RV; ++rv) {
+            VT m2 = VT_SELECT(m[rv], sink, sink > m[rv]);  // a NaN maximum stays
+            VT c = exp_nonpos(m[rv] - m2);                 // 0 for a row with no key yet
+            sum[rv] = fma(sum[rv], c, exp_nonpos(sink - m2));
+            for (uint d = 0; d < HD; ++d) STOREV(LOADV(d * RP + rv * VW, ot) * c, d * RP + rv * VW, ot);
+            m[rv] = m2;
+        }
+    }
+#endif
     // A fully masked row (m = -inf) has sum 0 and gives zeros; NaN propagates. For the
     // backward pass (lse_on): each row's log-sum-exp m + log(sum), taken before dropout.
     REAL mf[RP], sf[RP];
@@ -502,6 +516,19 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
             for (uint r = 0; r < RPW; ++r) STOREV(a[r], c, ACCROW(r));
         }
     }
+#if SINKS
+    // The sink (cl/common.cl): one more logit in each row's denominator, with a zero value.
+    {
+        REAL sink = SINK_OF(bh - n * n_heads);
+        for (uint r = 0; r < RPW; ++r) {
+            REAL m2 = max_nan(m[r], sink);
+            REAL c = LANE0(exp_nonpos((VT)(m[r] - m2)));  // 0 for a row with no key
+            sum[r] = sum[r] * c + LANE0(exp_nonpos((VT)(sink - m2)));
+            for (uint d = 0; d < HD; ++d) ACCROW(r)[d] *= c;
+            m[r] = m2;
+        }
+    }
+#endif
     // A fully masked row (m = -inf) has sum 0 and gives zeros; NaN propagates.
 #if Q_LOCAL || ACC_LOCAL
     // Each work-item writes its own output rows into local memory (the accumulators in place,

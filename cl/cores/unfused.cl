@@ -72,6 +72,10 @@ void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_
     }
     m = red[0];
     barrier(CLK_LOCAL_MEM_FENCE);
+#if SINKS
+    REAL sink = SINK_OF(bh - n * n_heads);  // one more logit, with a zero value (cl/common.cl)
+    m = max_nan(m, sink);
+#endif
 
     bool dead = m == -INFINITY;  // fully masked row: all zeros
 
@@ -88,10 +92,14 @@ void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_
         if (lid < s) red[lid] += red[lid + s];
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    REAL inv = dead ? 0.0f : 1.0f / red[0];
-    // The row's log-sum-exp (of the scaled, masked scores, before dropout), as the fused core
-    // writes it: -INFINITY for a fully masked row.
-    if (has_lse && lid == 0) lse[row] = dead ? -INFINITY : (float)(m + log(red[0]));
+    REAL total = red[0];
+#if SINKS
+    total += exp(sink - m);
+#endif
+    REAL inv = dead ? 0.0f : 1.0f / total;
+    // The row's log-sum-exp (of the scaled, masked scores, before dropout; the sink's term
+    // included), as the fused core writes it: -INFINITY for a fully masked row.
+    if (has_lse && lid == 0) lse[row] = dead ? -INFINITY : (float)(m + log(total));
 
     // Pass 3: normalise, then dropout.
     for (ulong j = lid; j < src_len_padded; j += WG) {

@@ -27,7 +27,8 @@ void softmax_backward(global float *p, global float *g, global const float *grad
                       ulong gw_off, uint gw_mode, float inv_heads, ulong tgt_len, ulong n_heads,
                       ulong src_len_padded,
                       uint dropout_on, uint dropout_threshold, float keep_scale,
-                      uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo) {
+                      uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo,
+                      global float *drow_out, uint drow_on) {
     local float red[WG];
     // No early return: the host launches exactly one work-group per row, and every work-item
     // reaches every barrier (PoCL 3.1 miscompiles uniform returns in kernels with barriers).
@@ -61,6 +62,7 @@ void softmax_backward(global float *p, global float *g, global const float *grad
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     float drow = red[0];
+    if (drow_on && lid == 0) drow_out[row] = drow;  // for the sinks' gradient
 
     for (ulong j = lid; j < src_len_padded; j += WG) {
         float pj = x[j];

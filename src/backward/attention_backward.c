@@ -3,6 +3,7 @@
 // the dispatch picks (clmha__backward_select(), the same walk as clmha_layer_backward()'s), the
 // gradients of the tiles back into the caller's layout:
 //   check → core and scratch → wait → stage q, k, v, o, dO → the core's backward → dq, dk, dv.
+#include "backward/backward.h"
 #include "base/struct_in.h"
 #include "cores/core.h"
 #include "cores/kernel_args.h"
@@ -144,6 +145,14 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_back
         ((st = clmha__check_buffer(ctx, "grad_attn_mask", b->grad_attn_mask,
                                    b->grad_attn_mask_offset, d->mask_count, 4)) ||
          (st = clmha__check_writable(ctx, "grad_attn_mask", b->grad_attn_mask))))
+        return st;
+    if (a->sinks.ndim && (st = clmha__check_buffer(ctx, "sinks", a->sinks.buffer,
+                                                   a->sinks.offset, d->core.h, 4)))
+        return st;
+    if (b->grad_sinks &&
+        ((st = clmha__check_buffer(ctx, "grad_sinks", b->grad_sinks, b->grad_sinks_offset,
+                                   d->core.h, 4)) ||
+         (st = clmha__check_writable(ctx, "grad_sinks", b->grad_sinks))))
         return st;
     clmha__span all[11] = {
         clmha__span_of("grad_query", b->grad_query, b->grad_query_offset, d->query_count, 4),
@@ -296,6 +305,10 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
                                   0, NULL, NULL);
     if (err) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(lse)");
     if ((st = core->backward(l, &call)) ||
+        (b->grad_sinks &&  // from the forward's log-sum-exp rows (check_call: given)
+         (st = clmha__sinks_grad(l, call.o, call.d_o, call.lse, 0, NULL, a->sinks.buffer,
+                                 a->sinks.offset, b->grad_sinks, b->grad_sinks_offset, false,
+                                 d->core.n, ln))) ||
         (st = clmha__attention_unstage(l, d, call.dq, h, ln, b->grad_query, b->grad_query_offset)) ||
         (st = unstage_kv(l, d, call.dk, b->grad_key, b->grad_key_offset)) ||
         (st = unstage_kv(l, d, call.dv, b->grad_value, b->grad_value_offset)))
@@ -316,6 +329,11 @@ static clmha_status check_call(clmha_context *ctx, const clmha_attention_backwar
     if (a->kv_cache)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "the forward call has a kv_cache: the KV-cache form has no backward");
+    if (b->grad_sinks && (!a->sinks.ndim || !b->lse))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           a->sinks.ndim ? "grad_sinks needs lse, the forward's log-sum-exp "
+                                           "rows (the sinks' probabilities are exp(sink - lse))"
+                                         : "grad_sinks is set but the forward call has no sinks");
     if (b->impl != CLMHA_IMPL_AUTO && b->impl != CLMHA_IMPL_FUSED &&
         b->impl != CLMHA_IMPL_UNFUSED)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,

@@ -39,6 +39,8 @@ typedef struct state {
     cl_kernel merge_rows, appended_row_sums;
     cl_mem ones;  // ones_cap floats of 1: the bias gradients' column sums are GEMMs with it
     size_t ones_cap;
+    cl_mem drow;  // the unfused backward's D rows for the sinks' gradient (drow_cap floats)
+    size_t drow_cap;
 } state;
 
 static void state_release(void *p) {
@@ -47,6 +49,7 @@ static void state_release(void *p) {
     clmha__release_kernel(s->merge_rows);
     clmha__release_kernel(s->appended_row_sums);
     clmha__release_mem(s->ones);
+    clmha__release_mem(s->drow);
     free(s);
 }
 
@@ -77,19 +80,19 @@ static clmha_status state_get(clmha_layer *l, state **out) {
 // The gradients a call can ask for, in clmha_backward_args order.
 enum {
     G_QUERY, G_KEY, G_VALUE, G_IN_W, G_Q_W, G_K_W, G_V_W, G_IN_B, G_OUT_W, G_OUT_B, G_BIAS_K,
-    G_BIAS_V, G_ATTN, G_KPM, G_COUNT
+    G_BIAS_V, G_ATTN, G_KPM, G_SINKS, G_COUNT
 };
 
 static const char *const grad_name[G_COUNT] = {
     "query", "key", "value", "in_proj_weight", "q_proj_weight", "k_proj_weight",
     "v_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v",
-    "attn_mask", "key_padding_mask"};
+    "attn_mask", "key_padding_mask", "sinks"};
 
 const clmha_grad *clmha__backward_grad(const clmha_backward_args *a, int g) {
     const clmha_grad *const all[G_COUNT] = {
         &a->query, &a->key, &a->value, &a->in_proj_weight, &a->q_proj_weight, &a->k_proj_weight,
         &a->v_proj_weight, &a->in_proj_bias, &a->out_proj_weight, &a->out_proj_bias,
-        &a->bias_k, &a->bias_v, &a->attn_mask, &a->key_padding_mask};
+        &a->bias_k, &a->bias_v, &a->attn_mask, &a->key_padding_mask, &a->sinks};
     return g >= 0 && g < G_COUNT ? all[g] : NULL;
 }
 
@@ -133,6 +136,7 @@ static size_t grad_floats(const clmha_layer *l, const clmha__dims *d, int g, con
         *why = "key_padding_mask is not a float mask (CLMHA_MASK_FLOAT): a boolean mask has no "
                "gradient";
         return d->kpm_kind == CLMHA_MASK_FLOAT ? d->kpm_count : 0;
+    case G_SINKS: *why = "the layer has no sinks"; return l->desc.sinks ? l->h : 0;
     default: return 0;
     }
 }
@@ -542,6 +546,12 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
         (st = clmha__layer_grow_ones(layer, &s->ones, &s->ones_cap,
                                      d.n * (d.l > d.s ? d.l : d.s), "backward column of ones")))
         return st;
+    // With a weights' gradient and the sinks' asked for, D = sum_j P dP rows from the core.
+    if (args->sinks.buffer && call.grad_weights &&
+        (st = clmha__grow_buffer(ctx, &s->drow, &s->drow_cap, d.n * layer->h * d.l,
+                                 "backward D rows")))
+        return st;
+    call.drow = args->sinks.buffer && call.grad_weights ? s->drow : NULL;
     call.d_o = layer->tiles[CLMHA__TILE_OUT];
     call.dq = layer->tiles[CLMHA__TILE_Q];
     call.dk = layer->tiles[CLMHA__TILE_K];
@@ -552,8 +562,41 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
     size_t rq = d.n * d.l * d.e, rkv = d.n * d.s * layer->kve;
     pass p = {.l = layer, .s = s, .rows = layer->proj, .rq_off = 0, .rk_off = rq,
               .rv_off = rq + rkv, .a = args, .f = &f, .d = &d, .sv = sv};
-    if ((st = out_projection(&p)) || (st = core->backward(layer, &call)) ||
-        (st = in_projections(&p)))
+    if ((st = out_projection(&p)) || (st = core->backward(layer, &call)))
         return st;
+    if (args->sinks.buffer) {  // from the saved log-sum-exp rows, which hold the sinks' term
+        if (!call.lse)
+            return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                               "the sinks' gradient needs the forward's log-sum-exp rows, "
+                               "which its core did not write");
+        if ((st = clmha__sinks_grad(layer, call.o, call.d_o, call.lse, 0, call.drow,
+                                    layer->sinks, 0,
+                                    args->sinks.buffer, args->sinks.offset,
+                                    args->sinks.accumulate, d.n, d.l)))
+            return st;
+    }
+    if ((st = in_projections(&p))) return st;
     return clmha__enqueue_event(ctx, event);
+}
+
+clmha_status clmha__sinks_grad(clmha_layer *l, cl_mem o, cl_mem d_o, cl_mem lse,
+                               size_t lse_off, cl_mem drow, cl_mem sinks, size_t sinks_off,
+                               cl_mem out,
+                               size_t out_off, bool accumulate, size_t n, size_t len) {
+    cl_program prog;
+    cl_kernel k = NULL;
+    clmha_status st;
+    if ((st = clmha__program_get(l->ctx, "backward", "", &prog)) ||
+        (st = clmha__kernel_make(l->ctx, prog, "sinks_grad", &k)))
+        return st;
+    cl_ulong loff = lse_off, soff = sinks_off, ooff = out_off, nb = n, heads = l->h, tl = len,
+             hd = l->d;
+    cl_uint acc = accumulate, has_drow = drow != NULL;
+    cl_mem dr = drow ? drow : l->ctx->dummy;
+    arg args[] = {ARG(o),    ARG(d_o), ARG(lse), ARG(loff),  ARG(dr), ARG(has_drow),
+                  ARG(sinks), ARG(soff), ARG(out), ARG(ooff), ARG(acc), ARG(nb),
+                  ARG(heads), ARG(tl),   ARG(hd)};
+    st = clmha__launch(l->ctx, k, "sinks_grad", l->h, 1, args, sizeof args / sizeof args[0]);
+    clmha__release_kernel(k);
+    return st;
 }

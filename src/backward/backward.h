@@ -16,6 +16,16 @@
 CLMHA__HIDDEN int clmha__backward_grad_count(void);
 CLMHA__HIDDEN const clmha_grad *clmha__backward_grad(const clmha_backward_args *a, int g);
 
+// The sinks' gradient (cl/backward.cl's sinks_grad): @p out at @p out_off (H floats, added
+// to with @p accumulate) from the head tiles @p o and @p d_o (N*H, L, D), the log-sum-exp rows
+// @p lse at @p lse_off (and each row's D = sum_j P dP in @p drow, or NULL: dO.O) and the
+// sinks at @p sinks_off, for @p n batch items and @p l rows.
+CLMHA__HIDDEN clmha_status clmha__sinks_grad(clmha_layer *layer, cl_mem o, cl_mem d_o,
+                                             cl_mem lse, size_t lse_off, cl_mem drow,
+                                             cl_mem sinks,
+                                             size_t sinks_off, cl_mem out, size_t out_off,
+                                             bool accumulate, size_t n, size_t l);
+
 // Checks @p a (in this library's layout) for a call on device buffers (@p on_device) or host
 // arrays: its forward arguments (copied into @p fwd, resolved into @p d), the saved state, the
 // shapes of grad_output and grad_weights, and which gradients the layer and call can give.

@@ -109,6 +109,10 @@ typedef struct clmha__backward_call {
     bool grad_attn_accumulate, grad_kpm_accumulate;
     // The forward call's factor of the scores (clmha__core_call::scale); 0: 1/sqrt(D).
     double scale;
+    // Optional (NULL): where a core that takes grad_weights (the unfused one) writes each
+    // row's D = sum_j P_ij dP_ij (N*H*L floats), which the weights' gradient makes differ from
+    // dO.O: the sinks' gradient reads it (src/backward/backward.c).
+    cl_mem drow;
 } clmha__backward_call;
 
 // One merge of partial attention results (clmha_attention_merge(), checked): rows of head_dim

@@ -268,7 +268,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
                   ARG(q_at),        ARG(q_ld),        ARG(bias),         ARG(has_bias),
                   ARG(bias_kv),     ARG(has_bias_kv), ARG(zero_attn),    ARG(heads),
                   ARG(kvh),         ARG(tgt),         ARG(scale),        ARG(softcap),
-                  ARG(merged),
+                  ARG(m.sinks),     ARG(m.sinks_off), ARG(merged),
                   ARG(n_batch),     ARG(batch_first), ARG(call->output), ARG(y_off),
                   ARG(b_out),       ARG(has_b_out),   ARG(rows)};
     if ((st = clmha__launch(ctx, s->combine, "decode_combine", rows, s->wg, args,

@@ -61,6 +61,8 @@ clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args 
         .softcap = clmha__real_of(d->softcap),
         .alibi = !d->alibi ? l->ctx->dummy : l->alibi_call ? l->alibi_call : l->alibi,
         .alibi_off = d->alibi && l->alibi_call ? l->alibi_call_off : 0,
+        .sinks = !d->sinks ? l->ctx->dummy : l->sinks_call ? l->sinks_call : l->sinks,
+        .sinks_off = d->sinks && l->sinks_call ? l->sinks_call_off : 0,
         .dropout_on = dropout_on,
         .threshold = clmha__dropout_threshold(p),
         .keep_scale = clmha__real_of(dropout_on ? 1.0 / (1.0 - (double)p) : 1.0),

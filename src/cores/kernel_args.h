@@ -56,6 +56,8 @@ typedef struct clmha__mask_args {
     clmha__real softcap;          // soft-capping (clmha__dims; 0: off)
     cl_mem alibi;                 // ALiBi's slopes (H), at alibi_off; the dummy without
     cl_ulong alibi_off;
+    cl_mem sinks;                 // the sinks (H), at sinks_off; the dummy without
+    cl_ulong sinks_off;
     cl_uint dropout_on, threshold;
     clmha__real keep_scale;
     cl_uint seed_lo, seed_hi, off_lo;
@@ -74,7 +76,8 @@ CLMHA__HIDDEN clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha
         CLMHA__ARG((m).kpm), CLMHA__ARG((m).kpm_off),                                         \
         CLMHA__ARG((m).kpm_kind), CLMHA__ARG((m).causal), CLMHA__ARG((m).win_left),           \
         CLMHA__ARG((m).win_right), CLMHA__REAL_ARG((m).softcap, (m).rs),                      \
-        CLMHA__ARG((m).alibi), CLMHA__ARG((m).alibi_off), CLMHA__ARG((m).dropout_on),        \
+        CLMHA__ARG((m).alibi), CLMHA__ARG((m).alibi_off), CLMHA__ARG((m).sinks),             \
+        CLMHA__ARG((m).sinks_off), CLMHA__ARG((m).dropout_on),                                \
         CLMHA__ARG((m).threshold), CLMHA__REAL_ARG((m).keep_scale, (m).rs),                   \
         CLMHA__ARG((m).seed_lo), CLMHA__ARG((m).seed_hi), CLMHA__ARG((m).off_lo)
 

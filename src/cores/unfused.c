@@ -145,8 +145,9 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_mem w = call->weights;
     size_t w_off = call->weights_offset, group = call->kv_group ? call->kv_group : 1;
     // The log-sum-exp rows where the call needs them (attention as a function, partial
-    // attention); not for a call that only saves for its backward (which recomputes).
-    cl_mem lse = call->need_lse ? call->lse : NULL;
+    // attention, and a layer with sinks saving for its backward: the sinks' gradient); not
+    // for another call that only saves for its backward (which recomputes).
+    cl_mem lse = call->need_lse || d->sinks ? call->lse : NULL;
     call->lse_written = lse != NULL;
     clmha_status st;
     clmha__chunks plan;

@@ -189,10 +189,13 @@ clmha_status clmha__unfused_backward_run(clmha__unfused_backward **slot,
     cl_ulong gw_off = call->grad_weights ? call->grad_weights_offset : 0, tgt = tl,
              heads = l->h, srcp = sp;
     float inv_heads = (float)(1.0 / (double)l->h);
+    cl_mem drow = call->drow ? call->drow : ctx->dummy;
+    cl_uint drow_on = call->drow != NULL;
     arg sb_args[] = {ARG(p),          ARG(g),           ARG(gw),           ARG(gw_off),
                      ARG(gw_mode),    ARG(inv_heads),   ARG(tgt),          ARG(heads),
                      ARG(srcp),       ARG(m.dropout_on), ARG(m.threshold), ARG(m.keep_scale.f),
-                     ARG(m.seed_lo),  ARG(m.seed_hi),   ARG(m.off_lo)};
+                     ARG(m.seed_lo),  ARG(m.seed_hi),   ARG(m.off_lo),     ARG(drow),
+                     ARG(drow_on)};
     size_t rows = planes * tl;
     if ((st = clmha__launch(ctx, ub->softmax_backward, "softmax_backward", rows * ub->wg, ub->wg,
                             sb_args, sizeof sb_args / sizeof sb_args[0])))

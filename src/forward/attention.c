@@ -38,6 +38,11 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_args
                                   d->value_count, 4)) ||
         (m && (st = clmha__check_buffer(ctx, "attn_mask", m->tensor.buffer, m->tensor.offset,
                                         d->mask_count, melem))) ||
+        (a->alibi_slopes.ndim &&
+         (st = clmha__check_buffer(ctx, "alibi_slopes", a->alibi_slopes.buffer,
+                                   a->alibi_slopes.offset, d->core.h, 4))) ||
+        (a->sinks.ndim && (st = clmha__check_buffer(ctx, "sinks", a->sinks.buffer,
+                                                    a->sinks.offset, d->core.h, 4))) ||
         (st = clmha__check_buffer(ctx, "output", o->output, o->output_offset, d->output_count,
                                   4)) ||
         (st = clmha__check_writable(ctx, "output", o->output)) ||

@@ -20,6 +20,8 @@ clmha_forward_args clmha__attention_core_args(clmha_layer *l, const clmha_attent
     // The call's ALiBi slopes (NULL: the bare layer's geometric ones, clmha__masks_of()).
     l->alibi_call = a->alibi && a->alibi_slopes.ndim ? a->alibi_slopes.buffer : NULL;
     l->alibi_call_off = a->alibi_slopes.offset;
+    l->sinks_call = a->sinks.ndim ? a->sinks.buffer : NULL;
+    l->sinks_call_off = a->sinks.offset;
     return (clmha_forward_args){.struct_size = sizeof(clmha_forward_args), .attn_mask = d->attn,
                                 .is_causal = a->is_causal, .per_head_weights = true,
                                 .training = a->dropout_p > 0.0f, .rng = a->rng, .impl = a->impl};

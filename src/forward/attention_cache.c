@@ -12,7 +12,7 @@
 
 typedef struct entry {
     size_t heads, kv_heads, head_dim;
-    bool softcap, alibi;  // the variants its programs are built with
+    bool softcap, alibi, sinks;  // the variants its programs are built with
     clmha_layer *layer;
     struct entry *next;
 } entry;
@@ -49,18 +49,19 @@ static cache *cache_of(clmha_context *ctx) {
 }
 
 // A new entry's bare layer with every core's state.
-static clmha_status make(clmha_context *ctx, cache *c, size_t heads, size_t kv_heads,
-                         size_t head_dim, bool softcap, bool alibi, clmha_layer **out) {
+static clmha_status make(clmha_context *ctx, cache *c, const clmha__dims *call,
+                         size_t head_dim, clmha_layer **out) {
     entry *e = calloc(1, sizeof *e);
     if (!e) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     clmha_status st =
-        clmha__layer_new_bare(&e->layer, ctx, heads, kv_heads, head_dim, softcap, alibi);
+        clmha__layer_new_bare(&e->layer, ctx, call->h, call->kvh, head_dim, call);
     if (!st && (st = clmha__cores_create(e->layer))) clmha_layer_release(e->layer);
     if (st) {
         free(e);
         return st;
     }
-    *e = (entry){heads, kv_heads, head_dim, softcap, alibi, e->layer, c->first};
+    *e = (entry){call->h,           call->kvh,   head_dim, call->softcap > 0.0,
+                 call->alibi,       call->sinks, e->layer, c->first};
     c->first = e;
     *out = e->layer;
     return CLMHA_SUCCESS;
@@ -85,7 +86,7 @@ static void evict(cache *c) {
 clmha_status clmha__attention_lock(clmha_context *ctx, const clmha__dims *call,
                                    size_t head_dim, clmha_layer **layer) {
     size_t heads = call->h, kv_heads = call->kvh;
-    bool softcap = call->softcap > 0.0, alibi = call->alibi;
+    bool softcap = call->softcap > 0.0, alibi = call->alibi, sinks = call->sinks;
     *layer = NULL;
     cache *c = cache_of(ctx);
     if (!c) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
@@ -93,7 +94,7 @@ clmha_status clmha__attention_lock(clmha_context *ctx, const clmha__dims *call,
     for (entry **p = &c->first; *p; p = &(*p)->next) {
         entry *e = *p;
         if (e->heads == heads && e->kv_heads == kv_heads && e->head_dim == head_dim &&
-            e->softcap == softcap && e->alibi == alibi) {
+            e->softcap == softcap && e->alibi == alibi && e->sinks == sinks) {
             *p = e->next;  // to the front
             e->next = c->first;
             c->first = e;
@@ -101,7 +102,7 @@ clmha_status clmha__attention_lock(clmha_context *ctx, const clmha__dims *call,
             return CLMHA_SUCCESS;
         }
     }
-    clmha_status st = make(ctx, c, heads, kv_heads, head_dim, softcap, alibi, layer);
+    clmha_status st = make(ctx, c, call, head_dim, layer);
     if (st) pthread_mutex_unlock(&c->lock);
     else evict(c);
     return st;

@@ -18,6 +18,7 @@ static clmha_status check_host(clmha_context *ctx, const clmha_attention_args *a
                           : !a->value.data                                 ? "value.data"
                           : a->attn_mask.kind && !a->attn_mask.tensor.data ? "attn_mask.tensor.data"
                           : a->alibi_slopes.ndim && !a->alibi_slopes.data  ? "alibi_slopes.data"
+                          : a->sinks.ndim && !a->sinks.data                ? "sinks.data"
                           : !output                                        ? "output"
                                                                            : NULL;
     if (missing) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is NULL", missing);
@@ -63,6 +64,12 @@ clmha_status clmha__attention_upload(clmha_layer *l, clmha_attention_args *a,
                                      d->core.h * sizeof(float), &a->alibi_slopes.buffer)))
             return st;
         a->alibi_slopes.offset = 0;
+    }
+    if (a->sinks.ndim) {
+        if ((st = clmha__host_upload(l, CLMHA__HOST_SINKS, "sinks", a->sinks.data,
+                                     d->core.h * sizeof(float), &a->sinks.buffer)))
+            return st;
+        a->sinks.offset = 0;
     }
     *o = (clmha__attention_out){0};
     if ((st = clmha__host_room(l, CLMHA__HOST_OUTPUT, "output", d->output_count * sizeof(float),

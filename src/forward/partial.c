@@ -81,6 +81,11 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
                            "clmha_layer_attend() returns the log-sum-exp rows, which only a core "
                            "that writes them gives; it does not take %s",
                            no);
+    if (layer->desc.sinks)  // each range's rows would count the sink once: merged, twice
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "clmha_layer_attend() does not take a layer with sinks yet: every "
+                           "range's result would count the sink, and their merge would count it "
+                           "once a range");
     clmha__dims d;
     if ((st = clmha__forward_validate(layer, args, true, &d))) return st;
     size_t rows = d.n * layer->h * d.l;

@@ -210,6 +210,12 @@ clmha_status clmha__attention_resolve(const clmha_attention_args *args, clmha__a
     clmha__window_set(c, args->window, args->window_left, args->window_right);
     c->softcap = args->softcap;
     c->alibi = args->alibi;
+    c->sinks = args->sinks.ndim != 0;
+    if (args->sinks.ndim && (args->sinks.ndim != 1 || args->sinks.shape[0] != c->h))
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "sinks must be (H) = (%zu), one logit per query head; got %zu "
+                          "dimensions (first %zu)",
+                          c->h, args->sinks.ndim, args->sinks.shape[0]);
     const clmha_tensor *slopes = &args->alibi_slopes;
     if (slopes->ndim && (!args->alibi || slopes->ndim != 1 || slopes->shape[0] != c->h))
         return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,

@@ -75,11 +75,17 @@ static bool find_param(const clmha_layer *l, const char *name, param_slot *slot,
             return false;
         }
         *slot = (param_slot){l->alibi, 0, l->h, "(H)"};
+    } else if (strcmp(name, "sinks") == 0) {
+        if (!l->desc.sinks) {
+            snprintf(why, why_size, "sinks does not exist: the layer was created with sinks = false");
+            return false;
+        }
+        *slot = (param_slot){l->sinks, 0, l->h, "(H)"};
     } else {
         snprintf(why, why_size,
                  "unknown parameter \"%s\" (expected in_proj_weight, q_proj_weight, "
                  "k_proj_weight, v_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias, "
-                 "bias_k, bias_v or alibi_slopes)",
+                 "bias_k, bias_v, alibi_slopes or sinks)",
                  name);
         return false;
     }
@@ -229,6 +235,7 @@ static clmha_status make_parameters(clmha_layer *l) {
         (st = clmha__zero_buffer(ctx, 2 * kve, rs, "bias_k/bias_v", &l->bias_kv)))
         return st;
     if (d->alibi && (st = make_alibi(l))) return st;
+    if (d->sinks && (st = clmha__zero_buffer(ctx, l->h, rs, "sinks", &l->sinks))) return st;
     return CLMHA_SUCCESS;
 }
 
@@ -328,7 +335,7 @@ static void release_kernel(cl_kernel *k) {
 }
 
 clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_context *ctx, size_t heads,
-                                   size_t kv_heads, size_t head_dim, bool softcap, bool alibi) {
+                                   size_t kv_heads, size_t head_dim, const clmha__dims *call) {
     *out = NULL;
     clmha_layer *l = calloc(1, sizeof *l);
     if (!l) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
@@ -343,9 +350,10 @@ clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_context *ctx, size_t
     l->desc = (clmha_layer_desc){.struct_size = sizeof l->desc, .embed_dim = l->e,
                                  .num_heads = heads, .kdim = l->e, .vdim = l->e,
                                  .num_kv_heads = kv_heads, .batch_first = true,
-                                 .softcap = softcap ? 1.0 : 0.0, .alibi = alibi};
+                                 .softcap = call->softcap > 0.0 ? 1.0 : 0.0,
+                                 .alibi = call->alibi, .sinks = call->sinks};
     clmha_status st = make_kernels(l);
-    if (!st && alibi) st = make_alibi(l);
+    if (!st && call->alibi) st = make_alibi(l);
     if (st) {
         clmha__layer_free(l);
         return st;
@@ -364,6 +372,7 @@ void clmha__layer_free(clmha_layer *layer) {
     release_mem(&layer->b_out);
     release_mem(&layer->bias_kv);
     release_mem(&layer->alibi);
+    release_mem(&layer->sinks);
     release_mem(&layer->partial_lse);
     release_mem(&layer->proj);
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) release_mem(&layer->tiles[i]);

@@ -50,6 +50,7 @@ enum {
     CLMHA__HOST_GRAD_WEIGHTS,
     CLMHA__HOST_LSE,  // attention as a function's log-sum-exp rows
     CLMHA__HOST_ALIBI,  // attention as a function's ALiBi slopes
+    CLMHA__HOST_SINKS,  // attention as a function's sinks
     CLMHA__HOST_GRAD,
     CLMHA__HOST_COUNT = CLMHA__HOST_GRAD + 16
 };
@@ -77,6 +78,11 @@ struct clmha_layer {
     // alibi_slopes), set per call under the bare layer's lock; NULL: alibi's.
     cl_mem alibi_call;
     size_t alibi_call_off;
+    cl_mem sinks;  // sinks (H), NULL without desc.sinks; zero at creation
+    // The sinks of the attention function's call on a bare layer (clmha_attention_args::sinks),
+    // set per call under the bare layer's lock.
+    cl_mem sinks_call;
+    size_t sinks_call_off;
 
     // Kernels of cl/heads.cl (per layer: setting arguments is not thread-safe). The cores'
     // kernels are in their state (core_state).
@@ -141,14 +147,14 @@ CLMHA__HIDDEN clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ct
 
 // A bare layer on @p ctx for attention without projections (clmha_attention_forward()): H
 // @p heads, @p kv_heads key/value heads, head_dim @p head_dim, float32, its programs built
-// with soft-capping (@p softcap: desc.softcap 1, which each call sets to its value) and ALiBi
-// (@p alibi: alibi_slopes geometric); the kernels of cl/heads.cl, no other parameters (w_in
-// ... stay NULL), no core state (the caller adds it, clmha__cores_create()). It holds no
-// reference to @p ctx: whoever keeps it must free it (clmha__layer_free(), after the cores'
-// state) before the context goes.
+// with the score variants of @p call (soft-capping: desc.softcap 1, which each call sets to
+// its value; ALiBi: alibi_slopes geometric; sinks: the calls give theirs); the kernels of
+// cl/heads.cl, no other parameters (w_in ... stay NULL), no core state (the caller adds it,
+// clmha__cores_create()). It holds no reference to @p ctx: whoever keeps it must free it
+// (clmha__layer_free(), after the cores' state) before the context goes.
 CLMHA__HIDDEN clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_context *ctx,
                                                  size_t heads, size_t kv_heads,
-                                                 size_t head_dim, bool softcap, bool alibi);
+                                                 size_t head_dim, const clmha__dims *call);
 
 // CLMHA_UNSUPPORTED, with a message naming @p what, for a layer whose dtype is not float32 (what
 // 16-bit layers cannot do yet: include/clmha.h, clmha_dtype); else CLMHA_SUCCESS.
@@ -176,13 +182,19 @@ static inline const char *clmha__layer_real_options(const clmha_layer *layer) {
 }
 
 // The build options that give the attention cores' programs a layer's score variants
-// (cl/common.cl): " -DSOFTCAP=1" with soft-capping, " -DALIBI=1" with ALiBi, both, or "".
+// (cl/common.cl): " -DSOFTCAP=1" with soft-capping, " -DALIBI=1" with ALiBi, " -DSINKS=1" with
+// sinks, in that order, or "".
 static inline const char *clmha__layer_variant_options(const clmha_layer *layer) {
-    bool softcap = layer->desc.softcap > 0.0, alibi = layer->desc.alibi;
-    return softcap && alibi ? " -DSOFTCAP=1 -DALIBI=1"
-           : softcap        ? " -DSOFTCAP=1"
-           : alibi          ? " -DALIBI=1"
-                            : "";
+    static const char *const options[8] = {"",
+                                           " -DSOFTCAP=1",
+                                           " -DALIBI=1",
+                                           " -DSOFTCAP=1 -DALIBI=1",
+                                           " -DSINKS=1",
+                                           " -DSOFTCAP=1 -DSINKS=1",
+                                           " -DALIBI=1 -DSINKS=1",
+                                           " -DSOFTCAP=1 -DALIBI=1 -DSINKS=1"};
+    return options[(layer->desc.softcap > 0.0) | layer->desc.alibi << 1 |
+                   layer->desc.sinks << 2];
 }
 
 // Makes *buf hold at least @p need floats (*cap, in floats, says what it holds): a new

@@ -310,6 +310,7 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
     clmha__window_set(d, desc->window, desc->window_left, desc->window_right);
     d->softcap = desc->softcap;
     d->alibi = desc->alibi;
+    d->sinks = desc->sinks;
     if ((st = resolve_roles(desc, args, d, msg, msg_size)) ||
         (st = resolve_inputs(desc, args, d, msg, msg_size)) ||
         (st = resolve_kpm(&args->key_padding_mask, d, msg, msg_size)) ||

@@ -34,6 +34,7 @@ typedef struct clmha__dims {
     // Soft-capping (clmha_layer_desc::softcap; 0: off) and ALiBi (clmha_layer_desc::alibi).
     double softcap;
     bool alibi;
+    bool sinks;  // attention sinks (clmha_layer_desc::sinks, clmha_attention_args::sinks)
     clmha_mask_kind attn_kind, kpm_kind;
     size_t query_count, key_count, value_count;  // elements of each input
     size_t attn_count, kpm_count;                // elements of each mask (0 if none)

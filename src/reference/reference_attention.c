@@ -74,7 +74,10 @@ static double row(const clmha_attention_args *a, const clmha__attention_dims *d,
                mask_term(a, n, h, i, j);
         if (p[j] > m || isnan(p[j])) m = isnan(m) ? m : p[j];
     }
-    double sum = 0.0;
+    // A sink (args.sinks): one more logit of the row, with a zero value.
+    double sink = a->sinks.ndim ? (double)((const float *)a->sinks.data)[h] : -INFINITY;
+    if (sink > m) m = sink;
+    double sum = a->sinks.ndim && m != -INFINITY ? exp(sink - m) : 0.0;
     for (size_t j = 0; j < c->s; ++j) {
         p[j] = m == -INFINITY ? 0.0 : exp(p[j] - m);
         sum += p[j];
@@ -105,6 +108,7 @@ static clmha_status check_arrays(const clmha_attention_args *a, const clmha__att
                           : !a->value.data                                 ? "value.data"
                           : a->attn_mask.kind && !a->attn_mask.tensor.data ? "attn_mask.tensor.data"
                           : a->alibi_slopes.ndim && !a->alibi_slopes.data  ? "alibi_slopes.data"
+                          : a->sinks.ndim && !a->sinks.data                ? "sinks.data"
                           : !output                                        ? "output"
                                                                            : NULL;
     if (missing) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s is NULL", missing);
@@ -174,6 +178,7 @@ clmha_status clmha_reference_attention(const clmha_attention_args *args, double 
 typedef struct grads_out {
     double *dq, *dk, *dv, *dmask;
     double *p, *dp, *out, *g;  // g: the scores' derivatives through the variants (row())
+    double *dsinks;            // the sinks' gradient (H), or NULL
 } grads_out;
 
 // The backward of query row (n, h, i) given its output gradient @p g (D_v floats in the
@@ -187,7 +192,7 @@ static void row_backward(const clmha_attention_args *a, const clmha__attention_d
     // The probabilities without dropout: row() with dropout off.
     clmha_attention_args plain = *a;
     plain.dropout_p = 0.0f;
-    row(&plain, d, n, h, i, p, o->out, o->g);
+    double lse = row(&plain, d, n, h, i, p, o->out, o->g);
     uint32_t threshold = clmha__dropout_threshold(a->dropout_p);
     double keep = 1.0 / (1.0 - (double)a->dropout_p), dot = 0.0;
     for (size_t j = 0; j < c->s; ++j) {
@@ -204,6 +209,8 @@ static void row_backward(const clmha_attention_args *a, const clmha__attention_d
         dp[j] = dpd * kept;
         dot += p[j] * dp[j];
     }
+    if (o->dsinks && lse != -INFINITY)  // the sink's score: P_sink (0 - dot)
+        o->dsinks[h] -= exp((double)((const float *)a->sinks.data)[h] - lse) * dot;
     for (size_t j = 0; j < c->s; ++j) {
         double ds = p[j] * (dp[j] - dot);  // the score's gradient
         if (o->dmask) o->dmask[mask_index(a, n, h, i, j)] += ds;
@@ -240,24 +247,29 @@ clmha_status clmha_reference_attention_backward(const clmha_attention_args *args
     if (g.attn_mask && a.attn_mask.kind != CLMHA_MASK_FLOAT)
         return clmha__msg(message, message_size, CLMHA_INVALID_ARGUMENT,
                           "grads->attn_mask is set but attn_mask is not a float mask");
+    if (g.sinks && !a.sinks.ndim)
+        return clmha__msg(message, message_size, CLMHA_INVALID_ARGUMENT,
+                          "grads->sinks is set but the call has no sinks");
     const clmha__dims *c = &d.core;
-    size_t counts[4] = {d.query_count, d.key_count, d.value_count, d.mask_count};
-    double *mine[4] = {NULL, NULL, NULL, NULL}, *want[4] = {g.query, g.key, g.value, g.attn_mask};
+    size_t counts[5] = {d.query_count, d.key_count, d.value_count, d.mask_count, c->h};
+    double *mine[5] = {NULL, NULL, NULL, NULL, NULL};
+    double *want[5] = {g.query, g.key, g.value, g.attn_mask, g.sinks};
     grads_out o = {.p = malloc(c->s * sizeof(double)), .dp = malloc(c->s * sizeof(double)),
                    .out = malloc(d.dv * sizeof(double)), .g = malloc(c->s * sizeof(double))};
     bool ok = o.p && o.dp && o.out && o.g;
-    for (int t = 0; t < 4 && ok; ++t)  // every gradient, kept only where asked for
+    for (int t = 0; t < 5 && ok; ++t)  // every gradient, kept only where asked for
         ok = (mine[t] = calloc(counts[t] ? counts[t] : 1, sizeof(double))) != NULL;
     if (ok) {
         o.dq = mine[0], o.dk = mine[1], o.dv = mine[2];
         o.dmask = a.attn_mask.kind == CLMHA_MASK_FLOAT ? mine[3] : NULL;
+        o.dsinks = a.sinks.ndim ? mine[4] : NULL;
         for (size_t n = 0; n < c->n; ++n)
             for (size_t h = 0; h < c->h; ++h)
                 for (size_t i = 0; i < c->l; ++i) row_backward(&a, &d, n, h, i, grad_output, &o);
-        for (int t = 0; t < 4; ++t)
+        for (int t = 0; t < 5; ++t)
             for (size_t x = 0; want[t] && x < counts[t]; ++x) want[t][x] = mine[t][x];
     }
-    for (int t = 0; t < 4; ++t) free(mine[t]);
+    for (int t = 0; t < 5; ++t) free(mine[t]);
     free(o.p);
     free(o.dp);
     free(o.g);

@@ -73,6 +73,7 @@ static clmha_status check_grads(const clmha__ref_call *call, const clmha_referen
         return refuse(msg, msg_size, "bias_k", "the layer has no add_bias_kv");
     if (!call->desc.add_bias_kv && g->bias_v)
         return refuse(msg, msg_size, "bias_v", "the layer has no add_bias_kv");
+    if (!call->desc.sinks && g->sinks) return refuse(msg, msg_size, "sinks", "the layer has no sinks");
     if ((st = check_mask_grad(g->attn_mask, d->attn_kind, "attn_mask", msg, msg_size))) return st;
     return check_mask_grad(g->key_padding_mask, d->kpm_kind, "key_padding_mask", msg, msg_size);
 }
@@ -291,6 +292,21 @@ static void softmax_backward(const double *probs, double *dprobs, size_t rows, s
     }
 }
 
+// The sinks' gradient (clmha_layer_desc::sinks) from the probabilities P and dP (N*H, L, S'):
+// a sink is one more logit with a zero value, so its score's gradient is
+// P_sink (0 - sum_j P_j dP_j), P_sink = 1 - sum_j P_j; summed over n and i into out[h].
+static void sinks_backward(const clmha__dims *d, const double *probs, const double *dprobs,
+                           double *out) {
+    const size_t sp = d->s_padded;
+    for (size_t h = 0; h < d->h; ++h) out[h] = 0.0;
+    for (size_t row = 0; row < d->n * d->h * d->l; ++row) {
+        const double *p = probs + row * sp, *dp = dprobs + row * sp;
+        double dot = 0.0, psum = 0.0;
+        for (size_t j = 0; j < sp; ++j) dot += p[j] * dp[j], psum += p[j];
+        out[row / d->l % d->h] -= (1.0 - psum) * dot;
+    }
+}
+
 // Soft-capping (clmha_layer_desc::softcap): dS (N*H, L, S') in place times the derivative of
 // c·tanh(s/c) at each score before it, s = scale q·k' recomputed. Nothing without it.
 static void softcap_backward(const clmha__dims *d, const double *q, const double *k,
@@ -395,7 +411,8 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     attend_backward(&call, grad_weights, f.weights, f.v, &s);
     // 6. Dropout: the same keep mask and scale turn dPd into dP.
     clmha__ref_dropout(&call, s.dprobs);
-    // 7. Softmax.
+    // 7. Softmax (first the sinks', from P and dP).
+    if (g.sinks) sinks_backward(&d, f.probs, s.dprobs, g.sinks);
     softmax_backward(f.probs, s.dprobs, d.n * d.h * d.l, d.s_padded);
     // 8. The float masks' gradients (dS of the final scores), the soft-capping, the scores.
     mask_grads(&d, s.dprobs, g.attn_mask, g.key_padding_mask);

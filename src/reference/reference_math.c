@@ -39,6 +39,9 @@ static clmha_status check_params(const clmha_layer_desc *desc, const clmha_refer
     if (desc->add_bias_kv && (!p->bias_k || !p->bias_v))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
                           "the layer has add_bias_kv: bias_k and bias_v must be given");
+    if (desc->sinks && !p->sinks)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "the layer has sinks: params->sinks must be given");
     return CLMHA_SUCCESS;
 }
 
@@ -245,17 +248,20 @@ static void attention_probs(const clmha__ref_call *call, double *q_in, double *k
         }
 
     // 6. Softmax per row; a fully masked row (every score -inf) gives zeros, not NaN. A NaN
-    //    score makes the row NaN, as in PyTorch (and the device kernel).
+    //    score makes the row NaN, as in PyTorch (and the device kernel). With sinks, the
+    //    head's sink is one more logit of the row, with a zero value (no column).
     for (size_t row = 0; row < d->n * d->h * d->l; ++row) {
         double *r = probs + row * sp;
         double max = -INFINITY;
         for (size_t j = 0; j < sp; ++j)
             if (r[j] > max || isnan(r[j])) max = r[j];
+        double sink = d->sinks ? (double)call->params.sinks[row / d->l % d->h] : -INFINITY;
+        if (sink > max) max = sink;
         if (max == -INFINITY) {
             for (size_t j = 0; j < sp; ++j) r[j] = 0.0;
             continue;
         }
-        double sum = 0.0;
+        double sum = d->sinks ? exp(sink - max) : 0.0;
         for (size_t j = 0; j < sp; ++j) {
             r[j] = exp(r[j] - max);
             sum += r[j];

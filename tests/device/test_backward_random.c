@@ -25,18 +25,19 @@
 
 enum {
     G_QUERY, G_KEY, G_VALUE, G_IN_W, G_Q_W, G_K_W, G_V_W, G_IN_B, G_OUT_W, G_OUT_B, G_BIAS_K,
-    G_BIAS_V, G_ATTN, G_KPM, G_COUNT
+    G_BIAS_V, G_ATTN, G_KPM, G_SINKS, G_COUNT
 };
 static const char *const gname[G_COUNT] = {
     "query", "key", "value", "in_proj_weight", "q_proj_weight", "k_proj_weight",
     "v_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v",
-    "attn_mask", "key_padding_mask"};
+    "attn_mask", "key_padding_mask", "sinks"};
 
 static clmha_grad *bgrad(clmha_backward_args *b, int g) {
     clmha_grad *all[G_COUNT] = {&b->query, &b->key, &b->value, &b->in_proj_weight,
                                 &b->q_proj_weight, &b->k_proj_weight, &b->v_proj_weight,
                                 &b->in_proj_bias, &b->out_proj_weight, &b->out_proj_bias,
-                                &b->bias_k, &b->bias_v, &b->attn_mask, &b->key_padding_mask};
+                                &b->bias_k, &b->bias_v, &b->attn_mask, &b->key_padding_mask,
+                                &b->sinks};
     return all[g];
 }
 
@@ -44,7 +45,8 @@ static double **rgrad(clmha_reference_grads *r, int g) {
     double **all[G_COUNT] = {&r->query, &r->key, &r->value, &r->in_proj_weight,
                              &r->q_proj_weight, &r->k_proj_weight, &r->v_proj_weight,
                              &r->in_proj_bias, &r->out_proj_weight, &r->out_proj_bias,
-                             &r->bias_k, &r->bias_v, &r->attn_mask, &r->key_padding_mask};
+                             &r->bias_k, &r->bias_v, &r->attn_mask, &r->key_padding_mask,
+                             &r->sinks};
     return all[g];
 }
 
@@ -71,6 +73,7 @@ static size_t gcount(const instance *in, int g, bool masks) {
         return (c->layout == LAYOUT_PER_HEAD ? n * c->h : c->layout == LAYOUT_PER_BATCH ? n : 1) *
                l * s;
     case G_KPM: return masks && c->kpm == CLMHA_MASK_FLOAT ? n * s : 0;
+    case G_SINKS: return c->sinks ? c->h : 0;
     default: return 0;
     }
 }
@@ -304,6 +307,29 @@ Test(backward_random, sliding_window, .timeout = 600) {
         c.kpm = k == 2 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE;
         c.add_bias_kv = k == 4, c.add_zero_attn = k == 1;
         c.need_weights = k % 2 == 0;
+        check_case(ctx, &c);
+    }
+    clmha_context_release(ctx);
+}
+
+// Attention sinks through both backward cores: the sinks' gradient (from the log-sum-exp rows
+// and dO.O) with every other gradient, with masks, fully masked rows, is_causal, soft-capping
+// and ALiBi, the appended keys, dropout, weights, and past the tiles.
+Test(backward_random, sinks, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    for (size_t k = 0; k < 6; ++k) {
+        rcase c = rcase_base(2000 + k);
+        c.sinks = true;
+        c.l = 4 + k, c.s = 8 - k;
+        c.is_causal = k == 1;
+        c.softcap = k == 2 ? 0.9 : 0.0, c.alibi = k == 2;
+        c.am = k % 2 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE;
+        c.kpm = k == 3 ? CLMHA_MASK_BOOL_IGNORE : CLMHA_MASK_NONE;
+        if (k == 3) c.mask_batch = true;
+        c.add_bias_kv = k == 4, c.add_zero_attn = k == 4;
+        c.need_weights = k % 2 == 0;
+        if (k == 4) c.dropout = 0.3f, c.training = true;
+        if (k == 5) c.l = 140, c.s = 90, c.n = 1, c.need_weights = false;
         check_case(ctx, &c);
     }
     clmha_context_release(ctx);

@@ -436,11 +436,18 @@ Test(kv_cache, score_variants, .timeout = 300) {
     check_self(&c, 13, 3, "softcap 2, alibi (given slopes), not causal, one call");
     c.is_causal = true;
     check_window(c, 3, 0, 4, 0, "softcap 2, alibi (given slopes)");
+    c.window = false, c.sinks = true;  // the sink in decode_combine's merge
+    check_self(&c, 1, 0, "softcap 2, alibi (given slopes), sinks");
+    check_self(&c, 4, 3, "softcap 2, alibi (given slopes), sinks");
+    c.softcap = 0.0, c.alibi = c.alibi_random = false;
+    check_self(&c, 2, 16, "sinks, more ranges than keys");
     rcase g = self_case(24, 200);
     g.e = 64, g.h = 8, g.n = 2, g.kv_heads = 2;
     g.softcap = 1.5, g.alibi = true;
     check_self(&g, 1, 7, "long cache, GQA 4, softcap 1.5, alibi");
     check_self(&g, 70, 0, "long cache, GQA 4, softcap 1.5, alibi");
+    g.sinks = true;
+    check_self(&g, 1, 7, "long cache, GQA 4, softcap 1.5, alibi, sinks");
 }
 
 Test(kv_cache, sliding_window_split_k, .timeout = 300) {

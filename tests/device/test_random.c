@@ -316,6 +316,31 @@ Test(random, sliding_window, .timeout = 300) {
     clmha_context_release(ctx);
 }
 
+// Attention sinks (a logit per head in each row's denominator, no value): alone, with
+// soft-capping and ALiBi, fully masked rows and items (zero results), masks, is_causal,
+// windows, the appended keys, dropout, weights (rows summing below 1), and past a tile.
+Test(random, sinks, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    for (size_t k = 0; k < 7; ++k) {
+        rcase c = rcase_base(1900 + k);
+        c.sinks = true;
+        c.h = 1 + k % 3, c.e = c.h * 4;
+        c.l = 3 + k, c.s = 8 - k;
+        c.softcap = k == 2 ? 1.5 : 0.0, c.alibi = k == 2 || k == 5;
+        c.is_causal = k == 1;
+        c.need_weights = k % 2 == 0, c.per_head = k == 4;
+        c.am = k == 3 ? CLMHA_MASK_BOOL_IGNORE : k == 5 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE;
+        c.kpm = k == 3 ? CLMHA_MASK_BOOL_IGNORE : CLMHA_MASK_NONE;
+        if (k == 3) c.mask_row = true, c.mask_batch = true;
+        c.add_bias_kv = k == 4, c.add_zero_attn = k == 4;
+        if (k == 5) c.window = true, c.win_left = 1, c.win_right = 0;
+        if (k == 4) c.dropout = 0.3f, c.training = true;
+        if (k == 6) c.l = 140, c.s = 150, c.n = 1, c.need_weights = false, c.is_causal = true;
+        check_case(ctx, &c);
+    }
+    clmha_context_release(ctx);
+}
+
 // Soft-capping and ALiBi (geometric and given slopes), alone and together, with windows,
 // is_causal, masks, the appended keys (soft-capped, no ALiBi term), dropout, weights, unbatched
 // calls, and lengths past a tile (both cores).

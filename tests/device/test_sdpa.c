@@ -34,6 +34,7 @@ typedef struct scase {
     int64_t wl, wr;
     double softcap;  // soft-capping (0: off)
     bool alibi, slopes;  // ALiBi; slopes: given (random in [0.5, 1.5)), else geometric
+    bool sinks;          // attention sinks ~ N(0, 1) (their gradient from the device form)
 } scase;
 
 // Whether the device keeps the fused core from a call the test asks it for: a driver's loop
@@ -50,7 +51,7 @@ static bool fused_kept_off(clmha_context *ctx, const scase *c, clmha_status st) 
 // The host arrays of a case and its argument struct.
 typedef struct sdata {
     clmha_attention_args args;
-    float *q, *k, *v, *fmask, *slopes;
+    float *q, *k, *v, *fmask, *slopes, *sinks;
     unsigned char *bmask;
     size_t nq, nk, nv, nm, nout, nlse, nw;
 } sdata;
@@ -96,6 +97,10 @@ static void sdata_make(sdata *x, const scase *c, uint64_t seed) {
         for (size_t h = 0; h < c->h; ++h) x->slopes[h] = (float)(0.5 + prng_uniform(&r));
         x->args.alibi_slopes = (clmha_tensor){.ndim = 1, .shape = {c->h}, .data = x->slopes};
     }
+    if (c->sinks) {
+        x->sinks = normal_floats(&r, c->h);
+        x->args.sinks = (clmha_tensor){.ndim = 1, .shape = {c->h}, .data = x->sinks};
+    }
     x->args.query = tensor_of(c, c->h, c->l, c->d, x->q);
     x->args.key = tensor_of(c, hkv, c->s, c->d, x->k);
     x->args.value = tensor_of(c, hkv, c->s, dv, x->v);
@@ -126,6 +131,7 @@ static void sdata_make(sdata *x, const scase *c, uint64_t seed) {
 
 static void sdata_free(sdata *x) {
     free(x->q), free(x->k), free(x->v), free(x->fmask), free(x->bmask), free(x->slopes);
+    free(x->sinks);
 }
 
 // Largest difference of two log-sum-exp arrays: equal infinities agree.
@@ -177,6 +183,8 @@ static void device_forward(clmha_context *ctx, const sdata *x, clmha_impl impl, 
     cl_mem bs = x->slopes ? upload_at(ctx, x->slopes, a.alibi_slopes.shape[0] * 4, PAD * 4)
                           : NULL;
     if (bs) a.alibi_slopes.buffer = bs, a.alibi_slopes.offset = PAD;
+    cl_mem bsk = x->sinks ? upload_at(ctx, x->sinks, a.sinks.shape[0] * 4, PAD * 4) : NULL;
+    if (bsk) a.sinks.buffer = bsk, a.sinks.offset = PAD;
     cl_mem bo = upload_at(ctx, out, x->nout * 4, PAD * 4);
     cl_mem bl = lse ? upload_at(ctx, lse_out, x->nlse * 4, PAD * 4) : NULL;
     cl_event done = NULL;
@@ -192,6 +200,7 @@ static void device_forward(clmha_context *ctx, const sdata *x, clmha_impl impl, 
     clReleaseMemObject(bo);
     if (bm) clReleaseMemObject(bm);
     if (bs) clReleaseMemObject(bs);
+    if (bsk) clReleaseMemObject(bsk);
     if (bl) clReleaseMemObject(bl);
 }
 
@@ -646,7 +655,7 @@ Test(sdpa, device_refusals, .timeout = 300) {
 // backward through @p impl (the fused backward gets the forward's lse, the unfused one none):
 // the gradients against the reference's.
 static void check_backward_once(clmha_context *ctx, const scase *c, const sdata *x,
-                                const float *g, double *const want[4], clmha_impl impl,
+                                const float *g, double *const want[5], clmha_impl impl,
                                 size_t pad) {
     clmha_attention_args a = x->args;
     size_t count[3] = {x->nq, x->nk, x->nv};
@@ -671,6 +680,14 @@ static void check_backward_once(clmha_context *ctx, const scase *c, const sdata 
     cl_mem bs = x->slopes ? upload_at(ctx, x->slopes, a.alibi_slopes.shape[0] * 4, pad * 4)
                           : NULL;
     if (bs) a.alibi_slopes.buffer = bs, a.alibi_slopes.offset = pad;
+    cl_mem bsk = x->sinks ? upload_at(ctx, x->sinks, a.sinks.shape[0] * 4, pad * 4) : NULL;
+    if (bsk) a.sinks.buffer = bsk, a.sinks.offset = pad;
+    cl_mem gsk = NULL;  // the sinks' gradient (needs the forward's lse)
+    if (bsk) {
+        float nan[64];
+        for (size_t k = 0; k < 64; ++k) nan[k] = NAN;
+        gsk = upload_at(ctx, nan, a.sinks.shape[0] * 4, pad * 4);
+    }
     float *zeros = calloc(x->nout + 1, sizeof(float));
     cl_mem out = upload_at(ctx, zeros, x->nout * 4, pad * 4);
     cl_mem lse = upload_at(ctx, zeros, x->nlse * 4, pad * 4);
@@ -684,16 +701,17 @@ static void check_backward_once(clmha_context *ctx, const scase *c, const sdata 
         gm = upload_at(ctx, nan, x->nm * 4, pad * 4);
         free(nan);
     }
-    clmha_status st = clmha_attention_forward(ctx, &a, out, pad, fused ? lse : NULL, pad, NULL,
-                                              0, 0, NULL, NULL);
+    bool with_lse = fused || x->sinks;
+    clmha_status st = clmha_attention_forward(ctx, &a, out, pad, with_lse ? lse : NULL, pad,
+                                              NULL, 0, 0, NULL, NULL);
     cr_assert_eq(st, CLMHA_SUCCESS, "%s: forward: %s", c->name, clmha_context_last_error(ctx));
     clmha_attention_backward_args ba = {
         .struct_size = sizeof ba, .forward = &a, .output = out, .output_offset = pad,
-        .lse = fused ? lse : NULL, .lse_offset = pad, .grad_output = dout,
+        .lse = with_lse ? lse : NULL, .lse_offset = pad, .grad_output = dout,
         .grad_output_offset = pad, .grad_query = grad[0], .grad_key = grad[1],
         .grad_value = grad[2], .grad_query_offset = pad, .grad_key_offset = pad,
         .grad_value_offset = pad, .impl = impl, .grad_attn_mask = gm,
-        .grad_attn_mask_offset = pad};
+        .grad_attn_mask_offset = pad, .grad_sinks = gsk, .grad_sinks_offset = pad};
     cl_event done = NULL;
     st = clmha_attention_backward(ctx, &ba, 0, NULL, &done);
     cr_assert_eq(st, CLMHA_SUCCESS, "%s (%s): backward: %s", c->name, clmha_impl_name(impl),
@@ -718,9 +736,17 @@ static void check_backward_once(clmha_context *ctx, const scase *c, const sdata 
         free(got);
         clReleaseMemObject(gm);
     }
+    if (gsk) {
+        float got[64];
+        read_at(ctx, gsk, pad * 4, got, a.sinks.shape[0] * 4);
+        note(c->name, fused ? "dsinks (fused)" : "dsinks (unfused)",
+             max_abs_err(got, want[4], a.sinks.shape[0]));
+        clReleaseMemObject(gsk);
+    }
     clReleaseMemObject(out), clReleaseMemObject(lse), clReleaseMemObject(dout);
     if (bm) clReleaseMemObject(bm);
     if (bs) clReleaseMemObject(bs);
+    if (bsk) clReleaseMemObject(bsk);
 }
 
 static void check_backward(clmha_context *ctx, const scase *c) {
@@ -728,11 +754,13 @@ static void check_backward(clmha_context *ctx, const scase *c) {
     sdata_make(&x, c, 21 + cases_run);
     prng r = {5 + cases_run};
     float *g = normal_floats(&r, x.nout);
-    double *want[4] = {malloc(x.nq * sizeof(double)), malloc(x.nk * sizeof(double)),
-                       malloc(x.nv * sizeof(double)), malloc((x.nm + 1) * sizeof(double))};
+    double *want[5] = {malloc(x.nq * sizeof(double)), malloc(x.nk * sizeof(double)),
+                       malloc(x.nv * sizeof(double)), malloc((x.nm + 1) * sizeof(double)),
+                       malloc(c->h * sizeof(double))};
     clmha_reference_grads grads = {.struct_size = sizeof grads, .query = want[0],
                                    .key = want[1], .value = want[2],
-                                   .attn_mask = x.fmask ? want[3] : NULL};
+                                   .attn_mask = x.fmask ? want[3] : NULL,
+                                   .sinks = x.sinks ? want[4] : NULL};
     char msg[512];
     cr_assert_eq(clmha_reference_attention_backward(&x.args, g, &grads, msg, sizeof msg),
                  CLMHA_SUCCESS, "%s: %s", c->name, msg);
@@ -768,7 +796,7 @@ static void check_backward(clmha_context *ctx, const scase *c) {
         note(c->name, what[i], max_abs_err(got[i], want[i], count[i]));
     for (int i = 0; i < 4; ++i) free(got[i]);
     ++cases_run;
-    for (int i = 0; i < 4; ++i) free(want[i]);
+    for (int i = 0; i < 5; ++i) free(want[i]);
     free(g);
     sdata_free(&x);
 }
@@ -874,6 +902,13 @@ static const scase variants[] = {
      .dropout = 0.2f, .softcap = 0.5, .alibi = true, .scale = 0.7},
     {CASE("softcap 3 alibi unbatched L70 S90", NLHD, false), SZ(1, 3, 0, 70, 90, 8),
      .softcap = 3.0, .alibi = true, .slopes = true},
+    {CASE("sinks", NHLD, true), SZ(2, 3, 0, 7, 7, 8), .sinks = true},
+    {CASE("sinks causal gqa mask float dead row", NLHD, true), SZ(2, 4, 2, 6, 6, 8),
+     MASK(4, FL, 2, 1, 6, 6), .gqa = true, .sinks = true, .dead_row = true},
+    {CASE("sinks softcap alibi dropout dv", NHLD, true), SZ(1, 2, 0, 9, 9, 8), .dv = 4,
+     .dropout = 0.2f, .softcap = 1.0, .alibi = true, .sinks = true},
+    {CASE("sinks window unbatched L70 S90", NLHD, false), SZ(1, 3, 0, 70, 90, 8), WIN(5, 0),
+     .sinks = true},
 };
 
 Test(sdpa, score_variants, .timeout = 600) {
@@ -906,6 +941,13 @@ Test(sdpa, variant_refusals, .timeout = 300) {
     refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "alibi_slopes must be (H) = (3)");
     s.a.alibi_slopes.ndim = 2, s.a.alibi_slopes.shape[0] = 3, s.a.alibi_slopes.shape[1] = 1;
     refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "alibi_slopes must be (H) = (3)");
+    s.a.alibi = false, s.a.alibi_slopes.ndim = 0;
+    float sinks[4] = {0};
+    s.a.sinks = (clmha_tensor){.ndim = 1, .shape = {4}, .data = sinks};
+    refused(ctx, &s, CLMHA_SHAPE_MISMATCH, "sinks must be (H) = (3)");
+    s.a.sinks.shape[0] = 3, s.a.sinks.data = NULL;
+    refused(ctx, &s, CLMHA_INVALID_ARGUMENT, "sinks.data is NULL");
+    s.a.sinks.ndim = 0;
 
     clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = 8, .num_heads = 2,
                              .softcap = -0.5};
@@ -922,7 +964,35 @@ Test(sdpa, variant_refusals, .timeout = 300) {
     cr_expect(strstr(clmha_context_last_error(ctx), "alibi = false"), "%s",
               clmha_context_last_error(ctx));
     cr_expect_eq(clmha_layer_parameter_count(layer, "alibi_slopes"), 0);
+    cr_expect_eq(clmha_layer_parameter_count(layer, "sinks"), 0);
+    cr_expect_eq(clmha_layer_set_parameter(layer, "sinks", got, 2), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "sinks = false"), "%s",
+              clmha_context_last_error(ctx));
     clmha_layer_release(layer);
+    // A layer with sinks: the parameter (zero at creation), and no partial attention.
+    desc.sinks = true;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
+    cr_expect_eq(clmha_layer_parameter_count(layer, "sinks"), 2);
+    cr_assert_eq(clmha_layer_get_parameter(layer, "sinks", got, 2), CLMHA_SUCCESS);
+    cr_expect(got[0] == 0.0f && got[1] == 0.0f, "sinks start at zero: %g %g", (double)got[0],
+              (double)got[1]);
+    float q[8 * 3] = {0}, heads[2 * 3 * 4], lse_rows[2 * 3];
+    cl_int err;
+    cl_mem hb = clCreateBuffer(clmha_context_cl_context(ctx), CL_MEM_READ_WRITE, sizeof heads,
+                               NULL, &err);
+    cl_mem lb = clCreateBuffer(clmha_context_cl_context(ctx), CL_MEM_READ_WRITE, sizeof lse_rows,
+                               NULL, &err);
+    cl_mem qb = clCreateBuffer(clmha_context_cl_context(ctx),
+                               CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof q, q, &err);
+    clmha_forward_args fa = {.struct_size = sizeof fa,
+                             .query = {.ndim = 2, .shape = {3, 8}, .buffer = qb}};
+    cr_expect_eq(clmha_layer_attend(layer, &fa, false, hb, 0, lb, 0, 0, NULL, NULL),
+                 CLMHA_UNSUPPORTED);
+    cr_expect(strstr(clmha_context_last_error(ctx), "sinks"), "%s",
+              clmha_context_last_error(ctx));
+    clReleaseMemObject(hb), clReleaseMemObject(lb), clReleaseMemObject(qb);
+    clmha_layer_release(layer);
+    desc.sinks = false;
     desc.alibi = true, desc.num_heads = 8;
     cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
     cr_expect_eq(clmha_layer_parameter_count(layer, "alibi_slopes"), 8);

@@ -48,6 +48,7 @@ void rcase_describe(const rcase *c, char *buf, size_t size) {
     if (c->window) APPEND(" window(%lld,%lld)", (long long)c->win_left, (long long)c->win_right);
     if (c->softcap > 0) APPEND(" softcap=%g", c->softcap);
     if (c->alibi) APPEND(c->alibi_random ? " alibi(random)" : " alibi");
+    if (c->sinks) APPEND(" sinks");
     if (c->mask_row) APPEND(" masked_row");
     if (c->mask_batch) APPEND(" masked_item");
     if (c->need_weights) APPEND(c->per_head ? " w=per_head" : " w=avg");
@@ -109,7 +110,8 @@ void instance_make(instance *in, const rcase *c) {
                                   .batch_first = k->batch_first, .dropout = k->dropout,
                                   .num_kv_heads = k->kv_heads, .window = k->window,
                                   .window_left = k->win_left, .window_right = k->win_right,
-                                  .softcap = k->softcap, .alibi = k->alibi};
+                                  .softcap = k->softcap, .alibi = k->alibi,
+                                  .sinks = k->sinks};
 
     // Parameters: weights ~ U(-1/sqrt(E), 1/sqrt(E)), bias_k / bias_v ~ N(0, 1).
     in->params.struct_size = sizeof in->params;
@@ -144,6 +146,10 @@ void instance_make(instance *in, const rcase *c) {
         in->slopes = uniform_floats(&r, k->h, 0.5);
         for (size_t h = 0; h < k->h; ++h) in->slopes[h] += 0.5f;
         in->params.alibi_slopes = in->slopes;
+    }
+    if (k->sinks) {  // sinks ~ N(0, 1)
+        in->sinks = normal_floats(&r, k->h);
+        in->params.sinks = in->sinks;
     }
 
     // Inputs ~ N(0, 1).
@@ -192,7 +198,7 @@ void instance_make(instance *in, const rcase *c) {
 void instance_free(instance *in) {
     float *arrays[] = {in->w_in, in->wq,  in->wk,    in->wv,  in->b_in, in->wo,
                        in->bo,   in->bk,  in->bv,    in->query, in->key, in->value,
-                       in->slopes};
+                       in->slopes, in->sinks};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free(arrays[i]);
     free(in->kpm);
     free(in->am);
@@ -220,6 +226,7 @@ clmha_layer *instance_layer(clmha_context *ctx, const instance *in) {
     set_param(layer, "bias_k", in->bk, kve);
     set_param(layer, "bias_v", in->bv, kve);
     set_param(layer, "alibi_slopes", in->slopes, in->c.h);
+    set_param(layer, "sinks", in->sinks, in->c.h);
     return layer;
 }
 

@@ -27,6 +27,7 @@ typedef struct rcase {
     int64_t win_left, win_right;
     double softcap;                 // soft-capping (0: off)
     bool alibi, alibi_random;       // ALiBi; its slopes random in (0, 1] (else geometric)
+    bool sinks;                     // attention sinks, ~ N(0, 1)
     float dropout;
     uint64_t rng_seed, rng_offset;  // dropout randomness
     double mask_p;                  // probability of a forbidden / -inf mask entry
@@ -42,7 +43,7 @@ typedef struct instance {
     clmha_reference_params params;
     clmha_forward_args args;
     size_t n, kdim, vdim, kve, s_padded, output_count, weights_count;  // kve: K/V proj. rows
-    float *w_in, *wq, *wk, *wv, *b_in, *wo, *bo, *bk, *bv, *slopes;
+    float *w_in, *wq, *wk, *wv, *b_in, *wo, *bo, *bk, *bv, *slopes, *sinks;
     float *query, *key, *value;
     void *kpm, *am;
 } instance;

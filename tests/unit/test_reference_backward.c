@@ -38,6 +38,8 @@ typedef struct fd_case {
     int attn_layout;
     bool causal, need_weights, per_head, grad_weights;
     int full;
+    double softcap;  // score variants (clmha_layer_desc): soft-capping, ALiBi (geometric)
+    bool alibi, sinks;  // and attention sinks, whose gradient is checked too
 } fd_case;
 
 #define MAX_SLOTS 16
@@ -167,7 +169,8 @@ static void setup_case(const fd_case *c, fd_setup *su) {
                                   .num_heads = c->h, .kdim = kdim, .vdim = vdim,
                                   .bias = !c->no_bias, .add_bias_kv = c->bias_kv,
                                   .add_zero_attn = c->zero_attn, .batch_first = c->batch_first,
-                                  .dropout = c->dropout};
+                                  .dropout = c->dropout, .softcap = c->softcap,
+                                  .alibi = c->alibi, .sinks = c->sinks};
     clmha_reference_params *p = &su->params;
     clmha_reference_grads *g = &su->grads;
     clmha_forward_args *a = &su->args;
@@ -191,6 +194,7 @@ static void setup_case(const fd_case *c, fd_setup *su) {
         p->bias_k = add_slot(su, "bias_k", e, &r, 0.5, &g->bias_k);
         p->bias_v = add_slot(su, "bias_v", e, &r, 0.5, &g->bias_v);
     }
+    if (c->sinks) p->sinks = add_slot(su, "sinks", c->h, &r, 1.0, &g->sinks);
 
     // Inputs and options.
     a->struct_size = sizeof *a;
@@ -363,6 +367,17 @@ static const fd_case fd_cases[] = {
      .grad_weights = true, .full = FULL_ATTN_FLOAT},
     {.name = "full_row_zero_attn", .e = 4, .h = 2, .l = 3, .s = 2, .n = 2, .mode = CROSS,
      .zero_attn = true, .kpm = F, .full = FULL_KPM_FLOAT},
+    // Score variants: soft-capping's derivative, ALiBi's term, the sinks' gradient.
+    {.name = "softcap_alibi_masks", .e = 4, .h = 2, .l = 3, .s = 4, .n = 2, .mode = CROSS,
+     .softcap = 0.7, .alibi = true, .kpm = F, .attn = F, .need_weights = true,
+     .grad_weights = true},
+    {.name = "sinks_self_weights", .e = 4, .h = 2, .l = 3, .s = 3, .n = 2, .mode = SELF,
+     .sinks = true, .need_weights = true, .per_head = true, .grad_weights = true},
+    {.name = "sinks_softcap_bias_kv_zero_attn_causal_dropout", .e = 4, .h = 2, .l = 3, .s = 2,
+     .n = 2, .mode = CROSS, .sinks = true, .softcap = 1.3, .bias_kv = true, .zero_attn = true,
+     .causal = true, .dropout = 0.3f, .attn = F, .need_weights = true, .grad_weights = true},
+    {.name = "sinks_full_row", .e = 4, .h = 2, .l = 3, .s = 2, .n = 2, .mode = CROSS,
+     .sinks = true, .kpm = F, .attn = F, .full = FULL_KPM_FLOAT},
 };
 #define FD_NUM_CASES (sizeof fd_cases / sizeof *fd_cases)
 
