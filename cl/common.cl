@@ -311,25 +311,34 @@ inline REAL lanes_sum(VT v) {
 
 // ---- Score variants on VW lanes (the CPU mappings' vector passes) ------------------------------
 
-// tanh on VW lanes. Float programs: for |x| >= 0.3, sign(x) (1 - e) / (1 + e) with e =
-// exp_nonpos(-2|x|) (relative error a few 1e-7, where the library's scalar tanh cost PoCL's
-// fused forward 6x); below, the odd Taylor polynomial to x^11 (truncation below 1e-9). Float64
-// programs take the library's tanh.
+// tanh on VW lanes. Float programs: tanh|x| = -m / (2 + m), m = expm1(-2|x|), the sign put
+// back; expm1(y) for y <= 0 as 2^n (e^r - 1) + (2^n - 1), n = round(y / ln 2), e^r - 1 =
+// r (1 + r/2 + ... + r^6/7!) (Horner; no cancellation near 0, so small |x| keep their relative
+// precision: 2.5 units of 2^-24 at most, tests/device/test_kernel_helpers.c), y clamped at -60
+// (tanh is 1 in float beyond 30), NaN kept. The library's scalar tanh cost PoCL's fused
+// forward 6x. Float64 programs take the library's.
 #if REAL_F64
 inline VT tanh_lanes(VT x) { return tanh(x); }
 #else
 inline VT tanh_lanes(VT x) {
-    VT a = fabs(x);
-    VT e = exp_nonpos(-2.0f * a);
-    VT big = (1.0f - e) / (1.0f + e);
-    VT x2 = x * x;
-    VT p = (VT)(-1382.0f / 155925.0f);
-    p = fma(p, x2, (VT)(62.0f / 2835.0f));
-    p = fma(p, x2, (VT)(-17.0f / 315.0f));
-    p = fma(p, x2, (VT)(2.0f / 15.0f));
-    p = fma(p, x2, (VT)(-1.0f / 3.0f));
-    VT small = fma(p * x2, a, a);
-    return copysign(select(big, small, a < 0.3f), x);
+    VT y = -2.0f * fabs(x);
+    y = select(y, (VT)(-60.0f), y < -60.0f);  // not fmax: a NaN must stay NaN
+    // 1.5 * 2^23 + 127: t's low bits hold round(y / ln 2) + 127 (exp_nonpos's trick)
+    VT t = fma(y, (VT)(1.44269504088896341f), (VT)(12583039.0f));
+    VT n = t - (VT)(12583039.0f);
+    VT r = fma(n, (VT)(-0.693145751953125f), y);
+    r = fma(n, (VT)(-1.428606765330187045e-06f), r);
+    VT p = (VT)(1.0f / 5040.0f);
+    p = fma(p, r, (VT)(1.0f / 720.0f));
+    p = fma(p, r, (VT)(1.0f / 120.0f));
+    p = fma(p, r, (VT)(1.0f / 24.0f));
+    p = fma(p, r, (VT)(1.0f / 6.0f));
+    p = fma(p, r, (VT)(0.5f));
+    p = fma(p, r, (VT)(1.0f));
+    VT q = p * r;                                             // e^r - 1
+    VT two_n = AS_VT(AS_VTI(t) << 23);                        // 2^n, n in [-87, 0]
+    VT m = fma(two_n, q, two_n - 1.0f);                       // expm1(y)
+    return copysign(-m / (2.0f + m), x);
 }
 #endif
 

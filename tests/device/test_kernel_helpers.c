@@ -1,4 +1,4 @@
-// The kernel helpers the cores share (cl/common.cl: the VW-lane vector macros, exp_nonpos,
+// The kernel helpers the cores share (cl/common.cl: the VW-lane vector macros, exp_nonpos, tanh_lanes,
 // lanes_sum, lanes_max_nan): each is defined there and in no other embedded kernel file, and the
 // fused forward's and backward's programs compute the same exp_nonpos, bit for bit, over a
 // sweep of [-104, 0] (and a little above: the backward's arguments may be), for vector widths
@@ -92,6 +92,10 @@ static const char probe_source[] =
     "kernel void probe_exp_nonpos(global const float *x, global float *y) {\n"
     "    size_t i = get_global_id(0) * VW;\n"
     "    STOREV(exp_nonpos(LOADV(i, x)), i, y);\n"
+    "}\n"
+    "kernel void probe_tanh_lanes(global const float *x, global float *y) {\n"
+    "    size_t i = get_global_id(0) * VW;\n"
+    "    STOREV(tanh_lanes(LOADV(i, x)), i, y);\n"
     "}\n";
 
 // The sweep: every 2^-12 from -104 to 0; 128 floats either side of each (k + 1/2) ln 2 from
@@ -125,8 +129,8 @@ static float *sweep(size_t *count) {
 // exp_nonpos of @p x (@p n floats) in the program of kernel family @p family built as the
 // library assembles it (cl/real.cl, cl/common.cl, the family's file: src/context/programs.c)
 // with the probe kernel after it, at vector width @p vw.
-static float *run_probe(clmha_context *ctx, const char *family, int vw, const float *x,
-                        size_t n) {
+static float *run_kernel(clmha_context *ctx, const char *family, const char *kernel, int vw,
+                         const float *x, size_t n) {
     const clmha__cl_source *real = embedded("real"), *common = embedded("common"),
                            *own = embedded(family);
     const char *src[4] = {real->text, common->text, own->text, probe_source};
@@ -142,7 +146,7 @@ static float *run_probe(clmha_context *ctx, const char *family, int vw, const fl
         clGetProgramBuildInfo(prog, ctx->device, CL_PROGRAM_BUILD_LOG, sizeof log - 1, log, NULL);
         cr_assert_fail("building %s %s failed (%d):\n%s", own->path, options, err, log);
     }
-    cl_kernel k = clCreateKernel(prog, "probe_exp_nonpos", &err);
+    cl_kernel k = clCreateKernel(prog, kernel, &err);
     cr_assert_eq(err, CL_SUCCESS);
     cl_mem in = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
                                n * sizeof(float), (void *)x, &err);
@@ -163,6 +167,11 @@ static float *run_probe(clmha_context *ctx, const char *family, int vw, const fl
     clReleaseKernel(k);
     clReleaseProgram(prog);
     return y;
+}
+
+static float *run_probe(clmha_context *ctx, const char *family, int vw, const float *x,
+                        size_t n) {
+    return run_kernel(ctx, family, "probe_exp_nonpos", vw, x, n);
 }
 
 static uint32_t bits(float f) {
@@ -225,6 +234,52 @@ Test(kernel_helpers, exp_nonpos_forward_and_backward_agree_bit_for_bit) {
         else first = fwd;
     }
     free(first);
+    free(x);
+    clmha_context_release(ctx);
+}
+
+// ---- tanh_lanes (soft-capping on the CPU mappings) ----------------------------------------------
+
+// tanh_lanes against tanh in double, relative, in units of 2^-24: every 2^-10 in [-40, 40], the
+// small values where tanh(x) ~ x, and the special values (+-0, +-inf keep +-1, NaN stays NaN),
+// at vector widths 1, 4 and 16, in the fused forward's and backward's programs.
+#define TANH_MAX_REL_ERR_UNITS 8.0
+
+Test(kernel_helpers, tanh_lanes_is_accurate) {
+    clmha_context *ctx = context_or_skip();
+    size_t cap = 80 * 1024 + 1 + 64, n = 0;
+    float *x = alloc_floats(cap);
+    for (size_t k = 0; k <= 80 * 1024; ++k) x[n++] = -40.0f + (float)k / 1024.0f;
+    static const float special[] = {0.0f,   -0.0f,  1e-30f, -1e-20f, 1e-7f,     -3e-4f,
+                                    0.299f, -0.31f, 9.0f,   -30.5f,  100.0f,    INFINITY,
+                                    -INFINITY, NAN};
+    for (size_t i = 0; i < sizeof special / sizeof *special; ++i) x[n++] = special[i];
+    while (n % 16) x[n++] = 0.5f;
+    static const char *const families[] = {"fused", "fused_backward"};
+    static const int widths[] = {1, 4, 16};
+    for (size_t f = 0; f < 2; ++f)
+        for (size_t w = 0; w < sizeof widths / sizeof *widths; ++w) {
+            float *y = run_kernel(ctx, families[f], "probe_tanh_lanes", widths[w], x, n);
+            double worst = 0.0;
+            size_t at = 0;
+            for (size_t i = 0; i < n; ++i) {
+                if (isnan(x[i])) {
+                    cr_expect(isnan(y[i]), "tanh_lanes(NaN) = %a", y[i]);
+                    continue;
+                }
+                double want = tanh((double)x[i]);
+                double err = want == 0.0 ? fabs((double)y[i]) * 0x1p24
+                                         : fabs((double)y[i] - want) / fabs(want) * 0x1p24;
+                if (!(err <= worst)) worst = err, at = i;
+            }
+            cr_log_info("%s VW %d: tanh_lanes' largest relative error %.3f units of 2^-24 at "
+                        "x = %.9g",
+                        families[f], widths[w], worst, x[at]);
+            cr_expect_leq(worst, TANH_MAX_REL_ERR_UNITS,
+                          "%s VW %d: tanh_lanes(%.9g) = %.9g is %.3f units of 2^-24 from tanh",
+                          families[f], widths[w], x[at], y[at], worst);
+            free(y);
+        }
     free(x);
     clmha_context_release(ctx);
 }
