@@ -257,6 +257,22 @@ inline REAL max_nan(REAL a, REAL b) { return (b > a || isnan(b)) ? b : a; }
 #define LANE0(v) ((v).s0)
 #endif
 
+// select() of VT by a condition built from VT comparisons and VT_ISNAN: double lanes need
+// long conditions, which scalar double comparisons (int) are not, so scalars use ?: there;
+// and isnan of double vectors gives int lanes in PoCL 3.1 (OpenCL C wants long), so the
+// double programs test NaN as x != x.
+#if REAL_F64
+#define VT_ISNAN(x) ((x) != (x))
+#if VW == 1
+#define VT_SELECT(a, b, c) ((c) ? (b) : (a))
+#else
+#define VT_SELECT(a, b, c) select((a), (b), (c))
+#endif
+#else
+#define VT_ISNAN(x) isnan(x)
+#define VT_SELECT(a, b, c) select((a), (b), (c))
+#endif
+
 // exp(x) on VW lanes for x <= 0 (scores minus a running maximum in the forward) and a little
 // above (scores minus their row's log-sum-exp in the backward, which rounding may leave
 // slightly positive), in plain arithmetic: exp(x) = 2^n * e^r with n = round(x / ln 2),
@@ -363,7 +379,7 @@ inline VT score_mod_lanes(VT s, REAL c, REAL slope, VT p, VT j, REAL src_len, VT
 #endif
 #if ALIBI
     VT term = -slope * fabs(p - j);
-    s += select((VT)(0.0f), term, j < (VT)(src_len));
+    s += VT_SELECT((VT)(0.0f), term, j < (VT)(src_len));
 #endif
     return s;
 }

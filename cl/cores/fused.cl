@@ -73,21 +73,6 @@
 #ifndef RPW
 #define RPW 1
 #endif
-// select() of VT by a condition built from VT comparisons and VT_ISNAN: double lanes need
-// long conditions, which scalar double comparisons (int) are not, so scalars use ?: there;
-// and isnan of double vectors gives int lanes in PoCL 3.1 (OpenCL C wants long), so the
-// double programs test NaN as x != x.
-#if REAL_F64
-#define VT_ISNAN(x) ((x) != (x))
-#if VW == 1
-#define VT_SELECT(a, b, c) ((c) ? (b) : (a))
-#else
-#define VT_SELECT(a, b, c) select((a), (b), (c))
-#endif
-#else
-#define VT_ISNAN(x) isnan(x)
-#define VT_SELECT(a, b, c) select((a), (b), (c))
-#endif
 #ifndef BK
 #define BK 64
 #endif
