@@ -127,6 +127,7 @@ typedef struct dcase {
     int64_t wl, wr;          // i - wl <= j <= i + wr (-1: that side unbounded)
     double softcap;          // soft-capping (0: off)
     bool alibi;              // ALiBi, the geometric slopes
+    bool sinks;              // attention sinks ~ N(0, 1), with their gradient in a backward case
 } dcase;
 
 #define I CLMHA_MASK_BOOL_IGNORE
@@ -293,6 +294,17 @@ static const dcase cases[] = {
     {"decode: softcap 2 alibi self causal L=S=21, bias_kv+zero_attn, chunks of 4, 3 ranges",
      .e = 8, .h = 2, .n = 2, .l = 21, .self_attn = true, .causal = true, .bias_kv = true,
      .zero_attn = true, .decode_chunk = 4, .decode_parts = 3, .softcap = 2.0, .alibi = true},
+    // Sinks: the cores' denominators, sinks_grad (from dO.O, and from the unfused backward's
+    // D rows with a weights gradient), decode_combine's term.
+    {"fused: sinks self causal L=S=70, kpm=ignore", .e = 8, .h = 2, .n = 2, .l = 70,
+     .self_attn = true, .causal = true, .kpm = I, .fused = true, .sinks = true},
+    {"backward fused: sinks softcap self L=S=40", .e = 8, .h = 2, .n = 1, .l = 40,
+     .self_attn = true, .fused = true, .backward = true, .sinks = true, .softcap = 1.5},
+    {"backward unfused: sinks cross L3 S5, w=avg (D rows), zero_attn", .e = 8, .h = 2, .n = 2,
+     .l = 3, .s = 5, .zero_attn = true, .weights = true, .backward = true, .sinks = true},
+    {"decode: sinks self causal L=S=21, chunks of 4, 3 ranges", .e = 8, .h = 2, .n = 2,
+     .l = 21, .self_attn = true, .causal = true, .decode_chunk = 4, .decode_parts = 3,
+     .sinks = true},
     // The decode core (KV cache): decode_append of ragged counts, decode_partial with empty
     // and partial key blocks and ranges, decode_combine with bias_k/bias_v and the zero key.
     {"decode: self causal L=S=37, bias_kv+zero_attn, token by token, 3 ranges", .e = 8, .h = 2,
@@ -450,7 +462,7 @@ static bool import_tiles(clmha_context *ctx, const char *tiles, char *msg, size_
 
 // The gradients a backward case asks for, in clmha_backward_args order (see gradients()).
 enum { G_QUERY, G_KEY, G_VALUE, G_IN_W, G_Q_W, G_K_W, G_V_W, G_IN_B, G_OUT_W, G_OUT_B,
-       G_BIAS_K, G_BIAS_V, G_ATTN, G_KPM, G_COUNT };
+       G_BIAS_K, G_BIAS_V, G_ATTN, G_KPM, G_SINKS, G_COUNT };
 
 // Runs the backward pass of the forward call @p args just made with @p saved on the device and
 // on the reference, every gradient the case has; the largest error goes to *err (INFINITY when
@@ -472,7 +484,7 @@ static clmha_status run_backward(clmha_layer *layer, clmha_saved *saved, const d
         c->nobias ? 0 : e + 2 * kve, e * e, c->nobias ? 0 : e, c->bias_kv ? kve : 0,
         c->bias_kv ? kve : 0,
         masks && c->am == CLMHA_MASK_FLOAT ? planes * l * s : 0,
-        masks && c->kpm == CLMHA_MASK_FLOAT ? n * s : 0};
+        masks && c->kpm == CLMHA_MASK_FLOAT ? n * s : 0, c->sinks ? c->h : 0};
     float *gy = floats(oc, true, 0), *gw = wc ? floats(wc, true, 0) : NULL;
     clmha_backward_args b = {.struct_size = sizeof b, .forward = args, .saved = saved,
                              .grad_output = args->query, .impl = args->impl};
@@ -489,11 +501,11 @@ static clmha_status run_backward(clmha_layer *layer, clmha_saved *saved, const d
     clmha_grad *dst[G_COUNT] = {&b.query, &b.key, &b.value, &b.in_proj_weight, &b.q_proj_weight,
                                 &b.k_proj_weight, &b.v_proj_weight, &b.in_proj_bias,
                                 &b.out_proj_weight, &b.out_proj_bias, &b.bias_k, &b.bias_v,
-                                &b.attn_mask, &b.key_padding_mask};
+                                &b.attn_mask, &b.key_padding_mask, &b.sinks};
     double **ref[G_COUNT] = {&r.query, &r.key, &r.value, &r.in_proj_weight, &r.q_proj_weight,
                              &r.k_proj_weight, &r.v_proj_weight, &r.in_proj_bias,
                              &r.out_proj_weight, &r.out_proj_bias, &r.bias_k, &r.bias_v,
-                             &r.attn_mask, &r.key_padding_mask};
+                             &r.attn_mask, &r.key_padding_mask, &r.sinks};
     for (int g = 0; g < G_COUNT; ++g) {
         if (!count[g]) continue;
         dst[g]->data = floats(count[g], false, 0);
@@ -543,14 +555,16 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
                              .add_zero_attn = c->zero_attn, .batch_first = c->batch_first,
                              .dropout = c->dropout, .num_kv_heads = c->kv_heads,
                              .dtype = c->dtype, .window = c->window, .window_left = c->wl,
-                             .window_right = c->wr, .softcap = c->softcap, .alibi = c->alibi};
+                             .window_right = c->wr, .softcap = c->softcap, .alibi = c->alibi,
+                             .sinks = c->sinks};
     const size_t kve = c->kv_heads ? c->kv_heads * (e / c->h) : e;  // key/value width
 
     // Parameters.
     const double bound = 1.0 / sqrt((double)e);
     clmha_reference_params p = {.struct_size = sizeof p};
     float *w_in = NULL, *wq = NULL, *wk = NULL, *wv = NULL, *b_in = NULL, *bo = NULL;
-    float *bk = NULL, *bv = NULL;
+    float *bk = NULL, *bv = NULL, *sk = c->sinks ? floats(c->h, true, 0) : NULL;
+    p.sinks = sk;
     if (kdim == e && vdim == e && kve == e) {
         p.in_proj_weight = w_in = floats(3 * e * e, false, bound);
     } else {
@@ -646,6 +660,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     SET("out_proj.bias", bo, e);
     SET("bias_k", bk, kve);
     SET("bias_v", bv, kve);
+    SET("sinks", sk, c->h);
     clmha_saved *saved = NULL;
     if (!st && c->backward) st = clmha_saved_create(&saved, layer);
     args.save = saved;
@@ -695,7 +710,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     clmha__test_set_decode_parts(0);
     clmha__test_set_max_alloc(0);
     clmha__test_set_fused_backward_block(0);
-    float *arrays[] = {w_in, wq, wk, wv, b_in, wo, bo, bk, bv, query, key, value, out, w};
+    float *arrays[] = {w_in, wq, wk, wv, b_in, wo, bo, bk, bv, sk, query, key, value, out, w};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free(arrays[i]);
     free(kpm);
     free(am);
