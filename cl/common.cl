@@ -288,19 +288,26 @@ inline REAL max_nan(REAL a, REAL b) { return (b > a || isnan(b)) ? b : a; }
 #if REAL_F64
 inline VT exp_nonpos(VT x) { return exp(x); }
 #else
-inline VT exp_nonpos(VT x) {
-    VT t = fma(x, (VT)(1.44269504088896341f), (VT)(12583039.0f));  // 1.5 * 2^23 + 127
-    VT n = t - (VT)(12583039.0f);
-    VT r = fma(n, (VT)(-0.693145751953125f), x);
-    r = fma(n, (VT)(-1.428606765330187045e-06f), r);
+// The argument reduction and polynomial of exp_nonpos (and tanh_lanes): *t, whose low bits hold
+// n + 127 with n = round(x / ln 2) (so AS_VT(AS_VTI(*t) << 23) is 2^n), *r = x - n ln 2, and
+// P(r) = 1 + r/2 + ... + r^6/7! returned, with e^r = 1 + r P(r).
+inline VT exp_reduced(VT x, VT *t, VT *r) {
+    *t = fma(x, (VT)(1.44269504088896341f), (VT)(12583039.0f));  // 1.5 * 2^23 + 127
+    VT n = *t - (VT)(12583039.0f);
+    *r = fma(n, (VT)(-0.693145751953125f), x);
+    *r = fma(n, (VT)(-1.428606765330187045e-06f), *r);
     VT p = (VT)(1.0f / 5040.0f);
-    p = fma(p, r, (VT)(1.0f / 720.0f));
-    p = fma(p, r, (VT)(1.0f / 120.0f));
-    p = fma(p, r, (VT)(1.0f / 24.0f));
-    p = fma(p, r, (VT)(1.0f / 6.0f));
-    p = fma(p, r, (VT)(0.5f));
-    p = fma(p, r, (VT)(1.0f));
-    p = fma(p, r, (VT)(1.0f));
+    p = fma(p, *r, (VT)(1.0f / 720.0f));
+    p = fma(p, *r, (VT)(1.0f / 120.0f));
+    p = fma(p, *r, (VT)(1.0f / 24.0f));
+    p = fma(p, *r, (VT)(1.0f / 6.0f));
+    p = fma(p, *r, (VT)(0.5f));
+    return fma(p, *r, (VT)(1.0f));
+}
+
+inline VT exp_nonpos(VT x) {
+    VT t, r;
+    VT p = fma(exp_reduced(x, &t, &r), r, (VT)(1.0f));
     VT y = p * AS_VT(AS_VTI(t) << 23);
     return select(y, (VT)(0.0f), x < -87.0f);
 }
@@ -339,21 +346,10 @@ inline VT tanh_lanes(VT x) { return tanh(x); }
 inline VT tanh_lanes(VT x) {
     VT y = -2.0f * fabs(x);
     y = select(y, (VT)(-60.0f), y < -60.0f);  // not fmax: a NaN must stay NaN
-    // 1.5 * 2^23 + 127: t's low bits hold round(y / ln 2) + 127 (exp_nonpos's trick)
-    VT t = fma(y, (VT)(1.44269504088896341f), (VT)(12583039.0f));
-    VT n = t - (VT)(12583039.0f);
-    VT r = fma(n, (VT)(-0.693145751953125f), y);
-    r = fma(n, (VT)(-1.428606765330187045e-06f), r);
-    VT p = (VT)(1.0f / 5040.0f);
-    p = fma(p, r, (VT)(1.0f / 720.0f));
-    p = fma(p, r, (VT)(1.0f / 120.0f));
-    p = fma(p, r, (VT)(1.0f / 24.0f));
-    p = fma(p, r, (VT)(1.0f / 6.0f));
-    p = fma(p, r, (VT)(0.5f));
-    p = fma(p, r, (VT)(1.0f));
-    VT q = p * r;                                             // e^r - 1
-    VT two_n = AS_VT(AS_VTI(t) << 23);                        // 2^n, n in [-87, 0]
-    VT m = fma(two_n, q, two_n - 1.0f);                       // expm1(y)
+    VT t, r;
+    VT q = exp_reduced(y, &t, &r) * r;         // e^r - 1
+    VT two_n = AS_VT(AS_VTI(t) << 23);         // 2^n, n in [-87, 0]
+    VT m = fma(two_n, q, two_n - 1.0f);        // expm1(y)
     return copysign(-m / (2.0f + m), x);
 }
 #endif
