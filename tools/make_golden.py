@@ -23,7 +23,8 @@ File format (text, whitespace separated, '#' starts a comment line):
     case <name>
     layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
           add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>]
-          [dtype <f16|bf16|f64>] [window <left> <right>] [softcap <c>] [alibi] (one line)
+          [dtype <f16|bf16|f64>] [window <left> <right>] [softcap <c>] [alibi]
+          [sinks]                                                             (one line)
     call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training 0
          kpm <kind> attn <kind> attn_per_batch <0|1>                        (one line)
     tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -110,6 +111,12 @@ the masks. An ALiBi case with its own slopes writes them as the f32 tensor alibi
 after the other parameters; without it the layer's geometric slopes apply
 (clmha_alibi_slopes(), geometric_slopes() here). alibi_slopes has no gradient (no grad.*).
 
+sinks is written only by the attention-sink cases (clmha_layer_desc::sinks), last on the layer
+line: the layer parameter sinks (H), the f32 tensor sinks after the other parameters (before
+alibi_slopes), drawn by sinks_of() from a generator of the case's own, is one more logit per
+head in every row's softmax with a zero value; its gradient is grad.sinks (f64, (H)), after
+grad.out_proj.bias.
+
 Mask kinds: none, bool_ignore (1 = may not attend, nn.MultiheadAttention's bool masks),
 bool_attend (1 = may attend, SDPA / continuiti polarity), float (added to the scaled scores).
 
@@ -140,6 +147,12 @@ How the golden values are obtained from PyTorch 1.13 (which lacks some of clmha'
   equals nn.MultiheadAttention to 1e-12 with the soft-capping taken out, and that it and its
   autograd gradients equal the independent implementation's (which applies its own tanh and
   computes its own ALiBi bias) to 1e-12. No softcap case is GQA.
+- sinks: PyTorch has no attention sinks either. Those cases take their golden from softcap_mha
+  too (soft-capping 0 where the case has none), whose softmax runs over [scores + mask, sink]
+  with the sink's column dropped (a sink column of value sinks_h per head: its value is zero),
+  checked equal to nn.MultiheadAttention without the sinks (and the soft-capping); the
+  independent implementation adds exp(sinks_h - m) to each row's denominator itself, and both
+  must agree to 1e-12, gradients (grad.sinks included, autograd's) too. No sinks case is GQA.
 - Fully masked rows: PyTorch gives NaN; clmha defines zero attention weights and a zero
   attention result there (output row = out_proj.bias). Such NaN entries are replaced following
   that rule (a comment line in the file says so).
@@ -197,6 +210,7 @@ def C(name, **kw):
         window=None,  # a sliding window (left, right), -1: that side unbounded
         softcap=0.0,  # logit soft-capping c (0: off)
         alibi=None,  # ALiBi: None (off), "geometric" (the layer's default slopes) or "custom"
+        sinks=False,  # attention sinks: the parameter sinks (H), sinks_of()
     )
     for k in kw:
         if k not in d:
@@ -212,6 +226,7 @@ def C(name, **kw):
     assert d["dtype"] in ("f32", "f64") + tuple(LAYER_DTYPES)
     assert d["alibi"] in (None, "geometric", "custom") and d["softcap"] >= 0.0
     assert not (d["softcap"] and d["kv_heads"] is not None), "softcap_mha has no GQA"
+    assert not (d["sinks"] and d["kv_heads"] is not None), "softcap_mha has no GQA"
     return d
 
 
@@ -353,6 +368,13 @@ CASES = [
       mode="cross", L=6, S=5, attn="float", add_bias_kv=True, batch_first=True),
     C("alibi_window_gqa", E=16, H=4, kv_heads=2, alibi="custom", window=(3, 0), causal=True,
       L=7, need_weights=False),
+    # attention sinks (one zero-valued logit per head in every row's softmax, the parameter
+    # sinks with its gradient); the causal self-attention one is fed through a KV cache too
+    C("sinks_self_causal_weights", E=16, H=4, sinks=True, causal=True, L=6, per_head=True),
+    C("sinks_softcap_alibi_cross_float_attn", E=12, H=3, sinks=True, softcap=1.5,
+      alibi="custom", mode="cross", L=5, S=6, attn="float", batch_first=True),
+    C("sinks_bias_kv_zero_attn_kpm", sinks=True, mode="cross", L=4, S=6, kpm="bool_ignore",
+      add_bias_kv=True, add_zero_attn=True, per_head=True),
 ]
 
 # float16 / bfloat16 layers (forward only): every case once per 16-bit dtype, written as
@@ -651,6 +673,16 @@ def custom_slopes(name, H):
     return rng.uniform(0.1, 1.0, H).astype(np.float32)
 
 
+def sinks_of(c):
+    """A sinks case's attention sinks, float32 (H), uniform in [-1, 2) from a generator of its
+    own (the name's seed, stream 2), so that no other draw of the case changes; None
+    without sinks."""
+    if not c["sinks"]:
+        return None
+    rng = np.random.default_rng([seed_of(c["name"]), 2])
+    return rng.uniform(-1.0, 2.0, c["H"]).astype(np.float32)
+
+
 def slopes_of(c):
     """The case's ALiBi slopes as float32 (H) (what the layer holds), None without ALiBi."""
     if c["alibi"] is None:
@@ -816,10 +848,17 @@ def own_mha(c, P, q, k, v, tot):
         sc = soft((Q / math.sqrt(D)) @ K.transpose(1, 2)) + mask
     # The softmax is shift-invariant: the row maximum carries no gradient. Every torch.where
     # below selects finite values on both sides, so their gradients are never 0 * inf = NaN.
+    # Sinks: each row's denominator gains exp(sinks_h - m) (a logit with a zero value).
     mx = sc.max(dim=-1, keepdim=True).values.detach()
+    sink = None
+    if "sinks" in P:
+        sink = P["sinks"].reshape(1, H, 1, 1).expand(N, H, L, 1).reshape(N * H, L, 1)
+        mx = torch.maximum(mx, sink.detach())
     full = torch.isneginf(mx)
     ex = torch.exp(sc - torch.where(full, torch.zeros_like(mx), mx))
     den = ex.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        den = den + torch.exp(sink - torch.where(full, torch.zeros_like(mx), mx))
     W = torch.where(full, torch.zeros_like(ex), ex / torch.where(full, torch.ones_like(den), den))
     if G < H:
         A = torch.einsum("ngrls,ngsd->ngrld", W.reshape(N, G, H // G, L, Sp), Vg)
@@ -933,7 +972,7 @@ def torch_grads(c, m32, params, query, key, value, kpm, attn, grad_output, grad_
     P, q, k, v, masks = grad_leaves(c, params, query, key, value, kpm, attn)
     if is_gqa(c):  # the GQA leaves themselves, expanded inside autograd
         m = GQAModule(c, P)
-    elif c["softcap"]:  # softcap_mha on the leaves
+    elif c["softcap"] or c["sinks"]:  # softcap_mha on the leaves
         m = SoftcapModule(c, P)
     else:
         m = copy.deepcopy(m32).double().eval()
@@ -948,7 +987,7 @@ def torch_grads(c, m32, params, query, key, value, kpm, attn, grad_output, grad_
     out, w = m(q, k, v, key_padding_mask=kpm_t, attn_mask=attn_t,
                need_weights=c["need_weights"], average_attn_weights=not c["per_head"])
     loss_of(out, w, grad_output, grad_weights).backward()
-    if not is_gqa(c) and not c["softcap"]:
+    if not is_gqa(c) and not (c["softcap"] or c["sinks"]):
         for name, t in m.named_parameters():  # the module's parameters stand for the leaves
             P[name].grad = t.grad
     return collect_grads(c, P, q, k, v, masks)
@@ -1009,6 +1048,9 @@ def generate(c, given=None):
     m32, params, kdim, vdim = (make_gqa_params if is_gqa(c) else make_module)(c, gen, given)
     if c["mode"] == "self":
         assert kdim == E and vdim == E
+    if c["sinks"]:  # a parameter after PyTorch's (its own generator: no other draw changes)
+        sinks = sinks_of(c)
+        params = params + [("sinks", sinks if given is None else given.take("sinks", sinks))]
 
     def draw(shape):
         return f32(torch.randn(shape, generator=gen).numpy())
@@ -1033,7 +1075,8 @@ def generate(c, given=None):
         m64 = GQAModule(c, {k2: torch.from_numpy(v2).double() for k2, v2 in params})
     else:
         m64 = copy.deepcopy(m32).double().eval()
-    if c["softcap"]:  # softcap_mha; without the soft-capping it must be nn.MultiheadAttention
+    if c["softcap"] or c["sinks"]:
+        # softcap_mha; without the soft-capping and the sinks it must be nn.MultiheadAttention
         P64 = {k2: torch.from_numpy(v2).double() for k2, v2 in params}
         nn_m64, m64 = m64, SoftcapModule(c, P64)
     q64 = torch.from_numpy(query).double()
@@ -1051,15 +1094,16 @@ def generate(c, given=None):
     tot = additive(c, kpm, attn)
     # (softcap_mha takes only the pre-combined mask)
     native_ok = not (kpm_t is not None and kpm_t.dtype != torch.bool and attn_t is not None) \
-        and not c["softcap"]
-    if c["softcap"]:
-        plain = SoftcapModule(dict(c, softcap=0.0), P64)
+        and not c["softcap"] and not c["sinks"]
+    if c["softcap"] or c["sinks"]:
+        plain = SoftcapModule(dict(c, softcap=0.0, sinks=False),
+                              {k2: v2 for k2, v2 in P64.items() if k2 != "sinks"})
         for avg_ in (True, False):
             a = run_torch(nn_m64, q64, k64, v64, None, tot, True, avg_)
             b = run_torch(plain, q64, k64, v64, None, tot, True, avg_)
             if not (same(a[0], b[0]) and same(a[1], b[1])):
-                raise AssertionError(f"{name}: softcap_mha without soft-capping differs from"
-                                     f" nn.MultiheadAttention")
+                raise AssertionError(f"{name}: softcap_mha without soft-capping and sinks"
+                                     f" differs from nn.MultiheadAttention")
 
     nw, avg = c["need_weights"], not c["per_head"]
     comb = run_torch(m64, q64, k64, v64, None, tot if (kpm_t is not None or attn_t is not None)
@@ -1077,6 +1121,17 @@ def generate(c, given=None):
         _, wph = run_torch(m64, q64, k64, v64, kpm_t, attn_t, True, False)
         notes.append("golden computed by PyTorch with its own mask handling"
                      " (checked equal to the pre-combined additive mask path)")
+    elif c["sinks"]:
+        out, w = comb
+        _, wph = run_torch(m64, q64, k64, v64, None, tot, True, False)
+        notes.append("attention sinks" + (f" and soft-capping {c['softcap']!r}" if c["softcap"]
+                                          else "") +
+                     ": golden computed by softcap_mha (PyTorch 1.13's multi_head_attention_"
+                     "forward written out in float64 torch ops, the softmax over [scores, sink]"
+                     " with the sink's column dropped" + (", c*tanh(s/c) on the scaled scores"
+                                                         if c["softcap"] else "") +
+                     "; checked equal to nn.MultiheadAttention without them) on a pre-combined"
+                     " additive (N*H, L, S) float mask")
     elif c["softcap"]:
         out, w = comb
         _, wph = run_torch(m64, q64, k64, v64, None, tot, True, False)
@@ -1207,7 +1262,8 @@ def generate(c, given=None):
                         (f" num_kv_heads {kv_heads(c)}" if is_gqa(c) else "")
                         + ("" if c["window"] is None else " window %d %d" % c["window"])
                         + (f" softcap {c['softcap']!r}" if c["softcap"] else "")
-                        + (" alibi" if c["alibi"] is not None else ""),
+                        + (" alibi" if c["alibi"] is not None else "")
+                        + (" sinks" if c["sinks"] else ""),
                         params + ([("alibi_slopes", slopes_of(c))] if c["alibi"] == "custom"
                                   else []),
                         query, key, value, kpm, attn)
@@ -1330,7 +1386,11 @@ def emulated_mha(c, P, q, k, v, tot, rnd):
     if c["softcap"]:  # clmha's soft-capping of the scaled scores (softcap_mha), before the mask
         sc = c["softcap"] * torch.tanh(sc / c["softcap"])
     sc = sc + mask
-    W = torch.softmax(sc, dim=-1)
+    if c.get("sinks") and "sinks" in P:  # one more logit per head, its column dropped after
+        sink = P["sinks"].to(sc.dtype).repeat(N).reshape(N * H, 1, 1).expand(N * H, L, 1)
+        W = torch.softmax(torch.cat([sc, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        W = torch.softmax(sc, dim=-1)
     # probabilities rounded to float16 for the float16 GEMM weights . V
     A = rnd(torch.bmm(rnd(W), V))
     A = A.transpose(0, 1).reshape(L * N, E)

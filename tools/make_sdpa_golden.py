@@ -33,6 +33,12 @@ the formula is written out in torch ops, in float64, and differentiated by autog
                                                                     i + right, -1 unbounded)
     weights = softmax(scores, -1); output = weights @ v; lse = logsumexp(scores, -1)
 
+and with attention sinks (sinks: H logits, one per query head, with a zero value), the softmax
+and the lse over [scores, sinks[h]], the sink's column dropped from the weights:
+
+    scores = cat([scores, sinks[h] per row], -1)                  (sinks only)
+    weights = softmax(scores, -1)[..., :-1]; lse = logsumexp(scores, -1)
+
 with one convention of clmha's where PyTorch has none (documented in include/clmha.h): a query
 row whose every key is masked gives zero weights, a zero output row and zero gradients (its lse
 is -inf); PyTorch's own SDPA gives NaN there (2.5's math backend zeros). The formula replaces
@@ -57,7 +63,10 @@ PyTorch's functions has a sliding window: the window cases give them the window 
 boolean mask, folded into the case's attn_mask (and, with is_causal, the causal mask with it,
 as SDPA takes no attn_mask together with is_causal). Nor has either ALiBi: the ALiBi cases give
 them its bias as a float (H, L, S) attn_mask (a bool mask, the window and is_causal folded in as
--inf, a float mask added), and the mask's gradient flows back through that sum. Soft-capping
+-inf, a float mask added), and the mask's gradient flows back through that sum. Nor has either
+sinks: the sinks cases are checked, as the softcap ones, against the NumPy row loops
+(loop_formula, which adds exp(sinks_h - m) to each row's denominator itself), their gradients
+(grad.sinks too, f64 (H), after the others) being autograd's of the formula. Soft-capping
 cannot be a mask (it sits between the product and the mask): the softcap cases are checked
 instead against a second, independent float64 computation in NumPy (loops over the rows:
 output, lse and weights to 1e-12; loop_formula), their gradients being autograd's through tanh.
@@ -67,7 +76,7 @@ in place of its layer and call lines:
 
     case <name>
     sdpa layout <nhld|nlhd> is_causal <0|1> scale <s> enable_gqa <0|1> attn <kind>
-         [window <left> <right>] [softcap <c>] [alibi]
+         [window <left> <right>] [softcap <c>] [alibi] [sinks]
     tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
     <values, C order>
     ...
@@ -79,7 +88,10 @@ or float (f32, added to the scaled scores, -inf where forbidden). window (the wi
 only): clmha_attention_args::window_left and window_right; softcap and alibi (the score-variant
 cases only): clmha_attention_args::softcap and ::alibi, the slopes being the f32 tensor
 alibi_slopes (H) after the mask when the case has its own (clmha_attention_args::alibi_slopes),
-else the geometric ones (clmha_alibi_slopes(), make_golden.geometric_slopes()). Tensors, in order:
+else the geometric ones (clmha_alibi_slopes(), make_golden.geometric_slopes()); sinks (the
+attention-sink cases only): clmha_attention_args::sinks, the f32 tensor sinks (H) after the
+mask (and the slopes), drawn by make_golden.sinks_of(), and its gradient grad.sinks (f64, (H))
+last. Tensors, in order:
 query, key, value (f32: (N, H, L, D), (N, H_kv, S, D) in layout nhld, (N, L, H, D),
 (N, S, H_kv, D) in nlhd; without N when unbatched), attn_mask (its own shape: one of those
 clmha_attention_args documents), output (f64, the query's layout), lse (f64, (N, H, L)),
@@ -100,8 +112,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import golden_compare  # noqa: E402
-from make_golden import (custom_slopes, geometric_slopes,  # noqa: E402
-                         tensor_text)  # (the same tensor lines and slopes as the layer cases)
+# (the same tensor lines, slopes and sinks as the layer cases)
+from make_golden import (custom_slopes, geometric_slopes, sinks_of,  # noqa: E402
+                         tensor_text)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "..", "tests", "golden", "sdpa")
@@ -116,7 +129,7 @@ SDPA_AGREEMENT = 1e-12  # the formula against F.scaled_dot_product_attention, wh
 def C(name, **kw):
     d = dict(name=name, N=2, H=2, H_kv=None, L=4, S=None, D=8, layout="nhld", batched=True,
              attn="none", mask_shape=None, causal=False, scale=0.0, dead_row=False,
-             window=None, softcap=0.0, alibi=None)
+             window=None, softcap=0.0, alibi=None, sinks=False)
     for k in kw:
         if k not in d:
             raise KeyError(k)
@@ -168,6 +181,10 @@ CASES = [
     C("softcap_causal_scale", N=1, H=2, causal=True, L=6, S=6, softcap=0.5, scale=0.5),
     C("alibi_geometric_h3_unbatched_float", batched=False, N=1, H=3, L=4, S=6, attn="float",
       mask_shape="LS", alibi="geometric", window=(2, -1)),
+    # attention sinks (one zero-valued logit per head in every row's softmax), with grad.sinks
+    C("sinks_gqa", N=2, H=4, H_kv=2, L=5, S=7, sinks=True),
+    C("sinks_causal_nlhd_grads", layout="nlhd", N=1, H=3, causal=True, L=6, S=6, D=4,
+      sinks=True),
 ]
 
 # ------------------------------------------------------------------------------------------
@@ -293,8 +310,9 @@ def scale_of(c):
     return c["scale"] if c["scale"] else 1.0 / math.sqrt(c["D"])
 
 
-def formula(c, q, k, v, mask):
-    """SDPA written out (see the module's docstring): output, lse, weights."""
+def formula(c, q, k, v, mask, sinks=None):
+    """SDPA written out (see the module's docstring): output, lse, weights; ``sinks`` (H),
+    a tensor (a leaf for its gradient), with the case's sinks."""
     groups = c["H"] // c["H_kv"]
     k = k.repeat_interleave(groups, dim=-3)
     v = v.repeat_interleave(groups, dim=-3)
@@ -312,6 +330,11 @@ def formula(c, q, k, v, mask):
         scores = scores.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), -math.inf)
     if c["window"] is not None:
         scores = scores.masked_fill(~window_inside(c), -math.inf)
+    if sinks is not None:  # one more logit per head, its column dropped from the weights
+        col = sinks.reshape(-1, 1, 1).expand(scores.shape[:-1] + (1,))
+        full = torch.cat([scores, col], dim=-1)
+        p = torch.softmax(full, dim=-1)[..., :-1]
+        return p @ v, torch.logsumexp(full.detach(), dim=-1), p
     dead = torch.isneginf(scores).all(dim=-1, keepdim=True)
     p = torch.softmax(torch.where(dead, torch.zeros_like(scores), scores), dim=-1)
     p = torch.where(dead, torch.zeros_like(p), p)
@@ -356,7 +379,7 @@ def with_grads(fn, c, inputs, g, mask_grad=True):
             leaves.append(None)
             continue
         t = torch.from_numpy(x.astype(np.float64) if x.dtype != bool else x)
-        if t.is_floating_point() and (i < 3 or mask_grad):
+        if t.is_floating_point() and (i != 3 or mask_grad):
             t.requires_grad_(True)
         leaves.append(t)
     res = fn(c, *leaves)
@@ -372,14 +395,15 @@ def compute(c, q, k, v, mask, g):
     """The expected values, float64 arrays in (N, H, L|S, ...) order (the mask's gradient in
     the mask's shape): output, lse, weights, dq, dk, dv and dmask (None without a float mask).
     PyTorch's own SDPA where it has one, checked against the formula (module docstring)."""
-    (out, lse, p), grads = with_grads(formula, c, (q, k, v, mask), g)
+    (out, lse, p), grads = with_grads(formula, c, (q, k, v, mask, sinks_of(c)), g)
     res = dict(output=out.detach().numpy(), lse=lse.numpy(), weights=p.detach().numpy(),
-               dq=grads[0], dk=grads[1], dv=grads[2], dmask=grads[3])
+               dq=grads[0], dk=grads[1], dv=grads[2], dmask=grads[3], dsinks=grads[4])
     for name, x in res.items():
         assert x is None or not np.isnan(x).any(), f"{c['name']}: {name} has NaN"
     if c["dead_row"]:
         return res
-    if c["softcap"]:  # no PyTorch function soft-caps: the independent NumPy loops instead
+    if c["softcap"] or c["sinks"]:  # no PyTorch function soft-caps or has sinks: the
+        # independent NumPy loops instead
         agree(c, "loop_formula", loop_formula(c, q, k, v, mask), res)
         return res
     if has_sdpa():
@@ -400,6 +424,7 @@ def loop_formula(c, q, k, v, mask):
     torch, no broadcasting of the masks or the bias): output, lse and weights."""
     N, H, Hkv, L, S = c["N"], c["H"], c["H_kv"], c["L"], c["S"]
     slopes = slopes_of(c)
+    sinks = sinks_of(c)
     inside = window_inside(c).numpy()
     full = None if mask is None else np.broadcast_to(mask, (N, H, L, S))
     out = np.zeros((N, H, L, v.shape[-1]))
@@ -426,12 +451,14 @@ def loop_formula(c, q, k, v, mask):
                         s = -math.inf
                     row.append(s)
                 row = np.array(row)
-                if np.isneginf(row).all():
+                sink = -math.inf if sinks is None else float(sinks[h])
+                if np.isneginf(row).all() and sink == -math.inf:
                     continue
-                m = row.max()
+                m = max(row.max(), sink)
                 e = np.exp(row - m)
-                w[n, h, i] = e / e.sum()
-                lse[n, h, i] = m + math.log(e.sum())
+                den = e.sum() + (0.0 if sinks is None else math.exp(sink - m))
+                w[n, h, i] = e / den
+                lse[n, h, i] = m + math.log(den)
                 out[n, h, i] = w[n, h, i] @ v[n, g].astype(np.float64)
     return dict(output=out, lse=lse, weights=w)
 
@@ -475,7 +502,8 @@ def generate(c):
               f" enable_gqa {int(c['H_kv'] != c['H'])} attn {c['attn']}"
               + ("" if c["window"] is None else " window %d %d" % c["window"])
               + (f" softcap {c['softcap']!r}" if c["softcap"] else "")
-              + (" alibi" if c["alibi"] is not None else "")]
+              + (" alibi" if c["alibi"] is not None else "")
+              + (" sinks" if c["sinks"] else "")]
     lines += tensor_text("query", "f32", as_file(c, q))
     lines += tensor_text("key", "f32", as_file(c, k))
     lines += tensor_text("value", "f32", as_file(c, v))
@@ -483,6 +511,8 @@ def generate(c):
         lines += tensor_text("attn_mask", "u8" if mask.dtype == bool else "f32", mask)
     if c["alibi"] == "custom":
         lines += tensor_text("alibi_slopes", "f32", slopes_of(c))
+    if c["sinks"]:
+        lines += tensor_text("sinks", "f32", sinks_of(c))
     lines += tensor_text("output", "f64", as_file(c, r["output"]))
     lines += tensor_text("lse", "f64", as_file(c, r["lse"], False))
     lines += tensor_text("weights", "f64", as_file(c, r["weights"], False))
@@ -492,6 +522,8 @@ def generate(c):
     if r["dmask"] is not None:
         assert r["dmask"].shape == mask.shape
         lines += tensor_text("grad.attn_mask", "f64", r["dmask"])
+    if c["sinks"]:
+        lines += tensor_text("grad.sinks", "f64", r["dsinks"])
     lines.append("end")
     return "\n".join(lines) + "\n"
 

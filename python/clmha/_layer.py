@@ -11,7 +11,8 @@ from ._device import (check_context, device_f32, elem_offset, event_to, events_w
                       fill_device_tensor, is_pyopencl_array, mem, wait_list)
 from ._errors import check
 from ._native import ffi, lib
-from ._sdpa import alibi_flag, fill_variants, fill_window, softcap_value, window_bounds
+from ._sdpa import (alibi_flag, fill_variants, fill_window, sinks_flag, softcap_value,
+                    window_bounds)
 
 # ---- dtypes ------------------------------------------------------------------------------------
 
@@ -121,7 +122,8 @@ class Layer:
 
     ``Layer(embed_dim, num_heads, *, dropout=0.0, bias=True, add_bias_kv=False,
     add_zero_attn=False, kdim=None, vdim=None, batch_first=False, num_kv_heads=None,
-    dtype="float32", window=None, softcap=None, alibi=False, context=None)``: the fields of
+    dtype="float32", window=None, softcap=None, alibi=False, sinks=False, context=None)``: the
+    fields of
     ``clmha_layer_desc``, with PyTorch's defaults. ``window``: None, or a sliding window
     (left, right): query i (at position i; with a KV cache, the cached length + i) attends key j
     only when i - left <= j <= i + right, -1 leaving a side unbounded; the keys of add_bias_kv
@@ -131,7 +133,10 @@ class Layer:
     negative, NaN or infinite: ValueError. ``alibi``: ALiBi, the score of query head h at
     position i (as the window's) against key j gains -slope_h * |i - j| (the appended keys get
     none); the slopes are the layer's parameter ``alibi_slopes`` (H), which starts as
-    ``clmha.alibi_slopes(H)`` and has no gradient.
+    ``clmha.alibi_slopes(H)`` and has no gradient. ``sinks``: attention sinks (gpt-oss's), the
+    layer's parameter ``sinks`` (H), zero at creation, with a gradient: one logit per head in
+    each row's softmax denominator with a zero value (a row's weights sum below 1; a fully
+    masked row still gives a zero attention result).
     Parameters start at zero: set them by PyTorch name (``layer["in_proj_weight"] = w``,
     ``load_state_dict``) or make the layer with ``Layer.load(path)`` or
     ``Layer.from_state_dict(...)``.
@@ -145,7 +150,7 @@ class Layer:
                  batch_first: bool = False, num_kv_heads: Optional[int] = None,
                  dtype="float32", window: Optional[Tuple[int, int]] = None,
                  softcap: Optional[float] = None, alibi: bool = False,
-                 context: Optional[Context] = None):
+                 sinks: bool = False, context: Optional[Context] = None):
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
                             ("kdim", kdim or 0), ("vdim", vdim or 0),
                             ("num_kv_heads", num_kv_heads or 0)):
@@ -156,6 +161,7 @@ class Layer:
         window = window_bounds(window)
         softcap = softcap_value(softcap)
         alibi = alibi_flag(alibi)
+        sinks = sinks_flag(sinks)
         context = context if context is not None else default_context()
         if not isinstance(context, Context):
             raise TypeError(f"context must be a clmha.Context, not {type(context).__name__}")
@@ -174,6 +180,7 @@ class Layer:
         desc.dtype = _DTYPE_CODES[dtype_name(dtype)]
         fill_window(desc, window)
         fill_variants(desc, softcap, alibi)
+        desc.sinks = sinks
         out = ffi.new("clmha_layer **")
         check(lib.clmha_layer_create(out, context._ptr, desc), context._ptr)
         self._adopt(out[0], context)
@@ -200,6 +207,7 @@ class Layer:
                        else None)
         self.softcap = float(desc.softcap)
         self.alibi = bool(desc.alibi)
+        self.sinks = bool(desc.sinks)
         self.head_dim = self.embed_dim // self.num_heads
         self._impl = "auto"
         self._profiling = False
@@ -253,23 +261,25 @@ class Layer:
                   "k_proj_weight": (kv, self.kdim), "v_proj_weight": (kv, self.vdim),
                   "in_proj_bias": (e + 2 * kv,), "out_proj.weight": (e, e),
                   "out_proj.bias": (e,), "bias_k": (1, 1, kv), "bias_v": (1, 1, kv),
-                  "alibi_slopes": (self.num_heads,)}
+                  "alibi_slopes": (self.num_heads,), "sinks": (self.num_heads,)}
         if name == "alibi_slopes" and not self.alibi:
             raise KeyError("alibi_slopes: the layer has no ALiBi (made with alibi=False)")
+        if name == "sinks" and not self.sinks:
+            raise KeyError("sinks: the layer has no attention sinks (made with sinks=False)")
         if name not in shapes:
             raise KeyError(f"unknown parameter {name!r}; the layer's are "
                            f"{', '.join(self.parameter_names())}")
         return shapes[name]
 
     def parameter_names(self) -> Tuple[str, ...]:
-        """The layer's parameters by ``state_dict()`` name, in PyTorch's order (an ALiBi layer's
-        ``alibi_slopes`` where ``clmha.torch.MultiheadAttention`` has its buffer: after
-        bias_v)."""
+        """The layer's parameters by ``state_dict()`` name, in PyTorch's order (a sinks layer's
+        ``sinks`` and an ALiBi layer's ``alibi_slopes`` where ``clmha.torch.MultiheadAttention``
+        has its parameter and its buffer: after bias_v, in that order)."""
         has = lambda n: lib.clmha_layer_parameter_count(self._ptr, n.encode()) > 0  # noqa: E731
         names = ["in_proj_weight"] if has("in_proj_weight") else [
             "q_proj_weight", "k_proj_weight", "v_proj_weight"]
-        for n in ("in_proj_bias", "bias_k", "bias_v", "alibi_slopes", "out_proj.weight",
-                  "out_proj.bias"):
+        for n in ("in_proj_bias", "bias_k", "bias_v", "sinks", "alibi_slopes",
+                  "out_proj.weight", "out_proj.bias"):
             if has(n):
                 names.append(n)
         return tuple(names)
@@ -312,10 +322,10 @@ class Layer:
 
     def load_state_dict(self, state_dict) -> None:
         """Sets every parameter from a mapping of ``state_dict()`` names to arrays or tensors.
-        An ALiBi layer's ``alibi_slopes`` may be left out (``nn.MultiheadAttention``'s
-        state_dict has none): the layer keeps its slopes."""
+        An ALiBi layer's ``alibi_slopes`` and a sinks layer's ``sinks`` may be left out
+        (``nn.MultiheadAttention``'s state_dict has neither): the layer keeps its values."""
         missing = [n for n in self.parameter_names()
-                   if n not in state_dict and n != "alibi_slopes"]
+                   if n not in state_dict and n not in ("alibi_slopes", "sinks")]
         unexpected = [n for n in state_dict if n not in self.parameter_names()]
         if missing or unexpected:
             raise KeyError(f"state_dict does not match the layer: missing {missing}, "
@@ -331,7 +341,8 @@ class Layer:
                         add_zero_attn: bool = False,
                         window: Optional[Tuple[int, int]] = None,
                         softcap: Optional[float] = None,
-                        alibi: Optional[bool] = None) -> "Layer":
+                        alibi: Optional[bool] = None,
+                        sinks: Optional[bool] = None) -> "Layer":
         """A layer from the parameters of ``nn.MultiheadAttention``, continuiti's
         ``MultiHeadAttention`` (``query_project``, ``key_project``, ``value_project``,
         ``out_project``) or the classic split-heads module (``w_q``, ``w_k``, ``w_v``,
@@ -340,7 +351,9 @@ class Layer:
         ``window``: a sliding window (left, right), ``softcap`` and ``alibi``, as ``Layer``'s;
         an ``alibi_slopes`` entry (a ``clmha.torch.MultiheadAttention``'s buffer) makes an ALiBi
         layer with those slopes (``alibi`` None: ALiBi exactly when the entry is there; True
-        without it: the geometric slopes; False with it: ValueError)."""
+        without it: the geometric slopes; False with it: ValueError); likewise a ``sinks``
+        entry (a ``clmha.torch.MultiheadAttention``'s parameter) makes a sinks layer with those
+        sinks (``sinks`` None: exactly when the entry is there; True without it: zeros)."""
         from ._state_dict import translate
 
         config, params = translate(state_dict, num_heads, prefix)
@@ -349,13 +362,18 @@ class Layer:
             alibi = has_slopes
         elif has_slopes and not alibi_flag(alibi):
             raise ValueError("the state_dict has alibi_slopes but alibi is False")
+        has_sinks = "sinks" in params
+        if sinks is None:
+            sinks = has_sinks
+        elif has_sinks and not sinks_flag(sinks):
+            raise ValueError("the state_dict has sinks but sinks is False")
         if batch_first is None:
             batch_first = config.pop("batch_first")
         else:
             config.pop("batch_first")
         layer = cls(num_heads=num_heads, context=context, dtype=dtype, batch_first=batch_first,
                     dropout=dropout, add_zero_attn=add_zero_attn, window=window,
-                    softcap=softcap, alibi=alibi, **config)
+                    softcap=softcap, alibi=alibi, sinks=sinks, **config)
         layer.load_state_dict(params)  # without alibi_slopes: the geometric ones
         return layer
 
@@ -774,8 +792,8 @@ class Layer:
         """The gradients of the forward call that filled ``saved``, from the output's gradient
         (and the weights', when that call returned them): a dict with ``query`` (``key``,
         ``value`` for inputs given separately; in self-attention ``query`` is the whole
-        gradient of the one tensor), each parameter by ``state_dict()`` name (but
-        ``alibi_slopes``, which has none), and float masks' ``attn_mask`` /
+        gradient of the one tensor), each parameter by ``state_dict()`` name (a sinks layer's
+        ``sinks`` too; not ``alibi_slopes``, which has none), and float masks' ``attn_mask`` /
         ``key_padding_mask``. float32 layers only (``clmha_layer_backward``).
 
         After a forward call on pyopencl arrays, ``grad_output`` (and ``grad_weights``) are
@@ -875,7 +893,8 @@ class Layer:
                 f"num_kv_heads={self.num_kv_heads}, dtype={self.dtype!r}"
                 + (f", window={self.window}" if self.window is not None else "")
                 + (f", softcap={self.softcap}" if self.softcap else "")
-                + (", alibi=True" if self.alibi else "") + ")")
+                + (", alibi=True" if self.alibi else "")
+                + (", sinks=True" if self.sinks else "") + ")")
 
 
 class _Keep:

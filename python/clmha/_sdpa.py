@@ -100,6 +100,13 @@ def alibi_flag(alibi) -> bool:
     return bool(alibi)
 
 
+def sinks_flag(sinks) -> bool:
+    """A layer's attention sinks on or off: a bool (TypeError otherwise)."""
+    if not isinstance(sinks, (bool, np.bool_)):
+        raise TypeError(f"sinks must be a bool, not {sinks!r}")
+    return bool(sinks)
+
+
 def alibi_slopes(num_heads: int) -> np.ndarray:
     """The ALiBi paper's slopes for ``num_heads`` heads as float32 (``clmha_alibi_slopes``):
     2**(-8 (h + 1) / H) for H a power of two, else those of the largest power of two P below H
@@ -164,14 +171,16 @@ class Call:
     (None or 0: off; c > 0: every scaled score s becomes c * tanh(s / c)), ``alibi`` (ALiBi:
     query head h at position i against key j gains -slope_h * |i - j|) and ``alibi_slopes``
     (with alibi: H slopes, a NumPy array or, for a device call, a float32 pyopencl array; None:
-    the geometric ones of ``alibi_slopes()``).
+    the geometric ones of ``alibi_slopes()``) and ``sinks`` (None, or attention sinks: H
+    logits, one per query head, each row's softmax denominator gaining exp(sinks_h - m) with a
+    zero value; a NumPy array or, for a device call, a float32 pyopencl array).
     """
 
     def __init__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                  scale=None, enable_gqa=False, *, seed: int = 0, offset: int = 0,
                  impl: str = "auto", context: Optional[Context] = None, kv_cache=None,
                  kv_append=None, layout: str = "NHLD", window=None, softcap=None,
-                 alibi: bool = False, alibi_slopes=None):
+                 alibi: bool = False, alibi_slopes=None, sinks=None):
         from ._layer import KVCache
 
         if kv_cache is not None and not isinstance(kv_cache, KVCache):
@@ -260,6 +269,9 @@ class Call:
         self.alibi_slopes = None
         if alibi_slopes is not None:
             self._set_slopes(alibi_slopes)
+        self.sinks = None
+        if sinks is not None:
+            self._set_sinks(sinks)
         c.impl = _IMPLS[impl]
         self.kv_cache = kv_cache  # kept alive while the call's struct points at it
         self.kv_append = None
@@ -292,33 +304,46 @@ class Call:
         array read where it is."""
         if not self.alibi:
             raise ValueError("alibi_slopes is given but alibi is False (pass alibi=True)")
+        self.alibi_slopes = self._per_head("alibi_slopes", slopes, self.c.alibi_slopes,
+                                           "one slope per query head")
+
+    def _set_sinks(self, sinks) -> None:
+        """The attention sinks (H), checked (ValueError: not H values), as the slopes."""
+        self.sinks = self._per_head("sinks", sinks, self.c.sinks, "one sink per query head")
+
+    def _heads(self) -> int:
         q = self.nhld[0]
-        heads = q[-3] if len(q) >= 3 else 1
-        if self.device and is_pyopencl_array(slopes):
-            device_f32(self.context, "alibi_slopes", slopes)
-            a = slopes
+        return q[-3] if len(q) >= 3 else 1
+
+    def _per_head(self, name: str, values, field, what: str):
+        """@p values (H floats: a NumPy array or sequence, or for a device call a float32
+        pyopencl array) checked and set into the clmha_tensor @p field."""
+        heads = self._heads()
+        if self.device and is_pyopencl_array(values):
+            device_f32(self.context, name, values)
+            a = values
         else:
-            if is_pyopencl_array(slopes) or not hasattr(slopes, "__array__") and not isinstance(
-                    slopes, (list, tuple)):
-                raise TypeError(f"alibi_slopes must be a numpy.ndarray (or a sequence of "
-                                f"floats) or None, not {type(slopes).__name__}")
-            a = np.asarray(slopes)
+            if is_pyopencl_array(values) or not hasattr(values, "__array__") and not isinstance(
+                    values, (list, tuple)):
+                raise TypeError(f"{name} must be a numpy.ndarray (or a sequence of "
+                                f"floats) or None, not {type(values).__name__}")
+            a = np.asarray(values)
             if a.dtype.kind not in "fiu":
-                raise TypeError(f"alibi_slopes must be floating point, not {a.dtype}")
+                raise TypeError(f"{name} must be floating point, not {a.dtype}")
             a = np.ascontiguousarray(a, np.float32)
         if tuple(a.shape) != (heads,):
-            raise ValueError(f"alibi_slopes has shape {tuple(a.shape)}; it must be (H,) = "
-                             f"({heads},), one slope per query head")
+            raise ValueError(f"{name} has shape {tuple(a.shape)}; it must be (H,) = "
+                             f"({heads},), {what}")
         if self.device:
             if not is_pyopencl_array(a):
                 import pyopencl.array as cla
 
                 a = cla.to_device(self.context.pyopencl_queue, a)
-            fill_device_shape(self.c.alibi_slopes, a, (heads,))
+            fill_device_shape(field, a, (heads,))
             self._keep(a)
         else:
-            _fill(self.c.alibi_slopes, a, (heads,))
-        self.alibi_slopes = a
+            _fill(field, a, (heads,))
+        return a
 
     @staticmethod
     def _check_host_input(name: str, a) -> None:
@@ -489,11 +514,14 @@ class Call:
         event_to(event, [a for a in (out, lse_a, w) if a is not None] + self.keep)
         return self._results(out, lse_a, w, lse, weights)
 
-    def backward(self, grad_output, want=(True, True, True, True), output=None, lse=None):
-        """(grad_query, grad_key, grad_value, grad_attn_mask): each None where ``want`` says no
-        (the mask's also without a float mask). A device call takes ``grad_output`` as a
-        pyopencl array, and optionally the forward's ``output`` (and ``lse``) instead of running
-        the forward again; it returns all three gradients (``want`` picks only the mask's)."""
+    def backward(self, grad_output, want=(True, True, True, True, True), output=None,
+                 lse=None):
+        """(grad_query, grad_key, grad_value, grad_attn_mask), and with sinks grad_sinks (H)
+        fifth: each None where ``want`` says no (the mask's also without a float mask). A
+        device call takes ``grad_output`` as a pyopencl array, and optionally the forward's
+        ``output`` (and ``lse``) instead of running the forward again; it returns all three
+        input gradients (``want`` picks only the mask's and the sinks')."""
+        want = tuple(want) + (True,) * (5 - len(want))
         if self.device:
             return self._backward_device(grad_output, want, output, lse)
         if output is not None or lse is not None:
@@ -517,7 +545,31 @@ class Call:
             self.context._ptr)
         out = [self._result(a) if a is not None else None for a in grads]
         out.append(self._mask_grad(gm) if gm is not None else None)
+        if self.sinks is not None:
+            out.append(self._sinks_grad_host(g) if want[4] else None)
         return tuple(out)
+
+    def _sinks_grad_host(self, g: np.ndarray) -> np.ndarray:
+        """The sinks' gradient of the host form (clmha_attention_backward_host has none): the
+        forward's output O and log-sum-exp rows (which include the sink) from the host forward
+        again, then what the device backward's sinks_grad computes, in float64:
+        dsinks_h = -sum over the rows (n, i) of head h of exp(sinks_h - lse) * (dO . O) (a sink
+        is one more logit with a zero value: its score's gradient is P_sink (0 - D))."""
+        out, lse = self.forward(lse=True)
+        o = np.asarray(out, np.float64)
+        go = np.asarray(g, np.float64)
+        if self.layout == "NLHD" and o.ndim >= 3:  # to (..., H, L, D_v), lse's order
+            o, go = np.swapaxes(o, -3, -2), np.swapaxes(go, -3, -2)
+        d = np.sum(o * go, axis=-1)  # (..., H, L)
+        lse = np.asarray(lse, np.float64)
+        heads = self._heads()
+        d = d.reshape(-1, heads, d.shape[-1]) if d.ndim >= 2 else d.reshape(1, 1, -1)
+        lse = lse.reshape(d.shape)
+        sinks = np.asarray(self.sinks, np.float64).reshape(1, heads, 1)
+        with np.errstate(over="ignore", invalid="ignore"):
+            p_sink = np.where(np.isfinite(lse), np.exp(sinks - lse), 0.0)
+        grad = -np.sum(np.where(d != 0.0, p_sink * d, 0.0), axis=(0, 2))
+        return self._result(grad.astype(np.float32))
 
     def _device_array(self, name: str, a, shape):
         if not is_pyopencl_array(a):
@@ -538,7 +590,9 @@ class Call:
                 raise ValueError("lse= needs output= too (the forward's results of this call)")
             # As the host form: the forward again, with the log-sum-exp rows where they let the
             # fused backward run.
-            need_lse = self.impl != "unfused" and not (want[3] and self.mask_float)
+            # The sinks' gradient needs the log-sum-exp rows whatever the core.
+            need_lse = (self.impl != "unfused" and not (want[3] and self.mask_float)) or (
+                self.sinks is not None and want[4])
             res = self.forward(lse=need_lse)
             output, lse = res if need_lse else (res, None)
         else:
@@ -563,13 +617,20 @@ class Call:
             if a is not None:
                 setattr(b, buf, mem(a))
                 setattr(b, off, elem_offset(a))
+        gs = None
+        if self.sinks is not None and want[4]:
+            if lse is None:
+                raise ValueError("the sinks' gradient needs lse= too (the forward's log-sum-exp "
+                                 "rows: the sinks' probabilities are exp(sinks - lse))")
+            gs = self._new((self._heads(),))
+            b.grad_sinks, b.grad_sinks_offset = mem(gs), elem_offset(gs)
         b.impl = _IMPLS[self.impl]
         reads = [output, go] + ([lse] if lse is not None else [])
         num_wait, waits = events_wait_list(self.wait + [e for a in reads for e in a.events])
         event = ffi.new("cl_event *")
         check(lib.clmha_attention_backward(self.context._ptr, b, num_wait, waits, event),
               self.context._ptr)
-        written = [a for a in grads + [gm] if a is not None]
+        written = [a for a in grads + [gm, gs] if a is not None]
         event_to(event, written + reads + self.keep)
         result = list(grads)
         if gm is None:
@@ -583,4 +644,6 @@ class Call:
 
             result.append(cla.to_device(self.context.pyopencl_queue,
                                         np.ascontiguousarray(self._mask_grad(gm.get()))))
+        if self.sinks is not None:
+            result.append(gs)
         return tuple(result)

@@ -6,8 +6,8 @@
   (``nn.Linear``, all with or all without bias).
 - the classic split-heads module: w_q, w_k, w_v, w_concat (``nn.Linear`` with bias).
 
-An ``alibi_slopes`` entry (the ALiBi slopes of a clmha layer or module) goes along with any of
-them under its own name.
+An ``alibi_slopes`` entry (the ALiBi slopes of a clmha layer or module) and a ``sinks`` entry
+(its attention sinks) go along with any of them under their own names.
 """
 
 from typing import Dict, Tuple
@@ -35,7 +35,7 @@ def name_set(names) -> str:
     """"torch", "continuiti" or "classic" for a set of parameter names (prefix removed)."""
     found = set()
     for n in names:
-        if n == "alibi_slopes":  # clmha's own, with any of them
+        if n in ("alibi_slopes", "sinks"):  # clmha's own, with any of them
             continue
         if n in _TORCH_NAMES:
             found.add("torch")
@@ -58,8 +58,9 @@ def translate(state_dict, num_heads: int, prefix: str = "") -> Tuple[dict, Dict[
         raise KeyError(f"no parameter name starts with the prefix {prefix!r}")
     kind = name_set(entries.keys())
     params = {}
-    if "alibi_slopes" in entries:
-        params["alibi_slopes"] = _array(entries.pop("alibi_slopes"))
+    for own in ("alibi_slopes", "sinks"):
+        if own in entries:
+            params[own] = _array(entries.pop(own))
     if kind == "torch":
         for k, v in entries.items():
             if k in _TORCH_NAMES:

@@ -35,7 +35,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  kv_append: Optional[Sequence[int]] = None,
                                  window: Optional[Tuple[int, int]] = None,
                                  softcap: Optional[float] = None, alibi: bool = False,
-                                 alibi_slopes=None
+                                 alibi_slopes=None, sinks=None
                                  ) -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
     """softmax(query · keyᵀ · scale + attn_mask) · value on clmha's OpenCL device, as PyTorch's
     ``F.scaled_dot_product_attention`` computes it.
@@ -90,6 +90,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     :param alibi_slopes: with alibi, the H slopes (an array (H,); a float32 pyopencl array in
         the device form); None: the geometric slopes of ``clmha.numpy.alibi_slopes(H)``. Given
         without alibi, or not (H,), it raises ValueError.
+    :param sinks: None, or attention sinks (gpt-oss's): an array (H,) (a float32 pyopencl
+        array in the device form), one logit per query head added to each row's softmax
+        denominator with a zero value: P_ij = exp(s_ij - m) / (exp(sinks_h - m) +
+        sum_j exp(s_ij - m)), so a row's weights sum below 1, the lse includes the sink, and a
+        fully masked row still gives zeros. Not (H,): ValueError.
     :returns: the output (..., H, L, D_v) (in the query's layout), or a tuple of it, the lse
         (with ``return_lse``) and the weights (with ``return_weights``), in that order.
 
@@ -115,7 +120,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 seed=seed, offset=offset, impl=impl, context=context, kv_cache=kv_cache,
                 kv_append=kv_append, layout=layout, window=window, softcap=softcap,
-                alibi=alibi, alibi_slopes=alibi_slopes)
+                alibi=alibi, alibi_slopes=alibi_slopes, sinks=sinks)
     return call.forward(lse=bool(return_lse), weights=bool(return_weights))
 
 
@@ -126,7 +131,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
                                           context: Optional[Context] = None, output=None,
                                           lse=None, window: Optional[Tuple[int, int]] = None,
                                           softcap: Optional[float] = None, alibi: bool = False,
-                                          alibi_slopes=None):
+                                          alibi_slopes=None, sinks=None):
     """The gradients of ``scaled_dot_product_attention`` (the same arguments, after
     ``grad_output``, the output's gradient (..., H, L, D_v)): ``(grad_query, grad_key,
     grad_value, grad_attn_mask)``, each in its input's shape; ``grad_attn_mask`` is None unless
@@ -134,7 +139,11 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     along). The forward pass runs again (the dropout replayed from ``seed`` and ``offset``);
     with enable_gqa a key/value head's gradient sums its query heads'. A fully masked query
     row gives zero gradients. ``window``, ``softcap``, ``alibi`` and ``alibi_slopes``: the
-    forward's, as there (the slopes get no gradient).
+    forward's, as there (the slopes get no gradient). ``sinks``: the forward's; given, the
+    result has a fifth entry, ``grad_sinks`` (H,) (clmha_attention_backward_host has no sinks
+    output: the host form runs the host forward once more for its output and lse and computes
+    -sum over each head's rows of exp(sinks_h - lse) * (grad_output . output) in float64, what
+    the device backward's grad_sinks computes).
 
     **Device form** (pyopencl query, key, value and grad_output, as the forward's device form):
     ``clmha_attention_backward`` on the arrays' buffers; the gradients are new float32 pyopencl
@@ -142,12 +151,15 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     be expanded it is summed back on the host, which waits for the call, and uploaded).
     ``output`` (and ``lse``): the forward's results of this same call (pyopencl arrays), which
     spare the forward's second run; with ``lse`` the fused core's backward runs (impl "auto"),
-    without it the unfused one. Without ``output`` the forward runs again first, with its lse
+    without it the unfused one. With sinks the device form's ``grad_sinks`` is
+    ``clmha_attention_backward``'s (a new pyopencl array), which needs the lse: ``output``
+    without ``lse`` is then a ValueError. Without ``output`` the forward runs again first, with its lse
     unless impl is "unfused" or a float mask's gradient is wanted (as the host form does).
     NumPy arrays take no ``output``/``lse`` (ValueError)."""
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 seed=seed, offset=offset, impl=impl, context=context, layout=layout,
-                window=window, softcap=softcap, alibi=alibi, alibi_slopes=alibi_slopes)
+                window=window, softcap=softcap, alibi=alibi, alibi_slopes=alibi_slopes,
+                sinks=sinks)
     return call.backward(grad_output, output=output, lse=lse)
 
 

@@ -172,8 +172,12 @@ class MultiheadAttention(nn.MultiheadAttention):
     may be changed later), ``alibi`` (ALiBi: query head h at position i against key j gains
     -slope_h * |i - j|, the appended keys none; the slopes are the buffer ``alibi_slopes`` (H),
     in ``state_dict()``, starting as ``clmha.alibi_slopes(H)``: a buffer, as it gets no
-    gradient; ``load_state_dict`` of a state_dict without it, PyTorch's module's, keeps it) and ``context`` (a ``clmha.Context``; default: ``$CLMHA_DEVICE`` or the first
-    GPU, else the first OpenCL device).
+    gradient; ``load_state_dict`` of a state_dict without it, PyTorch's module's, keeps it),
+    ``sinks`` (attention sinks, gpt-oss's: the parameter ``sinks`` (H), zeros at creation, in
+    ``state_dict()`` and with a gradient; one logit per head in each row's softmax denominator
+    with a zero value; ``load_state_dict`` without it keeps it) and ``context`` (a
+    ``clmha.Context``; default: ``$CLMHA_DEVICE`` or the first GPU, else the first OpenCL
+    device).
 
     Gradients flow to query, key, value, every parameter and a float attn_mask or
     key_padding_mask through clmha's backward pass (float32 modules). Differences from PyTorch:
@@ -197,14 +201,14 @@ class MultiheadAttention(nn.MultiheadAttention):
                  batch_first: bool = False, device=None, dtype=None, *,
                  num_kv_heads: Optional[int] = None, context: Optional[Context] = None,
                  window: Optional[Tuple[int, int]] = None, softcap: Optional[float] = None,
-                 alibi: bool = False):
+                 alibi: bool = False, sinks: bool = False):
         """Arguments as ``torch.nn.MultiheadAttention``'s (``device`` must be None or "cpu";
         ``dtype`` float32, float64, float16 or bfloat16), plus ``num_kv_heads`` (key/value
         heads for grouped-query attention, dividing num_heads; default num_heads), ``context``
         (the ``clmha.Context`` to run on; default ``clmha.default_context()``), ``window``
         (None, or a sliding window (left, right), -1 leaving a side unbounded), ``softcap``
-        (None or 0: off, else c > 0) and ``alibi`` (a bool: registers the buffer
-        ``alibi_slopes``)."""
+        (None or 0: off, else c > 0), ``alibi`` (a bool: registers the buffer
+        ``alibi_slopes``) and ``sinks`` (a bool: registers the parameter ``sinks``, zeros)."""
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device={device!r}: clmha.torch modules hold CPU tensors (clmha "
                              f"runs them on its OpenCL device: pass context=)")
@@ -213,6 +217,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         window = _sdpa.window_bounds(window)
         softcap = _sdpa.softcap_value(softcap)
         alibi = _sdpa.alibi_flag(alibi)
+        sinks = _sdpa.sinks_flag(sinks)
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias,
                          add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim,
                          vdim=vdim, batch_first=batch_first, device=device, dtype=dtype)
@@ -228,6 +233,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         self.alibi = alibi
         if alibi:
             self._make_slopes()
+        # Like bias_k: the parameter, or None without sinks (then not in state_dict()).
+        self.register_parameter("sinks", nn.Parameter(torch.zeros(
+            num_heads, dtype=self.out_proj.weight.dtype)) if sinks else None)
         self._clmha = None
         self._clmha_key = None
         self._clmha_versions = {}
@@ -261,17 +269,19 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # A state_dict without alibi_slopes (nn.MultiheadAttention's) keeps the module's slopes.
+        # A state_dict without alibi_slopes or sinks (nn.MultiheadAttention's) keeps the
+        # module's.
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        key = prefix + "alibi_slopes"
-        if key in missing_keys and key not in state_dict:
-            missing_keys.remove(key)
+        for key in (prefix + "alibi_slopes", prefix + "sinks"):
+            if key in missing_keys and key not in state_dict:
+                missing_keys.remove(key)
 
     def _param_names(self) -> Tuple[str, ...]:
         names = ["in_proj_weight"] if self.in_proj_weight is not None else [
             "q_proj_weight", "k_proj_weight", "v_proj_weight"]
-        names += [n for n in ("in_proj_bias", "bias_k", "bias_v") if getattr(self, n) is not None]
+        names += [n for n in ("in_proj_bias", "bias_k", "bias_v", "sinks")
+                  if getattr(self, n, None) is not None]
         names.append("out_proj.weight")
         if self.out_proj.bias is not None:
             names.append("out_proj.bias")
@@ -292,8 +302,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         alibi = _sdpa.alibi_flag(self.alibi)
         if alibi and getattr(self, "alibi_slopes", None) is None:
             self._make_slopes()  # alibi switched on after construction
+        sinks = getattr(self, "sinks", None) is not None
         key = (dtype, float(self.dropout), bool(self.batch_first), bool(self.add_zero_attn),
-               id(self.context), window, softcap, alibi)
+               id(self.context), window, softcap, alibi, sinks)
         if self._clmha is None or key != self._clmha_key:
             self._clmha = Layer(self.embed_dim, self.num_heads, dropout=float(self.dropout),
                                 bias=self.in_proj_bias is not None,
@@ -301,7 +312,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                                 add_zero_attn=self.add_zero_attn, kdim=self.kdim, vdim=self.vdim,
                                 batch_first=self.batch_first, num_kv_heads=self.num_kv_heads,
                                 dtype=dtype, window=window, softcap=softcap, alibi=alibi,
-                                context=self.context)
+                                sinks=sinks, context=self.context)
             self._clmha_key = key
             self._clmha_versions = {}
         layer = self._clmha
@@ -381,7 +392,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         ``MultiHeadAttention`` (query_project, ..., out_project) a ``ContinuitiAttention``;
         the classic split-heads module (w_q, w_k, w_v, w_concat) a ``SplitHeadsAttention``.
         A module's ``window``, ``softcap`` and ``alibi`` attributes (a clmha module's) come
-        along, and its ``alibi_slopes`` with its ``state_dict()``."""
+        along, and its ``alibi_slopes`` and ``sinks`` with its ``state_dict()``."""
         if isinstance(module, nn.MultiheadAttention):
             m = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
                     bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
@@ -390,7 +401,8 @@ class MultiheadAttention(nn.MultiheadAttention):
                     num_kv_heads=getattr(module, "num_kv_heads", None), context=context,
                     window=getattr(module, "window", None),
                     softcap=getattr(module, "softcap", None),
-                    alibi=bool(getattr(module, "alibi", False)))
+                    alibi=bool(getattr(module, "alibi", False)),
+                    sinks=getattr(module, "sinks", None) is not None)
             m.load_state_dict(module.state_dict())
             return m.train(module.training)
         heads = num_heads or getattr(module, "n_heads", None) or getattr(module, "n_head", None)
@@ -541,10 +553,11 @@ class _SdpaCall:
                           alibi_slopes=alibi_slopes)
         self.grad_enabled = torch.is_grad_enabled()  # when the call is made, outside apply()
 
-    def c_call(self, query, key, value, attn_mask) -> _sdpa.Call:
+    def c_call(self, query, key, value, attn_mask, sinks=None) -> _sdpa.Call:
         return _sdpa.Call(_sdpa_host(query, "query"), _sdpa_host(key, "key"),
                           _sdpa_host(value, "value"), _sdpa_mask(attn_mask), **self.options,
-                          **self.extra)
+                          **self.extra,
+                          sinks=None if sinks is None else _sdpa_host(sinks, "sinks"))
 
 
 def _sdpa_save(ctx, *tensors) -> None:
@@ -556,25 +569,27 @@ class _SdpaFunction(torch.autograd.Function):
     """clmha_attention_forward_host, with clmha_attention_backward_host as its gradient."""
 
     @staticmethod
-    def forward(ctx, call: _SdpaCall, query, key, value, attn_mask):
-        out = call.c_call(query, key, value, attn_mask).forward()
+    def forward(ctx, call: _SdpaCall, query, key, value, attn_mask, sinks=None):
+        out = call.c_call(query, key, value, attn_mask, sinks).forward()
         ctx.call = call
         if call.grad_enabled:  # under torch.no_grad() no graph is recorded: save nothing
-            _sdpa_save(ctx, query, key, value, attn_mask)
+            _sdpa_save(ctx, query, key, value, attn_mask, sinks)
         return torch.from_numpy(out).to(query.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
-        query, key, value, attn_mask = ctx.saved_tensors
+        query, key, value, attn_mask, sinks = ctx.saved_tensors
         need = ctx.needs_input_grad[1:]
         want = (need[0], need[1], need[2],
-                need[3] and attn_mask is not None and attn_mask.is_floating_point())
-        grads = ctx.call.c_call(query, key, value, attn_mask).backward(
+                need[3] and attn_mask is not None and attn_mask.is_floating_point(),
+                need[4] and sinks is not None)
+        grads = ctx.call.c_call(query, key, value, attn_mask, sinks).backward(
             _sdpa_host(grad_output, "grad_output"), want)
+        grads = tuple(grads) + (None,) * (5 - len(grads))
         return (None,) + tuple(
             torch.from_numpy(g).to(t.dtype) if g is not None else None
-            for g, t in zip(grads, (query, key, value, attn_mask)))
+            for g, t in zip(grads, (query, key, value, attn_mask, sinks)))
 
 
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
@@ -586,7 +601,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  kv_append: Optional[Sequence[int]] = None,
                                  window: Optional[Tuple[int, int]] = None,
                                  softcap: Optional[float] = None, alibi: bool = False,
-                                 alibi_slopes: Optional[Tensor] = None) -> Tensor:
+                                 alibi_slopes: Optional[Tensor] = None,
+                                 sinks: Optional[Tensor] = None) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` (torch 2.5's signature and
     semantics) computed by clmha on its OpenCL device, with clmha's backward pass as its
     gradient.
@@ -609,7 +625,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     ValueError), ``alibi`` (ALiBi: query head h at position i, as the window's, against key j
     gains -slope_h * |i - j|) and ``alibi_slopes`` (with alibi: a tensor (H,) of slopes,
     which gets no gradient; None: ``clmha.alibi_slopes(H)``, the geometric ones; given
-    without alibi or not (H,): ValueError).
+    without alibi or not (H,): ValueError) and ``sinks`` (None, or attention sinks, gpt-oss's:
+    a tensor (H,), one logit per query head in each row's softmax denominator with a zero
+    value, so a row's weights sum below 1 and a fully masked row still gives zeros; autograd
+    gives it a gradient when it requires grad; not (H,): ValueError).
 
     KV cache (incremental decoding, as FlashAttention's ``flash_attn_with_kvcache``): with
     ``kv_cache=clmha.KVCache.for_attention(N, H_kv, D, capacity)``, key and value are the new
@@ -662,20 +681,25 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
             raise TypeError(f"alibi_slopes must be a torch.Tensor or None, not "
                             f"{type(alibi_slopes).__name__}")
         alibi_slopes = _cpu(alibi_slopes, "alibi_slopes").to(torch.float32).contiguous().numpy()
+    if sinks is not None:
+        if not isinstance(sinks, Tensor):
+            raise TypeError(f"sinks must be a torch.Tensor or None, not {type(sinks).__name__}")
+        if not sinks.is_floating_point():
+            raise TypeError(f"sinks must be floating point, not {sinks.dtype}")
     # the dropout's Philox seed, drawn from torch's generator per call (as the module's)
     seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
     call = _SdpaCall(dropout_p, bool(is_causal), scale, bool(enable_gqa), seed, impl, context,
                      kv_cache, kv_append, window, softcap, alibi, alibi_slopes)
     grad = call.grad_enabled and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_mask))
+        t is not None and t.requires_grad for t in (query, key, value, attn_mask, sinks))
     if grad and kv_cache is not None:
         raise RuntimeError("scaled_dot_product_attention with kv_cache has no backward pass, "
                            "but an input requires grad: detach the inputs or call it under "
                            "torch.no_grad()")
     if not grad:
-        out = call.c_call(query, key, value, attn_mask).forward()
+        out = call.c_call(query, key, value, attn_mask, sinks).forward()
         return torch.from_numpy(out).to(query.dtype)
-    return _SdpaFunction.apply(call, query, key, value, attn_mask)
+    return _SdpaFunction.apply(call, query, key, value, attn_mask, sinks)
 
 
 def export(module: nn.Module, path, *, num_heads: Optional[int] = None) -> None:
@@ -683,7 +707,7 @@ def export(module: nn.Module, path, *, num_heads: Optional[int] = None) -> None:
     clmha.torch module) as a clmha layer file (``.safetensors``), readable by
     ``clmha run --layer``, ``clmha_layer_load()`` and ``clmha.Layer.load()``; a clmha module's
     ``window``, ``softcap`` and ``alibi`` go into the file's metadata, its ``alibi_slopes``
-    into the file as a tensor."""
+    (and ``sinks``, where the layer file format carries them) into the file as tensors."""
     heads = num_heads or getattr(module, "num_heads", None) or getattr(module, "n_heads", None) \
         or getattr(module, "n_head", None)
     if heads is None:

@@ -124,7 +124,7 @@ def alibi_bias(slopes, L, S, offset=0):
 
 
 def sdpa_ref(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, keep=None,
-             dropout_p=0.0, window=None, softcap=0.0, alibi_slopes=None):
+             dropout_p=0.0, window=None, softcap=0.0, alibi_slopes=None, sinks=None):
     """PyTorch's scaled_dot_product_attention written out in torch ops (1.13 has none):
     softmax(q kᵀ·scale + mask) v, autograd following it (pass float64 tensors for the float64
     formula). A bool mask is True = may attend; is_causal masks key j > query i (top-left);
@@ -132,7 +132,9 @@ def sdpa_ref(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fa
     window_keep() as one more bool mask. ``keep``: the dropout's kept weights (bool,
     (..., H, L, S)), scaled by 1/(1 - dropout_p). ``softcap`` c > 0: the scaled scores s become
     c·tanh(s/c) first; ``alibi_slopes`` (H values): alibi_bias() added next, before the
-    masks."""
+    masks. ``sinks`` (H values, a tensor for its gradient, or an array): one more logit per
+    head appended to each row of scores, after the masks, with a zero value: the softmax over
+    [scores, sink] with the sink's column dropped (a fully masked row: zeros)."""
     import torch
     if enable_gqa:
         r = q.size(-3) // k.size(-3)
@@ -155,7 +157,14 @@ def sdpa_ref(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fa
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask
-    p = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        st = sinks if torch.is_tensor(sinks) else torch.from_numpy(
+            np.asarray(sinks, np.float64))
+        col = st.to(scores.dtype).reshape((-1, 1, 1) if q.dim() > 2 else (1, 1))
+        col = col.expand(scores.shape[:-1] + (1,))
+        p = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(scores, dim=-1)
     if keep is not None:
         p = p * keep / (1 - dropout_p)
     return p @ v
@@ -208,14 +217,16 @@ def torch_grads(m, q, k, v, kpm, am, gout, gw, need_weights=True, self_attention
 
 
 def mha_ref(m, q, k=None, v=None, *, key_padding_mask=None, attn_mask=None, is_causal=False,
-            window=None, softcap=0.0, alibi_slopes=None, need_weights=True,
+            window=None, softcap=0.0, alibi_slopes=None, sinks=None, need_weights=True,
             average_attn_weights=True, grad_output=None, grad_weights=None):
     """nn.MultiheadAttention's forward (eval, PyTorch 2.x's mask semantics) written out in
     float64 torch ops, with clmha's score variants: the scaled scores s of every key (the keys
     of add_bias_kv and add_zero_attn too) become softcap·tanh(s/softcap), then the real keys get
     ALiBi's -slope_h·|i - j| (alibi_slopes: H values), then the masks (key_padding_mask (N, S) /
     attn_mask (L, S) or (N*H, L, S): bool True = may NOT attend, or float; is_causal; the
-    window (left, right)) over the real keys, then the softmax. @p m gives the configuration
+    window (left, right)) over the real keys, then the softmax, over one more logit per head
+    with a zero value with sinks (@p sinks, H values, or the module's parameter ``sinks``: a
+    row's weights sum below 1, a fully masked row gives zeros). @p m gives the configuration
     and the parameters (nn.MultiheadAttention or clmha.torch.MultiheadAttention, GQA included:
     its k/v_proj_weight rows are num_kv_heads heads, query head h reading head h // (H/G)).
     NumPy inputs (k None: self-attention). Returns (output, weights or None, gradients): the
@@ -280,7 +291,15 @@ def mha_ref(m, q, k=None, v=None, *, key_padding_mask=None, attn_mask=None, is_c
     if window is not None:
         bias = bias.masked_fill(torch.from_numpy(~window_keep(L, S, window)), -math.inf)
     s = s + torch.cat([bias, torch.zeros(N, H, L, Sp - S, dtype=torch.float64)], dim=-1)
-    W = torch.softmax(s, dim=-1)
+    own_sinks = None
+    if sinks is not None:
+        own_sinks = t64(sinks).requires_grad_()
+    sink = own_sinks if own_sinks is not None else P.get("sinks")
+    if sink is not None:  # the softmax over [scores, sink], the sink's column dropped
+        col = sink.reshape(1, H, 1, 1).expand(N, H, L, 1)
+        W = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1]
+    else:
+        W = torch.softmax(s, dim=-1)
     A = (W @ V).permute(2, 0, 1, 3).reshape(L, N, E)
     out = A @ P["out_proj.weight"].T
     if "out_proj.bias" in P:
@@ -306,4 +325,6 @@ def mha_ref(m, q, k=None, v=None, *, key_padding_mask=None, attn_mask=None, is_c
         for n, t in masks.items():
             if t is not None and t.requires_grad:
                 grads[n] = t.grad.numpy()
+        if own_sinks is not None:
+            grads["sinks"] = own_sinks.grad.numpy()
     return out.detach().numpy(), (None if w is None else w.detach().numpy()), grads

@@ -617,7 +617,8 @@ Test(kv_cache, errors, .timeout = 300) {
 // neither), and so are causal cases with a separate key (top-left alignment with L != S), and
 // windowed or ALiBi cases other than causal self-attention (a query row's position is the
 // cached length + i: with the whole key cached first it would not be the one-shot call's i;
-// in causal self-attention token t sits at position t in both). Soft-capping feeds as it is.
+// in causal self-attention token t sits at position t in both). Soft-capping and sinks feed as
+// they are.
 static void golden_feed(clmha_context *ctx, const char *name, size_t chunk, size_t *fed,
                         double *worst) {
     golden_case gc;

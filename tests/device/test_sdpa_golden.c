@@ -5,12 +5,13 @@
 //     the log-sum-exp rows) and CLMHA_IMPL_UNFUSED (output and the weights);
 //   - clmha_attention_backward_host() (dq, dk, dv and a float mask's gradient);
 //   - clmha_attention_forward() + clmha_attention_backward() on device buffers with the
-//     forward's lse and CLMHA_IMPL_FUSED (the fused core's backward: dq, dk, dv).
+//     forward's lse and CLMHA_IMPL_FUSED (the fused core's backward: dq, dk, dv, and with sinks
+//     grad_sinks, from the lse; clmha_attention_backward_host() has no sinks gradient).
 // Each result's max abs error against the float64 golden must be at most
 // TOLERANCE * (1 + max|golden|) (float32 compute, unit-scale inputs). A device that keeps the
 // fused core from a case (Mesa llvmpipe's loop limit: CLMHA_UNSUPPORTED naming it) skips the
 // fused turns, said on the log. One line per case and a summary go to stderr:
-//   sdpa golden: <case> output ... lse ... weights ... dq ... dk ... dv ... dmask ...
+//   sdpa golden: <case> output ... lse ... weights ... dq ... dk ... dv ... dmask ... dsinks ...
 //   sdpa golden: N cases, M checks, worst output ..., lse ..., ...
 #include <criterion/criterion.h>
 
@@ -32,11 +33,12 @@ static const char *const case_names[] = {
 #define NUM_CASES (sizeof case_names / sizeof *case_names)
 
 // The quantities compared, by the golden tensor that holds each.
-enum { Q_OUT, Q_LSE, Q_W, Q_DQ, Q_DK, Q_DV, Q_DMASK, NUM_Q };
-static const char *const q_tensor[NUM_Q] = {"output",   "lse",      "weights",       "grad.query",
-                                            "grad.key", "grad.value", "grad.attn_mask"};
+enum { Q_OUT, Q_LSE, Q_W, Q_DQ, Q_DK, Q_DV, Q_DMASK, Q_DSINKS, NUM_Q };
+static const char *const q_tensor[NUM_Q] = {"output",   "lse",        "weights",
+                                            "grad.query", "grad.key", "grad.value",
+                                            "grad.attn_mask", "grad.sinks"};
 static const char *const q_label[NUM_Q] = {"output", "lse", "weights", "dq",
-                                           "dk",     "dv",  "dmask"};
+                                           "dk",     "dv",  "dmask",   "dsinks"};
 
 // The worst error of each quantity in the current case (-1: not checked) and over the run.
 static double case_worst[NUM_Q], run_worst[NUM_Q];
@@ -113,6 +115,7 @@ static clmha_attention_args args_of(const golden_case *gc) {
     a.softcap = gc->softcap;
     a.alibi = gc->alibi;
     a.alibi_slopes = golden_host_tensor(golden_find(gc, "alibi_slopes"));  // ndim 0: geometric
+    a.sinks = golden_host_tensor(golden_find(gc, "sinks"));                // ndim 0: none
     return a;
 }
 
@@ -185,9 +188,12 @@ static cl_mem upload(clmha_context *ctx, const void *data, size_t bytes) {
     return m;
 }
 
-// The buffers of a device call: query, key, value, mask, ALiBi slopes, output, lse,
-// grad_output, dq, dk, dv.
-enum { B_Q, B_K, B_V, B_MASK, B_SLOPES, B_OUT, B_LSE, B_DOUT, B_DQ, B_DK, B_DV, NUM_B };
+// The buffers of a device call: query, key, value, mask, ALiBi slopes, sinks, output, lse,
+// grad_output, dq, dk, dv, dsinks.
+enum {
+    B_Q, B_K, B_V, B_MASK, B_SLOPES, B_SINKS, B_OUT, B_LSE, B_DOUT, B_DQ, B_DK, B_DV, B_DSINKS,
+    NUM_B
+};
 
 // The device forward with lse and the fused backward with it.
 static void backward_device_fused(clmha_context *ctx, const golden_case *gc) {
@@ -214,6 +220,14 @@ static void backward_device_fused(clmha_context *ctx, const golden_case *gc) {
         b[B_SLOPES] = upload(ctx, slopes->f32, slopes->count * sizeof(float));
         a.alibi_slopes.buffer = b[B_SLOPES];
     }
+    const golden_tensor *sinks = golden_find(gc, "sinks");
+    if (sinks) {  // and its gradient, from the forward's lse
+        b[B_SINKS] = upload(ctx, sinks->f32, sinks->count * sizeof(float));
+        a.sinks.buffer = b[B_SINKS];
+        float *nan = nan_floats(sinks->count);
+        b[B_DSINKS] = upload(ctx, nan, sinks->count * sizeof(float));
+        free(nan);
+    }
     const golden_tensor *g = golden_find(gc, "grad_output");
     float *zeros = calloc(g->count + count_of(gc, "lse"), sizeof(float));
     cr_assert(zeros);
@@ -228,20 +242,23 @@ static void backward_device_fused(clmha_context *ctx, const golden_case *gc) {
     clmha_attention_backward_args ba = {
         .struct_size = sizeof ba, .forward = &a, .output = b[B_OUT], .lse = b[B_LSE],
         .grad_output = b[B_DOUT], .grad_query = b[B_DQ], .grad_key = b[B_DK],
-        .grad_value = b[B_DV], .impl = CLMHA_IMPL_FUSED};
+        .grad_value = b[B_DV], .grad_sinks = b[B_DSINKS], .impl = CLMHA_IMPL_FUSED};
     cl_event done = NULL;
     st = clmha_attention_backward(ctx, &ba, 0, NULL, &done);
     cr_assert_eq(st, CLMHA_SUCCESS, "%s: backward (fused): %s", gc->name,
                  clmha_context_last_error(ctx));
     cr_assert_eq(clWaitForEvents(1, &done), CL_SUCCESS);
     clReleaseEvent(done);
-    for (int i = 0; i < 3; ++i) {
-        size_t n = count_of(gc, q_tensor[Q_DQ + i]);
+    for (int i = 0; i < 4; ++i) {
+        int q = i < 3 ? Q_DQ + i : Q_DSINKS;
+        cl_mem from = i < 3 ? b[B_DQ + i] : b[B_DSINKS];
+        if (!from) continue;  // no sinks
+        size_t n = count_of(gc, q_tensor[q]);
         float *got = alloc_floats(n);
-        cl_int err = clEnqueueReadBuffer(clmha_context_cl_queue(ctx), b[B_DQ + i], CL_TRUE, 0,
+        cl_int err = clEnqueueReadBuffer(clmha_context_cl_queue(ctx), from, CL_TRUE, 0,
                                          n * sizeof(float), got, 0, NULL, NULL);
         cr_assert_eq(err, CL_SUCCESS, "clEnqueueReadBuffer: %d", (int)err);
-        check(gc, Q_DQ + i, "device backward FUSED with lse", got);
+        check(gc, q, "device backward FUSED with lse", got);
         free(got);
     }
     for (int i = 0; i < NUM_B; ++i)
@@ -283,8 +300,10 @@ Test(sdpa_golden, pytorch_float64, .timeout = 900) {
     }
     fprintf(stderr,
             "sdpa golden: %zu cases, %zu checks, worst output %.1e, lse %.1e, weights %.1e, "
-            "dq %.1e, dk %.1e, dv %.1e, dmask %.1e (bound %.0e * (1 + max|golden|))\n",
+            "dq %.1e, dk %.1e, dv %.1e, dmask %.1e, dsinks %.1e (bound %.0e * (1 + "
+            "max|golden|))\n",
             cases, checks_run, run_worst[Q_OUT], run_worst[Q_LSE], run_worst[Q_W],
-            run_worst[Q_DQ], run_worst[Q_DK], run_worst[Q_DV], run_worst[Q_DMASK], TOLERANCE);
+            run_worst[Q_DQ], run_worst[Q_DK], run_worst[Q_DV], run_worst[Q_DMASK],
+            run_worst[Q_DSINKS], TOLERANCE);
     clmha_context_release(ctx);
 }

@@ -180,7 +180,7 @@ static bool parse_window(loader *ld) {
     return true;
 }
 
-// Optional, after the window: softcap <c> (finite, > 0), then alibi.
+// Optional, after the window: softcap <c> (finite, > 0), then alibi, then sinks.
 static bool parse_variants(loader *ld) {
     golden_case *gc = ld->gc;
     if (next_is(&ld->lx, "softcap")) {
@@ -193,6 +193,10 @@ static bool parse_variants(loader *ld) {
     if (next_is(&ld->lx, "alibi")) {
         if (!expect_word(ld, "alibi")) return false;
         gc->alibi = true;
+    }
+    if (next_is(&ld->lx, "sinks")) {
+        if (!expect_word(ld, "sinks")) return false;
+        gc->sinks = true;
     }
     return true;
 }
@@ -405,7 +409,8 @@ static bool parse_layer_call(loader *ld) {
             return false;
         }
     }
-    // Optional: window <left> <right> (a sliding window), then softcap <c> and alibi, last.
+    // Optional: window <left> <right> (a sliding window), then softcap <c>, alibi and sinks,
+    // last.
     if (!parse_window(ld) || !parse_variants(ld)) return false;
 
     if (!expect_word(ld, "call") || !key_bool(ld, "need_weights", &gc->need_weights) ||
@@ -458,6 +463,36 @@ static bool check_slopes(loader *ld) {
     }
     if (s->dtype != GOLDEN_F32 || s->ndim != 1 || s->shape[0] != heads) {
         fail(ld, "tensor alibi_slopes must be f32 of shape (%zu), one slope per head", heads);
+        return false;
+    }
+    return true;
+}
+
+// The attention sinks: the tensor sinks exactly with sinks, f32, (H) (the heads as for the
+// slopes), and its gradient grad.sinks, f64 of the same shape, in a file with gradients.
+static bool check_sinks(loader *ld) {
+    golden_case *gc = ld->gc;
+    const golden_tensor *s = golden_find(gc, "sinks");
+    const golden_tensor *g = golden_find(gc, "grad.sinks");
+    if (!gc->sinks) {
+        if (s || g)
+            fail(ld, "tensor %s present but the case has no sinks", s ? "sinks" : "grad.sinks");
+        return !s && !g;
+    }
+    size_t heads = gc->num_heads;
+    if (gc->sdpa) {
+        const golden_tensor *q = golden_find(gc, "query");
+        heads = q && q->ndim >= 3 ? q->shape[q->ndim - (gc->sdpa_nlhd ? 2 : 3)] : 0;
+    }
+    if (!s || s->dtype != GOLDEN_F32 || s->ndim != 1 || s->shape[0] != heads) {
+        fail(ld, "tensor sinks must be present, f32 of shape (%zu), one sink per head", heads);
+        return false;
+    }
+    bool grads = golden_find(gc, "grad.query") != NULL;
+    if (grads != (g != NULL) || (g && (g->dtype != GOLDEN_F64 || g->ndim != 1 ||
+                                       g->shape[0] != heads))) {
+        fail(ld, "tensor grad.sinks must be present exactly with the other gradients, f64 of "
+                 "shape (%zu)", heads);
         return false;
     }
     return true;
@@ -577,7 +612,7 @@ static bool parse_body(loader *ld) {
 
     ld->lx.tline = 0;  // the checks below concern the whole file, not a line
     if (!check_mask(ld, "key_padding_mask", gc->kpm) || !check_mask(ld, "attn_mask", gc->attn) ||
-        !check_slopes(ld))
+        !check_slopes(ld) || !check_sinks(ld))
         return false;
     return gc->sdpa ? check_sdpa(ld) : check_layer(ld);
 }

@@ -5,7 +5,7 @@
 //   case <name>
 //   layer embed_dim <E> num_heads <H> kdim <K> vdim <V> bias <0|1> add_bias_kv <0|1>
 //         add_zero_attn <0|1> batch_first <0|1> dropout <p> [num_kv_heads <G>]
-//         [dtype <f16|bf16|f64>] [window <left> <right>] [softcap <c>] [alibi]
+//         [dtype <f16|bf16|f64>] [window <left> <right>] [softcap <c>] [alibi] [sinks]
 //   call need_weights <0|1> per_head_weights <0|1> is_causal <0|1> training <0|1>
 //        kpm <kind> attn <kind> attn_per_batch <0|1>
 //   tensor <name> <f32|u8|f64> <ndim> <d0> ... <dn-1>
@@ -39,7 +39,12 @@
 // alibi_slopes (H), among the parameters of a layer case (set with clmha_layer_set_parameter())
 // or after the inputs of an SDPA case (clmha_attention_args::alibi_slopes); without it the
 // case uses the geometric slopes of clmha_alibi_slopes(), a layer's default. The loader checks
-// that alibi_slopes appears only with alibi, f32, of shape (H).
+// that alibi_slopes appears only with alibi, f32, of shape (H). Last, sinks (attention sinks,
+// clmha_layer_desc::sinks / clmha_attention_args::sinks: one logit per head in each row's
+// softmax denominator with a zero value): the case then holds the f32 tensor sinks (H), among
+// the parameters of a layer case (clmha_layer_set_parameter()) or after the inputs of an SDPA
+// case, and with its gradients grad.sinks (f64, (H)); the loader checks both (and that neither
+// appears without sinks).
 //
 // dtype f64 marks a float64 layer case (tests/golden/f64_cases.inc), forward only too: its
 // parameters, query/key/value and float masks are f64 tensors (doubles that float32 cannot
@@ -50,7 +55,7 @@
 // clmha_attention_forward/_backward) has one `sdpa` line in place of the layer and call lines:
 //
 //   sdpa layout <nhld|nlhd> is_causal <0|1> scale <s> enable_gqa <0|1> attn <kind>
-//        [window <left> <right>] [softcap <c>] [alibi]
+//        [window <left> <right>] [softcap <c>] [alibi] [sinks]
 //
 // (scale 0: 1/sqrt(D); attn none, bool_attend or float), and the tensors query, key, value
 // (f32, in the layout; 3-D when unbatched), attn_mask (u8 or f32 by kind, its own shape),
@@ -119,6 +124,7 @@ typedef struct golden_case {
     // none; the slopes are the tensor alibi_slopes when present, else the geometric ones.
     double softcap;
     bool alibi;
+    bool sinks;  // attention sinks: the tensor sinks (H) holds them
     // call
     bool need_weights, per_head_weights, is_causal, training;
     golden_mask_kind kpm, attn;

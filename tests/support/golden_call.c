@@ -18,7 +18,7 @@ const size_t golden_num_cases = sizeof golden_case_names / sizeof *golden_case_n
 
 static const char *const param_names[] = {
     "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v", "alibi_slopes",
+    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v", "alibi_slopes", "sinks",
 };
 #define NUM_PARAM_NAMES (sizeof param_names / sizeof *param_names)
 
@@ -106,6 +106,7 @@ void golden_call_of(const golden_case *gc, golden_call *call) {
     desc->window_right = gc->window_right;
     desc->softcap = gc->softcap;  // the score variants; the slopes are a parameter (below)
     desc->alibi = gc->alibi;
+    desc->sinks = gc->sinks;  // the sinks are a parameter too (below)
 
     clmha_forward_args *args = &call->args;
     args->struct_size = sizeof *args;
@@ -134,6 +135,7 @@ void golden_call_of(const golden_case *gc, golden_call *call) {
     rp->bias_k = param_data(gc, "bias_k");
     rp->bias_v = param_data(gc, "bias_v");
     rp->alibi_slopes = param_data(gc, "alibi_slopes");  // NULL: the geometric slopes
+    rp->sinks = param_data(gc, "sinks");                // with sinks only
 }
 
 clmha_layer *golden_layer_create(clmha_context *ctx, const golden_case *gc,
@@ -174,6 +176,7 @@ const golden_grad_field golden_grad_fields[] = {
     GRAD_FIELD("grad.bias_v", bias_v),
     GRAD_FIELD("grad.attn_mask", attn_mask),
     GRAD_FIELD("grad.key_padding_mask", key_padding_mask),
+    GRAD_FIELD("grad.sinks", sinks),
 };
 const size_t golden_num_grad_fields = sizeof golden_grad_fields / sizeof *golden_grad_fields;
 

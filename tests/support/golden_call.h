@@ -38,9 +38,9 @@ typedef struct golden_call {
 // Loads case @p name from CLMHA_GOLDEN_DIR into @p gc; fails the test when it cannot.
 void golden_load_case(const char *name, golden_case *gc);
 
-// The call case @p gc describes: the layer (its dtype, sliding window, softcap and alibi the
-// case's), the inputs, masks and options, the parameters (alibi_slopes among them when the
-// file has them; none for a float64 case: the reference takes float32 ones).
+// The call case @p gc describes: the layer (its dtype, sliding window, softcap, alibi and sinks
+// the case's), the inputs, masks and options, the parameters (alibi_slopes and sinks among them
+// when the file has them; none for a float64 case: the reference takes float32 ones).
 void golden_call_of(const golden_case *gc, golden_call *call);
 
 // A host tensor of @p t (ndim 0 for NULL: absent).
