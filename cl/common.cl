@@ -354,7 +354,9 @@ inline VT score_mod_lanes(VT s, REAL c, REAL slope, VT p, VT j, REAL src_len, VT
 #endif
 #if ALIBI
     VT term = -slope * fabs(p - j);
-    s += select((VT)(0.0f), term, j < (VT)(src_len));
+    // (a ternary, not select(): a scalar double comparison gives an int, which select() of
+    // doubles does not take; on vectors the ternary is select())
+    s += j < (VT)(src_len) ? term : (VT)(0.0f);
 #endif
     return s;
 }
