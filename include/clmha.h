@@ -967,8 +967,9 @@ CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
 /// Creates a layer from a `.safetensors` file whose tensors are named and shaped as
 /// `nn.MultiheadAttention.state_dict()` gives them (`in_proj_weight` or
 /// `q_proj_weight`/`k_proj_weight`/`v_proj_weight`, `in_proj_bias`, `out_proj.weight`,
-/// `out_proj.bias`, `bias_k`, `bias_v`, and clmha's `alibi_slopes` (H) of an ALiBi layer; any
-/// other tensor is refused), F32, F16, BF16 or F64
+/// `out_proj.bias`, `bias_k`, `bias_v`, and clmha's `alibi_slopes` (H) of an ALiBi layer and
+/// `sinks` (H), whose presence makes a layer with attention sinks (clmha_layer_desc::sinks; no
+/// metadata key); any other tensor is refused), F32, F16, BF16 or F64
 /// (converted to float). The layer is float32; clmha_layer_load_as() chooses its dtype. The file's `__metadata__` gives `num_heads` (required), `batch_first`,
 /// `add_zero_attn` ("true"/"false", default false), `dropout` (default 0), `window`
 /// ("LEFT,RIGHT", e.g. "1023,0": a sliding window, clmha_layer_desc::window_left and
@@ -987,8 +988,8 @@ CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
 /// keeps (a value below 1 that rounds to 1.0f is refused as such).
 /// Limits, so that a hostile file costs little: the header (the JSON text, padding included)
 /// is at most 256 KiB, refused from its length before it is read (a layer's header is under
-/// 2 KiB: at most 10 tensor entries and a few metadata strings; the rest is room for free-form
-/// metadata), and it has at most 10 tensor entries (one per parameter name above).
+/// 2 KiB: at most 11 tensor entries and a few metadata strings; the rest is room for free-form
+/// metadata), and it has at most 11 tensor entries (one per parameter name above).
 /// @param[out] out   the new layer, or NULL on failure
 /// @param[in]  ctx   the context to create it on
 /// @param[in]  path  the file's path
@@ -1056,7 +1057,8 @@ typedef struct clmha_load_options {
 /// bias, in_proj_bias (the three input biases, concatenated) and out_proj.bias; both modules
 /// compute what `nn.MultiheadAttention` with those parameters computes, batch first. A file
 /// that mixes two name sets, or holds (under the prefix, or at all without one) a tensor that
-/// none of them has, is refused naming the tensors; `alibi_slopes` goes with any of them.
+/// none of them has, is refused naming the tensors; `alibi_slopes` and `sinks` go with any of
+/// them.
 /// Metadata (num_heads, batch_first, add_zero_attn, dropout, window, softcap, alibi) is read as
 /// clmha_layer_load() reads it, from the file's `__metadata__`, whatever the prefix.
 ///
@@ -1086,7 +1088,8 @@ CLMHA_API clmha_status clmha_layer_load_prefixed(clmha_layer **out, clmha_contex
 
 /// Writes the layer to @p path in the format clmha_layer_load() reads (F32 tensors, metadata
 /// with num_heads, batch_first, add_zero_attn and dropout; num_kv_heads, window, softcap and
-/// alibi for a layer that has them, and then the tensor alibi_slopes). The file appears whole
+/// alibi for a layer that has them, and then the tensors alibi_slopes and sinks of a layer that
+/// has them). The file appears whole
 /// or not at all
 /// (written to a temporary file in the same folder, then renamed; a file it replaces keeps its
 /// permissions). Reading the parameters waits for the work already queued.

@@ -8,8 +8,10 @@ whichever the module has) and a __metadata__ with num_heads, batch_first, add_ze
 an integer >= 0: query i attends key j only when i - LEFT <= j <= i + RIGHT, -1 leaving a side
 unbounded; nn.MultiheadAttention has no window, so it is an option here), for soft-capping
 softcap (a decimal c > 0: every scaled score s becomes c*tanh(s/c)) and for ALiBi alibi
-("true", with the tensor alibi_slopes (H) when the slopes are not the geometric ones). clmha
-derives embed_dim, kdim, vdim, bias and add_bias_kv from the tensors present. The format is
+("true", with the tensor alibi_slopes (H) when the slopes are not the geometric ones); for
+attention sinks (gpt-oss's: one logit per head in every row's softmax denominator) the tensor
+sinks (H), whose presence is what turns them on. clmha derives embed_dim, kdim, vdim, bias and
+add_bias_kv from the tensors present. The format is
 written by hand (8-byte little-endian header length, JSON header padded with spaces to a
 multiple of 8, raw little-endian data), so
 the `safetensors` package is not needed; the files also load with safetensors.torch.load_file.
@@ -21,6 +23,7 @@ As a module (run with a Python that has PyTorch, e.g. Debian's /usr/bin/python3)
     export(module, "layer16.safetensors", dtype="F16")   # or "F64"
     export(module, "swa.safetensors", window=(1023, 0))   # a sliding window
     export(module, "v.safetensors", softcap=50.0, alibi=True)  # Gemma 2's cap, ALiBi
+    export(module, "s.safetensors", sinks=np.zeros(num_heads))  # attention sinks
     module2 = load("layer.safetensors")                  # back to nn.MultiheadAttention
 
 As a command, making a layer with random parameters:
@@ -153,14 +156,17 @@ def _array(value, dtype):
 
 
 def export(module: torch.nn.MultiheadAttention, path, add_zero_attn=None, dtype="F32",
-           window=None, softcap=None, alibi=None, alibi_slopes=None):
+           window=None, softcap=None, alibi=None, alibi_slopes=None, sinks=None):
     """Writes `module` (its state_dict and configuration) to `path`. dtype: "F32", "F16" or
     "F64"; the parameters are rounded to it from the module's own precision. add_zero_attn
     overrides the module's attribute when not None. window: (left, right), a sliding window
     (-1: that side unbounded), or None (the default: the module's `window` attribute if it has
     one, as clmha.torch.MultiheadAttention does, else none). softcap (c >= 0; 0: off), alibi
     (bool) and alibi_slopes ((num_heads,) values; None: the geometric slopes, no tensor
-    written) likewise default to the module's attributes of those names, else off."""
+    written) likewise default to the module's attributes of those names, else off. sinks:
+    attention sinks, (num_heads,) values written as the tensor sinks (None: the module's own
+    `sinks` tensor or parameter if it has one, else none; a module's sinks = True without
+    values: zeros, as a clmha layer starts)."""
     if window is None:
         window = getattr(module, "window", None)
     if softcap is None:
@@ -169,13 +175,17 @@ def export(module: torch.nn.MultiheadAttention, path, add_zero_attn=None, dtype=
         alibi = bool(getattr(module, "alibi", False))
     if alibi_slopes is None:
         alibi_slopes = getattr(module, "alibi_slopes", None)
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, bool):  # a flag rather than the values
+            sinks = np.zeros(int(module.num_heads)) if sinks else None
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if alibi_slopes is not None and not alibi:
         raise ValueError("alibi_slopes given without alibi: only an ALiBi layer has slopes")
     tensors = []
     for name, value in module.state_dict().items():
-        if name == "alibi_slopes":  # a module's own slopes: written once, below
+        if name in ("alibi_slopes", "sinks"):  # a module's own: written once, below
             continue
         arr = value.detach().cpu().double().numpy() if dtype == "F64" else \
             value.detach().cpu().float().numpy()
@@ -186,6 +196,12 @@ def export(module: torch.nn.MultiheadAttention, path, add_zero_attn=None, dtype=
             raise ValueError(f"alibi_slopes has shape {slopes.shape}, expected "
                              f"({int(module.num_heads)},): one slope per head")
         tensors.append(("alibi_slopes", slopes))
+    if sinks is not None:
+        arr = _array(sinks, dtype)
+        if arr.shape != (int(module.num_heads),):
+            raise ValueError(f"sinks has shape {arr.shape}, expected "
+                             f"({int(module.num_heads)},): one logit per head")
+        tensors.append(("sinks", arr))
     data = encode(tensors, metadata_of(module, add_zero_attn, window, softcap, alibi))
     with open(path, "wb") as f:
         f.write(data)
@@ -209,10 +225,12 @@ def read(path):
 
 def load(path, dtype=torch.float32):
     """Builds an nn.MultiheadAttention (eval mode) from a layer file written by export() or by
-    clmha_layer_save(). nn.MultiheadAttention has no sliding window, soft-capping or ALiBi: a
-    file's window, softcap, alibi and alibi_slopes are left out (read(path) has them)."""
+    clmha_layer_save(). nn.MultiheadAttention has no sliding window, soft-capping, ALiBi or
+    attention sinks: a file's window, softcap, alibi, alibi_slopes and sinks are left out
+    (read(path) has them)."""
     tensors, meta = read(path)
     tensors.pop("alibi_slopes", None)
+    tensors.pop("sinks", None)
     E = tensors["out_proj.weight"].shape[0]
     if "in_proj_weight" in tensors:
         kdim = vdim = E

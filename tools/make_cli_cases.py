@@ -15,7 +15,8 @@ For every case it writes tests/cli/<case>/:
     grad_weights.npy        gradient cases with weights: float32, their gradient (--grad-weights)
     expected_grads/         gradient cases: float64, one <name>.npy per gradient that
                             `clmha run --grads-dir` writes (query, key, value as given, the
-                            parameters by state_dict name, float masks)
+                            parameters by state_dict name, float masks; sinks.npy for a layer
+                            with sinks)
 
 Seed-module and model cases (module="continuiti", "classic" or "model") hold in layer.safetensors
 a state_dict as `safetensors.torch.save_file(module.state_dict(), path)` writes it: no
@@ -39,6 +40,7 @@ tests/cli/sdpa_cases.inc) hold already projected heads instead of a layer:
     attn_mask.npy           optional: bool (True = may attend, SDPA's polarity) or float32
                             (added to the scores), in a shape SDPA broadcasts to (N, H, L, S)
     alibi_slopes.npy        optional: float32 (H), ALiBi's slopes (--alibi-slopes)
+    sinks.npy               optional: float32 (H), attention sinks (--sinks)
     args                    one line: the extra flags (--layout nlhd --is-causal --enable-gqa
                             --scale S --window L,R --softcap C --alibi --kv-cache-prefix P),
                             may be empty
@@ -47,8 +49,9 @@ tests/cli/sdpa_cases.inc) hold already projected heads instead of a layer:
                             every score row, (N, H, L)
     expected_weights.npy    float64, only for cases run with --weights-output: (N, H, L, S)
     grad_output.npy         gradient cases: float32, the output's gradient (--grad-output)
-    expected_grads/         gradient cases: float64, query.npy, key.npy, value.npy and
-                            attn_mask.npy (float masks), as `clmha sdpa --grads-dir` writes them
+    expected_grads/         gradient cases: float64, query.npy, key.npy, value.npy,
+                            attn_mask.npy (float masks) and sinks.npy (with sinks.npy), as
+                            `clmha sdpa --grads-dir` writes them
 
 Their expected values are scaled dot-product attention written out in float64 (PyTorch 1.13 has
 no F.scaled_dot_product_attention): softmax(q @ k^T * scale + mask) @ v with scale 1/sqrt(D)
@@ -88,6 +91,12 @@ case to 3e-16), the scaled score s becoming c*tanh(s/c) (every key, the appended
 -slope_h*|i - j| for the real keys j < S (not those of add_bias_kv and add_zero_attn; the
 geometric slopes unless the file has its own), then the masks. The sdpa cases apply the same to
 their scores (score_mods()).
+
+Attention sinks: `file_sinks` draws (H) sinks into layer.safetensors as the tensor sinks; the
+sdpa cases' `sinks` writes them to sinks.npy (--sinks). PyTorch 1.13 has none: manual_mha() and
+sdpa_reference() append the head's sink to every row of the masked scores as one more logit
+column (a key with no value), take the softmax over the row with it and drop that column
+(sink_softmax()); the log-sum-exp includes it, and the sinks' gradient comes from autograd.
 
 Expected gradients: torch.autograd on the same float64 module, from the float32 grad_output
 (and grad_weights) drawn for the case; the query's gradient in self-attention is the whole
@@ -129,7 +138,7 @@ def C(name, **kw):
              L=5, S=None, N=2, cross=False, kpm=None, attn=None, causal=False,
              need_weights=True, per_head=False, grads=False, given=None, module="mha",
              prefix=None, window=None, file_window=None, softcap=None, alibi=False,
-             file_softcap=None, file_alibi=False, file_slopes=False)
+             file_softcap=None, file_alibi=False, file_slopes=False, file_sinks=False)
     for k in kw:
         if k not in d:
             raise KeyError(k)
@@ -196,6 +205,14 @@ CASES = [
       causal=True, L=7, per_head=True),
     C("grad_softcap_override_cross", grads=True, softcap=1.5, alibi=True, cross=True,
       add_bias_kv=True, attn="float2d", L=5, S=7, need_weights=False),
+    # Attention sinks: the layer file's tensor sinks (one logit per head in every row's
+    # softmax denominator). The first also runs through --decode-chunk 2 causally, the third
+    # (no masks, no causality) with the whole key in the first call.
+    C("sinks_file_causal_weights", file_sinks=True, causal=True, H=4, E=16, L=6, per_head=True),
+    C("grad_sinks_cross_float_mask", grads=True, file_sinks=True, cross=True, add_bias_kv=True,
+      attn="float2d", L=5, S=6, need_weights=False),
+    C("sinks_cross_decode_chunk", file_sinks=True, cross=True, batch_first=True, L=5, S=6,
+      file_softcap=3.0),
     # Seed modules and a model's checkpoint (need_weights: the seed modules return none).
     C("seed_continuiti", module="continuiti", batch_first=True, cross=True, L=4, S=5,
       need_weights=False),
@@ -419,12 +436,17 @@ def make_layer(c, path, given_dir=None):
     slopes = None
     if c["file_slopes"]:  # a draw of its own: the other tensors stay those of the seed
         slopes = np.random.default_rng(seed + 3).uniform(0.05, 1.0, c["H"]).astype(np.float32)
+    sinks = None
+    if c["file_sinks"]:  # likewise
+        sinks = np.random.default_rng(seed + 4).uniform(-1.0, 2.0, c["H"]).astype(np.float32)
     export_mha.export(m, path, dtype=c["dtype"], window=c["file_window"],
-                      softcap=c["file_softcap"], alibi=c["file_alibi"], alibi_slopes=slopes)
+                      softcap=c["file_softcap"], alibi=c["file_alibi"], alibi_slopes=slopes,
+                      sinks=sinks)
     if given_dir is not None:
         adopt_committed_layer(path, given_dir)
     tensors, _ = export_mha.read(path)
     file_slopes = tensors.pop("alibi_slopes", None)
+    file_sinks = tensors.pop("sinks", None)
     m64 = copy.deepcopy(m).double().eval()
     state = {k: torch.from_numpy(v.astype(np.float32).astype(np.float64))
              for k, v in tensors.items()}
@@ -432,6 +454,9 @@ def make_layer(c, path, given_dir=None):
     # The slopes as clmha reads them (float32), None: the layer's geometric ones.
     m64.clmha_alibi_slopes = None if file_slopes is None else \
         file_slopes.astype(np.float32).astype(np.float64)
+    # The sinks likewise (None: the layer has none).
+    m64.clmha_sinks = None if file_sinks is None else \
+        file_sinks.astype(np.float32).astype(np.float64)
     return m64
 
 
@@ -480,11 +505,24 @@ def score_mods(scores, softcap, slopes, real):
     return scores
 
 
-def manual_mha(m, query, key, value, kpm, attn, need_weights, per_head, softcap, slopes):
+def sink_softmax(scores, sinks):
+    """softmax over the last dimension of scores (..., H, L, S) with attention sinks: the head's
+    sink (sinks, (H) tensor, or None: a plain softmax) as one more logit column, dropped after
+    the softmax (a key with no value). (weights, log-sum-exp of the rows with the sink)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1), torch.logsumexp(scores, dim=-1)
+    col = sinks.reshape(-1, 1, 1).expand(scores.shape[:-1] + (1,))
+    full = torch.cat([scores, col], dim=-1)
+    return torch.softmax(full, dim=-1)[..., :-1], torch.logsumexp(full, dim=-1)
+
+
+def manual_mha(m, query, key, value, kpm, attn, need_weights, per_head, softcap, slopes,
+               sinks=None):
     """nn.MultiheadAttention's forward (PyTorch 1.13, eval mode) written out in float64 on
     m's parameters, with soft-capping and ALiBi (score_mods()) applied to the scaled scores
     before the masks: kpm and attn as the module takes them (bool True = masked, or float
-    added; the appended keys of add_bias_kv and add_zero_attn unmasked). (output, weights)."""
+    added; the appended keys of add_bias_kv and add_zero_attn unmasked), and attention sinks
+    (sinks, (H), or None) in the softmax (sink_softmax()). (output, weights)."""
     batched = query.dim() == 3
     if not batched:
         query, key, value = (x.unsqueeze(1) for x in (query, key, value))
@@ -523,7 +561,7 @@ def manual_mha(m, query, key, value, kpm, attn, need_weights, per_head, softcap,
     if kpm is not None:
         km = pad(kpm, (0, Sp - S)).reshape(N, 1, 1, Sp).expand(N, H, L, Sp).reshape(N * H, L, Sp)
         scores = scores.masked_fill(km, -math.inf) if km.dtype == torch.bool else scores + km
-    w = torch.softmax(scores, dim=-1)
+    w = sink_softmax(scores.reshape(N, H, L, Sp), sinks)[0].reshape(N * H, L, Sp)
     o = (w @ v).transpose(0, 1).reshape(L, N, E)
     out = lin(o, m.out_proj.weight, m.out_proj.bias)
     w = w.reshape(N, H, L, Sp)
@@ -654,10 +692,14 @@ def generate(c, out_dir, given_root=None):
     if "v" in c["given"]:
         v64 = torch.from_numpy(value).double().requires_grad_(c["grads"])
     softcap, slopes = case_variants(c, m64)
-    if softcap or slopes is not None:  # PyTorch 1.13 has neither: written out in float64
+    sinks_t = None
+    if getattr(m64, "clmha_sinks", None) is not None:
+        sinks_t = torch.from_numpy(m64.clmha_sinks).requires_grad_(c["grads"])
+    if softcap or slopes is not None or sinks_t is not None:
+        # PyTorch 1.13 has none of them: written out in float64
         assert isinstance(m64, torch.nn.MultiheadAttention)
         out_t, w_t = manual_mha(m64, q64, k64, v64, kpm_in, attn_in, c["need_weights"],
-                                c["per_head"], softcap, slopes)
+                                c["per_head"], softcap, slopes, sinks_t)
     elif isinstance(m64, torch.nn.MultiheadAttention):
         out_t, w_t = m64(q64, k64, v64, key_padding_mask=kpm_in, attn_mask=attn_in,
                          need_weights=c["need_weights"], average_attn_weights=not c["per_head"])
@@ -696,6 +738,8 @@ def generate(c, out_dir, given_root=None):
             g["attn_mask"] = attn_t.grad
         if kpm_t is not None and kpm_t.dtype != torch.bool:
             g["key_padding_mask"] = kpm_t.grad
+        if sinks_t is not None:
+            g["sinks"] = sinks_t.grad
         os.makedirs(os.path.join(d, "expected_grads"), exist_ok=True)
         for gname, gv in g.items():
             gv = gv.detach().numpy().astype(np.float64)
@@ -728,7 +772,7 @@ def generate(c, out_dir, given_root=None):
 def SC(name, **kw):
     d = dict(name=name, N=2, H=2, Hkv=None, L=5, S=None, D=8, Dv=None, layout="nhld", mask=None,
              mask_shape=None, causal=False, scale=None, lse=False, weights=False, grads=False,
-             kv_prefix=None, window=None, softcap=None, alibi=False, slopes=False)
+             kv_prefix=None, window=None, softcap=None, alibi=False, slopes=False, sinks=False)
     for k in kw:
         if k not in d:
             raise KeyError(k)
@@ -774,6 +818,14 @@ SDPA_CASES = [
        softcap=1.5, alibi=True, slopes=True, lse=True, grads=True),
     SC("sdpa_softcap_alibi_kv_cache_decode", layout="nlhd", H=4, Hkv=1, L=7, causal=True,
        softcap=2.0, alibi=True, kv_prefix=3),
+    # Attention sinks (--sinks S.npy): gradients through both backward cores (the float mask's
+    # gradient runs the unfused one), and decoding through a KV cache.
+    SC("sdpa_sinks_gqa_grads", H=4, Hkv=2, L=5, S=6, causal=True, sinks=True, lse=True,
+       grads=True),
+    SC("sdpa_sinks_float_mask_grads", layout="nlhd", H=3, L=4, S=5, mask="float",
+       mask_shape="N1LS", sinks=True, lse=True, grads=True),
+    SC("sdpa_sinks_kv_cache_decode", layout="nlhd", H=4, Hkv=1, L=7, causal=True, sinks=True,
+       kv_prefix=3),
 ]
 
 
@@ -809,10 +861,10 @@ def sdpa_draw_mask(c, rng):
     return mask, forbidden
 
 
-def sdpa_reference(c, q, k, v, mask, slopes=None):
+def sdpa_reference(c, q, k, v, mask, slopes=None, sinks=None):
     """(output, lse, weights) of scaled dot-product attention in float64, written out (torch
     1.13 has no F.scaled_dot_product_attention), in the case's layout; lse and weights
-    (N, H, L) and (N, H, L, S) whatever the layout."""
+    (N, H, L) and (N, H, L, S) whatever the layout. sinks: (H) attention sinks, or None."""
     if c["layout"] == "nlhd":
         q, k, v = (x.transpose(-3, -2) for x in (q, k, v))
     group = c["H"] // c["Hkv"]
@@ -831,11 +883,11 @@ def sdpa_reference(c, q, k, v, mask, slopes=None):
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
         scores = scores + mask
-    weights = torch.softmax(scores, dim=-1)
+    weights, lse = sink_softmax(scores, sinks)
     out = weights @ v
     if c["layout"] == "nlhd":
         out = out.transpose(-3, -2)
-    return out, torch.logsumexp(scores, dim=-1), weights
+    return out, lse, weights
 
 
 def sdpa_generate(c, out_dir, given_root=None):
@@ -887,7 +939,11 @@ def sdpa_generate(c, out_dir, given_root=None):
         slopes = slopes.astype(np.float64)
     elif c["alibi"]:  # the geometric slopes, as float32
         slopes = export_mha.alibi_slopes(c["H"]).astype(np.float32).astype(np.float64)
-    out, lse, weights = sdpa_reference(c, q, k, v, mask_t, slopes)
+    sinks = None
+    if c["sinks"]:  # the --sinks file, a draw of its own
+        drawn = np.random.default_rng(seed_of(name) + 4).uniform(-1.0, 2.0, c["H"])
+        sinks = take("sinks.npy", drawn.astype(np.float32))
+    out, lse, weights = sdpa_reference(c, q, k, v, mask_t, slopes, sinks)
     results = {"expected_output.npy": out}
     if c["lse"]:
         results["expected_lse.npy"] = lse
@@ -907,6 +963,8 @@ def sdpa_generate(c, out_dir, given_root=None):
         g = {"query": q.grad, "key": k.grad, "value": v.grad}
         if mask_t is not None and mask_t.dtype != torch.bool:
             g["attn_mask"] = mask_t.grad
+        if sinks is not None:
+            g["sinks"] = sinks.grad
         os.makedirs(os.path.join(d, "expected_grads"), exist_ok=True)
         for gname, gv in g.items():
             gv = gv.detach().numpy().astype(np.float64)

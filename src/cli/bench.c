@@ -20,12 +20,12 @@
 static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
     "                   [--need-weights] [--batch-first] [--layer F.safetensors [--prefix P]]\n"
-    "                   [--causal] [--window LEFT,RIGHT] [--softcap C] [--alibi]\n"
+    "                   [--causal] [--window LEFT,RIGHT] [--softcap C] [--alibi] [--sinks]\n"
 "                   [--impl auto|fused|unfused] [--backward] [--host] [--repeat R]\n"
 "                   [--device SPEC] [--dtype f32|f64|f16|bf16] [--json]\n"
 "       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--batch N] [--embed E]\n"
-"                   [--heads H] [--window LEFT,RIGHT] [--softcap C] [--alibi] [--repeat R]\n"
-"                   [--device SPEC] [--json]\n"
+"                   [--heads H] [--window LEFT,RIGHT] [--softcap C] [--alibi] [--sinks]\n"
+"                   [--repeat R] [--device SPEC] [--json]\n"
     "\n"
     "Times the forward pass on device buffers (clmha_layer_forward): a warm-up\n"
     "(clmha_layer_bake at the shape: sizes the scratch, compiles the kernels), then R timed\n"
@@ -61,7 +61,10 @@ static const char *usage_bench =
     "  --softcap C          the random layer soft-caps its scores to C*tanh(s/C)\n"
     "                       (clmha_layer_desc::softcap; 0: off)\n"
     "  --alibi              the random layer has ALiBi (clmha_layer_desc::alibi, the\n"
-    "                       geometric slopes). Both also with --backward and --decode\n"
+    "                       geometric slopes)\n"
+    "  --sinks              the random layer has attention sinks (clmha_layer_desc::sinks,\n"
+    "                       zero logits as created). All three also with --backward and\n"
+    "                       --decode\n"
     "\n";
 
 // The help's run options (C11 compilers need not take string literals past 4095 characters).
@@ -81,7 +84,8 @@ static const char *usage_bench_run =
     "                       src_len, embed_dim, num_heads, kdim, vdim, batch_first,\n"
     "                       need_weights, impl (the core used), attention (\"self\"/\"cross\"),\n"
     "                       repeat, is_causal, window_left, window_right (null without a\n"
-    "                       window), softcap (0: off), alibi, dtype (see --dtype below),\n"
+    "                       window), softcap (0: off), alibi, sinks, dtype (see --dtype\n"
+    "                       below),\n"
     "                       ms (median),\n"
     "                       ms_min, ms_max, flops, gflops, io_bytes, io_gbps, scratch_bytes,\n"
     "                       stages {name: ms}, host\n"
@@ -405,7 +409,7 @@ typedef struct bench_args {
     const char *batch_opt, *tgt_opt, *src_opt, *embed_opt, *heads_opt, *repeat_opt, *layer_path,
         *device, *impl_opt, *cache_opt, *kv_heads_opt, *dtype_opt, *prefix, *window_opt,
         *softcap_opt;
-    bool need_weights, batch_first, json, backward, decode, host, causal, alibi;
+    bool need_weights, batch_first, json, backward, decode, host, causal, alibi, sinks;
     double softcap;  // --softcap (0: off)
     size_t batches[BENCH_MAX_LIST], tgts[BENCH_MAX_LIST], srcs[BENCH_MAX_LIST],
         caches[BENCH_MAX_LIST];
@@ -441,6 +445,7 @@ static bool parse_options(int argc, char **argv, bench_args *a, int *rc) {
         {.name = "--window", .value = &a->window_opt},
         {.name = "--softcap", .value = &a->softcap_opt},
         {.name = "--alibi", .flag = &a->alibi},
+        {.name = "--sinks", .flag = &a->sinks},
     };
     char usage[12288];
     snprintf(usage, sizeof usage, "%s%s%s%s%s%s", usage_bench, usage_bench_run,
@@ -507,7 +512,8 @@ static int parse_values(bench_args *a) {
         clmha__cli_report("bench", "%s",
                           a->decode ? (a->cache_opt ? "--decode takes --batch, --embed, "
                                                       "--heads, --batch-first, --window, "
-                                                      "--softcap, --alibi, --repeat, --device "
+                                                      "--softcap, --alibi, --sinks, --repeat, "
+                                                      "--device "
                                                       "and --json only"
                                                     : "--decode needs --cache-len")
                                     : "--cache-len goes with --decode");
@@ -529,10 +535,13 @@ static int parse_values(bench_args *a) {
                                              &a->kv_heads, &one)))
         return rc;
     if (a->window_opt && (rc = parse_window(a->window_opt, a->window))) return rc;
-    if ((a->window_opt || a->softcap_opt || a->alibi) && a->layer_path) {
+    if ((a->window_opt || a->softcap_opt || a->alibi || a->sinks) && a->layer_path) {
         clmha__cli_report("bench", "%s goes with a random layer (not --layer: a layer file has "
                                    "its own configuration)",
-                          a->window_opt ? "--window" : a->softcap_opt ? "--softcap" : "--alibi");
+                          a->window_opt    ? "--window"
+                          : a->softcap_opt ? "--softcap"
+                          : a->alibi       ? "--alibi"
+                                           : "--sinks");
         return EXIT_USAGE;
     }
     if (!clmha__cli_parse_softcap("bench", a->softcap_opt, &a->softcap)) return EXIT_USAGE;
@@ -621,10 +630,11 @@ static void print_head(const clmha_context *ctx, const bench_config *cfg,
         snprintf(window, sizeof window, ", window (%lld, %lld)", (long long)d->window_left,
                  (long long)d->window_right);
     if (d->softcap > 0.0) snprintf(softcap, sizeof softcap, ", softcap %.9g", d->softcap);
-    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s%s%s (%s)\n",
+    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s%s%s%s (%s)\n",
            d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
            d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
            d->batch_first ? ", batch_first" : "", window, softcap, d->alibi ? ", alibi" : "",
+           d->sinks ? ", sinks" : "",
            layer_path ? layer_path : "random");
     print_tuning(ctx);
     fflush(stdout);
@@ -672,7 +682,7 @@ int clmha__cli_bench(int argc, char **argv) {
                                   .num_kv_heads = a.kv_heads, .dtype = a.dtype,
                                   .window = a.window_opt != NULL, .window_left = a.window[0],
                                   .window_right = a.window[1], .softcap = a.softcap,
-                                  .alibi = a.alibi};
+                                  .alibi = a.alibi, .sinks = a.sinks};
     float *params = NULL;
     double *times = NULL;
     clmha_context *ctx = NULL;

@@ -16,18 +16,19 @@
 // The gradients the benchmark asks for: every input and every parameter the layer has.
 enum {
     G_QUERY, G_KEY, G_VALUE, G_IN_W, G_Q_W, G_K_W, G_V_W, G_IN_B, G_OUT_W, G_OUT_B, G_BIAS_K,
-    G_BIAS_V, G_COUNT
+    G_BIAS_V, G_SINKS, G_COUNT
 };
 
 static const char *const grad_name[G_COUNT] = {
     "query", "key", "value", "in_proj_weight", "q_proj_weight", "k_proj_weight",
-    "v_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v"};
+    "v_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v",
+    "sinks"};
 
 static clmha_grad *grad_slot(clmha_backward_args *b, int g) {
     clmha_grad *const all[G_COUNT] = {
         &b->query, &b->key, &b->value, &b->in_proj_weight, &b->q_proj_weight,
         &b->k_proj_weight, &b->v_proj_weight, &b->in_proj_bias, &b->out_proj_weight,
-        &b->out_proj_bias, &b->bias_k, &b->bias_v};
+        &b->out_proj_bias, &b->bias_k, &b->bias_v, &b->sinks};
     return all[g];
 }
 
@@ -48,6 +49,7 @@ static size_t grad_floats(const clmha_layer_desc *d, const bench_io *io, int g) 
     case G_OUT_B: return d->bias ? e : 0;
     case G_BIAS_K:
     case G_BIAS_V: return d->add_bias_kv ? e : 0;
+    case G_SINKS: return d->sinks ? d->num_heads : 0;
     default: return 0;
     }
 }

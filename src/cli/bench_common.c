@@ -69,7 +69,8 @@ void clmha__bench_json_head(const clmha_context *ctx, const bench_config *cfg, s
                (long long)d->window_right);
     else
         printf("\"window_left\": null, \"window_right\": null, ");
-    printf("\"softcap\": %.17g, \"alibi\": %s, ", d->softcap, d->alibi ? "true" : "false");
+    printf("\"softcap\": %.17g, \"alibi\": %s, \"sinks\": %s, ", d->softcap,
+           d->alibi ? "true" : "false", d->sinks ? "true" : "false");
 }
 
 void clmha__bench_json_string(const char *s) {

@@ -11,7 +11,7 @@
 enum {
     SLOT_QUERY, SLOT_KEY, SLOT_VALUE, SLOT_IN_PROJ_WEIGHT, SLOT_Q_PROJ_WEIGHT, SLOT_K_PROJ_WEIGHT,
     SLOT_V_PROJ_WEIGHT, SLOT_IN_PROJ_BIAS, SLOT_OUT_PROJ_WEIGHT, SLOT_OUT_PROJ_BIAS, SLOT_BIAS_K,
-    SLOT_BIAS_V, SLOT_ATTN_MASK, SLOT_KEY_PADDING_MASK
+    SLOT_BIAS_V, SLOT_ATTN_MASK, SLOT_KEY_PADDING_MASK, SLOT_SINKS
 };
 
 static clmha_grad *slot_of(clmha_backward_args *b, int slot) {
@@ -29,6 +29,7 @@ static clmha_grad *slot_of(clmha_backward_args *b, int slot) {
     case SLOT_BIAS_K: return &b->bias_k;
     case SLOT_BIAS_V: return &b->bias_v;
     case SLOT_ATTN_MASK: return &b->attn_mask;
+    case SLOT_SINKS: return &b->sinks;
     default: return &b->key_padding_mask;
     }
 }
@@ -87,6 +88,8 @@ bool clmha__cli_grads_plan(const char *dir, clmha_layer *layer, const clmha_forw
     if (ok && desc.add_bias_kv)
         ok = add_file(g, dir, "bias_k", SLOT_BIAS_K, 3, (size_t[]){1, 1, e}) &&
              add_file(g, dir, "bias_v", SLOT_BIAS_V, 3, (size_t[]){1, 1, e});
+    if (ok && desc.sinks)
+        ok = add_file(g, dir, "sinks", SLOT_SINKS, 1, (size_t[]){desc.num_heads});
     if (ok && args->attn_mask.kind == CLMHA_MASK_FLOAT)
         ok = add_tensor(g, dir, "attn_mask", SLOT_ATTN_MASK, &args->attn_mask.tensor);
     if (ok && args->key_padding_mask.kind == CLMHA_MASK_FLOAT)

@@ -33,8 +33,8 @@ typedef struct clmha__cli_grads {
 // Lists the gradient files of a forward call of @p layer with @p args (the inputs as run.c
 // gives them: args->key is the query's tensor when only --value was given): query.npy always;
 // key.npy and value.npy for inputs given as files of their own (@p key_file, @p value_file);
-// one file per parameter the layer has, by its state_dict name; attn_mask.npy and
-// key_padding_mask.npy for float masks. Reports and returns false when out of memory.
+// one file per parameter the layer has, by its state_dict name (sinks.npy with sinks);
+// attn_mask.npy and key_padding_mask.npy for float masks. Reports and returns false when out of memory.
 bool clmha__cli_grads_plan(const char *dir, clmha_layer *layer, const clmha_forward_args *args,
                            bool key_file, bool value_file, clmha__cli_grads *g);
 

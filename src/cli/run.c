@@ -23,8 +23,8 @@ static const char *const usage_run[] = {
     "\n"
     "Runs torch.nn.MultiheadAttention's forward pass (eval mode unless --training) with the\n"
     "layer in F.safetensors (state_dict() names; metadata num_heads, batch_first,\n"
-    "add_zero_attn, dropout, window, softcap, alibi) on the arrays of .npy files, and\n"
-    "optionally its backward pass.\n"
+    "add_zero_attn, dropout, window, softcap, alibi; the tensor sinks, (H), gives the layer\n"
+    "attention sinks) on the arrays of .npy files, and optionally its backward pass.\n"
     "Shapes and masks are PyTorch's: query (L, N, E), or (N, L, E) when the layer file says\n"
     "batch_first, or (L, E) unbatched.\n"
     "\n"
@@ -92,10 +92,11 @@ static const char *const usage_run[] = {
     "                            one file per parameter the layer has, by state_dict name\n"
     "                            (in_proj_weight, or q_proj_weight, k_proj_weight and\n"
     "                            v_proj_weight; in_proj_bias, out_proj.weight, out_proj.bias,\n"
-    "                            bias_k, bias_v (1, 1, E)); attn_mask and key_padding_mask\n"
-    "                            for float masks (boolean masks have no gradient). Other files\n"
-    "                            in DIR are left alone. --grad-output and --grads-dir go\n"
-    "                            together. Fully masked query rows get zero gradients.\n"
+    "                            bias_k, bias_v (1, 1, E), sinks (H)); attn_mask and\n"
+    "                            key_padding_mask for float masks (boolean masks have no\n"
+    "                            gradient). Other files in DIR are left alone. --grad-output\n"
+    "                            and --grads-dir go together. Fully masked query rows get\n"
+    "                            zero gradients.\n"
     "\n"
     "  Files are written only after the forward (and backward) pass succeeded, each whole or\n"
     "  not at all, and all of them or none (outputs and gradients alike): a failed run\n"
@@ -598,7 +599,7 @@ static clmha_status copy_parameters(clmha_layer *from, clmha_layer *to, bool f64
     static const char *const names[] = {"in_proj_weight", "q_proj_weight", "k_proj_weight",
                                         "v_proj_weight",  "in_proj_bias",  "out_proj.weight",
                                         "out_proj.bias",  "bias_k",        "bias_v",
-                                        "alibi_slopes"};
+                                        "alibi_slopes",   "sinks"};
     clmha_status st = CLMHA_SUCCESS;
     for (size_t i = 0; !st && i < sizeof names / sizeof *names; ++i) {
         size_t n = clmha_layer_parameter_count(from, names[i]);
@@ -906,10 +907,11 @@ static void print_summary(const run_opts *o, const run_state *s) {
         snprintf(window, sizeof window, ", window %lld,%lld", (long long)d->window_left,
                  (long long)d->window_right);
     if (d->softcap > 0.0) snprintf(softcap, sizeof softcap, ", softcap %.9g", d->softcap);
-    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s%s%s\n",
+    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s%s%s%s\n",
            d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
            d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
-           d->batch_first ? ", batch_first" : "", window, softcap, d->alibi ? ", alibi" : "");
+           d->batch_first ? ", batch_first" : "", window, softcap, d->alibi ? ", alibi" : "",
+           d->sinks ? ", sinks" : "");
     printf("query:   %s%s\n", clmha__shape_str(sh, sizeof sh, q->ndim, q->shape),
            q->ndim == 3 ? (d->batch_first ? " (N, L, E)" : " (L, N, E)") : " (L, E) unbatched");
     if (show_y) print_values("output:", (values){s->y, s->y64}, s->y_count, q->ndim, q->shape, "");

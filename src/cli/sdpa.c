@@ -1,6 +1,8 @@
 // `clmha sdpa`: scaled dot-product attention (PyTorch's F.scaled_dot_product_attention) on .npy
 // arrays, through the public attention-as-a-function calls (clmha_attention_output_counts,
-// clmha_attention_forward_host, clmha_attention_backward_host); .npy outputs. With
+// clmha_attention_forward_host, clmha_attention_backward_host; with --sinks the backward on
+// device buffers, clmha_attention_forward and clmha_attention_backward, for the sinks'
+// gradient, which the host form does not give); .npy outputs. With
 // --kv-cache-prefix, incremental decoding: the sequence goes through a KV cache
 // (clmha_kv_cache_create_for, clmha_attention_args::kv_cache) in a prefix call and then one call
 // per token, whose outputs are put together.
@@ -55,6 +57,9 @@ static const char *const usage_sdpa[] = {
     "                            -slope_h*|i-j| (after soft-capping, before the mask)\n"
     "  --alibi-slopes A.npy      with --alibi: the slopes, (H) float32; default: the ALiBi\n"
     "                            paper's geometric slopes (2^(-8(h+1)/H) for H a power of 2)\n"
+    "  --sinks S.npy             attention sinks (gpt-oss's): (H) float32, one logit per query\n"
+    "                            head added to every row's softmax denominator, with no value\n"
+    "                            (a row's weights sum below 1; the log-sum-exp includes it)\n"
     "  --scale S                 the factor of the scores (default 1/sqrt(D)): a finite,\n"
     "                            non-zero number\n"
     "  --enable-gqa              grouped-query attention: H_kv may divide H (query head h\n"
@@ -84,9 +89,10 @@ static const char *const usage_sdpa[] = {
     "                            query.npy, key.npy, value.npy (with --enable-gqa a key/value\n"
     "                            head's gradient sums its query heads'), and attn_mask.npy\n"
     "                            for a float mask (summed over the dimensions it is broadcast\n"
-    "                            along; boolean masks have no gradient). Other files in DIR\n"
-    "                            are left alone. --grad-output and --grads-dir go together.\n"
-    "                            Fully masked query rows get zero gradients.\n"
+    "                            along; boolean masks have no gradient), sinks.npy (H) with\n"
+    "                            --sinks. Other files in DIR are left alone. --grad-output\n"
+    "                            and --grads-dir go together. Fully masked query rows get\n"
+    "                            zero gradients.\n"
     "\n"
     "incremental decoding (FlashAttention's flash_attn_with_kvcache):\n"
     "  --kv-cache-prefix P       run the attention as decoding through a KV cache made for\n"
@@ -133,11 +139,11 @@ typedef struct sdpa_input {
     const char *flag;  // "--query"
     const char *path;  // NULL when not given
     bool is_mask;      // bool/uint8 allowed, 1 to 4 dimensions
-    bool is_vector;    // one dimension (--alibi-slopes)
+    bool is_vector;    // one dimension (--alibi-slopes, --sinks)
     clmha__npy a;
 } sdpa_input;
 
-enum { IN_QUERY, IN_KEY, IN_VALUE, IN_ATTN, IN_GRAD_OUT, IN_SLOPES, IN_COUNT };
+enum { IN_QUERY, IN_KEY, IN_VALUE, IN_ATTN, IN_GRAD_OUT, IN_SLOPES, IN_SINKS, IN_COUNT };
 
 // The command line, and what follows from it before any file is read.
 typedef struct sdpa_opts {
@@ -167,7 +173,7 @@ typedef struct sdpa_state {
     size_t y_count, lse_count, w_count;
     size_t y_ndim, y_shape[4], lse_ndim, lse_shape[4], w_ndim, w_shape[4];
     float *y, *lse, *w;
-    clmha__cli_grads grads;  // query, key, value, attn_mask (float masks)
+    clmha__cli_grads grads;  // query, key, value, attn_mask (float masks), sinks
     size_t calls;            // forward calls that ran
 } sdpa_state;
 
@@ -186,6 +192,7 @@ static bool parse_command_line(int argc, char **argv, sdpa_opts *o, int *rc) {
         {.name = "--softcap", .value = &o->softcap_opt},
         {.name = "--alibi", .flag = &o->alibi},
         {.name = "--alibi-slopes", .value = &o->in[IN_SLOPES].path},
+        {.name = "--sinks", .value = &o->in[IN_SINKS].path},
         {.name = "--scale", .value = &o->scale_opt},
         {.name = "--enable-gqa", .flag = &o->enable_gqa},
         {.name = "--layout", .value = &o->layout_opt},
@@ -476,6 +483,12 @@ static bool build_args(const sdpa_opts *o, sdpa_state *s) {
                           clmha_context_last_error(s->ctx));
         return false;
     }
+    if (in[IN_SINKS].path) a->sinks = tensor_of(&in[IN_SINKS].a);
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "--sinks %s: %s", in[IN_SINKS].path,
+                          clmha_context_last_error(s->ctx));
+        return false;
+    }
     a->scale = o->scale;
     a->dropout_p = o->dropout_p;
     a->rng = o->rng;
@@ -528,7 +541,9 @@ static bool plan_grads(sdpa_opts *o, sdpa_state *s, int *rc) {
                                    a->value.shape) &&
               (a->attn_mask.kind != CLMHA_MASK_FLOAT ||
                clmha__cli_grads_add(&s->grads, o->grads_dir, "attn_mask",
-                                    a->attn_mask.tensor.ndim, a->attn_mask.tensor.shape));
+                                    a->attn_mask.tensor.ndim, a->attn_mask.tensor.shape)) &&
+              (!a->sinks.ndim || clmha__cli_grads_add(&s->grads, o->grads_dir, "sinks", 1,
+                                                      a->sinks.shape));
     if (!ok) {
         clmha__cli_report("sdpa", "out of memory");
         return false;
@@ -634,6 +649,86 @@ static bool decode(const sdpa_opts *o, sdpa_state *s) {
 
 // ---- the forward and backward calls ------------------------------------------------------------
 
+// The data of gradient file @p name ("attn_mask", "sinks"), NULL when the call has none.
+static float *grad_data(const sdpa_state *s, const char *name) {
+    for (size_t i = 0; i < s->grads.count; ++i)
+        if (strcmp(s->grads.file[i].name, name) == 0) return s->grads.file[i].data;
+    return NULL;
+}
+
+// The device buffers of backward_on_device(): the inputs, then the results and gradients.
+enum { DEV_Q, DEV_K, DEV_V, DEV_MASK, DEV_SINKS, DEV_GRAD_OUT, DEV_OUT, DEV_LSE, DEV_GQ, DEV_GK,
+       DEV_GV, DEV_GMASK, DEV_GSINKS, DEV_COUNT };
+
+// The backward pass with --sinks, on device buffers: clmha_attention_backward_host() gives no
+// sinks gradient, and clmha_attention_backward() needs the forward's log-sum-exp rows for it,
+// so the forward runs again here (clmha_attention_forward(), with its rows and the same
+// dropout), then the backward (the fused core's where it runs, the unfused one's with
+// --impl unfused or a float mask's gradient), and the gradients are read back.
+static bool backward_on_device(const sdpa_opts *o, sdpa_state *s) {
+    clmha_attention_args a = s->args;
+    cl_context cl = clmha_context_cl_context(s->ctx);
+    cl_command_queue queue = clmha_context_cl_queue(s->ctx);
+    size_t mask_count = 1;
+    for (size_t i = 0; i < a.attn_mask.tensor.ndim; ++i) mask_count *= a.attn_mask.tensor.shape[i];
+    bool float_mask = a.attn_mask.kind == CLMHA_MASK_FLOAT;
+    size_t mask_bytes = a.attn_mask.kind ? mask_count * (float_mask ? sizeof(float) : 1) : 0;
+    size_t h = a.sinks.shape[0];
+    const void *host[DEV_COUNT] = {
+        [DEV_Q] = a.query.data, [DEV_K] = a.key.data, [DEV_V] = a.value.data,
+        [DEV_MASK] = a.attn_mask.tensor.data, [DEV_SINKS] = a.sinks.data,
+        [DEV_GRAD_OUT] = o->in[IN_GRAD_OUT].a.f32};
+    float *dst[DEV_COUNT] = {[DEV_GQ] = grad_data(s, "query"), [DEV_GK] = grad_data(s, "key"),
+                             [DEV_GV] = grad_data(s, "value"),
+                             [DEV_GMASK] = grad_data(s, "attn_mask"),
+                             [DEV_GSINKS] = grad_data(s, "sinks")};
+    size_t bytes[DEV_COUNT] = {
+        [DEV_Q] = o->in[IN_QUERY].a.count * sizeof(float),
+        [DEV_K] = o->in[IN_KEY].a.count * sizeof(float),
+        [DEV_V] = o->in[IN_VALUE].a.count * sizeof(float),
+        [DEV_MASK] = mask_bytes, [DEV_SINKS] = h * sizeof(float),
+        [DEV_GRAD_OUT] = s->y_count * sizeof(float), [DEV_OUT] = s->y_count * sizeof(float),
+        [DEV_LSE] = s->lse_count * sizeof(float)};
+    bytes[DEV_GQ] = bytes[DEV_Q], bytes[DEV_GK] = bytes[DEV_K], bytes[DEV_GV] = bytes[DEV_V];
+    bytes[DEV_GMASK] = float_mask ? mask_bytes : 0, bytes[DEV_GSINKS] = bytes[DEV_SINKS];
+    cl_mem buf[DEV_COUNT] = {NULL};
+    cl_int err = CL_SUCCESS;
+    for (int i = 0; i < DEV_COUNT && err == CL_SUCCESS; ++i) {
+        if (!bytes[i]) continue;
+        cl_mem_flags flags = host[i] ? CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR : CL_MEM_READ_WRITE;
+        buf[i] = clCreateBuffer(cl, flags, bytes[i], (void *)host[i], &err);
+    }
+    bool ok = err == CL_SUCCESS;
+    if (!ok)
+        clmha__cli_report("sdpa", "backward pass failed on %s: clCreateBuffer: OpenCL error %d",
+                          clmha_context_device_name(s->ctx), (int)err);
+    clmha_tensor *t[5] = {&a.query, &a.key, &a.value, &a.attn_mask.tensor, &a.sinks};
+    for (int i = 0; i < 5; ++i) t[i]->buffer = buf[i], t[i]->offset = 0;
+    clmha_attention_backward_args b = {
+        .struct_size = sizeof b, .forward = &a, .output = buf[DEV_OUT], .lse = buf[DEV_LSE],
+        .grad_output = buf[DEV_GRAD_OUT], .grad_query = buf[DEV_GQ], .grad_key = buf[DEV_GK],
+        .grad_value = buf[DEV_GV], .grad_attn_mask = buf[DEV_GMASK],
+        .grad_sinks = buf[DEV_GSINKS],
+        .impl = a.impl == CLMHA_IMPL_UNFUSED ? CLMHA_IMPL_UNFUSED : CLMHA_IMPL_AUTO};
+    clmha_status st = CLMHA_SUCCESS;
+    if (ok && (st = clmha_attention_forward(s->ctx, &a, buf[DEV_OUT], 0, buf[DEV_LSE], 0, NULL, 0,
+                                            0, NULL, NULL)))
+        ok = call_failed(s, "forward pass (again, for the backward pass)", st);
+    if (ok && (st = clmha_attention_backward(s->ctx, &b, 0, NULL, NULL)))
+        ok = call_failed(s, "backward pass", st);
+    for (int i = DEV_GQ; ok && i < DEV_COUNT; ++i)
+        if (dst[i] && (err = clEnqueueReadBuffer(queue, buf[i], CL_TRUE, 0, bytes[i], dst[i], 0,
+                                                 NULL, NULL)) != CL_SUCCESS) {
+            clmha__cli_report("sdpa", "reading the gradients failed on %s: OpenCL error %d",
+                              clmha_context_device_name(s->ctx), (int)err);
+            ok = false;
+        }
+    if (!ok) clFinish(queue);  // nothing may still use the buffers
+    for (int i = 0; i < DEV_COUNT; ++i)
+        if (buf[i]) clReleaseMemObject(buf[i]);
+    return ok;
+}
+
 // The forward call (or the calls through a KV cache), then the backward pass.
 static bool compute(const sdpa_opts *o, sdpa_state *s) {
     // (calloc checks the products of counts and sizes.)
@@ -655,10 +750,10 @@ static bool compute(const sdpa_opts *o, sdpa_state *s) {
     if (st != CLMHA_SUCCESS) return call_failed(s, "forward pass", st);
     s->calls = 1;
     if (!o->grads_dir) return true;
-    const clmha__cli_grad_file *f = s->grads.file;
+    if (s->args.sinks.ndim) return backward_on_device(o, s);
     st = clmha_attention_backward_host(s->ctx, &s->args, o->in[IN_GRAD_OUT].a.f32, s->y_count,
-                                       f[0].data, f[1].data, f[2].data,
-                                       s->grads.count > 3 ? f[3].data : NULL);
+                                       grad_data(s, "query"), grad_data(s, "key"),
+                                       grad_data(s, "value"), grad_data(s, "attn_mask"));
     return st == CLMHA_SUCCESS || call_failed(s, "backward pass", st);
 }
 
@@ -713,6 +808,7 @@ int clmha__cli_sdpa(int argc, char **argv) {
                        [IN_ATTN] = {.flag = "--attn-mask", .is_mask = true},
                        [IN_GRAD_OUT] = {.flag = "--grad-output"},
                        [IN_SLOPES] = {.flag = "--alibi-slopes", .is_vector = true},
+                       [IN_SINKS] = {.flag = "--sinks", .is_vector = true},
                    }};
     int rc;
     if (!parse_command_line(argc, argv, &o, &rc)) return rc;

@@ -18,7 +18,7 @@
 #include "base/defs.h"
 
 // Largest header accepted (bytes of JSON, padding included): 256 KiB. A layer's header is
-// small: at most 10 tensor entries of under 100 bytes each and a few metadata strings, under
+// small: at most 11 tensor entries of under 100 bytes each and a few metadata strings, under
 // 2 KiB as clmha_layer_save() and PyTorch write it. The limit leaves over 250 KiB for
 // free-form metadata, and bounds what parsing costs (cJSON takes up to about 30 times the
 // text: a few MiB at worst, in milliseconds). A longer header is refused from its length
@@ -26,8 +26,8 @@
 #define CLMHA__ST_MAX_HEADER ((size_t)256 << 10)
 // Most tensor entries a layer file holds: one per parameter name of nn.MultiheadAttention
 // (in_proj_weight, q/k/v_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias, bias_k,
-// bias_v) and clmha's alibi_slopes. More are refused before any entry is read.
-#define CLMHA__ST_MAX_TENSORS 10
+// bias_v) and clmha's alibi_slopes and sinks. More are refused before any entry is read.
+#define CLMHA__ST_MAX_TENSORS 11
 // Most dimensions a tensor may have.
 #define CLMHA__ST_MAX_DIMS 8
 // The limits of a file read with a prefix (clmha_layer_load_prefixed()), which may hold a whole
@@ -172,7 +172,7 @@ CLMHA__HIDDEN clmha_status clmha__safetensors_layer(const clmha__st_file *file,
 // add_bias_kv from the tensors present, num_heads, batch_first, add_zero_attn, dropout, the
 // sliding window ("window": "LEFT,RIGHT"), softcap and alibi from the metadata) and checks
 // that every tensor is a parameter of that layer with its PyTorch shape (alibi_slopes: (H),
-// with alibi only). On success every tensor of @p file can be given to
+// with alibi only; sinks: (H), which turns desc->sinks on). On success every tensor of @p file can be given to
 // clmha_layer_set_parameter() of a layer created from @p desc. Options: num_heads (0: the metadata's; else the metadata's, if
 // any, must agree) and batch_first (CLMHA_BATCH_FIRST_AUTO: the metadata's, else
 // @p default_batch_first). Returns CLMHA_SUCCESS, CLMHA_INVALID_FILE or CLMHA_SIZE_OVERFLOW,

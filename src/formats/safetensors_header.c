@@ -660,7 +660,7 @@ static clmha_status count_entries(const cJSON *root, clmha__st_limits limits, si
                           "%s: the header has %zu tensor entries; a layer file has at most %d "
                           "(in_proj_weight or q_proj_weight, k_proj_weight and v_proj_weight, "
                           "in_proj_bias, out_proj.weight, out_proj.bias, bias_k, bias_v, "
-                          "alibi_slopes); a "
+                          "alibi_slopes, sinks); a "
                           "whole model's file needs a prefix",
                           name, count, CLMHA__ST_MAX_TENSORS);
     *count_out = count;

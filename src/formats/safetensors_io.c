@@ -276,7 +276,7 @@ static bool write_safetensors(FILE *f, void *user, char *why, size_t why_size) {
 }
 
 // The tensors a layer of descriptor @p d has, in the order of the file, with their PyTorch
-// shapes (into @p list, room for 10) and element counts; *total: the sum of the counts.
+// shapes (into @p list, room for 11) and element counts; *total: the sum of the counts.
 static size_t save_list(clmha_layer *layer, const clmha_layer_desc *d, save_entry *list,
                         size_t *total) {
     // kve: the key/value heads' width (grouped-query attention: num_kv_heads * D, else E).
@@ -298,6 +298,7 @@ static size_t save_list(clmha_layer *layer, const clmha_layer_desc *d, save_entr
         list[n++] = (save_entry){"bias_v", 3, {1, 1, kve}, 0};
     }
     if (d->alibi) list[n++] = (save_entry){"alibi_slopes", 1, {d->num_heads}, 0};
+    if (d->sinks) list[n++] = (save_entry){"sinks", 1, {d->num_heads}, 0};
     // The layer exists, so its parameters fit in memory: these sums do not overflow.
     *total = 0;
     for (size_t i = 0; i < n; ++i) {
@@ -391,7 +392,7 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
     // widened exactly).
     bool f64 = d.dtype == CLMHA_DTYPE_F64;
     size_t elem = f64 ? 8 : 4;
-    save_entry list[10];
+    save_entry list[11];
     size_t total;
     size_t n = save_list(layer, &d, list, &total);
 

@@ -43,7 +43,7 @@ void clmha__safetensors_to_double(const clmha__st_tensor *t, double *out) {
 
 static const char *const known_names[] = {
     "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v", "alibi_slopes"};
+    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v", "alibi_slopes", "sinks"};
 
 // A positive decimal integer, digits only.
 static bool parse_count(const char *s, size_t *out) {
@@ -198,7 +198,7 @@ static clmha_status check_names(const desc_read *r) {
                               "%s: unknown tensor \"%.*s\" (a nn.MultiheadAttention file holds "
                               "in_proj_weight or q_proj_weight, k_proj_weight and v_proj_weight, "
                               "out_proj.weight, and optionally in_proj_bias with out_proj.bias, "
-                              "bias_k with bias_v, alibi_slopes)",
+                              "bias_k with bias_v, alibi_slopes, sinks)",
                               r->name, CLMHA__ST_QUOTE_MAX, r->f->tensors[i].name);
     }
     return CLMHA_SUCCESS;
@@ -461,6 +461,15 @@ static clmha_status read_alibi(const desc_read *r, bool *alibi) {
                         r->msg_size);
 }
 
+// The tensor sinks, (num_heads): its presence makes a layer with attention sinks
+// (clmha_layer_desc::sinks); there is no metadata key.
+static clmha_status read_sinks(const desc_read *r, bool *sinks) {
+    const clmha__st_tensor *t = clmha__safetensors_tensor(r->f, "sinks");
+    *sinks = t != NULL;
+    return expect_shape(t, 1, (size_t[]){r->heads}, "(num_heads)", r->name, r->msg,
+                        r->msg_size);
+}
+
 clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *name,
                                           size_t num_heads, clmha_batch_first batch_first_opt,
                                           bool default_batch_first, clmha_layer_desc *desc,
@@ -486,8 +495,10 @@ clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *n
     int64_t win_left, win_right;
     if ((st = read_window(&r, &window, &win_left, &win_right))) return st;
     double softcap;
-    bool alibi;
-    if ((st = read_softcap(&r, &softcap)) || (st = read_alibi(&r, &alibi))) return st;
+    bool alibi, sinks;
+    if ((st = read_softcap(&r, &softcap)) || (st = read_alibi(&r, &alibi)) ||
+        (st = read_sinks(&r, &sinks)))
+        return st;
 
     clmha_layer_desc d = {.struct_size = sizeof d,
                           .embed_dim = r.e,
@@ -504,7 +515,8 @@ clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *n
                           .window_left = win_left,
                           .window_right = win_right,
                           .softcap = softcap,
-                          .alibi = alibi};
+                          .alibi = alibi,
+                          .sinks = sinks};
     clmha_layer_desc checked;
     char why[512];
     if ((st = clmha__desc_check(&d, &checked, why, sizeof why)))
@@ -608,6 +620,7 @@ typedef struct {
     const clmha__st_tensor *first[SEED_SETS + 1];
     const clmha__st_tensor *seed[4][2];  // [projection][bias]
     const clmha__st_tensor *alibi;       // alibi_slopes, of every name set
+    const clmha__st_tensor *sinks;       // sinks, likewise
     size_t matched, sets, set;
 } select_found;
 
@@ -649,6 +662,10 @@ static clmha_status find_set(const clmha__st_file *f, const char *name, const ch
         ++out->matched;
         if (strcmp(param, "alibi_slopes") == 0) {  // clmha's own: no name set's
             out->alibi = t;
+            continue;
+        }
+        if (strcmp(param, "sinks") == 0) {  // likewise
+            out->sinks = t;
             continue;
         }
         size_t s;
@@ -791,14 +808,19 @@ clmha_status clmha__safetensors_select(const clmha__st_file *f, const char *name
     view->name_set = set == TORCH_SET ? "nn.MultiheadAttention" : seed_sets[set].set;
     view->batch_first_set = set != TORCH_SET;
     if (set != TORCH_SET) {
-        if ((st = view_seed(view, &found, name, msg, msg_size)) || !found.alibi) return st;
-        size_t n = view->file.tensor_count++;  // at most 6 before it
-        view->tensors[n] = *found.alibi;
-        view->tensors[n].param = "alibi_slopes";
-        view->parts[n][0] = found.alibi;
+        if ((st = view_seed(view, &found, name, msg, msg_size))) return st;
+        const clmha__st_tensor *own[2] = {found.alibi, found.sinks};
+        static const char *const own_param[2] = {"alibi_slopes", "sinks"};
+        for (int k = 0; k < 2; ++k) {
+            if (!own[k]) continue;
+            size_t n = view->file.tensor_count++;  // at most 7 before it
+            view->tensors[n] = *own[k];
+            view->tensors[n].param = own_param[k];
+            view->parts[n][0] = own[k];
+        }
         return CLMHA_SUCCESS;
     }
-    size_t n = 0;  // the tensors as they are, known names only: at most 10
+    size_t n = 0;  // the tensors as they are, known names only: at most 11
     for (size_t i = 0; i < f->tensor_count; ++i) {
         const clmha__st_tensor *t = &f->tensors[i];
         const char *param = plen ? strip_prefix(t->name, prefix, plen, dot) : t->name;

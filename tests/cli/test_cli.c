@@ -17,6 +17,8 @@
 //   - soft-capping and ALiBi (a layer file's softcap, alibi and alibi_slopes; --softcap, --alibi,
 //     --alibi-slopes) likewise: their cases of both lists through every core; bad values are
 //     usage errors; bench's JSON line names them;
+//   - attention sinks (a layer file's tensor sinks, sdpa's --sinks, bench's --sinks) likewise,
+//     their gradient (sinks.npy) with the others; a wrongly shaped sinks file is refused;
 //   - --dtype f64: '<f8' files in and out, against the float64 reference and every PyTorch case
 //     (max abs error <= 1e-12), doubles no float holds kept bit for bit; what float64 layers
 //     lack yet (KV cache, backward) refused as usage errors; `clmha bench --dtype f64`;
@@ -1201,6 +1203,73 @@ Test(cli_run, score_variant_options_replace_the_files) {
     tmp_remove(&d);
 }
 
+// A layer file's sinks go along when --window, --softcap or --alibi make the layer again (its
+// parameters copied): --softcap 0 and --window -1,-1 over the file change no byte of the
+// output, for every dtype; the same file without its sinks gives another output. And its
+// gradients include sinks.npy.
+Test(cli_run, sinks_kept_through_options) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = tmp_make();
+    char layer[CLI_PATH_SIZE], query[CLI_PATH_SIZE];
+    snprintf(layer, sizeof layer, "%s/cli/sinks_file_causal_weights/layer.safetensors",
+             CLMHA_TEST_DATA_DIR);
+    snprintf(query, sizeof query, "%s/cli/sinks_file_causal_weights/query.npy",
+             CLMHA_TEST_DATA_DIR);
+    // The same file without the tensor sinks: its header's last entry, and its last 16 bytes.
+    size_t size = 0;
+    char *bytes = read_file(layer, &size);
+    cr_assert(bytes && size > 8);
+    size_t n = 0;
+    for (int i = 7; i >= 0; --i) n = n << 8 | (unsigned char)bytes[i];
+    char *entry = strstr(bytes + 8, ",\"sinks\":{");
+    cr_assert(entry && entry < bytes + 8 + n, "no sinks entry");
+    char *end = strchr(entry, '}');
+    cr_assert(end != NULL);
+    memmove(entry, end + 1, (size_t)(bytes + size - (end + 1)));  // the entry out
+    size_t header = n - (size_t)(end + 1 - entry);
+    while (header % 8) {  // padded with spaces again, before the data
+        memmove(bytes + 8 + header + 1, bytes + 8 + header, size - 8 - n);
+        bytes[8 + header++] = ' ';
+    }
+    for (int i = 0; i < 8; ++i) bytes[i] = (char)(unsigned char)((uint64_t)header >> (8 * i));
+    write_bytes(tmp_file(&d, "plain.safetensors"), bytes, 8 + header + (size - 8 - n) - 16);
+    free(bytes);
+    const char *dtypes[] = {"f32", "f16", "f64"};
+    for (size_t t = 0; t < sizeof dtypes / sizeof *dtypes; ++t) {
+        if (strcmp(dtypes[t], "f64") == 0 && !device_has_fp64()) continue;
+        enum { RUNS = 4 };
+        const char *runs[RUNS][4] = {{layer, NULL, NULL, "a.npy"},
+                                     {layer, "--softcap", "0", "b.npy"},
+                                     {layer, "--window", "-1,-1", "c.npy"},
+                                     {tmp_file(&d, "plain.safetensors"), NULL, NULL, "p.npy"}};
+        char *out[RUNS] = {NULL};
+        size_t sizes[RUNS] = {0};
+        for (int r = 0; r < RUNS; ++r) {
+            char path[CLI_PATH_SIZE], lpath[CLI_PATH_SIZE];
+            snprintf(path, sizeof path, "%s", tmp_file(&d, runs[r][3]));
+            snprintf(lpath, sizeof lpath, "%s", runs[r][0]);
+            const char *argv[16] = {"run", "--layer", lpath, "--query", query, "--is-causal",
+                                    "--dtype", dtypes[t], "--output", path};
+            size_t argc = 10;
+            if (runs[r][1]) argv[argc++] = runs[r][1], argv[argc++] = runs[r][2];
+            argv[argc] = NULL;
+            cli_result res = cli_run_argv(argv);
+            cr_assert_eq(res.status, 0, "%s, %s: exit status %d; stderr: %s", dtypes[t],
+                         runs[r][3], res.status, res.err);
+            cli_free(&res);
+            out[r] = read_file(path, &sizes[r]);
+            cr_assert(out[r] != NULL);
+        }
+        for (int r = 1; r < 3; ++r)
+            cr_expect(sizes[r] == sizes[0] && memcmp(out[r], out[0], sizes[0]) == 0,
+                      "%s: %s differs from the file's sinks' output", dtypes[t], runs[r][3]);
+        cr_expect(sizes[3] == sizes[0] && memcmp(out[3], out[0], sizes[0]) != 0,
+                  "%s: the file's sinks change nothing", dtypes[t]);
+        for (int r = 0; r < RUNS; ++r) free(out[r]);
+    }
+    tmp_remove(&d);
+}
+
 static void read_npy_f64(const char *path, clmha__npy *a) {
     char msg[512];
     cr_assert_eq(clmha__npy_read_f64(path, a, msg, sizeof msg), CLMHA_SUCCESS, "%s: %s", path,
@@ -1582,7 +1651,9 @@ Test(cli_help, every_command) {
     EXPECT_HELP("--window LEFT,RIGHT", "sdpa", "--help");
     EXPECT_HELP("--softcap C", "run", "--help");
     EXPECT_HELP("--alibi-slopes A.npy", "sdpa", "--help");
-    EXPECT_HELP("[--softcap C] [--alibi]", "bench", "--help");
+    EXPECT_HELP("[--softcap C] [--alibi] [--sinks]", "bench", "--help");
+    EXPECT_HELP("--sinks S.npy", "sdpa", "--help");
+    EXPECT_HELP("bias_k, bias_v (1, 1, E), sinks (H)", "run", "--help");
     EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "run", "--help");
     EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "sdpa", "--help");
 }
@@ -1708,6 +1779,10 @@ Test(cli_refused, malformed_layer_files) {
          "{\"__metadata__\":{\"num_heads\":\"2\",\"softcap\":\"-1\"}," W "," O "}", 256, 0},
         {"alibi not a boolean",
          "{\"__metadata__\":{\"num_heads\":\"2\",\"alibi\":\"yes\"}," W "," O "}", 256, 0},
+        {"sinks not (num_heads)",
+         "{\"__metadata__\":{\"num_heads\":\"2\"}," W "," O ",\"sinks\":{\"dtype\":\"F32\","
+         "\"shape\":[3],\"data_offsets\":[256,268]}}",
+         268, 0},
         {"dimensions overflow",
          "{\"__metadata__\":{\"num_heads\":\"2\"}," W ",\"out_proj.weight\":{\"dtype\":\"F32\","
          "\"shape\":[4294967296,4294967296],\"data_offsets\":[192,256]}}",
@@ -2505,12 +2580,15 @@ Test(cli_usage, softcap_alibi) {
                  "--layer", "x.safetensors");
     EXPECT_USAGE("clmha bench: --alibi goes with a random layer", "bench", "--alibi", "--layer",
                  "x.safetensors");
+    EXPECT_USAGE("clmha bench: --sinks goes with a random layer", "bench", "--sinks", "--layer",
+                 "x.safetensors");
     EXPECT_USAGE("clmha bench: --decode takes", "bench", "--decode", "--cache-len", "8",
                  "--alibi", "--causal");
 }
 
-// bench --softcap C --alibi: the random layer's softcap and alibi in the JSON line (softcap 0
-// and alibi false without them), for the forward pass, the training step and the decode step.
+// bench --softcap C --alibi --sinks: the random layer's softcap, alibi and sinks in the JSON
+// line (softcap 0, alibi and sinks false without them), for the forward pass, the training step
+// and the decode step.
 Test(cli_bench, score_variants_json) {
     SKIP_WITHOUT_DEVICE();
     const char *const modes[][4] = {{"--tgt-len", "9", NULL, NULL},
@@ -2522,19 +2600,24 @@ Test(cli_bench, score_variants_json) {
                                     "--batch", "1", "--repeat", "1"};
             size_t argc = 10;
             for (int k = 0; k < 4 && modes[m][k]; ++k) argv[argc++] = modes[m][k];
-            if (on) argv[argc++] = "--softcap", argv[argc++] = "2.5", argv[argc++] = "--alibi";
+            if (on)
+                argv[argc++] = "--softcap", argv[argc++] = "2.5", argv[argc++] = "--alibi",
+                argv[argc++] = "--sinks";
             argv[argc] = NULL;
             cli_result r = cli_run_argv(argv);
             cr_assert_eq(r.status, 0, "mode %d: stderr: %s", m, r.err);
             cr_expect_eq(json_number(r.out, "softcap"), on ? 2.5 : 0.0, "%s", r.out);
             cr_expect(strstr(r.out, on ? "\"alibi\": true" : "\"alibi\": false") != NULL, "%s",
                       r.out);
+            cr_expect(strstr(r.out, on ? "\"sinks\": true" : "\"sinks\": false") != NULL, "%s",
+                      r.out);
             cli_free(&r);
         }
     cli_result r = cli_run("bench", "--embed", "16", "--heads", "4", "--batch", "1",
-                           "--tgt-len", "5", "--repeat", "1", "--softcap", "30", "--alibi");
+                           "--tgt-len", "5", "--repeat", "1", "--softcap", "30", "--alibi",
+                           "--sinks");
     cr_assert_eq(r.status, 0, "stderr: %s", r.err);
-    cr_expect(strstr(r.out, ", softcap 30, alibi (random)") != NULL, "%s", r.out);
+    cr_expect(strstr(r.out, ", softcap 30, alibi, sinks (random)") != NULL, "%s", r.out);
     cli_free(&r);
 }
 
@@ -2653,16 +2736,17 @@ ParameterizedTest(struct cli_param *param, cli_sdpa, cases) {
     char dir[CLI_PATH_SIZE / 2];
     snprintf(dir, sizeof dir, "%s/cli/%s", CLMHA_TEST_DATA_DIR, name);
     tmp_dir out = tmp_make();
-    static char paths[6][CLI_PATH_SIZE];
+    static char paths[7][CLI_PATH_SIZE];
     static const char *const inputs[][2] = {{"--query", "query.npy"},
                                             {"--key", "key.npy"},
                                             {"--value", "value.npy"},
                                             {"--attn-mask", "attn_mask.npy"},
                                             {"--grad-output", "grad_output.npy"},
-                                            {"--alibi-slopes", "alibi_slopes.npy"}};
+                                            {"--alibi-slopes", "alibi_slopes.npy"},
+                                            {"--sinks", "sinks.npy"}};
     const char *argv[CLI_MAX_ARGS + 1] = {"sdpa"};
     size_t argc = 1;
-    for (size_t i = 0; i < 6; ++i) {
+    for (size_t i = 0; i < 7; ++i) {
         snprintf(paths[i], CLI_PATH_SIZE, "%s/%s", dir, inputs[i][1]);
         if (i < 3) cr_assert(file_exists(paths[i]), "%s: %s is missing", name, paths[i]);
         if (!file_exists(paths[i])) continue;
@@ -2761,6 +2845,27 @@ Test(cli_sdpa, alibi_slopes_refused) {
                 "--output", o);
     SDPA_EXPECT(1, &d, 6, "--alibi-slopes", "takes 1 (H) dimensions", "--query", q, "--key", k,
                 "--value", v, "--enable-gqa", "--alibi", "--alibi-slopes", s2d, "--output", o);
+    tmp_remove(&d);
+}
+
+// --sinks: a file of H float logits; another shape or a boolean file is refused (exit 1) naming
+// the file.
+Test(cli_sdpa, sinks_refused) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_sdpa_inputs();
+    const char *q = tmp_file(&d, "q.npy"), *k = tmp_file(&d, "k.npy"), *v = tmp_file(&d, "v.npy");
+    const char *s3 = tmp_file(&d, "s3.npy"), *s2d = tmp_file(&d, "s2d.npy");
+    const char *sb = tmp_file(&d, "sb.npy"), *o = tmp_file(&d, "o.npy");
+    write_f32_shape(s3, 3);
+    write_f32_shape(s2d, 1, 4);
+    const unsigned char ones[4] = {1, 1, 1, 1};
+    write_npy_raw(sb, "|b1", 1, (size_t[]){4}, ones, sizeof ones);
+    SDPA_EXPECT(1, &d, 7, "--sinks", "sinks must be (H) = (4)", "--query", q, "--key", k,
+                "--value", v, "--enable-gqa", "--sinks", s3, "--output", o);
+    SDPA_EXPECT(1, &d, 7, "--sinks", "takes 1 (H) dimensions", "--query", q, "--key", k,
+                "--value", v, "--enable-gqa", "--sinks", s2d, "--output", o);
+    SDPA_EXPECT(1, &d, 7, "--sinks", "is not a float type", "--query", q, "--key", k, "--value",
+                v, "--enable-gqa", "--sinks", sb, "--output", o);
     tmp_remove(&d);
 }
 

@@ -322,6 +322,43 @@ Test(load_options, alibi_slopes_with_seed_names_and_prefix) {
     env_close(&e);
 }
 
+// sinks is clmha's own tensor too: with a seed module's names under a prefix, and with
+// PyTorch's names under another.
+Test(load_options, sinks_with_seed_names_and_prefix) {
+    env e;
+    env_open(&e);
+    char path[256];
+    snprintf(path, sizeof path, "%s/sinks.safetensors", e.dir);
+    write_st(path,
+             "{\"__metadata__\":{\"num_heads\":\"2\",\"alibi\":\"true\"},"
+             W4("m.w_q.weight", "0,64") "," W4("m.w_k.weight", "64,128") ","
+             W4("m.w_v.weight", "128,192") "," W4("m.w_concat.weight", "192,256") ","
+             "\"m.alibi_slopes\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[256,264]},"
+             "\"m.sinks\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[264,272]},"
+             "\"t.in_proj_weight\":{\"dtype\":\"F32\",\"shape\":[12,4],"
+             "\"data_offsets\":[272,464]},"
+             W4("t.out_proj.weight", "464,528") ","
+             "\"t.alibi_slopes\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[528,536]},"
+             "\"t.sinks\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[536,544]}}",
+             544);
+    for (int k = 0; k < 2; ++k) {
+        clmha_load_options o = {.struct_size = sizeof o, .prefix = k ? "t." : "m"};
+        clmha_layer *l;
+        cr_assert_eq(load(&e, path, &o, &l), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(e.ctx));
+        clmha_layer_desc d = {.struct_size = sizeof d};
+        clmha_layer_get_desc(l, &d);
+        cr_expect(d.sinks && d.alibi && d.embed_dim == 4, "%s", o.prefix);
+        float sinks[2] = {0}, slopes[2] = {0};
+        cr_expect_eq(clmha_layer_get_parameter(l, "sinks", sinks, 2), CLMHA_SUCCESS);
+        cr_expect_eq(clmha_layer_get_parameter(l, "alibi_slopes", slopes, 2), CLMHA_SUCCESS);
+        cr_expect(sinks[0] == 0.25f && sinks[1] == 0.25f && slopes[0] == 0.25f, "%s: %g %g %g",
+                  o.prefix, (double)sinks[0], (double)sinks[1], (double)slopes[0]);
+        clmha_layer_release(l);
+    }
+    env_close(&e);
+}
+
 Test(load_options, torch_save_files_say_how_to_convert) {
     env e;
     env_open(&e);

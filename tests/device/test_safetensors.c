@@ -76,7 +76,7 @@ static uint64_t rng_next(uint64_t *s) {
 
 static const char *const param_names[] = {
     "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v", "alibi_slopes"};
+    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v", "alibi_slopes", "sinks"};
 #define NUM_PARAMS (sizeof param_names / sizeof *param_names)
 
 // Fills every parameter of the layer with random floats and a few special bit patterns.
@@ -137,6 +137,7 @@ static void expect_same_desc(const clmha_layer_desc *a, const clmha_layer_desc *
     cr_expect_eq(memcmp(&a->softcap, &b->softcap, sizeof a->softcap), 0,
                  "%s: softcap %.17g vs %.17g", what, a->softcap, b->softcap);
     cr_expect_eq(a->alibi, b->alibi, "%s: alibi", what);
+    cr_expect_eq(a->sinks, b->sinks, "%s: sinks", what);
 }
 
 typedef struct rt_case {
@@ -198,6 +199,16 @@ static const rt_case rt_cases[] = {
      {DESC_SIZE, .embed_dim = 16, .num_heads = 8, .kdim = 3, .vdim = 9, .add_bias_kv = true,
       .add_zero_attn = true, .batch_first = true, .dropout = 0.25f, .softcap = 0.1,
       .alibi = true, .dtype = CLMHA_DTYPE_F64}},
+    // Attention sinks: the tensor sinks (H), whose presence turns sinks on.
+    {"sinks", {DESC_SIZE, .embed_dim = 8, .num_heads = 2, .bias = true, .sinks = true}},
+    {"sinks_gqa_window_f16",
+     {DESC_SIZE, .embed_dim = 16, .num_heads = 4, .num_kv_heads = 2, .add_bias_kv = true,
+      .window = true, .window_left = 5, .window_right = 0, .sinks = true,
+      .dtype = CLMHA_DTYPE_F16}},
+    {"sinks_alibi_softcap_everything_f64",
+     {DESC_SIZE, .embed_dim = 16, .num_heads = 8, .kdim = 3, .vdim = 9, .bias = true,
+      .add_bias_kv = true, .add_zero_attn = true, .batch_first = true, .softcap = 30.0,
+      .alibi = true, .sinks = true, .dtype = CLMHA_DTYPE_F64}},
 #undef DESC_SIZE
 };
 
@@ -323,7 +334,8 @@ Test(safetensors, saved_window) {
 }
 
 // A soft-capped layer's file has __metadata__ softcap, the shortest decimal of the double; an
-// ALiBi layer's has alibi "true" and the tensor alibi_slopes (H) after the others.
+// ALiBi layer's has alibi "true" and the tensor alibi_slopes (H) after the others; a layer with
+// sinks has the tensor sinks (H) last, and no metadata key for it.
 Test(safetensors, saved_score_variants) {
     env e;
     env_open(&e);
@@ -331,28 +343,42 @@ Test(safetensors, saved_score_variants) {
     path_in(&e, "sv.safetensors", path, sizeof path);
     static const struct {
         double softcap;
-        bool alibi;
+        bool alibi, sinks;
         const char *want[2];
-    } cases[] = {{50.0, false, {"\"softcap\":\"50\"", NULL}},
-                 {0.1, false, {"\"softcap\":\"0.1\"", NULL}},
-                 {1.0 / 3.0, false, {"\"softcap\":\"0.3333333333333333\"", NULL}},
-                 {0.0, true,
+    } cases[] = {{50.0, false, false, {"\"softcap\":\"50\"", NULL}},
+                 {0.1, false, false, {"\"softcap\":\"0.1\"", NULL}},
+                 {1.0 / 3.0, false, false, {"\"softcap\":\"0.3333333333333333\"", NULL}},
+                 {0.0, true, false,
                   {"\"alibi\":\"true\"}",
                    "\"alibi_slopes\":{\"dtype\":\"F32\",\"shape\":[2],"
                    "\"data_offsets\":[256,264]}"}},
-                 {2.5, true, {"\"softcap\":\"2.5\",\"alibi\":\"true\"}", "\"alibi_slopes\""}}};
+                 {2.5, true, false,
+                  {"\"softcap\":\"2.5\",\"alibi\":\"true\"}", "\"alibi_slopes\""}},
+                 {0.0, false, true,
+                  {"\"dropout\":\"0\"}",
+                   "\"sinks\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[256,264]}"}},
+                 {0.0, true, true,
+                  {"\"alibi_slopes\":{\"dtype\":\"F32\",\"shape\":[2],"
+                   "\"data_offsets\":[256,264]}",
+                   "\"sinks\":{\"dtype\":\"F32\",\"shape\":[2],"
+                   "\"data_offsets\":[264,272]}"}}};
     for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
         clmha_layer *a = NULL;
         clmha_layer_desc d = {.struct_size = sizeof d, .embed_dim = 4, .num_heads = 2,
-                              .softcap = cases[i].softcap, .alibi = cases[i].alibi};
+                              .softcap = cases[i].softcap, .alibi = cases[i].alibi,
+                              .sinks = cases[i].sinks};
         cr_assert_eq(clmha_layer_create(&a, e.ctx, &d), CLMHA_SUCCESS);
+        static const float sinks[2] = {0.75f, -1.5f};
+        if (cases[i].sinks)
+            cr_assert_eq(clmha_layer_set_parameter(a, "sinks", sinks, 2), CLMHA_SUCCESS);
         cr_assert_eq(clmha_layer_save(a, path), CLMHA_SUCCESS, "%s",
                      clmha_context_last_error(e.ctx));
         size_t size = 0;
         char *bytes = read_file(path, &size);
         cr_assert(bytes && size > 8);
         size_t n = (size_t)(unsigned char)bytes[0] | (size_t)(unsigned char)bytes[1] << 8;
-        cr_assert_eq(8 + n + (64 + (cases[i].alibi ? 2 : 0)) * 4, size);
+        cr_assert_eq(8 + n + (64 + (cases[i].alibi ? 2 : 0) + (cases[i].sinks ? 2 : 0)) * 4,
+                     size);
         bytes[8 + n - 1] = '\0';
         const char *h = bytes + 8;
         for (size_t k = 0; k < 2 && cases[i].want[k]; ++k)
@@ -360,9 +386,17 @@ Test(safetensors, saved_score_variants) {
                       cases[i].want[k], h);
         cr_expect_eq(strstr(h, "softcap") != NULL, cases[i].softcap > 0.0, "%s", h);
         cr_expect_eq(strstr(h, "alibi") != NULL, cases[i].alibi, "%s", h);
+        cr_expect_eq(strstr(h, "sinks") != NULL, cases[i].sinks, "%s", h);
+        if (cases[i].sinks) {  // the last tensor
+            float got[2];
+            memcpy(got, bytes + size - sizeof got, sizeof got);
+            cr_expect(got[0] == sinks[0] && got[1] == sinks[1], "%g %g", (double)got[0],
+                      (double)got[1]);
+        }
         if (cases[i].alibi) {  // the geometric slopes 2^-4, 2^-8 as F32
             float slopes[2];
-            memcpy(slopes, bytes + size - sizeof slopes, sizeof slopes);
+            memcpy(slopes, bytes + size - sizeof slopes - (cases[i].sinks ? 8 : 0),
+                   sizeof slopes);
             cr_expect(slopes[0] == 0.0625f && slopes[1] == 0.00390625f, "%g %g",
                       (double)slopes[0], (double)slopes[1]);
         }
@@ -731,6 +765,74 @@ Test(safetensors, score_variant_metadata) {
             else cr_assert_eq(clmha_alibi_slopes(2, want), CLMHA_SUCCESS);
             cr_expect(got[0] == want[0] && got[1] == want[1], "%s %s: slopes %g %g", cases[i].meta,
                       dt ? dt : "(none)", (double)got[0], (double)got[1]);
+        }
+        clmha_layer_release(l);
+    }
+    env_close(&e);
+}
+
+// The tensor sinks (F32, F16 or F64) turns clmha_layer_desc::sinks on and sets the parameter;
+// a file without it makes a layer without sinks. It goes with alibi and its slopes.
+Test(safetensors, sinks_tensor) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "sinks.safetensors", path, sizeof path);
+    static const struct {
+        const char *dtype;  // NULL: no sinks tensor
+        bool alibi;         // with alibi and alibi_slopes (F32, 1 and 2) before sinks
+    } cases[] = {{NULL, false}, {"F32", false}, {"F16", false}, {"F64", false}, {"F32", true}};
+    // 0.5 and -0.25 as each dtype holds them.
+    static const unsigned char f32[] = {0, 0, 0, 0x3f, 0, 0, 0x80, 0xbe};
+    static const unsigned char f16[] = {0, 0x38, 0, 0xb4};
+    static const unsigned char f64[] = {0, 0, 0, 0, 0, 0, 0xe0, 0x3f,
+                                        0, 0, 0, 0, 0, 0, 0xd0, 0xbf};
+    static const unsigned char slopes[] = {0, 0, 0x80, 0x3f, 0, 0, 0, 0x40};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
+        const char *dt = cases[i].dtype;
+        const unsigned char *sk = !dt ? NULL : dt[1] == '3' ? f32 : dt[1] == '1' ? f16 : f64;
+        size_t sk_size = !dt ? 0 : dt[1] == '3' ? sizeof f32 : dt[1] == '1' ? sizeof f16
+                                                                              : sizeof f64;
+        size_t at = 256 + (cases[i].alibi ? sizeof slopes : 0);
+        char tensors[256] = "";
+        if (cases[i].alibi)
+            snprintf(tensors, sizeof tensors,
+                     ",\"alibi_slopes\":{\"dtype\":\"F32\",\"shape\":[2],"
+                     "\"data_offsets\":[256,264]}");
+        if (dt)
+            snprintf(tensors + strlen(tensors), sizeof tensors - strlen(tensors),
+                     ",\"sinks\":{\"dtype\":\"%s\",\"shape\":[2],\"data_offsets\":[%zu,%zu]}",
+                     dt, at, at + sk_size);
+        char header[768];
+        snprintf(header, sizeof header,
+                 "{\"__metadata__\":{\"num_heads\":\"2\"%s},"
+                 "\"in_proj_weight\":{\"dtype\":\"F32\",\"shape\":[12,4],"
+                 "\"data_offsets\":[0,192]},"
+                 "\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],"
+                 "\"data_offsets\":[192,256]}%s}",
+                 cases[i].alibi ? ",\"alibi\":\"true\"" : "", tensors);
+        unsigned char data[256 + 8 + 16] = {0};
+        if (cases[i].alibi) memcpy(data + 256, slopes, sizeof slopes);
+        if (sk) memcpy(data + at, sk, sk_size);
+        write_st(path, header, (8 - strlen(header) % 8) % 8, data, at + sk_size);
+        clmha_layer *l = NULL;
+        load_ok(&e, path, &l);
+        clmha_layer_desc d = {.struct_size = sizeof d};
+        cr_assert_eq(clmha_layer_get_desc(l, &d), CLMHA_SUCCESS);
+        cr_expect_eq(d.sinks, dt != NULL, "%s: sinks", dt ? dt : "(none)");
+        cr_expect_eq(d.alibi, cases[i].alibi);
+        cr_expect_eq(clmha_layer_parameter_count(l, "sinks"), dt ? 2u : 0u);
+        if (dt) {
+            float got[2] = {0};
+            cr_assert_eq(clmha_layer_get_parameter(l, "sinks", got, 2), CLMHA_SUCCESS);
+            cr_expect(got[0] == 0.5f && got[1] == -0.25f, "%s: sinks %g %g", dt,
+                      (double)got[0], (double)got[1]);
+        }
+        if (cases[i].alibi) {
+            float got[2] = {0};
+            cr_assert_eq(clmha_layer_get_parameter(l, "alibi_slopes", got, 2), CLMHA_SUCCESS);
+            cr_expect(got[0] == 1.0f && got[1] == 2.0f, "slopes %g %g", (double)got[0],
+                      (double)got[1]);
         }
         clmha_layer_release(l);
     }
@@ -1274,6 +1376,20 @@ static const bad_case bad_cases[] = {
          SLOPES("[]", "260"),
      260, CLMHA_INVALID_FILE, "tensor \"alibi_slopes\" has shape"},
 #undef SLOPES
+    // sinks: (num_heads)
+#define SINKS(shape, end) \
+    ",\"sinks\":{\"dtype\":\"F32\",\"shape\":" shape ",\"data_offsets\":[256," end "]}}"
+    {"sinks (3) for 2 heads", HEADER, "{" NH2 "," IPW_OK "," OPW_OK SINKS("[3]", "268"), 268,
+     CLMHA_INVALID_FILE, "tensor \"sinks\" has shape (3,), expected (num_heads) = (2,)"},
+    {"sinks (1) for 2 heads", HEADER, "{" NH2 "," IPW_OK "," OPW_OK SINKS("[1]", "260"), 260,
+     CLMHA_INVALID_FILE, "tensor \"sinks\" has shape (1,), expected (num_heads) = (2,)"},
+    {"sinks (1, 2)", HEADER, "{" NH2 "," IPW_OK "," OPW_OK SINKS("[1,2]", "264"), 264,
+     CLMHA_INVALID_FILE, "tensor \"sinks\" has shape (1, 2), expected (num_heads) = (2,)"},
+    {"sinks scalar", HEADER, "{" NH2 "," IPW_OK "," OPW_OK SINKS("[]", "260"), 260,
+     CLMHA_INVALID_FILE, "tensor \"sinks\" has shape"},
+    {"sinks (2, 1)", HEADER, "{" NH2 "," IPW_OK "," OPW_OK SINKS("[2,1]", "264"), 264,
+     CLMHA_INVALID_FILE, "tensor \"sinks\" has shape (2, 1)"},
+#undef SINKS
     // the file system
     {"nonexistent path", NO_FILE, NULL, 0, CLMHA_IO_ERROR, "cannot open"},
     {"a folder", DIRECTORY, NULL, 0, CLMHA_IO_ERROR, "directory"},
@@ -1370,7 +1486,7 @@ static size_t write_many_tensors(const char *path, size_t entries) {
     return used + (8 - used % 8) % 8;
 }
 
-// A layer's header is small (at most 10 tensors and a few metadata strings): a huge header is
+// A layer's header is small (at most 11 tensors and a few metadata strings): a huge header is
 // refused from its length alone, before it is read or parsed, so quickly and whatever its
 // size; a header under the limit with more tensor entries than a layer has is refused before
 // the entries are looked at one by one.
@@ -1385,8 +1501,8 @@ Test(safetensors, huge_headers_refused_quickly) {
     } cases[] = {
         {700000, "exceeds the limit of 262144 bytes"},  // 41 MB of header
         {5000, "exceeds the limit of 262144 bytes"},    // just over the limit
-        {11, "the header has 11 tensor entries; a layer file has at most 10"},
-        {1000, "the header has 1000 tensor entries; a layer file has at most 10"},
+        {12, "the header has 12 tensor entries; a layer file has at most 11"},
+        {1000, "the header has 1000 tensor entries; a layer file has at most 11"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
         size_t header = write_many_tensors(path, cases[i].entries);
