@@ -150,7 +150,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     VT pv[RV];  // the rows' positions, lane by lane (rows past the last repeat it)
     UNROLL
     for (uint rv = 0; rv < RV; ++rv)
-        pv[rv] = min((VT)((REAL)first) + (VT)((REAL)(rv * VW)) + lane_index(), (VT)((REAL)last));
+        pv[rv] = min((VT)((REAL)(first + rv * VW)) + LANE_INDEX, (VT)((REAL)last));
 #endif
 
     REAL qt[HD * RP];  // the scaled query rows, transposed: qt[d * RP + r]

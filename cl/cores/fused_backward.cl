@@ -73,6 +73,16 @@ inline float masks_of(global const uchar *attn_mask, uint attn_kind, ulong attn_
                                                                                   : x;
 }
 
+// The probabilities of VW scores s: exp(s - l), 0 where l = -inf (a fully masked query row); l
+// is the row's log-sum-exp (per lane where the lanes are rows). Those below 1e-30 are taken as 0:
+// their products with dO and dP would be subnormal floats, which x86 cores compute some 100x
+// slower (the host BLAS's GEMMs on dS and Pd too): ALiBi's far keys gave a training step 1.3x a
+// plain one at L 2048. What is dropped is below 1e-30 of a gradient's terms.
+inline VT probs_of(VT s, VT l) {
+    VT p = select(exp_nonpos(s - l), (VT)(0.0f), l == (VT)(-INFINITY));
+    return select(p, (VT)(0.0f), p < 1e-30f);
+}
+
 // Drow[r] = dO[r].o[r] for every query row r of every plane (n_rows = N*H*L), summed over the
 // head dimension in order.
 kernel void fused_backward_drow(global const float *d_o, global const float *o,
@@ -99,11 +109,6 @@ kernel void fused_backward_drow(global const float *d_o, global const float *o,
 // where the row has any on that tile (none without masks, below the causal diagonal, inside the
 // window, past S).
 
-// The probabilities of one row's tile of scores, in place: s = exp(s - l), 0 where l = -inf
-// (a fully masked query row); l is the row's log-sum-exp (dq) or the tile's (dkdv, per lane).
-inline VT probs_of(VT s, VT l) {
-    return select(exp_nonpos(s - l), (VT)(0.0f), l == (VT)(-INFINITY));
-}
 
 // The two products of a tile, for the R private rows a (scaled queries or keys) and b (dO or
 // value rows) against the other side's tile, transposed in local memory (at, bt: [d * BT + c]):
@@ -207,7 +212,7 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
             // The score variants (cl/common.cl), VW query rows at a time.
             for (uint c = 0; c < BT; c += VW) {
                 VT g, x = LOADV(c, s[r]);
-                VT pv = (VT)((float)(i0 + c)) + lane_index();
+                VT pv = (VT)((float)(i0 + c)) + LANE_INDEX;
                 x = score_mod_lanes(x, softcap, slope, pv, (VT)((float)j), (float)src_len, &g);
                 STOREV(x, c, s[r]);
 #if SOFTCAP
@@ -356,7 +361,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
             // The score variants (cl/common.cl), VW keys at a time.
             for (uint c = 0; c < BT; c += VW) {
                 VT g, x = LOADV(c, s[r]);
-                VT jv = (VT)((float)(j0 + c)) + lane_index();
+                VT jv = (VT)((float)(j0 + c)) + LANE_INDEX;
                 x = score_mod_lanes(x, softcap, slope, (VT)((float)i), jv, (float)src_len, &g);
                 STOREV(x, c, s[r]);
 #if SOFTCAP
@@ -664,7 +669,7 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
         }
         VT gsc = (VT)(1.0f);  // the score variants' derivative (cl/common.cl)
 #if SCORE_MODS
-        VT pv = (VT)((float)(row0 + u0)) + lane_index();
+        VT pv = (VT)((float)(row0 + u0)) + LANE_INDEX;
         sv = score_mod_lanes(sv * scale, softcap, slope, pv, (VT)((float)j), (float)src_len,
                              &gsc);
         sv += kx;
@@ -686,7 +691,7 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
             }
             sv = LOADV(0, s_masked);
         }
-        VT p = select(exp_nonpos(sv - lv), (VT)(0.0f), lv == (VT)(-INFINITY));
+        VT p = probs_of(sv, lv);
         VT f = (VT)(1.0f);
         if (dropout_on) {
             float f_lanes[VW];  // lanes written, read as a vector
