@@ -211,10 +211,9 @@ static bool append(char *buf, size_t size, size_t *used, const char *fmt, ...) {
     return true;
 }
 
-// %.9g of a float with '.' as the decimal point whatever the C locale.
-static void float_text(float v, char *buf, size_t size) {
-    char raw[64];
-    snprintf(raw, sizeof raw, "%.9g", (double)v);
+// @p raw (printf's text of a number) into @p buf with '.' as the decimal point whatever the C
+// locale (its decimal separator, one or more bytes, becomes one '.').
+static void point_text(const char *raw, char *buf, size_t size) {
     size_t o = 0;
     bool in_point = false;
     for (const char *p = raw; *p && o + 1 < size; ++p) {
@@ -226,6 +225,13 @@ static void float_text(float v, char *buf, size_t size) {
     buf[o] = '\0';
 }
 
+// %.9g of a float with '.' as the decimal point whatever the C locale.
+static void float_text(float v, char *buf, size_t size) {
+    char raw[64];
+    snprintf(raw, sizeof raw, "%.9g", (double)v);
+    point_text(raw, buf, size);
+}
+
 // A double as the shortest "%.Ng" text (N up to 17, '.' as the decimal point whatever the C
 // locale) that clmha_layer_load() reads back as the same double; a whole number below 10^17
 // without an exponent ("50", not "5e+01").
@@ -234,15 +240,7 @@ static void double_text(double v, char *buf, size_t size) {
     for (int digits = whole; digits <= 17; ++digits) {
         char raw[64];
         snprintf(raw, sizeof raw, "%.*g", digits, v);
-        size_t o = 0;
-        bool in_point = false;
-        for (const char *p = raw; *p && o + 1 < size; ++p) {
-            bool plain = (*p >= '0' && *p <= '9') || *p == 'e' || *p == '-' || *p == '+';
-            if (plain) buf[o++] = *p;
-            else if (!in_point) buf[o++] = '.';
-            in_point = !plain;
-        }
-        buf[o] = '\0';
+        point_text(raw, buf, size);
         double back;
         if (clmha__st_decimal(buf, &back) && back == v) return;
     }
