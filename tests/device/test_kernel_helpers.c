@@ -242,7 +242,7 @@ Test(kernel_helpers, exp_nonpos_forward_and_backward_agree_bit_for_bit) {
 
 // tanh_lanes against tanh in double, relative, in units of 2^-24: every 2^-10 in [-40, 40], the
 // small values where tanh(x) ~ x, and the special values (+-0, +-inf keep +-1, NaN stays NaN),
-// at vector widths 1, 4 and 16, in the fused forward's and backward's programs.
+// at vector widths 1 and 16.
 #define TANH_MAX_REL_ERR_UNITS 8.0
 
 Test(kernel_helpers, tanh_lanes_is_accurate) {
@@ -255,9 +255,10 @@ Test(kernel_helpers, tanh_lanes_is_accurate) {
                                     -INFINITY, NAN};
     for (size_t i = 0; i < sizeof special / sizeof *special; ++i) x[n++] = special[i];
     while (n % 16) x[n++] = 0.5f;
-    static const char *const families[] = {"fused", "fused_backward"};
-    static const int widths[] = {1, 4, 16};
-    for (size_t f = 0; f < 2; ++f)
+    // One program family: the function is common.cl's, the same text in every core's program.
+    static const char *const families[] = {"fused"};
+    static const int widths[] = {1, 16};
+    for (size_t f = 0; f < sizeof families / sizeof *families; ++f)
         for (size_t w = 0; w < sizeof widths / sizeof *widths; ++w) {
             float *y = run_kernel(ctx, families[f], "probe_tanh_lanes", widths[w], x, n);
             double worst = 0.0;
