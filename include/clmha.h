@@ -2027,7 +2027,8 @@ typedef struct clmha_backward_args {
 /// environment variable CLMHA_FUSED_BACKWARD=kernels|gemms overrides that choice (read when a
 /// layer first runs it). It needs a forward call that ran the fused core, and it returns
 /// neither mask gradients nor takes a weights gradient. The unfused backward recomputes the
-/// probabilities into N·H·L·S' scratch (twice that: probabilities and their gradients) and runs
+/// probabilities into N·H·L·S' scratch (twice that: probabilities and their gradients; three
+/// times with soft-capping, whose factor needs the scores before it) and runs
 /// batched GEMMs over them; it does everything, and refuses calls whose scores exceed half the
 /// device's largest allocation (::CLMHA_OUT_OF_MEMORY). ::CLMHA_IMPL_AUTO: fused when the forward
 /// call ran the fused core and the call asks for no mask gradient and gives no weights

@@ -3,9 +3,11 @@
 // off), dPd = dO·V'ᵀ goes to a second scores-sized buffer (its own, grown on demand), and
 // softmax_backward turns the pair into Pd (dropout replayed) and dS in place; then three
 // batched GEMMs give dV' = Pdᵀ·dO, dQ = scale·dS·K', dK' = scale·dSᵀ·Q, and mask_grad sums dS
-// into the float masks' gradients. Twice N*H*L*S' floats of scratch: it runs only when the
-// scores fit in one chunk (clmha__scores_chunks()), and every batched GEMM sees offset-0
-// buffers (CLBlast 1.5.3's GemmStridedBatched ignores buffer offsets on one of its paths).
+// into the float masks' gradients; with soft-capping dS goes through its factor into a third
+// buffer of the raw scores (softcap_backward). Twice N*H*L*S' floats of scratch (three times
+// with soft-capping): it runs only when the scores fit in one chunk (clmha__scores_chunks()),
+// and every batched GEMM sees offset-0 buffers (CLBlast 1.5.3's GemmStridedBatched ignores
+// buffer offsets on one of its paths).
 #include "cores/unfused_backward.h"
 
 #include "context/gemm.h"
