@@ -18,7 +18,8 @@
         ulong attn_sh, ulong attn_si,                                                           \
         global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal, long win_left,      \
         long win_right, REAL softcap, global const REAL *alibi_slopes, ulong alibi_off,        \
-        global const REAL *sinks, ulong sinks_off, uint dropout_on,                            \
+        global const REAL *sinks, ulong sinks_off, global const float *mod_p, ulong mod_off,    \
+        global const uchar *mod_blocks, uint dropout_on,                                        \
         uint dropout_threshold, REAL keep_scale, uint seed_lo, uint seed_hi_xor_off_hi,        \
         uint offset_lo
 
@@ -94,6 +95,60 @@ inline bool in_window_all(long win_left, long win_right, ulong p_first, ulong p_
 #endif
 // Whether the program modifies scores: then every tile takes the masks' pass.
 #define SCORE_MODS (SOFTCAP || ALIBI)
+
+// ---- User functions (-DUSER_SCORE=1, -DUSER_GRAD=1, -DUSER_MASK=1) ----------------------------
+//
+// A layer's OpenCL C source (clmha_layer_desc::mod_source) comes after this file and before the
+// core's (src/context/programs.c), built with the functions its text defines
+// (src/layer/mods.c): clmha_score_mod, clmha_score_mod_grad, clmha_mask_mod, each taking the
+// batch item, query head, query position and key (real keys only) and p, the layer's
+// mod_params (MASK_PARAMS' mod_p at mod_off). The cores call them through these macros, which expand
+// where the user's functions are declared. clmha_real is what the user writes for s.
+#ifndef USER_SCORE
+#define USER_SCORE 0
+#endif
+#ifndef USER_GRAD
+#define USER_GRAD 0
+#endif
+#ifndef USER_MASK
+#define USER_MASK 0
+#endif
+#define USER_MODS (USER_SCORE || USER_MASK)
+typedef REAL clmha_real;
+#if USER_SCORE
+#define USER_SCORE_OF(s, n, h, p, j) \
+    clmha_score_mod((s), (int)(n), (int)(h), (int)(p), (int)(j), mod_p + mod_off)
+#else
+#define USER_SCORE_OF(s, n, h, p, j) (s)
+#endif
+#if USER_GRAD
+#define USER_GRAD_OF(s, n, h, p, j) \
+    clmha_score_mod_grad((s), (int)(n), (int)(h), (int)(p), (int)(j), mod_p + mod_off)
+#else
+#define USER_GRAD_OF(s, n, h, p, j) ((REAL)1.0f)
+#endif
+#if USER_MASK
+#define USER_ALLOWS(n, h, p, j) \
+    (clmha_mask_mod((int)(n), (int)(h), (int)(p), (int)(j), mod_p + mod_off) != 0)
+#else
+#define USER_ALLOWS(n, h, p, j) true
+#endif
+
+// The block mask of clmha_mask_mod (src/cores/block_mask.c): per plane bh and tile of rows
+// (first / rows) x keys (j0 / keys), MOD_BLOCK_NONE where the function forbids every key of the
+// tile to every row, MOD_BLOCK_ALL where it allows them all, MOD_BLOCK_SOME otherwise (and for
+// a tile holding an appended key, which must be visited); the kernels skip the first and need
+// no per-key call for the last. Tiles: ceil(L / rows) x ceil(S' / keys) per plane.
+#define MOD_BLOCK_NONE 0
+#define MOD_BLOCK_SOME 1
+#define MOD_BLOCK_ALL 2
+#if USER_MASK
+#define MOD_BLOCK(bh, first, rows, j0, keys, tgt_len, src_len_padded)                         \
+    (mod_blocks[((bh) * (((tgt_len) + (rows) - 1) / (rows)) + (first) / (rows)) *              \
+                    (((src_len_padded) + (keys) - 1) / (keys)) + (j0) / (keys)])
+#else
+#define MOD_BLOCK(bh, first, rows, j0, keys, tgt_len, src_len_padded) MOD_BLOCK_ALL
+#endif
 
 // The sink logit of query head h (-INFINITY, no sink, without SINKS), from a kernel's
 // MASK_PARAMS: one more term exp(sink - m) in each row's softmax denominator, with a zero value

@@ -816,6 +816,31 @@ typedef struct clmha_layer_desc {
     /// below 1 and its log-sum-exp includes the sink; a fully masked row still gives a zero
     /// result. sinks has a gradient (clmha_backward_args::sinks). Added after 0.1.0.
     bool sinks;
+    /// User score and mask functions (FlexAttention's score_mod and mask_mod): OpenCL C source,
+    /// NUL-terminated, compiled into the layer's attention kernels (the layer keeps a copy; NULL
+    /// or "": none). It defines any of
+    /// @code
+    /// clmha_real clmha_score_mod(clmha_real s, int b, int h, int q, int k, __global const float *p);
+    /// clmha_real clmha_score_mod_grad(clmha_real s, int b, int h, int q, int k, __global const float *p);
+    /// int clmha_mask_mod(int b, int h, int q, int k, __global const float *p);
+    /// @endcode
+    /// (clmha_real is float, double in a float64 layer). For batch item b, query head h, query
+    /// position q (p_i of @ref window) and key j = k < S: clmha_score_mod gives the new score
+    /// (after soft-capping and ALiBi, before the masks), clmha_score_mod_grad its derivative in
+    /// s (the backward pass needs it when clmha_score_mod is defined: without it the backward is
+    /// refused, ::CLMHA_UNSUPPORTED), and clmha_mask_mod non-zero where the query may attend the
+    /// key. The keys appended by add_bias_kv and add_zero_attn go through neither. p is the
+    /// layer's @ref mod_params_count floats (clmha_layer_set_mod_params()). Which functions the
+    /// source defines is read from its text (the names outside comments); a source that does
+    /// not compile makes clmha_layer_create() return ::CLMHA_BUILD_FAILED with the build log in
+    /// the message. The fused cores skip the key tiles clmha_mask_mod forbids for a whole tile,
+    /// from a block mask evaluated on the first call of a shape and kept until the parameters
+    /// change. Added after 0.1.0.
+    const char *mod_source;
+    /// Initial values of the user functions' parameters p (mod_params_count floats; NULL:
+    /// zeros). Read only during clmha_layer_create().
+    const float *mod_params;
+    size_t mod_params_count;  ///< floats in p; 0: none (p is then a valid, empty pointer)
 } clmha_layer_desc;
 
 /// The ALiBi paper's slopes for @p heads heads (what a layer with clmha_layer_desc::alibi starts
@@ -926,6 +951,17 @@ CLMHA_API clmha_status clmha_layer_get_parameter_f64(clmha_layer *layer, const c
 /// @return the number of floats of parameter @p name, or 0 when the layer has no such parameter
 ///         or an argument is NULL
 CLMHA_API size_t clmha_layer_parameter_count(const clmha_layer *layer, const char *name);
+
+/// Replaces the parameters p of the layer's user functions (clmha_layer_desc::mod_source), a
+/// blocking write after the work already queued, like clmha_layer_set_parameter(). The block
+/// masks of clmha_mask_mod are evaluated again on the next call.
+/// @param[in] layer   the layer
+/// @param[in] params  @p count floats; read only during the call
+/// @param[in] count   must equal clmha_layer_desc::mod_params_count
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, a layer without user functions),
+///         ::CLMHA_SHAPE_MISMATCH (wrong count), ::CLMHA_OPENCL_ERROR
+CLMHA_API clmha_status clmha_layer_set_mod_params(clmha_layer *layer, const float *params,
+                                                  size_t count);
 
 /// Sizes the layer's scratch buffers for inputs up to @p batch x @p tgt_len x @p src_len and
 /// warms up the GEMMs, so that later forward calls at or below these sizes allocate nothing and
@@ -1732,6 +1768,11 @@ typedef struct clmha_attention_args {
     /// Optional (ndim 0: none): attention sinks, as clmha_layer_desc::sinks, (H) floats on the
     /// device (buffer, offset). The log-sum-exp rows include them.
     clmha_tensor sinks;
+    /// Optional (NULL or ""): user score and mask functions, as clmha_layer_desc::mod_source
+    /// (compiled once per context and source), their p from @ref mod_params.
+    const char *mod_source;
+    /// With mod_source: p, floats on the device (buffer, offset; shape (count)); ndim 0: none.
+    clmha_tensor mod_params;
 } clmha_attention_args;
 
 /// Element counts of the results of a clmha_attention_forward() call of @p args. Validates the

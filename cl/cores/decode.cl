@@ -166,7 +166,8 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                            ulong kv_heads, ulong cap, uint parts, uint causal, long win_left,
                            long win_right, float scale, float softcap,
                            global const float *alibi_slopes, ulong alibi_off,
-                           global float *part_acc, global float *part_ms, ulong items) {
+                           global const float *mod_p, ulong mod_off, global float *part_acc,
+                           global float *part_ms, ulong items) {
     ulong gid = get_global_id(0);
     if (gid >= items) return;
     uint p = (uint)(gid % parts);
@@ -256,6 +257,21 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
 #endif
         }
 #endif
+#if USER_MODS
+        // The user's functions (cl/common.cl) on the block's keys the row sees, lane by lane
+        // (lane u is key jb + u); a block they forbid entirely is skipped.
+        bool live = false;
+        for (uint g = 0; g < G; ++g) {
+            float *lane = (float *)&sc[g];
+            for (uint u = skip; u < cnt; ++u) {
+                ulong j = jb + u, h = kvh * G + g;
+                float x = USER_SCORE_OF(lane[u], n, h, pos, j);
+                lane[u] = USER_ALLOWS(n, h, pos, j) ? x : -INFINITY;
+                live |= lane[u] != -INFINITY;
+            }
+        }
+        if (!live) continue;
+#endif
         // Per query head (unrolled: the heads' dependency chains interleave): the block's
         // probabilities exp(score - mb) (prs: lane u is key jb + u, read below through a float
         // pointer rather than extracted lane by lane), the new running maximum mb, and the
@@ -275,7 +291,12 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         for (uint g = 0; g < G; ++g) {
             float mb = max_nan(m[g], block_max(sc[g]));
             corr[g] = mb > m[g] ? exp(m[g] - mb) : 1.0f;
+#if USER_MASK
+            // A head whose keys so far are all forbidden: exp(-inf - 0), not exp(-inf + inf).
+            prs[g] = exp(sc[g] - (float16)(mb == -INFINITY ? 0.0f : mb));
+#else
             prs[g] = exp(sc[g] - (float16)(mb));
+#endif
             sv[g] = fma(sv[g], (float16)(corr[g]), prs[g]);
             m[g] = mb;
         }

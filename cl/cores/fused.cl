@@ -175,7 +175,11 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     // The key tiles some row may see: is_causal and the window skip the others (cl/common.cl,
     // key_tiles_of).
     key_tiles span = key_tiles_of(first, last, src_len, srcp, causal, win_left, win_right, BK);
+    ulong h = bh - n * n_heads;
     for (ulong j0 = span.begin; j0 < srcp; j0 = key_tile_next(span, j0, BK)) {
+        // The tiles clmha_mask_mod forbids to every row here are skipped (cl/common.cl).
+        uchar blk = MOD_BLOCK(bh, first, RPW, j0, BK, tgt_len, srcp);
+        if (blk == MOD_BLOCK_NONE) continue;
         for (uint jb = 0; jb < BK; jb += JB) {
             global const REAL *kr[JB];  // past the last key: the last key's row (masked below)
             UNROLL
@@ -213,9 +217,19 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
             }
         }
 #endif
+#if USER_SCORE
+        // The user's score function (cl/common.cl) on the tile's real keys, key by key over
+        // the rows (contiguous), so that the compiler may vectorise it across them.
+        for (uint jj = 0; jj < BK && j0 + jj < src_len; ++jj)
+            for (uint r = 0; r < RP; ++r)
+                st[jj * RP + r] =
+                    USER_SCORE_OF(st[jj * RP + r], n, h, min(first + r, last), j0 + jj);
+#endif
         // Masks: only where the tile needs any (inside the real keys, no masks, below the
-        // causal diagonal of the first row and inside every row's window needs none).
-        bool plain = !attn_kind && !kpm_kind && j0 + BK <= srcp &&
+        // causal diagonal of the first row, inside every row's window and allowed to every row
+        // by clmha_mask_mod needs none).
+        bool user_mask = USER_MASK && blk != MOD_BLOCK_ALL;
+        bool plain = !attn_kind && !kpm_kind && !user_mask && j0 + BK <= srcp &&
                      (!causal || j0 + BK <= first + 1) &&
                      in_window_all(win_left, win_right, first, last, j0, j0 + BK - 1);
         if (!plain) {
@@ -230,7 +244,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
                     } else if (j < src_len) {
                         x += mask_value(attn_mask, attn_kind, ar + j);
                         x += mask_value(kpm, kpm_kind, kpm_row + j);
-                        if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j))
+                        if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j) ||
+                            (user_mask && !USER_ALLOWS(n, h, i, j)))
                             x = -INFINITY;
                     }
                     st[jj * RP + r] = x;
@@ -401,7 +416,13 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     // stay uniform.
     key_tiles span = key_tiles_of(first, last, src_len, src_len_padded, causal, win_left,
                                 win_right, BK);
+    ulong h = bh - n * n_heads;
     for (ulong j0 = span.begin; j0 < src_len_padded; j0 = key_tile_next(span, j0, BK)) {
+        // The tiles clmha_mask_mod forbids to every row of the group are skipped, uniformly
+        // (cl/common.cl).
+        uchar blk = MOD_BLOCK(bh, first, BQ * RPW, j0, BK, tgt_len, src_len_padded);
+        if (blk == MOD_BLOCK_NONE) continue;
+        bool user_mask = USER_MASK && blk != MOD_BLOCK_ALL;
         barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
         for (uint t = lid; t < BK * HD; t += BQ) {
             uint jj = t / HD, d = t % HD;
@@ -441,7 +462,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         for (uint r = 0; r < RPW; ++r) {
             // Masks: only where this row has any (a tile inside the real keys, without masks,
             // below the causal diagonal and inside the row's window needs none).
-            bool plain = !SCORE_MODS && !attn_kind && !kpm_kind && j0 + BK <= src_len_padded &&
+            bool plain = !SCORE_MODS && !USER_SCORE && !user_mask && !attn_kind && !kpm_kind &&
+                         j0 + BK <= src_len_padded &&
                          (!causal || j0 + BK <= rows[r] + 1) &&
                          in_window_all(win_left, win_right, rows[r], rows[r], j0, j0 + BK - 1);
             if (!plain) {
@@ -454,10 +476,12 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
                     if (j >= src_len_padded) {
                         x = -INFINITY;
                     } else if (j < src_len) {
+                        x = USER_SCORE_OF(x, n, h, rows[r], j);  // the user's (cl/common.cl)
                         x += mask_value(attn_mask, attn_kind, attn_row[r] + j);
                         x += mask_value(kpm, kpm_kind, kpm_row + j);
                         if ((causal && j > rows[r]) ||
-                            !in_window(win_left, win_right, (long)rows[r], (long)j))
+                            !in_window(win_left, win_right, (long)rows[r], (long)j) ||
+                            (user_mask && !USER_ALLOWS(n, h, rows[r], j)))
                             x = -INFINITY;
                     }
                     s[r][jj] = x;

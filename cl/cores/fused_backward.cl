@@ -62,6 +62,9 @@
 // as the forward's did) come from cl/common.cl. (A CPU driver maps the vectors to its SIMD
 // registers; scalar loops over HD it would only vectorise across work-items.)
 
+// Whether dS passes through a score function's derivative: soft-capping's, the user's.
+#define GRAD_FACTOR (SOFTCAP || USER_SCORE)
+
 // The additive masks, is_causal and the window of score (bh, i, j), j < src_len; attn_row is
 // the start of row i of attn_mask for plane bh (already offset), kpm_row that of the batch item.
 inline float masks_of(global const uchar *attn_mask, uint attn_kind, ulong attn_row,
@@ -173,10 +176,11 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
     float s[R][BT];   // scores, then probabilities, then dS
     float pd[R][BT];  // the probabilities after dropout
     float dp[R][BT];  // dO.v, then after dropout
-#if SOFTCAP
-    float sg[R][BT];  // the soft-capping's derivative (score_mod_grad)
+#if GRAD_FACTOR
+    float sg[R][BT];  // the score functions' derivative (score_mod_grad, clmha_score_mod_grad)
 #endif
     float slope = ALIBI_SLOPE(bh - n * n_heads);
+    ulong h = bh - n * n_heads;
 
     // With a group of real keys only, the query tiles whose rows is_causal or the window keep
     // from every key of the group see only masked scores (P = 0): the loop visits the others.
@@ -220,19 +224,32 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
 #endif
             }
 #endif
+#if USER_SCORE
+            // The user's score function and its derivative (cl/common.cl), real keys only.
+            for (uint ii = 0; ii < BT; ++ii) {
+                float x = s[r][ii], g = 1.0f;
+                ulong i = min(i0 + ii, tgt_len - 1);
+                if (j < src_len) {
+                    g = USER_GRAD_OF(x, n, h, i, j);
+                    s[r][ii] = USER_SCORE_OF(x, n, h, i, j);
+                }
+                sg[r][ii] = SOFTCAP ? sg[r][ii] * g : g;
+            }
+#endif
             // Masks: only for a real key (j < S) with masks, with is_causal above the diagonal
             // of some row of the tile, or outside some row's window. Rows past the end keep
             // their score (l = -inf).
             if (j < src_len &&
-                (attn_kind || kpm_kind || (causal && j > i0) ||
+                (attn_kind || kpm_kind || USER_MASK || (causal && j > i0) ||
                  !in_window_all(win_left, win_right, i0, i0 + rows - 1, j, j))) {
                 float kx = mask_value(kpm, kpm_kind, kpm_row + j);
                 for (uint ii = 0; ii < rows; ++ii) {
                     ulong i = i0 + ii;
                     ulong ar = ATTN_ROW(bh, n, n_heads, i);
                     float x = s[r][ii] + mask_value(attn_mask, attn_kind, ar + j) + kx;
-                    s[r][ii] = (causal && j > i) || !in_window(win_left, win_right, (long)i,
-                                                               (long)j)
+                    s[r][ii] = (causal && j > i) ||
+                                       !in_window(win_left, win_right, (long)i, (long)j) ||
+                                       !USER_ALLOWS(n, h, i, j)
                                    ? -INFINITY
                                    : x;
                 }
@@ -253,8 +270,8 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
             }
             for (uint c = 0; c < BT; c += VW)  // dS = P * (dP - Drow)
                 STOREV(LOADV(c, s[r]) * (LOADV(c, dp[r]) - LOADV(c, ds)), c, s[r]);
-#if SOFTCAP
-            for (uint c = 0; c < BT; c += VW)  // through the soft-capping
+#if GRAD_FACTOR
+            for (uint c = 0; c < BT; c += VW)  // through the soft-capping and user's function
                 STOREV(LOADV(c, s[r]) * LOADV(c, sg[r]), c, s[r]);
 #endif
         }
@@ -329,10 +346,11 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     }
     float s[R][BT];   // scores, then probabilities, then dS
     float dp[R][BT];  // dO.v, then after dropout
-#if SOFTCAP
-    float sg[R][BT];  // the soft-capping's derivative (score_mod_grad)
+#if GRAD_FACTOR
+    float sg[R][BT];  // the score functions' derivative (score_mod_grad, clmha_score_mod_grad)
 #endif
     float slope = ALIBI_SLOPE(bh - n * n_heads);
+    ulong h = bh - n * n_heads;
 
     global const float *kb = k + bh * src_len_padded * HD;
     global const float *vb = v + bh * src_len_padded * HD;
@@ -369,9 +387,22 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
 #endif
             }
 #endif
+#if USER_SCORE
+            // The user's score function and its derivative (cl/common.cl), real keys only.
+            for (uint jj = 0; jj < BT; ++jj) {
+                ulong j = j0 + jj;
+                float x = s[r][jj], g = 1.0f;
+                if (j < src_len) {
+                    g = USER_GRAD_OF(x, n, h, i, j);
+                    s[r][jj] = USER_SCORE_OF(x, n, h, i, j);
+                }
+                sg[r][jj] = SOFTCAP ? sg[r][jj] * g : g;
+            }
+#endif
             // Masks: only where this row has any on the tile (keys past the end, masks, keys
-            // above the causal diagonal or outside the row's window).
-            bool plain = !attn_kind && !kpm_kind && keys == BT && (!causal || j0 + BT <= i + 1) &&
+            // above the causal diagonal or outside the row's window, a user mask function).
+            bool plain = !attn_kind && !kpm_kind && !USER_MASK && keys == BT &&
+                         (!causal || j0 + BT <= i + 1) &&
                          in_window_all(win_left, win_right, i, i, j0, j0 + BT - 1);
             if (!plain) {
                 for (uint jj = 0; jj < BT; ++jj) {
@@ -382,7 +413,8 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
                     } else if (j < src_len) {
                         x += mask_value(attn_mask, attn_kind, attn_row[r] + j);
                         x += mask_value(kpm, kpm_kind, kpm_row + j);
-                        if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j))
+                        if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j) ||
+                            !USER_ALLOWS(n, h, i, j))
                             x = -INFINITY;
                     }
                     s[r][jj] = x;
@@ -399,8 +431,8 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
             }
             for (uint c = 0; c < BT; c += VW)  // dS = P * (dP - Drow)
                 STOREV(LOADV(c, s[r]) * (LOADV(c, dp[r]) - (VT)(dr[r])), c, s[r]);
-#if SOFTCAP
-            for (uint c = 0; c < BT; c += VW)  // through the soft-capping
+#if GRAD_FACTOR
+            for (uint c = 0; c < BT; c += VW)  // through the soft-capping and user's function
                 STOREV(LOADV(c, s[r]) * LOADV(c, sg[r]), c, s[r]);
 #endif
         }
@@ -448,6 +480,7 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
     ulong jc = min(j, src_len_padded - 1);  // rows past the end compute on the last key
     ulong kpm_row = kpm_off + n * src_len;
     float slope = ALIBI_SLOPE(bh - n * n_heads);
+    ulong h = bh - n * n_heads;
 
     float kr[HD], vr[HD], dkr[HD], dvr[HD];
     global const float *kp = k + (bh * src_len_padded + jc) * HD;
@@ -496,9 +529,14 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
             s = score_mod_grad(s, softcap, slope, i, jc, jc < src_len, &g);
 #endif
             if (jc < src_len) {
+#if USER_SCORE
+                g *= USER_GRAD_OF(s, n, h, i, jc);  // the user's function (cl/common.cl)
+                s = USER_SCORE_OF(s, n, h, i, jc);
+#endif
                 ulong ar = ATTN_ROW(bh, n, n_heads, i);
                 s += masks_of(attn_mask, attn_kind, ar, kpm, kpm_kind, kpm_row, causal, win_left,
                               win_right, i, jc);
+                if (!USER_ALLOWS(n, h, i, jc)) s = -INFINITY;
             }
             float l = ls[ii];
             // A fully masked row (lse = -inf) has no probabilities: 0, not exp(-inf + inf).
@@ -549,6 +587,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     ulong attn_row = ATTN_ROW(bh, n, n_heads, ic);
     ulong kpm_row = kpm_off + n * src_len;
     float slope = ALIBI_SLOPE(bh - n * n_heads);
+    ulong h = bh - n * n_heads;
 
     float qr[HD], dor[HD], dqr[HD];
     global const float *qp = q + (bh * tgt_len + ic) * HD;
@@ -589,9 +628,15 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
 #if SCORE_MODS
             s = score_mod_grad(s, softcap, slope, ic, j, j < src_len, &g);
 #endif
-            if (j < src_len)
+            if (j < src_len) {
+#if USER_SCORE
+                g *= USER_GRAD_OF(s, n, h, ic, j);  // the user's function (cl/common.cl)
+                s = USER_SCORE_OF(s, n, h, ic, j);
+#endif
                 s += masks_of(attn_mask, attn_kind, attn_row, kpm, kpm_kind, kpm_row, causal,
                               win_left, win_right, ic, j);
+                if (!USER_ALLOWS(n, h, ic, j)) s = -INFINITY;
+            }
             float p = l == -INFINITY ? 0.0f : exp(s - l);
             float dp = dpd;
             if (dropout_on) {
@@ -636,7 +681,8 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
     bool real = j < src_len;
     float kx = real ? mask_value(kpm, kpm_kind, kpm_off + n * src_len + j) : 0.0f;
     float slope = ALIBI_SLOPE(bh - n * n_heads);
-    bool per_row = real && (attn_kind || (causal && j > row0) ||
+    ulong h = bh - n * n_heads;
+    bool per_row = real && (attn_kind || USER_MASK || (causal && j > row0) ||
                             !in_window_all(win_left, win_right, row0, row0 + rows - 1, j, j));
     global float *srow = sp + t * rows, *grow = gp + t * rows;
     // VW rows at a time (what a CPU driver runs in its vector registers), the last ones in a
@@ -668,10 +714,28 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
             dv = LOADV(0, d_in);
         }
         VT gsc = (VT)(1.0f);  // the score variants' derivative (cl/common.cl)
+#if SCORE_MODS || USER_SCORE
 #if SCORE_MODS
         VT pv = (VT)((float)(row0 + u0)) + LANE_INDEX;
         sv = score_mod_lanes(sv * scale, softcap, slope, pv, (VT)((float)j), (float)src_len,
                              &gsc);
+#else
+        sv = sv * scale;
+#endif
+#if USER_SCORE
+        if (real) {  // the user's function and its derivative, lane by lane (cl/common.cl)
+            float s_in[VW], g_in[VW], s_out[VW], g_out[VW];  // written one way, read the other
+            STOREV(sv, 0, s_in);
+            STOREV(gsc, 0, g_in);
+            for (uint u = 0; u < VW; ++u) {
+                ulong i = row0 + min(u0 + u, rows - 1);
+                s_out[u] = USER_SCORE_OF(s_in[u], n, h, i, j);
+                g_out[u] = g_in[u] * USER_GRAD_OF(s_in[u], n, h, i, j);
+            }
+            sv = LOADV(0, s_out);
+            gsc = LOADV(0, g_out);
+        }
+#endif
         sv += kx;
 #else
         sv = sv * scale + kx;
@@ -684,7 +748,8 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
                 float x = s_lanes[u];
                 if (u < lanes) {
                     x += mask_value(attn_mask, attn_kind, ATTN_ROW(bh, n, n_heads, i) + j);
-                    if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j))
+                    if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j) ||
+                        !USER_ALLOWS(n, h, i, j))
                         x = -INFINITY;
                 }
                 s_masked[u] = x;

@@ -53,9 +53,11 @@ void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_
         v = score_mod(v, softcap, slope, i, j, j < src_len);
 #endif
         if (j < src_len) {
+            v = USER_SCORE_OF(v, n, bh - n * n_heads, i, j);  // the user's (cl/common.cl)
             v += mask_value(attn_mask, attn_kind, attn_row + j);
             v += mask_value(kpm, kpm_kind, kpm_row + j);
-            if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j))
+            if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j) ||
+                !USER_ALLOWS(n, bh - n * n_heads, i, j))
                 v = -INFINITY;
         }
         x[j] = v;

@@ -103,16 +103,25 @@ kernel void mask_grad(global const float *ds, global float *out, ulong out_off, 
     }
 }
 
-// With soft-capping (-DSOFTCAP=1): one work-item per score, raw[e] (the score before the
-// soft-capping, s) becomes ds[e] * (1 - tanh(s/c)^2), dS through the soft-capping. A kernel
-// that is never launched without it.
-kernel void softcap_backward(global const float *ds, global float *raw, float softcap,
-                             ulong count) {
+// With soft-capping or a user score function (-DSOFTCAP=1, -DUSER_SCORE=1): one work-item per
+// score e of row bh * L + i, key j: raw[e] (the scaled score before the variants, s) becomes
+// ds[e] times the variants' derivative there (cl/common.cl: soft-capping's 1 - tanh(s/c)^2,
+// then clmha_score_mod_grad's at the score it was given), dS through them. A kernel that is
+// never launched without one.
+kernel void score_backward(global const float *ds, global float *raw, float softcap,
+                           global const float *alibi_slopes, ulong alibi_off,
+                           global const float *mod_p, ulong mod_off, ulong tgt_len,
+                           ulong n_heads,
+                           ulong src_len, ulong src_len_padded, ulong count) {
     ulong e = get_global_id(0);
     if (e < count) {
-#if SOFTCAP
-        float t = tanh(raw[e] / softcap);
-        raw[e] = ds[e] * (1.0f - t * t);
+        ulong row = e / src_len_padded, j = e % src_len_padded, bh = row / tgt_len;
+        ulong i = row % tgt_len, n = bh / n_heads, h = bh - n * n_heads;
+        float g;
+        float s = score_mod_grad(raw[e], softcap, ALIBI_SLOPE(h), i, j, j < src_len, &g);
+#if USER_SCORE
+        if (j < src_len) g *= USER_GRAD_OF(s, n, h, i, j);
 #endif
+        raw[e] = ds[e] * g;
     }
 }

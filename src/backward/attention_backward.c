@@ -12,6 +12,7 @@
 #include "forward/attention_cache.h"
 #include "forward/enqueue.h"
 #include "forward/staging.h"
+#include "layer/mods.h"
 
 #include <stdlib.h>
 
@@ -329,6 +330,11 @@ static clmha_status check_call(clmha_context *ctx, const clmha_attention_backwar
     if (a->kv_cache)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "the forward call has a kv_cache: the KV-cache form has no backward");
+    unsigned mods = clmha__mods_scan(a->mod_source);
+    if ((mods & CLMHA__MOD_SCORE) && !(mods & CLMHA__MOD_GRAD))
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "the backward pass needs clmha_score_mod_grad: the forward call's "
+                           "mod_source defines clmha_score_mod without its derivative");
     if (b->grad_sinks && (!a->sinks.ndim || !b->lse))
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            a->sinks.ndim ? "grad_sinks needs lse, the forward's log-sum-exp "

@@ -19,6 +19,7 @@
 #include "forward/enqueue.h"
 #include "forward/forward.h"
 #include "forward/saved.h"
+#include "layer/mods.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -205,6 +206,7 @@ clmha_status clmha__backward_resolve(clmha_layer *l, const clmha_backward_args *
                                      clmha_forward_args *fwd, clmha__dims *d, bool on_device) {
     clmha_context *ctx = l->ctx;
     clmha_status st16 = clmha__layer_f32_only(l, "the backward pass");
+    if (!st16) st16 = clmha__layer_mods_grad_check(l, "the backward pass");
     if (st16) return st16;
     if (!a->forward) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->forward is NULL");
     char msg[512];

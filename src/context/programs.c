@@ -10,9 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-// A compiled program, cached by kernel family and build options.
+// A compiled program, cached by kernel family, build options and user source.
 typedef struct program {
-    char *key;  // "family|options"
+    char *key;  // "family|options|user source"
     cl_program program;
     struct program *next;
 } program;
@@ -64,17 +64,21 @@ static const clmha__cl_source *embedded(const char *name) {
     return NULL;
 }
 
-// The sources of a kernel family: cl/real.cl (the element type), then cl/common.cl for an
-// attention core's (cl/cores/), then the family's file; @p path receives the family's file.
-// Returns the number of strings (0 for an unknown family).
-static cl_uint family_sources(const char *family, const char *src[3], size_t size[3],
-                              const char **path) {
+// The sources of a kernel family: cl/real.cl (the element type), then cl/common.cl and
+// @p user (a layer's user functions; NULL: none) for an attention core's (cl/cores/), then the
+// family's file; @p path receives the family's file. Returns the number of strings (0 for an
+// unknown family).
+static cl_uint family_sources(const char *family, const char *user, const char *src[4],
+                              size_t size[4], const char **path) {
     const clmha__cl_source *own = embedded(family), *common = embedded("common"),
                            *real = embedded("real");
     if (!own || !common || !real) return 0;
     cl_uint n = 0;
     src[n] = real->text, size[n++] = real->size;
-    if (strncmp(own->path, "cl/cores/", 9) == 0) src[n] = common->text, size[n++] = common->size;
+    if (strncmp(own->path, "cl/cores/", 9) == 0) {
+        src[n] = common->text, size[n++] = common->size;
+        if (user) src[n] = user, size[n++] = strlen(user);
+    }
     src[n] = own->text, size[n++] = own->size;
     *path = own->path;
     return n;
@@ -82,11 +86,11 @@ static cl_uint family_sources(const char *family, const char *src[3], size_t siz
 
 // Builds one program; on a build failure the message carries the build log.
 static clmha_status build(clmha_context *ctx, const char *family, const char *options,
-                          cl_program *out) {
-    const char *src[3];
-    size_t size[3];
+                          const char *user, cl_program *out) {
+    const char *src[4];
+    size_t size[4];
     const char *path = NULL;
-    cl_uint count = family_sources(family, src, size, &path);
+    cl_uint count = family_sources(family, user, src, size, &path);
     if (!count)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "unknown kernel family %s", family);
     cl_int err;
@@ -111,7 +115,8 @@ static clmha_status build(clmha_context *ctx, const char *family, const char *op
         clmha__release_program(prog);
         st = clmha__fail(ctx, err == CL_BUILD_PROGRAM_FAILURE ? CLMHA_BUILD_FAILED
                                                               : CLMHA_OPENCL_ERROR,
-                         "building %s with options \"%s\" failed (%s):\n%s", path, all_options,
+                         "building %s%s with options \"%s\" failed (%s):\n%s", path,
+                         user ? " with the user functions (mod_source)" : "", all_options,
                          clmha__cl_error_name(err), log);
     } else {
         *out = prog;
@@ -122,11 +127,17 @@ static clmha_status build(clmha_context *ctx, const char *family, const char *op
 
 clmha_status clmha__program_get(clmha_context *ctx, const char *family, const char *options,
                                 cl_program *out) {
+    return clmha__program_get_mod(ctx, family, options, NULL, out);
+}
+
+clmha_status clmha__program_get_mod(clmha_context *ctx, const char *family,
+                                    const char *options, const char *user, cl_program *out) {
     clmha__programs *cache = ctx->programs;
-    size_t key_len = strlen(family) + strlen(options) + 2;
+    if (user && !*user) user = NULL;
+    size_t key_len = strlen(family) + strlen(options) + (user ? strlen(user) : 0) + 3;
     char *key = malloc(key_len);
     if (!key) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
-    snprintf(key, key_len, "%s|%s", family, options);
+    snprintf(key, key_len, "%s|%s|%s", family, options, user ? user : "");
 
     // The lock is not held while building: two threads may build the same program at once,
     // and the second to finish keeps the first one's.
@@ -137,7 +148,7 @@ clmha_status clmha__program_get(clmha_context *ctx, const char *family, const ch
         return CLMHA_SUCCESS;
     }
     cl_program prog = NULL;
-    clmha_status st = build(ctx, family, options, &prog);
+    clmha_status st = build(ctx, family, options, user, &prog);
     if (st) {
         free(key);
         return st;

@@ -37,6 +37,13 @@ CLMHA__HIDDEN void clmha__programs_release(clmha__programs *cache);
 CLMHA__HIDDEN clmha_status clmha__program_get(clmha_context *ctx, const char *family,
                                               const char *options, cl_program *out);
 
+// clmha__program_get() with a layer's user functions @p user (clmha_layer_desc::mod_source;
+// NULL or "": none) between cl/common.cl and an attention core's file; the cache keeps a
+// program per source.
+CLMHA__HIDDEN clmha_status clmha__program_get_mod(clmha_context *ctx, const char *family,
+                                                  const char *options, const char *user,
+                                                  cl_program *out);
+
 // Test hook (reachable only by linking libclmha.a): appends @p options to every later program
 // build, e.g. "-DCLMHA_FORCE_BUILD_ERROR" to make cl/heads.cl fail to compile. NULL clears it.
 // The string must outlive its use.

@@ -66,11 +66,11 @@ static void release(void *p) {
 static clmha_status build(clmha_layer *l, state *s, size_t group) {
     clmha_context *ctx = l->ctx;
     size_t vw = clmha__fused_row_vw(ctx, l->d);
-    char options[128];
+    char options[224];
     snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu%s%s", l->d, group, vw,
              ctx->cls->coalesced ? " -DSPLIT=1" : "", clmha__layer_variant_options(l));
     cl_program prog;
-    clmha_status st = clmha__program_get(ctx, "decode", options, &prog);
+    clmha_status st = clmha__program_get_mod(ctx, "decode", options, l->mod_source, &prog);
     if (st || (st = clmha__kernel_make(ctx, prog, "decode_zero", &s->zero)) ||
         (st = clmha__kernel_make(ctx, prog, "decode_append", &s->append)) ||
         (st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial)) ||
@@ -252,7 +252,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
                       ARG(c->v),      ARG(kv->lens), ARG(tgt),        ARG(heads),
                       ARG(kvh),       ARG(cap),     ARG(parts),       ARG(causal),
                       ARG(win_left),  ARG(win_right), ARG(scale),     ARG(softcap),
-                      ARG(m.alibi),   ARG(m.alibi_off), ARG(s->part_acc),
+                      ARG(m.alibi),   ARG(m.alibi_off), ARG(m.mod_p),    ARG(m.mod_off),
+                      ARG(s->part_acc),
                       ARG(s->part_ms), ARG(items)};
         if ((st = clmha__launch(ctx, s->partial, "decode_partial", items, s->wg, args,
                                 sizeof args / sizeof args[0])))

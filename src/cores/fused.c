@@ -7,10 +7,12 @@
 // unfused core.
 #include "cores/fused.h"
 
+#include "cores/block_mask.h"
 #include "cores/core.h"
 #include "cores/fused_backward.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
+#include "layer/mods.h"
 #include "tuning_store/store.h"
 
 #include <math.h>
@@ -32,6 +34,7 @@ typedef struct state {
     clmha__fused_tiles tiles;  // what it was built with
     clmha_status failed;       // why it cannot be built here (then not retried)
     clmha__fused_backward *backward;  // the backward pass's (fused_backward.c), on first use
+    clmha__block_mask blocks;  // with clmha_mask_mod: the tiles it forbids (block_mask.c)
 } state;
 
 static state *state_of(const clmha_layer *l) {
@@ -48,6 +51,7 @@ static void release(void *p) {
     if (!s) return;
     clmha__release_kernel(s->kernel);
     clmha__fused_backward_release(s->backward);
+    clmha__block_mask_release(&s->blocks);
     free(s);
 }
 
@@ -165,7 +169,7 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
                                clmha__fused_local_floats(&one, l->d) * l->rs, l->d,
                                (unsigned long long)clmha__local_mem(ctx));
         }
-        char options[192];
+        char options[320];
         snprintf(options, sizeof options,
                  "-DHD=%zu -DBQ=%zu -DBK=%zu -DRPW=%zu -DVW=%zu -DQ_LOCAL=%d -DACC_LOCAL=%d "
                  "-DLANES=%d%s%s",
@@ -173,7 +177,7 @@ static clmha_status build_fused(clmha_layer *l, clmha__fused_tiles t) {
                  clmha__layer_real_options(l), clmha__layer_variant_options(l));
         cl_program prog;
         cl_kernel k = NULL;
-        clmha_status st = clmha__program_get(ctx, "fused", options, &prog);
+        clmha_status st = clmha__program_get_mod(ctx, "fused", options, l->mod_source, &prog);
         if (st || (st = clmha__kernel_make(ctx, prog, "fused_attention", &k))) return st;
         size_t wg;
         cl_ulong local;
@@ -336,16 +340,22 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_mem lse = call->lse ? call->lse : ctx->dummy;
     cl_uint lse_on = call->lse != NULL;
     cl_ulong group = call->kv_group ? call->kv_group : 1;  // query heads per key/value plane
+    state *s = state_of(l);
+    clmha_status st;
+    // With clmha_mask_mod, the tiles it forbids: per work-item (lanes) or work-group.
+    size_t bq = s->tiles.bq, rows = bq * s->tiles.rpw;
+    if ((l->mods & CLMHA__MOD_MASK) &&
+        (st = clmha__block_mask_get(l, &s->blocks, d, s->tiles.lanes ? s->tiles.rpw : rows,
+                                    s->tiles.bk, &m.mod_blocks)))
+        return st;
     arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(l->tiles[CLMHA__TILE_K]),
                   ARG(l->tiles[CLMHA__TILE_V]), ARG(l->tiles[CLMHA__TILE_OUT]),
                   ARG(tgt), ARG(heads), ARG(src), ARG(srcp), CLMHA__REAL_ARG(scale, l->rs),
                   MASK_ARGS(m),
                   ARG(lse), ARG(lse_on), ARG(group)};
-    const state *s = state_of(l);
-    clmha_status st = clmha__set_args(ctx, s->kernel, "fused_attention", args,
-                                      sizeof args / sizeof args[0]);
-    if (st) return st;
-    size_t bq = s->tiles.bq, rows = bq * s->tiles.rpw;
+    if ((st = clmha__set_args(ctx, s->kernel, "fused_attention", args,
+                              sizeof args / sizeof args[0])))
+        return st;
     size_t global[2] = {(d->l + rows - 1) / rows * bq, d->n * l->h}, local[2] = {bq, 1};
     cl_int err = clEnqueueNDRangeKernel(ctx->queue, s->kernel, 2, NULL, global, local, 0, NULL,
                                         NULL);

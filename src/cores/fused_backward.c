@@ -121,14 +121,14 @@ static tiles tiles_rows_private(const clmha_context *ctx, size_t max_wg, size_t 
 // set below the device's) is below the work-group size, *wg_min receiving the smallest limit, or
 // when the local memory used exceeds the device's.
 static clmha_status build_tiles(clmha_context *ctx, clmha__fused_backward *fb, size_t hd,
-                                const char *variants, const tiles *t, bool *fits,
-                                size_t *wg_min) {
-    char options[160];
+                                const char *variants, const char *user, const tiles *t,
+                                bool *fits, size_t *wg_min) {
+    char options[256];
     snprintf(options, sizeof options,
              "-DHD=%zu -DB=%zu -DVW=%zu -DROWS_PRIVATE=%d -DR=%zu -DBT=%zu%s", hd, t->b, t->vw,
              (int)t->rows_private, t->r, t->bt ? t->bt : 1, variants);
     cl_program prog;
-    clmha_status st = clmha__program_get(ctx, "fused_backward", options, &prog);
+    clmha_status st = clmha__program_get_mod(ctx, "fused_backward", options, user, &prog);
     if (st || (st = clmha__kernel_make(ctx, prog, "fused_backward_drow", &fb->drow)) ||
         (st = clmha__kernel_make(ctx, prog, "fused_backward_dkdv", &fb->dkdv)) ||
         (st = clmha__kernel_make(ctx, prog, "fused_backward_dq", &fb->dq)) ||
@@ -172,7 +172,7 @@ static clmha_status build(clmha_layer *l, clmha__fused_backward *fb) {
     if (!ctx->cls->coalesced && !ctx->quirks.loop_limit) {
         tiles t = tiles_rows_private(ctx, max_wg, l->d, vw);
         while (t.bt) {
-            if ((st = build_tiles(ctx, fb, l->d, clmha__layer_variant_options(l), &t, &fits, &wg_min))) return st;
+            if ((st = build_tiles(ctx, fb, l->d, clmha__layer_variant_options(l), l->mod_source, &t, &fits, &wg_min))) return st;
             if (fits) return CLMHA_SUCCESS;
             if (wg_min < t.b) t.b = pow2_within(t.b, wg_min);
             else t.bt /= 2;
@@ -181,7 +181,7 @@ static clmha_status build(clmha_layer *l, clmha__fused_backward *fb) {
     }
     tiles t = tiles_one_row(ctx, max_wg, l->d, vw);
     while (t.b) {
-        if ((st = build_tiles(ctx, fb, l->d, clmha__layer_variant_options(l), &t, &fits, &wg_min))) return st;
+        if ((st = build_tiles(ctx, fb, l->d, clmha__layer_variant_options(l), l->mod_source, &t, &fits, &wg_min))) return st;
         if (fits) return CLMHA_SUCCESS;
         size_t next = wg_min < t.b ? tiles_one_row(ctx, wg_min, l->d, vw).b : t.b / 2;
         t.b = next < t.b ? next : t.b / 2;

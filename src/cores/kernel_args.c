@@ -45,6 +45,8 @@ clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args 
                                  const clmha__dims *d) {
     float p = l->desc.dropout;
     bool dropout_on = a->training && p > 0.0f;
+    cl_ulong mod_off;
+    cl_mem mod_p = clmha__mod_params_of(l, &mod_off);
     return (clmha__mask_args){
         .attn = d->attn_kind ? a->attn_mask.tensor.buffer : l->ctx->dummy,
         .attn_off = d->attn_kind ? a->attn_mask.tensor.offset : 0,
@@ -63,6 +65,9 @@ clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args 
         .alibi_off = d->alibi && l->alibi_call ? l->alibi_call_off : 0,
         .sinks = !d->sinks ? l->ctx->dummy : l->sinks_call ? l->sinks_call : l->sinks,
         .sinks_off = d->sinks && l->sinks_call ? l->sinks_call_off : 0,
+        .mod_p = mod_p,
+        .mod_off = mod_off,
+        .mod_blocks = l->ctx->dummy,
         .dropout_on = dropout_on,
         .threshold = clmha__dropout_threshold(p),
         .keep_scale = clmha__real_of(dropout_on ? 1.0 / (1.0 - (double)p) : 1.0),

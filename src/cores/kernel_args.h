@@ -58,11 +58,24 @@ typedef struct clmha__mask_args {
     cl_ulong alibi_off;
     cl_mem sinks;                 // the sinks (H), at sinks_off; the dummy without
     cl_ulong sinks_off;
+    // The user functions' p (clmha_layer::mod_params, or the attention function's call's), at
+    // mod_off, and the block mask of clmha_mask_mod (the dummy but in the cores that skip
+    // tiles: src/cores/block_mask.c).
+    cl_mem mod_p;
+    cl_ulong mod_off;
+    cl_mem mod_blocks;
     cl_uint dropout_on, threshold;
     clmha__real keep_scale;
     cl_uint seed_lo, seed_hi, off_lo;
     size_t rs;  // the layer's element size: which of keep_scale the kernels take
 } clmha__mask_args;
+
+// The buffer and offset of the user functions' p of layer @p l (the dummy without).
+static inline cl_mem clmha__mod_params_of(const clmha_layer *l, cl_ulong *off) {
+    *off = l->mod_params_call ? l->mod_params_call_off : 0;
+    if (l->mod_params_call) return l->mod_params_call;
+    return l->mod_params ? l->mod_params : l->ctx->dummy;
+}
 
 // The mask and dropout arguments of the call @p a, resolved as @p d, on @p l.
 CLMHA__HIDDEN clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args *a,
@@ -77,7 +90,9 @@ CLMHA__HIDDEN clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha
         CLMHA__ARG((m).kpm_kind), CLMHA__ARG((m).causal), CLMHA__ARG((m).win_left),           \
         CLMHA__ARG((m).win_right), CLMHA__REAL_ARG((m).softcap, (m).rs),                      \
         CLMHA__ARG((m).alibi), CLMHA__ARG((m).alibi_off), CLMHA__ARG((m).sinks),             \
-        CLMHA__ARG((m).sinks_off), CLMHA__ARG((m).dropout_on),                                \
+        CLMHA__ARG((m).sinks_off), CLMHA__ARG((m).mod_p), CLMHA__ARG((m).mod_off),              \
+        CLMHA__ARG((m).mod_blocks),                                                           \
+        CLMHA__ARG((m).dropout_on),                                                           \
         CLMHA__ARG((m).threshold), CLMHA__REAL_ARG((m).keep_scale, (m).rs),                   \
         CLMHA__ARG((m).seed_lo), CLMHA__ARG((m).seed_hi), CLMHA__ARG((m).off_lo)
 

@@ -55,12 +55,12 @@ static clmha_status create(clmha_layer *l, void **out) {
     if (!s) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     *out = s;
     for (size_t want = clmha__unfused_pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
-        char options[96];
+        char options[224];
         snprintf(options, sizeof options, "-DWG=%zu%s%s", want, clmha__layer_real_options(l),
                  clmha__layer_variant_options(l));
         cl_program prog;
         size_t wg;
-        clmha_status st = clmha__program_get(ctx, "unfused", options, &prog);
+        clmha_status st = clmha__program_get_mod(ctx, "unfused", options, l->mod_source, &prog);
         if (st || (st = clmha__kernel_make(ctx, prog, "masked_softmax", &s->softmax.kernel)) ||
             (st = clmha__kernel_limits(ctx, s->softmax.kernel, &wg, NULL)))
             return st;

@@ -3,9 +3,9 @@
 // off), dPd = dO·V'ᵀ goes to a second scores-sized buffer (its own, grown on demand), and
 // softmax_backward turns the pair into Pd (dropout replayed) and dS in place; then three
 // batched GEMMs give dV' = Pdᵀ·dO, dQ = scale·dS·K', dK' = scale·dSᵀ·Q, and mask_grad sums dS
-// into the float masks' gradients; with soft-capping dS goes through its factor into a third
-// buffer of the raw scores (softcap_backward). Twice N*H*L*S' floats of scratch (three times
-// with soft-capping): it runs only when the scores fit in one chunk (clmha__scores_chunks()),
+// into the float masks' gradients; with soft-capping or a user score function dS goes through
+// their derivative into a third buffer of the raw scores (score_backward). Twice N*H*L*S'
+// floats of scratch (three times with either): it runs only when the scores fit in one chunk (clmha__scores_chunks()),
 // and every batched GEMM sees offset-0 buffers (CLBlast 1.5.3's GemmStridedBatched ignores
 // buffer offsets on one of its paths).
 #include "cores/unfused_backward.h"
@@ -14,6 +14,7 @@
 #include "cores/core.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
+#include "layer/mods.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -29,8 +30,8 @@ struct clmha__unfused_backward {
     size_t mask_wg;       // mask_grad's work-group, within its limit
     cl_mem grad_scores;   // dPd, then dS: (N*H, L, S'), grown on demand
     size_t grad_scores_cap;
-    cl_kernel softcap_backward;  // with soft-capping (-DSOFTCAP=1)
-    cl_mem raw_scores;    // with soft-capping: the scores before it, then dS through it
+    cl_kernel score_backward;  // with soft-capping or clmha_score_mod
+    cl_mem raw_scores;    // with either: the scores before them, then dS through them
     size_t raw_scores_cap;
 };
 
@@ -38,7 +39,7 @@ void clmha__unfused_backward_release(clmha__unfused_backward *ub) {
     if (!ub) return;
     clmha__release_kernel(ub->softmax_backward);
     clmha__release_kernel(ub->mask_grad);
-    clmha__release_kernel(ub->softcap_backward);
+    clmha__release_kernel(ub->score_backward);
     clmha__release_mem(ub->grad_scores);
     clmha__release_mem(ub->raw_scores);
     free(ub);
@@ -54,16 +55,15 @@ static clmha_status ensure(clmha__unfused_backward **slot, clmha_layer *l,
     clmha__unfused_backward *ub = *out = *slot;
     if (ub->softmax_backward) return CLMHA_SUCCESS;
     for (size_t want = clmha__unfused_pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
-        char options[64];
-        snprintf(options, sizeof options, "-DWG=%zu%s", want,
-                 l->desc.softcap > 0.0 ? " -DSOFTCAP=1" : "");
+        char options[224];
+        snprintf(options, sizeof options, "-DWG=%zu%s", want, clmha__layer_variant_options(l));
         cl_program prog;
         size_t wg = 1, mask_wg = 1;
-        clmha_status st = clmha__program_get(ctx, "unfused_backward", options, &prog);
+        clmha_status st = clmha__program_get_mod(ctx, "unfused_backward", options, l->mod_source, &prog);
         if (!st && !(st = clmha__kernel_make(ctx, prog, "softmax_backward",
                                              &ub->softmax_backward)) &&
             !(st = clmha__kernel_make(ctx, prog, "mask_grad", &ub->mask_grad)) &&
-            !(st = clmha__kernel_make(ctx, prog, "softcap_backward", &ub->softcap_backward)) &&
+            !(st = clmha__kernel_make(ctx, prog, "score_backward", &ub->score_backward)) &&
             !(st = clmha__kernel_limits(ctx, ub->softmax_backward, &wg, NULL)) &&
             !(st = clmha__kernel_limits(ctx, ub->mask_grad, &mask_wg, NULL)) &&
             (want <= wg || want == 1)) {
@@ -73,8 +73,8 @@ static clmha_status ensure(clmha__unfused_backward **slot, clmha_layer *l,
         }
         clmha__release_kernel(ub->softmax_backward);
         clmha__release_kernel(ub->mask_grad);
-        clmha__release_kernel(ub->softcap_backward);
-        ub->softmax_backward = ub->mask_grad = ub->softcap_backward = NULL;
+        clmha__release_kernel(ub->score_backward);
+        ub->softmax_backward = ub->mask_grad = ub->score_backward = NULL;
         if (st) return st;
         want = clmha__unfused_pow2_below(want / 2, wg);
     }
@@ -139,25 +139,28 @@ static clmha_status mask_grad(clmha_layer *l, const clmha__unfused_backward *ub,
                          sizeof args / sizeof args[0]);
 }
 
-// dS through the soft-capping (clmha_layer_desc::softcap): the scores before it,
-// scale · Q · K'ᵀ, into ub->raw_scores (grown on demand), then softcap_backward turns them into
-// dS · (1 − tanh²(s/c)) from dS in @p g; *@p out is that buffer.
-static clmha_status softcap_backward(clmha_layer *l, clmha__unfused_backward *ub,
+// dS through the soft-capping (clmha_layer_desc::softcap) and the user's score function
+// (clmha_score_mod): the scores before them, scale · Q · K'ᵀ, into ub->raw_scores (grown on
+// demand), then score_backward turns them into dS times the functions' derivative there, from
+// dS in @p g; *@p out is that buffer.
+static clmha_status score_backward(clmha_layer *l, clmha__unfused_backward *ub,
                                      const clmha__backward_call *call, float scale, cl_mem g,
                                      cl_mem *out) {
     const clmha__dims *d = call->dims;
     size_t hd = l->d, sp = d->s_padded, tl = d->l, planes = d->n * l->h;
     clmha_status st = clmha__layer_grow_core_scratch(l, &ub->raw_scores, &ub->raw_scores_cap,
                                                      d->scores_count,
-                                                     "unfused backward soft-capped scores");
+                                                     "unfused backward raw scores");
     if (st || (st = gemm(l, "Q K^T", false, true, tl, sp, hd, scale, call->q, hd, tl * hd,
                          call->k, hd, sp * hd, ub->raw_scores, sp, tl * sp, planes)))
         return st;
-    cl_ulong count = d->scores_count;
-    float c = (float)d->softcap;
-    arg args[] = {ARG(g), ARG(ub->raw_scores), ARG(c), ARG(count)};
+    clmha__mask_args m = clmha__masks_of(l, call->args, d);
+    cl_ulong count = d->scores_count, tgt = tl, heads = l->h, src = d->s, srcp = sp;
+    arg args[] = {ARG(g),     ARG(ub->raw_scores), ARG(m.softcap.f), ARG(m.alibi),
+                  ARG(m.alibi_off), ARG(m.mod_p),  ARG(m.mod_off),   ARG(tgt),
+                  ARG(heads), ARG(src),            ARG(srcp),        ARG(count)};
     *out = ub->raw_scores;
-    return clmha__launch(l->ctx, ub->softcap_backward, "softcap_backward", d->scores_count,
+    return clmha__launch(l->ctx, ub->score_backward, "score_backward", d->scores_count,
                          ub->mask_wg, args, sizeof args / sizeof args[0]);
 }
 
@@ -206,7 +209,9 @@ clmha_status clmha__unfused_backward_run(clmha__unfused_backward **slot,
     // With soft-capping, dS through it into its own buffer (g keeps dS of the capped scores,
     // which is the masks' gradient).
     cl_mem ds = g;
-    if (d->softcap > 0.0 && (st = softcap_backward(l, ub, call, scale, g, &ds))) return st;
+    if ((d->softcap > 0.0 || (l->mods & CLMHA__MOD_SCORE)) &&
+        (st = score_backward(l, ub, call, scale, g, &ds)))
+        return st;
 
     // dV' = Pdᵀ · dO, dQ = scale · dS · K', dK' = scale · dSᵀ · Q.
     if ((st = gemm(l, "Pd^T dO", true, false, sp, hd, tl, 1.0f, p,

@@ -13,11 +13,12 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_user;  // this core, at the e
 static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
                              clmha__core_answer *answer) {
     const clmha__dims *d = call->dims;
-    if (l->core && (clmha__windowed(d) || d->softcap > 0.0 || d->alibi || d->sinks))
+    if (l->core && (clmha__windowed(d) || d->softcap > 0.0 || d->alibi || d->sinks || l->mods))
         clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
                                "a layer with a user attention core (clmha_layer_set_attention()) "
                                "takes no %s (clmha_core_args has none)",
                                clmha__windowed(d) ? "sliding window"
+                               : l->mods          ? "user functions (mod_source)"
                                : d->alibi         ? "ALiBi"
                                : d->sinks         ? "sinks"
                                                   : "soft-capping");

@@ -43,6 +43,9 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_args
                                    a->alibi_slopes.offset, d->core.h, 4))) ||
         (a->sinks.ndim && (st = clmha__check_buffer(ctx, "sinks", a->sinks.buffer,
                                                     a->sinks.offset, d->core.h, 4))) ||
+        (a->mod_params.ndim && a->mod_params.shape[0] &&
+         (st = clmha__check_buffer(ctx, "mod_params", a->mod_params.buffer,
+                                   a->mod_params.offset, a->mod_params.shape[0], 4))) ||
         (st = clmha__check_buffer(ctx, "output", o->output, o->output_offset, d->output_count,
                                   4)) ||
         (st = clmha__check_writable(ctx, "output", o->output)) ||

@@ -22,6 +22,10 @@ clmha_forward_args clmha__attention_core_args(clmha_layer *l, const clmha_attent
     l->alibi_call_off = a->alibi_slopes.offset;
     l->sinks_call = a->sinks.ndim ? a->sinks.buffer : NULL;
     l->sinks_call_off = a->sinks.offset;
+    // The call's p of the user functions (the bare layer, built with the call's mod_source,
+    // has none of its own).
+    l->mod_params_call = a->mod_params.ndim ? a->mod_params.buffer : NULL;
+    l->mod_params_call_off = a->mod_params.offset;
     return (clmha_forward_args){.struct_size = sizeof(clmha_forward_args), .attn_mask = d->attn,
                                 .is_causal = a->is_causal, .per_head_weights = true,
                                 .training = a->dropout_p > 0.0f, .rng = a->rng, .impl = a->impl};

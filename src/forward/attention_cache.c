@@ -9,11 +9,12 @@
 
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct entry {
     size_t heads, kv_heads, head_dim;
     bool softcap, alibi, sinks;  // the variants its programs are built with
-    clmha_layer *layer;
+    clmha_layer *layer;          // its user functions: layer->mod_source (NULL: none)
     struct entry *next;
 } entry;
 
@@ -87,6 +88,7 @@ clmha_status clmha__attention_lock(clmha_context *ctx, const clmha__dims *call,
                                    size_t head_dim, clmha_layer **layer) {
     size_t heads = call->h, kv_heads = call->kvh;
     bool softcap = call->softcap > 0.0, alibi = call->alibi, sinks = call->sinks;
+    const char *mods = call->mod_source;
     *layer = NULL;
     cache *c = cache_of(ctx);
     if (!c) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
@@ -94,7 +96,9 @@ clmha_status clmha__attention_lock(clmha_context *ctx, const clmha__dims *call,
     for (entry **p = &c->first; *p; p = &(*p)->next) {
         entry *e = *p;
         if (e->heads == heads && e->kv_heads == kv_heads && e->head_dim == head_dim &&
-            e->softcap == softcap && e->alibi == alibi && e->sinks == sinks) {
+            e->softcap == softcap && e->alibi == alibi && e->sinks == sinks &&
+            (mods ? e->layer->mod_source && strcmp(e->layer->mod_source, mods) == 0
+                  : !e->layer->mod_source)) {
             *p = e->next;  // to the front
             e->next = c->first;
             c->first = e;

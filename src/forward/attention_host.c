@@ -19,6 +19,8 @@ static clmha_status check_host(clmha_context *ctx, const clmha_attention_args *a
                           : a->attn_mask.kind && !a->attn_mask.tensor.data ? "attn_mask.tensor.data"
                           : a->alibi_slopes.ndim && !a->alibi_slopes.data  ? "alibi_slopes.data"
                           : a->sinks.ndim && !a->sinks.data                ? "sinks.data"
+                          : a->mod_params.ndim && a->mod_params.shape[0] && !a->mod_params.data
+                              ? "mod_params.data"
                           : !output                                        ? "output"
                                                                            : NULL;
     if (missing) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is NULL", missing);
@@ -70,6 +72,15 @@ clmha_status clmha__attention_upload(clmha_layer *l, clmha_attention_args *a,
                                      d->core.h * sizeof(float), &a->sinks.buffer)))
             return st;
         a->sinks.offset = 0;
+    }
+    if (a->mod_params.ndim && a->mod_params.shape[0]) {
+        if ((st = clmha__host_upload(l, CLMHA__HOST_MOD_PARAMS, "mod_params",
+                                     a->mod_params.data, a->mod_params.shape[0] * sizeof(float),
+                                     &a->mod_params.buffer)))
+            return st;
+        a->mod_params.offset = 0;
+    } else {
+        a->mod_params.ndim = 0;  // an empty p: none
     }
     *o = (clmha__attention_out){0};
     if ((st = clmha__host_room(l, CLMHA__HOST_OUTPUT, "output", d->output_count * sizeof(float),

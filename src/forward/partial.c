@@ -81,6 +81,10 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
                            "clmha_layer_attend() returns the log-sum-exp rows, which only a core "
                            "that writes them gives; it does not take %s",
                            no);
+    if (layer->mods)  // the functions would see a range's key indices, not the sequence's
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "clmha_layer_attend() does not take a layer with user functions "
+                           "(mod_source) yet");
     if (layer->desc.sinks)  // each range's rows would count the sink once: merged, twice
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "clmha_layer_attend() does not take a layer with sinks yet: every "

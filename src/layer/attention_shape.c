@@ -211,6 +211,14 @@ clmha_status clmha__attention_resolve(const clmha_attention_args *args, clmha__a
     c->softcap = args->softcap;
     c->alibi = args->alibi;
     c->sinks = args->sinks.ndim != 0;
+    c->mod_source = args->mod_source && *args->mod_source ? args->mod_source : NULL;
+    if (args->mod_params.ndim && (!c->mod_source || args->mod_params.ndim != 1))
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          c->mod_source ? "mod_params must be one-dimensional (count); got %zu "
+                                          "dimensions"
+                                        : "mod_params is given (%zu dimensions) without "
+                                          "mod_source",
+                          args->mod_params.ndim);
     if (args->sinks.ndim && (args->sinks.ndim != 1 || args->sinks.shape[0] != c->h))
         return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
                           "sinks must be (H) = (%zu), one logit per query head; got %zu "

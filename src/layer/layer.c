@@ -6,6 +6,7 @@
 #include "base/half.h"
 #include "base/struct_in.h"
 #include "device/held.h"
+#include "layer/mods.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -310,7 +311,10 @@ clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ctx,
     l->kve = l->kvh * l->d;
     l->rs = d.dtype == CLMHA_DTYPE_F64 ? 8 : 4;
 
-    if ((st = make_parameters(l)) || (st = make_kernels(l))) goto fail;
+    if ((st = make_parameters(l)) ||
+        (st = clmha__layer_mods_init(l, in.mod_source, in.mod_params, in.mod_params_count)) ||
+        (st = make_kernels(l)))
+        goto fail;
 
     cl_int err = clFinish(ctx->queue);  // the parameter fills
     if (err != CL_SUCCESS) {
@@ -352,7 +356,8 @@ clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_context *ctx, size_t
                                  .num_kv_heads = kv_heads, .batch_first = true,
                                  .softcap = call->softcap > 0.0 ? 1.0 : 0.0,
                                  .alibi = call->alibi, .sinks = call->sinks};
-    clmha_status st = make_kernels(l);
+    clmha_status st = clmha__layer_mods_init(l, call->mod_source, NULL, 0);
+    if (!st) st = make_kernels(l);
     if (!st && call->alibi) st = make_alibi(l);
     if (st) {
         clmha__layer_free(l);
@@ -373,6 +378,7 @@ void clmha__layer_free(clmha_layer *layer) {
     release_mem(&layer->bias_kv);
     release_mem(&layer->alibi);
     release_mem(&layer->sinks);
+    clmha__layer_mods_free(layer);
     release_mem(&layer->partial_lse);
     release_mem(&layer->proj);
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) release_mem(&layer->tiles[i]);

@@ -51,6 +51,7 @@ enum {
     CLMHA__HOST_LSE,  // attention as a function's log-sum-exp rows
     CLMHA__HOST_ALIBI,  // attention as a function's ALiBi slopes
     CLMHA__HOST_SINKS,  // attention as a function's sinks
+    CLMHA__HOST_MOD_PARAMS,  // attention as a function's user functions' p
     CLMHA__HOST_GRAD,
     CLMHA__HOST_COUNT = CLMHA__HOST_GRAD + 16
 };
@@ -83,6 +84,21 @@ struct clmha_layer {
     // set per call under the bare layer's lock.
     cl_mem sinks_call;
     size_t sinks_call_off;
+    // User functions (clmha_layer_desc::mod_source; src/layer/mods.c): the layer's copy of the
+    // source (NULL without; desc.mod_source points to it), the functions its text defines
+    // (CLMHA__MOD_* bits), their parameters p (desc.mod_params_count floats, NULL when none)
+    // and the attention function's per call (clmha_attention_args::mod_params, under the bare
+    // layer's lock; NULL: mod_params). mod_version counts the changes of p: the cores' block
+    // masks of clmha_mask_mod (src/cores/block_mask.c) are evaluated again after one.
+    char *mod_source;
+    unsigned mods;
+    cl_mem mod_params;
+    cl_mem mod_params_call;
+    size_t mod_params_call_off;
+    unsigned long mod_version;
+    // The build options of the layer's score variants and user functions
+    // (clmha__layer_variant_options()).
+    char variant_options[96];
 
     // Kernels of cl/heads.cl (per layer: setting arguments is not thread-safe). The cores'
     // kernels are in their state (core_state).
@@ -181,20 +197,12 @@ static inline const char *clmha__layer_real_options(const clmha_layer *layer) {
     return layer->rs == 8 ? " -DCLMHA_F64" : "";
 }
 
-// The build options that give the attention cores' programs a layer's score variants
-// (cl/common.cl): " -DSOFTCAP=1" with soft-capping, " -DALIBI=1" with ALiBi, " -DSINKS=1" with
-// sinks, in that order, or "".
+// The build options that give the attention cores' programs a layer's score variants and user
+// functions (cl/common.cl): " -DSOFTCAP=1" with soft-capping, " -DALIBI=1" with ALiBi,
+// " -DSINKS=1" with sinks, then the user functions' " -DUSER_SCORE=1", " -DUSER_GRAD=1",
+// " -DUSER_MASK=1", in that order, or "" (set at creation: clmha__layer_mods_init()).
 static inline const char *clmha__layer_variant_options(const clmha_layer *layer) {
-    static const char *const options[8] = {"",
-                                           " -DSOFTCAP=1",
-                                           " -DALIBI=1",
-                                           " -DSOFTCAP=1 -DALIBI=1",
-                                           " -DSINKS=1",
-                                           " -DSOFTCAP=1 -DSINKS=1",
-                                           " -DALIBI=1 -DSINKS=1",
-                                           " -DSOFTCAP=1 -DALIBI=1 -DSINKS=1"};
-    return options[(layer->desc.softcap > 0.0) | layer->desc.alibi << 1 |
-                   layer->desc.sinks << 2];
+    return layer->variant_options;
 }
 
 // Makes *buf hold at least @p need floats (*cap, in floats, says what it holds): a new

@@ -35,6 +35,9 @@ typedef struct clmha__dims {
     double softcap;
     bool alibi;
     bool sinks;  // attention sinks (clmha_layer_desc::sinks, clmha_attention_args::sinks)
+    // The attention function's user functions (clmha_attention_args::mod_source; NULL or "":
+    // none; a layer's calls take the layer's own).
+    const char *mod_source;
     clmha_mask_kind attn_kind, kpm_kind;
     size_t query_count, key_count, value_count;  // elements of each input
     size_t attn_count, kpm_count;                // elements of each mask (0 if none)
