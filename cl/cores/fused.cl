@@ -462,7 +462,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         for (uint r = 0; r < RPW; ++r) {
             // Masks: only where this row has any (a tile inside the real keys, without masks,
             // below the causal diagonal and inside the row's window needs none).
-            bool plain = !SCORE_MODS && !USER_SCORE && !user_mask && !attn_kind && !kpm_kind &&
+            bool plain = !(SCORE_MODS || USER_SCORE) && !user_mask && !attn_kind && !kpm_kind &&
                          j0 + BK <= src_len_padded &&
                          (!causal || j0 + BK <= rows[r] + 1) &&
                          in_window_all(win_left, win_right, rows[r], rows[r], j0, j0 + BK - 1);

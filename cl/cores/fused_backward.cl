@@ -401,7 +401,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
 #endif
             // Masks: only where this row has any on the tile (keys past the end, masks, keys
             // above the causal diagonal or outside the row's window, a user mask function).
-            bool plain = !attn_kind && !kpm_kind && !USER_MASK && keys == BT &&
+            bool plain = !(attn_kind || kpm_kind || USER_MASK) && keys == BT &&
                          (!causal || j0 + BT <= i + 1) &&
                          in_window_all(win_left, win_right, i, i, j0, j0 + BT - 1);
             if (!plain) {

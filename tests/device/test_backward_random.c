@@ -359,6 +359,29 @@ Test(backward_random, score_variants, .timeout = 600) {
     clmha_context_release(ctx);
 }
 
+// User functions reproducing soft-capping, ALiBi (clmha_score_mod with its derivative) and
+// windows (clmha_mask_mod) against the reference's built-in ones: every gradient, both cores.
+Test(backward_random, user_functions, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    static const unsigned users[] = {RC_USER_SCORE, RC_USER_MASK, RC_USER_SCORE | RC_USER_MASK};
+    for (size_t k = 0; k < 6; ++k) {
+        rcase c = rcase_base(2200 + k);
+        c.user = users[k % 3];
+        c.softcap = k % 2 ? 0.8 : 0.0;
+        c.alibi = k != 3, c.alibi_random = k % 3 == 2;
+        c.window = true, c.win_left = (int64_t)(1 + k % 2), c.win_right = k % 3 == 0 ? -1 : 0;
+        c.l = 4 + k, c.s = 8 - k;
+        c.is_causal = k == 1;
+        c.am = k == 2 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE;
+        c.add_bias_kv = k == 4, c.add_zero_attn = k == 3;
+        c.need_weights = k % 2 == 0, c.sinks = k == 2;
+        if (k == 4) c.dropout = 0.3f, c.training = true;
+        if (k == 5) c.l = 140, c.s = 90, c.n = 1, c.need_weights = false;
+        check_case(ctx, &c);
+    }
+    clmha_context_release(ctx);
+}
+
 // The fused backward's window bounds at its tile edges (rows private: 64 keys or query rows a
 // work-group, tiles of 16; one row a work-item: 64; the GEMM blocks' key ranges), through the
 // tiled kernels and through the products in GEMMs (CLMHA_FUSED_BACKWARD; the layer reads it

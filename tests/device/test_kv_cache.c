@@ -450,6 +450,26 @@ Test(kv_cache, score_variants, .timeout = 300) {
     check_self(&g, 1, 7, "long cache, GQA 4, softcap 1.5, alibi, sinks");
 }
 
+// User functions through the decode core (rcase::user): ALiBi and soft-capping as
+// clmha_score_mod and windows as clmha_mask_mod at the bottom-right positions, token by token,
+// in chunks, split-K over a long cache with grouped-query attention, and with a block of keys
+// the mask forbids whole (skipped).
+Test(kv_cache, user_functions, .timeout = 300) {
+    rcase c = self_case(25, 13);
+    c.user = RC_USER_SCORE, c.softcap = 0.8, c.alibi = true;
+    check_self(&c, 1, 0, "user softcap 0.8, alibi");
+    check_self(&c, 4, 3, "user softcap 0.8, alibi");
+    c.user = RC_USER_SCORE | RC_USER_MASK;
+    check_window(c, 3, 0, 4, 0, "user softcap, alibi and window");
+    c.user = RC_USER_MASK, c.softcap = 0.0, c.alibi = false;
+    check_window(c, 2, 1, 1, 3, "user window");
+    rcase g = self_case(26, 200);
+    g.e = 64, g.h = 8, g.n = 2, g.kv_heads = 2;
+    g.user = RC_USER_SCORE | RC_USER_MASK, g.alibi = true, g.alibi_random = true;
+    check_window(g, 40, 0, 1, 7, "long cache, GQA 4, user alibi and window");
+    check_window(g, 20, 0, 70, 0, "long cache, GQA 4, user alibi and window");
+}
+
 Test(kv_cache, sliding_window_split_k, .timeout = 300) {
     // 300 tokens, 8 heads of 8, token by token or in chunks of 60 to 150: windows narrower
     // than one range of keys (a range is at least a block of 16 keys: (3, 0), (10, 0)), wider

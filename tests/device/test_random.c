@@ -367,6 +367,34 @@ Test(random, score_variants, .timeout = 300) {
     clmha_context_release(ctx);
 }
 
+// User functions (clmha_layer_desc::mod_source) reproducing soft-capping, ALiBi and windows,
+// against the reference's built-in ones: alone and together, with the built-in variants they
+// leave (soft-capping where keys are appended), is_causal, masks, sinks, dropout, weights,
+// unbatched calls and lengths past a tile (both cores).
+Test(random, user_functions, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    static const unsigned users[] = {RC_USER_SCORE, RC_USER_MASK, RC_USER_SCORE | RC_USER_MASK};
+    for (size_t k = 0; k < 9; ++k) {
+        rcase c = rcase_base(2100 + k);
+        c.user = users[k % 3];
+        c.softcap = k % 4 == 1 ? 1.5 : 0.0;
+        c.alibi = k % 4 != 1, c.alibi_random = k % 2 == 1;
+        c.window = true, c.win_left = (int64_t)(k % 3), c.win_right = k % 4 == 0 ? -1 : 1;
+        c.h = 1 + k % 3, c.e = c.h * 4;
+        c.l = 3 + k, c.s = 9 - k / 2;
+        c.is_causal = k % 3 == 2;
+        c.need_weights = k % 2 == 0, c.per_head = k % 4 == 0;
+        c.am = k == 3 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE;
+        c.kpm = k == 4 ? CLMHA_MASK_BOOL_IGNORE : CLMHA_MASK_NONE;
+        c.add_bias_kv = k == 5, c.add_zero_attn = k == 5 || k == 7;
+        c.unbatched = k == 6, c.sinks = k == 7;
+        if (k == 4) c.dropout = 0.3f, c.training = true;
+        if (k == 8) c.l = 150, c.s = 140, c.n = 1, c.need_weights = false;
+        check_case(ctx, &c);
+    }
+    clmha_context_release(ctx);
+}
+
 // The fused kernels' window bounds at their tile edges (lanes mapping: 32 query rows a
 // work-item, 64 keys a tile; tiled: 128 rows a group, 32 keys a tile): lengths around the
 // tiles, L != S both ways, windows of 0, 1, tile - 1, tile and tile + 1 on either side (and one
@@ -386,6 +414,12 @@ Test(random, sliding_window_tile_edges, .timeout = 300) {
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) {
         rcase c = rcase_window_edge(&cases[k], k, 900 + k, CLMHA_MASK_BOOL_IGNORE);
         check_case(ctx, &c);
+        // The window as a user clmha_mask_mod: the fused kernels skip the tiles its block
+        // mask forbids (src/cores/block_mask.c) at the same edges.
+        if (k % 2 == 0) {
+            c.user = RC_USER_MASK;
+            check_case(ctx, &c);
+        }
     }
     clmha_context_release(ctx);
 }

@@ -128,7 +128,27 @@ typedef struct dcase {
     double softcap;          // soft-capping (0: off)
     bool alibi;              // ALiBi, the geometric slopes
     bool sinks;              // attention sinks ~ N(0, 1), with their gradient in a backward case
+    // The layer computes some built-in variants through user functions that reproduce them
+    // (clmha_layer_desc::mod_source), the reference the built-in ones: USER_SCORE ALiBi as
+    // clmha_score_mod (with its derivative), USER_MASK the window as clmha_mask_mod.
+    unsigned user;
 } dcase;
+
+enum { USER_SCORE = 1, USER_MASK = 2 };
+
+// The user functions of dcase::user; p: the window's bounds, then the H slopes.
+static const char user_score_source[] =
+    "clmha_real clmha_score_mod(clmha_real s, int b, int h, int q, int k,\n"
+    "                           __global const float *p) {\n"
+    "    return s - p[2 + h] * fabs((clmha_real)(q - k));\n"
+    "}\n"
+    "clmha_real clmha_score_mod_grad(clmha_real s, int b, int h, int q, int k,\n"
+    "                                __global const float *p) { return 1.0f; }\n";
+static const char user_mask_source[] =
+    "int clmha_mask_mod(int b, int h, int q, int k, __global const float *p) {\n"
+    "    int left = (int)p[0], right = (int)p[1];\n"
+    "    return (left < 0 || k >= q - left) && (right < 0 || k <= q + right);\n"
+    "}\n";
 
 #define I CLMHA_MASK_BOOL_IGNORE
 #define A CLMHA_MASK_BOOL_ATTEND
@@ -294,6 +314,28 @@ static const dcase cases[] = {
     {"decode: softcap 2 alibi self causal L=S=21, bias_kv+zero_attn, chunks of 4, 3 ranges",
      .e = 8, .h = 2, .n = 2, .l = 21, .self_attn = true, .causal = true, .bias_kv = true,
      .zero_attn = true, .decode_chunk = 4, .decode_parts = 3, .softcap = 2.0, .alibi = true},
+    // User functions (ALiBi as clmha_score_mod, the window as clmha_mask_mod): the fused
+    // forward's user pass and its block mask (mod_block_mask, tiles skipped), masked_softmax's,
+    // both fused backward paths, the unfused backward's score_backward, decode_partial's.
+    {"fused: user alibi and window (9, 0) self causal L=S=150, zero_attn", .e = 8, .h = 2,
+     .n = 1, .l = 150, .self_attn = true, .causal = true, .zero_attn = true, .fused = true,
+     .alibi = true, .window = true, .wl = 9, .wr = 0, .user = USER_SCORE | USER_MASK},
+    {"unfused: user alibi and window (2, 1) cross L5 S37, w=per_head", .e = 8, .h = 2, .n = 2,
+     .l = 5, .s = 37, .weights = true, .per_head = true, .alibi = true, .window = true,
+     .wl = 2, .wr = 1, .user = USER_SCORE | USER_MASK},
+    {"backward fused: user alibi and window (3, 0) self L=S=40", .e = 8, .h = 2, .n = 1,
+     .l = 40, .self_attn = true, .fused = true, .backward = true, .alibi = true,
+     .window = true, .wl = 3, .wr = 0, .user = USER_SCORE | USER_MASK},
+    {"backward fused gemms: user alibi and window (2, 2) self L=S=37, blocks of 8 rows",
+     .e = 8, .h = 2, .n = 1, .l = 37, .self_attn = true, .fused = true, .backward = true,
+     .gemm_block = 8 * 37, .alibi = true, .window = true, .wl = 2, .wr = 2,
+     .user = USER_SCORE | USER_MASK},
+    {"backward unfused: user alibi cross L3 S5, zero_attn", .e = 8, .h = 2, .n = 2, .l = 3,
+     .s = 5, .zero_attn = true, .backward = true, .alibi = true, .user = USER_SCORE},
+    {"decode: user alibi and window (5, 0) self causal L=S=21, chunks of 4, 3 ranges", .e = 8,
+     .h = 2, .n = 2, .l = 21, .self_attn = true, .causal = true, .decode_chunk = 4,
+     .decode_parts = 3, .alibi = true, .window = true, .wl = 5, .wr = 0,
+     .user = USER_SCORE | USER_MASK},
     // Sinks: the cores' denominators, sinks_grad (from dO.O, and from the unfused backward's
     // D rows with a weights gradient), decode_combine's term.
     {"fused: sinks self causal L=S=70, kpm=ignore", .e = 8, .h = 2, .n = 2, .l = 70,
@@ -558,6 +600,22 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
                              .window_right = c->wr, .softcap = c->softcap, .alibi = c->alibi,
                              .sinks = c->sinks};
     const size_t kve = c->kv_heads ? c->kv_heads * (e / c->h) : e;  // key/value width
+    // The layer's descriptor: desc, with the variants of c->user moved into user functions.
+    clmha_layer_desc ldesc = desc;
+    char user_source[sizeof user_score_source + sizeof user_mask_source];
+    float *user_p = c->user ? floats(2 + c->h, false, 0) : NULL;
+    if (c->user) {
+        user_p[0] = (float)(c->window ? c->wl : -1), user_p[1] = (float)(c->window ? c->wr : -1);
+        clmha_alibi_slopes(c->h, user_p + 2);
+        snprintf(user_source, sizeof user_source, "%s%s",
+                 c->user & USER_SCORE ? user_score_source : "",
+                 c->user & USER_MASK ? user_mask_source : "");
+        if (c->user & USER_SCORE) ldesc.alibi = false;
+        if (c->user & USER_MASK) ldesc.window = false;
+        ldesc.mod_source = user_source;
+        ldesc.mod_params = user_p;
+        ldesc.mod_params_count = 2 + c->h;
+    }
 
     // Parameters.
     const double bound = 1.0 / sqrt((double)e);
@@ -650,7 +708,7 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     char msg[512] = "";
     clmha_status st = CLMHA_SUCCESS;
     if (c->tiles && !import_tiles(ctx, c->tiles, msg, sizeof msg)) st = CLMHA_INVALID_ARGUMENT;
-    if (!st) st = clmha_layer_create(&layer, ctx, &desc);
+    if (!st) st = clmha_layer_create(&layer, ctx, &ldesc);
     SET("in_proj_weight", w_in, 3 * e * e);
     SET("q_proj_weight", wq, e * e);
     SET("k_proj_weight", wk, kve * kdim);
@@ -710,7 +768,8 @@ static bool run_case(clmha_context *ctx, size_t index, const dcase *c) {
     clmha__test_set_decode_parts(0);
     clmha__test_set_max_alloc(0);
     clmha__test_set_fused_backward_block(0);
-    float *arrays[] = {w_in, wq, wk, wv, b_in, wo, bo, bk, bv, sk, query, key, value, out, w};
+    float *arrays[] = {w_in, wq,    wk,  wv,    b_in, wo, bo, bk, bv, sk,
+                       query, key, value, out, w, user_p};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free(arrays[i]);
     free(kpm);
     free(am);

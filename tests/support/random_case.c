@@ -49,6 +49,8 @@ void rcase_describe(const rcase *c, char *buf, size_t size) {
     if (c->softcap > 0) APPEND(" softcap=%g", c->softcap);
     if (c->alibi) APPEND(c->alibi_random ? " alibi(random)" : " alibi");
     if (c->sinks) APPEND(" sinks");
+    if (c->user) APPEND(" user(%s%s)", c->user & RC_USER_SCORE ? "score" : "",
+                        c->user & RC_USER_MASK ? " mask" : "");
     if (c->mask_row) APPEND(" masked_row");
     if (c->mask_batch) APPEND(" masked_item");
     if (c->need_weights) APPEND(c->per_head ? " w=per_head" : " w=avg");
@@ -86,6 +88,61 @@ static clmha_tensor input_tensor(const instance *in, const float *data, size_t s
     if (in->c.unbatched) return host_tensor(data, 2, seq, feat, 0);
     if (in->c.batch_first) return host_tensor(data, 3, in->n, seq, feat);
     return host_tensor(data, 3, seq, in->n, feat);
+}
+
+// The user functions that reproduce the built-in variants (rcase::user). p: soft-capping's c
+// (0: off), ALiBi on (1) or off, the window's bounds (-1: unbounded), then the H slopes.
+static const char user_score_source[] =
+    "clmha_real clmha_score_mod(clmha_real s, int b, int h, int q, int k,\n"
+    "                           __global const float *p) {\n"
+    "    if (p[0] > 0.0f) s = p[0] * tanh(s / p[0]);\n"
+    "    if (p[1] != 0.0f) s -= p[4 + h] * fabs((clmha_real)(q - k));\n"
+    "    return s;\n"
+    "}\n"
+    "clmha_real clmha_score_mod_grad(clmha_real s, int b, int h, int q, int k,\n"
+    "                                __global const float *p) {\n"
+    "    if (p[0] <= 0.0f) return 1.0f;\n"
+    "    clmha_real t = tanh(s / p[0]);\n"
+    "    return 1.0f - t * t;\n"
+    "}\n";
+static const char user_mask_source[] =
+    "/* a sliding window: key k is allowed iff q - left <= k <= q + right */\n"
+    "int clmha_mask_mod(int b, int h, int q, int k, __global const float *p) {\n"
+    "    int left = (int)p[2], right = (int)p[3];\n"
+    "    return (left < 0 || k >= q - left) && (right < 0 || k <= q + right);\n"
+    "}\n";
+
+// in->layer_desc: the reference's layer with the variants of in->c.user moved into user
+// functions.
+static void make_user_layer(instance *in) {
+    const rcase *k = &in->c;
+    clmha_layer_desc *d = &in->layer_desc;
+    *d = in->desc;
+    if (!k->user) return;
+    bool appended = k->add_bias_kv || k->add_zero_attn;
+    in->mod_p = alloc_floats(4 + k->h);
+    float *p = in->mod_p;
+    memset(p, 0, (4 + k->h) * sizeof *p);
+    p[2] = p[3] = -1.0f;
+    if (k->user & RC_USER_SCORE) {
+        if (!appended) p[0] = (float)k->softcap, d->softcap = 0.0;
+        p[1] = k->alibi ? 1.0f : 0.0f, d->alibi = false;
+        if (in->slopes) memcpy(p + 4, in->slopes, k->h * sizeof *p);
+        else clmha_alibi_slopes(k->h, p + 4);
+    }
+    if (k->user & RC_USER_MASK) {
+        p[2] = (float)(k->window ? k->win_left : -1);
+        p[3] = (float)(k->window ? k->win_right : -1);
+        d->window = false;
+    }
+    size_t size = sizeof user_score_source + sizeof user_mask_source;
+    in->mod_source = malloc(size);
+    cr_assert_not_null(in->mod_source, "out of memory");
+    snprintf(in->mod_source, size, "%s%s", k->user & RC_USER_SCORE ? user_score_source : "",
+             k->user & RC_USER_MASK ? user_mask_source : "");
+    d->mod_source = in->mod_source;
+    d->mod_params = p;
+    d->mod_params_count = 4 + k->h;
 }
 
 void instance_make(instance *in, const rcase *c) {
@@ -191,6 +248,7 @@ void instance_make(instance *in, const rcase *c) {
     a->training = k->training;
     a->rng = (clmha_dropout_rng){k->rng_seed, k->rng_offset};
 
+    make_user_layer(in);
     in->output_count = n * l * e;
     in->weights_count = k->need_weights ? n * (k->per_head ? k->h : 1) * l * in->s_padded : 0;
 }
@@ -198,8 +256,9 @@ void instance_make(instance *in, const rcase *c) {
 void instance_free(instance *in) {
     float *arrays[] = {in->w_in, in->wq,  in->wk,    in->wv,  in->b_in, in->wo,
                        in->bo,   in->bk,  in->bv,    in->query, in->key, in->value,
-                       in->slopes, in->sinks};
+                       in->slopes, in->sinks, in->mod_p};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; ++i) free(arrays[i]);
+    free(in->mod_source);
     free(in->kpm);
     free(in->am);
 }
@@ -213,7 +272,7 @@ static void set_param(clmha_layer *layer, const char *name, const float *data, s
 
 clmha_layer *instance_layer(clmha_context *ctx, const instance *in) {
     clmha_layer *layer = NULL;
-    clmha_status st = clmha_layer_create(&layer, ctx, &in->desc);
+    clmha_status st = clmha_layer_create(&layer, ctx, &in->layer_desc);
     cr_assert_eq(st, CLMHA_SUCCESS, "clmha_layer_create: %s", clmha_context_last_error(ctx));
     const size_t e = in->c.e, kve = in->kve;
     set_param(layer, "in_proj_weight", in->w_in, 3 * e * e);
@@ -225,7 +284,7 @@ clmha_layer *instance_layer(clmha_context *ctx, const instance *in) {
     set_param(layer, "out_proj.bias", in->bo, e);
     set_param(layer, "bias_k", in->bk, kve);
     set_param(layer, "bias_v", in->bv, kve);
-    set_param(layer, "alibi_slopes", in->slopes, in->c.h);
+    if (in->layer_desc.alibi) set_param(layer, "alibi_slopes", in->slopes, in->c.h);
     set_param(layer, "sinks", in->sinks, in->c.h);
     return layer;
 }

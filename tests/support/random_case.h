@@ -13,6 +13,8 @@
 
 typedef enum attn_layout { LAYOUT_SHARED, LAYOUT_PER_HEAD, LAYOUT_PER_BATCH } attn_layout;
 
+enum { RC_USER_SCORE = 1, RC_USER_MASK = 2 };  // rcase::user
+
 // One forward call: the layer, the shapes and the options.
 typedef struct rcase {
     size_t e, h, kdim, vdim;  // kdim/vdim 0 = embed_dim
@@ -28,6 +30,12 @@ typedef struct rcase {
     double softcap;                 // soft-capping (0: off)
     bool alibi, alibi_random;       // ALiBi; its slopes random in (0, 1] (else geometric)
     bool sinks;                     // attention sinks, ~ N(0, 1)
+    // The layer under test computes some built-in variants through user functions
+    // (clmha_layer_desc::mod_source) that reproduce them, while the reference computes the
+    // built-in ones: RC_USER_SCORE ALiBi (and soft-capping, when no key is appended: a user
+    // function sees only the real keys) as clmha_score_mod with its derivative, RC_USER_MASK
+    // the window as clmha_mask_mod.
+    unsigned user;
     float dropout;
     uint64_t rng_seed, rng_offset;  // dropout randomness
     double mask_p;                  // probability of a forbidden / -inf mask entry
@@ -39,7 +47,10 @@ typedef struct rcase {
 // A case with everything the forward call and the reference need.
 typedef struct instance {
     rcase c;
-    clmha_layer_desc desc;
+    clmha_layer_desc desc;        // the reference's layer
+    clmha_layer_desc layer_desc;  // the layer under test's (desc, or with user functions)
+    float *mod_p;                 // their p
+    char *mod_source;
     clmha_reference_params params;
     clmha_forward_args args;
     size_t n, kdim, vdim, kve, s_padded, output_count, weights_count;  // kve: K/V proj. rows
