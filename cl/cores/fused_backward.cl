@@ -190,6 +190,9 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
     global const float *qb = q + bh * tgt_len * HD;
     global const float *dob = d_o + bh * tgt_len * HD;
     for (ulong i0 = i_begin; i0 < i_end; i0 += BT) {
+        // A tile clmha_mask_mod forbids to the whole group is skipped, uniformly (P = 0).
+        if (MOD_BLOCK(bh, i0, BT, first, B * R, tgt_len, src_len_padded) == MOD_BLOCK_NONE)
+            continue;
         barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
         uint rows = (uint)min((ulong)BT, tgt_len - i0);  // the tile's real rows
         for (uint t = lid; t < BT * HD; t += B) {
@@ -359,6 +362,9 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     key_tiles span = key_tiles_of(first, last, src_len, src_len_padded, causal, win_left,
                                   win_right, BT);
     for (ulong j0 = span.begin; j0 < src_len_padded; j0 = key_tile_next(span, j0, BT)) {
+        // A tile clmha_mask_mod forbids to the whole group is skipped, uniformly (P = 0).
+        if (MOD_BLOCK(bh, first, B * R, j0, BT, tgt_len, src_len_padded) == MOD_BLOCK_NONE)
+            continue;
         barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
         uint keys = (uint)min((ulong)BT, src_len_padded - j0);  // the tile's real keys
         for (uint t = lid; t < BT * HD; t += B) {
@@ -500,6 +506,8 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
     global const float *qb = q + bh * tgt_len * HD;
     global const float *dob = d_o + bh * tgt_len * HD;
     for (ulong i0 = i_begin; i0 < i_end; i0 += B) {
+        // A tile clmha_mask_mod forbids to the whole group is skipped, uniformly (P = 0).
+        if (MOD_BLOCK(bh, i0, B, j0, B, tgt_len, src_len_padded) == MOD_BLOCK_NONE) continue;
         barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
         for (uint t = lid; t < B * HD; t += B) {
             ulong i = i0 + t / HD;
@@ -607,6 +615,8 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     key_tiles span = key_tiles_of(i0, last, src_len, src_len_padded, causal, win_left, win_right,
                                   B);
     for (ulong j0 = span.begin; j0 < src_len_padded; j0 = key_tile_next(span, j0, B)) {
+        // A tile clmha_mask_mod forbids to the whole group is skipped, uniformly (P = 0).
+        if (MOD_BLOCK(bh, i0, B, j0, B, tgt_len, src_len_padded) == MOD_BLOCK_NONE) continue;
         barrier(CLK_LOCAL_MEM_FENCE);  // the previous tile is no longer read
         for (uint t = lid; t < B * HD; t += B) {
             bool in = j0 + t / HD < src_len_padded;

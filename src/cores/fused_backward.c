@@ -7,10 +7,12 @@
 #include "cores/fused_backward.h"
 
 #include "context/gemm.h"
+#include "cores/block_mask.h"
 #include "cores/core.h"
 #include "cores/fused_shared.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
+#include "layer/mods.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -39,6 +41,8 @@ struct clmha__fused_backward {
     bool gemms;            // the products in GEMMs, block by block (run_gemms())
     cl_mem block_s, block_g;  // run_gemms()'s block of scores and dO.v, grown on demand
     size_t block_s_cap, block_g_cap;
+    // With clmha_mask_mod: the tiles it forbids, as dkdv and dq walk them (block_mask.c).
+    clmha__block_mask dkdv_blocks, dq_blocks;
 };
 
 static void release_kernels(clmha__fused_backward *fb) {
@@ -55,6 +59,8 @@ void clmha__fused_backward_release(clmha__fused_backward *fb) {
     clmha__release_mem(fb->drow_buf);
     clmha__release_mem(fb->block_s);
     clmha__release_mem(fb->block_g);
+    clmha__block_mask_release(&fb->dkdv_blocks);
+    clmha__block_mask_release(&fb->dq_blocks);
     free(fb);
 }
 
@@ -172,7 +178,9 @@ static clmha_status build(clmha_layer *l, clmha__fused_backward *fb) {
     if (!ctx->cls->coalesced && !ctx->quirks.loop_limit) {
         tiles t = tiles_rows_private(ctx, max_wg, l->d, vw);
         while (t.bt) {
-            if ((st = build_tiles(ctx, fb, l->d, clmha__layer_variant_options(l), l->mod_source, &t, &fits, &wg_min))) return st;
+            if ((st = build_tiles(ctx, fb, l->d, clmha__layer_variant_options(l),
+                                  l->mod_source, &t, &fits, &wg_min)))
+                return st;
             if (fits) return CLMHA_SUCCESS;
             if (wg_min < t.b) t.b = pow2_within(t.b, wg_min);
             else t.bt /= 2;
@@ -181,7 +189,9 @@ static clmha_status build(clmha_layer *l, clmha__fused_backward *fb) {
     }
     tiles t = tiles_one_row(ctx, max_wg, l->d, vw);
     while (t.b) {
-        if ((st = build_tiles(ctx, fb, l->d, clmha__layer_variant_options(l), l->mod_source, &t, &fits, &wg_min))) return st;
+        if ((st = build_tiles(ctx, fb, l->d, clmha__layer_variant_options(l), l->mod_source,
+                              &t, &fits, &wg_min)))
+            return st;
         if (fits) return CLMHA_SUCCESS;
         size_t next = wg_min < t.b ? tiles_one_row(ctx, wg_min, l->d, vw).b : t.b / 2;
         t.b = next < t.b ? next : t.b / 2;
@@ -584,7 +594,15 @@ clmha_status clmha__fused_backward_run(clmha__fused_backward **slot, clmha_layer
     if (gemms_for(ctx, fb, d)) return run_gemms(l, call, fb);
     cl_ulong tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
     float scale = (float)clmha__core_scale(l, call->scale);
-    clmha__mask_args m = clmha__masks_of(l, call->args, d);
+    clmha__mask_args m = clmha__masks_of(l, call->args, d), mq = m;
+    // With clmha_mask_mod, the tiles it forbids: dkdv's groups of keys by tiles of rows, dq's
+    // groups of rows by tiles of keys.
+    const tiles *t = &fb->t;
+    size_t group = t->rows_private ? t->b * t->r : t->b, tile = t->rows_private ? t->bt : t->b;
+    if ((l->mods & CLMHA__MOD_MASK) &&
+        ((st = clmha__block_mask_get(l, &fb->dkdv_blocks, d, tile, group, &m.mod_blocks)) ||
+         (st = clmha__block_mask_get(l, &fb->dq_blocks, d, group, tile, &mq.mod_blocks))))
+        return st;
     arg dkdv_args[] = {ARG(call->q),   ARG(call->k),   ARG(call->v),   ARG(call->d_o),
                        ARG(call->lse), ARG(fb->drow_buf), ARG(call->dk), ARG(call->dv),
                        ARG(tgt),       ARG(heads),     ARG(src),       ARG(srcp),
@@ -595,7 +613,7 @@ clmha_status clmha__fused_backward_run(clmha__fused_backward **slot, clmha_layer
     arg dq_args[] = {ARG(call->q),   ARG(call->k),      ARG(call->v),  ARG(call->d_o),
                      ARG(call->lse), ARG(fb->drow_buf), ARG(call->dq), ARG(tgt),
                      ARG(heads),     ARG(src),          ARG(srcp),     ARG(scale),
-                     MASK_ARGS(m)};
+                     MASK_ARGS(mq)};
     return launch_2d(ctx, fb->dq, "fused_backward_dq", d->l, planes, &fb->t, dq_args,
                      sizeof dq_args / sizeof dq_args[0]);
 }

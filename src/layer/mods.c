@@ -4,6 +4,7 @@
 
 #include "base/checked.h"
 #include "device/held.h"
+#include "context/context.h"
 #include "errors/errors.h"
 #include "layer/layer.h"
 
@@ -62,6 +63,23 @@ static void set_options(clmha_layer *l) {
              l->mods & CLMHA__MOD_MASK ? " -DUSER_MASK=1" : "");
 }
 
+// l->mod_params: @p count floats from @p params (NULL: zeros), copied at creation (nothing
+// enqueued).
+static clmha_status make_params(clmha_layer *l, const float *params, size_t count) {
+    clmha_context *ctx = l->ctx;
+    float *zeros = params ? NULL : calloc(count, sizeof *zeros);
+    if (!params && !zeros) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    cl_int err;
+    clmha__count(ctx, 0, 1);
+    l->mod_params = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
+                                   count * sizeof(float), (void *)(params ? params : zeros),
+                                   &err);
+    clmha__held_new(CLMHA__HELD_MEM, l->mod_params);
+    free(zeros);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateBuffer(mod_params)");
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha__layer_mods_init(clmha_layer *l, const char *source, const float *params,
                                     size_t count) {
     clmha_context *ctx = l->ctx;
@@ -93,9 +111,7 @@ clmha_status clmha__layer_mods_init(clmha_layer *l, const char *source, const fl
     if (!count) return CLMHA_SUCCESS;
     if (count > SIZE_MAX / sizeof(float))
         return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "mod_params_count %zu overflows", count);
-    clmha_status st = clmha__zero_buffer(ctx, count, sizeof(float), "mod_params", &l->mod_params);
-    if (st || !params) return st;
-    return clmha_layer_set_mod_params(l, params, count);
+    return make_params(l, params, count);
 }
 
 void clmha__layer_mods_free(clmha_layer *l) {

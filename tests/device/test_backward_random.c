@@ -387,7 +387,8 @@ Test(backward_random, user_functions, .timeout = 600) {
 // tiled kernels and through the products in GEMMs (CLMHA_FUSED_BACKWARD; the layer reads it
 // when its fused backward is first built): lengths around the tiles, L != S both ways, windows
 // of 0, 1, tile - 1, tile and tile + 1 on either side, with is_causal, masks, dropout, the
-// appended keys (never windowed, always visited) and rows whose window holds no key.
+// appended keys (never windowed, always visited) and rows whose window holds no key; some as a
+// user mask function.
 Test(backward_random, sliding_window_tile_edges, .timeout = 600) {
     clmha_context *ctx = context_or_skip();
     static const window_edge cases[] = {
@@ -403,6 +404,12 @@ Test(backward_random, sliding_window_tile_edges, .timeout = 600) {
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; ++k) {
             rcase c = rcase_window_edge(&cases[k], k, 950 + k, CLMHA_MASK_FLOAT);
             check_case(ctx, &c);
+            // The window as a user clmha_mask_mod: the kernels skip the tiles its block masks
+            // forbid at the same edges.
+            if (mode == 0 && k % 3 == 1) {
+                c.user = RC_USER_MASK;
+                check_case(ctx, &c);
+            }
         }
     }
     unsetenv("CLMHA_FUSED_BACKWARD");

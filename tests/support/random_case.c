@@ -112,12 +112,9 @@ static const char user_mask_source[] =
     "    return (left < 0 || k >= q - left) && (right < 0 || k <= q + right);\n"
     "}\n";
 
-// in->layer_desc: the reference's layer with the variants of in->c.user moved into user
-// functions.
-static void make_user_layer(instance *in) {
+// p and the source of in->c.user's user functions (layer_desc_of() moves the variants).
+static void make_user_functions(instance *in) {
     const rcase *k = &in->c;
-    clmha_layer_desc *d = &in->layer_desc;
-    *d = in->desc;
     if (!k->user) return;
     bool appended = k->add_bias_kv || k->add_zero_attn;
     in->mod_p = alloc_floats(4 + k->h);
@@ -125,24 +122,35 @@ static void make_user_layer(instance *in) {
     memset(p, 0, (4 + k->h) * sizeof *p);
     p[2] = p[3] = -1.0f;
     if (k->user & RC_USER_SCORE) {
-        if (!appended) p[0] = (float)k->softcap, d->softcap = 0.0;
-        p[1] = k->alibi ? 1.0f : 0.0f, d->alibi = false;
+        if (!appended) p[0] = (float)k->softcap;
+        p[1] = k->alibi ? 1.0f : 0.0f;
         if (in->slopes) memcpy(p + 4, in->slopes, k->h * sizeof *p);
         else clmha_alibi_slopes(k->h, p + 4);
     }
     if (k->user & RC_USER_MASK) {
         p[2] = (float)(k->window ? k->win_left : -1);
         p[3] = (float)(k->window ? k->win_right : -1);
-        d->window = false;
     }
     size_t size = sizeof user_score_source + sizeof user_mask_source;
     in->mod_source = malloc(size);
     cr_assert_not_null(in->mod_source, "out of memory");
     snprintf(in->mod_source, size, "%s%s", k->user & RC_USER_SCORE ? user_score_source : "",
              k->user & RC_USER_MASK ? user_mask_source : "");
-    d->mod_source = in->mod_source;
-    d->mod_params = p;
-    d->mod_params_count = 4 + k->h;
+}
+
+clmha_layer_desc layer_desc_of(const instance *in) {
+    const rcase *k = &in->c;
+    clmha_layer_desc d = in->desc;
+    if (!k->user) return d;
+    if (k->user & RC_USER_SCORE) {
+        if (!(k->add_bias_kv || k->add_zero_attn)) d.softcap = 0.0;
+        d.alibi = false;
+    }
+    if (k->user & RC_USER_MASK) d.window = false;
+    d.mod_source = in->mod_source;
+    d.mod_params = in->mod_p;
+    d.mod_params_count = 4 + k->h;
+    return d;
 }
 
 void instance_make(instance *in, const rcase *c) {
@@ -248,7 +256,7 @@ void instance_make(instance *in, const rcase *c) {
     a->training = k->training;
     a->rng = (clmha_dropout_rng){k->rng_seed, k->rng_offset};
 
-    make_user_layer(in);
+    make_user_functions(in);
     in->output_count = n * l * e;
     in->weights_count = k->need_weights ? n * (k->per_head ? k->h : 1) * l * in->s_padded : 0;
 }
@@ -272,7 +280,8 @@ static void set_param(clmha_layer *layer, const char *name, const float *data, s
 
 clmha_layer *instance_layer(clmha_context *ctx, const instance *in) {
     clmha_layer *layer = NULL;
-    clmha_status st = clmha_layer_create(&layer, ctx, &in->layer_desc);
+    clmha_layer_desc desc = layer_desc_of(in);
+    clmha_status st = clmha_layer_create(&layer, ctx, &desc);
     cr_assert_eq(st, CLMHA_SUCCESS, "clmha_layer_create: %s", clmha_context_last_error(ctx));
     const size_t e = in->c.e, kve = in->kve;
     set_param(layer, "in_proj_weight", in->w_in, 3 * e * e);
@@ -284,7 +293,7 @@ clmha_layer *instance_layer(clmha_context *ctx, const instance *in) {
     set_param(layer, "out_proj.bias", in->bo, e);
     set_param(layer, "bias_k", in->bk, kve);
     set_param(layer, "bias_v", in->bv, kve);
-    if (in->layer_desc.alibi) set_param(layer, "alibi_slopes", in->slopes, in->c.h);
+    if (desc.alibi) set_param(layer, "alibi_slopes", in->slopes, in->c.h);
     set_param(layer, "sinks", in->sinks, in->c.h);
     return layer;
 }

@@ -47,9 +47,8 @@ typedef struct rcase {
 // A case with everything the forward call and the reference need.
 typedef struct instance {
     rcase c;
-    clmha_layer_desc desc;        // the reference's layer
-    clmha_layer_desc layer_desc;  // the layer under test's (desc, or with user functions)
-    float *mod_p;                 // their p
+    clmha_layer_desc desc;  // the reference's layer (the layer under test's: layer_desc_of())
+    float *mod_p;           // with c.user: the user functions' p and source
     char *mod_source;
     clmha_reference_params params;
     clmha_forward_args args;
@@ -79,6 +78,10 @@ void rcase_describe(const rcase *c, char *buf, size_t size);
 // Draws @p c's parameters, inputs and masks into @p in (free with instance_free()).
 void instance_make(instance *in, const rcase *c);
 void instance_free(instance *in);
+
+// The layer under test's descriptor: in->desc as it is now, with the variants of in->c.user
+// moved into user functions.
+clmha_layer_desc layer_desc_of(const instance *in);
 
 // A layer on @p ctx with @p in's configuration and parameters (fails the test on error).
 clmha_layer *instance_layer(clmha_context *ctx, const instance *in);
