@@ -262,6 +262,11 @@ Test(dtype, forward_within_contract_through_both_cores) {
         rcase c = k == 0 ? rcase_base(0x16) : rcase_random(&r);
         // A shape across the fused core's tile edges.
         if (k == 1) c.e = 64, c.h = 4, c.l = 33, c.s = 47, c.self_attn = false;
+        // ALiBi and a window as user functions (computed in float32, as the rest).
+        if (k == 2) {
+            c.user = RC_USER_SCORE | RC_USER_MASK, c.alibi = true;
+            c.window = true, c.win_left = 2, c.win_right = 0;
+        }
         for (size_t t = 0; t < 2; ++t) {
             double worst = 0.0;
             for (size_t i = 0; i < 3; ++i) {

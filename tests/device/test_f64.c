@@ -248,7 +248,20 @@ typedef struct rand_case {
     clmha_mask_kind kpm, am;
     int am_layout;                         // 0: (L, S), 1: per head, 2: per batch (N, L, S)
     bool is_causal, need_weights, per_head;
+    // The reference computes ALiBi (slopes 0.1 (h + 1)) and a window (3, 1), the layer the same
+    // through user functions in double (clmha_real).
+    bool user;
 } rand_case;
+
+// dcase::user's functions; p: the window's bounds, then the slopes.
+static const char user_source[] =
+    "clmha_real clmha_score_mod(clmha_real s, int b, int h, int q, int k,\n"
+    "                           __global const float *p) {\n"
+    "    return s - p[2 + h] * fabs((clmha_real)(q - k));\n"
+    "}\n"
+    "int clmha_mask_mod(int b, int h, int q, int k, __global const float *p) {\n"
+    "    return k >= q - (int)p[0] && k <= q + (int)p[1];\n"
+    "}\n";
 
 // Lengths around the fused core's tiles, and head dims from 4 to 64 (5 and 24: 1/sqrt(D) is
 // not a power of two).
@@ -287,13 +300,14 @@ static void describe(const rand_case *c, char *buf, size_t size) {
     static const char *const kinds[] = {"none", "ignore", "attend", "float"};
     static const char *const layouts[] = {"(L,S)", "(NH,L,S)", "(N,L,S)"};
     snprintf(buf, size,
-             "E%zu H%zu G%zu N%zu L%zu S%zu kdim%zu vdim%zu%s%s%s%s%s%s%s kpm=%s am=%s%s%s%s",
+             "E%zu H%zu G%zu N%zu L%zu S%zu kdim%zu vdim%zu%s%s%s%s%s%s%s kpm=%s am=%s%s%s%s%s",
              c->e, c->h, c->g, c->n, c->l, c->s, c->kdim, c->vdim, c->bias ? "" : " nobias",
              c->bias_kv ? " bias_kv" : "", c->zero_attn ? " zero_attn" : "",
              c->batch_first ? " batch_first" : "", c->unbatched ? " unbatched" : "",
              c->self_attn ? " self" : "", c->packed ? " packed" : "", kinds[c->kpm],
              kinds[c->am], c->am ? layouts[c->am_layout] : "", c->is_causal ? " causal" : "",
-             !c->need_weights ? "" : c->per_head ? " w=per_head" : " w=avg");
+             !c->need_weights ? "" : c->per_head ? " w=per_head" : " w=avg",
+             c->user ? " user alibi+window" : "");
 }
 
 // What a rand_case becomes: the float arrays (for the reference) and their widened copies
@@ -365,7 +379,16 @@ static clmha_layer *make_call(clmha_context *ctx, const rand_case *c, uint64_t s
                                   .bias = c->bias, .add_bias_kv = c->bias_kv,
                                   .add_zero_attn = c->zero_attn, .batch_first = c->batch_first,
                                   .num_kv_heads = c->g, .dtype = CLMHA_DTYPE_F64};
-    clmha_layer *layer = layer_or_fail(ctx, &rc->desc);
+    clmha_layer_desc ldesc = rc->desc;
+    if (c->user) {  // the reference's ALiBi and window, the layer's user functions
+        float *p = own(rc, alloc_floats(2 + c->h));
+        p[0] = 3.0f, p[1] = 1.0f;
+        for (size_t h = 0; h < c->h; ++h) p[2 + h] = 0.1f * (float)(h + 1);
+        rc->desc.alibi = true, rc->params.alibi_slopes = p + 2;
+        rc->desc.window = true, rc->desc.window_left = 3, rc->desc.window_right = 1;
+        ldesc.mod_source = user_source, ldesc.mod_params = p, ldesc.mod_params_count = 2 + c->h;
+    }
+    clmha_layer *layer = layer_or_fail(ctx, &ldesc);
     const double bound = 1.0 / sqrt((double)e);
     struct {
         const char *name;
@@ -446,6 +469,7 @@ Test(f64, random_vs_reference) {
     bool dim_64 = false;
     for (size_t k = 0; k < CASES; ++k) {
         rand_case c = draw_case(&r);
+        c.user = k % 5 == 4;
         rand_call rc;
         clmha_layer *layer = make_call(ctx, &c, prng_next(&r), &rc);
         char name[320];
