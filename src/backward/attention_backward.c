@@ -24,11 +24,12 @@ typedef clmha__arg arg;
 // merge_rows, which sums the gradients of the query heads that share a key/value head.
 typedef struct state {
     cl_kernel merge_rows;
+    cl_kernel sinks_grad;  // made on the first call with grad_sinks (clmha__sinks_grad())
 } state;
 
 static void state_release(void *p) {
     state *s = p;
-    if (s) clmha__release_kernel(s->merge_rows);
+    if (s) clmha__release_kernel(s->merge_rows), clmha__release_kernel(s->sinks_grad);
     free(s);
 }
 
@@ -269,6 +270,7 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
     clmha_forward_args f = clmha__attention_core_args(l, a, d);
     size_t h = d->core.h, ln = d->core.l;
     clmha_status st;
+    state *s = NULL;
     if ((st = reserve(l, d)) ||
         (b->lse && b->lse_offset &&
          (st = clmha__grow_buffer(ctx, &l->partial_lse, &l->partial_lse_cap, d->lse_count,
@@ -307,9 +309,10 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
     if (err) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(lse)");
     if ((st = core->backward(l, &call)) ||
         (b->grad_sinks &&  // from the forward's log-sum-exp rows (check_call: given)
-         (st = clmha__sinks_grad(l, call.o, call.d_o, call.lse, 0, NULL, a->sinks.buffer,
-                                 a->sinks.offset, b->grad_sinks, b->grad_sinks_offset, false,
-                                 d->core.n, ln))) ||
+         ((st = state_of(l, &s)) ||
+          (st = clmha__sinks_grad(l, &s->sinks_grad, call.o, call.d_o, call.lse, 0, NULL,
+                                  a->sinks.buffer, a->sinks.offset, b->grad_sinks,
+                                  b->grad_sinks_offset, false, d->core.n, ln)))) ||
         (st = clmha__attention_unstage(l, d, call.dq, h, ln, b->grad_query, b->grad_query_offset)) ||
         (st = unstage_kv(l, d, call.dk, b->grad_key, b->grad_key_offset)) ||
         (st = unstage_kv(l, d, call.dv, b->grad_value, b->grad_value_offset)))
@@ -318,6 +321,16 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
 }
 
 // Reads and checks the call: the struct, the forward's args, the limits of this version.
+// CLMHA_UNSUPPORTED for a forward call whose user functions have clmha_score_mod without its
+// derivative.
+static clmha_status mods_grad_check(clmha_context *ctx, const clmha_attention_args *a) {
+    unsigned mods = clmha__mods_scan(a->mod_source);
+    if (!(mods & CLMHA__MOD_SCORE) || (mods & CLMHA__MOD_GRAD)) return CLMHA_SUCCESS;
+    return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                       "the backward pass needs clmha_score_mod_grad: the forward call's "
+                       "mod_source defines clmha_score_mod without its derivative");
+}
+
 static clmha_status check_call(clmha_context *ctx, const clmha_attention_backward_args *args,
                                clmha_attention_backward_args *b, clmha_attention_args *a,
                                clmha__attention_dims *d) {
@@ -330,11 +343,7 @@ static clmha_status check_call(clmha_context *ctx, const clmha_attention_backwar
     if (a->kv_cache)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "the forward call has a kv_cache: the KV-cache form has no backward");
-    unsigned mods = clmha__mods_scan(a->mod_source);
-    if ((mods & CLMHA__MOD_SCORE) && !(mods & CLMHA__MOD_GRAD))
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "the backward pass needs clmha_score_mod_grad: the forward call's "
-                           "mod_source defines clmha_score_mod without its derivative");
+    if ((st = mods_grad_check(ctx, a))) return st;
     if (b->grad_sinks && (!a->sinks.ndim || !b->lse))
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            a->sinks.ndim ? "grad_sinks needs lse, the forward's log-sum-exp "
@@ -465,6 +474,7 @@ clmha_status clmha_attention_backward_host(clmha_context *ctx, const clmha_atten
         (a.kv_cache && (st = clmha__fail(ctx, CLMHA_UNSUPPORTED,
                                          "args->kv_cache is set: the KV-cache form has no "
                                          "backward"))) ||
+        (st = mods_grad_check(ctx, &a)) ||
         (st = check_host(ctx, &a, &d, grad_output, grad_output_count, grad_attn_mask)) ||
         (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d),
                                      &l)))

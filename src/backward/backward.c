@@ -37,7 +37,7 @@ typedef clmha__arg arg;
 // dM, then dQ (N*L, E), dK and dV (N*S, E); the head tiles hold dO and dQ (N*H, L, D), dK' and
 // dV' (N*H, S', D). (The forward's tiles of a call that saved are in its clmha_saved.)
 typedef struct state {
-    cl_kernel merge_rows, appended_row_sums;
+    cl_kernel merge_rows, appended_row_sums, sinks_grad;
     cl_mem ones;  // ones_cap floats of 1: the bias gradients' column sums are GEMMs with it
     size_t ones_cap;
     cl_mem drow;  // the unfused backward's D rows for the sinks' gradient (drow_cap floats)
@@ -49,6 +49,7 @@ static void state_release(void *p) {
     if (!s) return;
     clmha__release_kernel(s->merge_rows);
     clmha__release_kernel(s->appended_row_sums);
+    clmha__release_kernel(s->sinks_grad);
     clmha__release_mem(s->ones);
     clmha__release_mem(s->drow);
     free(s);
@@ -571,25 +572,24 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
             return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                                "the sinks' gradient needs the forward's log-sum-exp rows, "
                                "which its core did not write");
-        if ((st = clmha__sinks_grad(layer, call.o, call.d_o, call.lse, 0, call.drow,
-                                    layer->sinks, 0,
-                                    args->sinks.buffer, args->sinks.offset,
-                                    args->sinks.accumulate, d.n, d.l)))
+        if ((st = clmha__sinks_grad(layer, &s->sinks_grad, call.o, call.d_o, call.lse, 0,
+                                    call.drow, layer->sinks, 0, args->sinks.buffer,
+                                    args->sinks.offset, args->sinks.accumulate, d.n, d.l)))
             return st;
     }
     if ((st = in_projections(&p))) return st;
     return clmha__enqueue_event(ctx, event);
 }
 
-clmha_status clmha__sinks_grad(clmha_layer *l, cl_mem o, cl_mem d_o, cl_mem lse,
+clmha_status clmha__sinks_grad(clmha_layer *l, cl_kernel *kernel, cl_mem o, cl_mem d_o,
+                               cl_mem lse,
                                size_t lse_off, cl_mem drow, cl_mem sinks, size_t sinks_off,
                                cl_mem out,
                                size_t out_off, bool accumulate, size_t n, size_t len) {
     cl_program prog;
-    cl_kernel k = NULL;
     clmha_status st;
-    if ((st = clmha__program_get(l->ctx, "backward", "", &prog)) ||
-        (st = clmha__kernel_make(l->ctx, prog, "sinks_grad", &k)))
+    if (!*kernel && ((st = clmha__program_get(l->ctx, "backward", "", &prog)) ||
+                     (st = clmha__kernel_make(l->ctx, prog, "sinks_grad", kernel))))
         return st;
     cl_ulong loff = lse_off, soff = sinks_off, ooff = out_off, nb = n, heads = l->h, tl = len,
              hd = l->d;
@@ -598,7 +598,6 @@ clmha_status clmha__sinks_grad(clmha_layer *l, cl_mem o, cl_mem d_o, cl_mem lse,
     arg args[] = {ARG(o),    ARG(d_o), ARG(lse), ARG(loff),  ARG(dr), ARG(has_drow),
                   ARG(sinks), ARG(soff), ARG(out), ARG(ooff), ARG(acc), ARG(nb),
                   ARG(heads), ARG(tl),   ARG(hd)};
-    st = clmha__launch(l->ctx, k, "sinks_grad", l->h, 1, args, sizeof args / sizeof args[0]);
-    clmha__release_kernel(k);
-    return st;
+    return clmha__launch(l->ctx, *kernel, "sinks_grad", l->h, 1, args,
+                         sizeof args / sizeof args[0]);
 }

@@ -19,8 +19,10 @@ CLMHA__HIDDEN const clmha_grad *clmha__backward_grad(const clmha_backward_args *
 // The sinks' gradient (cl/backward.cl's sinks_grad): @p out at @p out_off (H floats, added
 // to with @p accumulate) from the head tiles @p o and @p d_o (N*H, L, D), the log-sum-exp rows
 // @p lse at @p lse_off (and each row's D = sum_j P dP in @p drow, or NULL: dO.O) and the
-// sinks at @p sinks_off, for @p n batch items and @p l rows.
-CLMHA__HIDDEN clmha_status clmha__sinks_grad(clmha_layer *layer, cl_mem o, cl_mem d_o,
+// sinks at @p sinks_off, for @p n batch items and @p l rows. *@p kernel: the caller's copy of
+// the kernel, made on first use (the caller releases it with its state).
+CLMHA__HIDDEN clmha_status clmha__sinks_grad(clmha_layer *layer, cl_kernel *kernel, cl_mem o,
+                                             cl_mem d_o,
                                              cl_mem lse, size_t lse_off, cl_mem drow,
                                              cl_mem sinks,
                                              size_t sinks_off, cl_mem out, size_t out_off,

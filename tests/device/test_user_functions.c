@@ -187,6 +187,55 @@ Test(user_functions, attention_function, .timeout = 300) {
     clmha_context_release(ctx);
 }
 
+// The attention function's backward through a user ALiBi and its derivative (the host form),
+// against the reference's gradients of the built-in ALiBi, both cores.
+Test(user_functions, attention_function_backward, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    size_t n = 2, h = 2, l = 40, s = 33, dh = 8;
+    prng r = {78};
+    float *q = normal_floats(&r, n * h * l * dh), *k = normal_floats(&r, n * h * s * dh),
+          *v = normal_floats(&r, n * h * s * dh), *gy = normal_floats(&r, n * h * l * dh);
+    float slopes[2] = {0.25f, 0.0625f};
+    clmha_attention_args a = {.struct_size = sizeof a};
+    a.query = (clmha_tensor){.ndim = 4, .shape = {n, h, l, dh}, .data = q};
+    a.key = (clmha_tensor){.ndim = 4, .shape = {n, h, s, dh}, .data = k};
+    a.value = (clmha_tensor){.ndim = 4, .shape = {n, h, s, dh}, .data = v};
+    clmha_attention_args ref = a;
+    ref.alibi = true;
+    ref.alibi_slopes = (clmha_tensor){.ndim = 1, .shape = {h}, .data = slopes};
+    a.mod_source = alibi_source;
+    a.mod_params = (clmha_tensor){.ndim = 1, .shape = {h}, .data = slopes};
+    size_t qc = n * h * l * dh, kc = n * h * s * dh;
+    double *wq = malloc(qc * sizeof *wq), *wk = malloc(kc * sizeof *wk),
+           *wv = malloc(kc * sizeof *wv);
+    clmha_reference_grads rg = {.struct_size = sizeof rg, .query = wq, .key = wk, .value = wv};
+    char msg[256];
+    cr_assert_eq(clmha_reference_attention_backward(&ref, gy, &rg, msg, sizeof msg),
+                 CLMHA_SUCCESS, "reference: %s", msg);
+    static const clmha_impl impls[] = {CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};
+    for (size_t c = 0; c < 2; ++c) {
+        a.impl = impls[c];
+        float *gq = alloc_floats(qc), *gk = alloc_floats(kc), *gv = alloc_floats(kc);
+        cr_assert_eq(clmha_attention_backward_host(ctx, &a, gy, qc, gq, gk, gv, NULL),
+                     CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+        double err = fmax(max_err(gq, wq, qc), fmax(max_err(gk, wk, kc), max_err(gv, wv, kc)));
+        fprintf(stderr, "user_functions: attention function backward, user ALiBi, %s: "
+                        "max|err| %.2e\n",
+                clmha_impl_name(impls[c]), err);
+        cr_expect(err <= TOLERANCE, "%s: max abs error %g", clmha_impl_name(impls[c]), err);
+        free(gq), free(gk), free(gv);
+    }
+    // Without the derivative: refused.
+    a.mod_source = "clmha_real clmha_score_mod(clmha_real s, int b, int h, int q, int k, "
+                   "__global const float *p) { return s; }\n";
+    float *gq = alloc_floats(qc), *gk = alloc_floats(kc), *gv = alloc_floats(kc);
+    cr_expect_eq(clmha_attention_backward_host(ctx, &a, gy, qc, gq, gk, gv, NULL),
+                 CLMHA_UNSUPPORTED, "%s", clmha_context_last_error(ctx));
+    free(gq), free(gk), free(gv), free(wq), free(wk), free(wv), free(q), free(k), free(v),
+        free(gy);
+    clmha_context_release(ctx);
+}
+
 // Creates a layer of E 8, H 2 with @p source and @p count parameters; returns its status.
 static clmha_status create_with(clmha_context *ctx, const char *source, const float *p,
                                 size_t count, clmha_layer **out) {
