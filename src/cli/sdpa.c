@@ -443,41 +443,11 @@ static const sdpa_input *input_culprit(const char *msg, const sdpa_opts *o) {
     return &o->in[IN_QUERY];
 }
 
-// The call's arguments, checked in steps so that a refusal names its file or option: the
-// tensors, then the mask and is_causal, then the other options; then the result counts.
-static bool build_args(const sdpa_opts *o, sdpa_state *s) {
+// The score variants of the call's arguments, each checked so that a refusal names its option:
+// the window, soft-capping, ALiBi, the sinks, the user functions.
+static bool variant_args(const sdpa_opts *o, sdpa_state *s) {
     const sdpa_input *in = o->in;
     clmha_attention_args *a = &s->args;
-    *a = (clmha_attention_args){.struct_size = sizeof *a, .query = tensor_of(&in[IN_QUERY].a),
-                                .key = tensor_of(&in[IN_KEY].a),
-                                .value = tensor_of(&in[IN_VALUE].a), .layout = o->layout,
-                                .enable_gqa = o->enable_gqa};
-    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
-        const char *why = clmha_context_last_error(s->ctx);
-        const sdpa_input *culprit = input_culprit(why, o);
-        clmha__cli_report("sdpa", "%s %s: %s%s", culprit->flag, culprit->path, why,
-                          strstr(why, "set enable_gqa") ? " (--enable-gqa)" : "");
-        return false;
-    }
-    size_t d = a->key.shape[a->key.ndim - 1], dv = a->value.shape[a->value.ndim - 1];
-    if (o->kv_prefix && dv != d) {
-        clmha__cli_report("sdpa", "--value %s: D_v = %zu, the key's D = %zu; calls through a KV "
-                          "cache (--kv-cache-prefix) take D_v = D", in[IN_VALUE].path, dv, d);
-        return false;
-    }
-    if (in[IN_ATTN].path) {
-        a->attn_mask = (clmha_mask){.kind = in[IN_ATTN].a.kind == CLMHA__NPY_BOOL
-                                                ? CLMHA_MASK_BOOL_ATTEND
-                                                : CLMHA_MASK_FLOAT,
-                                    .tensor = tensor_of(&in[IN_ATTN].a)};
-    }
-    a->is_causal = o->is_causal;
-    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
-        clmha__cli_report("sdpa", "%s%s: %s", in[IN_ATTN].path ? "--attn-mask " : "--is-causal",
-                          in[IN_ATTN].path ? in[IN_ATTN].path : "",
-                          clmha_context_last_error(s->ctx));
-        return false;
-    }
     a->window = o->window.on;
     a->window_left = o->window.left;
     a->window_right = o->window.right;
@@ -516,6 +486,46 @@ static bool build_args(const sdpa_opts *o, sdpa_state *s) {
                           clmha_context_last_error(s->ctx));
         return false;
     }
+    return true;
+}
+
+// The call's arguments, checked in steps so that a refusal names its file or option: the
+// tensors, then the mask and is_causal, then the score variants (variant_args()), then the
+// other options; then the result counts.
+static bool build_args(const sdpa_opts *o, sdpa_state *s) {
+    const sdpa_input *in = o->in;
+    clmha_attention_args *a = &s->args;
+    *a = (clmha_attention_args){.struct_size = sizeof *a, .query = tensor_of(&in[IN_QUERY].a),
+                                .key = tensor_of(&in[IN_KEY].a),
+                                .value = tensor_of(&in[IN_VALUE].a), .layout = o->layout,
+                                .enable_gqa = o->enable_gqa};
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        const char *why = clmha_context_last_error(s->ctx);
+        const sdpa_input *culprit = input_culprit(why, o);
+        clmha__cli_report("sdpa", "%s %s: %s%s", culprit->flag, culprit->path, why,
+                          strstr(why, "set enable_gqa") ? " (--enable-gqa)" : "");
+        return false;
+    }
+    size_t d = a->key.shape[a->key.ndim - 1], dv = a->value.shape[a->value.ndim - 1];
+    if (o->kv_prefix && dv != d) {
+        clmha__cli_report("sdpa", "--value %s: D_v = %zu, the key's D = %zu; calls through a KV "
+                          "cache (--kv-cache-prefix) take D_v = D", in[IN_VALUE].path, dv, d);
+        return false;
+    }
+    if (in[IN_ATTN].path) {
+        a->attn_mask = (clmha_mask){.kind = in[IN_ATTN].a.kind == CLMHA__NPY_BOOL
+                                                ? CLMHA_MASK_BOOL_ATTEND
+                                                : CLMHA_MASK_FLOAT,
+                                    .tensor = tensor_of(&in[IN_ATTN].a)};
+    }
+    a->is_causal = o->is_causal;
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "%s%s: %s", in[IN_ATTN].path ? "--attn-mask " : "--is-causal",
+                          in[IN_ATTN].path ? in[IN_ATTN].path : "",
+                          clmha_context_last_error(s->ctx));
+        return false;
+    }
+    if (!variant_args(o, s)) return false;
     a->scale = o->scale;
     a->dropout_p = o->dropout_p;
     a->rng = o->rng;
