@@ -647,12 +647,13 @@ static clmha_status copy_parameters(clmha_layer *from, clmha_layer *to, bool f64
 
 // The options that make the layer again, as given ("--window 2,0 --alibi"), into @p buf.
 static const char *redesc_flags(const run_opts *o, char *buf, size_t size) {
-    snprintf(buf, size, "%s%s%s%s%s%s%s%s", o->window_opt ? " --window " : "",
+    snprintf(buf, size, "%s%s%s%s%s%s%s%s%s", o->window_opt ? " --window " : "",
              o->window_opt ? o->window_opt : "", o->softcap_opt ? " --softcap " : "",
              o->softcap_opt ? o->softcap_opt : "", o->alibi ? " --alibi" : "",
              o->mod.source_path ? " --score-mod " : "",
              o->mod.source_path ? o->mod.source_path : "",
-             o->mod.source_path && o->mod.params_path ? " --mod-params ..." : "");
+             o->mod.params_path ? " --mod-params " : "",
+             o->mod.params_path ? o->mod.params_path : "");
     return buf + (buf[0] == ' ');
 }
 
