@@ -21,11 +21,13 @@ static const char *usage_bench =
     "usage: clmha bench [--batch N] [--tgt-len L] [--src-len S] [--embed E] [--heads H]\n"
     "                   [--need-weights] [--batch-first] [--layer F.safetensors [--prefix P]]\n"
     "                   [--causal] [--window LEFT,RIGHT] [--softcap C] [--alibi] [--sinks]\n"
+"                   [--score-mod FILE.cl [--mod-params P.npy]]\n"
 "                   [--impl auto|fused|unfused] [--backward] [--host] [--repeat R]\n"
 "                   [--device SPEC] [--dtype f32|f64|f16|bf16] [--json]\n"
 "       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--batch N] [--embed E]\n"
 "                   [--heads H] [--window LEFT,RIGHT] [--softcap C] [--alibi] [--sinks]\n"
-"                   [--repeat R] [--device SPEC] [--json]\n"
+"                   [--score-mod FILE.cl [--mod-params P.npy]] [--repeat R]\n"
+"                   [--device SPEC] [--json]\n"
     "\n"
     "Times the forward pass on device buffers (clmha_layer_forward): a warm-up\n"
     "(clmha_layer_bake at the shape: sizes the scratch, compiles the kernels), then R timed\n"
@@ -65,6 +67,13 @@ static const char *usage_bench =
     "  --sinks              the random layer has attention sinks (clmha_layer_desc::sinks,\n"
     "                       zero logits as created). All three also with --backward and\n"
     "                       --decode\n"
+    "  --score-mod FILE.cl  the random layer has the user score and mask functions of this\n"
+    "                       OpenCL C file (clmha_layer_desc::mod_source; see clmha run\n"
+    "                       --help), to time them against the built-in variants; with\n"
+    "                       --backward it must define clmha_score_mod_grad when it defines\n"
+    "                       clmha_score_mod. Also with --decode\n"
+    "  --mod-params P.npy   their p: a 1-D float32 (or float64, float16) array; default:\n"
+    "                       none (p empty). Needs --score-mod\n"
     "\n";
 
 // The help's run options (C11 compilers need not take string literals past 4095 characters).
@@ -84,8 +93,8 @@ static const char *usage_bench_run =
     "                       src_len, embed_dim, num_heads, kdim, vdim, batch_first,\n"
     "                       need_weights, impl (the core used), attention (\"self\"/\"cross\"),\n"
     "                       repeat, is_causal, window_left, window_right (null without a\n"
-    "                       window), softcap (0: off), alibi, sinks, dtype (see --dtype\n"
-    "                       below),\n"
+    "                       window), softcap (0: off), alibi, sinks, score_mod (the\n"
+    "                       --score-mod file, null: none), dtype (see --dtype below),\n"
     "                       ms (median),\n"
     "                       ms_min, ms_max, flops, gflops, io_bytes, io_gbps, scratch_bytes,\n"
     "                       stages {name: ms}, host\n"
@@ -409,6 +418,7 @@ typedef struct bench_args {
     const char *batch_opt, *tgt_opt, *src_opt, *embed_opt, *heads_opt, *repeat_opt, *layer_path,
         *device, *impl_opt, *cache_opt, *kv_heads_opt, *dtype_opt, *prefix, *window_opt,
         *softcap_opt;
+    clmha__cli_mod mod;  // --score-mod, --mod-params
     bool need_weights, batch_first, json, backward, decode, host, causal, alibi, sinks;
     double softcap;  // --softcap (0: off)
     size_t batches[BENCH_MAX_LIST], tgts[BENCH_MAX_LIST], srcs[BENCH_MAX_LIST],
@@ -446,6 +456,8 @@ static bool parse_options(int argc, char **argv, bench_args *a, int *rc) {
         {.name = "--softcap", .value = &a->softcap_opt},
         {.name = "--alibi", .flag = &a->alibi},
         {.name = "--sinks", .flag = &a->sinks},
+        {.name = "--score-mod", .value = &a->mod.source_path},
+        {.name = "--mod-params", .value = &a->mod.params_path},
     };
     char usage[12288];
     snprintf(usage, sizeof usage, "%s%s%s%s%s%s", usage_bench, usage_bench_run,
@@ -512,9 +524,9 @@ static int parse_values(bench_args *a) {
         clmha__cli_report("bench", "%s",
                           a->decode ? (a->cache_opt ? "--decode takes --batch, --embed, "
                                                       "--heads, --batch-first, --window, "
-                                                      "--softcap, --alibi, --sinks, --repeat, "
-                                                      "--device "
-                                                      "and --json only"
+                                                      "--softcap, --alibi, --sinks, "
+                                                      "--score-mod, --mod-params, --repeat, "
+                                                      "--device and --json only"
                                                     : "--decode needs --cache-len")
                                     : "--cache-len goes with --decode");
         return EXIT_USAGE;
@@ -535,16 +547,20 @@ static int parse_values(bench_args *a) {
                                              &a->kv_heads, &one)))
         return rc;
     if (a->window_opt && (rc = parse_window(a->window_opt, a->window))) return rc;
-    if ((a->window_opt || a->softcap_opt || a->alibi || a->sinks) && a->layer_path) {
+    if ((a->window_opt || a->softcap_opt || a->alibi || a->sinks || a->mod.source_path) &&
+        a->layer_path) {
         clmha__cli_report("bench", "%s goes with a random layer (not --layer: a layer file has "
                                    "its own configuration)",
                           a->window_opt    ? "--window"
                           : a->softcap_opt ? "--softcap"
                           : a->alibi       ? "--alibi"
-                                           : "--sinks");
+                          : a->sinks       ? "--sinks"
+                                           : "--score-mod");
         return EXIT_USAGE;
     }
-    if (!clmha__cli_parse_softcap("bench", a->softcap_opt, &a->softcap)) return EXIT_USAGE;
+    if (!clmha__cli_parse_softcap("bench", a->softcap_opt, &a->softcap) ||
+        !clmha__cli_mod_options_ok("bench", &a->mod))
+        return EXIT_USAGE;
     return check_values(a);
 }
 
@@ -630,12 +646,12 @@ static void print_head(const clmha_context *ctx, const bench_config *cfg,
         snprintf(window, sizeof window, ", window (%lld, %lld)", (long long)d->window_left,
                  (long long)d->window_right);
     if (d->softcap > 0.0) snprintf(softcap, sizeof softcap, ", softcap %.9g", d->softcap);
-    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s%s%s%s (%s)\n",
+    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s%s%s%s%s%s (%s)\n",
            d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
            d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
            d->batch_first ? ", batch_first" : "", window, softcap, d->alibi ? ", alibi" : "",
-           d->sinks ? ", sinks" : "",
-           layer_path ? layer_path : "random");
+           d->sinks ? ", sinks" : "", cfg->score_mod_path ? ", score-mod " : "",
+           cfg->score_mod_path ? cfg->score_mod_path : "", layer_path ? layer_path : "random");
     print_tuning(ctx);
     fflush(stdout);
 }
@@ -675,7 +691,7 @@ int clmha__cli_bench(int argc, char **argv) {
                         .layer_heads = a.layer_path && a.heads_opt ? a.h : 0,
                         .need_weights = a.need_weights, .json = a.json, .host = a.host,
                         .causal = a.causal, .impl = a.impl,
-                        .repeat = a.repeat};
+                        .repeat = a.repeat, .score_mod_path = a.mod.source_path};
     cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
                                   .embed_dim = a.e, .num_heads = a.h, .kdim = a.e, .vdim = a.e,
                                   .bias = true, .batch_first = a.batch_first,
@@ -687,7 +703,11 @@ int clmha__cli_bench(int argc, char **argv) {
     double *times = NULL;
     clmha_context *ctx = NULL;
     rc = EXIT_REFUSED;
-    if (a.layer_path && !layer_file_opens(a.layer_path)) goto done;
+    if ((a.layer_path && !layer_file_opens(a.layer_path)) || !clmha__cli_mod_read("bench", &a.mod))
+        goto done;
+    cfg.desc.mod_source = a.mod.source;
+    cfg.desc.mod_params = a.mod.params;
+    cfg.desc.mod_params_count = a.mod.count;
     if (!(times = malloc((a.repeat ? a.repeat : 1) * sizeof *times))) {
         clmha__cli_report("bench", "out of host memory");
         goto done;
@@ -701,5 +721,6 @@ done:
     clmha_context_release(ctx);
     free(params);
     free(times);
+    clmha__cli_mod_free(&a.mod);
     return rc;
 }

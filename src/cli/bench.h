@@ -19,6 +19,7 @@ typedef struct bench_config {
     bool causal;              // --causal: is_causal (the window, --window, is in desc)
     clmha_impl impl;          // as given; the core used is in the result
     size_t repeat;
+    const char *score_mod_path;  // --score-mod (its source in desc.mod_source), or NULL
 } bench_config;
 
 // The inputs and outputs of one shape, on the device.

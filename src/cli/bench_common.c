@@ -69,8 +69,13 @@ void clmha__bench_json_head(const clmha_context *ctx, const bench_config *cfg, s
                (long long)d->window_right);
     else
         printf("\"window_left\": null, \"window_right\": null, ");
-    printf("\"softcap\": %.17g, \"alibi\": %s, \"sinks\": %s, ", d->softcap,
+    printf("\"softcap\": %.17g, \"alibi\": %s, \"sinks\": %s, \"score_mod\": ", d->softcap,
            d->alibi ? "true" : "false", d->sinks ? "true" : "false");
+    if (cfg->score_mod_path)
+        clmha__bench_json_string(cfg->score_mod_path);
+    else
+        printf("null");
+    printf(", ");
 }
 
 void clmha__bench_json_string(const char *s) {
@@ -180,9 +185,13 @@ clmha_layer *clmha__bench_layer(clmha_context *ctx, const bench_config *cfg) {
         (st = clmha_layer_set_parameter(layer, "in_proj_bias", cfg->b_in, e + 2 * kve)) ||
         (st = clmha_layer_set_parameter(layer, "out_proj.weight", cfg->w_out, e * e)) ||
         (st = clmha_layer_set_parameter(layer, "out_proj.bias", cfg->b_out, e))) {
-        clmha__cli_report("bench", "random layer (embed_dim %zu, num_heads %zu): %s: %s", e,
-                          cfg->desc.num_heads, clmha_status_string(st),
-                          clmha_context_last_error(ctx));
+        if (st == CLMHA_BUILD_FAILED && cfg->score_mod_path)
+            clmha__cli_report("bench", "--score-mod %s: the source does not compile: %s",
+                              cfg->score_mod_path, clmha_context_last_error(ctx));
+        else
+            clmha__cli_report("bench", "random layer (embed_dim %zu, num_heads %zu): %s: %s", e,
+                              cfg->desc.num_heads, clmha_status_string(st),
+                              clmha_context_last_error(ctx));
         clmha_layer_release(layer);
         return NULL;
     }

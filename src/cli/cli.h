@@ -105,6 +105,33 @@ bool clmha__cli_output_path_ok(const char *cmd, const char *flag, const char *pa
 // returns false.
 bool clmha__cli_grads_dir_ok(const char *cmd, const char *dir);
 
+// ---- user score and mask functions (--score-mod FILE.cl, --mod-params P.npy)
+
+// The longest --score-mod file read (an OpenCL C source; a bigger one is refused).
+#define CLMHA__CLI_MOD_MAX_BYTES (1u << 20)
+
+// User score and mask functions (clmha_layer_desc::mod_source, clmha_attention_args::
+// mod_source) from the command line: the OpenCL C file and the parameters p.
+typedef struct clmha__cli_mod {
+    const char *source_path;  // --score-mod (NULL: not given)
+    const char *params_path;  // --mod-params (NULL: not given, p empty)
+    char *source;             // the file's text, NUL-terminated (malloc'd); NULL without it
+    float *params;            // p (malloc'd); NULL without --mod-params or for 0 values
+    size_t count;             // floats in p
+} clmha__cli_mod;
+
+// --mod-params needs --score-mod. Reports a usage error and returns false.
+bool clmha__cli_mod_options_ok(const char *cmd, const clmha__cli_mod *m);
+
+// Reads m->source_path (a regular, non-empty text file of at most CLMHA__CLI_MOD_MAX_BYTES,
+// without NUL bytes) and m->params_path (a 1-D float .npy: float32, float16 or float64 values
+// rounded to float32), when given. Reports "clmha <cmd>: --score-mod <path>: ..." (or
+// --mod-params) and returns false when one is refused.
+bool clmha__cli_mod_read(const char *cmd, clmha__cli_mod *m);
+
+// Frees what clmha__cli_mod_read() read (the paths stay).
+void clmha__cli_mod_free(clmha__cli_mod *m);
+
 // ---- random numbers and time
 
 // splitmix64-based uniform numbers in [-1, 1).

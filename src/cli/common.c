@@ -1,5 +1,6 @@
 // What the commands of the `clmha` program share: messages on stderr, option parsing, opening
-// the device, output paths, random numbers and time (see cli.h).
+// the device, output paths, the user score and mask functions' files, random numbers and time
+// (see cli.h).
 #define _POSIX_C_SOURCE 200809L
 
 #include "cli.h"
@@ -14,7 +15,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "base/file_read.h"
 #include "base/file_write.h"
+#include "base/message.h"
+#include "npy.h"
 
 // ---- messages ---------------------------------------------------------------------------------
 
@@ -274,6 +278,88 @@ bool clmha__cli_grads_dir_ok(const char *cmd, const char *dir) {
     else
         return true;
     return false;
+}
+
+// ---- user score and mask functions -----------------------------------------------------------
+
+bool clmha__cli_mod_options_ok(const char *cmd, const clmha__cli_mod *m) {
+    if (m->params_path && !m->source_path) {
+        clmha__cli_report(cmd, "--mod-params needs --score-mod (the functions that read p)");
+        return false;
+    }
+    return true;
+}
+
+// --score-mod: the whole file as text. Reports and returns false.
+static bool mod_source_read(const char *cmd, clmha__cli_mod *m) {
+    const char *path = m->source_path;
+    unsigned char *bytes = NULL;
+    size_t size = 0;
+    char msg[1024] = "";
+    if (clmha__file_read_whole(path, CLMHA__CLI_MOD_MAX_BYTES, &bytes, &size, NULL, msg,
+                               sizeof msg) != CLMHA_SUCCESS) {
+        clmha__cli_report(cmd, "--score-mod %s: %s", path,
+                          msg[0] ? clmha__cli_without_path(msg, path) : "cannot read the file");
+        return false;
+    }
+    const unsigned char *nul = memchr(bytes, 0, size);
+    const char *why = size == 0 ? "the file is empty; it must define clmha_score_mod, "
+                                  "clmha_score_mod_grad or clmha_mask_mod in OpenCL C"
+                      : nul     ? "the file holds a NUL byte: an OpenCL C source is text"
+                                : NULL;
+    if (why) {
+        clmha__cli_report(cmd, "--score-mod %s: %s", path, why);
+        free(bytes);
+        return false;
+    }
+    m->source = (char *)bytes;  // (NUL-terminated by clmha__file_read_whole)
+    return true;
+}
+
+// --mod-params: a 1-D float array, as floats. Reports and returns false.
+static bool mod_params_read(const char *cmd, clmha__cli_mod *m) {
+    const char *path = m->params_path;
+    clmha__npy a = {0};
+    char msg[1024] = "", shape[160];
+    if (clmha__npy_read(path, &a, msg, sizeof msg) != CLMHA_SUCCESS) {
+        clmha__cli_report(cmd, "--mod-params %s: %s", path,
+                          msg[0] ? clmha__cli_without_path(msg, path) : "cannot read the file");
+        return false;
+    }
+    bool ok = false;
+    if (a.kind != CLMHA__NPY_FLOAT)
+        clmha__cli_report(cmd, "--mod-params %s: dtype '%s' is not a float type; p must be "
+                          "float32 (or float64, float16)", path, a.dtype);
+    else if (a.ndim != 1)
+        clmha__cli_report(cmd, "--mod-params %s: a %zu-D array %s; p takes 1 dimension (count)",
+                          path, a.ndim,
+                          clmha__shape_str_most(shape, sizeof shape, a.ndim, a.shape,
+                                                CLMHA__NPY_MAX_DIMS));
+    else if (a.overflowed)
+        clmha__cli_report(cmd, "--mod-params %s: %zu float64 value%s beyond float32's range "
+                          "(p is float32)", path, a.overflowed, a.overflowed == 1 ? "" : "s");
+    else
+        ok = true;
+    if (ok && a.count) {
+        m->params = a.f32;  // (taken over: not freed below)
+        a.f32 = NULL;
+    }
+    m->count = ok ? a.count : 0;
+    clmha__npy_free(&a);
+    return ok;
+}
+
+bool clmha__cli_mod_read(const char *cmd, clmha__cli_mod *m) {
+    return (!m->source_path || mod_source_read(cmd, m)) &&
+           (!m->params_path || mod_params_read(cmd, m));
+}
+
+void clmha__cli_mod_free(clmha__cli_mod *m) {
+    free(m->source);
+    free(m->params);
+    m->source = NULL;
+    m->params = NULL;
+    m->count = 0;
 }
 
 // ---- random numbers and time ------------------------------------------------------------------

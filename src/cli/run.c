@@ -68,6 +68,25 @@ static const char *const usage_run[] = {
     "  --seed S, --offset O      the dropout stream's key and offset (default 0); need\n"
     "                            --training\n"
     "\n",
+    "user score and mask functions (FlexAttention's score_mod and mask_mod):\n"
+    "  --score-mod FILE.cl       OpenCL C source compiled into the attention kernels\n"
+    "                            (clmha_layer_desc::mod_source), defining any of\n"
+    "                              clmha_real clmha_score_mod(clmha_real s, int b, int h,\n"
+    "                                                         int q, int k,\n"
+    "                                                         __global const float *p)\n"
+    "                              clmha_real clmha_score_mod_grad(the same arguments)\n"
+    "                              int clmha_mask_mod(int b, int h, int q, int k,\n"
+    "                                                 __global const float *p)\n"
+    "                            for batch item b, head h, query row q and key k (the keys\n"
+    "                            of add_bias_kv/add_zero_attn go through neither): the new\n"
+    "                            score (after --softcap and ALiBi, before the masks), its\n"
+    "                            derivative in s (the gradients need it), non-zero where q\n"
+    "                            may attend k. clmha_real is float (double with --dtype\n"
+    "                            f64). A source that does not compile is refused with the\n"
+    "                            build log\n"
+    "  --mod-params P.npy        p: a 1-D float32 (or float64, float16) array of any length;\n"
+    "                            default: none (p empty). Needs --score-mod\n"
+    "\n",
     "outputs:\n"
     "  --need-weights            also compute the attention weights\n"
     "  --per-head-weights        weights per head (N, H, L, S') instead of averaged over\n"
@@ -125,8 +144,8 @@ static const char *const usage_run[] = {
     "                            with the first call and the later calls attend only. Either\n"
     "                            way the output is the one-shot forward's. Not with masks,\n"
     "                            weights, --heatmap, --training, gradients, --impl or\n"
-    "                            --dtype f64; with a sliding window or ALiBi, --is-causal\n"
-    "                            only\n"
+    "                            --dtype f64; with a sliding window, ALiBi or --score-mod,\n"
+    "                            --is-causal only\n"
     "\n"
     "precision:\n"
     "  --dtype T                 the layer's dtype (PyTorch's dtype=): f32 (default), f64,\n"
@@ -397,10 +416,11 @@ typedef struct run_opts {
     bool f64;  // a float64 layer: inputs read and results written as doubles
     clmha_load_options load;
     clmha__cli_window window;  // --window (on: replaces the layer file's)
+    clmha__cli_mod mod;        // --score-mod, --mod-params (source: added to the layer)
     uint64_t chunk;          // --decode-chunk (0: one call)
     uint64_t heatmap_batch;  // --heatmap-batch
     clmha_dropout_rng rng;
-    clmha__cli_in named_in[IN_COUNT + 1];  // --layer and the .npy inputs
+    clmha__cli_in named_in[IN_COUNT + 3];  // --layer, the .npy inputs, --score-mod, --mod-params
     clmha__cli_out outs[3 + CLMHA__CLI_MAX_GRADS];
     size_t num_outs;  // the output, the weights and the heatmap; the gradients join later
 } run_opts;
@@ -438,6 +458,8 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         {.name = "--window", .value = &o->window_opt},
         {.name = "--softcap", .value = &o->softcap_opt},
         {.name = "--alibi", .flag = &o->alibi},
+        {.name = "--score-mod", .value = &o->mod.source_path},
+        {.name = "--mod-params", .value = &o->mod.params_path},
         {.name = "--impl", .value = &o->impl_opt},
         {.name = "--need-weights", .flag = &o->need_weights},
         {.name = "--per-head-weights", .flag = &o->per_head},
@@ -455,7 +477,7 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         {.name = "--decode-chunk", .value = &o->chunk_opt},
         {.name = "--dtype", .value = &o->dtype_opt},
     };
-    char usage[3 * 4096] = "";  // room for the parts (each under 4095 bytes, 9.2 KB in all)
+    char usage[3 * 4096] = "";  // room for the parts (each under 4095 bytes, 10.7 KB in all)
     for (size_t i = 0; i < sizeof usage_run / sizeof usage_run[0]; ++i)
         strncat(usage, usage_run[i], sizeof usage - strlen(usage) - 1);
     if (!clmha__cli_parse_options("run", argc, argv, opts, sizeof opts / sizeof opts[0], usage,
@@ -532,13 +554,15 @@ static bool check_options(run_opts *o) {
     o->named_in[0] = (clmha__cli_in){"--layer", o->layer_path};
     for (int i = 0; i < IN_COUNT; ++i)
         o->named_in[i + 1] = (clmha__cli_in){o->in[i].flag, o->in[i].path};
+    o->named_in[IN_COUNT + 1] = (clmha__cli_in){"--score-mod", o->mod.source_path};
+    o->named_in[IN_COUNT + 2] = (clmha__cli_in){"--mod-params", o->mod.params_path};
     if (o->output_path)
         o->outs[o->num_outs++] = (clmha__cli_out){.flag = "--output", .path = o->output_path};
     if (o->weights_path)
         o->outs[o->num_outs++] =
             (clmha__cli_out){.flag = "--weights-output", .path = o->weights_path};
     if (o->heatmap) o->outs[o->num_outs++] = (clmha__cli_out){.flag = "--heatmap", .path = o->heatmap};
-    if (!clmha__cli_outputs_distinct("run", o->outs, o->num_outs, o->named_in, IN_COUNT + 1))
+    if (!clmha__cli_outputs_distinct("run", o->outs, o->num_outs, o->named_in, IN_COUNT + 3))
         return false;
     if (o->weights_path || o->per_head) o->need_weights = true;
     if (!clmha__cli_parse_impl("run", o->impl_opt, o->need_weights || o->heatmap,
@@ -547,7 +571,8 @@ static bool check_options(run_opts *o) {
                                &o->impl) ||
         !clmha__cli_parse_dtype("run", o->dtype_opt, &o->dtype) ||
         !clmha__cli_parse_window("run", o->window_opt, &o->window) ||
-        !clmha__cli_parse_softcap("run", o->softcap_opt, &o->softcap))
+        !clmha__cli_parse_softcap("run", o->softcap_opt, &o->softcap) ||
+        !clmha__cli_mod_options_ok("run", &o->mod))
         return false;
     o->f64 = o->dtype == CLMHA_DTYPE_F64;
     if (!parse_load_options(o)) return false;
@@ -588,7 +613,7 @@ static bool read_files(run_opts *o) {
     fclose(f);
     for (int i = 0; i < IN_COUNT; ++i)
         if (o->in[i].path && !read_input(&o->in[i], o->f64)) return false;
-    return true;
+    return clmha__cli_mod_read("run", &o->mod);
 }
 
 // The layer's parameters copied into @p to (a layer of the same shapes and dtype): doubles for
@@ -620,9 +645,21 @@ static clmha_status copy_parameters(clmha_layer *from, clmha_layer *to, bool f64
     return st;
 }
 
-// --window, --softcap, --alibi: the layer again with that window, softcap and ALiBi in place of
-// the file's (they are part of a layer's descriptor), its parameters copied (alibi_slopes too
-// when the file's layer has them).
+// The options that make the layer again, as given ("--window 2,0 --alibi"), into @p buf.
+static const char *redesc_flags(const run_opts *o, char *buf, size_t size) {
+    snprintf(buf, size, "%s%s%s%s%s%s%s%s%s", o->window_opt ? " --window " : "",
+             o->window_opt ? o->window_opt : "", o->softcap_opt ? " --softcap " : "",
+             o->softcap_opt ? o->softcap_opt : "", o->alibi ? " --alibi" : "",
+             o->mod.source_path ? " --score-mod " : "",
+             o->mod.source_path ? o->mod.source_path : "",
+             o->mod.params_path ? " --mod-params " : "",
+             o->mod.params_path ? o->mod.params_path : "");
+    return buf + (buf[0] == ' ');
+}
+
+// --window, --softcap, --alibi, --score-mod: the layer again with that window, softcap, ALiBi
+// and those user functions in place of the file's (they are part of a layer's descriptor), its
+// parameters copied (alibi_slopes too when the file's layer has them).
 static bool redesc_layer(const run_opts *o, run_state *s) {
     clmha_layer_desc d = s->desc;
     if (o->window.on) {
@@ -632,17 +669,22 @@ static bool redesc_layer(const run_opts *o, run_state *s) {
     }
     if (o->softcap_opt) d.softcap = o->softcap;
     if (o->alibi) d.alibi = true;
+    if (o->mod.source) {
+        d.mod_source = o->mod.source;
+        d.mod_params = o->mod.params;
+        d.mod_params_count = o->mod.count;
+    }
     clmha_layer *layer = NULL;
     bool no_memory = false;
     clmha_status st = clmha_layer_create(&layer, s->ctx, &d);
     if (!st) st = copy_parameters(s->layer, layer, o->f64, &no_memory);
     if (st) {
-        clmha__cli_report("run", "%s%s%s%s%s%s: %s", o->window_opt ? "--window " : "",
-                          o->window_opt ? o->window_opt : "",
-                          o->softcap_opt ? (o->window_opt ? " --softcap " : "--softcap ") : "",
-                          o->softcap_opt ? o->softcap_opt : "",
-                          o->alibi && (o->window_opt || o->softcap_opt) ? " " : "",
-                          o->alibi ? "--alibi" : "",
+        char flags[4096];
+        // (A source that does not compile: the message holds the build log.)
+        clmha__cli_report("run", "%s: %s%s", redesc_flags(o, flags, sizeof flags),
+                          st == CLMHA_BUILD_FAILED && o->mod.source
+                              ? "the source does not compile: "
+                              : "",
                           no_memory ? "out of host memory" : clmha_context_last_error(s->ctx));
         clmha_layer_release(layer);
         return false;
@@ -668,18 +710,22 @@ static bool open_layer(const run_opts *o, run_state *s) {
                           clmha_context_last_error(s->ctx));
         return false;
     }
-    if ((o->window.on || o->softcap_opt || o->alibi) && !redesc_layer(o, s)) return false;
+    if ((o->window.on || o->softcap_opt || o->alibi || o->mod.source) && !redesc_layer(o, s))
+        return false;
     // The calls after the first one of a KV cache that holds the whole key put their queries
-    // at the cache's end, not at their rows: with a window or ALiBi (which see the queries'
-    // positions) that is not the one-shot call.
+    // at the cache's end, not at their rows: with a window, ALiBi or user functions (which see
+    // the queries' positions) that is not the one-shot call.
     bool windowed = s->desc.window && (s->desc.window_left >= 0 || s->desc.window_right >= 0);
-    if (o->chunk && (windowed || s->desc.alibi) && !o->is_causal) {
+    if (o->chunk && (windowed || s->desc.alibi || o->mod.source) && !o->is_causal) {
         clmha__cli_report("run", "--decode-chunk without --is-causal does not go with %s (%s): "
                           "the later calls' queries would sit at the end of the cache, not at "
                           "their rows",
-                          windowed ? "a sliding window" : "ALiBi",
+                          windowed          ? "a sliding window"
+                          : s->desc.alibi   ? "ALiBi"
+                                            : "user functions",
                           windowed ? (o->window.on ? "--window" : "the layer file's window")
-                                   : (o->alibi ? "--alibi" : "the layer file's alibi"));
+                          : s->desc.alibi ? (o->alibi ? "--alibi" : "the layer file's alibi")
+                                          : "--score-mod");
         return false;
     }
     return true;
@@ -768,7 +814,7 @@ static bool plan_grads(run_opts *o, run_state *s, int *rc) {
     for (size_t i = 0; i < s->grads.count; ++i)
         if (!clmha__cli_output_path_ok("run", "--grads-dir", s->grads.file[i].path)) return false;
     size_t all = o->num_outs + clmha__cli_grads_outputs(&s->grads, o->outs + o->num_outs);
-    if (!clmha__cli_outputs_distinct("run", o->outs, all, o->named_in, IN_COUNT + 1)) {
+    if (!clmha__cli_outputs_distinct("run", o->outs, all, o->named_in, IN_COUNT + 3)) {
         *rc = EXIT_USAGE;
         return false;
     }
@@ -907,11 +953,12 @@ static void print_summary(const run_opts *o, const run_state *s) {
         snprintf(window, sizeof window, ", window %lld,%lld", (long long)d->window_left,
                  (long long)d->window_right);
     if (d->softcap > 0.0) snprintf(softcap, sizeof softcap, ", softcap %.9g", d->softcap);
-    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s%s%s%s\n",
+    printf("layer:   embed_dim %zu, num_heads %zu, kdim %zu, vdim %zu%s%s%s%s%s%s%s%s%s%s\n",
            d->embed_dim, d->num_heads, d->kdim, d->vdim, d->bias ? ", bias" : "",
            d->add_bias_kv ? ", add_bias_kv" : "", d->add_zero_attn ? ", add_zero_attn" : "",
            d->batch_first ? ", batch_first" : "", window, softcap, d->alibi ? ", alibi" : "",
-           d->sinks ? ", sinks" : "");
+           d->sinks ? ", sinks" : "", o->mod.source_path ? ", score-mod " : "",
+           o->mod.source_path ? o->mod.source_path : "");
     printf("query:   %s%s\n", clmha__shape_str(sh, sizeof sh, q->ndim, q->shape),
            q->ndim == 3 ? (d->batch_first ? " (N, L, E)" : " (L, N, E)") : " (L, E) unbatched");
     if (show_y) print_values("output:", (values){s->y, s->y64}, s->y_count, q->ndim, q->shape, "");
@@ -954,5 +1001,6 @@ done:
     clmha_layer_release(s.layer);
     clmha_context_release(s.ctx);
     for (int i = 0; i < IN_COUNT; ++i) clmha__npy_free(&o.in[i].a);
+    clmha__cli_mod_free(&o.mod);
     return rc;
 }

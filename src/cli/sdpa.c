@@ -59,7 +59,18 @@ static const char *const usage_sdpa[] = {
     "                            paper's geometric slopes (2^(-8(h+1)/H) for H a power of 2)\n"
     "  --sinks S.npy             attention sinks (gpt-oss's): (H) float32, one logit per query\n"
     "                            head added to every row's softmax denominator, with no value\n"
-    "                            (a row's weights sum below 1; the log-sum-exp includes it)\n"
+    "                            (a row's weights sum below 1; the log-sum-exp includes it)\n",
+    "  --score-mod FILE.cl       user score and mask functions (FlexAttention's score_mod\n"
+    "                            and mask_mod), OpenCL C compiled into the kernels\n"
+    "                            (clmha_attention_args::mod_source): clmha_score_mod(s, b,\n"
+    "                            h, q, k, p) the new score (after --softcap and --alibi,\n"
+    "                            before the mask), clmha_score_mod_grad(s, b, h, q, k, p) its\n"
+    "                            derivative in s (the gradients need it), clmha_mask_mod(b,\n"
+    "                            h, q, k, p) non-zero where query q may attend key k; h is\n"
+    "                            the query head (see clmha run --help for the signatures).\n"
+    "                            A source that does not compile is refused with the build log\n"
+    "  --mod-params P.npy        their p: a 1-D float32 (or float64, float16) array; default:\n"
+    "                            none (p empty). Needs --score-mod\n"
     "  --scale S                 the factor of the scores (default 1/sqrt(D)): a finite,\n"
     "                            non-zero number\n"
     "  --enable-gqa              grouped-query attention: H_kv may divide H (query head h\n"
@@ -153,6 +164,7 @@ typedef struct sdpa_opts {
     const char *kv_prefix_opt;  // --kv-cache-prefix
     const char *window_opt, *softcap_opt;
     clmha__cli_window window;   // --window
+    clmha__cli_mod mod;         // --score-mod, --mod-params
     double softcap;             // --softcap (0: off)
     bool is_causal, enable_gqa, alibi;
     uint64_t kv_prefix;         // P; 0: one call
@@ -161,7 +173,7 @@ typedef struct sdpa_opts {
     clmha_attention_layout layout;
     clmha_impl impl;
     clmha_dropout_rng rng;
-    clmha__cli_in named_in[IN_COUNT];
+    clmha__cli_in named_in[IN_COUNT + 2];  // the .npy inputs, --score-mod, --mod-params
     clmha__cli_out outs[3 + CLMHA__CLI_MAX_GRADS];
     size_t num_outs;  // the output, the log-sum-exp and the weights; the gradients join later
 } sdpa_opts;
@@ -175,6 +187,7 @@ typedef struct sdpa_state {
     float *y, *lse, *w;
     clmha__cli_grads grads;  // query, key, value, attn_mask (float masks), sinks
     size_t calls;            // forward calls that ran
+    const char *mod_path;    // --score-mod (NULL: none), for a build failure's report
 } sdpa_state;
 
 // ---- the command line --------------------------------------------------------------------------
@@ -193,6 +206,8 @@ static bool parse_command_line(int argc, char **argv, sdpa_opts *o, int *rc) {
         {.name = "--alibi", .flag = &o->alibi},
         {.name = "--alibi-slopes", .value = &o->in[IN_SLOPES].path},
         {.name = "--sinks", .value = &o->in[IN_SINKS].path},
+        {.name = "--score-mod", .value = &o->mod.source_path},
+        {.name = "--mod-params", .value = &o->mod.params_path},
         {.name = "--scale", .value = &o->scale_opt},
         {.name = "--enable-gqa", .flag = &o->enable_gqa},
         {.name = "--layout", .value = &o->layout_opt},
@@ -208,7 +223,7 @@ static bool parse_command_line(int argc, char **argv, sdpa_opts *o, int *rc) {
         {.name = "--kv-cache-prefix", .value = &o->kv_prefix_opt},
         {.name = "--device", .value = &o->device, .allow_empty = true},
     };
-    char usage[3 * 4096] = "";  // room for the three parts (each under 4095 bytes)
+    char usage[4 * 4096] = "";  // room for the four parts (each under 4095 bytes)
     for (size_t i = 0; i < sizeof usage_sdpa / sizeof usage_sdpa[0]; ++i)
         strncat(usage, usage_sdpa[i], sizeof usage - strlen(usage) - 1);
     if (!clmha__cli_parse_options("sdpa", argc, argv, opts, sizeof opts / sizeof opts[0], usage,
@@ -318,12 +333,14 @@ static bool kv_options_agree(sdpa_opts *o) {
 static bool check_options(sdpa_opts *o) {
     for (int i = 0; i < IN_COUNT; ++i)
         o->named_in[i] = (clmha__cli_in){o->in[i].flag, o->in[i].path};
+    o->named_in[IN_COUNT] = (clmha__cli_in){"--score-mod", o->mod.source_path};
+    o->named_in[IN_COUNT + 1] = (clmha__cli_in){"--mod-params", o->mod.params_path};
     const char *flags[3] = {"--output", "--lse-output", "--weights-output"};
     const char *paths[3] = {o->output_path, o->lse_path, o->weights_path};
     for (int i = 0; i < 3; ++i)
         if (paths[i])
             o->outs[o->num_outs++] = (clmha__cli_out){.flag = flags[i], .path = paths[i]};
-    if (!clmha__cli_outputs_distinct("sdpa", o->outs, o->num_outs, o->named_in, IN_COUNT))
+    if (!clmha__cli_outputs_distinct("sdpa", o->outs, o->num_outs, o->named_in, IN_COUNT + 2))
         return false;
     o->layout = CLMHA_LAYOUT_NHLD;
     if (o->layout_opt && strcmp(o->layout_opt, "nlhd") == 0) {
@@ -336,7 +353,7 @@ static bool check_options(sdpa_opts *o) {
                                  "--weights-output", &o->impl) &&
            clmha__cli_parse_window("sdpa", o->window_opt, &o->window) &&
            clmha__cli_parse_softcap("sdpa", o->softcap_opt, &o->softcap) && parse_numbers(o) &&
-           options_agree(o) && kv_options_agree(o);
+           options_agree(o) && kv_options_agree(o) && clmha__cli_mod_options_ok("sdpa", &o->mod);
 }
 
 // ---- the files ---------------------------------------------------------------------------------
@@ -380,7 +397,7 @@ static bool read_files(sdpa_opts *o) {
     if (o->grads_dir && !clmha__cli_grads_dir_ok("sdpa", o->grads_dir)) return false;
     for (int i = 0; i < IN_COUNT; ++i)
         if (o->in[i].path && !read_input(&o->in[i])) return false;
-    return true;
+    return clmha__cli_mod_read("sdpa", &o->mod);
 }
 
 // The axis of the tokens of a 3-D or 4-D query, key, value or output in @p layout.
@@ -426,8 +443,55 @@ static const sdpa_input *input_culprit(const char *msg, const sdpa_opts *o) {
     return &o->in[IN_QUERY];
 }
 
+// The score variants of the call's arguments, each checked so that a refusal names its option:
+// the window, soft-capping, ALiBi, the sinks, the user functions.
+static bool variant_args(const sdpa_opts *o, sdpa_state *s) {
+    const sdpa_input *in = o->in;
+    clmha_attention_args *a = &s->args;
+    a->window = o->window.on;
+    a->window_left = o->window.left;
+    a->window_right = o->window.right;
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "--window %s: %s", o->window_opt,
+                          clmha_context_last_error(s->ctx));
+        return false;
+    }
+    a->softcap = o->softcap;
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "--softcap %s: %s", o->softcap_opt,
+                          clmha_context_last_error(s->ctx));
+        return false;
+    }
+    a->alibi = o->alibi;
+    if (in[IN_SLOPES].path) a->alibi_slopes = tensor_of(&in[IN_SLOPES].a);
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "%s%s: %s", in[IN_SLOPES].path ? "--alibi-slopes " : "--alibi",
+                          in[IN_SLOPES].path ? in[IN_SLOPES].path : "",
+                          clmha_context_last_error(s->ctx));
+        return false;
+    }
+    if (in[IN_SINKS].path) a->sinks = tensor_of(&in[IN_SINKS].a);
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "--sinks %s: %s", in[IN_SINKS].path,
+                          clmha_context_last_error(s->ctx));
+        return false;
+    }
+    a->mod_source = o->mod.source;
+    s->mod_path = o->mod.source_path;
+    if (o->mod.params)
+        a->mod_params = (clmha_tensor){.ndim = 1, .shape = {o->mod.count}, .data = o->mod.params};
+    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
+        clmha__cli_report("sdpa", "%s%s: %s", o->mod.params_path ? "--mod-params " : "--score-mod ",
+                          o->mod.params_path ? o->mod.params_path : o->mod.source_path,
+                          clmha_context_last_error(s->ctx));
+        return false;
+    }
+    return true;
+}
+
 // The call's arguments, checked in steps so that a refusal names its file or option: the
-// tensors, then the mask and is_causal, then the other options; then the result counts.
+// tensors, then the mask and is_causal, then the score variants (variant_args()), then the
+// other options; then the result counts.
 static bool build_args(const sdpa_opts *o, sdpa_state *s) {
     const sdpa_input *in = o->in;
     clmha_attention_args *a = &s->args;
@@ -461,34 +525,7 @@ static bool build_args(const sdpa_opts *o, sdpa_state *s) {
                           clmha_context_last_error(s->ctx));
         return false;
     }
-    a->window = o->window.on;
-    a->window_left = o->window.left;
-    a->window_right = o->window.right;
-    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
-        clmha__cli_report("sdpa", "--window %s: %s", o->window_opt,
-                          clmha_context_last_error(s->ctx));
-        return false;
-    }
-    a->softcap = o->softcap;
-    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
-        clmha__cli_report("sdpa", "--softcap %s: %s", o->softcap_opt,
-                          clmha_context_last_error(s->ctx));
-        return false;
-    }
-    a->alibi = o->alibi;
-    if (in[IN_SLOPES].path) a->alibi_slopes = tensor_of(&in[IN_SLOPES].a);
-    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
-        clmha__cli_report("sdpa", "%s%s: %s", in[IN_SLOPES].path ? "--alibi-slopes " : "--alibi",
-                          in[IN_SLOPES].path ? in[IN_SLOPES].path : "",
-                          clmha_context_last_error(s->ctx));
-        return false;
-    }
-    if (in[IN_SINKS].path) a->sinks = tensor_of(&in[IN_SINKS].a);
-    if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
-        clmha__cli_report("sdpa", "--sinks %s: %s", in[IN_SINKS].path,
-                          clmha_context_last_error(s->ctx));
-        return false;
-    }
+    if (!variant_args(o, s)) return false;
     a->scale = o->scale;
     a->dropout_p = o->dropout_p;
     a->rng = o->rng;
@@ -552,16 +589,24 @@ static bool plan_grads(sdpa_opts *o, sdpa_state *s, int *rc) {
         if (!clmha__cli_output_path_ok("sdpa", "--grads-dir", s->grads.file[i].path))
             return false;
     size_t all = o->num_outs + clmha__cli_grads_outputs(&s->grads, o->outs + o->num_outs);
-    if (!clmha__cli_outputs_distinct("sdpa", o->outs, all, o->named_in, IN_COUNT)) {
+    if (!clmha__cli_outputs_distinct("sdpa", o->outs, all, o->named_in, IN_COUNT + 2)) {
         *rc = EXIT_USAGE;
         return false;
     }
     return true;
 }
 
+// Reports a failed call; a user source that does not compile (the kernels are built on the
+// first call) is named, with the build log the message holds.
 static bool call_failed(const sdpa_state *s, const char *what, clmha_status st) {
-    clmha__cli_report("sdpa", "%s failed on %s: %s: %s", what, clmha_context_device_name(s->ctx),
-                      clmha_status_string(st), clmha_context_last_error(s->ctx));
+    if (st == CLMHA_BUILD_FAILED && s->mod_path)
+        clmha__cli_report("sdpa", "--score-mod %s: the source does not compile (%s on %s): %s",
+                          s->mod_path, what, clmha_context_device_name(s->ctx),
+                          clmha_context_last_error(s->ctx));
+    else
+        clmha__cli_report("sdpa", "%s failed on %s: %s: %s", what,
+                          clmha_context_device_name(s->ctx), clmha_status_string(st),
+                          clmha_context_last_error(s->ctx));
     return false;
 }
 
@@ -657,8 +702,8 @@ static float *grad_data(const sdpa_state *s, const char *name) {
 }
 
 // The device buffers of backward_on_device(): the inputs, then the results and gradients.
-enum { DEV_Q, DEV_K, DEV_V, DEV_MASK, DEV_SINKS, DEV_GRAD_OUT, DEV_OUT, DEV_LSE, DEV_GQ, DEV_GK,
-       DEV_GV, DEV_GMASK, DEV_GSINKS, DEV_COUNT };
+enum { DEV_Q, DEV_K, DEV_V, DEV_MASK, DEV_SINKS, DEV_MOD, DEV_GRAD_OUT, DEV_OUT, DEV_LSE, DEV_GQ,
+       DEV_GK, DEV_GV, DEV_GMASK, DEV_GSINKS, DEV_COUNT };
 
 // The backward pass with --sinks, on device buffers: clmha_attention_backward_host() gives no
 // sinks gradient, and clmha_attention_backward() needs the forward's log-sum-exp rows for it,
@@ -677,7 +722,7 @@ static bool backward_on_device(const sdpa_opts *o, sdpa_state *s) {
     const void *host[DEV_COUNT] = {
         [DEV_Q] = a.query.data, [DEV_K] = a.key.data, [DEV_V] = a.value.data,
         [DEV_MASK] = a.attn_mask.tensor.data, [DEV_SINKS] = a.sinks.data,
-        [DEV_GRAD_OUT] = o->in[IN_GRAD_OUT].a.f32};
+        [DEV_MOD] = a.mod_params.data, [DEV_GRAD_OUT] = o->in[IN_GRAD_OUT].a.f32};
     float *dst[DEV_COUNT] = {[DEV_GQ] = grad_data(s, "query"), [DEV_GK] = grad_data(s, "key"),
                              [DEV_GV] = grad_data(s, "value"),
                              [DEV_GMASK] = grad_data(s, "attn_mask"),
@@ -687,6 +732,7 @@ static bool backward_on_device(const sdpa_opts *o, sdpa_state *s) {
         [DEV_K] = o->in[IN_KEY].a.count * sizeof(float),
         [DEV_V] = o->in[IN_VALUE].a.count * sizeof(float),
         [DEV_MASK] = mask_bytes, [DEV_SINKS] = h * sizeof(float),
+        [DEV_MOD] = a.mod_params.ndim ? o->mod.count * sizeof(float) : 0,
         [DEV_GRAD_OUT] = s->y_count * sizeof(float), [DEV_OUT] = s->y_count * sizeof(float),
         [DEV_LSE] = s->lse_count * sizeof(float)};
     bytes[DEV_GQ] = bytes[DEV_Q], bytes[DEV_GK] = bytes[DEV_K], bytes[DEV_GV] = bytes[DEV_V];
@@ -702,8 +748,9 @@ static bool backward_on_device(const sdpa_opts *o, sdpa_state *s) {
     if (!ok)
         clmha__cli_report("sdpa", "backward pass failed on %s: clCreateBuffer: OpenCL error %d",
                           clmha_context_device_name(s->ctx), (int)err);
-    clmha_tensor *t[5] = {&a.query, &a.key, &a.value, &a.attn_mask.tensor, &a.sinks};
-    for (int i = 0; i < 5; ++i) t[i]->buffer = buf[i], t[i]->offset = 0;
+    clmha_tensor *t[6] = {&a.query, &a.key,   &a.value,
+                          &a.attn_mask.tensor, &a.sinks, &a.mod_params};
+    for (int i = 0; i < 6; ++i) t[i]->buffer = buf[i], t[i]->offset = 0;
     clmha_attention_backward_args b = {
         .struct_size = sizeof b, .forward = &a, .output = buf[DEV_OUT], .lse = buf[DEV_LSE],
         .grad_output = buf[DEV_GRAD_OUT], .grad_query = buf[DEV_GQ], .grad_key = buf[DEV_GK],
@@ -833,5 +880,6 @@ done:
     clmha__cli_grads_free(&s.grads);
     clmha_context_release(s.ctx);
     for (int i = 0; i < IN_COUNT; ++i) clmha__npy_free(&o.in[i].a);
+    clmha__cli_mod_free(&o.mod);
     return rc;
 }

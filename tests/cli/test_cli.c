@@ -19,6 +19,11 @@
 //     usage errors; bench's JSON line names them;
 //   - attention sinks (a layer file's tensor sinks, sdpa's --sinks, bench's --sinks) likewise,
 //     their gradient (sinks.npy) with the others; a wrongly shaped sinks file is refused;
+//   - user score and mask functions (--score-mod FILE.cl, --mod-params P.npy): ALiBi and
+//     is_causal written as functions give the PyTorch results of the ALiBi and causal cases (run:
+//     both cores, gradients, --decode-chunk; sdpa: gradients, sinks, a KV cache); unreadable
+//     files, sources that do not compile (the build log in the message) and a backward pass
+//     without clmha_score_mod_grad are refused; bench's JSON line names the file;
 //   - --dtype f64: '<f8' files in and out, against the float64 reference and every PyTorch case
 //     (max abs error <= 1e-12), doubles no float holds kept bit for bit; what float64 layers
 //     lack yet (KV cache, backward) refused as usage errors; `clmha bench --dtype f64`;
@@ -1654,6 +1659,9 @@ Test(cli_help, every_command) {
     EXPECT_HELP("[--softcap C] [--alibi] [--sinks]", "bench", "--help");
     EXPECT_HELP("--sinks S.npy", "sdpa", "--help");
     EXPECT_HELP("bias_k, bias_v (1, 1, E), sinks (H)", "run", "--help");
+    EXPECT_HELP("--score-mod FILE.cl", "run", "--help");
+    EXPECT_HELP("--mod-params P.npy", "sdpa", "--help");
+    EXPECT_HELP("[--score-mod FILE.cl [--mod-params P.npy]]", "bench", "--help");
     EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "run", "--help");
     EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "sdpa", "--help");
 }
@@ -3229,4 +3237,348 @@ Test(cli_sdpa, kv_cache_decode_equals_one_shot) {
                 "--key", in[1], "--value", tmp_file(&d, "v6.npy"), "--enable-gqa",
                 "--kv-cache-prefix", "4", "--output", tmp_file(&d, "o.npy"));
     tmp_remove(&d);
+}
+
+// ---- user score and mask functions (--score-mod FILE.cl, --mod-params P.npy) -------------------
+
+// ALiBi as a user score function, p the slopes (the terms clmha's built-in ALiBi adds, after
+// soft-capping, on the real keys only), with its derivative; and is_causal as a mask function.
+static const char mod_alibi[] =
+    "clmha_real clmha_score_mod(clmha_real s, int b, int h, int q, int k,\n"
+    "                           __global const float *p) {\n"
+    "    return s - p[h] * fabs((float)(q - k));\n"
+    "}\n"
+    "clmha_real clmha_score_mod_grad(clmha_real s, int b, int h, int q, int k,\n"
+    "                                __global const float *p) {\n"
+    "    return 1;\n"
+    "}\n";
+static const char mod_alibi_no_grad[] =
+    "clmha_real clmha_score_mod(clmha_real s, int b, int h, int q, int k,\n"
+    "                           __global const float *p) {\n"
+    "    return s - p[h] * fabs((float)(q - k));\n"
+    "}\n";
+// (p[0] = 0 shifts nothing: p read through a device buffer.)
+static const char mod_causal[] =
+    "int clmha_mask_mod(int b, int h, int q, int k, __global const float *p) {\n"
+    "    return k <= q + (int)p[0];\n"
+    "}\n";
+static const char mod_syntax_error[] =
+    "clmha_real clmha_score_mod(clmha_real s, int b, int h, int q, int k,\n"
+    "                           __global const float *p) {\n"
+    "    return s\n"
+    "}\n";
+
+// The .cl files above and p files in a new folder: alibi.cl, alibi_no_grad.cl, causal.cl,
+// bad.cl; slopes2.npy (float64: the geometric slopes of 2 heads, 2^-4 and 2^-8), slopes4.npy
+// (float32: those of 4 heads), zero.npy (one 0).
+static tmp_dir make_mod_files(void) {
+    tmp_dir d = tmp_make();
+    write_bytes(tmp_file(&d, "alibi.cl"), mod_alibi, strlen(mod_alibi));
+    write_bytes(tmp_file(&d, "alibi_no_grad.cl"), mod_alibi_no_grad, strlen(mod_alibi_no_grad));
+    write_bytes(tmp_file(&d, "causal.cl"), mod_causal, strlen(mod_causal));
+    write_bytes(tmp_file(&d, "bad.cl"), mod_syntax_error, strlen(mod_syntax_error));
+    const double slopes2[2] = {0.0625, 0.00390625};
+    const float slopes4[4] = {0.25f, 0.0625f, 0.015625f, 0.00390625f}, zero[1] = {0};
+    write_npy_raw(tmp_file(&d, "slopes2.npy"), "<f8", 1, (size_t[]){2}, slopes2, sizeof slopes2);
+    write_npy_raw(tmp_file(&d, "slopes4.npy"), "<f4", 1, (size_t[]){4}, slopes4, sizeof slopes4);
+    write_npy_raw(tmp_file(&d, "zero.npy"), "<f4", 1, (size_t[]){1}, zero, sizeof zero);
+    return d;
+}
+
+// Max abs difference between the .npy files @p got_path and the case's @p want_name.
+static double case_file_diff(const char *case_dir, const char *want_name, const char *got_path,
+                             const char *what) {
+    char want_path[CLI_PATH_SIZE];
+    snprintf(want_path, sizeof want_path, "%s/%s", case_dir, want_name);
+    clmha__npy got = {0}, want = {0};
+    read_npy(got_path, &got);
+    read_npy(want_path, &want);
+    double err = npy_max_abs_diff(&got, &want, want_name, what);
+    clmha__npy_free(&got);
+    clmha__npy_free(&want);
+    return err;
+}
+
+#define CASE_PATH(buf, name, file)                                                             \
+    snprintf(buf, sizeof buf, "%s/cli/%s/%s", CLMHA_TEST_DATA_DIR, name, file)
+
+// ALiBi written as a score function reproduces PyTorch's results of the case that has the
+// built-in ALiBi (--softcap 1.5 --alibi over a file without them; cross-attention with
+// add_bias_kv, whose key gets no ALiBi term, and a float mask): the output through both cores
+// and every gradient, p from a float64 file.
+Test(cli_score_mod, alibi_function_gives_the_alibi_golden) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir m = make_mod_files();
+    const char *name = "grad_softcap_override_cross";
+    char dir[CLI_PATH_SIZE], f[6][CLI_PATH_SIZE];
+    snprintf(dir, sizeof dir, "%s/cli/%s", CLMHA_TEST_DATA_DIR, name);
+    const char *files[6] = {"layer.safetensors", "query.npy", "key.npy", "value.npy",
+                            "attn_mask.npy", "grad_output.npy"};
+    for (int i = 0; i < 6; ++i) CASE_PATH(f[i], name, files[i]);
+    char grads[CLI_PATH_SIZE];
+    snprintf(grads, sizeof grads, "%s/grads", m.path);
+    const char *impls[2] = {"fused", "unfused"};
+    for (int i = 0; i < 2; ++i) {
+        cr_assert_eq(mkdir(grads, 0700), 0);
+        const char *out = tmp_file(&m, "out.npy");
+        cli_result r = cli_run("run", "--layer", f[0], "--query", f[1], "--key", f[2], "--value",
+                               f[3], "--attn-mask", f[4], "--softcap", "1.5", "--score-mod",
+                               tmp_file(&m, "alibi.cl"), "--mod-params",
+                               tmp_file(&m, "slopes2.npy"), "--impl", impls[i], "--grad-output",
+                               f[5], "--grads-dir", grads, "--output", out);
+        cr_assert_eq(r.status, 0, "--impl %s: stderr: %s", impls[i], r.err);
+        cli_free(&r);
+        double err = case_file_diff(dir, "expected_output.npy", out, impls[i]);
+        size_t count = 0;
+        double g_err = compare_grads(dir, grads, impls[i], &count);
+        fprintf(stderr, "cli_score_mod %s --impl %s out_maxabs=%.3e grads=%zu grad_maxnorm=%.3e\n",
+                name, impls[i], err, count, g_err);
+        cr_expect_leq(err, CLI_TOL, "--impl %s: output max abs error %.3e", impls[i], err);
+        tmpdir_remove(grads);
+    }
+    tmp_remove(&m);
+}
+
+// is_causal written as a mask function (p[0] = 0 read) gives the causal case's output and
+// weights; through a KV cache (--decode-chunk 2 --is-causal) too.
+Test(cli_score_mod, mask_function_gives_the_causal_golden) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir m = make_mod_files();
+    char dir[CLI_PATH_SIZE], layer[CLI_PATH_SIZE], query[CLI_PATH_SIZE];
+    snprintf(dir, sizeof dir, "%s/cli/causal", CLMHA_TEST_DATA_DIR);
+    CASE_PATH(layer, "causal", "layer.safetensors");
+    CASE_PATH(query, "causal", "query.npy");
+    const char *out = tmp_file(&m, "out.npy"), *w = tmp_file(&m, "w.npy");
+    cli_result r = cli_run("run", "--layer", layer, "--query", query, "--score-mod",
+                           tmp_file(&m, "causal.cl"), "--mod-params", tmp_file(&m, "zero.npy"),
+                           "--output", out, "--weights-output", w);
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cli_free(&r);
+    double err = case_file_diff(dir, "expected_output.npy", out, "unfused");
+    double w_err = case_file_diff(dir, "expected_weights.npy", w, "unfused");
+    r = cli_run("run", "--layer", layer, "--query", query, "--score-mod",
+                tmp_file(&m, "causal.cl"), "--mod-params", tmp_file(&m, "zero.npy"),
+                "--is-causal", "--decode-chunk", "2", "--output", out);
+    cr_assert_eq(r.status, 0, "--decode-chunk 2: stderr: %s", r.err);
+    cli_free(&r);
+    double chunk_err = case_file_diff(dir, "expected_output.npy", out, "--decode-chunk 2");
+    fprintf(stderr, "cli_score_mod causal out_maxabs=%.3e w_maxabs=%.3e decode_maxabs=%.3e\n",
+            err, w_err, chunk_err);
+    cr_expect_leq(err, CLI_TOL, "output max abs error %.3e", err);
+    cr_expect_leq(w_err, CLI_TOL, "weights max abs error %.3e", w_err);
+    cr_expect_leq(chunk_err, CLI_TOL, "--decode-chunk 2: output max abs error %.3e", chunk_err);
+    tmp_remove(&m);
+}
+
+// One `clmha sdpa` case with its flags @p extra (NULL-ended) in place of its args file's:
+// the output, the log-sum-exp and the gradients (those the case has) against PyTorch's.
+static void sdpa_mod_case(const tmp_dir *m, const char *name, const char *const *extra) {
+    char dir[CLI_PATH_SIZE], paths[5][CLI_PATH_SIZE], grads[CLI_PATH_SIZE];
+    snprintf(dir, sizeof dir, "%s/cli/%s", CLMHA_TEST_DATA_DIR, name);
+    snprintf(grads, sizeof grads, "%s/grads", m->path);
+    static const char *const inputs[5][2] = {{"--query", "query.npy"},
+                                             {"--key", "key.npy"},
+                                             {"--value", "value.npy"},
+                                             {"--attn-mask", "attn_mask.npy"},
+                                             {"--sinks", "sinks.npy"}};
+    const char *argv[CLI_MAX_ARGS + 1] = {"sdpa"};
+    size_t argc = 1;
+    for (int i = 0; i < 5; ++i) {
+        CASE_PATH(paths[i], name, inputs[i][1]);
+        if (file_exists(paths[i])) argv[argc++] = inputs[i][0], argv[argc++] = paths[i];
+    }
+    for (size_t i = 0; extra[i]; ++i) argv[argc++] = extra[i];
+    char lse_want[CLI_PATH_SIZE], grad_out[CLI_PATH_SIZE];
+    CASE_PATH(lse_want, name, "expected_lse.npy");
+    CASE_PATH(grad_out, name, "grad_output.npy");
+    bool lse = file_exists(lse_want), grad = file_exists(grad_out);
+    const char *out = tmp_file(m, "out.npy"), *lse_path = tmp_file(m, "lse.npy");
+    argv[argc++] = "--output", argv[argc++] = out;
+    if (lse) argv[argc++] = "--lse-output", argv[argc++] = lse_path;
+    if (grad) {
+        cr_assert_eq(mkdir(grads, 0700), 0);
+        argv[argc++] = "--grad-output", argv[argc++] = grad_out;
+        argv[argc++] = "--grads-dir", argv[argc++] = grads;
+    }
+    argv[argc] = NULL;
+    cli_result r = cli_run_argv(argv);
+    cr_assert_eq(r.status, 0, "%s: stderr: %s", name, r.err);
+    cli_free(&r);
+    double err = case_file_diff(dir, "expected_output.npy", out, name);
+    double lse_err = lse ? case_file_diff(dir, "expected_lse.npy", lse_path, name) : -1;
+    size_t count = 0;
+    double g_err = grad ? compare_grads(dir, grads, name, &count) : -1;
+    if (grad) tmpdir_remove(grads);
+    fprintf(stderr, "cli_score_mod %s out_maxabs=%.3e lse_maxabs=%.3e grads=%zu "
+            "grad_maxnorm=%.3e\n", name, err, lse_err, count, g_err);
+    cr_expect_leq(err, SDPA_TOL, "%s: output max abs error %.3e", name, err);
+    cr_expect_leq(lse_err, SDPA_TOL, "%s: log-sum-exp max abs error %.3e", name, lse_err);
+}
+
+// `clmha sdpa --score-mod`: ALiBi as a score function with the case's --alibi-slopes file as p
+// (grouped-query, a float mask, soft-capping first; the gradients too); is_causal as a mask
+// function beside attention sinks (whose gradient takes the backward on device buffers, p one
+// of them); ALiBi as a score function through a KV cache (--kv-cache-prefix, the geometric
+// slopes of 4 heads).
+Test(cli_score_mod, sdpa_functions_give_the_goldens) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir m = make_mod_files();
+    char slopes[CLI_PATH_SIZE];
+    CASE_PATH(slopes, "sdpa_softcap_alibi_gqa_grads", "alibi_slopes.npy");
+    char alibi[CLI_PATH_SIZE], causal[CLI_PATH_SIZE], zero[CLI_PATH_SIZE], slopes4[CLI_PATH_SIZE];
+    snprintf(alibi, sizeof alibi, "%s", tmp_file(&m, "alibi.cl"));
+    snprintf(causal, sizeof causal, "%s", tmp_file(&m, "causal.cl"));
+    snprintf(zero, sizeof zero, "%s", tmp_file(&m, "zero.npy"));
+    snprintf(slopes4, sizeof slopes4, "%s", tmp_file(&m, "slopes4.npy"));
+    sdpa_mod_case(&m, "sdpa_softcap_alibi_gqa_grads",
+                  (const char *const[]){"--enable-gqa", "--softcap", "1.5", "--score-mod", alibi,
+                                        "--mod-params", slopes, NULL});
+    sdpa_mod_case(&m, "sdpa_sinks_gqa_grads",
+                  (const char *const[]){"--enable-gqa", "--score-mod", causal, "--mod-params",
+                                        zero, NULL});
+    sdpa_mod_case(&m, "sdpa_softcap_alibi_kv_cache_decode",
+                  (const char *const[]){"--layout", "nlhd", "--is-causal", "--enable-gqa",
+                                        "--softcap", "2.0", "--score-mod", alibi, "--mod-params",
+                                        slopes4, "--kv-cache-prefix", "3", NULL});
+    tmp_remove(&m);
+}
+
+// A refused run: exit @p status, a stderr line starting with @p prefix that holds @p want
+// (other lines, such as a driver's own build messages, may come with it), no output written.
+static void expect_mod_refused(int status, const char *prefix, const char *want,
+                               const char *out, const char *const *args) {
+    cli_result r = cli_run_argv(args);
+    cr_assert_eq(r.status, status, "exit status %d (want %d); stderr: %s", r.status, status,
+                 r.err);
+    const char *line = strstr(r.err, prefix);
+    cr_assert(line && (line == r.err || line[-1] == '\n'), "no line starts with '%s': %s",
+              prefix, r.err);
+    const char *end = strchr(line, '\n');
+    cr_assert(end && strstr(line, want) && strstr(line, want) < end,
+              "the line of '%s' does not say '%s': %s", prefix, want, r.err);
+    if (out) cr_assert(!file_exists(out), "%s was written", out);
+    cli_free(&r);
+}
+
+#define EXPECT_MOD_REFUSED(status, prefix, want, out, ...)                                     \
+    expect_mod_refused(status, prefix, want, out, (const char *const[]){__VA_ARGS__, NULL})
+
+// Files and options refused before any device work (exit 2 for usage, 1 for a file): --mod-params
+// without --score-mod, a missing, empty, special or NUL-holding source, a p that is not 1-D
+// float; and --decode-chunk without --is-causal, which would move the queries' positions.
+Test(cli_score_mod, refused_files_and_options) {
+    tmp_dir d = make_inputs();
+    tmp_dir m = make_mod_files();
+    char layer[CLI_PATH_SIZE], q[CLI_PATH_SIZE], alibi[CLI_PATH_SIZE], zero[CLI_PATH_SIZE],
+        out[CLI_PATH_SIZE];
+    snprintf(layer, sizeof layer, "%s", tmp_file(&d, "layer.safetensors"));
+    snprintf(q, sizeof q, "%s", tmp_file(&d, "q.npy"));
+    snprintf(alibi, sizeof alibi, "%s", tmp_file(&m, "alibi.cl"));
+    snprintf(zero, sizeof zero, "%s", tmp_file(&m, "zero.npy"));
+    snprintf(out, sizeof out, "%s", tmp_file(&m, "out.npy"));
+    EXPECT_USAGE("clmha run: --mod-params needs --score-mod", "run", "--layer", layer, "--query",
+                 q, "--mod-params", zero);
+    EXPECT_USAGE("clmha sdpa: --mod-params needs --score-mod", "sdpa", "--query", q, "--key", q,
+                 "--value", q, "--mod-params", zero);
+    EXPECT_USAGE("clmha bench: --mod-params needs --score-mod", "bench", "--mod-params", zero);
+    EXPECT_USAGE("clmha bench: --score-mod goes with a random layer", "bench", "--layer", layer,
+                 "--score-mod", alibi);
+    write_bytes(tmp_file(&m, "empty.cl"), "", 0);
+    write_bytes(tmp_file(&m, "nul.cl"), "int x;\0", 7);
+    write_npy_raw(tmp_file(&m, "p2d.npy"), "<f4", 2, (size_t[]){1, 1}, (float[]){0}, 4);
+    write_npy_raw(tmp_file(&m, "pbool.npy"), "|b1", 1, (size_t[]){1}, (unsigned char[]){1}, 1);
+    const struct {
+        const char *source, *params, *want;  // file names in m
+    } bad[] = {
+        {"missing.cl", NULL, "missing.cl: cannot open"},
+        {"empty.cl", NULL, "the file is empty"},
+        {"/dev/null", NULL, "not a regular file"},
+        {".", NULL, "cannot read"},
+        {"nul.cl", NULL, "NUL byte"},
+        {"alibi.cl", "p2d.npy", "p takes 1 dimension"},
+        {"alibi.cl", "pbool.npy", "not a float type"},
+        {"alibi.cl", "missing.npy", "missing.npy: cannot open"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
+        char source[CLI_PATH_SIZE], params[CLI_PATH_SIZE];
+        snprintf(source, sizeof source, "%s",
+                 bad[i].source[0] == '/' ? bad[i].source : tmp_file(&m, bad[i].source));
+        if (bad[i].params) snprintf(params, sizeof params, "%s", tmp_file(&m, bad[i].params));
+        const char *flag = bad[i].params ? "--mod-params " : "--score-mod ";
+        char run_prefix[64], sdpa_prefix[64];
+        snprintf(run_prefix, sizeof run_prefix, "clmha run: %s", flag);
+        snprintf(sdpa_prefix, sizeof sdpa_prefix, "clmha sdpa: %s", flag);
+        const char *run[16] = {"run", "--layer", layer, "--query", q, "--output", out,
+                               "--score-mod", source};
+        const char *sdpa[16] = {"sdpa", "--query", q, "--key", q, "--value", q, "--output",
+                                out, "--score-mod", source};
+        size_t rn = 9, sn = 11;
+        if (bad[i].params) {
+            run[rn++] = sdpa[sn++] = "--mod-params";
+            run[rn++] = sdpa[sn++] = params;
+        }
+        run[rn] = sdpa[sn] = NULL;
+        expect_mod_refused(1, run_prefix, bad[i].want, out, run);
+        expect_mod_refused(1, sdpa_prefix, bad[i].want, out, sdpa);
+    }
+    tmp_remove(&m);
+    tmp_remove(&d);
+}
+
+// Refused on the device: a source that does not compile (the build log in the message, run,
+// sdpa and bench alike), a backward pass whose score function has no derivative, and
+// --decode-chunk without --is-causal.
+Test(cli_score_mod, refused_sources) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    tmp_dir m = make_mod_files();
+    const char *layer = tmp_file(&d, "layer.safetensors"), *q = tmp_file(&d, "q.npy");
+    const char *bad = tmp_file(&m, "bad.cl"), *out = tmp_file(&m, "out.npy");
+    EXPECT_MOD_REFUSED(1, "clmha run: --score-mod ", "expected ';'", out, "run", "--layer",
+                       layer, "--query", q, "--score-mod", bad, "--output", out);
+    EXPECT_MOD_REFUSED(1, "clmha sdpa: --score-mod ", "expected ';'", out, "sdpa", "--query", q,
+                       "--key", q, "--value", q, "--score-mod", bad, "--output", out);
+    EXPECT_MOD_REFUSED(1, "clmha bench: --score-mod ", "expected ';'", NULL, "bench", "--embed",
+                       "8", "--heads", "2", "--batch", "1", "--tgt-len", "3", "--repeat", "1",
+                       "--score-mod", bad);
+    const char *g = tmp_file(&m, "g.npy"), *grads = tmp_file(&m, "grads");
+    write_f32_shape(g, 3, 2, 8);
+    cr_assert_eq(mkdir(grads, 0700), 0);
+    EXPECT_MOD_REFUSED(1, "clmha run: backward pass failed", "clmha_score_mod_grad", out, "run",
+                       "--layer", layer, "--query", q, "--score-mod",
+                       tmp_file(&m, "alibi_no_grad.cl"), "--mod-params",
+                       tmp_file(&m, "slopes2.npy"), "--grad-output", g, "--grads-dir", grads,
+                       "--output", out);
+    EXPECT_MOD_REFUSED(1, "clmha run: --decode-chunk without --is-causal", "--score-mod", out,
+                       "run", "--layer", layer, "--query", q, "--score-mod",
+                       tmp_file(&m, "causal.cl"), "--mod-params", tmp_file(&m, "zero.npy"),
+                       "--decode-chunk", "2", "--output", out);
+    tmp_remove(&m);
+    tmp_remove(&d);
+}
+
+// bench --score-mod: the JSON line names the file (null without), the text head too.
+Test(cli_score_mod, bench_names_the_file) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir m = make_mod_files();
+    const char *alibi = tmp_file(&m, "alibi.cl"), *slopes = tmp_file(&m, "slopes4.npy");
+    cli_result r = cli_run("bench", "--json", "--embed", "16", "--heads", "4", "--batch", "1",
+                           "--tgt-len", "5", "--repeat", "1", "--causal", "--score-mod", alibi,
+                           "--mod-params", slopes);
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    char want[CLI_PATH_SIZE + 32];
+    snprintf(want, sizeof want, "\"score_mod\": \"%s\"", alibi);
+    cr_expect(strstr(r.out, want) != NULL, "%s", r.out);
+    cli_free(&r);
+    r = cli_run("bench", "--embed", "16", "--heads", "4", "--decode", "--cache-len", "6",
+                "--batch", "1", "--repeat", "1", "--score-mod", alibi, "--mod-params", slopes);
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect(strstr(r.out, ", score-mod ") != NULL, "%s", r.out);
+    cli_free(&r);
+    r = cli_run("bench", "--json", "--embed", "16", "--heads", "4", "--batch", "1", "--tgt-len",
+                "5", "--repeat", "1");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect(strstr(r.out, "\"score_mod\": null") != NULL, "%s", r.out);
+    cli_free(&r);
+    tmp_remove(&m);
 }
