@@ -317,6 +317,16 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
     return clmha__enqueue_event(ctx, event);
 }
 
+// A user score function needs its derivative (both forms of the backward).
+static clmha_status check_mods(clmha_context *ctx, const clmha_attention_args *a) {
+    unsigned mods = clmha__mods_scan(a->mod_source);
+    if ((mods & CLMHA__MOD_SCORE) && !(mods & CLMHA__MOD_GRAD))
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "the backward pass needs clmha_score_mod_grad: the forward call's "
+                           "mod_source defines clmha_score_mod without its derivative");
+    return CLMHA_SUCCESS;
+}
+
 // Reads and checks the call: the struct, the forward's args, the limits of this version.
 static clmha_status check_call(clmha_context *ctx, const clmha_attention_backward_args *args,
                                clmha_attention_backward_args *b, clmha_attention_args *a,
@@ -330,11 +340,7 @@ static clmha_status check_call(clmha_context *ctx, const clmha_attention_backwar
     if (a->kv_cache)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "the forward call has a kv_cache: the KV-cache form has no backward");
-    unsigned mods = clmha__mods_scan(a->mod_source);
-    if ((mods & CLMHA__MOD_SCORE) && !(mods & CLMHA__MOD_GRAD))
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "the backward pass needs clmha_score_mod_grad: the forward call's "
-                           "mod_source defines clmha_score_mod without its derivative");
+    if ((st = check_mods(ctx, a))) return st;
     if (b->grad_sinks && (!a->sinks.ndim || !b->lse))
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            a->sinks.ndim ? "grad_sinks needs lse, the forward's log-sum-exp "
@@ -465,6 +471,7 @@ clmha_status clmha_attention_backward_host(clmha_context *ctx, const clmha_atten
         (a.kv_cache && (st = clmha__fail(ctx, CLMHA_UNSUPPORTED,
                                          "args->kv_cache is set: the KV-cache form has no "
                                          "backward"))) ||
+        (st = check_mods(ctx, &a)) ||
         (st = check_host(ctx, &a, &d, grad_output, grad_output_count, grad_attn_mask)) ||
         (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d),
                                      &l)))
