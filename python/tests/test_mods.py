@@ -106,8 +106,9 @@ def check_module(name, tm, cm, inputs, ref_opts, wrong_opts, gen, weights):
 
 def test_module_score_mod_alibi(ctx):
     g = torch.Generator().manual_seed(1)
-    tm, cm, inputs = module_and_inputs(ctx, g, True, score_mod=ALIBI,
-                                       mod_params=torch.from_numpy(SLOPES))
+    p = torch.from_numpy(SLOPES.copy())
+    tm, cm, inputs = module_and_inputs(ctx, g, True, score_mod=ALIBI, mod_params=p)
+    assert cm.mod_params is p  # a float32 tensor is kept itself, as register_buffer keeps it
     check_module("alibi", tm, cm, inputs, dict(alibi_slopes=SLOPES), {}, g, False)
     assert not cm.mod_params.requires_grad and cm.mod_params.grad is None
     assert "mod_params" not in cm.state_dict()
