@@ -11,8 +11,8 @@ from ._device import (check_context, device_f32, elem_offset, event_to, events_w
                       fill_device_tensor, is_pyopencl_array, mem, wait_list)
 from ._errors import check
 from ._native import ffi, lib
-from ._sdpa import (alibi_flag, fill_variants, fill_window, sinks_flag, softcap_value,
-                    window_bounds)
+from ._sdpa import (alibi_flag, fill_variants, fill_window, mod_params_array, mod_source,
+                    sinks_flag, softcap_value, window_bounds)
 
 # ---- dtypes ------------------------------------------------------------------------------------
 
@@ -122,8 +122,8 @@ class Layer:
 
     ``Layer(embed_dim, num_heads, *, dropout=0.0, bias=True, add_bias_kv=False,
     add_zero_attn=False, kdim=None, vdim=None, batch_first=False, num_kv_heads=None,
-    dtype="float32", window=None, softcap=None, alibi=False, sinks=False, context=None)``: the
-    fields of
+    dtype="float32", window=None, softcap=None, alibi=False, sinks=False, score_mod=None,
+    mask_mod=None, mod_params=None, context=None)``: the fields of
     ``clmha_layer_desc``, with PyTorch's defaults. ``window``: None, or a sliding window
     (left, right): query i (at position i; with a KV cache, the cached length + i) attends key j
     only when i - left <= j <= i + right, -1 leaving a side unbounded; the keys of add_bias_kv
@@ -137,6 +137,21 @@ class Layer:
     layer's parameter ``sinks`` (H), zero at creation, with a gradient: one logit per head in
     each row's softmax denominator with a zero value (a row's weights sum below 1; a fully
     masked row still gives a zero attention result).
+    ``score_mod``, ``mask_mod``: user score and mask functions (FlexAttention's), OpenCL C
+    source compiled into the layer's kernels (joined into ``clmha_layer_desc::mod_source``,
+    ``layer.mod_source``): score_mod defines ``clmha_real clmha_score_mod(clmha_real s, int b,
+    int h, int q, int k, __global const float *p)`` (the new score of batch item b, query head
+    h, query position q (as the window's) and key k; after soft-capping and ALiBi, before the
+    masks; the appended keys' scores are left alone) and, for ``backward``, its derivative in
+    s ``clmha_score_mod_grad`` (same arguments; without it ``backward`` raises ``clmha.Error``
+    UNSUPPORTED); mask_mod defines ``int clmha_mask_mod(int b, int h, int q, int k,
+    __global const float *p)``, non-zero where q may attend k. clmha_real is float (double in
+    a float64 layer). ``mod_params``: their p, a 1-D floating-point array (count,) stored as
+    float32 (None: none); ``layer.mod_params = values`` (``set_mod_params``) replaces it, with
+    the same count. A source that does not compile raises ``clmha.Error`` (BUILD_FAILED) with
+    the build log; a callable, a source without its function, mod_params without a source,
+    not floating point or not 1-D raise TypeError / ValueError. The functions and p are not
+    written to layer files (``save``), and ``attend`` refuses a layer with them.
     Parameters start at zero: set them by PyTorch name (``layer["in_proj_weight"] = w``,
     ``load_state_dict``) or make the layer with ``Layer.load(path)`` or
     ``Layer.from_state_dict(...)``.
@@ -150,7 +165,9 @@ class Layer:
                  batch_first: bool = False, num_kv_heads: Optional[int] = None,
                  dtype="float32", window: Optional[Tuple[int, int]] = None,
                  softcap: Optional[float] = None, alibi: bool = False,
-                 sinks: bool = False, context: Optional[Context] = None):
+                 sinks: bool = False, score_mod: Optional[str] = None,
+                 mask_mod: Optional[str] = None, mod_params=None,
+                 context: Optional[Context] = None):
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
                             ("kdim", kdim or 0), ("vdim", vdim or 0),
                             ("num_kv_heads", num_kv_heads or 0)):
@@ -162,6 +179,8 @@ class Layer:
         softcap = softcap_value(softcap)
         alibi = alibi_flag(alibi)
         sinks = sinks_flag(sinks)
+        source = mod_source(score_mod, mask_mod)
+        params = mod_params_array(_to_numpy(mod_params), source)
         context = context if context is not None else default_context()
         if not isinstance(context, Context):
             raise TypeError(f"context must be a clmha.Context, not {type(context).__name__}")
@@ -181,9 +200,19 @@ class Layer:
         fill_window(desc, window)
         fill_variants(desc, softcap, alibi)
         desc.sinks = sinks
+        if source is not None:
+            source_c = ffi.new("char[]", source.encode("utf-8"))  # copied by the layer
+            desc.mod_source = source_c
+        if params is not None and params.size:
+            desc.mod_params = ffi.cast("float *", ffi.from_buffer(params))
+            desc.mod_params_count = params.size
         out = ffi.new("clmha_layer **")
         check(lib.clmha_layer_create(out, context._ptr, desc), context._ptr)
         self._adopt(out[0], context)
+        self.score_mod = score_mod or None  # checked by mod_source()
+        self.mask_mod = mask_mod or None
+        if params is not None:
+            self._mod_params = params.copy()
 
     def _adopt(self, ptr, context: Context) -> None:
         self._ptr = ffi.gc(ptr, lib.clmha_layer_release)
@@ -208,6 +237,12 @@ class Layer:
         self.softcap = float(desc.softcap)
         self.alibi = bool(desc.alibi)
         self.sinks = bool(desc.sinks)
+        self.mod_source = (ffi.string(desc.mod_source).decode("utf-8")
+                           if desc.mod_source != ffi.NULL else None)
+        self.score_mod = self.mask_mod = None  # the parts of mod_source, where known
+        self.mod_params_count = int(desc.mod_params_count)
+        self._mod_params = (np.zeros(self.mod_params_count, np.float32)
+                            if self.mod_source is not None else None)
         self.head_dim = self.embed_dim // self.num_heads
         self._impl = "auto"
         self._profiling = False
@@ -334,6 +369,32 @@ class Layer:
             if name in state_dict:
                 self[name] = state_dict[name]
 
+    @property
+    def mod_params(self) -> Optional[np.ndarray]:
+        """p of the layer's user functions (``score_mod``, ``mask_mod``): a float32 copy of the
+        values last set, (``mod_params_count``,); None for a layer without them. Assigning sets
+        them (``set_mod_params``)."""
+        return None if self._mod_params is None else self._mod_params.copy()
+
+    @mod_params.setter
+    def mod_params(self, values) -> None:
+        self.set_mod_params(values)
+
+    def set_mod_params(self, values) -> None:
+        """Replaces p of the layer's user functions (``clmha_layer_set_mod_params``): a 1-D
+        floating-point array or tensor of ``mod_params_count`` values, stored as float32, read
+        by the calls after this one (a blocking write after the work already queued). Without
+        user functions, not floating point, not 1-D or another count: ValueError / TypeError."""
+        params = mod_params_array(_to_numpy(values), self.mod_source)
+        if params.size != self.mod_params_count:
+            raise ValueError(f"mod_params has {params.size} values; the layer was made with "
+                             f"{self.mod_params_count} (a new count needs a new layer)")
+        with self._lock:
+            check(lib.clmha_layer_set_mod_params(
+                self._ptr, ffi.cast("float *", ffi.from_buffer(params)) if params.size
+                else ffi.NULL, params.size), self._context._ptr)
+        self._mod_params = params.copy()
+
     @classmethod
     def from_state_dict(cls, state_dict, num_heads: int, *, prefix: str = "",
                         context: Optional[Context] = None, dtype=None,
@@ -342,7 +403,8 @@ class Layer:
                         window: Optional[Tuple[int, int]] = None,
                         softcap: Optional[float] = None,
                         alibi: Optional[bool] = None,
-                        sinks: Optional[bool] = None) -> "Layer":
+                        sinks: Optional[bool] = None, score_mod: Optional[str] = None,
+                        mask_mod: Optional[str] = None, mod_params=None) -> "Layer":
         """A layer from the parameters of ``nn.MultiheadAttention``, continuiti's
         ``MultiHeadAttention`` (``query_project``, ``key_project``, ``value_project``,
         ``out_project``) or the classic split-heads module (``w_q``, ``w_k``, ``w_v``,
@@ -353,7 +415,8 @@ class Layer:
         layer with those slopes (``alibi`` None: ALiBi exactly when the entry is there; True
         without it: the geometric slopes; False with it: ValueError); likewise a ``sinks``
         entry (a ``clmha.torch.MultiheadAttention``'s parameter) makes a sinks layer with those
-        sinks (``sinks`` None: exactly when the entry is there; True without it: zeros)."""
+        sinks (``sinks`` None: exactly when the entry is there; True without it: zeros).
+        ``score_mod``, ``mask_mod`` and ``mod_params``: user functions, as ``Layer``'s."""
         from ._state_dict import translate
 
         config, params = translate(state_dict, num_heads, prefix)
@@ -373,7 +436,8 @@ class Layer:
             config.pop("batch_first")
         layer = cls(num_heads=num_heads, context=context, dtype=dtype, batch_first=batch_first,
                     dropout=dropout, add_zero_attn=add_zero_attn, window=window,
-                    softcap=softcap, alibi=alibi, sinks=sinks, **config)
+                    softcap=softcap, alibi=alibi, sinks=sinks, score_mod=score_mod,
+                    mask_mod=mask_mod, mod_params=mod_params, **config)
         layer.load_state_dict(params)  # without alibi_slopes: the geometric ones
         return layer
 
@@ -894,7 +958,10 @@ class Layer:
                 + (f", window={self.window}" if self.window is not None else "")
                 + (f", softcap={self.softcap}" if self.softcap else "")
                 + (", alibi=True" if self.alibi else "")
-                + (", sinks=True" if self.sinks else "") + ")")
+                + (", sinks=True" if self.sinks else "")
+                + (f", mod_source=<{len(self.mod_source)} chars>, "
+                   f"mod_params_count={self.mod_params_count}" if self.mod_source else "")
+                + ")")
 
 
 class _Keep:

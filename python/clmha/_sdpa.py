@@ -18,6 +18,7 @@ shape.
 """
 
 import math
+import re
 from typing import Optional, Tuple
 
 import numpy as np
@@ -128,6 +129,68 @@ def fill_variants(c, softcap: float, alibi: bool) -> None:
     c.alibi = alibi
 
 
+_MOD_NAMES = {"score_mod": "clmha_score_mod", "mask_mod": "clmha_mask_mod"}
+_NO_MOD_SOURCE = ("mod_params is given without score_mod or mask_mod (it is the p of their "
+                  "OpenCL C functions)")
+
+
+def mod_text(name: str, source) -> Optional[str]:
+    """One of the user functions' sources checked: ``score_mod`` (defining clmha_score_mod and
+    optionally clmha_score_mod_grad) or ``mask_mod`` (defining clmha_mask_mod), OpenCL C source
+    as a str; None or "" is none. A Python callable or anything but a str is a TypeError, a
+    source that does not name its function (or holds a NUL character) a ValueError."""
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        what = "a Python callable" if callable(source) else type(source).__name__
+        raise TypeError(f"{name} must be OpenCL C source (a str) defining "
+                        f"{_MOD_NAMES[name]}(...), not {what}: clmha compiles it into its "
+                        f"kernels (FlexAttention's Python callables have no OpenCL form)")
+    if not source:
+        return None
+    if "\0" in source:
+        raise ValueError(f"{name} holds a NUL character")
+    if not re.search(r"\b%s\b" % _MOD_NAMES[name], source):
+        raise ValueError(f"{name} defines no {_MOD_NAMES[name]}: {name}= takes OpenCL C source "
+                         f"defining {_MOD_NAMES[name]}(...)")
+    return source
+
+
+def mod_source(score_mod, mask_mod) -> Optional[str]:
+    """The user functions' OpenCL C source (``clmha_layer_desc::mod_source``,
+    ``clmha_attention_args::mod_source``): ``score_mod`` and ``mask_mod`` (checked by
+    mod_text()) joined, score_mod first; None when both are none."""
+    parts = [t for t in (mod_text("score_mod", score_mod), mod_text("mask_mod", mask_mod))
+             if t is not None]
+    return "\n".join(parts) if parts else None
+
+
+def mod_params_array(mod_params, source: Optional[str]) -> Optional[np.ndarray]:
+    """p of the user functions as a C-contiguous float32 NumPy array (count,), checked: None
+    (none; the layer's p is then empty), or a 1-D floating-point array (a list or tuple of
+    numbers too). Not floating point: TypeError; not 1-D: ValueError; given without
+    score_mod or mask_mod (``source`` None): ValueError."""
+    if mod_params is None:
+        return None
+    if source is None:
+        raise ValueError(_NO_MOD_SOURCE)
+    if isinstance(mod_params, (list, tuple)):
+        try:
+            mod_params = np.asarray(mod_params, np.float64)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"mod_params must be numbers: {e}") from None
+    if not isinstance(mod_params, np.ndarray):
+        raise TypeError(f"mod_params must be a 1-D floating-point array, not "
+                        f"{type(mod_params).__name__}")
+    if mod_params.dtype.kind != "f":
+        raise TypeError(f"mod_params must be floating point (p is read as float32), not "
+                        f"{mod_params.dtype}: convert it, e.g. with .astype(numpy.float32)")
+    if mod_params.ndim != 1:
+        raise ValueError(f"mod_params must be one-dimensional (count,); its shape is "
+                         f"{mod_params.shape}")
+    return np.ascontiguousarray(mod_params, np.float32)
+
+
 def _layout(layout) -> str:
     name = layout.upper() if isinstance(layout, str) else None
     if name not in _LAYOUTS:
@@ -173,14 +236,19 @@ class Call:
     (with alibi: H slopes, a NumPy array or, for a device call, a float32 pyopencl array; None:
     the geometric ones of ``alibi_slopes()``) and ``sinks`` (None, or attention sinks: H
     logits, one per query head, each row's softmax denominator gaining exp(sinks_h - m) with a
-    zero value; a NumPy array or, for a device call, a float32 pyopencl array).
+    zero value; a NumPy array or, for a device call, a float32 pyopencl array), ``score_mod``
+    and ``mask_mod`` (OpenCL C source defining clmha_score_mod (and clmha_score_mod_grad) and
+    clmha_mask_mod, joined into ``clmha_attention_args::mod_source``) and ``mod_params``
+    (their p: a 1-D floating-point NumPy array, float32 on the device, or for a device call a
+    float32 pyopencl array).
     """
 
     def __init__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                  scale=None, enable_gqa=False, *, seed: int = 0, offset: int = 0,
                  impl: str = "auto", context: Optional[Context] = None, kv_cache=None,
                  kv_append=None, layout: str = "NHLD", window=None, softcap=None,
-                 alibi: bool = False, alibi_slopes=None, sinks=None):
+                 alibi: bool = False, alibi_slopes=None, sinks=None, score_mod=None,
+                 mask_mod=None, mod_params=None):
         from ._layer import KVCache
 
         if kv_cache is not None and not isinstance(kv_cache, KVCache):
@@ -272,6 +340,13 @@ class Call:
         self.sinks = None
         if sinks is not None:
             self._set_sinks(sinks)
+        self.mod_source = mod_source(score_mod, mask_mod)
+        if self.mod_source is not None:
+            self._mod_source_c = ffi.new("char[]", self.mod_source.encode("utf-8"))
+            c.mod_source = self._mod_source_c
+        self.mod_params = None
+        if mod_params is not None:
+            self._set_mod_params(mod_params)
         c.impl = _IMPLS[impl]
         self.kv_cache = kv_cache  # kept alive while the call's struct points at it
         self.kv_append = None
@@ -310,6 +385,35 @@ class Call:
     def _set_sinks(self, sinks) -> None:
         """The attention sinks (H), checked (ValueError: not H values), as the slopes."""
         self.sinks = self._per_head("sinks", sinks, self.c.sinks, "one sink per query head")
+
+    def _set_mod_params(self, values) -> None:
+        """p of the user functions (count,): checked by mod_params_array() (a float32 pyopencl
+        array, for a device call, is read where it is), uploaded for a device call."""
+        if self.device and is_pyopencl_array(values):
+            if self.mod_source is None:
+                raise ValueError(_NO_MOD_SOURCE)
+            device_f32(self.context, "mod_params", values)
+            if len(values.shape) != 1:
+                raise ValueError(f"mod_params must be one-dimensional (count,); its shape is "
+                                 f"{tuple(values.shape)}")
+            a = values
+        elif is_pyopencl_array(values):
+            raise TypeError("mod_params is a pyopencl array but query, key and value are NumPy "
+                            "arrays")
+        else:
+            a = mod_params_array(values, self.mod_source)
+        self.mod_params = a
+        if not a.shape[0]:
+            return  # an empty p: none
+        if self.device:
+            if not is_pyopencl_array(a):
+                import pyopencl.array as cla
+
+                a = cla.to_device(self.context.pyopencl_queue, a)
+            fill_device_shape(self.c.mod_params, a, (a.shape[0],))
+            self._keep(a)
+        else:
+            _fill(self.c.mod_params, a, (a.shape[0],))
 
     def _heads(self) -> int:
         q = self.nhld[0]

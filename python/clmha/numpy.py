@@ -35,7 +35,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  kv_append: Optional[Sequence[int]] = None,
                                  window: Optional[Tuple[int, int]] = None,
                                  softcap: Optional[float] = None, alibi: bool = False,
-                                 alibi_slopes=None, sinks=None
+                                 alibi_slopes=None, sinks=None, score_mod: Optional[str] = None,
+                                 mask_mod: Optional[str] = None, mod_params=None
                                  ) -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
     """softmax(query · keyᵀ · scale + attn_mask) · value on clmha's OpenCL device, as PyTorch's
     ``F.scaled_dot_product_attention`` computes it.
@@ -95,6 +96,25 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         denominator with a zero value: P_ij = exp(s_ij - m) / (exp(sinks_h - m) +
         sum_j exp(s_ij - m)), so a row's weights sum below 1, the lse includes the sink, and a
         fully masked row still gives zeros. Not (H,): ValueError.
+    :param score_mod: None, or a user score function (FlexAttention's score_mod), OpenCL C
+        source defining ``clmha_real clmha_score_mod(clmha_real s, int b, int h, int q, int k,
+        __global const float *p)`` and, for the backward, its derivative in s
+        ``clmha_score_mod_grad`` (same arguments): b the batch item, h the query head, q the
+        query position (with kv_cache, the cached length + the new query's row), k the key; it
+        gives the new score, after soft-capping and ALiBi, before attn_mask and the masks.
+        clmha_real is float. Compiled into the kernels (once per context and source); a source
+        that does not compile raises ``clmha.Error`` (BUILD_FAILED) with the build log.
+    :param mask_mod: None, or a user mask function (FlexAttention's mask_mod), OpenCL C source
+        defining ``int clmha_mask_mod(int b, int h, int q, int k, __global const float *p)``,
+        non-zero where query q may attend key k; it combines with attn_mask, is_causal and the
+        window. score_mod's and mask_mod's sources are joined into one program.
+    :param mod_params: None, or p of those functions: a 1-D floating-point array (count,)
+        (read as float32; a float32 pyopencl array in the device form). Given without score_mod
+        or mask_mod, not floating point or not 1-D: ValueError / TypeError. The functions'
+        reads of p are not bounds-checked. Differences from FlexAttention: the functions are
+        OpenCL C source strings, not Python callables; their captured tensors are the one float
+        array p; the score's derivative is written by hand (without clmha_score_mod_grad the
+        backward raises ``clmha.Error`` UNSUPPORTED).
     :returns: the output (..., H, L, D_v) (in the query's layout), or a tuple of it, the lse
         (with ``return_lse``) and the weights (with ``return_weights``), in that order.
 
@@ -120,7 +140,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 seed=seed, offset=offset, impl=impl, context=context, kv_cache=kv_cache,
                 kv_append=kv_append, layout=layout, window=window, softcap=softcap,
-                alibi=alibi, alibi_slopes=alibi_slopes, sinks=sinks)
+                alibi=alibi, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
+                mask_mod=mask_mod, mod_params=mod_params)
     return call.forward(lse=bool(return_lse), weights=bool(return_weights))
 
 
@@ -131,7 +152,9 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
                                           context: Optional[Context] = None, output=None,
                                           lse=None, window: Optional[Tuple[int, int]] = None,
                                           softcap: Optional[float] = None, alibi: bool = False,
-                                          alibi_slopes=None, sinks=None):
+                                          alibi_slopes=None, sinks=None,
+                                          score_mod: Optional[str] = None,
+                                          mask_mod: Optional[str] = None, mod_params=None):
     """The gradients of ``scaled_dot_product_attention`` (the same arguments, after
     ``grad_output``, the output's gradient (..., H, L, D_v)): ``(grad_query, grad_key,
     grad_value, grad_attn_mask)``, each in its input's shape; ``grad_attn_mask`` is None unless
@@ -143,7 +166,9 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     result has a fifth entry, ``grad_sinks`` (H,) (clmha_attention_backward_host has no sinks
     output: the host form runs the host forward once more for its output and lse and computes
     -sum over each head's rows of exp(sinks_h - lse) * (grad_output . output) in float64, what
-    the device backward's grad_sinks computes).
+    the device backward's grad_sinks computes). ``score_mod``, ``mask_mod`` and
+    ``mod_params``: the forward's; p gets no gradient, and a score_mod without
+    clmha_score_mod_grad raises ``clmha.Error`` (UNSUPPORTED).
 
     **Device form** (pyopencl query, key, value and grad_output, as the forward's device form):
     ``clmha_attention_backward`` on the arrays' buffers; the gradients are new float32 pyopencl
@@ -159,7 +184,7 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 seed=seed, offset=offset, impl=impl, context=context, layout=layout,
                 window=window, softcap=softcap, alibi=alibi, alibi_slopes=alibi_slopes,
-                sinks=sinks)
+                sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_params=mod_params)
     return call.backward(grad_output, output=output, lse=lse)
 
 

@@ -73,6 +73,15 @@ def _mask(t: Optional[Tensor], name: str, dtype: str):
     return _host(t.to(torch.float64 if dtype == "float64" else torch.float32), name, dtype)
 
 
+def _mod_params(t, source: Optional[str]) -> Optional[np.ndarray]:
+    """p of the user functions (a tensor, or what ``_sdpa.mod_params_array`` takes) as the
+    float32 NumPy array the layer and the function read, checked there."""
+    if isinstance(t, Tensor):
+        t = _cpu(t, "mod_params")
+        t = (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    return _sdpa.mod_params_array(t, source)
+
+
 class _Call:
     """One forward call's options, handed through autograd.Function."""
 
@@ -175,9 +184,34 @@ class MultiheadAttention(nn.MultiheadAttention):
     gradient; ``load_state_dict`` of a state_dict without it, PyTorch's module's, keeps it),
     ``sinks`` (attention sinks, gpt-oss's: the parameter ``sinks`` (H), zeros at creation, in
     ``state_dict()`` and with a gradient; one logit per head in each row's softmax denominator
-    with a zero value; ``load_state_dict`` without it keeps it) and ``context`` (a
+    with a zero value; ``load_state_dict`` without it keeps it), ``score_mod``, ``mask_mod``
+    and ``mod_params`` (user score and mask functions, below) and ``context`` (a
     ``clmha.Context``; default: ``$CLMHA_DEVICE`` or the first GPU, else the first OpenCL
     device).
+
+    User functions (FlexAttention's score_mod and mask_mod, as OpenCL C source compiled into
+    clmha's kernels): ``score_mod`` defines ``clmha_real clmha_score_mod(clmha_real s, int b,
+    int h, int q, int k, __global const float *p)``, the new score of the scaled score s of
+    batch item b, query head h, query position q (as the window's) and key k (after
+    soft-capping and ALiBi, before the masks; the keys of add_bias_kv and add_zero_attn are
+    left alone), and for the backward pass its derivative in s, ``clmha_score_mod_grad`` (same
+    arguments; without it the backward raises ``clmha.Error`` UNSUPPORTED when autograd runs
+    it); ``mask_mod`` defines ``int clmha_mask_mod(int b, int h, int q, int k,
+    __global const float *p)``, non-zero where q may attend k. clmha_real is float (double in
+    a float64 module). ``mod_params`` is their p: a 1-D floating-point tensor (count,), kept
+    as the attribute ``mod_params`` (the tensor itself when float32, else a float32 copy; a
+    plain attribute, not a buffer: not in ``state_dict()``, and ``half()`` or ``to(dtype)``
+    leave it float32) with no gradient.
+    Change it in place (``mha.mod_params[0] = 2.0``, ``copy_``) or assign a new tensor: the
+    next forward call pushes it to the layer (``clmha_layer_set_mod_params``; a new count
+    makes a new layer). The attributes ``score_mod`` and ``mask_mod`` may be changed too (a new
+    layer, compiled once per source). p is read by the forward and by the backward pass:
+    change it after a call's backward has run. A source that does not compile raises
+    ``clmha.Error`` (BUILD_FAILED) with the build log; a Python callable, mod_params without a
+    source, of an integer dtype or not 1-D raise TypeError / ValueError. Differences from
+    FlexAttention: OpenCL C source strings instead of Python callables, one float array p
+    instead of captured tensors, the score's derivative supplied by the user; reads of p are
+    not bounds-checked.
 
     Gradients flow to query, key, value, every parameter and a float attn_mask or
     key_padding_mask through clmha's backward pass (float32 modules). Differences from PyTorch:
@@ -201,14 +235,18 @@ class MultiheadAttention(nn.MultiheadAttention):
                  batch_first: bool = False, device=None, dtype=None, *,
                  num_kv_heads: Optional[int] = None, context: Optional[Context] = None,
                  window: Optional[Tuple[int, int]] = None, softcap: Optional[float] = None,
-                 alibi: bool = False, sinks: bool = False):
+                 alibi: bool = False, sinks: bool = False, score_mod: Optional[str] = None,
+                 mask_mod: Optional[str] = None, mod_params=None):
         """Arguments as ``torch.nn.MultiheadAttention``'s (``device`` must be None or "cpu";
         ``dtype`` float32, float64, float16 or bfloat16), plus ``num_kv_heads`` (key/value
         heads for grouped-query attention, dividing num_heads; default num_heads), ``context``
         (the ``clmha.Context`` to run on; default ``clmha.default_context()``), ``window``
         (None, or a sliding window (left, right), -1 leaving a side unbounded), ``softcap``
         (None or 0: off, else c > 0), ``alibi`` (a bool: registers the buffer
-        ``alibi_slopes``) and ``sinks`` (a bool: registers the parameter ``sinks``, zeros)."""
+        ``alibi_slopes``), ``sinks`` (a bool: registers the parameter ``sinks``, zeros),
+        ``score_mod`` and ``mask_mod`` (None, or OpenCL C source of the user functions) and
+        ``mod_params`` (None, or their p: a 1-D floating-point tensor, kept as the float32
+        attribute ``mod_params``)."""
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"device={device!r}: clmha.torch modules hold CPU tensors (clmha "
                              f"runs them on its OpenCL device: pass context=)")
@@ -218,6 +256,10 @@ class MultiheadAttention(nn.MultiheadAttention):
         softcap = _sdpa.softcap_value(softcap)
         alibi = _sdpa.alibi_flag(alibi)
         sinks = _sdpa.sinks_flag(sinks)
+        p = _mod_params(mod_params, _sdpa.mod_source(score_mod, mask_mod))
+        if p is not None and not (isinstance(mod_params, Tensor) and
+                                  mod_params.dtype == torch.float32):
+            mod_params = torch.from_numpy(p.copy())  # a float32 tensor of its own
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias,
                          add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim,
                          vdim=vdim, batch_first=batch_first, device=device, dtype=dtype)
@@ -231,6 +273,11 @@ class MultiheadAttention(nn.MultiheadAttention):
         self.window = window
         self.softcap = softcap
         self.alibi = alibi
+        self.score_mod = score_mod
+        self.mask_mod = mask_mod
+        # A plain attribute: module.half() / .to(dtype) would round a buffer's values. A
+        # float32 tensor is kept itself, as register_buffer keeps it.
+        self.mod_params = mod_params
         if alibi:
             self._make_slopes()
         # Like bias_k: the parameter, or None without sinks (then not in state_dict()).
@@ -239,6 +286,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         self._clmha = None
         self._clmha_key = None
         self._clmha_versions = {}
+        self._clmha_mod_stamp = None
         self._offset = itertools.count()
         self._op_handle = _torch_op.register(self) if _torch_op is not None else None
 
@@ -303,8 +351,13 @@ class MultiheadAttention(nn.MultiheadAttention):
         if alibi and getattr(self, "alibi_slopes", None) is None:
             self._make_slopes()  # alibi switched on after construction
         sinks = getattr(self, "sinks", None) is not None
+        source = _sdpa.mod_source(getattr(self, "score_mod", None),
+                                  getattr(self, "mask_mod", None))
+        mod_params = getattr(self, "mod_params", None)
+        p = _mod_params(mod_params, source)
+        count = None if p is None else p.size
         key = (dtype, float(self.dropout), bool(self.batch_first), bool(self.add_zero_attn),
-               id(self.context), window, softcap, alibi, sinks)
+               id(self.context), window, softcap, alibi, sinks, source, count)
         if self._clmha is None or key != self._clmha_key:
             self._clmha = Layer(self.embed_dim, self.num_heads, dropout=float(self.dropout),
                                 bias=self.in_proj_bias is not None,
@@ -312,10 +365,19 @@ class MultiheadAttention(nn.MultiheadAttention):
                                 add_zero_attn=self.add_zero_attn, kdim=self.kdim, vdim=self.vdim,
                                 batch_first=self.batch_first, num_kv_heads=self.num_kv_heads,
                                 dtype=dtype, window=window, softcap=softcap, alibi=alibi,
-                                sinks=sinks, context=self.context)
+                                sinks=sinks, score_mod=self.score_mod, mask_mod=self.mask_mod,
+                                mod_params=p, context=self.context)
             self._clmha_key = key
             self._clmha_versions = {}
+            self._clmha_mod_stamp = None
         layer = self._clmha
+        # p pushed when it changed (a tensor: by its version counter; anything else: each call)
+        stamp = ((mod_params._version, mod_params.data_ptr(), id(mod_params))
+                 if isinstance(mod_params, Tensor) else None)
+        if p is not None and (stamp is None or stamp != self._clmha_mod_stamp):
+            if self._clmha_mod_stamp is not None or stamp is None:  # the layer has the first
+                layer.set_mod_params(p)
+            self._clmha_mod_stamp = stamp
         names = self._param_names() + (("alibi_slopes",) if alibi else ())
         for name in names:
             p = self._param(name)
@@ -391,8 +453,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         an ``nn.MultiheadAttention`` gives a ``MultiheadAttention``; continuiti's
         ``MultiHeadAttention`` (query_project, ..., out_project) a ``ContinuitiAttention``;
         the classic split-heads module (w_q, w_k, w_v, w_concat) a ``SplitHeadsAttention``.
-        A module's ``window``, ``softcap`` and ``alibi`` attributes (a clmha module's) come
-        along, and its ``alibi_slopes`` and ``sinks`` with its ``state_dict()``."""
+        A module's ``window``, ``softcap``, ``alibi``, ``score_mod``, ``mask_mod`` and
+        ``mod_params`` attributes (a clmha module's) come along, and its ``alibi_slopes`` and
+        ``sinks`` with its ``state_dict()``."""
         if isinstance(module, nn.MultiheadAttention):
             m = cls(module.embed_dim, module.num_heads, dropout=module.dropout,
                     bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
@@ -402,7 +465,10 @@ class MultiheadAttention(nn.MultiheadAttention):
                     window=getattr(module, "window", None),
                     softcap=getattr(module, "softcap", None),
                     alibi=bool(getattr(module, "alibi", False)),
-                    sinks=getattr(module, "sinks", None) is not None)
+                    sinks=getattr(module, "sinks", None) is not None,
+                    score_mod=getattr(module, "score_mod", None),
+                    mask_mod=getattr(module, "mask_mod", None),
+                    mod_params=getattr(module, "mod_params", None))
             m.load_state_dict(module.state_dict())
             return m.train(module.training)
         heads = num_heads or getattr(module, "n_heads", None) or getattr(module, "n_head", None)
@@ -545,12 +611,13 @@ class _SdpaCall:
 
     def __init__(self, dropout_p, is_causal, scale, enable_gqa, seed, impl, context,
                  kv_cache=None, kv_append=None, window=None, softcap=None, alibi=False,
-                 alibi_slopes=None):
+                 alibi_slopes=None, score_mod=None, mask_mod=None, mod_params=None):
         self.options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                             enable_gqa=enable_gqa)
         self.extra = dict(seed=seed, offset=0, impl=impl, context=context, kv_cache=kv_cache,
                           kv_append=kv_append, window=window, softcap=softcap, alibi=alibi,
-                          alibi_slopes=alibi_slopes)
+                          alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod,
+                          mod_params=mod_params)
         self.grad_enabled = torch.is_grad_enabled()  # when the call is made, outside apply()
 
     def c_call(self, query, key, value, attn_mask, sinks=None) -> _sdpa.Call:
@@ -602,7 +669,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  window: Optional[Tuple[int, int]] = None,
                                  softcap: Optional[float] = None, alibi: bool = False,
                                  alibi_slopes: Optional[Tensor] = None,
-                                 sinks: Optional[Tensor] = None) -> Tensor:
+                                 sinks: Optional[Tensor] = None,
+                                 score_mod: Optional[str] = None,
+                                 mask_mod: Optional[str] = None,
+                                 mod_params: Optional[Tensor] = None) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` (torch 2.5's signature and
     semantics) computed by clmha on its OpenCL device, with clmha's backward pass as its
     gradient.
@@ -629,6 +699,24 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     a tensor (H,), one logit per query head in each row's softmax denominator with a zero
     value, so a row's weights sum below 1 and a fully masked row still gives zeros; autograd
     gives it a gradient when it requires grad; not (H,): ValueError).
+
+    User score and mask functions (FlexAttention's ``score_mod`` and ``mask_mod``):
+    ``score_mod`` is OpenCL C source defining ``clmha_real clmha_score_mod(clmha_real s, int b,
+    int h, int q, int k, __global const float *p)``, the new score of the scaled score s of
+    batch item b (the folded leading dimensions' index), query head h, query position q (as
+    the window's) and key k, applied after soft-capping and ALiBi, before attn_mask and the
+    masks; for the backward pass it also defines ``clmha_score_mod_grad`` (same arguments: the
+    derivative in s), else backward() raises ``clmha.Error`` (UNSUPPORTED). ``mask_mod`` is
+    OpenCL C source defining ``int clmha_mask_mod(int b, int h, int q, int k,
+    __global const float *p)``, non-zero where q may attend k (combined with attn_mask,
+    is_causal and the window). clmha_real is float. ``mod_params`` is their p: a 1-D
+    floating-point tensor (count,), read as float32, without a gradient (None: empty). The
+    sources are joined and compiled into the kernels (once per context and source): one that
+    does not compile raises ``clmha.Error`` (BUILD_FAILED) with the build log; a Python
+    callable, a source without its function, mod_params without a source, of an integer dtype
+    or not 1-D raise TypeError / ValueError. Differences from FlexAttention: OpenCL C source
+    strings instead of Python callables, one float array p instead of captured tensors, and
+    the score's derivative written by the user; the reads of p are not bounds-checked.
 
     KV cache (incremental decoding, as FlashAttention's ``flash_attn_with_kvcache``): with
     ``kv_cache=clmha.KVCache.for_attention(N, H_kv, D, capacity)``, key and value are the new
@@ -686,10 +774,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
             raise TypeError(f"sinks must be a torch.Tensor or None, not {type(sinks).__name__}")
         if not sinks.is_floating_point():
             raise TypeError(f"sinks must be floating point, not {sinks.dtype}")
+    mod_params = _mod_params(mod_params, _sdpa.mod_source(score_mod, mask_mod))
     # the dropout's Philox seed, drawn from torch's generator per call (as the module's)
     seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
     call = _SdpaCall(dropout_p, bool(is_causal), scale, bool(enable_gqa), seed, impl, context,
-                     kv_cache, kv_append, window, softcap, alibi, alibi_slopes)
+                     kv_cache, kv_append, window, softcap, alibi, alibi_slopes, score_mod,
+                     mask_mod, mod_params)
     grad = call.grad_enabled and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask, sinks))
     if grad and kv_cache is not None:

@@ -320,9 +320,8 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
     return clmha__enqueue_event(ctx, event);
 }
 
-// Reads and checks the call: the struct, the forward's args, the limits of this version.
 // CLMHA_UNSUPPORTED for a forward call whose user functions have clmha_score_mod without its
-// derivative.
+// derivative (both forms of the backward).
 static clmha_status mods_grad_check(clmha_context *ctx, const clmha_attention_args *a) {
     unsigned mods = clmha__mods_scan(a->mod_source);
     if (!(mods & CLMHA__MOD_SCORE) || (mods & CLMHA__MOD_GRAD)) return CLMHA_SUCCESS;
@@ -331,6 +330,7 @@ static clmha_status mods_grad_check(clmha_context *ctx, const clmha_attention_ar
                        "mod_source defines clmha_score_mod without its derivative");
 }
 
+// Reads and checks the call: the struct, the forward's args, the limits of this version.
 static clmha_status check_call(clmha_context *ctx, const clmha_attention_backward_args *args,
                                clmha_attention_backward_args *b, clmha_attention_args *a,
                                clmha__attention_dims *d) {
