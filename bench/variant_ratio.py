@@ -2,7 +2,8 @@
 """Attention variants against the plain call, side by side in one run.
 
 For each shape this runs `clmha bench` for the plain layer and for each variant (soft-capping,
-ALiBi, sinks; the `--variants` names below) in turn, ROUNDS times each, interleaved, and reports
+ALiBi, sinks, a sliding window; ALiBi and the window as user functions, bench/mods/*.cl; the
+`--variants` names below) in turn, ROUNDS times each, interleaved, and reports
 per variant the median of the per-run medians of the whole call and of its attention stage
 (`stages.fused` of the JSON line, or the three unfused stages), and their ratios to the plain
 call. With --backward the training step (forward + backward) instead; with --causal every call
@@ -12,6 +13,8 @@ is causal. Optionally under one driver lane (tools/ocl-driver.sh).
     /usr/bin/python3 bench/variant_ratio.py --shapes 1x16384 --causal --rounds 3 --repeat 2
     /usr/bin/python3 bench/variant_ratio.py --backward --shapes 8x128 1x2048
     /usr/bin/python3 bench/variant_ratio.py --variants softcap alibi --driver intel
+    /usr/bin/python3 bench/variant_ratio.py --variants alibi user-alibi window user-window \
+        --causal --shapes 1x4096 1x16384
 
 Needs only the clmha program (build/clmha by default); no third-party Python package.
 """
@@ -19,8 +22,10 @@ import argparse
 import json
 import os
 import statistics
+import struct
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,13 +36,37 @@ VARIANTS = {
     "alibi": ["--alibi"],
     "sinks": ["--sinks"],
     "all": ["--softcap", "50", "--alibi", "--sinks"],
+    "window": ["--window", "1023,0"],
+    # ALiBi as clmha_score_mod (p: the geometric slopes, written per head count), and the window
+    # (1023, 0) as clmha_mask_mod, against the built-in ones.
+    "user-alibi": ["--score-mod", os.path.join(ROOT, "bench", "mods", "alibi.cl"),
+                   "--mod-params", "{slopes}"],
+    "user-window": ["--score-mod", os.path.join(ROOT, "bench", "mods", "window.cl"),
+                    "--mod-params", "{window}"],
 }
+
+
+def write_npy(path, values):
+    """A 1-D float32 .npy of @values (no NumPy needed)."""
+    header = "{'descr': '<f4', 'fortran_order': False, 'shape': (%d,), }" % len(values)
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"
+    with open(path, "wb") as f:
+        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode())
+        f.write(struct.pack("<%df" % len(values), *values))
+
+
+def alibi_slopes(heads):
+    """The ALiBi paper's slopes (clmha_alibi_slopes())."""
+    p = 1 << (heads.bit_length() - 1)
+    base = [2.0 ** (-8.0 * (h + 1) / p) for h in range(p)]
+    extra = [2.0 ** (-8.0 * (h + 1) / (2 * p)) for h in range(2 * p)][0::2]
+    return (base + extra)[:heads]
 
 
 def bench(args, variant, n, length):
     cmd = [args.clmha, "bench", "--json", "--batch", str(n), "--tgt-len", str(length),
            "--embed", str(args.embed), "--heads", str(args.heads), "--repeat", str(args.repeat)]
-    cmd += VARIANTS[variant]
+    cmd += [a.format(**args.files) for a in VARIANTS[variant]]
     if args.causal:
         cmd.append("--causal")
     if args.backward:
@@ -73,6 +102,11 @@ def main(argv=None):
                     choices=[v for v in VARIANTS if v != "plain"])
     args = ap.parse_args(argv)
     names = ["plain"] + args.variants
+    tmp = tempfile.TemporaryDirectory()
+    args.files = {"slopes": os.path.join(tmp.name, "slopes.npy"),
+                  "window": os.path.join(tmp.name, "window.npy")}
+    write_npy(args.files["slopes"], alibi_slopes(args.heads))
+    write_npy(args.files["window"], [1023.0])
     what = "step" if args.backward else "forward"
     print(f"| shape | variant | {what} ms | vs plain | attention ms | vs plain |")
     print("|---|---|---|---|---|---|")
@@ -95,6 +129,11 @@ def main(argv=None):
             s_ratio = "—" if s is None or not stage["plain"] else f"{s / stage['plain']:.2f}"
             print(f"| N {n}, L {length}{' causal' if args.causal else ''} | {v} | "
                   f"{whole[v]:.1f} | {whole[v] / whole['plain']:.2f} | {s_text} | {s_ratio} |")
+        for user, builtin in (("user-alibi", "alibi"), ("user-window", "window")):
+            if user in whole and builtin in whole:
+                print(f"| N {n}, L {length} | {user} / {builtin} | | "
+                      f"{whole[user] / whole[builtin]:.2f} | | "
+                      f"{'—' if not stage[builtin] else f'{stage[user] / stage[builtin]:.2f}'} |")
     print(f"\ndevice: {device}; {args.rounds} interleaved rounds, each the median of "
           f"{args.repeat} runs; medians of the rounds")
 

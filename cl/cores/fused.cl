@@ -219,11 +219,17 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
 #endif
 #if USER_SCORE
         // The user's score function (cl/common.cl) on the tile's real keys, key by key over
-        // the rows (contiguous), so that the compiler may vectorise it across them.
-        for (uint jj = 0; jj < BK && j0 + jj < src_len; ++jj)
-            for (uint r = 0; r < RP; ++r)
-                st[jj * RP + r] =
-                    USER_SCORE_OF(st[jj * RP + r], n, h, min(first + r, last), j0 + jj);
+        // the rows (contiguous, positions as int), so that the compiler may vectorise it across
+        // them.
+        {
+            int keys = (int)min((ulong)BK, src_len > j0 ? src_len - j0 : 0);
+            int q0 = (int)first, qmax = (int)last;
+            for (int jj = 0; jj < keys; ++jj) {
+                int kj = (int)j0 + jj;
+                for (int r = 0; r < RP; ++r)
+                    st[jj * RP + r] = USER_SCORE_OF(st[jj * RP + r], n, h, min(q0 + r, qmax), kj);
+            }
+        }
 #endif
         // Masks: only where the tile needs any (inside the real keys, no masks, below the
         // causal diagonal of the first row, inside every row's window and allowed to every row
