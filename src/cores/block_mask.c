@@ -63,6 +63,7 @@ clmha_status clmha__block_mask_get(clmha_layer *l, clmha__block_mask *bm, const 
     bm->rows = rows;
     bm->keys = keys;
     bm->version = l->mod_version;
+    ++bm->evaluations;
     *out = bm->buf;
     return CLMHA_SUCCESS;
 }

@@ -25,6 +25,7 @@ typedef struct clmha__block_mask {
     bool valid;
     size_t planes, heads, l, s, s_padded, rows, keys;
     unsigned long version;
+    unsigned long evaluations;  // counts the evaluations (a reader's copy is stale when it moved)
 } clmha__block_mask;
 
 // The block mask of the call @p d of layer @p l (with clmha_mask_mod) for tiles of @p rows

@@ -41,8 +41,12 @@ struct clmha__fused_backward {
     bool gemms;            // the products in GEMMs, block by block (run_gemms())
     cl_mem block_s, block_g;  // run_gemms()'s block of scores and dO.v, grown on demand
     size_t block_s_cap, block_g_cap;
-    // With clmha_mask_mod: the tiles it forbids, as dkdv and dq walk them (block_mask.c).
-    clmha__block_mask dkdv_blocks, dq_blocks;
+    // With clmha_mask_mod: the tiles it forbids, as dkdv and dq walk them (block_mask.c), and
+    // as run_gemms() cuts the rows, with its host copy (of evaluation gemm_mask_seen).
+    clmha__block_mask dkdv_blocks, dq_blocks, gemm_blocks;
+    unsigned char *gemm_mask;
+    size_t gemm_mask_cap;
+    unsigned long gemm_mask_seen;
 };
 
 static void release_kernels(clmha__fused_backward *fb) {
@@ -61,6 +65,8 @@ void clmha__fused_backward_release(clmha__fused_backward *fb) {
     clmha__release_mem(fb->block_g);
     clmha__block_mask_release(&fb->dkdv_blocks);
     clmha__block_mask_release(&fb->dq_blocks);
+    clmha__block_mask_release(&fb->gemm_blocks);
+    free(fb->gemm_mask);
     free(fb);
 }
 
@@ -506,6 +512,49 @@ static size_t window_block_rows(const clmha__mask_args *m, const clmha__dims *d,
     return rows;
 }
 
+// Keys per tile of run_gemms()'s block mask with clmha_mask_mod, and rows per block at most.
+#define GEMM_MASK_KEYS 64
+#define GEMM_MASK_ROWS 256
+
+// With clmha_mask_mod: the block mask of run_gemms()'s blocks of @p rows rows of one plane in
+// tiles of GEMM_MASK_KEYS keys, copied to the host (fb->gemm_mask) when it was evaluated anew.
+static clmha_status gemm_mask(clmha_layer *l, clmha__fused_backward *fb, const clmha__dims *d,
+                              size_t rows) {
+    clmha_context *ctx = l->ctx;
+    cl_mem buf;
+    clmha_status st = clmha__block_mask_get(l, &fb->gemm_blocks, d, rows, GEMM_MASK_KEYS, &buf);
+    if (st || fb->gemm_mask_seen == fb->gemm_blocks.evaluations) return st;
+    size_t bytes = d->n * l->h * ((d->l + rows - 1) / rows) *
+                   ((d->s_padded + GEMM_MASK_KEYS - 1) / GEMM_MASK_KEYS);
+    if (bytes > fb->gemm_mask_cap) {
+        unsigned char *p = realloc(fb->gemm_mask, bytes);
+        if (!p) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+        fb->gemm_mask = p, fb->gemm_mask_cap = bytes;
+    }
+    cl_int err = clEnqueueReadBuffer(ctx->queue, buf, CL_TRUE, 0, bytes, fb->gemm_mask, 0, NULL,
+                                     NULL);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clEnqueueReadBuffer(block mask)");
+    fb->gemm_mask_seen = fb->gemm_blocks.evaluations;
+    return CLMHA_SUCCESS;
+}
+
+// The real keys [*c0, *c1) of block @p b of plane @p p (rows of gemm_mask()) that its tiles
+// not wholly forbidden by clmha_mask_mod hold (empty: *c0 >= *c1).
+static void mask_keys(const clmha__fused_backward *fb, const clmha__dims *d, size_t blocks,
+                      size_t p, size_t b, size_t *c0, size_t *c1) {
+    size_t k_tiles = (d->s_padded + GEMM_MASK_KEYS - 1) / GEMM_MASK_KEYS;
+    const unsigned char *row = fb->gemm_mask + (p * blocks + b) * k_tiles;
+    size_t first = k_tiles, last = 0;
+    for (size_t t = 0; t < k_tiles && t * GEMM_MASK_KEYS < d->s; ++t)
+        if (row[t] != 0) {  // MOD_BLOCK_NONE (cl/common.cl)
+            if (first == k_tiles) first = t;
+            last = t;
+        }
+    *c0 = first == k_tiles ? d->s : first * GEMM_MASK_KEYS;
+    *c1 = first == k_tiles ? d->s : (last + 1) * GEMM_MASK_KEYS;
+    if (*c1 > d->s) *c1 = d->s;
+}
+
 // The products in GEMMs, block by block: the query rows are cut into blocks (several whole
 // planes, or rows of one plane, per block: block_floats()), and each block runs
 // block_products() over the keys its rows may see. The row blocks of a plane run from the last
@@ -514,7 +563,10 @@ static size_t window_block_rows(const clmha__mask_args *m, const clmha__dims *d,
 // masked for all their rows. With a window (clmha__masks_of(): a bound that masks something)
 // dq, dk and dv are zeroed first and every block adds (beta 1) its products over the real keys
 // its rows may see (window_keys()) and, separately, over the appended keys, in blocks of
-// window_block_rows(): the work grows linearly in L for a fixed window. Drow is computed first,
+// window_block_rows(): the work grows linearly in L for a fixed window. With a user mask
+// function the blocks are rows of one plane (at most GEMM_MASK_ROWS), each over the keys of the
+// tiles its block mask does not forbid whole (mask_keys()), the appended ones apart, beta 1 on
+// zeroed gradients as with a window. Drow is computed first,
 // as for the kernels. Each gradient element is a sum in a fixed order (the GEMMs' and the
 // blocks'): the same on every run with the same BLAS.
 static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
@@ -529,8 +581,15 @@ static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
     if (pp > planes) pp = planes;
     clmha__mask_args m = clmha__masks_of(l, call->args, d);
     bool windowed = m.win_left >= 0 || m.win_right >= 0;
+    bool user_mask = (l->mods & CLMHA__MOD_MASK) != 0;
     if (windowed && per_plane > cap) rows = window_block_rows(&m, d, cap, rows, &cols);
     clmha_status st;
+    if (user_mask) {  // one plane a block, GEMM_MASK_ROWS rows at most
+        pp = 1, cols = sp;
+        if (rows > GEMM_MASK_ROWS) rows = GEMM_MASK_ROWS;
+        if ((st = gemm_mask(l, fb, d, rows))) return st;
+        windowed = true;  // the window's block walk, over mask_keys() as well
+    }
     if ((st = clmha__layer_grow_core_scratch(l, &fb->block_s, &fb->block_s_cap, pp * rows * cols,
                                              "fused backward score block")) ||
         (st = clmha__layer_grow_core_scratch(l, &fb->block_g, &fb->block_g_cap, pp * rows * cols,
@@ -556,6 +615,12 @@ static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
             }
             size_t c0, c1;
             window_keys(&m, d->s, r0, nr, &c0, &c1);
+            if (user_mask) {
+                size_t u0, u1;
+                mask_keys(fb, d, blocks, p0, b, &u0, &u1);
+                if (u0 > c0) c0 = u0;
+                if (u1 < c1) c1 = u1;
+            }
             bl.beta_kv = bl.beta_q = 1.0f;
             if (c0 < c1) {
                 bl.c0 = c0, bl.cols = c1 - c0;
