@@ -737,10 +737,11 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
             float s_in[VW], g_in[VW], s_out[VW], g_out[VW];  // written one way, read the other
             STOREV(sv, 0, s_in);
             STOREV(gsc, 0, g_in);
-            for (uint u = 0; u < VW; ++u) {
-                ulong i = row0 + min(u0 + u, rows - 1);
-                s_out[u] = USER_SCORE_OF(s_in[u], n, h, i, j);
-                g_out[u] = g_in[u] * USER_GRAD_OF(s_in[u], n, h, i, j);
+            int q0 = (int)(row0 + u0), qmax = (int)(row0 + rows - 1), kj = (int)j;
+            for (int u = 0; u < VW; ++u) {
+                int qi = min(q0 + u, qmax);
+                s_out[u] = USER_SCORE_OF(s_in[u], n, h, qi, kj);
+                g_out[u] = g_in[u] * USER_GRAD_OF(s_in[u], n, h, qi, kj);
             }
             sv = LOADV(0, s_out);
             gsc = LOADV(0, g_out);
