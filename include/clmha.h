@@ -1600,7 +1600,8 @@ CLMHA_API clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *
 /// the arguments of clmha_layer_forward() and runs the same projections, masks and fused core;
 /// writes, instead of the output, the attention result of every head, (N*H, L, D) floats
 /// (normalised over this call's keys, and the keys of add_bias_kv and add_zero_attn when
-/// @p appended_keys: set it on exactly one of the ranges that are merged), and
+/// @p appended_keys: set it on exactly one of the ranges that are merged; that range also counts
+/// a layer's attention sinks, clmha_layer_desc::sinks, so that the merge counts them once), and
 /// the natural log of each row's sum of exp(score) (the scaled, masked scores), N*H*L floats:
 /// -INFINITY for a row with no key (its result is zeros). A key range's masks are the caller's
 /// slice of the whole masks; is_causal is top-left aligned on this call's own keys (give
@@ -1619,8 +1620,9 @@ CLMHA_API clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *
 /// @param[in]  wait_list     as for clmha_layer_forward()
 /// @param[out] event         optional: completes with the call
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_layer_forward(), for @p heads and
-///         @p lse), ::CLMHA_UNSUPPORTED (the options above; a device where the fused core
-///         cannot run the call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         @p lse), ::CLMHA_UNSUPPORTED (the options above; a layer with user functions,
+///         clmha_layer_desc::mod_source, whose key positions a range does not give; a device
+///         where the fused core cannot run the call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_layer_attend(clmha_layer *layer, const clmha_forward_args *args,

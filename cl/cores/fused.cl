@@ -326,8 +326,12 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         UNROLL
         for (uint rv = 0; rv < RV; ++rv) {
             VT m2 = VT_SELECT(m[rv], sink, sink > m[rv]);  // a NaN maximum stays
-            VT c = exp_nonpos(m[rv] - m2);                 // 0 for a row with no key yet
-            sum[rv] = fma(sum[rv], c, exp_nonpos(sink - m2));
+            // 0 for a row with no key yet; a sink of -inf (partial attention's ranges but the
+            // one that holds the sinks: src/forward/partial.c) leaves a row with none as it is.
+            VT gone = VT_SELECT((VT)(0.0f), (VT)(1.0f), m2 == (VT)(-INFINITY));
+            VT c = VT_SELECT(exp_nonpos(m[rv] - m2), (VT)(1.0f), gone != (VT)(0.0f));
+            sum[rv] = fma(sum[rv], c,
+                          VT_SELECT(exp_nonpos(sink - m2), (VT)(0.0f), gone != (VT)(0.0f)));
             for (uint d = 0; d < HD; ++d) STOREV(LOADV(d * RP + rv * VW, ot) * c, d * RP + rv * VW, ot);
             m[rv] = m2;
         }
@@ -537,8 +541,11 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         REAL sink = SINK_OF(bh - n * n_heads);
         for (uint r = 0; r < RPW; ++r) {
             REAL m2 = max_nan(m[r], sink);
-            REAL c = LANE0(exp_nonpos((VT)(m[r] - m2)));  // 0 for a row with no key
-            sum[r] = sum[r] * c + LANE0(exp_nonpos((VT)(sink - m2)));
+            // 0 for a row with no key; a sink of -inf (partial attention's ranges but the one
+            // that holds the sinks: src/forward/partial.c) leaves a row with none as it is.
+            bool gone = m2 == -INFINITY;
+            REAL c = gone ? 1.0f : LANE0(exp_nonpos((VT)(m[r] - m2)));
+            sum[r] = sum[r] * c + (gone ? 0.0f : LANE0(exp_nonpos((VT)(sink - m2))));
             for (uint d = 0; d < HD; ++d) ACCROW(r)[d] *= c;
             m[r] = m2;
         }

@@ -13,8 +13,10 @@
 #include "layer/layer.h"
 #include "layer/shape.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, size_t head_dim,
                                    cl_mem heads, size_t heads_offset, cl_mem lse,
@@ -57,6 +59,24 @@ clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, size_t head_
     return clmha__enqueue_event(ctx, event);
 }
 
+// layer->no_sinks: H floats of -inf, made on first use (filled from the host: nothing
+// enqueued).
+static clmha_status no_sinks(clmha_layer *layer) {
+    if (layer->no_sinks) return CLMHA_SUCCESS;
+    clmha_context *ctx = layer->ctx;
+    float *v = malloc(layer->h * sizeof *v);
+    if (!v) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    for (size_t h = 0; h < layer->h; ++h) v[h] = -INFINITY;
+    cl_int err;
+    clmha__count(ctx, 0, 1);
+    layer->no_sinks = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                                     layer->h * sizeof *v, v, &err);
+    clmha__held_new(CLMHA__HELD_MEM, layer->no_sinks);
+    free(v);
+    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clCreateBuffer(sinks of -inf)");
+    return CLMHA_SUCCESS;
+}
+
 static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
                            bool appended_keys, cl_mem heads, size_t heads_offset, cl_mem lse,
                            size_t lse_offset, cl_uint num_wait, const cl_event *wait_list,
@@ -85,11 +105,6 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "clmha_layer_attend() does not take a layer with user functions "
                            "(mod_source) yet");
-    if (layer->desc.sinks)  // each range's rows would count the sink once: merged, twice
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "clmha_layer_attend() does not take a layer with sinks yet: every "
-                           "range's result would count the sink, and their merge would count it "
-                           "once a range");
     clmha__dims d;
     if ((st = clmha__forward_validate(layer, args, true, &d))) return st;
     size_t rows = d.n * layer->h * d.l;
@@ -114,8 +129,16 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
     if (!appended_keys) d.s_padded = d.s;
     clmha__core_call call = {.args = args, .dims = &d};
     clmha__partial_out partial = {heads, lse, heads_offset, lse_offset, appended_keys};
-    return clmha__forward_planned(layer, args, &d, &call, &partial, NULL, 0, NULL, 0, num_wait,
-                                  wait_list, event);
+    // Sinks: the range that holds the appended keys holds them too; the others get sinks of
+    // -inf (no term), so that the merge counts each row's sink once.
+    if (layer->desc.sinks && !appended_keys) {
+        if ((st = no_sinks(layer))) return st;
+        layer->sinks_call = layer->no_sinks, layer->sinks_call_off = 0;
+    }
+    st = clmha__forward_planned(layer, args, &d, &call, &partial, NULL, 0, NULL, 0, num_wait,
+                                wait_list, event);
+    layer->sinks_call = NULL;
+    return st;
 }
 
 clmha_status clmha_layer_attend(clmha_layer *layer, const clmha_forward_args *args,

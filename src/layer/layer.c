@@ -378,6 +378,7 @@ void clmha__layer_free(clmha_layer *layer) {
     release_mem(&layer->bias_kv);
     release_mem(&layer->alibi);
     release_mem(&layer->sinks);
+    release_mem(&layer->no_sinks);
     clmha__layer_mods_free(layer);
     release_mem(&layer->partial_lse);
     release_mem(&layer->proj);

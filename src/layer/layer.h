@@ -84,6 +84,9 @@ struct clmha_layer {
     // set per call under the bare layer's lock.
     cl_mem sinks_call;
     size_t sinks_call_off;
+    // H values of -inf: the sinks of clmha_layer_attend()'s ranges but the one that holds them
+    // (src/forward/partial.c), made on first use.
+    cl_mem no_sinks;
     // User functions (clmha_layer_desc::mod_source; src/layer/mods.c): the layer's copy of the
     // source (NULL without; desc.mod_source points to it), the functions its text defines
     // (CLMHA__MOD_* bits), their parameters p (desc.mod_params_count floats, NULL when none)

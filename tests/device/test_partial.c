@@ -148,6 +148,26 @@ Test(partial, ranges_merge_to_the_whole, .timeout = 300) {
     }
 }
 
+// Attention sinks: the range that holds the appended keys holds the sinks (the others get
+// sinks of -inf), so that the merge counts each row's sink once; with the appended keys in each
+// range in turn, and with fully masked rows.
+Test(partial, sinks, .timeout = 300) {
+    size_t cuts[] = {0, 4, 5, 11};
+    rcase c = cross_case(25);
+    c.sinks = true, c.add_zero_attn = true, c.kpm = CLMHA_MASK_BOOL_IGNORE, c.mask_p = 0.3;
+    for (size_t with = 0; with < 3; ++with) {
+        double err = split_and_merge(&c, cuts, 3, with);
+        fprintf(stderr, "partial: sinks, zero_attn (with range %zu): max abs err %.3g\n", with,
+                err);
+        cr_expect(err <= TOL, "sinks with range %zu: max abs err %g", with, err);
+    }
+    c = cross_case(26);
+    c.sinks = true, c.kpm = CLMHA_MASK_BOOL_IGNORE, c.mask_batch = true, c.mask_p = 0.0;
+    double err = split_and_merge(&c, cuts, 3, 2);
+    fprintf(stderr, "partial: sinks, item 0 fully masked: max abs err %.3g\n", err);
+    cr_expect(err <= TOL, "sinks, masked item: max abs err %g", err);
+}
+
 // Item 0's keys are all masked (key_padding_mask, boolean): its rows have lse -INFINITY in every
 // range, merge to zeros and project to out_proj.bias, as the one-shot forward gives; ranges of
 // one key at the end.
