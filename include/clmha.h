@@ -1620,9 +1620,9 @@ CLMHA_API clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *
 /// @param[in]  wait_list     as for clmha_layer_forward()
 /// @param[out] event         optional: completes with the call
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_layer_forward(), for @p heads and
-///         @p lse), ::CLMHA_UNSUPPORTED (the options above; a layer with user functions,
-///         clmha_layer_desc::mod_source, whose key positions a range does not give; a device
-///         where the fused core cannot run the call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         @p lse), ::CLMHA_UNSUPPORTED (the options above; a layer with a sliding window,
+///         ALiBi or user functions, clmha_layer_desc::mod_source, whose key positions a range
+///         does not give yet; a device where the fused core cannot run the call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_layer_attend(clmha_layer *layer, const clmha_forward_args *args,

@@ -101,10 +101,17 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
                            "clmha_layer_attend() returns the log-sum-exp rows, which only a core "
                            "that writes them gives; it does not take %s",
                            no);
-    if (layer->mods)  // the functions would see a range's key indices, not the sequence's
+    // Position-dependent variants would see a range's key indices, not the sequence's
+    // positions (a range carries no offset yet): refused rather than computed wrong.
+    const char *positional = layer->mods          ? "user functions (mod_source)"
+                             : layer->desc.alibi  ? "ALiBi"
+                             : layer->desc.window ? "a sliding window"
+                                                  : NULL;
+    if (positional)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "clmha_layer_attend() does not take a layer with user functions "
-                           "(mod_source) yet");
+                           "clmha_layer_attend() does not take %s yet: a range's keys would "
+                           "get the positions of its own indices, not the sequence's",
+                           positional);
     clmha__dims d;
     if ((st = clmha__forward_validate(layer, args, true, &d))) return st;
     size_t rows = d.n * layer->h * d.l;
