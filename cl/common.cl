@@ -12,14 +12,17 @@
 #define MASK_FLOAT 3
 
 // The mask and dropout parameters that end the attention kernels' parameter lists, in the order
-// the host passes them (CLMHA__MASK_ARGS, src/cores/kernel_args.h).
+// the host passes them (CLMHA__MASK_ARGS, src/cores/kernel_args.h). q_pos and k_pos: the
+// positions of the call's first query row and key (partial attention, which runs the fused
+// forward only; 0 elsewhere): query row i is at q_pos + i and key j at k_pos + j for is_causal,
+// the window, ALiBi and the user functions; masks and dropout read the indices.
 #define MASK_PARAMS                                                                             \
     global const uchar *attn_mask, ulong attn_off, uint attn_kind, ulong attn_sn,              \
         ulong attn_sh, ulong attn_si,                                                           \
         global const uchar *kpm, ulong kpm_off, uint kpm_kind, uint causal, long win_left,      \
         long win_right, REAL softcap, global const REAL *alibi_slopes, ulong alibi_off,        \
         global const REAL *sinks, ulong sinks_off, global const float *mod_p, ulong mod_off,    \
-        global const uchar *mod_blocks, uint dropout_on,                                        \
+        global const uchar *mod_blocks, ulong q_pos, ulong k_pos, uint dropout_on,              \
         uint dropout_threshold, REAL keep_scale, uint seed_lo, uint seed_hi_xor_off_hi,        \
         uint offset_lo
 
@@ -228,13 +231,18 @@ typedef struct key_tiles {
     ulong begin, end, tail;
 } key_tiles;
 
+// (first and last are positions, and key j is at position k_pos + j: partial attention's
+// ranges, MASK_PARAMS; 0 elsewhere.)
 inline key_tiles key_tiles_of(ulong first, ulong last, ulong src_len, ulong src_len_padded,
-                              uint causal, long win_left, long win_right, ulong tile) {
+                              uint causal, long win_left, long win_right, ulong tile,
+                              ulong k_pos) {
     bool windowed = win_left >= 0 || win_right >= 0;
     ulong lo = win_left >= 0 && first > (ulong)win_left ? first - (ulong)win_left : 0;
-    ulong hi = src_len;  // one past the last real key seen
+    ulong hi = src_len + k_pos;  // one past the last real key seen, as a position
     if (causal) hi = min(hi, last + 1);
     if (win_right >= 0) hi = min(hi, last + (ulong)win_right + 1);
+    lo = lo > k_pos ? lo - k_pos : 0;  // as key indices
+    hi = hi > k_pos ? hi - k_pos : 0;
     key_tiles kt;
     kt.tail = windowed && src_len_padded == src_len ? src_len_padded : src_len / tile * tile;
     kt.end = min((hi + tile - 1) / tile * tile, (src_len + tile - 1) / tile * tile);

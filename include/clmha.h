@@ -1297,6 +1297,13 @@ typedef struct clmha_forward_args {
     bool kv_attend_only;           ///< with kv_cache set: append nothing, attend over the cache
                                    ///< as it is (cross-attention decoding once the keys are in);
                                    ///< key and value must then be absent (ndim 0)
+    /// Partial attention (clmha_layer_attend()) only, 0 elsewhere: the sequence positions of
+    /// this call's first query row and first key, so that a range of keys (and a block of
+    /// queries) sees the positions it has in the whole sequence: query row i is at
+    /// query_position + i and key j at key_position + j for is_causal, the sliding window,
+    /// ALiBi and the user functions. Added after 0.1.0: zero-initialised, both 0.
+    size_t query_position;
+    size_t key_position;    ///< the first key's position; see @ref query_position
 } clmha_forward_args;
 
 /// What a user attention core receives. Layouts: q (N*H, L, D), k and v (N*H, S', D) (with
@@ -1604,8 +1611,10 @@ CLMHA_API clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *
 /// a layer's attention sinks, clmha_layer_desc::sinks, so that the merge counts them once), and
 /// the natural log of each row's sum of exp(score) (the scaled, masked scores), N*H*L floats:
 /// -INFINITY for a row with no key (its result is zeros). A key range's masks are the caller's
-/// slice of the whole masks; is_causal is top-left aligned on this call's own keys (give
-/// ranges of keys an attn_mask slice instead). The dropout pattern is this call's own.
+/// slice of the whole masks; clmha_forward_args::key_position (and query_position, for a block
+/// of queries) place the range in the sequence for is_causal, the sliding window, ALiBi and the
+/// user functions (0, 0: top-left on this call's own keys). The dropout pattern is this call's
+/// own.
 /// clmha_layer_project_heads() then applies the head merge and the output projection.
 /// @param[in]  layer         the layer
 /// @param[in]  args          as for clmha_layer_forward(); need_weights, save, kv_cache and
@@ -1620,9 +1629,8 @@ CLMHA_API clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *
 /// @param[in]  wait_list     as for clmha_layer_forward()
 /// @param[out] event         optional: completes with the call
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_layer_forward(), for @p heads and
-///         @p lse), ::CLMHA_UNSUPPORTED (the options above; a layer with a sliding window,
-///         ALiBi or user functions, clmha_layer_desc::mod_source, whose key positions a range
-///         does not give yet; a device where the fused core cannot run the call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         @p lse; positions above 2^24), ::CLMHA_UNSUPPORTED (the options above; a device
+///         where the fused core cannot run the call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_layer_attend(clmha_layer *layer, const clmha_forward_args *args,

@@ -4,13 +4,15 @@
 // MOD_BLOCK_NONE where the function forbids every real key of the tile to every row of it,
 // MOD_BLOCK_ALL where it allows them all, MOD_BLOCK_SOME otherwise, and never NONE for a tile
 // that holds an appended key (add_bias_kv, add_zero_attn: j >= src_len), which is always seen.
-// Layout: [bh][ceil(L / rows)][ceil(S' / keys)] bytes. Query row i is at position i (the fused
-// cores run no KV cache).
+// Layout: [bh][ceil(L / rows)][ceil(S' / keys)] bytes. Query row i is at position q_pos + i and
+// key j at k_pos + j (partial attention's positions; 0 elsewhere: the fused cores run no KV
+// cache).
 
 // One work-item per tile; it stops at the first pair of answers that makes the tile SOME.
 kernel void mod_block_mask(global uchar *out, ulong n_heads, ulong tgt_len, ulong src_len,
                            ulong src_len_padded, ulong rows, ulong keys, ulong tiles,
-                           global const float *mod_p, ulong mod_off) {
+                           global const float *mod_p, ulong mod_off, ulong q_pos,
+                           ulong k_pos) {
     ulong t = get_global_id(0);
     if (t >= tiles) return;
     ulong q_tiles = (tgt_len + rows - 1) / rows, k_tiles = (src_len_padded + keys - 1) / keys;
@@ -21,7 +23,7 @@ kernel void mod_block_mask(global uchar *out, ulong n_heads, ulong tgt_len, ulon
     bool any = false, all = true;
     for (ulong i = i0; i < i1 && (all || !any); ++i) {
         for (ulong j = j0; j < jr; ++j) {
-            bool allowed = USER_ALLOWS(n, h, i, j);
+            bool allowed = USER_ALLOWS(n, h, q_pos + i, k_pos + j);
             any |= allowed;
             all &= allowed;
         }

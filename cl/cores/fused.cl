@@ -150,7 +150,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     VT pv[RV];  // the rows' positions, lane by lane (rows past the last repeat it)
     UNROLL
     for (uint rv = 0; rv < RV; ++rv)
-        pv[rv] = min((VT)((REAL)(first + rv * VW)) + LANE_INDEX, (VT)((REAL)last));
+        pv[rv] = min((VT)((REAL)(q_pos + first + rv * VW)) + LANE_INDEX,
+                     (VT)((REAL)(q_pos + last)));
 #endif
 
     REAL qt[HD * RP];  // the scaled query rows, transposed: qt[d * RP + r]
@@ -174,7 +175,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     global const REAL *vb = v + bh / kv_group * srcp * HD;
     // The key tiles some row may see: is_causal and the window skip the others (cl/common.cl,
     // key_tiles_of).
-    key_tiles span = key_tiles_of(first, last, src_len, srcp, causal, win_left, win_right, BK);
+    key_tiles span = key_tiles_of(q_pos + first, q_pos + last, src_len, srcp, causal, win_left,
+                                  win_right, BK, k_pos);
     ulong h = bh - n * n_heads;
     for (ulong j0 = span.begin; j0 < srcp; j0 = key_tile_next(span, j0, BK)) {
         // The tiles clmha_mask_mod forbids to every row here are skipped (cl/common.cl).
@@ -208,11 +210,11 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
 #if SCORE_MODS
         // The score variants (cl/common.cl), a vector of VW rows at a time.
         for (uint jj = 0; jj < BK; ++jj) {
-            VT jv = (VT)((REAL)(j0 + jj)), g;
+            VT jv = (VT)((REAL)(k_pos + j0 + jj)), g;  // positions (MASK_PARAMS)
             UNROLL
             for (uint rv = 0; rv < RV; ++rv) {
                 VT x = LOADV(jj * RP + rv * VW, st);
-                x = score_mod_lanes(x, softcap, slope, pv[rv], jv, (REAL)src_len, &g);
+                x = score_mod_lanes(x, softcap, slope, pv[rv], jv, (REAL)(k_pos + src_len), &g);
                 STOREV(x, jj * RP + rv * VW, st);
             }
         }
@@ -223,9 +225,9 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         // them.
         {
             int keys = (int)min((ulong)BK, src_len > j0 ? src_len - j0 : 0);
-            int q0 = (int)first, qmax = (int)last;
+            int q0 = (int)(q_pos + first), qmax = (int)(q_pos + last);  // positions
             for (int jj = 0; jj < keys; ++jj) {
-                int kj = (int)j0 + jj;
+                int kj = (int)(k_pos + j0) + jj;
                 for (int r = 0; r < RP; ++r)
                     st[jj * RP + r] = USER_SCORE_OF(st[jj * RP + r], n, h, min(q0 + r, qmax), kj);
             }
@@ -235,23 +237,27 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         // causal diagonal of the first row, inside every row's window and allowed to every row
         // by clmha_mask_mod needs none).
         bool user_mask = USER_MASK && blk != MOD_BLOCK_ALL;
+        // (Rows and keys at their positions: q_pos + i, k_pos + j, MASK_PARAMS.)
+        ulong kp0 = k_pos + j0;
         bool plain = !attn_kind && !kpm_kind && !user_mask && j0 + BK <= srcp &&
-                     (!causal || j0 + BK <= first + 1) &&
-                     in_window_all(win_left, win_right, first, last, j0, j0 + BK - 1);
+                     (!causal || kp0 + BK <= q_pos + first + 1) &&
+                     in_window_all(win_left, win_right, q_pos + first, q_pos + last, kp0,
+                                   kp0 + BK - 1);
         if (!plain) {
             for (uint r = 0; r < RP; ++r) {
-                ulong i = min(first + r, last);
+                ulong i = min(first + r, last), qi = q_pos + i;
                 ulong ar = ATTN_ROW(bh, n, n_heads, i);
                 for (uint jj = 0; jj < BK; ++jj) {
-                    ulong j = j0 + jj;
+                    ulong j = j0 + jj, kj = kp0 + jj;
                     REAL x = st[jj * RP + r];
                     if (j >= srcp) {
                         x = -INFINITY;
                     } else if (j < src_len) {
                         x += mask_value(attn_mask, attn_kind, ar + j);
                         x += mask_value(kpm, kpm_kind, kpm_row + j);
-                        if ((causal && j > i) || !in_window(win_left, win_right, (long)i, (long)j) ||
-                            (user_mask && !USER_ALLOWS(n, h, i, j)))
+                        if ((causal && kj > qi) ||
+                            !in_window(win_left, win_right, (long)qi, (long)kj) ||
+                            (user_mask && !USER_ALLOWS(n, h, qi, kj)))
                             x = -INFINITY;
                     }
                     st[jj * RP + r] = x;
@@ -424,8 +430,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     // The key tiles some row of the group may see: is_causal and the window skip the others
     // (cl/common.cl, key_tiles_of). The bounds are the same for the whole group, so the barriers
     // stay uniform.
-    key_tiles span = key_tiles_of(first, last, src_len, src_len_padded, causal, win_left,
-                                win_right, BK);
+    key_tiles span = key_tiles_of(q_pos + first, q_pos + last, src_len, src_len_padded, causal,
+                                  win_left, win_right, BK, k_pos);
     ulong h = bh - n * n_heads;
     for (ulong j0 = span.begin; j0 < src_len_padded; j0 = key_tile_next(span, j0, BK)) {
         // The tiles clmha_mask_mod forbids to every row of the group are skipped, uniformly
@@ -472,26 +478,27 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         for (uint r = 0; r < RPW; ++r) {
             // Masks: only where this row has any (a tile inside the real keys, without masks,
             // below the causal diagonal and inside the row's window needs none).
+            // (Rows and keys at their positions: q_pos + i, k_pos + j, MASK_PARAMS.)
+            ulong qi = q_pos + rows[r], kp0 = k_pos + j0;
             bool plain = !(SCORE_MODS || USER_SCORE) && !user_mask && !attn_kind && !kpm_kind &&
-                         j0 + BK <= src_len_padded &&
-                         (!causal || j0 + BK <= rows[r] + 1) &&
-                         in_window_all(win_left, win_right, rows[r], rows[r], j0, j0 + BK - 1);
+                         j0 + BK <= src_len_padded && (!causal || kp0 + BK <= qi + 1) &&
+                         in_window_all(win_left, win_right, qi, qi, kp0, kp0 + BK - 1);
             if (!plain) {
                 for (uint jj = 0; jj < BK; ++jj) {
-                    ulong j = j0 + jj;
+                    ulong j = j0 + jj, kj = kp0 + jj;
                     REAL x = s[r][jj];
 #if SCORE_MODS
-                    x = score_mod(x, softcap, slope, rows[r], j, j < src_len);
+                    x = score_mod(x, softcap, slope, qi, kj, j < src_len);
 #endif
                     if (j >= src_len_padded) {
                         x = -INFINITY;
                     } else if (j < src_len) {
-                        x = USER_SCORE_OF(x, n, h, rows[r], j);  // the user's (cl/common.cl)
+                        x = USER_SCORE_OF(x, n, h, qi, kj);  // the user's (cl/common.cl)
                         x += mask_value(attn_mask, attn_kind, attn_row[r] + j);
                         x += mask_value(kpm, kpm_kind, kpm_row + j);
-                        if ((causal && j > rows[r]) ||
-                            !in_window(win_left, win_right, (long)rows[r], (long)j) ||
-                            (user_mask && !USER_ALLOWS(n, h, rows[r], j)))
+                        if ((causal && kj > qi) ||
+                            !in_window(win_left, win_right, (long)qi, (long)kj) ||
+                            (user_mask && !USER_ALLOWS(n, h, qi, kj)))
                             x = -INFINITY;
                     }
                     s[r][jj] = x;

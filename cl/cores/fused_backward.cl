@@ -360,7 +360,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     // The key tiles some row of the group may see: is_causal and the window skip the others
     // (key_tiles_of); the bounds are the same for the whole group, so the barriers stay uniform.
     key_tiles span = key_tiles_of(first, last, src_len, src_len_padded, causal, win_left,
-                                  win_right, BT);
+                                  win_right, BT, 0);
     for (ulong j0 = span.begin; j0 < src_len_padded; j0 = key_tile_next(span, j0, BT)) {
         // A tile clmha_mask_mod forbids to the whole group is skipped, uniformly (P = 0).
         if (MOD_BLOCK(bh, first, B * R, j0, BT, tgt_len, src_len_padded) == MOD_BLOCK_NONE)
@@ -613,7 +613,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     // The key tiles some row of the group may see: is_causal and the window skip the others
     // (key_tiles_of); the bounds are the same for the whole group, so the barriers stay uniform.
     key_tiles span = key_tiles_of(i0, last, src_len, src_len_padded, causal, win_left, win_right,
-                                  B);
+                                  B, 0);
     for (ulong j0 = span.begin; j0 < src_len_padded; j0 = key_tile_next(span, j0, B)) {
         // A tile clmha_mask_mod forbids to the whole group is skipped, uniformly (P = 0).
         if (MOD_BLOCK(bh, i0, B, j0, B, tgt_len, src_len_padded) == MOD_BLOCK_NONE) continue;

@@ -740,17 +740,19 @@ class Layer:
     def attend(self, query, key=None, value=None, *, appended_keys: bool = True,
                key_padding_mask=None, attn_mask=None, is_causal: bool = False,
                training: bool = False, seed: int = 0, offset: int = 0, impl: str = "auto",
-               heads_out=None, lse_out=None):
+               heads_out=None, lse_out=None, query_position: int = 0, key_position: int = 0):
         """Attention of the queries over this call's keys only, before the head merge and the
         output projection (``clmha_layer_attend``): what each device computes in ring attention.
         Merge the results of key ranges with ``Context.attention_merge`` and finish with
         ``project_heads``.
 
         Takes pyopencl arrays on a ``Context.from_pyopencl`` context and ``forward``'s
-        arguments: the masks are this key range's slices of the whole masks; ``is_causal`` is
-        top-left aligned on this call's own keys (give other ranges an attn_mask slice);
-        ``appended_keys``: this range holds the keys that add_bias_kv and add_zero_attn append
-        (set it on exactly one of the ranges merged). The fused core runs it: float32 layers
+        arguments: the masks are this key range's slices of the whole masks;
+        ``query_position`` and ``key_position`` are the sequence positions of this call's first
+        query row and first key (0, 0: top-left on this call's own keys), which ``is_causal``,
+        the sliding window, ALiBi and the user functions see; ``appended_keys``: this range
+        holds the keys that add_bias_kv and add_zero_attn append, and the sinks (set it on
+        exactly one of the ranges merged). The fused core runs it: float32 layers
         only, and ``impl="unfused"`` is refused (``clmha.Error``, as is a layer with a user
         attention core).
 
@@ -770,6 +772,12 @@ class Layer:
         with self._lock:
             args = self._fill_args(query, key, value, key_padding_mask, attn_mask, is_causal,
                                    False, True, training, seed, offset, None, None, impl, True)
+            for name, v in (("query_position", query_position),
+                            ("key_position", key_position)):
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                    raise ValueError(f"{name} must be a non-negative integer, not {v!r}")
+            args.c.query_position = int(query_position)
+            args.c.key_position = int(key_position)
             for a in args.keep:
                 if is_pyopencl_array(a):
                     check_context(ctx, "an array", a)

@@ -260,6 +260,36 @@ def test_partial_attention_merge(pcl, rng, torch_mod, name):
     assert max_err(given.get(), ref) <= TOL
 
 
+@pytest.mark.parametrize("user", [False, True])
+def test_partial_attention_positions(pcl, rng, torch_mod, user):
+    """Key ranges at their sequence positions (key_position): is_causal and a window (2, 0),
+    built in or as a user mask function, against PyTorch with the same boolean mask."""
+    import pyopencl.array as cla
+
+    _, queue, c = pcl
+    m = torch_mha(E, H)
+    mask_mod = ("int clmha_mask_mod(int b, int h, int q, int k, __global const float *p) "
+                "{ return k >= q - 2; }")
+    layer = layer_of(m, c, **({"mask_mod": mask_mod} if user else {"window": (2, 0)}))
+    L = S = 9
+    q, k, v = (randn(rng, L, N, E) for _ in range(3))
+    i, j = np.arange(L)[:, None], np.arange(S)[None, :]
+    forbidden = (j > i) | (j < i - 2)  # torch's bool mask: True = may not attend
+    ref, _ = ref_forward(m, q, k, v, attn_mask=forbidden)
+    dq = cla.to_device(queue, q)
+    parts = [layer.attend(dq, cla.to_device(queue, np.ascontiguousarray(k[lo:hi])),
+                          cla.to_device(queue, np.ascontiguousarray(v[lo:hi])), is_causal=True,
+                          key_position=lo, appended_keys=lo == 0)
+             for lo, hi in ((0, 4), (4, 9))]
+    (heads, lse), (heads2, lse2) = parts
+    c.attention_merge(heads, lse, heads2, lse2)
+    err = record(f"attend at key positions ({'user mask' if user else 'window'})",
+                 max_err(layer.project_heads(heads).get(), ref))
+    assert err <= TOL
+    with pytest.raises(ValueError):
+        layer.attend(dq, cla.to_device(queue, k), cla.to_device(queue, v), key_position=-1)
+
+
 def test_partial_attention_errors(pcl, rng):
     import pyopencl.array as cla
 

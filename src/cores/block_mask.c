@@ -20,7 +20,7 @@ clmha_status clmha__block_mask_get(clmha_layer *l, clmha__block_mask *bm, const 
     size_t planes = d->n * l->h;
     if (bm->valid && !l->bare && bm->planes == planes && bm->heads == l->h && bm->l == d->l &&
         bm->s == d->s && bm->s_padded == d->s_padded && bm->rows == rows && bm->keys == keys &&
-        bm->version == l->mod_version) {
+        bm->q_pos == d->q_pos && bm->k_pos == d->k_pos && bm->version == l->mod_version) {
         *out = bm->buf;
         return CLMHA_SUCCESS;
     }
@@ -45,12 +45,12 @@ clmha_status clmha__block_mask_get(clmha_layer *l, clmha__block_mask *bm, const 
                                              "the block mask of clmha_mask_mod")))
         return st;
     cl_ulong heads = l->h, tgt = d->l, src = d->s, srcp = d->s_padded, r = rows, k = keys,
-             tiles = t, mod_off;
+             tiles = t, mod_off, q_pos = d->q_pos, k_pos = d->k_pos;
     cl_mem mod_p = clmha__mod_params_of(l, &mod_off);
     clmha__arg args[] = {CLMHA__ARG(bm->buf), CLMHA__ARG(heads), CLMHA__ARG(tgt),
                          CLMHA__ARG(src),     CLMHA__ARG(srcp),  CLMHA__ARG(r),
                          CLMHA__ARG(k),       CLMHA__ARG(tiles), CLMHA__ARG(mod_p),
-                         CLMHA__ARG(mod_off)};
+                         CLMHA__ARG(mod_off), CLMHA__ARG(q_pos), CLMHA__ARG(k_pos)};
     if ((st = clmha__launch(ctx, bm->kernel, "mod_block_mask", t, bm->wg, args,
                             sizeof args / sizeof args[0])))
         return st;
@@ -62,6 +62,8 @@ clmha_status clmha__block_mask_get(clmha_layer *l, clmha__block_mask *bm, const 
     bm->s_padded = d->s_padded;
     bm->rows = rows;
     bm->keys = keys;
+    bm->q_pos = d->q_pos;
+    bm->k_pos = d->k_pos;
     bm->version = l->mod_version;
     ++bm->evaluations;
     *out = bm->buf;

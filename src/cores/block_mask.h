@@ -23,7 +23,7 @@ typedef struct clmha__block_mask {
     size_t cap;
     // What buf holds (valid: something).
     bool valid;
-    size_t planes, heads, l, s, s_padded, rows, keys;
+    size_t planes, heads, l, s, s_padded, rows, keys, q_pos, k_pos;
     unsigned long version;
     unsigned long evaluations;  // counts the evaluations (a reader's copy is stale when it moved)
 } clmha__block_mask;

@@ -34,10 +34,12 @@ clmha_status clmha__launch(clmha_context *ctx, cl_kernel k, const char *name, si
 }
 
 // A window bound for the kernels: -1 (unbounded) for one that allows every key of the call, at
-// least max(L, S') (query positions are below L, keys below S'), so that the kernels take the
-// paths without a window where it masks nothing and p + bound never overflows there.
+// least the largest position (query positions are below q_pos + L, keys below k_pos + S'), so
+// that the kernels take the paths without a window where it masks nothing and p + bound never
+// overflows there.
 static cl_long window_bound(int64_t bound, const clmha__dims *d) {
-    size_t reach = d->l > d->s_padded ? d->l : d->s_padded;
+    size_t ql = d->q_pos + d->l, ks = d->k_pos + d->s_padded;
+    size_t reach = ql > ks ? ql : ks;
     return bound < 0 || (uint64_t)bound >= reach ? -1 : (cl_long)bound;
 }
 
@@ -68,6 +70,8 @@ clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha_forward_args 
         .mod_p = mod_p,
         .mod_off = mod_off,
         .mod_blocks = l->ctx->dummy,
+        .q_pos = d->q_pos,
+        .k_pos = d->k_pos,
         .dropout_on = dropout_on,
         .threshold = clmha__dropout_threshold(p),
         .keep_scale = clmha__real_of(dropout_on ? 1.0 / (1.0 - (double)p) : 1.0),

@@ -64,6 +64,7 @@ typedef struct clmha__mask_args {
     cl_mem mod_p;
     cl_ulong mod_off;
     cl_mem mod_blocks;
+    cl_ulong q_pos, k_pos;  // partial attention's positions (clmha__dims; 0 elsewhere)
     cl_uint dropout_on, threshold;
     clmha__real keep_scale;
     cl_uint seed_lo, seed_hi, off_lo;
@@ -91,7 +92,7 @@ CLMHA__HIDDEN clmha__mask_args clmha__masks_of(const clmha_layer *l, const clmha
         CLMHA__ARG((m).win_right), CLMHA__REAL_ARG((m).softcap, (m).rs),                      \
         CLMHA__ARG((m).alibi), CLMHA__ARG((m).alibi_off), CLMHA__ARG((m).sinks),             \
         CLMHA__ARG((m).sinks_off), CLMHA__ARG((m).mod_p), CLMHA__ARG((m).mod_off),              \
-        CLMHA__ARG((m).mod_blocks),                                                           \
+        CLMHA__ARG((m).mod_blocks), CLMHA__ARG((m).q_pos), CLMHA__ARG((m).k_pos),             \
         CLMHA__ARG((m).dropout_on),                                                           \
         CLMHA__ARG((m).threshold), CLMHA__REAL_ARG((m).keep_scale, (m).rs),                   \
         CLMHA__ARG((m).seed_lo), CLMHA__ARG((m).seed_hi), CLMHA__ARG((m).off_lo)

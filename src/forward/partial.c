@@ -101,19 +101,19 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
                            "clmha_layer_attend() returns the log-sum-exp rows, which only a core "
                            "that writes them gives; it does not take %s",
                            no);
-    // Position-dependent variants would see a range's key indices, not the sequence's
-    // positions (a range carries no offset yet): refused rather than computed wrong.
-    const char *positional = layer->mods          ? "user functions (mod_source)"
-                             : layer->desc.alibi  ? "ALiBi"
-                             : layer->desc.window ? "a sliding window"
-                                                  : NULL;
-    if (positional)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "clmha_layer_attend() does not take %s yet: a range's keys would "
-                           "get the positions of its own indices, not the sequence's",
-                           positional);
+    // The positions of the call's rows and keys (query_position, key_position): checked and
+    // resolved on a copy without them (the other calls refuse them), then given to the core.
+    clmha_forward_args unplaced = in;
+    unplaced.query_position = unplaced.key_position = 0;
     clmha__dims d;
-    if ((st = clmha__forward_validate(layer, args, true, &d))) return st;
+    if ((st = clmha__forward_validate(layer, &unplaced, true, &d))) return st;
+    if (in.query_position > (size_t)1 << 24 || in.key_position > (size_t)1 << 24)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "query_position (%zu) and key_position (%zu) must be at most 2^24 "
+                           "(the kernels' positions)",
+                           in.query_position, in.key_position);
+    d.q_pos = in.query_position, d.k_pos = in.key_position;
+    args = &unplaced;
     size_t rows = d.n * layer->h * d.l;
     if ((st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * layer->d, 4)) ||
         (st = clmha__check_buffer(ctx, "lse", lse, lse_offset, rows, 4)) ||

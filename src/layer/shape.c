@@ -300,6 +300,11 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
     clmha_status st;
     memset(d, 0, sizeof *d);
     if (!args) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "args is NULL");
+    if (args->query_position || args->key_position)  // partial attention's (partial.c)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "args->query_position and key_position are clmha_layer_attend()'s "
+                          "(partial attention): 0 in every other call (got %zu and %zu)",
+                          args->query_position, args->key_position);
 
     d->e = desc->embed_dim;
     d->kdim = desc->kdim ? desc->kdim : desc->embed_dim;

@@ -38,6 +38,9 @@ typedef struct clmha__dims {
     // The attention function's user functions (clmha_attention_args::mod_source; NULL or "":
     // none; a layer's calls take the layer's own).
     const char *mod_source;
+    // Partial attention's positions of the call's first query row and key
+    // (clmha_forward_args::query_position, key_position; 0 elsewhere).
+    size_t q_pos, k_pos;
     clmha_mask_kind attn_kind, kpm_kind;
     size_t query_count, key_count, value_count;  // elements of each input
     size_t attn_count, kpm_count;                // elements of each mask (0 if none)

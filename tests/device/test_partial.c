@@ -3,7 +3,8 @@
 // own, merged in any order and projected, give the one-shot forward, checked against the
 // double-precision CPU reference of the whole call. Masks are sliced with the keys; the keys of
 // add_bias_kv and add_zero_attn go with one range; a range whose keys are all masked for a
-// batch item merges to zeros. Then the errors.
+// batch item merges to zeros; the ranges' keys (and a block of queries) at their positions in
+// the sequence, for is_causal, windows, ALiBi, sinks and user functions. Then the errors.
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -69,7 +70,10 @@ static double split_and_merge(const rcase *c, const size_t *cuts, size_t ranges,
         // (S, N, F) rows j0 .. j1-1 are contiguous (sequence first).
         cl_mem key = upload(ctx, in.key + j0 * n * kd, w * n * kd * 4);
         cl_mem value = upload(ctx, in.value + j0 * n * vd, w * n * vd * 4);
-        clmha_forward_args a = {.struct_size = sizeof a, .is_causal = false};
+        // The range's keys at their positions in the sequence (is_causal, windows, ALiBi and
+        // the user functions see them there).
+        clmha_forward_args a = {.struct_size = sizeof a, .is_causal = c->is_causal,
+                                .key_position = j0};
         a.query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}, .buffer = query};
         a.key = (clmha_tensor){.ndim = 3, .shape = {w, n, kd}, .buffer = key};
         a.value = (clmha_tensor){.ndim = 3, .shape = {w, n, vd}, .buffer = value};
@@ -166,6 +170,90 @@ Test(partial, sinks, .timeout = 300) {
     double err = split_and_merge(&c, cuts, 3, 2);
     fprintf(stderr, "partial: sinks, item 0 fully masked: max abs err %.3g\n", err);
     cr_expect(err <= TOL, "sinks, masked item: max abs err %g", err);
+}
+
+// The position terms: each range's keys at their positions (key_position = the range's first
+// key), so that is_causal, a sliding window, ALiBi and user functions (rcase::user: ALiBi and the
+// window as clmha_score_mod and clmha_mask_mod, with their block masks) see the sequence's
+// positions, as the one-shot forward does.
+Test(partial, positions, .timeout = 300) {
+    size_t cuts[] = {0, 4, 5, 11};
+    for (size_t k = 0; k < 6; ++k) {
+        rcase c = cross_case(30 + k);
+        c.l = 9;
+        c.is_causal = k % 2 == 0;
+        c.alibi = k >= 2, c.alibi_random = k == 3, c.softcap = k == 5 ? 1.5 : 0.0;
+        if (k != 2) c.window = true, c.win_left = 2, c.win_right = k % 3 == 1 ? -1 : 1;
+        c.user = k == 4 ? RC_USER_SCORE | RC_USER_MASK : k == 5 ? RC_USER_MASK : 0;
+        c.sinks = k == 3, c.add_zero_attn = k == 3;
+        char name[256];
+        rcase_describe(&c, name, sizeof name);
+        double err = split_and_merge(&c, cuts, 3, k % 3);
+        fprintf(stderr, "partial: positions, %s: max abs err %.3g\n", name, err);
+        cr_expect(err <= TOL, "%s: max abs err %g", name, err);
+    }
+    // Past the fused tiles: ranges that start inside a tile, a window the tiles skip around,
+    // built in and as a user mask function (block masks at the ranges' positions).
+    size_t long_cuts[] = {0, 70, 130, 200};
+    for (size_t k = 0; k < 2; ++k) {
+        rcase c = cross_case(36 + k);
+        c.h = 2, c.e = 16, c.n = 1, c.l = 200, c.s = 200, c.is_causal = true, c.alibi = true;
+        c.window = true, c.win_left = 20, c.win_right = 0;
+        c.user = k ? RC_USER_SCORE | RC_USER_MASK : 0;
+        char name[256];
+        rcase_describe(&c, name, sizeof name);
+        double err = split_and_merge(&c, long_cuts, 3, 1);
+        fprintf(stderr, "partial: positions, %s: max abs err %.3g\n", name, err);
+        cr_expect(err <= TOL, "%s: max abs err %g", name, err);
+    }
+}
+
+// Query rows at an offset (query_position): the second half of the rows over every key, as the
+// one-shot forward's rows, with is_causal, a window and ALiBi.
+Test(partial, query_position, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    rcase c = cross_case(40);
+    c.l = 10, c.s = 10, c.is_causal = true, c.alibi = true;
+    c.window = true, c.win_left = 3, c.win_right = 0;
+    instance in;
+    instance_make(&in, &c);
+    size_t n = in.n, l = c.l, s = c.s, e = c.e, h = c.h, d = e / h, half = l / 2;
+    double *want = malloc(in.output_count * sizeof *want);
+    char msg[512];
+    cr_assert_eq(clmha_reference_forward(&in.desc, &in.params, &in.args, want, in.output_count,
+                                         NULL, 0, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    clmha_layer *layer = instance_layer(ctx, &in);
+    size_t rows = n * h * (l - half);
+    // (L, N, E) rows half .. L-1 are contiguous (sequence first).
+    cl_mem query = upload(ctx, in.query + half * n * e, (l - half) * n * e * 4);
+    cl_mem key = upload(ctx, in.key, s * n * e * 4), value = upload(ctx, in.value, s * n * e * 4);
+    cl_mem heads = device_buffer(ctx, rows * d * 4), lse = device_buffer(ctx, rows * 4);
+    cl_mem out = device_buffer(ctx, (l - half) * n * e * 4);
+    clmha_forward_args a = {.struct_size = sizeof a, .is_causal = true, .query_position = half};
+    a.query = (clmha_tensor){.ndim = 3, .shape = {l - half, n, e}, .buffer = query};
+    a.key = (clmha_tensor){.ndim = 3, .shape = {s, n, e}, .buffer = key};
+    a.value = (clmha_tensor){.ndim = 3, .shape = {s, n, e}, .buffer = value};
+    cr_assert_eq(clmha_layer_attend(layer, &a, true, heads, 0, lse, 0, 0, NULL, NULL),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_assert_eq(clmha_layer_project_heads(layer, n, l - half, heads, 0, out, 0, 0, NULL, NULL),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    float *got = alloc_floats((l - half) * n * e);
+    cr_assert_eq(clEnqueueReadBuffer(clmha_context_cl_queue(ctx), out, CL_TRUE, 0,
+                                     (l - half) * n * e * 4, got, 0, NULL, NULL),
+                 CL_SUCCESS);
+    double err = max_abs_err(got, want + half * n * e, (l - half) * n * e);
+    fprintf(stderr, "partial: query_position %zu, causal, window (3, 0), ALiBi: max abs err "
+                    "%.3g\n",
+            half, err);
+    cr_expect(err <= TOL, "max abs err %g", err);
+    cl_mem bufs[] = {query, key, value, heads, lse, out};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i) clReleaseMemObject(bufs[i]);
+    free(got);
+    free(want);
+    clmha_layer_release(layer);
+    instance_free(&in);
+    clmha_context_release(ctx);
 }
 
 // Item 0's keys are all masked (key_padding_mask, boolean): its rows have lse -INFINITY in every

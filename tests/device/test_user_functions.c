@@ -4,7 +4,7 @@
 // reference with the same mask as an explicit attn_mask, through both cores, past the fused
 // tiles and after p changes (the block masks evaluated again); the attention function; and
 // the refusals (build errors with their log, sources without functions, p's count, the
-// backward without clmha_score_mod_grad, clmha_layer_attend() with position terms).
+// backward without clmha_score_mod_grad, positions outside partial attention).
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -287,25 +287,14 @@ Test(user_functions, refusals, .timeout = 300) {
                  clmha_status_string(st));
     cr_expect(strstr(clmha_context_last_error(ctx), "clmha_score_mod_grad"), "%s",
               clmha_context_last_error(ctx));
-    // clmha_layer_attend() would hand the functions a range's key indices.
-    float x[8 * 3] = {0};
-    clmha_forward_args fa = {.struct_size = sizeof fa};
+    // Positions are partial attention's (clmha_layer_attend()) alone.
+    float x[8 * 3] = {0}, y[8 * 3];
+    clmha_forward_args fa = {.struct_size = sizeof fa, .key_position = 4};
     fa.query = (clmha_tensor){.ndim = 2, .shape = {3, 8}, .data = x};
-    cr_expect_eq(clmha_layer_attend(layer, &fa, false, NULL, 0, NULL, 0, 0, NULL, NULL),
-                 CLMHA_UNSUPPORTED, "%s", clmha_context_last_error(ctx));
+    cr_expect_eq(clmha_layer_forward_host(layer, &fa, y, 24, NULL, 0), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "key_position"), "%s",
+              clmha_context_last_error(ctx));
     clmha_layer_release(layer);
-    // Nor ALiBi or a window (built-in position terms), which a range would get wrong too.
-    for (int k = 0; k < 2; ++k) {
-        clmha_layer_desc d = {.struct_size = sizeof d, .embed_dim = 8, .num_heads = 2,
-                              .alibi = k == 0, .window = k == 1, .window_left = 2,
-                              .window_right = 0};
-        cr_assert_eq(clmha_layer_create(&layer, ctx, &d), CLMHA_SUCCESS);
-        cr_expect_eq(clmha_layer_attend(layer, &fa, false, NULL, 0, NULL, 0, 0, NULL, NULL),
-                     CLMHA_UNSUPPORTED, "%s", clmha_context_last_error(ctx));
-        cr_expect(strstr(clmha_context_last_error(ctx), k ? "window" : "ALiBi"), "%s",
-                  clmha_context_last_error(ctx));
-        clmha_layer_release(layer);
-    }
     // A layer without user functions has no p to set.
     cr_assert_eq(create_with(ctx, NULL, NULL, 0, &layer), CLMHA_SUCCESS);
     cr_expect_eq(clmha_layer_set_mod_params(layer, p, 2), CLMHA_INVALID_ARGUMENT);
