@@ -375,6 +375,12 @@ static const dcase cases[] = {
     // the head merge and output projection of clmha_layer_project_heads.
     {"partial: cross L3 S37 split at 16, bias_kv+zero_attn, merged", .e = 8, .h = 2, .n = 2,
      .l = 3, .s = 37, .bias_kv = true, .zero_attn = true, .partial_split = 16},
+    {"partial: cross L20 S37 split at 16, causal, window (5, 0), alibi, sinks, zero_attn",
+     .e = 8, .h = 2, .n = 1, .l = 20, .s = 37, .zero_attn = true, .partial_split = 16,
+     .causal = true, .window = true, .wl = 5, .wr = 0, .alibi = true, .sinks = true},
+    {"partial: cross L20 S37 split at 16, causal, user alibi and window (5, 0)", .e = 8,
+     .h = 2, .n = 1, .l = 20, .s = 37, .partial_split = 16, .causal = true, .window = true,
+     .wl = 5, .wr = 0, .alibi = true, .user = USER_SCORE | USER_MASK},
     // 16-bit layers: the conversions of inputs, float masks, output and weights.
     {"f16 unfused: cross kdim/vdim, kpm=float, am=float (N*H,L,S), w=per_head", .e = 8, .h = 2,
      .kdim = 5, .vdim = 3, .n = 2, .l = 3, .s = 7, .kpm = F, .am = F, .layout = PER_HEAD,
@@ -826,12 +832,13 @@ static clmha_status partial_forward(clmha_context *ctx, clmha_layer *layer, cons
     clmha_status st = CLMHA_SUCCESS;
     for (size_t i = 0; i < sizeof all / sizeof *all; ++i)
         if (!all[i]) st = CLMHA_OUT_OF_MEMORY;
-    clmha_forward_args a = {.struct_size = sizeof a};
+    clmha_forward_args a = {.struct_size = sizeof a, .is_causal = args->is_causal};
     a.query = (clmha_tensor){.ndim = 3, .shape = {l, n, e}, .buffer = q};
     a.key = (clmha_tensor){.ndim = 3, .shape = {split, n, kdim}, .buffer = k0};
     a.value = (clmha_tensor){.ndim = 3, .shape = {split, n, vdim}, .buffer = v0};
     if (!st) st = clmha_layer_attend(layer, &a, false, ha, 0, la, 0, 0, NULL, NULL);
     a.key.shape[0] = a.value.shape[0] = s - split;
+    a.key_position = split;  // the second range's keys at their positions
     a.key.buffer = k1;
     a.value.buffer = v1;
     if (!st) st = clmha_layer_attend(layer, &a, true, hb, 0, lb, 0, 0, NULL, NULL);
