@@ -241,8 +241,11 @@ inline key_tiles key_tiles_of(ulong first, ulong last, ulong src_len, ulong src_
     ulong hi = src_len + k_pos;  // one past the last real key seen, as a position
     if (causal) hi = min(hi, last + 1);
     if (win_right >= 0) hi = min(hi, last + (ulong)win_right + 1);
-    lo = lo > k_pos ? lo - k_pos : 0;  // as key indices
-    hi = hi > k_pos ? hi - k_pos : 0;
+    // As key indices, in signed arithmetic: LLVM makes x > y ? x - y : 0 on unsigned values
+    // llvm.usub.sat, which Oclgrind 21.10 cannot run (positions are below 2^24).
+    long lo_k = (long)lo - (long)k_pos, hi_k = (long)hi - (long)k_pos;
+    lo = lo_k > 0 ? (ulong)lo_k : 0;
+    hi = hi_k > 0 ? (ulong)hi_k : 0;
     key_tiles kt;
     kt.tail = windowed && src_len_padded == src_len ? src_len_padded : src_len / tile * tile;
     kt.end = min((hi + tile - 1) / tile * tile, (src_len + tile - 1) / tile * tile);

@@ -224,7 +224,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         // the rows (contiguous, positions as int), so that the compiler may vectorise it across
         // them.
         {
-            int keys = (int)min((ulong)BK, src_len > j0 ? src_len - j0 : 0);
+            long rest = (long)src_len - (long)j0;  // signed: see key_tiles_of()
+            int keys = rest <= 0 ? 0 : rest < BK ? (int)rest : BK;
             int q0 = (int)(q_pos + first), qmax = (int)(q_pos + last);  // positions
             for (int jj = 0; jj < keys; ++jj) {
                 int kj = (int)(k_pos + j0) + jj;
