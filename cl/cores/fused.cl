@@ -571,6 +571,10 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
 #define OUTROW(r) QROW(r)
     local REAL *stage = qs;
 #endif
+    // The query rows' loads must be over before a work-item overwrites its rows: the key loop's
+    // barriers see to it, but a group whose every key tile is skipped (a window or clmha_mask_mod
+    // forbidding them all, a partial-attention range it sees nothing of) runs no iteration.
+    barrier(CLK_LOCAL_MEM_FENCE);
     for (uint r = 0; r < RPW; ++r) {
         REAL inv = m[r] == -INFINITY ? 0.0f : 1.0f / sum[r];
         for (uint d = 0; d < HD; ++d) OUTROW(r)[d] = ACCROW(r)[d] * inv;
