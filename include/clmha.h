@@ -1705,6 +1705,14 @@ typedef enum clmha_attention_layout {
     CLMHA_LAYOUT_NLHD = 1,
 } clmha_attention_layout;
 
+/// A host (C) form of a user score function, for the CPU reference (clmha_reference_forward(),
+/// clmha_reference_attention() and their backward passes, which run no OpenCL C): the same
+/// arguments as mod_source's clmha_score_mod or clmha_score_mod_grad (clmha_layer_desc::
+/// mod_source), s in double precision. Added after 0.1.0.
+typedef double (*clmha_host_score_fn)(double s, int b, int h, int q, int k, const float *p);
+/// A host (C) form of mod_source's clmha_mask_mod, for the CPU reference. Added after 0.1.0.
+typedef int (*clmha_host_mask_fn)(int b, int h, int q, int k, const float *p);
+
 /// Arguments of clmha_attention_forward() and its host and reference forms: PyTorch's
 /// `F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
 /// enable_gqa)` on projected, head-split tensors. Zero-initialise with struct_size set;
@@ -1783,6 +1791,16 @@ typedef struct clmha_attention_args {
     const char *mod_source;
     /// With mod_source: p, floats on the device (buffer, offset; shape (count)); ndim 0: none.
     clmha_tensor mod_params;
+    /// @var host_score_mod
+    /// Read by clmha_reference_attention() and clmha_reference_attention_backward() only (the
+    /// device calls ignore them): the host forms of mod_source's functions, one for each it
+    /// defines (clmha_score_mod_grad only for the backward). They get p from mod_params.data.
+    /// @var host_score_mod_grad
+    /// See @ref host_score_mod.
+    /// @var host_mask_mod
+    /// See @ref host_score_mod.
+    clmha_host_score_fn host_score_mod, host_score_mod_grad;
+    clmha_host_mask_fn host_mask_mod;
 } clmha_attention_args;
 
 /// Element counts of the results of a clmha_attention_forward() call of @p args. Validates the
@@ -2215,6 +2233,17 @@ typedef struct clmha_reference_params {
     const float *alibi_slopes;
     /// (H), required with clmha_layer_desc::sinks. Added after 0.1.0.
     const float *sinks;
+    /// @var score_mod
+    /// With clmha_layer_desc::mod_source: the host forms (C, double precision) of the functions
+    /// it defines, called with the layer's p (clmha_layer_desc::mod_params; NULL: zeros). The
+    /// reference needs one for each function the source defines (clmha_score_mod_grad only for
+    /// clmha_reference_backward()): it runs no OpenCL C. Added after 0.1.0.
+    /// @var score_mod_grad
+    /// See @ref score_mod.
+    /// @var mask_mod
+    /// See @ref score_mod.
+    clmha_host_score_fn score_mod, score_mod_grad;
+    clmha_host_mask_fn mask_mod;
 } clmha_reference_params;
 
 /// Computes the forward pass on the CPU in double precision, with the same semantics (the same

@@ -26,7 +26,8 @@ clmha_status clmha_reference_forward(const clmha_layer_desc *desc_in,
     if (message && message_size) message[0] = '\0';
 
     // 1. Validate.
-    if ((st = clmha__ref_validate(desc_in, params, args_in, &call, message, message_size)))
+    if ((st = clmha__ref_validate(desc_in, params, args_in, false, &call, message,
+                                  message_size)))
         return st;
     const clmha__dims d = call.d;
     const clmha_forward_args *args = &call.args;

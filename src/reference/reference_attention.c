@@ -51,6 +51,13 @@ static double mask_term(const clmha_attention_args *a, size_t n, size_t h, size_
     return allowed ? 0.0 : -INFINITY;
 }
 
+// The call's user functions in their host forms (args->host_score_mod, ...), p from
+// mod_params.data.
+static clmha__ref_mods mods_of(const clmha_attention_args *a) {
+    return (clmha__ref_mods){a->host_score_mod, a->host_score_mod_grad, a->host_mask_mod,
+                             a->mod_params.ndim ? a->mod_params.data : NULL};
+}
+
 // One query row (n, h, i): its weights into @p p (S doubles), its result into @p out, its
 // log-sum-exp returned; when @p grad is not NULL, the derivative of each score in q·k·scale
 // (the soft-capping's) into it (S doubles).
@@ -64,14 +71,16 @@ static double row(const clmha_attention_args *a, const clmha__attention_dims *d,
                                                                          : NULL,
                                                      c->h, h)
                             : 0.0;
+    const clmha__ref_mods mods = mods_of(a);
     for (size_t j = 0; j < c->s; ++j) {
         double acc = 0.0;
         for (size_t f = 0; f < c->d; ++f)
             acc += (double)q[at(d->layout, c->h, c->l, c->d, n, h, i, f)] *
                    (double)k[at(d->layout, c->kvh, c->s, c->d, n, kh, j, f)];
-        p[j] = clmha__ref_score_mod(acc * d->scale, a->softcap, slope, i, j, true,
-                                    grad ? &grad[j] : NULL) +
-               mask_term(a, n, h, i, j);
+        double *g = grad ? &grad[j] : NULL;
+        double x = clmha__ref_score_mod(acc * d->scale, a->softcap, slope, i, j, true, g);
+        p[j] = clmha__ref_user_score(&mods, x, n, h, i, j, g) + mask_term(a, n, h, i, j);
+        if (!clmha__ref_user_allows(&mods, n, h, i, j)) p[j] = -INFINITY;
         if (p[j] > m || isnan(p[j])) m = isnan(m) ? m : p[j];
     }
     // A sink (args.sinks): one more logit of the row, with a zero value.
@@ -109,6 +118,7 @@ static clmha_status check_arrays(const clmha_attention_args *a, const clmha__att
                           : a->attn_mask.kind && !a->attn_mask.tensor.data ? "attn_mask.tensor.data"
                           : a->alibi_slopes.ndim && !a->alibi_slopes.data  ? "alibi_slopes.data"
                           : a->sinks.ndim && !a->sinks.data                ? "sinks.data"
+                          : a->mod_params.ndim && !a->mod_params.data      ? "mod_params.data"
                           : !output                                        ? "output"
                                                                            : NULL;
     if (missing) return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT, "%s is NULL", missing);
@@ -127,12 +137,18 @@ static clmha_status check_arrays(const clmha_attention_args *a, const clmha__att
     return CLMHA_SUCCESS;
 }
 
-// The reference reads host arrays only: a KV cache lives on a device.
-static clmha_status no_cache(const clmha_attention_args *a, char *msg, size_t msg_size) {
-    return a->kv_cache ? clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
-                                    "kv_cache is set: the reference reads no KV cache (give it "
-                                    "the cached keys and values as key and value)")
-                       : CLMHA_SUCCESS;
+// The reference reads host arrays only: a KV cache lives on a device. It runs no OpenCL C: the
+// user functions need their host forms (for the backward pass when @p backward).
+static clmha_status host_only(const clmha_attention_args *a, bool backward, char *msg,
+                              size_t msg_size) {
+    static const char *const names[3] = {"args->host_score_mod", "args->host_score_mod_grad",
+                                         "args->host_mask_mod"};
+    if (a->kv_cache)
+        return clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                          "kv_cache is set: the reference reads no KV cache (give it the cached "
+                          "keys and values as key and value)");
+    clmha__ref_mods mods = mods_of(a);
+    return clmha__ref_mods_check(a->mod_source, &mods, backward, names, msg, msg_size);
 }
 
 clmha_status clmha_reference_attention(const clmha_attention_args *args, double *output,
@@ -144,7 +160,7 @@ clmha_status clmha_reference_attention(const clmha_attention_args *args, double 
     clmha__attention_dims d;
     clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, &a, args, "args", message,
                                        message_size);
-    if (st || (st = no_cache(&a, message, message_size)) ||
+    if (st || (st = host_only(&a, false, message, message_size)) ||
         (st = clmha__attention_resolve(&a, &d, message, message_size)) ||
         (st = check_arrays(&a, &d, output, output_count, lse, lse_count, weights,
                            weights_count, message, message_size)))
@@ -214,7 +230,7 @@ static void row_backward(const clmha_attention_args *a, const clmha__attention_d
     for (size_t j = 0; j < c->s; ++j) {
         double ds = p[j] * (dp[j] - dot);  // the score's gradient
         if (o->dmask) o->dmask[mask_index(a, n, h, i, j)] += ds;
-        ds *= o->g[j];  // through the soft-capping
+        ds *= o->g[j];  // through the score functions (soft-capping, the user's)
         for (size_t f = 0; f < c->d; ++f) {
             size_t qi = at(d->layout, c->h, c->l, c->d, n, h, i, f);
             size_t ki = at(d->layout, c->kvh, c->s, c->d, n, kh, j, f);
@@ -235,7 +251,7 @@ clmha_status clmha_reference_attention_backward(const clmha_attention_args *args
     double none;
     clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, &a, args, "args", message,
                                        message_size);
-    if (st || (st = no_cache(&a, message, message_size)) ||
+    if (st || (st = host_only(&a, true, message, message_size)) ||
         (st = CLMHA__STRUCT_IN(clmha_reference_grads, &g, grads, "grads", message,
                                message_size)) ||
         (st = clmha__attention_resolve(&a, &d, message, message_size)) ||

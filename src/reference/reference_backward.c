@@ -307,22 +307,31 @@ static void sinks_backward(const clmha__dims *d, const double *probs, const doub
     }
 }
 
-// Soft-capping (clmha_layer_desc::softcap): dS (N*H, L, S') in place times the derivative of
-// c·tanh(s/c) at each score before it, s = scale q·k' recomputed. Nothing without it.
-static void softcap_backward(const clmha__dims *d, const double *q, const double *k,
-                             double *ds) {
-    if (!(d->softcap > 0.0)) return;
+// Soft-capping (clmha_layer_desc::softcap) and the user score function (mod_source's
+// clmha_score_mod, on the real keys): dS (N*H, L, S') in place times the derivative of the
+// score function at each score before it, s = scale q·k' recomputed (with ALiBi's term, which
+// the user function sees). Nothing without either.
+static void score_fn_backward(const clmha__ref_call *call, const clmha__ref_mods *mods,
+                              const double *q, const double *k, double *ds) {
+    const clmha__dims *d = &call->d;
+    if (!(d->softcap > 0.0) && !mods->score) return;
     const size_t sp = d->s_padded;
     const double scale = 1.0 / sqrt((double)d->d);
-    for (size_t bh = 0; bh < d->n * d->h; ++bh)
+    for (size_t bh = 0; bh < d->n * d->h; ++bh) {
+        size_t n = bh / d->h, h = bh % d->h;
+        double slope =
+            d->alibi ? clmha__ref_alibi_slope(call->params.alibi_slopes, d->h, h) : 0.0;
         for (size_t i = 0; i < d->l; ++i)
             for (size_t j = 0; j < sp; ++j) {
                 double dot = 0.0, g;
                 for (size_t c = 0; c < d->d; ++c)
                     dot += q[(bh * d->l + i) * d->d + c] * k[(bh * sp + j) * d->d + c];
-                clmha__ref_score_mod(dot * scale, d->softcap, 0.0, i, j, false, &g);
+                double x = clmha__ref_score_mod(dot * scale, d->softcap, slope, i, j, j < d->s,
+                                                &g);
+                if (j < d->s) clmha__ref_user_score(mods, x, n, h, i, j, &g);
                 ds[(bh * d->l + i) * sp + j] *= g;
             }
+    }
 }
 
 // Scores S = scale Q K'^T + masks: dQ = scale dS K' (s->dq), dK' = scale dS^T Q (s->dk).
@@ -387,7 +396,8 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     if (message && message_size) message[0] = '\0';
 
     // 1. Validate: the forward call as clmha_reference_forward() does, then the gradients.
-    if ((st = clmha__ref_validate(desc, params, args, &call, message, message_size))) return st;
+    if ((st = clmha__ref_validate(desc, params, args, true, &call, message, message_size)))
+        return st;
     if ((st = CLMHA__STRUCT_IN(clmha_reference_grads, &g, grads_in, "grads", message,
                                message_size)))
         return st;
@@ -414,9 +424,10 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     // 7. Softmax (first the sinks', from P and dP).
     if (g.sinks) sinks_backward(&d, f.probs, s.dprobs, g.sinks);
     softmax_backward(f.probs, s.dprobs, d.n * d.h * d.l, d.s_padded);
-    // 8. The float masks' gradients (dS of the final scores), the soft-capping, the scores.
+    // 8. The float masks' gradients (dS of the final scores), the score functions (soft-capping,
+    //    the user's), the scores.
     mask_grads(&d, s.dprobs, g.attn_mask, g.key_padding_mask);
-    softcap_backward(&d, f.q, f.k, s.dprobs);
+    score_fn_backward(&call, &f.mods, f.q, f.k, s.dprobs);
     scores_backward(&d, f.q, f.k, &s);
     // 9. Split heads backwards: the first L / S rows merge into the projections' gradients;
     //    row S is bias_k's / bias_v's (with add_bias_kv); the zero key's row is dropped.

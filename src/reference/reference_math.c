@@ -6,6 +6,7 @@
 #include "base/message.h"
 #include "base/philox.h"
 #include "base/struct_in.h"
+#include "layer/mods.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -47,8 +48,8 @@ static clmha_status check_params(const clmha_layer_desc *desc, const clmha_refer
 
 clmha_status clmha__ref_validate(const clmha_layer_desc *desc,
                                  const clmha_reference_params *params,
-                                 const clmha_forward_args *args, clmha__ref_call *call,
-                                 char *msg, size_t msg_size) {
+                                 const clmha_forward_args *args, bool backward,
+                                 clmha__ref_call *call, char *msg, size_t msg_size) {
     // The caller's structs are read in this library's layout (docs/abi.md).
     clmha_layer_desc desc_copy;
     clmha_status st;
@@ -62,6 +63,13 @@ clmha_status clmha__ref_validate(const clmha_layer_desc *desc,
                                msg_size)))
         return st;
     if ((st = check_params(&call->desc, &call->params, msg, msg_size))) return st;
+    static const char *const names[3] = {"params->score_mod", "params->score_mod_grad",
+                                         "params->mask_mod"};
+    clmha__ref_mods mods = {call->params.score_mod, call->params.score_mod_grad,
+                            call->params.mask_mod, NULL};
+    if ((st = clmha__ref_mods_check(call->desc.mod_source, &mods, backward, names, msg,
+                                    msg_size)))
+        return st;
     return clmha__check_host_data(&call->d, &call->args, msg, msg_size);
 }
 
@@ -184,6 +192,44 @@ double clmha__ref_score_mod(double s, double softcap, double slope, size_t p, si
     return real ? s - slope * fabs((double)p - (double)j) : s;
 }
 
+clmha_status clmha__ref_mods_check(const char *source, const clmha__ref_mods *m, bool backward,
+                                   const char *const names[3], char *msg, size_t msg_size) {
+    static const char *const fns[3] = {"clmha_score_mod", "clmha_score_mod_grad",
+                                       "clmha_mask_mod"};
+    const unsigned bits[3] = {CLMHA__MOD_SCORE, CLMHA__MOD_GRAD, CLMHA__MOD_MASK};
+    const bool given[3] = {m->score != NULL, m->grad != NULL, m->mask != NULL};
+    unsigned defined = source && *source ? clmha__mods_scan(source) : 0;
+    for (int t = 0; t < 3; ++t) {
+        if (given[t] && !(defined & bits[t]))
+            return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                              "%s is given but mod_source does not define %s (the host forms "
+                              "stand for mod_source's functions)",
+                              names[t], fns[t]);
+        bool needed = (defined & bits[t]) && (t != 1 || backward);
+        if (needed && !given[t])
+            return clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                              "mod_source defines %s: the reference runs no OpenCL C, give its "
+                              "host form in %s",
+                              fns[t], names[t]);
+    }
+    if (backward && (defined & CLMHA__MOD_SCORE) && !(defined & CLMHA__MOD_GRAD))
+        return clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                          "the backward pass needs clmha_score_mod_grad: mod_source defines "
+                          "clmha_score_mod without it");
+    return CLMHA_SUCCESS;
+}
+
+double clmha__ref_user_score(const clmha__ref_mods *m, double s, size_t b, size_t h, size_t q,
+                             size_t k, double *grad) {
+    if (!m || !m->score) return s;
+    if (grad) *grad *= m->grad ? m->grad(s, (int)b, (int)h, (int)q, (int)k, m->p) : 1.0;
+    return m->score(s, (int)b, (int)h, (int)q, (int)k, m->p);
+}
+
+bool clmha__ref_user_allows(const clmha__ref_mods *m, size_t b, size_t h, size_t q, size_t k) {
+    return !m || !m->mask || m->mask((int)b, (int)h, (int)q, (int)k, m->p) != 0;
+}
+
 double clmha__ref_alibi_slope(const float *given, size_t heads, size_t h) {
     return given ? (double)given[h] : clmha__alibi_slope(heads, h);
 }
@@ -204,8 +250,9 @@ double clmha__ref_mask_sum(const clmha__dims *d, const clmha_forward_args *args,
 // ---- attention -------------------------------------------------------------------------------
 
 // Steps 2 to 6: projections, heads, scores, masks and softmax into probs (N*H, L, S').
-static void attention_probs(const clmha__ref_call *call, double *q_in, double *k_in, double *v_in,
-                            double *q, double *k, double *v, double *probs) {
+static void attention_probs(const clmha__ref_call *call, const clmha__ref_mods *mods,
+                            double *q_in, double *k_in, double *v_in, double *q, double *k,
+                            double *v, double *probs) {
     const clmha__dims *d = &call->d;
     const size_t sp = d->s_padded;
     clmha__ref_operands ops;
@@ -242,7 +289,11 @@ static void attention_probs(const clmha__ref_call *call, double *q_in, double *k
                         dot += q[(bh * d->l + i) * d->d + c] * k[(bh * sp + j) * d->d + c];
                     double score = clmha__ref_score_mod(dot * scale, d->softcap, slope, i,
                                                         j, j < d->s, NULL);
-                    if (j < d->s) score += clmha__ref_mask_sum(d, &call->args, n, h, i, j);
+                    if (j < d->s) {  // user functions and masks see the real keys only
+                        score = clmha__ref_user_score(mods, score, n, h, i, j, NULL);
+                        score += clmha__ref_mask_sum(d, &call->args, n, h, i, j);
+                        if (!clmha__ref_user_allows(mods, n, h, i, j)) score = -INFINITY;
+                    }
                     probs[(bh * d->l + i) * sp + j] = score;
                 }
         }
@@ -319,8 +370,14 @@ clmha_status clmha__ref_forward_run(const clmha__ref_call *call, bool keep_probs
     f->probs = keep_probs ? malloc(d->scores_count * sizeof *f->probs) : NULL;
     f->ctx_heads = malloc(q_count * sizeof *f->ctx_heads);
     f->ctx = malloc(q_count * sizeof *f->ctx);
+    // The user functions' p: the layer's mod_params, zeros when NULL (as clmha_layer_create()).
+    const clmha_layer_desc *desc = &call->desc;
+    f->mods = (clmha__ref_mods){call->params.score_mod, call->params.score_mod_grad,
+                                call->params.mask_mod, desc->mod_params};
+    bool zeros = desc->mod_source && !desc->mod_params;
+    if (zeros) f->mods.p = f->mod_zeros = calloc(desc->mod_params_count + 1, sizeof(float));
     if (!f->q_in || !f->k_in || !f->v_in || !f->q || !f->k || !f->v || !f->weights ||
-        (keep_probs && !f->probs) || !f->ctx_heads || !f->ctx) {
+        (keep_probs && !f->probs) || !f->ctx_heads || !f->ctx || (zeros && !f->mod_zeros)) {
         clmha__ref_forward_free(f);
         return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY,
                           "out of host memory for the reference scratch");
@@ -329,7 +386,7 @@ clmha_status clmha__ref_forward_run(const clmha__ref_call *call, bool keep_probs
     // 2.-6. Projections, heads, scores, masks, softmax; 7. dropout (training only): keep with
     // probability 1-p and scale by 1/(1-p).
     double *p = keep_probs ? f->probs : f->weights;
-    attention_probs(call, f->q_in, f->k_in, f->v_in, f->q, f->k, f->v, p);
+    attention_probs(call, &f->mods, f->q_in, f->k_in, f->v_in, f->q, f->k, f->v, p);
     if (keep_probs) memcpy(f->weights, f->probs, d->scores_count * sizeof *f->weights);
     clmha__ref_dropout(call, f->weights);
 
@@ -350,5 +407,6 @@ void clmha__ref_forward_free(clmha__ref_forward *f) {
     free(f->weights);
     free(f->ctx_heads);
     free(f->ctx);
+    free(f->mod_zeros);
     memset(f, 0, sizeof *f);
 }

@@ -32,10 +32,11 @@ typedef struct clmha__ref_operands {
 } clmha__ref_operands;
 
 // Reads and checks desc, params and args as clmha_reference_forward() documents (struct sizes,
-// the descriptor, shapes, parameters, host data pointers) into @p call.
+// the descriptor, shapes, parameters, the user functions' host forms (for the backward pass
+// when @p backward), host data pointers) into @p call.
 CLMHA__HIDDEN clmha_status clmha__ref_validate(const clmha_layer_desc *desc,
                                                const clmha_reference_params *params,
-                                               const clmha_forward_args *args,
+                                               const clmha_forward_args *args, bool backward,
                                                clmha__ref_call *call, char *msg,
                                                size_t msg_size);
 
@@ -78,6 +79,32 @@ CLMHA__HIDDEN bool clmha__ref_window_allows(bool window, int64_t left, int64_t r
 CLMHA__HIDDEN double clmha__ref_score_mod(double s, double softcap, double slope, size_t p,
                                           size_t j, bool real, double *grad);
 
+// A call's user functions (clmha_layer_desc::mod_source) in their host forms
+// (clmha_reference_params::score_mod, ...), and their p.
+typedef struct clmha__ref_mods {
+    clmha_host_score_fn score, grad;
+    clmha_host_mask_fn mask;
+    const float *p;
+} clmha__ref_mods;
+
+// Checks the host forms in @p m against @p source (NULL: no user functions): one for each
+// function the source defines (the derivative only when @p backward, which also needs the
+// source to define it with clmha_score_mod), none without a source. @p names are the three
+// fields' names as the caller sees them, for the messages.
+CLMHA__HIDDEN clmha_status clmha__ref_mods_check(const char *source, const clmha__ref_mods *m,
+                                                 bool backward, const char *const names[3],
+                                                 char *msg, size_t msg_size);
+
+// Score @p s (after soft-capping and ALiBi) of real key @p k for batch item @p b, query head
+// @p h at position @p q through the user score function, if any; *@p grad (may be NULL)
+// multiplied by its derivative there.
+CLMHA__HIDDEN double clmha__ref_user_score(const clmha__ref_mods *m, double s, size_t b,
+                                           size_t h, size_t q, size_t k, double *grad);
+
+// Whether the user mask function, if any, lets (b, h, q) attend real key @p k.
+CLMHA__HIDDEN bool clmha__ref_user_allows(const clmha__ref_mods *m, size_t b, size_t h, size_t q,
+                                          size_t k);
+
 // ALiBi's slope of query head @p h of @p heads: @p given[h] (the caller's slopes), or the
 // geometric one (clmha_alibi_slopes()) when @p given is NULL.
 CLMHA__HIDDEN double clmha__ref_alibi_slope(const float *given, size_t heads, size_t h);
@@ -96,6 +123,8 @@ typedef struct clmha__ref_forward {
     double *q, *k, *v;
     double *probs, *weights;
     double *ctx_heads, *ctx;
+    clmha__ref_mods mods;  // the layer's user functions, p its mod_params (or mod_zeros)
+    float *mod_zeros;
 } clmha__ref_forward;
 
 // Allocates and computes @p f for a validated call (@p keep_probs: also keep probs).

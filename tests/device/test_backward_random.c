@@ -379,6 +379,25 @@ Test(backward_random, user_functions, .timeout = 600) {
         if (k == 5) c.l = 140, c.s = 90, c.n = 1, c.need_weights = false;
         check_case(ctx, &c);
     }
+    // Functions that reproduce no built-in variant (support.h), against their host forms in the
+    // reference, through the fused backward's kernels and its GEMMs.
+    static const char *const modes[] = {"kernels", "gemms"};
+    for (size_t mode = 0; mode < 2; ++mode) {
+        setenv("CLMHA_FUSED_BACKWARD", modes[mode], 1);
+        for (size_t k = 0; k < 3; ++k) {
+            rcase c = rcase_base(2250 + k);
+            c.user = RC_USER_HOST;
+            c.softcap = k == 1 ? 0.8 : 0.0, c.alibi = k != 1, c.sinks = k == 1;
+            c.l = 6 + k, c.s = 7 - k;
+            c.is_causal = k == 0;
+            c.am = k == 1 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE;
+            c.add_bias_kv = k == 1, c.need_weights = k == 0;
+            if (k == 1) c.dropout = 0.3f, c.training = true;
+            if (k == 2) c.l = 140, c.s = 90, c.n = 1;
+            check_case(ctx, &c);
+        }
+    }
+    unsetenv("CLMHA_FUSED_BACKWARD");
     clmha_context_release(ctx);
 }
 

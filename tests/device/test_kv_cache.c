@@ -468,6 +468,9 @@ Test(kv_cache, user_functions, .timeout = 300) {
     g.user = RC_USER_SCORE | RC_USER_MASK, g.alibi = true, g.alibi_random = true;
     check_window(g, 40, 0, 1, 7, "long cache, GQA 4, user alibi and window");
     check_window(g, 20, 0, 70, 0, "long cache, GQA 4, user alibi and window");
+    g.user = RC_USER_HOST, g.alibi = false;  // no built-in equivalent: the host forms
+    check_self(&g, 1, 7, "long cache, GQA 4, user functions (host forms)");
+    check_self(&g, 70, 0, "long cache, GQA 4, user functions (host forms)");
 }
 
 Test(kv_cache, sliding_window_split_k, .timeout = 300) {

@@ -392,6 +392,24 @@ Test(random, user_functions, .timeout = 300) {
         if (k == 8) c.l = 150, c.s = 140, c.n = 1, c.need_weights = false;
         check_case(ctx, &c);
     }
+    // Functions that reproduce no built-in variant (support.h), against their host forms in the
+    // reference: over built-in soft-capping, ALiBi and windows, with masks, sinks, dropout,
+    // appended keys, and past a tile.
+    for (size_t k = 0; k < 4; ++k) {
+        rcase c = rcase_base(2150 + k);
+        c.user = RC_USER_HOST;
+        c.softcap = k == 1 ? 1.5 : 0.0, c.alibi = k == 0 || k == 3;
+        c.window = k == 2, c.win_left = 3, c.win_right = 1;
+        c.h = 2, c.e = 8, c.l = 7 + k, c.s = 9 - k;
+        c.is_causal = k == 3;
+        c.am = k == 0 ? CLMHA_MASK_FLOAT : CLMHA_MASK_NONE;
+        c.kpm = k == 1 ? CLMHA_MASK_BOOL_IGNORE : CLMHA_MASK_NONE;
+        c.add_bias_kv = k == 1, c.add_zero_attn = k == 2, c.sinks = k == 2;
+        c.need_weights = k < 2, c.per_head = k == 0;
+        if (k == 1) c.dropout = 0.3f, c.training = true;
+        if (k == 3) c.l = 150, c.s = 140, c.n = 1, c.need_weights = false;
+        check_case(ctx, &c);
+    }
     clmha_context_release(ctx);
 }
 

@@ -49,8 +49,9 @@ void rcase_describe(const rcase *c, char *buf, size_t size) {
     if (c->softcap > 0) APPEND(" softcap=%g", c->softcap);
     if (c->alibi) APPEND(c->alibi_random ? " alibi(random)" : " alibi");
     if (c->sinks) APPEND(" sinks");
-    if (c->user) APPEND(" user(%s%s)", c->user & RC_USER_SCORE ? "score" : "",
-                        c->user & RC_USER_MASK ? " mask" : "");
+    if (c->user) APPEND(" user(%s%s%s)", c->user & RC_USER_SCORE ? "score" : "",
+                        c->user & RC_USER_MASK ? " mask" : "",
+                        c->user & RC_USER_HOST ? "host forms" : "");
     if (c->mask_row) APPEND(" masked_row");
     if (c->mask_batch) APPEND(" masked_item");
     if (c->need_weights) APPEND(c->per_head ? " w=per_head" : " w=avg");
@@ -116,6 +117,22 @@ static const char user_mask_source[] =
 static void make_user_functions(instance *in) {
     const rcase *k = &in->c;
     if (!k->user) return;
+    if (k->user & RC_USER_HOST) {  // the same functions in the layer and the reference
+        cr_assert_eq(k->user, RC_USER_HOST, "RC_USER_HOST goes alone");
+        in->mod_p = alloc_floats(USER_TEST_PARAMS);
+        memcpy(in->mod_p, user_test_params, USER_TEST_PARAMS * sizeof *in->mod_p);
+        size_t size = strlen(user_test_source) + 1;
+        in->mod_source = malloc(size);
+        cr_assert_not_null(in->mod_source, "out of memory");
+        memcpy(in->mod_source, user_test_source, size);
+        in->desc.mod_source = in->mod_source;
+        in->desc.mod_params = in->mod_p;
+        in->desc.mod_params_count = USER_TEST_PARAMS;
+        in->params.score_mod = test_user_score;
+        in->params.score_mod_grad = test_user_score_grad;
+        in->params.mask_mod = test_user_mask;
+        return;
+    }
     bool appended = k->add_bias_kv || k->add_zero_attn;
     in->mod_p = alloc_floats(4 + k->h);
     float *p = in->mod_p;
@@ -141,7 +158,7 @@ static void make_user_functions(instance *in) {
 clmha_layer_desc layer_desc_of(const instance *in) {
     const rcase *k = &in->c;
     clmha_layer_desc d = in->desc;
-    if (!k->user) return d;
+    if (!k->user || k->user == RC_USER_HOST) return d;
     if (k->user & RC_USER_SCORE) {
         if (!(k->add_bias_kv || k->add_zero_attn)) d.softcap = 0.0;
         d.alibi = false;

@@ -13,7 +13,7 @@
 
 typedef enum attn_layout { LAYOUT_SHARED, LAYOUT_PER_HEAD, LAYOUT_PER_BATCH } attn_layout;
 
-enum { RC_USER_SCORE = 1, RC_USER_MASK = 2 };  // rcase::user
+enum { RC_USER_SCORE = 1, RC_USER_MASK = 2, RC_USER_HOST = 4 };  // rcase::user
 
 // One forward call: the layer, the shapes and the options.
 typedef struct rcase {
@@ -34,7 +34,8 @@ typedef struct rcase {
     // (clmha_layer_desc::mod_source) that reproduce them, while the reference computes the
     // built-in ones: RC_USER_SCORE ALiBi (and soft-capping, when no key is appended: a user
     // function sees only the real keys) as clmha_score_mod with its derivative, RC_USER_MASK
-    // the window as clmha_mask_mod.
+    // the window as clmha_mask_mod. RC_USER_HOST (alone): support.h's user functions, which
+    // reproduce no built-in variant, in the layer and, in their host forms, in the reference.
     unsigned user;
     float dropout;
     uint64_t rng_seed, rng_offset;  // dropout randomness

@@ -336,3 +336,36 @@ void test_env_close(test_env *e) {
     tmpdir_remove(e->dir);
     clmha_context_release(e->ctx);
 }
+
+// ---- user functions in OpenCL C and their host forms ------------------------------------------
+
+const char user_test_source[] =
+    "clmha_real clmha_score_mod(clmha_real s, int b, int h, int q, int k,\n"
+    "                           __global const float *p) {\n"
+    "    return s + p[0] * sin(s) + p[1] * (clmha_real)(h + 1) * cos(p[2] * (clmha_real)(q - k))\n"
+    "           + p[3] * (clmha_real)b;\n"
+    "}\n"
+    "clmha_real clmha_score_mod_grad(clmha_real s, int b, int h, int q, int k,\n"
+    "                                __global const float *p) {\n"
+    "    return 1 + p[0] * cos(s);\n"
+    "}\n"
+    "int clmha_mask_mod(int b, int h, int q, int k, __global const float *p) {\n"
+    "    return k == 0 || (q + 2 * k + h + b) % 5 != 4;\n"
+    "}\n";
+
+const float user_test_params[USER_TEST_PARAMS] = {0.5f, 0.25f, 0.75f, -0.125f};
+
+double test_user_score(double s, int b, int h, int q, int k, const float *p) {
+    return s + p[0] * sin(s) + p[1] * (double)(h + 1) * cos(p[2] * (double)(q - k)) +
+           p[3] * (double)b;
+}
+
+double test_user_score_grad(double s, int b, int h, int q, int k, const float *p) {
+    (void)b, (void)h, (void)q, (void)k;
+    return 1 + p[0] * cos(s);
+}
+
+int test_user_mask(int b, int h, int q, int k, const float *p) {
+    (void)p;
+    return k == 0 || (q + 2 * k + h + b) % 5 != 4;
+}

@@ -110,6 +110,20 @@ typedef struct error_stats {
 
 error_stats error_stats_of(const float *got, const double *want, size_t count);
 
+// ---- user functions in OpenCL C and their host forms ------------------------------------------
+
+// A user score function, its derivative and a mask function (clmha_layer_desc::mod_source) that
+// reproduce no built-in variant: s + p0 sin s + p1 (h + 1) cos(p2 (q - k)) + p3 b, and a mask
+// that forbids key k of query q where (q + 2k + h + b) mod 5 = 4, except key 0 (no row is fully
+// masked). p holds USER_TEST_PARAMS floats (user_test_params()); the test_user_* functions are
+// their host forms (clmha_reference_params::score_mod, ...), for the CPU reference.
+#define USER_TEST_PARAMS 4
+extern const char user_test_source[];
+extern const float user_test_params[USER_TEST_PARAMS];
+double test_user_score(double s, int b, int h, int q, int k, const float *p);
+double test_user_score_grad(double s, int b, int h, int q, int k, const float *p);
+int test_user_mask(int b, int h, int q, int k, const float *p);
+
 // ---- case stride --------------------------------------------------------------------------------
 
 // CLMHA_TEST_CASE_STRIDE=K or K:O (K >= 1, 0 <= O < K): the PyTorch-case suites (test_golden,

@@ -40,6 +40,7 @@ typedef struct fd_case {
     int full;
     double softcap;  // score variants (clmha_layer_desc): soft-capping, ALiBi (geometric)
     bool alibi, sinks;  // and attention sinks, whose gradient is checked too
+    bool user;          // the user functions of support.h (mod_source), in their host forms
 } fd_case;
 
 #define MAX_SLOTS 16
@@ -176,6 +177,14 @@ static void setup_case(const fd_case *c, fd_setup *su) {
     clmha_forward_args *a = &su->args;
     p->struct_size = sizeof *p;
     g->struct_size = sizeof *g;
+    if (c->user) {
+        su->desc.mod_source = user_test_source;
+        su->desc.mod_params = user_test_params;
+        su->desc.mod_params_count = USER_TEST_PARAMS;
+        p->score_mod = test_user_score;
+        p->score_mod_grad = test_user_score_grad;
+        p->mask_mod = test_user_mask;
+    }
 
     // Parameters, scaled like PyTorch's initialisation so that the softmax is not saturated.
     if (kdim == e && vdim == e) {
@@ -378,6 +387,14 @@ static const fd_case fd_cases[] = {
      .causal = true, .dropout = 0.3f, .attn = F, .need_weights = true, .grad_weights = true},
     {.name = "sinks_full_row", .e = 4, .h = 2, .l = 3, .s = 2, .n = 2, .mode = CROSS,
      .sinks = true, .kpm = F, .attn = F, .full = FULL_KPM_FLOAT},
+    // User functions (host forms): the score function's derivative chained with soft-capping's,
+    // after ALiBi's term; the mask function forbidding keys.
+    {.name = "user_softcap_alibi_masks", .e = 4, .h = 2, .l = 5, .s = 4, .n = 2, .mode = CROSS,
+     .user = true, .softcap = 0.9, .alibi = true, .kpm = F, .attn = F, .need_weights = true,
+     .per_head = true, .grad_weights = true},
+    {.name = "user_sinks_bias_kv_zero_attn_causal_dropout", .e = 4, .h = 2, .l = 5, .s = 5,
+     .n = 2, .mode = SELF, .user = true, .sinks = true, .bias_kv = true, .zero_attn = true,
+     .causal = true, .dropout = 0.3f, .attn = F, .need_weights = true, .grad_weights = true},
 };
 #define FD_NUM_CASES (sizeof fd_cases / sizeof *fd_cases)
 
@@ -534,5 +551,97 @@ Test(reference_backward, refused_calls) {
     bad.key_padding_mask.tensor.shape[1] += 1;
     g = (clmha_reference_grads){.struct_size = sizeof g, .query = sink};
     expect_refused(&su, &bad, su.dw, &g, CLMHA_INVALID_MASK, "kpm shape", NULL);
+    free_setup(&su);
+}
+
+// ---- user functions ----------------------------------------------------------------------------
+
+// Host forms of ALiBi with slopes p[h] and of the window (1, 0) as user functions.
+static double alibi_host(double s, int b, int h, int q, int k, const float *p) {
+    (void)b;
+    return s - p[h] * fabs((double)(q - k));
+}
+static double one_host(double s, int b, int h, int q, int k, const float *p) {
+    (void)s, (void)b, (void)h, (void)q, (void)k, (void)p;
+    return 1.0;
+}
+static int window_host(int b, int h, int q, int k, const float *p) {
+    (void)b, (void)h, (void)p;
+    return q - 1 <= k && k <= q;
+}
+
+// The reference's user functions give what its built-in variants give when they compute the
+// same: ALiBi as clmha_score_mod, the window (1, 0) as clmha_mask_mod, forward and backward.
+Test(reference_backward, user_host_forms_match_builtins) {
+    const fd_case c = {.name = "user_vs_builtin", .e = 4, .h = 2, .l = 5, .s = 5, .n = 2,
+                       .mode = SELF, .kpm = F, .need_weights = true, .grad_weights = true};
+    fd_setup su[2];
+    setup_case(&c, &su[0]);
+    setup_case(&c, &su[1]);
+    const float slopes[2] = {0.5f, 0.125f};
+    su[0].desc.alibi = true;
+    su[0].desc.window = true, su[0].desc.window_left = 1, su[0].desc.window_right = 0;
+    su[0].params.alibi_slopes = slopes;
+    su[1].desc.mod_source = "clmha_score_mod clmha_score_mod_grad clmha_mask_mod";
+    su[1].desc.mod_params = slopes;
+    su[1].desc.mod_params_count = 2;
+    su[1].params.score_mod = alibi_host;
+    su[1].params.score_mod_grad = one_host;
+    su[1].params.mask_mod = window_host;
+    double out[2][2 * 5 * 4], w[2][2 * 5 * 5];
+    for (int t = 0; t < 2; ++t) {
+        char msg[256];
+        clmha_status st = clmha_reference_forward(&su[t].desc, &su[t].params, &su[t].args,
+                                                  out[t], 40, w[t], 50, msg, sizeof msg);
+        cr_assert_eq(st, CLMHA_SUCCESS, "forward %d: %s", t, msg);
+        st = clmha_reference_backward(&su[t].desc, &su[t].params, &su[t].args, su[t].dy,
+                                      su[t].dw, &su[t].grads, msg, sizeof msg);
+        cr_assert_eq(st, CLMHA_SUCCESS, "backward %d: %s", t, msg);
+    }
+    double worst = 0.0;
+    for (size_t i = 0; i < 40; ++i) worst = fmax(worst, fabs(out[0][i] - out[1][i]));
+    for (size_t i = 0; i < 50; ++i) worst = fmax(worst, fabs(w[0][i] - w[1][i]));
+    for (size_t s = 0; s < su[0].num_slots; ++s)
+        for (size_t i = 0; i < su[0].slots[s].count; ++i)
+            worst = fmax(worst, fabs(su[0].slots[s].grad[i] - su[1].slots[s].grad[i]));
+    cr_log_info("user functions vs built-ins: max |difference| %.3e", worst);
+    cr_expect_leq(worst, 1e-14, "user functions differ from the built-ins by %g", worst);
+    // Not vacuous: the window forbids most keys (weights of 0 where the plain layer has none).
+    cr_expect_eq(w[0][2], 0.0);
+    free_setup(&su[0]);
+    free_setup(&su[1]);
+}
+
+// The reference runs no OpenCL C: a source needs the host forms of the functions it defines,
+// host forms need a source that defines them, and the backward pass needs the derivative.
+Test(reference_backward, user_host_forms_refused) {
+    fd_setup su;
+    setup_case(&fd_cases[2], &su);  // key_is_value: output (3, 2, 4), no weights
+    su.desc.mod_source = "int clmha_mask_mod(int b, int h, int q, int k, __global const float *p)"
+                         " { return 1; }";
+    double out[2 * 3 * 4];
+    char msg[256];
+    clmha_status st = clmha_reference_forward(&su.desc, &su.params, &su.args, out, 24, NULL, 0,
+                                              msg, sizeof msg);
+    cr_expect_eq(st, CLMHA_UNSUPPORTED, "%s", msg);
+    cr_expect(strstr(msg, "params->mask_mod"), "%s", msg);
+    su.params.mask_mod = window_host;
+    su.params.score_mod = alibi_host;
+    st = clmha_reference_forward(&su.desc, &su.params, &su.args, out, 24, NULL, 0, msg,
+                                 sizeof msg);
+    cr_expect_eq(st, CLMHA_INVALID_ARGUMENT, "%s", msg);
+    cr_expect(strstr(msg, "params->score_mod is given"), "%s", msg);
+    su.desc.mod_source = "clmha_score_mod clmha_mask_mod";
+    su.desc.mod_params_count = 2;  // p NULL: zeros, as clmha_layer_create() takes it
+    st = clmha_reference_forward(&su.desc, &su.params, &su.args, out, 24, NULL, 0, msg,
+                                 sizeof msg);
+    cr_expect_eq(st, CLMHA_SUCCESS, "%s", msg);
+    expect_refused(&su, &su.args, su.dw, &su.grads, CLMHA_UNSUPPORTED, "no derivative",
+                   "needs clmha_score_mod_grad");
+    su.desc.mod_source = "clmha_score_mod clmha_score_mod_grad clmha_mask_mod";
+    expect_refused(&su, &su.args, su.dw, &su.grads, CLMHA_UNSUPPORTED, "no host derivative",
+                   "params->score_mod_grad");
+    su.params.score_mod_grad = one_host;
+    expect_refused(&su, &su.args, su.dw, &su.grads, CLMHA_SUCCESS, "complete", NULL);
     free_setup(&su);
 }

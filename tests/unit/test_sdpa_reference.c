@@ -2,7 +2,8 @@
 // against central finite differences of its forward (clmha_reference_attention): the gradients
 // of the query, key, value and a float attn_mask, in both layouts, with dropout, grouped-query
 // attention (a key/value head sums its query heads'), broadcast masks (summed over the
-// dimensions they are broadcast along), is_causal, a custom scale, D_v ≠ D and unbatched inputs.
+// dimensions they are broadcast along), is_causal, a custom scale, D_v ≠ D, unbatched inputs and
+// user functions (their host forms).
 // Inputs are multiples of 2^-6 in [-1, 1] and the step 2^-10, so that every perturbed input is
 // exact in float32. Needs no device.
 #include <criterion/criterion.h>
@@ -27,6 +28,7 @@ typedef struct fcase {
     clmha_mask_kind mask_kind;
     double scale;
     float dropout;
+    bool user;  // the user functions of support.h (mod_source), in their host forms
 } fcase;
 
 typedef struct fdata {
@@ -69,6 +71,14 @@ static void fdata_make(fdata *f, const fcase *c) {
     f->a.query = shaped(c, c->h, c->l, c->d, f->x[0]);
     f->a.key = shaped(c, hkv, c->s, c->d, f->x[1]);
     f->a.value = shaped(c, hkv, c->s, dv, f->x[2]);
+    if (c->user) {
+        f->a.mod_source = user_test_source;
+        f->a.mod_params = (clmha_tensor){.ndim = 1, .shape = {USER_TEST_PARAMS},
+                                         .data = (void *)user_test_params};
+        f->a.host_score_mod = test_user_score;
+        f->a.host_score_mod_grad = test_user_score_grad;
+        f->a.host_mask_mod = test_user_mask;
+    }
     if (!c->mask_ndim) return;
     size_t m = 1;
     for (size_t i = 0; i < c->mask_ndim; ++i) m *= c->mask_shape[i];
@@ -162,6 +172,11 @@ static const fcase cases[] = {
      MASK(4, CLMHA_MASK_FLOAT, 1, 2, 1, 4)},
     {.name = "mask (H,1,S) unbatched", .layout = NHLD, .batched = false, SZ(1, 3, 0, 3, 4, 2),
      MASK(3, CLMHA_MASK_FLOAT, 3, 1, 4)},
+    // The user functions' host forms: the score function's derivative, the mask function.
+    {.name = "user functions gqa mask (N,1,L,S)", .layout = NLHD, .batched = true,
+     SZ(2, 4, 2, 5, 6, 2), .gqa = true, MASK(4, CLMHA_MASK_FLOAT, 2, 1, 5, 6), .user = true},
+    {.name = "user functions causal dropout", .layout = NHLD, .batched = true,
+     SZ(2, 2, 0, 5, 5, 3), .causal = true, .dropout = 0.2f, .user = true},
 };
 
 Test(sdpa_reference, backward_matches_finite_differences) {
@@ -186,6 +201,22 @@ Test(sdpa_reference, backward_refusals) {
     cr_expect_eq(clmha_reference_attention_backward(&f.a, f.g, &g, msg, sizeof msg),
                  CLMHA_SHAPE_MISMATCH);
     cr_expect(strstr(msg, "key is (2, 2, 4, 2)"), "%s", msg);
+    f.a.key.shape[3] = 3;
+    // The user functions: host forms for those the source defines, the derivative for the
+    // backward pass.
+    f.a.mod_source = user_test_source;
+    cr_expect_eq(clmha_reference_attention_backward(&f.a, f.g, &g, msg, sizeof msg),
+                 CLMHA_UNSUPPORTED);
+    cr_expect(strstr(msg, "args->host_score_mod"), "%s", msg);
+    f.a.host_score_mod = test_user_score;
+    f.a.host_mask_mod = test_user_mask;
+    cr_expect_eq(clmha_reference_attention_backward(&f.a, f.g, &g, msg, sizeof msg),
+                 CLMHA_UNSUPPORTED);
+    cr_expect(strstr(msg, "args->host_score_mod_grad"), "%s", msg);
+    f.a.mod_source = NULL;
+    cr_expect_eq(clmha_reference_attention_backward(&f.a, f.g, &g, msg, sizeof msg),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(msg, "does not define"), "%s", msg);
     for (int t = 0; t < 3; ++t) free(f.x[t]);
     free(f.g);
 }
