@@ -396,6 +396,16 @@ static clmha_status launch_block(clmha_context *ctx, const clmha__fused_backward
     return err != CL_SUCCESS ? clmha__cl_fail(ctx, err, "fused_backward_block") : CLMHA_SUCCESS;
 }
 
+// Keys and rows (at least; a multiple of the vector width) per tile of run_gemms()'s block mask
+// with clmha_mask_mod, and rows per block at most (a multiple of the tile's). Tiles of 32 rows
+// rather than a block's: fused_backward_block calls the function in the tiles it neither allows
+// nor forbids whole, which along a window's edges were ~2.5 times as many keys in tiles of 256
+// rows (a training step with a causal window (1023, 0) as a mask function took 1.11 times the
+// built-in window's at L 4096; in tiles of 32 rows, see docs/performance.md).
+#define GEMM_MASK_KEYS 64
+#define GEMM_MASK_TILE_ROWS 32
+#define GEMM_MASK_ROWS 256
+
 // One block of the products in GEMMs (run_gemms()): query rows [r0, r0 + nr) of planes
 // [p0, p0 + np) against keys [c0, c0 + cols):
 //   sᵀ = k qᵀ and dPdᵀ = v dOᵀ (GEMMs into the two block buffers, keys by rows),
@@ -405,6 +415,7 @@ static clmha_status launch_block(clmha_context *ctx, const clmha__fused_backward
 //   a block of 512 rows took 2.9 ms this way against 3.4 ms untransposed).
 typedef struct block_of {
     size_t p0, np, r0, nr, c0, cols;
+    size_t mask_rows;  // with clmha_mask_mod: the block mask's rows a tile (gemm_tile_rows())
     float beta_kv, beta_q;
 } block_of;
 
@@ -432,10 +443,12 @@ static clmha_status block_products(clmha_layer *l, clmha__backward_call *call,
         return st;
     cl_ulong row0 = bl->r0, nrows = nr, plane0 = bl->p0, ncols = cols, col0 = bl->c0;
     cl_ulong tgt = tl, heads = l->h, src = d->s;
-    arg args[] = {ARG(fb->block_s), ARG(fb->block_g), ARG(call->lse), ARG(fb->drow_buf),
-                  ARG(row0),        ARG(nrows),       ARG(plane0),    ARG(ncols),
-                  ARG(col0),        ARG(tgt),         ARG(heads),     ARG(src),
-                  ARG(scale),       MASK_ARGS(*m)};
+    cl_ulong mask_rows = bl->mask_rows, mask_keys = GEMM_MASK_KEYS, keys_padded = sp;
+    arg args[] = {ARG(fb->block_s), ARG(fb->block_g),  ARG(call->lse),   ARG(fb->drow_buf),
+                  ARG(row0),        ARG(nrows),        ARG(plane0),      ARG(ncols),
+                  ARG(col0),        ARG(tgt),          ARG(heads),       ARG(src),
+                  ARG(scale),       ARG(mask_rows),    ARG(mask_keys),   ARG(keys_padded),
+                  MASK_ARGS(*m)};
     if ((st = launch_block(ctx, fb, nr, np * cols, args, sizeof args / sizeof args[0])))
         return st;
     // dv += Pdᵀ dO, dk += scale dSᵀ q (A as stored), dq = scale dS k.
@@ -512,17 +525,16 @@ static size_t window_block_rows(const clmha__mask_args *m, const clmha__dims *d,
     return rows;
 }
 
-// Keys per tile of run_gemms()'s block mask with clmha_mask_mod, and rows per block at most.
-#define GEMM_MASK_KEYS 64
-#define GEMM_MASK_ROWS 256
-
-// With clmha_mask_mod: the block mask of run_gemms()'s blocks of @p rows rows of one plane in
-// tiles of GEMM_MASK_KEYS keys, copied to the host (fb->gemm_mask) when it was evaluated anew.
+// With clmha_mask_mod: the block mask of run_gemms() in tiles of @p rows rows (gemm_tile_rows())
+// by GEMM_MASK_KEYS keys, into *@p out (fused_backward_block reads it: no per-key call in a
+// tile it allows or forbids whole), copied to the host (fb->gemm_mask, for mask_keys()) when it
+// was evaluated anew.
 static clmha_status gemm_mask(clmha_layer *l, clmha__fused_backward *fb, const clmha__dims *d,
-                              size_t rows) {
+                              size_t rows, cl_mem *out) {
     clmha_context *ctx = l->ctx;
     cl_mem buf;
     clmha_status st = clmha__block_mask_get(l, &fb->gemm_blocks, d, rows, GEMM_MASK_KEYS, &buf);
+    if (!st) *out = buf;
     if (st || fb->gemm_mask_seen == fb->gemm_blocks.evaluations) return st;
     size_t bytes = d->n * l->h * ((d->l + rows - 1) / rows) *
                    ((d->s_padded + GEMM_MASK_KEYS - 1) / GEMM_MASK_KEYS);
@@ -538,18 +550,28 @@ static clmha_status gemm_mask(clmha_layer *l, clmha__fused_backward *fb, const c
     return CLMHA_SUCCESS;
 }
 
-// The real keys [*c0, *c1) of block @p b of plane @p p (rows of gemm_mask()) that its tiles
-// not wholly forbidden by clmha_mask_mod hold (empty: *c0 >= *c1).
-static void mask_keys(const clmha__fused_backward *fb, const clmha__dims *d, size_t blocks,
-                      size_t p, size_t b, size_t *c0, size_t *c1) {
+// Rows per tile of gemm_mask(): GEMM_MASK_TILE_ROWS, or the vector width where that is larger,
+// so that each vector of rows fused_backward_block computes lies in one tile.
+static size_t gemm_tile_rows(const clmha__fused_backward *fb) {
+    return fb->t.vw > GEMM_MASK_TILE_ROWS ? fb->t.vw : GEMM_MASK_TILE_ROWS;
+}
+
+// The real keys [*c0, *c1) that query rows [r0, r0 + nr) of plane @p p may see by the tiles
+// of gemm_mask() (of @p tile_rows rows) that clmha_mask_mod does not forbid whole (empty:
+// *c0 >= *c1).
+static void mask_keys(const clmha__fused_backward *fb, const clmha__dims *d, size_t tile_rows,
+                      size_t p, size_t r0, size_t nr, size_t *c0, size_t *c1) {
     size_t k_tiles = (d->s_padded + GEMM_MASK_KEYS - 1) / GEMM_MASK_KEYS;
-    const unsigned char *row = fb->gemm_mask + (p * blocks + b) * k_tiles;
+    size_t r_tiles = (d->l + tile_rows - 1) / tile_rows;
     size_t first = k_tiles, last = 0;
-    for (size_t t = 0; t < k_tiles && t * GEMM_MASK_KEYS < d->s; ++t)
-        if (row[t] != 0) {  // MOD_BLOCK_NONE (cl/common.cl)
-            if (first == k_tiles) first = t;
-            last = t;
-        }
+    for (size_t r = r0 / tile_rows; r <= (r0 + nr - 1) / tile_rows; ++r) {
+        const unsigned char *row = fb->gemm_mask + (p * r_tiles + r) * k_tiles;
+        for (size_t t = 0; t < k_tiles && t * GEMM_MASK_KEYS < d->s; ++t)
+            if (row[t] != 0) {  // MOD_BLOCK_NONE (cl/common.cl)
+                if (t < first) first = t;
+                if (t > last) last = t;
+            }
+    }
     *c0 = first == k_tiles ? d->s : first * GEMM_MASK_KEYS;
     *c1 = first == k_tiles ? d->s : (last + 1) * GEMM_MASK_KEYS;
     if (*c1 > d->s) *c1 = d->s;
@@ -584,10 +606,12 @@ static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
     bool user_mask = (l->mods & CLMHA__MOD_MASK) != 0;
     if (windowed && per_plane > cap) rows = window_block_rows(&m, d, cap, rows, &cols);
     clmha_status st;
-    if (user_mask) {  // one plane a block, GEMM_MASK_ROWS rows at most
+    size_t tile_rows = gemm_tile_rows(fb);
+    if (user_mask) {  // one plane a block, GEMM_MASK_ROWS rows at most, whole tiles
         pp = 1, cols = sp;
         if (rows > GEMM_MASK_ROWS) rows = GEMM_MASK_ROWS;
-        if ((st = gemm_mask(l, fb, d, rows))) return st;
+        rows = rows < tile_rows ? tile_rows : rows / tile_rows * tile_rows;
+        if ((st = gemm_mask(l, fb, d, tile_rows, &m.mod_blocks))) return st;
         windowed = true;  // the window's block walk, over mask_keys() as well
     }
     if ((st = clmha__layer_grow_core_scratch(l, &fb->block_s, &fb->block_s_cap, pp * rows * cols,
@@ -605,7 +629,7 @@ static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
         size_t np = planes - p0 < pp ? planes - p0 : pp;
         for (size_t b = blocks; b-- > 0;) {
             size_t r0 = b * rows, nr = tl - r0 < rows ? tl - r0 : rows;
-            block_of bl = {.p0 = p0, .np = np, .r0 = r0, .nr = nr};
+            block_of bl = {.p0 = p0, .np = np, .r0 = r0, .nr = nr, .mask_rows = tile_rows};
             if (!windowed) {
                 bool first = b == blocks - 1;
                 bl.cols = trim && !first && r0 + nr < sp ? r0 + nr : sp;
@@ -617,7 +641,7 @@ static clmha_status run_gemms(clmha_layer *l, clmha__backward_call *call,
             window_keys(&m, d->s, r0, nr, &c0, &c1);
             if (user_mask) {
                 size_t u0, u1;
-                mask_keys(fb, d, blocks, p0, b, &u0, &u1);
+                mask_keys(fb, d, tile_rows, p0, r0, nr, &u0, &u1);
                 if (u0 > c0) c0 = u0;
                 if (u1 < c1) c1 = u1;
             }

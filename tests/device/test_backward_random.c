@@ -396,6 +396,12 @@ Test(backward_random, user_functions, .timeout = 600) {
             if (k == 2) c.l = 140, c.s = 90, c.n = 1;
             check_case(ctx, &c);
         }
+        // A mask function that allows whole tiles past the first block of rows (every key up
+        // to the row's: window (-1, 0) as clmha_mask_mod): those tiles make no per-key call.
+        rcase c = rcase_base(2260);
+        c.user = RC_USER_MASK, c.window = true, c.win_left = -1, c.win_right = 0;
+        c.l = 600, c.s = 600, c.n = 1, c.need_weights = false;
+        check_case(ctx, &c);
     }
     unsetenv("CLMHA_FUSED_BACKWARD");
     clmha_context_release(ctx);

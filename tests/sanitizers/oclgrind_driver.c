@@ -326,10 +326,15 @@ static const dcase cases[] = {
     {"backward fused: user alibi and window (3, 0) self L=S=40", .e = 8, .h = 2, .n = 1,
      .l = 40, .self_attn = true, .fused = true, .backward = true, .alibi = true,
      .window = true, .wl = 3, .wr = 0, .user = USER_SCORE | USER_MASK},
-    {"backward fused gemms: user alibi and window (2, 2) self L=S=37, blocks of 8 rows",
+    {"backward fused gemms: user alibi and window (2, 2) self L=S=37, blocks of 32 rows",
      .e = 8, .h = 2, .n = 1, .l = 37, .self_attn = true, .fused = true, .backward = true,
      .gemm_block = 8 * 37, .alibi = true, .window = true, .wl = 2, .wr = 2,
      .user = USER_SCORE | USER_MASK},
+    // A mask function that allows whole tiles of the GEMM blocks' block mask (32 rows by 64
+    // keys) below the diagonal and some of others: the block kernel's lookups.
+    {"backward fused gemms: user window (-1, 0) self L=S=100, blocks of 32 rows", .e = 8,
+     .h = 2, .n = 1, .l = 100, .self_attn = true, .fused = true, .backward = true,
+     .gemm_block = 32 * 100, .window = true, .wl = -1, .wr = 0, .user = USER_MASK},
     {"backward unfused: user alibi cross L3 S5, zero_attn", .e = 8, .h = 2, .n = 2, .l = 3,
      .s = 5, .zero_attn = true, .backward = true, .alibi = true, .user = USER_SCORE},
     {"decode: user alibi and window (5, 0) self causal L=S=21, chunks of 4, 3 ranges", .e = 8,
