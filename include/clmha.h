@@ -963,6 +963,17 @@ CLMHA_API size_t clmha_layer_parameter_count(const clmha_layer *layer, const cha
 CLMHA_API clmha_status clmha_layer_set_mod_params(clmha_layer *layer, const float *params,
                                                   size_t count);
 
+/// Reads the parameters p of the layer's user functions (clmha_layer_desc::mod_source), a
+/// blocking read after the work already queued, like clmha_layer_get_parameter().
+/// Added after 0.1.0.
+/// @param[in]  layer   the layer
+/// @param[out] params  room for @p count floats
+/// @param[in]  count   must equal clmha_layer_desc::mod_params_count
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, a layer without user functions),
+///         ::CLMHA_SHAPE_MISMATCH (wrong count), ::CLMHA_OPENCL_ERROR
+CLMHA_API clmha_status clmha_layer_get_mod_params(clmha_layer *layer, float *params,
+                                                  size_t count);
+
 /// Sizes the layer's scratch buffers for inputs up to @p batch x @p tgt_len x @p src_len and
 /// warms up the GEMMs, so that later forward calls at or below these sizes allocate nothing and
 /// compile nothing: with @p need_weights, calls with and without weights; without, calls
@@ -1123,15 +1134,17 @@ CLMHA_API clmha_status clmha_layer_load_prefixed(clmha_layer **out, clmha_contex
                                                  const clmha_load_options *options);
 
 /// Writes the layer to @p path in the format clmha_layer_load() reads (F32 tensors, metadata
-/// with num_heads, batch_first, add_zero_attn and dropout; num_kv_heads, window, softcap and
-/// alibi for a layer that has them, and then the tensors alibi_slopes and sinks of a layer that
-/// has them). The file appears whole
+/// with num_heads, batch_first, add_zero_attn and dropout; num_kv_heads, window, softcap,
+/// alibi and mod_source (the user functions' source) for a layer that has them, and then the
+/// tensors alibi_slopes, sinks and mod_params (p) of a layer that has them). The file appears
+/// whole
 /// or not at all
 /// (written to a temporary file in the same folder, then renamed; a file it replaces keeps its
 /// permissions). Reading the parameters waits for the work already queued.
 /// @param[in] layer  the layer
 /// @param[in] path   the file's path (not empty)
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_IO_ERROR, ::CLMHA_OUT_OF_MEMORY,
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also a mod_source that is not UTF-8 or
+///         too long for a layer file's 256 KiB header), ::CLMHA_IO_ERROR, ::CLMHA_OUT_OF_MEMORY,
 ///         ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_layer_save(clmha_layer *layer, const char *path);
 

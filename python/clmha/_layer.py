@@ -243,6 +243,10 @@ class Layer:
         self.mod_params_count = int(desc.mod_params_count)
         self._mod_params = (np.zeros(self.mod_params_count, np.float32)
                             if self.mod_source is not None else None)
+        if self.mod_params_count:  # p as the layer holds it (a layer file's mod_params)
+            buf = ffi.from_buffer("float[]", self._mod_params)
+            check(lib.clmha_layer_get_mod_params(self._ptr, buf, self.mod_params_count),
+                  context._ptr)
         self.head_dim = self.embed_dim // self.num_heads
         self._impl = "auto"
         self._profiling = False
@@ -257,9 +261,10 @@ class Layer:
         continuiti's or the classic module's; ``prefix`` picks one attention module out of a
         whole model's checkpoint, ``num_heads`` is needed where the file's metadata lacks it.
         The file's metadata ``window`` ("LEFT,RIGHT") gives the layer's sliding window
-        (``layer.window``), ``softcap`` ("C") its soft-capping and ``alibi`` ("true") ALiBi
-        (the slopes: the file's tensor ``alibi_slopes``, else the geometric ones); ``save``
-        writes them."""
+        (``layer.window``), ``softcap`` ("C") its soft-capping, ``alibi`` ("true") ALiBi
+        (the slopes: the file's tensor ``alibi_slopes``, else the geometric ones) and
+        ``mod_source`` its user functions (``layer.mod_source``, p from the tensor
+        ``mod_params``); ``save`` writes them."""
         context = context if context is not None else default_context()
         out = ffi.new("clmha_layer **")
         path_b = _path_bytes(path)

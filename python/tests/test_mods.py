@@ -210,6 +210,27 @@ def test_layer_set_mod_params(ctx, rng):
         clmha.Layer(E, H, context=ctx).mod_params = [1.0]
 
 
+def test_layer_file_keeps_user_functions(ctx, rng, tmp_path):
+    """A layer file holds the user functions (``__metadata__`` mod_source) and p (the tensor
+    mod_params): the loaded layer has both and computes what the saved one did."""
+    m = torch_mha(E, H)
+    sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    layer = clmha.Layer.from_state_dict(sd, H, context=ctx, score_mod=SOFTCAP,
+                                        mod_params=np.array([0.8]))
+    layer.mod_params = [2.5]
+    path = tmp_path / "mods.safetensors"
+    layer.save(path)
+    loaded = clmha.Layer.load(path, context=ctx)
+    assert loaded.mod_source == layer.mod_source
+    assert np.array_equal(loaded.mod_params, [2.5])
+    x = randn(rng, 5, N, E, scale=1.5)
+    want, _ = layer.forward(x, need_weights=False)
+    got, _ = loaded.forward(x, need_weights=False)
+    assert np.array_equal(got, want)
+    ro, _, _ = mha_ref(m, x, softcap=2.5, need_weights=False)
+    assert record("mods layer file softcap output", max_err(got, ro)) <= TOL
+
+
 # ---- the function: torch and NumPy ----------------------------------------------------------
 
 

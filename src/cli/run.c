@@ -70,7 +70,8 @@ static const char *const usage_run[] = {
     "\n",
     "user score and mask functions (FlexAttention's score_mod and mask_mod):\n"
     "  --score-mod FILE.cl       OpenCL C source compiled into the attention kernels\n"
-    "                            (clmha_layer_desc::mod_source), defining any of\n"
+    "                            (clmha_layer_desc::mod_source; in place of the layer\n"
+    "                            file's, if it has one), defining any of\n"
     "                              clmha_real clmha_score_mod(clmha_real s, int b, int h,\n"
     "                                                         int q, int k,\n"
     "                                                         __global const float *p)\n"
@@ -645,6 +646,20 @@ static clmha_status copy_parameters(clmha_layer *from, clmha_layer *to, bool f64
     return st;
 }
 
+// p of the file's user functions copied into @p to, which keeps them (no --score-mod).
+static clmha_status copy_mod_params(clmha_layer *from, clmha_layer *to, size_t count,
+                                    bool *no_memory) {
+    float *p = calloc(count ? count : 1, sizeof *p);
+    if (!p) {
+        *no_memory = true;
+        return CLMHA_OUT_OF_MEMORY;
+    }
+    clmha_status st = clmha_layer_get_mod_params(from, p, count);
+    if (!st) st = clmha_layer_set_mod_params(to, p, count);
+    free(p);
+    return st;
+}
+
 // The options that make the layer again, as given ("--window 2,0 --alibi"), into @p buf.
 static const char *redesc_flags(const run_opts *o, char *buf, size_t size) {
     snprintf(buf, size, "%s%s%s%s%s%s%s%s%s", o->window_opt ? " --window " : "",
@@ -678,6 +693,8 @@ static bool redesc_layer(const run_opts *o, run_state *s) {
     bool no_memory = false;
     clmha_status st = clmha_layer_create(&layer, s->ctx, &d);
     if (!st) st = copy_parameters(s->layer, layer, o->f64, &no_memory);
+    if (!st && !o->mod.source && d.mod_source)  // the file's user functions, kept
+        st = copy_mod_params(s->layer, layer, d.mod_params_count, &no_memory);
     if (st) {
         char flags[4096];
         // (A source that does not compile: the message holds the build log.)
@@ -716,7 +733,7 @@ static bool open_layer(const run_opts *o, run_state *s) {
     // at the cache's end, not at their rows: with a window, ALiBi or user functions (which see
     // the queries' positions) that is not the one-shot call.
     bool windowed = s->desc.window && (s->desc.window_left >= 0 || s->desc.window_right >= 0);
-    if (o->chunk && (windowed || s->desc.alibi || o->mod.source) && !o->is_causal) {
+    if (o->chunk && (windowed || s->desc.alibi || s->desc.mod_source) && !o->is_causal) {
         clmha__cli_report("run", "--decode-chunk without --is-causal does not go with %s (%s): "
                           "the later calls' queries would sit at the end of the cache, not at "
                           "their rows",
@@ -725,7 +742,8 @@ static bool open_layer(const run_opts *o, run_state *s) {
                                             : "user functions",
                           windowed ? (o->window.on ? "--window" : "the layer file's window")
                           : s->desc.alibi ? (o->alibi ? "--alibi" : "the layer file's alibi")
-                                          : "--score-mod");
+                          : o->mod.source ? "--score-mod"
+                                          : "the layer file's mod_source");
         return false;
     }
     return true;

@@ -18,16 +18,17 @@
 #include "base/defs.h"
 
 // Largest header accepted (bytes of JSON, padding included): 256 KiB. A layer's header is
-// small: at most 11 tensor entries of under 100 bytes each and a few metadata strings, under
-// 2 KiB as clmha_layer_save() and PyTorch write it. The limit leaves over 250 KiB for
+// small: at most 12 tensor entries of under 100 bytes each and a few metadata strings, under
+// 2 KiB as clmha_layer_save() and PyTorch write it (and a layer's user functions' source). The limit leaves over 250 KiB for
 // free-form metadata, and bounds what parsing costs (cJSON takes up to about 30 times the
 // text: a few MiB at worst, in milliseconds). A longer header is refused from its length
 // alone, before it is read (clmha_layer_load) or parsed.
 #define CLMHA__ST_MAX_HEADER ((size_t)256 << 10)
 // Most tensor entries a layer file holds: one per parameter name of nn.MultiheadAttention
 // (in_proj_weight, q/k/v_proj_weight, in_proj_bias, out_proj.weight, out_proj.bias, bias_k,
-// bias_v) and clmha's alibi_slopes and sinks. More are refused before any entry is read.
-#define CLMHA__ST_MAX_TENSORS 11
+// bias_v) and clmha's alibi_slopes, sinks and mod_params. More are refused before any entry is
+// read.
+#define CLMHA__ST_MAX_TENSORS 12
 // Most dimensions a tensor may have.
 #define CLMHA__ST_MAX_DIMS 8
 // The limits of a file read with a prefix (clmha_layer_load_prefixed()), which may hold a whole

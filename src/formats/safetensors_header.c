@@ -27,8 +27,7 @@ static const char *dtype_name(clmha__st_dtype dtype) {
                                      : "F64";
 }
 
-// Index of the first byte of @p s (n bytes) that is not valid UTF-8, or n.
-static size_t utf8_invalid_at(const unsigned char *s, size_t n) {
+size_t clmha__st_utf8_invalid_at(const unsigned char *s, size_t n) {
     size_t i = 0;
     while (i < n) {
         unsigned c = s[i];
@@ -61,7 +60,7 @@ static size_t utf8_invalid_at(const unsigned char *s, size_t n) {
 // \u0000 escape (cJSON would cut the string there, so two different keys could look alike).
 static clmha_status header_text_check(const unsigned char *h, size_t n, const char *name,
                                       char *msg, size_t msg_size) {
-    size_t bad = utf8_invalid_at(h, n);
+    size_t bad = clmha__st_utf8_invalid_at(h, n);
     if (bad < n)
         return clmha__msg(msg, msg_size, CLMHA_INVALID_FILE,
                           "%s: the header is not valid UTF-8 (byte %zu of the header)", name,

@@ -9,6 +9,7 @@
 #include "base/checked.h"
 #include "base/file_read.h"
 #include "base/file_write.h"
+#include "base/half.h"
 #include "base/struct_in.h"
 #include "errors/errors.h"
 #include "formats/safetensors_private.h"
@@ -95,6 +96,18 @@ static clmha_status fail_with_path(clmha_context *ctx, clmha_status st, const ch
     return clmha__fail(ctx, st, "%s: %s", path, prev);
 }
 
+// p of the user functions (the tensor mod_params, as doubles in @p values) into @p layer: floats,
+// rounded to nearest.
+static clmha_status set_mod_params(clmha_layer *layer, const double *values, size_t count) {
+    float *p = malloc(count * sizeof *p);
+    if (!p)
+        return clmha__fail(clmha_layer_context(layer), CLMHA_OUT_OF_MEMORY, "out of host memory");
+    for (size_t i = 0; i < count; ++i) p[i] = clmha__double_to_float(values[i]);
+    clmha_status st = clmha_layer_set_mod_params(layer, p, count);
+    free(p);
+    return st;
+}
+
 // The layer of the file at @p path under @p load (NULL: plain), of dtype @p dtype.
 static clmha_status load(clmha_layer **out, clmha_context *ctx, const char *path,
                          const clmha__st_load *load, clmha_dtype dtype) {
@@ -141,7 +154,11 @@ static clmha_status load(clmha_layer **out, clmha_context *ctx, const char *path
     for (size_t i = 0; i < view->file.tensor_count; ++i) {
         const clmha__st_tensor *t = &view->tensors[i];
         clmha__st_view_to_double(view, i, values);
-        if ((st = clmha_layer_set_parameter_f64(layer, t->param, values, t->count))) {
+        if (strcmp(t->param, "mod_params") == 0)
+            st = set_mod_params(layer, values, t->count);
+        else
+            st = clmha_layer_set_parameter_f64(layer, t->param, values, t->count);
+        if (st) {
             st = fail_with_path(ctx, st, path);
             goto fail;
         }
@@ -274,7 +291,7 @@ static bool write_safetensors(FILE *f, void *user, char *why, size_t why_size) {
 }
 
 // The tensors a layer of descriptor @p d has, in the order of the file, with their PyTorch
-// shapes (into @p list, room for 11) and element counts; *total: the sum of the counts.
+// shapes (into @p list, room for 12) and element counts; *total: the sum of the counts.
 static size_t save_list(clmha_layer *layer, const clmha_layer_desc *d, save_entry *list,
                         size_t *total) {
     // kve: the key/value heads' width (grouped-query attention: num_kv_heads * D, else E).
@@ -297,13 +314,29 @@ static size_t save_list(clmha_layer *layer, const clmha_layer_desc *d, save_entr
     }
     if (d->alibi) list[n++] = (save_entry){"alibi_slopes", 1, {d->num_heads}, 0};
     if (d->sinks) list[n++] = (save_entry){"sinks", 1, {d->num_heads}, 0};
+    bool p = d->mod_source && d->mod_params_count;
+    if (p) list[n++] = (save_entry){"mod_params", 1, {d->mod_params_count}, 0};
     // The layer exists, so its parameters fit in memory: these sums do not overflow.
     *total = 0;
     for (size_t i = 0; i < n; ++i) {
-        list[i].count = clmha_layer_parameter_count(layer, list[i].name);
+        list[i].count = p && i == n - 1 ? d->mod_params_count
+                                        : clmha_layer_parameter_count(layer, list[i].name);
         *total += list[i].count;
     }
     return n;
+}
+
+// @p text as a JSON string (quoted; '"', '\\' and control bytes escaped; UTF-8 as it is).
+static bool append_json_string(char *buf, size_t size, size_t *used, const char *text) {
+    bool ok = append(buf, size, used, "\"");
+    for (const unsigned char *c = (const unsigned char *)text; ok && *c; ++c) {
+        if (*c == '"' || *c == '\\') ok = append(buf, size, used, "\\%c", *c);
+        else if (*c == '\n') ok = append(buf, size, used, "\\n");
+        else if (*c == '\t') ok = append(buf, size, used, "\\t");
+        else if (*c < 0x20) ok = append(buf, size, used, "\\u%04x", (unsigned)*c);
+        else ok = append(buf, size, used, "%c", *c);
+    }
+    return ok && append(buf, size, used, "\"");
 }
 
 // The file's JSON header (metadata from @p d, the @p n tensors of @p list with elements of
@@ -334,6 +367,10 @@ static bool save_header(const clmha_layer_desc *d, const save_entry *list, size_
         ok = append(header, size, used, ",\"softcap\":\"%s\"", softcap);
     }
     if (ok && d->alibi) ok = append(header, size, used, ",\"alibi\":\"true\"");
+    if (ok && d->mod_source) {  // the user functions' source, a JSON string
+        ok = append(header, size, used, ",\"mod_source\":");
+        ok = ok && append_json_string(header, size, used, d->mod_source);
+    }
     ok = ok && append(header, size, used, "}");
     for (size_t i = 0; i < n && ok; ++i) {
         const save_entry *s = &list[i];
@@ -358,9 +395,18 @@ static clmha_status save_data(clmha_layer *layer, const save_entry *list, size_t
     for (size_t i = 0, at = 0; i < n; at += list[i].count, ++i) {
         const char *name = list[i].name;
         size_t count = list[i].count;
-        clmha_status st =
-            f64 ? clmha_layer_get_parameter_f64(layer, name, (double *)data + at, count)
-                : clmha_layer_get_parameter(layer, name, (float *)data + at, count);
+        clmha_status st;
+        if (strcmp(name, "mod_params") == 0) {  // p: floats, widened exactly for a F64 file
+            float *p = f64 ? malloc(count * sizeof *p) : (float *)data + at;
+            if (!p) return clmha__fail(clmha_layer_context(layer), CLMHA_OUT_OF_MEMORY,
+                                       "out of host memory");
+            st = clmha_layer_get_mod_params(layer, p, count);
+            for (size_t k = 0; f64 && !st && k < count; ++k) ((double *)data)[at + k] = p[k];
+            if (f64) free(p);
+        } else {
+            st = f64 ? clmha_layer_get_parameter_f64(layer, name, (double *)data + at, count)
+                     : clmha_layer_get_parameter(layer, name, (float *)data + at, count);
+        }
         if (st) return st;
     }
     const uint32_t one = 1;
@@ -383,6 +429,7 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
 
     clmha_status st = CLMHA_SUCCESS;
     unsigned char *data = NULL;
+    char *header = NULL;
 
     clmha_layer_desc d = {.struct_size = sizeof d};
     clmha_layer_get_desc(layer, &d);
@@ -390,15 +437,36 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
     // widened exactly).
     bool f64 = d.dtype == CLMHA_DTYPE_F64;
     size_t elem = f64 ? 8 : 4;
-    save_entry list[11];
+    save_entry list[12];
     size_t total;
     size_t n = save_list(layer, &d, list, &total);
 
-    char header[2048];
-    size_t used;
-    if (!save_header(&d, list, n, elem, header, sizeof header, &used)) {
-        // cannot happen: the names are fixed and the numbers short
+    // The header: names and numbers fit in 2 KiB; a user functions' source takes at most six
+    // bytes a byte (\u00XX), and must be UTF-8 and fit the header limit of clmha_layer_load().
+    size_t source_len = d.mod_source ? strlen(d.mod_source) : 0;
+    if (source_len && clmha__st_utf8_invalid_at((const unsigned char *)d.mod_source,
+                                                source_len) < source_len) {
+        st = clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                         "%s: the layer's mod_source is not valid UTF-8; a safetensors header "
+                         "holds UTF-8 text only",
+                         path);
+        goto fail;
+    }
+    size_t header_size = 2048 + 6 * source_len, used;
+    if (!(header = malloc(header_size))) {
+        st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "%s: out of host memory", path);
+        goto fail;
+    }
+    if (!save_header(&d, list, n, elem, header, header_size, &used)) {
+        // cannot happen: the names are fixed, the numbers short, the source's room counted
         st = clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s: header too long", path);
+        goto fail;
+    }
+    if (used > CLMHA__ST_MAX_HEADER) {
+        st = clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                         "%s: the header would take %zu bytes with the layer's mod_source (%zu "
+                         "bytes), more than the %zu a layer file may have",
+                         path, used, source_len, CLMHA__ST_MAX_HEADER);
         goto fail;
     }
     data = malloc((total ? total : 1) * elem);
@@ -419,5 +487,6 @@ clmha_status clmha_layer_save(clmha_layer *layer, const char *path) {
         st = clmha__fail(ctx, st, "%s", msg);
 fail:
     free(data);
+    free(header);
     return st;
 }

@@ -43,7 +43,8 @@ void clmha__safetensors_to_double(const clmha__st_tensor *t, double *out) {
 
 static const char *const known_names[] = {
     "in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v", "alibi_slopes", "sinks"};
+    "out_proj.weight", "out_proj.bias", "bias_k", "bias_v", "alibi_slopes", "sinks",
+    "mod_params"};
 
 // A positive decimal integer, digits only.
 static bool parse_count(const char *s, size_t *out) {
@@ -198,7 +199,7 @@ static clmha_status check_names(const desc_read *r) {
                               "%s: unknown tensor \"%.*s\" (a nn.MultiheadAttention file holds "
                               "in_proj_weight or q_proj_weight, k_proj_weight and v_proj_weight, "
                               "out_proj.weight, and optionally in_proj_bias with out_proj.bias, "
-                              "bias_k with bias_v, alibi_slopes, sinks)",
+                              "bias_k with bias_v, alibi_slopes, sinks, mod_params)",
                               r->name, CLMHA__ST_QUOTE_MAX, r->f->tensors[i].name);
     }
     return CLMHA_SUCCESS;
@@ -470,6 +471,25 @@ static clmha_status read_sinks(const desc_read *r, bool *sinks) {
                         r->msg_size);
 }
 
+// __metadata__ mod_source (the user functions' OpenCL C, clmha_layer_desc::mod_source; absent:
+// none) and the tensor mod_params, p (count), which only a layer with a source has (absent: no
+// p). The layer's loader writes p after creating it.
+static clmha_status read_mods(const desc_read *r, const char **source, size_t *count) {
+    *source = clmha__safetensors_meta(r->f, "mod_source");
+    const clmha__st_tensor *t = clmha__safetensors_tensor(r->f, "mod_params");
+    *count = t ? t->count : 0;
+    if (t && !*source)
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: the file has tensor \"%.*s\" but no __metadata__ mod_source (p is "
+                          "the user functions' parameters)",
+                          r->name, CLMHA__ST_QUOTE_MAX, t->name);
+    if (t && t->ndim != 1)
+        return clmha__msg(r->msg, r->msg_size, CLMHA_INVALID_FILE,
+                          "%s: tensor \"%.*s\" has %zu dimensions, expected 1 (count)", r->name,
+                          CLMHA__ST_QUOTE_MAX, t->name, t->ndim);
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *name,
                                           size_t num_heads, clmha_batch_first batch_first_opt,
                                           bool default_batch_first, clmha_layer_desc *desc,
@@ -499,6 +519,9 @@ clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *n
     if ((st = read_softcap(&r, &softcap)) || (st = read_alibi(&r, &alibi)) ||
         (st = read_sinks(&r, &sinks)))
         return st;
+    const char *mod_source;
+    size_t mod_count;
+    if ((st = read_mods(&r, &mod_source, &mod_count))) return st;
 
     clmha_layer_desc d = {.struct_size = sizeof d,
                           .embed_dim = r.e,
@@ -516,7 +539,9 @@ clmha_status clmha__safetensors_desc_opts(const clmha__st_file *f, const char *n
                           .window_right = win_right,
                           .softcap = softcap,
                           .alibi = alibi,
-                          .sinks = sinks};
+                          .sinks = sinks,
+                          .mod_source = mod_source,
+                          .mod_params_count = mod_count};
     clmha_layer_desc checked;
     char why[512];
     if ((st = clmha__desc_check(&d, &checked, why, sizeof why)))
@@ -621,6 +646,7 @@ typedef struct {
     const clmha__st_tensor *seed[4][2];  // [projection][bias]
     const clmha__st_tensor *alibi;       // alibi_slopes, of every name set
     const clmha__st_tensor *sinks;       // sinks, likewise
+    const clmha__st_tensor *mod_params;  // mod_params, likewise
     size_t matched, sets, set;
 } select_found;
 
@@ -666,6 +692,10 @@ static clmha_status find_set(const clmha__st_file *f, const char *name, const ch
         }
         if (strcmp(param, "sinks") == 0) {  // likewise
             out->sinks = t;
+            continue;
+        }
+        if (strcmp(param, "mod_params") == 0) {  // likewise
+            out->mod_params = t;
             continue;
         }
         size_t s;
@@ -809,9 +839,9 @@ clmha_status clmha__safetensors_select(const clmha__st_file *f, const char *name
     view->batch_first_set = set != TORCH_SET;
     if (set != TORCH_SET) {
         if ((st = view_seed(view, &found, name, msg, msg_size))) return st;
-        const clmha__st_tensor *own[2] = {found.alibi, found.sinks};
-        static const char *const own_param[2] = {"alibi_slopes", "sinks"};
-        for (int k = 0; k < 2; ++k) {
+        const clmha__st_tensor *own[3] = {found.alibi, found.sinks, found.mod_params};
+        static const char *const own_param[3] = {"alibi_slopes", "sinks", "mod_params"};
+        for (int k = 0; k < 3; ++k) {
             if (!own[k]) continue;
             size_t n = view->file.tensor_count++;  // at most 7 before it
             view->tensors[n] = *own[k];
@@ -820,7 +850,7 @@ clmha_status clmha__safetensors_select(const clmha__st_file *f, const char *name
         }
         return CLMHA_SUCCESS;
     }
-    size_t n = 0;  // the tensors as they are, known names only: at most 11
+    size_t n = 0;  // the tensors as they are, known names only: at most 12
     for (size_t i = 0; i < f->tensor_count; ++i) {
         const clmha__st_tensor *t = &f->tensors[i];
         const char *param = plen ? strip_prefix(t->name, prefix, plen, dot) : t->name;

@@ -33,6 +33,9 @@ CLMHA__HIDDEN int clmha__st_digits(const char *p, size_t len, size_t *out);
 // anything else; a value past the double range is infinity.
 CLMHA__HIDDEN bool clmha__st_decimal(const char *s, double *out);
 
+// Index of the first byte of @p s (n bytes) that is not valid UTF-8, or n.
+CLMHA__HIDDEN size_t clmha__st_utf8_invalid_at(const unsigned char *s, size_t n);
+
 // "(2, 3)" for a shape of any rank up to CLMHA__ST_MAX_DIMS.
 static inline const char *clmha__st_shape_text(char *buf, size_t size, size_t ndim,
                                                const size_t *shape) {

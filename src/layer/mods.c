@@ -129,7 +129,8 @@ clmha_status clmha__layer_mods_grad_check(clmha_layer *l, const char *what) {
                        what);
 }
 
-clmha_status clmha_layer_set_mod_params(clmha_layer *layer, const float *params, size_t count) {
+// Copies p of @p layer to (@p write: from) @p params, @p count floats, blocking.
+static clmha_status params_copy(clmha_layer *layer, float *params, size_t count, bool write) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     if (!layer->mod_source)
@@ -142,9 +143,23 @@ clmha_status clmha_layer_set_mod_params(clmha_layer *layer, const float *params,
                            count, layer->desc.mod_params_count);
     if (!count) return CLMHA_SUCCESS;
     if (!params) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "params is NULL");
-    cl_int err = clEnqueueWriteBuffer(ctx->queue, layer->mod_params, CL_TRUE, 0,
-                                      count * sizeof(float), params, 0, NULL, NULL);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "clEnqueueWriteBuffer(mod_params)");
-    ++layer->mod_version;
+    size_t bytes = count * sizeof(float);
+    cl_int err = write ? clEnqueueWriteBuffer(ctx->queue, layer->mod_params, CL_TRUE, 0, bytes,
+                                              params, 0, NULL, NULL)
+                       : clEnqueueReadBuffer(ctx->queue, layer->mod_params, CL_TRUE, 0, bytes,
+                                             params, 0, NULL, NULL);
+    if (err != CL_SUCCESS)
+        return clmha__cl_fail(ctx, err,
+                              write ? "clEnqueueWriteBuffer(mod_params)"
+                                    : "clEnqueueReadBuffer(mod_params)");
+    if (write) ++layer->mod_version;
     return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_layer_set_mod_params(clmha_layer *layer, const float *params, size_t count) {
+    return params_copy(layer, (float *)params, count, true);  // not written through
+}
+
+clmha_status clmha_layer_get_mod_params(clmha_layer *layer, float *params, size_t count) {
+    return params_copy(layer, params, count, false);
 }

@@ -3339,6 +3339,65 @@ Test(cli_score_mod, alibi_function_gives_the_alibi_golden) {
     tmp_remove(&m);
 }
 
+// The same ALiBi function held by the layer file (__metadata__ mod_source, tensor mod_params,
+// written by clmha_layer_save()): `clmha run` without --score-mod gives the ALiBi golden, and
+// so does --softcap, which makes the layer again (p copied from the file's layer).
+Test(cli_score_mod, layer_file_holds_the_functions) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir m = make_mod_files();
+    const char *name = "grad_softcap_override_cross";
+    char dir[CLI_PATH_SIZE], f[5][CLI_PATH_SIZE];
+    snprintf(dir, sizeof dir, "%s/cli/%s", CLMHA_TEST_DATA_DIR, name);
+    const char *files[5] = {"layer.safetensors", "query.npy", "key.npy", "value.npy",
+                            "attn_mask.npy"};
+    for (int i = 0; i < 5; ++i) CASE_PATH(f[i], name, files[i]);
+    // The golden layer again with the functions and p = the slopes (and soft-capping 1.5).
+    clmha_context *ctx = NULL;
+    cr_assert_eq(clmha_context_create_from_env(&ctx), CLMHA_SUCCESS);
+    clmha_layer *golden = NULL, *with = NULL;
+    cr_assert_eq(clmha_layer_load(&golden, ctx, f[0]), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    clmha_layer_desc d = {.struct_size = sizeof d};
+    cr_assert_eq(clmha_layer_get_desc(golden, &d), CLMHA_SUCCESS);
+    const float slopes[2] = {0.0625f, 0.00390625f};
+    d.softcap = 1.5, d.mod_source = mod_alibi, d.mod_params = slopes, d.mod_params_count = 2;
+    cr_assert_eq(clmha_layer_create(&with, ctx, &d), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    static const char *const params[] = {"q_proj_weight", "k_proj_weight", "v_proj_weight",
+                                         "in_proj_weight", "in_proj_bias", "out_proj.weight",
+                                         "out_proj.bias", "bias_k", "bias_v"};
+    for (size_t i = 0; i < sizeof params / sizeof *params; ++i) {
+        size_t n = clmha_layer_parameter_count(golden, params[i]);
+        if (!n) continue;
+        float *x = malloc(n * sizeof *x);
+        cr_assert_not_null(x);
+        cr_assert_eq(clmha_layer_get_parameter(golden, params[i], x, n), CLMHA_SUCCESS);
+        cr_assert_eq(clmha_layer_set_parameter(with, params[i], x, n), CLMHA_SUCCESS);
+        free(x);
+    }
+    const char *file = tmp_file(&m, "alibi_layer.safetensors");
+    cr_assert_eq(clmha_layer_save(with, file), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    clmha_layer_release(with);
+    clmha_layer_release(golden);
+    clmha_context_release(ctx);
+    const char *out = tmp_file(&m, "out.npy");
+    for (int k = 0; k < 2; ++k) {
+        cli_result r = k ? cli_run("run", "--layer", file, "--query", f[1], "--key", f[2],
+                                   "--value", f[3], "--attn-mask", f[4], "--softcap", "1.5",
+                                   "--output", out)
+                         : cli_run("run", "--layer", file, "--query", f[1], "--key", f[2],
+                                   "--value", f[3], "--attn-mask", f[4], "--output", out);
+        cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+        cli_free(&r);
+        double err = case_file_diff(dir, "expected_output.npy", out, k ? "--softcap" : "file");
+        fprintf(stderr, "cli_score_mod layer file with the functions%s: out_maxabs=%.3e\n",
+                k ? ", --softcap 1.5" : "", err);
+        cr_expect_leq(err, CLI_TOL, "output max abs error %.3e", err);
+    }
+    tmp_remove(&m);
+}
+
 // is_causal written as a mask function (p[0] = 0 read) gives the causal case's output and
 // weights; through a KV cache (--decode-chunk 2 --is-causal) too.
 Test(cli_score_mod, mask_function_gives_the_causal_golden) {

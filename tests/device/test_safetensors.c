@@ -413,6 +413,99 @@ Test(safetensors, saved_score_variants) {
     env_close(&e);
 }
 
+// A layer's user functions: the source in __metadata__ mod_source (quotes, backslashes, tabs,
+// newlines, a control byte and UTF-8 kept exactly), p as the tensor mod_params; the loaded
+// layer computes what the saved one did. A source that is not UTF-8 is not saved; a file with
+// p but no source, or p of two dimensions, is refused.
+Test(safetensors, user_functions) {
+    env e;
+    env_open(&e);
+    char path[256];
+    path_in(&e, "mods.safetensors", path, sizeof path);
+    static const char extra[] = "\n/* \"quoted\" \\ back\tslash \x01 caf\xc3\xa9 */\n";
+    char source[4096];
+    snprintf(source, sizeof source, "%s%s", user_test_source, extra);
+    for (int f64 = 0; f64 < 2; ++f64) {
+        clmha_layer_desc d = {.struct_size = sizeof d, .embed_dim = 8, .num_heads = 2,
+                              .bias = true, .alibi = true, .mod_source = source,
+                              .mod_params = user_test_params,
+                              .mod_params_count = USER_TEST_PARAMS,
+                              .dtype = f64 ? CLMHA_DTYPE_F64 : CLMHA_DTYPE_F32};
+        clmha_layer *a = NULL, *b = NULL;
+        clmha_status st = clmha_layer_create(&a, e.ctx, &d);
+        if (f64 && st == CLMHA_UNSUPPORTED) break;  // no fp64 on this device
+        cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(e.ctx));
+        randomise(a, 99);
+        cr_assert_eq(clmha_layer_save(a, path), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(e.ctx));
+        expect_well_formed(path);
+        cr_assert_eq(clmha_layer_load_as(&b, e.ctx, path, d.dtype), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(e.ctx));
+        clmha_layer_desc da = {.struct_size = sizeof da}, db = {.struct_size = sizeof db};
+        cr_assert_eq(clmha_layer_get_desc(a, &da), CLMHA_SUCCESS);
+        cr_assert_eq(clmha_layer_get_desc(b, &db), CLMHA_SUCCESS);
+        expect_same_desc(&da, &db, "user functions");
+        cr_assert_not_null(db.mod_source);
+        cr_expect_str_eq(db.mod_source, source);
+        cr_expect_eq(db.mod_params_count, (size_t)USER_TEST_PARAMS);
+        float p[USER_TEST_PARAMS];
+        cr_assert_eq(clmha_layer_get_mod_params(b, p, USER_TEST_PARAMS), CLMHA_SUCCESS);
+        cr_expect_eq(memcmp(p, user_test_params, sizeof p), 0, "p differs after the round trip");
+        expect_same_parameters(a, b, "user functions");
+        // The same outputs: the functions compiled into both layers.
+        float x[2 * 5 * 8], ya[2 * 5 * 8], yb[2 * 5 * 8];
+        for (size_t i = 0; i < sizeof x / sizeof *x; ++i)
+            x[i] = (float)((i * 37) % 17) / 8.0f - 1.0f;
+        clmha_forward_args fa = {.struct_size = sizeof fa, .is_causal = true};
+        fa.query = (clmha_tensor){.ndim = 3, .shape = {5, 2, 8}, .data = x};
+        cr_assert_eq(clmha_layer_forward_host(a, &fa, ya, 80, NULL, 0), CLMHA_SUCCESS);
+        cr_assert_eq(clmha_layer_forward_host(b, &fa, yb, 80, NULL, 0), CLMHA_SUCCESS);
+        cr_expect_eq(memcmp(ya, yb, sizeof ya), 0, "the loaded layer computes otherwise");
+        clmha_layer_release(a);
+        clmha_layer_release(b);
+    }
+    // Not UTF-8: refused, nothing written.
+    remove(path);
+    clmha_layer_desc d = {.struct_size = sizeof d, .embed_dim = 8, .num_heads = 2,
+                          .mod_source = "int clmha_mask_mod(int b, int h, int q, int k, "
+                                        "__global const float *p) { return 1; } /* \xff */"};
+    clmha_layer *a = NULL;
+    cr_assert_eq(clmha_layer_create(&a, e.ctx, &d), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(e.ctx));
+    cr_expect_eq(clmha_layer_save(a, path), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(e.ctx), "not valid UTF-8"), "%s",
+              clmha_context_last_error(e.ctx));
+    cr_expect_eq(access(path, F_OK), -1, "a refused save left a file");
+    clmha_layer_release(a);
+    // p without a source, p of two dimensions.
+    static const struct {
+        const char *meta, *shape, *want;
+    } bad[] = {{"", "[2]", "no __metadata__ mod_source"},
+               {",\"mod_source\":\"int clmha_mask_mod(int b, int h, int q, int k, __global "
+                "const float *p) { return 1; }\"",
+                "[1,2]", "has 2 dimensions, expected 1"}};
+    for (size_t i = 0; i < 2; ++i) {
+        char header[1024];
+        snprintf(header, sizeof header,
+                 "{\"__metadata__\":{\"num_heads\":\"2\"%s},"
+                 "\"in_proj_weight\":{\"dtype\":\"F32\",\"shape\":[12,4],"
+                 "\"data_offsets\":[0,192]},"
+                 "\"out_proj.weight\":{\"dtype\":\"F32\",\"shape\":[4,4],"
+                 "\"data_offsets\":[192,256]},"
+                 "\"mod_params\":{\"dtype\":\"F32\",\"shape\":%s,"
+                 "\"data_offsets\":[256,264]}}",
+                 bad[i].meta, bad[i].shape);
+        float data[66] = {0};
+        write_st(path, header, (8 - strlen(header) % 8) % 8, data, sizeof data);
+        clmha_layer *l = NULL;
+        cr_expect_eq(clmha_layer_load(&l, e.ctx, path), CLMHA_INVALID_FILE, "case %zu", i);
+        cr_expect(strstr(clmha_context_last_error(e.ctx), bad[i].want), "%s",
+                  clmha_context_last_error(e.ctx));
+        clmha_layer_release(l);
+    }
+    env_close(&e);
+}
+
 Test(safetensors, save_errors) {
     env e;
     env_open(&e);
@@ -1493,7 +1586,7 @@ static size_t write_many_tensors(const char *path, size_t entries) {
     return used + (8 - used % 8) % 8;
 }
 
-// A layer's header is small (at most 11 tensors and a few metadata strings): a huge header is
+// A layer's header is small (at most 12 tensors and a few metadata strings): a huge header is
 // refused from its length alone, before it is read or parsed, so quickly and whatever its
 // size; a header under the limit with more tensor entries than a layer has is refused before
 // the entries are looked at one by one.
@@ -1508,8 +1601,8 @@ Test(safetensors, huge_headers_refused_quickly) {
     } cases[] = {
         {700000, "exceeds the limit of 262144 bytes"},  // 41 MB of header
         {5000, "exceeds the limit of 262144 bytes"},    // just over the limit
-        {12, "the header has 12 tensor entries; a layer file has at most 11"},
-        {1000, "the header has 1000 tensor entries; a layer file has at most 11"},
+        {13, "the header has 13 tensor entries; a layer file has at most 12"},
+        {1000, "the header has 1000 tensor entries; a layer file has at most 12"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
         size_t header = write_many_tensors(path, cases[i].entries);
