@@ -238,7 +238,8 @@ clmha_status clmha__layer_fused(clmha_layer *l) {
 // this within a few percent) plus the body's.
 static double loop_cost(double n, double body) { return n + 1 + n * body; }
 
-bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dropout) {
+bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool causal,
+                            bool dropout) {
     size_t limit = clmha__fused_loop_limit(l);
     if (!limit) return true;
     // Every loop of cl/cores/fused.cl for one work-item, as if the compiler kept them all (clover
@@ -262,7 +263,8 @@ bool clmha__fused_loops_fit(const clmha_layer *l, const clmha__dims *d, bool dro
                  loop_cost(hd, 0) + (dropout ? loop_cost(bk, loop_cost(10, 0)) : 0);  // Philox
     double av = loop_cost(hd / vw, rows + loop_cost(bk, rows) + rows);
     double per_tile = load + scores + loop_cost(rpw, row) + av;
-    double tiles = ceil((double)d->s_padded / bk);
+    // The key tiles a group walks (key_tiles_of(): a window bounds them).
+    double tiles = clmha__window_tiles(d, causal, bq * rpw, bk, ceil((double)d->s_padded / bk));
     // + the log-sum-exp rows (written only for a backward pass, counted always).
     double total = loop_cost(tiles, per_tile) + rows + 2 * loop_cost(rpw, loop_cost(hd, 0)) +
                    loop_cost(rpw, 0);
@@ -316,7 +318,8 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
                                clmha_status_string(st));
         return CLMHA_SUCCESS;
     }
-    if (!clmha__fused_loops_fit(l, call->dims, a->training && l->desc.dropout > 0.0f)) {
+    if (!clmha__fused_loops_fit(l, call->dims, a->is_causal,
+                                a->training && l->desc.dropout > 0.0f)) {
         clmha__core_answer_set(answer, asked ? CLMHA__CORE_FALLS_BACK : no, CLMHA_SUCCESS,
                                "its loops would pass the device's loop limit at these sequence "
                                "lengths");

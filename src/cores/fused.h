@@ -94,11 +94,12 @@ CLMHA__HIDDEN clmha__fused_tiles clmha__fused_tiles_of(const clmha_layer *layer)
 CLMHA__HIDDEN bool clmha__fused_ran(const clmha_layer *layer);
 
 // Whether the fused kernel, as built, stays within the device's loop limit
-// (clmha__quirks::loop_limit) on the call of @p dims: a conservative count of the loop
-// iterations one work-item runs, every loop counted as if the compiler kept it, must stay below
-// half the limit. Always true on devices without that limit.
+// (clmha__quirks::loop_limit) on the call of @p dims (@p causal: is_causal): a conservative
+// count of the loop iterations one work-item runs, every loop counted as if the compiler kept
+// it (the key tiles as the window bounds them), must stay below half the limit. Always true on
+// devices without that limit.
 CLMHA__HIDDEN bool clmha__fused_loops_fit(const clmha_layer *layer, const clmha__dims *dims,
-                                          bool dropout);
+                                          bool causal, bool dropout);
 
 // Rebuilds the fused attention kernel of @p layer with tiles @p t (the tuner's candidates):
 // bk is halved until the tile fits in local memory and vw until it divides head_dim and bk.

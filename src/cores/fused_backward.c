@@ -276,19 +276,26 @@ static double loop_cost(double n, double body) { return n + 1 + n * body; }
 // Whether every backward kernel's work-item stays below half the device's loop limit
 // (clmha__fused_loop_limit(); always on devices without one). Counted as if the compiler kept
 // every loop. One row per work-item: dkdv walks ceil(L / B) query tiles, dq ceil(S' / B) key
-// tiles, each tile a staging loop of HD iterations and B rows of two HD-long loops (and
+// tiles (fewer under a window: clmha__window_tiles()), each tile a staging loop of HD iterations and B rows of two HD-long loops (and
 // Philox's ten rounds with dropout); the HD-long loops count HD iterations, though they run
 // HD / VW (conservative). Rows private: ceil(L / BT) or ceil(S' / BT) tiles, each a staging
 // loop of ceil(BT * HD / B) iterations, the products (BT / VW times HD times R, then HD / VW
 // times BT times R), and per row the masks (BT, with an attn_mask row lookup), the
 // probabilities, dropout (BT times ten rounds) and dS.
 static bool loops_fit(const clmha_layer *l, const clmha__fused_backward *fb,
-                      const clmha__dims *d, bool dropout) {
+                      const clmha__dims *d, bool causal, bool dropout) {
     size_t limit = clmha__fused_loop_limit(l);
     if (!limit) return true;
     const tiles *t = &fb->t;
     double hd = (double)l->d, b = (double)t->b, r = (double)t->r, vw = (double)t->vw;
-    double rows_l = (double)d->l, rows_s = (double)d->s_padded;
+    // The query rows a group of keys walks and the keys a group of query rows walks: L and S',
+    // or, under a window, the span of a group's b * r rows and the window (query_tiles_of(),
+    // key_tiles_of()), in tiles of one size (bt rows private, else b).
+    double step = t->rows_private ? (double)t->bt : b;
+    double rows_l =
+        step * clmha__window_tiles(d, causal, b * r, step, ceil((double)d->l / step));
+    double rows_s =
+        step * clmha__window_tiles(d, causal, b * r, step, ceil((double)d->s_padded / step));
     double dkdv, dq;
     if (t->rows_private) {
         double bt = (double)t->bt, rl = loop_cost(r, 0);
@@ -357,7 +364,8 @@ clmha_status clmha__fused_backward_supports(clmha__fused_backward **slot, clmha_
     if (st) return st;
     const clmha_forward_args *a = call->args;
     bool dropout = a->training && l->desc.dropout > 0.0f;
-    if (!gemms_for(l->ctx, fb, call->dims) && !loops_fit(l, fb, call->dims, dropout)) {
+    if (!gemms_for(l->ctx, fb, call->dims) &&
+        !loops_fit(l, fb, call->dims, a->is_causal, dropout)) {
         // A driver bug, not the call's fault: CLMHA_IMPL_FUSED runs the unfused backward, as
         // the forward does.
         refuse(answer, asked, true,

@@ -3,6 +3,8 @@
 
 #include "device/device_class.h"
 
+#include <math.h>
+
 size_t clmha__fused_default_vw(const clmha_context *ctx) {
     if (ctx->cls->vw) return ctx->cls->vw;
     // The native width, not the preferred one: Intel's oneAPI CPU runtime prefers 1 but is
@@ -25,4 +27,12 @@ void clmha__test_set_loop_limit(size_t limit) { test_loop_limit = limit; }
 
 size_t clmha__fused_loop_limit(const clmha_layer *l) {
     return test_loop_limit ? test_loop_limit : l->ctx->quirks.loop_limit;
+}
+
+double clmha__window_tiles(const clmha__dims *d, bool causal, double rows, double tile,
+                           double all) {
+    if (d->win_left < 0 || (d->win_right < 0 && !causal)) return all;
+    double right = causal ? 0.0 : (double)d->win_right;  // causal: nothing right of the row
+    double bound = ceil((rows + (double)d->win_left + right) / tile) + 3;
+    return bound < all ? bound : all;
 }

@@ -28,4 +28,11 @@ CLMHA__HIDDEN void clmha__test_set_loop_limit(size_t limit);
 // device's (0: none).
 CLMHA__HIDDEN size_t clmha__fused_loop_limit(const clmha_layer *layer);
 
+// The tiles of @p tile keys (or query rows) a loop over one block of @p rows query rows (or
+// keys) walks at most under the sliding window of @p dims (and @p causal, which bounds the
+// right side at 0): the block's span of positions and both window sides, plus a tile for the
+// unaligned start and two for the appended keys; @p all (every tile) where a side is unbounded.
+CLMHA__HIDDEN double clmha__window_tiles(const clmha__dims *dims, bool causal, double rows,
+                                         double tile, double all);
+
 #endif

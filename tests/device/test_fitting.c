@@ -33,6 +33,7 @@
 // setup_case()).
 static size_t E = 64, H = 2, N = 2, L = 37, S = 70;
 static bool causal = true;  // is_causal (with it the fused core skips the key tiles past L)
+static int64_t win_left = -1, win_right = -1;  // a sliding window (-1, -1: none)
 
 typedef struct fixture {
     clmha_context *ctx;
@@ -52,7 +53,9 @@ static fixture fx;
 static void setup_case(void) {
     fx.ctx = context_or_skip();
     fx.desc = (clmha_layer_desc){.struct_size = sizeof(clmha_layer_desc),
-                                 .embed_dim = E, .num_heads = H, .bias = true};
+                                 .embed_dim = E, .num_heads = H, .bias = true,
+                                 .window = win_left >= 0 || win_right >= 0,
+                                 .window_left = win_left, .window_right = win_right};
     clmha_status st = clmha_layer_create(&fx.layer, fx.ctx, &fx.desc);
     cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(fx.ctx));
     prng r = {2024};
@@ -214,11 +217,40 @@ Test(fitting, loop_budget_grows_with_the_keys) {
     cr_assert(clmha__test_force_device_class("cpu"));  // the tiled mapping (lanes never fits)
     setup_case();
     run_and_check(CLMHA_IMPL_FUSED, "fused");  // builds the kernel
-    clmha__dims d = {.s_padded = 1};
-    cr_assert(clmha__fused_loops_fit(fx.layer, &d, false), "one key must fit");
+    clmha__dims d = {.s_padded = 1, .win_left = -1, .win_right = -1};
+    cr_assert(clmha__fused_loops_fit(fx.layer, &d, false, false), "one key must fit");
     d.s_padded = (size_t)1 << 20;
-    cr_assert(!clmha__fused_loops_fit(fx.layer, &d, false), "2^20 keys cannot fit");
+    cr_assert(!clmha__fused_loops_fit(fx.layer, &d, false, false), "2^20 keys cannot fit");
+    // A window bounds the key tiles a group walks: causal (255, 0) over 2^20 keys fits where
+    // 1024 keys without it do (a group's rows, the window and three tiles are fewer keys), and
+    // unbounded on the right without is_causal it does not.
+    d.s_padded = 1024;
+    bool small_fits = clmha__fused_loops_fit(fx.layer, &d, false, false);
+    d.s_padded = (size_t)1 << 20, d.win_left = 255, d.win_right = -1;
+    cr_assert(!small_fits || clmha__fused_loops_fit(fx.layer, &d, true, false),
+              "a causal window must fit where 1024 keys do");
+    cr_assert(!clmha__fused_loops_fit(fx.layer, &d, false, false), "(255, -1) cannot fit");
     teardown_case();
+}
+
+// Under llvmpipe's loop limit a long call runs the fused core when a causal window bounds its
+// key tiles (before, every tile was counted and such calls ran the unfused core), right; on a
+// driver whose tiles are too large for the limit (rusticl's) it may still fall back, right.
+Test(fitting, a_window_keeps_long_calls_in_the_loop_budget, .timeout = 120) {
+    clmha__test_set_loop_limit(65535);
+    cr_assert(clmha__test_force_device_class("cpu"));
+    size_t l0 = L, s0 = S, n0 = N;
+    L = S = 3000, N = 1, win_left = 100, win_right = 0;
+    setup_case();
+    run_and_check(CLMHA_IMPL_FUSED, "fused, L 3000, causal window (100, 0)");
+    clmha__dims small = {.s_padded = 1024, .win_left = -1, .win_right = -1};
+    bool small_fits = clmha__fused_loops_fit(fx.layer, &small, false, false);
+    cr_log_info("1024 keys fit: %d; the windowed call ran the fused core: %d", small_fits,
+                clmha__fused_ran(fx.layer));
+    cr_assert(!small_fits || clmha__fused_ran(fx.layer),
+              "the windowed call left the fused core, though 1024 keys fit");
+    teardown_case();
+    L = l0, S = s0, N = n0, win_left = win_right = -1;
 }
 
 Test(fitting, clover_gets_a_fused_kernel_without_vectors) {
