@@ -4,6 +4,7 @@
 #include "cores/core.h"
 #include "device/held.h"
 #include "layer/layer.h"
+#include "layer/mods.h"
 
 clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, size_t src_len,
                               bool need_weights) {
@@ -50,6 +51,12 @@ clmha_status clmha_layer_bake(clmha_layer *layer, size_t batch, size_t tgt_len, 
     args.value.buffer = bufs[2];
     if (!st)
         st = clmha_layer_forward(layer, &args, bufs[3], 0, bufs[4], 0, 0, NULL, NULL);
+    // A user mask function's block mask (the fused core's: its kernel and buffer) comes with a
+    // pass without weights: a second one where the first had them.
+    if (!st && need_weights && (layer->mods & CLMHA__MOD_MASK)) {
+        args.need_weights = false;
+        st = clmha_layer_forward(layer, &args, bufs[3], 0, NULL, 0, 0, NULL, NULL);
+    }
     // The pass ran one core: every core builds now what a later call of this layer would
     // build on first use (a pass with weights did not run the core for the calls without).
     if (!st) st = clmha__cores_bake(layer);

@@ -29,11 +29,14 @@ enum { N_BIG = 3, L_BIG = 24, S_BIG = 24 };     // larger: the scratch has to gr
 enum { MAX_FLOATS = N_BIG * H * L_BIG * S_BIG };  // the largest buffer: per-head weights
 
 // A layer with random parameters: packed in_proj_weight (kdim = vdim = E), or separate
-// q/k/v_proj_weight with kdim KD and vdim VD.
-static clmha_layer *make_layer(clmha_context *ctx, bool separate) {
+// q/k/v_proj_weight with kdim KD and vdim VD; with user functions @p mod_source (NULL: none).
+static clmha_layer *make_layer_with(clmha_context *ctx, bool separate, const char *mod_source) {
     clmha_layer_desc desc = {.struct_size = sizeof desc,
                              .embed_dim = E, .num_heads = H, .bias = true,
-                             .kdim = separate ? KD : 0, .vdim = separate ? VD : 0};
+                             .kdim = separate ? KD : 0, .vdim = separate ? VD : 0,
+                             .mod_source = mod_source,
+                             .mod_params = mod_source ? user_test_params : NULL,
+                             .mod_params_count = mod_source ? USER_TEST_PARAMS : 0};
     clmha_layer *layer = NULL;
     cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
@@ -49,6 +52,10 @@ static clmha_layer *make_layer(clmha_context *ctx, bool separate) {
                      names[i], clmha_context_last_error(ctx));
     }
     return layer;
+}
+
+static clmha_layer *make_layer(clmha_context *ctx, bool separate) {
+    return make_layer_with(ctx, separate, NULL);
 }
 
 // Device buffers big enough for every call below, filled with random values (made before the
@@ -178,6 +185,34 @@ Test(steady_state, no_allocation_or_build_at_or_below_the_baked_shape, .timeout 
     cr_expect_eq(allocs, allocs0);
     cr_expect_eq(builds, builds0);
 
+    release_buffers(&b);
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+}
+
+// A layer with a user mask function baked with weights: its calls without weights (the fused
+// core, with the function's block mask) allocate and build nothing either.
+Test(steady_state, user_mask_function_baked_with_weights, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    clmha_layer *layer = make_layer_with(ctx, false, user_test_source);
+    buffers b = make_buffers(ctx);
+    cr_assert_eq(clmha_layer_bake(layer, N_BAKE, L_BAKE, S_BAKE, true), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    size_t builds0, allocs0, builds, allocs;
+    counters(ctx, &builds0, &allocs0);
+    const call calls[] = {
+        {N_BAKE, L_BAKE, S_BAKE, 0, false, false, false, false},  // without weights
+        {N_BAKE, L_BAKE, S_BAKE, 0, true, false, false, true},    // with weights, causal
+        {2, 8, 8, 0, false, false, true, true},                   // smaller, masks
+        {N_BAKE, 4, S_BAKE, 2, false, false, false, false},       // L < S
+    };
+    for (size_t i = 0; i < sizeof calls / sizeof calls[0]; ++i)
+        for (int r = 0; r < 2; ++r) forward(layer, &calls[i], &b, E, E);
+    counters(ctx, &builds, &allocs);
+    cr_expect_eq(builds, builds0, "steady-state forward calls built %zu programs",
+                 builds - builds0);
+    cr_expect_eq(allocs, allocs0, "steady-state forward calls allocated %zu buffers",
+                 allocs - allocs0);
     release_buffers(&b);
     clmha_layer_release(layer);
     clmha_context_release(ctx);
