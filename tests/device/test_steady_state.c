@@ -138,6 +138,20 @@ static void counters(clmha_context *ctx, size_t *builds, size_t *allocs) {
     clmha__context_counters(ctx, builds, allocs);
 }
 
+// Runs each of the @p n calls @p rounds times, then expects the context's counters still at
+// @p builds0 programs built and @p allocs0 buffers allocated.
+static void run_steady(clmha_layer *layer, const call *calls, size_t n, int rounds,
+                       const buffers *b, size_t builds0, size_t allocs0) {
+    for (size_t i = 0; i < n; ++i)
+        for (int r = 0; r < rounds; ++r) forward(layer, &calls[i], b, E, E);
+    size_t builds, allocs;
+    counters(clmha_layer_context(layer), &builds, &allocs);
+    cr_expect_eq(builds, builds0, "steady-state forward calls built %zu programs",
+                 builds - builds0);
+    cr_expect_eq(allocs, allocs0, "steady-state forward calls allocated %zu buffers",
+                 allocs - allocs0);
+}
+
 Test(steady_state, no_allocation_or_build_at_or_below_the_baked_shape, .timeout = 600) {
     clmha_context *ctx = context_or_skip();
     size_t builds0, allocs0, builds, allocs;
@@ -162,13 +176,7 @@ Test(steady_state, no_allocation_or_build_at_or_below_the_baked_shape, .timeout 
         {N_BAKE, 4, S_BAKE, 2, false, true, false, true},         // L < S
         {1, 1, 1, 0, true, false, false, false},                  // the smallest
     };
-    for (size_t i = 0; i < sizeof calls / sizeof calls[0]; ++i)
-        for (int r = 0; r < 3; ++r) forward(layer, &calls[i], &b, E, E);
-    counters(ctx, &builds, &allocs);
-    cr_expect_eq(builds, builds0, "steady-state forward calls built %zu programs",
-                 builds - builds0);
-    cr_expect_eq(allocs, allocs0, "steady-state forward calls allocated %zu buffers",
-                 allocs - allocs0);
+    run_steady(layer, calls, sizeof calls / sizeof calls[0], 3, &b, builds0, allocs0);
     cr_expect_eq(clmha_layer_scratch_bytes(layer), baked_scratch);
 
     // A larger shape must grow the scratch: the counter sees those allocations.
@@ -198,7 +206,7 @@ Test(steady_state, user_mask_function_baked_with_weights, .timeout = 600) {
     buffers b = make_buffers(ctx);
     cr_assert_eq(clmha_layer_bake(layer, N_BAKE, L_BAKE, S_BAKE, true), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
-    size_t builds0, allocs0, builds, allocs;
+    size_t builds0, allocs0;
     counters(ctx, &builds0, &allocs0);
     const call calls[] = {
         {N_BAKE, L_BAKE, S_BAKE, 0, false, false, false, false},  // without weights
@@ -206,13 +214,7 @@ Test(steady_state, user_mask_function_baked_with_weights, .timeout = 600) {
         {2, 8, 8, 0, false, false, true, true},                   // smaller, masks
         {N_BAKE, 4, S_BAKE, 2, false, false, false, false},       // L < S
     };
-    for (size_t i = 0; i < sizeof calls / sizeof calls[0]; ++i)
-        for (int r = 0; r < 2; ++r) forward(layer, &calls[i], &b, E, E);
-    counters(ctx, &builds, &allocs);
-    cr_expect_eq(builds, builds0, "steady-state forward calls built %zu programs",
-                 builds - builds0);
-    cr_expect_eq(allocs, allocs0, "steady-state forward calls allocated %zu buffers",
-                 allocs - allocs0);
+    run_steady(layer, calls, sizeof calls / sizeof calls[0], 2, &b, builds0, allocs0);
     release_buffers(&b);
     clmha_layer_release(layer);
     clmha_context_release(ctx);
