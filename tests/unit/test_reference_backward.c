@@ -643,5 +643,9 @@ Test(reference_backward, user_host_forms_refused) {
                    "params->score_mod_grad");
     su.params.score_mod_grad = one_host;
     expect_refused(&su, &su.args, su.dw, &su.grads, CLMHA_SUCCESS, "complete", NULL);
+    // A count of zeros that cannot be allocated: out of memory, not a read past p.
+    su.desc.mod_params_count = SIZE_MAX;
+    expect_refused(&su, &su.args, su.dw, &su.grads, CLMHA_OUT_OF_MEMORY, "p too large",
+                   "out of host memory");
     free_setup(&su);
 }
