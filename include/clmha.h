@@ -1133,14 +1133,13 @@ CLMHA_API clmha_status clmha_layer_load_prefixed(clmha_layer **out, clmha_contex
                                                  const char *path,
                                                  const clmha_load_options *options);
 
-/// Writes the layer to @p path in the format clmha_layer_load() reads (F32 tensors, metadata
-/// with num_heads, batch_first, add_zero_attn and dropout; num_kv_heads, window, softcap,
-/// alibi and mod_source (the user functions' source) for a layer that has them, and then the
-/// tensors alibi_slopes, sinks and mod_params (p) of a layer that has them). The file appears
-/// whole
-/// or not at all
-/// (written to a temporary file in the same folder, then renamed; a file it replaces keeps its
-/// permissions). Reading the parameters waits for the work already queued.
+/// Writes the layer to @p path in the format clmha_layer_load() reads (F32 tensors, F64 for a
+/// float64 layer; metadata with num_heads, batch_first, add_zero_attn and dropout;
+/// num_kv_heads, window, softcap, alibi and mod_source (the user functions' source) for a
+/// layer that has them, and then the tensors alibi_slopes, sinks and mod_params (p) of a layer
+/// that has them). The file appears whole or not at all (written to a temporary file in the
+/// same folder, then renamed; a file it replaces keeps its permissions). Reading the parameters
+/// waits for the work already queued.
 /// @param[in] layer  the layer
 /// @param[in] path   the file's path (not empty)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also a mod_source that is not UTF-8 or
@@ -2276,9 +2275,10 @@ typedef struct clmha_reference_params {
 ///                            failure
 /// @param[in]  message_size   size of @p message in bytes
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also a struct_size of 0 or too small in
-///         @p desc, @p params or @p args), ::CLMHA_UNSUPPORTED (one of them from a newer header,
-///         using a newer field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
-///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY
+///         @p desc, @p params or @p args; a host form of a function mod_source does not
+///         define), ::CLMHA_UNSUPPORTED (one of them from a newer header, using a newer field;
+///         a mod_source function without its host form), ::CLMHA_SHAPE_MISMATCH,
+///         ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_reference_forward(const clmha_layer_desc *desc,
                                                const clmha_reference_params *params,
                                                const clmha_forward_args *args, double *output,
@@ -2300,9 +2300,11 @@ CLMHA_API clmha_status clmha_reference_forward(const clmha_layer_desc *desc,
 /// @param[out] message        optional buffer (may be NULL): "" on success, the reason on
 ///                            failure
 /// @param[in]  message_size   size of @p message in bytes
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT, ::CLMHA_UNSUPPORTED (@p args from a
-///         newer header, using a newer field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
-///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (also a host form of a function
+///         mod_source does not define), ::CLMHA_UNSUPPORTED (@p args from a newer header, using
+///         a newer field; a mod_source function without its host form),
+///         ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW,
+///         ::CLMHA_OUT_OF_MEMORY
 CLMHA_API clmha_status clmha_reference_attention(const clmha_attention_args *args,
                                                  double *output, size_t output_count,
                                                  double *lse, size_t lse_count,
