@@ -375,8 +375,10 @@ clmha_status clmha__ref_forward_run(const clmha__ref_call *call, bool keep_probs
     f->mods = (clmha__ref_mods){call->params.score_mod, call->params.score_mod_grad,
                                 call->params.mask_mod, desc->mod_params};
     bool zeros = desc->mod_source && !desc->mod_params;
+    // (A count that overflows is out of memory, never handed to calloc: ASan aborts on that.)
     size_t p_count = desc->mod_params_count ? desc->mod_params_count : 1;
-    if (zeros) f->mods.p = f->mod_zeros = calloc(p_count, sizeof(float));  // NULL on overflow
+    if (zeros && p_count <= SIZE_MAX / sizeof(float))
+        f->mods.p = f->mod_zeros = calloc(p_count, sizeof(float));
     if (!f->q_in || !f->k_in || !f->v_in || !f->q || !f->k || !f->v || !f->weights ||
         (keep_probs && !f->probs) || !f->ctx_heads || !f->ctx || (zeros && !f->mod_zeros)) {
         clmha__ref_forward_free(f);
