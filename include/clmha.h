@@ -1316,6 +1316,21 @@ typedef struct clmha_forward_args {
     /// ALiBi and the user functions. Added after 0.1.0: zero-initialised, both 0.
     size_t query_position;
     size_t key_position;    ///< the first key's position; see @ref query_position
+    /// A packed variable-length batch (PyTorch's NestedTensor, FlashAttention's varlen):
+    /// @ref num_seqs sequences one after another, query (T, E) with T the sum of seq_lens and
+    /// key/value (T_kv, kdim) / (T_kv, vdim) with T_kv the sum of kv_seq_lens (both 2-D; the
+    /// output is (T, E) likewise). Each sequence attends only within itself, as one unbatched
+    /// call of its own would: is_causal, the layer's attention variants, dropout, grouped-query
+    /// attention, every dtype and the backward pass (the call's clmha_saved keeps every
+    /// sequence's state) work as there, and the projections run over the T real tokens only.
+    /// Refused (masks have no per-sequence shape, the weights none either, as in PyTorch's fast
+    /// path): key_padding_mask, attn_mask, need_weights, kv_cache. A sequence without queries
+    /// is skipped (nothing to compute); one with queries but no keys is refused (S = 0). With
+    /// dropout, sequence i draws its weights as an unbatched call with rng.offset + i * 2^32.
+    /// NULL: not packed. Added after 0.1.0: zero-initialised, not packed.
+    const size_t *seq_lens;
+    const size_t *kv_seq_lens;  ///< num_seqs key/value lengths; NULL: seq_lens
+    size_t num_seqs;            ///< the sequences of a packed call (at least 1)
 } clmha_forward_args;
 
 /// What a user attention core receives. Layouts: q (N*H, L, D), k and v (N*H, S', D) (with

@@ -20,6 +20,7 @@
 #include "forward/forward.h"
 #include "forward/saved.h"
 #include "layer/mods.h"
+#include "layer/packed.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -187,6 +188,13 @@ static clmha_status check_same_call(clmha_context *ctx, const clmha_saved *sv,
                            s->n, s->l, s->s, s->key_is_query ? ", no key" : "",
                            s->value_is_key ? ", no value" : "", d->n, d->l, d->s,
                            d->key_is_query ? ", no key" : "", d->value_is_key ? ", no value" : "");
+    if (d->packed != sv->packed ||
+        (d->packed && (memcmp(d->seq_lens, sv->lens, d->n * sizeof *sv->lens) ||
+                       memcmp(d->kv_seq_lens, sv->lens + d->n, d->n * sizeof *sv->lens))))
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "args->forward is not the call args->saved holds: %s",
+                           sv->packed ? "its sequence lengths differ" : "it is packed, the "
+                           "saved call was not (or the reverse)");
     const char *diff = f->is_causal != sv->is_causal           ? "is_causal"
                        : f->need_weights != sv->need_weights   ? "need_weights"
                        : f->per_head_weights != sv->per_head_weights ? "per_head_weights"
@@ -499,6 +507,70 @@ static clmha_status in_projections(pass *p) {
     return CLMHA_SUCCESS;
 }
 
+// ---- a packed call -------------------------------------------------------------------------------
+
+// A packed call (clmha_forward_args::seq_lens; its forward in forward.c), checked as one call by
+// clmha_layer_backward(): one backward call per sequence on its saved part, its rows of
+// grad_output and of the inputs' gradients (keys that no query sees get zeros); the
+// parameters' gradients (and the sinks') of the sequences are summed into their destinations in
+// the sequences' order (the first overwrites unless the caller accumulates).
+
+// @p g moved to row @p row0 of @p feat-wide rows.
+static void rows_at(clmha_grad *g, size_t row0, size_t feat) {
+    g->offset += row0 * feat;
+    if (g->data) g->data += row0 * feat;
+}
+
+// Zeros @p rows rows of @p feat floats from row @p row0 of gradient @p g (when asked for and
+// not accumulated).
+static clmha_status zero_rows(clmha_layer *layer, const clmha_grad *g, size_t row0, size_t rows,
+                              size_t feat) {
+    if (!g->buffer || g->accumulate || !rows) return CLMHA_SUCCESS;
+    float zero = 0.0f;
+    cl_int err = clEnqueueFillBuffer(layer->ctx->queue, g->buffer, &zero, sizeof zero,
+                                     (g->offset + row0 * feat) * sizeof zero,
+                                     rows * feat * sizeof zero, 0, NULL, NULL);
+    return err ? clmha__cl_fail(layer->ctx, err, "clEnqueueFillBuffer(gradient rows)")
+               : CLMHA_SUCCESS;
+}
+
+static clmha_status backward_packed(clmha_layer *layer, const clmha_backward_args *args,
+                                    const clmha_forward_args *f, const clmha__dims *d,
+                                    cl_uint num_wait, const cl_event *wait_list,
+                                    cl_event *event) {
+    const clmha_saved *sv = args->saved;
+    clmha__packed_at at = {0, 0};
+    bool first = true;
+    clmha_status st;
+    if ((st = clmha__enqueue_wait(layer->ctx, num_wait, wait_list))) return st;
+    for (size_t i = 0; i < d->n; at = clmha__packed_next(d, i, at), ++i) {
+        if (!d->seq_lens[i]) {  // keys that no query sees: their gradient is zero
+            if ((st = zero_rows(layer, &args->key, at.k0, d->kv_seq_lens[i], d->kdim)) ||
+                (st = zero_rows(layer, &args->value, at.k0, d->kv_seq_lens[i], d->vdim)))
+                return st;
+            continue;
+        }
+        clmha_forward_args sub_f;
+        clmha__packed_args(d, f, i, at, sizeof(float), &sub_f);
+        clmha_backward_args sub = *args;
+        sub.forward = &sub_f;
+        sub.saved = sv->parts[i];
+        clmha__packed_cut(&sub.grad_output, at.q0, d->seq_lens[i], d->e, sizeof(float));
+        rows_at(&sub.query, at.q0, d->e);
+        rows_at(&sub.key, at.k0, d->kdim);
+        rows_at(&sub.value, at.k0, d->vdim);
+        if (!first) {  // the parameters' gradients add up over the sequences
+            clmha_grad *sums[] = {&sub.in_proj_weight, &sub.q_proj_weight, &sub.k_proj_weight,
+                                  &sub.v_proj_weight, &sub.in_proj_bias, &sub.out_proj_weight,
+                                  &sub.out_proj_bias, &sub.bias_k, &sub.bias_v, &sub.sinks};
+            for (size_t j = 0; j < sizeof sums / sizeof sums[0]; ++j) sums[j]->accumulate = true;
+        }
+        if ((st = clmha_layer_backward(layer, &sub, 0, NULL, NULL))) return st;
+        first = false;
+    }
+    return clmha__enqueue_event(layer->ctx, event);
+}
+
 // ---- the public entry point ----------------------------------------------------------------------
 
 static clmha_status args_in(clmha_context *ctx, clmha_backward_args *in,
@@ -524,6 +596,8 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
     if ((st = clmha__backward_resolve(layer, args, &f, &d, true)) ||
         (st = check_buffers(layer, args, &f, &d)))
         return st;
+    if (d.packed)  // one backward call per sequence
+        return backward_packed(layer, args, &f, &d, num_wait, wait_list, event);
 
     state *s = NULL;
     if ((st = state_get(layer, &s))) return st;

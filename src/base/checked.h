@@ -19,4 +19,11 @@ static inline bool clmha__mul3(size_t a, size_t b, size_t c, size_t *out) {
     return clmha__mul(a, b, &ab) && clmha__mul(ab, c, out);
 }
 
+// *out = a + b; false when the sum overflows size_t.
+static inline bool clmha__add(size_t a, size_t b, size_t *out) {
+    if (b > SIZE_MAX - a) return false;
+    *out = a + b;
+    return true;
+}
+
 #endif

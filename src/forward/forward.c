@@ -22,6 +22,7 @@
 #include "forward/forward.h"
 #include "forward/middle.h"
 #include "forward/saved.h"
+#include "layer/packed.h"
 #include "layer/layer.h"
 #include "layer/shape.h"
 
@@ -207,6 +208,40 @@ static clmha_status forward_converted(clmha_layer *layer, const clmha_forward_ar
                                       size_t weights_offset, cl_uint num_wait,
                                       const cl_event *wait_list, cl_event *event);
 
+// A packed variable-length batch (clmha_forward_args::seq_lens): checked as one call (the
+// packed tensors' sizes, the output's, the aliasing), then run as one unbatched call per
+// sequence on its rows of the packed query, key, value and output (layer/packed.h), one after
+// another on the in-order queue, after the caller's wait list; the event marks the end of the
+// last. Each sequence's projections, core and output projection run over its own tokens only,
+// so the work is that of the real tokens; a call that saves keeps each sequence's state in a
+// part of its clmha_saved.
+static clmha_status forward_packed(clmha_layer *layer, const clmha_forward_args *args,
+                                   cl_mem output, size_t output_offset, cl_uint num_wait,
+                                   const cl_event *wait_list, cl_event *event) {
+    size_t elem = clmha__dtype_size(layer->desc.dtype);
+    clmha__dims d;
+    clmha_status st;
+    if ((st = clmha__forward_check_call(layer, args, &d)) ||
+        (st = clmha__forward_check_inputs(layer, args, &d, elem)) ||
+        (st = clmha__forward_check_results(layer, args, &d, output, output_offset, NULL, 0,
+                                           elem)))
+        return st;
+    if (args->save && (st = clmha__saved_packed_prepare(args->save, layer, &d))) return st;
+    if ((st = clmha__enqueue_wait(layer->ctx, num_wait, wait_list))) return st;
+    clmha__packed_at at = {0, 0};
+    for (size_t i = 0; i < d.n; at = clmha__packed_next(&d, i, at), ++i) {
+        if (!d.seq_lens[i]) continue;
+        clmha_forward_args sub;
+        clmha__packed_args(&d, args, i, at, elem, &sub);
+        sub.save = args->save ? args->save->parts[i] : NULL;
+        if ((st = clmha_layer_forward(layer, &sub, output, output_offset + at.q0 * d.e, NULL, 0,
+                                      0, NULL, NULL)))
+            return st;
+    }
+    if (args->save) clmha__saved_packed_filled(args->save, args, &d);
+    return clmha__enqueue_event(layer->ctx, event);
+}
+
 static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, cl_mem output,
                             size_t output_offset, cl_mem weights, size_t weights_offset,
                             cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
@@ -222,6 +257,8 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
     if (no)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED, "a %s layer does not take %s yet",
                            clmha__dtype_name(t), no);
+    if (args->seq_lens)  // one call per sequence
+        return forward_packed(layer, args, output, output_offset, num_wait, wait_list, event);
     return t == CLMHA_DTYPE_F32 || t == CLMHA_DTYPE_F64
                ? forward_direct(layer, args, output, output_offset, weights, weights_offset,
                                 num_wait, wait_list, event)

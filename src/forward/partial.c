@@ -93,6 +93,7 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
     const char *no = args->need_weights ? "need_weights"
                      : args->save       ? "save"
                      : args->kv_cache   ? "kv_cache"
+                     : args->seq_lens   ? "a packed batch (seq_lens)"
                      : args->impl == CLMHA_IMPL_UNFUSED ? "CLMHA_IMPL_UNFUSED"
                      : layer->core      ? "a user attention core"
                                         : NULL;

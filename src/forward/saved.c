@@ -4,6 +4,7 @@
 
 #include "device/held.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -24,12 +25,20 @@ void clmha_saved_release(clmha_saved *saved) {
     if (!saved) return;
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) clmha__release_mem(saved->tiles[i]);
     clmha__release_mem(saved->lse);
+    for (size_t i = 0; i < saved->parts_cap; ++i) clmha_saved_release(saved->parts[i]);
+    free(saved->parts);
+    free(saved->lens);
     clmha_context_release(saved->ctx);
     free(saved);
 }
 
 size_t clmha_saved_bytes(const clmha_saved *saved) {
     if (!saved || !saved->filled) return 0;
+    if (saved->packed) {
+        size_t bytes = 0;
+        for (size_t i = 0; i < saved->dims.n; ++i) bytes += clmha_saved_bytes(saved->parts[i]);
+        return bytes;
+    }
     size_t floats = saved->lse_cap;
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i) floats += saved->caps[i];
     return floats * sizeof(float);
@@ -41,7 +50,7 @@ clmha_status clmha__saved_prepare(clmha_saved *saved, clmha_layer *layer,
     if (saved->layer != layer)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "args->save was made for another layer (clmha_saved_create())");
-    saved->filled = false;
+    saved->filled = saved->packed = false;
     size_t q = d->n * d->l * d->e, kvp = d->n * d->s_padded * d->e;  // checked by the layer's
     size_t need[CLMHA__TILE_COUNT] = {q, kvp, kvp, q};                 // own reserve
     static const char *const name[CLMHA__TILE_COUNT] = {
@@ -78,4 +87,43 @@ void clmha__saved_filled(clmha_saved *saved, const clmha_forward_args *args,
     saved->per_head_weights = args->per_head_weights;
     saved->training = args->training;
     saved->rng = args->rng;
+}
+
+clmha_status clmha__saved_packed_prepare(clmha_saved *saved, clmha_layer *layer,
+                                         const clmha__dims *d) {
+    clmha_context *ctx = layer->ctx;
+    if (saved->layer != layer)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "args->save was made for another layer (clmha_saved_create())");
+    saved->filled = false;
+    size_t n = d->n;
+    if (n > SIZE_MAX / (2 * sizeof(size_t)))
+        return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "num_seqs %zu overflows", n);
+    size_t *lens = malloc(2 * n * sizeof *lens);
+    if (!lens) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    free(saved->lens);
+    saved->lens = lens;
+    if (n > saved->parts_cap) {
+        clmha_saved **parts = realloc(saved->parts, n * sizeof *parts);
+        if (!parts) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+        memset(parts + saved->parts_cap, 0, (n - saved->parts_cap) * sizeof *parts);
+        saved->parts = parts;
+        saved->parts_cap = n;
+    }
+    clmha_status st;
+    for (size_t i = 0; i < n; ++i)
+        if (d->seq_lens[i] && !saved->parts[i] &&
+            (st = clmha_saved_create(&saved->parts[i], layer)))
+            return st;
+    return CLMHA_SUCCESS;
+}
+
+void clmha__saved_packed_filled(clmha_saved *saved, const clmha_forward_args *args,
+                                const clmha__dims *d) {
+    clmha__saved_filled(saved, args, d, NULL, false, false);
+    saved->packed = true;
+    memcpy(saved->lens, d->seq_lens, d->n * sizeof *saved->lens);
+    memcpy(saved->lens + d->n, d->kv_seq_lens, d->n * sizeof *saved->lens);
+    saved->dims.seq_lens = saved->lens;
+    saved->dims.kv_seq_lens = saved->lens + d->n;
 }

@@ -33,12 +33,28 @@ struct clmha_saved {
     // one did (clmha__core_select()); its backward may fall back too.
     bool fell_back;
     clmha_dropout_rng rng;
+    // A packed call's (clmha_forward_args::seq_lens; src/forward/packed.c): each sequence's
+    // state in an object of its own (parts[i], made on demand, parts_cap of them), and the
+    // call's lengths (lens: num_seqs query lengths, then as many key/value lengths).
+    bool packed;
+    struct clmha_saved **parts;
+    size_t parts_cap;
+    size_t *lens;
 };
 
 // Makes @p saved ready for a forward call of @p layer with sizes @p dims: checks that it
 // belongs to @p layer, grows its buffers, and marks it not filled (until clmha__saved_filled()).
 CLMHA__HIDDEN clmha_status clmha__saved_prepare(clmha_saved *saved, clmha_layer *layer,
                                                 const clmha__dims *dims);
+
+// Makes @p saved ready for the packed call of sizes @p d (d->packed): a part for every
+// sequence, and the call's lengths; not filled until clmha__saved_packed_filled().
+CLMHA__HIDDEN clmha_status clmha__saved_packed_prepare(clmha_saved *saved, clmha_layer *layer,
+                                                       const clmha__dims *d);
+
+// Records that the packed call @p args (sizes @p d) filled the parts of @p saved.
+CLMHA__HIDDEN void clmha__saved_packed_filled(clmha_saved *saved, const clmha_forward_args *args,
+                                              const clmha__dims *d);
 
 // Exchanges the layer's head tiles with those of @p saved (twice puts them back).
 CLMHA__HIDDEN void clmha__saved_swap(clmha_saved *saved, clmha_layer *layer);

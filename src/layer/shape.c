@@ -220,6 +220,82 @@ static clmha_status resolve_inputs(const clmha_layer_desc *desc, const clmha_for
     return CLMHA_SUCCESS;
 }
 
+// Sums @p n lengths into @p total and their largest into @p longest; false on overflow.
+static bool lens_sum(const size_t *lens, size_t n, size_t *total, size_t *longest) {
+    size_t t = 0, m = 0;
+    for (size_t i = 0; i < n; ++i) {
+        if (!clmha__add(t, lens[i], &t)) return false;
+        if (lens[i] > m) m = lens[i];
+    }
+    *total = t, *longest = m;
+    return true;
+}
+
+// Checks that packed input @p name is 2-D (@p tokens, @p feat).
+static clmha_status packed_input(const char *name, const clmha_tensor *t, size_t tokens,
+                                 size_t feat, const char *lens, char *msg, size_t msg_size) {
+    char s[96];
+    if (t->ndim != 2 || t->shape[0] != tokens || t->shape[1] != feat)
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "a packed call's %s must be 2-D (T, %zu) with T = %zu, the sum of %s; "
+                          "got %zu-D %s",
+                          name, feat, tokens, lens, t->ndim,
+                          clmha__shape_str(s, sizeof s, t->ndim, t->shape));
+    return CLMHA_SUCCESS;
+}
+
+// The sizes of a packed call (clmha_forward_args::seq_lens), and what it refuses.
+static clmha_status resolve_packed(const clmha_layer_desc *desc, const clmha_forward_args *args,
+                                   clmha__dims *d, char *msg, size_t msg_size) {
+    clmha_status st;
+    const char *no = args->key_padding_mask.kind ? "key_padding_mask (the lengths say it)"
+                     : args->attn_mask.kind      ? "attn_mask (it has no per-sequence shape)"
+                     : args->need_weights        ? "need_weights (as PyTorch's fast path)"
+                     : args->kv_cache            ? "kv_cache"
+                                                 : NULL;
+    if (no)
+        return clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                          "a packed call (seq_lens) does not take %s", no);
+    if (args->num_seqs == 0)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "seq_lens is set but num_seqs is 0");
+    d->packed = d->batched = true;
+    d->n = args->num_seqs;
+    d->seq_lens = args->seq_lens;
+    d->kv_seq_lens = args->kv_seq_lens ? args->kv_seq_lens : args->seq_lens;
+    if (!lens_sum(d->seq_lens, d->n, &d->t_q, &d->l) ||
+        !lens_sum(d->kv_seq_lens, d->n, &d->t_kv, &d->s))
+        return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "the sequence lengths overflow");
+    if (d->t_q == 0)
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "a packed call needs at least one query: every seq_lens is 0");
+    for (size_t i = 0; i < d->n; ++i)
+        if (d->seq_lens[i] && !d->kv_seq_lens[i])
+            return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                              "sequence %zu of the packed call has %zu queries but no keys "
+                              "(kv_seq_lens[%zu] = 0)", i, d->seq_lens[i], i);
+    if (d->key_is_query && args->kv_seq_lens && d->kv_seq_lens != d->seq_lens &&
+        memcmp(d->kv_seq_lens, d->seq_lens, d->n * sizeof *d->seq_lens))
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "self-attention (no key) takes its keys from the queries: "
+                          "kv_seq_lens must be NULL or equal seq_lens");
+    const clmha_tensor *q = &args->query;
+    const clmha_tensor *k = d->key_is_query ? q : &args->key;
+    const clmha_tensor *v = d->value_is_key ? k : &args->value;
+    if ((st = packed_input("query", q, d->t_q, d->e, "seq_lens", msg, msg_size)) ||
+        (st = packed_input("key", k, d->t_kv, d->kdim, "kv_seq_lens", msg, msg_size)) ||
+        (st = packed_input("value", v, d->t_kv, d->vdim, "kv_seq_lens", msg, msg_size)))
+        return st;
+    const clmha_tensor *inputs[3] = {q, k, v};
+    size_t *counts[3] = {&d->query_count, &d->key_count, &d->value_count};
+    for (int i = 0; i < 3; ++i)
+        if (!tensor_count(inputs[i], counts[i]))
+            return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW,
+                              "the packed inputs have more elements than memory can address");
+    d->s_padded = d->s + (desc->add_bias_kv ? 1 : 0) + (desc->add_zero_attn ? 1 : 0);
+    return CLMHA_SUCCESS;
+}
+
 // key_padding_mask: (N, S) or (S); d->kpm_kind, d->kpm_count.
 static clmha_status resolve_kpm(const clmha_mask *kpm, clmha__dims *d, char *msg,
                                 size_t msg_size) {
@@ -316,8 +392,18 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
     d->softcap = desc->softcap;
     d->alibi = desc->alibi;
     d->sinks = desc->sinks;
-    if ((st = resolve_roles(desc, args, d, msg, msg_size)) ||
-        (st = resolve_inputs(desc, args, d, msg, msg_size)) ||
+    if (args->seq_lens) {
+        if ((st = resolve_roles(desc, args, d, msg, msg_size)) ||
+            (st = resolve_packed(desc, args, d, msg, msg_size)))
+            return st;
+        d->batch_first = false;
+    } else if (args->kv_seq_lens || args->num_seqs) {
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "%s is set but seq_lens is NULL: only a packed call takes it",
+                          args->kv_seq_lens ? "kv_seq_lens" : "num_seqs");
+    }
+    if ((!d->packed && ((st = resolve_roles(desc, args, d, msg, msg_size)) ||
+                        (st = resolve_inputs(desc, args, d, msg, msg_size)))) ||
         (st = resolve_kpm(&args->key_padding_mask, d, msg, msg_size)) ||
         (st = resolve_attn_mask(&args->attn_mask, d, msg, msg_size)))
         return st;
@@ -327,7 +413,8 @@ clmha_status clmha__dims_resolve(const clmha_layer_desc *desc, const clmha_forwa
 
     // Outputs and scratch sizes.
     size_t t;
-    if (!clmha__mul(d->n, d->l, &t) || !clmha__mul(t, d->e, &d->output_count) ||
+    if (!clmha__mul(d->packed ? 1 : d->n, d->packed ? d->t_q : d->l, &t) ||
+        !clmha__mul(t, d->e, &d->output_count) ||
         !clmha__mul(d->n, d->h, &t) || !clmha__mul(t, d->l, &t) ||
         !clmha__mul(t, d->s_padded, &d->scores_count) ||
         d->scores_count > SIZE_MAX / sizeof(double) ||

@@ -41,6 +41,13 @@ typedef struct clmha__dims {
     // Partial attention's positions of the call's first query row and key
     // (clmha_forward_args::query_position, key_position; 0 elsewhere).
     size_t q_pos, k_pos;
+    // A packed call (clmha_forward_args::seq_lens): n sequences of seq_lens[i] queries and
+    // kv_seq_lens[i] keys (the caller's arrays; kv_seq_lens is seq_lens when the caller gave
+    // none), t_q and t_kv tokens in all, l and s the longest. The element counts are the packed
+    // tensors'; batched is true, batch_first false.
+    bool packed;
+    const size_t *seq_lens, *kv_seq_lens;
+    size_t t_q, t_kv;
     clmha_mask_kind attn_kind, kpm_kind;
     size_t query_count, key_count, value_count;  // elements of each input
     size_t attn_count, kpm_count;                // elements of each mask (0 if none)

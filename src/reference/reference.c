@@ -10,10 +10,30 @@
 // checked by the same code as the OpenCL path (src/layer/shape.c), so both accept and refuse
 // exactly the same calls.
 #include "base/message.h"
+#include "layer/packed.h"
 #include "reference/reference_math.h"
 
 #include <stdlib.h>
 #include <string.h>
+
+// A packed call (clmha_forward_args::seq_lens), validated into @p call: one reference call per
+// sequence on its rows, cut as the device pass cuts it (layer/packed.h).
+static clmha_status forward_packed(const clmha__ref_call *call, double *output,
+                                       char *message, size_t message_size) {
+    const clmha__dims *d = &call->d;
+    clmha__packed_at at = {0, 0};
+    for (size_t i = 0; i < d->n; at = clmha__packed_next(d, i, at), ++i) {
+        if (!d->seq_lens[i]) continue;
+        clmha_forward_args sub;
+        clmha__packed_args(d, &call->args, i, at, sizeof(float), &sub);
+        size_t count = d->seq_lens[i] * d->e;
+        clmha_status st = clmha_reference_forward(&call->desc, &call->params, &sub,
+                                                  output + at.q0 * d->e, count, NULL, 0,
+                                                  message, message_size);
+        if (st) return st;
+    }
+    return CLMHA_SUCCESS;
+}
 
 clmha_status clmha_reference_forward(const clmha_layer_desc *desc_in,
                                      const clmha_reference_params *params,
@@ -44,6 +64,8 @@ clmha_status clmha_reference_forward(const clmha_layer_desc *desc_in,
         return clmha__msg(message, message_size, CLMHA_SHAPE_MISMATCH,
                           "weights_count is %zu, the weights have %zu elements%s", weights_count,
                           d.weights_count, args->need_weights ? "" : " (need_weights is off)");
+
+    if (d.packed) return forward_packed(&call, output, message, message_size);
 
     // 2.-9. Projections, heads, scores, masks, softmax, dropout, weights . V, merged heads.
     if ((st = clmha__ref_forward_run(&call, false, &f, message, message_size))) return st;

@@ -11,6 +11,7 @@
 // score gradient P (dP - sum P dP) is 0 as well, never NaN.
 #include "base/message.h"
 #include "base/struct_in.h"
+#include "layer/packed.h"
 #include "reference/reference_math.h"
 
 #include <math.h>
@@ -382,6 +383,74 @@ static void in_proj_backward(const clmha__ref_call *call, clmha_reference_grads 
     }
 }
 
+// ---- a packed call -------------------------------------------------------------------------
+
+// A packed call (clmha_forward_args::seq_lens), validated into @p call: one reference backward
+// call per sequence on its rows (layer/packed.h); the parameters' gradients summed over the
+// sequences in double precision, keys that no query sees given zeros.
+// The parameter gradients of a reference backward call: their destinations in @p g, and their
+// sizes for the layer of @p call (0: none).
+enum { PARAMS = 10 };
+static void param_grads(const clmha__ref_call *call, clmha_reference_grads *g, double **dst[PARAMS],
+                        size_t count[PARAMS]) {
+    const clmha__dims *d = &call->d;
+    size_t e = d->e, kve = d->kvh * d->d;
+    double **p[PARAMS] = {&g->in_proj_weight,  &g->q_proj_weight, &g->k_proj_weight,
+                          &g->v_proj_weight,   &g->in_proj_bias,  &g->out_proj_weight,
+                          &g->out_proj_bias,   &g->bias_k,        &g->bias_v, &g->sinks};
+    size_t c[PARAMS] = {3 * e * e, e * e, kve * d->kdim, kve * d->vdim, e + 2 * kve,
+                        e * e, e, kve, kve, d->h};
+    memcpy(dst, p, sizeof p);
+    memcpy(count, c, sizeof c);
+}
+
+static clmha_status backward_packed(const clmha__ref_call *call, const float *grad_output,
+                                        const clmha_reference_grads *grads, char *message,
+                                        size_t message_size) {
+    const clmha__dims *d = &call->d;
+    clmha_reference_grads g = *grads, sub_g = *grads;
+    double **dst[PARAMS], **sub_dst[PARAMS], *part[PARAMS] = {0};
+    size_t count[PARAMS];
+    param_grads(call, &g, dst, count);
+    param_grads(call, &sub_g, sub_dst, count);
+    clmha_status st = CLMHA_SUCCESS;
+    for (int j = 0; j < PARAMS; ++j) {  // each sequence's into part[j], summed into *dst[j]
+        if (!*dst[j]) continue;
+        memset(*dst[j], 0, count[j] * sizeof **dst[j]);
+        if (!(part[j] = calloc(count[j], sizeof *part[j]))) {
+            st = clmha__msg(message, message_size, CLMHA_OUT_OF_MEMORY,
+                            "out of host memory for the reference's gradients");
+            goto done;
+        }
+        *sub_dst[j] = part[j];
+    }
+    clmha__packed_at at = {0, 0};
+    for (size_t i = 0; i < d->n; at = clmha__packed_next(d, i, at), ++i) {
+        if (!d->seq_lens[i]) {  // keys no query sees: a zero gradient
+            size_t rows = d->kv_seq_lens[i];
+            if (grads->key) memset(grads->key + at.k0 * d->kdim, 0, rows * d->kdim * 8);
+            if (grads->value) memset(grads->value + at.k0 * d->vdim, 0, rows * d->vdim * 8);
+            continue;
+        }
+        clmha_forward_args sub;
+        clmha__packed_args(d, &call->args, i, at, sizeof(float), &sub);
+        if (grads->query) sub_g.query = grads->query + at.q0 * d->e;
+        if (grads->key) sub_g.key = grads->key + at.k0 * d->kdim;
+        if (grads->value) sub_g.value = grads->value + at.k0 * d->vdim;
+        for (int j = 0; j < PARAMS; ++j)
+            if (part[j]) memset(part[j], 0, count[j] * sizeof *part[j]);
+        if ((st = clmha_reference_backward(&call->desc, &call->params, &sub,
+                                           grad_output + at.q0 * d->e, NULL, &sub_g, message,
+                                           message_size)))
+            goto done;
+        for (int j = 0; j < PARAMS; ++j)
+            for (size_t k = 0; part[j] && k < count[j]; ++k) (*dst[j])[k] += part[j][k];
+    }
+done:
+    for (int j = 0; j < PARAMS; ++j) free(part[j]);
+    return st;
+}
+
 clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
                                       const clmha_reference_params *params,
                                       const clmha_forward_args *args,
@@ -404,6 +473,7 @@ clmha_status clmha_reference_backward(const clmha_layer_desc *desc,
     if ((st = check_grads(&call, &g, grad_output, grad_weights, message, message_size)))
         return st;
     const clmha__dims d = call.d;
+    if (d.packed) return backward_packed(&call, grad_output, &g, message, message_size);
 
     // 2. The forward pass again, up to the merged attention result M (its sizes are checked
     //    for overflow there).

@@ -1,0 +1,419 @@
+// Packed variable-length batches (clmha_forward_args::seq_lens): query (T, E), key/value
+// (T_kv, kdim/vdim), one sequence after another.
+//   - the forward and backward passes on the device (fused and unfused cores) against the
+//     double-precision CPU reference of the same packed call: output and every gradient within
+//     TOLERANCE * (1 + max |reference|);
+//   - the reference's packed call against its padded call (N sequences padded to the longest,
+//     keys beyond each sequence's length masked by a boolean key_padding_mask, padded rows'
+//     output gradient zero): the same output rows and gradients (without dropout, whose
+//     pattern differs by construction), which checks that a sequence attends only within
+//     itself independently of how the packed call is cut;
+//   - 16-bit and float64 layers' packed forward against the reference;
+//   - the calls a packed batch refuses, and a sequence without queries.
+// One line per case goes to stderr: packed <case> forward ... backward ...
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clmha.h"
+#include "random_case.h"
+#include "support.h"
+
+#define TOLERANCE 1e-4      // device float32 vs the reference
+#define PADDED_TOL 1e-12    // the reference's packed vs padded call (both double)
+
+enum { MAX_SEQS = 8 };
+
+// A packed case: the layer options of @p c (l and s ignored) and the sequences' lengths.
+typedef struct pcase {
+    const char *name;
+    rcase c;
+    size_t n;
+    size_t q[MAX_SEQS], k[MAX_SEQS];  // k all 0: self-attention's (the queries')
+} pcase;
+
+typedef struct packed {
+    instance in;  // unbatched (T, E) query, (T_kv, kdim) key, ...
+    size_t t, tk, lmax, smax;
+    const size_t *kl;
+    clmha_forward_args args;
+} packed;
+
+static void packed_make(packed *p, const pcase *pc) {
+    rcase c = pc->c;
+    p->kl = c.self_attn ? pc->q : pc->k;
+    p->t = p->tk = p->lmax = p->smax = 0;
+    for (size_t i = 0; i < pc->n; ++i) {
+        p->t += pc->q[i], p->tk += p->kl[i];
+        p->lmax = pc->q[i] > p->lmax ? pc->q[i] : p->lmax;
+        p->smax = p->kl[i] > p->smax ? p->kl[i] : p->smax;
+    }
+    c.unbatched = true, c.l = p->t, c.s = p->tk;
+    c.kpm = c.am = CLMHA_MASK_NONE;
+    c.need_weights = c.per_head = false;
+    instance_make(&p->in, &c);
+    p->args = p->in.args;
+    p->args.seq_lens = pc->q;
+    p->args.kv_seq_lens = c.self_attn ? NULL : pc->k;
+    p->args.num_seqs = pc->n;
+}
+
+static double max_rel(const float *got, const double *want, size_t count) {
+    double err = 0, scale = 0;
+    for (size_t i = 0; i < count; ++i) {
+        double e = fabs((double)got[i] - want[i]);
+        err = isnan(e) ? INFINITY : fmax(err, e);
+        scale = fmax(scale, fabs(want[i]));
+    }
+    return err / (1 + scale);
+}
+
+static double max_rel_d(const double *got, const double *want, size_t count) {
+    double err = 0, scale = 0;
+    for (size_t i = 0; i < count; ++i) {
+        double e = fabs(got[i] - want[i]);
+        err = isnan(e) ? INFINITY : fmax(err, e);
+        scale = fmax(scale, fabs(want[i]));
+    }
+    return err / (1 + scale);
+}
+
+// The gradients a case has: query, key, value, q/k/v or in_proj weight, in_proj_bias,
+// out_proj weight and bias, bias_k, bias_v, sinks.
+enum { GQ, GK, GV, GW_IN, GWQ, GWK, GWV, GB_IN, GW_OUT, GB_OUT, GBK, GBV, GSINKS, GN };
+static const char *const gname[GN] = {"query", "key", "value", "in_proj_weight",
+                                      "q_proj_weight", "k_proj_weight", "v_proj_weight",
+                                      "in_proj_bias", "out_proj.weight", "out_proj.bias",
+                                      "bias_k", "bias_v", "sinks"};
+
+// Floats of gradient @p g for @p in with @p rows query and @p krows key rows.
+static size_t gcount(const instance *in, int g, size_t rows, size_t krows) {
+    const rcase *c = &in->c;
+    size_t e = c->e;
+    bool one = in->params.in_proj_weight != NULL;
+    switch (g) {
+    case GQ: return rows * e;
+    case GK: return c->self_attn ? 0 : krows * in->kdim;
+    case GV: return c->self_attn || c->value_is_key ? 0 : krows * in->vdim;
+    case GW_IN: return one ? 3 * e * e : 0;
+    case GWQ: return one ? 0 : e * e;
+    case GWK: return one ? 0 : in->kve * in->kdim;
+    case GWV: return one ? 0 : in->kve * in->vdim;
+    case GB_IN: return c->bias ? e + 2 * in->kve : 0;
+    case GW_OUT: return e * e;
+    case GB_OUT: return c->bias ? e : 0;
+    case GBK:
+    case GBV: return c->add_bias_kv ? in->kve : 0;
+    case GSINKS: return c->sinks ? c->h : 0;
+    default: return 0;
+    }
+}
+
+typedef struct grads {
+    double *r[GN];  // the reference's
+    float *f[GN];   // the device's
+} grads;
+
+static void grads_free(grads *g) {
+    for (int i = 0; i < GN; ++i) free(g->r[i]), free(g->f[i]);
+}
+
+static void ref_grads_point(clmha_reference_grads *rg, grads *g, const instance *in,
+                            size_t rows, size_t krows) {
+    double **dst[GN] = {&rg->query, &rg->key, &rg->value, &rg->in_proj_weight,
+                        &rg->q_proj_weight, &rg->k_proj_weight, &rg->v_proj_weight,
+                        &rg->in_proj_bias, &rg->out_proj_weight, &rg->out_proj_bias,
+                        &rg->bias_k, &rg->bias_v, &rg->sinks};
+    for (int i = 0; i < GN; ++i) {
+        size_t n = gcount(in, i, rows, krows);
+        if (!n) continue;
+        g->r[i] = calloc(n, sizeof(double));
+        cr_assert_not_null(g->r[i]);
+        *dst[i] = g->r[i];
+    }
+}
+
+static void dev_grads_point(clmha_backward_args *b, grads *g, const instance *in, size_t rows,
+                            size_t krows) {
+    clmha_grad *dst[GN] = {&b->query, &b->key, &b->value, &b->in_proj_weight,
+                           &b->q_proj_weight, &b->k_proj_weight, &b->v_proj_weight,
+                           &b->in_proj_bias, &b->out_proj_weight, &b->out_proj_bias,
+                           &b->bias_k, &b->bias_v, &b->sinks};
+    for (int i = 0; i < GN; ++i) {
+        size_t n = gcount(in, i, rows, krows);
+        if (!n) continue;
+        g->f[i] = alloc_floats(n);
+        for (size_t j = 0; j < n; ++j) g->f[i][j] = NAN;  // anything unwritten shows
+        dst[i]->data = g->f[i];
+    }
+}
+
+// The reference's packed call against its padded one: the output rows and the gradients.
+static double padded_check(const packed *p, const pcase *pc, const double *out,
+                           const float *gy, const grads *g) {
+    const instance *in = &p->in;
+    size_t e = in->c.e, n = pc->n, lm = p->lmax, sm = p->smax;
+    float *q = calloc(lm * n * e, sizeof(float)), *k = NULL, *v = NULL;
+    float *gyp = calloc(lm * n * e, sizeof(float));
+    unsigned char *kpm = calloc(n * sm, 1);
+    cr_assert(q && gyp && kpm);
+    size_t q0 = 0, k0 = 0;
+    bool self = in->c.self_attn, vk = in->c.value_is_key;
+    if (!self) k = calloc(sm * n * in->kdim, sizeof(float));
+    if (!self && !vk) v = calloc(sm * n * in->vdim, sizeof(float));
+    for (size_t i = 0; i < n; q0 += pc->q[i], k0 += p->kl[i], ++i) {
+        for (size_t t = 0; t < pc->q[i]; ++t) {  // (L, N, E): row t * N + i
+            memcpy(q + (t * n + i) * e, in->query + (q0 + t) * e, e * sizeof(float));
+            memcpy(gyp + (t * n + i) * e, gy + (q0 + t) * e, e * sizeof(float));
+        }
+        for (size_t t = 0; t < p->kl[i]; ++t) {
+            if (k) memcpy(k + (t * n + i) * in->kdim, in->key + (k0 + t) * in->kdim,
+                          in->kdim * sizeof(float));
+            if (v) memcpy(v + (t * n + i) * in->vdim, in->value + (k0 + t) * in->vdim,
+                          in->vdim * sizeof(float));
+        }
+        for (size_t t = p->kl[i]; t < sm; ++t) kpm[i * sm + t] = 1;
+    }
+    clmha_forward_args a = p->args;
+    a.seq_lens = a.kv_seq_lens = NULL, a.num_seqs = 0;
+    a.query = (clmha_tensor){.ndim = 3, .shape = {lm, n, e}, .data = q};
+    if (!self) a.key = (clmha_tensor){.ndim = 3, .shape = {sm, n, in->kdim}, .data = k};
+    if (!self && !vk) a.value = (clmha_tensor){.ndim = 3, .shape = {sm, n, in->vdim}, .data = v};
+    if (self) {  // the padded call's keys are its queries: the masks cut them to each length
+        cr_assert_eq(lm, sm);
+    }
+    a.key_padding_mask = (clmha_mask){.kind = CLMHA_MASK_BOOL_IGNORE,
+                                      .tensor = {.ndim = 2, .shape = {n, sm}, .data = kpm}};
+    double *outp = calloc(lm * n * e, sizeof(double));
+    char msg[512];
+    cr_assert_eq(clmha_reference_forward(&in->desc, &in->params, &a, outp, lm * n * e, NULL, 0,
+                                         msg, sizeof msg),
+                 CLMHA_SUCCESS, "padded reference: %s", msg);
+    grads gp;
+    memset(&gp, 0, sizeof gp);
+    clmha_reference_grads rg = {.struct_size = sizeof rg};
+    ref_grads_point(&rg, &gp, in, lm * n, sm * n);
+    cr_assert_eq(clmha_reference_backward(&in->desc, &in->params, &a, gyp, NULL, &rg, msg,
+                                          sizeof msg),
+                 CLMHA_SUCCESS, "padded reference backward: %s", msg);
+    double worst = 0;
+    q0 = k0 = 0;
+    for (size_t i = 0; i < n; q0 += pc->q[i], k0 += p->kl[i], ++i) {
+        for (size_t t = 0; t < pc->q[i]; ++t) {
+            worst = fmax(worst, max_rel_d(out + (q0 + t) * e, outp + (t * n + i) * e, e));
+            worst = fmax(worst, max_rel_d(g->r[GQ] + (q0 + t) * e, gp.r[GQ] + (t * n + i) * e, e));
+        }
+        for (size_t t = 0; t < p->kl[i]; ++t) {
+            if (gp.r[GK])
+                worst = fmax(worst, max_rel_d(g->r[GK] + (k0 + t) * in->kdim,
+                                              gp.r[GK] + (t * n + i) * in->kdim, in->kdim));
+            if (gp.r[GV])
+                worst = fmax(worst, max_rel_d(g->r[GV] + (k0 + t) * in->vdim,
+                                              gp.r[GV] + (t * n + i) * in->vdim, in->vdim));
+        }
+    }
+    for (int j = GW_IN; j < GN; ++j)
+        if (gp.r[j]) worst = fmax(worst, max_rel_d(g->r[j], gp.r[j], gcount(in, j, 0, 0)));
+    cr_expect_leq(worst, PADDED_TOL, "%s: the packed reference differs from the padded one by %.3g",
+                  pc->name, worst);
+    grads_free(&gp);
+    free(q), free(k), free(v), free(gyp), free(kpm), free(outp);
+    return worst;
+}
+
+static void check(clmha_context *ctx, const pcase *pc) {
+    packed p;
+    packed_make(&p, pc);
+    instance *in = &p.in;
+    size_t count = p.t * in->c.e;
+    char msg[512];
+    double *want = calloc(count, sizeof(double));
+    cr_assert_eq(clmha_reference_forward(&in->desc, &in->params, &p.args, want, count, NULL, 0,
+                                         msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s: reference: %s", pc->name, msg);
+    prng r = {in->c.data_seed ^ 0xD1CE};
+    float *gy = normal_floats(&r, count);
+    grads g;
+    memset(&g, 0, sizeof g);
+    clmha_reference_grads rg = {.struct_size = sizeof rg};
+    ref_grads_point(&rg, &g, in, p.t, p.tk);
+    cr_assert_eq(clmha_reference_backward(&in->desc, &in->params, &p.args, gy, NULL, &rg, msg,
+                                          sizeof msg),
+                 CLMHA_SUCCESS, "%s: reference backward: %s", pc->name, msg);
+    double pad = in->c.training ? NAN : padded_check(&p, pc, want, gy, &g);
+
+    clmha_layer *layer = instance_layer(ctx, in);
+    clmha_saved *saved;
+    cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
+    float *out = alloc_floats(count);
+    double fwd[2], bwd[2];
+    static const clmha_impl impls[2] = {CLMHA_IMPL_FUSED, CLMHA_IMPL_UNFUSED};
+    for (int m = 0; m < 2; ++m) {
+        clmha_forward_args a = p.args;
+        a.impl = impls[m], a.save = saved;
+        for (size_t i = 0; i < count; ++i) out[i] = NAN;
+        cr_assert_eq(clmha_layer_forward_host(layer, &a, out, count, NULL, 0), CLMHA_SUCCESS,
+                     "%s %s: %s", pc->name, clmha_impl_name(impls[m]),
+                     clmha_context_last_error(ctx));
+        fwd[m] = max_rel(out, want, count);
+        cr_expect_leq(fwd[m], TOLERANCE, "%s %s: output max rel err %.3g", pc->name,
+                      clmha_impl_name(impls[m]), fwd[m]);
+        clmha_backward_args b = {.struct_size = sizeof b, .forward = &a, .saved = saved,
+                                 .grad_output = a.query, .impl = impls[m]};
+        b.grad_output.data = gy;
+        grads d;
+    memset(&d, 0, sizeof d);
+        dev_grads_point(&b, &d, in, p.t, p.tk);
+        cr_assert_eq(clmha_layer_backward_host(layer, &b), CLMHA_SUCCESS, "%s %s backward: %s",
+                     pc->name, clmha_impl_name(impls[m]), clmha_context_last_error(ctx));
+        bwd[m] = 0;
+        for (int j = 0; j < GN; ++j) {
+            if (!d.f[j]) continue;
+            double e = max_rel(d.f[j], g.r[j], gcount(in, j, p.t, p.tk));
+            cr_expect_leq(e, TOLERANCE, "%s %s: gradient of %s: max rel err %.3g", pc->name,
+                          clmha_impl_name(impls[m]), gname[j], e);
+            bwd[m] = fmax(bwd[m], e);
+        }
+        grads_free(&d);
+    }
+    fprintf(stderr,
+            "packed %-22s T %3zu T_kv %3zu: forward fused %.2e unfused %.2e, backward fused "
+            "%.2e unfused %.2e, reference packed vs padded %.1e\n",
+            pc->name, p.t, p.tk, fwd[0], fwd[1], bwd[0], bwd[1], pad);
+    free(out), free(want), free(gy);
+    grads_free(&g);
+    clmha_saved_release(saved);
+    clmha_layer_release(layer);
+    instance_free(in);
+}
+
+static rcase base(uint64_t seed) {
+    rcase c = rcase_base(seed);
+    c.e = 16, c.h = 2;
+    return c;
+}
+
+Test(packed, against_reference_and_padded, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    pcase cases[8];
+    size_t k = 0;
+    // Self-attention, causal, lengths from 1, the last one across a fused tile edge.
+    cases[k] = (pcase){.name = "self_causal", .c = base(1), .n = 4, .q = {5, 1, 8, 33}};
+    cases[k].c.self_attn = cases[k].c.is_causal = true, ++k;
+    // Cross-attention, other key lengths, kdim/vdim, appended keys, a sequence without queries.
+    cases[k] = (pcase){.name = "cross_kdim_appended", .c = base(2), .n = 4, .q = {3, 0, 7, 1},
+                       .k = {6, 4, 2, 9}};
+    cases[k].c.kdim = 10, cases[k].c.vdim = 12;
+    cases[k].c.add_bias_kv = cases[k].c.add_zero_attn = true, ++k;
+    // Grouped-query attention (4 query heads on 1 key/value head), causal cross.
+    cases[k] = (pcase){.name = "gqa_causal_cross", .c = base(3), .n = 3, .q = {9, 2, 17},
+                       .k = {4, 12, 17}};
+    cases[k].c.h = 4, cases[k].c.kv_heads = 1, cases[k].c.is_causal = true, ++k;
+    // The attention variants: a window, ALiBi, soft-capping, sinks; key is value.
+    cases[k] = (pcase){.name = "variants_value_is_key", .c = base(4), .n = 3, .q = {6, 11, 3},
+                       .k = {7, 11, 5}};
+    cases[k].c.value_is_key = cases[k].c.alibi = cases[k].c.sinks = true;
+    cases[k].c.window = true, cases[k].c.win_left = 2, cases[k].c.win_right = 1;
+    cases[k].c.softcap = 1.5, ++k;
+    // Dropout in training (each sequence's own pattern: no padded comparison), no bias.
+    cases[k] = (pcase){.name = "dropout_no_bias", .c = base(5), .n = 2, .q = {7, 12}};
+    cases[k].c.self_attn = cases[k].c.training = true, cases[k].c.bias = false;
+    cases[k].c.dropout = 0.3f, ++k;
+    // One sequence: the packed call is the unbatched one.
+    cases[k] = (pcase){.name = "one_sequence", .c = base(6), .n = 1, .q = {13}};
+    cases[k].c.self_attn = true, ++k;
+    for (size_t i = 0; i < k; ++i) check(ctx, &cases[i]);
+}
+
+// A 16-bit or float64 layer's packed forward against the reference (the inputs rounded to
+// the layer's dtype on upload: a tolerance of the dtype's; the float64 layer's results are
+// read as float32).
+Test(packed, dtypes_forward) {
+    clmha_context *ctx = context_or_skip();
+    static const struct {
+        clmha_dtype t;
+        double tol;
+    } dts[] = {{CLMHA_DTYPE_F64, 2e-7}, {CLMHA_DTYPE_F16, 5e-3}, {CLMHA_DTYPE_BF16, 4e-2}};
+    pcase pc = {.name = "dtype", .c = base(7), .n = 3, .q = {4, 9, 2}, .k = {5, 3, 8}};
+    pc.c.is_causal = true;
+    packed p;
+    packed_make(&p, &pc);
+    size_t count = p.t * p.in.c.e;
+    double *want = calloc(count, sizeof(double));
+    char msg[512];
+    cr_assert_eq(clmha_reference_forward(&p.in.desc, &p.in.params, &p.args, want, count, NULL,
+                                         0, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    float *out = alloc_floats(count);
+    for (size_t i = 0; i < sizeof dts / sizeof dts[0]; ++i) {
+        p.in.desc.dtype = dts[i].t;
+        clmha_layer *layer = instance_layer(ctx, &p.in);
+        cr_assert_eq(clmha_layer_forward_host(layer, &p.args, out, count, NULL, 0),
+                     CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+        double e = max_rel(out, want, count);
+        cr_expect_leq(e, dts[i].tol, "dtype %d: max rel err %.3g", (int)dts[i].t, e);
+        fprintf(stderr, "packed dtype %d forward: max rel err %.2e\n", (int)dts[i].t, e);
+        clmha_layer_release(layer);
+    }
+    free(out), free(want);
+    instance_free(&p.in);
+}
+
+// What a packed call refuses, with the status; and a call whose every sequence lacks queries.
+Test(packed, refusals) {
+    clmha_context *ctx = context_or_skip();
+    pcase pc = {.name = "refusals", .c = base(8), .n = 3, .q = {2, 3, 1}, .k = {4, 1, 2}};
+    packed p;
+    packed_make(&p, &pc);
+    clmha_layer *layer = instance_layer(ctx, &p.in);
+    size_t count = p.t * p.in.c.e;
+    float *out = alloc_floats(count + 64), *w = alloc_floats(1024);
+    unsigned char mask[64] = {0};
+    struct {
+        const char *what;
+        clmha_status want;
+        clmha_forward_args a;
+    } bad[16];
+    size_t k = 0;
+    for (size_t i = 0; i < 10; ++i) bad[i].a = p.args;
+    bad[k].what = "key_padding_mask", bad[k].want = CLMHA_UNSUPPORTED;
+    bad[k].a.key_padding_mask = (clmha_mask){.kind = CLMHA_MASK_BOOL_IGNORE,
+                                             .tensor = {.ndim = 2, .shape = {3, 4}, .data = mask}};
+    ++k;
+    bad[k].what = "attn_mask", bad[k].want = CLMHA_UNSUPPORTED;
+    bad[k].a.attn_mask = (clmha_mask){.kind = CLMHA_MASK_BOOL_IGNORE,
+                                      .tensor = {.ndim = 2, .shape = {3, 4}, .data = mask}};
+    ++k;
+    bad[k].what = "need_weights", bad[k].want = CLMHA_UNSUPPORTED;
+    bad[k].a.need_weights = true, ++k;
+    bad[k].what = "num_seqs 0", bad[k].want = CLMHA_INVALID_ARGUMENT;
+    bad[k].a.num_seqs = 0, ++k;
+    static const size_t longer[3] = {2, 3, 2}, no_keys[3] = {4, 0, 2}, empty[3] = {0, 0, 0};
+    bad[k].what = "seq_lens summing past the query", bad[k].want = CLMHA_SHAPE_MISMATCH;
+    bad[k].a.seq_lens = longer, ++k;
+    bad[k].what = "queries without keys", bad[k].want = CLMHA_SHAPE_MISMATCH;
+    bad[k].a.kv_seq_lens = no_keys, ++k;
+    bad[k].what = "no query at all", bad[k].want = CLMHA_SHAPE_MISMATCH;
+    bad[k].a.seq_lens = empty, ++k;
+    bad[k].what = "kv_seq_lens without seq_lens", bad[k].want = CLMHA_INVALID_ARGUMENT;
+    bad[k].a.seq_lens = NULL, ++k;
+    bad[k].what = "a 3-D query", bad[k].want = CLMHA_SHAPE_MISMATCH;
+    bad[k].a.query.ndim = 3, bad[k].a.query.shape[2] = p.in.c.e, bad[k].a.query.shape[1] = 1;
+    ++k;
+    for (size_t i = 0; i < k; ++i) {
+        clmha_status st = clmha_layer_forward_host(layer, &bad[i].a, out, count, w, 1024);
+        cr_expect_eq(st, bad[i].want, "%s: got %s (%s)", bad[i].what, clmha_status_string(st),
+                     clmha_context_last_error(ctx));
+        fprintf(stderr, "packed refuses %s: %s\n", bad[i].what, clmha_context_last_error(ctx));
+    }
+    // Partial attention does not take a packed batch.
+    clmha_forward_args a = p.args;
+    cr_expect_eq(clmha_layer_attend(layer, &a, false, NULL, 0, NULL, 0, 0, NULL, NULL),
+                 CLMHA_UNSUPPORTED, "%s", clmha_context_last_error(ctx));
+    free(out), free(w);
+    clmha_layer_release(layer);
+    instance_free(&p.in);
+}
