@@ -138,11 +138,18 @@ def C(name, **kw):
              L=5, S=None, N=2, cross=False, kpm=None, attn=None, causal=False,
              need_weights=True, per_head=False, grads=False, given=None, module="mha",
              prefix=None, window=None, file_window=None, softcap=None, alibi=False,
-             file_softcap=None, file_alibi=False, file_slopes=False, file_sinks=False)
+             file_softcap=None, file_alibi=False, file_slopes=False, file_sinks=False,
+             seq_lens=None, kv_seq_lens=None)
     for k in kw:
         if k not in d:
             raise KeyError(k)
     d.update(kw)
+    if d["seq_lens"] is not None:  # a packed batch: (T, E) query, (T_kv, kdim) key, ...
+        assert d["kv_seq_lens"] is None or len(d["kv_seq_lens"]) == len(d["seq_lens"])
+        assert d["kv_seq_lens"] is None or d["cross"]
+        d["N"], d["L"] = None, sum(d["seq_lens"])
+        d["S"] = sum(d["kv_seq_lens"] or d["seq_lens"])
+        assert d["L"] <= 12 and d["S"] <= 12 and not d["need_weights"]
     if d["S"] is None:
         d["S"] = d["L"]
     if d["given"] is None:
@@ -152,7 +159,8 @@ def C(name, **kw):
         assert d["S"] == d["L"] and d["kdim"] is None
     if d["given"] in ("q", "qv"):
         assert d["vdim"] is None
-    assert d["E"] <= 16 and d["L"] <= 7 and d["S"] <= 7 and (d["N"] or 1) <= 2
+    packed = d["seq_lens"] is not None
+    assert d["E"] <= 16 and (packed or (d["L"] <= 7 and d["S"] <= 7)) and (d["N"] or 1) <= 2
     assert not d["file_slopes"] or d["file_alibi"]
     return d
 
@@ -224,7 +232,31 @@ CASES = [
       S=5),
     C("model_prefix_continuiti", module="model", prefix="head.attention.", batch_first=True,
       L=5, need_weights=False),
+    # Packed batches (--seq-lens, --kv-seq-lens): each sequence is its own unbatched call of the
+    # module, the results one after another; a sequence may have no queries (its keys are then
+    # seen by none and get zero gradients).
+    C("packed_self_causal", seq_lens=(3, 1, 5), causal=True, need_weights=False),
+    C("packed_cross_kdim_bias_kv", E=12, H=3, kdim=5, vdim=7, cross=True, seq_lens=(2, 0, 4),
+      kv_seq_lens=(3, 2, 5), add_bias_kv=True, need_weights=False),
+    C("grad_packed_cross_causal", grads=True, cross=True, seq_lens=(4, 1, 3),
+      kv_seq_lens=(2, 6, 3), causal=True, need_weights=False),
+    C("grad_packed_self_zero_attn", grads=True, seq_lens=(5, 2), add_zero_attn=True,
+      need_weights=False),
 ]
+
+
+def packed_forward(c, m64, q64, k64, v64):
+    """A packed case's output: one unbatched call of the module per sequence (a sequence
+    without queries skipped), the outputs one after another."""
+    outs, q0, k0 = [], 0, 0
+    for L, S in zip(c["seq_lens"], c["kv_seq_lens"] or c["seq_lens"]):
+        if L:
+            causal = torch.triu(torch.ones(L, S, dtype=torch.bool), 1) if c["causal"] else None
+            out, _ = m64(q64[q0:q0 + L], k64[k0:k0 + S], v64[k0:k0 + S], attn_mask=causal,
+                         need_weights=False)
+            outs.append(out)
+        q0, k0 = q0 + L, k0 + S
+    return torch.cat(outs)
 
 
 # ---- the seed modules (../shared/seeds/), written out as their sources define them ----------
@@ -695,7 +727,10 @@ def generate(c, out_dir, given_root=None):
     sinks_t = None
     if getattr(m64, "clmha_sinks", None) is not None:
         sinks_t = torch.from_numpy(m64.clmha_sinks).requires_grad_(c["grads"])
-    if softcap or slopes is not None or sinks_t is not None:
+    if c["seq_lens"] is not None:
+        assert not softcap and slopes is None and sinks_t is None and kpm is None and attn is None
+        out_t, w_t = packed_forward(c, m64, q64, k64, v64), None
+    elif softcap or slopes is not None or sinks_t is not None:
         # PyTorch 1.13 has none of them: written out in float64
         assert isinstance(m64, torch.nn.MultiheadAttention)
         out_t, w_t = manual_mha(m64, q64, k64, v64, kpm_in, attn_in, c["need_weights"],
@@ -749,6 +784,10 @@ def generate(c, out_dir, given_root=None):
     flags = []
     if c["causal"]:
         flags.append("--is-causal")
+    if c["seq_lens"] is not None:
+        flags += ["--seq-lens", ",".join(map(str, c["seq_lens"]))]
+    if c["kv_seq_lens"] is not None:
+        flags += ["--kv-seq-lens", ",".join(map(str, c["kv_seq_lens"]))]
     if c["need_weights"]:
         flags.append("--need-weights")
     if c["per_head"]:

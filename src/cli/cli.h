@@ -61,6 +61,20 @@ bool clmha__cli_parse_options(const char *cmd, int argc, char **argv,
 // [0, 2^64). Reports "clmha <cmd>: <flag> '<text>': ..." and returns false for anything else.
 bool clmha__cli_parse_u64(const char *cmd, const char *flag, const char *text, uint64_t *v);
 
+// Sequence lengths of a packed batch (--seq-lens 5,3,7): *lens (malloc'd; the caller frees it)
+// and their number, at most CLMHA__CLI_MAX_SEQS.
+enum { CLMHA__CLI_MAX_SEQS = 1 << 20 };
+typedef struct clmha__cli_lens {
+    size_t *lens;  // NULL: not given
+    size_t count;
+} clmha__cli_lens;
+
+// Parses @p text of option @p flag of command @p cmd (NULL: not given, l->lens NULL): a
+// comma-separated list of decimal integers, each in [0, 2^63). Reports "clmha <cmd>: <flag>
+// '<text>': ..." and returns false for anything else (or out of host memory).
+bool clmha__cli_parse_lens(const char *cmd, const char *flag, const char *text,
+                           clmha__cli_lens *l);
+
 // A sliding window (--window LEFT,RIGHT): query i attends key j only when
 // i - left <= j <= i + right (-1: that side unbounded).
 typedef struct clmha__cli_window {

@@ -159,6 +159,41 @@ bool clmha__cli_parse_window(const char *cmd, const char *text, clmha__cli_windo
     return true;
 }
 
+bool clmha__cli_parse_lens(const char *cmd, const char *flag, const char *text,
+                           clmha__cli_lens *l) {
+    *l = (clmha__cli_lens){0};
+    if (!text) return true;
+    size_t count = 1;
+    for (const char *c = text; *c; ++c) count += *c == ',';
+    if (count > CLMHA__CLI_MAX_SEQS) {
+        clmha__cli_report(cmd, "%s: %zu lengths, more than the %d sequences a call takes here",
+                          flag, count, CLMHA__CLI_MAX_SEQS);
+        return false;
+    }
+    if (!(l->lens = malloc(count * sizeof *l->lens))) {
+        clmha__cli_report(cmd, "%s: out of host memory", flag);
+        return false;
+    }
+    const char *c = text;
+    for (size_t i = 0; i < count; ++i) {
+        char *end = NULL;
+        errno = 0;
+        unsigned long long v = isdigit((unsigned char)*c) ? strtoull(c, &end, 10) : 0;
+        if (!end || errno || v >= (1ull << 63) || (*end != ',' && *end != '\0') ||
+            (i + 1 < count) != (*end == ',')) {
+            clmha__cli_report(cmd, "%s '%s': expected lengths separated by commas, each an "
+                              "integer from 0, such as 5,3,7", flag, text);
+            free(l->lens);
+            l->lens = NULL;
+            return false;
+        }
+        l->lens[i] = (size_t)v;
+        c = end + 1;
+    }
+    l->count = count;
+    return true;
+}
+
 bool clmha__cli_parse_softcap(const char *cmd, const char *text, double *c) {
     *c = 0.0;
     if (!text) return true;

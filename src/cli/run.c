@@ -52,6 +52,13 @@ static const char *const usage_run[] = {
     "  --attn-mask A.npy         (L, S), or (N*num_heads, L, S); unbatched (num_heads, L, S)\n"
     "                            bool/uint8 masks: true (non-zero) = may NOT attend;\n"
     "                            float masks are added to the scores (-inf forbids)\n"
+    "  --seq-lens 5,3,7          a packed batch (PyTorch's NestedTensor): the query is 2-D\n"
+    "                            (T, E), the sequences one after another, T the sum of\n"
+    "                            the lengths; each sequence attends only within itself,\n"
+    "                            and the output (and --grad-output) are (T, E) too. Not\n"
+    "                            with masks, weights, --heatmap or --decode-chunk\n"
+    "  --kv-seq-lens 4,9,2       a packed batch's key/value lengths (key (T_kv, kdim), value\n"
+    "                            (T_kv, vdim)); default: --seq-lens (self-attention)\n"
     "  --is-causal               forbid key j > query i (top-left aligned)\n"
     "  --window LEFT,RIGHT       sliding window: query i attends key j only when\n"
     "                            i-LEFT <= j <= i+RIGHT (-1: that side unbounded; keys of\n"
@@ -233,7 +240,9 @@ static const input_file *input_culprit(const char *msg, const input_file *in, bo
     const input_file *q = &in[IN_QUERY];
     const input_file *k = in[IN_KEY].path ? &in[IN_KEY] : q;
     const input_file *v = in[IN_VALUE].path ? &in[IN_VALUE] : k;
-    if (clmha__cli_starts_with(msg, "query")) return q;
+    if (clmha__cli_starts_with(msg, "query") || strstr(msg, "packed call's query")) return q;
+    if (strstr(msg, "packed call's key")) return k;
+    if (strstr(msg, "packed call's value")) return v;
     if (clmha__cli_starts_with(msg, "key ") && strstr(msg, " and value ")) return v;
     if (clmha__cli_starts_with(msg, "key ")) return k;
     if (clmha__cli_starts_with(msg, "value ")) return v;
@@ -408,6 +417,8 @@ typedef struct run_opts {
     const char *layer_path, *output_path, *weights_path, *device, *grads_dir, *heatmap;
     const char *seed_opt, *offset_opt, *chunk_opt, *dtype_opt, *prefix, *heads_opt;
     const char *batch_first_opt, *impl_opt, *heatmap_batch_opt, *window_opt, *softcap_opt;
+    const char *seq_lens_opt, *kv_seq_lens_opt;
+    clmha__cli_lens seq, kv_seq;  // --seq-lens, --kv-seq-lens (a packed batch)
     input_file in[IN_COUNT];
     bool is_causal, need_weights, per_head, training;
     bool alibi;      // --alibi (adds ALiBi to the layer file's layer)
@@ -455,6 +466,8 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         {.name = "--value", .value = &o->in[IN_VALUE].path},
         {.name = "--key-padding-mask", .value = &o->in[IN_KPM].path},
         {.name = "--attn-mask", .value = &o->in[IN_ATTN].path},
+        {.name = "--seq-lens", .value = &o->seq_lens_opt},
+        {.name = "--kv-seq-lens", .value = &o->kv_seq_lens_opt},
         {.name = "--is-causal", .flag = &o->is_causal},
         {.name = "--window", .value = &o->window_opt},
         {.name = "--softcap", .value = &o->softcap_opt},
@@ -550,6 +563,25 @@ static bool parse_decode_chunk(run_opts *o) {
     return true;
 }
 
+// --seq-lens and --kv-seq-lens, and what a packed batch does not go with. Reports a usage
+// error.
+static bool parse_seq_lens(run_opts *o) {
+    if (!clmha__cli_parse_lens("run", "--seq-lens", o->seq_lens_opt, &o->seq) ||
+        !clmha__cli_parse_lens("run", "--kv-seq-lens", o->kv_seq_lens_opt, &o->kv_seq))
+        return false;
+    const char *why = NULL;
+    if (o->kv_seq_lens_opt && !o->seq_lens_opt)
+        why = "--kv-seq-lens needs --seq-lens (the queries' lengths)";
+    else if (o->kv_seq.lens && o->kv_seq.count != o->seq.count)
+        why = "--seq-lens and --kv-seq-lens must give as many lengths (one per sequence)";
+    else if (o->seq.lens && (o->chunk_opt || o->heatmap))
+        why = o->chunk_opt ? "--seq-lens does not go with --decode-chunk"
+                           : "--seq-lens does not go with --heatmap (a packed call has no "
+                             "weights)";
+    if (why) clmha__cli_report("run", "%s", why);
+    return !why;
+}
+
 // Everything about the options that needs no file. Reports a usage error.
 static bool check_options(run_opts *o) {
     o->named_in[0] = (clmha__cli_in){"--layer", o->layer_path};
@@ -587,7 +619,7 @@ static bool check_options(run_opts *o) {
                           o->dtype_opt, clmha__dtype_name(o->dtype));
         return false;
     }
-    return parse_decode_chunk(o) &&
+    return parse_seq_lens(o) && parse_decode_chunk(o) &&
            grad_options_ok(o->in[IN_GRAD_OUT].path, o->in[IN_GRAD_W].path, o->grads_dir,
                            o->need_weights, o->training, o->seed_opt, o->offset_opt) &&
            clmha__cli_parse_u64("run", "--seed", o->seed_opt, &o->rng.seed) &&
@@ -754,7 +786,9 @@ static bool open_layer(const run_opts *o, run_state *s) {
 static bool build_args(const run_opts *o, run_state *s) {
     const input_file *in = o->in;
     clmha_forward_args *args = &s->args;
-    *args = (clmha_forward_args){.struct_size = sizeof *args, .query = tensor_of(&in[IN_QUERY].a)};
+    *args = (clmha_forward_args){.struct_size = sizeof *args, .query = tensor_of(&in[IN_QUERY].a),
+                                 .seq_lens = o->seq.lens, .kv_seq_lens = o->kv_seq.lens,
+                                 .num_seqs = o->seq.count};
     if (in[IN_KEY].path) args->key = tensor_of(&in[IN_KEY].a);
     if (in[IN_VALUE].path) {
         args->value = tensor_of(&in[IN_VALUE].a);
@@ -764,8 +798,11 @@ static bool build_args(const run_opts *o, run_state *s) {
     if (clmha_layer_output_counts(s->layer, args, NULL, NULL) != CLMHA_SUCCESS) {
         why = clmha_context_last_error(s->ctx);
         const input_file *culprit = input_culprit(why, in, s->desc.batch_first);
-        clmha__cli_report("run", "%s %s: %s", culprit ? culprit->flag : "--layer",
-                          culprit ? culprit->path : o->layer_path, why);
+        if (!culprit && o->seq.lens)  // the lengths against each other
+            clmha__cli_report("run", "--seq-lens %s: %s", o->seq_lens_opt, why);
+        else
+            clmha__cli_report("run", "%s %s: %s", culprit ? culprit->flag : "--layer",
+                              culprit ? culprit->path : o->layer_path, why);
         return false;
     }
     args->key_padding_mask = mask_of(&in[IN_KPM]);
@@ -788,7 +825,11 @@ static bool build_args(const run_opts *o, run_state *s) {
     args->training = o->training;
     args->rng = o->rng;
     if (clmha_layer_output_counts(s->layer, args, &s->y_count, &s->w_count) != CLMHA_SUCCESS) {
-        clmha__cli_report("run", "%s", clmha_context_last_error(s->ctx));
+        if (o->seq.lens)  // (what a packed call does not take)
+            clmha__cli_report("run", "--seq-lens %s: %s", o->seq_lens_opt,
+                              clmha_context_last_error(s->ctx));
+        else
+            clmha__cli_report("run", "%s", clmha_context_last_error(s->ctx));
         return false;
     }
     return true;
@@ -977,8 +1018,13 @@ static void print_summary(const run_opts *o, const run_state *s) {
            d->batch_first ? ", batch_first" : "", window, softcap, d->alibi ? ", alibi" : "",
            d->sinks ? ", sinks" : "", o->mod.source_path ? ", score-mod " : "",
            o->mod.source_path ? o->mod.source_path : "");
-    printf("query:   %s%s\n", clmha__shape_str(sh, sizeof sh, q->ndim, q->shape),
-           q->ndim == 3 ? (d->batch_first ? " (N, L, E)" : " (L, N, E)") : " (L, E) unbatched");
+    if (o->seq.lens)
+        printf("query:   %s (T, E) packed, %zu sequences\n",
+               clmha__shape_str(sh, sizeof sh, q->ndim, q->shape), o->seq.count);
+    else
+        printf("query:   %s%s\n", clmha__shape_str(sh, sizeof sh, q->ndim, q->shape),
+               q->ndim == 3 ? (d->batch_first ? " (N, L, E)" : " (L, N, E)")
+                            : " (L, E) unbatched");
     if (show_y) print_values("output:", (values){s->y, s->y64}, s->y_count, q->ndim, q->shape, "");
     if (show_w)
         print_values("weights:", (values){s->w, s->w64}, s->w_count, s->w_ndim, s->w_shape,
@@ -1020,5 +1066,7 @@ done:
     clmha_context_release(s.ctx);
     for (int i = 0; i < IN_COUNT; ++i) clmha__npy_free(&o.in[i].a);
     clmha__cli_mod_free(&o.mod);
+    free(o.seq.lens);
+    free(o.kv_seq.lens);
     return rc;
 }

@@ -594,11 +594,12 @@ ParameterizedTest(struct cli_param *param, cli, cases) {
         fprintf(stderr, "cli %s grads=%zu grad_maxnorm=%.3e\n", other_what, files, g_err);
     }
     // Through a KV cache, two query rows a call (--decode-chunk 2): the one-shot output again,
-    // for every case without masks, dropout, or is_causal with a key of its own. With a window
-    // or ALiBi, causal self-attention only (the CLI refuses the rest: there the later calls'
+    // for every case without masks, dropout, packed batches, or is_causal with a key of its
+    // own. With a window or ALiBi, causal self-attention only (the CLI refuses the rest: there the later calls'
     // queries would sit at the end of the cache).
     bool causal = flags && strstr(flags, "--is-causal");
-    bool chunks = !(flags && strstr(flags, "--training")) && !file_exists(paths[4]) &&
+    bool packed = flags && strstr(flags, "--seq-lens");  // (the CLI refuses it with a cache)
+    bool chunks = !(flags && strstr(flags, "--training")) && !packed && !file_exists(paths[4]) &&
                   !file_exists(paths[5]) && !(causal && file_exists(paths[2])) &&
                   !((window || alibi) && !causal);
     free(flags);
@@ -1555,6 +1556,47 @@ Test(cli_usage, dtype_f64_refusals) {
     cr_assert_eq(r.status, 2, "stderr: %s", r.err);
     assert_one_line(&r, "clmha bench: --dtype f64: --decode", "float64", "KV cache", NULL);
     cli_free(&r);
+}
+
+// --seq-lens / --kv-seq-lens (a packed batch): malformed lists and what they do not go with
+// are usage errors; lengths that do not fit the files are refused naming the file or the list.
+Test(cli_usage, seq_lens) {
+    EXPECT_USAGE("clmha run: --seq-lens '5,,3': expected lengths", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--seq-lens", "5,,3");
+    EXPECT_USAGE("clmha run: --seq-lens '-1': expected lengths", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--seq-lens", "-1");
+    EXPECT_USAGE("clmha run: --kv-seq-lens '3,x': expected lengths", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--seq-lens", "1,2", "--kv-seq-lens",
+                 "3,x");
+    EXPECT_USAGE("clmha run: --kv-seq-lens needs --seq-lens", "run", "--layer", "l.safetensors",
+                 "--query", "q.npy", "--kv-seq-lens", "3");
+    EXPECT_USAGE("clmha run: --seq-lens and --kv-seq-lens must give as many", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--seq-lens", "1,2", "--kv-seq-lens", "3");
+    EXPECT_USAGE("clmha run: --seq-lens does not go with --decode-chunk", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--seq-lens", "6", "--decode-chunk", "2");
+}
+
+Test(cli_refused, seq_lens) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    write_f32_shape(tmp_file(&d, "t.npy"), 6, 8);  // (T, E) = (6, 8)
+    const char *layer = tmp_file(&d, "layer.safetensors");
+    char q[4096], o[4096];
+    snprintf(q, sizeof q, "%s", tmp_file(&d, "t.npy"));
+    snprintf(o, sizeof o, "%s", tmp_file(&d, "o.npy"));
+    // The lengths sum to 5, the query holds 6 tokens; a 3-D query; queries without keys.
+    EXPECT_REFUSED(&d, 3, "--query", "t.npy", "run", "--layer", layer, "--query", q,
+                   "--seq-lens", "2,3", "--output", o);
+    EXPECT_REFUSED(&d, 3, "--query", "q.npy", "run", "--layer", layer, "--query",
+                   tmp_file(&d, "q.npy"), "--seq-lens", "3,3", "--output", o);
+    EXPECT_REFUSED(&d, 3, "--key", "t.npy", "run", "--layer", layer, "--query", q, "--key", q,
+                   "--value", q, "--seq-lens", "3,3", "--kv-seq-lens", "2,2", "--output", o);
+    EXPECT_REFUSED(&d, 3, "--seq-lens", "3,3", "run", "--layer", layer, "--query", q, "--key",
+                   q, "--value", q, "--seq-lens", "3,3", "--kv-seq-lens", "6,0", "--output", o);
+    // Masks and weights have no per-sequence shape.
+    EXPECT_REFUSED(&d, 3, "--seq-lens", "packed", "run", "--layer", layer, "--query", q,
+                   "--seq-lens", "3,3", "--need-weights", "--output", o);
+    tmp_remove(&d);
 }
 
 Test(cli_usage, dtype) {
