@@ -1,6 +1,7 @@
 """clmha.Layer: one attention layer on NumPy arrays (or pyopencl arrays), its KV cache and its
 saved state for the backward pass."""
 
+import operator
 import threading
 from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
@@ -106,6 +107,23 @@ def _check_array(name: str, a, ranks: Iterable[int]) -> np.ndarray:
     if any(s == 0 for s in a.shape):
         raise ValueError(f"{name} has an empty dimension (shape {a.shape})")
     return a
+
+
+def _lens(name: str, lens):
+    """A packed batch's lengths as a C size_t array (ints >= 0; a 1-D array or a sequence)."""
+    if isinstance(lens, np.ndarray):
+        if lens.ndim != 1 or lens.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be a 1-D integer array or a sequence of ints")
+        lens = lens.tolist()
+    try:
+        values = [operator.index(x) for x in lens]
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints, not {lens!r}") from None
+    if not values:
+        raise ValueError(f"{name} is empty: a packed batch has at least one sequence")
+    if any(x < 0 or x >= 2 ** 63 for x in values):
+        raise ValueError(f"{name} must hold lengths >= 0, not {values}")
+    return ffi.new("size_t[]", values)
 
 
 def _fill_tensor(t, array: np.ndarray, args: _Args) -> None:
@@ -481,9 +499,22 @@ class Layer:
 
     def _fill_args(self, query, key, value, key_padding_mask, attn_mask, is_causal,
                    need_weights, average_attn_weights, training, seed, offset, kv_cache,
-                   kv_append, impl, device: bool) -> _Args:
+                   kv_append, impl, device: bool, seq_lens=None, kv_seq_lens=None) -> _Args:
         args = _Args()
         c = args.c
+        if seq_lens is not None:  # a packed batch: the lengths, kept alive with the call
+            lens = _lens("seq_lens", seq_lens)
+            c.seq_lens, c.num_seqs = lens, len(lens)
+            args.keep.append(lens)
+            if kv_seq_lens is not None:
+                kv = _lens("kv_seq_lens", kv_seq_lens)
+                if len(kv) != len(lens):
+                    raise ValueError(f"kv_seq_lens has {len(kv)} lengths, seq_lens {len(lens)}: "
+                                     "one per sequence")
+                c.kv_seq_lens = kv
+                args.keep.append(kv)
+        elif kv_seq_lens is not None:
+            raise ValueError("kv_seq_lens needs seq_lens (the queries' lengths)")
         if device:
             el = self._device_dtypes()
             fill_device_tensor(c.query, query, args, el)
@@ -557,7 +588,9 @@ class Layer:
                 average_attn_weights: bool = True, training: bool = False, seed: int = 0,
                 offset: int = 0, kv_cache: Optional["KVCache"] = None,
                 kv_append: Optional[Sequence[int]] = None, impl: str = "auto",
-                save: Optional["Saved"] = None, out=None, weights_out=None):
+                save: Optional["Saved"] = None, out=None, weights_out=None,
+                seq_lens: Optional[Sequence[int]] = None,
+                kv_seq_lens: Optional[Sequence[int]] = None):
         """PyTorch's forward on NumPy arrays: returns ``(output, weights or None)`` in PyTorch's
         shapes and layouts.
 
@@ -574,6 +607,11 @@ class Layer:
         new tokens). impl: "auto", "fused" or "unfused". save: a ``Saved`` that keeps what
         ``backward`` needs.
 
+        seq_lens: a packed batch (PyTorch's NestedTensor, FlashAttention's varlen): query (T, E)
+        holds the sequences one after another, T = sum(seq_lens); key and value (T_kv,
+        kdim/vdim) with kv_seq_lens (default: seq_lens); each sequence attends only within
+        itself and the output is (T, E). No masks, weights or KV cache with it.
+
         With pyopencl arrays (on a context from ``Context.from_pyopencl``) the call runs on the
         device buffers: no host copy; it waits for the arrays' events and the results are new
         pyopencl arrays (or ``out``/``weights_out``) carrying the call's event.
@@ -586,7 +624,7 @@ class Layer:
         with self._lock:
             args = self._fill_args(query, key, value, key_padding_mask, attn_mask, is_causal,
                                    need_weights, average_attn_weights, training, seed, offset,
-                                   kv_cache, kv_append, impl, device)
+                                   kv_cache, kv_append, impl, device, seq_lens, kv_seq_lens)
             if save is not None:
                 args.c.save = save._ptr
             (out_count, out_shape), (w_count, w_shape) = self._output_shapes(args)

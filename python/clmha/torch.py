@@ -394,16 +394,53 @@ class MultiheadAttention(nn.MultiheadAttention):
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Optional[Tensor] = None, need_weights: bool = True,
                 attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
-                is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+                is_causal: bool = False, *, seq_lens: Optional[Sequence[int]] = None,
+                kv_seq_lens: Optional[Sequence[int]] = None) -> Tuple[Tensor, Optional[Tensor]]:
         """PyTorch's ``MultiheadAttention.forward``: returns ``(attn_output, attn_weights)``,
         the weights averaged over heads unless ``average_attn_weights=False``, None without
         ``need_weights``. ``is_causal`` with an attn_mask is PyTorch's hint (the mask is used);
-        without one it applies the causal mask itself."""
+        without one it applies the causal mask itself.
+
+        Packed batches (PyTorch's fast path with NestedTensors): query, key and value may be
+        NestedTensors of (L_i, E) and (S_i, kdim/vdim) sequences (``torch.nested``); the output
+        is a NestedTensor of (L_i, E). Or, clmha's own keywords, 2-D tensors packed one sequence
+        after another, ``seq_lens`` (and ``kv_seq_lens``, default ``seq_lens``) their lengths:
+        the output is (T, E). Each sequence attends only within itself, and only its real tokens
+        are computed. As PyTorch's fast path, such a call takes no masks and returns no weights
+        (``need_weights=False``); ``is_causal`` applies per sequence."""
+        if any(getattr(t, "is_nested", False) for t in (query, key, value)):
+            return self._run_nested(query, key, value, key_padding_mask, need_weights,
+                                    attn_mask, is_causal)
         return self._run(query, key, value, key_padding_mask, need_weights, attn_mask,
-                         average_attn_weights, is_causal, None)
+                         average_attn_weights, is_causal, None, seq_lens, kv_seq_lens)
+
+    def _run_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                    is_causal):
+        """NestedTensor inputs: packed (torch.cat of their sequences, which autograd follows),
+        run with their lengths, the output split back into a NestedTensor."""
+        if not all(getattr(t, "is_nested", False) for t in (query, key, value)):
+            raise TypeError("query, key and value must all be NestedTensors, or none")
+        if need_weights or key_padding_mask is not None or attn_mask is not None:
+            raise ValueError("NestedTensor inputs take no key_padding_mask or attn_mask and "
+                             "return no weights: pass need_weights=False (as PyTorch's fast "
+                             "path)")
+        qs = query.unbind()
+        ks = qs if key is query else key.unbind()
+        vs = ks if value is key else value.unbind()
+        if len(ks) != len(qs) or len(vs) != len(qs):
+            raise ValueError(f"query holds {len(qs)} sequences, key {len(ks)}, value "
+                             f"{len(vs)}: they must hold as many")
+        lens = [int(q.shape[0]) for q in qs]
+        kv_lens = [int(k.shape[0]) for k in ks]
+        q = torch.cat(qs)
+        k = q if key is query else torch.cat(ks)
+        v = k if value is key else torch.cat(vs)
+        out, _ = self._run(q, k, v, None, False, None, True, is_causal, None, lens,
+                           None if key is query else kv_lens)
+        return torch.nested.as_nested_tensor(list(out.split(lens))), None
 
     def _run(self, query, key, value, key_padding_mask, need_weights, attn_mask,
-             average_attn_weights, is_causal, attn_mask_wrap):
+             average_attn_weights, is_causal, attn_mask_wrap, seq_lens=None, kv_seq_lens=None):
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
@@ -418,7 +455,12 @@ class MultiheadAttention(nn.MultiheadAttention):
         key_is_value = key is value and self.kdim == self.vdim
         training = self.training and self.dropout > 0
         params = [self._param(n) for n in self._param_names()]
-        if _torch_op is not None and torch.compiler.is_compiling():
+        if seq_lens is None and kv_seq_lens is not None:
+            raise ValueError("kv_seq_lens needs seq_lens (the queries' lengths)")
+        if seq_lens is not None and need_weights:
+            raise ValueError("a packed batch (seq_lens) returns no weights: pass "
+                             "need_weights=False (as PyTorch's fast path)")
+        if _torch_op is not None and torch.compiler.is_compiling() and seq_lens is None:
             # torch.compile: the custom operator keeps clmha in the graph (_torch_op.py). The
             # dropout seed is fixed when the graph is traced.
             masks = [m for m in (key_padding_mask, attn_mask) if m is not None]
@@ -441,6 +483,10 @@ class MultiheadAttention(nn.MultiheadAttention):
                       offset=0)  # the seed is drawn from torch's generator per call
         if attn_mask_wrap is not None:
             kwargs["attn_mask_wrap"] = attn_mask_wrap
+        if seq_lens is not None:
+            kwargs["seq_lens"] = [int(x) for x in seq_lens]
+            if kv_seq_lens is not None:
+                kwargs["kv_seq_lens"] = [int(x) for x in kv_seq_lens]
         call = _Call(self, layer, kwargs, self_attention, key_is_value, bool(need_weights))
         out, weights = _Attention.apply(call, query, key, value, key_padding_mask, attn_mask,
                                         *params)
