@@ -1324,9 +1324,11 @@ typedef struct clmha_forward_args {
     /// attention, every dtype and the backward pass (the call's clmha_saved keeps every
     /// sequence's state) work as there, and the projections run over the T real tokens only.
     /// Refused (masks have no per-sequence shape, the weights none either, as in PyTorch's fast
-    /// path): key_padding_mask, attn_mask, need_weights, kv_cache. A sequence without queries
+    /// path): key_padding_mask, attn_mask, need_weights, kv_append. A sequence without queries
     /// is skipped (nothing to compute); one with queries but no keys is refused (S = 0). With
     /// dropout, sequence i draws its weights as an unbatched call with rng.offset + i * 2^32.
+    /// With kv_cache (num_seqs = the cache's batch), sequence i appends its kv_seq_lens[i]
+    /// keys and values (as kv_append would) and its queries attend over its cached tokens.
     /// NULL: not packed. Added after 0.1.0: zero-initialised, not packed.
     const size_t *seq_lens;
     const size_t *kv_seq_lens;  ///< num_seqs key/value lengths; NULL: seq_lens

@@ -208,6 +208,83 @@ static clmha_status forward_converted(clmha_layer *layer, const clmha_forward_ar
                                       size_t weights_offset, cl_uint num_wait,
                                       const cl_event *wait_list, cl_event *event);
 
+// Rows of a packed tensor (@p feat elements of @p elem bytes per row, the sequences' @p lens
+// rows one after another from element @p packed_off of @p packed) copied to or from (@p back)
+// their places in the padded tensor @p padded (n sequences of @p longest rows, batch first or
+// not), one rectangular copy per sequence.
+static clmha_status pad_rows(clmha_layer *l, cl_mem packed, size_t packed_off, cl_mem padded,
+                             size_t n, size_t longest, size_t feat, size_t elem,
+                             const size_t *lens, bool back) {
+    size_t row = feat * elem, first = 0;
+    bool bf = l->desc.batch_first;
+    for (size_t i = 0; i < n; first += lens[i], ++i) {
+        if (!lens[i]) continue;
+        size_t at_packed[3] = {(packed_off + first * feat) * elem, 0, 0};
+        size_t at_padded[3] = {(bf ? i * longest : i) * row, 0, 0};
+        size_t region[3] = {row, lens[i], 1}, pitch = bf ? row : n * row;
+        cl_int err = clEnqueueCopyBufferRect(
+            l->ctx->queue, back ? padded : packed, back ? packed : padded,
+            back ? at_padded : at_packed, back ? at_packed : at_padded, region,
+            back ? pitch : row, 0, back ? row : pitch, 0, 0, NULL, NULL);
+        if (err) return clmha__cl_fail(l->ctx, err, "clEnqueueCopyBufferRect(packed rows)");
+    }
+    return CLMHA_SUCCESS;
+}
+
+// Packed tensor @p t (@p feat elements a row) as padded slot @p slot, (n, longest, feat) in the
+// layer's order, zeros where no sequence has rows; @p t then points at it.
+static clmha_status pad_input(clmha_layer *l, int slot, const char *what, clmha_tensor *t,
+                              size_t n, size_t longest, size_t feat, const size_t *lens) {
+    size_t elem = clmha__dtype_size(l->desc.dtype), count = n * longest * feat, zero = 0;
+    clmha_status st = clmha__grow_buffer(l->ctx, &l->staged[slot], &l->staged_caps[slot],
+                                         (count * elem + 3) / 4, what);
+    if (st) return st;
+    cl_int err = clEnqueueFillBuffer(l->ctx->queue, l->staged[slot], &zero, elem, 0,
+                                     count * elem, 0, NULL, NULL);
+    if (err) return clmha__cl_fail(l->ctx, err, "clEnqueueFillBuffer(padded input)");
+    if ((st = pad_rows(l, t->buffer, t->offset, l->staged[slot], n, longest, feat, elem, lens,
+                       false)))
+        return st;
+    bool bf = l->desc.batch_first;
+    *t = (clmha_tensor){.ndim = 3, .shape = {bf ? n : longest, bf ? longest : n, feat},
+                        .buffer = l->staged[slot]};
+    return CLMHA_SUCCESS;
+}
+
+// A packed call through a KV cache: one batched call on copies padded to the longest sequence,
+// each sequence appending its own kv_seq_lens keys (kv_append), the output rows of its real
+// queries copied back. The decode core's work is per sequence's cached and new tokens anyway.
+static clmha_status forward_packed_cached(clmha_layer *l, const clmha_forward_args *args,
+                                          const clmha__dims *d, cl_mem output,
+                                          size_t output_offset, cl_uint num_wait,
+                                          const cl_event *wait_list, cl_event *event) {
+    size_t elem = clmha__dtype_size(l->desc.dtype), n = d->n;
+    size_t kd = l->desc.kdim ? l->desc.kdim : d->e, vd = l->desc.vdim ? l->desc.vdim : d->e;
+    clmha_forward_args pad = *args;
+    pad.seq_lens = pad.kv_seq_lens = NULL, pad.num_seqs = 0;
+    pad.kv_append = args->kv_attend_only ? NULL : d->kv_seq_lens;
+    clmha_status st;
+    size_t out_floats = (n * d->l * d->e * elem + 3) / 4;
+    if ((st = clmha__enqueue_wait(l->ctx, num_wait, wait_list)) ||
+        (st = pad_input(l, CLMHA__STAGED_PAD_QUERY, "padded query", &pad.query, n, d->l, d->e,
+                        d->seq_lens)) ||
+        (args->key.ndim &&
+         (st = pad_input(l, CLMHA__STAGED_PAD_KEY, "padded key", &pad.key, n, d->s, kd,
+                         d->kv_seq_lens))) ||
+        (args->value.ndim &&
+         (st = pad_input(l, CLMHA__STAGED_PAD_VALUE, "padded value", &pad.value, n, d->s, vd,
+                         d->kv_seq_lens))) ||
+        (st = clmha__grow_buffer(l->ctx, &l->staged[CLMHA__STAGED_PAD_OUTPUT],
+                                 &l->staged_caps[CLMHA__STAGED_PAD_OUTPUT], out_floats,
+                                 "padded output")) ||
+        (st = clmha_layer_forward(l, &pad, l->staged[CLMHA__STAGED_PAD_OUTPUT], 0, NULL, 0, 0,
+                                  NULL, NULL)) ||
+        (st = pad_rows(l, output, output_offset, l->staged[CLMHA__STAGED_PAD_OUTPUT], n, d->l,
+                       d->e, elem, d->seq_lens, true)))
+        return st;
+    return clmha__enqueue_event(l->ctx, event);
+}
+
 // A packed variable-length batch (clmha_forward_args::seq_lens): checked as one call (the
 // packed tensors' sizes, the output's, the aliasing), then run as one unbatched call per
 // sequence on its rows of the packed query, key, value and output (layer/packed.h), one after
@@ -226,6 +303,9 @@ static clmha_status forward_packed(clmha_layer *layer, const clmha_forward_args 
         (st = clmha__forward_check_results(layer, args, &d, output, output_offset, NULL, 0,
                                            elem)))
         return st;
+    if (args->kv_cache)  // one padded call (the cache's sequences are the call's)
+        return forward_packed_cached(layer, args, &d, output, output_offset, num_wait,
+                                     wait_list, event);
     if (args->save && (st = clmha__saved_packed_prepare(args->save, layer, &d))) return st;
     if ((st = clmha__enqueue_wait(layer->ctx, num_wait, wait_list))) return st;
     clmha__packed_at at = {0, 0};

@@ -22,7 +22,7 @@
 enum { CLMHA__TILE_Q, CLMHA__TILE_K, CLMHA__TILE_V, CLMHA__TILE_OUT, CLMHA__TILE_COUNT };
 
 // The float32 copies a 16-bit layer's device forward call makes of its tensors
-// (src/forward/convert.c).
+// (src/forward/convert.c), and the padded copies of a packed call through a KV cache.
 enum {
     CLMHA__STAGED_QUERY,
     CLMHA__STAGED_KEY,
@@ -31,6 +31,12 @@ enum {
     CLMHA__STAGED_ATTN,
     CLMHA__STAGED_OUTPUT,
     CLMHA__STAGED_WEIGHTS,
+    // A packed call through a KV cache (src/forward/forward.c): its query, key, value and
+    // output padded to the longest sequence, in the layer's dtype.
+    CLMHA__STAGED_PAD_QUERY,
+    CLMHA__STAGED_PAD_KEY,
+    CLMHA__STAGED_PAD_VALUE,
+    CLMHA__STAGED_PAD_OUTPUT,
     CLMHA__STAGED_COUNT
 };
 

@@ -251,7 +251,8 @@ static clmha_status resolve_packed(const clmha_layer_desc *desc, const clmha_for
     const char *no = args->key_padding_mask.kind ? "key_padding_mask (the lengths say it)"
                      : args->attn_mask.kind      ? "attn_mask (it has no per-sequence shape)"
                      : args->need_weights        ? "need_weights (as PyTorch's fast path)"
-                     : args->kv_cache            ? "kv_cache"
+                     : args->kv_append           ? "kv_append (kv_seq_lens says how many keys "
+                                                   "each sequence appends)"
                                                  : NULL;
     if (no)
         return clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,

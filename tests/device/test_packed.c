@@ -378,7 +378,7 @@ Test(packed, refusals) {
         clmha_forward_args a;
     } bad[16];
     size_t k = 0;
-    for (size_t i = 0; i < 10; ++i) bad[i].a = p.args;
+    for (size_t i = 0; i < 16; ++i) bad[i].a = p.args;
     bad[k].what = "key_padding_mask", bad[k].want = CLMHA_UNSUPPORTED;
     bad[k].a.key_padding_mask = (clmha_mask){.kind = CLMHA_MASK_BOOL_IGNORE,
                                              .tensor = {.ndim = 2, .shape = {3, 4}, .data = mask}};
@@ -400,6 +400,9 @@ Test(packed, refusals) {
     bad[k].a.seq_lens = empty, ++k;
     bad[k].what = "kv_seq_lens without seq_lens", bad[k].want = CLMHA_INVALID_ARGUMENT;
     bad[k].a.seq_lens = NULL, ++k;
+    static const size_t counts[3] = {1, 1, 1};
+    bad[k].what = "kv_append", bad[k].want = CLMHA_UNSUPPORTED;
+    bad[k].a.kv_append = counts, ++k;
     bad[k].what = "a 3-D query", bad[k].want = CLMHA_SHAPE_MISMATCH;
     bad[k].a.query.ndim = 3, bad[k].a.query.shape[2] = p.in.c.e, bad[k].a.query.shape[1] = 1;
     ++k;
@@ -416,4 +419,123 @@ Test(packed, refusals) {
     free(out), free(w);
     clmha_layer_release(layer);
     instance_free(&p.in);
+}
+
+// A KV cache filled and extended by packed calls (each sequence appending its own tokens):
+// a causal packed prefill of the first tokens of each sequence, then packed steps of one token
+// for each sequence that has tokens left (0 for those that are done). Every output row against
+// the reference's one-shot packed causal call over the whole sequences; float32 and bfloat16
+// (the bfloat16 layer against the reference on its rounded inputs: a bfloat16 tolerance), and
+// grouped-query attention.
+static void cached(clmha_context *ctx, clmha_dtype dtype, size_t kv_heads, double tol) {
+    pcase pc = {.name = "cached", .c = base(9), .n = 3, .q = {7, 3, 12}};
+    pc.c.self_attn = pc.c.is_causal = true;
+    pc.c.h = 4, pc.c.kv_heads = kv_heads;
+    packed p;
+    packed_make(&p, &pc);
+    instance *in = &p.in;
+    size_t e = in->c.e, count = p.t * e;
+    double *want = calloc(count, sizeof(double));
+    char msg[512];
+    cr_assert_eq(clmha_reference_forward(&in->desc, &in->params, &p.args, want, count, NULL, 0,
+                                         msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    in->desc.dtype = dtype;
+    clmha_layer *layer = instance_layer(ctx, in);
+    clmha_kv_cache *cache = NULL;
+    cr_assert_eq(clmha_kv_cache_create(&cache, layer, pc.n, 16), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    const size_t first[3] = {4, 1, 9}, start[3] = {0, 7, 10};
+    float *q = alloc_floats(count), *out = alloc_floats(count), *got = alloc_floats(count);
+    size_t done[3] = {0, 0, 0}, calls = 0;
+    for (bool more = true; more; ++calls) {  // prefill, then one token a step
+        size_t lens[3], rows = 0;
+        for (size_t i = 0; i < 3; ++i) {
+            lens[i] = calls == 0 ? first[i] : done[i] < pc.q[i] ? 1 : 0;
+            memcpy(q + rows * e, in->query + (start[i] + done[i]) * e, lens[i] * e * 4);
+            rows += lens[i];
+        }
+        clmha_forward_args a = p.args;
+        a.query = (clmha_tensor){.ndim = 2, .shape = {rows, e}, .data = q};
+        a.seq_lens = lens, a.kv_cache = cache;
+        cr_assert_eq(clmha_layer_forward_host(layer, &a, out, rows * e, NULL, 0), CLMHA_SUCCESS,
+                     "call %zu: %s", calls, clmha_context_last_error(ctx));
+        rows = 0, more = false;
+        for (size_t i = 0; i < 3; ++i) {
+            memcpy(got + (start[i] + done[i]) * e, out + rows * e, lens[i] * e * 4);
+            rows += lens[i], done[i] += lens[i];
+            more = more || done[i] < pc.q[i];
+        }
+    }
+    double err = max_rel(got, want, count);
+    cr_expect_leq(err, tol, "dtype %d, kv_heads %zu: max rel err %.3g", (int)dtype, kv_heads,
+                  err);
+    fprintf(stderr, "packed through a KV cache (dtype %d, kv_heads %zu, %zu calls): max rel "
+            "err %.2e\n", (int)dtype, kv_heads, calls, err);
+    clmha_kv_cache_release(cache);
+    clmha_layer_release(layer);
+    free(q), free(out), free(got), free(want);
+    instance_free(in);
+}
+
+Test(packed, through_a_kv_cache) {
+    clmha_context *ctx = context_or_skip();
+    cached(ctx, CLMHA_DTYPE_F32, 0, TOLERANCE);
+    cached(ctx, CLMHA_DTYPE_F32, 2, TOLERANCE);
+    cached(ctx, CLMHA_DTYPE_BF16, 1, 4e-2);
+}
+
+// Cross-attention through a KV cache: a packed call appends each sequence's keys and values
+// (kv_seq_lens) with its first queries, a packed kv_attend_only call brings the rest of the
+// queries; against the reference's one-shot packed call.
+Test(packed, cross_attention_through_a_kv_cache) {
+    clmha_context *ctx = context_or_skip();
+    pcase pc = {.name = "cached_cross", .c = base(10), .n = 3, .q = {3, 2, 5}, .k = {4, 6, 2}};
+    pc.c.kdim = 6, pc.c.vdim = 10;
+    packed p;
+    packed_make(&p, &pc);
+    instance *in = &p.in;
+    size_t e = in->c.e, count = p.t * e;
+    double *want = calloc(count, sizeof(double));
+    char msg[512];
+    cr_assert_eq(clmha_reference_forward(&in->desc, &in->params, &p.args, want, count, NULL, 0,
+                                         msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    clmha_layer *layer = instance_layer(ctx, in);
+    clmha_kv_cache *cache = NULL;
+    cr_assert_eq(clmha_kv_cache_create(&cache, layer, pc.n, 8), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    const size_t a_lens[3] = {1, 0, 3}, b_lens[3] = {2, 2, 2}, start[3] = {0, 3, 5};
+    float *q = alloc_floats(count), *out = alloc_floats(count), *got = alloc_floats(count);
+    for (int call = 0; call < 2; ++call) {
+        const size_t *lens = call ? b_lens : a_lens;
+        size_t rows = 0;
+        for (size_t i = 0; i < 3; ++i) {
+            memcpy(q + rows * e, in->query + (start[i] + (call ? a_lens[i] : 0)) * e,
+                   lens[i] * e * 4);
+            rows += lens[i];
+        }
+        clmha_forward_args a = p.args;
+        a.query = (clmha_tensor){.ndim = 2, .shape = {rows, e}, .data = q};
+        a.seq_lens = lens, a.kv_cache = cache;
+        if (call) {  // the queries alone, over the cached keys
+            a.key = a.value = (clmha_tensor){0};
+            a.kv_seq_lens = NULL, a.kv_attend_only = true;
+        }
+        cr_assert_eq(clmha_layer_forward_host(layer, &a, out, rows * e, NULL, 0), CLMHA_SUCCESS,
+                     "call %d: %s", call, clmha_context_last_error(ctx));
+        rows = 0;
+        for (size_t i = 0; i < 3; ++i) {
+            memcpy(got + (start[i] + (call ? a_lens[i] : 0)) * e, out + rows * e,
+                   lens[i] * e * 4);
+            rows += lens[i];
+        }
+    }
+    double err = max_rel(got, want, count);
+    cr_expect_leq(err, TOLERANCE, "max rel err %.3g", err);
+    fprintf(stderr, "packed cross-attention through a KV cache: max rel err %.2e\n", err);
+    clmha_kv_cache_release(cache);
+    clmha_layer_release(layer);
+    free(q), free(out), free(got), free(want);
+    instance_free(in);
 }
