@@ -401,8 +401,10 @@ Test(packed, refusals) {
     bad[k].what = "kv_seq_lens without seq_lens", bad[k].want = CLMHA_INVALID_ARGUMENT;
     bad[k].a.seq_lens = NULL, ++k;
     static const size_t counts[3] = {1, 1, 1};
+    clmha_kv_cache *cache = NULL;
+    cr_assert_eq(clmha_kv_cache_create(&cache, layer, 3, 8), CLMHA_SUCCESS);
     bad[k].what = "kv_append", bad[k].want = CLMHA_UNSUPPORTED;
-    bad[k].a.kv_append = counts, ++k;
+    bad[k].a.kv_append = counts, bad[k].a.kv_cache = cache, ++k;
     bad[k].what = "a 3-D query", bad[k].want = CLMHA_SHAPE_MISMATCH;
     bad[k].a.query.ndim = 3, bad[k].a.query.shape[2] = p.in.c.e, bad[k].a.query.shape[1] = 1;
     ++k;
@@ -417,6 +419,7 @@ Test(packed, refusals) {
     cr_expect_eq(clmha_layer_attend(layer, &a, false, NULL, 0, NULL, 0, 0, NULL, NULL),
                  CLMHA_UNSUPPORTED, "%s", clmha_context_last_error(ctx));
     free(out), free(w);
+    clmha_kv_cache_release(cache);
     clmha_layer_release(layer);
     instance_free(&p.in);
 }
