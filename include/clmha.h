@@ -1830,6 +1830,20 @@ typedef struct clmha_attention_args {
     /// See @ref host_score_mod.
     clmha_host_score_fn host_score_mod, host_score_mod_grad;
     clmha_host_mask_fn host_mask_mod;
+    /// A packed variable-length batch (FlashAttention's flash_attn_varlen_func): @ref num_seqs
+    /// sequences one after another, query (T, H, D), key (T_kv, H_kv, D) and value
+    /// (T_kv, H_kv, D_v), the output (T, H, D_v), whatever @ref layout says; T the sum of
+    /// seq_lens, T_kv of kv_seq_lens (NULL: seq_lens). Each sequence attends only within
+    /// itself, as a one-sequence call of its own would (is_causal, windows, ALiBi, sinks, user
+    /// functions, dropout: sequence i draws as such a call with rng.offset + i * 2^32). The
+    /// log-sum-exp rows (H·T floats) come as each sequence's (H, L_i) block from H·t_i, t_i its
+    /// first token. Refused: attn_mask, weights, kv_cache. A sequence without queries is
+    /// skipped (its keys' gradients are zero); one with queries but no keys is refused. The
+    /// backward sums the sinks' gradient over the sequences. NULL: not packed. Added after
+    /// 0.1.0: zero-initialised.
+    const size_t *seq_lens;
+    const size_t *kv_seq_lens;  ///< num_seqs key/value lengths; NULL: seq_lens
+    size_t num_seqs;            ///< the sequences of a packed call (at least 1)
 } clmha_attention_args;
 
 /// Element counts of the results of a clmha_attention_forward() call of @p args. Validates the

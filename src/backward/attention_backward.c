@@ -216,15 +216,17 @@ static clmha_status unstage_kv(clmha_layer *l, const clmha__attention_dims *d, c
     return reduce(l, d, tile, out, out_off);
 }
 
+// @p sinks_add: the sinks' gradient is added to grad_sinks (a packed call's later sequences).
 static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args *b,
                             const clmha_attention_args *a, const clmha__attention_dims *d,
-                            cl_uint num_wait, const cl_event *wait_list, cl_event *event);
+                            bool sinks_add, cl_uint num_wait, const cl_event *wait_list,
+                            cl_event *event);
 
 // D_v ≠ D: the backward on copies padded to D' (src/forward/attention_pad.c): query, key,
 // value, output and its gradient widened, the gradients cut back to D, D and D_v.
 static clmha_status enqueue_padded(clmha_layer *l, const clmha_attention_backward_args *b,
                                    const clmha_attention_args *a, const clmha__attention_dims *d,
-                                   cl_uint num_wait, const cl_event *wait_list,
+                                   bool sinks_add, cl_uint num_wait, const cl_event *wait_list,
                                    cl_event *event) {
     int slot = CLMHA__ATTENTION_PAD_SLOT;
     size_t w = clmha__attention_width(d), dk = d->core.d, dv = d->dv;
@@ -251,7 +253,7 @@ static clmha_status enqueue_padded(clmha_layer *l, const clmha_attention_backwar
                                         out_rows, 0, NULL)) ||
         (st = clmha__attention_pad_rows(l, b->grad_output, b->grad_output_offset, dv,
                                         pb.grad_output, 0, w, out_rows, 0, NULL)) ||
-        (st = enqueue(l, &pb, &p, &pd, 0, NULL, NULL)) ||
+        (st = enqueue(l, &pb, &p, &pd, sinks_add, 0, NULL, NULL)) ||
         (st = clmha__attention_pad_rows(l, pb.grad_query, 0, w, b->grad_query,
                                         b->grad_query_offset, dk, rows[2], 0, NULL)) ||
         (st = clmha__attention_pad_rows(l, pb.grad_key, 0, w, b->grad_key, b->grad_key_offset,
@@ -262,10 +264,65 @@ static clmha_status enqueue_padded(clmha_layer *l, const clmha_attention_backwar
     return clmha__enqueue_event(l->ctx, event);
 }
 
+// Zeros @p count floats of gradient @p buf from @p offset (keys that no query of a packed
+// call sees).
+static clmha_status zero_grad(clmha_layer *l, cl_mem buf, size_t offset, size_t count) {
+    float zero = 0.0f;
+    cl_int err = count ? clEnqueueFillBuffer(l->ctx->queue, buf, &zero, sizeof zero,
+                                             offset * sizeof zero, count * sizeof zero, 0, NULL,
+                                             NULL)
+                       : CL_SUCCESS;
+    return err ? clmha__cl_fail(l->ctx, err, "clEnqueueFillBuffer(gradient rows)")
+               : CLMHA_SUCCESS;
+}
+
+// A packed call (the forward in src/forward/attention.c): one backward call per sequence on
+// its rows of the output, the log-sum-exp blocks and the gradients; the sinks' gradient summed
+// over the sequences; the keys of a sequence without queries get zero gradients.
+static clmha_status enqueue_packed(clmha_layer *l, const clmha_attention_backward_args *b,
+                                   const clmha_attention_args *a, const clmha__attention_dims *d,
+                                   cl_uint num_wait, const cl_event *wait_list,
+                                   cl_event *event) {
+    const clmha__dims *c = &d->core;
+    size_t h = c->h, kvh = c->kvh, dk = c->d, dv = d->dv, q0 = 0, k0 = 0;
+    bool first = true;
+    char msg[512];
+    clmha_status st;
+    if ((st = clmha__enqueue_wait(l->ctx, num_wait, wait_list))) return st;
+    for (size_t i = 0; i < c->n; q0 += c->seq_lens[i], k0 += c->kv_seq_lens[i], ++i) {
+        size_t kr = c->kv_seq_lens[i];
+        if (!c->seq_lens[i]) {
+            if ((st = zero_grad(l, b->grad_key, b->grad_key_offset + k0 * kvh * dk,
+                                kr * kvh * dk)) ||
+                (st = zero_grad(l, b->grad_value, b->grad_value_offset + k0 * kvh * dv,
+                                kr * kvh * dv)))
+                return st;
+            continue;
+        }
+        clmha_attention_args sub;
+        clmha__attention_dims sd;
+        clmha__attention_packed_args(d, a, i, q0, k0, &sub);
+        if ((st = clmha__attention_resolve(&sub, &sd, msg, sizeof msg)))
+            return clmha__fail(l->ctx, st, "sequence %zu: %s", i, msg);
+        clmha_attention_backward_args sb = *b;
+        sb.forward = &sub;
+        sb.output_offset += q0 * h * dv, sb.grad_output_offset += q0 * h * dv;
+        sb.lse_offset += q0 * h;
+        sb.grad_query_offset += q0 * h * dk;
+        sb.grad_key_offset += k0 * kvh * dk, sb.grad_value_offset += k0 * kvh * dv;
+        if ((st = enqueue(l, &sb, &sub, &sd, !first, 0, NULL, NULL))) return st;
+        first = false;
+    }
+    return clmha__enqueue_event(l->ctx, event);
+}
+
 static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args *b,
                             const clmha_attention_args *a, const clmha__attention_dims *d,
-                            cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
-    if (d->dv != d->core.d) return enqueue_padded(l, b, a, d, num_wait, wait_list, event);
+                            bool sinks_add, cl_uint num_wait, const cl_event *wait_list,
+                            cl_event *event) {
+    if (d->core.packed) return enqueue_packed(l, b, a, d, num_wait, wait_list, event);
+    if (d->dv != d->core.d)
+        return enqueue_padded(l, b, a, d, sinks_add, num_wait, wait_list, event);
     clmha_context *ctx = l->ctx;
     clmha_forward_args f = clmha__attention_core_args(l, a, d);
     size_t h = d->core.h, ln = d->core.l;
@@ -312,7 +369,7 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
          ((st = state_of(l, &s)) ||
           (st = clmha__sinks_grad(l, &s->sinks_grad, call.o, call.d_o, call.lse, 0, NULL,
                                   a->sinks.buffer, a->sinks.offset, b->grad_sinks,
-                                  b->grad_sinks_offset, false, d->core.n, ln)))) ||
+                                  b->grad_sinks_offset, sinks_add, d->core.n, ln)))) ||
         (st = clmha__attention_unstage(l, d, call.dq, h, ln, b->grad_query, b->grad_query_offset)) ||
         (st = unstage_kv(l, d, call.dk, b->grad_key, b->grad_key_offset)) ||
         (st = unstage_kv(l, d, call.dv, b->grad_value, b->grad_value_offset)))
@@ -374,7 +431,7 @@ clmha_status clmha_attention_backward(clmha_context *ctx,
         (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d),
                                      &l)))
         return st;
-    st = enqueue(l, &b, &a, &d, num_wait, wait_list, event);
+    st = enqueue(l, &b, &a, &d, false, num_wait, wait_list, event);
     clmha__attention_unlock(ctx);
     return st;
 }
@@ -482,7 +539,7 @@ clmha_status clmha_attention_backward_host(clmha_context *ctx, const clmha_atten
     clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &a};
     float *const dst[4] = {grad_query, grad_key, grad_value, grad_attn_mask};
     if ((st = host_prepare(l, &a, &d, grad_output, grad_attn_mask != NULL, &b)) ||
-        (st = enqueue(l, &b, &a, &d, 0, NULL, NULL)) ||
+        (st = enqueue(l, &b, &a, &d, false, 0, NULL, NULL)) ||
         (st = host_download(ctx, &b, &d, dst)))
         clmha__host_drop(l);
     clmha__attention_unlock(ctx);

@@ -147,10 +147,41 @@ static clmha_status enqueue_padded(clmha_layer *l, const clmha_attention_args *a
     return clmha__enqueue_event(l->ctx, event);
 }
 
+// A packed call (clmha_attention_args::seq_lens): one call per sequence on its rows of the
+// packed tensors (clmha__attention_packed_args()), one after another on the queue; the
+// log-sum-exp rows of sequence i go to its (H, L_i) block from H·t_i.
+static clmha_status enqueue_packed(clmha_layer *l, const clmha_attention_args *a,
+                                   const clmha__attention_dims *d, const clmha__attention_out *o,
+                                   cl_uint num_wait, const cl_event *wait_list,
+                                   cl_event *event) {
+    if (o->weights)
+        return clmha__fail(l->ctx, CLMHA_UNSUPPORTED,
+                           "a packed call (seq_lens) returns no attention weights");
+    clmha_status st;
+    char msg[512];
+    if ((st = clmha__enqueue_wait(l->ctx, num_wait, wait_list))) return st;
+    size_t q0 = 0, k0 = 0, h = d->core.h;
+    for (size_t i = 0; i < d->core.n; q0 += d->core.seq_lens[i], k0 += d->core.kv_seq_lens[i],
+                ++i) {
+        if (!d->core.seq_lens[i]) continue;
+        clmha_attention_args sub;
+        clmha__attention_dims sd;
+        clmha__attention_packed_args(d, a, i, q0, k0, &sub);
+        if ((st = clmha__attention_resolve(&sub, &sd, msg, sizeof msg)))
+            return clmha__fail(l->ctx, st, "sequence %zu: %s", i, msg);
+        clmha__attention_out so = {.output = o->output, .lse = o->lse,
+                                   .output_offset = o->output_offset + q0 * h * d->dv,
+                                   .lse_offset = o->lse_offset + q0 * h};
+        if ((st = clmha__attention_enqueue(l, &sub, &sd, &so, 0, NULL, NULL))) return st;
+    }
+    return clmha__enqueue_event(l->ctx, event);
+}
+
 clmha_status clmha__attention_enqueue(clmha_layer *l, const clmha_attention_args *a,
                                       const clmha__attention_dims *d,
                                       const clmha__attention_out *o, cl_uint num_wait,
                                       const cl_event *wait_list, cl_event *event) {
+    if (d->core.packed) return enqueue_packed(l, a, d, o, num_wait, wait_list, event);
     if (a->kv_cache) return clmha__attention_kv_enqueue(l, a, d, o, num_wait, wait_list, event);
     if (d->dv != d->core.d) return enqueue_padded(l, a, d, o, num_wait, wait_list, event);
     clmha_context *ctx = l->ctx;

@@ -183,11 +183,102 @@ static bool counts(const size_t q[4], const size_t k[4], const size_t v[4],
            product(e, 2, &d->core.e);
 }
 
-clmha_status clmha__attention_resolve(const clmha_attention_args *args, clmha__attention_dims *d,
-                                      char *msg, size_t msg_size) {
+// A packed call's (T, heads, feat) tensor @p t: its shape, checked against @p tokens.
+static clmha_status packed_tensor(const char *name, const clmha_tensor *t, size_t tokens,
+                                  const char *lens, char *msg, size_t msg_size) {
+    char shape[96];
+    if (t->ndim != 3 || t->shape[0] != tokens || !t->shape[1] || !t->shape[2])
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "a packed call's %s must be 3-D (T, heads, D) with T = %zu, the sum of "
+                          "%s; got %s",
+                          name, tokens, lens, clmha__shape_str(shape, sizeof shape, t->ndim,
+                                                               t->shape));
+    return CLMHA_SUCCESS;
+}
+
+// A packed call (args->seq_lens): the lengths, the (T, H, D) tensors read as one (1, T, H, D)
+// call of the NLHD layout for the shared checks (*a, a copy of the caller's), and what it
+// refuses.
+static clmha_status resolve_packed(const clmha_attention_args *args, clmha_attention_args *a,
+                                   clmha__dims *c, char *msg, size_t msg_size) {
+    const char *no = args->attn_mask.kind ? "attn_mask (it has no per-sequence shape)"
+                     : args->kv_cache     ? "kv_cache"
+                                          : NULL;
+    if (no)
+        return clmha__msg(msg, msg_size, CLMHA_UNSUPPORTED,
+                          "a packed call (seq_lens) does not take %s", no);
+    if (!args->num_seqs)
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "seq_lens is set but num_seqs is 0");
+    c->packed = true;
+    c->seq_lens = args->seq_lens;
+    c->kv_seq_lens = args->kv_seq_lens ? args->kv_seq_lens : args->seq_lens;
+    size_t lq = 0, lk = 0;
+    for (size_t i = 0; i < args->num_seqs; ++i) {
+        size_t x = c->seq_lens[i], y = c->kv_seq_lens[i];
+        if (x > SIZE_MAX - c->t_q || y > SIZE_MAX - c->t_kv)
+            return clmha__msg(msg, msg_size, CLMHA_SIZE_OVERFLOW, "the sequence lengths overflow");
+        if (x && !y)
+            return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                              "sequence %zu of the packed call has %zu queries but no keys "
+                              "(kv_seq_lens[%zu] = 0)", i, x, i);
+        c->t_q += x, c->t_kv += y;
+        lq = x > lq ? x : lq, lk = y > lk ? y : lk;
+    }
+    if (!c->t_q)
+        return clmha__msg(msg, msg_size, CLMHA_SHAPE_MISMATCH,
+                          "a packed call needs at least one query: every seq_lens is 0");
+    clmha_status st;
+    if ((st = packed_tensor("query", &args->query, c->t_q, "seq_lens", msg, msg_size)) ||
+        (st = packed_tensor("key", &args->key, c->t_kv, "kv_seq_lens", msg, msg_size)) ||
+        (st = packed_tensor("value", &args->value, c->t_kv, "kv_seq_lens", msg, msg_size)))
+        return st;
+    *a = *args;
+    a->layout = CLMHA_LAYOUT_NLHD;
+    clmha_tensor *t[3] = {&a->query, &a->key, &a->value};
+    for (int i = 0; i < 3; ++i) {  // (T, heads, D) as (1, T, heads, D)
+        t[i]->ndim = 4;
+        memmove(t[i]->shape + 1, t[i]->shape, 3 * sizeof *t[i]->shape);
+        t[i]->shape[0] = 1;
+    }
+    c->n = args->num_seqs, c->l = lq, c->s = lk;
+    return CLMHA_SUCCESS;
+}
+
+void clmha__attention_packed_args(const clmha__attention_dims *d, const clmha_attention_args *a,
+                                  size_t i, size_t q0, size_t k0, clmha_attention_args *sub) {
+    const clmha__dims *c = &d->core;
+    *sub = *a;
+    sub->seq_lens = sub->kv_seq_lens = NULL;
+    sub->num_seqs = 0;
+    sub->layout = CLMHA_LAYOUT_NLHD;
+    sub->rng.offset += (uint64_t)i << 32;
+    clmha_tensor *t[3] = {&sub->query, &sub->key, &sub->value};
+    size_t rows[3] = {c->seq_lens[i], c->kv_seq_lens[i], c->kv_seq_lens[i]};
+    size_t first[3] = {q0, k0, k0};
+    for (int j = 0; j < 3; ++j) {
+        size_t heads = t[j]->shape[1], feat = t[j]->shape[2], skip = first[j] * heads * feat;
+        *t[j] = (clmha_tensor){.ndim = 4, .shape = {1, rows[j], heads, feat},
+                               .buffer = t[j]->buffer, .offset = t[j]->offset + skip,
+                               .data = t[j]->data ? (const float *)t[j]->data + skip : NULL};
+    }
+}
+
+clmha_status clmha__attention_resolve(const clmha_attention_args *args_in,
+                                      clmha__attention_dims *d, char *msg, size_t msg_size) {
     memset(d, 0, sizeof *d);
     size_t q[4], k[4], v[4];
     clmha_status st;
+    clmha_attention_args packed;
+    const clmha_attention_args *args = args_in;
+    if (args_in->seq_lens) {
+        if ((st = resolve_packed(args_in, &packed, &d->core, msg, msg_size))) return st;
+        args = &packed;
+    } else if (args_in->kv_seq_lens || args_in->num_seqs) {
+        return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
+                          "%s is set but seq_lens is NULL: only a packed call takes it",
+                          args_in->kv_seq_lens ? "kv_seq_lens" : "num_seqs");
+    }
     if ((st = check_options(args, msg, msg_size)) ||
         (st = check_tensors(args, q, k, v, msg, msg_size)))
         return st;
@@ -197,7 +288,12 @@ clmha_status clmha__attention_resolve(const clmha_attention_args *args, clmha__a
     clmha__dims *c = &d->core;
     c->batched = args->query.ndim == 4;
     c->batch_first = true;
-    c->n = q[N_], c->l = q[T_], c->s = c->s_padded = k[T_];
+    if (c->packed) {  // the weights have no packed shape; N, L, S the sequences'
+        d->weights_count = 0;
+        c->s_padded = c->s;
+    } else {
+        c->n = q[N_], c->l = q[T_], c->s = c->s_padded = k[T_];
+    }
     c->h = q[H_], c->d = q[F_], c->kvh = k[H_];
     c->kdim = c->vdim = c->e;
     c->query_count = d->query_count, c->key_count = d->key_count;

@@ -28,7 +28,19 @@ typedef struct clmha__attention_dims {
     clmha_mask attn;
     size_t query_count, key_count, value_count, mask_count;  // elements
     size_t output_count, lse_count, weights_count;           // elements
+    // A packed call (clmha_attention_args::seq_lens): core.packed, core.seq_lens and
+    // core.kv_seq_lens (the caller's arrays, kv_seq_lens defaulted), core.t_q, core.t_kv;
+    // core.n the sequences, core.l and core.s the longest; the counts the packed tensors'.
 } clmha__attention_dims;
+
+// The one-sequence call of sequence @p i (which has queries) of packed call @p a (sizes @p d)
+// whose tokens start at @p q0 and @p k0: (1, L_i, H, D) query, key and value in the NLHD
+// layout at their rows (offsets in floats; host data pointers advanced likewise), the rng
+// offset advanced by i * 2^32, not packed.
+CLMHA__HIDDEN void clmha__attention_packed_args(const clmha__attention_dims *d,
+                                                const clmha_attention_args *a, size_t i,
+                                                size_t q0, size_t k0,
+                                                clmha_attention_args *sub);
 
 // Checks @p args (in this library's layout) and fills @p d. On failure writes a message naming
 // the argument and its shape (in the call's layout) to @p msg and returns the status. Does not

@@ -15,6 +15,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 // Element (n, h, t, f) of a tensor of @p heads heads, @p seq positions and @p feat features
 // in @p layout.
@@ -151,6 +152,25 @@ static clmha_status host_only(const clmha_attention_args *a, bool backward, char
     return clmha__ref_mods_check(a->mod_source, &mods, backward, names, msg, msg_size);
 }
 
+// A packed call (clmha_attention_args::seq_lens), checked: one reference call per sequence on
+// its rows (clmha__attention_packed_args()), its log-sum-exp rows to its (H, L_i) block.
+static clmha_status packed_forward(const clmha_attention_args *a, const clmha__attention_dims *d,
+                                   double *output, double *lse, char *msg, size_t msg_size) {
+    const clmha__dims *c = &d->core;
+    size_t q0 = 0, k0 = 0;
+    for (size_t i = 0; i < c->n; q0 += c->seq_lens[i], k0 += c->kv_seq_lens[i], ++i) {
+        size_t rows = c->seq_lens[i];
+        if (!rows) continue;
+        clmha_attention_args sub;
+        clmha__attention_packed_args(d, a, i, q0, k0, &sub);
+        clmha_status st = clmha_reference_attention(
+            &sub, output + q0 * c->h * d->dv, rows * c->h * d->dv, lse ? lse + q0 * c->h : NULL,
+            lse ? rows * c->h : 0, NULL, 0, msg, msg_size);
+        if (st) return st;
+    }
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha_reference_attention(const clmha_attention_args *args, double *output,
                                        size_t output_count, double *lse, size_t lse_count,
                                        double *weights, size_t weights_count, char *message,
@@ -165,6 +185,10 @@ clmha_status clmha_reference_attention(const clmha_attention_args *args, double 
         (st = check_arrays(&a, &d, output, output_count, lse, lse_count, weights,
                            weights_count, message, message_size)))
         return st;
+    if (d.core.packed && weights)
+        return clmha__msg(message, message_size, CLMHA_UNSUPPORTED,
+                          "a packed call (seq_lens) returns no attention weights");
+    if (d.core.packed) return packed_forward(&a, &d, output, lse, message, message_size);
     const clmha__dims *c = &d.core;
     double *p = malloc(c->s * sizeof *p), *out = malloc(d.dv * sizeof *out);
     if (!p || !out) {
@@ -240,6 +264,40 @@ static void row_backward(const clmha_attention_args *a, const clmha__attention_d
     }
 }
 
+// The backward of a packed call, checked: one reference backward per sequence on its rows; the
+// sinks' gradient summed over them; zeros for the keys that no query sees.
+static clmha_status packed_backward(const clmha_attention_args *a, const clmha__attention_dims *d,
+                                    const float *grad_output, const clmha_reference_grads *g,
+                                    char *msg, size_t msg_size) {
+    const clmha__dims *c = &d->core;
+    size_t h = c->h, kvh = c->kvh, dk = c->d, dv = d->dv, q0 = 0, k0 = 0;
+    double *sinks = g->sinks ? calloc(h, sizeof *sinks) : NULL;
+    if (g->sinks && !sinks)
+        return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    if (g->sinks) memset(g->sinks, 0, h * sizeof *g->sinks);
+    clmha_status st = CLMHA_SUCCESS;
+    for (size_t i = 0; !st && i < c->n; q0 += c->seq_lens[i], k0 += c->kv_seq_lens[i], ++i) {
+        if (!c->seq_lens[i]) {
+            size_t rows = c->kv_seq_lens[i];
+            if (g->key) memset(g->key + k0 * kvh * dk, 0, rows * kvh * dk * sizeof(double));
+            if (g->value) memset(g->value + k0 * kvh * dv, 0, rows * kvh * dv * sizeof(double));
+            continue;
+        }
+        clmha_attention_args sub;
+        clmha__attention_packed_args(d, a, i, q0, k0, &sub);
+        clmha_reference_grads sg = *g;
+        if (g->query) sg.query = g->query + q0 * h * dk;
+        if (g->key) sg.key = g->key + k0 * kvh * dk;
+        if (g->value) sg.value = g->value + k0 * kvh * dv;
+        sg.sinks = sinks;
+        st = clmha_reference_attention_backward(&sub, grad_output + q0 * h * dv, &sg, msg,
+                                                msg_size);
+        for (size_t x = 0; !st && sinks && x < h; ++x) g->sinks[x] += sinks[x];
+    }
+    free(sinks);
+    return st;
+}
+
 clmha_status clmha_reference_attention_backward(const clmha_attention_args *args,
                                                 const float *grad_output,
                                                 const clmha_reference_grads *grads,
@@ -266,6 +324,7 @@ clmha_status clmha_reference_attention_backward(const clmha_attention_args *args
     if (g.sinks && !a.sinks.ndim)
         return clmha__msg(message, message_size, CLMHA_INVALID_ARGUMENT,
                           "grads->sinks is set but the call has no sinks");
+    if (d.core.packed) return packed_backward(&a, &d, grad_output, &g, message, message_size);
     const clmha__dims *c = &d.core;
     size_t counts[5] = {d.query_count, d.key_count, d.value_count, d.mask_count, c->h};
     double *mine[5] = {NULL, NULL, NULL, NULL, NULL};

@@ -542,3 +542,162 @@ Test(packed, cross_attention_through_a_kv_cache) {
     free(q), free(out), free(got), free(want);
     instance_free(in);
 }
+
+// ---- attention as a function ---------------------------------------------------------------
+
+// A packed call of the function: query (T, H, D), key (T_kv, H_kv, D), value (T_kv, H_kv, D_v)
+// with GQA, is_causal, a window, sinks and dropout as chosen; the device's output, lse and
+// gradients against the reference's packed call; without dropout, the reference's packed call
+// against its padded one ((N, H, L_max, D) with a boolean (N, 1, L_max, S_max) mask that is the
+// causal mask and the sequences' key lengths together), output, lse and every gradient.
+typedef struct fcase {
+    const char *name;
+    size_t n, q[MAX_SEQS], k[MAX_SEQS];
+    size_t h, kvh, d, dv;
+    bool causal, window, sinks;
+    float dropout;
+} fcase;
+
+static double rel_d(const double *a, const double *b, size_t count) {
+    return max_rel_d(a, b, count);
+}
+
+static double function_padded(const fcase *f, const clmha_attention_args *a, const double *out,
+                              const double *lse, const float *gy, double *const g[4]) {
+    size_t n = f->n, lm = 0, sm = 0, h = f->h, kvh = f->kvh, d = f->d, dv = f->dv;
+    for (size_t i = 0; i < n; ++i) {
+        lm = f->q[i] > lm ? f->q[i] : lm;
+        sm = f->k[i] > sm ? f->k[i] : sm;
+    }
+    float *q = calloc(n * h * lm * d, 4), *k = calloc(n * kvh * sm * d, 4);
+    float *v = calloc(n * kvh * sm * dv, 4), *gyp = calloc(n * h * lm * dv, 4);
+    unsigned char *m = calloc(n * lm * sm, 1);
+    const float *pq = a->query.data, *pk = a->key.data, *pv = a->value.data;
+    size_t q0 = 0, k0 = 0;
+    for (size_t i = 0; i < n; q0 += f->q[i], k0 += f->k[i], ++i) {
+        for (size_t t = 0; t < f->q[i]; ++t)
+            for (size_t x = 0; x < h; ++x) {  // packed (t, x, :) -> padded (i, x, t, :)
+                memcpy(q + ((i * h + x) * lm + t) * d, pq + ((q0 + t) * h + x) * d, d * 4);
+                memcpy(gyp + ((i * h + x) * lm + t) * dv, gy + ((q0 + t) * h + x) * dv, dv * 4);
+            }
+        for (size_t t = 0; t < f->k[i]; ++t)
+            for (size_t x = 0; x < kvh; ++x) {
+                memcpy(k + ((i * kvh + x) * sm + t) * d, pk + ((k0 + t) * kvh + x) * d, d * 4);
+                memcpy(v + ((i * kvh + x) * sm + t) * dv, pv + ((k0 + t) * kvh + x) * dv, dv * 4);
+            }
+        for (size_t t = 0; t < lm; ++t)
+            for (size_t j = 0; j < f->k[i]; ++j) m[(i * lm + t) * sm + j] = !f->causal || j <= t;
+    }
+    clmha_attention_args p = *a;
+    p.seq_lens = p.kv_seq_lens = NULL, p.num_seqs = 0;
+    p.layout = CLMHA_LAYOUT_NHLD, p.is_causal = false;
+    p.query = (clmha_tensor){.ndim = 4, .shape = {n, h, lm, d}, .data = q};
+    p.key = (clmha_tensor){.ndim = 4, .shape = {n, kvh, sm, d}, .data = k};
+    p.value = (clmha_tensor){.ndim = 4, .shape = {n, kvh, sm, dv}, .data = v};
+    p.attn_mask = (clmha_mask){.kind = CLMHA_MASK_BOOL_ATTEND,
+                               .tensor = {.ndim = 4, .shape = {n, 1, lm, sm}, .data = m}};
+    double *po = calloc(n * h * lm * dv, 8), *pl = calloc(n * h * lm, 8);
+    double *pg[4] = {calloc(n * h * lm * d, 8), calloc(n * kvh * sm * d, 8),
+                     calloc(n * kvh * sm * dv, 8), f->sinks ? calloc(h, 8) : NULL};
+    char msg[512];
+    cr_assert_eq(clmha_reference_attention(&p, po, n * h * lm * dv, pl, n * h * lm, NULL, 0, msg,
+                                           sizeof msg), CLMHA_SUCCESS, "%s", msg);
+    clmha_reference_grads rg = {.struct_size = sizeof rg, .query = pg[0], .key = pg[1],
+                                .value = pg[2], .sinks = pg[3]};
+    cr_assert_eq(clmha_reference_attention_backward(&p, gyp, &rg, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    double worst = 0;
+    q0 = k0 = 0;
+    for (size_t i = 0; i < n; q0 += f->q[i], k0 += f->k[i], ++i) {
+        for (size_t t = 0; t < f->q[i]; ++t)
+            for (size_t x = 0; x < h; ++x) {
+                size_t r = (i * h + x) * lm + t, pr = (q0 + t) * h + x;
+                worst = fmax(worst, rel_d(out + pr * dv, po + r * dv, dv));
+                worst = fmax(worst, rel_d(lse + q0 * h + x * f->q[i] + t, pl + r, 1));
+                worst = fmax(worst, rel_d(g[0] + pr * d, pg[0] + r * d, d));
+            }
+        for (size_t t = 0; t < f->k[i]; ++t)
+            for (size_t x = 0; x < kvh; ++x) {
+                size_t r = (i * kvh + x) * sm + t, pr = (k0 + t) * kvh + x;
+                worst = fmax(worst, rel_d(g[1] + pr * d, pg[1] + r * d, d));
+                worst = fmax(worst, rel_d(g[2] + pr * dv, pg[2] + r * dv, dv));
+            }
+    }
+    if (f->sinks) worst = fmax(worst, rel_d(g[3], pg[3], h));
+    cr_expect_leq(worst, PADDED_TOL, "%s: the function's packed reference differs from the "
+                  "padded one by %.3g", f->name, worst);
+    for (int i = 0; i < 4; ++i) free(pg[i]);
+    free(q), free(k), free(v), free(gyp), free(m), free(po), free(pl);
+    return worst;
+}
+
+static void function_case(clmha_context *ctx, const fcase *f) {
+    size_t t = 0, tk = 0;
+    for (size_t i = 0; i < f->n; ++i) t += f->q[i], tk += f->k[i];
+    prng r = {0xF00D + f->h};
+    float *q = normal_floats(&r, t * f->h * f->d), *k = normal_floats(&r, tk * f->kvh * f->d);
+    float *v = normal_floats(&r, tk * f->kvh * f->dv), *gy = normal_floats(&r, t * f->h * f->dv);
+    float *sinks = normal_floats(&r, f->h);
+    clmha_attention_args a = {
+        .struct_size = sizeof a, .is_causal = f->causal, .enable_gqa = f->kvh != f->h,
+        .dropout_p = f->dropout, .rng = {.seed = 99, .offset = 5},
+        .query = {.ndim = 3, .shape = {t, f->h, f->d}, .data = q},
+        .key = {.ndim = 3, .shape = {tk, f->kvh, f->d}, .data = k},
+        .value = {.ndim = 3, .shape = {tk, f->kvh, f->dv}, .data = v},
+        .window = f->window, .window_left = 2, .window_right = 0,
+        .seq_lens = f->q, .kv_seq_lens = f->k, .num_seqs = f->n};
+    if (f->sinks) a.sinks = (clmha_tensor){.ndim = 1, .shape = {f->h}, .data = sinks};
+    size_t oc = t * f->h * f->dv, lc = t * f->h;
+    double *out = calloc(oc, 8), *lse = calloc(lc, 8);
+    double *g[4] = {calloc(t * f->h * f->d, 8), calloc(tk * f->kvh * f->d, 8),
+                    calloc(tk * f->kvh * f->dv, 8), f->sinks ? calloc(f->h, 8) : NULL};
+    char msg[512];
+    cr_assert_eq(clmha_reference_attention(&a, out, oc, lse, lc, NULL, 0, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s: %s", f->name, msg);
+    clmha_reference_grads rg = {.struct_size = sizeof rg, .query = g[0], .key = g[1],
+                                .value = g[2], .sinks = g[3]};
+    cr_assert_eq(clmha_reference_attention_backward(&a, gy, &rg, msg, sizeof msg), CLMHA_SUCCESS,
+                 "%s: %s", f->name, msg);
+    double pad = f->dropout > 0 ? NAN : function_padded(f, &a, out, lse, gy, g);
+    float *dout = alloc_floats(oc), *dlse = alloc_floats(lc);
+    float *dg[3] = {alloc_floats(t * f->h * f->d), alloc_floats(tk * f->kvh * f->d),
+                    alloc_floats(tk * f->kvh * f->dv)};
+    if (f->sinks) {  // the device's sinks are a buffer
+        cl_int err;
+        a.sinks.buffer = clCreateBuffer(clmha_context_cl_context(ctx),
+                                        CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, f->h * 4,
+                                        sinks, &err);
+        cr_assert_eq(err, CL_SUCCESS);
+    }
+    cr_assert_eq(clmha_attention_forward_host(ctx, &a, dout, oc, dlse, lc, NULL, 0),
+                 CLMHA_SUCCESS, "%s: %s", f->name, clmha_context_last_error(ctx));
+    for (size_t i = 0; i < 3; ++i) {
+        size_t c = i == 0 ? t * f->h * f->d : i == 1 ? tk * f->kvh * f->d : tk * f->kvh * f->dv;
+        for (size_t x = 0; x < c; ++x) dg[i][x] = NAN;
+    }
+    cr_assert_eq(clmha_attention_backward_host(ctx, &a, gy, oc, dg[0], dg[1], dg[2], NULL),
+                 CLMHA_SUCCESS, "%s: %s", f->name, clmha_context_last_error(ctx));
+    double eo = max_rel(dout, out, oc), el = max_rel(dlse, lse, lc);
+    double eg = fmax(max_rel(dg[0], g[0], t * f->h * f->d),
+                     fmax(max_rel(dg[1], g[1], tk * f->kvh * f->d),
+                          max_rel(dg[2], g[2], tk * f->kvh * f->dv)));
+    cr_expect_leq(fmax(eo, fmax(el, eg)), TOLERANCE, "%s: output %.3g, lse %.3g, gradients %.3g",
+                  f->name, eo, el, eg);
+    fprintf(stderr, "packed function %-18s: output %.2e, lse %.2e, gradients %.2e; reference "
+            "packed vs padded %.1e\n", f->name, eo, el, eg, pad);
+    if (a.sinks.buffer) clReleaseMemObject(a.sinks.buffer);
+    for (int i = 0; i < 4; ++i) free(g[i]);
+    for (int i = 0; i < 3; ++i) free(dg[i]);
+    free(q), free(k), free(v), free(gy), free(sinks), free(out), free(lse), free(dout), free(dlse);
+}
+
+Test(packed, attention_function) {
+    clmha_context *ctx = context_or_skip();
+    const fcase cases[] = {
+        {"causal_gqa", 3, {5, 1, 9}, {5, 1, 9}, 4, 2, 8, 8, true, false, false, 0.0f},
+        {"cross_empty_dv", 4, {3, 0, 6, 2}, {4, 5, 2, 7}, 2, 2, 8, 12, false, false, false, 0.0f},
+        {"window_sinks", 2, {7, 12}, {7, 12}, 4, 1, 16, 16, true, true, true, 0.0f},
+        {"dropout", 2, {6, 4}, {8, 3}, 2, 2, 8, 8, false, false, false, 0.25f},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) function_case(ctx, &cases[i]);
+}
