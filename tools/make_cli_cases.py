@@ -811,11 +811,16 @@ def generate(c, out_dir, given_root=None):
 def SC(name, **kw):
     d = dict(name=name, N=2, H=2, Hkv=None, L=5, S=None, D=8, Dv=None, layout="nhld", mask=None,
              mask_shape=None, causal=False, scale=None, lse=False, weights=False, grads=False,
-             kv_prefix=None, window=None, softcap=None, alibi=False, slopes=False, sinks=False)
+             kv_prefix=None, window=None, softcap=None, alibi=False, slopes=False, sinks=False,
+             seq_lens=None, kv_seq_lens=None)
     for k in kw:
         if k not in d:
             raise KeyError(k)
     d.update(kw)
+    if d["seq_lens"] is not None:  # packed: (T, H, D) tensors, as nlhd without N
+        assert not (d["mask"] or d["weights"] or d["kv_prefix"])
+        d["N"], d["layout"] = None, "nlhd"
+        d["L"], d["S"] = sum(d["seq_lens"]), sum(d["kv_seq_lens"] or d["seq_lens"])
     d["S"] = d["S"] or d["L"]
     d["Hkv"] = d["Hkv"] or d["H"]
     d["Dv"] = d["Dv"] or d["D"]
@@ -865,7 +870,28 @@ SDPA_CASES = [
        mask_shape="N1LS", sinks=True, lse=True, grads=True),
     SC("sdpa_sinks_kv_cache_decode", layout="nlhd", H=4, Hkv=1, L=7, causal=True, sinks=True,
        kv_prefix=3),
+    # Packed batches (--seq-lens, --kv-seq-lens): (T, H, D) tensors, each sequence its own call
+    # (a sequence may have no queries); the log-sum-exp as each sequence's (H, L_i) block.
+    SC("sdpa_packed_causal_gqa", H=4, Hkv=2, seq_lens=(3, 1, 5), causal=True, lse=True,
+       grads=True),
+    SC("sdpa_packed_cross_window_sinks", H=2, D=8, Dv=6, seq_lens=(2, 0, 4),
+       kv_seq_lens=(3, 2, 5), window=(1, 0), sinks=True, lse=True, grads=True),
 ]
+
+
+def sdpa_packed_reference(c, q, k, v, slopes, sinks):
+    """(output, lse) of a packed case: sdpa_reference() once per sequence on its rows, the
+    outputs one after another and each sequence's (H, L_i) log-sum-exp block in turn."""
+    outs, lses, q0, k0 = [], [], 0, 0
+    for L, S in zip(c["seq_lens"], c["kv_seq_lens"] or c["seq_lens"]):
+        if L:
+            one = dict(c, L=L, S=S)
+            out, lse, _ = sdpa_reference(one, q[q0:q0 + L], k[k0:k0 + S], v[k0:k0 + S], None,
+                                         slopes, sinks)
+            outs.append(out)
+            lses.append(lse.reshape(-1))
+        q0, k0 = q0 + L, k0 + S
+    return torch.cat(outs), torch.cat(lses), None
 
 
 def sdpa_shape(c, which):
@@ -982,7 +1008,10 @@ def sdpa_generate(c, out_dir, given_root=None):
     if c["sinks"]:  # the --sinks file, a draw of its own
         drawn = np.random.default_rng(seed_of(name) + 4).uniform(-1.0, 2.0, c["H"])
         sinks = take("sinks.npy", drawn.astype(np.float32))
-    out, lse, weights = sdpa_reference(c, q, k, v, mask_t, slopes, sinks)
+    if c["seq_lens"] is not None:
+        out, lse, weights = sdpa_packed_reference(c, q, k, v, slopes, sinks)
+    else:
+        out, lse, weights = sdpa_reference(c, q, k, v, mask_t, slopes, sinks)
     results = {"expected_output.npy": out}
     if c["lse"]:
         results["expected_lse.npy"] = lse
@@ -1009,7 +1038,12 @@ def sdpa_generate(c, out_dir, given_root=None):
             gv = gv.detach().numpy().astype(np.float64)
             assert np.isfinite(gv).all(), f"{name}: {gname}"
             np.save(os.path.join(d, "expected_grads", gname + ".npy"), gv)
-    flags = ["--layout", "nlhd"] if c["layout"] == "nlhd" else []
+    packed = c["seq_lens"] is not None
+    flags = ["--layout", "nlhd"] if c["layout"] == "nlhd" and not packed else []
+    if packed:
+        flags += ["--seq-lens", ",".join(map(str, c["seq_lens"]))]
+    if c["kv_seq_lens"] is not None:
+        flags += ["--kv-seq-lens", ",".join(map(str, c["kv_seq_lens"]))]
     if c["causal"]:
         flags.append("--is-causal")
     if c["Hkv"] != c["H"]:

@@ -48,6 +48,13 @@ static const char *const usage_sdpa[] = {
     "                            Unbatched inputs take at most 3-D masks\n"
     "  --is-causal               mask key j > query i (top-left aligned, as SDPA); not with\n"
     "                            --attn-mask (as SDPA)\n"
+    "  --seq-lens 5,3,7          a packed batch (flash_attn_varlen_func's): query (T, H, D),\n"
+    "                            key and value (T_kv, H_kv, D), the sequences one after\n"
+    "                            another, each attending only within itself; output\n"
+    "                            (T, H, D_v), --lse-output (H*T): each sequence's (H, L_i)\n"
+    "                            block in turn. Not with --attn-mask, --weights-output or\n"
+    "                            --kv-cache-prefix\n"
+    "  --kv-seq-lens 4,9,2       a packed batch's key/value lengths; default: --seq-lens\n"
     "  --window LEFT,RIGHT       sliding window (FlashAttention's window_size): query i\n"
     "                            attends key j only when i-LEFT <= j <= i+RIGHT (-1: that\n"
     "                            side unbounded); combines with --attn-mask and --is-causal\n"
@@ -162,7 +169,8 @@ typedef struct sdpa_opts {
     const char *output_path, *lse_path, *weights_path, *grads_dir, *device;
     const char *scale_opt, *layout_opt, *impl_opt, *dropout_opt, *seed_opt, *offset_opt;
     const char *kv_prefix_opt;  // --kv-cache-prefix
-    const char *window_opt, *softcap_opt;
+    const char *window_opt, *softcap_opt, *seq_lens_opt, *kv_seq_lens_opt;
+    clmha__cli_lens seq, kv_seq;  // --seq-lens, --kv-seq-lens (a packed batch)
     clmha__cli_window window;   // --window
     clmha__cli_mod mod;         // --score-mod, --mod-params
     double softcap;             // --softcap (0: off)
@@ -201,6 +209,8 @@ static bool parse_command_line(int argc, char **argv, sdpa_opts *o, int *rc) {
         {.name = "--value", .value = &o->in[IN_VALUE].path},
         {.name = "--attn-mask", .value = &o->in[IN_ATTN].path},
         {.name = "--is-causal", .flag = &o->is_causal},
+        {.name = "--seq-lens", .value = &o->seq_lens_opt},
+        {.name = "--kv-seq-lens", .value = &o->kv_seq_lens_opt},
         {.name = "--window", .value = &o->window_opt},
         {.name = "--softcap", .value = &o->softcap_opt},
         {.name = "--alibi", .flag = &o->alibi},
@@ -290,6 +300,16 @@ static bool options_agree(const sdpa_opts *o) {
         why = "--grads-dir needs --grad-output (the output's gradient)";
     else if (o->in[IN_SLOPES].path && !o->alibi)
         why = "--alibi-slopes needs --alibi (the slopes are ALiBi's)";
+    else if (o->kv_seq_lens_opt && !o->seq_lens_opt)
+        why = "--kv-seq-lens needs --seq-lens (the queries' lengths)";
+    else if (o->kv_seq.lens && o->kv_seq.count != o->seq.count)
+        why = "--seq-lens and --kv-seq-lens must give as many lengths (one per sequence)";
+    else if (o->seq.lens && (o->weights_path || o->kv_prefix_opt || o->in[IN_ATTN].path))
+        why = o->weights_path   ? "--seq-lens does not go with --weights-output (a packed call "
+                                  "returns no weights)"
+              : o->kv_prefix_opt ? "--seq-lens does not go with --kv-cache-prefix"
+                                 : "--seq-lens does not go with --attn-mask (it has no "
+                                   "per-sequence shape)";
     if (why) clmha__cli_report("sdpa", "%s", why);
     return !why;
 }
@@ -353,6 +373,8 @@ static bool check_options(sdpa_opts *o) {
                                  "--weights-output", &o->impl) &&
            clmha__cli_parse_window("sdpa", o->window_opt, &o->window) &&
            clmha__cli_parse_softcap("sdpa", o->softcap_opt, &o->softcap) && parse_numbers(o) &&
+           clmha__cli_parse_lens("sdpa", "--seq-lens", o->seq_lens_opt, &o->seq) &&
+           clmha__cli_parse_lens("sdpa", "--kv-seq-lens", o->kv_seq_lens_opt, &o->kv_seq) &&
            options_agree(o) && kv_options_agree(o) && clmha__cli_mod_options_ok("sdpa", &o->mod);
 }
 
@@ -437,8 +459,10 @@ static clmha_tensor tensor_of(const clmha__npy *a) {
 // The input a library message about the tensors refers to: the query, key or value it starts
 // with ("the key and value have 2 heads", "enable_gqa: the key and value's ..." name the key).
 static const sdpa_input *input_culprit(const char *msg, const sdpa_opts *o) {
-    if (clmha__cli_starts_with(msg, "value")) return &o->in[IN_VALUE];
-    if (clmha__cli_starts_with(msg, "key") || strstr(msg, "the key and value"))
+    if (clmha__cli_starts_with(msg, "value") || strstr(msg, "packed call's value"))
+        return &o->in[IN_VALUE];
+    if (clmha__cli_starts_with(msg, "key") || strstr(msg, "the key and value") ||
+        strstr(msg, "packed call's key"))
         return &o->in[IN_KEY];
     return &o->in[IN_QUERY];
 }
@@ -498,12 +522,16 @@ static bool build_args(const sdpa_opts *o, sdpa_state *s) {
     *a = (clmha_attention_args){.struct_size = sizeof *a, .query = tensor_of(&in[IN_QUERY].a),
                                 .key = tensor_of(&in[IN_KEY].a),
                                 .value = tensor_of(&in[IN_VALUE].a), .layout = o->layout,
-                                .enable_gqa = o->enable_gqa};
+                                .enable_gqa = o->enable_gqa, .seq_lens = o->seq.lens,
+                                .kv_seq_lens = o->kv_seq.lens, .num_seqs = o->seq.count};
     if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
         const char *why = clmha_context_last_error(s->ctx);
         const sdpa_input *culprit = input_culprit(why, o);
-        clmha__cli_report("sdpa", "%s %s: %s%s", culprit->flag, culprit->path, why,
-                          strstr(why, "set enable_gqa") ? " (--enable-gqa)" : "");
+        if (o->seq.lens && !strstr(why, "packed call's"))  // the lengths against each other
+            clmha__cli_report("sdpa", "--seq-lens %s: %s", o->seq_lens_opt, why);
+        else
+            clmha__cli_report("sdpa", "%s %s: %s%s", culprit->flag, culprit->path, why,
+                              strstr(why, "set enable_gqa") ? " (--enable-gqa)" : "");
         return false;
     }
     size_t d = a->key.shape[a->key.ndim - 1], dv = a->value.shape[a->value.ndim - 1];
@@ -555,6 +583,10 @@ static void plan_shapes(const sdpa_opts *o, sdpa_state *s) {
     s->w_ndim = 4 - first;
     memcpy(s->lse_shape, sizes + first, s->lse_ndim * sizeof *sizes);
     memcpy(s->w_shape, sizes + first, s->w_ndim * sizeof *sizes);
+    if (o->seq.lens) {  // packed: (T, H, D_v), the log-sum-exp blocks as one row of H*T
+        s->lse_ndim = 1;
+        s->lse_shape[0] = s->lse_count;
+    }
 }
 
 // Gradients: --grad-output's shape, the files (query, key, value, and attn_mask for a float
@@ -881,5 +913,7 @@ done:
     clmha_context_release(s.ctx);
     for (int i = 0; i < IN_COUNT; ++i) clmha__npy_free(&o.in[i].a);
     clmha__cli_mod_free(&o.mod);
+    free(o.seq.lens);
+    free(o.kv_seq.lens);
     return rc;
 }

@@ -1574,6 +1574,16 @@ Test(cli_usage, seq_lens) {
                  "l.safetensors", "--query", "q.npy", "--seq-lens", "1,2", "--kv-seq-lens", "3");
     EXPECT_USAGE("clmha run: --seq-lens does not go with --decode-chunk", "run", "--layer",
                  "l.safetensors", "--query", "q.npy", "--seq-lens", "6", "--decode-chunk", "2");
+    EXPECT_USAGE("clmha sdpa: --seq-lens does not go with --weights-output", "sdpa", "--query",
+                 "q.npy", "--key", "k.npy", "--value", "v.npy", "--seq-lens", "2,3",
+                 "--weights-output", "w.npy");
+    EXPECT_USAGE("clmha sdpa: --seq-lens does not go with --kv-cache-prefix", "sdpa", "--query",
+                 "q.npy", "--key", "k.npy", "--value", "v.npy", "--seq-lens", "2,3",
+                 "--kv-cache-prefix", "2");
+    EXPECT_USAGE("clmha sdpa: --kv-seq-lens needs --seq-lens", "sdpa", "--query", "q.npy",
+                 "--key", "k.npy", "--value", "v.npy", "--kv-seq-lens", "2,3");
+    EXPECT_USAGE("clmha sdpa: --seq-lens '2;3': expected lengths", "sdpa", "--query", "q.npy",
+                 "--key", "k.npy", "--value", "v.npy", "--seq-lens", "2;3");
 }
 
 Test(cli_refused, seq_lens) {
