@@ -1,7 +1,6 @@
 """clmha.Layer: one attention layer on NumPy arrays (or pyopencl arrays), its KV cache and its
 saved state for the backward pass."""
 
-import operator
 import threading
 from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
@@ -12,7 +11,7 @@ from ._device import (check_context, device_f32, elem_offset, event_to, events_w
                       fill_device_tensor, is_pyopencl_array, mem, wait_list)
 from ._errors import check
 from ._native import ffi, lib
-from ._sdpa import (alibi_flag, fill_variants, fill_window, mod_params_array, mod_source,
+from ._sdpa import (alibi_flag, lens_array, fill_variants, fill_window, mod_params_array, mod_source,
                     sinks_flag, softcap_value, window_bounds)
 
 # ---- dtypes ------------------------------------------------------------------------------------
@@ -107,23 +106,6 @@ def _check_array(name: str, a, ranks: Iterable[int]) -> np.ndarray:
     if any(s == 0 for s in a.shape):
         raise ValueError(f"{name} has an empty dimension (shape {a.shape})")
     return a
-
-
-def _lens(name: str, lens):
-    """A packed batch's lengths as a C size_t array (ints >= 0; a 1-D array or a sequence)."""
-    if isinstance(lens, np.ndarray):
-        if lens.ndim != 1 or lens.dtype.kind not in "iu":
-            raise TypeError(f"{name} must be a 1-D integer array or a sequence of ints")
-        lens = lens.tolist()
-    try:
-        values = [operator.index(x) for x in lens]
-    except TypeError:
-        raise TypeError(f"{name} must be a sequence of ints, not {lens!r}") from None
-    if not values:
-        raise ValueError(f"{name} is empty: a packed batch has at least one sequence")
-    if any(x < 0 or x >= 2 ** 63 for x in values):
-        raise ValueError(f"{name} must hold lengths >= 0, not {values}")
-    return ffi.new("size_t[]", values)
 
 
 def _fill_tensor(t, array: np.ndarray, args: _Args) -> None:
@@ -503,11 +485,11 @@ class Layer:
         args = _Args()
         c = args.c
         if seq_lens is not None:  # a packed batch: the lengths, kept alive with the call
-            lens = _lens("seq_lens", seq_lens)
+            lens = lens_array("seq_lens", seq_lens)
             c.seq_lens, c.num_seqs = lens, len(lens)
             args.keep.append(lens)
             if kv_seq_lens is not None:
-                kv = _lens("kv_seq_lens", kv_seq_lens)
+                kv = lens_array("kv_seq_lens", kv_seq_lens)
                 if len(kv) != len(lens):
                     raise ValueError(f"kv_seq_lens has {len(kv)} lengths, seq_lens {len(lens)}: "
                                      "one per sequence")

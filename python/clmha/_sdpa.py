@@ -18,6 +18,7 @@ shape.
 """
 
 import math
+import operator
 import re
 from typing import Optional, Tuple
 
@@ -191,6 +192,23 @@ def mod_params_array(mod_params, source: Optional[str]) -> Optional[np.ndarray]:
     return np.ascontiguousarray(mod_params, np.float32)
 
 
+def lens_array(name: str, lens):
+    """A packed batch's lengths as a C size_t array (ints >= 0; a 1-D array or a sequence)."""
+    if isinstance(lens, np.ndarray):
+        if lens.ndim != 1 or lens.dtype.kind not in "iu":
+            raise TypeError(f"{name} must be a 1-D integer array or a sequence of ints")
+        lens = lens.tolist()
+    try:
+        values = [operator.index(x) for x in lens]
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints, not {lens!r}") from None
+    if not values:
+        raise ValueError(f"{name} is empty: a packed batch has at least one sequence")
+    if any(x < 0 or x >= 2 ** 63 for x in values):
+        raise ValueError(f"{name} must hold lengths >= 0, not {values}")
+    return ffi.new("size_t[]", values)
+
+
 def _layout(layout) -> str:
     name = layout.upper() if isinstance(layout, str) else None
     if name not in _LAYOUTS:
@@ -248,7 +266,7 @@ class Call:
                  impl: str = "auto", context: Optional[Context] = None, kv_cache=None,
                  kv_append=None, layout: str = "NHLD", window=None, softcap=None,
                  alibi: bool = False, alibi_slopes=None, sinks=None, score_mod=None,
-                 mask_mod=None, mod_params=None):
+                 mask_mod=None, mod_params=None, seq_lens=None, kv_seq_lens=None):
         from ._layer import KVCache
 
         if kv_cache is not None and not isinstance(kv_cache, KVCache):
@@ -334,6 +352,18 @@ class Call:
         self.alibi = alibi_flag(alibi)
         fill_variants(c, self.softcap, self.alibi)
         self.c = c
+        self.seq_lens = None  # a packed batch's lengths (C arrays kept alive with the call)
+        if seq_lens is not None:
+            self.seq_lens = lens_array("seq_lens", seq_lens)
+            c.seq_lens, c.num_seqs = self.seq_lens, len(self.seq_lens)
+            if kv_seq_lens is not None:
+                self.kv_seq_lens = lens_array("kv_seq_lens", kv_seq_lens)
+                if len(self.kv_seq_lens) != len(self.seq_lens):
+                    raise ValueError(f"kv_seq_lens has {len(self.kv_seq_lens)} lengths, "
+                                     f"seq_lens {len(self.seq_lens)}: one per sequence")
+                c.kv_seq_lens = self.kv_seq_lens
+        elif kv_seq_lens is not None:
+            raise ValueError("kv_seq_lens needs seq_lens (the queries' lengths)")
         self.alibi_slopes = None
         if alibi_slopes is not None:
             self._set_slopes(alibi_slopes)
@@ -366,12 +396,17 @@ class Call:
         self.mask = None
         self.mask_shape = None
         self.mask_float = False
+        if attn_mask is not None and self.seq_lens is not None:
+            raise ValueError("a packed call (seq_lens) takes no attn_mask: it has no "
+                             "per-sequence shape (a mask_mod can mask within sequences)")
         if attn_mask is not None:
             self._set_mask(attn_mask)
             check(lib.clmha_attention_output_counts(context._ptr, c, counts, counts + 1,
                                                     counts + 2), context._ptr)
         self.output_count, self.lse_count = int(counts[0]), int(counts[1])
         self.weights_count = int(counts[2])
+        if self.seq_lens is not None:  # (T, H, D_v) out, each sequence's (H, L_i) lse block
+            self.lse_shape = (self.lse_count,)
 
     def _set_slopes(self, slopes) -> None:
         """The ALiBi slopes (H), checked here (ValueError: without alibi, or not H values), a
@@ -416,6 +451,8 @@ class Call:
             _fill(self.c.mod_params, a, (a.shape[0],))
 
     def _heads(self) -> int:
+        if self.seq_lens is not None:  # packed (T, H, D)
+            return self.shapes[0][1]
         q = self.nhld[0]
         return q[-3] if len(q) >= 3 else 1
 
@@ -662,7 +699,15 @@ class Call:
         out, lse = self.forward(lse=True)
         o = np.asarray(out, np.float64)
         go = np.asarray(g, np.float64)
-        if self.layout == "NLHD" and o.ndim >= 3:  # to (..., H, L, D_v), lse's order
+        if self.seq_lens is not None:  # packed: each sequence's (H, L_i) block as (L_i, H)
+            heads, rows, at = self._heads(), [], 0
+            for length in self.seq_lens:
+                rows.append(np.asarray(lse[at:at + heads * length]).reshape(heads, length).T)
+                at += heads * length
+            lse, o, go = np.concatenate(rows)[None], o[None], go[None]  # (1, T, H), (1, T, H, D)
+            o, go = np.swapaxes(o, -3, -2), np.swapaxes(go, -3, -2)
+            lse = np.swapaxes(lse, -2, -1)
+        elif self.layout == "NLHD" and o.ndim >= 3:  # to (..., H, L, D_v), lse's order
             o, go = np.swapaxes(o, -3, -2), np.swapaxes(go, -3, -2)
         d = np.sum(o * go, axis=-1)  # (..., H, L)
         lse = np.asarray(lse, np.float64)

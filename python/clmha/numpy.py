@@ -36,7 +36,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  window: Optional[Tuple[int, int]] = None,
                                  softcap: Optional[float] = None, alibi: bool = False,
                                  alibi_slopes=None, sinks=None, score_mod: Optional[str] = None,
-                                 mask_mod: Optional[str] = None, mod_params=None
+                                 mask_mod: Optional[str] = None, mod_params=None,
+                                 seq_lens: Optional[Sequence[int]] = None,
+                                 kv_seq_lens: Optional[Sequence[int]] = None
                                  ) -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
     """softmax(query · keyᵀ · scale + attn_mask) · value on clmha's OpenCL device, as PyTorch's
     ``F.scaled_dot_product_attention`` computes it.
@@ -115,6 +117,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         OpenCL C source strings, not Python callables; their captured tensors are the one float
         array p; the score's derivative is written by hand (without clmha_score_mod_grad the
         backward raises ``clmha.Error`` UNSUPPORTED).
+    :param seq_lens: a packed batch (FlashAttention's ``flash_attn_varlen_func``): query
+        (T, H, D), key and value (T_kv, H_kv, D / D_v), whatever ``layout``, the sequences one
+        after another (T the sum of seq_lens); each attends only within itself; output
+        (T, H, D_v); the lse (H * T,) holds each sequence's (H, L_i) block in turn. No
+        attn_mask, return_weights or kv_cache with it.
+    :param kv_seq_lens: with seq_lens, the key/value lengths; None: seq_lens.
     :returns: the output (..., H, L, D_v) (in the query's layout), or a tuple of it, the lse
         (with ``return_lse``) and the weights (with ``return_weights``), in that order.
 
@@ -141,7 +149,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                 seed=seed, offset=offset, impl=impl, context=context, kv_cache=kv_cache,
                 kv_append=kv_append, layout=layout, window=window, softcap=softcap,
                 alibi=alibi, alibi_slopes=alibi_slopes, sinks=sinks, score_mod=score_mod,
-                mask_mod=mask_mod, mod_params=mod_params)
+                mask_mod=mask_mod, mod_params=mod_params, seq_lens=seq_lens,
+                kv_seq_lens=kv_seq_lens)
     return call.forward(lse=bool(return_lse), weights=bool(return_weights))
 
 
@@ -154,7 +163,9 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
                                           softcap: Optional[float] = None, alibi: bool = False,
                                           alibi_slopes=None, sinks=None,
                                           score_mod: Optional[str] = None,
-                                          mask_mod: Optional[str] = None, mod_params=None):
+                                          mask_mod: Optional[str] = None, mod_params=None,
+                                          seq_lens: Optional[Sequence[int]] = None,
+                                          kv_seq_lens: Optional[Sequence[int]] = None):
     """The gradients of ``scaled_dot_product_attention`` (the same arguments, after
     ``grad_output``, the output's gradient (..., H, L, D_v)): ``(grad_query, grad_key,
     grad_value, grad_attn_mask)``, each in its input's shape; ``grad_attn_mask`` is None unless
@@ -180,11 +191,13 @@ def scaled_dot_product_attention_backward(grad_output, query, key, value, attn_m
     ``clmha_attention_backward``'s (a new pyopencl array), which needs the lse: ``output``
     without ``lse`` is then a ValueError. Without ``output`` the forward runs again first, with its lse
     unless impl is "unfused" or a float mask's gradient is wanted (as the host form does).
-    NumPy arrays take no ``output``/``lse`` (ValueError)."""
+    NumPy arrays take no ``output``/``lse`` (ValueError). ``seq_lens``, ``kv_seq_lens``: a
+    packed batch, as the forward's."""
     call = Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                 seed=seed, offset=offset, impl=impl, context=context, layout=layout,
                 window=window, softcap=softcap, alibi=alibi, alibi_slopes=alibi_slopes,
-                sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_params=mod_params)
+                sinks=sinks, score_mod=score_mod, mask_mod=mask_mod, mod_params=mod_params,
+                seq_lens=seq_lens, kv_seq_lens=kv_seq_lens)
     return call.backward(grad_output, output=output, lse=lse)
 
 

@@ -657,13 +657,14 @@ class _SdpaCall:
 
     def __init__(self, dropout_p, is_causal, scale, enable_gqa, seed, impl, context,
                  kv_cache=None, kv_append=None, window=None, softcap=None, alibi=False,
-                 alibi_slopes=None, score_mod=None, mask_mod=None, mod_params=None):
+                 alibi_slopes=None, score_mod=None, mask_mod=None, mod_params=None,
+                 seq_lens=None, kv_seq_lens=None):
         self.options = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                             enable_gqa=enable_gqa)
         self.extra = dict(seed=seed, offset=0, impl=impl, context=context, kv_cache=kv_cache,
                           kv_append=kv_append, window=window, softcap=softcap, alibi=alibi,
                           alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod,
-                          mod_params=mod_params)
+                          mod_params=mod_params, seq_lens=seq_lens, kv_seq_lens=kv_seq_lens)
         self.grad_enabled = torch.is_grad_enabled()  # when the call is made, outside apply()
 
     def c_call(self, query, key, value, attn_mask, sinks=None) -> _sdpa.Call:
@@ -718,7 +719,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  sinks: Optional[Tensor] = None,
                                  score_mod: Optional[str] = None,
                                  mask_mod: Optional[str] = None,
-                                 mod_params: Optional[Tensor] = None) -> Tensor:
+                                 mod_params: Optional[Tensor] = None,
+                                 seq_lens: Optional[Sequence[int]] = None,
+                                 kv_seq_lens: Optional[Sequence[int]] = None) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` (torch 2.5's signature and
     semantics) computed by clmha on its OpenCL device, with clmha's backward pass as its
     gradient.
@@ -763,6 +766,11 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     or not 1-D raise TypeError / ValueError. Differences from FlexAttention: OpenCL C source
     strings instead of Python callables, one float array p instead of captured tensors, and
     the score's derivative written by the user; the reads of p are not bounds-checked.
+
+    Packed batches (FlashAttention's ``flash_attn_varlen_func``): with ``seq_lens`` (and
+    ``kv_seq_lens``, default ``seq_lens``) query is (T, H, D), key and value (T_kv, H_kv, D /
+    D_v), the sequences one after another, each attending only within itself; the output is
+    (T, H, D_v). No attn_mask with it. Gradients as for the padded call.
 
     KV cache (incremental decoding, as FlashAttention's ``flash_attn_with_kvcache``): with
     ``kv_cache=clmha.KVCache.for_attention(N, H_kv, D, capacity)``, key and value are the new
@@ -825,7 +833,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
     call = _SdpaCall(dropout_p, bool(is_causal), scale, bool(enable_gqa), seed, impl, context,
                      kv_cache, kv_append, window, softcap, alibi, alibi_slopes, score_mod,
-                     mask_mod, mod_params)
+                     mask_mod, mod_params, seq_lens, kv_seq_lens)
     grad = call.grad_enabled and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_mask, sinks))
     if grad and kv_cache is not None:

@@ -160,3 +160,104 @@ def test_refusals(ctx, rng):
         cm(nq, nq, nq)
     with pytest.raises(TypeError, match="all be NestedTensors"):
         cm(nq, qt, qt, need_weights=False)
+
+
+# ---- attention as a function -------------------------------------------------------------------
+
+def sdpa_per_sequence(q, k, v, lens, kv_lens, is_causal=False, sinks=None):
+    """Float64 (output, lse blocks) of a packed call: one SDPA per sequence ((L, H, D) rows
+    as (H, L, D)), written out (torch 1.13 has no F.scaled_dot_product_attention)."""
+    outs, lses, q0, k0 = [], [], 0, 0
+    h, kvh = q.shape[1], k.shape[1]
+    for L, S in zip(lens, kv_lens):
+        if L:
+            qi = q[q0:q0 + L].transpose(0, 1)
+            ki = k[k0:k0 + S].transpose(0, 1).repeat_interleave(h // kvh, 0)
+            vi = v[k0:k0 + S].transpose(0, 1).repeat_interleave(h // kvh, 0)
+            s = qi @ ki.transpose(-2, -1) / np.sqrt(q.shape[-1])
+            if is_causal:
+                s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
+            if sinks is not None:
+                s = torch.cat([s, sinks.reshape(h, 1, 1).expand(h, L, 1)], -1)
+            lse = torch.logsumexp(s, -1)
+            p = torch.exp(s - lse[..., None])[..., :S]
+            outs.append((p @ vi).transpose(0, 1))
+            lses.append(lse.reshape(-1))
+        q0, k0 = q0 + L, k0 + S
+    return torch.cat(outs), torch.cat(lses)
+
+
+def test_numpy_sdpa_packed(ctx, rng):
+    import clmha.numpy as cn
+
+    lens, kv = [4, 0, 7, 2], [3, 5, 7, 6]
+    q = randn(rng, sum(lens), 4, 8)
+    k, v = randn(rng, sum(kv), 2, 8), randn(rng, sum(kv), 2, 6)
+    sinks = randn(rng, 4)
+    out, lse = cn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                               seq_lens=lens, kv_seq_lens=kv, sinks=sinks,
+                                               return_lse=True, context=ctx)
+    t = lambda a: torch.from_numpy(a).double().requires_grad_(True)  # noqa: E731
+    qt, kt, vt, st = t(q), t(k), t(v), t(sinks)
+    want, want_lse = sdpa_per_sequence(qt, kt, vt, lens, kv, True, st)
+    assert out.shape == (sum(lens), 4, 6) and lse.shape == (4 * sum(lens),)
+    assert record("packed sdpa forward", max_err(out, want.detach())) <= TOL
+    assert record("packed sdpa lse", max_err(lse, want_lse.detach())) <= TOL
+    gy = randn(rng, *out.shape)
+    grads = cn.scaled_dot_product_attention_backward(
+        gy, q, k, v, is_causal=True, enable_gqa=True, seq_lens=lens, kv_seq_lens=kv,
+        sinks=sinks, context=ctx)
+    (want * torch.from_numpy(gy).double()).sum().backward()
+    for name, got, ref in (("query", grads[0], qt.grad), ("key", grads[1], kt.grad),
+                           ("value", grads[2], vt.grad), ("sinks", grads[4], st.grad)):
+        err = max_err(got, ref) / (1 + ref.abs().max().item())
+        assert record(f"packed sdpa grad {name}", err) <= TOL, name
+
+
+def test_torch_sdpa_packed(ctx, rng):
+    lens = [5, 3]
+    q = torch.from_numpy(randn(rng, 8, 2, 8)).requires_grad_(True)
+    k = torch.from_numpy(randn(rng, 8, 2, 8)).requires_grad_(True)
+    v = torch.from_numpy(randn(rng, 8, 2, 8)).requires_grad_(True)
+    out = ct.scaled_dot_product_attention(q, k, v, is_causal=True, seq_lens=lens, context=ctx)
+    q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
+    want, _ = sdpa_per_sequence(q64, k64, v64, lens, lens, True)
+    assert record("packed torch sdpa", max_err(out.detach(), want.detach())) <= TOL
+    out.sum().backward()
+    want.sum().backward()
+    for got, ref in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert max_err(got, ref) / (1 + ref.abs().max().item()) <= TOL
+    with pytest.raises(ValueError, match="attn_mask"):
+        ct.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), seq_lens=lens,
+                                        attn_mask=torch.ones(8, 8, dtype=torch.bool),
+                                        context=ctx)
+
+
+def test_pyopencl_sdpa_packed(pcl, rng):
+    """The device form on pyopencl arrays: forward with lse, then the backward from them (the
+    fused core's), the sinks' gradient summed over the sequences on the device."""
+    import clmha.numpy as cn
+    import pyopencl.array as cla
+
+    _, queue, cctx = pcl
+    lens, kv = [3, 6, 0], [5, 4, 2]
+    q = randn(rng, sum(lens), 2, 8)
+    k, v = randn(rng, sum(kv), 2, 8), randn(rng, sum(kv), 2, 8)
+    sinks, gy = randn(rng, 2), randn(rng, sum(lens), 2, 8)
+    dev = [cla.to_device(queue, a) for a in (q, k, v, sinks, gy)]
+    out, lse = cn.scaled_dot_product_attention(dev[0], dev[1], dev[2], seq_lens=lens,
+                                               kv_seq_lens=kv, sinks=dev[3], return_lse=True,
+                                               context=cctx)
+    grads = cn.scaled_dot_product_attention_backward(
+        dev[4], dev[0], dev[1], dev[2], seq_lens=lens, kv_seq_lens=kv, sinks=dev[3],
+        output=out, lse=lse, context=cctx)
+    t = lambda a: torch.from_numpy(a).double().requires_grad_(True)  # noqa: E731
+    qt, kt, vt, st = t(q), t(k), t(v), t(sinks)
+    want, want_lse = sdpa_per_sequence(qt, kt, vt, lens, kv, False, st)
+    assert max_err(out.get(), want.detach()) <= TOL
+    assert max_err(lse.get(), want_lse.detach()) <= TOL
+    (want * torch.from_numpy(gy).double()).sum().backward()
+    for got, ref in ((grads[0], qt.grad), (grads[1], kt.grad), (grads[2], vt.grad),
+                     (grads[4], st.grad)):
+        err = max_err(got.get(), ref) / (1 + ref.abs().max().item())
+        assert record("packed sdpa pyopencl grad", err) <= TOL
