@@ -454,7 +454,7 @@ def test_signature_is_torchs():
     assert names == ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
                      "enable_gqa", "impl", "context", "kv_cache", "kv_append", "window",
                      "softcap", "alibi", "alibi_slopes", "sinks", "score_mod", "mask_mod",
-                     "mod_params"]
+                     "mod_params", "seq_lens", "kv_seq_lens"]
     params = inspect.signature(ct.scaled_dot_product_attention).parameters
     assert [params[n].default for n in names[3:8]] == [None, 0.0, False, None, False]
     for n in names[8:]:
