@@ -1559,6 +1559,18 @@ CLMHA_API clmha_status clmha_layer_forward_host_f64(clmha_layer *layer,
 /// leaves them unchanged. A cache belongs to the layer it was made for (or, made by
 /// clmha_kv_cache_create_for(), to attention as a function on its context) and must not be
 /// used by two threads at once.
+///
+/// **Paged caches** (clmha_kv_cache_create_with(), ::clmha_kv_cache_options::page_size; vLLM's
+/// PagedAttention): the keys and values live in pages of P tokens drawn from a pool that the
+/// cache's sequences share. A sequence takes pages as it grows (an append takes them before
+/// anything is enqueued; a pool without enough free pages refuses the call with
+/// ::CLMHA_OUT_OF_MEMORY and changes nothing) and gives them back on clmha_kv_cache_truncate()
+/// and clmha_kv_cache_reset(): the capacity is the pool's, not a per-sequence maximum.
+/// clmha_kv_cache_fork() makes one sequence share another's pages (a common prompt for
+/// parallel sampling or beam search); a shared page is copied only when a sequence appends into
+/// it while it is partly filled and still shared (copy on write). The decode core reads the
+/// pages where they are, through a page table: a paged cache gives bit-identical results to a
+/// contiguous one.
 
 /// Makes an empty cache for forward calls of @p layer.
 /// @param[out] out       the new cache, or NULL on failure
@@ -1618,10 +1630,71 @@ CLMHA_API clmha_status clmha_kv_cache_truncate(clmha_kv_cache *cache, const size
 CLMHA_API clmha_status clmha_kv_cache_lengths(const clmha_kv_cache *cache, size_t *lengths,
                                               size_t count);
 
+/// How a cache is made (clmha_kv_cache_create_with(), clmha_kv_cache_create_for_with()).
+/// Zero-initialise with struct_size set (see ::CLMHA_STRUCT_INIT).
+typedef struct clmha_kv_cache_options {
+    size_t struct_size;  ///< sizeof(clmha_kv_cache_options)
+    /// Contiguous (page_size 0): the most tokens each sequence may hold, as
+    /// clmha_kv_cache_create()'s capacity. Paged: 0 (the capacity is the pool).
+    size_t capacity;
+    /// Paged: tokens per page, a power of two from 16 (the decode core's key blocks are 16
+    /// tokens); 0: a contiguous cache.
+    size_t page_size;
+    /// Paged: the pages of the pool, shared by the sequences (at least 1; a sequence holds at
+    /// most num_pages * page_size tokens, fewer than 2^32).
+    size_t num_pages;
+} clmha_kv_cache_options;
+
+/// Makes an empty cache for forward calls of @p layer, contiguous or paged as @p options says.
+/// @param[out] out      the new cache, or NULL on failure
+/// @param[in]  layer    the layer whose calls will use it
+/// @param[in]  batch    N, the sequences
+/// @param[in]  options  struct_size set; capacity, or page_size and num_pages
+/// @return as clmha_kv_cache_create(), and ::CLMHA_INVALID_ARGUMENT for a page_size that is not
+///         a power of two from 16, or a capacity given with it
+CLMHA_API clmha_status clmha_kv_cache_create_with(clmha_kv_cache **out, clmha_layer *layer,
+                                                  size_t batch,
+                                                  const clmha_kv_cache_options *options);
+
+/// clmha_kv_cache_create_for() with @p options (a paged cache for attention as a function).
+/// @param[out] out       the new cache, or NULL on failure
+/// @param[in]  ctx       the context
+/// @param[in]  batch     N, the sequences
+/// @param[in]  kv_heads  H_kv
+/// @param[in]  head_dim  D
+/// @param[in]  options   as clmha_kv_cache_create_with()'s
+/// @return as clmha_kv_cache_create_with()
+CLMHA_API clmha_status clmha_kv_cache_create_for_with(clmha_kv_cache **out, clmha_context *ctx,
+                                                      size_t batch, size_t kv_heads,
+                                                      size_t head_dim,
+                                                      const clmha_kv_cache_options *options);
+
+/// Makes sequence @p dst of a paged cache hold what sequence @p src holds, sharing its pages
+/// (dst's own pages are given back first): a common prompt decoded once, then continued
+/// differently (parallel sampling, beam search). A page stays shared until a sequence appends
+/// into it while it is partly filled: that sequence's call copies it first (copy on write).
+/// Nothing is enqueued. @p src == @p dst changes nothing.
+/// @param[in] cache  a paged cache
+/// @param[in] src    the sequence whose tokens are shared
+/// @param[in] dst    the sequence that takes them
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, a sequence past the batch),
+///         ::CLMHA_UNSUPPORTED (a contiguous cache)
+CLMHA_API clmha_status clmha_kv_cache_fork(clmha_kv_cache *cache, size_t src, size_t dst);
+
+/// A paged cache's pages.
+/// @param[in]  cache       the cache
+/// @param[out] page_size   tokens per page (0 for a contiguous cache) (may be NULL)
+/// @param[out] num_pages   the pool's pages (the batch for a contiguous cache) (may be NULL)
+/// @param[out] free_pages  pages no sequence holds (0 for a contiguous cache) (may be NULL)
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p cache NULL)
+CLMHA_API clmha_status clmha_kv_cache_pages(const clmha_kv_cache *cache, size_t *page_size,
+                                            size_t *num_pages, size_t *free_pages);
+
 /// The capacity and batch the cache was made with.
 /// @param[in]  cache     the cache
 /// @param[out] batch     its batch (may be NULL)
-/// @param[out] capacity  its capacity in tokens per sequence (may be NULL)
+/// @param[out] capacity  its capacity in tokens per sequence (may be NULL); a paged cache's is
+///                       the pool's, num_pages * page_size
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p cache NULL)
 CLMHA_API clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *batch,
                                            size_t *capacity);

@@ -7,9 +7,11 @@
 //
 // Layouts: the queries, new keys and values in the projected rows (in_proj_bias not added),
 // token t of sequence n in row n*T + t (batch_first) or t*N + n; the result merged rows
-// (N*L, E) in the query's row order; the cache vc (N*KVH, CAP, HD) and kc the same size in
-// blocks of BKEYS transposed keys; CAP a multiple of BKEYS; lens (N, 2) uint: each sequence's
-// length before and after this call. Query head h reads KV head h / G (grouped-query attention: G
+// (N*L, E) in the query's row order; the cache in pages of PS positions (a multiple of BKEYS):
+// page pg holds vc (KVH, PS, HD) from vc + pg*KVH*PS*HD and kc the same size in blocks of
+// BKEYS transposed keys; sequence n's position j is in page pages[n*pages_ld + j/PS] (a
+// contiguous cache: one page per sequence, page n); lens (N, 2) uint: each sequence's length
+// before and after this call. Query head h reads KV head h / G (grouped-query attention: G
 // query heads per KV head; G 1 is plain multi-head attention): each work-item of decode_partial
 // holds the G query rows of a group and reads every key and value of its range once for all
 // of them. Its scores need no sum across vector lanes: a key block's dimension c is one
@@ -116,31 +118,42 @@ kernel void decode_zero(global float *kc, ulong count) {
     if (gid < count) kc[gid] = 0.0f;
 }
 
+// Where position j of key/value head kh of sequence n starts in the cache (floats / HD): its
+// page's (KVH, PS) block of that head, the position within the page.
+inline ulong cache_at(global const uint *pages, ulong pages_ld, ulong psize, ulong kv_heads,
+                      ulong n, ulong kh, ulong j) {
+    ulong pg = pages[n * pages_ld + j / psize];
+    return (pg * kv_heads + kh) * psize + j % psize;
+}
+
 // Copies the first new - old of each sequence's S new keys and values, in_proj_bias added, from
 // the projected rows to positions old, old+1, ... of the cache. One work-item per new row of a
 // key/value head (N*KVH*S of them). proj holds the rows as the input projection wrote them:
 // token t of sequence n is row n*S + t (batch_first) or t*N + n, key head kh's HD columns start
 // at k_at + row * k_ld + kh*HD (values: v_at, v_ld); bias (has_bias) is in_proj_bias, whose key
 // part starts at kb_at and value part at vb_at. Values are stored row by row; keys in blocks
-// of BKEYS positions, transposed: block b of a (sequence, KV head) holds dimension c of its
-// keys at kc[((bkv * cap / BKEYS + b) * HD + c) * BKEYS + position % BKEYS] (cap, the positions
-// per (sequence, KV head), is a multiple of BKEYS), so that decode_partial scores a block's keys
-// as one BKEYS-lane vector with no sum across lanes.
+// of BKEYS positions, transposed: the block of a (page, KV head) that holds position j holds
+// dimension c of its keys at kc[(b0 * HD + c) * BKEYS + j % BKEYS], b0 the block's first
+// position's cache_at(), so that decode_partial scores a block's keys as one BKEYS-lane vector
+// with no sum across lanes (a page's positions are a multiple of BKEYS: no block straddles two
+// pages).
 kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulong v_at,
                           ulong v_ld, global const float *bias, uint has_bias, ulong kb_at,
                           ulong vb_at, global float *kc, global float *vc,
-                          global const uint *lens, ulong n_batch, uint batch_first,
-                          ulong src_len, ulong kv_heads, ulong cap, ulong rows) {
+                          global const uint *lens, global const uint *pages, ulong pages_ld,
+                          ulong psize, ulong n_batch, uint batch_first, ulong src_len,
+                          ulong kv_heads, ulong rows) {
     ulong gid = get_global_id(0);
     if (gid >= rows) return;
     ulong t = gid % src_len, bkv = gid / src_len, n = bkv / kv_heads, kh = bkv % kv_heads;
     uint old = lens[2 * n], now = lens[2 * n + 1];
     if (t >= (ulong)(now - old)) return;
     ulong pos = old + t, row = token_row(n, t, n_batch, src_len, batch_first);
+    ulong at = cache_at(pages, pages_ld, psize, kv_heads, n, kh, pos);
     global const float *ks = proj + k_at + row * k_ld + kh * HD;
     global const float *vs = proj + v_at + row * v_ld + kh * HD;
-    global float *vd = vc + (bkv * cap + pos) * HD;
-    global float *kd = kc + (bkv * cap + pos - pos % BKEYS) * HD + pos % BKEYS;
+    global float *vd = vc + at * HD;
+    global float *kd = kc + (at - pos % BKEYS) * HD + pos % BKEYS;
     if (has_bias) {
         global const float *kb = bias + kb_at + kh * HD, *vb = bias + vb_at + kh * HD;
         for (uint c = 0; c < HD; ++c) vd[c] = vs[c] + vb[c];
@@ -162,8 +175,9 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
 kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                            global const float *bias, uint has_bias, ulong n_batch,
                            uint batch_first, global const float *kc, global const float *vc,
-                           global const uint *lens, ulong tgt_len, ulong n_heads,
-                           ulong kv_heads, ulong cap, uint parts, uint causal, long win_left,
+                           global const uint *lens, global const uint *pages, ulong pages_ld,
+                           ulong psize, ulong tgt_len, ulong n_heads,
+                           ulong kv_heads, uint parts, uint causal, long win_left,
                            long win_right, float scale, float softcap,
                            global const float *alibi_slopes, ulong alibi_off,
                            global const float *mod_p, ulong mod_off, global float *part_acc,
@@ -202,9 +216,10 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         m[g] = -INFINITY;
         sv[g] = (float16)(0.0f);
     }
-    global const float16 *kb = (global const float16 *)(kc + bkv * cap * HD);
-    global const float *vb = vc + bkv * cap * HD;
     for (ulong jb = j0; jb < j1; jb += BKEYS) {
+        // The block's place in its page: its keys' vectors from kc + at*HD, key jb + u's value
+        // row at vc + (at + u)*HD.
+        ulong at = cache_at(pages, pages_ld, psize, kv_heads, n, kvh, jb);
         // Lanes skip ... cnt - 1 of the block are keys the row sees (skip > 0 only in the
         // block of `start`, which part 0 begins with and holds a key of: skip < cnt).
         uint cnt = (uint)min((ulong)BKEYS, j1 - jb), skip = jb < start ? (uint)(start - jb) : 0;
@@ -212,7 +227,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         // vector of the block's keys is read once for the G query heads. The dimensions go
         // round SPLIT sets of sums, so that G * SPLIT independent FMA chains hide the FMA's
         // latency (one chain per head made a head's 64 FMAs wait on each other).
-        global const float16 *kt = kb + jb / BKEYS * HD;
+        global const float16 *kt = (global const float16 *)(kc + at * HD);
         float16 sp[SPLIT][G];
         _Pragma("unroll")
         for (uint t = 0; t < SPLIT; ++t) {
@@ -310,7 +325,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                 for (uint c = 0; c < HV; ++c) a[gg][c] = acc[g0 + gg][c] * corr[g0 + gg];
             }
             for (uint u = skip; u < cnt; ++u) {
-                global const VT *vr = (global const VT *)(vb + (jb + u) * HD);
+                global const VT *vr = (global const VT *)(vc + (at + u) * HD);
                 UNROLL
                 for (uint c = 0; c < HV; ++c) {
                     VT x = vr[c];

@@ -28,6 +28,7 @@
     CLMHA__SIZE_THROUGH(clmha_reference_params, out_proj_weight)
 #define CLMHA__MIN_clmha_tune_options sizeof(size_t)  // every option is optional
 #define CLMHA__MIN_clmha_load_options sizeof(size_t)  // every option is optional
+#define CLMHA__MIN_clmha_kv_cache_options CLMHA__SIZE_THROUGH(clmha_kv_cache_options, num_pages)
 #define CLMHA__MIN_clmha_backward_args CLMHA__SIZE_THROUGH(clmha_backward_args, grad_output)
 #define CLMHA__MIN_clmha_reference_grads sizeof(size_t)  // every gradient is optional
 // Structs the library fills: the first field past struct_size, at least.

@@ -4,6 +4,7 @@
 #include "cache/kv_cache.h"
 
 #include "base/checked.h"
+#include "base/struct_in.h"
 #include "context/context.h"
 #include "device/held.h"
 
@@ -11,46 +12,101 @@
 #include <stdlib.h>
 #include <string.h>
 
-// Each buffer's floats: batch · kv_heads · stride · D, checked for overflow and against the
-// device's largest allocation (@p stride: the capacity rounded up to the decode core's key
-// blocks).
-static clmha_status cache_floats(const clmha_context *ctx, size_t batch, size_t heads,
-                                 size_t capacity, size_t stride, size_t d, size_t *floats) {
+// Each buffer's floats: pages · kv_heads · page_size · D, checked for overflow and against the
+// device's largest allocation.
+static clmha_status cache_floats(const clmha_context *ctx, size_t pages, size_t heads,
+                                 size_t page_size, size_t d, size_t *floats) {
     size_t x, bytes;
     *floats = 0;
-    if (!clmha__mul3(batch, heads, stride, &x) || !clmha__mul(x, d, floats) ||
+    if (!clmha__mul3(pages, heads, page_size, &x) || !clmha__mul(x, d, floats) ||
         !clmha__mul(*floats, sizeof(float), &bytes))
         return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW,
-                           "a KV cache of batch %zu, capacity %zu, %zu heads of %zu floats "
+                           "a KV cache of %zu pages of %zu tokens, %zu heads of %zu floats "
                            "overflows size_t",
-                           batch, capacity, heads, d);
+                           pages, page_size, heads, d);
     if (bytes > clmha__max_alloc(ctx))
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
-                           "a KV cache of batch %zu, capacity %zu needs two buffers of %zu bytes; "
-                           "the device's largest allocation is %llu bytes",
-                           batch, capacity, bytes, (unsigned long long)clmha__max_alloc(ctx));
+                           "a KV cache of %zu pages of %zu tokens needs two buffers of %zu "
+                           "bytes; the device's largest allocation is %llu bytes",
+                           pages, page_size, bytes, (unsigned long long)clmha__max_alloc(ctx));
     return CLMHA_SUCCESS;
 }
 
+// The options of a new cache checked, into page size and pages (contiguous: the capacity rounded
+// up to the decode kernels' key blocks of 16, one page per sequence).
+static clmha_status check_options(clmha_context *ctx, size_t batch,
+                                  const clmha_kv_cache_options *o, size_t *page_size,
+                                  size_t *pages) {
+    if (!batch)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "a KV cache needs a batch of at least 1");
+    if (!o->page_size) {
+        if (!o->capacity || o->num_pages)
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                               o->num_pages ? "num_pages is for a paged cache: set page_size too"
+                                            : "a KV cache needs a capacity of at least 1");
+        if (o->capacity > UINT32_MAX - 1)
+            return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                               "capacity %zu: a KV cache holds fewer than 2^32 tokens per "
+                               "sequence", o->capacity);
+        *page_size = (o->capacity + 15) / 16 * 16;
+        *pages = batch;
+        return CLMHA_SUCCESS;
+    }
+    if (o->page_size < 16 || (o->page_size & (o->page_size - 1)) || o->page_size > (1u << 30))
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "page_size %zu: a page holds a power of two of tokens from 16 to 2^30 "
+                           "(the decode core reads keys in blocks of 16)", o->page_size);
+    if (o->capacity)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "capacity %zu with page_size: a paged cache's capacity is its pool "
+                           "(num_pages * page_size); leave capacity 0", o->capacity);
+    if (!o->num_pages || o->num_pages > (UINT32_MAX - 1) / o->page_size)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "num_pages %zu: a paged cache needs at least one page, and fewer than "
+                           "2^32 tokens in all", o->num_pages);
+    *page_size = o->page_size;
+    *pages = o->num_pages;
+    return CLMHA_SUCCESS;
+}
+
+// A paged cache's bookkeeping: an empty table, no page held, every page free.
+static bool pages_make(clmha_kv_cache *c) {
+    size_t entries;
+    if (!clmha__mul(c->batch, c->num_pages, &entries)) return false;
+    c->table = calloc(entries ? entries : 1, sizeof *c->table);
+    c->refs = calloc(c->num_pages, sizeof *c->refs);
+    c->free_pages = malloc(c->num_pages * sizeof *c->free_pages);
+    if (!c->table || !c->refs || !c->free_pages) return false;
+    for (size_t p = 0; p < c->num_pages; ++p)  // taken from the end: page 0 first
+        c->free_pages[p] = (cl_uint)(c->num_pages - 1 - p);
+    c->free_count = c->num_pages;
+    return true;
+}
+
+// A contiguous cache's page table on the device: page n for sequence n.
+static clmha_status identity_make(clmha_kv_cache *c) {
+    cl_uint *ids = malloc(c->batch * sizeof *ids);
+    if (!ids) return clmha__fail(c->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    for (size_t n = 0; n < c->batch; ++n) ids[n] = (cl_uint)n;
+    cl_int err;
+    c->identity = clCreateBuffer(c->ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                                 c->batch * sizeof *ids, ids, &err);
+    clmha__held_new(CLMHA__HELD_MEM, c->identity);
+    free(ids);
+    return err ? clmha__cl_fail(c->ctx, err, "clCreateBuffer(KV cache page table)")
+               : CLMHA_SUCCESS;
+}
+
 // A new cache of @p kv_heads heads of @p head_dim floats on @p ctx, for @p layer (NULL: for
-// attention as a function).
+// attention as a function), as @p o says (checked).
 static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
                                const clmha_layer *layer, size_t batch, size_t kv_heads,
-                               size_t head_dim, size_t capacity) {
-    if (!batch || !capacity)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "a KV cache needs a batch and a capacity of at least 1 (batch %zu, "
-                           "capacity %zu)",
-                           batch, capacity);
-    if (capacity > UINT32_MAX - 1)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "capacity %zu: a KV cache holds fewer than 2^32 tokens per sequence",
-                           capacity);
-    // The decode kernels read the keys in blocks of 16 positions (cl/cores/decode.cl), the last
-    // one whole.
-    size_t floats = 0, stride = (capacity + 15) / 16 * 16;
-    clmha_status st = cache_floats(ctx, batch, kv_heads, capacity, stride, head_dim, &floats);
-    if (st) return st;
+                               size_t head_dim, const clmha_kv_cache_options *o) {
+    size_t page_size = 0, pages = 0, floats = 0;
+    clmha_status st;
+    if ((st = check_options(ctx, batch, o, &page_size, &pages)) ||
+        (st = cache_floats(ctx, pages, kv_heads, page_size, head_dim, &floats)))
+        return st;
     clmha_kv_cache *c = calloc(1, sizeof *c);
     size_t *len = calloc(batch, sizeof *len);
     if (!c || !len) {
@@ -58,10 +114,20 @@ static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
         free(len);
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     }
-    *c = (clmha_kv_cache){.ctx = ctx, .layer = layer, .batch = batch, .capacity = capacity,
-                          .kv_heads = kv_heads, .head_dim = head_dim, .stride = stride,
-                          .len = len};
+    bool paged = o->page_size != 0;
+    *c = (clmha_kv_cache){.ctx = ctx, .layer = layer, .batch = batch,
+                          .capacity = paged ? pages * page_size : o->capacity,
+                          .kv_heads = kv_heads, .head_dim = head_dim, .paged = paged,
+                          .page_size = page_size, .num_pages = pages, .len = len};
     clmha_context_retain(ctx);
+    if (paged && !pages_make(c)) {
+        clmha_kv_cache_release(c);
+        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (page table)");
+    }
+    if (!paged && (st = identity_make(c))) {
+        clmha_kv_cache_release(c);
+        return st;
+    }
     cl_int err;
     c->k = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, floats * sizeof(float), NULL, &err);
     clmha__held_new(CLMHA__HELD_MEM, c->k);
@@ -69,9 +135,8 @@ static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
         c->v = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, floats * sizeof(float), NULL, &err);
         clmha__held_new(CLMHA__HELD_MEM, c->v);
     }
-    const char *what = "clCreateBuffer(KV cache)";
     if (err != CL_SUCCESS) {
-        st = clmha__cl_fail(ctx, err, what);
+        st = clmha__cl_fail(ctx, err, "clCreateBuffer(KV cache)");
         clmha_kv_cache_release(c);
         return st;
     }
@@ -80,44 +145,114 @@ static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
     return CLMHA_SUCCESS;
 }
 
-clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, size_t batch,
-                                   size_t capacity) {
+clmha_status clmha_kv_cache_create_with(clmha_kv_cache **out, clmha_layer *layer, size_t batch,
+                                        const clmha_kv_cache_options *options) {
     if (out) *out = NULL;
-    if (!out || !layer)
-        return clmha__fail(layer ? layer->ctx : NULL, CLMHA_INVALID_ARGUMENT,
-                           "%s is NULL", out ? "layer" : "out");
+    if (!out || !layer || !options)
+        return clmha__fail(layer ? layer->ctx : NULL, CLMHA_INVALID_ARGUMENT, "%s is NULL",
+                           !out ? "out" : !layer ? "layer" : "options");
+    clmha_kv_cache_options o;
+    char msg[256];
+    clmha_status st = CLMHA__STRUCT_IN(clmha_kv_cache_options, &o, options, "options", msg,
+                                       sizeof msg);
+    if (st) return clmha__fail(layer->ctx, st, "%s", msg);
     if (layer->desc.dtype == CLMHA_DTYPE_F64)
         return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
                            "a float64 layer (CLMHA_DTYPE_F64) has no KV cache yet");
-    return cache_make(out, layer->ctx, layer, batch, layer->kvh, layer->d, capacity);
+    return cache_make(out, layer->ctx, layer, batch, layer->kvh, layer->d, &o);
 }
 
-clmha_status clmha_kv_cache_create_for(clmha_kv_cache **out, clmha_context *ctx, size_t batch,
-                                       size_t kv_heads, size_t head_dim, size_t capacity) {
+clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer, size_t batch,
+                                   size_t capacity) {
+    clmha_kv_cache_options o = {.struct_size = sizeof o, .capacity = capacity};
+    return clmha_kv_cache_create_with(out, layer, batch, &o);
+}
+
+clmha_status clmha_kv_cache_create_for_with(clmha_kv_cache **out, clmha_context *ctx,
+                                            size_t batch, size_t kv_heads, size_t head_dim,
+                                            const clmha_kv_cache_options *options) {
     if (out) *out = NULL;
-    if (!out || !ctx)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is NULL", out ? "ctx" : "out");
+    if (!out || !ctx || !options)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "%s is NULL",
+                           !out ? "out" : !ctx ? "ctx" : "options");
     if (!kv_heads || !head_dim)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "a KV cache needs key/value heads and a head dimension of at least 1 "
                            "(kv_heads %zu, head_dim %zu)",
                            kv_heads, head_dim);
-    return cache_make(out, ctx, NULL, batch, kv_heads, head_dim, capacity);
+    clmha_kv_cache_options o;
+    char msg[256];
+    clmha_status st = CLMHA__STRUCT_IN(clmha_kv_cache_options, &o, options, "options", msg,
+                                       sizeof msg);
+    if (st) return clmha__fail(ctx, st, "%s", msg);
+    return cache_make(out, ctx, NULL, batch, kv_heads, head_dim, &o);
+}
+
+clmha_status clmha_kv_cache_create_for(clmha_kv_cache **out, clmha_context *ctx, size_t batch,
+                                       size_t kv_heads, size_t head_dim, size_t capacity) {
+    clmha_kv_cache_options o = {.struct_size = sizeof o, .capacity = capacity};
+    return clmha_kv_cache_create_for_with(out, ctx, batch, kv_heads, head_dim, &o);
 }
 
 void clmha_kv_cache_release(clmha_kv_cache *cache) {
     if (!cache) return;
     clmha__release_mem(cache->k);
     clmha__release_mem(cache->v);
+    clmha__release_mem(cache->identity);
     free(cache->len);
+    free(cache->table);
+    free(cache->refs);
+    free(cache->free_pages);
     clmha_context *ctx = cache->ctx;
     free(cache);
     clmha_context_release(ctx);
 }
 
+// The pages of a paged cache's sequence @p n from its page @p keep on, given back (a page no
+// sequence holds any more goes to the free list).
+static void pages_drop(clmha_kv_cache *c, size_t n, size_t keep) {
+    size_t held = (c->len[n] + c->page_size - 1) / c->page_size;
+    for (size_t i = keep; i < held; ++i) {
+        cl_uint p = c->table[n * c->num_pages + i];
+        if (--c->refs[p] == 0) c->free_pages[c->free_count++] = p;
+    }
+}
+
 clmha_status clmha_kv_cache_reset(clmha_kv_cache *cache) {
     if (!cache) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "cache is NULL");
+    for (size_t n = 0; cache->paged && n < cache->batch; ++n) pages_drop(cache, n, 0);
     memset(cache->len, 0, cache->batch * sizeof *cache->len);
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_kv_cache_fork(clmha_kv_cache *cache, size_t src, size_t dst) {
+    if (!cache) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "cache is NULL");
+    if (src >= cache->batch || dst >= cache->batch)
+        return clmha__fail(cache->ctx, CLMHA_INVALID_ARGUMENT,
+                           "fork: sequences %zu and %zu of a cache of %zu", src, dst,
+                           cache->batch);
+    if (!cache->paged)
+        return clmha__fail(cache->ctx, CLMHA_UNSUPPORTED,
+                           "fork shares pages: make the cache paged (clmha_kv_cache_create_with(),"
+                           " page_size)");
+    if (src == dst) return CLMHA_SUCCESS;
+    pages_drop(cache, dst, 0);
+    size_t held = (cache->len[src] + cache->page_size - 1) / cache->page_size;
+    for (size_t i = 0; i < held; ++i) {
+        cl_uint p = cache->table[src * cache->num_pages + i];
+        cache->table[dst * cache->num_pages + i] = p;
+        ++cache->refs[p];
+    }
+    cache->len[dst] = cache->len[src];
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha_kv_cache_pages(const clmha_kv_cache *cache, size_t *page_size,
+                                  size_t *num_pages, size_t *free_pages) {
+    if (!cache) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "cache is NULL");
+    if (page_size) *page_size = cache->paged ? cache->page_size : 0;
+    if (num_pages) *num_pages = cache->num_pages;
+    if (free_pages) *free_pages = cache->paged ? cache->free_count : 0;
     return CLMHA_SUCCESS;
 }
 
@@ -138,6 +273,8 @@ clmha_status clmha_kv_cache_truncate(clmha_kv_cache *cache, const size_t *length
             return clmha__fail(cache->ctx, CLMHA_INVALID_ARGUMENT,
                                "truncate: sequence %zu holds %zu tokens, cannot grow to %zu",
                                n, cache->len[n], lengths[n]);
+    for (size_t n = 0; cache->paged && n < count; ++n)
+        pages_drop(cache, n, (lengths[n] + cache->page_size - 1) / cache->page_size);
     memcpy(cache->len, lengths, count * sizeof *lengths);
     return CLMHA_SUCCESS;
 }
@@ -157,6 +294,58 @@ clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *batch, siz
 }
 
 // ---- one call's plan ----------------------------------------------------------------------------
+
+// A paged cache's pages for @p plan's lengths: each sequence's table row after the call (the
+// pages it holds, a copy for a shared, partly filled last page it appends into, fresh pages
+// for the rest) in plan->rows, taken from the free list tentatively (the cache is unchanged),
+// and the call's table on the device. CLMHA_OUT_OF_MEMORY when the pool has too few free pages.
+static clmha_status plan_pages(clmha_kv_cache *c, clmha__kv_plan *plan) {
+    size_t p = c->page_size, ld = 1, wanted = 0;
+    for (size_t n = 0; n < c->batch; ++n) {
+        size_t need = (plan->new_len[n] + p - 1) / p;
+        ld = need > ld ? need : ld;
+    }
+    plan->pages_ld = ld;
+    plan->rows = calloc(c->batch * ld, sizeof *plan->rows);
+    plan->copies = malloc(2 * c->batch * sizeof *plan->copies);
+    if (!plan->rows || !plan->copies)
+        return clmha__fail(c->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (page table)");
+    for (size_t n = 0; n < c->batch; ++n) {
+        size_t need = (plan->new_len[n] + p - 1) / p, have = (plan->old_len[n] + p - 1) / p;
+        cl_uint *row = plan->rows + n * ld;
+        memcpy(row, c->table + n * c->num_pages, have * sizeof *row);
+        if (have && plan->new_len[n] > plan->old_len[n] && plan->old_len[n] % p) {
+            // Copy on write: the last page is partly filled and another sequence still holds
+            // it (its holders less those this call already copies it away from).
+            size_t holders = c->refs[row[have - 1]];
+            for (size_t j = 0; j < plan->num_copies; ++j)
+                holders -= plan->copies[2 * j] == row[have - 1];
+            if (holders > 1) {
+                cl_uint fresh = ++wanted <= c->free_count
+                                    ? c->free_pages[c->free_count - 1 - plan->taken++]
+                                    : 0;
+                plan->copies[2 * plan->num_copies] = row[have - 1];
+                plan->copies[2 * plan->num_copies++ + 1] = fresh;
+                row[have - 1] = fresh;
+            }
+        }
+        for (size_t i = have; i < need; ++i)
+            row[i] = ++wanted <= c->free_count ? c->free_pages[c->free_count - 1 - plan->taken++]
+                                               : 0;
+    }
+    if (wanted > c->free_count)
+        return clmha__fail(c->ctx, CLMHA_OUT_OF_MEMORY,
+                           "the KV cache's pool is exhausted: the call needs %zu more pages of %zu "
+                           "tokens and %zu of %zu are free (truncate or reset sequences, or make "
+                           "a larger pool); nothing changed",
+                           wanted, p, c->free_count, c->num_pages);
+    cl_int err;
+    plan->pages = clCreateBuffer(c->ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
+                                 c->batch * ld * sizeof *plan->rows, plan->rows, &err);
+    clmha__held_new(CLMHA__HELD_MEM, plan->pages);
+    return err ? clmha__cl_fail(c->ctx, err, "clCreateBuffer(KV cache page table)")
+               : CLMHA_SUCCESS;
+}
 
 clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer, bool function,
                                  size_t n_batch, size_t s, const size_t *appended,
@@ -212,6 +401,8 @@ clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer
         pairs[2 * n + 1] = (cl_uint)(old + add);
         if (old + add > plan->max_new) plan->max_new = old + add;
     }
+    if (!st && cache->paged) st = plan_pages(cache, plan);
+    if (!st && !cache->paged) plan->pages = cache->identity, plan->pages_ld = 1;
     if (!st) {
         cl_int err;
         plan->lens = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
@@ -225,11 +416,25 @@ clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer
 }
 
 void clmha__kv_plan_commit(clmha__kv_plan *plan) {
-    memcpy(plan->cache->len, plan->new_len, plan->cache->batch * sizeof *plan->new_len);
+    clmha_kv_cache *c = plan->cache;
+    if (c->paged) {  // the pages taken now held once, the copied ones once less
+        for (size_t j = 0; j < plan->taken; ++j) c->refs[c->free_pages[c->free_count - 1 - j]] = 1;
+        c->free_count -= plan->taken;
+        for (size_t j = 0; j < plan->num_copies; ++j) --c->refs[plan->copies[2 * j]];
+        for (size_t n = 0; n < c->batch; ++n) {
+            size_t need = (plan->new_len[n] + c->page_size - 1) / c->page_size;
+            memcpy(c->table + n * c->num_pages, plan->rows + n * plan->pages_ld,
+                   need * sizeof *c->table);
+        }
+    }
+    memcpy(c->len, plan->new_len, c->batch * sizeof *plan->new_len);
 }
 
 void clmha__kv_plan_release(clmha__kv_plan *plan) {
     clmha__release_mem(plan->lens);
+    if (plan->cache && plan->cache->paged) clmha__release_mem(plan->pages);
     free(plan->old_len);
+    free(plan->rows);
+    free(plan->copies);
     *plan = (clmha__kv_plan){0};
 }

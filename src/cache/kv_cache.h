@@ -19,24 +19,43 @@ struct clmha_kv_cache {
     const clmha_layer *layer;  // the layer it was made for (identity only: not retained), or
                                // NULL: made for attention as a function
                                // (clmha_kv_cache_create_for())
-    size_t batch, capacity;    // N, tokens per sequence
+    size_t batch, capacity;    // N; tokens per sequence (paged: the pool's tokens)
     size_t kv_heads, head_dim; // heads of the cached keys and values, and their floats
-    size_t stride;             // positions per (sequence, head): capacity rounded up to 16
-    cl_mem k, v;               // (batch, kv_heads, stride, D) floats each: v row by row, k in
-                               // transposed blocks of 16 positions (cl/cores/decode.cl)
+    // The storage: pages of page_size positions, page p holding (kv_heads, page_size, D) floats
+    // of keys from k + p * kv_heads * page_size * D (v likewise): v row by row, k in transposed
+    // blocks of 16 positions (cl/cores/decode.cl). A contiguous cache is one page per sequence,
+    // page n for sequence n, of page_size = the capacity rounded up to 16.
+    bool paged;
+    size_t page_size, num_pages;
+    cl_mem k, v;
     bool keys_zeroed;          // k was zeroed (by the decode core's first call: a key block's
                                // positions past a sequence's length are read, their scores
                                // dropped, so they must never be uninitialised memory)
     size_t *len;               // batch lengths (host bookkeeping)
+    // Paged: table[n * num_pages + i] is sequence n's page i (it holds ceil(len[n] / page_size)
+    // of them), refs[p] the sequences that hold page p, free_pages[0 .. free_count) the pages
+    // none holds. Contiguous: NULL, and identity is the page table the kernels read (page n for
+    // sequence n).
+    cl_uint *table, *refs, *free_pages;
+    size_t free_count;
+    cl_mem identity;
 };
 
 // One call's use of a cache: every sequence's length before and after it, and a buffer of
-// those pairs (cl_uint old, new per sequence) that the decode kernels read.
+// those pairs (cl_uint old, new per sequence) that the decode kernels read; the page table the
+// kernels read (pages_ld entries per sequence); for a paged cache, the pages the call takes
+// (tentatively: the cache changes only on commit) and the copies on write it needs first.
 typedef struct clmha__kv_plan {
     clmha_kv_cache *cache;
     size_t *old_len, *new_len;  // batch entries each (one allocation)
     size_t max_new;             // the longest sequence after the call
     cl_mem lens;                // (batch, 2) cl_uint, made by clmha__kv_plan()
+    cl_mem pages;               // (batch, pages_ld) cl_uint (the cache's identity: not owned)
+    size_t pages_ld;
+    cl_uint *rows;              // paged: the table rows after the call (batch * pages_ld)
+    size_t taken;               // paged: pages taken from the free list
+    cl_uint *copies;            // paged: num_copies (source, destination) pages to copy
+    size_t num_copies;
 } clmha__kv_plan;
 
 // Plans appending @p appended[n] tokens (NULL: @p s of every sequence; each at most @p s) to

@@ -199,6 +199,21 @@ static size_t window_span(const clmha__dims *d, bool causal, size_t longest) {
     return span < longest ? (size_t)span : longest;
 }
 
+// A paged cache's copies on write (clmha__kv_plan::copies): the whole page of keys and of values
+// of each shared, partly filled page a sequence appends into, to the page it takes, before the
+// append writes there.
+static clmha_status copy_on_write(clmha_context *ctx, const clmha__kv_plan *kv) {
+    const clmha_kv_cache *c = kv->cache;
+    size_t bytes = c->kv_heads * c->page_size * c->head_dim * sizeof(float);
+    for (size_t j = 0; j < kv->num_copies; ++j) {
+        size_t from = kv->copies[2 * j] * bytes, to = kv->copies[2 * j + 1] * bytes;
+        cl_int err = clEnqueueCopyBuffer(ctx->queue, c->k, c->k, from, to, bytes, 0, NULL, NULL);
+        if (!err) err = clEnqueueCopyBuffer(ctx->queue, c->v, c->v, from, to, bytes, 0, NULL, NULL);
+        if (err) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(KV cache page)");
+    }
+    return CLMHA_SUCCESS;
+}
+
 static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha__dims *d = call->dims;
     const clmha__kv_plan *kv = call->kv;
@@ -207,9 +222,10 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     state *s;
     clmha_status st = ensure(l, &s);
     if (st) return st;
-    cl_ulong src = d->s, kvh = c->kv_heads, cap = c->stride, heads = l->h, tgt = d->l;
+    cl_ulong src = d->s, kvh = c->kv_heads, psize = c->page_size, heads = l->h, tgt = d->l;
+    cl_ulong pages_ld = kv->pages_ld;
     if (!c->keys_zeroed) {
-        cl_ulong count = c->batch * kvh * cap * l->d;  // fits: the buffer was allocated
+        cl_ulong count = c->num_pages * kvh * psize * l->d;  // fits: the buffer was allocated
         arg args[] = {ARG(c->k), ARG(count)};
         if ((st = clmha__launch(ctx, s->zero, "decode_zero", count, s->wg, args,
                                 sizeof args / sizeof args[0])))
@@ -220,14 +236,15 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_ulong n_batch = d->n, q_at = call->q_at, q_ld = call->q_ld;
     cl_uint batch_first = d->batch_first, has_bias = l->desc.bias;
     cl_mem bias = has_bias ? l->b_in : ctx->dummy;
+    if (call->kv_append && (st = copy_on_write(ctx, kv))) return st;
     if (call->kv_append) {
         cl_ulong rows = d->n * c->kv_heads * d->s;
         cl_ulong k_at = call->k_at, k_ld = call->k_ld, v_at = call->v_at, v_ld = call->v_ld;
         cl_ulong kb_at = l->e, vb_at = l->e + l->kve;
         arg args[] = {ARG(l->proj), ARG(k_at),    ARG(k_ld),    ARG(v_at),    ARG(v_ld),
                       ARG(bias),    ARG(has_bias), ARG(kb_at),  ARG(vb_at),   ARG(c->k),
-                      ARG(c->v),    ARG(kv->lens), ARG(n_batch), ARG(batch_first),
-                      ARG(src),     ARG(kvh),     ARG(cap),     ARG(rows)};
+                      ARG(c->v),    ARG(kv->lens), ARG(kv->pages), ARG(pages_ld), ARG(psize),
+                      ARG(n_batch), ARG(batch_first), ARG(src),     ARG(kvh),     ARG(rows)};
         if ((st = clmha__launch(ctx, s->append, "decode_append", rows, s->wg, args,
                                 sizeof args / sizeof args[0])))
             return st;
@@ -249,8 +266,9 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     {
         arg args[] = {ARG(l->proj),   ARG(q_at),    ARG(q_ld),        ARG(bias),
                       ARG(has_bias),  ARG(n_batch), ARG(batch_first), ARG(c->k),
-                      ARG(c->v),      ARG(kv->lens), ARG(tgt),        ARG(heads),
-                      ARG(kvh),       ARG(cap),     ARG(parts),       ARG(causal),
+                      ARG(c->v),      ARG(kv->lens), ARG(kv->pages),  ARG(pages_ld),
+                      ARG(psize),     ARG(tgt),     ARG(heads),
+                      ARG(kvh),       ARG(parts),       ARG(causal),
                       ARG(win_left),  ARG(win_right), ARG(scale),     ARG(softcap),
                       ARG(m.alibi),   ARG(m.alibi_off), ARG(m.mod_p),    ARG(m.mod_off),
                       ARG(s->part_acc),
