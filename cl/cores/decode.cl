@@ -119,11 +119,15 @@ kernel void decode_zero(global float *kc, ulong count) {
 }
 
 // Where position j of key/value head kh of sequence n starts in the cache (floats / HD): its
-// page's (KVH, PS) block of that head, the position within the page.
-inline ulong cache_at(global const uint *pages, ulong pages_ld, ulong psize, ulong kv_heads,
-                      ulong n, ulong kh, ulong j) {
-    ulong pg = pages[n * pages_ld + j / psize];
-    return (pg * kv_heads + kh) * psize + j % psize;
+// page's (KVH, PS) block of that head, the position within the page. pshift: log2 of a paged
+// cache's page size (a power of two: a shift and a mask, no division, whose 64-bit form cost
+// about what a key block's scores cost); 0 for a contiguous cache, whose page is the sequence's
+// own (page n, psize its capacity rounded up to BKEYS).
+inline ulong cache_at(global const uint *pages, ulong pages_ld, uint pshift, ulong psize,
+                      ulong kv_heads, ulong n, ulong kh, ulong j) {
+    if (!pshift) return (n * kv_heads + kh) * psize + j;
+    ulong pg = pages[n * pages_ld + (j >> pshift)];
+    return ((pg * kv_heads + kh) << pshift) + (j & (psize - 1));
 }
 
 // Copies the first new - old of each sequence's S new keys and values, in_proj_bias added, from
@@ -141,7 +145,8 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
                           ulong v_ld, global const float *bias, uint has_bias, ulong kb_at,
                           ulong vb_at, global float *kc, global float *vc,
                           global const uint *lens, global const uint *pages, ulong pages_ld,
-                          ulong psize, ulong n_batch, uint batch_first, ulong src_len,
+                          uint pshift, ulong psize, ulong n_batch, uint batch_first,
+                          ulong src_len,
                           ulong kv_heads, ulong rows) {
     ulong gid = get_global_id(0);
     if (gid >= rows) return;
@@ -149,7 +154,7 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
     uint old = lens[2 * n], now = lens[2 * n + 1];
     if (t >= (ulong)(now - old)) return;
     ulong pos = old + t, row = token_row(n, t, n_batch, src_len, batch_first);
-    ulong at = cache_at(pages, pages_ld, psize, kv_heads, n, kh, pos);
+    ulong at = cache_at(pages, pages_ld, pshift, psize, kv_heads, n, kh, pos);
     global const float *ks = proj + k_at + row * k_ld + kh * HD;
     global const float *vs = proj + v_at + row * v_ld + kh * HD;
     global float *vd = vc + at * HD;
@@ -176,7 +181,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                            global const float *bias, uint has_bias, ulong n_batch,
                            uint batch_first, global const float *kc, global const float *vc,
                            global const uint *lens, global const uint *pages, ulong pages_ld,
-                           ulong psize, ulong tgt_len, ulong n_heads,
+                           uint pshift, ulong psize, ulong tgt_len, ulong n_heads,
                            ulong kv_heads, uint parts, uint causal, long win_left,
                            long win_right, float scale, float softcap,
                            global const float *alibi_slopes, ulong alibi_off,
@@ -219,7 +224,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
     for (ulong jb = j0; jb < j1; jb += BKEYS) {
         // The block's place in its page: its keys' vectors from kc + at*HD, key jb + u's value
         // row at vc + (at + u)*HD.
-        ulong at = cache_at(pages, pages_ld, psize, kv_heads, n, kvh, jb);
+        ulong at = cache_at(pages, pages_ld, pshift, psize, kv_heads, n, kvh, jb);
         // Lanes skip ... cnt - 1 of the block are keys the row sees (skip > 0 only in the
         // block of `start`, which part 0 begins with and holds a key of: skip < cnt).
         uint cnt = (uint)min((ulong)BKEYS, j1 - jb), skip = jb < start ? (uint)(start - jb) : 0;

@@ -24,7 +24,8 @@ static const char *usage_bench =
 "                   [--score-mod FILE.cl [--mod-params P.npy]]\n"
 "                   [--impl auto|fused|unfused] [--backward] [--host] [--repeat R]\n"
 "                   [--device SPEC] [--dtype f32|f64|f16|bf16] [--json]\n"
-"       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--batch N] [--embed E]\n"
+"       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--page-size P] [--batch N]\n"
+"                   [--embed E]\n"
 "                   [--heads H] [--window LEFT,RIGHT] [--softcap C] [--alibi] [--sinks]\n"
 "                   [--score-mod FILE.cl [--mod-params P.npy]] [--repeat R]\n"
 "                   [--device SPEC] [--json]\n"
@@ -143,7 +144,9 @@ static const char *usage_bench_decode =
     "median over up to 9 more steps with a marker after every stage (the decode core's\n"
     "kernels count as \"fused\"). --kv-heads G: a grouped-query layer\n"
     "with G key/value heads (G divides H; H query heads share each), whose cache and step read\n"
-    "G heads' keys and values: kv_bytes = 2 * N * G * (S + 1) * D * 4.\n"
+    "G heads' keys and values: kv_bytes = 2 * N * G * (S + 1) * D * 4. --page-size P: a paged\n"
+    "cache (clmha_kv_cache_create_with()) of P-token pages, a pool of just enough pages;\n"
+    "--json adds page_size (0: contiguous).\n"
     "--window LEFT,RIGHT: a layer with a sliding window (clmha_layer_desc::window; -1 leaves a\n"
     "side unbounded): the step's token sees the LEFT + 1 latest tokens (is_causal bounds the\n"
     "right side), and kv_bytes counts those (S + 1 at most); --json adds window_left,\n"
@@ -417,13 +420,13 @@ static void print_tuning(const clmha_context *ctx) {
 typedef struct bench_args {
     const char *batch_opt, *tgt_opt, *src_opt, *embed_opt, *heads_opt, *repeat_opt, *layer_path,
         *device, *impl_opt, *cache_opt, *kv_heads_opt, *dtype_opt, *prefix, *window_opt,
-        *softcap_opt;
+        *softcap_opt, *page_opt;
     clmha__cli_mod mod;  // --score-mod, --mod-params
     bool need_weights, batch_first, json, backward, decode, host, causal, alibi, sinks;
     double softcap;  // --softcap (0: off)
     size_t batches[BENCH_MAX_LIST], tgts[BENCH_MAX_LIST], srcs[BENCH_MAX_LIST],
         caches[BENCH_MAX_LIST];
-    size_t nb, nt, ns, nc, e, h, repeat, kv_heads;
+    size_t nb, nt, ns, nc, e, h, repeat, kv_heads, page_size;
     int64_t window[2];  // --window LEFT,RIGHT
     clmha_impl impl;
     clmha_dtype dtype;
@@ -450,6 +453,7 @@ static bool parse_options(int argc, char **argv, bench_args *a, int *rc) {
         {.name = "--decode", .flag = &a->decode},
         {.name = "--cache-len", .value = &a->cache_opt},
         {.name = "--kv-heads", .value = &a->kv_heads_opt},
+        {.name = "--page-size", .value = &a->page_opt},
         {.name = "--dtype", .value = &a->dtype_opt},
         {.name = "--causal", .flag = &a->causal},
         {.name = "--window", .value = &a->window_opt},
@@ -523,7 +527,8 @@ static int parse_values(bench_args *a) {
                        a->layer_path || a->impl_opt || a->causal))) {
         clmha__cli_report("bench", "%s",
                           a->decode ? (a->cache_opt ? "--decode takes --batch, --embed, "
-                                                      "--heads, --batch-first, --window, "
+                                                      "--heads, --batch-first, --kv-heads, "
+                                                      "--page-size, --window, "
                                                       "--softcap, --alibi, --sinks, "
                                                       "--score-mod, --mod-params, --repeat, "
                                                       "--device and --json only"
@@ -545,6 +550,13 @@ static int parse_values(bench_args *a) {
     }
     if (a->kv_heads_opt && (rc = parse_sizes("--kv-heads", a->kv_heads_opt, 1, BENCH_MAX_SIZE,
                                              &a->kv_heads, &one)))
+        return rc;
+    if (a->page_opt && !a->decode) {
+        clmha__cli_report("bench", "--page-size goes with --decode");
+        return EXIT_USAGE;
+    }
+    if (a->page_opt && (rc = parse_sizes("--page-size", a->page_opt, 1, BENCH_MAX_SIZE,
+                                         &a->page_size, &one)))
         return rc;
     if (a->window_opt && (rc = parse_window(a->window_opt, a->window))) return rc;
     if ((a->window_opt || a->softcap_opt || a->alibi || a->sinks || a->mod.source_path) &&
@@ -691,7 +703,8 @@ int clmha__cli_bench(int argc, char **argv) {
                         .layer_heads = a.layer_path && a.heads_opt ? a.h : 0,
                         .need_weights = a.need_weights, .json = a.json, .host = a.host,
                         .causal = a.causal, .impl = a.impl,
-                        .repeat = a.repeat, .score_mod_path = a.mod.source_path};
+                        .repeat = a.repeat, .score_mod_path = a.mod.source_path,
+                        .page_size = a.page_size};
     cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
                                   .embed_dim = a.e, .num_heads = a.h, .kdim = a.e, .vdim = a.e,
                                   .bias = true, .batch_first = a.batch_first,

@@ -20,6 +20,7 @@ typedef struct bench_config {
     clmha_impl impl;          // as given; the core used is in the result
     size_t repeat;
     const char *score_mod_path;  // --score-mod (its source in desc.mod_source), or NULL
+    size_t page_size;            // --decode --page-size: a paged KV cache (0: contiguous)
 } bench_config;
 
 // The inputs and outputs of one shape, on the device.

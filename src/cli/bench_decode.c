@@ -97,7 +97,12 @@ static int decode_setup(clmha_context *ctx, const bench_config *cfg, decode_run 
     if (clmha__bench_io_make(ctx, cfg, dr->layer, n, 1, cache_len, &dr->prefill) != EXIT_OK ||
         clmha__bench_io_make(ctx, cfg, dr->layer, n, 1, 1, &dr->step) != EXIT_OK)
         return EXIT_REFUSED;
-    clmha_status st = clmha_kv_cache_create(&dr->cache, dr->layer, n, cache_len + 1);
+    // A paged cache: a pool of just the pages the sequences' cache_len + 1 tokens fill.
+    size_t ps = cfg->page_size;
+    clmha_kv_cache_options o = {.struct_size = sizeof o, .capacity = ps ? 0 : cache_len + 1,
+                                .page_size = ps,
+                                .num_pages = ps ? n * ((cache_len + 1 + ps - 1) / ps) : 0};
+    clmha_status st = clmha_kv_cache_create_with(&dr->cache, dr->layer, n, &o);
     if (st) return step_failed(ctx, dr, st);
     clmha_forward_args pa = dr->prefill.args;
     dr->sa = dr->step.args;
@@ -180,11 +185,12 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
         bench_config step = *cfg;  // the step is is_causal (bottom-right: the new token last)
         step.causal = true;
         clmha__bench_json_head(ctx, &step, n, 1, cache_len + 1, CLMHA_IMPL_AUTO, true);
-        printf("\"decode\": true, \"cache_len\": %zu, \"kv_heads\": %zu, \"ms\": %.6g, "
-               "\"ms_min\": %.6g, \"ms_max\": %.6g, \"kv_bytes\": %.0f, \"kv_gbps\": %.6g, "
-               "\"copy_bytes\": %zu, \"copy_gbps\": %.6g, \"fraction_of_copy\": %.4g, ",
-               cache_len, kvh, ms, res->lo, res->hi, kv_bytes, gbps, res->copy_bytes, copy,
-               gbps / copy);
+        printf("\"decode\": true, \"cache_len\": %zu, \"kv_heads\": %zu, \"page_size\": %zu, "
+               "\"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"kv_bytes\": %.0f, "
+               "\"kv_gbps\": %.6g, \"copy_bytes\": %zu, \"copy_gbps\": %.6g, "
+               "\"fraction_of_copy\": %.4g, ",
+               cache_len, kvh, cfg->page_size, ms, res->lo, res->hi, kv_bytes, gbps,
+               res->copy_bytes, copy, gbps / copy);
         if (d->window)
             printf("\"window_left\": %lld, \"window_right\": %lld, ",
                    (long long)d->window_left, (long long)d->window_right);
@@ -194,6 +200,7 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
         printf("shape:   N %zu, one new token per sequence over a cache of %zu (+1) tokens, "
                "%zu heads of %zu, %zu key/value heads (decode core)\n",
                n, cache_len, h, hd, kvh);
+        if (cfg->page_size) printf("cache:   paged, pages of %zu tokens\n", cfg->page_size);
         if (d->window)
             printf("window:  (%lld, %lld): the token sees %zu of them\n",
                    (long long)d->window_left, (long long)d->window_right, seen);

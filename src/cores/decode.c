@@ -224,6 +224,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     if (st) return st;
     cl_ulong src = d->s, kvh = c->kv_heads, psize = c->page_size, heads = l->h, tgt = d->l;
     cl_ulong pages_ld = kv->pages_ld;
+    cl_uint pshift = 0;  // log2 of a paged cache's page size; 0: contiguous
+    while (c->paged && ((size_t)1 << pshift) < c->page_size) ++pshift;
     if (!c->keys_zeroed) {
         cl_ulong count = c->num_pages * kvh * psize * l->d;  // fits: the buffer was allocated
         arg args[] = {ARG(c->k), ARG(count)};
@@ -243,8 +245,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         cl_ulong kb_at = l->e, vb_at = l->e + l->kve;
         arg args[] = {ARG(l->proj), ARG(k_at),    ARG(k_ld),    ARG(v_at),    ARG(v_ld),
                       ARG(bias),    ARG(has_bias), ARG(kb_at),  ARG(vb_at),   ARG(c->k),
-                      ARG(c->v),    ARG(kv->lens), ARG(kv->pages), ARG(pages_ld), ARG(psize),
-                      ARG(n_batch), ARG(batch_first), ARG(src),     ARG(kvh),     ARG(rows)};
+                      ARG(c->v),    ARG(kv->lens), ARG(kv->pages), ARG(pages_ld), ARG(pshift),
+                      ARG(psize), ARG(n_batch), ARG(batch_first), ARG(src),     ARG(kvh),     ARG(rows)};
         if ((st = clmha__launch(ctx, s->append, "decode_append", rows, s->wg, args,
                                 sizeof args / sizeof args[0])))
             return st;
@@ -267,7 +269,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         arg args[] = {ARG(l->proj),   ARG(q_at),    ARG(q_ld),        ARG(bias),
                       ARG(has_bias),  ARG(n_batch), ARG(batch_first), ARG(c->k),
                       ARG(c->v),      ARG(kv->lens), ARG(kv->pages),  ARG(pages_ld),
-                      ARG(psize),     ARG(tgt),     ARG(heads),
+                      ARG(pshift),    ARG(psize),     ARG(tgt),     ARG(heads),
                       ARG(kvh),       ARG(parts),       ARG(causal),
                       ARG(win_left),  ARG(win_right), ARG(scale),     ARG(softcap),
                       ARG(m.alibi),   ARG(m.alibi_off), ARG(m.mod_p),    ARG(m.mod_off),
