@@ -154,6 +154,9 @@ static const char *const usage_run[] = {
     "                            weights, --heatmap, --training, gradients, --impl or\n"
     "                            --dtype f64; with a sliding window, ALiBi or --score-mod,\n"
     "                            --is-causal only\n"
+    "  --page-size P             with --decode-chunk: a paged KV cache of P-token pages (a\n"
+    "                            power of two from 16; a pool of just enough pages): the\n"
+    "                            same output\n"
     "\n"
     "precision:\n"
     "  --dtype T                 the layer's dtype (PyTorch's dtype=): f32 (default), f64,\n"
@@ -338,7 +341,8 @@ static void chunk_rows(float *x, float *chunk, size_t n, size_t t, size_t f, boo
 // --decode-chunk: the forward call @p args through a KV cache, @p chunk query rows at a time,
 // the rows of the output into @p y (as the one-shot forward writes them). Reports a failure.
 static bool decode_in_chunks(clmha_layer *layer, const clmha_forward_args *args,
-                             const clmha_layer_desc *desc, size_t chunk, float *y) {
+                             const clmha_layer_desc *desc, size_t chunk, size_t page_size,
+                             float *y) {
     clmha_context *ctx = clmha_layer_context(layer);
     const clmha_tensor *q = &args->query;
     bool batched = q->ndim == 3, bf = batched && desc->batch_first;
@@ -353,7 +357,13 @@ static bool decode_in_chunks(clmha_layer *layer, const clmha_forward_args *args,
         clmha__cli_report("run", "out of host memory");
         goto done;
     }
-    clmha_status st = clmha_kv_cache_create(&cache, layer, n, args->is_causal ? l : s);
+    // --page-size: a paged cache, a pool of just the pages the sequences fill.
+    size_t cap = args->is_causal ? l : s;
+    clmha_kv_cache_options o = {.struct_size = sizeof o, .capacity = page_size ? 0 : cap,
+                                .page_size = page_size,
+                                .num_pages = page_size ? n * ((cap + page_size - 1) / page_size)
+                                                       : 0};
+    clmha_status st = clmha_kv_cache_create_with(&cache, layer, n, &o);
     for (size_t t0 = 0; !st && t0 < l; t0 += c) {
         size_t rows = t0 + c < l ? c : l - t0;
         chunk_rows((float *)q->data, qc, n, l, e, bf, t0, rows, false);
@@ -417,7 +427,7 @@ typedef struct run_opts {
     const char *layer_path, *output_path, *weights_path, *device, *grads_dir, *heatmap;
     const char *seed_opt, *offset_opt, *chunk_opt, *dtype_opt, *prefix, *heads_opt;
     const char *batch_first_opt, *impl_opt, *heatmap_batch_opt, *window_opt, *softcap_opt;
-    const char *seq_lens_opt, *kv_seq_lens_opt;
+    const char *seq_lens_opt, *kv_seq_lens_opt, *page_opt;
     clmha__cli_lens seq, kv_seq;  // --seq-lens, --kv-seq-lens (a packed batch)
     input_file in[IN_COUNT];
     bool is_causal, need_weights, per_head, training;
@@ -430,6 +440,7 @@ typedef struct run_opts {
     clmha__cli_window window;  // --window (on: replaces the layer file's)
     clmha__cli_mod mod;        // --score-mod, --mod-params (source: added to the layer)
     uint64_t chunk;          // --decode-chunk (0: one call)
+    uint64_t page_size;      // --page-size (0: a contiguous cache)
     uint64_t heatmap_batch;  // --heatmap-batch
     clmha_dropout_rng rng;
     clmha__cli_in named_in[IN_COUNT + 3];  // --layer, the .npy inputs, --score-mod, --mod-params
@@ -489,6 +500,7 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         {.name = "--grads-dir", .value = &o->grads_dir},
         {.name = "--device", .value = &o->device, .allow_empty = true},
         {.name = "--decode-chunk", .value = &o->chunk_opt},
+        {.name = "--page-size", .value = &o->page_opt},
         {.name = "--dtype", .value = &o->dtype_opt},
     };
     char usage[3 * 4096] = "";  // room for the parts (each under 4095 bytes, 10.7 KB in all)
@@ -537,6 +549,16 @@ static bool parse_load_options(run_opts *o) {
 
 // --decode-chunk and what it does not go with. Reports a usage error.
 static bool parse_decode_chunk(run_opts *o) {
+    if (o->page_opt && !o->chunk_opt) {
+        clmha__cli_report("run", "--page-size needs --decode-chunk (it is the KV cache's)");
+        return false;
+    }
+    if (!clmha__cli_parse_u64("run", "--page-size", o->page_opt, &o->page_size)) return false;
+    if (o->page_opt && (o->page_size < 16 || (o->page_size & (o->page_size - 1)))) {
+        clmha__cli_report("run", "--page-size %s: expected a power of two from 16 (the decode "
+                          "core reads keys in blocks of 16)", o->page_opt);
+        return false;
+    }
     if (!o->chunk_opt) return true;
     const input_file *in = o->in;
     const char *clash =
@@ -898,7 +920,9 @@ static bool compute(const run_opts *o, run_state *s) {
                           s->w_count, o->f64 ? "doubles" : "floats");
         return false;
     }
-    if (o->chunk) return decode_in_chunks(s->layer, &s->args, &s->desc, (size_t)o->chunk, s->y);
+    if (o->chunk)
+        return decode_in_chunks(s->layer, &s->args, &s->desc, (size_t)o->chunk,
+                                (size_t)o->page_size, s->y);
     clmha_status st =
         o->f64 ? clmha_layer_forward_host_f64(s->layer, &s->args, s->y64, s->y_count, s->w64,
                                               s->w_count)

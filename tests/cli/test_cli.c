@@ -1609,6 +1609,41 @@ Test(cli_refused, seq_lens) {
     tmp_remove(&d);
 }
 
+// --decode-chunk through a paged KV cache (--page-size): PyTorch's causal and sliding-window
+// outputs again, as the contiguous cache gives them; a bad page size is a usage error.
+Test(cli_run, decode_chunk_paged) {
+    SKIP_WITHOUT_DEVICE();
+    static const char *const cases[] = {"causal", "window_file_causal_bias_kv"};
+    tmp_dir d = tmp_make();
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        char dir[4096], layer[4200], query[4200], want_path[4200];
+        snprintf(dir, sizeof dir, "%s/cli/%s", CLMHA_TEST_DATA_DIR, cases[i]);
+        snprintf(layer, sizeof layer, "%s/layer.safetensors", dir);
+        snprintf(query, sizeof query, "%s/query.npy", dir);
+        snprintf(want_path, sizeof want_path, "%s/expected_output.npy", dir);
+        const char *out = tmp_file(&d, "o.npy");
+        cli_result r = cli_run("run", "--layer", layer, "--query", query, "--is-causal",
+                               "--decode-chunk", "3", "--page-size", "16", "--output", out);
+        cr_assert_eq(r.status, 0, "%s: exit %d: %s", cases[i], r.status, r.err);
+        cli_free(&r);
+        clmha__npy got, want;
+        read_npy(out, &got);
+        read_npy(want_path, &want);
+        double err = npy_max_abs_diff(&got, &want, "output", cases[i]);
+        cr_expect_leq(err, CLI_TOL, "%s --decode-chunk 3 --page-size 16: %.3e", cases[i], err);
+        fprintf(stderr, "cli %s --decode-chunk 3 --page-size 16 out_maxabs=%.3e\n", cases[i],
+                err);
+        clmha__npy_free(&got);
+        clmha__npy_free(&want);
+    }
+    tmp_remove(&d);
+    EXPECT_USAGE("clmha run: --page-size 24: expected a power of two", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--decode-chunk", "2", "--page-size",
+                 "24");
+    EXPECT_USAGE("clmha run: --page-size needs --decode-chunk", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--page-size", "16");
+}
+
 Test(cli_usage, dtype) {
     EXPECT_USAGE("clmha run: ", "run", "--layer", "l.safetensors", "--query", "q.npy", "--dtype",
                  "f8");
