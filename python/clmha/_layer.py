@@ -874,10 +874,13 @@ class Layer:
 
     # ---- caches and training -------------------------------------------------------------------
 
-    def kv_cache(self, batch: int, capacity: int) -> "KVCache":
+    def kv_cache(self, batch: int, capacity: Optional[int] = None, *, page_size: int = 0,
+                 num_pages: int = 0) -> "KVCache":
         """An empty KV cache for incremental decoding: ``batch`` sequences (1 for unbatched
-        calls) of up to ``capacity`` tokens each."""
-        return KVCache(self, batch, capacity)
+        calls) of up to ``capacity`` tokens each; or, with ``page_size`` (a power of two from
+        16) and ``num_pages``, a paged cache whose sequences draw pages of ``page_size`` tokens
+        from a pool of ``num_pages`` (``KVCache.fork`` shares a prompt's pages)."""
+        return KVCache(self, batch, capacity, page_size=page_size, num_pages=num_pages)
 
     def saved(self) -> "Saved":
         """An empty saved state for one ``forward(..., save=state)`` call and its ``backward``."""
@@ -1017,25 +1020,34 @@ class KVCache:
     ``clmha.torch.scaled_dot_product_attention(..., kv_cache=cache)``, and keeps its context
     alive."""
 
-    def __init__(self, layer: Layer, batch: int, capacity: int):
+    def __init__(self, layer: Layer, batch: int, capacity: Optional[int] = None, *,
+                 page_size: int = 0, num_pages: int = 0):
         if not isinstance(layer, Layer):
             raise TypeError("KVCache(layer, batch, capacity) takes a clmha.Layer")
-        _check_sizes(("batch", batch), ("capacity", capacity))
+        o = _options(batch, capacity, page_size, num_pages)
         out = ffi.new("clmha_kv_cache **")
         with layer._lock:
-            check(lib.clmha_kv_cache_create(out, layer._ptr, batch, capacity),
-                  layer._context._ptr)
+            check(lib.clmha_kv_cache_create_with(out, layer._ptr, batch, o), layer._context._ptr)
         self._ptr = ffi.gc(out[0], lib.clmha_kv_cache_release)
         self._layer = layer
         self._context = layer._context
-        self.batch = int(batch)
-        self.capacity = int(capacity)
+        self._sizes(batch)
         self.kv_heads = layer.num_kv_heads
         self.head_dim = layer.head_dim
 
+    def _sizes(self, batch) -> None:
+        self.batch = int(batch)
+        size = ffi.new("size_t[3]")
+        check(lib.clmha_kv_cache_size(self._ptr, ffi.NULL, size), self._context._ptr)
+        check(lib.clmha_kv_cache_pages(self._ptr, size + 1, size + 2, ffi.NULL),
+              self._context._ptr)
+        self.capacity = int(size[0])  # a paged cache's: the pool's tokens
+        self.page_size, self.num_pages = int(size[1]), int(size[2])
+
     @classmethod
-    def for_attention(cls, batch: int, kv_heads: int, head_dim: int, capacity: int, *,
-                      context: Optional[Context] = None) -> "KVCache":
+    def for_attention(cls, batch: int, kv_heads: int, head_dim: int,
+                      capacity: Optional[int] = None, *, context: Optional[Context] = None,
+                      page_size: int = 0, num_pages: int = 0) -> "KVCache":
         """An empty cache for attention as a function (``clmha_kv_cache_create_for``):
         ``batch`` sequences N (the product of the leading dimensions of the calls' tensors; 1
         for 3-D and 2-D ones) of at most ``capacity`` tokens, each ``kv_heads`` key/value heads
@@ -1044,21 +1056,21 @@ class KVCache:
         ``clmha.numpy.scaled_dot_product_attention`` or
         ``clmha.torch.scaled_dot_product_attention``: their key and value are then the new
         tokens, (N, H_kv, S_new, D), appended after each sequence's cached ones. A cache is
-        used by one thread at a time."""
+        used by one thread at a time. ``page_size`` and ``num_pages`` (instead of
+        ``capacity``): a paged cache, as ``Layer.kv_cache``'s."""
         context = default_context() if context is None else context
         if not isinstance(context, Context):
             raise TypeError(f"context must be a clmha.Context, not {type(context).__name__}")
-        _check_sizes(("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                     ("capacity", capacity))
+        _check_sizes(("kv_heads", kv_heads), ("head_dim", head_dim))
+        o = _options(batch, capacity, page_size, num_pages)
         out = ffi.new("clmha_kv_cache **")
-        check(lib.clmha_kv_cache_create_for(out, context._ptr, batch, kv_heads, head_dim,
-                                            capacity), context._ptr)
+        check(lib.clmha_kv_cache_create_for_with(out, context._ptr, batch, kv_heads, head_dim,
+                                                 o), context._ptr)
         self = cls.__new__(cls)
         self._ptr = ffi.gc(out[0], lib.clmha_kv_cache_release)
         self._layer = None
         self._context = context  # released after the cache
-        self.batch = int(batch)
-        self.capacity = int(capacity)
+        self._sizes(batch)
         self.kv_heads = int(kv_heads)
         self.head_dim = int(head_dim)
         return self
@@ -1102,14 +1114,52 @@ class KVCache:
         check(lib.clmha_kv_cache_truncate(self._ptr, arr, len(lengths)), self._context._ptr)
 
     def reset(self) -> None:
-        """Empties every sequence."""
+        """Empties every sequence (a paged cache's pages go back to its pool)."""
         check(lib.clmha_kv_cache_reset(self._ptr), self._context._ptr)
+
+    def fork(self, src: int, dst: int) -> None:
+        """Makes sequence ``dst`` of a paged cache hold what ``src`` holds, sharing its pages
+        (``clmha_kv_cache_fork``): a prompt decoded once, continued differently (parallel
+        sampling, beam search); a shared, partly filled page is copied when a sequence appends
+        into it. A contiguous cache raises ``clmha.Error`` (UNSUPPORTED)."""
+        for name, v in (("src", src), ("dst", dst)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, not {v!r}")
+        check(lib.clmha_kv_cache_fork(self._ptr, int(src), int(dst)), self._context._ptr)
+
+    @property
+    def free_pages(self) -> int:
+        """A paged cache's pages that no sequence holds (0 for a contiguous cache)."""
+        free = ffi.new("size_t *")
+        check(lib.clmha_kv_cache_pages(self._ptr, ffi.NULL, ffi.NULL, free), self._context._ptr)
+        return int(free[0])
 
     def __repr__(self) -> str:
         kind = "" if self._layer is not None else \
             f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
-        return f"clmha.KVCache({kind}batch={self.batch}, capacity={self.capacity}, " \
+        size = f"page_size={self.page_size}, num_pages={self.num_pages}" if self.page_size \
+            else f"capacity={self.capacity}"
+        return f"clmha.KVCache({kind}batch={self.batch}, {size}, " \
                f"lengths={self.lengths.tolist()})"
+
+
+def _options(batch, capacity, page_size, num_pages):
+    """A cache's clmha_kv_cache_options: contiguous (capacity) or paged (page_size and
+    num_pages); the C library checks the values."""
+    _check_sizes(("batch", batch))
+    for name, v in (("page_size", page_size), ("num_pages", num_pages)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, not {v!r}")
+    if page_size:
+        if capacity is not None:
+            raise ValueError("a paged cache (page_size) takes num_pages, not capacity")
+    else:
+        _check_sizes(("capacity", capacity if capacity is not None else 0))
+    o = ffi.new("clmha_kv_cache_options *")
+    o.struct_size = ffi.sizeof("clmha_kv_cache_options")
+    o.capacity = 0 if page_size else int(capacity)
+    o.page_size, o.num_pages = int(page_size), int(num_pages)
+    return o
 
 
 def _check_sizes(*pairs) -> None:

@@ -102,3 +102,44 @@ def test_capacity_overflow(ctx, rng):
         layer.kv_cache(0, 4)
     with pytest.raises((ValueError, TypeError)):
         layer.kv_cache(N, -1)
+
+
+# ---- paged caches ------------------------------------------------------------------------------
+
+def test_paged_cache_is_the_contiguous_one(ctx, rng):
+    """The same calls through a paged cache and a contiguous one: the same bits; a fork shares
+    a prompt and copies a shared, partly filled page when a sequence appends into it; an
+    exhausted pool raises clmha.Error and changes nothing."""
+    layer = clmha.Layer(32, 4, num_kv_heads=2, context=ctx)
+    for name in layer.parameter_names():
+        layer[name] = rng.normal(0, 0.2, layer[name].shape).astype(np.float32)
+    a = layer.kv_cache(3, 64)
+    b = layer.kv_cache(3, page_size=16, num_pages=12)
+    assert b.page_size == 16 and b.num_pages == 12 and b.capacity == 192
+    prompt = rng.standard_normal((21, 1, 32)).astype(np.float32)
+    ya, _ = layer.forward(np.repeat(prompt, 3, axis=1), kv_cache=a, is_causal=True)
+    yb, _ = layer.forward(np.repeat(prompt, 3, axis=1), kv_cache=b, is_causal=True,
+                          kv_append=[21, 0, 0])
+    assert np.array_equal(ya[:, 0], yb[:, 0])
+    b.fork(0, 1)
+    b.fork(0, 2)
+    assert b.free_pages == 10 and b.lengths.tolist() == [21, 21, 21]
+    for step in range(5):
+        x = rng.standard_normal((1, 3, 32)).astype(np.float32)
+        oa, _ = layer.forward(x, kv_cache=a, is_causal=True)
+        ob, _ = layer.forward(x, kv_cache=b, is_causal=True)
+        assert np.array_equal(oa, ob), step
+    assert b.free_pages == 8  # two copies on write
+    big = rng.standard_normal((40, 3, 32)).astype(np.float32)
+    with pytest.raises(clmha.Error, match="pool is exhausted"):
+        layer.forward(big, kv_cache=b, is_causal=True)
+    assert b.lengths.tolist() == [26, 26, 26] and b.free_pages == 8
+    with pytest.raises(clmha.Error):
+        a.fork(0, 1)
+    with pytest.raises(ValueError):
+        layer.kv_cache(3, 64, page_size=16, num_pages=4)
+    with pytest.raises(clmha.Error):
+        layer.kv_cache(3, page_size=24, num_pages=4)
+    b.reset()
+    assert b.free_pages == 12
+    assert "page_size=16" in repr(b)
