@@ -68,6 +68,34 @@
 #endif
 #endif
 
+// The cache's elements (-DKV_INT8=1: an int8 cache, clmha_kv_cache_options::kv_dtype): KST the
+// stored type, KVEC a key block's BKEYS-lane vector of one dimension, KLOAD it as floats, VST a
+// value row's VW-lane vector and VLOAD_VT it as VT. An int8 cache keeps one float scale per
+// (position, KV head) for keys (kscale) and for values (vscale), at the position's cache_at():
+// element x is scale * q, q = round(x / scale) in [-127, 127], scale = max |x| of its row / 127.
+#if KV_INT8
+#define KST char
+#define KVEC char16
+#define KLOAD(v) convert_float16(v)
+#if VW == 1
+#define VST char
+#define VLOAD_VT(v) convert_float(v)
+#else
+#define VST_(n) char##n
+#define VST__(n) VST_(n)
+#define VST VST__(VW)
+#define VCONV_(n) convert_float##n
+#define VCONV__(n) VCONV_(n)
+#define VLOAD_VT(v) VCONV__(VW)(v)
+#endif
+#else
+#define KST float
+#define KVEC float16
+#define KLOAD(v) (v)
+#define VST VT
+#define VLOAD_VT(v) (v)
+#endif
+
 // The sum of a row vector's VW lanes, as a tree (VT: cl/common.cl).
 #if VW == 1
 inline float hsum(float v) { return v; }
@@ -141,9 +169,24 @@ inline ulong cache_at(global const uint *pages, ulong pages_ld, uint pshift, ulo
 // position's cache_at(), so that decode_partial scores a block's keys as one BKEYS-lane vector
 // with no sum across lanes (a page's positions are a multiple of BKEYS: no block straddles two
 // pages).
+#if KV_INT8
+// Row @p x (HD floats, @p b added when not NULL) quantised to int8 at @p d (a stride of
+// @p stride elements), its scale returned (0 for a row of zeros).
+inline float quantise_row(global const float *x, global const float *b, global char *d,
+                          uint stride) {
+    float amax = 0.0f;
+    for (uint c = 0; c < HD; ++c) amax = fmax(amax, fabs(b ? x[c] + b[c] : x[c]));
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (uint c = 0; c < HD; ++c)
+        d[c * stride] = convert_char_sat_rte((b ? x[c] + b[c] : x[c]) * inv);
+    return amax / 127.0f;
+}
+#endif
+
 kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulong v_at,
                           ulong v_ld, global const float *bias, uint has_bias, ulong kb_at,
-                          ulong vb_at, global float *kc, global float *vc,
+                          ulong vb_at, global KST *kc, global KST *vc, global float *kscale,
+                          global float *vscale,
                           global const uint *lens, global const uint *pages, ulong pages_ld,
                           uint pshift, ulong psize, ulong n_batch, uint batch_first,
                           ulong src_len,
@@ -157,8 +200,14 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
     ulong at = cache_at(pages, pages_ld, pshift, psize, kv_heads, n, kh, pos);
     global const float *ks = proj + k_at + row * k_ld + kh * HD;
     global const float *vs = proj + v_at + row * v_ld + kh * HD;
-    global float *vd = vc + at * HD;
-    global float *kd = kc + (at - pos % BKEYS) * HD + pos % BKEYS;
+    global KST *vd = vc + at * HD;
+    global KST *kd = kc + (at - pos % BKEYS) * HD + pos % BKEYS;
+#if KV_INT8
+    global const float *kb = has_bias ? bias + kb_at + kh * HD : 0;
+    global const float *vb = has_bias ? bias + vb_at + kh * HD : 0;
+    kscale[at] = quantise_row(ks, kb, kd, BKEYS);
+    vscale[at] = quantise_row(vs, vb, vd, 1);
+#else
     if (has_bias) {
         global const float *kb = bias + kb_at + kh * HD, *vb = bias + vb_at + kh * HD;
         for (uint c = 0; c < HD; ++c) vd[c] = vs[c] + vb[c];
@@ -167,6 +216,7 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
         for (uint c = 0; c < HD; ++c) vd[c] = vs[c];
         for (uint c = 0; c < HD; ++c) kd[c * BKEYS] = ks[c];
     }
+#endif
 }
 
 // One work-item per (sequence n, KV head, query row i, part p), in that order, p fastest:
@@ -179,7 +229,8 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
 // `start` are masked.
 kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                            global const float *bias, uint has_bias, ulong n_batch,
-                           uint batch_first, global const float *kc, global const float *vc,
+                           uint batch_first, global const KST *kc, global const KST *vc,
+                           global const float *kscale, global const float *vscale,
                            global const uint *lens, global const uint *pages, ulong pages_ld,
                            uint pshift, ulong psize, ulong tgt_len, ulong n_heads,
                            ulong kv_heads, uint parts, uint causal, long win_left,
@@ -232,7 +283,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         // vector of the block's keys is read once for the G query heads. The dimensions go
         // round SPLIT sets of sums, so that G * SPLIT independent FMA chains hide the FMA's
         // latency (one chain per head made a head's 64 FMAs wait on each other).
-        global const float16 *kt = (global const float16 *)(kc + at * HD);
+        global const KVEC *kt = (global const KVEC *)(kc + at * HD);
         float16 sp[SPLIT][G];
         _Pragma("unroll")
         for (uint t = 0; t < SPLIT; ++t) {
@@ -244,14 +295,14 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         for (; c + SPLIT <= HD; c += SPLIT) {
             _Pragma("unroll")
             for (uint t = 0; t < SPLIT; ++t) {
-                float16 kv = kt[c + t];
+                float16 kv = KLOAD(kt[c + t]);
                 _Pragma("unroll")
                 for (uint g = 0; g < G; ++g)
                     sp[t][g] = fma((float16)(qs[g][c + t]), kv, sp[t][g]);
             }
         }
         for (; c < HD; ++c) {
-            float16 kv = kt[c];
+            float16 kv = KLOAD(kt[c]);
             _Pragma("unroll")
             for (uint g = 0; g < G; ++g) sp[0][g] = fma((float16)(qs[g][c]), kv, sp[0][g]);
         }
@@ -262,6 +313,13 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
             _Pragma("unroll")
             for (uint t = 1; t < SPLIT; ++t) sc[g] += sp[t][g];
         }
+#if KV_INT8
+        {  // the block's keys' scales (lane u: key jb + u's), after the dot products
+            float16 ksc = *(global const float16 *)(kscale + at);
+            _Pragma("unroll")
+            for (uint g = 0; g < G; ++g) sc[g] *= ksc;
+        }
+#endif
 #if SCORE_MODS
         // The score variants (cl/common.cl): soft-capping, then ALiBi's -slope*|pos - j| with
         // lane u at key jb + u (distances exact in float below 2^24).
@@ -330,13 +388,19 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                 for (uint c = 0; c < HV; ++c) a[gg][c] = acc[g0 + gg][c] * corr[g0 + gg];
             }
             for (uint u = skip; u < cnt; ++u) {
-                global const VT *vr = (global const VT *)(vc + (at + u) * HD);
+                global const VST *vr = (global const VST *)(vc + (at + u) * HD);
+#if KV_INT8
+                float vsu = vscale[at + u];  // the value row's scale, folded into its weights
+#else
+                float vsu = 1.0f;
+#endif
                 UNROLL
                 for (uint c = 0; c < HV; ++c) {
-                    VT x = vr[c];
+                    VT x = VLOAD_VT(vr[c]);
                     UNROLL
                     for (uint gg = 0; gg < GB; ++gg)
-                        a[gg][c] = fma((VT)(((const float *)&prs[g0 + gg])[u]), x, a[gg][c]);
+                        a[gg][c] = fma((VT)(((const float *)&prs[g0 + gg])[u] * vsu), x,
+                                       a[gg][c]);
                 }
             }
             UNROLL

@@ -39,6 +39,10 @@ static clmha_status check_options(clmha_context *ctx, size_t batch,
                                   size_t *pages) {
     if (!batch)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "a KV cache needs a batch of at least 1");
+    if (o->kv_dtype != CLMHA_KV_FLOAT32 && o->kv_dtype != CLMHA_KV_INT8)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "kv_dtype %d: CLMHA_KV_FLOAT32 (0) or CLMHA_KV_INT8 (1)",
+                           (int)o->kv_dtype);
     if (!o->page_size) {
         if (!o->capacity || o->num_pages)
             return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
@@ -114,11 +118,12 @@ static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
         free(len);
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     }
-    bool paged = o->page_size != 0;
+    bool paged = o->page_size != 0, i8 = o->kv_dtype == CLMHA_KV_INT8;
     *c = (clmha_kv_cache){.ctx = ctx, .layer = layer, .batch = batch,
                           .capacity = paged ? pages * page_size : o->capacity,
                           .kv_heads = kv_heads, .head_dim = head_dim, .paged = paged,
-                          .page_size = page_size, .num_pages = pages, .len = len};
+                          .page_size = page_size, .num_pages = pages,
+                          .kv_dtype = o->kv_dtype, .elem = i8 ? 1 : 4, .len = len};
     clmha_context_retain(ctx);
     if (paged && !pages_make(c)) {
         clmha_kv_cache_release(c);
@@ -128,19 +133,22 @@ static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
         clmha_kv_cache_release(c);
         return st;
     }
-    cl_int err;
-    c->k = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, floats * sizeof(float), NULL, &err);
-    clmha__held_new(CLMHA__HELD_MEM, c->k);
-    if (err == CL_SUCCESS) {
-        c->v = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, floats * sizeof(float), NULL, &err);
-        clmha__held_new(CLMHA__HELD_MEM, c->v);
+    cl_int err = CL_SUCCESS;
+    // int8: the elements, and a float scale per (position, head): floats / D of them.
+    size_t bytes[4] = {floats * c->elem, floats * c->elem, i8 ? floats / head_dim * 4 : 0,
+                       i8 ? floats / head_dim * 4 : 0};
+    cl_mem *bufs[4] = {&c->k, &c->v, &c->ks, &c->vs};
+    for (int i = 0; i < 4 && err == CL_SUCCESS; ++i) {
+        if (!bytes[i]) continue;
+        *bufs[i] = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, bytes[i], NULL, &err);
+        clmha__held_new(CLMHA__HELD_MEM, *bufs[i]);
     }
     if (err != CL_SUCCESS) {
         st = clmha__cl_fail(ctx, err, "clCreateBuffer(KV cache)");
         clmha_kv_cache_release(c);
         return st;
     }
-    clmha__count(ctx, 0, 2);
+    clmha__count(ctx, 0, i8 ? 4 : 2);
     *out = c;
     return CLMHA_SUCCESS;
 }
@@ -198,6 +206,8 @@ void clmha_kv_cache_release(clmha_kv_cache *cache) {
     if (!cache) return;
     clmha__release_mem(cache->k);
     clmha__release_mem(cache->v);
+    clmha__release_mem(cache->ks);
+    clmha__release_mem(cache->vs);
     clmha__release_mem(cache->identity);
     free(cache->len);
     free(cache->table);

@@ -27,7 +27,11 @@ struct clmha_kv_cache {
     // page n for sequence n, of page_size = the capacity rounded up to 16.
     bool paged;
     size_t page_size, num_pages;
-    cl_mem k, v;
+    // The elements: float32, or int8 (kv_dtype CLMHA_KV_INT8) with one float scale per
+    // (position, KV head) in ks (keys) and vs (values), at the position's place / D.
+    clmha_kv_dtype kv_dtype;
+    size_t elem;               // bytes per stored element: 4 or 1
+    cl_mem k, v, ks, vs;
     bool keys_zeroed;          // k was zeroed (by the decode core's first call: a key block's
                                // positions past a sequence's length are read, their scores
                                // dropped, so they must never be uninitialised memory)

@@ -28,6 +28,7 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_decode;  // this core, at the
 
 typedef struct state {
     cl_kernel zero, append, partial, combine;  // built on first use
+    cl_kernel append_i8, partial_i8;     // the same for an int8 cache (-DKV_INT8=1), likewise
     size_t wg;                           // their launches' work-group
     clmha_status failed;                 // why they cannot be built here (then not retried)
     cl_mem part_acc, part_ms;            // the partial results, grown on demand (floats)
@@ -47,7 +48,9 @@ static void release_kernels(state *s) {
     clmha__release_kernel(s->append);
     clmha__release_kernel(s->partial);
     clmha__release_kernel(s->combine);
-    s->zero = s->append = s->partial = s->combine = NULL;
+    clmha__release_kernel(s->append_i8);
+    clmha__release_kernel(s->partial_i8);
+    s->zero = s->append = s->partial = s->combine = s->append_i8 = s->partial_i8 = NULL;
 }
 
 static void release(void *p) {
@@ -91,6 +94,22 @@ static clmha_status build(clmha_layer *l, state *s, size_t group) {
         while (s->wg > wg) s->wg /= 2;
     }
     return CLMHA_SUCCESS;
+}
+
+// The append and attention kernels of an int8 cache: the same program built with -DKV_INT8=1
+// (cl/cores/decode.cl), on the first call with such a cache.
+static clmha_status build_i8(clmha_layer *l, state *s) {
+    clmha_context *ctx = l->ctx;
+    size_t vw = clmha__fused_row_vw(ctx, l->d);
+    char options[240];
+    snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu -DKV_INT8=1%s%s", l->d,
+             l->h / l->kvh, vw, ctx->cls->coalesced ? " -DSPLIT=1" : "",
+             clmha__layer_variant_options(l));
+    cl_program prog;
+    clmha_status st = clmha__program_get_mod(ctx, "decode", options, l->mod_source, &prog);
+    if (!st) st = clmha__kernel_make(ctx, prog, "decode_append", &s->append_i8);
+    if (!st) st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial_i8);
+    return st;
 }
 
 static clmha_status ensure(clmha_layer *l, state **out) {
@@ -204,14 +223,39 @@ static size_t window_span(const clmha__dims *d, bool causal, size_t longest) {
 // append writes there.
 static clmha_status copy_on_write(clmha_context *ctx, const clmha__kv_plan *kv) {
     const clmha_kv_cache *c = kv->cache;
-    size_t bytes = c->kv_heads * c->page_size * c->head_dim * sizeof(float);
-    for (size_t j = 0; j < kv->num_copies; ++j) {
-        size_t from = kv->copies[2 * j] * bytes, to = kv->copies[2 * j + 1] * bytes;
-        cl_int err = clEnqueueCopyBuffer(ctx->queue, c->k, c->k, from, to, bytes, 0, NULL, NULL);
-        if (!err) err = clEnqueueCopyBuffer(ctx->queue, c->v, c->v, from, to, bytes, 0, NULL, NULL);
-        if (err) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(KV cache page)");
-    }
+    size_t rows = c->kv_heads * c->page_size;  // a page's rows of D elements (and scales)
+    cl_mem bufs[4] = {c->k, c->v, c->ks, c->vs};
+    size_t bytes[4] = {rows * c->head_dim * c->elem, rows * c->head_dim * c->elem, rows * 4,
+                       rows * 4};
+    for (size_t j = 0; j < kv->num_copies; ++j)
+        for (int b = 0; b < 4; ++b) {
+            if (!bufs[b]) continue;
+            size_t from = kv->copies[2 * j] * bytes[b], to = kv->copies[2 * j + 1] * bytes[b];
+            cl_int err = clEnqueueCopyBuffer(ctx->queue, bufs[b], bufs[b], from, to, bytes[b], 0,
+                                             NULL, NULL);
+            if (err) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(KV cache page)");
+        }
     return CLMHA_SUCCESS;
+}
+
+// Zeroes a cache's keys (and an int8 cache's key scales) before its first use: decode_partial
+// reads a key block whole, the positions past a sequence's length too (their scores dropped),
+// which must hold numbers.
+static clmha_status zero_keys(clmha_layer *l, state *s, const clmha_kv_cache *c) {
+    clmha_context *ctx = l->ctx;
+    cl_ulong count = c->num_pages * c->kv_heads * c->page_size * l->d;  // fits: allocated
+    if (c->kv_dtype == CLMHA_KV_FLOAT32) {
+        arg args[] = {ARG(c->k), ARG(count)};
+        return clmha__launch(ctx, s->zero, "decode_zero", count, s->wg, args,
+                             sizeof args / sizeof args[0]);
+    }
+    cl_uchar zero = 0;
+    cl_int err = clEnqueueFillBuffer(ctx->queue, c->k, &zero, 1, 0, count, 0, NULL, NULL);
+    float fzero = 0.0f;
+    if (!err)
+        err = clEnqueueFillBuffer(ctx->queue, c->ks, &fzero, sizeof fzero, 0,
+                                  count / l->d * sizeof fzero, 0, NULL, NULL);
+    return err ? clmha__cl_fail(ctx, err, "clEnqueueFillBuffer(KV cache keys)") : CLMHA_SUCCESS;
 }
 
 static clmha_status run(clmha_layer *l, clmha__core_call *call) {
@@ -226,14 +270,12 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_ulong pages_ld = kv->pages_ld;
     cl_uint pshift = 0;  // log2 of a paged cache's page size; 0: contiguous
     while (c->paged && ((size_t)1 << pshift) < c->page_size) ++pshift;
-    if (!c->keys_zeroed) {
-        cl_ulong count = c->num_pages * kvh * psize * l->d;  // fits: the buffer was allocated
-        arg args[] = {ARG(c->k), ARG(count)};
-        if ((st = clmha__launch(ctx, s->zero, "decode_zero", count, s->wg, args,
-                                sizeof args / sizeof args[0])))
-            return st;
-        kv->cache->keys_zeroed = true;
-    }
+    bool i8 = c->kv_dtype == CLMHA_KV_INT8;
+    if (i8 && !s->partial_i8 && (st = build_i8(l, s))) return st;
+    cl_kernel append = i8 ? s->append_i8 : s->append, partial = i8 ? s->partial_i8 : s->partial;
+    cl_mem kscale = i8 ? c->ks : ctx->dummy, vscale = i8 ? c->vs : ctx->dummy;
+    if (!c->keys_zeroed && (st = zero_keys(l, s, c))) return st;
+    kv->cache->keys_zeroed = true;
     // The queries and new keys and values are the projected rows; in_proj_bias is added here.
     cl_ulong n_batch = d->n, q_at = call->q_at, q_ld = call->q_ld;
     cl_uint batch_first = d->batch_first, has_bias = l->desc.bias;
@@ -245,9 +287,9 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         cl_ulong kb_at = l->e, vb_at = l->e + l->kve;
         arg args[] = {ARG(l->proj), ARG(k_at),    ARG(k_ld),    ARG(v_at),    ARG(v_ld),
                       ARG(bias),    ARG(has_bias), ARG(kb_at),  ARG(vb_at),   ARG(c->k),
-                      ARG(c->v),    ARG(kv->lens), ARG(kv->pages), ARG(pages_ld), ARG(pshift),
+                      ARG(c->v),    ARG(kscale),  ARG(vscale),  ARG(kv->lens), ARG(kv->pages), ARG(pages_ld), ARG(pshift),
                       ARG(psize), ARG(n_batch), ARG(batch_first), ARG(src),     ARG(kvh),     ARG(rows)};
-        if ((st = clmha__launch(ctx, s->append, "decode_append", rows, s->wg, args,
+        if ((st = clmha__launch(ctx, append, "decode_append", rows, s->wg, args,
                                 sizeof args / sizeof args[0])))
             return st;
     }
@@ -268,14 +310,14 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     {
         arg args[] = {ARG(l->proj),   ARG(q_at),    ARG(q_ld),        ARG(bias),
                       ARG(has_bias),  ARG(n_batch), ARG(batch_first), ARG(c->k),
-                      ARG(c->v),      ARG(kv->lens), ARG(kv->pages),  ARG(pages_ld),
+                      ARG(c->v),      ARG(kscale),  ARG(vscale),      ARG(kv->lens), ARG(kv->pages),  ARG(pages_ld),
                       ARG(pshift),    ARG(psize),     ARG(tgt),     ARG(heads),
                       ARG(kvh),       ARG(parts),       ARG(causal),
                       ARG(win_left),  ARG(win_right), ARG(scale),     ARG(softcap),
                       ARG(m.alibi),   ARG(m.alibi_off), ARG(m.mod_p),    ARG(m.mod_off),
                       ARG(s->part_acc),
                       ARG(s->part_ms), ARG(items)};
-        if ((st = clmha__launch(ctx, s->partial, "decode_partial", items, s->wg, args,
+        if ((st = clmha__launch(ctx, partial, "decode_partial", items, s->wg, args,
                                 sizeof args / sizeof args[0])))
             return st;
     }
