@@ -4,14 +4,14 @@
 For each cache length S this runs `clmha bench --decode --json` (one new token per sequence over
 a cache of S tokens, E 512, H 8, self-attention; see `clmha bench --help`) for the contiguous
 cache and for each variant (`--variants`: paged caches of P-token pages, `page16`, `page64`,
-`page256`, ...), ROUNDS times each, interleaved (the order rotates with the round), and reports
+`page256`, ...; the int8 cache, `int8`; both, `page64+int8`), ROUNDS times each, interleaved (the order rotates with the round), and reports
 per variant the median over the rounds of the per-run medians (ms per token) and of the decode
 core's stage (the profiled steps' "fused" stage: the append and the attention kernels), and
 their ratios to the contiguous cache's.
 
     /usr/bin/python3 bench/kv_cache_ratio.py                          # S 4096 and 32768
     /usr/bin/python3 bench/kv_cache_ratio.py --cache-lens 4096 --batch 8 --rounds 7
-    /usr/bin/python3 bench/kv_cache_ratio.py --variants page16 page256 --driver intel
+    /usr/bin/python3 bench/kv_cache_ratio.py --variants page16 int8 --driver intel
 
 Needs only the clmha program (build/clmha by default); no third-party Python package.
 """
@@ -26,12 +26,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def flags_of(variant):
-    """The `clmha bench` flags of a variant name."""
-    if variant == "contiguous":
-        return []
-    if variant.startswith("page") and variant[4:].isdigit():
-        return ["--page-size", variant[4:]]
-    raise SystemExit(f"unknown variant {variant!r}: contiguous or pageP (P a power of two)")
+    """The `clmha bench` flags of a variant name: contiguous, pageP, int8, or parts joined by
+    "+" (page64+int8)."""
+    flags = []
+    for part in variant.split("+"):
+        if part == "contiguous":
+            continue
+        if part.startswith("page") and part[4:].isdigit():
+            flags += ["--page-size", part[4:]]
+        elif part == "int8":
+            flags += ["--kv-dtype", "int8"]
+        else:
+            raise SystemExit(f"unknown variant {variant!r}: contiguous, pageP (P a power of "
+                             f"two), int8, or parts joined by '+'")
+    return flags
 
 
 def run(args, cache_len, variant):
@@ -49,7 +57,8 @@ def main():
     ap.add_argument("--clmha", default=os.path.join(ROOT, "build", "clmha"))
     ap.add_argument("--cache-lens", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--variants", nargs="+", default=["page16", "page64", "page256"])
+    ap.add_argument("--variants", nargs="+",
+                    default=["page16", "page64", "page256", "int8", "page64+int8"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--driver", help="run under tools/ocl-driver.sh DRIVER")

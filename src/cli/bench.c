@@ -24,11 +24,13 @@ static const char *usage_bench =
 "                   [--score-mod FILE.cl [--mod-params P.npy]]\n"
 "                   [--impl auto|fused|unfused] [--backward] [--host] [--repeat R]\n"
 "                   [--device SPEC] [--dtype f32|f64|f16|bf16] [--json]\n"
-"       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--page-size P] [--batch N]\n"
-"                   [--embed E]\n"
+"       clmha bench --decode --cache-len S[,S...] [--kv-heads G] [--page-size P]\n"
+"                   [--kv-dtype f32|int8] [--batch N] [--embed E]\n"
 "                   [--heads H] [--window LEFT,RIGHT] [--softcap C] [--alibi] [--sinks]\n"
 "                   [--score-mod FILE.cl [--mod-params P.npy]] [--repeat R]\n"
-"                   [--device SPEC] [--json]\n"
+"                   [--device SPEC] [--json]\n";
+
+static const char *usage_bench_about =
     "\n"
     "Times the forward pass on device buffers (clmha_layer_forward): a warm-up\n"
     "(clmha_layer_bake at the shape: sizes the scratch, compiles the kernels), then R timed\n"
@@ -146,7 +148,9 @@ static const char *usage_bench_decode =
     "with G key/value heads (G divides H; H query heads share each), whose cache and step read\n"
     "G heads' keys and values: kv_bytes = 2 * N * G * (S + 1) * D * 4. --page-size P: a paged\n"
     "cache (clmha_kv_cache_create_with()) of P-token pages, a pool of just enough pages;\n"
-    "--json adds page_size (0: contiguous).\n"
+    "--kv-dtype f32|int8: how the cache stores keys and values (int8: one scale per token\n"
+    "and head; kv_bytes counts 1 + 4/D bytes a value). --json adds page_size (0:\n"
+    "contiguous) and kv_dtype.\n"
     "--window LEFT,RIGHT: a layer with a sliding window (clmha_layer_desc::window; -1 leaves a\n"
     "side unbounded): the step's token sees the LEFT + 1 latest tokens (is_causal bounds the\n"
     "right side), and kv_bytes counts those (S + 1 at most); --json adds window_left,\n"
@@ -420,7 +424,7 @@ static void print_tuning(const clmha_context *ctx) {
 typedef struct bench_args {
     const char *batch_opt, *tgt_opt, *src_opt, *embed_opt, *heads_opt, *repeat_opt, *layer_path,
         *device, *impl_opt, *cache_opt, *kv_heads_opt, *dtype_opt, *prefix, *window_opt,
-        *softcap_opt, *page_opt;
+        *softcap_opt, *page_opt, *kv_dtype_opt;
     clmha__cli_mod mod;  // --score-mod, --mod-params
     bool need_weights, batch_first, json, backward, decode, host, causal, alibi, sinks;
     double softcap;  // --softcap (0: off)
@@ -430,6 +434,7 @@ typedef struct bench_args {
     int64_t window[2];  // --window LEFT,RIGHT
     clmha_impl impl;
     clmha_dtype dtype;
+    clmha_kv_dtype kv_dtype;
 } bench_args;
 
 // Reads the options into @p a. False with *@p rc to return (--help, a usage error).
@@ -454,6 +459,7 @@ static bool parse_options(int argc, char **argv, bench_args *a, int *rc) {
         {.name = "--cache-len", .value = &a->cache_opt},
         {.name = "--kv-heads", .value = &a->kv_heads_opt},
         {.name = "--page-size", .value = &a->page_opt},
+        {.name = "--kv-dtype", .value = &a->kv_dtype_opt},
         {.name = "--dtype", .value = &a->dtype_opt},
         {.name = "--causal", .flag = &a->causal},
         {.name = "--window", .value = &a->window_opt},
@@ -464,8 +470,9 @@ static bool parse_options(int argc, char **argv, bench_args *a, int *rc) {
         {.name = "--mod-params", .value = &a->mod.params_path},
     };
     char usage[12288];
-    snprintf(usage, sizeof usage, "%s%s%s%s%s%s", usage_bench, usage_bench_run,
-             usage_bench_dtype, usage_bench_backward, usage_bench_decode, usage_bench_tail);
+    snprintf(usage, sizeof usage, "%s%s%s%s%s%s%s", usage_bench, usage_bench_about,
+             usage_bench_run, usage_bench_dtype, usage_bench_backward, usage_bench_decode,
+             usage_bench_tail);
     return clmha__cli_parse_options("bench", argc, argv, opts, sizeof opts / sizeof opts[0],
                                     usage, rc);
 }
@@ -551,10 +558,13 @@ static int parse_values(bench_args *a) {
     if (a->kv_heads_opt && (rc = parse_sizes("--kv-heads", a->kv_heads_opt, 1, BENCH_MAX_SIZE,
                                              &a->kv_heads, &one)))
         return rc;
-    if (a->page_opt && !a->decode) {
-        clmha__cli_report("bench", "--page-size goes with --decode");
+    if ((a->page_opt || a->kv_dtype_opt) && !a->decode) {
+        clmha__cli_report("bench", "%s goes with --decode",
+                          a->page_opt ? "--page-size" : "--kv-dtype");
         return EXIT_USAGE;
     }
+    if (a->kv_dtype_opt && !clmha__cli_parse_kv_dtype("bench", a->kv_dtype_opt, &a->kv_dtype))
+        return EXIT_USAGE;
     if (a->page_opt && (rc = parse_sizes("--page-size", a->page_opt, 1, BENCH_MAX_SIZE,
                                          &a->page_size, &one)))
         return rc;
@@ -704,7 +714,7 @@ int clmha__cli_bench(int argc, char **argv) {
                         .need_weights = a.need_weights, .json = a.json, .host = a.host,
                         .causal = a.causal, .impl = a.impl,
                         .repeat = a.repeat, .score_mod_path = a.mod.source_path,
-                        .page_size = a.page_size};
+                        .page_size = a.page_size, .kv_dtype = a.kv_dtype};
     cfg.desc = (clmha_layer_desc){.struct_size = sizeof cfg.desc,
                                   .embed_dim = a.e, .num_heads = a.h, .kdim = a.e, .vdim = a.e,
                                   .bias = true, .batch_first = a.batch_first,

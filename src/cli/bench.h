@@ -21,6 +21,7 @@ typedef struct bench_config {
     size_t repeat;
     const char *score_mod_path;  // --score-mod (its source in desc.mod_source), or NULL
     size_t page_size;            // --decode --page-size: a paged KV cache (0: contiguous)
+    clmha_kv_dtype kv_dtype;     // --decode --kv-dtype
 } bench_config;
 
 // The inputs and outputs of one shape, on the device.

@@ -101,7 +101,8 @@ static int decode_setup(clmha_context *ctx, const bench_config *cfg, decode_run 
     size_t ps = cfg->page_size;
     clmha_kv_cache_options o = {.struct_size = sizeof o, .capacity = ps ? 0 : cache_len + 1,
                                 .page_size = ps,
-                                .num_pages = ps ? n * ((cache_len + 1 + ps - 1) / ps) : 0};
+                                .num_pages = ps ? n * ((cache_len + 1 + ps - 1) / ps) : 0,
+                                .kv_dtype = cfg->kv_dtype};
     clmha_status st = clmha_kv_cache_create_with(&dr->cache, dr->layer, n, &o);
     if (st) return step_failed(ctx, dr, st);
     clmha_forward_args pa = dr->prefill.args;
@@ -179,17 +180,20 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
     size_t seen = cache_len + 1;
     if (d->window && d->window_left >= 0 && (uint64_t)d->window_left < cache_len)
         seen = (size_t)d->window_left + 1;
-    double kv_bytes = 2.0 * (double)n * (double)kvh * (double)seen * (double)hd * 4.0;
+    // Bytes a value: 4, or an int8 cache's 1 and its row's float scale.
+    double per = cfg->kv_dtype == CLMHA_KV_INT8 ? 1.0 + 4.0 / (double)hd : 4.0;
+    double kv_bytes = 2.0 * (double)n * (double)kvh * (double)seen * (double)hd * per;
     double ms = res->ms, gbps = kv_bytes / ms / 1e6, copy = res->copy;
     if (cfg->json) {
         bench_config step = *cfg;  // the step is is_causal (bottom-right: the new token last)
         step.causal = true;
         clmha__bench_json_head(ctx, &step, n, 1, cache_len + 1, CLMHA_IMPL_AUTO, true);
         printf("\"decode\": true, \"cache_len\": %zu, \"kv_heads\": %zu, \"page_size\": %zu, "
-               "\"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"kv_bytes\": %.0f, "
+               "\"kv_dtype\": \"%s\", \"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"kv_bytes\": %.0f, "
                "\"kv_gbps\": %.6g, \"copy_bytes\": %zu, \"copy_gbps\": %.6g, "
                "\"fraction_of_copy\": %.4g, ",
-               cache_len, kvh, cfg->page_size, ms, res->lo, res->hi, kv_bytes, gbps,
+               cache_len, kvh, cfg->page_size,
+               cfg->kv_dtype == CLMHA_KV_INT8 ? "int8" : "f32", ms, res->lo, res->hi, kv_bytes, gbps,
                res->copy_bytes, copy, gbps / copy);
         if (d->window)
             printf("\"window_left\": %lld, \"window_right\": %lld, ",
@@ -201,6 +205,7 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
                "%zu heads of %zu, %zu key/value heads (decode core)\n",
                n, cache_len, h, hd, kvh);
         if (cfg->page_size) printf("cache:   paged, pages of %zu tokens\n", cfg->page_size);
+        if (cfg->kv_dtype == CLMHA_KV_INT8) printf("cache:   int8 keys and values\n");
         if (d->window)
             printf("window:  (%lld, %lld): the token sees %zu of them\n",
                    (long long)d->window_left, (long long)d->window_right, seen);

@@ -75,6 +75,10 @@ typedef struct clmha__cli_lens {
 bool clmha__cli_parse_lens(const char *cmd, const char *flag, const char *text,
                            clmha__cli_lens *l);
 
+// Parses a KV cache's element type (--kv-dtype): f32 or int8. Reports "clmha <cmd>:
+// --kv-dtype '<text>': ..." and returns false for anything else.
+bool clmha__cli_parse_kv_dtype(const char *cmd, const char *text, clmha_kv_dtype *dt);
+
 // A sliding window (--window LEFT,RIGHT): query i attends key j only when
 // i - left <= j <= i + right (-1: that side unbounded).
 typedef struct clmha__cli_window {

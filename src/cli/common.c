@@ -194,6 +194,18 @@ bool clmha__cli_parse_lens(const char *cmd, const char *flag, const char *text,
     return true;
 }
 
+bool clmha__cli_parse_kv_dtype(const char *cmd, const char *text, clmha_kv_dtype *dt) {
+    *dt = CLMHA_KV_FLOAT32;
+    if (!text || strcmp(text, "f32") == 0 || strcmp(text, "float32") == 0) return true;
+    if (strcmp(text, "int8") == 0) {
+        *dt = CLMHA_KV_INT8;
+        return true;
+    }
+    clmha__cli_report(cmd, "--kv-dtype '%s': expected f32 or int8 (int4, f16 and bf16 caches "
+                      "are not implemented yet)", text);
+    return false;
+}
+
 bool clmha__cli_parse_softcap(const char *cmd, const char *text, double *c) {
     *c = 0.0;
     if (!text) return true;
