@@ -7,11 +7,13 @@
 //
 // Layouts: the queries, new keys and values in the projected rows (in_proj_bias not added),
 // token t of sequence n in row n*T + t (batch_first) or t*N + n; the result merged rows
-// (N*L, E) in the query's row order; the cache in pages of PS positions (a multiple of BKEYS):
-// page pg holds vc (KVH, PS, HD) from vc + pg*KVH*PS*HD and kc the same size in blocks of
-// BKEYS transposed keys; sequence n's position j is in page pages[n*pages_ld + j/PS] (a
-// contiguous cache: one page per sequence, page n); lens (N, 2) uint: each sequence's length
-// before and after this call. Query head h reads KV head h / G (grouped-query attention: G
+// (N*L, E) in the query's row order; the cache in pages of PS positions (a multiple of BKEYS),
+// head by head: KV head kh's rows of page pg are vc (PS, HD) from vc + (kh*PAGES + pg)*PS*HD,
+// and kc the same size in blocks of BKEYS transposed keys, so that one head's pages taken in
+// order lie one after another (a stream the CPU's prefetchers follow); sequence n's position
+// j is in page pages[n*pages_ld + j/PS] (a contiguous cache: one page per sequence, page n);
+// lens (N, 2) uint: each sequence's length before and after this call, followed by a paged
+// cache's table (pages = lens + 2N; one buffer a call). Query head h reads KV head h / G (grouped-query attention: G
 // query heads per KV head; G 1 is plain multi-head attention): each work-item of decode_partial
 // holds the G query rows of a group and reads every key and value of its range once for all
 // of them. Its scores need no sum across vector lanes: a key block's dimension c is one
@@ -147,15 +149,15 @@ kernel void decode_zero(global float *kc, ulong count) {
 }
 
 // Where position j of key/value head kh of sequence n starts in the cache (floats / HD): its
-// page's (KVH, PS) block of that head, the position within the page. pshift: log2 of a paged
+// page's block of that head's rows, the position within the page. pshift: log2 of a paged
 // cache's page size (a power of two: a shift and a mask, no division, whose 64-bit form cost
 // about what a key block's scores cost); 0 for a contiguous cache, whose page is the sequence's
-// own (page n, psize its capacity rounded up to BKEYS).
+// own (page n, psize its capacity rounded up to BKEYS). num_pages: the cache's pages.
 inline ulong cache_at(global const uint *pages, ulong pages_ld, uint pshift, ulong psize,
-                      ulong kv_heads, ulong n, ulong kh, ulong j) {
-    if (!pshift) return (n * kv_heads + kh) * psize + j;
+                      ulong num_pages, ulong n, ulong kh, ulong j) {
+    if (!pshift) return (kh * num_pages + n) * psize + j;
     ulong pg = pages[n * pages_ld + (j >> pshift)];
-    return ((pg * kv_heads + kh) << pshift) + (j & (psize - 1));
+    return ((kh * num_pages + pg) << pshift) + (j & (psize - 1));
 }
 
 // Copies the first new - old of each sequence's S new keys and values, in_proj_bias added, from
@@ -187,17 +189,17 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
                           ulong v_ld, global const float *bias, uint has_bias, ulong kb_at,
                           ulong vb_at, global KST *kc, global KST *vc, global float *kscale,
                           global float *vscale,
-                          global const uint *lens, global const uint *pages, ulong pages_ld,
-                          uint pshift, ulong psize, ulong n_batch, uint batch_first,
-                          ulong src_len,
+                          global const uint *lens, ulong pages_ld, uint pshift, ulong psize,
+                          ulong num_pages, ulong n_batch, uint batch_first, ulong src_len,
                           ulong kv_heads, ulong rows) {
     ulong gid = get_global_id(0);
     if (gid >= rows) return;
+    global const uint *pages = lens + 2 * n_batch;
     ulong t = gid % src_len, bkv = gid / src_len, n = bkv / kv_heads, kh = bkv % kv_heads;
     uint old = lens[2 * n], now = lens[2 * n + 1];
     if (t >= (ulong)(now - old)) return;
     ulong pos = old + t, row = token_row(n, t, n_batch, src_len, batch_first);
-    ulong at = cache_at(pages, pages_ld, pshift, psize, kv_heads, n, kh, pos);
+    ulong at = cache_at(pages, pages_ld, pshift, psize, num_pages, n, kh, pos);
     global const float *ks = proj + k_at + row * k_ld + kh * HD;
     global const float *vs = proj + v_at + row * v_ld + kh * HD;
     global KST *vd = vc + at * HD;
@@ -231,8 +233,8 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                            global const float *bias, uint has_bias, ulong n_batch,
                            uint batch_first, global const KST *kc, global const KST *vc,
                            global const float *kscale, global const float *vscale,
-                           global const uint *lens, global const uint *pages, ulong pages_ld,
-                           uint pshift, ulong psize, ulong tgt_len, ulong n_heads,
+                           global const uint *lens, ulong pages_ld, uint pshift, ulong psize,
+                           ulong num_pages, ulong tgt_len, ulong n_heads,
                            ulong kv_heads, uint parts, uint causal, long win_left,
                            long win_right, float scale, float softcap,
                            global const float *alibi_slopes, ulong alibi_off,
@@ -240,6 +242,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                            global float *part_ms, ulong items) {
     ulong gid = get_global_id(0);
     if (gid >= items) return;
+    global const uint *pages = lens + 2 * n_batch;  // a paged cache's table
     uint p = (uint)(gid % parts);
     ulong r = gid / parts, i = r % tgt_len, bkv = r / tgt_len, n = bkv / kv_heads;
     ulong kvh = bkv - n * kv_heads;
@@ -275,7 +278,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
     for (ulong jb = j0; jb < j1; jb += BKEYS) {
         // The block's place in its page: its keys' vectors from kc + at*HD, key jb + u's value
         // row at vc + (at + u)*HD.
-        ulong at = cache_at(pages, pages_ld, pshift, psize, kv_heads, n, kvh, jb);
+        ulong at = cache_at(pages, pages_ld, pshift, psize, num_pages, n, kvh, jb);
         // Lanes skip ... cnt - 1 of the block are keys the row sees (skip > 0 only in the
         // block of `start`, which part 0 begins with and holds a key of: skip < cnt).
         uint cnt = (uint)min((ulong)BKEYS, j1 - jb), skip = jb < start ? (uint)(start - jb) : 0;

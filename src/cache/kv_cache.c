@@ -87,20 +87,6 @@ static bool pages_make(clmha_kv_cache *c) {
     return true;
 }
 
-// A contiguous cache's page table on the device: page n for sequence n.
-static clmha_status identity_make(clmha_kv_cache *c) {
-    cl_uint *ids = malloc(c->batch * sizeof *ids);
-    if (!ids) return clmha__fail(c->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
-    for (size_t n = 0; n < c->batch; ++n) ids[n] = (cl_uint)n;
-    cl_int err;
-    c->identity = clCreateBuffer(c->ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
-                                 c->batch * sizeof *ids, ids, &err);
-    clmha__held_new(CLMHA__HELD_MEM, c->identity);
-    free(ids);
-    return err ? clmha__cl_fail(c->ctx, err, "clCreateBuffer(KV cache page table)")
-               : CLMHA_SUCCESS;
-}
-
 // A new cache of @p kv_heads heads of @p head_dim floats on @p ctx, for @p layer (NULL: for
 // attention as a function), as @p o says (checked).
 static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
@@ -128,10 +114,6 @@ static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
     if (paged && !pages_make(c)) {
         clmha_kv_cache_release(c);
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (page table)");
-    }
-    if (!paged && (st = identity_make(c))) {
-        clmha_kv_cache_release(c);
-        return st;
     }
     cl_int err = CL_SUCCESS;
     // int8: the elements, and a float scale per (position, head): floats / D of them.
@@ -208,7 +190,6 @@ void clmha_kv_cache_release(clmha_kv_cache *cache) {
     clmha__release_mem(cache->v);
     clmha__release_mem(cache->ks);
     clmha__release_mem(cache->vs);
-    clmha__release_mem(cache->identity);
     free(cache->len);
     free(cache->table);
     free(cache->refs);
@@ -307,8 +288,8 @@ clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *batch, siz
 
 // A paged cache's pages for @p plan's lengths: each sequence's table row after the call (the
 // pages it holds, a copy for a shared, partly filled last page it appends into, fresh pages
-// for the rest) in plan->rows, taken from the free list tentatively (the cache is unchanged),
-// and the call's table on the device. CLMHA_OUT_OF_MEMORY when the pool has too few free pages.
+// for the rest) in plan->rows, taken from the free list tentatively (the cache is unchanged).
+// CLMHA_OUT_OF_MEMORY when the pool has too few free pages.
 static clmha_status plan_pages(clmha_kv_cache *c, clmha__kv_plan *plan) {
     size_t p = c->page_size, ld = 1, wanted = 0;
     for (size_t n = 0; n < c->batch; ++n) {
@@ -349,12 +330,7 @@ static clmha_status plan_pages(clmha_kv_cache *c, clmha__kv_plan *plan) {
                            "tokens and %zu of %zu are free (truncate or reset sequences, or make "
                            "a larger pool); nothing changed",
                            wanted, p, c->free_count, c->num_pages);
-    cl_int err;
-    plan->pages = clCreateBuffer(c->ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
-                                 c->batch * ld * sizeof *plan->rows, plan->rows, &err);
-    clmha__held_new(CLMHA__HELD_MEM, plan->pages);
-    return err ? clmha__cl_fail(c->ctx, err, "clCreateBuffer(KV cache page table)")
-               : CLMHA_SUCCESS;
+    return CLMHA_SUCCESS;
 }
 
 clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer, bool function,
@@ -411,15 +387,24 @@ clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer
         pairs[2 * n + 1] = (cl_uint)(old + add);
         if (old + add > plan->max_new) plan->max_new = old + add;
     }
+    plan->pages_ld = 1;
     if (!st && cache->paged) st = plan_pages(cache, plan);
-    if (!st && !cache->paged) plan->pages = cache->identity, plan->pages_ld = 1;
+    // The lengths, then a paged cache's table: one buffer (made at once, copied from the host:
+    // nothing waits), which the kernels read as lens and lens + 2N.
+    size_t words = 2 * n_batch + (cache->paged ? n_batch * plan->pages_ld : 0);
+    cl_uint *all = st ? NULL : malloc(words * sizeof *all);
+    if (!st && !all) st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     if (!st) {
+        memcpy(all, pairs, 2 * n_batch * sizeof *pairs);
+        if (cache->paged)
+            memcpy(all + 2 * n_batch, plan->rows, n_batch * plan->pages_ld * sizeof *all);
         cl_int err;
         plan->lens = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR,
-                                    2 * n_batch * sizeof *pairs, pairs, &err);
+                                    words * sizeof *all, all, &err);
         clmha__held_new(CLMHA__HELD_MEM, plan->lens);
         if (err != CL_SUCCESS) st = clmha__cl_fail(ctx, err, "clCreateBuffer(KV cache lengths)");
     }
+    free(all);
     free(pairs);
     if (st) clmha__kv_plan_release(plan);
     return st;
@@ -442,7 +427,6 @@ void clmha__kv_plan_commit(clmha__kv_plan *plan) {
 
 void clmha__kv_plan_release(clmha__kv_plan *plan) {
     clmha__release_mem(plan->lens);
-    if (plan->cache && plan->cache->paged) clmha__release_mem(plan->pages);
     free(plan->old_len);
     free(plan->rows);
     free(plan->copies);

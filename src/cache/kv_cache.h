@@ -38,23 +38,21 @@ struct clmha_kv_cache {
     size_t *len;               // batch lengths (host bookkeeping)
     // Paged: table[n * num_pages + i] is sequence n's page i (it holds ceil(len[n] / page_size)
     // of them), refs[p] the sequences that hold page p, free_pages[0 .. free_count) the pages
-    // none holds. Contiguous: NULL, and identity is the page table the kernels read (page n for
-    // sequence n).
+    // none holds. Contiguous: NULL (sequence n's page is page n).
     cl_uint *table, *refs, *free_pages;
     size_t free_count;
-    cl_mem identity;
 };
 
 // One call's use of a cache: every sequence's length before and after it, and a buffer of
-// those pairs (cl_uint old, new per sequence) that the decode kernels read; the page table the
-// kernels read (pages_ld entries per sequence); for a paged cache, the pages the call takes
-// (tentatively: the cache changes only on commit) and the copies on write it needs first.
+// those pairs (cl_uint old, new per sequence) that the decode kernels read, followed for a
+// paged cache by the call's page table (pages_ld entries per sequence); for a paged cache, the
+// pages the call takes (tentatively: the cache changes only on commit) and the copies on write
+// it needs first.
 typedef struct clmha__kv_plan {
     clmha_kv_cache *cache;
     size_t *old_len, *new_len;  // batch entries each (one allocation)
     size_t max_new;             // the longest sequence after the call
-    cl_mem lens;                // (batch, 2) cl_uint, made by clmha__kv_plan()
-    cl_mem pages;               // (batch, pages_ld) cl_uint (the cache's identity: not owned)
+    cl_mem lens;                // (batch, 2) cl_uint, then (batch, pages_ld) pages (paged)
     size_t pages_ld;
     cl_uint *rows;              // paged: the table rows after the call (batch * pages_ld)
     size_t taken;               // paged: pages taken from the free list

@@ -223,18 +223,20 @@ static size_t window_span(const clmha__dims *d, bool causal, size_t longest) {
 // append writes there.
 static clmha_status copy_on_write(clmha_context *ctx, const clmha__kv_plan *kv) {
     const clmha_kv_cache *c = kv->cache;
-    size_t rows = c->kv_heads * c->page_size;  // a page's rows of D elements (and scales)
+    size_t rows = c->page_size;  // a page's rows of D elements (and scales), head by head
     cl_mem bufs[4] = {c->k, c->v, c->ks, c->vs};
     size_t bytes[4] = {rows * c->head_dim * c->elem, rows * c->head_dim * c->elem, rows * 4,
                        rows * 4};
     for (size_t j = 0; j < kv->num_copies; ++j)
-        for (int b = 0; b < 4; ++b) {
-            if (!bufs[b]) continue;
-            size_t from = kv->copies[2 * j] * bytes[b], to = kv->copies[2 * j + 1] * bytes[b];
-            cl_int err = clEnqueueCopyBuffer(ctx->queue, bufs[b], bufs[b], from, to, bytes[b], 0,
-                                             NULL, NULL);
-            if (err) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(KV cache page)");
-        }
+        for (size_t kh = 0; kh < c->kv_heads; ++kh)
+            for (int b = 0; b < 4; ++b) {
+                if (!bufs[b]) continue;
+                size_t from = (kh * c->num_pages + kv->copies[2 * j]) * bytes[b];
+                size_t to = (kh * c->num_pages + kv->copies[2 * j + 1]) * bytes[b];
+                cl_int err = clEnqueueCopyBuffer(ctx->queue, bufs[b], bufs[b], from, to,
+                                                 bytes[b], 0, NULL, NULL);
+                if (err) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(KV cache page)");
+            }
     return CLMHA_SUCCESS;
 }
 
@@ -267,7 +269,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     clmha_status st = ensure(l, &s);
     if (st) return st;
     cl_ulong src = d->s, kvh = c->kv_heads, psize = c->page_size, heads = l->h, tgt = d->l;
-    cl_ulong pages_ld = kv->pages_ld;
+    cl_ulong pages_ld = kv->pages_ld, num_pages = c->num_pages;
     cl_uint pshift = 0;  // log2 of a paged cache's page size; 0: contiguous
     while (c->paged && ((size_t)1 << pshift) < c->page_size) ++pshift;
     bool i8 = c->kv_dtype == CLMHA_KV_INT8;
@@ -287,8 +289,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         cl_ulong kb_at = l->e, vb_at = l->e + l->kve;
         arg args[] = {ARG(l->proj), ARG(k_at),    ARG(k_ld),    ARG(v_at),    ARG(v_ld),
                       ARG(bias),    ARG(has_bias), ARG(kb_at),  ARG(vb_at),   ARG(c->k),
-                      ARG(c->v),    ARG(kscale),  ARG(vscale),  ARG(kv->lens), ARG(kv->pages), ARG(pages_ld), ARG(pshift),
-                      ARG(psize), ARG(n_batch), ARG(batch_first), ARG(src),     ARG(kvh),     ARG(rows)};
+                      ARG(c->v),    ARG(kscale),  ARG(vscale),  ARG(kv->lens), ARG(pages_ld), ARG(pshift),
+                      ARG(psize),   ARG(num_pages), ARG(n_batch), ARG(batch_first), ARG(src),     ARG(kvh),     ARG(rows)};
         if ((st = clmha__launch(ctx, append, "decode_append", rows, s->wg, args,
                                 sizeof args / sizeof args[0])))
             return st;
@@ -310,8 +312,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     {
         arg args[] = {ARG(l->proj),   ARG(q_at),    ARG(q_ld),        ARG(bias),
                       ARG(has_bias),  ARG(n_batch), ARG(batch_first), ARG(c->k),
-                      ARG(c->v),      ARG(kscale),  ARG(vscale),      ARG(kv->lens), ARG(kv->pages),  ARG(pages_ld),
-                      ARG(pshift),    ARG(psize),     ARG(tgt),     ARG(heads),
+                      ARG(c->v),      ARG(kscale),  ARG(vscale),      ARG(kv->lens), ARG(pages_ld),
+                      ARG(pshift),    ARG(psize),   ARG(num_pages),     ARG(tgt),     ARG(heads),
                       ARG(kvh),       ARG(parts),       ARG(causal),
                       ARG(win_left),  ARG(win_right), ARG(scale),     ARG(softcap),
                       ARG(m.alibi),   ARG(m.alibi_off), ARG(m.mod_p),    ARG(m.mod_off),
