@@ -875,12 +875,15 @@ class Layer:
     # ---- caches and training -------------------------------------------------------------------
 
     def kv_cache(self, batch: int, capacity: Optional[int] = None, *, page_size: int = 0,
-                 num_pages: int = 0) -> "KVCache":
+                 num_pages: int = 0, kv_dtype: str = "float32") -> "KVCache":
         """An empty KV cache for incremental decoding: ``batch`` sequences (1 for unbatched
         calls) of up to ``capacity`` tokens each; or, with ``page_size`` (a power of two from
         16) and ``num_pages``, a paged cache whose sequences draw pages of ``page_size`` tokens
-        from a pool of ``num_pages`` (``KVCache.fork`` shares a prompt's pages)."""
-        return KVCache(self, batch, capacity, page_size=page_size, num_pages=num_pages)
+        from a pool of ``num_pages`` (``KVCache.fork`` shares a prompt's pages). ``kv_dtype``:
+        "float32" or "int8" (keys and values stored as int8 with one scale per token and head,
+        ``clmha_kv_cache_options::kv_dtype``)."""
+        return KVCache(self, batch, capacity, page_size=page_size, num_pages=num_pages,
+                       kv_dtype=kv_dtype)
 
     def saved(self) -> "Saved":
         """An empty saved state for one ``forward(..., save=state)`` call and its ``backward``."""
@@ -1021,10 +1024,10 @@ class KVCache:
     alive."""
 
     def __init__(self, layer: Layer, batch: int, capacity: Optional[int] = None, *,
-                 page_size: int = 0, num_pages: int = 0):
+                 page_size: int = 0, num_pages: int = 0, kv_dtype: str = "float32"):
         if not isinstance(layer, Layer):
             raise TypeError("KVCache(layer, batch, capacity) takes a clmha.Layer")
-        o = _options(batch, capacity, page_size, num_pages)
+        o = _options(batch, capacity, page_size, num_pages, kv_dtype)
         out = ffi.new("clmha_kv_cache **")
         with layer._lock:
             check(lib.clmha_kv_cache_create_with(out, layer._ptr, batch, o), layer._context._ptr)
@@ -1047,7 +1050,8 @@ class KVCache:
     @classmethod
     def for_attention(cls, batch: int, kv_heads: int, head_dim: int,
                       capacity: Optional[int] = None, *, context: Optional[Context] = None,
-                      page_size: int = 0, num_pages: int = 0) -> "KVCache":
+                      page_size: int = 0, num_pages: int = 0,
+                      kv_dtype: str = "float32") -> "KVCache":
         """An empty cache for attention as a function (``clmha_kv_cache_create_for``):
         ``batch`` sequences N (the product of the leading dimensions of the calls' tensors; 1
         for 3-D and 2-D ones) of at most ``capacity`` tokens, each ``kv_heads`` key/value heads
@@ -1057,12 +1061,12 @@ class KVCache:
         ``clmha.torch.scaled_dot_product_attention``: their key and value are then the new
         tokens, (N, H_kv, S_new, D), appended after each sequence's cached ones. A cache is
         used by one thread at a time. ``page_size`` and ``num_pages`` (instead of
-        ``capacity``): a paged cache, as ``Layer.kv_cache``'s."""
+        ``capacity``): a paged cache, and ``kv_dtype``, as ``Layer.kv_cache``'s."""
         context = default_context() if context is None else context
         if not isinstance(context, Context):
             raise TypeError(f"context must be a clmha.Context, not {type(context).__name__}")
         _check_sizes(("kv_heads", kv_heads), ("head_dim", head_dim))
-        o = _options(batch, capacity, page_size, num_pages)
+        o = _options(batch, capacity, page_size, num_pages, kv_dtype)
         out = ffi.new("clmha_kv_cache **")
         check(lib.clmha_kv_cache_create_for_with(out, context._ptr, batch, kv_heads, head_dim,
                                                  o), context._ptr)
@@ -1143,7 +1147,7 @@ class KVCache:
                f"lengths={self.lengths.tolist()})"
 
 
-def _options(batch, capacity, page_size, num_pages):
+def _options(batch, capacity, page_size, num_pages, kv_dtype="float32"):
     """A cache's clmha_kv_cache_options: contiguous (capacity) or paged (page_size and
     num_pages); the C library checks the values."""
     _check_sizes(("batch", batch))
@@ -1159,6 +1163,10 @@ def _options(batch, capacity, page_size, num_pages):
     o.struct_size = ffi.sizeof("clmha_kv_cache_options")
     o.capacity = 0 if page_size else int(capacity)
     o.page_size, o.num_pages = int(page_size), int(num_pages)
+    kinds = {"float32": lib.CLMHA_KV_FLOAT32, "int8": lib.CLMHA_KV_INT8}
+    if kv_dtype not in kinds:
+        raise ValueError(f"kv_dtype must be 'float32' or 'int8', not {kv_dtype!r}")
+    o.kv_dtype = kinds[kv_dtype]
     return o
 
 

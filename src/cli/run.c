@@ -157,6 +157,9 @@ static const char *const usage_run[] = {
     "  --page-size P             with --decode-chunk: a paged KV cache of P-token pages (a\n"
     "                            power of two from 16; a pool of just enough pages): the\n"
     "                            same output\n"
+    "  --kv-dtype f32|int8       with --decode-chunk: the cache's keys and values as int8\n"
+    "                            (one scale per token and head; within 1e-2 of the output's\n"
+    "                            largest value on unit-scale data: docs/accuracy.md)\n"
     "\n"
     "precision:\n"
     "  --dtype T                 the layer's dtype (PyTorch's dtype=): f32 (default), f64,\n"
@@ -342,7 +345,7 @@ static void chunk_rows(float *x, float *chunk, size_t n, size_t t, size_t f, boo
 // the rows of the output into @p y (as the one-shot forward writes them). Reports a failure.
 static bool decode_in_chunks(clmha_layer *layer, const clmha_forward_args *args,
                              const clmha_layer_desc *desc, size_t chunk, size_t page_size,
-                             float *y) {
+                             clmha_kv_dtype kv_dtype, float *y) {
     clmha_context *ctx = clmha_layer_context(layer);
     const clmha_tensor *q = &args->query;
     bool batched = q->ndim == 3, bf = batched && desc->batch_first;
@@ -362,7 +365,8 @@ static bool decode_in_chunks(clmha_layer *layer, const clmha_forward_args *args,
     clmha_kv_cache_options o = {.struct_size = sizeof o, .capacity = page_size ? 0 : cap,
                                 .page_size = page_size,
                                 .num_pages = page_size ? n * ((cap + page_size - 1) / page_size)
-                                                       : 0};
+                                                       : 0,
+                                .kv_dtype = kv_dtype};
     clmha_status st = clmha_kv_cache_create_with(&cache, layer, n, &o);
     for (size_t t0 = 0; !st && t0 < l; t0 += c) {
         size_t rows = t0 + c < l ? c : l - t0;
@@ -427,7 +431,7 @@ typedef struct run_opts {
     const char *layer_path, *output_path, *weights_path, *device, *grads_dir, *heatmap;
     const char *seed_opt, *offset_opt, *chunk_opt, *dtype_opt, *prefix, *heads_opt;
     const char *batch_first_opt, *impl_opt, *heatmap_batch_opt, *window_opt, *softcap_opt;
-    const char *seq_lens_opt, *kv_seq_lens_opt, *page_opt;
+    const char *seq_lens_opt, *kv_seq_lens_opt, *page_opt, *kv_dtype_opt;
     clmha__cli_lens seq, kv_seq;  // --seq-lens, --kv-seq-lens (a packed batch)
     input_file in[IN_COUNT];
     bool is_causal, need_weights, per_head, training;
@@ -441,6 +445,7 @@ typedef struct run_opts {
     clmha__cli_mod mod;        // --score-mod, --mod-params (source: added to the layer)
     uint64_t chunk;          // --decode-chunk (0: one call)
     uint64_t page_size;      // --page-size (0: a contiguous cache)
+    clmha_kv_dtype kv_dtype; // --kv-dtype
     uint64_t heatmap_batch;  // --heatmap-batch
     clmha_dropout_rng rng;
     clmha__cli_in named_in[IN_COUNT + 3];  // --layer, the .npy inputs, --score-mod, --mod-params
@@ -501,6 +506,7 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         {.name = "--device", .value = &o->device, .allow_empty = true},
         {.name = "--decode-chunk", .value = &o->chunk_opt},
         {.name = "--page-size", .value = &o->page_opt},
+        {.name = "--kv-dtype", .value = &o->kv_dtype_opt},
         {.name = "--dtype", .value = &o->dtype_opt},
     };
     char usage[3 * 4096] = "";  // room for the parts (each under 4095 bytes, 10.7 KB in all)
@@ -549,10 +555,12 @@ static bool parse_load_options(run_opts *o) {
 
 // --decode-chunk and what it does not go with. Reports a usage error.
 static bool parse_decode_chunk(run_opts *o) {
-    if (o->page_opt && !o->chunk_opt) {
-        clmha__cli_report("run", "--page-size needs --decode-chunk (it is the KV cache's)");
+    if ((o->page_opt || o->kv_dtype_opt) && !o->chunk_opt) {
+        clmha__cli_report("run", "%s needs --decode-chunk (it is the KV cache's)",
+                          o->page_opt ? "--page-size" : "--kv-dtype");
         return false;
     }
+    if (!clmha__cli_parse_kv_dtype("run", o->kv_dtype_opt, &o->kv_dtype)) return false;
     if (!clmha__cli_parse_u64("run", "--page-size", o->page_opt, &o->page_size)) return false;
     if (o->page_opt && (o->page_size < 16 || (o->page_size & (o->page_size - 1)))) {
         clmha__cli_report("run", "--page-size %s: expected a power of two from 16 (the decode "
@@ -922,7 +930,7 @@ static bool compute(const run_opts *o, run_state *s) {
     }
     if (o->chunk)
         return decode_in_chunks(s->layer, &s->args, &s->desc, (size_t)o->chunk,
-                                (size_t)o->page_size, s->y);
+                                (size_t)o->page_size, o->kv_dtype, s->y);
     clmha_status st =
         o->f64 ? clmha_layer_forward_host_f64(s->layer, &s->args, s->y64, s->y_count, s->w64,
                                               s->w_count)

@@ -1642,6 +1642,39 @@ Test(cli_run, decode_chunk_paged) {
                  "24");
     EXPECT_USAGE("clmha run: --page-size needs --decode-chunk", "run", "--layer",
                  "l.safetensors", "--query", "q.npy", "--page-size", "16");
+    EXPECT_USAGE("clmha run: --kv-dtype 'int4': expected f32 or int8", "run", "--layer",
+                 "l.safetensors", "--query", "q.npy", "--decode-chunk", "2", "--kv-dtype",
+                 "int4");
+}
+
+// --decode-chunk through an int8 KV cache: PyTorch's output within the int8 contract (1e-2 of
+// the output's largest value; these cases are unit-scale).
+Test(cli_run, decode_chunk_int8) {
+    SKIP_WITHOUT_DEVICE();
+    char dir[4096], layer[4200], query[4200], want_path[4200];
+    snprintf(dir, sizeof dir, "%s/cli/causal", CLMHA_TEST_DATA_DIR);
+    snprintf(layer, sizeof layer, "%s/layer.safetensors", dir);
+    snprintf(query, sizeof query, "%s/query.npy", dir);
+    snprintf(want_path, sizeof want_path, "%s/expected_output.npy", dir);
+    tmp_dir d = tmp_make();
+    const char *out = tmp_file(&d, "o.npy");
+    cli_result r = cli_run("run", "--layer", layer, "--query", query, "--is-causal",
+                           "--decode-chunk", "2", "--kv-dtype", "int8", "--page-size", "16",
+                           "--output", out);
+    cr_assert_eq(r.status, 0, "exit %d: %s", r.status, r.err);
+    cli_free(&r);
+    clmha__npy got, want;
+    read_npy(out, &got);
+    read_npy(want_path, &want);
+    double err = npy_max_abs_diff(&got, &want, "output", "causal"), scale = 0;
+    for (size_t i = 0; i < want.count; ++i)
+        scale = fmax(scale, fabs(want.f64 ? want.f64[i] : want.f32[i]));
+    cr_expect_leq(err / scale, 1e-2, "int8: %.3e of %.3e", err, scale);
+    fprintf(stderr, "cli causal --decode-chunk 2 --kv-dtype int8: max |err| %.3e (%.2e of the "
+            "largest output)\n", err, err / scale);
+    clmha__npy_free(&got);
+    clmha__npy_free(&want);
+    tmp_remove(&d);
 }
 
 Test(cli_usage, dtype) {
