@@ -143,9 +143,9 @@ inline float block_sum(float16 v) {
 
 // Zeros the cache's keys before its first use: decode_partial reads a key block whole, the
 // positions past a sequence's length too (their scores dropped), which must hold numbers.
-kernel void decode_zero(global float *kc, ulong count) {
+kernel void decode_zero(global KST *kc, ulong count) {
     ulong gid = get_global_id(0);
-    if (gid < count) kc[gid] = 0.0f;
+    if (gid < count) kc[gid] = 0;
 }
 
 // Where position j of key/value head kh of sequence n starts in the cache (floats / HD): its

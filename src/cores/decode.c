@@ -28,7 +28,7 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_decode;  // this core, at the
 
 typedef struct state {
     cl_kernel zero, append, partial, combine;  // built on first use
-    cl_kernel append_i8, partial_i8;     // the same for an int8 cache (-DKV_INT8=1), likewise
+    cl_kernel zero_i8, append_i8, partial_i8;  // an int8 cache's (-DKV_INT8=1), likewise
     size_t wg;                           // their launches' work-group
     clmha_status failed;                 // why they cannot be built here (then not retried)
     cl_mem part_acc, part_ms;            // the partial results, grown on demand (floats)
@@ -48,9 +48,11 @@ static void release_kernels(state *s) {
     clmha__release_kernel(s->append);
     clmha__release_kernel(s->partial);
     clmha__release_kernel(s->combine);
+    clmha__release_kernel(s->zero_i8);
     clmha__release_kernel(s->append_i8);
     clmha__release_kernel(s->partial_i8);
-    s->zero = s->append = s->partial = s->combine = s->append_i8 = s->partial_i8 = NULL;
+    s->zero = s->append = s->partial = s->combine = NULL;
+    s->zero_i8 = s->append_i8 = s->partial_i8 = NULL;
 }
 
 static void release(void *p) {
@@ -107,6 +109,7 @@ static clmha_status build_i8(clmha_layer *l, state *s) {
              clmha__layer_variant_options(l));
     cl_program prog;
     clmha_status st = clmha__program_get_mod(ctx, "decode", options, l->mod_source, &prog);
+    if (!st) st = clmha__kernel_make(ctx, prog, "decode_zero", &s->zero_i8);
     if (!st) st = clmha__kernel_make(ctx, prog, "decode_append", &s->append_i8);
     if (!st) st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial_i8);
     return st;
@@ -242,22 +245,20 @@ static clmha_status copy_on_write(clmha_context *ctx, const clmha__kv_plan *kv) 
 
 // Zeroes a cache's keys (and an int8 cache's key scales) before its first use: decode_partial
 // reads a key block whole, the positions past a sequence's length too (their scores dropped),
-// which must hold numbers.
+// which must hold numbers. Kernels rather than clEnqueueFillBuffer, whose writes Oclgrind
+// 21.10's uninitialised-value check does not see.
 static clmha_status zero_keys(clmha_layer *l, state *s, const clmha_kv_cache *c) {
     clmha_context *ctx = l->ctx;
     cl_ulong count = c->num_pages * c->kv_heads * c->page_size * l->d;  // fits: allocated
-    if (c->kv_dtype == CLMHA_KV_FLOAT32) {
-        arg args[] = {ARG(c->k), ARG(count)};
-        return clmha__launch(ctx, s->zero, "decode_zero", count, s->wg, args,
-                             sizeof args / sizeof args[0]);
-    }
-    cl_uchar zero = 0;
-    cl_int err = clEnqueueFillBuffer(ctx->queue, c->k, &zero, 1, 0, count, 0, NULL, NULL);
-    float fzero = 0.0f;
-    if (!err)
-        err = clEnqueueFillBuffer(ctx->queue, c->ks, &fzero, sizeof fzero, 0,
-                                  count / l->d * sizeof fzero, 0, NULL, NULL);
-    return err ? clmha__cl_fail(ctx, err, "clEnqueueFillBuffer(KV cache keys)") : CLMHA_SUCCESS;
+    bool i8 = c->kv_dtype == CLMHA_KV_INT8;
+    arg args[] = {ARG(c->k), ARG(count)};
+    clmha_status st = clmha__launch(ctx, i8 ? s->zero_i8 : s->zero, "decode_zero", count, s->wg,
+                                    args, sizeof args / sizeof args[0]);
+    if (st || !i8) return st;
+    cl_ulong scales = count / l->d;
+    arg sargs[] = {ARG(c->ks), ARG(scales)};  // floats: the float32 program's kernel
+    return clmha__launch(ctx, s->zero, "decode_zero", scales, s->wg, sargs,
+                         sizeof sargs / sizeof sargs[0]);
 }
 
 static clmha_status run(clmha_layer *l, clmha__core_call *call) {
