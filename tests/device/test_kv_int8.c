@@ -101,6 +101,7 @@ Test(kv_int8, accuracy_against_float32) {
         free(f), free(q), free(qp);
         instance_free(&in);
     }
+    clmha_context_release(ctx);
 }
 
 // Greedy generation: token t's embedding through the layer (and the cache), logits the output
@@ -157,6 +158,7 @@ Test(kv_int8, greedy_generation) {
     clmha_layer_release(layer);
     free(emb);
     instance_free(&in);
+    clmha_context_release(ctx);
 }
 
 Test(kv_int8, refusals) {
@@ -173,4 +175,5 @@ Test(kv_int8, refusals) {
     fprintf(stderr, "kv_int8 refuses: %s\n", clmha_context_last_error(ctx));
     clmha_layer_release(layer);
     instance_free(&in);
+    clmha_context_release(ctx);
 }

@@ -39,6 +39,7 @@ static void fixture_make(fixture *f, clmha_dtype dtype, bool window, uint64_t se
 static void fixture_free(fixture *f) {
     clmha_layer_release(f->layer);
     instance_free(&f->in);
+    clmha_context_release(f->ctx);
 }
 
 static clmha_kv_cache *paged(fixture *f, size_t page_size, size_t pages) {

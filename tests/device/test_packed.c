@@ -326,6 +326,7 @@ Test(packed, against_reference_and_padded, .timeout = 600) {
     cases[k] = (pcase){.name = "one_sequence", .c = base(6), .n = 1, .q = {13}};
     cases[k].c.self_attn = true, ++k;
     for (size_t i = 0; i < k; ++i) check(ctx, &cases[i]);
+    clmha_context_release(ctx);
 }
 
 // A 16-bit or float64 layer's packed forward against the reference (the inputs rounded to
@@ -367,6 +368,7 @@ Test(packed, dtypes_forward) {
     }
     free(out), free(want);
     instance_free(&p.in);
+    clmha_context_release(ctx);
 }
 
 // What a packed call refuses, with the status; and a call whose every sequence lacks queries.
@@ -429,6 +431,7 @@ Test(packed, refusals) {
     clmha_kv_cache_release(cache);
     clmha_layer_release(layer);
     instance_free(&p.in);
+    clmha_context_release(ctx);
 }
 
 // A KV cache filled and extended by packed calls (each sequence appending its own tokens):
@@ -493,6 +496,7 @@ Test(packed, through_a_kv_cache) {
     cached(ctx, CLMHA_DTYPE_F32, 0, TOLERANCE);
     cached(ctx, CLMHA_DTYPE_F32, 2, TOLERANCE);
     cached(ctx, CLMHA_DTYPE_BF16, 1, 4e-2);
+    clmha_context_release(ctx);
 }
 
 // Cross-attention through a KV cache: a packed call appends each sequence's keys and values
@@ -548,6 +552,7 @@ Test(packed, cross_attention_through_a_kv_cache) {
     clmha_layer_release(layer);
     free(q), free(out), free(got), free(want);
     instance_free(in);
+    clmha_context_release(ctx);
 }
 
 // ---- attention as a function ---------------------------------------------------------------
@@ -707,4 +712,5 @@ Test(packed, attention_function) {
         {"dropout", 2, {6, 4}, {8, 3}, 2, 2, 8, 8, false, false, false, 0.25f},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) function_case(ctx, &cases[i]);
+    clmha_context_release(ctx);
 }
