@@ -1663,8 +1663,13 @@ typedef struct clmha_kv_cache_options {
 /// @param[in]  layer    the layer whose calls will use it
 /// @param[in]  batch    N, the sequences
 /// @param[in]  options  struct_size set; capacity, or page_size and num_pages
-/// @return as clmha_kv_cache_create(), and ::CLMHA_INVALID_ARGUMENT for a page_size that is not
-///         a power of two from 16, or a capacity given with it
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, @p batch 0, a contiguous cache's
+///         capacity 0 or of 2^32 tokens or more, a page_size that is not a power of two from 16,
+///         a capacity given with it, num_pages 0 or too many tokens, an unknown kv_dtype,
+///         @p options' struct_size 0 or too small), ::CLMHA_UNSUPPORTED (@p options from a newer
+///         header using a newer field; a float64 layer), ::CLMHA_SIZE_OVERFLOW,
+///         ::CLMHA_OUT_OF_MEMORY (also a cache larger than the device's largest allocation),
+///         ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_kv_cache_create_with(clmha_kv_cache **out, clmha_layer *layer,
                                                   size_t batch,
                                                   const clmha_kv_cache_options *options);
@@ -1676,7 +1681,10 @@ CLMHA_API clmha_status clmha_kv_cache_create_with(clmha_kv_cache **out, clmha_la
 /// @param[in]  kv_heads  H_kv
 /// @param[in]  head_dim  D
 /// @param[in]  options   as clmha_kv_cache_create_with()'s
-/// @return as clmha_kv_cache_create_with()
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_kv_cache_create_with(), and
+///         @p kv_heads or @p head_dim 0), ::CLMHA_UNSUPPORTED (@p options from a newer header
+///         using a newer field), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY,
+///         ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_kv_cache_create_for_with(clmha_kv_cache **out, clmha_context *ctx,
                                                       size_t batch, size_t kv_heads,
                                                       size_t head_dim,

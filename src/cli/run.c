@@ -1075,7 +1075,11 @@ int clmha__cli_run(int argc, char **argv) {
                   }};
     int rc;
     if (!parse_command_line(argc, argv, &o, &rc)) return rc;
-    if (!check_options(&o)) return EXIT_USAGE;
+    if (!check_options(&o)) {
+        free(o.seq.lens);
+        free(o.kv_seq.lens);
+        return EXIT_USAGE;
+    }
     run_state s = {0};
     rc = EXIT_REFUSED;
     if (!read_files(&o) || !open_layer(&o, &s) || !build_args(&o, &s) || !plan_shapes(&o, &s) ||

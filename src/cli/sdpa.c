@@ -891,7 +891,11 @@ int clmha__cli_sdpa(int argc, char **argv) {
                    }};
     int rc;
     if (!parse_command_line(argc, argv, &o, &rc)) return rc;
-    if (!check_options(&o)) return EXIT_USAGE;
+    if (!check_options(&o)) {
+        free(o.seq.lens);
+        free(o.kv_seq.lens);
+        return EXIT_USAGE;
+    }
     sdpa_state s = {0};
     rc = EXIT_REFUSED;
     if (!read_files(&o)) goto done;

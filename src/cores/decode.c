@@ -261,6 +261,13 @@ static clmha_status zero_keys(clmha_layer *l, state *s, const clmha_kv_cache *c)
                          sizeof sargs / sizeof sargs[0]);
 }
 
+// log2 of a paged cache's page size (a power of two); 0 for a contiguous cache.
+static cl_uint page_shift(const clmha_kv_cache *c) {
+    cl_uint shift = 0;
+    while (c->paged && ((size_t)1 << shift) < c->page_size) ++shift;
+    return shift;
+}
+
 static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha__dims *d = call->dims;
     const clmha__kv_plan *kv = call->kv;
@@ -271,8 +278,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     if (st) return st;
     cl_ulong src = d->s, kvh = c->kv_heads, psize = c->page_size, heads = l->h, tgt = d->l;
     cl_ulong pages_ld = kv->pages_ld, num_pages = c->num_pages;
-    cl_uint pshift = 0;  // log2 of a paged cache's page size; 0: contiguous
-    while (c->paged && ((size_t)1 << pshift) < c->page_size) ++pshift;
+    cl_uint pshift = page_shift(c);
     bool i8 = c->kv_dtype == CLMHA_KV_INT8;
     if (i8 && !s->partial_i8 && (st = build_i8(l, s))) return st;
     cl_kernel append = i8 ? s->append_i8 : s->append, partial = i8 ? s->partial_i8 : s->partial;
