@@ -127,6 +127,10 @@ static const char *const usage_sdpa[] = {
     "                            --dropout-p, --lse-output, --weights-output, --grad-output\n"
     "                            or --impl fused|unfused. The summary on stdout (without\n"
     "                            --output) counts the calls\n"
+    "  --page-size P             with --kv-cache-prefix: a paged cache of P-token pages (a\n"
+    "                            power of two from 16): the same output\n"
+    "  --kv-dtype f32|int8       with --kv-cache-prefix: the cache's keys and values as\n"
+    "                            int8 (one scale per token and head; docs/accuracy.md)\n"
     "\n"
     "  Files are written only after the forward (and backward) pass succeeded, each whole or\n"
     "  not at all, and all of them or none: a failed run leaves every file as it was. An\n"
@@ -169,6 +173,9 @@ typedef struct sdpa_opts {
     const char *output_path, *lse_path, *weights_path, *grads_dir, *device;
     const char *scale_opt, *layout_opt, *impl_opt, *dropout_opt, *seed_opt, *offset_opt;
     const char *kv_prefix_opt;  // --kv-cache-prefix
+    const char *page_opt, *kv_dtype_opt;  // --page-size, --kv-dtype (the cache's)
+    uint64_t page_size;         // 0: a contiguous cache
+    clmha_kv_dtype kv_dtype;
     const char *window_opt, *softcap_opt, *seq_lens_opt, *kv_seq_lens_opt;
     clmha__cli_lens seq, kv_seq;  // --seq-lens, --kv-seq-lens (a packed batch)
     clmha__cli_window window;   // --window
@@ -231,6 +238,8 @@ static bool parse_command_line(int argc, char **argv, sdpa_opts *o, int *rc) {
         {.name = "--grads-dir", .value = &o->grads_dir},
         {.name = "--impl", .value = &o->impl_opt},
         {.name = "--kv-cache-prefix", .value = &o->kv_prefix_opt},
+        {.name = "--page-size", .value = &o->page_opt},
+        {.name = "--kv-dtype", .value = &o->kv_dtype_opt},
         {.name = "--device", .value = &o->device, .allow_empty = true},
     };
     char usage[4 * 4096] = "";  // room for the four parts (each under 4095 bytes)
@@ -317,6 +326,19 @@ static bool options_agree(const sdpa_opts *o) {
 // --kv-cache-prefix P (at least 1), refused with the options that calls through a KV cache do
 // not take. Reports a usage error.
 static bool kv_options_agree(sdpa_opts *o) {
+    if ((o->page_opt || o->kv_dtype_opt) && !o->kv_prefix_opt) {
+        clmha__cli_report("sdpa", "%s needs --kv-cache-prefix (it is the KV cache's)",
+                          o->page_opt ? "--page-size" : "--kv-dtype");
+        return false;
+    }
+    if (!clmha__cli_parse_u64("sdpa", "--page-size", o->page_opt, &o->page_size) ||
+        !clmha__cli_parse_kv_dtype("sdpa", o->kv_dtype_opt, &o->kv_dtype))
+        return false;
+    if (o->page_opt && (o->page_size < 16 || (o->page_size & (o->page_size - 1)))) {
+        clmha__cli_report("sdpa", "--page-size %s: expected a power of two from 16 (the decode "
+                          "core reads keys in blocks of 16)", o->page_opt);
+        return false;
+    }
     if (!o->kv_prefix_opt) return true;
     if (!clmha__cli_parse_u64("sdpa", "--kv-cache-prefix", o->kv_prefix_opt, &o->kv_prefix))
         return false;
@@ -713,8 +735,13 @@ static bool decode(const sdpa_opts *o, sdpa_state *s) {
     }
     if (!ok) clmha__cli_report("sdpa", "out of host memory for the KV cache's calls");
     clmha_kv_cache *cache = NULL;
-    clmha_status st = ok ? clmha_kv_cache_create_for(&cache, s->ctx, batch, kv_heads,
-                                                     a->key.shape[nd - 1], total)
+    size_t ps = (size_t)o->page_size;  // --page-size: a pool of just the pages needed
+    clmha_kv_cache_options co = {.struct_size = sizeof co, .capacity = ps ? 0 : total,
+                                 .page_size = ps,
+                                 .num_pages = ps ? batch * ((total + ps - 1) / ps) : 0,
+                                 .kv_dtype = o->kv_dtype};
+    clmha_status st = ok ? clmha_kv_cache_create_for_with(&cache, s->ctx, batch, kv_heads,
+                                                          a->key.shape[nd - 1], &co)
                          : CLMHA_SUCCESS;
     if (st != CLMHA_SUCCESS) ok = call_failed(s, "making the KV cache", st);
     for (size_t t0 = 0, len = p; ok && t0 < total; t0 += len, len = 1)

@@ -1647,6 +1647,42 @@ Test(cli_run, decode_chunk_paged) {
                  "int4");
 }
 
+// clmha sdpa --kv-cache-prefix through a paged cache (the same output as PyTorch's) and an int8
+// one (within 1e-2 of the largest output).
+Test(cli_sdpa, kv_cache_paged_and_int8) {
+    SKIP_WITHOUT_DEVICE();
+    char dir[4096], in[3][4200], want_path[4200];
+    snprintf(dir, sizeof dir, "%s/cli/sdpa_kv_cache_decode", CLMHA_TEST_DATA_DIR);
+    static const char *const names[3] = {"query", "key", "value"};
+    for (int i = 0; i < 3; ++i) snprintf(in[i], sizeof in[i], "%s/%s.npy", dir, names[i]);
+    snprintf(want_path, sizeof want_path, "%s/expected_output.npy", dir);
+    tmp_dir d = tmp_make();
+    const char *out = tmp_file(&d, "o.npy");
+    static const char *const kinds[2][4] = {{"--page-size", "16", "--kv-dtype", "f32"},
+                                            {"--page-size", "16", "--kv-dtype", "int8"}};
+    for (int k = 0; k < 2; ++k) {
+        cli_result r = cli_run("sdpa", "--query", in[0], "--key", in[1], "--value", in[2],
+                               "--layout", "nlhd", "--is-causal", "--enable-gqa",
+                               "--kv-cache-prefix", "4", kinds[k][0], kinds[k][1], kinds[k][2],
+                               kinds[k][3], "--output", out);
+        cr_assert_eq(r.status, 0, "%s: exit %d: %s", kinds[k][3], r.status, r.err);
+        cli_free(&r);
+        clmha__npy got, want;
+        read_npy(out, &got);
+        read_npy(want_path, &want);
+        double err = npy_max_abs_diff(&got, &want, "output", "sdpa_kv_cache_decode"), scale = 0;
+        for (size_t i = 0; i < want.count; ++i)
+            scale = fmax(scale, fabs(want.f64 ? want.f64[i] : want.f32[i]));
+        cr_expect_leq(k ? err / scale : err, k ? 1e-2 : CLI_TOL, "%s: %.3e", kinds[k][3], err);
+        fprintf(stderr, "cli sdpa kv cache paged %s: max |err| %.3e\n", kinds[k][3], err);
+        clmha__npy_free(&got);
+        clmha__npy_free(&want);
+    }
+    tmp_remove(&d);
+    EXPECT_USAGE("clmha sdpa: --page-size needs --kv-cache-prefix", "sdpa", "--query", "q.npy",
+                 "--key", "k.npy", "--value", "v.npy", "--page-size", "16");
+}
+
 // --decode-chunk through an int8 KV cache: PyTorch's output within the int8 contract (1e-2 of
 // the output's largest value; these cases are unit-scale).
 Test(cli_run, decode_chunk_int8) {
