@@ -1525,9 +1525,11 @@ CLMHA_API clmha_status clmha_layer_forward_host_f64(clmha_layer *layer,
 
 /// @struct clmha_kv_cache
 /// The keys and values of the tokens seen so far, for each of `batch` sequences, as the attention
-/// core sees them: projected, in_proj_bias added, split into heads ((batch, G, C, D) floats each,
-/// on the device, for G key/value heads and the capacity rounded up to C, a multiple of 16; the
-/// keys stored in transposed blocks of 16 tokens, which the decode core scores as vectors). A forward call with clmha_forward_args::kv_cache projects only its new
+/// core sees them: projected, in_proj_bias added, split into heads ((G, batch, C, D) floats each,
+/// on the device, for G key/value heads and the capacity rounded up to C, a multiple of 16; a
+/// paged cache (G, pages, P, D); int8 elements with a float scale per token and head for an
+/// int8 cache; the keys stored in transposed blocks of 16 tokens, which the decode core scores
+/// as vectors). A forward call with clmha_forward_args::kv_cache projects only its new
 /// key/value tokens, appends them after each sequence's cached ones (clmha_forward_args::kv_append
 /// says how many per sequence: ragged batches), and attends its queries over everything the cache
 /// then holds for their sequence. Feeding a sequence through the cache in chunks (or token by
