@@ -4,7 +4,7 @@
 For each cache length S this runs `clmha bench --decode --json` (one new token per sequence over
 a cache of S tokens, E 512, H 8, self-attention; see `clmha bench --help`) for the contiguous
 cache and for each variant (`--variants`: paged caches of P-token pages, `page16`, `page64`,
-`page256`, ...; the int8 cache, `int8`; both, `page64+int8`), ROUNDS times each, interleaved (the order rotates with the round), and reports
+`page256`, ...; the narrower caches `f16`, `bf16`, `int8`, `int4`; both, `page64+int8`), ROUNDS times each, interleaved (the order rotates with the round), and reports
 per variant the median over the rounds of the per-run medians (ms per token) and of the decode
 core's stage (the profiled steps' "fused" stage: the append and the attention kernels), and
 their ratios to the contiguous cache's.
@@ -34,11 +34,11 @@ def flags_of(variant):
             continue
         if part.startswith("page") and part[4:].isdigit():
             flags += ["--page-size", part[4:]]
-        elif part == "int8":
-            flags += ["--kv-dtype", "int8"]
+        elif part in ("int8", "int4", "f16", "bf16"):
+            flags += ["--kv-dtype", part]
         else:
             raise SystemExit(f"unknown variant {variant!r}: contiguous, pageP (P a power of "
-                             f"two), int8, or parts joined by '+'")
+                             f"two), f16, bf16, int8, int4, or parts joined by '+'")
     return flags
 
 

@@ -1527,8 +1527,8 @@ CLMHA_API clmha_status clmha_layer_forward_host_f64(clmha_layer *layer,
 /// The keys and values of the tokens seen so far, for each of `batch` sequences, as the attention
 /// core sees them: projected, in_proj_bias added, split into heads ((G, batch, C, D) floats each,
 /// on the device, for G key/value heads and the capacity rounded up to C, a multiple of 16; a
-/// paged cache (G, pages, P, D); int8 elements with a float scale per token and head for an
-/// int8 cache; the keys stored in transposed blocks of 16 tokens, which the decode core scores
+/// paged cache (G, pages, P, D); float16, bfloat16, int8 or int4 elements as its kv_dtype says,
+/// with float scales for the quantised ones; the keys stored in transposed blocks of 16 tokens, which the decode core scores
 /// as vectors). A forward call with clmha_forward_args::kv_cache projects only its new
 /// key/value tokens, appends them after each sequence's cached ones (clmha_forward_args::kv_append
 /// says how many per sequence: ragged batches), and attends its queries over everything the cache
@@ -1640,8 +1640,19 @@ typedef enum clmha_kv_dtype {
     /// is kept as round(x / s) with s = max |x| / 127 (round to nearest even), quantised when
     /// appended and dequantised on the fly by the decode core: 1 + 4/D bytes a value instead of
     /// 4 (3.8x fewer bytes at D 64). The accuracy against the float32 cache is stated in
-    /// docs/accuracy.md ("8-bit KV caches").
+    /// docs/accuracy.md ("Narrower KV caches").
     CLMHA_KV_INT8 = 1,
+    /// float16 (IEEE half), rounded to nearest even when appended (values beyond ±65504 become
+    /// infinities, as PyTorch's float16 does): 2 bytes a value.
+    CLMHA_KV_FLOAT16 = 2,
+    /// bfloat16 (a float32's upper 16 bits), rounded to nearest even when appended: 2 bytes a
+    /// value, float32's range.
+    CLMHA_KV_BFLOAT16 = 3,
+    /// int4, symmetric, in groups of 32 dimensions of a row (of the largest power of two that
+    /// divides D where 32 does not; D must be even), one float32 scale per group: q =
+    /// round(x / s) in [-7, 7], s = max |x| of the group / 7. 0.5 + 4/32 bytes a value (6.4x
+    /// fewer than float32). Its accuracy is stated in docs/accuracy.md ("Narrower KV caches").
+    CLMHA_KV_INT4 = 4,
 } clmha_kv_dtype;
 
 /// How a cache is made (clmha_kv_cache_create_with(), clmha_kv_cache_create_for_with()).
@@ -1669,7 +1680,8 @@ typedef struct clmha_kv_cache_options {
 ///         capacity 0 or of 2^32 tokens or more, a page_size that is not a power of two from 16,
 ///         a capacity given with it, num_pages 0 or too many tokens, an unknown kv_dtype,
 ///         @p options' struct_size 0 or too small), ::CLMHA_UNSUPPORTED (@p options from a newer
-///         header using a newer field; a float64 layer), ::CLMHA_SIZE_OVERFLOW,
+///         header using a newer field; a float64 layer; int4 with an odd head_dim),
+///         ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY (also a cache larger than the device's largest allocation),
 ///         ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_kv_cache_create_with(clmha_kv_cache **out, clmha_layer *layer,
@@ -1685,8 +1697,8 @@ CLMHA_API clmha_status clmha_kv_cache_create_with(clmha_kv_cache **out, clmha_la
 /// @param[in]  options   as clmha_kv_cache_create_with()'s
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_kv_cache_create_with(), and
 ///         @p kv_heads or @p head_dim 0), ::CLMHA_UNSUPPORTED (@p options from a newer header
-///         using a newer field), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY,
-///         ::CLMHA_OPENCL_ERROR
+///         using a newer field; int4 with an odd head_dim), ::CLMHA_SIZE_OVERFLOW,
+///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_kv_cache_create_for_with(clmha_kv_cache **out, clmha_context *ctx,
                                                       size_t batch, size_t kv_heads,
                                                       size_t head_dim,

@@ -70,32 +70,72 @@
 #endif
 #endif
 
-// The cache's elements (-DKV_INT8=1: an int8 cache, clmha_kv_cache_options::kv_dtype): KST the
-// stored type, KVEC a key block's BKEYS-lane vector of one dimension, KLOAD it as floats, VST a
-// value row's VW-lane vector and VLOAD_VT it as VT. An int8 cache keeps one float scale per
-// (position, KV head) for keys (kscale) and for values (vscale), at the position's cache_at():
-// element x is scale * q, q = round(x / scale) in [-127, 127], scale = max |x| of its row / 127.
+// The cache's elements (-DKV_TYPE=n, clmha_kv_cache_options::kv_dtype: 0 float32, 1 int8,
+// 2 float16, 3 bfloat16, 4 int4): KST the stored type, KROW a row's KST elements (HD; int4:
+// HD / 2 bytes, two dimensions a byte), KEYS_AT(kt, c) the key block's BKEYS-lane vector of
+// dimension c as floats (not int4), VAL_AT(vr, c) a value row's VW lanes from dimension c*VW
+// as VT. float16 goes through vload_half (core OpenCL 1.2, no cl_khr_fp16), bfloat16 is the
+// upper half of a float's bits. The quantised caches keep float scales per (position, KV
+// head) for keys (kscale) and for values (vscale): int8 one per row, element x = scale * q,
+// q = round(x / scale) in [-127, 127], scale = max |x| of its row / 127; int4 one per group
+// of KGS dimensions (NG a row), q in [-7, 7] stored as the nibble q + 8, scale = max |x| of
+// its group / 7, and a group's byte k holding dimensions k (low nibble) and k + KGS/2 (high),
+// so that one byte vector gives two dimensions' vectors with no shuffle.
+#ifndef KV_TYPE
+#define KV_TYPE 0
+#endif
+#define KV_INT8 (KV_TYPE == 1)
+#define KV_F16 (KV_TYPE == 2)
+#define KV_BF16 (KV_TYPE == 3)
+#define KV_INT4 (KV_TYPE == 4)
+#define KV_QUANT (KV_INT8 || KV_INT4)
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#if VW == 1
+#define VSUF
+#else
+#define VSUF VW
+#endif
+#if KV_INT4
+#ifndef KGS
+#define KGS 32
+#endif
+#define NG (HD / KGS)
+#define KHALF (KGS / 2)
+#define KST uchar
+#define KROW (HD / 2)
+#else
+#define NG 1
+#define KROW HD
+#endif
 #if KV_INT8
 #define KST char
-#define KVEC char16
-#define KLOAD(v) convert_float16(v)
+#define KEYS_AT(kt, c) convert_float16(((global const char16 *)(kt))[c])
+#define VAL_AT(vr, c) CAT(convert_float, VSUF)(((global const CAT(char, VSUF) *)(vr))[c])
+#elif KV_F16
+#define KST half
+#define KEYS_AT(kt, c) vload_half16(c, kt)
+#define VAL_AT(vr, c) CAT(vload_half, VSUF)(c, vr)
+#elif KV_BF16
+#define KST ushort
+#define KEYS_AT(kt, c) as_float16(convert_uint16(((global const ushort16 *)(kt))[c]) << 16)
 #if VW == 1
-#define VST char
-#define VLOAD_VT(v) convert_float(v)
+#define VAL_AT(vr, c) as_float((uint)(vr)[c] << 16)
 #else
-#define VST_(n) char##n
-#define VST__(n) VST_(n)
-#define VST VST__(VW)
-#define VCONV_(n) convert_float##n
-#define VCONV__(n) VCONV_(n)
-#define VLOAD_VT(v) VCONV__(VW)(v)
+#define VAL_AT(vr, c) CAT(as_float, VW)(CAT(convert_uint, VW)(((global const CAT(ushort, VW) *)(vr))[c]) << 16)
 #endif
+#elif KV_INT4
+// Dimensions c*VW ... of a value row (VW divides KHALF: the host narrows VW for int4), q + 8.
+#define VAL_AT(vr, c)                                                                          \
+    (((c) * VW) % KGS < KHALF                                                                  \
+         ? CAT(convert_float, VSUF)(VB4(vr, c) & (uchar)15)                                    \
+         : CAT(convert_float, VSUF)(VB4(vr, c) >> (uchar)4))
+#define VB4(vr, c)                                                                             \
+    ((global const CAT(uchar, VSUF) *)((vr) + ((c) * VW) / KGS * KHALF + ((c) * VW) % KHALF))[0]
 #else
 #define KST float
-#define KVEC float16
-#define KLOAD(v) (v)
-#define VST VT
-#define VLOAD_VT(v) (v)
+#define KEYS_AT(kt, c) ((global const float16 *)(kt))[c]
+#define VAL_AT(vr, c) ((global const VT *)(vr))[c]
 #endif
 
 // The sum of a row vector's VW lanes, as a tree (VT: cl/common.cl).
@@ -143,7 +183,8 @@ inline float block_sum(float16 v) {
 
 // Zeros the cache's keys before its first use: decode_partial reads a key block whole, the
 // positions past a sequence's length too (their scores dropped), which must hold numbers.
-kernel void decode_zero(global KST *kc, ulong count) {
+// count: 32-bit words (every kind of cache's key buffer and scales are a multiple of them).
+kernel void decode_zero(global uint *kc, ulong count) {
     ulong gid = get_global_id(0);
     if (gid < count) kc[gid] = 0;
 }
@@ -171,17 +212,56 @@ inline ulong cache_at(global const uint *pages, ulong pages_ld, uint pshift, ulo
 // position's cache_at(), so that decode_partial scores a block's keys as one BKEYS-lane vector
 // with no sum across lanes (a page's positions are a multiple of BKEYS: no block straddles two
 // pages).
+// Element c of row x (HD floats), b added when not NULL.
+#define ROW_AT(x, b, c) ((b) ? (x)[c] + (b)[c] : (x)[c])
 #if KV_INT8
-// Row @p x (HD floats, @p b added when not NULL) quantised to int8 at @p d (a stride of
-// @p stride elements), its scale returned (0 for a row of zeros).
-inline float quantise_row(global const float *x, global const float *b, global char *d,
-                          uint stride) {
+// Row @p x (@p b added) quantised to int8 at @p d (a stride of @p stride elements), its scale
+// written to @p s (0 for a row of zeros).
+inline void store_row(global const float *x, global const float *b, global char *d,
+                      uint stride, global float *s, uint sstride) {
     float amax = 0.0f;
-    for (uint c = 0; c < HD; ++c) amax = fmax(amax, fabs(b ? x[c] + b[c] : x[c]));
+    for (uint c = 0; c < HD; ++c) amax = fmax(amax, fabs(ROW_AT(x, b, c)));
     float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (uint c = 0; c < HD; ++c)
-        d[c * stride] = convert_char_sat_rte((b ? x[c] + b[c] : x[c]) * inv);
-    return amax / 127.0f;
+    for (uint c = 0; c < HD; ++c) d[c * stride] = convert_char_sat_rte(ROW_AT(x, b, c) * inv);
+    *s = amax / 127.0f;
+}
+#elif KV_INT4
+// Row @p x (@p b added) quantised to int4 group by group: group g's byte k (at d + (g*KHALF +
+// k) * stride) holds dimension g*KGS + k in its low nibble and g*KGS + k + KHALF in its high
+// one, each q + 8; the group's scale at s + g * sstride.
+inline void store_row(global const float *x, global const float *b, global uchar *d,
+                      uint stride, global float *s, uint sstride) {
+    for (uint g = 0; g < NG; ++g) {
+        uint c0 = g * KGS;
+        float amax = 0.0f;
+        for (uint c = 0; c < KGS; ++c) amax = fmax(amax, fabs(ROW_AT(x, b, c0 + c)));
+        float inv = amax > 0.0f ? 7.0f / amax : 0.0f;
+        for (uint k = 0; k < KHALF; ++k) {
+            int lo = clamp(convert_int_sat_rte(ROW_AT(x, b, c0 + k) * inv), -7, 7) + 8;
+            int hi = clamp(convert_int_sat_rte(ROW_AT(x, b, c0 + k + KHALF) * inv), -7, 7) + 8;
+            d[(g * KHALF + k) * stride] = (uchar)(lo | (hi << 4));
+        }
+        s[g * sstride] = amax / 7.0f;
+    }
+}
+#else
+// Row @p x (@p b added) rounded to the cache's element type (to nearest even) at @p d, a
+// stride of @p stride elements.
+inline void store_row(global const float *x, global const float *b, global KST *d,
+                      uint stride, global float *s, uint sstride) {
+    for (uint c = 0; c < HD; ++c) {
+        float v = ROW_AT(x, b, c);
+#if KV_F16
+        vstore_half_rte(v, c * stride, d);
+#elif KV_BF16
+        uint u = as_uint(v);  // as cl/convert.cl's f32_to_bf16: a NaN stays a quiet NaN
+        d[c * stride] = (u & 0x7fffffffu) > 0x7f800000u
+                            ? (ushort)((u >> 16) | 0x40u)
+                            : (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#else
+        d[c * stride] = v;
+#endif
+    }
 }
 #endif
 
@@ -200,25 +280,16 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
     if (t >= (ulong)(now - old)) return;
     ulong pos = old + t, row = token_row(n, t, n_batch, src_len, batch_first);
     ulong at = cache_at(pages, pages_ld, pshift, psize, num_pages, n, kh, pos);
+    ulong b0 = at - pos % BKEYS;  // the key block's first position
     global const float *ks = proj + k_at + row * k_ld + kh * HD;
     global const float *vs = proj + v_at + row * v_ld + kh * HD;
-    global KST *vd = vc + at * HD;
-    global KST *kd = kc + (at - pos % BKEYS) * HD + pos % BKEYS;
-#if KV_INT8
     global const float *kb = has_bias ? bias + kb_at + kh * HD : 0;
     global const float *vb = has_bias ? bias + vb_at + kh * HD : 0;
-    kscale[at] = quantise_row(ks, kb, kd, BKEYS);
-    vscale[at] = quantise_row(vs, vb, vd, 1);
-#else
-    if (has_bias) {
-        global const float *kb = bias + kb_at + kh * HD, *vb = bias + vb_at + kh * HD;
-        for (uint c = 0; c < HD; ++c) vd[c] = vs[c] + vb[c];
-        for (uint c = 0; c < HD; ++c) kd[c * BKEYS] = ks[c] + kb[c];
-    } else {
-        for (uint c = 0; c < HD; ++c) vd[c] = vs[c];
-        for (uint c = 0; c < HD; ++c) kd[c * BKEYS] = ks[c];
-    }
-#endif
+    // Keys: the block's scales lane by lane, group after group (kscale + b0*NG + g*BKEYS + u,
+    // a float16 per group); values: the row's NG scales together (vscale + at*NG).
+    store_row(ks, kb, kc + b0 * KROW + pos % BKEYS, BKEYS, kscale + b0 * NG + pos % BKEYS,
+              BKEYS);
+    store_row(vs, vb, vc + at * KROW, 1, vscale + at * NG, 1);
 }
 
 // One work-item per (sequence n, KV head, query row i, part p), in that order, p fastest:
@@ -275,6 +346,17 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         m[g] = -INFINITY;
         sv[g] = (float16)(0.0f);
     }
+#if KV_INT4
+    // Each group's sum of the scaled query: a group's scores are sum q*(nibble - 8) =
+    // sum q*nibble - 8*qsum, so the nibbles need no offset subtracted one by one.
+    float qsum[G][NG];
+    for (uint g = 0; g < G; ++g)
+        for (uint k = 0; k < NG; ++k) {
+            float t = 0.0f;
+            for (uint c = 0; c < KGS; ++c) t += qs[g][k * KGS + c];
+            qsum[g][k] = 8.0f * t;
+        }
+#endif
     for (ulong jb = j0; jb < j1; jb += BKEYS) {
         // The block's place in its page: its keys' vectors from kc + at*HD, key jb + u's value
         // row at vc + (at + u)*HD.
@@ -286,7 +368,35 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         // vector of the block's keys is read once for the G query heads. The dimensions go
         // round SPLIT sets of sums, so that G * SPLIT independent FMA chains hide the FMA's
         // latency (one chain per head made a head's 64 FMAs wait on each other).
-        global const KVEC *kt = (global const KVEC *)(kc + at * HD);
+        global const KST *kt = kc + at * KROW;
+        float16 sc[G];
+#if KV_INT4
+        // Group by group: the nibbles' dot products (a byte vector gives dimensions k and
+        // k + KHALF of the group), less the offset, times the keys' scales of the group.
+        global const uchar16 *kt16 = (global const uchar16 *)kt;
+        _Pragma("unroll")
+        for (uint g = 0; g < G; ++g) sc[g] = (float16)(0.0f);
+        for (uint gr = 0; gr < NG; ++gr) {
+            float16 sp[G];
+            _Pragma("unroll")
+            for (uint g = 0; g < G; ++g) sp[g] = (float16)(0.0f);
+            uint c0 = gr * KGS;
+            _Pragma("unroll 4")
+            for (uint k = 0; k < KHALF; ++k) {
+                uchar16 by = kt16[gr * KHALF + k];
+                float16 lo = convert_float16(by & (uchar16)(15)), hi = convert_float16(by >> 4);
+                _Pragma("unroll")
+                for (uint g = 0; g < G; ++g) {
+                    sp[g] = fma((float16)(qs[g][c0 + k]), lo, sp[g]);
+                    sp[g] = fma((float16)(qs[g][c0 + k + KHALF]), hi, sp[g]);
+                }
+            }
+            float16 ksc = *(global const float16 *)(kscale + at * NG + gr * BKEYS);
+            _Pragma("unroll")
+            for (uint g = 0; g < G; ++g)
+                sc[g] = fma(sp[g] - (float16)(qsum[g][gr]), ksc, sc[g]);
+        }
+#else
         float16 sp[SPLIT][G];
         _Pragma("unroll")
         for (uint t = 0; t < SPLIT; ++t) {
@@ -298,18 +408,17 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         for (; c + SPLIT <= HD; c += SPLIT) {
             _Pragma("unroll")
             for (uint t = 0; t < SPLIT; ++t) {
-                float16 kv = KLOAD(kt[c + t]);
+                float16 kv = KEYS_AT(kt, c + t);
                 _Pragma("unroll")
                 for (uint g = 0; g < G; ++g)
                     sp[t][g] = fma((float16)(qs[g][c + t]), kv, sp[t][g]);
             }
         }
         for (; c < HD; ++c) {
-            float16 kv = KLOAD(kt[c]);
+            float16 kv = KEYS_AT(kt, c);
             _Pragma("unroll")
             for (uint g = 0; g < G; ++g) sp[0][g] = fma((float16)(qs[g][c]), kv, sp[0][g]);
         }
-        float16 sc[G];
         _Pragma("unroll")
         for (uint g = 0; g < G; ++g) {
             sc[g] = sp[0][g];
@@ -322,6 +431,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
             _Pragma("unroll")
             for (uint g = 0; g < G; ++g) sc[g] *= ksc;
         }
+#endif
 #endif
 #if SCORE_MODS
         // The score variants (cl/common.cl): soft-capping, then ALiBi's -slope*|pos - j| with
@@ -391,15 +501,23 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                 for (uint c = 0; c < HV; ++c) a[gg][c] = acc[g0 + gg][c] * corr[g0 + gg];
             }
             for (uint u = skip; u < cnt; ++u) {
-                global const VST *vr = (global const VST *)(vc + (at + u) * HD);
-#if KV_INT8
-                float vsu = vscale[at + u];  // the value row's scale, folded into its weights
-#else
-                float vsu = 1.0f;
+                global const KST *vr = vc + (at + u) * KROW;
+#if KV_QUANT
+                // The value row's scales (int4: one per group), folded into its weights.
+                global const float *vsr = vscale + (at + u) * NG;
 #endif
                 UNROLL
                 for (uint c = 0; c < HV; ++c) {
-                    VT x = VLOAD_VT(vr[c]);
+#if KV_INT4
+                    VT x = VAL_AT(vr, c) - (VT)(8.0f);
+                    float vsu = vsr[c * VW / KGS];
+#elif KV_INT8
+                    VT x = VAL_AT(vr, c);
+                    float vsu = vsr[0];
+#else
+                    VT x = VAL_AT(vr, c);
+                    float vsu = 1.0f;
+#endif
                     UNROLL
                     for (uint gg = 0; gg < GB; ++gg)
                         a[gg][c] = fma((VT)(((const float *)&prs[g0 + gg])[u] * vsu), x,

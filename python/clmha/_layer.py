@@ -880,8 +880,9 @@ class Layer:
         calls) of up to ``capacity`` tokens each; or, with ``page_size`` (a power of two from
         16) and ``num_pages``, a paged cache whose sequences draw pages of ``page_size`` tokens
         from a pool of ``num_pages`` (``KVCache.fork`` shares a prompt's pages). ``kv_dtype``:
-        "float32" or "int8" (keys and values stored as int8 with one scale per token and head,
-        ``clmha_kv_cache_options::kv_dtype``)."""
+        how keys and values are stored (``clmha_kv_cache_options::kv_dtype``): "float32",
+        "float16", "bfloat16", "int8" (one scale per token and head) or "int4" (one scale per
+        32 dimensions; an even head_dim); docs/accuracy.md states the error each adds."""
         return KVCache(self, batch, capacity, page_size=page_size, num_pages=num_pages,
                        kv_dtype=kv_dtype)
 
@@ -1163,9 +1164,12 @@ def _options(batch, capacity, page_size, num_pages, kv_dtype="float32"):
     o.struct_size = ffi.sizeof("clmha_kv_cache_options")
     o.capacity = 0 if page_size else int(capacity)
     o.page_size, o.num_pages = int(page_size), int(num_pages)
-    kinds = {"float32": lib.CLMHA_KV_FLOAT32, "int8": lib.CLMHA_KV_INT8}
+    kinds = {"float32": lib.CLMHA_KV_FLOAT32, "float16": lib.CLMHA_KV_FLOAT16,
+             "bfloat16": lib.CLMHA_KV_BFLOAT16, "int8": lib.CLMHA_KV_INT8,
+             "int4": lib.CLMHA_KV_INT4}
     if kv_dtype not in kinds:
-        raise ValueError(f"kv_dtype must be 'float32' or 'int8', not {kv_dtype!r}")
+        raise ValueError(f"kv_dtype must be one of {', '.join(map(repr, kinds))}, "
+                         f"not {kv_dtype!r}")
     o.kv_dtype = kinds[kv_dtype]
     return o
 

@@ -39,9 +39,10 @@ static clmha_status check_options(clmha_context *ctx, size_t batch,
                                   size_t *pages) {
     if (!batch)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "a KV cache needs a batch of at least 1");
-    if (o->kv_dtype != CLMHA_KV_FLOAT32 && o->kv_dtype != CLMHA_KV_INT8)
+    if ((unsigned)o->kv_dtype > CLMHA_KV_INT4)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "kv_dtype %d: CLMHA_KV_FLOAT32 (0) or CLMHA_KV_INT8 (1)",
+                           "kv_dtype %d: CLMHA_KV_FLOAT32 (0), CLMHA_KV_INT8 (1), "
+                           "CLMHA_KV_FLOAT16 (2), CLMHA_KV_BFLOAT16 (3) or CLMHA_KV_INT4 (4)",
                            (int)o->kv_dtype);
     if (!o->page_size) {
         if (!o->capacity || o->num_pages)
@@ -87,6 +88,28 @@ static bool pages_make(clmha_kv_cache *c) {
     return true;
 }
 
+// An int4 cache's dimensions per scale: 32 where they divide D, else the largest power of two
+// that does (D 48: 16); 0 for an odd D, which int4 refuses (two dimensions a byte).
+static size_t int4_group(size_t d) {
+    size_t g = 32;
+    while (g > 1 && d % g) g /= 2;
+    return g > 1 ? g : 0;
+}
+
+// The cache's element bytes and scales from its kv_dtype.
+static void set_elements(clmha_kv_cache *c) {
+    size_t d = c->head_dim;
+    switch (c->kv_dtype) {
+    case CLMHA_KV_INT8: c->row_bytes = d, c->groups = 1, c->group = d; break;
+    case CLMHA_KV_FLOAT16:
+    case CLMHA_KV_BFLOAT16: c->row_bytes = 2 * d; break;
+    case CLMHA_KV_INT4:
+        c->group = int4_group(d), c->row_bytes = d / 2, c->groups = d / c->group;
+        break;
+    default: c->row_bytes = 4 * d; break;
+    }
+}
+
 // A new cache of @p kv_heads heads of @p head_dim floats on @p ctx, for @p layer (NULL: for
 // attention as a function), as @p o says (checked).
 static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
@@ -97,6 +120,10 @@ static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
     if ((st = check_options(ctx, batch, o, &page_size, &pages)) ||
         (st = cache_floats(ctx, pages, kv_heads, page_size, head_dim, &floats)))
         return st;
+    if (o->kv_dtype == CLMHA_KV_INT4 && !int4_group(head_dim))
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "an int4 KV cache needs an even head_dim (two dimensions a byte), "
+                           "not %zu", head_dim);
     clmha_kv_cache *c = calloc(1, sizeof *c);
     size_t *len = calloc(batch, sizeof *len);
     if (!c || !len) {
@@ -104,21 +131,22 @@ static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
         free(len);
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     }
-    bool paged = o->page_size != 0, i8 = o->kv_dtype == CLMHA_KV_INT8;
+    bool paged = o->page_size != 0;
     *c = (clmha_kv_cache){.ctx = ctx, .layer = layer, .batch = batch,
                           .capacity = paged ? pages * page_size : o->capacity,
                           .kv_heads = kv_heads, .head_dim = head_dim, .paged = paged,
                           .page_size = page_size, .num_pages = pages,
-                          .kv_dtype = o->kv_dtype, .elem = i8 ? 1 : 4, .len = len};
+                          .kv_dtype = o->kv_dtype, .len = len};
+    set_elements(c);
     clmha_context_retain(ctx);
     if (paged && !pages_make(c)) {
         clmha_kv_cache_release(c);
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (page table)");
     }
     cl_int err = CL_SUCCESS;
-    // int8: the elements, and a float scale per (position, head): floats / D of them.
-    size_t bytes[4] = {floats * c->elem, floats * c->elem, i8 ? floats / head_dim * 4 : 0,
-                       i8 ? floats / head_dim * 4 : 0};
+    // The elements (floats / D rows), and a quantised cache's float scales (groups a row).
+    size_t rows = floats / head_dim, scales = rows * c->groups * sizeof(float);
+    size_t bytes[4] = {rows * c->row_bytes, rows * c->row_bytes, scales, scales};
     cl_mem *bufs[4] = {&c->k, &c->v, &c->ks, &c->vs};
     for (int i = 0; i < 4 && err == CL_SUCCESS; ++i) {
         if (!bytes[i]) continue;
@@ -130,7 +158,7 @@ static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
         clmha_kv_cache_release(c);
         return st;
     }
-    clmha__count(ctx, 0, i8 ? 4 : 2);
+    clmha__count(ctx, 0, c->groups ? 4 : 2);
     *out = c;
     return CLMHA_SUCCESS;
 }

@@ -27,10 +27,12 @@ struct clmha_kv_cache {
     // page n for sequence n, of page_size = the capacity rounded up to 16.
     bool paged;
     size_t page_size, num_pages;
-    // The elements: float32, or int8 (kv_dtype CLMHA_KV_INT8) with one float scale per
-    // (position, KV head) in ks (keys) and vs (values), at the position's place / D.
+    // The elements: float32, float16, bfloat16, or quantised (int8, int4) with `groups` float
+    // scales per (position, KV head) in ks (keys) and vs (values): int8 one, int4 one per
+    // `group` dimensions (cl/cores/decode.cl has the layouts).
     clmha_kv_dtype kv_dtype;
-    size_t elem;               // bytes per stored element: 4 or 1
+    size_t row_bytes;          // bytes of one position's row of D elements (int4: D / 2)
+    size_t groups, group;      // quantised: scales per row and dimensions per scale; else 0
     cl_mem k, v, ks, vs;
     bool keys_zeroed;          // k was zeroed (by the decode core's first call: a key block's
                                // positions past a sequence's length are read, their scores

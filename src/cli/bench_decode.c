@@ -180,8 +180,15 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
     size_t seen = cache_len + 1;
     if (d->window && d->window_left >= 0 && (uint64_t)d->window_left < cache_len)
         seen = (size_t)d->window_left + 1;
-    // Bytes a value: 4, or an int8 cache's 1 and its row's float scale.
-    double per = cfg->kv_dtype == CLMHA_KV_INT8 ? 1.0 + 4.0 / (double)hd : 4.0;
+    // Bytes a value: 4, 2 (float16, bfloat16), an int8 cache's 1 and its row's float scale,
+    // an int4 cache's half and its group's (src/cache/kv_cache.c: 32 dimensions, or the
+    // largest power of two dividing D).
+    size_t group = 32;
+    while (group > 2 && hd % group) group /= 2;
+    double per = cfg->kv_dtype == CLMHA_KV_INT8   ? 1.0 + 4.0 / (double)hd
+                 : cfg->kv_dtype == CLMHA_KV_INT4 ? 0.5 + 4.0 / (double)group
+                 : cfg->kv_dtype == CLMHA_KV_FLOAT32 ? 4.0
+                                                     : 2.0;
     double kv_bytes = 2.0 * (double)n * (double)kvh * (double)seen * (double)hd * per;
     double ms = res->ms, gbps = kv_bytes / ms / 1e6, copy = res->copy;
     if (cfg->json) {
@@ -193,7 +200,7 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
                "\"kv_gbps\": %.6g, \"copy_bytes\": %zu, \"copy_gbps\": %.6g, "
                "\"fraction_of_copy\": %.4g, ",
                cache_len, kvh, cfg->page_size,
-               cfg->kv_dtype == CLMHA_KV_INT8 ? "int8" : "f32", ms, res->lo, res->hi, kv_bytes, gbps,
+               clmha__cli_kv_dtype_name(cfg->kv_dtype), ms, res->lo, res->hi, kv_bytes, gbps,
                res->copy_bytes, copy, gbps / copy);
         if (d->window)
             printf("\"window_left\": %lld, \"window_right\": %lld, ",
@@ -205,7 +212,8 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
                "%zu heads of %zu, %zu key/value heads (decode core)\n",
                n, cache_len, h, hd, kvh);
         if (cfg->page_size) printf("cache:   paged, pages of %zu tokens\n", cfg->page_size);
-        if (cfg->kv_dtype == CLMHA_KV_INT8) printf("cache:   int8 keys and values\n");
+        if (cfg->kv_dtype != CLMHA_KV_FLOAT32)
+            printf("cache:   %s keys and values\n", clmha__cli_kv_dtype_name(cfg->kv_dtype));
         if (d->window)
             printf("window:  (%lld, %lld): the token sees %zu of them\n",
                    (long long)d->window_left, (long long)d->window_right, seen);

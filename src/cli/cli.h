@@ -75,9 +75,12 @@ typedef struct clmha__cli_lens {
 bool clmha__cli_parse_lens(const char *cmd, const char *flag, const char *text,
                            clmha__cli_lens *l);
 
-// Parses a KV cache's element type (--kv-dtype): f32 or int8. Reports "clmha <cmd>:
-// --kv-dtype '<text>': ..." and returns false for anything else.
+// Parses a KV cache's element type (--kv-dtype): f32 (or float32; NULL too), f16, bf16, int8
+// or int4. Reports "clmha <cmd>: --kv-dtype '<text>': ..." and returns false for anything else.
 bool clmha__cli_parse_kv_dtype(const char *cmd, const char *text, clmha_kv_dtype *dt);
+
+// The --kv-dtype name of @p dt ("?" for none).
+const char *clmha__cli_kv_dtype_name(clmha_kv_dtype dt);
 
 // A sliding window (--window LEFT,RIGHT): query i attends key j only when
 // i - left <= j <= i + right (-1: that side unbounded).

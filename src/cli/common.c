@@ -194,15 +194,23 @@ bool clmha__cli_parse_lens(const char *cmd, const char *flag, const char *text,
     return true;
 }
 
+// The names of the kinds of KV cache, by clmha_kv_dtype.
+static const char *const kv_dtype_names[] = {"f32", "int8", "f16", "bf16", "int4"};
+
+const char *clmha__cli_kv_dtype_name(clmha_kv_dtype dt) {
+    return (unsigned)dt < sizeof kv_dtype_names / sizeof *kv_dtype_names ? kv_dtype_names[dt]
+                                                                         : "?";
+}
+
 bool clmha__cli_parse_kv_dtype(const char *cmd, const char *text, clmha_kv_dtype *dt) {
     *dt = CLMHA_KV_FLOAT32;
-    if (!text || strcmp(text, "f32") == 0 || strcmp(text, "float32") == 0) return true;
-    if (strcmp(text, "int8") == 0) {
-        *dt = CLMHA_KV_INT8;
-        return true;
-    }
-    clmha__cli_report(cmd, "--kv-dtype '%s': expected f32 or int8 (int4, f16 and bf16 caches "
-                      "are not implemented yet)", text);
+    if (!text || strcmp(text, "float32") == 0) return true;
+    for (size_t i = 0; i < sizeof kv_dtype_names / sizeof *kv_dtype_names; ++i)
+        if (strcmp(text, kv_dtype_names[i]) == 0) {
+            *dt = (clmha_kv_dtype)i;
+            return true;
+        }
+    clmha__cli_report(cmd, "--kv-dtype '%s': expected f32, f16, bf16, int8 or int4", text);
     return false;
 }
 

@@ -26,9 +26,13 @@ typedef clmha__arg arg;
 
 CLMHA__HIDDEN extern const clmha__core clmha__core_decode;  // this core, at the end of this file
 
+#define KINDS (CLMHA_KV_INT4 + 1)  // the kinds of cache (clmha_kv_dtype)
+
 typedef struct state {
-    cl_kernel zero, append, partial, combine;  // built on first use
-    cl_kernel zero_i8, append_i8, partial_i8;  // an int8 cache's (-DKV_INT8=1), likewise
+    cl_kernel zero, combine;             // built on first use
+    // Per kind of cache (clmha_kv_dtype: the program built with -DKV_TYPE=kind): [0] with the
+    // two above, the others on the first call with such a cache.
+    cl_kernel append[KINDS], partial[KINDS];
     size_t wg;                           // their launches' work-group
     clmha_status failed;                 // why they cannot be built here (then not retried)
     cl_mem part_acc, part_ms;            // the partial results, grown on demand (floats)
@@ -45,14 +49,13 @@ static clmha_status create(clmha_layer *l, void **out) {
 
 static void release_kernels(state *s) {
     clmha__release_kernel(s->zero);
-    clmha__release_kernel(s->append);
-    clmha__release_kernel(s->partial);
     clmha__release_kernel(s->combine);
-    clmha__release_kernel(s->zero_i8);
-    clmha__release_kernel(s->append_i8);
-    clmha__release_kernel(s->partial_i8);
-    s->zero = s->append = s->partial = s->combine = NULL;
-    s->zero_i8 = s->append_i8 = s->partial_i8 = NULL;
+    s->zero = s->combine = NULL;
+    for (size_t k = 0; k < KINDS; ++k) {
+        clmha__release_kernel(s->append[k]);
+        clmha__release_kernel(s->partial[k]);
+        s->append[k] = s->partial[k] = NULL;
+    }
 }
 
 static void release(void *p) {
@@ -77,8 +80,8 @@ static clmha_status build(clmha_layer *l, state *s, size_t group) {
     cl_program prog;
     clmha_status st = clmha__program_get_mod(ctx, "decode", options, l->mod_source, &prog);
     if (st || (st = clmha__kernel_make(ctx, prog, "decode_zero", &s->zero)) ||
-        (st = clmha__kernel_make(ctx, prog, "decode_append", &s->append)) ||
-        (st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial)) ||
+        (st = clmha__kernel_make(ctx, prog, "decode_append", &s->append[0])) ||
+        (st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial[0])) ||
         (st = clmha__kernel_make(ctx, prog, "decode_combine", &s->combine))) {
         release_kernels(s);
         return st;
@@ -86,7 +89,7 @@ static clmha_status build(clmha_layer *l, state *s, size_t group) {
     // One work-item per group on CPUs (each runs its range's loop in vector registers); 64 on
     // GPUs, within every kernel's limit.
     s->wg = ctx->cls->coalesced ? 64 : 1;
-    cl_kernel ks[] = {s->zero, s->append, s->partial, s->combine};
+    cl_kernel ks[] = {s->zero, s->append[0], s->partial[0], s->combine};
     for (size_t i = 0; i < 4; ++i) {
         size_t wg;
         if ((st = clmha__kernel_limits(ctx, ks[i], &wg, NULL))) {
@@ -98,26 +101,29 @@ static clmha_status build(clmha_layer *l, state *s, size_t group) {
     return CLMHA_SUCCESS;
 }
 
-// The append and attention kernels of an int8 cache: the same program built with -DKV_INT8=1
-// (cl/cores/decode.cl), on the first call with such a cache.
-static clmha_status build_i8(clmha_layer *l, state *s) {
+// The append and attention kernels of a cache of another kv_dtype than float32: the same
+// program built with -DKV_TYPE=kind (cl/cores/decode.cl; int4 with its group, and the vector
+// width narrowed to at most half a group, whose bytes hold two dimensions), on the first call
+// with such a cache.
+static clmha_status build_kind(clmha_layer *l, state *s, const clmha_kv_cache *c) {
     clmha_context *ctx = l->ctx;
-    size_t vw = clmha__fused_row_vw(ctx, l->d);
-    char options[240];
-    snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu -DKV_INT8=1%s%s", l->d,
-             l->h / l->kvh, vw, ctx->cls->coalesced ? " -DSPLIT=1" : "",
-             clmha__layer_variant_options(l));
+    size_t vw = clmha__fused_row_vw(ctx, l->d), kind = (size_t)c->kv_dtype;
+    if (c->kv_dtype == CLMHA_KV_INT4)
+        while (vw > c->group / 2) vw /= 2;
+    char options[256];
+    snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu -DKV_TYPE=%zu -DKGS=%zu%s%s",
+             l->d, l->h / l->kvh, vw, kind, c->group ? c->group : 1,
+             ctx->cls->coalesced ? " -DSPLIT=1" : "", clmha__layer_variant_options(l));
     cl_program prog;
     clmha_status st = clmha__program_get_mod(ctx, "decode", options, l->mod_source, &prog);
-    if (!st) st = clmha__kernel_make(ctx, prog, "decode_zero", &s->zero_i8);
-    if (!st) st = clmha__kernel_make(ctx, prog, "decode_append", &s->append_i8);
-    if (!st) st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial_i8);
+    if (!st) st = clmha__kernel_make(ctx, prog, "decode_append", &s->append[kind]);
+    if (!st) st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial[kind]);
     return st;
 }
 
 static clmha_status ensure(clmha_layer *l, state **out) {
     state *s = *out = state_of(l);
-    if (s->partial) return CLMHA_SUCCESS;
+    if (s->partial[0]) return CLMHA_SUCCESS;
     if (s->failed)
         return clmha__fail(l->ctx, s->failed,
                            "the decode kernels could not be built for head_dim %zu on this "
@@ -228,8 +234,8 @@ static clmha_status copy_on_write(clmha_context *ctx, const clmha__kv_plan *kv) 
     const clmha_kv_cache *c = kv->cache;
     size_t rows = c->page_size;  // a page's rows of D elements (and scales), head by head
     cl_mem bufs[4] = {c->k, c->v, c->ks, c->vs};
-    size_t bytes[4] = {rows * c->head_dim * c->elem, rows * c->head_dim * c->elem, rows * 4,
-                       rows * 4};
+    size_t scales = rows * c->groups * sizeof(float);
+    size_t bytes[4] = {rows * c->row_bytes, rows * c->row_bytes, scales, scales};
     for (size_t j = 0; j < kv->num_copies; ++j)
         for (size_t kh = 0; kh < c->kv_heads; ++kh)
             for (int b = 0; b < 4; ++b) {
@@ -243,22 +249,24 @@ static clmha_status copy_on_write(clmha_context *ctx, const clmha__kv_plan *kv) 
     return CLMHA_SUCCESS;
 }
 
-// Zeroes a cache's keys (and an int8 cache's key scales) before its first use: decode_partial
-// reads a key block whole, the positions past a sequence's length too (their scores dropped),
-// which must hold numbers. Kernels rather than clEnqueueFillBuffer, whose writes Oclgrind
-// 21.10's uninitialised-value check does not see.
+// Zeroes a cache's keys (and a quantised cache's key scales) before its first use:
+// decode_partial reads a key block whole, the positions past a sequence's length too (their
+// scores dropped), which must hold numbers. A kernel rather than clEnqueueFillBuffer, whose
+// writes Oclgrind 21.10's uninitialised-value check does not see; 32-bit words, which every
+// kind of cache's buffers are a multiple of (blocks of 16 positions).
 static clmha_status zero_keys(clmha_layer *l, state *s, const clmha_kv_cache *c) {
     clmha_context *ctx = l->ctx;
-    cl_ulong count = c->num_pages * c->kv_heads * c->page_size * l->d;  // fits: allocated
-    bool i8 = c->kv_dtype == CLMHA_KV_INT8;
-    arg args[] = {ARG(c->k), ARG(count)};
-    clmha_status st = clmha__launch(ctx, i8 ? s->zero_i8 : s->zero, "decode_zero", count, s->wg,
-                                    args, sizeof args / sizeof args[0]);
-    if (st || !i8) return st;
-    cl_ulong scales = count / l->d;
-    arg sargs[] = {ARG(c->ks), ARG(scales)};  // floats: the float32 program's kernel
-    return clmha__launch(ctx, s->zero, "decode_zero", scales, s->wg, sargs,
-                         sizeof sargs / sizeof sargs[0]);
+    cl_ulong rows = c->num_pages * c->kv_heads * c->page_size;  // fits: allocated
+    cl_ulong words[2] = {rows * c->row_bytes / 4, rows * c->groups};
+    cl_mem bufs[2] = {c->k, c->ks};
+    for (int b = 0; b < 2; ++b) {
+        if (!words[b]) continue;
+        arg args[] = {ARG(bufs[b]), ARG(words[b])};
+        clmha_status st = clmha__launch(ctx, s->zero, "decode_zero", words[b], s->wg, args,
+                                        sizeof args / sizeof args[0]);
+        if (st) return st;
+    }
+    return CLMHA_SUCCESS;
 }
 
 // log2 of a paged cache's page size (a power of two); 0 for a contiguous cache.
@@ -279,10 +287,10 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_ulong src = d->s, kvh = c->kv_heads, psize = c->page_size, heads = l->h, tgt = d->l;
     cl_ulong pages_ld = kv->pages_ld, num_pages = c->num_pages;
     cl_uint pshift = page_shift(c);
-    bool i8 = c->kv_dtype == CLMHA_KV_INT8;
-    if (i8 && !s->partial_i8 && (st = build_i8(l, s))) return st;
-    cl_kernel append = i8 ? s->append_i8 : s->append, partial = i8 ? s->partial_i8 : s->partial;
-    cl_mem kscale = i8 ? c->ks : ctx->dummy, vscale = i8 ? c->vs : ctx->dummy;
+    size_t kind = (size_t)c->kv_dtype;
+    if (!s->partial[kind] && (st = build_kind(l, s, c))) return st;
+    cl_kernel append = s->append[kind], partial = s->partial[kind];
+    cl_mem kscale = c->groups ? c->ks : ctx->dummy, vscale = c->groups ? c->vs : ctx->dummy;
     if (!c->keys_zeroed && (st = zero_keys(l, s, c))) return st;
     kv->cache->keys_zeroed = true;
     // The queries and new keys and values are the projected rows; in_proj_bias is added here.
