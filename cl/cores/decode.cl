@@ -102,6 +102,13 @@
 #endif
 #define NG (HD / KGS)
 #define KHALF (KGS / 2)
+// Bytes of a group scored into separate sums (decode_partial): 2 where SPLIT asks for 4 chains
+// and half a group is even.
+#if SPLIT >= 4 && KHALF % 2 == 0
+#define KSETS 2
+#else
+#define KSETS 1
+#endif
 #define KST uchar
 #define KROW (HD / 2)
 #else
@@ -376,25 +383,39 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         global const uchar16 *kt16 = (global const uchar16 *)kt;
         _Pragma("unroll")
         for (uint g = 0; g < G; ++g) sc[g] = (float16)(0.0f);
+        // The low and the high nibbles' products go to separate sums, and (SPLIT 4: G under 4)
+        // even and odd bytes too: 2 or 4 independent FMA chains per head (one chain made each
+        // product wait on the one before).
         for (uint gr = 0; gr < NG; ++gr) {
-            float16 sp[G];
+            float16 sp[KSETS][2][G];
             _Pragma("unroll")
-            for (uint g = 0; g < G; ++g) sp[g] = (float16)(0.0f);
-            uint c0 = gr * KGS;
-            _Pragma("unroll 4")
-            for (uint k = 0; k < KHALF; ++k) {
-                uchar16 by = kt16[gr * KHALF + k];
-                float16 lo = convert_float16(by & (uchar16)(15)), hi = convert_float16(by >> 4);
+            for (uint t = 0; t < KSETS; ++t) {
                 _Pragma("unroll")
-                for (uint g = 0; g < G; ++g) {
-                    sp[g] = fma((float16)(qs[g][c0 + k]), lo, sp[g]);
-                    sp[g] = fma((float16)(qs[g][c0 + k + KHALF]), hi, sp[g]);
+                for (uint g = 0; g < G; ++g) sp[t][0][g] = sp[t][1][g] = (float16)(0.0f);
+            }
+            uint c0 = gr * KGS;
+            _Pragma("unroll 2")
+            for (uint k = 0; k < KHALF; k += KSETS) {
+                _Pragma("unroll")
+                for (uint t = 0; t < KSETS; ++t) {
+                    uchar16 by = kt16[gr * KHALF + k + t];
+                    float16 lo = convert_float16(by & (uchar16)(15));
+                    float16 hi = convert_float16(by >> 4);
+                    _Pragma("unroll")
+                    for (uint g = 0; g < G; ++g) {
+                        sp[t][0][g] = fma((float16)(qs[g][c0 + k + t]), lo, sp[t][0][g]);
+                        sp[t][1][g] = fma((float16)(qs[g][c0 + k + t + KHALF]), hi, sp[t][1][g]);
+                    }
                 }
             }
             float16 ksc = *(global const float16 *)(kscale + at * NG + gr * BKEYS);
             _Pragma("unroll")
-            for (uint g = 0; g < G; ++g)
-                sc[g] = fma(sp[g] - (float16)(qsum[g][gr]), ksc, sc[g]);
+            for (uint g = 0; g < G; ++g) {
+                float16 x = sp[0][0][g] + sp[0][1][g];
+                _Pragma("unroll")
+                for (uint t = 1; t < KSETS; ++t) x += sp[t][0][g] + sp[t][1][g];
+                sc[g] = fma(x - (float16)(qsum[g][gr]), ksc, sc[g]);
+            }
         }
 #else
         float16 sp[SPLIT][G];
