@@ -1662,8 +1662,9 @@ typedef struct clmha_kv_cache_options {
     /// Contiguous (page_size 0): the most tokens each sequence may hold, as
     /// clmha_kv_cache_create()'s capacity. Paged: 0 (the capacity is the pool).
     size_t capacity;
-    /// Paged: tokens per page, a power of two from 16 (the decode core's key blocks are 16
-    /// tokens); 0: a contiguous cache.
+    /// Paged: tokens per page, a power of two from 8 (the decode core's key blocks are 16
+    /// tokens: pages of 8 read each block from two pages, docs/performance.md says what that
+    /// costs); 0: a contiguous cache.
     size_t page_size;
     /// Paged: the pages of the pool, shared by the sequences (at least 1; a sequence holds at
     /// most num_pages * page_size tokens, fewer than 2^32).
@@ -1677,7 +1678,7 @@ typedef struct clmha_kv_cache_options {
 /// @param[in]  batch    N, the sequences
 /// @param[in]  options  struct_size set; capacity, or page_size and num_pages
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, @p batch 0, a contiguous cache's
-///         capacity 0 or of 2^32 tokens or more, a page_size that is not a power of two from 16,
+///         capacity 0 or of 2^32 tokens or more, a page_size that is not a power of two from 8,
 ///         a capacity given with it, num_pages 0 or too many tokens, an unknown kv_dtype,
 ///         @p options' struct_size 0 or too small), ::CLMHA_UNSUPPORTED (@p options from a newer
 ///         header using a newer field; a float64 layer; int4 with an odd head_dim),

@@ -7,9 +7,9 @@
 //
 // Layouts: the queries, new keys and values in the projected rows (in_proj_bias not added),
 // token t of sequence n in row n*T + t (batch_first) or t*N + n; the result merged rows
-// (N*L, E) in the query's row order; the cache in pages of PS positions (a multiple of BKEYS),
-// head by head: KV head kh's rows of page pg are vc (PS, HD) from vc + (kh*PAGES + pg)*PS*HD,
-// and kc the same size in blocks of BKEYS transposed keys, so that one head's pages taken in
+// (N*L, E) in the query's row order; the cache in pages of PS positions (a multiple of BKEYS,
+// or 8: HALF_PAGES), head by head: KV head kh's rows of page pg are vc (PS, HD) from
+// vc + (kh*PAGES + pg)*PS*HD, and kc the same size in blocks of KB transposed keys, so that one head's pages taken in
 // order lie one after another (a stream the CPU's prefetchers follow); sequence n's position
 // j is in page pages[n*pages_ld + j/PS] (a contiguous cache: one page per sequence, page n);
 // lens (N, 2) uint: each sequence's length before and after this call, followed by a paged
@@ -72,9 +72,9 @@
 
 // The cache's elements (-DKV_TYPE=n, clmha_kv_cache_options::kv_dtype: 0 float32, 1 int8,
 // 2 float16, 3 bfloat16, 4 int4): KST the stored type, KROW a row's KST elements (HD; int4:
-// HD / 2 bytes, two dimensions a byte), KEYS_AT(kt, c) the key block's BKEYS-lane vector of
-// dimension c as floats (not int4), VAL_AT(vr, c) a value row's VW lanes from dimension c*VW
-// as VT. float16 goes through vload_half (core OpenCL 1.2, no cl_khr_fp16), bfloat16 is the
+// HD / 2 bytes, two dimensions a byte), KEYS_N(kt, c, n) the n-lane vector of dimension c of
+// a stored key block as floats (not int4), VAL_AT(vr, c) a value row's VW lanes from
+// dimension c*VW as VT. float16 goes through vload_half (core OpenCL 1.2, no cl_khr_fp16), bfloat16 is the
 // upper half of a float's bits. The quantised caches keep float scales per (position, KV
 // head) for keys (kscale) and for values (vscale): int8 one per row, element x = scale * q,
 // q = round(x / scale) in [-127, 127], scale = max |x| of its row / 127; int4 one per group
@@ -117,15 +117,16 @@
 #endif
 #if KV_INT8
 #define KST char
-#define KEYS_AT(kt, c) convert_float16(((global const char16 *)(kt))[c])
+#define KEYS_N(kt, c, n) CAT(convert_float, n)(((global const CAT(char, n) *)(kt))[c])
 #define VAL_AT(vr, c) CAT(convert_float, VSUF)(((global const CAT(char, VSUF) *)(vr))[c])
 #elif KV_F16
 #define KST half
-#define KEYS_AT(kt, c) vload_half16(c, kt)
+#define KEYS_N(kt, c, n) CAT(vload_half, n)(c, kt)
 #define VAL_AT(vr, c) CAT(vload_half, VSUF)(c, vr)
 #elif KV_BF16
 #define KST ushort
-#define KEYS_AT(kt, c) as_float16(convert_uint16(((global const ushort16 *)(kt))[c]) << 16)
+#define KEYS_N(kt, c, n)                                                                       \
+    CAT(as_float, n)(CAT(convert_uint, n)(((global const CAT(ushort, n) *)(kt))[c]) << 16)
 #if VW == 1
 #define VAL_AT(vr, c) as_float((uint)(vr)[c] << 16)
 #else
@@ -141,8 +142,31 @@
     ((global const CAT(uchar, VSUF) *)((vr) + ((c) * VW) / KGS * KHALF + ((c) * VW) % KHALF))[0]
 #else
 #define KST float
-#define KEYS_AT(kt, c) ((global const float16 *)(kt))[c]
+#define KEYS_N(kt, c, n) ((global const CAT(float, n) *)(kt))[c]
 #define VAL_AT(vr, c) ((global const VT *)(vr))[c]
+#endif
+
+// Pages of 8 positions (-DHALF_PAGES=1: a paged cache's page_size 8): the keys are stored in
+// transposed blocks of KB = 8 positions, and a key block of BKEYS = 16 that decode_partial
+// scores is two of them, from two pages (ka, kb: their first positions' places). Otherwise KB
+// is BKEYS and kb is ka. KEYS_AT: dimension c's 16 lanes as floats (not int4); KBYTES_AT: an
+// int4 block's byte vector i; KSCALES_AT: a quantised block's 16 key scales of group g.
+#if HALF_PAGES
+// The halves joined by shuffle2 rather than a (float16)(a, b) literal, on which Oclgrind
+// 21.10's uninitialised-value check (kernels built with -cl-opt-disable) crashes.
+#define KB 8
+#define JOIN8 ((uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
+#define KEYS_AT(ka, kb, c) shuffle2(KEYS_N(ka, c, 8), KEYS_N(kb, c, 8), JOIN8)
+#define KBYTES_AT(ka, kb, i)                                                                   \
+    shuffle2(((global const uchar8 *)(ka))[i], ((global const uchar8 *)(kb))[i],               \
+             convert_uchar16(JOIN8))
+#define KSCALES_AT(sa, sb)                                                                     \
+    shuffle2(*(global const float8 *)(sa), *(global const float8 *)(sb), JOIN8)
+#else
+#define KB BKEYS
+#define KEYS_AT(ka, kb, c) KEYS_N(ka, c, 16)
+#define KBYTES_AT(ka, kb, i) (((global const uchar16 *)(ka))[i])
+#define KSCALES_AT(sa, sb) (*(global const float16 *)(sa))
 #endif
 
 // The sum of a row vector's VW lanes, as a tree (VT: cl/common.cl).
@@ -214,11 +238,11 @@ inline ulong cache_at(global const uint *pages, ulong pages_ld, uint pshift, ulo
 // token t of sequence n is row n*S + t (batch_first) or t*N + n, key head kh's HD columns start
 // at k_at + row * k_ld + kh*HD (values: v_at, v_ld); bias (has_bias) is in_proj_bias, whose key
 // part starts at kb_at and value part at vb_at. Values are stored row by row; keys in blocks
-// of BKEYS positions, transposed: the block of a (page, KV head) that holds position j holds
-// dimension c of its keys at kc[(b0 * HD + c) * BKEYS + j % BKEYS], b0 the block's first
+// of KB positions, transposed: the block of a (page, KV head) that holds position j holds
+// dimension c of its keys at kc[(b0 * HD + c) * KB + j % KB], b0 the block's first
 // position's cache_at(), so that decode_partial scores a block's keys as one BKEYS-lane vector
-// with no sum across lanes (a page's positions are a multiple of BKEYS: no block straddles two
-// pages).
+// (of two blocks of 8 with pages of 8) with no sum across lanes (a page's positions are a
+// multiple of KB: no block straddles two pages).
 // Element c of row x (HD floats), b added when not NULL.
 #define ROW_AT(x, b, c) ((b) ? (x)[c] + (b)[c] : (x)[c])
 #if KV_INT8
@@ -287,15 +311,14 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
     if (t >= (ulong)(now - old)) return;
     ulong pos = old + t, row = token_row(n, t, n_batch, src_len, batch_first);
     ulong at = cache_at(pages, pages_ld, pshift, psize, num_pages, n, kh, pos);
-    ulong b0 = at - pos % BKEYS;  // the key block's first position
+    ulong b0 = at - pos % KB;  // the key block's first position
     global const float *ks = proj + k_at + row * k_ld + kh * HD;
     global const float *vs = proj + v_at + row * v_ld + kh * HD;
     global const float *kb = has_bias ? bias + kb_at + kh * HD : 0;
     global const float *vb = has_bias ? bias + vb_at + kh * HD : 0;
-    // Keys: the block's scales lane by lane, group after group (kscale + b0*NG + g*BKEYS + u,
-    // a float16 per group); values: the row's NG scales together (vscale + at*NG).
-    store_row(ks, kb, kc + b0 * KROW + pos % BKEYS, BKEYS, kscale + b0 * NG + pos % BKEYS,
-              BKEYS);
+    // Keys: the block's scales lane by lane, group after group (kscale + b0*NG + g*KB + u, KB
+    // floats per group); values: the row's NG scales together (vscale + at*NG).
+    store_row(ks, kb, kc + b0 * KROW + pos % KB, KB, kscale + b0 * NG + pos % KB, KB);
     store_row(vs, vb, vc + at * KROW, 1, vscale + at * NG, 1);
 }
 
@@ -365,9 +388,18 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         }
 #endif
     for (ulong jb = j0; jb < j1; jb += BKEYS) {
-        // The block's place in its page: its keys' vectors from kc + at*HD, key jb + u's value
-        // row at vc + (at + u)*HD.
+        // The block's place in its page: its keys' vectors from kc + at*KROW, key jb + u's
+        // value row at vc + (at + u)*KROW. Pages of 8: its second half's place is at2 (the
+        // first half's where the sequence does not reach it: those lanes are masked, and its
+        // page-table entry may be no page of the sequence's).
         ulong at = cache_at(pages, pages_ld, pshift, psize, num_pages, n, kvh, jb);
+#if HALF_PAGES
+        ulong at2 = jb + KB < now ? cache_at(pages, pages_ld, pshift, psize, num_pages, n, kvh,
+                                             jb + KB)
+                                  : at;
+#else
+        ulong at2 = at;
+#endif
         // Lanes skip ... cnt - 1 of the block are keys the row sees (skip > 0 only in the
         // block of `start`, which part 0 begins with and holds a key of: skip < cnt).
         uint cnt = (uint)min((ulong)BKEYS, j1 - jb), skip = jb < start ? (uint)(start - jb) : 0;
@@ -375,12 +407,11 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         // vector of the block's keys is read once for the G query heads. The dimensions go
         // round SPLIT sets of sums, so that G * SPLIT independent FMA chains hide the FMA's
         // latency (one chain per head made a head's 64 FMAs wait on each other).
-        global const KST *kt = kc + at * KROW;
+        global const KST *kt = kc + at * KROW, *kt2 = kc + at2 * KROW;
         float16 sc[G];
 #if KV_INT4
         // Group by group: the nibbles' dot products (a byte vector gives dimensions k and
         // k + KHALF of the group), less the offset, times the keys' scales of the group.
-        global const uchar16 *kt16 = (global const uchar16 *)kt;
         _Pragma("unroll")
         for (uint g = 0; g < G; ++g) sc[g] = (float16)(0.0f);
         // The low and the high nibbles' products go to separate sums, and (SPLIT 4: G under 4)
@@ -398,7 +429,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
             for (uint k = 0; k < KHALF; k += KSETS) {
                 _Pragma("unroll")
                 for (uint t = 0; t < KSETS; ++t) {
-                    uchar16 by = kt16[gr * KHALF + k + t];
+                    uchar16 by = KBYTES_AT(kt, kt2, gr * KHALF + k + t);
                     float16 lo = convert_float16(by & (uchar16)(15));
                     float16 hi = convert_float16(by >> 4);
                     _Pragma("unroll")
@@ -408,7 +439,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                     }
                 }
             }
-            float16 ksc = *(global const float16 *)(kscale + at * NG + gr * BKEYS);
+            float16 ksc = KSCALES_AT(kscale + at * NG + gr * KB, kscale + at2 * NG + gr * KB);
             _Pragma("unroll")
             for (uint g = 0; g < G; ++g) {
                 float16 x = sp[0][0][g] + sp[0][1][g];
@@ -429,14 +460,14 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         for (; c + SPLIT <= HD; c += SPLIT) {
             _Pragma("unroll")
             for (uint t = 0; t < SPLIT; ++t) {
-                float16 kv = KEYS_AT(kt, c + t);
+                float16 kv = KEYS_AT(kt, kt2, c + t);
                 _Pragma("unroll")
                 for (uint g = 0; g < G; ++g)
                     sp[t][g] = fma((float16)(qs[g][c + t]), kv, sp[t][g]);
             }
         }
         for (; c < HD; ++c) {
-            float16 kv = KEYS_AT(kt, c);
+            float16 kv = KEYS_AT(kt, kt2, c);
             _Pragma("unroll")
             for (uint g = 0; g < G; ++g) sp[0][g] = fma((float16)(qs[g][c]), kv, sp[0][g]);
         }
@@ -448,7 +479,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         }
 #if KV_INT8
         {  // the block's keys' scales (lane u: key jb + u's), after the dot products
-            float16 ksc = *(global const float16 *)(kscale + at);
+            float16 ksc = KSCALES_AT(kscale + at, kscale + at2);
             _Pragma("unroll")
             for (uint g = 0; g < G; ++g) sc[g] *= ksc;
         }
@@ -522,10 +553,11 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                 for (uint c = 0; c < HV; ++c) a[gg][c] = acc[g0 + gg][c] * corr[g0 + gg];
             }
             for (uint u = skip; u < cnt; ++u) {
-                global const KST *vr = vc + (at + u) * KROW;
+                ulong vat = u < KB ? at + u : at2 + u - KB;  // the value row's place
+                global const KST *vr = vc + vat * KROW;
 #if KV_QUANT
                 // The value row's scales (int4: one per group), folded into its weights.
-                global const float *vsr = vscale + (at + u) * NG;
+                global const float *vsr = vscale + vat * NG;
 #endif
                 UNROLL
                 for (uint c = 0; c < HV; ++c) {

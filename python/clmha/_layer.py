@@ -878,7 +878,7 @@ class Layer:
                  num_pages: int = 0, kv_dtype: str = "float32") -> "KVCache":
         """An empty KV cache for incremental decoding: ``batch`` sequences (1 for unbatched
         calls) of up to ``capacity`` tokens each; or, with ``page_size`` (a power of two from
-        16) and ``num_pages``, a paged cache whose sequences draw pages of ``page_size`` tokens
+        8) and ``num_pages``, a paged cache whose sequences draw pages of ``page_size`` tokens
         from a pool of ``num_pages`` (``KVCache.fork`` shares a prompt's pages). ``kv_dtype``:
         how keys and values are stored (``clmha_kv_cache_options::kv_dtype``): "float32",
         "float16", "bfloat16", "int8" (one scale per token and head) or "int4" (one scale per

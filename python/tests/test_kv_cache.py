@@ -150,7 +150,7 @@ def test_paged_cache_is_the_contiguous_one(ctx, rng):
 def test_narrow_cache(ctx, rng, kind, bound):
     """A float16, bfloat16, int8 or int4 cache (kv_dtype=) against the float32 one: within the
     stated contract of the output's largest value on unit-scale data (docs/accuracy.md); paged
-    or not, the same bits."""
+    (pages of 32 or 8) or not, the same bits."""
     layer = clmha.Layer(64, 2, context=ctx)
     limit = 1 / np.sqrt(64)
     for name in layer.parameter_names():
@@ -158,11 +158,12 @@ def test_narrow_cache(ctx, rng, kind, bound):
     f = layer.kv_cache(2, 128)
     q = layer.kv_cache(2, 128, kv_dtype=kind)
     p = layer.kv_cache(2, page_size=32, num_pages=8, kv_dtype=kind)
+    p8 = layer.kv_cache(2, page_size=8, num_pages=26, kv_dtype=kind)  # blocks from two pages
     x = rng.standard_normal((100, 2, 64)).astype(np.float32)
-    outs = [layer.forward(x, kv_cache=c, is_causal=True)[0] for c in (f, q, p)]
+    outs = [layer.forward(x, kv_cache=c, is_causal=True)[0] for c in (f, q, p, p8)]
     rel = np.abs(outs[1] - outs[0]).max() / np.abs(outs[0]).max()
     assert record(f"{kind} cache rel err", rel) <= bound
-    assert np.array_equal(outs[1], outs[2])
+    assert np.array_equal(outs[1], outs[2]) and np.array_equal(outs[1], outs[3])
     with pytest.raises(ValueError, match="kv_dtype"):
         layer.kv_cache(2, 16, kv_dtype="int2")
     odd = clmha.Layer(6, 2, context=ctx)  # head_dim 3: int4 keeps two dimensions a byte

@@ -57,10 +57,10 @@ static clmha_status check_options(clmha_context *ctx, size_t batch,
         *pages = batch;
         return CLMHA_SUCCESS;
     }
-    if (o->page_size < 16 || (o->page_size & (o->page_size - 1)) || o->page_size > (1u << 30))
+    if (o->page_size < 8 || (o->page_size & (o->page_size - 1)) || o->page_size > (1u << 30))
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "page_size %zu: a page holds a power of two of tokens from 16 to 2^30 "
-                           "(the decode core reads keys in blocks of 16)", o->page_size);
+                           "page_size %zu: a page holds a power of two of tokens from 8 to 2^30",
+                           o->page_size);
     if (o->capacity)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "capacity %zu with page_size: a paged cache's capacity is its pool "

@@ -155,7 +155,7 @@ static const char *const usage_run[] = {
     "                            --dtype f64; with a sliding window, ALiBi or --score-mod,\n"
     "                            --is-causal only\n"
     "  --page-size P             with --decode-chunk: a paged KV cache of P-token pages (a\n"
-    "                            power of two from 16; a pool of just enough pages): the\n"
+    "                            power of two from 8; a pool of just enough pages): the\n"
     "                            same output\n"
     "  --kv-dtype K              with --decode-chunk: how the cache stores keys and values:\n"
     "                            f32 (default), f16, bf16, int8 (one scale per token and\n"
@@ -563,9 +563,8 @@ static bool parse_decode_chunk(run_opts *o) {
     }
     if (!clmha__cli_parse_kv_dtype("run", o->kv_dtype_opt, &o->kv_dtype)) return false;
     if (!clmha__cli_parse_u64("run", "--page-size", o->page_opt, &o->page_size)) return false;
-    if (o->page_opt && (o->page_size < 16 || (o->page_size & (o->page_size - 1)))) {
-        clmha__cli_report("run", "--page-size %s: expected a power of two from 16 (the decode "
-                          "core reads keys in blocks of 16)", o->page_opt);
+    if (o->page_opt && (o->page_size < 8 || (o->page_size & (o->page_size - 1)))) {
+        clmha__cli_report("run", "--page-size %s: expected a power of two from 8", o->page_opt);
         return false;
     }
     if (!o->chunk_opt) return true;

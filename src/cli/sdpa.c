@@ -128,7 +128,7 @@ static const char *const usage_sdpa[] = {
     "                            or --impl fused|unfused. The summary on stdout (without\n"
     "                            --output) counts the calls\n"
     "  --page-size P             with --kv-cache-prefix: a paged cache of P-token pages (a\n"
-    "                            power of two from 16): the same output\n"
+    "                            power of two from 8): the same output\n"
     "  --kv-dtype K              with --kv-cache-prefix: how the cache stores keys and\n"
     "                            values: f32, f16, bf16, int8 or int4 (docs/accuracy.md)\n"
     "\n"
@@ -334,9 +334,8 @@ static bool kv_options_agree(sdpa_opts *o) {
     if (!clmha__cli_parse_u64("sdpa", "--page-size", o->page_opt, &o->page_size) ||
         !clmha__cli_parse_kv_dtype("sdpa", o->kv_dtype_opt, &o->kv_dtype))
         return false;
-    if (o->page_opt && (o->page_size < 16 || (o->page_size & (o->page_size - 1)))) {
-        clmha__cli_report("sdpa", "--page-size %s: expected a power of two from 16 (the decode "
-                          "core reads keys in blocks of 16)", o->page_opt);
+    if (o->page_opt && (o->page_size < 8 || (o->page_size & (o->page_size - 1)))) {
+        clmha__cli_report("sdpa", "--page-size %s: expected a power of two from 8", o->page_opt);
         return false;
     }
     if (!o->kv_prefix_opt) return true;

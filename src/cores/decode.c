@@ -30,9 +30,10 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_decode;  // this core, at the
 
 typedef struct state {
     cl_kernel zero, combine;             // built on first use
-    // Per kind of cache (clmha_kv_dtype: the program built with -DKV_TYPE=kind): [0] with the
-    // two above, the others on the first call with such a cache.
-    cl_kernel append[KINDS], partial[KINDS];
+    // Per kind of cache (clmha_kv_dtype: the program built with -DKV_TYPE=kind) and pages of 8
+    // or not ([1]: -DHALF_PAGES=1): [0][0] with the two above, the others on the first call
+    // with such a cache.
+    cl_kernel append[KINDS][2], partial[KINDS][2];
     size_t wg;                           // their launches' work-group
     clmha_status failed;                 // why they cannot be built here (then not retried)
     cl_mem part_acc, part_ms;            // the partial results, grown on demand (floats)
@@ -51,11 +52,12 @@ static void release_kernels(state *s) {
     clmha__release_kernel(s->zero);
     clmha__release_kernel(s->combine);
     s->zero = s->combine = NULL;
-    for (size_t k = 0; k < KINDS; ++k) {
-        clmha__release_kernel(s->append[k]);
-        clmha__release_kernel(s->partial[k]);
-        s->append[k] = s->partial[k] = NULL;
-    }
+    for (size_t k = 0; k < KINDS; ++k)
+        for (size_t h = 0; h < 2; ++h) {
+            clmha__release_kernel(s->append[k][h]);
+            clmha__release_kernel(s->partial[k][h]);
+            s->append[k][h] = s->partial[k][h] = NULL;
+        }
 }
 
 static void release(void *p) {
@@ -80,8 +82,8 @@ static clmha_status build(clmha_layer *l, state *s, size_t group) {
     cl_program prog;
     clmha_status st = clmha__program_get_mod(ctx, "decode", options, l->mod_source, &prog);
     if (st || (st = clmha__kernel_make(ctx, prog, "decode_zero", &s->zero)) ||
-        (st = clmha__kernel_make(ctx, prog, "decode_append", &s->append[0])) ||
-        (st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial[0])) ||
+        (st = clmha__kernel_make(ctx, prog, "decode_append", &s->append[0][0])) ||
+        (st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial[0][0])) ||
         (st = clmha__kernel_make(ctx, prog, "decode_combine", &s->combine))) {
         release_kernels(s);
         return st;
@@ -89,7 +91,7 @@ static clmha_status build(clmha_layer *l, state *s, size_t group) {
     // One work-item per group on CPUs (each runs its range's loop in vector registers); 64 on
     // GPUs, within every kernel's limit.
     s->wg = ctx->cls->coalesced ? 64 : 1;
-    cl_kernel ks[] = {s->zero, s->append[0], s->partial[0], s->combine};
+    cl_kernel ks[] = {s->zero, s->append[0][0], s->partial[0][0], s->combine};
     for (size_t i = 0; i < 4; ++i) {
         size_t wg;
         if ((st = clmha__kernel_limits(ctx, ks[i], &wg, NULL))) {
@@ -101,29 +103,33 @@ static clmha_status build(clmha_layer *l, state *s, size_t group) {
     return CLMHA_SUCCESS;
 }
 
-// The append and attention kernels of a cache of another kv_dtype than float32: the same
-// program built with -DKV_TYPE=kind (cl/cores/decode.cl; int4 with its group, and the vector
-// width narrowed to at most half a group, whose bytes hold two dimensions), on the first call
-// with such a cache.
+// Whether a cache has pages of 8 (the decode program's HALF_PAGES: key blocks of 8).
+static size_t half_pages(const clmha_kv_cache *c) { return c->paged && c->page_size == 8; }
+
+// The append and attention kernels of a cache of another kv_dtype than float32, or of pages of
+// 8: the same program built with -DKV_TYPE=kind and -DHALF_PAGES (cl/cores/decode.cl; int4
+// with its group, and the vector width narrowed to at most half a group, whose bytes hold two
+// dimensions), on the first call with such a cache.
 static clmha_status build_kind(clmha_layer *l, state *s, const clmha_kv_cache *c) {
     clmha_context *ctx = l->ctx;
-    size_t vw = clmha__fused_row_vw(ctx, l->d), kind = (size_t)c->kv_dtype;
+    size_t vw = clmha__fused_row_vw(ctx, l->d), kind = (size_t)c->kv_dtype, half = half_pages(c);
     if (c->kv_dtype == CLMHA_KV_INT4)
         while (vw > c->group / 2) vw /= 2;
-    char options[256];
-    snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu -DKV_TYPE=%zu -DKGS=%zu%s%s",
-             l->d, l->h / l->kvh, vw, kind, c->group ? c->group : 1,
+    char options[272];
+    snprintf(options, sizeof options,
+             "-DHD=%zu -DG=%zu -DVW=%zu -DKV_TYPE=%zu -DKGS=%zu -DHALF_PAGES=%zu%s%s", l->d,
+             l->h / l->kvh, vw, kind, c->group ? c->group : 1, half,
              ctx->cls->coalesced ? " -DSPLIT=1" : "", clmha__layer_variant_options(l));
     cl_program prog;
     clmha_status st = clmha__program_get_mod(ctx, "decode", options, l->mod_source, &prog);
-    if (!st) st = clmha__kernel_make(ctx, prog, "decode_append", &s->append[kind]);
-    if (!st) st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial[kind]);
+    if (!st) st = clmha__kernel_make(ctx, prog, "decode_append", &s->append[kind][half]);
+    if (!st) st = clmha__kernel_make(ctx, prog, "decode_partial", &s->partial[kind][half]);
     return st;
 }
 
 static clmha_status ensure(clmha_layer *l, state **out) {
     state *s = *out = state_of(l);
-    if (s->partial[0]) return CLMHA_SUCCESS;
+    if (s->partial[0][0]) return CLMHA_SUCCESS;
     if (s->failed)
         return clmha__fail(l->ctx, s->failed,
                            "the decode kernels could not be built for head_dim %zu on this "
@@ -287,9 +293,9 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_ulong src = d->s, kvh = c->kv_heads, psize = c->page_size, heads = l->h, tgt = d->l;
     cl_ulong pages_ld = kv->pages_ld, num_pages = c->num_pages;
     cl_uint pshift = page_shift(c);
-    size_t kind = (size_t)c->kv_dtype;
-    if (!s->partial[kind] && (st = build_kind(l, s, c))) return st;
-    cl_kernel append = s->append[kind], partial = s->partial[kind];
+    size_t kind = (size_t)c->kv_dtype, half = half_pages(c);
+    if (!s->partial[kind][half] && (st = build_kind(l, s, c))) return st;
+    cl_kernel append = s->append[kind][half], partial = s->partial[kind][half];
     cl_mem kscale = c->groups ? c->ks : ctx->dummy, vscale = c->groups ? c->vs : ctx->dummy;
     if (!c->keys_zeroed && (st = zero_keys(l, s, c))) return st;
     kv->cache->keys_zeroed = true;

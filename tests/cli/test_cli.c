@@ -1698,13 +1698,14 @@ Test(cli_run, decode_chunk_kv_dtypes) {
     tmp_dir d = tmp_make();
     const char *out = tmp_file(&d, "o.npy");
     static const struct {
-        const char *name;
+        const char *name, *page;
         double bound;
-    } kinds[] = {{"f16", 1e-3}, {"bf16", 5e-3}, {"int8", 1e-2}, {"int4", 2e-1}};
+    } kinds[] = {{"f16", "16", 1e-3}, {"bf16", "8", 5e-3}, {"int8", "16", 1e-2},
+                 {"int4", "8", 2e-1}};
     for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; ++k) {
         cli_result r = cli_run("run", "--layer", layer, "--query", query, "--is-causal",
                                "--decode-chunk", "2", "--kv-dtype", kinds[k].name,
-                               "--page-size", "16", "--output", out);
+                               "--page-size", kinds[k].page, "--output", out);
         cr_assert_eq(r.status, 0, "%s: exit %d: %s", kinds[k].name, r.status, r.err);
         cli_free(&r);
         clmha__npy got, want;
@@ -1715,8 +1716,9 @@ Test(cli_run, decode_chunk_kv_dtypes) {
             scale = fmax(scale, fabs(want.f64 ? want.f64[i] : want.f32[i]));
         cr_expect_leq(err / scale, kinds[k].bound, "%s: %.3e of %.3e", kinds[k].name, err,
                       scale);
-        fprintf(stderr, "cli causal --decode-chunk 2 --kv-dtype %s: max |err| %.3e (%.2e of "
-                "the largest output)\n", kinds[k].name, err, err / scale);
+        fprintf(stderr, "cli causal --decode-chunk 2 --kv-dtype %s --page-size %s: max |err| "
+                "%.3e (%.2e of the largest output)\n", kinds[k].name, kinds[k].page, err,
+                err / scale);
         clmha__npy_free(&got);
         clmha__npy_free(&want);
     }

@@ -7,7 +7,8 @@
 //     of a prefill and decode steps, within the kind's contract (docs/accuracy.md states them),
 //     for MHA, GQA, a window, D 48 and 64, and bfloat16 and float16 layers (a driver lane
 //     takes its share of them: CLMHA_TEST_CASE_STRIDE, tests/support/support.h);
-//   - a paged cache of each kind bit-identical to a contiguous one of the same kind;
+//   - a paged cache of each kind (pages of 8 and of 32) bit-identical to a contiguous one of
+//     the same kind;
 //   - a 200-token greedy generation of a small random model (token embeddings E 64, one
 //     causal attention layer, logits = output · embeddingsᵀ) with each cache: the tokens
 //     generated, compared with the float32 cache's (reported; a least first-difference per
@@ -118,7 +119,9 @@ Test(kv_dtypes, accuracy_against_float32) {
         decode(layer, cf, c.e, prefill, steps, 7 + i, f);
         for (size_t k = 0; k < KINDS; ++k) {
             clmha_kv_cache *ci = cache_of(layer, kinds[k].dt, 0);
-            clmha_kv_cache *cp = cache_of(layer, kinds[k].dt, 32);
+            // Paged: pages of 8 (key blocks read from two pages) or of 32, in turns.
+            size_t ps = (k + i) % 2 ? 8 : 32;
+            clmha_kv_cache *cp = cache_of(layer, kinds[k].dt, ps);
             decode(layer, ci, c.e, prefill, steps, 7 + i, q);
             decode(layer, cp, c.e, prefill, steps, 7 + i, qp);
             double err = rel_err(q, f, count);
@@ -128,12 +131,13 @@ Test(kv_dtypes, accuracy_against_float32) {
                                                              : 0;
             cr_expect_leq(err, kinds[k].rel + ulp, "%s: %s against float32: %.3g",
                           cases[i].name, kinds[k].name, err);
-            cr_expect(memcmp(q, qp, count * sizeof *q) == 0, "%s: the paged %s cache differs",
-                      cases[i].name, kinds[k].name);
+            cr_expect(memcmp(q, qp, count * sizeof *q) == 0,
+                      "%s: the paged %s cache (pages of %zu) differs", cases[i].name,
+                      kinds[k].name, ps);
             fprintf(stderr, "kv_dtypes %-6s (E %zu, H %zu, KVH %zu, D %zu) %-4s: max |%s - f32| "
-                    "/ max |f32| = %.2e over %zu rows; paged bit-identical\n", cases[i].name,
-                    c.e, c.h, cases[i].kvh ? cases[i].kvh : c.h, c.e / c.h, kinds[k].name,
-                    kinds[k].name, err, (prefill + steps) * N);
+                    "/ max |f32| = %.2e over %zu rows; paged (%zu) bit-identical\n",
+                    cases[i].name, c.e, c.h, cases[i].kvh ? cases[i].kvh : c.h, c.e / c.h,
+                    kinds[k].name, kinds[k].name, err, (prefill + steps) * N, ps);
             clmha_kv_cache_release(ci), clmha_kv_cache_release(cp);
         }
         clmha_kv_cache_release(cf);

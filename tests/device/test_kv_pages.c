@@ -103,11 +103,13 @@ Test(kv_pages, bit_identical_to_contiguous) {
         bool window;
         size_t page_size;
     } cases[] = {{CLMHA_DTYPE_F32, false, 16}, {CLMHA_DTYPE_F32, true, 32},
-                 {CLMHA_DTYPE_BF16, false, 64}};
+                 {CLMHA_DTYPE_BF16, false, 64}, {CLMHA_DTYPE_F32, false, 8},
+                 {CLMHA_DTYPE_F32, true, 8}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
         fixture f;
         fixture_make(&f, cases[i].dtype, cases[i].window, 40 + i);
-        clmha_kv_cache *a = contiguous(&f, 200), *b = paged(&f, cases[i].page_size, 64);
+        clmha_kv_cache *a = contiguous(&f, 200);
+        clmha_kv_cache *b = paged(&f, cases[i].page_size, 1024 / cases[i].page_size);
         size_t calls = same_calls(&f, a, b, 12, 100 * i);
         size_t lens[N], pages, free_pages, ps;
         clmha_kv_cache_lengths(b, lens, N);
@@ -226,7 +228,7 @@ Test(kv_pages, option_refusals) {
     fixture_make(&f, CLMHA_DTYPE_F32, false, 3);
     static const struct {
         size_t capacity, page_size, num_pages;
-    } bad[] = {{0, 8, 4}, {0, 24, 4}, {64, 16, 4}, {0, 16, 0}, {0, 0, 4}, {0, 0, 0}};
+    } bad[] = {{0, 4, 4}, {0, 24, 4}, {64, 16, 4}, {0, 16, 0}, {0, 0, 4}, {0, 0, 0}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
         clmha_kv_cache *c = (clmha_kv_cache *)1;
         clmha_kv_cache_options o = {.struct_size = sizeof o, .capacity = bad[i].capacity,
