@@ -395,6 +395,22 @@ static void read_npy(const char *path, clmha__npy *a) {
     cr_assert_eq(clmha__npy_read(path, a, msg, sizeof msg), CLMHA_SUCCESS, "%s: %s", path, msg);
 }
 
+// An output file against the expected one (npy_max_abs_diff()), and the expected file's largest
+// magnitude in *scale (the unit of the narrower KV caches' contracts).
+static double npy_file_err(const char *out, const char *want_path, const char *name,
+                           double *scale) {
+    clmha__npy got, want;
+    read_npy(out, &got);
+    read_npy(want_path, &want);
+    double err = npy_max_abs_diff(&got, &want, "output", name);
+    *scale = 0;
+    for (size_t i = 0; i < want.count; ++i)
+        *scale = fmax(*scale, fabs(want.f64 ? want.f64[i] : want.f32[i]));
+    clmha__npy_free(&got);
+    clmha__npy_free(&want);
+    return err;
+}
+
 // The gradient files of a case (expected_grads/*.npy) against those `clmha run --grads-dir`
 // wrote to @p grads_dir: the same names, and max |clmha - torch| <= CLI_GRAD_TOL * (1 +
 // max|torch|) for each. Returns the worst normalised error; *count gets the number of files.
@@ -1669,17 +1685,10 @@ Test(cli_sdpa, kv_cache_paged_and_quantised) {
                                kinds[k][3], "--output", out);
         cr_assert_eq(r.status, 0, "%s: exit %d: %s", kinds[k][3], r.status, r.err);
         cli_free(&r);
-        clmha__npy got, want;
-        read_npy(out, &got);
-        read_npy(want_path, &want);
-        double err = npy_max_abs_diff(&got, &want, "output", "sdpa_kv_cache_decode"), scale = 0;
-        for (size_t i = 0; i < want.count; ++i)
-            scale = fmax(scale, fabs(want.f64 ? want.f64[i] : want.f32[i]));
+        double scale, err = npy_file_err(out, want_path, "sdpa_kv_cache_decode", &scale);
         cr_expect_leq(k ? err / scale : err, k ? bound[k] : CLI_TOL, "%s: %.3e", kinds[k][3],
                       err);
         fprintf(stderr, "cli sdpa kv cache paged %s: max |err| %.3e\n", kinds[k][3], err);
-        clmha__npy_free(&got);
-        clmha__npy_free(&want);
     }
     tmp_remove(&d);
     EXPECT_USAGE("clmha sdpa: --page-size needs --kv-cache-prefix", "sdpa", "--query", "q.npy",
@@ -1708,19 +1717,12 @@ Test(cli_run, decode_chunk_kv_dtypes) {
                                "--page-size", kinds[k].page, "--output", out);
         cr_assert_eq(r.status, 0, "%s: exit %d: %s", kinds[k].name, r.status, r.err);
         cli_free(&r);
-        clmha__npy got, want;
-        read_npy(out, &got);
-        read_npy(want_path, &want);
-        double err = npy_max_abs_diff(&got, &want, "output", "causal"), scale = 0;
-        for (size_t i = 0; i < want.count; ++i)
-            scale = fmax(scale, fabs(want.f64 ? want.f64[i] : want.f32[i]));
+        double scale, err = npy_file_err(out, want_path, "causal", &scale);
         cr_expect_leq(err / scale, kinds[k].bound, "%s: %.3e of %.3e", kinds[k].name, err,
                       scale);
         fprintf(stderr, "cli causal --decode-chunk 2 --kv-dtype %s --page-size %s: max |err| "
                 "%.3e (%.2e of the largest output)\n", kinds[k].name, kinds[k].page, err,
                 err / scale);
-        clmha__npy_free(&got);
-        clmha__npy_free(&want);
     }
     tmp_remove(&d);
 }
