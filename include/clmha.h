@@ -1779,7 +1779,9 @@ CLMHA_API clmha_status clmha_layer_attend(clmha_layer *layer, const clmha_forwar
 /// Merges partial result b (@p other_heads, @p other_lse) into a (@p heads, @p lse), row by row:
 /// a becomes the attention over the keys of both, its log-sum-exp updated, exactly up to float
 /// rounding, in any order of merges. Rows are those of clmha_layer_attend(): N*H*L rows of
-/// @p head_dim floats. a's buffers must not overlap b's.
+/// @p head_dim floats. A row whose log-sum-exp is -inf in both (no keys) stays zeros and -inf;
+/// a row with a NaN log-sum-exp in either (a NaN score in that part) becomes NaN, its results
+/// and its log-sum-exp. a's buffers must not overlap b's.
 /// @param[in]     ctx        the context whose queue runs the merge
 /// @param[in]     rows       N*H*L
 /// @param[in]     head_dim   D

@@ -49,7 +49,7 @@ static clmha_status check_options(clmha_context *ctx, size_t batch,
             return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                                o->num_pages ? "num_pages is for a paged cache: set page_size too"
                                             : "a KV cache needs a capacity of at least 1");
-        if (o->capacity > UINT32_MAX - 1)
+        if (o->capacity > UINT32_MAX)  // the lengths the kernels read are 32-bit
             return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                                "capacity %zu: a KV cache holds fewer than 2^32 tokens per "
                                "sequence", o->capacity);
@@ -65,7 +65,7 @@ static clmha_status check_options(clmha_context *ctx, size_t batch,
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "capacity %zu with page_size: a paged cache's capacity is its pool "
                            "(num_pages * page_size); leave capacity 0", o->capacity);
-    if (!o->num_pages || o->num_pages > (UINT32_MAX - 1) / o->page_size)
+    if (!o->num_pages || o->num_pages > UINT32_MAX / o->page_size)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "num_pages %zu: a paged cache needs at least one page, and fewer than "
                            "2^32 tokens in all", o->num_pages);

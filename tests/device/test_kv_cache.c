@@ -545,6 +545,11 @@ Test(kv_cache, errors, .timeout = 300) {
     cr_expect_eq(clmha_kv_cache_create(&cache, layer, n, 0), CLMHA_INVALID_ARGUMENT);
     cr_expect_eq(clmha_kv_cache_create(&cache, layer, n, (size_t)1 << 32),
                  CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "fewer than 2^32"), "%s",
+              clmha_context_last_error(ctx));
+    // 2^32 - 1 tokens is fewer than 2^32: not refused as a capacity (but far too large here).
+    cr_expect_eq(clmha_kv_cache_create(&cache, layer, n, ((size_t)1 << 32) - 1),
+                 CLMHA_OUT_OF_MEMORY, "%s", clmha_context_last_error(ctx));
     cr_expect_eq(clmha_kv_cache_create(&cache, layer, SIZE_MAX / 2, 1000), CLMHA_SIZE_OVERFLOW);
     cr_expect_eq(clmha_kv_cache_create(&cache, layer, 1u << 20, 1u << 20), CLMHA_OUT_OF_MEMORY,
                  "a cache past the largest allocation: %s", clmha_context_last_error(ctx));

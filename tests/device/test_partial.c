@@ -268,6 +268,34 @@ Test(partial, masked_range_and_single_keys, .timeout = 300) {
     cr_expect(err <= TOL, "max abs err %g", err);
 }
 
+// A NaN log-sum-exp (a NaN score in that part) makes the merged row NaN, results and
+// log-sum-exp (include/clmha.h); rows of both parts without keys stay zeros and -inf.
+Test(partial, merge_nan_lse) {
+    clmha_context *ctx = context_or_skip();
+    enum { ROWS = 4, D = 2 };
+    const float nan = NAN, inf = INFINITY;
+    float ha[ROWS * D] = {1, 2, 1, 2, 1, 2, 0, 0}, la[ROWS] = {0, nan, 0, -inf};
+    float hb[ROWS * D] = {3, 4, 3, 4, 3, 4, 0, 0}, lb[ROWS] = {nan, 0, 0, -inf};
+    cl_mem a = upload(ctx, ha, sizeof ha), al = upload(ctx, la, sizeof la);
+    cl_mem b = upload(ctx, hb, sizeof hb), bl = upload(ctx, lb, sizeof lb);
+    cr_assert_eq(clmha_attention_merge(ctx, ROWS, D, a, 0, al, 0, b, 0, bl, 0, 0, NULL, NULL),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cl_command_queue q = clmha_context_cl_queue(ctx);
+    cr_assert_eq(clEnqueueReadBuffer(q, a, CL_TRUE, 0, sizeof ha, ha, 0, NULL, NULL), CL_SUCCESS);
+    cr_assert_eq(clEnqueueReadBuffer(q, al, CL_TRUE, 0, sizeof la, la, 0, NULL, NULL),
+                 CL_SUCCESS);
+    for (int r = 0; r < 2; ++r)
+        cr_expect(isnan(la[r]) && isnan(ha[r * D]) && isnan(ha[r * D + 1]),
+                  "row %d: lse %g, results %g %g", r, la[r], ha[r * D], ha[r * D + 1]);
+    cr_expect(fabsf(ha[4] - 2.0f) < 1e-6f && fabsf(ha[5] - 3.0f) < 1e-6f &&
+                  fabsf(la[2] - logf(2.0f)) < 1e-6f,
+              "row 2: %g %g, lse %g", ha[4], ha[5], la[2]);
+    cr_expect(ha[6] == 0 && ha[7] == 0 && la[3] == -inf, "row 3: %g %g, lse %g", ha[6], ha[7],
+              la[3]);
+    clReleaseMemObject(a), clReleaseMemObject(al), clReleaseMemObject(b), clReleaseMemObject(bl);
+    clmha_context_release(ctx);
+}
+
 Test(partial, errors, .timeout = 300) {
     clmha_context *ctx = context_or_skip();
     rcase c = cross_case(24);
