@@ -1711,7 +1711,10 @@ Test(cli_run, decode_chunk_kv_dtypes) {
         double bound;
     } kinds[] = {{"f16", "16", 1e-3}, {"bf16", "8", 5e-3}, {"int8", "16", 1e-2},
                  {"int4", "8", 2e-1}};
-    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; ++k) {
+    size_t count = sizeof kinds / sizeof kinds[0];
+    case_stride stride = case_stride_get("cli kv dtypes", count);  // a driver lane's share
+    for (size_t k = 0; k < count; ++k) {
+        if (!case_stride_keeps(stride, k)) continue;
         cli_result r = cli_run("run", "--layer", layer, "--query", query, "--is-causal",
                                "--decode-chunk", "2", "--kv-dtype", kinds[k].name,
                                "--page-size", kinds[k].page, "--output", out);

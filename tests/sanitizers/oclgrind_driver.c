@@ -363,7 +363,7 @@ static const dcase cases[] = {
      .e = 64, .h = 1, .n = 1, .l = 40, .self_attn = true, .causal = true, .decode_chunk = 17},
     // Paged and narrower caches: cache_at's page table (a key block per page), each kind's
     // decode_append (store_row) and decode_partial (KEYS_AT, VAL_AT; int8 and int4: the key
-    // blocks' scales, the value rows' scales; int4: the nibbles of one group and of two).
+    // blocks' scales, the value rows' scales; int4: several groups a row; pages of 8).
     {"decode paged: self causal L=S=37, 4 heads on 2, pages of 16, chunks of 5, 3 ranges",
      .e = 8, .h = 4, .kv_heads = 2, .n = 2, .l = 37, .self_attn = true, .causal = true,
      .decode_chunk = 5, .decode_parts = 3, .page_size = 16},
@@ -376,17 +376,8 @@ static const dcase cases[] = {
     {"decode bf16: self causal L=S=23, E16 H2, chunks of 4, 2 ranges", .e = 16, .h = 2,
      .n = 2, .l = 23, .self_attn = true, .causal = true, .decode_chunk = 4, .decode_parts = 2,
      .kv_dtype = CLMHA_KV_BFLOAT16},
-    {"decode int4 paged: self causal L=S=37, E32 H1 (one group of 32), pages of 16, chunks of 5",
-     .e = 32, .h = 1, .n = 1, .l = 37, .self_attn = true, .causal = true, .decode_chunk = 5,
-     .decode_parts = 3, .page_size = 16, .kv_dtype = CLMHA_KV_INT4},
-    {"decode int4: self causal L=S=21, E32, 2 heads of 16 on 1 KV head (a group of 16)",
-     .e = 32, .h = 2, .kv_heads = 1, .n = 1, .l = 21, .self_attn = true, .causal = true,
-     .decode_chunk = 3, .decode_parts = 2, .kv_dtype = CLMHA_KV_INT4},
-    {"decode paged: self causal L=S=29, E16 H2, pages of 8 (key blocks from two pages)",
-     .e = 16, .h = 2, .n = 2, .l = 29, .self_attn = true, .causal = true, .decode_chunk = 3,
-     .decode_parts = 2, .page_size = 8},
-    {"decode int4 paged: self causal L=S=27, E32 H1, pages of 8, token by token",
-     .e = 32, .h = 1, .n = 1, .l = 27, .self_attn = true, .causal = true, .decode_chunk = 1,
+    {"decode int4 paged: self causal L=S=27, E48 H1 (3 groups of 16), pages of 8, chunks of 3",
+     .e = 48, .h = 1, .n = 1, .l = 27, .self_attn = true, .causal = true, .decode_chunk = 3,
      .decode_parts = 2, .page_size = 8, .kv_dtype = CLMHA_KV_INT4},
     // Grouped-query attention: the fused kernel's kv_group planes, split_heads repeating the
     // key/value heads for the unfused core, the decode kernels' groups (G query heads a
