@@ -730,9 +730,19 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 ///
 /// A 16-bit layer's KV cache holds the projected keys and values in float32 (the decode core
 /// reads them as a float32 layer's); the calls' new tokens and outputs are 16-bit tensors.
-/// Not yet for 16-bit layers: the backward pass (clmha_forward_args::save),
-/// clmha_layer_attend(), clmha_layer_project_heads() and user attention cores
-/// (::CLMHA_UNSUPPORTED).
+/// Its backward pass (clmha_layer_backward()) reads 16-bit inputs, masks, grad_output and
+/// grad_weights, widens them, runs the float32 backward (arithmetic and sums in float32, as
+/// FlashAttention's 16-bit backward does) and rounds each gradient to the dtype once, to nearest
+/// even (or writes it as float32 with clmha_backward_args::grad_dtype ::CLMHA_GRAD_F32, for a
+/// caller who keeps float32 master weights); the state a forward call saves for it
+/// (::clmha_saved) is float32. Gradient accuracy contract, asserted by tests/device/test_dtype.c
+/// against clmha_reference_backward() in float64 on the same 16-bit values, both cores: every
+/// gradient value g within r (|g| + t) + t of the exact one, with t = 1e-4 (1 + max |g|) of its
+/// gradient (the float32 computation) and r as for the forward (the final rounding; r = 0 with
+/// ::CLMHA_GRAD_F32); and, in python/tests/test_dtype_backward.py, at most twice the error of
+/// PyTorch's own bfloat16 autograd on the same values against float64 autograd.
+/// Not yet for 16-bit layers: clmha_layer_attend(), clmha_layer_project_heads() and user
+/// attention cores (::CLMHA_UNSUPPORTED).
 ///
 /// A float64 layer (::CLMHA_DTYPE_F64, PyTorch's `.double()`) stores and computes everything in
 /// float64: its parameters, tensors and scratch are doubles on the device, its matrix products
@@ -2171,8 +2181,10 @@ CLMHA_API size_t clmha_saved_bytes(const clmha_saved *saved);
 
 /// Where one gradient goes. A gradient is produced when its destination is given: @ref buffer
 /// for clmha_layer_backward(), @ref data for clmha_layer_backward_host() (the other field is
-/// ignored). Gradients are float32 in the shape of what they differentiate. The layout is frozen
-/// (no struct_size of its own).
+/// ignored). Gradients are in the shape of what they differentiate; a device call's are elements
+/// of the layer's dtype (float32 with clmha_backward_args::grad_dtype ::CLMHA_GRAD_F32), a host
+/// call's are float arrays (holding values of the layer's dtype unless ::CLMHA_GRAD_F32).
+/// The layout is frozen (no struct_size of its own).
 typedef struct clmha_grad {
     cl_mem buffer;    ///< device call: the buffer, of the layer's cl_context
     size_t offset;    ///< device call: element offset in @ref buffer
@@ -2180,6 +2192,14 @@ typedef struct clmha_grad {
     bool accumulate;  ///< add the gradient to what the destination holds (PyTorch's
                       ///< `.grad +=`) instead of overwriting it
 } clmha_grad;
+
+/// The element type of a backward call's gradients (clmha_backward_args::grad_dtype).
+typedef enum clmha_grad_dtype {
+    CLMHA_GRAD_LAYER = 0,  ///< the layer's dtype (the default): 16-bit gradients of a 16-bit layer
+    CLMHA_GRAD_F32 = 1,    ///< float32, for a 16-bit layer's caller with float32 master weights
+                           ///< (the same gradients before their final rounding); for a float32
+                           ///< layer the same as ::CLMHA_GRAD_LAYER
+} clmha_grad_dtype;
 
 /// Arguments of one backward call. Zero-initialise with struct_size set; forward, saved and
 /// grad_output are required. The gradients asked for are those whose ::clmha_grad has a
@@ -2236,6 +2256,9 @@ typedef struct clmha_backward_args {
     clmha_impl impl;                      ///< backward core; ::CLMHA_IMPL_AUTO: see below
     /// The sinks' gradient, (H), with clmha_layer_desc::sinks. Added after 0.1.0.
     clmha_grad sinks;
+    /// The gradients' element type (see ::clmha_grad_dtype; a 16-bit layer's device gradients
+    /// are 16-bit by default). Added after 0.1.0.
+    clmha_grad_dtype grad_dtype;
 } clmha_backward_args;
 
 /// Enqueues the backward pass of one forward call on device buffers: computes the gradients

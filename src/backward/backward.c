@@ -10,12 +10,14 @@
 // The host-array form is in backward_host.c.
 #include "backward/backward.h"
 
+#include "base/half.h"
 #include "base/struct_in.h"
 #include "context/gemm.h"
 #include "context/programs.h"
 #include "cores/core.h"
 #include "cores/kernel_args.h"
 #include "device/held.h"
+#include "forward/convert.h"
 #include "forward/enqueue.h"
 #include "forward/forward.h"
 #include "forward/saved.h"
@@ -101,6 +103,8 @@ const clmha_grad *clmha__backward_grad(const clmha_backward_args *a, int g) {
 
 // A host-array call stages each gradient in a slot of its own (backward_host.c).
 _Static_assert(G_COUNT <= CLMHA__HOST_COUNT - CLMHA__HOST_GRAD, "a staging slot per gradient");
+// A 16-bit layer's call widens each gradient in a slot of its own (backward_converted()).
+_Static_assert(G_COUNT <= CLMHA__STAGED_COUNT - CLMHA__STAGED_GRAD, "a float32 copy per gradient");
 
 int clmha__backward_grad_count(void) { return G_COUNT; }
 
@@ -154,6 +158,14 @@ static bool wanted(const clmha_grad *g, bool on_device) {
 }
 
 // ---- validation ----------------------------------------------------------------------------------
+
+// Bytes of a device call's inputs, masks, grad_output and grad_weights: the layer's dtype's.
+static size_t io_elem(const clmha_layer *l) { return clmha__dtype_size(l->desc.dtype); }
+
+// Bytes of a device call's gradients: the layer's dtype's, or float32 with CLMHA_GRAD_F32.
+static size_t grad_elem(const clmha_layer *l, const clmha_backward_args *a) {
+    return a->grad_dtype == CLMHA_GRAD_F32 ? sizeof(float) : io_elem(l);
+}
 
 // Checks a tensor's shape against the expected one.
 static clmha_status check_shape(clmha_context *ctx, const char *name, const clmha_tensor *t,
@@ -214,9 +226,15 @@ static clmha_status check_same_call(clmha_context *ctx, const clmha_saved *sv,
 clmha_status clmha__backward_resolve(clmha_layer *l, const clmha_backward_args *a,
                                      clmha_forward_args *fwd, clmha__dims *d, bool on_device) {
     clmha_context *ctx = l->ctx;
-    clmha_status st16 = clmha__layer_f32_only(l, "the backward pass");
-    if (!st16) st16 = clmha__layer_mods_grad_check(l, "the backward pass");
+    if (l->desc.dtype == CLMHA_DTYPE_F64)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "the backward pass is not available for a float64 layer yet");
+    clmha_status st16 = clmha__layer_mods_grad_check(l, "the backward pass");
     if (st16) return st16;
+    if (a->grad_dtype != CLMHA_GRAD_LAYER && a->grad_dtype != CLMHA_GRAD_F32)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "grad_dtype %d is not CLMHA_GRAD_LAYER or CLMHA_GRAD_F32",
+                           (int)a->grad_dtype);
     if (!a->forward) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->forward is NULL");
     char msg[512];
     clmha_status st = CLMHA__STRUCT_IN(clmha_forward_args, fwd, a->forward, "args->forward", msg,
@@ -230,7 +248,11 @@ clmha_status clmha__backward_resolve(clmha_layer *l, const clmha_backward_args *
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "args->saved holds no forward call: pass it as args.save to a "
                            "forward call first (a failed call leaves it empty)");
-    if ((st = clmha__forward_validate(l, fwd, on_device, d))) return st;
+    // A device call's inputs are elements of the layer's dtype (a 16-bit layer's, 2 bytes).
+    if ((st = on_device ? clmha__forward_check_call(l, fwd, d)
+                        : clmha__forward_validate(l, fwd, false, d)) ||
+        (on_device && (st = clmha__forward_check_inputs(l, fwd, d, io_elem(l)))))
+        return st;
     if ((st = check_same_call(ctx, sv, fwd, d))) return st;
     // grad_output: the output's shape, which is the query's.
     if ((st = check_shape(ctx, "grad_output", &a->grad_output, fwd->query.ndim,
@@ -280,13 +302,14 @@ static clmha_status check_buffers(clmha_layer *l, const clmha_backward_args *a,
                                   const clmha_forward_args *f, const clmha__dims *d) {
     clmha_context *ctx = l->ctx;
     clmha_status st;
+    size_t io = io_elem(l), ge = grad_elem(l, a);
     if ((st = clmha__check_buffer(ctx, "grad_output", a->grad_output.buffer,
-                                  a->grad_output.offset, d->output_count, 4)))
+                                  a->grad_output.offset, d->output_count, io)))
         return st;
     size_t wcount = d->weights_count;
     if (a->grad_weights.ndim &&
         (st = clmha__check_buffer(ctx, "grad_weights", a->grad_weights.buffer,
-                                  a->grad_weights.offset, wcount, 4)))
+                                  a->grad_weights.offset, wcount, io)))
         return st;
     clmha__span all[G_COUNT + 7];
     size_t n = 0;
@@ -295,7 +318,7 @@ static clmha_status check_buffers(clmha_layer *l, const clmha_backward_args *a,
         if (!gr->buffer) continue;
         const char *why;
         size_t count = grad_floats(l, d, g, &why);
-        if ((st = clmha__check_buffer(ctx, grad_name[g], gr->buffer, gr->offset, count, 4)) ||
+        if ((st = clmha__check_buffer(ctx, grad_name[g], gr->buffer, gr->offset, count, ge)) ||
             (st = clmha__check_writable(ctx, grad_name[g], gr->buffer)))
             return st;
         cl_mem_flags flags = 0;
@@ -304,27 +327,29 @@ static clmha_status check_buffers(clmha_layer *l, const clmha_backward_args *a,
             return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                                "%s's gradient accumulates but its buffer is CL_MEM_WRITE_ONLY",
                                grad_name[g]);
-        all[n++] = clmha__span_of(grad_name[g], gr->buffer, gr->offset, count, 4);
+        all[n++] = clmha__span_of(grad_name[g], gr->buffer, gr->offset, count, ge);
     }
     size_t outputs = n;
     all[n++] = clmha__span_of("grad_output", a->grad_output.buffer, a->grad_output.offset,
-                              d->output_count, 4);
+                              d->output_count, io);
     if (a->grad_weights.ndim)
         all[n++] = clmha__span_of("grad_weights", a->grad_weights.buffer,
-                                  a->grad_weights.offset, wcount, 4);
-    all[n++] = clmha__span_of("query", f->query.buffer, f->query.offset, d->query_count, 4);
+                                  a->grad_weights.offset, wcount, io);
+    all[n++] = clmha__span_of("query", f->query.buffer, f->query.offset, d->query_count, io);
     if (!d->key_is_query)
-        all[n++] = clmha__span_of("key", f->key.buffer, f->key.offset, d->key_count, 4);
+        all[n++] = clmha__span_of("key", f->key.buffer, f->key.offset, d->key_count, io);
     if (!d->value_is_key)
-        all[n++] = clmha__span_of("value", f->value.buffer, f->value.offset, d->value_count, 4);
+        all[n++] = clmha__span_of("value", f->value.buffer, f->value.offset, d->value_count, io);
     if (d->kpm_kind)
         all[n++] = clmha__span_of("key_padding_mask", f->key_padding_mask.tensor.buffer,
                                   f->key_padding_mask.tensor.offset, d->kpm_count,
-                                  clmha__mask_elem(d->kpm_kind));
+                                  d->kpm_kind == CLMHA_MASK_FLOAT ? io
+                                                  : clmha__mask_elem(d->kpm_kind));
     if (d->attn_kind)
         all[n++] = clmha__span_of("attn_mask", f->attn_mask.tensor.buffer,
                                   f->attn_mask.tensor.offset, d->attn_count,
-                                  clmha__mask_elem(d->attn_kind));
+                                  d->attn_kind == CLMHA_MASK_FLOAT ? io
+                                                  : clmha__mask_elem(d->attn_kind));
     return clmha__check_overlaps(ctx, all, n, outputs);
 }
 
@@ -524,12 +549,12 @@ static void rows_at(clmha_grad *g, size_t row0, size_t feat) {
 // Zeros @p rows rows of @p feat floats from row @p row0 of gradient @p g (when asked for and
 // not accumulated).
 static clmha_status zero_rows(clmha_layer *layer, const clmha_grad *g, size_t row0, size_t rows,
-                              size_t feat) {
+                              size_t feat, size_t elem) {
     if (!g->buffer || g->accumulate || !rows) return CLMHA_SUCCESS;
-    float zero = 0.0f;
-    cl_int err = clEnqueueFillBuffer(layer->ctx->queue, g->buffer, &zero, sizeof zero,
-                                     (g->offset + row0 * feat) * sizeof zero,
-                                     rows * feat * sizeof zero, 0, NULL, NULL);
+    float zero = 0.0f;  // as many of its zero bytes as an element has
+    cl_int err = clEnqueueFillBuffer(layer->ctx->queue, g->buffer, &zero, elem,
+                                     (g->offset + row0 * feat) * elem, rows * feat * elem, 0,
+                                     NULL, NULL);
     return err ? clmha__cl_fail(layer->ctx, err, "clEnqueueFillBuffer(gradient rows)")
                : CLMHA_SUCCESS;
 }
@@ -541,21 +566,22 @@ static clmha_status backward_packed(clmha_layer *layer, const clmha_backward_arg
     const clmha_saved *sv = args->saved;
     clmha__packed_at at = {0, 0};
     bool first = true;
+    size_t io = io_elem(layer), ge = grad_elem(layer, args);
     clmha_status st;
     if ((st = clmha__enqueue_wait(layer->ctx, num_wait, wait_list))) return st;
     for (size_t i = 0; i < d->n; at = clmha__packed_next(d, i, at), ++i) {
         if (!d->seq_lens[i]) {  // keys that no query sees: their gradient is zero
-            if ((st = zero_rows(layer, &args->key, at.k0, d->kv_seq_lens[i], d->kdim)) ||
-                (st = zero_rows(layer, &args->value, at.k0, d->kv_seq_lens[i], d->vdim)))
+            if ((st = zero_rows(layer, &args->key, at.k0, d->kv_seq_lens[i], d->kdim, ge)) ||
+                (st = zero_rows(layer, &args->value, at.k0, d->kv_seq_lens[i], d->vdim, ge)))
                 return st;
             continue;
         }
         clmha_forward_args sub_f;
-        clmha__packed_args(d, f, i, at, sizeof(float), &sub_f);
+        clmha__packed_args(d, f, i, at, io, &sub_f);
         clmha_backward_args sub = *args;
         sub.forward = &sub_f;
         sub.saved = sv->parts[i];
-        clmha__packed_cut(&sub.grad_output, at.q0, d->seq_lens[i], d->e, sizeof(float));
+        clmha__packed_cut(&sub.grad_output, at.q0, d->seq_lens[i], d->e, io);
         rows_at(&sub.query, at.q0, d->e);
         rows_at(&sub.key, at.k0, d->kdim);
         rows_at(&sub.value, at.k0, d->vdim);
@@ -582,6 +608,61 @@ static clmha_status args_in(clmha_context *ctx, clmha_backward_args *in,
     return CLMHA_SUCCESS;
 }
 
+static clmha_status backward_run(clmha_layer *layer, const clmha_backward_args *args,
+                                 const clmha_forward_args *f, const clmha__dims *d,
+                                 cl_uint num_wait, const cl_event *wait_list, cl_event *event);
+
+// A 16-bit layer's call: its inputs, float masks, grad_output and grad_weights widened into the
+// layer's float32 copies, the float32 pass over those with its gradients in float32 copies of
+// their own (holding the caller's widened values where they accumulate), each then narrowed
+// into the caller's buffer; or, with CLMHA_GRAD_F32, written into the caller's float32 buffers
+// by the pass itself.
+static clmha_status backward_converted(clmha_layer *layer, const clmha_backward_args *args,
+                                       const clmha_forward_args *f, const clmha__dims *d,
+                                       cl_uint num_wait, const cl_event *wait_list,
+                                       cl_event *event) {
+    clmha_forward_args f32 = *f;
+    clmha_backward_args b = *args;
+    b.forward = &f32;
+    bool narrow = args->grad_dtype != CLMHA_GRAD_F32;
+    clmha_status st;
+    if ((st = clmha__enqueue_wait(layer->ctx, num_wait, wait_list)) ||
+        (st = clmha__convert_inputs(layer, d, &f32)) ||
+        (st = clmha__convert_in(layer, CLMHA__STAGED_GRAD_OUTPUT, "float32 grad_output",
+                                args->grad_output.buffer, args->grad_output.offset,
+                                d->output_count, &b.grad_output.buffer)))
+        return st;
+    b.grad_output.offset = 0;
+    if (args->grad_weights.ndim) {
+        if ((st = clmha__convert_in(layer, CLMHA__STAGED_GRAD_WEIGHTS, "float32 grad_weights",
+                                    args->grad_weights.buffer, args->grad_weights.offset,
+                                    d->weights_count, &b.grad_weights.buffer)))
+            return st;
+        b.grad_weights.offset = 0;
+    }
+    for (int g = 0; narrow && g < G_COUNT; ++g) {
+        clmha_grad *to = (clmha_grad *)clmha__backward_grad(&b, g);
+        if (!to->buffer) continue;
+        size_t count = clmha__backward_grad_floats(layer, d, g);
+        if ((st = to->accumulate
+                      ? clmha__convert_in(layer, CLMHA__STAGED_GRAD + g, "float32 gradient",
+                                          to->buffer, to->offset, count, &to->buffer)
+                      : clmha__convert_result(layer, CLMHA__STAGED_GRAD + g, "float32 gradient",
+                                              count, &to->buffer)))
+            return st;
+        to->offset = 0;
+    }
+    if ((st = backward_run(layer, &b, &f32, d, 0, NULL, NULL))) return st;
+    for (int g = 0; narrow && g < G_COUNT; ++g) {
+        const clmha_grad *to = clmha__backward_grad(args, g);
+        if (to->buffer &&
+            (st = clmha__convert_out(layer, CLMHA__STAGED_GRAD + g, to->buffer, to->offset,
+                                     clmha__backward_grad_floats(layer, d, g))))
+            return st;
+    }
+    return clmha__enqueue_event(layer->ctx, event);
+}
+
 clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args *args,
                                   cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
     if (event) *event = NULL;
@@ -598,7 +679,19 @@ clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args 
         return st;
     if (d.packed)  // one backward call per sequence
         return backward_packed(layer, args, &f, &d, num_wait, wait_list, event);
+    if (io_elem(layer) != layer->rs)  // a 16-bit layer's: on float32 copies
+        return backward_converted(layer, args, &f, &d, num_wait, wait_list, event);
+    return backward_run(layer, args, &f, &d, num_wait, wait_list, event);
+}
 
+// A checked call on the layer's own elements (or a 16-bit layer's float32 copies).
+static clmha_status backward_run(clmha_layer *layer, const clmha_backward_args *args,
+                                 const clmha_forward_args *fp, const clmha__dims *dp,
+                                 cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
+    clmha_context *ctx = layer->ctx;
+    const clmha_forward_args f = *fp;
+    const clmha__dims d = *dp;
+    clmha_status st;
     state *s = NULL;
     if ((st = state_get(layer, &s))) return st;
     const clmha_saved *sv = args->saved;

@@ -3,6 +3,7 @@
 // clmha_layer_forward_host() for the forward pass.
 #include "backward/backward.h"
 
+#include "base/half.h"
 #include "base/struct_in.h"
 #include "forward/enqueue.h"
 #include "forward/staging.h"
@@ -13,47 +14,34 @@ static clmha_status upload_inputs(clmha_layer *layer, const clmha_backward_args 
                                   const clmha_forward_args *f, const clmha__dims *d,
                                   clmha_forward_args *dev, clmha_backward_args *b) {
     clmha_status st;
-    if ((st = clmha__host_upload(layer, CLMHA__HOST_QUERY, "query upload", f->query.data,
-                                 d->query_count * 4, &dev->query.buffer)))
+    if ((st = clmha__host_upload_values(layer, CLMHA__HOST_QUERY, "query upload", f->query.data, d->query_count, false, &dev->query.buffer)))
         return st;
     dev->query.offset = 0;
     if (!d->key_is_query) {
-        if ((st = clmha__host_upload(layer, CLMHA__HOST_KEY, "key upload", f->key.data,
-                                     d->key_count * 4, &dev->key.buffer)))
+        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_KEY, "key upload", f->key.data, d->key_count, false, &dev->key.buffer)))
             return st;
         dev->key.offset = 0;
     }
     if (!d->value_is_key) {
-        if ((st = clmha__host_upload(layer, CLMHA__HOST_VALUE, "value upload", f->value.data,
-                                     d->value_count * 4, &dev->value.buffer)))
+        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_VALUE, "value upload", f->value.data, d->value_count, false, &dev->value.buffer)))
             return st;
         dev->value.offset = 0;
     }
     if (d->kpm_kind) {
-        if ((st = clmha__host_upload(layer, CLMHA__HOST_KPM, "key_padding_mask upload",
-                                     f->key_padding_mask.tensor.data,
-                                     d->kpm_count * clmha__mask_elem(d->kpm_kind),
-                                     &dev->key_padding_mask.tensor.buffer)))
+        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_KPM, "key_padding_mask upload", d->kpm_kind, f->key_padding_mask.tensor.data, d->kpm_count, false, &dev->key_padding_mask.tensor.buffer)))
             return st;
         dev->key_padding_mask.tensor.offset = 0;
     }
     if (d->attn_kind) {
-        if ((st = clmha__host_upload(layer, CLMHA__HOST_ATTN, "attn_mask upload",
-                                     f->attn_mask.tensor.data,
-                                     d->attn_count * clmha__mask_elem(d->attn_kind),
-                                     &dev->attn_mask.tensor.buffer)))
+        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_ATTN, "attn_mask upload", d->attn_kind, f->attn_mask.tensor.data, d->attn_count, false, &dev->attn_mask.tensor.buffer)))
             return st;
         dev->attn_mask.tensor.offset = 0;
     }
-    if ((st = clmha__host_upload(layer, CLMHA__HOST_GRAD_OUTPUT, "grad_output upload",
-                                 a->grad_output.data, d->output_count * 4,
-                                 &b->grad_output.buffer)))
+    if ((st = clmha__host_upload_values(layer, CLMHA__HOST_GRAD_OUTPUT, "grad_output upload", a->grad_output.data, d->output_count, false, &b->grad_output.buffer)))
         return st;
     b->grad_output.offset = 0;
     if (a->grad_weights.ndim) {
-        if ((st = clmha__host_upload(layer, CLMHA__HOST_GRAD_WEIGHTS, "grad_weights upload",
-                                     a->grad_weights.data, d->weights_count * 4,
-                                     &b->grad_weights.buffer)))
+        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_GRAD_WEIGHTS, "grad_weights upload", a->grad_weights.data, d->weights_count, false, &b->grad_weights.buffer)))
             return st;
         b->grad_weights.offset = 0;
     }
@@ -81,6 +69,22 @@ static clmha_status stage_gradients(clmha_layer *layer, const clmha__dims *d,
     return CLMHA_SUCCESS;
 }
 
+// A 16-bit layer's gradients rounded to its dtype in the caller's arrays (as its device call
+// writes them), unless the call asks for float32 ones.
+static void round_gradients(const clmha_layer *layer, const clmha_backward_args *a,
+                            const clmha__dims *d) {
+    clmha_dtype t = layer->desc.dtype;
+    if ((t != CLMHA_DTYPE_F16 && t != CLMHA_DTYPE_BF16) || a->grad_dtype == CLMHA_GRAD_F32)
+        return;
+    for (int g = 0; g < clmha__backward_grad_count(); ++g) {
+        float *x = clmha__backward_grad(a, g)->data;
+        size_t n = x ? clmha__backward_grad_floats(layer, d, g) : 0;
+        for (size_t i = 0; i < n; ++i)
+            x[i] = t == CLMHA_DTYPE_F16 ? clmha__f16_to_f32(clmha__f32_to_f16(x[i]))
+                                        : clmha__bf16_to_f32(clmha__f32_to_bf16(x[i]));
+    }
+}
+
 static clmha_status backward_host(clmha_layer *layer, const clmha_backward_args *args) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
@@ -95,6 +99,7 @@ static clmha_status backward_host(clmha_layer *layer, const clmha_backward_args 
     clmha_forward_args dev = f;
     clmha_backward_args b = a;
     b.forward = &dev;
+    b.grad_dtype = CLMHA_GRAD_F32;  // float staging, rounded below when the caller asks
     if ((st = upload_inputs(layer, &a, &f, &d, &dev, &b))) goto fail;
     if ((st = stage_gradients(layer, &d, &b))) goto fail;
     if ((st = clmha_layer_backward(layer, &b, 0, NULL, NULL))) goto fail;
@@ -111,7 +116,10 @@ static clmha_status backward_host(clmha_layer *layer, const clmha_backward_args 
         err = clEnqueueReadBuffer(ctx->queue, gr->buffer, CL_TRUE, 0, n * sizeof(float),
                                   gr->data, 0, NULL, NULL);
     }
-    if (err == CL_SUCCESS) return CLMHA_SUCCESS;
+    if (err == CL_SUCCESS) {
+        round_gradients(layer, &a, &d);
+        return CLMHA_SUCCESS;
+    }
     st = clmha__cl_fail(ctx, err, "clEnqueueReadBuffer(gradient)");
 fail:
     clmha__host_drop(layer);

@@ -9,6 +9,7 @@
 
 #include "base/defs.h"
 #include "layer/layer.h"
+#include "layer/shape.h"
 
 // Widens @p count elements of buffer @p src, from element @p offset, into the layer's float32
 // copy @p slot (CLMHA__STAGED_*, grown to fit; @p what names it in messages); *out receives the
@@ -24,5 +25,10 @@ CLMHA__HIDDEN clmha_status clmha__convert_result(clmha_layer *layer, int slot, c
 // Narrows the first @p count floats of copy @p slot into @p dst from element @p offset.
 CLMHA__HIDDEN clmha_status clmha__convert_out(clmha_layer *layer, int slot, cl_mem dst,
                                               size_t offset, size_t count);
+
+// Widens the query, key, value and float masks of @p f (a 16-bit call of sizes @p d, checked)
+// into the layer's float32 copies and points @p f at them (from offset 0).
+CLMHA__HIDDEN clmha_status clmha__convert_inputs(clmha_layer *layer, const clmha__dims *d,
+                                                 clmha_forward_args *f);
 
 #endif

@@ -195,10 +195,10 @@ static clmha_status forward_direct(clmha_layer *layer, const clmha_forward_args 
                                    size_t weights_offset, cl_uint num_wait,
                                    const cl_event *wait_list, cl_event *event);
 
-// What a layer of another dtype than float32 cannot do yet (include/clmha.h, clmha_dtype):
+// What a float64 layer cannot do yet (include/clmha.h, clmha_dtype):
 // NULL, or its name. (What a core cannot do for such a layer, the core refuses.)
 static const char *not_yet(const clmha_layer *layer, const clmha_forward_args *args) {
-    if (layer->desc.dtype == CLMHA_DTYPE_F32) return NULL;
+    if (layer->desc.dtype != CLMHA_DTYPE_F64) return NULL;
     if (args->save) return "save (the backward pass)";
     return NULL;
 }
@@ -370,37 +370,8 @@ static clmha_status forward_converted(clmha_layer *layer, const clmha_forward_ar
          (st = clmha__convert_result(layer, CLMHA__STAGED_WEIGHTS, "float32 weights",
                                      d.weights_count, &weights32))) ||
         (st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
-        (st = clmha__convert_in(layer, CLMHA__STAGED_QUERY, "float32 query", args->query.buffer,
-                                args->query.offset, d.query_count, &f.query.buffer)))
+        (st = clmha__convert_inputs(layer, &d, &f)))
         return st;
-    f.query.offset = 0;
-    if (!d.key_is_query) {
-        if ((st = clmha__convert_in(layer, CLMHA__STAGED_KEY, "float32 key", args->key.buffer,
-                                    args->key.offset, d.key_count, &f.key.buffer)))
-            return st;
-        f.key.offset = 0;
-    }
-    if (!d.value_is_key) {
-        if ((st = clmha__convert_in(layer, CLMHA__STAGED_VALUE, "float32 value",
-                                    args->value.buffer, args->value.offset, d.value_count,
-                                    &f.value.buffer)))
-            return st;
-        f.value.offset = 0;
-    }
-    if (d.kpm_kind == CLMHA_MASK_FLOAT) {
-        clmha_tensor *t = &f.key_padding_mask.tensor;
-        if ((st = clmha__convert_in(layer, CLMHA__STAGED_KPM, "float32 key_padding_mask",
-                                    t->buffer, t->offset, d.kpm_count, &t->buffer)))
-            return st;
-        t->offset = 0;
-    }
-    if (d.attn_kind == CLMHA_MASK_FLOAT) {
-        clmha_tensor *t = &f.attn_mask.tensor;
-        if ((st = clmha__convert_in(layer, CLMHA__STAGED_ATTN, "float32 attn_mask", t->buffer,
-                                    t->offset, d.attn_count, &t->buffer)))
-            return st;
-        t->offset = 0;
-    }
     if ((st = forward_direct(layer, &f, out32, 0, weights32, 0, 0, NULL, NULL)) ||
         (st = clmha__convert_out(layer, CLMHA__STAGED_OUTPUT, output, output_offset,
                                  d.output_count)) ||

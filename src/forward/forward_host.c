@@ -14,41 +14,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-// Uploads @p count values of a host call (@p data: floats, or doubles with @p f64) into slot
-// @p slot as the layer's dtype: as they are where the types agree, else converted (to nearest
-// even; a double for a 16-bit layer through float32).
-static clmha_status upload_values(clmha_layer *layer, int slot, const char *what,
-                                  const void *data, size_t count, bool f64, cl_mem *out) {
-    clmha_dtype t = layer->desc.dtype;
-    size_t elem = clmha__dtype_size(t);
-    if (elem == (f64 ? 8 : 4)) return clmha__host_upload(layer, slot, what, data, count * elem, out);
-    void *conv = malloc((count ? count : 1) * elem);
-    if (!conv) return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", what);
-    const float *xf = data;
-    const double *xd = data;
-    for (size_t i = 0; i < count; ++i) {
-        if (t == CLMHA_DTYPE_F64) {
-            ((double *)conv)[i] = xf[i];
-            continue;
-        }
-        float x = f64 ? clmha__double_to_float(xd[i]) : xf[i];
-        if (t == CLMHA_DTYPE_F32) ((float *)conv)[i] = x;
-        else if (t == CLMHA_DTYPE_F16) ((uint16_t *)conv)[i] = clmha__f32_to_f16(x);
-        else ((uint16_t *)conv)[i] = clmha__f32_to_bf16(x);
-    }
-    clmha_status st = clmha__host_upload(layer, slot, what, conv, count * elem, out);
-    free(conv);
-    return st;
-}
-
-// Uploads a mask of a host call: float masks as the layer's dtype, boolean ones as they are.
-static clmha_status upload_mask(clmha_layer *layer, int slot, const char *what,
-                                clmha_mask_kind kind, const void *data, size_t count, bool f64,
-                                cl_mem *out) {
-    if (kind == CLMHA_MASK_FLOAT) return upload_values(layer, slot, what, data, count, f64, out);
-    return clmha__host_upload(layer, slot, what, data, count * clmha__mask_elem(kind), out);
-}
-
 // Reads @p count results of the layer's dtype from @p buf into floats, or doubles with @p f64
 // (a blocking read): widened exactly, or a float64 layer's rounded to float.
 static clmha_status read_values(clmha_layer *layer, cl_mem buf, size_t count, void *out,
@@ -107,31 +72,31 @@ static clmha_status check_outputs(clmha_layer *layer, const clmha_forward_args *
 static clmha_status upload_inputs(clmha_layer *layer, const clmha_forward_args *args,
                                   const clmha__dims *d, bool f64, clmha_forward_args *dev) {
     clmha_status st;
-    if ((st = upload_values(layer, CLMHA__HOST_QUERY, "query upload", args->query.data,
+    if ((st = clmha__host_upload_values(layer, CLMHA__HOST_QUERY, "query upload", args->query.data,
                             d->query_count, f64, &dev->query.buffer)))
         return st;
     dev->query.offset = 0;
     if (!d->key_is_query) {
-        if ((st = upload_values(layer, CLMHA__HOST_KEY, "key upload", args->key.data,
+        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_KEY, "key upload", args->key.data,
                                 d->key_count, f64, &dev->key.buffer)))
             return st;
         dev->key.offset = 0;
     }
     if (!d->value_is_key) {
-        if ((st = upload_values(layer, CLMHA__HOST_VALUE, "value upload", args->value.data,
+        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_VALUE, "value upload", args->value.data,
                                 d->value_count, f64, &dev->value.buffer)))
             return st;
         dev->value.offset = 0;
     }
     if (d->kpm_kind) {
-        if ((st = upload_mask(layer, CLMHA__HOST_KPM, "key_padding_mask upload", d->kpm_kind,
+        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_KPM, "key_padding_mask upload", d->kpm_kind,
                               args->key_padding_mask.tensor.data, d->kpm_count, f64,
                               &dev->key_padding_mask.tensor.buffer)))
             return st;
         dev->key_padding_mask.tensor.offset = 0;
     }
     if (d->attn_kind) {
-        if ((st = upload_mask(layer, CLMHA__HOST_ATTN, "attn_mask upload", d->attn_kind,
+        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_ATTN, "attn_mask upload", d->attn_kind,
                               args->attn_mask.tensor.data, d->attn_count, f64,
                               &dev->attn_mask.tensor.buffer)))
             return st;

@@ -3,7 +3,12 @@
 
 #include "context/context.h"
 #include "device/held.h"
+#include "base/half.h"
 #include "errors/errors.h"
+#include "forward/enqueue.h"
+
+#include <stdint.h>
+#include <stdlib.h>
 
 clmha_status clmha__host_room(clmha_layer *layer, int slot, const char *what, size_t bytes,
                               cl_mem *out) {
@@ -48,4 +53,35 @@ void clmha__host_drop(clmha_layer *layer) {
         layer->host[i] = NULL;
         layer->host_caps[i] = 0;
     }
+}
+
+clmha_status clmha__host_upload_values(clmha_layer *layer, int slot, const char *what,
+                                  const void *data, size_t count, bool f64, cl_mem *out) {
+    clmha_dtype t = layer->desc.dtype;
+    size_t elem = clmha__dtype_size(t);
+    if (elem == (f64 ? 8 : 4)) return clmha__host_upload(layer, slot, what, data, count * elem, out);
+    void *conv = malloc((count ? count : 1) * elem);
+    if (!conv) return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", what);
+    const float *xf = data;
+    const double *xd = data;
+    for (size_t i = 0; i < count; ++i) {
+        if (t == CLMHA_DTYPE_F64) {
+            ((double *)conv)[i] = xf[i];
+            continue;
+        }
+        float x = f64 ? clmha__double_to_float(xd[i]) : xf[i];
+        if (t == CLMHA_DTYPE_F32) ((float *)conv)[i] = x;
+        else if (t == CLMHA_DTYPE_F16) ((uint16_t *)conv)[i] = clmha__f32_to_f16(x);
+        else ((uint16_t *)conv)[i] = clmha__f32_to_bf16(x);
+    }
+    clmha_status st = clmha__host_upload(layer, slot, what, conv, count * elem, out);
+    free(conv);
+    return st;
+}
+
+clmha_status clmha__host_upload_mask(clmha_layer *layer, int slot, const char *what,
+                                clmha_mask_kind kind, const void *data, size_t count, bool f64,
+                                cl_mem *out) {
+    if (kind == CLMHA_MASK_FLOAT) return clmha__host_upload_values(layer, slot, what, data, count, f64, out);
+    return clmha__host_upload(layer, slot, what, data, count * clmha__mask_elem(kind), out);
 }

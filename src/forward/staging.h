@@ -23,4 +23,17 @@ CLMHA__HIDDEN clmha_status clmha__host_upload(clmha_layer *layer, int slot, cons
 // clmha_layer_scratch_bytes() is what it was before the layer's first host-array call.
 CLMHA__HIDDEN void clmha__host_drop(clmha_layer *layer);
 
+// Uploads @p count values of a host call (@p data: floats, or doubles with @p f64) into slot
+// @p slot as the layer's dtype: as they are where the types agree, else converted (to nearest
+// even; a double for a 16-bit layer through float32).
+CLMHA__HIDDEN clmha_status clmha__host_upload_values(clmha_layer *layer, int slot,
+                                                     const char *what, const void *data,
+                                                     size_t count, bool f64, cl_mem *out);
+
+// Uploads a mask of a host call: float masks as the layer's dtype, boolean ones as they are.
+CLMHA__HIDDEN clmha_status clmha__host_upload_mask(clmha_layer *layer, int slot,
+                                                   const char *what, clmha_mask_kind kind,
+                                                   const void *data, size_t count, bool f64,
+                                                   cl_mem *out);
+
 #endif

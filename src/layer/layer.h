@@ -21,7 +21,7 @@
 
 enum { CLMHA__TILE_Q, CLMHA__TILE_K, CLMHA__TILE_V, CLMHA__TILE_OUT, CLMHA__TILE_COUNT };
 
-// The float32 copies a 16-bit layer's device forward call makes of its tensors
+// The float32 copies a 16-bit layer's device forward and backward calls make of their tensors
 // (src/forward/convert.c), and the padded copies of a packed call through a KV cache.
 enum {
     CLMHA__STAGED_QUERY,
@@ -37,7 +37,13 @@ enum {
     CLMHA__STAGED_PAD_KEY,
     CLMHA__STAGED_PAD_VALUE,
     CLMHA__STAGED_PAD_OUTPUT,
-    CLMHA__STAGED_COUNT
+    // A 16-bit layer's backward call (src/backward/backward.c): its grad_output and
+    // grad_weights widened, and a float32 copy per gradient (in clmha_backward_args order)
+    // narrowed into the caller's buffer after the pass.
+    CLMHA__STAGED_GRAD_OUTPUT,
+    CLMHA__STAGED_GRAD_WEIGHTS,
+    CLMHA__STAGED_GRAD,
+    CLMHA__STAGED_COUNT = CLMHA__STAGED_GRAD + 16
 };
 
 // The device copies of a host-array call's tensors (clmha_layer_forward_host(),

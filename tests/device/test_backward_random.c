@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/half.h"
 #include "random_case.h"
 #include "support.h"
 
@@ -154,9 +155,9 @@ static ref_grads reference(const instance *in, const clmha_forward_args *a, cons
 
 // Forward with save, then backward, on the device; gradients into fresh arrays (NaN-filled
 // first, so that anything not written shows up), or added to @p init with accumulate.
-static dev_grads device(clmha_layer *layer, clmha_saved *saved, const instance *in,
-                        const clmha_forward_args *fa, const upstream *u, bool masks,
-                        clmha_impl impl, float init) {
+static dev_grads device_as(clmha_layer *layer, clmha_saved *saved, const instance *in,
+                           const clmha_forward_args *fa, const upstream *u, bool masks,
+                           clmha_impl impl, float init, clmha_grad_dtype grad_dtype) {
     clmha_context *ctx = clmha_layer_context(layer);
     clmha_forward_args a = *fa;
     a.save = saved;
@@ -168,7 +169,8 @@ static dev_grads device(clmha_layer *layer, clmha_saved *saved, const instance *
     clmha_status st = clmha_layer_forward_host(layer, &a, out, in->output_count, w, wc);
     cr_assert_eq(st, CLMHA_SUCCESS, "forward: %s", clmha_context_last_error(ctx));
     clmha_backward_args b = {.struct_size = sizeof b, .forward = &a, .saved = saved,
-                             .grad_output = shaped_like(&a.query, u->gy), .impl = impl};
+                             .grad_output = shaped_like(&a.query, u->gy), .impl = impl,
+                             .grad_dtype = grad_dtype};
     if (a.need_weights) b.grad_weights = weights_tensor(in, &a, u->gw);
     dev_grads d = {{NULL}};
     for (int g = 0; g < G_COUNT; ++g) {
@@ -186,27 +188,45 @@ static dev_grads device(clmha_layer *layer, clmha_saved *saved, const instance *
     return d;
 }
 
-// The largest error of @p d against @p r over every gradient, relative as TOLERANCE says;
-// fails the test when one is beyond it.
-static double compare(const instance *in, const dev_grads *d, const ref_grads *r, bool masks,
-                      float init, const char *what) {
+static dev_grads device(clmha_layer *layer, clmha_saved *saved, const instance *in,
+                        const clmha_forward_args *fa, const upstream *u, bool masks,
+                        clmha_impl impl, float init) {
+    return device_as(layer, saved, in, fa, u, masks, impl, init, CLMHA_GRAD_LAYER);
+}
+
+// The largest error of @p d against @p r over every gradient, as a fraction of what is allowed:
+// r (|want| + t) + t per value, t = TOLERANCE (1 + max |want|) of its gradient and @p rnd the
+// final rounding of a 16-bit layer's gradients (0: float32 ones); fails the test when a value
+// is beyond it.
+static double compare_within(const instance *in, const dev_grads *d, const ref_grads *r,
+                             bool masks, float init, const char *what, double rnd) {
     double worst = 0;
     for (int g = 0; g < G_COUNT; ++g) {
         size_t n = gcount(in, g, masks);
         if (!n) continue;
-        double scale = 0, err = 0;
+        double scale = 0, err = 0, ratio = 0;
+        for (size_t i = 0; i < n; ++i)
+            scale = fmax(scale, fabs(r->g[g][i] + (isnan(init) ? 0.0 : (double)init)));
+        double t = TOLERANCE * (1 + scale);
         for (size_t i = 0; i < n; ++i) {
             double want = r->g[g][i] + (isnan(init) ? 0.0 : (double)init);
-            scale = fmax(scale, fabs(want));
             double e = fabs((double)d->g[g][i] - want);
-            err = isnan(e) ? INFINITY : fmax(err, e);
+            if (isnan(e)) e = INFINITY;
+            err = fmax(err, e);
+            ratio = fmax(ratio, e / (rnd * (fabs(want) + t) + t));
         }
-        double rel = err / (1 + scale);
-        worst = fmax(worst, rel);
-        cr_expect(rel <= TOLERANCE, "%s: gradient of %s: max |err| %.3g (scale %.3g)", what,
-                  gname[g], err, scale);
+        worst = fmax(worst, ratio);
+        cr_expect(ratio <= 1.0, "%s: gradient of %s: max |err| %.3g (scale %.3g), %.2f of the "
+                  "allowed", what, gname[g], err, scale, ratio);
     }
     return worst;
+}
+
+// The largest error of @p d against @p r over every gradient relative to 1 + max |want| of its
+// gradient; fails the test when one is beyond TOLERANCE.
+static double compare(const instance *in, const dev_grads *d, const ref_grads *r, bool masks,
+                      float init, const char *what) {
+    return TOLERANCE * compare_within(in, d, r, masks, init, what, 0.0);
 }
 
 // Runs @p c through both backward cores against the reference.
@@ -516,5 +536,68 @@ Test(backward_random, deterministic, .timeout = 300) {
     clmha_saved_release(saved);
     clmha_layer_release(layer);
     instance_free(&in);
+    clmha_context_release(ctx);
+}
+
+// 16-bit layers (include/clmha.h, clmha_dtype): random cases on values of the dtype (parameters,
+// inputs, masks and upstream gradients rounded to it), both cores, gradients of the dtype and
+// float32 ones (CLMHA_GRAD_F32), accumulation, within the stated contract of the float64
+// reference on those values.
+Test(backward_random, sixteen_bit_layers, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    const clmha_dtype types[2] = {CLMHA_DTYPE_F16, CLMHA_DTYPE_BF16};
+    const double rnd[2] = {0x1p-11, 0x1p-8};  // half an ulp of each
+    prng pr = {0xb16};
+    double worst[2][2] = {{0}};  // [dtype][float32 gradients]
+    size_t calls = 0;
+    for (size_t k = 0; k < 8; ++k) {
+        rcase c = k == 0 ? rcase_base(0x35) : rcase_random(&pr);
+        if (k == 1) c.e = 64, c.h = 4, c.l = 33, c.s = 47, c.self_attn = false;  // tile edges
+        if (k == 2) c.add_bias_kv = true, c.kpm = CLMHA_MASK_FLOAT, c.dropout = 0.25f,
+                    c.training = true;
+        for (size_t ti = 0; ti < 2; ++ti) {
+            clmha_dtype t = types[ti];
+            instance in;
+            instance_make(&in, &c);
+            instance_round(&in, t);
+            in.desc.dtype = t;
+            clmha_layer *layer = instance_layer(ctx, &in);
+            clmha_saved *saved;
+            cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
+            upstream u = upstream_make(&in, c.data_seed ^ 0x16);
+            for (size_t i = 0; i < in.output_count; ++i) u.gy[i] = clmha__dtype_round(t, u.gy[i]);
+            size_t wc = u.gw ? in.n * in.c.h * in.c.l * in.s_padded : 0;
+            for (size_t i = 0; i < wc; ++i) u.gw[i] = clmha__dtype_round(t, u.gw[i]);
+            char name[300], what[340];
+            rcase_describe(&c, name, sizeof name);
+            for (int impl = CLMHA_IMPL_FUSED; impl <= CLMHA_IMPL_UNFUSED; ++impl) {
+                bool masks = impl == CLMHA_IMPL_UNFUSED;
+                clmha_forward_args a = forward_args(&in, (clmha_impl)impl);
+                ref_grads r = reference(&in, &a, &u, masks);
+                for (int f32 = 0; f32 < 2; ++f32) {
+                    // The accumulating run adds to 0.5 (a value of both dtypes).
+                    float init = k == 2 && f32 ? 0.5f : NAN;
+                    dev_grads d = device_as(layer, saved, &in, &a, &u, masks, (clmha_impl)impl,
+                                            init, f32 ? CLMHA_GRAD_F32 : CLMHA_GRAD_LAYER);
+                    snprintf(what, sizeof what, "%s %s%s %s", clmha__dtype_name(t),
+                             clmha_impl_name((clmha_impl)impl), f32 ? " float32 gradients" : "",
+                             name);
+                    double w = compare_within(&in, &d, &r, masks, init, what,
+                                              f32 ? 0.0 : rnd[ti]);
+                    worst[ti][f32] = fmax(worst[ti][f32], w);
+                    ++calls;
+                    dev_grads_free(&d);
+                }
+                ref_grads_free(&r);
+            }
+            free(u.gy), free(u.gw);
+            clmha_saved_release(saved);
+            clmha_layer_release(layer);
+            instance_free(&in);
+        }
+    }
+    fprintf(stderr, "backward 16-bit: %zu calls; worst fraction of the contract: float16 %.2f "
+            "(float32 gradients %.2f), bfloat16 %.2f (%.2f)\n",
+            calls, worst[0][0], worst[0][1], worst[1][0], worst[1][1]);
     clmha_context_release(ctx);
 }

@@ -170,44 +170,6 @@ static double contract_ratio(clmha_dtype t, const float *got, const double *want
     return worst;
 }
 
-static void round_floats(clmha_dtype t, float *x, size_t count) {
-    for (size_t i = 0; x && i < count; ++i) x[i] = clmha__dtype_round(t, x[i]);
-}
-
-// Rounds every float of @p in (parameters, inputs, float masks) to @p t, so that the reference
-// computes on exactly the layer's values.
-static void round_instance(instance *in, clmha_dtype t) {
-    size_t e = in->c.e, kve = e, kd = in->kdim, vd = in->vdim;
-    round_floats(t, in->w_in, in->w_in ? 3 * e * e : 0);
-    round_floats(t, in->wq, in->wq ? e * e : 0);
-    round_floats(t, in->wk, in->wk ? kve * kd : 0);
-    round_floats(t, in->wv, in->wv ? kve * vd : 0);
-    round_floats(t, in->b_in, in->b_in ? 3 * e : 0);
-    round_floats(t, in->wo, e * e);
-    round_floats(t, in->bo, in->bo ? e : 0);
-    round_floats(t, in->bk, in->bk ? e : 0);
-    round_floats(t, in->bv, in->bv ? e : 0);
-    size_t q = 1, k = 1, v = 1;
-    for (size_t i = 0; i < in->args.query.ndim; ++i) q *= in->args.query.shape[i];
-    round_floats(t, in->query, q);
-    if (in->args.key.ndim) {
-        for (size_t i = 0; i < in->args.key.ndim; ++i) k *= in->args.key.shape[i];
-        round_floats(t, in->key, k);
-    }
-    if (in->args.value.ndim) {
-        for (size_t i = 0; i < in->args.value.ndim; ++i) v *= in->args.value.shape[i];
-        round_floats(t, in->value, v);
-    }
-    const clmha_mask *masks[] = {&in->args.key_padding_mask, &in->args.attn_mask};
-    float *data[] = {in->kpm, in->am};
-    for (int m = 0; m < 2; ++m) {
-        if (masks[m]->kind != CLMHA_MASK_FLOAT) continue;
-        size_t c = 1;
-        for (size_t i = 0; i < masks[m]->tensor.ndim; ++i) c *= masks[m]->tensor.shape[i];
-        round_floats(t, data[m], c);
-    }
-}
-
 static const clmha_dtype sixteen[] = {CLMHA_DTYPE_F16, CLMHA_DTYPE_BF16};
 
 // One random case in @p t through @p impl: host forward against the reference.
@@ -215,7 +177,7 @@ static void check_random_case(clmha_context *ctx, const rcase *c, clmha_dtype t,
                               double *worst) {
     instance in;
     instance_make(&in, c);
-    round_instance(&in, t);
+    instance_round(&in, t);
     in.desc.dtype = t;
     clmha_layer *layer = instance_layer(ctx, &in);
     clmha_forward_args a = in.args;
@@ -367,7 +329,7 @@ Test(dtype, device_buffers_hold_16_bit_elements) {
         c.layout = LAYOUT_SHARED, c.need_weights = true;
         instance in;
         instance_make(&in, &c);
-        round_instance(&in, t);
+        instance_round(&in, t);
         in.desc.dtype = t;
         clmha_layer *layer = instance_layer(ctx, &in);
         float *host = alloc_floats(in.output_count), *hw = alloc_floats(in.weights_count);
@@ -433,6 +395,132 @@ Test(dtype, device_buffers_hold_16_bit_elements) {
     clmha_context_release(ctx);
 }
 
+// The backward pass on 16-bit device buffers at element offsets (inputs, mask, grad_output and
+// the gradients; the query's gradient accumulating onto 16-bit values) writes the host call's
+// gradients rounded to the dtype, bit for bit, and nothing before the offsets; with
+// CLMHA_GRAD_F32 it writes float32 gradients into float32 buffers.
+Test(dtype, backward_on_16_bit_device_buffers) {
+    clmha_context *ctx = context_or_skip();
+    cl_command_queue cq = clmha_context_cl_queue(ctx);
+    for (size_t ti = 0; ti < 2; ++ti) {
+        clmha_dtype t = sixteen[ti];
+        rcase c = rcase_base(0x78);
+        c.self_attn = false, c.value_is_key = false, c.am = CLMHA_MASK_FLOAT;
+        c.layout = LAYOUT_SHARED, c.need_weights = false;
+        instance in;
+        instance_make(&in, &c);
+        instance_round(&in, t);
+        in.desc.dtype = t;
+        clmha_layer *layer = instance_layer(ctx, &in);
+        clmha_saved *saved;
+        cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
+        size_t qn = in.output_count, kn = in.n * c.s * in.kdim, vn = in.n * c.s * in.vdim;
+        size_t an = c.l * c.s, e = c.e;
+        prng r = {0x9e};
+        float *gy = normal_floats(&r, qn), *y = alloc_floats(qn);
+        for (size_t i = 0; i < qn; ++i) gy[i] = clmha__dtype_round(t, gy[i]);
+        // The host call: query (accumulating onto 0.5), key, value, out_proj.weight.
+        enum { GQ, GK, GV, GW, NG };
+        size_t count[NG] = {qn, kn, vn, e * e};
+        float *host[NG];
+        for (int g = 0; g < NG; ++g) host[g] = alloc_floats(count[g]);
+        for (size_t i = 0; i < qn; ++i) host[GQ][i] = 0.5f;
+        clmha_forward_args a = in.args;
+        a.save = saved;
+        cr_assert_eq(clmha_layer_forward_host(layer, &a, y, qn, NULL, 0), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(ctx));
+        clmha_backward_args b = CLMHA_STRUCT_INIT(clmha_backward_args);
+        b.forward = &a, b.saved = saved;
+        b.grad_output = a.query;
+        b.grad_output.data = gy;
+        b.query = (clmha_grad){.data = host[GQ], .accumulate = true};
+        b.key.data = host[GK], b.value.data = host[GV], b.out_proj_weight.data = host[GW];
+        cr_assert_eq(clmha_layer_backward_host(layer, &b), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(ctx));
+        // The device call.
+        const size_t pad = 3;
+        uint16_t *q = narrow_all(t, in.query, qn, pad), *k = narrow_all(t, in.key, kn, pad),
+                 *v = narrow_all(t, in.value, vn, pad), *am = narrow_all(t, in.am, an, pad),
+                 *dy = narrow_all(t, gy, qn, pad);
+        clmha_forward_args da = in.args;
+        da.query.buffer = buffer_of(ctx, q, (qn + pad) * 2), da.query.offset = pad;
+        da.key.buffer = buffer_of(ctx, k, (kn + pad) * 2), da.key.offset = pad;
+        da.value.buffer = buffer_of(ctx, v, (vn + pad) * 2), da.value.offset = pad;
+        da.attn_mask.tensor.buffer = buffer_of(ctx, am, (an + pad) * 2);
+        da.attn_mask.tensor.offset = pad;
+        da.save = saved;
+        cl_mem out = buffer_of(ctx, NULL, qn * 2);
+        cr_assert_eq(clmha_layer_forward(layer, &da, out, 0, NULL, 0, 0, NULL, NULL),
+                     CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+        clmha_backward_args db = CLMHA_STRUCT_INIT(clmha_backward_args);
+        db.forward = &da, db.saved = saved;
+        db.grad_output = da.query;
+        db.grad_output.buffer = buffer_of(ctx, dy, (qn + pad) * 2);
+        cl_mem gb[NG];
+        clmha_grad *dg[NG] = {&db.query, &db.key, &db.value, &db.out_proj_weight};
+        for (int g = 0; g < NG; ++g) {
+            float *init = alloc_floats(count[g]);
+            for (size_t i = 0; i < count[g]; ++i) init[i] = g == GQ ? 0.5f : 0.0f;
+            uint16_t *h = narrow_all(t, init, count[g], pad);
+            gb[g] = buffer_of(ctx, h, (count[g] + pad) * 2);
+            *dg[g] = (clmha_grad){.buffer = gb[g], .offset = pad, .accumulate = g == GQ};
+            free(init), free(h);
+        }
+        cl_event ev = NULL;
+        cr_assert_eq(clmha_layer_backward(layer, &db, 0, NULL, &ev), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(ctx));
+        cr_assert_eq(clWaitForEvents(1, &ev), CL_SUCCESS);
+        clReleaseEvent(ev);
+        size_t diff = 0;
+        for (int g = 0; g < NG; ++g) {
+            uint16_t *got = calloc(count[g] + pad, 2);
+            cr_assert_eq(clEnqueueReadBuffer(cq, gb[g], CL_TRUE, 0, (count[g] + pad) * 2, got, 0,
+                                             NULL, NULL),
+                         CL_SUCCESS);
+            for (size_t i = 0; i < pad; ++i)
+                cr_expect(got[i] == 0, "gradient %d: element %zu before the offset written", g, i);
+            for (size_t i = 0; i < count[g]; ++i)
+                diff += (t == CLMHA_DTYPE_F16 ? clmha__f32_to_f16(host[g][i])
+                                              : clmha__f32_to_bf16(host[g][i])) != got[pad + i];
+            free(got);
+        }
+        cr_expect_eq(diff, 0, "%s: %zu gradient values differ between the device and host calls",
+                     clmha__dtype_name(t), diff);
+        // float32 gradients into float32 buffers: one element short is refused.
+        cl_mem f32 = buffer_of(ctx, NULL, kn * 4), short32 = buffer_of(ctx, NULL, kn * 4 - 4);
+        clmha_backward_args fb = CLMHA_STRUCT_INIT(clmha_backward_args);
+        fb.forward = &da, fb.saved = saved, fb.grad_output = db.grad_output;
+        fb.grad_dtype = CLMHA_GRAD_F32;
+        fb.key.buffer = short32;
+        cr_expect_eq(clmha_layer_backward(layer, &fb, 0, NULL, NULL), CLMHA_INVALID_ARGUMENT);
+        fb.key.buffer = f32;
+        cr_assert_eq(clmha_layer_backward(layer, &fb, 0, NULL, NULL), CLMHA_SUCCESS, "%s",
+                     clmha_context_last_error(ctx));
+        float *k32 = alloc_floats(kn);
+        cr_assert_eq(clEnqueueReadBuffer(cq, f32, CL_TRUE, 0, kn * 4, k32, 0, NULL, NULL),
+                     CL_SUCCESS);
+        size_t unrounded = 0;
+        for (size_t i = 0; i < kn; ++i) {
+            float r16 = clmha__dtype_round(t, k32[i]);
+            cr_expect(r16 == host[GK][i], "key gradient %zu: float32 %a rounds to %a, not %a", i,
+                      (double)k32[i], (double)r16, (double)host[GK][i]);
+            unrounded += r16 != k32[i];
+        }
+        cr_expect(unrounded > kn / 2, "float32 gradients hold values of the dtype: %zu of %zu",
+                  unrounded, kn);
+        cl_mem bufs[] = {da.query.buffer, da.key.buffer, da.value.buffer,
+                         da.attn_mask.tensor.buffer, out, db.grad_output.buffer, f32, short32,
+                         gb[0], gb[1], gb[2], gb[3]};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i) clReleaseMemObject(bufs[i]);
+        for (int g = 0; g < NG; ++g) free(host[g]);
+        free(q), free(k), free(v), free(am), free(dy), free(gy), free(y), free(k32);
+        clmha_saved_release(saved);
+        clmha_layer_release(layer);
+        instance_free(&in);
+    }
+    clmha_context_release(ctx);
+}
+
 // ---- incremental decoding -----------------------------------------------------------------------
 
 // A 16-bit layer's causal self-attention fed through a KV cache 3 tokens a call (queries and
@@ -447,7 +535,7 @@ Test(dtype, kv_cache_decoding_within_contract) {
         c.self_attn = true, c.is_causal = true, c.need_weights = false;
         instance in;
         instance_make(&in, &c);
-        round_instance(&in, t);
+        instance_round(&in, t);
         in.desc.dtype = t;
         clmha_layer *layer = instance_layer(ctx, &in);
         const size_t n = in.n, len = c.l, e = c.e, chunk = 3;
@@ -572,15 +660,20 @@ Test(dtype, what_16_bit_layers_refuse) {
     clmha_saved *saved = NULL;
     cr_assert_eq(clmha_saved_create(&saved, l), CLMHA_SUCCESS);
     a.save = saved;
-    cr_expect_eq(clmha_layer_forward_host(l, &a, y, 24, NULL, 0), CLMHA_UNSUPPORTED);
-    cr_expect(strstr(clmha_context_last_error(ctx), "save") != NULL, "%s",
-              clmha_context_last_error(ctx));
-    a.save = NULL;
     cr_expect_eq(clmha_layer_forward_host(l, &a, y, 24, NULL, 0), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
+    float gy[3 * 8] = {0}, gx[3 * 8];
     clmha_backward_args b = CLMHA_STRUCT_INIT(clmha_backward_args);
     b.forward = &a, b.saved = saved;
-    cr_expect_eq(clmha_layer_backward_host(l, &b), CLMHA_UNSUPPORTED);
+    b.grad_output = (clmha_tensor){.ndim = 2, .shape = {3, 8}, .data = gy};
+    b.query.data = gx;
+    b.grad_dtype = (clmha_grad_dtype)2;  // neither the layer's dtype nor float32
+    cr_expect_eq(clmha_layer_backward_host(l, &b), CLMHA_INVALID_ARGUMENT);
+    cr_expect(strstr(clmha_context_last_error(ctx), "grad_dtype") != NULL, "%s",
+              clmha_context_last_error(ctx));
+    b.grad_dtype = CLMHA_GRAD_LAYER;
+    cr_expect_eq(clmha_layer_backward_host(l, &b), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
     clmha_saved_release(saved);
     clmha_layer_release(l);
     clmha_context_release(ctx);

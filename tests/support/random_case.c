@@ -1,6 +1,8 @@
 // Random cases of a whole layer call (random_case.h).
 #include "random_case.h"
 
+#include "base/half.h"
+
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -359,3 +361,38 @@ rcase rcase_random(prng *r) {
     return c;
 }
 
+static void round_floats(clmha_dtype t, float *x, size_t count) {
+    for (size_t i = 0; x && i < count; ++i) x[i] = clmha__dtype_round(t, x[i]);
+}
+
+void instance_round(instance *in, clmha_dtype t) {
+    size_t e = in->c.e, kve = e, kd = in->kdim, vd = in->vdim;
+    round_floats(t, in->w_in, in->w_in ? 3 * e * e : 0);
+    round_floats(t, in->wq, in->wq ? e * e : 0);
+    round_floats(t, in->wk, in->wk ? kve * kd : 0);
+    round_floats(t, in->wv, in->wv ? kve * vd : 0);
+    round_floats(t, in->b_in, in->b_in ? 3 * e : 0);
+    round_floats(t, in->wo, e * e);
+    round_floats(t, in->bo, in->bo ? e : 0);
+    round_floats(t, in->bk, in->bk ? e : 0);
+    round_floats(t, in->bv, in->bv ? e : 0);
+    size_t q = 1, k = 1, v = 1;
+    for (size_t i = 0; i < in->args.query.ndim; ++i) q *= in->args.query.shape[i];
+    round_floats(t, in->query, q);
+    if (in->args.key.ndim) {
+        for (size_t i = 0; i < in->args.key.ndim; ++i) k *= in->args.key.shape[i];
+        round_floats(t, in->key, k);
+    }
+    if (in->args.value.ndim) {
+        for (size_t i = 0; i < in->args.value.ndim; ++i) v *= in->args.value.shape[i];
+        round_floats(t, in->value, v);
+    }
+    const clmha_mask *masks[] = {&in->args.key_padding_mask, &in->args.attn_mask};
+    float *data[] = {in->kpm, in->am};
+    for (int m = 0; m < 2; ++m) {
+        if (masks[m]->kind != CLMHA_MASK_FLOAT) continue;
+        size_t c = 1;
+        for (size_t i = 0; i < masks[m]->tensor.ndim; ++i) c *= masks[m]->tensor.shape[i];
+        round_floats(t, data[m], c);
+    }
+}
