@@ -11,6 +11,10 @@ copies of their tensors there). Optionally under one driver lane (tools/ocl-driv
     /usr/bin/python3 bench/dtype_ratio.py --driver intel --rounds 3
     /usr/bin/python3 bench/dtype_ratio.py --shapes 8x128 --rounds 7
     /usr/bin/python3 bench/dtype_ratio.py --dtypes f32 f64
+    /usr/bin/python3 bench/dtype_ratio.py --backward --dtypes f32 bf16 f16   # training steps
+
+With --backward each call times a training step (`clmha bench --backward`: the forward with
+save and the backward pass, gradients in the layer's dtype) instead of a forward call.
 
 Needs only the clmha program (build/clmha by default); no third-party Python package.
 """
@@ -28,6 +32,8 @@ def bench(args, dtype, n, length):
     cmd = [args.clmha, "bench", "--json", "--dtype", dtype, "--batch", str(n), "--tgt-len",
            str(length), "--embed", str(args.embed), "--heads", str(args.heads), "--repeat",
            str(args.repeat)]
+    if args.backward:
+        cmd.append("--backward")
     if args.driver:
         cmd = [os.path.join(ROOT, "tools", "ocl-driver.sh"), args.driver, "--"] + cmd
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -46,6 +52,8 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per clmha bench call")
     ap.add_argument("--rounds", type=int, default=5, help="calls per dtype, interleaved")
+    ap.add_argument("--backward", action="store_true",
+                    help="time training steps (forward with save + backward)")
     ap.add_argument("--driver", help="tools/ocl-driver.sh lane (default: the default device)")
     ap.add_argument("--dtypes", nargs="+", default=["f32", "f16", "bf16"],
                     choices=["f32", "f64", "f16", "bf16"], help="the first is the baseline")
@@ -68,9 +76,10 @@ def main(argv=None):
             ms = statistics.median(r["ms"] for r in runs[t])
             last = runs[t][-1]
             print(f"| N {n}, L {length} | {last['dtype']} | {ms:.3f} | {ms / base:.2f} | "
-                  f"{last['flops'] / ms / 1e6:.1f} | {last['io_bytes']} | "
+                  f"{last['flops'] / ms / 1e6:.1f} | {last.get('io_bytes', '-')} | "
                   f"{last['scratch_bytes'] / 2**20:.1f} |")
-    print(f"\ndevice: {device}; E {args.embed}, H {args.heads}; medians of {args.rounds} "
+    what = "training steps" if args.backward else "forward calls"
+    print(f"\n{what}; device: {device}; E {args.embed}, H {args.heads}; medians of {args.rounds} "
           f"interleaved calls of {args.repeat} timed runs each")
 
 

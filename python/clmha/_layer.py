@@ -892,13 +892,19 @@ class Layer:
 
     def backward(self, saved: "Saved", grad_output, grad_weights=None, *,
                  inputs: bool = True, parameters: bool = True, masks: bool = True,
-                 impl: str = "auto") -> Dict[str, np.ndarray]:
+                 impl: str = "auto", grad_dtype: Optional[str] = None) -> Dict[str, np.ndarray]:
         """The gradients of the forward call that filled ``saved``, from the output's gradient
         (and the weights', when that call returned them): a dict with ``query`` (``key``,
         ``value`` for inputs given separately; in self-attention ``query`` is the whole
         gradient of the one tensor), each parameter by ``state_dict()`` name (a sinks layer's
         ``sinks`` too; not ``alibi_slopes``, which has none), and float masks' ``attn_mask`` /
-        ``key_padding_mask``. float32 layers only (``clmha_layer_backward``).
+        ``key_padding_mask``. float32, float16 and bfloat16 layers (``clmha_layer_backward``;
+        a float64 layer raises ``clmha.Error`` UNSUPPORTED). ``grad_output`` and
+        ``grad_weights`` are arrays of the layer's input dtypes (as ``forward``'s query); the
+        gradients come back in the layer's NumPy dtype (a 16-bit layer computes them in float32
+        and rounds each once: float16 arrays, or float32 ones holding bfloat16 values), or as
+        float32 unrounded with ``grad_dtype="float32"`` (``CLMHA_GRAD_F32``: for float32 master
+        weights).
 
         After a forward call on pyopencl arrays, ``grad_output`` (and ``grad_weights``) are
         pyopencl arrays too and the gradients are new pyopencl arrays carrying the call's event:
@@ -908,17 +914,18 @@ class Layer:
         args = saved._args
         device = args.c.query.buffer != ffi.NULL
         out_shape, w_shape = saved._shapes
-        if self.dtype != "float32":
-            from ._errors import Error
-            raise Error(lib.CLMHA_UNSUPPORTED, f"the backward pass of a {self.dtype} layer is "
-                        "not implemented yet (float32 layers only)")
+        if grad_dtype not in (None, "float32"):
+            raise ValueError(f"grad_dtype must be None (the layer's dtype) or 'float32', not "
+                             f"{grad_dtype!r}")
+        wide = grad_dtype == "float32" and self.dtype in ("float16", "bfloat16")
         b = ffi.new("clmha_backward_args *")
         b.struct_size = ffi.sizeof("clmha_backward_args")
         b.forward = args.c
         b.saved = saved._ptr
+        b.grad_dtype = lib.CLMHA_GRAD_F32 if wide else lib.CLMHA_GRAD_LAYER
         keep = []
         dev = _Args()  # the device call's keep-alive list and wait list
-        f32 = (np.dtype(np.float32),)
+        elems = self._device_dtypes()
         for name, value, ranks, shape, field in (
                 ("grad_output", grad_output, (2, 3), out_shape, b.grad_output),
                 ("grad_weights", grad_weights, (2, 3, 4), w_shape, b.grad_weights)):
@@ -930,12 +937,13 @@ class Layer:
                                     f"pyopencl arrays")
                 if shape is None or tuple(value.shape) != shape:
                     raise ValueError(f"{name} must have shape {shape}; got {tuple(value.shape)}")
-                fill_device_tensor(field, value, dev, f32)
+                fill_device_tensor(field, value, dev, elems)
                 continue
-            a = _check_array(name, _to_numpy(value), ranks)
-            if shape is None or tuple(a.shape) != shape or a.dtype != np.float32:
-                raise ValueError(f"{name} must be float32 of shape {shape}; got {a.dtype} "
-                                 f"{tuple(a.shape)}")
+            a = self._host_input(name, _to_numpy(value), ranks)
+            if shape is None or tuple(a.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}; got {tuple(a.shape)}")
+            if self.dtype == "float64":  # refused by the library (no float64 backward yet)
+                a = a.astype(np.float32)
             _fill_tensor(field, a, _Keep(keep))
         result = {}
         queue = self._context.pyopencl_queue if device else None
@@ -945,7 +953,7 @@ class Layer:
             if device:
                 import pyopencl.array as cla
 
-                arr = cla.empty(queue, shape, np.float32)
+                arr = cla.empty(queue, shape, np.float32 if wide else elems[0])
                 grad.buffer = mem(arr)
                 grad.offset = elem_offset(arr)
             else:
@@ -976,6 +984,8 @@ class Layer:
         if not device:
             with self._lock:
                 check(lib.clmha_layer_backward_host(self._ptr, b), self._context._ptr)
+            if self.dtype == "float16" and not wide:  # float16 values: exact
+                result = {k: v.astype(np.float16) for k, v in result.items()}
             return result
         num_wait, waits = events_wait_list(dev.wait)
         event = ffi.new("cl_event *")

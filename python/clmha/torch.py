@@ -108,7 +108,7 @@ def _forward(call: _Call, query, key, value, key_padding_mask, attn_mask, want_s
     am = _mask(attn_mask, "attn_mask", dt)
     if isinstance(call.kwargs.get("attn_mask_wrap"), dict) and am is not None:
         am = Mask(am, **call.kwargs["attn_mask_wrap"])
-    saved = layer.saved() if (want_saved and dt == "float32") else None
+    saved = layer.saved() if (want_saved and dt != "float64") else None
     opts = {k2: v2 for k2, v2 in call.kwargs.items() if k2 != "attn_mask_wrap"}
     out, weights = layer.forward(q, k, v, key_padding_mask=kpm, attn_mask=am, save=saved,
                                  need_weights=call.need_weights, **opts)
@@ -124,8 +124,11 @@ def _backward(call: _Call, grad_output, grad_weights, need):
     (None where not needed or not given) of the forward call that filled call.saved."""
     n_params = len(need) - 5
     if call.saved is None:
-        raise RuntimeError("clmha.torch: the backward pass runs for float32 modules only "
-                           "(float64 and 16-bit training are not implemented yet)")
+        raise RuntimeError("clmha.torch: the backward pass runs for float32, float16 and "
+                           "bfloat16 modules (float64 training is not implemented yet)")
+    # The gradients in the module's dtype (a 16-bit module's computed in float32 and rounded
+    # once, as its .grad holds them); grad_output's 16-bit values are exact in float32.
+    tdt = call.module.out_proj.weight.dtype
     if grad_output is None:
         grad_output = torch.zeros(call.saved._shapes[0])
     gw = None
@@ -136,7 +139,8 @@ def _backward(call: _Call, grad_output, grad_weights, need):
                                 inputs=any(need[0:3]), parameters=any(need[5:]),
                                 masks=any(need[3:5]))
     call.saved = None  # the device memory goes with it
-    t = lambda name: torch.from_numpy(grads[name]) if name in grads else None  # noqa: E731
+    t = lambda name: (torch.from_numpy(grads[name]).to(tdt)  # noqa: E731
+                      if name in grads else None)
     gq, gk, gv = t("query"), t("key"), t("value")
     if call.self_attention:
         gk = gv = None

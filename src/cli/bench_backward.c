@@ -8,6 +8,8 @@
 
 #include "bench.h"
 
+#include "base/half.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/resource.h>
@@ -248,18 +250,20 @@ static int precompile(clmha_context *ctx, const bench_config *cfg, const bench_i
     cl_int err = CL_SUCCESS;
     if (probed_io(ctx, cfg, n, l, s, &b.io) != EXIT_OK) goto done;
     cl_context cl = clmha_context_cl_context(ctx);
+    size_t elem = clmha__dtype_size(d->dtype);  // the layer's elements (16-bit gradients too)
     for (int g = 0; g < G_COUNT; ++g) {
         size_t count = grad_floats(&cfg->desc, &b.io, g);
         if (count &&
-            !(b.grads[g] = clCreateBuffer(cl, CL_MEM_READ_WRITE, count * 4, NULL, &err)))
+            !(b.grads[g] = clCreateBuffer(cl, CL_MEM_READ_WRITE, count * elem, NULL, &err)))
             break;
     }
     if (err == CL_SUCCESS)
-        b.dy = clCreateBuffer(cl, CL_MEM_READ_WRITE, b.io.counts[BENCH_QUERY] * 4, NULL, &err);
+        b.dy = clCreateBuffer(cl, CL_MEM_READ_WRITE, b.io.counts[BENCH_QUERY] * elem, NULL,
+                              &err);
     uint64_t rng = 11;
     if (err == CL_SUCCESS)
-        err = clmha__bench_fill_random(clmha_context_cl_queue(ctx), b.dy,
-                                       b.io.counts[BENCH_QUERY], &rng);
+        err = clmha__bench_fill_random_as(clmha_context_cl_queue(ctx), b.dy,
+                                          b.io.counts[BENCH_QUERY], d->dtype, &rng);
     if (err != CL_SUCCESS) {
         clmha__cli_report("bench", "warm-up buffers failed on %s: OpenCL error %d",
                           clmha_context_device_name(ctx), (int)err);
@@ -283,7 +287,8 @@ static void print_json(const clmha_context *ctx, const bench_config *cfg, const 
                        const result *r) {
     double fwd = r->fwd_flops, bwd = r->bwd_flops, total = r->step_flops;
     clmha__bench_json_head(ctx, cfg, io->n, io->l, io->s, r->impl, io->self);
-    printf("\"backward\": true, \"host\": %s, ", cfg->host ? "true" : "false");
+    printf("\"backward\": true, \"dtype\": \"%s\", \"host\": %s, ",
+           clmha__dtype_name(cfg->desc.dtype), cfg->host ? "true" : "false");
     printf("\"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"flops\": %.0f, "
            "\"gflops\": %.6g, ",
            r->step_ms, r->step_min, r->step_max, total, total / r->step_ms / 1e6);
@@ -362,18 +367,20 @@ static int buffers_make(clmha_context *ctx, const bench_config *cfg, size_t n, s
     cl_int err = CL_SUCCESS;
     const char *what = "grad_output";
     size_t dy_count = b->io.counts[BENCH_QUERY];
-    b->dy = clCreateBuffer(cl, CL_MEM_READ_WRITE, dy_count * sizeof(float), NULL, &err);
+    clmha_dtype t = cfg->desc.dtype;
+    size_t elem = clmha__dtype_size(t);  // the layer's elements (16-bit gradients too)
+    b->dy = clCreateBuffer(cl, CL_MEM_READ_WRITE, dy_count * elem, NULL, &err);
     uint64_t rng = 13;
-    if (err == CL_SUCCESS) err = clmha__bench_fill_random(queue, b->dy, dy_count, &rng);
+    if (err == CL_SUCCESS) err = clmha__bench_fill_random_as(queue, b->dy, dy_count, t, &rng);
     for (int g = 0; g < G_COUNT && err == CL_SUCCESS; ++g) {
         size_t count = grad_floats(&cfg->desc, &b->io, g);
         if (!count) continue;
         what = grad_name[g];
-        b->grads[g] = clCreateBuffer(cl, CL_MEM_READ_WRITE, count * sizeof(float), NULL, &err);
-        float zero = 0.0f;
+        b->grads[g] = clCreateBuffer(cl, CL_MEM_READ_WRITE, count * elem, NULL, &err);
+        uint16_t zero = 0;  // +0 in every dtype
         if (err == CL_SUCCESS)
-            err = clEnqueueFillBuffer(queue, b->grads[g], &zero, sizeof zero, 0,
-                                      count * sizeof(float), 0, NULL, NULL);
+            err = clEnqueueFillBuffer(queue, b->grads[g], &zero, sizeof zero, 0, count * elem, 0,
+                                      NULL, NULL);
     }
     if (err != CL_SUCCESS) {
         clmha__cli_report("bench", "%s: the %s gradient buffer failed on %s: OpenCL error %d",

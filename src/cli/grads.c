@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/half.h"
 #include "cli.h"
 
 // The clmha_backward_args fields a gradient file can come from.
@@ -68,6 +69,7 @@ bool clmha__cli_grads_plan(const char *dir, clmha_layer *layer, const clmha_forw
     memset(g, 0, sizeof *g);
     clmha_layer_desc desc = {.struct_size = sizeof desc};
     clmha_layer_get_desc(layer, &desc);
+    g->dtype = desc.dtype;
     size_t e = desc.embed_dim;
     bool ok = add_tensor(g, dir, "query", SLOT_QUERY, &args->query);
     if (ok && key_file) ok = add_tensor(g, dir, "key", SLOT_KEY, &args->key);
@@ -109,7 +111,8 @@ size_t clmha__cli_grads_outputs(const clmha__cli_grads *g, clmha__cli_out *out) 
     for (size_t i = 0; i < g->count; ++i) {
         const clmha__cli_grad_file *f = &g->file[i];
         out[i] = (clmha__cli_out){.flag = "--grads-dir", .path = f->path, .data = f->data,
-                                  .ndim = f->ndim};
+                                  .ndim = f->ndim,
+                                  .half = g->dtype == CLMHA_DTYPE_F16 && !g->grad_f32};
         memcpy(out[i].shape, f->shape, sizeof f->shape);
     }
     return g->count;
@@ -120,7 +123,8 @@ bool clmha__cli_grads_compute(clmha_layer *layer, const clmha_forward_args *args
                               clmha_tensor grad_weights, clmha_impl impl, clmha__cli_grads *g) {
     clmha_backward_args b = {.struct_size = sizeof b, .forward = args, .saved = saved,
                              .grad_output = grad_output, .grad_weights = grad_weights,
-                             .impl = impl};
+                             .impl = impl,
+                             .grad_dtype = g->grad_f32 ? CLMHA_GRAD_F32 : CLMHA_GRAD_LAYER};
     for (size_t i = 0; i < g->count; ++i) {
         clmha__cli_grad_file *f = &g->file[i];
         if (f->with_key) {
@@ -141,8 +145,13 @@ bool clmha__cli_grads_compute(clmha_layer *layer, const clmha_forward_args *args
     }
     for (size_t i = 0; i < g->count; ++i) {
         clmha__cli_grad_file *f = &g->file[i];
+        // The tensor's two uses summed as autograd sums them: in the gradients' dtype.
+        bool round = !g->grad_f32 && g->dtype != CLMHA_DTYPE_F32;
         if (f->with_key)
-            for (size_t k = 0; k < f->count; ++k) f->data[k] += f->key_part[k];
+            for (size_t k = 0; k < f->count; ++k) {
+                f->data[k] += f->key_part[k];
+                if (round) f->data[k] = clmha__dtype_round(g->dtype, f->data[k]);
+            }
     }
     return true;
 oom:

@@ -13,7 +13,9 @@
 
 #define CLMHA__CLI_MAX_GRADS 16
 
-// One gradient file: DIR/<name>.npy, float32, in the shape of what it differentiates.
+// One gradient file: DIR/<name>.npy in the shape of what it differentiates, in the layer's
+// dtype as the forward's outputs are (float16 '<f2', float32 holding bfloat16 values, float32),
+// or float32 with grad_f32.
 typedef struct clmha__cli_grad_file {
     const char *name;  // "query", "in_proj_weight", "out_proj.weight", "attn_mask"...
     int slot;          // which clmha_backward_args field receives it (grads.c)
@@ -28,6 +30,8 @@ typedef struct clmha__cli_grad_file {
 typedef struct clmha__cli_grads {
     size_t count;
     clmha__cli_grad_file file[CLMHA__CLI_MAX_GRADS];
+    clmha_dtype dtype;  // the layer's (grads_plan): a 16-bit layer's files hold its values
+    bool grad_f32;      // float32 gradients of a 16-bit layer (--grad-dtype f32)
 } clmha__cli_grads;
 
 // Lists the gradient files of a forward call of @p layer with @p args (the inputs as run.c

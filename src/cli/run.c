@@ -112,7 +112,8 @@ static const char *const usage_run[] = {
     "  --grad-weights GW.npy     optional: the gradient of the weights, in their shape;\n"
     "                            needs --need-weights (or --per-head-weights)\n"
     "  --grads-dir DIR           an existing folder (it is not created) that receives the\n"
-    "                            gradients, float32, in PyTorch's shapes, as <name>.npy:\n"
+    "                            gradients, in the layer's dtype as --output, in PyTorch's\n"
+    "                            shapes, as <name>.npy:\n"
     "                            query; key and value when given as files of their own (in\n"
     "                            self-attention query.npy holds the whole gradient of the\n"
     "                            query; with --key alone key.npy includes its use as value);\n"
@@ -124,6 +125,8 @@ static const char *const usage_run[] = {
     "                            gradient). Other files in DIR are left alone. --grad-output\n"
     "                            and --grads-dir go together. Fully masked query rows get\n"
     "                            zero gradients.\n"
+    "  --grad-dtype f32          with --dtype f16 or bf16: float32 gradient files, unrounded\n"
+    "                            (for float32 master weights)\n"
     "\n"
     "  Files are written only after the forward (and backward) pass succeeded, each whole or\n"
     "  not at all, and all of them or none (outputs and gradients alike): a failed run\n"
@@ -170,8 +173,9 @@ static const char *const usage_run[] = {
     "                            and the inputs' float64 values are kept exactly (float16\n"
     "                            and float32 widened), everything is computed in float64 and\n"
     "                            the outputs are float64 files; it needs a device with\n"
-    "                            double precision (clmha devices: fp64 yes). Only f32 takes\n"
-    "                            gradients (the other dtypes have no backward pass yet)\n"
+    "                            double precision (clmha devices: fp64 yes). f16 and bf16\n"
+    "                            take gradients (computed in float32, rounded once); f64 has\n"
+    "                            no backward pass yet\n"
     "\n"
     "device:\n"
     "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"
@@ -432,7 +436,7 @@ typedef struct run_opts {
     const char *layer_path, *output_path, *weights_path, *device, *grads_dir, *heatmap;
     const char *seed_opt, *offset_opt, *chunk_opt, *dtype_opt, *prefix, *heads_opt;
     const char *batch_first_opt, *impl_opt, *heatmap_batch_opt, *window_opt, *softcap_opt;
-    const char *seq_lens_opt, *kv_seq_lens_opt, *page_opt, *kv_dtype_opt;
+    const char *seq_lens_opt, *kv_seq_lens_opt, *page_opt, *kv_dtype_opt, *grad_dtype_opt;
     clmha__cli_lens seq, kv_seq;  // --seq-lens, --kv-seq-lens (a packed batch)
     input_file in[IN_COUNT];
     bool is_causal, need_weights, per_head, training;
@@ -504,6 +508,7 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         {.name = "--grad-output", .value = &o->in[IN_GRAD_OUT].path},
         {.name = "--grad-weights", .value = &o->in[IN_GRAD_W].path},
         {.name = "--grads-dir", .value = &o->grads_dir},
+        {.name = "--grad-dtype", .value = &o->grad_dtype_opt},
         {.name = "--device", .value = &o->device, .allow_empty = true},
         {.name = "--decode-chunk", .value = &o->chunk_opt},
         {.name = "--page-size", .value = &o->page_opt},
@@ -639,14 +644,23 @@ static bool check_options(run_opts *o) {
         return false;
     o->f64 = o->dtype == CLMHA_DTYPE_F64;
     if (!parse_load_options(o)) return false;
-    // Only float32 layers have a backward pass (include/clmha.h, clmha_dtype): refused here,
+    // float64 layers have no backward pass yet (include/clmha.h, clmha_dtype): refused here,
     // before any file is read, rather than by the library after the forward pass.
-    if (o->dtype != CLMHA_DTYPE_F32 &&
+    if (o->dtype == CLMHA_DTYPE_F64 &&
         (o->in[IN_GRAD_OUT].path || o->in[IN_GRAD_W].path || o->grads_dir)) {
         clmha__cli_report("run",
                           "--dtype %s: gradients (--grad-output, --grad-weights, --grads-dir) "
-                          "need --dtype f32: %s layers have no backward pass yet",
+                          "need --dtype f32, f16 or bf16: %s layers have no backward pass yet",
                           o->dtype_opt, clmha__dtype_name(o->dtype));
+        return false;
+    }
+    if (o->grad_dtype_opt &&
+        (strcmp(o->grad_dtype_opt, "f32") != 0 || !o->grads_dir ||
+         (o->dtype != CLMHA_DTYPE_F16 && o->dtype != CLMHA_DTYPE_BF16))) {
+        clmha__cli_report("run", "%s",
+                          strcmp(o->grad_dtype_opt, "f32") != 0
+                              ? "--grad-dtype takes f32 (the default: the layer's dtype)"
+                              : "--grad-dtype f32 needs --grads-dir and --dtype f16 or bf16");
         return false;
     }
     return parse_seq_lens(o) && parse_decode_chunk(o) &&
@@ -900,6 +914,7 @@ static bool plan_grads(run_opts *o, run_state *s, int *rc) {
     if (!clmha__cli_grads_plan(o->grads_dir, s->layer, &s->args, o->in[IN_KEY].path != NULL,
                                o->in[IN_VALUE].path != NULL, &s->grads))
         return false;
+    s->grads.grad_f32 = o->grad_dtype_opt != NULL;
     for (size_t i = 0; i < s->grads.count; ++i)
         if (!clmha__cli_output_path_ok("run", "--grads-dir", s->grads.file[i].path)) return false;
     size_t all = o->num_outs + clmha__cli_grads_outputs(&s->grads, o->outs + o->num_outs);

@@ -1001,6 +1001,100 @@ Test(cli_run, dtype_f16_and_bf16) {
     tmp_remove(&d);
 }
 
+// --dtype f16 / bf16 with --grad-output and --grads-dir: the gradient files are float16
+// ('<f2') for f16 and float32 files of bfloat16 values for bf16, within the gradient contract
+// (include/clmha.h, clmha_dtype) of the float64 reference backward on the rounded parameters,
+// query and output gradient; with --grad-dtype f32 float32 files whose values round to them.
+Test(cli_run, dtype_16_bit_gradients) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = make_inputs();
+    enum { L = 3, N = 2, E = 8, Q = L * N * E };
+    float q[Q], gy[Q];
+    uint32_t state = 7u;
+    for (size_t i = 0; i < Q; ++i) q[i] = pseudo(&state), gy[i] = pseudo(&state);
+    write_npy_raw(tmp_file(&d, "q32.npy"), "<f4", 3, (size_t[]){L, N, E}, q, sizeof q);
+    write_npy_raw(tmp_file(&d, "g32.npy"), "<f4", 3, (size_t[]){L, N, E}, gy, sizeof gy);
+    const char *names[] = {"f16", "bf16"};
+    const clmha_dtype dtypes[] = {CLMHA_DTYPE_F16, CLMHA_DTYPE_BF16};
+    const char *files[] = {"query", "in_proj_weight", "in_proj_bias", "out_proj.weight",
+                           "out_proj.bias"};
+    const size_t counts[] = {Q, 3 * E * E, 3 * E, E * E, E};
+    clmha_context *ctx = NULL;
+    cr_assert_eq(clmha_context_create_from_env(&ctx), CLMHA_SUCCESS);
+    for (int k = 0; k < 2; ++k) {
+        clmha_dtype t = dtypes[k];
+        for (int wide = 1; wide >= 0; --wide) {  // the default run last: its files stay
+            cli_result r = cli_run("run", "--layer", tmp_file(&d, "layer.safetensors"),
+                                   "--query", tmp_file(&d, "q32.npy"), "--dtype", names[k],
+                                   "--grad-output", tmp_file(&d, "g32.npy"), "--grads-dir",
+                                   d.path, wide ? "--grad-dtype" : NULL, "f32", NULL);
+            cr_assert_eq(r.status, 0, "--dtype %s: stderr: %s", names[k], r.err);
+            cli_free(&r);
+            char keep[64];
+            snprintf(keep, sizeof keep, "query.%s.npy", wide ? "f32" : "dtype");
+            cr_assert_eq(rename(tmp_file(&d, "query.npy"), tmp_file(&d, keep)), 0);
+        }
+        // The reference on the layer's rounded parameters, query and output gradient.
+        clmha_layer *layer = NULL;
+        cr_assert_eq(clmha_layer_load_as(&layer, ctx, tmp_file(&d, "layer.safetensors"), t),
+                     CLMHA_SUCCESS);
+        float w_in[3 * E * E], b_in[3 * E], w_out[E * E], b_out[E], qt[Q], gt[Q];
+        cr_assert_eq(clmha_layer_get_parameter(layer, "in_proj_weight", w_in, 3 * E * E), 0);
+        cr_assert_eq(clmha_layer_get_parameter(layer, "in_proj_bias", b_in, 3 * E), 0);
+        cr_assert_eq(clmha_layer_get_parameter(layer, "out_proj.weight", w_out, E * E), 0);
+        cr_assert_eq(clmha_layer_get_parameter(layer, "out_proj.bias", b_out, E), 0);
+        clmha_layer_release(layer);
+        for (size_t i = 0; i < Q; ++i)
+            qt[i] = clmha__dtype_round(t, q[i]), gt[i] = clmha__dtype_round(t, gy[i]);
+        clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = E, .num_heads = 2,
+                                 .bias = true};
+        clmha_reference_params p = {.struct_size = sizeof p, .in_proj_weight = w_in,
+                                    .in_proj_bias = b_in, .out_proj_weight = w_out,
+                                    .out_proj_bias = b_out};
+        clmha_forward_args a = {.struct_size = sizeof a,
+                                .query = {.ndim = 3, .shape = {L, N, E}, .data = qt}};
+        static double want[5][3 * E * E];
+        clmha_reference_grads rg = {.struct_size = sizeof rg, .query = want[0],
+                                    .in_proj_weight = want[1], .in_proj_bias = want[2],
+                                    .out_proj_weight = want[3], .out_proj_bias = want[4]};
+        char msg[256];
+        cr_assert_eq(clmha_reference_backward(&desc, &p, &a, gt, NULL, &rg, msg, sizeof msg),
+                     CLMHA_SUCCESS, "%s", msg);
+        double rel = t == CLMHA_DTYPE_F16 ? 0x1p-11 : 0x1p-8, worst = 0.0;
+        for (int f = 0; f < 5; ++f) {
+            clmha__npy got = {0}, g32 = {0};
+            char name[64];
+            snprintf(name, sizeof name, "%s.npy", files[f]);
+            read_npy(tmp_file(&d, f ? name : "query.dtype.npy"), &got);
+            if (!f) read_npy(tmp_file(&d, "query.f32.npy"), &g32);
+            cr_expect_str_eq(got.dtype, t == CLMHA_DTYPE_F16 ? "<f2" : "<f4", "--dtype %s: %s",
+                             names[k], name);
+            cr_assert_eq(got.count, counts[f]);
+            double scale = 0.0;
+            for (size_t i = 0; i < got.count; ++i) scale = fmax(scale, fabs(want[f][i]));
+            double tol = 1e-4 * (1 + scale);
+            for (size_t i = 0; i < got.count; ++i) {
+                double g = got.f32[i], x = want[f][i], e = fabs(g - x);
+                cr_expect_eq(clmha__dtype_round(t, (float)g), (float)g,
+                             "--dtype %s: %s value %zu (%a) is not one of the dtype", names[k],
+                             name, i, g);
+                worst = fmax(worst, e / (rel * (fabs(x) + tol) + tol));
+                if (!f)  // --grad-dtype f32: float32 values that round to the dtype's ones
+                    cr_expect_eq(clmha__dtype_round(t, g32.f32[i]), (float)g,
+                                 "--dtype %s --grad-dtype f32: query value %zu", names[k], i);
+            }
+            if (!f) cr_expect_str_eq(g32.dtype, "<f4");
+            clmha__npy_free(&got);
+            clmha__npy_free(&g32);
+        }
+        fprintf(stderr, "cli --dtype %s gradients: %.2f of the contract\n", names[k], worst);
+        cr_expect(worst <= 1.0, "--dtype %s: gradient error %.2f times the contract", names[k],
+                  worst);
+    }
+    clmha_context_release(ctx);
+    tmp_remove(&d);
+}
+
 // --dtype f16 with --decode-chunk: the 16-bit layer decodes through its KV cache; the rows
 // equal the one-shot causal run's within one float16 rounding each way.
 Test(cli_run, dtype_f16_decode_chunk) {
@@ -1533,7 +1627,8 @@ Test(cli_run, dtype_f64_pytorch_cases) {
 
 // --dtype f64 with what float64 layers do not have yet (a KV cache for --decode-chunk, the
 // backward pass for the gradient options): usage errors (exit 2) before any file is read,
-// one line naming float64; 16-bit layers' gradients likewise. Also `clmha bench`.
+// one line naming float64; --grad-dtype other than f32, or without a 16-bit layer's
+// gradients, likewise. Also `clmha bench`.
 Test(cli_usage, dtype_f64_refusals) {
     const char *const run[] = {"run", "--layer", "l.safetensors", "--query", "q.npy"};
     struct {
@@ -1549,8 +1644,10 @@ Test(cli_usage, dtype_f64_refusals) {
         {"clmha run: --dtype f64: gradients", "float64", {"--dtype", "f64", "--grads-dir", "."}},
         {"clmha run: --dtype f64: gradients", "float64",
          {"--dtype", "f64", "--need-weights", "--grad-weights", "gw.npy"}},
-        {"clmha run: --dtype f16: gradients", "float16",
-         {"--dtype", "f16", "--grad-output", "g.npy", "--grads-dir", "."}},
+        {"clmha run: --grad-dtype takes f32", "the layer's dtype",
+         {"--dtype", "bf16", "--grad-dtype", "f64"}},
+        {"clmha run: --grad-dtype f32 needs --grads-dir", "f16 or bf16",
+         {"--grad-dtype", "f32"}},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
         const char *args[CLI_MAX_ARGS + 1];

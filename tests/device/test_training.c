@@ -8,6 +8,12 @@
 //   - the loss of every step: |clmha - torch| <= TRAIN_LOSS_RTOL * torch;
 //   - the final parameters: max |clmha - torch| <= TRAIN_PARAM_TOL * (1 + max |torch|) each.
 // One line per core goes to stderr: training <impl> loss_maxrel=... param_maxnorm=...
+// Also in 16-bit storage with float32 master weights (include/clmha.h, clmha_dtype): a bfloat16
+// layer and a float16 one, whose parameters are set from the float32 masters each step
+// (rounded by the layer), inputs rounded likewise, the gradients asked for as float32
+// (CLMHA_GRAD_F32) and applied to the masters; float16 with loss scaling as PyTorch's
+// GradScaler does it (dL/dY times 2^10, the gradients divided by it in float32). Asserted
+// within TRAIN16_LOSS_RTOL and TRAIN16_PARAM_TOL of the float64 run.
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -16,6 +22,7 @@
 #include <string.h>
 
 #include "clmha.h"
+#include "base/half.h"
 #include "golden.h"
 #include "support.h"
 
@@ -25,10 +32,20 @@
 
 #define TRAIN_LOSS_RTOL 1e-4
 #define TRAIN_PARAM_TOL 1e-4
+#define TRAIN16_LOSS_RTOL 5e-3
+#define TRAIN16_PARAM_TOL 5e-3
+#define LOSS_SCALE 1024.0
 
 static const char *const param_names[] = {"in_proj_weight", "in_proj_bias", "out_proj.weight",
                                           "out_proj.bias"};
 enum { NUM_PARAMS = sizeof param_names / sizeof *param_names };
+
+static const char *dtype_label(clmha_dtype t) {
+    return t == CLMHA_DTYPE_BF16 ? "bfloat16" : t == CLMHA_DTYPE_F16 ? "float16" : "float32";
+}
+
+// @p x rounded to @p t (to nearest even), as the layer holds it.
+static float round_to(clmha_dtype t, float x) { return clmha__dtype_round(t, x); }
 
 static const golden_tensor *need(const golden_case *gc, const char *name) {
     const golden_tensor *t = golden_find(gc, name);
@@ -42,7 +59,11 @@ static clmha_tensor tensor_of(const golden_tensor *t) {
     return x;
 }
 
-static void train(clmha_impl impl) {
+static void train(clmha_impl impl, clmha_dtype dtype) {
+    bool sixteen = dtype != CLMHA_DTYPE_F32;
+    double scale_by = dtype == CLMHA_DTYPE_F16 ? LOSS_SCALE : 1.0;  // the loss scale
+    double loss_tol = sixteen ? TRAIN16_LOSS_RTOL : TRAIN_LOSS_RTOL;
+    double param_tol = sixteen ? TRAIN16_PARAM_TOL : TRAIN_PARAM_TOL;
     clmha_context *ctx = context_or_skip();
     char path[1024];
     snprintf(path, sizeof path, "%s/training/sgd.txt", CLMHA_TEST_DATA_DIR);
@@ -52,7 +73,7 @@ static void train(clmha_impl impl) {
 
     clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = gc.embed_dim,
                              .num_heads = gc.num_heads, .kdim = gc.kdim, .vdim = gc.vdim,
-                             .bias = gc.bias};
+                             .bias = gc.bias, .dtype = dtype};
     clmha_layer *layer = NULL;
     cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
@@ -87,7 +108,7 @@ static void train(clmha_impl impl) {
         .grad_output = tensor_of(target),  // shape; data set below
         .in_proj_weight = {.data = grad[0]}, .in_proj_bias = {.data = grad[1]},
         .out_proj_weight = {.data = grad[2]}, .out_proj_bias = {.data = grad[3]},
-        .impl = impl,
+        .impl = impl, .grad_dtype = CLMHA_GRAD_F32,
     };
     float *y = alloc_floats(n), *dy = alloc_floats(n);
     b.grad_output.data = dy;
@@ -99,17 +120,22 @@ static void train(clmha_impl impl) {
         for (size_t i = 0; i < n; ++i) {
             double d = (double)y[i] - target->f32[i];
             loss += d * d;
-            dy[i] = (float)(2.0 * d / (double)n);
+            dy[i] = (float)(scale_by * 2.0 * d / (double)n);
         }
         loss /= (double)n;
         double rel = fabs(loss - loss_want->f64[step]) / loss_want->f64[step];
         if (rel > loss_err) loss_err = rel;
-        cr_expect_leq(rel, TRAIN_LOSS_RTOL, "%s step %zu: loss %.9g, torch %.9g",
-                      clmha_impl_name(impl), step, loss, loss_want->f64[step]);
+        cr_expect_leq(rel, loss_tol, "%s %s step %zu: loss %.9g, torch %.9g",
+                      clmha_impl_name(impl), dtype_label(dtype), step, loss,
+                      loss_want->f64[step]);
         cr_assert_eq(clmha_layer_backward_host(layer, &b), CLMHA_SUCCESS, "step %zu: %s", step,
                      clmha_context_last_error(ctx));
         for (int i = 0; i < NUM_PARAMS; ++i) {
-            for (size_t k = 0; k < count[i]; ++k) param[i][k] -= (float)(lr * grad[i][k]);
+            for (size_t k = 0; k < count[i]; ++k) {
+                cr_assert(isfinite(grad[i][k]), "step %zu: %s's gradient overflowed", step,
+                          param_names[i]);
+                param[i][k] -= (float)(lr * grad[i][k] / scale_by);
+            }
             cr_assert_eq(clmha_layer_set_parameter(layer, param_names[i], param[i], count[i]),
                          CLMHA_SUCCESS);
         }
@@ -122,17 +148,20 @@ static void train(clmha_impl impl) {
         cr_assert_eq(want->count, count[i]);
         cr_assert_eq(clmha_layer_get_parameter(layer, param_names[i], grad[i], count[i]),
                      CLMHA_SUCCESS);
+        for (size_t k = 0; sixteen && k < count[i]; ++k)  // the layer holds the dtype's values
+            grad[i][k] = param[i][k] = round_to(dtype, param[i][k]);
         cr_expect_eq(max_abs_diff(grad[i], param[i], count[i]), 0.0,
                      "%s on the device differs from the host copy", param_names[i]);
         double scale = 0;
         for (size_t k = 0; k < count[i]; ++k) scale = fmax(scale, fabs(want->f64[k]));
         double e = max_abs_err(param[i], want->f64, count[i]) / (1 + scale);
-        cr_expect_leq(e, TRAIN_PARAM_TOL, "%s: final %s: max abs error %.3e (normalised)",
-                      clmha_impl_name(impl), param_names[i], e);
+        cr_expect_leq(e, param_tol, "%s %s: final %s: max abs error %.3e (normalised)",
+                      clmha_impl_name(impl), dtype_label(dtype), param_names[i], e);
         if (e > param_err) param_err = e;
     }
-    fprintf(stderr, "training %s steps=%zu loss %.6g -> %.6g loss_maxrel=%.3e param_maxnorm=%.3e\n",
-            clmha_impl_name(impl), steps, loss_want->f64[0], loss_want->f64[steps - 1], loss_err,
+    fprintf(stderr, "training %s %s steps=%zu loss %.6g -> %.6g loss_maxrel=%.3e "
+            "param_maxnorm=%.3e\n",
+            clmha_impl_name(impl), dtype_label(dtype), steps, loss_want->f64[0], loss_want->f64[steps - 1], loss_err,
             param_err);
 
     free(y);
@@ -144,6 +173,16 @@ static void train(clmha_impl impl) {
     golden_free(&gc);
 }
 
-Test(training, sgd_fused, .timeout = 300) { train(CLMHA_IMPL_FUSED); }
+Test(training, sgd_fused, .timeout = 300) { train(CLMHA_IMPL_FUSED, CLMHA_DTYPE_F32); }
 
-Test(training, sgd_unfused, .timeout = 300) { train(CLMHA_IMPL_UNFUSED); }
+Test(training, sgd_unfused, .timeout = 300) { train(CLMHA_IMPL_UNFUSED, CLMHA_DTYPE_F32); }
+
+Test(training, sgd_bf16_master_weights, .timeout = 300) {
+    train(CLMHA_IMPL_FUSED, CLMHA_DTYPE_BF16);
+    train(CLMHA_IMPL_UNFUSED, CLMHA_DTYPE_BF16);
+}
+
+Test(training, sgd_f16_loss_scaling, .timeout = 300) {
+    train(CLMHA_IMPL_FUSED, CLMHA_DTYPE_F16);
+    train(CLMHA_IMPL_UNFUSED, CLMHA_DTYPE_F16);
+}
