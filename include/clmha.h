@@ -741,8 +741,12 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 /// gradient (the float32 computation) and r as for the forward (the final rounding; r = 0 with
 /// ::CLMHA_GRAD_F32); and, in python/tests/test_dtype_backward.py, at most twice the error of
 /// PyTorch's own bfloat16 autograd on the same values against float64 autograd.
-/// Not yet for 16-bit layers: clmha_layer_attend(), clmha_layer_project_heads() and user
-/// attention cores (::CLMHA_UNSUPPORTED).
+/// clmha_layer_attend() reads a 16-bit layer's 16-bit query, key, value and float masks and
+/// writes float32 head tiles and log-sum-exp rows (partial results stay float32 through
+/// clmha_attention_merge(), as FlashAttention's split-KV accumulators); clmha_layer_project_heads()
+/// takes those float32 tiles and writes the 16-bit output, rounded once. A user attention core
+/// (clmha_layer_set_attention()) of a 16-bit layer sees its float32 pass: float32 tiles, as a
+/// float32 layer's.
 ///
 /// A float64 layer (::CLMHA_DTYPE_F64, PyTorch's `.double()`) stores and computes everything in
 /// float64: its parameters, tensors and scratch are doubles on the device, its matrix products
@@ -1769,7 +1773,8 @@ CLMHA_API clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *
 ///                           ::CLMHA_IMPL_UNFUSED are refused
 /// @param[in]  appended_keys whether this range holds the keys that add_bias_kv and
 ///                           add_zero_attn append (ignored by layers without them)
-/// @param[out] heads         (N*H, L, D) floats at element @p heads_offset
+/// @param[out] heads         (N*H, L, D) floats at element @p heads_offset (float32 for
+///                           every dtype but float64, whose are doubles: refused for now)
 /// @param[in]  heads_offset  element offset
 /// @param[out] lse           N*H*L floats at element @p lse_offset
 /// @param[in]  lse_offset    element offset
@@ -1778,7 +1783,8 @@ CLMHA_API clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *
 /// @param[out] event         optional: completes with the call
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_layer_forward(), for @p heads and
 ///         @p lse; positions above 2^24), ::CLMHA_UNSUPPORTED (the options above; a device
-///         where the fused core cannot run the call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         where the fused core cannot run the call; a float64 layer), ::CLMHA_SHAPE_MISMATCH,
+///         ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_layer_attend(clmha_layer *layer, const clmha_forward_args *args,
@@ -1824,8 +1830,9 @@ CLMHA_API clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, si
 /// @param[in]  tgt_len        L
 /// @param[in]  heads          (N*H, L, D) floats at @p heads_offset
 /// @param[in]  heads_offset   element offset
-/// @param[out] output         N*L*E floats at @p output_offset (not CL_MEM_WRITE_ONLY with a
-///                            bias); must not overlap @p heads
+/// @param[out] output         N*L*E elements of the layer's dtype (a 16-bit layer's: 16-bit)
+///                            at @p output_offset (not CL_MEM_WRITE_ONLY with a bias); must not
+///                            overlap @p heads
 /// @param[in]  output_offset  element offset
 /// @param[in]  num_wait       events in @p wait_list
 /// @param[in]  wait_list      events the call waits for on the device
@@ -1833,7 +1840,7 @@ CLMHA_API clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, si
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, buffers as for
 ///         clmha_layer_forward()), ::CLMHA_SHAPE_MISMATCH (@p batch or @p tgt_len 0),
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR,
-///         ::CLMHA_BLAS_ERROR, ::CLMHA_UNSUPPORTED (a 16-bit layer, see ::clmha_dtype)
+///         ::CLMHA_BLAS_ERROR, ::CLMHA_UNSUPPORTED (a float64 layer, see ::clmha_dtype)
 CLMHA_API clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch,
                                                  size_t tgt_len, cl_mem heads,
                                                  size_t heads_offset, cl_mem output,
@@ -2303,7 +2310,8 @@ typedef struct clmha_backward_args {
 ///         small), ::CLMHA_SHAPE_MISMATCH (grad_output or grad_weights shapes; forward
 ///         arguments of another shape than the saved call), ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_UNSUPPORTED (::CLMHA_IMPL_FUSED for a call it cannot do; a user attention
-///         core; @p args from a newer header using a newer field), ::CLMHA_SIZE_OVERFLOW,
+///         core; a float64 layer; @p args from a newer header using a newer field),
+///         ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
 ///         ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_backward_args *args,

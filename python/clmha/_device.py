@@ -24,12 +24,13 @@ def check_context(context, name: str, a) -> None:
                          f"clmha context's")
 
 
-def device_f32(context, name: str, a, shape=None, size=None):
-    """@p a checked as a C-contiguous float32 pyopencl array on @p context's OpenCL context."""
+def device_f32(context, name: str, a, shape=None, size=None, dtype=np.float32):
+    """@p a checked as a C-contiguous pyopencl array of @p dtype (float32) on @p context's
+    OpenCL context."""
     if not is_pyopencl_array(a):
         raise TypeError(f"{name} must be a pyopencl.array.Array, not {type(a).__name__}")
-    if a.dtype != np.float32:
-        raise TypeError(f"{name} must be float32, not {a.dtype}")
+    if a.dtype != np.dtype(dtype):
+        raise TypeError(f"{name} must be {np.dtype(dtype).name}, not {a.dtype}")
     if not a.flags.c_contiguous:
         raise ValueError(f"{name} of shape {a.shape} is not C-contiguous")
     check_context(context, name, a)

@@ -777,9 +777,10 @@ class Layer:
         query row and first key (0, 0: top-left on this call's own keys), which ``is_causal``,
         the sliding window, ALiBi and the user functions see; ``appended_keys``: this range
         holds the keys that add_bias_kv and add_zero_attn append, and the sinks (set it on
-        exactly one of the ranges merged). The fused core runs it: float32 layers
-        only, and ``impl="unfused"`` is refused (``clmha.Error``, as is a layer with a user
-        attention core).
+        exactly one of the ranges merged). The fused core runs it (float32, float16 and
+        bfloat16 layers: a 16-bit layer's inputs are 16-bit arrays, its heads and lse float32);
+        ``impl="unfused"`` is refused (``clmha.Error``, as is a layer with a user attention
+        core).
 
         Returns ``(heads, lse)``, new float32 pyopencl arrays (or ``heads_out``/``lse_out``):
         heads (N*H, L, D), normalised over this call's keys, and lse (N*H*L,), the natural log
@@ -841,8 +842,9 @@ class Layer:
         output projection (``clmha_layer_project_heads``). ``heads``: a float32 pyopencl array
         (N*H, L, D); batch N and tgt_len L default to its shape. Returns a new pyopencl array
         shaped as the query with E features, (L, N, E) or (N, L, E) with batch_first, or
-        ``out`` (N*L*E float32 values, any shape). Waits for the arrays' events and attaches the
-        call's event to both."""
+        ``out`` (N*L*E values, any shape) in the layer's device dtype (a 16-bit layer's output is
+        16-bit: float16, or uint16 holding bfloat16; projected in float32 and rounded once).
+        Waits for the arrays' events and attaches the call's event to both."""
         ctx = self._context
         if ctx.pyopencl_queue is None:
             raise ValueError("project_heads runs on pyopencl arrays: it needs a layer on a "
@@ -859,10 +861,11 @@ class Layer:
                              f"{batch} and tgt_len {tgt_len}")
         shape = (batch, tgt_len, self.embed_dim) if self.batch_first else \
             (tgt_len, batch, self.embed_dim)
+        el = self._device_dtypes()[0]  # a 16-bit layer's output is 16-bit
         if out is None:
             import pyopencl.array as cla
-            out = cla.empty(ctx.pyopencl_queue, shape, np.float32)
-        device_f32(ctx, "out", out, size=batch * tgt_len * self.embed_dim)
+            out = cla.empty(ctx.pyopencl_queue, shape, el)
+        device_f32(ctx, "out", out, size=batch * tgt_len * self.embed_dim, dtype=el)
         with self._lock:
             num_wait, waits = wait_list([heads, out])
             event = ffi.new("cl_event *")

@@ -260,6 +260,49 @@ def test_partial_attention_merge(pcl, rng, torch_mod, name):
     assert max_err(given.get(), ref) <= TOL
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_partial_attention_16bit(pcl, rng, torch_mod, dtype):
+    """A 16-bit layer's attend (16-bit query, key, value; float32 heads and lse), merge and
+    project_heads (16-bit output): within one rounding of its one-shot forward and within the
+    dtype's forward contract of PyTorch's float64 module on the same values."""
+    import pyopencl.array as cla
+
+    _, queue, c = pcl
+    m = torch_mha(E, H)
+    layer = layer_of(m, c, dtype=dtype)
+    el = np.float16 if dtype == "float16" else np.uint16
+    to16 = (lambda a: a.astype(np.float16)) if dtype == "float16" else \
+        (lambda a: torch_mod.from_numpy(a).bfloat16().view(torch_mod.int16).numpy().view(el))
+    wide = (lambda a: a.astype(np.float64)) if dtype == "float16" else \
+        (lambda a: torch_mod.from_numpy(a.view(np.int16)).view(torch_mod.bfloat16).double()
+         .numpy())
+    S, cut = 9, 4
+    q16, k16, v16 = to16(randn(rng, L, N, E)), to16(randn(rng, S, N, E)), to16(randn(rng, S, N, E))
+    one, _ = layer.forward(cla.to_device(queue, q16), cla.to_device(queue, k16),
+                           cla.to_device(queue, v16))
+    dq = cla.to_device(queue, q16)
+    parts = [layer.attend(dq, cla.to_device(queue, np.ascontiguousarray(k16[lo:hi])),
+                          cla.to_device(queue, np.ascontiguousarray(v16[lo:hi])),
+                          appended_keys=(lo == 0)) for lo, hi in ((0, cut), (cut, S))]
+    (heads, lse), (heads2, lse2) = parts
+    assert heads.dtype == np.float32 and lse.dtype == np.float32
+    c.attention_merge(heads, lse, heads2, lse2)
+    out = layer.project_heads(heads)
+    assert out.dtype == el and out.shape == (L, N, E)
+    got, want = wide(out.get()), wide(one.get())
+    r = 2.0 ** -11 if dtype == "float16" else 2.0 ** -8
+    assert np.all(np.abs(got - want) <= 2 * r * np.abs(want) + 1e-6), \
+        np.abs(got - want).max()
+    mt = torch_mha(E, H)
+    mt.load_state_dict({k: torch_mod.from_numpy(layer[k].astype(np.float32)).double()
+                        for k in layer.parameter_names()})
+    ref, _ = ref_forward(mt.double(), wide(q16), wide(k16), wide(v16))
+    t = 1e-5 * (1 + np.abs(ref).max())
+    ratio = (np.abs(got - ref) / (r * (np.abs(ref) + t) + t)).max()
+    record(f"attend + merge + project_heads {dtype} (of the contract)", ratio)
+    assert ratio <= 1.0
+
+
 @pytest.mark.parametrize("user", [False, True])
 def test_partial_attention_positions(pcl, rng, torch_mod, user):
     """Key ranges at their sequence positions (key_position): is_causal and a window (2, 0),

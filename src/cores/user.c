@@ -22,7 +22,8 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
                                : d->alibi         ? "ALiBi"
                                : d->sinks         ? "sinks"
                                                   : "soft-capping");
-    else if (l->core && l->desc.dtype != CLMHA_DTYPE_F32)  // its buffers are float32
+    else if (l->core && l->desc.dtype == CLMHA_DTYPE_F64)  // its buffers are float32
+        // (a 16-bit layer's pass runs in float32 on its widened copies: forward/convert.c)
         clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
                                "a %s layer does not take a user attention core "
                                "(clmha_layer_set_attention()) yet",

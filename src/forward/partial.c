@@ -4,9 +4,11 @@
 // two such results, by the core that merges: clmha__core_merge()) and
 // clmha_layer_project_heads() (the head merge and output projection of a merged result).
 #include "base/checked.h"
+#include "base/half.h"
 #include "context/context.h"
 #include "cores/core.h"
 #include "device/held.h"
+#include "forward/convert.h"
 #include "forward/enqueue.h"
 #include "forward/forward.h"
 #include "forward/middle.h"
@@ -88,7 +90,8 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
     clmha_status st = clmha__forward_args_in(ctx, &in, &args);
     if (st) return st;
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
-        (st = clmha__layer_f32_only(layer, "clmha_layer_attend()")))
+        (layer->desc.dtype == CLMHA_DTYPE_F64 &&
+         (st = clmha__layer_f32_only(layer, "clmha_layer_attend()"))))
         return st;
     const char *no = args->need_weights ? "need_weights"
                      : args->save       ? "save"
@@ -106,8 +109,13 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
     // resolved on a copy without them (the other calls refuse them), then given to the core.
     clmha_forward_args unplaced = in;
     unplaced.query_position = unplaced.key_position = 0;
+    // A 16-bit layer's query, key and value are 16-bit (read as its forward reads them); the
+    // head tiles and rows it writes are float32, as every layer's (merged in float32).
+    size_t io = clmha__dtype_size(layer->desc.dtype);
     clmha__dims d;
-    if ((st = clmha__forward_validate(layer, &unplaced, true, &d))) return st;
+    if ((st = clmha__forward_check_call(layer, &unplaced, &d)) ||
+        (st = clmha__forward_check_inputs(layer, &unplaced, &d, io)))
+        return st;
     if (in.query_position > (size_t)1 << 24 || in.key_position > (size_t)1 << 24)
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "query_position (%zu) and key_position (%zu) must be at most 2^24 "
@@ -125,13 +133,21 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
     size_t k = 0;
     all[k++] = clmha__span_of("heads", heads, heads_offset, rows * layer->d, 4);
     all[k++] = clmha__span_of("lse", lse, lse_offset, rows, 4);
-    all[k++] = clmha__span_of("query", args->query.buffer, args->query.offset, d.query_count, 4);
+    all[k++] = clmha__span_of("query", args->query.buffer, args->query.offset, d.query_count, io);
     if (!d.key_is_query)
-        all[k++] = clmha__span_of("key", args->key.buffer, args->key.offset, d.key_count, 4);
+        all[k++] = clmha__span_of("key", args->key.buffer, args->key.offset, d.key_count, io);
     if (!d.value_is_key)
         all[k++] =
-            clmha__span_of("value", args->value.buffer, args->value.offset, d.value_count, 4);
+            clmha__span_of("value", args->value.buffer, args->value.offset, d.value_count, io);
     if ((st = clmha__check_overlaps(ctx, all, k, 2))) return st;
+    clmha_forward_args wide = unplaced;  // a 16-bit layer's inputs widened (convert.c)
+    if (io != layer->rs) {
+        if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
+            (st = clmha__convert_inputs(layer, &d, &wide)))
+            return st;
+        args = &wide;
+        num_wait = 0, wait_list = NULL;
+    }
     // Without the appended keys the core sees the call's S keys alone. The core is one that
     // writes the log-sum-exp rows (clmha__core_call::need_lse, set with @p partial).
     if (!appended_keys) d.s_padded = d.s;
@@ -165,8 +181,12 @@ clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t 
     if (event) *event = NULL;
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
-    clmha_status st = clmha__layer_f32_only(layer, "clmha_layer_project_heads()");
+    clmha_status st = layer->desc.dtype == CLMHA_DTYPE_F64
+                          ? clmha__layer_f32_only(layer, "clmha_layer_project_heads()")
+                          : CLMHA_SUCCESS;
     if (st) return st;
+    // A 16-bit layer's output is 16-bit (projected in float32, rounded once); heads are float32.
+    size_t io = clmha__dtype_size(layer->desc.dtype);
     size_t e = layer->e, rows;
     if (!batch || !tgt_len)
         return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH, "batch %zu and tgt_len %zu must be positive",
@@ -176,23 +196,31 @@ clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t 
                            tgt_len);
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
         (st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * e, 4)) ||
-        (st = clmha__check_buffer(ctx, "output", output, output_offset, rows * e, 4)) ||
+        (st = clmha__check_buffer(ctx, "output", output, output_offset, rows * e, io)) ||
         (st = clmha__check_writable(ctx, "output", output)))
         return st;
-    if ((st = clmha__forward_output_readable(layer, output))) return st;
-    clmha__span all[2] = {clmha__span_of("output", output, output_offset, rows * e, 4),
+    if (io == layer->rs && (st = clmha__forward_output_readable(layer, output))) return st;
+    clmha__span all[2] = {clmha__span_of("output", output, output_offset, rows * e, io),
                           clmha__span_of("heads", heads, heads_offset, rows * e, 4)};
     if ((st = clmha__check_overlaps(ctx, all, 2, 1))) return st;
+    cl_mem out32 = output;  // a 16-bit layer's: the float32 copy, narrowed after
+    size_t out32_off = output_offset;
     if ((st = clmha__grow_buffer(ctx, &layer->proj, &layer->proj_cap, rows * e,
-                                 "projected rows")))
+                                 "projected rows")) ||
+        (io != layer->rs && (st = clmha__convert_result(layer, CLMHA__STAGED_OUTPUT,
+                                                        "float32 output", rows * e, &out32))))
         return st;
+    if (io != layer->rs) out32_off = 0;
     clmha__dims d = {.n = batch, .l = tgt_len, .e = e, .h = layer->h, .d = layer->d,
                      .batch_first = layer->desc.batch_first};
     clmha__heads_out merged = {.buffer = layer->proj, .batch_first = layer->desc.batch_first};
     clmha__layer_marks_release(layer);
     if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||
         (st = clmha__heads_put(layer, heads, heads_offset, batch, layer->h, tgt_len, &merged)) ||
-        (st = clmha__forward_out_project(layer, &d, layer->proj, output, output_offset, true)))
+        (st = clmha__forward_out_project(layer, &d, layer->proj, out32, out32_off, true)) ||
+        (io != layer->rs &&
+         (st = clmha__convert_out(layer, CLMHA__STAGED_OUTPUT, output, output_offset,
+                                  rows * e))))
         return st;
     return clmha__enqueue_event(ctx, event);
 }

@@ -628,7 +628,7 @@ static clmha_status no_core(const clmha_core_args *args, void *user_data) {
     return CLMHA_SUCCESS;
 }
 
-Test(dtype, what_16_bit_layers_refuse) {
+Test(dtype, what_16_bit_layers_take_and_refuse) {
     clmha_context *ctx = context_or_skip();
     clmha_layer_desc d = CLMHA_STRUCT_INIT(clmha_layer_desc);
     d.embed_dim = 8, d.num_heads = 2;
@@ -650,9 +650,9 @@ Test(dtype, what_16_bit_layers_refuse) {
     cr_expect(strstr(clmha_context_last_error(ctx), "dtype") != NULL);
     d.dtype = CLMHA_DTYPE_BF16;
     cr_assert_eq(clmha_layer_create(&l, ctx, &d), CLMHA_SUCCESS);
-    cr_expect_eq(clmha_layer_set_attention(l, no_core, NULL), CLMHA_UNSUPPORTED);
-    cr_expect(strstr(clmha_context_last_error(ctx), "bfloat16") != NULL, "%s",
-              clmha_context_last_error(ctx));
+    // A user core sees the float32 pass (tests/device/test_interop.c runs one).
+    cr_expect_eq(clmha_layer_set_attention(l, no_core, NULL), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
     cr_expect_eq(clmha_layer_set_attention(l, NULL, NULL), CLMHA_SUCCESS);
     float x[3 * 8] = {0}, y[3 * 8];
     clmha_forward_args a = CLMHA_STRUCT_INIT(clmha_forward_args);

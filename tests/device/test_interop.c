@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "base/half.h"
 #include "support_internal.h"
 
 enum { E = 16, H = 4, D = E / H, L = 5, N = 3, S = L };
@@ -311,6 +312,52 @@ static clmha_status host_core(const clmha_core_args *c, void *user) {
 static clmha_status failing_core(const clmha_core_args *c, void *user) {
     (void)c, (void)user;
     return CLMHA_UNSUPPORTED;
+}
+
+// A bfloat16 layer's user core sees its float32 pass (float32 tiles, as a float32 layer's):
+// the output and weights within the dtype's contract of the reference on the rounded values.
+Test(interop, user_attention_core_bfloat16) {
+    clmha_context *ctx = context_or_skip();
+    make_params();
+    float *all[] = {w_in, b_in, w_out, b_out, x};
+    size_t counts[] = {3 * E * E, 3 * E, E * E, E, L * N * E};
+    for (size_t k = 0; k < 5; ++k)
+        for (size_t i = 0; i < counts[k]; ++i)
+            all[k][i] = clmha__dtype_round(CLMHA_DTYPE_BF16, all[k][i]);
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = E, .num_heads = H,
+                             .bias = true, .dtype = CLMHA_DTYPE_BF16};
+    clmha_layer *layer = NULL;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
+    const char *names[] = {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"};
+    for (size_t k = 0; k < 4; ++k)
+        cr_assert_eq(clmha_layer_set_parameter(layer, names[k], all[k], counts[k]), 0);
+    core_log log = {0};
+    cr_assert_eq(clmha_layer_set_attention(layer, host_core, &log), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {L, N, E}, .data = x},
+                               .need_weights = true};
+    static float y[L * N * E], w[N * L * S];
+    static double y_ref[L * N * E], w_ref[N * L * S];
+    cr_assert_eq(clmha_layer_forward_host(layer, &args, y, L * N * E, w, N * L * S),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_assert_eq(log.calls, 1);
+    reference(y_ref, w_ref);
+    const float *got[] = {y, w};
+    const double *want[] = {y_ref, w_ref};
+    size_t count[] = {L * N * E, N * L * S};
+    for (int m = 0; m < 2; ++m) {
+        double big = 0.0, worst = 0.0;
+        for (size_t i = 0; i < count[m]; ++i) big = fmax(big, fabs(want[m][i]));
+        double t = 1e-5 * (1 + big);
+        for (size_t i = 0; i < count[m]; ++i)
+            worst = fmax(worst, fabs(got[m][i] - want[m][i]) /
+                                    (0x1p-8 * (fabs(want[m][i]) + t) + t));
+        cr_expect_leq(worst, 1.0, "%s: %.2f times the contract", m ? "weights" : "output",
+                      worst);
+    }
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
 }
 
 Test(interop, user_attention_core) {

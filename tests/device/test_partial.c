@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/half.h"
 #include "random_case.h"
 #include "support.h"
 
@@ -45,14 +46,30 @@ static void *columns(const void *x, size_t rows, size_t s, size_t elem, size_t j
     return out;
 }
 
+// @p count floats uploaded as elements of @p t (float32, or rounded to a 16-bit dtype).
+static cl_mem upload_as(clmha_context *ctx, clmha_dtype t, const float *x, size_t count) {
+    if (t == CLMHA_DTYPE_F32) return upload(ctx, x, count * 4);
+    uint16_t *h = malloc(count * 2 + 2);
+    cr_assert(h);
+    for (size_t i = 0; i < count; ++i)
+        h[i] = t == CLMHA_DTYPE_F16 ? clmha__f32_to_f16(x[i]) : clmha__f32_to_bf16(x[i]);
+    cl_mem b = upload(ctx, h, count * 2);
+    free(h);
+    return b;
+}
+
 // Runs the cross-attention case @p c with its keys split at @p cuts (ranges [cuts[i],
 // cuts[i+1])), the appended keys with range @p appended_range, merged from the last range to
-// the first; returns the max abs error of the projected result against the reference.
-static double split_and_merge(const rcase *c, const size_t *cuts, size_t ranges,
-                              size_t appended_range) {
+// the first, on a layer of dtype @p t (16-bit: its query, key, value, float masks and output
+// 16-bit, the partial results float32); returns the max abs error of the projected result
+// against the reference (16-bit: the largest fraction of the dtype's contract, include/clmha.h).
+static double split_and_merge_as(const rcase *c, const size_t *cuts, size_t ranges,
+                                 size_t appended_range, clmha_dtype t) {
     clmha_context *ctx = context_or_skip();
     instance in;
     instance_make(&in, c);
+    if (t != CLMHA_DTYPE_F32) instance_round(&in, t), in.desc.dtype = t;
+    size_t io = t == CLMHA_DTYPE_F32 ? 4 : 2;
     size_t n = in.n, l = c->l, s = c->s, e = c->e, h = c->h, d = e / h;
     size_t kd = in.kdim, vd = in.vdim, rows = n * h * l;
     double *want = malloc(in.output_count * sizeof *want);
@@ -62,14 +79,14 @@ static double split_and_merge(const rcase *c, const size_t *cuts, size_t ranges,
                  CLMHA_SUCCESS, "%s", msg);
     clmha_layer *layer = instance_layer(ctx, &in);
     cl_command_queue q = clmha_context_cl_queue(ctx);
-    cl_mem query = upload(ctx, in.query, n * l * e * 4);
+    cl_mem query = upload_as(ctx, t, in.query, n * l * e);
     cl_mem acc = device_buffer(ctx, rows * d * 4), acc_lse = device_buffer(ctx, rows * 4);
     cl_mem part = device_buffer(ctx, rows * d * 4), part_lse = device_buffer(ctx, rows * 4);
     for (size_t k = ranges; k-- > 0;) {
         size_t j0 = cuts[k], j1 = cuts[k + 1], w = j1 - j0;
         // (S, N, F) rows j0 .. j1-1 are contiguous (sequence first).
-        cl_mem key = upload(ctx, in.key + j0 * n * kd, w * n * kd * 4);
-        cl_mem value = upload(ctx, in.value + j0 * n * vd, w * n * vd * 4);
+        cl_mem key = upload_as(ctx, t, in.key + j0 * n * kd, w * n * kd);
+        cl_mem value = upload_as(ctx, t, in.value + j0 * n * vd, w * n * vd);
         // The range's keys at their positions in the sequence (is_causal, windows, ALiBi and
         // the user functions see them there).
         clmha_forward_args a = {.struct_size = sizeof a, .is_causal = c->is_causal,
@@ -82,14 +99,14 @@ static double split_and_merge(const rcase *c, const size_t *cuts, size_t ranges,
         if (c->kpm) {
             size_t el = c->kpm == CLMHA_MASK_FLOAT ? 4 : 1;
             kpm = columns(in.kpm, n, s, el, j0, j1);
-            kpm_buf = upload(ctx, kpm, n * w * el);
+            kpm_buf = el == 4 ? upload_as(ctx, t, kpm, n * w) : upload(ctx, kpm, n * w * el);
             a.key_padding_mask = (clmha_mask){
                 .kind = c->kpm, .tensor = {.ndim = 2, .shape = {n, w}, .buffer = kpm_buf}};
         }
         if (c->am) {
             size_t el = c->am == CLMHA_MASK_FLOAT ? 4 : 1;
             am = columns(in.am, l, s, el, j0, j1);
-            am_buf = upload(ctx, am, l * w * el);
+            am_buf = el == 4 ? upload_as(ctx, t, am, l * w) : upload(ctx, am, l * w * el);
             a.attn_mask = (clmha_mask){.kind = c->am,
                                        .tensor = {.ndim = 2, .shape = {l, w}, .buffer = am_buf}};
         }
@@ -110,13 +127,28 @@ static double split_and_merge(const rcase *c, const size_t *cuts, size_t ranges,
         free(kpm);
         free(am);
     }
-    cl_mem out = device_buffer(ctx, n * l * e * 4);
+    cl_mem out = device_buffer(ctx, n * l * e * io);
     cr_assert_eq(clmha_layer_project_heads(layer, n, l, acc, 0, out, 0, 0, NULL, NULL),
                  CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
     float *got = alloc_floats(n * l * e);
-    cr_assert_eq(clEnqueueReadBuffer(q, out, CL_TRUE, 0, n * l * e * 4, got, 0, NULL, NULL),
+    uint16_t *got16 = calloc(n * l * e, 2);
+    cr_assert_eq(clEnqueueReadBuffer(q, out, CL_TRUE, 0, n * l * e * io,
+                                     io == 4 ? (void *)got : (void *)got16, 0, NULL, NULL),
                  CL_SUCCESS);
-    double err = max_abs_err(got, want, n * l * e);
+    double err = 0.0;
+    if (io == 4) {
+        err = max_abs_err(got, want, n * l * e);
+    } else {
+        double big = 0.0, r = t == CLMHA_DTYPE_F16 ? 0x1p-11 : 0x1p-8;
+        for (size_t i = 0; i < n * l * e; ++i) big = fmax(big, fabs(want[i]));
+        double tol = 1e-5 * (1 + big);
+        for (size_t i = 0; i < n * l * e; ++i) {
+            got[i] = t == CLMHA_DTYPE_F16 ? clmha__f16_to_f32(got16[i])
+                                          : clmha__bf16_to_f32(got16[i]);
+            err = fmax(err, fabs(got[i] - want[i]) / (r * (fabs(want[i]) + tol) + tol));
+        }
+    }
+    free(got16);
     cl_mem bufs[] = {query, acc, acc_lse, part, part_lse, out};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i) clReleaseMemObject(bufs[i]);
     free(got);
@@ -125,6 +157,11 @@ static double split_and_merge(const rcase *c, const size_t *cuts, size_t ranges,
     instance_free(&in);
     clmha_context_release(ctx);
     return err;
+}
+
+static double split_and_merge(const rcase *c, const size_t *cuts, size_t ranges,
+                              size_t appended_range) {
+    return split_and_merge_as(c, cuts, ranges, appended_range, CLMHA_DTYPE_F32);
 }
 
 static rcase cross_case(uint64_t seed) {
@@ -149,6 +186,21 @@ Test(partial, ranges_merge_to_the_whole, .timeout = 300) {
                         "abs err %.3g\n",
                 with, err);
         cr_expect(err <= TOL, "appended keys with range %zu: max abs err %g", with, err);
+    }
+}
+
+// float16 and bfloat16 layers: 16-bit query, key, value, float mask and output, float32 partial
+// results merged in float32; the projected result within the dtype's forward contract.
+Test(partial, sixteen_bit_layers, .timeout = 300) {
+    size_t cuts[] = {0, 4, 5, 11};
+    const clmha_dtype types[2] = {CLMHA_DTYPE_F16, CLMHA_DTYPE_BF16};
+    for (int ti = 0; ti < 2; ++ti) {
+        rcase c = cross_case(31);
+        c.add_bias_kv = true, c.kpm = CLMHA_MASK_FLOAT, c.is_causal = ti == 1;
+        double ratio = split_and_merge_as(&c, cuts, 3, 2, types[ti]);
+        fprintf(stderr, "partial: %s layer, 3 ranges: %.2f of the contract\n",
+                types[ti] == CLMHA_DTYPE_F16 ? "float16" : "bfloat16", ratio);
+        cr_expect(ratio <= 1.0, "dtype %d: %.2f times the contract", (int)types[ti], ratio);
     }
 }
 
