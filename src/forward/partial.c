@@ -79,6 +79,33 @@ static clmha_status no_sinks(clmha_layer *layer) {
     return CLMHA_SUCCESS;
 }
 
+// The buffers of a clmha_layer_attend() call of sizes @p d (inputs of @p io bytes an element):
+// the float32 heads and lse rows writable and large enough, nothing overlapping an output.
+static clmha_status attend_buffers(clmha_layer *layer, const clmha_forward_args *args,
+                                   const clmha__dims *dp, cl_mem heads, size_t heads_offset,
+                                   cl_mem lse, size_t lse_offset, size_t io) {
+    clmha_context *ctx = layer->ctx;
+    const clmha__dims d = *dp;
+    clmha_status st;
+    size_t rows = d.n * layer->h * d.l;
+    if ((st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * layer->d, 4)) ||
+        (st = clmha__check_buffer(ctx, "lse", lse, lse_offset, rows, 4)) ||
+        (st = clmha__check_writable(ctx, "heads", heads)) ||
+        (st = clmha__check_writable(ctx, "lse", lse)))
+        return st;
+    clmha__span all[6];
+    size_t k = 0;
+    all[k++] = clmha__span_of("heads", heads, heads_offset, rows * layer->d, 4);
+    all[k++] = clmha__span_of("lse", lse, lse_offset, rows, 4);
+    all[k++] = clmha__span_of("query", args->query.buffer, args->query.offset, d.query_count, io);
+    if (!d.key_is_query)
+        all[k++] = clmha__span_of("key", args->key.buffer, args->key.offset, d.key_count, io);
+    if (!d.value_is_key)
+        all[k++] =
+            clmha__span_of("value", args->value.buffer, args->value.offset, d.value_count, io);
+    return clmha__check_overlaps(ctx, all, k, 2);
+}
+
 static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
                            bool appended_keys, cl_mem heads, size_t heads_offset, cl_mem lse,
                            size_t lse_offset, cl_uint num_wait, const cl_event *wait_list,
@@ -123,23 +150,8 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
                            in.query_position, in.key_position);
     d.q_pos = in.query_position, d.k_pos = in.key_position;
     args = &unplaced;
-    size_t rows = d.n * layer->h * d.l;
-    if ((st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * layer->d, 4)) ||
-        (st = clmha__check_buffer(ctx, "lse", lse, lse_offset, rows, 4)) ||
-        (st = clmha__check_writable(ctx, "heads", heads)) ||
-        (st = clmha__check_writable(ctx, "lse", lse)))
+    if ((st = attend_buffers(layer, args, &d, heads, heads_offset, lse, lse_offset, io)))
         return st;
-    clmha__span all[6];
-    size_t k = 0;
-    all[k++] = clmha__span_of("heads", heads, heads_offset, rows * layer->d, 4);
-    all[k++] = clmha__span_of("lse", lse, lse_offset, rows, 4);
-    all[k++] = clmha__span_of("query", args->query.buffer, args->query.offset, d.query_count, io);
-    if (!d.key_is_query)
-        all[k++] = clmha__span_of("key", args->key.buffer, args->key.offset, d.key_count, io);
-    if (!d.value_is_key)
-        all[k++] =
-            clmha__span_of("value", args->value.buffer, args->value.offset, d.value_count, io);
-    if ((st = clmha__check_overlaps(ctx, all, k, 2))) return st;
     clmha_forward_args wide = unplaced;  // a 16-bit layer's inputs widened (convert.c)
     if (io != layer->rs) {
         if ((st = clmha__enqueue_wait(ctx, num_wait, wait_list)) ||

@@ -2655,7 +2655,7 @@ Test(cli_bench, window_json) {
 // bench --decode: one JSON line per cache length with the step's time, the bytes of cached keys
 // and values it reads (2 N H (S + 1) D 4) and their rate, the copy bandwidth and the ratio.
 // --dtype: the call's tensors counted in the dtype's bytes (query, output: N L E each; the
-// weights off), and refused with --decode and --backward.
+// weights off), and refused with --decode; a 16-bit training step (--backward).
 Test(cli_bench, dtype_json) {
     SKIP_WITHOUT_DEVICE();
     const char *dtypes[] = {"f32", "f16", "bf16"};
@@ -2673,8 +2673,14 @@ Test(cli_bench, dtype_json) {
         cli_free(&r);
     }
     EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "f16", "--decode", "--cache-len", "8");
-    EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "bf16", "--backward");
     EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "half");
+    // A 16-bit training step: its JSON names the dtype.
+    cli_result r = cli_run("bench", "--json", "--backward", "--dtype", "bf16", "--embed", "16",
+                           "--heads", "2", "--batch", "2", "--tgt-len", "5", "--repeat", "2");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    cr_expect(strstr(r.out, "\"dtype\": \"bfloat16\"") != NULL, "%s", r.out);
+    cr_expect(json_number(r.out, "backward_ms") > 0.0, "%s", r.out);
+    cli_free(&r);
 }
 
 // bench --host: the host-array calls timed ("host": true; without it false): the forward with
