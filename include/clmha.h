@@ -2332,6 +2332,22 @@ CLMHA_API clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_back
 CLMHA_API clmha_status clmha_layer_backward_host(clmha_layer *layer,
                                                  const clmha_backward_args *args);
 
+/// clmha_layer_backward_host() on double arrays: the `data` of args->forward's query, key,
+/// value and float masks, of grad_output and grad_weights are doubles, and every
+/// ::clmha_grad::data points to a double array (cast to `float *`: the struct's layout is
+/// frozen). A float64 layer (::CLMHA_DTYPE_F64) computes and returns its gradients in float64
+/// exactly, which is how a finite-difference check (`torch.autograd.gradcheck`) reaches it;
+/// other layers take the doubles rounded to their dtype and return their gradients widened.
+/// @param[in] layer  the layer
+/// @param[in] args   the arguments (the `buffer` fields are ignored)
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_layer_backward_host();
+///         grad_dtype ::CLMHA_GRAD_F32 for a float64 layer), ::CLMHA_SHAPE_MISMATCH,
+///         ::CLMHA_INVALID_MASK, ::CLMHA_UNSUPPORTED, ::CLMHA_SIZE_OVERFLOW,
+///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
+///         ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_layer_backward_host_f64(clmha_layer *layer,
+                                                     const clmha_backward_args *args);
+
 // ---------------------------------------------------------------------------------------------
 // Profiling
 // ---------------------------------------------------------------------------------------------

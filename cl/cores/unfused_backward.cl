@@ -23,13 +23,13 @@
 // a fixed order (each work-item's strided part in order, then a fixed tree), so the result is
 // the same on every run. A fully masked row has P = 0: dS = 0 and Pd = 0.
 kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void softmax_backward(global float *p, global float *g, global const float *grad_weights,
-                      ulong gw_off, uint gw_mode, float inv_heads, ulong tgt_len, ulong n_heads,
+void softmax_backward(global REAL *p, global REAL *g, global const REAL *grad_weights,
+                      ulong gw_off, uint gw_mode, REAL inv_heads, ulong tgt_len, ulong n_heads,
                       ulong src_len_padded,
-                      uint dropout_on, uint dropout_threshold, float keep_scale,
+                      uint dropout_on, uint dropout_threshold, REAL keep_scale,
                       uint seed_lo, uint seed_hi_xor_off_hi, uint offset_lo,
-                      global float *drow_out, uint drow_on) {
-    local float red[WG];
+                      global REAL *drow_out, uint drow_on) {
+    local REAL red[WG];
     // No early return: the host launches exactly one work-group per row, and every work-item
     // reaches every barrier (PoCL 3.1 miscompiles uniform returns in kernels with barriers).
     uint lid = get_local_id(0);
@@ -37,20 +37,20 @@ void softmax_backward(global float *p, global float *g, global const float *grad
     ulong bh = row / tgt_len;
     ulong i = row % tgt_len;
     ulong n = bh / n_heads;
-    global float *x = p + row * src_len_padded;
-    global float *y = g + row * src_len_padded;
-    global const float *gw = grad_weights + gw_off +
+    global REAL *x = p + row * src_len_padded;
+    global REAL *y = g + row * src_len_padded;
+    global const REAL *gw = grad_weights + gw_off +
                              (gw_mode == GW_AVERAGED ? (n * tgt_len + i) : row) * src_len_padded;
-    float gw_scale = gw_mode == GW_AVERAGED ? inv_heads : 1.0f;
+    REAL gw_scale = gw_mode == GW_AVERAGED ? inv_heads : (REAL)1;
 
-    float acc = 0.0f;
+    REAL acc = (REAL)0;
     for (ulong j = lid; j < src_len_padded; j += WG) {
-        float dp = y[j];
+        REAL dp = y[j];
         if (gw_mode != GW_NONE) dp += gw[j] * gw_scale;
         if (dropout_on) {
             uint w = philox_word0((uint)j, (uint)i, (uint)bh, offset_lo, seed_lo,
                                   seed_hi_xor_off_hi);
-            dp = w >= dropout_threshold ? dp * keep_scale : 0.0f;
+            dp = w >= dropout_threshold ? dp * keep_scale : (REAL)0;
         }
         y[j] = dp;
         acc = fma(x[j], dp, acc);
@@ -61,16 +61,16 @@ void softmax_backward(global float *p, global float *g, global const float *grad
         if (lid < s) red[lid] += red[lid + s];
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    float drow = red[0];
+    REAL drow = red[0];
     if (drow_on && lid == 0) drow_out[row] = drow;  // for the sinks' gradient
 
     for (ulong j = lid; j < src_len_padded; j += WG) {
-        float pj = x[j];
+        REAL pj = x[j];
         y[j] = pj * (y[j] - drow);
         if (dropout_on) {
             uint w = philox_word0((uint)j, (uint)i, (uint)bh, offset_lo, seed_lo,
                                   seed_hi_xor_off_hi);
-            x[j] = w >= dropout_threshold ? pj * keep_scale : 0.0f;
+            x[j] = w >= dropout_threshold ? pj * keep_scale : (REAL)0;
         }
     }
 }
@@ -80,7 +80,7 @@ void softmax_backward(global float *p, global float *g, global const float *grad
 // strides, or (S, 0, 0) for key_padding_mask (N, S)): the gradient of the scores dS summed over
 // every (n, h, i) whose score reads that element, in a fixed order (n, then h, then i),
 // written to out[out_off + e] or added to it (accumulate). Only the first S keys have a mask.
-kernel void mask_grad(global const float *ds, global float *out, ulong out_off, ulong count,
+kernel void mask_grad(global const REAL *ds, global REAL *out, ulong out_off, ulong count,
                       uint accumulate, ulong tgt_len, ulong n_heads, ulong n_batch,
                       ulong src_len, ulong src_len_padded, ulong mask_sn, ulong mask_sh,
                       ulong mask_si) {
@@ -93,10 +93,10 @@ kernel void mask_grad(global const float *ds, global float *out, ulong out_off, 
         if (mask_sn) n0 = r / mask_sn, n1 = n0 + 1, r %= mask_sn;
         if (mask_sh) h0 = r / mask_sh, h1 = h0 + 1, r %= mask_sh;
         if (mask_si) i0 = r / mask_si, i1 = i0 + 1;
-        float sum = 0.0f;
+        REAL sum = (REAL)0;
         for (ulong n = n0; n < n1; ++n)
             for (ulong h = h0; h < h1; ++h) {
-                global const float *plane = ds + (n * n_heads + h) * tgt_len * src_len_padded;
+                global const REAL *plane = ds + (n * n_heads + h) * tgt_len * src_len_padded;
                 for (ulong i = i0; i < i1; ++i) sum += plane[i * src_len_padded + j];
             }
         out[out_off + e] = accumulate ? out[out_off + e] + sum : sum;
@@ -108,8 +108,8 @@ kernel void mask_grad(global const float *ds, global float *out, ulong out_off, 
 // ds[e] times the variants' derivative there (cl/common.cl: soft-capping's 1 - tanh(s/c)^2,
 // then clmha_score_mod_grad's at the score it was given), dS through them. A kernel that is
 // never launched without one.
-kernel void score_backward(global const float *ds, global float *raw, float softcap,
-                           global const float *alibi_slopes, ulong alibi_off,
+kernel void score_backward(global const REAL *ds, global REAL *raw, REAL softcap,
+                           global const REAL *alibi_slopes, ulong alibi_off,
                            global const float *mod_p, ulong mod_off, ulong tgt_len,
                            ulong n_heads,
                            ulong src_len, ulong src_len_padded, ulong count) {
@@ -117,8 +117,8 @@ kernel void score_backward(global const float *ds, global float *raw, float soft
     if (e < count) {
         ulong row = e / src_len_padded, j = e % src_len_padded, bh = row / tgt_len;
         ulong i = row % tgt_len, n = bh / n_heads, h = bh - n * n_heads;
-        float g;
-        float s = score_mod_grad(raw[e], softcap, ALIBI_SLOPE(h), i, j, j < src_len, &g);
+        REAL g;
+        REAL s = score_mod_grad(raw[e], softcap, ALIBI_SLOPE(h), i, j, j < src_len, &g);
 #if USER_SCORE
         if (j < src_len) g *= USER_GRAD_OF(s, n, h, i, j);
 #endif

@@ -67,7 +67,7 @@ static clmha_status state_get(clmha_layer *l, state **out) {
     state *s = calloc(1, sizeof *s);
     if (!s) return clmha__fail(l->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     cl_program prog;
-    clmha_status st = clmha__program_get(l->ctx, "backward", "", &prog);
+    clmha_status st = clmha__program_get(l->ctx, "backward", clmha__layer_real_options(l), &prog);
     if (!st) st = clmha__kernel_make(l->ctx, prog, "merge_rows", &s->merge_rows);
     if (!st) st = clmha__kernel_make(l->ctx, prog, "appended_row_sums", &s->appended_row_sums);
     if (st) {
@@ -164,7 +164,8 @@ static size_t io_elem(const clmha_layer *l) { return clmha__dtype_size(l->desc.d
 
 // Bytes of a device call's gradients: the layer's dtype's, or float32 with CLMHA_GRAD_F32.
 static size_t grad_elem(const clmha_layer *l, const clmha_backward_args *a) {
-    return a->grad_dtype == CLMHA_GRAD_F32 ? sizeof(float) : io_elem(l);
+    return a->grad_dtype == CLMHA_GRAD_F32 && l->rs == sizeof(float) ? sizeof(float)
+                                                                      : io_elem(l);
 }
 
 // Checks a tensor's shape against the expected one.
@@ -226,9 +227,10 @@ static clmha_status check_same_call(clmha_context *ctx, const clmha_saved *sv,
 clmha_status clmha__backward_resolve(clmha_layer *l, const clmha_backward_args *a,
                                      clmha_forward_args *fwd, clmha__dims *d, bool on_device) {
     clmha_context *ctx = l->ctx;
-    if (l->desc.dtype == CLMHA_DTYPE_F64)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "the backward pass is not available for a float64 layer yet");
+    if (l->desc.dtype == CLMHA_DTYPE_F64 && a->grad_dtype == CLMHA_GRAD_F32)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "grad_dtype CLMHA_GRAD_F32 is for 16-bit layers: a float64 layer's "
+                           "gradients are float64");
     clmha_status st16 = clmha__layer_mods_grad_check(l, "the backward pass");
     if (st16) return st16;
     if (a->grad_dtype != CLMHA_GRAD_LAYER && a->grad_dtype != CLMHA_GRAD_F32)
@@ -355,15 +357,16 @@ static clmha_status check_buffers(clmha_layer *l, const clmha_backward_args *a,
 
 // ---- the stages ----------------------------------------------------------------------------------
 
-// Row-major C (m, n) = alpha·op(A)·op(B) + beta·C.
-static clmha_status gemm(clmha_context *ctx, const char *what, bool ta, bool tb, size_t m,
+// Row-major C (m, n) = op(A)·op(B) + beta·C, in the layer's elements (doubles for float64).
+static clmha_status gemm(clmha_layer *l, const char *what, bool ta, bool tb, size_t m,
                          size_t n, size_t k, cl_mem a, size_t a_off, size_t lda, cl_mem b,
                          size_t b_off, size_t ldb, float beta, cl_mem c, size_t c_off,
                          size_t ldc) {
-    clmha__gemm_op op = {.ta = ta, .tb = tb, .m = m, .n = n, .k = k, .alpha = 1.0f,
-                         .beta = beta, .a = a, .a_off = a_off, .lda = lda,
-                         .b = b, .b_off = b_off, .ldb = ldb, .c = c, .c_off = c_off, .ldc = ldc};
-    return clmha__gemm(ctx, what, &op);
+    clmha__gemm_op op = {.ta = ta, .tb = tb, .f64 = l->rs == sizeof(double), .m = m, .n = n,
+                         .k = k, .alpha = 1.0, .beta = beta, .a = a, .a_off = a_off,
+                         .lda = lda, .b = b, .b_off = b_off, .ldb = ldb, .c = c, .c_off = c_off,
+                         .ldc = ldc};
+    return clmha__gemm(l->ctx, what, &op);
 }
 
 // One call's working set.
@@ -410,7 +413,7 @@ static clmha_status column_sums(pass *p, cl_mem x, size_t x_off, size_t rows, in
     clmha_layer *l = p->l;
     const clmha_grad *gr = clmha__backward_grad(p->a, g);
     // rows <= p->s->ones_cap: made before anything was enqueued
-    return gemm(l->ctx, "bias gradient", true, false, width, 1, rows, x, x_off, width,
+    return gemm(l, "bias gradient", true, false, width, 1, rows, x, x_off, width,
                 p->s->ones, 0, 1, gr->accumulate ? 1.0f : 0.0f, gr->buffer, gr->offset + out_at,
                 1);
 }
@@ -439,13 +442,13 @@ static clmha_status out_projection(pass *p) {
     const clmha_grad *gw = &p->a->out_proj_weight, *gb = &p->a->out_proj_bias;
     if (gw->buffer) {  // dW_o (E, E) = dYᵀ · M, M the merged attention result
         if ((st = merge_rows(p, p->sv->tiles[CLMHA__TILE_OUT], d->l, d->l, m_off, 1)) ||
-            (st = gemm(ctx, "out_proj.weight gradient", true, false, e, e, rows,
+            (st = gemm(l, "out_proj.weight gradient", true, false, e, e, rows,
                        dy, dy_off, e, m, m_off, e, beta_of(p, G_OUT_W), gw->buffer, gw->offset,
                        e)))
             return st;
     }
     if (gb->buffer && (st = column_sums(p, dy, dy_off, rows, G_OUT_B, 0, e))) return st;
-    if ((st = gemm(ctx, "attention result gradient", false, false, rows, e, e, dy,
+    if ((st = gemm(l, "attention result gradient", false, false, rows, e, e, dy,
                    dy_off, e, l->w_out, 0, e, 0.0f, m, m_off, e)))
         return st;
     cl_ulong zero = 0, one = 1, a_off = m_off, ld = e, n = d->n, h = d->h, t = d->l, hd = d->d;
@@ -462,7 +465,6 @@ static clmha_status out_projection(pass *p) {
 // weights, the inputs.
 static clmha_status in_projections(pass *p) {
     clmha_layer *l = p->l;
-    clmha_context *ctx = l->ctx;
     const clmha__dims *d = p->d;
     const clmha_backward_args *a = p->a;
     const clmha_forward_args *f = p->f;
@@ -508,7 +510,7 @@ static clmha_status in_projections(pass *p) {
         if (!gr->buffer) continue;
         size_t off = gr->offset + (packed ? w[i].block * e * e : 0);
         float beta = gr->accumulate ? 1.0f : 0.0f;
-        if ((st = gemm(ctx, wname[i], true, false, w[i].width, w[i].feat, w[i].rows, p->rows,
+        if ((st = gemm(l, wname[i], true, false, w[i].width, w[i].feat, w[i].rows, p->rows,
                        w[i].dp_off, w[i].width, w[i].x, w[i].x_off, w[i].feat, beta, gr->buffer,
                        off, w[i].feat)))
             return st;
@@ -524,7 +526,7 @@ static clmha_status in_projections(pass *p) {
     for (int i = 0; i < 3; ++i) {
         const clmha_grad *gr = clmha__backward_grad(a, target[i]);
         if (!gr->buffer) continue;
-        if ((st = gemm(ctx, xname[i], false, false, w[i].rows, w[i].feat, w[i].width, p->rows,
+        if ((st = gemm(l, xname[i], false, false, w[i].rows, w[i].feat, w[i].width, p->rows,
                        w[i].dp_off, w[i].width, l->w_in, w_off[i], w[i].feat,
                        beta_of(p, target[i]), gr->buffer, gr->offset, w[i].feat)))
             return st;
@@ -551,7 +553,7 @@ static void rows_at(clmha_grad *g, size_t row0, size_t feat) {
 static clmha_status zero_rows(clmha_layer *layer, const clmha_grad *g, size_t row0, size_t rows,
                               size_t feat, size_t elem) {
     if (!g->buffer || g->accumulate || !rows) return CLMHA_SUCCESS;
-    float zero = 0.0f;  // as many of its zero bytes as an element has
+    double zero = 0.0;  // as many of its zero bytes as an element has (2, 4 or 8)
     cl_int err = clEnqueueFillBuffer(layer->ctx->queue, g->buffer, &zero, elem,
                                      (g->offset + row0 * feat) * elem, rows * feat * elem, 0,
                                      NULL, NULL);
@@ -718,7 +720,7 @@ static clmha_status backward_run(clmha_layer *layer, const clmha_backward_args *
         return st;
     // With a weights' gradient and the sinks' asked for, D = sum_j P dP rows from the core.
     if (args->sinks.buffer && call.grad_weights &&
-        (st = clmha__grow_buffer(ctx, &s->drow, &s->drow_cap, d.n * layer->h * d.l,
+        (st = clmha__layer_grow(layer, &s->drow, &s->drow_cap, d.n * layer->h * d.l,
                                  "backward D rows")))
         return st;
     call.drow = args->sinks.buffer && call.grad_weights ? s->drow : NULL;
@@ -755,7 +757,8 @@ clmha_status clmha__sinks_grad(clmha_layer *l, cl_kernel *kernel, cl_mem o, cl_m
                                size_t out_off, bool accumulate, size_t n, size_t len) {
     cl_program prog;
     clmha_status st;
-    if (!*kernel && ((st = clmha__program_get(l->ctx, "backward", "", &prog)) ||
+    if (!*kernel && ((st = clmha__program_get(l->ctx, "backward", clmha__layer_real_options(l),
+                                              &prog)) ||
                      (st = clmha__kernel_make(l->ctx, prog, "sinks_grad", kernel))))
         return st;
     cl_ulong loff = lse_off, soff = sinks_off, ooff = out_off, nb = n, heads = l->h, tl = len,

@@ -8,62 +8,92 @@
 #include "forward/enqueue.h"
 #include "forward/staging.h"
 
+#include <stdlib.h>
+
 // Copies the call's input arrays, masks, grad_output and grad_weights into the layer's staging
 // buffers and points @p dev (the forward arguments) and @p b at them.
 static clmha_status upload_inputs(clmha_layer *layer, const clmha_backward_args *a,
                                   const clmha_forward_args *f, const clmha__dims *d,
-                                  clmha_forward_args *dev, clmha_backward_args *b) {
+                                  clmha_forward_args *dev, clmha_backward_args *b, bool f64) {
     clmha_status st;
-    if ((st = clmha__host_upload_values(layer, CLMHA__HOST_QUERY, "query upload", f->query.data, d->query_count, false, &dev->query.buffer)))
+    if ((st = clmha__host_upload_values(layer, CLMHA__HOST_QUERY, "query upload", f->query.data, d->query_count, f64, &dev->query.buffer)))
         return st;
     dev->query.offset = 0;
     if (!d->key_is_query) {
-        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_KEY, "key upload", f->key.data, d->key_count, false, &dev->key.buffer)))
+        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_KEY, "key upload", f->key.data, d->key_count, f64, &dev->key.buffer)))
             return st;
         dev->key.offset = 0;
     }
     if (!d->value_is_key) {
-        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_VALUE, "value upload", f->value.data, d->value_count, false, &dev->value.buffer)))
+        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_VALUE, "value upload", f->value.data, d->value_count, f64, &dev->value.buffer)))
             return st;
         dev->value.offset = 0;
     }
     if (d->kpm_kind) {
-        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_KPM, "key_padding_mask upload", d->kpm_kind, f->key_padding_mask.tensor.data, d->kpm_count, false, &dev->key_padding_mask.tensor.buffer)))
+        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_KPM, "key_padding_mask upload", d->kpm_kind, f->key_padding_mask.tensor.data, d->kpm_count, f64, &dev->key_padding_mask.tensor.buffer)))
             return st;
         dev->key_padding_mask.tensor.offset = 0;
     }
     if (d->attn_kind) {
-        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_ATTN, "attn_mask upload", d->attn_kind, f->attn_mask.tensor.data, d->attn_count, false, &dev->attn_mask.tensor.buffer)))
+        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_ATTN, "attn_mask upload", d->attn_kind, f->attn_mask.tensor.data, d->attn_count, f64, &dev->attn_mask.tensor.buffer)))
             return st;
         dev->attn_mask.tensor.offset = 0;
     }
-    if ((st = clmha__host_upload_values(layer, CLMHA__HOST_GRAD_OUTPUT, "grad_output upload", a->grad_output.data, d->output_count, false, &b->grad_output.buffer)))
+    if ((st = clmha__host_upload_values(layer, CLMHA__HOST_GRAD_OUTPUT, "grad_output upload", a->grad_output.data, d->output_count, f64, &b->grad_output.buffer)))
         return st;
     b->grad_output.offset = 0;
     if (a->grad_weights.ndim) {
-        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_GRAD_WEIGHTS, "grad_weights upload", a->grad_weights.data, d->weights_count, false, &b->grad_weights.buffer)))
+        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_GRAD_WEIGHTS, "grad_weights upload", a->grad_weights.data, d->weights_count, f64, &b->grad_weights.buffer)))
             return st;
         b->grad_weights.offset = 0;
     }
     return CLMHA_SUCCESS;
 }
 
-// A staging buffer per gradient asked for, holding the caller's values when the gradient
-// accumulates.
+// @p n values between the caller's array @p data (doubles with @p f64, else floats) and a
+// device buffer of @p elem-byte elements (float32, or float64 for a float64 layer): into slot
+// @p slot (upload) or from @p buf (a blocking read), converted where the two differ.
+static clmha_status host_copy(clmha_layer *layer, int slot, void *data, bool f64, size_t n,
+                              size_t elem, bool upload, cl_mem buf, cl_mem *out) {
+    size_t have = f64 ? sizeof(double) : sizeof(float);
+    void *tmp = have == elem ? NULL : malloc((n ? n : 1) * elem);
+    if (have != elem && !tmp)
+        return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (gradient)");
+    for (size_t i = 0; upload && tmp && i < n; ++i)  // float <-> double
+        if (elem == sizeof(double)) ((double *)tmp)[i] = ((const float *)data)[i];
+        else ((float *)tmp)[i] = (float)((const double *)data)[i];
+    clmha_status st = CLMHA_SUCCESS;
+    if (upload) {
+        st = clmha__host_upload(layer, slot, "gradient upload", tmp ? tmp : data, n * elem, out);
+    } else {
+        cl_int err = clEnqueueReadBuffer(layer->ctx->queue, buf, CL_TRUE, 0, n * elem,
+                                         tmp ? tmp : data, 0, NULL, NULL);
+        if (err) st = clmha__cl_fail(layer->ctx, err, "clEnqueueReadBuffer(gradient)");
+        for (size_t i = 0; !st && tmp && i < n; ++i)
+            if (f64) ((double *)data)[i] = ((const float *)tmp)[i];
+            else ((float *)data)[i] = (float)((const double *)tmp)[i];
+    }
+    free(tmp);
+    return st;
+}
+
+// A staging buffer per gradient asked for (@p elem bytes an element), holding the caller's
+// values when the gradient accumulates.
 static clmha_status stage_gradients(clmha_layer *layer, const clmha__dims *d,
-                                    clmha_backward_args *b) {
+                                    clmha_backward_args *b, bool f64, size_t elem) {
     int count = clmha__backward_grad_count();  // at most the slots (backward.c checks it)
     for (int g = 0; g < count; ++g) {
         clmha_grad *gr = (clmha_grad *)clmha__backward_grad(b, g);
         gr->buffer = NULL;
         gr->offset = 0;
         if (!gr->data) continue;
-        size_t bytes = clmha__backward_grad_floats(layer, d, g) * sizeof(float);
+        size_t n = clmha__backward_grad_floats(layer, d, g);
         clmha_status st =
             gr->accumulate
-                ? clmha__host_upload(layer, CLMHA__HOST_GRAD + g, "gradient upload", gr->data,
-                                     bytes, &gr->buffer)
-                : clmha__host_room(layer, CLMHA__HOST_GRAD + g, "gradient", bytes, &gr->buffer);
+                ? host_copy(layer, CLMHA__HOST_GRAD + g, gr->data, f64, n, elem, true, NULL,
+                            &gr->buffer)
+                : clmha__host_room(layer, CLMHA__HOST_GRAD + g, "gradient", n * elem,
+                                   &gr->buffer);
         if (st) return st;
     }
     return CLMHA_SUCCESS;
@@ -72,20 +102,21 @@ static clmha_status stage_gradients(clmha_layer *layer, const clmha__dims *d,
 // A 16-bit layer's gradients rounded to its dtype in the caller's arrays (as its device call
 // writes them), unless the call asks for float32 ones.
 static void round_gradients(const clmha_layer *layer, const clmha_backward_args *a,
-                            const clmha__dims *d) {
+                            const clmha__dims *d, bool f64) {
     clmha_dtype t = layer->desc.dtype;
     if ((t != CLMHA_DTYPE_F16 && t != CLMHA_DTYPE_BF16) || a->grad_dtype == CLMHA_GRAD_F32)
         return;
     for (int g = 0; g < clmha__backward_grad_count(); ++g) {
-        float *x = clmha__backward_grad(a, g)->data;
+        void *x = clmha__backward_grad(a, g)->data;
         size_t n = x ? clmha__backward_grad_floats(layer, d, g) : 0;
         for (size_t i = 0; i < n; ++i)
-            x[i] = t == CLMHA_DTYPE_F16 ? clmha__f16_to_f32(clmha__f32_to_f16(x[i]))
-                                        : clmha__bf16_to_f32(clmha__f32_to_bf16(x[i]));
+            if (f64) ((double *)x)[i] = clmha__dtype_round(t, (float)((double *)x)[i]);
+            else ((float *)x)[i] = clmha__dtype_round(t, ((float *)x)[i]);
     }
 }
 
-static clmha_status backward_host(clmha_layer *layer, const clmha_backward_args *args) {
+static clmha_status backward_host(clmha_layer *layer, const clmha_backward_args *args,
+                                  bool f64) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
     clmha_backward_args a;
@@ -99,9 +130,11 @@ static clmha_status backward_host(clmha_layer *layer, const clmha_backward_args 
     clmha_forward_args dev = f;
     clmha_backward_args b = a;
     b.forward = &dev;
-    b.grad_dtype = CLMHA_GRAD_F32;  // float staging, rounded below when the caller asks
-    if ((st = upload_inputs(layer, &a, &f, &d, &dev, &b))) goto fail;
-    if ((st = stage_gradients(layer, &d, &b))) goto fail;
+    // The device gradients: float32 staging for a 16-bit layer (rounded below when the caller
+    // asks), the layer's elements otherwise.
+    if (layer->rs == sizeof(float)) b.grad_dtype = CLMHA_GRAD_F32;
+    if ((st = upload_inputs(layer, &a, &f, &d, &dev, &b, f64))) goto fail;
+    if ((st = stage_gradients(layer, &d, &b, f64, layer->rs))) goto fail;
     if ((st = clmha_layer_backward(layer, &b, 0, NULL, NULL))) goto fail;
     cl_int err = clFinish(ctx->queue);
     if (err != CL_SUCCESS) {
@@ -109,23 +142,26 @@ static clmha_status backward_host(clmha_layer *layer, const clmha_backward_args 
         goto fail;
     }
     // Read into the caller's arrays only once the whole pass has run.
-    for (int g = 0; g < clmha__backward_grad_count() && err == CL_SUCCESS; ++g) {
+    for (int g = 0; g < clmha__backward_grad_count() && !st; ++g) {
         const clmha_grad *gr = clmha__backward_grad(&b, g);
-        if (!gr->data) continue;
-        size_t n = clmha__backward_grad_floats(layer, &d, g);
-        err = clEnqueueReadBuffer(ctx->queue, gr->buffer, CL_TRUE, 0, n * sizeof(float),
-                                  gr->data, 0, NULL, NULL);
+        if (gr->data)
+            st = host_copy(layer, 0, gr->data, f64, clmha__backward_grad_floats(layer, &d, g),
+                           layer->rs, false, gr->buffer, NULL);
     }
-    if (err == CL_SUCCESS) {
-        round_gradients(layer, &a, &d);
+    if (!st) {
+        round_gradients(layer, &a, &d, f64);
         return CLMHA_SUCCESS;
     }
-    st = clmha__cl_fail(ctx, err, "clEnqueueReadBuffer(gradient)");
 fail:
     clmha__host_drop(layer);
     return st;
 }
 
 clmha_status clmha_layer_backward_host(clmha_layer *layer, const clmha_backward_args *args) {
-    return backward_host(layer, args);
+    return backward_host(layer, args, false);
+}
+
+clmha_status clmha_layer_backward_host_f64(clmha_layer *layer,
+                                           const clmha_backward_args *args) {
+    return backward_host(layer, args, true);
 }

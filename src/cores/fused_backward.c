@@ -341,6 +341,10 @@ clmha_status clmha__fused_backward_supports(clmha__fused_backward **slot, clmha_
                                "impl is CLMHA_IMPL_UNFUSED");
         return CLMHA_SUCCESS;
     }
+    if (l->rs != sizeof(float)) {  // its kernels are float32's: a float64 layer's runs unfused
+        refuse(answer, asked, false, "a float64 layer's backward runs in the unfused core");
+        return CLMHA_SUCCESS;
+    }
     if (!call->lse) {
         refuse(answer, asked, call->fell_back,
                "the forward call did not run the fused core (no saved log-sum-exp rows)");

@@ -56,7 +56,8 @@ static clmha_status ensure(clmha__unfused_backward **slot, clmha_layer *l,
     if (ub->softmax_backward) return CLMHA_SUCCESS;
     for (size_t want = clmha__unfused_pow2_below(ctx->cls->softmax_wg, ctx->max_work_group);;) {
         char options[224];
-        snprintf(options, sizeof options, "-DWG=%zu%s", want, clmha__layer_variant_options(l));
+        snprintf(options, sizeof options, "-DWG=%zu%s%s", want, clmha__layer_real_options(l),
+                 clmha__layer_variant_options(l));
         cl_program prog;
         size_t wg = 1, mask_wg = 1;
         clmha_status st = clmha__program_get_mod(ctx, "unfused_backward", options, l->mod_source, &prog);
@@ -113,10 +114,11 @@ clmha_status clmha__unfused_backward_supports(clmha__unfused_backward **slot, cl
 // One strided batched GEMM over the N*H planes, row-major: C = alpha · op(A) · op(B), every
 // buffer at offset 0 (see the top of this file).
 static clmha_status gemm(clmha_layer *l, const char *what, bool trans_a, bool trans_b, size_t m,
-                         size_t n, size_t k, float alpha, cl_mem a, size_t lda, size_t stride_a,
+                         size_t n, size_t k, double alpha, cl_mem a, size_t lda, size_t stride_a,
                          cl_mem b, size_t ldb, size_t stride_b, cl_mem c, size_t ldc,
                          size_t stride_c, size_t batches) {
-    clmha__gemm_op op = {.ta = trans_a, .tb = trans_b, .m = m, .n = n, .k = k, .alpha = alpha,
+    clmha__gemm_op op = {.ta = trans_a, .tb = trans_b, .f64 = l->rs == sizeof(double), .m = m,
+                         .n = n, .k = k, .alpha = alpha,
                          .a = a, .lda = lda, .a_stride = stride_a,
                          .b = b, .ldb = ldb, .b_stride = stride_b,
                          .c = c, .ldc = ldc, .c_stride = stride_c, .batch = batches};
@@ -144,7 +146,7 @@ static clmha_status mask_grad(clmha_layer *l, const clmha__unfused_backward *ub,
 // demand), then score_backward turns them into dS times the functions' derivative there, from
 // dS in @p g; *@p out is that buffer.
 static clmha_status score_backward(clmha_layer *l, clmha__unfused_backward *ub,
-                                     const clmha__backward_call *call, float scale, cl_mem g,
+                                     const clmha__backward_call *call, double scale, cl_mem g,
                                      cl_mem *out) {
     const clmha__dims *d = call->dims;
     size_t hd = l->d, sp = d->s_padded, tl = d->l, planes = d->n * l->h;
@@ -156,7 +158,8 @@ static clmha_status score_backward(clmha_layer *l, clmha__unfused_backward *ub,
         return st;
     clmha__mask_args m = clmha__masks_of(l, call->args, d);
     cl_ulong count = d->scores_count, tgt = tl, heads = l->h, src = d->s, srcp = sp;
-    arg args[] = {ARG(g),     ARG(ub->raw_scores), ARG(m.softcap.f), ARG(m.alibi),
+    arg args[] = {ARG(g),     ARG(ub->raw_scores), CLMHA__REAL_ARG(m.softcap, l->rs),
+                  ARG(m.alibi),
                   ARG(m.alibi_off), ARG(m.mod_p),  ARG(m.mod_off),   ARG(tgt),
                   ARG(heads), ARG(src),            ARG(srcp),        ARG(count)};
     *out = ub->raw_scores;
@@ -178,12 +181,12 @@ clmha_status clmha__unfused_backward_run(clmha__unfused_backward **slot,
                                              "unfused backward score gradients")))
         return st;
     size_t hd = l->d, sp = d->s_padded, tl = d->l, planes = d->n * l->h;
-    float scale = (float)clmha__core_scale(l, call->scale);
+    double scale = clmha__core_scale(l, call->scale);
     cl_mem p = l->scores, g = ub->grad_scores;
 
     // P, then dPd = dO · V'ᵀ.
     if ((st = clmha__unfused_probabilities(l, sm, a, d, call->q, call->k, call->scale)) ||
-        (st = gemm(l, "dO V^T", false, true, tl, sp, hd, 1.0f,
+        (st = gemm(l, "dO V^T", false, true, tl, sp, hd, 1.0,
                    call->d_o, hd, tl * hd, call->v, hd, sp * hd, g, sp, tl * sp, planes)))
         return st;
 
@@ -193,12 +196,13 @@ clmha_status clmha__unfused_backward_run(clmha__unfused_backward **slot,
     cl_mem gw = call->grad_weights ? call->grad_weights : ctx->dummy;
     cl_ulong gw_off = call->grad_weights ? call->grad_weights_offset : 0, tgt = tl,
              heads = l->h, srcp = sp;
-    float inv_heads = (float)(1.0 / (double)l->h);
+    clmha__real inv_heads = clmha__real_of(1.0 / (double)l->h);
     cl_mem drow = call->drow ? call->drow : ctx->dummy;
     cl_uint drow_on = call->drow != NULL;
     arg sb_args[] = {ARG(p),          ARG(g),           ARG(gw),           ARG(gw_off),
-                     ARG(gw_mode),    ARG(inv_heads),   ARG(tgt),          ARG(heads),
-                     ARG(srcp),       ARG(m.dropout_on), ARG(m.threshold), ARG(m.keep_scale.f),
+                     ARG(gw_mode),    CLMHA__REAL_ARG(inv_heads, l->rs), ARG(tgt), ARG(heads),
+                     ARG(srcp),       ARG(m.dropout_on), ARG(m.threshold),
+                     CLMHA__REAL_ARG(m.keep_scale, l->rs),
                      ARG(m.seed_lo),  ARG(m.seed_hi),   ARG(m.off_lo),     ARG(drow),
                      ARG(drow_on)};
     size_t rows = planes * tl;
@@ -214,7 +218,7 @@ clmha_status clmha__unfused_backward_run(clmha__unfused_backward **slot,
         return st;
 
     // dV' = Pdᵀ · dO, dQ = scale · dS · K', dK' = scale · dSᵀ · Q.
-    if ((st = gemm(l, "Pd^T dO", true, false, sp, hd, tl, 1.0f, p,
+    if ((st = gemm(l, "Pd^T dO", true, false, sp, hd, tl, 1.0, p,
                    sp, tl * sp, call->d_o, hd, tl * hd, call->dv, hd, sp * hd, planes)) ||
         (st = gemm(l, "dS K", false, false, tl, hd, sp, scale, ds,
                    sp, tl * sp, call->k, hd, sp * hd, call->dq, hd, tl * hd, planes)) ||

@@ -195,13 +195,6 @@ static clmha_status forward_direct(clmha_layer *layer, const clmha_forward_args 
                                    size_t weights_offset, cl_uint num_wait,
                                    const cl_event *wait_list, cl_event *event);
 
-// What a float64 layer cannot do yet (include/clmha.h, clmha_dtype):
-// NULL, or its name. (What a core cannot do for such a layer, the core refuses.)
-static const char *not_yet(const clmha_layer *layer, const clmha_forward_args *args) {
-    if (layer->desc.dtype != CLMHA_DTYPE_F64) return NULL;
-    if (args->save) return "save (the backward pass)";
-    return NULL;
-}
 
 static clmha_status forward_converted(clmha_layer *layer, const clmha_forward_args *args,
                                       cl_mem output, size_t output_offset, cl_mem weights,
@@ -333,10 +326,6 @@ static clmha_status forward(clmha_layer *layer, const clmha_forward_args *args, 
     if (st) return st;
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
     clmha_dtype t = layer->desc.dtype;
-    const char *no = not_yet(layer, args);
-    if (no)
-        return clmha__fail(ctx, CLMHA_UNSUPPORTED, "a %s layer does not take %s yet",
-                           clmha__dtype_name(t), no);
     if (args->seq_lens)  // one call per sequence
         return forward_packed(layer, args, output, output_offset, num_wait, wait_list, event);
     return t == CLMHA_DTYPE_F32 || t == CLMHA_DTYPE_F64

@@ -39,9 +39,9 @@ size_t clmha_saved_bytes(const clmha_saved *saved) {
         for (size_t i = 0; i < saved->dims.n; ++i) bytes += clmha_saved_bytes(saved->parts[i]);
         return bytes;
     }
-    size_t floats = saved->lse_cap;
-    for (int i = 0; i < CLMHA__TILE_COUNT; ++i) floats += saved->caps[i];
-    return floats * sizeof(float);
+    size_t elems = saved->lse_cap;  // of the layer's elements (doubles for a float64 layer)
+    for (int i = 0; i < CLMHA__TILE_COUNT; ++i) elems += saved->caps[i];
+    return elems * saved->layer->rs;
 }
 
 clmha_status clmha__saved_prepare(clmha_saved *saved, clmha_layer *layer,
@@ -56,11 +56,12 @@ clmha_status clmha__saved_prepare(clmha_saved *saved, clmha_layer *layer,
     static const char *const name[CLMHA__TILE_COUNT] = {
         "saved query tiles", "saved key tiles", "saved value tiles", "saved attention output"};
     clmha_status st;
+    // The layer's elements (a float64 layer's tiles and log-sum-exp rows are doubles).
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i)
-        if ((st = clmha__grow_buffer(ctx, &saved->tiles[i], &saved->caps[i], need[i], name[i])))
+        if ((st = clmha__layer_grow(layer, &saved->tiles[i], &saved->caps[i], need[i], name[i])))
             return st;
-    return clmha__grow_buffer(ctx, &saved->lse, &saved->lse_cap, d->n * d->h * d->l,
-                              "saved log-sum-exp");
+    return clmha__layer_grow(layer, &saved->lse, &saved->lse_cap, d->n * d->h * d->l,
+                             "saved log-sum-exp");
 }
 
 void clmha__saved_swap(clmha_saved *saved, clmha_layer *layer) {

@@ -470,11 +470,13 @@ static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t ne
                            "%s scratch needs %zu elements of %zu bytes, more than this device's "
                            "largest allocation (%llu bytes)",
                            what, need, elem, (unsigned long long)limit);
-    float *host = NULL;
+    void *host = NULL;  // ones: floats, or doubles for elements of 8 bytes
     if (ones) {
-        if (!(host = malloc(need * sizeof *host)))
+        if (!(host = malloc(need * elem)))
             return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
-        for (size_t i = 0; i < need; ++i) host[i] = 1.0f;
+        for (size_t i = 0; i < need; ++i)
+            if (elem == sizeof(double)) ((double *)host)[i] = 1.0;
+            else ((float *)host)[i] = 1.0f;
     }
     cl_int err;
     clmha__count(ctx, 0, 1);
@@ -494,10 +496,14 @@ clmha_status clmha__grow_buffer(clmha_context *ctx, cl_mem *buf, size_t *cap, si
     return grow(ctx, buf, cap, need, sizeof(float), what, false);
 }
 
-// clmha__grow_buffer() for scratch of the layer's elements (rs bytes).
-static clmha_status layer_grow(clmha_layer *layer, cl_mem *buf, size_t *cap, size_t need,
+clmha_status clmha__layer_grow(clmha_layer *layer, cl_mem *buf, size_t *cap, size_t need,
                                const char *what) {
     return grow(layer->ctx, buf, cap, need, layer->rs, what, false);
+}
+
+static clmha_status layer_grow(clmha_layer *layer, cl_mem *buf, size_t *cap, size_t need,
+                               const char *what) {
+    return clmha__layer_grow(layer, buf, cap, need, what);
 }
 
 clmha_status clmha__layer_grow_core_scratch(clmha_layer *layer, cl_mem *buf, size_t *cap,
@@ -511,7 +517,7 @@ clmha_status clmha__layer_grow_core_scratch(clmha_layer *layer, cl_mem *buf, siz
 clmha_status clmha__layer_grow_ones(clmha_layer *layer, cl_mem *buf, size_t *cap, size_t need,
                                     const char *what) {
     size_t before = *cap;
-    clmha_status st = grow(layer->ctx, buf, cap, need, sizeof(float), what, true);
+    clmha_status st = grow(layer->ctx, buf, cap, need, layer->rs, what, true);
     layer->cores_scratch_cap += *cap - before;
     return st;
 }

@@ -227,10 +227,15 @@ static inline const char *clmha__layer_variant_options(const clmha_layer *layer)
 CLMHA__HIDDEN clmha_status clmha__grow_buffer(clmha_context *ctx, cl_mem *buf, size_t *cap,
                                               size_t need, const char *what);
 
-// clmha__layer_grow_core_scratch() for a buffer of ones (the column of the bias gradients'
-// GEMMs): made filled, from a host array (CL_MEM_COPY_HOST_PTR), so that no command is enqueued
-// and every tool sees it written (Oclgrind's check of uninitialised values does not count
-// clEnqueueFillBuffer).
+// clmha__grow_buffer() for a buffer of the layer's elements (rs bytes: doubles for a float64
+// layer; *cap counts elements).
+CLMHA__HIDDEN clmha_status clmha__layer_grow(clmha_layer *layer, cl_mem *buf, size_t *cap,
+                                             size_t need, const char *what);
+
+// clmha__layer_grow_core_scratch() for a buffer of ones of the layer's elements (the column of
+// the bias gradients' GEMMs): made filled, from a host array (CL_MEM_COPY_HOST_PTR), so that no
+// command is enqueued and every tool sees it written (Oclgrind's check of uninitialised values
+// does not count clEnqueueFillBuffer).
 CLMHA__HIDDEN clmha_status clmha__layer_grow_ones(clmha_layer *layer, cl_mem *buf, size_t *cap,
                                                   size_t need, const char *what);
 

@@ -63,6 +63,7 @@ int main() {
         reinterpret_cast<const void *>(&clmha_kv_cache_pages),
         reinterpret_cast<const void *>(&clmha_layer_backward),
         reinterpret_cast<const void *>(&clmha_layer_backward_host),
+        reinterpret_cast<const void *>(&clmha_layer_backward_host_f64),
         reinterpret_cast<const void *>(&clmha_layer_get_desc),
         reinterpret_cast<const void *>(&clmha_layer_get_parameter),
         reinterpret_cast<const void *>(&clmha_layer_set_parameter_f64),

@@ -317,7 +317,7 @@ typedef struct rand_call {
     clmha_reference_params params;
     clmha_forward_args args32, args64;
     size_t output_count, weights_count;
-    void *owned[32];
+    void *owned[64];
     size_t num_owned;
 } rand_call;
 
@@ -530,6 +530,199 @@ Test(f64, random_vs_reference) {
     clmha_context_release(ctx);
 }
 
+// ---- the backward pass ---------------------------------------------------------------------------
+
+// The gradients of a rand_call, by clmha_backward_args field and clmha_reference_grads field.
+enum { BG_QUERY, BG_KEY, BG_VALUE, BG_IN_W, BG_Q_W, BG_K_W, BG_V_W, BG_IN_B, BG_OUT_W, BG_OUT_B,
+       BG_BIAS_K, BG_BIAS_V, BG_ATTN, BG_KPM, BG_COUNT };
+static const char *const bg_name[BG_COUNT] = {
+    "query", "key", "value", "in_proj_weight", "q_proj_weight", "k_proj_weight",
+    "v_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias", "bias_k", "bias_v",
+    "attn_mask", "key_padding_mask"};
+
+static clmha_grad *bg_slot(clmha_backward_args *b, int g) {
+    clmha_grad *all[BG_COUNT] = {&b->query, &b->key, &b->value, &b->in_proj_weight,
+                                 &b->q_proj_weight, &b->k_proj_weight, &b->v_proj_weight,
+                                 &b->in_proj_bias, &b->out_proj_weight, &b->out_proj_bias,
+                                 &b->bias_k, &b->bias_v, &b->attn_mask, &b->key_padding_mask};
+    return all[g];
+}
+
+static double **bg_ref(clmha_reference_grads *r, int g) {
+    double **all[BG_COUNT] = {&r->query, &r->key, &r->value, &r->in_proj_weight,
+                              &r->q_proj_weight, &r->k_proj_weight, &r->v_proj_weight,
+                              &r->in_proj_bias, &r->out_proj_weight, &r->out_proj_bias,
+                              &r->bias_k, &r->bias_v, &r->attn_mask, &r->key_padding_mask};
+    return all[g];
+}
+
+// Elements of gradient @p g of case @p c (0: none).
+static size_t bg_count(const rand_case *c, const rand_call *rc, int g) {
+    size_t e = c->e, kve = c->g * (c->e / c->h);
+    const clmha_forward_args *a = &rc->args32;
+    switch (g) {
+    case BG_QUERY: return tensor_count(&a->query);
+    case BG_KEY: return a->key.ndim ? tensor_count(&a->key) : 0;
+    case BG_VALUE: return a->value.ndim ? tensor_count(&a->value) : 0;
+    case BG_IN_W: return c->packed ? 3 * e * e : 0;
+    case BG_Q_W: return c->packed ? 0 : e * e;
+    case BG_K_W: return c->packed ? 0 : kve * c->kdim;
+    case BG_V_W: return c->packed ? 0 : kve * c->vdim;
+    case BG_IN_B: return c->bias ? e + 2 * kve : 0;
+    case BG_OUT_W: return e * e;
+    case BG_OUT_B: return c->bias ? e : 0;
+    case BG_BIAS_K:
+    case BG_BIAS_V: return c->bias_kv ? kve : 0;
+    case BG_ATTN:
+        return a->attn_mask.kind == CLMHA_MASK_FLOAT ? tensor_count(&a->attn_mask.tensor) : 0;
+    case BG_KPM:
+        return a->key_padding_mask.kind == CLMHA_MASK_FLOAT
+                   ? tensor_count(&a->key_padding_mask.tensor)
+                   : 0;
+    default: return 0;
+    }
+}
+
+// sum(gy * y) of the layer's forward call @p a (the scalar whose gradients the backward gives).
+static double loss_of(clmha_layer *layer, const clmha_forward_args *a, const double *gy,
+                      double *y, size_t oc) {
+    clmha_status st = clmha_layer_forward_host_f64(layer, a, y, oc, NULL, 0);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(clmha_layer_context(layer)));
+    double sum = 0.0;
+    for (size_t i = 0; i < oc; ++i) sum += gy[i] * y[i];
+    return sum;
+}
+
+// Central differences of the loss at @p count elements of @p x (spread over it), moved by
+// +-h; @p set re-applies a parameter (NULL for an input). Returns the largest
+// |fd - grad| / (1 + |grad|).
+static double finite_differences(clmha_layer *layer, const clmha_forward_args *a,
+                                 const double *gy, double *y, size_t oc, double *x, size_t n,
+                                 const double *grad, const char *param) {
+    const double h = 1e-6;
+    double worst = 0.0;
+    for (size_t k = 0; k < 4 && k < n; ++k) {
+        size_t i = k * (n - 1) / 3;
+        double keep = x[i], lp, lm;
+        x[i] = keep + h;
+        if (param) clmha_layer_set_parameter_f64(layer, param, x, n);
+        lp = loss_of(layer, a, gy, y, oc);
+        x[i] = keep - h;
+        if (param) clmha_layer_set_parameter_f64(layer, param, x, n);
+        lm = loss_of(layer, a, gy, y, oc);
+        x[i] = keep;
+        if (param) clmha_layer_set_parameter_f64(layer, param, x, n);
+        double fd = (lp - lm) / (2 * h);
+        worst = fmax(worst, fabs(fd - grad[i]) / (1 + fabs(grad[i])));
+    }
+    return worst;
+}
+
+// Random calls (the forward's draws, without user functions: these have no derivative) through
+// clmha_layer_backward_host_f64() against clmha_reference_backward() within the float64
+// contract, every gradient; and, as torch.autograd.gradcheck does, against central finite
+// differences of the public forward (h = 1e-6) at four elements of the query and of every
+// weight.
+Test(f64, backward_vs_reference_and_finite_differences, .timeout = 300) {
+    clmha_context *ctx = fp64_context_or_skip();
+    enum { CASES = 8 };
+    prng r = {0xbac64};
+    double worst = 0.0, worst_fd = 0.0;
+    for (size_t k = 0; k < CASES; ++k) {
+        rand_case c = draw_case(&r);
+        if (c.l > 33) c.l = 33;
+        if (c.s > 33) c.s = c.self_attn ? c.l : 33;
+        c.need_weights = k % 2 == 1, c.per_head = k % 4 == 1;
+        rand_call rc;
+        clmha_layer *layer = make_call(ctx, &c, prng_next(&r), &rc);
+        char name[320];
+        describe(&c, name, sizeof name);
+        size_t oc = rc.output_count, wc = rc.weights_count;
+        float *gy32 = normal_floats(&r, oc), *gw32 = wc ? normal_floats(&r, wc) : NULL;
+        double *gy = widened(&rc, gy32, oc), *gw = wc ? widened(&rc, gw32, wc) : NULL;
+        double *y = malloc(oc * sizeof *y), *w = malloc((wc ? wc : 1) * sizeof *w);
+        cr_assert(y && w);
+        clmha_reference_grads rg = {.struct_size = sizeof rg};
+        clmha_saved *saved;
+        cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
+        clmha_forward_args a = rc.args64;
+        a.save = saved;
+        cr_assert_eq(clmha_layer_forward_host_f64(layer, &a, y, oc, w, wc), CLMHA_SUCCESS,
+                     "%s: %s", name, clmha_context_last_error(ctx));
+        clmha_backward_args b = CLMHA_STRUCT_INIT(clmha_backward_args);
+        b.forward = &a, b.saved = saved;
+        b.grad_output = a.query;
+        b.grad_output.data = gy;
+        if (wc) {
+            clmha_tensor t = {.data = gw};
+            if (!c.unbatched) t.shape[t.ndim++] = c.n;
+            if (c.per_head) t.shape[t.ndim++] = c.h;
+            t.shape[t.ndim++] = c.l;
+            t.shape[t.ndim++] = c.s + c.bias_kv + c.zero_attn;
+            b.grad_weights = t;
+        }
+        double *got[BG_COUNT] = {NULL};
+        for (int g = 0; g < BG_COUNT; ++g) {
+            size_t n = bg_count(&c, &rc, g);
+            if (!n) continue;
+            got[g] = malloc(n * sizeof(double));
+            *bg_ref(&rg, g) = own(&rc, malloc(n * sizeof(double)));
+            bg_slot(&b, g)->data = (float *)got[g];  // doubles (clmha_layer_backward_host_f64)
+        }
+        clmha_status st = clmha_layer_backward_host_f64(layer, &b);
+        cr_assert_eq(st, CLMHA_SUCCESS, "%s: backward: %s", name, clmha_context_last_error(ctx));
+        char msg[256];
+        st = clmha_reference_backward(&rc.desc, &rc.params, &rc.args32, gy32, gw32, &rg, msg,
+                                      sizeof msg);
+        cr_assert_eq(st, CLMHA_SUCCESS, "%s: reference: %s", name, msg);
+        double e_case = 0.0;
+        for (int g = 0; g < BG_COUNT; ++g) {
+            size_t n = bg_count(&c, &rc, g);
+            if (!n) continue;
+            const double *want = *bg_ref(&rg, g);
+            double scale = 0.0, err = 0.0;
+            for (size_t i = 0; i < n; ++i) {
+                scale = fmax(scale, fabs(want[i]));
+                double e = fabs(got[g][i] - want[i]);
+                err = isnan(e) ? INFINITY : fmax(err, e);
+            }
+            double rel = err / (1 + scale);
+            cr_expect(rel <= F64_CONTRACT, "%s: gradient of %s: %.3g (scale %.3g)", name,
+                      bg_name[g], err, scale);
+            e_case = fmax(e_case, rel);
+        }
+        // Finite differences of sum(gy * y) (the calls without weights, whose gradient is
+        // that alone): the query, then each weight (its float64 values, set back after).
+        a.save = NULL;
+        double fd = wc ? 0.0
+                       : finite_differences(layer, &a, gy, y, oc, (double *)a.query.data,
+                                            tensor_count(&a.query), got[BG_QUERY], NULL);
+        const int weights[] = {BG_IN_W, BG_Q_W, BG_K_W, BG_V_W, BG_OUT_W};
+        const float *values[] = {rc.params.in_proj_weight, rc.params.q_proj_weight,
+                                 rc.params.k_proj_weight, rc.params.v_proj_weight,
+                                 rc.params.out_proj_weight};
+        for (size_t i = 0; i < 5 && !wc; ++i) {
+            size_t n = bg_count(&c, &rc, weights[i]);
+            if (!n) continue;
+            double *p = widened(&rc, values[i], n);
+            fd = fmax(fd, finite_differences(layer, &a, gy, y, oc, p, n, got[weights[i]],
+                                             bg_name[weights[i]]));
+        }
+        cr_expect(fd <= 1e-7, "%s: finite differences differ by %.3g", name, fd);
+        fprintf(stderr, "f64 backward %s: max error %.3g of the reference, %.3g of finite "
+                "differences\n", name, e_case, fd);
+        worst = fmax(worst, e_case), worst_fd = fmax(worst_fd, fd);
+        for (int g = 0; g < BG_COUNT; ++g) free(got[g]);
+        free(gy32), free(gw32), free(y), free(w);
+        clmha_saved_release(saved);
+        clmha_layer_release(layer);
+        free_call(&rc);
+    }
+    fprintf(stderr, "f64 backward: %d cases, worst %.3g (contract %g), finite differences "
+            "%.3g\n", CASES, worst, F64_CONTRACT, worst_fd);
+    clmha_context_release(ctx);
+}
+
 // ---- what float64 layers refuse -----------------------------------------------------------------
 
 static clmha_status no_core(const clmha_core_args *args, void *user_data) {
@@ -537,23 +730,8 @@ static clmha_status no_core(const clmha_core_args *args, void *user_data) {
     return CLMHA_SUCCESS;
 }
 
-// The host call @p a (output: @p count doubles at @p y) and the device call @p ad (the same
-// call, output in @p out) of @p l are both refused with CLMHA_UNSUPPORTED, the device one
-// without an event.
-static void expect_refused(clmha_layer *l, const clmha_forward_args *a, double *y, size_t count,
-                           const clmha_forward_args *ad, cl_mem out, const char *what) {
-    cl_event ev = NULL;
-    clmha_status st = clmha_layer_forward_host_f64(l, a, y, count, NULL, 0);
-    cr_expect_eq(st, CLMHA_UNSUPPORTED, "%s, host call: %s", what, clmha_status_string(st));
-    st = clmha_layer_forward(l, ad, out, 0, NULL, 0, 0, NULL, &ev);
-    cr_expect_eq(st, CLMHA_UNSUPPORTED, "%s, device call: %s", what, clmha_status_string(st));
-    cr_expect_null(ev, "%s: the refused device call returned an event", what);
-}
-
 // Each call below is a valid one for a float32 layer; a float64 layer refuses it with
-// CLMHA_UNSUPPORTED and enqueues nothing, and still runs plain calls afterwards. The header
-// does not say which call refuses a backward pass or a KV cache: the saved state's or cache's
-// creation, or the forward calls that would use them; either is accepted.
+// CLMHA_UNSUPPORTED and enqueues nothing, and still runs plain calls afterwards.
 Test(f64, unsupported_calls) {
     clmha_context *ctx = fp64_context_or_skip();
     enum { L = 3, E = 8, H = 2, D = E / H };
@@ -578,15 +756,7 @@ Test(f64, unsupported_calls) {
     cr_expect_eq(clmha_layer_set_attention(l, NULL, NULL), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
 
-    // A saved-state object can be made for any layer; the forward call that would fill it is
-    // refused. A KV cache is refused when it is made (include/clmha.h, clmha_kv_cache_create).
-    clmha_saved *saved = NULL;
-    cr_assert_eq(clmha_saved_create(&saved, l), CLMHA_SUCCESS, "%s",
-                 clmha_context_last_error(ctx));
-    a.save = ad.save = saved;
-    expect_refused(l, &a, y, L * E, &ad, out, "save");
-    a.save = ad.save = NULL;
-    clmha_saved_release(saved);
+    // A KV cache is refused when it is made (include/clmha.h, clmha_kv_cache_create).
 
     clmha_kv_cache *cache = NULL;
     st = clmha_kv_cache_create(&cache, l, 1, 16);
