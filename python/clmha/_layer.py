@@ -901,8 +901,8 @@ class Layer:
         ``value`` for inputs given separately; in self-attention ``query`` is the whole
         gradient of the one tensor), each parameter by ``state_dict()`` name (a sinks layer's
         ``sinks`` too; not ``alibi_slopes``, which has none), and float masks' ``attn_mask`` /
-        ``key_padding_mask``. float32, float16 and bfloat16 layers (``clmha_layer_backward``;
-        a float64 layer raises ``clmha.Error`` UNSUPPORTED). ``grad_output`` and
+        ``key_padding_mask``. Every dtype (``clmha_layer_backward``; a float64 layer's host
+        call ``clmha_layer_backward_host_f64``, float64 arrays in and out). ``grad_output`` and
         ``grad_weights`` are arrays of the layer's input dtypes (as ``forward``'s query); the
         gradients come back in the layer's NumPy dtype (a 16-bit layer computes them in float32
         and rounds each once: float16 arrays, or float32 ones holding bfloat16 values), or as
@@ -945,8 +945,6 @@ class Layer:
             a = self._host_input(name, _to_numpy(value), ranks)
             if shape is None or tuple(a.shape) != shape:
                 raise ValueError(f"{name} must have shape {shape}; got {tuple(a.shape)}")
-            if self.dtype == "float64":  # refused by the library (no float64 backward yet)
-                a = a.astype(np.float32)
             _fill_tensor(field, a, _Keep(keep))
         result = {}
         queue = self._context.pyopencl_queue if device else None
@@ -959,8 +957,8 @@ class Layer:
                 arr = cla.empty(queue, shape, np.float32 if wide else elems[0])
                 grad.buffer = mem(arr)
                 grad.offset = elem_offset(arr)
-            else:
-                arr = np.empty(shape, np.float32)  # every gradient asked for is written whole
+            else:  # every gradient asked for is written whole; a float64 layer's in doubles
+                arr = np.empty(shape, self._host_dtype())
                 grad.data = ffi.cast("float *", ffi.from_buffer(arr))
             result[name] = arr
             keep.append(arr)
@@ -985,8 +983,10 @@ class Layer:
         b.impl = {"auto": lib.CLMHA_IMPL_AUTO, "fused": lib.CLMHA_IMPL_FUSED,
                   "unfused": lib.CLMHA_IMPL_UNFUSED}[impl]
         if not device:
+            fn = (lib.clmha_layer_backward_host_f64 if self.dtype == "float64"
+                  else lib.clmha_layer_backward_host)
             with self._lock:
-                check(lib.clmha_layer_backward_host(self._ptr, b), self._context._ptr)
+                check(fn(self._ptr, b), self._context._ptr)
             if self.dtype == "float16" and not wide:  # float16 values: exact
                 result = {k: v.astype(np.float16) for k, v in result.items()}
             return result

@@ -108,7 +108,7 @@ def _forward(call: _Call, query, key, value, key_padding_mask, attn_mask, want_s
     am = _mask(attn_mask, "attn_mask", dt)
     if isinstance(call.kwargs.get("attn_mask_wrap"), dict) and am is not None:
         am = Mask(am, **call.kwargs["attn_mask_wrap"])
-    saved = layer.saved() if (want_saved and dt != "float64") else None
+    saved = layer.saved() if want_saved else None
     opts = {k2: v2 for k2, v2 in call.kwargs.items() if k2 != "attn_mask_wrap"}
     out, weights = layer.forward(q, k, v, key_padding_mask=kpm, attn_mask=am, save=saved,
                                  need_weights=call.need_weights, **opts)
@@ -124,21 +124,24 @@ def _backward(call: _Call, grad_output, grad_weights, need):
     (None where not needed or not given) of the forward call that filled call.saved."""
     n_params = len(need) - 5
     if call.saved is None:
-        raise RuntimeError("clmha.torch: the backward pass runs for float32, float16 and "
-                           "bfloat16 modules (float64 training is not implemented yet)")
+        raise RuntimeError("clmha.torch: the forward call saved nothing for a backward pass")
     # The gradients in the module's dtype (a 16-bit module's computed in float32 and rounded
-    # once, as its .grad holds them); grad_output's 16-bit values are exact in float32.
+    # once, as its .grad holds them); grad_output's 16-bit values are exact in float32, a
+    # float64 module's are passed as doubles.
     tdt = call.module.out_proj.weight.dtype
+    wide = torch.float64 if tdt == torch.float64 else torch.float32
+    host = "float64" if tdt == torch.float64 else "float32"
     if grad_output is None:
-        grad_output = torch.zeros(call.saved._shapes[0])
+        grad_output = torch.zeros(call.saved._shapes[0], dtype=wide)
     gw = None
     if grad_weights is not None and call.need_weights and grad_weights.numel():
-        gw = _host(grad_weights.float(), "grad_weights", "float32")
-    grads = call.layer.backward(call.saved, _host(grad_output.float(), "grad_output",
-                                                 "float32"), gw,
+        gw = _host(grad_weights.to(wide), "grad_weights", host)
+    grads = call.layer.backward(call.saved, _host(grad_output.to(wide), "grad_output", host),
+                                gw,
                                 inputs=any(need[0:3]), parameters=any(need[5:]),
                                 masks=any(need[3:5]))
-    call.saved = None  # the device memory goes with it
+    # call.saved stays until the graph goes (a backward with retain_graph, as gradcheck runs,
+    # may come again); its device memory goes with it.
     t = lambda name: (torch.from_numpy(grads[name]).to(tdt)  # noqa: E731
                       if name in grads else None)
     gq, gk, gv = t("query"), t("key"), t("value")
@@ -218,7 +221,9 @@ class MultiheadAttention(nn.MultiheadAttention):
     not bounds-checked.
 
     Gradients flow to query, key, value, every parameter and a float attn_mask or
-    key_padding_mask through clmha's backward pass (float32 modules). Differences from PyTorch:
+    key_padding_mask through clmha's backward pass, in the module's dtype (float16 and
+    bfloat16 computed in float32 and rounded once; float64 in float64, so that
+    ``torch.autograd.gradcheck`` checks it). Differences from PyTorch:
     a query row whose every key is masked gives zeros instead of NaN, and ``train()`` draws
     dropout from clmha's Philox stream (seeded from torch's generator, so ``torch.manual_seed``
     makes it reproducible). Tensors live on the CPU; under ``torch.compile`` (torch 2.4 and

@@ -1,5 +1,6 @@
-"""The backward pass of float16 and bfloat16 layers (include/clmha.h, clmha_dtype) against
-PyTorch: each gradient's error, against float64 autograd on the same 16-bit values, at most
+"""The backward pass of float64 layers (torch.autograd.gradcheck through clmha.torch, and
+PyTorch's float64 autograd within 1e-12), and of float16 and bfloat16 layers
+(include/clmha.h, clmha_dtype) against PyTorch: each gradient's error, against float64 autograd on the same 16-bit values, at most
 twice that of PyTorch's own computation in the dtype (or within one rounding of the dtype);
 gradients as float32 (grad_dtype="float32"); the backward on pyopencl arrays of 16-bit elements;
 and bfloat16 training with float32 master weights, and float16 with loss scaling, following the
@@ -219,3 +220,31 @@ def test_training_bf16_and_f16_follow_float64(ctx):
         record(f"training {name}: max relative loss difference", rel.max())
         assert rel.max() <= tol, (name, rel.max(), got, ref)
     assert skipped == 0
+
+
+def test_float64_gradcheck_and_pytorch(ctx):
+    """A float64 module: torch.autograd.gradcheck (central differences against clmha's
+    gradients, through the public module) on the query, key and a float mask, and every
+    gradient within 1e-12 (relative to 1 + its largest value) of PyTorch's float64 autograd."""
+    tm = torch_mha(8, 2, seed=6, batch_first=True).double()
+    cm = ct.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    cm.load_state_dict(tm.state_dict())
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(2, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    am = torch.randn(4, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, kv, am: cm(q, kv, kv, attn_mask=am, need_weights=False)[0], (q, kv, am),
+        eps=1e-6, atol=1e-7, rtol=1e-6)
+    gy = torch.randn(2, 4, 8, generator=g, dtype=torch.float64)
+    grads = []
+    for m in (cm, tm):
+        for t in (q, kv, am):
+            t.grad = None
+        m.zero_grad()
+        m(q, kv, kv, attn_mask=am, need_weights=False)[0].backward(gy)
+        grads.append([q.grad.clone(), kv.grad.clone(), am.grad.clone()]
+                     + [p.grad.clone() for p in m.parameters()])
+    worst = max(float((a - b).abs().max() / (1 + b.abs().max())) for a, b in zip(*grads))
+    record("float64 module gradients vs PyTorch float64 (relative)", worst)
+    assert worst <= 1e-12

@@ -122,7 +122,7 @@ static const char *usage_bench_dtype =
     "those of f64 layers doubles (float64 arithmetic, on devices with double precision). Also\n"
     "prints \"tensors\": the bytes of the call's inputs and outputs in its buffers, each read\n"
     "or written once, and their rate (--json adds dtype, io_bytes, io_gbps). Not with\n"
-    "--decode; with --backward not f64 (16-bit layers: 16-bit gradients).\n"
+    "--decode; with --backward, gradients in the layer's dtype.\n"
     "\n"
     "--host: times the host-array calls instead, those of a program whose tensors are in\n"
     "host memory (and of the Python package): clmha_layer_forward_host() (with --backward,\n"
@@ -497,14 +497,10 @@ static int check_values(bench_args *a) {
                                &a->impl) ||
         !clmha__cli_parse_dtype("bench", a->dtype_opt, &a->dtype))
         return EXIT_USAGE;
-    if ((a->dtype != CLMHA_DTYPE_F32 && a->decode) ||
-        (a->dtype == CLMHA_DTYPE_F64 && a->backward)) {
+    if (a->dtype != CLMHA_DTYPE_F32 && a->decode) {
         bool f64 = a->dtype == CLMHA_DTYPE_F64;
-        clmha__cli_report("bench", "--dtype %s: %s times %s layers only%s", a->dtype_opt,
-                          a->decode ? "--decode" : "--backward",
-                          a->decode ? "float32" : "float32 and 16-bit",
-                          a->decode ? (f64 ? " (float64 layers have no KV cache yet)" : "")
-                                    : " (float64 layers have no backward pass yet)");
+        clmha__cli_report("bench", "--dtype %s: --decode times float32 layers only%s",
+                          a->dtype_opt, f64 ? " (float64 layers have no KV cache yet)" : "");
         return EXIT_USAGE;
     }
     return EXIT_OK;

@@ -111,7 +111,7 @@ size_t clmha__cli_grads_outputs(const clmha__cli_grads *g, clmha__cli_out *out) 
     for (size_t i = 0; i < g->count; ++i) {
         const clmha__cli_grad_file *f = &g->file[i];
         out[i] = (clmha__cli_out){.flag = "--grads-dir", .path = f->path, .data = f->data,
-                                  .ndim = f->ndim,
+                                  .f64 = f->data64, .ndim = f->ndim,
                                   .half = g->dtype == CLMHA_DTYPE_F16 && !g->grad_f32};
         memcpy(out[i].shape, f->shape, sizeof f->shape);
     }
@@ -125,17 +125,22 @@ bool clmha__cli_grads_compute(clmha_layer *layer, const clmha_forward_args *args
                              .grad_output = grad_output, .grad_weights = grad_weights,
                              .impl = impl,
                              .grad_dtype = g->grad_f32 ? CLMHA_GRAD_F32 : CLMHA_GRAD_LAYER};
+    bool f64 = g->dtype == CLMHA_DTYPE_F64;  // double arrays (clmha_layer_backward_host_f64)
+    size_t elem = f64 ? sizeof(double) : sizeof(float);
     for (size_t i = 0; i < g->count; ++i) {
         clmha__cli_grad_file *f = &g->file[i];
         if (f->with_key) {
-            if (!(f->key_part = malloc((f->count ? f->count : 1) * sizeof *f->key_part)))
-                goto oom;
+            if (!(f->key_part = malloc((f->count ? f->count : 1) * elem))) goto oom;
             b.key.data = f->key_part;
         }
-        if (!(f->data = malloc((f->count ? f->count : 1) * sizeof *f->data))) goto oom;
-        slot_of(&b, f->slot)->data = f->data;
+        void *data = malloc((f->count ? f->count : 1) * elem);
+        if (!data) goto oom;
+        if (f64) f->data64 = data;
+        else f->data = data;
+        slot_of(&b, f->slot)->data = data;
     }
-    clmha_status st = clmha_layer_backward_host(layer, &b);
+    clmha_status st = f64 ? clmha_layer_backward_host_f64(layer, &b)
+                          : clmha_layer_backward_host(layer, &b);
     if (st != CLMHA_SUCCESS) {
         clmha_context *ctx = clmha_layer_context(layer);
         clmha__cli_report("run", "backward pass failed on %s: %s: %s",
@@ -147,11 +152,14 @@ bool clmha__cli_grads_compute(clmha_layer *layer, const clmha_forward_args *args
         clmha__cli_grad_file *f = &g->file[i];
         // The tensor's two uses summed as autograd sums them: in the gradients' dtype.
         bool round = !g->grad_f32 && g->dtype != CLMHA_DTYPE_F32;
-        if (f->with_key)
-            for (size_t k = 0; k < f->count; ++k) {
-                f->data[k] += f->key_part[k];
-                if (round) f->data[k] = clmha__dtype_round(g->dtype, f->data[k]);
+        for (size_t k = 0; f->with_key && k < f->count; ++k) {
+            if (f64) {
+                f->data64[k] += ((const double *)(const void *)f->key_part)[k];
+                continue;
             }
+            f->data[k] += f->key_part[k];
+            if (round) f->data[k] = clmha__dtype_round(g->dtype, f->data[k]);
+        }
     }
     return true;
 oom:
@@ -163,6 +171,7 @@ void clmha__cli_grads_free(clmha__cli_grads *g) {
     for (size_t i = 0; i < g->count; ++i) {
         free(g->file[i].path);
         free(g->file[i].data);
+        free(g->file[i].data64);
         free(g->file[i].key_part);
     }
     memset(g, 0, sizeof *g);

@@ -14,17 +14,18 @@
 #define CLMHA__CLI_MAX_GRADS 16
 
 // One gradient file: DIR/<name>.npy in the shape of what it differentiates, in the layer's
-// dtype as the forward's outputs are (float16 '<f2', float32 holding bfloat16 values, float32),
-// or float32 with grad_f32.
+// dtype as the forward's outputs are (float16 '<f2', float32 holding bfloat16 values, float32,
+// float64 '<f8'), or float32 with grad_f32.
 typedef struct clmha__cli_grad_file {
     const char *name;  // "query", "in_proj_weight", "out_proj.weight", "attn_mask"...
     int slot;          // which clmha_backward_args field receives it (grads.c)
     char *path;        // "DIR/<name>.npy" (malloc'd)
     size_t ndim, shape[4], count;
     float *data;       // count floats (malloc'd by grads_compute)
+    double *data64;    // a float64 layer's: count doubles instead (data unused)
     bool with_key;     // query.npy when the key is the query's tensor given again (--value
                        // alone): the key's gradient is added to it
-    float *key_part;   // that gradient (malloc'd by grads_compute)
+    float *key_part;   // that gradient (malloc'd by grads_compute; doubles for float64)
 } clmha__cli_grad_file;
 
 typedef struct clmha__cli_grads {

@@ -112,8 +112,8 @@ static const char *const usage_run[] = {
     "  --grad-weights GW.npy     optional: the gradient of the weights, in their shape;\n"
     "                            needs --need-weights (or --per-head-weights)\n"
     "  --grads-dir DIR           an existing folder (it is not created) that receives the\n"
-    "                            gradients, in the layer's dtype as --output, in PyTorch's\n"
-    "                            shapes, as <name>.npy:\n"
+    "                            gradients, in the layer's dtype as --output (f64: '<f8'), in\n"
+    "                            PyTorch's shapes, as <name>.npy:\n"
     "                            query; key and value when given as files of their own (in\n"
     "                            self-attention query.npy holds the whole gradient of the\n"
     "                            query; with --key alone key.npy includes its use as value);\n"
@@ -173,9 +173,9 @@ static const char *const usage_run[] = {
     "                            and the inputs' float64 values are kept exactly (float16\n"
     "                            and float32 widened), everything is computed in float64 and\n"
     "                            the outputs are float64 files; it needs a device with\n"
-    "                            double precision (clmha devices: fp64 yes). f16 and bf16\n"
-    "                            take gradients (computed in float32, rounded once); f64 has\n"
-    "                            no backward pass yet\n"
+    "                            double precision (clmha devices: fp64 yes). Every dtype\n"
+    "                            takes gradients: f16 and bf16 computed in float32 and\n"
+    "                            rounded once, f64 in float64\n"
     "\n"
     "device:\n"
     "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"
@@ -644,16 +644,6 @@ static bool check_options(run_opts *o) {
         return false;
     o->f64 = o->dtype == CLMHA_DTYPE_F64;
     if (!parse_load_options(o)) return false;
-    // float64 layers have no backward pass yet (include/clmha.h, clmha_dtype): refused here,
-    // before any file is read, rather than by the library after the forward pass.
-    if (o->dtype == CLMHA_DTYPE_F64 &&
-        (o->in[IN_GRAD_OUT].path || o->in[IN_GRAD_W].path || o->grads_dir)) {
-        clmha__cli_report("run",
-                          "--dtype %s: gradients (--grad-output, --grad-weights, --grads-dir) "
-                          "need --dtype f32, f16 or bf16: %s layers have no backward pass yet",
-                          o->dtype_opt, clmha__dtype_name(o->dtype));
-        return false;
-    }
     if (o->grad_dtype_opt &&
         (strcmp(o->grad_dtype_opt, "f32") != 0 || !o->grads_dir ||
          (o->dtype != CLMHA_DTYPE_F16 && o->dtype != CLMHA_DTYPE_BF16))) {

@@ -1401,6 +1401,73 @@ static double max_abs_diff_d(const double *a, const double *b, size_t count) {
     return err;
 }
 
+// --dtype f64 with --grad-output and --grads-dir on PyTorch's gradient cases: '<f8' gradient
+// files, each value within float32's rounding of the case's expected gradient (PyTorch's
+// float64 autograd stored as float32: 2^-24 relative) plus 1e-12 (1 + max |g|), which a float32
+// computation (errors near 1e-7) does not meet.
+Test(cli_run, dtype_f64_gradients) {
+    SKIP_WITHOUT_DEVICE();
+    if (!device_has_fp64()) cr_skip_test("the device has no double precision");
+    const char *const cases[] = {"grad_float_masks_bias_kv", "grad_self", "grad_kdim_vdim"};
+    static const char *const inputs[][2] = {
+        {"--layer", "layer.safetensors"}, {"--query", "query.npy"}, {"--key", "key.npy"},
+        {"--value", "value.npy"}, {"--key-padding-mask", "key_padding_mask.npy"},
+        {"--attn-mask", "attn_mask.npy"}, {"--grad-output", "grad_output.npy"}};
+    double worst = 0.0;
+    size_t files = 0;
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; ++c) {
+        char dir[CLI_PATH_SIZE / 2], grads_dir[CLI_PATH_SIZE];
+        static char paths[7][CLI_PATH_SIZE];
+        snprintf(dir, sizeof dir, "%s/cli/%s", CLMHA_TEST_DATA_DIR, cases[c]);
+        tmp_dir out = tmp_make();
+        snprintf(grads_dir, sizeof grads_dir, "%s/grads", out.path);
+        cr_assert_eq(mkdir(grads_dir, 0700), 0);
+        const char *argv[CLI_MAX_ARGS + 1] = {"run", "--dtype", "f64", "--grads-dir", grads_dir};
+        size_t argc = 5;
+        for (size_t i = 0; i < sizeof inputs / sizeof *inputs; ++i) {
+            snprintf(paths[i], CLI_PATH_SIZE, "%s/%s", dir, inputs[i][1]);
+            if (!file_exists(paths[i])) continue;
+            argv[argc++] = inputs[i][0];
+            argv[argc++] = paths[i];
+        }
+        argv[argc] = NULL;
+        cli_result r = cli_run_argv(argv);
+        cr_assert_eq(r.status, 0, "%s: stderr: %s", cases[c], r.err);
+        cli_free(&r);
+        char want_dir[CLI_PATH_SIZE];
+        snprintf(want_dir, sizeof want_dir, "%s/expected_grads", dir);
+        DIR *d = opendir(want_dir);
+        cr_assert_not_null(d);
+        for (struct dirent *e; (e = readdir(d)) != NULL;) {
+            if (e->d_name[0] == '.') continue;
+            char want_path[CLI_PATH_SIZE + 256], got_path[CLI_PATH_SIZE + 256];
+            snprintf(want_path, sizeof want_path, "%s/%s", want_dir, e->d_name);
+            snprintf(got_path, sizeof got_path, "%s/%s", grads_dir, e->d_name);
+            clmha__npy got = {0}, want = {0};
+            read_npy_f64(got_path, &got);
+            read_npy(want_path, &want);
+            cr_expect_str_eq(got.dtype, "<f8", "%s: %s", cases[c], e->d_name);
+            cr_assert_eq(got.count, want.count);
+            double scale = 0.0;
+            for (size_t i = 0; i < want.count; ++i) scale = fmax(scale, fabs(want.f32[i]));
+            for (size_t i = 0; i < want.count; ++i) {
+                double w = want.f32[i], err = fabs(got.f64[i] - w);
+                double ratio = err / (0x1p-24 * fabs(w) + 1e-12 * (1 + scale));
+                worst = fmax(worst, ratio);
+                cr_expect(ratio <= 1.0, "%s: %s[%zu]: %.17g, PyTorch %.9g", cases[c],
+                          e->d_name, i, got.f64[i], w);
+            }
+            clmha__npy_free(&got);
+            clmha__npy_free(&want);
+            ++files;
+        }
+        closedir(d);
+        tmp_remove(&out);
+    }
+    fprintf(stderr, "cli --dtype f64 gradients: %zu files, %.2f of float32's rounding\n", files,
+            worst);
+}
+
 // --dtype f64: the layer is float64, '<f8' inputs (query, float key_padding_mask) are read as
 // doubles, the output and weights are written as '<f8' files.
 //   1. Float values (so that the float64 reference, which takes floats, sees the same ones):
@@ -1625,10 +1692,9 @@ Test(cli_run, dtype_f64_pytorch_cases) {
     tmp_remove(&out);
 }
 
-// --dtype f64 with what float64 layers do not have yet (a KV cache for --decode-chunk, the
-// backward pass for the gradient options): usage errors (exit 2) before any file is read,
-// one line naming float64; --grad-dtype other than f32, or without a 16-bit layer's
-// gradients, likewise. Also `clmha bench`.
+// --dtype f64 with what float64 layers do not have yet (a KV cache for --decode-chunk): usage
+// errors (exit 2) before any file is read, one line naming float64; --grad-dtype other than
+// f32, or without a 16-bit layer's gradients, likewise. Also `clmha bench`.
 Test(cli_usage, dtype_f64_refusals) {
     const char *const run[] = {"run", "--layer", "l.safetensors", "--query", "q.npy"};
     struct {
@@ -1639,11 +1705,6 @@ Test(cli_usage, dtype_f64_refusals) {
          {"--dtype", "f64", "--decode-chunk", "2"}},
         {"clmha run: --decode-chunk does not go with --dtype f64", "float64",
          {"--dtype", "float64", "--is-causal", "--decode-chunk", "1"}},
-        {"clmha run: --dtype f64: gradients", "float64",
-         {"--dtype", "f64", "--grad-output", "g.npy", "--grads-dir", "."}},
-        {"clmha run: --dtype f64: gradients", "float64", {"--dtype", "f64", "--grads-dir", "."}},
-        {"clmha run: --dtype f64: gradients", "float64",
-         {"--dtype", "f64", "--need-weights", "--grad-weights", "gw.npy"}},
         {"clmha run: --grad-dtype takes f32", "the layer's dtype",
          {"--dtype", "bf16", "--grad-dtype", "f64"}},
         {"clmha run: --grad-dtype f32 needs --grads-dir", "f16 or bf16",
@@ -1661,10 +1722,14 @@ Test(cli_usage, dtype_f64_refusals) {
         assert_one_line(&r, cases[i].prefix, cases[i].names, NULL);
         cli_free(&r);
     }
-    cli_result r = cli_run("bench", "--dtype", "f64", "--backward");
-    cr_assert_eq(r.status, 2, "stderr: %s", r.err);
-    assert_one_line(&r, "clmha bench: --dtype f64: --backward", "float64", "backward pass", NULL);
-    cli_free(&r);
+    cli_result r;
+    if (device_has_fp64()) {  // a float64 training step
+        r = cli_run("bench", "--json", "--backward", "--dtype", "f64", "--embed", "16",
+                    "--heads", "2", "--batch", "2", "--tgt-len", "5", "--repeat", "2");
+        cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+        cr_expect(strstr(r.out, "\"dtype\": \"float64\"") != NULL, "%s", r.out);
+        cli_free(&r);
+    }
     r = cli_run("bench", "--dtype", "f64", "--decode", "--cache-len", "8");
     cr_assert_eq(r.status, 2, "stderr: %s", r.err);
     assert_one_line(&r, "clmha bench: --dtype f64: --decode", "float64", "KV cache", NULL);
