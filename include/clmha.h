@@ -759,7 +759,11 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 /// calls double arrays with clmha_layer_forward_host_f64(). Accuracy contract: max |error|
 /// <= 1e-12 against PyTorch's float64 module on unit-scale inputs of its golden cases and
 /// against clmha_reference_forward() on random ones, through both cores (tests/device/test_f64.c).
-/// Not yet for float64 layers: the backward pass, KV caches, clmha_layer_attend(),
+/// Its backward pass runs in float64 too (the unfused backward core, whatever core the forward
+/// call ran; its saved state is doubles), device buffers of doubles or, on the host,
+/// clmha_layer_backward_host_f64(): every gradient within 1e-12 relative (to 1 + its largest
+/// value) of clmha_reference_backward(), and within 1e-7 of central finite differences of the
+/// forward pass. Not yet for float64 layers: KV caches, clmha_layer_attend(),
 /// clmha_layer_project_heads() and user attention cores (::CLMHA_UNSUPPORTED).
 ///
 /// clmha_reference_forward() and clmha_reference_backward() take any dtype and compute in

@@ -329,10 +329,10 @@ Test(packed, against_reference_and_padded, .timeout = 600) {
     clmha_context_release(ctx);
 }
 
-// A 16-bit or float64 layer's packed forward against the reference (the inputs rounded to
-// the layer's dtype on upload: a tolerance of the dtype's; the float64 layer's results are
-// read as float32).
-Test(packed, dtypes_forward) {
+// A 16-bit or float64 layer's packed forward and backward against the reference (the inputs
+// rounded to the layer's dtype on upload: a tolerance of the dtype's; the float64 layer's
+// results are read as float32).
+Test(packed, dtypes_forward_and_backward) {
     clmha_context *ctx = context_or_skip();
     static const struct {
         clmha_dtype t;
@@ -349,6 +349,15 @@ Test(packed, dtypes_forward) {
                                          0, msg, sizeof msg),
                  CLMHA_SUCCESS, "%s", msg);
     float *out = alloc_floats(count);
+    prng r = {0x9ac4};
+    float *gy = normal_floats(&r, count);
+    grads g;
+    memset(&g, 0, sizeof g);
+    clmha_reference_grads rg = {.struct_size = sizeof rg};
+    ref_grads_point(&rg, &g, &p.in, p.t, p.tk);
+    cr_assert_eq(clmha_reference_backward(&p.in.desc, &p.in.params, &p.args, gy, NULL, &rg, msg,
+                                          sizeof msg),
+                 CLMHA_SUCCESS, "reference backward: %s", msg);
     for (size_t i = 0; i < sizeof dts / sizeof dts[0]; ++i) {
         p.in.desc.dtype = dts[i].t;
         clmha_layer *probe = NULL;  // float64 needs cl_khr_fp64 (llvmpipe has none)
@@ -359,14 +368,35 @@ Test(packed, dtypes_forward) {
         }
         clmha_layer_release(probe);
         clmha_layer *layer = instance_layer(ctx, &p.in);
-        cr_assert_eq(clmha_layer_forward_host(layer, &p.args, out, count, NULL, 0),
+        clmha_saved *saved;
+        cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
+        clmha_forward_args a = p.args;
+        a.save = saved;
+        cr_assert_eq(clmha_layer_forward_host(layer, &a, out, count, NULL, 0),
                      CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
         double e = max_rel(out, want, count);
         cr_expect_leq(e, dts[i].tol, "dtype %d: max rel err %.3g", (int)dts[i].t, e);
-        fprintf(stderr, "packed dtype %d forward: max rel err %.2e\n", (int)dts[i].t, e);
+        clmha_backward_args b = {.struct_size = sizeof b, .forward = &a, .saved = saved,
+                                 .grad_output = a.query};
+        b.grad_output.data = gy;
+        grads d;
+        memset(&d, 0, sizeof d);
+        dev_grads_point(&b, &d, &p.in, p.t, p.tk);
+        cr_assert_eq(clmha_layer_backward_host(layer, &b), CLMHA_SUCCESS, "dtype %d: %s",
+                     (int)dts[i].t, clmha_context_last_error(ctx));
+        double eb = 0.0;
+        for (int j = 0; j < GN; ++j)
+            if (d.f[j]) eb = fmax(eb, max_rel(d.f[j], g.r[j], gcount(&p.in, j, p.t, p.tk)));
+        cr_expect_leq(eb, dts[i].tol, "dtype %d: gradients: max rel err %.3g", (int)dts[i].t,
+                      eb);
+        fprintf(stderr, "packed dtype %d: forward max rel err %.2e, backward %.2e\n",
+                (int)dts[i].t, e, eb);
+        grads_free(&d);
+        clmha_saved_release(saved);
         clmha_layer_release(layer);
     }
-    free(out), free(want);
+    grads_free(&g);
+    free(out), free(want), free(gy);
     instance_free(&p.in);
     clmha_context_release(ctx);
 }
