@@ -763,8 +763,9 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 /// call ran; its saved state is doubles), device buffers of doubles or, on the host,
 /// clmha_layer_backward_host_f64(): every gradient within 1e-12 relative (to 1 + its largest
 /// value) of clmha_reference_backward(), and within 1e-7 of central finite differences of the
-/// forward pass. Not yet for float64 layers: KV caches, clmha_layer_attend(),
-/// clmha_layer_project_heads() and user attention cores (::CLMHA_UNSUPPORTED).
+/// forward pass. A user attention core of a float64 layer gets doubles (clmha_core_args::dtype).
+/// Not yet for float64 layers: KV caches, clmha_layer_attend() and clmha_layer_project_heads()
+/// (::CLMHA_UNSUPPORTED).
 ///
 /// clmha_reference_forward() and clmha_reference_backward() take any dtype and compute in
 /// float64 on the float32 arrays they are given: to compare with a 16-bit layer, give them
@@ -1403,6 +1404,12 @@ typedef struct clmha_core_args {
     const cl_event *wait_list;           ///< events the work must wait for (NULL at present)
     cl_event *event;                     ///< where the core may store an event for its work,
                                          ///< which clmha releases; never NULL
+    /// The elements of q, k, v, out and weights (and of float masks' tensors):
+    /// ::CLMHA_DTYPE_F32, floats (float32 and 16-bit layers: theirs is the float32 pass), or
+    /// ::CLMHA_DTYPE_F64, doubles (a float64 layer). Added after 0.1.0: a core that reads
+    /// floats must refuse the other (return ::CLMHA_UNSUPPORTED).
+    clmha_dtype dtype;
+    double scale_f64;  ///< @ref scale in double precision (a float64 layer's core uses it)
 } clmha_core_args;
 
 /// Replaces the attention core of @p layer (see ::clmha_attention_fn). Applies to later
@@ -1411,8 +1418,7 @@ typedef struct clmha_core_args {
 /// @param[in] fn         the core, or NULL to restore the built-in one
 /// @param[in] user_data  passed to @p fn on every call (ignored when @p fn is NULL); must stay
 ///                       valid while @p fn is set
-/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p layer NULL), ::CLMHA_UNSUPPORTED (a
-///         16-bit layer, see ::clmha_dtype)
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (@p layer NULL)
 CLMHA_API clmha_status clmha_layer_set_attention(clmha_layer *layer, clmha_attention_fn fn,
                                                  void *user_data);
 

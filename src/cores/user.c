@@ -22,12 +22,6 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
                                : d->alibi         ? "ALiBi"
                                : d->sinks         ? "sinks"
                                                   : "soft-capping");
-    else if (l->core && l->desc.dtype == CLMHA_DTYPE_F64)  // its buffers are float32
-        // (a 16-bit layer's pass runs in float32 on its widened copies: forward/convert.c)
-        clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
-                               "a %s layer does not take a user attention core "
-                               "(clmha_layer_set_attention()) yet",
-                               clmha__dtype_name(l->desc.dtype));
     else if (l->core) clmha__core_runs(answer);
     else
         clmha__core_answer_set(answer, CLMHA__CORE_PASSES, CLMHA_SUCCESS,
@@ -63,7 +57,11 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         .out = l->tiles[CLMHA__TILE_OUT], .weights = a->need_weights ? l->scores : NULL,
         .key_padding_mask = &a->key_padding_mask, .attn_mask = &a->attn_mask,
         .is_causal = a->is_causal, .training = a->training, .dropout = l->desc.dropout,
-        .rng = a->rng, .num_wait = 0, .wait_list = NULL, .event = &done};
+        .rng = a->rng, .num_wait = 0, .wait_list = NULL, .event = &done,
+        // Its tiles are the layer's elements: doubles for float64; a 16-bit layer's pass is
+        // float32 (forward/convert.c).
+        .dtype = l->rs == sizeof(double) ? CLMHA_DTYPE_F64 : CLMHA_DTYPE_F32,
+        .scale_f64 = clmha__core_scale(l, call->scale)};
     clmha_status st = l->core(&ca, l->core_data);
     if (done) clReleaseEvent(done);  // the in-order queue orders what follows after it
     if (st)

@@ -420,11 +420,8 @@ clmha_status clmha__layer_f32_only(clmha_layer *layer, const char *what) {
 clmha_status clmha_layer_set_attention(clmha_layer *layer, clmha_attention_fn fn,
                                        void *user_data) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
-    clmha_status st;
-    // A 16-bit layer's core sees its float32 pass (convert.c): float32 tiles, as every layer's.
-    if (fn && layer->desc.dtype == CLMHA_DTYPE_F64 &&
-        (st = clmha__layer_f32_only(layer, "a user attention core")))
-        return st;
+    // Every dtype: the core is told its elements (clmha_core_args::dtype; a 16-bit layer's
+    // core sees its float32 pass, forward/convert.c).
     layer->core = fn;
     layer->core_data = fn ? user_data : NULL;
     return CLMHA_SUCCESS;
