@@ -10,43 +10,18 @@
 
 #include <stdlib.h>
 
-// Copies the call's input arrays, masks, grad_output and grad_weights into the layer's staging
-// buffers and points @p dev (the forward arguments) and @p b at them.
-static clmha_status upload_inputs(clmha_layer *layer, const clmha_backward_args *a,
-                                  const clmha_forward_args *f, const clmha__dims *d,
+// The call's inputs, masks, grad_output and grad_weights into the layer's staging buffers,
+// @p dev (the forward arguments, a copy of the caller's) and @p b pointing at them.
+static clmha_status upload_inputs(clmha_layer *layer, const clmha__dims *d,
                                   clmha_forward_args *dev, clmha_backward_args *b, bool f64) {
     clmha_status st;
-    if ((st = clmha__host_upload_values(layer, CLMHA__HOST_QUERY, "query upload", f->query.data, d->query_count, f64, &dev->query.buffer)))
+    if ((st = clmha__host_upload_inputs(layer, d, f64, dev)) ||
+        (st = clmha__host_upload_tensor(layer, CLMHA__HOST_GRAD_OUTPUT, "grad_output upload",
+                                        &b->grad_output, d->output_count, f64)))
         return st;
-    dev->query.offset = 0;
-    if (!d->key_is_query) {
-        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_KEY, "key upload", f->key.data, d->key_count, f64, &dev->key.buffer)))
-            return st;
-        dev->key.offset = 0;
-    }
-    if (!d->value_is_key) {
-        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_VALUE, "value upload", f->value.data, d->value_count, f64, &dev->value.buffer)))
-            return st;
-        dev->value.offset = 0;
-    }
-    if (d->kpm_kind) {
-        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_KPM, "key_padding_mask upload", d->kpm_kind, f->key_padding_mask.tensor.data, d->kpm_count, f64, &dev->key_padding_mask.tensor.buffer)))
-            return st;
-        dev->key_padding_mask.tensor.offset = 0;
-    }
-    if (d->attn_kind) {
-        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_ATTN, "attn_mask upload", d->attn_kind, f->attn_mask.tensor.data, d->attn_count, f64, &dev->attn_mask.tensor.buffer)))
-            return st;
-        dev->attn_mask.tensor.offset = 0;
-    }
-    if ((st = clmha__host_upload_values(layer, CLMHA__HOST_GRAD_OUTPUT, "grad_output upload", a->grad_output.data, d->output_count, f64, &b->grad_output.buffer)))
-        return st;
-    b->grad_output.offset = 0;
-    if (a->grad_weights.ndim) {
-        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_GRAD_WEIGHTS, "grad_weights upload", a->grad_weights.data, d->weights_count, f64, &b->grad_weights.buffer)))
-            return st;
-        b->grad_weights.offset = 0;
-    }
+    if (b->grad_weights.ndim)
+        return clmha__host_upload_tensor(layer, CLMHA__HOST_GRAD_WEIGHTS, "grad_weights upload",
+                                         &b->grad_weights, d->weights_count, f64);
     return CLMHA_SUCCESS;
 }
 
@@ -133,7 +108,7 @@ static clmha_status backward_host(clmha_layer *layer, const clmha_backward_args 
     // The device gradients: float32 staging for a 16-bit layer (rounded below when the caller
     // asks), the layer's elements otherwise.
     if (layer->rs == sizeof(float)) b.grad_dtype = CLMHA_GRAD_F32;
-    if ((st = upload_inputs(layer, &a, &f, &d, &dev, &b, f64))) goto fail;
+    if ((st = upload_inputs(layer, &d, &dev, &b, f64))) goto fail;
     if ((st = stage_gradients(layer, &d, &b, f64, layer->rs))) goto fail;
     if ((st = clmha_layer_backward(layer, &b, 0, NULL, NULL))) goto fail;
     cl_int err = clFinish(ctx->queue);

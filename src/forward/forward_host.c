@@ -67,43 +67,6 @@ static clmha_status check_outputs(clmha_layer *layer, const clmha_forward_args *
     return CLMHA_SUCCESS;
 }
 
-// Copies the call's input arrays into the layer's staging buffers and points @p dev (a copy of
-// @p args) at them.
-static clmha_status upload_inputs(clmha_layer *layer, const clmha_forward_args *args,
-                                  const clmha__dims *d, bool f64, clmha_forward_args *dev) {
-    clmha_status st;
-    if ((st = clmha__host_upload_values(layer, CLMHA__HOST_QUERY, "query upload", args->query.data,
-                            d->query_count, f64, &dev->query.buffer)))
-        return st;
-    dev->query.offset = 0;
-    if (!d->key_is_query) {
-        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_KEY, "key upload", args->key.data,
-                                d->key_count, f64, &dev->key.buffer)))
-            return st;
-        dev->key.offset = 0;
-    }
-    if (!d->value_is_key) {
-        if ((st = clmha__host_upload_values(layer, CLMHA__HOST_VALUE, "value upload", args->value.data,
-                                d->value_count, f64, &dev->value.buffer)))
-            return st;
-        dev->value.offset = 0;
-    }
-    if (d->kpm_kind) {
-        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_KPM, "key_padding_mask upload", d->kpm_kind,
-                              args->key_padding_mask.tensor.data, d->kpm_count, f64,
-                              &dev->key_padding_mask.tensor.buffer)))
-            return st;
-        dev->key_padding_mask.tensor.offset = 0;
-    }
-    if (d->attn_kind) {
-        if ((st = clmha__host_upload_mask(layer, CLMHA__HOST_ATTN, "attn_mask upload", d->attn_kind,
-                              args->attn_mask.tensor.data, d->attn_count, f64,
-                              &dev->attn_mask.tensor.buffer)))
-            return st;
-        dev->attn_mask.tensor.offset = 0;
-    }
-    return CLMHA_SUCCESS;
-}
 
 // The host-array call, on float arrays, or double arrays with @p f64.
 static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *args,
@@ -122,7 +85,7 @@ static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *a
     clmha_forward_args dev = *args;
     size_t elem = clmha__dtype_size(layer->desc.dtype);
     cl_mem out = NULL, w = NULL;
-    if ((st = upload_inputs(layer, args, &d, f64, &dev))) goto fail;
+    if ((st = clmha__host_upload_inputs(layer, &d, f64, &dev))) goto fail;
     // With a bias, the output GEMM reads the bias rows back (beta = 1): the slot is read-write.
     if ((st = clmha__host_room(layer, CLMHA__HOST_OUTPUT, "output", d.output_count * elem, &out)))
         goto fail;

@@ -56,12 +56,14 @@ void clmha__host_drop(clmha_layer *layer) {
 }
 
 clmha_status clmha__host_upload_values(clmha_layer *layer, int slot, const char *what,
-                                  const void *data, size_t count, bool f64, cl_mem *out) {
+                                       const void *data, size_t count, bool f64, cl_mem *out) {
     clmha_dtype t = layer->desc.dtype;
     size_t elem = clmha__dtype_size(t);
-    if (elem == (f64 ? 8 : 4)) return clmha__host_upload(layer, slot, what, data, count * elem, out);
+    if (elem == (f64 ? 8 : 4))
+        return clmha__host_upload(layer, slot, what, data, count * elem, out);
     void *conv = malloc((count ? count : 1) * elem);
-    if (!conv) return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", what);
+    if (!conv)
+        return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", what);
     const float *xf = data;
     const double *xd = data;
     for (size_t i = 0; i < count; ++i) {
@@ -79,9 +81,39 @@ clmha_status clmha__host_upload_values(clmha_layer *layer, int slot, const char 
     return st;
 }
 
-clmha_status clmha__host_upload_mask(clmha_layer *layer, int slot, const char *what,
-                                clmha_mask_kind kind, const void *data, size_t count, bool f64,
-                                cl_mem *out) {
-    if (kind == CLMHA_MASK_FLOAT) return clmha__host_upload_values(layer, slot, what, data, count, f64, out);
-    return clmha__host_upload(layer, slot, what, data, count * clmha__mask_elem(kind), out);
+clmha_status clmha__host_upload_tensor(clmha_layer *layer, int slot, const char *what,
+                                       clmha_tensor *t, size_t count, bool f64) {
+    t->offset = 0;
+    return clmha__host_upload_values(layer, slot, what, t->data, count, f64, &t->buffer);
+}
+
+// A mask of a host call: float masks as the layer's dtype, boolean ones as they are.
+static clmha_status upload_mask(clmha_layer *layer, int slot, const char *what, clmha_mask *m,
+                                size_t count, bool f64) {
+    m->tensor.offset = 0;
+    if (m->kind == CLMHA_MASK_FLOAT)
+        return clmha__host_upload_values(layer, slot, what, m->tensor.data, count, f64,
+                                         &m->tensor.buffer);
+    return clmha__host_upload(layer, slot, what, m->tensor.data,
+                              count * clmha__mask_elem(m->kind), &m->tensor.buffer);
+}
+
+clmha_status clmha__host_upload_inputs(clmha_layer *layer, const clmha__dims *d, bool f64,
+                                       clmha_forward_args *dev) {
+    clmha_status st;
+    if ((st = clmha__host_upload_tensor(layer, CLMHA__HOST_QUERY, "query upload", &dev->query,
+                                        d->query_count, f64)) ||
+        (!d->key_is_query &&
+         (st = clmha__host_upload_tensor(layer, CLMHA__HOST_KEY, "key upload", &dev->key,
+                                         d->key_count, f64))) ||
+        (!d->value_is_key &&
+         (st = clmha__host_upload_tensor(layer, CLMHA__HOST_VALUE, "value upload", &dev->value,
+                                         d->value_count, f64))) ||
+        (d->kpm_kind && (st = upload_mask(layer, CLMHA__HOST_KPM, "key_padding_mask upload",
+                                          &dev->key_padding_mask, d->kpm_count, f64))))
+        return st;
+    if (d->attn_kind)
+        return upload_mask(layer, CLMHA__HOST_ATTN, "attn_mask upload", &dev->attn_mask,
+                           d->attn_count, f64);
+    return CLMHA_SUCCESS;
 }

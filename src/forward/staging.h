@@ -6,6 +6,7 @@
 
 #include "base/defs.h"
 #include "layer/layer.h"
+#include "layer/shape.h"
 
 // Slot @p slot (CLMHA__HOST_*) with room for @p bytes, its contents undefined: *out is the
 // layer's buffer (not a new reference), replaced by a larger one when it is too small; @p what
@@ -30,10 +31,16 @@ CLMHA__HIDDEN clmha_status clmha__host_upload_values(clmha_layer *layer, int slo
                                                      const char *what, const void *data,
                                                      size_t count, bool f64, cl_mem *out);
 
-// Uploads a mask of a host call: float masks as the layer's dtype, boolean ones as they are.
-CLMHA__HIDDEN clmha_status clmha__host_upload_mask(clmha_layer *layer, int slot,
-                                                   const char *what, clmha_mask_kind kind,
-                                                   const void *data, size_t count, bool f64,
-                                                   cl_mem *out);
+// clmha__host_upload_values() of tensor @p t's data (@p count values), @p t then pointing at
+// the slot's buffer from offset 0.
+CLMHA__HIDDEN clmha_status clmha__host_upload_tensor(clmha_layer *layer, int slot,
+                                                     const char *what, clmha_tensor *t,
+                                                     size_t count, bool f64);
+
+// The query, key, value and masks of a host call of sizes @p d (floats, or doubles with @p f64)
+// into their slots, @p dev (a copy of the call's arguments) then pointing at them: values as
+// the layer's dtype, boolean masks as they are.
+CLMHA__HIDDEN clmha_status clmha__host_upload_inputs(clmha_layer *layer, const clmha__dims *d,
+                                                     bool f64, clmha_forward_args *dev);
 
 #endif

@@ -530,7 +530,7 @@ Test(f64, random_vs_reference) {
     clmha_context_release(ctx);
 }
 
-// ---- the backward pass ---------------------------------------------------------------------------
+// ---- the backward pass -------------------------------------------------------------------------
 
 // The gradients of a rand_call, by clmha_backward_args field and clmha_reference_grads field.
 enum { BG_QUERY, BG_KEY, BG_VALUE, BG_IN_W, BG_Q_W, BG_K_W, BG_V_W, BG_IN_B, BG_OUT_W, BG_OUT_B,
@@ -742,7 +742,8 @@ static clmha_status double_core(const clmha_core_args *c, void *user) {
             double *row = p + (b * l + i) * s, m = -INFINITY, sum = 0.0;
             for (size_t j = 0; j < s; ++j) {
                 double dot = 0.0;
-                for (size_t t = 0; t < d; ++t) dot += q[(b * l + i) * d + t] * k[(b * s + j) * d + t];
+                for (size_t t = 0; t < d; ++t)
+                    dot += q[(b * l + i) * d + t] * k[(b * s + j) * d + t];
                 row[j] = dot * c->scale_f64;
                 m = fmax(m, row[j]);
             }

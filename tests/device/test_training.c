@@ -161,7 +161,8 @@ static void train(clmha_impl impl, clmha_dtype dtype) {
     }
     fprintf(stderr, "training %s %s steps=%zu loss %.6g -> %.6g loss_maxrel=%.3e "
             "param_maxnorm=%.3e\n",
-            clmha_impl_name(impl), dtype_label(dtype), steps, loss_want->f64[0], loss_want->f64[steps - 1], loss_err,
+            clmha_impl_name(impl), dtype_label(dtype), steps, loss_want->f64[0],
+            loss_want->f64[steps - 1], loss_err,
             param_err);
 
     free(y);
