@@ -117,8 +117,7 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
     clmha_status st = clmha__forward_args_in(ctx, &in, &args);
     if (st) return st;
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
-        (layer->desc.dtype == CLMHA_DTYPE_F64 &&
-         (st = clmha__layer_f32_only(layer, "clmha_layer_attend()"))))
+        (st = clmha__layer_not_f64(layer, "clmha_layer_attend()")))
         return st;
     const char *no = args->need_weights ? "need_weights"
                      : args->save       ? "save"
@@ -193,9 +192,7 @@ clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t 
     if (event) *event = NULL;
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
-    clmha_status st = layer->desc.dtype == CLMHA_DTYPE_F64
-                          ? clmha__layer_f32_only(layer, "clmha_layer_project_heads()")
-                          : CLMHA_SUCCESS;
+    clmha_status st = clmha__layer_not_f64(layer, "clmha_layer_project_heads()");
     if (st) return st;
     // A 16-bit layer's output is 16-bit (projected in float32, rounded once); heads are float32.
     size_t io = clmha__dtype_size(layer->desc.dtype);

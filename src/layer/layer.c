@@ -411,8 +411,8 @@ clmha_context *clmha_layer_context(const clmha_layer *layer) {
     return layer ? layer->ctx : NULL;
 }
 
-clmha_status clmha__layer_f32_only(clmha_layer *layer, const char *what) {
-    if (layer->desc.dtype == CLMHA_DTYPE_F32) return CLMHA_SUCCESS;
+clmha_status clmha__layer_not_f64(clmha_layer *layer, const char *what) {
+    if (layer->desc.dtype != CLMHA_DTYPE_F64) return CLMHA_SUCCESS;
     return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED, "%s is not available for a %s layer yet",
                        what, clmha__dtype_name(layer->desc.dtype));
 }

@@ -559,8 +559,7 @@ Test(backward_random, sixteen_bit_layers, .timeout = 600) {
             clmha_dtype t = types[ti];
             instance in;
             instance_make(&in, &c);
-            instance_round(&in, t);
-            in.desc.dtype = t;
+            instance_as_dtype(&in, t);
             clmha_layer *layer = instance_layer(ctx, &in);
             clmha_saved *saved;
             cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);

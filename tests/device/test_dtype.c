@@ -177,8 +177,7 @@ static void check_random_case(clmha_context *ctx, const rcase *c, clmha_dtype t,
                               double *worst) {
     instance in;
     instance_make(&in, c);
-    instance_round(&in, t);
-    in.desc.dtype = t;
+    instance_as_dtype(&in, t);
     clmha_layer *layer = instance_layer(ctx, &in);
     clmha_forward_args a = in.args;
     a.impl = impl;
@@ -329,8 +328,7 @@ Test(dtype, device_buffers_hold_16_bit_elements) {
         c.layout = LAYOUT_SHARED, c.need_weights = true;
         instance in;
         instance_make(&in, &c);
-        instance_round(&in, t);
-        in.desc.dtype = t;
+        instance_as_dtype(&in, t);
         clmha_layer *layer = instance_layer(ctx, &in);
         float *host = alloc_floats(in.output_count), *hw = alloc_floats(in.weights_count);
         cr_assert_eq(clmha_layer_forward_host(layer, &in.args, host, in.output_count, hw,
@@ -409,8 +407,7 @@ Test(dtype, backward_on_16_bit_device_buffers) {
         c.layout = LAYOUT_SHARED, c.need_weights = false;
         instance in;
         instance_make(&in, &c);
-        instance_round(&in, t);
-        in.desc.dtype = t;
+        instance_as_dtype(&in, t);
         clmha_layer *layer = instance_layer(ctx, &in);
         clmha_saved *saved;
         cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
@@ -535,8 +532,7 @@ Test(dtype, kv_cache_decoding_within_contract) {
         c.self_attn = true, c.is_causal = true, c.need_weights = false;
         instance in;
         instance_make(&in, &c);
-        instance_round(&in, t);
-        in.desc.dtype = t;
+        instance_as_dtype(&in, t);
         clmha_layer *layer = instance_layer(ctx, &in);
         const size_t n = in.n, len = c.l, e = c.e, chunk = 3;
         double *want = malloc(in.output_count * sizeof *want);

@@ -68,7 +68,7 @@ static double split_and_merge_as(const rcase *c, const size_t *cuts, size_t rang
     clmha_context *ctx = context_or_skip();
     instance in;
     instance_make(&in, c);
-    if (t != CLMHA_DTYPE_F32) instance_round(&in, t), in.desc.dtype = t;
+    if (t != CLMHA_DTYPE_F32) instance_as_dtype(&in, t);
     size_t io = t == CLMHA_DTYPE_F32 ? 4 : 2;
     size_t n = in.n, l = c->l, s = c->s, e = c->e, h = c->h, d = e / h;
     size_t kd = in.kdim, vd = in.vdim, rows = n * h * l;

@@ -44,9 +44,6 @@ static const char *dtype_label(clmha_dtype t) {
     return t == CLMHA_DTYPE_BF16 ? "bfloat16" : t == CLMHA_DTYPE_F16 ? "float16" : "float32";
 }
 
-// @p x rounded to @p t (to nearest even), as the layer holds it.
-static float round_to(clmha_dtype t, float x) { return clmha__dtype_round(t, x); }
-
 static const golden_tensor *need(const golden_case *gc, const char *name) {
     const golden_tensor *t = golden_find(gc, name);
     cr_assert_not_null(t, "tests/training/sgd.txt has no tensor %s", name);
@@ -149,7 +146,7 @@ static void train(clmha_impl impl, clmha_dtype dtype) {
         cr_assert_eq(clmha_layer_get_parameter(layer, param_names[i], grad[i], count[i]),
                      CLMHA_SUCCESS);
         for (size_t k = 0; sixteen && k < count[i]; ++k)  // the layer holds the dtype's values
-            grad[i][k] = param[i][k] = round_to(dtype, param[i][k]);
+            grad[i][k] = param[i][k] = clmha__dtype_round(dtype, param[i][k]);
         cr_expect_eq(max_abs_diff(grad[i], param[i], count[i]), 0.0,
                      "%s on the device differs from the host copy", param_names[i]);
         double scale = 0;

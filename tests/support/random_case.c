@@ -365,7 +365,8 @@ static void round_floats(clmha_dtype t, float *x, size_t count) {
     for (size_t i = 0; x && i < count; ++i) x[i] = clmha__dtype_round(t, x[i]);
 }
 
-void instance_round(instance *in, clmha_dtype t) {
+void instance_as_dtype(instance *in, clmha_dtype t) {
+    in->desc.dtype = t;
     size_t e = in->c.e, kve = e, kd = in->kdim, vd = in->vdim;
     round_floats(t, in->w_in, in->w_in ? 3 * e * e : 0);
     round_floats(t, in->wq, in->wq ? e * e : 0);

@@ -79,9 +79,10 @@ void rcase_describe(const rcase *c, char *buf, size_t size);
 // Draws @p c's parameters, inputs and masks into @p in (free with instance_free()).
 void instance_make(instance *in, const rcase *c);
 void instance_free(instance *in);
-// Rounds every float of @p in (parameters, inputs, float masks) to @p t, so that the reference
-// computes on exactly the values a layer of that dtype holds.
-void instance_round(instance *in, clmha_dtype t);
+// Makes @p in a case of a layer of dtype @p t (16-bit): desc.dtype (the layer under test's;
+// the reference takes any) and every float (parameters, inputs, float masks) rounded to @p t,
+// so that the reference computes on exactly the values that layer holds.
+void instance_as_dtype(instance *in, clmha_dtype t);
 
 // The layer under test's descriptor: in->desc as it is now, with the variants of in->c.user
 // moved into user functions.
