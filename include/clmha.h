@@ -764,8 +764,10 @@ CLMHA_API clmha_tuning_source clmha_context_tuning_source(const clmha_context *c
 /// clmha_layer_backward_host_f64(): every gradient within 1e-12 relative (to 1 + its largest
 /// value) of clmha_reference_backward(), and within 1e-7 of central finite differences of the
 /// forward pass. A user attention core of a float64 layer gets doubles (clmha_core_args::dtype).
-/// Not yet for float64 layers: KV caches, clmha_layer_attend() and clmha_layer_project_heads()
-/// (::CLMHA_UNSUPPORTED).
+/// Its KV cache (::CLMHA_KV_FLOAT32, the default) holds doubles and the decode core runs in
+/// float64 (the narrower kinds store as for any layer and are read into doubles); its
+/// clmha_layer_attend() writes doubles, merged with clmha_attention_merge_f64(), and its
+/// clmha_layer_project_heads() reads them.
 ///
 /// clmha_reference_forward() and clmha_reference_backward() take any dtype and compute in
 /// float64 on the float32 arrays they are given: to compare with a 16-bit layer, give them
@@ -1605,8 +1607,7 @@ CLMHA_API clmha_status clmha_layer_forward_host_f64(clmha_layer *layer,
 /// @param[in]  capacity  the most tokens each sequence may hold
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, @p batch or @p capacity 0, a
 ///         capacity of 2^32 tokens or more), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY (also
-///         a cache larger than the device's largest allocation), ::CLMHA_OPENCL_ERROR,
-///         ::CLMHA_UNSUPPORTED (a float64 layer)
+///         a cache larger than the device's largest allocation), ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer,
                                              size_t batch, size_t capacity);
 
@@ -1658,7 +1659,9 @@ CLMHA_API clmha_status clmha_kv_cache_lengths(const clmha_kv_cache *cache, size_
 
 /// How a KV cache stores its keys and values (clmha_kv_cache_options::kv_dtype).
 typedef enum clmha_kv_dtype {
-    /// float32, as the decode core computes (the default, whatever the layer's dtype).
+    /// The decode core's own precision (the default, whatever the layer's dtype): float32, and
+    /// float64 (8 bytes a value) in a float64 layer's cache, whose decode core computes in
+    /// float64.
     CLMHA_KV_FLOAT32 = 0,
     /// int8, symmetric, one float32 scale per token and key/value head: each row of D values x
     /// is kept as round(x / s) with s = max |x| / 127 (round to nearest even), quantised when
@@ -1705,7 +1708,7 @@ typedef struct clmha_kv_cache_options {
 ///         capacity 0 or of 2^32 tokens or more, a page_size that is not a power of two from 8,
 ///         a capacity given with it, num_pages 0 or too many tokens, an unknown kv_dtype,
 ///         @p options' struct_size 0 or too small), ::CLMHA_UNSUPPORTED (@p options from a newer
-///         header using a newer field; a float64 layer; int4 with an odd head_dim),
+///         header using a newer field; int4 with an odd head_dim),
 ///         ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY (also a cache larger than the device's largest allocation),
 ///         ::CLMHA_OPENCL_ERROR
@@ -1784,16 +1787,17 @@ CLMHA_API clmha_status clmha_kv_cache_size(const clmha_kv_cache *cache, size_t *
 /// @param[in]  appended_keys whether this range holds the keys that add_bias_kv and
 ///                           add_zero_attn append (ignored by layers without them)
 /// @param[out] heads         (N*H, L, D) floats at element @p heads_offset (float32 for
-///                           every dtype but float64, whose are doubles: refused for now)
+///                           every dtype but float64, whose are doubles)
 /// @param[in]  heads_offset  element offset
-/// @param[out] lse           N*H*L floats at element @p lse_offset
+/// @param[out] lse           N*H*L floats (a float64 layer's: doubles) at element
+///                           @p lse_offset
 /// @param[in]  lse_offset    element offset
 /// @param[in]  num_wait      events in @p wait_list
 /// @param[in]  wait_list     as for clmha_layer_forward()
 /// @param[out] event         optional: completes with the call
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_layer_forward(), for @p heads and
 ///         @p lse; positions above 2^24), ::CLMHA_UNSUPPORTED (the options above; a device
-///         where the fused core cannot run the call; a float64 layer), ::CLMHA_SHAPE_MISMATCH,
+///         where the fused core cannot run the call), ::CLMHA_SHAPE_MISMATCH,
 ///         ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
@@ -1832,13 +1836,29 @@ CLMHA_API clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, si
                                              size_t other_lse_offset, cl_uint num_wait,
                                              const cl_event *wait_list, cl_event *event);
 
+/// clmha_attention_merge() of a float64 layer's partial results (clmha_layer_attend()): the
+/// same merge, arguments and rules, on doubles (@p heads, @p lse, @p other_heads, @p other_lse
+/// and the offsets are in doubles), computed in float64.
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, buffers as for
+///         clmha_layer_forward(), in doubles), ::CLMHA_SHAPE_MISMATCH (@p rows or @p head_dim
+///         0), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_UNSUPPORTED (a device without double precision),
+///         ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR
+CLMHA_API clmha_status clmha_attention_merge_f64(clmha_context *ctx, size_t rows,
+                                                 size_t head_dim, cl_mem heads,
+                                                 size_t heads_offset, cl_mem lse,
+                                                 size_t lse_offset, cl_mem other_heads,
+                                                 size_t other_heads_offset, cl_mem other_lse,
+                                                 size_t other_lse_offset, cl_uint num_wait,
+                                                 const cl_event *wait_list, cl_event *event);
+
 /// The end of a forward pass for attention results from clmha_layer_attend() (merged): the head
 /// merge and the output projection (out_proj.weight, out_proj.bias) into @p output, shaped as
 /// the query with E features ((L, N, E), (N, L, E) with batch_first; batch 1 for unbatched).
 /// @param[in]  layer          the layer
 /// @param[in]  batch          N (1 unbatched)
 /// @param[in]  tgt_len        L
-/// @param[in]  heads          (N*H, L, D) floats at @p heads_offset
+/// @param[in]  heads          (N*H, L, D) floats (a float64 layer's: doubles) at
+///                            @p heads_offset
 /// @param[in]  heads_offset   element offset
 /// @param[out] output         N*L*E elements of the layer's dtype (a 16-bit layer's: 16-bit)
 ///                            at @p output_offset (not CL_MEM_WRITE_ONLY with a bias); must not
@@ -1850,7 +1870,7 @@ CLMHA_API clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, si
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, buffers as for
 ///         clmha_layer_forward()), ::CLMHA_SHAPE_MISMATCH (@p batch or @p tgt_len 0),
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR,
-///         ::CLMHA_BLAS_ERROR, ::CLMHA_UNSUPPORTED (a float64 layer, see ::clmha_dtype)
+///         ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch,
                                                  size_t tgt_len, cl_mem heads,
                                                  size_t heads_offset, cl_mem output,
@@ -2170,7 +2190,9 @@ CLMHA_API clmha_status clmha_attention_backward_host(clmha_context *ctx,
 /// What one forward call keeps for its backward pass, owned by the caller. A forward call with
 /// clmha_forward_args::save set fills it (growing its device buffers when needed): the projected
 /// head tiles Q (N·H, L, D), K and V (N·H, S', D), the attention result before the head merge
-/// (N·H, L, D) and, when the fused core ran, the log-sum-exp of every score row (N·H·L floats).
+/// (N·H, L, D) and, when the fused core ran, the log-sum-exp of every score row (N·H·L of
+/// them). Its elements are the layer's computing precision: floats (a 16-bit layer's too) or, in
+/// a float64 layer, doubles.
 /// Its memory is linear in the sequence lengths (clmha_saved_bytes()); the attention weights
 /// are never kept: the backward pass recomputes them. Each forward call that is to be
 /// differentiated needs its own object (gradient accumulation, several layers, pipelined
@@ -2320,7 +2342,7 @@ typedef struct clmha_backward_args {
 ///         small), ::CLMHA_SHAPE_MISMATCH (grad_output or grad_weights shapes; forward
 ///         arguments of another shape than the saved call), ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_UNSUPPORTED (::CLMHA_IMPL_FUSED for a call it cannot do; a user attention
-///         core; a float64 layer; @p args from a newer header using a newer field),
+///         core; @p args from a newer header using a newer field),
 ///         ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
 ///         ::CLMHA_BLAS_ERROR

@@ -9,12 +9,13 @@
 // token t of sequence n in row n*T + t (batch_first) or t*N + n; the result merged rows
 // (N*L, E) in the query's row order; the cache in pages of PS positions (a multiple of BKEYS,
 // or 8: HALF_PAGES), head by head: KV head kh's rows of page pg are vc (PS, HD) from
-// vc + (kh*PAGES + pg)*PS*HD, and kc the same size in blocks of KB transposed keys, so that one head's pages taken in
-// order lie one after another (a stream the CPU's prefetchers follow); sequence n's position
-// j is in page pages[n*pages_ld + j/PS] (a contiguous cache: one page per sequence, page n);
-// lens (N, 2) uint: each sequence's length before and after this call, followed by a paged
-// cache's table (pages = lens + 2N; one buffer a call). Query head h reads KV head h / G (grouped-query attention: G
-// query heads per KV head; G 1 is plain multi-head attention): each work-item of decode_partial
+// vc + (kh*PAGES + pg)*PS*HD, and kc the same size in blocks of KB transposed keys, so that
+// one head's pages taken in order lie one after another (a stream the CPU's prefetchers
+// follow); sequence n's position j is in page pages[n*pages_ld + j/PS] (a contiguous cache:
+// one page per sequence, page n); lens (N, 2) uint: each sequence's length before and after
+// this call, followed by a paged cache's table (pages = lens + 2N; one buffer a call). Query
+// head h reads KV head h / G (grouped-query attention: G query heads per KV head; G 1 is
+// plain multi-head attention): each work-item of decode_partial
 // holds the G query rows of a group and reads every key and value of its range once for all
 // of them. Its scores need no sum across vector lanes: a key block's dimension c is one
 // BKEYS-lane vector, multiplied by query element c and accumulated, so the lanes of the result
@@ -26,7 +27,9 @@
 // not the cache's.
 // Needs cl/common.cl in front (max_nan, VT); the row pointers are cast to VT (HD % VW == 0 and the
 // buffers start at offset 0, so every row is aligned): no vloadN, which Mesa clover cannot
-// compile.
+// compile. The element type is REAL (cl/real.cl): a float64 layer's program is built with
+// -DCLMHA_F64, and its rows, partial results and a float32 cache (KV_TYPE 0) hold doubles; the
+// narrower caches' elements and scales are as a float32 layer's, read into doubles.
 
 #ifndef HD
 #define HD 64
@@ -71,12 +74,13 @@
 #endif
 
 // The cache's elements (-DKV_TYPE=n, clmha_kv_cache_options::kv_dtype: 0 float32, 1 int8,
-// 2 float16, 3 bfloat16, 4 int4): KST the stored type, KROW a row's KST elements (HD; int4:
-// HD / 2 bytes, two dimensions a byte), KEYS_N(kt, c, n) the n-lane vector of dimension c of
-// a stored key block as floats (not int4), VAL_AT(vr, c) a value row's VW lanes from
-// dimension c*VW as VT. float16 goes through vload_half (core OpenCL 1.2, no cl_khr_fp16), bfloat16 is the
-// upper half of a float's bits. The quantised caches keep float scales per (position, KV
-// head) for keys (kscale) and for values (vscale): int8 one per row, element x = scale * q,
+// 2 float16, 3 bfloat16, 4 int4; 0 is REAL: doubles in a float64 layer's cache): KST the
+// stored type, KROW a row's KST elements (HD; int4: HD / 2 bytes, two dimensions a byte),
+// KEYS_N(kt, c, n) the n-lane vector of dimension c of a stored key block as REAL (not int4),
+// VAL_AT(vr, c) a value row's VW lanes from dimension c*VW as VT. float16 goes through
+// vload_half (core OpenCL 1.2, no cl_khr_fp16), bfloat16 is the upper half of a float's bits.
+// The quantised caches keep float scales per (position, KV head) for keys (kscale) and for
+// values (vscale): int8 one per row, element x = scale * q,
 // q = round(x / scale) in [-127, 127], scale = max |x| of its row / 127; int4 one per group
 // of KGS dimensions (NG a row), q in [-7, 7] stored as the nibble q + 8, scale = max |x| of
 // its group / 7, and a group's byte k holding dimensions k (low nibble) and k + KGS/2 (high),
@@ -96,6 +100,19 @@
 #else
 #define VSUF VW
 #endif
+// REAL_NAME spells REAL for CAT, TO_REAL(n, x) converts an n-lane vector (n empty: a scalar) to
+// REAL's, RMASK16 is a REAL16's shuffle mask and RINT16 its comparisons' result (a double16's
+// are ulong16 and long16).
+#if REAL_F64
+#define REAL_NAME double
+#define RMASK16 ulong16
+#define RINT16 long16
+#else
+#define REAL_NAME float
+#define RMASK16 uint16
+#define RINT16 int16
+#endif
+#define TO_REAL(n, x) CAT(CAT(convert_, REAL_NAME), n)(x)
 #if KV_INT4
 #ifndef KGS
 #define KGS 32
@@ -117,46 +134,50 @@
 #endif
 #if KV_INT8
 #define KST char
-#define KEYS_N(kt, c, n) CAT(convert_float, n)(((global const CAT(char, n) *)(kt))[c])
-#define VAL_AT(vr, c) CAT(convert_float, VSUF)(((global const CAT(char, VSUF) *)(vr))[c])
+#define KEYS_N(kt, c, n) TO_REAL(n, ((global const CAT(char, n) *)(kt))[c])
+#define VAL_AT(vr, c) TO_REAL(VSUF, ((global const CAT(char, VSUF) *)(vr))[c])
 #elif KV_F16
 #define KST half
-#define KEYS_N(kt, c, n) CAT(vload_half, n)(c, kt)
-#define VAL_AT(vr, c) CAT(vload_half, VSUF)(c, vr)
+#define KEYS_N(kt, c, n) TO_REAL(n, CAT(vload_half, n)(c, kt))
+#define VAL_AT(vr, c) TO_REAL(VSUF, CAT(vload_half, VSUF)(c, vr))
 #elif KV_BF16
 #define KST ushort
 #define KEYS_N(kt, c, n)                                                                       \
-    CAT(as_float, n)(CAT(convert_uint, n)(((global const CAT(ushort, n) *)(kt))[c]) << 16)
+    TO_REAL(n, CAT(as_float, n)(CAT(convert_uint, n)(((global const CAT(ushort, n) *)(kt))[c]) \
+                                << 16))
 #if VW == 1
-#define VAL_AT(vr, c) as_float((uint)(vr)[c] << 16)
+#define VAL_AT(vr, c) ((REAL)as_float((uint)(vr)[c] << 16))
 #else
-#define VAL_AT(vr, c) CAT(as_float, VW)(CAT(convert_uint, VW)(((global const CAT(ushort, VW) *)(vr))[c]) << 16)
+#define VAL_AT(vr, c)                                                                          \
+    TO_REAL(VW, CAT(as_float, VW)(CAT(convert_uint, VW)(((global const CAT(ushort, VW) *)(vr))[c]) \
+                                  << 16))
 #endif
 #elif KV_INT4
 // Dimensions c*VW ... of a value row (VW divides KHALF: the host narrows VW for int4), q + 8.
 #define VAL_AT(vr, c)                                                                          \
     (((c) * VW) % KGS < KHALF                                                                  \
-         ? CAT(convert_float, VSUF)(VB4(vr, c) & (uchar)15)                                    \
-         : CAT(convert_float, VSUF)(VB4(vr, c) >> (uchar)4))
+         ? TO_REAL(VSUF, VB4(vr, c) & (uchar)15)                                               \
+         : TO_REAL(VSUF, VB4(vr, c) >> (uchar)4))
 #define VB4(vr, c)                                                                             \
     ((global const CAT(uchar, VSUF) *)((vr) + ((c) * VW) / KGS * KHALF + ((c) * VW) % KHALF))[0]
 #else
-#define KST float
-#define KEYS_N(kt, c, n) ((global const CAT(float, n) *)(kt))[c]
+#define KST REAL
+#define KEYS_N(kt, c, n) ((global const CAT(REAL, n) *)(kt))[c]
 #define VAL_AT(vr, c) ((global const VT *)(vr))[c]
 #endif
 
 // Pages of 8 positions (-DHALF_PAGES=1: a paged cache's page_size 8): the keys are stored in
 // transposed blocks of KB = 8 positions, and a key block of BKEYS = 16 that decode_partial
 // scores is two of them, from two pages (ka, kb: their first positions' places). Otherwise KB
-// is BKEYS and kb is ka. KEYS_AT: dimension c's 16 lanes as floats (not int4); KBYTES_AT: an
-// int4 block's byte vector i; KSCALES_AT: a quantised block's 16 key scales of group g.
+// is BKEYS and kb is ka. KEYS_AT: dimension c's 16 lanes as REAL (not int4); KBYTES_AT: an
+// int4 block's byte vector i; KSCALES_AT: a quantised block's 16 key scales of group g (floats).
 #if HALF_PAGES
 // The halves joined by shuffle2 rather than a (float16)(a, b) literal, on which Oclgrind
 // 21.10's uninitialised-value check (kernels built with -cl-opt-disable) crashes.
 #define KB 8
 #define JOIN8 ((uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
-#define KEYS_AT(ka, kb, c) shuffle2(KEYS_N(ka, c, 8), KEYS_N(kb, c, 8), JOIN8)
+#define JOIN8R ((RMASK16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15))
+#define KEYS_AT(ka, kb, c) shuffle2(KEYS_N(ka, c, 8), KEYS_N(kb, c, 8), JOIN8R)
 #define KBYTES_AT(ka, kb, i)                                                                   \
     shuffle2(((global const uchar8 *)(ka))[i], ((global const uchar8 *)(kb))[i],               \
              convert_uchar16(JOIN8))
@@ -171,20 +192,20 @@
 
 // The sum of a row vector's VW lanes, as a tree (VT: cl/common.cl).
 #if VW == 1
-inline float hsum(float v) { return v; }
+inline REAL hsum(REAL v) { return v; }
 #elif VW == 2
-inline float hsum(float2 v) { return v.x + v.y; }
+inline REAL hsum(REAL2 v) { return v.x + v.y; }
 #elif VW == 4
-inline float hsum(float4 v) { return (v.x + v.y) + (v.z + v.w); }
+inline REAL hsum(REAL4 v) { return (v.x + v.y) + (v.z + v.w); }
 #elif VW == 8
-inline float hsum(float8 v) {
-    float4 a = v.lo + v.hi;
+inline REAL hsum(REAL8 v) {
+    REAL4 a = v.lo + v.hi;
     return (a.x + a.y) + (a.z + a.w);
 }
 #elif VW == 16
-inline float hsum(float16 v) {
-    float8 b = v.lo + v.hi;
-    float4 a = b.lo + b.hi;
+inline REAL hsum(REAL16 v) {
+    REAL8 b = v.lo + v.hi;
+    REAL4 a = b.lo + b.hi;
     return (a.x + a.y) + (a.z + a.w);
 }
 #endif
@@ -197,17 +218,17 @@ inline float hsum(float16 v) {
 // more instructions a step): a NaN lane may or may not win, and either way NaN reaches the
 // block's probabilities (exp(NaN - mb) or exp(score - NaN)), so the row's result is NaN.
 #define BUTTERFLY(op, v)                                                                       \
-    v = op(v, shuffle(v, (uint16)(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)));     \
-    v = op(v, shuffle(v, (uint16)(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)));     \
-    v = op(v, shuffle(v, (uint16)(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)));     \
-    v = op(v, shuffle(v, (uint16)(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)))
+    v = op(v, shuffle(v, (RMASK16)(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)));     \
+    v = op(v, shuffle(v, (RMASK16)(4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)));     \
+    v = op(v, shuffle(v, (RMASK16)(2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)));     \
+    v = op(v, shuffle(v, (RMASK16)(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)))
 #define ADD(a, b) ((a) + (b))
 #define GREATER(a, b) select(a, b, isgreater(b, a))
-inline float block_max(float16 v) {
+inline REAL block_max(REAL16 v) {
     BUTTERFLY(GREATER, v);
     return v.s0;
 }
-inline float block_sum(float16 v) {
+inline REAL block_sum(REAL16 v) {
     BUTTERFLY(ADD, v);
     return v.s0;
 }
@@ -248,44 +269,50 @@ inline ulong cache_at(global const uint *pages, ulong pages_ld, uint pshift, ulo
 #if KV_INT8
 // Row @p x (@p b added) quantised to int8 at @p d (a stride of @p stride elements), its scale
 // written to @p s (0 for a row of zeros).
-inline void store_row(global const float *x, global const float *b, global char *d,
+inline void store_row(global const REAL *x, global const REAL *b, global char *d,
                       uint stride, global float *s, uint sstride) {
-    float amax = 0.0f;
+    REAL amax = 0.0f;
     for (uint c = 0; c < HD; ++c) amax = fmax(amax, fabs(ROW_AT(x, b, c)));
-    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    REAL inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     for (uint c = 0; c < HD; ++c) d[c * stride] = convert_char_sat_rte(ROW_AT(x, b, c) * inv);
-    *s = amax / 127.0f;
+    *s = (float)(amax / 127.0f);
 }
 #elif KV_INT4
 // Row @p x (@p b added) quantised to int4 group by group: group g's byte k (at d + (g*KHALF +
 // k) * stride) holds dimension g*KGS + k in its low nibble and g*KGS + k + KHALF in its high
 // one, each q + 8; the group's scale at s + g * sstride.
-inline void store_row(global const float *x, global const float *b, global uchar *d,
+inline void store_row(global const REAL *x, global const REAL *b, global uchar *d,
                       uint stride, global float *s, uint sstride) {
     for (uint g = 0; g < NG; ++g) {
         uint c0 = g * KGS;
-        float amax = 0.0f;
+        REAL amax = 0.0f;
         for (uint c = 0; c < KGS; ++c) amax = fmax(amax, fabs(ROW_AT(x, b, c0 + c)));
-        float inv = amax > 0.0f ? 7.0f / amax : 0.0f;
+        REAL inv = amax > 0.0f ? 7.0f / amax : 0.0f;
         for (uint k = 0; k < KHALF; ++k) {
             int lo = clamp(convert_int_sat_rte(ROW_AT(x, b, c0 + k) * inv), -7, 7) + 8;
             int hi = clamp(convert_int_sat_rte(ROW_AT(x, b, c0 + k + KHALF) * inv), -7, 7) + 8;
             d[(g * KHALF + k) * stride] = (uchar)(lo | (hi << 4));
         }
-        s[g * sstride] = amax / 7.0f;
+        s[g * sstride] = (float)(amax / 7.0f);
     }
 }
 #else
 // Row @p x (@p b added) rounded to the cache's element type (to nearest even) at @p d, a
-// stride of @p stride elements.
-inline void store_row(global const float *x, global const float *b, global KST *d,
+// stride of @p stride elements. A double goes to bfloat16 through a float rounded to odd
+// (towards zero, the last bit set where that was inexact), which keeps the rounding single.
+inline void store_row(global const REAL *x, global const REAL *b, global KST *d,
                       uint stride, global float *s, uint sstride) {
     for (uint c = 0; c < HD; ++c) {
-        float v = ROW_AT(x, b, c);
+        REAL v = ROW_AT(x, b, c);
 #if KV_F16
         vstore_half_rte(v, c * stride, d);
 #elif KV_BF16
+#if REAL_F64
+        float f = convert_float_rtz(v);
+        uint u = as_uint(f) | (uint)((double)f != v && v == v);
+#else
         uint u = as_uint(v);  // as cl/convert.cl's f32_to_bf16: a NaN stays a quiet NaN
+#endif
         d[c * stride] = (u & 0x7fffffffu) > 0x7f800000u
                             ? (ushort)((u >> 16) | 0x40u)
                             : (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
@@ -296,8 +323,8 @@ inline void store_row(global const float *x, global const float *b, global KST *
 }
 #endif
 
-kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulong v_at,
-                          ulong v_ld, global const float *bias, uint has_bias, ulong kb_at,
+kernel void decode_append(global const REAL *proj, ulong k_at, ulong k_ld, ulong v_at,
+                          ulong v_ld, global const REAL *bias, uint has_bias, ulong kb_at,
                           ulong vb_at, global KST *kc, global KST *vc, global float *kscale,
                           global float *vscale,
                           global const uint *lens, ulong pages_ld, uint pshift, ulong psize,
@@ -312,10 +339,10 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
     ulong pos = old + t, row = token_row(n, t, n_batch, src_len, batch_first);
     ulong at = cache_at(pages, pages_ld, pshift, psize, num_pages, n, kh, pos);
     ulong b0 = at - pos % KB;  // the key block's first position
-    global const float *ks = proj + k_at + row * k_ld + kh * HD;
-    global const float *vs = proj + v_at + row * v_ld + kh * HD;
-    global const float *kb = has_bias ? bias + kb_at + kh * HD : 0;
-    global const float *vb = has_bias ? bias + vb_at + kh * HD : 0;
+    global const REAL *ks = proj + k_at + row * k_ld + kh * HD;
+    global const REAL *vs = proj + v_at + row * v_ld + kh * HD;
+    global const REAL *kb = has_bias ? bias + kb_at + kh * HD : 0;
+    global const REAL *vb = has_bias ? bias + vb_at + kh * HD : 0;
     // Keys: the block's scales lane by lane, group after group (kscale + b0*NG + g*KB + u, KB
     // floats per group); values: the row's NG scales together (vscale + at*NG).
     store_row(ks, kb, kc + b0 * KROW + pos % KB, KB, kscale + b0 * NG + pos % KB, KB);
@@ -325,22 +352,22 @@ kernel void decode_append(global const float *proj, ulong k_at, ulong k_ld, ulon
 // One work-item per (sequence n, KV head, query row i, part p), in that order, p fastest:
 // the partial softmax of the G query heads of the group over part p of the keys that row i
 // sees. Writes, per query head row ((n*H + h)*L + i) and part, the unnormalised weights*V sum
-// (part_acc, HD floats) and the scores' max and sum of exp(score - max) (part_ms, 2 floats);
+// (part_acc, HD elements) and the scores' max and sum of exp(score - max) (part_ms, 2);
 // an empty part gives max -INFINITY, sum 0 and zeros. The keys row i sees are start ... end - 1
 // (is_causal and the window, bottom-right aligned); the parts cut them from the key block that
 // holds `start` (parts start on key blocks of BKEYS keys), and the first block's keys before
 // `start` are masked.
-kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
-                           global const float *bias, uint has_bias, ulong n_batch,
+kernel void decode_partial(global const REAL *proj, ulong q_at, ulong q_ld,
+                           global const REAL *bias, uint has_bias, ulong n_batch,
                            uint batch_first, global const KST *kc, global const KST *vc,
                            global const float *kscale, global const float *vscale,
                            global const uint *lens, ulong pages_ld, uint pshift, ulong psize,
                            ulong num_pages, ulong tgt_len, ulong n_heads,
                            ulong kv_heads, uint parts, uint causal, long win_left,
-                           long win_right, float scale, float softcap,
-                           global const float *alibi_slopes, ulong alibi_off,
-                           global const float *mod_p, ulong mod_off, global float *part_acc,
-                           global float *part_ms, ulong items) {
+                           long win_right, REAL scale, REAL softcap,
+                           global const REAL *alibi_slopes, ulong alibi_off,
+                           global const float *mod_p, ulong mod_off, global REAL *part_acc,
+                           global REAL *part_ms, ulong items) {
     ulong gid = get_global_id(0);
     if (gid >= items) return;
     global const uint *pages = lens + 2 * n_batch;  // a paged cache's table
@@ -359,14 +386,14 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
 
     // The group's scaled query rows, as scalars (each multiplies a block's dimension vector),
     // and its accumulators.
-    float qs[G][HD];
+    REAL qs[G][HD];
     VT acc[G][HV];
-    float m[G];
-    float16 sv[G];
+    REAL m[G];
+    REAL16 sv[G];
     ulong qrow = q_at + token_row(n, i, n_batch, tgt_len, batch_first) * q_ld;
     for (uint g = 0; g < G; ++g) {
         ulong h = kvh * G + g;
-        global const float *qr = proj + qrow + h * HD, *qb = bias + h * HD;
+        global const REAL *qr = proj + qrow + h * HD, *qb = bias + h * HD;
         if (has_bias)
             for (uint c = 0; c < HD; ++c) qs[g][c] = (qr[c] + qb[c]) * scale;
         else
@@ -374,15 +401,15 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         UNROLL
         for (uint c = 0; c < HV; ++c) acc[g][c] = (VT)(0.0f);
         m[g] = -INFINITY;
-        sv[g] = (float16)(0.0f);
+        sv[g] = (REAL16)(0.0f);
     }
 #if KV_INT4
     // Each group's sum of the scaled query: a group's scores are sum q*(nibble - 8) =
     // sum q*nibble - 8*qsum, so the nibbles need no offset subtracted one by one.
-    float qsum[G][NG];
+    REAL qsum[G][NG];
     for (uint g = 0; g < G; ++g)
         for (uint k = 0; k < NG; ++k) {
-            float t = 0.0f;
+            REAL t = 0.0f;
             for (uint c = 0; c < KGS; ++c) t += qs[g][k * KGS + c];
             qsum[g][k] = 8.0f * t;
         }
@@ -408,21 +435,21 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         // round SPLIT sets of sums, so that G * SPLIT independent FMA chains hide the FMA's
         // latency (one chain per head made a head's 64 FMAs wait on each other).
         global const KST *kt = kc + at * KROW, *kt2 = kc + at2 * KROW;
-        float16 sc[G];
+        REAL16 sc[G];
 #if KV_INT4
         // Group by group: the nibbles' dot products (a byte vector gives dimensions k and
         // k + KHALF of the group), less the offset, times the keys' scales of the group.
         _Pragma("unroll")
-        for (uint g = 0; g < G; ++g) sc[g] = (float16)(0.0f);
+        for (uint g = 0; g < G; ++g) sc[g] = (REAL16)(0.0f);
         // The low and the high nibbles' products go to separate sums, and (SPLIT 4: G under 4)
         // even and odd bytes too: 2 or 4 independent FMA chains per head (one chain made each
         // product wait on the one before).
         for (uint gr = 0; gr < NG; ++gr) {
-            float16 sp[KSETS][2][G];
+            REAL16 sp[KSETS][2][G];
             _Pragma("unroll")
             for (uint t = 0; t < KSETS; ++t) {
                 _Pragma("unroll")
-                for (uint g = 0; g < G; ++g) sp[t][0][g] = sp[t][1][g] = (float16)(0.0f);
+                for (uint g = 0; g < G; ++g) sp[t][0][g] = sp[t][1][g] = (REAL16)(0.0f);
             }
             uint c0 = gr * KGS;
             _Pragma("unroll 2")
@@ -430,46 +457,47 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                 _Pragma("unroll")
                 for (uint t = 0; t < KSETS; ++t) {
                     uchar16 by = KBYTES_AT(kt, kt2, gr * KHALF + k + t);
-                    float16 lo = convert_float16(by & (uchar16)(15));
-                    float16 hi = convert_float16(by >> 4);
+                    REAL16 lo = TO_REAL(16, by & (uchar16)(15));
+                    REAL16 hi = TO_REAL(16, by >> 4);
                     _Pragma("unroll")
                     for (uint g = 0; g < G; ++g) {
-                        sp[t][0][g] = fma((float16)(qs[g][c0 + k + t]), lo, sp[t][0][g]);
-                        sp[t][1][g] = fma((float16)(qs[g][c0 + k + t + KHALF]), hi, sp[t][1][g]);
+                        sp[t][0][g] = fma((REAL16)(qs[g][c0 + k + t]), lo, sp[t][0][g]);
+                        sp[t][1][g] = fma((REAL16)(qs[g][c0 + k + t + KHALF]), hi, sp[t][1][g]);
                     }
                 }
             }
-            float16 ksc = KSCALES_AT(kscale + at * NG + gr * KB, kscale + at2 * NG + gr * KB);
+            REAL16 ksc =
+                TO_REAL(16, KSCALES_AT(kscale + at * NG + gr * KB, kscale + at2 * NG + gr * KB));
             _Pragma("unroll")
             for (uint g = 0; g < G; ++g) {
-                float16 x = sp[0][0][g] + sp[0][1][g];
+                REAL16 x = sp[0][0][g] + sp[0][1][g];
                 _Pragma("unroll")
                 for (uint t = 1; t < KSETS; ++t) x += sp[t][0][g] + sp[t][1][g];
-                sc[g] = fma(x - (float16)(qsum[g][gr]), ksc, sc[g]);
+                sc[g] = fma(x - (REAL16)(qsum[g][gr]), ksc, sc[g]);
             }
         }
 #else
-        float16 sp[SPLIT][G];
+        REAL16 sp[SPLIT][G];
         _Pragma("unroll")
         for (uint t = 0; t < SPLIT; ++t) {
             _Pragma("unroll")
-            for (uint g = 0; g < G; ++g) sp[t][g] = (float16)(0.0f);
+            for (uint g = 0; g < G; ++g) sp[t][g] = (REAL16)(0.0f);
         }
         uint c = 0;
         _Pragma("unroll 2")
         for (; c + SPLIT <= HD; c += SPLIT) {
             _Pragma("unroll")
             for (uint t = 0; t < SPLIT; ++t) {
-                float16 kv = KEYS_AT(kt, kt2, c + t);
+                REAL16 kv = KEYS_AT(kt, kt2, c + t);
                 _Pragma("unroll")
                 for (uint g = 0; g < G; ++g)
-                    sp[t][g] = fma((float16)(qs[g][c + t]), kv, sp[t][g]);
+                    sp[t][g] = fma((REAL16)(qs[g][c + t]), kv, sp[t][g]);
             }
         }
         for (; c < HD; ++c) {
-            float16 kv = KEYS_AT(kt, kt2, c);
+            REAL16 kv = KEYS_AT(kt, kt2, c);
             _Pragma("unroll")
-            for (uint g = 0; g < G; ++g) sp[0][g] = fma((float16)(qs[g][c]), kv, sp[0][g]);
+            for (uint g = 0; g < G; ++g) sp[0][g] = fma((REAL16)(qs[g][c]), kv, sp[0][g]);
         }
         _Pragma("unroll")
         for (uint g = 0; g < G; ++g) {
@@ -479,7 +507,7 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         }
 #if KV_INT8
         {  // the block's keys' scales (lane u: key jb + u's), after the dot products
-            float16 ksc = KSCALES_AT(kscale + at, kscale + at2);
+            REAL16 ksc = TO_REAL(16, KSCALES_AT(kscale + at, kscale + at2));
             _Pragma("unroll")
             for (uint g = 0; g < G; ++g) sc[g] *= ksc;
         }
@@ -488,8 +516,8 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
 #if SCORE_MODS
         // The score variants (cl/common.cl): soft-capping, then ALiBi's -slope*|pos - j| with
         // lane u at key jb + u (distances exact in float below 2^24).
-        float16 dist = fabs((float16)((float)((long)pos - (long)jb)) -
-                            (float16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        REAL16 dist = fabs((REAL16)((REAL)((long)pos - (long)jb)) -
+                           (REAL16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
         _Pragma("unroll")
         for (uint g = 0; g < G; ++g) {
 #if SOFTCAP
@@ -505,10 +533,10 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         // (lane u is key jb + u); a block they forbid entirely is skipped.
         bool live = false;
         for (uint g = 0; g < G; ++g) {
-            float *lane = (float *)&sc[g];
+            REAL *lane = (REAL *)&sc[g];
             for (uint u = skip; u < cnt; ++u) {
                 ulong j = jb + u, h = kvh * G + g;
-                float x = USER_SCORE_OF(lane[u], n, h, pos, j);
+                REAL x = USER_SCORE_OF(lane[u], n, h, pos, j);
                 lane[u] = USER_ALLOWS(n, h, pos, j) ? x : -INFINITY;
                 live |= lane[u] != -INFINITY;
             }
@@ -516,31 +544,31 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
         if (!live) continue;
 #endif
         // Per query head (unrolled: the heads' dependency chains interleave): the block's
-        // probabilities exp(score - mb) (prs: lane u is key jb + u, read below through a float
+        // probabilities exp(score - mb) (prs: lane u is key jb + u, read below through a REAL
         // pointer rather than extracted lane by lane), the new running maximum mb, and the
         // factor corr that rescales the head's accumulators and its lane-wise sums of
         // probabilities (sv, added across lanes once, after the last block). The running
         // maximum seldom grows after the first blocks: then corr is 1 and needs no exp.
-        float16 prs[G];
-        float corr[G];
+        REAL16 prs[G];
+        REAL corr[G];
         if (cnt < BKEYS || skip) {
-            float16 lane = (float16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            int16 out = isgreaterequal(lane, (float16)((float)cnt)) |
-                        isless(lane, (float16)((float)skip));
+            REAL16 lane = (REAL16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            RINT16 out = isgreaterequal(lane, (REAL16)((REAL)cnt)) |
+                         isless(lane, (REAL16)((REAL)skip));
             _Pragma("unroll")
-            for (uint g = 0; g < G; ++g) sc[g] = select(sc[g], (float16)(-INFINITY), out);
+            for (uint g = 0; g < G; ++g) sc[g] = select(sc[g], (REAL16)(-INFINITY), out);
         }
         _Pragma("unroll")
         for (uint g = 0; g < G; ++g) {
-            float mb = max_nan(m[g], block_max(sc[g]));
+            REAL mb = max_nan(m[g], block_max(sc[g]));
             corr[g] = mb > m[g] ? exp(m[g] - mb) : 1.0f;
 #if USER_MASK
             // A head whose keys so far are all forbidden: exp(-inf - 0), not exp(-inf + inf).
-            prs[g] = exp(sc[g] - (float16)(mb == -INFINITY ? 0.0f : mb));
+            prs[g] = exp(sc[g] - (REAL16)(mb == -INFINITY ? (REAL)0.0f : mb));
 #else
-            prs[g] = exp(sc[g] - (float16)(mb));
+            prs[g] = exp(sc[g] - (REAL16)(mb));
 #endif
-            sv[g] = fma(sv[g], (float16)(corr[g]), prs[g]);
+            sv[g] = fma(sv[g], (REAL16)(corr[g]), prs[g]);
             m[g] = mb;
         }
         // The weights*V sums, GB query heads at a time, so that their accumulators stay in
@@ -563,17 +591,17 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
                 for (uint c = 0; c < HV; ++c) {
 #if KV_INT4
                     VT x = VAL_AT(vr, c) - (VT)(8.0f);
-                    float vsu = vsr[c * VW / KGS];
+                    REAL vsu = vsr[c * VW / KGS];
 #elif KV_INT8
                     VT x = VAL_AT(vr, c);
-                    float vsu = vsr[0];
+                    REAL vsu = vsr[0];
 #else
                     VT x = VAL_AT(vr, c);
-                    float vsu = 1.0f;
+                    REAL vsu = 1.0f;
 #endif
                     UNROLL
                     for (uint gg = 0; gg < GB; ++gg)
-                        a[gg][c] = fma((VT)(((const float *)&prs[g0 + gg])[u] * vsu), x,
+                        a[gg][c] = fma((VT)(((const REAL *)&prs[g0 + gg])[u] * vsu), x,
                                        a[gg][c]);
                 }
             }
@@ -601,15 +629,14 @@ kernel void decode_partial(global const float *proj, ulong q_at, ulong q_ld,
 // work-items still read); with has_b_out it also fills its part of the output rows y with
 // out_proj.bias (the C operand of the output projection, beta 1). A row that sees no key at all
 // gives zeros.
-kernel void decode_combine(global const float *part_acc, global const float *part_ms,
-                           uint parts, global const float *proj, ulong q_at, ulong q_ld,
-                           global const float *bias, uint has_bias, global const float *bias_kv,
+kernel void decode_combine(global const REAL *part_acc, global const REAL *part_ms,
+                           uint parts, global const REAL *proj, ulong q_at, ulong q_ld,
+                           global const REAL *bias, uint has_bias, global const REAL *bias_kv,
                            uint has_bias_kv, uint zero_attn, ulong n_heads, ulong kv_heads,
-                           ulong tgt_len, float scale, float softcap,
-                           global const float *sinks, ulong sinks_off, global float *merged,
-                           ulong n_batch,
-                           uint batch_first, global float *y, ulong y_off,
-                           global const float *b_out, uint has_b_out, ulong rows) {
+                           ulong tgt_len, REAL scale, REAL softcap,
+                           global const REAL *sinks, ulong sinks_off, global REAL *merged,
+                           ulong n_batch, uint batch_first, global REAL *y, ulong y_off,
+                           global const REAL *b_out, uint has_b_out, ulong rows) {
     ulong row = get_global_id(0);
     if (row >= rows) return;
     ulong i = row % tgt_len, bh = row / tgt_len, n = bh / n_heads, h = bh % n_heads;
@@ -620,9 +647,9 @@ kernel void decode_combine(global const float *part_acc, global const float *par
     ulong at = (r * n_heads + h) * HD;
     if (has_b_out)
         for (uint c = 0; c < HD; ++c) y[y_off + at + c] = b_out[h * HD + c];
-    float mx = -INFINITY, xb = -INFINITY;
+    REAL mx = -INFINITY, xb = -INFINITY;
     for (uint p = 0; p < parts; ++p) mx = max_nan(mx, part_ms[2 * (row * parts + p)]);
-    // bias_k (kv_heads * HD floats), then bias_v: the row's key/value head's slice of each.
+    // bias_k (kv_heads * HD elements), then bias_v: the row's key/value head's slice of each.
     global const VT *bk = (global const VT *)(bias_kv + kvh * HD);
     global const VT *bv = (global const VT *)(bias_kv + (kv_heads + kvh) * HD);
     if (has_bias_kv) {  // the row's query (in_proj_bias added) against bias_k
@@ -638,7 +665,7 @@ kernel void decode_combine(global const float *part_acc, global const float *par
     }
     if (zero_attn) mx = max_nan(mx, 0.0f);
 #if SINKS
-    float sink = SINK_OF(h);  // one more logit, with a zero value (cl/common.cl)
+    REAL sink = SINK_OF(h);  // one more logit, with a zero value (cl/common.cl)
     mx = max_nan(mx, sink);
 #endif
     global VT *o = (global VT *)(merged + at);
@@ -648,18 +675,18 @@ kernel void decode_combine(global const float *part_acc, global const float *par
     }
     VT acc[HV];
     for (uint c = 0; c < HV; ++c) acc[c] = (VT)(0.0f);
-    float total = 0.0f;
+    REAL total = 0.0f;
     for (uint p = 0; p < parts; ++p) {
         ulong at = row * parts + p;
-        float mp = part_ms[2 * at];
+        REAL mp = part_ms[2 * at];
         if (mp == -INFINITY) continue;
-        float w = exp(mp - mx);
+        REAL w = exp(mp - mx);
         total = fma(w, part_ms[2 * at + 1], total);
         global const VT *pa = (global const VT *)(part_acc + at * HD);
         for (uint c = 0; c < HV; ++c) acc[c] = fma((VT)(w), pa[c], acc[c]);
     }
     if (has_bias_kv) {
-        float w = exp(xb - mx);
+        REAL w = exp(xb - mx);
         total += w;
         for (uint c = 0; c < HV; ++c) acc[c] = fma((VT)(w), bv[c], acc[c]);
     }
@@ -671,23 +698,24 @@ kernel void decode_combine(global const float *part_acc, global const float *par
 }
 
 // clmha_attention_merge(): merges partial attention results b into a, row by row: each row is
-// a result (head_dim floats, normalised) and the log-sum-exp of its scores; the merge weighs
+// a result (head_dim elements, normalised) and the log-sum-exp of its scores; the merge weighs
 // the two by their sums of exp. A row with no keys in either (-INFINITY) stays zeros.
-kernel void merge_partials(global float *oa, ulong oa_off, global float *la, ulong la_off,
-                           global const float *ob, ulong ob_off, global const float *lb,
+kernel void merge_partials(global REAL *oa, ulong oa_off, global REAL *la, ulong la_off,
+                           global const REAL *ob, ulong ob_off, global const REAL *lb,
                            ulong lb_off, ulong head_dim, ulong rows) {
     ulong r = get_global_id(0);
     if (r >= rows) return;
-    float a = la[la_off + r], b = lb[lb_off + r];
-    float m = max_nan(a, b);
-    global float *x = oa + oa_off + r * head_dim;
-    global const float *y = ob + ob_off + r * head_dim;
+    REAL a = la[la_off + r], b = lb[lb_off + r];
+    REAL m = max_nan(a, b);
+    global REAL *x = oa + oa_off + r * head_dim;
+    global const REAL *y = ob + ob_off + r * head_dim;
     if (m == -INFINITY) {
         for (ulong c = 0; c < head_dim; ++c) x[c] = 0.0f;
         return;
     }
-    float wa = a == -INFINITY ? 0.0f : exp(a - m), wb = b == -INFINITY ? 0.0f : exp(b - m);
-    float total = wa + wb;
+    REAL wa = a == -INFINITY ? (REAL)0.0f : exp(a - m);
+    REAL wb = b == -INFINITY ? (REAL)0.0f : exp(b - m);
+    REAL total = wa + wb;
     for (ulong c = 0; c < head_dim; ++c) x[c] = (wa * x[c] + wb * y[c]) / total;
     la[la_off + r] = m + log(total);
 }

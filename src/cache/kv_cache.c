@@ -12,14 +12,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-// Each buffer's floats: pages · kv_heads · page_size · D, checked for overflow and against the
-// device's largest allocation.
+// Each buffer's elements: pages · kv_heads · page_size · D, checked for overflow and, at @p rs
+// bytes an element (the layer's), against the device's largest allocation.
 static clmha_status cache_floats(const clmha_context *ctx, size_t pages, size_t heads,
-                                 size_t page_size, size_t d, size_t *floats) {
+                                 size_t page_size, size_t d, size_t rs, size_t *floats) {
     size_t x, bytes;
     *floats = 0;
     if (!clmha__mul3(pages, heads, page_size, &x) || !clmha__mul(x, d, floats) ||
-        !clmha__mul(*floats, sizeof(float), &bytes))
+        !clmha__mul(*floats, rs, &bytes))
         return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW,
                            "a KV cache of %zu pages of %zu tokens, %zu heads of %zu floats "
                            "overflows size_t",
@@ -106,19 +106,19 @@ static void set_elements(clmha_kv_cache *c) {
     case CLMHA_KV_INT4:
         c->group = int4_group(d), c->row_bytes = d / 2, c->groups = d / c->group;
         break;
-    default: c->row_bytes = 4 * d; break;
+    default: c->row_bytes = c->rs * d; break;
     }
 }
 
-// A new cache of @p kv_heads heads of @p head_dim floats on @p ctx, for @p layer (NULL: for
-// attention as a function), as @p o says (checked).
+// A new cache of @p kv_heads heads of @p head_dim elements on @p ctx, for @p layer (NULL: for
+// attention as a function, in float32), as @p o says (checked).
 static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
                                const clmha_layer *layer, size_t batch, size_t kv_heads,
                                size_t head_dim, const clmha_kv_cache_options *o) {
-    size_t page_size = 0, pages = 0, floats = 0;
+    size_t page_size = 0, pages = 0, floats = 0, rs = layer ? layer->rs : sizeof(float);
     clmha_status st;
     if ((st = check_options(ctx, batch, o, &page_size, &pages)) ||
-        (st = cache_floats(ctx, pages, kv_heads, page_size, head_dim, &floats)))
+        (st = cache_floats(ctx, pages, kv_heads, page_size, head_dim, rs, &floats)))
         return st;
     if (o->kv_dtype == CLMHA_KV_INT4 && !int4_group(head_dim))
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
@@ -136,7 +136,7 @@ static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
                           .capacity = paged ? pages * page_size : o->capacity,
                           .kv_heads = kv_heads, .head_dim = head_dim, .paged = paged,
                           .page_size = page_size, .num_pages = pages,
-                          .kv_dtype = o->kv_dtype, .len = len};
+                          .kv_dtype = o->kv_dtype, .rs = rs, .len = len};
     set_elements(c);
     clmha_context_retain(ctx);
     if (paged && !pages_make(c)) {
@@ -174,9 +174,6 @@ clmha_status clmha_kv_cache_create_with(clmha_kv_cache **out, clmha_layer *layer
     clmha_status st = CLMHA__STRUCT_IN(clmha_kv_cache_options, &o, options, "options", msg,
                                        sizeof msg);
     if (st) return clmha__fail(layer->ctx, st, "%s", msg);
-    if (layer->desc.dtype == CLMHA_DTYPE_F64)
-        return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED,
-                           "a float64 layer (CLMHA_DTYPE_F64) has no KV cache yet");
     return cache_make(out, layer->ctx, layer, batch, layer->kvh, layer->d, &o);
 }
 

@@ -20,17 +20,19 @@ struct clmha_kv_cache {
                                // NULL: made for attention as a function
                                // (clmha_kv_cache_create_for())
     size_t batch, capacity;    // N; tokens per sequence (paged: the pool's tokens)
-    size_t kv_heads, head_dim; // heads of the cached keys and values, and their floats
-    // The storage: pages of page_size positions, page p holding (kv_heads, page_size, D) floats
+    size_t kv_heads, head_dim; // heads of the cached keys and values, and their dimension
+    // The storage: pages of page_size positions, page p holding (kv_heads, page_size, D) elements
     // of keys from k + p * kv_heads * page_size * D (v likewise): v row by row, k in transposed
     // blocks of 16 positions (cl/cores/decode.cl). A contiguous cache is one page per sequence,
     // page n for sequence n, of page_size = the capacity rounded up to 16.
     bool paged;
     size_t page_size, num_pages;
-    // The elements: float32, float16, bfloat16, or quantised (int8, int4) with `groups` float
-    // scales per (position, KV head) in ks (keys) and vs (values): int8 one, int4 one per
-    // `group` dimensions (cl/cores/decode.cl has the layouts).
+    // The elements: float32 (doubles in a float64 layer's cache: rs 8), float16, bfloat16, or
+    // quantised (int8, int4) with `groups` float scales per (position, KV head) in ks (keys)
+    // and vs (values): int8 one, int4 one per `group` dimensions (cl/cores/decode.cl has the
+    // layouts).
     clmha_kv_dtype kv_dtype;
+    size_t rs;                 // the bytes of a CLMHA_KV_FLOAT32 element: the layer's rs
     size_t row_bytes;          // bytes of one position's row of D elements (int4: D / 2)
     size_t groups, group;      // quantised: scales per row and dimensions per scale; else 0
     cl_mem k, v, ks, vs;

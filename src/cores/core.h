@@ -52,8 +52,9 @@ typedef struct clmha__core_call {
     // with clmha__core::writes_lse runs it, and its impl is the call's own, not the layer's.
     bool need_lse;
     // With a KV cache (clmha_forward_args::kv_cache; only a core with clmha__core::kv_cache
-    // runs such calls): the call's plan of lengths (NULL while the call is validated), and whether the new key and value tiles are to be appended
-    // (false: kv_attend_only, no new keys).
+    // runs such calls): the call's plan of lengths (NULL while the call is validated), and
+    // whether the new key and value tiles are to be appended (false: kv_attend_only, no new
+    // keys).
     const clmha__kv_plan *kv;
     bool kv_append;
     // Grouped-query attention: the query heads per key/value plane of this call's key and value
@@ -116,10 +117,12 @@ typedef struct clmha__backward_call {
 } clmha__backward_call;
 
 // One merge of partial attention results (clmha_attention_merge(), checked): rows of head_dim
-// floats and their log-sum-exp, the other's merged into heads and lse. Offsets in floats. The
+// elements (rs bytes) and their log-sum-exp, the other's merged into heads and lse. Offsets in
+// elements. The
 // merge waits for @p wait_list (a barrier, enqueued only once its kernel is built).
 typedef struct clmha__merge_call {
     size_t rows, head_dim;
+    size_t rs;  // the elements' bytes: 4 (floats) or 8 (doubles)
     cl_mem heads, lse, other_heads, other_lse;
     size_t heads_offset, lse_offset, other_heads_offset, other_lse_offset;
     cl_uint num_wait;

@@ -36,7 +36,8 @@ typedef struct state {
     cl_kernel append[KINDS][2], partial[KINDS][2];
     size_t wg;                           // their launches' work-group
     clmha_status failed;                 // why they cannot be built here (then not retried)
-    cl_mem part_acc, part_ms;            // the partial results, grown on demand (floats)
+    cl_mem part_acc, part_ms;            // the partial results, grown on demand (the layer's
+                                         // elements)
     size_t acc_cap, ms_cap;
     size_t split[2];                     // the tuner's override (0, 0: none)
 } state;
@@ -69,16 +70,18 @@ static void release(void *p) {
     free(s);
 }
 
-// Builds the four kernels for head_dim D, G query heads per KV head, and the vector width of
-// the fused core narrowed to divide D (1 where vector types are unsafe). GPUs get one sum per
+// Builds the four kernels for head_dim D, G query heads per KV head, the layer's element type
+// (doubles for a float64 layer) and the vector width of the fused core narrowed to divide D (1
+// where vector types are unsafe). GPUs get one sum per
 // query head in a block's scores (SPLIT 1: their many work-items hide the FMA latency, and
 // every extra sum is 16 more registers a work-item); CPUs the kernel's default.
 static clmha_status build(clmha_layer *l, state *s, size_t group) {
     clmha_context *ctx = l->ctx;
     size_t vw = clmha__fused_row_vw(ctx, l->d);
-    char options[224];
-    snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu%s%s", l->d, group, vw,
-             ctx->cls->coalesced ? " -DSPLIT=1" : "", clmha__layer_variant_options(l));
+    char options[240];
+    snprintf(options, sizeof options, "-DHD=%zu -DG=%zu -DVW=%zu%s%s%s", l->d, group, vw,
+             ctx->cls->coalesced ? " -DSPLIT=1" : "", clmha__layer_real_options(l),
+             clmha__layer_variant_options(l));
     cl_program prog;
     clmha_status st = clmha__program_get_mod(ctx, "decode", options, l->mod_source, &prog);
     if (st || (st = clmha__kernel_make(ctx, prog, "decode_zero", &s->zero)) ||
@@ -115,11 +118,12 @@ static clmha_status build_kind(clmha_layer *l, state *s, const clmha_kv_cache *c
     size_t vw = clmha__fused_row_vw(ctx, l->d), kind = (size_t)c->kv_dtype, half = half_pages(c);
     if (c->kv_dtype == CLMHA_KV_INT4)
         while (vw > c->group / 2) vw /= 2;
-    char options[272];
+    char options[288];
     snprintf(options, sizeof options,
-             "-DHD=%zu -DG=%zu -DVW=%zu -DKV_TYPE=%zu -DKGS=%zu -DHALF_PAGES=%zu%s%s", l->d,
+             "-DHD=%zu -DG=%zu -DVW=%zu -DKV_TYPE=%zu -DKGS=%zu -DHALF_PAGES=%zu%s%s%s", l->d,
              l->h / l->kvh, vw, kind, c->group ? c->group : 1, half,
-             ctx->cls->coalesced ? " -DSPLIT=1" : "", clmha__layer_variant_options(l));
+             ctx->cls->coalesced ? " -DSPLIT=1" : "", clmha__layer_real_options(l),
+             clmha__layer_variant_options(l));
     cl_program prog;
     clmha_status st = clmha__program_get_mod(ctx, "decode", options, l->mod_source, &prog);
     if (!st) st = clmha__kernel_make(ctx, prog, "decode_append", &s->append[kind][half]);
@@ -144,7 +148,6 @@ static clmha_status ensure(clmha_layer *l, state **out) {
 // "Incremental decoding").
 static const char *not_taken(const clmha_layer *l, const clmha_forward_args *a) {
     if (l->core) return "a user attention core (clmha_layer_set_attention())";
-    if (l->desc.dtype == CLMHA_DTYPE_F64) return "a float64 layer (its kernels are float32)";
     if (a->need_weights) return "need_weights";
     if (a->attn_mask.kind != CLMHA_MASK_NONE) return "attn_mask";
     if (a->key_padding_mask.kind != CLMHA_MASK_NONE)
@@ -282,6 +285,31 @@ static cl_uint page_shift(const clmha_kv_cache *c) {
     return shift;
 }
 
+// decode_append: the call's new key and value rows (in_proj_bias added) into the cache, one
+// work-item per row of a key/value head.
+static clmha_status append_rows(clmha_layer *l, const state *s, const clmha__core_call *call,
+                                cl_kernel append) {
+    const clmha__dims *d = call->dims;
+    const clmha__kv_plan *kv = call->kv;
+    const clmha_kv_cache *c = kv->cache;
+    clmha_context *ctx = l->ctx;
+    cl_mem kscale = c->groups ? c->ks : ctx->dummy, vscale = c->groups ? c->vs : ctx->dummy;
+    cl_uint has_bias = l->desc.bias, pshift = page_shift(c), batch_first = d->batch_first;
+    cl_mem bias = has_bias ? l->b_in : ctx->dummy;
+    cl_ulong rows = d->n * c->kv_heads * d->s, src = d->s, kvh = c->kv_heads;
+    cl_ulong k_at = call->k_at, k_ld = call->k_ld, v_at = call->v_at, v_ld = call->v_ld;
+    cl_ulong kb_at = l->e, vb_at = l->e + l->kve, n_batch = d->n, psize = c->page_size;
+    cl_ulong pages_ld = kv->pages_ld, num_pages = c->num_pages;
+    arg args[] = {ARG(l->proj),   ARG(k_at),     ARG(k_ld),      ARG(v_at),
+                  ARG(v_ld),      ARG(bias),     ARG(has_bias),  ARG(kb_at),
+                  ARG(vb_at),     ARG(c->k),     ARG(c->v),      ARG(kscale),
+                  ARG(vscale),    ARG(kv->lens), ARG(pages_ld),  ARG(pshift),
+                  ARG(psize),     ARG(num_pages), ARG(n_batch),  ARG(batch_first),
+                  ARG(src),       ARG(kvh),      ARG(rows)};
+    return clmha__launch(ctx, append, "decode_append", rows, s->wg, args,
+                         sizeof args / sizeof args[0]);
+}
+
 static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     const clmha__dims *d = call->dims;
     const clmha__kv_plan *kv = call->kv;
@@ -290,7 +318,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     state *s;
     clmha_status st = ensure(l, &s);
     if (st) return st;
-    cl_ulong src = d->s, kvh = c->kv_heads, psize = c->page_size, heads = l->h, tgt = d->l;
+    cl_ulong kvh = c->kv_heads, psize = c->page_size, heads = l->h, tgt = d->l;
     cl_ulong pages_ld = kv->pages_ld, num_pages = c->num_pages;
     cl_uint pshift = page_shift(c);
     size_t kind = (size_t)c->kv_dtype, half = half_pages(c);
@@ -304,18 +332,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_uint batch_first = d->batch_first, has_bias = l->desc.bias;
     cl_mem bias = has_bias ? l->b_in : ctx->dummy;
     if (call->kv_append && (st = copy_on_write(ctx, kv))) return st;
-    if (call->kv_append) {
-        cl_ulong rows = d->n * c->kv_heads * d->s;
-        cl_ulong k_at = call->k_at, k_ld = call->k_ld, v_at = call->v_at, v_ld = call->v_ld;
-        cl_ulong kb_at = l->e, vb_at = l->e + l->kve;
-        arg args[] = {ARG(l->proj), ARG(k_at),    ARG(k_ld),    ARG(v_at),    ARG(v_ld),
-                      ARG(bias),    ARG(has_bias), ARG(kb_at),  ARG(vb_at),   ARG(c->k),
-                      ARG(c->v),    ARG(kscale),  ARG(vscale),  ARG(kv->lens), ARG(pages_ld), ARG(pshift),
-                      ARG(psize),   ARG(num_pages), ARG(n_batch), ARG(batch_first), ARG(src),     ARG(kvh),     ARG(rows)};
-        if ((st = clmha__launch(ctx, append, "decode_append", rows, s->wg, args,
-                                sizeof args / sizeof args[0])))
-            return st;
-    }
+    if (call->kv_append && (st = append_rows(l, s, call, append))) return st;
     size_t q_rows = d->n * l->h * d->l;
     cl_uint causal = call->args->is_causal;
     cl_uint parts = (cl_uint)parts_for(ctx, s, d->n * c->kv_heads * d->l,
@@ -325,18 +342,18 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         (st = clmha__layer_grow_core_scratch(l, &s->part_ms, &s->ms_cap, q_rows * parts * 2,
                                              "decode partial maxima and sums")))
         return st;
-    float scale = (float)clmha__core_scale(l, call->scale);
+    clmha__real scale = clmha__real_of(clmha__core_scale(l, call->scale));
     cl_long win_left = d->win_left, win_right = d->win_right;
     cl_ulong items = d->n * c->kv_heads * d->l * parts;
     clmha__mask_args m = clmha__masks_of(l, call->args, d);  // the score variants' values
-    float softcap = m.softcap.f;
     {
         arg args[] = {ARG(l->proj),   ARG(q_at),    ARG(q_ld),        ARG(bias),
                       ARG(has_bias),  ARG(n_batch), ARG(batch_first), ARG(c->k),
                       ARG(c->v),      ARG(kscale),  ARG(vscale),      ARG(kv->lens), ARG(pages_ld),
                       ARG(pshift),    ARG(psize),   ARG(num_pages),     ARG(tgt),     ARG(heads),
                       ARG(kvh),       ARG(parts),       ARG(causal),
-                      ARG(win_left),  ARG(win_right), ARG(scale),     ARG(softcap),
+                      ARG(win_left),  ARG(win_right), CLMHA__REAL_ARG(scale, l->rs),
+                      CLMHA__REAL_ARG(m.softcap, l->rs),
                       ARG(m.alibi),   ARG(m.alibi_off), ARG(m.mod_p),    ARG(m.mod_off),
                       ARG(s->part_acc),
                       ARG(s->part_ms), ARG(items)};
@@ -353,7 +370,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     arg args[] = {ARG(s->part_acc), ARG(s->part_ms),  ARG(parts),        ARG(l->proj),
                   ARG(q_at),        ARG(q_ld),        ARG(bias),         ARG(has_bias),
                   ARG(bias_kv),     ARG(has_bias_kv), ARG(zero_attn),    ARG(heads),
-                  ARG(kvh),         ARG(tgt),         ARG(scale),        ARG(softcap),
+                  ARG(kvh),         ARG(tgt),         CLMHA__REAL_ARG(scale, l->rs),
+                  CLMHA__REAL_ARG(m.softcap, l->rs),
                   ARG(m.sinks),     ARG(m.sinks_off), ARG(merged),
                   ARG(n_batch),     ARG(batch_first), ARG(call->output), ARG(y_off),
                   ARG(b_out),       ARG(has_b_out),   ARG(rows)};
@@ -364,12 +382,14 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
 }
 
 // clmha_attention_merge(): b merged into a, row by row, with kernel merge_partials (this core's
-// program: the merge of ranges that decode_combine does, for two results).
+// program: the merge of ranges that decode_combine does, for two results; in doubles for
+// clmha_attention_merge_f64()).
 static clmha_status merge(clmha_context *ctx, const clmha__merge_call *m) {
     cl_program prog;
     cl_kernel k = NULL;
     clmha_status st;
-    if ((st = clmha__program_get(ctx, "decode", "-DHD=1 -DG=1 -DVW=1", &prog)) ||
+    const char *options = m->rs == 8 ? "-DHD=1 -DG=1 -DVW=1 -DCLMHA_F64" : "-DHD=1 -DG=1 -DVW=1";
+    if ((st = clmha__program_get(ctx, "decode", options, &prog)) ||
         (st = clmha__kernel_make(ctx, prog, "merge_partials", &k)))
         return st;
     cl_int err = m->num_wait ? clEnqueueBarrierWithWaitList(ctx->queue, m->num_wait,

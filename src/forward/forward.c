@@ -415,9 +415,9 @@ clmha_status clmha__forward_planned(clmha_layer *layer, const clmha_forward_args
     // A partial call needs the log-sum-exp rows: only a core that writes them runs it.
     call.need_lse = partial != NULL;
     if ((st = clmha__core_select(layer, &call, &core, &fell_back))) return st;
-    if (partial && (st = clmha__grow_buffer(layer->ctx, &layer->partial_lse,
-                                            &layer->partial_lse_cap, d.n * layer->h * d.l,
-                                            "partial attention log-sum-exp")))
+    if (partial && (st = clmha__layer_grow(layer, &layer->partial_lse, &layer->partial_lse_cap,
+                                           d.n * layer->h * d.l,
+                                           "partial attention log-sum-exp")))
         return st;
     if (partial) call.lse = layer->partial_lse;
     layer->last_core = core;

@@ -1,7 +1,8 @@
 // Partial attention: clmha_layer_attend() (the attention of one range of keys, with the
 // log-sum-exp rows, from a core that writes them: the layer's input projections and the middle,
-// middle.c, with the head tiles and rows going to the caller), clmha_attention_merge() (the exact merge of
-// two such results, by the core that merges: clmha__core_merge()) and
+// middle.c, with the head tiles and rows going to the caller), clmha_attention_merge() and
+// clmha_attention_merge_f64() (the exact merge of two such results, by the core that merges:
+// clmha__core_merge()) and
 // clmha_layer_project_heads() (the head merge and output projection of a merged result).
 #include "base/checked.h"
 #include "base/half.h"
@@ -20,45 +21,72 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+// clmha_attention_merge() of @p m's rows of @p m->rs bytes an element (floats or doubles),
+// checked.
+static clmha_status merge_rows(clmha_context *ctx, const clmha__merge_call *m, cl_event *event) {
+    if (event) *event = NULL;
+    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
+    size_t rows = m->rows, rs = m->rs;
+    if (!rows || !m->head_dim)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH, "rows %zu and head_dim %zu must be positive",
+                           rows, m->head_dim);
+    if (rows > SIZE_MAX / rs / m->head_dim)
+        return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "rows %zu x head_dim %zu overflows", rows,
+                           m->head_dim);
+    size_t elems = rows * m->head_dim;
+    const char *names[4] = {"heads", "lse", "other_heads", "other_lse"};
+    cl_mem bufs[4] = {m->heads, m->lse, m->other_heads, m->other_lse};
+    size_t offs[4] = {m->heads_offset, m->lse_offset, m->other_heads_offset,
+                      m->other_lse_offset};
+    size_t counts[4] = {elems, rows, elems, rows};
+    clmha__span all[4];
+    clmha_status st = clmha__check_wait_list(ctx, m->num_wait, m->wait_list);
+    for (size_t i = 0; i < 4 && !st; ++i) {
+        st = clmha__check_buffer(ctx, names[i], bufs[i], offs[i], counts[i], rs);
+        all[i] = clmha__span_of(names[i], bufs[i], offs[i], counts[i], rs);
+    }
+    if (st || (st = clmha__check_writable(ctx, "heads", m->heads)) ||
+        (st = clmha__check_writable(ctx, "lse", m->lse)) ||
+        (st = clmha__check_overlaps(ctx, all, 4, 2)) || (st = clmha__core_merge(ctx, m)))
+        return st;
+    return clmha__enqueue_event(ctx, event);
+}
+
 clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, size_t head_dim,
                                    cl_mem heads, size_t heads_offset, cl_mem lse,
                                    size_t lse_offset, cl_mem other_heads,
                                    size_t other_heads_offset, cl_mem other_lse,
                                    size_t other_lse_offset, cl_uint num_wait,
                                    const cl_event *wait_list, cl_event *event) {
-    if (event) *event = NULL;
-    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
-    if (!rows || !head_dim)
-        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH, "rows %zu and head_dim %zu must be positive",
-                           rows, head_dim);
-    if (rows > SIZE_MAX / sizeof(float) / head_dim)
-        return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "rows %zu x head_dim %zu overflows", rows,
-                           head_dim);
-    size_t floats = rows * head_dim;
-    clmha_status st;
-    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
-        (st = clmha__check_buffer(ctx, "heads", heads, heads_offset, floats, 4)) ||
-        (st = clmha__check_buffer(ctx, "lse", lse, lse_offset, rows, 4)) ||
-        (st = clmha__check_buffer(ctx, "other_heads", other_heads, other_heads_offset, floats,
-                                  4)) ||
-        (st = clmha__check_buffer(ctx, "other_lse", other_lse, other_lse_offset, rows, 4)) ||
-        (st = clmha__check_writable(ctx, "heads", heads)) ||
-        (st = clmha__check_writable(ctx, "lse", lse)))
-        return st;
-    clmha__span all[4] = {clmha__span_of("heads", heads, heads_offset, floats, 4),
-                          clmha__span_of("lse", lse, lse_offset, rows, 4),
-                          clmha__span_of("other_heads", other_heads, other_heads_offset, floats,
-                                         4),
-                          clmha__span_of("other_lse", other_lse, other_lse_offset, rows, 4)};
-    if ((st = clmha__check_overlaps(ctx, all, 4, 2))) return st;
-    clmha__merge_call m = {.rows = rows, .head_dim = head_dim, .heads = heads, .lse = lse,
-                           .other_heads = other_heads, .other_lse = other_lse,
-                           .heads_offset = heads_offset, .lse_offset = lse_offset,
-                           .other_heads_offset = other_heads_offset,
+    clmha__merge_call m = {.rows = rows, .head_dim = head_dim, .rs = sizeof(float),
+                           .heads = heads, .lse = lse, .other_heads = other_heads,
+                           .other_lse = other_lse, .heads_offset = heads_offset,
+                           .lse_offset = lse_offset, .other_heads_offset = other_heads_offset,
                            .other_lse_offset = other_lse_offset, .num_wait = num_wait,
                            .wait_list = wait_list};
-    if ((st = clmha__core_merge(ctx, &m))) return st;
-    return clmha__enqueue_event(ctx, event);
+    return merge_rows(ctx, &m, event);
+}
+
+clmha_status clmha_attention_merge_f64(clmha_context *ctx, size_t rows, size_t head_dim,
+                                       cl_mem heads, size_t heads_offset, cl_mem lse,
+                                       size_t lse_offset, cl_mem other_heads,
+                                       size_t other_heads_offset, cl_mem other_lse,
+                                       size_t other_lse_offset, cl_uint num_wait,
+                                       const cl_event *wait_list, cl_event *event) {
+    clmha__merge_call m = {.rows = rows, .head_dim = head_dim, .rs = sizeof(double),
+                           .heads = heads, .lse = lse, .other_heads = other_heads,
+                           .other_lse = other_lse, .heads_offset = heads_offset,
+                           .lse_offset = lse_offset, .other_heads_offset = other_heads_offset,
+                           .other_lse_offset = other_lse_offset, .num_wait = num_wait,
+                           .wait_list = wait_list};
+    if (ctx && !ctx->info.fp64) {
+        if (event) *event = NULL;
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "clmha_attention_merge_f64() needs a device with double precision "
+                           "(cl_khr_fp64); %s has none",
+                           ctx->info.device_name);
+    }
+    return merge_rows(ctx, &m, event);
 }
 
 // layer->no_sinks: H floats of -inf, made on first use (filled from the host: nothing
@@ -80,23 +108,24 @@ static clmha_status no_sinks(clmha_layer *layer) {
 }
 
 // The buffers of a clmha_layer_attend() call of sizes @p d (inputs of @p io bytes an element):
-// the float32 heads and lse rows writable and large enough, nothing overlapping an output.
+// the heads and lse rows (the layer's rs bytes an element: float32 but in a float64 layer)
+// writable and large enough, nothing overlapping an output.
 static clmha_status attend_buffers(clmha_layer *layer, const clmha_forward_args *args,
                                    const clmha__dims *dp, cl_mem heads, size_t heads_offset,
                                    cl_mem lse, size_t lse_offset, size_t io) {
     clmha_context *ctx = layer->ctx;
     const clmha__dims d = *dp;
     clmha_status st;
-    size_t rows = d.n * layer->h * d.l;
-    if ((st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * layer->d, 4)) ||
-        (st = clmha__check_buffer(ctx, "lse", lse, lse_offset, rows, 4)) ||
+    size_t rows = d.n * layer->h * d.l, rs = layer->rs;
+    if ((st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * layer->d, rs)) ||
+        (st = clmha__check_buffer(ctx, "lse", lse, lse_offset, rows, rs)) ||
         (st = clmha__check_writable(ctx, "heads", heads)) ||
         (st = clmha__check_writable(ctx, "lse", lse)))
         return st;
     clmha__span all[6];
     size_t k = 0;
-    all[k++] = clmha__span_of("heads", heads, heads_offset, rows * layer->d, 4);
-    all[k++] = clmha__span_of("lse", lse, lse_offset, rows, 4);
+    all[k++] = clmha__span_of("heads", heads, heads_offset, rows * layer->d, rs);
+    all[k++] = clmha__span_of("lse", lse, lse_offset, rows, rs);
     all[k++] = clmha__span_of("query", args->query.buffer, args->query.offset, d.query_count, io);
     if (!d.key_is_query)
         all[k++] = clmha__span_of("key", args->key.buffer, args->key.offset, d.key_count, io);
@@ -116,9 +145,7 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
     clmha_forward_args in;
     clmha_status st = clmha__forward_args_in(ctx, &in, &args);
     if (st) return st;
-    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
-        (st = clmha__layer_not_f64(layer, "clmha_layer_attend()")))
-        return st;
+    if ((st = clmha__check_wait_list(ctx, num_wait, wait_list))) return st;
     const char *no = args->need_weights ? "need_weights"
                      : args->save       ? "save"
                      : args->kv_cache   ? "kv_cache"
@@ -136,7 +163,8 @@ static clmha_status attend(clmha_layer *layer, const clmha_forward_args *args,
     clmha_forward_args unplaced = in;
     unplaced.query_position = unplaced.key_position = 0;
     // A 16-bit layer's query, key and value are 16-bit (read as its forward reads them); the
-    // head tiles and rows it writes are float32, as every layer's (merged in float32).
+    // head tiles and rows it writes are float32, as a float32 layer's (merged in float32); a
+    // float64 layer's are doubles.
     size_t io = clmha__dtype_size(layer->desc.dtype);
     clmha__dims d;
     if ((st = clmha__forward_check_call(layer, &unplaced, &d)) ||
@@ -192,10 +220,10 @@ clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t 
     if (event) *event = NULL;
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");
     clmha_context *ctx = layer->ctx;
-    clmha_status st = clmha__layer_not_f64(layer, "clmha_layer_project_heads()");
-    if (st) return st;
+    clmha_status st;
     // A 16-bit layer's output is 16-bit (projected in float32, rounded once); heads are float32.
-    size_t io = clmha__dtype_size(layer->desc.dtype);
+    // A float64 layer's heads and output are doubles.
+    size_t io = clmha__dtype_size(layer->desc.dtype), rs = layer->rs;
     size_t e = layer->e, rows;
     if (!batch || !tgt_len)
         return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH, "batch %zu and tgt_len %zu must be positive",
@@ -204,18 +232,18 @@ clmha_status clmha_layer_project_heads(clmha_layer *layer, size_t batch, size_t 
         return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "batch %zu x tgt_len %zu overflows", batch,
                            tgt_len);
     if ((st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
-        (st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * e, 4)) ||
+        (st = clmha__check_buffer(ctx, "heads", heads, heads_offset, rows * e, rs)) ||
         (st = clmha__check_buffer(ctx, "output", output, output_offset, rows * e, io)) ||
         (st = clmha__check_writable(ctx, "output", output)))
         return st;
     if (io == layer->rs && (st = clmha__forward_output_readable(layer, output))) return st;
     clmha__span all[2] = {clmha__span_of("output", output, output_offset, rows * e, io),
-                          clmha__span_of("heads", heads, heads_offset, rows * e, 4)};
+                          clmha__span_of("heads", heads, heads_offset, rows * e, rs)};
     if ((st = clmha__check_overlaps(ctx, all, 2, 1))) return st;
     cl_mem out32 = output;  // a 16-bit layer's: the float32 copy, narrowed after
     size_t out32_off = output_offset;
-    if ((st = clmha__grow_buffer(ctx, &layer->proj, &layer->proj_cap, rows * e,
-                                 "projected rows")) ||
+    if ((st = clmha__layer_grow(layer, &layer->proj, &layer->proj_cap, rows * e,
+                                "projected rows")) ||
         (io != layer->rs && (st = clmha__convert_result(layer, CLMHA__STAGED_OUTPUT,
                                                         "float32 output", rows * e, &out32))))
         return st;

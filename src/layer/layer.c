@@ -411,12 +411,6 @@ clmha_context *clmha_layer_context(const clmha_layer *layer) {
     return layer ? layer->ctx : NULL;
 }
 
-clmha_status clmha__layer_not_f64(clmha_layer *layer, const char *what) {
-    if (layer->desc.dtype != CLMHA_DTYPE_F64) return CLMHA_SUCCESS;
-    return clmha__fail(layer->ctx, CLMHA_UNSUPPORTED, "%s is not available for a %s layer yet",
-                       what, clmha__dtype_name(layer->desc.dtype));
-}
-
 clmha_status clmha_layer_set_attention(clmha_layer *layer, clmha_attention_fn fn,
                                        void *user_data) {
     if (!layer) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "layer is NULL");

@@ -187,10 +187,6 @@ CLMHA__HIDDEN clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_contex
                                                  size_t heads, size_t kv_heads,
                                                  size_t head_dim, const clmha__dims *call);
 
-// CLMHA_UNSUPPORTED, with a message naming @p what, for a float64 layer (what float64 layers
-// cannot do yet: include/clmha.h, clmha_dtype); else CLMHA_SUCCESS.
-CLMHA__HIDDEN clmha_status clmha__layer_not_f64(clmha_layer *layer, const char *what);
-
 // Frees what clmha__layer_new() made (the cores' state must be gone) and releases the context.
 // NULL is ignored.
 CLMHA__HIDDEN void clmha__layer_free(clmha_layer *layer);

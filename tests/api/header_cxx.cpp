@@ -44,6 +44,7 @@ int main() {
         reinterpret_cast<const void *>(&clmha_layer_set_mod_params),
         reinterpret_cast<const void *>(&clmha_layer_get_mod_params),
         reinterpret_cast<const void *>(&clmha_attention_merge),
+        reinterpret_cast<const void *>(&clmha_attention_merge_f64),
         reinterpret_cast<const void *>(&clmha_attention_output_counts),
         reinterpret_cast<const void *>(&clmha_attention_forward),
         reinterpret_cast<const void *>(&clmha_attention_forward_host),

@@ -790,57 +790,6 @@ Test(f64, user_core_gets_doubles) {
     clmha_context_release(ctx);
 }
 
-// Each call below is a valid one for a float32 layer; a float64 layer refuses it with
-// CLMHA_UNSUPPORTED and enqueues nothing, and still runs plain calls afterwards.
-Test(f64, unsupported_calls) {
-    clmha_context *ctx = fp64_context_or_skip();
-    enum { L = 3, E = 8, H = 2, D = E / H };
-    clmha_layer_desc d = CLMHA_STRUCT_INIT(clmha_layer_desc);
-    d.embed_dim = E, d.num_heads = H, d.bias = true, d.dtype = CLMHA_DTYPE_F64;
-    clmha_layer *l = layer_or_fail(ctx, &d);
-    double x[L * E], y[L * E];
-    for (size_t i = 0; i < L * E; ++i) x[i] = sin(0.3 * (double)i + 0.1);
-    clmha_forward_args a = CLMHA_STRUCT_INIT(clmha_forward_args);
-    a.query = (clmha_tensor){.ndim = 2, .shape = {L, E}, .data = x};
-    clmha_forward_args ad = a;  // the same call on device buffers
-    ad.query.data = NULL;
-    ad.query.buffer = buffer_of(ctx, x, L * E, sizeof(double), 0);
-    cl_mem out = buffer_of(ctx, NULL, L * E, sizeof(double), 0);
-    cl_mem heads = buffer_of(ctx, NULL, H * L * D, sizeof(double), 0);
-    cl_mem lse = buffer_of(ctx, NULL, H * L, sizeof(double), 0);
-    cr_assert_eq(clmha_layer_forward_host_f64(l, &a, y, L * E, NULL, 0), CLMHA_SUCCESS, "%s",
-                 clmha_context_last_error(ctx));
-
-    clmha_status st;
-    // A KV cache is refused when it is made (include/clmha.h, clmha_kv_cache_create).
-
-    clmha_kv_cache *cache = NULL;
-    st = clmha_kv_cache_create(&cache, l, 1, 16);
-    cr_expect_eq(st, CLMHA_UNSUPPORTED, "clmha_kv_cache_create: %s: %s", clmha_status_string(st),
-                 clmha_context_last_error(ctx));
-    cr_expect(strstr(clmha_context_last_error(ctx), "float64") != NULL, "%s",
-              clmha_context_last_error(ctx));
-    cr_expect_null(cache);
-
-    cl_event ev = NULL;
-    st = clmha_layer_attend(l, &ad, true, heads, 0, lse, 0, 0, NULL, &ev);
-    cr_expect_eq(st, CLMHA_UNSUPPORTED, "clmha_layer_attend: %s", clmha_status_string(st));
-    cr_expect_null(ev);
-    st = clmha_layer_project_heads(l, 1, L, heads, 0, out, 0, 0, NULL, &ev);
-    cr_expect_eq(st, CLMHA_UNSUPPORTED, "clmha_layer_project_heads: %s", clmha_status_string(st));
-    cr_expect_null(ev);
-
-    cr_expect_eq(clmha_layer_forward_host_f64(l, &a, y, L * E, NULL, 0), CLMHA_SUCCESS, "%s",
-                 clmha_context_last_error(ctx));
-    cr_expect_eq(clmha_layer_forward(l, &ad, out, 0, NULL, 0, 0, NULL, &ev), CLMHA_SUCCESS, "%s",
-                 clmha_context_last_error(ctx));
-    if (ev) clWaitForEvents(1, &ev), clReleaseEvent(ev);
-    clReleaseMemObject(ad.query.buffer), clReleaseMemObject(out);
-    clReleaseMemObject(heads), clReleaseMemObject(lse);
-    clmha_layer_release(l);
-    clmha_context_release(ctx);
-}
-
 // On a device without double precision, float64 layers cannot be made: clmha_layer_create() and
 // clmha_layer_load_as() refuse them, saying why.
 Test(f64, no_fp64_device) {

@@ -50,37 +50,81 @@ static float *slice(const float *x, size_t n, size_t t, size_t f, bool batch_fir
 }
 
 // Max abs error of rows t0 .. t1-1 of sequence b (@p got: the chunk's output, (c, N, E) or
-// batch first) against the reference of the whole call.
-static double chunk_err(const float *got, const double *want, size_t n, size_t t, size_t e,
-                        bool batch_first, size_t t0, size_t t1, size_t b) {
+// batch first; floats, or doubles where @p got64 is not NULL) against the reference of the
+// whole call.
+static double chunk_err_of(const float *got, const double *got64, const double *want, size_t n,
+                           size_t t, size_t e, bool batch_first, size_t t0, size_t t1,
+                           size_t b) {
     size_t c = t1 - t0;
     double err = 0.0;
     for (size_t i = 0; i < c; ++i) {
         size_t g = batch_first ? b * c + i : i * n + b;
         size_t w = batch_first ? b * t + t0 + i : (t0 + i) * n + b;
         for (size_t k = 0; k < e; ++k) {
-            double d = fabs((double)got[g * e + k] - want[w * e + k]);
+            double x = got64 ? got64[g * e + k] : (double)got[g * e + k];
+            double d = fabs(x - want[w * e + k]);
             if (!(d <= err)) err = d;  // NaN wins
         }
     }
     return err;
 }
 
+static double chunk_err(const float *got, const double *want, size_t n, size_t t, size_t e,
+                        bool batch_first, size_t t0, size_t t1, size_t b) {
+    return chunk_err_of(got, NULL, want, n, t, e, batch_first, t0, t1, b);
+}
+
+// The cache that feed_self() makes: of kv_dtype feed_kind, paged with pages of feed_page_size
+// tokens (0: contiguous), set by the float64 tests.
+static clmha_kv_dtype feed_kind;
+static size_t feed_page_size;
+
+static clmha_kv_cache *feed_cache(clmha_layer *layer, size_t n, size_t t) {
+    clmha_kv_cache_options o = {.struct_size = sizeof o, .kv_dtype = feed_kind};
+    if (feed_page_size) {
+        o.page_size = feed_page_size;
+        o.num_pages = n * ((t + feed_page_size - 1) / feed_page_size);
+    } else {
+        o.capacity = t;
+    }
+    clmha_kv_cache *cache = NULL;
+    clmha_status st = clmha_kv_cache_create_with(&cache, layer, n, &o);
+    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_kv_cache_create_with: %s",
+                 clmha_context_last_error(clmha_layer_context(layer)));
+    return cache;
+}
+
+// One call of feed_self(): the @p rows query rows @p q through @p layer; a float64 layer
+// (@p out64 not NULL) takes them as doubles and writes doubles.
+static clmha_status feed_call(clmha_layer *layer, clmha_forward_args *a, const float *q,
+                              size_t rows, float *out, double *out64) {
+    if (!out64) return clmha_layer_forward_host(layer, a, out, rows, NULL, 0);
+    double *q64 = malloc(rows * sizeof *q64 + 1);
+    cr_assert(q64, "out of memory");
+    for (size_t i = 0; i < rows; ++i) q64[i] = q[i];
+    a->query.data = q64;
+    clmha_status st = clmha_layer_forward_host_f64(layer, a, out64, rows, NULL, 0);
+    free(q64);
+    return st;
+}
+
 // Feeds the self-attention case @p in through a cache @p chunk tokens at a time (each call's
-// queries are its new tokens) and returns the max abs error against the one-shot forward.
+// queries are its new tokens) and returns the max abs error against the one-shot forward (a
+// float64 layer's, in.desc.dtype: in doubles).
 static double feed_self(clmha_context *ctx, const instance *in, size_t chunk) {
     const rcase *c = &in->c;
     size_t n = in->n, t = c->l, e = c->e;
+    bool f64 = in->desc.dtype == CLMHA_DTYPE_F64;
     clmha_layer *layer = instance_layer(ctx, in);
-    clmha_kv_cache *cache = NULL;
-    clmha_status st = clmha_kv_cache_create(&cache, layer, n, t);
-    cr_assert_eq(st, CLMHA_SUCCESS, "clmha_kv_cache_create: %s", clmha_context_last_error(ctx));
+    clmha_kv_cache *cache = feed_cache(layer, n, t);
+    clmha_status st;
     double *want = reference_output(in);
     double err = 0.0;
     for (size_t t0 = 0; t0 < t; t0 += chunk) {
         size_t t1 = t0 + chunk < t ? t0 + chunk : t;
         float *q = slice(in->query, n, t, e, c->batch_first, t0, t1);
         float *out = alloc_floats(n * (t1 - t0) * e);
+        double *out64 = f64 ? malloc(n * (t1 - t0) * e * sizeof *out64) : NULL;
         clmha_forward_args a = {.struct_size = sizeof a, .is_causal = c->is_causal,
                                 .kv_cache = cache};
         a.query = (clmha_tensor){.ndim = c->unbatched ? 2 : 3, .data = q};
@@ -91,15 +135,17 @@ static double feed_self(clmha_context *ctx, const instance *in, size_t chunk) {
         } else {
             a.query.shape[0] = t1 - t0, a.query.shape[1] = n, a.query.shape[2] = e;
         }
-        st = clmha_layer_forward_host(layer, &a, out, n * (t1 - t0) * e, NULL, 0);
+        st = feed_call(layer, &a, q, n * (t1 - t0) * e, out, out64);
         cr_assert_eq(st, CLMHA_SUCCESS, "forward with cache (tokens %zu..%zu): %s", t0, t1,
                      clmha_context_last_error(ctx));
         for (size_t b = 0; b < n; ++b) {
-            double x = chunk_err(out, want, n, t, e, c->batch_first && !c->unbatched, t0, t1, b);
+            double x = chunk_err_of(out, out64, want, n, t, e, c->batch_first && !c->unbatched,
+                                    t0, t1, b);
             if (!(x <= err)) err = x;
         }
         free(q);
         free(out);
+        free(out64);
     }
     size_t lens[8];
     cr_assert_eq(clmha_kv_cache_lengths(cache, lens, n), CLMHA_SUCCESS);
@@ -508,6 +554,78 @@ Test(kv_cache, sliding_window_ragged_batch, .timeout = 300) {
         cr_expect(err <= TOL, "window (%lld, %lld): max abs err %g", (long long)windows[w][0],
                   (long long)windows[w][1], err);
     }
+}
+
+// float64 layers: the cache holds doubles and the decode core computes in float64; each case
+// fed as check_self() does, on doubles, within the float64 forward's contract (1e-12 absolute
+// on unit-scale outputs) of the reference; the narrower caches (their elements as a float32
+// layer's, read into doubles) within their kinds' contracts (test_kv_dtypes.c, relative to
+// the largest output), contiguous and in pages of 8 and 32.
+#define F64_TOL 1e-12
+
+static double check_f64(rcase c, size_t chunk, size_t parts, clmha_kv_dtype kind, size_t page,
+                        const char *what) {
+    clmha_context *ctx = context_or_skip();
+    cl_device_fp_config fp = 0;
+    if (clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG, sizeof fp,
+                        &fp, NULL) != CL_SUCCESS || !fp) {
+        clmha_context_release(ctx);
+        cr_skip_test("the device has no double precision");
+    }
+    instance in;
+    instance_make(&in, &c);
+    in.desc.dtype = CLMHA_DTYPE_F64;
+    double *want = reference_output(&in), big = 0.0;
+    for (size_t i = 0; i < in.output_count; ++i) big = fmax(big, fabs(want[i]));
+    feed_kind = kind, feed_page_size = page;
+    clmha__test_set_decode_parts(parts);
+    double err = feed_self(ctx, &in, chunk) / (kind == CLMHA_KV_FLOAT32 ? 1.0 : big);
+    clmha__test_set_decode_parts(0);
+    feed_kind = CLMHA_KV_FLOAT32, feed_page_size = 0;
+    fprintf(stderr, "kv_cache float64 %s: kv_dtype %d, pages of %zu, chunk %zu, parts %zu: max "
+                    "%s err %.3g\n",
+            what, (int)kind, page, chunk, parts, kind == CLMHA_KV_FLOAT32 ? "abs" : "rel", err);
+    free(want);
+    instance_free(&in);
+    clmha_context_release(ctx);
+    return err;
+}
+
+Test(kv_cache, float64_layers, .timeout = 300) {
+    rcase c = self_case(41, 13);
+    const size_t runs[][2] = {{1, 0}, {4, 3}, {13, 16}};
+    for (size_t r = 0; r < 3; ++r)
+        cr_expect(check_f64(c, runs[r][0], runs[r][1], CLMHA_KV_FLOAT32, 0, "causal") <= F64_TOL);
+    c.batch_first = true, c.add_bias_kv = c.add_zero_attn = true;
+    cr_expect(check_f64(c, 2, 3, CLMHA_KV_FLOAT32, 8, "batch_first, bias_kv, zero_attn") <=
+              F64_TOL);
+    c = self_case(42, 70);
+    c.e = 56, c.h = 8, c.kv_heads = 2;  // D 7, GQA 4
+    cr_expect(check_f64(c, 1, 5, CLMHA_KV_FLOAT32, 32, "GQA 4, heads of 7") <= F64_TOL);
+    c.window = true, c.win_left = 5, c.win_right = 0;
+    cr_expect(check_f64(c, 9, 0, CLMHA_KV_FLOAT32, 0, "GQA 4, window (5, 0)") <= F64_TOL);
+    c = self_case(43, 200);
+    c.e = 64, c.h = 8, c.n = 2, c.kv_heads = 2, c.softcap = 1.5, c.alibi = true;
+    c.sinks = true;
+    cr_expect(check_f64(c, 1, 7, CLMHA_KV_FLOAT32, 8, "long, softcap, alibi, sinks") <= F64_TOL);
+    cr_expect(check_f64(c, 70, 0, CLMHA_KV_FLOAT32, 0, "long, softcap, alibi, sinks") <=
+              F64_TOL);
+    c.softcap = 0.0, c.sinks = false, c.user = RC_USER_SCORE | RC_USER_MASK;
+    c.window = true, c.win_left = 40, c.win_right = 0;
+    cr_expect(check_f64(c, 30, 3, CLMHA_KV_FLOAT32, 0, "long, user alibi and window") <=
+              F64_TOL);
+    // The narrower caches: float16, bfloat16, int8, int4 (D 16: groups of 16).
+    static const struct {
+        clmha_kv_dtype kind;
+        double rel;
+    } narrow[] = {{CLMHA_KV_FLOAT16, 1e-3}, {CLMHA_KV_BFLOAT16, 5e-3}, {CLMHA_KV_INT8, 1e-2},
+                  {CLMHA_KV_INT4, 2e-1}};
+    c = self_case(44, 40);
+    c.e = 64, c.h = 4;
+    for (size_t k = 0; k < sizeof narrow / sizeof narrow[0]; ++k)
+        for (size_t page = 0; page <= 8; page += 8)
+            cr_expect(check_f64(c, 5, 3, narrow[k].kind, page, "narrow cache") <= narrow[k].rel,
+                      "kv_dtype %d, pages of %zu", (int)narrow[k].kind, page);
 }
 
 // A call that cannot run leaves the cache as it was and enqueues nothing.

@@ -46,9 +46,18 @@ static void *columns(const void *x, size_t rows, size_t s, size_t elem, size_t j
     return out;
 }
 
-// @p count floats uploaded as elements of @p t (float32, or rounded to a 16-bit dtype).
+// @p count floats uploaded as elements of @p t (float32, doubles, or rounded to a 16-bit
+// dtype).
 static cl_mem upload_as(clmha_context *ctx, clmha_dtype t, const float *x, size_t count) {
     if (t == CLMHA_DTYPE_F32) return upload(ctx, x, count * 4);
+    if (t == CLMHA_DTYPE_F64) {
+        double *d = malloc(count * 8 + 8);
+        cr_assert(d);
+        for (size_t i = 0; i < count; ++i) d[i] = x[i];
+        cl_mem b = upload(ctx, d, count * 8);
+        free(d);
+        return b;
+    }
     uint16_t *h = malloc(count * 2 + 2);
     cr_assert(h);
     for (size_t i = 0; i < count; ++i)
@@ -61,15 +70,17 @@ static cl_mem upload_as(clmha_context *ctx, clmha_dtype t, const float *x, size_
 // Runs the cross-attention case @p c with its keys split at @p cuts (ranges [cuts[i],
 // cuts[i+1])), the appended keys with range @p appended_range, merged from the last range to
 // the first, on a layer of dtype @p t (16-bit: its query, key, value, float masks and output
-// 16-bit, the partial results float32); returns the max abs error of the projected result
-// against the reference (16-bit: the largest fraction of the dtype's contract, include/clmha.h).
+// 16-bit, the partial results float32; float64: everything doubles, merged by
+// clmha_attention_merge_f64()); returns the max abs error of the projected result against the
+// reference (16-bit: the largest fraction of the dtype's contract, include/clmha.h).
 static double split_and_merge_as(const rcase *c, const size_t *cuts, size_t ranges,
                                  size_t appended_range, clmha_dtype t) {
     clmha_context *ctx = context_or_skip();
     instance in;
     instance_make(&in, c);
-    if (t != CLMHA_DTYPE_F32) instance_as_dtype(&in, t);
-    size_t io = t == CLMHA_DTYPE_F32 ? 4 : 2;
+    if (t == CLMHA_DTYPE_F64) in.desc.dtype = t;
+    else if (t != CLMHA_DTYPE_F32) instance_as_dtype(&in, t);
+    size_t io = t == CLMHA_DTYPE_F64 ? 8 : t == CLMHA_DTYPE_F32 ? 4 : 2, ps = io == 8 ? 8 : 4;
     size_t n = in.n, l = c->l, s = c->s, e = c->e, h = c->h, d = e / h;
     size_t kd = in.kdim, vd = in.vdim, rows = n * h * l;
     double *want = malloc(in.output_count * sizeof *want);
@@ -80,8 +91,8 @@ static double split_and_merge_as(const rcase *c, const size_t *cuts, size_t rang
     clmha_layer *layer = instance_layer(ctx, &in);
     cl_command_queue q = clmha_context_cl_queue(ctx);
     cl_mem query = upload_as(ctx, t, in.query, n * l * e);
-    cl_mem acc = device_buffer(ctx, rows * d * 4), acc_lse = device_buffer(ctx, rows * 4);
-    cl_mem part = device_buffer(ctx, rows * d * 4), part_lse = device_buffer(ctx, rows * 4);
+    cl_mem acc = device_buffer(ctx, rows * d * ps), acc_lse = device_buffer(ctx, rows * ps);
+    cl_mem part = device_buffer(ctx, rows * d * ps), part_lse = device_buffer(ctx, rows * ps);
     for (size_t k = ranges; k-- > 0;) {
         size_t j0 = cuts[k], j1 = cuts[k + 1], w = j1 - j0;
         // (S, N, F) rows j0 .. j1-1 are contiguous (sequence first).
@@ -115,8 +126,8 @@ static double split_and_merge_as(const rcase *c, const size_t *cuts, size_t rang
                                              0, first ? acc_lse : part_lse, 0, 0, NULL, NULL);
         cr_assert_eq(st, CLMHA_SUCCESS, "range %zu: %s", k, clmha_context_last_error(ctx));
         if (!first) {
-            st = clmha_attention_merge(ctx, rows, d, acc, 0, acc_lse, 0, part, 0, part_lse, 0, 0,
-                                       NULL, NULL);
+            st = (ps == 8 ? clmha_attention_merge_f64 : clmha_attention_merge)(
+                ctx, rows, d, acc, 0, acc_lse, 0, part, 0, part_lse, 0, 0, NULL, NULL);
             cr_assert_eq(st, CLMHA_SUCCESS, "merge %zu: %s", k, clmha_context_last_error(ctx));
         }
         cr_assert_eq(clFinish(q), CL_SUCCESS);
@@ -132,11 +143,14 @@ static double split_and_merge_as(const rcase *c, const size_t *cuts, size_t rang
                  CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
     float *got = alloc_floats(n * l * e);
     uint16_t *got16 = calloc(n * l * e, 2);
-    cr_assert_eq(clEnqueueReadBuffer(q, out, CL_TRUE, 0, n * l * e * io,
-                                     io == 4 ? (void *)got : (void *)got16, 0, NULL, NULL),
+    double *got64 = calloc(n * l * e, 8);
+    void *dst = io == 8 ? (void *)got64 : io == 4 ? (void *)got : (void *)got16;
+    cr_assert_eq(clEnqueueReadBuffer(q, out, CL_TRUE, 0, n * l * e * io, dst, 0, NULL, NULL),
                  CL_SUCCESS);
     double err = 0.0;
-    if (io == 4) {
+    if (io == 8) {
+        for (size_t i = 0; i < n * l * e; ++i) err = fmax(err, fabs(got64[i] - want[i]));
+    } else if (io == 4) {
         err = max_abs_err(got, want, n * l * e);
     } else {
         double big = 0.0, r = t == CLMHA_DTYPE_F16 ? 0x1p-11 : 0x1p-8;
@@ -149,6 +163,7 @@ static double split_and_merge_as(const rcase *c, const size_t *cuts, size_t rang
         }
     }
     free(got16);
+    free(got64);
     cl_mem bufs[] = {query, acc, acc_lse, part, part_lse, out};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i) clReleaseMemObject(bufs[i]);
     free(got);
@@ -201,6 +216,28 @@ Test(partial, sixteen_bit_layers, .timeout = 300) {
         fprintf(stderr, "partial: %s layer, 3 ranges: %.2f of the contract\n",
                 types[ti] == CLMHA_DTYPE_F16 ? "float16" : "bfloat16", ratio);
         cr_expect(ratio <= 1.0, "dtype %d: %.2f times the contract", (int)types[ti], ratio);
+    }
+}
+
+// float64 layers: doubles in and out, partial results and log-sum-exp rows in doubles, merged
+// by clmha_attention_merge_f64(): within the float64 contract (1e-12) of the reference, with
+// masks, the appended keys and causal ranges.
+Test(partial, float64_layers, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    cl_device_fp_config fp = 0;
+    clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG, sizeof fp, &fp,
+                    NULL);
+    clmha_context_release(ctx);
+    if (!fp) cr_skip_test("the device has no double precision");
+    size_t cuts[] = {0, 4, 5, 11};
+    for (int v = 0; v < 2; ++v) {
+        rcase c = cross_case(35 + v);
+        c.add_bias_kv = v == 0, c.add_zero_attn = v == 1, c.kdim = v ? 5 : 0;
+        c.kpm = CLMHA_MASK_FLOAT, c.am = v ? CLMHA_MASK_BOOL_IGNORE : CLMHA_MASK_NONE;
+        c.layout = LAYOUT_SHARED, c.is_causal = v == 0;
+        double err = split_and_merge_as(&c, cuts, 3, (size_t)v, CLMHA_DTYPE_F64);
+        fprintf(stderr, "partial: float64 layer, 3 ranges (case %d): max abs err %.3g\n", v, err);
+        cr_expect(err <= 1e-12, "case %d: max abs err %g", v, err);
     }
 }
 
@@ -345,6 +382,50 @@ Test(partial, merge_nan_lse) {
     cr_expect(ha[6] == 0 && ha[7] == 0 && la[3] == -inf, "row 3: %g %g, lse %g", ha[6], ha[7],
               la[3]);
     clReleaseMemObject(a), clReleaseMemObject(al), clReleaseMemObject(b), clReleaseMemObject(bl);
+    clmha_context_release(ctx);
+}
+
+// clmha_attention_merge_f64(): doubles merged in float64 (values that float32 would round), a
+// row without keys in either, and buffers sized in doubles (one of floats' size is refused).
+Test(partial, merge_f64) {
+    clmha_context *ctx = context_or_skip();
+    cl_device_fp_config fp = 0;
+    clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG, sizeof fp, &fp,
+                    NULL);
+    if (!fp) {
+        cr_expect_eq(clmha_attention_merge_f64(ctx, 1, 1, NULL, 0, NULL, 0, NULL, 0, NULL, 0, 0,
+                                               NULL, NULL),
+                     CLMHA_UNSUPPORTED);
+        clmha_context_release(ctx);
+        cr_skip_test("the device has no double precision");
+    }
+    enum { ROWS = 2, D = 2 };
+    const double inf = INFINITY, x = 1.0 + 0x1p-40;
+    double ha[ROWS * D] = {x, 2, 0, 0}, la[ROWS] = {log(3.0), -inf};
+    double hb[ROWS * D] = {3, 4, 0, 0}, lb[ROWS] = {0.0, -inf};
+    cl_mem a = upload(ctx, ha, sizeof ha), al = upload(ctx, la, sizeof la);
+    cl_mem b = upload(ctx, hb, sizeof hb), bl = upload(ctx, lb, sizeof lb);
+    cl_mem small = upload(ctx, hb, sizeof hb / 2);
+    cr_expect_eq(clmha_attention_merge_f64(ctx, ROWS, D, a, 0, al, 0, small, 0, bl, 0, 0, NULL,
+                                           NULL),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_assert_eq(clmha_attention_merge_f64(ctx, ROWS, D, a, 0, al, 0, b, 0, bl, 0, 0, NULL,
+                                           NULL),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cl_command_queue q = clmha_context_cl_queue(ctx);
+    cr_assert_eq(clEnqueueReadBuffer(q, a, CL_TRUE, 0, sizeof ha, ha, 0, NULL, NULL), CL_SUCCESS);
+    cr_assert_eq(clEnqueueReadBuffer(q, al, CL_TRUE, 0, sizeof la, la, 0, NULL, NULL),
+                 CL_SUCCESS);
+    // Weights 3 and 1 of 4: (3x + 3) / 4 and (6 + 4) / 4; lse log 4.
+    double w0 = (3.0 * x + 3.0) / 4.0;
+    cr_expect(fabs(ha[0] - w0) <= 1e-15 && fabs(ha[1] - 2.5) <= 1e-15 &&
+                  fabs(la[0] - log(4.0)) <= 1e-15,
+              "row 0: %.17g %.17g (want %.17g 2.5), lse %.17g", ha[0], ha[1], w0, la[0]);
+    cr_expect(ha[0] != (double)(float)w0, "the merge rounded to float: %.17g", ha[0]);
+    cr_expect(ha[2] == 0 && ha[3] == 0 && la[1] == -inf, "row 1: %g %g, lse %g", ha[2], ha[3],
+              la[1]);
+    clReleaseMemObject(a), clReleaseMemObject(al), clReleaseMemObject(b), clReleaseMemObject(bl);
+    clReleaseMemObject(small);
     clmha_context_release(ctx);
 }
 

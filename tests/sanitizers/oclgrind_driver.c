@@ -430,6 +430,15 @@ static const dcase cases[] = {
     {"bf16 backward fused: self causal L=S=20, kpm=float", .e = 8, .h = 2, .n = 2, .l = 20,
      .self_attn = true, .causal = true, .kpm = F, .fused = true, .backward = true,
      .dtype = CLMHA_DTYPE_BF16},
+    // Float64 decoding and partial attention: the double builds of decode.cl (a cache of
+    // doubles, REAL16 shuffles and lane masks, pages of 8) and of merge_partials.
+    {"f64 decode paged: self causal L=S=21, 4 heads on 2, bias_kv, pages of 8, chunks of 4",
+     .e = 8, .h = 4, .kv_heads = 2, .n = 2, .l = 21, .self_attn = true, .causal = true,
+     .bias_kv = true, .decode_chunk = 4, .decode_parts = 3, .page_size = 8,
+     .dtype = CLMHA_DTYPE_F64},
+    {"f64 partial: cross L3 S37 split at 16, bias_kv+zero_attn, merged", .e = 8, .h = 2,
+     .n = 2, .l = 3, .s = 37, .bias_kv = true, .zero_attn = true, .partial_split = 16,
+     .dtype = CLMHA_DTYPE_F64},
     // The unfused core in chunks: groups of heads, then rows of one head (the last case also
     // with grouped-query attention: each chunk's keys from its query head's key/value plane).
     {"chunked gqa: rows of a head, 4 heads on 2, causal, w=avg", .e = 8, .h = 4, .kv_heads = 2,
@@ -847,29 +856,38 @@ static clmha_status decode_forward(clmha_layer *layer, const dcase *c,
     return st;
 }
 
-static cl_mem device_copy(clmha_context *ctx, const float *data, size_t floats) {
+// A buffer of @p count elements: floats, or with @p f64 doubles (@p data widened); NULL on
+// failure.
+static cl_mem device_copy(clmha_context *ctx, const float *data, size_t count, bool f64) {
     cl_int err;
+    double *wide = f64 && data ? malloc(count * sizeof *wide + 1) : NULL;
+    if (f64 && data && !wide) return NULL;
+    for (size_t i = 0; wide && i < count; ++i) wide[i] = data[i];
+    const void *host = wide ? (const void *)wide : (const void *)data;
     cl_mem m = clCreateBuffer(clmha_context_cl_context(ctx),
                               CL_MEM_READ_WRITE | (data ? CL_MEM_COPY_HOST_PTR : 0),
-                              floats * sizeof(float), (void *)data, &err);
+                              count * (f64 ? sizeof(double) : sizeof(float)), (void *)host, &err);
+    free(wide);
     return err == CL_SUCCESS ? m : NULL;
 }
 
 // The cross-attention call @p args as two partial calls over keys [0, split) and [split, S)
-// (sequence-first rows: a range of keys is contiguous), merged and projected into @p out.
+// (sequence-first rows: a range of keys is contiguous), merged and projected into @p out (a
+// float64 layer's in doubles, merged by clmha_attention_merge_f64(), read back as floats).
 static clmha_status partial_forward(clmha_context *ctx, clmha_layer *layer, const dcase *c,
                                     const clmha_forward_args *args, float *out, size_t n,
                                     size_t l, size_t s, size_t e, size_t kdim, size_t vdim) {
     const size_t rows = n * c->h * l, d = e / c->h, split = c->partial_split;
     const float *key = args->key.data, *value = args->value.data;
-    cl_mem q = device_copy(ctx, args->query.data, l * n * e);
-    cl_mem k0 = device_copy(ctx, key, split * n * kdim);
-    cl_mem k1 = device_copy(ctx, key + split * n * kdim, (s - split) * n * kdim);
-    cl_mem v0 = device_copy(ctx, value, split * n * vdim);
-    cl_mem v1 = device_copy(ctx, value + split * n * vdim, (s - split) * n * vdim);
-    cl_mem ha = device_copy(ctx, NULL, rows * d), la = device_copy(ctx, NULL, rows);
-    cl_mem hb = device_copy(ctx, NULL, rows * d), lb = device_copy(ctx, NULL, rows);
-    cl_mem o = device_copy(ctx, NULL, l * n * e);
+    bool f = c->dtype == CLMHA_DTYPE_F64;
+    cl_mem q = device_copy(ctx, args->query.data, l * n * e, f);
+    cl_mem k0 = device_copy(ctx, key, split * n * kdim, f);
+    cl_mem k1 = device_copy(ctx, key + split * n * kdim, (s - split) * n * kdim, f);
+    cl_mem v0 = device_copy(ctx, value, split * n * vdim, f);
+    cl_mem v1 = device_copy(ctx, value + split * n * vdim, (s - split) * n * vdim, f);
+    cl_mem ha = device_copy(ctx, NULL, rows * d, f), la = device_copy(ctx, NULL, rows, f);
+    cl_mem hb = device_copy(ctx, NULL, rows * d, f), lb = device_copy(ctx, NULL, rows, f);
+    cl_mem o = device_copy(ctx, NULL, l * n * e, f);
     cl_mem all[] = {q, k0, k1, v0, v1, ha, la, hb, lb, o};
     clmha_status st = CLMHA_SUCCESS;
     for (size_t i = 0; i < sizeof all / sizeof *all; ++i)
@@ -884,11 +902,18 @@ static clmha_status partial_forward(clmha_context *ctx, clmha_layer *layer, cons
     a.key.buffer = k1;
     a.value.buffer = v1;
     if (!st) st = clmha_layer_attend(layer, &a, true, hb, 0, lb, 0, 0, NULL, NULL);
-    if (!st) st = clmha_attention_merge(ctx, rows, d, ha, 0, la, 0, hb, 0, lb, 0, 0, NULL, NULL);
+    if (!st)
+        st = (f ? clmha_attention_merge_f64 : clmha_attention_merge)(ctx, rows, d, ha, 0, la, 0,
+                                                                      hb, 0, lb, 0, 0, NULL,
+                                                                      NULL);
     if (!st) st = clmha_layer_project_heads(layer, n, l, ha, 0, o, 0, 0, NULL, NULL);
-    if (!st && clEnqueueReadBuffer(clmha_context_cl_queue(ctx), o, CL_TRUE, 0,
-                                   l * n * e * sizeof(float), out, 0, NULL, NULL) != CL_SUCCESS)
-        st = CLMHA_OPENCL_ERROR;
+    size_t oc = l * n * e, es = f ? sizeof(double) : sizeof(float);
+    void *host = f ? malloc(oc * es) : out;
+    if (!st && (!host || clEnqueueReadBuffer(clmha_context_cl_queue(ctx), o, CL_TRUE, 0,
+                                             oc * es, host, 0, NULL, NULL) != CL_SUCCESS))
+        st = host ? CLMHA_OPENCL_ERROR : CLMHA_OUT_OF_MEMORY;
+    for (size_t i = 0; f && !st && i < oc; ++i) out[i] = (float)((const double *)host)[i];
+    if (f) free(host);
     for (size_t i = 0; i < sizeof all / sizeof *all; ++i)
         if (all[i]) clReleaseMemObject(all[i]);
     return st;
