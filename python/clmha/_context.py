@@ -2,6 +2,7 @@
 
 
 import math
+import numpy as np
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -286,13 +287,16 @@ class Context:
     def attention_merge(self, heads, lse, other_heads, other_lse) -> None:
         """Merges the partial attention ``(other_heads, other_lse)`` into ``(heads, lse)`` in
         place (``clmha_attention_merge``): they become the attention over the keys of both, as
-        ``Layer.attend`` returns them (float32 pyopencl arrays: heads (N*H, L, D), lse N*H*L
-        values; the two pairs of the same shapes, not overlapping). Waits for the arrays' events
-        and attaches the merge's event to all four."""
+        ``Layer.attend`` returns them (float32 pyopencl arrays, or float64 ones of a float64
+        layer, merged in float64 by ``clmha_attention_merge_f64``: heads (N*H, L, D), lse N*H*L
+        values; the two pairs of the same shapes and dtype, not overlapping). Waits for the
+        arrays' events and attaches the merge's event to all four."""
         if self._pyopencl is None:
             raise ValueError("attention_merge runs on pyopencl arrays: it needs a "
                              "Context.from_pyopencl() context")
-        arrays = [device_f32(self, name, a) for name, a in
+        wide = getattr(heads, "dtype", None) == np.float64
+        el = np.float64 if wide else np.float32
+        arrays = [device_f32(self, name, a, dtype=el) for name, a in
                   (("heads", heads), ("lse", lse), ("other_heads", other_heads),
                    ("other_lse", other_lse))]
         if heads.ndim < 1 or tuple(other_heads.shape) != tuple(heads.shape):
@@ -306,7 +310,8 @@ class Context:
                              f"{head_dim} values")
         num_wait, waits = wait_list(arrays)
         event = ffi.new("cl_event *")
-        check(lib.clmha_attention_merge(
+        merge = lib.clmha_attention_merge_f64 if wide else lib.clmha_attention_merge
+        check(merge(
             self._ptr, rows, head_dim, mem(heads), elem_offset(heads), mem(lse), elem_offset(lse),
             mem(other_heads), elem_offset(other_heads), mem(other_lse), elem_offset(other_lse),
             num_wait, waits, event), self._ptr)

@@ -777,12 +777,13 @@ class Layer:
         query row and first key (0, 0: top-left on this call's own keys), which ``is_causal``,
         the sliding window, ALiBi and the user functions see; ``appended_keys``: this range
         holds the keys that add_bias_kv and add_zero_attn append, and the sinks (set it on
-        exactly one of the ranges merged). The fused core runs it (float32, float16 and
-        bfloat16 layers: a 16-bit layer's inputs are 16-bit arrays, its heads and lse float32);
-        ``impl="unfused"`` is refused (``clmha.Error``, as is a layer with a user attention
-        core).
+        exactly one of the ranges merged). The fused core runs it (every dtype: a 16-bit
+        layer's inputs are 16-bit arrays, its heads and lse float32; a float64 layer's are all
+        float64); ``impl="unfused"`` is refused (``clmha.Error``, as is a layer with a user
+        attention core).
 
-        Returns ``(heads, lse)``, new float32 pyopencl arrays (or ``heads_out``/``lse_out``):
+        Returns ``(heads, lse)``, new pyopencl arrays (or ``heads_out``/``lse_out``), float32
+        (float64 for a float64 layer):
         heads (N*H, L, D), normalised over this call's keys, and lse (N*H*L,), the natural log
         of each row's sum of exp(score), -inf for a row with no key (its heads are zeros).
         Waits for the arrays' events; the call's event is attached to every array it used.
@@ -818,14 +819,15 @@ class Layer:
             heads_shape = (n * self.num_heads, l, self.head_dim)
             lse_shape = (n * self.num_heads * l,)
             queue = ctx.pyopencl_queue
+            pd = self._partial_dtype()
             if heads_out is None:
                 import pyopencl.array as cla
-                heads_out = cla.empty(queue, heads_shape, np.float32)
+                heads_out = cla.empty(queue, heads_shape, pd)
             if lse_out is None:
                 import pyopencl.array as cla
-                lse_out = cla.empty(queue, lse_shape, np.float32)
-            device_f32(ctx, "heads_out", heads_out, shape=heads_shape)
-            device_f32(ctx, "lse_out", lse_out, size=lse_shape[0])
+                lse_out = cla.empty(queue, lse_shape, pd)
+            device_f32(ctx, "heads_out", heads_out, shape=heads_shape, dtype=pd)
+            device_f32(ctx, "lse_out", lse_out, size=lse_shape[0], dtype=pd)
             inputs = [a for a in args.keep if is_pyopencl_array(a)]
             num_wait, waits = wait_list(inputs + [heads_out, lse_out])
             event = ffi.new("cl_event *")
@@ -836,11 +838,16 @@ class Layer:
             event_to(event, inputs + [heads_out, lse_out])
             return heads_out, lse_out
 
+    def _partial_dtype(self):
+        """The elements of ``attend``'s heads and lse: float64 for a float64 layer, else
+        float32."""
+        return np.float64 if self.dtype == "float64" else np.float32
+
     def project_heads(self, heads, batch: Optional[int] = None, tgt_len: Optional[int] = None,
                       *, out=None):
         """The end of a forward pass for (merged) ``attend`` results: the head merge and the
         output projection (``clmha_layer_project_heads``). ``heads``: a float32 pyopencl array
-        (N*H, L, D); batch N and tgt_len L default to its shape. Returns a new pyopencl array
+        (float64 for a float64 layer) (N*H, L, D); batch N and tgt_len L default to its shape. Returns a new pyopencl array
         shaped as the query with E features, (L, N, E) or (N, L, E) with batch_first, or
         ``out`` (N*L*E values, any shape) in the layer's device dtype (a 16-bit layer's output is
         16-bit: float16, or uint16 holding bfloat16; projected in float32 and rounded once).
@@ -849,7 +856,7 @@ class Layer:
         if ctx.pyopencl_queue is None:
             raise ValueError("project_heads runs on pyopencl arrays: it needs a layer on a "
                              "Context.from_pyopencl() context")
-        device_f32(ctx, "heads", heads)
+        device_f32(ctx, "heads", heads, dtype=self._partial_dtype())
         if heads.ndim != 3 or heads.shape[0] % self.num_heads or heads.shape[2] != self.head_dim:
             raise ValueError(f"heads must have shape (N*{self.num_heads}, L, {self.head_dim}), "
                              f"not {tuple(heads.shape)}")
@@ -883,9 +890,10 @@ class Layer:
         calls) of up to ``capacity`` tokens each; or, with ``page_size`` (a power of two from
         8) and ``num_pages``, a paged cache whose sequences draw pages of ``page_size`` tokens
         from a pool of ``num_pages`` (``KVCache.fork`` shares a prompt's pages). ``kv_dtype``:
-        how keys and values are stored (``clmha_kv_cache_options::kv_dtype``): "float32",
-        "float16", "bfloat16", "int8" (one scale per token and head) or "int4" (one scale per
-        32 dimensions; an even head_dim); docs/accuracy.md states the error each adds."""
+        how keys and values are stored (``clmha_kv_cache_options::kv_dtype``): "float32" (the
+        decode core's precision: doubles in a float64 layer's cache), "float16", "bfloat16",
+        "int8" (one scale per token and head) or "int4" (one scale per 32 dimensions; an even
+        head_dim); docs/accuracy.md states the error each adds."""
         return KVCache(self, batch, capacity, page_size=page_size, num_pages=num_pages,
                        kv_dtype=kv_dtype)
 

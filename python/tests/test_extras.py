@@ -303,6 +303,35 @@ def test_partial_attention_16bit(pcl, rng, torch_mod, dtype):
     assert ratio <= 1.0
 
 
+def test_partial_attention_float64(pcl, rng, torch_mod):
+    """A float64 layer's attend (float64 heads and lse), merge (clmha_attention_merge_f64) and
+    project_heads: within 1e-12 of PyTorch's float64 module, causal ranges at their positions."""
+    import pyopencl.array as cla
+
+    if not clmha.devices()[0].fp64:
+        pytest.skip("device has no fp64")
+    _, queue, c = pcl
+    m = torch_mha(E, H, add_bias_kv=True)
+    layer = layer_of(m, c, dtype="float64")
+    S, cut = 9, 4
+    q, k, v = (randn(rng, S, N, E).astype(np.float64) for _ in range(3))
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    ref, _ = ref_forward(m, q, k, v, attn_mask=j > i)  # (PyTorch lets every row see bias_k)
+    dq = cla.to_device(queue, q)
+    parts = [layer.attend(dq, cla.to_device(queue, np.ascontiguousarray(k[lo:hi])),
+                          cla.to_device(queue, np.ascontiguousarray(v[lo:hi])), is_causal=True,
+                          key_position=lo, appended_keys=(lo == 0))
+             for lo, hi in ((0, cut), (cut, S))]
+    (heads, lse), (heads2, lse2) = parts
+    assert heads.dtype == np.float64 and lse.dtype == np.float64
+    c.attention_merge(heads, lse, heads2, lse2)
+    out = layer.project_heads(heads)
+    assert out.dtype == np.float64
+    err = np.abs(out.get() - ref).max()
+    record("attend + merge + project_heads float64", err)
+    assert err <= 1e-12
+
+
 @pytest.mark.parametrize("user", [False, True])
 def test_partial_attention_positions(pcl, rng, torch_mod, user):
     """Key ranges at their sequence positions (key_position): is_causal and a window (2, 0),
@@ -349,11 +378,9 @@ def test_partial_attention_errors(pcl, rng):
         layer.attend(x)
     with pytest.raises(TypeError):
         layer.attend(dx, x)
-    wide = clmha.Layer(E, H, dtype="float64", context=c)
-    with pytest.raises(clmha.Error) as e:  # float32 layers only
-        wide.attend(cla.to_device(queue, x.astype(np.float64)))
-    assert e.value.status_name == "UNSUPPORTED"
     heads, lse = layer.attend(dx)
+    with pytest.raises(TypeError):  # one dtype for the four arrays
+        c.attention_merge(heads, lse, heads.astype(np.float64), lse.astype(np.float64))
     with pytest.raises(ValueError):
         layer.attend(dx, heads_out=cla.empty(queue, (1, 2, 3), np.float32))
     with pytest.raises(ValueError):

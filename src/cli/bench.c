@@ -121,8 +121,9 @@ static const char *usage_bench_dtype =
     "outputs and parameters of f16 and bf16 layers are 16-bit values (float32 arithmetic),\n"
     "those of f64 layers doubles (float64 arithmetic, on devices with double precision). Also\n"
     "prints \"tensors\": the bytes of the call's inputs and outputs in its buffers, each read\n"
-    "or written once, and their rate (--json adds dtype, io_bytes, io_gbps). Not with\n"
-    "--decode; with --backward, gradients in the layer's dtype.\n"
+    "or written once, and their rate (--json adds dtype, io_bytes, io_gbps). With --backward,\n"
+    "gradients in the layer's dtype; with --decode, the step of a layer of that dtype (an f64\n"
+    "layer's cache holds doubles with --kv-dtype f32).\n"
     "\n"
     "--host: times the host-array calls instead, those of a program whose tensors are in\n"
     "host memory (and of the Python package): clmha_layer_forward_host() (with --backward,\n"
@@ -497,12 +498,6 @@ static int check_values(bench_args *a) {
                                &a->impl) ||
         !clmha__cli_parse_dtype("bench", a->dtype_opt, &a->dtype))
         return EXIT_USAGE;
-    if (a->dtype != CLMHA_DTYPE_F32 && a->decode) {
-        bool f64 = a->dtype == CLMHA_DTYPE_F64;
-        clmha__cli_report("bench", "--dtype %s: --decode times float32 layers only%s",
-                          a->dtype_opt, f64 ? " (float64 layers have no KV cache yet)" : "");
-        return EXIT_USAGE;
-    }
     return EXIT_OK;
 }
 

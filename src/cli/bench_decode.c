@@ -4,6 +4,8 @@
 // run (clEnqueueCopyBuffer of a large buffer).
 #include "cli/bench.h"
 
+#include "base/half.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -180,14 +182,14 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
     size_t seen = cache_len + 1;
     if (d->window && d->window_left >= 0 && (uint64_t)d->window_left < cache_len)
         seen = (size_t)d->window_left + 1;
-    // Bytes a value: 4, 2 (float16, bfloat16), an int8 cache's 1 and its row's float scale,
-    // an int4 cache's half and its group's (src/cache/kv_cache.c: 32 dimensions, or the
-    // largest power of two dividing D).
+    // Bytes a value: 4 (8 in a float64 layer's cache), 2 (float16, bfloat16), an int8 cache's
+    // 1 and its row's float scale, an int4 cache's half and its group's (src/cache/kv_cache.c:
+    // 32 dimensions, or the largest power of two dividing D).
     size_t group = 32;
     while (group > 2 && hd % group) group /= 2;
     double per = cfg->kv_dtype == CLMHA_KV_INT8   ? 1.0 + 4.0 / (double)hd
                  : cfg->kv_dtype == CLMHA_KV_INT4 ? 0.5 + 4.0 / (double)group
-                 : cfg->kv_dtype == CLMHA_KV_FLOAT32 ? 4.0
+                 : cfg->kv_dtype == CLMHA_KV_FLOAT32 ? (d->dtype == CLMHA_DTYPE_F64 ? 8.0 : 4.0)
                                                      : 2.0;
     double kv_bytes = 2.0 * (double)n * (double)kvh * (double)seen * (double)hd * per;
     double ms = res->ms, gbps = kv_bytes / ms / 1e6, copy = res->copy;
@@ -196,10 +198,10 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
         step.causal = true;
         clmha__bench_json_head(ctx, &step, n, 1, cache_len + 1, CLMHA_IMPL_AUTO, true);
         printf("\"decode\": true, \"cache_len\": %zu, \"kv_heads\": %zu, \"page_size\": %zu, "
-               "\"kv_dtype\": \"%s\", \"ms\": %.6g, \"ms_min\": %.6g, \"ms_max\": %.6g, \"kv_bytes\": %.0f, "
-               "\"kv_gbps\": %.6g, \"copy_bytes\": %zu, \"copy_gbps\": %.6g, "
-               "\"fraction_of_copy\": %.4g, ",
-               cache_len, kvh, cfg->page_size,
+               "\"dtype\": \"%s\", \"kv_dtype\": \"%s\", \"ms\": %.6g, \"ms_min\": %.6g, "
+               "\"ms_max\": %.6g, \"kv_bytes\": %.0f, \"kv_gbps\": %.6g, \"copy_bytes\": %zu, "
+               "\"copy_gbps\": %.6g, \"fraction_of_copy\": %.4g, ",
+               cache_len, kvh, cfg->page_size, clmha__dtype_name(d->dtype),
                clmha__cli_kv_dtype_name(cfg->kv_dtype), ms, res->lo, res->hi, kv_bytes, gbps,
                res->copy_bytes, copy, gbps / copy);
         if (d->window)
@@ -214,6 +216,9 @@ static void print_decode(const clmha_context *ctx, const bench_config *cfg, cons
         if (cfg->page_size) printf("cache:   paged, pages of %zu tokens\n", cfg->page_size);
         if (cfg->kv_dtype != CLMHA_KV_FLOAT32)
             printf("cache:   %s keys and values\n", clmha__cli_kv_dtype_name(cfg->kv_dtype));
+        if (d->dtype != CLMHA_DTYPE_F32)
+            printf("layer:   %s (the cache's f32 kind: %s)\n", clmha__dtype_name(d->dtype),
+                   d->dtype == CLMHA_DTYPE_F64 ? "doubles" : "floats");
         if (d->window)
             printf("window:  (%lld, %lld): the token sees %zu of them\n",
                    (long long)d->window_left, (long long)d->window_right, seen);

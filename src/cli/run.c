@@ -153,9 +153,9 @@ static const char *const usage_run[] = {
     "                            tokens' keys and values and its queries see the cache\n"
     "                            bottom-right aligned; without, the whole key and value go in\n"
     "                            with the first call and the later calls attend only. Either\n"
-    "                            way the output is the one-shot forward's. Not with masks,\n"
-    "                            weights, --heatmap, --training, gradients, --impl or\n"
-    "                            --dtype f64; with a sliding window, ALiBi or --score-mod,\n"
+    "                            way the output is the one-shot forward's (every --dtype).\n"
+    "                            Not with masks, weights, --heatmap, --training, gradients or\n"
+    "                            --impl; with a sliding window, ALiBi or --score-mod,\n"
     "                            --is-causal only\n"
     "  --page-size P             with --decode-chunk: a paged KV cache of P-token pages (a\n"
     "                            power of two from 8; a pool of just enough pages): the\n"
@@ -333,24 +333,25 @@ static void warn_nonfinite(values y, size_t y_count, values w, size_t w_count,
 }
 
 
-// Rows t0 .. t0+c-1 of every sequence of @p x, a (T, N, F) array ((N, T, F) batch first),
-// copied into (@p to_x false) or out of (@p to_x true) @p chunk, a (c, N, F) array in the same
-// layout.
-static void chunk_rows(float *x, float *chunk, size_t n, size_t t, size_t f, bool batch_first,
-                       size_t t0, size_t c, bool to_x) {
+// Rows t0 .. t0+c-1 of every sequence of @p x, a (T, N, F) array ((N, T, F) batch first) of
+// @p es bytes an element, copied into (@p to_x false) or out of (@p to_x true) @p chunk, a
+// (c, N, F) array in the same layout.
+static void chunk_rows(void *x, void *chunk, size_t es, size_t n, size_t t, size_t f,
+                       bool batch_first, size_t t0, size_t c, bool to_x) {
     for (size_t b = 0; b < n; ++b)
         for (size_t i = 0; i < c; ++i) {
-            float *big = x + (batch_first ? b * t + t0 + i : (t0 + i) * n + b) * f;
-            float *small = chunk + (batch_first ? b * c + i : i * n + b) * f;
-            memcpy(to_x ? big : small, to_x ? small : big, f * sizeof *big);
+            char *big = (char *)x + (batch_first ? b * t + t0 + i : (t0 + i) * n + b) * f * es;
+            char *small = (char *)chunk + (batch_first ? b * c + i : i * n + b) * f * es;
+            memcpy(to_x ? big : small, to_x ? small : big, f * es);
         }
 }
 
 // --decode-chunk: the forward call @p args through a KV cache, @p chunk query rows at a time,
-// the rows of the output into @p y (as the one-shot forward writes them). Reports a failure.
+// the rows of the output into @p y (as the one-shot forward writes them: floats, or doubles for
+// a float64 layer, whose query is doubles too). Reports a failure.
 static bool decode_in_chunks(clmha_layer *layer, const clmha_forward_args *args,
                              const clmha_layer_desc *desc, size_t chunk, size_t page_size,
-                             clmha_kv_dtype kv_dtype, float *y) {
+                             clmha_kv_dtype kv_dtype, void *y) {
     clmha_context *ctx = clmha_layer_context(layer);
     const clmha_tensor *q = &args->query;
     bool batched = q->ndim == 3, bf = batched && desc->batch_first;
@@ -358,7 +359,9 @@ static bool decode_in_chunks(clmha_layer *layer, const clmha_forward_args *args,
     const clmha_tensor *key = args->key.ndim ? &args->key : q;
     size_t s = key->shape[bf ? 1 : 0];
     size_t c = chunk < l ? chunk : l;
-    float *qc = malloc(c * n * e * sizeof *qc), *yc = malloc(c * n * e * sizeof *yc);
+    bool f64 = desc->dtype == CLMHA_DTYPE_F64;
+    size_t es = f64 ? sizeof(double) : sizeof(float);
+    void *qc = malloc(c * n * e * es), *yc = malloc(c * n * e * es);
     clmha_kv_cache *cache = NULL;
     bool ok = false;
     if (!qc || !yc) {
@@ -375,7 +378,7 @@ static bool decode_in_chunks(clmha_layer *layer, const clmha_forward_args *args,
     clmha_status st = clmha_kv_cache_create_with(&cache, layer, n, &o);
     for (size_t t0 = 0; !st && t0 < l; t0 += c) {
         size_t rows = t0 + c < l ? c : l - t0;
-        chunk_rows((float *)q->data, qc, n, l, e, bf, t0, rows, false);
+        chunk_rows((void *)q->data, qc, es, n, l, e, bf, t0, rows, false);
         clmha_forward_args a = *args;
         a.kv_cache = cache;
         a.query.data = qc;
@@ -385,8 +388,9 @@ static bool decode_in_chunks(clmha_layer *layer, const clmha_forward_args *args,
             a.key = a.value = (clmha_tensor){0};
             a.kv_attend_only = true;
         }
-        st = clmha_layer_forward_host(layer, &a, yc, rows * n * e, NULL, 0);
-        if (!st) chunk_rows(y, yc, n, l, e, bf, t0, rows, true);
+        st = f64 ? clmha_layer_forward_host_f64(layer, &a, yc, rows * n * e, NULL, 0)
+                 : clmha_layer_forward_host(layer, &a, yc, rows * n * e, NULL, 0);
+        if (!st) chunk_rows(y, yc, es, n, l, e, bf, t0, rows, true);
     }
     if (st)
         clmha__cli_report("run", "--decode-chunk %zu: forward pass failed on %s: %s: %s", chunk,
@@ -583,8 +587,7 @@ static bool parse_decode_chunk(run_opts *o) {
         : o->is_causal && (in[IN_KEY].path || in[IN_VALUE].path)
             ? "--is-causal with --key or --value (the cache aligns causal queries "
               "bottom-right: self-attention only)"
-        : o->f64 ? "--dtype f64 (float64 layers have no KV cache yet)"
-                 : NULL;
+                                                                       : NULL;
     if (!clmha__cli_parse_u64("run", "--decode-chunk", o->chunk_opt, &o->chunk)) return false;
     if (o->chunk == 0) {
         clmha__cli_report("run", "--decode-chunk %s: expected a positive number of query rows",
@@ -935,7 +938,8 @@ static bool compute(const run_opts *o, run_state *s) {
     }
     if (o->chunk)
         return decode_in_chunks(s->layer, &s->args, &s->desc, (size_t)o->chunk,
-                                (size_t)o->page_size, o->kv_dtype, s->y);
+                                (size_t)o->page_size, o->kv_dtype,
+                                o->f64 ? (void *)s->y64 : (void *)s->y);
     clmha_status st =
         o->f64 ? clmha_layer_forward_host_f64(s->layer, &s->args, s->y64, s->y_count, s->w64,
                                               s->w_count)

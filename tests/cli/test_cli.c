@@ -1630,7 +1630,8 @@ Test(cli_run, dtype_f64_pytorch_cases) {
         {"--attn-mask", "attn_mask.npy"},
     };
     enum { NUM_INPUTS = sizeof inputs / sizeof inputs[0] };
-    double worst = 0;
+    double worst = 0, worst_chunked = 0;
+    size_t chunked_cases = 0;
     for (size_t c = 0; c < CLI_NUM_CASES; ++c) {
         const char *name = cli_case_names[c];
         char dir[CLI_PATH_SIZE / 2], paths[NUM_INPUTS][CLI_PATH_SIZE], want_o[CLI_PATH_SIZE],
@@ -1653,6 +1654,27 @@ Test(cli_run, dtype_f64_pytorch_cases) {
             }
         snprintf(want_o, sizeof want_o, "%s/expected_output.npy", dir);
         snprintf(want_w, sizeof want_w, "%s/expected_weights.npy", dir);
+        // The same call through a float64 KV cache, two query rows a call (pages of 8): for
+        // the cases --decode-chunk takes (no masks, weights, training or packed batch; is_causal
+        // self-attention only where a key is given or a window, ALiBi or user functions are).
+        bool causal = false, positional = false, refused = file_exists(paths[4]) ||
+                                                            file_exists(paths[5]);
+        for (size_t i = 5; i < argc; ++i) {
+            causal |= strcmp(argv[i], "--is-causal") == 0;
+            positional |= strcmp(argv[i], "--window") == 0 || strcmp(argv[i], "--alibi") == 0 ||
+                          strcmp(argv[i], "--score-mod") == 0;
+            refused |= strcmp(argv[i], "--training") == 0 || strcmp(argv[i], "--seq-lens") == 0 ||
+                       strstr(argv[i], "-weights") != NULL;
+        }
+        refused |= (causal && file_exists(paths[2])) || (positional && !causal);
+        const char *chunked[CLI_MAX_ARGS + 1];
+        memcpy(chunked, argv, argc * sizeof *argv);
+        size_t chunked_argc = argc;
+        chunked[chunked_argc++] = "--decode-chunk";
+        chunked[chunked_argc++] = "2";
+        chunked[chunked_argc++] = "--page-size";
+        chunked[chunked_argc++] = "8";
+        chunked[chunked_argc] = NULL;
         bool weights = file_exists(want_w);
         if (weights) {
             argv[argc++] = "--weights-output";
@@ -1660,9 +1682,29 @@ Test(cli_run, dtype_f64_pytorch_cases) {
         }
         argv[argc] = NULL;
         cli_result r = cli_run_argv(argv);
-        free(extra);
         cr_assert_eq(r.status, 0, "%s: exit status %d; stderr: %s", name, r.status, r.err);
         cli_free(&r);
+        if (!refused && strcmp(name, "layer_f64") != 0) {
+            char chunk_out[CLI_PATH_SIZE];
+            snprintf(chunk_out, sizeof chunk_out, "%s", tmp_file(&out, "chunked.npy"));
+            chunked[4] = chunk_out;  // --output
+            r = cli_run_argv(chunked);
+            cr_assert_eq(r.status, 0, "%s --decode-chunk 2: exit status %d; stderr: %s", name,
+                         r.status, r.err);
+            cli_free(&r);
+            clmha__npy got = {0}, want = {0};
+            read_npy_f64(chunk_out, &got);
+            read_npy_f64(want_o, &want);
+            cr_assert_str_eq(got.dtype, "<f8", "%s: dtype %s", name, got.dtype);
+            cr_assert_eq(got.count, want.count, "%s", name);
+            double e = max_abs_diff_d(got.f64, want.f64, got.count);
+            fprintf(stderr, "cli f64 %s --decode-chunk 2 --page-size 8 out_maxabs=%.3e\n", name,
+                    e);
+            cr_expect_leq(e, 1e-12, "%s --decode-chunk 2: output max abs error %.3e", name, e);
+            worst_chunked = fmax(worst_chunked, e);
+            ++chunked_cases;
+        }
+        free(extra);
         double err[2] = {0, 0};
         for (int k = 0; k < 1 + weights; ++k) {
             clmha__npy got = {0}, want = {0};
@@ -1688,23 +1730,20 @@ Test(cli_run, dtype_f64_pytorch_cases) {
         cr_expect_leq(err[1], 1e-12, "%s: weights max abs error %.3e", name, err[1]);
         worst = fmax(worst, fmax(err[0], err[1]));
     }
-    fprintf(stderr, "cli f64 %zu PyTorch cases: max abs error %.3e\n", CLI_NUM_CASES - 1, worst);
+    fprintf(stderr, "cli f64 %zu PyTorch cases: max abs error %.3e; %zu through a KV cache: %.3e\n",
+            CLI_NUM_CASES - 1, worst, chunked_cases, worst_chunked);
+    cr_expect_gt(chunked_cases, 3, "cases through a KV cache: %zu", chunked_cases);
     tmp_remove(&out);
 }
 
-// --dtype f64 with what float64 layers do not have yet (a KV cache for --decode-chunk): usage
-// errors (exit 2) before any file is read, one line naming float64; --grad-dtype other than
-// f32, or without a 16-bit layer's gradients, likewise. Also `clmha bench`.
+// --grad-dtype other than f32, or without a 16-bit layer's gradients: usage errors (exit 2)
+// before any file is read, one line; a float64 training step and decode step in `clmha bench`.
 Test(cli_usage, dtype_f64_refusals) {
     const char *const run[] = {"run", "--layer", "l.safetensors", "--query", "q.npy"};
     struct {
         const char *prefix, *names;
         const char *const extra[6];
     } cases[] = {
-        {"clmha run: --decode-chunk does not go with --dtype f64", "float64",
-         {"--dtype", "f64", "--decode-chunk", "2"}},
-        {"clmha run: --decode-chunk does not go with --dtype f64", "float64",
-         {"--dtype", "float64", "--is-causal", "--decode-chunk", "1"}},
         {"clmha run: --grad-dtype takes f32", "the layer's dtype",
          {"--dtype", "bf16", "--grad-dtype", "f64"}},
         {"clmha run: --grad-dtype f32 needs --grads-dir", "f16 or bf16",
@@ -1730,10 +1769,15 @@ Test(cli_usage, dtype_f64_refusals) {
         cr_expect(strstr(r.out, "\"dtype\": \"float64\"") != NULL, "%s", r.out);
         cli_free(&r);
     }
-    r = cli_run("bench", "--dtype", "f64", "--decode", "--cache-len", "8");
-    cr_assert_eq(r.status, 2, "stderr: %s", r.err);
-    assert_one_line(&r, "clmha bench: --dtype f64: --decode", "float64", "KV cache", NULL);
-    cli_free(&r);
+    if (device_has_fp64()) {  // a float64 decode step: its cache holds doubles, 8 bytes a value
+        r = cli_run("bench", "--json", "--decode", "--dtype", "f64", "--cache-len", "20",
+                    "--embed", "16", "--heads", "2", "--batch", "2", "--repeat", "2");
+        cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+        cr_expect(strstr(r.out, "\"dtype\": \"float64\"") != NULL, "%s", r.out);
+        // K and V of 2 sequences, 2 heads of 8, 21 tokens, 8 bytes: 10752.
+        cr_expect(strstr(r.out, "\"kv_bytes\": 10752,") != NULL, "%s", r.out);
+        cli_free(&r);
+    }
 }
 
 // --seq-lens / --kv-seq-lens (a packed batch): malformed lists and what they do not go with
@@ -2720,7 +2764,7 @@ Test(cli_bench, window_json) {
 // bench --decode: one JSON line per cache length with the step's time, the bytes of cached keys
 // and values it reads (2 N H (S + 1) D 4) and their rate, the copy bandwidth and the ratio.
 // --dtype: the call's tensors counted in the dtype's bytes (query, output: N L E each; the
-// weights off), and refused with --decode; a 16-bit training step (--backward).
+// weights off); a 16-bit decode step (--decode) and training step (--backward).
 Test(cli_bench, dtype_json) {
     SKIP_WITHOUT_DEVICE();
     const char *dtypes[] = {"f32", "f16", "bf16"};
@@ -2737,7 +2781,14 @@ Test(cli_bench, dtype_json) {
         cr_expect(fabs(gbps - bytes / ms / 1e6) <= 1e-3 * gbps, "%s", r.out);
         cli_free(&r);
     }
-    EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "f16", "--decode", "--cache-len", "8");
+    // A 16-bit layer's decode step: its cache of the default kind holds floats (4 bytes a
+    // value: K and V of 2 sequences, 2 heads of 8, 21 tokens).
+    cli_result d = cli_run("bench", "--json", "--decode", "--dtype", "f16", "--cache-len", "20",
+                           "--embed", "16", "--heads", "2", "--batch", "2", "--repeat", "2");
+    cr_assert_eq(d.status, 0, "stderr: %s", d.err);
+    cr_expect(strstr(d.out, "\"dtype\": \"float16\"") != NULL, "%s", d.out);
+    cr_expect_eq(json_number(d.out, "kv_bytes"), 5376.0, "%s", d.out);
+    cli_free(&d);
     EXPECT_USAGE("clmha bench: ", "bench", "--dtype", "half");
     // A 16-bit training step: its JSON names the dtype.
     cli_result r = cli_run("bench", "--json", "--backward", "--dtype", "bf16", "--embed", "16",
