@@ -12,9 +12,13 @@ copies of their tensors there). Optionally under one driver lane (tools/ocl-driv
     /usr/bin/python3 bench/dtype_ratio.py --shapes 8x128 --rounds 7
     /usr/bin/python3 bench/dtype_ratio.py --dtypes f32 f64
     /usr/bin/python3 bench/dtype_ratio.py --backward --dtypes f32 bf16 f16   # training steps
+    /usr/bin/python3 bench/dtype_ratio.py --decode --dtypes f32 f64 --shapes 1x4096 8x1024
 
 With --backward each call times a training step (`clmha bench --backward`: the forward with
-save and the backward pass, gradients in the layer's dtype) instead of a forward call.
+save and the backward pass, gradients in the layer's dtype) instead of a forward call; with
+--decode a decode step (`clmha bench --decode`: one new token per sequence over a KV cache of
+S tokens, shapes NxS; the cache of the default kind, doubles for f64) and the bytes of keys and
+values it reads.
 
 Needs only the clmha program (build/clmha by default); no third-party Python package.
 """
@@ -29,9 +33,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def bench(args, dtype, n, length):
-    cmd = [args.clmha, "bench", "--json", "--dtype", dtype, "--batch", str(n), "--tgt-len",
-           str(length), "--embed", str(args.embed), "--heads", str(args.heads), "--repeat",
-           str(args.repeat)]
+    cmd = [args.clmha, "bench", "--json", "--dtype", dtype, "--batch", str(n), "--embed",
+           str(args.embed), "--heads", str(args.heads), "--repeat", str(args.repeat)]
+    cmd += ["--decode", "--cache-len", str(length)] if args.decode else ["--tgt-len", str(length)]
     if args.backward:
         cmd.append("--backward")
     if args.driver:
@@ -54,14 +58,23 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5, help="calls per dtype, interleaved")
     ap.add_argument("--backward", action="store_true",
                     help="time training steps (forward with save + backward)")
+    ap.add_argument("--decode", action="store_true",
+                    help="time decode steps over a KV cache (shapes NxS: S cached tokens)")
     ap.add_argument("--driver", help="tools/ocl-driver.sh lane (default: the default device)")
     ap.add_argument("--dtypes", nargs="+", default=["f32", "f16", "bf16"],
                     choices=["f32", "f64", "f16", "bf16"], help="the first is the baseline")
     args = ap.parse_args(argv)
     dtypes = args.dtypes
-    print(f"| shape | dtype | median ms | vs {args.dtypes[0]} | GFLOP/s | tensors (bytes) | "
-          "scratch (MiB) |")
-    print("|---|---|---|---|---|---|---|")
+    if args.backward and args.decode:
+        sys.exit("dtype_ratio: --backward or --decode, not both")
+    if args.decode:
+        print(f"| shape | dtype | median ms per token | vs {args.dtypes[0]} | K/V read (bytes) | "
+              "K/V GB/s |")
+        print("|---|---|---|---|---|---|")
+    else:
+        print(f"| shape | dtype | median ms | vs {args.dtypes[0]} | GFLOP/s | tensors (bytes) | "
+              "scratch (MiB) |")
+        print("|---|---|---|---|---|---|---|")
     device = None
     for shape in args.shapes:
         n, length = (int(x) for x in shape.split("x"))
@@ -75,10 +88,15 @@ def main(argv=None):
         for t in dtypes:
             ms = statistics.median(r["ms"] for r in runs[t])
             last = runs[t][-1]
+            if args.decode:
+                print(f"| N {n}, S {length} | {last['dtype']} | {ms:.4f} | {ms / base:.2f} | "
+                      f"{last['kv_bytes']:.0f} | {last['kv_bytes'] / ms / 1e6:.1f} |")
+                continue
             print(f"| N {n}, L {length} | {last['dtype']} | {ms:.3f} | {ms / base:.2f} | "
                   f"{last['flops'] / ms / 1e6:.1f} | {last.get('io_bytes', '-')} | "
                   f"{last['scratch_bytes'] / 2**20:.1f} |")
-    what = "training steps" if args.backward else "forward calls"
+    what = ("training steps" if args.backward else "decode steps" if args.decode
+            else "forward calls")
     print(f"\n{what}; device: {device}; E {args.embed}, H {args.heads}; medians of {args.rounds} "
           f"interleaved calls of {args.repeat} timed runs each")
 
