@@ -1697,6 +1697,11 @@ typedef struct clmha_kv_cache_options {
     /// most num_pages * page_size tokens, fewer than 2^32).
     size_t num_pages;
     clmha_kv_dtype kv_dtype;  ///< how the keys and values are stored (default float32)
+    /// Attention as a function (clmha_kv_cache_create_for_with()): the dtype of the calls
+    /// that will use the cache (clmha_attention_args::dtype; ::CLMHA_DTYPE_F64: its
+    /// ::CLMHA_KV_FLOAT32 elements are doubles). A layer's cache takes its layer's dtype: 0 or
+    /// that. Added after 0.1.0 (a shorter struct_size leaves it 0, float32).
+    clmha_dtype dtype;
 } clmha_kv_cache_options;
 
 /// Makes an empty cache for forward calls of @p layer, contiguous or paged as @p options says.
@@ -1707,8 +1712,9 @@ typedef struct clmha_kv_cache_options {
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, @p batch 0, a contiguous cache's
 ///         capacity 0 or of 2^32 tokens or more, a page_size that is not a power of two from 8,
 ///         a capacity given with it, num_pages 0 or too many tokens, an unknown kv_dtype,
-///         @p options' struct_size 0 or too small), ::CLMHA_UNSUPPORTED (@p options from a newer
-///         header using a newer field; int4 with an odd head_dim),
+///         an options.dtype other than 0 and the layer's, @p options' struct_size 0 or too
+///         small), ::CLMHA_UNSUPPORTED (@p options from a newer header using a newer field;
+///         int4 with an odd head_dim),
 ///         ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY (also a cache larger than the device's largest allocation),
 ///         ::CLMHA_OPENCL_ERROR
@@ -1724,8 +1730,9 @@ CLMHA_API clmha_status clmha_kv_cache_create_with(clmha_kv_cache **out, clmha_la
 /// @param[in]  head_dim  D
 /// @param[in]  options   as clmha_kv_cache_create_with()'s
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_kv_cache_create_with(), and
-///         @p kv_heads or @p head_dim 0), ::CLMHA_UNSUPPORTED (@p options from a newer header
-///         using a newer field; int4 with an odd head_dim), ::CLMHA_SIZE_OVERFLOW,
+///         @p kv_heads or @p head_dim 0, an unknown options.dtype), ::CLMHA_UNSUPPORTED
+///         (@p options from a newer header using a newer field; int4 with an odd head_dim;
+///         options.dtype float64 on a device without double precision), ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_kv_cache_create_for_with(clmha_kv_cache **out, clmha_context *ctx,
                                                       size_t batch, size_t kv_heads,

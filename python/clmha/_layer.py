@@ -1059,6 +1059,7 @@ class KVCache:
         self._sizes(batch)
         self.kv_heads = layer.num_kv_heads
         self.head_dim = layer.head_dim
+        self.dtype = layer.dtype  # the calls' dtype
 
     def _sizes(self, batch) -> None:
         self.batch = int(batch)
@@ -1073,7 +1074,7 @@ class KVCache:
     def for_attention(cls, batch: int, kv_heads: int, head_dim: int,
                       capacity: Optional[int] = None, *, context: Optional[Context] = None,
                       page_size: int = 0, num_pages: int = 0,
-                      kv_dtype: str = "float32") -> "KVCache":
+                      kv_dtype: str = "float32", dtype=None) -> "KVCache":
         """An empty cache for attention as a function (``clmha_kv_cache_create_for``):
         ``batch`` sequences N (the product of the leading dimensions of the calls' tensors; 1
         for 3-D and 2-D ones) of at most ``capacity`` tokens, each ``kv_heads`` key/value heads
@@ -1083,12 +1084,17 @@ class KVCache:
         ``clmha.torch.scaled_dot_product_attention``: their key and value are then the new
         tokens, (N, H_kv, S_new, D), appended after each sequence's cached ones. A cache is
         used by one thread at a time. ``page_size`` and ``num_pages`` (instead of
-        ``capacity``): a paged cache, and ``kv_dtype``, as ``Layer.kv_cache``'s."""
+        ``capacity``): a paged cache, and ``kv_dtype``, as ``Layer.kv_cache``'s. ``dtype``: that
+        of the calls' tensors (``clmha_kv_cache_options::dtype``; None: float32): a float64
+        cache holds doubles and serves float64 calls only; float32 serves float32, float16 and
+        bfloat16 calls."""
         context = default_context() if context is None else context
         if not isinstance(context, Context):
             raise TypeError(f"context must be a clmha.Context, not {type(context).__name__}")
         _check_sizes(("kv_heads", kv_heads), ("head_dim", head_dim))
+        name = dtype_name(dtype)
         o = _options(batch, capacity, page_size, num_pages, kv_dtype)
+        o.dtype = _DTYPE_CODES[name]
         out = ffi.new("clmha_kv_cache **")
         check(lib.clmha_kv_cache_create_for_with(out, context._ptr, batch, kv_heads, head_dim,
                                                  o), context._ptr)
@@ -1099,6 +1105,7 @@ class KVCache:
         self._sizes(batch)
         self.kv_heads = int(kv_heads)
         self.head_dim = int(head_dim)
+        self.dtype = name
         return self
 
     @property

@@ -4,6 +4,7 @@
 #include "cache/kv_cache.h"
 
 #include "base/checked.h"
+#include "base/half.h"
 #include "base/struct_in.h"
 #include "context/context.h"
 #include "device/held.h"
@@ -115,7 +116,8 @@ static void set_elements(clmha_kv_cache *c) {
 static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
                                const clmha_layer *layer, size_t batch, size_t kv_heads,
                                size_t head_dim, const clmha_kv_cache_options *o) {
-    size_t page_size = 0, pages = 0, floats = 0, rs = layer ? layer->rs : sizeof(float);
+    size_t page_size = 0, pages = 0, floats = 0;
+    size_t rs = layer ? layer->rs : o->dtype == CLMHA_DTYPE_F64 ? sizeof(double) : sizeof(float);
     clmha_status st;
     if ((st = check_options(ctx, batch, o, &page_size, &pages)) ||
         (st = cache_floats(ctx, pages, kv_heads, page_size, head_dim, rs, &floats)))
@@ -174,6 +176,11 @@ clmha_status clmha_kv_cache_create_with(clmha_kv_cache **out, clmha_layer *layer
     clmha_status st = CLMHA__STRUCT_IN(clmha_kv_cache_options, &o, options, "options", msg,
                                        sizeof msg);
     if (st) return clmha__fail(layer->ctx, st, "%s", msg);
+    if (o.dtype && o.dtype != layer->desc.dtype)
+        return clmha__fail(layer->ctx, CLMHA_INVALID_ARGUMENT,
+                           "options.dtype %s: a layer's cache takes the layer's dtype (%s; or "
+                           "leave it 0)",
+                           clmha__dtype_name(o.dtype), clmha__dtype_name(layer->desc.dtype));
     return cache_make(out, layer->ctx, layer, batch, layer->kvh, layer->d, &o);
 }
 
@@ -200,6 +207,14 @@ clmha_status clmha_kv_cache_create_for_with(clmha_kv_cache **out, clmha_context 
     clmha_status st = CLMHA__STRUCT_IN(clmha_kv_cache_options, &o, options, "options", msg,
                                        sizeof msg);
     if (st) return clmha__fail(ctx, st, "%s", msg);
+    if ((unsigned)o.dtype > CLMHA_DTYPE_BF16)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "options.dtype %d is no clmha_dtype",
+                           (int)o.dtype);
+    if (o.dtype == CLMHA_DTYPE_F64 && !ctx->info.fp64)
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "a float64 cache (options.dtype CLMHA_DTYPE_F64) needs a device with "
+                           "double precision (cl_khr_fp64); %s has none",
+                           ctx->info.device_name);
     return cache_make(out, ctx, NULL, batch, kv_heads, head_dim, &o);
 }
 
@@ -380,6 +395,12 @@ clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer
                            "and value have %zu of %zu",
                            cache->kv_heads, cache->head_dim,
                            cache->ctx != ctx ? " on another context" : "", layer->kvh, layer->d);
+    if (function && cache->rs != layer->rs)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "kv_cache was made for %s calls (clmha_kv_cache_options::dtype); "
+                           "this call is %s",
+                           cache->rs == 8 ? "float64" : "float32 and 16-bit",
+                           layer->rs == 8 ? "float64" : "float32 or 16-bit");
     if (n_batch != cache->batch)
         return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
                            "the call's batch is %zu but kv_cache holds %zu sequences", n_batch,

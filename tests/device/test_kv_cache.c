@@ -556,6 +556,41 @@ Test(kv_cache, sliding_window_ragged_batch, .timeout = 300) {
     }
 }
 
+// clmha_kv_cache_options::dtype: a layer's cache takes 0 or its layer's dtype; a cache for
+// attention as a function takes any clmha_dtype (float64 on a device with double precision).
+Test(kv_cache, options_dtype) {
+    clmha_context *ctx = context_or_skip();
+    rcase c = self_case(45, 4);
+    instance in;
+    instance_make(&in, &c);
+    clmha_layer *layer = instance_layer(ctx, &in);
+    clmha_kv_cache *cache = NULL;
+    clmha_kv_cache_options o = {.struct_size = sizeof o, .capacity = 4,
+                                .dtype = CLMHA_DTYPE_F64};
+    cr_expect_eq(clmha_kv_cache_create_with(&cache, layer, 2, &o), CLMHA_INVALID_ARGUMENT);
+    cr_expect_null(cache);
+    cr_expect(strstr(clmha_context_last_error(ctx), "dtype") != NULL, "%s",
+              clmha_context_last_error(ctx));
+    o.dtype = CLMHA_DTYPE_F32;
+    cr_expect_eq(clmha_kv_cache_create_with(&cache, layer, 2, &o), CLMHA_SUCCESS);
+    clmha_kv_cache_release(cache);
+    cache = NULL;
+    o.dtype = (clmha_dtype)9;
+    cr_expect_eq(clmha_kv_cache_create_for_with(&cache, ctx, 2, 2, 4, &o),
+                 CLMHA_INVALID_ARGUMENT);
+    cr_expect_null(cache);
+    cl_device_fp_config fp = 0;
+    clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG, sizeof fp, &fp,
+                    NULL);
+    o.dtype = CLMHA_DTYPE_F64;
+    cr_expect_eq(clmha_kv_cache_create_for_with(&cache, ctx, 2, 2, 4, &o),
+                 fp ? CLMHA_SUCCESS : CLMHA_UNSUPPORTED);
+    clmha_kv_cache_release(cache);
+    clmha_layer_release(layer);
+    instance_free(&in);
+    clmha_context_release(ctx);
+}
+
 // float64 layers: the cache holds doubles and the decode core computes in float64; each case
 // fed as check_self() does, on doubles, within the float64 forward's contract (1e-12 absolute
 // on unit-scale outputs) of the reference; the narrower caches (their elements as a float32
