@@ -373,6 +373,30 @@ static clmha_status plan_pages(clmha_kv_cache *c, clmha__kv_plan *plan) {
     return CLMHA_SUCCESS;
 }
 
+// Whether @p cache, given to a call of attention as a function on the bare layer @p layer,
+// is one made for such calls, with their key/value heads, head dimension, context and
+// precision.
+static clmha_status function_cache_fits(const clmha_kv_cache *cache, const clmha_layer *layer) {
+    clmha_context *ctx = layer->ctx;
+    if (cache->layer)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "kv_cache was made for a layer (clmha_kv_cache_create()): attention "
+                           "as a function takes one of clmha_kv_cache_create_for()");
+    if (cache->ctx != ctx || cache->kv_heads != layer->kvh || cache->head_dim != layer->d)
+        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
+                           "kv_cache holds %zu key/value heads of %zu floats%s; the call's key "
+                           "and value have %zu of %zu",
+                           cache->kv_heads, cache->head_dim,
+                           cache->ctx != ctx ? " on another context" : "", layer->kvh, layer->d);
+    if (cache->rs != layer->rs)
+        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                           "kv_cache was made for %s calls (clmha_kv_cache_options::dtype); "
+                           "this call is %s",
+                           cache->rs == 8 ? "float64" : "float32 and 16-bit",
+                           layer->rs == 8 ? "float64" : "float32 or 16-bit");
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer, bool function,
                                  size_t n_batch, size_t s, const size_t *appended,
                                  clmha__kv_plan *plan) {
@@ -384,23 +408,8 @@ clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer
                                           "(clmha_kv_cache_create())"
                                         : "kv_cache was made for attention as a function "
                                           "(clmha_kv_cache_create_for()), not for a layer");
-    if (function && cache->layer)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "kv_cache was made for a layer (clmha_kv_cache_create()): attention "
-                           "as a function takes one of clmha_kv_cache_create_for()");
-    if (function && (cache->ctx != ctx || cache->kv_heads != layer->kvh ||
-                     cache->head_dim != layer->d))
-        return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
-                           "kv_cache holds %zu key/value heads of %zu floats%s; the call's key "
-                           "and value have %zu of %zu",
-                           cache->kv_heads, cache->head_dim,
-                           cache->ctx != ctx ? " on another context" : "", layer->kvh, layer->d);
-    if (function && cache->rs != layer->rs)
-        return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
-                           "kv_cache was made for %s calls (clmha_kv_cache_options::dtype); "
-                           "this call is %s",
-                           cache->rs == 8 ? "float64" : "float32 and 16-bit",
-                           layer->rs == 8 ? "float64" : "float32 or 16-bit");
+    clmha_status st;
+    if (function && (st = function_cache_fits(cache, layer))) return st;
     if (n_batch != cache->batch)
         return clmha__fail(ctx, CLMHA_SHAPE_MISMATCH,
                            "the call's batch is %zu but kv_cache holds %zu sequences", n_batch,
@@ -414,7 +423,7 @@ clmha_status clmha__kv_plan_make(clmha_kv_cache *cache, const clmha_layer *layer
     }
     plan->old_len = lens;
     plan->new_len = lens + n_batch;
-    clmha_status st = CLMHA_SUCCESS;
+    st = CLMHA_SUCCESS;
     for (size_t n = 0; n < n_batch && !st; ++n) {
         size_t add = appended ? appended[n] : s;
         size_t old = cache->len[n];
