@@ -29,44 +29,46 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_args
                                   const clmha__attention_dims *d,
                                   const clmha__attention_out *o) {
     const clmha_mask *m = mask_of(d);
-    size_t melem = m ? clmha__mask_elem(m->kind) : 1;
+    size_t es = clmha__attention_elem(a), melem = m ? clmha__attention_mask_elem(a, m->kind) : 1;
     clmha_status st;
     if ((st = clmha__check_buffer(ctx, "query", a->query.buffer, a->query.offset,
-                                  d->query_count, 4)) ||
-        (st = clmha__check_buffer(ctx, "key", a->key.buffer, a->key.offset, d->key_count, 4)) ||
+                                  d->query_count, es)) ||
+        (st = clmha__check_buffer(ctx, "key", a->key.buffer, a->key.offset, d->key_count, es)) ||
         (st = clmha__check_buffer(ctx, "value", a->value.buffer, a->value.offset,
-                                  d->value_count, 4)) ||
+                                  d->value_count, es)) ||
         (m && (st = clmha__check_buffer(ctx, "attn_mask", m->tensor.buffer, m->tensor.offset,
                                         d->mask_count, melem))) ||
         (a->alibi_slopes.ndim &&
          (st = clmha__check_buffer(ctx, "alibi_slopes", a->alibi_slopes.buffer,
-                                   a->alibi_slopes.offset, d->core.h, 4))) ||
+                                   a->alibi_slopes.offset, d->core.h, es))) ||
         (a->sinks.ndim && (st = clmha__check_buffer(ctx, "sinks", a->sinks.buffer,
-                                                    a->sinks.offset, d->core.h, 4))) ||
+                                                    a->sinks.offset, d->core.h, es))) ||
         (a->mod_params.ndim && a->mod_params.shape[0] &&
          (st = clmha__check_buffer(ctx, "mod_params", a->mod_params.buffer,
-                                   a->mod_params.offset, a->mod_params.shape[0], 4))) ||
+                                   a->mod_params.offset, a->mod_params.shape[0],
+                                   sizeof(float)))) ||  // p: floats in every dtype
         (st = clmha__check_buffer(ctx, "output", o->output, o->output_offset, d->output_count,
-                                  4)) ||
+                                  es)) ||
         (st = clmha__check_writable(ctx, "output", o->output)) ||
         (o->lse && ((st = clmha__check_buffer(ctx, "lse", o->lse, o->lse_offset, d->lse_count,
-                                              4)) ||
+                                              es)) ||
                     (st = clmha__check_writable(ctx, "lse", o->lse)))) ||
         (o->weights &&
          ((st = clmha__check_buffer(ctx, "weights", o->weights, o->weights_offset,
-                                    d->weights_count, 4)) ||
+                                    d->weights_count, es)) ||
           (st = clmha__check_writable(ctx, "weights", o->weights)))))
         return st;
     clmha__span all[7];
     size_t k = 0, outputs;
-    all[k++] = clmha__span_of("output", o->output, o->output_offset, d->output_count, 4);
-    if (o->lse) all[k++] = clmha__span_of("lse", o->lse, o->lse_offset, d->lse_count, 4);
+    all[k++] = clmha__span_of("output", o->output, o->output_offset, d->output_count, es);
+    if (o->lse) all[k++] = clmha__span_of("lse", o->lse, o->lse_offset, d->lse_count, es);
     if (o->weights)
-        all[k++] = clmha__span_of("weights", o->weights, o->weights_offset, d->weights_count, 4);
+        all[k++] =
+            clmha__span_of("weights", o->weights, o->weights_offset, d->weights_count, es);
     outputs = k;
-    all[k++] = clmha__span_of("query", a->query.buffer, a->query.offset, d->query_count, 4);
-    all[k++] = clmha__span_of("key", a->key.buffer, a->key.offset, d->key_count, 4);
-    all[k++] = clmha__span_of("value", a->value.buffer, a->value.offset, d->value_count, 4);
+    all[k++] = clmha__span_of("query", a->query.buffer, a->query.offset, d->query_count, es);
+    all[k++] = clmha__span_of("key", a->key.buffer, a->key.offset, d->key_count, es);
+    all[k++] = clmha__span_of("value", a->value.buffer, a->value.offset, d->value_count, es);
     if (m)
         all[k++] = clmha__span_of("attn_mask", m->tensor.buffer, m->tensor.offset, d->mask_count,
                                   melem);
@@ -116,8 +118,8 @@ static clmha_status prepare(clmha_layer *l, const clmha__attention_dims *d,
     call->kv_group = (*core)->grouped_kv ? d->core.h / d->core.kvh : 1;
     if ((st = clmha__layer_reserve(l, &d->core, (*core)->uses_scores, false))) return st;
     if (o->lse && o->lse_offset &&
-        (st = clmha__grow_buffer(l->ctx, &l->partial_lse, &l->partial_lse_cap, d->lse_count,
-                                 "log-sum-exp rows")))
+        (st = clmha__layer_grow(l, &l->partial_lse, &l->partial_lse_cap, d->lse_count,
+                                "log-sum-exp rows")))
         return st;
     call->lse = !o->lse ? NULL : o->lse_offset ? l->partial_lse : o->lse;
     l->last_core = *core;
@@ -137,7 +139,7 @@ static clmha_status enqueue_padded(clmha_layer *l, const clmha_attention_args *a
     po.output_offset = 0;
     clmha_status st;
     if ((st = clmha__attention_pad_call(l, a, d, slot, &p, &pd)) ||
-        (st = clmha__host_room(l, slot + 3, "padded output", pd.output_count * sizeof(float),
+        (st = clmha__host_room(l, slot + 3, "padded output", pd.output_count * l->rs,
                                &po.output)) ||
         (st = clmha__attention_pad_inputs(l, a, d, &p, num_wait, wait_list)) ||
         (st = clmha__attention_enqueue(l, &p, &pd, &po, 0, NULL, NULL)) ||
@@ -219,7 +221,7 @@ static clmha_status attention_forward(clmha_context *ctx, const clmha_attention_
     if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
         (st = check_buffers(ctx, &a, &d, o)) ||
-        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d),
+        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype,
                                      &layer)))
         return st;
     st = clmha__attention_enqueue(layer, &a, &d, o, num_wait, wait_list, event);

@@ -5,13 +5,51 @@
 #include "forward/attention.h"
 
 #include "base/struct_in.h"
+#include "context/context.h"
+#include "forward/enqueue.h"
+
+// The call's dtype: float32, or float64 where the device has double precision and no KV cache
+// is used (float64 caches: not yet); 16-bit ones are not taken yet.
+static clmha_status check_dtype(clmha_context *ctx, const clmha_attention_args *a) {
+    switch (a->dtype) {
+    case CLMHA_DTYPE_F32: return CLMHA_SUCCESS;
+    case CLMHA_DTYPE_F64:
+        if (!ctx->info.fp64)
+            return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                               "dtype CLMHA_DTYPE_F64 needs a device with double precision "
+                               "(cl_khr_fp64); %s has none",
+                               ctx->info.device_name);
+        if (a->kv_cache)
+            return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                               "a float64 call (dtype CLMHA_DTYPE_F64) with kv_cache: not yet");
+        return CLMHA_SUCCESS;
+    case CLMHA_DTYPE_F16:
+    case CLMHA_DTYPE_BF16:
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "dtype %s: attention as a function takes float32 and float64, "
+                           "16-bit tensors not yet",
+                           a->dtype == CLMHA_DTYPE_F16 ? "CLMHA_DTYPE_F16" : "CLMHA_DTYPE_BF16");
+    }
+    return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                       "dtype is %d: it must be a clmha_dtype (CLMHA_DTYPE_F32 or _F64)",
+                       (int)a->dtype);
+}
 
 clmha_status clmha__attention_check_args(clmha_context *ctx, const clmha_attention_args *args,
                                          clmha_attention_args *in, clmha__attention_dims *d) {
     char msg[512];
     clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, in, args, "args", msg, sizeof msg);
     if (!st) st = clmha__attention_resolve(in, d, msg, sizeof msg);
-    return st ? clmha__fail(ctx, st, "%s", msg) : CLMHA_SUCCESS;
+    if (st) return clmha__fail(ctx, st, "%s", msg);
+    return check_dtype(ctx, in);
+}
+
+size_t clmha__attention_elem(const clmha_attention_args *a) {
+    return a->dtype == CLMHA_DTYPE_F64 ? sizeof(double) : sizeof(float);
+}
+
+size_t clmha__attention_mask_elem(const clmha_attention_args *a, clmha_mask_kind kind) {
+    return kind == CLMHA_MASK_FLOAT ? clmha__attention_elem(a) : clmha__mask_elem(kind);
 }
 
 clmha_forward_args clmha__attention_core_args(clmha_layer *l, const clmha_attention_args *a,
