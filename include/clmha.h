@@ -1989,9 +1989,14 @@ typedef struct clmha_attention_args {
     /// float64, as a float64 layer computes (refused with ::CLMHA_UNSUPPORTED on a device
     /// without double precision, and with kv_cache: not yet); mod_params stays floats. The
     /// host forms take it through clmha_attention_forward_host_f64() and
-    /// clmha_attention_backward_host_f64(). 16-bit dtypes: ::CLMHA_UNSUPPORTED, not yet. The
-    /// CPU reference ignores it (it reads floats and computes in double). Added after 0.1.0:
-    /// zero-initialised, float32.
+    /// clmha_attention_backward_host_f64(). ::CLMHA_DTYPE_F16, ::CLMHA_DTYPE_BF16: query, key,
+    /// value, a float mask, the output, log-sum-exp rows and weights hold 16-bit elements on
+    /// the device (offsets in them), widened to float32 copies, computed in float32 and the
+    /// results rounded once, as a 16-bit layer computes; clmha_attention_forward_host() takes
+    /// float arrays, rounded to the dtype on the way in and the results on the way out; not
+    /// yet (::CLMHA_UNSUPPORTED): their backward pass, kv_cache, sinks, given alibi_slopes.
+    /// The CPU reference ignores it (it reads floats and computes in double). Added after
+    /// 0.1.0: zero-initialised, float32.
     clmha_dtype dtype;
 } clmha_attention_args;
 
@@ -2003,8 +2008,9 @@ typedef struct clmha_attention_args {
 /// @param[out] lse_count      N·H·L, the log-sum-exp rows (may be NULL)
 /// @param[out] weights_count  N·H·L·S, the attention weights (may be NULL)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, args->struct_size 0 or too small,
-///         an option out of range), ::CLMHA_UNSUPPORTED (@p args from a newer header, using a
-///         newer field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         an option out of range, an unknown dtype), ::CLMHA_UNSUPPORTED (@p args from a newer
+///         header, using a newer field; a dtype the device or the call's options do not take
+///         yet: see clmha_attention_args::dtype), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW
 CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
                                                      const clmha_attention_args *args,
@@ -2025,7 +2031,8 @@ CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
 /// clmha_layer_create() does; the context keeps them, with scratch grown to the largest call,
 /// until it is released); later calls neither compile nor wait on the host. Calls on one
 /// context run their enqueueing one at a time.
-/// Float32, or float64 with args->dtype ::CLMHA_DTYPE_F64 (every tensor then holds doubles).
+/// Float32, or float64 with args->dtype ::CLMHA_DTYPE_F64 (every tensor then holds doubles),
+/// or float16 / bfloat16 (16-bit tensors, computed in float32: see clmha_attention_args::dtype).
 /// Buffer rules as for clmha_layer_forward(): buffers of the context's
 /// cl_context, large enough, outputs not CL_MEM_READ_ONLY, the bytes of the outputs not
 /// overlapping each other or any input. On failure nothing was enqueued or written and
@@ -2047,8 +2054,9 @@ CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
 ///         too small, a buffer missing, of another context, too small, read-only or
 ///         overlapping, a bad wait list, is_causal with attn_mask, scale or dropout_p out of
 ///         range, an unknown dtype), ::CLMHA_UNSUPPORTED (@p args from a newer header, using
-///         a newer field; a core asked for by impl that cannot run the call; a 16-bit dtype;
-///         float64 on a device without it, or with kv_cache), ::CLMHA_SHAPE_MISMATCH,
+///         a newer field; a core asked for by impl that cannot run the call; what a 16-bit
+///         call does not take yet; float64 on a device without it, or with kv_cache),
+///         ::CLMHA_SHAPE_MISMATCH,
 ///         ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
 ///         ::CLMHA_BLAS_ERROR
@@ -2061,7 +2069,9 @@ CLMHA_API clmha_status clmha_attention_forward(clmha_context *ctx,
 
 /// clmha_attention_forward() on host arrays: reads the `data` fields of @p args (float32
 /// tensors and float masks, bytes for boolean masks), uploads them into device buffers the
-/// context keeps, runs the call, waits for it (clFinish) and writes the results.
+/// context keeps, runs the call, waits for it (clFinish) and writes the results. With a 16-bit
+/// args->dtype the arrays stay floats: the inputs are rounded to the dtype, the call computed
+/// in float32 and the results rounded to the dtype, once.
 /// @param[in]  ctx            the context
 /// @param[in]  args           the tensors and options (the `buffer` fields are ignored)
 /// @param[out] output         room for @p output_count floats
@@ -2071,7 +2081,7 @@ CLMHA_API clmha_status clmha_attention_forward(clmha_context *ctx,
 /// @param[out] weights        optional (NULL: not asked): room for @p weights_count floats
 /// @param[in]  weights_count  the weights count with @p weights, else 0
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_attention_forward(); also a
-///         missing `data` pointer or output array; args->dtype not float32: see
+///         missing `data` pointer or output array; args->dtype float64: see
 ///         clmha_attention_forward_host_f64()), ::CLMHA_UNSUPPORTED, ::CLMHA_SHAPE_MISMATCH
 ///         (also a wrong count), ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
@@ -2165,8 +2175,8 @@ typedef struct clmha_attention_backward_args {
 /// @param[out] event      optional: completes with the call; NULL on failure
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, struct sizes, buffers as for
 ///         clmha_attention_forward(), a bad wait list, grad_attn_mask without a float mask),
-///         ::CLMHA_UNSUPPORTED (a mask gradient asked of the fused core;
-///         a newer header's field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_UNSUPPORTED (a mask gradient asked of the fused core; a 16-bit forward
+///         call: not yet; a newer header's field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,
@@ -2189,7 +2199,7 @@ CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,
 /// @param[out] grad_value         optional (NULL): room for the value's
 /// @param[out] grad_attn_mask     optional (NULL): a float attn_mask's gradient, its shape
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL ctx, args or grad_output, a missing
-///         `data` pointer, grad_attn_mask without a float mask; args->dtype not float32: see
+///         `data` pointer, grad_attn_mask without a float mask; args->dtype float64: see
 ///         clmha_attention_backward_host_f64()), ::CLMHA_UNSUPPORTED,
 ///         ::CLMHA_SHAPE_MISMATCH (also a wrong count), ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,

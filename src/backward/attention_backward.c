@@ -390,6 +390,14 @@ static clmha_status mods_grad_check(clmha_context *ctx, const clmha_attention_ar
                        "mod_source defines clmha_score_mod without its derivative");
 }
 
+// CLMHA_UNSUPPORTED for a 16-bit forward call (both forms of the backward).
+static clmha_status not_16(clmha_context *ctx, const clmha_attention_args *a) {
+    if (!clmha__attention_16(a)) return CLMHA_SUCCESS;
+    return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                       "the backward pass of a 16-bit call (dtype %s): not yet",
+                       a->dtype == CLMHA_DTYPE_F16 ? "CLMHA_DTYPE_F16" : "CLMHA_DTYPE_BF16");
+}
+
 // Reads and checks the call: the struct, the forward's args, the limits of this version.
 static clmha_status check_call(clmha_context *ctx, const clmha_attention_backward_args *args,
                                clmha_attention_backward_args *b, clmha_attention_args *a,
@@ -399,7 +407,9 @@ static clmha_status check_call(clmha_context *ctx, const clmha_attention_backwar
                                        sizeof msg);
     if (st) return clmha__fail(ctx, st, "%s", msg);
     if (!b->forward) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->forward is NULL");
-    if ((st = clmha__attention_check_args(ctx, b->forward, a, d))) return st;
+    if ((st = clmha__attention_check_args(ctx, b->forward, a, d)) ||
+        (st = not_16(ctx, a)))
+        return st;
     if (a->kv_cache)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "the forward call has a kv_cache: the KV-cache form has no backward");
@@ -536,6 +546,7 @@ static clmha_status backward_host(clmha_context *ctx, const clmha_attention_args
     const void *grad_attn_mask = dst[3];
     if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (st = clmha__attention_host_dtype(ctx, &a, takes, function)) ||
+        (st = not_16(ctx, &a)) ||
         (a.kv_cache && (st = clmha__fail(ctx, CLMHA_UNSUPPORTED,
                                          "args->kv_cache is set: the KV-cache form has no "
                                          "backward"))) ||

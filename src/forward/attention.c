@@ -5,11 +5,13 @@
 // caller's buffers or copies of them (docs/design.md, "Attention as a function"):
 //   check → core and scratch → wait → the middle (middle.c: the tiles in, the core, the
 //   output and lse out, as in the layer's forward pass) → the weights.
+// A 16-bit call runs that on float32 copies of its inputs and rounds its results once.
 #include "forward/attention.h"
 
 #include "cores/core.h"
 #include "cores/kernel_args.h"
 #include "forward/attention_cache.h"
+#include "forward/convert.h"
 #include "forward/enqueue.h"
 #include "forward/middle.h"
 #include "forward/staging.h"
@@ -211,6 +213,70 @@ clmha_status clmha__attention_enqueue(clmha_layer *l, const clmha_attention_args
     return clmha__enqueue_event(ctx, event);
 }
 
+// ---- 16-bit calls ----------------------------------------------------------------------------
+
+// Tensor @p t (@p count elements of the call's dtype) widened into float32 copy @p slot, @p t
+// then pointing at it.
+static clmha_status widen_16(clmha_layer *l, int slot, const char *what, clmha_tensor *t,
+                          size_t count) {
+    clmha_status st = clmha__convert_in(l, slot, what, t->buffer, t->offset, count, &t->buffer);
+    t->offset = 0;
+    return st;
+}
+
+// The float32 call of @p a (sizes @p d): @p w and @p wd, the inputs widened.
+static clmha_status widen_inputs(clmha_layer *l, const clmha_attention_args *a,
+                                 const clmha__attention_dims *d, clmha_attention_args *w,
+                                 clmha__attention_dims *wd) {
+    *w = *a;
+    *wd = *d;
+    w->dtype = CLMHA_DTYPE_F32;
+    clmha_status st;
+    if ((st = widen_16(l, CLMHA__STAGED_QUERY, "float32 query", &w->query, d->query_count)) ||
+        (st = widen_16(l, CLMHA__STAGED_KEY, "float32 key", &w->key, d->key_count)) ||
+        (st = widen_16(l, CLMHA__STAGED_VALUE, "float32 value", &w->value, d->value_count)))
+        return st;
+    if (d->attn.kind != CLMHA_MASK_FLOAT) return CLMHA_SUCCESS;
+    // The cores read the mask through d->attn; the packed and padded forms through args too.
+    if ((st = widen_16(l, CLMHA__STAGED_ATTN, "float32 attn_mask", &wd->attn.tensor,
+                    d->mask_count)))
+        return st;
+    w->attn_mask.tensor.buffer = wd->attn.tensor.buffer;
+    w->attn_mask.tensor.offset = 0;
+    return CLMHA_SUCCESS;
+}
+
+// A 16-bit call (clmha_attention_args::dtype float16 or bfloat16) on bare layer @p l (its
+// dtype's: float32 scratch, the conversion kernels), as a 16-bit layer runs: the inputs widened
+// into float32 copies after @p wait_list, the float32 call on them, the output, log-sum-exp rows
+// and weights narrowed (rounded once) into the caller's buffers. A failure may leave the
+// widening enqueued (it writes only the layer's copies).
+static clmha_status enqueue_16(clmha_layer *l, const clmha_attention_args *a,
+                               const clmha__attention_dims *d, const clmha__attention_out *o,
+                               cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
+    clmha_attention_args w;
+    clmha__attention_dims wd;
+    clmha__attention_out wo = {0};
+    clmha_status st;
+    if ((st = clmha__convert_result(l, CLMHA__STAGED_OUTPUT, "float32 output", d->output_count,
+                                    &wo.output)) ||
+        (o->lse && (st = clmha__convert_result(l, CLMHA__STAGED_KPM, "float32 lse",
+                                               d->lse_count, &wo.lse))) ||
+        (o->weights && (st = clmha__convert_result(l, CLMHA__STAGED_WEIGHTS, "float32 weights",
+                                                   d->weights_count, &wo.weights))) ||
+        (st = clmha__enqueue_wait(l->ctx, num_wait, wait_list)) ||
+        (st = widen_inputs(l, a, d, &w, &wd)) ||
+        (st = clmha__attention_enqueue(l, &w, &wd, &wo, 0, NULL, NULL)) ||
+        (st = clmha__convert_out(l, CLMHA__STAGED_OUTPUT, o->output, o->output_offset,
+                                 d->output_count)) ||
+        (o->lse && (st = clmha__convert_out(l, CLMHA__STAGED_KPM, o->lse, o->lse_offset,
+                                            d->lse_count))) ||
+        (o->weights && (st = clmha__convert_out(l, CLMHA__STAGED_WEIGHTS, o->weights,
+                                                o->weights_offset, d->weights_count))))
+        return st;
+    return clmha__enqueue_event(l->ctx, event);
+}
+
 static clmha_status attention_forward(clmha_context *ctx, const clmha_attention_args *args,
                                       const clmha__attention_out *o, cl_uint num_wait,
                                       const cl_event *wait_list, cl_event *event) {
@@ -224,7 +290,9 @@ static clmha_status attention_forward(clmha_context *ctx, const clmha_attention_
         (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype,
                                      &layer)))
         return st;
-    st = clmha__attention_enqueue(layer, &a, &d, o, num_wait, wait_list, event);
+    st = clmha__attention_16(&a)
+             ? enqueue_16(layer, &a, &d, o, num_wait, wait_list, event)
+             : clmha__attention_enqueue(layer, &a, &d, o, num_wait, wait_list, event);
     clmha__attention_unlock(ctx);
     return st;
 }

@@ -24,10 +24,13 @@ CLMHA__HIDDEN clmha_status clmha__attention_check_args(clmha_context *ctx,
                                                        clmha_attention_args *in,
                                                        clmha__attention_dims *d);
 
-// Bytes of an element of call @p a's tensors (float masks, alibi_slopes and sinks too): 4, or 8
-// for dtype float64 (checked: clmha__attention_check_args()). A bare layer of the call has
-// the same rs.
+// Bytes of an element of call @p a's tensors (float masks, alibi_slopes and sinks too): 4, 8
+// for dtype float64, 2 for 16-bit dtypes (checked: clmha__attention_check_args()). A bare
+// layer of a float32 or float64 call has the same rs; a 16-bit call's computes in float32.
 CLMHA__HIDDEN size_t clmha__attention_elem(const clmha_attention_args *a);
+
+// Whether call @p a's dtype is float16 or bfloat16.
+CLMHA__HIDDEN bool clmha__attention_16(const clmha_attention_args *a);
 
 // Bytes of an element of a mask of @p kind in call @p a: a byte for boolean masks, else
 // clmha__attention_elem().

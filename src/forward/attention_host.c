@@ -5,9 +5,12 @@
 // floats (clmha_attention_forward_host()) or doubles (clmha_attention_forward_host_f64()).
 #include "forward/attention.h"
 
+#include "base/half.h"
 #include "forward/attention_cache.h"
 #include "forward/enqueue.h"
 #include "forward/staging.h"
+
+#include <stdlib.h>
 
 // The host arrays: present where the call reads or writes them, of the call's counts.
 static clmha_status check_host(clmha_context *ctx, const clmha_attention_args *a,
@@ -114,6 +117,7 @@ static clmha_status download(clmha_context *ctx, const clmha__attention_out *o,
 clmha_status clmha__attention_host_dtype(clmha_context *ctx, const clmha_attention_args *a,
                                          clmha_dtype takes, const char *function) {
     if (a->dtype == takes) return CLMHA_SUCCESS;
+    if (takes == CLMHA_DTYPE_F32 && clmha__attention_16(a)) return CLMHA_SUCCESS;  // rounded
     return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                        "args->dtype is %d: %s takes %s arrays (dtype %s)%s", (int)a->dtype,
                        function, takes == CLMHA_DTYPE_F64 ? "double" : "float",
@@ -121,6 +125,31 @@ clmha_status clmha__attention_host_dtype(clmha_context *ctx, const clmha_attenti
                        a->dtype == CLMHA_DTYPE_F64 ? "; float64 calls: its _f64 form"
                        : takes == CLMHA_DTYPE_F64  ? "; float32 calls: the form without _f64"
                                                    : "");
+}
+
+// A 16-bit call of the float host form: the float32 call @p a on copies of its float arrays
+// (query, key, value, a float mask) rounded to dtype @p t (in @p copies, freed by the caller).
+static clmha_status round_inputs(clmha_context *ctx, clmha_attention_args *a,
+                                 clmha__attention_dims *d, clmha_dtype t, float *copies[4]) {
+    clmha_tensor *in[4] = {&a->query, &a->key, &a->value, &a->attn_mask.tensor};
+    size_t count[4] = {d->query_count, d->key_count, d->value_count,
+                       a->attn_mask.kind == CLMHA_MASK_FLOAT ? d->mask_count : 0};
+    for (int i = 0; i < 4; ++i) {
+        if (!count[i]) continue;
+        if (!(copies[i] = malloc(count[i] * sizeof(float))))
+            return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+        const float *from = in[i]->data;
+        for (size_t k = 0; k < count[i]; ++k) copies[i][k] = clmha__dtype_round(t, from[k]);
+        in[i]->data = copies[i];
+    }
+    if (copies[3]) d->attn.tensor.data = copies[3];  // where the upload reads the mask
+    a->dtype = CLMHA_DTYPE_F32;
+    return CLMHA_SUCCESS;
+}
+
+// The results of a 16-bit call rounded to dtype @p t, once.
+static void round_results(clmha_dtype t, float *x, size_t count) {
+    for (size_t i = 0; x && i < count; ++i) x[i] = clmha__dtype_round(t, x[i]);
 }
 
 // Both host forms: @p takes the dtype of their arrays.
@@ -133,19 +162,28 @@ static clmha_status forward_host(clmha_context *ctx, const clmha_attention_args 
     clmha__attention_dims d;
     clmha_layer *l;
     clmha_status st;
+    float *copies[4] = {NULL};
+    clmha_dtype t = CLMHA_DTYPE_F32;  // a 16-bit call's, computed as float32 on rounded copies
     if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (st = clmha__attention_host_dtype(ctx, &a, takes, function)) ||
         (st = check_host(ctx, &a, &d, output, output_count, lse, lse_count, weights,
                          weights_count)) ||
-        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype,
-                                     &l)))
-        return st;
+        (clmha__attention_16(&a) && (t = a.dtype, st = round_inputs(ctx, &a, &d, t, copies))) ||
+        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype, &l)))
+        goto done;
     clmha__attention_out o;
     if ((st = clmha__attention_upload(l, &a, &d, lse != NULL, weights != NULL, &o)) ||
         (st = clmha__attention_enqueue(l, &a, &d, &o, 0, NULL, NULL)) ||
         (st = download(ctx, &o, &d, l->rs, output, lse, weights)))
         clmha__host_drop(l);
     clmha__attention_unlock(ctx);
+    if (!st && t != CLMHA_DTYPE_F32) {
+        round_results(t, output, output_count);
+        round_results(t, lse, lse_count);
+        round_results(t, weights, weights_count);
+    }
+done:
+    for (int i = 0; i < 4; ++i) free(copies[i]);
     return st;
 }
 

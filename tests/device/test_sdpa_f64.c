@@ -7,7 +7,7 @@
 // packed call; through both forward cores and the backward. The inputs are floats widened to
 // doubles, so that the reference (which reads floats) computes on exactly the device's values.
 // A central finite difference checks one gradient of the float64 device calls themselves.
-// Then the refusals: the host forms' dtypes, 16-bit and unknown dtypes, a KV cache, buffers
+// Then the refusals: the host forms' dtypes, an unknown dtype, a KV cache, buffers
 // sized in floats. Public API only.
 #include <criterion/criterion.h>
 
@@ -485,11 +485,8 @@ Test(sdpa_f64, refusals, .timeout = 300) {
     refused(ctx, clmha_attention_backward_host_f64(ctx, &x.ref, g, x.nout, dout, NULL, NULL,
                                                    NULL),
             CLMHA_INVALID_ARGUMENT, "takes double arrays");
-    // 16-bit and unknown dtypes.
+    // An unknown dtype (16-bit calls: test_sdpa_16.c).
     clmha_attention_args a = x.dev;
-    a.dtype = CLMHA_DTYPE_BF16;
-    refused(ctx, clmha_attention_forward_host(ctx, &a, fout, x.nout, NULL, 0, NULL, 0),
-            CLMHA_UNSUPPORTED, "16-bit");
     a.dtype = (clmha_dtype)9;
     refused(ctx, clmha_attention_output_counts(ctx, &a, NULL, NULL, NULL),
             CLMHA_INVALID_ARGUMENT, "dtype is 9");
