@@ -1990,11 +1990,12 @@ typedef struct clmha_attention_args {
     /// without double precision, and with kv_cache: not yet); mod_params stays floats. The
     /// host forms take it through clmha_attention_forward_host_f64() and
     /// clmha_attention_backward_host_f64(). ::CLMHA_DTYPE_F16, ::CLMHA_DTYPE_BF16: query, key,
-    /// value, a float mask, the output, log-sum-exp rows and weights hold 16-bit elements on
-    /// the device (offsets in them), widened to float32 copies, computed in float32 and the
-    /// results rounded once, as a 16-bit layer computes; clmha_attention_forward_host() takes
-    /// float arrays, rounded to the dtype on the way in and the results on the way out; not
-    /// yet (::CLMHA_UNSUPPORTED): their backward pass, kv_cache, sinks, given alibi_slopes.
+    /// value, a float mask, the output, log-sum-exp rows, weights and gradients hold 16-bit
+    /// elements on the device (offsets in them), widened to float32 copies, computed in float32
+    /// and the results rounded once, as a 16-bit layer computes (the backward runs the float32
+    /// forward again on the widened inputs: it reads neither the 16-bit output nor lse); the
+    /// float host forms take float arrays, rounded to the dtype on the way in and the results
+    /// on the way out; not yet (::CLMHA_UNSUPPORTED): kv_cache, sinks, given alibi_slopes.
     /// The CPU reference ignores it (it reads floats and computes in double). Added after
     /// 0.1.0: zero-initialised, float32.
     clmha_dtype dtype;
@@ -2175,8 +2176,9 @@ typedef struct clmha_attention_backward_args {
 /// @param[out] event      optional: completes with the call; NULL on failure
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, struct sizes, buffers as for
 ///         clmha_attention_forward(), a bad wait list, grad_attn_mask without a float mask),
-///         ::CLMHA_UNSUPPORTED (a mask gradient asked of the fused core; a 16-bit forward
-///         call: not yet; a newer header's field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_UNSUPPORTED (a mask gradient asked of the fused core; a dtype as
+///         clmha_attention_forward(); a newer header's field), ::CLMHA_SHAPE_MISMATCH,
+///         ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,

@@ -10,6 +10,7 @@
 #include "device/held.h"
 #include "forward/attention.h"
 #include "forward/attention_cache.h"
+#include "forward/convert.h"
 #include "forward/enqueue.h"
 #include "forward/staging.h"
 #include "layer/mods.h"
@@ -380,6 +381,96 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
     return clmha__enqueue_event(ctx, event);
 }
 
+// ---- 16-bit calls -------------------------------------------------------------------------------
+
+// The float32 call of 16-bit backward @p b (forward @p a, sizes @p d): the forward's query, key,
+// value and float mask and the output's gradient widened into float32 copies of bare layer
+// @p l (slots the float32 backward leaves alone: it takes the first four for its tiles), room
+// for the float32 gradients asked for; @p w, @p wd, @p wb point at them.
+static clmha_status widen_16(clmha_layer *l, const clmha_attention_backward_args *b,
+                             const clmha__attention_dims *d, clmha_attention_args *w,
+                             clmha__attention_dims *wd, clmha_attention_backward_args *wb) {
+    bool mask = d->attn.kind == CLMHA_MASK_FLOAT;
+    clmha_tensor go = {.buffer = b->grad_output, .offset = b->grad_output_offset};
+    clmha_tensor *in[5] = {&w->query, &w->key, &w->value, &wd->attn.tensor, &go};
+    size_t count[5] = {d->query_count, d->key_count, d->value_count,
+                       mask ? d->mask_count : 0, d->output_count};
+    static const int slot[5] = {CLMHA__STAGED_PAD_QUERY, CLMHA__STAGED_PAD_KEY,
+                                CLMHA__STAGED_PAD_VALUE, CLMHA__STAGED_ATTN,
+                                CLMHA__STAGED_GRAD_OUTPUT};
+    static const char *const what[5] = {"float32 query", "float32 key", "float32 value",
+                                        "float32 attn_mask", "float32 grad_output"};
+    clmha_status st = CLMHA_SUCCESS;
+    for (int i = 0; i < 5 && !st; ++i) {
+        if (!count[i]) continue;
+        st = clmha__convert_in(l, slot[i], what[i], in[i]->buffer, in[i]->offset, count[i],
+                               &in[i]->buffer);
+        in[i]->offset = 0;
+    }
+    if (mask) w->attn_mask.tensor = wd->attn.tensor;  // (read there by the padded form)
+    wb->grad_output = go.buffer;
+    wb->grad_output_offset = wb->grad_query_offset = wb->grad_key_offset = 0;
+    wb->grad_value_offset = wb->grad_attn_mask_offset = 0;
+    cl_mem *grad[4] = {&wb->grad_query, &wb->grad_key, &wb->grad_value, &wb->grad_attn_mask};
+    size_t gcount[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
+    for (int i = 0; i < 4 && !st; ++i)
+        if (*grad[i])
+            st = clmha__convert_result(l, CLMHA__STAGED_GRAD + i, "float32 gradient", gcount[i],
+                                       grad[i]);
+    return st;
+}
+
+// The float32 forward again on the widened inputs of @p w: its float32 output (and log-sum-exp
+// rows where the fused backward can take them, as host_forward() asks) into @p wb, so that
+// the gradients do not inherit the rounding of the caller's 16-bit output.
+static clmha_status forward_16(clmha_layer *l, const clmha_attention_args *w,
+                               const clmha__attention_dims *wd,
+                               clmha_attention_backward_args *wb) {
+    clmha__attention_out o = {0};
+    clmha_status st;
+    if ((st = clmha__convert_result(l, CLMHA__STAGED_OUTPUT, "float32 output",
+                                    wd->output_count, &o.output)) ||
+        (st = clmha__convert_result(l, CLMHA__STAGED_WEIGHTS, "float32 lse", wd->lse_count,
+                                    &o.lse)))
+        return st;
+    st = CLMHA_UNSUPPORTED;
+    if (!wb->grad_attn_mask && wb->impl != CLMHA_IMPL_UNFUSED)
+        st = clmha__attention_enqueue(l, w, wd, &o, 0, NULL, NULL);
+    if (st == CLMHA_UNSUPPORTED) {  // not tried, or refused before anything was enqueued
+        o.lse = NULL;
+        st = clmha__attention_enqueue(l, w, wd, &o, 0, NULL, NULL);
+    }
+    wb->output = o.output, wb->lse = o.lse;
+    wb->output_offset = wb->lse_offset = 0;
+    return st;
+}
+
+// A 16-bit backward call (clmha_attention_args::dtype float16 or bfloat16) on bare layer @p l
+// (its dtype's): its tensors widened (widen_16()), the float32 forward again (forward_16()),
+// the float32 backward, the gradients narrowed into the caller's buffers, each rounded once.
+// The caller's output and lse are not read (their rounding would reach the gradients).
+static clmha_status enqueue_16(clmha_layer *l, const clmha_attention_backward_args *b,
+                               const clmha_attention_args *a, const clmha__attention_dims *d,
+                               cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
+    clmha_attention_args w = *a;
+    clmha__attention_dims wd = *d;
+    clmha_attention_backward_args wb = *b;
+    w.dtype = CLMHA_DTYPE_F32;
+    wb.forward = &w;
+    clmha_status st;
+    if ((st = clmha__enqueue_wait(l->ctx, num_wait, wait_list)) ||
+        (st = widen_16(l, b, d, &w, &wd, &wb)) || (st = forward_16(l, &w, &wd, &wb)) ||
+        (st = enqueue(l, &wb, &w, &wd, false, 0, NULL, NULL)))
+        return st;
+    cl_mem dst[4] = {b->grad_query, b->grad_key, b->grad_value, b->grad_attn_mask};
+    size_t off[4] = {b->grad_query_offset, b->grad_key_offset, b->grad_value_offset,
+                     b->grad_attn_mask_offset};
+    size_t count[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
+    for (int i = 0; i < 4 && !st; ++i)
+        if (dst[i]) st = clmha__convert_out(l, CLMHA__STAGED_GRAD + i, dst[i], off[i], count[i]);
+    return st ? st : clmha__enqueue_event(l->ctx, event);
+}
+
 // CLMHA_UNSUPPORTED for a forward call whose user functions have clmha_score_mod without its
 // derivative (both forms of the backward).
 static clmha_status mods_grad_check(clmha_context *ctx, const clmha_attention_args *a) {
@@ -388,14 +479,6 @@ static clmha_status mods_grad_check(clmha_context *ctx, const clmha_attention_ar
     return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                        "the backward pass needs clmha_score_mod_grad: the forward call's "
                        "mod_source defines clmha_score_mod without its derivative");
-}
-
-// CLMHA_UNSUPPORTED for a 16-bit forward call (both forms of the backward).
-static clmha_status not_16(clmha_context *ctx, const clmha_attention_args *a) {
-    if (!clmha__attention_16(a)) return CLMHA_SUCCESS;
-    return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                       "the backward pass of a 16-bit call (dtype %s): not yet",
-                       a->dtype == CLMHA_DTYPE_F16 ? "CLMHA_DTYPE_F16" : "CLMHA_DTYPE_BF16");
 }
 
 // Reads and checks the call: the struct, the forward's args, the limits of this version.
@@ -407,9 +490,7 @@ static clmha_status check_call(clmha_context *ctx, const clmha_attention_backwar
                                        sizeof msg);
     if (st) return clmha__fail(ctx, st, "%s", msg);
     if (!b->forward) return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT, "args->forward is NULL");
-    if ((st = clmha__attention_check_args(ctx, b->forward, a, d)) ||
-        (st = not_16(ctx, a)))
-        return st;
+    if ((st = clmha__attention_check_args(ctx, b->forward, a, d))) return st;
     if (a->kv_cache)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
                            "the forward call has a kv_cache: the KV-cache form has no backward");
@@ -444,7 +525,8 @@ clmha_status clmha_attention_backward(clmha_context *ctx,
         (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype,
                                      &l)))
         return st;
-    st = enqueue(l, &b, &a, &d, false, num_wait, wait_list, event);
+    st = clmha__attention_16(&a) ? enqueue_16(l, &b, &a, &d, num_wait, wait_list, event)
+                                 : enqueue(l, &b, &a, &d, false, num_wait, wait_list, event);
     clmha__attention_unlock(ctx);
     return st;
 }
@@ -544,23 +626,32 @@ static clmha_status backward_host(clmha_context *ctx, const clmha_attention_args
     clmha_layer *l;
     clmha_status st;
     const void *grad_attn_mask = dst[3];
+    float *copies[5] = {NULL};  // a 16-bit call's inputs and grad_output, rounded
+    clmha_dtype t = CLMHA_DTYPE_F32;
     if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (st = clmha__attention_host_dtype(ctx, &a, takes, function)) ||
-        (st = not_16(ctx, &a)) ||
         (a.kv_cache && (st = clmha__fail(ctx, CLMHA_UNSUPPORTED,
                                          "args->kv_cache is set: the KV-cache form has no "
                                          "backward"))) ||
         (st = mods_grad_check(ctx, &a)) ||
         (st = check_host(ctx, &a, &d, grad_output, grad_output_count, grad_attn_mask)) ||
-        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype,
-                                     &l)))
-        return st;
+        (clmha__attention_16(&a) &&
+         ((t = a.dtype, st = clmha__attention_round_inputs(ctx, &a, &d, t, copies)) ||
+          (st = clmha__attention_round_copy(ctx, t, grad_output, d.output_count, &copies[4])))) ||
+        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype, &l)))
+        goto done;
+    if (copies[4]) grad_output = copies[4];
     clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &a};
     if ((st = host_prepare(l, &a, &d, grad_output, grad_attn_mask != NULL, &b)) ||
         (st = enqueue(l, &b, &a, &d, false, 0, NULL, NULL)) ||
         (st = host_download(ctx, &b, &d, l->rs, dst)))
         clmha__host_drop(l);
     clmha__attention_unlock(ctx);
+    size_t count[4] = {d.query_count, d.key_count, d.value_count, d.mask_count};
+    for (int i = 0; !st && t != CLMHA_DTYPE_F32 && i < 4; ++i)
+        clmha__attention_round_results(t, dst[i], count[i]);
+done:
+    for (int i = 0; i < 5; ++i) free(copies[i]);
     return st;
 }
 

@@ -61,6 +61,22 @@ CLMHA__HIDDEN clmha_status clmha__attention_host_dtype(clmha_context *ctx,
                                                        const clmha_attention_args *a,
                                                        clmha_dtype takes, const char *function);
 
+// A 16-bit call of a float host form (attention_host.c): @p count floats of @p from rounded
+// to dtype @p t into a new array *copy (malloc'd; the caller frees it).
+CLMHA__HIDDEN clmha_status clmha__attention_round_copy(clmha_context *ctx, clmha_dtype t,
+                                                       const float *from, size_t count,
+                                                       float **copy);
+
+// ... the float32 call @p a on copies (@p copies, freed by the caller) of its query, key, value
+// and float mask rounded to dtype @p t; @p d's mask pointing at its copy.
+CLMHA__HIDDEN clmha_status clmha__attention_round_inputs(clmha_context *ctx,
+                                                         clmha_attention_args *a,
+                                                         clmha__attention_dims *d,
+                                                         clmha_dtype t, float *copies[4]);
+
+// ... and its results (@p count floats of @p x, NULL: none) rounded to @p t, once.
+CLMHA__HIDDEN void clmha__attention_round_results(clmha_dtype t, float *x, size_t count);
+
 // The internal forward arguments of call @p a on bare layer @p l for the cores (masks in their
 // layouts, is_causal, dropout as training, rng, impl; per-head weights), and the layer's dropout
 // p set to the call's.

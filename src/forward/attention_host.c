@@ -127,19 +127,24 @@ clmha_status clmha__attention_host_dtype(clmha_context *ctx, const clmha_attenti
                                                    : "");
 }
 
-// A 16-bit call of the float host form: the float32 call @p a on copies of its float arrays
-// (query, key, value, a float mask) rounded to dtype @p t (in @p copies, freed by the caller).
-static clmha_status round_inputs(clmha_context *ctx, clmha_attention_args *a,
-                                 clmha__attention_dims *d, clmha_dtype t, float *copies[4]) {
+clmha_status clmha__attention_round_copy(clmha_context *ctx, clmha_dtype t,
+                                        const float *from, size_t count, float **copy) {
+    if (!(*copy = malloc((count ? count : 1) * sizeof(float))))
+        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    for (size_t k = 0; k < count; ++k) (*copy)[k] = clmha__dtype_round(t, from[k]);
+    return CLMHA_SUCCESS;
+}
+
+clmha_status clmha__attention_round_inputs(clmha_context *ctx, clmha_attention_args *a,
+                                           clmha__attention_dims *d, clmha_dtype t,
+                                           float *copies[4]) {
     clmha_tensor *in[4] = {&a->query, &a->key, &a->value, &a->attn_mask.tensor};
     size_t count[4] = {d->query_count, d->key_count, d->value_count,
                        a->attn_mask.kind == CLMHA_MASK_FLOAT ? d->mask_count : 0};
     for (int i = 0; i < 4; ++i) {
         if (!count[i]) continue;
-        if (!(copies[i] = malloc(count[i] * sizeof(float))))
-            return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
-        const float *from = in[i]->data;
-        for (size_t k = 0; k < count[i]; ++k) copies[i][k] = clmha__dtype_round(t, from[k]);
+        clmha_status st = clmha__attention_round_copy(ctx, t, in[i]->data, count[i], &copies[i]);
+        if (st) return st;
         in[i]->data = copies[i];
     }
     if (copies[3]) d->attn.tensor.data = copies[3];  // where the upload reads the mask
@@ -147,8 +152,7 @@ static clmha_status round_inputs(clmha_context *ctx, clmha_attention_args *a,
     return CLMHA_SUCCESS;
 }
 
-// The results of a 16-bit call rounded to dtype @p t, once.
-static void round_results(clmha_dtype t, float *x, size_t count) {
+void clmha__attention_round_results(clmha_dtype t, float *x, size_t count) {
     for (size_t i = 0; x && i < count; ++i) x[i] = clmha__dtype_round(t, x[i]);
 }
 
@@ -168,7 +172,8 @@ static clmha_status forward_host(clmha_context *ctx, const clmha_attention_args 
         (st = clmha__attention_host_dtype(ctx, &a, takes, function)) ||
         (st = check_host(ctx, &a, &d, output, output_count, lse, lse_count, weights,
                          weights_count)) ||
-        (clmha__attention_16(&a) && (t = a.dtype, st = round_inputs(ctx, &a, &d, t, copies))) ||
+        (clmha__attention_16(&a) &&
+         (t = a.dtype, st = clmha__attention_round_inputs(ctx, &a, &d, t, copies))) ||
         (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype, &l)))
         goto done;
     clmha__attention_out o;
@@ -178,9 +183,9 @@ static clmha_status forward_host(clmha_context *ctx, const clmha_attention_args 
         clmha__host_drop(l);
     clmha__attention_unlock(ctx);
     if (!st && t != CLMHA_DTYPE_F32) {
-        round_results(t, output, output_count);
-        round_results(t, lse, lse_count);
-        round_results(t, weights, weights_count);
+        clmha__attention_round_results(t, output, output_count);
+        clmha__attention_round_results(t, lse, lse_count);
+        clmha__attention_round_results(t, weights, weights_count);
     }
 done:
     for (int i = 0; i < 4; ++i) free(copies[i]);

@@ -5,8 +5,9 @@
 // out), against the double-precision reference on the rounded inputs, within the 16-bit
 // layers' contract (docs/accuracy.md: half an ulp of the dtype around a float32 result within
 // 1e-5 (1 + max |y|)): both layouts, GQA, causal, boolean and float masks, D_v ≠ D, through
-// both cores. Then what 16-bit calls refuse (not yet): the backward pass, sinks, given ALiBi
-// slopes.
+// both cores. The backward pass likewise (the gradients of query, key, value and a float mask,
+// rounded once), within the 16-bit layers' gradient contract (r (|g| + t) + t, t =
+// 1e-4 (1 + max |g|)). Then what 16-bit calls refuse (not yet): sinks, given ALiBi slopes.
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -31,6 +32,15 @@ static double allowed(clmha_dtype t, double want, double max_abs) {
     return rel * (fabs(want) + f32) + f32;
 }
 
+// The gradient contract's bound (docs/accuracy.md, "Training in float16 and bfloat16").
+static double allowed_grad(clmha_dtype t, double want, double max_abs) {
+    double f32 = 1e-4 * (1.0 + max_abs);
+    double rel = t == CLMHA_DTYPE_F16 ? 0x1p-11 : 0x1p-8;
+    return rel * (fabs(want) + f32) + f32;
+}
+
+static bool grading;  // ratio() against allowed_grad()
+
 // The largest ratio of error to allowed() (at most 1: within the contract).
 static double ratio(clmha_dtype t, const float *got, const double *want, size_t count) {
     double max_abs = 0.0, worst = 0.0;
@@ -38,7 +48,8 @@ static double ratio(clmha_dtype t, const float *got, const double *want, size_t 
         if (isfinite(want[i]) && fabs(want[i]) > max_abs) max_abs = fabs(want[i]);
     for (size_t i = 0; i < count; ++i) {
         if (isinf(want[i]) && got[i] == (float)want[i]) continue;
-        double r = fabs((double)got[i] - want[i]) / allowed(t, want[i], max_abs);
+        double bound = grading ? allowed_grad(t, want[i], max_abs) : allowed(t, want[i], max_abs);
+        double r = fabs((double)got[i] - want[i]) / bound;
         if (!(r <= worst)) worst = isnan(r) ? INFINITY : r;
     }
     return worst;
@@ -253,6 +264,107 @@ Test(sdpa_16, against_the_reference, .timeout = 600) {
     clmha_context_release(ctx);
 }
 
+// The backward pass's gradients of @p x (output gradient @p g) on the device (through @p impl;
+// the unfused one with a float mask's gradient) and through the host form, against @p want
+// (dq, dk, dv, dmask).
+static void backward_turns(clmha_context *ctx, const hcase *c, clmha_dtype t, const hdata *x,
+                           const float *g, double *const want[4]) {
+    static const char *const names[4] = {"dquery", "dkey", "dvalue", "dattn_mask"};
+    for (int turn = 0; turn < 2; ++turn) {
+        clmha_attention_args a = x->args;
+        a.dtype = t;
+        a.impl = turn ? CLMHA_IMPL_UNFUSED : CLMHA_IMPL_AUTO;
+        clmha_tensor *in[4] = {&a.query, &a.key, &a.value, &a.attn_mask.tensor};
+        cl_mem b[4] = {NULL}, gr[4] = {NULL};
+        for (int i = 0; i < 4; ++i) {
+            if (!x->x[i] && !(i == 3 && x->bmask)) continue;
+            if (i == 3 && x->bmask) {
+                cl_int err;
+                b[3] = clCreateBuffer(clmha_context_cl_context(ctx),
+                                      CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, x->count[3],
+                                      x->bmask, &err);
+                cr_assert_eq(err, CL_SUCCESS);
+                in[3]->buffer = b[3], in[3]->offset = 0;
+                continue;
+            }
+            b[i] = upload16(ctx, t, x->x[i], x->count[i]);
+            in[i]->buffer = b[i], in[i]->offset = PAD;
+            if (i < 3 || turn) gr[i] = upload16(ctx, t, NULL, x->count[i]);
+        }
+        cl_mem out = upload16(ctx, t, NULL, x->nout), dout = upload16(ctx, t, g, x->nout);
+        clmha_attention_backward_args ba = {
+            .struct_size = sizeof ba, .forward = &a, .output = out, .output_offset = PAD,
+            .grad_output = dout, .grad_output_offset = PAD, .grad_query = gr[0],
+            .grad_key = gr[1], .grad_value = gr[2], .grad_attn_mask = gr[3],
+            .grad_query_offset = PAD, .grad_key_offset = PAD, .grad_value_offset = PAD,
+            .grad_attn_mask_offset = PAD, .impl = a.impl};
+        cl_event ev = NULL;
+        clmha_status st = clmha_attention_forward(ctx, &a, out, PAD, NULL, 0, NULL, 0, 0, NULL,
+                                                  NULL);
+        cr_assert_eq(st, CLMHA_SUCCESS, "%s: %s", c->name, clmha_context_last_error(ctx));
+        st = clmha_attention_backward(ctx, &ba, 0, NULL, &ev);
+        cr_assert_eq(st, CLMHA_SUCCESS, "%s: backward: %s", c->name,
+                     clmha_context_last_error(ctx));
+        cr_assert_eq(clWaitForEvents(1, &ev), CL_SUCCESS);
+        clReleaseEvent(ev);
+        for (int i = 0; i < 4; ++i) {
+            if (!gr[i]) continue;
+            float *got = download16(ctx, t, gr[i], x->count[i]);
+            char what[64];
+            snprintf(what, sizeof what, "%s (%s)", names[i], turn ? "unfused" : "auto");
+            check(c, t, what, got, want[i], x->count[i]);
+            free(got);
+            clReleaseMemObject(gr[i]);
+        }
+        for (int i = 0; i < 4; ++i)
+            if (b[i]) clReleaseMemObject(b[i]);
+        clReleaseMemObject(out), clReleaseMemObject(dout);
+    }
+    clmha_attention_args a = x->args;
+    a.dtype = t;
+    float *got[4];
+    for (int i = 0; i < 4; ++i) got[i] = alloc_floats(x->count[i] + 1);
+    clmha_status st = clmha_attention_backward_host(ctx, &a, g, x->nout, got[0], got[1], got[2],
+                                                    x->x[3] ? got[3] : NULL);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s: backward_host: %s", c->name,
+                 clmha_context_last_error(ctx));
+    for (int i = 0; i < (x->x[3] ? 4 : 3); ++i) {
+        char what[64];
+        snprintf(what, sizeof what, "%s (host)", names[i]);
+        check(c, t, what, got[i], want[i], x->count[i]);
+    }
+    for (int i = 0; i < 4; ++i) free(got[i]);
+}
+
+Test(sdpa_16, backward_against_the_reference, .timeout = 600) {
+    clmha_context *ctx = context_or_skip();
+    grading = true;
+    for (size_t k = 0; k < 2; ++k)
+        for (size_t i = 0; i < sizeof cases / sizeof *cases; ++i) {
+            const hcase *c = &cases[i];
+            clmha_dtype t = sixteen[k];
+            hdata x;
+            hdata_make(&x, c, t, 80 + i);
+            prng r = {90 + i};
+            float *g = normal_floats(&r, x.nout);
+            for (size_t j = 0; j < x.nout; ++j) g[j] = clmha__dtype_round(t, g[j]);
+            double *want[4];
+            for (int j = 0; j < 4; ++j) want[j] = malloc((x.count[j] + 1) * 8);
+            clmha_reference_grads grads = {.struct_size = sizeof grads, .query = want[0],
+                                           .key = want[1], .value = want[2],
+                                           .attn_mask = x.x[3] ? want[3] : NULL};
+            char msg[512];
+            cr_assert_eq(clmha_reference_attention_backward(&x.args, g, &grads, msg, sizeof msg),
+                         CLMHA_SUCCESS, "%s", msg);
+            backward_turns(ctx, c, t, &x, g, want);
+            for (int j = 0; j < 4; ++j) free(want[j]);
+            free(g);
+            hdata_free(&x);
+        }
+    cr_log_info("worst: %.3g of the gradient contract", worst_seen);
+    clmha_context_release(ctx);
+}
+
 static void refused(clmha_context *ctx, clmha_status st, const char *text) {
     cr_expect_eq(st, CLMHA_UNSUPPORTED, "got %s: %s", clmha_status_string(st),
                  clmha_context_last_error(ctx));
@@ -266,12 +378,8 @@ Test(sdpa_16, refusals, .timeout = 300) {
     hdata_make(&x, &cases[0], CLMHA_DTYPE_F16, 3);
     clmha_attention_args a = x.args;
     a.dtype = CLMHA_DTYPE_F16;
-    float *g = alloc_floats(x.nout), *dq = alloc_floats(x.count[0]), out[512];
+    float out[512];
     cr_assert(x.nout <= 512);
-    refused(ctx, clmha_attention_backward_host(ctx, &a, g, x.nout, dq, NULL, NULL, NULL),
-            "backward pass of a 16-bit call");
-    clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &a};
-    refused(ctx, clmha_attention_backward(ctx, &b, 0, NULL, NULL), "not yet");
     float sinks[3] = {0};
     a.sinks = (clmha_tensor){.ndim = 1, .shape = {3}, .data = sinks};
     refused(ctx, clmha_attention_forward_host(ctx, &a, out, x.nout, NULL, 0, NULL, 0), "sinks");
@@ -280,7 +388,6 @@ Test(sdpa_16, refusals, .timeout = 300) {
     a.alibi_slopes = (clmha_tensor){.ndim = 1, .shape = {3}, .data = sinks};
     refused(ctx, clmha_attention_forward_host(ctx, &a, out, x.nout, NULL, 0, NULL, 0),
             "alibi_slopes");
-    free(g), free(dq);
     hdata_free(&x);
     clmha_context_release(ctx);
 }
