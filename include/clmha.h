@@ -1974,11 +1974,12 @@ typedef struct clmha_attention_args {
     int64_t window_right;  ///< as clmha_layer_desc::window_right; −1: all keys after
     double softcap;        ///< soft-capping, as clmha_layer_desc::softcap; 0: off
     bool alibi;            ///< ALiBi, as clmha_layer_desc::alibi, slopes from alibi_slopes
-    /// With alibi: the slopes, (H) floats on the device (buffer, offset); ndim 0: the geometric
-    /// slopes of clmha_alibi_slopes().
+    /// With alibi: the slopes, (H) elements on the device (buffer, offset; doubles with
+    /// @ref dtype float64); ndim 0: the geometric slopes of clmha_alibi_slopes().
     clmha_tensor alibi_slopes;
-    /// Optional (ndim 0: none): attention sinks, as clmha_layer_desc::sinks, (H) floats on the
-    /// device (buffer, offset). The log-sum-exp rows include them.
+    /// Optional (ndim 0: none): attention sinks, as clmha_layer_desc::sinks, (H) elements
+    /// (doubles with @ref dtype float64) on the device (buffer, offset). The log-sum-exp rows
+    /// include them.
     clmha_tensor sinks;
     /// Optional (NULL or ""): user score and mask functions, as clmha_layer_desc::mod_source
     /// (compiled once per context and source), their p from @ref mod_params.
@@ -2009,6 +2010,22 @@ typedef struct clmha_attention_args {
     const size_t *seq_lens;
     const size_t *kv_seq_lens;  ///< num_seqs key/value lengths; NULL: seq_lens
     size_t num_seqs;            ///< the sequences of a packed call (at least 1)
+    /// The element type of the call's tensors (::clmha_dtype; 0: float32). ::CLMHA_DTYPE_F64:
+    /// query, key, value, a float attn_mask, alibi_slopes, sinks, the output, the log-sum-exp
+    /// rows, the weights and every gradient hold doubles (offsets in doubles), computed in
+    /// float64, as a float64 layer computes (refused with ::CLMHA_UNSUPPORTED on a device
+    /// without double precision, and with kv_cache: not yet); mod_params stays floats. The
+    /// host forms take it through clmha_attention_forward_host_f64() and
+    /// clmha_attention_backward_host_f64(). ::CLMHA_DTYPE_F16, ::CLMHA_DTYPE_BF16: query, key,
+    /// value, a float mask, the output, log-sum-exp rows, weights and gradients hold 16-bit
+    /// elements on the device (offsets in them), widened to float32 copies, computed in float32
+    /// and the results rounded once, as a 16-bit layer computes (the backward runs the float32
+    /// forward again on the widened inputs: it reads neither the 16-bit output nor lse); the
+    /// float host forms take float arrays, rounded to the dtype on the way in and the results
+    /// on the way out; not yet (::CLMHA_UNSUPPORTED): kv_cache, sinks, given alibi_slopes.
+    /// The CPU reference ignores it (it reads floats and computes in double). Added after
+    /// 0.1.0: zero-initialised, float32.
+    clmha_dtype dtype;
 } clmha_attention_args;
 
 /// Element counts of the results of a clmha_attention_forward() call of @p args. Validates the
@@ -2019,8 +2036,9 @@ typedef struct clmha_attention_args {
 /// @param[out] lse_count      N·H·L, the log-sum-exp rows (may be NULL)
 /// @param[out] weights_count  N·H·L·S, the attention weights (may be NULL)
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, args->struct_size 0 or too small,
-///         an option out of range), ::CLMHA_UNSUPPORTED (@p args from a newer header, using a
-///         newer field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         an option out of range, an unknown dtype), ::CLMHA_UNSUPPORTED (@p args from a newer
+///         header, using a newer field; a dtype the device or the call's options do not take
+///         yet: see clmha_attention_args::dtype), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW
 CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
                                                      const clmha_attention_args *args,
@@ -2030,7 +2048,8 @@ CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
 /// Scaled dot-product attention on device buffers, without a layer:
 /// output = softmax(query·keyᵀ·scale + masks)·value per (batch item, head), with dropout on the
 /// weights, through the same attention cores as clmha_layer_forward() (see ::clmha_impl). Reads
-/// the `buffer` and `offset` fields of @p args (offsets in floats; masks' in their elements).
+/// the `buffer` and `offset` fields of @p args (offsets in elements: floats, or doubles with
+/// dtype float64; a boolean mask's in bytes).
 /// Optionally writes the log-sum-exp of each score row (natural log of the sum of
 /// exp(score), scores scaled and masked, before dropout; (N, H, L) in either layout; both
 /// cores write them) and the attention weights (after dropout, (N, H, L, S) in either layout;
@@ -2040,7 +2059,9 @@ CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
 /// clmha_layer_create() does; the context keeps them, with scratch grown to the largest call,
 /// until it is released); later calls neither compile nor wait on the host. Calls on one
 /// context run their enqueueing one at a time.
-/// Float32 only. Buffer rules as for clmha_layer_forward(): buffers of the context's
+/// Float32, or float64 with args->dtype ::CLMHA_DTYPE_F64 (every tensor then holds doubles),
+/// or float16 / bfloat16 (16-bit tensors, computed in float32: see clmha_attention_args::dtype).
+/// Buffer rules as for clmha_layer_forward(): buffers of the context's
 /// cl_context, large enough, outputs not CL_MEM_READ_ONLY, the bytes of the outputs not
 /// overlapping each other or any input. On failure nothing was enqueued or written and
 /// *event is NULL.
@@ -2060,9 +2081,11 @@ CLMHA_API clmha_status clmha_attention_output_counts(clmha_context *ctx,
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL ctx or args, args->struct_size 0 or
 ///         too small, a buffer missing, of another context, too small, read-only or
 ///         overlapping, a bad wait list, is_causal with attn_mask, scale or dropout_p out of
-///         range), ::CLMHA_UNSUPPORTED (@p args from a newer header, using a newer field;
-///         a core asked for by impl that cannot run the
-///         call), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW,
+///         range, an unknown dtype), ::CLMHA_UNSUPPORTED (@p args from a newer header, using
+///         a newer field; a core asked for by impl that cannot run the call; what a 16-bit
+///         call does not take yet; float64 on a device without it, or with kv_cache),
+///         ::CLMHA_SHAPE_MISMATCH,
+///         ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
 ///         ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_attention_forward(clmha_context *ctx,
@@ -2074,7 +2097,9 @@ CLMHA_API clmha_status clmha_attention_forward(clmha_context *ctx,
 
 /// clmha_attention_forward() on host arrays: reads the `data` fields of @p args (float32
 /// tensors and float masks, bytes for boolean masks), uploads them into device buffers the
-/// context keeps, runs the call, waits for it (clFinish) and writes the results.
+/// context keeps, runs the call, waits for it (clFinish) and writes the results. With a 16-bit
+/// args->dtype the arrays stay floats: the inputs are rounded to the dtype, the call computed
+/// in float32 and the results rounded to the dtype, once.
 /// @param[in]  ctx            the context
 /// @param[in]  args           the tensors and options (the `buffer` fields are ignored)
 /// @param[out] output         room for @p output_count floats
@@ -2084,7 +2109,8 @@ CLMHA_API clmha_status clmha_attention_forward(clmha_context *ctx,
 /// @param[out] weights        optional (NULL: not asked): room for @p weights_count floats
 /// @param[in]  weights_count  the weights count with @p weights, else 0
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_attention_forward(); also a
-///         missing `data` pointer or output array), ::CLMHA_UNSUPPORTED, ::CLMHA_SHAPE_MISMATCH
+///         missing `data` pointer or output array; args->dtype float64: see
+///         clmha_attention_forward_host_f64()), ::CLMHA_UNSUPPORTED, ::CLMHA_SHAPE_MISMATCH
 ///         (also a wrong count), ::CLMHA_INVALID_MASK, ::CLMHA_SIZE_OVERFLOW,
 ///         ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED, ::CLMHA_OPENCL_ERROR,
 ///         ::CLMHA_BLAS_ERROR
@@ -2094,8 +2120,31 @@ CLMHA_API clmha_status clmha_attention_forward_host(clmha_context *ctx,
                                                     float *lse, size_t lse_count,
                                                     float *weights, size_t weights_count);
 
+/// clmha_attention_forward_host() in float64: args->dtype must be ::CLMHA_DTYPE_F64; the
+/// `data` of the tensors, a float mask, alibi_slopes and sinks are doubles (boolean masks
+/// bytes, mod_params floats), the call is computed in float64 and the results are doubles.
+/// @param[in]  ctx            the context
+/// @param[in]  args           the tensors and options (the `buffer` fields are ignored)
+/// @param[out] output         room for @p output_count doubles
+/// @param[in]  output_count   must equal clmha_attention_output_counts()'s output count
+/// @param[out] lse            optional (NULL: not asked): room for @p lse_count doubles
+/// @param[in]  lse_count      the lse count with @p lse, else 0
+/// @param[out] weights        optional (NULL: not asked): room for @p weights_count doubles
+/// @param[in]  weights_count  the weights count with @p weights, else 0
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_attention_forward_host();
+///         args->dtype not ::CLMHA_DTYPE_F64), ::CLMHA_UNSUPPORTED (also a device without
+///         double precision), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
+///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_attention_forward_host_f64(clmha_context *ctx,
+                                                        const clmha_attention_args *args,
+                                                        double *output, size_t output_count,
+                                                        double *lse, size_t lse_count,
+                                                        double *weights, size_t weights_count);
+
 /// Arguments of clmha_attention_backward(): the forward call, its results, the output's
-/// gradient and where the gradients go (buffers of the context; offsets in floats). Zero-
+/// gradient and where the gradients go (buffers of the context; offsets in elements: floats,
+/// or doubles when the forward call's dtype is ::CLMHA_DTYPE_F64, as every tensor here). Zero-
 /// initialise with struct_size set; struct_size must cover grad_value_offset.
 typedef struct clmha_attention_backward_args {
     size_t struct_size;                   ///< sizeof(clmha_attention_backward_args)
@@ -2135,7 +2184,7 @@ typedef struct clmha_attention_backward_args {
     /// unfused core computes it (::CLMHA_IMPL_AUTO takes it; ::CLMHA_IMPL_FUSED is refused).
     cl_mem grad_attn_mask;
     size_t grad_attn_mask_offset;  ///< element offset of @ref grad_attn_mask
-    /// Optional (NULL): where the gradient of the forward's sinks, (H) floats, is written. Needs
+    /// Optional (NULL): where the gradient of the forward's sinks, (H) elements, is written. Needs
     /// @ref lse (the sinks' probabilities are exp(sinks_h − lse)).
     cl_mem grad_sinks;
     size_t grad_sinks_offset;  ///< element offset of @ref grad_sinks
@@ -2154,8 +2203,9 @@ typedef struct clmha_attention_backward_args {
 /// @param[out] event      optional: completes with the call; NULL on failure
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, struct sizes, buffers as for
 ///         clmha_attention_forward(), a bad wait list, grad_attn_mask without a float mask),
-///         ::CLMHA_UNSUPPORTED (a mask gradient asked of the fused core;
-///         a newer header's field), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_UNSUPPORTED (a mask gradient asked of the fused core; a dtype as
+///         clmha_attention_forward(); a newer header's field), ::CLMHA_SHAPE_MISMATCH,
+///         ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
 CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,
@@ -2178,7 +2228,8 @@ CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,
 /// @param[out] grad_value         optional (NULL): room for the value's
 /// @param[out] grad_attn_mask     optional (NULL): a float attn_mask's gradient, its shape
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL ctx, args or grad_output, a missing
-///         `data` pointer, grad_attn_mask without a float mask), ::CLMHA_UNSUPPORTED,
+///         `data` pointer, grad_attn_mask without a float mask; args->dtype float64: see
+///         clmha_attention_backward_host_f64()), ::CLMHA_UNSUPPORTED,
 ///         ::CLMHA_SHAPE_MISMATCH (also a wrong count), ::CLMHA_INVALID_MASK,
 ///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
 ///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
@@ -2188,6 +2239,30 @@ CLMHA_API clmha_status clmha_attention_backward_host(clmha_context *ctx,
                                                      size_t grad_output_count,
                                                      float *grad_query, float *grad_key,
                                                      float *grad_value, float *grad_attn_mask);
+
+/// clmha_attention_backward_host() in float64: args->dtype must be ::CLMHA_DTYPE_F64; the
+/// `data` of the forward's tensors (as clmha_attention_forward_host_f64() reads them), the
+/// output's gradient and the gradients written are doubles, computed in float64.
+/// @param[in]  ctx                the context
+/// @param[in]  args               the forward call's tensors (`data`) and options
+/// @param[in]  grad_output        the output's gradient, the output's shape and layout
+/// @param[in]  grad_output_count  its element count (clmha_attention_output_counts())
+/// @param[out] grad_query         optional (NULL): room for the query's element count
+/// @param[out] grad_key           optional (NULL): room for the key's
+/// @param[out] grad_value         optional (NULL): room for the value's
+/// @param[out] grad_attn_mask     optional (NULL): a float attn_mask's gradient, its shape
+/// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (as clmha_attention_backward_host();
+///         args->dtype not ::CLMHA_DTYPE_F64), ::CLMHA_UNSUPPORTED (also a device without
+///         double precision), ::CLMHA_SHAPE_MISMATCH, ::CLMHA_INVALID_MASK,
+///         ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY, ::CLMHA_BUILD_FAILED,
+///         ::CLMHA_OPENCL_ERROR, ::CLMHA_BLAS_ERROR
+CLMHA_API clmha_status clmha_attention_backward_host_f64(clmha_context *ctx,
+                                                         const clmha_attention_args *args,
+                                                         const double *grad_output,
+                                                         size_t grad_output_count,
+                                                         double *grad_query, double *grad_key,
+                                                         double *grad_value,
+                                                         double *grad_attn_mask);
 
 // ---------------------------------------------------------------------------------------------
 // Training: the backward pass

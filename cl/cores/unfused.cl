@@ -26,7 +26,7 @@
 kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_len,
                     ulong n_heads,
-                    ulong src_len, ulong src_len_padded, global float *lse, uint has_lse,
+                    ulong src_len, ulong src_len_padded, global REAL *lse, uint has_lse,
                     MASK_PARAMS) {
     local REAL red[WG];
     ulong local_row = get_group_id(0);
@@ -100,8 +100,9 @@ void masked_softmax(global REAL *scores, ulong n_rows, ulong row_off, ulong tgt_
 #endif
     REAL inv = dead ? 0.0f : 1.0f / total;
     // The row's log-sum-exp (of the scaled, masked scores, before dropout; the sink's term
-    // included), as the fused core writes it: -INFINITY for a fully masked row.
-    if (has_lse && lid == 0) lse[row] = dead ? -INFINITY : (float)(m + log(total));
+    // included), as the fused core writes it: -INFINITY for a fully masked row; in the
+    // layer's REAL, as the fused core's and the backward's sinks_grad read them.
+    if (has_lse && lid == 0) lse[row] = dead ? (REAL)(-INFINITY) : (REAL)(m + log(total));
 
     // Pass 3: normalise, then dropout.
     for (ulong j = lid; j < src_len_padded; j += WG) {

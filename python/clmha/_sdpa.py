@@ -1,7 +1,9 @@
 """Scaled dot-product attention as a function: arrays to ``clmha_attention_args``, shared by
 ``clmha.numpy.scaled_dot_product_attention`` (and ``_backward``) and
 ``clmha.torch.scaled_dot_product_attention``. NumPy arrays go through the host forms
-``clmha_attention_forward_host`` / ``clmha_attention_backward_host``; pyopencl arrays (on a
+``clmha_attention_forward_host`` / ``clmha_attention_backward_host`` (float64 arrays: their
+``_f64`` forms, computed in float64 with ``clmha_attention_args::dtype`` CLMHA_DTYPE_F64);
+pyopencl arrays (on a
 ``Context.from_pyopencl`` context) through the device forms ``clmha_attention_forward`` /
 ``clmha_attention_backward``, on the arrays' own buffers, waiting for their events.
 
@@ -34,9 +36,10 @@ _IMPLS = {"auto": lib.CLMHA_IMPL_AUTO, "fused": lib.CLMHA_IMPL_FUSED,
           "unfused": lib.CLMHA_IMPL_UNFUSED}
 _LAYOUTS = {"NHLD": lib.CLMHA_LAYOUT_NHLD, "NLHD": lib.CLMHA_LAYOUT_NLHD}
 
-#: the dtypes the call takes: float32, computed as it is; float16, computed in float32 and
-#: returned in float16 (NumPy arrays only: pyopencl arrays are float32)
-_INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+#: the dtypes the call takes: float32 and float64, computed as they are (float64 on a device
+#: with double precision); float16, computed in float32 and returned in float16 (NumPy arrays
+#: only: pyopencl arrays are float32)
+_INPUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16))
 
 
 def _ptr(a: Optional[np.ndarray], ctype: str = "float *"):
@@ -239,9 +242,9 @@ class Call:
 
     ``query`` (..., H, L, D), ``key`` (..., H_kv, S, D), ``value`` (..., H_kv, S, D_v) (with
     ``layout="NLHD"``: (..., L, H, D), (..., S, H_kv, D), (..., S, H_kv, D_v)): NumPy arrays of
-    one dtype (float32 or float16), or float32 C-contiguous pyopencl arrays (the device form,
-    ``self.device``); ``attn_mask`` None or a bool (True = may attend) or floating array
-    broadcasting to (..., H, L, S), NumPy (uploaded for a device call) or, for a device call,
+    one dtype (float32, float64 or float16), or float32 C-contiguous pyopencl arrays (the
+    device form, ``self.device``); ``attn_mask`` None or a bool (True = may attend) or floating
+    array broadcasting to (..., H, L, S), NumPy (uploaded for a device call) or, for a device call,
     pyopencl (bool or uint8, or float32) in a shape the C function reads. The other arguments as
     ``scaled_dot_product_attention``'s, plus the dropout's Philox ``seed`` and ``offset``, the
     core ``impl``, the ``context`` (None: the cache's with ``kv_cache``, else the default
@@ -301,6 +304,10 @@ class Call:
             raise TypeError(f"query, key and value must have one dtype, not {query.dtype}, "
                             f"{key.dtype} and {value.dtype}")
         self.dtype = query.dtype
+        # The element of the C call: float64 arrays are computed in float64 (the host forms'
+        # _f64 functions), the others in float32.
+        self.f64 = not self.device and self.dtype == np.float64
+        self.work = np.float64 if self.f64 else np.float32
         nd = query.ndim
         if key.ndim != nd or value.ndim != nd:
             raise ValueError(f"query {query.shape}, key {key.shape} and value {value.shape} must "
@@ -321,13 +328,14 @@ class Call:
 
         c = ffi.new("clmha_attention_args *")
         c.struct_size = ffi.sizeof("clmha_attention_args")
+        c.dtype = lib.CLMHA_DTYPE_F64 if self.f64 else lib.CLMHA_DTYPE_F32
         if self.device:
             self.arrays = [a for _, a in tensors]
             for field, a, shape in zip((c.query, c.key, c.value), self.arrays, self.c_shapes):
                 fill_device_shape(field, a, shape)
                 self._keep(a)
         else:
-            self.arrays = [np.ascontiguousarray(a, np.float32) for _, a in tensors]
+            self.arrays = [np.ascontiguousarray(a, self.work) for _, a in tensors]
             for field, a, shape in zip((c.query, c.key, c.value), self.arrays, self.c_shapes):
                 _fill(field, a, shape)
         c.layout = _LAYOUTS[self.layout]
@@ -471,7 +479,7 @@ class Call:
             a = np.asarray(values)
             if a.dtype.kind not in "fiu":
                 raise TypeError(f"{name} must be floating point, not {a.dtype}")
-            a = np.ascontiguousarray(a, np.float32)
+            a = np.ascontiguousarray(a, self.work)
         if tuple(a.shape) != (heads,):
             raise ValueError(f"{name} has shape {tuple(a.shape)}; it must be (H,) = "
                              f"({heads},), {what}")
@@ -492,8 +500,8 @@ class Call:
             raise TypeError(f"{name} must be a numpy.ndarray (or a pyopencl.array.Array), not "
                             f"{type(a).__name__}")
         if a.dtype not in _INPUT_DTYPES:
-            raise TypeError(f"{name} is {a.dtype}: clmha's attention function computes in "
-                            f"float32 and takes float32 (or float16) arrays")
+            raise TypeError(f"{name} is {a.dtype}: clmha's attention function takes float32, "
+                            f"float64 (or float16) arrays")
         if a.ndim < 2:
             raise ValueError(f"{name} has shape {a.shape}: it must have at least 2 dimensions "
                              f"(..., L, D)")
@@ -526,7 +534,7 @@ class Call:
         if m.dtype == np.bool_:
             kind, dtype = lib.CLMHA_MASK_BOOL_ATTEND, np.bool_
         elif m.dtype.kind == "f":
-            kind, dtype = lib.CLMHA_MASK_FLOAT, np.float32
+            kind, dtype = lib.CLMHA_MASK_FLOAT, self.work
         else:
             raise TypeError(f"attn_mask must be bool (True = may attend) or floating point, not "
                             f"{m.dtype}")
@@ -612,7 +620,7 @@ class Call:
         return g.reshape(self.mask_shape)
 
     def _result(self, a: np.ndarray) -> np.ndarray:
-        return a.astype(self.dtype) if self.dtype != np.float32 else a
+        return a.astype(self.dtype) if self.dtype != a.dtype else a
 
     def forward(self, lse: bool = False, weights: bool = False):
         """The output, or a tuple of it and the log-sum-exp rows (with ``lse``) and the
@@ -620,12 +628,15 @@ class Call:
         arrays carrying the call's event."""
         if self.device:
             return self._forward_device(lse, weights)
-        out = np.empty(self.out_shape, np.float32)
-        lse_a = np.empty(self.lse_shape, np.float32) if lse else None
-        w = np.empty(self.weights_shape, np.float32) if weights else None
-        check(lib.clmha_attention_forward_host(
-            self.context._ptr, self.c, _ptr(out), out.size, _ptr(lse_a),
-            lse_a.size if lse else 0, _ptr(w), w.size if weights else 0), self.context._ptr)
+        out = np.empty(self.out_shape, self.work)
+        lse_a = np.empty(self.lse_shape, self.work) if lse else None
+        w = np.empty(self.weights_shape, self.work) if weights else None
+        forward = lib.clmha_attention_forward_host_f64 if self.f64 else \
+            lib.clmha_attention_forward_host
+        ct = "double *" if self.f64 else "float *"
+        check(forward(self.context._ptr, self.c, _ptr(out, ct), out.size, _ptr(lse_a, ct),
+                      lse_a.size if lse else 0, _ptr(w, ct), w.size if weights else 0),
+              self.context._ptr)
         return self._results(self._result(out), lse_a,
                              self._result(w) if weights else None, lse, weights)
 
@@ -676,14 +687,16 @@ class Call:
         if grad_output.shape != self.out_shape:
             raise ValueError(f"grad_output has shape {grad_output.shape}; the output's is "
                              f"{self.out_shape}")
-        g = np.ascontiguousarray(grad_output, np.float32)
-        grads = [np.empty(s, np.float32) if w else None
+        g = np.ascontiguousarray(grad_output, self.work)
+        grads = [np.empty(s, self.work) if w else None
                  for s, w in zip(self.shapes, want[:3])]
-        gm = (np.empty(self.mask_expanded, np.float32)
+        gm = (np.empty(self.mask_expanded, self.work)
               if want[3] and self.mask is not None and self.mask_float else None)
-        check(lib.clmha_attention_backward_host(
-            self.context._ptr, self.c, _ptr(g), g.size, *(_ptr(a) for a in grads), _ptr(gm)),
-            self.context._ptr)
+        backward = lib.clmha_attention_backward_host_f64 if self.f64 else \
+            lib.clmha_attention_backward_host
+        ct = "double *" if self.f64 else "float *"
+        check(backward(self.context._ptr, self.c, _ptr(g, ct), g.size,
+                       *(_ptr(a, ct) for a in grads), _ptr(gm, ct)), self.context._ptr)
         out = [self._result(a) if a is not None else None for a in grads]
         out.append(self._mask_grad(gm) if gm is not None else None)
         if self.sinks is not None:
@@ -718,7 +731,7 @@ class Call:
         with np.errstate(over="ignore", invalid="ignore"):
             p_sink = np.where(np.isfinite(lse), np.exp(sinks - lse), 0.0)
         grad = -np.sum(np.where(d != 0.0, p_sink * d, 0.0), axis=(0, 2))
-        return self._result(grad.astype(np.float32))
+        return self._result(grad.astype(self.work))
 
     def _device_array(self, name: str, a, shape):
         if not is_pyopencl_array(a):

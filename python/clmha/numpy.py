@@ -126,8 +126,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     :returns: the output (..., H, L, D_v) (in the query's layout), or a tuple of it, the lse
         (with ``return_lse``) and the weights (with ``return_weights``), in that order.
 
-    Arrays are float32 (float16 is computed in float32 and returned as float16); other dtypes
-    raise TypeError, so float64 arrays must be converted (``.astype(np.float32)``). Arrays that
+    Arrays are float32 or float64, each computed in its dtype (float64 on a device with double
+    precision: ``clmha_attention_forward_host_f64``); float16 is computed in float32 and
+    returned as float16; other dtypes raise TypeError. Arrays that
     are not C-contiguous are copied. A query row whose every key is masked gives zeros (PyTorch
     gives NaN). Bad shapes and options raise ``clmha.Error`` with the C library's message.
 

@@ -39,7 +39,7 @@ _torch_op = _custom_op_module()
 
 _TORCH_DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
                  torch.bfloat16: "bfloat16"}
-_SDPA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SDPA_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _cpu(t: Tensor, name: str) -> Tensor:
@@ -635,16 +635,17 @@ class SplitHeadsAttention(_SeedAttention):
 
 # ---- attention as a function -------------------------------------------------------------------
 
-def _sdpa_host(t: Tensor, name: str) -> np.ndarray:
-    """``t`` as the float32 NumPy array the C function reads (no copy for a contiguous float32
-    CPU tensor); bool stays bool."""
+def _sdpa_host(t: Tensor, name: str, f64: bool = False) -> np.ndarray:
+    """``t`` as the float32 NumPy array the C function reads (float64 with ``f64``: a float64
+    call; no copy for a contiguous CPU tensor of that dtype); bool stays bool."""
     t = _cpu(t, name)
-    if t.dtype != torch.bool and t.dtype != torch.float32:
-        t = t.float()
+    wide = torch.float64 if f64 else torch.float32
+    if t.dtype != torch.bool and t.dtype != wide:
+        t = t.to(wide)
     return t.contiguous().numpy()
 
 
-def _sdpa_mask(t: Optional[Tensor]):
+def _sdpa_mask(t: Optional[Tensor], f64: bool = False):
     """The mask as NumPy; a mask that does not need a gradient loses the dimensions it was
     expanded along (stride 0, as ``mask.expand(N, H, L, S)`` makes them): the C call then
     reads the small mask it was made from."""
@@ -658,7 +659,7 @@ def _sdpa_mask(t: Optional[Tensor]):
     if not t.requires_grad and t.dim():
         t = t[tuple(slice(0, 1) if st == 0 and sz > 1 else slice(None)
                     for st, sz in zip(t.stride(), t.shape))]
-    return _sdpa_host(t, "attn_mask")
+    return _sdpa_host(t, "attn_mask", f64)
 
 
 class _SdpaCall:
@@ -677,10 +678,11 @@ class _SdpaCall:
         self.grad_enabled = torch.is_grad_enabled()  # when the call is made, outside apply()
 
     def c_call(self, query, key, value, attn_mask, sinks=None) -> _sdpa.Call:
-        return _sdpa.Call(_sdpa_host(query, "query"), _sdpa_host(key, "key"),
-                          _sdpa_host(value, "value"), _sdpa_mask(attn_mask), **self.options,
-                          **self.extra,
-                          sinks=None if sinks is None else _sdpa_host(sinks, "sinks"))
+        f64 = query.dtype == torch.float64  # a float64 call, computed in float64
+        return _sdpa.Call(_sdpa_host(query, "query", f64), _sdpa_host(key, "key", f64),
+                          _sdpa_host(value, "value", f64), _sdpa_mask(attn_mask, f64),
+                          **self.options, **self.extra,
+                          sinks=None if sinks is None else _sdpa_host(sinks, "sinks", f64))
 
 
 def _sdpa_save(ctx, *tensors) -> None:
@@ -708,7 +710,7 @@ class _SdpaFunction(torch.autograd.Function):
                 need[3] and attn_mask is not None and attn_mask.is_floating_point(),
                 need[4] and sinks is not None)
         grads = ctx.call.c_call(query, key, value, attn_mask, sinks).backward(
-            _sdpa_host(grad_output, "grad_output"), want)
+            _sdpa_host(grad_output, "grad_output", query.dtype == torch.float64), want)
         grads = tuple(grads) + (None,) * (5 - len(grads))
         return (None,) + tuple(
             torch.from_numpy(g).to(t.dtype) if g is not None else None
@@ -794,9 +796,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     Gradients flow to query, key, value and a float attn_mask (summed over the dimensions it is
     broadcast along) through ``clmha_attention_backward_host``, which runs the forward pass
     again; under ``torch.no_grad()``, or when nothing requires grad, nothing is saved.
-    Tensors live on the CPU. float32 is computed as it is; float16 and bfloat16 are computed in
-    float32 and the results returned in their dtype; other dtypes (float64 included: the C
-    function computes in float32) raise TypeError. Differences from PyTorch: a query row whose
+    Tensors live on the CPU. float32 and float64 are computed as they are (float64 in float64,
+    on a device with double precision: ``torch.autograd.gradcheck`` passes); float16 and
+    bfloat16 are computed in float32 and the results returned in their dtype; other dtypes raise
+    TypeError. Differences from PyTorch: a query row whose
     every key is masked gives zeros (PyTorch: NaN), and dropout (applied whenever dropout_p > 0,
     as PyTorch's function does) is drawn from clmha's Philox stream, seeded from torch's
     generator (``torch.manual_seed`` makes it reproducible), not PyTorch's.
@@ -815,8 +818,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, not {type(t).__name__}")
         if t.dtype not in _SDPA_DTYPES:
-            raise TypeError(f"{name} is {t.dtype}: clmha's attention function computes in "
-                            f"float32 and takes float32, float16 or bfloat16 tensors")
+            raise TypeError(f"{name} is {t.dtype}: clmha's attention function takes float32, "
+                            f"float64, float16 or bfloat16 tensors")
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(f"query, key and value must have one dtype, not {query.dtype}, "
                         f"{key.dtype} and {value.dtype}")
@@ -831,7 +834,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         if not isinstance(alibi_slopes, Tensor):
             raise TypeError(f"alibi_slopes must be a torch.Tensor or None, not "
                             f"{type(alibi_slopes).__name__}")
-        alibi_slopes = _cpu(alibi_slopes, "alibi_slopes").to(torch.float32).contiguous().numpy()
+        alibi_slopes = _sdpa_host(alibi_slopes, "alibi_slopes", query.dtype == torch.float64)
     if sinks is not None:
         if not isinstance(sinks, Tensor):
             raise TypeError(f"sinks must be a torch.Tensor or None, not {type(sinks).__name__}")

@@ -431,8 +431,6 @@ def test_errors(ctx):
 def test_dtype_errors(ctx):
     q, k, v = rand(N, H, L, D), rand(N, H, S, D), rand(N, H, S, D)
     f = ct.scaled_dot_product_attention
-    with pytest.raises(TypeError, match="computes in float32"):
-        f(q.double(), k.double(), v.double(), context=ctx)
     with pytest.raises(TypeError, match="torch.int32"):
         f(q.int(), k.int(), v.int(), context=ctx)
     with pytest.raises(TypeError, match="one dtype"):
@@ -680,8 +678,10 @@ def test_numpy_dtypes_and_errors(ctx, arrays):
     assert out16.dtype == np.float16
     assert np_err(out16, np_ref(q.astype(np.float16), k.astype(np.float16),
                                 v.astype(np.float16))) <= 4e-3
-    with pytest.raises(TypeError, match="computes in float32"):
+    with pytest.raises(TypeError, match="one dtype"):
         f(q.astype(np.float64), k, v, context=ctx)
+    with pytest.raises(TypeError, match="int32"):
+        f(q.astype(np.int32), k.astype(np.int32), v.astype(np.int32), context=ctx)
     with pytest.raises(TypeError, match="numpy.ndarray"):
         f(torch.from_numpy(q), k, v, context=ctx)
     with pytest.raises(TypeError, match="attn_mask must be bool"):
@@ -698,3 +698,86 @@ def test_numpy_default_context_and_module(has_device, arrays):
     q, k, v, _ = arrays
     assert clmha.numpy is cn
     assert np_err(clmha.numpy.scaled_dot_product_attention(q, k, v), np_ref(q, k, v)) <= TOL
+
+
+# ---- float64 -------------------------------------------------------------------------------------
+
+F64_TOL = 1e-12  # float64 calls: max error relative to the largest expected value
+
+
+def rel_err(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-300)).item()
+
+
+@pytest.mark.parametrize("case", ["plain", "gqa_causal", "float_mask", "bool_mask", "sinks"])
+def test_float64_against_the_float64_formula(ctx, case):
+    """float64 tensors are computed in float64 (clmha_attention_*_host_f64): the output and
+    every gradient within 1e-12 (relative) of the reference formula in float64."""
+    h_kv = 2 if case == "gqa_causal" else H
+    q = torch.randn(N, H, L, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(N, h_kv, S, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(N, h_kv, S, D, dtype=torch.float64, requires_grad=True)
+    mask, kw, extra = None, {}, {}
+    if case == "gqa_causal":
+        kw = dict(is_causal=True, enable_gqa=True)
+    elif case == "float_mask":
+        mask = torch.randn(H, L, S, dtype=torch.float64, requires_grad=True)
+    elif case == "bool_mask":
+        mask = bool_mask(N, 1, L, S)
+    elif case == "sinks":
+        extra = dict(sinks=torch.randn(H, dtype=torch.float64, requires_grad=True))
+    try:
+        out = ct.scaled_dot_product_attention(q, k, v, mask, context=ctx, **kw, **extra)
+    except clmha.Error as e:
+        if "double precision" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert out.dtype == torch.float64
+    inputs = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else [])
+    inputs += [extra["sinks"]] if extra else []
+    d = [t.detach().clone().requires_grad_() for t in inputs]
+    r = ref(d[0], d[1], d[2], d[3] if mask is not None and mask.requires_grad else mask,
+            **kw, **({"sinks": d[-1]} if extra else {}))
+    assert record(f"sdpa float64 {case} forward", rel_err(out, r)) <= F64_TOL
+    g = torch.randn(out.shape, dtype=torch.float64)
+    grads = torch.autograd.grad(out, inputs, g)
+    want = torch.autograd.grad(r, d, g)
+    for got, w in zip(grads, want):
+        assert got.dtype == torch.float64
+        assert record(f"sdpa float64 {case} gradient", rel_err(got, w)) <= F64_TOL
+
+
+def test_float64_gradcheck(ctx):
+    """torch.autograd.gradcheck on the function in float64: query, key, value and a float
+    mask."""
+    q = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 5, 4, dtype=torch.float64, requires_grad=True)
+    m = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    try:
+        ct.scaled_dot_product_attention(q, k, v, m, context=ctx)
+    except clmha.Error as e:
+        if "double precision" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert torch.autograd.gradcheck(
+        lambda *t: ct.scaled_dot_product_attention(*t, context=ctx), (q, k, v, m))
+
+
+def test_numpy_float64(ctx, arrays):
+    """clmha.numpy in float64: float64 results (output, lse, weights) within 1e-12 of the
+    float64 formula; the backward's gradients are float64."""
+    q, k, v = (a.astype(np.float64) for a in arrays[:3])
+    f = cn.scaled_dot_product_attention
+    try:
+        out, lse, w = f(q, k, v, context=ctx, return_lse=True, return_weights=True)
+    except clmha.Error as e:
+        if "double precision" in str(e):
+            pytest.skip(str(e))
+        raise
+    assert out.dtype == lse.dtype == w.dtype == np.float64
+    want = np_ref(q, k, v)
+    assert np_err(out, want) / np.abs(want).max() <= F64_TOL
+    grads = cn.scaled_dot_product_attention_backward(np.ones_like(out), q, k, v, context=ctx)
+    assert all(g.dtype == np.float64 for g in grads[:3])

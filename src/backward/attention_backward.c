@@ -10,6 +10,7 @@
 #include "device/held.h"
 #include "forward/attention.h"
 #include "forward/attention_cache.h"
+#include "forward/convert.h"
 #include "forward/enqueue.h"
 #include "forward/staging.h"
 #include "layer/mods.h"
@@ -41,7 +42,8 @@ static clmha_status state_of(clmha_layer *l, state **out) {
         l->backward = s;
         l->backward_release = state_release;
         cl_program prog;
-        clmha_status st = clmha__program_get(l->ctx, "backward", "", &prog);
+        clmha_status st =
+            clmha__program_get(l->ctx, "backward", clmha__layer_real_options(l), &prog);
         if (!st) st = clmha__kernel_make(l->ctx, prog, "merge_rows", &s->merge_rows);
         if (st) return st;
     }
@@ -115,76 +117,79 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_back
                                   const clmha_attention_args *a,
                                   const clmha__attention_dims *d) {
     clmha_status st;
+    size_t es = clmha__attention_elem(a);  // every tensor's element, masks' below
     if ((st = clmha__check_buffer(ctx, "query", a->query.buffer, a->query.offset,
-                                  d->query_count, 4)) ||
-        (st = clmha__check_buffer(ctx, "key", a->key.buffer, a->key.offset, d->key_count, 4)) ||
+                                  d->query_count, es)) ||
+        (st = clmha__check_buffer(ctx, "key", a->key.buffer, a->key.offset, d->key_count, es)) ||
         (st = clmha__check_buffer(ctx, "value", a->value.buffer, a->value.offset,
-                                  d->value_count, 4)) ||
+                                  d->value_count, es)) ||
         (st = clmha__check_buffer(ctx, "output", b->output, b->output_offset, d->output_count,
-                                  4)) ||
+                                  es)) ||
         (b->lse &&
-         (st = clmha__check_buffer(ctx, "lse", b->lse, b->lse_offset, d->lse_count, 4))) ||
+         (st = clmha__check_buffer(ctx, "lse", b->lse, b->lse_offset, d->lse_count, es))) ||
         (st = clmha__check_buffer(ctx, "grad_output", b->grad_output, b->grad_output_offset,
-                                  d->output_count, 4)) ||
+                                  d->output_count, es)) ||
         (st = clmha__check_buffer(ctx, "grad_query", b->grad_query, b->grad_query_offset,
-                                  d->query_count, 4)) ||
+                                  d->query_count, es)) ||
         (st = clmha__check_buffer(ctx, "grad_key", b->grad_key, b->grad_key_offset,
-                                  d->key_count, 4)) ||
+                                  d->key_count, es)) ||
         (st = clmha__check_buffer(ctx, "grad_value", b->grad_value, b->grad_value_offset,
-                                  d->value_count, 4)) ||
+                                  d->value_count, es)) ||
         (st = clmha__check_writable(ctx, "grad_query", b->grad_query)) ||
         (st = clmha__check_writable(ctx, "grad_key", b->grad_key)) ||
         (st = clmha__check_writable(ctx, "grad_value", b->grad_value)))
         return st;
     const clmha_mask *m = d->attn.kind ? &d->attn : NULL;
     if (m && (st = clmha__check_buffer(ctx, "attn_mask", m->tensor.buffer, m->tensor.offset,
-                                       d->mask_count, clmha__mask_elem(m->kind))))
+                                       d->mask_count, clmha__attention_mask_elem(a, m->kind))))
         return st;
     if (b->grad_attn_mask && (!m || m->kind != CLMHA_MASK_FLOAT))
         return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
                            "grad_attn_mask is set but attn_mask is not a float mask");
     if (b->grad_attn_mask &&
         ((st = clmha__check_buffer(ctx, "grad_attn_mask", b->grad_attn_mask,
-                                   b->grad_attn_mask_offset, d->mask_count, 4)) ||
+                                   b->grad_attn_mask_offset, d->mask_count, es)) ||
          (st = clmha__check_writable(ctx, "grad_attn_mask", b->grad_attn_mask))))
         return st;
     if (a->sinks.ndim && (st = clmha__check_buffer(ctx, "sinks", a->sinks.buffer,
-                                                   a->sinks.offset, d->core.h, 4)))
+                                                   a->sinks.offset, d->core.h, es)))
         return st;
     if (b->grad_sinks &&
         ((st = clmha__check_buffer(ctx, "grad_sinks", b->grad_sinks, b->grad_sinks_offset,
-                                   d->core.h, 4)) ||
+                                   d->core.h, es)) ||
          (st = clmha__check_writable(ctx, "grad_sinks", b->grad_sinks))))
         return st;
     clmha__span all[11] = {
-        clmha__span_of("grad_query", b->grad_query, b->grad_query_offset, d->query_count, 4),
-        clmha__span_of("grad_key", b->grad_key, b->grad_key_offset, d->key_count, 4),
-        clmha__span_of("grad_value", b->grad_value, b->grad_value_offset, d->value_count, 4),
-        clmha__span_of("query", a->query.buffer, a->query.offset, d->query_count, 4),
-        clmha__span_of("key", a->key.buffer, a->key.offset, d->key_count, 4),
-        clmha__span_of("value", a->value.buffer, a->value.offset, d->value_count, 4),
-        clmha__span_of("output", b->output, b->output_offset, d->output_count, 4),
+        clmha__span_of("grad_query", b->grad_query, b->grad_query_offset, d->query_count, es),
+        clmha__span_of("grad_key", b->grad_key, b->grad_key_offset, d->key_count, es),
+        clmha__span_of("grad_value", b->grad_value, b->grad_value_offset, d->value_count, es),
+        clmha__span_of("query", a->query.buffer, a->query.offset, d->query_count, es),
+        clmha__span_of("key", a->key.buffer, a->key.offset, d->key_count, es),
+        clmha__span_of("value", a->value.buffer, a->value.offset, d->value_count, es),
+        clmha__span_of("output", b->output, b->output_offset, d->output_count, es),
         clmha__span_of("grad_output", b->grad_output, b->grad_output_offset, d->output_count,
-                       4)};
+                       es)};
     size_t k = 8, outputs = 3;
     if (b->grad_attn_mask) {  // an output: first, with the gradients
         all[k++] = all[3];
         all[3] = clmha__span_of("grad_attn_mask", b->grad_attn_mask, b->grad_attn_mask_offset,
-                                d->mask_count, 4);
+                                d->mask_count, es);
         outputs = 4;
     }
     if (m)
         all[k++] = clmha__span_of("attn_mask", m->tensor.buffer, m->tensor.offset, d->mask_count,
-                                  clmha__mask_elem(m->kind));
-    if (b->lse) all[k++] = clmha__span_of("lse", b->lse, b->lse_offset, d->lse_count, 4);
+                                  clmha__attention_mask_elem(a, m->kind));
+    if (b->lse) all[k++] = clmha__span_of("lse", b->lse, b->lse_offset, d->lse_count, es);
     return clmha__check_overlaps(ctx, all, k, outputs);
 }
 
 // Scratch tiles of the backward on bare layer @p l (its otherwise unused float32 copies,
-// layer->staged): dO, dq, dk, dv, grown to @p d.
+// layer->staged, whose sizes count floats: twice the elements for a float64 layer): dO, dq,
+// dk, dv, grown to @p d.
 static clmha_status reserve(clmha_layer *l, const clmha__attention_dims *d) {
     size_t full = d->core.n * d->core.s * d->core.e;  // (N*H, S, D): one plane per query head
-    size_t need[4] = {d->output_count, d->query_count, full, full};
+    size_t per = l->rs / sizeof(float);
+    size_t need[4] = {d->output_count * per, d->query_count * per, full * per, full * per};
     static const char *const what[4] = {"grad_output tiles", "grad_query tiles",
                                         "grad_key tiles", "grad_value tiles"};
     clmha_status st = clmha__layer_reserve(l, &d->core, false, false);
@@ -246,7 +251,7 @@ static clmha_status enqueue_padded(clmha_layer *l, const clmha_attention_backwar
                                         "padded grad_value"};
     clmha_status st = clmha__attention_pad_call(l, a, d, slot, &p, &pd);
     for (int i = 0; i < 5 && !st; ++i)
-        st = clmha__host_room(l, slot + 3 + i, what[i], rows[i] * w * sizeof(float), room[i]);
+        st = clmha__host_room(l, slot + 3 + i, what[i], rows[i] * w * l->rs, room[i]);
     if (st ||
         (st = clmha__attention_pad_inputs(l, a, d, &p, num_wait, wait_list)) ||
         (st = clmha__attention_pad_rows(l, b->output, b->output_offset, dv, pb.output, 0, w,
@@ -264,13 +269,13 @@ static clmha_status enqueue_padded(clmha_layer *l, const clmha_attention_backwar
     return clmha__enqueue_event(l->ctx, event);
 }
 
-// Zeros @p count floats of gradient @p buf from @p offset (keys that no query of a packed
-// call sees).
+// Zeros @p count elements (floats or doubles: all bits zero) of gradient @p buf from
+// @p offset (keys that no query of a packed call sees).
 static clmha_status zero_grad(clmha_layer *l, cl_mem buf, size_t offset, size_t count) {
-    float zero = 0.0f;
-    cl_int err = count ? clEnqueueFillBuffer(l->ctx->queue, buf, &zero, sizeof zero,
-                                             offset * sizeof zero, count * sizeof zero, 0, NULL,
-                                             NULL)
+    double zero = 0.0;
+    size_t rs = l->rs;
+    cl_int err = count ? clEnqueueFillBuffer(l->ctx->queue, buf, &zero, rs, offset * rs,
+                                             count * rs, 0, NULL, NULL)
                        : CL_SUCCESS;
     return err ? clmha__cl_fail(l->ctx, err, "clEnqueueFillBuffer(gradient rows)")
                : CLMHA_SUCCESS;
@@ -330,8 +335,8 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
     state *s = NULL;
     if ((st = reserve(l, d)) ||
         (b->lse && b->lse_offset &&
-         (st = clmha__grow_buffer(ctx, &l->partial_lse, &l->partial_lse_cap, d->lse_count,
-                                  "log-sum-exp rows"))))
+         (st = clmha__layer_grow(l, &l->partial_lse, &l->partial_lse_cap, d->lse_count,
+                                 "log-sum-exp rows"))))
         return st;
     cl_mem *t = l->tiles, *g = l->staged;
     bool grouped = d->core.kvh != h;
@@ -360,9 +365,8 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
         (st = clmha__attention_stage(l, d, g[0], &dout, h, ln, &call.d_o)))
         return st;
     if (b->lse && b->lse_offset)  // the rows into the layer's copy, which the core reads
-        err = clEnqueueCopyBuffer(ctx->queue, b->lse, l->partial_lse,
-                                  b->lse_offset * sizeof(float), 0, d->lse_count * sizeof(float),
-                                  0, NULL, NULL);
+        err = clEnqueueCopyBuffer(ctx->queue, b->lse, l->partial_lse, b->lse_offset * l->rs, 0,
+                                  d->lse_count * l->rs, 0, NULL, NULL);
     if (err) return clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(lse)");
     if ((st = core->backward(l, &call)) ||
         (b->grad_sinks &&  // from the forward's log-sum-exp rows (check_call: given)
@@ -375,6 +379,96 @@ static clmha_status enqueue(clmha_layer *l, const clmha_attention_backward_args 
         (st = unstage_kv(l, d, call.dv, b->grad_value, b->grad_value_offset)))
         return st;
     return clmha__enqueue_event(ctx, event);
+}
+
+// ---- 16-bit calls -------------------------------------------------------------------------------
+
+// The float32 call of 16-bit backward @p b (forward @p a, sizes @p d): the forward's query, key,
+// value and float mask and the output's gradient widened into float32 copies of bare layer
+// @p l (slots the float32 backward leaves alone: it takes the first four for its tiles), room
+// for the float32 gradients asked for; @p w, @p wd, @p wb point at them.
+static clmha_status widen_16(clmha_layer *l, const clmha_attention_backward_args *b,
+                             const clmha__attention_dims *d, clmha_attention_args *w,
+                             clmha__attention_dims *wd, clmha_attention_backward_args *wb) {
+    bool mask = d->attn.kind == CLMHA_MASK_FLOAT;
+    clmha_tensor go = {.buffer = b->grad_output, .offset = b->grad_output_offset};
+    clmha_tensor *in[5] = {&w->query, &w->key, &w->value, &wd->attn.tensor, &go};
+    size_t count[5] = {d->query_count, d->key_count, d->value_count,
+                       mask ? d->mask_count : 0, d->output_count};
+    static const int slot[5] = {CLMHA__STAGED_PAD_QUERY, CLMHA__STAGED_PAD_KEY,
+                                CLMHA__STAGED_PAD_VALUE, CLMHA__STAGED_ATTN,
+                                CLMHA__STAGED_GRAD_OUTPUT};
+    static const char *const what[5] = {"float32 query", "float32 key", "float32 value",
+                                        "float32 attn_mask", "float32 grad_output"};
+    clmha_status st = CLMHA_SUCCESS;
+    for (int i = 0; i < 5 && !st; ++i) {
+        if (!count[i]) continue;
+        st = clmha__convert_in(l, slot[i], what[i], in[i]->buffer, in[i]->offset, count[i],
+                               &in[i]->buffer);
+        in[i]->offset = 0;
+    }
+    if (mask) w->attn_mask.tensor = wd->attn.tensor;  // (read there by the padded form)
+    wb->grad_output = go.buffer;
+    wb->grad_output_offset = wb->grad_query_offset = wb->grad_key_offset = 0;
+    wb->grad_value_offset = wb->grad_attn_mask_offset = 0;
+    cl_mem *grad[4] = {&wb->grad_query, &wb->grad_key, &wb->grad_value, &wb->grad_attn_mask};
+    size_t gcount[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
+    for (int i = 0; i < 4 && !st; ++i)
+        if (*grad[i])
+            st = clmha__convert_result(l, CLMHA__STAGED_GRAD + i, "float32 gradient", gcount[i],
+                                       grad[i]);
+    return st;
+}
+
+// The float32 forward again on the widened inputs of @p w: its float32 output (and log-sum-exp
+// rows where the fused backward can take them, as host_forward() asks) into @p wb, so that
+// the gradients do not inherit the rounding of the caller's 16-bit output.
+static clmha_status forward_16(clmha_layer *l, const clmha_attention_args *w,
+                               const clmha__attention_dims *wd,
+                               clmha_attention_backward_args *wb) {
+    clmha__attention_out o = {0};
+    clmha_status st;
+    if ((st = clmha__convert_result(l, CLMHA__STAGED_OUTPUT, "float32 output",
+                                    wd->output_count, &o.output)) ||
+        (st = clmha__convert_result(l, CLMHA__STAGED_WEIGHTS, "float32 lse", wd->lse_count,
+                                    &o.lse)))
+        return st;
+    st = CLMHA_UNSUPPORTED;
+    if (!wb->grad_attn_mask && wb->impl != CLMHA_IMPL_UNFUSED)
+        st = clmha__attention_enqueue(l, w, wd, &o, 0, NULL, NULL);
+    if (st == CLMHA_UNSUPPORTED) {  // not tried, or refused before anything was enqueued
+        o.lse = NULL;
+        st = clmha__attention_enqueue(l, w, wd, &o, 0, NULL, NULL);
+    }
+    wb->output = o.output, wb->lse = o.lse;
+    wb->output_offset = wb->lse_offset = 0;
+    return st;
+}
+
+// A 16-bit backward call (clmha_attention_args::dtype float16 or bfloat16) on bare layer @p l
+// (its dtype's): its tensors widened (widen_16()), the float32 forward again (forward_16()),
+// the float32 backward, the gradients narrowed into the caller's buffers, each rounded once.
+// The caller's output and lse are not read (their rounding would reach the gradients).
+static clmha_status enqueue_16(clmha_layer *l, const clmha_attention_backward_args *b,
+                               const clmha_attention_args *a, const clmha__attention_dims *d,
+                               cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
+    clmha_attention_args w = *a;
+    clmha__attention_dims wd = *d;
+    clmha_attention_backward_args wb = *b;
+    w.dtype = CLMHA_DTYPE_F32;
+    wb.forward = &w;
+    clmha_status st;
+    if ((st = clmha__enqueue_wait(l->ctx, num_wait, wait_list)) ||
+        (st = widen_16(l, b, d, &w, &wd, &wb)) || (st = forward_16(l, &w, &wd, &wb)) ||
+        (st = enqueue(l, &wb, &w, &wd, false, 0, NULL, NULL)))
+        return st;
+    cl_mem dst[4] = {b->grad_query, b->grad_key, b->grad_value, b->grad_attn_mask};
+    size_t off[4] = {b->grad_query_offset, b->grad_key_offset, b->grad_value_offset,
+                     b->grad_attn_mask_offset};
+    size_t count[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
+    for (int i = 0; i < 4 && !st; ++i)
+        if (dst[i]) st = clmha__convert_out(l, CLMHA__STAGED_GRAD + i, dst[i], off[i], count[i]);
+    return st ? st : clmha__enqueue_event(l->ctx, event);
 }
 
 // CLMHA_UNSUPPORTED for a forward call whose user functions have clmha_score_mod without its
@@ -428,10 +522,11 @@ clmha_status clmha_attention_backward(clmha_context *ctx,
     if ((st = check_call(ctx, args, &b, &a, &d)) ||
         (st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
         (st = check_buffers(ctx, &b, &a, &d)) ||
-        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d),
+        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype,
                                      &l)))
         return st;
-    st = enqueue(l, &b, &a, &d, false, num_wait, wait_list, event);
+    st = clmha__attention_16(&a) ? enqueue_16(l, &b, &a, &d, num_wait, wait_list, event)
+                                 : enqueue(l, &b, &a, &d, false, num_wait, wait_list, event);
     clmha__attention_unlock(ctx);
     return st;
 }
@@ -441,8 +536,8 @@ clmha_status clmha_attention_backward(clmha_context *ctx,
 // The host arrays of clmha_attention_backward_host(): what the call reads is there, the output
 // gradient's count is the output's, a mask gradient asks for a float mask.
 static clmha_status check_host(clmha_context *ctx, const clmha_attention_args *a,
-                               const clmha__attention_dims *d, const float *grad_output,
-                               size_t grad_output_count, const float *grad_attn_mask) {
+                               const clmha__attention_dims *d, const void *grad_output,
+                               size_t grad_output_count, const void *grad_attn_mask) {
     const char *missing = !a->query.data                                   ? "query.data"
                           : !a->key.data                                   ? "key.data"
                           : !a->value.data                                 ? "value.data"
@@ -487,61 +582,95 @@ static clmha_status host_forward(clmha_layer *l, clmha_attention_args *a,
 // The forward pass again (host_forward()), the output gradient uploaded, room for the
 // gradients: @p b filled with the layer's staging buffers.
 static clmha_status host_prepare(clmha_layer *l, clmha_attention_args *a,
-                                 clmha__attention_dims *d, const float *grad_output,
+                                 clmha__attention_dims *d, const void *grad_output,
                                  bool mask_grad, clmha_attention_backward_args *b) {
     clmha_status st;
+    size_t es = l->rs;  // the call's element (clmha__attention_elem())
     if ((st = host_forward(l, a, d, mask_grad, b)) ||
         (st = clmha__host_upload(l, CLMHA__HOST_GRAD_OUTPUT, "grad_output", grad_output,
-                                 d->output_count * sizeof(float), &b->grad_output)))
+                                 d->output_count * es, &b->grad_output)))
         return st;
     size_t count[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
     cl_mem *out[4] = {&b->grad_query, &b->grad_key, &b->grad_value, &b->grad_attn_mask};
     static const char *const what[4] = {"grad_query", "grad_key", "grad_value",
                                         "grad_attn_mask"};
     for (int i = 0; i < (mask_grad ? 4 : 3); ++i)
-        if ((st = clmha__host_room(l, CLMHA__HOST_GRAD + i, what[i], count[i] * sizeof(float),
-                                   out[i])))
+        if ((st = clmha__host_room(l, CLMHA__HOST_GRAD + i, what[i], count[i] * es, out[i])))
             return st;
     return CLMHA_SUCCESS;
 }
 
-// Waits for the call and reads the gradients asked for (blocking reads).
+// Waits for the call and reads the gradients asked for (blocking reads) of @p es bytes each.
 static clmha_status host_download(clmha_context *ctx, const clmha_attention_backward_args *b,
-                                  const clmha__attention_dims *d, float *const dst[4]) {
+                                  const clmha__attention_dims *d, size_t es,
+                                  void *const dst[4]) {
     cl_mem src[4] = {b->grad_query, b->grad_key, b->grad_value, b->grad_attn_mask};
     size_t count[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
     cl_int err = clFinish(ctx->queue);
     for (int i = 0; i < 4 && err == CL_SUCCESS; ++i)
         if (dst[i])
-            err = clEnqueueReadBuffer(ctx->queue, src[i], CL_TRUE, 0, count[i] * sizeof(float),
-                                      dst[i], 0, NULL, NULL);
+            err = clEnqueueReadBuffer(ctx->queue, src[i], CL_TRUE, 0, count[i] * es, dst[i], 0,
+                                      NULL, NULL);
     return err ? clmha__cl_fail(ctx, err, "reading the gradients") : CLMHA_SUCCESS;
+}
+
+// Both host forms: @p takes the dtype of their arrays, @p dst the gradients asked for (dq, dk,
+// dv, the mask's).
+static clmha_status backward_host(clmha_context *ctx, const clmha_attention_args *args,
+                                  clmha_dtype takes, const char *function,
+                                  const void *grad_output, size_t grad_output_count,
+                                  void *const dst[4]) {
+    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
+    clmha_attention_args a;
+    clmha__attention_dims d;
+    clmha_layer *l;
+    clmha_status st;
+    const void *grad_attn_mask = dst[3];
+    float *copies[5] = {NULL};  // a 16-bit call's inputs and grad_output, rounded
+    clmha_dtype t = CLMHA_DTYPE_F32;
+    if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
+        (st = clmha__attention_host_dtype(ctx, &a, takes, function)) ||
+        (a.kv_cache && (st = clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                                         "args->kv_cache is set: the KV-cache form has no "
+                                         "backward"))) ||
+        (st = mods_grad_check(ctx, &a)) ||
+        (st = check_host(ctx, &a, &d, grad_output, grad_output_count, grad_attn_mask)) ||
+        (clmha__attention_16(&a) &&
+         ((t = a.dtype, st = clmha__attention_round_inputs(ctx, &a, &d, t, copies)) ||
+          (st = clmha__attention_round_copy(ctx, t, grad_output, d.output_count, &copies[4])))) ||
+        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype, &l)))
+        goto done;
+    if (copies[4]) grad_output = copies[4];
+    clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &a};
+    if ((st = host_prepare(l, &a, &d, grad_output, grad_attn_mask != NULL, &b)) ||
+        (st = enqueue(l, &b, &a, &d, false, 0, NULL, NULL)) ||
+        (st = host_download(ctx, &b, &d, l->rs, dst)))
+        clmha__host_drop(l);
+    clmha__attention_unlock(ctx);
+    size_t count[4] = {d.query_count, d.key_count, d.value_count, d.mask_count};
+    for (int i = 0; !st && t != CLMHA_DTYPE_F32 && i < 4; ++i)
+        clmha__attention_round_results(t, dst[i], count[i]);
+done:
+    for (int i = 0; i < 5; ++i) free(copies[i]);
+    return st;
 }
 
 clmha_status clmha_attention_backward_host(clmha_context *ctx, const clmha_attention_args *args,
                                            const float *grad_output, size_t grad_output_count,
                                            float *grad_query, float *grad_key,
                                            float *grad_value, float *grad_attn_mask) {
-    if (!ctx) return clmha__fail(NULL, CLMHA_INVALID_ARGUMENT, "ctx is NULL");
-    clmha_attention_args a;
-    clmha__attention_dims d;
-    clmha_layer *l;
-    clmha_status st;
-    if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
-        (a.kv_cache && (st = clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                                         "args->kv_cache is set: the KV-cache form has no "
-                                         "backward"))) ||
-        (st = mods_grad_check(ctx, &a)) ||
-        (st = check_host(ctx, &a, &d, grad_output, grad_output_count, grad_attn_mask)) ||
-        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d),
-                                     &l)))
-        return st;
-    clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &a};
-    float *const dst[4] = {grad_query, grad_key, grad_value, grad_attn_mask};
-    if ((st = host_prepare(l, &a, &d, grad_output, grad_attn_mask != NULL, &b)) ||
-        (st = enqueue(l, &b, &a, &d, false, 0, NULL, NULL)) ||
-        (st = host_download(ctx, &b, &d, dst)))
-        clmha__host_drop(l);
-    clmha__attention_unlock(ctx);
-    return st;
+    void *const dst[4] = {grad_query, grad_key, grad_value, grad_attn_mask};
+    return backward_host(ctx, args, CLMHA_DTYPE_F32, "clmha_attention_backward_host()",
+                         grad_output, grad_output_count, dst);
+}
+
+clmha_status clmha_attention_backward_host_f64(clmha_context *ctx,
+                                               const clmha_attention_args *args,
+                                               const double *grad_output,
+                                               size_t grad_output_count, double *grad_query,
+                                               double *grad_key, double *grad_value,
+                                               double *grad_attn_mask) {
+    void *const dst[4] = {grad_query, grad_key, grad_value, grad_attn_mask};
+    return backward_host(ctx, args, CLMHA_DTYPE_F64, "clmha_attention_backward_host_f64()",
+                         grad_output, grad_output_count, dst);
 }

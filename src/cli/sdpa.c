@@ -30,7 +30,8 @@ static const char *const usage_sdpa[] = {
     "and optionally its backward pass. The tensors are already projected and split into\n"
     "heads (no layer file: see clmha run for nn.MultiheadAttention).\n"
     "\n"
-    "inputs (float32; float64 and float16 files are read and rounded to float32):\n"
+    "inputs (float32; float64 and float16 files are read and rounded to float32; with\n"
+    "--dtype f64 every float file is read as float64, exactly):\n"
     "  --query Q.npy             (N, H, L, D), or (H, L, D) unbatched (required)\n"
     "  --key K.npy               (N, H_kv, S, D), or (H_kv, S, D) (required)\n"
     "  --value V.npy             (N, H_kv, S, D_v), or (H_kv, S, D_v) (required; D_v may\n"
@@ -144,6 +145,12 @@ static const char *const usage_sdpa[] = {
     "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"
     "                            (see clmha devices); default: $CLMHA_DEVICE, else the first\n"
     "                            GPU, else the first device\n"
+    "  --dtype f32|f64           the element type of the call (clmha_attention_args::dtype):\n"
+    "                            f32 (default), or f64: the float inputs read as float64,\n"
+    "                            computed in float64 on a device with double precision\n"
+    "                            (clmha devices: fp64 yes), the outputs and gradients\n"
+    "                            written as float64 ('<f8'); not with --kv-cache-prefix\n"
+    "                            (float64 KV caches: not yet); --mod-params stays float32\n"
     "  --impl auto|fused|unfused the attention core of the forward pass: fused streams key\n"
     "                            tiles and never stores the scores; auto (default) is fused,\n"
     "                            unfused where the fused core cannot run or for\n"
@@ -173,6 +180,8 @@ typedef struct sdpa_opts {
     const char *output_path, *lse_path, *weights_path, *grads_dir, *device;
     const char *scale_opt, *layout_opt, *impl_opt, *dropout_opt, *seed_opt, *offset_opt;
     const char *kv_prefix_opt;  // --kv-cache-prefix
+    const char *dtype_opt;      // --dtype
+    bool f64;                   // --dtype f64: the call, its files and results in float64
     const char *page_opt, *kv_dtype_opt;  // --page-size, --kv-dtype (the cache's)
     uint64_t page_size;         // 0: a contiguous cache
     clmha_kv_dtype kv_dtype;
@@ -199,7 +208,7 @@ typedef struct sdpa_state {
     clmha_attention_args args;
     size_t y_count, lse_count, w_count;
     size_t y_ndim, y_shape[4], lse_ndim, lse_shape[4], w_ndim, w_shape[4];
-    float *y, *lse, *w;
+    void *y, *lse, *w;  // floats, or doubles with --dtype f64 (o.f64)
     clmha__cli_grads grads;  // query, key, value, attn_mask (float masks), sinks
     size_t calls;            // forward calls that ran
     const char *mod_path;    // --score-mod (NULL: none), for a build failure's report
@@ -237,6 +246,7 @@ static bool parse_command_line(int argc, char **argv, sdpa_opts *o, int *rc) {
         {.name = "--grad-output", .value = &o->in[IN_GRAD_OUT].path},
         {.name = "--grads-dir", .value = &o->grads_dir},
         {.name = "--impl", .value = &o->impl_opt},
+        {.name = "--dtype", .value = &o->dtype_opt},
         {.name = "--kv-cache-prefix", .value = &o->kv_prefix_opt},
         {.name = "--page-size", .value = &o->page_opt},
         {.name = "--kv-dtype", .value = &o->kv_dtype_opt},
@@ -323,6 +333,27 @@ static bool options_agree(const sdpa_opts *o) {
     return !why;
 }
 
+// --dtype f32 or f64 (16-bit calls: not yet; float64 through a KV cache: not yet). Reports a
+// usage error.
+static bool parse_dtype(sdpa_opts *o) {
+    const char *t = o->dtype_opt;
+    if (!t || strcmp(t, "f32") == 0) return true;
+    if (strcmp(t, "f64") != 0) {
+        clmha__cli_report("sdpa", "--dtype '%s': expected f32 or f64%s", t,
+                          strcmp(t, "f16") == 0 || strcmp(t, "bf16") == 0
+                              ? " (16-bit calls: not yet)"
+                              : "");
+        return false;
+    }
+    if (o->kv_prefix_opt) {
+        clmha__cli_report("sdpa", "--dtype f64 does not go with --kv-cache-prefix (float64 KV "
+                          "caches: not yet)");
+        return false;
+    }
+    o->f64 = true;
+    return true;
+}
+
 // --kv-cache-prefix P (at least 1), refused with the options that calls through a KV cache do
 // not take. Reports a usage error.
 static bool kv_options_agree(sdpa_opts *o) {
@@ -396,16 +427,20 @@ static bool check_options(sdpa_opts *o) {
            clmha__cli_parse_softcap("sdpa", o->softcap_opt, &o->softcap) && parse_numbers(o) &&
            clmha__cli_parse_lens("sdpa", "--seq-lens", o->seq_lens_opt, &o->seq) &&
            clmha__cli_parse_lens("sdpa", "--kv-seq-lens", o->kv_seq_lens_opt, &o->kv_seq) &&
-           options_agree(o) && kv_options_agree(o) && clmha__cli_mod_options_ok("sdpa", &o->mod);
+           options_agree(o) && kv_options_agree(o) && parse_dtype(o) &&
+           clmha__cli_mod_options_ok("sdpa", &o->mod);
 }
 
 // ---- the files ---------------------------------------------------------------------------------
 
-// Reads one input; reports and returns false when it is refused. float64 values beyond
-// float32's range (read as +-inf) give a warning.
-static bool read_input(sdpa_input *in) {
+// Reads one input, float arrays as doubles with @p f64 (--dtype f64: exactly); reports and
+// returns false when it is refused. float64 values beyond float32's range (read as +-inf
+// without @p f64) give a warning.
+static bool read_input(sdpa_input *in, bool f64) {
     char msg[1024] = "";
-    if (clmha__npy_read(in->path, &in->a, msg, sizeof msg) != CLMHA_SUCCESS) {
+    clmha_status st = f64 ? clmha__npy_read_f64(in->path, &in->a, msg, sizeof msg)
+                          : clmha__npy_read(in->path, &in->a, msg, sizeof msg);
+    if (st != CLMHA_SUCCESS) {
         clmha__cli_report("sdpa", "%s %s: %s", in->flag, in->path,
                           msg[0] ? clmha__cli_without_path(msg, in->path) : "cannot read the file");
         return false;
@@ -439,7 +474,7 @@ static bool read_files(sdpa_opts *o) {
         if (!clmha__cli_output_path_ok("sdpa", o->outs[i].flag, o->outs[i].path)) return false;
     if (o->grads_dir && !clmha__cli_grads_dir_ok("sdpa", o->grads_dir)) return false;
     for (int i = 0; i < IN_COUNT; ++i)
-        if (o->in[i].path && !read_input(&o->in[i])) return false;
+        if (o->in[i].path && !read_input(&o->in[i], o->f64)) return false;
     return clmha__cli_mod_read("sdpa", &o->mod);
 }
 
@@ -473,7 +508,9 @@ static bool kv_shapes_fit(const sdpa_opts *o) {
 static clmha_tensor tensor_of(const clmha__npy *a) {
     clmha_tensor t = {.ndim = a->ndim};
     for (size_t i = 0; i < a->ndim && i < 4; ++i) t.shape[i] = a->shape[i];
-    t.data = a->kind == CLMHA__NPY_BOOL ? (const void *)a->u8 : (const void *)a->f32;
+    t.data = a->kind == CLMHA__NPY_BOOL ? (const void *)a->u8
+             : a->f64                   ? (const void *)a->f64
+                                        : (const void *)a->f32;
     return t;
 }
 
@@ -544,7 +581,8 @@ static bool build_args(const sdpa_opts *o, sdpa_state *s) {
                                 .key = tensor_of(&in[IN_KEY].a),
                                 .value = tensor_of(&in[IN_VALUE].a), .layout = o->layout,
                                 .enable_gqa = o->enable_gqa, .seq_lens = o->seq.lens,
-                                .kv_seq_lens = o->kv_seq.lens, .num_seqs = o->seq.count};
+                                .kv_seq_lens = o->kv_seq.lens, .num_seqs = o->seq.count,
+                                .dtype = o->f64 ? CLMHA_DTYPE_F64 : CLMHA_DTYPE_F32};
     if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
         const char *why = clmha_context_last_error(s->ctx);
         const sdpa_input *culprit = input_culprit(why, o);
@@ -711,7 +749,7 @@ static bool decode_call(const sdpa_opts *o, sdpa_state *s, clmha_kv_cache *cache
                  s->calls + 1, t0, t0 + len - 1);
         return call_failed(s, what, st);
     }
-    copy_tokens(part[3], s->y, r[3], t0, len, true);
+    copy_tokens(part[3], s->y, r[3], t0, len, true);  // floats: not with --dtype f64
     ++s->calls;
     return true;
 }
@@ -752,10 +790,13 @@ static bool decode(const sdpa_opts *o, sdpa_state *s) {
 
 // ---- the forward and backward calls ------------------------------------------------------------
 
-// The data of gradient file @p name ("attn_mask", "sinks"), NULL when the call has none.
-static float *grad_data(const sdpa_state *s, const char *name) {
-    for (size_t i = 0; i < s->grads.count; ++i)
-        if (strcmp(s->grads.file[i].name, name) == 0) return s->grads.file[i].data;
+// The data of gradient file @p name ("attn_mask", "sinks"), NULL when the call has none:
+// floats, or doubles with --dtype f64.
+static void *grad_data(const sdpa_state *s, const char *name) {
+    for (size_t i = 0; i < s->grads.count; ++i) {
+        const clmha__cli_grad_file *f = &s->grads.file[i];
+        if (strcmp(f->name, name) == 0) return f->data64 ? (void *)f->data64 : (void *)f->data;
+    }
     return NULL;
 }
 
@@ -770,29 +811,30 @@ enum { DEV_Q, DEV_K, DEV_V, DEV_MASK, DEV_SINKS, DEV_MOD, DEV_GRAD_OUT, DEV_OUT,
 // --impl unfused or a float mask's gradient), and the gradients are read back.
 static bool backward_on_device(const sdpa_opts *o, sdpa_state *s) {
     clmha_attention_args a = s->args;
+    size_t es = o->f64 ? sizeof(double) : sizeof(float);  // the call's element
     cl_context cl = clmha_context_cl_context(s->ctx);
     cl_command_queue queue = clmha_context_cl_queue(s->ctx);
     size_t mask_count = 1;
     for (size_t i = 0; i < a.attn_mask.tensor.ndim; ++i) mask_count *= a.attn_mask.tensor.shape[i];
     bool float_mask = a.attn_mask.kind == CLMHA_MASK_FLOAT;
-    size_t mask_bytes = a.attn_mask.kind ? mask_count * (float_mask ? sizeof(float) : 1) : 0;
+    size_t mask_bytes = a.attn_mask.kind ? mask_count * (float_mask ? es : 1) : 0;
     size_t h = a.sinks.shape[0];
     const void *host[DEV_COUNT] = {
         [DEV_Q] = a.query.data, [DEV_K] = a.key.data, [DEV_V] = a.value.data,
         [DEV_MASK] = a.attn_mask.tensor.data, [DEV_SINKS] = a.sinks.data,
-        [DEV_MOD] = a.mod_params.data, [DEV_GRAD_OUT] = o->in[IN_GRAD_OUT].a.f32};
-    float *dst[DEV_COUNT] = {[DEV_GQ] = grad_data(s, "query"), [DEV_GK] = grad_data(s, "key"),
+        [DEV_MOD] = a.mod_params.data,
+        [DEV_GRAD_OUT] = o->f64 ? (const void *)o->in[IN_GRAD_OUT].a.f64
+                                : (const void *)o->in[IN_GRAD_OUT].a.f32};
+    void *dst[DEV_COUNT] = {[DEV_GQ] = grad_data(s, "query"), [DEV_GK] = grad_data(s, "key"),
                              [DEV_GV] = grad_data(s, "value"),
                              [DEV_GMASK] = grad_data(s, "attn_mask"),
                              [DEV_GSINKS] = grad_data(s, "sinks")};
     size_t bytes[DEV_COUNT] = {
-        [DEV_Q] = o->in[IN_QUERY].a.count * sizeof(float),
-        [DEV_K] = o->in[IN_KEY].a.count * sizeof(float),
-        [DEV_V] = o->in[IN_VALUE].a.count * sizeof(float),
-        [DEV_MASK] = mask_bytes, [DEV_SINKS] = h * sizeof(float),
-        [DEV_MOD] = a.mod_params.ndim ? o->mod.count * sizeof(float) : 0,
-        [DEV_GRAD_OUT] = s->y_count * sizeof(float), [DEV_OUT] = s->y_count * sizeof(float),
-        [DEV_LSE] = s->lse_count * sizeof(float)};
+        [DEV_Q] = o->in[IN_QUERY].a.count * es, [DEV_K] = o->in[IN_KEY].a.count * es,
+        [DEV_V] = o->in[IN_VALUE].a.count * es, [DEV_MASK] = mask_bytes, [DEV_SINKS] = h * es,
+        [DEV_MOD] = a.mod_params.ndim ? o->mod.count * sizeof(float) : 0,  // p: floats
+        [DEV_GRAD_OUT] = s->y_count * es, [DEV_OUT] = s->y_count * es,
+        [DEV_LSE] = s->lse_count * es};
     bytes[DEV_GQ] = bytes[DEV_Q], bytes[DEV_GK] = bytes[DEV_K], bytes[DEV_GV] = bytes[DEV_V];
     bytes[DEV_GMASK] = float_mask ? mask_bytes : 0, bytes[DEV_GSINKS] = bytes[DEV_SINKS];
     cl_mem buf[DEV_COUNT] = {NULL};
@@ -838,27 +880,37 @@ static bool backward_on_device(const sdpa_opts *o, sdpa_state *s) {
 static bool compute(const sdpa_opts *o, sdpa_state *s) {
     // (calloc checks the products of counts and sizes.)
     size_t lse_count = o->lse_path ? s->lse_count : 0, w_count = o->weights_path ? s->w_count : 0;
-    bool no_memory = !(s->y = calloc(s->y_count ? s->y_count : 1, sizeof *s->y)) ||
-                     (lse_count && !(s->lse = calloc(lse_count, sizeof *s->lse))) ||
-                     (w_count && !(s->w = calloc(w_count, sizeof *s->w)));
+    size_t es = o->f64 ? sizeof(double) : sizeof(float);
+    bool no_memory = !(s->y = calloc(s->y_count ? s->y_count : 1, es)) ||
+                     (lse_count && !(s->lse = calloc(lse_count, es))) ||
+                     (w_count && !(s->w = calloc(w_count, es)));
     for (size_t i = 0; !no_memory && i < s->grads.count; ++i) {
         clmha__cli_grad_file *f = &s->grads.file[i];
-        no_memory = !(f->data = calloc(f->count ? f->count : 1, sizeof *f->data));
+        size_t n = f->count ? f->count : 1;
+        no_memory = o->f64 ? !(f->data64 = calloc(n, sizeof *f->data64))
+                           : !(f->data = calloc(n, sizeof *f->data));
     }
     if (no_memory) {
         clmha__cli_report("sdpa", "out of host memory for the results");
         return false;
     }
     if (o->kv_prefix) return decode(o, s);
-    clmha_status st = clmha_attention_forward_host(s->ctx, &s->args, s->y, s->y_count, s->lse,
-                                                   lse_count, s->w, w_count);
+    clmha_status st =
+        o->f64 ? clmha_attention_forward_host_f64(s->ctx, &s->args, s->y, s->y_count, s->lse,
+                                                  lse_count, s->w, w_count)
+               : clmha_attention_forward_host(s->ctx, &s->args, s->y, s->y_count, s->lse,
+                                              lse_count, s->w, w_count);
     if (st != CLMHA_SUCCESS) return call_failed(s, "forward pass", st);
     s->calls = 1;
     if (!o->grads_dir) return true;
     if (s->args.sinks.ndim) return backward_on_device(o, s);
-    st = clmha_attention_backward_host(s->ctx, &s->args, o->in[IN_GRAD_OUT].a.f32, s->y_count,
-                                       grad_data(s, "query"), grad_data(s, "key"),
-                                       grad_data(s, "value"), grad_data(s, "attn_mask"));
+    const clmha__npy *g = &o->in[IN_GRAD_OUT].a;
+    void *dq = grad_data(s, "query"), *dk = grad_data(s, "key"), *dv = grad_data(s, "value"),
+         *dm = grad_data(s, "attn_mask");
+    st = o->f64 ? clmha_attention_backward_host_f64(s->ctx, &s->args, g->f64, s->y_count, dq, dk,
+                                                    dv, dm)
+                : clmha_attention_backward_host(s->ctx, &s->args, g->f32, s->y_count, dq, dk, dv,
+                                                dm);
     return st == CLMHA_SUCCESS || call_failed(s, "backward pass", st);
 }
 
@@ -867,23 +919,29 @@ static bool write_files(sdpa_opts *o, const sdpa_state *s) {
     size_t n = 0;
     const char *flags[3] = {"--output", "--lse-output", "--weights-output"};
     const char *paths[3] = {o->output_path, o->lse_path, o->weights_path};
-    const float *data[3] = {s->y, s->lse, s->w};
+    const void *data[3] = {s->y, s->lse, s->w};
     const size_t ndim[3] = {s->y_ndim, s->lse_ndim, s->w_ndim};
     const size_t *shape[3] = {s->y_shape, s->lse_shape, s->w_shape};
     for (int i = 0; i < 3; ++i) {
         if (!paths[i]) continue;
         o->outs[n] = (clmha__cli_out){.flag = flags[i], .path = paths[i],
-                                      .data = data[i], .ndim = ndim[i]};
+                                      .data = o->f64 ? NULL : data[i],
+                                      .f64 = o->f64 ? data[i] : NULL, .ndim = ndim[i]};
         memcpy(o->outs[n++].shape, shape[i], ndim[i] * sizeof *shape[i]);
     }
     n += clmha__cli_grads_outputs(&s->grads, o->outs + n);
     return clmha__cli_write_outputs("sdpa", o->outs, n);
 }
 
+// Output value @p i as a double (floats, or doubles with --dtype f64).
+static double output_at(const sdpa_opts *o, const sdpa_state *s, size_t i) {
+    return o->f64 ? ((const double *)s->y)[i] : ((const float *)s->y)[i];
+}
+
 // A warning when the output holds NaN/Inf; a summary of the output when it was not written.
 static void report_results(const sdpa_opts *o, const sdpa_state *s) {
     size_t bad = 0;
-    for (size_t i = 0; i < s->y_count; ++i) bad += !isfinite(s->y[i]);
+    for (size_t i = 0; i < s->y_count; ++i) bad += !isfinite(output_at(o, s, i));
     if (bad)
         clmha__cli_report("sdpa", "warning: the output holds %zu NaN/Inf value%s of %zu; NaN/Inf "
                           "in gives NaN/Inf out, as in PyTorch", bad, bad == 1 ? "" : "s",
@@ -893,7 +951,7 @@ static void report_results(const sdpa_opts *o, const sdpa_state *s) {
     printf("device:  %s\n", clmha_context_device_name(s->ctx));
     printf("output:  %s:", clmha__shape_str(sh, sizeof sh, s->y_ndim, s->y_shape));
     size_t shown = s->y_count < 6 ? s->y_count : 6;
-    for (size_t i = 0; i < shown; ++i) printf(" %.6g", s->y[i]);
+    for (size_t i = 0; i < shown; ++i) printf(" %.6g", output_at(o, s, i));
     printf("%s (%zu value%s)\n", shown < s->y_count ? " ..." : "", s->y_count,
            s->y_count == 1 ? "" : "s");
     size_t steps = s->calls - 1;

@@ -5,11 +5,13 @@
 // caller's buffers or copies of them (docs/design.md, "Attention as a function"):
 //   check → core and scratch → wait → the middle (middle.c: the tiles in, the core, the
 //   output and lse out, as in the layer's forward pass) → the weights.
+// A 16-bit call runs that on float32 copies of its inputs and rounds its results once.
 #include "forward/attention.h"
 
 #include "cores/core.h"
 #include "cores/kernel_args.h"
 #include "forward/attention_cache.h"
+#include "forward/convert.h"
 #include "forward/enqueue.h"
 #include "forward/middle.h"
 #include "forward/staging.h"
@@ -29,44 +31,46 @@ static clmha_status check_buffers(clmha_context *ctx, const clmha_attention_args
                                   const clmha__attention_dims *d,
                                   const clmha__attention_out *o) {
     const clmha_mask *m = mask_of(d);
-    size_t melem = m ? clmha__mask_elem(m->kind) : 1;
+    size_t es = clmha__attention_elem(a), melem = m ? clmha__attention_mask_elem(a, m->kind) : 1;
     clmha_status st;
     if ((st = clmha__check_buffer(ctx, "query", a->query.buffer, a->query.offset,
-                                  d->query_count, 4)) ||
-        (st = clmha__check_buffer(ctx, "key", a->key.buffer, a->key.offset, d->key_count, 4)) ||
+                                  d->query_count, es)) ||
+        (st = clmha__check_buffer(ctx, "key", a->key.buffer, a->key.offset, d->key_count, es)) ||
         (st = clmha__check_buffer(ctx, "value", a->value.buffer, a->value.offset,
-                                  d->value_count, 4)) ||
+                                  d->value_count, es)) ||
         (m && (st = clmha__check_buffer(ctx, "attn_mask", m->tensor.buffer, m->tensor.offset,
                                         d->mask_count, melem))) ||
         (a->alibi_slopes.ndim &&
          (st = clmha__check_buffer(ctx, "alibi_slopes", a->alibi_slopes.buffer,
-                                   a->alibi_slopes.offset, d->core.h, 4))) ||
+                                   a->alibi_slopes.offset, d->core.h, es))) ||
         (a->sinks.ndim && (st = clmha__check_buffer(ctx, "sinks", a->sinks.buffer,
-                                                    a->sinks.offset, d->core.h, 4))) ||
+                                                    a->sinks.offset, d->core.h, es))) ||
         (a->mod_params.ndim && a->mod_params.shape[0] &&
          (st = clmha__check_buffer(ctx, "mod_params", a->mod_params.buffer,
-                                   a->mod_params.offset, a->mod_params.shape[0], 4))) ||
+                                   a->mod_params.offset, a->mod_params.shape[0],
+                                   sizeof(float)))) ||  // p: floats in every dtype
         (st = clmha__check_buffer(ctx, "output", o->output, o->output_offset, d->output_count,
-                                  4)) ||
+                                  es)) ||
         (st = clmha__check_writable(ctx, "output", o->output)) ||
         (o->lse && ((st = clmha__check_buffer(ctx, "lse", o->lse, o->lse_offset, d->lse_count,
-                                              4)) ||
+                                              es)) ||
                     (st = clmha__check_writable(ctx, "lse", o->lse)))) ||
         (o->weights &&
          ((st = clmha__check_buffer(ctx, "weights", o->weights, o->weights_offset,
-                                    d->weights_count, 4)) ||
+                                    d->weights_count, es)) ||
           (st = clmha__check_writable(ctx, "weights", o->weights)))))
         return st;
     clmha__span all[7];
     size_t k = 0, outputs;
-    all[k++] = clmha__span_of("output", o->output, o->output_offset, d->output_count, 4);
-    if (o->lse) all[k++] = clmha__span_of("lse", o->lse, o->lse_offset, d->lse_count, 4);
+    all[k++] = clmha__span_of("output", o->output, o->output_offset, d->output_count, es);
+    if (o->lse) all[k++] = clmha__span_of("lse", o->lse, o->lse_offset, d->lse_count, es);
     if (o->weights)
-        all[k++] = clmha__span_of("weights", o->weights, o->weights_offset, d->weights_count, 4);
+        all[k++] =
+            clmha__span_of("weights", o->weights, o->weights_offset, d->weights_count, es);
     outputs = k;
-    all[k++] = clmha__span_of("query", a->query.buffer, a->query.offset, d->query_count, 4);
-    all[k++] = clmha__span_of("key", a->key.buffer, a->key.offset, d->key_count, 4);
-    all[k++] = clmha__span_of("value", a->value.buffer, a->value.offset, d->value_count, 4);
+    all[k++] = clmha__span_of("query", a->query.buffer, a->query.offset, d->query_count, es);
+    all[k++] = clmha__span_of("key", a->key.buffer, a->key.offset, d->key_count, es);
+    all[k++] = clmha__span_of("value", a->value.buffer, a->value.offset, d->value_count, es);
     if (m)
         all[k++] = clmha__span_of("attn_mask", m->tensor.buffer, m->tensor.offset, d->mask_count,
                                   melem);
@@ -116,8 +120,8 @@ static clmha_status prepare(clmha_layer *l, const clmha__attention_dims *d,
     call->kv_group = (*core)->grouped_kv ? d->core.h / d->core.kvh : 1;
     if ((st = clmha__layer_reserve(l, &d->core, (*core)->uses_scores, false))) return st;
     if (o->lse && o->lse_offset &&
-        (st = clmha__grow_buffer(l->ctx, &l->partial_lse, &l->partial_lse_cap, d->lse_count,
-                                 "log-sum-exp rows")))
+        (st = clmha__layer_grow(l, &l->partial_lse, &l->partial_lse_cap, d->lse_count,
+                                "log-sum-exp rows")))
         return st;
     call->lse = !o->lse ? NULL : o->lse_offset ? l->partial_lse : o->lse;
     l->last_core = *core;
@@ -137,7 +141,7 @@ static clmha_status enqueue_padded(clmha_layer *l, const clmha_attention_args *a
     po.output_offset = 0;
     clmha_status st;
     if ((st = clmha__attention_pad_call(l, a, d, slot, &p, &pd)) ||
-        (st = clmha__host_room(l, slot + 3, "padded output", pd.output_count * sizeof(float),
+        (st = clmha__host_room(l, slot + 3, "padded output", pd.output_count * l->rs,
                                &po.output)) ||
         (st = clmha__attention_pad_inputs(l, a, d, &p, num_wait, wait_list)) ||
         (st = clmha__attention_enqueue(l, &p, &pd, &po, 0, NULL, NULL)) ||
@@ -209,6 +213,70 @@ clmha_status clmha__attention_enqueue(clmha_layer *l, const clmha_attention_args
     return clmha__enqueue_event(ctx, event);
 }
 
+// ---- 16-bit calls ----------------------------------------------------------------------------
+
+// Tensor @p t (@p count elements of the call's dtype) widened into float32 copy @p slot, @p t
+// then pointing at it.
+static clmha_status widen_16(clmha_layer *l, int slot, const char *what, clmha_tensor *t,
+                          size_t count) {
+    clmha_status st = clmha__convert_in(l, slot, what, t->buffer, t->offset, count, &t->buffer);
+    t->offset = 0;
+    return st;
+}
+
+// The float32 call of @p a (sizes @p d): @p w and @p wd, the inputs widened.
+static clmha_status widen_inputs(clmha_layer *l, const clmha_attention_args *a,
+                                 const clmha__attention_dims *d, clmha_attention_args *w,
+                                 clmha__attention_dims *wd) {
+    *w = *a;
+    *wd = *d;
+    w->dtype = CLMHA_DTYPE_F32;
+    clmha_status st;
+    if ((st = widen_16(l, CLMHA__STAGED_QUERY, "float32 query", &w->query, d->query_count)) ||
+        (st = widen_16(l, CLMHA__STAGED_KEY, "float32 key", &w->key, d->key_count)) ||
+        (st = widen_16(l, CLMHA__STAGED_VALUE, "float32 value", &w->value, d->value_count)))
+        return st;
+    if (d->attn.kind != CLMHA_MASK_FLOAT) return CLMHA_SUCCESS;
+    // The cores read the mask through d->attn; the packed and padded forms through args too.
+    if ((st = widen_16(l, CLMHA__STAGED_ATTN, "float32 attn_mask", &wd->attn.tensor,
+                    d->mask_count)))
+        return st;
+    w->attn_mask.tensor.buffer = wd->attn.tensor.buffer;
+    w->attn_mask.tensor.offset = 0;
+    return CLMHA_SUCCESS;
+}
+
+// A 16-bit call (clmha_attention_args::dtype float16 or bfloat16) on bare layer @p l (its
+// dtype's: float32 scratch, the conversion kernels), as a 16-bit layer runs: the inputs widened
+// into float32 copies after @p wait_list, the float32 call on them, the output, log-sum-exp rows
+// and weights narrowed (rounded once) into the caller's buffers. A failure may leave the
+// widening enqueued (it writes only the layer's copies).
+static clmha_status enqueue_16(clmha_layer *l, const clmha_attention_args *a,
+                               const clmha__attention_dims *d, const clmha__attention_out *o,
+                               cl_uint num_wait, const cl_event *wait_list, cl_event *event) {
+    clmha_attention_args w;
+    clmha__attention_dims wd;
+    clmha__attention_out wo = {0};
+    clmha_status st;
+    if ((st = clmha__convert_result(l, CLMHA__STAGED_OUTPUT, "float32 output", d->output_count,
+                                    &wo.output)) ||
+        (o->lse && (st = clmha__convert_result(l, CLMHA__STAGED_KPM, "float32 lse",
+                                               d->lse_count, &wo.lse))) ||
+        (o->weights && (st = clmha__convert_result(l, CLMHA__STAGED_WEIGHTS, "float32 weights",
+                                                   d->weights_count, &wo.weights))) ||
+        (st = clmha__enqueue_wait(l->ctx, num_wait, wait_list)) ||
+        (st = widen_inputs(l, a, d, &w, &wd)) ||
+        (st = clmha__attention_enqueue(l, &w, &wd, &wo, 0, NULL, NULL)) ||
+        (st = clmha__convert_out(l, CLMHA__STAGED_OUTPUT, o->output, o->output_offset,
+                                 d->output_count)) ||
+        (o->lse && (st = clmha__convert_out(l, CLMHA__STAGED_KPM, o->lse, o->lse_offset,
+                                            d->lse_count))) ||
+        (o->weights && (st = clmha__convert_out(l, CLMHA__STAGED_WEIGHTS, o->weights,
+                                                o->weights_offset, d->weights_count))))
+        return st;
+    return clmha__enqueue_event(l->ctx, event);
+}
+
 static clmha_status attention_forward(clmha_context *ctx, const clmha_attention_args *args,
                                       const clmha__attention_out *o, cl_uint num_wait,
                                       const cl_event *wait_list, cl_event *event) {
@@ -219,10 +287,12 @@ static clmha_status attention_forward(clmha_context *ctx, const clmha_attention_
     if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (st = clmha__check_wait_list(ctx, num_wait, wait_list)) ||
         (st = check_buffers(ctx, &a, &d, o)) ||
-        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d),
+        (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype,
                                      &layer)))
         return st;
-    st = clmha__attention_enqueue(layer, &a, &d, o, num_wait, wait_list, event);
+    st = clmha__attention_16(&a)
+             ? enqueue_16(layer, &a, &d, o, num_wait, wait_list, event)
+             : clmha__attention_enqueue(layer, &a, &d, o, num_wait, wait_list, event);
     clmha__attention_unlock(ctx);
     return st;
 }

@@ -11,7 +11,7 @@
 #include "layer/attention_shape.h"
 #include "layer/layer.h"
 
-// Where a call's results go (NULL lse or weights: not asked); offsets in floats.
+// Where a call's results go (NULL lse or weights: not asked); offsets in the call's elements.
 typedef struct clmha__attention_out {
     cl_mem output, lse, weights;
     size_t output_offset, lse_offset, weights_offset;
@@ -23,6 +23,19 @@ CLMHA__HIDDEN clmha_status clmha__attention_check_args(clmha_context *ctx,
                                                        const clmha_attention_args *args,
                                                        clmha_attention_args *in,
                                                        clmha__attention_dims *d);
+
+// Bytes of an element of call @p a's tensors (float masks, alibi_slopes and sinks too): 4, 8
+// for dtype float64, 2 for 16-bit dtypes (checked: clmha__attention_check_args()). A bare
+// layer of a float32 or float64 call has the same rs; a 16-bit call's computes in float32.
+CLMHA__HIDDEN size_t clmha__attention_elem(const clmha_attention_args *a);
+
+// Whether call @p a's dtype is float16 or bfloat16.
+CLMHA__HIDDEN bool clmha__attention_16(const clmha_attention_args *a);
+
+// Bytes of an element of a mask of @p kind in call @p a: a byte for boolean masks, else
+// clmha__attention_elem().
+CLMHA__HIDDEN size_t clmha__attention_mask_elem(const clmha_attention_args *a,
+                                                clmha_mask_kind kind);
 
 // Enqueues checked call @p a (sizes @p d, buffers checked) on bare layer @p layer (the
 // attention cache locked): asks the dispatch for the core and reserves the scratch (nothing is
@@ -41,6 +54,28 @@ CLMHA__HIDDEN clmha_status clmha__attention_enqueue(clmha_layer *layer,
 CLMHA__HIDDEN clmha_status clmha__attention_upload(clmha_layer *l, clmha_attention_args *a,
                                                    clmha__attention_dims *d, bool lse,
                                                    bool weights, clmha__attention_out *o);
+
+// CLMHA_INVALID_ARGUMENT, naming @p function and the form to use, when call @p a's dtype is
+// not @p takes, the dtype of a host form's arrays.
+CLMHA__HIDDEN clmha_status clmha__attention_host_dtype(clmha_context *ctx,
+                                                       const clmha_attention_args *a,
+                                                       clmha_dtype takes, const char *function);
+
+// A 16-bit call of a float host form (attention_host.c): @p count floats of @p from rounded
+// to dtype @p t into a new array *copy (malloc'd; the caller frees it).
+CLMHA__HIDDEN clmha_status clmha__attention_round_copy(clmha_context *ctx, clmha_dtype t,
+                                                       const float *from, size_t count,
+                                                       float **copy);
+
+// ... the float32 call @p a on copies (@p copies, freed by the caller) of its query, key, value
+// and float mask rounded to dtype @p t; @p d's mask pointing at its copy.
+CLMHA__HIDDEN clmha_status clmha__attention_round_inputs(clmha_context *ctx,
+                                                         clmha_attention_args *a,
+                                                         clmha__attention_dims *d,
+                                                         clmha_dtype t, float *copies[4]);
+
+// ... and its results (@p count floats of @p x, NULL: none) rounded to @p t, once.
+CLMHA__HIDDEN void clmha__attention_round_results(clmha_dtype t, float *x, size_t count);
 
 // The internal forward arguments of call @p a on bare layer @p l for the cores (masks in their
 // layouts, is_causal, dropout as training, rng, impl; per-head weights), and the layer's dropout
@@ -91,9 +126,10 @@ CLMHA__HIDDEN clmha_status clmha__attention_pad_call(clmha_layer *l,
                                                      clmha_attention_args *p,
                                                      clmha__attention_dims *pd);
 
-// Enqueues the copy of @p rows rows of @p from floats at @p src_off of @p src into rows of @p to
-// floats at @p dst_off of @p dst: zeros past @p from when @p to is wider, the first @p to
-// columns when it is narrower. The first command waits for @p wait_list.
+// Enqueues the copy of @p rows rows of @p from elements (the layer's: floats or doubles) at
+// @p src_off of @p src into rows of @p to elements at @p dst_off of @p dst: zeros past @p from
+// when @p to is wider, the first @p to columns when it is narrower. The first command waits for
+// @p wait_list.
 CLMHA__HIDDEN clmha_status clmha__attention_pad_rows(clmha_layer *l, cl_mem src, size_t src_off,
                                                      size_t from, cl_mem dst, size_t dst_off,
                                                      size_t to, size_t rows, cl_uint num_wait,

@@ -5,13 +5,67 @@
 #include "forward/attention.h"
 
 #include "base/struct_in.h"
+#include "context/context.h"
+#include "forward/enqueue.h"
+
+// A 16-bit call: what it does not take yet (its tensors are widened to float32 copies, which
+// the KV cache, given slopes and sinks do not get).
+static clmha_status check_16(clmha_context *ctx, const clmha_attention_args *a) {
+    const char *what = a->kv_cache            ? "kv_cache"
+                       : a->alibi_slopes.ndim ? "alibi_slopes (the geometric slopes run)"
+                       : a->sinks.ndim        ? "sinks"
+                                              : NULL;
+    if (!what) return CLMHA_SUCCESS;
+    return clmha__fail(ctx, CLMHA_UNSUPPORTED, "a 16-bit call (dtype %s) with %s: not yet",
+                       a->dtype == CLMHA_DTYPE_F16 ? "CLMHA_DTYPE_F16" : "CLMHA_DTYPE_BF16",
+                       what);
+}
+
+// The call's dtype: float32; float64 where the device has double precision and no KV cache
+// is used (float64 caches: not yet); 16-bit (check_16()).
+static clmha_status check_dtype(clmha_context *ctx, const clmha_attention_args *a) {
+    switch (a->dtype) {
+    case CLMHA_DTYPE_F32: return CLMHA_SUCCESS;
+    case CLMHA_DTYPE_F64:
+        if (!ctx->info.fp64)
+            return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                               "dtype CLMHA_DTYPE_F64 needs a device with double precision "
+                               "(cl_khr_fp64); %s has none",
+                               ctx->info.device_name);
+        if (a->kv_cache)
+            return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                               "a float64 call (dtype CLMHA_DTYPE_F64) with kv_cache: not yet");
+        return CLMHA_SUCCESS;
+    case CLMHA_DTYPE_F16:
+    case CLMHA_DTYPE_BF16: return check_16(ctx, a);
+    }
+    return clmha__fail(ctx, CLMHA_INVALID_ARGUMENT,
+                       "dtype is %d: it must be a clmha_dtype (CLMHA_DTYPE_F32, _F64, _F16 or "
+                       "_BF16)",
+                       (int)a->dtype);
+}
 
 clmha_status clmha__attention_check_args(clmha_context *ctx, const clmha_attention_args *args,
                                          clmha_attention_args *in, clmha__attention_dims *d) {
     char msg[512];
     clmha_status st = CLMHA__STRUCT_IN(clmha_attention_args, in, args, "args", msg, sizeof msg);
     if (!st) st = clmha__attention_resolve(in, d, msg, sizeof msg);
-    return st ? clmha__fail(ctx, st, "%s", msg) : CLMHA_SUCCESS;
+    if (st) return clmha__fail(ctx, st, "%s", msg);
+    return check_dtype(ctx, in);
+}
+
+size_t clmha__attention_elem(const clmha_attention_args *a) {
+    return a->dtype == CLMHA_DTYPE_F64                                      ? sizeof(double)
+           : a->dtype == CLMHA_DTYPE_F16 || a->dtype == CLMHA_DTYPE_BF16 ? sizeof(uint16_t)
+                                                                            : sizeof(float);
+}
+
+bool clmha__attention_16(const clmha_attention_args *a) {
+    return a->dtype == CLMHA_DTYPE_F16 || a->dtype == CLMHA_DTYPE_BF16;
+}
+
+size_t clmha__attention_mask_elem(const clmha_attention_args *a, clmha_mask_kind kind) {
+    return kind == CLMHA_MASK_FLOAT ? clmha__attention_elem(a) : clmha__mask_elem(kind);
 }
 
 clmha_forward_args clmha__attention_core_args(clmha_layer *l, const clmha_attention_args *a,

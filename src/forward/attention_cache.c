@@ -13,6 +13,7 @@
 
 typedef struct entry {
     size_t heads, kv_heads, head_dim;
+    clmha_dtype dtype;           // float32 or float64: the layer's element
     bool softcap, alibi, sinks;  // the variants its programs are built with
     clmha_layer *layer;          // its user functions: layer->mod_source (NULL: none)
     struct entry *next;
@@ -51,18 +52,18 @@ static cache *cache_of(clmha_context *ctx) {
 
 // A new entry's bare layer with every core's state.
 static clmha_status make(clmha_context *ctx, cache *c, const clmha__dims *call,
-                         size_t head_dim, clmha_layer **out) {
+                         size_t head_dim, clmha_dtype dtype, clmha_layer **out) {
     entry *e = calloc(1, sizeof *e);
     if (!e) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     clmha_status st =
-        clmha__layer_new_bare(&e->layer, ctx, call->h, call->kvh, head_dim, call);
+        clmha__layer_new_bare(&e->layer, ctx, call->h, call->kvh, head_dim, dtype, call);
     if (!st && (st = clmha__cores_create(e->layer))) clmha_layer_release(e->layer);
     if (st) {
         free(e);
         return st;
     }
-    *e = (entry){call->h,           call->kvh,   head_dim, call->softcap > 0.0,
-                 call->alibi,       call->sinks, e->layer, c->first};
+    *e = (entry){call->h,     call->kvh,   head_dim, dtype, call->softcap > 0.0,
+                 call->alibi, call->sinks, e->layer, c->first};
     c->first = e;
     *out = e->layer;
     return CLMHA_SUCCESS;
@@ -85,7 +86,7 @@ static void evict(cache *c) {
 }
 
 clmha_status clmha__attention_lock(clmha_context *ctx, const clmha__dims *call,
-                                   size_t head_dim, clmha_layer **layer) {
+                                   size_t head_dim, clmha_dtype dtype, clmha_layer **layer) {
     size_t heads = call->h, kv_heads = call->kvh;
     bool softcap = call->softcap > 0.0, alibi = call->alibi, sinks = call->sinks;
     const char *mods = call->mod_source;
@@ -96,7 +97,7 @@ clmha_status clmha__attention_lock(clmha_context *ctx, const clmha__dims *call,
     for (entry **p = &c->first; *p; p = &(*p)->next) {
         entry *e = *p;
         if (e->heads == heads && e->kv_heads == kv_heads && e->head_dim == head_dim &&
-            e->softcap == softcap && e->alibi == alibi && e->sinks == sinks &&
+            e->dtype == dtype && e->softcap == softcap && e->alibi == alibi && e->sinks == sinks &&
             (mods ? e->layer->mod_source && strcmp(e->layer->mod_source, mods) == 0
                   : !e->layer->mod_source)) {
             *p = e->next;  // to the front
@@ -106,7 +107,7 @@ clmha_status clmha__attention_lock(clmha_context *ctx, const clmha__dims *call,
             return CLMHA_SUCCESS;
         }
     }
-    clmha_status st = make(ctx, c, call, head_dim, layer);
+    clmha_status st = make(ctx, c, call, head_dim, dtype, layer);
     if (st) pthread_mutex_unlock(&c->lock);
     else evict(c);
     return st;

@@ -21,7 +21,7 @@ static clmha_status widen(clmha_layer *l, clmha_tensor *t, size_t width, int slo
     t->shape[t->ndim - 1] = width;
     t->offset = 0;
     t->data = NULL;
-    return clmha__host_room(l, slot, what, rows * width * sizeof(float), &t->buffer);
+    return clmha__host_room(l, slot, what, rows * width * l->rs, &t->buffer);
 }
 
 clmha_status clmha__attention_pad_call(clmha_layer *l, const clmha_attention_args *a,
@@ -47,19 +47,19 @@ clmha_status clmha__attention_pad_rows(clmha_layer *l, cl_mem src, size_t src_of
                                        cl_uint num_wait, const cl_event *wait_list) {
     clmha_context *ctx = l->ctx;
     cl_int err = CL_SUCCESS;
-    if (to > from) {  // the columns past `from` are zeros
-        float zero = 0.0f;
-        err = clEnqueueFillBuffer(ctx->queue, dst, &zero, sizeof zero, dst_off * sizeof(float),
-                                  rows * to * sizeof(float), num_wait, wait_list, NULL);
+    size_t rs = l->rs;  // the call's element: float, or double
+    if (to > from) {  // the columns past `from` are zeros (all bits zero in either type)
+        double zero = 0.0;
+        err = clEnqueueFillBuffer(ctx->queue, dst, &zero, rs, dst_off * rs, rows * to * rs,
+                                  num_wait, wait_list, NULL);
         num_wait = 0, wait_list = NULL;  // the copy follows the fill on the in-order queue
     }
     if (!err && rows) {
-        size_t src_origin[3] = {src_off * sizeof(float), 0, 0};
-        size_t dst_origin[3] = {dst_off * sizeof(float), 0, 0};
-        size_t region[3] = {(to < from ? to : from) * sizeof(float), rows, 1};
+        size_t src_origin[3] = {src_off * rs, 0, 0};
+        size_t dst_origin[3] = {dst_off * rs, 0, 0};
+        size_t region[3] = {(to < from ? to : from) * rs, rows, 1};
         err = clEnqueueCopyBufferRect(ctx->queue, src, dst, src_origin, dst_origin, region,
-                                      from * sizeof(float), 0, to * sizeof(float), 0, num_wait,
-                                      wait_list, NULL);
+                                      from * rs, 0, to * rs, 0, num_wait, wait_list, NULL);
     }
     return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBufferRect(D_v padding)")
                : CLMHA_SUCCESS;

@@ -339,7 +339,8 @@ static void release_kernel(cl_kernel *k) {
 }
 
 clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_context *ctx, size_t heads,
-                                   size_t kv_heads, size_t head_dim, const clmha__dims *call) {
+                                   size_t kv_heads, size_t head_dim, clmha_dtype dtype,
+                                   const clmha__dims *call) {
     *out = NULL;
     clmha_layer *l = calloc(1, sizeof *l);
     if (!l) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
@@ -350,12 +351,12 @@ clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_context *ctx, size_t
     l->d = head_dim;
     l->kvh = kv_heads;
     l->kve = kv_heads * head_dim;
-    l->rs = 4;
+    l->rs = dtype == CLMHA_DTYPE_F64 ? 8 : 4;
     l->desc = (clmha_layer_desc){.struct_size = sizeof l->desc, .embed_dim = l->e,
                                  .num_heads = heads, .kdim = l->e, .vdim = l->e,
                                  .num_kv_heads = kv_heads, .batch_first = true,
                                  .softcap = call->softcap > 0.0 ? 1.0 : 0.0,
-                                 .alibi = call->alibi, .sinks = call->sinks};
+                                 .alibi = call->alibi, .sinks = call->sinks, .dtype = dtype};
     clmha_status st = clmha__layer_mods_init(l, call->mod_source, NULL, 0);
     if (!st) st = make_kernels(l);
     if (!st && call->alibi) st = make_alibi(l);

@@ -177,7 +177,8 @@ CLMHA__HIDDEN clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ct
                                             const clmha_layer_desc *desc);
 
 // A bare layer on @p ctx for attention without projections (clmha_attention_forward()): H
-// @p heads, @p kv_heads key/value heads, head_dim @p head_dim, float32, its programs built
+// @p heads, @p kv_heads key/value heads, head_dim @p head_dim, of @p dtype (float32, or
+// float64 on a device with double precision: the caller checks), its programs built
 // with the score variants of @p call (soft-capping: desc.softcap 1, which each call sets to
 // its value; ALiBi: alibi_slopes geometric; sinks: the calls give theirs); the kernels of
 // cl/heads.cl, no other parameters (w_in ... stay NULL), no core state (the caller adds it,
@@ -185,7 +186,8 @@ CLMHA__HIDDEN clmha_status clmha__layer_new(clmha_layer **out, clmha_context *ct
 // (clmha__layer_free(), after the cores' state) before the context goes.
 CLMHA__HIDDEN clmha_status clmha__layer_new_bare(clmha_layer **out, clmha_context *ctx,
                                                  size_t heads, size_t kv_heads,
-                                                 size_t head_dim, const clmha__dims *call);
+                                                 size_t head_dim, clmha_dtype dtype,
+                                                 const clmha__dims *call);
 
 // Frees what clmha__layer_new() made (the cores' state must be gone) and releases the context.
 // NULL is ignored.

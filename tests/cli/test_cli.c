@@ -3420,6 +3420,115 @@ Test(cli_sdpa, float64_inputs_and_unbatched_shapes) {
     tmp_remove(&d);
 }
 
+// Largest |a - b| over the largest |b|: the float64 contract's relative error.
+static double rel_diff_d(const double *a, const double *b, size_t count) {
+    double scale = 0;
+    for (size_t i = 0; i < count; ++i) scale = fmax(scale, fabs(b[i]));
+    return max_abs_diff_d(a, b, count) / (scale > 0 ? scale : 1);
+}
+
+// --dtype f64: '<f8' query, key, value, float mask and output gradient (GQA) read as doubles,
+// the output, log-sum-exp rows and gradients written as '<f8', within 1e-12 (relative) of the
+// double-precision reference on the same values (floats written as doubles, which the reference
+// reads); then values no float holds: the output equals, bit for bit, what
+// clmha_attention_forward_host_f64() gives in-process on the same doubles. Usage errors:
+// --dtype f16, --dtype f64 with --kv-cache-prefix.
+Test(cli_sdpa, dtype_f64) {
+    SKIP_WITHOUT_FP64();
+    tmp_dir d = tmp_make();
+    enum { N = 2, H = 4, HKV = 2, L = 5, S = 7, D = 8, NQ = N * H * L * D, NK = N * HKV * S * D,
+           NM = L * S, NLSE = N * H * L };
+    static float qf[NQ], kf[NK], vf[NK], mf[NM], gf[NQ];
+    static double qd[NQ], kd[NK], vd[NK], md[NM], gd[NQ];
+    float *f[5] = {qf, kf, vf, mf, gf};
+    double *x[5] = {qd, kd, vd, md, gd};
+    size_t count[5] = {NQ, NK, NK, NM, NQ};
+    uint32_t state = 777u;
+    for (int t = 0; t < 5; ++t)
+        for (size_t i = 0; i < count[t]; ++i) x[t][i] = f[t][i] = pseudo(&state);
+    const size_t q_shape[] = {N, H, L, D}, k_shape[] = {N, HKV, S, D}, m_shape[] = {L, S};
+    const size_t *shape[5] = {q_shape, k_shape, k_shape, m_shape, q_shape};
+    const size_t ndim[5] = {4, 4, 4, 2, 4};
+    static const char *const names[5] = {"q.npy", "k.npy", "v.npy", "m.npy", "g.npy"};
+    for (int t = 0; t < 5; ++t)
+        write_npy_raw(tmp_file(&d, names[t]), "<f8", ndim[t], shape[t], x[t],
+                      count[t] * sizeof(double));
+    cli_result r = cli_run("sdpa", "--query", tmp_file(&d, "q.npy"), "--key",
+                           tmp_file(&d, "k.npy"), "--value", tmp_file(&d, "v.npy"),
+                           "--attn-mask", tmp_file(&d, "m.npy"), "--enable-gqa", "--dtype",
+                           "f64", "--output", tmp_file(&d, "o.npy"), "--lse-output",
+                           tmp_file(&d, "lse.npy"), "--grad-output", tmp_file(&d, "g.npy"),
+                           "--grads-dir", d.path);
+    cr_assert_eq(r.status, 0, "exit status %d; stderr: %s", r.status, r.err);
+    cr_assert_str_empty(r.err, "stderr: %s", r.err);
+    cli_free(&r);
+    // The reference, on the floats.
+    clmha_attention_args a = {.struct_size = sizeof a, .enable_gqa = true,
+                              .query = {.ndim = 4, .shape = {N, H, L, D}, .data = qf},
+                              .key = {.ndim = 4, .shape = {N, HKV, S, D}, .data = kf},
+                              .value = {.ndim = 4, .shape = {N, HKV, S, D}, .data = vf},
+                              .attn_mask = {.kind = CLMHA_MASK_FLOAT,
+                                            .tensor = {.ndim = 2, .shape = {L, S}, .data = mf}}};
+    static double want_o[NQ], want_lse[NLSE], want_g[4][NQ];
+    char msg[512];
+    cr_assert_eq(clmha_reference_attention(&a, want_o, NQ, want_lse, NLSE, NULL, 0, msg,
+                                           sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    clmha_reference_grads grads = {.struct_size = sizeof grads, .query = want_g[0],
+                                   .key = want_g[1], .value = want_g[2],
+                                   .attn_mask = want_g[3]};
+    cr_assert_eq(clmha_reference_attention_backward(&a, gf, &grads, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    static const char *const outs[6] = {"o.npy",     "lse.npy",   "query.npy",
+                                        "key.npy",   "value.npy", "attn_mask.npy"};
+    const double *want[6] = {want_o, want_lse, want_g[0], want_g[1], want_g[2], want_g[3]};
+    const size_t want_count[6] = {NQ, NLSE, NQ, NK, NK, NM};
+    for (int t = 0; t < 6; ++t) {
+        clmha__npy got = {0};
+        read_npy_f64(tmp_file(&d, outs[t]), &got);
+        cr_assert_str_eq(got.dtype, "<f8", "%s", outs[t]);
+        cr_assert_eq(got.count, want_count[t], "%s", outs[t]);
+        double e = rel_diff_d(got.f64, want[t], want_count[t]);
+        fprintf(stderr, "cli sdpa --dtype f64 %s: relative error %.3g\n", outs[t], e);
+        cr_expect(e <= 1e-12, "%s: relative error %.3g", outs[t], e);
+        clmha__npy_free(&got);
+    }
+    // Values no float holds: read exactly, as the in-process call reads them.
+    for (size_t i = 0; i < NQ; ++i) qd[i] += 1e-9;
+    write_npy_raw(tmp_file(&d, "q.npy"), "<f8", 4, q_shape, qd, sizeof qd);
+    r = cli_run("sdpa", "--query", tmp_file(&d, "q.npy"), "--key", tmp_file(&d, "k.npy"),
+                "--value", tmp_file(&d, "v.npy"), "--attn-mask", tmp_file(&d, "m.npy"),
+                "--enable-gqa", "--dtype", "f64", "--output", tmp_file(&d, "o.npy"));
+    cr_assert_eq(r.status, 0, "exit status %d; stderr: %s", r.status, r.err);
+    cli_free(&r);
+    clmha_attention_args b = a;
+    b.dtype = CLMHA_DTYPE_F64;
+    b.query.data = qd, b.key.data = kd, b.value.data = vd, b.attn_mask.tensor.data = md;
+    clmha_context *ctx = NULL;
+    cr_assert_eq(clmha_context_create_from_env(&ctx), CLMHA_SUCCESS);
+    static double in_process[NQ];
+    cr_assert_eq(clmha_attention_forward_host_f64(ctx, &b, in_process, NQ, NULL, 0, NULL, 0),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    clmha_context_release(ctx);
+    clmha__npy got = {0};
+    read_npy_f64(tmp_file(&d, "o.npy"), &got);
+    cr_expect(memcmp(got.f64, in_process, sizeof in_process) == 0,
+              "the program's float64 output differs from the in-process call's");
+    clmha__npy_free(&got);
+    // Usage errors.
+    r = cli_run("sdpa", "--query", tmp_file(&d, "q.npy"), "--key", tmp_file(&d, "k.npy"),
+                "--value", tmp_file(&d, "v.npy"), "--dtype", "f16");
+    cr_expect_eq(r.status, 2, "--dtype f16: exit status %d", r.status);
+    cr_expect(strstr(r.err, "not yet"), "stderr: %s", r.err);
+    cli_free(&r);
+    r = cli_run("sdpa", "--query", tmp_file(&d, "q.npy"), "--key", tmp_file(&d, "q.npy"),
+                "--value", tmp_file(&d, "q.npy"), "--dtype", "f64", "--kv-cache-prefix", "2");
+    cr_expect_eq(r.status, 2, "--dtype f64 --kv-cache-prefix: exit status %d", r.status);
+    cr_expect(strstr(r.err, "not yet"), "stderr: %s", r.err);
+    cli_free(&r);
+    tmp_remove(&d);
+}
+
 // --dropout-p: the same seed gives the same output and gradients, byte for byte, another seed
 // another output; --dropout-p 0 is no dropout.
 Test(cli_sdpa, dropout_is_replayed) {
