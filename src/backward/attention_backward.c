@@ -392,16 +392,22 @@ static clmha_status widen_16(clmha_layer *l, const clmha_attention_backward_args
                              clmha__attention_dims *wd, clmha_attention_backward_args *wb) {
     bool mask = d->attn.kind == CLMHA_MASK_FLOAT;
     clmha_tensor go = {.buffer = b->grad_output, .offset = b->grad_output_offset};
-    clmha_tensor *in[5] = {&w->query, &w->key, &w->value, &wd->attn.tensor, &go};
-    size_t count[5] = {d->query_count, d->key_count, d->value_count,
-                       mask ? d->mask_count : 0, d->output_count};
-    static const int slot[5] = {CLMHA__STAGED_PAD_QUERY, CLMHA__STAGED_PAD_KEY,
+    clmha_tensor *in[7] = {&w->query, &w->key,   &w->value,       &wd->attn.tensor,
+                           &go,       &w->sinks, &w->alibi_slopes};
+    size_t h = d->core.h;
+    size_t count[7] = {d->query_count, d->key_count,           d->value_count,
+                       mask ? d->mask_count : 0,                d->output_count,
+                       w->sinks.ndim ? h : 0, w->alibi_slopes.ndim ? h : 0};
+    static const int slot[7] = {CLMHA__STAGED_PAD_QUERY, CLMHA__STAGED_PAD_KEY,
                                 CLMHA__STAGED_PAD_VALUE, CLMHA__STAGED_ATTN,
-                                CLMHA__STAGED_GRAD_OUTPUT};
-    static const char *const what[5] = {"float32 query", "float32 key", "float32 value",
-                                        "float32 attn_mask", "float32 grad_output"};
+                                CLMHA__STAGED_GRAD_OUTPUT, CLMHA__STAGED_SINKS,
+                                CLMHA__STAGED_SLOPES};
+    static const char *const what[7] = {"float32 query",       "float32 key",
+                                        "float32 value",       "float32 attn_mask",
+                                        "float32 grad_output", "float32 sinks",
+                                        "float32 alibi_slopes"};
     clmha_status st = CLMHA_SUCCESS;
-    for (int i = 0; i < 5 && !st; ++i) {
+    for (int i = 0; i < 7 && !st; ++i) {
         if (!count[i]) continue;
         st = clmha__convert_in(l, slot[i], what[i], in[i]->buffer, in[i]->offset, count[i],
                                &in[i]->buffer);
@@ -410,10 +416,11 @@ static clmha_status widen_16(clmha_layer *l, const clmha_attention_backward_args
     if (mask) w->attn_mask.tensor = wd->attn.tensor;  // (read there by the padded form)
     wb->grad_output = go.buffer;
     wb->grad_output_offset = wb->grad_query_offset = wb->grad_key_offset = 0;
-    wb->grad_value_offset = wb->grad_attn_mask_offset = 0;
-    cl_mem *grad[4] = {&wb->grad_query, &wb->grad_key, &wb->grad_value, &wb->grad_attn_mask};
-    size_t gcount[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
-    for (int i = 0; i < 4 && !st; ++i)
+    wb->grad_value_offset = wb->grad_attn_mask_offset = wb->grad_sinks_offset = 0;
+    cl_mem *grad[5] = {&wb->grad_query, &wb->grad_key, &wb->grad_value, &wb->grad_attn_mask,
+                       &wb->grad_sinks};
+    size_t gcount[5] = {d->query_count, d->key_count, d->value_count, d->mask_count, h};
+    for (int i = 0; i < 5 && !st; ++i)
         if (*grad[i])
             st = clmha__convert_result(l, CLMHA__STAGED_GRAD + i, "float32 gradient", gcount[i],
                                        grad[i]);
@@ -437,7 +444,7 @@ static clmha_status forward_16(clmha_layer *l, const clmha_attention_args *w,
     if (!wb->grad_attn_mask && wb->impl != CLMHA_IMPL_UNFUSED)
         st = clmha__attention_enqueue(l, w, wd, &o, 0, NULL, NULL);
     if (st == CLMHA_UNSUPPORTED) {  // not tried, or refused before anything was enqueued
-        o.lse = NULL;
+        if (!wb->grad_sinks) o.lse = NULL;  // the sinks' gradient reads them (unfused too)
         st = clmha__attention_enqueue(l, w, wd, &o, 0, NULL, NULL);
     }
     wb->output = o.output, wb->lse = o.lse;
@@ -462,11 +469,12 @@ static clmha_status enqueue_16(clmha_layer *l, const clmha_attention_backward_ar
         (st = widen_16(l, b, d, &w, &wd, &wb)) || (st = forward_16(l, &w, &wd, &wb)) ||
         (st = enqueue(l, &wb, &w, &wd, false, 0, NULL, NULL)))
         return st;
-    cl_mem dst[4] = {b->grad_query, b->grad_key, b->grad_value, b->grad_attn_mask};
-    size_t off[4] = {b->grad_query_offset, b->grad_key_offset, b->grad_value_offset,
-                     b->grad_attn_mask_offset};
-    size_t count[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
-    for (int i = 0; i < 4 && !st; ++i)
+    cl_mem dst[5] = {b->grad_query, b->grad_key, b->grad_value, b->grad_attn_mask,
+                     b->grad_sinks};
+    size_t off[5] = {b->grad_query_offset, b->grad_key_offset, b->grad_value_offset,
+                     b->grad_attn_mask_offset, b->grad_sinks_offset};
+    size_t count[5] = {d->query_count, d->key_count, d->value_count, d->mask_count, d->core.h};
+    for (int i = 0; i < 5 && !st; ++i)
         if (dst[i]) st = clmha__convert_out(l, CLMHA__STAGED_GRAD + i, dst[i], off[i], count[i]);
     return st ? st : clmha__enqueue_event(l->ctx, event);
 }
@@ -626,7 +634,9 @@ static clmha_status backward_host(clmha_context *ctx, const clmha_attention_args
     clmha_layer *l;
     clmha_status st;
     const void *grad_attn_mask = dst[3];
-    float *copies[5] = {NULL};  // a 16-bit call's inputs and grad_output, rounded
+    // A 16-bit call's inputs (clmha__attention_round_inputs()) and grad_output, rounded.
+    float *copies[CLMHA__ATTENTION_ROUNDED + 1] = {NULL};
+    float **go = &copies[CLMHA__ATTENTION_ROUNDED];
     clmha_dtype t = CLMHA_DTYPE_F32;
     if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (st = clmha__attention_host_dtype(ctx, &a, takes, function)) ||
@@ -637,10 +647,10 @@ static clmha_status backward_host(clmha_context *ctx, const clmha_attention_args
         (st = check_host(ctx, &a, &d, grad_output, grad_output_count, grad_attn_mask)) ||
         (clmha__attention_16(&a) &&
          ((t = a.dtype, st = clmha__attention_round_inputs(ctx, &a, &d, t, copies)) ||
-          (st = clmha__attention_round_copy(ctx, t, grad_output, d.output_count, &copies[4])))) ||
+          (st = clmha__attention_round_copy(ctx, t, grad_output, d.output_count, go)))) ||
         (st = clmha__attention_lock(ctx, &d.core, clmha__attention_width(&d), a.dtype, &l)))
         goto done;
-    if (copies[4]) grad_output = copies[4];
+    if (*go) grad_output = *go;
     clmha_attention_backward_args b = {.struct_size = sizeof b, .forward = &a};
     if ((st = host_prepare(l, &a, &d, grad_output, grad_attn_mask != NULL, &b)) ||
         (st = enqueue(l, &b, &a, &d, false, 0, NULL, NULL)) ||
@@ -651,7 +661,7 @@ static clmha_status backward_host(clmha_context *ctx, const clmha_attention_args
     for (int i = 0; !st && t != CLMHA_DTYPE_F32 && i < 4; ++i)
         clmha__attention_round_results(t, dst[i], count[i]);
 done:
-    for (int i = 0; i < 5; ++i) free(copies[i]);
+    for (int i = 0; i <= CLMHA__ATTENTION_ROUNDED; ++i) free(copies[i]);
     return st;
 }
 

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "base/half.h"
 #include "base/message.h"
 #include "grads.h"
 #include "npy.h"
@@ -31,7 +32,8 @@ static const char *const usage_sdpa[] = {
     "heads (no layer file: see clmha run for nn.MultiheadAttention).\n"
     "\n"
     "inputs (float32; float64 and float16 files are read and rounded to float32; with\n"
-    "--dtype f64 every float file is read as float64, exactly):\n"
+    "--dtype f64 every float file is read as float64, exactly; with --dtype f16 or bf16\n"
+    "rounded to that dtype):\n"
     "  --query Q.npy             (N, H, L, D), or (H, L, D) unbatched (required)\n"
     "  --key K.npy               (N, H_kv, S, D), or (H_kv, S, D) (required)\n"
     "  --value V.npy             (N, H_kv, S, D_v), or (H_kv, S, D_v) (required; D_v may\n"
@@ -145,12 +147,15 @@ static const char *const usage_sdpa[] = {
     "  --device SPEC             \"P:D\", gpu, cpu, accelerator or part of a device name\n"
     "                            (see clmha devices); default: $CLMHA_DEVICE, else the first\n"
     "                            GPU, else the first device\n"
-    "  --dtype f32|f64           the element type of the call (clmha_attention_args::dtype):\n"
-    "                            f32 (default), or f64: the float inputs read as float64,\n"
+    "  --dtype f32|f64|f16|bf16  the element type of the call (clmha_attention_args::dtype):\n"
+    "                            f32 (default); f64: the float inputs read as float64,\n"
     "                            computed in float64 on a device with double precision\n"
     "                            (clmha devices: fp64 yes), the outputs and gradients\n"
-    "                            written as float64 ('<f8'); not with --kv-cache-prefix\n"
-    "                            (float64 KV caches: not yet); --mod-params stays float32\n"
+    "                            written as float64 ('<f8'), a KV cache of doubles; f16,\n"
+    "                            bf16: the inputs rounded to the dtype, computed in float32,\n"
+    "                            each result rounded once and written as float16 ('<f2') or\n"
+    "                            as float32 files of bfloat16 values. --mod-params stays\n"
+    "                            float32\n"
     "  --impl auto|fused|unfused the attention core of the forward pass: fused streams key\n"
     "                            tiles and never stores the scores; auto (default) is fused,\n"
     "                            unfused where the fused core cannot run or for\n"
@@ -181,6 +186,7 @@ typedef struct sdpa_opts {
     const char *scale_opt, *layout_opt, *impl_opt, *dropout_opt, *seed_opt, *offset_opt;
     const char *kv_prefix_opt;  // --kv-cache-prefix
     const char *dtype_opt;      // --dtype
+    clmha_dtype dtype;          // the call's (clmha_attention_args::dtype)
     bool f64;                   // --dtype f64: the call, its files and results in float64
     const char *page_opt, *kv_dtype_opt;  // --page-size, --kv-dtype (the cache's)
     uint64_t page_size;         // 0: a contiguous cache
@@ -333,24 +339,10 @@ static bool options_agree(const sdpa_opts *o) {
     return !why;
 }
 
-// --dtype f32 or f64 (16-bit calls: not yet; float64 through a KV cache: not yet). Reports a
-// usage error.
+// --dtype (f32, f64, f16, bf16, as run's). Reports a usage error.
 static bool parse_dtype(sdpa_opts *o) {
-    const char *t = o->dtype_opt;
-    if (!t || strcmp(t, "f32") == 0) return true;
-    if (strcmp(t, "f64") != 0) {
-        clmha__cli_report("sdpa", "--dtype '%s': expected f32 or f64%s", t,
-                          strcmp(t, "f16") == 0 || strcmp(t, "bf16") == 0
-                              ? " (16-bit calls: not yet)"
-                              : "");
-        return false;
-    }
-    if (o->kv_prefix_opt) {
-        clmha__cli_report("sdpa", "--dtype f64 does not go with --kv-cache-prefix (float64 KV "
-                          "caches: not yet)");
-        return false;
-    }
-    o->f64 = true;
+    if (!clmha__cli_parse_dtype("sdpa", o->dtype_opt, &o->dtype)) return false;
+    o->f64 = o->dtype == CLMHA_DTYPE_F64;
     return true;
 }
 
@@ -473,8 +465,14 @@ static bool read_files(sdpa_opts *o) {
     for (size_t i = 0; i < o->num_outs; ++i)
         if (!clmha__cli_output_path_ok("sdpa", o->outs[i].flag, o->outs[i].path)) return false;
     if (o->grads_dir && !clmha__cli_grads_dir_ok("sdpa", o->grads_dir)) return false;
-    for (int i = 0; i < IN_COUNT; ++i)
+    for (int i = 0; i < IN_COUNT; ++i) {
         if (o->in[i].path && !read_input(&o->in[i], o->f64)) return false;
+        // A 16-bit call's float inputs hold its dtype's values (float16 files exactly;
+        // float32 files rounded, to nearest even, as PyTorch's .to() rounds).
+        float *x = o->in[i].a.f32;
+        for (size_t k = 0; x && o->dtype != CLMHA_DTYPE_F32 && k < o->in[i].a.count; ++k)
+            x[k] = clmha__dtype_round(o->dtype, x[k]);
+    }
     return clmha__cli_mod_read("sdpa", &o->mod);
 }
 
@@ -582,7 +580,7 @@ static bool build_args(const sdpa_opts *o, sdpa_state *s) {
                                 .value = tensor_of(&in[IN_VALUE].a), .layout = o->layout,
                                 .enable_gqa = o->enable_gqa, .seq_lens = o->seq.lens,
                                 .kv_seq_lens = o->kv_seq.lens, .num_seqs = o->seq.count,
-                                .dtype = o->f64 ? CLMHA_DTYPE_F64 : CLMHA_DTYPE_F32};
+                                .dtype = o->dtype};
     if (clmha_attention_output_counts(s->ctx, a, NULL, NULL, NULL) != CLMHA_SUCCESS) {
         const char *why = clmha_context_last_error(s->ctx);
         const sdpa_input *culprit = input_culprit(why, o);
@@ -662,6 +660,7 @@ static bool plan_grads(sdpa_opts *o, sdpa_state *s, int *rc) {
         return false;
     }
     const clmha_attention_args *a = &s->args;
+    s->grads.dtype = o->dtype;  // a float16 call's gradient files are '<f2'
     bool ok = clmha__cli_grads_add(&s->grads, o->grads_dir, "query", a->query.ndim,
                                    a->query.shape) &&
               clmha__cli_grads_add(&s->grads, o->grads_dir, "key", a->key.ndim, a->key.shape) &&
@@ -717,39 +716,42 @@ static token_rows rows_of(const clmha_tensor *t, clmha_attention_layout layout) 
     return r;
 }
 
-// Tokens [t0, t0 + len) of a whole tensor (rows @p r) to a part (outer, len, inner); with
-// @p scatter, from the part into the whole tensor.
-static void copy_tokens(const float *from, float *to, token_rows r, size_t t0, size_t len,
-                        bool scatter) {
+// Tokens [t0, t0 + len) of a whole tensor (rows @p r, elements of @p es bytes) to a part
+// (outer, len, inner); with @p scatter, from the part into the whole tensor.
+static void copy_tokens(const void *from, void *to, size_t es, token_rows r, size_t t0,
+                        size_t len, bool scatter) {
     size_t n = len * r.inner;
     for (size_t i = 0; i < r.outer; ++i) {
         size_t whole = (i * r.seq + t0) * r.inner, part = i * n;
-        memcpy(to + (scatter ? whole : part), from + (scatter ? part : whole), n * sizeof *to);
+        memcpy((char *)to + (scatter ? whole : part) * es,
+               (const char *)from + (scatter ? part : whole) * es, n * es);
     }
 }
 
 // One call through @p cache: tokens [t0, t0 + len) of the query, key and value (copied to
 // @p part[0..2], rows @p r[0..2]), its output (@p part[3], rows @p r[3]) into s->y.
 static bool decode_call(const sdpa_opts *o, sdpa_state *s, clmha_kv_cache *cache,
-                        const token_rows *r, float *const *part, size_t t0, size_t len) {
+                        const token_rows *r, void *const *part, size_t t0, size_t len) {
     clmha_attention_args call = s->args;
     clmha_tensor *t[3] = {&call.query, &call.key, &call.value};
+    size_t es = o->f64 ? sizeof(double) : sizeof(float);  // the host arrays' elements
     for (int i = 0; i < 3; ++i) {
-        copy_tokens(t[i]->data, part[i], r[i], t0, len, false);
+        copy_tokens(t[i]->data, part[i], es, r[i], t0, len, false);
         t[i]->shape[seq_axis(t[i]->ndim, o->layout)] = len;
         t[i]->data = part[i];
     }
     call.kv_cache = cache;
-    clmha_status st = clmha_attention_forward_host(s->ctx, &call, part[3],
-                                                   r[3].outer * len * r[3].inner, NULL, 0, NULL,
-                                                   0);
+    size_t count = r[3].outer * len * r[3].inner;
+    clmha_status st =
+        o->f64 ? clmha_attention_forward_host_f64(s->ctx, &call, part[3], count, NULL, 0, NULL, 0)
+               : clmha_attention_forward_host(s->ctx, &call, part[3], count, NULL, 0, NULL, 0);
     if (st != CLMHA_SUCCESS) {
         char what[128];
         snprintf(what, sizeof what, "forward call %zu through the KV cache (tokens %zu to %zu)",
                  s->calls + 1, t0, t0 + len - 1);
         return call_failed(s, what, st);
     }
-    copy_tokens(part[3], s->y, r[3], t0, len, true);  // floats: not with --dtype f64
+    copy_tokens(part[3], s->y, es, r[3], t0, len, true);
     ++s->calls;
     return true;
 }
@@ -764,11 +766,12 @@ static bool decode(const sdpa_opts *o, sdpa_state *s) {
     token_rows r[4] = {rows_of(&a->query, o->layout), rows_of(&a->key, o->layout),
                        rows_of(&a->value, o->layout), rows_of(&a->query, o->layout)};
     size_t p = (size_t)o->kv_prefix, total = r[0].seq;
-    float *part[4] = {NULL};
+    void *part[4] = {NULL};
     bool ok = true;
     for (int i = 0; ok && i < 4; ++i) {  // (at most the whole tensor's count: no overflow)
         size_t count = r[i].outer * p * r[i].inner;
-        ok = (part[i] = calloc(count ? count : 1, sizeof *part[i])) != NULL;
+        ok = (part[i] = calloc(count ? count : 1, o->f64 ? sizeof(double) : sizeof(float))) !=
+             NULL;
     }
     if (!ok) clmha__cli_report("sdpa", "out of host memory for the KV cache's calls");
     clmha_kv_cache *cache = NULL;
@@ -776,7 +779,7 @@ static bool decode(const sdpa_opts *o, sdpa_state *s) {
     clmha_kv_cache_options co = {.struct_size = sizeof co, .capacity = ps ? 0 : total,
                                  .page_size = ps,
                                  .num_pages = ps ? batch * ((total + ps - 1) / ps) : 0,
-                                 .kv_dtype = o->kv_dtype};
+                                 .kv_dtype = o->kv_dtype, .dtype = o->dtype};
     clmha_status st = ok ? clmha_kv_cache_create_for_with(&cache, s->ctx, batch, kv_heads,
                                                           a->key.shape[nd - 1], &co)
                          : CLMHA_SUCCESS;
@@ -808,9 +811,12 @@ enum { DEV_Q, DEV_K, DEV_V, DEV_MASK, DEV_SINKS, DEV_MOD, DEV_GRAD_OUT, DEV_OUT,
 // sinks gradient, and clmha_attention_backward() needs the forward's log-sum-exp rows for it,
 // so the forward runs again here (clmha_attention_forward(), with its rows and the same
 // dropout), then the backward (the fused core's where it runs, the unfused one's with
-// --impl unfused or a float mask's gradient), and the gradients are read back.
+// --impl unfused or a float mask's gradient), and the gradients are read back. A 16-bit
+// call's inputs already hold its dtype's values: it runs as float32 here (what the 16-bit
+// call computes) and its gradients are rounded once after.
 static bool backward_on_device(const sdpa_opts *o, sdpa_state *s) {
     clmha_attention_args a = s->args;
+    if (!o->f64) a.dtype = CLMHA_DTYPE_F32;
     size_t es = o->f64 ? sizeof(double) : sizeof(float);  // the call's element
     cl_context cl = clmha_context_cl_context(s->ctx);
     cl_command_queue queue = clmha_context_cl_queue(s->ctx);
@@ -873,6 +879,9 @@ static bool backward_on_device(const sdpa_opts *o, sdpa_state *s) {
     if (!ok) clFinish(queue);  // nothing may still use the buffers
     for (int i = 0; i < DEV_COUNT; ++i)
         if (buf[i]) clReleaseMemObject(buf[i]);
+    for (int i = DEV_GQ; ok && o->dtype != CLMHA_DTYPE_F32 && !o->f64 && i < DEV_COUNT; ++i)
+        for (size_t k = 0; dst[i] && k < bytes[i] / sizeof(float); ++k)
+            ((float *)dst[i])[k] = clmha__dtype_round(o->dtype, ((float *)dst[i])[k]);
     return ok;
 }
 
@@ -926,7 +935,8 @@ static bool write_files(sdpa_opts *o, const sdpa_state *s) {
         if (!paths[i]) continue;
         o->outs[n] = (clmha__cli_out){.flag = flags[i], .path = paths[i],
                                       .data = o->f64 ? NULL : data[i],
-                                      .f64 = o->f64 ? data[i] : NULL, .ndim = ndim[i]};
+                                      .f64 = o->f64 ? data[i] : NULL, .ndim = ndim[i],
+                                      .half = o->dtype == CLMHA_DTYPE_F16};
         memcpy(o->outs[n++].shape, shape[i], ndim[i] * sizeof *shape[i]);
     }
     n += clmha__cli_grads_outputs(&s->grads, o->outs + n);

@@ -234,7 +234,11 @@ static clmha_status widen_inputs(clmha_layer *l, const clmha_attention_args *a,
     clmha_status st;
     if ((st = widen_16(l, CLMHA__STAGED_QUERY, "float32 query", &w->query, d->query_count)) ||
         (st = widen_16(l, CLMHA__STAGED_KEY, "float32 key", &w->key, d->key_count)) ||
-        (st = widen_16(l, CLMHA__STAGED_VALUE, "float32 value", &w->value, d->value_count)))
+        (st = widen_16(l, CLMHA__STAGED_VALUE, "float32 value", &w->value, d->value_count)) ||
+        (a->sinks.ndim &&
+         (st = widen_16(l, CLMHA__STAGED_SINKS, "float32 sinks", &w->sinks, d->core.h))) ||
+        (a->alibi_slopes.ndim && (st = widen_16(l, CLMHA__STAGED_SLOPES, "float32 alibi_slopes",
+                                                &w->alibi_slopes, d->core.h))))
         return st;
     if (d->attn.kind != CLMHA_MASK_FLOAT) return CLMHA_SUCCESS;
     // The cores read the mask through d->attn; the packed and padded forms through args too.

@@ -67,12 +67,13 @@ CLMHA__HIDDEN clmha_status clmha__attention_round_copy(clmha_context *ctx, clmha
                                                        const float *from, size_t count,
                                                        float **copy);
 
-// ... the float32 call @p a on copies (@p copies, freed by the caller) of its query, key, value
-// and float mask rounded to dtype @p t; @p d's mask pointing at its copy.
+// ... the float32 call @p a on copies (@p copies, freed by the caller) of its query, key, value,
+// float mask, sinks and ALiBi slopes rounded to dtype @p t; @p d's mask pointing at its copy.
+#define CLMHA__ATTENTION_ROUNDED 6
 CLMHA__HIDDEN clmha_status clmha__attention_round_inputs(clmha_context *ctx,
                                                          clmha_attention_args *a,
-                                                         clmha__attention_dims *d,
-                                                         clmha_dtype t, float *copies[4]);
+                                                         clmha__attention_dims *d, clmha_dtype t,
+                                                         float *copies[CLMHA__ATTENTION_ROUNDED]);
 
 // ... and its results (@p count floats of @p x, NULL: none) rounded to @p t, once.
 CLMHA__HIDDEN void clmha__attention_round_results(clmha_dtype t, float *x, size_t count);

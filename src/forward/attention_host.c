@@ -137,11 +137,16 @@ clmha_status clmha__attention_round_copy(clmha_context *ctx, clmha_dtype t,
 
 clmha_status clmha__attention_round_inputs(clmha_context *ctx, clmha_attention_args *a,
                                            clmha__attention_dims *d, clmha_dtype t,
-                                           float *copies[4]) {
-    clmha_tensor *in[4] = {&a->query, &a->key, &a->value, &a->attn_mask.tensor};
-    size_t count[4] = {d->query_count, d->key_count, d->value_count,
-                       a->attn_mask.kind == CLMHA_MASK_FLOAT ? d->mask_count : 0};
-    for (int i = 0; i < 4; ++i) {
+                                           float *copies[CLMHA__ATTENTION_ROUNDED]) {
+    clmha_tensor *in[CLMHA__ATTENTION_ROUNDED] = {&a->query, &a->key, &a->value,
+                                                  &a->attn_mask.tensor, &a->sinks,
+                                                  &a->alibi_slopes};
+    size_t h = d->core.h;
+    size_t count[CLMHA__ATTENTION_ROUNDED] = {
+        d->query_count, d->key_count, d->value_count,
+        a->attn_mask.kind == CLMHA_MASK_FLOAT ? d->mask_count : 0, a->sinks.ndim ? h : 0,
+        a->alibi_slopes.ndim ? h : 0};
+    for (int i = 0; i < CLMHA__ATTENTION_ROUNDED; ++i) {
         if (!count[i]) continue;
         clmha_status st = clmha__attention_round_copy(ctx, t, in[i]->data, count[i], &copies[i]);
         if (st) return st;
@@ -166,7 +171,7 @@ static clmha_status forward_host(clmha_context *ctx, const clmha_attention_args 
     clmha__attention_dims d;
     clmha_layer *l;
     clmha_status st;
-    float *copies[4] = {NULL};
+    float *copies[CLMHA__ATTENTION_ROUNDED] = {NULL};
     clmha_dtype t = CLMHA_DTYPE_F32;  // a 16-bit call's, computed as float32 on rounded copies
     if ((st = clmha__attention_check_args(ctx, args, &a, &d)) ||
         (st = clmha__attention_host_dtype(ctx, &a, takes, function)) ||
@@ -188,7 +193,7 @@ static clmha_status forward_host(clmha_context *ctx, const clmha_attention_args 
         clmha__attention_round_results(t, weights, weights_count);
     }
 done:
-    for (int i = 0; i < 4; ++i) free(copies[i]);
+    for (int i = 0; i < CLMHA__ATTENTION_ROUNDED; ++i) free(copies[i]);
     return st;
 }
 

@@ -35,7 +35,7 @@ static clmha_status to_rows(clmha_layer *l, const clmha__attention_dims *d,
                             const clmha_tensor *t, size_t heads, size_t seq, size_t at,
                             cl_mem scratch) {
     clmha_context *ctx = l->ctx;
-    size_t bytes = d->core.n * seq * heads * l->d * sizeof(float);
+    size_t rs = l->rs, bytes = d->core.n * seq * heads * l->d * rs;  // floats or doubles
     cl_mem rows = t->buffer;
     size_t from = t->offset;
     if (d->layout == CLMHA_LAYOUT_NHLD) {
@@ -49,8 +49,8 @@ static clmha_status to_rows(clmha_layer *l, const clmha__attention_dims *d,
         if (st) return st;
         rows = scratch, from = 0;
     }
-    cl_int err = clEnqueueCopyBuffer(ctx->queue, rows, l->proj, from * sizeof(float),
-                                     at * sizeof(float), bytes, 0, NULL, NULL);
+    cl_int err = clEnqueueCopyBuffer(ctx->queue, rows, l->proj, from * rs, at * rs, bytes, 0,
+                                     NULL, NULL);
     return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(rows for the KV cache)")
                : CLMHA_SUCCESS;
 }
@@ -63,8 +63,8 @@ static clmha_status from_rows(clmha_layer *l, const clmha__attention_dims *d,
     cl_mem merged = l->tiles[CLMHA__TILE_OUT];
     if (d->layout == CLMHA_LAYOUT_NLHD) {
         cl_int err = clEnqueueCopyBuffer(ctx->queue, merged, o->output, 0,
-                                         o->output_offset * sizeof(float),
-                                         d->output_count * sizeof(float), 0, NULL, NULL);
+                                         o->output_offset * l->rs, d->output_count * l->rs, 0,
+                                         NULL, NULL);
         return err ? clmha__cl_fail(ctx, err, "clEnqueueCopyBuffer(result)") : CLMHA_SUCCESS;
     }
     cl_ulong zero = 0, ld = l->e, out = o->output_offset, n = d->core.n, h = l->h, group = 1,

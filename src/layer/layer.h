@@ -37,6 +37,9 @@ enum {
     CLMHA__STAGED_PAD_KEY,
     CLMHA__STAGED_PAD_VALUE,
     CLMHA__STAGED_PAD_OUTPUT,
+    // A 16-bit call of attention as a function: its sinks and ALiBi slopes widened.
+    CLMHA__STAGED_SINKS,
+    CLMHA__STAGED_SLOPES,
     // A 16-bit layer's backward call (src/backward/backward.c): its grad_output and
     // grad_weights widened, and a float32 copy per gradient (in clmha_backward_args order)
     // narrowed into the caller's buffer after the pass.

@@ -3515,18 +3515,165 @@ Test(cli_sdpa, dtype_f64) {
     cr_expect(memcmp(got.f64, in_process, sizeof in_process) == 0,
               "the program's float64 output differs from the in-process call's");
     clmha__npy_free(&got);
-    // Usage errors.
+    // A dtype the program does not know: a usage error.
     r = cli_run("sdpa", "--query", tmp_file(&d, "q.npy"), "--key", tmp_file(&d, "k.npy"),
-                "--value", tmp_file(&d, "v.npy"), "--dtype", "f16");
-    cr_expect_eq(r.status, 2, "--dtype f16: exit status %d", r.status);
-    cr_expect(strstr(r.err, "not yet"), "stderr: %s", r.err);
-    cli_free(&r);
-    r = cli_run("sdpa", "--query", tmp_file(&d, "q.npy"), "--key", tmp_file(&d, "q.npy"),
-                "--value", tmp_file(&d, "q.npy"), "--dtype", "f64", "--kv-cache-prefix", "2");
-    cr_expect_eq(r.status, 2, "--dtype f64 --kv-cache-prefix: exit status %d", r.status);
-    cr_expect(strstr(r.err, "not yet"), "stderr: %s", r.err);
+                "--value", tmp_file(&d, "v.npy"), "--dtype", "f8");
+    cr_expect_eq(r.status, 2, "--dtype f8: exit status %d", r.status);
+    cr_expect(strstr(r.err, "--dtype") != NULL, "stderr: %s", r.err);
     cli_free(&r);
     tmp_remove(&d);
+}
+
+// The largest ratio of |got - want| to the 16-bit contract r·(|want| + t) + t (t = @p t_rel ·
+// (1 + max |want|); r half an ulp of @p dt).
+static double ratio_16(clmha_dtype dt, const float *got, const double *want, size_t count,
+                       double t_rel) {
+    double big = 0, worst = 0, r = dt == CLMHA_DTYPE_F16 ? 0x1p-11 : 0x1p-8;
+    for (size_t i = 0; i < count; ++i) big = fmax(big, fabs(want[i]));
+    double t = t_rel * (1 + big);
+    for (size_t i = 0; i < count; ++i) {
+        double e = fabs(got[i] - want[i]) / (r * (fabs(want[i]) + t) + t);
+        if (!(e <= worst)) worst = e;  // NaN wins
+    }
+    return worst;
+}
+
+// --dtype f16 and bf16: float16 files ('<f2', exact) or float32 files of bfloat16 values in,
+// the call computed as a 16-bit call (float32 inside, results rounded once), the output,
+// log-sum-exp rows and gradients written as '<f2' (float16) or float32 files of bfloat16
+// values; with attention sinks (their gradient too) and is_causal, GQA. Within the 16-bit
+// contract of the double-precision reference on the same 16-bit values.
+Test(cli_sdpa, dtype_16_bit) {
+    SKIP_WITHOUT_DEVICE();
+    enum { N = 2, H = 4, HKV = 2, L = 6, D = 8, NQ = N * H * L * D, NK = N * HKV * L * D,
+           NLSE = N * H * L };
+    static const clmha_dtype dts[2] = {CLMHA_DTYPE_F16, CLMHA_DTYPE_BF16};
+    for (int k = 0; k < 2; ++k) {
+        clmha_dtype dt = dts[k];
+        tmp_dir d = tmp_make();
+        static float qf[NQ], kf[NK], vf[NK], gf[NQ], sf[H];
+        float *f[5] = {qf, kf, vf, gf, sf};
+        size_t count[5] = {NQ, NK, NK, NQ, H};
+        uint32_t state = 91u + (uint32_t)k;
+        const size_t q_shape[] = {N, H, L, D}, k_shape[] = {N, HKV, L, D}, s_shape[] = {H};
+        const size_t *shape[5] = {q_shape, k_shape, k_shape, q_shape, s_shape};
+        const size_t ndim[5] = {4, 4, 4, 4, 1};
+        static const char *const names[5] = {"q.npy", "k.npy", "v.npy", "g.npy", "s.npy"};
+        static uint16_t bits[NQ];
+        for (int t = 0; t < 5; ++t) {
+            for (size_t i = 0; i < count[t]; ++i) {
+                f[t][i] = clmha__dtype_round(dt, (float)pseudo(&state));
+                bits[i] = clmha__f32_to_f16(f[t][i]);
+            }
+            if (dt == CLMHA_DTYPE_F16)
+                write_npy_raw(tmp_file(&d, names[t]), "<f2", ndim[t], shape[t], bits,
+                              count[t] * 2);
+            else
+                write_npy_raw(tmp_file(&d, names[t]), "<f4", ndim[t], shape[t], f[t],
+                              count[t] * 4);
+        }
+        const char *dtn = dt == CLMHA_DTYPE_F16 ? "f16" : "bf16";
+        cli_result r = cli_run("sdpa", "--query", tmp_file(&d, "q.npy"), "--key",
+                               tmp_file(&d, "k.npy"), "--value", tmp_file(&d, "v.npy"),
+                               "--sinks", tmp_file(&d, "s.npy"), "--is-causal", "--enable-gqa",
+                               "--dtype", dtn, "--output", tmp_file(&d, "o.npy"),
+                               "--lse-output", tmp_file(&d, "lse.npy"), "--grad-output",
+                               tmp_file(&d, "g.npy"), "--grads-dir", d.path);
+        cr_assert_eq(r.status, 0, "%s: exit status %d; stderr: %s", dtn, r.status, r.err);
+        cli_free(&r);
+        clmha_attention_args a = {.struct_size = sizeof a, .enable_gqa = true, .is_causal = true,
+                                  .query = {.ndim = 4, .shape = {N, H, L, D}, .data = qf},
+                                  .key = {.ndim = 4, .shape = {N, HKV, L, D}, .data = kf},
+                                  .value = {.ndim = 4, .shape = {N, HKV, L, D}, .data = vf},
+                                  .sinks = {.ndim = 1, .shape = {H}, .data = sf}};
+        static double want_o[NQ], want_lse[NLSE], want_g[4][NQ];
+        char msg[512];
+        cr_assert_eq(clmha_reference_attention(&a, want_o, NQ, want_lse, NLSE, NULL, 0, msg,
+                                               sizeof msg),
+                     CLMHA_SUCCESS, "%s", msg);
+        clmha_reference_grads grads = {.struct_size = sizeof grads, .query = want_g[0],
+                                       .key = want_g[1], .value = want_g[2],
+                                       .sinks = want_g[3]};
+        cr_assert_eq(clmha_reference_attention_backward(&a, gf, &grads, msg, sizeof msg),
+                     CLMHA_SUCCESS, "%s", msg);
+        static const char *const outs[6] = {"o.npy",   "lse.npy",   "query.npy",
+                                            "key.npy", "value.npy", "sinks.npy"};
+        const double *want[6] = {want_o, want_lse, want_g[0], want_g[1], want_g[2], want_g[3]};
+        const size_t want_count[6] = {NQ, NLSE, NQ, NK, NK, H};
+        for (int t = 0; t < 6; ++t) {
+            clmha__npy got = {0};
+            read_npy(tmp_file(&d, outs[t]), &got);
+            cr_assert_str_eq(got.dtype, dt == CLMHA_DTYPE_F16 ? "<f2" : "<f4", "%s %s", dtn,
+                             outs[t]);
+            cr_assert_eq(got.count, want_count[t], "%s", outs[t]);
+            for (size_t i = 0; i < got.count; ++i)
+                cr_assert_eq(got.f32[i], clmha__dtype_round(dt, got.f32[i]),
+                             "%s %s: value %zu is not the dtype's", dtn, outs[t], i);
+            double e = ratio_16(dt, got.f32, want[t], want_count[t], t < 2 ? 1e-5 : 1e-4);
+            fprintf(stderr, "cli sdpa --dtype %s %s: %.3g of the contract\n", dtn, outs[t], e);
+            cr_expect(e <= 1.0, "%s %s: %.3g of the contract", dtn, outs[t], e);
+            clmha__npy_free(&got);
+        }
+        tmp_remove(&d);
+    }
+}
+
+// --kv-cache-prefix with --dtype f64 and f16: a float64 cache of doubles, a 16-bit call's cache
+// of floats; prefix 3 then one token a call, is_causal: the one-shot reference's output, within
+// the dtype's contract ('<f8' files within 1e-12; float16 within the 16-bit contract).
+Test(cli_sdpa, dtype_kv_cache) {
+    SKIP_WITHOUT_DEVICE();
+    enum { N = 1, H = 2, L = 7, D = 8, NQ = N * H * L * D };
+    static float x[3][NQ];
+    uint32_t state = 5u;
+    for (int t = 0; t < 3; ++t)
+        for (size_t i = 0; i < NQ; ++i) x[t][i] = clmha__f16_to_f32(clmha__f32_to_f16(
+                                             (float)pseudo(&state)));  // float16 values
+    clmha_attention_args a = {.struct_size = sizeof a, .is_causal = true,
+                              .query = {.ndim = 4, .shape = {N, H, L, D}, .data = x[0]},
+                              .key = {.ndim = 4, .shape = {N, H, L, D}, .data = x[1]},
+                              .value = {.ndim = 4, .shape = {N, H, L, D}, .data = x[2]}};
+    static double want[NQ];
+    char msg[512];
+    cr_assert_eq(clmha_reference_attention(&a, want, NQ, NULL, 0, NULL, 0, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    static const char *const dts[2] = {"f64", "f16"};
+    for (int k = device_has_fp64() ? 0 : 1; k < 2; ++k) {
+        tmp_dir d = tmp_make();
+        static const char *const names[3] = {"q.npy", "k.npy", "v.npy"};
+        const size_t shape[4] = {N, H, L, D};
+        static double xd[NQ];
+        static uint16_t xb[NQ];
+        for (int t = 0; t < 3; ++t) {
+            for (size_t i = 0; i < NQ; ++i) xd[i] = x[t][i], xb[i] = clmha__f32_to_f16(x[t][i]);
+            if (k == 0) write_npy_raw(tmp_file(&d, names[t]), "<f8", 4, shape, xd, sizeof xd);
+            else write_npy_raw(tmp_file(&d, names[t]), "<f2", 4, shape, xb, sizeof xb);
+        }
+        cli_result r = cli_run("sdpa", "--query", tmp_file(&d, "q.npy"), "--key",
+                               tmp_file(&d, "k.npy"), "--value", tmp_file(&d, "v.npy"),
+                               "--is-causal", "--kv-cache-prefix", "3", "--dtype", dts[k],
+                               "--output", tmp_file(&d, "o.npy"));
+        cr_assert_eq(r.status, 0, "%s: exit status %d; stderr: %s", dts[k], r.status, r.err);
+        cli_free(&r);
+        clmha__npy got = {0};
+        if (k == 0) {
+            read_npy_f64(tmp_file(&d, "o.npy"), &got);
+            cr_assert_str_eq(got.dtype, "<f8");
+            double e = 0;
+            for (size_t i = 0; i < NQ; ++i) e = fmax(e, fabs(got.f64[i] - want[i]));
+            fprintf(stderr, "cli sdpa --dtype f64 --kv-cache-prefix 3: max abs error %.3g\n", e);
+            cr_expect(e <= 1e-12, "max abs error %.3g", e);
+        } else {
+            read_npy(tmp_file(&d, "o.npy"), &got);
+            cr_assert_str_eq(got.dtype, "<f2");
+            double e = ratio_16(CLMHA_DTYPE_F16, got.f32, want, NQ, 1e-5);
+            fprintf(stderr, "cli sdpa --dtype f16 --kv-cache-prefix 3: %.3g of the contract\n",
+                    e);
+            cr_expect(e <= 1.0, "%.3g of the contract", e);
+        }
+        clmha__npy_free(&got);
+        tmp_remove(&d);
+    }
 }
 
 // --dropout-p: the same seed gives the same output and gradients, byte for byte, another seed

@@ -7,7 +7,8 @@
 // 1e-5 (1 + max |y|)): both layouts, GQA, causal, boolean and float masks, D_v ≠ D, through
 // both cores. The backward pass likewise (the gradients of query, key, value and a float mask,
 // rounded once), within the 16-bit layers' gradient contract (r (|g| + t) + t, t =
-// 1e-4 (1 + max |g|)). Then what 16-bit calls refuse (not yet): sinks, given ALiBi slopes.
+// 1e-4 (1 + max |g|)); a case with attention sinks and given ALiBi slopes (16-bit too; the
+// sinks' gradient on the device).
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -71,22 +72,26 @@ typedef struct hcase {
     size_t mask_ndim, mask_shape[4];
     clmha_mask_kind mask_kind;
     bool causal;
+    bool sinks_slopes;  // attention sinks and given ALiBi slopes (H each)
 } hcase;
 
 static const hcase cases[] = {
-    {"nhld plain", CLMHA_LAYOUT_NHLD, 2, 3, 0, 5, 7, 8, 0, 0, {0}, 0, false},
-    {"nlhd gqa causal", CLMHA_LAYOUT_NLHD, 2, 4, 2, 6, 6, 16, 0, 0, {0}, 0, true},
+    {"nhld plain", CLMHA_LAYOUT_NHLD, 2, 3, 0, 5, 7, 8, 0, 0, {0}, 0, false, false},
+    {"nlhd gqa causal", CLMHA_LAYOUT_NLHD, 2, 4, 2, 6, 6, 16, 0, 0, {0}, 0, true, false},
     {"nhld float mask", CLMHA_LAYOUT_NHLD, 2, 2, 0, 4, 9, 8, 0, 4, {2, 2, 4, 9},
-     CLMHA_MASK_FLOAT, false},
+     CLMHA_MASK_FLOAT, false, false},
     {"nlhd bool mask (L,S)", CLMHA_LAYOUT_NLHD, 1, 2, 0, 5, 3, 8, 0, 2, {5, 3},
-     CLMHA_MASK_BOOL_ATTEND, false},
-    {"nhld D_v 12", CLMHA_LAYOUT_NHLD, 1, 2, 0, 4, 5, 8, 12, 0, {0}, 0, false},
+     CLMHA_MASK_BOOL_ATTEND, false, false},
+    {"nhld D_v 12", CLMHA_LAYOUT_NHLD, 1, 2, 0, 4, 5, 8, 12, 0, {0}, 0, false, false},
+    {"nhld sinks, alibi slopes, causal", CLMHA_LAYOUT_NHLD, 2, 3, 0, 6, 6, 8, 0, 0, {0}, 0,
+     true, true},
 };
 
 // A case's inputs, rounded to @p t, as floats; the reference's arguments on them.
 typedef struct hdata {
     clmha_attention_args args;  // dtype float32, data: the rounded floats
     float *x[4];                // query, key, value, float mask
+    float *sinks, *slopes;      // (H) each, or NULL
     unsigned char *bmask;
     size_t count[4], nout, nlse, nw;
 } hdata;
@@ -138,10 +143,20 @@ static void hdata_make(hdata *x, const hcase *c, clmha_dtype t, uint64_t seed) {
         for (size_t k = 0; x->x[i] && k < x->count[i]; ++k)
             x->x[i][k] = clmha__dtype_round(t, x->x[i][k]);
     a->query.data = x->x[0], a->key.data = x->x[1], a->value.data = x->x[2];
+    if (!c->sinks_slopes) return;
+    x->sinks = normal_floats(&r, c->h), x->slopes = alloc_floats(c->h);
+    for (size_t h = 0; h < c->h; ++h) {
+        x->sinks[h] = clmha__dtype_round(t, x->sinks[h]);
+        x->slopes[h] = clmha__dtype_round(t, 0.3f / (float)(h + 1));
+    }
+    a->sinks = (clmha_tensor){.ndim = 1, .shape = {c->h}, .data = x->sinks};
+    a->alibi = true;
+    a->alibi_slopes = (clmha_tensor){.ndim = 1, .shape = {c->h}, .data = x->slopes};
 }
 
 static void hdata_free(hdata *x) {
     for (int i = 0; i < 4; ++i) free(x->x[i]);
+    free(x->sinks), free(x->slopes);
     free(x->bmask);
 }
 
@@ -200,6 +215,12 @@ static void device_turn(clmha_context *ctx, const hcase *c, clmha_dtype t, const
         cr_assert_eq(err, CL_SUCCESS);
     }
     if (b[3]) a.attn_mask.tensor.buffer = b[3], a.attn_mask.tensor.offset = x->bmask ? 0 : PAD;
+    cl_mem extra[2] = {NULL};  // the sinks and slopes, 16-bit
+    if (x->sinks) {
+        extra[0] = upload16(ctx, t, x->sinks, c->h), extra[1] = upload16(ctx, t, x->slopes, c->h);
+        a.sinks.buffer = extra[0], a.alibi_slopes.buffer = extra[1];
+        a.sinks.offset = a.alibi_slopes.offset = PAD;
+    }
     bool unfused = impl == CLMHA_IMPL_UNFUSED;
     cl_mem out = upload16(ctx, t, NULL, x->nout), lse = upload16(ctx, t, NULL, x->nlse),
            w = upload16(ctx, t, NULL, x->nw);
@@ -222,6 +243,8 @@ static void device_turn(clmha_context *ctx, const hcase *c, clmha_dtype t, const
     }
     for (int i = 0; i < 4; ++i)
         if (b[i]) clReleaseMemObject(b[i]);
+    for (int i = 0; i < 2; ++i)
+        if (extra[i]) clReleaseMemObject(extra[i]);
     clReleaseMemObject(out), clReleaseMemObject(lse), clReleaseMemObject(w);
 }
 
@@ -266,9 +289,9 @@ Test(sdpa_16, against_the_reference, .timeout = 600) {
 
 // The backward pass's gradients of @p x (output gradient @p g) on the device (through @p impl;
 // the unfused one with a float mask's gradient) and through the host form, against @p want
-// (dq, dk, dv, dmask).
+// (dq, dk, dv, dmask; the sinks' on the device, which takes the forward's lse for it).
 static void backward_turns(clmha_context *ctx, const hcase *c, clmha_dtype t, const hdata *x,
-                           const float *g, double *const want[4]) {
+                           const float *g, double *const want[5]) {
     static const char *const names[4] = {"dquery", "dkey", "dvalue", "dattn_mask"};
     for (int turn = 0; turn < 2; ++turn) {
         clmha_attention_args a = x->args;
@@ -292,14 +315,23 @@ static void backward_turns(clmha_context *ctx, const hcase *c, clmha_dtype t, co
             if (i < 3 || turn) gr[i] = upload16(ctx, t, NULL, x->count[i]);
         }
         cl_mem out = upload16(ctx, t, NULL, x->nout), dout = upload16(ctx, t, g, x->nout);
+        cl_mem lse = upload16(ctx, t, NULL, x->nlse), extra[3] = {NULL};
+        if (x->sinks) {  // the sinks, the slopes, the sinks' gradient
+            extra[0] = upload16(ctx, t, x->sinks, c->h);
+            extra[1] = upload16(ctx, t, x->slopes, c->h);
+            extra[2] = upload16(ctx, t, NULL, c->h);
+            a.sinks.buffer = extra[0], a.alibi_slopes.buffer = extra[1];
+            a.sinks.offset = a.alibi_slopes.offset = PAD;
+        }
         clmha_attention_backward_args ba = {
             .struct_size = sizeof ba, .forward = &a, .output = out, .output_offset = PAD,
             .grad_output = dout, .grad_output_offset = PAD, .grad_query = gr[0],
             .grad_key = gr[1], .grad_value = gr[2], .grad_attn_mask = gr[3],
             .grad_query_offset = PAD, .grad_key_offset = PAD, .grad_value_offset = PAD,
-            .grad_attn_mask_offset = PAD, .impl = a.impl};
+            .grad_attn_mask_offset = PAD, .impl = a.impl, .lse = lse, .lse_offset = PAD,
+            .grad_sinks = extra[2], .grad_sinks_offset = PAD};
         cl_event ev = NULL;
-        clmha_status st = clmha_attention_forward(ctx, &a, out, PAD, NULL, 0, NULL, 0, 0, NULL,
+        clmha_status st = clmha_attention_forward(ctx, &a, out, PAD, lse, PAD, NULL, 0, 0, NULL,
                                                   NULL);
         cr_assert_eq(st, CLMHA_SUCCESS, "%s: %s", c->name, clmha_context_last_error(ctx));
         st = clmha_attention_backward(ctx, &ba, 0, NULL, &ev);
@@ -316,9 +348,16 @@ static void backward_turns(clmha_context *ctx, const hcase *c, clmha_dtype t, co
             free(got);
             clReleaseMemObject(gr[i]);
         }
+        if (extra[2]) {
+            float *got = download16(ctx, t, extra[2], c->h);
+            check(c, t, turn ? "dsinks (unfused)" : "dsinks (auto)", got, want[4], c->h);
+            free(got);
+        }
         for (int i = 0; i < 4; ++i)
             if (b[i]) clReleaseMemObject(b[i]);
-        clReleaseMemObject(out), clReleaseMemObject(dout);
+        for (int i = 0; i < 3; ++i)
+            if (extra[i]) clReleaseMemObject(extra[i]);
+        clReleaseMemObject(out), clReleaseMemObject(dout), clReleaseMemObject(lse);
     }
     clmha_attention_args a = x->args;
     a.dtype = t;
@@ -348,46 +387,21 @@ Test(sdpa_16, backward_against_the_reference, .timeout = 600) {
             prng r = {90 + i};
             float *g = normal_floats(&r, x.nout);
             for (size_t j = 0; j < x.nout; ++j) g[j] = clmha__dtype_round(t, g[j]);
-            double *want[4];
+            double *want[5];
             for (int j = 0; j < 4; ++j) want[j] = malloc((x.count[j] + 1) * 8);
+            want[4] = malloc((c->h + 1) * 8);
             clmha_reference_grads grads = {.struct_size = sizeof grads, .query = want[0],
                                            .key = want[1], .value = want[2],
-                                           .attn_mask = x.x[3] ? want[3] : NULL};
+                                           .attn_mask = x.x[3] ? want[3] : NULL,
+                                           .sinks = x.sinks ? want[4] : NULL};
             char msg[512];
             cr_assert_eq(clmha_reference_attention_backward(&x.args, g, &grads, msg, sizeof msg),
                          CLMHA_SUCCESS, "%s", msg);
             backward_turns(ctx, c, t, &x, g, want);
-            for (int j = 0; j < 4; ++j) free(want[j]);
+            for (int j = 0; j < 5; ++j) free(want[j]);
             free(g);
             hdata_free(&x);
         }
     cr_log_info("worst: %.3g of the gradient contract", worst_seen);
-    clmha_context_release(ctx);
-}
-
-static void refused(clmha_context *ctx, clmha_status st, const char *text) {
-    cr_expect_eq(st, CLMHA_UNSUPPORTED, "got %s: %s", clmha_status_string(st),
-                 clmha_context_last_error(ctx));
-    cr_expect(strstr(clmha_context_last_error(ctx), text), "message \"%s\" lacks \"%s\"",
-              clmha_context_last_error(ctx), text);
-}
-
-Test(sdpa_16, refusals, .timeout = 300) {
-    clmha_context *ctx = context_or_skip();
-    hdata x;
-    hdata_make(&x, &cases[0], CLMHA_DTYPE_F16, 3);
-    clmha_attention_args a = x.args;
-    a.dtype = CLMHA_DTYPE_F16;
-    float out[512];
-    cr_assert(x.nout <= 512);
-    float sinks[3] = {0};
-    a.sinks = (clmha_tensor){.ndim = 1, .shape = {3}, .data = sinks};
-    refused(ctx, clmha_attention_forward_host(ctx, &a, out, x.nout, NULL, 0, NULL, 0), "sinks");
-    a.sinks = (clmha_tensor){0};
-    a.alibi = true;
-    a.alibi_slopes = (clmha_tensor){.ndim = 1, .shape = {3}, .data = sinks};
-    refused(ctx, clmha_attention_forward_host(ctx, &a, out, x.nout, NULL, 0, NULL, 0),
-            "alibi_slopes");
-    hdata_free(&x);
     clmha_context_release(ctx);
 }

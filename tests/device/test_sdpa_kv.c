@@ -9,6 +9,7 @@
 
 #include <clmha.h>
 
+#include "base/half.h"
 #include "support.h"
 
 #include <math.h>
@@ -178,6 +179,150 @@ Test(sdpa_kv, nhld_device_decode_matches_one_shot) {
 
 Test(sdpa_kv, nlhd_device_decode_matches_one_shot) {
     decode_matches_one_shot(CLMHA_LAYOUT_NLHD, true);
+}
+
+// step() in another dtype: float64 through double arrays (host) or buffers of doubles, float16
+// and bfloat16 through float arrays (host, the values already the dtype's) or 16-bit buffers;
+// returns the output's largest error against @p want as a fraction of the dtype's contract
+// (float64: 1e-12; 16-bit: r·(|y| + t) + t, r half an ulp, t = 1e-5·(1 + max |y|)).
+static double step_as(clmha_context *ctx, clmha_kv_cache *cache, clmha_attention_layout layout,
+                      clmha_dtype dt, const float *q, const float *k, const float *v, size_t t0,
+                      size_t len, const double *want, size_t want_len, bool device) {
+    float *src[3] = {slice(q, H, t0, len, layout), slice(k, HKV, t0, len, layout),
+                     slice(v, HKV, t0, len, layout)};
+    size_t nq = N * H * len * D, nk = N * HKV * len * D, count[4] = {nq, nk, nk, nq}, pad = 3;
+    size_t es = dt == CLMHA_DTYPE_F64 ? 8 : 2;
+    clmha_attention_args a = {.struct_size = sizeof a, .layout = layout, .enable_gqa = true,
+                              .kv_cache = cache, .dtype = dt, .is_causal = true,
+                              .query = tensor(layout, H, len, NULL),
+                              .key = tensor(layout, HKV, len, NULL),
+                              .value = tensor(layout, HKV, len, NULL)};
+    clmha_tensor *t[3] = {&a.query, &a.key, &a.value};
+    double *out = malloc(nq * sizeof *out);
+    void *host[4];
+    for (int i = 0; i < 4; ++i) {  // the inputs and the output in the dtype's elements
+        host[i] = calloc(count[i] + 1, es);
+        for (size_t j = 0; i < 3 && j < count[i]; ++j) {
+            if (es == 8) ((double *)host[i])[j] = src[i][j];
+            else ((uint16_t *)host[i])[j] = dt == CLMHA_DTYPE_F16 ? clmha__f32_to_f16(src[i][j])
+                                                                  : clmha__f32_to_bf16(src[i][j]);
+        }
+    }
+    if (!device) {
+        for (int i = 0; i < 3; ++i) t[i]->data = es == 8 ? host[i] : (void *)src[i];
+        float *o32 = alloc_floats(nq);
+        clmha_status st =
+            es == 8 ? clmha_attention_forward_host_f64(ctx, &a, out, nq, NULL, 0, NULL, 0)
+                    : clmha_attention_forward_host(ctx, &a, o32, nq, NULL, 0, NULL, 0);
+        cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+        for (size_t j = 0; es == 2 && j < nq; ++j) out[j] = o32[j];
+        free(o32);
+    } else {
+        cl_context cl = clmha_context_cl_context(ctx);
+        cl_command_queue queue = clmha_context_cl_queue(ctx);
+        cl_mem b[4];
+        cl_int err;
+        for (int i = 0; i < 4; ++i) {
+            b[i] = clCreateBuffer(cl, CL_MEM_READ_WRITE, (count[i] + pad) * es, NULL, &err);
+            cr_assert_eq(err, CL_SUCCESS);
+            if (i < 3) {
+                clEnqueueWriteBuffer(queue, b[i], CL_TRUE, pad * es, count[i] * es, host[i], 0,
+                                     NULL, NULL);
+                t[i]->buffer = b[i], t[i]->offset = pad;
+            }
+        }
+        cr_assert_eq(clmha_attention_forward(ctx, &a, b[3], pad, NULL, 0, NULL, 0, 0, NULL, NULL),
+                     CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+        clEnqueueReadBuffer(queue, b[3], CL_TRUE, pad * es, nq * es, host[3], 0, NULL, NULL);
+        for (size_t j = 0; j < nq; ++j)
+            out[j] = es == 8 ? ((double *)host[3])[j]
+                     : dt == CLMHA_DTYPE_F16 ? clmha__f16_to_f32(((uint16_t *)host[3])[j])
+                                             : clmha__bf16_to_f32(((uint16_t *)host[3])[j]);
+        for (int i = 0; i < 4; ++i) clReleaseMemObject(b[i]);
+    }
+    double big = 0, worst = 0, r = dt == CLMHA_DTYPE_F16 ? 0x1p-11 : 0x1p-8;
+    for (size_t j = 0; j < N * H * want_len * D; ++j) big = fmax(big, fabs(want[j]));
+    double tol = 1e-5 * (1 + big);
+    for (size_t n = 0; n < N; ++n)
+        for (size_t h = 0; h < H; ++h)
+            for (size_t tt = 0; tt < len; ++tt)
+                for (size_t c = 0; c < D; ++c) {
+                    double w = want[at(CLMHA_LAYOUT_NHLD, H, want_len, n, h, t0 + tt, c)];
+                    double e = fabs(out[at(layout, H, len, n, h, tt, c)] - w);
+                    e /= es == 8 ? 1e-12 : r * (fabs(w) + tol) + tol;
+                    if (!(e <= worst)) worst = e;  // NaN wins
+                }
+    for (int i = 0; i < 4; ++i) free(host[i]);
+    for (int i = 0; i < 3; ++i) free(src[i]);
+    free(out);
+    return worst;
+}
+
+// Decoding in float64 and in 16-bit dtypes: the cache of a float64 call holds doubles
+// (clmha_kv_cache_options::dtype), a 16-bit call's floats (its tensors widened); a prefix then
+// single tokens, both layouts, host and device forms, within each dtype's contract of the
+// reference on the dtype's values; a float64 call refuses a float32 cache and the other way.
+Test(sdpa_kv, other_dtypes, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    cl_device_fp_config fp = 0;
+    clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG, sizeof fp, &fp,
+                    NULL);
+    const clmha_dtype dts[3] = {CLMHA_DTYPE_F64, CLMHA_DTYPE_F16, CLMHA_DTYPE_BF16};
+    for (int di = fp ? 0 : 1; di < 3; ++di)
+        for (int form = 0; form < 4; ++form) {
+            clmha_attention_layout layout = form & 1 ? CLMHA_LAYOUT_NLHD : CLMHA_LAYOUT_NHLD;
+            bool device = form & 2;
+            prng r = {(uint64_t)(di * 4 + form + 40)};
+            float *x[3] = {normal_floats(&r, N * H * T * D), normal_floats(&r, N * HKV * T * D),
+                           normal_floats(&r, N * HKV * T * D)};
+            size_t cnt[3] = {N * H * T * D, N * HKV * T * D, N * HKV * T * D};
+            for (int i = 0; di > 0 && i < 3; ++i)  // the 16-bit dtype's values
+                for (size_t j = 0; j < cnt[i]; ++j) x[i][j] = clmha__dtype_round(dts[di], x[i][j]);
+            double *want = one_shot(x[0], x[1], x[2], T, &causal_only);
+            clmha_kv_cache_options o = {.struct_size = sizeof o, .capacity = CAP,
+                                        .dtype = dts[di]};
+            clmha_kv_cache *cache = NULL;
+            cr_assert_eq(clmha_kv_cache_create_for_with(&cache, ctx, N, HKV, D, &o),
+                         CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+            double worst = step_as(ctx, cache, layout, dts[di], x[0], x[1], x[2], 0, PREFIX,
+                                   want, T, device);
+            for (size_t t = PREFIX; t < T; ++t)
+                worst = fmax(worst, step_as(ctx, cache, layout, dts[di], x[0], x[1], x[2], t, 1,
+                                            want, T, device));
+            printf("sdpa kv %s %s %s: %.3g of the contract\n", clmha__dtype_name(dts[di]),
+                   form & 1 ? "nlhd" : "nhld", device ? "device" : "host", worst);
+            cr_expect_leq(worst, 1.0, "dtype %d, form %d: %.3g of the contract", (int)dts[di],
+                          form, worst);
+            clmha_kv_cache_release(cache);
+            free(want);
+            for (int i = 0; i < 3; ++i) free(x[i]);
+        }
+    if (fp) {  // a float64 call with a float32 cache, and a float32 call with a float64 one
+        for (int k = 0; k < 2; ++k) {
+            clmha_kv_cache_options o = {.struct_size = sizeof o, .capacity = CAP,
+                                        .dtype = k ? CLMHA_DTYPE_F64 : CLMHA_DTYPE_F32};
+            clmha_kv_cache *cache = NULL;
+            cr_assert_eq(clmha_kv_cache_create_for_with(&cache, ctx, N, HKV, D, &o),
+                         CLMHA_SUCCESS);
+            double q[N * H * D] = {0}, kv[N * HKV * D] = {0}, y[N * H * D];
+            clmha_attention_args a = {.struct_size = sizeof a, .enable_gqa = true,
+                                      .kv_cache = cache, .dtype = k ? CLMHA_DTYPE_F32
+                                                                    : CLMHA_DTYPE_F64,
+                                      .query = tensor(CLMHA_LAYOUT_NHLD, H, 1, NULL),
+                                      .key = tensor(CLMHA_LAYOUT_NHLD, HKV, 1, NULL),
+                                      .value = tensor(CLMHA_LAYOUT_NHLD, HKV, 1, NULL)};
+            a.query.data = q, a.key.data = a.value.data = kv;
+            clmha_status st =
+                k ? clmha_attention_forward_host(ctx, &a, (float *)y, N * H * D, NULL, 0, NULL, 0)
+                  : clmha_attention_forward_host_f64(ctx, &a, y, N * H * D, NULL, 0, NULL, 0);
+            cr_expect_eq(st, CLMHA_INVALID_ARGUMENT, "case %d: %s", k,
+                         clmha_context_last_error(ctx));
+            cr_expect(strstr(clmha_context_last_error(ctx), "kv_cache was made for") != NULL,
+                      "%s", clmha_context_last_error(ctx));
+            clmha_kv_cache_release(cache);
+        }
+    }
+    clmha_context_release(ctx);
 }
 
 // A sequence through the cache, masked by @p m: a prefix of PREFIX tokens, then calls of
