@@ -99,6 +99,36 @@ def test_decode_equals_one_shot_causal(ctx, entry):
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+def test_decode_in_other_dtypes(ctx, entry, dtype):
+    """A cache for float64 calls holds doubles (KVCache.for_attention(dtype=)): the rows of the
+    one-shot causal attention within 1e-12; a 16-bit call's cache holds floats: within the
+    16-bit contract r·(|y| + t) + t of the formula on the same 16-bit values."""
+    if dtype == "float64" and not clmha.devices()[0].fp64:
+        pytest.skip("device has no fp64")
+    if entry == "numpy" and dtype == "bfloat16":
+        pytest.skip("NumPy has no bfloat16")
+    f = ENTRIES[entry]
+    tdt = getattr(torch, dtype)
+    q, k, v, _ = sequence()
+    q, k, v = q.to(tdt), k.to(tdt), v.to(tdt)
+    want = ref(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+    cache = clmha.KVCache.for_attention(N, HKV, D, CAP, context=ctx, dtype=dtype)
+    assert cache.dtype == dtype
+    outs = [feed(f, cache, q, k, v, 0, PREFIX)]
+    outs += [feed(f, cache, q, k, v, t, t + 1) for t in range(PREFIX, T)]
+    got = torch.cat(outs, dim=2)
+    assert got.dtype == tdt
+    if dtype == "float64":
+        assert record(f"sdpa kv cache float64 ({entry})", err(got, want)) <= 1e-12
+        return
+    r = 2.0 ** -11 if dtype == "float16" else 2.0 ** -8
+    t = 1e-5 * (1 + want.abs().max().item())
+    ratio = ((got.double() - want).abs() / (r * (want.abs() + t) + t)).max().item()
+    assert record(f"sdpa kv cache {dtype} ({entry}, of the contract)", ratio) <= 1.0
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
 def test_unbatched_3d(ctx, entry):
     f = ENTRIES[entry]
     q, k, v, want = sequence(n=1)
