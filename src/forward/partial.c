@@ -52,19 +52,30 @@ static clmha_status merge_rows(clmha_context *ctx, const clmha__merge_call *m, c
     return clmha__enqueue_event(ctx, event);
 }
 
+// The merge of rows of @p rs bytes an element, its arguments as the public calls take them.
+static clmha_status merge_as(size_t rs, clmha_context *ctx, size_t rows, size_t head_dim,
+                             cl_mem heads, size_t heads_offset, cl_mem lse, size_t lse_offset,
+                             cl_mem other_heads, size_t other_heads_offset, cl_mem other_lse,
+                             size_t other_lse_offset, cl_uint num_wait,
+                             const cl_event *wait_list, cl_event *event) {
+    clmha__merge_call m = {.rows = rows, .head_dim = head_dim, .rs = rs, .heads = heads,
+                           .lse = lse, .other_heads = other_heads, .other_lse = other_lse,
+                           .heads_offset = heads_offset, .lse_offset = lse_offset,
+                           .other_heads_offset = other_heads_offset,
+                           .other_lse_offset = other_lse_offset, .num_wait = num_wait,
+                           .wait_list = wait_list};
+    return merge_rows(ctx, &m, event);
+}
+
 clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, size_t head_dim,
                                    cl_mem heads, size_t heads_offset, cl_mem lse,
                                    size_t lse_offset, cl_mem other_heads,
                                    size_t other_heads_offset, cl_mem other_lse,
                                    size_t other_lse_offset, cl_uint num_wait,
                                    const cl_event *wait_list, cl_event *event) {
-    clmha__merge_call m = {.rows = rows, .head_dim = head_dim, .rs = sizeof(float),
-                           .heads = heads, .lse = lse, .other_heads = other_heads,
-                           .other_lse = other_lse, .heads_offset = heads_offset,
-                           .lse_offset = lse_offset, .other_heads_offset = other_heads_offset,
-                           .other_lse_offset = other_lse_offset, .num_wait = num_wait,
-                           .wait_list = wait_list};
-    return merge_rows(ctx, &m, event);
+    return merge_as(sizeof(float), ctx, rows, head_dim, heads, heads_offset, lse, lse_offset,
+                    other_heads, other_heads_offset, other_lse, other_lse_offset, num_wait,
+                    wait_list, event);
 }
 
 clmha_status clmha_attention_merge_f64(clmha_context *ctx, size_t rows, size_t head_dim,
@@ -73,12 +84,6 @@ clmha_status clmha_attention_merge_f64(clmha_context *ctx, size_t rows, size_t h
                                        size_t other_heads_offset, cl_mem other_lse,
                                        size_t other_lse_offset, cl_uint num_wait,
                                        const cl_event *wait_list, cl_event *event) {
-    clmha__merge_call m = {.rows = rows, .head_dim = head_dim, .rs = sizeof(double),
-                           .heads = heads, .lse = lse, .other_heads = other_heads,
-                           .other_lse = other_lse, .heads_offset = heads_offset,
-                           .lse_offset = lse_offset, .other_heads_offset = other_heads_offset,
-                           .other_lse_offset = other_lse_offset, .num_wait = num_wait,
-                           .wait_list = wait_list};
     if (ctx && !ctx->info.fp64) {
         if (event) *event = NULL;
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
@@ -86,7 +91,9 @@ clmha_status clmha_attention_merge_f64(clmha_context *ctx, size_t rows, size_t h
                            "(cl_khr_fp64); %s has none",
                            ctx->info.device_name);
     }
-    return merge_rows(ctx, &m, event);
+    return merge_as(sizeof(double), ctx, rows, head_dim, heads, heads_offset, lse, lse_offset,
+                    other_heads, other_heads_offset, other_lse, other_lse_offset, num_wait,
+                    wait_list, event);
 }
 
 // layer->no_sinks: H floats of -inf, made on first use (filled from the host: nothing

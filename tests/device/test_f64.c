@@ -30,26 +30,6 @@ static const char *const param_names[] = {
 
 // ---- devices ------------------------------------------------------------------------------------
 
-// Whether the device of @p ctx has double precision (CL_DEVICE_DOUBLE_FP_CONFIG not 0); an
-// OpenCL 1.1 device without cl_khr_fp64 may refuse the query, which means none too.
-static bool has_fp64(clmha_context *ctx) {
-    cl_device_fp_config config = 0;
-    cl_int err = clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG,
-                                 sizeof config, &config, NULL);
-    return err == CL_SUCCESS && config != 0;
-}
-
-// A context on $CLMHA_DEVICE whose device can run float64 layers; skips the calling test on
-// one that cannot (no_fp64_device checks the refusal there).
-static clmha_context *fp64_context_or_skip(void) {
-    clmha_context *ctx = context_or_skip();
-    if (!has_fp64(ctx)) {
-        clmha_context_release(ctx);
-        cr_skip_test("the device has no double precision (CL_DEVICE_DOUBLE_FP_CONFIG is 0)");
-    }
-    return ctx;
-}
-
 static clmha_layer *layer_or_fail(clmha_context *ctx, const clmha_layer_desc *desc) {
     clmha_layer *layer = NULL;
     clmha_status st = clmha_layer_create(&layer, ctx, desc);

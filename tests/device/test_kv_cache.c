@@ -579,12 +579,9 @@ Test(kv_cache, options_dtype) {
     cr_expect_eq(clmha_kv_cache_create_for_with(&cache, ctx, 2, 2, 4, &o),
                  CLMHA_INVALID_ARGUMENT);
     cr_expect_null(cache);
-    cl_device_fp_config fp = 0;
-    clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG, sizeof fp, &fp,
-                    NULL);
     o.dtype = CLMHA_DTYPE_F64;
     cr_expect_eq(clmha_kv_cache_create_for_with(&cache, ctx, 2, 2, 4, &o),
-                 fp ? CLMHA_SUCCESS : CLMHA_UNSUPPORTED);
+                 has_fp64(ctx) ? CLMHA_SUCCESS : CLMHA_UNSUPPORTED);
     clmha_kv_cache_release(cache);
     clmha_layer_release(layer);
     instance_free(&in);
@@ -600,13 +597,7 @@ Test(kv_cache, options_dtype) {
 
 static double check_f64(rcase c, size_t chunk, size_t parts, clmha_kv_dtype kind, size_t page,
                         const char *what) {
-    clmha_context *ctx = context_or_skip();
-    cl_device_fp_config fp = 0;
-    if (clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG, sizeof fp,
-                        &fp, NULL) != CL_SUCCESS || !fp) {
-        clmha_context_release(ctx);
-        cr_skip_test("the device has no double precision");
-    }
+    clmha_context *ctx = fp64_context_or_skip();
     instance in;
     instance_make(&in, &c);
     in.desc.dtype = CLMHA_DTYPE_F64;

@@ -223,12 +223,7 @@ Test(partial, sixteen_bit_layers, .timeout = 300) {
 // by clmha_attention_merge_f64(): within the float64 contract (1e-12) of the reference, with
 // masks, the appended keys and causal ranges.
 Test(partial, float64_layers, .timeout = 300) {
-    clmha_context *ctx = context_or_skip();
-    cl_device_fp_config fp = 0;
-    clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG, sizeof fp, &fp,
-                    NULL);
-    clmha_context_release(ctx);
-    if (!fp) cr_skip_test("the device has no double precision");
+    clmha_context_release(fp64_context_or_skip());
     size_t cuts[] = {0, 4, 5, 11};
     for (int v = 0; v < 2; ++v) {
         rcase c = cross_case(35 + v);
@@ -389,10 +384,7 @@ Test(partial, merge_nan_lse) {
 // row without keys in either, and buffers sized in doubles (one of floats' size is refused).
 Test(partial, merge_f64) {
     clmha_context *ctx = context_or_skip();
-    cl_device_fp_config fp = 0;
-    clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG, sizeof fp, &fp,
-                    NULL);
-    if (!fp) {
+    if (!has_fp64(ctx)) {
         cr_expect_eq(clmha_attention_merge_f64(ctx, 1, 1, NULL, 0, NULL, 0, NULL, 0, NULL, 0, 0,
                                                NULL, NULL),
                      CLMHA_UNSUPPORTED);

@@ -7,8 +7,8 @@
 // packed call; through both forward cores and the backward. The inputs are floats widened to
 // doubles, so that the reference (which reads floats) computes on exactly the device's values.
 // A central finite difference checks one gradient of the float64 device calls themselves.
-// Then the refusals: the host forms' dtypes, an unknown dtype, a KV cache, buffers
-// sized in floats. Public API only.
+// Then the refusals: the host forms' dtypes, an unknown dtype, a KV cache made for float32
+// calls, buffers sized in floats. Public API only.
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -49,22 +49,6 @@ typedef struct fdata {
 } fdata;
 
 enum { Q, K, V, M, SLOPES };
-
-static bool has_fp64(clmha_context *ctx) {
-    cl_device_fp_config config = 0;
-    cl_int err = clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG,
-                                 sizeof config, &config, NULL);
-    return err == CL_SUCCESS && config != 0;
-}
-
-static clmha_context *fp64_context_or_skip(void) {
-    clmha_context *ctx = context_or_skip();
-    if (!has_fp64(ctx)) {
-        clmha_context_release(ctx);
-        cr_skip_test("the device has no double precision (CL_DEVICE_DOUBLE_FP_CONFIG is 0)");
-    }
-    return ctx;
-}
 
 static double *widen(const float *f, size_t count) {
     double *x = malloc((count + 1) * sizeof *x);
@@ -490,13 +474,14 @@ Test(sdpa_f64, refusals, .timeout = 300) {
     a.dtype = (clmha_dtype)9;
     refused(ctx, clmha_attention_output_counts(ctx, &a, NULL, NULL, NULL),
             CLMHA_INVALID_ARGUMENT, "dtype is 9");
-    // A KV cache: not yet in float64.
+    // A KV cache made for float32 calls (clmha_kv_cache_options::dtype 0): a float64 call
+    // takes one made for float64 (test_sdpa_kv.c).
     clmha_kv_cache *cache = NULL;
     cr_assert_eq(clmha_kv_cache_create_for(&cache, ctx, 1, 2, 8, 16), CLMHA_SUCCESS);
     a = x.dev;
     a.kv_cache = cache;
     refused(ctx, clmha_attention_forward_host_f64(ctx, &a, dout, x.nout, NULL, 0, NULL, 0),
-            CLMHA_UNSUPPORTED, "not yet");
+            CLMHA_INVALID_ARGUMENT, "kv_cache was made for float32");
     clmha_kv_cache_release(cache);
     // Device buffers sized for floats are too small for doubles; nothing is written.
     double big[64];

@@ -264,9 +264,7 @@ static double step_as(clmha_context *ctx, clmha_kv_cache *cache, clmha_attention
 // reference on the dtype's values; a float64 call refuses a float32 cache and the other way.
 Test(sdpa_kv, other_dtypes, .timeout = 300) {
     clmha_context *ctx = context_or_skip();
-    cl_device_fp_config fp = 0;
-    clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG, sizeof fp, &fp,
-                    NULL);
+    bool fp = has_fp64(ctx);
     const clmha_dtype dts[3] = {CLMHA_DTYPE_F64, CLMHA_DTYPE_F16, CLMHA_DTYPE_BF16};
     for (int di = fp ? 0 : 1; di < 3; ++di)
         for (int form = 0; form < 4; ++form) {

@@ -26,6 +26,22 @@ clmha_context *context_or_skip(void) {
     return ctx;
 }
 
+bool has_fp64(clmha_context *ctx) {
+    cl_device_fp_config config = 0;
+    cl_int err = clGetDeviceInfo(clmha_context_cl_device(ctx), CL_DEVICE_DOUBLE_FP_CONFIG,
+                                 sizeof config, &config, NULL);
+    return err == CL_SUCCESS && config != 0;
+}
+
+clmha_context *fp64_context_or_skip(void) {
+    clmha_context *ctx = context_or_skip();
+    if (!has_fp64(ctx)) {
+        clmha_context_release(ctx);
+        cr_skip_test("the device has no double precision (CL_DEVICE_DOUBLE_FP_CONFIG is 0)");
+    }
+    return ctx;
+}
+
 // ---- temporary folders and files ----------------------------------------------------------------
 
 void tmpdir_make(char *dir, size_t size, const char *prefix) {

@@ -20,6 +20,14 @@
 // is no OpenCL device; fails it on any other error.
 clmha_context *context_or_skip(void);
 
+// Whether the device of @p ctx has double precision (CL_DEVICE_DOUBLE_FP_CONFIG not 0; an OpenCL
+// 1.1 device without cl_khr_fp64 may refuse the query, which means none too): float64 layers,
+// calls and caches need it.
+bool has_fp64(clmha_context *ctx);
+
+// context_or_skip() on a device with double precision; skips the calling test elsewhere.
+clmha_context *fp64_context_or_skip(void);
+
 // ---- temporary folders and files ----------------------------------------------------------------
 
 // Makes a fresh folder "/tmp/<prefix>-XXXXXX" and writes its path to @p dir (@p size bytes; 64
