@@ -1846,6 +1846,20 @@ CLMHA_API clmha_status clmha_attention_merge(clmha_context *ctx, size_t rows, si
 /// clmha_attention_merge() of a float64 layer's partial results (clmha_layer_attend()): the
 /// same merge, arguments and rules, on doubles (@p heads, @p lse, @p other_heads, @p other_lse
 /// and the offsets are in doubles), computed in float64.
+/// @param[in]     ctx                 the context whose queue runs the merge
+/// @param[in]     rows                N*H*L
+/// @param[in]     head_dim            D
+/// @param[in,out] heads               a's results, rows*D doubles at @p heads_offset
+/// @param[in]     heads_offset        element offset
+/// @param[in,out] lse                 a's log-sum-exp rows (doubles) at @p lse_offset
+/// @param[in]     lse_offset          element offset
+/// @param[in]     other_heads         b's results (doubles)
+/// @param[in]     other_heads_offset  element offset
+/// @param[in]     other_lse           b's log-sum-exp rows (doubles)
+/// @param[in]     other_lse_offset    element offset
+/// @param[in]     num_wait            events in @p wait_list
+/// @param[in]     wait_list           events the merge waits for on the device
+/// @param[out]    event               optional: completes with the merge
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, buffers as for
 ///         clmha_layer_forward(), in doubles), ::CLMHA_SHAPE_MISMATCH (@p rows or @p head_dim
 ///         0), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_UNSUPPORTED (a device without double precision),
@@ -2014,15 +2028,17 @@ typedef struct clmha_attention_args {
     /// query, key, value, a float attn_mask, alibi_slopes, sinks, the output, the log-sum-exp
     /// rows, the weights and every gradient hold doubles (offsets in doubles), computed in
     /// float64, as a float64 layer computes (refused with ::CLMHA_UNSUPPORTED on a device
-    /// without double precision, and with kv_cache: not yet); mod_params stays floats. The
+    /// without double precision); a kv_cache must be made for float64 calls
+    /// (clmha_kv_cache_options::dtype: it holds doubles); mod_params stays floats. The
     /// host forms take it through clmha_attention_forward_host_f64() and
     /// clmha_attention_backward_host_f64(). ::CLMHA_DTYPE_F16, ::CLMHA_DTYPE_BF16: query, key,
-    /// value, a float mask, the output, log-sum-exp rows, weights and gradients hold 16-bit
-    /// elements on the device (offsets in them), widened to float32 copies, computed in float32
-    /// and the results rounded once, as a 16-bit layer computes (the backward runs the float32
-    /// forward again on the widened inputs: it reads neither the 16-bit output nor lse); the
-    /// float host forms take float arrays, rounded to the dtype on the way in and the results
-    /// on the way out; not yet (::CLMHA_UNSUPPORTED): kv_cache, sinks, given alibi_slopes.
+    /// value, a float mask, alibi_slopes, sinks, the output, log-sum-exp rows, weights and
+    /// gradients hold 16-bit elements on the device (offsets in them), widened to float32
+    /// copies, computed in float32 and the results rounded once, as a 16-bit layer computes
+    /// (the backward runs the float32 forward again on the widened inputs: it reads neither the
+    /// 16-bit output nor lse); the float host forms take float arrays, rounded to the dtype on
+    /// the way in and the results on the way out; a kv_cache holds floats (one made with
+    /// clmha_kv_cache_options::dtype 0 or the call's).
     /// The CPU reference ignores it (it reads floats and computes in double). Added after
     /// 0.1.0: zero-initialised, float32.
     clmha_dtype dtype;
