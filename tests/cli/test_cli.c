@@ -3433,6 +3433,22 @@ static double rel_diff_d(const double *a, const double *b, size_t count) {
 // reads); then values no float holds: the output equals, bit for bit, what
 // clmha_attention_forward_host_f64() gives in-process on the same doubles. Usage errors:
 // --dtype f16, --dtype f64 with --kv-cache-prefix.
+// The double-precision reference of attention call @p a: its output, log-sum-exp rows and,
+// for output gradient @p g, the gradients of query, key, value and (grads[3]) the float mask's
+// or, with sinks, the sinks'.
+static void reference_results(const clmha_attention_args *a, const float *g, double *out,
+                              size_t nout, double *lse, size_t nlse, double *const grads[4]) {
+    char msg[512];
+    cr_assert_eq(clmha_reference_attention(a, out, nout, lse, nlse, NULL, 0, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    clmha_reference_grads r = {.struct_size = sizeof r, .query = grads[0], .key = grads[1],
+                               .value = grads[2]};
+    if (a->sinks.ndim) r.sinks = grads[3];
+    else if (a->attn_mask.kind == CLMHA_MASK_FLOAT) r.attn_mask = grads[3];
+    cr_assert_eq(clmha_reference_attention_backward(a, g, &r, msg, sizeof msg), CLMHA_SUCCESS,
+                 "%s", msg);
+}
+
 Test(cli_sdpa, dtype_f64) {
     SKIP_WITHOUT_FP64();
     tmp_dir d = tmp_make();
@@ -3470,15 +3486,8 @@ Test(cli_sdpa, dtype_f64) {
                               .attn_mask = {.kind = CLMHA_MASK_FLOAT,
                                             .tensor = {.ndim = 2, .shape = {L, S}, .data = mf}}};
     static double want_o[NQ], want_lse[NLSE], want_g[4][NQ];
-    char msg[512];
-    cr_assert_eq(clmha_reference_attention(&a, want_o, NQ, want_lse, NLSE, NULL, 0, msg,
-                                           sizeof msg),
-                 CLMHA_SUCCESS, "%s", msg);
-    clmha_reference_grads grads = {.struct_size = sizeof grads, .query = want_g[0],
-                                   .key = want_g[1], .value = want_g[2],
-                                   .attn_mask = want_g[3]};
-    cr_assert_eq(clmha_reference_attention_backward(&a, gf, &grads, msg, sizeof msg),
-                 CLMHA_SUCCESS, "%s", msg);
+    double *const wg[4] = {want_g[0], want_g[1], want_g[2], want_g[3]};
+    reference_results(&a, gf, want_o, NQ, want_lse, NLSE, wg);
     static const char *const outs[6] = {"o.npy",     "lse.npy",   "query.npy",
                                         "key.npy",   "value.npy", "attn_mask.npy"};
     const double *want[6] = {want_o, want_lse, want_g[0], want_g[1], want_g[2], want_g[3]};
@@ -3587,15 +3596,8 @@ Test(cli_sdpa, dtype_16_bit) {
                                   .value = {.ndim = 4, .shape = {N, HKV, L, D}, .data = vf},
                                   .sinks = {.ndim = 1, .shape = {H}, .data = sf}};
         static double want_o[NQ], want_lse[NLSE], want_g[4][NQ];
-        char msg[512];
-        cr_assert_eq(clmha_reference_attention(&a, want_o, NQ, want_lse, NLSE, NULL, 0, msg,
-                                               sizeof msg),
-                     CLMHA_SUCCESS, "%s", msg);
-        clmha_reference_grads grads = {.struct_size = sizeof grads, .query = want_g[0],
-                                       .key = want_g[1], .value = want_g[2],
-                                       .sinks = want_g[3]};
-        cr_assert_eq(clmha_reference_attention_backward(&a, gf, &grads, msg, sizeof msg),
-                     CLMHA_SUCCESS, "%s", msg);
+        double *const wg[4] = {want_g[0], want_g[1], want_g[2], want_g[3]};
+        reference_results(&a, gf, want_o, NQ, want_lse, NLSE, wg);
         static const char *const outs[6] = {"o.npy",   "lse.npy",   "query.npy",
                                             "key.npy", "value.npy", "sinks.npy"};
         const double *want[6] = {want_o, want_lse, want_g[0], want_g[1], want_g[2], want_g[3]};
