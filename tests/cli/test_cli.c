@@ -1701,6 +1701,8 @@ Test(cli_run, dtype_f64_pytorch_cases) {
             fprintf(stderr, "cli f64 %s --decode-chunk 2 --page-size 8 out_maxabs=%.3e\n", name,
                     e);
             cr_expect_leq(e, 1e-12, "%s --decode-chunk 2: output max abs error %.3e", name, e);
+            clmha__npy_free(&got);
+            clmha__npy_free(&want);
             worst_chunked = fmax(worst_chunked, e);
             ++chunked_cases;
         }
