@@ -115,7 +115,8 @@ static clmha_status build(clmha_context *ctx, const char *family, const char *op
         clmha__release_program(prog);
         st = clmha__fail(ctx, err == CL_BUILD_PROGRAM_FAILURE ? CLMHA_BUILD_FAILED
                                                               : CLMHA_OPENCL_ERROR,
-                         "building %s%s with options \"%s\" failed (%s):\n%s", path,
+                         "clBuildProgram: building %s%s with options \"%s\" failed (%s):\n%s",
+                         path,
                          user ? " with the user functions (mod_source)" : "", all_options,
                          clmha__cl_error_name(err), log);
     } else {

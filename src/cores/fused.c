@@ -362,7 +362,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     size_t global[2] = {(d->l + rows - 1) / rows * bq, d->n * l->h}, local[2] = {bq, 1};
     cl_int err = clEnqueueNDRangeKernel(ctx->queue, s->kernel, 2, NULL, global, local, 0, NULL,
                                         NULL);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, "fused_attention");
+    if (err != CL_SUCCESS)
+        return clmha__cl_fail_on(ctx, err, "clEnqueueNDRangeKernel", "fused_attention");
     call->lse_written = lse_on;
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
 }

@@ -389,7 +389,8 @@ static clmha_status launch_2d(clmha_context *ctx, cl_kernel k, const char *name,
     size_t b = t->b, per_group = b * t->r;
     size_t global[2] = {(rows + per_group - 1) / per_group * b, planes}, local[2] = {b, 1};
     cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 2, NULL, global, local, 0, NULL, NULL);
-    return err != CL_SUCCESS ? clmha__cl_fail(ctx, err, name) : CLMHA_SUCCESS;
+    return err != CL_SUCCESS ? clmha__cl_fail_on(ctx, err, "clEnqueueNDRangeKernel", name)
+                             : CLMHA_SUCCESS;
 }
 
 // ---- the products in GEMMs ----------------------------------------------------------------------
@@ -405,7 +406,9 @@ static clmha_status launch_block(clmha_context *ctx, const clmha__fused_backward
     size_t global[2] = {wg, keys}, local[2] = {wg, 1};
     cl_int err = clEnqueueNDRangeKernel(ctx->queue, fb->block, 2, NULL, global, local, 0, NULL,
                                         NULL);
-    return err != CL_SUCCESS ? clmha__cl_fail(ctx, err, "fused_backward_block") : CLMHA_SUCCESS;
+    return err != CL_SUCCESS
+               ? clmha__cl_fail_on(ctx, err, "clEnqueueNDRangeKernel", "fused_backward_block")
+               : CLMHA_SUCCESS;
 }
 
 // Keys and rows (at least; a multiple of the vector width) per tile of run_gemms()'s block mask

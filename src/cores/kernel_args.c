@@ -5,12 +5,21 @@
 #include "base/philox.h"
 #include "device/held.h"
 
+#include <stdio.h>
+
+// clmha__cl_fail_on() for clSetKernelArg: names the kernel and the argument.
+static clmha_status arg_fail(clmha_context *ctx, cl_int err, const char *name, cl_uint arg) {
+    char what[128];
+    snprintf(what, sizeof what, "%s, argument %u", name, arg);
+    return clmha__cl_fail_on(ctx, err, "clSetKernelArg", what);
+}
+
 clmha_status clmha__kernel_make(clmha_context *ctx, cl_program prog, const char *name,
                                 cl_kernel *out) {
     cl_int err;
     *out = clCreateKernel(prog, name, &err);
     clmha__held_new(CLMHA__HELD_KERNEL, *out);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    if (err != CL_SUCCESS) return clmha__cl_fail_on(ctx, err, "clCreateKernel", name);
     return CLMHA_SUCCESS;
 }
 
@@ -18,7 +27,7 @@ clmha_status clmha__set_args(clmha_context *ctx, cl_kernel k, const char *name,
                              const clmha__arg *args, cl_uint nargs) {
     for (cl_uint i = 0; i < nargs; ++i) {
         cl_int err = clSetKernelArg(k, i, args[i].size, args[i].value);
-        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+        if (err != CL_SUCCESS) return arg_fail(ctx, err, name, i);
     }
     return CLMHA_SUCCESS;
 }
@@ -29,7 +38,7 @@ clmha_status clmha__launch(clmha_context *ctx, cl_kernel k, const char *name, si
     if (st) return st;
     size_t global = (total + wg - 1) / wg * wg;
     cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 1, NULL, &global, &wg, 0, NULL, NULL);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    if (err != CL_SUCCESS) return clmha__cl_fail_on(ctx, err, "clEnqueueNDRangeKernel", name);
     return CLMHA_SUCCESS;
 }
 

@@ -143,6 +143,13 @@ clmha_status clmha__cl_fail(const clmha_context *ctx, cl_int err, const char *ca
     return clmha__fail(ctx, st, "%s failed: %s (%d)", call, clmha__cl_error_name(err), (int)err);
 }
 
+clmha_status clmha__cl_fail_on(const clmha_context *ctx, cl_int err, const char *fn,
+                               const char *what) {
+    clmha_status st = cl_status(err);
+    return clmha__fail(ctx, st, "%s(%s) failed: %s (%d)", fn, what, clmha__cl_error_name(err),
+                       (int)err);
+}
+
 // CLBlast's own statuses (CLBlastStatusCode in clblast_c.h, CLBlast 1.5), by name and meaning.
 static const struct {
     int code;

@@ -47,6 +47,11 @@ CLMHA__HIDDEN clmha_status clmha__fail(const clmha_context *ctx, clmha_status st
 CLMHA__HIDDEN clmha_status clmha__cl_fail(const clmha_context *ctx, cl_int err,
                                           const char *call);
 
+// clmha__cl_fail() for OpenCL function @p fn called on @p what (a buffer's or a kernel's name):
+// the message names both, "fn(what) failed: ...".
+CLMHA__HIDDEN clmha_status clmha__cl_fail_on(const clmha_context *ctx, cl_int err,
+                                             const char *fn, const char *what);
+
 // The name of CLBlast's own status @p err (-2046: "CLBlastInvalidLocalMemUsage"), and in
 // *@p text (may be NULL) what it means; "CLBlast status ?" for a code CLBlast does not define
 // below -1000 (codes above -1000 are OpenCL's: clmha__cl_error_name()).

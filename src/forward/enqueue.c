@@ -122,7 +122,7 @@ clmha_status clmha__launch_heads(clmha_layer *l, cl_kernel k, const char *name, 
     size_t global[3] = {(l->d + l0 - 1) / l0 * l0, (seq + local[1] - 1) / local[1] * local[1],
                         planes};
     cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 3, NULL, global, local, 0, NULL, NULL);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    if (err != CL_SUCCESS) return clmha__cl_fail_on(ctx, err, "clEnqueueNDRangeKernel", name);
     return CLMHA_SUCCESS;
 }
 

@@ -25,7 +25,7 @@ clmha_status clmha__host_room(clmha_layer *layer, int slot, const char *what, si
         cl_mem m = clCreateBuffer(ctx->cl_ctx, CL_MEM_READ_WRITE, floats * sizeof(float), NULL,
                                   &err);
         clmha__held_new(CLMHA__HELD_MEM, m);
-        if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, what);
+        if (err != CL_SUCCESS) return clmha__cl_fail_on(ctx, err, "clCreateBuffer", what);
         clmha__release_mem(layer->host[slot]);  // freed once the work queued on it has finished
         layer->host[slot] = m;
         layer->host_caps[slot] = floats;
@@ -42,7 +42,7 @@ clmha_status clmha__host_upload(clmha_layer *layer, int slot, const char *what,
                                       NULL);
     if (err != CL_SUCCESS) {
         *out = NULL;
-        return clmha__cl_fail(layer->ctx, err, what);
+        return clmha__cl_fail_on(layer->ctx, err, "clEnqueueWriteBuffer", what);
     }
     return CLMHA_SUCCESS;
 }

@@ -198,7 +198,7 @@ static clmha_status make_kernel(clmha_context *ctx, cl_program prog, const char 
     cl_int err;
     *out = clCreateKernel(prog, name, &err);
     clmha__held_new(CLMHA__HELD_KERNEL, *out);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, name);
+    if (err != CL_SUCCESS) return clmha__cl_fail_on(ctx, err, "clCreateKernel", name);
     return CLMHA_SUCCESS;
 }
 
@@ -476,7 +476,7 @@ static clmha_status grow(clmha_context *ctx, cl_mem *buf, size_t *cap, size_t ne
                               need * elem, host, &err);
     free(host);
     clmha__held_new(CLMHA__HELD_MEM, m);
-    if (err != CL_SUCCESS) return clmha__cl_fail(ctx, err, what);
+    if (err != CL_SUCCESS) return clmha__cl_fail_on(ctx, err, "clCreateBuffer", what);
     release_mem(buf);  // freed by the driver once queued work that uses it has finished
     *buf = m;
     *cap = need;
