@@ -614,12 +614,15 @@ static clmha_status host_download(clmha_context *ctx, const clmha_attention_back
                                   void *const dst[4]) {
     cl_mem src[4] = {b->grad_query, b->grad_key, b->grad_value, b->grad_attn_mask};
     size_t count[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
+    static const char *const what[4] = {"grad_query", "grad_key", "grad_value",
+                                        "grad_attn_mask"};
     cl_int err = clFinish(ctx->queue);
+    if (err) return clmha__cl_fail_on(ctx, err, "clFinish", "the backward pass");
     for (int i = 0; i < 4 && err == CL_SUCCESS; ++i)
-        if (dst[i])
-            err = clEnqueueReadBuffer(ctx->queue, src[i], CL_TRUE, 0, count[i] * es, dst[i], 0,
-                                      NULL, NULL);
-    return err ? clmha__cl_fail(ctx, err, "reading the gradients") : CLMHA_SUCCESS;
+        if (dst[i] && (err = clEnqueueReadBuffer(ctx->queue, src[i], CL_TRUE, 0, count[i] * es,
+                                                 dst[i], 0, NULL, NULL)))
+            return clmha__cl_fail_on(ctx, err, "clEnqueueReadBuffer", what[i]);
+    return CLMHA_SUCCESS;
 }
 
 // Both host forms: @p takes the dtype of their arrays, @p dst the gradients asked for (dq, dk,

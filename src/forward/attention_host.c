@@ -102,16 +102,16 @@ static clmha_status download(clmha_context *ctx, const clmha__attention_out *o,
                              const clmha__attention_dims *d, size_t es, void *output, void *lse,
                              void *weights) {
     cl_int err = clFinish(ctx->queue);
-    if (err == CL_SUCCESS)
-        err = clEnqueueReadBuffer(ctx->queue, o->output, CL_TRUE, 0, d->output_count * es,
-                                  output, 0, NULL, NULL);
-    if (err == CL_SUCCESS && lse)
-        err = clEnqueueReadBuffer(ctx->queue, o->lse, CL_TRUE, 0, d->lse_count * es, lse, 0,
-                                  NULL, NULL);
-    if (err == CL_SUCCESS && weights)
-        err = clEnqueueReadBuffer(ctx->queue, o->weights, CL_TRUE, 0, d->weights_count * es,
-                                  weights, 0, NULL, NULL);
-    return err ? clmha__cl_fail(ctx, err, "reading the attention results") : CLMHA_SUCCESS;
+    if (err) return clmha__cl_fail_on(ctx, err, "clFinish", "the attention call");
+    cl_mem src[3] = {o->output, o->lse, o->weights};
+    void *dst[3] = {output, lse, weights};
+    size_t count[3] = {d->output_count, d->lse_count, d->weights_count};
+    static const char *const what[3] = {"output", "lse", "weights"};
+    for (int i = 0; i < 3; ++i)
+        if (dst[i] && (err = clEnqueueReadBuffer(ctx->queue, src[i], CL_TRUE, 0, count[i] * es,
+                                                 dst[i], 0, NULL, NULL)))
+            return clmha__cl_fail_on(ctx, err, "clEnqueueReadBuffer", what[i]);
+    return CLMHA_SUCCESS;
 }
 
 clmha_status clmha__attention_host_dtype(clmha_context *ctx, const clmha_attention_args *a,

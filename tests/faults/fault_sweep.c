@@ -1,21 +1,25 @@
-// The OpenCL fault sweep: each scenario (a public entry point with its objects) runs in a child
-// process with tests/faults/cl_faults.c preloaded, once for every OpenCL call the library makes
-// in it, that call failing (CLMHA_FAULT_AT = 1, 2, ... up to the calls a run without faults
-// makes, counted first). Each run must end in one of two outcomes:
-//   refused:   an error status whose message names the failed OpenCL call;
+// The fault sweep: each scenario (public entry points with their objects) runs in a child
+// process with tests/faults/inject.c preloaded, once for every OpenCL call (--kind cl, the
+// default) or allocation (--kind alloc) the library makes in it, that call failing
+// (CLMHA_FAULT_AT = 1, 2, ... up to the calls a run without faults makes, counted first).
+// Each run must end in one of two outcomes:
+//   refused:   an error status whose message names the failed OpenCL call (a failed
+//              allocation: CLMHA_OUT_OF_MEMORY, its message saying memory);
 //   recovered: success with the right answer (a documented fallback took over);
 // and then, with injection paused, the same call on the same objects (those that were made)
 // must succeed with the right answer: nothing was left half-done. Anything else is a failure:
 // a wrong answer, a message that does not name the failed call, an unusable object, a crash,
 // an abort or a hang (180 s: a cold kernel cache builds every program first). Right answers
-// are the double-precision reference's (clmha_reference_forward()) within 1e-4.
+// are the double-precision reference's (clmha_reference_forward(),
+// clmha_reference_attention()) within 1e-4.
 //
-//   fault_sweep PRELOAD [SCENARIO ...] [--stride K]
+//   fault_sweep PRELOAD [SCENARIO ...] [--kind cl|alloc] [--stride K]
 //
-// PRELOAD: the built cl_faults library; --stride K runs every K-th injection point only (the
+// PRELOAD: the built inject library; --stride K runs every K-th injection point only (the
 // CI's sample; the first and last always). Prints, per scenario, the injection points and the
 // outcomes; exit status 0 when every run passed.
 #define _GNU_SOURCE
+#define CL_TARGET_OPENCL_VERSION 120
 #include <clmha.h>
 #include <dlfcn.h>
 #include <math.h>
@@ -173,17 +177,98 @@ static clmha_status step_decode(world *w, float *out) {
     return CLMHA_SUCCESS;
 }
 
+// The arrays of the attention function: query (N, H, L, D), key and value (N, H, S, D), the
+// world's q, k, v read in that shape.
+static clmha_attention_args function_args(const world *w) {
+    clmha_attention_args a = CLMHA_STRUCT_INIT(clmha_attention_args);
+    a.query = (clmha_tensor){.ndim = 4, .shape = {N, H, L, E / H}, .data = w->q};
+    a.key = (clmha_tensor){.ndim = 4, .shape = {N, H, S, E / H}, .data = w->k};
+    a.value = (clmha_tensor){.ndim = 4, .shape = {N, H, S, E / H}, .data = w->v};
+    return a;
+}
+
+// Attention as a function: the forward and the backward on host arrays (the backward
+// checked by surviving; its gradients are the sdpa suites' business).
+static clmha_status step_function(world *w, float *out) {
+    clmha_status st;
+    if (!w->ctx && (st = clmha_context_create_from_env(&w->ctx))) return st;
+    clmha_attention_args a = function_args(w);
+    if ((st = clmha_attention_forward_host(w->ctx, &a, out, L * N * E, NULL, 0, NULL, 0)))
+        return st;
+    static float go[L * N * E], gq[L * N * E], gk[S * N * E], gv[S * N * E];
+    for (unsigned i = 0; i < L * N * E; ++i) go[i] = value_at(i, 9);
+    return clmha_attention_backward_host(w->ctx, &a, go, L * N * E, gq, gk, gv, NULL);
+}
+
+// Partial attention on device buffers: the keys in two ranges ([0, 2) with the appended
+// keys, [2, S)), merged, then the head merge and output projection.
+static clmha_status step_partial(world *w, float *out) {
+    clmha_status st = make_objects(w);
+    if (st) return st;
+    cl_context cl = clmha_context_cl_context(w->ctx);
+    cl_command_queue q = clmha_context_cl_queue(w->ctx);
+    enum { ROWS = N * H * L, CUT = 2 };
+    const size_t bytes[9] = {sizeof w->q, CUT * N * E * 4, CUT * N * E * 4,
+                             (S - CUT) * N * E * 4, (S - CUT) * N * E * 4, ROWS * E / H * 4,
+                             ROWS * 4, ROWS * E / H * 4, ROWS * 4};
+    const void *host[9] = {w->q, w->k, w->v, w->k + CUT * N * E, w->v + CUT * N * E};
+    cl_mem b[10] = {NULL};
+    cl_int err = CL_SUCCESS;
+    for (int i = 0; i < 9 && !err; ++i)
+        b[i] = clCreateBuffer(cl, CL_MEM_READ_WRITE | (host[i] ? CL_MEM_COPY_HOST_PTR : 0),
+                              bytes[i], (void *)host[i], &err);
+    if (!err) b[9] = clCreateBuffer(cl, CL_MEM_READ_WRITE, sizeof w->q, NULL, &err);
+    clmha_forward_args a = forward_args(w, false);
+    a.query = (clmha_tensor){.ndim = 3, .shape = {L, N, E}, .buffer = b[0]};
+    for (int r = 0; r < 2 && !err && !st; ++r) {
+        size_t len = r ? S - CUT : CUT;
+        a.key = (clmha_tensor){.ndim = 3, .shape = {len, N, E}, .buffer = b[1 + 2 * r]};
+        a.value = (clmha_tensor){.ndim = 3, .shape = {len, N, E}, .buffer = b[2 + 2 * r]};
+        a.key_position = r ? CUT : 0;
+        st = clmha_layer_attend(w->layer, &a, r == 0, b[5 + 2 * r], 0, b[6 + 2 * r], 0, 0, NULL,
+                                NULL);
+    }
+    if (!err && !st)
+        st = clmha_attention_merge(w->ctx, ROWS, E / H, b[5], 0, b[6], 0, b[7], 0, b[8], 0, 0,
+                                   NULL, NULL);
+    if (!err && !st)
+        st = clmha_layer_project_heads(w->layer, N, L, b[5], 0, b[9], 0, 0, NULL, NULL);
+    if (!err && !st)
+        err = clEnqueueReadBuffer(q, b[9], CL_TRUE, 0, sizeof w->q, out, 0, NULL, NULL);
+    clFinish(q);
+    for (int i = 0; i < 10; ++i)
+        if (b[i]) clReleaseMemObject(b[i]);
+    if (err) {
+        fprintf(stderr, "fault_sweep: the scenario's own OpenCL call failed (%d)\n", (int)err);
+        exit(OUT_SETUP);
+    }
+    return st;
+}
+
+// The reference of the attention function's call (into w->want, (N, H, L, D)).
+static void function_reference(world *w) {
+    clmha_attention_args a = function_args(w);
+    char msg[256];
+    if (clmha_reference_attention(&a, w->want, L * N * E, NULL, 0, NULL, 0, msg, sizeof msg)) {
+        fprintf(stderr, "fault_sweep: reference: %s\n", msg);
+        exit(OUT_SETUP);
+    }
+}
+
 typedef struct scenario {
     const char *name;
     step_fn step;
     bool self_causal;  // the reference is causal self-attention (query = key = value)
+    bool function;     // the reference is attention as a function's (function_reference())
 } scenario;
 
 static const scenario scenarios[] = {
-    {"forward (fused core)", step_fused, false},
-    {"forward (unfused core)", step_unfused, false},
-    {"forward + backward", step_backward, false},
-    {"KV-cache decode", step_decode, true},
+    {"forward (fused core)", step_fused, false, false},
+    {"forward (unfused core)", step_unfused, false, false},
+    {"forward + backward", step_backward, false, false},
+    {"KV-cache decode", step_decode, true, false},
+    {"partial attention + merge + project", step_partial, false, false},
+    {"attention function, forward + backward", step_function, false, true},
 };
 enum { SCENARIOS = sizeof scenarios / sizeof scenarios[0] };
 
@@ -201,11 +286,16 @@ static void child(const scenario *sc, long at) {
     if (sc->self_causal) {  // query = key = value
         memcpy(w.k, w.q, sizeof w.q), memcpy(w.v, w.q, sizeof w.q);
     }
-    reference(&w, sc->self_causal);
+    pause(true);  // the reference's own allocations are libclmha's too
+    if (sc->function) function_reference(&w);
+    else reference(&w, sc->self_causal);
+    pause(false);
     static float out[L * N * E];
     clmha_status st = sc->step(&w, out);
     const char *name = NULL;
     long calls = state(&name);
+    const char *kind = getenv("CLMHA_FAULT_KIND");
+    bool alloc = kind && strcmp(kind, "alloc") == 0;
     if (at == 0) {
         const char *path = getenv("CLMHA_FAULT_COUNT_FILE");
         FILE *f = path ? fopen(path, "w") : NULL;
@@ -218,7 +308,10 @@ static void child(const scenario *sc, long at) {
     int outcome = OUT_RECOVERED;
     if (st) {
         const char *msg = w.ctx ? clmha_context_last_error(w.ctx) : clmha_last_create_error();
-        outcome = msg && strstr(msg, name) ? OUT_REFUSED : OUT_MESSAGE;
+        // A failed allocation is reported as memory that was not there; an OpenCL call by name.
+        bool named = msg && (alloc ? st == CLMHA_OUT_OF_MEMORY && strstr(msg, "memory")
+                                   : strstr(msg, name) != NULL);
+        outcome = named ? OUT_REFUSED : OUT_MESSAGE;
         if (outcome == OUT_MESSAGE)
             fprintf(stderr, "  %s, call %ld (%s): %s: \"%s\"\n", sc->name, at, name,
                     clmha_status_string(st), msg ? msg : "");
@@ -280,7 +373,8 @@ int main(int argc, char **argv) {
         child(&scenarios[index], atol(argv[3]));
     }
     if (argc < 2) {
-        fprintf(stderr, "usage: %s PRELOAD [SCENARIO-NUMBER ...] [--stride K]\n", argv[0]);
+        fprintf(stderr, "usage: %s PRELOAD [SCENARIO-NUMBER ...] [--kind cl|alloc] [--stride K]\n",
+                argv[0]);
         return 2;
     }
     long stride = 1;
@@ -288,6 +382,8 @@ int main(int argc, char **argv) {
     for (int i = 2; i < argc; ++i) {
         if (strcmp(argv[i], "--stride") == 0 && i + 1 < argc) {
             stride = atol(argv[++i]);
+        } else if (strcmp(argv[i], "--kind") == 0 && i + 1 < argc) {
+            setenv("CLMHA_FAULT_KIND", argv[++i], 1);  // the children inherit it
         } else {
             int k = atoi(argv[i]);
             if (k >= 1 && k <= SCENARIOS) chosen[k - 1] = any = true;
@@ -300,8 +396,10 @@ int main(int argc, char **argv) {
     if (fd < 0) return 2;
     close(fd);
     setenv("CLMHA_FAULT_COUNT_FILE", count_file, 1);
-    printf("| scenario | OpenCL calls | runs | refused | recovered | failed |\n"
-           "|---|---|---|---|---|---|\n");
+    const char *kind = getenv("CLMHA_FAULT_KIND");
+    printf("| scenario (%s) | calls | runs | refused | recovered | failed |\n"
+           "|---|---|---|---|---|---|\n",
+           kind && strcmp(kind, "alloc") == 0 ? "allocations" : "OpenCL calls");
     for (int s = 0; s < SCENARIOS; ++s) {
         if (any && !chosen[s]) continue;
         long counts[6] = {0}, failed = 0, runs = 0, total = 0;

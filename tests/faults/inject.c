@@ -1,27 +1,41 @@
-// Fault injection for OpenCL calls, preloaded (LD_PRELOAD) into a process that uses libclmha:
-// every OpenCL function below that libclmha itself calls (not the driver, not CLBlast: the
-// caller's return address must lie in a library whose name holds "libclmha") is counted, and
-// the call numbered $CLMHA_FAULT_AT (1, 2, ...) fails without reaching the driver: its error
-// code is returned, or written to errcode_ret with NULL returned. The calls of no other
-// library are touched. Used by tests/faults/fault_sweep.c; the process asks what happened
-// through clmha_fault_state() (found with dlsym: it is not part of the library under test).
+// Fault injection, preloaded (LD_PRELOAD) into a process that uses libclmha: the calls of one
+// kind ($CLMHA_FAULT_KIND: "cl", the default, or "alloc") that libclmha itself makes are
+// counted, and the call numbered $CLMHA_FAULT_AT (1, 2, ...) fails without reaching the
+// driver or the C library. A call is libclmha's when its return address lies in libclmha's
+// loaded segments (found once with dl_iterate_phdr: the library named libclmha.so*);
+// the calls of the driver, CLBlast, the C library and the process are never touched. Used by
+// tests/faults/fault_sweep.c; the process asks what happened through clmha_fault_state() and
+// pauses the injection with clmha_fault_pause() (found with dlsym: they are not part of the
+// library under test).
 //
-// The interposed functions are those whose failure the library must survive: creating buffers,
-// programs, kernels, contexts and queues, building, setting arguments, every enqueue, and the
-// waits. Queries (clGet*Info) and releases are not failed.
+// "cl": the OpenCL functions whose failure the library must survive: creating buffers,
+// programs, kernels and queues, building, setting arguments, every enqueue, and the waits (an
+// error code returned, or NULL and the code in errcode_ret). Queries (clGet*Info) and releases
+// are not failed. "alloc": malloc, calloc and realloc (NULL returned; the real ones are glibc's
+// __libc_malloc, __libc_calloc and __libc_realloc, so that interposing needs no dlsym, which
+// allocates). An allocation made for libclmha by another C library function (strdup, fopen) is
+// not counted.
 #define _GNU_SOURCE
 #define CL_TARGET_OPENCL_VERSION 120
 #define CL_USE_DEPRECATED_OPENCL_1_2_APIS
 #include <CL/cl.h>
 #include <dlfcn.h>
+#include <link.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 static long fail_at = -1;  // $CLMHA_FAULT_AT; -1: read it on the first call; 0: never
-static long counted;       // the library's calls so far
+static bool alloc_kind;    // $CLMHA_FAULT_KIND is "alloc" (else OpenCL calls are failed)
+static long counted;       // the library's calls of the kind so far
 static const char *failed; // the name of the call made to fail, or NULL
 static bool paused;        // clmha_fault_pause(): no call counted or failed
+
+// libclmha's loaded segments, found on the first call after it is loaded.
+enum { MAX_SEGMENTS = 8 };
+static uintptr_t seg_lo[MAX_SEGMENTS], seg_hi[MAX_SEGMENTS];
+static int segments = -1;  // -1: not looked for yet (or libclmha not loaded yet)
 
 // The two calls the process makes (by dlsym).
 long clmha_fault_state(const char **name);
@@ -37,23 +51,64 @@ __attribute__((visibility("default"))) long clmha_fault_state(const char **name)
 // failure (the retry that checks the object is still usable) run untouched.
 __attribute__((visibility("default"))) void clmha_fault_pause(bool pause) { paused = pause; }
 
-// Whether the call made from @p ret (a return address) is libclmha's.
-static bool from_clmha(void *ret) {
-    Dl_info info;
-    return dladdr(ret, &info) && info.dli_fname && strstr(info.dli_fname, "libclmha");
+static int find_segments(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size, (void)data;
+    const char *base = info->dlpi_name ? strrchr(info->dlpi_name, '/') : NULL;
+    base = base ? base + 1 : info->dlpi_name;
+    if (!base || strncmp(base, "libclmha.so", 11) != 0) return 0;  // (not this library)
+    int n = 0;
+    for (int i = 0; i < info->dlpi_phnum && n < MAX_SEGMENTS; ++i) {
+        const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
+        if (ph->p_type != PT_LOAD) continue;
+        seg_lo[n] = info->dlpi_addr + ph->p_vaddr;
+        seg_hi[n] = seg_lo[n] + ph->p_memsz;
+        ++n;
+    }
+    segments = n;
+    return 1;
 }
 
-// Whether this call of @p name, made from @p ret, is the one to fail.
-static bool hit(const char *name, void *ret) {
-    if (fail_at < 0) {
-        const char *at = getenv("CLMHA_FAULT_AT");
+// Whether the call made from @p ret (a return address) is libclmha's.
+static bool from_clmha(void *ret) {
+    if (segments <= 0) dl_iterate_phdr(find_segments, NULL);
+    uintptr_t a = (uintptr_t)ret;
+    for (int i = 0; i < segments; ++i)
+        if (a >= seg_lo[i] && a < seg_hi[i]) return true;
+    return false;
+}
+
+// Whether this call of @p name (of the kind @p alloc), made from @p ret, is the one to fail.
+static bool hit(const char *name, bool alloc, void *ret) {
+    if (fail_at < 0) {  // (getenv allocates nothing)
+        const char *at = getenv("CLMHA_FAULT_AT"), *kind = getenv("CLMHA_FAULT_KIND");
+        alloc_kind = kind && strcmp(kind, "alloc") == 0;
         fail_at = at ? atol(at) : 0;
     }
-    if (paused || !from_clmha(ret)) return false;
-    if (++counted != fail_at) return false;
-    failed = name;
+    if (paused || alloc != alloc_kind || !from_clmha(ret)) return false;
+    if (__atomic_add_fetch(&counted, 1, __ATOMIC_SEQ_CST) != fail_at) return false;
+    failed = name;  // (native kernels' calls come from the driver's threads)
     return true;
 }
+
+// ---- allocations --------------------------------------------------------------------------------
+
+extern void *__libc_malloc(size_t size);
+extern void *__libc_calloc(size_t n, size_t size);
+extern void *__libc_realloc(void *p, size_t size);
+
+void *malloc(size_t size) {
+    return hit("malloc", true, __builtin_return_address(0)) ? NULL : __libc_malloc(size);
+}
+
+void *calloc(size_t n, size_t size) {
+    return hit("calloc", true, __builtin_return_address(0)) ? NULL : __libc_calloc(n, size);
+}
+
+void *realloc(void *p, size_t size) {
+    return hit("realloc", true, __builtin_return_address(0)) ? NULL : __libc_realloc(p, size);
+}
+
+// ---- OpenCL -------------------------------------------------------------------------------------
 
 // The driver's function @p name.
 static void *real(const char *name) {
@@ -65,7 +120,7 @@ static void *real(const char *name) {
 // A function returning cl_int: fails with @p code.
 #define CL_INT_CALL(name, code, params, args)                                                  \
     cl_int name params {                                                                       \
-        if (hit(#name, __builtin_return_address(0))) return code;                              \
+        if (hit(#name, false, __builtin_return_address(0))) return code;                           \
         static cl_int(*f) params;                                                              \
         if (!f) *(void **)&f = real(#name);                                                    \
         return f args;                                                                         \
@@ -74,7 +129,7 @@ static void *real(const char *name) {
 // A function returning an object and an error through errcode_ret: NULL and @p code.
 #define CL_OBJ_CALL(type, name, code, params, args)                                            \
     type name params {                                                                         \
-        if (hit(#name, __builtin_return_address(0))) {                                         \
+        if (hit(#name, false, __builtin_return_address(0))) {                                      \
             if (errcode_ret) *errcode_ret = code;                                              \
             return NULL;                                                                       \
         }                                                                                      \
