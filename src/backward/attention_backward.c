@@ -608,21 +608,18 @@ static clmha_status host_prepare(clmha_layer *l, clmha_attention_args *a,
     return CLMHA_SUCCESS;
 }
 
-// Waits for the call and reads the gradients asked for (blocking reads) of @p es bytes each.
+// Waits for the call and reads the gradients asked for, @p es bytes each, all or none.
 static clmha_status host_download(clmha_context *ctx, const clmha_attention_backward_args *b,
                                   const clmha__attention_dims *d, size_t es,
                                   void *const dst[4]) {
     cl_mem src[4] = {b->grad_query, b->grad_key, b->grad_value, b->grad_attn_mask};
-    size_t count[4] = {d->query_count, d->key_count, d->value_count, d->mask_count};
+    size_t bytes[4] = {d->query_count * es, d->key_count * es, d->value_count * es,
+                       d->mask_count * es};
     static const char *const what[4] = {"grad_query", "grad_key", "grad_value",
                                         "grad_attn_mask"};
     cl_int err = clFinish(ctx->queue);
     if (err) return clmha__cl_fail_on(ctx, err, "clFinish", "the backward pass");
-    for (int i = 0; i < 4 && err == CL_SUCCESS; ++i)
-        if (dst[i] && (err = clEnqueueReadBuffer(ctx->queue, src[i], CL_TRUE, 0, count[i] * es,
-                                                 dst[i], 0, NULL, NULL)))
-            return clmha__cl_fail_on(ctx, err, "clEnqueueReadBuffer", what[i]);
-    return CLMHA_SUCCESS;
+    return clmha__host_read_all(ctx, 4, src, dst, bytes, what);
 }
 
 // Both host forms: @p takes the dtype of their arrays, @p dst the gradients asked for (dq, dk,

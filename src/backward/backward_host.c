@@ -9,6 +9,7 @@
 #include "forward/staging.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 // The call's inputs, masks, grad_output and grad_weights into the layer's staging buffers,
 // @p dev (the forward arguments, a copy of the caller's) and @p b pointing at them.
@@ -25,30 +26,61 @@ static clmha_status upload_inputs(clmha_layer *layer, const clmha__dims *d,
     return CLMHA_SUCCESS;
 }
 
-// @p n values between the caller's array @p data (doubles with @p f64, else floats) and a
-// device buffer of @p elem-byte elements (float32, or float64 for a float64 layer): into slot
-// @p slot (upload) or from @p buf (a blocking read), converted where the two differ.
-static clmha_status host_copy(clmha_layer *layer, int slot, void *data, bool f64, size_t n,
-                              size_t elem, bool upload, cl_mem buf, cl_mem *out) {
+// Uploads @p n values of the caller's array @p data (doubles with @p f64, else floats) into
+// slot @p slot as @p elem-byte elements (float32, or float64 for a float64 layer), converted
+// where the two differ.
+static clmha_status host_upload(clmha_layer *layer, int slot, const void *data, bool f64,
+                                size_t n, size_t elem, cl_mem *out) {
     size_t have = f64 ? sizeof(double) : sizeof(float);
     void *tmp = have == elem ? NULL : malloc((n ? n : 1) * elem);
     if (have != elem && !tmp)
         return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (gradient)");
-    for (size_t i = 0; upload && tmp && i < n; ++i)  // float <-> double
+    for (size_t i = 0; tmp && i < n; ++i)  // float <-> double
         if (elem == sizeof(double)) ((double *)tmp)[i] = ((const float *)data)[i];
         else ((float *)tmp)[i] = (float)((const double *)data)[i];
-    clmha_status st = CLMHA_SUCCESS;
-    if (upload) {
-        st = clmha__host_upload(layer, slot, "gradient upload", tmp ? tmp : data, n * elem, out);
-    } else {
-        cl_int err = clEnqueueReadBuffer(layer->ctx->queue, buf, CL_TRUE, 0, n * elem,
-                                         tmp ? tmp : data, 0, NULL, NULL);
-        if (err) st = clmha__cl_fail(layer->ctx, err, "clEnqueueReadBuffer(gradient)");
-        for (size_t i = 0; !st && tmp && i < n; ++i)
-            if (f64) ((double *)data)[i] = ((const float *)tmp)[i];
-            else ((float *)data)[i] = (float)((const double *)tmp)[i];
-    }
+    clmha_status st =
+        clmha__host_upload(layer, slot, "gradient upload", tmp ? tmp : data, n * elem, out);
     free(tmp);
+    return st;
+}
+
+// @p n values of @p elem bytes at @p from into the caller's array @p to (doubles with @p f64,
+// else floats), converted where the two differ.
+static void place(void *to, const void *from, bool f64, size_t n, size_t elem) {
+    if ((f64 ? sizeof(double) : sizeof(float)) == elem) {
+        memcpy(to, from, n * elem);
+        return;
+    }
+    for (size_t i = 0; i < n; ++i)
+        if (f64) ((double *)to)[i] = ((const float *)from)[i];
+        else ((float *)to)[i] = (float)((const double *)from)[i];
+}
+
+// Reads every gradient asked for into host copies and, only once all are read, into the
+// caller's arrays: a failed read writes none of them.
+static clmha_status download_gradients(clmha_layer *layer, const clmha_backward_args *b,
+                                       const clmha__dims *d, bool f64) {
+    enum { MAX = CLMHA__HOST_COUNT - CLMHA__HOST_GRAD };
+    void *copy[MAX] = {NULL};
+    size_t n[MAX] = {0}, elem = layer->rs;
+    int count = clmha__backward_grad_count();  // at most MAX (backward.c checks it)
+    clmha_status st = CLMHA_SUCCESS;
+    for (int g = 0; g < count && !st; ++g) {
+        const clmha_grad *gr = clmha__backward_grad(b, g);
+        if (!gr->data) continue;
+        n[g] = clmha__backward_grad_floats(layer, d, g);
+        if (!(copy[g] = malloc((n[g] ? n[g] : 1) * elem))) {
+            st = clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (gradient)");
+            break;
+        }
+        cl_int err = clEnqueueReadBuffer(layer->ctx->queue, gr->buffer, CL_TRUE, 0,
+                                         n[g] * elem, copy[g], 0, NULL, NULL);
+        if (err) st = clmha__cl_fail(layer->ctx, err, "clEnqueueReadBuffer(gradient)");
+    }
+    for (int g = 0; g < count; ++g) {
+        if (!st && copy[g]) place(clmha__backward_grad(b, g)->data, copy[g], f64, n[g], elem);
+        free(copy[g]);
+    }
     return st;
 }
 
@@ -65,8 +97,8 @@ static clmha_status stage_gradients(clmha_layer *layer, const clmha__dims *d,
         size_t n = clmha__backward_grad_floats(layer, d, g);
         clmha_status st =
             gr->accumulate
-                ? host_copy(layer, CLMHA__HOST_GRAD + g, gr->data, f64, n, elem, true, NULL,
-                            &gr->buffer)
+                ? host_upload(layer, CLMHA__HOST_GRAD + g, gr->data, f64, n, elem,
+                              &gr->buffer)
                 : clmha__host_room(layer, CLMHA__HOST_GRAD + g, "gradient", n * elem,
                                    &gr->buffer);
         if (st) return st;
@@ -117,13 +149,7 @@ static clmha_status backward_host(clmha_layer *layer, const clmha_backward_args 
         goto fail;
     }
     // Read into the caller's arrays only once the whole pass has run.
-    for (int g = 0; g < clmha__backward_grad_count() && !st; ++g) {
-        const clmha_grad *gr = clmha__backward_grad(&b, g);
-        if (gr->data)
-            st = host_copy(layer, 0, gr->data, f64, clmha__backward_grad_floats(layer, &d, g),
-                           layer->rs, false, gr->buffer, NULL);
-    }
-    if (!st) {
+    if (!(st = download_gradients(layer, &b, &d, f64))) {
         round_gradients(layer, &a, &d, f64);
         return CLMHA_SUCCESS;
     }

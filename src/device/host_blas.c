@@ -36,12 +36,31 @@ static void (*omp_parallel)(void (*)(void *), void *, unsigned, unsigned);
 static int (*omp_thread_num)(void);
 static int (*omp_num_threads)(void);
 
+// The product in plain loops (row-major, C = alpha op(A) op(B) + beta C; beta 0 ignores what C
+// held): what a GEMM that reported a failure is replaced by. A native kernel cannot fail its
+// command, so the product is made here rather than left unwritten (a wrong answer).
+static void sgemm_plain(bool ta, bool tb, size_t m, size_t n, size_t k, float alpha,
+                        const float *a, size_t lda, const float *b, size_t ldb, float beta,
+                        float *c, size_t ldc) {
+    for (size_t i = 0; i < m; ++i)
+        for (size_t j = 0; j < n; ++j) {
+            double sum = 0;
+            for (size_t p = 0; p < k; ++p)
+                sum += (double)(ta ? a[p * lda + i] : a[i * lda + p]) *
+                       (double)(tb ? b[j * ldb + p] : b[p * ldb + j]);
+            float *out = &c[i * ldc + j];
+            *out = (float)(alpha * sum) + (beta != 0.0f ? beta * *out : 0.0f);
+        }
+}
+
+// oneDNN reports a failure (out of memory for its packed copies, say) by its status.
 static void sgemm_dnnl(const void *impl, bool ta, bool tb, size_t m, size_t n, size_t k,
                        float alpha, const float *a, size_t lda, const float *b, size_t ldb,
                        float beta, float *c, size_t ldc) {
     dnnl_sgemm_fn f = *(const dnnl_sgemm_fn *)impl;
-    f(ta ? 'T' : 'N', tb ? 'T' : 'N', (int64_t)m, (int64_t)n, (int64_t)k, alpha, a,
-      (int64_t)lda, b, (int64_t)ldb, beta, c, (int64_t)ldc);
+    if (f(ta ? 'T' : 'N', tb ? 'T' : 'N', (int64_t)m, (int64_t)n, (int64_t)k, alpha, a,
+          (int64_t)lda, b, (int64_t)ldb, beta, c, (int64_t)ldc) != 0)
+        sgemm_plain(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 static void sgemm_cblas(const void *impl, bool ta, bool tb, size_t m, size_t n, size_t k,

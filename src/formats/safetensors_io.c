@@ -50,6 +50,11 @@ static clmha_status read_file(const clmha_context *ctx, const char *path,
     unsigned char head[9];
     size_t size = fread(head, 1, sizeof head, f);
     char msg[CLMHA__ERROR_SIZE];
+    if (ferror(f)) {  // (before the bytes are judged: a failed read is not a short file)
+        errno_text(errno, why, sizeof why);
+        st = clmha__fail(ctx, CLMHA_IO_ERROR, "cannot read %s: %s", path, why);
+        goto fail;
+    }
     if ((st = clmha__st_torch_save_check(head, size, file_size, path, msg, sizeof msg))) {
         st = clmha__fail(ctx, st, "%s", msg);
         goto fail;

@@ -97,21 +97,17 @@ clmha_status clmha__attention_upload(clmha_layer *l, clmha_attention_args *a,
     return CLMHA_SUCCESS;
 }
 
-// Waits for the call and reads its results (blocking reads) of @p es bytes each.
+// Waits for the call and reads its results of @p es bytes each, all or none.
 static clmha_status download(clmha_context *ctx, const clmha__attention_out *o,
                              const clmha__attention_dims *d, size_t es, void *output, void *lse,
                              void *weights) {
     cl_int err = clFinish(ctx->queue);
     if (err) return clmha__cl_fail_on(ctx, err, "clFinish", "the attention call");
-    cl_mem src[3] = {o->output, o->lse, o->weights};
-    void *dst[3] = {output, lse, weights};
-    size_t count[3] = {d->output_count, d->lse_count, d->weights_count};
-    static const char *const what[3] = {"output", "lse", "weights"};
-    for (int i = 0; i < 3; ++i)
-        if (dst[i] && (err = clEnqueueReadBuffer(ctx->queue, src[i], CL_TRUE, 0, count[i] * es,
-                                                 dst[i], 0, NULL, NULL)))
-            return clmha__cl_fail_on(ctx, err, "clEnqueueReadBuffer", what[i]);
-    return CLMHA_SUCCESS;
+    cl_mem src[3] = {o->lse, o->weights, o->output};  // the largest last: read in place
+    void *dst[3] = {lse, weights, output};
+    size_t bytes[3] = {d->lse_count * es, d->weights_count * es, d->output_count * es};
+    static const char *const what[3] = {"lse", "weights", "output"};
+    return clmha__host_read_all(ctx, 3, src, dst, bytes, what);
 }
 
 clmha_status clmha__attention_host_dtype(clmha_context *ctx, const clmha_attention_args *a,

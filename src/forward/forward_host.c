@@ -13,6 +13,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 // Reads @p count results of the layer's dtype from @p buf into floats, or doubles with @p f64
 // (a blocking read): widened exactly, or a float64 layer's rounded to float.
@@ -100,9 +101,21 @@ static clmha_status forward_host(clmha_layer *layer, const clmha_forward_args *a
         st = clmha__cl_fail(ctx, err, "clFinish");
         goto fail;
     }
-    if ((st = read_values(layer, out, d.output_count, output, f64))) goto fail;
-    if (args->need_weights && (st = read_values(layer, w, d.weights_count, weights, f64)))
+    // The weights through a host copy, so that a failed read leaves both arrays as they were.
+    size_t host_elem = f64 ? sizeof(double) : sizeof(float);
+    void *wcopy = NULL;
+    if (args->need_weights &&
+        !(wcopy = malloc((d.weights_count ? d.weights_count : 1) * host_elem))) {
+        st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (weights)");
         goto fail;
+    }
+    if ((wcopy && (st = read_values(layer, w, d.weights_count, wcopy, f64))) ||
+        (st = read_values(layer, out, d.output_count, output, f64))) {
+        free(wcopy);
+        goto fail;
+    }
+    if (wcopy) memcpy(weights, wcopy, d.weights_count * host_elem);
+    free(wcopy);
     return CLMHA_SUCCESS;
 fail:
     clmha__host_drop(layer);

@@ -9,6 +9,34 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+clmha_status clmha__host_read_all(clmha_context *ctx, int n, const cl_mem *src,
+                                  void *const *dst, const size_t *bytes,
+                                  const char *const *what) {
+    enum { MAX = 4 };
+    void *copy[MAX] = {NULL};
+    int last = -1;
+    for (int i = 0; i < n && i < MAX; ++i)
+        if (dst[i]) last = i;
+    clmha_status st = CLMHA_SUCCESS;
+    for (int i = 0; i <= last && !st; ++i) {
+        if (!dst[i]) continue;
+        void *to = i == last ? dst[i] : (copy[i] = malloc(bytes[i] ? bytes[i] : 1));
+        if (!to) {
+            st = clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory (%s)", what[i]);
+            break;
+        }
+        cl_int err = clEnqueueReadBuffer(ctx->queue, src[i], CL_TRUE, 0, bytes[i], to, 0, NULL,
+                                         NULL);
+        if (err) st = clmha__cl_fail_on(ctx, err, "clEnqueueReadBuffer", what[i]);
+    }
+    for (int i = 0; i < MAX; ++i) {
+        if (!st && copy[i]) memcpy(dst[i], copy[i], bytes[i]);
+        free(copy[i]);
+    }
+    return st;
+}
 
 clmha_status clmha__host_room(clmha_layer *layer, int slot, const char *what, size_t bytes,
                               cl_mem *out) {

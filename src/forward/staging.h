@@ -19,6 +19,15 @@ CLMHA__HIDDEN clmha_status clmha__host_room(clmha_layer *layer, int slot, const 
 CLMHA__HIDDEN clmha_status clmha__host_upload(clmha_layer *layer, int slot, const char *what,
                                               const void *data, size_t bytes, cl_mem *out);
 
+// Reads @p n device buffers into the caller's arrays whole or not at all: @p bytes[i] from
+// @p src[i] into @p dst[i] (a NULL dst is skipped; n at most 4) in blocking reads, every array
+// but the last asked for through a host copy that is moved into place only once every read has
+// succeeded, so that a failed read writes none of them. @p what names each array in a
+// failure's message.
+CLMHA__HIDDEN clmha_status clmha__host_read_all(clmha_context *ctx, int n, const cl_mem *src,
+                                                void *const *dst, const size_t *bytes,
+                                                const char *const *what);
+
 // After a failed host-array call: lets go of every slot (the driver frees a buffer once the work
 // queued on it has finished), so that a refused call leaves no allocation behind and
 // clmha_layer_scratch_bytes() is what it was before the layer's first host-array call.
