@@ -1,10 +1,13 @@
 # tests/faults/: fault injection. inject.c is preloaded into each child process of
-# fault_sweep.c and fails the n-th OpenCL call (or, with --kind alloc, the n-th malloc, calloc
-# or realloc) libclmha makes; fault_sweep runs each scenario once per injection point and
-# checks the outcome (see its header). CTest runs a sample (every 11th OpenCL point, every 3rd
-# allocation, the first and the last always); the whole sweeps:
-#   build/tests/fault_sweep build/tests/libclmha_faults.so
-#   build/tests/fault_sweep build/tests/libclmha_faults.so --kind alloc
+# fault_sweep.c and fails the n-th call of one kind libclmha makes (OpenCL calls; with --kind
+# alloc the n-th malloc, calloc or realloc; io, file calls; blas, CLBlast's or the host BLAS's
+# GEMMs), and counts what libclmha holds for the leak check; fault_sweep runs each scenario once
+# per injection point and checks the outcome (see its header). CTest runs a sample (every 31st
+# OpenCL point, every 6th allocation and GEMM, every file call of saving and loading; the first
+# and the last always);
+# the whole sweeps:
+#   build/tests/fault_sweep build/tests/libclmha_faults.so [--kind alloc|io|blas]
+#   CLMHA_GEMM=clblast build/tests/fault_sweep build/tests/libclmha_faults.so --kind blas
 # Not in sanitizer builds: their runtime must be the first library a process loads, which a
 # preloaded library would not let it be. Included from tests/CMakeLists.txt.
 add_library(clmha_faults MODULE ${CMAKE_CURRENT_LIST_DIR}/inject.c)
@@ -19,8 +22,13 @@ target_compile_options(fault_sweep PRIVATE ${CLMHA_WARNINGS})
 add_dependencies(fault_sweep clmha_faults)
 if(NOT CLMHA_SANITIZE)
   add_test(NAME fault_sweep_opencl
-           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --stride 11)
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --stride 31)
   add_test(NAME fault_sweep_alloc
-           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --kind alloc --stride 3)
-  set_tests_properties(fault_sweep_opencl fault_sweep_alloc PROPERTIES TIMEOUT 900)
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --kind alloc --stride 6)
+  add_test(NAME fault_sweep_io  # the file calls of the save-and-load scenario (the others
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> 10 --kind io)  # make one, recovered)
+  add_test(NAME fault_sweep_blas
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --kind blas --stride 6)
+  set_tests_properties(fault_sweep_opencl fault_sweep_alloc fault_sweep_io fault_sweep_blas
+                       PROPERTIES TIMEOUT 900)
 endif()
