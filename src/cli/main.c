@@ -7,6 +7,7 @@
 // command or option, missing value, missing required option). Every error is one line on stderr that starts with
 // "clmha <command>: " and names the file or argument at fault.
 #include "cli.h"
+#include "outputs.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -56,15 +57,18 @@ enum { NUM_COMMANDS = sizeof commands / sizeof commands[0] };
 
 // Flushes and closes stdout: what a command printed there (a summary, a listing, --help) is its
 // result, so a write that failed (stdout on a full disk, a closed file) turns a success into
-// exit status 1, with a message on stderr.
+// exit status 1, with a message on stderr (a command that failed has said why already: one
+// message). Once a command has committed its output files it has succeeded: it flushed stdout
+// just before and printed nothing since, so a failure to close it loses nothing, and the
+// status stays 0 (a failed run leaves every file as it was; this one wrote them).
 static int finish(int rc) {
     errno = 0;
     bool failed = fflush(stdout) != 0 || ferror(stdout);
     int err = errno;
     if (fclose(stdout) != 0 && !failed) failed = true, err = errno;
-    if (!failed) return rc;
+    if (!failed || rc != EXIT_OK || clmha__cli_outputs_committed()) return rc;
     clmha__cli_report(NULL, "cannot write to stdout: %s", err ? strerror(err) : "write error");
-    return rc == EXIT_OK ? EXIT_REFUSED : rc;
+    return EXIT_REFUSED;
 }
 
 static int run_command(int argc, char **argv);

@@ -134,6 +134,10 @@ static long commit(char *const *tmp, const clmha__cli_out *out, size_t count) {
     return failed;
 }
 
+static bool committed;
+
+bool clmha__cli_outputs_committed(void) { return committed; }
+
 bool clmha__cli_write_outputs(const char *cmd, const clmha__cli_out *out, size_t count) {
     char **tmp = calloc(count ? count : 1, sizeof *tmp);
     if (!tmp) {
@@ -153,6 +157,14 @@ bool clmha__cli_write_outputs(const char *cmd, const clmha__cli_out *out, size_t
             ok = false;
         }
     }
+    // What the command printed goes out before the files are committed: a stdout that cannot
+    // be written fails the run (main.c), and a failed run leaves every file as it was.
+    errno = 0;
+    if (ok && (fflush(stdout) != 0 || ferror(stdout))) {
+        clmha__cli_report(cmd, "cannot write to stdout: %s (no output written)",
+                          errno ? strerror(errno) : "write error");
+        ok = false;
+    }
     long failed = ok ? commit(tmp, out, count) : -1;
     if (failed >= 0) {
         clmha__cli_report(cmd,
@@ -166,5 +178,6 @@ bool clmha__cli_write_outputs(const char *cmd, const clmha__cli_out *out, size_t
         free(tmp[i]);
     }
     free(tmp);
+    committed = ok && count;
     return ok;
 }

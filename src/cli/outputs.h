@@ -34,7 +34,12 @@ bool clmha__cli_outputs_distinct(const char *cmd, const clmha__cli_out *out, siz
 // to a temporary file next to its target first, then they are renamed over their targets; an
 // output that existed is kept as a hard link until every rename succeeded and put back when
 // one fails. On failure every file that existed is as it was and no new file is left; the
-// failure is reported.
+// failure is reported. What the command printed on stdout is flushed first: a stdout that
+// cannot be written fails the call before any file is committed.
 bool clmha__cli_write_outputs(const char *cmd, const clmha__cli_out *out, size_t count);
+
+// Whether clmha__cli_write_outputs() committed files (stdout flushed just before): the command
+// has succeeded, and closing stdout at exit has nothing left to lose (main.c).
+bool clmha__cli_outputs_committed(void);
 
 #endif

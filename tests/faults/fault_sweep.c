@@ -6,10 +6,10 @@
 // outcomes:
 //   refused:   an error status whose message names what failed: the OpenCL or CLBlast call
 //              by name; a failed allocation as CLMHA_OUT_OF_MEMORY, its message saying
-//              memory; a failed file call as CLMHA_IO_ERROR, its message naming the file. A
-//              host call's output arrays keep what they held (the header: written only once
-//              the whole pass has finished); a save leaves the file it would replace as it was
-//              and no temporary file behind;
+//              memory; a failed file call as CLMHA_IO_ERROR, its message naming the file (the
+//              program: the file or stdout). A host call's output arrays keep what they held
+//              (the header: written only once the whole pass has finished); a save leaves the
+//              file it would replace as it was and no temporary file behind;
 //   recovered: success with the right answer (a documented fallback took over);
 // and then, with injection paused, the same call on the same objects (those that were made)
 // must succeed with the right answer: nothing was left half-done. Then every object is
@@ -30,6 +30,9 @@
 #define _GNU_SOURCE
 #define CL_TARGET_OPENCL_VERSION 120
 #include <clmha.h>
+
+#include "sweep.h"
+
 #include <dlfcn.h>
 #include <math.h>
 #include <signal.h>
@@ -46,12 +49,9 @@ enum { E = 16, H = 2, N = 2, L = 5, S = 5 };
 #define TOL 1e-4
 
 // The outcome of one child run: its exit status.
-enum { OUT_REFUSED = 0, OUT_RECOVERED = 1, OUT_WRONG = 2, OUT_RETRY = 3, OUT_MESSAGE = 4,
-       OUT_SETUP = 5, OUT_WRITTEN = 6, OUT_LEAK = 7, OUTCOMES = 8, OUT_DONE = 10 };
-
 static const char *const outcome_names[OUTCOMES] = {
     "refused", "recovered", "wrong answer", "unusable after", "message lacks the call",
-    "setup failed", "output written", "leak"};
+    "setup failed", "output written", "leak", "program crashed or hung"};
 
 enum { SENTINEL = 7 };  // what a host call's output arrays hold before it
 
@@ -359,6 +359,8 @@ static const scenario scenarios[] = {
     {"bake, then forward", step_bake, false, false, false, true, false},
     {"save, load, forward", step_save_load, false, false, false, true, false},
     {"KV-cache decode with truncate", step_truncate, true, false, false, false, false},
+    {"the clmha run program: forward, backward, files", NULL, false, false, false, false,
+     false},
 };
 enum { SCENARIOS = sizeof scenarios / sizeof scenarios[0] };
 
@@ -457,10 +459,39 @@ static void child_setup(world *w, const scenario *sc) {
     else reference(w, sc->self_causal);
 }
 
+// The child of the program's scenario (sweep_cli.c): the program's own process is the one
+// injected; what its library saw comes back in a report. The same exits as child()'s.
+static void cli_child(long at) {
+    const char *program = getenv("CLMHA_SWEEP_PROGRAM"), *cases = getenv("CLMHA_SWEEP_CASE");
+    if (!program || !cases) exit(OUT_SETUP);
+    cli_report r;
+    int outcome = cli_sweep_run(program, cases, at, &r);
+    if (at == 0) {
+        const char *path = getenv("CLMHA_FAULT_COUNT_FILE");
+        FILE *f = path ? fopen(path, "w") : NULL;
+        if (!f || outcome != OUT_RECOVERED) exit(OUT_SETUP);
+        fprintf(f, "%ld %ld %ld\n", r.calls, r.held, r.allocations);
+        fclose(f);
+        exit(OUT_DONE);
+    }
+    if (strcmp(r.failed, "-") == 0) exit(OUT_DONE);  // fewer calls than `at`
+    long base_cl = 0, base_alloc = 0;
+    const char *base = getenv("CLMHA_FAULT_BASE");
+    if (outcome <= OUT_RECOVERED && base && sscanf(base, "%ld %ld", &base_cl, &base_alloc) == 2 &&
+        (r.held > base_cl || r.allocations > base_alloc || r.allocations < 0)) {
+        fprintf(stderr, "  clmha run, call %ld (%s): %ld OpenCL objects and %ld allocations "
+                "left at exit (%ld and %ld without faults)\n", at, r.failed, r.held,
+                r.allocations, base_cl, base_alloc);
+        exit(OUT_LEAK);
+    }
+    exit(outcome);
+}
+
 // The child: scenario @p sc with call @p at failing. Exits with its outcome, or OUT_DONE when
 // the run made fewer than @p at calls; with @p at 0 (nothing fails) it writes the number of
 // calls the scenario makes and what libclmha holds after it to $CLMHA_FAULT_COUNT_FILE.
 static void child(const scenario *sc, long at) {
+    if (!sc->step) cli_child(at);
     long (*state)(const char **);
     void (*pause)(bool);
     *(void **)&state = dlsym(RTLD_DEFAULT, "clmha_fault_state");  // (ISO C's way to a
@@ -542,6 +573,44 @@ static int run_one(const char *self, const char *preload, int index, long at) {
     return -1;
 }
 
+// Sweeps scenario @p s: its run without faults (counting the calls and what libclmha holds
+// after it), then one run per injection point; prints its table row; returns the failed runs.
+static int sweep(const char *self, const char *preload, int s, long stride,
+                 const char *count_file) {
+    long counts[OUTCOMES] = {0}, failed = 0, runs = 0, total = 0, base[2];
+    FILE *f = NULL;
+    if (run_one(self, preload, s, 0) != OUT_DONE || !(f = fopen(count_file, "r")) ||
+        fscanf(f, "%ld %ld %ld", &total, &base[0], &base[1]) != 3) {
+        fprintf(stderr, "fault_sweep: %s: the run without faults failed\n", scenarios[s].name);
+        if (f) fclose(f);
+        return 1;
+    }
+    fclose(f);
+    char base_s[64];  // what libclmha holds after a run without faults, for the leak check
+    snprintf(base_s, sizeof base_s, "%ld %ld", base[0], base[1]);
+    setenv("CLMHA_FAULT_BASE", base_s, 1);
+    // Every point (the first and the last always, every stride-th between).
+    for (long at = 1; at <= total; at = at == total ? total + 1
+                                       : at + stride > total ? total
+                                                             : at + stride) {
+        int out = run_one(self, preload, s, at);
+        if (out == OUT_DONE) break;  // a run that made fewer calls than the count
+        ++runs;
+        if (out == OUT_REFUSED || out == OUT_RECOVERED) {
+            ++counts[out];
+        } else {
+            ++failed;
+            if (out >= 0 && out < OUTCOMES) ++counts[out];
+        }
+    }
+    printf("| %s | %ld | %ld | %ld | %ld | %ld |\n", scenarios[s].name, total, runs,
+           counts[OUT_REFUSED], counts[OUT_RECOVERED], failed);
+    for (int o = 2; o < OUTCOMES; ++o)
+        if (counts[o]) printf("|   %s | | %ld | | | |\n", outcome_names[o], counts[o]);
+    fflush(stdout);
+    return (int)failed;
+}
+
 int main(int argc, char **argv) {
     if (argc == 4 && strcmp(argv[1], "--child") == 0) {
         int index = atoi(argv[2]);
@@ -551,24 +620,27 @@ int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr,
                 "usage: %s PRELOAD [SCENARIO-NUMBER ...] [--kind cl|alloc|io|blas] "
-                "[--stride K]\n",
+                "[--stride K] [--program CLMHA --case DIR]\n",
                 argv[0]);
         return 2;
     }
     long stride = 1;
     bool chosen[SCENARIOS] = {false}, any = false;
     for (int i = 2; i < argc; ++i) {
-        if (strcmp(argv[i], "--stride") == 0 && i + 1 < argc) {
+        const char *env = strcmp(argv[i], "--kind") == 0      ? "CLMHA_FAULT_KIND"
+                          : strcmp(argv[i], "--program") == 0 ? "CLMHA_SWEEP_PROGRAM"
+                          : strcmp(argv[i], "--case") == 0    ? "CLMHA_SWEEP_CASE"
+                                                              : NULL;
+        if (env && i + 1 < argc) {
+            setenv(env, argv[++i], 1);  // the children inherit it
+        } else if (strcmp(argv[i], "--stride") == 0 && i + 1 < argc) {
             stride = atol(argv[++i]);
-        } else if (strcmp(argv[i], "--kind") == 0 && i + 1 < argc) {
-            setenv("CLMHA_FAULT_KIND", argv[++i], 1);  // the children inherit it
         } else {
             int k = atoi(argv[i]);
             if (k >= 1 && k <= SCENARIOS) chosen[k - 1] = any = true;
         }
     }
     if (stride < 1) stride = 1;
-    int failures = 0;
     char count_file[] = "/tmp/clmha-fault-count-XXXXXX";
     int fd = mkstemp(count_file);
     if (fd < 0) return 2;
@@ -583,42 +655,12 @@ int main(int argc, char **argv) {
            : strcmp(kind, "io") == 0   ? "file calls"
            : strcmp(kind, "blas") == 0 ? "GEMM calls"
                                        : "OpenCL calls");
+    int failures = 0;
     for (int s = 0; s < SCENARIOS; ++s) {
         if (any && !chosen[s]) continue;
-        long counts[OUTCOMES] = {0}, failed = 0, runs = 0, total = 0, base[2];
-        FILE *f = NULL;
-        if (run_one(argv[0], argv[1], s, 0) != OUT_DONE || !(f = fopen(count_file, "r")) ||
-            fscanf(f, "%ld %ld %ld", &total, &base[0], &base[1]) != 3) {
-            fprintf(stderr, "fault_sweep: %s: the run without faults failed\n",
-                    scenarios[s].name);
-            if (f) fclose(f);
-            ++failures;
-            continue;
-        }
-        fclose(f);
-        char base_s[64];  // what libclmha holds after a run without faults, for the leak check
-        snprintf(base_s, sizeof base_s, "%ld %ld", base[0], base[1]);
-        setenv("CLMHA_FAULT_BASE", base_s, 1);
-        // Every point (the first and the last always, every stride-th between).
-        for (long at = 1; at <= total; at = at == total ? total + 1
-                                           : at + stride > total ? total
-                                                                 : at + stride) {
-            int out = run_one(argv[0], argv[1], s, at);
-            if (out == OUT_DONE) break;  // a run that made fewer calls than the count
-            ++runs;
-            if (out == OUT_REFUSED || out == OUT_RECOVERED) {
-                ++counts[out];
-            } else {
-                ++failed;
-                if (out >= 0 && out < OUTCOMES) ++counts[out];
-            }
-        }
-        printf("| %s | %ld | %ld | %ld | %ld | %ld |\n", scenarios[s].name, total, runs,
-               counts[OUT_REFUSED], counts[OUT_RECOVERED], failed);
-        for (int o = 2; o < OUTCOMES; ++o)
-            if (counts[o]) printf("|   %s | | %ld | | | |\n", outcome_names[o], counts[o]);
-        failures += (int)failed;
-        fflush(stdout);
+        if (!scenarios[s].step && !(getenv("CLMHA_SWEEP_PROGRAM") && getenv("CLMHA_SWEEP_CASE")))
+            printf("| %s | skipped: no --program and --case | | | | |\n", scenarios[s].name);
+        else failures += sweep(argv[0], argv[1], s, stride, count_file);
     }
     unlink(count_file);
     printf("fault_sweep: %d failed run%s\n", failures, failures == 1 ? "" : "s");

@@ -6,7 +6,8 @@
 # OpenCL point, every 6th allocation and GEMM, every file call of saving and loading; the first
 # and the last always);
 # the whole sweeps:
-#   build/tests/fault_sweep build/tests/libclmha_faults.so [--kind alloc|io|blas]
+#   build/tests/fault_sweep build/tests/libclmha_faults.so [--kind alloc|io|blas] \
+#       --program build/clmha --case tests/cli/grad_self
 #   CLMHA_GEMM=clblast build/tests/fault_sweep build/tests/libclmha_faults.so --kind blas
 # Not in sanitizer builds: their runtime must be the first library a process loads, which a
 # preloaded library would not let it be. Included from tests/CMakeLists.txt.
@@ -16,17 +17,27 @@ target_include_directories(clmha_faults PRIVATE ${OpenCL_INCLUDE_DIRS})
 set_target_properties(clmha_faults PROPERTIES C_VISIBILITY_PRESET default PREFIX "lib")
 target_compile_options(clmha_faults PRIVATE ${CLMHA_WARNINGS})
 # Linked with libclmha.so: the preloaded library fails the calls made from it.
-add_executable(fault_sweep ${CMAKE_CURRENT_LIST_DIR}/fault_sweep.c)
+add_executable(fault_sweep ${CMAKE_CURRENT_LIST_DIR}/fault_sweep.c
+                           ${CMAKE_CURRENT_LIST_DIR}/sweep_cli.c)
 target_link_libraries(fault_sweep PRIVATE clmha OpenCL::OpenCL ${CMAKE_DL_LIBS} m)
 target_compile_options(fault_sweep PRIVATE ${CLMHA_WARNINGS})
 add_dependencies(fault_sweep clmha_faults)
+# The program's scenario: `clmha run` on the PyTorch case tests/cli/grad_self.
+set(CLMHA_SWEEP_PROGRAM)
+if(TARGET clmha_cli)
+  add_dependencies(fault_sweep clmha_cli)
+  set(CLMHA_SWEEP_PROGRAM --program $<TARGET_FILE:clmha_cli>
+                          --case ${PROJECT_SOURCE_DIR}/tests/cli/grad_self)
+endif()
 if(NOT CLMHA_SANITIZE)
   add_test(NAME fault_sweep_opencl
-           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --stride 31)
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --stride 31 ${CLMHA_SWEEP_PROGRAM})
   add_test(NAME fault_sweep_alloc
-           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --kind alloc --stride 6)
-  add_test(NAME fault_sweep_io  # the file calls of the save-and-load scenario (the others
-           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> 10 --kind io)  # make one, recovered)
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --kind alloc --stride 6
+                   ${CLMHA_SWEEP_PROGRAM})
+  add_test(NAME fault_sweep_io  # the file calls of saving and loading, and of the program
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> 10 12 --kind io
+                   ${CLMHA_SWEEP_PROGRAM})
   add_test(NAME fault_sweep_blas
            COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --kind blas --stride 6)
   set_tests_properties(fault_sweep_opencl fault_sweep_alloc fault_sweep_io fault_sweep_blas

@@ -3,7 +3,8 @@
 // $CLMHA_FAULT_AT (1, 2, ...) fails without reaching the driver or the C library. A call is
 // libclmha's when its return address lies in libclmha's loaded segments (found once with
 // dl_iterate_phdr: the library named libclmha.so*); the calls of the driver, CLBlast, the C
-// library and the process are never touched. Used by tests/faults/fault_sweep.c; the process
+// library and the process are never touched, unless $CLMHA_FAULT_PROGRAM is set: then the
+// program's own calls are counted too (the `clmha` program's file writes, say). Used by tests/faults/fault_sweep.c; the process
 // asks what happened through clmha_fault_state() and clmha_fault_held(), and pauses the
 // injection with clmha_fault_pause() (found with dlsym: they are not part of the library under
 // test).
@@ -54,8 +55,9 @@ static long counted;       // the library's calls of the kind so far
 static const char *failed; // the name of the call made to fail, or NULL
 static bool paused;        // clmha_fault_pause(): no call counted or failed
 
-// libclmha's loaded segments, found on the first call after it is loaded.
-enum { MAX_SEGMENTS = 8 };
+// libclmha's loaded segments (and the program's, with $CLMHA_FAULT_PROGRAM set), found on the
+// first call after libclmha is loaded.
+enum { MAX_SEGMENTS = 16 };
 static uintptr_t seg_lo[MAX_SEGMENTS], seg_hi[MAX_SEGMENTS];
 static int segments = -1;  // -1: not looked for yet (or libclmha not loaded yet)
 
@@ -74,12 +76,16 @@ __attribute__((visibility("default"))) long clmha_fault_state(const char **name)
 // failure (the retry that checks the object is still usable) run untouched.
 __attribute__((visibility("default"))) void clmha_fault_pause(bool pause) { paused = pause; }
 
+// dl_iterate_phdr's callback: the segments of libclmha (and of the program: the first object,
+// unnamed, when *data is true); counts libclmha's in segments only when it is there.
 static int find_segments(struct dl_phdr_info *info, size_t size, void *data) {
-    (void)size, (void)data;
+    (void)size;
+    static int n, found;
+    bool program = *(bool *)data && info->dlpi_name && !info->dlpi_name[0] && n == 0;
     const char *base = info->dlpi_name ? strrchr(info->dlpi_name, '/') : NULL;
     base = base ? base + 1 : info->dlpi_name;
-    if (!base || strncmp(base, "libclmha.so", 11) != 0) return 0;  // (not this library)
-    int n = 0;
+    bool lib = base && strncmp(base, "libclmha.so", 11) == 0;
+    if (!program && !lib) return 0;
     for (int i = 0; i < info->dlpi_phnum && n < MAX_SEGMENTS; ++i) {
         const ElfW(Phdr) *ph = &info->dlpi_phdr[i];
         if (ph->p_type != PT_LOAD) continue;
@@ -87,13 +93,17 @@ static int find_segments(struct dl_phdr_info *info, size_t size, void *data) {
         seg_hi[n] = seg_lo[n] + ph->p_memsz;
         ++n;
     }
-    segments = n;
-    return 1;
+    if (lib) found = 1;
+    if (found) segments = n;
+    return 0;
 }
 
 // Whether the call made from @p ret (a return address) is libclmha's.
 static bool from_clmha(void *ret) {
-    if (segments <= 0) dl_iterate_phdr(find_segments, NULL);
+    if (segments <= 0) {
+        bool program = getenv("CLMHA_FAULT_PROGRAM") != NULL;
+        dl_iterate_phdr(find_segments, &program);
+    }
     uintptr_t a = (uintptr_t)ret;
     for (int i = 0; i < segments; ++i)
         if (a >= seg_lo[i] && a < seg_hi[i]) return true;
@@ -167,6 +177,18 @@ static void forget(void *p) {
 __attribute__((visibility("default"))) long clmha_fault_held(long *allocations) {
     if (allocations) *allocations = overflow ? -1 : live;
     return cl_held;
+}
+
+// With $CLMHA_FAULT_REPORT set (a program run by the sweep), what this process saw, written
+// when it exits: its calls of the kind, the OpenCL objects and allocations libclmha still
+// holds, and the call failed ("-": none).
+__attribute__((destructor)) static void report(void) {
+    const char *path = getenv("CLMHA_FAULT_REPORT");
+    FILE *f = path ? fopen(path, "w") : NULL;
+    if (!f) return;
+    fprintf(f, "%ld %ld %ld %s\n", counted, cl_held, overflow ? -1 : live,
+            failed ? failed : "-");
+    fclose(f);
 }
 
 static void held(void *ret, long delta) {
