@@ -20,9 +20,10 @@
 // concurrency_standalone in tests/CMakeLists.txt), and the soak must run there too.
 //
 // Every 5 s it prints `t=..s rss=..MiB calls=.. valid=.. refused=..`; at the end the growth of
-// the resident memory from the end of the warm-up (the first 20% of the run, at most 60 s) to
-// the end. Exit status 0 pass, 1 a wrong result, an unexpected status or growth above the bound
-// (10% of the resident memory at the end of the warm-up + 16 MiB), 77 no OpenCL device.
+// the resident memory from the end of the warm-up (the first 20% of the run, at most 60 s, and
+// at least WARM_OPS operations of every thread) to the end. Exit status 0 pass, 1 a wrong
+// result, an unexpected status or growth above the bound (10% of the resident memory at the end
+// of the warm-up + 16 MiB), 77 no OpenCL device.
 //
 // Commands (CTest runs `soak --seconds 20` as the test `soak`), from the source folder:
 //   build/tests/soak --seconds 600 --threads 4 --seed 1
@@ -50,6 +51,10 @@
 #include <unistd.h>
 
 enum { MAX_THREADS = 16, MAX_LAYERS = 4, CACHE_BATCH = 2, CACHE_CAP = 24, PAGE = 8, PAGES = 6 };
+// Operations every thread has done before the warm-up may end: its layers made and each kind of
+// call run, so that the programs, scratch and caches the calls grow are in place (a slow
+// build, ThreadSanitizer's, takes a third of a 20 s run to get there).
+enum { WARM_OPS = 200 };
 
 #define TOL_F32 1e-4
 #define TOL_KV 2e-5
@@ -60,6 +65,7 @@ enum { MAX_THREADS = 16, MAX_LAYERS = 4, CACHE_BATCH = 2, CACHE_CAP = 24, PAGE =
 static atomic_ulong g_calls, g_valid, g_refused;
 static atomic_bool g_stop, g_failed;
 static double g_deadline;
+static double g_warm_at;  // when the warm-up ended, seconds into the run
 
 static double now_s(void) {
     struct timespec ts;
@@ -143,6 +149,7 @@ typedef struct worker {
     size_t cache_len;
     float *history;  // the tokens the cache holds, (CACHE_CAP, CACHE_BATCH, E)
     const char *op;  // the operation running, for messages
+    atomic_ulong ops;  // operations done (the warm-up waits for WARM_OPS of every thread)
 } worker;
 
 static void fail(worker *w, const char *fmt, ...) {
@@ -1106,6 +1113,7 @@ static void *worker_main(void *p) {
         while (k >= g_ops[i].weight) k -= g_ops[i++].weight;
         atomic_fetch_add(&g_op_runs[i], 1);
         g_ops[i].fn(w);
+        atomic_fetch_add(&w->ops, 1);
     }
     return NULL;
 }
@@ -1171,9 +1179,16 @@ static bool has_fp64(clmha_context *ctx) {
     return err == CL_SUCCESS && fp != 0;
 }
 
+static bool all_warm(worker *workers, int count) {
+    for (int i = 0; i < count; ++i)
+        if (atomic_load(&workers[i].ops) < WARM_OPS) return false;
+    return true;
+}
+
 // Samples the resident memory every 5 s until the threads' deadline; returns it at the end of
-// the warm-up (in *warm) and the end, and the peak.
-static void monitor(const options *o, double t0, double *warm, double *end, double *peak) {
+// the warm-up (in *warm; the end's when the warm-up did not end) and the end, and the peak.
+static bool monitor(const options *o, double t0, worker *workers, double *warm, double *end,
+                    double *peak) {
     double next = t0 + 5, rss = rss_mib();
     bool warmed = false;
     *peak = rss;
@@ -1181,13 +1196,15 @@ static void monitor(const options *o, double t0, double *warm, double *end, doub
         struct timespec ts = {0, 100 * 1000 * 1000};
         nanosleep(&ts, NULL);
         double t = now_s();
-        if (t < next && (warmed || t < t0 + o->warmup)) continue;
+        bool warm_now = !warmed && t >= t0 + o->warmup && all_warm(workers, o->threads);
+        if (t < next && !warm_now) continue;
         rss = rss_mib();
         *peak = fmax(*peak, rss);
-        if (!warmed && t >= t0 + o->warmup) {
+        if (warm_now) {
             warmed = true;
             *warm = rss;
-            printf("warm-up done at t=%.0fs: rss=%.1fMiB\n", t - t0, rss);
+            g_warm_at = t - t0;
+            printf("warm-up done at t=%.0fs: rss=%.1fMiB\n", g_warm_at, rss);
         }
         if (t >= next) {
             print_sample(t - t0, rss);
@@ -1197,6 +1214,7 @@ static void monitor(const options *o, double t0, double *warm, double *end, doub
     *end = rss_mib();
     if (!warmed) *warm = *end;
     *peak = fmax(*peak, *end);
+    return warmed;
 }
 
 int main(int argc, char **argv) {
@@ -1235,7 +1253,9 @@ int main(int argc, char **argv) {
         }
     }
     double warm = 0, end = 0, peak = 0;
-    monitor(&o, t0, &warm, &end, &peak);
+    if (!monitor(&o, t0, workers, &warm, &end, &peak) && !atomic_load(&g_failed))
+        printf("soak: the warm-up (%d operations a thread) did not end: no growth measured\n",
+               WARM_OPS);
     for (int i = 0; i < o.threads; ++i) pthread_join(workers[i].thread, NULL);
     print_sample(now_s() - t0, end);
     for (int i = 0; i < o.threads; ++i) worker_free(&workers[i]);
@@ -1243,10 +1263,10 @@ int main(int argc, char **argv) {
     clmha_context_release(ctx[1]);
     double growth = end - warm, bound = o.bound_pct / 100 * warm + o.bound_mib;
     bool grew = growth > bound, failed = atomic_load(&g_failed);
-    printf("soak: calls=%lu valid=%lu refused=%lu; rss after warm-up (%.0f s) %.1f MiB, at the "
-           "end %.1f MiB, peak %.1f MiB: growth %+.1f MiB (bound %.1f MiB)\n",
-           atomic_load(&g_calls), atomic_load(&g_valid), atomic_load(&g_refused), o.warmup, warm,
-           end, peak, growth, bound);
+    printf("soak: calls=%lu valid=%lu refused=%lu; rss after the warm-up (t=%.0fs) %.1f MiB, "
+           "at the end %.1f MiB, peak %.1f MiB: growth %+.1f MiB (bound %.1f MiB)\n",
+           atomic_load(&g_calls), atomic_load(&g_valid), atomic_load(&g_refused), g_warm_at,
+           warm, end, peak, growth, bound);
     printf("soak: operations:");
     for (size_t i = 0; i < NUM_OPS; ++i)
         printf(" %s=%lu", g_ops[i].name, atomic_load(&g_op_runs[i]));
