@@ -311,7 +311,8 @@ static inline clmha_impl clmha__impl_of_call(const clmha_layer *layer,
     return call->need_lse ? call->args->impl : clmha__impl_of(layer, call->args);
 }
 
-// The core backward call @p call asks for: its own impl, else the layer's.
+// The core backward call @p call prefers: its own impl, else the layer's. Only its own
+// CLMHA_IMPL_FUSED makes a refusal of the fused backward fail the call (fused_backward.c).
 static inline clmha_impl clmha__backward_impl_of(const clmha_layer *layer,
                                                  const clmha__backward_call *call) {
     return call->impl != CLMHA_IMPL_AUTO ? call->impl : layer->impl;

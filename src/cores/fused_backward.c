@@ -335,7 +335,10 @@ clmha_status clmha__fused_backward_supports(clmha__fused_backward **slot, clmha_
                                             const clmha__backward_call *call,
                                             clmha__core_answer *answer) {
     clmha_impl impl = clmha__backward_impl_of(l, call);
-    bool asked = impl == CLMHA_IMPL_FUSED;
+    // Asked for by the call itself only: the layer's choice (clmha_layer_set_impl()) is what
+    // CLMHA_IMPL_AUTO prefers, and the header's AUTO runs the unfused backward after a forward
+    // call that did not run the fused core (tests/device/test_core_dispatch.c).
+    bool asked = call->impl == CLMHA_IMPL_FUSED;
     if (impl == CLMHA_IMPL_UNFUSED) {
         clmha__core_answer_set(answer, CLMHA__CORE_PASSES, CLMHA_SUCCESS,
                                "impl is CLMHA_IMPL_UNFUSED");

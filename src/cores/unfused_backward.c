@@ -89,7 +89,7 @@ clmha_status clmha__unfused_backward_supports(clmha__unfused_backward **slot, cl
     if (!clmha__scores_chunks(l, d, &plan) || plan.count != 1) {
         // Asked for by CLMHA_IMPL_FUSED (its forward fell back): say why this core cannot;
         // else that the scores are too large for it, and what the fused backward needs.
-        if (clmha__backward_impl_of(l, call) == CLMHA_IMPL_FUSED)
+        if (call->impl == CLMHA_IMPL_FUSED)
             clmha__core_answer_set(answer, CLMHA__CORE_REFUSES, CLMHA_UNSUPPORTED,
                                    "the unfused backward core cannot run this call: the scores "
                                    "(N·H·L·S' floats) exceed half the device's largest "

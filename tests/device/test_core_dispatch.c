@@ -118,8 +118,9 @@ Test(core_dispatch, partial_calls_need_log_sum_exp_rows) {
 }
 
 // Runs a saving forward call with @p impl (and weights when @p weights), then its backward with
-// CLMHA_IMPL_FUSED; returns the backward's status.
-static clmha_status forward_then_fused_backward(clmha_impl impl, bool weights, bool *fell_back) {
+// @p backward_impl; returns the backward's status.
+static clmha_status forward_then_backward(clmha_impl impl, bool weights, bool *fell_back,
+                                          clmha_impl backward_impl) {
     clmha_saved *saved = NULL;
     cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
     clmha_forward_args a = self_call();
@@ -132,10 +133,14 @@ static clmha_status forward_then_fused_backward(clmha_impl impl, bool weights, b
     *fell_back = saved->fell_back;
     clmha_backward_args b = {.struct_size = sizeof b, .forward = &a, .saved = saved,
                              .grad_output = {.ndim = 3, .shape = {L, N, E}, .data = gy},
-                             .query = {.data = dx}, .impl = CLMHA_IMPL_FUSED};
+                             .query = {.data = dx}, .impl = backward_impl};
     clmha_status st = clmha_layer_backward_host(layer, &b);
     clmha_saved_release(saved);
     return st;
+}
+
+static clmha_status forward_then_fused_backward(clmha_impl impl, bool weights, bool *fell_back) {
+    return forward_then_backward(impl, weights, fell_back, CLMHA_IMPL_FUSED);
 }
 
 // A forward call that asked for the fused core and fell back (the loop limit) records it, and
@@ -157,4 +162,27 @@ Test(core_dispatch, fused_backward_falls_back_with_its_forward) {
     st = forward_then_fused_backward(CLMHA_IMPL_FUSED, false, &fell_back);
     cr_assert(!fell_back && clmha__fused_ran(layer));
     cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+}
+
+// The layer's choice of the fused core (clmha_layer_set_impl()) is what a call with
+// CLMHA_IMPL_AUTO prefers, not a demand: a backward call with CLMHA_IMPL_AUTO whose forward
+// call ran the unfused core (its own impl said so) runs the unfused backward, as
+// clmha_layer_backward() documents and as CLMHA_IMPL_UNFUSED would, bit for bit. It was
+// refused (CLMHA_UNSUPPORTED, "the forward call did not run the fused core"): found by the
+// soak (tests/soak/soak.c).
+Test(core_dispatch, auto_backward_of_an_unfused_forward_on_a_fused_layer) {
+    static float want[L * N * E];
+    bool fell_back = false;
+    cr_assert_eq(clmha_layer_set_impl(layer, CLMHA_IMPL_FUSED), CLMHA_SUCCESS);
+    clmha_status st = forward_then_backward(CLMHA_IMPL_UNFUSED, false, &fell_back,
+                                            CLMHA_IMPL_UNFUSED);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    memcpy(want, dx, sizeof want);
+    memset(dx, 0, sizeof dx);
+    st = forward_then_backward(CLMHA_IMPL_UNFUSED, false, &fell_back, CLMHA_IMPL_AUTO);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_expect(memcmp(dx, want, sizeof want) == 0, "the unfused backward's gradient differs");
+    // An explicit CLMHA_IMPL_FUSED is still refused there.
+    st = forward_then_backward(CLMHA_IMPL_UNFUSED, false, &fell_back, CLMHA_IMPL_FUSED);
+    cr_expect_eq(st, CLMHA_UNSUPPORTED);
 }
