@@ -1003,7 +1003,10 @@ CLMHA_API clmha_status clmha_layer_get_mod_params(clmha_layer *layer, float *par
 /// Optional: a forward call on larger inputs grows the scratch itself.
 /// It runs one forward pass on zeros (self-attention when @p tgt_len == @p src_len and
 /// kdim == vdim == E, else cross-attention; through the user core when one is set) and waits
-/// for it to finish.
+/// for it to finish. Scratch that one buffer cannot hold (CL_DEVICE_MAX_MEM_ALLOC_SIZE; the
+/// scores come in chunks instead) or that would bring the layer's scratch past the device's
+/// global memory (CL_DEVICE_GLOBAL_MEM_SIZE) is refused with ::CLMHA_OUT_OF_MEMORY, its
+/// message naming the buffer and the bytes, before it is allocated; so is a forward call's.
 /// @param[in] layer         the layer
 /// @param[in] batch         N, positive
 /// @param[in] tgt_len       L, positive

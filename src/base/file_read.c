@@ -74,8 +74,8 @@ clmha_status clmha__file_read_whole(const char *path, size_t max_size, unsigned 
     }
     // One byte more than expected: a file that grew since fstat is noticed.
     if (!(buf = malloc(expected + 1))) {
-        st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: cannot allocate %zu bytes to read it",
-                        path, expected + 1);
+        st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY,
+                        "%s: out of memory (%zu bytes to read it)", path, expected + 1);
         goto fail;
     }
     size_t n = fread(buf, 1, expected + 1, f);

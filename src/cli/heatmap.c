@@ -361,7 +361,7 @@ clmha_status clmha__heatmap_write(const char *path, const float *weights, size_t
     mean = calloc(cells, sizeof *mean);
     if (!im.px || !grid || !mean) {
         st = clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY,
-                        "heatmap: cannot allocate a %zu x %zu image for '%s'", im.w, im.h, path);
+                        "heatmap: out of memory for a %zu x %zu image for '%s'", im.w, im.h, path);
         goto fail;
     }
     memset(im.px, 255, im.w * im.h * 3);

@@ -377,8 +377,8 @@ static clmha_status alloc_values(clmha__npy *a, size_t count, bool f64, const ch
     else if (a->kind == CLMHA__NPY_FLOAT && !f64) a->f32 = malloc(alloc * sizeof *a->f32);
     else if (a->kind == CLMHA__NPY_BOOL) a->u8 = malloc(alloc);
     if (!a->f32 && !a->f64 && !a->u8)
-        return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY, "%s: cannot allocate %zu elements",
-                          name, count);
+        return clmha__msg(msg, msg_size, CLMHA_OUT_OF_MEMORY,
+                          "%s: out of memory (%zu elements)", name, count);
     return CLMHA_SUCCESS;
 }
 

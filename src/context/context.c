@@ -83,6 +83,16 @@ cl_ulong clmha__max_alloc(const clmha_context *ctx) {
     return test_max_alloc && test_max_alloc < device ? (cl_ulong)test_max_alloc : device;
 }
 
+// A lower global memory set by tests, 0 for none (clmha__test_set_global_mem()).
+static size_t test_global_mem;
+
+void clmha__test_set_global_mem(size_t bytes) { test_global_mem = bytes; }
+
+cl_ulong clmha__global_mem(const clmha_context *ctx) {
+    cl_ulong device = ctx->info.global_mem_bytes;
+    return test_global_mem && test_global_mem < device ? (cl_ulong)test_global_mem : device;
+}
+
 // clmha contexts alive in the process (allocated, not yet freed), for CLBlastClearCache().
 static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
 static size_t live_contexts;

@@ -77,6 +77,14 @@ CLMHA__HIDDEN cl_ulong clmha__max_alloc(const clmha_context *ctx);
 // 0 restores the device's limit. Not thread-safe: set it while no forward call runs.
 CLMHA__HIDDEN void clmha__test_set_max_alloc(size_t bytes);
 
+// The device memory a layer's scratch may come to, in bytes: the device's
+// CL_DEVICE_GLOBAL_MEM_SIZE, or the test hook's lower limit when one is set. A layer refuses
+// scratch past it before anything is allocated (the driver would fail only when it runs).
+CLMHA__HIDDEN cl_ulong clmha__global_mem(const clmha_context *ctx);
+
+// Test hook, as clmha__test_set_max_alloc(): makes clmha__global_mem() report at most @p bytes.
+CLMHA__HIDDEN void clmha__test_set_global_mem(size_t bytes);
+
 // Test hook: lowers the work-group limit every kernel reports (CL_KERNEL_WORK_GROUP_SIZE) to
 // @p work_group and the device's local memory to @p local_mem bytes (0: no change), so that the
 // refitting of launches and the fallback to the unfused core show on any device.

@@ -498,10 +498,32 @@ static clmha_status layer_grow(clmha_layer *layer, cl_mem *buf, size_t *cap, siz
     return clmha__layer_grow(layer, buf, cap, need, what);
 }
 
+// Bytes that growing a buffer of @p cap elements to @p need adds (a double: the sum of several
+// is compared with the device's memory; a size past size_t is refused by grow()).
+static double growth(size_t cap, size_t need, size_t elem) {
+    return need > cap ? ((double)need - (double)cap) * (double)elem : 0.0;
+}
+
+// Refuses scratch that would bring what the layer holds on the device past the device's global
+// memory, before anything is allocated: @p add bytes more, of which @p part (@p what) is the
+// largest.
+static clmha_status fits_global(clmha_layer *layer, double add, const char *what, double part) {
+    cl_ulong global = clmha__global_mem(layer->ctx);
+    double held = (double)clmha_layer_scratch_bytes(layer);
+    if (held + add <= (double)global) return CLMHA_SUCCESS;
+    return clmha__fail(layer->ctx, CLMHA_OUT_OF_MEMORY,
+                       "scratch: %.0f bytes more (%s %.0f bytes) on the %.0f the layer holds, "
+                       "more than this device's global memory (%llu bytes)",
+                       add, what, part, held, (unsigned long long)global);
+}
+
 clmha_status clmha__layer_grow_core_scratch(clmha_layer *layer, cl_mem *buf, size_t *cap,
                                             size_t need, const char *what) {
     size_t before = *cap;
-    clmha_status st = grow(layer->ctx, buf, cap, need, layer->rs, what, false);
+    double add = growth(*cap, need, layer->rs);
+    clmha_status st = fits_global(layer, add, what, add);
+    if (st) return st;
+    st = grow(layer->ctx, buf, cap, need, layer->rs, what, false);
     layer->cores_scratch_cap += *cap - before;
     return st;
 }
@@ -544,31 +566,44 @@ clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool
                                   bool head_sums) {
     clmha_context *ctx = layer->ctx;
     size_t q = d->n * d->l * d->e, kv = d->n * d->s * d->e, kvp = d->n * d->s_padded * d->e;
-    size_t tile_need[CLMHA__TILE_COUNT] = {q, kvp, kvp, q};
-    static const char *const tile_name[CLMHA__TILE_COUNT] = {
-        "query head tiles", "key head tiles", "value head tiles", "attention output tiles"};
-    clmha_status st;
-    if ((st = layer_grow(layer, &layer->proj, &layer->proj_cap, q + 2 * kv, "projection")))
-        return st;
-    for (int i = 0; i < CLMHA__TILE_COUNT; ++i)
-        if ((st = layer_grow(layer, &layer->tiles[i], &layer->tile_caps[i], tile_need[i],
-                             tile_name[i])))
-            return st;
-    if (!scores) return CLMHA_SUCCESS;
-    if (layer->core)  // a user core gets all the scores, to return the weights in them
-        return layer_grow(layer, &layer->scores, &layer->scores_cap, d->scores_count, "scores");
-    clmha__chunks c;
-    if (!clmha__scores_chunks(layer, d, &c))
-        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
-                           "scores scratch: one row of %zu keys needs %zu bytes, more than half "
-                           "this device's largest allocation (%llu bytes)",
-                           d->s_padded, d->s_padded * layer->rs,
-                           (unsigned long long)clmha__max_alloc(ctx));
-    if ((st = layer_grow(layer, &layer->scores, &layer->scores_cap, c.rows * d->s_padded,
-                         "scores")))
-        return st;
-    if (!head_sums || !c.sums) return CLMHA_SUCCESS;
-    return layer_grow(layer, &layer->head_sums, &layer->head_sums_cap, c.sums, "head sums");
+    enum { PROJ = CLMHA__TILE_COUNT, SCORES, SUMS, PARTS };
+    cl_mem *buf[PARTS] = {&layer->tiles[0], &layer->tiles[1], &layer->tiles[2],
+                          &layer->tiles[3], &layer->proj, &layer->scores, &layer->head_sums};
+    size_t *cap[PARTS] = {&layer->tile_caps[0], &layer->tile_caps[1], &layer->tile_caps[2],
+                          &layer->tile_caps[3], &layer->proj_cap, &layer->scores_cap,
+                          &layer->head_sums_cap};
+    size_t need[PARTS] = {q, kvp, kvp, q, q + 2 * kv, 0, 0};
+    static const char *const name[PARTS] = {
+        "query head tiles", "key head tiles", "value head tiles", "attention output tiles",
+        "projection", "scores", "head sums"};
+    clmha__chunks c = {0};
+    if (scores && layer->core) {  // a user core gets all the scores, to return the weights
+        need[SCORES] = d->scores_count;
+    } else if (scores) {
+        if (!clmha__scores_chunks(layer, d, &c))
+            return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
+                               "scores scratch: one row of %zu keys needs %zu bytes, more than "
+                               "half this device's largest allocation (%llu bytes)",
+                               d->s_padded, d->s_padded * layer->rs,
+                               (unsigned long long)clmha__max_alloc(ctx));
+        need[SCORES] = c.rows * d->s_padded;
+        need[SUMS] = head_sums ? c.sums : 0;
+    }
+    double add = 0, part = 0;
+    int largest = PROJ;
+    for (int i = 0; i < PARTS; ++i) {
+        double g = growth(*cap[i], need[i], layer->rs);
+        add += g;
+        if (g > part) part = g, largest = i;
+    }
+    clmha_status st = fits_global(layer, add, name[largest], part);
+    // The projection first: its message is the one a call too large for the device gets.
+    static const int order[PARTS] = {PROJ, 0, 1, 2, 3, SCORES, SUMS};
+    for (int k = 0; k < PARTS && !st; ++k) {
+        int i = order[k];
+        if (need[i]) st = layer_grow(layer, buf[i], cap[i], need[i], name[i]);
+    }
+    return st;
 }
 
 // ---- profiling marks (the public calls are in src/forward/profiling.c) --------------------------

@@ -4,7 +4,8 @@
 //
 // Links libclmha.a (not libclmha.so): the build failure is forced through the internal test hook
 // clmha__test_set_extra_build_options, and the largest allocation lowered through
-// clmha__test_set_max_alloc, which only the static library exposes.
+// clmha__test_set_max_alloc (and the global memory through clmha__test_set_global_mem), which
+// only the static library exposes.
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -315,6 +316,72 @@ Test(faults, forward_scratch_beyond_max_alloc_is_out_of_memory, .fini = clear_ma
     run_both(layer, &m, &small_args, &r);
     for (size_t i = 0; i < L * N * E; ++i)
         cr_assert_leq(fabs(r.y[i] - r.y_ref[i]), 1e-4);
+    clmha_layer_release(layer);
+    wrapped_close(&w);
+}
+
+static void clear_global_mem(void) { clmha__test_set_global_mem(0); }
+
+// A bake through core @p impl on a fresh layer under a global memory of @p limit bytes (0: the
+// device's): its status, the layer's scratch after it in *scratch, its message in msg.
+static clmha_status bake_under(wrapped *w, small *m, clmha_impl impl, size_t limit,
+                               size_t *scratch, char *msg, size_t msg_size) {
+    clmha_layer *layer = small_layer(w->ctx, m, true);
+    cr_assert_eq(clmha_layer_set_impl(layer, impl), CLMHA_SUCCESS);
+    clmha__test_set_global_mem(limit);
+    clmha_status st = clmha_layer_bake(layer, 1, LEN, LEN, false);
+    snprintf(msg, msg_size, "%s", clmha_context_last_error(w->ctx));
+    *scratch = clmha_layer_scratch_bytes(layer);
+    clmha__test_set_global_mem(0);
+    clmha_layer_release(layer);
+    return st;
+}
+
+// Scratch that just fits the device's global memory is made; a byte more is refused with
+// CLMHA_OUT_OF_MEMORY saying which buffer and how much, before it is allocated (the driver
+// would fail only when the work runs). Both cores, and a forward call under a small limit.
+Test(faults, scratch_beyond_global_memory_is_out_of_memory, .fini = clear_global_mem,
+     .timeout = 600) {
+    wrapped w;
+    wrapped_open(&w);
+    small m;
+    static const clmha_impl impls[2] = {CLMHA_IMPL_UNFUSED, CLMHA_IMPL_FUSED};
+    char msg[1024];
+    for (int c = 0; c < 2; ++c) {
+        size_t need = 0, got = 0;
+        cr_assert_eq(bake_under(&w, &m, impls[c], 0, &need, msg, sizeof msg), CLMHA_SUCCESS,
+                     "%s", msg);
+        cr_assert_gt(need, 0);
+        clmha_status st = bake_under(&w, &m, impls[c], need, &got, msg, sizeof msg);
+        cr_expect_eq(st, CLMHA_SUCCESS, "%s core, global memory %zu bytes, just enough: %s",
+                     clmha_impl_name(impls[c]), need, msg);
+        cr_expect_eq(got, need);
+        st = bake_under(&w, &m, impls[c], need - 1, &got, msg, sizeof msg);
+        cr_expect_eq(st, CLMHA_OUT_OF_MEMORY, "%s core, global memory %zu bytes: %s",
+                     clmha_impl_name(impls[c]), need - 1, msg);
+        cr_expect(strstr(msg, "global memory") && strstr(msg, "bytes"), "message: %s", msg);
+        cr_expect_lt(got, need, "%s core: %zu bytes of scratch under a limit of %zu",
+                     clmha_impl_name(impls[c]), got, need - 1);
+    }
+    // A forward call on host arrays: refused before its scratch, the output untouched.
+    clmha_layer *layer = small_layer(w.ctx, &m, true);
+    float *x = calloc(LEN * E, sizeof *x), *y = malloc(LEN * E * sizeof *y);
+    cr_assert(x && y);
+    for (size_t i = 0; i < LEN * E; ++i) y[i] = 7.0f;
+    clmha__test_set_global_mem(proj_bytes);
+    clmha_forward_args args = {.struct_size = sizeof args,
+                               .query = {.ndim = 3, .shape = {LEN, 1, E}, .data = x}};
+    clmha_status st = clmha_layer_forward_host(layer, &args, y, LEN * E, NULL, 0);
+    clmha__test_set_global_mem(0);
+    cr_expect_eq(st, CLMHA_OUT_OF_MEMORY, "%s", clmha_context_last_error(w.ctx));
+    cr_expect(strstr(clmha_context_last_error(w.ctx), "global memory"), "message: %s",
+              clmha_context_last_error(w.ctx));
+    for (size_t i = 0; i < LEN * E; ++i) cr_assert_eq(y[i], 7.0f, "output %zu was written", i);
+    // And without the limit it works.
+    cr_expect_eq(clmha_layer_forward_host(layer, &args, y, LEN * E, NULL, 0), CLMHA_SUCCESS,
+                 "%s", clmha_context_last_error(w.ctx));
+    free(x);
+    free(y);
     clmha_layer_release(layer);
     wrapped_close(&w);
 }

@@ -4,10 +4,10 @@
 // libclmha's when its return address lies in libclmha's loaded segments (found once with
 // dl_iterate_phdr: the library named libclmha.so*); the calls of the driver, CLBlast, the C
 // library and the process are never touched, unless $CLMHA_FAULT_PROGRAM is set: then the
-// program's own calls are counted too (the `clmha` program's file writes, say). Used by tests/faults/fault_sweep.c; the process
-// asks what happened through clmha_fault_state() and clmha_fault_held(), and pauses the
-// injection with clmha_fault_pause() (found with dlsym: they are not part of the library under
-// test).
+// program's own calls are counted too (the `clmha` program's file writes, say). Used by
+// tests/faults/fault_sweep.c; the process asks what happened through clmha_fault_state() and
+// clmha_fault_held(), and pauses the injection with clmha_fault_pause() (found with dlsym: they
+// are not part of the library under test).
 //
 // The kinds:
 // - "cl" (the default): the OpenCL functions whose failure the library must survive: creating
@@ -128,7 +128,7 @@ static bool hit(const char *name, int kind, void *ret) {
     return true;
 }
 
-// ---- what libclmha holds -------------------------------------------------------------------------
+// ---- what libclmha holds -----------------------------------------------------------------------
 
 // OpenCL objects libclmha created or retained, less those it released.
 static long cl_held;
@@ -422,7 +422,7 @@ int fclose(FILE *fl) {
 #define BLAS_CALL(name, params, args)                                                          \
     CLBlastStatusCode name params {                                                            \
         void *ret = __builtin_return_address(0);                                               \
-        if (hit(#name, KIND_BLAS, ret)) return CLBlastOpenCLOutOfResources;                          \
+        if (hit(#name, KIND_BLAS, ret)) return CLBlastOpenCLOutOfResources;                    \
         REAL(CLBlastStatusCode, name, params);                                                 \
         CLBlastStatusCode r = f args;                                                          \
         if (r == CLBlastSuccess && event && *event) held(ret, 1);                              \
