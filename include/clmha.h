@@ -2176,7 +2176,13 @@ typedef struct clmha_attention_backward_args {
     /// @var lse
     /// Optional (NULL): the forward call's log-sum-exp rows (N, H, L), from @ref lse_offset.
     /// With them the fused core's backward runs (::CLMHA_IMPL_AUTO); without them the unfused
-    /// core's, which recomputes the probabilities.
+    /// core's, which recomputes the probabilities. Limit of the fused one: it takes P =
+    /// exp(score − lse), each P off by up to half a float step of lse (relative), so a query
+    /// row whose every key carries a large finite float mask value gets wrong gradients: some
+    /// % at −1e6; at −1e30 or −FLT_MAX (all its scores one float, lse rounded to it) P = 1 for
+    /// each key instead of 1/S. For such masks pass no lse or ::CLMHA_IMPL_UNFUSED, or mask
+    /// with −INFINITY (exact). The layer's backward (clmha_layer_backward()) has no such limit:
+    /// its saved state keeps each row's maximum and log(sum) apart (::clmha_saved).
     cl_mem lse;
     size_t lse_offset;  ///< element offset
     cl_mem grad_output;         ///< the output's gradient, the output's shape and layout
@@ -2237,7 +2243,9 @@ CLMHA_API clmha_status clmha_attention_backward(clmha_context *ctx,
 /// that the fused backward runs; with a mask gradient asked for, args->impl
 /// ::CLMHA_IMPL_UNFUSED, or where the fused core cannot run the call, the unfused backward,
 /// which recomputes the probabilities), the backward, waits (clFinish) and writes the gradients
-/// asked for.
+/// asked for. The fused backward here has clmha_attention_backward_args::lse's limit (a row
+/// whose every key has a large finite mask value; a 16-bit call's too, device or host): such a
+/// call needs args->impl ::CLMHA_IMPL_UNFUSED, or −INFINITY in the mask.
 /// @param[in]  ctx                the context
 /// @param[in]  args               the forward call's tensors (`data`) and options
 /// @param[in]  grad_output        the output's gradient, the output's shape and layout
@@ -2291,9 +2299,12 @@ CLMHA_API clmha_status clmha_attention_backward_host_f64(clmha_context *ctx,
 /// What one forward call keeps for its backward pass, owned by the caller. A forward call with
 /// clmha_forward_args::save set fills it (growing its device buffers when needed): the projected
 /// head tiles Q (N·H, L, D), K and V (N·H, S', D), the attention result before the head merge
-/// (N·H, L, D) and, when the fused core ran, the log-sum-exp of every score row (N·H·L of
-/// them). Its elements are the layer's computing precision: floats (a 16-bit layer's too) or, in
-/// a float64 layer, doubles.
+/// (N·H, L, D) and, when the fused core ran, the log-sum-exp of every score row and, apart,
+/// each row's maximum and the log of its sum of exponentials (3·N·H·L values: the fused backward
+/// takes P = exp((score − max) − log(sum)), exact on a row whose every key carries a huge finite
+/// mask value such as −FLT_MAX, where the log-sum-exp rounds to the maximum). Its elements are
+/// the layer's computing precision: floats (a 16-bit layer's too) or, in a float64 layer,
+/// doubles.
 /// Its memory is linear in the sequence lengths (clmha_saved_bytes()); the attention weights
 /// are never kept: the backward pass recomputes them. Each forward call that is to be
 /// differentiated needs its own object (gradient accumulation, several layers, pipelined

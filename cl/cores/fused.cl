@@ -58,8 +58,12 @@
 // masked. A query row whose every key is masked gives zeros, as in the unfused path. Dropout
 // drops weight (bh, i, j) exactly where masked_softmax does (same Philox counter and key).
 //
-// With lse_on, lse (N*H*L floats) receives each row's log-sum-exp for the backward pass
-// (cl/cores/fused_backward.cl); -INFINITY on a fully masked row.
+// With lse_on, lse (N*H*L floats) receives each row's log-sum-exp m + log(sum) (-INFINITY on a
+// fully masked row). With lse_on 2 (a call that saves for the backward pass,
+// cl/cores/fused_backward.cl) lse has 3*N*H*L floats and the next two blocks of N*H*L receive
+// each row's maximum m and log(sum) apart: the backward takes P = exp((score - m) - log(sum)),
+// exact where m + log(sum) rounds to m (every key masked by a huge finite value, -1e30 or
+// -FLT_MAX: all scores equal, P = 1/S, where exp(score - lse) gives 1).
 //
 // NDRange: (ceil(L / (BQ*RPW)) * BQ, N*H) in groups of (BQ, 1). No early return and no divergent
 // barrier: work-items past the last row compute on a clamped row and store nothing.
@@ -94,6 +98,19 @@
 #define KS BK
 #endif
 #define RS (HD | 1)
+
+// Stores row r's log-sum-exp from its maximum m and sum (see lse_on above); with lse_on 2 also
+// m and log(sum) apart, N*H*L (the planes of the NDRange times tgt_len) and twice that further.
+inline void lse_store(global REAL *lse, uint lse_on, ulong tgt_len, ulong r, REAL m, REAL sum) {
+    bool dead = m == -INFINITY;
+    REAL ls = dead ? (REAL)0 : log(sum);
+    lse[r] = dead ? -INFINITY : m + ls;
+    if (lse_on == 2) {
+        ulong rows = get_global_size(1) * tgt_len;
+        lse[rows + r] = m;
+        lse[2 * rows + r] = ls;
+    }
+}
 
 #if LANES
 // ---- The lanes mapping (CPU classes that measured it: src/device/device_class.c) ---------------
@@ -357,7 +374,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         REAL inv = mf[r] == -INFINITY ? 0.0f : 1.0f / sf[r];
         global REAL *op = out + (bh * tgt_len + i) * HD;
         for (uint d = 0; d < HD; ++d) op[d] = ot[d * RP + r] * inv;
-        if (lse_on) lse[bh * tgt_len + i] = mf[r] == -INFINITY ? -INFINITY : mf[r] + log(sf[r]);
+        if (lse_on) lse_store(lse, lse_on, tgt_len, bh * tgt_len + i, mf[r], sf[r]);
     }
 }
 
@@ -599,8 +616,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     if (lse_on) {
         for (uint r = 0; r < RPW; ++r) {
             ulong i = first + r * BQ + lid;
-            if (i < tgt_len)
-                lse[bh * tgt_len + i] = m[r] == -INFINITY ? -INFINITY : m[r] + log(sum[r]);
+            if (i < tgt_len) lse_store(lse, lse_on, tgt_len, bh * tgt_len + i, m[r], sum[r]);
         }
     }
 }

@@ -1,6 +1,12 @@
 // The fused core's backward pass (host side: src/cores/fused_backward.c), FlashAttention-2's
 // algorithm: the probabilities are recomputed tile by tile from q, k and the log-sum-exp rows
 // the forward kernel saved (cl/cores/fused.cl, lse_on), P = exp(score - lse), and never stored.
+// With `split` (N*H*L, the layer's saved rows: lse_on 2) lse holds each row's maximum m from
+// row `split` and log(sum) from row 2 * split, and P = exp((score - m) - log(sum)): score - m
+// is the forward's own, so that a row whose every key carries a huge finite mask value (-1e30,
+// -FLT_MAX; all its scores the same float) gets 1/S where m + log(S) rounds to m and
+// exp(score - lse) would give 1. Without (split 0: a caller's log-sum-exp rows) m = lse and
+// log(sum) = 0, the same P.
 //
 // Per batch*head plane, with S' keys (the appended bias_k and zero rows never masked) and
 // scale = 1/sqrt(HD):
@@ -38,7 +44,8 @@
 // 3 * BT * HD (dq); private R * (4 * HD + 3 * BT) (dkdv), R * (3 * HD + 2 * BT + 2) (dq).
 // Needs cl/common.cl in front (mask kinds, mask_value, philox_word0, the VW-lane helpers).
 //
-// Layouts: q, o, dO, dq (N*H, L, HD); k, v, dk, dv (N*H, S', HD); lse, drow (N*H*L). Masks as
+// Layouts: q, o, dO, dq (N*H, L, HD); k, v, dk, dv (N*H, S', HD); lse (N*H*L, 3*N*H*L with
+// split), drow (N*H*L). Masks as
 // the forward kernels take them. No early return and no divergent barrier: work-items past the
 // last row compute on a clamped row and store nothing.
 
@@ -80,13 +87,20 @@ inline float masks_of(global const uchar *attn_mask, uint attn_kind, ulong attn_
                                                                                   : x;
 }
 
-// The probabilities of VW scores s: exp(s - l), 0 where l = -inf (a fully masked query row); l
-// is the row's log-sum-exp (per lane where the lanes are rows). Those below 1e-30 are taken as 0:
+// Row r's maximum (with split) or log-sum-exp, and the log of its sum (0 without split).
+inline float row_max(global const float *lse, ulong split, ulong r) { return lse[split + r]; }
+inline float row_log_sum(global const float *lse, ulong split, ulong r) {
+    return split ? lse[2 * split + r] : 0.0f;
+}
+
+// The probabilities of VW scores s: exp((s - m) - ls), 0 where m = -inf (a fully masked query
+// row); m and ls are the row's row_max() and row_log_sum() (per lane where the lanes are rows).
+// Those below 1e-30 are taken as 0:
 // their products with dO and dP would be subnormal floats, which x86 cores compute some 100x
 // slower (the host BLAS's GEMMs on dS and Pd too): ALiBi's far keys gave a training step 1.3x a
 // plain one at L 2048. What is dropped is below 1e-30 of a gradient's terms.
-inline VT probs_of(VT s, VT l) {
-    VT p = select(exp_nonpos(s - l), (VT)(0.0f), l == (VT)(-INFINITY));
+inline VT probs_of(VT s, VT m, VT ls) {
+    VT p = select(exp_nonpos((s - m) - ls), (VT)(0.0f), m == (VT)(-INFINITY));
     return select(p, (VT)(0.0f), p < 1e-30f);
 }
 
@@ -143,7 +157,7 @@ inline void tile_products(float a[R][HD], float b[R][HD], local const float *at,
 // NDRange: (ceil(S' / (B * R)) * B, N*H) in groups of (B, 1).
 kernel __attribute__((reqd_work_group_size(B, 1, 1)))
 void fused_backward_dkdv(global const float *q, global const float *k, global const float *v,
-                         global const float *d_o, global const float *lse,
+                         global const float *d_o, global const float *lse, ulong split,
                          global const float *drow, global float *dk, global float *dv,
                          ulong tgt_len, ulong n_heads, ulong src_len, ulong src_len_padded,
                          float scale,
@@ -152,7 +166,8 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
     local float dot_t[HD * BT];  // its dO rows, transposed
     local float qs[BT * HD];   // the query tile's rows (unscaled): qs[ii * HD + d]
     local float dos[BT * HD];  // its dO rows
-    local float ls[BT];        // their log-sum-exp (-inf: no probability, also past the end)
+    local float ls[BT];        // their row_max (-inf: no probability, also past the end)
+    local float lls[BT];       // their row_log_sum
     local float ds[BT];        // their Drow
 
     uint lid = get_local_id(0);
@@ -210,7 +225,8 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
         }
         for (uint t = lid; t < BT; t += B) {
             bool in = t < rows;
-            ls[t] = in ? lse[bh * tgt_len + i0 + t] : -INFINITY;
+            ls[t] = in ? row_max(lse, split, bh * tgt_len + i0 + t) : -INFINITY;
+            lls[t] = in ? row_log_sum(lse, split, bh * tgt_len + i0 + t) : 0.0f;
             ds[t] = in ? drow[bh * tgt_len + i0 + t] : 0.0f;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -262,7 +278,7 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
                 }
             }
             for (uint c = 0; c < BT; c += VW) {
-                VT p = probs_of(LOADV(c, s[r]), LOADV(c, ls));
+                VT p = probs_of(LOADV(c, s[r]), LOADV(c, ls), LOADV(c, lls));
                 STOREV(p, c, s[r]);
                 STOREV(p, c, pd[r]);
             }
@@ -318,7 +334,7 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
 // NDRange: (ceil(L / (B * R)) * B, N*H) in groups of (B, 1).
 kernel __attribute__((reqd_work_group_size(B, 1, 1)))
 void fused_backward_dq(global const float *q, global const float *k, global const float *v,
-                       global const float *d_o, global const float *lse,
+                       global const float *d_o, global const float *lse, ulong split,
                        global const float *drow, global float *dq,
                        ulong tgt_len, ulong n_heads, ulong src_len, ulong src_len_padded,
                        float scale,
@@ -337,7 +353,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
     // The work-item's query rows (past the end: the group's last), scaled as the forward
     // scaled them, their dO rows, lse, Drow and attn_mask rows, and the dq accumulators.
     ulong ir[R], attn_row[R];
-    float qr[R][HD], dor[R][HD], dqr[R][HD], l[R], dr[R];
+    float qr[R][HD], dor[R][HD], dqr[R][HD], l[R], ll[R], dr[R];
     for (uint r = 0; r < R; ++r) {
         ir[r] = min(first + r * B + lid, last);
         attn_row[r] = ATTN_ROW(bh, n, n_heads, ir[r]);
@@ -348,7 +364,8 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
             dor[r][d] = dop[d];
             dqr[r][d] = 0.0f;
         }
-        l[r] = lse[bh * tgt_len + ir[r]];
+        l[r] = row_max(lse, split, bh * tgt_len + ir[r]);
+        ll[r] = row_log_sum(lse, split, bh * tgt_len + ir[r]);
         dr[r] = drow[bh * tgt_len + ir[r]];
     }
     float s[R][BT];   // scores, then probabilities, then dS
@@ -431,7 +448,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
                 }
             }
             for (uint c = 0; c < BT; c += VW)
-                STOREV(probs_of(LOADV(c, s[r]), (VT)(l[r])), c, s[r]);
+                STOREV(probs_of(LOADV(c, s[r]), (VT)(l[r]), (VT)(ll[r])), c, s[r]);
             if (dropout_on) {
                 for (uint jj = 0; jj < BT; ++jj) {
                     uint w = philox_word0((uint)(j0 + jj), (uint)i, (uint)bh, offset_lo, seed_lo,
@@ -472,14 +489,15 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
 // NDRange: (ceil(S' / B) * B, N*H) in groups of (B, 1).
 kernel __attribute__((reqd_work_group_size(B, 1, 1)))
 void fused_backward_dkdv(global const float *q, global const float *k, global const float *v,
-                         global const float *d_o, global const float *lse,
+                         global const float *d_o, global const float *lse, ulong split,
                          global const float *drow, global float *dk, global float *dv,
                          ulong tgt_len, ulong n_heads, ulong src_len, ulong src_len_padded,
                          float scale,
                          MASK_PARAMS) {
     local float qs[B * HD];   // the query tile's rows
     local float dos[B * HD];  // the query tile's dO rows
-    local float ls[B];        // their log-sum-exp (-inf: no probability, also past the end)
+    local float ls[B];        // their row_max (-inf: no probability, also past the end)
+    local float lls[B];       // their row_log_sum
     local float ds[B];        // their Drow
 
     uint lid = get_local_id(0);
@@ -522,7 +540,8 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
         {
             ulong i = i0 + lid;
             bool in = i < tgt_len;
-            ls[lid] = in ? lse[bh * tgt_len + i] : -INFINITY;
+            ls[lid] = in ? row_max(lse, split, bh * tgt_len + i) : -INFINITY;
+            lls[lid] = in ? row_log_sum(lse, split, bh * tgt_len + i) : 0.0f;
             ds[lid] = in ? drow[bh * tgt_len + i] : 0.0f;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -551,8 +570,8 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
                 if (!USER_ALLOWS(n, h, i, jc)) s = -INFINITY;
             }
             float l = ls[ii];
-            // A fully masked row (lse = -inf) has no probabilities: 0, not exp(-inf + inf).
-            float p = l == -INFINITY ? 0.0f : exp(s - l);
+            // A fully masked row (m = -inf) has no probabilities: 0, not exp(-inf + inf).
+            float p = l == -INFINITY ? 0.0f : exp((s - l) - lls[ii]);
             float pd = p, dp = dpd;
             if (dropout_on) {
                 uint w = philox_word0((uint)jc, (uint)i, (uint)bh, offset_lo, seed_lo,
@@ -581,7 +600,7 @@ void fused_backward_dkdv(global const float *q, global const float *k, global co
 // NDRange: (ceil(L / B) * B, N*H) in groups of (B, 1).
 kernel __attribute__((reqd_work_group_size(B, 1, 1)))
 void fused_backward_dq(global const float *q, global const float *k, global const float *v,
-                       global const float *d_o, global const float *lse,
+                       global const float *d_o, global const float *lse, ulong split,
                        global const float *drow, global float *dq,
                        ulong tgt_len, ulong n_heads, ulong src_len, ulong src_len_padded,
                        float scale,
@@ -609,7 +628,8 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
         dor[d] = dop[d];
         dqr[d] = 0.0f;
     }
-    float l = lse[bh * tgt_len + ic];
+    float l = row_max(lse, split, bh * tgt_len + ic);
+    float ll = row_log_sum(lse, split, bh * tgt_len + ic);
     float drow_i = drow[bh * tgt_len + ic];
 
     global const float *kb = k + bh * src_len_padded * HD;
@@ -651,7 +671,7 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
                               win_left, win_right, ic, j);
                 if (!USER_ALLOWS(n, h, ic, j)) s = -INFINITY;
             }
-            float p = l == -INFINITY ? 0.0f : exp(s - l);
+            float p = l == -INFINITY ? 0.0f : exp((s - l) - ll);
             float dp = dpd;
             if (dropout_on) {
                 uint w = philox_word0((uint)j, (uint)ic, (uint)bh, offset_lo, seed_lo,
@@ -680,18 +700,21 @@ void fused_backward_dq(global const float *q, global const float *k, global cons
 // BLAS runs faster.) This kernel turns the pair in place into Pd (for dv += Pd^T dO) and dS
 // (for dk += dS^T q and dq = dS k). One work-group per key, its work-items striding over the
 // rows (NDRange (WG, planes * cols), WG from the host); the scores, masks, dropout and
-// probabilities as in the kernels above (P = exp(scale * s + masks - lse), 0 on a fully
-// masked row). With clmha_mask_mod, mod_blocks is the host's block mask of tiles of mask_rows
-// rows (a multiple of VW; the block's rows start a tile) by mask_keys keys, of keys_padded keys
-// a plane.
+// probabilities as in the kernels above (P = exp((scale * s + masks - m) - log(sum)), 0 on a
+// fully masked row). With clmha_mask_mod, mod_blocks is the host's block mask of tiles of
+// mask_rows rows (a multiple of VW; the block's rows start a tile) by mask_keys keys, of
+// keys_padded keys a plane.
 kernel void fused_backward_block(global float *sp, global float *gp, global const float *lse,
-                                 global const float *drow, ulong row0, ulong rows, ulong plane0,
-                                 ulong cols, ulong col0, ulong tgt_len, ulong n_heads,
+                                 ulong split, global const float *drow, ulong row0, ulong rows,
+                                 ulong plane0, ulong cols, ulong col0, ulong tgt_len, ulong n_heads,
                                  ulong src_len, float scale, ulong mask_rows, ulong mask_keys,
                                  ulong keys_padded, MASK_PARAMS) {
     ulong t = get_global_id(1);
     ulong bh = plane0 + t / cols, j = col0 + t % cols, n = bh / n_heads;
-    global const float *lrow = lse + bh * tgt_len + row0, *drw = drow + bh * tgt_len + row0;
+    global const float *drw = drow + bh * tgt_len + row0;
+    // The rows' row_max() and row_log_sum() (read only with split; 0 without).
+    global const float *lrow = lse + split + bh * tgt_len + row0;
+    global const float *llrow = lse + 2 * split + bh * tgt_len + row0;
     // The masks of a real key (j < S): its key_padding_mask value, and whether any row has
     // an attn_mask, is_causal or window entry to look up (the appended keys have none).
     bool real = j < src_len;
@@ -709,24 +732,27 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
     ulong whole = rows / VW * VW;
     for (ulong u0 = get_local_id(0) * VW; u0 < rows; u0 += get_local_size(0) * VW) {
         uint lanes = u0 < whole ? VW : (uint)(rows - u0);
-        VT sv, gv, lv, dv;
+        VT sv, gv, lv, llv = (VT)(0.0f), dv;
         if (lanes == VW) {
             sv = LOADV(u0, srow);
             gv = LOADV(u0, grow);
             lv = LOADV(u0, lrow);
+            if (split) llv = LOADV(u0, llrow);
             dv = LOADV(u0, drw);
         } else {
-            float s_in[VW], g_in[VW], l_in[VW], d_in[VW];  // lanes written, read as vectors
+            float s_in[VW], g_in[VW], l_in[VW], ll_in[VW], d_in[VW];  // written, read as vectors
             for (uint u = 0; u < VW; ++u) {
                 bool in = u < lanes;
                 s_in[u] = in ? srow[u0 + u] : 0.0f;
                 g_in[u] = in ? grow[u0 + u] : 0.0f;
                 l_in[u] = in ? lrow[u0 + u] : -INFINITY;
+                ll_in[u] = in && split ? llrow[u0 + u] : 0.0f;
                 d_in[u] = in ? drw[u0 + u] : 0.0f;
             }
             sv = LOADV(0, s_in);
             gv = LOADV(0, g_in);
             lv = LOADV(0, l_in);
+            llv = LOADV(0, ll_in);
             dv = LOADV(0, d_in);
         }
         VT gsc = (VT)(1.0f);  // the score variants' derivative (cl/common.cl)
@@ -792,7 +818,7 @@ kernel void fused_backward_block(global float *sp, global float *gp, global cons
             }
             sv = LOADV(0, s_masked);
         }
-        VT p = probs_of(sv, lv);
+        VT p = probs_of(sv, lv, llv);
         VT f = (VT)(1.0f);
         if (dropout_on) {
             float f_lanes[VW];  // lanes written, read as a vector

@@ -709,6 +709,7 @@ static clmha_status backward_run(clmha_layer *layer, const clmha_backward_args *
     if (!args->grad_weights.ndim) call.grad_weights = NULL;
     call.impl = args->impl;
     call.fell_back = sv->fell_back;
+    call.lse_split_rows = sv->has_lse && sv->lse_split ? d.n * layer->h * d.l : 0;
     const clmha__core *core;
     if ((st = clmha__backward_select(layer, &call, &core))) return st;
     // The layer's scratch, sized for this call before the core sees it (a core that reserves

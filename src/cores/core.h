@@ -48,6 +48,10 @@ typedef struct clmha__core_call {
     // lse_written.
     cl_mem lse;
     bool lse_written;
+    // With lse (a call that saves): lse has 3*N*H*L floats, and a core that can (the fused
+    // one, for its backward: cl/cores/fused.cl, lse_on 2) writes each row's maximum and the
+    // log of its sum apart in the next two blocks of N*H*L, setting lse_split_written.
+    bool lse_split, lse_split_written;
     // The call needs the log-sum-exp rows (partial attention, clmha_layer_attend()): only a core
     // with clmha__core::writes_lse runs it, and its impl is the call's own, not the layer's.
     bool need_lse;
@@ -90,8 +94,12 @@ typedef struct clmha__backward_call {
     // (in_proj_bias added, bias_k/bias_v and the zero row appended), o (N*H, L, D) the attention
     // result (weights · V); lse (N*H*L floats, natural log of the row's sum of exp(score),
     // scores scaled and masked, -INFINITY on a fully masked row) when the forward's core wrote
-    // them (clmha__core::writes_lse), else NULL.
+    // them (clmha__core::writes_lse), else NULL. With lse_split_rows (N*H*L; 0: none) the
+    // rows of lse from there hold each row's maximum m and from twice that log(sum) apart
+    // (clmha__core_call::lse_split), which a backward that recomputes the probabilities takes
+    // as exp((score - m) - log(sum)): exact where m + log(sum) rounds to m.
     cl_mem q, k, v, o, lse;
+    size_t lse_split_rows;
     cl_mem d_o;  // the gradient of o (N*H, L, D)
     // Optional (NULL): the caller's gradient of the returned weights, in the forward's weights
     // layout: (N, H, L, S') with per_head_weights, else (N, L, S') (the mean over heads).

@@ -341,7 +341,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     clmha__mask_args m = clmha__masks_of(l, a, d);
     // The log-sum-exp rows for the backward pass, only when asked for (a flag: no cost else).
     cl_mem lse = call->lse ? call->lse : ctx->dummy;
-    cl_uint lse_on = call->lse != NULL;
+    // 2: also each row's maximum and log(sum) apart (clmha__core_call::lse_split).
+    cl_uint lse_on = !call->lse ? 0 : call->lse_split ? 2 : 1;
     cl_ulong group = call->kv_group ? call->kv_group : 1;  // query heads per key/value plane
     state *s = state_of(l);
     clmha_status st;
@@ -365,6 +366,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     if (err != CL_SUCCESS)
         return clmha__cl_fail_on(ctx, err, "clEnqueueNDRangeKernel", "fused_attention");
     call->lse_written = lse_on;
+    call->lse_split_written = lse_on == 2;
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
 }
 

@@ -462,8 +462,9 @@ static clmha_status block_products(clmha_layer *l, clmha__backward_call *call,
     cl_ulong row0 = bl->r0, nrows = nr, plane0 = bl->p0, ncols = cols, col0 = bl->c0;
     cl_ulong tgt = tl, heads = l->h, src = d->s;
     cl_ulong mask_rows = bl->mask_rows, mask_keys = GEMM_MASK_KEYS, keys_padded = sp;
-    arg args[] = {ARG(fb->block_s), ARG(fb->block_g),  ARG(call->lse),   ARG(fb->drow_buf),
-                  ARG(row0),        ARG(nrows),        ARG(plane0),      ARG(ncols),
+    cl_ulong split = call->lse_split_rows;
+    arg args[] = {ARG(fb->block_s), ARG(fb->block_g),  ARG(call->lse),   ARG(split),
+                  ARG(fb->drow_buf), ARG(row0),        ARG(nrows),        ARG(plane0),      ARG(ncols),
                   ARG(col0),        ARG(tgt),          ARG(heads),       ARG(src),
                   ARG(scale),       ARG(mask_rows),    ARG(mask_keys),   ARG(keys_padded),
                   MASK_ARGS(*m)};
@@ -700,6 +701,7 @@ clmha_status clmha__fused_backward_run(clmha__fused_backward **slot, clmha_layer
 
     if (gemms_for(ctx, fb, d)) return run_gemms(l, call, fb);
     cl_ulong tgt = d->l, heads = l->h, src = d->s, srcp = d->s_padded;
+    cl_ulong split = call->lse_split_rows;  // (clmha__backward_call::lse_split_rows)
     float scale = (float)clmha__core_scale(l, call->scale);
     clmha__mask_args m = clmha__masks_of(l, call->args, d), mq = m;
     // With clmha_mask_mod, the tiles it forbids: dkdv's groups of keys by tiles of rows, dq's
@@ -710,17 +712,17 @@ clmha_status clmha__fused_backward_run(clmha__fused_backward **slot, clmha_layer
         ((st = clmha__block_mask_get(l, &fb->dkdv_blocks, d, tile, group, &m.mod_blocks)) ||
          (st = clmha__block_mask_get(l, &fb->dq_blocks, d, group, tile, &mq.mod_blocks))))
         return st;
-    arg dkdv_args[] = {ARG(call->q),   ARG(call->k),   ARG(call->v),   ARG(call->d_o),
-                       ARG(call->lse), ARG(fb->drow_buf), ARG(call->dk), ARG(call->dv),
-                       ARG(tgt),       ARG(heads),     ARG(src),       ARG(srcp),
-                       ARG(scale),     MASK_ARGS(m)};
+    arg dkdv_args[] = {ARG(call->q),  ARG(call->k),     ARG(call->v),      ARG(call->d_o),
+                       ARG(call->lse), ARG(split),       ARG(fb->drow_buf), ARG(call->dk),
+                       ARG(call->dv),  ARG(tgt),         ARG(heads),        ARG(src),
+                       ARG(srcp),      ARG(scale),       MASK_ARGS(m)};
     if ((st = launch_2d(ctx, fb->dkdv, "fused_backward_dkdv", d->s_padded, planes, &fb->t,
                         dkdv_args, sizeof dkdv_args / sizeof dkdv_args[0])))
         return st;
-    arg dq_args[] = {ARG(call->q),   ARG(call->k),      ARG(call->v),  ARG(call->d_o),
-                     ARG(call->lse), ARG(fb->drow_buf), ARG(call->dq), ARG(tgt),
-                     ARG(heads),     ARG(src),          ARG(srcp),     ARG(scale),
-                     MASK_ARGS(mq)};
+    arg dq_args[] = {ARG(call->q),   ARG(call->k), ARG(call->v),      ARG(call->d_o),
+                     ARG(call->lse), ARG(split),   ARG(fb->drow_buf), ARG(call->dq),
+                     ARG(tgt),       ARG(heads),   ARG(src),          ARG(srcp),
+                     ARG(scale),     MASK_ARGS(mq)};
     return launch_2d(ctx, fb->dq, "fused_backward_dq", d->l, planes, &fb->t, dq_args,
                      sizeof dq_args / sizeof dq_args[0]);
 }

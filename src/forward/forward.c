@@ -437,6 +437,7 @@ clmha_status clmha__forward_planned(clmha_layer *layer, const clmha_forward_args
     if (saved) {
         clmha__saved_swap(saved, layer);
         call.lse = saved->lse;
+        call.lse_split = true;  // the saved rows have room for them (clmha__saved_prepare())
     }
     st = enqueue_pass(layer, args, &d, core, &call, partial, output, output_offset, weights,
                       weights_offset, num_wait, wait_list, event);
@@ -445,6 +446,7 @@ clmha_status clmha__forward_planned(clmha_layer *layer, const clmha_forward_args
         // fell_back: the core the call asked for could not run it here (a driver bug,
         // clmha_impl), and its backward may fall back too.
         if (!st) clmha__saved_filled(saved, args, &d, core, call.lse_written, fell_back);
+        if (!st) saved->lse_split = call.lse_written && call.lse_split_written;
     }
     return st;
 }

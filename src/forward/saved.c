@@ -60,7 +60,8 @@ clmha_status clmha__saved_prepare(clmha_saved *saved, clmha_layer *layer,
     for (int i = 0; i < CLMHA__TILE_COUNT; ++i)
         if ((st = clmha__layer_grow(layer, &saved->tiles[i], &saved->caps[i], need[i], name[i])))
             return st;
-    return clmha__layer_grow(layer, &saved->lse, &saved->lse_cap, d->n * d->h * d->l,
+    // The log-sum-exp rows, then each row's maximum and log(sum) (clmha__core_call::lse_split).
+    return clmha__layer_grow(layer, &saved->lse, &saved->lse_cap, 3 * d->n * d->h * d->l,
                              "saved log-sum-exp");
 }
 
@@ -82,6 +83,7 @@ void clmha__saved_filled(clmha_saved *saved, const clmha_forward_args *args,
     saved->dims = *dims;
     saved->core = core;
     saved->has_lse = has_lse;
+    saved->lse_split = false;  // (set by the caller where the core wrote them)
     saved->fell_back = fell_back;
     saved->is_causal = args->is_causal;
     saved->need_weights = args->need_weights;

@@ -21,10 +21,13 @@ struct clmha_saved {
     // layer's CLMHA__TILE_* order; caps in floats.
     cl_mem tiles[CLMHA__TILE_COUNT];
     size_t caps[CLMHA__TILE_COUNT];
-    cl_mem lse;            // N*H*L floats, written by a core that writes them (has_lse)
+    // N*H*L floats of log-sum-exp rows, written by a core that writes them (has_lse), then
+    // room for each row's maximum and log(sum) apart (clmha__core_call::lse_split), written
+    // where lse_split.
+    cl_mem lse;
     size_t lse_cap;
     bool filled;           // a forward call succeeded with it (dims, has_lse, core are its)
-    bool has_lse;
+    bool has_lse, lse_split;
     clmha__dims dims;      // the sizes of that call
     const void *core;      // the core (const clmha__core *) that ran it
     // The options of that call that its backward must repeat.
