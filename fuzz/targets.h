@@ -1,7 +1,8 @@
 // clmha's fuzz targets, shared by the libFuzzer harnesses (fuzz/fuzz_*.c) and the regression
 // test that replays the seed corpora and every crash reproducer
 // (tests/unit/test_fuzz_regressions.c).
-// One file each: fuzz/target_safetensors.c, target_npy.c, target_forward_args.c, compiled into
+// One file each: fuzz/target_safetensors.c, target_npy.c, target_forward_args.c,
+// target_backward_args.c (which runs on the OpenCL device, with fuzz/device.c), compiled into
 // a static library (clmha_fuzz_targets in fuzz/CMakeLists.txt, instrumented; and
 // clmha_test_fuzz_targets in tests/CMakeLists.txt, for the test).
 //
@@ -14,6 +15,7 @@
 #ifndef CLMHA_FUZZ_TARGETS_H
 #define CLMHA_FUZZ_TARGETS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -26,5 +28,15 @@ int clmha_fuzz_npy(const uint8_t *data, size_t size);
 // clmha__desc_check()'s status when it fails, else clmha__dims_resolve()'s (then the CPU
 // reference runs on small calls).
 int clmha_fuzz_forward_args(const uint8_t *data, size_t size);
+
+// The device targets need an OpenCL device: one context per process, made on first use. false
+// when there is none (they then return CLMHA_UNSUPPORTED without checking anything).
+bool clmha_fuzz_have_device(void);
+
+// A small forward call with save, then clmha_layer_backward_host()'s status (or the forward
+// call's when it refused): the gradients asked for within tolerance of
+// clmha_reference_backward()'s; a call broken on purpose, or refused, must be refused with a
+// message and leave every destination as it was.
+int clmha_fuzz_backward_args(const uint8_t *data, size_t size);
 
 #endif
