@@ -267,7 +267,8 @@ static bool break_call(int kind, call *c, const clmha_fuzz_layer *fl, clmha_back
         if (!d->add_bias_kv) return add_spare(c, b, 10, state);
         if (!d->sinks) return add_spare(c, b, 14, state);
         if (!fl->counts[0]) return add_spare(c, b, 3, state);
-        return add_spare(c, b, 4, state);  // a block of in_proj_weight with it
+        // A block of in_proj_weight together with in_proj_weight.
+        return (c->grad[3] || add_spare(c, b, 3, state)) && add_spare(c, b, 4, state);
     case 8: b->impl = (clmha_impl)7; return true;
     case 9: b->forward = NULL; return true;
     case 10: b->grad_output.data = NULL; return true;
