@@ -2,9 +2,9 @@
 // test that replays the seed corpora and every crash reproducer
 // (tests/unit/test_fuzz_regressions.c).
 // One file each: fuzz/target_safetensors.c, target_npy.c, target_forward_args.c,
-// target_backward_args.c (which runs on the OpenCL device, with fuzz/device.c), compiled into
-// a static library (clmha_fuzz_targets in fuzz/CMakeLists.txt, instrumented; and
-// clmha_test_fuzz_targets in tests/CMakeLists.txt, for the test).
+// target_backward_args.c, target_kv_ops.c (the last two run on the OpenCL device, sharing
+// fuzz/device.c), compiled into a static library (clmha_fuzz_targets in fuzz/CMakeLists.txt,
+// instrumented; and clmha_test_fuzz_targets in tests/CMakeLists.txt, for the test).
 //
 // Each target takes arbitrary bytes, must return for any input (no crash, no leak, no undefined
 // behaviour under ASan and UBSan), checks the invariants its entry points promise and calls
@@ -38,5 +38,12 @@ bool clmha_fuzz_have_device(void);
 // clmha_reference_backward()'s; a call broken on purpose, or refused, must be refused with a
 // message and leave every destination as it was.
 int clmha_fuzz_backward_args(const uint8_t *data, size_t size);
+
+// A sequence of KV-cache operations on a small layer (create contiguous or paged, append ragged,
+// attend only, packed appends, truncate, reset, fork, calls the cache must refuse): after every
+// call the lengths are those of a model kept here, every output within tolerance of
+// clmha_reference_forward() over the tokens the model says each sequence holds, and every
+// refusal leaves the lengths unchanged. The status of the last operation.
+int clmha_fuzz_kv_ops(const uint8_t *data, size_t size);
 
 #endif

@@ -6,11 +6,11 @@
 # tests/fuzz_regressions/<harness>/, where tests/unit/test_fuzz_regressions.c replays it.
 #
 #   tools/fuzz.sh [SECONDS] [HARNESS...]     HARNESS: safetensors, npy, forward_args,
-#                                            backward_args (default all)
+#                                            backward_args, kv_ops (default all)
 #
-# backward_args runs on the OpenCL device (clmha_context_create_from_env: CLMHA_DEVICE picks
-# it); its leak checks skip the driver stack's own allocations (tests/sanitizers/lsan.supp,
-# with full stacks so that the suppressions match).
+# backward_args and kv_ops run on the OpenCL device (clmha_context_create_from_env:
+# CLMHA_DEVICE picks it); their leak checks skip the driver stack's own allocations
+# (tests/sanitizers/lsan.supp, with full stacks so that the suppressions match).
 #
 # SECONDS 0 only replays the seeds and reproducers once through the sanitized harnesses (the
 # Criterion test replays them too, but without ASan and UBSan).
@@ -31,13 +31,13 @@ elif [[ $# -gt 0 && ( $1 == -h || $1 == --help ) ]]; then
   usage
   exit 0
 fi
-all=(safetensors npy forward_args backward_args)
-device_harnesses=" backward_args "
+all=(safetensors npy forward_args backward_args kv_ops)
+device_harnesses=" backward_args kv_ops "
 harnesses=("$@")
 [[ ${#harnesses[@]} -eq 0 ]] && harnesses=("${all[@]}")
 for h in "${harnesses[@]}"; do
   case $h in
-  safetensors | npy | forward_args | backward_args) ;;
+  safetensors | npy | forward_args | backward_args | kv_ops) ;;
   *) echo "fuzz.sh: unknown harness '$h' (${all[*]})" >&2; exit 2 ;;
   esac
 done
@@ -74,7 +74,8 @@ host_lsan=${LSAN_OPTIONS:-}
 sanitizer_env() {
   if [[ $device_harnesses == *" $1 "* ]]; then
     export ASAN_OPTIONS="$host_asan:fast_unwind_on_malloc=0"
-    export LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0:use_tls=0:$host_lsan"
+    LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"
+    export LSAN_OPTIONS="$LSAN_OPTIONS:use_tls=0:$host_lsan"
   else
     export ASAN_OPTIONS=$host_asan LSAN_OPTIONS=$host_lsan
   fi
@@ -112,11 +113,12 @@ if [[ $seconds -eq 0 ]]; then
   exit "$found"
 fi
 
-declare -A max_len=([safetensors]=8192 [npy]=4096 [forward_args]=256 [backward_args]=64)
+declare -A max_len=([safetensors]=8192 [npy]=4096 [forward_args]=256 [backward_args]=64
+  [kv_ops]=128)
 # Seconds one input may take: a device harness's first call of a new kernel configuration waits
 # for the driver to compile it (PoCL: several seconds under load, more with two jobs on two
 # cores), which is not a hang.
-declare -A unit_timeout=([backward_args]=120)
+declare -A unit_timeout=([backward_args]=120 [kv_ops]=120)
 for h in "${harnesses[@]}"; do
   corpus=$work/$h/corpus
   artifacts=$work/$h/artifacts
