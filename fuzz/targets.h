@@ -2,9 +2,10 @@
 // test that replays the seed corpora and every crash reproducer
 // (tests/unit/test_fuzz_regressions.c).
 // One file each: fuzz/target_safetensors.c, target_npy.c, target_forward_args.c,
-// target_backward_args.c, target_kv_ops.c (the last two run on the OpenCL device, sharing
-// fuzz/device.c), compiled into a static library (clmha_fuzz_targets in fuzz/CMakeLists.txt,
-// instrumented; and clmha_test_fuzz_targets in tests/CMakeLists.txt, for the test).
+// target_backward_args.c, target_kv_ops.c, target_variants.c (the last three run on the OpenCL
+// device, sharing fuzz/device.c), compiled into a static library (clmha_fuzz_targets in
+// fuzz/CMakeLists.txt, instrumented; and clmha_test_fuzz_targets in tests/CMakeLists.txt, for
+// the test).
 //
 // Each target takes arbitrary bytes, must return for any input (no crash, no leak, no undefined
 // behaviour under ASan and UBSan), checks the invariants its entry points promise and calls
@@ -45,5 +46,12 @@ int clmha_fuzz_backward_args(const uint8_t *data, size_t size);
 // clmha_reference_forward() over the tokens the model says each sequence holds, and every
 // refusal leaves the lengths unchanged. The status of the last operation.
 int clmha_fuzz_kv_ops(const uint8_t *data, size_t size);
+
+// Attention variants (window bounds, soft-capping, ALiBi, sinks, grouped-query heads) and
+// packed lengths (seq_lens, kv_seq_lens, num_seqs) from raw values: the layer and the call
+// accepted or refused as clmha_reference_forward() accepts or refuses them, and an accepted
+// small call's output within tolerance of the reference's. The forward call's status (or the
+// layer's creation's).
+int clmha_fuzz_variants(const uint8_t *data, size_t size);
 
 #endif

@@ -6,9 +6,9 @@
 # tests/fuzz_regressions/<harness>/, where tests/unit/test_fuzz_regressions.c replays it.
 #
 #   tools/fuzz.sh [SECONDS] [HARNESS...]     HARNESS: safetensors, npy, forward_args,
-#                                            backward_args, kv_ops (default all)
+#                                            backward_args, kv_ops, variants (default all)
 #
-# backward_args and kv_ops run on the OpenCL device (clmha_context_create_from_env:
+# backward_args, kv_ops and variants run on the OpenCL device (clmha_context_create_from_env:
 # CLMHA_DEVICE picks it); their leak checks skip the driver stack's own allocations
 # (tests/sanitizers/lsan.supp, with full stacks so that the suppressions match).
 #
@@ -31,13 +31,13 @@ elif [[ $# -gt 0 && ( $1 == -h || $1 == --help ) ]]; then
   usage
   exit 0
 fi
-all=(safetensors npy forward_args backward_args kv_ops)
-device_harnesses=" backward_args kv_ops "
+all=(safetensors npy forward_args backward_args kv_ops variants)
+device_harnesses=" backward_args kv_ops variants "
 harnesses=("$@")
 [[ ${#harnesses[@]} -eq 0 ]] && harnesses=("${all[@]}")
 for h in "${harnesses[@]}"; do
   case $h in
-  safetensors | npy | forward_args | backward_args | kv_ops) ;;
+  safetensors | npy | forward_args | backward_args | kv_ops | variants) ;;
   *) echo "fuzz.sh: unknown harness '$h' (${all[*]})" >&2; exit 2 ;;
   esac
 done
@@ -114,11 +114,11 @@ if [[ $seconds -eq 0 ]]; then
 fi
 
 declare -A max_len=([safetensors]=8192 [npy]=4096 [forward_args]=256 [backward_args]=64
-  [kv_ops]=128)
+  [kv_ops]=128 [variants]=64)
 # Seconds one input may take: a device harness's first call of a new kernel configuration waits
 # for the driver to compile it (PoCL: several seconds under load, more with two jobs on two
 # cores), which is not a hang.
-declare -A unit_timeout=([backward_args]=120 [kv_ops]=120)
+declare -A unit_timeout=([backward_args]=120 [kv_ops]=120 [variants]=120)
 for h in "${harnesses[@]}"; do
   corpus=$work/$h/corpus
   artifacts=$work/$h/artifacts

@@ -2,9 +2,9 @@
 // (tests/fuzz_regressions/<harness>/) through the same targets as the libFuzzer harnesses
 // (fuzz/targets.h, fuzz/target_*.c): each input must return without a crash or a failed
 // invariant. Seeds named valid_* must also succeed (the parse, or the shape resolution of the
-// forward call, the backward call, the last KV-cache operation), and seeds named invalid_* must
-// be refused. The device targets (backward_args, kv_ops) create one OpenCL context per
-// process; without a device their inputs are skipped.
+// forward call, the backward call, the last KV-cache operation, the variants' call), and seeds
+// named invalid_* must be refused. The device targets (backward_args, kv_ops, variants) create
+// one OpenCL context per process; without a device their inputs are skipped.
 //
 // Links the targets built for the tests (clmha_test_fuzz_targets: the fuzz/target_*.c files on
 // libclmha.a and clmha_support, without the fuzzers' instrumentation).
@@ -34,12 +34,12 @@
 // The harnesses, by the name of their corpus folder; the last ones run on the OpenCL device
 // (their inputs are skipped where there is none).
 typedef int (*fuzz_target)(const uint8_t *data, size_t size);
-enum { HARNESSES = 5, FIRST_DEVICE = 3 };
-static const char *const harnesses[HARNESSES] = {"safetensors", "npy", "forward_args",
-                                                 "backward_args", "kv_ops"};
-static const fuzz_target targets[HARNESSES] = {clmha_fuzz_safetensors, clmha_fuzz_npy,
-                                               clmha_fuzz_forward_args, clmha_fuzz_backward_args,
-                                               clmha_fuzz_kv_ops};
+enum { HARNESSES = 6, FIRST_DEVICE = 3 };
+static const char *const harnesses[HARNESSES] = {"safetensors",   "npy",    "forward_args",
+                                                 "backward_args", "kv_ops", "variants"};
+static const fuzz_target targets[HARNESSES] = {clmha_fuzz_safetensors,   clmha_fuzz_npy,
+                                               clmha_fuzz_forward_args,  clmha_fuzz_backward_args,
+                                               clmha_fuzz_kv_ops,        clmha_fuzz_variants};
 
 // One input file to replay (plain arrays: parameters are copied into the test's process).
 typedef struct fuzz_case {
