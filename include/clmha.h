@@ -824,7 +824,8 @@ typedef struct clmha_layer_desc {
     int64_t window_right;  ///< keys after the query's position it sees; −1: all; 0: none
     /// Logit soft-capping (Gemma 2's; FlashAttention's softcap): with softcap = c > 0 every
     /// scaled score s, the appended keys' too, becomes c·tanh(s/c), before ALiBi and the masks.
-    /// 0: off. Added after 0.1.0, like @ref window.
+    /// 0: off; else from FLT_MIN to FLT_MAX (the kernels take c as a float). Added after
+    /// 0.1.0, like @ref window.
     double softcap;
     /// ALiBi (BLOOM's, MPT's): the score of query head h at position p_i against key j < S
     /// gains −slope_h·|p_i − j| (after soft-capping, before the masks); the appended keys get no
@@ -1045,7 +1046,7 @@ CLMHA_API size_t clmha_layer_scratch_bytes(const clmha_layer *layer);
 /// `add_zero_attn` ("true"/"false", default false), `dropout` (default 0), `window`
 /// ("LEFT,RIGHT", e.g. "1023,0": a sliding window, clmha_layer_desc::window_left and
 /// window_right, each -1 or at least 0; absent: no window), `softcap` (a decimal number, 0 or
-/// positive and finite: clmha_layer_desc::softcap; absent or "0": off) and `alibi`
+/// from FLT_MIN to FLT_MAX: clmha_layer_desc::softcap; absent or "0": off) and `alibi`
 /// ("true"/"false", default false: clmha_layer_desc::alibi; the tensor `alibi_slopes`, only
 /// with alibi, sets the slopes, else they stay geometric); embed_dim, kdim, vdim, bias and
 /// add_bias_kv follow from the tensors present and their shapes. The parameters are copied

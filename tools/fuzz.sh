@@ -5,7 +5,12 @@
 # crash-*, leak-*, timeout-* and oom-* file a run leaves is copied to
 # tests/fuzz_regressions/<harness>/, where tests/unit/test_fuzz_regressions.c replays it.
 #
-#   tools/fuzz.sh [SECONDS] [HARNESS...]     HARNESS: safetensors, npy, forward_args (default all)
+#   tools/fuzz.sh [SECONDS] [HARNESS...]     HARNESS: safetensors, npy, forward_args,
+#                                            backward_args, kv_ops, variants (default all)
+#
+# backward_args, kv_ops and variants run on the OpenCL device (clmha_context_create_from_env:
+# CLMHA_DEVICE picks it); their leak checks skip the driver stack's own allocations
+# (tests/sanitizers/lsan.supp, with full stacks so that the suppressions match).
 #
 # SECONDS 0 only replays the seeds and reproducers once through the sanitized harnesses (the
 # Criterion test replays them too, but without ASan and UBSan).
@@ -26,13 +31,14 @@ elif [[ $# -gt 0 && ( $1 == -h || $1 == --help ) ]]; then
   usage
   exit 0
 fi
-all=(safetensors npy forward_args)
+all=(safetensors npy forward_args backward_args kv_ops variants)
+device_harnesses=" backward_args kv_ops variants "
 harnesses=("$@")
 [[ ${#harnesses[@]} -eq 0 ]] && harnesses=("${all[@]}")
 for h in "${harnesses[@]}"; do
   case $h in
-  safetensors | npy | forward_args) ;;
-  *) echo "fuzz.sh: unknown harness '$h' (safetensors, npy, forward_args)" >&2; exit 2 ;;
+  safetensors | npy | forward_args | backward_args | kv_ops | variants) ;;
+  *) echo "fuzz.sh: unknown harness '$h' (${all[*]})" >&2; exit 2 ;;
   esac
 done
 
@@ -61,6 +67,19 @@ fi
 # Every sanitizer report ends the run and leaves a reproducer.
 export ASAN_OPTIONS="detect_leaks=1:allocator_may_return_null=1:${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:${UBSAN_OPTIONS:-}"
+host_asan=$ASAN_OPTIONS
+host_lsan=${LSAN_OPTIONS:-}
+# The options of harness $1's run: a device harness's leak check skips the driver stack
+# (uninstrumented C++ whose stacks the fast unwinder cuts short).
+sanitizer_env() {
+  if [[ $device_harnesses == *" $1 "* ]]; then
+    export ASAN_OPTIONS="$host_asan:fast_unwind_on_malloc=0"
+    LSAN_OPTIONS="suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0"
+    export LSAN_OPTIONS="$LSAN_OPTIONS:use_tls=0:$host_lsan"
+  else
+    export ASAN_OPTIONS=$host_asan LSAN_OPTIONS=$host_lsan
+  fi
+}
 
 found=0
 summary=()
@@ -73,6 +92,7 @@ if [[ $seconds -eq 0 ]]; then
       inputs+=("$regressions/"*)
     fi
     log=$work/$h.replay.log
+    sanitizer_env "$h"
     set +e
     "$build/fuzz/fuzz_$h" "${inputs[@]}" >"$log" 2>&1
     rc=$?
@@ -93,7 +113,12 @@ if [[ $seconds -eq 0 ]]; then
   exit "$found"
 fi
 
-declare -A max_len=([safetensors]=8192 [npy]=4096 [forward_args]=256)
+declare -A max_len=([safetensors]=8192 [npy]=4096 [forward_args]=256 [backward_args]=64
+  [kv_ops]=128 [variants]=64)
+# Seconds one input may take: a device harness's first call of a new kernel configuration waits
+# for the driver to compile it (PoCL: several seconds under load, more with two jobs on two
+# cores), which is not a hang.
+declare -A unit_timeout=([backward_args]=120 [kv_ops]=120 [variants]=120)
 for h in "${harnesses[@]}"; do
   corpus=$work/$h/corpus
   artifacts=$work/$h/artifacts
@@ -106,12 +131,13 @@ for h in "${harnesses[@]}"; do
   dict=()
   [[ -f $root/fuzz/dict/$h.dict ]] && dict=(-dict="$root/fuzz/dict/$h.dict")
   log=$work/$h/fuzz.log
+  sanitizer_env "$h"
   echo "== fuzz_$h for ${seconds}s (log: $log)"
   start=$SECONDS
   set +e
   # shellcheck disable=SC2086
   "$build/fuzz/fuzz_$h" "$corpus" -max_total_time="$seconds" -max_len="${max_len[$h]}" \
-    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$artifacts/" \
+    -timeout="${unit_timeout[$h]:-10}" -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$artifacts/" \
     "${dict[@]}" ${FUZZ_ARGS:-} >"$log" 2>&1
   rc=$?
   set -e

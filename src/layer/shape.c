@@ -5,6 +5,7 @@
 #include "base/checked.h"
 #include "base/message.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -27,10 +28,14 @@ void clmha__window_set(clmha__dims *d, bool window, int64_t left, int64_t right)
 
 clmha_status clmha__softcap_check(double softcap, const char *where, char *msg,
                                   size_t msg_size) {
-    if (!(softcap >= 0.0) || isinf(softcap))
+    // Within float's normal range: the float32 and 16-bit kernels take c as a float, where a
+    // larger value is infinity and a smaller one 0 or subnormal, and c * tanh(s / c) NaN (a
+    // float64 layer would manage, but no such cap is of use).
+    if (!(softcap == 0.0 || (softcap >= FLT_MIN && softcap <= FLT_MAX)))
         return clmha__msg(msg, msg_size, CLMHA_INVALID_ARGUMENT,
-                          "%s.softcap (%g) must be 0 (off) or a positive finite number", where,
-                          softcap);
+                          "%s.softcap (%g) must be 0 (off) or from FLT_MIN to FLT_MAX "
+                          "(1.2e-38 to 3.4e38)",
+                          where, softcap);
     return CLMHA_SUCCESS;
 }
 

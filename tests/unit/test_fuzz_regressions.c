@@ -2,7 +2,9 @@
 // (tests/fuzz_regressions/<harness>/) through the same targets as the libFuzzer harnesses
 // (fuzz/targets.h, fuzz/target_*.c): each input must return without a crash or a failed
 // invariant. Seeds named valid_* must also succeed (the parse, or the shape resolution of the
-// forward call), and seeds named invalid_* must be refused.
+// forward call, the backward call, the last KV-cache operation, the variants' call), and seeds
+// named invalid_* must be refused. The device targets (backward_args, kv_ops, variants) create
+// one OpenCL context per process; without a device their inputs are skipped.
 //
 // Links the targets built for the tests (clmha_test_fuzz_targets: the fuzz/target_*.c files on
 // libclmha.a and clmha_support, without the fuzzers' instrumentation).
@@ -29,7 +31,15 @@
 #define FUZZ_DIR CLMHA_TEST_DATA_DIR "/../fuzz/corpus"
 #define REGRESSIONS_DIR CLMHA_TEST_DATA_DIR "/fuzz_regressions"
 
-static const char *const harnesses[3] = {"safetensors", "npy", "forward_args"};
+// The harnesses, by the name of their corpus folder; the last ones run on the OpenCL device
+// (their inputs are skipped where there is none).
+typedef int (*fuzz_target)(const uint8_t *data, size_t size);
+enum { HARNESSES = 6, FIRST_DEVICE = 3 };
+static const char *const harnesses[HARNESSES] = {"safetensors",   "npy",    "forward_args",
+                                                 "backward_args", "kv_ops", "variants"};
+static const fuzz_target targets[HARNESSES] = {clmha_fuzz_safetensors,   clmha_fuzz_npy,
+                                               clmha_fuzz_forward_args,  clmha_fuzz_backward_args,
+                                               clmha_fuzz_kv_ops,        clmha_fuzz_variants};
 
 // One input file to replay (plain arrays: parameters are copied into the test's process).
 typedef struct fuzz_case {
@@ -38,14 +48,7 @@ typedef struct fuzz_case {
 } fuzz_case;
 
 static int run_target(int harness, const uint8_t *data, size_t size) {
-    switch (harness) {
-    case 0:
-        return clmha_fuzz_safetensors(data, size);
-    case 1:
-        return clmha_fuzz_npy(data, size);
-    default:
-        return clmha_fuzz_forward_args(data, size);
-    }
+    return targets[harness](data, size);
 }
 
 static int compare_names(const void *a, const void *b) {
@@ -91,7 +94,7 @@ static void free_cases(struct criterion_test_params *params) {
 ParameterizedTestParameters(fuzz_regressions, replay) {
     size_t total = 0, cap = 0;
     fuzz_case *cases = NULL;
-    for (int h = 0; h < 3; ++h)
+    for (int h = 0; h < HARNESSES; ++h)
         for (int which = 0; which < 2; ++which) {
             char dir[FUZZ_PATH_MAX];
             snprintf(dir, sizeof dir, "%s/%s", which ? REGRESSIONS_DIR : FUZZ_DIR, harnesses[h]);
@@ -145,6 +148,8 @@ ParameterizedTest(fuzz_case *c, fuzz_regressions, replay, .timeout = 60) {
     const char *base = strrchr(c->path, '/');
     base = base ? base + 1 : c->path;
     cr_log_info("fuzz_%s %s", harnesses[c->harness], c->path);
+    if (c->harness >= FIRST_DEVICE && !clmha_fuzz_have_device())
+        cr_skip_test("no OpenCL device for fuzz_%s", harnesses[c->harness]);
     size_t size;
     uint8_t *data = read_all(c->path, &size);
     int st = run_target(c->harness, data, size);
@@ -160,7 +165,7 @@ ParameterizedTest(fuzz_case *c, fuzz_regressions, replay, .timeout = 60) {
 // The corpora are where the test looks for them, and each has valid and invalid seeds (so a
 // wrong path cannot make the replay above pass by finding nothing).
 Test(fuzz_regressions, corpora_present) {
-    for (int h = 0; h < 3; ++h) {
+    for (int h = 0; h < HARNESSES; ++h) {
         char dir[FUZZ_PATH_MAX];
         snprintf(dir, sizeof dir, "%s/%s", FUZZ_DIR, harnesses[h]);
         size_t n, valid = 0, invalid = 0;
@@ -181,13 +186,14 @@ Test(fuzz_regressions, corpora_present) {
 // between inputs would show up here under a sanitized build).
 Test(fuzz_regressions, replay_all_in_one_process, .timeout = 120) {
     size_t total = 0;
-    for (int h = 0; h < 3; ++h)
+    for (int h = 0; h < HARNESSES; ++h)
         for (int which = 0; which < 2; ++which) {
             char dir[FUZZ_PATH_MAX];
             snprintf(dir, sizeof dir, "%s/%s", which ? REGRESSIONS_DIR : FUZZ_DIR, harnesses[h]);
             size_t n;
             char **files = list_dir(dir, &n);
-            for (size_t i = 0; i < n; ++i) {
+            bool skip = h >= FIRST_DEVICE && !clmha_fuzz_have_device();
+            for (size_t i = 0; i < n && !skip; ++i) {
                 size_t size;
                 uint8_t *data = read_all(files[i], &size);
                 int first = run_target(h, data, size);
