@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "device.h"
 
 // ---- forward arguments -----------------------------------------------------------------------
 //
@@ -151,24 +152,6 @@ static void clmha_fuzz_tensor_spec(clmha_fuzz_reader *r, const clmha_fuzz_plan *
         uint8_t i = clmha_fuzz_u8(r);
         t->shape[i % 4] = clmha_fuzz_size(r);
     }
-}
-
-// Deterministic fill values (splitmix64).
-static uint64_t clmha_fuzz_next(uint64_t *state) {
-    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-// @p count floats uniform in [-scale, scale], in a buffer of exactly that size (NULL when 0).
-static float *clmha_fuzz_floats(uint64_t *state, size_t count, float scale) {
-    if (!count) return NULL;
-    float *v = malloc(count * sizeof *v);
-    if (!v) return NULL;
-    for (size_t i = 0; i < count; ++i)
-        v[i] = scale * (float)((double)(clmha_fuzz_next(state) >> 11) * 0x1p-52 - 1.0);
-    return v;
 }
 
 // Mask data of @p count elements for @p kind, in a buffer of exactly that size.
@@ -311,24 +294,24 @@ static void clmha_fuzz_reference(const clmha_layer_desc *desc, clmha_forward_arg
     void *kpm = NULL, *am = NULL;
     double *out = NULL, *weights = NULL;
     if (packed) {
-        w_in = clmha_fuzz_floats(&state, 3 * e * e, 0.5f);
+        w_in = clmha_fuzz_uniform(&state, 3 * e * e, 0.5f);
         if (!w_in) goto done;
     } else {
-        w_q = clmha_fuzz_floats(&state, e * e, 0.5f);
-        w_k = clmha_fuzz_floats(&state, e * d->kdim, 0.5f);
-        w_v = clmha_fuzz_floats(&state, e * d->vdim, 0.5f);
+        w_q = clmha_fuzz_uniform(&state, e * e, 0.5f);
+        w_k = clmha_fuzz_uniform(&state, e * d->kdim, 0.5f);
+        w_v = clmha_fuzz_uniform(&state, e * d->vdim, 0.5f);
         if (!w_q || !w_k || !w_v) goto done;
     }
-    w_out = clmha_fuzz_floats(&state, e * e, 0.5f);
+    w_out = clmha_fuzz_uniform(&state, e * e, 0.5f);
     if (!w_out) goto done;
     if (desc->bias) {
-        b_in = clmha_fuzz_floats(&state, 3 * e, 0.5f);
-        b_out = clmha_fuzz_floats(&state, e, 0.5f);
+        b_in = clmha_fuzz_uniform(&state, 3 * e, 0.5f);
+        b_out = clmha_fuzz_uniform(&state, e, 0.5f);
         if (!b_in || !b_out) goto done;
     }
     if (desc->add_bias_kv) {
-        b_k = clmha_fuzz_floats(&state, e, 0.5f);
-        b_v = clmha_fuzz_floats(&state, e, 0.5f);
+        b_k = clmha_fuzz_uniform(&state, e, 0.5f);
+        b_v = clmha_fuzz_uniform(&state, e, 0.5f);
         if (!b_k || !b_v) goto done;
     }
     params = (clmha_reference_params){.struct_size = sizeof(clmha_reference_params),
@@ -337,15 +320,15 @@ static void clmha_fuzz_reference(const clmha_layer_desc *desc, clmha_forward_arg
                                       .in_proj_bias = b_in, .out_proj_weight = w_out,
                                       .out_proj_bias = b_out, .bias_k = b_k, .bias_v = b_v};
 
-    q = clmha_fuzz_floats(&state, d->query_count, 1.0f);
+    q = clmha_fuzz_uniform(&state, d->query_count, 1.0f);
     if (!q) goto done;
     args.query.data = q;
     if (!d->key_is_query) {
-        if (!(k = clmha_fuzz_floats(&state, d->key_count, 1.0f))) goto done;
+        if (!(k = clmha_fuzz_uniform(&state, d->key_count, 1.0f))) goto done;
         args.key.data = k;
     }
     if (!d->value_is_key) {
-        if (!(v = clmha_fuzz_floats(&state, d->value_count, 1.0f))) goto done;
+        if (!(v = clmha_fuzz_uniform(&state, d->value_count, 1.0f))) goto done;
         args.value.data = v;
     }
     if (d->kpm_kind) {
