@@ -5,7 +5,7 @@
 # per injection point and checks the outcome (see its header). CTest runs a sample (every 31st
 # OpenCL point, every 6th allocation and GEMM, every file call of saving and loading; the first
 # and the last always);
-# the whole sweeps:
+# the whole sweeps, every kind, with tools/fault-sweep.sh [BUILD-DIR], or one kind with
 #   build/tests/fault_sweep build/tests/libclmha_faults.so [--kind alloc|io|blas] \
 #       --program build/clmha --case tests/cli/grad_self
 #   CLMHA_GEMM=clblast build/tests/fault_sweep build/tests/libclmha_faults.so --kind blas
