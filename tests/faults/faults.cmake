@@ -3,8 +3,8 @@
 # alloc the n-th malloc, calloc or realloc; io, file calls; blas, CLBlast's or the host BLAS's
 # GEMMs), and counts what libclmha holds for the leak check; fault_sweep runs each scenario once
 # per injection point and checks the outcome (see its header). CTest runs a sample (every 31st
-# OpenCL point, every 6th allocation and GEMM, every file call of saving and loading; the first
-# and the last always);
+# OpenCL point, every 6th allocation and GEMM, every 3rd file call of saving and loading and of
+# the program; the first and the last always);
 # the whole sweeps, every kind, with tools/fault-sweep.sh [BUILD-DIR], or one kind with
 #   build/tests/fault_sweep build/tests/libclmha_faults.so [--kind alloc|io|blas] \
 #       --program build/clmha --case tests/cli/grad_self
@@ -36,7 +36,7 @@ if(NOT CLMHA_SANITIZE)
            COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --kind alloc --stride 6
                    ${CLMHA_SWEEP_PROGRAM})
   add_test(NAME fault_sweep_io  # the file calls of saving and loading, and of the program
-           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> 10 12 --kind io
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> 10 12 --kind io --stride 3
                    ${CLMHA_SWEEP_PROGRAM})
   add_test(NAME fault_sweep_blas
            COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --kind blas --stride 6)
