@@ -62,7 +62,7 @@
 ///   commands enqueued before the failure stay on the queue and run: they write the layer's
 ///   scratch and may write the caller's output and weights buffers, whose contents are then
 ///   unspecified. The host-array functions write the caller's arrays only once the whole pass
-///   has finished on the device.
+///   has finished on the device, all of them or (a call that fails) none.
 /// - The library never prints, aborts or exits.
 ///
 /// ## Threading
@@ -1501,8 +1501,8 @@ CLMHA_API clmha_status clmha_layer_forward(clmha_layer *layer, const clmha_forwa
 
 /// The host-array path: uploads the tensors given by the `data` fields of @p args, runs the
 /// forward pass, waits for the context's queue to finish (clFinish) and downloads the results.
-/// The arrays are written only once the whole pass has finished. Shapes as for
-/// clmha_layer_forward(). The uploads go into device buffers the layer keeps between calls
+/// The arrays are written only once the whole pass has finished, the output and the weights
+/// both or (a call that fails) neither. Shapes as for clmha_layer_forward(). The uploads go into device buffers the layer keeps between calls
 /// (grown to the largest call, counted in clmha_layer_scratch_bytes()), so a repeated call
 /// allocates nothing and costs its copies in and out only.
 /// The arrays are float32 whatever the layer's dtype: a 16-bit layer's call rounds the inputs
@@ -2466,7 +2466,8 @@ CLMHA_API clmha_status clmha_layer_backward(clmha_layer *layer, const clmha_back
 /// The host-array backward pass: uploads args->forward's `data` tensors and grad_output (and
 /// grad_weights), runs clmha_layer_backward(), waits for it and writes every gradient asked for
 /// into its ::clmha_grad::data array (adding to it with accumulate). The arrays are written only
-/// once the whole pass has finished. The forward call must have been a
+/// once the whole pass has finished, every one or (a call that fails) none. The forward call
+/// must have been a
 /// clmha_layer_forward_host() (or clmha_layer_forward()) call with the same arguments.
 /// @param[in] layer  the layer
 /// @param[in] args   the arguments (the `buffer` fields are ignored)
