@@ -496,6 +496,12 @@ typedef struct clmha_tune_options {
     bool trace;                      ///< also send trace lines to @ref progress (fraction -1);
                                      ///< the library itself never prints. Added after 0.1.0:
                                      ///< zero-initialise the whole struct.
+    size_t max_candidates;           ///< each search (CLBlast's indirect kernel, its direct
+                                     ///< kernel, the fused tiles, the decode split) stops after
+                                     ///< this many candidates; 0: as many as the budget allows.
+                                     ///< With a budget that is not reached, a run tries the same
+                                     ///< candidates every time: a quick, bounded tuning.
+                                     ///< Added after 0.1.0.
 } clmha_tune_options;
 
 /// What clmha_context_tune() found. GFLOP/s are medians of 5 timed calls, host clock around
@@ -1611,7 +1617,9 @@ CLMHA_API clmha_status clmha_layer_forward_host_f64(clmha_layer *layer,
 /// @param[in]  capacity  the most tokens each sequence may hold
 /// @return ::CLMHA_SUCCESS, ::CLMHA_INVALID_ARGUMENT (NULL, @p batch or @p capacity 0, a
 ///         capacity of 2^32 tokens or more), ::CLMHA_SIZE_OVERFLOW, ::CLMHA_OUT_OF_MEMORY (also
-///         a cache larger than the device's largest allocation), ::CLMHA_OPENCL_ERROR
+///         a key or value buffer larger than the device's largest allocation, or the two
+///         larger than its global memory: refused before anything is allocated),
+///         ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_kv_cache_create(clmha_kv_cache **out, clmha_layer *layer,
                                              size_t batch, size_t capacity);
 
@@ -1720,7 +1728,8 @@ typedef struct clmha_kv_cache_options {
 ///         small), ::CLMHA_UNSUPPORTED (@p options from a newer header using a newer field;
 ///         int4 with an odd head_dim),
 ///         ::CLMHA_SIZE_OVERFLOW,
-///         ::CLMHA_OUT_OF_MEMORY (also a cache larger than the device's largest allocation),
+///         ::CLMHA_OUT_OF_MEMORY (also a key or value buffer larger than the device's largest
+///         allocation, at the bytes of its kv_dtype, or the two larger than its global memory),
 ///         ::CLMHA_OPENCL_ERROR
 CLMHA_API clmha_status clmha_kv_cache_create_with(clmha_kv_cache **out, clmha_layer *layer,
                                                   size_t batch,

@@ -200,7 +200,7 @@ class Context:
     def tune(self, budget_seconds: float = 300.0,
              shapes: Sequence[Tuple[int, int, int, int]] = ((8, 128, 512, 8),),
              store: bool = True, progress: Optional[Callable[[float, str], None]] = None,
-             trace: bool = False) -> Dict[str, Any]:
+             trace: bool = False, candidates: Optional[int] = None) -> Dict[str, Any]:
         """Tunes the device's GEMM kernels, fused-attention tiles and decode split for the given
         layer shapes (``clmha_context_tune``, ``clmha tune``); the fastest set found is applied
         to the device in this process and, with ``store``, written to its tuning file.
@@ -214,6 +214,10 @@ class Context:
             re-raised once the tuning has finished (later progress calls are then skipped).
         :param trace: also send trace lines (each candidate and why it was rejected) to
             ``progress`` (which it then needs).
+        :param candidates: each search (CLBlast's two GEMM kernels, the fused tiles, the decode
+            split) stops after this many candidates (``max_candidates``; ``clmha tune
+            --candidates``); ``None``: as many as the budget allows. With a budget not reached,
+            every run tries the same candidates.
         :returns: the report (``clmha_tune_report``) as a dict: ``default_gflops``,
             ``tuned_gflops``, ..., ``candidates``, ``rejected``, ``seconds``, ``improved``,
             ``stored``, ``layer``, ``parameters``, ``path``, ``message``, ...
@@ -237,6 +241,11 @@ class Context:
             if shape[2] % shape[3]:
                 raise ValueError(f"shape {tuple(shape)}: embed_dim must be a multiple of "
                                  f"num_heads")
+        if candidates is not None and (isinstance(candidates, bool)
+                                       or not isinstance(candidates, int)):
+            raise TypeError(f"candidates must be an int or None, not {candidates!r}")
+        if candidates is not None and not 1 <= candidates <= 1000000:
+            raise ValueError(f"candidates must be from 1 to 1000000, not {candidates!r}")
         if progress is not None and not callable(progress):
             raise TypeError("progress must be callable or None")
         if trace and progress is None:
@@ -252,6 +261,7 @@ class Context:
         opts.num_shapes = len(shapes)
         opts.no_store = not store
         opts.trace = bool(trace)
+        opts.max_candidates = candidates or 0
         raised: List[BaseException] = []
 
         def on_progress(fraction, message, _user_data):

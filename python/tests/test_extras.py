@@ -158,6 +158,12 @@ def test_tune_argument_checks(ctx):
         ctx.tune(1, progress="print")
     with pytest.raises(ValueError):
         ctx.tune(1, trace=True)  # trace lines go to progress
+    with pytest.raises(ValueError):
+        ctx.tune(1, candidates=0)
+    with pytest.raises(TypeError):
+        ctx.tune(1, candidates="2")
+    with pytest.raises(TypeError):
+        ctx.tune(1, candidates=True)
 
 
 _TUNE_SCRIPT = textwrap.dedent("""
@@ -188,6 +194,10 @@ _TUNE_SCRIPT = textwrap.dedent("""
     assert len(seen) == 1, seen  # later progress calls are skipped
     layer = clmha.Layer(16, 2, context=c)  # the context still works
     layer.forward(np.zeros((4, 1, 16), np.float32))
+    # A budget it does not reach, one candidate per search: the fused tiles and the decode
+    # split (and CLBlast's two GEMM kernels where the products run there).
+    bounded = c.tune(600, shapes=((1, 8, 16, 2),), store=False, candidates=1)
+    assert 1 <= bounded["candidates"] <= 4 and bounded["seconds"] < 300, bounded
     print("ok", report["seconds"], report["improved"])
 """)
 

@@ -19,7 +19,7 @@ enum { MAX_TUNE_SHAPES = 4 };
 
 static const char *usage_tune =
     "usage: clmha tune [--device SPEC] [--budget SECONDS] [--shape N,L,E[,H]]... [--no-store]\n"
-    "                  [--trace]\n"
+    "                  [--candidates N] [--trace]\n"
     "\n"
     "Tunes a device for clmha and stores the result. What is tuned depends on where the\n"
     "device's matrix products run (the 'gemm:' line; CLMHA_GEMM chooses):\n"
@@ -49,6 +49,10 @@ static const char *usage_tune =
     "  --shape N,L,E[,H]  a layer shape to tune for: batch, sequence length, embed_dim and\n"
     "                     heads (default H 8); up to 4 times; default 8,128,512,8\n"
     "  --no-store         apply and report, but do not write the tuning file\n"
+    "  --candidates N     each search (CLBlast's two GEMM kernels, the fused tiles, the\n"
+    "                     decode split) stops after N candidates (default: as many as the\n"
+    "                     budget allows); with a budget not reached, every run tries the\n"
+    "                     same candidates\n"
     "  --trace            print a line per candidate (its parameters and GFLOP/s or why it\n"
     "                     was rejected), the timings in turns, the split and the final check\n"
     "                     to stderr\n"
@@ -117,17 +121,32 @@ static void print_gain(const char *what, double before, double after) {
 // What the command line asks for.
 typedef struct tune_args {
     const char *device;  // --device (NULL: $CLMHA_DEVICE, else the default)
-    const char *budget_text;
+    const char *budget_text, *candidates_text;
     bool device_given, no_store, trace;
     clmha_tune_shape shapes[MAX_TUNE_SHAPES];
     size_t num_shapes;
     double budget;  // seconds
+    size_t candidates;  // --candidates (0: no limit)
 } tune_args;
 
-// The value of option @p which (0 --device, 1 --budget, 2 --shape) into @p a. Reports a usage
-// error and returns false.
+// The value of option @p which (0 --device, 1 --budget, 2 --shape, 3 --candidates) into @p a.
+// Reports a usage error and returns false.
 static bool take_value(tune_args *a, int which, const char *value) {
-    if (which == 0) {
+    if (which == 3) {
+        char *end;
+        errno = 0;
+        unsigned long long n = strtoull(value, &end, 10);
+        if (a->candidates_text) {
+            clmha__cli_report("tune", "--candidates given twice");
+            return false;
+        }
+        if (errno || end == value || *end || value[0] == '-' || n < 1 || n > 1000000) {
+            clmha__cli_report("tune", "--candidates %s: expected a count from 1 to 1000000",
+                              value);
+            return false;
+        }
+        a->candidates_text = value, a->candidates = (size_t)n;
+    } else if (which == 0) {
         if (a->device_given) {
             clmha__cli_report("tune", "--device given twice");
             return false;
@@ -190,10 +209,10 @@ static bool parse_args(int argc, char **argv, tune_args *a, int *rc) {
             *flag = true;
             continue;
         }
-        const char *names[] = {"--device", "--budget", "--shape"};
+        const char *names[] = {"--device", "--budget", "--shape", "--candidates"};
         int which = -1;
         const char *value = NULL;
-        for (int k = 0; k < 3 && which < 0; ++k) {
+        for (int k = 0; k < 4 && which < 0; ++k) {
             size_t len = strlen(names[k]);
             if (strncmp(arg, names[k], len) == 0 && (arg[len] == '\0' || arg[len] == '=')) {
                 which = k;
@@ -283,7 +302,8 @@ int clmha__cli_tune(int argc, char **argv) {
                                .progress = on_progress,
                                .user_data = &bar,
                                .no_store = a.no_store,
-                               .trace = a.trace};
+                               .trace = a.trace,
+                               .max_candidates = a.candidates};
     clmha_tune_report rep = {.struct_size = sizeof rep};
     clmha_status st = clmha_context_tune(ctx, &opts, &rep);
     if (bar.open) fputc('\n', stderr);

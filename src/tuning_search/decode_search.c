@@ -171,16 +171,16 @@ static void confirm(decode_call *dc, search *sr, const size_t split[2], double m
     }
 }
 
-// The candidates, in order, until @p deadline.
+// The candidates, in order, until @p deadline or @p max_tried of them (0: no limit).
 static void candidates(clmha_context *ctx, decode_call *dc, search *sr, double deadline,
-                       clmha__decode_result *res) {
+                       size_t max_tried, clmha__decode_result *res) {
     static const size_t items_cpu[] = {1, 2, 4, 8, 16, 32, 64},
                         items_gpu[] = {16, 32, 64, 128, 256, 512, 1024},
                         keys[] = {16, 32, 64, 128, 256, 512};
     const size_t *items = ctx->cls->coalesced ? items_gpu : items_cpu;
     for (size_t a = 0; a < sizeof items_cpu / sizeof items_cpu[0]; ++a)
         for (size_t k = 0; k < sizeof keys / sizeof keys[0]; ++k) {
-            if (now_s() > deadline) return;
+            if ((max_tried && res->tried >= max_tried) || now_s() > deadline) return;
             size_t split[2] = {items[a], keys[k]};
             if (!new_parts(ctx, sr, split)) continue;
             ++res->tried;
@@ -199,7 +199,7 @@ static void candidates(clmha_context *ctx, decode_call *dc, search *sr, double d
 // with the default; the best ratio to the default wins when it is below 0.97. The default split
 // is timed first: the yardstick.
 void clmha__tune_decode(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
-                        double deadline, clmha__decode_result *res) {
+                        double deadline, size_t max_tried, clmha__decode_result *res) {
     memset(res, 0, sizeof *res);
     decode_call dc = {0};
     search sr = {.rows = shape->num_heads, .best_ratio = 1.0};
@@ -212,7 +212,7 @@ void clmha__tune_decode(clmha_context *ctx, uint64_t *rng, const clmha_tune_shap
             res->best_ms = sr.lead = res->default_ms;
             memcpy(res->best, sr.def, sizeof sr.def);
             new_parts(ctx, &sr, sr.def);  // the default's range counts: timed
-            candidates(ctx, &dc, &sr, deadline, res);
+            candidates(ctx, &dc, &sr, deadline, max_tried, res);
         }
     }
     decode_call_free(&dc);

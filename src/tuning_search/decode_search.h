@@ -27,10 +27,11 @@ typedef struct clmha__decode_result {
 } clmha__decode_result;
 
 // E. The decode split on a layer of @p shape's embed_dim and num_heads (random parameters and
-// inputs drawn from @p rng), until @p deadline (now_s() seconds). Never fails: *res says what
-// was measured (searched false when the default split could not be timed).
+// inputs drawn from @p rng), until @p deadline (now_s() seconds) or @p max_tried candidates (0:
+// no limit). Never fails: *res says what was measured (searched false when the default split
+// could not be timed).
 CLMHA__HIDDEN void clmha__tune_decode(clmha_context *ctx, uint64_t *rng,
                                       const clmha_tune_shape *shape, double deadline,
-                                      clmha__decode_result *res);
+                                      size_t max_tried, clmha__decode_result *res);
 
 #endif

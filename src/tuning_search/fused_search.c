@@ -126,11 +126,11 @@ static void fused_try(fused_call *fc, const clmha__fused_tiles *tiles,
     }
 }
 
-// The candidates, in order, until @p deadline. Tiled mapping: work-group sizes 32 to 128
+// The candidates, in order, until @p deadline or @p max_tried of them (0: no limit). Tiled mapping: work-group sizes 32 to 128
 // (within the device limit), keys per tile 16 to 64, one or two rows per work-item, the device
 // class's default vector width (CPUs: the native float width) or scalar.
 static void fused_candidates(clmha_context *ctx, fused_call *fc, const clmha__fused_tiles *def,
-                             double deadline, clmha__fused_result *res) {
+                             double deadline, size_t max_tried, clmha__fused_result *res) {
     size_t vw = clmha__fused_default_vw(ctx);
     static const size_t bqs[] = {64, 32, 128}, bks[] = {32, 64, 16}, rpws[] = {2, 1};
     // The lanes mapping: one work-item per group (a tuning with bq > 1 is taken for the tiled
@@ -147,7 +147,7 @@ static void fused_candidates(clmha_context *ctx, fused_call *fc, const clmha__fu
         for (size_t b = 0; b < 3; ++b)
             for (size_t c = 0; c < n_rpw; ++c)
                 for (size_t v = 0; v < n_vw; ++v) {
-                    if (now_s() > deadline) return;
+                    if ((max_tried && res->tried >= max_tried) || now_s() > deadline) return;
                     clmha__fused_tiles tiles = {.bq = cand_bq[a], .bk = cand_bk[b],
                                                 .rpw = cand_rpw[c], .vw = vws[v]};
                     if (tiles.bq > ctx->max_work_group) continue;
@@ -159,7 +159,7 @@ static void fused_candidates(clmha_context *ctx, fused_call *fc, const clmha__fu
 // parameters and inputs): every candidate must reproduce the double-precision reference's
 // output; the fastest fused stage wins. The default tiles are timed first: the yardstick.
 void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
-                       double deadline, clmha__fused_result *res) {
+                       double deadline, size_t max_tried, clmha__fused_result *res) {
     memset(res, 0, sizeof *res);
     size_t n = shape->batch, l = shape->tgt_len, e = shape->embed_dim;
     res->flops = 4.0 * (double)n * (double)l * (double)l * (double)e;
@@ -171,7 +171,7 @@ void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape
             res->searched = true;
             res->best_ms = res->default_ms;
             set_best(res, &used);
-            fused_candidates(ctx, &fc, &def, deadline, res);
+            fused_candidates(ctx, &fc, &def, deadline, max_tried, res);
         }
     }
     fused_call_free(&fc);

@@ -22,10 +22,11 @@ typedef struct clmha__fused_result {
 } clmha__fused_result;
 
 // D. The fused attention kernel's tiles on @p shape (self-attention, random parameters and
-// inputs drawn from @p rng) until @p deadline (now_s() seconds). Never fails: *res says what
-// was measured (searched false when the default tiles could not be timed).
+// inputs drawn from @p rng) until @p deadline (now_s() seconds) or @p max_tried candidates (0:
+// no limit). Never fails: *res says what was measured (searched false when the default tiles
+// could not be timed).
 CLMHA__HIDDEN void clmha__tune_fused(clmha_context *ctx, uint64_t *rng,
                                      const clmha_tune_shape *shape, double deadline,
-                                     clmha__fused_result *res);
+                                     size_t max_tried, clmha__fused_result *res);
 
 #endif

@@ -315,7 +315,9 @@ static bool search(tuner *T, bool direct, clmha__tuning base, size_t min_indirec
         return false;
     }
     W.nb->count = 0;
-    while (W.nseen < MAX_SEEN && elapsed(T) + expected_cost(T, direct) <= deadline(T)) {
+    size_t max_tried = T->opts ? T->opts->max_candidates : 0;
+    while (W.nseen < MAX_SEEN && (!max_tried || W.nseen < max_tried) &&
+           elapsed(T) + expected_cost(T, direct) <= deadline(T)) {
         cand x;
         int next = next_candidate(T, &W, &x);
         if (next == NEXT_STOP) break;

@@ -229,7 +229,7 @@ static clmha_status phase_fused(tuner *T, const clmha_tune_shape *shape, double 
     if (o && o->progress)
         o->progress(fmin(1.0, elapsed(T) / budget), "timing fused attention tiles", o->user_data);
     clmha__fused_result fr;
-    clmha__tune_fused(ctx, &T->rng, shape, deadline, &fr);
+    clmha__tune_fused(ctx, &T->rng, shape, deadline, o ? o->max_candidates : 0, &fr);
     T->tried += fr.tried;
     T->rejected += fr.rejected;
     if (fr.searched) {
@@ -252,7 +252,8 @@ static clmha_status phase_decode(tuner *T, const clmha_tune_shape *shape, double
     if (o && o->progress)
         o->progress(fmin(1.0, elapsed(T) / budget), "timing the decode split", o->user_data);
     clmha__decode_result dr;
-    clmha__tune_decode(T->ctx, &T->rng, shape, T->start + budget, &dr);
+    clmha__tune_decode(T->ctx, &T->rng, shape, T->start + budget, o ? o->max_candidates : 0,
+                       &dr);
     T->tried += dr.tried;
     T->rejected += dr.rejected;
     if (dr.searched) {

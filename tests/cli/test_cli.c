@@ -2045,6 +2045,7 @@ Test(cli_help, every_command) {
     EXPECT_HELP("[--score-mod FILE.cl [--mod-params P.npy]]", "bench", "--help");
     EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "run", "--help");
     EXPECT_HELP("--opt VALUE or --opt=VALUE.\n", "sdpa", "--help");
+    EXPECT_HELP("--candidates N", "tune", "--help");
 }
 
 Test(cli_help, version) {
@@ -2054,6 +2055,37 @@ Test(cli_help, version) {
     cr_assert_eq(r.status, 0);
     cr_assert_str_eq(r.out, want);
     cli_free(&r);
+}
+
+// `clmha tune` bounded by --candidates (a budget it does not reach): a short run that applies,
+// reports and stores nothing with --no-store; and its usage errors.
+Test(cli_tune, candidates_bound_the_search) {
+    SKIP_WITHOUT_DEVICE();
+    tmp_dir d = tmp_make();
+    setenv("CLMHA_TUNING_DIR", d.path, 1);  // (the child inherits it)
+    cli_result r = cli_run("tune", "--candidates", "1", "--budget", "3600", "--shape", "1,8,16,2",
+                           "--no-store");
+    unsetenv("CLMHA_TUNING_DIR");
+    cr_assert_eq(r.status, 0, "stderr: %s", r.err);
+    size_t n = 99;
+    const char *res = strstr(r.out, "result:");
+    cr_assert(res && (sscanf(strstr(res, " after ") ? strstr(res, " after ") : "", " after %zu", &n)
+                      == 1), "stdout: %s", r.out);
+    cr_expect(n >= 1 && n <= 4, "%zu candidates (one per search): %s", n, r.out);
+    cr_expect_eq(tmp_list(&d, NULL, 0), 0, "--no-store wrote a file");
+    cli_free(&r);
+    static const char *const bad[] = {"0", "-1", "x", "1e3", "1000001"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; ++i) {
+        r = cli_run("tune", "--candidates", bad[i]);
+        cr_expect_eq(r.status, 2, "--candidates %s", bad[i]);
+        assert_one_line(&r, "clmha tune: --candidates", bad[i], "1 to 1000000", NULL);
+        cli_free(&r);
+    }
+    r = cli_run("tune", "--candidates", "1", "--candidates", "2");
+    cr_expect_eq(r.status, 2);
+    assert_one_line(&r, "clmha tune: --candidates given twice", NULL);
+    cli_free(&r);
+    tmp_remove(&d);
 }
 
 Test(cli_devices, lists_every_spec) {

@@ -664,6 +664,32 @@ Test(tuning, tune_skips_the_gemm_search_on_host_gemms, .timeout = 600) {
     teardown(&f);
 }
 
+// max_candidates bounds each search where the budget does not: on host-BLAS GEMMs, one fused
+// tile candidate and one decode split, whatever the budget; with made-up fast candidates they
+// would be stored, and here the run is short either way.
+Test(tuning, tune_max_candidates_bounds_each_search, .timeout = 600) {
+    fixture f;
+    setup(&f);
+    clmha_context *ctx = make_context();
+    if (clmha_context_set_gemm(ctx, CLMHA_GEMM_HOST) != CLMHA_SUCCESS) {
+        clmha_context_release(ctx);
+        teardown(&f);
+        cr_skip_test("this device runs no host-BLAS GEMMs");
+    }
+    clmha_tune_shape shape = {2, 16, 32, 4};
+    clmha_tune_options o = {.struct_size = sizeof o, .budget_seconds = 3600, .shapes = &shape,
+                            .num_shapes = 1, .no_store = true, .max_candidates = 1};
+    clmha_tune_report rep = {.struct_size = sizeof rep};
+    cr_assert_eq(clmha_context_tune(ctx, &o, &rep), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    cr_expect(rep.candidates >= 1 && rep.candidates <= 2, "%zu candidates", rep.candidates);
+    cr_expect_lt(rep.seconds, 600, "the budget decided, not the candidate count");
+    cr_expect(!rep.stored);
+    cr_expect_neq(access(f.path, F_OK), 0, "nothing may be stored");
+    clmha_context_release(ctx);
+    teardown(&f);
+}
+
 // With trace set the callback also gets trace lines (fraction -1): the timings before, the
 // split, the final check; the library prints nothing itself.
 Test(tuning, tune_trace_lines_go_to_the_callback, .timeout = 600) {
