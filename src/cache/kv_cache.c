@@ -13,10 +13,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-// Each buffer's elements: pages · kv_heads · page_size · D, checked for overflow and, at @p rs
-// bytes an element (the layer's), against the device's largest allocation.
+// Each buffer's elements: pages · kv_heads · page_size · D, checked for overflow and, at the
+// bytes an element of @p kv_dtype takes (@p rs, the layer's, for float elements), the key and
+// the value buffer against the device's largest allocation and, together, its global memory.
 static clmha_status cache_floats(const clmha_context *ctx, size_t pages, size_t heads,
-                                 size_t page_size, size_t d, size_t rs, size_t *floats) {
+                                 size_t page_size, size_t d, size_t rs, clmha_kv_dtype kv_dtype,
+                                 size_t *floats) {
     size_t x, bytes;
     *floats = 0;
     if (!clmha__mul3(pages, heads, page_size, &x) || !clmha__mul(x, d, floats) ||
@@ -25,11 +27,20 @@ static clmha_status cache_floats(const clmha_context *ctx, size_t pages, size_t 
                            "a KV cache of %zu pages of %zu tokens, %zu heads of %zu floats "
                            "overflows size_t",
                            pages, page_size, heads, d);
+    bytes = kv_dtype == CLMHA_KV_INT8                                    ? *floats
+            : kv_dtype == CLMHA_KV_INT4                                  ? (*floats + 1) / 2
+            : kv_dtype == CLMHA_KV_FLOAT16 || kv_dtype == CLMHA_KV_BFLOAT16 ? 2 * *floats
+                                                                         : bytes;
     if (bytes > clmha__max_alloc(ctx))
         return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
                            "a KV cache of %zu pages of %zu tokens needs two buffers of %zu "
                            "bytes; the device's largest allocation is %llu bytes",
                            pages, page_size, bytes, (unsigned long long)clmha__max_alloc(ctx));
+    if (2.0 * (double)bytes > (double)clmha__global_mem(ctx))
+        return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY,
+                           "a KV cache of %zu pages of %zu tokens needs two buffers of %zu "
+                           "bytes, more together than the device's global memory (%llu bytes)",
+                           pages, page_size, bytes, (unsigned long long)clmha__global_mem(ctx));
     return CLMHA_SUCCESS;
 }
 
@@ -120,7 +131,8 @@ static clmha_status cache_make(clmha_kv_cache **out, clmha_context *ctx,
     size_t rs = layer ? layer->rs : o->dtype == CLMHA_DTYPE_F64 ? sizeof(double) : sizeof(float);
     clmha_status st;
     if ((st = check_options(ctx, batch, o, &page_size, &pages)) ||
-        (st = cache_floats(ctx, pages, kv_heads, page_size, head_dim, rs, &floats)))
+        (st = cache_floats(ctx, pages, kv_heads, page_size, head_dim, rs, o->kv_dtype,
+                           &floats)))
         return st;
     if (o->kv_dtype == CLMHA_KV_INT4 && !int4_group(head_dim))
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,

@@ -322,6 +322,11 @@ Test(faults, forward_scratch_beyond_max_alloc_is_out_of_memory, .fini = clear_ma
 
 static void clear_global_mem(void) { clmha__test_set_global_mem(0); }
 
+static void clear_limits(void) {
+    clmha__test_set_max_alloc(0);
+    clmha__test_set_global_mem(0);
+}
+
 // A bake through core @p impl on a fresh layer under a global memory of @p limit bytes (0: the
 // device's): its status, the layer's scratch after it in *scratch, its message in msg.
 static clmha_status bake_under(wrapped *w, small *m, clmha_impl impl, size_t limit,
@@ -382,6 +387,54 @@ Test(faults, scratch_beyond_global_memory_is_out_of_memory, .fini = clear_global
                  "%s", clmha_context_last_error(w.ctx));
     free(x);
     free(y);
+    clmha_layer_release(layer);
+    wrapped_close(&w);
+}
+
+// A KV cache's key and value buffers (batch 1, 16 tokens: 16 E elements each) against the
+// device's largest allocation and, both together, its global memory: just fitting is made, a
+// byte less is refused with CLMHA_OUT_OF_MEMORY naming the limit, before anything is allocated
+// (no cache returned). An int8 cache's buffers are a byte an element: it fits where float32's
+// would not.
+Test(faults, kv_cache_at_the_device_limits, .fini = clear_limits, .timeout = 600) {
+    wrapped w;
+    wrapped_open(&w);
+    small m;
+    clmha_layer *layer = small_layer(w.ctx, &m, true);
+    const size_t bytes = 16 * E * sizeof(float);
+    static const struct {
+        size_t max_alloc, global;
+        clmha_kv_dtype kv;
+        bool fits;
+        const char *names;
+    } cases[] = {
+        {bytes, 0, CLMHA_KV_FLOAT32, true, NULL},
+        {bytes - 1, 0, CLMHA_KV_FLOAT32, false, "largest allocation"},
+        {0, 2 * bytes, CLMHA_KV_FLOAT32, true, NULL},
+        {0, 2 * bytes - 1, CLMHA_KV_FLOAT32, false, "global memory"},
+        {bytes / 4, 2 * bytes / 4, CLMHA_KV_INT8, true, NULL},
+        {bytes / 4 - 1, 0, CLMHA_KV_INT8, false, "largest allocation"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        clmha_kv_cache_options o = {.struct_size = sizeof o, .capacity = 16,
+                                    .kv_dtype = cases[i].kv};
+        clmha__test_set_max_alloc(cases[i].max_alloc);
+        clmha__test_set_global_mem(cases[i].global);
+        clmha_kv_cache *cache = NULL;
+        clmha_status st = clmha_kv_cache_create_with(&cache, layer, 1, &o);
+        clear_limits();
+        const char *msg = clmha_context_last_error(w.ctx);
+        if (cases[i].fits) {
+            cr_expect_eq(st, CLMHA_SUCCESS, "case %zu: %s", i, msg);
+            cr_expect_not_null(cache);
+        } else {
+            cr_expect_eq(st, CLMHA_OUT_OF_MEMORY, "case %zu: %s", i, msg);
+            cr_expect(strstr(msg, cases[i].names) && strstr(msg, "bytes"), "case %zu: %s", i,
+                      msg);
+            cr_expect_null(cache);
+        }
+        clmha_kv_cache_release(cache);
+    }
     clmha_layer_release(layer);
     wrapped_close(&w);
 }
