@@ -7,7 +7,8 @@
 #   tools/fault-sweep.sh [BUILD-DIR] [KIND...]     KIND: cl alloc io blas clblast (default all)
 #
 # BUILD-DIR (default build) is a CMake build with tests and without sanitizers. The OpenCL
-# sweep takes the longest (~3000 points, a process each: ~25 minutes on 2 cores).
+# sweep takes the longest (~11000 points, a process each: ~90 minutes on 2 cores, 60 of them
+# the tuning scenario's 8000).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}

@@ -54,8 +54,8 @@ clmha_status clmha__tuner_shape_alloc(tuner *T, gshape *s) {
     return CLMHA_SUCCESS;
 }
 
-// One GEMM of @p s, waited for. Returns the CLBlast status.
-static int shape_run(clmha_context *ctx, const gshape *s) {
+// One GEMM of @p s, waited for. Returns 0, else the failed call's status, and its name in *call.
+static int shape_run(clmha_context *ctx, const gshape *s, const char **call) {
     cl_command_queue q = ctx->queue;
     size_t ldb = s->tb ? s->k : s->n;
     CLBlastTranspose tb = s->tb ? CLBlastTransposeYes : CLBlastTransposeNo;
@@ -69,8 +69,16 @@ static int shape_run(clmha_context *ctx, const gshape *s) {
                             CLBlastLayoutRowMajor, CLBlastTransposeNo, tb, s->m, s->n, s->k,
                             1.0f, s->a, 0, s->k, s->m * s->k, s->b, 0, ldb, s->n * s->k, 0.0f,
                             s->c, 0, s->n, s->m * s->n, s->batch, &q, NULL));
-    cl_int err = clFinish(q);
-    return st != CLBlastSuccess ? st : err;
+    *call = s->batch ? "CLBlastSgemmStridedBatched" : "CLBlastSgemm";
+    if (st != CLBlastSuccess) return st;
+    *call = "clFinish";
+    return clFinish(q);
+}
+
+// Notes in T->msg that shape @p s failed: call @p call returned @p st.
+static void note_failure(tuner *T, const gshape *s, const char *call, int st) {
+    const char *name = st <= -1000 ? clmha__blas_status_name(st, NULL) : clmha__cl_error_name(st);
+    snprintf(T->msg, sizeof T->msg, "%s: %s returned %d (%s)", s->label, call, st, name);
 }
 
 // Compares C of the last run of @p s with a double-precision CPU GEMM: every element of small
@@ -124,9 +132,10 @@ bool clmha__tuner_run_checks(tuner *T, bool plain, bool batched) {
         const gshape *s = &T->checks[i];
         if ((s->batch ? !batched : !plain)) continue;
         if (T->skip_direct_below && goes_direct(s, T->skip_direct_below)) continue;
-        int st = shape_run(T->ctx, s);
+        const char *call;
+        int st = shape_run(T->ctx, s, &call);
         if (st != 0) {
-            snprintf(T->msg, sizeof T->msg, "%s: CLBlast status %d", s->label, st);
+            note_failure(T, s, call, st);
             return false;
         }
         double rel;
@@ -152,10 +161,11 @@ static bool shape_time(tuner *T, gshape *s, int reps, double slower_than, double
     int n = 0;
     for (; n < reps && n < 16; ++n) {
         double t0 = now_s();
-        int st = shape_run(T->ctx, s);
+        const char *call;
+        int st = shape_run(T->ctx, s, &call);
         t[n] = now_s() - t0;
         if (st != 0) {
-            snprintf(T->msg, sizeof T->msg, "%s: CLBlast status %d", s->label, st);
+            note_failure(T, s, call, st);
             return false;
         }
         if (n == 1 && slower_than > 0 && fmin(t[0], t[1]) > slower_than) {

@@ -18,7 +18,8 @@
 // answer, a message that does not name what failed, a written output, an unusable object, a
 // leak, a crash, an abort or a hang (180 s: a cold kernel cache builds every program first).
 // Right answers are the double-precision reference's (clmha_reference_forward(),
-// clmha_reference_attention()) within 1e-4.
+// clmha_reference_attention()) within 1e-4. The tuning scenario's children run with
+// CLMHA_FAULT_CLOCK (inject.c's made-up clock): its searches decide the same way every run.
 //
 //   fault_sweep PRELOAD [SCENARIO ...] [--kind cl|alloc|io|blas] [--stride K]
 //
@@ -256,6 +257,23 @@ static clmha_status step_truncate(world *w, float *out) {
     return CLMHA_SUCCESS;
 }
 
+// The context tuned (the fused kernel's tiles and the decode split: the default and one
+// candidate each, a budget never reached; the parent sets CLMHA_FAULT_CLOCK, so that the
+// timings, and what they decide, are the same every run: the candidates win), the tuning
+// stored in the world's folder (CLMHA_TUNING_DIR), then a forward through the fused core.
+static clmha_status step_tune(world *w, float *out) {
+    clmha_status st = make_objects(w);
+    if (st) return st;
+    clmha_tune_shape shape = {.batch = N, .tgt_len = L, .embed_dim = E, .num_heads = H};
+    clmha_tune_options o = CLMHA_STRUCT_INIT(clmha_tune_options);
+    o.budget_seconds = 3600;
+    o.max_candidates = 1;
+    o.shapes = &shape;
+    o.num_shapes = 1;
+    if ((st = clmha_context_tune(w->ctx, &o, NULL))) return st;
+    return step_forward(w, out, CLMHA_IMPL_FUSED);
+}
+
 // The arrays of the attention function: query (N, H, L, D), key and value (N, H, S, D), the
 // world's q, k, v read in that shape.
 static clmha_attention_args function_args(const world *w) {
@@ -361,12 +379,13 @@ static const scenario scenarios[] = {
     {"KV-cache decode with truncate", step_truncate, true, false, false, false, false},
     {"the clmha run program: forward, backward, files", NULL, false, false, false, false,
      false},
+    {"tune (fused tiles, decode split, stored), then forward", step_tune, false, false, false,
+     true, false},
 };
 enum { SCENARIOS = sizeof scenarios / sizeof scenarios[0] };
 
 // The layer file's state after a failed run: the bytes it held before (the save failed), or a
-// whole layer file (the save succeeded, something after it failed); and no temporary file
-// left in the folder. False (reported) otherwise.
+// whole layer file (the save succeeded, something after it failed). False (reported) otherwise.
 static const char old_bytes[] = "the file a save must replace whole or leave as it was\n";
 
 static bool file_whole(world *w) {
@@ -381,6 +400,11 @@ static bool file_whole(world *w) {
         return false;
     }
     clmha_layer_release(check);
+    return true;
+}
+
+// Whether the world's folder holds no temporary file (a file write's, left behind).
+static bool dir_clean(const world *w) {
     DIR *d = opendir(w->dir);
     struct dirent *e;
     bool clean = d != NULL;
@@ -391,6 +415,20 @@ static bool file_whole(world *w) {
         }
     if (d) closedir(d);
     return clean;
+}
+
+// Removes the world's folder and the files in it.
+static void dir_remove(const world *w) {
+    DIR *d = opendir(w->dir);
+    struct dirent *e;
+    char path[sizeof w->dir + 260];
+    while (d && (e = readdir(d)))
+        if (e->d_name[0] != '.' || (e->d_name[1] && strcmp(e->d_name, "..") != 0)) {
+            snprintf(path, sizeof path, "%s/%s", w->dir, e->d_name);
+            unlink(path);
+        }
+    if (d) closedir(d);
+    rmdir(w->dir);
 }
 
 // The outcome of the run that failed call @p name: refused (with the message @p kind's rule
@@ -422,7 +460,8 @@ static int judge(world *w, const scenario *sc, clmha_status st, const float *out
         kept = kept && w->grads[i] == SENTINEL;
     if (!kept) fprintf(stderr, "  %s, call %ld (%s): refused, output written\n", sc->name, at,
                        name);
-    return !kept || (w->path[0] && !file_whole(w)) ? OUT_WRITTEN : OUT_REFUSED;
+    bool files = (!w->path[0] || file_whole(w)) && (!w->dir[0] || dir_clean(w));
+    return !kept || !files ? OUT_WRITTEN : OUT_REFUSED;
 }
 
 // Everything released, the OpenCL objects and allocations libclmha still holds in @p held.
@@ -436,7 +475,7 @@ static void release_all(world *w, long held[2]) {
     *(void **)&count = dlsym(RTLD_DEFAULT, "clmha_fault_held");
     held[0] = count ? count(&held[1]) : 0;
     if (!count) held[1] = 0;
-    if (w->path[0]) unlink(w->path), rmdir(w->dir);
+    if (w->dir[0]) dir_remove(w);
 }
 
 // The world of scenario @p sc: its data, its folder and file (save scenarios), its reference.
@@ -446,9 +485,12 @@ static void child_setup(world *w, const scenario *sc) {
     if (sc->self_causal) {  // query = key = value
         memcpy(w->k, w->q, sizeof w->q), memcpy(w->v, w->q, sizeof w->q);
     }
-    if (sc->step == step_save_load) {
+    if (sc->step == step_save_load || sc->step == step_tune) {
         snprintf(w->dir, sizeof w->dir, "/tmp/clmha-fault-XXXXXX");
         if (!mkdtemp(w->dir)) exit(OUT_SETUP);
+    }
+    if (sc->step == step_tune) setenv("CLMHA_TUNING_DIR", w->dir, 1);
+    if (sc->step == step_save_load) {
         snprintf(w->path, sizeof w->path, "%s/layer.safetensors", w->dir);
         FILE *f = fopen(w->path, "wb");
         if (!f || fwrite(old_bytes, 1, sizeof old_bytes - 1, f) != sizeof old_bytes - 1)
@@ -552,6 +594,7 @@ static int run_one(const char *self, const char *preload, int index, long at) {
         snprintf(idx_s, sizeof idx_s, "%d", index);
         setenv("CLMHA_FAULT_AT", at_s, 1);
         setenv("LD_PRELOAD", preload, 1);
+        if (scenarios[index].step == step_tune) setenv("CLMHA_FAULT_CLOCK", "1", 1);
         execl(self, self, "--child", idx_s, at_s, (char *)NULL);
         _exit(OUT_SETUP);
     }

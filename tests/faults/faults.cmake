@@ -4,7 +4,8 @@
 # GEMMs), and counts what libclmha holds for the leak check; fault_sweep runs each scenario once
 # per injection point and checks the outcome (see its header). CTest runs a sample (every 31st
 # OpenCL point, every 6th allocation and GEMM, every 3rd file call of saving and loading and of
-# the program; the first and the last always);
+# the program; of the tuning scenario, 13, whose 8000 OpenCL points repeat the same few calls per
+# candidate, every 277th OpenCL point and every file call; the first and the last always);
 # the whole sweeps, every kind, with tools/fault-sweep.sh [BUILD-DIR], or one kind with
 #   build/tests/fault_sweep build/tests/libclmha_faults.so [--kind alloc|io|blas] \
 #       --program build/clmha --case tests/cli/grad_self
@@ -30,16 +31,22 @@ if(TARGET clmha_cli)
                           --case ${PROJECT_SOURCE_DIR}/tests/cli/grad_self)
 endif()
 if(NOT CLMHA_SANITIZE)
+  set(scenarios 1 2 3 4 5 6 7 8 9 10 11 12)  # all but the tuning (13: fault_sweep_tune)
   add_test(NAME fault_sweep_opencl
-           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --stride 31 ${CLMHA_SWEEP_PROGRAM})
-  add_test(NAME fault_sweep_alloc
-           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --kind alloc --stride 6
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> ${scenarios} --stride 31
                    ${CLMHA_SWEEP_PROGRAM})
+  add_test(NAME fault_sweep_alloc
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> ${scenarios} --kind alloc --stride 6
+                   ${CLMHA_SWEEP_PROGRAM})
+  add_test(NAME fault_sweep_tune
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> 13 --stride 277)
+  add_test(NAME fault_sweep_tune_io
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> 13 --kind io)
   add_test(NAME fault_sweep_io  # the file calls of saving and loading, and of the program
            COMMAND fault_sweep $<TARGET_FILE:clmha_faults> 10 12 --kind io --stride 3
                    ${CLMHA_SWEEP_PROGRAM})
   add_test(NAME fault_sweep_blas
-           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> --kind blas --stride 6)
+           COMMAND fault_sweep $<TARGET_FILE:clmha_faults> ${scenarios} --kind blas --stride 6)
   set_tests_properties(fault_sweep_opencl fault_sweep_alloc fault_sweep_io fault_sweep_blas
-                       PROPERTIES TIMEOUT 900)
+                       fault_sweep_tune fault_sweep_tune_io PROPERTIES TIMEOUT 900)
 endif()
