@@ -68,7 +68,7 @@ The error table gives max |output - float64 reference| per tool (float32 outputs
 --json writes one JSON object per line and tool (ms per round, repeats, error, versions);
 --plot (default docs/peers.png) draws GFLOP/s per shape and tool.
 
-Time: the default run (5 shapes, 7 rounds, 0.4 s batches) takes about 5-7 minutes on 2 busy
+Time: the default run (6 shapes, 7 rounds, 0.4 s batches) takes about 7-9 minutes on 2 busy
 cores with every peer and one clmha (~1 more for a second clmha, ~2 for tinygrad); --quick
 (3 rounds, 0.2 s batches) about 3. A peer whose Python or package is missing is left out
 with a note, one that fails at a shape shows "failed" there (the reason under the table), and
@@ -92,7 +92,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SCRIPT = os.path.abspath(__file__)
-DEFAULT_SHAPES = ["1x128", "8x128", "1x512", "1x2048", "4x64x1024"]
+DEFAULT_SHAPES = ["1x128", "8x128", "1x512", "1x2048", "1x4096", "4x64x1024"]
 DEFAULT_TORCH1 = "/usr/bin/python3"
 DEFAULT_TORCH2 = "/tmp/venv-torch2/bin/python3"
 DEFAULT_PEERS = "/tmp/venv-peers/bin/python3"
