@@ -22,9 +22,11 @@
 // CLMHA_FAULT_CLOCK (inject.c's made-up clock): its searches decide the same way every run.
 //
 //   fault_sweep PRELOAD [SCENARIO ...] [--kind cl|alloc|io|blas] [--stride K]
+//               [--points FIRST-LAST]
 //
 // PRELOAD: the built inject library; --stride K runs every K-th injection point only (the
-// CI's sample; the first and last always). --kind blas makes PRELOAD the host BLAS too
+// CI's sample; the first and last always); --points the points FIRST to LAST only (a long
+// sweep cut into parts that run side by side). --kind blas makes PRELOAD the host BLAS too
 // (CLMHA_HOST_BLAS; its dnnl_sgemm forwards to oneDNN's); with CLMHA_GEMM=clblast in the
 // environment the GEMMs are CLBlast's. Prints, per scenario, the injection points and the
 // outcomes; exit status 0 when every run passed.
@@ -618,7 +620,7 @@ static int run_one(const char *self, const char *preload, int index, long at) {
 
 // Sweeps scenario @p s: its run without faults (counting the calls and what libclmha holds
 // after it), then one run per injection point; prints its table row; returns the failed runs.
-static int sweep(const char *self, const char *preload, int s, long stride,
+static int sweep(const char *self, const char *preload, int s, long stride, const long range[2],
                  const char *count_file) {
     long counts[OUTCOMES] = {0}, failed = 0, runs = 0, total = 0, base[2];
     FILE *f = NULL;
@@ -633,9 +635,10 @@ static int sweep(const char *self, const char *preload, int s, long stride,
     snprintf(base_s, sizeof base_s, "%ld %ld", base[0], base[1]);
     setenv("CLMHA_FAULT_BASE", base_s, 1);
     // Every point (the first and the last always, every stride-th between).
-    for (long at = 1; at <= total; at = at == total ? total + 1
-                                       : at + stride > total ? total
-                                                             : at + stride) {
+    long last = range[1] && range[1] < total ? range[1] : total;
+    for (long at = range[0] > 1 ? range[0] : 1; at <= last; at = at == last ? last + 1
+                                                         : at + stride > last ? last
+                                                                              : at + stride) {
         int out = run_one(self, preload, s, at);
         if (out == OUT_DONE) break;  // a run that made fewer calls than the count
         ++runs;
@@ -663,11 +666,11 @@ int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr,
                 "usage: %s PRELOAD [SCENARIO-NUMBER ...] [--kind cl|alloc|io|blas] "
-                "[--stride K] [--program CLMHA --case DIR]\n",
+                "[--stride K] [--points FIRST-LAST] [--program CLMHA --case DIR]\n",
                 argv[0]);
         return 2;
     }
-    long stride = 1;
+    long stride = 1, range[2] = {0, 0};
     bool chosen[SCENARIOS] = {false}, any = false;
     for (int i = 2; i < argc; ++i) {
         const char *env = strcmp(argv[i], "--kind") == 0      ? "CLMHA_FAULT_KIND"
@@ -678,6 +681,8 @@ int main(int argc, char **argv) {
             setenv(env, argv[++i], 1);  // the children inherit it
         } else if (strcmp(argv[i], "--stride") == 0 && i + 1 < argc) {
             stride = atol(argv[++i]);
+        } else if (strcmp(argv[i], "--points") == 0 && i + 1 < argc) {
+            if (sscanf(argv[++i], "%ld-%ld", &range[0], &range[1]) != 2) range[0] = range[1] = 0;
         } else {
             int k = atoi(argv[i]);
             if (k >= 1 && k <= SCENARIOS) chosen[k - 1] = any = true;
@@ -703,7 +708,7 @@ int main(int argc, char **argv) {
         if (any && !chosen[s]) continue;
         if (!scenarios[s].step && !(getenv("CLMHA_SWEEP_PROGRAM") && getenv("CLMHA_SWEEP_CASE")))
             printf("| %s | skipped: no --program and --case | | | | |\n", scenarios[s].name);
-        else failures += sweep(argv[0], argv[1], s, stride, count_file);
+        else failures += sweep(argv[0], argv[1], s, stride, range, count_file);
     }
     unlink(count_file);
     printf("fault_sweep: %d failed run%s\n", failures, failures == 1 ? "" : "s");
