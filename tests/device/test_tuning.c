@@ -636,17 +636,24 @@ static void count_trace(double fraction, const char *message, void *user_data) {
     }
 }
 
+// A context whose products run in the host BLAS; the test is skipped (@p f torn down) on a
+// device that runs none there.
+static clmha_context *host_gemm_context(fixture *f) {
+    clmha_context *ctx = make_context();
+    if (clmha_context_set_gemm(ctx, CLMHA_GEMM_HOST) != CLMHA_SUCCESS) {
+        clmha_context_release(ctx);
+        teardown(f);
+        cr_skip_test("this device runs no host-BLAS GEMMs");
+    }
+    return ctx;
+}
+
 // On a context whose products run in the host BLAS, CLBlast's GEMM parameters are never used:
 // nothing of them is timed or searched, and the report says why.
 Test(tuning, tune_skips_the_gemm_search_on_host_gemms, .timeout = 600) {
     fixture f;
     setup(&f);
-    clmha_context *ctx = make_context();
-    if (clmha_context_set_gemm(ctx, CLMHA_GEMM_HOST) != CLMHA_SUCCESS) {
-        clmha_context_release(ctx);
-        teardown(&f);
-        cr_skip_test("this device runs no host-BLAS GEMMs");
-    }
+    clmha_context *ctx = host_gemm_context(&f);
     clmha_tune_shape shape = {2, 16, 32, 4};
     clmha_tune_options o = {.struct_size = sizeof o, .budget_seconds = 0.01, .shapes = &shape,
                             .num_shapes = 1, .progress = count_progress};
@@ -664,18 +671,12 @@ Test(tuning, tune_skips_the_gemm_search_on_host_gemms, .timeout = 600) {
     teardown(&f);
 }
 
-// max_candidates bounds each search where the budget does not: on host-BLAS GEMMs, one fused
-// tile candidate and one decode split, whatever the budget; with made-up fast candidates they
-// would be stored, and here the run is short either way.
+// max_candidates bounds each search where the budget does not: on host-BLAS GEMMs one fused
+// tile candidate and one decode split under an hour's budget, a run of seconds.
 Test(tuning, tune_max_candidates_bounds_each_search, .timeout = 600) {
     fixture f;
     setup(&f);
-    clmha_context *ctx = make_context();
-    if (clmha_context_set_gemm(ctx, CLMHA_GEMM_HOST) != CLMHA_SUCCESS) {
-        clmha_context_release(ctx);
-        teardown(&f);
-        cr_skip_test("this device runs no host-BLAS GEMMs");
-    }
+    clmha_context *ctx = host_gemm_context(&f);
     clmha_tune_shape shape = {2, 16, 32, 4};
     clmha_tune_options o = {.struct_size = sizeof o, .budget_seconds = 3600, .shapes = &shape,
                             .num_shapes = 1, .no_store = true, .max_candidates = 1};
