@@ -103,11 +103,14 @@ kernel void merge_heads(global const REAL *heads, ulong heads_off, global REAL *
 }
 
 // out[r, c] = bias[c] (or 0 without bias) for rows x cols: the C operand of a GEMM with beta 1.
+// A 2-D range, columns across (dimension 0) and rows down: no index division, so that a CPU
+// driver stores whole vectors (the 1-D form's 64-bit remainder per element cost PoCL ~2% of a
+// small forward pass).
 kernel void fill_rows(global REAL *out, ulong out_off, global const REAL *bias, uint has_bias,
                       ulong rows, ulong cols) {
-    ulong gid = get_global_id(0);
-    if (gid >= rows * cols) return;
-    out[out_off + gid] = has_bias ? bias[gid % cols] : 0.0f;
+    ulong c = get_global_id(0), r = get_global_id(1);
+    if (c >= cols || r >= rows) return;
+    out[out_off + r * cols + c] = has_bias ? bias[c] : 0.0f;
 }
 
 // out[n, i, j] = sum over h of w[n * H + h, i, j], divided by H (PyTorch sums, then divides).

@@ -498,11 +498,11 @@ static clmha_status block_products(clmha_layer *l, clmha__backward_call *call,
 // pattern-sized host writes, each of which resets the whole buffer's shadow (see
 // tools/oclgrind-check.sh), and then reports the GEMMs that add to the zeros.
 static clmha_status zero_floats(clmha_layer *l, cl_mem buf, size_t floats) {
-    cl_ulong off = 0, rows = floats, cols = 1;
+    cl_ulong off = 0, rows = 1, cols = floats;
     cl_uint has_bias = 0;
     arg args[] = {ARG(buf), ARG(off), ARG(l->ctx->dummy), ARG(has_bias), ARG(rows), ARG(cols)};
-    return clmha__launch(l->ctx, l->fill_rows, "fill_rows", floats, l->heads_wg, args,
-                         sizeof args / sizeof args[0]);
+    return clmha__launch_rows(l->ctx, l->fill_rows, "fill_rows", 1, floats, l->heads_wg, args,
+                              sizeof args / sizeof args[0]);
 }
 
 // The real keys [*c0, *c1) that query rows [r0, r0 + nr) may see under is_causal and the window

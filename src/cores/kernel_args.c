@@ -32,6 +32,16 @@ clmha_status clmha__set_args(clmha_context *ctx, cl_kernel k, const char *name,
     return CLMHA_SUCCESS;
 }
 
+clmha_status clmha__launch_rows(clmha_context *ctx, cl_kernel k, const char *name, size_t rows,
+                                size_t cols, size_t wg, const clmha__arg *args, cl_uint nargs) {
+    clmha_status st = clmha__set_args(ctx, k, name, args, nargs);
+    if (st) return st;
+    size_t global[2] = {(cols + wg - 1) / wg * wg, rows}, local[2] = {wg, 1};
+    cl_int err = clEnqueueNDRangeKernel(ctx->queue, k, 2, NULL, global, local, 0, NULL, NULL);
+    if (err != CL_SUCCESS) return clmha__cl_fail_on(ctx, err, "clEnqueueNDRangeKernel", name);
+    return CLMHA_SUCCESS;
+}
+
 clmha_status clmha__launch(clmha_context *ctx, cl_kernel k, const char *name, size_t total,
                            size_t wg, const clmha__arg *args, cl_uint nargs) {
     clmha_status st = clmha__set_args(ctx, k, name, args, nargs);

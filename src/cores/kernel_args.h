@@ -43,6 +43,13 @@ CLMHA__HIDDEN clmha_status clmha__launch(clmha_context *ctx, cl_kernel k, const 
                                          size_t total, size_t wg, const clmha__arg *args,
                                          cl_uint nargs);
 
+// Sets the arguments of @p k and enqueues it over a 2-D range: @p cols work-items across (in
+// groups of @p wg), @p rows down (fill_rows: no division per element, so that a CPU driver
+// vectorises the columns).
+CLMHA__HIDDEN clmha_status clmha__launch_rows(clmha_context *ctx, cl_kernel k, const char *name,
+                                              size_t rows, size_t cols, size_t wg,
+                                              const clmha__arg *args, cl_uint nargs);
+
 // The mask and dropout arguments of masked_softmax and fused_attention, in their order.
 typedef struct clmha__mask_args {
     cl_mem attn;

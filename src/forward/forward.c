@@ -141,8 +141,8 @@ clmha_status clmha__forward_out_project(clmha_layer *l, const clmha__dims *d, cl
         cl_ulong off = out_off, r = rows, c = e;
         cl_uint has_bias = 1;
         arg args[] = {ARG(out), ARG(off), ARG(l->b_out), ARG(has_bias), ARG(r), ARG(c)};
-        clmha_status st = clmha__launch(ctx, l->fill_rows, "fill_rows", rows * e,
-                                        l->heads_wg, args, sizeof args / sizeof args[0]);
+        clmha_status st = clmha__launch_rows(ctx, l->fill_rows, "fill_rows", rows, e,
+                                             l->heads_wg, args, sizeof args / sizeof args[0]);
         if (st) return st;
     }
     return clmha__gemm_nt(l, "output projection", rows, e, e, merged, 0, e,
