@@ -126,9 +126,10 @@ static void fused_try(fused_call *fc, const clmha__fused_tiles *tiles,
     }
 }
 
-// The candidates, in order, until @p deadline or @p max_tried of them (0: no limit). Tiled mapping: work-group sizes 32 to 128
-// (within the device limit), keys per tile 16 to 64, one or two rows per work-item, the device
-// class's default vector width (CPUs: the native float width) or scalar.
+// The candidates, in order, until @p deadline or @p max_tried of them (0: no limit). Tiled
+// mapping: work-group sizes 32 to 128 (within the device limit), keys per tile 16 to 64, one or
+// two rows per work-item, the device class's default vector width (CPUs: the native float
+// width) or scalar.
 static void fused_candidates(clmha_context *ctx, fused_call *fc, const clmha__fused_tiles *def,
                              double deadline, size_t max_tried, clmha__fused_result *res) {
     size_t vw = clmha__fused_default_vw(ctx);
