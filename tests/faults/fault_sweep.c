@@ -425,7 +425,7 @@ static void dir_remove(const world *w) {
     struct dirent *e;
     char path[sizeof w->dir + 260];
     while (d && (e = readdir(d)))
-        if (e->d_name[0] != '.' || (e->d_name[1] && strcmp(e->d_name, "..") != 0)) {
+        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0) {
             snprintf(path, sizeof path, "%s/%s", w->dir, e->d_name);
             unlink(path);
         }
@@ -480,7 +480,8 @@ static void release_all(world *w, long held[2]) {
     if (w->dir[0]) dir_remove(w);
 }
 
-// The world of scenario @p sc: its data, its folder and file (save scenarios), its reference.
+// The world of scenario @p sc: its data, its folder (save and tuning scenarios) and layer file
+// (save), its reference.
 static void child_setup(world *w, const scenario *sc) {
     world_data(w);
     w->train = sc->train;
@@ -682,7 +683,12 @@ int main(int argc, char **argv) {
         } else if (strcmp(argv[i], "--stride") == 0 && i + 1 < argc) {
             stride = atol(argv[++i]);
         } else if (strcmp(argv[i], "--points") == 0 && i + 1 < argc) {
-            if (sscanf(argv[++i], "%ld-%ld", &range[0], &range[1]) != 2) range[0] = range[1] = 0;
+            if (sscanf(argv[++i], "%ld-%ld", &range[0], &range[1]) != 2 || range[0] < 1 ||
+                range[1] < range[0]) {
+                fprintf(stderr, "fault_sweep: --points %s: expected FIRST-LAST, 1 <= FIRST <= "
+                        "LAST\n", argv[i]);
+                return 2;
+            }
         } else {
             int k = atoi(argv[i]);
             if (k >= 1 && k <= SCENARIOS) chosen[k - 1] = any = true;
