@@ -76,7 +76,7 @@ void tmpdir_remove(const char *dir) {
     for (struct dirent *e; (e = readdir(d)) != NULL;) {
         if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        if (remove(path) != 0) rmdir(path);
+        if (remove(path) != 0) tmpdir_remove(path);  // a folder with files: empty it first
     }
     closedir(d);
     rmdir(dir);

@@ -41,7 +41,7 @@ size_t tmpdir_list(const char *dir, char *names, size_t names_size);
 // tmpdir_list(dir, NULL, 0).
 size_t tmpdir_count(const char *dir);
 
-// Removes @p dir with its files and empty subfolders. Quiet when it is already gone.
+// Removes @p dir with everything in it (subfolders too). Quiet when it is already gone.
 void tmpdir_remove(const char *dir);
 
 // Writes @p size bytes to @p path (created or truncated). Fails the test when it cannot.
