@@ -74,8 +74,10 @@ typedef struct clmha__host_batch {
 // product small in all (a decode step's projections) in one OpenMP thread, since waking
 // OpenMP's team from a driver's worker thread costs more than a second core gives there; small
 // items of a larger batch (per-head products) shared out among the team, each item in one
-// thread (the split depends only on the team's size, so results repeat bit for bit); others in
-// turn, each over the library's threads (docs/design.md, "Where the GEMMs run").
+// thread; the columns of others split among the team, each thread's slice in one thread
+// (oneDNN splits a product of few rows poorly: 1.5x at 128 rows); the rest (other libraries,
+// narrow products) in turn, each over the library's threads (docs/design.md, "Where the GEMMs
+// run"). The splits depend only on the team's size, so results repeat bit for bit.
 CLMHA__HIDDEN void clmha__host_blas_sgemm_batch(const clmha__host_blas *blas,
                                                const clmha__host_batch *p);
 
