@@ -52,8 +52,13 @@
 // Needs cl/common.cl in front (mask kinds, mask_value, philox_word0, max_nan, and the VW-lane
 // helpers: VT, LOADV, STOREV, LANE0, exp_nonpos, lanes_max_nan, lanes_sum).
 //
-// Layouts as the unfused path: q (N*H, L, HD), k and v (N*KVH, S', HD) (KVH = H / kv_group key/
-// value heads: grouped-query attention), out (N*H, L, HD); the
+// Layouts: each of q, k, v and out comes with its strides, q_at = (offset, per batch, per head,
+// per row) in elements (AT below), so that element d of row t of head h of batch n is
+// q[AT(q_at, n, h, t) + d]. The head tiles (the unfused path's layouts: q (N*H, L, HD), k and v
+// (N*KVH, S', HD), KVH = H / kv_group key/value heads with grouped-query attention, out
+// (N*H, L, HD)) are one case; the projection's packed rows (N*L or L*N rows of Q, K and V side by
+// side, head h in columns h*HD..) and the merged rows the output projection reads are another
+// (src/cores/fused.c, clmha__core_call::rows). Key/value head h / kv_group serves head h. The
 // masks cover the first S keys, the appended keys (add_bias_kv, add_zero_attn) are never
 // masked. A query row whose every key is masked gives zeros, as in the unfused path. Dropout
 // drops weight (bh, i, j) exactly where masked_softmax does (same Philox counter and key).
@@ -98,6 +103,9 @@
 #define KS BK
 #endif
 #define RS (HD | 1)
+
+// Where row t of head h of batch n starts in a tensor with strides @p a (see Layouts above).
+#define AT(a, n, h, t) ((a).s0 + (n) * (a).s1 + (h) * (a).s2 + (t) * (a).s3)
 
 // Stores row r's log-sum-exp from its maximum m and sum (see lse_on above); with lse_on 2 also
 // m and log(sum) apart, N*H*L (the planes of the NDRange times tgt_len) and twice that further.
@@ -151,12 +159,13 @@ inline void lse_store(global REAL *lse, uint lse_on, ulong tgt_len, ulong r, REA
 
 kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
 void fused_attention(global const REAL *q, global const REAL *k, global const REAL *v,
-                     global REAL *out, ulong tgt_len, ulong n_heads, ulong src_len,
+                     global REAL *out, ulong4 q_at, ulong4 k_at, ulong4 v_at, ulong4 o_at,
+                     ulong tgt_len, ulong n_heads, ulong src_len,
                      ulong src_len_padded, REAL scale,
                      MASK_PARAMS,
                      global REAL *lse, uint lse_on, ulong kv_group) {
     ulong bh = get_global_id(1);
-    ulong n = bh / n_heads;
+    ulong n = bh / n_heads, h = bh - n * n_heads;
     ulong first = get_global_id(0) * RPW;
     if (first >= tgt_len) return;  // no barrier in this mapping
     ulong last = min(first + RPW, tgt_len) - 1;  // the last real row; lanes past it repeat it
@@ -175,7 +184,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     REAL ot[HD * RP];  // the accumulators of p*v, transposed: ot[d * RP + r]
     REAL st[BK * RP];  // the tile's scores, then its probabilities: st[jj * RP + r]
     for (uint r = 0; r < RP; ++r) {
-        global const REAL *qp = q + (bh * tgt_len + min(first + r, last)) * HD;
+        global const REAL *qp = q + AT(q_at, n, h, min(first + r, last));
         for (uint d = 0; d < HD; ++d) {
             qt[d * RP + r] = qp[d] * scale;
             ot[d * RP + r] = 0.0f;
@@ -187,14 +196,15 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     UNROLL
     for (uint rv = 0; rv < RV; ++rv) m[rv] = (VT)(-INFINITY), sum[rv] = (VT)(0.0f);
 
-    // Grouped-query attention: kv_group query heads share a key/value plane, bh / kv_group.
-    global const REAL *kb = k + bh / kv_group * srcp * HD;
-    global const REAL *vb = v + bh / kv_group * srcp * HD;
+    // Grouped-query attention: kv_group query heads share key/value head h / kv_group. Row j
+    // of the keys at kb + j * kst.
+    global const REAL *kb = k + AT(k_at, n, h / kv_group, 0);
+    global const REAL *vb = v + AT(v_at, n, h / kv_group, 0);
+    ulong kst = k_at.s3, vst = v_at.s3;
     // The key tiles some row may see: is_causal and the window skip the others (cl/common.cl,
     // key_tiles_of).
     key_tiles span = key_tiles_of(q_pos + first, q_pos + last, src_len, srcp, causal, win_left,
                                   win_right, BK, k_pos);
-    ulong h = bh - n * n_heads;
     for (ulong j0 = span.begin; j0 < srcp; j0 = key_tile_next(span, j0, BK)) {
         // The tiles clmha_mask_mod forbids to every row here are skipped (cl/common.cl).
         uchar blk = MOD_BLOCK(bh, first, RPW, j0, BK, tgt_len, srcp);
@@ -202,7 +212,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         for (uint jb = 0; jb < BK; jb += JB) {
             global const REAL *kr[JB];  // past the last key: the last key's row (masked below)
             UNROLL
-            for (uint jj = 0; jj < JB; ++jj) kr[jj] = kb + min(j0 + jb + jj, srcp - 1) * HD;
+            for (uint jj = 0; jj < JB; ++jj) kr[jj] = kb + min(j0 + jb + jj, srcp - 1) * kst;
             VT a[JB][RV];
             UNROLL
             for (uint jj = 0; jj < JB; ++jj)
@@ -324,8 +334,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
                 UNROLL
                 for (uint rv = 0; rv < RV; ++rv)
                     o[dd][rv] = LOADV((d0 + dd) * RP + rv * VW, ot) * corr[rv];
-            global const REAL *vr = vb + j0 * HD + d0;
-            for (uint jj = 0; jj < nk; ++jj, vr += HD) {
+            global const REAL *vr = vb + j0 * vst + d0;
+            for (uint jj = 0; jj < nk; ++jj, vr += vst) {
                 VT p[RV];
                 UNROLL
                 for (uint rv = 0; rv < RV; ++rv) p[rv] = LOADV(jj * RP + rv * VW, st);
@@ -372,7 +382,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     for (uint r = 0; r < RPW && first + r < tgt_len; ++r) {
         ulong i = first + r;
         REAL inv = mf[r] == -INFINITY ? 0.0f : 1.0f / sf[r];
-        global REAL *op = out + (bh * tgt_len + i) * HD;
+        global REAL *op = out + AT(o_at, n, h, i);
         for (uint d = 0; d < HD; ++d) op[d] = ot[d * RP + r] * inv;
         if (lse_on) lse_store(lse, lse_on, tgt_len, bh * tgt_len + i, mf[r], sf[r]);
     }
@@ -382,7 +392,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
 
 kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
 void fused_attention(global const REAL *q, global const REAL *k, global const REAL *v,
-                     global REAL *out, ulong tgt_len, ulong n_heads, ulong src_len,
+                     global REAL *out, ulong4 q_at, ulong4 k_at, ulong4 v_at, ulong4 o_at,
+                     ulong tgt_len, ulong n_heads, ulong src_len,
                      ulong src_len_padded, REAL scale,
                      MASK_PARAMS,
                      global REAL *lse, uint lse_on, ulong kv_group) {
@@ -397,7 +408,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
 
     uint lid = get_local_id(0);
     ulong bh = get_group_id(1);
-    ulong n = bh / n_heads;
+    ulong n = bh / n_heads, h = bh - n * n_heads;
     ulong first = get_group_id(0) * (BQ * RPW);
     ulong last = min(first + BQ * RPW, tgt_len) - 1;  // the group's last real row
     // Rows past the end compute on a clamped row and store nothing.
@@ -414,19 +425,18 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     // score appears) and the running sum of exp(score - maximum).
     REAL m[RPW], sum[RPW];
 #if Q_LOCAL
-    // The group's rows are consecutive in q: adjacent work-items load adjacent floats. (The
-    // first key tile's barrier comes before any work-item reads them.)
-    global const REAL *qb = q + bh * tgt_len * HD;
+    // Adjacent work-items load adjacent floats of the group's rows. (The first key tile's
+    // barrier comes before any work-item reads them.)
     for (uint t = lid; t < BQ * RPW * HD; t += BQ) {
         uint rr = t / HD, d = t % HD;
         ulong i = min(first + rr, last);
-        qs[rr * RS + d] = qb[i * HD + d] * scale;
+        qs[rr * RS + d] = q[AT(q_at, n, h, i) + d] * scale;
     }
 #define QROW(r) (qs + ((r) * BQ + lid) * RS)
 #else
     REAL qr[RPW][HD];
     for (uint r = 0; r < RPW; ++r) {
-        global const REAL *qp = q + (bh * tgt_len + rows[r]) * HD;
+        global const REAL *qp = q + AT(q_at, n, h, rows[r]);
         for (uint d = 0; d < HD; ++d) qr[r][d] = qp[d] * scale;
     }
 #define QROW(r) (qr[r])
@@ -443,14 +453,14 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         sum[r] = 0.0f;
     }
 
-    global const REAL *kb = k + bh / kv_group * src_len_padded * HD;
-    global const REAL *vb = v + bh / kv_group * src_len_padded * HD;
+    global const REAL *kb = k + AT(k_at, n, h / kv_group, 0);
+    global const REAL *vb = v + AT(v_at, n, h / kv_group, 0);
+    ulong kst = k_at.s3, vst = v_at.s3;
     // The key tiles some row of the group may see: is_causal and the window skip the others
     // (cl/common.cl, key_tiles_of). The bounds are the same for the whole group, so the barriers
     // stay uniform.
     key_tiles span = key_tiles_of(q_pos + first, q_pos + last, src_len, src_len_padded, causal,
                                   win_left, win_right, BK, k_pos);
-    ulong h = bh - n * n_heads;
     for (ulong j0 = span.begin; j0 < src_len_padded; j0 = key_tile_next(span, j0, BK)) {
         // The tiles clmha_mask_mod forbids to every row of the group are skipped, uniformly
         // (cl/common.cl).
@@ -462,8 +472,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
             uint jj = t / HD, d = t % HD;
             ulong j = j0 + jj;
             bool in = j < src_len_padded;
-            kt[d * KS + jj] = in ? kb[j * HD + d] : 0.0f;
-            vt[jj * HD + d] = in ? vb[j * HD + d] : 0.0f;
+            kt[d * KS + jj] = in ? kb[j * kst + d] : 0.0f;
+            vt[jj * HD + d] = in ? vb[j * vst + d] : 0.0f;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 
@@ -598,14 +608,14 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     uint nrows = (uint)(last - first + 1);
-    global REAL *ob = out + (bh * tgt_len + first) * HD;
-    for (uint t = lid; t < nrows * HD; t += BQ) ob[t] = stage[t / HD * RS + t % HD];
+    for (uint t = lid; t < nrows * HD; t += BQ)
+        out[AT(o_at, n, h, first + t / HD) + t % HD] = stage[t / HD * RS + t % HD];
 #else
     for (uint r = 0; r < RPW; ++r) {
         ulong i = first + r * BQ + lid;
         REAL inv = m[r] == -INFINITY ? 0.0f : 1.0f / sum[r];
         if (i < tgt_len) {
-            global REAL *op = out + (bh * tgt_len + i) * HD;
+            global REAL *op = out + AT(o_at, n, h, i);
             for (uint d = 0; d < HD; ++d) op[d] = acc[r][d] * inv;
         }
     }

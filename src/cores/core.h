@@ -66,10 +66,13 @@ typedef struct clmha__core_call {
     // 1 where the forward pass repeated them: the user core, and calls that save for the
     // backward pass, whose cores take one key/value plane per query head).
     size_t kv_group;
-    // For a core with clmha__core::takes_rows: where the call's projected query, key and value
-    // rows are in layer->proj (floats: head 0's first column in the first row, and the row
-    // pitch; in_proj_bias not added), and the caller's output rows (offset in floats), which the
-    // core fills with out_proj.bias for the output projection to add to.
+    // For a core with clmha__core::takes_rows, and with `rows` for one with
+    // clmha__core::reads_rows: where the call's projected query, key and value rows are in
+    // layer->proj (floats: head 0's first column in the first row, and the row pitch;
+    // in_proj_bias not added for takes_rows, added with rows), and for takes_rows the caller's
+    // output rows (offset in floats), which the core fills with out_proj.bias for the output
+    // projection to add to.
+    bool rows;
     size_t q_at, q_ld, k_at, k_ld, v_at, v_ld;
     cl_mem output;
     size_t output_offset;
@@ -210,6 +213,12 @@ typedef struct clmha__core {
     // filled with out_proj.bias: the forward pass then skips the head split, the merge and the
     // bias fill (the decode core: fewer commands in a decode step, whose fixed cost they are).
     bool takes_rows;
+    // The core reads the projected rows where the forward pass offers them
+    // (clmha__core_call::rows: a call with one packed QKV projection, in_proj_bias added by it,
+    // no appended keys, nothing saved, not partial) and writes the attention result as merged
+    // rows into layer->tiles[CLMHA__TILE_OUT]; the forward pass then skips the head split and
+    // merge. Other calls give it head tiles.
+    bool reads_rows;
     // Optional (NULL: the core keeps no state). Called by clmha_layer_create() on a new layer
     // (parameters and cl/heads.cl kernels made): makes the core's per-layer state, stored in
     // *state as soon as it exists (clmha__core_state() finds it later), and builds what the core

@@ -4,7 +4,8 @@
 // tuning, fitted to the device), the build that refits them to what the built kernel allows,
 // the loop budget of drivers that end long loops, the rebuild the tuner asks for, and the
 // launch, and its per-layer state. It returns no weights: calls that ask for them run the
-// unfused core.
+// unfused core. It reads head tiles, or the projected rows where the forward pass offers them
+// (clmha__core::reads_rows), writing merged rows then.
 #include "cores/fused.h"
 
 #include "cores/block_mask.h"
@@ -329,6 +330,14 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
     return CLMHA_SUCCESS;
 }
 
+// The strides of rows (cl/cores/fused.cl, AT) of @p t tokens a batch, the first at element @p at,
+// @p ld elements apart, head h in columns h·hd.., in the call's order (batch first: row n·t + i;
+// else row i·N + n).
+static cl_ulong4 rows_at(const clmha__dims *d, size_t at, size_t ld, cl_ulong hd, cl_ulong t) {
+    return d->batch_first ? (cl_ulong4){{at, t * ld, hd, ld}}
+                          : (cl_ulong4){{at, ld, hd, d->n * ld}};
+}
+
 // 3-5 fused: scores, masks, softmax, dropout and weights·V in one kernel that streams tiles
 // of keys through local memory (cl/cores/fused.cl); the scores are never stored. One work-group
 // per (tile of bq·rpw query rows, batch·head).
@@ -352,8 +361,21 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         (st = clmha__block_mask_get(l, &s->blocks, d, s->tiles.lanes ? s->tiles.rpw : rows,
                                     s->tiles.bk, &m.mod_blocks)))
         return st;
-    arg args[] = {ARG(l->tiles[CLMHA__TILE_Q]), ARG(l->tiles[CLMHA__TILE_K]),
-                  ARG(l->tiles[CLMHA__TILE_V]), ARG(l->tiles[CLMHA__TILE_OUT]),
+    // Where each row of each head is (cl/cores/fused.cl, AT): the head tiles, or (call->rows)
+    // the projected rows and the merged rows.
+    cl_mem q = l->tiles[CLMHA__TILE_Q], k = l->tiles[CLMHA__TILE_K], v = l->tiles[CLMHA__TILE_V];
+    cl_ulong hd = l->d, kvh = l->h / group;
+    cl_ulong4 q_at = {{0, heads * tgt * hd, tgt * hd, hd}};
+    cl_ulong4 k_at = {{0, kvh * srcp * hd, srcp * hd, hd}}, v_at = k_at, o_at = q_at;
+    if (call->rows) {
+        q = k = v = l->proj;
+        q_at = rows_at(d, call->q_at, call->q_ld, hd, tgt);
+        k_at = rows_at(d, call->k_at, call->k_ld, hd, src);
+        v_at = rows_at(d, call->v_at, call->v_ld, hd, src);
+        o_at = rows_at(d, 0, l->e, hd, tgt);
+    }
+    arg args[] = {ARG(q), ARG(k), ARG(v), ARG(l->tiles[CLMHA__TILE_OUT]), ARG(q_at), ARG(k_at),
+                  ARG(v_at), ARG(o_at),
                   ARG(tgt), ARG(heads), ARG(src), ARG(srcp), CLMHA__REAL_ARG(scale, l->rs),
                   MASK_ARGS(m),
                   ARG(lse), ARG(lse_on), ARG(group)};
@@ -394,6 +416,7 @@ static clmha_status bake(clmha_layer *l) {
 const clmha__core clmha__core_fused = {.name = "fused",
                                        .impl = CLMHA_IMPL_FUSED,
                                        .grouped_kv = true,
+                                       .reads_rows = true,
                                        .create = create,
                                        .release = release,
                                        .bake = bake,

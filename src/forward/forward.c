@@ -3,6 +3,9 @@
 //   bias_k/bias_v, zero key) → scores = Q·Kᵀ/√D (strided batched GEMM) → masks + softmax +
 //   dropout (kernel) → A·V (strided batched GEMM) → merge heads] → output projection (GEMM,
 //   bias) → attention weights (copy or head average).
+// A core that reads the projected rows (clmha__core::reads_rows, the fused core) skips the
+// split and the merge in a packed call, in_proj_bias then going in with the projection (the
+// rows path, clmha__core_call::rows).
 // The middle is what attention as a function (attention.c) runs on the caller's head-split
 // tensors. Its three inner stages (scores, softmax, A·V) are the attention core's (src/cores/): the
 // first row of the dispatch table that runs the call (clmha__core_select()), whose flags say
@@ -45,11 +48,24 @@ typedef struct scratch {
     size_t col_q, col_k, col_v;     // first column of each projection in its rows
 } scratch;
 
+// Whether call @p a's key and value are its query (same buffer and offset, kdim = vdim = E):
+// one packed QKV projection.
+static bool packed_qkv(const clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d) {
+    cl_mem key = d->key_is_query ? a->query.buffer : a->key.buffer;
+    size_t key_off = d->key_is_query ? a->query.offset : a->key.offset;
+    cl_mem value = d->value_is_key ? key : a->value.buffer;
+    size_t value_off = d->value_is_key ? key_off : a->value.offset;
+    return key == a->query.buffer && key_off == a->query.offset && d->l == d->s &&
+           d->kdim == l->e && d->vdim == l->e && value == key && value_off == key_off;
+}
+
 // 1. Input projections: one GEMM for packed QKV (self-attention), one for K and V when they
 //    are the same tensor, else one each.
-// Without @p kv (a call with kv_attend_only) only the query projection.
+// Without @p kv (a call with kv_attend_only) only the query projection. With @p bias (a packed
+// call whose core reads the rows, clmha__core_call::rows) in_proj_bias goes into the rows here:
+// written into every row first, the GEMM adding to them.
 static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
-                            bool kv, scratch *s) {
+                            bool kv, bool bias, scratch *s) {
     // kve: the key and value projections' width (E, or num_kv_heads * D with grouped-query
     // attention).
     size_t e = l->e, kve = l->kve, kd = d->kdim, vd = d->vdim;
@@ -72,9 +88,18 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
     if (self && kv_same) {  // (L*N, E) · [W_q; W_k; W_v]ᵀ → (L*N, E + 2 KVE)
         size_t w = e + 2 * kve;
         *s = (scratch){.ld_q = w, .ld_k = w, .ld_v = w, .col_k = e, .col_v = e + kve};
-        st = clmha__gemm_nt(l, "packed QKV projection", rows_q, w, e, a->query.buffer,
-                            a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0, w);
-        return st;
+        bias = bias && l->desc.bias;
+        if (bias) {  // in_proj_bias (E + 2 KVE) into every row
+            cl_ulong off = 0, r = rows_q, c = w;
+            cl_uint has_bias = 1;
+            arg args[] = {ARG(l->proj), ARG(off), ARG(l->b_in), ARG(has_bias), ARG(r), ARG(c)};
+            if ((st = clmha__launch_rows(l->ctx, l->fill_rows, "fill_rows", rows_q, w,
+                                         l->heads_wg, args, sizeof args / sizeof args[0])))
+                return st;
+        }
+        return clmha__gemm_nt(l, "packed QKV projection", rows_q, w, e, a->query.buffer,
+                              a->query.offset, e, l->w_in, 0, e, bias ? 1.0f : 0.0f, l->proj, 0,
+                              w);
     }
     *s = (scratch){.proj_k = rows_q * e, .proj_v = rows_q * e + rows_kv * kve,
                    .ld_q = e, .ld_k = kve, .ld_v = kve};
@@ -168,7 +193,11 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
     scratch s;
     if ((st = clmha__layer_mark(layer, 0))) return st;
     bool kv = !(args->kv_cache && args->kv_attend_only);
-    if ((st = project(layer, args, d, kv, &s)) ||
+    // A core that reads the projected rows gets them in a packed call with nothing appended to
+    // the keys, whose head tiles nothing else needs (not saved, not partial).
+    call->rows = core->reads_rows && kv && !args->kv_cache && !args->save && !partial &&
+                 d->s_padded == d->s && packed_qkv(layer, args, d);
+    if ((st = project(layer, args, d, kv, call->rows, &s)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
     // A partial call without the appended keys leaves them out of the key and value tiles.
@@ -177,7 +206,8 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
     clmha__middle m = middle_of(layer, d, &s, kv, bare, call->kv_group > 1, partial);
     if ((st = clmha__middle_run(layer, core, call, &m))) return st;
     if (partial) return clmha__enqueue_event(ctx, event);
-    cl_mem merged = core->takes_rows ? layer->tiles[CLMHA__TILE_OUT] : layer->proj;
+    cl_mem merged =
+        core->takes_rows || call->rows ? layer->tiles[CLMHA__TILE_OUT] : layer->proj;
     if ((st = clmha__forward_out_project(layer, d, merged, output, output_offset,
                                          !core->takes_rows)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_OUT_PROJ)))

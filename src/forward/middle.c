@@ -87,7 +87,7 @@ static clmha_status run_on(clmha_layer *l, const clmha__core *core, clmha__core_
                            const clmha__middle *m, cl_mem *t, const cl_mem *own) {
     const clmha__dims *d = call->dims;
     clmha_status st;
-    if (core->takes_rows) {
+    if (core->takes_rows || call->rows) {
         point_at_rows(call, m);
     } else if ((st = clmha__heads_place(l, &m->query, own[CLMHA__TILE_Q], &t[CLMHA__TILE_Q])) ||
                (m->key.buffer &&
@@ -98,7 +98,7 @@ static clmha_status run_on(clmha_layer *l, const clmha__core *core, clmha__core_
     }
     if ((st = clmha__layer_mark(l, 1 + CLMHA_STAGE_SPLIT)) || (st = core->run(l, call)))
         return st;
-    if (!core->takes_rows &&
+    if (!core->takes_rows && !call->rows &&
         (st = clmha__heads_put(l, t[CLMHA__TILE_OUT], 0, d->n, l->h, d->l, &m->out)))
         return st;
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_MERGE);
