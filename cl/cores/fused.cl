@@ -58,8 +58,12 @@
 // (N*KVH, S', HD), KVH = H / kv_group key/value heads with grouped-query attention, out
 // (N*H, L, HD)) are one case; the projection's packed rows (N*L or L*N rows of Q, K and V side by
 // side, head h in columns h*HD..) and the merged rows the output projection reads are another
-// (src/cores/fused.c, clmha__core_call::rows). Key/value head h / kv_group serves head h. The
-// masks cover the first S keys, the appended keys (add_bias_kv, add_zero_attn) are never
+// (src/cores/fused.c, clmha__core_call::rows). Key/value head h / kv_group serves head h.
+// The rows come without in_proj_bias: with bias_at.s0 set, the kernel adds it, the slices of
+// qkv_bias from bias_at.s1 (queries), .s2 (keys) and .s3 (values), head h's at h*HD (key/value
+// head h / kv_group's). The tiled mapping adds them as it loads; the lanes mapping, whose key
+// and value reads are its inner loops, adds q.bk to each row's scores and bv times the row's
+// weight sum to its output. The masks cover the first S keys, the appended keys (add_bias_kv, add_zero_attn) are never
 // masked. A query row whose every key is masked gives zeros, as in the unfused path. Dropout
 // drops weight (bh, i, j) exactly where masked_softmax does (same Philox counter and key).
 //
@@ -160,6 +164,7 @@ inline void lse_store(global REAL *lse, uint lse_on, ulong tgt_len, ulong r, REA
 kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
 void fused_attention(global const REAL *q, global const REAL *k, global const REAL *v,
                      global REAL *out, ulong4 q_at, ulong4 k_at, ulong4 v_at, ulong4 o_at,
+                     global const REAL *qkv_bias, ulong4 bias_at,
                      ulong tgt_len, ulong n_heads, ulong src_len,
                      ulong src_len_padded, REAL scale,
                      MASK_PARAMS,
@@ -183,13 +188,30 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     REAL qt[HD * RP];  // the scaled query rows, transposed: qt[d * RP + r]
     REAL ot[HD * RP];  // the accumulators of p*v, transposed: ot[d * RP + r]
     REAL st[BK * RP];  // the tile's scores, then its probabilities: st[jj * RP + r]
+    // With in_proj_bias (bias_at.s0): its slices for this head (else never read).
+    global const REAL *bq = qkv_bias + bias_at.s1 + h * HD;
+    global const REAL *bk = qkv_bias + bias_at.s2 + h / kv_group * HD;
+    global const REAL *bv = qkv_bias + bias_at.s3 + h / kv_group * HD;
     for (uint r = 0; r < RP; ++r) {
         global const REAL *qp = q + AT(q_at, n, h, min(first + r, last));
         for (uint d = 0; d < HD; ++d) {
-            qt[d * RP + r] = qp[d] * scale;
+            qt[d * RP + r] = (bias_at.s0 ? qp[d] + bq[d] : qp[d]) * scale;
             ot[d * RP + r] = 0.0f;
         }
     }
+    // With in_proj_bias: each row's q.bk, added to every score (q.(k + bk)), and the running
+    // sum of its weights after dropout (kept), by which bv is added at the end (the weights
+    // times (v + bv)).
+    VT qbk[RV], kept[RV];
+    UNROLL
+    for (uint rv = 0; rv < RV; ++rv) qbk[rv] = (VT)(0.0f), kept[rv] = (VT)(0.0f);
+    if (bias_at.s0)
+        for (uint d = 0; d < HD; ++d) {
+            VT kd = (VT)(bk[d]);
+            UNROLL
+            for (uint rv = 0; rv < RV; ++rv)
+                qbk[rv] = fma(LOADV(d * RP + rv * VW, qt), kd, qbk[rv]);
+        }
     // Per row (lane): the running maximum (NaN once a NaN score appears) and the running sum of
     // exp(score - maximum).
     VT m[RV], sum[RV];
@@ -232,7 +254,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
             UNROLL
             for (uint jj = 0; jj < JB; ++jj)
                 UNROLL
-                for (uint rv = 0; rv < RV; ++rv) STOREV(a[jj][rv], (jb + jj) * RP + rv * VW, st);
+                for (uint rv = 0; rv < RV; ++rv)
+                    STOREV(a[jj][rv] + qbk[rv], (jb + jj) * RP + rv * VW, st);
         }
 #if SCORE_MODS
         // The score variants (cl/common.cl), a vector of VW rows at a time.
@@ -324,6 +347,14 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
                 }
             }
         }
+        if (bias_at.s0) {
+            UNROLL
+            for (uint rv = 0; rv < RV; ++rv) {
+                VT ks = (VT)(0.0f);
+                for (uint jj = 0; jj < BK; ++jj) ks += LOADV(jj * RP + rv * VW, st);
+                kept[rv] = fma(kept[rv], corr[rv], ks);
+            }
+        }
         // The real keys of the tile only: a key past the end has p = 0, but its clamped value
         // row might hold an infinity.
         uint nk = (uint)min((ulong)BK, srcp - j0);
@@ -367,23 +398,28 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
             sum[rv] = fma(sum[rv], c,
                           VT_SELECT(exp_nonpos(sink - m2), (VT)(0.0f), gone != (VT)(0.0f)));
             for (uint d = 0; d < HD; ++d) STOREV(LOADV(d * RP + rv * VW, ot) * c, d * RP + rv * VW, ot);
+            kept[rv] *= c;
             m[rv] = m2;
         }
     }
 #endif
     // A fully masked row (m = -inf) has sum 0 and gives zeros; NaN propagates. For the
     // backward pass (lse_on): each row's log-sum-exp m + log(sum), taken before dropout.
-    REAL mf[RP], sf[RP];
+    REAL mf[RP], sf[RP], kf[RP];
     UNROLL
     for (uint rv = 0; rv < RV; ++rv) {
         STOREV(m[rv], rv * VW, mf);
         STOREV(sum[rv], rv * VW, sf);
+        STOREV(kept[rv], rv * VW, kf);
     }
     for (uint r = 0; r < RPW && first + r < tgt_len; ++r) {
         ulong i = first + r;
         REAL inv = mf[r] == -INFINITY ? 0.0f : 1.0f / sf[r];
         global REAL *op = out + AT(o_at, n, h, i);
-        for (uint d = 0; d < HD; ++d) op[d] = ot[d * RP + r] * inv;
+        if (bias_at.s0)
+            for (uint d = 0; d < HD; ++d) op[d] = fma(bv[d], kf[r], ot[d * RP + r]) * inv;
+        else
+            for (uint d = 0; d < HD; ++d) op[d] = ot[d * RP + r] * inv;
         if (lse_on) lse_store(lse, lse_on, tgt_len, bh * tgt_len + i, mf[r], sf[r]);
     }
 }
@@ -393,6 +429,7 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
 kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
 void fused_attention(global const REAL *q, global const REAL *k, global const REAL *v,
                      global REAL *out, ulong4 q_at, ulong4 k_at, ulong4 v_at, ulong4 o_at,
+                     global const REAL *qkv_bias, ulong4 bias_at,
                      ulong tgt_len, ulong n_heads, ulong src_len,
                      ulong src_len_padded, REAL scale,
                      MASK_PARAMS,
@@ -430,14 +467,16 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     for (uint t = lid; t < BQ * RPW * HD; t += BQ) {
         uint rr = t / HD, d = t % HD;
         ulong i = min(first + rr, last);
-        qs[rr * RS + d] = q[AT(q_at, n, h, i) + d] * scale;
+        REAL x = q[AT(q_at, n, h, i) + d];
+        qs[rr * RS + d] = (bias_at.s0 ? x + qkv_bias[bias_at.s1 + h * HD + d] : x) * scale;
     }
 #define QROW(r) (qs + ((r) * BQ + lid) * RS)
 #else
     REAL qr[RPW][HD];
     for (uint r = 0; r < RPW; ++r) {
         global const REAL *qp = q + AT(q_at, n, h, rows[r]);
-        for (uint d = 0; d < HD; ++d) qr[r][d] = qp[d] * scale;
+        global const REAL *bq = qkv_bias + bias_at.s1 + h * HD;
+        for (uint d = 0; d < HD; ++d) qr[r][d] = (bias_at.s0 ? qp[d] + bq[d] : qp[d]) * scale;
     }
 #define QROW(r) (qr[r])
 #endif
@@ -456,6 +495,8 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     global const REAL *kb = k + AT(k_at, n, h / kv_group, 0);
     global const REAL *vb = v + AT(v_at, n, h / kv_group, 0);
     ulong kst = k_at.s3, vst = v_at.s3;
+    global const REAL *bk = qkv_bias + bias_at.s2 + h / kv_group * HD;  // with bias_at.s0
+    global const REAL *bv = qkv_bias + bias_at.s3 + h / kv_group * HD;
     // The key tiles some row of the group may see: is_causal and the window skip the others
     // (cl/common.cl, key_tiles_of). The bounds are the same for the whole group, so the barriers
     // stay uniform.
@@ -472,8 +513,9 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
             uint jj = t / HD, d = t % HD;
             ulong j = j0 + jj;
             bool in = j < src_len_padded;
-            kt[d * KS + jj] = in ? kb[j * kst + d] : 0.0f;
-            vt[jj * HD + d] = in ? vb[j * vst + d] : 0.0f;
+            REAL kx = in ? kb[j * kst + d] : 0.0f, vx = in ? vb[j * vst + d] : 0.0f;
+            kt[d * KS + jj] = in && bias_at.s0 ? kx + bk[d] : kx;
+            vt[jj * HD + d] = in && bias_at.s0 ? vx + bv[d] : vx;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
 

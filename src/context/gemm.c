@@ -79,9 +79,12 @@ static clmha_status gemm_clblast(clmha_context *ctx, const char *what, const clm
 // commands that write them and keeps them alive until it has run. The roots' memory does not
 // move between those commands on a CPU device (one device; its buffers are host memory).
 
+// The operands of a product on the host path: A, B, C and the optional bias row.
+#define OPERANDS 4
+
 // The pointers taken by capture kernels for one product, freed by its run_host().
 typedef struct host_ptrs {
-    void *p[3];
+    void *p[OPERANDS];
 } host_ptrs;
 
 typedef struct capture_call {
@@ -97,9 +100,9 @@ static void CL_CALLBACK run_capture(void *p) {
 // The arguments of one product's native kernel. The OpenCL runtime copies this block and, in
 // its copy, replaces the cl_mem handles in mem[] by the buffers' memory before run_host().
 typedef struct host_call {
-    void *mem[3];          // the distinct root buffers of A, B, C (count of them used)
-    int from[3];           // which root holds operand A, B, C
-    size_t origin[3];      // the operands' sub-buffer origins in their root, in elements
+    void *mem[OPERANDS];       // the distinct root buffers of A, B, C, bias (count of them used)
+    int from[OPERANDS];        // which root holds operand A, B, C, bias
+    size_t origin[OPERANDS];   // the operands' sub-buffer origins in their root, in elements
     host_ptrs *captured;   // NULL: mem[] holds the memory; else the roots' captured memory
     const clmha__host_blas *blas;
     const clmha__host_dgemm *dgemm;  // for a float64 product (op.f64)
@@ -119,6 +122,11 @@ static void CL_CALLBACK run_host(void *p) {
             h->dgemm->dgemm(h->dgemm->impl, o->ta, o->tb, o->m, o->n, o->k, o->alpha,
                            a + i * o->a_stride, o->lda, b + i * o->b_stride, o->ldb, o->beta,
                            c + i * o->c_stride, o->ldc);
+        if (o->bias) {  // (batch 1)
+            const double *bias = (const double *)mem[h->from[3]] + h->origin[3] + o->bias_off;
+            for (size_t r = 0; r < o->m; ++r)
+                for (size_t j = 0; j < o->n; ++j) c[r * o->ldc + j] += bias[j];
+        }
     } else {
         const float *a = (const float *)mem[h->from[0]] + h->origin[0] + o->a_off;
         const float *b = (const float *)mem[h->from[1]] + h->origin[1] + o->b_off;
@@ -127,7 +135,9 @@ static void CL_CALLBACK run_host(void *p) {
             .ta = o->ta, .tb = o->tb, .m = o->m, .n = o->n, .k = o->k, .batch = batch,
             .alpha = (float)o->alpha, .beta = (float)o->beta, .a = a, .b = b, .c = c,
             .lda = o->lda, .ldb = o->ldb, .ldc = o->ldc, .a_stride = o->a_stride,
-            .b_stride = o->b_stride, .c_stride = o->c_stride};
+            .b_stride = o->b_stride, .c_stride = o->c_stride,
+            .bias = o->bias ? (const float *)mem[h->from[3]] + h->origin[3] + o->bias_off
+                            : NULL};
         clmha__host_blas_sgemm_batch(h->blas, &call);
     }
     free(h->captured);
@@ -159,10 +169,10 @@ static clmha_status native_fail(clmha_context *ctx, cl_int err, const char *what
 static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha__gemm_op *o,
                               const clmha__host_dgemm *dgemm, bool *done) {
     host_call h = {.blas = ctx->host_blas, .dgemm = dgemm, .op = *o};
-    cl_mem ops[3] = {o->a, o->b, o->c};
+    cl_mem ops[OPERANDS] = {o->a, o->b, o->c, o->bias};
     cl_uint count = 0;
     *done = false;
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < (o->bias ? 4 : 3); ++i) {
         cl_mem root;
         if (!root_of(ops[i], o->f64 ? sizeof(double) : sizeof(float), &root, &h.origin[i]))
             return CLMHA_SUCCESS;
@@ -185,7 +195,7 @@ static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha_
         }
     }
     if (err == CL_SUCCESS) {
-        const void *where[3] = {&h.mem[0], &h.mem[1], &h.mem[2]};
+        const void *where[OPERANDS] = {&h.mem[0], &h.mem[1], &h.mem[2], &h.mem[3]};
         err = clEnqueueNativeKernel(ctx->queue, run_host, &h, sizeof h, count,
                                     (const cl_mem *)h.mem, where, 0, NULL, NULL);
         if (err == CL_SUCCESS) return CLMHA_SUCCESS;  // run_host frees h.captured
@@ -196,13 +206,41 @@ static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha_
     return native_fail(ctx, err, what);
 }
 
-clmha_status clmha__gemm(clmha_context *ctx, const char *what, const clmha__gemm_op *o) {
+// The host library that runs @p o (*@p hd: the dgemm of a float64 product), or NULL where
+// @p o takes CLBlast's path: no host BLAS, a float64 product without a dgemm, sizes past the
+// library's interface, or an operand at a sub-buffer origin that is not a whole number of
+// elements.
+static const clmha__host_blas *host_path(const clmha_context *ctx, const clmha__gemm_op *o,
+                                         const clmha__host_dgemm **hd) {
     const clmha__host_blas *hb = ctx->host_blas;
     // A float64 product takes the host path where the process has a dgemm too.
-    const clmha__host_dgemm *hd = hb && o->f64 ? clmha__host_dgemm_get() : NULL;
-    if (hb && (!o->f64 || hd) && o->m <= hb->max_dim && o->n <= hb->max_dim &&
-        o->k <= hb->max_dim && o->lda <= hb->max_dim && o->ldb <= hb->max_dim &&
-        o->ldc <= hb->max_dim) {
+    *hd = hb && o->f64 ? clmha__host_dgemm_get() : NULL;
+    if (!hb || (o->f64 && !*hd) || o->m > hb->max_dim || o->n > hb->max_dim ||
+        o->k > hb->max_dim || o->lda > hb->max_dim || o->ldb > hb->max_dim ||
+        o->ldc > hb->max_dim)
+        return NULL;
+    cl_mem ops[OPERANDS] = {o->a, o->b, o->c, o->bias};
+    for (int i = 0; i < OPERANDS; ++i) {
+        cl_mem root;
+        size_t origin;
+        if (ops[i] && !root_of(ops[i], o->f64 ? sizeof(double) : sizeof(float), &root, &origin))
+            return NULL;
+    }
+    return hb;
+}
+
+bool clmha__gemm_adds_bias(const clmha_context *ctx, const clmha__gemm_op *o) {
+    const clmha__host_dgemm *hd;
+    return o->batch <= 1 && o->beta == 0.0 && host_path(ctx, o, &hd) != NULL;
+}
+
+clmha_status clmha__gemm(clmha_context *ctx, const char *what, const clmha__gemm_op *o) {
+    const clmha__host_dgemm *hd;
+    if (o->bias && !clmha__gemm_adds_bias(ctx, o))
+        return clmha__fail(ctx, CLMHA_UNSUPPORTED,
+                           "%s: a bias row needs the host BLAS path (clmha__gemm_adds_bias())",
+                           what);
+    if (host_path(ctx, o, &hd)) {
         bool done;
         clmha_status st = gemm_host(ctx, what, o, hd, &done);
         if (st || done) return st;

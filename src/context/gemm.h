@@ -31,7 +31,17 @@ typedef struct clmha__gemm_op {
     cl_mem c;
     size_t c_off, ldc, c_stride;
     size_t batch;
+    // Optional (NULL): a row of n elements at bias_off added to every row of C: C =
+    // alpha·op(A)·op(B) + bias, on the host path only (clmha__gemm_adds_bias()), which adds it
+    // in the thread that wrote the row's columns.
+    cl_mem bias;
+    size_t bias_off;
 } clmha__gemm_op;
+
+// Whether clmha__gemm() takes @p op with a bias (clmha__gemm_op::bias): a product on the host
+// path, with beta 0 and batch 1. Otherwise the caller writes the bias rows into C first and
+// runs the product with beta 1.
+CLMHA__HIDDEN bool clmha__gemm_adds_bias(const clmha_context *ctx, const clmha__gemm_op *op);
 
 // Enqueues @p op on the context's queue; @p what names it in an error message.
 CLMHA__HIDDEN clmha_status clmha__gemm(clmha_context *ctx, const char *what,

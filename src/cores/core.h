@@ -69,9 +69,9 @@ typedef struct clmha__core_call {
     // For a core with clmha__core::takes_rows, and with `rows` for one with
     // clmha__core::reads_rows: where the call's projected query, key and value rows are in
     // layer->proj (floats: head 0's first column in the first row, and the row pitch;
-    // in_proj_bias not added for takes_rows, added with rows), and for takes_rows the caller's
-    // output rows (offset in floats), which the core fills with out_proj.bias for the output
-    // projection to add to.
+    // in_proj_bias not added: the core adds it), and for takes_rows the caller's output rows
+    // (offset in floats), which the core fills with out_proj.bias for the output projection
+    // to add to.
     bool rows;
     size_t q_at, q_ld, k_at, k_ld, v_at, v_ld;
     cl_mem output;
@@ -214,8 +214,8 @@ typedef struct clmha__core {
     // bias fill (the decode core: fewer commands in a decode step, whose fixed cost they are).
     bool takes_rows;
     // The core reads the projected rows where the forward pass offers them
-    // (clmha__core_call::rows: a call with one packed QKV projection, in_proj_bias added by it,
-    // no appended keys, nothing saved, not partial) and writes the attention result as merged
+    // (clmha__core_call::rows: a call with one packed QKV projection, no appended keys, nothing
+    // saved, not partial), adding in_proj_bias itself, and writes the attention result as merged
     // rows into layer->tiles[CLMHA__TILE_OUT]; the forward pass then skips the head split and
     // merge. Other calls give it head tiles.
     bool reads_rows;

@@ -367,6 +367,9 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_ulong hd = l->d, kvh = l->h / group;
     cl_ulong4 q_at = {{0, heads * tgt * hd, tgt * hd, hd}};
     cl_ulong4 k_at = {{0, kvh * srcp * hd, srcp * hd, hd}}, v_at = k_at, o_at = q_at;
+    // In the rows, in_proj_bias is still to be added (the kernel does).
+    cl_mem bias = l->desc.bias && call->rows ? l->b_in : ctx->dummy;
+    cl_ulong4 bias_at = {{l->desc.bias && call->rows, 0, l->e, l->e + l->kve}};
     if (call->rows) {
         q = k = v = l->proj;
         q_at = rows_at(d, call->q_at, call->q_ld, hd, tgt);
@@ -375,7 +378,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         o_at = rows_at(d, 0, l->e, hd, tgt);
     }
     arg args[] = {ARG(q), ARG(k), ARG(v), ARG(l->tiles[CLMHA__TILE_OUT]), ARG(q_at), ARG(k_at),
-                  ARG(v_at), ARG(o_at),
+                  ARG(v_at), ARG(o_at), ARG(bias), ARG(bias_at),
                   ARG(tgt), ARG(heads), ARG(src), ARG(srcp), CLMHA__REAL_ARG(scale, l->rs),
                   MASK_ARGS(m),
                   ARG(lse), ARG(lse_on), ARG(group)};

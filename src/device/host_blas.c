@@ -256,12 +256,23 @@ typedef struct {
     const clmha__host_batch *p;
 } batch_job;
 
+// Adds @p p's bias (when it has one) to columns [first, last) of every row of @p c.
+static void add_bias(const clmha__host_batch *p, float *c, size_t first, size_t last) {
+    if (!p->bias) return;
+    for (size_t r = 0; r < p->m; ++r) {
+        float *row = c + r * p->ldc;
+        for (size_t j = first; j < last; ++j) row[j] += p->bias[j];
+    }
+}
+
 // Items first, first + step, first + 2 step, ... of @p p, in turn.
 static void run_items(const clmha__host_blas *b, const clmha__host_batch *p, size_t first,
                       size_t step) {
-    for (size_t i = first; i < p->batch; i += step)
+    for (size_t i = first; i < p->batch; i += step) {
         b->sgemm(b->impl, p->ta, p->tb, p->m, p->n, p->k, p->alpha, p->a + i * p->a_stride,
                  p->lda, p->b + i * p->b_stride, p->ldb, p->beta, p->c + i * p->c_stride, p->ldc);
+        add_bias(p, p->c + i * p->c_stride, 0, p->n);
+    }
 }
 
 // One thread's share of a batch: items t, t + T, t + 2T, ... (a fixed split, so that every item
@@ -282,11 +293,13 @@ static void column_share(void *arg) {
     per = (per + 15) / 16 * 16;
     size_t first = t * per, last = first + per < p->n ? first + per : p->n;
     if (first >= last) return;
-    for (size_t i = 0; i < p->batch; ++i)
+    for (size_t i = 0; i < p->batch; ++i) {
         j->b->sgemm(j->b->impl, p->ta, p->tb, p->m, last - first, p->k, p->alpha,
                     p->a + i * p->a_stride, p->lda,
                     p->b + i * p->b_stride + first * (p->tb ? p->ldb : 1), p->ldb, p->beta,
                     p->c + i * p->c_stride + first, p->ldc);
+        add_bias(p, p->c + i * p->c_stride, first, last);
+    }
 }
 
 void clmha__host_blas_sgemm_batch(const clmha__host_blas *b, const clmha__host_batch *p) {

@@ -68,6 +68,7 @@ typedef struct clmha__host_batch {
     const float *a, *b;
     float *c;
     size_t lda, ldb, ldc, a_stride, b_stride, c_stride;
+    const float *bias;  // optional (NULL): n floats added to every row of each C_i after it
 } clmha__host_batch;
 
 // Runs @p p's items in @p blas, in queue order from a driver's native kernel. Under oneDNN: a

@@ -8,6 +8,7 @@
 
 
 typedef clmha__arg arg;
+#define ARG CLMHA__ARG
 
 // Checks that @p buf is a buffer of this context holding @p count elements of @p elem bytes
 // after @p offset elements.
@@ -136,6 +137,28 @@ clmha_status clmha__gemm_nt(clmha_layer *l, const char *what, size_t m, size_t n
     clmha__gemm_op op = {.tb = true, .f64 = l->rs == 8, .m = m, .n = n, .k = k, .alpha = 1.0,
                          .beta = beta, .a = a, .a_off = a_off, .lda = lda, .b = w,
                          .b_off = w_off, .ldb = ldw, .c = c, .c_off = c_off, .ldc = ldc};
+    return clmha__gemm(l->ctx, what, &op);
+}
+
+clmha_status clmha__gemm_nt_bias(clmha_layer *l, const char *what, size_t m, size_t n, size_t k,
+                                 cl_mem a, size_t a_off, size_t lda, cl_mem w, size_t w_off,
+                                 size_t ldw, cl_mem bias, cl_mem c, size_t c_off, size_t ldc) {
+    clmha__gemm_op op = {.tb = true, .f64 = l->rs == 8, .m = m, .n = n, .k = k, .alpha = 1.0,
+                         .a = a, .a_off = a_off, .lda = lda, .b = w, .b_off = w_off, .ldb = ldw,
+                         .c = c, .c_off = c_off, .ldc = ldc, .bias = bias};
+    if (clmha__gemm_adds_bias(l->ctx, &op)) return clmha__gemm(l->ctx, what, &op);
+    // Else the bias rows first (kernel fill_rows), the product added to them.
+    cl_ulong off = c_off, r = m, cols = n;
+    cl_uint has_bias = 1;
+    if (ldc != n)  // fill_rows writes whole rows, one after another
+        return clmha__fail(l->ctx, CLMHA_UNSUPPORTED, "%s: bias rows %zu apart for %zu columns",
+                           what, ldc, n);
+    arg args[] = {ARG(c), ARG(off), ARG(bias), ARG(has_bias), ARG(r), ARG(cols)};
+    clmha_status st = clmha__launch_rows(l->ctx, l->fill_rows, "fill_rows", m, n, l->heads_wg,
+                                         args, sizeof args / sizeof args[0]);
+    if (st) return st;
+    op.bias = NULL;
+    op.beta = 1.0;
     return clmha__gemm(l->ctx, what, &op);
 }
 

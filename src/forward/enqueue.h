@@ -66,4 +66,12 @@ CLMHA__HIDDEN clmha_status clmha__gemm_nt(clmha_layer *l, const char *what, size
                                           cl_mem w, size_t w_off, size_t ldw, double beta,
                                           cl_mem c, size_t c_off, size_t ldc);
 
+// The same with beta 0 and @p bias (n elements, e.g. out_proj.bias) added to every row of C:
+// C = A·Wᵀ + bias. On the host path the product adds it (clmha__gemm_op::bias); else kernel
+// fill_rows writes it into C's rows (ldc = n) and the product runs with beta 1.
+CLMHA__HIDDEN clmha_status clmha__gemm_nt_bias(clmha_layer *l, const char *what, size_t m,
+                                               size_t n, size_t k, cl_mem a, size_t a_off,
+                                               size_t lda, cl_mem w, size_t w_off, size_t ldw,
+                                               cl_mem bias, cl_mem c, size_t c_off, size_t ldc);
+
 #endif

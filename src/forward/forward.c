@@ -61,11 +61,9 @@ static bool packed_qkv(const clmha_layer *l, const clmha_forward_args *a, const 
 
 // 1. Input projections: one GEMM for packed QKV (self-attention), one for K and V when they
 //    are the same tensor, else one each.
-// Without @p kv (a call with kv_attend_only) only the query projection. With @p bias (a packed
-// call whose core reads the rows, clmha__core_call::rows) in_proj_bias goes into the rows here:
-// written into every row first, the GEMM adding to them.
+// Without @p kv (a call with kv_attend_only) only the query projection.
 static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
-                            bool kv, bool bias, scratch *s) {
+                            bool kv, scratch *s) {
     // kve: the key and value projections' width (E, or num_kv_heads * D with grouped-query
     // attention).
     size_t e = l->e, kve = l->kve, kd = d->kdim, vd = d->vdim;
@@ -88,18 +86,8 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
     if (self && kv_same) {  // (L*N, E) · [W_q; W_k; W_v]ᵀ → (L*N, E + 2 KVE)
         size_t w = e + 2 * kve;
         *s = (scratch){.ld_q = w, .ld_k = w, .ld_v = w, .col_k = e, .col_v = e + kve};
-        bias = bias && l->desc.bias;
-        if (bias) {  // in_proj_bias (E + 2 KVE) into every row
-            cl_ulong off = 0, r = rows_q, c = w;
-            cl_uint has_bias = 1;
-            arg args[] = {ARG(l->proj), ARG(off), ARG(l->b_in), ARG(has_bias), ARG(r), ARG(c)};
-            if ((st = clmha__launch_rows(l->ctx, l->fill_rows, "fill_rows", rows_q, w,
-                                         l->heads_wg, args, sizeof args / sizeof args[0])))
-                return st;
-        }
         return clmha__gemm_nt(l, "packed QKV projection", rows_q, w, e, a->query.buffer,
-                              a->query.offset, e, l->w_in, 0, e, bias ? 1.0f : 0.0f, l->proj, 0,
-                              w);
+                              a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0, w);
     }
     *s = (scratch){.proj_k = rows_q * e, .proj_v = rows_q * e + rows_kv * kve,
                    .ld_q = e, .ld_k = kve, .ld_v = kve};
@@ -156,20 +144,15 @@ static clmha__middle middle_of(clmha_layer *l, const clmha__dims *d, const scrat
 }
 
 // 7. Output projection: out = merged · out_proj.weightᵀ + out_proj.bias, @p merged the merged
-//    rows (layer->proj, or the result tile of a clmha__core::takes_rows core; @p fill: the bias
-//    rows are written here first, else that core wrote them).
+//    rows (layer->proj, or the result tile of a core that takes or reads rows); @p fill: the
+//    bias goes in with the GEMM (clmha__gemm_nt_bias()), else a clmha__core::takes_rows core
+//    wrote it into the output rows and the GEMM adds to them.
 clmha_status clmha__forward_out_project(clmha_layer *l, const clmha__dims *d, cl_mem merged,
                                 cl_mem out, size_t out_off, bool fill) {
-    clmha_context *ctx = l->ctx;
     size_t rows = d->n * d->l, e = l->e;
-    if (l->desc.bias && fill) {  // (a clmha__core::takes_rows core filled them)
-        cl_ulong off = out_off, r = rows, c = e;
-        cl_uint has_bias = 1;
-        arg args[] = {ARG(out), ARG(off), ARG(l->b_out), ARG(has_bias), ARG(r), ARG(c)};
-        clmha_status st = clmha__launch_rows(ctx, l->fill_rows, "fill_rows", rows, e,
-                                             l->heads_wg, args, sizeof args / sizeof args[0]);
-        if (st) return st;
-    }
+    if (l->desc.bias && fill)  // (a clmha__core::takes_rows core filled them)
+        return clmha__gemm_nt_bias(l, "output projection", rows, e, e, merged, 0, e, l->w_out, 0,
+                                   e, l->b_out, out, out_off, e);
     return clmha__gemm_nt(l, "output projection", rows, e, e, merged, 0, e,
                           l->w_out, 0, e, l->desc.bias ? 1.0f : 0.0f, out, out_off, e);
 }
@@ -197,7 +180,7 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
     // the keys, whose head tiles nothing else needs (not saved, not partial).
     call->rows = core->reads_rows && kv && !args->kv_cache && !args->save && !partial &&
                  d->s_padded == d->s && packed_qkv(layer, args, d);
-    if ((st = project(layer, args, d, kv, call->rows, &s)) ||
+    if ((st = project(layer, args, d, kv, &s)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
     // A partial call without the appended keys leaves them out of the key and value tiles.
