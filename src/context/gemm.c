@@ -236,15 +236,17 @@ bool clmha__gemm_adds_bias(const clmha_context *ctx, const clmha__gemm_op *o) {
 
 clmha_status clmha__gemm(clmha_context *ctx, const char *what, const clmha__gemm_op *o) {
     const clmha__host_dgemm *hd;
-    if (o->bias && !clmha__gemm_adds_bias(ctx, o))
+    const clmha__host_blas *hb = host_path(ctx, o, &hd);
+    bool done = false;
+    clmha_status st = CLMHA_SUCCESS;
+    if (hb) st = gemm_host(ctx, what, o, hd, &done);
+    if (st || done) return st;
+    // (A bias the caller was told the host path adds, clmha__gemm_adds_bias(), that it could not
+    // take after all: a driver's answer about an operand changed.)
+    if (o->bias)
         return clmha__fail(ctx, CLMHA_UNSUPPORTED,
-                           "%s: a bias row needs the host BLAS path (clmha__gemm_adds_bias())",
+                           "%s: its bias row needs the host BLAS path, which cannot take it",
                            what);
-    if (host_path(ctx, o, &hd)) {
-        bool done;
-        clmha_status st = gemm_host(ctx, what, o, hd, &done);
-        if (st || done) return st;
-    }
     return gemm_clblast(ctx, what, o);
 }
 
