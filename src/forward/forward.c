@@ -4,8 +4,8 @@
 //   dropout (kernel) → A·V (strided batched GEMM) → merge heads] → output projection (GEMM,
 //   bias) → attention weights (copy or head average).
 // A core that reads the projected rows (clmha__core::reads_rows, the fused core) skips the
-// split and the merge in a packed call, in_proj_bias then going in with the projection (the
-// rows path, clmha__core_call::rows).
+// split and the merge in a packed call, adding in_proj_bias itself (the rows path,
+// clmha__core_call::rows).
 // The middle is what attention as a function (attention.c) runs on the caller's head-split
 // tensors. Its three inner stages (scores, softmax, A·V) are the attention core's (src/cores/): the
 // first row of the dispatch table that runs the call (clmha__core_select()), whose flags say
@@ -73,8 +73,6 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
     size_t key_off = d->key_is_query ? a->query.offset : a->key.offset;
     cl_mem value = d->value_is_key ? key : a->value.buffer;
     size_t value_off = d->value_is_key ? key_off : a->value.offset;
-    bool self = key == a->query.buffer && key_off == a->query.offset && rows_q == rows_kv &&
-                kd == e && vd == e;
     bool kv_same = value == key && value_off == key_off && kd == vd;
     clmha_status st;
     if (!kv) {  // kv_attend_only: the queries alone
@@ -83,7 +81,7 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
                               a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0, e);
     }
 
-    if (self && kv_same) {  // (L*N, E) · [W_q; W_k; W_v]ᵀ → (L*N, E + 2 KVE)
+    if (packed_qkv(l, a, d)) {  // (L*N, E) · [W_q; W_k; W_v]ᵀ → (L*N, E + 2 KVE)
         size_t w = e + 2 * kve;
         *s = (scratch){.ld_q = w, .ld_k = w, .ld_v = w, .col_k = e, .col_v = e + kve};
         return clmha__gemm_nt(l, "packed QKV projection", rows_q, w, e, a->query.buffer,
@@ -150,7 +148,7 @@ static clmha__middle middle_of(clmha_layer *l, const clmha__dims *d, const scrat
 clmha_status clmha__forward_out_project(clmha_layer *l, const clmha__dims *d, cl_mem merged,
                                 cl_mem out, size_t out_off, bool fill) {
     size_t rows = d->n * d->l, e = l->e;
-    if (l->desc.bias && fill)  // (a clmha__core::takes_rows core filled them)
+    if (l->desc.bias && fill)
         return clmha__gemm_nt_bias(l, "output projection", rows, e, e, merged, 0, e, l->w_out, 0,
                                    e, l->b_out, out, out_off, e);
     return clmha__gemm_nt(l, "output projection", rows, e, e, merged, 0, e,
