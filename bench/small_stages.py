@@ -14,7 +14,9 @@ alternates, for R rounds (default 5):
   - a tiny forward (N 1, L 8, E 8, H 1): what a pass costs with no work, i.e. the fixed cost of
     enqueueing its commands, the driver's scheduling of them and the host's wait;
   - the two products alone in the best CPU BLAS found (bench/gemm_limit.py's load_blas: oneDNN
-    and OpenBLAS, median of 10 calls): the limit of the `project` and `out_proj` stages.
+    and OpenBLAS, median of 10 calls, each library with its own threading): the limit of the
+    `project` and `out_proj` stages (clmha splits a product by columns over oneDNN's threads,
+    which can pass it: a ratio above 1).
 It prints per shape and stage the median time, the work (GFLOP, or MB moved for the stages that
 copy: split, merge), the rate and the limit, and the gap: the forward's time less its stages'.
 Limits: the GEMM stages against that BLAS; the fused core against the two cores' FMA peak
