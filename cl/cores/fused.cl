@@ -63,9 +63,10 @@
 // qkv_bias from bias_at.s1 (queries), .s2 (keys) and .s3 (values), head h's at h*HD (key/value
 // head h / kv_group's). The tiled mapping adds them as it loads; the lanes mapping, whose key
 // and value reads are its inner loops, adds q.bk to each row's scores and bv times the row's
-// weight sum to its output. The masks cover the first S keys, the appended keys (add_bias_kv, add_zero_attn) are never
-// masked. A query row whose every key is masked gives zeros, as in the unfused path. Dropout
-// drops weight (bh, i, j) exactly where masked_softmax does (same Philox counter and key).
+// weight sum to its output. The masks cover the first S keys, the appended keys (add_bias_kv,
+// add_zero_attn) are never masked. A query row whose every key is masked gives zeros, as in
+// the unfused path. Dropout drops weight (bh, i, j) exactly where masked_softmax does (same
+// Philox counter and key).
 //
 // With lse_on, lse (N*H*L floats) receives each row's log-sum-exp m + log(sum) (-INFINITY on a
 // fully masked row). With lse_on 2 (a call that saves for the backward pass,
