@@ -162,6 +162,50 @@ inline void lse_store(global REAL *lse, uint lse_on, ulong tgt_len, ulong r, REA
 #define DB BLOCK_OF(HD, ACC_CAP)
 #endif
 
+// Transposes the VW x VW block x in registers (x[i] lane j <-> x[j] lane i): the query rows
+// come in as rows and the output goes out as rows, while the micro-kernels hold a vector of VW
+// rows per head dimension. log2(VW) rounds; round k swaps bit k of the row and lane numbers,
+// each new vector a two-input shuffle of the vectors k apart (lane j of the lower one: its own
+// lane j where bit k of j is 0, else the upper one's lane j - k; of the upper one: the lower
+// one's lane j + k where bit k is 0, else its own). VW*log2(VW) shuffles where element by
+// element copies cost PoCL a gather or a scatter per VW/2 elements (~20% of the kernel's time
+// at L 128).
+#define TR_LO(k, j) (((j) & (k)) ? VW + (j) - (k) : (j))
+#define TR_HI(k, j) (((j) & (k)) ? VW + (j) : (j) + (k))
+#if VW == 2
+#define TR_LANES(f, k) f(k, 0), f(k, 1)
+#elif VW == 4
+#define TR_LANES(f, k) f(k, 0), f(k, 1), f(k, 2), f(k, 3)
+#elif VW == 8
+#define TR_LANES(f, k) f(k, 0), f(k, 1), f(k, 2), f(k, 3), f(k, 4), f(k, 5), f(k, 6), f(k, 7)
+#elif VW == 16
+#define TR_LANES(f, k)                                                                        \
+    f(k, 0), f(k, 1), f(k, 2), f(k, 3), f(k, 4), f(k, 5), f(k, 6), f(k, 7), f(k, 8), f(k, 9), \
+        f(k, 10), f(k, 11), f(k, 12), f(k, 13), f(k, 14), f(k, 15)
+#endif
+#define TR_ROUND(x, k)                                                       \
+    UNROLL                                                                   \
+    for (uint i = 0; i < VW; ++i)                                            \
+        if (!(i & (k))) {                                                    \
+            VT lo = x[i], hi = x[i + (k)];                                   \
+            x[i] = __builtin_shufflevector(lo, hi, TR_LANES(TR_LO, k));      \
+            x[i + (k)] = __builtin_shufflevector(lo, hi, TR_LANES(TR_HI, k)); \
+        }
+inline void transpose_lanes(VT x[VW]) {
+#if VW >= 16
+    TR_ROUND(x, 8)
+#endif
+#if VW >= 8
+    TR_ROUND(x, 4)
+#endif
+#if VW >= 4
+    TR_ROUND(x, 2)
+#endif
+#if VW >= 2
+    TR_ROUND(x, 1)
+#endif
+}
+
 kernel __attribute__((reqd_work_group_size(BQ, 1, 1)))
 void fused_attention(global const REAL *q, global const REAL *k, global const REAL *v,
                      global REAL *out, ulong4 q_at, ulong4 k_at, ulong4 v_at, ulong4 o_at,
@@ -193,13 +237,29 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
     global const REAL *bq = qkv_bias + bias_at.s1 + h * HD;
     global const REAL *bk = qkv_bias + bias_at.s2 + h / kv_group * HD;
     global const REAL *bv = qkv_bias + bias_at.s3 + h / kv_group * HD;
-    for (uint r = 0; r < RP; ++r) {
-        global const REAL *qp = q + AT(q_at, n, h, min(first + r, last));
-        for (uint d = 0; d < HD; ++d) {
-            qt[d * RP + r] = (bias_at.s0 ? qp[d] + bq[d] : qp[d]) * scale;
-            ot[d * RP + r] = 0.0f;
+    // VW rows by VW dimensions at a time, transposed in registers (transpose_lanes).
+    UNROLL
+    for (uint rv = 0; rv < RV; ++rv) {
+        global const REAL *qp[VW];
+        UNROLL
+        for (uint i = 0; i < VW; ++i) qp[i] = q + AT(q_at, n, h, min(first + rv * VW + i, last));
+        for (uint d0 = 0; d0 < HD; d0 += VW) {
+            VT x[VW];
+            UNROLL
+            for (uint i = 0; i < VW; ++i) x[i] = LOADV(d0, qp[i]);
+            if (bias_at.s0) {
+                VT b = LOADV(d0, bq);
+                UNROLL
+                for (uint i = 0; i < VW; ++i) x[i] += b;
+            }
+            UNROLL
+            for (uint i = 0; i < VW; ++i) x[i] *= scale;
+            transpose_lanes(x);
+            UNROLL
+            for (uint j = 0; j < VW; ++j) STOREV(x[j], (d0 + j) * RP + rv * VW, qt);
         }
     }
+    for (uint i = 0; i < HD * RP; i += VW) STOREV((VT)(0.0f), i, ot);
     // With in_proj_bias: each row's q.bk, added to every score (q.(k + bk)), and the running
     // sum of its weights after dropout (kept), by which bv is added at the end (the weights
     // times (v + bv)).
@@ -404,24 +464,42 @@ void fused_attention(global const REAL *q, global const REAL *k, global const RE
         }
     }
 #endif
-    // A fully masked row (m = -inf) has sum 0 and gives zeros; NaN propagates. For the
-    // backward pass (lse_on): each row's log-sum-exp m + log(sum), taken before dropout.
-    REAL mf[RP], sf[RP], kf[RP];
+    // A fully masked row (m = -inf) has sum 0 and gives zeros; NaN propagates. The output rows
+    // go out VW dimensions by VW rows at a time, scaled while a vector still holds one
+    // dimension of VW rows, then transposed (transpose_lanes).
     UNROLL
     for (uint rv = 0; rv < RV; ++rv) {
-        STOREV(m[rv], rv * VW, mf);
-        STOREV(sum[rv], rv * VW, sf);
-        STOREV(kept[rv], rv * VW, kf);
+        VT inv = VT_SELECT((VT)(1.0f) / sum[rv], (VT)(0.0f), m[rv] == (VT)(-INFINITY));
+        for (uint d0 = 0; d0 < HD; d0 += VW) {
+            VT x[VW];
+            UNROLL
+            for (uint j = 0; j < VW; ++j) x[j] = LOADV((d0 + j) * RP + rv * VW, ot);
+            if (bias_at.s0) {
+                UNROLL
+                for (uint j = 0; j < VW; ++j) x[j] = fma((VT)(bv[d0 + j]), kept[rv], x[j]);
+            }
+            UNROLL
+            for (uint j = 0; j < VW; ++j) x[j] *= inv;
+            transpose_lanes(x);
+            UNROLL
+            for (uint i = 0; i < VW; ++i) {
+                uint r = rv * VW + i;
+                if (r < RPW && first + r < tgt_len)
+                    STOREV(x[i], AT(o_at, n, h, first + r) + d0, out);
+            }
+        }
     }
-    for (uint r = 0; r < RPW && first + r < tgt_len; ++r) {
-        ulong i = first + r;
-        REAL inv = mf[r] == -INFINITY ? 0.0f : 1.0f / sf[r];
-        global REAL *op = out + AT(o_at, n, h, i);
-        if (bias_at.s0)
-            for (uint d = 0; d < HD; ++d) op[d] = fma(bv[d], kf[r], ot[d * RP + r]) * inv;
-        else
-            for (uint d = 0; d < HD; ++d) op[d] = ot[d * RP + r] * inv;
-        if (lse_on) lse_store(lse, lse_on, tgt_len, bh * tgt_len + i, mf[r], sf[r]);
+    // For the backward pass (lse_on): each row's log-sum-exp m + log(sum), taken before
+    // dropout.
+    if (lse_on) {
+        REAL mf[RP], sf[RP];
+        UNROLL
+        for (uint rv = 0; rv < RV; ++rv) {
+            STOREV(m[rv], rv * VW, mf);
+            STOREV(sum[rv], rv * VW, sf);
+        }
+        for (uint r = 0; r < RPW && first + r < tgt_len; ++r)
+            lse_store(lse, lse_on, tgt_len, bh * tgt_len + first + r, mf[r], sf[r]);
     }
 }
 
