@@ -214,10 +214,10 @@ typedef struct clmha__core {
     // bias fill (the decode core: fewer commands in a decode step, whose fixed cost they are).
     bool takes_rows;
     // The core reads the projected rows where the forward pass offers them
-    // (clmha__core_call::rows: a call with one packed QKV projection, no appended keys, nothing
-    // saved, not partial), adding in_proj_bias itself, and writes the attention result as merged
-    // rows into layer->tiles[CLMHA__TILE_OUT]; the forward pass then skips the head split and
-    // merge. Other calls give it head tiles.
+    // (clmha__core_call::rows: self- or cross-attention with no appended keys, no KV cache,
+    // nothing saved, not partial), adding in_proj_bias itself, and writes the attention result
+    // as merged rows into layer->tiles[CLMHA__TILE_OUT]; the forward pass then skips the head
+    // split and merge. Other calls give it head tiles.
     bool reads_rows;
     // Optional (NULL: the core keeps no state). Called by clmha_layer_create() on a new layer
     // (parameters and cl/heads.cl kernels made): makes the core's per-layer state, stored in

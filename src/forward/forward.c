@@ -4,8 +4,8 @@
 //   dropout (kernel) → A·V (strided batched GEMM) → merge heads] → output projection (GEMM,
 //   bias) → attention weights (copy or head average).
 // A core that reads the projected rows (clmha__core::reads_rows, the fused core) skips the
-// split and the merge in a packed call, adding in_proj_bias itself (the rows path,
-// clmha__core_call::rows).
+// split and the merge in a call with no appended keys, no KV cache, nothing saved and not
+// partial, adding in_proj_bias itself (the rows path, clmha__core_call::rows).
 // The middle is what attention as a function (attention.c) runs on the caller's head-split
 // tensors. Its three inner stages (scores, softmax, A·V) are the attention core's (src/cores/): the
 // first row of the dispatch table that runs the call (clmha__core_select()), whose flags say
@@ -174,10 +174,11 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
     scratch s;
     if ((st = clmha__layer_mark(layer, 0))) return st;
     bool kv = !(args->kv_cache && args->kv_attend_only);
-    // A core that reads the projected rows gets them in a packed call with nothing appended to
-    // the keys, whose head tiles nothing else needs (not saved, not partial).
+    // A core that reads the projected rows gets them where they are (one packed projection or
+    // one for each of query, key/value or key and value) in a call with nothing appended to the
+    // keys, whose head tiles nothing else needs (no KV cache, not saved, not partial).
     call->rows = core->reads_rows && kv && !args->kv_cache && !args->save && !partial &&
-                 d->s_padded == d->s && packed_qkv(layer, args, d);
+                 d->s_padded == d->s;
     if ((st = project(layer, args, d, kv, &s)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
