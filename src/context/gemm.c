@@ -164,24 +164,25 @@ static clmha_status native_fail(clmha_context *ctx, cl_int err, const char *what
     return clmha__cl_fail(ctx, err, call);
 }
 
-// Enqueues @p o as native kernels; *@p done false (nothing enqueued) when an operand cannot be
-// passed (a sub-buffer at an origin that is not a whole number of elements).
+// The operands of a product on the host path as their root buffers and origins (root_of()):
+// A, B, C and the bias row (NULL root where there is none).
+typedef struct host_operands {
+    cl_mem root[OPERANDS];
+    size_t origin[OPERANDS];
+} host_operands;
+
+// Enqueues @p o, whose operands are @p ops, as native kernels.
 static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha__gemm_op *o,
-                              const clmha__host_dgemm *dgemm, bool *done) {
+                              const clmha__host_dgemm *dgemm, const host_operands *ops) {
     host_call h = {.blas = ctx->host_blas, .dgemm = dgemm, .op = *o};
-    cl_mem ops[OPERANDS] = {o->a, o->b, o->c, o->bias};
     cl_uint count = 0;
-    *done = false;
-    for (int i = 0; i < (o->bias ? 4 : 3); ++i) {
-        cl_mem root;
-        if (!root_of(ops[i], o->f64 ? sizeof(double) : sizeof(float), &root, &h.origin[i]))
-            return CLMHA_SUCCESS;
+    for (int i = 0; i < OPERANDS && ops->root[i]; ++i) {
+        h.origin[i] = ops->origin[i];
         int j = 0;
-        while (j < (int)count && (cl_mem)h.mem[j] != root) ++j;
-        if (j == (int)count) h.mem[count++] = root;
+        while (j < (int)count && (cl_mem)h.mem[j] != ops->root[i]) ++j;
+        if (j == (int)count) h.mem[count++] = ops->root[i];
         h.from[i] = j;
     }
-    *done = true;
     cl_int err = CL_SUCCESS;
     cl_uint captures = 0;
     if (count > 1) {
@@ -206,12 +207,12 @@ static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha_
     return native_fail(ctx, err, what);
 }
 
-// The host library that runs @p o (*@p hd: the dgemm of a float64 product), or NULL where
-// @p o takes CLBlast's path: no host BLAS, a float64 product without a dgemm, sizes past the
-// library's interface, or an operand at a sub-buffer origin that is not a whole number of
-// elements.
+// The host library that runs @p o (*@p hd: the dgemm of a float64 product; *@p ops: its
+// operands' roots and origins), or NULL where @p o takes CLBlast's path: no host BLAS, a float64
+// product without a dgemm, sizes past the library's interface, or an operand at a sub-buffer
+// origin that is not a whole number of elements.
 static const clmha__host_blas *host_path(const clmha_context *ctx, const clmha__gemm_op *o,
-                                         const clmha__host_dgemm **hd) {
+                                         const clmha__host_dgemm **hd, host_operands *ops) {
     const clmha__host_blas *hb = ctx->host_blas;
     // A float64 product takes the host path where the process has a dgemm too.
     *hd = hb && o->f64 ? clmha__host_dgemm_get() : NULL;
@@ -219,28 +220,25 @@ static const clmha__host_blas *host_path(const clmha_context *ctx, const clmha__
         o->k > hb->max_dim || o->lda > hb->max_dim || o->ldb > hb->max_dim ||
         o->ldc > hb->max_dim)
         return NULL;
-    cl_mem ops[OPERANDS] = {o->a, o->b, o->c, o->bias};
-    for (int i = 0; i < OPERANDS; ++i) {
-        cl_mem root;
-        size_t origin;
-        if (ops[i] && !root_of(ops[i], o->f64 ? sizeof(double) : sizeof(float), &root, &origin))
+    cl_mem mem[OPERANDS] = {o->a, o->b, o->c, o->bias};
+    memset(ops, 0, sizeof *ops);
+    for (int i = 0; i < OPERANDS && mem[i]; ++i)
+        if (!root_of(mem[i], o->f64 ? sizeof(double) : sizeof(float), &ops->root[i],
+                     &ops->origin[i]))
             return NULL;
-    }
     return hb;
 }
 
 bool clmha__gemm_adds_bias(const clmha_context *ctx, const clmha__gemm_op *o) {
     const clmha__host_dgemm *hd;
-    return o->batch <= 1 && o->beta == 0.0 && host_path(ctx, o, &hd) != NULL;
+    host_operands ops;
+    return o->batch <= 1 && o->beta == 0.0 && host_path(ctx, o, &hd, &ops) != NULL;
 }
 
 clmha_status clmha__gemm(clmha_context *ctx, const char *what, const clmha__gemm_op *o) {
     const clmha__host_dgemm *hd;
-    const clmha__host_blas *hb = host_path(ctx, o, &hd);
-    bool done = false;
-    clmha_status st = CLMHA_SUCCESS;
-    if (hb) st = gemm_host(ctx, what, o, hd, &done);
-    if (st || done) return st;
+    host_operands ops;
+    if (host_path(ctx, o, &hd, &ops)) return gemm_host(ctx, what, o, hd, &ops);
     // (A bias the caller was told the host path adds, clmha__gemm_adds_bias(), that it could not
     // take after all: a driver's answer about an operand changed.)
     if (o->bias)
