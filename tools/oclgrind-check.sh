@@ -13,7 +13,8 @@
 # Anything Oclgrind logs, a driver exit status other than 0 (a wrong result) or output on the
 # driver's stderr fails the check.
 #
-# Two configurations, each checked by the two passes below:
+# Two configurations, each checked by the two passes below (and the cpu one's pass 1 once more
+# with the fused core's lanes mapping, the "cpu-pocl" row forced: ~75 s):
 #   cpu  Oclgrind's own device as clmha detects it (a CPU-type device: the "cpu" row of the
 #        device class table, src/device/device_class.c): split/merge one work-item per tile
 #        row, the fused kernel's query rows and accumulators private, Oclgrind's limits (work-groups of
@@ -168,6 +169,13 @@ check_config() {
     echo "== $config, pass 1: memory checks, data races, API checks; every case; optimised kernels"
     run "$config-all" "${limits[@]}" --check-api --data-races --uniform-writes --inst-counts \
         -- -v "${class[@]}"
+    if [ "$config" = cpu ]; then
+        # The fused core's lanes mapping (PoCL's, the default of CI's device) under pass 1's
+        # checks: the driver forcing the "cpu-pocl" row. Without --inst-counts, with which
+        # Oclgrind 21.10 aborts here ("malloc assertion failure") from the second fused case on.
+        echo "== cpu, pass 1 with the lanes mapping (--class cpu-pocl)"
+        run "cpu-lanes-all" --check-api --data-races --uniform-writes -- -v --class cpu-pocl
+    fi
 
     echo "== $config, pass 2: uninitialised values (plus pass 1 checks); -cl-opt-disable; one" \
         "process a case"

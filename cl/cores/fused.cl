@@ -56,9 +56,10 @@
 // per row) in elements (AT below), so that element d of row t of head h of batch n is
 // q[AT(q_at, n, h, t) + d]. The head tiles (the unfused path's layouts: q (N*H, L, HD), k and v
 // (N*KVH, S', HD), KVH = H / kv_group key/value heads with grouped-query attention, out
-// (N*H, L, HD)) are one case; the projection's packed rows (N*L or L*N rows of Q, K and V side by
-// side, head h in columns h*HD..) and the merged rows the output projection reads are another
-// (src/cores/fused.c, clmha__core_call::rows). Key/value head h / kv_group serves head h.
+// (N*H, L, HD)) are one case; the projections' rows (N*L or L*N rows of Q, N*S or S*N of K and
+// V: one packed projection, or one for the query and one for key and value, or one each; head
+// h in columns h*HD.. of its tensor's) and the merged rows the output projection reads are
+// another (src/cores/fused.c, clmha__core_call::rows). Key/value head h / kv_group serves head h.
 // The rows come without in_proj_bias: with bias_at.s0 set, the kernel adds it, the slices of
 // qkv_bias from bias_at.s1 (queries), .s2 (keys) and .s3 (values), head h's at h*HD (key/value
 // head h / kv_group's). The tiled mapping adds them as it loads; the lanes mapping, whose key
