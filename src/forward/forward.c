@@ -61,9 +61,11 @@ static bool packed_qkv(const clmha_layer *l, const clmha_forward_args *a, const 
 
 // 1. Input projections: one GEMM for packed QKV (self-attention), one for K and V when they
 //    are the same tensor, else one each.
-// Without @p kv (a call with kv_attend_only) only the query projection.
+// Without @p kv (a call with kv_attend_only) only the query projection. With @p rows (the
+// fused core reads the projected rows where they are) rows 4 KiB apart get one cache line more
+// (clmha__rows_pitch()).
 static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const clmha__dims *d,
-                            bool kv, scratch *s) {
+                            bool kv, bool rows, scratch *s) {
     // kve: the key and value projections' width (E, or num_kv_heads * D with grouped-query
     // attention).
     size_t e = l->e, kve = l->kve, kd = d->kdim, vd = d->vdim;
@@ -74,6 +76,7 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
     cl_mem value = d->value_is_key ? key : a->value.buffer;
     size_t value_off = d->value_is_key ? key_off : a->value.offset;
     bool kv_same = value == key && value_off == key_off && kd == vd;
+#define PITCH(width) (rows ? clmha__rows_pitch(l, width) : (width))
     clmha_status st;
     if (!kv) {  // kv_attend_only: the queries alone
         *s = (scratch){.ld_q = e};
@@ -82,28 +85,29 @@ static clmha_status project(clmha_layer *l, const clmha_forward_args *a, const c
     }
 
     if (packed_qkv(l, a, d)) {  // (L*N, E) · [W_q; W_k; W_v]ᵀ → (L*N, E + 2 KVE)
-        size_t w = e + 2 * kve;
-        *s = (scratch){.ld_q = w, .ld_k = w, .ld_v = w, .col_k = e, .col_v = e + kve};
+        size_t w = e + 2 * kve, ld = PITCH(w);
+        *s = (scratch){.ld_q = ld, .ld_k = ld, .ld_v = ld, .col_k = e, .col_v = e + kve};
         return clmha__gemm_nt(l, "packed QKV projection", rows_q, w, e, a->query.buffer,
-                              a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0, w);
+                              a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, 0, ld);
     }
-    *s = (scratch){.proj_k = rows_q * e, .proj_v = rows_q * e + rows_kv * kve,
-                   .ld_q = e, .ld_k = kve, .ld_v = kve};
+    size_t ld_q = PITCH(e), ld_kv = kv_same ? PITCH(2 * kve) : PITCH(kve);
+    *s = (scratch){.proj_k = rows_q * ld_q, .proj_v = rows_q * ld_q + rows_kv * ld_kv,
+                   .ld_q = ld_q, .ld_k = ld_kv, .ld_v = ld_kv};
+#undef PITCH
     if ((st = clmha__gemm_nt(l, "query projection", rows_q, e, e, a->query.buffer,
-                      a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, s->proj_q, e)))
+                      a->query.offset, e, l->w_in, 0, e, 0.0f, l->proj, s->proj_q, ld_q)))
         return st;
     if (kv_same) {  // W_k and W_v are consecutive rows of w_in: one GEMM → (S*N, 2 KVE)
-        s->ld_k = s->ld_v = 2 * kve;
         s->proj_v = s->proj_k;
         s->col_v = kve;
         return clmha__gemm_nt(l, "key/value projection", rows_kv, 2 * kve, kd, key,
-                       key_off, kd, l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, 2 * kve);
+                       key_off, kd, l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, ld_kv);
     }
     if ((st = clmha__gemm_nt(l, "key projection", rows_kv, kve, kd, key, key_off, kd,
-                      l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, kve)))
+                      l->w_in, wk, kd, 0.0f, l->proj, s->proj_k, ld_kv)))
         return st;
     return clmha__gemm_nt(l, "value projection", rows_kv, kve, vd, value, value_off,
-                          vd, l->w_in, wv, vd, 0.0f, l->proj, s->proj_v, kve);
+                          vd, l->w_in, wv, vd, 0.0f, l->proj, s->proj_v, ld_kv);
 }
 
 // 2–6. The middle (middle.c): the projected rows split into head tiles (N*H, T, D), adding
@@ -179,7 +183,7 @@ static clmha_status enqueue_pass(clmha_layer *layer, const clmha_forward_args *a
     // keys, whose head tiles nothing else needs (no KV cache, not saved, not partial).
     call->rows = core->reads_rows && kv && !args->kv_cache && !args->save && !partial &&
                  d->s_padded == d->s;
-    if ((st = project(layer, args, d, kv, &s)) ||
+    if ((st = project(layer, args, d, kv, call->rows, &s)) ||
         (st = clmha__layer_mark(layer, 1 + CLMHA_STAGE_PROJECT)))
         return st;
     // A partial call without the appended keys leaves them out of the key and value tiles.

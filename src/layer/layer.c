@@ -562,17 +562,35 @@ bool clmha__scores_chunks(const clmha_layer *layer, const clmha__dims *d,
     return true;
 }
 
+size_t clmha__rows_pitch(const clmha_layer *layer, size_t width) {
+    return width * layer->rs % 4096 ? width : width + 64 / layer->rs;
+}
+
+// Elements of layer->proj a call of @p d needs: the query, key and value projections (E wide
+// each at most: the key/value width is E or fewer with grouped-query attention), with their
+// rows padded as the rows path lays them out (forward.c's project(): one packed QKV GEMM; the
+// query's and one key/value GEMM; or three).
+static size_t proj_need(const clmha_layer *layer, const clmha__dims *d) {
+    size_t e = d->e, kve = layer->kve, lq = d->n * d->l, lkv = d->n * d->s;
+    size_t need = lq * e + 2 * lkv * e;
+    size_t packed = lq * clmha__rows_pitch(layer, e + 2 * kve);
+    size_t kv_one = clmha__rows_pitch(layer, 2 * kve), kv_two = 2 * clmha__rows_pitch(layer, kve);
+    size_t apart = lq * clmha__rows_pitch(layer, e) + lkv * (kv_one > kv_two ? kv_one : kv_two);
+    if (packed > need) need = packed;
+    return apart > need ? apart : need;
+}
+
 clmha_status clmha__layer_reserve(clmha_layer *layer, const clmha__dims *d, bool scores,
                                   bool head_sums) {
     clmha_context *ctx = layer->ctx;
-    size_t q = d->n * d->l * d->e, kv = d->n * d->s * d->e, kvp = d->n * d->s_padded * d->e;
+    size_t q = d->n * d->l * d->e, kvp = d->n * d->s_padded * d->e;
     enum { PROJ = CLMHA__TILE_COUNT, SCORES, SUMS, PARTS };
     cl_mem *buf[PARTS] = {&layer->tiles[0], &layer->tiles[1], &layer->tiles[2],
                           &layer->tiles[3], &layer->proj, &layer->scores, &layer->head_sums};
     size_t *cap[PARTS] = {&layer->tile_caps[0], &layer->tile_caps[1], &layer->tile_caps[2],
                           &layer->tile_caps[3], &layer->proj_cap, &layer->scores_cap,
                           &layer->head_sums_cap};
-    size_t need[PARTS] = {q, kvp, kvp, q, q + 2 * kv, 0, 0};
+    size_t need[PARTS] = {q, kvp, kvp, q, proj_need(layer, d), 0, 0};
     static const char *const name[PARTS] = {
         "query head tiles", "key head tiles", "value head tiles", "attention output tiles",
         "projection", "scores", "head sums"};

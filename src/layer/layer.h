@@ -269,6 +269,13 @@ typedef struct clmha__chunks {
 CLMHA__HIDDEN bool clmha__scores_chunks(const clmha_layer *layer, const clmha__dims *dims,
                                         clmha__chunks *chunks);
 
+// The row pitch (elements) of projected rows @p width elements wide in layer->proj when the
+// fused core reads them there (the rows path, clmha__core_call::rows): one 64-byte line more
+// when the rows would be a multiple of 4 KiB apart, where every row of a key tile would fall
+// into the same sets of a 4 KiB-way L1 cache (a key/value projection 2 x 512 floats wide);
+// else @p width.
+CLMHA__HIDDEN size_t clmha__rows_pitch(const clmha_layer *layer, size_t width);
+
 // Grows the scratch buffers to fit @p dims, with room for the scores when @p scores (the
 // unfused core: one chunk of them, clmha__scores_chunks(), or all of them for a user core,
 // which returns weights through them) and for the running head sums of chunked averaged weights

@@ -431,6 +431,48 @@ static void free_call(rand_call *rc) {
     for (size_t i = 0; i < rc->num_owned; ++i) free(rc->owned[i]);
 }
 
+// Runs rand_case @p c (its values from @p seed) through both cores (the fused one without
+// weights) and clmha_reference_forward() on the same values, expects each within F64_CONTRACT
+// and keeps the largest error so far in @p worst (its call in @p worst_case).
+static void check_rand_case(clmha_context *ctx, const rand_case *c, uint64_t seed, double *worst,
+                            char *worst_case, size_t worst_size) {
+    rand_call rc;
+    clmha_layer *layer = make_call(ctx, c, seed, &rc);
+    char name[320];
+    describe(c, name, sizeof name);
+    size_t oc = rc.output_count, wc = rc.weights_count;
+    double *ro = malloc(oc * sizeof *ro), *rw = malloc((wc ? wc : 1) * sizeof *rw);
+    double *out = malloc(oc * sizeof *out), *w = malloc((wc ? wc : 1) * sizeof *w);
+    cr_assert(ro && rw && out && w, "out of memory");
+    char msg[256];
+    clmha_status st = clmha_reference_forward(&rc.desc, &rc.params, &rc.args32, ro, oc,
+                                              wc ? rw : NULL, wc, msg, sizeof msg);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s: reference: %s", name, msg);
+    const clmha_impl impls[] = {CLMHA_IMPL_UNFUSED, CLMHA_IMPL_FUSED};
+    for (size_t i = 0; i < 2; ++i) {
+        clmha_forward_args a = rc.args64;
+        a.impl = impls[i];
+        if (a.impl == CLMHA_IMPL_FUSED) a.need_weights = false;
+        size_t cwc = a.need_weights ? wc : 0;
+        fill_nan(out, oc);
+        fill_nan(w, cwc);
+        forward_host(layer, &a, out, oc, w, cwc);
+        double eo = max_abs_err_d(out, ro, oc), ew = cwc ? max_abs_err_d(w, rw, cwc) : 0.0;
+        fprintf(stderr, "%-7s %s: output %.3g, weights %.3g\n", clmha_impl_name(a.impl), name,
+                eo, ew);
+        cr_expect(eo <= F64_CONTRACT && ew <= F64_CONTRACT,
+                  "%s %s: output error %.3g, weights %.3g, beyond %g",
+                  clmha_impl_name(a.impl), name, eo, ew, F64_CONTRACT);
+        if (fmax(eo, ew) >= *worst) {
+            *worst = fmax(eo, ew);
+            snprintf(worst_case, worst_size, "%s %s", clmha_impl_name(a.impl), name);
+        }
+    }
+    free(ro), free(rw), free(out), free(w);
+    clmha_layer_release(layer);
+    free_call(&rc);
+}
+
 // Random calls (seeded) of every option, grouped-query attention included, at lengths around
 // the fused core's tiles, through both cores (the fused one without weights) against
 // clmha_reference_forward() on the same values.
@@ -450,38 +492,7 @@ Test(f64, random_vs_reference) {
     for (size_t k = 0; k < CASES; ++k) {
         rand_case c = draw_case(&r);
         c.user = k % 5 == 4;
-        rand_call rc;
-        clmha_layer *layer = make_call(ctx, &c, prng_next(&r), &rc);
-        char name[320];
-        describe(&c, name, sizeof name);
-        size_t oc = rc.output_count, wc = rc.weights_count;
-        double *ro = malloc(oc * sizeof *ro), *rw = malloc((wc ? wc : 1) * sizeof *rw);
-        double *out = malloc(oc * sizeof *out), *w = malloc((wc ? wc : 1) * sizeof *w);
-        cr_assert(ro && rw && out && w, "out of memory");
-        char msg[256];
-        clmha_status st = clmha_reference_forward(&rc.desc, &rc.params, &rc.args32, ro, oc,
-                                                  wc ? rw : NULL, wc, msg, sizeof msg);
-        cr_assert_eq(st, CLMHA_SUCCESS, "%s: reference: %s", name, msg);
-        const clmha_impl impls[] = {CLMHA_IMPL_UNFUSED, CLMHA_IMPL_FUSED};
-        for (size_t i = 0; i < 2; ++i) {
-            clmha_forward_args a = rc.args64;
-            a.impl = impls[i];
-            if (a.impl == CLMHA_IMPL_FUSED) a.need_weights = false;
-            size_t cwc = a.need_weights ? wc : 0;
-            fill_nan(out, oc);
-            fill_nan(w, cwc);
-            forward_host(layer, &a, out, oc, w, cwc);
-            double eo = max_abs_err_d(out, ro, oc), ew = cwc ? max_abs_err_d(w, rw, cwc) : 0.0;
-            fprintf(stderr, "%-7s %s: output %.3g, weights %.3g\n", clmha_impl_name(a.impl), name,
-                    eo, ew);
-            cr_expect(eo <= F64_CONTRACT && ew <= F64_CONTRACT,
-                      "%s %s: output error %.3g, weights %.3g, beyond %g",
-                      clmha_impl_name(a.impl), name, eo, ew, F64_CONTRACT);
-            if (fmax(eo, ew) >= worst) {
-                worst = fmax(eo, ew);
-                snprintf(worst_case, sizeof worst_case, "%s %s", clmha_impl_name(a.impl), name);
-            }
-        }
+        check_rand_case(ctx, &c, prng_next(&r), &worst, worst_case, sizeof worst_case);
         gqa |= c.g < c.h, kdim |= c.kdim != c.e || c.vdim != c.e, packed |= c.packed;
         bias_kv |= c.bias_kv, zero_attn |= c.zero_attn, batch_first |= c.batch_first;
         unbatched |= c.unbatched, self |= c.self_attn, causal |= c.is_causal;
@@ -492,9 +503,6 @@ Test(f64, random_vs_reference) {
         per_head_mask |= c.am && c.am_layout == 1, per_batch_mask |= c.am && c.am_layout == 2;
         length_1 |= c.l == 1 || c.s == 1, length_65 |= c.l == 65 || c.s == 65;
         dim_64 |= c.e / c.h == 64;
-        free(ro), free(rw), free(out), free(w);
-        clmha_layer_release(layer);
-        free_call(&rc);
     }
     fprintf(stderr, "f64 random: %d cases, worst error %.3g (%s), contract %g\n", CASES, worst,
             worst_case, F64_CONTRACT);
@@ -507,6 +515,23 @@ Test(f64, random_vs_reference) {
               gqa, kdim, packed, bias_kv, zero_attn, batch_first, unbatched, self, causal,
               per_head, averaged, ignore, attend, float_mask, per_head_mask, per_batch_mask,
               length_1, length_65, dim_64);
+    clmha_context_release(ctx);
+}
+
+// The fused core reading float64 projected rows 4 KiB apart, which the projections pad by one
+// cache line (clmha__rows_pitch() in src/layer/layer.h): one packed QKV GEMM 256 + 2 x 64
+// doubles wide (2 key/value heads of 4: 512 doubles, 4 KiB), and three GEMMs 512 wide each.
+Test(f64, padded_row_pitch) {
+    clmha_context *ctx = fp64_context_or_skip();
+    double worst = 0.0;
+    char worst_case[400] = "";
+    rand_case c = {.e = 256, .h = 4, .g = 2, .kdim = 256, .vdim = 256, .n = 2, .l = 33, .s = 33,
+                   .bias = true, .self_attn = true, .batch_first = true, .is_causal = true};
+    check_rand_case(ctx, &c, 71, &worst, worst_case, sizeof worst_case);
+    c = (rand_case){.e = 512, .h = 4, .g = 4, .kdim = 512, .vdim = 512, .n = 1, .l = 3, .s = 40,
+                    .bias = true, .kpm = CLMHA_MASK_BOOL_IGNORE};
+    check_rand_case(ctx, &c, 72, &worst, worst_case, sizeof worst_case);
+    fprintf(stderr, "f64 padded rows: worst error %.3g (%s)\n", worst, worst_case);
     clmha_context_release(ctx);
 }
 

@@ -570,3 +570,26 @@ Test(random, fused_tile_edges, .timeout = 300) {
         }
     clmha_context_release(ctx);
 }
+
+// The fused core reading the projected rows where the projections wrote them, with rows 4 KiB
+// apart (a multiple of a 4 KiB L1 way), which the projections pad by one cache line
+// (clmha__rows_pitch() in src/layer/layer.h): one key/value GEMM 2 x 512 floats wide
+// (key = value), one packed QKV GEMM 512 + 2 x 256 wide (grouped-query attention, 4 key/value
+// heads), and three GEMMs 1024 wide each (kdim != vdim); each also through the unfused core
+// (head tiles, no padding) and against the reference.
+Test(random, padded_row_pitch, .timeout = 300) {
+    clmha_context *ctx = context_or_skip();
+    rcase c = rcase_base(900);
+    c.e = 512, c.h = 8, c.l = 5, c.s = 70, c.value_is_key = true, c.need_weights = false;
+    c.kpm = CLMHA_MASK_BOOL_IGNORE;
+    check_case(ctx, &c);
+    c = rcase_base(901);
+    c.e = 512, c.h = 8, c.kv_heads = 4, c.l = 37, c.self_attn = true, c.batch_first = true;
+    c.is_causal = true, c.need_weights = false;
+    check_case(ctx, &c);
+    c = rcase_base(902);
+    c.e = 1024, c.h = 8, c.kdim = 24, c.vdim = 40, c.l = 3, c.s = 40, c.n = 1;
+    c.am = CLMHA_MASK_FLOAT, c.need_weights = false;
+    check_case(ctx, &c);
+    clmha_context_release(ctx);
+}
