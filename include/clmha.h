@@ -928,6 +928,9 @@ CLMHA_API clmha_context *clmha_layer_context(const clmha_layer *layer);
 /// (setting one changes it). Parameters start at zero.
 /// The copy is a blocking write on the context's queue: it runs after the work already queued
 /// (forward passes queued before it use the old values) and is finished when the call returns.
+/// On a CPU device whose products run in the host BLAS (x86-64 with AVX-512), a float32 or 16-bit
+/// layer also keeps its projection weights packed for those products in host memory (as much
+/// again as the weights), updated by this call (docs/design.md, "Packed weights").
 /// @param[in] layer  the layer
 /// @param[in] name   the parameter's PyTorch name
 /// @param[in] data   @p count floats, row-major; read only during the call

@@ -138,7 +138,11 @@ static void CL_CALLBACK run_host(void *p) {
             .b_stride = o->b_stride, .c_stride = o->c_stride,
             .bias = o->bias ? (const float *)mem[h->from[3]] + h->origin[3] + o->bias_off
                             : NULL};
-        clmha__host_blas_sgemm_batch(h->blas, &call);
+        // The panels of B's buffer from its row (first) of o->k elements, where B starts at one.
+        size_t at = h->origin[1] + o->b_off;
+        if (!(o->b_packed && o->k && at % o->k == 0 &&
+              clmha__host_blas_sgemm_packed(h->blas, &call, o->b_packed, at / o->k)))
+            clmha__host_blas_sgemm_batch(h->blas, &call);
     }
     free(h->captured);
 }

@@ -36,6 +36,10 @@ typedef struct clmha__gemm_op {
     // in the thread that wrote the row's columns.
     cl_mem bias;
     size_t bias_off;
+    // Optional (NULL): B's buffer packed for the host path (a layer's projection weight,
+    // src/device/packed_weight.h), which reads it instead of B where it fits
+    // (clmha__host_blas_sgemm_packed()). It must hold what B's buffer holds when the product runs.
+    const struct clmha__packed_weight *b_packed;
 } clmha__gemm_op;
 
 // Whether clmha__gemm() takes @p op with a bias (clmha__gemm_op::bias): a product on the host

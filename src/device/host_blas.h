@@ -21,6 +21,7 @@
 #include <stddef.h>
 
 #include "base/defs.h"
+#include "device/packed_weight.h"
 
 // Row-major C (m, n) = alpha·op(A)·op(B) + beta·C, op(X) = Xᵀ when its flag is set; leading
 // dimensions in floats. Sizes must be at most clmha__host_blas::max_dim.
@@ -81,6 +82,17 @@ typedef struct clmha__host_batch {
 // run"). The splits depend only on the team's size, so results repeat bit for bit.
 CLMHA__HIDDEN void clmha__host_blas_sgemm_batch(const clmha__host_blas *blas,
                                                const clmha__host_batch *p);
+
+// Runs @p p from @p w's panels instead (its op(B) = rows [first, first + n) of the weight,
+// transposed: p->b is not read) and returns true, or returns false, having done nothing, where
+// they do not apply: not oneDNN's OpenMP team to share the columns over (the panels' kernel
+// runs one thread per slice, as the column split above), a batch, ta, alpha other than 1, beta
+// other than 0 or 1, more than 512 rows (where oneDNN's own packing pays for itself), or a
+// product the panels do not fit (clmha__packed_weight_fits()). Columns split in multiples of
+// 32, fixed by the team's size: results repeat bit for bit.
+CLMHA__HIDDEN bool clmha__host_blas_sgemm_packed(const clmha__host_blas *blas,
+                                                 const clmha__host_batch *p,
+                                                 const clmha__packed_weight *w, size_t first);
 
 // The process's dgemm, loaded on the first call (thread-safe): cblas_dgemm of the
 // CLMHA_HOST_BLAS library, else of the first of OpenBLAS, BLIS and MKL (the search above; oneDNN

@@ -136,7 +136,8 @@ clmha_status clmha__gemm_nt(clmha_layer *l, const char *what, size_t m, size_t n
                             size_t ldw, double beta, cl_mem c, size_t c_off, size_t ldc) {
     clmha__gemm_op op = {.tb = true, .f64 = l->rs == 8, .m = m, .n = n, .k = k, .alpha = 1.0,
                          .beta = beta, .a = a, .a_off = a_off, .lda = lda, .b = w,
-                         .b_off = w_off, .ldb = ldw, .c = c, .c_off = c_off, .ldc = ldc};
+                         .b_off = w_off, .ldb = ldw, .c = c, .c_off = c_off, .ldc = ldc,
+                         .b_packed = clmha__layer_packed(l, w)};
     return clmha__gemm(l->ctx, what, &op);
 }
 
@@ -145,7 +146,8 @@ clmha_status clmha__gemm_nt_bias(clmha_layer *l, const char *what, size_t m, siz
                                  size_t ldw, cl_mem bias, cl_mem c, size_t c_off, size_t ldc) {
     clmha__gemm_op op = {.tb = true, .f64 = l->rs == 8, .m = m, .n = n, .k = k, .alpha = 1.0,
                          .a = a, .a_off = a_off, .lda = lda, .b = w, .b_off = w_off, .ldb = ldw,
-                         .c = c, .c_off = c_off, .ldc = ldc, .bias = bias};
+                         .c = c, .c_off = c_off, .ldc = ldc, .bias = bias,
+                         .b_packed = clmha__layer_packed(l, w)};
     if (clmha__gemm_adds_bias(l->ctx, &op)) return clmha__gemm(l->ctx, what, &op);
     // Else the bias rows first (kernel fill_rows), the product added to them.
     cl_ulong off = c_off, r = m, cols = n;

@@ -6,6 +6,7 @@
 #include "base/half.h"
 #include "base/struct_in.h"
 #include "device/held.h"
+#include "device/packed_weight.h"
 #include "layer/mods.h"
 
 #include <stdint.h>
@@ -99,6 +100,41 @@ size_t clmha_layer_parameter_count(const clmha_layer *layer, const char *name) {
     return slot.count;
 }
 
+static void CL_CALLBACK run_free_packed(void *p) {
+    clmha__packed_weight_free(*(struct clmha__packed_weight **)p);
+}
+
+// Frees @p w once the products queued before, which may read it, have run: in a native kernel
+// after them, or (where it cannot be queued) after clFinish().
+static void free_packed(clmha_context *ctx, struct clmha__packed_weight *w) {
+    if (!w) return;
+    if (clEnqueueNativeKernel(ctx->queue, run_free_packed, &w, sizeof w, 0, NULL, NULL, 0, NULL,
+                              NULL) == CL_SUCCESS)
+        return;
+    clFinish(ctx->queue);
+    clmha__packed_weight_free(w);
+}
+
+// Keeps the packed copy of the weight that @p slot is in (if it has one) equal to its buffer
+// after @p count elements of @p values (floats) were written at the slot (@p written: the
+// write succeeded; else the buffer's contents are unknown and the copy is dropped). The write
+// was blocking on the in-order queue, so every product queued before it, which could read the
+// copy, has run.
+static void update_packed(clmha_layer *l, const param_slot *slot, size_t count,
+                          const void *values, bool written) {
+    struct clmha__packed_weight **p = slot->buffer == l->w_in    ? &l->packed_in
+                                      : slot->buffer == l->w_out ? &l->packed_out
+                                                                 : NULL;
+    if (!p || !*p) return;
+    size_t k = (*p)->k;
+    if (!written || l->rs != 4 || slot->offset % k || count % k) {
+        free_packed(l->ctx, *p);
+        *p = NULL;
+        return;
+    }
+    clmha__packed_weight_write(*p, slot->offset / k, count / k, values);
+}
+
 // Shared by set and get: checks the name and the count, then copies @p count elements of
 // @p data, floats or (@p f64) doubles, converting them to and from the layer's elements: a
 // 16-bit layer's parameters are values of its dtype (what is written is rounded to it, through
@@ -142,6 +178,7 @@ static clmha_status param_copy(clmha_layer *layer, const char *name, void *data,
                                               count * rs, dev, 0, NULL, NULL)
                        : clEnqueueReadBuffer(ctx->queue, slot.buffer, CL_TRUE, slot.offset * rs,
                                              count * rs, dev, 0, NULL, NULL);
+    if (write) update_packed(layer, &slot, count, dev, err == CL_SUCCESS);
     if (err == CL_SUCCESS && !direct && !write) {
         for (size_t i = 0; i < count; ++i) {
             if (f64) ((double *)data)[i] = ((float *)staging)[i];  // widened exactly
@@ -228,6 +265,12 @@ static clmha_status make_parameters(clmha_layer *l) {
     if ((st = clmha__zero_buffer(ctx, e * e + kve * (d->kdim + d->vdim), rs, what, &l->w_in)))
         return st;
     if ((st = clmha__zero_buffer(ctx, e * e, rs, "out_proj.weight", &l->w_out))) return st;
+    // Their packed copies, zero as the buffers; none where they would not be read (NULL is
+    // no failure: the products then take the host BLAS's own path).
+    if (ctx->host_blas && rs == 4) {
+        if (d->kdim == e && d->vdim == e) l->packed_in = clmha__packed_weight_new(e + 2 * kve, e);
+        l->packed_out = clmha__packed_weight_new(e, e);
+    }
     if (d->bias) {
         if ((st = clmha__zero_buffer(ctx, e + 2 * kve, rs, "in_proj_bias", &l->b_in))) return st;
         if ((st = clmha__zero_buffer(ctx, e, rs, "out_proj.bias", &l->b_out))) return st;
@@ -375,6 +418,8 @@ void clmha__layer_free(clmha_layer *layer) {
     release_mem(&layer->w_in);
     release_mem(&layer->b_in);
     release_mem(&layer->w_out);
+    free_packed(layer->ctx, layer->packed_in);
+    free_packed(layer->ctx, layer->packed_out);
     release_mem(&layer->b_out);
     release_mem(&layer->bias_kv);
     release_mem(&layer->alibi);

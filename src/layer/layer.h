@@ -87,6 +87,11 @@ struct clmha_layer {
     // (forward.c), or are not run.
     cl_mem b_in;     // in_proj_bias (E + 2 KVE), NULL without bias
     cl_mem w_out;    // out_proj.weight (E, E)
+    // w_in and w_out packed for the host path's products (src/device/packed_weight.h), kept
+    // equal to them by every write of their parameters (layer.c): NULL where not made (not
+    // the host path, not float32 elements, kdim or vdim other than E for w_in, no AVX-512, or
+    // out of host memory).
+    struct clmha__packed_weight *packed_in, *packed_out;
     cl_mem b_out;    // out_proj.bias (E), NULL without bias
     cl_mem bias_kv;  // bias_k (KVE) then bias_v (KVE), NULL without add_bias_kv
     cl_mem alibi;    // alibi_slopes (H), NULL without desc.alibi; starts geometric
@@ -172,6 +177,13 @@ struct clmha_layer {
     bool profiling;
     cl_event marks[CLMHA_STAGE_COUNT + 1];
 };
+
+// The packed copy of @p w when it is one of @p l's weights that has one, else NULL (for
+// clmha__gemm_op::b_packed).
+static inline const struct clmha__packed_weight *clmha__layer_packed(const clmha_layer *l,
+                                                                     cl_mem w) {
+    return !w ? NULL : w == l->w_in ? l->packed_in : w == l->w_out ? l->packed_out : NULL;
+}
 
 // Makes a layer of @p desc on @p ctx: its parameters (zero) and the kernels of cl/heads.cl, no
 // core state (clmha_layer_create() adds it). Checks @p out, @p ctx and @p desc as

@@ -3,7 +3,10 @@
 // beta, offsets, leading dimensions wider than the rows, batches with strides (0 included),
 // operands in sub-buffers and two operands in one buffer (the root-and-origin and capture
 // handling of the host path, tools/driver-bugs/pocl-native-kernel-buffers). Also the public
-// calls that choose and describe the path, and one forward pass through both paths.
+// calls that choose and describe the path, and one forward pass through both paths. The host
+// path's packed weights (src/device/packed_weight.h): their kernel alone at sizes with every
+// tail, in products through clmha__gemm(), and a layer whose parameters change between
+// forwards, one still queued when they do.
 //
 // Links libclmha.a: clmha__gemm is internal. The host cases are skipped (with a message) on a
 // device without the host path.
@@ -16,6 +19,7 @@
 #include <string.h>
 
 #include "context/gemm.h"
+#include "device/packed_weight.h"
 #include "support.h"
 
 // One product to check: row-major C = alpha·op(A)·op(B) + beta·C, batch items.
@@ -248,6 +252,172 @@ Test(gemm, forward_through_both_paths) {
         cr_expect_leq(worst, 1e-5);
     }
     free(params), free(x), free(out[0]), free(out[1]);
+    clmha_layer_release(layer);
+    clmha_context_release(ctx);
+}
+
+// ---- packed weights ----------------------------------------------------------------------------
+
+// C (m, n) = A·W[first .. first + n)ᵀ + bias (+ C0 when accumulate) in double.
+static void packed_reference(size_t m, size_t n, size_t k, const float *a, size_t lda,
+                             const float *w, size_t first, const float *bias, const float *c0,
+                             size_t ldc, bool accumulate, double *want) {
+    for (size_t i = 0; i < m; ++i)
+        for (size_t j = 0; j < n; ++j) {
+            double sum = (bias ? bias[j] : 0) + (accumulate ? c0[i * ldc + j] : 0);
+            for (size_t p = 0; p < k; ++p)
+                sum += (double)a[i * lda + p] * w[(first + j) * k + p];
+            want[i * n + j] = sum;
+        }
+}
+
+// The kernel alone against the double product: rows below, at and past its 6-row tile and its
+// 192-row block, columns past a panel's 32, k past its 256-value block, a weight read from row
+// 32 on, the columns in two calls (as two threads share them), with and without bias and
+// accumulation. Columns of C past n must keep their values.
+Test(gemm, packed_weight_kernel) {
+    clmha__packed_weight *probe = clmha__packed_weight_new(1, 1);
+    if (!probe) cr_skip_test("no packed-weight kernel on this CPU (AVX-512) or compiler");
+    clmha__packed_weight_free(probe);
+    static const size_t shapes[][4] = {  // m, n, k, first
+        {1, 1, 1, 0}, {5, 31, 17, 0}, {6, 32, 256, 32}, {7, 33, 300, 0}, {13, 70, 64, 32},
+        {200, 96, 513, 0}, {37, 64, 512, 64}};
+    double worst = 0;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; ++s)
+        for (int mode = 0; mode < 4; ++mode) {  // bias: mode & 1; accumulate: mode & 2
+            size_t m = shapes[s][0], n = shapes[s][1], k = shapes[s][2], first = shapes[s][3];
+            size_t rows = first + n + 5, lda = k + 3, ldc = n + 7;
+            bool with_bias = mode & 1, accumulate = mode & 2;
+            float *w = malloc(rows * k * sizeof *w), *a = malloc(m * lda * sizeof *a);
+            float *bias = malloc(n * sizeof *bias), *c = malloc(m * ldc * sizeof *c);
+            float *c0 = malloc(m * ldc * sizeof *c0);
+            double *want = malloc(m * n * sizeof *want);
+            cr_assert(w && a && bias && c && c0 && want);
+            prng r = {900 + (unsigned)(s * 4 + mode)};
+            for (size_t i = 0; i < rows * k; ++i) w[i] = (float)(2 * prng_uniform(&r) - 1);
+            for (size_t i = 0; i < m * lda; ++i) a[i] = (float)(2 * prng_uniform(&r) - 1);
+            for (size_t i = 0; i < n; ++i) bias[i] = (float)(2 * prng_uniform(&r) - 1);
+            for (size_t i = 0; i < m * ldc; ++i) c0[i] = c[i] = (float)(2 * prng_uniform(&r) - 1);
+            clmha__packed_weight *pw = clmha__packed_weight_new(rows, k);
+            cr_assert(pw);
+            clmha__packed_weight_write(pw, 0, 3, w);  // in two writes, as parameters may come
+            clmha__packed_weight_write(pw, 3, rows - 3, w + 3 * k);
+            cr_assert(clmha__packed_weight_fits(pw, first, n, k));
+            cr_expect(!clmha__packed_weight_fits(pw, first + 1, n, k));
+            cr_expect(!clmha__packed_weight_fits(pw, first, rows - first + 1, k));
+            cr_expect(!clmha__packed_weight_fits(pw, first, n, k + 1));
+            size_t split = n > 32 ? 32 : n;
+            const float *b = with_bias ? bias : NULL;
+            clmha__packed_weight_gemm(pw, first, m, n, a, lda, c, ldc, b, accumulate, 0, split);
+            clmha__packed_weight_gemm(pw, first, m, n, a, lda, c, ldc, b, accumulate, split, n);
+            packed_reference(m, n, k, a, lda, w, first, b, c0, ldc, accumulate, want);
+            double big = 0, err = 0;
+            for (size_t i = 0; i < m * n; ++i) big = fmax(big, fabs(want[i]));
+            size_t kept = 0;
+            for (size_t i = 0; i < m; ++i) {
+                for (size_t j = 0; j < n; ++j)
+                    err = fmax(err, fabs(c[i * ldc + j] - want[i * n + j]) / big);
+                for (size_t j = n; j < ldc; ++j) kept += c[i * ldc + j] == c0[i * ldc + j];
+            }
+            cr_expect_leq(err, 2e-6, "m %zu n %zu k %zu first %zu mode %d: relative error %.3g",
+                          m, n, k, first, mode, err);
+            cr_expect_eq(kept, m * (ldc - n), "m %zu n %zu: columns past n written", m, n);
+            worst = fmax(worst, err);
+            clmha__packed_weight_free(pw);
+            free(w), free(a), free(bias), free(c), free(c0), free(want);
+        }
+    printf("gemm: packed-weight kernel, %zu shapes x 4 modes, worst relative error %.2e\n",
+           sizeof shapes / sizeof shapes[0], worst);
+}
+
+// Sets @p p's float parameters on @p layer (E @p e, bias): in_proj_weight, or with @p q_only
+// only its first E rows (q_proj_weight), then the rest.
+static void set_params(clmha_layer *layer, const clmha_reference_params *p, size_t e,
+                       bool q_only) {
+    clmha_status st = q_only
+                          ? clmha_layer_set_parameter(layer, "q_proj_weight", p->in_proj_weight,
+                                                      e * e)
+                          : clmha_layer_set_parameter(layer, "in_proj_weight", p->in_proj_weight,
+                                                      3 * e * e);
+    if (!st) st = clmha_layer_set_parameter(layer, "in_proj_bias", p->in_proj_bias, 3 * e);
+    if (!st) st = clmha_layer_set_parameter(layer, "out_proj.weight", p->out_proj_weight, e * e);
+    if (!st) st = clmha_layer_set_parameter(layer, "out_proj.bias", p->out_proj_bias, e);
+    cr_assert_eq(st, CLMHA_SUCCESS, "%s", clmha_context_last_error(clmha_layer_context(layer)));
+}
+
+// The largest |y - reference of @p p| over the forward of @p args.
+static double against_reference(const clmha_layer_desc *desc, const clmha_reference_params *p,
+                                 const clmha_forward_args *args, const float *y, size_t count) {
+    double *want = malloc(count * sizeof *want);
+    cr_assert(want);
+    char msg[256];
+    cr_assert_eq(clmha_reference_forward(desc, p, args, want, count, NULL, 0, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    double worst = 0;
+    for (size_t i = 0; i < count; ++i) worst = fmax(worst, fabs(y[i] - want[i]));
+    free(want);
+    return worst;
+}
+
+// A layer's packed weights follow its parameters: a forward queued before they change computes
+// with the old ones, the next with the new ones (in_proj_weight's first rows rewritten through
+// q_proj_weight, out_proj.weight whole), each against the double reference of its parameters.
+Test(gemm, packed_weights_follow_parameters) {
+    clmha_context *ctx = context_or_skip();
+    if (clmha_context_gemm(ctx) != CLMHA_GEMM_HOST) {
+        clmha_context_release(ctx);
+        cr_skip_test("no host BLAS path on this device");
+    }
+    size_t e = 64, n = 2, l = 40, count = n * l * e;  // 80 rows: 13 tiles of 6 and 2
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = e, .num_heads = 4,
+                             .bias = true, .batch_first = true};
+    clmha_layer *layer;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
+    size_t np = 4 * e * e + 4 * e;
+    float *params[2] = {malloc(np * sizeof(float)), malloc(np * sizeof(float))};
+    float *x = malloc(count * sizeof *x), *y[2] = {malloc(count * 4), malloc(count * 4)};
+    cr_assert(params[0] && params[1] && x && y[0] && y[1]);
+    prng r = {77};
+    for (int v = 0; v < 2; ++v)
+        for (size_t i = 0; i < np; ++i) params[v][i] = (float)(0.25 * (2 * prng_uniform(&r) - 1));
+    memcpy(params[1] + e * e, params[0] + e * e, 2 * e * e * sizeof(float));  // K, V rows kept
+    memcpy(params[1] + 3 * e * e, params[0] + 3 * e * e, 3 * e * sizeof(float));  // in bias
+    for (size_t i = 0; i < count; ++i) x[i] = (float)(2 * prng_uniform(&r) - 1);
+    clmha_reference_params ref[2];
+    for (int v = 0; v < 2; ++v)
+        ref[v] = (clmha_reference_params){
+            .struct_size = sizeof ref[v], .in_proj_weight = params[v],
+            .in_proj_bias = params[v] + 3 * e * e, .out_proj_weight = params[v] + 3 * e * e + 3 * e,
+            .out_proj_bias = params[v] + 4 * e * e + 3 * e};
+    set_params(layer, &ref[0], e, false);
+    cl_context cl = clmha_context_cl_context(ctx);
+    cl_command_queue q = clmha_context_cl_queue(ctx);
+    cl_int err;
+    cl_mem xb = clCreateBuffer(cl, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, count * 4, x, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    cl_mem yb = clCreateBuffer(cl, CL_MEM_READ_WRITE, count * 4, NULL, &err);
+    cr_assert_eq(err, CL_SUCCESS);
+    clmha_forward_args a = {.struct_size = sizeof a};
+    a.query = (clmha_tensor){.ndim = 3, .shape = {n, l, e}, .buffer = xb, .data = x};
+    cl_event done = NULL;
+    cr_assert_eq(clmha_layer_forward(layer, &a, yb, 0, NULL, 0, 0, NULL, &done), CLMHA_SUCCESS,
+                 "%s", clmha_context_last_error(ctx));
+    set_params(layer, &ref[1], e, true);  // while the forward may still be queued
+    cr_assert_eq(clEnqueueReadBuffer(q, yb, CL_TRUE, 0, count * 4, y[0], 1, &done, NULL),
+                 CL_SUCCESS);
+    clReleaseEvent(done);
+    cr_assert_eq(clmha_layer_forward_host(layer, &a, y[1], count, NULL, 0), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    double before = against_reference(&desc, &ref[0], &a, y[0], count);
+    double after = against_reference(&desc, &ref[1], &a, y[1], count);
+    double stale = against_reference(&desc, &ref[0], &a, y[1], count);
+    printf("gemm: parameters changed between forwards: max |error| %.2e before, %.2e after "
+           "(%.2e against the old parameters)\n", before, after, stale);
+    cr_expect_leq(before, 1e-5);
+    cr_expect_leq(after, 1e-5);
+    cr_expect_gt(stale, 1e-3);  // the second forward did see the new parameters
+    clReleaseMemObject(xb), clReleaseMemObject(yb);
+    free(params[0]), free(params[1]), free(x), free(y[0]), free(y[1]);
     clmha_layer_release(layer);
     clmha_context_release(ctx);
 }
