@@ -89,7 +89,7 @@ struct clmha_layer {
     cl_mem w_out;    // out_proj.weight (E, E)
     // w_in and w_out packed for the host path's products (src/device/packed_weight.h), kept
     // equal to them by every write of their parameters (layer.c): NULL where not made (not
-    // the host path, not float32 elements, kdim or vdim other than E for w_in, no AVX-512, or
+    // the host path, a float64 layer (rs 8), kdim or vdim other than E for w_in, no AVX-512, or
     // out of host memory).
     struct clmha__packed_weight *packed_in, *packed_out;
     cl_mem b_out;    // out_proj.bias (E), NULL without bias
