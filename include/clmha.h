@@ -1286,7 +1286,9 @@ typedef clmha_status (*clmha_attention_fn)(const struct clmha_core_args *args, v
 /// iterations), that call runs the unfused core, also with ::CLMHA_IMPL_FUSED.
 typedef enum clmha_impl {
     CLMHA_IMPL_AUTO = 0,  ///< fused when the call does not ask for weights and the device can
-                          ///< run it, else unfused
+                          ///< run it, else unfused; on a CPU device with the host BLAS path
+                          ///< and AVX-512, a call without masks, variants or dropout, of head
+                          ///< dimension 64, runs the fused computation in C on the CPU
     CLMHA_IMPL_FUSED,     ///< the fused core (a call with need_weights is refused)
     CLMHA_IMPL_UNFUSED,   ///< the unfused core
 } clmha_impl;

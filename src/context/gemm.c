@@ -1,6 +1,7 @@
 // The GEMMs of a context (context/gemm.h): CLBlast or the host BLAS through native kernels, and
 // the public calls that choose and describe the path.
 #include "context/gemm.h"
+#include "context/native.h"
 
 #include "context/context.h"
 #include "device/blas.h"
@@ -150,14 +151,8 @@ static void CL_CALLBACK run_host(void *p) {
 // The root buffer of @p m and the origin of @p m in it, in elements of @p elem bytes; false
 // when the origin is not a whole number of elements (or the driver does not say).
 static bool root_of(cl_mem m, size_t elem, cl_mem *root, size_t *origin) {
-    cl_mem parent = NULL;
-    size_t bytes = 0;
-    if (clGetMemObjectInfo(m, CL_MEM_ASSOCIATED_MEMOBJECT, sizeof parent, &parent, NULL) !=
-        CL_SUCCESS)
-        return false;
-    if (parent && clGetMemObjectInfo(m, CL_MEM_OFFSET, sizeof bytes, &bytes, NULL) != CL_SUCCESS)
-        return false;
-    *root = parent ? parent : m;
+    size_t bytes;
+    if (!clmha__native_root(m, root, &bytes)) return false;
     *origin = bytes / elem;
     return bytes % elem == 0;
 }

@@ -15,6 +15,7 @@
 #define CLMHA__CORE_TABLE(X)                                                                  \
     X(decode)  /* calls with a KV cache, and only those */                                    \
     X(user)    /* the caller's clmha_attention_fn, when one is set */                         \
+    X(host_fused) /* plain calls on the host path (CPU devices), CLMHA_IMPL_AUTO only */  \
     X(fused)   /* no weights asked for, or CLMHA_IMPL_FUSED; built on first use */            \
     X(unfused) /* everything else, and wherever the fused core cannot run */
 

@@ -6,8 +6,8 @@
 // and backward passes walk the dispatch table (core.c) and ask; they never name a core.
 //
 // The cores today: decode (calls with a KV cache, split-K), user (the caller's
-// clmha_attention_fn), fused (one kernel, no weights; its backward from the saved log-sum-exp
-// rows), unfused (GEMMs and a softmax kernel, weights, chunks; the fallback of every call).
+// clmha_attention_fn), host_fused (plain calls on the host path, in C on the CPU), fused (one
+// kernel, no weights; its backward from the saved log-sum-exp rows), unfused (GEMMs and a softmax kernel, weights, chunks; the fallback of every call).
 //
 // Adding a core takes:
 //   - src/cores/NAME.c: a `const clmha__core clmha__core_NAME` and everything of the core, its

@@ -330,14 +330,6 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
     return CLMHA_SUCCESS;
 }
 
-// The strides of rows (cl/cores/fused.cl, AT) of @p t tokens a batch, the first at element @p at,
-// @p ld elements apart, head h in columns h·hd.., in the call's order (batch first: row n·t + i;
-// else row i·N + n).
-static cl_ulong4 rows_at(const clmha__dims *d, size_t at, size_t ld, cl_ulong hd, cl_ulong t) {
-    return d->batch_first ? (cl_ulong4){{at, t * ld, hd, ld}}
-                          : (cl_ulong4){{at, ld, hd, d->n * ld}};
-}
-
 // 3-5 fused: scores, masks, softmax, dropout and weights·V in one kernel that streams tiles
 // of keys through local memory (cl/cores/fused.cl); the scores are never stored. One work-group
 // per (tile of bq·rpw query rows, batch·head).
@@ -372,10 +364,10 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     cl_ulong4 bias_at = {{l->desc.bias && call->rows, 0, l->e, l->e + l->kve}};
     if (call->rows) {
         q = k = v = l->proj;
-        q_at = rows_at(d, call->q_at, call->q_ld, hd, tgt);
-        k_at = rows_at(d, call->k_at, call->k_ld, hd, src);
-        v_at = rows_at(d, call->v_at, call->v_ld, hd, src);
-        o_at = rows_at(d, 0, l->e, hd, tgt);
+        q_at = clmha__rows_at(d, call->q_at, call->q_ld, hd, tgt);
+        k_at = clmha__rows_at(d, call->k_at, call->k_ld, hd, src);
+        v_at = clmha__rows_at(d, call->v_at, call->v_ld, hd, src);
+        o_at = clmha__rows_at(d, 0, l->e, hd, tgt);
     }
     arg args[] = {ARG(q), ARG(k), ARG(v), ARG(l->tiles[CLMHA__TILE_OUT]), ARG(q_at), ARG(k_at),
                   ARG(v_at), ARG(o_at), ARG(bias), ARG(bias_at),

@@ -78,6 +78,15 @@ typedef struct clmha__mask_args {
     size_t rs;  // the layer's element size: which of keep_scale the kernels take
 } clmha__mask_args;
 
+// The strides of rows (cl/cores/fused.cl, AT: offset, per batch, per head, per row) of @p t
+// tokens a batch, the first at element @p at, @p ld elements apart, head h in columns h·hd..,
+// in the call's order (batch first: row n·t + i; else row i·N + n).
+static inline cl_ulong4 clmha__rows_at(const clmha__dims *d, size_t at, size_t ld, cl_ulong hd,
+                                       cl_ulong t) {
+    return d->batch_first ? (cl_ulong4){{at, t * ld, hd, ld}}
+                          : (cl_ulong4){{at, ld, hd, d->n * ld}};
+}
+
 // The buffer and offset of the user functions' p of layer @p l (the dummy without).
 static inline cl_mem clmha__mod_params_of(const clmha_layer *l, cl_ulong *off) {
     *off = l->mod_params_call ? l->mod_params_call_off : 0;

@@ -369,6 +369,34 @@ bool clmha__host_blas_sgemm_packed(const clmha__host_blas *b, const clmha__host_
     return true;
 }
 
+size_t clmha__host_blas_team(const clmha__host_blas *b) {
+    bool omp = b == &blas && b->sgemm == sgemm_dnnl && omp_get_max && omp_parallel &&
+               omp_thread_num && omp_num_threads;
+    int team = omp ? omp_get_max() : 0;
+    return team > 0 ? (size_t)team : 0;
+}
+
+typedef struct {
+    void (*fn)(void *, size_t, size_t);
+    void *arg;
+} team_job;
+
+static void team_member(void *arg) {
+    const team_job *j = arg;
+    j->fn(j->arg, (size_t)omp_thread_num(), (size_t)omp_num_threads());
+}
+
+void clmha__host_blas_team_run(const clmha__host_blas *b,
+                               void (*fn)(void *arg, size_t t, size_t team), void *arg) {
+    size_t team = clmha__host_blas_team(b);
+    if (team <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    team_job j = {fn, arg};
+    omp_parallel(team_member, &j, (unsigned)team, 0);
+}
+
 // ---- dgemm -------------------------------------------------------------------------------------
 
 static clmha__host_dgemm dgemm_lib;

@@ -94,6 +94,18 @@ CLMHA__HIDDEN bool clmha__host_blas_sgemm_packed(const clmha__host_blas *blas,
                                                  const clmha__host_batch *p,
                                                  const clmha__packed_weight *w, size_t first);
 
+// The size of oneDNN's OpenMP team for a native kernel of @p blas (its threads, 1 or more), or 0
+// where @p blas is another library or the OpenMP runtime was not found: no team to run
+// clmha__host_blas_team_run() over.
+CLMHA__HIDDEN size_t clmha__host_blas_team(const clmha__host_blas *blas);
+
+// Runs @p fn(@p arg, t, team) once for each member t of oneDNN's OpenMP team (in parallel; a
+// team of 1 in the calling thread) and returns when all have; the team's size is
+// clmha__host_blas_team(), which must not be 0.
+CLMHA__HIDDEN void clmha__host_blas_team_run(const clmha__host_blas *blas,
+                                             void (*fn)(void *arg, size_t t, size_t team),
+                                             void *arg);
+
 // The process's dgemm, loaded on the first call (thread-safe): cblas_dgemm of the
 // CLMHA_HOST_BLAS library, else of the first of OpenBLAS, BLIS and MKL (the search above; oneDNN
 // has no dgemm) that loads; NULL without one, or with CLMHA_HOST_BLAS "none". Loaded apart from

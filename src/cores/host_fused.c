@@ -1,0 +1,135 @@
+// The host fused core: the fused core's computation (scores, softmax and weights·V with an
+// online softmax, no scores stored) done by the CPU itself, in C (src/device/host_attention.c),
+// from a native kernel in queue order, on the CPU devices whose products take the host path.
+// It takes the plain calls only: CLMHA_IMPL_AUTO, head dimension 64, float32, no mask of any
+// kind (attn_mask, key_padding_mask, is_causal, windows, user functions), no soft-capping,
+// ALiBi, sinks, dropout or appended keys, nothing saved for a backward pass and no
+// log-sum-exp rows; every other call goes on to the fused core (cl/cores/fused.cl), as does
+// CLMHA_IMPL_FUSED. It reads the projected rows (adding in_proj_bias) or the head tiles, and
+// writes merged rows or head tiles, as the fused core does (clmha__core::reads_rows).
+#include "cores/core.h"
+
+#include "base/checked.h"
+#include "context/native.h"
+#include "cores/kernel_args.h"
+#include "device/host_attention.h"
+#include "device/host_blas.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+// A call's arguments in its native kernel, whose buffers are q, k, v, out and in_proj_bias
+// (the same buffer more than once on the rows path).
+typedef struct host_call {
+    clmha__host_attention a;  // its pointers set when it runs, its scratch freed then
+    const clmha__host_blas *blas;
+    bool bias;                // the rows still lack in_proj_bias: add it
+    size_t bias_at[3];        // the query, key and value biases' first floats in in_proj_bias
+} host_call;
+
+static void team_member(void *arg, size_t t, size_t team) {
+    clmha__host_attention_run(arg, t, team);
+}
+
+static void run_call(void *args, void *const *mem) {
+    host_call *c = args;
+    clmha__host_attention *a = &c->a;
+    a->q = mem[0];
+    a->k = mem[1];
+    a->v = mem[2];
+    a->out = mem[3];
+    if (c->bias) {
+        const float *b = mem[4];
+        a->bq = b + c->bias_at[0];
+        a->bk = b + c->bias_at[1];
+        a->bv = b + c->bias_at[2];
+    }
+    clmha__host_blas_team_run(c->blas, team_member, a);
+    free(a->scratch);
+}
+
+// Why @p call is not a plain one (see the top of this file), or NULL when it is.
+static const char *not_plain(const clmha_layer *l, const clmha__core_call *call) {
+    const clmha_forward_args *a = call->args;
+    const clmha__dims *d = call->dims;
+    if (a->kv_cache || call->need_lse || call->lse) return "the call saves or is partial";
+    if (d->attn_kind || d->kpm_kind || a->is_causal || clmha__windowed(d) || l->mods)
+        return "the call has a mask";
+    if (d->softcap != 0.0 || d->alibi || d->sinks) return "the call has a score variant";
+    if (a->training && l->desc.dropout > 0.0f) return "the call has dropout";
+    if (d->s_padded != d->s) return "the call has appended keys";
+    return NULL;
+}
+
+static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
+                             clmha__core_answer *answer) {
+    const clmha__host_blas *hb = l->ctx->host_blas;
+    const char *why = NULL;
+    if (l->core) why = "the layer has a user core";
+    else if (clmha__impl_of_call(l, call) != CLMHA_IMPL_AUTO) why = "the call names a core";
+    else if (!hb || !clmha__host_blas_team(hb)) why = "no host path with an OpenMP team";
+    else if (l->desc.dtype != CLMHA_DTYPE_F32 || !clmha__host_attention_fits(l->d))
+        why = "it takes float32 heads of 64 on AVX-512 CPUs only";
+    else why = not_plain(l, call);
+    if (why)
+        clmha__core_answer_set(answer, CLMHA__CORE_PASSES, CLMHA_SUCCESS, "%s", why);
+    else
+        clmha__core_runs(answer);
+    return CLMHA_SUCCESS;
+}
+
+static clmha_status run(clmha_layer *l, clmha__core_call *call) {
+    const clmha__dims *d = call->dims;
+    clmha_context *ctx = l->ctx;
+    size_t hd = l->d, kvh = l->h / (call->kv_group ? call->kv_group : 1);
+    host_call c = {.blas = ctx->host_blas};
+    clmha__host_attention *a = &c.a;
+    a->batch = d->n;
+    a->heads = l->h;
+    a->kv_group = l->h / kvh;
+    a->rows = d->l;
+    a->keys = d->s;
+    a->scale = (float)clmha__core_scale(l, call->scale);
+    cl_mem bufs[5] = {l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K], l->tiles[CLMHA__TILE_V],
+                      l->tiles[CLMHA__TILE_OUT], ctx->dummy};
+    cl_ulong4 at[4] = {{{0, l->h * d->l * hd, d->l * hd, hd}},
+                       {{0, kvh * d->s_padded * hd, d->s_padded * hd, hd}}};
+    at[2] = at[1];
+    at[3] = at[0];
+    if (call->rows) {
+        bufs[0] = bufs[1] = bufs[2] = l->proj;
+        at[0] = clmha__rows_at(d, call->q_at, call->q_ld, hd, d->l);
+        at[1] = clmha__rows_at(d, call->k_at, call->k_ld, hd, d->s);
+        at[2] = clmha__rows_at(d, call->v_at, call->v_ld, hd, d->s);
+        at[3] = clmha__rows_at(d, 0, l->e, hd, d->l);
+        if (l->desc.bias) {
+            c.bias = true;
+            bufs[4] = l->b_in;
+            c.bias_at[1] = l->e;
+            c.bias_at[2] = l->e + l->kve;
+        }
+    }
+    size_t *dst[4] = {a->q_at, a->k_at, a->v_at, a->o_at};
+    for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) dst[i][j] = (size_t)at[i].s[j];
+    size_t per = clmha__host_attention_scratch(d->s), team = clmha__host_blas_team(c.blas), bytes;
+    if (!per || !clmha__mul3(per, team, sizeof(float), &bytes))
+        return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "the host fused core's scratch overflows");
+    a->scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!a->scratch) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
+    clmha_status st = clmha__native_run(ctx, "host fused attention", run_call, &c, sizeof c,
+                                        bufs, 5);
+    if (st) {
+        free(a->scratch);
+        return st;
+    }
+    return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
+}
+
+const clmha__core clmha__core_host_fused = {.name = "host_fused",
+                                            .impl = CLMHA_IMPL_AUTO,
+                                            .grouped_kv = true,
+                                            .reads_rows = true,
+                                            .supports = supports,
+                                            .uses_scores = false,
+                                            .run = run};

@@ -1,0 +1,59 @@
+// Attention of head dimension 64 on the CPU itself: the host fused core's arithmetic
+// (src/cores/host_fused.c runs it from a native kernel over oneDNN's OpenMP team).
+//
+// Why: on CPU drivers the fused OpenCL kernel (cl/cores/fused.cl), as PoCL 3.1 compiles it,
+// reached ~0.66 of the FMA peak at L 2048 (155 GFLOP/s on 2 cores of an AMD EPYC, Zen 4); this
+// C kernel, with the same online softmax, reaches ~185 there (docs/design.md, "The host fused
+// core").
+//
+// How: for each (batch, head) the keys of the head are first copied transposed, in tiles of
+// 64 keys (64 dimensions × 64 keys, the bias added); then each block of 12 query rows (scaled by
+// scale·log2(e), the bias added) runs over the key tiles: per 6 rows, the tile's scores (6 × 64,
+// 24 AVX-512 accumulators over the 64 dimensions), the row maxima, p = 2^(score − max) (a
+// polynomial, ~1 ulp), the running sums kept as 16 lanes per row, the accumulators rescaled
+// when a maximum grows, then acc += p·V (6 rows × 64 columns, 24 accumulators, over the tile's
+// keys read straight from the value rows). Past the last key of a partial tile the scores are
+// -inf and p exactly 0; past the last query row the block computes on the last row and stores
+// nothing. Every output element is the same sum in the same order whatever the team's size.
+//
+// Only on x86-64 with AVX-512 (F), compiled by GCC or Clang: elsewhere
+// clmha__host_attention_fits() is false and the fused OpenCL kernel runs.
+#ifndef CLMHA_DEVICE_HOST_ATTENTION_H
+#define CLMHA_DEVICE_HOST_ATTENTION_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "base/defs.h"
+
+// The one head dimension the kernel takes.
+#define CLMHA__HOST_ATTENTION_HD 64
+
+// One call: out = softmax(q·kᵀ·scale)·v for every (batch, query head), no mask. Element d of
+// row t of head h of batch b of q is q[q_at[0] + b·q_at[1] + h·q_at[2] + t·q_at[3] + d]; k and
+// v are read at key/value head h / kv_group with their strides; out as q.
+typedef struct clmha__host_attention {
+    size_t batch, heads, kv_group, rows, keys;  // N, H, H / KVH, L, S (each at least 1)
+    const float *q, *k, *v;
+    float *out;
+    size_t q_at[4], k_at[4], v_at[4], o_at[4];
+    // Optional (NULL: none): the query, key and value biases of head 0, head h's (key/value
+    // head's) 64 floats at h·64, added to the rows as they are read.
+    const float *bq, *bk, *bv;
+    float scale;
+    // clmha__host_attention_scratch() floats for each member of the team, 64-byte aligned.
+    float *scratch;
+} clmha__host_attention;
+
+// Whether this CPU and build run the kernel at head dimension @p head_dim.
+CLMHA__HIDDEN bool clmha__host_attention_fits(size_t head_dim);
+
+// The scratch floats one thread needs for @p keys keys (their transposed copy), or 0 when that
+// size overflows.
+CLMHA__HIDDEN size_t clmha__host_attention_scratch(size_t keys);
+
+// Thread @p t of @p team: its share of the (batch, head, block of rows) items, in order.
+CLMHA__HIDDEN void clmha__host_attention_run(const clmha__host_attention *p, size_t t,
+                                             size_t team);
+
+#endif

@@ -1,0 +1,139 @@
+// The host fused core (src/cores/host_fused.c, src/device/host_attention.c): plain calls of
+// head dimension 64 on the host path run in C on the CPU. Each case checks that the core ran
+// (the layer's last core), and its output and that of the fused OpenCL kernel (the same call
+// with CLMHA_IMPL_FUSED) against the double-precision reference: query rows that leave a
+// partial block (1, 7, 13, 25 rows), keys that leave a partial tile (1, 63, 65, 130), batch
+// first or not, with and without bias, cross-attention with kdim and vdim, grouped-query
+// attention. A call with a mask goes on to the fused core.
+//
+// Links libclmha.a (the layer's last core). Skipped where the core cannot run: no host path
+// with oneDNN's OpenMP team, or no AVX-512.
+#include <criterion/criterion.h>
+
+#include <clmha.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "context/context.h"
+#include "cores/core.h"
+#include "device/host_attention.h"
+#include "device/host_blas.h"
+#include "layer/layer.h"
+#include "support.h"
+
+CLMHA__HIDDEN extern const clmha__core clmha__core_host_fused;
+CLMHA__HIDDEN extern const clmha__core clmha__core_fused;
+
+typedef struct hcase {
+    size_t heads, kv_heads, n, l, s, kdim, vdim;
+    bool bias, batch_first, cross;
+} hcase;
+
+static clmha_context *context_with_core(void) {
+    clmha_context *ctx = context_or_skip();
+    if (!ctx->host_blas || !clmha__host_blas_team(ctx->host_blas) ||
+        !clmha__host_attention_fits(CLMHA__HOST_ATTENTION_HD)) {
+        clmha_context_release(ctx);
+        cr_skip_test("no host path with an OpenMP team, or no AVX-512: the core does not run");
+    }
+    return ctx;
+}
+
+// Runs @p c with @p impl and returns the largest |output - reference|; *core gets the core
+// that ran.
+static double run_case(clmha_context *ctx, const hcase *c, clmha_impl impl, bool causal,
+                       const void **core) {
+    size_t hd = CLMHA__HOST_ATTENTION_HD, e = c->heads * hd, kve = c->kv_heads * hd;
+    size_t kdim = c->kdim ? c->kdim : e, vdim = c->vdim ? c->vdim : e;
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = e, .num_heads = c->heads,
+                             .num_kv_heads = c->kv_heads, .kdim = kdim, .vdim = vdim,
+                             .bias = c->bias, .batch_first = c->batch_first};
+    clmha_layer *layer;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    prng r = {11 + c->l * 7 + c->s};
+    float *wq = uniform_floats(&r, e * e, 0.15), *wk = uniform_floats(&r, kve * kdim, 0.15);
+    float *wv = uniform_floats(&r, kve * vdim, 0.15), *wo = uniform_floats(&r, e * e, 0.15);
+    float *bi = uniform_floats(&r, e + 2 * kve, 0.5), *bo = uniform_floats(&r, e, 0.5);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "q_proj_weight", wq, e * e), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "k_proj_weight", wk, kve * kdim), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "v_proj_weight", wv, kve * vdim), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", wo, e * e), 0);
+    if (c->bias) {
+        cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", bi, e + 2 * kve), 0);
+        cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", bo, e), 0);
+    }
+    size_t s = c->cross ? c->s : c->l;
+    float *x = uniform_floats(&r, c->n * c->l * e, 1.0);
+    float *k = uniform_floats(&r, c->n * s * kdim, 1.0), *v = uniform_floats(&r, c->n * s * vdim, 1.0);
+    size_t count = c->n * c->l * e;
+    float *y = calloc(count, sizeof *y);
+    double *want = calloc(count, sizeof *want);
+    cr_assert(y && want);
+    clmha_forward_args a = {.struct_size = sizeof a, .impl = impl, .is_causal = causal};
+#define SHAPE(t, rows, f) \
+    (c->batch_first ? (size_t[3]){c->n, rows, f} : (size_t[3]){rows, c->n, f})
+    const size_t *qs = SHAPE(x, c->l, e);
+    a.query = (clmha_tensor){.ndim = 3, .shape = {qs[0], qs[1], qs[2]}, .data = x};
+    if (c->cross) {
+        const size_t *ks = SHAPE(k, s, kdim), *vs = SHAPE(v, s, vdim);
+        a.key = (clmha_tensor){.ndim = 3, .shape = {ks[0], ks[1], ks[2]}, .data = k};
+        a.value = (clmha_tensor){.ndim = 3, .shape = {vs[0], vs[1], vs[2]}, .data = v};
+    }
+#undef SHAPE
+    cr_assert_eq(clmha_layer_forward_host(layer, &a, y, count, NULL, 0), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    *core = layer->last_core;
+    clmha_reference_params p = {.struct_size = sizeof p, .q_proj_weight = wq, .k_proj_weight = wk,
+                                .v_proj_weight = wv, .out_proj_weight = wo,
+                                .in_proj_bias = c->bias ? bi : NULL,
+                                .out_proj_bias = c->bias ? bo : NULL};
+    char msg[256];
+    cr_assert_eq(clmha_reference_forward(&desc, &p, &a, want, count, NULL, 0, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    double worst = 0;
+    for (size_t i = 0; i < count; ++i) worst = fmax(worst, fabs(y[i] - want[i]));
+    free(wq), free(wk), free(wv), free(wo), free(bi), free(bo), free(x), free(k), free(v);
+    free(y), free(want);
+    clmha_layer_release(layer);
+    return worst;
+}
+
+Test(host_fused, against_reference) {
+    clmha_context *ctx = context_with_core();
+    const hcase cases[] = {
+        {.heads = 2, .kv_heads = 2, .n = 1, .l = 1, .bias = true, .batch_first = true},
+        {.heads = 2, .kv_heads = 2, .n = 2, .l = 13, .bias = true, .batch_first = true},
+        {.heads = 1, .kv_heads = 1, .n = 3, .l = 7, .bias = false, .batch_first = false},
+        {.heads = 2, .kv_heads = 2, .n = 1, .l = 130, .bias = true, .batch_first = false},
+        {.heads = 2, .kv_heads = 2, .n = 2, .l = 25, .s = 65, .kdim = 40, .vdim = 72,
+         .bias = true, .batch_first = true, .cross = true},
+        {.heads = 4, .kv_heads = 2, .n = 2, .l = 12, .s = 63, .bias = true, .batch_first = true,
+         .cross = true},
+        {.heads = 4, .kv_heads = 1, .n = 1, .l = 7, .s = 1, .bias = true, .batch_first = false,
+         .cross = true},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+        const hcase *c = &cases[i];
+        const void *host_core, *fused_core;
+        double host = run_case(ctx, c, CLMHA_IMPL_AUTO, false, &host_core);
+        double fused = run_case(ctx, c, CLMHA_IMPL_FUSED, false, &fused_core);
+        printf("host_fused: H %zu KVH %zu N %zu L %zu S %zu%s%s: max |error| %.2e (fused "
+               "kernel %.2e)\n", c->heads, c->kv_heads, c->n, c->l, c->cross ? c->s : c->l,
+               c->bias ? ", bias" : "", c->cross ? ", cross" : "", host, fused);
+        cr_expect_eq(host_core, (const void *)&clmha__core_host_fused, "case %zu: not the host core", i);
+        cr_expect_eq(fused_core, (const void *)&clmha__core_fused, "case %zu", i);
+        cr_expect_leq(host, 2e-6, "case %zu: %.2e", i, host);
+        cr_expect_leq(fused, 2e-6, "case %zu: %.2e", i, fused);
+    }
+    // A mask: the fused core's call.
+    const hcase masked = {.heads = 2, .kv_heads = 2, .n = 1, .l = 9, .bias = true,
+                          .batch_first = true};
+    const void *core;
+    double err = run_case(ctx, &masked, CLMHA_IMPL_AUTO, true, &core);
+    cr_expect_eq(core, (const void *)&clmha__core_fused, "a causal call ran another core");
+    cr_expect_leq(err, 2e-6);
+    clmha_context_release(ctx);
+}
