@@ -3,9 +3,9 @@
 // from a native kernel in queue order, on the CPU devices whose products take the host path.
 // It takes the plain calls only: CLMHA_IMPL_AUTO, head dimension 64, float32, no mask of any
 // kind (attn_mask, key_padding_mask, is_causal, windows, user functions), no soft-capping,
-// ALiBi, sinks, dropout or appended keys, nothing saved for a backward pass and no
-// log-sum-exp rows; every other call goes on to the fused core (cl/cores/fused.cl), as does
-// CLMHA_IMPL_FUSED. It reads the projected rows (adding in_proj_bias) or the head tiles, and
+// ALiBi, sinks, dropout or appended keys, at least 512 query rows a sequence and 512 keys,
+// nothing saved for a backward pass and no log-sum-exp rows; every other call goes on to the fused core
+// (cl/cores/fused.cl), as does CLMHA_IMPL_FUSED. It reads the projected rows (adding in_proj_bias) or the head tiles, and
 // writes merged rows or head tiles, as the fused core does (clmha__core::reads_rows).
 #include "cores/core.h"
 
@@ -48,6 +48,15 @@ static void run_call(void *args, void *const *mem) {
     free(a->scratch);
 }
 
+// The fewest query rows a sequence and keys a call may have: the core copies each head's keys
+// and values (the keys transposed) for its blocks of 12 rows, and starts its team of threads,
+// which smaller calls do not pay back. (AMD EPYC, Zen 4, 2 cores, `clmha bench` against
+// --impl fused, 7-11 alternated processes: the fused stage took 1.05-1.07x the time at N 8,
+// L 128 and N 4, L 256, 1.2x at N 4, L 64, S 1024, 1.0x at N 1, L 256, 0.93x at N 1, L 512,
+// 0.90x at L 2048.)
+#define HOST_FUSED_MIN_ROWS 512
+#define HOST_FUSED_MIN_KEYS 512
+
 // Why @p call is not a plain one (see the top of this file), or NULL when it is.
 static const char *not_plain(const clmha_layer *l, const clmha__core_call *call) {
     const clmha_forward_args *a = call->args;
@@ -58,6 +67,8 @@ static const char *not_plain(const clmha_layer *l, const clmha__core_call *call)
     if (d->softcap != 0.0 || d->alibi || d->sinks) return "the call has a score variant";
     if (a->training && l->desc.dropout > 0.0f) return "the call has dropout";
     if (d->s_padded != d->s) return "the call has appended keys";
+    if (d->l < HOST_FUSED_MIN_ROWS || d->s < HOST_FUSED_MIN_KEYS)
+        return "too few query rows or keys";
     return NULL;
 }
 

@@ -31,8 +31,8 @@ bool clmha__host_attention_fits(size_t head_dim) {
 }
 
 size_t clmha__host_attention_scratch(size_t keys) {
-    size_t tiles = keys / BK + 1, floats;
-    return clmha__mul3(tiles, BK, HD, &floats) ? floats : 0;
+    size_t tiles = keys / BK + 1, floats;  // the keys transposed, then the values
+    return clmha__mul3(tiles, 2 * BK, HD, &floats) ? floats : 0;
 }
 
 #if HOST_KERNEL
@@ -57,17 +57,67 @@ TARGET static inline __m512 exp2_nonpos(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+// Rows r[0..15] of 16 floats transposed in registers: r[d] becomes the 16 rows' element d
+// (unpacks within 128-bit lanes, then the lanes shuffled).
+TARGET static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // u[4i + c]: in 128-bit lane L, rows 4i..4i+3 of element 4L + c.
+    for (int i = 0; i < 4; ++i) {
+        __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int c = 0; c < 4; ++c) {
+        __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44);
+        __m512 x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+        __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+        __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+        r[4 + c] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+        r[8 + c] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+    }
+}
+
 // The keys of one (batch, key/value head), @p k its key 0 (rows k_ld apart), transposed into
-// tiles: kt[tile][d][j] = k[tile·BK + j][d] + bk[d], zero past the last key.
-static void pack_keys(const float *k, size_t k_ld, size_t keys, const float *bk, float *kt) {
-    for (size_t t0 = 0; t0 < keys; t0 += BK) {
-        float *tile = kt + t0 * HD;
-        for (size_t j = 0; j < BK; ++j) {
-            const float *row = t0 + j < keys ? k + (t0 + j) * k_ld : NULL;
-            for (size_t d = 0; d < HD; ++d)
-                tile[d * BK + j] = row ? row[d] + (bk ? bk[d] : 0.0f) : 0.0f;
+// tiles: kt[tile][d][j] = k[tile·BK + j][d] + bk[d], zero past the last key; 16 × 16 blocks
+// transposed in registers.
+TARGET static void pack_keys(const float *k, size_t k_ld, size_t keys, const float *bk,
+                             float *kt) {
+    for (size_t j0 = 0; j0 < keys; j0 += 16) {
+        float *to = kt + j0 / BK * BK * HD + j0 % BK;
+        for (size_t d0 = 0; d0 < HD; d0 += 16) {
+            __m512 r[16], b = bk ? _mm512_loadu_ps(bk + d0) : _mm512_setzero_ps();
+            for (size_t j = 0; j < 16; ++j)
+                r[j] = j0 + j < keys ? _mm512_add_ps(_mm512_loadu_ps(k + (j0 + j) * k_ld + d0), b)
+                                     : _mm512_setzero_ps();
+            transpose16(r);
+            for (size_t d = 0; d < 16; ++d) _mm512_store_ps(to + (d0 + d) * BK, r[d]);
         }
     }
+    // The rest of a partial last tile: zero.
+    for (size_t j0 = (keys + 15) / 16 * 16; j0 % BK; j0 += 16)
+        for (size_t d = 0; d < HD; ++d)
+            _mm512_store_ps(kt + j0 / BK * BK * HD + d * BK + j0 % BK, _mm512_setzero_ps());
+}
+
+// The values of one (batch, key/value head), @p v its key 0's (rows v_ld apart), copied
+// contiguous: vp[j][d] = v[j][d] + bv[d].
+TARGET static void pack_values(const float *v, size_t v_ld, size_t keys, const float *bv,
+                               float *vp) {
+    __m512 b[HD / 16];
+    for (int c = 0; c < HD / 16; ++c) b[c] = bv ? _mm512_loadu_ps(bv + 16 * c) : _mm512_setzero_ps();
+    for (size_t j = 0; j < keys; ++j)
+        for (int c = 0; c < HD / 16; ++c)
+            _mm512_store_ps(vp + j * HD + 16 * c,
+                            _mm512_add_ps(_mm512_loadu_ps(v + j * v_ld + 16 * c), b[c]));
 }
 
 // The running state of a block's rows.
@@ -168,10 +218,10 @@ TARGET static void tile_rows(block_state *b, const float *qs, size_t r0, const f
 }
 
 // One block: query rows [row0, row0 + QB) of one (batch, head) (fewer at the end: the last row
-// repeated, not stored). @p q, @p v and @p out are the head's row 0 / key 0.
+// repeated, not stored). @p q and @p out are the head's row 0, @p kt and @p vp its keys and
+// values packed.
 TARGET static void run_block(const clmha__host_attention *p, const float *q, const float *kt,
-                             const float *v, float *out, size_t row0, const float *bq,
-                             const float *bv) {
+                             const float *vp, float *out, size_t row0, const float *bq) {
     block_state b;
     float qs[QB * HD] __attribute__((aligned(64)));
     const float scale = p->scale * 1.4426950408889634f;  // log2(e): exp2 below
@@ -186,12 +236,12 @@ TARGET static void run_block(const clmha__host_attention *p, const float *q, con
     for (size_t t0 = 0; t0 < p->keys; t0 += BK) {
         size_t nk = p->keys - t0 < BK ? p->keys - t0 : BK;
         for (size_t r0 = 0; r0 < QB; r0 += MR)
-            tile_rows(&b, qs, r0, kt + t0 * HD, nk, v + t0 * p->v_at[3], p->v_at[3]);
+            tile_rows(&b, qs, r0, kt + t0 * HD, nk, vp + t0 * HD, HD);
     }
     for (size_t i = 0; i < QB && row0 + i < p->rows; ++i) {
         float inv = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(b.sums[i]));
         float *o = out + (row0 + i) * p->o_at[3];
-        for (size_t d = 0; d < HD; ++d) o[d] = b.acc[i][d] * inv + (bv ? bv[d] : 0.0f);
+        for (size_t d = 0; d < HD; ++d) o[d] = b.acc[i][d] * inv;
     }
 }
 
@@ -200,8 +250,9 @@ void clmha__host_attention_run(const clmha__host_attention *p, size_t t, size_t 
     size_t total = p->batch * per_batch;
     size_t first = total / team * t + (t < total % team ? t : total % team);
     size_t last = first + total / team + (t < total % team ? 1 : 0);
-    float *kt = p->scratch + t * clmha__host_attention_scratch(p->keys);
-    size_t packed = SIZE_MAX;  // the (batch, key/value head) whose keys kt holds
+    size_t per = clmha__host_attention_scratch(p->keys);
+    float *kt = p->scratch + t * per, *vp = kt + per / 2;
+    size_t packed = SIZE_MAX;  // the (batch, key/value head) whose keys and values are packed
     for (size_t w = first; w < last; ++w) {
         size_t n = w / per_batch, h = w % per_batch / blocks, blk = w % blocks;
         size_t g = h / p->kv_group, kv = n * p->heads + g;
@@ -209,12 +260,13 @@ void clmha__host_attention_run(const clmha__host_attention *p, size_t t, size_t 
         if (kv != packed) {
             pack_keys(p->k + p->k_at[0] + n * p->k_at[1] + g * p->k_at[2], p->k_at[3], p->keys,
                       bk, kt);
+            pack_values(p->v + p->v_at[0] + n * p->v_at[1] + g * p->v_at[2], p->v_at[3],
+                        p->keys, bv, vp);
             packed = kv;
         }
-        run_block(p, p->q + p->q_at[0] + n * p->q_at[1] + h * p->q_at[2], kt,
-                  p->v + p->v_at[0] + n * p->v_at[1] + g * p->v_at[2],
+        run_block(p, p->q + p->q_at[0] + n * p->q_at[1] + h * p->q_at[2], kt, vp,
                   p->out + p->o_at[0] + n * p->o_at[1] + h * p->o_at[2], blk * QB,
-                  p->bq ? p->bq + h * HD : NULL, bv);
+                  p->bq ? p->bq + h * HD : NULL);
     }
 }
 

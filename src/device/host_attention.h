@@ -6,15 +6,17 @@
 // C kernel, with the same online softmax, reaches ~185 there (docs/design.md, "The host fused
 // core").
 //
-// How: for each (batch, head) the keys of the head are first copied transposed, in tiles of
-// 64 keys (64 dimensions × 64 keys, the bias added); then each block of 12 query rows (scaled by
-// scale·log2(e), the bias added) runs over the key tiles: per 6 rows, the tile's scores (6 × 64,
-// 24 AVX-512 accumulators over the 64 dimensions), the row maxima, p = 2^(score − max) (a
-// polynomial, ~1 ulp), the running sums kept as 16 lanes per row, the accumulators rescaled
-// when a maximum grows, then acc += p·V (6 rows × 64 columns, 24 accumulators, over the tile's
-// keys read straight from the value rows). Past the last key of a partial tile the scores are
+// How: for each (batch, key/value head) the keys are first copied transposed, in tiles of 64
+// keys (64 dimensions × 64 keys, the bias added; 16 × 16 blocks transposed in registers), and
+// the values contiguous (the bias added); then each block of 12 query rows (scaled by
+// scale·log2(e), the bias added) runs over the key tiles: per 6 rows, the tile's scores
+// (6 × 64, 24 AVX-512 accumulators over the 64 dimensions), the row maxima,
+// p = 2^(score − max) (a polynomial, ~1 ulp), the running sums kept as 16 lanes per row, the
+// accumulators rescaled when a maximum grows, then acc += p·V (6 rows × 64 columns, 24
+// accumulators, over the tile's values). Past the last key of a partial tile the scores are
 // -inf and p exactly 0; past the last query row the block computes on the last row and stores
 // nothing. Every output element is the same sum in the same order whatever the team's size.
+// Compiled at -O3 in optimised builds (CMakeLists.txt).
 //
 // Only on x86-64 with AVX-512 (F), compiled by GCC or Clang: elsewhere
 // clmha__host_attention_fits() is false and the fused OpenCL kernel runs.

@@ -2,9 +2,10 @@
 // head dimension 64 on the host path run in C on the CPU. Each case checks that the core ran
 // (the layer's last core), and its output and that of the fused OpenCL kernel (the same call
 // with CLMHA_IMPL_FUSED) against the double-precision reference: query rows that leave a
-// partial block (1, 7, 13, 25 rows), keys that leave a partial tile (1, 63, 65, 130), batch
-// first or not, with and without bias, cross-attention with kdim and vdim, grouped-query
-// attention. A call with a mask goes on to the fused core.
+// partial block of 12 (512 to 530 rows), keys that leave a partial tile of 64 (513, 515, 517,
+// 575, 577), batch first or not, with and without bias, cross-attention with kdim and vdim,
+// grouped-query attention. A call with a mask, or fewer than 512 query rows or keys, goes on to
+// the fused core.
 //
 // Links libclmha.a (the layer's last core). Skipped where the core cannot run: no host path
 // with oneDNN's OpenMP team, or no AVX-512.
@@ -104,15 +105,14 @@ static double run_case(clmha_context *ctx, const hcase *c, clmha_impl impl, bool
 Test(host_fused, against_reference) {
     clmha_context *ctx = context_with_core();
     const hcase cases[] = {
-        {.heads = 2, .kv_heads = 2, .n = 1, .l = 1, .bias = true, .batch_first = true},
-        {.heads = 2, .kv_heads = 2, .n = 2, .l = 13, .bias = true, .batch_first = true},
-        {.heads = 1, .kv_heads = 1, .n = 3, .l = 7, .bias = false, .batch_first = false},
-        {.heads = 2, .kv_heads = 2, .n = 1, .l = 130, .bias = true, .batch_first = false},
-        {.heads = 2, .kv_heads = 2, .n = 2, .l = 25, .s = 65, .kdim = 40, .vdim = 72,
+        {.heads = 2, .kv_heads = 2, .n = 1, .l = 512, .bias = true, .batch_first = true},
+        {.heads = 2, .kv_heads = 2, .n = 2, .l = 517, .bias = true, .batch_first = true},
+        {.heads = 1, .kv_heads = 1, .n = 1, .l = 515, .bias = false, .batch_first = false},
+        {.heads = 2, .kv_heads = 2, .n = 1, .l = 520, .s = 577, .kdim = 40, .vdim = 72,
          .bias = true, .batch_first = true, .cross = true},
-        {.heads = 4, .kv_heads = 2, .n = 2, .l = 12, .s = 63, .bias = true, .batch_first = true,
+        {.heads = 4, .kv_heads = 2, .n = 1, .l = 512, .s = 575, .bias = true, .batch_first = true,
          .cross = true},
-        {.heads = 4, .kv_heads = 1, .n = 1, .l = 7, .s = 1, .bias = true, .batch_first = false,
+        {.heads = 4, .kv_heads = 1, .n = 1, .l = 530, .s = 513, .bias = true, .batch_first = false,
          .cross = true},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
@@ -128,12 +128,18 @@ Test(host_fused, against_reference) {
         cr_expect_leq(host, 2e-6, "case %zu: %.2e", i, host);
         cr_expect_leq(fused, 2e-6, "case %zu: %.2e", i, fused);
     }
-    // A mask: the fused core's call.
-    const hcase masked = {.heads = 2, .kv_heads = 2, .n = 1, .l = 9, .bias = true,
-                          .batch_first = true};
-    const void *core;
-    double err = run_case(ctx, &masked, CLMHA_IMPL_AUTO, true, &core);
-    cr_expect_eq(core, (const void *)&clmha__core_fused, "a causal call ran another core");
-    cr_expect_leq(err, 2e-6);
+    // A mask, fewer than 512 query rows, or fewer than 512 keys: the fused core's call.
+    const hcase others[] = {
+        {.heads = 2, .kv_heads = 2, .n = 1, .l = 512, .bias = true, .batch_first = true},
+        {.heads = 2, .kv_heads = 2, .n = 1, .l = 511, .bias = true, .batch_first = true},
+        {.heads = 2, .kv_heads = 2, .n = 1, .l = 600, .s = 511, .bias = true,
+         .batch_first = true, .cross = true},
+    };
+    for (size_t i = 0; i < 3; ++i) {
+        const void *core;
+        double err = run_case(ctx, &others[i], CLMHA_IMPL_AUTO, i == 0, &core);
+        cr_expect_eq(core, (const void *)&clmha__core_fused, "case %zu ran another core", i);
+        cr_expect_leq(err, 2e-6);
+    }
     clmha_context_release(ctx);
 }
