@@ -4,9 +4,12 @@
 // It takes the plain calls only: CLMHA_IMPL_AUTO, head dimension 64, float32, no mask of any
 // kind (attn_mask, key_padding_mask, is_causal, windows, user functions), no soft-capping,
 // ALiBi, sinks, dropout or appended keys, at least 512 query rows a sequence and 512 keys,
-// nothing saved for a backward pass and no log-sum-exp rows; every other call goes on to the fused core
-// (cl/cores/fused.cl), as does CLMHA_IMPL_FUSED. It reads the projected rows (adding in_proj_bias) or the head tiles, and
-// writes merged rows or head tiles, as the fused core does (clmha__core::reads_rows).
+// nothing saved for a backward pass and no log-sum-exp rows; every other call goes on to the
+// fused core (cl/cores/fused.cl), as does CLMHA_IMPL_FUSED. It reads the projected rows (adding
+// in_proj_bias) or the head tiles, and writes merged rows or head tiles, as the fused core does
+// (clmha__core::reads_rows).
+#include "cores/host_fused.h"
+
 #include "cores/core.h"
 
 #include "base/checked.h"
@@ -17,6 +20,22 @@
 
 #include <stdlib.h>
 #include <string.h>
+
+// The most host memory a call's copies of the keys and values may take (all threads): past it
+// the call goes on to the fused core.
+#define HOST_FUSED_MAX_SCRATCH ((size_t)64 << 20)
+
+static size_t calls;  // enqueued, for the tests
+
+size_t clmha__host_fused_calls(void) { return __atomic_load_n(&calls, __ATOMIC_RELAXED); }
+
+// The scratch floats of a call with @p keys keys on a team of @p team, or 0 past the limit.
+static size_t scratch_floats(size_t keys, size_t team) {
+    size_t per = clmha__host_attention_scratch(keys), floats;
+    return per && clmha__mul(per, team, &floats) && floats <= HOST_FUSED_MAX_SCRATCH / 4
+               ? floats
+               : 0;
+}
 
 // A call's arguments in its native kernel, whose buffers are q, k, v, out and in_proj_bias
 // (the same buffer more than once on the rows path).
@@ -81,7 +100,9 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
     else if (!hb || !clmha__host_blas_team(hb)) why = "no host path with an OpenMP team";
     else if (l->desc.dtype != CLMHA_DTYPE_F32 || !clmha__host_attention_fits(l->d))
         why = "it takes float32 heads of 64 on AVX-512 CPUs only";
-    else why = not_plain(l, call);
+    else if (!(why = not_plain(l, call)) &&
+             !scratch_floats(call->dims->s, clmha__host_blas_team(hb)))
+        why = "its copies of the keys and values would take more than 64 MiB";
     if (why)
         clmha__core_answer_set(answer, CLMHA__CORE_PASSES, CLMHA_SUCCESS, "%s", why);
     else
@@ -123,10 +144,10 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     size_t *dst[4] = {a->q_at, a->k_at, a->v_at, a->o_at};
     for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 4; ++j) dst[i][j] = (size_t)at[i].s[j];
-    size_t per = clmha__host_attention_scratch(d->s), team = clmha__host_blas_team(c.blas), bytes;
-    if (!per || !clmha__mul3(per, team, sizeof(float), &bytes))
-        return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "the host fused core's scratch overflows");
-    a->scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    size_t floats = scratch_floats(d->s, clmha__host_blas_team(c.blas));
+    if (!floats)
+        return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "the host fused core's scratch is too large");
+    a->scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!a->scratch) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     clmha_status st = clmha__native_run(ctx, "host fused attention", run_call, &c, sizeof c,
                                         bufs, 5);
@@ -134,6 +155,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
         free(a->scratch);
         return st;
     }
+    __atomic_fetch_add(&calls, 1, __ATOMIC_RELAXED);
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
 }
 

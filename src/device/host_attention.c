@@ -113,7 +113,8 @@ TARGET static void pack_keys(const float *k, size_t k_ld, size_t keys, const flo
 TARGET static void pack_values(const float *v, size_t v_ld, size_t keys, const float *bv,
                                float *vp) {
     __m512 b[HD / 16];
-    for (int c = 0; c < HD / 16; ++c) b[c] = bv ? _mm512_loadu_ps(bv + 16 * c) : _mm512_setzero_ps();
+    for (int c = 0; c < HD / 16; ++c)
+        b[c] = bv ? _mm512_loadu_ps(bv + 16 * c) : _mm512_setzero_ps();
     for (size_t j = 0; j < keys; ++j)
         for (int c = 0; c < HD / 16; ++c)
             _mm512_store_ps(vp + j * HD + 16 * c,

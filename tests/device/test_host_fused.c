@@ -4,8 +4,8 @@
 // with CLMHA_IMPL_FUSED) against the double-precision reference: query rows that leave a
 // partial block of 12 (512 to 530 rows), keys that leave a partial tile of 64 (513, 515, 517,
 // 575, 577), batch first or not, with and without bias, cross-attention with kdim and vdim,
-// grouped-query attention. A call with a mask, or fewer than 512 query rows or keys, goes on to
-// the fused core.
+// grouped-query attention; and attention as a function (head tiles). A call with a mask, or
+// fewer than 512 query rows or keys, goes on to the fused core.
 //
 // Links libclmha.a (the layer's last core). Skipped where the core cannot run: no host path
 // with oneDNN's OpenMP team, or no AVX-512.
@@ -19,6 +19,7 @@
 
 #include "context/context.h"
 #include "cores/core.h"
+#include "cores/host_fused.h"
 #include "device/host_attention.h"
 #include "device/host_blas.h"
 #include "layer/layer.h"
@@ -68,7 +69,8 @@ static double run_case(clmha_context *ctx, const hcase *c, clmha_impl impl, bool
     }
     size_t s = c->cross ? c->s : c->l;
     float *x = uniform_floats(&r, c->n * c->l * e, 1.0);
-    float *k = uniform_floats(&r, c->n * s * kdim, 1.0), *v = uniform_floats(&r, c->n * s * vdim, 1.0);
+    float *k = uniform_floats(&r, c->n * s * kdim, 1.0);
+    float *v = uniform_floats(&r, c->n * s * vdim, 1.0);
     size_t count = c->n * c->l * e;
     float *y = calloc(count, sizeof *y);
     double *want = calloc(count, sizeof *want);
@@ -123,7 +125,8 @@ Test(host_fused, against_reference) {
         printf("host_fused: H %zu KVH %zu N %zu L %zu S %zu%s%s: max |error| %.2e (fused "
                "kernel %.2e)\n", c->heads, c->kv_heads, c->n, c->l, c->cross ? c->s : c->l,
                c->bias ? ", bias" : "", c->cross ? ", cross" : "", host, fused);
-        cr_expect_eq(host_core, (const void *)&clmha__core_host_fused, "case %zu: not the host core", i);
+        cr_expect_eq(host_core, (const void *)&clmha__core_host_fused,
+                     "case %zu: not the host core", i);
         cr_expect_eq(fused_core, (const void *)&clmha__core_fused, "case %zu", i);
         cr_expect_leq(host, 2e-6, "case %zu: %.2e", i, host);
         cr_expect_leq(fused, 2e-6, "case %zu: %.2e", i, fused);
@@ -141,5 +144,37 @@ Test(host_fused, against_reference) {
         cr_expect_eq(core, (const void *)&clmha__core_fused, "case %zu ran another core", i);
         cr_expect_leq(err, 2e-6);
     }
+    clmha_context_release(ctx);
+}
+
+// Attention as a function (head tiles, not projected rows): grouped-query heads and a scale of
+// the caller's, against clmha_reference_attention().
+Test(host_fused, attention_function) {
+    clmha_context *ctx = context_with_core();
+    size_t n = 2, h = 4, hkv = 2, l = 515, s = 530, d = CLMHA__HOST_ATTENTION_HD;
+    prng r = {5};
+    float *q = uniform_floats(&r, n * h * l * d, 1.0);
+    float *k = uniform_floats(&r, n * hkv * s * d, 1.0);
+    float *v = uniform_floats(&r, n * hkv * s * d, 1.0), *y = calloc(n * h * l * d, sizeof *y);
+    double *want = calloc(n * h * l * d, sizeof *want);
+    cr_assert(y && want);
+    clmha_attention_args a = {.struct_size = sizeof a, .scale = 0.3, .enable_gqa = true};
+    a.query = (clmha_tensor){.ndim = 4, .shape = {n, h, l, d}, .data = q};
+    a.key = (clmha_tensor){.ndim = 4, .shape = {n, hkv, s, d}, .data = k};
+    a.value = (clmha_tensor){.ndim = 4, .shape = {n, hkv, s, d}, .data = v};
+    size_t before = clmha__host_fused_calls();
+    cr_assert_eq(clmha_attention_forward_host(ctx, &a, y, n * h * l * d, NULL, 0, NULL, 0),
+                 CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
+    cr_expect_eq(clmha__host_fused_calls(), before + 1, "the host fused core did not run");
+    char msg[256];
+    cr_assert_eq(clmha_reference_attention(&a, want, n * h * l * d, NULL, 0, NULL, 0, msg,
+                                           sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    double worst = 0;
+    for (size_t i = 0; i < n * h * l * d; ++i) worst = fmax(worst, fabs(y[i] - want[i]));
+    printf("host_fused: attention function, N %zu H %zu H_kv %zu L %zu S %zu, scale 0.3: max "
+           "|error| %.2e\n", n, h, hkv, l, s, worst);
+    cr_expect_leq(worst, 2e-6);
+    free(q), free(k), free(v), free(y), free(want);
     clmha_context_release(ctx);
 }
