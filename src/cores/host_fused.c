@@ -42,6 +42,7 @@ static size_t scratch_floats(size_t keys, size_t team) {
 typedef struct host_call {
     clmha__host_attention a;  // its pointers set when it runs, its scratch freed then
     const clmha__host_blas *blas;
+    size_t team;              // the threads the scratch has room for (the most that run)
     bool bias;                // the rows still lack in_proj_bias: add it
     size_t bias_at[3];        // the query, key and value biases' first floats in in_proj_bias
 } host_call;
@@ -63,7 +64,7 @@ static void run_call(void *args, void *const *mem) {
         a->bk = b + c->bias_at[1];
         a->bv = b + c->bias_at[2];
     }
-    clmha__host_blas_team_run(c->blas, team_member, a);
+    clmha__host_blas_team_run(c->blas, c->team, team_member, a);
     free(a->scratch);
 }
 
@@ -144,7 +145,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     size_t *dst[4] = {a->q_at, a->k_at, a->v_at, a->o_at};
     for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 4; ++j) dst[i][j] = (size_t)at[i].s[j];
-    size_t floats = scratch_floats(d->s, clmha__host_blas_team(c.blas));
+    c.team = clmha__host_blas_team(c.blas);
+    size_t floats = scratch_floats(d->s, c.team);
     if (!floats)
         return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "the host fused core's scratch is too large");
     a->scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);

@@ -386,9 +386,10 @@ static void team_member(void *arg) {
     j->fn(j->arg, (size_t)omp_thread_num(), (size_t)omp_num_threads());
 }
 
-void clmha__host_blas_team_run(const clmha__host_blas *b,
+void clmha__host_blas_team_run(const clmha__host_blas *b, size_t most,
                                void (*fn)(void *arg, size_t t, size_t team), void *arg) {
     size_t team = clmha__host_blas_team(b);
+    if (team > most) team = most;
     if (team <= 1) {
         fn(arg, 0, 1);
         return;

@@ -100,9 +100,10 @@ CLMHA__HIDDEN bool clmha__host_blas_sgemm_packed(const clmha__host_blas *blas,
 CLMHA__HIDDEN size_t clmha__host_blas_team(const clmha__host_blas *blas);
 
 // Runs @p fn(@p arg, t, team) once for each member t of oneDNN's OpenMP team (in parallel; a
-// team of 1 in the calling thread) and returns when all have; the team's size is
-// clmha__host_blas_team(), which must not be 0.
-CLMHA__HIDDEN void clmha__host_blas_team_run(const clmha__host_blas *blas,
+// team of 1 in the calling thread) and returns when all have; the team has at most @p most
+// members (what the caller made room for; the calling thread's clmha__host_blas_team() may
+// differ from the one it had when it planned), at most clmha__host_blas_team() and at least 1.
+CLMHA__HIDDEN void clmha__host_blas_team_run(const clmha__host_blas *blas, size_t most,
                                              void (*fn)(void *arg, size_t t, size_t team),
                                              void *arg);
 
