@@ -3,11 +3,13 @@
 // from a native kernel in queue order, on the CPU devices whose products take the host path.
 // It takes the plain calls only: CLMHA_IMPL_AUTO, head dimension 64, float32, no mask of any
 // kind (attn_mask, key_padding_mask, is_causal, windows, user functions), no soft-capping,
-// ALiBi, sinks, dropout or appended keys, at least 512 query rows a sequence and 512 keys,
-// nothing saved for a backward pass and no log-sum-exp rows; every other call goes on to the
-// fused core (cl/cores/fused.cl), as does CLMHA_IMPL_FUSED. It reads the projected rows (adding
-// in_proj_bias) or the head tiles, and writes merged rows or head tiles, as the fused core does
-// (clmha__core::reads_rows).
+// ALiBi, sinks, dropout, appended keys or KV cache, at least 512 query rows a sequence and 512
+// keys; every other call goes on to the fused core (cl/cores/fused.cl), as does
+// CLMHA_IMPL_FUSED. It reads the projected rows (adding in_proj_bias) or the head tiles, and
+// writes merged rows or head tiles, as the fused core does (clmha__core::reads_rows), and the
+// log-sum-exp rows where the call asks for them as the fused core writes them (lse_on 1 or 2):
+// a call that saves for the backward pass, whose backward is the fused core's, and partial
+// attention.
 #include "cores/host_fused.h"
 
 #include "cores/core.h"
@@ -37,13 +39,14 @@ static size_t scratch_floats(size_t keys, size_t team) {
                : 0;
 }
 
-// A call's arguments in its native kernel, whose buffers are q, k, v, out and in_proj_bias
-// (the same buffer more than once on the rows path).
+// A call's arguments in its native kernel, whose buffers are q, k, v, out, in_proj_bias and
+// the log-sum-exp rows (the same buffer more than once on the rows path).
 typedef struct host_call {
     clmha__host_attention a;  // its pointers set when it runs, its scratch freed then
     const clmha__host_blas *blas;
     size_t team;              // the threads the scratch has room for (the most that run)
     bool bias;                // the rows still lack in_proj_bias: add it
+    bool lse;                 // write the log-sum-exp rows
     size_t bias_at[3];        // the query, key and value biases' first floats in in_proj_bias
 } host_call;
 
@@ -64,6 +67,7 @@ static void run_call(void *args, void *const *mem) {
         a->bk = b + c->bias_at[1];
         a->bv = b + c->bias_at[2];
     }
+    if (c->lse) a->lse = mem[5];
     clmha__host_blas_team_run(c->blas, c->team, team_member, a);
     free(a->scratch);
 }
@@ -81,7 +85,7 @@ static void run_call(void *args, void *const *mem) {
 static const char *not_plain(const clmha_layer *l, const clmha__core_call *call) {
     const clmha_forward_args *a = call->args;
     const clmha__dims *d = call->dims;
-    if (a->kv_cache || call->need_lse || call->lse) return "the call saves or is partial";
+    if (a->kv_cache) return "the call has a KV cache";
     if (d->attn_kind || d->kpm_kind || a->is_causal || clmha__windowed(d) || l->mods)
         return "the call has a mask";
     if (d->softcap != 0.0 || d->alibi || d->sinks) return "the call has a score variant";
@@ -123,8 +127,8 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     a->rows = d->l;
     a->keys = d->s;
     a->scale = (float)clmha__core_scale(l, call->scale);
-    cl_mem bufs[5] = {l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K], l->tiles[CLMHA__TILE_V],
-                      l->tiles[CLMHA__TILE_OUT], ctx->dummy};
+    cl_mem bufs[6] = {l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K], l->tiles[CLMHA__TILE_V],
+                      l->tiles[CLMHA__TILE_OUT], ctx->dummy, ctx->dummy};
     cl_ulong4 at[4] = {{{0, l->h * d->l * hd, d->l * hd, hd}},
                        {{0, kvh * d->s_padded * hd, d->s_padded * hd, hd}}};
     at[2] = at[1];
@@ -142,6 +146,11 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
             c.bias_at[2] = l->e + l->kve;
         }
     }
+    if (call->lse) {  // (N*H*L floats, 3 times that with lse_split: clmha__core_call)
+        c.lse = true;
+        bufs[5] = call->lse;
+        a->lse_split = call->lse_split ? d->n * l->h * d->l : 0;
+    }
     size_t *dst[4] = {a->q_at, a->k_at, a->v_at, a->o_at};
     for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 4; ++j) dst[i][j] = (size_t)at[i].s[j];
@@ -152,12 +161,14 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     a->scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!a->scratch) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     clmha_status st = clmha__native_run(ctx, "host fused attention", run_call, &c, sizeof c,
-                                        bufs, 5);
+                                        bufs, 6);
     if (st) {
         free(a->scratch);
         return st;
     }
     __atomic_fetch_add(&calls, 1, __ATOMIC_RELAXED);
+    call->lse_written = c.lse;
+    call->lse_split_written = c.lse && call->lse_split;
     return clmha__layer_mark(l, 1 + CLMHA_STAGE_FUSED);
 }
 
@@ -166,5 +177,6 @@ const clmha__core clmha__core_host_fused = {.name = "host_fused",
                                             .grouped_kv = true,
                                             .reads_rows = true,
                                             .supports = supports,
+                                            .writes_lse = true,
                                             .uses_scores = false,
                                             .run = run};

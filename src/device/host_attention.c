@@ -219,10 +219,11 @@ TARGET static void tile_rows(block_state *b, const float *qs, size_t r0, const f
 }
 
 // One block: query rows [row0, row0 + QB) of one (batch, head) (fewer at the end: the last row
-// repeated, not stored). @p q and @p out are the head's row 0, @p kt and @p vp its keys and
-// values packed.
+// repeated, not stored). @p q, @p out and @p lse (NULL: none) are the head's row 0, @p kt and
+// @p vp its keys and values packed.
 TARGET static void run_block(const clmha__host_attention *p, const float *q, const float *kt,
-                             const float *vp, float *out, size_t row0, const float *bq) {
+                             const float *vp, float *out, float *lse, size_t row0,
+                             const float *bq) {
     block_state b;
     float qs[QB * HD] __attribute__((aligned(64)));
     const float scale = p->scale * 1.4426950408889634f;  // log2(e): exp2 below
@@ -240,9 +241,17 @@ TARGET static void run_block(const clmha__host_attention *p, const float *q, con
             tile_rows(&b, qs, r0, kt + t0 * HD, nk, vp + t0 * HD, HD);
     }
     for (size_t i = 0; i < QB && row0 + i < p->rows; ++i) {
-        float inv = 1.0f / _mm512_reduce_add_ps(_mm512_load_ps(b.sums[i]));
+        float sum = _mm512_reduce_add_ps(_mm512_load_ps(b.sums[i])), inv = 1.0f / sum;
         float *o = out + (row0 + i) * p->o_at[3];
         for (size_t d = 0; d < HD; ++d) o[d] = b.acc[i][d] * inv;
+        if (lse) {  // the maximum back from log2 units; no row is masked: sum >= 1
+            float m = b.max[i] * 0.6931471805599453f, ls = logf(sum);
+            lse[row0 + i] = m + ls;
+            if (p->lse_split) {
+                lse[p->lse_split + row0 + i] = m;
+                lse[2 * p->lse_split + row0 + i] = ls;
+            }
+        }
     }
 }
 
@@ -266,7 +275,8 @@ void clmha__host_attention_run(const clmha__host_attention *p, size_t t, size_t 
             packed = kv;
         }
         run_block(p, p->q + p->q_at[0] + n * p->q_at[1] + h * p->q_at[2], kt, vp,
-                  p->out + p->o_at[0] + n * p->o_at[1] + h * p->o_at[2], blk * QB,
+                  p->out + p->o_at[0] + n * p->o_at[1] + h * p->o_at[2],
+                  p->lse ? p->lse + (n * p->heads + h) * p->rows : NULL, blk * QB,
                   p->bq ? p->bq + h * HD : NULL);
     }
 }

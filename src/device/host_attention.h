@@ -43,6 +43,12 @@ typedef struct clmha__host_attention {
     // head's) 64 floats at h·64, added to the rows as they are read.
     const float *bq, *bk, *bv;
     float scale;
+    // Optional (NULL: none): each row's log-sum-exp m + log(sum) of its scaled scores (natural
+    // log), row t of head h of batch b at (b·H + h)·L + t; with lse_split, each row's maximum m
+    // and log(sum) apart lse_split and 2·lse_split floats further (N·H·L: the fused core's
+    // lse_on 2, cl/cores/fused.cl, which its backward reads).
+    float *lse;
+    size_t lse_split;
     // clmha__host_attention_scratch() floats for each member of the team, 64-byte aligned.
     float *scratch;
 } clmha__host_attention;

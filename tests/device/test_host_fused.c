@@ -4,7 +4,9 @@
 // with CLMHA_IMPL_FUSED) against the double-precision reference: query rows that leave a
 // partial block of 12 (512 to 530 rows), keys that leave a partial tile of 64 (513, 515, 517,
 // 575, 577), batch first or not, with and without bias, cross-attention with kdim and vdim,
-// grouped-query attention; and attention as a function (head tiles). A call with a mask, or
+// grouped-query attention; attention as a function (head tiles) with its log-sum-exp rows; and
+// a training step, whose forward runs the core and saves the log-sum-exp rows the fused
+// backward needs (its gradients against clmha_reference_backward()). A call with a mask, or
 // fewer than 512 query rows or keys, goes on to the fused core.
 //
 // Links libclmha.a (the layer's last core). Skipped where the core cannot run: no host path
@@ -162,19 +164,91 @@ Test(host_fused, attention_function) {
     a.query = (clmha_tensor){.ndim = 4, .shape = {n, h, l, d}, .data = q};
     a.key = (clmha_tensor){.ndim = 4, .shape = {n, hkv, s, d}, .data = k};
     a.value = (clmha_tensor){.ndim = 4, .shape = {n, hkv, s, d}, .data = v};
+    size_t rows = n * h * l;
+    float *lse = malloc(rows * sizeof *lse);
+    double *want_lse = malloc(rows * sizeof *want_lse);
+    cr_assert(lse && want_lse);
     size_t before = clmha__host_fused_calls();
-    cr_assert_eq(clmha_attention_forward_host(ctx, &a, y, n * h * l * d, NULL, 0, NULL, 0),
+    cr_assert_eq(clmha_attention_forward_host(ctx, &a, y, n * h * l * d, lse, rows, NULL, 0),
                  CLMHA_SUCCESS, "%s", clmha_context_last_error(ctx));
     cr_expect_eq(clmha__host_fused_calls(), before + 1, "the host fused core did not run");
     char msg[256];
-    cr_assert_eq(clmha_reference_attention(&a, want, n * h * l * d, NULL, 0, NULL, 0, msg,
+    cr_assert_eq(clmha_reference_attention(&a, want, n * h * l * d, want_lse, rows, NULL, 0, msg,
                                            sizeof msg),
                  CLMHA_SUCCESS, "%s", msg);
-    double worst = 0;
+    double worst = 0, worst_lse = 0;
     for (size_t i = 0; i < n * h * l * d; ++i) worst = fmax(worst, fabs(y[i] - want[i]));
+    for (size_t i = 0; i < rows; ++i) worst_lse = fmax(worst_lse, fabs(lse[i] - want_lse[i]));
     printf("host_fused: attention function, N %zu H %zu H_kv %zu L %zu S %zu, scale 0.3: max "
-           "|error| %.2e\n", n, h, hkv, l, s, worst);
+           "|error| %.2e, log-sum-exp %.2e\n", n, h, hkv, l, s, worst, worst_lse);
     cr_expect_leq(worst, 2e-6);
-    free(q), free(k), free(v), free(y), free(want);
+    cr_expect_leq(worst_lse, 2e-6);
+    free(q), free(k), free(v), free(y), free(want), free(lse), free(want_lse);
+    clmha_context_release(ctx);
+}
+
+// A training step: the forward call that saves runs the core, which writes the log-sum-exp rows
+// the fused backward reads (CLMHA_IMPL_FUSED: fails the call where they are missing); every
+// gradient against clmha_reference_backward().
+Test(host_fused, training_step) {
+    clmha_context *ctx = context_with_core();
+    size_t h = 2, hd = CLMHA__HOST_ATTENTION_HD, e = h * hd, n = 1, l = 520;
+    clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = e, .num_heads = h,
+                             .bias = true, .batch_first = true};
+    clmha_layer *layer;
+    cr_assert_eq(clmha_layer_create(&layer, ctx, &desc), CLMHA_SUCCESS);
+    prng r = {23};
+    float *w = uniform_floats(&r, 3 * e * e, 0.15), *wo = uniform_floats(&r, e * e, 0.15);
+    float *bi = uniform_floats(&r, 3 * e, 0.5), *bo = uniform_floats(&r, e, 0.5);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_weight", w, 3 * e * e), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "in_proj_bias", bi, 3 * e), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.weight", wo, e * e), 0);
+    cr_assert_eq(clmha_layer_set_parameter(layer, "out_proj.bias", bo, e), 0);
+    size_t count = n * l * e;
+    float *x = uniform_floats(&r, count, 1.0), *gy = uniform_floats(&r, count, 1.0);
+    float *y = calloc(count, sizeof *y), *gx = calloc(count, sizeof *gx);
+    float *gw = calloc(3 * e * e, sizeof *gw), *gwo = calloc(e * e, sizeof *gwo);
+    double *want_gx = calloc(count, sizeof *want_gx), *want_gw = calloc(3 * e * e, sizeof *want_gw);
+    double *want_gwo = calloc(e * e, sizeof *want_gwo);
+    cr_assert(y && gx && gw && gwo && want_gx && want_gw && want_gwo);
+    clmha_saved *saved;
+    cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
+    clmha_forward_args a = {.struct_size = sizeof a, .save = saved, .training = true};
+    a.query = (clmha_tensor){.ndim = 3, .shape = {n, l, e}, .data = x};
+    size_t before = clmha__host_fused_calls();
+    cr_assert_eq(clmha_layer_forward_host(layer, &a, y, count, NULL, 0), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    cr_expect_eq(clmha__host_fused_calls(), before + 1, "the host fused core did not run");
+    clmha_backward_args b = {.struct_size = sizeof b, .forward = &a, .saved = saved,
+                             .impl = CLMHA_IMPL_FUSED};
+    b.grad_output = (clmha_tensor){.ndim = 3, .shape = {n, l, e}, .data = gy};
+    b.query.data = gx;
+    b.in_proj_weight.data = gw;
+    b.out_proj_weight.data = gwo;
+    cr_assert_eq(clmha_layer_backward_host(layer, &b), CLMHA_SUCCESS, "%s",
+                 clmha_context_last_error(ctx));
+    clmha_reference_params p = {.struct_size = sizeof p, .in_proj_weight = w,
+                                .in_proj_bias = bi, .out_proj_weight = wo, .out_proj_bias = bo};
+    clmha_reference_grads rg = {.struct_size = sizeof rg, .query = want_gx,
+                                .in_proj_weight = want_gw, .out_proj_weight = want_gwo};
+    char msg[256];
+    cr_assert_eq(clmha_reference_backward(&desc, &p, &a, gy, NULL, &rg, msg, sizeof msg),
+                 CLMHA_SUCCESS, "%s", msg);
+    const float *got[3] = {gx, gw, gwo};
+    const double *want[3] = {want_gx, want_gw, want_gwo};
+    size_t counts[3] = {count, 3 * e * e, e * e};
+    const char *names[3] = {"query", "in_proj_weight", "out_proj.weight"};
+    for (int g = 0; g < 3; ++g) {
+        double top = 0, worst = 0;
+        for (size_t i = 0; i < counts[g]; ++i) top = fmax(top, fabs(want[g][i]));
+        for (size_t i = 0; i < counts[g]; ++i) worst = fmax(worst, fabs(got[g][i] - want[g][i]));
+        printf("host_fused: training step, L %zu: gradient of %s max |error| %.2e (max |g| "
+               "%.2e)\n", l, names[g], worst, top);
+        cr_expect_leq(worst, 1e-5 * (1 + top), "%s: %.2e", names[g], worst);
+    }
+    clmha_saved_release(saved);
+    clmha_layer_release(layer);
+    free(w), free(wo), free(bi), free(bo), free(x), free(gy), free(y), free(gx), free(gw);
+    free(gwo), free(want_gx), free(want_gw), free(want_gwo);
     clmha_context_release(ctx);
 }
