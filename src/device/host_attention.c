@@ -196,7 +196,8 @@ TARGET static void tile_rows(block_state *b, const float *qs, size_t r0, const f
         for (int c = 0; c < KV; ++c) top = _mm512_mask_max_ps(top, valid[c], top, sc[i][c]);
         float tile_max = _mm512_reduce_max_ps(top);
         float old = b->max[r], now = tile_max > old ? tile_max : old;
-        float alpha = exp2f(old - now);  // 0 at the first tile (old -inf)
+        // 0 at the first tile (old -inf); no call while the maximum holds (most tiles).
+        float alpha = now > old ? exp2f(old - now) : 1.0f;
         b->max[r] = now;
         __m512 m = _mm512_set1_ps(now), sum = _mm512_setzero_ps();
         UNROLL_4
