@@ -256,13 +256,21 @@ typedef struct {
     const clmha__host_batch *p;
 } batch_job;
 
+// row[j] += bias[j] for j < n: in runs of 16 through restrict pointers, which GCC vectorises at
+// -O2 (the plain loop over the row stayed scalar: 2.5% of a forward's cycles at N 8, L 128 by
+// `perf`).
+static void add_row(float *restrict row, const float *restrict bias, size_t n) {
+    size_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (size_t u = 0; u < 16; ++u) row[j + u] += bias[j + u];
+    for (; j < n; ++j) row[j] += bias[j];
+}
+
 // Adds @p p's bias (when it has one) to columns [first, last) of every row of @p c.
 static void add_bias(const clmha__host_batch *p, float *c, size_t first, size_t last) {
     if (!p->bias) return;
-    for (size_t r = 0; r < p->m; ++r) {
-        float *row = c + r * p->ldc;
-        for (size_t j = first; j < last; ++j) row[j] += p->bias[j];
-    }
+    for (size_t r = 0; r < p->m; ++r)
+        add_row(c + r * p->ldc + first, p->bias + first, last - first);
 }
 
 // Items first, first + step, first + 2 step, ... of @p p, in turn.
