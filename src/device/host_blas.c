@@ -336,8 +336,10 @@ void clmha__host_blas_sgemm_batch(const clmha__host_blas *b, const clmha__host_b
 // Products of at most this many rows take the packed weight's kernel (2 cores, AMD EPYC, alone:
 // 1.08-1.18x oneDNN's split at 128 rows, 0.82-1.0x at 512-1024, where oneDNN's packing of the
 // weight is paid back over the rows; in a forward at N 1, L 512 the output projection, 512 rows,
-// took 0.74-0.78x the time).
-#define PACKED_MAX_ROWS 512
+// took 0.74-0.78x the time). 1024 rows, measured inside clmha (`clmha bench` stage medians, 7-9
+// alternated processes): the output projection 0.80x the time at N 8, L 128 and 0.90x at N 1,
+// L 1024, the QKV projection 1.0x; at 2048 rows the QKV projection took 1.05x, out_proj 0.95x.
+#define PACKED_MAX_ROWS 1024
 
 typedef struct {
     const clmha__host_batch *p;
