@@ -3,7 +3,7 @@
 
 Run from the repository root with Debian's Python after building clmha:
 
-    /usr/bin/python3 bench/backward_peers.py [--clmha build/clmha] [--impl fused[,unfused]]
+    /usr/bin/python3 bench/backward_peers.py [--clmha build/clmha] [--impl auto[,fused,unfused]]
         [--same-blas] [--shapes NxL ...] [--rounds 3] [--repeat 5]
         [--torch2-python PATH | --no-torch2]
         [--memory-length 16384 | --no-memory] [--memory-limit-gib 10] [--json FILE]
@@ -13,7 +13,9 @@ so that a busy machine slows them alike; each process times R steps after a warm
 reports their median; the table gives the median over the rounds:
   clmha        `clmha bench --backward --json --batch-first --impl I` (device buffers; forward
                with args.save, then clmha_layer_backward() for the gradients of the query and of
-               every parameter; a random layer and grad_output), once per core of --impl;
+               every parameter; a random layer and grad_output), once per core of --impl
+               (default auto, what a caller gets: at L >= 512 its forward runs the host fused
+               core, its backward the fused core's);
   torch 1.13   Debian's python3-torch (/usr/bin/python3): nn.MultiheadAttention(E, H,
                batch_first=True) in train mode (dropout 0), x = randn(N, L, E) with
                requires_grad, out, _ = mha(x, x, x, need_weights=False), then
@@ -164,9 +166,9 @@ def parse_args(argv):
     ap.add_argument("--clmha", default=os.path.join(ROOT, "build", "clmha"),
                     help="the built clmha program (default: build/clmha)")
     ap.add_argument("--device", help="clmha --device SPEC")
-    ap.add_argument("--impl", default="fused",
-                    help="clmha's attention core, forward and backward: fused, unfused, or "
-                    "both (fused,unfused: each is a peer of its own); default fused")
+    ap.add_argument("--impl", default="auto",
+                    help="clmha's attention core, forward and backward: auto, fused, unfused, "
+                    "or several (e.g. auto,fused: each is a peer of its own); default auto")
     ap.add_argument("--same-blas", action="store_true",
                     help="also time clmha with its products in OpenBLAS set up as for PyTorch "
                     "1.13 (CLMHA_HOST_BLAS=libopenblas.so.0, OPENBLAS_CORETYPE=Cooperlake): "
@@ -204,8 +206,8 @@ def parse_args(argv):
     if a.embed % a.heads:
         ap.error(f"--embed {a.embed} is not a multiple of --heads {a.heads}")
     a.impls = list(dict.fromkeys(a.impl.split(",")))
-    if not a.impls or any(i not in ("fused", "unfused") for i in a.impls):
-        ap.error(f"--impl {a.impl}: expected fused, unfused or fused,unfused")
+    if not a.impls or any(i not in ("auto", "fused", "unfused") for i in a.impls):
+        ap.error(f"--impl {a.impl}: expected auto, fused or unfused, or a list of them")
     a.shape_list = DEFAULT_SHAPES
     if a.shapes:
         try:
