@@ -184,10 +184,10 @@ static const char *const usage_run[] = {
     "  --impl auto|fused|unfused the attention core: fused streams key tiles and never\n"
     "                            stores the scores, but cannot give weights; auto (default)\n"
     "                            is fused without weights (on a CPU with the host BLAS and\n"
-    "                            AVX-512, long plain calls in C on the CPU; fused: always the\n"
-    "                            OpenCL kernel), else unfused. The backward pass\n"
-    "                            uses the same core, except that a float mask's gradient\n"
-    "                            needs the unfused one\n"
+    "                            AVX-512, long calls without masks but --is-causal in C on the\n"
+    "                            CPU; fused: always the OpenCL kernel), else unfused. The\n"
+    "                            backward pass uses the same core, except that a float\n"
+    "                            mask's gradient needs the unfused one\n"
     "\n"
     "  --help, -h                print this help\n"
     "\n"
@@ -521,7 +521,7 @@ static bool parse_command_line(int argc, char **argv, run_opts *o, int *rc) {
         {.name = "--kv-dtype", .value = &o->kv_dtype_opt},
         {.name = "--dtype", .value = &o->dtype_opt},
     };
-    char usage[3 * 4096] = "";  // room for the parts (each under 4095 bytes, 10.7 KB in all)
+    char usage[4 * 4096] = "";  // room for the four parts (each under 4095 bytes, 12.3 KB in all)
     for (size_t i = 0; i < sizeof usage_run / sizeof usage_run[0]; ++i)
         strncat(usage, usage_run[i], sizeof usage - strlen(usage) - 1);
     if (!clmha__cli_parse_options("run", argc, argv, opts, sizeof opts / sizeof opts[0], usage,

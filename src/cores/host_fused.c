@@ -1,8 +1,8 @@
 // The host fused core: the fused core's computation (scores, softmax and weights·V with an
 // online softmax, no scores stored) done by the CPU itself, in C (src/device/host_attention.c),
 // from a native kernel in queue order, on the CPU devices whose products take the host path.
-// It takes the plain calls only: CLMHA_IMPL_AUTO, head dimension 64, float32, no mask of any
-// kind (attn_mask, key_padding_mask, is_causal, windows, user functions), no soft-capping,
+// It takes the plain calls only: CLMHA_IMPL_AUTO, head dimension 64, float32, no mask but
+// is_causal (no attn_mask, key_padding_mask, windows or user functions), no soft-capping,
 // ALiBi, sinks, dropout, appended keys or KV cache, at least 512 query rows a sequence and 512
 // keys; every other call goes on to the fused core (cl/cores/fused.cl), as does
 // CLMHA_IMPL_FUSED. It reads the projected rows (adding in_proj_bias) or the head tiles, and
@@ -86,8 +86,10 @@ static const char *not_plain(const clmha_layer *l, const clmha__core_call *call)
     const clmha_forward_args *a = call->args;
     const clmha__dims *d = call->dims;
     if (a->kv_cache) return "the call has a KV cache";
-    if (d->attn_kind || d->kpm_kind || a->is_causal || clmha__windowed(d) || l->mods)
-        return "the call has a mask";
+    if (d->attn_kind || d->kpm_kind || clmha__windowed(d) || l->mods)
+        return "the call has a mask other than is_causal";
+    // (Partial attention's blocks at other positions: the fused core's case.)
+    if (a->is_causal && d->q_pos != d->k_pos) return "is_causal at shifted positions";
     if (d->softcap != 0.0 || d->alibi || d->sinks) return "the call has a score variant";
     if (a->training && l->desc.dropout > 0.0f) return "the call has dropout";
     if (d->s_padded != d->s) return "the call has appended keys";
@@ -127,6 +129,7 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     a->rows = d->l;
     a->keys = d->s;
     a->scale = (float)clmha__core_scale(l, call->scale);
+    a->causal = call->args->is_causal;
     cl_mem bufs[6] = {l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K], l->tiles[CLMHA__TILE_V],
                       l->tiles[CLMHA__TILE_OUT], ctx->dummy, ctx->dummy};
     cl_ulong4 at[4] = {{{0, l->h * d->l * hd, d->l * hd, hd}},

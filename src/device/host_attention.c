@@ -2,6 +2,7 @@
 #include "device/host_attention.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "base/checked.h"
@@ -158,10 +159,18 @@ TARGET static inline void add_pv(block_state *b, size_t r0, size_t nk, const flo
     }
 }
 
+// The lanes of register @p c of a row's tile scores that hold one of its first @p have keys.
+static inline __mmask16 lanes_of(size_t have, int c) {
+    size_t from = 16 * (size_t)c, n = have > from ? have - from : 0;
+    return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+}
+
 // Micro-kernel rows [r0, r0 + MR) of block @p qs (rows of HD floats, scaled to log2 units)
-// against key tile @p kt with @p nk keys (1..BK) and value rows @p v (v_ld apart).
+// against key tile @p kt with @p nk keys (1..BK) and value rows @p v (v_ld apart). @p reach:
+// with is_causal, how many of the tile's keys row r0 may see (row r0 + i: reach + i, clamped
+// to 0..nk; negative where the tile starts past the row's last key); else nk.
 TARGET static void tile_rows(block_state *b, const float *qs, size_t r0, const float *kt,
-                             size_t nk, const float *v, size_t v_ld) {
+                             size_t nk, const float *v, size_t v_ld, ptrdiff_t reach) {
     __m512 sc[MR][KV];
     UNROLL_ROWS
     for (int i = 0; i < MR; ++i)
@@ -180,21 +189,23 @@ TARGET static void tile_rows(block_state *b, const float *qs, size_t r0, const f
             for (int c = 0; c < KV; ++c) sc[i][c] = _mm512_fmadd_ps(x, kk[c], sc[i][c]);
         }
     }
-    // Lanes of keys past the tile's last: -inf scores, p 0.
-    __mmask16 valid[KV];
-    UNROLL_4
-    for (int c = 0; c < KV; ++c) {
-        size_t from = 16 * (size_t)c, have = nk > from ? nk - from : 0;
-        valid[c] = have >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << have) - 1u);
-    }
+    // Lanes of keys past the tile's last, or past the row's last under is_causal: p 0.
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    __mmask16 whole[KV];  // the tile's keys
+    UNROLL_4
+    for (int c = 0; c < KV; ++c) whole[c] = lanes_of(nk, c);
     UNROLL_ROWS
     for (int i = 0; i < MR; ++i) {
         size_t r = r0 + (size_t)i;
+        ptrdiff_t sees = reach + i;
+        __mmask16 valid[KV];
+        UNROLL_4
+        for (int c = 0; c < KV; ++c)
+            valid[c] = sees >= (ptrdiff_t)nk ? whole[c] : lanes_of(sees > 0 ? (size_t)sees : 0, c);
         __m512 top = neg_inf;
         UNROLL_4
         for (int c = 0; c < KV; ++c) top = _mm512_mask_max_ps(top, valid[c], top, sc[i][c]);
-        float tile_max = _mm512_reduce_max_ps(top);
+        float tile_max = _mm512_reduce_max_ps(top);  // -inf where the row sees none
         float old = b->max[r], now = tile_max > old ? tile_max : old;
         // 0 at the first tile (old -inf); no call while the maximum holds (most tiles).
         float alpha = now > old ? exp2f(old - now) : 1.0f;
@@ -216,7 +227,8 @@ TARGET static void tile_rows(block_state *b, const float *qs, size_t r0, const f
         }
         _mm512_store_ps(b->sums[r], _mm512_add_ps(s, sum));
     }
-    add_pv(b, r0, nk, v, v_ld);
+    ptrdiff_t last = reach + MR - 1;  // the last row's keys: at least 1 (run_block)
+    add_pv(b, r0, last < (ptrdiff_t)nk ? (size_t)last : nk, v, v_ld);
 }
 
 // One block: query rows [row0, row0 + QB) of one (batch, head) (fewer at the end: the last row
@@ -236,10 +248,17 @@ TARGET static void run_block(const clmha__host_attention *p, const float *q, con
         for (size_t d = 0; d < HD; ++d) b.acc[i][d] = 0.0f;
         for (size_t c = 0; c < 16; ++c) b.sums[i][c] = 0.0f;
     }
-    for (size_t t0 = 0; t0 < p->keys; t0 += BK) {
-        size_t nk = p->keys - t0 < BK ? p->keys - t0 : BK;
-        for (size_t r0 = 0; r0 < QB; r0 += MR)
-            tile_rows(&b, qs, r0, kt + t0 * HD, nk, vp + t0 * HD, HD);
+    // Under is_causal row t sees t + 1 keys: the block's last row the most.
+    size_t keys = p->keys, last_sees = row0 + QB;
+    if (p->causal && last_sees < keys) keys = last_sees;
+    for (size_t t0 = 0; t0 < keys; t0 += BK) {
+        size_t nk = keys - t0 < BK ? keys - t0 : BK;
+        for (size_t r0 = 0; r0 < QB; r0 += MR) {
+            // Row r0's keys in this tile (negative: none).
+            ptrdiff_t reach = !p->causal ? (ptrdiff_t)nk : (ptrdiff_t)(row0 + r0 + 1 - t0);
+            if (reach + MR - 1 <= 0) continue;  // none of the MR rows sees a key here
+            tile_rows(&b, qs, r0, kt + t0 * HD, nk, vp + t0 * HD, HD, reach);
+        }
     }
     for (size_t i = 0; i < QB && row0 + i < p->rows; ++i) {
         float sum = _mm512_reduce_add_ps(_mm512_load_ps(b.sums[i])), inv = 1.0f / sum;
@@ -259,12 +278,15 @@ TARGET static void run_block(const clmha__host_attention *p, const float *q, con
 void clmha__host_attention_run(const clmha__host_attention *p, size_t t, size_t team) {
     size_t blocks = (p->rows + QB - 1) / QB, per_batch = p->heads * blocks;
     size_t total = p->batch * per_batch;
+    // Items first, first + step, ... up to last: a run of its own, or under is_causal every
+    // team-th item.
     size_t first = total / team * t + (t < total % team ? t : total % team);
-    size_t last = first + total / team + (t < total % team ? 1 : 0);
+    size_t last = first + total / team + (t < total % team ? 1 : 0), step = 1;
+    if (p->causal) first = t, last = total, step = team;
     size_t per = clmha__host_attention_scratch(p->keys);
     float *kt = p->scratch + t * per, *vp = kt + per / 2;
     size_t packed = SIZE_MAX;  // the (batch, key/value head) whose keys and values are packed
-    for (size_t w = first; w < last; ++w) {
+    for (size_t w = first; w < last; w += step) {
         size_t n = w / per_batch, h = w % per_batch / blocks, blk = w % blocks;
         size_t g = h / p->kv_group, kv = n * p->heads + g;
         const float *bk = p->bk ? p->bk + g * HD : NULL, *bv = p->bv ? p->bv + g * HD : NULL;

@@ -15,7 +15,10 @@
 // accumulators rescaled when a maximum grows, then acc += p·V (6 rows × 64 columns, 24
 // accumulators, over the tile's values). Past the last key of a partial tile the scores are
 // -inf and p exactly 0; past the last query row the block computes on the last row and stores
-// nothing. Every output element is the same sum in the same order whatever the team's size.
+// nothing. With is_causal each row's scores past its last key get p = 0 and the block runs
+// over the tiles its last row reaches only; the blocks are then dealt out in turn (thread t
+// takes t, t + T, ...), not in runs, so that the threads share the triangle evenly. Every
+// output element is the same sum in the same order whatever the team's size.
 // Compiled at -O3 in optimised builds (CMakeLists.txt).
 //
 // Only on x86-64 with AVX-512 (F), compiled by GCC or Clang: elsewhere
@@ -49,6 +52,8 @@ typedef struct clmha__host_attention {
     // lse_on 2, cl/cores/fused.cl, which its backward reads).
     float *lse;
     size_t lse_split;
+    // is_causal: query row t attends the keys j <= t only (top-left aligned).
+    bool causal;
     // clmha__host_attention_scratch() floats for each member of the team, 64-byte aligned.
     float *scratch;
 } clmha__host_attention;

@@ -6,8 +6,8 @@
 // 575, 577), batch first or not, with and without bias, cross-attention with kdim and vdim,
 // grouped-query attention; attention as a function (head tiles) with its log-sum-exp rows; and
 // a training step, whose forward runs the core and saves the log-sum-exp rows the fused
-// backward needs (its gradients against clmha_reference_backward()). A call with a mask, or
-// fewer than 512 query rows or keys, goes on to the fused core.
+// backward needs (its gradients against clmha_reference_backward()); each also with is_causal.
+// A call with fewer than 512 query rows or keys goes on to the fused core.
 //
 // Links libclmha.a (the layer's last core). Skipped where the core cannot run: no host path
 // with oneDNN's OpenMP team, or no AVX-512.
@@ -119,30 +119,32 @@ Test(host_fused, against_reference) {
         {.heads = 4, .kv_heads = 1, .n = 1, .l = 530, .s = 513, .bias = true, .batch_first = false,
          .cross = true},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i) {
+    for (size_t k = 0; k < 2 * sizeof cases / sizeof cases[0]; ++k) {
+        size_t i = k / 2;
+        bool causal = k % 2;
         const hcase *c = &cases[i];
         const void *host_core, *fused_core;
-        double host = run_case(ctx, c, CLMHA_IMPL_AUTO, false, &host_core);
-        double fused = run_case(ctx, c, CLMHA_IMPL_FUSED, false, &fused_core);
-        printf("host_fused: H %zu KVH %zu N %zu L %zu S %zu%s%s: max |error| %.2e (fused "
+        double host = run_case(ctx, c, CLMHA_IMPL_AUTO, causal, &host_core);
+        double fused = run_case(ctx, c, CLMHA_IMPL_FUSED, causal, &fused_core);
+        printf("host_fused: H %zu KVH %zu N %zu L %zu S %zu%s%s%s: max |error| %.2e (fused "
                "kernel %.2e)\n", c->heads, c->kv_heads, c->n, c->l, c->cross ? c->s : c->l,
-               c->bias ? ", bias" : "", c->cross ? ", cross" : "", host, fused);
+               c->bias ? ", bias" : "", c->cross ? ", cross" : "", causal ? ", causal" : "",
+               host, fused);
         cr_expect_eq(host_core, (const void *)&clmha__core_host_fused,
-                     "case %zu: not the host core", i);
+                     "case %zu%s: not the host core", i, causal ? ", causal" : "");
         cr_expect_eq(fused_core, (const void *)&clmha__core_fused, "case %zu", i);
-        cr_expect_leq(host, 2e-6, "case %zu: %.2e", i, host);
+        cr_expect_leq(host, 2e-6, "case %zu%s: %.2e", i, causal ? ", causal" : "", host);
         cr_expect_leq(fused, 2e-6, "case %zu: %.2e", i, fused);
     }
-    // A mask, fewer than 512 query rows, or fewer than 512 keys: the fused core's call.
+    // Fewer than 512 query rows, or fewer than 512 keys: the fused core's call.
     const hcase others[] = {
-        {.heads = 2, .kv_heads = 2, .n = 1, .l = 512, .bias = true, .batch_first = true},
         {.heads = 2, .kv_heads = 2, .n = 1, .l = 511, .bias = true, .batch_first = true},
         {.heads = 2, .kv_heads = 2, .n = 1, .l = 600, .s = 511, .bias = true,
          .batch_first = true, .cross = true},
     };
-    for (size_t i = 0; i < 3; ++i) {
+    for (size_t i = 0; i < 2; ++i) {
         const void *core;
-        double err = run_case(ctx, &others[i], CLMHA_IMPL_AUTO, i == 0, &core);
+        double err = run_case(ctx, &others[i], CLMHA_IMPL_AUTO, false, &core);
         cr_expect_eq(core, (const void *)&clmha__core_fused, "case %zu ran another core", i);
         cr_expect_leq(err, 2e-6);
     }
@@ -151,7 +153,13 @@ Test(host_fused, against_reference) {
 
 // Attention as a function (head tiles, not projected rows): grouped-query heads and a scale of
 // the caller's, against clmha_reference_attention().
-Test(host_fused, attention_function) {
+static void attention_function(bool causal);
+
+Test(host_fused, attention_function) { attention_function(false); }
+Test(host_fused, attention_function_causal) { attention_function(true); }
+
+// Attention as a function, is_causal or not: L 515 queries, S 530 keys (top-left aligned).
+static void attention_function(bool causal) {
     clmha_context *ctx = context_with_core();
     size_t n = 2, h = 4, hkv = 2, l = 515, s = 530, d = CLMHA__HOST_ATTENTION_HD;
     prng r = {5};
@@ -160,7 +168,8 @@ Test(host_fused, attention_function) {
     float *v = uniform_floats(&r, n * hkv * s * d, 1.0), *y = calloc(n * h * l * d, sizeof *y);
     double *want = calloc(n * h * l * d, sizeof *want);
     cr_assert(y && want);
-    clmha_attention_args a = {.struct_size = sizeof a, .scale = 0.3, .enable_gqa = true};
+    clmha_attention_args a = {.struct_size = sizeof a, .scale = 0.3, .enable_gqa = true,
+                              .is_causal = causal};
     a.query = (clmha_tensor){.ndim = 4, .shape = {n, h, l, d}, .data = q};
     a.key = (clmha_tensor){.ndim = 4, .shape = {n, hkv, s, d}, .data = k};
     a.value = (clmha_tensor){.ndim = 4, .shape = {n, hkv, s, d}, .data = v};
@@ -179,8 +188,9 @@ Test(host_fused, attention_function) {
     double worst = 0, worst_lse = 0;
     for (size_t i = 0; i < n * h * l * d; ++i) worst = fmax(worst, fabs(y[i] - want[i]));
     for (size_t i = 0; i < rows; ++i) worst_lse = fmax(worst_lse, fabs(lse[i] - want_lse[i]));
-    printf("host_fused: attention function, N %zu H %zu H_kv %zu L %zu S %zu, scale 0.3: max "
-           "|error| %.2e, log-sum-exp %.2e\n", n, h, hkv, l, s, worst, worst_lse);
+    printf("host_fused: attention function, N %zu H %zu H_kv %zu L %zu S %zu, scale 0.3%s: "
+           "max |error| %.2e, log-sum-exp %.2e\n", n, h, hkv, l, s, causal ? ", causal" : "",
+           worst, worst_lse);
     cr_expect_leq(worst, 2e-6);
     cr_expect_leq(worst_lse, 2e-6);
     free(q), free(k), free(v), free(y), free(want), free(lse), free(want_lse);
@@ -190,7 +200,12 @@ Test(host_fused, attention_function) {
 // A training step: the forward call that saves runs the core, which writes the log-sum-exp rows
 // the fused backward reads (CLMHA_IMPL_FUSED: fails the call where they are missing); every
 // gradient against clmha_reference_backward().
-Test(host_fused, training_step) {
+static void training_step(bool causal);
+
+Test(host_fused, training_step) { training_step(false); }
+Test(host_fused, training_step_causal) { training_step(true); }
+
+static void training_step(bool causal) {
     clmha_context *ctx = context_with_core();
     size_t h = 2, hd = CLMHA__HOST_ATTENTION_HD, e = h * hd, n = 1, l = 520;
     clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = e, .num_heads = h,
@@ -213,7 +228,8 @@ Test(host_fused, training_step) {
     cr_assert(y && gx && gw && gwo && want_gx && want_gw && want_gwo);
     clmha_saved *saved;
     cr_assert_eq(clmha_saved_create(&saved, layer), CLMHA_SUCCESS);
-    clmha_forward_args a = {.struct_size = sizeof a, .save = saved, .training = true};
+    clmha_forward_args a = {.struct_size = sizeof a, .save = saved, .training = true,
+                            .is_causal = causal};
     a.query = (clmha_tensor){.ndim = 3, .shape = {n, l, e}, .data = x};
     size_t before = clmha__host_fused_calls();
     cr_assert_eq(clmha_layer_forward_host(layer, &a, y, count, NULL, 0), CLMHA_SUCCESS, "%s",
@@ -242,8 +258,8 @@ Test(host_fused, training_step) {
         double top = 0, worst = 0;
         for (size_t i = 0; i < counts[g]; ++i) top = fmax(top, fabs(want[g][i]));
         for (size_t i = 0; i < counts[g]; ++i) worst = fmax(worst, fabs(got[g][i] - want[g][i]));
-        printf("host_fused: training step, L %zu: gradient of %s max |error| %.2e (max |g| "
-               "%.2e)\n", l, names[g], worst, top);
+        printf("host_fused: training step, L %zu%s: gradient of %s max |error| %.2e (max |g| "
+               "%.2e)\n", l, causal ? ", causal" : "", names[g], worst, top);
         cr_expect_leq(worst, 1e-5 * (1 + top), "%s: %.2e", names[g], worst);
     }
     clmha_saved_release(saved);
