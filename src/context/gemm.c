@@ -66,86 +66,56 @@ static clmha_status gemm_clblast(clmha_context *ctx, const char *what, const clm
 
 // ---- the host BLAS -----------------------------------------------------------------------------
 //
-// A native kernel receives the memory of the buffers in its mem_list at the places
-// args_mem_loc names. PoCL 3.1 gets that mapping wrong for more than one buffer: it sorts the
-// list by its internal object ids and drops duplicates, but fills the places in the caller's
-// order, so the operands' pointers come permuted; and it replaces a sub-buffer by its parent,
-// whose memory starts at the parent's origin (tools/driver-bugs/pocl-native-kernel-buffers).
-// So every operand is passed as its root buffer plus its origin, and when a product has more
-// than one root, each root's pointer is taken by a native kernel of its own (one buffer:
-// nothing to permute) into a small block the product's kernel reads and frees. This is done on
-// every driver: a probe at context creation would have to wait for the device there (and hangs
-// in a child forked after the driver started its threads), and the extra commands cost ~2 us
-// each. The product's kernel still lists every operand, so the driver orders it after the
-// commands that write them and keeps them alive until it has run. The roots' memory does not
-// move between those commands on a CPU device (one device; its buffers are host memory).
+// A product on the host path is a native kernel in the queue (clmha__native_run(),
+// context/native.c: each operand's root buffer captured by a native kernel of its own, around
+// PoCL 3.1's native-kernel bug, tools/driver-bugs/pocl-native-kernel-buffers; the product's
+// kernel lists every operand, so the driver orders it after the commands that write them and
+// keeps them alive until it has run). The roots' memory does not move between those commands
+// on a CPU device (one device; its buffers are host memory).
 
 // The operands of a product on the host path: A, B, C and the optional bias row.
 #define OPERANDS 4
 
-// The pointers taken by capture kernels for one product, freed by its run_host().
-typedef struct host_ptrs {
-    void *p[OPERANDS];
-} host_ptrs;
-
-typedef struct capture_call {
-    void *mem;    // cl_mem when enqueued, its memory when run
-    void **dst;   // where to store it
-} capture_call;
-
-static void CL_CALLBACK run_capture(void *p) {
-    const capture_call *c = p;
-    *c->dst = c->mem;
-}
-
-// The arguments of one product's native kernel. The OpenCL runtime copies this block and, in
-// its copy, replaces the cl_mem handles in mem[] by the buffers' memory before run_host().
+// The arguments of one product's native function.
 typedef struct host_call {
-    void *mem[OPERANDS];       // the distinct root buffers of A, B, C, bias (count of them used)
-    int from[OPERANDS];        // which root holds operand A, B, C, bias
-    size_t origin[OPERANDS];   // the operands' sub-buffer origins in their root, in elements
-    host_ptrs *captured;   // NULL: mem[] holds the memory; else the roots' captured memory
     const clmha__host_blas *blas;
     const clmha__host_dgemm *dgemm;  // for a float64 product (op.f64)
-    clmha__gemm_op op;     // its cl_mem fields are not used here
+    size_t b_origin;                 // B's origin in its root buffer, in elements
+    clmha__gemm_op op;               // its cl_mem fields are not used here
 } host_call;
 
-static void CL_CALLBACK run_host(void *p) {
-    const host_call *h = p;
+// @p mem: A, B, C and the bias row (when there is one), each at its buffer's first element.
+static void run_host(void *args, void *const *mem) {
+    const host_call *h = args;
     const clmha__gemm_op *o = &h->op;
-    void *const *mem = h->captured ? h->captured->p : h->mem;
     size_t batch = o->batch ? o->batch : 1;
     if (o->f64) {
-        const double *a = (const double *)mem[h->from[0]] + h->origin[0] + o->a_off;
-        const double *b = (const double *)mem[h->from[1]] + h->origin[1] + o->b_off;
-        double *c = (double *)mem[h->from[2]] + h->origin[2] + o->c_off;
+        const double *a = (const double *)mem[0] + o->a_off;
+        const double *b = (const double *)mem[1] + o->b_off;
+        double *c = (double *)mem[2] + o->c_off;
         for (size_t i = 0; i < batch; ++i)
             h->dgemm->dgemm(h->dgemm->impl, o->ta, o->tb, o->m, o->n, o->k, o->alpha,
                            a + i * o->a_stride, o->lda, b + i * o->b_stride, o->ldb, o->beta,
                            c + i * o->c_stride, o->ldc);
         if (o->bias) {  // (batch 1)
-            const double *bias = (const double *)mem[h->from[3]] + h->origin[3] + o->bias_off;
+            const double *bias = (const double *)mem[3] + o->bias_off;
             for (size_t r = 0; r < o->m; ++r)
                 for (size_t j = 0; j < o->n; ++j) c[r * o->ldc + j] += bias[j];
         }
-    } else {
-        const float *a = (const float *)mem[h->from[0]] + h->origin[0] + o->a_off;
-        const float *b = (const float *)mem[h->from[1]] + h->origin[1] + o->b_off;
-        float *c = (float *)mem[h->from[2]] + h->origin[2] + o->c_off;
-        clmha__host_batch call = {
-            .ta = o->ta, .tb = o->tb, .m = o->m, .n = o->n, .k = o->k, .batch = batch,
-            .alpha = (float)o->alpha, .beta = (float)o->beta, .a = a, .b = b, .c = c,
-            .lda = o->lda, .ldb = o->ldb, .ldc = o->ldc, .a_stride = o->a_stride,
-            .b_stride = o->b_stride, .c_stride = o->c_stride,
-            .bias = o->bias ? (const float *)mem[h->from[3]] + h->origin[3] + o->bias_off
-                            : NULL};
-        // The panels of B's buffer from its row (first) of o->k elements, where B starts at one.
-        size_t at = h->origin[1] + o->b_off;
-        if (!(o->b_packed && o->k && at % o->k == 0 &&
-              clmha__host_blas_sgemm_packed(h->blas, &call, o->b_packed, at / o->k)))
-            clmha__host_blas_sgemm_batch(h->blas, &call);
+        return;
     }
-    free(h->captured);
+    clmha__host_batch call = {
+        .ta = o->ta, .tb = o->tb, .m = o->m, .n = o->n, .k = o->k, .batch = batch,
+        .alpha = (float)o->alpha, .beta = (float)o->beta, .a = (const float *)mem[0] + o->a_off,
+        .b = (const float *)mem[1] + o->b_off, .c = (float *)mem[2] + o->c_off,
+        .lda = o->lda, .ldb = o->ldb, .ldc = o->ldc, .a_stride = o->a_stride,
+        .b_stride = o->b_stride, .c_stride = o->c_stride,
+        .bias = o->bias ? (const float *)mem[3] + o->bias_off : NULL};
+    // The panels of B's buffer from its row (first) of o->k elements, where B starts at one.
+    size_t at = h->b_origin + o->b_off;
+    if (!(o->b_packed && o->k && at % o->k == 0 &&
+          clmha__host_blas_sgemm_packed(h->blas, &call, o->b_packed, at / o->k)))
+        clmha__host_blas_sgemm_batch(h->blas, &call);
 }
 
 // The root buffer of @p m and the origin of @p m in it, in elements of @p elem bytes; false
@@ -157,12 +127,6 @@ static bool root_of(cl_mem m, size_t elem, cl_mem *root, size_t *origin) {
     return bytes % elem == 0;
 }
 
-static clmha_status native_fail(clmha_context *ctx, cl_int err, const char *what) {
-    char call[200];
-    snprintf(call, sizeof call, "clEnqueueNativeKernel(%s, host BLAS)", what);
-    return clmha__cl_fail(ctx, err, call);
-}
-
 // The operands of a product on the host path as their root buffers and origins (root_of()):
 // A, B, C and the bias row (NULL root where there is none).
 typedef struct host_operands {
@@ -170,40 +134,14 @@ typedef struct host_operands {
     size_t origin[OPERANDS];
 } host_operands;
 
-// Enqueues @p o, whose operands are @p ops, as native kernels.
+// Enqueues @p o, whose operands are @p ops, as a native function.
 static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha__gemm_op *o,
                               const clmha__host_dgemm *dgemm, const host_operands *ops) {
-    host_call h = {.blas = ctx->host_blas, .dgemm = dgemm, .op = *o};
-    cl_uint count = 0;
-    for (int i = 0; i < OPERANDS && ops->root[i]; ++i) {
-        h.origin[i] = ops->origin[i];
-        int j = 0;
-        while (j < (int)count && (cl_mem)h.mem[j] != ops->root[i]) ++j;
-        if (j == (int)count) h.mem[count++] = ops->root[i];
-        h.from[i] = j;
-    }
-    cl_int err = CL_SUCCESS;
-    cl_uint captures = 0;
-    if (count > 1) {
-        h.captured = calloc(1, sizeof *h.captured);
-        if (!h.captured) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
-        for (; captures < count && err == CL_SUCCESS; ++captures) {
-            capture_call c = {h.mem[captures], &h.captured->p[captures]};
-            const void *where = &c.mem;
-            err = clEnqueueNativeKernel(ctx->queue, run_capture, &c, sizeof c, 1,
-                                        (const cl_mem *)&c.mem, &where, 0, NULL, NULL);
-        }
-    }
-    if (err == CL_SUCCESS) {
-        const void *where[OPERANDS] = {&h.mem[0], &h.mem[1], &h.mem[2], &h.mem[3]};
-        err = clEnqueueNativeKernel(ctx->queue, run_host, &h, sizeof h, count,
-                                    (const cl_mem *)h.mem, where, 0, NULL, NULL);
-        if (err == CL_SUCCESS) return CLMHA_SUCCESS;  // run_host frees h.captured
-    }
-    // A capture kernel may be queued and write into h.captured: let it run before the free.
-    if (captures) clFinish(ctx->queue);
-    free(h.captured);
-    return native_fail(ctx, err, what);
+    host_call h = {.blas = ctx->host_blas, .dgemm = dgemm, .b_origin = ops->origin[1], .op = *o};
+    const cl_mem buffers[OPERANDS] = {o->a, o->b, o->c, o->bias};
+    char call[200];
+    snprintf(call, sizeof call, "%s, host BLAS", what);
+    return clmha__native_run(ctx, call, run_host, &h, sizeof h, buffers, o->bias ? 4 : 3);
 }
 
 // The host library that runs @p o (*@p hd: the dgemm of a float64 product; *@p ops: its

@@ -1,12 +1,12 @@
 // Host functions in the context's queue: clmha__native_run() enqueues a C function as a native
 // kernel (clEnqueueNativeKernel) that receives the host memory of the device buffers it names,
 // in queue order (after the commands before it, before those after it), with no host wait.
-// Used by the cores that compute on the CPU itself (src/cores/host_fused.c), on contexts whose
-// products take the host path (clmha_context::host_blas: a CPU device that runs native
-// kernels); the host BLAS's products have their own (src/context/gemm.c).
+// Used on contexts whose products take the host path (clmha_context::host_blas: a CPU device
+// that runs native kernels) by those products (src/context/gemm.c) and by the cores that
+// compute on the CPU itself (src/cores/host_fused.c).
 //
-// The buffers' memory is taken as src/context/gemm.c does, around PoCL 3.1's native-kernel
-// bug (tools/driver-bugs/pocl-native-kernel-buffers): each root buffer's pointer by a native
+// The buffers' memory is taken around PoCL 3.1's native-kernel bug
+// (tools/driver-bugs/pocl-native-kernel-buffers): each root buffer's pointer by a native
 // kernel of its own, then the function's kernel, which lists every buffer so that the driver
 // orders it after their writers and keeps them alive.
 #ifndef CLMHA_CONTEXT_NATIVE_H
