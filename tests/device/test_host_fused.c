@@ -152,13 +152,8 @@ Test(host_fused, against_reference) {
 }
 
 // Attention as a function (head tiles, not projected rows): grouped-query heads and a scale of
-// the caller's, against clmha_reference_attention().
-static void attention_function(bool causal);
-
-Test(host_fused, attention_function) { attention_function(false); }
-Test(host_fused, attention_function_causal) { attention_function(true); }
-
-// Attention as a function, is_causal or not: L 515 queries, S 530 keys (top-left aligned).
+// the caller's, is_causal or not (top-left aligned: L 515 queries, S 530 keys), against
+// clmha_reference_attention().
 static void attention_function(bool causal) {
     clmha_context *ctx = context_with_core();
     size_t n = 2, h = 4, hkv = 2, l = 515, s = 530, d = CLMHA__HOST_ATTENTION_HD;
@@ -197,14 +192,12 @@ static void attention_function(bool causal) {
     clmha_context_release(ctx);
 }
 
+Test(host_fused, attention_function) { attention_function(false); }
+Test(host_fused, attention_function_causal) { attention_function(true); }
+
 // A training step: the forward call that saves runs the core, which writes the log-sum-exp rows
 // the fused backward reads (CLMHA_IMPL_FUSED: fails the call where they are missing); every
-// gradient against clmha_reference_backward().
-static void training_step(bool causal);
-
-Test(host_fused, training_step) { training_step(false); }
-Test(host_fused, training_step_causal) { training_step(true); }
-
+// gradient against clmha_reference_backward(); is_causal or not.
 static void training_step(bool causal) {
     clmha_context *ctx = context_with_core();
     size_t h = 2, hd = CLMHA__HOST_ATTENTION_HD, e = h * hd, n = 1, l = 520;
@@ -268,3 +261,6 @@ static void training_step(bool causal) {
     free(gwo), free(want_gx), free(want_gw), free(want_gwo);
     clmha_context_release(ctx);
 }
+
+Test(host_fused, training_step) { training_step(false); }
+Test(host_fused, training_step_causal) { training_step(true); }
