@@ -87,7 +87,7 @@ CLMHA__HIDDEN void clmha__host_blas_sgemm_batch(const clmha__host_blas *blas,
 // transposed: p->b is not read) and returns true, or returns false, having done nothing, where
 // they do not apply: not oneDNN's OpenMP team to share the columns over (the panels' kernel
 // runs one thread per slice, as the column split above), a batch, ta, alpha other than 1, beta
-// other than 0 or 1, more than 512 rows (where oneDNN's own packing pays for itself), or a
+// other than 0 or 1, more than 1024 rows (where oneDNN's own packing pays for itself), or a
 // product the panels do not fit (clmha__packed_weight_fits()). Columns split in multiples of
 // 32, fixed by the team's size: results repeat bit for bit.
 CLMHA__HIDDEN bool clmha__host_blas_sgemm_packed(const clmha__host_blas *blas,
