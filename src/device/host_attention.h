@@ -1,5 +1,6 @@
 // Attention of head dimension 64 on the CPU itself: the host fused core's arithmetic
-// (src/cores/host_fused.c runs it from a native kernel over oneDNN's OpenMP team).
+// (src/cores/host_fused.c runs it from a native kernel over a team of the host threads,
+// device/host_pool.h).
 //
 // Why: on CPU drivers the fused OpenCL kernel (cl/cores/fused.cl), as PoCL 3.1 compiles it,
 // reached ~0.66 of the FMA peak at L 2048 (155 GFLOP/s on 2 cores of an AMD EPYC, Zen 4); this

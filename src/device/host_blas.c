@@ -1,6 +1,8 @@
 // Loading the host BLAS (device/host_blas.h says why and which).
 #include "device/host_blas.h"
 
+#include "device/host_pool.h"
+
 #include <dlfcn.h>
 #include <limits.h>
 #include <pthread.h>
@@ -30,11 +32,6 @@ typedef void (*cblas_dgemm_fn)(int, int, int, int, int, int, double, const doubl
 // GEMMs (here a driver's worker thread running the native kernel).
 static int (*omp_get_max)(void);
 static void (*omp_set_num)(int);
-// The same runtime's team: GOMP_parallel (libgomp's entry point for `#pragma omp parallel`,
-// which LLVM's libomp exports too) and the calling thread's place in the team.
-static void (*omp_parallel)(void (*)(void *), void *, unsigned, unsigned);
-static int (*omp_thread_num)(void);
-static int (*omp_num_threads)(void);
 
 // The product in plain loops (row-major, C = alpha op(A) op(B) + beta C; beta 0 ignores what C
 // held): what a GEMM that reported a failure is replaced by. A native kernel cannot fail its
@@ -137,10 +134,6 @@ static bool take(void *h, const char *name, const char *file) {
                           ver->patch);
         omp_get_max = (int (*)(void))(uintptr_t)dlsym(h, "omp_get_max_threads");
         omp_set_num = (void (*)(int))(uintptr_t)dlsym(h, "omp_set_num_threads");
-        omp_parallel = (void (*)(void (*)(void *), void *, unsigned, unsigned))(uintptr_t)dlsym(
-            h, "GOMP_parallel");
-        omp_thread_num = (int (*)(void))(uintptr_t)dlsym(h, "omp_get_thread_num");
-        omp_num_threads = (int (*)(void))(uintptr_t)dlsym(h, "omp_get_num_threads");
         blas.sgemm = sgemm_dnnl;
         blas.impl = &dnnl_entry;
         blas.max_dim = (size_t)INT64_MAX;
@@ -227,14 +220,14 @@ const clmha__host_blas *clmha__host_blas_get(const char **why) {
 
 // Products of at most this many multiply-adds in all run in one thread under oneDNN: a decode
 // step's projections (m = 1: 1 x 1536 x 512 is 0.8 M) take ~40 us on one core, and waking
-// OpenMP's team from a driver's worker thread (whose threads then spin on the cores the driver's
-// kernels need) cost more than the second core gave: a decode step at S 4096 took 0.17 instead
+// other threads from a driver's worker thread (then OpenMP's team, whose threads spun on the
+// cores the driver's kernels need) cost more than the second core gave: a decode step at S 4096 took 0.17 instead
 // of 0.26 ms with 2 key/value heads on PoCL (2 cores). The thread count is an OpenMP setting of
 // the calling thread (here the driver's worker), set to 1 around the products and restored.
 #define ONE_THREAD_MACS ((double)(1 << 22))
 
-// Items of a batched product of at most this many multiply-adds each are shared out among
-// OpenMP's team, each item in one thread, rather than each item split over the team: a
+// Items of a batched product of at most this many multiply-adds each are shared out among the
+// team (then OpenMP's), each item in one thread, rather than each item split over the team: a
 // per-head product is too small for the split to pay its fork and join. oneDNN, 2 cores (AMD
 // EPYC), alone: 64 items of 128 x 128 x 64 took 0.39 ms shared against 0.64 split; 4 of 512 x
 // 512 x 64, 0.36 against 0.38. Inside PoCL's native kernels the split cost more: the training
@@ -250,6 +243,34 @@ const clmha__host_blas *clmha__host_blas_get(const char **why) {
 // 166; 2048 x 1536 x 512, 215 against 213; 4096 x 1536 x 512, 220 against 224; by rows instead
 // of columns, 175 at 128 rows.
 #define SPLIT_MIN_COLS 64
+
+// The size of oneDNN's OpenMP team for the calling thread: the members of the host path's
+// regions (0: another library, or no OpenMP runtime found).
+static int dnnl_team(const clmha__host_blas *b) {
+    return b == &blas && b->sgemm == sgemm_dnnl && omp_get_max && omp_set_num ? omp_get_max() : 0;
+}
+
+typedef struct {
+    void (*fn)(void *, size_t, size_t);
+    void *arg;
+} region_job;
+
+// A member of a region, in whichever thread the pool runs it: oneDNN's products in it keep to
+// that thread (its OpenMP thread count, a setting of the thread, 1 while the member runs).
+static void one_thread_member(void *arg, size_t t, size_t team) {
+    const region_job *j = arg;
+    int threads = omp_get_max();
+    omp_set_num(1);
+    j->fn(j->arg, t, team);
+    omp_set_num(threads);
+}
+
+// Runs @p fn(@p arg, t, @p team) for every member t, over the process's pool of threads
+// (device/host_pool.h).
+static void run_region(size_t team, void (*fn)(void *, size_t, size_t), void *arg) {
+    region_job j = {fn, arg};
+    clmha__host_pool_run(team, one_thread_member, &j);
+}
 
 typedef struct {
     const clmha__host_blas *b;
@@ -283,20 +304,19 @@ static void run_items(const clmha__host_blas *b, const clmha__host_batch *p, siz
     }
 }
 
-// One thread's share of a batch: items t, t + T, t + 2T, ... (a fixed split, so that every item
-// is computed the same way on every run).
-static void batch_share(void *arg) {
+// Member t's share of a batch: items t, t + team, t + 2 team, ... (a fixed split, so that every
+// item is computed the same way on every run).
+static void batch_share(void *arg, size_t t, size_t team) {
     const batch_job *j = arg;
-    run_items(j->b, j->p, (size_t)omp_thread_num(), (size_t)omp_num_threads());
+    run_items(j->b, j->p, t, team);
 }
 
-// One thread's columns of every item of a batch: an equal share of the columns, rounded to 16
-// (an AVX-512 register of floats), the last thread's the rest. op(B)'s columns j are B's rows j
+// Member t's columns of every item of a batch: an equal share of the columns, rounded to 16
+// (an AVX-512 register of floats), the last member's the rest. op(B)'s columns j are B's rows j
 // (tb) or its columns j; C's are its columns j.
-static void column_share(void *arg) {
+static void column_share(void *arg, size_t t, size_t team) {
     const batch_job *j = arg;
     const clmha__host_batch *p = j->p;
-    size_t t = (size_t)omp_thread_num(), team = (size_t)omp_num_threads();
     size_t per = (p->n + team - 1) / team;
     per = (per + 15) / 16 * 16;
     size_t first = t * per, last = first + per < p->n ? first + per : p->n;
@@ -312,22 +332,16 @@ static void column_share(void *arg) {
 
 void clmha__host_blas_sgemm_batch(const clmha__host_blas *b, const clmha__host_batch *p) {
     double item = (double)p->m * (double)p->n * (double)p->k;
-    // oneDNN's OpenMP team size for this thread (0: another library, or no OpenMP found).
-    int team = b == &blas && b->sgemm == sgemm_dnnl && omp_get_max && omp_set_num
-                   ? omp_get_max()
-                   : 0;
+    int team = dnnl_team(b);
+    batch_job j = {b, p};
     if (team > 1 && item * (double)p->batch <= ONE_THREAD_MACS) {
         omp_set_num(1);
         run_items(b, p, 0, 1);
         omp_set_num(team);
-    } else if (team > 1 && p->batch > 1 && item <= SHARED_ITEM_MACS && omp_parallel &&
-               omp_thread_num && omp_num_threads) {
-        batch_job j = {b, p};
-        omp_parallel(batch_share, &j, (unsigned)team, 0);
-    } else if (team > 1 && p->n >= SPLIT_MIN_COLS * (size_t)team && omp_parallel &&
-               omp_thread_num && omp_num_threads) {
-        batch_job j = {b, p};
-        omp_parallel(column_share, &j, (unsigned)team, 0);
+    } else if (team > 1 && p->batch > 1 && item <= SHARED_ITEM_MACS) {
+        run_region((size_t)team, batch_share, &j);
+    } else if (team > 1 && p->n >= SPLIT_MIN_COLS * (size_t)team) {
+        run_region((size_t)team, column_share, &j);
     } else {
         run_items(b, p, 0, 1);
     }
@@ -347,11 +361,10 @@ typedef struct {
     size_t first;
 } packed_job;
 
-// One thread's columns of a packed product: an equal share rounded to the panels' 32.
-static void packed_share(void *arg) {
+// Member t's columns of a packed product: an equal share rounded to the panels' 32.
+static void packed_share(void *arg, size_t t, size_t team) {
     const packed_job *j = arg;
     const clmha__host_batch *p = j->p;
-    size_t t = (size_t)omp_thread_num(), team = (size_t)omp_num_threads();
     size_t per = (p->n + team - 1) / team;
     per = (per + CLMHA__PACKED_PANEL - 1) / CLMHA__PACKED_PANEL * CLMHA__PACKED_PANEL;
     size_t first = t * per, last = first + per < p->n ? first + per : p->n;
@@ -362,10 +375,7 @@ static void packed_share(void *arg) {
 
 bool clmha__host_blas_sgemm_packed(const clmha__host_blas *b, const clmha__host_batch *p,
                                    const clmha__packed_weight *w, size_t first) {
-    int team = b == &blas && b->sgemm == sgemm_dnnl && omp_get_max && omp_parallel &&
-                       omp_thread_num && omp_num_threads
-                   ? omp_get_max()
-                   : 0;
+    int team = dnnl_team(b);
     if (team < 1 || p->batch > 1 || p->ta || !p->tb || p->alpha != 1.0f ||
         (p->beta != 0.0f && p->beta != 1.0f) || p->m > PACKED_MAX_ROWS || p->ldb != p->k ||
         !clmha__packed_weight_fits(w, first, p->n, p->k))
@@ -375,25 +385,13 @@ bool clmha__host_blas_sgemm_packed(const clmha__host_blas *b, const clmha__host_
         clmha__packed_weight_gemm(w, first, p->m, p->n, p->a, p->lda, p->c, p->ldc, p->bias,
                                   p->beta != 0.0f, 0, p->n);
     else
-        omp_parallel(packed_share, &j, (unsigned)team, 0);
+        run_region((size_t)team, packed_share, &j);
     return true;
 }
 
 size_t clmha__host_blas_team(const clmha__host_blas *b) {
-    bool omp = b == &blas && b->sgemm == sgemm_dnnl && omp_get_max && omp_parallel &&
-               omp_thread_num && omp_num_threads;
-    int team = omp ? omp_get_max() : 0;
+    int team = dnnl_team(b);
     return team > 0 ? (size_t)team : 0;
-}
-
-typedef struct {
-    void (*fn)(void *, size_t, size_t);
-    void *arg;
-} team_job;
-
-static void team_member(void *arg) {
-    const team_job *j = arg;
-    j->fn(j->arg, (size_t)omp_thread_num(), (size_t)omp_num_threads());
 }
 
 void clmha__host_blas_team_run(const clmha__host_blas *b, size_t most,
@@ -404,8 +402,7 @@ void clmha__host_blas_team_run(const clmha__host_blas *b, size_t most,
         fn(arg, 0, 1);
         return;
     }
-    team_job j = {fn, arg};
-    omp_parallel(team_member, &j, (unsigned)team, 0);
+    run_region(team, fn, arg);
 }
 
 // ---- dgemm -------------------------------------------------------------------------------------

@@ -73,10 +73,11 @@ typedef struct clmha__host_batch {
 } clmha__host_batch;
 
 // Runs @p p's items in @p blas, in queue order from a driver's native kernel. Under oneDNN: a
-// product small in all (a decode step's projections) in one OpenMP thread, since waking
-// OpenMP's team from a driver's worker thread costs more than a second core gives there; small
-// items of a larger batch (per-head products) shared out among the team, each item in one
-// thread; the columns of others split among the team, each thread's slice in one thread
+// product small in all (a decode step's projections) in one OpenMP thread, since waking other
+// threads from a driver's worker thread costs more than a second core gives there; small items
+// of a larger batch (per-head products) shared out among a team of the host threads
+// (device/host_pool.h, as many as oneDNN's OpenMP threads), each item in one thread; the
+// columns of others split among the team, each thread's slice in one thread
 // (oneDNN splits a product of few rows poorly: 1.5x at 128 rows); the rest (other libraries,
 // narrow products) in turn, each over the library's threads (docs/design.md, "Where the GEMMs
 // run"). The splits depend only on the team's size, so results repeat bit for bit.
@@ -85,22 +86,24 @@ CLMHA__HIDDEN void clmha__host_blas_sgemm_batch(const clmha__host_blas *blas,
 
 // Runs @p p from @p w's panels instead (its op(B) = rows [first, first + n) of the weight,
 // transposed: p->b is not read) and returns true, or returns false, having done nothing, where
-// they do not apply: not oneDNN's OpenMP team to share the columns over (the panels' kernel
-// runs one thread per slice, as the column split above), a batch, ta, alpha other than 1, beta
-// other than 0 or 1, more than 1024 rows (where oneDNN's own packing pays for itself), or a
-// product the panels do not fit (clmha__packed_weight_fits()). Columns split in multiples of
-// 32, fixed by the team's size: results repeat bit for bit.
+// they do not apply: not oneDNN with its OpenMP runtime (whose thread count sizes the team of
+// host threads that shares the columns, one thread per slice, as the column split above), a
+// batch, ta, alpha other than 1, beta other than 0 or 1, more than 1024 rows (where oneDNN's
+// own packing pays for itself), or a product the panels do not fit
+// (clmha__packed_weight_fits()). Columns split in multiples of 32, fixed by the team's size:
+// results repeat bit for bit.
 CLMHA__HIDDEN bool clmha__host_blas_sgemm_packed(const clmha__host_blas *blas,
                                                  const clmha__host_batch *p,
                                                  const clmha__packed_weight *w, size_t first);
 
-// The size of oneDNN's OpenMP team for a native kernel of @p blas (its threads, 1 or more), or 0
-// where @p blas is another library or the OpenMP runtime was not found: no team to run
-// clmha__host_blas_team_run() over.
+// The size of the team of host threads for a native kernel of @p blas: oneDNN's OpenMP thread
+// count (1 or more), or 0 where @p blas is another library or the OpenMP runtime was not found
+// (no team to run clmha__host_blas_team_run() over).
 CLMHA__HIDDEN size_t clmha__host_blas_team(const clmha__host_blas *blas);
 
-// Runs @p fn(@p arg, t, team) once for each member t of oneDNN's OpenMP team (in parallel; a
-// team of 1 in the calling thread) and returns when all have; the team has at most @p most
+// Runs @p fn(@p arg, t, team) once for each member t of a team of the host threads
+// (device/host_pool.h; in parallel, a team of 1 in the calling thread; oneDNN's products in fn
+// keep to their member's thread) and returns when all have; the team has at most @p most
 // members (what the caller made room for; the calling thread's clmha__host_blas_team() may
 // differ from the one it had when it planned), at most clmha__host_blas_team() and at least 1.
 CLMHA__HIDDEN void clmha__host_blas_team_run(const clmha__host_blas *blas, size_t most,
