@@ -3,7 +3,7 @@
 // from a native kernel in queue order, on the CPU devices whose products take the host path.
 // It takes the plain calls only: CLMHA_IMPL_AUTO, head dimension 64, float32, no mask but
 // is_causal (no attn_mask, key_padding_mask, windows or user functions), no soft-capping,
-// ALiBi, sinks, dropout, appended keys or KV cache, at least 512 query rows a sequence and 512
+// ALiBi, sinks, dropout, appended keys or KV cache, at least 128 query rows a sequence and 128
 // keys; every other call goes on to the fused core (cl/cores/fused.cl), as does
 // CLMHA_IMPL_FUSED. It reads the projected rows (adding in_proj_bias) or the head tiles, and
 // writes merged rows or head tiles, as the fused core does (clmha__core::reads_rows), and the
@@ -73,13 +73,15 @@ static void run_call(void *args, void *const *mem) {
 }
 
 // The fewest query rows a sequence and keys a call may have: the core copies each head's keys
-// and values (the keys transposed) for its blocks of 12 rows, and starts its team of threads,
-// which smaller calls do not pay back. (AMD EPYC, Zen 4, 2 cores, `clmha bench` against
-// --impl fused, 7-11 alternated processes: the fused stage took 1.05-1.07x the time at N 8,
-// L 128 and N 4, L 256, 1.2x at N 4, L 64, S 1024, 1.0x at N 1, L 256, 0.93x at N 1, L 512,
-// 0.90x at L 2048.)
-#define HOST_FUSED_MIN_ROWS 512
-#define HOST_FUSED_MIN_KEYS 512
+// and values (the keys transposed) for its blocks of 12 rows, and wakes its team of threads,
+// which smaller calls do not pay back. AMD EPYC, Zen 4, 2 cores, the forward's time with floors
+// of 128 against 512, `clmha bench` medians of 8 alternated rounds: 0.88x at N 1, L 128, 0.97x
+// at N 8, L 128, 0.88x at N 1, L 256, 0.77x at N 2, L 128 causal, the training step at N 8,
+// L 128 0.99x; with floors of 64, N 4, L 64, S 1024 took 1.01x. (Under OpenMP's teams, before
+// the host threads of device/host_pool.c, the stage took 1.05-1.2x the OpenCL kernel's time
+// below 512 rows: the floor was 512.)
+#define HOST_FUSED_MIN_ROWS 128
+#define HOST_FUSED_MIN_KEYS 128
 
 // Why @p call is not a plain one (see the top of this file), or NULL when it is.
 static const char *not_plain(const clmha_layer *l, const clmha__core_call *call) {

@@ -2,15 +2,15 @@
 // head dimension 64 on the host path run in C on the CPU. Each case checks that the core ran
 // (the layer's last core), and its output and that of the fused OpenCL kernel (the same call
 // with CLMHA_IMPL_FUSED) against the double-precision reference: query rows that leave a
-// partial block of 12 (512 to 530 rows), keys that leave a partial tile of 64 (513, 515, 517,
-// 575, 577), batch first or not, with and without bias, cross-attention with kdim and vdim,
+// partial block of 12 (130, 512 to 530 rows), keys that leave a partial tile of 64 (129, 513,
+// 515, 517, 575, 577), the fewest rows and keys it takes (128), batch first or not, with and without bias, cross-attention with kdim and vdim,
 // grouped-query attention; attention as a function (head tiles) with its log-sum-exp rows; and
 // a training step, whose forward runs the core and saves the log-sum-exp rows the fused
 // backward needs (its gradients against clmha_reference_backward()); each also with is_causal.
-// A call with fewer than 512 query rows or keys goes on to the fused core.
+// A call with fewer than 128 query rows or keys goes on to the fused core.
 //
 // Links libclmha.a (the layer's last core). Skipped where the core cannot run: no host path
-// with oneDNN's OpenMP team, or no AVX-512.
+// with oneDNN and its OpenMP runtime, or no AVX-512.
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -118,6 +118,9 @@ Test(host_fused, against_reference) {
          .cross = true},
         {.heads = 4, .kv_heads = 1, .n = 1, .l = 530, .s = 513, .bias = true, .batch_first = false,
          .cross = true},
+        {.heads = 4, .kv_heads = 4, .n = 2, .l = 128, .bias = true, .batch_first = true},
+        {.heads = 2, .kv_heads = 1, .n = 1, .l = 130, .s = 129, .bias = true, .batch_first = false,
+         .cross = true},
     };
     for (size_t k = 0; k < 2 * sizeof cases / sizeof cases[0]; ++k) {
         size_t i = k / 2;
@@ -136,10 +139,10 @@ Test(host_fused, against_reference) {
         cr_expect_leq(host, 2e-6, "case %zu%s: %.2e", i, causal ? ", causal" : "", host);
         cr_expect_leq(fused, 2e-6, "case %zu: %.2e", i, fused);
     }
-    // Fewer than 512 query rows, or fewer than 512 keys: the fused core's call.
+    // Fewer than 128 query rows, or fewer than 128 keys: the fused core's call.
     const hcase others[] = {
-        {.heads = 2, .kv_heads = 2, .n = 1, .l = 511, .bias = true, .batch_first = true},
-        {.heads = 2, .kv_heads = 2, .n = 1, .l = 600, .s = 511, .bias = true,
+        {.heads = 2, .kv_heads = 2, .n = 1, .l = 127, .bias = true, .batch_first = true},
+        {.heads = 2, .kv_heads = 2, .n = 1, .l = 600, .s = 127, .bias = true,
          .batch_first = true, .cross = true},
     };
     for (size_t i = 0; i < 2; ++i) {
