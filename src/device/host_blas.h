@@ -78,9 +78,10 @@ typedef struct clmha__host_batch {
 // of a larger batch (per-head products) shared out among a team of the host threads
 // (device/host_pool.h, as many as oneDNN's OpenMP threads), each item in one thread; the
 // columns of others split among the team, each thread's slice in one thread
-// (oneDNN splits a product of few rows poorly: 1.5x at 128 rows); the rest (other libraries,
-// narrow products) in turn, each over the library's threads (docs/design.md, "Where the GEMMs
-// run"). The splits depend only on the team's size, so results repeat bit for bit.
+// (oneDNN splits a product of few rows poorly: 1.5x at 128 rows); the rows of narrow ones
+// (fewer than 64 columns a thread, 64 rows or more a thread) split likewise; the rest (other
+// libraries, small narrow products) in turn, each over the library's threads (docs/design.md,
+// "Where the GEMMs run"). The splits depend only on the team's size, so results repeat bit for bit.
 CLMHA__HIDDEN void clmha__host_blas_sgemm_batch(const clmha__host_blas *blas,
                                                const clmha__host_batch *p);
 

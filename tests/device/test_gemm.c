@@ -1,6 +1,7 @@
 // The GEMMs of a context (src/context/gemm.c) through both paths, CLBlast and the host BLAS in
 // native kernels, against a double-precision product computed here: every transpose, alpha and
 // beta, offsets, leading dimensions wider than the rows, batches with strides (0 included),
+// products large enough for the host path to split by columns, rows or items,
 // operands in sub-buffers and two operands in one buffer (the root-and-origin and capture
 // handling of the host path, tools/driver-bugs/pocl-native-kernel-buffers). Also the public
 // calls that choose and describe the path, and one forward pass through both paths. The host
@@ -137,6 +138,11 @@ static const gcase cases[] = {
     {false, false, 9, 8, 21, 4, 1.0f, 0.0f, 1, 2, 4, 6, false, true},      // batch, B stride 0
     {true, false, 11, 12, 10, 3, 1.0f, 1.0f, 0, 8, 0, 5, true, false},     // B in A's buffer
     {false, true, 1, 64, 64, 1, 1.0f, 0.0f, 0, 0, 0, 0, true, false},      // one row
+    // Over 2^22 multiply-adds: the host path shares them out among its threads.
+    {false, true, 150, 200, 200, 1, 1.0f, 0.0f, 1, 0, 0, 0, false, false},  // by columns
+    {false, false, 300, 40, 400, 1, 0.7f, 1.3f, 2, 3, 1, 5, false, false},  // by rows
+    {true, false, 301, 40, 400, 1, 1.0f, 0.0f, 0, 0, 2, 0, false, false},   // by rows, Aᵀ
+    {false, true, 64, 64, 64, 20, 1.0f, 0.0f, 0, 0, 0, 0, false, false},    // by items
 };
 
 // Runs every case on @p ctx, plain and in sub-buffers; the worst relative error.
