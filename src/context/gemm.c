@@ -127,29 +127,22 @@ static bool root_of(cl_mem m, size_t elem, cl_mem *root, size_t *origin) {
     return bytes % elem == 0;
 }
 
-// The operands of a product on the host path as their root buffers and origins (root_of()):
-// A, B, C and the bias row (NULL root where there is none).
-typedef struct host_operands {
-    cl_mem root[OPERANDS];
-    size_t origin[OPERANDS];
-} host_operands;
-
-// Enqueues @p o, whose operands are @p ops, as a native function.
+// Enqueues @p o, whose B starts @p b_origin elements into its root buffer, as a native function.
 static clmha_status gemm_host(clmha_context *ctx, const char *what, const clmha__gemm_op *o,
-                              const clmha__host_dgemm *dgemm, const host_operands *ops) {
-    host_call h = {.blas = ctx->host_blas, .dgemm = dgemm, .b_origin = ops->origin[1], .op = *o};
+                              const clmha__host_dgemm *dgemm, size_t b_origin) {
+    host_call h = {.blas = ctx->host_blas, .dgemm = dgemm, .b_origin = b_origin, .op = *o};
     const cl_mem buffers[OPERANDS] = {o->a, o->b, o->c, o->bias};
     char call[200];
     snprintf(call, sizeof call, "%s, host BLAS", what);
     return clmha__native_run(ctx, call, run_host, &h, sizeof h, buffers, o->bias ? 4 : 3);
 }
 
-// The host library that runs @p o (*@p hd: the dgemm of a float64 product; *@p ops: its
-// operands' roots and origins), or NULL where @p o takes CLBlast's path: no host BLAS, a float64
-// product without a dgemm, sizes past the library's interface, or an operand at a sub-buffer
-// origin that is not a whole number of elements.
+// The host library that runs @p o (*@p hd: the dgemm of a float64 product; *@p b_origin: where
+// its B starts in its root buffer, in elements), or NULL where @p o takes CLBlast's path: no host
+// BLAS, a float64 product without a dgemm, sizes past the library's interface, or an operand at
+// a sub-buffer origin that is not a whole number of elements.
 static const clmha__host_blas *host_path(const clmha_context *ctx, const clmha__gemm_op *o,
-                                         const clmha__host_dgemm **hd, host_operands *ops) {
+                                         const clmha__host_dgemm **hd, size_t *b_origin) {
     const clmha__host_blas *hb = ctx->host_blas;
     // A float64 product takes the host path where the process has a dgemm too.
     *hd = hb && o->f64 ? clmha__host_dgemm_get() : NULL;
@@ -158,24 +151,27 @@ static const clmha__host_blas *host_path(const clmha_context *ctx, const clmha__
         o->ldc > hb->max_dim)
         return NULL;
     cl_mem mem[OPERANDS] = {o->a, o->b, o->c, o->bias};
-    memset(ops, 0, sizeof *ops);
-    for (int i = 0; i < OPERANDS && mem[i]; ++i)
-        if (!root_of(mem[i], o->f64 ? sizeof(double) : sizeof(float), &ops->root[i],
-                     &ops->origin[i]))
+    *b_origin = 0;
+    for (int i = 0; i < OPERANDS && mem[i]; ++i) {
+        cl_mem root;
+        size_t origin;
+        if (!root_of(mem[i], o->f64 ? sizeof(double) : sizeof(float), &root, &origin))
             return NULL;
+        if (i == 1) *b_origin = origin;
+    }
     return hb;
 }
 
 bool clmha__gemm_adds_bias(const clmha_context *ctx, const clmha__gemm_op *o) {
     const clmha__host_dgemm *hd;
-    host_operands ops;
-    return o->batch <= 1 && o->beta == 0.0 && host_path(ctx, o, &hd, &ops) != NULL;
+    size_t b_origin;
+    return o->batch <= 1 && o->beta == 0.0 && host_path(ctx, o, &hd, &b_origin) != NULL;
 }
 
 clmha_status clmha__gemm(clmha_context *ctx, const char *what, const clmha__gemm_op *o) {
     const clmha__host_dgemm *hd;
-    host_operands ops;
-    if (host_path(ctx, o, &hd, &ops)) return gemm_host(ctx, what, o, hd, &ops);
+    size_t b_origin;
+    if (host_path(ctx, o, &hd, &b_origin)) return gemm_host(ctx, what, o, hd, b_origin);
     // (A bias the caller was told the host path adds, clmha__gemm_adds_bias(), that it could not
     // take after all: a driver's answer about an operand changed.)
     if (o->bias)

@@ -255,7 +255,8 @@ TARGET static void run_block(const clmha__host_attention *p, const float *q, con
         size_t nk = keys - t0 < BK ? keys - t0 : BK;
         for (size_t r0 = 0; r0 < QB; r0 += MR) {
             // Row r0's keys in this tile (negative: none).
-            ptrdiff_t reach = !p->causal ? (ptrdiff_t)nk : (ptrdiff_t)(row0 + r0 + 1 - t0);
+            ptrdiff_t reach =
+                !p->causal ? (ptrdiff_t)nk : (ptrdiff_t)(row0 + r0 + 1) - (ptrdiff_t)t0;
             if (reach + MR - 1 <= 0) continue;  // none of the MR rows sees a key here
             tile_rows(&b, qs, r0, kt + t0 * HD, nk, vp + t0 * HD, HD, reach);
         }
