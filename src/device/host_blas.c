@@ -221,8 +221,8 @@ const clmha__host_blas *clmha__host_blas_get(const char **why) {
 // Products of at most this many multiply-adds in all run in one thread under oneDNN: a decode
 // step's projections (m = 1: 1 x 1536 x 512 is 0.8 M) take ~40 us on one core, and waking
 // other threads from a driver's worker thread (then OpenMP's team, whose threads spun on the
-// cores the driver's kernels need) cost more than the second core gave: a decode step at S 4096 took 0.17 instead
-// of 0.26 ms with 2 key/value heads on PoCL (2 cores). The thread count is an OpenMP setting of
+// cores the driver's kernels need) cost more than the second core gave: a decode step at S 4096
+// took 0.17 instead of 0.26 ms with 2 key/value heads on PoCL (2 cores). The thread count is an OpenMP setting of
 // the calling thread (here the driver's worker), set to 1 around the products and restored.
 #define ONE_THREAD_MACS ((double)(1 << 22))
 

@@ -3,7 +3,8 @@
 // (the layer's last core), and its output and that of the fused OpenCL kernel (the same call
 // with CLMHA_IMPL_FUSED) against the double-precision reference: query rows that leave a
 // partial block of 12 (130, 512 to 530 rows), keys that leave a partial tile of 64 (129, 513,
-// 515, 517, 575, 577), the fewest rows and keys it takes (128), batch first or not, with and without bias, cross-attention with kdim and vdim,
+// 515, 517, 575, 577), the fewest rows and keys it takes (128), batch first or not, with and
+// without bias, cross-attention with kdim and vdim,
 // grouped-query attention; attention as a function (head tiles) with its log-sum-exp rows; and
 // a training step, whose forward runs the core and saves the log-sum-exp rows the fused
 // backward needs (its gradients against clmha_reference_backward()); each also with is_causal.
