@@ -1287,11 +1287,10 @@ typedef clmha_status (*clmha_attention_fn)(const struct clmha_core_args *args, v
 typedef enum clmha_impl {
     CLMHA_IMPL_AUTO = 0,  ///< fused when the call does not ask for weights and the device can
                           ///< run it, else unfused; on a CPU device with the host BLAS path
-                          ///< and AVX-512, a call without masks (but is_causal), variants or
-                          ///< dropout, of head dimension 64, with at least 128 query rows and
-                          ///< 128 keys, runs
-                          ///< the fused computation in C on the CPU (::CLMHA_IMPL_FUSED: the
-                          ///< OpenCL kernel)
+                          ///< and AVX-512 or AVX2, a call without masks (but is_causal),
+                          ///< variants or dropout, of head dimension 64, with at least 128
+                          ///< query rows and 128 keys, runs the fused computation in C on the
+                          ///< CPU (::CLMHA_IMPL_FUSED: the OpenCL kernel)
     CLMHA_IMPL_FUSED,     ///< the fused core (a call with need_weights is refused)
     CLMHA_IMPL_UNFUSED,   ///< the unfused core
 } clmha_impl;

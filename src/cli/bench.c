@@ -83,9 +83,9 @@ static const char *usage_bench_about =
 static const char *usage_bench_run =
     "run:\n"
     "  --impl I             attention core: auto (default: fused without --need-weights,\n"
-    "                       else unfused; on a CPU with the host BLAS and AVX-512, long\n"
-    "                       calls without masks but --causal in C on the CPU), fused\n"
-    "                       (the OpenCL kernel) or unfused\n"
+    "                       else unfused; on a CPU with the host BLAS and AVX-512 or\n"
+    "                       AVX2, long calls without masks but --causal in C on the CPU),\n"
+    "                       fused (the OpenCL kernel) or unfused\n"
     "  --backward           time the training step instead: see \"--backward\" below\n"
     "  --host               time the host-array calls instead: see \"--host\" below\n"
     "  --repeat R           timed runs per shape (default 10; with --backward, 0: no timed\n"

@@ -108,7 +108,7 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
     else if (clmha__impl_of_call(l, call) != CLMHA_IMPL_AUTO) why = "the call names a core";
     else if (!hb || !clmha__host_blas_team(hb)) why = "no host path with an OpenMP team";
     else if (l->desc.dtype != CLMHA_DTYPE_F32 || !clmha__host_attention_fits(l->d))
-        why = "it takes float32 heads of 64 on AVX-512 CPUs only";
+        why = "it takes float32 heads of 64 on CPUs with AVX-512 or AVX2 only";
     else if (!(why = not_plain(l, call)) &&
              !scratch_floats(call->dims->s, clmha__host_blas_team(hb)))
         why = "its copies of the keys and values would take more than 64 MiB";

@@ -8,21 +8,21 @@
 // core").
 //
 // How: for each (batch, key/value head) the keys are first copied transposed, in tiles of 64
-// keys (64 dimensions × 64 keys, the bias added; 16 × 16 blocks transposed in registers), and
-// the values contiguous (the bias added); then each block of 12 query rows (scaled by
-// scale·log2(e), the bias added) runs over the key tiles: per 6 rows, the tile's scores
-// (6 × 64, 24 AVX-512 accumulators over the 64 dimensions), the row maxima,
-// p = 2^(score − max) (a polynomial, ~1 ulp), the running sums kept as 16 lanes per row, the
-// accumulators rescaled when a maximum grows, then acc += p·V (6 rows × 64 columns, 24
-// accumulators, over the tile's values). Past the last key of a partial tile the scores are
-// -inf and p exactly 0; past the last query row the block computes on the last row and stores
-// nothing. With is_causal each row's scores past its last key get p = 0 and the block runs
-// over the tiles its last row reaches only; the blocks are then dealt out in turn (thread t
-// takes t, t + T, ...), not in runs, so that the threads share the triangle evenly. Every
-// output element is the same sum in the same order whatever the team's size.
+// keys (64 dimensions × 64 keys, the bias added), and the values contiguous (the bias added);
+// then each block of 12 query rows (scaled by scale·log2(e), the bias added) runs over the key
+// tiles: per 6 rows, the tile's scores (6 × 64), the row maxima, p = 2^(score − max) (a
+// polynomial, ~1 ulp), the running sums kept in lanes, the accumulators rescaled when a
+// maximum grows, then acc += p·V (6 rows × 64 columns, over the tile's values). Past the last
+// key of a partial tile the scores are -inf and p exactly 0; past the last query row the block
+// computes on the last row and stores nothing. With is_causal each row's scores past its last
+// key get p = 0 and the block runs over the tiles its last row reaches only; the blocks are
+// then dealt out in turn (thread t takes t, t + T, ...), not in runs, so that the threads share
+// the triangle evenly. Every output element is the same sum in the same order whatever the
+// team's size. The copies and the 6 rows against a tile exist in AVX-512 and in AVX2 with FMA
+// (device/host_attention_kernels.h); this file runs the rest and picks one.
 // Compiled at -O3 in optimised builds (CMakeLists.txt).
 //
-// Only on x86-64 with AVX-512 (F), compiled by GCC or Clang: elsewhere
+// Only on x86-64 with AVX-512 (F) or AVX2 and FMA, compiled by GCC or Clang: elsewhere
 // clmha__host_attention_fits() is false and the fused OpenCL kernel runs.
 #ifndef CLMHA_DEVICE_HOST_ATTENTION_H
 #define CLMHA_DEVICE_HOST_ATTENTION_H
@@ -61,6 +61,13 @@ typedef struct clmha__host_attention {
 
 // Whether this CPU and build run the kernel at head dimension @p head_dim.
 CLMHA__HIDDEN bool clmha__host_attention_fits(size_t head_dim);
+
+// The instruction set the kernel runs in on this CPU: "AVX-512", "AVX2", or NULL (none).
+CLMHA__HIDDEN const char *clmha__host_attention_isa(void);
+
+// For the tests: true makes a CPU with AVX-512 run the AVX2 kernel (set it while no kernel
+// runs).
+CLMHA__HIDDEN extern bool clmha__host_attention_avx2_only;
 
 // The scratch floats one thread needs for @p keys keys (their transposed copy), or 0 when that
 // size overflows.

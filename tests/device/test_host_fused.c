@@ -10,8 +10,11 @@
 // backward needs (its gradients against clmha_reference_backward()); each also with is_causal.
 // A call with fewer than 128 query rows or keys goes on to the fused core.
 //
+// Where the CPU has AVX-512, the cases with a partial block or tile run again with the AVX2
+// kernel.
+//
 // Links libclmha.a (the layer's last core). Skipped where the core cannot run: no host path
-// with oneDNN and its OpenMP runtime, or no AVX-512.
+// with oneDNN and its OpenMP runtime, or neither AVX-512 nor AVX2 with FMA.
 #include <criterion/criterion.h>
 
 #include <clmha.h>
@@ -41,7 +44,7 @@ static clmha_context *context_with_core(void) {
     if (!ctx->host_blas || !clmha__host_blas_team(ctx->host_blas) ||
         !clmha__host_attention_fits(CLMHA__HOST_ATTENTION_HD)) {
         clmha_context_release(ctx);
-        cr_skip_test("no host path with an OpenMP team, or no AVX-512: the core does not run");
+        cr_skip_test("no host path with an OpenMP team, or no AVX2: the core does not run");
     }
     return ctx;
 }
@@ -107,31 +110,18 @@ static double run_case(clmha_context *ctx, const hcase *c, clmha_impl impl, bool
     return worst;
 }
 
-Test(host_fused, against_reference) {
-    clmha_context *ctx = context_with_core();
-    const hcase cases[] = {
-        {.heads = 2, .kv_heads = 2, .n = 1, .l = 512, .bias = true, .batch_first = true},
-        {.heads = 2, .kv_heads = 2, .n = 2, .l = 517, .bias = true, .batch_first = true},
-        {.heads = 1, .kv_heads = 1, .n = 1, .l = 515, .bias = false, .batch_first = false},
-        {.heads = 2, .kv_heads = 2, .n = 1, .l = 520, .s = 577, .kdim = 40, .vdim = 72,
-         .bias = true, .batch_first = true, .cross = true},
-        {.heads = 4, .kv_heads = 2, .n = 1, .l = 512, .s = 575, .bias = true, .batch_first = true,
-         .cross = true},
-        {.heads = 4, .kv_heads = 1, .n = 1, .l = 530, .s = 513, .bias = true, .batch_first = false,
-         .cross = true},
-        {.heads = 4, .kv_heads = 4, .n = 2, .l = 128, .bias = true, .batch_first = true},
-        {.heads = 2, .kv_heads = 1, .n = 1, .l = 130, .s = 129, .bias = true, .batch_first = false,
-         .cross = true},
-    };
-    for (size_t k = 0; k < 2 * sizeof cases / sizeof cases[0]; ++k) {
+// Each of @p cases, plain and with is_causal, by the host core and by the fused OpenCL kernel.
+static void host_against_fused(clmha_context *ctx, const hcase *cases, size_t count) {
+    const char *isa = clmha__host_attention_isa();
+    for (size_t k = 0; k < 2 * count; ++k) {
         size_t i = k / 2;
         bool causal = k % 2;
         const hcase *c = &cases[i];
         const void *host_core, *fused_core;
         double host = run_case(ctx, c, CLMHA_IMPL_AUTO, causal, &host_core);
         double fused = run_case(ctx, c, CLMHA_IMPL_FUSED, causal, &fused_core);
-        printf("host_fused: H %zu KVH %zu N %zu L %zu S %zu%s%s%s: max |error| %.2e (fused "
-               "kernel %.2e)\n", c->heads, c->kv_heads, c->n, c->l, c->cross ? c->s : c->l,
+        printf("host_fused (%s): H %zu KVH %zu N %zu L %zu S %zu%s%s%s: max |error| %.2e (fused "
+               "kernel %.2e)\n", isa, c->heads, c->kv_heads, c->n, c->l, c->cross ? c->s : c->l,
                c->bias ? ", bias" : "", c->cross ? ", cross" : "", causal ? ", causal" : "",
                host, fused);
         cr_expect_eq(host_core, (const void *)&clmha__core_host_fused,
@@ -140,6 +130,26 @@ Test(host_fused, against_reference) {
         cr_expect_leq(host, 2e-6, "case %zu%s: %.2e", i, causal ? ", causal" : "", host);
         cr_expect_leq(fused, 2e-6, "case %zu: %.2e", i, fused);
     }
+}
+
+static const hcase cases[] = {
+    {.heads = 2, .kv_heads = 2, .n = 1, .l = 512, .bias = true, .batch_first = true},
+    {.heads = 2, .kv_heads = 2, .n = 2, .l = 517, .bias = true, .batch_first = true},
+    {.heads = 1, .kv_heads = 1, .n = 1, .l = 515, .bias = false, .batch_first = false},
+    {.heads = 2, .kv_heads = 2, .n = 1, .l = 520, .s = 577, .kdim = 40, .vdim = 72,
+     .bias = true, .batch_first = true, .cross = true},
+    {.heads = 4, .kv_heads = 2, .n = 1, .l = 512, .s = 575, .bias = true, .batch_first = true,
+     .cross = true},
+    {.heads = 4, .kv_heads = 1, .n = 1, .l = 530, .s = 513, .bias = true, .batch_first = false,
+     .cross = true},
+    {.heads = 4, .kv_heads = 4, .n = 2, .l = 128, .bias = true, .batch_first = true},
+    {.heads = 2, .kv_heads = 1, .n = 1, .l = 130, .s = 129, .bias = true, .batch_first = false,
+     .cross = true},
+};
+
+Test(host_fused, against_reference) {
+    clmha_context *ctx = context_with_core();
+    host_against_fused(ctx, cases, sizeof cases / sizeof cases[0]);
     // Fewer than 128 query rows, or fewer than 128 keys: the fused core's call.
     const hcase others[] = {
         {.heads = 2, .kv_heads = 2, .n = 1, .l = 127, .bias = true, .batch_first = true},
@@ -152,6 +162,28 @@ Test(host_fused, against_reference) {
         cr_expect_eq(core, (const void *)&clmha__core_fused, "case %zu ran another core", i);
         cr_expect_leq(err, 2e-6);
     }
+    clmha_context_release(ctx);
+}
+
+// The AVX2 kernel on a CPU that would run the AVX-512 one (where the CPU runs only the AVX2
+// kernel, against_reference tested it): the cases with a partial block or tile.
+Test(host_fused, avx2_kernel_where_avx512) {
+    clmha_context *ctx = context_with_core();
+    const char *isa = clmha__host_attention_isa();
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    bool avx2 = false;
+#endif
+    if (strcmp(isa, "AVX-512") != 0 || !avx2) {
+        clmha_context_release(ctx);
+        cr_skip_test("the kernel here is %s: against_reference tested it", isa);
+    }
+    clmha__host_attention_avx2_only = true;
+    cr_assert_str_eq(clmha__host_attention_isa(), "AVX2");
+    host_against_fused(ctx, cases + 1, 5);
+    host_against_fused(ctx, cases + 7, 1);
+    clmha__host_attention_avx2_only = false;
     clmha_context_release(ctx);
 }
 
