@@ -1289,8 +1289,9 @@ typedef enum clmha_impl {
                           ///< run it, else unfused; on a CPU device with the host BLAS path
                           ///< and AVX-512 or AVX2, a call without masks (but is_causal),
                           ///< variants or dropout, of head dimension 64, with at least 128
-                          ///< query rows and 128 keys, runs the fused computation in C on the
-                          ///< CPU (::CLMHA_IMPL_FUSED: the OpenCL kernel)
+                          ///< query rows and 128 keys (32 and 32 without AVX-512), runs the
+                          ///< fused computation in C on the CPU (::CLMHA_IMPL_FUSED: the
+                          ///< OpenCL kernel)
     CLMHA_IMPL_FUSED,     ///< the fused core (a call with need_weights is refused)
     CLMHA_IMPL_UNFUSED,   ///< the unfused core
 } clmha_impl;

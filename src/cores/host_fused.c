@@ -4,7 +4,7 @@
 // It takes the plain calls only: CLMHA_IMPL_AUTO, head dimension 64, float32, no mask but
 // is_causal (no attn_mask, key_padding_mask, windows or user functions), no soft-capping,
 // ALiBi, sinks, dropout, appended keys or KV cache, at least 128 query rows a sequence and 128
-// keys; every other call goes on to the fused core (cl/cores/fused.cl), as does
+// keys with the AVX-512 kernel, 32 and 32 with the AVX2 one; every other call goes on to the fused core (cl/cores/fused.cl), as does
 // CLMHA_IMPL_FUSED. It reads the projected rows (adding in_proj_bias) or the head tiles, and
 // writes merged rows or head tiles, as the fused core does (clmha__core::reads_rows), and the
 // log-sum-exp rows where the call asks for them as the fused core writes them (lse_on 1 or 2):
@@ -74,15 +74,20 @@ static void run_call(void *args, void *const *mem) {
 
 // The fewest query rows a sequence and keys a call may have: the core copies each head's keys
 // and values (the keys transposed) for its blocks of 12 rows, and wakes its team of threads,
-// which smaller calls do not pay back. AMD EPYC, Zen 4, 2 cores, the forward's time with floors
+// which smaller calls do not pay back. It depends on the kernel, against what PoCL makes of the
+// OpenCL one on the same CPU. AVX-512, AMD EPYC, Zen 4, 2 cores, the forward's time with floors
 // of 128 against 512, `clmha bench` medians of 8 alternated rounds: 0.88x at N 1, L 128, 0.97x
 // at N 8, L 128, 0.88x at N 1, L 256, 0.77x at N 2, L 128 causal, the training step at N 8,
 // L 128 0.99x; with floors of 64, N 4, L 64, S 1024 took 1.01x. (Under OpenMP's teams, before
 // the host threads of device/host_pool.c, the stage took 1.05-1.2x the OpenCL kernel's time
-// below 512 rows: the floor was 512.)
-#define HOST_FUSED_MIN_ROWS 128
-#define HOST_FUSED_MIN_KEYS 128
-
+// below 512 rows: the floor was 512.) AVX2, the same machine with AVX-512 hidden (PoCL's
+// "haswell" code runs the OpenCL kernel at ~0.45 of the AVX2 kernel's speed), floors of 32
+// against 128, paired medians of 6-8 rounds: N 4, L 64, S 1024 0.90x, N 2, L 64, S 256 0.84x,
+// N 8, L 64 0.93x, N 8, L 32 0.87x, N 4, L 32, S 1024 0.99x.
+size_t clmha__host_fused_floor(void) {
+    const char *isa = clmha__host_attention_isa();
+    return isa && strcmp(isa, "AVX2") == 0 ? 32 : 128;
+}
 // Why @p call is not a plain one (see the top of this file), or NULL when it is.
 static const char *not_plain(const clmha_layer *l, const clmha__core_call *call) {
     const clmha_forward_args *a = call->args;
@@ -95,8 +100,8 @@ static const char *not_plain(const clmha_layer *l, const clmha__core_call *call)
     if (d->softcap != 0.0 || d->alibi || d->sinks) return "the call has a score variant";
     if (a->training && l->desc.dropout > 0.0f) return "the call has dropout";
     if (d->s_padded != d->s) return "the call has appended keys";
-    if (d->l < HOST_FUSED_MIN_ROWS || d->s < HOST_FUSED_MIN_KEYS)
-        return "too few query rows or keys";
+    size_t floor = clmha__host_fused_floor();
+    if (d->l < floor || d->s < floor) return "too few query rows or keys";
     return NULL;
 }
 

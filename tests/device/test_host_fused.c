@@ -3,12 +3,13 @@
 // (the layer's last core), and its output and that of the fused OpenCL kernel (the same call
 // with CLMHA_IMPL_FUSED) against the double-precision reference: query rows that leave a
 // partial block of 12 (130, 512 to 530 rows), keys that leave a partial tile of 64 (129, 513,
-// 515, 517, 575, 577), the fewest rows and keys it takes (128), batch first or not, with and
+// 515, 517, 575, 577), the fewest rows and keys it takes (128, or 32 with the AVX2 kernel),
+// batch first or not, with and
 // without bias, cross-attention with kdim and vdim,
 // grouped-query attention; attention as a function (head tiles) with its log-sum-exp rows; and
 // a training step, whose forward runs the core and saves the log-sum-exp rows the fused
 // backward needs (its gradients against clmha_reference_backward()); each also with is_causal.
-// A call with fewer than 128 query rows or keys goes on to the fused core.
+// A call with fewer query rows or keys goes on to the fused core.
 //
 // Where the CPU has AVX-512, the cases with a partial block or tile run again with the AVX2
 // kernel.
@@ -150,10 +151,15 @@ static const hcase cases[] = {
 Test(host_fused, against_reference) {
     clmha_context *ctx = context_with_core();
     host_against_fused(ctx, cases, sizeof cases / sizeof cases[0]);
-    // Fewer than 128 query rows, or fewer than 128 keys: the fused core's call.
+    // The fewest rows and keys the core takes on this CPU (128 with AVX-512, 32 with AVX2),
+    // then one fewer: the fused core's call.
+    size_t floor = clmha__host_fused_floor();
+    const hcase at_floor = {.heads = 2, .kv_heads = 2, .n = 2, .l = floor, .s = floor + 1,
+                            .bias = true, .batch_first = true, .cross = true};
+    host_against_fused(ctx, &at_floor, 1);
     const hcase others[] = {
-        {.heads = 2, .kv_heads = 2, .n = 1, .l = 127, .bias = true, .batch_first = true},
-        {.heads = 2, .kv_heads = 2, .n = 1, .l = 600, .s = 127, .bias = true,
+        {.heads = 2, .kv_heads = 2, .n = 1, .l = floor - 1, .bias = true, .batch_first = true},
+        {.heads = 2, .kv_heads = 2, .n = 1, .l = 600, .s = floor - 1, .bias = true,
          .batch_first = true, .cross = true},
     };
     for (size_t i = 0; i < 2; ++i) {
