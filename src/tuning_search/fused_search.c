@@ -158,7 +158,8 @@ static void fused_candidates(clmha_context *ctx, fused_call *fc, const clmha__fu
 
 // D. The fused attention kernel's tiles on the first layer shape (self-attention, random
 // parameters and inputs): every candidate must reproduce the double-precision reference's
-// output; the fastest fused stage wins. The default tiles are timed first: the yardstick.
+// output; the fastest fused stage wins. The default tiles are timed first: the yardstick. A
+// driver whose profiled times are zero (rusticl on llvmpipe) cannot rank tiles: not searched.
 void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape *shape,
                        double deadline, size_t max_tried, clmha__fused_result *res) {
     memset(res, 0, sizeof *res);
@@ -168,7 +169,7 @@ void clmha__tune_fused(clmha_context *ctx, uint64_t *rng, const clmha_tune_shape
     if (fused_call_make(ctx, rng, shape, &fc)) {
         clmha__fused_tiles def = clmha__fused_tiles_for(ctx, fc.rl.layer->d), used;
         if (!clmha__layer_set_fused_tiles(fc.rl.layer, &def, &used) &&
-            fused_time(&fc, 5, &res->default_ms)) {
+            fused_time(&fc, 5, &res->default_ms) && res->default_ms > 0) {
             res->searched = true;
             res->best_ms = res->default_ms;
             set_best(res, &used);

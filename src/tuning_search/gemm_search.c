@@ -292,10 +292,14 @@ static void pick_leader(tuner *T, walk *W, double deadline) {
 // Search over one kernel (Xgemm or XgemmDirect) until @p deadline (seconds since start):
 // the seeds, then a walk from the best (single steps, in prior order; an improvement of 2 %
 // or more moves the centre), then prior-weighted random samples (an improvement starts a new
-// walk). @p base holds the other kernels' values. *best_cand and *best get the winner.
+// walk). @p base holds the other kernels' values. *best_cand and *best get the winner. Each
+// candidate is timed against the best so far, and until one has run against @p before (the
+// parameters in effect on the shapes the phase times; 0: none): one over 2.5 times slower
+// stops after two runs (shape_time), so that a slow device's first candidates do not take
+// minutes (llvmpipe: 150 s for one at 0.1 GFLOP/s on sgemm 1024^3).
 static bool search(tuner *T, bool direct, clmha__tuning base, size_t min_indirect,
                    const cand *seeds, size_t nseeds, double (*deadline)(const tuner *),
-                   cand *best_cand, result *best) {
+                   double before, cand *best_cand, result *best) {
     walk W = {.direct = direct, .phase = direct ? "XgemmDirect" : "Xgemm", .base = base,
               .seeds = seeds, .nseeds = nseeds, .mode = SEEDS, .best_cand = best_cand,
               .best = best};
@@ -325,7 +329,7 @@ static bool search(tuner *T, bool direct, clmha__tuning base, size_t min_indirec
         W.seen[W.nseen++] = x;
         clmha__tuning t = with_candidate(&W, &x);
         result r;
-        try_candidate(T, &t, direct, W.have ? best->total : 0, W.phase, &r);
+        try_candidate(T, &t, direct, W.have ? best->total : before, W.phase, &r);
         judge_in_turns(T, &W, &t, &r);
         T->phase_cost[direct] += r.cost;
         ++T->phase_tried[direct];
@@ -508,7 +512,7 @@ static void phase_xgemm(tuner *T, phases *P, gemm_outcome *out) {
     for (size_t i = 0; i < clmha__xgemm_seed_count && nseeds < 8; ++i)
         if (clmha__cand_from_xgemm(clmha__xgemm_seeds[i], &seeds[nseeds])) ++nseeds;
     out->have_x = search(T, false, out->final, P->split, seeds, nseeds, deadline_xgemm,
-                         &P->best_x, &P->res_x);
+                         P->plain_before, &P->best_x, &P->res_x);
     if (out->have_x) {
         clmha__cand_xgemm_params(&P->best_x, out->final.xgemm);
         for (size_t i = 0; i < T->nshapes; ++i)
@@ -549,7 +553,7 @@ static void phase_direct(tuner *T, phases *P, gemm_outcome *out) {
     if (!(P->any_batched && elapsed(T) + expected_cost(T, true) <= deadline_direct(T))) return;
     size_t split_b = P->split ? P->split : FORCE_DIRECT;
     out->have_d = search(T, true, out->final, split_b, seeds, sizeof seeds / sizeof seeds[0],
-                         deadline_direct, &P->best_d, &P->res_d);
+                         deadline_direct, P->batched_before, &P->best_d, &P->res_d);
     if (!out->have_d) return;
     bool better = false;  // than the direct path before, where it was timed
     for (size_t i = 0; i < T->nshapes; ++i)

@@ -176,12 +176,18 @@ static void keep_before(tuner *T, const start_state *s, const gemm_outcome *g,
             clmha__tuning_set_note(T->ctx->device, "a tuning run found nothing faster; "
                                                    "CLBlast's generic parameters are in effect");
     }
+    // Why: no candidate timed; all of them rejected; the winner failed the final check (each
+    // with the last failure's message); else none was faster (or each was cut after two runs,
+    // over 2.5 times slower: gemm_search.c).
     bool ran = g->have_x || g->have_d;
+    bool none = !ran && T->tried == 0, all_bad = !ran && T->tried && T->rejected == T->tried;
+    bool failed = all_bad || (ran && !g->final_ok);
     snprintf(rep->message, sizeof rep->message, "%s%s%.400s",
-             !ran           ? "the budget ran out before a candidate was timed"
-             : !g->final_ok ? "the chosen parameters failed the final check"
-                            : "no candidate was faster than the current parameters",
-             T->msg[0] && !g->final_ok ? ": " : "", T->msg[0] && !g->final_ok ? T->msg : "");
+             none      ? "the budget ran out before a candidate was timed"
+             : all_bad ? "every candidate failed to build, run or check"
+             : failed  ? "the chosen parameters failed the final check"
+                       : "no candidate was faster than the current parameters",
+             T->msg[0] && failed ? ": " : "", T->msg[0] && failed ? T->msg : "");
     if (s->before_known) clmha__tuning_format(&s->before, rep->parameters, sizeof rep->parameters);
 }
 
@@ -237,7 +243,9 @@ static clmha_status phase_fused(tuner *T, const clmha_tune_shape *shape, double 
         rep->tuned_fused_gflops = fr.flops / fr.best_ms / 1e6;
     }
     clmha__tuner_trace(T, "fused tiles: %zu tried, %zu rejected, %s", fr.tried, fr.rejected,
-                       fr.improved ? "faster tiles found" : "the defaults kept");
+                       fr.improved    ? "faster tiles found"
+                       : fr.searched  ? "the defaults kept"
+                                      : "not searched (the defaults failed, or no profiled time)");
     if (!fr.improved) return CLMHA_SUCCESS;
     clmha__tuning ft = {.has_fused = true};
     memcpy(ft.fused, fr.best, sizeof ft.fused);
