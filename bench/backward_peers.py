@@ -30,8 +30,9 @@ anyway); OMP_WAIT_POLICY=PASSIVE for PyTorch (as bench/compare.py: PyTorch's spi
 threads fight OpenBLAS's), the default for clmha (whose oneDNN was slower with PASSIVE).
 --same-blas adds, per core, a clmha peer whose products run in OpenBLAS with the PyTorch
 processes' OPENBLAS_CORETYPE (CLMHA_HOST_BLAS=libopenblas.so.0): the same BLAS on both sides.
-OPENBLAS_CORETYPE=Cooperlake for the PyTorch processes: OpenBLAS 0.3.21 takes this
-machine's CPU for a Prescott otherwise and runs sgemm ~5x slower. Debian's PyTorch loads
+OPENBLAS_CORETYPE for this CPU (bench/openblas_core.py: Cooperlake, SkylakeX or Haswell) for the
+PyTorch processes: OpenBLAS 0.3.21 takes AMD's Zen 3 and 4 for a Prescott otherwise and runs sgemm
+~5x slower. Debian's PyTorch loads
 libblas.so.3, which is the reference BLAS unless OpenBLAS is installed and selected: this script
 puts libopenblas0-pthread's directory (or --openblas-dir) first on LD_LIBRARY_PATH of the
 PyTorch 1.13 processes, and prints the BLAS each peer loaded.
@@ -64,6 +65,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import openblas_core  # bench/openblas_core.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -171,7 +174,7 @@ def parse_args(argv):
                     "or several (e.g. auto,fused: each is a peer of its own); default auto")
     ap.add_argument("--same-blas", action="store_true",
                     help="also time clmha with its products in OpenBLAS set up as for PyTorch "
-                    "1.13 (CLMHA_HOST_BLAS=libopenblas.so.0, OPENBLAS_CORETYPE=Cooperlake): "
+                    "1.13 (CLMHA_HOST_BLAS=libopenblas.so.0, OPENBLAS_CORETYPE for this CPU): "
                     "a peer of its own per core")
     ap.add_argument("--shapes", nargs="+", metavar="NxL", help="timed shapes")
     ap.add_argument("--embed", type=int, default=512)
@@ -245,9 +248,9 @@ class Peers:
         self.clmha_env = dict(base, POCL_CPU_MAX_CU_NUM=t)
         base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # --same-blas: clmha's products in the BLAS PyTorch 1.13 gets, set up as for it.
-        self.clmha_same_env = dict(self.clmha_env, CLMHA_HOST_BLAS="libopenblas.so.0",
-                                   OPENBLAS_CORETYPE="Cooperlake")
-        torch_env = dict(base, OPENBLAS_CORETYPE="Cooperlake")
+        self.clmha_same_env = openblas_core.with_coretype(
+            dict(self.clmha_env, CLMHA_HOST_BLAS="libopenblas.so.0"))
+        torch_env = openblas_core.with_coretype(base)
         self.torch2_env = dict(torch_env)
         self.torch1_env = dict(torch_env)
         self.openblas = a.openblas_dir or next(
@@ -424,7 +427,7 @@ def main(argv=None):
     peers = Peers(a)
     print(f"cpu:     {cpu_name()}, {os.cpu_count()} logical cores; {a.threads} threads per peer")
     print(f"openblas for PyTorch 1.13: {peers.openblas or 'none found: reference BLAS (slow)'}"
-          f"; OPENBLAS_CORETYPE=Cooperlake")
+          f"; OPENBLAS_CORETYPE={peers.torch1_env.get('OPENBLAS_CORETYPE', 'unset')}")
     timing = []
     for (n, l) in a.shape_list:
         print(f"\n[N {n}, L = S {l}]", flush=True)

@@ -22,7 +22,7 @@ output projection. need_weights is off; nothing is recomputed for the earlier to
 Every peer runs in its own process, in turns (clmha, torch 1.13, torch 2, then again) so that a
 busy machine slows them alike; each process times R steps after 3 warm-up steps and reports the
 median; the table gives the median over the rounds. Threads: 2 everywhere (as
-bench/backward_peers.py; OPENBLAS_CORETYPE=Cooperlake for the PyTorch processes).
+bench/backward_peers.py; OPENBLAS_CORETYPE for this CPU for the PyTorch processes).
 
 Grouped-query attention (--gqa-kv-heads G, default 2): clmha's step with G key/value heads (the
 same H query heads) in the same turns, and the speed-up over the step with H.
@@ -42,6 +42,8 @@ import os
 import statistics
 import subprocess
 import sys
+
+import openblas_core  # bench/openblas_core.py
 
 OPENBLAS_DIRS = ["/usr/lib/x86_64-linux-gnu/openblas-pthread"]
 
@@ -129,7 +131,7 @@ def main(argv):
     base.update(OMP_NUM_THREADS=t, OPENBLAS_NUM_THREADS=t, MKL_NUM_THREADS=t)
     base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     clmha_env = dict(base, POCL_CPU_MAX_CU_NUM=t)
-    torch_env = dict(base, OPENBLAS_CORETYPE="Cooperlake")
+    torch_env = openblas_core.with_coretype(base)
     torch1_env = dict(torch_env)
     openblas = next((d for d in OPENBLAS_DIRS if os.path.exists(os.path.join(d, "libblas.so.3"))),
                     None)

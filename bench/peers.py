@@ -25,8 +25,9 @@ The peers (PyPI ones in a venv: python3 -m venv /tmp/venv-peers &&
                slower), which is Debian's reference BLAS unless OpenBLAS is selected: the worker
                gets libopenblas0-pthread's directory (--openblas-dir, found when installed or
                unpacked with `apt-get download libopenblas0-pthread; dpkg -x ...`) first on
-               LD_LIBRARY_PATH and OPENBLAS_CORETYPE=Cooperlake (OpenBLAS 0.3.21 takes this
-               CPU for a Prescott otherwise: ~5x slower).
+               LD_LIBRARY_PATH and OPENBLAS_CORETYPE for this CPU (bench/openblas_core.py:
+               Cooperlake, SkylakeX or Haswell; OpenBLAS 0.3.21 takes AMD's Zen 3 and 4 for a
+               Prescott otherwise: ~5x slower).
   torch2       the same module under PyTorch 2.x from PyPI; with need_weights=False it calls
                F.scaled_dot_product_attention (its CPU flash kernel).
   ort-mha      ONNX Runtime, a hand-built graph: Q, K, V projections as MatMul, then
@@ -88,6 +89,8 @@ import sys
 import tempfile
 import textwrap
 import time
+
+import openblas_core  # bench/openblas_core.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -581,7 +584,8 @@ def torch1_env(a):
     if ob:
         old = env.get("LD_LIBRARY_PATH")
         env["LD_LIBRARY_PATH"] = ob + (":" + old if old else "")
-        env["OPENBLAS_CORETYPE"] = a.openblas_coretype
+        if a.openblas_coretype:
+            env["OPENBLAS_CORETYPE"] = a.openblas_coretype
     return env, ob
 
 
@@ -846,7 +850,8 @@ def parse_args(argv):
                     help="a Python with onnxruntime, onnx and openvino")
     ap.add_argument("--openblas-dir", help="directory with OpenBLAS's libblas.so.3 for "
                     "PyTorch 1.13 (default: the first of " + ", ".join(OPENBLAS_DIRS) + ")")
-    ap.add_argument("--openblas-coretype", default="Cooperlake")
+    ap.add_argument("--openblas-coretype", default=openblas_core.coretype(),
+                    help="OPENBLAS_CORETYPE for PyTorch 1.13 (default for this CPU: %(default)s)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds one step may take")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--markdown", help="also write the tables to this file")

@@ -67,9 +67,9 @@ Threads: --threads (default 2) for everything: OMP_NUM_THREADS, OPENBLAS_NUM_THR
 MKL_NUM_THREADS and POCL_CPU_MAX_CU_NUM are set (where not already set) before torch and
 clmha are imported, torch.set_num_threads(threads), and the `clmha bench` child gets the same
 environment. clmha on PoCL runs its GEMMs in the host BLAS (oneDNN) on those threads; Debian's
-PyTorch 1.13 runs them in libblas.so.3 (OpenBLAS where selected: OPENBLAS_CORETYPE=Cooperlake is
-set on CPUs with AVX-512 BF16, as bench/peers.py does, or OpenBLAS 0.3.21 takes them for a
-Prescott); OMP_WAIT_POLICY is left as it is (one process: PyTorch and clmha share it).
+PyTorch 1.13 runs them in libblas.so.3 (OpenBLAS where selected: OPENBLAS_CORETYPE is set for the
+CPU by bench/openblas_core.py, as bench/peers.py does, or OpenBLAS 0.3.21 takes AMD's Zen 3 and 4
+for a Prescott); OMP_WAIT_POLICY is left as it is (one process: PyTorch and clmha share it).
 
 --profile: at the first shape, where module / C goes: the pieces of the module's Python code
 timed alone (the layer lookup and parameter version check, the tensor -> ndarray conversion,
@@ -94,23 +94,14 @@ import subprocess
 import sys
 import time
 
+import openblas_core  # bench/openblas_core.py
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DEFAULT_SHAPES = ["8x128", "1x2048"]
 PASSES = ("forward", "step")
 PEERS = ("C", "Chost", "Ldev", "Layer", "module", "torch", "sdpa")
 C_PEERS = ("C", "Chost")  # `clmha bench` children
-
-
-def cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_name():
@@ -131,9 +122,7 @@ def thread_env(threads):
     t = str(threads)
     env = {"OMP_NUM_THREADS": t, "OPENBLAS_NUM_THREADS": t, "MKL_NUM_THREADS": t,
            "POCL_CPU_MAX_CU_NUM": t}
-    if "avx512_bf16" in cpu_flags():
-        env["OPENBLAS_CORETYPE"] = "Cooperlake"
-    return env
+    return openblas_core.with_coretype(env)
 
 
 def parse_args(argv):
