@@ -61,7 +61,9 @@ export POCL_CACHE_DIR="${POCL_CACHE_DIR:-$build/valgrind-pocl-cache}"
 # runs with more rounds.
 export CLMHA_TEST_FIRST_CALL_ROUNDS="${CLMHA_TEST_FIRST_CALL_ROUNDS:-1}"
 jobs="${CLMHA_VALGRIND_JOBS:-$(nproc 2>/dev/null || echo 1)}"
-case "$jobs" in ''|*[!0-9]*|0) echo "valgrind-check: CLMHA_VALGRIND_JOBS must be a positive number" >&2; exit 2 ;; esac
+case "$jobs" in
+  ''|*[!0-9]*|0) echo "valgrind-check: CLMHA_VALGRIND_JOBS must be a positive number" >&2; exit 2 ;;
+esac
 mkdir -p "$POCL_CACHE_DIR"
 rm -rf "$logs"
 mkdir -p "$logs"
