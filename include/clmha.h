@@ -1287,8 +1287,9 @@ typedef clmha_status (*clmha_attention_fn)(const struct clmha_core_args *args, v
 typedef enum clmha_impl {
     CLMHA_IMPL_AUTO = 0,  ///< fused when the call does not ask for weights and the device can
                           ///< run it, else unfused; on a CPU device with the host BLAS path
-                          ///< and AVX-512 or AVX2, a call without masks (but is_causal),
-                          ///< variants or dropout, of head dimension 64, with at least 128
+                          ///< and AVX-512 or AVX2, a call without masks but is_causal or
+                          ///< a boolean key_padding_mask (not both), without variants or
+                          ///< dropout, of head dimension 64, with at least 128
                           ///< query rows and 128 keys (32 and 32 without AVX-512), runs the
                           ///< fused computation in C on the CPU (::CLMHA_IMPL_FUSED: the
                           ///< OpenCL kernel)

@@ -19,7 +19,7 @@
 #include "base/defs.h"
 
 // The most buffers one native function receives.
-#define CLMHA__NATIVE_BUFFERS 6
+#define CLMHA__NATIVE_BUFFERS 7
 
 // A native function: @p args its copy of the arguments, mem[i] the host memory of buffer i
 // (at the buffer's own first byte, sub-buffers included).

@@ -2,14 +2,15 @@
 // online softmax, no scores stored) done by the CPU itself, in C (src/device/host_attention.c),
 // from a native kernel in queue order, on the CPU devices whose products take the host path.
 // It takes the plain calls only: CLMHA_IMPL_AUTO, head dimension 64, float32, no mask but
-// is_causal (no attn_mask, key_padding_mask, windows or user functions), no soft-capping,
+// is_causal or a boolean key_padding_mask (the masked keys left out of its copies; not both,
+// and no attn_mask, float key_padding_mask, windows or user functions), no soft-capping,
 // ALiBi, sinks, dropout, appended keys or KV cache, at least 128 query rows a sequence and 128
-// keys with the AVX-512 kernel, 32 and 32 with the AVX2 one; every other call goes on to the fused core (cl/cores/fused.cl), as does
-// CLMHA_IMPL_FUSED. It reads the projected rows (adding in_proj_bias) or the head tiles, and
-// writes merged rows or head tiles, as the fused core does (clmha__core::reads_rows), and the
-// log-sum-exp rows where the call asks for them as the fused core writes them (lse_on 1 or 2):
-// a call that saves for the backward pass, whose backward is the fused core's, and partial
-// attention.
+// keys with the AVX-512 kernel, 32 and 32 with the AVX2 one; every other call goes on to the
+// fused core (cl/cores/fused.cl), as does CLMHA_IMPL_FUSED. It reads the projected rows
+// (adding in_proj_bias) or the head tiles, and writes merged rows or head tiles, as the fused
+// core does (clmha__core::reads_rows), and the log-sum-exp rows where the call asks for them
+// as the fused core writes them (lse_on 1 or 2): a call that saves for the backward pass,
+// whose backward is the fused core's, and partial attention.
 #include "cores/host_fused.h"
 
 #include "cores/core.h"
@@ -31,16 +32,17 @@ static size_t calls;  // enqueued, for the tests
 
 size_t clmha__host_fused_calls(void) { return __atomic_load_n(&calls, __ATOMIC_RELAXED); }
 
-// The scratch floats of a call with @p keys keys on a team of @p team, or 0 past the limit.
-static size_t scratch_floats(size_t keys, size_t team) {
-    size_t per = clmha__host_attention_scratch(keys), floats;
+// The scratch floats of a call with @p keys keys (and a key_padding_mask: @p kpm) on a team
+// of @p team, or 0 past the limit.
+static size_t scratch_floats(size_t keys, bool kpm, size_t team) {
+    size_t per = clmha__host_attention_scratch(keys, kpm), floats;
     return per && clmha__mul(per, team, &floats) && floats <= HOST_FUSED_MAX_SCRATCH / 4
                ? floats
                : 0;
 }
 
-// A call's arguments in its native kernel, whose buffers are q, k, v, out, in_proj_bias and
-// the log-sum-exp rows (the same buffer more than once on the rows path).
+// A call's arguments in its native kernel, whose buffers are q, k, v, out, in_proj_bias, the
+// log-sum-exp rows and the key_padding_mask (the same buffer more than once on the rows path).
 typedef struct host_call {
     clmha__host_attention a;  // its pointers set when it runs, its scratch freed then
     const clmha__host_blas *blas;
@@ -48,6 +50,7 @@ typedef struct host_call {
     bool bias;                // the rows still lack in_proj_bias: add it
     bool lse;                 // write the log-sum-exp rows
     size_t bias_at[3];        // the query, key and value biases' first floats in in_proj_bias
+    size_t kpm_at;            // the key_padding_mask's first byte (kpm_ld set: it has one)
 } host_call;
 
 static void team_member(void *arg, size_t t, size_t team) {
@@ -68,6 +71,7 @@ static void run_call(void *args, void *const *mem) {
         a->bv = b + c->bias_at[2];
     }
     if (c->lse) a->lse = mem[5];
+    if (a->kpm_ld) a->kpm = (const unsigned char *)mem[6] + c->kpm_at;
     clmha__host_blas_team_run(c->blas, c->team, team_member, a);
     free(a->scratch);
 }
@@ -93,8 +97,10 @@ static const char *not_plain(const clmha_layer *l, const clmha__core_call *call)
     const clmha_forward_args *a = call->args;
     const clmha__dims *d = call->dims;
     if (a->kv_cache) return "the call has a KV cache";
-    if (d->attn_kind || d->kpm_kind || clmha__windowed(d) || l->mods)
-        return "the call has a mask other than is_causal";
+    bool kpm_bool = d->kpm_kind == CLMHA_MASK_BOOL_IGNORE || d->kpm_kind == CLMHA_MASK_BOOL_ATTEND;
+    if (d->attn_kind || (d->kpm_kind && !kpm_bool) || clmha__windowed(d) || l->mods)
+        return "the call has a mask other than is_causal or a boolean key_padding_mask";
+    if (d->kpm_kind && a->is_causal) return "the call has both is_causal and a key_padding_mask";
     // (Partial attention's blocks at other positions: the fused core's case.)
     if (a->is_causal && d->q_pos != d->k_pos) return "is_causal at shifted positions";
     if (d->softcap != 0.0 || d->alibi || d->sinks) return "the call has a score variant";
@@ -115,7 +121,7 @@ static clmha_status supports(clmha_layer *l, const clmha__core_call *call,
     else if (l->desc.dtype != CLMHA_DTYPE_F32 || !clmha__host_attention_fits(l->d))
         why = "it takes float32 heads of 64 on CPUs with AVX-512 or AVX2 only";
     else if (!(why = not_plain(l, call)) &&
-             !scratch_floats(call->dims->s, clmha__host_blas_team(hb)))
+             !scratch_floats(call->dims->s, call->dims->kpm_kind, clmha__host_blas_team(hb)))
         why = "its copies of the keys and values would take more than 64 MiB";
     if (why)
         clmha__core_answer_set(answer, CLMHA__CORE_PASSES, CLMHA_SUCCESS, "%s", why);
@@ -137,8 +143,15 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     a->keys = d->s;
     a->scale = (float)clmha__core_scale(l, call->scale);
     a->causal = call->args->is_causal;
-    cl_mem bufs[6] = {l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K], l->tiles[CLMHA__TILE_V],
-                      l->tiles[CLMHA__TILE_OUT], ctx->dummy, ctx->dummy};
+    cl_mem bufs[7] = {l->tiles[CLMHA__TILE_Q], l->tiles[CLMHA__TILE_K], l->tiles[CLMHA__TILE_V],
+                      l->tiles[CLMHA__TILE_OUT], ctx->dummy, ctx->dummy, ctx->dummy};
+    if (d->kpm_kind) {  // (N, S) or (S) bytes, at the tensor's offset (elements: bytes)
+        const clmha_tensor *m = &call->args->key_padding_mask.tensor;
+        bufs[6] = m->buffer;
+        c.kpm_at = m->offset;
+        a->kpm_ld = d->s;
+        a->kpm_attend = d->kpm_kind == CLMHA_MASK_BOOL_ATTEND;
+    }
     cl_ulong4 at[4] = {{{0, l->h * d->l * hd, d->l * hd, hd}},
                        {{0, kvh * d->s_padded * hd, d->s_padded * hd, hd}}};
     at[2] = at[1];
@@ -165,13 +178,13 @@ static clmha_status run(clmha_layer *l, clmha__core_call *call) {
     for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 4; ++j) dst[i][j] = (size_t)at[i].s[j];
     c.team = clmha__host_blas_team(c.blas);
-    size_t floats = scratch_floats(d->s, c.team);
+    size_t floats = scratch_floats(d->s, d->kpm_kind, c.team);
     if (!floats)
         return clmha__fail(ctx, CLMHA_SIZE_OVERFLOW, "the host fused core's scratch is too large");
     a->scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!a->scratch) return clmha__fail(ctx, CLMHA_OUT_OF_MEMORY, "out of host memory");
     clmha_status st = clmha__native_run(ctx, "host fused attention", run_call, &c, sizeof c,
-                                        bufs, 6);
+                                        bufs, 7);
     if (st) {
         free(a->scratch);
         return st;

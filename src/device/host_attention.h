@@ -35,9 +35,10 @@
 // The one head dimension the kernel takes.
 #define CLMHA__HOST_ATTENTION_HD 64
 
-// One call: out = softmax(q·kᵀ·scale)·v for every (batch, query head), no mask. Element d of
-// row t of head h of batch b of q is q[q_at[0] + b·q_at[1] + h·q_at[2] + t·q_at[3] + d]; k and
-// v are read at key/value head h / kv_group with their strides; out as q.
+// One call: out = softmax(q·kᵀ·scale)·v for every (batch, query head), no mask but is_causal
+// or a boolean key_padding_mask. Element d of row t of head h of batch b of q is
+// q[q_at[0] + b·q_at[1] + h·q_at[2] + t·q_at[3] + d]; k and v are read at key/value head
+// h / kv_group with their strides; out as q.
 typedef struct clmha__host_attention {
     size_t batch, heads, kv_group, rows, keys;  // N, H, H / KVH, L, S (each at least 1)
     const float *q, *k, *v;
@@ -55,6 +56,15 @@ typedef struct clmha__host_attention {
     size_t lse_split;
     // is_causal: query row t attends the keys j <= t only (top-left aligned).
     bool causal;
+    // Optional (NULL: none; not with causal): a boolean key_padding_mask, batch b's S bytes at
+    // kpm + b·kpm_ld; key j is left out where its byte is non-zero (nn.MultiheadAttention's
+    // kind), or where it is zero with kpm_attend. The copies of the keys and values take the
+    // other keys only, in order: every row sees them and nothing else. A batch whose every key
+    // is left out gives zero rows and log-sum-exp -inf (maximum -inf, log-sum 0 with
+    // lse_split), as the fused core's fully masked rows.
+    const unsigned char *kpm;
+    size_t kpm_ld;
+    bool kpm_attend;
     // clmha__host_attention_scratch() floats for each member of the team, 64-byte aligned.
     float *scratch;
 } clmha__host_attention;
@@ -69,9 +79,9 @@ CLMHA__HIDDEN const char *clmha__host_attention_isa(void);
 // runs).
 CLMHA__HIDDEN extern bool clmha__host_attention_avx2_only;
 
-// The scratch floats one thread needs for @p keys keys (their transposed copy), or 0 when that
-// size overflows.
-CLMHA__HIDDEN size_t clmha__host_attention_scratch(size_t keys);
+// The scratch floats one thread needs for @p keys keys (their transposed copy and the values';
+// with @p kpm, also the kept keys and values gathered), or 0 when that size overflows.
+CLMHA__HIDDEN size_t clmha__host_attention_scratch(size_t keys, bool kpm);
 
 // Thread @p t of @p team: its share of the (batch, head, block of rows) items, in order.
 CLMHA__HIDDEN void clmha__host_attention_run(const clmha__host_attention *p, size_t t,

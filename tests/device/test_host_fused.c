@@ -38,6 +38,8 @@ CLMHA__HIDDEN extern const clmha__core clmha__core_fused;
 typedef struct hcase {
     size_t heads, kv_heads, n, l, s, kdim, vdim;
     bool bias, batch_first, cross;
+    clmha_mask_kind kpm;  // a boolean key_padding_mask: about a third of each batch's keys
+    bool kpm_dead;        // and batch 1's every key (rows of zeros before out_proj)
 } hcase;
 
 static clmha_context *context_with_core(void) {
@@ -83,6 +85,16 @@ static double run_case(clmha_context *ctx, const hcase *c, clmha_impl impl, bool
     double *want = calloc(count, sizeof *want);
     cr_assert(y && want);
     clmha_forward_args a = {.struct_size = sizeof a, .impl = impl, .is_causal = causal};
+    unsigned char *kpm = calloc(c->n * s, 1);
+    cr_assert(kpm);
+    for (size_t b = 0; c->kpm && b < c->n; ++b)
+        for (size_t j = 0; j < s; ++j) {
+            bool masked = (c->kpm_dead && b == 1) || prng_uniform(&r) < 0.35;
+            kpm[b * s + j] = c->kpm == CLMHA_MASK_BOOL_ATTEND ? !masked : masked;
+        }
+    if (c->kpm)
+        a.key_padding_mask = (clmha_mask){.kind = c->kpm,
+                                          .tensor = {.ndim = 2, .shape = {c->n, s}, .data = kpm}};
 #define SHAPE(t, rows, f) \
     (c->batch_first ? (size_t[3]){c->n, rows, f} : (size_t[3]){rows, c->n, f})
     const size_t *qs = SHAPE(x, c->l, e);
@@ -104,9 +116,12 @@ static double run_case(clmha_context *ctx, const hcase *c, clmha_impl impl, bool
     cr_assert_eq(clmha_reference_forward(&desc, &p, &a, want, count, NULL, 0, msg, sizeof msg),
                  CLMHA_SUCCESS, "%s", msg);
     double worst = 0;
-    for (size_t i = 0; i < count; ++i) worst = fmax(worst, fabs(y[i] - want[i]));
+    for (size_t i = 0; i < count; ++i) {
+        double err = fabs(y[i] - want[i]);
+        worst = isnan(err) ? INFINITY : fmax(worst, err);  // (fmax would drop a NaN)
+    }
     free(wq), free(wk), free(wv), free(wo), free(bi), free(bo), free(x), free(k), free(v);
-    free(y), free(want);
+    free(y), free(want), free(kpm);
     clmha_layer_release(layer);
     return worst;
 }
@@ -193,6 +208,40 @@ Test(host_fused, avx2_kernel_where_avx512) {
     clmha_context_release(ctx);
 }
 
+// A boolean key_padding_mask (either kind; batch 1 fully masked in some cases: zero rows before
+// out_proj, as the fused kernel's): the host core without is_causal, the fused kernel with it.
+Test(host_fused, key_padding_mask) {
+    clmha_context *ctx = context_with_core();
+    const char *isa = clmha__host_attention_isa();
+    const hcase kcases[] = {
+        {.heads = 2, .kv_heads = 2, .n = 3, .l = 130, .bias = true, .batch_first = true,
+         .kpm = CLMHA_MASK_BOOL_IGNORE, .kpm_dead = true},
+        {.heads = 4, .kv_heads = 2, .n = 2, .l = 140, .s = 515, .kdim = 40, .vdim = 72,
+         .bias = true, .batch_first = false, .cross = true, .kpm = CLMHA_MASK_BOOL_ATTEND},
+        {.heads = 2, .kv_heads = 1, .n = 2, .l = 200, .s = 129, .bias = false,
+         .batch_first = true, .cross = true, .kpm = CLMHA_MASK_BOOL_ATTEND, .kpm_dead = true},
+    };
+    for (size_t k = 0; k < 2 * sizeof kcases / sizeof kcases[0]; ++k) {
+        const hcase *c = &kcases[k / 2];
+        bool causal = k % 2;
+        const void *host_core, *fused_core;
+        double host = run_case(ctx, c, CLMHA_IMPL_AUTO, causal, &host_core);
+        double fused = run_case(ctx, c, CLMHA_IMPL_FUSED, causal, &fused_core);
+        printf("host_fused (%s): key_padding_mask %s%s, H %zu KVH %zu N %zu L %zu S %zu%s: max "
+               "|error| %.2e (fused kernel %.2e)\n", isa,
+               c->kpm == CLMHA_MASK_BOOL_ATTEND ? "attend" : "ignore",
+               c->kpm_dead ? " (batch 1 fully masked)" : "", c->heads, c->kv_heads, c->n, c->l,
+               c->cross ? c->s : c->l, causal ? ", causal" : "", host, fused);
+        const void *want = causal ? (const void *)&clmha__core_fused
+                                  : (const void *)&clmha__core_host_fused;
+        cr_expect_eq(host_core, want, "case %zu%s: another core ran", k / 2,
+                     causal ? ", causal" : "");
+        cr_expect_leq(host, 2e-6, "case %zu%s: %.2e", k / 2, causal ? ", causal" : "", host);
+        cr_expect_leq(fused, 2e-6, "case %zu: %.2e", k / 2, fused);
+    }
+    clmha_context_release(ctx);
+}
+
 // Attention as a function (head tiles, not projected rows): grouped-query heads and a scale of
 // the caller's, is_causal or not (top-left aligned: L 515 queries, S 530 keys), against
 // clmha_reference_attention().
@@ -239,10 +288,11 @@ Test(host_fused, attention_function_causal) { attention_function(true); }
 
 // A training step: the forward call that saves runs the core, which writes the log-sum-exp rows
 // the fused backward reads (CLMHA_IMPL_FUSED: fails the call where they are missing); every
-// gradient against clmha_reference_backward(); is_causal or not.
-static void training_step(bool causal) {
+// gradient against clmha_reference_backward(); is_causal, or a key_padding_mask (@p kpm: two
+// batches, the second fully masked), or neither.
+static void training_step(bool causal, bool kpm) {
     clmha_context *ctx = context_with_core();
-    size_t h = 2, hd = CLMHA__HOST_ATTENTION_HD, e = h * hd, n = 1, l = 520;
+    size_t h = 2, hd = CLMHA__HOST_ATTENTION_HD, e = h * hd, n = kpm ? 2 : 1, l = 520;
     clmha_layer_desc desc = {.struct_size = sizeof desc, .embed_dim = e, .num_heads = h,
                              .bias = true, .batch_first = true};
     clmha_layer *layer;
@@ -266,6 +316,12 @@ static void training_step(bool causal) {
     clmha_forward_args a = {.struct_size = sizeof a, .save = saved, .training = true,
                             .is_causal = causal};
     a.query = (clmha_tensor){.ndim = 3, .shape = {n, l, e}, .data = x};
+    unsigned char *mask = calloc(n * l, 1);
+    cr_assert(mask);
+    for (size_t j = 0; kpm && j < n * l; ++j) mask[j] = j >= l || prng_uniform(&r) < 0.35;
+    if (kpm)
+        a.key_padding_mask = (clmha_mask){.kind = CLMHA_MASK_BOOL_IGNORE,
+                                          .tensor = {.ndim = 2, .shape = {n, l}, .data = mask}};
     size_t before = clmha__host_fused_calls();
     cr_assert_eq(clmha_layer_forward_host(layer, &a, y, count, NULL, 0), CLMHA_SUCCESS, "%s",
                  clmha_context_last_error(ctx));
@@ -292,17 +348,22 @@ static void training_step(bool causal) {
     for (int g = 0; g < 3; ++g) {
         double top = 0, worst = 0;
         for (size_t i = 0; i < counts[g]; ++i) top = fmax(top, fabs(want[g][i]));
-        for (size_t i = 0; i < counts[g]; ++i) worst = fmax(worst, fabs(got[g][i] - want[g][i]));
-        printf("host_fused: training step, L %zu%s: gradient of %s max |error| %.2e (max |g| "
-               "%.2e)\n", l, causal ? ", causal" : "", names[g], worst, top);
+        for (size_t i = 0; i < counts[g]; ++i) {
+            double err = fabs(got[g][i] - want[g][i]);
+            worst = isnan(err) ? INFINITY : fmax(worst, err);
+        }
+        printf("host_fused: training step, N %zu, L %zu%s: gradient of %s max |error| %.2e "
+               "(max |g| %.2e)\n", n, l, causal ? ", causal" : kpm ? ", key_padding_mask" : "",
+               names[g], worst, top);
         cr_expect_leq(worst, 1e-5 * (1 + top), "%s: %.2e", names[g], worst);
     }
     clmha_saved_release(saved);
     clmha_layer_release(layer);
     free(w), free(wo), free(bi), free(bo), free(x), free(gy), free(y), free(gx), free(gw);
-    free(gwo), free(want_gx), free(want_gw), free(want_gwo);
+    free(mask), free(gwo), free(want_gx), free(want_gw), free(want_gwo);
     clmha_context_release(ctx);
 }
 
-Test(host_fused, training_step) { training_step(false); }
-Test(host_fused, training_step_causal) { training_step(true); }
+Test(host_fused, training_step) { training_step(false, false); }
+Test(host_fused, training_step_causal) { training_step(true, false); }
+Test(host_fused, training_step_key_padding_mask) { training_step(false, true); }
